@@ -1,0 +1,46 @@
+# Entry points. Set-up is implicit: every target bootstraps .venv (pinned: requirements.lock) when
+# it is missing or older than the pins. `make reports` is the main job, `make test` the test suite.
+PY      ?= python3.11
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.kdlib-stamp
+PROFILE ?= cpu
+
+.PHONY: all reports test test-fast lab gpu-test clean-reports lint
+
+all: reports
+
+$(STAMP): requirements.lock pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -r requirements.lock
+	$(BIN)/python -m pip install -q --no-deps -e .
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (kdlib)" >/dev/null
+	@touch $(STAMP)
+
+# Headless Chromium for the report-rendering test (Debian's package); skipped when present.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+
+## reports: every notebook through papermill on its CPU defaults -> reports/ (ipynb + html + index.html)
+reports: $(STAMP)
+	$(BIN)/kdlib report --profile $(PROFILE)
+
+## test: unit, property and fuzz tests, kernel compile checks, nbval over all notebooks, batch runner (CPU)
+test: $(STAMP) chromium
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not gpu" tests
+	$(BIN)/python -m pytest --nbval-lax --nbval-current-env -p no:randomly notebooks
+
+## lab: JupyterLab on the notebooks
+lab: $(STAMP)
+	$(BIN)/jupyter lab notebooks
+
+## gpu-test: on a CUDA machine (no venv there): every kernel against its reference, the engine on GPU
+gpu-test:
+	python3 -m pytest -m gpu tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check kdlib tests
+
+clean-reports:
+	rm -rf reports/*.html reports/*.ipynb reports/*_files

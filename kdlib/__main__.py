@@ -1,0 +1,5 @@
+import sys
+
+from kdlib.cli import main
+
+sys.exit(main())

@@ -1,0 +1,69 @@
+"""Comparisons that print a verdict and raise on failure: the last step of every check.
+
+    err = assert_close(out, ref, rtol=1e-5, name="tree_verify fp32")   # prints 'PASS tree_verify fp32: ...'
+    assert_equal(gpu_tree.parents, ref_tree.parents, name="parents")     # bit-exact, dtype and shape too
+
+Errors are relative to the reference's norm (‖a − b‖ / ‖b‖) and element-wise (max |a − b|);
+NaN anywhere fails.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _to_numpy(x) -> np.ndarray:
+    if hasattr(x, "detach"):  # torch
+        x = x.detach().cpu().numpy()
+    elif hasattr(x, "get") and type(x).__module__.startswith("cupy"):
+        x = x.get()
+    return np.asarray(x)
+
+
+def errors(actual, expected) -> dict:
+    """max abs error, max relative element error, and norm-relative error, computed in float64."""
+    a = _to_numpy(actual).astype(np.float64)
+    b = _to_numpy(expected).astype(np.float64)
+    if a.shape != b.shape:
+        raise AssertionError(f"shape mismatch: {a.shape} vs {b.shape}")
+    diff = np.abs(a - b)
+    norm_b = np.linalg.norm(b.ravel())
+    return {
+        "max_abs": float(diff.max()) if diff.size else 0.0,
+        "max_rel": float((diff / np.maximum(np.abs(b), 1e-300)).max()) if diff.size else 0.0,
+        "norm_rel": float(np.linalg.norm(diff.ravel()) / norm_b) if norm_b > 0 else float(np.linalg.norm(diff.ravel())),
+        "nan": bool(np.isnan(a).any() or np.isnan(b).any()),
+    }
+
+
+def assert_close(actual, expected, *, rtol: float, atol: float = 0.0, name: str = "", quiet: bool = False) -> dict:
+    """Pass when ‖a − b‖ / ‖b‖ <= rtol, or max |a − b| <= atol when atol is given; NaN never passes."""
+    e = errors(actual, expected)
+    ok = not e["nan"] and (e["norm_rel"] <= rtol or (atol > 0 and e["max_abs"] <= atol))
+    line = (
+        f"{'PASS' if ok else 'FAIL'} {name}: norm-rel err {e['norm_rel']:.3e} (rtol {rtol:g}), "
+        f"max abs err {e['max_abs']:.3e}" + (f" (atol {atol:g})" if atol else "") + (" NaN!" if e["nan"] else "")
+    )
+    if not quiet:
+        print(line)
+    if not ok:
+        raise AssertionError(line)
+    return e
+
+
+def assert_equal(actual, expected, *, name: str = "", quiet: bool = False) -> None:
+    """Bit-exact: same shape, same dtype, same bytes."""
+    a, b = _to_numpy(actual), _to_numpy(expected)
+    problems = []
+    if a.shape != b.shape:
+        problems.append(f"shape {a.shape} vs {b.shape}")
+    elif a.dtype != b.dtype:
+        problems.append(f"dtype {a.dtype} vs {b.dtype}")
+    elif a.tobytes() != b.tobytes():
+        bad = np.flatnonzero(a.reshape(-1).view(np.uint8) != b.reshape(-1).view(np.uint8)) if a.size else []
+        problems.append(f"{len(bad)} differing bytes, first at byte {bad[0] if len(bad) else '?'}")
+    line = f"{'PASS' if not problems else 'FAIL'} {name}: " + ("bit-exact" if not problems else "; ".join(problems))
+    if not quiet:
+        print(line)
+    if problems:
+        raise AssertionError(line)

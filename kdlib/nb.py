@@ -1,0 +1,79 @@
+"""Notebook helpers: set-up, recorded headline values, findings.
+
+    env = kdlib.nb.setup(seed=0)          # style, seeds, and where we run (env.live: a GPU is here)
+    kdlib.nb.record("tree_build_speedup_b64", 1234.0, unit="x", source=result["_path"])
+    kdlib.nb.findings([f"... {value:.0f}x ..."])
+
+`record` displays a JSON bundle of MIME type `application/vnd.kdlib.record+json`; the batch runner
+(`kdlib.report`) reads these bundles from the executed notebook into `reports/index.html`,
+and tests read them back to assert on headline values.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from types import SimpleNamespace
+
+RECORD_MIME = "application/vnd.kdlib.record+json"
+
+
+def setup(seed: int = 0) -> SimpleNamespace:
+    """Seed numpy/random/torch, apply the plot style, and report whether a GPU is live here.
+
+    Returns env with: live (bool), device ('cuda' or 'cpu'), gpu (name or None).
+    """
+    import numpy as np
+
+    from kdlib import plot
+
+    random.seed(seed)
+    np.random.seed(seed)
+    live, gpu = False, None
+    try:
+        import torch
+
+        torch.manual_seed(seed)
+        if torch.cuda.is_available():
+            live, gpu = True, torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    plot.style()
+    if live:
+        print(f"GPU live: {gpu}. GPU sections measure now.")
+    else:
+        print("No GPU here: GPU sections render recorded results from data/results/ (provenance shown with each).")
+    return SimpleNamespace(live=live, device="cuda" if live else "cpu", gpu=gpu, seed=seed)
+
+
+def record(name: str, value, *, unit: str = "", source: str = "", note: str = "") -> None:
+    """Record a headline value for the report index (and for tests that read the executed notebook)."""
+    from IPython.display import display
+
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"recorded value {name!r} is not finite: {value}")
+    payload = {"name": name, "value": value, "unit": unit, "source": source, "note": note}
+    text = f"{name} = {value}{(' ' + unit) if unit else ''}" + (f"  [{source}]" if source else "")
+    display({RECORD_MIME: payload, "text/plain": text}, raw=True)
+
+
+def findings(lines: list[str]) -> None:
+    """Render the Findings list as Markdown (each bullet built from recorded values)."""
+    from IPython.display import Markdown, display
+
+    display(Markdown("\n".join(f"- {line}" for line in lines)))
+
+
+def read_records(notebook_path) -> dict:
+    """name -> payload of every value recorded in an executed notebook."""
+    import nbformat
+
+    nb = nbformat.read(str(notebook_path), as_version=4)
+    out = {}
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            data = output.get("data", {})
+            if RECORD_MIME in data:
+                payload = data[RECORD_MIME]
+                out[payload["name"]] = payload
+    return out
