@@ -1,0 +1,162 @@
+"""One name per op, dispatched by array module: numpy -> `kdlib.ref`, cupy -> `kdlib.cuda`.
+
+    tree = kdlib.ops.build_tree_batch(ids, lps, budget)        # numpy, cupy or torch arrays
+    paths, lengths, bonus = kdlib.ops.accept_greedy_batch(tree, targets)
+
+torch tensors cross without copies: CPU tensors become numpy views (`Tensor.numpy()`;
+bfloat16 through an int16 view reinterpreted as `ml_dtypes.bfloat16`), CUDA tensors become
+cupy arrays through DLPack; results come back as torch tensors on the same device (DDTree and
+DDTreeBatch fields included). In-place ops (`compact_kv*`, `remap_slots`) write through the
+views into the caller's tensors and return the caller's own object. `kdlib.cuda` is imported
+only when a cupy (or CUDA torch) argument shows up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+from kdlib import ref
+from kdlib.ref.tree import DDTree, DDTreeBatch
+
+OPS = (
+    "build_tree",
+    "build_tree_batch",
+    "accept_greedy",
+    "accept_greedy_batch",
+    "sample_tokens",
+    "accept_sample",
+    "accept_sample_batch",
+    "prefix_attention",
+    "tree_tail_attention",
+    "merge_attention",
+    "tree_verify_attention",
+    "compact_kv",
+    "compact_kv_batch",
+    "remap_slots",
+)
+
+
+def _kind(x) -> str | None:
+    """'numpy', 'cupy', 'torch-cpu', 'torch-cuda' or None (not an array)."""
+    mod = type(x).__module__
+    if mod.startswith("numpy"):
+        return "numpy" if hasattr(x, "shape") else None
+    if mod.startswith("cupy"):
+        return "cupy"
+    if mod.startswith("torch") and hasattr(x, "device"):
+        return "torch-cuda" if x.device.type == "cuda" else "torch-cpu"
+    if isinstance(x, DDTree | DDTreeBatch):
+        kinds = {_kind(getattr(x, f.name)) for f in dataclasses.fields(x)} - {None}
+        if len(kinds) > 1:
+            raise ValueError(f"{type(x).__name__} mixes array kinds {sorted(kinds)}")
+        return kinds.pop() if kinds else None
+    return None
+
+
+def _torch_to_numpy(t):
+    import ml_dtypes
+    import torch
+
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def _to_backend(x, kind: str, originals: dict):
+    """torch -> numpy/cupy view; containers recursively; remember each view's torch original."""
+    if isinstance(x, DDTree | DDTreeBatch):
+        return type(x)(**{f.name: _to_backend(getattr(x, f.name), kind, originals) for f in dataclasses.fields(x)})
+    k = _kind(x)
+    if k == "torch-cpu":
+        v = _torch_to_numpy(x)
+    elif k == "torch-cuda":
+        import cupy
+
+        v = cupy.from_dlpack(x.detach())
+    else:
+        return x
+    originals[id(v)] = (v, x)
+    return v
+
+
+def _to_torch(x, originals: dict):
+    if isinstance(x, tuple):
+        return tuple(_to_torch(v, originals) for v in x)
+    if isinstance(x, DDTree | DDTreeBatch):
+        return type(x)(**{f.name: _to_torch(getattr(x, f.name), originals) for f in dataclasses.fields(x)})
+    hit = originals.get(id(x))
+    if hit is not None and hit[0] is x:
+        return hit[1]  # an in-place op returned the caller's own buffer
+    k = _kind(x)
+    if k == "numpy":
+        import torch
+
+        return torch.from_numpy(x)
+    if k == "cupy":
+        import torch
+
+        return torch.from_dlpack(x)
+    return x
+
+
+def _backend(args, kwargs) -> tuple[str, bool]:
+    """('numpy' | 'cupy', whether torch arguments need converting back)."""
+    kinds = {_kind(a) for a in (*args, *kwargs.values())} - {None}
+    device = {"numpy": "cpu", "torch-cpu": "cpu", "cupy": "cuda", "torch-cuda": "cuda"}
+    devices = {device[k] for k in kinds}
+    if len(devices) > 1:
+        raise ValueError(f"arguments live on different devices: {sorted(kinds)}")
+    is_torch = any(k.startswith("torch") for k in kinds)
+    return ("cupy" if devices == {"cuda"} else "numpy"), is_torch
+
+
+def _implementation(name: str, backend: str):
+    if backend == "numpy":
+        return getattr(ref, name)
+    try:
+        cuda = importlib.import_module("kdlib.cuda")
+    except ImportError as e:
+        raise NotImplementedError(f"kdlib.cuda could not be imported for {name}: {e}") from e
+    fn = getattr(cuda, name, None)
+    if fn is None:
+        raise NotImplementedError(f"kdlib.cuda has no {name} yet")
+    return fn
+
+
+def _make(name: str):
+    def op(*args, **kwargs):
+        backend, is_torch = _backend(args, kwargs)
+        fn = _implementation(name, backend)
+        if not is_torch:
+            return fn(*args, **kwargs)
+        kind = "torch-cuda" if backend == "cupy" else "torch-cpu"
+        originals: dict = {}
+        args = tuple(_to_backend(a, kind, originals) for a in args)
+        kwargs = {k: _to_backend(v, kind, originals) for k, v in kwargs.items()}
+        return _to_torch(fn(*args, **kwargs), originals)
+
+    ref_fn = getattr(ref, name)
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = f"Dispatching `{name}` (numpy -> kdlib.ref, cupy -> kdlib.cuda).\n\n{ref_fn.__doc__}"
+    op.__wrapped__ = ref_fn
+    return op
+
+
+build_tree = _make("build_tree")
+build_tree_batch = _make("build_tree_batch")
+accept_greedy = _make("accept_greedy")
+accept_greedy_batch = _make("accept_greedy_batch")
+sample_tokens = _make("sample_tokens")
+accept_sample = _make("accept_sample")
+accept_sample_batch = _make("accept_sample_batch")
+prefix_attention = _make("prefix_attention")
+tree_tail_attention = _make("tree_tail_attention")
+merge_attention = _make("merge_attention")
+tree_verify_attention = _make("tree_verify_attention")
+compact_kv = _make("compact_kv")
+compact_kv_batch = _make("compact_kv_batch")
+remap_slots = _make("remap_slots")
+
+__all__ = ["DDTree", "DDTreeBatch", *OPS]
