@@ -1,0 +1,559 @@
+"""Batch runner and reports: notebooks through papermill into HTML pages and one index.
+
+    kdlib report                                   # every notebooks/[0-9]*.ipynb, CPU defaults -> reports/
+    kdlib report 00_kdtr_format -p SEED 3          # chosen notebooks, one override (value parsed as YAML)
+    kdlib report --profile smoke --out /tmp/r      # parameters from notebooks/params/<stem>.smoke.yaml
+
+For every notebook the runner writes `<out>/<stem>.ipynb` (the executed notebook; the partial one
+when it failed) and `<out>/<stem>.html`, then `<out>/index.html` and `<out>/index.json`. The index
+lists each notebook's title and abstract (its first `# NN · Title` markdown cell), the parameters it
+ran with (the defaults of its `parameters` cell, then the profile file, then `-p` overrides), its
+status and duration, the error when it failed, and its recorded headline values with their
+provenance (`kdlib.nb.record`, read back with `kdlib.nb.read_records`). A failing notebook does not
+stop the batch; the exit code is 1 when any notebook failed.
+
+Parameters: profile `cpu` uses `notebooks/params/<stem>.cpu.yaml` when present, else the notebook's
+own defaults (which are the CPU profile by convention). Any other profile requires its file.
+Names that the notebook's parameters cell does not define are an error, found before anything runs.
+
+Every file is written atomically (a temporary file in the same folder, then `os.replace`). Notebooks
+run with the working directory set to their own folder, on the kernel `python3`, which must be this
+interpreter's (the Makefile installs it with `ipykernel install --sys-prefix --name python3`).
+papermill, nbconvert and nbformat are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime as _dt
+import html
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from kdlib import NOTEBOOKS, REPORTS
+from kdlib.nb import read_records
+
+KERNEL = "python3"
+DEFAULT_TIMEOUT_S = 1800  # per notebook; CPU defaults run in well under a minute, GPU profiles in minutes
+AUDIT_PREFIX = "audit_verdict_"
+
+
+# --------------------------------------------------------------------------- notebook facts
+
+
+def discover(notebooks_dir: Path, names: list[str] | None = None) -> list[Path]:
+    """The numbered notebooks `[0-9]*.ipynb` of `notebooks_dir`, sorted; or the chosen ones.
+
+    A name may be a stem (`00_kdtr_format`), a file name, a path, or a unique stem prefix (`00`).
+    """
+    notebooks_dir = Path(notebooks_dir)
+    if not notebooks_dir.is_dir():
+        raise ValueError(f"notebook folder {notebooks_dir} does not exist")
+    every = sorted(notebooks_dir.glob("[0-9]*.ipynb"))
+    if not names:
+        if not every:
+            raise ValueError(f"no notebooks (files [0-9]*.ipynb) in {notebooks_dir}")
+        return every
+    chosen = []
+    for name in names:
+        as_path = Path(name)
+        if as_path.suffix == ".ipynb" and as_path.is_file():
+            chosen.append(as_path.resolve())
+            continue
+        stem = as_path.name.removesuffix(".ipynb")
+        hits = [p for p in every if p.stem == stem] or [p for p in every if p.stem.startswith(stem)]
+        if len(hits) != 1:
+            what = "matches no notebook" if not hits else f"is ambiguous ({', '.join(p.stem for p in hits)})"
+            raise ValueError(f"notebook {name!r} {what} in {notebooks_dir}")
+        chosen.append(hits[0])
+    return list(dict.fromkeys(chosen))
+
+
+def _trailing_comment(lines: list[str], lineno: int) -> str:
+    line = lines[lineno - 1]
+    # A '#' inside a string literal would be cut here too; parameters cells hold short literals.
+    return line.split("#", 1)[1].strip() if "#" in line else ""
+
+
+def parse_parameters_cell(source: str) -> dict[str, dict]:
+    """name -> {"value": literal (or its source text when not a literal), "help": trailing comment}."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as e:
+        raise ValueError(f"parameters cell is not valid Python: {e}") from e
+    lines = source.splitlines()
+    params = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            target, value = node.targets[0].id, node.value
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+            target, value = node.target.id, node.value
+        else:
+            continue
+        try:
+            literal = ast.literal_eval(value)
+        except ValueError:
+            literal = ast.get_source_segment(source, value)
+        params[target] = {"value": literal, "help": _trailing_comment(lines, node.lineno)}
+    return params
+
+
+def notebook_info(path: Path) -> dict:
+    """Title, abstract (Markdown) and parameter defaults of a notebook, read without running it."""
+    import nbformat
+
+    nb = nbformat.read(str(path), as_version=4)
+    title, abstract = path.stem, ""
+    first_md = next((c for c in nb.cells if c.cell_type == "markdown"), None)
+    if first_md is not None:
+        lines = first_md.source.strip().splitlines()
+        if lines and lines[0].startswith("# "):
+            title, abstract = lines[0][2:].strip(), "\n".join(lines[1:]).strip()
+        else:
+            abstract = first_md.source.strip()
+    tagged = [c for c in nb.cells if c.cell_type == "code" and "parameters" in c.metadata.get("tags", [])]
+    if len(tagged) > 1:
+        raise ValueError(f"{path.name}: {len(tagged)} cells are tagged 'parameters'; papermill needs exactly one")
+    defaults = parse_parameters_cell(tagged[0].source) if tagged else {}
+    return {"title": title, "abstract": abstract, "defaults": defaults, "has_parameters_cell": bool(tagged)}
+
+
+def parse_overrides(pairs: list[list[str]] | None) -> dict:
+    """[['SEED', '3'], ['NAME', 'x']] -> {'SEED': 3, 'NAME': 'x'} (each value parsed as YAML)."""
+    out = {}
+    for name, raw in pairs or []:
+        if not name.isidentifier():
+            raise ValueError(f"-p {name!r}: a parameter name must be a Python identifier")
+        try:
+            out[name] = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ValueError(f"-p {name} {raw!r}: not a YAML value ({e})") from e
+    return out
+
+
+def profile_parameters(stem: str, profile: str, params_dir: Path) -> tuple[dict, Path | None]:
+    """The parameters of `profile` for notebook `stem`, and the file they came from (None: defaults)."""
+    path = Path(params_dir) / f"{stem}.{profile}.yaml"
+    if not path.is_file():
+        if profile == "cpu":
+            return {}, None
+        raise ValueError(f"profile {profile!r} needs {path}, which does not exist "
+                         "(only profile 'cpu' falls back to the notebook's defaults)")
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML ({e})") from e
+    if doc is None:
+        doc = {}
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: expected a mapping NAME: value, got {type(doc).__name__}")
+    return doc, path
+
+
+def plan(paths: list[Path], profile: str, overrides: dict, params_dir: Path) -> list[dict]:
+    """What each notebook will run with; every bad name or file is reported here, before any run."""
+    jobs, problems = [], []
+    for path in paths:
+        try:
+            info = notebook_info(path)
+            from_profile, profile_file = profile_parameters(path.stem, profile, params_dir)
+        except ValueError as e:
+            problems.append(str(e))
+            continue
+        defaults = info["defaults"]
+        unknown = sorted(set(from_profile) - set(defaults))
+        if unknown:
+            problems.append(f"{profile_file}: {unknown} are not parameters of {path.name} "
+                            f"(its parameters cell defines {sorted(defaults) or 'none'})")
+        params = {n: {"value": d["value"], "default": d["value"], "source": "default", "help": d["help"]}
+                  for n, d in defaults.items()}
+        injected = {}
+        for name, value in from_profile.items():
+            if name in params:
+                params[name].update(value=value, source=profile_file.name)
+                injected[name] = value
+        for name, value in overrides.items():
+            if name in params:
+                params[name].update(value=value, source="-p")
+                injected[name] = value
+        jobs.append({"path": path, "info": info, "parameters": params, "injected": injected,
+                     "profile_file": str(profile_file) if profile_file else None})
+    if overrides and not problems:
+        defined = set().union(*(j["info"]["defaults"] for j in jobs))
+        unused = sorted(set(overrides) - defined)
+        if unused:
+            problems.append(f"-p {unused}: no chosen notebook has such a parameter")
+    if problems:
+        raise ValueError("cannot run the reports:\n  " + "\n  ".join(problems))
+    return jobs
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def check_kernel(kernel_name: str = KERNEL) -> str:
+    """The interpreter that kernel `kernel_name` starts; it must be this one (the venv's)."""
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    try:
+        spec = KernelSpecManager().get_kernel_spec(kernel_name)
+    except NoSuchKernel as e:
+        raise ValueError(f"no Jupyter kernel named {kernel_name!r}; install this interpreter's with "
+                         f"`{sys.executable} -m ipykernel install --sys-prefix --name {kernel_name}`") from e
+    exe = spec.argv[0]
+    # jupyter_client runs a bare 'python' / 'python3' / 'python3.11' as sys.executable.
+    if exe in ("python", f"python{sys.version_info[0]}", f"python{sys.version_info[0]}.{sys.version_info[1]}"):
+        return sys.executable
+    if Path(exe).absolute().parent != Path(sys.executable).absolute().parent:
+        raise ValueError(f"kernel {kernel_name!r} ({spec.resource_dir}) starts {exe}, not this environment's "
+                         f"{sys.executable}; reinstall it with "
+                         f"`{sys.executable} -m ipykernel install --sys-prefix --name {kernel_name}`")
+    return exe
+
+
+def _error_of(exc: BaseException) -> dict:
+    """ename / evalue of a failure: the notebook's own exception when papermill reports one."""
+    ename = getattr(exc, "ename", None)
+    if ename is not None:  # papermill.exceptions.PapermillExecutionError
+        return {"ename": ename, "evalue": str(exc.evalue), "cell_index": exc.cell_index,
+                "exec_count": exc.exec_count}
+    return {"ename": type(exc).__name__, "evalue": str(exc).strip(), "cell_index": None, "exec_count": None}
+
+
+def render_html(executed: Path, html_path: Path, *, title: str) -> None:
+    """HTML of an executed notebook (images embedded, inputs and outputs shown), written atomically."""
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    nb = nbformat.read(str(executed), as_version=4)
+    exporter = HTMLExporter(embed_images=True)
+    body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": title}})
+    nav = ('<nav style="font:14px system-ui,sans-serif;padding:8px 16px;border-bottom:1px solid #ddd">'
+           '<a href="index.html">&larr; all notebooks</a></nav>')
+    at = body.find("<body")
+    if at >= 0:
+        end = body.find(">", at) + 1
+        body = body[:end] + nav + body[end:]
+    _atomic_write_text(html_path, body)
+
+
+def run_one(job: dict, out_dir: Path, *, timeout_s: float, kernel_name: str = KERNEL,
+            log_output: bool = False, progress_bar: bool = False) -> dict:
+    """Execute one notebook with papermill, render its HTML; returns its index entry (never raises
+    for a failure inside the notebook)."""
+    import papermill
+
+    path: Path = job["path"]
+    stem = path.stem
+    executed, html_path = out_dir / f"{stem}.ipynb", out_dir / f"{stem}.html"
+    partial = out_dir / f".{stem}.running.ipynb"
+    deadline = time.monotonic() + timeout_s
+    error = None
+    t0 = time.perf_counter()
+    try:
+        papermill.execute_notebook(
+            str(path), str(partial), parameters=job["injected"], kernel_name=kernel_name,
+            cwd=str(path.parent), progress_bar=progress_bar, log_output=log_output,
+            # nbclient asks per cell: each cell may use what is left of the notebook's budget.
+            timeout_func=lambda cell: max(1, int(deadline - time.monotonic())),
+        )
+    except Exception as exc:  # a failing notebook is reported, not raised: the batch goes on
+        error = _error_of(exc)
+    duration = time.perf_counter() - t0
+    have_output = partial.is_file()
+    if have_output:
+        os.replace(partial, executed)
+    elif executed.exists():
+        executed.unlink()  # an older run's notebook must not pass for this run's
+    html_ok = False
+    if have_output:
+        try:
+            render_html(executed, html_path, title=job["info"]["title"])
+            html_ok = True
+        except Exception as exc:
+            error = error or {**_error_of(exc), "ename": f"HTML export: {type(exc).__name__}"}
+    if not html_ok and html_path.exists():
+        html_path.unlink()
+    records = list(read_records(executed).values()) if have_output else []
+    return {
+        "stem": stem,
+        "notebook": str(path),
+        "title": job["info"]["title"],
+        "abstract": job["info"]["abstract"],
+        "profile_file": job["profile_file"],
+        "parameters": job["parameters"],
+        "status": "failed" if error else "passed",
+        "error": error,
+        "duration_s": round(duration, 2),
+        "ran_at": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "html": html_path.name if html_ok else None,
+        "ipynb": executed.name if have_output else None,
+        "records": records,
+    }
+
+
+# --------------------------------------------------------------------------- index
+
+_CSS = """
+:root { --fg:#1f2328; --muted:#59636e; --line:#d1d9e0; --bg:#ffffff; --soft:#f6f8fa;
+        --ok:#1a7f37; --bad:#cf222e; --accent:#0969da; }
+* { box-sizing: border-box; }
+body { margin:0; background:var(--bg); color:var(--fg);
+       font:15px/1.55 system-ui,-apple-system,"Segoe UI",Roboto,"Helvetica Neue",Arial,sans-serif; }
+main { max-width: 980px; margin: 0 auto; padding: 28px 20px 60px; }
+h1 { font-size: 26px; margin: 0 0 4px; }
+h2 { font-size: 19px; margin: 0; }
+a { color: var(--accent); text-decoration: none; } a:hover { text-decoration: underline; }
+.meta { color: var(--muted); font-size: 13px; }
+.summary { margin: 14px 0 22px; font-size: 15px; }
+.badge { display:inline-block; padding:1px 9px; border-radius:10px; font-size:12px; font-weight:600;
+         color:#fff; vertical-align: middle; }
+.passed { background: var(--ok); } .failed { background: var(--bad); }
+section.nb { border:1px solid var(--line); border-radius:8px; padding:16px 18px; margin: 0 0 16px; }
+section.nb.failed-card { border-left: 5px solid var(--bad); }
+.head { display:flex; gap:12px; align-items:baseline; flex-wrap:wrap; }
+.head .links { margin-left:auto; font-size: 13px; }
+.abstract p { margin: 8px 0; }
+table { border-collapse: collapse; width: 100%; margin: 8px 0; font-size: 13.5px; }
+th, td { border-bottom: 1px solid var(--line); padding: 4px 8px; text-align: left; vertical-align: top; }
+th { background: var(--soft); font-weight: 600; }
+td.num { font-variant-numeric: tabular-nums; white-space: nowrap; }
+code { font: 12.5px ui-monospace,SFMono-Regular,Menlo,Consolas,monospace; background: var(--soft);
+       padding: 0 3px; border-radius: 3px; }
+pre.error { background:#fff1f1; border:1px solid #f3c0c0; padding:10px; border-radius:6px;
+            white-space: pre-wrap; font: 12.5px ui-monospace,Menlo,Consolas,monospace; margin: 8px 0; }
+details > summary { cursor: pointer; color: var(--muted); font-size: 13px; margin-top: 6px; }
+.changed { font-weight: 600; }
+.audit { border:2px solid var(--accent); border-radius:8px; padding:12px 16px; margin: 0 0 22px; }
+nav.toc ol { margin: 6px 0 20px; padding-left: 22px; }
+"""
+
+
+def _esc(x) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def _markdown(text: str) -> str:
+    """Markdown -> HTML with raw HTML escaped (mistune ships with nbconvert); plain text otherwise."""
+    try:
+        import mistune
+    except ImportError:
+        return "".join(f"<p>{_esc(p)}</p>" for p in text.split("\n\n") if p.strip())
+    return mistune.create_markdown(escape=True)(text)
+
+
+def _fmt_value(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, (dict, list)):
+        return json.dumps(value)
+    return str(value)
+
+
+def _records_table(records: list[dict]) -> str:
+    if not records:
+        return '<p class="meta">No recorded values.</p>'
+    rows = "".join(
+        f"<tr><td><code>{_esc(r.get('name'))}</code></td>"
+        f"<td class=\"num\">{_esc(_fmt_value(r.get('value')))} {_esc(r.get('unit', ''))}</td>"
+        f"<td>{_esc(r.get('source', '')) or '<span class=meta>—</span>'}</td>"
+        f"<td>{_esc(r.get('note', ''))}</td></tr>"
+        for r in records
+    )
+    return ("<table><tr><th>recorded value</th><th>value</th><th>provenance</th><th>note</th></tr>"
+            f"{rows}</table>")
+
+
+def _parameters_table(params: dict) -> str:
+    if not params:
+        return '<p class="meta">No parameters cell.</p>'
+    rows = "".join(
+        f"<tr{' class=changed' if p['source'] != 'default' else ''}><td><code>{_esc(n)}</code></td>"
+        f"<td><code>{_esc(repr(p['value']))}</code></td><td>{_esc(p['source'])}</td>"
+        f"<td class=meta>{_esc(p.get('help', ''))}</td></tr>"
+        for n, p in params.items()
+    )
+    return f"<table><tr><th>parameter</th><th>value</th><th>from</th><th>type / allowed</th></tr>{rows}</table>"
+
+
+def audit_summary_html(entries: list[dict]) -> str:
+    """The seed-audit block at the top of the index: every recorded `audit_verdict_*` value of every
+    notebook (empty string when there are none)."""
+    rows = [
+        (e, r) for e in entries for r in e.get("records", [])
+        if str(r.get("name", "")).startswith(AUDIT_PREFIX)
+    ]
+    if not rows:
+        return ""
+    body = "".join(
+        f"<tr><td><code>{_esc(r['name'].removeprefix(AUDIT_PREFIX))}</code></td>"
+        f"<td class=num><b>{_esc(_fmt_value(r.get('value')))}</b> {_esc(r.get('unit', ''))}</td>"
+        f"<td>{_esc(r.get('note', ''))}</td><td>{_esc(r.get('source', ''))}</td>"
+        f"<td><a href=\"#{_esc(e['stem'])}\">{_esc(e['stem'])}</a></td></tr>"
+        for e, r in rows
+    )
+    return ('<div class="audit" id="audit"><h2>Seed audit: verdicts</h2>'
+            "<table><tr><th>claim</th><th>verdict</th><th>note</th><th>provenance</th><th>notebook</th></tr>"
+            f"{body}</table></div>")
+
+
+def _entry_html(e: dict) -> str:
+    status = e["status"]
+    links = []
+    if e.get("html"):
+        links.append(f'<a href="{_esc(e["html"])}">{"partial " if status == "failed" else ""}HTML</a>')
+    if e.get("ipynb"):
+        links.append(f'<a href="{_esc(e["ipynb"])}">executed .ipynb</a>')
+    title = (f'<a href="{_esc(e["html"])}">{_esc(e["title"])}</a>' if e.get("html") else _esc(e["title"]))
+    err = ""
+    if e.get("error"):
+        where = f" (cell In [{e['error']['exec_count']}])" if e["error"].get("exec_count") is not None else ""
+        err = f'<pre class="error">{_esc(e["error"]["ename"])}{_esc(where)}: {_esc(e["error"]["evalue"])}</pre>'
+    n_changed = sum(p["source"] != "default" for p in e["parameters"].values())
+    carried = " · from an earlier run" if e.get("carried_over") else ""
+    return (
+        f'<section class="nb{" failed-card" if status == "failed" else ""}" id="{_esc(e["stem"])}">'
+        f'<div class="head"><h2>{title}</h2><span class="badge {status}">{status}</span>'
+        f'<span class="meta">{e["duration_s"]:.1f} s · {_esc(e["ran_at"])}{carried}</span>'
+        f'<span class="links">{" · ".join(links)}</span></div>'
+        f"{err}"
+        f'<div class="abstract">{_markdown(e["abstract"])}</div>'
+        f"{_records_table(e['records'])}"
+        f"<details{' open' if n_changed else ''}><summary>parameters ({len(e['parameters'])}, "
+        f"{n_changed} changed from the defaults{'; file ' + _esc(Path(e['profile_file']).name) if e.get('profile_file') else ''})"
+        f"</summary>{_parameters_table(e['parameters'])}</details>"
+        "</section>"
+    )
+
+
+def index_html(doc: dict) -> str:
+    """The self-contained index page (inline CSS, no scripts, no external assets)."""
+    entries = doc["notebooks"]
+    n_fail = sum(e["status"] == "failed" for e in entries)
+    summary = (f'<span class="badge passed">{len(entries) - n_fail} passed</span> '
+               + (f'<span class="badge failed">{n_fail} failed</span>' if n_fail else ""))
+    toc = "".join(
+        f'<li><a href="#{_esc(e["stem"])}">{_esc(e["title"])}</a> '
+        f'<span class="badge {e["status"]}">{e["status"]}</span></li>' for e in entries
+    )
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
+        f"<title>kdtree workbook: reports</title><style>{_CSS}</style></head><body><main>"
+        "<h1>kdtree workbook: reports</h1>"
+        f'<p class="meta">Generated {_esc(doc["generated"])} · commit <code>{_esc(doc["commit"][:12])}</code> · '
+        f'profile <code>{_esc(doc["profile"])}</code> · {_esc(doc["python"])}</p>'
+        f'<p class="summary">{summary}</p>'
+        f"{audit_summary_html(entries)}"
+        f'<nav class="toc"><ol>{toc}</ol></nav>'
+        + "".join(_entry_html(e) for e in entries)
+        + "</main></body></html>\n"
+    )
+
+
+def _git_commit() -> str:
+    from kdlib.perf.results import _git_commit as commit
+
+    return commit()
+
+
+def write_index(out_dir: Path, entries: list[dict], *, profile: str) -> dict:
+    """Write index.json and index.html (atomically); entries of notebooks not run this time are kept
+    from the previous index.json when their pages are still there."""
+    previous = []
+    try:
+        previous = json.loads((out_dir / "index.json").read_text()).get("notebooks", [])
+    except (OSError, ValueError, AttributeError):
+        pass
+    ran = {e["stem"] for e in entries}
+    kept = [
+        {**e, "carried_over": True} for e in previous
+        if isinstance(e, dict) and e.get("stem") not in ran and e.get("html") and (out_dir / e["html"]).is_file()
+    ]
+    doc = {
+        "generated": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": _git_commit(),
+        "profile": profile,
+        "python": f"Python {sys.version.split()[0]}",
+        "notebooks": sorted(entries + kept, key=lambda e: e["stem"]),
+    }
+    _atomic_write_text(out_dir / "index.json", json.dumps(doc, indent=1, default=str) + "\n")
+    _atomic_write_text(out_dir / "index.html", index_html(doc))
+    return doc
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def run_reports(names: list[str] | None = None, *, profile: str = "cpu", overrides: dict | None = None,
+                out_dir: Path = REPORTS, notebooks_dir: Path = NOTEBOOKS, timeout_s: float = DEFAULT_TIMEOUT_S,
+                kernel_name: str = KERNEL, log_output: bool = False) -> list[dict]:
+    """Run the notebooks, write their pages and the index; returns the entries of this run.
+
+    Raises ValueError (before running anything) for unknown notebooks, missing or bad parameter
+    files, unknown parameter names, or a kernel that is not this interpreter's.
+    """
+    notebooks_dir = Path(notebooks_dir)
+    if timeout_s <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout_s}")
+    paths = discover(notebooks_dir, names)
+    jobs = plan(paths, profile, overrides or {}, notebooks_dir / "params")
+    check_kernel(kernel_name)
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {out_dir} exists and is not a folder")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    entries = []
+    width = max(len(p.stem) for p in paths)
+    for i, job in enumerate(jobs, 1):
+        print(f"[{i}/{len(jobs)}] {job['path'].stem:<{width}} running ...", flush=True)
+        entry = run_one(job, out_dir, timeout_s=timeout_s, kernel_name=kernel_name, log_output=log_output,
+                        progress_bar=sys.stderr.isatty())
+        entries.append(entry)
+        note = "" if not entry["error"] else f"  {entry['error']['ename']}: {entry['error']['evalue'][:200]}"
+        print(f"[{i}/{len(jobs)}] {entry['stem']:<{width}} {entry['status']} in {entry['duration_s']:.1f} s{note}",
+              flush=True)
+    write_index(out_dir, entries, profile=profile)
+    return entries
+
+
+def cli(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="kdlib report", description=__doc__.splitlines()[0])
+    ap.add_argument("notebooks", nargs="*", help="stems, file names or unique prefixes (default: all)")
+    ap.add_argument("--profile", default="cpu",
+                    help="parameters from notebooks/params/<stem>.<profile>.yaml (default cpu: the defaults)")
+    ap.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"),
+                    help="override a parameter (VALUE parsed as YAML); repeatable")
+    ap.add_argument("--out", default=str(REPORTS), help="output folder (default reports/)")
+    ap.add_argument("--notebooks-dir", default=str(NOTEBOOKS), help="where the notebooks are (default notebooks/)")
+    ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                    help=f"seconds each notebook may run in all (default {DEFAULT_TIMEOUT_S})")
+    ap.add_argument("--log-output", action="store_true", help="stream the notebooks' output to the terminal")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    try:
+        entries = run_reports(
+            args.notebooks, profile=args.profile, overrides=parse_overrides(args.parameter),
+            out_dir=Path(args.out), notebooks_dir=Path(args.notebooks_dir), timeout_s=args.timeout,
+            log_output=args.log_output,
+        )
+    except ValueError as e:
+        print(f"kdlib report: {e}", file=sys.stderr)
+        return 2
+    failed = [e["stem"] for e in entries if e["status"] == "failed"]
+    index = Path(args.out) / "index.html"
+    print(f"{len(entries) - len(failed)} passed, {len(failed)} failed in {time.perf_counter() - t0:.1f} s"
+          f"{' (failed: ' + ', '.join(failed) + ')' if failed else ''} -> {index}", flush=True)
+    return 1 if failed else 0
