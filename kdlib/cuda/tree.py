@@ -1,0 +1,165 @@
+"""GPU DDTree builder: `build_tree_batch`, the CUDA twin of `kdlib.ref.tree.build_tree_batch`.
+
+Kernel: `kernels/tree_build_v1.cu`, one thread block (128 threads) per request; warp 0 runs the
+best-first pops over a frontier kept in shared memory, all four warps write the outputs. The
+result is bit-exact with the reference (same float64 arithmetic order, same rank-tuple
+tie-break), padding included.
+
+Limits (ValueError before any launch): budget <= MAX_BUDGET (256), K = min(budget, K') <= 256
+(implied), L_eff = min(L, budget) <= MAX_DEPTH (16): trees deeper than 16 would need a wider
+rank-tuple key. Larger budgets are refused rather than silently degraded. Dynamic shared memory
+per block is `shared_bytes(budget, L_eff, K)` = 64 S + 4 S ceil(S/32) + 4 L_eff K with
+S = budget + 1 (42,084 B at the limits, under the default 48 KB).
+
+Value checks (finite, descending rows, distinct ids, ids in the vocabulary) need the data on
+the host or a device reduction plus a synchronisation, so they run only with
+`check_values=True`; the default keeps the call asynchronous and graph-capturable.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from kdlib.cuda import loader
+from kdlib.ref.tree import DDTreeBatch
+
+MAX_BUDGET = 256  # rank bytes are 8 bits (ranks < K <= budget) and the meta word holds parents < 2**16
+MAX_DEPTH = 16  # 16 rank bytes in the 128-bit rank-tuple key
+THREADS = 128  # must equal TB_THREADS in kernels/tree_build_v1.cu
+KERNEL = ("tree_build_v1", "tree_build_v1")
+
+
+def shared_bytes(budget: int, l_eff: int, k: int) -> int:
+    """Dynamic shared memory of one block (see the layout comment in tree_build_v1.cu)."""
+    s = budget + 1
+    w = (s + 31) // 32
+    return 64 * s + 4 * s * w + 4 * l_eff * k
+
+
+def _check_budget(budget) -> int:
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral):
+        raise ValueError(f"budget must be an int, got {type(budget).__name__}")
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    if budget > MAX_BUDGET:
+        raise ValueError(f"budget {budget} exceeds the GPU builder's limit {MAX_BUDGET} (use kdlib.ref on the host)")
+    return int(budget)
+
+
+def _check_values(ids, lp, k: int, vocab_size) -> None:
+    """Device reductions over the K columns read, one synchronisation; ValueError like the reference."""
+    import cupy
+
+    ids, lp = ids[..., :k], lp[..., :k]
+    flags = [
+        cupy.isnan(lp).any(),
+        ~cupy.isfinite(lp).all(),
+        (lp[..., 1:] > lp[..., :-1]).any() if k > 1 else cupy.zeros((), bool),
+        (ids < 0).any(),
+        (ids >= vocab_size).any() if vocab_size is not None else cupy.zeros((), bool),
+    ]
+    if k > 1:
+        s = cupy.sort(ids, axis=-1)
+        flags.append((s[..., 1:] == s[..., :-1]).any())
+    else:
+        flags.append(cupy.zeros((), bool))
+    nan, nonfinite, unsorted, negative, oov, repeated = cupy.stack(flags).get().tolist()
+    if nan:
+        raise ValueError("top_log_probs contains NaN")
+    if nonfinite:
+        raise ValueError("top_log_probs must be finite (±inf makes sibling scores NaN)")
+    if unsorted:
+        raise ValueError("top_log_probs rows are not sorted in descending order")
+    if negative:
+        raise ValueError("top_token_ids contains negative token ids")
+    if oov:
+        raise ValueError(f"top_token_ids contains token ids outside [0, {vocab_size})")
+    if repeated:
+        raise ValueError("top_token_ids repeats a token within one row (siblings must be distinct)")
+
+
+def empty_batch(bsz: int, budget: int) -> DDTreeBatch:
+    """Output buffers for `build_tree_batch(..., out=)` (e.g. fixed addresses for a CUDA graph)."""
+    import cupy
+
+    s = budget + 1
+    return DDTreeBatch(
+        sizes=cupy.empty(bsz, dtype=cupy.int64),  # [B]
+        node_token_ids=cupy.empty((bsz, budget), dtype=cupy.int64),  # [B, budget]
+        node_depths=cupy.empty((bsz, budget), dtype=cupy.int64),  # [B, budget]
+        parents=cupy.empty((bsz, s), dtype=cupy.int64),  # [B, budget+1]
+        visibility=cupy.empty((bsz, s, s), dtype=cupy.bool_),  # [B, budget+1, budget+1]
+        next_token=cupy.empty((bsz, s), dtype=cupy.int64),  # [B, budget+1]
+        next_sibling=cupy.empty((bsz, s), dtype=cupy.int64),  # [B, budget+1]
+        positions=cupy.empty((bsz, s), dtype=cupy.int64),  # [B, budget+1]
+        scores=cupy.empty((bsz, budget), dtype=cupy.float64),  # [B, budget]
+    )
+
+
+def _check_out(out, bsz: int, budget: int) -> None:
+    ref = empty_batch(0, budget)
+    for name in ("sizes", "node_token_ids", "node_depths", "parents", "visibility", "next_token", "next_sibling", "positions", "scores"):
+        a, r = getattr(out, name), getattr(ref, name)
+        want = (bsz,) + r.shape[1:]
+        if a.shape != want or a.dtype != r.dtype or not a.flags.c_contiguous:
+            raise ValueError(f"out.{name} must be a C-contiguous {r.dtype} array of shape {want}, got {a.dtype} {a.shape}")
+
+
+def build_tree_batch(
+    top_token_ids, top_log_probs, budget: int, vocab_size: int | None = None, *, check_values: bool = False, out=None
+) -> DDTreeBatch:
+    """Build B DDTrees on the GPU, padded to budget + 1 slots (see `kdlib.ref.tree.DDTreeBatch`).
+
+    Shape: top_token_ids [B, L, K'] int64, top_log_probs [B, L, K'] float32 (CuPy arrays or
+    torch CUDA tensors); rows sorted descending, finite. Returns a DDTreeBatch of CuPy arrays,
+    bit-identical to `kdlib.ref.tree.build_tree_batch` on the same inputs.
+    check_values: also run the reference's value checks on the device (one host sync).
+    out: an `empty_batch(B, budget)` to write into (no allocation; graph capture).
+    """
+    import cupy
+
+    budget = _check_budget(budget)
+    ids = loader.as_cupy(top_token_ids)
+    lp = loader.as_cupy(top_log_probs)
+    for name, a, dtype in (("top_token_ids", ids, np.int64), ("top_log_probs", lp, np.float32)):
+        if a.ndim != 3:
+            raise ValueError(f"{name} must have shape [B, L, K'], got shape {a.shape}")
+        if a.dtype != dtype:
+            raise ValueError(f"{name} must be {np.dtype(dtype).name}, got {a.dtype}")
+    if ids.shape != lp.shape:
+        raise ValueError(f"top_token_ids {ids.shape} and top_log_probs {lp.shape} differ in shape")
+    if ids.device.id != lp.device.id:
+        raise ValueError("top_token_ids and top_log_probs are on different devices")
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral) or vocab_size <= 0):
+        raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
+    bsz, depth, kp = ids.shape
+    k = min(budget, kp)
+    l_eff = min(depth, budget)
+    if l_eff > MAX_DEPTH:
+        raise ValueError(f"min(L, budget) = {l_eff} exceeds the GPU builder's depth limit {MAX_DEPTH}")
+    if bsz >= 2**31:
+        raise ValueError(f"batch {bsz} exceeds the grid limit")
+    if check_values:
+        _check_values(ids, lp, k, vocab_size)
+    if out is None:
+        out = empty_batch(bsz, budget)
+    else:
+        _check_out(out, bsz, budget)
+    if bsz == 0:
+        return out
+    ids = cupy.ascontiguousarray(ids)
+    lp = cupy.ascontiguousarray(lp)
+    fn = loader.get_function(*KERNEL)
+    smem = shared_bytes(budget, l_eff, k)
+    loader.set_max_dynamic_shared(fn, smem)
+    i32 = np.int32
+    fn(
+        (bsz,), (THREADS,),
+        (ids, lp, i32(depth), i32(kp), i32(k), i32(l_eff), i32(budget),
+         out.sizes, out.node_token_ids, out.node_depths, out.parents, out.visibility,
+         out.next_token, out.next_sibling, out.positions, out.scores),
+        shared_mem=smem,
+    )
+    return out
