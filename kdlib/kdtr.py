@@ -1,0 +1,763 @@
+"""KDTR: the workbook's container for named, typed tensors (golden vectors, small weights).
+
+One flat binary file: a fixed 64-byte preamble, a header section (tensor table, then metadata),
+zero padding, then the data section. Every integer is little-endian; every tensor is stored
+little-endian in C order, starting at a multiple of 64 bytes, so a memory map of the file hands
+out aligned, zero-copy views that can be passed to a GPU copy or a kernel as they are.
+
+Layout, version 1
+-----------------
+Preamble (64 bytes)::
+
+    offset size  field        meaning
+    0      8     magic        b"\\x89KDTR\\r\\n\\x1a" (PNG-style: the high bit catches 7-bit transports,
+                              CR LF catches newline translation, 0x1A stops `type` on DOS; see
+                              the PNG specification, RFC 2083 section 12.11)
+    8      4     version      u32, 1
+    12     4     flags        u32, 0 (reserved: readers reject any other value)
+    16     8     header_size  u64, bytes of the header section that starts at offset 64
+    24     8     n_tensors    u64
+    32     8     n_metadata   u64
+    40     8     data_offset  u64, start of the data section: a multiple of 64, >= 64 + header_size
+    48     8     file_size    u64, the length of the whole file in bytes
+    56     4     header_crc   u32, CRC-32 of preamble bytes [0, 56) followed by the header section
+    60     4     reserved     u32, 0
+
+Header section, at offset 64: `n_tensors` tensor entries, then `n_metadata` metadata entries,
+packed with no padding between them; their sizes add up to exactly `header_size`.
+
+Tensor entry (24 + 8*ndim + name_len bytes)::
+
+    u16 name_len   bytes of the UTF-8 name, 1..65535
+    u8  dtype      code from DTYPES below
+    u8  ndim       0..64 (numpy's limit); 0 is a scalar
+    u32 crc32      CRC-32 of the tensor's data bytes
+    u64 offset     absolute file offset of the data, a multiple of 64
+    u64 nbytes     bytes of data: prod(shape) * itemsize
+    u64 dims[ndim] the shape, C order
+    u8  name[name_len]
+
+Metadata entry (8 + key_len + value_len bytes): `u32 key_len, u32 value_len`, then the UTF-8 key
+(non-empty) and value. Metadata holds strings only: generator, seed, commit, tolerances, ...
+
+dtype codes: 1 float64, 2 float32, 3 float16, 4 bfloat16 (ml_dtypes), 5 int64, 6 int32, 7 int16,
+8 int8, 9 uint64, 10 uint32, 11 uint16, 12 uint8, 13 bool (one byte, 0 or 1). Code 0 is invalid.
+
+Rules a reader enforces (each failure is a `KdtrError` naming the problem): magic, version and
+flags as above; the file is exactly `file_size` bytes; the header section lies inside the file
+and its CRC matches; the entries fill the header section exactly; names and metadata keys are
+valid UTF-8, non-empty and unique; each shape's byte size equals `nbytes` and fits numpy's index
+type; every tensor lies in the data section, at an aligned offset; no two non-empty tensors
+overlap. All sizes are checked against the file's length before anything is allocated, so a
+header that claims terabytes is refused, not attempted. Empty tensors (`nbytes == 0`) may share
+an offset with anything. Bytes between tensors are written as zeros and ignored by readers.
+
+Checksums: CRC-32 (zlib.crc32, the polynomial of zip and PNG), one per tensor and one over the
+header. It detects accidental damage (bit rot, truncated copies, bad transfers), not deliberate
+tampering; it runs at several GB/s, where blake2b runs at about 1.
+Verification trade: `load(mmap=True)` costs O(header): the header CRC is checked, tensor data is
+not touched, so the per-tensor CRCs are not checked unless `verify=True` (which reads every byte).
+`load(mmap=False)` reads every byte anyway and checks them by default. `verify(path)` checks a
+file in full without keeping it.
+
+Writing is deterministic (same tensors and metadata, in the same order -> the same bytes; no
+timestamps) and atomic: `save` writes a temporary file `.<name>.<random>.kdtr-tmp` in the same
+folder, fsyncs it, renames it over the target with `os.replace` and fsyncs the folder, so the
+target is either the old file or the complete new one. An exception removes the temporary
+file; a killed process can leave one behind (recognisable by that suffix), never a broken target.
+
+    kdtr.save("golden.kdtr", {"q": q, "lse": lse}, metadata={"generator": "ref.tree_verify", "seed": "0"})
+    t = kdtr.load("golden.kdtr")              # dict name -> read-only numpy view into a memory map
+    t = kdtr.load("golden.kdtr", device="cuda")   # CuPy arrays
+    kdlib kdtr info golden.kdtr | kdlib kdtr convert golden.kdtr golden.safetensors
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import struct
+import sys
+import tempfile
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+MAGIC = b"\x89KDTR\r\n\x1a"
+VERSION = 1
+ALIGN = 64  # bytes: a cache line and an AVX-512 vector; a multiple of every dtype's size
+PREAMBLE = struct.Struct("<8sIIQQQQQII")  # 64 bytes, fields as in the module docstring
+ENTRY = struct.Struct("<HBBIQQ")  # 24 bytes: name_len, dtype, ndim, crc32, offset, nbytes
+META = struct.Struct("<II")  # key_len, value_len
+MAX_NDIM = 64  # numpy 2's NPY_MAXDIMS
+MAX_NAME = 0xFFFF  # u16 name_len
+INDEX_MAX = 2**63 - 1  # numpy's npy_intp: the largest byte size of an array it will describe
+SUFFIXES = {".kdtr": "kdtr", ".safetensors": "safetensors", ".npz": "npz"}
+
+DTYPES: dict[int, np.dtype] = {
+    1: np.dtype("<f8"),
+    2: np.dtype("<f4"),
+    3: np.dtype("<f2"),
+    4: np.dtype(ml_dtypes.bfloat16),
+    5: np.dtype("<i8"),
+    6: np.dtype("<i4"),
+    7: np.dtype("<i2"),
+    8: np.dtype("i1"),
+    9: np.dtype("<u8"),
+    10: np.dtype("<u4"),
+    11: np.dtype("<u2"),
+    12: np.dtype("u1"),
+    13: np.dtype("?"),
+}
+CODES: dict[str, int] = {dt.name: code for code, dt in DTYPES.items()}
+
+
+class KdtrError(ValueError):
+    """A file that is not a valid KDTR file (or a converter input that cannot be read); says why."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One row of the tensor table, as stored."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    crc32: int
+
+
+@dataclass(frozen=True)
+class Header:
+    """The parsed preamble and header section of a KDTR file."""
+
+    version: int
+    header_size: int
+    data_offset: int
+    file_size: int
+    header_crc: int
+    tensors: tuple[Entry, ...]
+    metadata: dict[str, str]
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def _parse(buf: bytes, actual_size: int, path) -> Header:
+    """Validate and decode the preamble + header section in `buf` (the first bytes of the file)."""
+    where = str(path)
+    if actual_size < len(MAGIC) or buf[: len(MAGIC)] != MAGIC:
+        head = buf[: len(MAGIC)]
+        raise KdtrError(f"{where}: not a KDTR file (magic {head!r}, expected {MAGIC!r})")
+    if actual_size < PREAMBLE.size:
+        raise KdtrError(f"{where}: truncated: {actual_size} bytes, the preamble alone needs {PREAMBLE.size}")
+    (_, version, flags, header_size, n_tensors, n_meta, data_offset, file_size, header_crc, reserved) = (
+        PREAMBLE.unpack_from(buf)
+    )
+    if version != VERSION:
+        raise KdtrError(f"{where}: unknown KDTR version {version} (this reader knows version {VERSION})")
+    if flags or reserved:
+        raise KdtrError(f"{where}: reserved preamble fields are not zero (flags {flags}, reserved {reserved})")
+    if file_size != actual_size:
+        what = "truncated" if actual_size < file_size else "has trailing bytes"
+        raise KdtrError(f"{where}: {what}: the header says {file_size} bytes, the file has {actual_size}")
+    if header_size > file_size - PREAMBLE.size:
+        raise KdtrError(
+            f"{where}: header size {header_size} bytes runs past the end of the {file_size}-byte file"
+        )
+    if data_offset % ALIGN or data_offset < PREAMBLE.size + header_size or data_offset > file_size:
+        raise KdtrError(
+            f"{where}: data offset {data_offset} must be a multiple of {ALIGN} between the end of the "
+            f"header ({PREAMBLE.size + header_size}) and the end of the file ({file_size})"
+        )
+    if len(buf) < PREAMBLE.size + header_size:
+        raise KdtrError(f"{where}: truncated while reading the {header_size}-byte header")
+    section = buf[PREAMBLE.size : PREAMBLE.size + header_size]
+    crc = zlib.crc32(section, zlib.crc32(buf[:56]))
+    if crc != header_crc:
+        raise KdtrError(f"{where}: header checksum mismatch (stored {header_crc:#010x}, computed {crc:#010x})")
+    # Each entry takes at least its fixed part plus one name/key byte: bounds the counts by the size.
+    if n_tensors * (ENTRY.size + 1) + n_meta * (META.size + 1) > header_size:
+        raise KdtrError(
+            f"{where}: {n_tensors} tensors and {n_meta} metadata entries cannot fit a {header_size}-byte header"
+        )
+
+    pos = 0
+    entries: list[Entry] = []
+    names: set[str] = set()
+    for i in range(n_tensors):
+        if pos + ENTRY.size > header_size:
+            raise KdtrError(f"{where}: tensor entry {i} runs past the end of the header")
+        name_len, code, ndim, crc32, offset, nbytes = ENTRY.unpack_from(section, pos)
+        pos += ENTRY.size
+        if code not in DTYPES:
+            raise KdtrError(f"{where}: tensor entry {i} has unknown dtype code {code}")
+        if ndim > MAX_NDIM:
+            raise KdtrError(f"{where}: tensor entry {i} has {ndim} dimensions (at most {MAX_NDIM})")
+        if name_len == 0:
+            raise KdtrError(f"{where}: tensor entry {i} has an empty name")
+        if pos + 8 * ndim + name_len > header_size:
+            raise KdtrError(f"{where}: tensor entry {i} runs past the end of the header")
+        shape = struct.unpack_from(f"<{ndim}Q", section, pos)
+        pos += 8 * ndim
+        raw = section[pos : pos + name_len]
+        pos += name_len
+        try:
+            name = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise KdtrError(f"{where}: tensor entry {i} has a name that is not UTF-8 ({raw[:40]!r})") from e
+        if name in names:
+            raise KdtrError(f"{where}: duplicate tensor name {name!r}")
+        names.add(name)
+        dtype = DTYPES[code]
+        # numpy must be able to describe the shape: the product of the non-zero dims, in bytes,
+        # must fit npy_intp even when another dim is 0.
+        described = dtype.itemsize
+        for d in shape:
+            described *= max(d, 1)
+        if described > INDEX_MAX:
+            raise KdtrError(f"{where}: tensor {name!r} has shape {shape}, too large for numpy")
+        size = dtype.itemsize
+        for d in shape:
+            size *= d
+        if size != nbytes:
+            raise KdtrError(
+                f"{where}: tensor {name!r}: shape {shape} of {dtype.name} is {size} bytes, "
+                f"but the table says {nbytes}"
+            )
+        if offset % ALIGN:
+            raise KdtrError(f"{where}: tensor {name!r} starts at offset {offset}, not a multiple of {ALIGN}")
+        if offset < data_offset or offset + nbytes > file_size:
+            raise KdtrError(
+                f"{where}: tensor {name!r} spans bytes [{offset}, {offset + nbytes}), outside the data "
+                f"section [{data_offset}, {file_size})"
+            )
+        entries.append(Entry(name, dtype, tuple(shape), offset, nbytes, crc32))
+
+    metadata: dict[str, str] = {}
+    for i in range(n_meta):
+        if pos + META.size > header_size:
+            raise KdtrError(f"{where}: metadata entry {i} runs past the end of the header")
+        key_len, value_len = META.unpack_from(section, pos)
+        pos += META.size
+        if key_len == 0:
+            raise KdtrError(f"{where}: metadata entry {i} has an empty key")
+        if pos + key_len + value_len > header_size:
+            raise KdtrError(f"{where}: metadata entry {i} runs past the end of the header")
+        try:
+            key = section[pos : pos + key_len].decode("utf-8")
+            value = section[pos + key_len : pos + key_len + value_len].decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise KdtrError(f"{where}: metadata entry {i} is not UTF-8") from e
+        pos += key_len + value_len
+        if key in metadata:
+            raise KdtrError(f"{where}: duplicate metadata key {key!r}")
+        metadata[key] = value
+    if pos != header_size:
+        raise KdtrError(f"{where}: {header_size - pos} unexplained bytes at the end of the header")
+
+    spans = sorted((e.offset, e.offset + e.nbytes, e.name) for e in entries if e.nbytes)
+    for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:], strict=False):
+        if start_b < end_a:
+            raise KdtrError(f"{where}: tensors {a!r} and {b!r} overlap (bytes {start_b}..{end_a})")
+    return Header(version, header_size, data_offset, file_size, header_crc, tuple(entries), metadata)
+
+
+def _read_header(f, path) -> Header:
+    actual = os.fstat(f.fileno()).st_size
+    pre = f.read(PREAMBLE.size)
+    if len(pre) < PREAMBLE.size or pre[: len(MAGIC)] != MAGIC:
+        return _parse(pre, actual, path)  # raises: truncated or wrong magic
+    header_size = PREAMBLE.unpack_from(pre)[3]
+    # Never read more than the file holds, whatever the header claims.
+    need = min(header_size, max(actual - PREAMBLE.size, 0))
+    return _parse(pre + f.read(need), actual, path)
+
+
+def read_header(path) -> Header:
+    """The parsed, validated header of a KDTR file; O(header), data untouched."""
+    with open(path, "rb") as f:
+        return _read_header(f, path)
+
+
+def read_metadata(path) -> dict[str, str]:
+    """The metadata key/values of a KDTR file (header only)."""
+    return dict(read_header(path).metadata)
+
+
+def _check_data(e: Entry, flat: np.ndarray, path) -> None:
+    crc = zlib.crc32(flat)
+    if crc != e.crc32:
+        raise KdtrError(f"{path}: checksum mismatch in tensor {e.name!r} (stored {e.crc32:#010x}, computed {crc:#010x})")
+    if e.dtype == np.bool_ and flat.size and flat.max() > 1:
+        raise KdtrError(f"{path}: bool tensor {e.name!r} holds bytes other than 0 and 1")
+
+
+def load(path, mmap: bool = True, verify: bool | None = None, device: str | None = None) -> dict:
+    """Read a KDTR file: name -> array, in table order.
+
+    mmap=True: read-only numpy views into one memory map of the file; costs O(header).
+    mmap=False: one writable numpy array per tensor, read with readinto (no extra copy).
+    verify: check each tensor's CRC-32 (and that bools are 0/1). None means "when the bytes are
+    read anyway", i.e. True for mmap=False and False for mmap=True, keeping the map O(header).
+    device: None for numpy; "cuda" or "cuda:N" returns CuPy arrays on that device (one
+    host-to-device copy per tensor). CuPy has no bfloat16 dtype (cupy/cupy issue #7527): where
+    it refuses one, a bfloat16 tensor arrives as uint16 holding the same bits.
+    Raises KdtrError for any malformed file, before returning anything.
+    """
+    if verify is None:
+        verify = not mmap
+    out: dict[str, np.ndarray] = {}
+    with open(path, "rb") as f:
+        h = _read_header(f, path)
+        if mmap:
+            mm = np.memmap(f, dtype=np.uint8, mode="r") if h.file_size else None
+            for e in h.tensors:
+                flat = mm[e.offset : e.offset + e.nbytes].view(np.ndarray)
+                if verify:
+                    _check_data(e, flat, path)
+                out[e.name] = flat.view(e.dtype).reshape(e.shape)
+        else:
+            for e in h.tensors:
+                flat = np.empty(e.nbytes, np.uint8)
+                f.seek(e.offset)
+                got = f.readinto(flat)
+                if got != e.nbytes:
+                    raise KdtrError(f"{path}: truncated while reading tensor {e.name!r} ({got} of {e.nbytes} bytes)")
+                if verify:
+                    _check_data(e, flat, path)
+                out[e.name] = flat.view(e.dtype).reshape(e.shape)
+    if device is not None:
+        out = {k: _to_device(v, device) for k, v in out.items()}
+    return out
+
+
+def verify(path) -> Header:
+    """Check a whole file (header and every tensor's CRC); returns its header, raises KdtrError."""
+    with open(path, "rb") as f:
+        h = _read_header(f, path)
+        for e in h.tensors:
+            flat = np.empty(e.nbytes, np.uint8)
+            f.seek(e.offset)
+            if f.readinto(flat) != e.nbytes:
+                raise KdtrError(f"{path}: truncated while reading tensor {e.name!r}")
+            _check_data(e, flat, path)
+    return h
+
+
+def _to_device(a: np.ndarray, device: str):
+    import cupy
+
+    if device != "cuda" and not device.startswith("cuda:"):
+        raise ValueError(f"device must be None, 'cuda' or 'cuda:N', got {device!r}")
+    index = int(device.split(":")[1]) if ":" in device else 0
+    with cupy.cuda.Device(index):
+        try:
+            return cupy.asarray(a)
+        except (TypeError, ValueError):
+            if a.dtype != ml_dtypes.bfloat16:
+                raise
+            return cupy.asarray(a.view(np.uint16))
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def _kind(x) -> str:
+    mod = type(x).__module__
+    if mod.startswith("torch"):
+        return "torch"
+    if mod.startswith("cupy"):
+        return "cupy"
+    return "numpy"
+
+
+def _describe(name, x) -> tuple[np.dtype, tuple[int, ...], object]:
+    """(dtype, shape, source) without moving device data; source is what `_host` converts later."""
+    kind = _kind(x)
+    if kind == "torch":
+        dtype_name = str(x.dtype).removeprefix("torch.")
+        if dtype_name not in CODES:
+            raise ValueError(f"tensor {name!r}: torch dtype {x.dtype} is not supported by KDTR ({sorted(CODES)})")
+        return np.dtype(DTYPES[CODES[dtype_name]]), tuple(int(d) for d in x.shape), x
+    if kind == "cupy":
+        dt = np.dtype(x.dtype)
+        shape = tuple(int(d) for d in x.shape)
+    else:
+        x = np.asarray(x)
+        dt, shape = x.dtype, x.shape
+    if dt.name not in CODES:
+        raise ValueError(f"tensor {name!r}: dtype {dt} is not supported by KDTR ({sorted(CODES)})")
+    return DTYPES[CODES[dt.name]], shape, x
+
+
+def _host(x, dtype: np.dtype) -> np.ndarray:
+    """A C-contiguous little-endian host numpy array of `dtype` holding x's values."""
+    kind = _kind(x)
+    if kind == "torch":
+        import torch
+
+        t = x.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        a = t.numpy()
+    elif kind == "cupy":
+        a = x.get()
+    else:
+        a = np.asarray(x)
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    return a if a.flags.c_contiguous else a.copy(order="C")  # ascontiguousarray would make 0-d 1-d
+
+
+def _encode_header(specs, metadata_items, data_offset: int, file_size: int) -> bytes:
+    parts = []
+    for name_b, dtype, shape, offset, nbytes, crc in specs:
+        parts.append(ENTRY.pack(len(name_b), CODES[dtype.name], len(shape), crc, offset, nbytes))
+        parts.append(struct.pack(f"<{len(shape)}Q", *shape))
+        parts.append(name_b)
+    for k, v in metadata_items:
+        parts += [META.pack(len(k), len(v)), k, v]
+    section = b"".join(parts)
+    fields = (MAGIC, VERSION, 0, len(section), len(specs), len(metadata_items), data_offset, file_size)
+    first = PREAMBLE.pack(*fields, 0, 0)[:56]
+    crc = zlib.crc32(section, zlib.crc32(first))
+    return PREAMBLE.pack(*fields, crc, 0) + section
+
+
+def _write_array(f, a: np.ndarray) -> int:
+    """Write the bytes of a C-contiguous array; returns their CRC-32."""
+    if a.nbytes == 0:
+        return zlib.crc32(b"")
+    flat = a.reshape(-1).view(np.uint8)
+    f.write(memoryview(flat))
+    return zlib.crc32(flat)
+
+
+def _atomic_write(path, write) -> None:
+    """Call write(file) on a temp file beside `path`, fsync, rename over `path`, fsync the folder."""
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise ValueError(f"folder {folder} does not exist")
+    mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".kdtr-tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def save(path, tensors: Mapping, metadata: Mapping[str, str] | None = None) -> None:
+    """Write `tensors` (name -> numpy / torch (CPU or CUDA) / CuPy array) and string metadata.
+
+    Atomic and deterministic (see the module docstring). Every argument is checked before the
+    file is touched: ValueError for a non-string or empty name, an unsupported dtype, or
+    metadata that is not str -> str. Device tensors are copied to the host one at a time.
+    """
+    if not isinstance(tensors, Mapping):
+        raise ValueError(f"tensors must be a mapping name -> array, got {type(tensors).__name__}")
+    specs, sources = [], []
+    cursor = 0  # relative to data_offset; fixed up below
+    for name, x in tensors.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tensor names must be non-empty strings, got {name!r}")
+        name_b = name.encode("utf-8")  # a lone surrogate raises UnicodeEncodeError, a ValueError
+        if len(name_b) > MAX_NAME:
+            raise ValueError(f"tensor name {name[:40]!r}... is {len(name_b)} bytes (at most {MAX_NAME})")
+        dtype, shape, source = _describe(name, x)
+        if len(shape) > MAX_NDIM:
+            raise ValueError(f"tensor {name!r} has {len(shape)} dimensions (at most {MAX_NDIM})")
+        nbytes = dtype.itemsize * math.prod(shape)
+        # An empty tensor points at the start of the data section, which every file has.
+        specs.append([name_b, dtype, shape, cursor if nbytes else 0, nbytes, 0])
+        sources.append(source)
+        cursor = _align(cursor + nbytes)
+    metadata_items = []
+    for k, v in (metadata or {}).items():
+        if not isinstance(k, str) or not k or not isinstance(v, str):
+            raise ValueError(f"metadata must map non-empty str keys to str values, got {k!r}: {type(v).__name__}")
+        metadata_items.append((k.encode("utf-8"), v.encode("utf-8")))
+
+    header_len = len(_encode_header(specs, metadata_items, 0, 0))
+    data_offset = _align(header_len)
+    for s in specs:
+        s[3] += data_offset
+    file_size = max([data_offset] + [s[3] + s[4] for s in specs])
+
+    def write(f):
+        f.write(b"\0" * data_offset)  # header placeholder: rewritten once the CRCs are known
+        for s, source in zip(specs, sources, strict=True):
+            if s[4]:
+                f.write(b"\0" * (s[3] - f.tell()))
+            a = _host(source, s[1])
+            if a.dtype != s[1] or a.shape != s[2]:
+                raise ValueError(f"tensor {s[0].decode()!r} changed while being saved")
+            s[5] = _write_array(f, a)
+        f.seek(0)
+        f.write(_encode_header(specs, metadata_items, data_offset, file_size))
+
+    _atomic_write(path, write)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inspection
+
+
+def reseal(image: bytes) -> bytes:
+    """`image` (a whole file's bytes) with the header CRC recomputed from its current fields.
+
+    For tests and demonstrations that craft bad files: a resealed image reaches the field
+    checks behind the CRC. Uses the header_size stored in the image, clamped to its length.
+    """
+    image = bytearray(image)
+    if len(image) < PREAMBLE.size:
+        return bytes(image)
+    header_size = min(PREAMBLE.unpack_from(image)[3], len(image) - PREAMBLE.size)
+    crc = zlib.crc32(image[PREAMBLE.size : PREAMBLE.size + header_size], zlib.crc32(image[:56]))
+    struct.pack_into("<I", image, 56, crc)
+    return bytes(image)
+
+
+def header_fields(path) -> list[tuple[int, int, str, object]]:
+    """(offset, size, field, value) for every field of the preamble and header section, in order.
+
+    For annotated hex dumps (notebook 00) and debugging; the file is validated first.
+    """
+    h = read_header(path)
+    with open(path, "rb") as f:
+        raw = f.read(PREAMBLE.size + h.header_size)
+    rows = []
+    names = ["magic", "version", "flags", "header_size", "n_tensors", "n_metadata", "data_offset",
+             "file_size", "header_crc", "reserved"]
+    sizes = [8, 4, 4, 8, 8, 8, 8, 8, 4, 4]
+    pos = 0
+    for name, size, value in zip(names, sizes, PREAMBLE.unpack_from(raw), strict=True):
+        rows.append((pos, size, name, value))
+        pos += size
+    for e in h.tensors:
+        tag = f"tensor[{e.name}]"
+        for field, size, value in [("name_len", 2, len(e.name.encode())), ("dtype", 1, CODES[e.dtype.name]),
+                                   ("ndim", 1, len(e.shape)), ("crc32", 4, e.crc32),
+                                   ("offset", 8, e.offset), ("nbytes", 8, e.nbytes)]:
+            rows.append((pos, size, f"{tag}.{field}", value))
+            pos += size
+        for i, d in enumerate(e.shape):
+            rows.append((pos, 8, f"{tag}.dims[{i}]", d))
+            pos += 8
+        n = len(e.name.encode())
+        rows.append((pos, n, f"{tag}.name", e.name))
+        pos += n
+    for k, v in h.metadata.items():
+        kb, vb = len(k.encode()), len(v.encode())
+        rows += [(pos, 4, f"meta[{k}].key_len", kb), (pos + 4, 4, f"meta[{k}].value_len", vb),
+                 (pos + 8, kb, f"meta[{k}].key", k), (pos + 8 + kb, vb, f"meta[{k}].value", v)]
+        pos += 8 + kb + vb
+    return rows
+
+
+def hexdump(path, max_rows: int = 64) -> str:
+    """An annotated hex dump of the preamble and header: one line per field (long fields cut)."""
+    rows = header_fields(path)
+    with open(path, "rb") as f:
+        raw = f.read(rows[-1][0] + rows[-1][1])
+    lines = []
+    for off, size, field, value in rows[:max_rows]:
+        shown = raw[off : off + min(size, 16)].hex(" ")
+        more = " .." if size > 16 else ""
+        v = f"{value:#010x}" if field.endswith(("crc", "crc32")) else repr(value)
+        if field.endswith(".dtype"):
+            v += f" ({DTYPES[value].name})"
+        lines.append(f"{off:08x}  {shown + more:<51}  {field} = {v}")
+    if len(rows) > max_rows:
+        lines.append(f"... {len(rows) - max_rows} more fields")
+    return "\n".join(lines)
+
+
+def table(path) -> str:
+    """The tensor table and metadata as text (what `kdlib kdtr info` prints)."""
+    fmt = _format_of(path)
+    if fmt == "kdtr":
+        h = read_header(path)
+        rows = [(e.name, e.dtype.name, e.shape, e.nbytes, str(e.offset), f"{e.crc32:08x}") for e in h.tensors]
+        meta = h.metadata
+        title = f"{path}: KDTR v{h.version}, {len(rows)} tensors, {h.file_size} bytes, data at {h.data_offset}"
+    else:
+        tensors, meta = _read_any(path)
+        rows = [(k, v.dtype.name, v.shape, v.nbytes, "-", "-") for k, v in tensors.items()]
+        title = f"{path}: {fmt}, {len(rows)} tensors"
+    width = max([4] + [len(r[0]) for r in rows])
+    lines = [title, f"{'name':<{width}}  {'dtype':<8}  {'shape':<20}  {'bytes':>12}  {'offset':>10}  crc32"]
+    for name, dt, shape, nbytes, off, crc in rows:
+        lines.append(f"{name:<{width}}  {dt:<8}  {str(list(shape)):<20}  {nbytes:>12}  {off:>10}  {crc}")
+    lines.append("metadata:" if meta else "metadata: (none)")
+    lines += [f"  {k} = {v}" for k, v in meta.items()]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Converters: KDTR <-> safetensors <-> npz, picked by file suffix
+
+NPZ_SIDECAR = "__kdtr__"  # npz member holding JSON {dtypes, metadata}: npz cannot name bfloat16
+
+
+def _format_of(path) -> str:
+    suffix = Path(path).suffix.lower()
+    if suffix not in SUFFIXES:
+        raise ValueError(f"{path}: unknown file type {suffix!r}; expected one of {sorted(SUFFIXES)}")
+    return SUFFIXES[suffix]
+
+
+def _read_any(path) -> tuple[dict, dict]:
+    fmt = _format_of(path)
+    if fmt == "kdtr":
+        return load(path, mmap=False), read_metadata(path)
+    if fmt == "safetensors":
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                meta = dict(f.metadata() or {})
+                return {k: f.get_tensor(k) for k in f.keys()}, meta
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # the library raises its own SafetensorError and others
+            raise KdtrError(f"{path}: cannot read safetensors: {e}") from e
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # zipfile.BadZipFile, ValueError, OSError from a damaged archive
+        raise KdtrError(f"{path}: cannot read npz: {e}") from e
+    side = arrays.pop(NPZ_SIDECAR, None)
+    if side is None:
+        return arrays, {}
+    try:
+        info = json.loads(str(side))
+        for k, dt in info.get("dtypes", {}).items():
+            if k in arrays:
+                arrays[k] = arrays[k].view(np.dtype(dt))
+        return arrays, dict(info.get("metadata", {}))
+    except (ValueError, TypeError, AttributeError) as e:
+        raise KdtrError(f"{path}: malformed {NPZ_SIDECAR} member: {e}") from e
+
+
+def _write_any(path, tensors: dict, metadata: dict) -> None:
+    fmt = _format_of(path)
+    if fmt == "kdtr":
+        save(path, tensors, metadata)
+        return
+    arrays = {}
+    for k, v in tensors.items():
+        dtype, _, source = _describe(k, v)
+        arrays[k] = _host(source, dtype)
+    if fmt == "safetensors":
+        import safetensors.numpy
+
+        blob = safetensors.numpy.save(arrays, metadata=dict(metadata) or None)
+        _atomic_write(path, lambda f: f.write(blob))
+        return
+    if NPZ_SIDECAR in arrays:
+        raise ValueError(f"tensor name {NPZ_SIDECAR!r} is reserved in .npz files")
+    side = {"dtypes": {k: a.dtype.name for k, a in arrays.items() if a.dtype == ml_dtypes.bfloat16},
+            "metadata": dict(metadata)}
+    arrays = {k: (a.view(np.uint16) if a.dtype == ml_dtypes.bfloat16 else a) for k, a in arrays.items()}
+    arrays[NPZ_SIDECAR] = np.array(json.dumps(side, sort_keys=True))
+    _atomic_write(path, lambda f: np.savez(f, **arrays))
+
+
+def convert(src, dst) -> None:
+    """Copy tensors and metadata between .kdtr, .safetensors and .npz files (types by suffix)."""
+    _format_of(dst)
+    tensors, metadata = _read_any(src)
+    _write_any(dst, tensors, metadata)
+
+
+def to_safetensors(src, dst) -> None:
+    """KDTR -> safetensors (metadata goes to `__metadata__`)."""
+    if _format_of(src) != "kdtr" or _format_of(dst) != "safetensors":
+        raise ValueError(f"to_safetensors wants a .kdtr source and a .safetensors target, got {src}, {dst}")
+    convert(src, dst)
+
+
+def from_safetensors(src, dst) -> None:
+    """safetensors -> KDTR."""
+    if _format_of(src) != "safetensors" or _format_of(dst) != "kdtr":
+        raise ValueError(f"from_safetensors wants a .safetensors source and a .kdtr target, got {src}, {dst}")
+    convert(src, dst)
+
+
+def to_npz(src, dst) -> None:
+    """KDTR -> .npz (bfloat16 stored as uint16 bits, dtypes and metadata in the `__kdtr__` member)."""
+    if _format_of(src) != "kdtr" or _format_of(dst) != "npz":
+        raise ValueError(f"to_npz wants a .kdtr source and a .npz target, got {src}, {dst}")
+    convert(src, dst)
+
+
+def from_npz(src, dst) -> None:
+    """.npz -> KDTR."""
+    if _format_of(src) != "npz" or _format_of(dst) != "kdtr":
+        raise ValueError(f"from_npz wants a .npz source and a .kdtr target, got {src}, {dst}")
+    convert(src, dst)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line: `kdlib kdtr info FILE`, `kdlib kdtr convert A B`, `kdlib kdtr verify FILE`
+
+
+def cli(argv: list[str]) -> int:
+    """Exit codes: 0 success, 2 bad input (usage, missing or malformed file, unsupported type)."""
+    ap = argparse.ArgumentParser(prog="kdlib kdtr", description="Inspect, check and convert KDTR tensor files.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("info", help="print the tensor table and metadata (.kdtr, .safetensors, .npz)")
+    p.add_argument("file")
+    p = sub.add_parser("convert", help="convert between .kdtr, .safetensors and .npz (by suffix)")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p = sub.add_parser("verify", help="check every checksum of a KDTR file")
+    p.add_argument("file")
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    try:
+        if args.cmd == "info":
+            print(table(args.file))
+        elif args.cmd == "convert":
+            convert(args.src, args.dst)
+            print(f"{args.src} -> {args.dst}")
+        else:
+            h = verify(args.file)
+            print(f"{args.file}: OK ({len(h.tensors)} tensors, {h.file_size} bytes, all checksums match)")
+    except (OSError, ValueError) as e:
+        print(f"kdlib kdtr {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    return 0

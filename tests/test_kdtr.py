@@ -1,0 +1,623 @@
+"""KDTR container: round trips, every malformed-file class, atomicity, mmap cost, converters, CLI."""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+import tracemalloc
+import zlib
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kdlib
+from kdlib import cli as kdcli
+from kdlib import kdtr
+from kdlib.kdtr import KdtrError
+
+VENV_BIN = Path(sys.executable).parent
+
+
+def sample(dtype, shape, seed=0) -> np.ndarray:
+    """Random values of `dtype` that exercise sign, range and (for floats) NaN/inf."""
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return rng.integers(0, 2, shape).astype(bool)
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, shape, dtype=dtype, endpoint=True)
+    a = (rng.standard_normal(shape) * 100).astype(dtype)
+    if a.size >= 3:
+        a.reshape(-1)[:3] = [np.nan, np.inf, -0.0]
+    return a
+
+
+def every_dtype() -> dict[str, np.ndarray]:
+    """Each supported dtype as a matrix, a 0-d scalar and an empty tensor."""
+    out = {}
+    for i, dt in enumerate(kdtr.DTYPES.values()):
+        out[f"{dt.name}/matrix"] = sample(dt, (3, 5), seed=i)  # [3, 5]
+        out[f"{dt.name}/scalar"] = sample(dt, (), seed=i)  # []
+        out[f"{dt.name}/empty"] = sample(dt, (0, 4), seed=i)  # [0, 4]
+    return out
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert list(got) == list(want)
+    for k in want:
+        g, w = got[k], np.asarray(want[k])
+        assert g.dtype == w.dtype, k
+        assert g.shape == w.shape, k
+        assert g.tobytes() == w.tobytes(), k
+
+
+def image(path) -> bytearray:
+    return bytearray(Path(path).read_bytes())
+
+
+def entry_pos(buf: bytes, index: int) -> int:
+    """Offset in the file of tensor entry `index` (walks the table)."""
+    pos = kdtr.PREAMBLE.size
+    for _ in range(index):
+        name_len, _, ndim, *_ = kdtr.ENTRY.unpack_from(buf, pos)
+        pos += kdtr.ENTRY.size + 8 * ndim + name_len
+    return pos
+
+
+@pytest.fixture
+def small(tmp_path) -> Path:
+    """A valid file: two float32 matrices, an int8 vector, metadata."""
+    p = tmp_path / "small.kdtr"
+    kdtr.save(
+        p,
+        {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones((2, 2), np.float32),
+         "c": np.arange(5, dtype=np.int8)},
+        metadata={"generator": "test", "seed": "0"},
+    )
+    return p
+
+
+# ---------------------------------------------------------------------------------------------
+# Round trips
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_round_trip_every_dtype(tmp_path, mmap):
+    want = every_dtype()
+    p = tmp_path / "all.kdtr"
+    kdtr.save(p, want, metadata={"k": "v", "unicode": "π ≈ 3.14"})
+    got = kdtr.load(p, mmap=mmap, verify=True)
+    assert_same(got, want)
+    assert kdtr.read_metadata(p) == {"k": "v", "unicode": "π ≈ 3.14"}
+    assert got["bfloat16/matrix"].dtype == ml_dtypes.bfloat16
+    assert got["float64/scalar"].ndim == 0
+
+
+def test_layout_is_aligned_and_deterministic(tmp_path):
+    want = every_dtype()
+    a, b = tmp_path / "a.kdtr", tmp_path / "b.kdtr"
+    kdtr.save(a, want, {"x": "1"})
+    kdtr.save(b, want, {"x": "1"})
+    assert a.read_bytes() == b.read_bytes()
+    h = kdtr.read_header(a)
+    assert h.data_offset % kdtr.ALIGN == 0
+    assert all(e.offset % kdtr.ALIGN == 0 for e in h.tensors)
+    for arr in kdtr.load(a, mmap=True).values():
+        if arr.nbytes:
+            assert arr.ctypes.data % kdtr.ALIGN == 0
+
+
+def test_non_native_inputs_are_normalised(tmp_path):
+    p = tmp_path / "n.kdtr"
+    big = np.arange(6, dtype=">i4").reshape(2, 3)
+    fortran = np.asfortranarray(np.arange(6.0).reshape(2, 3))
+    strided = np.arange(20, dtype=np.int16)[::3]
+    kdtr.save(p, {"big": big, "fortran": fortran, "strided": strided, "list": [1.5, 2.5]})
+    got = kdtr.load(p)
+    assert got["big"].dtype == np.dtype("<i4") and (got["big"] == big).all()
+    assert (got["fortran"] == fortran).all() and got["fortran"].flags.c_contiguous
+    assert (got["strided"] == strided).all()
+    assert got["list"].dtype == np.float64
+
+
+def test_torch_tensors(tmp_path):
+    torch = pytest.importorskip("torch")
+    t = {
+        "f32": torch.randn(3, 4),
+        "bf16": torch.randn(2, 8, dtype=torch.bfloat16),
+        "grad": torch.randn(3, requires_grad=True),
+        "transposed": torch.arange(12, dtype=torch.int64).reshape(3, 4).t(),
+        "mask": torch.tensor([True, False, True]),
+        "u8": torch.arange(4, dtype=torch.uint8),
+        "scalar": torch.tensor(7, dtype=torch.int32),
+    }
+    p = tmp_path / "t.kdtr"
+    kdtr.save(p, t)
+    got = kdtr.load(p, mmap=False)
+    assert got["bf16"].dtype == ml_dtypes.bfloat16
+    assert torch.equal(torch.from_numpy(got["bf16"].view(np.int16)).view(torch.bfloat16), t["bf16"])
+    assert torch.equal(torch.from_numpy(got["transposed"]), t["transposed"])
+    assert np.array_equal(got["grad"], t["grad"].detach().numpy())
+    assert got["mask"].dtype == np.bool_ and got["scalar"].shape == ()
+
+
+@pytest.mark.gpu
+def test_cuda_inputs_and_device_load(tmp_path):
+    import cupy
+    import torch
+
+    t = {"torch_cuda": torch.randn(64, 3, device="cuda"), "cupy": cupy.arange(10, dtype=cupy.float16),
+         "bf16": torch.randn(5, dtype=torch.bfloat16, device="cuda")}
+    p = tmp_path / "g.kdtr"
+    kdtr.save(p, t)
+    host = kdtr.load(p)
+    assert np.array_equal(host["torch_cuda"], t["torch_cuda"].cpu().numpy())
+    dev = kdtr.load(p, device="cuda")
+    assert isinstance(dev["cupy"], cupy.ndarray)
+    assert bool((dev["cupy"] == t["cupy"]).all())
+    assert dev["bf16"].view(cupy.uint16).get().tobytes() == host["bf16"].tobytes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.dictionaries(
+        st.text(min_size=1, max_size=12),
+        st.tuples(st.sampled_from(list(kdtr.DTYPES.values())),
+                  st.lists(st.integers(0, 4), max_size=3), st.integers(0, 2**32 - 1)),
+        max_size=6,
+    ),
+    st.dictionaries(st.text(min_size=1, max_size=8), st.text(max_size=20), max_size=3),
+    st.booleans(),
+)
+def test_property_round_trip(tmp_path_factory, specs, metadata, mmap):
+    want = {name: sample(dt, tuple(shape), seed) for name, (dt, shape, seed) in specs.items()}
+    p = tmp_path_factory.mktemp("prop") / "p.kdtr"
+    kdtr.save(p, want, metadata)
+    assert_same(kdtr.load(p, mmap=mmap, verify=True), want)
+    assert kdtr.read_metadata(p) == metadata
+
+
+def test_empty_container(tmp_path):
+    p = tmp_path / "e.kdtr"
+    kdtr.save(p, {})
+    assert kdtr.load(p) == {} and kdtr.read_metadata(p) == {}
+    assert p.stat().st_size == kdtr.PREAMBLE.size
+
+
+# ---------------------------------------------------------------------------------------------
+# mmap: O(header)
+
+
+def test_mmap_returns_read_only_views_of_one_map(small):
+    got = kdtr.load(small, mmap=True)
+    for arr in got.values():
+        base = arr
+        while base is not None and not isinstance(base, np.memmap):
+            base = base.base
+        assert isinstance(base, np.memmap), "mmap=True must hand out views into a memory map"
+        assert not arr.flags.writeable
+    owned = kdtr.load(small, mmap=False)
+    assert all(a.flags.writeable and not isinstance(a.base, np.memmap) for a in owned.values())
+
+
+def test_mmap_of_1gib_file_reads_only_the_header(tmp_path):
+    """A sparse 1 GiB file: mapping it allocates nothing near 1 GiB and reads no data page."""
+    p = tmp_path / "big.kdtr"
+    n = 1 << 30  # 1 GiB of float32 zeros (a sparse file: no disk blocks)
+    zeros_crc = 0
+    chunk = bytes(1 << 26)
+    for _ in range(n // len(chunk)):
+        zeros_crc = zlib.crc32(chunk, zeros_crc)
+    spec = [[b"w", np.dtype("<f4"), (n // 4,), kdtr.ALIGN * 2, n, zeros_crc]]
+    head = kdtr._encode_header(spec, [], kdtr.ALIGN * 2, kdtr.ALIGN * 2 + n)
+    with open(p, "wb") as f:
+        f.write(head)
+        f.truncate(kdtr.ALIGN * 2 + n)
+    tracemalloc.start()
+    got = kdtr.load(p, mmap=True)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert got["w"].shape == (n // 4,) and got["w"].nbytes == n
+    assert peak < 1 << 20, f"mmap load allocated {peak} bytes"
+    assert os.stat(p).st_blocks * 512 < 1 << 20, "the file stayed sparse: no data was written"
+
+
+def test_mmap_skips_data_checksums_unless_asked(small):
+    buf = image(small)
+    e = kdtr.read_header(small).tensors[0]
+    buf[e.offset] ^= 0x01
+    small.write_bytes(bytes(buf))
+    kdtr.load(small, mmap=True)  # O(header): data untouched, so the damage is not seen
+    for call in (lambda: kdtr.load(small, mmap=True, verify=True), lambda: kdtr.load(small, mmap=False),
+                 lambda: kdtr.verify(small)):
+        with pytest.raises(KdtrError, match="checksum mismatch in tensor 'a'"):
+            call()
+
+
+# ---------------------------------------------------------------------------------------------
+# Malformed files: each class of damage -> KdtrError naming it
+
+
+def write_image(path, buf, reseal=True):
+    Path(path).write_bytes(kdtr.reseal(bytes(buf)) if reseal else bytes(buf))
+
+
+@pytest.mark.parametrize("cut", [0, 5, 8, 40, 63, 64, 100, -1, -7])
+def test_truncated(small, cut):
+    buf = image(small)
+    write_image(small, buf[:cut] if cut >= 0 else buf[:cut], reseal=False)
+    with pytest.raises(KdtrError, match="truncated|not a KDTR file"):
+        kdtr.load(small)
+
+
+def test_trailing_bytes(small):
+    write_image(small, image(small) + b"\0", reseal=False)
+    with pytest.raises(KdtrError, match="trailing bytes"):
+        kdtr.load(small)
+
+
+def test_empty_and_missing_file(tmp_path):
+    (tmp_path / "zero.kdtr").write_bytes(b"")
+    with pytest.raises(KdtrError, match="not a KDTR file"):
+        kdtr.load(tmp_path / "zero.kdtr")
+    with pytest.raises(FileNotFoundError):
+        kdtr.load(tmp_path / "absent.kdtr")
+
+
+def test_wrong_magic(small, tmp_path):
+    buf = image(small)
+    buf[1:5] = b"KDTX"
+    write_image(small, buf)
+    with pytest.raises(KdtrError, match="not a KDTR file"):
+        kdtr.load(small)
+    npz = tmp_path / "x.kdtr"
+    with open(npz, "wb") as f:
+        np.save(f, np.ones(3))  # a .npy under a .kdtr name
+    with pytest.raises(KdtrError, match="not a KDTR file"):
+        kdtr.load(npz)
+
+
+@pytest.mark.parametrize("reseal", [True, False])
+def test_unknown_version(small, reseal):
+    buf = image(small)
+    struct.pack_into("<I", buf, 8, 2)
+    write_image(small, buf, reseal)
+    with pytest.raises(KdtrError, match="unknown KDTR version 2"):
+        kdtr.load(small)
+
+
+def test_reserved_fields(small):
+    buf = image(small)
+    struct.pack_into("<I", buf, 12, 1)
+    write_image(small, buf)
+    with pytest.raises(KdtrError, match="reserved"):
+        kdtr.load(small)
+
+
+def test_header_checksum(small):
+    buf = image(small)
+    buf[entry_pos(buf, 1) + kdtr.ENTRY.size + 20] ^= 0x10  # a byte of b's name, header not resealed
+    write_image(small, buf, reseal=False)
+    with pytest.raises(KdtrError, match="header checksum mismatch"):
+        kdtr.read_metadata(small)
+
+
+@pytest.mark.parametrize("code", [0, 14, 255])
+def test_unknown_dtype(small, code):
+    buf = image(small)
+    buf[entry_pos(buf, 0) + 2] = code
+    write_image(small, buf)
+    with pytest.raises(KdtrError, match=f"unknown dtype code {code}"):
+        kdtr.load(small)
+
+
+def test_shape_disagrees_with_nbytes(small):
+    buf = image(small)
+    struct.pack_into("<Q", buf, entry_pos(buf, 0) + kdtr.ENTRY.size, 4)  # dims[0]: 3 -> 4
+    write_image(small, buf)
+    with pytest.raises(KdtrError, match=r"shape \(4, 4\) of float32 is 64 bytes, but the table says 48"):
+        kdtr.load(small)
+
+
+def test_offset_past_end(small):
+    buf = image(small)
+    size = len(buf)
+    struct.pack_into("<Q", buf, entry_pos(buf, 2) + 8, kdtr._align(size))
+    write_image(small, buf)
+    with pytest.raises(KdtrError, match="outside the data section"):
+        kdtr.load(small)
+
+
+def test_offset_before_data_section_and_unaligned(small):
+    original, offset = image(small), kdtr.read_header(small).tensors[0].offset
+    buf = bytearray(original)
+    struct.pack_into("<Q", buf, entry_pos(buf, 0) + 8, 0)
+    write_image(small, buf)
+    with pytest.raises(KdtrError, match="outside the data section"):
+        kdtr.load(small)
+    buf = bytearray(original)
+    struct.pack_into("<Q", buf, entry_pos(buf, 0) + 8, offset + 4)
+    write_image(small, buf)
+    with pytest.raises(KdtrError, match="not a multiple of 64"):
+        kdtr.load(small)
+
+
+def test_overlapping_tensors(small):
+    buf = image(small)
+    a = kdtr.read_header(small).tensors[0]
+    struct.pack_into("<Q", buf, entry_pos(buf, 1) + 8, a.offset)
+    write_image(small, buf)
+    with pytest.raises(KdtrError, match="tensors '[ab]' and '[ab]' overlap"):
+        kdtr.load(small)
+
+
+def test_duplicate_names(small):
+    buf = image(small)
+    name_at = entry_pos(buf, 2) - 1  # the one-byte name of tensor 1 ('b') ends the entry
+    buf[name_at] = ord("a")
+    write_image(small, buf)
+    with pytest.raises(KdtrError, match="duplicate tensor name 'a'"):
+        kdtr.load(small)
+
+
+def test_non_utf8_name(small):
+    buf = image(small)
+    buf[entry_pos(buf, 2) - 1] = 0xFF
+    write_image(small, buf)
+    with pytest.raises(KdtrError, match="not UTF-8"):
+        kdtr.load(small)
+
+
+def test_non_utf8_metadata_and_duplicate_key(tmp_path):
+    p = tmp_path / "m.kdtr"
+    kdtr.save(p, {"x": np.zeros(2)}, {"ka": "v", "kb": "w"})
+    buf = image(p)
+    at = bytes(buf).index(b"kb")
+    buf[at + 1] = ord("a")
+    write_image(p, buf)
+    with pytest.raises(KdtrError, match="duplicate metadata key 'ka'"):
+        kdtr.read_metadata(p)
+    buf[at] = 0xC3  # a lone UTF-8 lead byte
+    write_image(p, buf)
+    with pytest.raises(KdtrError, match="metadata entry 1 is not UTF-8"):
+        kdtr.read_metadata(p)
+
+
+@pytest.mark.parametrize(
+    "field_offset, value, message",
+    [
+        (16, 2**40, "header size 1099511627776 bytes runs past the end"),  # header_size: 1 TiB
+        (24, 2**40, "cannot fit"),  # n_tensors
+        (32, 2**62, "cannot fit"),  # n_metadata
+        (40, 2**40, "data offset"),
+        (48, 2**40, "truncated: the header says 1099511627776 bytes"),  # file_size
+    ],
+)
+def test_header_claiming_terabytes(small, field_offset, value, message):
+    buf = image(small)
+    struct.pack_into("<Q", buf, field_offset, value)
+    write_image(small, buf)
+    tracemalloc.start()
+    with pytest.raises(KdtrError, match=message):
+        kdtr.load(small, mmap=False)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < len(buf) + (64 << 10), f"refusing a bad header allocated {peak} bytes"
+
+
+def test_tensor_claiming_terabytes(small):
+    buf = image(small)
+    pos = entry_pos(buf, 0)
+    struct.pack_into("<QQQ", buf, pos + 16, 2**40 * 12, 2**40, 3)  # nbytes, dims = [2**40, 3] float32
+    write_image(small, buf)
+    with pytest.raises(KdtrError, match="outside the data section"):
+        kdtr.load(small, mmap=False)
+    struct.pack_into("<QQQ", buf, pos + 16, 0, 0, 2**62)  # empty, but numpy cannot describe [0, 2**62]
+    write_image(small, buf)
+    with pytest.raises(KdtrError, match="too large for numpy"):
+        kdtr.load(small)
+
+
+def test_too_many_dims_and_unexplained_header_bytes(small):
+    original = image(small)
+    buf = bytearray(original)
+    buf[entry_pos(buf, 0) + 3] = 65
+    write_image(small, buf)
+    with pytest.raises(KdtrError, match="65 dimensions"):
+        kdtr.load(small)
+    buf = bytearray(original)
+    header_size = struct.unpack_from("<Q", buf, 16)[0]
+    struct.pack_into("<Q", buf, 16, header_size + 1)  # the padding byte now counts as header
+    write_image(small, buf)
+    with pytest.raises(KdtrError, match="1 unexplained bytes"):
+        kdtr.load(small)
+
+
+def test_bool_bytes_other_than_0_1(tmp_path):
+    p = tmp_path / "b.kdtr"
+    kdtr.save(p, {"m": np.array([True, False])})
+    buf = image(p)
+    e = kdtr.read_header(p).tensors[0]
+    buf[e.offset] = 2
+    pos = entry_pos(buf, 0)
+    struct.pack_into("<I", buf, pos + 4, zlib.crc32(bytes(buf[e.offset : e.offset + 2])))
+    write_image(p, buf)
+    with pytest.raises(KdtrError, match="bytes other than 0 and 1"):
+        kdtr.load(p, mmap=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# save: argument checks and atomicity
+
+
+@pytest.mark.parametrize(
+    "tensors, metadata, message",
+    [
+        ({"x": np.zeros(2, np.complex64)}, None, "complex64 is not supported"),
+        ({"x": np.array(["a"])}, None, "not supported"),
+        ({"x": np.zeros(2, ml_dtypes.float8_e4m3fn)}, None, "float8_e4m3fn is not supported"),
+        ({"": np.zeros(2)}, None, "non-empty strings"),
+        ({3: np.zeros(2)}, None, "non-empty strings"),
+        ({"x": np.zeros(2)}, {"k": 3}, "metadata must map"),
+        ({"x": np.zeros(2)}, {"": "v"}, "metadata must map"),
+        ({"\ud800": np.zeros(2)}, None, "surrogate"),
+        ([np.zeros(2)], None, "must be a mapping"),
+    ],
+)
+def test_save_rejects_bad_arguments_before_any_work(tmp_path, tensors, metadata, message):
+    with pytest.raises(ValueError, match=message):
+        kdtr.save(tmp_path / "x.kdtr", tensors, metadata)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_interrupted_save_keeps_old_file_and_leaves_no_litter(small, monkeypatch):
+    before = small.read_bytes()
+    calls = []
+    real = kdtr._write_array
+
+    def failing(f, a):
+        calls.append(a.shape)
+        if len(calls) == 2:  # the first tensor's bytes are already in the temp file
+            raise OSError("disk full (simulated)")
+        return real(f, a)
+
+    monkeypatch.setattr(kdtr, "_write_array", failing)
+    with pytest.raises(OSError, match="simulated"):
+        kdtr.save(small, {"new": np.ones(1000), "second": np.ones(10)})
+    assert small.read_bytes() == before
+    assert sorted(p.name for p in small.parent.iterdir()) == [small.name]
+    assert len(calls) == 2
+
+
+def test_killed_save_never_leaves_a_partial_target(small):
+    """SIGKILL in the middle of the data: the target is the old file; only a marked temp remains."""
+    before = small.read_bytes()
+    child = textwrap.dedent(
+        f"""
+        import sys, time, numpy as np
+        from kdlib import kdtr
+        real = kdtr._write_array
+        def slow(f, a):
+            crc = real(f, a)
+            f.flush()
+            print("half", flush=True)
+            time.sleep(60)
+            return crc
+        kdtr._write_array = slow
+        kdtr.save({str(small)!r}, {{"x": np.ones(1 << 20), "y": np.ones(10)}})
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "half"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert small.read_bytes() == before
+    kdtr.verify(small)
+    litter = [p.name for p in small.parent.iterdir() if p.name != small.name]
+    assert len(litter) == 1 and litter[0].startswith(".small.kdtr.") and litter[0].endswith(".kdtr-tmp")
+
+
+def test_save_keeps_permissions_of_replaced_file(small):
+    os.chmod(small, 0o640)
+    kdtr.save(small, {"x": np.zeros(1)})
+    assert small.stat().st_mode & 0o777 == 0o640
+
+
+# ---------------------------------------------------------------------------------------------
+# Inspection, converters, CLI
+
+
+def test_header_fields_cover_the_header(small):
+    rows = kdtr.header_fields(small)
+    pos = 0
+    for off, size, _, _ in rows:
+        assert off == pos
+        pos += size
+    assert pos == kdtr.PREAMBLE.size + kdtr.read_header(small).header_size
+    fields = {name: value for _, _, name, value in rows}
+    assert fields["magic"] == kdtr.MAGIC and fields["n_tensors"] == 3
+    assert fields["tensor[a].dims[1]"] == 4 and fields["meta[seed].value"] == "0"
+    assert "tensor[a].dtype = 2 (float32)" in kdtr.hexdump(small)
+
+
+@pytest.mark.parametrize("ext", ["safetensors", "npz"])
+def test_converters_round_trip(tmp_path, ext):
+    want = every_dtype()
+    src = tmp_path / "src.kdtr"
+    kdtr.save(src, want, {"generator": "test"})
+    mid, back = tmp_path / f"mid.{ext}", tmp_path / "back.kdtr"
+    getattr(kdtr, f"to_{ext}")(src, mid)
+    getattr(kdtr, f"from_{ext}")(mid, back)
+    got = kdtr.load(back)
+    assert set(got) == set(want)  # safetensors orders names its own way
+    assert_same({k: got[k] for k in want}, want)
+    assert kdtr.read_metadata(back) == {"generator": "test"}
+
+
+def test_convert_reads_foreign_files(tmp_path):
+    from safetensors.numpy import save_file
+
+    st = tmp_path / "w.safetensors"
+    save_file({"w": np.arange(6, dtype=np.float16).reshape(2, 3)}, str(st), metadata={"format": "np"})
+    kdtr.convert(st, tmp_path / "w.kdtr")
+    assert kdtr.load(tmp_path / "w.kdtr")["w"].shape == (2, 3)
+    npz = tmp_path / "plain.npz"
+    np.savez(npz, a=np.arange(3), b=np.eye(2))
+    kdtr.convert(npz, tmp_path / "plain.kdtr")
+    assert_same(kdtr.load(tmp_path / "plain.kdtr"), {"a": np.arange(3), "b": np.eye(2)})
+    (tmp_path / "bad.safetensors").write_bytes(b"\xff" * 20)
+    with pytest.raises(KdtrError, match="cannot read safetensors"):
+        kdtr.convert(tmp_path / "bad.safetensors", tmp_path / "x.kdtr")
+    with pytest.raises(ValueError, match="unknown file type '.bin'"):
+        kdtr.convert(tmp_path / "w.kdtr", tmp_path / "w.bin")
+
+
+def test_cli_in_process(small, tmp_path, capsys):
+    assert kdcli.main(["kdtr", "info", str(small)]) == 0
+    out = capsys.readouterr().out
+    assert "3 tensors" in out and "float32" in out and "generator = test" in out
+    st = tmp_path / "s.safetensors"
+    assert kdcli.main(["kdtr", "convert", str(small), str(st)]) == 0
+    assert kdcli.main(["kdtr", "convert", str(st), str(tmp_path / "back.kdtr")]) == 0
+    assert kdcli.main(["kdtr", "verify", str(tmp_path / "back.kdtr")]) == 0
+    capsys.readouterr()
+    assert kdcli.main(["kdtr", "info", str(tmp_path / "absent.kdtr")]) == 2
+    assert "No such file" in capsys.readouterr().err
+    assert kdcli.main(["kdtr", "convert", str(small), str(tmp_path / "x.bin")]) == 2
+    assert "unknown file type" in capsys.readouterr().err
+    assert kdcli.main(["kdtr"]) == 2
+    assert kdcli.main(["kdtr", "frobnicate"]) == 2
+
+
+def test_cli_subprocess(small, tmp_path):
+    exe = str(VENV_BIN / "kdlib")
+    if not os.path.exists(exe):
+        pytest.skip("the kdlib console script is not installed next to this python")
+    r = subprocess.run([exe, "kdtr", "info", str(small)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "KDTR v1, 3 tensors" in r.stdout and "seed = 0" in r.stdout
+    bad = tmp_path / "bad.kdtr"
+    bad.write_bytes(small.read_bytes()[:100])
+    r = subprocess.run([exe, "kdtr", "info", str(bad)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "truncated" in r.stderr
+    npz = tmp_path / "s.npz"
+    r = subprocess.run([exe, "kdtr", "convert", str(small), str(npz)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    with np.load(npz, allow_pickle=False) as z:
+        assert np.array_equal(z["a"], kdtr.load(small)["a"])
+
+
+def test_module_is_importable_without_optional_packages():
+    code = "import sys; import kdlib.kdtr; assert not {'torch', 'cupy', 'safetensors'} & set(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=kdlib.ROOT)
