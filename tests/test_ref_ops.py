@@ -1,0 +1,82 @@
+"""kdlib.ops: dispatch by array module, torch crossing without copies, results back as torch."""
+
+import numpy as np
+import pytest
+import torch
+
+from kdlib import ops, ref
+
+
+def example():
+    ids = np.array([[[10, 11], [20, 21], [30, 31]]], dtype=np.int64)
+    lp = np.log(np.array([[[0.60, 0.30], [0.90, 0.05], [0.45, 0.40]]], dtype=np.float32))
+    return ids, lp
+
+
+def test_numpy_goes_to_ref():
+    ids, lp = example()
+    a = ops.build_tree_batch(ids, lp, 5)
+    b = ref.build_tree_batch(ids, lp, 5)
+    assert isinstance(a.parents, np.ndarray)
+    np.testing.assert_array_equal(a.visibility, b.visibility)
+
+
+def test_torch_cpu_round_trip():
+    ids, lp = example()
+    t = ops.build_tree_batch(torch.from_numpy(ids), torch.from_numpy(lp), 5)
+    assert isinstance(t.parents, torch.Tensor) and t.parents.dtype == torch.int64
+    assert t.tree(0).parents.tolist() == [-1, 0, 1, 0, 3, 2]
+    paths, lengths, bonus = ops.accept_greedy_batch(t, torch.tensor([[11, 0, 0, 20, 77, 0]]))
+    assert paths[0, :3].tolist() == [0, 3, 4] and lengths.tolist() == [3] and bonus.tolist() == [77]
+    path, b1 = ops.accept_greedy(t.tree(0), torch.tensor([11, 0, 0, 20, 77, 0]))
+    assert isinstance(path, torch.Tensor) and b1 == 77
+
+
+def test_in_place_ops_write_through_torch():
+    cache = torch.arange(24, dtype=torch.bfloat16).reshape(8, 3)
+    before = cache.clone()
+    out = ops.compact_kv(cache, 2, torch.tensor([0, 3, 4]))
+    assert out is cache
+    assert torch.equal(cache[2:5], before[[2, 5, 6]])
+    req = torch.zeros((1, 8), dtype=torch.int32)
+    freed = ops.remap_slots(req, torch.tensor([1]), torch.tensor([[7, 8, 9]], dtype=torch.int32),
+                            torch.tensor([[0, 2]]), torch.tensor([2]))
+    assert req[0, 1:3].tolist() == [7, 9] and freed.tolist() == [8]
+
+
+def test_attention_torch_bf16():
+    rng = np.random.default_rng(0)
+    q = torch.from_numpy(rng.standard_normal((2, 2, 576)).astype(np.float32)).to(torch.bfloat16)
+    kv = torch.from_numpy(rng.standard_normal((4, 576)).astype(np.float32))
+    out, lse = ops.prefix_attention(q, kv, torch.tensor([3, 1, 0]), 3, 0.1)
+    ref_out, ref_lse = ref.prefix_attention(q.float().numpy().astype(np.float64), kv.numpy(), np.array([3, 1, 0]), 3, 0.1)
+    assert out.dtype == torch.float64
+    np.testing.assert_array_equal(out.numpy(), ref_out)
+    np.testing.assert_array_equal(lse.numpy(), ref_lse)
+
+
+def test_errors_pass_through():
+    ids, lp = example()
+    with pytest.raises(ValueError, match="sorted"):
+        ops.build_tree_batch(torch.from_numpy(ids), torch.from_numpy(lp[..., ::-1].copy()), 5)
+
+
+def test_signatures_match_ref():
+    import inspect
+
+    for name in ops.OPS:
+        assert inspect.signature(getattr(ops, name)) == inspect.signature(getattr(ref, name)), name
+
+
+@pytest.mark.gpu
+def test_cupy_dispatches_to_cuda():
+    import cupy
+
+    ids, lp = example()
+    got = ops.build_tree_batch(cupy.asarray(ids), cupy.asarray(lp), 5)
+    assert isinstance(got.parents, cupy.ndarray)
+    want = ref.build_tree_batch(ids, lp, 5)
+    np.testing.assert_array_equal(cupy.asnumpy(got.parents), want.parents)
+    got_t = ops.build_tree_batch(torch.from_numpy(ids).cuda(), torch.from_numpy(lp).cuda(), 5)
+    assert got_t.parents.is_cuda
+    np.testing.assert_array_equal(got_t.parents.cpu().numpy(), want.parents)
