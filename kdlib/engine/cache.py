@@ -1,0 +1,123 @@
+"""Latent KV cache for one request: paged with page_size 1, tree append, post-verify commit.
+
+    cache = LatentCache(cfg, num_slots=1024, mode="compact")       # or mode="remap"
+    slots = cache.pending(q)        # physical slots for q new rows at positions s .. s+q-1 (tree: flat order)
+    cache.write(layer, slots, rows) # rows [q, kv_lora + rope]
+    cache.commit()                  # prefill / AR decode: keep every pending row in order
+    cache.commit_path(path)         # tree verify: keep the accepted nodes (path, root first) only
+
+Storage: `kv [num_slots, num_layers, kv_lora + rope]` (slot-major, so one row move carries every
+layer) and the token table `req_to_token [1, max_ctx]` (logical position -> slot, as SGLang's
+`req_to_token`). After a verify the accepted nodes must sit at logical positions s .. s+len-1
+(survey §5.1). Two ways, both through `kdlib.ops` (numpy reference on CPU, CuPy kernels on CUDA):
+
+  * "compact": slots equal positions; the tree is appended at slots s .. s+n and
+    `ops.compact_kv(kv, s, path)` moves row s+path[i] to s+i (ascending, safe in place);
+  * "remap" (what page_size 1 allows): tree rows go to free slots anywhere in the pool and
+    `ops.remap_slots` points req_to_token[s+i] at the slot of path[i]; the rejected slots return
+    to the free list. No KV bytes move.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kdlib import ops
+from kdlib.engine.config import ModelConfig
+
+MODES = ("compact", "remap")
+
+
+class CacheFullError(ValueError):
+    """More rows were asked for than the cache has slots (or positions)."""
+
+
+class LatentCache:
+    def __init__(self, cfg: ModelConfig, num_slots: int, *, mode: str = "compact", max_ctx: int | None = None,
+                 device=None, dtype=torch.float32):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if num_slots <= 0:
+            raise ValueError(f"num_slots must be > 0, got {num_slots}")
+        self.cfg, self.mode = cfg, mode
+        self.num_slots = int(num_slots)
+        self.max_ctx = int(max_ctx or num_slots)
+        self.device = torch.device(device or "cpu")
+        self.kv = torch.zeros(self.num_slots, cfg.num_hidden_layers, cfg.latent_dim, device=self.device, dtype=dtype)
+        self.req_to_token = torch.full((1, self.max_ctx), -1, dtype=torch.int64, device=self.device)  # [1, max_ctx]
+        self.length = 0  # committed tokens (s)
+        self._pending: torch.Tensor | None = None
+        self._free = list(range(self.num_slots - 1, -1, -1))  # remap mode: a stack, lowest slot on top
+
+    # ---- allocation
+    def pending(self, q: int) -> torch.Tensor:
+        """Slots [q] for the next q rows (positions s .. s+q-1); replaces any uncommitted rows."""
+        self.discard()
+        if self.length + q > self.max_ctx:
+            raise CacheFullError(f"{self.length} committed + {q} new rows exceed max_ctx {self.max_ctx}")
+        if self.mode == "compact":
+            if self.length + q > self.num_slots:
+                raise CacheFullError(f"{self.length} + {q} rows exceed the {self.num_slots} slots")
+            slots = torch.arange(self.length, self.length + q, device=self.device)
+        else:
+            if q > len(self._free):
+                raise CacheFullError(f"{q} rows asked, {len(self._free)} slots free")
+            slots = torch.tensor([self._free.pop() for _ in range(q)], dtype=torch.int64, device=self.device)
+        self._pending = slots
+        return slots
+
+    def discard(self) -> None:
+        """Drop uncommitted rows (their slots return to the pool)."""
+        if self._pending is not None and self.mode == "remap":
+            self._free.extend(reversed(self._pending.tolist()))
+        self._pending = None
+
+    def key_slots(self, new_slots: torch.Tensor) -> torch.Tensor:
+        """[s + q] slots a query attends to: the committed prefix, then the new rows."""
+        return torch.cat([self.req_to_token[0, : self.length], new_slots])
+
+    # ---- data
+    def write(self, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        self.kv[slots, layer] = rows.to(self.kv.dtype)
+
+    def write_all(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """rows [q, num_layers, kv_lora + rope] (a prefill's latents) into slots [q]."""
+        self.kv[slots] = rows.to(self.kv.dtype)
+
+    def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        return self.kv[slots, layer]
+
+    # ---- commit
+    def commit(self) -> None:
+        """Keep every pending row in order (prefill, AR decode)."""
+        slots = self._take()
+        self.req_to_token[0, self.length : self.length + slots.shape[0]] = slots
+        self.length += int(slots.shape[0])
+
+    def commit_path(self, path) -> None:
+        """Keep the pending rows at `path` (tree indices, root first, strictly increasing) as positions s ..."""
+        slots = self._take()
+        path = torch.as_tensor(path, dtype=torch.int64, device=self.device)
+        n = int(path.shape[0])
+        if n == 0 or n > slots.shape[0]:
+            raise ValueError(f"path length {n} must be in [1, {slots.shape[0]}]")
+        s = self.length
+        if self.mode == "compact":
+            ops.compact_kv(self.kv, s, path)
+            self.req_to_token[0, s : s + n] = torch.arange(s, s + n, device=self.device)
+        else:
+            starts = torch.tensor([s], dtype=torch.int64, device=self.device)
+            lengths = torch.tensor([n], dtype=torch.int64, device=self.device)
+            freed = ops.remap_slots(self.req_to_token, starts, slots[None], path[None], lengths)
+            self._free.extend(reversed(torch.as_tensor(freed).tolist()))
+        self.length += n
+
+    def _take(self) -> torch.Tensor:
+        if self._pending is None:
+            raise ValueError("nothing pending to commit")
+        slots, self._pending = self._pending, None
+        return slots
+
+    def committed_rows(self) -> torch.Tensor:
+        """[s, num_layers, kv_lora + rope]: the committed latents in position order (for checks)."""
+        return self.kv[self.req_to_token[0, : self.length]]

@@ -1,0 +1,161 @@
+"""Weights: Hugging Face checkpoint loading, deterministic random weights, KDTR round trips.
+
+    model = load_pretrained(Path("hf_dir"))            # config.json + *.safetensors, HF DeepseekV3 names
+    w = random_weights(cfg, seed=0)                    # name -> float32 numpy array (same seed, same bytes)
+    save_pretrained(model, "out_dir")                  # config.json + model.safetensors (HF layout)
+
+Checkpoint names are the transformers DeepseekV3 ones (per-expert `mlp.experts.{e}.gate_proj.weight`,
+as `save_pretrained` writes them). Multi-token-prediction layers (layer index >= num_hidden_layers,
+DeepSeek-V3 README_WEIGHTS) are skipped; an untied checkpoint without `lm_head.weight` is an error;
+block-FP8 / INT4 checkpoints (`*_scale_inv`, `weight_packed`) are refused: the MVP engine loads
+dense float weights only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from kdlib.engine.config import ModelConfig
+
+
+def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight of the model under its HF name, in a fixed order, with its shape."""
+    H, nh = cfg.hidden_size, cfg.num_attention_heads
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, H)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        if cfg.q_lora_rank is None:
+            out[a + "q_proj.weight"] = (nh * cfg.qk_head_dim, H)
+        else:
+            out[a + "q_a_proj.weight"] = (cfg.q_lora_rank, H)
+            out[a + "q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+            out[a + "q_b_proj.weight"] = (nh * cfg.qk_head_dim, cfg.q_lora_rank)
+        out[a + "kv_a_proj_with_mqa.weight"] = (cfg.latent_dim, H)
+        out[a + "kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
+        out[a + "kv_b_proj.weight"] = (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+        out[a + "o_proj.weight"] = (H, nh * cfg.v_head_dim)
+        m = p + "mlp."
+        if i < cfg.first_k_dense_replace:
+            out.update(_mlp(m, H, cfg.intermediate_size))
+        else:
+            out[m + "gate.weight"] = (cfg.n_routed_experts, H)
+            out[m + "gate.e_score_correction_bias"] = (cfg.n_routed_experts,)
+            for e in range(cfg.n_routed_experts):
+                out.update(_mlp(f"{m}experts.{e}.", H, cfg.moe_intermediate_size))
+            if cfg.n_shared_experts:
+                out.update(_mlp(m + "shared_experts.", H, cfg.moe_intermediate_size * cfg.n_shared_experts))
+        out[p + "input_layernorm.weight"] = (H,)
+        out[p + "post_attention_layernorm.weight"] = (H,)
+    out["model.norm.weight"] = (H,)
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, H)
+    return out
+
+
+def _mlp(prefix, hidden, inter):
+    return {prefix + "gate_proj.weight": (inter, hidden), prefix + "up_proj.weight": (inter, hidden),
+            prefix + "down_proj.weight": (hidden, inter)}
+
+
+def random_weights(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+    """Deterministic float32 weights from numpy's PCG64 (stable across numpy versions).
+
+    Scales keep a random tiny model away from a flat output: linear weights N(0, 1/fan_in) (unit
+    gain), embeddings N(0, 1), norm weights 1 + N(0, 0.1) and a router bias N(0, 0.1) so that every
+    parameter's role is exercised (a model of all-ones norms would hide a norm bug).
+    """
+    rng = np.random.Generator(np.random.PCG64(seed))
+    out = {}
+    for name, shape in parameter_shapes(cfg).items():
+        if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+            a = 1.0 + 0.1 * rng.standard_normal(shape)
+        elif name.endswith("e_score_correction_bias"):
+            a = 0.1 * rng.standard_normal(shape)
+        elif name == "model.embed_tokens.weight":
+            a = rng.standard_normal(shape)
+        else:
+            a = rng.standard_normal(shape) / np.sqrt(shape[1])
+        out[name] = a.astype(np.float32)
+    return out
+
+
+_MTP = re.compile(r"^model\.layers\.(\d+)\.")
+_QUANT = ("_scale_inv", "weight_scale", "weight_packed", "weight_shape", "input_scale")
+
+
+def check_keys(expected: set, got: set) -> None:
+    """ValueError listing missing / unexpected weight names (first few of each)."""
+    missing, extra = sorted(expected - got), sorted(got - expected)
+    if missing or extra:
+        raise ValueError(
+            "checkpoint does not match the config: "
+            + (f"missing {len(missing)} weights, e.g. {missing[:4]}" if missing else "")
+            + ("; " if missing and extra else "")
+            + (f"{len(extra)} unexpected, e.g. {extra[:4]}" if extra else "")
+        )
+
+
+def read_safetensors_dir(path: Path, cfg: ModelConfig) -> dict:
+    """name -> torch tensor from every *.safetensors in `path`, MTP layers and buffers dropped."""
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors files")
+    weights = {}
+    for f in files:
+        for k, v in load_file(str(f)).items():
+            if any(s in k for s in _QUANT):
+                raise ValueError(f"{f.name}: quantized weight {k!r}; the engine loads dense float checkpoints only")
+            m = _MTP.match(k)
+            if (m and int(m.group(1)) >= cfg.num_hidden_layers) or k.endswith("rotary_emb.inv_freq"):
+                continue
+            weights[k] = v
+    if cfg.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    return weights
+
+
+def load_pretrained(path: Path, dtype=None, device=None):
+    """Model from a HF folder (config.json + safetensors)."""
+    import torch
+
+    from kdlib.engine.model import Model
+
+    if not path.is_dir():
+        raise ValueError(f"{path}: not a folder")
+    cfg = ModelConfig.from_json(path / "config.json")
+    weights = read_safetensors_dir(path, cfg)
+    model = Model(cfg)
+    model.load_weights(weights)
+    return model.to(device=device or "cpu", dtype=dtype or torch.float32).eval()
+
+
+def save_pretrained(model, path) -> None:
+    """Write config.json + model.safetensors in the HF layout (atomic per file)."""
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    _atomic(out / "model.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    text = json.dumps(model.cfg.to_hf_dict(), indent=2) + "\n"
+    _atomic(out / "config.json", lambda tmp: Path(tmp).write_text(text))
+
+
+def _atomic(dst: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, dst)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

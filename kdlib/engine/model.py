@@ -1,0 +1,406 @@
+"""The DeepSeek-V3 / Kimi-K2 transformer in PyTorch: MLA + MoE, device-agnostic, FP32 (bf16 optional).
+
+    model = Model.from_pretrained("path/to/hf_dir")            # config.json + *.safetensors (HF names)
+    model = Model.random(cfg, seed=0)                            # deterministic numpy-seeded weights
+    logits = model.logits(token_ids)                             # [T, V], full causal forward
+
+Two attention forms over the same weights (parameter names are the Hugging Face DeepseekV3 names,
+so `state_dict()` loads a HF checkpoint as it is):
+
+  * plain (`forward_plain`, used by `logits` and prefill): expand the latent through `kv_b_proj`
+    into per-head K and V and attend causally, as transformers' `DeepseekV3Attention` does;
+  * absorbed (`forward_cached`, used by decode and tree verify): fold `kv_b_proj` into the query
+    and the output, so every head attends over the latent cache rows `[c_kv (kv_lora) | k_rope]`
+    directly: score = (q_nope W_uk) . c + q_rope . k_rope, out = (p . c) W_uv.
+
+RoPE follows transformers: with `rope_interleave` (the DeepSeek default) the rotary half of q/k is
+read as interleaved pairs (x0, x1), (x2, x3)... and written out de-interleaved, [rotated evens |
+rotated odds]; otherwise the NeoX halves (rotate_half). q and k get the same layout, so the dot
+product is unchanged, and the cache stores k_rope already rotated. YaRN: inverse frequencies and
+magnitudes as transformers' `_compute_yarn_parameters`, the softmax scale multiplied by
+mscale(factor, mscale_all_dim)^2 (models-hardware.md §3). cos/sin are computed in float64 and
+rounded once to the compute dtype.
+
+MoE: sigmoid router scores; expert choice uses scores + e_score_correction_bias, restricted to the
+`topk_group` groups with the largest sum of their top-2 biased scores (noaux_tc); the weights are
+the unbiased scores of the chosen experts, normalised when `norm_topk_prob`, times
+`routed_scaling_factor`; plus the shared expert(s). Layers below `first_k_dense_replace` are dense.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kdlib.engine.config import ModelConfig
+
+
+# ----------------------------------------------------------------------------- RoPE (host side)
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [qk_rope_head_dim / 2] float64, YaRN-blended when configured."""
+    d = cfg.qk_rope_head_dim
+    base = cfg.rope_theta
+    pos_freqs = base ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    extrap = 1.0 / pos_freqs
+    r = cfg.rope
+    if r is None:
+        return extrap
+    interp = 1.0 / (r.factor * pos_freqs)
+
+    def correction_dim(rotations):
+        return d * math.log(r.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(r.beta_fast), correction_dim(r.beta_slow)
+    if r.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # as transformers: avoid a zero-width ramp
+    ramp = np.clip((np.arange(d // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    extrap_weight = 1.0 - ramp
+    return interp * (1.0 - extrap_weight) + extrap * extrap_weight
+
+
+def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, rope/2] for integer positions [T], magnitude-scaled by the YaRN attention factor."""
+    inv = torch.from_numpy(rope_inv_freq(cfg)).to(device)
+    ang = positions.to(device=device, dtype=torch.float64)[:, None] * inv[None, :]  # [T, rope/2]
+    m = cfg.rope_attention_factor
+    return (ang.cos() * m).to(dtype), (ang.sin() * m).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """Rotate the last axis of x [T, ..., rope] with cos/sin [T, rope/2]; output de-interleaved."""
+    if interleave:
+        a, b = x[..., 0::2], x[..., 1::2]
+    else:
+        half = x.shape[-1] // 2
+        a, b = x[..., :half], x[..., half:]
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+    c, s = cos.view(shape), sin.view(shape)
+    return torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+
+
+# ----------------------------------------------------------------------------- layers
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """DeepSeek-V3 noaux_tc router: group-limited top-k over sigmoid scores + correction bias."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts), persistent=True)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] float32, expert ids [T, k] int64)."""
+        c = self.cfg
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        choice = scores + self.e_score_correction_bias.float()
+        if c.n_group > 1:
+            per = c.n_routed_experts // c.n_group
+            group_scores = choice.view(-1, c.n_group, per).topk(2, dim=-1).values.sum(-1)  # [T, G]
+            group_idx = group_scores.topk(c.topk_group, dim=-1).indices  # [T, topk_group]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+            keep = keep[:, :, None].expand(-1, -1, per).reshape(-1, c.n_routed_experts)
+            choice = choice.masked_fill(~keep, float("-inf"))
+        idx = choice.topk(c.num_experts_per_tok, dim=-1).indices  # [T, k]
+        w = scores.gather(1, idx)
+        if c.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)  # 1e-20: transformers' guard against a zero sum
+        return w * c.routed_scaling_factor, idx
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.n_routed_experts))
+        self.shared_experts = (
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, idx = self.gate(x)
+        out = torch.zeros_like(x)
+        for e in torch.unique(idx).tolist():
+            rows, slot = torch.where(idx == e)
+            out.index_add_(0, rows, self.experts[e](x[rows]) * w[rows, slot, None].to(x.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention with the plain and the absorbed forms (see module docstring)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        H, nh = cfg.hidden_size, cfg.num_attention_heads
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(H, nh * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(H, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)  # transformers keeps the default eps here
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, nh * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(H, cfg.latent_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)  # ditto
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(nh * cfg.v_head_dim, H, bias=False)
+
+    def _q(self, x, cos, sin):
+        """x [T, H] -> q_nope [T, nh, nope], q_rope [T, nh, rope] (rotated)."""
+        c = self.cfg
+        q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(x.shape[0], c.num_attention_heads, c.qk_head_dim)
+        q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        return q_nope, apply_rope(q_rope, cos, sin, c.rope_interleave)
+
+    def latent(self, x, cos, sin) -> torch.Tensor:
+        """The cache row of each token: [T, kv_lora + rope] = [normed c_kv | rotated k_rope]."""
+        c = self.cfg
+        kv = self.kv_a_proj_with_mqa(x)
+        c_kv, k_rope = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        return torch.cat([self.kv_a_layernorm(c_kv), apply_rope(k_rope, cos, sin, c.rope_interleave)], dim=-1)
+
+    def forward_plain(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal self-attention over x [T, H]. Returns (out [T, H], latent rows [T, kv_lora + rope])."""
+        c = self.cfg
+        T, nh = x.shape[0], c.num_attention_heads
+        q_nope, q_rope = self._q(x, cos, sin)
+        lat = self.latent(x, cos, sin)
+        kv = self.kv_b_proj(lat[:, : c.kv_lora_rank]).view(T, nh, c.qk_nope_head_dim + c.v_head_dim)
+        k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+        k_rope = lat[:, None, c.kv_lora_rank :].expand(T, nh, c.qk_rope_head_dim)
+        q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)  # [nh, T, qk]
+        k = torch.cat([k_nope, k_rope], dim=-1).transpose(0, 1)  # [nh, T, qk]
+        s = torch.matmul(q, k.transpose(1, 2)) * c.softmax_scale  # [nh, T, T]
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        s = s.masked_fill(~causal, float("-inf"))
+        p = torch.softmax(s.float(), dim=-1).to(x.dtype)
+        o = torch.matmul(p, v.transpose(0, 1)).transpose(0, 1).reshape(T, nh * c.v_head_dim)
+        return self.o_proj(o), lat
+
+    def forward_absorbed(self, x, cos, sin, keys: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Queries x [Q, H] over latent keys [N, kv_lora + rope] (already holding the queries' own rows).
+
+        mask [Q, N] bool (True = visible) or None (all visible). Returns out [Q, H].
+        """
+        c = self.cfg
+        Q, nh = x.shape[0], c.num_attention_heads
+        q_nope, q_rope = self._q(x, cos, sin)
+        w = self.kv_b_proj.weight.view(nh, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        w_uk, w_uv = w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]  # [nh, nope, r], [nh, v, r]
+        q_lat = torch.einsum("qhn,hnr->qhr", q_nope, w_uk)  # [Q, nh, kv_lora]
+        k_c, k_r = keys[:, : c.kv_lora_rank], keys[:, c.kv_lora_rank :]
+        s = (torch.einsum("qhr,kr->qhk", q_lat, k_c) + torch.einsum("qhd,kd->qhk", q_rope, k_r)) * c.softmax_scale
+        if mask is not None:
+            s = s.masked_fill(~mask[:, None, :], float("-inf"))  # [Q, nh, N]
+        p = torch.softmax(s.float(), dim=-1).to(x.dtype)
+        o_lat = torch.einsum("qhk,kr->qhr", p, k_c)  # [Q, nh, kv_lora]
+        o = torch.einsum("qhr,hvr->qhv", o_lat, w_uv).reshape(Q, nh * c.v_head_dim)
+        return self.o_proj(o)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.self_attn = MLAttention(cfg)
+        self.mlp = MoE(cfg) if index >= cfg.first_k_dense_replace else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def ffn(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+# ----------------------------------------------------------------------------- the model
+class Model(nn.Module):
+    """DeepseekV3ForCausalLM-compatible model. Parameter names equal the HF ones.
+
+    Hidden-state taps for a drafter: `capture=(l1, l2, ...)` returns the outputs of those decoder
+    layers (HF `hidden_states[l + 1]`), concatenated on the feature axis: [T, len(capture) * H].
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    # ---- construction
+    @classmethod
+    def from_pretrained(cls, path, dtype=None, device=None) -> Model:
+        """Load config.json + *.safetensors (HF DeepseekV3 names) from a folder."""
+        from kdlib.engine.loading import load_pretrained
+
+        return load_pretrained(Path(path), dtype=dtype, device=device)
+
+    @classmethod
+    def random(cls, cfg: ModelConfig, seed: int = 0, dtype=None, device=None) -> Model:
+        """Deterministic random weights (numpy PCG64 per `loading.random_weights`): same seed, same model."""
+        from kdlib.engine.loading import random_weights
+
+        m = cls(cfg)
+        m.load_weights(random_weights(cfg, seed))
+        return m.to(device=device or "cpu", dtype=dtype or torch.float32).eval()
+
+    def load_weights(self, weights: dict) -> None:
+        """Copy a name -> array mapping (numpy or torch, HF names) into the parameters; exact key match."""
+        from kdlib.engine.loading import check_keys
+
+        own = self.state_dict()
+        check_keys(set(own), set(weights))
+        with torch.no_grad():
+            for k, t in own.items():
+                src = weights[k]
+                src = torch.from_numpy(np.ascontiguousarray(src)) if isinstance(src, np.ndarray) else src
+                if tuple(src.shape) != tuple(t.shape):
+                    raise ValueError(f"{k}: shape {tuple(src.shape)} does not match the config's {tuple(t.shape)}")
+                t.copy_(src.to(t.dtype))
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head: h [T, H] (pre-norm residual stream) -> logits [T, V] float32."""
+        h = self.model.norm(h)
+        w = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        return F.linear(h, w).float()
+
+    def check_tokens(self, token_ids) -> torch.Tensor:
+        """Validate ids (1-D, non-empty, inside the vocabulary) and return them as int64 on the model's device."""
+        t = torch.as_tensor(token_ids)
+        if t.dim() != 1 or t.numel() == 0:
+            raise ValueError(f"token_ids must be a non-empty 1-D sequence, got shape {tuple(t.shape)}")
+        if t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise ValueError(f"token_ids must be integers, got {t.dtype}")
+        lo, hi = int(t.min()), int(t.max())
+        if lo < 0 or hi >= self.cfg.vocab_size:
+            raise ValueError(f"token id out of the vocabulary [0, {self.cfg.vocab_size}): min {lo}, max {hi}")
+        return t.to(device=self.device, dtype=torch.int64)
+
+    # ---- forwards
+    @torch.no_grad()
+    def forward_plain(self, token_ids, capture: tuple[int, ...] = ()):
+        """Full causal forward from position 0 in the plain MLA form.
+
+        Returns (h [T, H] last residual stream, latents [T, L, kv_lora + rope], captured [T, F] or None).
+        """
+        ids = self.check_tokens(token_ids)
+        T = ids.shape[0]
+        cos, sin = rope_cos_sin(self.cfg, torch.arange(T), self.dtype, self.device)
+        h = self.model.embed_tokens(ids)
+        lats, taps = [], []
+        for i, layer in enumerate(self.model.layers):
+            a, lat = layer.self_attn.forward_plain(layer.input_layernorm(h), cos, sin)
+            h = layer.ffn(h + a)
+            lats.append(lat)
+            if i in capture:
+                taps.append((i, h))
+        return h, torch.stack(lats, dim=1), _concat_taps(taps, capture)
+
+    @torch.no_grad()
+    def logits(self, token_ids) -> torch.Tensor:
+        """[T, V] float32 logits of a full causal forward (plain form)."""
+        h, _, _ = self.forward_plain(token_ids)
+        return self.head(h)
+
+    @torch.no_grad()
+    def prefill(self, cache, token_ids, capture: tuple[int, ...] = ()):
+        """Plain-form forward of a prompt into an empty cache; its latent rows are committed.
+
+        Returns (h [T, H], captured [T, F] or None).
+        """
+        if cache.length:
+            raise ValueError(f"prefill needs an empty cache, this one holds {cache.length} tokens")
+        h, lats, taps = self.forward_plain(token_ids, capture)
+        cache.write_all(cache.pending(h.shape[0]), lats)
+        cache.commit()
+        return h, taps
+
+    @torch.no_grad()
+    def forward_cached(self, cache, token_ids, positions, visibility=None, capture: tuple[int, ...] = ()):
+        """Absorbed-form forward of Q new tokens against a latent cache (decode: Q = 1; tree verify).
+
+        token_ids [Q], positions [Q] (RoPE positions, s + depth for a tree), visibility [Q, Q] bool
+        among the new tokens (None = all see all committed keys and themselves only when Q = 1).
+        The new tokens' latent rows are written to `cache.pending(Q)` slots; every query sees all
+        committed rows plus the new rows its visibility row allows.
+        Returns (h [Q, H], captured [Q, F] or None).
+        """
+        ids = self.check_tokens(token_ids)
+        Q = ids.shape[0]
+        if visibility is None and Q != 1:
+            raise ValueError("visibility is required when more than one token is verified")
+        pos = torch.as_tensor(positions, device=self.device, dtype=torch.int64)
+        cos, sin = rope_cos_sin(self.cfg, pos, self.dtype, self.device)
+        slots = cache.pending(Q)  # [Q] physical slots of the new rows
+        key_slots = cache.key_slots(slots)  # [s + Q]
+        mask = None
+        if visibility is not None:
+            vis = torch.as_tensor(visibility, device=self.device, dtype=torch.bool)
+            mask = torch.cat([torch.ones(Q, key_slots.shape[0] - Q, dtype=torch.bool, device=self.device), vis], dim=1)
+        h = self.model.embed_tokens(ids)
+        taps = []
+        for i, layer in enumerate(self.model.layers):
+            x = layer.input_layernorm(h)
+            cache.write(i, slots, layer.self_attn.latent(x, cos, sin))
+            h = layer.ffn(h + layer.self_attn.forward_absorbed(x, cos, sin, cache.read(i, key_slots), mask))
+            if i in capture:
+                taps.append((i, h))
+        return h, _concat_taps(taps, capture)
+
+
+def _concat_taps(taps, capture):
+    if not capture:
+        return None
+    got = dict(taps)
+    missing = [c for c in capture if c not in got]
+    if missing:
+        raise ValueError(f"capture layers {missing} are not decoder layers of this model")
+    return torch.cat([got[c] for c in capture], dim=-1)

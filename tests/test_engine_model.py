@@ -1,0 +1,210 @@
+"""kdlib.engine model: config parsing, HF checkpoint loading, equality with transformers' DeepseekV3ForCausalLM,
+and the absorbed (cached) MLA form against the plain one."""
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from kdlib import DATA, check
+from kdlib.engine.cache import LatentCache
+from kdlib.engine.config import ConfigError, ModelConfig
+from kdlib.engine.loading import save_pretrained
+from kdlib.engine.model import Model
+
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 0.8, "mscale_all_dim": 1.0}
+
+
+def _hf_dict(q_lora, rope, n_group, topk_group, interleave=True, tie=False):
+    return dict(
+        model_type="deepseek_v3", vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=4, n_shared_experts=1, n_routed_experts=8, kv_lora_rank=16,
+        q_lora_rank=q_lora, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=10, n_group=n_group,
+        topk_group=topk_group, num_experts_per_tok=3, first_k_dense_replace=1, max_position_embeddings=256,
+        rope_scaling=rope, rope_theta=10000.0, rms_norm_eps=1e-6, routed_scaling_factor=2.5, norm_topk_prob=True,
+        rope_interleave=interleave, tie_word_embeddings=tie,
+    )
+
+
+CASES = {
+    "qlora-yarn-groups2": _hf_dict(24, YARN, 2, 1),
+    "no-qlora-yarn-groups4": _hf_dict(None, YARN, 4, 2),
+    "no-qlora-plain-rope-neox": _hf_dict(None, None, 1, 1, interleave=False),
+    "qlora-yarn-defaults-tied": _hf_dict(24, {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32},
+                                         2, 2, tie=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_transformers(case, tmp_path):
+    """A random HF DeepseekV3ForCausalLM, saved with save_pretrained, loads and gives the same logits (FP32)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = ModelConfig.from_dict(CASES[case])
+    hd = cfg.to_hf_dict()
+    for k in ("model_type", "architectures"):
+        hd.pop(k)
+    hcfg = DeepseekV3Config(**hd)
+    hcfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = DeepseekV3ForCausalLM(hcfg).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # unit-gain weights and a non-zero router bias: every part shows in the logits
+        for name, p in list(hf.named_parameters()) + list(hf.named_buffers()):
+            if "inv_freq" in name:
+                continue
+            if name.endswith("e_score_correction_bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif p.dim() == 1:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / (1 if "embed" in name else p.shape[-1] ** 0.5))
+    hf.save_pretrained(tmp_path)
+    model = Model.from_pretrained(tmp_path)
+    ids = torch.randint(0, cfg.vocab_size, (40,), generator=g)
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    check.assert_close(model.logits(ids), ref, rtol=1e-4, name=f"engine vs transformers {case}")
+
+
+def test_save_pretrained_round_trip(tmp_path):
+    cfg = ModelConfig.from_json(DATA / "configs" / "tiny-a.json")
+    m = Model.random(cfg, seed=3)
+    save_pretrained(m, tmp_path)
+    m2 = Model.from_pretrained(tmp_path)
+    ids = torch.arange(20) % cfg.vocab_size
+    check.assert_equal(m2.logits(ids), m.logits(ids), name="save/load round trip")
+
+
+def test_config_spellings_agree():
+    """rope_parameters (transformers 5) == rope_scaling + rope_theta; type == rope_type; kimi_k25 text_config."""
+    a = CASES["qlora-yarn-groups2"]
+    b = copy.deepcopy(a)
+    rope = dict(b.pop("rope_scaling"))
+    rope["rope_type"] = rope.pop("type")
+    rope["rope_theta"] = b.pop("rope_theta")
+    b["rope_parameters"] = rope
+    k25 = {"model_type": "kimi_k25", "text_config": {**copy.deepcopy(a), "model_type": "kimi_k2"}, "vision_config": {}}
+    ca, cb, ck = ModelConfig.from_dict(a), ModelConfig.from_dict(b), ModelConfig.from_dict(k25)
+    assert ca == cb
+    assert ck.model_type == "kimi_k25" and ck.rope == ca.rope and ck.hidden_size == ca.hidden_size
+    assert ModelConfig.from_dict(ca.to_hf_dict()) == ca
+
+
+def test_config_values_kimi_k2_yarn():
+    """Softmax scale of Kimi-K2-0905 (models-hardware.md §3 table: x2.0047 over 1/sqrt(192))."""
+    d = _hf_dict(1536, {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
+                        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}, 1, 1)
+    d.update(model_type="kimi_k2", qk_nope_head_dim=128, qk_rope_head_dim=64, rope_theta=50000.0)
+    cfg = ModelConfig.from_dict(d)
+    assert cfg.softmax_scale == pytest.approx(192**-0.5 * 2.0047, rel=1e-4)
+    assert cfg.rope_attention_factor == 1.0
+
+
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        ({"model_type": "llama"}, "model_type"),
+        ({"hidden_size": None}, "hidden_size"),
+        ({"kv_lora_rank": "512"}, "kv_lora_rank"),
+        ({"scoring_func": "softmax"}, "scoring_func"),
+        ({"topk_method": "greedy"}, "topk_method"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"rope_scaling": {"type": "llama3", "factor": 8.0}}, "rope_type"),
+        ({"rope_scaling": {"type": "yarn", "factor": 8.0}}, "original_max_position_embeddings"),
+        ({"n_group": 3}, "n_group"),
+        ({"topk_group": 3}, "topk_group"),
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+        ({"qk_rope_head_dim": 7}, "qk_rope_head_dim"),
+        ({"rope_theta": None}, "rope_theta"),
+        ({"moe_layer_freq": 2}, "moe_layer_freq"),
+    ],
+)
+def test_config_errors_name_the_field(edit, field):
+    d = copy.deepcopy(CASES["qlora-yarn-groups2"])
+    for k, v in edit.items():
+        if v is None:
+            d.pop(k)
+        else:
+            d[k] = v
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig.from_dict(d)
+
+
+def test_kimi_k25_needs_text_config():
+    with pytest.raises(ConfigError, match="text_config"):
+        ModelConfig.from_dict({"model_type": "kimi_k25"})
+
+
+def test_tiny_configs_parse():
+    for name in ("tiny-a", "tiny-b"):
+        cfg = ModelConfig.from_json(DATA / "configs" / f"{name}.json")
+        assert cfg.rope is not None
+        assert json.loads(json.dumps(cfg.to_hf_dict()))["vocab_size"] == cfg.vocab_size
+
+
+@pytest.mark.parametrize("name", ["tiny-a", "tiny-b"])
+@pytest.mark.parametrize("mode", ["compact", "remap"])
+def test_absorbed_decode_matches_plain(name, mode):
+    """Prefill + one-token absorbed decode steps give the full causal forward's logits."""
+    cfg = ModelConfig.from_json(DATA / "configs" / f"{name}.json")
+    model = Model.random(cfg, seed=5)
+    ids = torch.from_numpy(np.random.default_rng(0).integers(0, cfg.vocab_size, 24))
+    full = model.logits(ids)
+    cache = LatentCache(cfg, 64, mode=mode)
+    h, _ = model.prefill(cache, ids[:10])
+    rows = [model.head(h)]
+    for t in range(10, 24):
+        h, _ = model.forward_cached(cache, ids[t : t + 1], [t])
+        cache.commit()
+        rows.append(model.head(h))
+    check.assert_close(torch.cat(rows), full, rtol=1e-5, name=f"absorbed decode vs plain {name} {mode}")
+
+
+def test_tree_verify_rows_match_causal_paths():
+    """Each verify row's logits equal a causal forward over root..node (survey §9 item 3)."""
+    cfg = ModelConfig.from_json(DATA / "configs" / "tiny-a.json")
+    model = Model.random(cfg, seed=6)
+    prompt = torch.tensor([3, 1, 4, 1, 5])
+    # root 0 -> 1 -> 3, root 0 -> 2 (a sibling of 1), node 4 child of 2
+    parents = [-1, 0, 0, 1, 2]
+    tokens = torch.tensor([9, 2, 6, 5, 3])
+    depth = [0, 1, 1, 2, 2]
+    vis = torch.zeros(5, 5, dtype=torch.bool)
+    for i in range(5):
+        j = i
+        while j >= 0:
+            vis[i, j] = True
+            j = parents[j]
+    cache = LatentCache(cfg, 32)
+    model.prefill(cache, prompt)
+    h, _ = model.forward_cached(cache, tokens, [5 + d for d in depth], vis)
+    got = model.head(h)
+    for i in range(5):
+        chain, j = [], i
+        while j >= 0:
+            chain.append(int(tokens[j]))
+            j = parents[j]
+        full = model.logits(torch.cat([prompt, torch.tensor(chain[::-1])]))
+        check.assert_close(got[i], full[-1], rtol=1e-5, name=f"tree row {i}", quiet=True)
+
+
+def test_bad_token_ids():
+    cfg = ModelConfig.from_json(DATA / "configs" / "tiny-a.json")
+    model = Model.random(cfg, seed=0)
+    for bad in ([], [0, cfg.vocab_size], [-1], [[1, 2]], [0.5]):
+        with pytest.raises(ValueError):
+            model.logits(bad)
+
+
+def test_checkpoint_mismatch_is_named(tmp_path):
+    cfg = ModelConfig.from_json(DATA / "configs" / "tiny-b.json")
+    save_pretrained(Model.random(cfg, seed=0), tmp_path)
+    d = json.loads((tmp_path / "config.json").read_text())
+    d["num_hidden_layers"] = 3
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=r"missing 30 weights.*model\.layers\.2\."):
+        Model.from_pretrained(tmp_path)
