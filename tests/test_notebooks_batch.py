@@ -1,0 +1,30 @@
+"""The batch runner over every real notebook with its smoke parameters (`notebooks/params/
+<stem>.smoke.yaml`), one test per notebook so that a failure names it."""
+
+import json
+
+import pytest
+
+from kdlib import NOTEBOOKS, report
+
+FOUND = sorted(NOTEBOOKS.glob("[0-9]*.ipynb"))
+
+
+def test_notebooks_exist():
+    assert FOUND, f"no notebooks ([0-9]*.ipynb) found in {NOTEBOOKS}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("notebook", FOUND, ids=[p.stem for p in FOUND])
+def test_smoke_profile_runs(notebook, tmp_path):
+    entries = report.run_reports([notebook.stem], profile="smoke", out_dir=tmp_path)
+    (entry,) = entries
+    err = entry["error"] or {}
+    assert entry["status"] == "passed", (
+        f"{notebook.name} failed under its smoke profile: {err.get('ename')}: {err.get('evalue')} "
+        f"(executed notebook: {tmp_path / notebook.stem}.ipynb)"
+    )
+    assert (tmp_path / f"{notebook.stem}.html").is_file()
+    assert entry["title"] != notebook.stem, f"{notebook.name}: first cell is not a '# NN · Title' heading"
+    index = json.loads((tmp_path / "index.json").read_text())
+    assert [e["stem"] for e in index["notebooks"]] == [notebook.stem]
