@@ -1,0 +1,137 @@
+"""Ceilings: the GPU's device-to-device copy bandwidth and its dense bf16 matmul rate, measured.
+
+    python3 -m kdlib.perf.run --suite ceilings [--quick]   ->  data/results/ceilings.<gpu>.json
+
+Later benchmarks divide by these two numbers (`kdlib.perf.load("ceilings")`, keys
+`copy_bandwidth_Bps` and `bf16_matmul_flops`) to state their fraction of what the chip really does,
+next to the datasheet figures.
+
+Copy: `dst.copy_(src)` on contiguous uint8 buffers of the same device (torch issues a
+device-to-device cudaMemcpyAsync); each copy moves 2 x size bytes (read src + write dst). The
+headline is the median at 4 GiB, large enough that launch cost and the 50 MB L2 are negligible.
+A second method, an elementwise kernel (`torch.mul(src, 1, out=dst)` on float32), shows what a
+plain streaming kernel reaches. Every copy result is checked bit-exact against its source.
+
+Matmul: `torch.matmul(a, b, out=c)` with a [M, K], b [K, N] bf16 drawn from N(0, 1) (random data:
+zeros or constants draw less power and read higher); FLOPs = 2 * M * N * K. The headline is the
+median at M = N = K = 8192. One slice of the product is checked against a float32 matmul.
+
+All timings: CUDA events around each call, warm-up calls first, median and quantiles
+(`kdlib.perf.cuda_time`).
+"""
+
+from __future__ import annotations
+
+GiB = 1 << 30
+HEADLINE_COPY_BYTES = 4 * GiB  # >= 4 GiB: 80x the H200's 50 MB L2, launch overhead < 0.1 %
+COPY_SIZES = (256 << 20, 1 * GiB, 4 * GiB)  # the curve shows where bandwidth saturates
+HEADLINE_MATMUL = (8192, 8192, 8192)  # M, N, K: large enough to saturate every SM on H100/H200-class parts
+MATMUL_SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (16384, 16384, 8192))
+CHECK_ROWS = 256  # rows of the product checked against float32: 256 x 8192, cheap on the host
+
+
+def _copy_case(torch, nbytes: int, method: str, *, warmup: int, iters: int) -> dict:
+    from kdlib.perf import cuda_time
+
+    if method == "memcpy":
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")  # [nbytes] uint8
+    elif method == "kernel":
+        # [nbytes / 4] float32 from N(0, 1): finite and normal, so x * 1 reproduces x bit for bit
+        src = torch.randn(nbytes // 4, dtype=torch.float32, device="cuda")
+    else:
+        raise ValueError(f"copy method must be 'memcpy' or 'kernel', got {method!r}")
+    dst = torch.empty_like(src)
+
+    def fn():
+        if method == "memcpy":
+            dst.copy_(src)  # same dtype, contiguous, same device: one device-to-device cudaMemcpyAsync
+        else:
+            torch.mul(src, 1.0, out=dst)  # one elementwise streaming kernel
+
+    timing = cuda_time(fn, warmup=warmup, iters=iters)
+    ok = bool(torch.equal(dst, src))
+    if not ok:
+        raise AssertionError(f"{method} copy of {nbytes} bytes did not reproduce its source")
+    moved = 2 * nbytes  # read + write
+    return {
+        "method": method,
+        "bytes_per_copy": nbytes,
+        "bytes_moved": moved,
+        "timing": timing.as_dict(),
+        "Bps": moved / (timing.median_ms * 1e-3),
+        "checked": ok,
+    }
+
+
+def _matmul_case(torch, m: int, n: int, k: int, *, warmup: int, iters: int) -> dict:
+    from kdlib.check import assert_close
+    from kdlib.perf import cuda_time
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(m, k, dtype=torch.bfloat16, device="cuda", generator=gen)  # [M, K]
+    b = torch.randn(k, n, dtype=torch.bfloat16, device="cuda", generator=gen)  # [K, N]
+    c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")  # [M, N]
+
+    def fn():
+        torch.matmul(a, b, out=c)
+
+    timing = cuda_time(fn, warmup=warmup, iters=iters)
+    ref = a[:CHECK_ROWS].float() @ b.float()  # [CHECK_ROWS, N] float32
+    # bf16 output rounding alone gives ~2^-9 relative error per element; 1e-2 catches a wrong result.
+    err = assert_close(c[:CHECK_ROWS].float(), ref, rtol=1e-2, name=f"bf16 matmul {m}x{n}x{k}", quiet=True)
+    flops = 2.0 * m * n * k
+    return {
+        "m": m, "n": n, "k": k,
+        "flops": flops,
+        "timing": timing.as_dict(),
+        "flops_per_s": flops / (timing.median_ms * 1e-3),
+        "check_norm_rel_err": err["norm_rel"],
+    }
+
+
+def run(args) -> dict:
+    """Measure both ceilings on the current CUDA device; see the module docstring."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("the ceilings suite needs a CUDA device")
+    quick = bool(getattr(args, "quick", False))
+    copy_sizes = (HEADLINE_COPY_BYTES,) if quick else COPY_SIZES
+    shapes = (HEADLINE_MATMUL,) if quick else MATMUL_SHAPES
+    warmup, iters = (3, 10) if quick else (10, 50)
+    free, _ = torch.cuda.mem_get_info()
+    if free < 2 * HEADLINE_COPY_BYTES + GiB:
+        raise RuntimeError(f"need {2 * HEADLINE_COPY_BYTES + GiB} free bytes on the GPU, have {free}")
+
+    copies, matmuls = [], []
+    for method in ("memcpy", "kernel"):
+        for size in copy_sizes:
+            copies.append(_copy_case(torch, size, method, warmup=warmup, iters=iters))
+            torch.cuda.empty_cache()  # the case's buffers died with it; hand their memory back
+    for m, n, k in shapes:
+        matmuls.append(_matmul_case(torch, m, n, k, warmup=warmup, iters=iters))
+        torch.cuda.empty_cache()
+
+    headline_copy = next(c for c in copies if c["method"] == "memcpy" and c["bytes_per_copy"] == HEADLINE_COPY_BYTES)
+    headline_mm = next(r for r in matmuls if (r["m"], r["n"], r["k"]) == HEADLINE_MATMUL)
+    return {
+        "parameters": {
+            "copy_sizes_bytes": list(copy_sizes),
+            "copy_methods": ["memcpy", "kernel"],
+            "matmul_shapes_mnk": [list(s) for s in shapes],
+            "warmup": warmup,
+            "iters": iters,
+            "quick": quick,
+            "bf16_reduced_precision_reduction": getattr(
+                torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", None),
+        },
+        "copy_bandwidth_Bps": headline_copy["Bps"],
+        "bf16_matmul_flops": headline_mm["flops_per_s"],
+        "details": {
+            "copy_headline": "memcpy (dst.copy_(src)), 4 GiB, median; bytes = read + write",
+            "matmul_headline": "torch.matmul bf16 8192^3, N(0,1) data, median; FLOPs = 2 M N K",
+            "copy_best_Bps": max(c["Bps"] for c in copies),
+            "copy": copies,
+            "matmul": matmuls,
+        },
+    }
