@@ -1,0 +1,368 @@
+"""Tree-verify MLA attention on the GPU: CuPy wrappers of `kernels/tree_verify_v1.cu` and `_v2.cu`.
+
+Same names and signatures as `kdlib.ref.attention` (plus keyword-only `impl` and `validate`):
+
+    out, lse = tree_verify_attention(q, kv_cache, page_table, prefix_lens, tree_kv, visibility,
+                                     tree_sizes, softmax_scale)
+    # q [B, Q, H, 576] fp32 or bf16 (CuPy, or torch CUDA by DLPack) -> out [B, Q, H, 512] fp32,
+    # lse [B, Q, H] fp32 (natural log), both CuPy
+
+The work is three launches: the prefix kernel over the paged latent prefix (page_size 1), split
+along the KV length so that a single long request fills every SM (flash-decoding); the tail kernel
+over the tree's own rows under the visibility mask; and the LSE combine of all prefix splits with
+the tail. Conventions follow the reference: an empty key set gives out 0 and lse -inf; query rows
+at or past `tree_sizes[b]` are NaN in the tail and so in the merged result.
+
+Implementations (`impl`): "simple" (`tree_verify_v1`: one warp per row on the CUDA cores, fp32
+accumulation; the fp32 path, within 1e-5 of the float64 reference) and "mma" (`tree_verify_v2`:
+the bf16 prefix on the tensor cores with `mma.sync.m16n8k16`, fp32 accumulators; P rounded to
+bf16 before P·V, so bf16 inputs land near 1e-3 of the float64 reference of the same bf16 values).
+"auto" picks "mma" for bf16 when the device grants its 166 KB of shared memory, else "simple".
+
+Checks before any launch raise ValueError: shapes, dtypes (float32 or bfloat16, all float inputs
+alike), Q <= 65, widths 576/512, and, with `validate=True` (the default, one device sync), the
+values: prefix_lens in [0, P], tree_sizes in [0, Q], every read page-table slot in [0, S).
+Timed loops pass `validate=False`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from kdlib.cuda import loader
+
+D_QK = 576  # MLA absorb width: kv_lora_rank 512 + rope 64 (DeepSeek-V3 / Kimi-K2)
+KV_LORA_RANK = 512  # value width: the latent part of each cached row
+MAX_Q = 65  # tree queries per request: a 64-node budget + the root (issue 4)
+
+_V1 = "tree_verify_v1"
+_V2 = "tree_verify_v2"
+_V1_ROWS = 8  # rows (warps) per block in tree_verify_v1.cu (ROWS)
+_V1_KCHUNK = 16  # keys per shared-memory step in tree_verify_v1.cu (KCHUNK)
+_V1_BLOCKS_PER_SM = 4  # 256 threads x <=118 registers and 37 KB shared: 4 blocks resident per SM
+_V2_BM = 64  # query rows per block in tree_verify_v2.cu (BM)
+_V2_BN = 32  # keys per pipeline stage in tree_verify_v2.cu (BN)
+_V2_SMEM = 64 * 1168 + 2 * 32 * 1168 + 2 * 4 * 16 * 32 * 4  # Q tile + 2 K stages + S exchange (bytes)
+_MAX_SPLITS = 64  # beyond this the partial-output traffic outweighs the gain in parallelism
+_MIN_TILES_PER_SPLIT = 8  # a split shorter than 8 key tiles spends its time on set-up
+
+
+def _scale(softmax_scale) -> float:
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real) or not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be a finite real number, got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
+def _float_kind(x, name: str) -> tuple[object, str]:
+    """(CuPy C-contiguous view, 'f32' | 'bf16'); bf16 crosses as raw uint16 bits."""
+    import cupy
+
+    if loader.is_torch(x):
+        import torch
+
+        if x.dtype == torch.bfloat16:
+            return cupy.ascontiguousarray(loader.as_cupy(x.contiguous().view(torch.int16))).view(cupy.uint16), "bf16"
+        if x.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32 or bfloat16, got {x.dtype}")
+        return cupy.ascontiguousarray(loader.as_cupy(x)), "f32"
+    a = loader.as_cupy(x)
+    if a.dtype.name == "bfloat16":
+        return cupy.ascontiguousarray(a).view(cupy.uint16), "bf16"
+    if a.dtype != cupy.float32:
+        raise ValueError(f"{name} must be float32 or bfloat16, got {a.dtype}")
+    return cupy.ascontiguousarray(a), "f32"
+
+
+def _int32(x, name: str, shape: tuple[int, ...]):
+    import cupy
+
+    a = loader.as_cupy(x)
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be an integer array, got {a.dtype}")
+    if a.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
+    return cupy.ascontiguousarray(a, dtype=cupy.int32)
+
+
+def _lengths(x, name: str, batched: bool, bsz: int):
+    import cupy
+
+    if batched:
+        return _int32(x, name, (bsz,))
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise ValueError(f"{name} must be an int in the unbatched form, got {type(x).__name__}")
+    return cupy.asarray([int(x)], dtype=cupy.int32)
+
+
+def _check_q(q):
+    """q -> (CuPy [B, Q, H, 576], kind, batched)."""
+    nd = len(getattr(q, "shape", ()))
+    if nd not in (3, 4):
+        raise ValueError(f"q must be [B, Q, H, {D_QK}] (or unbatched [Q, H, {D_QK}]), got shape {getattr(q, 'shape', None)}")
+    qa, kind = _float_kind(q, "q")
+    batched = nd == 4
+    if not batched:
+        qa = qa[None]
+    bsz, nq, nh, d = qa.shape
+    if bsz < 1:
+        raise ValueError("q needs at least one request (B >= 1)")
+    if d != D_QK:
+        raise ValueError(f"q rows must be {D_QK} wide (512 latent + 64 rope), got {d}")
+    if not 1 <= nq <= MAX_Q:
+        raise ValueError(f"Q (tree queries per request) must lie in [1, {MAX_Q}], got {nq}")
+    if nh < 1:
+        raise ValueError("q needs at least one head")
+    return qa, kind, batched
+
+
+def _check_rank(kv_lora_rank):
+    if kv_lora_rank != KV_LORA_RANK:
+        raise ValueError(f"the CUDA kernels are built for kv_lora_rank {KV_LORA_RANK}, got {kv_lora_rank}")
+
+
+def _check_prefix(qa, kind, kv_cache, page_table, prefix_lens, batched):
+    bsz = qa.shape[0]
+    if len(getattr(kv_cache, "shape", ())) != 2:
+        raise ValueError(f"kv_cache must be [S, {D_QK}], got shape {getattr(kv_cache, 'shape', None)}")
+    kv, kv_kind = _float_kind(kv_cache, "kv_cache")
+    if kv.shape[1] != D_QK:
+        raise ValueError(f"kv_cache rows are {kv.shape[1]} wide but q is {D_QK} wide")
+    if kv_kind != kind:
+        raise ValueError(f"kv_cache is {kv_kind} but q is {kind}: give both the same dtype")
+    if kv.shape[0] >= 2**31:
+        raise ValueError("kv_cache has more than 2**31 - 1 slots (int32 page table)")
+    pt_shape = getattr(page_table, "shape", None)
+    if pt_shape is None or len(pt_shape) != (2 if batched else 1):
+        raise ValueError(f"page_table must be {'[B, P]' if batched else '[P]'}, got shape {pt_shape}")
+    pt = _int32(page_table if batched else loader.as_cupy(page_table)[None], "page_table", (bsz, pt_shape[-1]))
+    lens = _lengths(prefix_lens, "prefix_lens", batched, bsz)
+    return kv, pt, lens
+
+
+def _check_tail(qa, kind, tree_kv, visibility, tree_sizes, batched):
+    import cupy
+
+    bsz, nq = qa.shape[:2]
+    want = (bsz, nq, D_QK) if batched else (nq, D_QK)
+    if tuple(getattr(tree_kv, "shape", ())) != want:
+        raise ValueError(f"tree_kv must have shape {want}, got {getattr(tree_kv, 'shape', None)}")
+    tkv, t_kind = _float_kind(tree_kv, "tree_kv")
+    if t_kind != kind:
+        raise ValueError(f"tree_kv is {t_kind} but q is {kind}: give both the same dtype")
+    vwant = (bsz, nq, nq) if batched else (nq, nq)
+    vis = loader.as_cupy(visibility)
+    if vis.dtype != cupy.bool_ or vis.shape != vwant:
+        raise ValueError(f"visibility must be a bool array of shape {vwant}, got {vis.dtype} {vis.shape}")
+    vis = cupy.ascontiguousarray(vis if batched else vis[None])
+    sizes = _lengths(tree_sizes, "tree_sizes", batched, bsz)
+    return (tkv if batched else tkv[None]), vis, sizes
+
+
+def _validate_prefix(kv, pt, lens):
+    import cupy
+
+    n_slots, width = kv.shape[0], pt.shape[1]
+    if bool(((lens < 0) | (lens > width)).any()):
+        raise ValueError(f"prefix_lens must lie in [0, {width}] (the page table width)")
+    used = cupy.arange(width, dtype=cupy.int32)[None, :] < lens[:, None]  # [B, P]
+    if bool((used & ((pt < 0) | (pt >= n_slots))).any()):
+        raise ValueError(f"page_table holds slots outside [0, {n_slots}) among the read entries")
+
+
+def _validate_tail(sizes, nq):
+    if bool(((sizes < 0) | (sizes > nq)).any()):
+        raise ValueError(f"tree_sizes must lie in [0, {nq}]")
+
+
+def _device_info() -> tuple[int, int]:
+    """(SM count, opt-in shared memory per block) of the current device."""
+    import cupy
+
+    dev = cupy.cuda.runtime.getDevice()
+    props = cupy.cuda.runtime.getDeviceProperties(dev)
+    return int(props["multiProcessorCount"]), int(props["sharedMemPerBlockOptin"])
+
+
+def split_plan(bsz: int, row_blocks: int, width: int, tile: int, slots: int) -> tuple[int, int]:
+    """(nsplit, chunk): how to cut a page table of `width` keys so the grid fills the GPU.
+
+    `row_blocks` blocks per request and split, `slots` blocks resident at once over all SMs. Picks
+    the split count that minimises waves / splits (the time of one request-row-block's keys),
+    with a 2% charge per split for its partial output and combine, at least
+    `_MIN_TILES_PER_SPLIT` tiles of `tile` keys per split, and at most `_MAX_SPLITS`.
+    """
+    if width <= 0:
+        return 1, tile
+    base = bsz * row_blocks
+    max_n = max(1, min(_MAX_SPLITS, width // (_MIN_TILES_PER_SPLIT * tile)))
+
+    def cost(n):
+        return math.ceil(base * n / slots) / n * (1 + 0.02 * n)
+
+    n = min(range(1, max_n + 1), key=cost)
+    per_split = -(-width // n)
+    chunk = -(-per_split // tile) * tile  # a whole number of tiles
+    return -(-width // chunk), chunk
+
+
+def _pick_impl(impl: str, kind: str) -> str:
+    if impl not in ("auto", "simple", "mma"):
+        raise ValueError(f"impl must be 'auto', 'simple' or 'mma', got {impl!r}")
+    if impl == "mma" and kind != "bf16":
+        raise ValueError("impl 'mma' needs bfloat16 inputs (the fp32 path is 'simple')")
+    if impl == "auto":
+        return "mma" if kind == "bf16" and _device_info()[1] >= _V2_SMEM else "simple"
+    return impl
+
+
+def _launch_prefix(qa, kind, kv, pt, lens, scale, impl):
+    """-> (parts [B, nsplit, M, 512], lse [B, nsplit, M]) fp32, normalised partials per split."""
+    import cupy
+
+    bsz, nq, nh, _ = qa.shape
+    rows = nq * nh
+    width = pt.shape[1]
+    n_sm, _ = _device_info()
+    if impl == "mma":
+        rb = -(-rows // _V2_BM)
+        nsplit, chunk = split_plan(bsz, rb, width, _V2_BN, n_sm)
+        fn = loader.get_function(_V2, "tree_verify_v2_prefix_bf16")
+        loader.set_max_dynamic_shared(fn, _V2_SMEM)
+        block, smem = 256, _V2_SMEM
+    else:
+        rb = -(-rows // _V1_ROWS)
+        nsplit, chunk = split_plan(bsz, rb, width, _V1_KCHUNK, n_sm * _V1_BLOCKS_PER_SM)
+        fn = loader.get_function(_V1, f"tree_verify_v1_prefix_{kind}")
+        block, smem = _V1_ROWS * 32, 0
+    parts = cupy.empty((bsz, nsplit, rows, KV_LORA_RANK), dtype=cupy.float32)  # [B, nsplit, Q*H, 512]
+    plse = cupy.empty((bsz, nsplit, rows), dtype=cupy.float32)  # [B, nsplit, Q*H]
+    fn(
+        (rb, nsplit, bsz),
+        (block,),
+        (qa, kv, pt, lens, np.int32(width), np.int32(nq), np.int32(nh), np.int32(nsplit), np.int32(chunk),
+         np.float32(scale), parts, plse),
+        shared_mem=smem,
+    )
+    return parts, plse
+
+
+def _launch_tail(qa, kind, tkv, vis, sizes, scale):
+    import cupy
+
+    bsz, nq, nh, _ = qa.shape
+    out = cupy.empty((bsz, nq, nh, KV_LORA_RANK), dtype=cupy.float32)  # [B, Q, H, 512]
+    lse = cupy.empty((bsz, nq, nh), dtype=cupy.float32)  # [B, Q, H]
+    fn = loader.get_function(_V1, f"tree_verify_v1_tail_{kind}")
+    fn((-(-(nq * nh) // _V1_ROWS), 1, bsz), (_V1_ROWS * 32,),
+       (qa, tkv, vis, sizes, np.int32(nq), np.int32(nh), np.float32(scale), out, lse))
+    return out, lse
+
+
+def _launch_combine(parts, plse, rows_per_batch, extra=None, extra_lse=None):
+    """Merge parts [B, n, M, 512] (+ extra [B*M, 512]) -> out [B*M, 512], lse [B*M]."""
+    import cupy
+
+    bsz, nparts = parts.shape[:2]
+    nrows = bsz * rows_per_batch
+    out = cupy.empty((nrows, KV_LORA_RANK), dtype=cupy.float32)  # [B*M, 512]
+    lse = cupy.empty((nrows,), dtype=cupy.float32)  # [B*M]
+    if nrows == 0:
+        return out, lse
+    null = np.uintp(0)
+    fn = loader.get_function(_V1, "tree_verify_v1_combine")
+    fn((nrows,), (KV_LORA_RANK // 4,),
+       (parts, plse, np.int32(nparts), np.int32(rows_per_batch),
+        null if extra is None else extra, null if extra_lse is None else extra_lse, out, lse))
+    return out, lse
+
+
+def prefix_attention(q, kv_cache, page_table, prefix_lens, softmax_scale, kv_lora_rank: int = KV_LORA_RANK, *,
+                     impl: str = "auto", validate: bool = True):
+    """Attention of every query over its request's paged latent prefix (page_size 1), split-KV.
+
+    Shape: q [B, Q, H, 576], kv_cache [S, 576], page_table [B, P] int, prefix_lens [B] int
+    (or the unbatched form). Returns out [B, Q, H, 512] fp32, lse [B, Q, H] fp32 (CuPy).
+    """
+    _check_rank(kv_lora_rank)
+    qa, kind, batched = _check_q(q)
+    kv, pt, lens = _check_prefix(qa, kind, kv_cache, page_table, prefix_lens, batched)
+    scale = _scale(softmax_scale)
+    impl = _pick_impl(impl, kind)
+    if validate:
+        _validate_prefix(kv, pt, lens)
+    bsz, nq, nh, _ = qa.shape
+    parts, plse = _launch_prefix(qa, kind, kv, pt, lens, scale, impl)
+    if parts.shape[1] == 1:
+        out, lse = parts, plse
+    else:
+        out, lse = _launch_combine(parts, plse, nq * nh)
+    out, lse = out.reshape(bsz, nq, nh, KV_LORA_RANK), lse.reshape(bsz, nq, nh)
+    return (out, lse) if batched else (out[0], lse[0])
+
+
+def tree_tail_attention(q, tree_kv, visibility, tree_sizes, softmax_scale, kv_lora_rank: int = KV_LORA_RANK, *,
+                        validate: bool = True):
+    """Attention of every tree query over the tree's own rows under the visibility mask.
+
+    Shape: q [B, Q, H, 576], tree_kv [B, Q, 576], visibility [B, Q, Q] bool, tree_sizes [B] int.
+    Returns out [B, Q, H, 512] fp32, lse [B, Q, H] fp32; rows >= tree_sizes[b] are NaN.
+    """
+    _check_rank(kv_lora_rank)
+    qa, kind, batched = _check_q(q)
+    tkv, vis, sizes = _check_tail(qa, kind, tree_kv, visibility, tree_sizes, batched)
+    scale = _scale(softmax_scale)
+    if validate:
+        _validate_tail(sizes, qa.shape[1])
+    out, lse = _launch_tail(qa, kind, tkv, vis, sizes, scale)
+    return (out, lse) if batched else (out[0], lse[0])
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b):
+    """Merge two attention results over disjoint key sets by their natural-log LSE.
+
+    Shape: out_* [..., 512] float32, lse_* [...] float32 (same leading shape). Both parts empty
+    (lse -inf) gives out 0, lse -inf; NaN in either lse gives a NaN row.
+    """
+    import cupy
+
+    arrs = [loader.as_cupy(x) for x in (out_a, lse_a, out_b, lse_b)]
+    for name, a in zip(("out_a", "lse_a", "out_b", "lse_b"), arrs, strict=True):
+        if a.dtype != cupy.float32:
+            raise ValueError(f"{name} must be float32, got {a.dtype}")
+    oa, la, ob, lb = (cupy.ascontiguousarray(a) for a in arrs)
+    if oa.shape != ob.shape or la.shape != lb.shape or oa.shape[:-1] != la.shape:
+        raise ValueError(f"merge shapes disagree: out {oa.shape} / {ob.shape}, lse {la.shape} / {lb.shape}")
+    if oa.ndim < 1 or oa.shape[-1] != KV_LORA_RANK:
+        raise ValueError(f"the merged outputs must be {KV_LORA_RANK} wide, got {oa.shape}")
+    lead = la.shape
+    n = int(np.prod(lead, dtype=np.int64))
+    out, lse = _launch_combine(oa.reshape(1, 1, n, KV_LORA_RANK), la.reshape(1, 1, n), n,
+                               ob.reshape(n, KV_LORA_RANK), lb.reshape(n))
+    return out.reshape(*lead, KV_LORA_RANK), lse.reshape(lead)
+
+
+def tree_verify_attention(q, kv_cache, page_table, prefix_lens, tree_kv, visibility, tree_sizes, softmax_scale,
+                          kv_lora_rank: int = KV_LORA_RANK, *, impl: str = "auto", validate: bool = True):
+    """The whole verify attention: split-KV prefix + masked tail, merged in one combine launch.
+
+    Shapes as in the two parts (batched or unbatched). Returns out [B, Q, H, 512] fp32 and the
+    natural-log lse [B, Q, H] fp32 (CuPy); rows >= tree_sizes[b] are NaN.
+    """
+    _check_rank(kv_lora_rank)
+    qa, kind, batched = _check_q(q)
+    kv, pt, lens = _check_prefix(qa, kind, kv_cache, page_table, prefix_lens, batched)
+    tkv, vis, sizes = _check_tail(qa, kind, tree_kv, visibility, tree_sizes, batched)
+    scale = _scale(softmax_scale)
+    impl = _pick_impl(impl, kind)
+    if validate:
+        _validate_prefix(kv, pt, lens)
+        _validate_tail(sizes, qa.shape[1])
+    bsz, nq, nh, _ = qa.shape
+    parts, plse = _launch_prefix(qa, kind, kv, pt, lens, scale, impl)
+    t_out, t_lse = _launch_tail(qa, kind, tkv, vis, sizes, scale)
+    out, lse = _launch_combine(parts, plse, nq * nh, t_out.reshape(-1, KV_LORA_RANK), t_lse.reshape(-1))
+    out, lse = out.reshape(bsz, nq, nh, KV_LORA_RANK), lse.reshape(bsz, nq, nh)
+    return (out, lse) if batched else (out[0], lse[0])

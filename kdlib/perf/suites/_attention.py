@@ -1,0 +1,278 @@
+"""Verify-attention benchmark: `kdlib.cuda.attention.tree_verify_attention` against PyTorch baselines.
+
+`run(args) -> dict` (the `kernels` suite embeds it under `verify_attention`; on its own:
+`python3 -c 'import kdlib.perf.suites._attention as a, ...'`, see notebooks/02b). Per point
+(heads H, tree queries Q, prefix S, batch B), all bf16 inputs, page_size 1 with scattered slots:
+
+  * kernel: the whole verify (split-KV prefix + masked tail + LSE combine, three launches) captured
+    in a CUDA graph and replayed, median of CUDA-event timings; the KV rows are rotated among
+    several page tables when one set would sit in the 60 MB L2;
+  * baseline `matmul`: gather the paged prefix, concatenate the tree rows, bmm (cuBLAS) -> masked
+    softmax in fp32 -> bmm, bf16 (also graph-captured);
+  * baseline `sdpa`: `torch.nn.functional.scaled_dot_product_attention` with a bool mask and
+    enable_gqa over the same gathered keys;
+  * bytes = each input read once + outputs written once; FLOPs = 2 B H Q S (576 + 512) (the
+    prefix; the tail adds < 0.1%); floor = max(bytes / copy bandwidth, FLOPs / bf16 matmul rate).
+Baselines are skipped (and the reason recorded) where their score matrices would pass
+`_BASELINE_MAX_BYTES`.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+from types import SimpleNamespace
+
+D_QK, D_V = 576, 512
+FALLBACK_BW = 4.3e12  # B/s: device-to-device copy measured on an H200 (kernels-perf.md), when no ceilings file
+FALLBACK_FLOPS = 790e12  # FLOP/s: bf16 8k^3 matmul measured on an H200 (kernels-perf.md)
+_BASELINE_MAX_BYTES = 24e9  # scores bf16 + probabilities fp32 + bf16 copy: keep well inside 141 GB
+_ROTATE_BYTES = 256e6  # > 4x the 60 MB L2: rotate KV sets until one pass moves this much
+_MAX_ROTATIONS = 8
+
+FULL_GRID = {
+    "primary": {"heads": [8], "queries": [1, 9, 17, 33, 65], "prefix": [1024, 8192, 32768, 131072, 200000],
+                "batch": [1, 8, 64]},
+    "heads": {"heads": [16, 64], "queries": [9, 65], "prefix": [1024, 8192, 32768, 131072, 200000], "batch": [1, 8]},
+}
+QUICK_GRID = {
+    "primary": {"heads": [8], "queries": [9, 65], "prefix": [8192, 200000], "batch": [1]},
+    "heads": {"heads": [64], "queries": [65], "prefix": [32768], "batch": [1]},
+}
+
+
+def points(quick: bool) -> list[dict]:
+    """The (H, Q, S, B) grid: Kimi-K2.6 at TP8 (8 heads per GPU), plus 16 and 64 heads."""
+    grid = QUICK_GRID if quick else FULL_GRID
+    out = []
+    for part in grid.values():
+        for h in part["heads"]:
+            for b in part["batch"]:
+                for s in part["prefix"]:
+                    for q in part["queries"]:
+                        out.append({"heads": h, "queries": q, "prefix": s, "batch": b})
+    return out
+
+
+def cost(h: int, q: int, s: int, b: int) -> dict:
+    """Bytes (each input once, outputs once) and FLOPs of one verify call."""
+    per_req = (s * (D_QK * 2 + 4)  # KV rows (bf16) + page-table entries (int32)
+               + q * D_QK * 2 + q * q  # tree rows + visibility
+               + q * h * D_QK * 2  # queries
+               + q * h * (D_V * 4 + 4))  # out fp32 + lse
+    return {"bytes": b * per_req, "flops": 2.0 * b * h * q * s * (D_QK + D_V)}
+
+
+def ceilings() -> dict:
+    from kdlib import perf
+
+    rec = perf.load("ceilings")
+    if rec and "copy_bandwidth_Bps" in rec and "bf16_matmul_flops" in rec:
+        return {"bandwidth_Bps": float(rec["copy_bandwidth_Bps"]), "flop_rate": float(rec["bf16_matmul_flops"]),
+                "source": rec.get("_path", "data/results/ceilings")}
+    return {"bandwidth_Bps": FALLBACK_BW, "flop_rate": FALLBACK_FLOPS,
+            "source": "no ceilings file: 4.3 TB/s and 790 TFLOP/s measured on an H200 (design/reference/kernels-perf.md)"}
+
+
+def _clocks() -> str | None:
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw",
+                            "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+        return r.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _random_tree_visibility(torch, bsz: int, nq: int, gen):
+    """[B, Q, Q] bool: ancestors-and-self of random trees (parent of node i drawn below i)."""
+    vis = torch.zeros(bsz, nq, nq, dtype=torch.bool)
+    parents = (torch.rand(bsz, nq, generator=gen) * torch.arange(nq)).long()
+    for i in range(nq):
+        vis[:, i, i] = True
+        if i:
+            vis[:, i] |= vis[torch.arange(bsz), parents[:, i]]
+    return vis
+
+
+def _graph(fn, cupy, torch):
+    """Capture `fn` (CuPy launches) into a CUDA graph on a fresh stream; returns (graph, stream).
+
+    torch's current stream is set to the same stream, so the DLPack hand-over of torch inputs
+    needs no cross-stream event inside the capture.
+    """
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream, torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr)):
+        fn()  # warm: compile, pool growth
+        stream.synchronize()
+        stream.begin_capture()
+        fn()
+        graph = stream.end_capture()
+    return graph, stream
+
+
+def _time_graphs(graphs, stream, iters, cupy):
+    from kdlib import perf
+
+    state = {"i": 0}
+
+    def replay():
+        graphs[state["i"] % len(graphs)].launch(stream=stream)
+        state["i"] += 1
+
+    with stream:
+        return perf.cuda_time(replay, warmup=3, iters=iters, backend="cupy")
+
+
+def _torch_graph_time(fn, torch, iters):
+    """Median time of `fn` (torch ops) replayed from a torch CUDA graph; eager when capture fails."""
+    from kdlib import perf
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        t = perf.cuda_time(g.replay, warmup=2, iters=iters, backend="torch")
+        mode = "graph"
+        del g
+    except Exception:  # noqa: BLE001 - an op that cannot be captured: time it eagerly instead
+        torch.cuda.synchronize()
+        t = perf.cuda_time(fn, warmup=2, iters=iters, backend="torch")
+        mode = "eager"
+    return t, mode
+
+
+def run_point(p: dict, pool, ceil: dict, *, iters: int, baseline_iters: int, baselines: bool = True) -> dict:
+    """Time one (H, Q, S, B) point. `pool` is a bf16 [N, 576] torch tensor of KV rows (N >= B*S)."""
+    import cupy
+    import torch
+
+    from kdlib import perf
+    from kdlib.cuda import attention as cu
+
+    h, nq, s, bsz = p["heads"], p["queries"], p["prefix"], p["batch"]
+    dev = pool.device
+    gen = torch.Generator().manual_seed(h * 1_000_003 + nq * 10_007 + s + bsz)
+    q = torch.randn(bsz, nq, h, D_QK, generator=gen).to(dev, torch.bfloat16)  # [B, Q, H, 576]
+    tkv = torch.randn(bsz, nq, D_QK, generator=gen).to(dev, torch.bfloat16)  # [B, Q, 576]
+    vis = _random_tree_visibility(torch, bsz, nq, gen).to(dev)  # [B, Q, Q]
+    lens = torch.full((bsz,), s, dtype=torch.int32, device=dev)
+    sizes = torch.full((bsz,), nq, dtype=torch.int32, device=dev)
+    scale = D_QK**-0.5
+    c = cost(h, nq, s, bsz)
+    kv_bytes = bsz * s * D_QK * 2
+    n_rot = max(1, min(_MAX_ROTATIONS, math.ceil(_ROTATE_BYTES / kv_bytes), pool.shape[0] // (bsz * s)))
+    perm = torch.randperm(s, device=dev, dtype=torch.int32)  # scattered slots within each request's range
+    tables = [(perm[None, :] + (r * bsz + torch.arange(bsz, device=dev, dtype=torch.int32)[:, None]) * s)
+              for r in range(n_rot)]  # [B, S] each, disjoint slot ranges
+
+    def call(pt):
+        return cu.tree_verify_attention(q, pool, pt, lens, tkv, vis, sizes, scale, validate=False)
+
+    cu.tree_verify_attention(q, pool, tables[0], lens, tkv, vis, sizes, scale)  # validated once
+    graphs, stream = [], None
+    for pt in tables:
+        g, stream_r = _graph(lambda pt=pt: call(pt), cupy, torch)
+        graphs.append(g)
+        stream = stream if stream is not None else stream_r
+    # replay every graph on the first stream (graphs are stream-agnostic)
+    t = _time_graphs(graphs, stream, iters, cupy)
+    fl = perf.floor_ms(c["bytes"], c["flops"], bandwidth_Bps=ceil["bandwidth_Bps"], flop_rate=ceil["flop_rate"])
+    row = {**p, **c, **fl, "kernel": t.as_dict(), "rotations": n_rot,
+           "fraction_of_floor": fl["floor_ms"] / t.median_ms,
+           "achieved_TBps": c["bytes"] / (t.median_ms * 1e-3) / 1e12,
+           "achieved_TFLOPs": c["flops"] / (t.median_ms * 1e-3) / 1e12}
+    out_k, _ = call(tables[0])
+    del graphs
+
+    base = {}
+    score_bytes = bsz * nq * h * (s + nq) * (2 + 4 + 2)
+    if not baselines:
+        base = {"matmul": {"skipped": "baselines off"}, "sdpa": {"skipped": "baselines off"}}
+    elif score_bytes > _BASELINE_MAX_BYTES:
+        why = f"score matrices {score_bytes / 1e9:.0f} GB > {_BASELINE_MAX_BYTES / 1e9:.0f} GB limit"
+        base = {"matmul": {"skipped": why}, "sdpa": {"skipped": why}}
+    else:
+        pt = tables[0].long()
+        tail_mask = vis[:, :, None, :].expand(bsz, nq, h, nq).reshape(bsz, nq * h, nq)  # [B, Q*H, Q]
+        sdpa_mask = torch.cat([torch.ones(bsz, 1, nq, s, dtype=torch.bool, device=dev), vis[:, None]], -1)
+
+        def keys():
+            return torch.cat([pool[pt], tkv], 1)  # [B, S+Q, 576] gather of the paged prefix + tree rows
+
+        res = {}
+
+        def matmul():
+            k = keys()
+            sc = torch.bmm(q.reshape(bsz, nq * h, D_QK), k.transpose(1, 2)) * scale  # [B, Q*H, S+Q] bf16
+            sc[:, :, s:].masked_fill_(~tail_mask, float("-inf"))
+            pr = torch.softmax(sc, -1, dtype=torch.float32).to(torch.bfloat16)
+            res["matmul"] = torch.bmm(pr, k[:, :, :D_V])  # [B, Q*H, 512]
+
+        def sdpa():
+            k = keys()[:, None]  # [B, 1, S+Q, 576]
+            res["sdpa"] = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k, k[..., :D_V], attn_mask=sdpa_mask, scale=scale, enable_gqa=True)
+
+        for name, fn in (("matmul", matmul), ("sdpa", sdpa)):
+            try:
+                bt, mode = _torch_graph_time(fn, torch, baseline_iters)
+                ref_out = res[name].float().reshape(bsz, nq, h, D_V) if name == "matmul" else \
+                    res[name].float().transpose(1, 2)
+                diff = torch.linalg.vector_norm(torch.from_dlpack(out_k) - ref_out) / torch.linalg.vector_norm(ref_out)
+                base[name] = {**bt.as_dict(), "mode": mode, "speedup": bt.median_ms / t.median_ms,
+                              "fraction_of_floor": fl["floor_ms"] / bt.median_ms, "rel_diff_vs_kernel": float(diff)}
+            except torch.OutOfMemoryError as e:
+                base[name] = {"skipped": f"out of memory: {str(e).splitlines()[0][:120]}"}
+            res.clear()
+            torch.cuda.empty_cache()
+    row["baselines"] = base
+    best = [v["median_ms"] for v in base.values() if "median_ms" in v]
+    row["speedup_vs_best_baseline"] = min(best) / t.median_ms if best else None
+    return row
+
+
+def run(args) -> dict:
+    """The verify-attention sweep; `args.quick` gives a small grid."""
+    import torch
+
+    quick = bool(getattr(args, "quick", False))
+    grid = points(quick)
+    ceil = ceilings()
+    max_slots = max(p["batch"] * p["prefix"] for p in grid)
+    pool = torch.randn(max_slots, D_QK, device="cuda", dtype=torch.bfloat16)  # [N, 576] KV rows
+    clocks_before = _clocks()
+    rows = []
+    for p in grid:
+        rows.append(run_point(p, pool, ceil, iters=10 if quick else 20, baseline_iters=3 if quick else 5))
+        torch.cuda.empty_cache()
+    return {
+        "parameters": {"quick": quick, "grid": FULL_GRID if not quick else QUICK_GRID, "dtype": "bfloat16",
+                       "page_size": 1, "kv_pool_rows": max_slots, "softmax_scale": "576**-0.5",
+                       "tree": "random trees, every request full (tree_sizes = Q), prefix_lens = S"},
+        "ceilings": ceil,
+        "clocks_before": clocks_before,
+        "clocks_after": _clocks(),
+        "points": rows,
+        "notes": [
+            "kernel time = CUDA-graph replay of tree_verify_attention (3 launches), impl auto (bf16 mma prefix)",
+            "baselines include the page-table gather of the prefix (PyTorch has no paged MLA path), graph-replayed "
+            "where capture works (see mode); they read one KV set (no rotation), the kernel rotates",
+            "FLOPs count the prefix only: 2 B H Q S (576 + 512)",
+        ],
+    }
+
+
+def main() -> None:  # pragma: no cover - GPU entry for a quick look
+    import json
+
+    print(json.dumps(run(SimpleNamespace(quick=True)), indent=1, default=float))
+
+
+if __name__ == "__main__":
+    main()
