@@ -1,0 +1,370 @@
+"""W4A16 MoE layer: the numpy reference, the weight packing, and the CuPy wrapper of
+`kernels/moe_w4a16_v1.cu`.
+
+The math (reference and kernel alike), for an expert with gate/up weights Wg, Wu [N, K] and down
+weights Wd [K, N], all INT4 with one bf16 scale per 32 consecutive reduction elements:
+
+    q = clip(rint(w / s), -8, 7) + 8,   s = bf16(max|w| over the group / 7)   (symmetric, zero point 8)
+    W = bf16((q - 8) * s)                                                       (dequantized weight)
+    h = bf16(silu(W_g x) * (W_u x))     y[token] = sum over its top-k slots of weight * (W_d h)
+
+with bf16 activations, fp32 (kernel) or float64 (reference) accumulation, h rounded to bf16 as the
+kernel stores it. bf16 values travel as uint16 bit patterns (CuPy has no bf16 dtype; torch bf16
+tensors are viewed as int16 at the boundary), so this module needs only numpy on the CPU.
+
+- `quantize_w4`, `dequantize_w4`: the INT4 group quantizer and its inverse (numpy).
+- `pack_rows`, `pack_scales`, `pack_moe`: the kernel's register-fragment layout (see the .cu header).
+- `moe_w4a16_reference`: the layer in float64 (numpy).
+- `prepare_routing`, `moe_w4a16`: the GPU path (CuPy; torch CUDA tensors enter by DLPack).
+
+The reference lives here rather than in `kdlib.ref` because its only twin is this kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+GROUP = 32          # reduction elements per scale (the kernel reads one scale per lane per chunk)
+TILE_ROWS = 16      # mma m16: rows per tile
+CHUNK_COLS = 64     # columns per uint4 per lane (4 mma k16 steps)
+STEM = "moe_w4a16_v1"
+
+
+# ----------------------------------------------------------------------------- bf16 bit helpers
+def f32_to_bf16_bits(a) -> np.ndarray:
+    """float -> bf16 bit pattern (uint16), round to nearest even (finite inputs)."""
+    a = np.asarray(a, dtype=np.float32)
+    u = np.ascontiguousarray(a).view(np.uint32).reshape(a.shape)
+    rounding = ((u >> 16) & 1) + np.uint32(0x7FFF)
+    return ((u + rounding) >> 16).astype(np.uint16)
+
+
+def bf16_bits_to_f32(b) -> np.ndarray:
+    """bf16 bit pattern (uint16) -> float32 (exact)."""
+    b = np.asarray(b, dtype=np.uint16)
+    return np.ascontiguousarray(b.astype(np.uint32) << 16).view(np.float32).reshape(b.shape)
+
+
+def round_bf16(a) -> np.ndarray:
+    """float -> the nearest bf16 value, as float32."""
+    return bf16_bits_to_f32(f32_to_bf16_bits(a))
+
+
+# ----------------------------------------------------------------------------- quantizer
+def quantize_w4(w, group: int = GROUP) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric INT4 group quantization along the last axis.
+
+    Shape: w [..., R, C] float -> q [..., R, C] uint8 in 0..15 (zero point 8),
+    scales [..., R, C // group] uint16 (bf16 bits). An all-zero group gets scale 0 and q = 8.
+    """
+    w = np.asarray(w, dtype=np.float32)
+    if w.ndim < 2 or w.shape[-1] % group:
+        raise ValueError(f"quantize_w4: last axis {w.shape[-1:]} must be a multiple of the group {group}")
+    g = w.reshape(*w.shape[:-1], w.shape[-1] // group, group)
+    s = round_bf16(np.abs(g).max(axis=-1) / 7.0)                                  # [..., R, C/group]
+    safe = np.where(s > 0, s, 1.0)[..., None]
+    q = np.clip(np.rint(g / safe), -8, 7).astype(np.int16) + 8
+    q = np.where(s[..., None] > 0, q, 8).astype(np.uint8).reshape(w.shape)
+    return q, f32_to_bf16_bits(s)
+
+
+def dequantize_w4(q, scales, group: int = GROUP) -> np.ndarray:
+    """bf16((q - 8) * s) as float32. Shape: q [..., R, C], scales [..., R, C // group] -> [..., R, C]."""
+    q = np.asarray(q)
+    if q.shape[-1] != scales.shape[-1] * group or q.shape[:-1] != scales.shape[:-1]:
+        raise ValueError(f"dequantize_w4: q {q.shape} and scales {scales.shape} disagree (group {group})")
+    s = np.repeat(bf16_bits_to_f32(scales), group, axis=-1)
+    return round_bf16((q.astype(np.float32) - 8.0) * s)
+
+
+# ----------------------------------------------------------------------------- packing
+def _check_tiles(rows: int, cols: int, what: str) -> None:
+    if rows % TILE_ROWS or cols % CHUNK_COLS:
+        raise ValueError(f"{what}: rows {rows} must be a multiple of {TILE_ROWS} and columns {cols} of {CHUNK_COLS}")
+
+
+def pack_rows(q) -> np.ndarray:
+    """INT4 matrix -> the kernel's fragment layout.
+
+    Shape: q [..., R, C] (values 0..15) -> [..., R/16, C/64, 32 lanes, 4 words] uint32, where word i
+    of lane 4g + t holds rows g, g + 8 and columns 16t + 4i + j (j = 0..3) at nibble
+    h + 2 (j // 2) + 4 (j % 2) (h = 0 for row g, 1 for row g + 8).
+    """
+    q = np.asarray(q)
+    *lead, R, C = q.shape
+    _check_tiles(R, C, "pack_rows")
+    if q.size and int(q.max()) > 15:
+        raise ValueError("pack_rows: values must be 4-bit (0..15)")
+    # row = rt*16 + h*8 + g; col = kc*64 + t*16 + i*4 + j
+    v = q.astype(np.uint32).reshape(*lead, R // 16, 2, 8, C // 64, 4, 4, 4)
+    n = len(lead)
+    h_ax, g_ax, kc_ax, t_ax, i_ax, j_ax = (n + 1, n + 2, n + 3, n + 4, n + 5, n + 6)
+    # -> [..., rt, kc, g, t, i, h, j]
+    v = np.moveaxis(v, (kc_ax, g_ax, t_ax, i_ax, h_ax, j_ax), (n + 1, n + 2, n + 3, n + 4, n + 5, n + 6))
+    h = np.arange(2).reshape(2, 1)
+    j = np.arange(4).reshape(1, 4)
+    shift = (4 * (h + 2 * (j // 2) + 4 * (j % 2))).astype(np.uint32)           # [2, 4]
+    words = (v << shift).sum(axis=(-2, -1), dtype=np.uint64).astype(np.uint32)   # [..., rt, kc, g, t, i]
+    return np.ascontiguousarray(words.reshape(*lead, R // 16, C // 64, 32, 4))
+
+
+def pack_scales(scales) -> np.ndarray:
+    """Group scales -> per (tile, chunk) 16 uint32 {s[row g] | s[row g + 8] << 16} at index grp * 8 + g.
+
+    Shape: scales [..., R, C/32] uint16 -> [..., R/16, C/64, 16] uint32.
+    """
+    s = np.asarray(scales, dtype=np.uint16)
+    *lead, R, G = s.shape
+    _check_tiles(R, G * GROUP, "pack_scales")
+    v = s.astype(np.uint32).reshape(*lead, R // 16, 2, 8, G // 2, 2)   # [.., rt, h, g, kc, grp]
+    n = len(lead)
+    v = np.moveaxis(v, (n + 3, n + 4, n + 2, n + 1), (n + 1, n + 2, n + 3, n + 4))  # [.., rt, kc, grp, g, h]
+    words = v[..., 0] | (v[..., 1] << 16)
+    return np.ascontiguousarray(words.reshape(*lead, R // 16, G // 2, 16))
+
+
+@dataclass(frozen=True)
+class MoEWeights:
+    """Quantized experts in the canonical (unpacked) form.
+
+    Shape: q_gate, q_up [E, N, K] uint8; s_gate, s_up [E, N, K/32] uint16 (bf16 bits);
+    q_down [E, K, N] uint8; s_down [E, K, N/32] uint16.
+    """
+
+    q_gate: np.ndarray
+    s_gate: np.ndarray
+    q_up: np.ndarray
+    s_up: np.ndarray
+    q_down: np.ndarray
+    s_down: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(E experts, K hidden, N expert intermediate)."""
+        E, N, K = self.q_gate.shape
+        return E, K, N
+
+    @classmethod
+    def random(cls, n_experts: int, hidden: int, inter: int, *, seed: int = 0, std: float = 0.02) -> MoEWeights:
+        """Gaussian weights (std `std`), quantized."""
+        rng = np.random.default_rng(seed)
+        qg, sg = quantize_w4(rng.normal(0, std, (n_experts, inter, hidden)))
+        qu, su = quantize_w4(rng.normal(0, std, (n_experts, inter, hidden)))
+        qd, sd = quantize_w4(rng.normal(0, std, (n_experts, hidden, inter)))
+        return cls(qg, sg, qu, su, qd, sd)
+
+
+def pack_moe(w: MoEWeights) -> dict[str, np.ndarray]:
+    """The four arrays the kernels read (see the .cu header for the layouts)."""
+    E, K, N = w.shape
+    _check_tiles(N, K, "gate/up")
+    _check_tiles(K, N, "down")
+    w1 = np.stack([pack_rows(w.q_gate), pack_rows(w.q_up)], axis=3)       # [E, N/16, K/64, 2, 32, 4]
+    s1 = np.stack([pack_scales(w.s_gate), pack_scales(w.s_up)], axis=3)   # [E, N/16, K/64, 2, 16]
+    return {
+        "w1": np.ascontiguousarray(w1),
+        "s1": np.ascontiguousarray(s1),
+        "w2": pack_rows(w.q_down),      # [E, K/16, N/64, 32, 4]
+        "s2": pack_scales(w.s_down),    # [E, K/16, N/64, 16]
+    }
+
+
+def packed_bytes_per_expert(hidden: int, inter: int) -> int:
+    """INT4 weights + bf16 scales of one expert's gate, up and down matrices."""
+    params = 3 * hidden * inter
+    return params // 2 + params // GROUP * 2
+
+
+# ----------------------------------------------------------------------------- reference
+def _check_routing(topk_ids, topk_weights, m: int, n_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.asarray(topk_ids)
+    wts = np.asarray(topk_weights, dtype=np.float32)
+    if ids.ndim != 2 or ids.shape[0] != m or wts.shape != ids.shape:
+        raise ValueError(f"topk_ids {ids.shape} and topk_weights {wts.shape} must both be [M={m}, topk]")
+    if ids.size and (ids.min() < 0 or ids.max() >= n_experts):
+        raise ValueError(f"topk_ids must lie in [0, {n_experts})")
+    return ids.astype(np.int64), wts
+
+
+def moe_w4a16_reference(x_bits, w: MoEWeights, topk_ids, topk_weights) -> np.ndarray:
+    """The MoE layer in float64 from the bf16 / INT4 inputs.
+
+    Shape: x_bits [M, K] uint16 (bf16), topk_ids / topk_weights [M, topk] -> y [M, K] float64.
+    """
+    x_bits = np.asarray(x_bits)
+    E, K, N = w.shape
+    if x_bits.dtype != np.uint16 or x_bits.ndim != 2 or x_bits.shape[1] != K:
+        raise ValueError(f"x_bits must be uint16 (bf16 bits) [M, {K}], got {x_bits.dtype} {x_bits.shape}")
+    ids, wts = _check_routing(topk_ids, topk_weights, x_bits.shape[0], E)
+    x = bf16_bits_to_f32(x_bits).astype(np.float64)
+    y = np.zeros((x.shape[0], K), dtype=np.float64)
+    for e in np.unique(ids):
+        rows, cols = np.nonzero(ids == e)
+        xe = x[rows]                                                      # [n_e, K]
+        g = xe @ dequantize_w4(w.q_gate[e], w.s_gate[e]).astype(np.float64).T
+        u = xe @ dequantize_w4(w.q_up[e], w.s_up[e]).astype(np.float64).T
+        h = round_bf16(g / (1.0 + np.exp(-g)) * u).astype(np.float64)    # [n_e, N], stored as bf16
+        d = h @ dequantize_w4(w.q_down[e], w.s_down[e]).astype(np.float64).T
+        np.add.at(y, rows, wts[rows, cols, None].astype(np.float64) * d)
+    return y
+
+
+def layer_bytes_flops(m: int, touched_experts: int, hidden: int, inter: int, topk: int) -> dict:
+    """Bytes the kernel must move and useful FLOPs of one layer call.
+
+    bytes = touched experts' INT4 weights + scales, x in (bf16), h out and in (bf16), y (fp32, one
+    read-modify-write per slot's contribution counted once); flops = 2 * M * topk * 3 * K * N.
+    """
+    weight = touched_experts * packed_bytes_per_expert(hidden, inter)
+    act = m * hidden * 2 + 2 * m * topk * inter * 2 + m * hidden * 4
+    return {"weight_bytes": weight, "bytes": weight + act, "flops": 2.0 * m * topk * 3 * hidden * inter}
+
+
+# ----------------------------------------------------------------------------- GPU path
+@dataclass
+class Routing:
+    """Device routing metadata (see the .cu header). Host ints: m, topk, n_active, max_count."""
+
+    expert_offsets: object
+    active_experts: object
+    n_active_dev: object
+    sorted_token: object
+    sorted_weight: object
+    m: int
+    topk: int
+    n_experts: int
+    n_active: int
+    max_count: int
+
+
+def prepare_routing(topk_ids, topk_weights, n_experts: int) -> Routing:
+    """Sort the (token, expert) slots by expert on the device; one host sync for the launch sizes.
+
+    Shape: topk_ids [M, topk] int, topk_weights [M, topk] float (CuPy or torch CUDA).
+    """
+    import cupy as cp
+
+    from kdlib.cuda.loader import as_cupy
+
+    ids = as_cupy(topk_ids)
+    wts = as_cupy(topk_weights)
+    if ids.ndim != 2 or wts.shape != ids.shape:
+        raise ValueError(f"topk_ids {ids.shape} and topk_weights {wts.shape} must both be [M, topk]")
+    m, topk = ids.shape
+    if m == 0:
+        raise ValueError("prepare_routing: M must be >= 1")
+    flat = ids.reshape(-1).astype(cp.int32)
+    lo, hi = int(flat.min()), int(flat.max())
+    if lo < 0 or hi >= n_experts:
+        raise ValueError(f"topk_ids must lie in [0, {n_experts}), got [{lo}, {hi}]")
+    order = cp.argsort(flat)                      # slots grouped by expert
+    counts = cp.bincount(flat, minlength=n_experts).astype(cp.int32)
+    offsets = cp.zeros(n_experts + 1, dtype=cp.int32)
+    offsets[1:] = cp.cumsum(counts)
+    active = cp.nonzero(counts)[0].astype(cp.int32)
+    n_active = int(active.size)
+    active_pad = cp.zeros(n_experts, dtype=cp.int32)
+    active_pad[:n_active] = active
+    return Routing(
+        expert_offsets=offsets,
+        active_experts=active_pad,
+        n_active_dev=cp.asarray([n_active], dtype=cp.int32),
+        sorted_token=(order // topk).astype(cp.int32),
+        sorted_weight=wts.reshape(-1)[order].astype(cp.float32),
+        m=m, topk=topk, n_experts=n_experts, n_active=n_active, max_count=int(counts.max()),
+    )
+
+
+def _bf16_bits_cupy(x, name: str):
+    """A uint16 CuPy view of bf16 data (torch bf16 tensor or CuPy uint16 array)."""
+    import cupy as cp
+
+    from kdlib.cuda.loader import as_cupy, is_torch
+
+    if is_torch(x):
+        import torch
+
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"{name}: expected a torch.bfloat16 tensor, got {x.dtype}")
+        x = x.contiguous().view(torch.int16)
+        return as_cupy(x).view(cp.uint16)
+    x = as_cupy(x)
+    if x.dtype != cp.uint16:
+        raise ValueError(f"{name}: expected uint16 bf16 bits, got {x.dtype}")
+    return cp.ascontiguousarray(x)
+
+
+def upload(packed: dict) -> dict:
+    """Packed numpy arrays -> contiguous CuPy arrays (same keys)."""
+    import cupy as cp
+
+    return {k: cp.ascontiguousarray(cp.asarray(v)) for k, v in packed.items()}
+
+
+def _check(sync: bool, what: str) -> None:
+    """Surface an asynchronous launch failure right after the launch when `sync` (tests, first call)."""
+    if sync:
+        import cupy as cp
+
+        try:
+            cp.cuda.runtime.deviceSynchronize()
+        except cp.cuda.runtime.CUDARuntimeError as err:
+            raise RuntimeError(f"{STEM}: {what} failed: {err}") from err
+
+
+def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool = False):
+    """y = MoE(x) with INT4 experts: two launches (gate/up + SwiGLU, down + weighted combine).
+
+    Shape: x [M, K] bf16 (torch bf16 or CuPy uint16 bits); packed = `upload(pack_moe(w))`;
+    returns y [M, K] float32 (CuPy). `out` (float32 [M, K]) and `h` (uint16 [M * topk, N]) may be
+    given to avoid allocations; `out` is zeroed here. sync=True synchronizes after each launch.
+    """
+    import cupy as cp
+
+    from kdlib.cuda.loader import get_function
+
+    xb = _bf16_bits_cupy(x, "x")
+    w1, s1, w2, s2 = (packed[k] for k in ("w1", "s1", "w2", "s2"))
+    if w1.ndim != 6 or w1.shape[3:] != (2, 32, 4) or w1.dtype != cp.uint32:
+        raise ValueError(f"packed['w1'] must be uint32 [E, N/16, K/64, 2, 32, 4], got {w1.dtype} {w1.shape}")
+    E, P, KC = w1.shape[:3]
+    K, N = KC * CHUNK_COLS, P * TILE_ROWS
+    expect = {"s1": (E, P, KC, 2, 16), "w2": (E, K // 16, N // 64, 32, 4), "s2": (E, K // 16, N // 64, 16)}
+    for name, shape in expect.items():
+        if tuple(packed[name].shape) != shape or packed[name].dtype != cp.uint32:
+            raise ValueError(f"packed[{name!r}] must be uint32 {shape}, got {packed[name].dtype} {packed[name].shape}")
+    if N % CHUNK_COLS:
+        raise ValueError(f"expert intermediate N = {N} must be a multiple of {CHUNK_COLS}")
+    if xb.ndim != 2 or xb.shape != (routing.m, K):
+        raise ValueError(f"x must be [M={routing.m}, K={K}], got {xb.shape}")
+    if routing.n_experts != E:
+        raise ValueError(f"routing was made for {routing.n_experts} experts, weights hold {E}")
+    S = routing.m * routing.topk
+    if out is None:
+        out = cp.empty((routing.m, K), dtype=cp.float32)
+    elif out.shape != (routing.m, K) or out.dtype != cp.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be contiguous float32 [{routing.m}, {K}]")
+    if h is None:
+        h = cp.empty((S, N), dtype=cp.uint16)
+    elif h.shape != (S, N) or h.dtype != cp.uint16 or not h.flags.c_contiguous:
+        raise ValueError(f"h must be contiguous uint16 [{S}, {N}]")
+    out.fill(0)
+
+    variant = "n8" if routing.max_count <= 8 else "n32"
+    per_pass = 8 if variant == "n8" else 32
+    passes = -(-routing.max_count // per_pass)
+    grid_y = max(1, routing.n_active)
+    meta = (routing.expert_offsets, routing.active_experts, routing.n_active_dev, routing.sorted_token)
+    threads = 256   # kThreads in the .cu
+
+    gate_up = get_function(STEM, f"{STEM}_gate_up_{variant}")
+    gate_up((P, grid_y, passes), (threads,), (xb, w1, s1, *meta, h, np.int32(K), np.int32(N)))
+    _check(sync, "gate_up launch")
+    down = get_function(STEM, f"{STEM}_down_{variant}")
+    tiles_per_block = 8 * 2   # kWarps * kDownTilesPerWarp
+    down((-(-(K // 16) // tiles_per_block), grid_y, passes), (threads,),
+         (h, w2, s2, *meta, routing.sorted_weight, out, np.int32(K), np.int32(N)))
+    _check(sync, "down launch")
+    return out

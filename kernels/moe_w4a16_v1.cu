@@ -1,0 +1,329 @@
+// W4A16 grouped MoE GEMM: INT4 expert weights (group 32 along the reduction dim, bf16 scales,
+// symmetric: w = (q - 8) * s), bf16 activations, fp32 accumulation on the tensor cores
+// (mma.sync m16n8k16 bf16, so it runs on sm_80 ... sm_120 alike), weights dequantized in registers.
+//
+// One MoE layer is two launches:
+//   moe_w4a16_v1_gate_up_n{8,32}: h[slot, :] = silu(x[tok] . Wg^T) * (x[tok] . Wu^T)  -> bf16 [S, N]
+//   moe_w4a16_v1_down_n{8,32}:    y[tok, :] += weight[slot] * (h[slot] . Wd^T)           fp32 atomics
+// where slots are the M*topk (token, expert) pairs sorted by expert (routing metadata below).
+// The _n8 variants multiply one chunk of 8 tokens per weight pass (decode, <= 8 tokens per expert);
+// the _n32 variants four chunks (32 tokens) per pass, with grid.z covering more in further passes.
+//
+// Routing metadata (int32, device), made by kdlib.cuda.moe.prepare_routing:
+//   expert_offsets [E + 1]  slot range [off[e], off[e+1]) of expert e in sorted order
+//   active_experts [E]      the experts with >= 1 slot, first *n_active entries valid
+//   sorted_token   [S]      token of each sorted slot;  sorted_weight [S] (fp32) its routing weight
+//
+// Packed weight layout (written by kdlib.cuda.moe.pack_rows): a matrix W [R, C] (R rows = output
+// features, C = reduction dim) is cut into 16-row tiles and 64-column chunks; in each (tile, chunk)
+// lane L = 4 g + t of a warp owns one uint4 whose word i (i = 0..3, one mma k16 step each) holds
+// eight nibbles: rows g and g + 8, physical columns 16 t + 4 i + {0, 1, 2, 3}. The mma's k order
+// is a permutation of the physical one (virtual k {2t, 2t+1, 2t+8, 2t+9} of step i = physical
+// 16 t + 4 i + {0, 1, 2, 3}); A and B use the same permutation, so the product is unchanged, and
+// each lane's activations are 16 contiguous bf16 (two 16-byte loads) of one scale group (t / 2).
+// Nibble position of (row half h, column j) = h + 2 (j / 2) + 4 (j % 2), so one lop3 per pair
+// yields a bf16x2 register of the mma A fragment (see dequant8). Scales: per (tile, chunk) 16
+// uint32, index grp * 8 + g = {s[row g][grp] (low half), s[row g + 8][grp] (high half)}.
+//
+//   gate/up: w1 [E][N/16][K/64][2 (gate, up)][32] uint4,  s1 [E][N/16][K/64][2][16] uint32
+//   down:    w2 [E][K/16][N/64][32] uint4,               s2 [E][K/16][N/64][16] uint32
+//
+// Limits (checked by the wrapper before launch): K % 64 == 0, N % 64 == 0, 16-byte aligned bases.
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int kWarps = 8;               // 256 threads: split-K over 8 warps in gate/up
+constexpr int kThreads = kWarps * 32;
+constexpr int kDownTilesPerWarp = 2;    // down: 2 row tiles per warp, 16 per block
+
+// (a & b) | c in one instruction (lop3 truth table 0xEA).
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t bf162_bits(__nv_bfloat162 v) {
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ __nv_bfloat162 bits_bf162(uint32_t v) {
+  return *reinterpret_cast<__nv_bfloat162*>(&v);
+}
+
+// Eight nibbles -> the four bf16x2 registers of an mma A fragment, dequantized exactly as the
+// reference does: bf16(q - 8) is exact, then one bf16 multiply by the group scale.
+// Nibbles n and n + 4 land in the low/high halves with exponent bits 0x43 (2^7): value 128 + q.
+__device__ __forceinline__ void dequant8(uint32_t w, uint32_t scales, uint32_t a[4]) {
+  const __nv_bfloat162 bias = __float2bfloat162_rn(136.0f);  // 128 (magic exponent) + 8 (zero point)
+  const __nv_bfloat162 s_lo = bits_bf162(__byte_perm(scales, 0, 0x1010));  // row g, both halves
+  const __nv_bfloat162 s_hi = bits_bf162(__byte_perm(scales, 0, 0x3232));  // row g + 8
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const __nv_bfloat162 q = bits_bf162(and_or(w >> (4 * j), 0x000F000Fu, 0x43004300u));
+    a[j] = bf162_bits(__hmul2(__hsub2(q, bias), (j & 1) ? s_hi : s_lo));
+  }
+}
+
+__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The B fragments of one 64-column chunk for token row `row` (nullptr: a padding column of zeros).
+// Registers 2i, 2i+1 = b0, b1 of k16 step i (physical columns 16t + 4i + {0,1} and {2,3}).
+__device__ __forceinline__ void load_b(const uint16_t* row, int col0, int t, uint32_t b[8]) {
+  if (row == nullptr) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) b[i] = 0u;
+    return;
+  }
+  const uint4* p = reinterpret_cast<const uint4*>(row + col0 + 16 * t);
+  const uint4 lo = __ldg(p), hi = __ldg(p + 1);
+  b[0] = lo.x; b[1] = lo.y; b[2] = lo.z; b[3] = lo.w;
+  b[4] = hi.x; b[5] = hi.y; b[6] = hi.z; b[7] = hi.w;
+}
+
+__device__ __forceinline__ uint16_t f32_to_bf16_bits(float v) {
+  const __nv_bfloat16 b = __float2bfloat16_rn(v);
+  return *reinterpret_cast<const uint16_t*>(&b);
+}
+
+// Block (pair p, active expert a, token pass z): gate tile p and up tile p of one expert over the
+// full K, split across the 8 warps, reduced in shared memory, SwiGLU, bf16 store.
+// NCH chunks of 8 tokens per pass; KB chunks of 64 columns loaded before they are used.
+template <int NCH, int KB>
+__device__ __forceinline__ void gate_up_body(
+    const uint16_t* __restrict__ x, const uint4* __restrict__ w1, const uint32_t* __restrict__ s1,
+    const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
+    const int* __restrict__ n_active, const int* __restrict__ sorted_token, uint16_t* __restrict__ h,
+    int K, int N, float (*red)[NCH * 8][32]) {
+  const int a_idx = blockIdx.y;
+  if (a_idx >= *n_active) return;  // block-uniform
+  const int e = active_experts[a_idx];
+  const int end = expert_offsets[e + 1];
+  const int slot0 = expert_offsets[e] + blockIdx.z * (8 * NCH);
+  if (slot0 >= end) return;  // block-uniform
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int p = blockIdx.x, P = N >> 4, KC = K >> 6;
+
+  const uint16_t* xrow[NCH];
+#pragma unroll
+  for (int c = 0; c < NCH; ++c) {
+    const int slot = slot0 + 8 * c + g;
+    xrow[c] = slot < end ? x + (size_t)sorted_token[slot] * K : nullptr;
+  }
+  float acc[NCH][2][4];
+#pragma unroll
+  for (int c = 0; c < NCH; ++c)
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[c][u][r] = 0.0f;
+
+  const size_t tile_base = (size_t)e * P + p;
+  const uint4* wp = w1 + tile_base * KC * 2 * 32;
+  const uint32_t* sp = s1 + tile_base * KC * 2 * 16;
+  const int per_warp = (KC + kWarps - 1) / kWarps;
+  const int kbeg = warp * per_warp, kend = min(KC, kbeg + per_warp);
+
+  for (int k0 = kbeg; k0 < kend; k0 += KB) {
+    uint4 wv[KB][2];
+    uint32_t sv[KB][2];
+#pragma unroll
+    for (int j = 0; j < KB; ++j) {
+      if (k0 + j < kend) {
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          wv[j][u] = __ldcs(wp + ((size_t)(k0 + j) * 2 + u) * 32 + lane);  // streamed once: evict-first
+          sv[j][u] = __ldcs(sp + ((size_t)(k0 + j) * 2 + u) * 16 + (t >> 1) * 8 + g);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < KB; ++j) {
+      if (k0 + j < kend) {
+        uint32_t b[NCH][8];
+#pragma unroll
+        for (int c = 0; c < NCH; ++c) load_b(xrow[c], (k0 + j) * 64, t, b[c]);
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const uint32_t words[4] = {wv[j][u].x, wv[j][u].y, wv[j][u].z, wv[j][u].w};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            uint32_t afrag[4];
+            dequant8(words[i], sv[j][u], afrag);
+#pragma unroll
+            for (int c = 0; c < NCH; ++c) mma_bf16(acc[c][u], afrag, b[c][2 * i], b[c][2 * i + 1]);
+          }
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int c = 0; c < NCH; ++c)
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) red[warp][(c * 2 + u) * 4 + r][lane] = acc[c][u][r];
+  __syncthreads();
+
+  // One thread per (token chunk c, register r, lane): sum gate and up over the 8 warps.
+  for (int idx = threadIdx.x; idx < NCH * 4 * 32; idx += kThreads) {
+    const int ln = idx & 31, r = (idx >> 5) & 3, c = idx >> 7;
+    float gs = 0.0f, us = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      gs += red[w][(c * 2 + 0) * 4 + r][ln];
+      us += red[w][(c * 2 + 1) * 4 + r][ln];
+    }
+    const int row = (ln >> 2) + (r >= 2 ? 8 : 0);  // C fragment: rows g / g + 8
+    const int col = 2 * (ln & 3) + (r & 1);         // C fragment: token column 2t, 2t + 1
+    const int slot = slot0 + 8 * c + col;
+    if (slot < end) {
+      const float hv = gs / (1.0f + __expf(-gs)) * us;  // SwiGLU: silu(gate) * up
+      h[(size_t)slot * N + p * 16 + row] = f32_to_bf16_bits(hv);
+    }
+  }
+}
+
+// Block (row-tile group, active expert a, token pass z): each warp owns 2 row tiles of the
+// output (16 rows each) over the full reduction N; results scaled by the routing weight are
+// added into y (fp32, zeroed by the caller) with atomics, since topk experts share a token row.
+template <int NCH, int KB>
+__device__ __forceinline__ void down_body(
+    const uint16_t* __restrict__ h, const uint4* __restrict__ w2, const uint32_t* __restrict__ s2,
+    const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
+    const int* __restrict__ n_active, const int* __restrict__ sorted_token,
+    const float* __restrict__ sorted_weight, float* __restrict__ y, int K, int N) {
+  const int a_idx = blockIdx.y;
+  if (a_idx >= *n_active) return;
+  const int e = active_experts[a_idx];
+  const int end = expert_offsets[e + 1];
+  const int slot0 = expert_offsets[e] + blockIdx.z * (8 * NCH);
+  if (slot0 >= end) return;
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int RT = K >> 4, NC = N >> 6;
+  const int rt0 = (blockIdx.x * kWarps + warp) * kDownTilesPerWarp;
+  if (rt0 >= RT) return;  // warp-uniform; no block barrier in this kernel
+
+  const uint16_t* hrow[NCH];
+#pragma unroll
+  for (int c = 0; c < NCH; ++c) {
+    const int slot = slot0 + 8 * c + g;
+    hrow[c] = slot < end ? h + (size_t)slot * N : nullptr;
+  }
+  float acc[kDownTilesPerWarp][NCH][4];
+#pragma unroll
+  for (int q = 0; q < kDownTilesPerWarp; ++q)
+#pragma unroll
+    for (int c = 0; c < NCH; ++c)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[q][c][r] = 0.0f;
+
+  for (int k0 = 0; k0 < NC; k0 += KB) {
+    uint4 wv[KB][kDownTilesPerWarp];
+    uint32_t sv[KB][kDownTilesPerWarp];
+#pragma unroll
+    for (int j = 0; j < KB; ++j) {
+#pragma unroll
+      for (int q = 0; q < kDownTilesPerWarp; ++q) {
+        const int rt = rt0 + q;
+        if (k0 + j < NC && rt < RT) {
+          const size_t tile = ((size_t)e * RT + rt) * NC + (k0 + j);
+          wv[j][q] = __ldcs(w2 + tile * 32 + lane);
+          sv[j][q] = __ldcs(s2 + tile * 16 + (t >> 1) * 8 + g);
+        } else {
+          wv[j][q] = make_uint4(0u, 0u, 0u, 0u);
+          sv[j][q] = 0u;
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < KB; ++j) {
+      if (k0 + j < NC) {
+        uint32_t b[NCH][8];
+#pragma unroll
+        for (int c = 0; c < NCH; ++c) load_b(hrow[c], (k0 + j) * 64, t, b[c]);
+#pragma unroll
+        for (int q = 0; q < kDownTilesPerWarp; ++q) {
+          if (rt0 + q < RT) {
+            const uint32_t words[4] = {wv[j][q].x, wv[j][q].y, wv[j][q].z, wv[j][q].w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              uint32_t afrag[4];
+              dequant8(words[i], sv[j][q], afrag);
+#pragma unroll
+              for (int c = 0; c < NCH; ++c) mma_bf16(acc[q][c], afrag, b[c][2 * i], b[c][2 * i + 1]);
+            }
+          }
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int c = 0; c < NCH; ++c) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // C fragment token columns 2t + half
+      const int slot = slot0 + 8 * c + 2 * t + half;
+      if (slot < end) {
+        const float wgt = sorted_weight[slot];
+        float* yrow = y + (size_t)sorted_token[slot] * K;
+#pragma unroll
+        for (int q = 0; q < kDownTilesPerWarp; ++q) {
+          const int rt = rt0 + q;
+          if (rt < RT) {
+            atomicAdd(yrow + rt * 16 + g, wgt * acc[q][c][half]);
+            atomicAdd(yrow + rt * 16 + g + 8, wgt * acc[q][c][2 + half]);
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// Decode regime: <= 8 tokens per expert per pass, 7 column chunks (7 x 2 x 16 B per lane) in flight.
+extern "C" __global__ void __launch_bounds__(kThreads) moe_w4a16_v1_gate_up_n8(
+    const uint16_t* __restrict__ x, const uint4* __restrict__ w1, const uint32_t* __restrict__ s1,
+    const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
+    const int* __restrict__ n_active, const int* __restrict__ sorted_token, uint16_t* __restrict__ h,
+    int K, int N) {
+  __shared__ float red[kWarps][8][32];
+  gate_up_body<1, 7>(x, w1, s1, expert_offsets, active_experts, n_active, sorted_token, h, K, N, red);
+}
+
+// Batched regime: 32 tokens per expert per pass (grid.z passes), 2 column chunks in flight.
+extern "C" __global__ void __launch_bounds__(kThreads) moe_w4a16_v1_gate_up_n32(
+    const uint16_t* __restrict__ x, const uint4* __restrict__ w1, const uint32_t* __restrict__ s1,
+    const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
+    const int* __restrict__ n_active, const int* __restrict__ sorted_token, uint16_t* __restrict__ h,
+    int K, int N) {
+  __shared__ float red[kWarps][32][32];
+  gate_up_body<4, 2>(x, w1, s1, expert_offsets, active_experts, n_active, sorted_token, h, K, N, red);
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_w4a16_v1_down_n8(
+    const uint16_t* __restrict__ h, const uint4* __restrict__ w2, const uint32_t* __restrict__ s2,
+    const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
+    const int* __restrict__ n_active, const int* __restrict__ sorted_token,
+    const float* __restrict__ sorted_weight, float* __restrict__ y, int K, int N) {
+  down_body<1, 4>(h, w2, s2, expert_offsets, active_experts, n_active, sorted_token, sorted_weight, y, K, N);
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads) moe_w4a16_v1_down_n32(
+    const uint16_t* __restrict__ h, const uint4* __restrict__ w2, const uint32_t* __restrict__ s2,
+    const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
+    const int* __restrict__ n_active, const int* __restrict__ sorted_token,
+    const float* __restrict__ sorted_weight, float* __restrict__ y, int K, int N) {
+  down_body<4, 2>(h, w2, s2, expert_offsets, active_experts, n_active, sorted_token, sorted_weight, y, K, N);
+}
