@@ -280,3 +280,79 @@ def _build(top_token_ids: np.ndarray, top_log_probs: np.ndarray, budget: int, k:
         _fill_lcrs(parents, nxt[b], sib[b])
     _fill_visibility(par, sizes, vis)
     return DDTreeBatch(sizes, tok, dep, par, vis, nxt, sib, pos, sc)
+
+
+# ----------------------------------------------------------------------------- synthetic inputs and the CPU baseline
+
+
+def synthetic_topk(
+    seed: int, batch: int, depth: int, k: int, *, vocab_size: int = 32000, draft_vocab: int = 1024, sharpness: float = 5.0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Drafter-like top-k inputs, reproducible byte for byte on any platform.
+
+    Per (request, depth) row: logits ~ N(0, sharpness^2) over `draft_vocab` candidate tokens with
+    distinct random ids in [0, vocab_size); log-softmax computed in float64 with `math` (exact
+    `fsum`, libm exp/log: no SIMD-dependent rounding), cast to float32, then the top k by
+    descending log-prob (stable order on ties). Larger sharpness = more peaked = deeper trees.
+    Shape: returns top_token_ids [batch, depth, k] int64, top_log_probs [batch, depth, k] float32.
+    """
+    import math
+
+    if not 0 <= k <= draft_vocab <= vocab_size:
+        raise ValueError(f"need 0 <= k <= draft_vocab <= vocab_size, got {k}, {draft_vocab}, {vocab_size}")
+    rng = np.random.default_rng(seed)
+    ids = np.empty((batch, depth, k), dtype=np.int64)  # [B, L, K']
+    lps = np.empty((batch, depth, k), dtype=np.float32)  # [B, L, K']
+    for b in range(batch):
+        for d in range(depth):
+            cand = rng.choice(vocab_size, size=draft_vocab, replace=False)
+            logits = (rng.standard_normal(draft_vocab) * sharpness).tolist()
+            top = max(logits)
+            lse = top + math.log(math.fsum(math.exp(x - top) for x in logits))
+            lp = np.array([x - lse for x in logits], dtype=np.float64).astype(np.float32)
+            order = np.argsort(-lp, kind="stable")[:k]
+            ids[b, d] = cand[order]
+            lps[b, d] = lp[order]
+    return ids, lps
+
+
+BASELINE_POINT = {"batch": 64, "depth": 15, "budget": 64, "k_prime": 64}  # issue 3: the seeds' SGLang comparison point
+
+
+def cpu_build_baseline(
+    batches=(1, 4, 16, 64), budgets=(8, 16, 32, 64, 128), *, depth: int = 15, iters: int = 10, seed: int = 0
+) -> dict:
+    """Time `build_tree_batch` on the CPU (kdlib.perf.cpu_time: warm-up, median, p10/p90).
+
+    Headline: BASELINE_POINT (B 64, L 15, budget 64, K' 64). Sweeps: against batch at budget 64,
+    and against budget at batch 64 with K' = budget (REF's K = min(N, V)). Inputs from
+    `synthetic_topk(seed, ...)`. Returns a payload for `kdlib.perf.write("tree_build_cpu", ...)`.
+    """
+    from kdlib.perf import cpu_time
+
+    def measure(batch, budget, k_prime):
+        ids, lps = synthetic_topk(seed, batch, depth, k_prime)
+        t = cpu_time(lambda: build_tree_batch(ids, lps, budget), warmup=2, iters=iters)
+        return {"batch": batch, "depth": depth, "budget": budget, "k_prime": k_prime, **t.as_dict(),
+                "per_request_us": t.median_ms * 1e3 / batch}
+
+    p = BASELINE_POINT
+    headline = measure(p["batch"], p["budget"], p["k_prime"]) if depth == p["depth"] else None
+    return {
+        "parameters": {"batches": list(batches), "budgets": list(budgets), "depth": depth, "iters": iters, "seed": seed,
+                       "inputs": "kdlib.ref.tree.synthetic_topk (sharpness 5.0: mean top-1 prob about 0.56, draft_vocab 1024)"},
+        "headline": headline,
+        "vs_batch": [measure(b, 64, 64) for b in batches],
+        "vs_budget": [measure(max(batches), n, n) for n in budgets],
+    }
+
+
+def record_cpu_baseline(out_dir=None):
+    """Measure `cpu_build_baseline()` and write `tree_build_cpu.<host>.json` through kdlib.perf.write."""
+    from kdlib import perf
+
+    payload = cpu_build_baseline()
+    return perf.write(
+        "tree_build_cpu", payload, out_dir=out_dir,
+        command='python -c "from kdlib.ref.tree import record_cpu_baseline; record_cpu_baseline()"',
+    )
