@@ -118,8 +118,6 @@ def build_tree_batch(
     check_values: also run the reference's value checks on the device (one host sync).
     out: an `empty_batch(B, budget)` to write into (no allocation; graph capture).
     """
-    import cupy
-
     budget = _check_budget(budget)
     ids = loader.as_cupy(top_token_ids)
     lp = loader.as_cupy(top_log_probs)
@@ -149,6 +147,8 @@ def build_tree_batch(
         _check_out(out, bsz, budget)
     if bsz == 0:
         return out
+    import cupy
+
     ids = cupy.ascontiguousarray(ids)
     lp = cupy.ascontiguousarray(lp)
     fn = loader.get_function(*KERNEL)

@@ -1,0 +1,196 @@
+"""GPU acceptance: `accept_greedy_batch`, `sample_tokens`, `accept_sample_batch`, the CUDA twins of
+`kdlib.ref.accept` (same names, same signatures, CuPy arrays in and out).
+
+Kernels (`kernels/tree_accept_v1.cu`): `tree_accept_greedy_v1`, one block per request, stages the
+LCRS lists in shared memory and walks them with one thread; `tree_sample_rows_v1_f32/_f64`, one
+thread per row, inverse CDF with sequential float64 sums (bit-exact with the reference).
+
+Differences from the reference, all forced by not synchronising with the host:
+  * a path longer than `max_depth + 1` is truncated in `paths`, and `lengths[b]` keeps its true
+    length (> max_depth + 1 marks the case the reference raises ValueError for);
+  * value checks (uniforms in [0, 1), probs finite and non-negative, positive row sums) run only
+    with `check_values=True` (one host sync); shapes, dtypes and limits are always checked.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from kdlib.cuda import loader
+from kdlib.ref.tree import DDTreeBatch
+
+GREEDY = ("tree_accept_v1", "tree_accept_greedy_v1")
+SAMPLE = {np.dtype(np.float32): ("tree_accept_v1", "tree_sample_rows_v1_f32"),
+          np.dtype(np.float64): ("tree_accept_v1", "tree_sample_rows_v1_f64")}
+GREEDY_THREADS = 64  # TA_THREADS in tree_accept_v1.cu
+SAMPLE_THREADS = 128  # launch bound of tree_sample_rows_v1_*
+
+
+def _batch(trees):
+    if not isinstance(trees, DDTreeBatch):
+        raise ValueError(f"trees must be a DDTreeBatch, got {type(trees).__name__}")
+    fields = {}
+    for name in ("sizes", "node_token_ids", "next_token", "next_sibling"):
+        a = loader.as_cupy(getattr(trees, name))
+        if a.dtype != np.int64:
+            raise ValueError(f"trees.{name} must be int64, got {a.dtype}")
+        fields[name] = a
+    bsz, budget = fields["node_token_ids"].shape if fields["node_token_ids"].ndim == 2 else (None, None)
+    if bsz is None or fields["sizes"].shape != (bsz,) or fields["next_token"].shape != (bsz, budget + 1) \
+            or fields["next_sibling"].shape != (bsz, budget + 1):
+        raise ValueError(
+            "trees must be a padded batch: sizes [B], node_token_ids [B, budget], next_token/next_sibling "
+            f"[B, budget+1]; got {[tuple(a.shape) for a in fields.values()]}"
+        )
+    return bsz, budget, fields
+
+
+def _width(budget: int, max_depth) -> int:
+    if max_depth is None:
+        return budget + 1
+    if isinstance(max_depth, bool) or not isinstance(max_depth, numbers.Integral) or max_depth < 0:
+        raise ValueError(f"max_depth must be an int >= 0 or None, got {max_depth!r}")
+    return int(max_depth) + 1
+
+
+def _int64(name, a, shape):
+    import cupy
+
+    a = loader.as_cupy(a)
+    if not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"{name} must be an integer array, got {a.dtype}")
+    if a.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
+    return cupy.ascontiguousarray(a, dtype=cupy.int64)
+
+
+def _out_arrays(out, bsz, width):
+    import cupy
+
+    if out is None:
+        return (cupy.empty((bsz, width), dtype=cupy.int64),  # paths [B, max_depth+1]
+                cupy.empty(bsz, dtype=cupy.int64),  # lengths [B]
+                cupy.empty(bsz, dtype=cupy.int64))  # bonus [B]
+    paths, lengths, bonus = out
+    for name, a, shape in (("paths", paths, (bsz, width)), ("lengths", lengths, (bsz,)), ("bonus", bonus, (bsz,))):
+        if a.shape != shape or a.dtype != np.int64 or not a.flags.c_contiguous:
+            raise ValueError(f"out {name} must be a C-contiguous int64 array of shape {shape}")
+    return paths, lengths, bonus
+
+
+def accept_greedy_batch(trees, target_tokens, max_depth: int | None = None, *, out=None):
+    """Greedy walk of every tree of a batch on the GPU (see `kdlib.ref.accept.accept_greedy_batch`).
+
+    Shape: target_tokens [B, budget+1] int (slots >= sizes[b] never read).
+    Returns paths [B, max_depth+1] int64 padded -1, lengths [B] int64, bonus [B] int64.
+    out: optional (paths, lengths, bonus) buffers to write into (graph capture).
+    """
+    bsz, budget, f = _batch(trees)
+    target = _int64("target_tokens", target_tokens, (bsz, budget + 1))
+    width = _width(budget, max_depth)
+    paths, lengths, bonus = _out_arrays(out, bsz, width)
+    if bsz == 0:
+        return paths, lengths, bonus
+    import cupy
+
+    s = budget + 1
+    fn = loader.get_function(*GREEDY)
+    smem = 40 * s  # five int64 arrays of S entries (see tree_accept_v1.cu)
+    loader.set_max_dynamic_shared(fn, smem)
+    fn((bsz,), (GREEDY_THREADS,),
+       (cupy.ascontiguousarray(f["node_token_ids"]), cupy.ascontiguousarray(f["next_token"]),
+        cupy.ascontiguousarray(f["next_sibling"]), cupy.ascontiguousarray(f["sizes"]), target,
+        np.int32(s), np.int32(width), paths, lengths, bonus),
+       shared_mem=smem)
+    return paths, lengths, bonus
+
+
+def _check_sample_values(probs, uniforms) -> None:
+    import cupy
+
+    flags = cupy.stack([
+        ~cupy.isfinite(probs).all(),
+        (probs < 0).any(),
+        ~((uniforms >= 0) & (uniforms < 1)).all(),
+        (probs.astype(cupy.float64).sum(axis=-1) <= 0).any() if probs.size else cupy.zeros((), bool),
+    ]).get().tolist()
+    for bad, msg in zip(flags, ("probs contains NaN or infinite values", "probs contains negative values",
+                                "uniforms must lie in [0, 1)", "a probs row sums to zero"), strict=True):
+        if bad:
+            raise ValueError(msg)
+
+
+def _sample_launch(probs, uniforms, sizes, rows_per_req: int, tokens) -> None:
+    n, v = probs.shape[0] * (probs.shape[1] if probs.ndim == 3 else 1), probs.shape[-1]
+    if n == 0:
+        return
+    fn = loader.get_function(*SAMPLE[probs.dtype])
+    blocks = (n + SAMPLE_THREADS - 1) // SAMPLE_THREADS
+    fn((blocks,), (SAMPLE_THREADS,),
+       (probs, uniforms, sizes if sizes is not None else np.uint64(0), np.int64(rows_per_req), np.int64(n),
+        np.int64(v), tokens))
+
+
+def _check_probs(probs, ndim: int):
+    import cupy
+
+    probs = loader.as_cupy(probs)
+    if probs.ndim != ndim:
+        raise ValueError(f"probs must have {ndim} dimensions, got shape {probs.shape}")
+    if probs.dtype not in (np.float32, np.float64):
+        raise ValueError(f"probs must be float32 or float64, got {probs.dtype}")
+    if probs.shape[-1] == 0 and probs.size == 0 and int(np.prod(probs.shape[:-1])) > 0:
+        raise ValueError("probs has an empty vocabulary axis")
+    return cupy.ascontiguousarray(probs)
+
+
+def _check_uniforms(uniforms, shape):
+    import cupy
+
+    uniforms = loader.as_cupy(uniforms)
+    if uniforms.dtype != np.float64 or uniforms.shape != shape:
+        raise ValueError(f"uniforms must be a float64 array of shape {shape}, got {uniforms.dtype} {uniforms.shape}")
+    return cupy.ascontiguousarray(uniforms)
+
+
+def sample_tokens(probs, uniforms, *, check_values: bool = False, out=None):
+    """Inverse-CDF draw per row, bit-exact with `kdlib.ref.accept.sample_tokens`.
+
+    Shape: probs [N, V] float32/float64, uniforms [N] float64 in [0, 1). Returns tokens [N] int64.
+    """
+    import cupy
+
+    probs = _check_probs(probs, 2)
+    uniforms = _check_uniforms(uniforms, probs.shape[:1])
+    if check_values:
+        _check_sample_values(probs, uniforms)
+    tokens = cupy.empty(probs.shape[0], dtype=cupy.int64) if out is None else out  # [N]
+    if tokens.shape != probs.shape[:1] or tokens.dtype != np.int64:
+        raise ValueError(f"out must be an int64 array of shape {probs.shape[:1]}")
+    _sample_launch(probs, uniforms, None, 1, tokens)
+    return tokens
+
+
+def accept_sample_batch(trees, probs, uniforms, max_depth: int | None = None, *, check_values: bool = False, out=None):
+    """Sample-and-walk over a batch on the GPU (see `kdlib.ref.accept.accept_sample_batch`).
+
+    Shape: probs [B, budget+1, V] float32/float64, uniforms [B, budget+1] float64; rows >= sizes[b]
+    are never read. Returns paths [B, max_depth+1] int64 padded -1, lengths [B], bonus [B].
+    """
+    import cupy
+
+    bsz, budget, f = _batch(trees)
+    probs = _check_probs(probs, 3)
+    if probs.shape[:2] != (bsz, budget + 1):
+        raise ValueError(f"probs must have shape [{bsz}, {budget + 1}, V], got {probs.shape}")
+    uniforms = _check_uniforms(uniforms, (bsz, budget + 1))
+    if check_values:
+        sizes = f["sizes"].get()
+        rows = np.arange(budget + 1)[None, :] < sizes[:, None]
+        mask = cupy.asarray(rows)
+        _check_sample_values(probs[mask], uniforms[mask])
+    targets = cupy.empty((bsz, budget + 1), dtype=cupy.int64)  # [B, budget+1]
+    _sample_launch(probs, uniforms, cupy.ascontiguousarray(f["sizes"]), budget + 1, targets)
+    return accept_greedy_batch(trees, targets, max_depth=max_depth, out=out)

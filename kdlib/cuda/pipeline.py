@@ -1,0 +1,205 @@
+"""One DDTree decode step on the device, end to end, captured in one CUDA graph.
+
+    build (tree_build_v1) -> stand-in verify -> accept (tree_accept_greedy_v1) -> compact (kv_compact_v1)
+
+The stand-in verify is a lookup-table target: the target's next token after a node is
+`target_table[token of that node]` (the root's token is the request's bonus token `root_tokens[b]`).
+It runs as two CuPy element-wise ops on the device, so nothing crosses to the host between the
+stages. A real verify (the tree_verify attention plus an LM head) would replace exactly this
+stage. `reference_step` runs the same step with `kdlib.ref` in numpy; `TreeStep` results must
+equal it element for element.
+
+All buffers are allocated up front (`make_step`), so the graph captured by `TreeStep.capture`
+reads and writes fixed addresses: refill the inputs in place (`step.ids[...] = ...`) and
+`replay()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kdlib.cuda import accept, compact, loader, tree
+
+
+@dataclass
+class TreeStep:
+    """Device buffers of one step. Shapes: B requests, L depths, K' columns, S = budget + 1.
+
+    Inputs:  ids [B, L, K'] int64, lp [B, L, K'] float32, root [B] int64, table [V] int64,
+             cache [num_slots, D...] (compacted in place), starts [B] int64.
+    Outputs: trees (DDTreeBatch), targets [B, S] int64, paths [B, min(L, budget)+1] int64,
+             lengths [B] int64, bonus [B] int64, and the compacted cache.
+    """
+
+    budget: int
+    ids: object
+    lp: object
+    root: object
+    table: object
+    cache: object
+    starts: object
+    trees: object
+    tokens: object
+    index: object
+    targets: object
+    paths: object
+    lengths: object
+    bonus: object
+    graph: object = None
+    stream: object = None
+
+    def run(self) -> None:
+        """Launch the four stages on the current stream (eagerly)."""
+        import cupy
+
+        tree.build_tree_batch(self.ids, self.lp, self.budget, out=self.trees)
+        self.tokens[:, 0] = self.root
+        self.tokens[:, 1:] = self.trees.node_token_ids
+        cupy.maximum(self.tokens, 0, out=self.index)  # padding (-1) reads table[0]; never used by the walk
+        cupy.take(self.table, self.index, out=self.targets)
+        accept.accept_greedy_batch(self.trees, self.targets, max_depth=self.paths.shape[1] - 1,
+                                   out=(self.paths, self.lengths, self.bonus))
+        compact.compact_kv_batch(self.cache, self.starts, self.paths, self.lengths)
+
+    def capture(self) -> None:
+        """Record `run` into one CUDA graph (after one eager run, so every kernel is compiled)."""
+        import cupy
+
+        self.run()
+        cupy.cuda.runtime.deviceSynchronize()
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        with self.stream:
+            self.stream.begin_capture()
+            self.run()
+            self.graph = self.stream.end_capture()
+
+    def replay(self) -> None:
+        """Launch the captured graph on its stream (call `capture` first)."""
+        if self.graph is None:
+            raise ValueError("no graph captured: call capture() first")
+        self.graph.launch(self.stream)
+
+
+def _check_step_inputs(ids, lp, root, table, cache, starts, budget):
+    if ids.ndim != 3 or lp.shape != ids.shape:
+        raise ValueError(f"top_token_ids / top_log_probs must share a [B, L, K'] shape, got {ids.shape}, {lp.shape}")
+    bsz = ids.shape[0]
+    if root.shape != (bsz,) or starts.shape != (bsz,):
+        raise ValueError(f"root_tokens and starts must have shape [{bsz}], got {root.shape}, {starts.shape}")
+    if table.ndim != 1:
+        raise ValueError(f"target_table must be [V], got shape {table.shape}")
+    if cache.ndim < 1:
+        raise ValueError("cache must have a slot axis")
+    if isinstance(budget, bool) or not isinstance(budget, int | np.integer) or budget < 0:
+        raise ValueError(f"budget must be an int >= 0, got {budget!r}")
+
+
+def make_step(top_token_ids, top_log_probs, root_tokens, target_table, cache, starts, budget: int) -> TreeStep:
+    """Allocate a step's buffers on the device (copies of the inputs; `cache` is used in place).
+
+    Shape: top_token_ids [B, L, K'] int64, top_log_probs [B, L, K'] float32, root_tokens [B] int,
+    target_table [V] int (every token id < V), cache [num_slots, D...] (CuPy, compacted in place),
+    starts [B] int (tree row i of request b sits at cache row starts[b] + i).
+    """
+    import cupy
+
+    ids = cupy.array(loader.as_cupy(top_token_ids), dtype=cupy.int64)
+    lp = cupy.array(loader.as_cupy(top_log_probs), dtype=cupy.float32)
+    root = cupy.array(loader.as_cupy(root_tokens), dtype=cupy.int64)
+    table = cupy.array(loader.as_cupy(target_table), dtype=cupy.int64)
+    st = cupy.array(loader.as_cupy(starts), dtype=cupy.int64)
+    c = loader.as_cupy(cache)
+    _check_step_inputs(ids, lp, root, table, c, st, budget)
+    bsz, depth, _ = ids.shape
+    s = budget + 1
+    width = min(depth, budget) + 1
+    return TreeStep(
+        budget=budget, ids=ids, lp=lp, root=root, table=table, cache=c, starts=st,
+        trees=tree.empty_batch(bsz, budget),
+        tokens=cupy.empty((bsz, s), dtype=cupy.int64),  # [B, S] root, then node tokens
+        index=cupy.empty((bsz, s), dtype=cupy.int64),  # [B, S]
+        targets=cupy.empty((bsz, s), dtype=cupy.int64),  # [B, S]
+        paths=cupy.empty((bsz, width), dtype=cupy.int64),  # [B, min(L, budget)+1]
+        lengths=cupy.empty(bsz, dtype=cupy.int64),  # [B]
+        bonus=cupy.empty(bsz, dtype=cupy.int64),  # [B]
+    )
+
+
+def reference_step(top_token_ids, top_log_probs, root_tokens, target_table, cache, starts, budget: int) -> dict:
+    """The same step with `kdlib.ref` on numpy inputs; `cache` is copied, not modified.
+
+    Returns {trees, targets, paths, lengths, bonus, cache}.
+    """
+    from kdlib import ref
+
+    trees = ref.build_tree_batch(top_token_ids, top_log_probs, budget)
+    tokens = np.concatenate([np.asarray(root_tokens, np.int64)[:, None], trees.node_token_ids], axis=1)  # [B, S]
+    targets = np.asarray(target_table, np.int64)[np.maximum(tokens, 0)]  # [B, S]
+    width = min(top_token_ids.shape[1], budget) + 1
+    paths, lengths, bonus = ref.accept_greedy_batch(trees, targets, max_depth=width - 1)
+    out = cache.copy()
+    ref.compact_kv_batch(out, np.asarray(starts, np.int64), paths, lengths)
+    return {"trees": trees, "targets": targets, "paths": paths, "lengths": lengths, "bonus": bonus, "cache": out}
+
+
+def step_outputs(step: TreeStep) -> dict:
+    """The step's results copied to numpy (synchronises), keyed like `reference_step`."""
+    return {"trees": step.trees.__class__(**{k: v.get() for k, v in vars(step.trees).items()}),
+            "targets": step.targets.get(), "paths": step.paths.get(), "lengths": step.lengths.get(),
+            "bonus": step.bonus.get(), "cache": step.cache.get()}
+
+
+def random_topk(rng: np.random.Generator, bsz: int, depth: int, kp: int, vocab: int, mode: str = "random"):
+    """Random drafter top-k for tests and benchmarks: (ids [B, L, K'] int64, lp [B, L, K'] float32).
+
+    Rows hold K' distinct ids from [0, vocab) and non-increasing log-probs. mode:
+      "random"   strictly decreasing values (cumulative exponential gaps), generic floats;
+      "tied"     values from {0, -0.5, -1, -1.5} (-0.0 included): many exact score ties, so the
+                 rank-tuple tie-break decides;
+      "denormal" float32 subnormals (k * -1e-42): ties and the exact float->double conversion.
+    """
+    if kp > vocab:
+        raise ValueError(f"K' {kp} exceeds the vocabulary {vocab}")
+    shape = (bsz, depth, kp)
+    ids = np.argsort(rng.random((bsz, depth, vocab)), axis=-1)[..., :kp].astype(np.int64)  # [B, L, K']
+    if mode == "random":
+        lp = -np.cumsum(rng.exponential(1.0, shape), axis=-1)
+    elif mode == "tied":
+        lp = -0.5 * np.sort(rng.integers(0, 4, shape), axis=-1)
+    elif mode == "denormal":
+        lp = -1e-42 * np.sort(rng.integers(0, 1000, shape), axis=-1)
+    else:
+        raise ValueError(f"mode must be 'random', 'tied' or 'denormal', got {mode!r}")
+    return ids, lp.astype(np.float32)  # float32 rounding is monotone: rows stay non-increasing
+
+
+def random_step_inputs(rng: np.random.Generator, bsz: int, depth: int, kp: int, vocab: int, budget: int,
+                       row_dim: int = 8, mode: str = "random") -> dict:
+    """Inputs of one `make_step` / `reference_step` call, numpy, with real acceptances.
+
+    The target table is a random map token -> next token; along each request's target chain
+    (root, table[root], ...) the drafter's top-k holds the target token at rank 0 with
+    probability 1/2, else at a random rank (or not at all when it falls outside K'), so paths of
+    every length occur. Cache: [B * (budget + 1) + 1, row_dim] float32, tree rows of request b
+    at starts[b] = b * (budget + 1).
+    """
+    ids, lp = random_topk(rng, bsz, depth, kp, vocab, mode)
+    table = rng.integers(0, vocab, vocab).astype(np.int64)  # [V]
+    root = rng.integers(0, vocab, bsz).astype(np.int64)  # [B]
+    for b in range(bsz):
+        tok = root[b]
+        for d in range(depth):
+            tok = table[tok]
+            rank = 0 if rng.random() < 0.5 else int(rng.integers(0, 2 * kp))
+            if rank < kp:
+                row = ids[b, d]
+                hit = np.flatnonzero(row == tok)
+                if hit.size:  # keep the row's ids distinct: swap
+                    row[hit[0]] = row[rank]
+                row[rank] = tok
+    cache = rng.standard_normal((bsz * (budget + 1) + 1, row_dim)).astype(np.float32)  # [slots, D]
+    starts = np.arange(bsz, dtype=np.int64) * (budget + 1)  # [B]
+    return {"top_token_ids": ids, "top_log_probs": lp, "root_tokens": root, "target_table": table,
+            "cache": cache, "starts": starts, "budget": budget}
