@@ -10,7 +10,7 @@
 // half-done state. Requests touch disjoint row ranges (checked by the reference, assumed here).
 // Steps with path[i] == i are skipped (no copy).
 //
-// kv_remap_v1: page_size 1 commit, one block per request:
+// kv_remap_v1_i64 / _i32 (req_to_token int64 or int32): page_size 1 commit, one block per request:
 //   req_to_token[b, start + i] = tree_slots[b, path[i]]  for i < len;
 //   freed[b, j] = 1 when node j's slot (tree_slots[b, j] >= 0) is not on the path, else 0.
 // The wrapper turns `freed` into the reference's compact freed-slot list.
@@ -67,17 +67,13 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS) kv_compact_v1_u8(
     compact_cols<unsigned char>(cache, row_units, starts, paths, maxlen, lengths);
 }
 
-extern "C" __global__ void __launch_bounds__(KC_THREADS) kv_remap_v1(
-    long long* __restrict__ req_to_token,      // [B, max_ctx]
-    long long max_ctx,
-    const long long* __restrict__ starts,      // [B]
-    const long long* __restrict__ tree_slots,  // [B, width]
-    int width,
-    const long long* __restrict__ paths,       // [B, maxlen]
-    int maxlen,
-    const long long* __restrict__ lengths,     // [B]
-    unsigned char* __restrict__ freed)         // [B, width] bool
-{
+template <typename R>
+__device__ __forceinline__ void remap(R* __restrict__ req_to_token, long long max_ctx,
+                                      const long long* __restrict__ starts,
+                                      const long long* __restrict__ tree_slots, int width,
+                                      const long long* __restrict__ paths, int maxlen,
+                                      const long long* __restrict__ lengths,
+                                      unsigned char* __restrict__ freed) {
     extern __shared__ unsigned char on_path[];  // [width]
     const int b = blockIdx.x;
     const int tid = threadIdx.x;
@@ -89,11 +85,39 @@ extern "C" __global__ void __launch_bounds__(KC_THREADS) kv_remap_v1(
     __syncthreads();
     for (long long i = tid; i < len; i += KC_THREADS) {
         const long long p = path[i];
-        if (p < 0 || p >= width || start + i < 0 || start + i >= max_ctx) continue;  // invalid input: skip, never write out of bounds
+        if (p < 0 || p >= width || start + i < 0 || start + i >= max_ctx) continue;  // invalid input: never write out of bounds
         on_path[p] = 1;
-        req_to_token[(long long)b * max_ctx + start + i] = slots[p];
+        req_to_token[(long long)b * max_ctx + start + i] = (R)slots[p];
     }
     __syncthreads();
     for (int j = tid; j < width; j += KC_THREADS)
         freed[(long long)b * width + j] = (unsigned char)(slots[j] >= 0 && !on_path[j]);
+}
+
+extern "C" __global__ void __launch_bounds__(KC_THREADS) kv_remap_v1_i64(
+    long long* __restrict__ req_to_token,      // [B, max_ctx]
+    long long max_ctx,
+    const long long* __restrict__ starts,      // [B]
+    const long long* __restrict__ tree_slots,  // [B, width]
+    int width,
+    const long long* __restrict__ paths,       // [B, maxlen]
+    int maxlen,
+    const long long* __restrict__ lengths,     // [B]
+    unsigned char* __restrict__ freed)         // [B, width] bool
+{
+    remap<long long>(req_to_token, max_ctx, starts, tree_slots, width, paths, maxlen, lengths, freed);
+}
+
+extern "C" __global__ void __launch_bounds__(KC_THREADS) kv_remap_v1_i32(
+    int* __restrict__ req_to_token,            // [B, max_ctx]
+    long long max_ctx,
+    const long long* __restrict__ starts,      // [B]
+    const long long* __restrict__ tree_slots,  // [B, width]
+    int width,
+    const long long* __restrict__ paths,       // [B, maxlen]
+    int maxlen,
+    const long long* __restrict__ lengths,     // [B]
+    unsigned char* __restrict__ freed)         // [B, width] bool
+{
+    remap<int>(req_to_token, max_ctx, starts, tree_slots, width, paths, maxlen, lengths, freed);
 }

@@ -168,55 +168,70 @@ def test_build_torch_dlpack_zero_copy():
 # ----------------------------------------------------------------------------- golden files
 
 
-def _golden_files():
-    return sorted((DATA / "golden").glob("*.kdtr"))
+GOLDEN = sorted((DATA / "golden").glob("*.kdtr"))
+GOLDEN_KINDS = ("tree", "accept_sample", "compact")
+
+
+def _golden(path):
+    import json
+
+    from kdlib import kdtr
+
+    meta = kdtr.read_metadata(path)
+    return kdtr.load(path, mmap=False), meta, json.loads(meta.get("config", "{}"))
+
+
+def _stored_trees(t, cp):
+    return ref.DDTreeBatch(**{f: cp.asarray(t[f]) for f in FIELDS})
 
 
 @pytest.mark.gpu
-def test_golden_files():
-    """Every golden KDTR file whose tensors name a tree build, a greedy walk, a draw or a compaction."""
+@pytest.mark.parametrize("path", GOLDEN, ids=[p.stem for p in GOLDEN])
+def test_golden(path):
+    """Every golden file of kind tree / accept_sample / compact, against its stored outputs."""
     cp = _cp()
-    from kdlib import kdtr
     from kdlib.cuda import accept, compact, tree
 
-    files = _golden_files()
-    if not files:
-        pytest.skip("no data/golden/*.kdtr files yet")
-    checked = 0
-    for path in files:
-        t = kdtr.load(path, mmap=False)
-        meta = kdtr.read_metadata(path)
-        if "top_token_ids" in t and "top_log_probs" in t:
-            ids, lp = t["top_token_ids"], t["top_log_probs"]
-            if ids.ndim == 2:
-                ids, lp = ids[None], lp[None]
-            if "budget" in meta:
-                budget = int(meta["budget"])
-            elif "budget" in t:
-                budget = int(np.asarray(t["budget"]).reshape(-1)[0])
-            elif "node_token_ids" in t:
-                budget = int(t["node_token_ids"].shape[-1])
-            else:
-                continue
-            if budget > tree.MAX_BUDGET or min(ids.shape[1], budget) > tree.MAX_DEPTH:
-                continue
-            want = ref.build_tree_batch(ids, lp, budget)
-            got = tree.build_tree_batch(cp.asarray(ids), cp.asarray(lp), budget, out=_poisoned_batch(ids.shape[0], budget))
-            assert_trees_equal(got, want, path.name)
-            checked += 1
-        if "probs" in t and "uniforms" in t and t["probs"].ndim == 2:
-            want = ref.sample_tokens(t["probs"], t["uniforms"])
-            assert (accept.sample_tokens(cp.asarray(t["probs"]), cp.asarray(t["uniforms"])).get() == want).all(), path.name
-            checked += 1
-        if {"cache", "starts", "paths", "lengths"} <= set(t) and t["starts"].ndim == 1:
-            want = t["cache"].copy()
-            ref.compact_kv_batch(want, t["starts"], t["paths"], t["lengths"])
-            got = cp.asarray(t["cache"])
-            compact.compact_kv_batch(got, cp.asarray(t["starts"]), cp.asarray(t["paths"]), cp.asarray(t["lengths"]))
-            assert (got.get() == want).all(), path.name
-            checked += 1
-    if checked == 0:
-        pytest.skip(f"none of {len(files)} golden files holds a case these kernels take")
+    t, meta, config = _golden(path)
+    kind = meta.get("kind")
+    if kind not in GOLDEN_KINDS:
+        pytest.skip(f"kind {kind!r} belongs to another kernel")
+    if "top_token_ids" in t:  # tree build (tree, accept_sample)
+        budget = int(t["budget"])
+        got = tree.build_tree_batch(cp.asarray(t["top_token_ids"]), cp.asarray(t["top_log_probs"]), budget,
+                                    out=_poisoned_batch(t["top_token_ids"].shape[0], budget))
+        want = ref.DDTreeBatch(**{f: np.asarray(t[f]) for f in FIELDS})
+        assert_trees_equal(got, want, path.name)
+    max_depth = config.get("max_depth")
+    if kind == "tree":
+        got = accept.accept_greedy_batch(_stored_trees(t, cp), cp.asarray(t["target_tokens"]), max_depth=max_depth)
+        for name, g in zip(("paths", "lengths", "bonus"), got, strict=True):
+            assert (g.get() == t[name]).all(), f"{path.name}: {name}"
+    elif kind == "accept_sample":
+        got = accept.accept_sample_batch(_stored_trees(t, cp), cp.asarray(t["probs"]), cp.asarray(t["uniforms"]),
+                                         max_depth=max_depth)
+        for name, g in zip(("paths", "lengths", "bonus"), got, strict=True):
+            assert (g.get() == t[name]).all(), f"{path.name}: {name}"
+        tokens = accept.sample_tokens(cp.asarray(t["st_probs"]), cp.asarray(t["st_uniforms"]))
+        assert (tokens.get() == t["st_tokens"]).all()
+    else:
+        cache = cp.asarray(t["cache"])
+        compact.compact_kv_batch(cache, cp.asarray(t["starts"]), cp.asarray(t["paths"]), cp.asarray(t["lengths"]))
+        assert (cache.get().view(np.uint8) == t["cache_out"].view(np.uint8)).all(), f"{path.name}: cache"
+        r2t = cp.asarray(t["req_to_token"])
+        freed = compact.remap_slots(r2t, cp.asarray(t["remap_starts"]), cp.asarray(t["tree_slots"]),
+                                    cp.asarray(t["paths"]), cp.asarray(t["lengths"]))
+        assert (r2t.get() == t["req_to_token_out"]).all(), f"{path.name}: req_to_token"
+        assert freed.dtype == t["freed_slots"].dtype and (freed.get() == t["freed_slots"]).all(), f"{path.name}: freed"
+
+
+def test_golden_files_present():
+    kinds = set()
+    for path in GOLDEN:
+        from kdlib import kdtr
+
+        kinds.add(kdtr.read_metadata(path).get("kind"))
+    assert set(GOLDEN_KINDS) <= kinds, f"golden kinds found: {sorted(kinds)}"
 
 
 # ----------------------------------------------------------------------------- accept

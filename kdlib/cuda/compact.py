@@ -4,7 +4,7 @@
 Kernels (`kernels/kv_compact_v1.cu`):
   * `kv_compact_v1_u{128,32,8}`: one thread per (request, 16/4/1-byte column of a row), copying
     the accepted rows in ascending order; in place is exact because path[i] >= i (see the .cu).
-  * `kv_remap_v1`: page_size 1 commit, one block per request; writes req_to_token and a
+  * `kv_remap_v1_i64/_i32` (req_to_token int64 / int32): page_size 1 commit, one block per request; writes req_to_token and a
     per-node freed mask. `remap_slots` turns the mask into the reference's freed-slot list
     (a boolean gather, which synchronises); `remap_slots_masked` returns the mask and stays
     asynchronous (graph-capturable).
@@ -22,7 +22,7 @@ from kdlib.cuda import loader
 
 COMPACT = {16: ("kv_compact_v1", "kv_compact_v1_u128"), 4: ("kv_compact_v1", "kv_compact_v1_u32"),
            1: ("kv_compact_v1", "kv_compact_v1_u8")}
-REMAP = ("kv_compact_v1", "kv_remap_v1")
+REMAP = {np.dtype(np.int64): ("kv_compact_v1", "kv_remap_v1_i64"), np.dtype(np.int32): ("kv_compact_v1", "kv_remap_v1_i32")}
 THREADS = 256  # KC_THREADS in kv_compact_v1.cu
 
 
@@ -86,13 +86,13 @@ def remap_slots_masked(req_to_token, starts, tree_slots, paths, lengths, *, chec
     """page_size 1 commit without a host sync: updates req_to_token in place, returns
     freed_mask [B, budget+1] bool (node j's slot is allocated and j is not on the path).
 
-    req_to_token must be int64 (it is written in place). Shapes as in `remap_slots`.
+    req_to_token must be int64 or int32 (written in place). Shapes as in `remap_slots`.
     """
     import cupy
 
     r2t = loader.as_cupy(req_to_token)
-    if r2t.ndim != 2 or r2t.dtype != np.int64 or not r2t.flags.c_contiguous:
-        raise ValueError(f"req_to_token must be a C-contiguous int64 array [B, max_ctx], got {r2t.dtype} {r2t.shape}")
+    if r2t.ndim != 2 or r2t.dtype not in REMAP or not r2t.flags.c_contiguous:
+        raise ValueError(f"req_to_token must be a C-contiguous int64 or int32 array [B, max_ctx], got {r2t.dtype} {r2t.shape}")
     bsz, starts, paths, lengths = _common(starts, paths, lengths)
     slots = _index("tree_slots", tree_slots, 2)
     if r2t.shape[0] != bsz or slots.shape[0] != bsz:
@@ -108,7 +108,7 @@ def remap_slots_masked(req_to_token, starts, tree_slots, paths, lengths, *, chec
         raise ValueError(f"freed must be a bool array of shape {(bsz, width)}")
     if bsz == 0:
         return freed
-    fn = loader.get_function(*REMAP)
+    fn = loader.get_function(*REMAP[r2t.dtype])
     fn((bsz,), (THREADS,),
        (r2t, np.int64(r2t.shape[1]), starts, slots, np.int32(width), paths, np.int32(paths.shape[1]), lengths,
         freed),
