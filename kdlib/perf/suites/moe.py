@@ -1,0 +1,242 @@
+"""MoE layer, two regimes, on one GPU: the W4A16 CuPy kernel (`kernels/moe_w4a16_v1.cu`) against a
+bf16 grouped GEMM in PyTorch, Kimi-K2 expert shapes at the TP8 shard.
+
+Shapes: 384 experts, hidden K = 7168, expert intermediate N = 2048 / 8 = 256 (TP8 shard), top-8
+routing of M tokens (uniformly random experts, Dirichlet-like random weights), M = 1 ... 4096.
+
+What is timed (CUDA events around each call, median of `iters` after warm-up):
+- kernel: y.fill(0) + gate/up+SwiGLU launch + down+combine launch (`kdlib.cuda.moe.moe_w4a16`).
+  The routing metadata (sort by expert, offsets) is made once per routing outside the timing:
+  an engine computes it once per layer call alongside the router, in a few small kernels.
+- baseline: gather x by sorted slot, `torch._grouped_mm` gate/up, SwiGLU, `torch._grouped_mm`
+  down, weighted `index_add_` combine (or, if `_grouped_mm` is missing or rejects the layout,
+  a padded `torch.bmm` over every expert; the payload names the arm that ran).
+L2: the touched experts at small M fit in the 50 MB L2, so each timed call uses the next of
+`rotations` independent routings (their touched sets together exceed L2), giving cold-weight
+numbers. Bytes: touched experts' INT4 weights + bf16 scales + activations (x, h, y); FLOPs:
+2 * M * 8 * 3 * K * N. Floors use the copy bandwidth measured in the same run (a 1 GiB
+device-to-device copy, read + write counted) and the bf16 matmul ceiling from
+`ceilings.h200.json` when recorded (else 790e12 FLOP/s, said in the payload).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+E, K, N, TOPK = 384, 7168, 2048 // 8, 8
+M_FULL = (1, 2, 4, 8, 9, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+M_QUICK = (1, 9, 32, 256, 1024, 4096)
+DEFAULT_FLOPS = 790e12   # bf16 dense matmul ceiling on an H200 (kernels-perf.md header) when unrecorded
+
+
+def expected_touched(m: int, n_experts: int = E, topk: int = TOPK) -> float:
+    """Distinct experts hit by m tokens under uniform top-k routing: E (1 - (1 - k/E)^m)."""
+    return n_experts * (1.0 - (1.0 - topk / n_experts) ** m)
+
+
+def _routing(rng, m: int):
+    ids = np.argsort(rng.random((m, E)), axis=1)[:, :TOPK].astype(np.int32)   # k distinct experts
+    w = rng.random((m, TOPK)).astype(np.float32)
+    return ids, w / w.sum(axis=1, keepdims=True)
+
+
+def _copy_bandwidth(torch, timing) -> dict:
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    t = timing.cuda_time(lambda: dst.copy_(src), warmup=3, iters=20)
+    return {"bytes": 2 * n, "timing": t.as_dict(), "copy_bandwidth_Bps": 2 * n / (t.median_ms * 1e-3)}
+
+
+def _random_words(torch, cp, n: int):
+    t = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, device="cuda")
+    return cp.from_dlpack(t).view(cp.uint32)
+
+
+def _random_scales(torch, cp, n: int):
+    """n uint32 words, each two bf16 scales in [2^-9, 2^-7): small positive, finite."""
+    lo = torch.randint(0x3B00, 0x3C00, (n,), dtype=torch.int32, device="cuda")
+    hi = torch.randint(0x3B00, 0x3C00, (n,), dtype=torch.int32, device="cuda")
+    return cp.from_dlpack(lo | (hi << 16)).view(cp.uint32)
+
+
+def _baseline_arm(torch, wgu, wd):
+    """The bf16 grouped GEMM that runs here: ('grouped_mm', fn) or ('padded_bmm', fn)."""
+
+    def combine(yd, tok, wts, m):
+        return torch.zeros(m, K, dtype=torch.float32, device="cuda").index_add_(0, tok, (yd * wts[:, None]).float())
+
+    def grouped(x, tok, wts, offs, m, cap):
+        xs = x.index_select(0, tok)
+        hu = torch._grouped_mm(xs, wgu, offs=offs)                     # [S, 2N]
+        h = torch.nn.functional.silu(hu[:, :N]) * hu[:, N:]
+        return combine(torch._grouped_mm(h, wd, offs=offs), tok, wts, m)
+
+    def padded(x, tok, wts, offs, m, cap):
+        counts = torch.diff(offs, prepend=offs.new_zeros(1))
+        starts = offs - counts
+        slot = torch.arange(tok.numel(), device="cuda")
+        expert = torch.searchsorted(offs, slot, right=True)
+        pos = slot - starts[expert]
+        xs = torch.zeros(E, cap, K, dtype=x.dtype, device="cuda")
+        xs[expert, pos] = x.index_select(0, tok)
+        hu = torch.bmm(xs, wgu)                                        # [E, cap, 2N]
+        h = torch.nn.functional.silu(hu[..., :N]) * hu[..., N:]
+        return combine(torch.bmm(h, wd)[expert, pos], tok, wts, m)
+
+    if hasattr(torch, "_grouped_mm"):
+        x = torch.randn(4, K, dtype=torch.bfloat16, device="cuda")
+        offs = torch.tensor([2] + [4] * (E - 1), dtype=torch.int32, device="cuda")
+        tok = torch.tensor([0, 1, 2, 3], device="cuda")
+        # Row-major weights first; then the same values stored column-major (some builds want that).
+        for layout in ("row-major", "column-major"):
+            if layout == "column-major":
+                wgu = wgu.transpose(-2, -1).contiguous().transpose(-2, -1)
+                wd = wd.transpose(-2, -1).contiguous().transpose(-2, -1)
+            try:
+                grouped(x, tok, torch.ones(4, device="cuda"), offs, 4, 2)
+                torch.cuda.synchronize()
+                return f"grouped_mm ({layout} B)", grouped
+            except Exception as err:  # any rejection means: try the next arm
+                print(f"[moe] torch._grouped_mm with {layout} B unusable here: {err}", flush=True)
+    return "padded_bmm", padded
+
+
+def _measure(m: int, rng, packed, baseline, *, bw: float, flop_rate: float, rotations: int, iters: int) -> dict:
+    """Time the kernel and the baseline at M = m over `rotations` routings; bytes, FLOPs, floors."""
+    import cupy as cp
+    import torch
+
+    from kdlib import perf
+    from kdlib.cuda import moe
+    from kdlib.perf import timing
+
+    x = torch.randn(m, K, device="cuda").to(torch.bfloat16)                    # [M, K]
+    xb = cp.from_dlpack(x.view(torch.int16)).view(cp.uint16)                    # bf16 bits, no copy
+    routes = []
+    for _ in range(rotations):
+        ids, w = _routing(rng, m)
+        r = moe.prepare_routing(cp.asarray(ids), cp.asarray(w), E)
+        offs = torch.as_tensor(cp.asnumpy(r.expert_offsets[1:]), device="cuda")   # [E] int32 group ends
+        routes.append((r, offs, torch.from_dlpack(r.sorted_token).long(), torch.from_dlpack(r.sorted_weight)))
+    out = cp.empty((m, K), dtype=cp.float32)                                    # [M, K]
+    h = cp.empty((m * TOPK, N), dtype=cp.uint16)                                # [M*topk, N]
+    moe.moe_w4a16(xb, packed, routes[0][0], out=out, h=h, sync=True)            # surfaces launch errors
+    state = {"i": 0}
+
+    def kernel_call():
+        r = routes[state["i"] % rotations][0]
+        state["i"] += 1
+        moe.moe_w4a16(xb, packed, r, out=out, h=h)
+
+    def baseline_call():
+        r, offs, tok, wts = routes[state["i"] % rotations]
+        state["i"] += 1
+        baseline(x, tok, wts, offs, m, r.max_count)
+
+    t_kernel = timing.cuda_time(kernel_call, warmup=rotations, iters=iters, backend="cupy")
+    t_base = timing.cuda_time(baseline_call, warmup=rotations, iters=iters)
+    touched = float(np.mean([rr[0].n_active for rr in routes]))
+    acct = moe.layer_bytes_flops(m, touched, K, N, TOPK)
+    base_bytes = touched * 3 * K * N * 2 + (acct["bytes"] - acct["weight_bytes"])
+    fl_k = perf.floor_ms(acct["bytes"], acct["flops"], bandwidth_Bps=bw, flop_rate=flop_rate)
+    fl_b = perf.floor_ms(base_bytes, acct["flops"], bandwidth_Bps=bw, flop_rate=flop_rate)
+    sec_k, sec_b = t_kernel.median_ms * 1e-3, t_base.median_ms * 1e-3
+    return {
+        "m": m,
+        "touched_experts": touched,
+        "expected_touched": expected_touched(m),
+        "max_tokens_per_expert": max(rr[0].max_count for rr in routes),
+        "kernel_variant": "n8" if all(rr[0].max_count <= 8 for rr in routes) else "n32/mixed",
+        "bytes": acct["bytes"],
+        "weight_bytes": acct["weight_bytes"],
+        "flops": acct["flops"],
+        "kernel": t_kernel.as_dict(),
+        "kernel_floor": fl_k,
+        "kernel_GBps": acct["bytes"] / sec_k / 1e9,
+        "kernel_frac_copy_bw": acct["bytes"] / sec_k / bw,
+        "kernel_TFLOPs": acct["flops"] / sec_k / 1e12,
+        "kernel_frac_floor": fl_k["floor_ms"] / t_kernel.median_ms,
+        "baseline": t_base.as_dict(),
+        "baseline_bytes": base_bytes,
+        "baseline_floor": fl_b,
+        "baseline_GBps": base_bytes / sec_b / 1e9,
+        "baseline_frac_floor": fl_b["floor_ms"] / t_base.median_ms,
+        "speedup_vs_baseline": t_base.median_ms / t_kernel.median_ms,
+    }
+
+
+def run(args) -> dict:
+    import cupy as cp
+    import torch
+
+    from kdlib import perf
+    from kdlib.cuda import moe
+    from kdlib.perf import timing
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("the moe suite needs a CUDA device")
+    quick = bool(getattr(args, "quick", False))
+    ms = M_QUICK if quick else M_FULL
+    rotations = 8
+    iters = 24 if quick else 40
+    rng = np.random.default_rng(0)
+
+    copy = _copy_bandwidth(torch, timing)
+    ceilings = perf.load("ceilings", "h200")
+    flop_rate = (ceilings or {}).get("bf16_matmul_flops") or DEFAULT_FLOPS
+    flop_source = ceilings["_path"] if ceilings and ceilings.get("bf16_matmul_flops") else "default 790e12 (no ceilings recorded)"
+    bw = copy["copy_bandwidth_Bps"]
+
+    # INT4 experts in the kernel layout (random bits: timing does not depend on the values).
+    P, KC = N // 16, K // 64
+    packed = {
+        "w1": _random_words(torch, cp, E * P * KC * 2 * 32 * 4).reshape(E, P, KC, 2, 32, 4),
+        "s1": _random_scales(torch, cp, E * P * KC * 2 * 16).reshape(E, P, KC, 2, 16),
+        "w2": _random_words(torch, cp, E * (K // 16) * (N // 64) * 32 * 4).reshape(E, K // 16, N // 64, 32, 4),
+        "s2": _random_scales(torch, cp, E * (K // 16) * (N // 64) * 16).reshape(E, K // 16, N // 64, 16),
+    }
+    wgu = (torch.randn(E, K, 2 * N, device="cuda") * 0.02).to(torch.bfloat16)   # [E, K, 2N]
+    wd = (torch.randn(E, N, K, device="cuda") * 0.02).to(torch.bfloat16)        # [E, N, K]
+    arm, baseline = _baseline_arm(torch, wgu, wd)
+
+    rows = []
+    for m in ms:
+        row = _measure(m, rng, packed, baseline, bw=bw, flop_rate=flop_rate, rotations=rotations, iters=iters)
+        rows.append(row)
+        print(
+            f"[moe] M={m:5d} touched {row['touched_experts']:6.1f}  kernel {row['kernel']['median_ms']:7.3f} ms "
+            f"({row['kernel_GBps']:6.0f} GB/s, {row['kernel_frac_copy_bw']:.0%} of copy, "
+            f"{row['kernel_TFLOPs']:.1f} TF)  baseline[{arm}] {row['baseline']['median_ms']:7.3f} ms",
+            flush=True,
+        )
+
+    small = [r for r in rows if r["m"] <= 32]
+    # Arithmetic knee: the M at which every expert is touched (weight bytes stop growing) is where
+    # expected_touched reaches ~99.5% of E; the compute ridge for this shape is where useful FLOPs
+    # at the bf16 ceiling equal streaming all experts' INT4 bytes at the copy bandwidth.
+    all_bytes = E * moe.packed_bytes_per_expert(K, N)
+    ridge_m = all_bytes / bw * flop_rate / (2.0 * TOPK * 3 * K * N)
+    saturate_m = math.log(0.005) / math.log(1.0 - TOPK / E)
+    return {
+        "params": {"experts": E, "hidden": K, "expert_inter_tp8": N, "topk": TOPK, "ms": list(ms),
+                   "rotations": rotations, "iters": iters, "quick": quick,
+                   "timed_kernel": "y.fill(0) + gate_up + down launches; routing prepared outside",
+                   "timed_baseline": f"gather + {arm} gate/up + SwiGLU + {arm} down + index_add combine"},
+        "copy": copy,
+        "copy_bandwidth_Bps": bw,
+        "bf16_flops_ceiling": flop_rate,
+        "bf16_flops_source": flop_source,
+        "baseline_arm": arm,
+        "rows": rows,
+        "summary": {
+            "kernel_min_frac_copy_bw_m_le_32": min(r["kernel_frac_copy_bw"] for r in small) if small else None,
+            "kernel_median_frac_copy_bw_m_le_32": float(np.median([r["kernel_frac_copy_bw"] for r in small])) if small else None,
+            "all_experts_bytes": all_bytes,
+            "all_experts_floor_ms": all_bytes / bw * 1e3,
+            "knee_m_all_touched": saturate_m,
+            "ridge_m_compute": ridge_m,
+        },
+    }
