@@ -182,7 +182,7 @@ def plan(paths: list[Path], profile: str, overrides: dict, params_dir: Path) -> 
             if name in params:
                 params[name].update(value=value, source="-p")
                 injected[name] = value
-        jobs.append({"path": path, "info": info, "parameters": params, "injected": injected,
+        jobs.append({"path": path, "info": info, "parameters": params, "injected": injected, "profile": profile,
                      "profile_file": str(profile_file) if profile_file else None})
     if overrides and not problems:
         defined = set().union(*(j["info"]["defaults"] for j in jobs))
@@ -249,12 +249,29 @@ def render_html(executed: Path, html_path: Path, *, title: str) -> None:
     _atomic_write_text(html_path, body)
 
 
+class _DropParameterGuesses:
+    """papermill guesses parameter names from the cell's text line by line and warns on lines it cannot
+    read (any with two '=', such as `N = 2  # int: >= 1`), then calls the name unknown. `plan` has
+    already checked every name against the parsed cell, so these two warnings only mislead."""
+
+    MESSAGES = ("Unable to parse line", "Passed unknown parameter")
+
+    def filter(self, record) -> bool:
+        return not str(record.msg).startswith(self.MESSAGES)
+
+
 def run_one(job: dict, out_dir: Path, *, timeout_s: float, kernel_name: str = KERNEL,
             log_output: bool = False, progress_bar: bool = False) -> dict:
     """Execute one notebook with papermill, render its HTML; returns its index entry (never raises
     for a failure inside the notebook)."""
+    import logging
+
     import papermill
 
+    for name in ("papermill", "papermill.translators"):  # filters act only on the logger that emits
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropParameterGuesses) for f in logger.filters):
+            logger.addFilter(_DropParameterGuesses())
     path: Path = job["path"]
     stem = path.stem
     executed, html_path = out_dir / f"{stem}.ipynb", out_dir / f"{stem}.html"
@@ -271,6 +288,9 @@ def run_one(job: dict, out_dir: Path, *, timeout_s: float, kernel_name: str = KE
         )
     except Exception as exc:  # a failing notebook is reported, not raised: the batch goes on
         error = _error_of(exc)
+    except BaseException:  # Ctrl-C: leave no temporary file behind
+        partial.unlink(missing_ok=True)
+        raise
     duration = time.perf_counter() - t0
     have_output = partial.is_file()
     if have_output:
@@ -292,12 +312,14 @@ def run_one(job: dict, out_dir: Path, *, timeout_s: float, kernel_name: str = KE
         "notebook": str(path),
         "title": job["info"]["title"],
         "abstract": job["info"]["abstract"],
+        "profile": job["profile"],
         "profile_file": job["profile_file"],
         "parameters": job["parameters"],
         "status": "failed" if error else "passed",
         "error": error,
         "duration_s": round(duration, 2),
         "ran_at": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": job["commit"],
         "html": html_path.name if html_ok else None,
         "ipynb": executed.name if have_output else None,
         "records": records,
@@ -426,7 +448,8 @@ def _entry_html(e: dict) -> str:
     return (
         f'<section class="nb{" failed-card" if status == "failed" else ""}" id="{_esc(e["stem"])}">'
         f'<div class="head"><h2>{title}</h2><span class="badge {status}">{status}</span>'
-        f'<span class="meta">{e["duration_s"]:.1f} s · {_esc(e["ran_at"])}{carried}</span>'
+        f'<span class="meta">{e["duration_s"]:.1f} s · profile {_esc(e.get("profile", "?"))} · '
+        f'{_esc(e["ran_at"])} · <code>{_esc(str(e.get("commit", "?"))[:10])}</code>{carried}</span>'
         f'<span class="links">{" · ".join(links)}</span></div>'
         f"{err}"
         f'<div class="abstract">{_markdown(e["abstract"])}</div>'
@@ -481,6 +504,7 @@ def write_index(out_dir: Path, entries: list[dict], *, profile: str) -> dict:
     kept = [
         {**e, "carried_over": True} for e in previous
         if isinstance(e, dict) and e.get("stem") not in ran and e.get("html") and (out_dir / e["html"]).is_file()
+        and Path(e.get("notebook", "")).is_file()
     ]
     doc = {
         "generated": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -511,6 +535,9 @@ def run_reports(names: list[str] | None = None, *, profile: str = "cpu", overrid
     paths = discover(notebooks_dir, names)
     jobs = plan(paths, profile, overrides or {}, notebooks_dir / "params")
     check_kernel(kernel_name)
+    commit = _git_commit()
+    for job in jobs:
+        job["commit"] = commit
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out {out_dir} exists and is not a folder")
@@ -522,10 +549,10 @@ def run_reports(names: list[str] | None = None, *, profile: str = "cpu", overrid
         entry = run_one(job, out_dir, timeout_s=timeout_s, kernel_name=kernel_name, log_output=log_output,
                         progress_bar=sys.stderr.isatty())
         entries.append(entry)
+        write_index(out_dir, entries, profile=profile)  # after each notebook: an interrupted batch still has one
         note = "" if not entry["error"] else f"  {entry['error']['ename']}: {entry['error']['evalue'][:200]}"
         print(f"[{i}/{len(jobs)}] {entry['stem']:<{width}} {entry['status']} in {entry['duration_s']:.1f} s{note}",
               flush=True)
-    write_index(out_dir, entries, profile=profile)
     return entries
 
 
