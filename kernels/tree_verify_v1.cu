@@ -22,6 +22,7 @@
 #define KCHUNK 16           // keys staged per step: 16 * 576 * 4 B = 36 KB of shared memory
 #define QK_PER_LANE (D_QK / 32)
 #define V_PER_LANE (D_V / 32)
+#define NEG_INF __int_as_float(0xff800000)  // -inf without math.h (NVRTC has no host headers)
 
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -62,7 +63,7 @@ __device__ void attend_rows(const T* __restrict__ q, const T* __restrict__ keys,
     float acc[V_PER_LANE];
 #pragma unroll
     for (int i = 0; i < V_PER_LANE; ++i) acc[i] = 0.f;
-    float m = -INFINITY, l = 0.f;
+    float m = NEG_INF, l = 0.f;
 
     for (int c0 = start; c0 < end; c0 += KCHUNK) {
         __syncthreads();  // the previous chunk is consumed
@@ -88,14 +89,14 @@ __device__ void attend_rows(const T* __restrict__ q, const T* __restrict__ keys,
             const int j = c0 + kk;
             bool ok = j < end;
             if (TAIL && ok) ok = vis[((long long)b * Q + qi) * Q + j] != 0;
-            if (lane == 0) sw[kk] = ok ? dot * scale : -INFINITY;
+            if (lane == 0) sw[kk] = ok ? dot * scale : NEG_INF;
         }
         __syncwarp();
-        float cmax = -INFINITY;
+        float cmax = NEG_INF;
 #pragma unroll
         for (int kk = 0; kk < KCHUNK; ++kk) cmax = fmaxf(cmax, sw[kk]);
         const float m_new = fmaxf(m, cmax);
-        if (m_new == -INFINITY) continue;  // nothing visible yet
+        if (m_new == NEG_INF) continue;  // nothing visible yet
         const float corr = expf(m - m_new);
         l *= corr;
 #pragma unroll
@@ -120,7 +121,7 @@ __device__ void attend_rows(const T* __restrict__ q, const T* __restrict__ keys,
     const float inv = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
     for (int i = 0; i < V_PER_LANE; ++i) orow_p[lane + 32 * i] = acc[i] * inv;
-    if (lane == 0) lse[orow] = l > 0.f ? m + logf(l) : -INFINITY;
+    if (lane == 0) lse[orow] = l > 0.f ? m + logf(l) : NEG_INF;
 }
 
 // q [B, Q, H, 576], kv [S, 576], page_table [B, P] int32, prefix_lens [B] int32 ->
@@ -162,16 +163,16 @@ extern "C" __global__ void __launch_bounds__(128) tree_verify_v1_combine(
     const long long b = n / M, r = n - b * M;
     const int t = threadIdx.x;
     const float* pl = part_lse + b * nparts * M + r;
-    float mx = -INFINITY;
+    float mx = NEG_INF;
     bool nan = false;
     for (int s = 0; s < nparts; ++s) {
         const float v = pl[(long long)s * M];
-        nan |= isnan(v);
+        nan |= (v != v);
         mx = fmaxf(mx, v);
     }
     if (extra) {
         const float v = extra_lse[n];
-        nan |= isnan(v);
+        nan |= (v != v);
         mx = fmaxf(mx, v);
     }
     float4* o = reinterpret_cast<float4*>(out + n * D_V) + t;
@@ -181,7 +182,7 @@ extern "C" __global__ void __launch_bounds__(128) tree_verify_v1_combine(
         if (t == 0) lse[n] = qn;
         return;
     }
-    const float base = mx == -INFINITY ? 0.f : mx;
+    const float base = mx == NEG_INF ? 0.f : mx;
     float z = 0.f;
     for (int s = 0; s < nparts; ++s) z += expf(pl[(long long)s * M] - base);
     if (extra) z += expf(extra_lse[n] - base);
@@ -204,5 +205,5 @@ extern "C" __global__ void __launch_bounds__(128) tree_verify_v1_combine(
         acc.w = fmaf(w, v.w, acc.w);
     }
     *o = acc;
-    if (t == 0) lse[n] = z > 0.f ? base + logf(z) : -INFINITY;
+    if (t == 0) lse[n] = z > 0.f ? base + logf(z) : NEG_INF;
 }

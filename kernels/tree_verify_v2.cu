@@ -33,6 +33,7 @@
 #define SMEM_BYTES (Q_SMEM + STAGES * K_SMEM + X_SMEM)
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
+#define NEG_INF __int_as_float(0xff800000)  // -inf without math.h (NVRTC has no host headers)
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -92,7 +93,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v2_prefix_
             const int r = row0 + e / D_V;
             if (r < M) out[(obase + r) * D_V + (e % D_V)] = 0.f;
         }
-        if (tid < BM && row0 + tid < M) lse[obase + row0 + tid] = -INFINITY;
+        if (tid < BM && row0 + tid < M) lse[obase + row0 + tid] = NEG_INF;
         return;
     }
 
@@ -123,7 +124,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v2_prefix_
     float o[D_V / 2 / 8][4];  // 32 n-tiles of 8 value dims: this warp's 16 rows x 256 dims
 #pragma unroll
     for (int i = 0; i < D_V / 2 / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-    float m0 = -INFINITY, m1 = -INFINITY;  // running max (log2 domain) of rows g and g+8
+    float m0 = NEG_INF, m1 = NEG_INF;  // running max (log2 domain) of rows g and g+8
     float l0 = 0.f, l1 = 0.f;              // this thread's share of the running sums
     const float sl2 = scale * LOG2E;
 
@@ -176,15 +177,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v2_prefix_
             for (int c = 0; c < 4; ++c) s[i][c] += x_other[(i * 4 + c) * 32 + lane];
 
         // online softmax (log2 domain); keys past the split end -> -inf
-        float mx0 = -INFINITY, mx1 = -INFINITY;
+        float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int j = k0 + i * 8 + 2 * t4;
             const bool v0 = j < end, v1 = j + 1 < end;
-            s[i][0] = v0 ? s[i][0] * sl2 : -INFINITY;
-            s[i][1] = v1 ? s[i][1] * sl2 : -INFINITY;
-            s[i][2] = v0 ? s[i][2] * sl2 : -INFINITY;
-            s[i][3] = v1 ? s[i][3] * sl2 : -INFINITY;
+            s[i][0] = v0 ? s[i][0] * sl2 : NEG_INF;
+            s[i][1] = v1 ? s[i][1] * sl2 : NEG_INF;
+            s[i][2] = v0 ? s[i][2] * sl2 : NEG_INF;
+            s[i][3] = v1 ? s[i][3] * sl2 : NEG_INF;
             mx0 = fmaxf(mx0, fmaxf(s[i][0], s[i][1]));
             mx1 = fmaxf(mx1, fmaxf(s[i][2], s[i][3]));
         }

@@ -87,6 +87,18 @@ def _int32(x, name: str, shape: tuple[int, ...]):
     return cupy.ascontiguousarray(a, dtype=cupy.int32)
 
 
+def _bool_cupy(x):
+    """A CuPy view of a bool array; torch bool crosses DLPack as uint8 bytes (same layout)."""
+    import cupy
+
+    if loader.is_torch(x):
+        import torch
+
+        if x.dtype == torch.bool:
+            return loader.as_cupy(x.contiguous().view(torch.uint8)).view(cupy.bool_)
+    return loader.as_cupy(x)
+
+
 def _lengths(x, name: str, batched: bool, bsz: int):
     import cupy
 
@@ -153,7 +165,7 @@ def _check_tail(qa, kind, tree_kv, visibility, tree_sizes, batched):
     if t_kind != kind:
         raise ValueError(f"tree_kv is {t_kind} but q is {kind}: give both the same dtype")
     vwant = (bsz, nq, nq) if batched else (nq, nq)
-    vis = loader.as_cupy(visibility)
+    vis = _bool_cupy(visibility)
     if vis.dtype != cupy.bool_ or vis.shape != vwant:
         raise ValueError(f"visibility must be a bool array of shape {vwant}, got {vis.dtype} {vis.shape}")
     vis = cupy.ascontiguousarray(vis if batched else vis[None])

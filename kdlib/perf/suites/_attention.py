@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import subprocess
+import time
 from types import SimpleNamespace
 
 D_QK, D_V = 576, 512
@@ -247,8 +248,13 @@ def run(args) -> dict:
     max_slots = max(p["batch"] * p["prefix"] for p in grid)
     pool = torch.randn(max_slots, D_QK, device="cuda", dtype=torch.bfloat16)  # [N, 576] KV rows
     clocks_before = _clocks()
-    rows = []
+    budget = getattr(args, "time_budget_s", None)  # stop adding points past this (the grid is in priority order)
+    t0 = time.monotonic()
+    rows, left_out = [], []
     for p in grid:
+        if budget is not None and time.monotonic() - t0 > budget:
+            left_out.append(p)
+            continue
         rows.append(run_point(p, pool, ceil, iters=10 if quick else 20, baseline_iters=3 if quick else 5))
         torch.cuda.empty_cache()
     return {
@@ -259,6 +265,8 @@ def run(args) -> dict:
         "clocks_before": clocks_before,
         "clocks_after": _clocks(),
         "points": rows,
+        "left_out_for_time": left_out,
+        "wall_s": time.monotonic() - t0,
         "notes": [
             "kernel time = CUDA-graph replay of tree_verify_attention (3 launches), impl auto (bf16 mma prefix)",
             "baselines include the page-table gather of the prefix (PyTorch has no paged MLA path), graph-replayed "
