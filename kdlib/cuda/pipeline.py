@@ -176,16 +176,22 @@ def random_topk(rng: np.random.Generator, bsz: int, depth: int, kp: int, vocab: 
 
 
 def random_step_inputs(rng: np.random.Generator, bsz: int, depth: int, kp: int, vocab: int, budget: int,
-                       row_dim: int = 8, mode: str = "random") -> dict:
+                       row_dim: int = 8, mode: str = "random", topk=None) -> dict:
     """Inputs of one `make_step` / `reference_step` call, numpy, with real acceptances.
 
     The target table is a random map token -> next token; along each request's target chain
     (root, table[root], ...) the drafter's top-k holds the target token at rank 0 with
     probability 1/2, else at a random rank (or not at all when it falls outside K'), so paths of
     every length occur. Cache: [B * (budget + 1) + 1, row_dim] float32, tree rows of request b
-    at starts[b] = b * (budget + 1).
+    at starts[b] = b * (budget + 1). topk: optional (ids, lp) to plant the chains into (copied)
+    instead of `random_topk(rng, bsz, depth, kp, vocab, mode)`.
     """
-    ids, lp = random_topk(rng, bsz, depth, kp, vocab, mode)
+    if topk is None:
+        ids, lp = random_topk(rng, bsz, depth, kp, vocab, mode)
+    else:
+        ids, lp = np.array(topk[0], dtype=np.int64), np.array(topk[1], dtype=np.float32)
+        if ids.shape != (bsz, depth, kp):
+            raise ValueError(f"topk ids must have shape {(bsz, depth, kp)}, got {ids.shape}")
     table = rng.integers(0, vocab, vocab).astype(np.int64)  # [V]
     root = rng.integers(0, vocab, bsz).astype(np.int64)  # [B]
     for b in range(bsz):
@@ -203,3 +209,66 @@ def random_step_inputs(rng: np.random.Generator, bsz: int, depth: int, kp: int, 
     starts = np.arange(bsz, dtype=np.int64) * (budget + 1)  # [B]
     return {"top_token_ids": ids, "top_log_probs": lp, "root_tokens": root, "target_table": table,
             "cache": cache, "starts": starts, "budget": budget}
+
+
+def smoke(bsz: int = 4) -> dict:
+    """Run every kernel once on small inputs and compare with `kdlib.ref` (for compute-sanitizer).
+
+    Returns {kernel: bool}. `python3 -m kdlib.cuda.pipeline [--no-pool]` prints it; --no-pool
+    gives every array its own cudaMalloc so memcheck sees out-of-bounds accesses exactly.
+    """
+    import cupy
+
+    from kdlib import ref
+    from kdlib.cuda import accept, compact
+
+    rng = np.random.default_rng(0)
+    budget, depth, kp, vocab = 24, 6, 8, 40
+    inp = random_step_inputs(rng, bsz, depth, kp, vocab, budget, mode="tied")
+    want = reference_step(**inp)
+    verdict = {}
+    step = make_step(cupy.asarray(inp["top_token_ids"]), cupy.asarray(inp["top_log_probs"]),
+                     cupy.asarray(inp["root_tokens"]), cupy.asarray(inp["target_table"]),
+                     cupy.asarray(inp["cache"]), cupy.asarray(inp["starts"]), budget)
+    step.run()  # tree_build_v1, tree_accept_greedy_v1, kv_compact_v1_u128
+    got = step_outputs(step)
+    verdict["tree_build_v1"] = all((getattr(got["trees"], f) == getattr(want["trees"], f)).all()
+                                   for f in ("sizes", "node_token_ids", "parents", "visibility", "next_token"))
+    verdict["tree_accept_greedy_v1"] = all((got[k] == want[k]).all() for k in ("paths", "lengths", "bonus"))
+    verdict["kv_compact_v1_u128"] = bool((got["cache"] == want["cache"]).all())
+    for dtype, name in ((np.float32, "tree_sample_rows_v1_f32"), (np.float64, "tree_sample_rows_v1_f64")):
+        probs = rng.random((bsz, budget + 1, vocab)).astype(dtype)
+        u = rng.random((bsz, budget + 1))
+        p = accept.accept_sample_batch(step.trees, cupy.asarray(probs), cupy.asarray(u))
+        w = ref.accept_sample_batch(want["trees"], probs, u)
+        verdict[name] = all((a.get() == b).all() for a, b in zip(p, w, strict=True))
+    for dtype, shape, name in ((np.int8, (7,), "kv_compact_v1_u8"), (np.float32, (3,), "kv_compact_v1_u32")):
+        cache = rng.integers(0, 100, (inp["cache"].shape[0], *shape)).astype(dtype)
+        wc = cache.copy()
+        ref.compact_kv_batch(wc, inp["starts"], want["paths"], want["lengths"])
+        gc = cupy.asarray(cache)
+        compact.compact_kv_batch(gc, cupy.asarray(inp["starts"]), cupy.asarray(want["paths"]), cupy.asarray(want["lengths"]))
+        verdict[name] = bool((gc.get() == wc).all())
+    slots = rng.permutation(4 * bsz * (budget + 1))[: bsz * (budget + 1)].reshape(bsz, budget + 1)
+    for dtype, name in ((np.int64, "kv_remap_v1_i64"), (np.int32, "kv_remap_v1_i32")):
+        r2t = np.zeros((bsz, 64), dtype=dtype)
+        starts = np.full(bsz, 5, dtype=np.int64)
+        wf = ref.remap_slots(r2t, starts, slots, want["paths"], want["lengths"])
+        g = cupy.zeros((bsz, 64), dtype=dtype)
+        gf = compact.remap_slots(g, cupy.asarray(starts), cupy.asarray(slots), cupy.asarray(want["paths"]),
+                                 cupy.asarray(want["lengths"]))
+        verdict[name] = bool((g.get() == r2t).all() and (gf.get() == wf).all())
+    cupy.cuda.runtime.deviceSynchronize()
+    return verdict
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "--no-pool" in sys.argv:
+        import cupy
+
+        cupy.cuda.set_allocator(None)
+    result = smoke()
+    print(result)
+    sys.exit(0 if all(result.values()) else 1)

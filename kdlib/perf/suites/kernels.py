@@ -1,0 +1,289 @@
+"""The tree kernels on the GPU: build, accept, sample, compaction, remap and the whole step.
+
+`python3 -m kdlib.perf.run --suite kernels --out DIR` -> `kernels.<gpu>.json`. Per batch
+B in 1..64 (L 15, budget 64, K' 64: the seeds' comparison point):
+
+  * tree build against `kdlib.ref.build_tree_batch` on the same inputs in the same run
+    (`kdlib.ref.tree.synthetic_topk`, drafter-like): CPU reference time, CPU reference with the
+    device->host->device copies and the sync it forces, and three GPU times:
+      - `kernel`: one CUDA graph holding REPEAT back-to-back builds, replay time / REPEAT
+        (kernel time plus the ~1 us graph node gap);
+      - `graph_replay`: a graph of one build, replay time (what a captured decode step pays);
+      - `eager`: one launch from Python between two events (includes the CPU launch gap);
+    each GPU result is checked bit-exact against the reference before it is timed;
+  * accept (greedy walk), compaction (one layer of bf16 latent KV and 61 layers), page-1 remap
+    and the composed step (build -> stand-in verify -> accept -> compact, `kdlib.cuda.pipeline`):
+    graph-replay time per step; sampling (V 32,000) eager.
+Data are L2-resident (a few MB at most): these kernels are launch/latency-bound and the numbers
+are L2-warm, which is what a decode step sees for them.
+
+Floors: compaction moves bytes (read + write of each moved row): floor = bytes / copy bandwidth
+from `data/results/ceilings.h200.json` (`kdlib.perf.load("ceilings")`) when recorded, else the
+fallback 4.3e12 B/s (kernels-perf.md §0); the other kernels have no meaningful byte/FLOP floor
+(dependent latency chains), so only their times are recorded.
+
+The verify-attention sweep of `kdlib.perf.suites._attention` (written by the attention
+engineer) is embedded under `verify_attention` when that module exists. Env
+`KDLIB_KERNELS_ATTENTION=skip|quick|full` overrides its grid (default: quick under --quick,
+else full); when absent or skipped, the payload says so.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+
+import numpy as np
+
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+DEPTH, BUDGET, K_PRIME = 15, 64, 64
+REPEAT = 20  # builds per graph for the kernel-time estimate: amortises the graph launch
+FALLBACK_BW = 4.3e12  # B/s, device-to-device copy measured on an H200 (kernels-perf.md §0)
+ROW_BYTES = 576 * 2  # one token's bf16 MLA latent (kv_lora 512 + rope 64) in one layer
+LAYERS = 61  # Kimi-K2 / DeepSeek-V3 layer count (data/configs)
+SAMPLE_VOCAB = 32000
+
+
+def _clocks() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _bandwidth() -> tuple[float, str]:
+    from kdlib import perf
+
+    c = perf.load("ceilings")
+    if c and c.get("copy_bandwidth_Bps"):
+        return float(c["copy_bandwidth_Bps"]), c.get("_path", "ceilings")
+    return FALLBACK_BW, "fallback 4.3e12 B/s (no ceilings file recorded)"
+
+
+def _graph(fn, repeats: int = 1):
+    """Capture `repeats` calls of fn into one CUDA graph (after an eager warm-up call)."""
+    import cupy
+
+    fn()
+    cupy.cuda.runtime.deviceSynchronize()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        for _ in range(repeats):
+            fn()
+        graph = stream.end_capture()
+    return graph, stream
+
+
+def _replay_ms(graph, stream, iters: int) -> dict:
+    from kdlib import perf
+
+    with stream:
+        t = perf.cuda_time(lambda: graph.launch(stream), warmup=5, iters=iters, backend="cupy")
+    return t.as_dict()
+
+
+def _us(d: dict, repeats: int = 1) -> float:
+    return d["median_ms"] * 1e3 / repeats
+
+
+def _trees_equal(got, want) -> bool:
+    for name in ("sizes", "node_token_ids", "node_depths", "parents", "visibility", "next_token", "next_sibling",
+                 "positions", "scores"):
+        g, w = getattr(got, name).get(), getattr(want, name)
+        if name == "scores":
+            g, w = g.view(np.int64), w.view(np.int64)
+        if g.shape != w.shape or not (g == w).all():
+            return False
+    return True
+
+
+def bench_build(ids_all, lp_all, iters: int) -> list[dict]:
+    import cupy
+
+    from kdlib import perf, ref
+    from kdlib.cuda import tree
+
+    rows = []
+    for bsz in BATCHES:
+        ids, lp = ids_all[:bsz], lp_all[:bsz]
+        d_ids, d_lp = cupy.asarray(ids), cupy.asarray(lp)
+        out = tree.empty_batch(bsz, BUDGET)
+        want = ref.build_tree_batch(ids, lp, BUDGET)
+        tree.build_tree_batch(d_ids, d_lp, BUDGET, out=out)
+        exact = _trees_equal(out, want)
+
+        def build(d_ids=d_ids, d_lp=d_lp, out=out):
+            tree.build_tree_batch(d_ids, d_lp, BUDGET, out=out)
+
+        def cpu_with_copies(d_ids=d_ids, d_lp=d_lp):
+            t = ref.build_tree_batch(d_ids.get(), d_lp.get(), BUDGET)
+            arrays = [cupy.asarray(getattr(t, f)) for f in ("sizes", "node_token_ids", "parents", "visibility",
+                                                             "next_token", "next_sibling", "positions")]
+            cupy.cuda.runtime.deviceSynchronize()
+            return arrays
+
+        cpu = perf.cpu_time(lambda ids=ids, lp=lp: ref.build_tree_batch(ids, lp, BUDGET), warmup=1, iters=iters)
+        cpu_copies = perf.cpu_time(cpu_with_copies, warmup=1, iters=iters)
+        eager = perf.cuda_time(build, warmup=5, iters=100, backend="cupy").as_dict()
+        g1, s1 = _graph(build)
+        replay = _replay_ms(g1, s1, 200)
+        gr, sr = _graph(build, REPEAT)
+        kernel = _replay_ms(gr, sr, 50)
+        rows.append({
+            "batch": bsz, "depth": DEPTH, "budget": BUDGET, "k_prime": K_PRIME, "bit_exact": exact,
+            "cpu_ref": cpu.as_dict(), "cpu_ref_with_copies": cpu_copies.as_dict(),
+            "gpu_eager": eager, "gpu_graph_replay": replay, f"gpu_graph_x{REPEAT}": kernel,
+            "kernel_us": _us(kernel, REPEAT), "graph_replay_us": _us(replay), "eager_us": _us(eager),
+            "cpu_ref_us": cpu.median_ms * 1e3, "cpu_ref_with_copies_us": cpu_copies.median_ms * 1e3,
+            "speedup_vs_cpu_kernel": cpu.median_ms / (kernel["median_ms"] / REPEAT),
+            "speedup_vs_cpu_graph_replay": cpu.median_ms / replay["median_ms"],
+            "speedup_vs_cpu_with_copies_graph_replay": cpu_copies.median_ms / replay["median_ms"],
+        })
+        print(f"[kernels] build B={bsz}: exact={exact} kernel {rows[-1]['kernel_us']:.2f} us, replay "
+              f"{rows[-1]['graph_replay_us']:.2f} us, cpu {rows[-1]['cpu_ref_us']:.0f} us", flush=True)
+    return rows
+
+
+def bench_rest(inputs: dict, iters: int, bw: float) -> dict:
+    """Accept, sampling, compaction, remap and the composed step, per batch."""
+    import cupy
+
+    from kdlib import perf, ref
+    from kdlib.cuda import accept, compact, pipeline, tree
+
+    out = {"accept": [], "sample": [], "compact": [], "remap": [], "step": []}
+    rng = np.random.default_rng(7)
+    for bsz in BATCHES:
+        inp = {k: (v[:bsz] if isinstance(v, np.ndarray) and k not in ("target_table", "cache") else v)
+               for k, v in inputs.items()}
+        inp["cache"] = inputs["cache"][: bsz * (BUDGET + 1) + 1]
+        want = pipeline.reference_step(**inp)
+        trees = tree.build_tree_batch(cupy.asarray(inp["top_token_ids"]), cupy.asarray(inp["top_log_probs"]), BUDGET)
+        targets = cupy.asarray(want["targets"])
+        width = want["paths"].shape[1]
+        bufs = (cupy.empty((bsz, width), cupy.int64), cupy.empty(bsz, cupy.int64), cupy.empty(bsz, cupy.int64))
+
+        def acc(trees=trees, targets=targets, bufs=bufs, width=width):
+            accept.accept_greedy_batch(trees, targets, max_depth=width - 1, out=bufs)
+
+        acc()
+        exact = all((g.get() == w).all() for g, w in zip(bufs, (want["paths"], want["lengths"], want["bonus"]), strict=True))
+        g, s = _graph(acc)
+        gr, sr = _graph(acc, REPEAT)
+        cpu = perf.cpu_time(lambda w=want, m=width - 1: ref.accept_greedy_batch(w["trees"], w["targets"], max_depth=m),
+                            warmup=1, iters=iters)
+        rk = _replay_ms(gr, sr, 50)
+        out["accept"].append({"batch": bsz, "exact": exact, "mean_path_length": float(want["lengths"].mean()),
+                              "graph_replay": _replay_ms(g, s, 200), f"gpu_graph_x{REPEAT}": rk,
+                              "kernel_us": _us(rk, REPEAT), "cpu_ref": cpu.as_dict()})
+        out["accept"][-1]["graph_replay_us"] = _us(out["accept"][-1]["graph_replay"])
+
+        paths, lengths, starts = cupy.asarray(want["paths"]), cupy.asarray(want["lengths"]), cupy.asarray(inp["starts"])
+        moved_rows = int(sum(int((want["paths"][b, : want["lengths"][b]] != np.arange(want["lengths"][b])).sum())
+                             for b in range(bsz)))
+        for layers in (1, LAYERS):
+            cache = cupy.zeros((bsz * (BUDGET + 1) + 1, layers * ROW_BYTES // 2), dtype=cupy.uint16)  # [slots, layers*576] bf16 bits
+            cache[...] = cupy.arange(cache.size, dtype=cupy.uint32).reshape(cache.shape).astype(cupy.uint16)
+
+            def comp(cache=cache, paths=paths, lengths=lengths, starts=starts):
+                compact.compact_kv_batch(cache, starts, paths, lengths)
+
+            g, s = _graph(comp)
+            t = _replay_ms(g, s, 200)
+            nbytes = 2 * moved_rows * layers * ROW_BYTES
+            out["compact"].append({"batch": bsz, "layers": layers, "row_bytes": layers * ROW_BYTES, "moved_rows": moved_rows,
+                                   "bytes": nbytes, "graph_replay": t, "graph_replay_us": _us(t),
+                                   **perf.floor_ms(nbytes, 0.0, bandwidth_Bps=bw, flop_rate=1.0),
+                                   "achieved_Bps": nbytes / (t["median_ms"] * 1e-3)})
+            del cache
+
+        slots = cupy.asarray(rng.permutation(bsz * (BUDGET + 1) * 2)[: bsz * (BUDGET + 1)].reshape(bsz, BUDGET + 1))
+        r2t = cupy.zeros((bsz, 4096), dtype=cupy.int32)
+        rstarts = cupy.full(bsz, 1000, dtype=cupy.int64)
+        freed = cupy.empty((bsz, BUDGET + 1), dtype=cupy.bool_)
+
+        def remap(r2t=r2t, rstarts=rstarts, slots=slots, paths=paths, lengths=lengths, freed=freed):
+            compact.remap_slots_masked(r2t, rstarts, slots, paths, lengths, freed=freed)
+
+        g, s = _graph(remap)
+        t = _replay_ms(g, s, 200)
+        out["remap"].append({"batch": bsz, "graph_replay": t, "graph_replay_us": _us(t)})
+
+        step = pipeline.make_step(cupy.asarray(inp["top_token_ids"]), cupy.asarray(inp["top_log_probs"]),
+                                  cupy.asarray(inp["root_tokens"]), cupy.asarray(inp["target_table"]),
+                                  cupy.asarray(inp["cache"]), cupy.asarray(inp["starts"]), BUDGET)
+        step.capture()
+        step.cache[...] = cupy.asarray(inp["cache"])
+        step.replay()
+        step.stream.synchronize()
+        got = pipeline.step_outputs(step)
+        step_exact = _trees_equal(step.trees, want["trees"]) and all(
+            (got[k] == want[k]).all() for k in ("targets", "paths", "lengths", "bonus", "cache"))
+        t = _replay_ms(step.graph, step.stream, 200)
+        eager = perf.cuda_time(step.run, warmup=3, iters=50, backend="cupy").as_dict()
+        out["step"].append({"batch": bsz, "exact": step_exact, "graph_replay": t, "graph_replay_us": _us(t),
+                            "eager": eager, "eager_us": _us(eager), "kernels_per_step": 6})
+        print(f"[kernels] B={bsz}: accept {out['accept'][-1]['graph_replay_us']:.2f} us, step "
+              f"{out['step'][-1]['graph_replay_us']:.2f} us (exact={step_exact})", flush=True)
+
+    for bsz in (1, 64):
+        probs = cupy.asarray(rng.random((bsz, BUDGET + 1, SAMPLE_VOCAB), dtype=np.float32))  # [B, S, V]
+        u = cupy.asarray(rng.random((bsz, BUDGET + 1)))
+        trees = tree.build_tree_batch(cupy.asarray(inputs["top_token_ids"][:bsz]),
+                                      cupy.asarray(inputs["top_log_probs"][:bsz]), BUDGET)
+        t = perf.cuda_time(lambda trees=trees, probs=probs, u=u: accept.accept_sample_batch(trees, probs, u),
+                           warmup=2, iters=10, backend="cupy").as_dict()
+        out["sample"].append({"batch": bsz, "vocab": SAMPLE_VOCAB, "dtype": "float32", "eager": t, "eager_us": _us(t),
+                              "note": "one thread per row, 2 V sequential float64 adds (bit-exact inverse CDF)"})
+        del probs
+    return out
+
+
+def _attention(args) -> dict:
+    mode = os.environ.get("KDLIB_KERNELS_ATTENTION", "quick" if getattr(args, "quick", False) else "full")
+    if mode == "skip":
+        return {"absent": "skipped (KDLIB_KERNELS_ATTENTION=skip)"}
+    try:
+        module = importlib.import_module("kdlib.perf.suites._attention")
+    except ImportError as e:
+        return {"absent": f"kdlib.perf.suites._attention not importable: {e}"}
+    sub = type(args)(**{**vars(args), "quick": mode == "quick"}) if hasattr(args, "__dict__") else args
+    return module.run(sub)
+
+
+def run(args) -> dict:
+    import cupy
+
+    from kdlib.cuda import pipeline
+    from kdlib.ref.tree import synthetic_topk
+
+    quick = bool(getattr(args, "quick", False))
+    iters = 3 if quick else 7
+    bw, bw_source = _bandwidth()
+    clocks_before = _clocks()
+    ids, lp = synthetic_topk(0, max(BATCHES), DEPTH, K_PRIME)  # [64, 15, 64] drafter-like, vocab 32000
+    inputs = pipeline.random_step_inputs(np.random.default_rng(3), max(BATCHES), DEPTH, K_PRIME, 32000, BUDGET,
+                                         row_dim=8, topk=(ids, lp))  # target chains planted into these top-k
+    build = bench_build(inputs["top_token_ids"], inputs["top_log_probs"], iters)
+    rest = bench_rest(inputs, iters, bw)
+    cupy.get_default_memory_pool().free_all_blocks()
+    attention = _attention(args)
+    head = build[-1]
+    return {
+        "parameters": {"batches": list(BATCHES), "depth": DEPTH, "budget": BUDGET, "k_prime": K_PRIME,
+                       "repeat_per_graph": REPEAT, "cpu_iters": iters, "quick": quick,
+                       "inputs": "kdlib.ref.tree.synthetic_topk(0, 64, 15, 64) with target chains planted by "
+                                 "kdlib.cuda.pipeline.random_step_inputs(seed 3, topk=...); every sweep uses them",
+                       "l2": "all tree-kernel data L2-resident (launch/latency-bound kernels)"},
+        "copy_bandwidth_Bps": bw, "copy_bandwidth_source": bw_source,
+        "clocks_before": clocks_before, "clocks_after": _clocks(),
+        "headline": {"batch": head["batch"], "bit_exact": head["bit_exact"], "kernel_us": head["kernel_us"],
+                     "graph_replay_us": head["graph_replay_us"], "cpu_ref_us": head["cpu_ref_us"],
+                     "speedup_vs_cpu_kernel": head["speedup_vs_cpu_kernel"],
+                     "speedup_vs_cpu_graph_replay": head["speedup_vs_cpu_graph_replay"]},
+        "tree_build": build, **rest, "verify_attention": attention,
+    }
