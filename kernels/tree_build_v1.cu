@@ -34,6 +34,17 @@ __device__ __forceinline__ u64 okey(double x) {
     return (b >> 63) ? ~b : (b | 0x8000000000000000ull);
 }
 
+// Exact float -> double. CuPy compiles with -ftz=true, under which a plain conversion may flush
+// float32 subnormals to zero; numpy keeps them. Subnormal f = mantissa * 2^-149, exact in double.
+__device__ __forceinline__ double to_f64(float f) {
+    const unsigned u = __float_as_uint(f);
+    if ((u & 0x7f800000u) == 0u) {
+        const double d = (double)(int)(u & 0x007fffffu) * 0x1p-149;
+        return (u >> 31) ? -d : d;
+    }
+    return (double)f;
+}
+
 // True when slot a's rank tuple sorts before slot b's (Python tuple order).
 __device__ __forceinline__ bool rank_less(const u64* hi, const u64* lo, const unsigned* meta, int a, int b) {
     if (hi[a] != hi[b]) return hi[a] < hi[b];
@@ -97,7 +108,7 @@ extern "C" __global__ void __launch_bounds__(TB_THREADS) tree_build_v1(
             n_parent[0] = -1;
             anc[0] = 1u;  // root row: itself
             if (!empty_tree) {
-                double s0 = (double)lps[0];
+                double s0 = to_f64(lps[0]);
                 c_score[0] = s0;
                 c_okey[0] = okey(s0);
                 c_hi[0] = 0ull;
@@ -152,7 +163,7 @@ extern "C" __global__ void __launch_bounds__(TB_THREADS) tree_build_v1(
                 n_last[parent] = idx;
                 c_okey[w] = 0ull;
                 if (has_sib) {
-                    const double sib = (logw - (double)lps[(depth - 1) * K + rank]) + (double)lps[(depth - 1) * K + rank + 1];
+                    const double sib = (logw - to_f64(lps[(depth - 1) * K + rank])) + to_f64(lps[(depth - 1) * K + rank + 1]);
                     const int p = depth - 1;  // byte of this depth's rank
                     c_score[w] = sib;
                     c_okey[w] = okey(sib);
@@ -161,7 +172,7 @@ extern "C" __global__ void __launch_bounds__(TB_THREADS) tree_build_v1(
                     c_meta[w] = (unsigned)parent | ((unsigned)depth << 16) | ((unsigned)(rank + 1) << 24);
                 }
                 if (has_child) {
-                    const double ch = logw + (double)lps[depth * K];
+                    const double ch = logw + to_f64(lps[depth * K]);
                     c_score[cslot] = ch;
                     c_okey[cslot] = okey(ch);
                     c_hi[cslot] = khi;
