@@ -142,6 +142,20 @@ def run(total_bytes: int = 256 << 20, repeats: int = 5, n_tensors: int = 8, fold
     }
 
 
+def table(result: dict):
+    """A recorded or live result as a pandas DataFrame: one row per (format, operation)."""
+    import pandas as pd
+
+    rows = []
+    for fmt, row in result["formats"].items():
+        for op, v in row.items():
+            if isinstance(v, dict):
+                t = v["timing"]
+                rows.append({"format": fmt, "operation": op, "GB/s": v["GBps"], "median ms": t["median_ms"],
+                             "p10 ms": t["p10_ms"], "p90 ms": t["p90_ms"]})
+    return pd.DataFrame(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kdlib.kdtr_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=256, help="data size in MiB (default 256)")

@@ -621,3 +621,14 @@ def test_cli_subprocess(small, tmp_path):
 def test_module_is_importable_without_optional_packages():
     code = "import sys; import kdlib.kdtr; assert not {'torch', 'cupy', 'safetensors'} & set(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=kdlib.ROOT)
+
+
+def test_benchmark_runs_small(tmp_path):
+    from kdlib import kdtr_bench
+
+    result = kdtr_bench.run(total_bytes=1 << 16, repeats=1, n_tensors=2, folder=tmp_path)
+    assert result["data_bytes"] == 1 << 16
+    assert {"kdtr", "npy", "npz", "safetensors", "raw_overwrite", "raw_atomic"} <= set(result["formats"])
+    assert result["formats"]["kdtr"]["file_bytes"] - result["data_bytes"] < 4096
+    assert list(tmp_path.iterdir()) == []  # the scratch folder is removed
+    assert set(kdtr_bench.table(result)["format"]) == set(result["formats"])
