@@ -586,6 +586,21 @@ def _fmt_bytes(b: float) -> str:
     return f"{b / GiB:,.2f} GiB ({b / 1e9:,.2f} GB)"
 
 
+def format_value(value, unit: str = "") -> str:
+    """A table cell for humans: bytes as GiB (GB), counts with thousands separators, the unit appended."""
+    if value is None:
+        return "-"
+    if unit == "B" and isinstance(value, int | float) and not isinstance(value, bool):
+        return _fmt_bytes(value)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        shown = str(value)
+    elif float(value).is_integer() and abs(value) >= 1:
+        shown = f"{int(value):,}"
+    else:
+        shown = f"{value:,.4g}"
+    return shown + (f" {unit}" if unit else "")
+
+
 class Plan(list):
     """The memory plan: a list of row dicts {key, term, value, unit, note}, plus the verdict.
 
@@ -604,10 +619,15 @@ class Plan(list):
                 return row["value"]
         raise KeyError(f"no row {key!r}; rows: {[r['key'] for r in self]}")
 
-    def to_frame(self):
+    def to_frame(self, human: bool = False):
+        """A DataFrame indexed by row key; human=True replaces value and unit by one formatted `shown` column."""
         import pandas as pd
 
-        return pd.DataFrame(list(self)).set_index("key")
+        frame = pd.DataFrame(list(self)).set_index("key")
+        if human:
+            frame.insert(1, "shown", [format_value(r["value"], r["unit"]) for r in self])
+            frame = frame.drop(columns=["value", "unit"])
+        return frame
 
     def to_dict(self) -> dict:
         return {"inputs": self.inputs, "rows": list(self), "verdict": self.verdict, "fits": self.fits}
@@ -618,18 +638,7 @@ class Plan(list):
                 f"KV {i['kv_dtype']} {i['kv_split']}, weights {i['weight_format']}")
         lines = [head, "-" * len(head)]
         for r in self:
-            v = r["value"]
-            if r["unit"] == "B" and isinstance(v, int | float):
-                shown = _fmt_bytes(v)
-            elif isinstance(v, float):
-                shown = f"{v:,.3f}"
-            elif isinstance(v, int):
-                shown = f"{v:,}"
-            else:
-                shown = str(v)
-            if r["unit"] not in ("B", ""):
-                shown += f" {r['unit']}"
-            lines.append(f"{r['term']:<44} {shown:<34} {r['note']}")
+            lines.append(f"{r['term']:<44} {format_value(r['value'], r['unit']):<34} {r['note']}")
         lines += ["", f"verdict: {self.verdict}"]
         return "\n".join(lines)
 
@@ -791,13 +800,14 @@ def seeds_200k_recheck(seeds: dict | None = None, overhead_bytes: int = DEFAULT_
     mem = hw.load(gpu)["memory_bytes"]
     implied_mfs = mem_fraction_for_pool(mem, w["per_gpu"], pool_b, overhead_bytes)
     deployed = plan(cfg, gpu, tp, ctx, max_total_tokens=s["pool_tokens"], overhead_bytes=overhead_bytes)
+    default = plan(cfg, gpu, tp, ctx, overhead_bytes=overhead_bytes)
     rows = [
         dict(key="elements_per_token_layer", claim="KV elements per token per layer", seeds=s["elements_per_token_layer"],
              recomputed=g.kv_elements_per_layer, unit="elements",
              status="reproduced" if g.kv_elements_per_layer == s["elements_per_token_layer"] else "wrong",
              reason=f"kv_lora_rank {g.kv_lora_rank} + qk_rope_head_dim {g.qk_rope_head_dim}"),
         dict(key="kv_per_token_per_gpu", claim="KV bytes per token per GPU at TP8", seeds=s["kv_per_token_per_gpu_bytes"],
-             recomputed=full, unit="B", status="wrong",
+             recomputed=full, unit="B/token", status="wrong",
              reason=f"SGLang plain TP replicates the MLA latent on every rank: {g.num_layers} x {g.kv_elements_per_layer} x 2 B "
                     f"= {full:,} B. Their 8.6 'KB' is {dcp:,} B = {dcp / 1024:.2f} KiB, the figure only decode context "
                     f"parallelism over 8 ranks would give"),
@@ -805,20 +815,23 @@ def seeds_200k_recheck(seeds: dict | None = None, overhead_bytes: int = DEFAULT_
              recomputed=ctx * full, unit="B", status="wrong",
              reason=f"{ctx:,} x {full:,} B = {ctx * full / 1e9:.2f} GB ({ctx * full / GiB:.2f} GiB). Two slips: the /8, "
                     f"and 8.6 KiB taken as 8,600 B (even under DCP8 it is {ctx * dcp / 1e9:.3f} GB)"),
-        dict(key="pool_bytes", claim="KV pool per GPU implied by the logged pool", seeds=s["pool_tokens"],
-             recomputed=pool_b, unit="B", status="consistent",
-             reason=f"{s['pool_tokens']:,} tokens x {full:,} B; SGLang sizes the pool once at start-up, so this, not free "
-                    f"memory, bounds the KV of a request. It matches mem_fraction_static {implied_mfs:.3f} with our weight "
-                    f"count ({w['per_gpu'] / GiB:.2f} GiB per GPU) and {overhead_bytes / GiB:g} GiB assumed overhead; the "
-                    f"default heuristic gives {default_mem_fraction_static(mem, tp)[0]}"),
+        dict(key="pool_tokens", claim="KV pool per GPU (tokens, logged at start-up)", seeds=s["pool_tokens"],
+             recomputed=default.value("pool_tokens"), unit="tokens", status="consistent",
+             reason=f"our plan at SGLang's default mem_fraction_static {default.value('mem_fraction_static')}, no draft "
+                    f"model, {overhead_bytes / GiB:g} GiB assumed overhead. Their pool is {pool_b / 1e9:.2f} GB in bf16, "
+                    f"which matches mem_fraction_static {implied_mfs:.3f} with our weight count "
+                    f"({w['per_gpu'] / GiB:.2f} GiB per GPU); the gap fits a draft model and SGLang's +2 GiB "
+                    f"speculative reserve. This pool, sized once at start-up, bounds a request's KV"),
         dict(key="free_memory", claim="free memory per GPU after weights and CUDA graphs", seeds=s["free_per_gpu_bytes"],
              recomputed=None, unit="B", status="not checkable",
              reason="an observation (nvidia-smi), not derivable from the config; beside the point, because the "
                     "KV pool does not grow into free memory after start-up"),
-        dict(key="kv_200k_vs_pool", claim="200k KV fits the budget", seeds=s["free_per_gpu_bytes"] - s["kv_200k_per_gpu_bytes"],
-             recomputed=pool_b - ctx * full, unit="B", status="wrong",
-             reason=f"headroom = pool - need = {pool_b / 1e9:.2f} - {ctx * full / 1e9:.2f} GB < 0: one 200k request "
-                    f"needs {ctx / s['pool_tokens']:.2f}x the pool"),
+        dict(key="kv_200k_headroom", claim="headroom left by one 200k request (budget - need)",
+             seeds=s["free_per_gpu_bytes"] - s["kv_200k_per_gpu_bytes"], recomputed=pool_b - ctx * full, unit="B",
+             status="wrong",
+             reason=f"their budget was free memory (10 GB) and their need 1.72 GB; the budget is the pool, "
+                    f"{pool_b / 1e9:.2f} GB, and the need {ctx * full / 1e9:.2f} GB: one 200k request needs "
+                    f"{ctx / s['pool_tokens']:.2f}x the pool"),
         dict(key="longest_request", claim="longest single request the pool allowed", seeds=ctx,
              recomputed=deployed.value("longest_request"), unit="tokens", status="wrong",
              reason="SGLang max_req_input_len = min(context_len - 1, max_total_num_tokens - 1): --context-length "

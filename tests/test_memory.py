@@ -216,6 +216,9 @@ def test_plan_terms_add_up():
     assert frame.loc["pool_tokens", "value"] == p.value("pool_tokens")
     assert json.loads(json.dumps(p.to_dict()))["verdict"] == p.verdict
     assert "verdict:" in str(p)
+    human = p.to_frame(human=True)
+    assert human.loc["kv_bytes_per_token", "shown"] == "70,272 B/token"
+    assert human.loc["request_kv", "shown"] == "13.09 GiB (14.05 GB)"
 
 
 def test_plan_modes_for_200k_on_rtx_pro_6000():
@@ -296,8 +299,8 @@ def test_seeds_200k_recheck():
     assert rows["elements_per_token_layer"]["status"] == "reproduced"
     assert rows["kv_per_token_per_gpu"]["status"] == "wrong" and rows["kv_per_token_per_gpu"]["recomputed"] == 70_272
     assert rows["kv_200k_per_gpu"]["recomputed"] == 14_054_400_000
-    assert rows["pool_bytes"]["recomputed"] == 101_134 * 70_272
-    assert rows["kv_200k_vs_pool"]["recomputed"] < 0
+    assert rows["pool_tokens"]["recomputed"] == m.plan("kimi-k2.6", "rtx-pro-6000", 8, 200_000).value("pool_tokens")
+    assert rows["kv_200k_headroom"]["recomputed"] == 101_134 * 70_272 - 200_000 * 70_272
     assert rows["longest_request"]["recomputed"] == 101_133
     assert rows["max_position_embeddings"]["status"] == "reproduced"
     assert rows["yarn_factor"]["status"] == "reproduced"
