@@ -33,6 +33,12 @@ cupy is imported inside the functions, so importing this module works on machine
 
 from __future__ import annotations
 
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
 import threading
 from pathlib import Path
 
@@ -142,3 +148,100 @@ def like_input(y, x):
 
         return torch.from_dlpack(y)
     return y
+
+
+# ----------------------------------------------------------------------------- offline compile report
+# nvcc -cubin + ptxas -v, no GPU needed: used by tests/test_kernels_compile.py and notebook 02.
+
+NVCC_FLAGS = ("-cubin", "-std=c++17", "-Xptxas", "-v")
+ARCHS = ("sm_90", "sm_120")  # H200; RTX PRO 6000 Blackwell
+_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\d+a?)'")
+_PROPS = re.compile(r"Function properties for (\S+)")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGS = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
+KERNEL_DECL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(')
+ALLOW_STACK = re.compile(r"//\s*kdlib-allow-stack:\s*(\S+)\s+(\d+)\s+\S")
+
+
+def nvcc_path() -> str | None:
+    """The nvcc on PATH (or $NVCC), or None."""
+    return os.environ.get("NVCC") or shutil.which("nvcc")
+
+
+def parse_ptxas(text: str) -> dict[str, dict]:
+    """ptxas -v output -> {entry: {registers, stack, spill_stores, spill_loads, static_smem}}."""
+    entries: dict[str, dict] = {}
+    current = None
+    for line in text.splitlines():
+        m = _ENTRY.search(line)
+        if m:
+            current = m.group(1)
+            entries[current] = {}
+            continue
+        m = _PROPS.search(line)
+        if m:
+            current = m.group(1) if m.group(1) in entries else None
+            continue
+        if current is None:
+            continue
+        m = _FRAME.search(line)
+        if m:
+            entries[current].update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        m = _REGS.search(line)
+        if m:
+            entries[current]["registers"] = int(m.group(1))
+            s = _SMEM.search(line)
+            entries[current]["static_smem"] = int(s.group(1)) if s else 0
+    return entries
+
+
+def compile_report(stem: str, arch: str, *, cache_dir: Path | None = None) -> tuple[int, str]:
+    """(nvcc return code, nvcc + ptxas -v output) for `kernels/<stem>.cu` compiled to a cubin.
+
+    Cached by content (source, arch, flags, nvcc version) under cache_dir (default
+    build/ptxas-cache/), so an unchanged file costs nothing the second time.
+    """
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise ValueError("nvcc not found (PATH or $NVCC)")
+    source = source_path(stem)
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    text = source.read_text()
+    key = hashlib.sha256("\0".join([text, arch, *NVCC_FLAGS, version]).encode()).hexdigest()[:24]
+    cache_dir = cache_dir or (KERNELS.parent / "build" / "ptxas-cache")
+    cached = cache_dir / f"{stem}.{arch}.{key}.log"
+    if cached.exists():
+        return 0, cached.read_text()
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run([nvcc, *NVCC_FLAGS, f"-I{KERNELS}", f"-arch={arch}", "-o", os.path.join(tmp, "k.cubin"),
+                               str(source)], capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    if proc.returncode == 0:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmpfile = cached.with_suffix(f".{os.getpid()}.tmp")
+        tmpfile.write_text(out)
+        os.replace(tmpfile, cached)
+    return proc.returncode, out
+
+
+def resource_report(stems=None, archs=ARCHS) -> list[dict]:
+    """One row per (file, arch, kernel): registers, stack frame, spills, static shared memory.
+
+    Compiles in parallel threads (nvcc runs as subprocesses). Rows of a failed compile carry
+    `error` with the compiler output.
+    """
+    import concurrent.futures as cf
+
+    stems = sources() if stems is None else list(stems)
+    jobs = [(s, a) for s in stems for a in archs]
+    with cf.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        results = dict(zip(jobs, pool.map(lambda j: compile_report(*j), jobs), strict=True))
+    rows = []
+    for (stem, arch), (rc, text) in results.items():
+        if rc != 0:
+            rows.append({"file": f"{stem}.cu", "arch": arch, "kernel": None, "error": text})
+            continue
+        for name, info in parse_ptxas(text).items():
+            rows.append({"file": f"{stem}.cu", "arch": arch, "kernel": name, **info})
+    return rows
