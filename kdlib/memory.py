@@ -31,7 +31,8 @@ Per GPU under tensor parallelism (`tp`), by `kv_split` (models-hardware.md §2.2
                       --decode-context-parallel-size): tokens striped over the ranks (position p on
                       rank p mod c, docs.sglang.io/docs/advanced_features/dcp.md), so about 1/tp of
                       the bytes per rank; for GQA this assumes the DCP size that removes all head
-                      duplication.
+                      duplication. In `plan`, one request may then use c x the per-rank pool slots;
+                      how SGLang's scheduler counts DCP capacity was not read (an assumption).
 
 KV pool (SGLang, `model_runner_kv_cache_mixin.py`, models-hardware.md §2.3):
   rest = free_before_weights x mem_fraction_static - weights_per_gpu;  tokens = rest // cell
@@ -74,6 +75,12 @@ WEIGHT_FORMATS = ("auto", "bf16", "fp8_block", "int4_g32")
 DEFAULT_OVERHEAD_BYTES = int(1.5 * GiB)
 FP8_BLOCK = 128  # DeepSeek block-FP8: one fp32 scale per 128 x 128 weight block (README_WEIGHTS.md)
 FP4_SCALE_BLOCK = 16  # SGLang MLATokenToKVPoolFP4: one 1-byte scale per 16 elements
+
+
+# A config is MLA when it has any MLA field or an MLA model_type; then every MLA field is required,
+# so a DeepSeek config that lost kv_lora_rank is an error, not a silent MHA reading.
+_MLA_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim")
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 
 
 class ConfigError(ValueError):
@@ -178,7 +185,7 @@ def geometry(config) -> Geometry:
     layers = _need(lm, "num_hidden_layers", "the KV cache (one entry per layer)")
     hidden = _need(lm, "hidden_size", "weights")
     heads = _need(lm, "num_attention_heads", "attention")
-    if lm.get("kv_lora_rank") is not None:
+    if any(lm.get(k) is not None for k in _MLA_FIELDS) or lm.get("model_type") in MLA_MODEL_TYPES:
         kv_lora = _need(lm, "kv_lora_rank", "the MLA latent cache")
         rope = _need(lm, "qk_rope_head_dim", "the MLA latent cache (the shared RoPE key)")
         nope = _need(lm, "qk_nope_head_dim", "MLA head dims")
@@ -763,9 +770,14 @@ def plan(config, gpu: str, tp: int, context: int, *, kv_dtype: str = "bfloat16",
 
 
 def max_context(config, gpu: str, tp: int, **kwargs) -> int:
-    """The longest single request (tokens) a deployment serves; 0 when it does not fit at all."""
-    p = plan(config, gpu, tp, 1, **kwargs)
-    return p.value("longest_request") if p.value("kv_pool") > 0 and p.value("weights_per_gpu") < p.value("gpu_memory") else 0
+    """The longest single request (tokens) a deployment serves; 0 when it does not fit at all.
+    kwargs: as for `plan` (kv_dtype, kv_split, weight_format, mem_fraction_static, ...)."""
+    return plan(config, gpu, tp, 1, **kwargs).value("longest_request")
+
+
+def concurrent_requests(config, gpu: str, tp: int, context: int, **kwargs) -> int:
+    """How many requests of `context` tokens the deployment's KV pool holds at once (0 when none)."""
+    return plan(config, gpu, tp, context, **kwargs).value("concurrent_at_context")
 
 
 # ----------------------------------------------------------------------------------------- the seeds' 200k decision
@@ -872,12 +884,14 @@ def cli(argv: list[str] | None = None) -> int:
     ap.add_argument("--overhead-gib", type=float, default=DEFAULT_OVERHEAD_BYTES / GiB,
                     help="memory taken before weights load (CUDA context, NCCL), GiB; an assumption")
     ap.add_argument("--speculative", action="store_true", help="add SGLang's +2 GiB speculative reserve")
+    ap.add_argument("--max-total-tokens", type=int, default=None, help="cap the per-GPU pool (SGLang --max-total-tokens)")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_args(argv)
     try:
         p = plan(args.config, args.gpu, args.tp, args.context, kv_dtype=args.kv_dtype, weight_format=args.weight_format,
                  mem_fraction_static=args.mem_fraction_static, kv_split=args.kv_split,
-                 overhead_bytes=int(args.overhead_gib * GiB), speculative=args.speculative)
+                 overhead_bytes=int(args.overhead_gib * GiB), speculative=args.speculative,
+                 max_total_tokens=args.max_total_tokens)
     except ValueError as e:
         print(f"kdlib memory: {e}", file=sys.stderr)
         return 2

@@ -111,12 +111,7 @@ def test_load_config_from_path_dir_and_dict(tmp_path):
 @pytest.mark.parametrize("field", ["kv_lora_rank", "qk_rope_head_dim", "num_hidden_layers", "vocab_size"])
 def test_missing_field_named(field):
     cfg = m.load_config("deepseek-v3")
-    if field == "kv_lora_rank":
-        # without kv_lora_rank the config reads as GQA; qk_rope is what MLA needs next, so drop rope instead
-        cfg.pop("qk_rope_head_dim")
-        field = "qk_rope_head_dim"
-    else:
-        cfg.pop(field)
+    cfg.pop(field)  # a DeepSeek config without kv_lora_rank must not be read as MHA
     with pytest.raises(m.ConfigError, match=field):
         m.kv_bytes_per_token(cfg)
 
@@ -251,6 +246,8 @@ def test_cannot_fit_verdicts_never_negative():
     assert not r.fits and "derived context length 262,144" in r.verdict
     assert m.max_context("kimi-k2-0711", "rtx-pro-6000", 8) == 0
     assert m.max_context("kimi-k2.6", "b300", 8) == 262_143
+    assert m.concurrent_requests("kimi-k2-0711", "rtx-pro-6000", 8, 1000) == 0
+    assert m.concurrent_requests("kimi-k2.6", "b300", 8, 200_000) == 12
 
 
 @settings(max_examples=40, deadline=None)
