@@ -23,8 +23,8 @@ fallback 4.3e12 B/s (kernels-perf.md §0); the other kernels have no meaningful 
 (dependent latency chains), so only their times are recorded.
 
 The verify-attention sweep of `kdlib.perf.suites._attention` (written by the attention
-engineer) is embedded under `verify_attention` when that module exists. Env
-`KDLIB_KERNELS_ATTENTION=skip|quick|full` overrides its grid (default: quick under --quick,
+engineer) is embedded under `verify_attention` when that module exists. `args.attention` or env
+`KDLIB_KERNELS_ATTENTION` = skip|quick|full overrides its grid (default: quick under --quick,
 else full); when absent or skipped, the payload says so.
 """
 
@@ -244,7 +244,8 @@ def bench_rest(inputs: dict, iters: int, bw: float) -> dict:
 
 
 def _attention(args) -> dict:
-    mode = os.environ.get("KDLIB_KERNELS_ATTENTION", "quick" if getattr(args, "quick", False) else "full")
+    mode = getattr(args, "attention", None) or os.environ.get(
+        "KDLIB_KERNELS_ATTENTION", "quick" if getattr(args, "quick", False) else "full")
     if mode == "skip":
         return {"absent": "skipped (KDLIB_KERNELS_ATTENTION=skip)"}
     try:
