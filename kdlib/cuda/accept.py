@@ -194,3 +194,46 @@ def accept_sample_batch(trees, probs, uniforms, max_depth: int | None = None, *,
     targets = cupy.empty((bsz, budget + 1), dtype=cupy.int64)  # [B, budget+1]
     _sample_launch(probs, uniforms, cupy.ascontiguousarray(f["sizes"]), budget + 1, targets)
     return accept_greedy_batch(trees, targets, max_depth=max_depth, out=out)
+
+
+def _single(tree):
+    from kdlib.ref.tree import DDTree
+
+    if not isinstance(tree, DDTree):
+        raise ValueError(f"tree must be a DDTree, got {type(tree).__name__}")
+    import cupy
+
+    tok = loader.as_cupy(tree.node_token_ids)
+    n = int(tok.shape[0])
+    return DDTreeBatch(
+        sizes=cupy.full(1, n + 1, dtype=cupy.int64), node_token_ids=tok[None],
+        node_depths=loader.as_cupy(tree.node_depths)[None], parents=loader.as_cupy(tree.parents)[None],
+        visibility=loader.as_cupy(tree.visibility)[None], next_token=loader.as_cupy(tree.next_token)[None],
+        next_sibling=loader.as_cupy(tree.next_sibling)[None], positions=loader.as_cupy(tree.positions)[None],
+        scores=loader.as_cupy(tree.scores)[None])
+
+
+def accept_greedy(tree, target_tokens):
+    """Greedy walk of one tree (see `kdlib.ref.accept.accept_greedy`).
+
+    Shape: target_tokens [n+1] int. Returns (path [tau] int64 CuPy, bonus int); synchronises once.
+    """
+    batch = _single(tree)
+    tgt = loader.as_cupy(target_tokens)
+    if tgt.shape != (batch.budget + 1,):
+        raise ValueError(f"target_tokens must have shape {(batch.budget + 1,)}, got {tgt.shape}")
+    paths, lengths, bonus = accept_greedy_batch(batch, tgt[None])
+    return paths[0, : int(lengths[0])], int(bonus[0])
+
+
+def accept_sample(tree, probs, uniforms):
+    """Sample-and-walk of one tree (see `kdlib.ref.accept.accept_sample`).
+
+    Shape: probs [n+1, V] float32/float64, uniforms [n+1] float64. Returns (path [tau], bonus int).
+    """
+    batch = _single(tree)
+    probs, uniforms = loader.as_cupy(probs), loader.as_cupy(uniforms)
+    if probs.ndim != 2 or probs.shape[0] != batch.budget + 1:
+        raise ValueError(f"probs must have shape [{batch.budget + 1}, V], got {probs.shape}")
+    paths, lengths, bonus = accept_sample_batch(batch, probs[None], uniforms.reshape(1, -1))
+    return paths[0, : int(lengths[0])], int(bonus[0])

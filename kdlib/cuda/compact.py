@@ -124,3 +124,19 @@ def remap_slots(req_to_token, starts, tree_slots, paths, lengths, *, check_value
     slots = loader.as_cupy(tree_slots)
     freed = remap_slots_masked(req_to_token, starts, tree_slots, paths, lengths, check_values=check_values)
     return slots[freed].astype(slots.dtype, copy=False)
+
+
+def compact_kv(cache, start: int, path, *, check_values: bool = False):
+    """One request's compaction in place (see `kdlib.ref.compact.compact_kv`): a batch of one.
+
+    Shape: cache [S, D...], path [len] int. Returns cache.
+    """
+    import numbers
+
+    import cupy
+
+    if isinstance(start, bool) or not isinstance(start, numbers.Integral):
+        raise ValueError(f"start must be an int, got {type(start).__name__}")
+    p = _index("path", path, 1)
+    return compact_kv_batch(cache, cupy.full(1, int(start), dtype=cupy.int64), p[None],
+                            cupy.full(1, p.shape[0], dtype=cupy.int64), check_values=check_values)

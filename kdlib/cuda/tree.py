@@ -163,3 +163,17 @@ def build_tree_batch(
         shared_mem=smem,
     )
     return out
+
+
+def build_tree(top_token_ids, top_log_probs, budget: int, vocab_size: int | None = None, *, check_values: bool = False):
+    """One request's DDTree on the GPU (see `kdlib.ref.tree.build_tree`): a batch of one, unpadded.
+
+    Shape: top_token_ids [L, K'] int64, top_log_probs [L, K'] float32. Returns a DDTree of CuPy
+    views; reading the tree size synchronises with the host once.
+    """
+    ids, lp = loader.as_cupy(top_token_ids), loader.as_cupy(top_log_probs)
+    for name, a in (("top_token_ids", ids), ("top_log_probs", lp)):
+        if a.ndim != 2:
+            raise ValueError(f"{name} must have shape [L, K'], got shape {a.shape}")
+    batch = build_tree_batch(ids[None], lp[None], budget, vocab_size, check_values=check_values)
+    return batch.tree(0)
