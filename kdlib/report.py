@@ -30,6 +30,7 @@ import datetime as _dt
 import html
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -223,13 +224,27 @@ def check_kernel(kernel_name: str = KERNEL) -> str:
     return exe
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_MARKED_LINE = re.compile(r"^\s*-+>\s*(\d+)\s(.*)$")  # IPython marks the raising line: '---> 15     assert x'
+
+
+def _raising_line(traceback: list[str]) -> str | None:
+    """The notebook line that raised: the first line IPython's traceback marks with an arrow."""
+    for line in _ANSI.sub("", "\n".join(traceback)).splitlines():
+        m = _MARKED_LINE.match(line)
+        if m:
+            return m.group(2).strip()
+    return None
+
+
 def _error_of(exc: BaseException) -> dict:
     """ename / evalue of a failure: the notebook's own exception when papermill reports one."""
     ename = getattr(exc, "ename", None)
     if ename is not None:  # papermill.exceptions.PapermillExecutionError
         return {"ename": ename, "evalue": str(exc.evalue), "cell_index": exc.cell_index,
-                "exec_count": exc.exec_count}
-    return {"ename": type(exc).__name__, "evalue": str(exc).strip(), "cell_index": None, "exec_count": None}
+                "exec_count": exc.exec_count, "line": _raising_line(exc.traceback or [])}
+    return {"ename": type(exc).__name__, "evalue": str(exc).strip(), "cell_index": None, "exec_count": None,
+            "line": None}
 
 
 def render_html(executed: Path, html_path: Path, *, title: str) -> None:
@@ -442,7 +457,9 @@ def _entry_html(e: dict) -> str:
     err = ""
     if e.get("error"):
         where = f" (cell In [{e['error']['exec_count']}])" if e["error"].get("exec_count") is not None else ""
-        err = f'<pre class="error">{_esc(e["error"]["ename"])}{_esc(where)}: {_esc(e["error"]["evalue"])}</pre>'
+        line = f'\n  at: {e["error"]["line"]}' if e["error"].get("line") else ""
+        err = (f'<pre class="error">{_esc(e["error"]["ename"])}{_esc(where)}: {_esc(e["error"]["evalue"])}'
+               f"{_esc(line)}</pre>")
     n_changed = sum(p["source"] != "default" for p in e["parameters"].values())
     carried = " · from an earlier run" if e.get("carried_over") else ""
     return (
@@ -550,7 +567,8 @@ def run_reports(names: list[str] | None = None, *, profile: str = "cpu", overrid
                         progress_bar=sys.stderr.isatty())
         entries.append(entry)
         write_index(out_dir, entries, profile=profile)  # after each notebook: an interrupted batch still has one
-        note = "" if not entry["error"] else f"  {entry['error']['ename']}: {entry['error']['evalue'][:200]}"
+        err = entry["error"]
+        note = "" if not err else f"  {err['ename']}: {err['evalue'][:200]}" + (f"  at: {err['line']}" if err["line"] else "")
         print(f"[{i}/{len(jobs)}] {entry['stem']:<{width}} {entry['status']} in {entry['duration_s']:.1f} s{note}",
               flush=True)
     return entries

@@ -74,6 +74,7 @@ def test_failure_is_marked_with_its_error_and_partial_page(batch):
     entries, page = _index(out)
     err = entries["20_fail"]["error"]
     assert err["ename"] == "RuntimeError" and err["evalue"] == "boom 1"
+    assert err["line"] == "raise RuntimeError(f'boom {K}')"
     assert entries["20_fail"]["html"] == "20_fail.html" and (out / "20_fail.html").is_file()
     assert "RuntimeError" in page and "boom 1" in page and 'href="20_fail.html"' in page
     # the partial notebook holds what ran before the failure, and not what came after
