@@ -1,0 +1,262 @@
+"""Calibration on recorded H200 component measurements, and validation against the engine.
+
+    results = load_results("h200")             # {suite: payload} for ceilings, moe, kernels, engine
+    a, notes = calibrate(results, report=True)  # Assumptions with measured efficiencies and latencies
+    table = validate(a, results["engine"])      # predicted vs measured step time per engine run
+
+`calibrate` reads only component suites: `moe` (the W4A16 kernel's or the bf16 baseline's curve ->
+MoE bandwidth efficiency, per-layer latency, plateau compute efficiency), `kernels` (verify
+attention -> attention efficiencies; tree build -> CPU / GPU build costs). The engine's runs are
+kept out of it; `validate` then anchors the engine's host-side costs (per-layer launch latency,
+drafter and accept/compaction overheads, which no component suite measures) on ONE engine run and
+predicts every other run, reporting the residuals both for the held-out runs and for the anchor.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from kdlib.estimator.model import hardware, step_time
+from kdlib.estimator.params import Assumptions, ModelShape, Param, Scenario
+
+SUITES = ("ceilings", "moe", "kernels", "engine")
+
+
+def load_results(gpu: str = "h200") -> dict:
+    """{suite: recorded payload} for the suites recorded on `gpu` (missing ones are left out)."""
+    from kdlib import perf
+
+    out = {}
+    for suite in SUITES:
+        r = perf.load(suite, gpu)
+        if r is not None:
+            out[suite] = r
+    return out
+
+
+def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
+    """Least-squares y = a + b x; None when under-determined."""
+    n = len(xs)
+    if n < 2:
+        return None
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        return None
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    return my - b * mx, b
+
+
+def _calibrate_moe(a: Assumptions, moe: dict, spec: dict, arm: str, notes: list) -> Assumptions:
+    rows = moe.get("rows") or []
+    src = moe.get("_path", "moe result")
+    key_t, key_b = ("kernel", "bytes") if arm == "kernel" else ("baseline", "baseline_bytes")
+    pts = [(r["m"], r[key_b], r[key_t]["median_ms"] * 1e-3, r["flops"]) for r in rows
+           if key_t in r and "median_ms" in r.get(key_t, {}) and key_b in r]
+    if not pts:
+        notes.append(f"moe: no '{arm}' rows in {src}; MoE assumptions left at their defaults")
+        return a
+    bw, fl = spec["hbm_bandwidth_Bps"], spec["bf16_dense_flops"]
+    stream = [p for p in pts if p[0] <= 64]          # weight-streaming regime (< ~1/4 of the knee)
+    fit = _fit_line([p[1] for p in stream], [p[2] for p in stream])
+    changes = {}
+    if fit and fit[1] > 0:
+        lat, slope = fit
+        eff = 1.0 / (slope * bw)
+        changes["moe_bw_eff"] = (eff, f"fit t = lat + bytes / (eff x {bw / 1e12:.2f} TB/s) on the {arm} rows "
+                                      f"with M <= 64 of {src}")
+        changes["moe_layer_latency_s"] = (max(0.0, lat), f"intercept of the same fit ({src})")
+    else:
+        notes.append(f"moe: the {arm} rows with M <= 64 do not determine a streaming fit")
+    comp = max(p[3] / (p[2] * fl) for p in pts)
+    changes["moe_compute_eff"] = (comp, f"largest useful FLOP rate / bf16 peak over the {arm} rows of {src}")
+    notes.append(f"moe ({arm}): " + ", ".join(f"{k} = {v[0]:.3g}" for k, v in changes.items()))
+    return a.with_(**changes)
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def _calibrate_kernels(a: Assumptions, kernels: dict, spec: dict, notes: list) -> Assumptions:
+    src = kernels.get("_path", "kernels result")
+    changes = {}
+    att = (kernels.get("verify_attention") or {}).get("points") or []
+    bw, fl = spec["hbm_bandwidth_Bps"], spec["bf16_dense_flops"]
+    mem, comp = [], []
+    for p in att:
+        t = (p.get("kernel") or {}).get("median_ms")
+        if not t or "bytes" not in p or "flops" not in p:
+            continue
+        (mem if p.get("bound") == "memory" else comp).append((p["bytes"] / (t * 1e-3 * bw), p["flops"] / (t * 1e-3 * fl)))
+    if mem:
+        changes["attn_bw_eff"] = (_median([m[0] for m in mem]), f"median over memory-bound verify-attention points of {src}")
+    if comp:
+        changes["attn_compute_eff"] = (_median([c[1] for c in comp]),
+                                       f"median over compute-bound verify-attention points of {src}")
+    builds = kernels.get("tree_build") or []
+    if builds:
+        small = min(builds, key=lambda b: b.get("batch", 1e9))
+        big = max(builds, key=lambda b: b.get("batch", 0))
+        if small.get("graph_replay_us"):
+            changes["tree_build_gpu_s"] = (small["graph_replay_us"] * 1e-6,
+                                           f"GPU builder graph replay at batch {small.get('batch')} ({src})")
+        if big.get("cpu_ref_us") and big.get("batch"):
+            changes["tree_build_cpu_s_per_request"] = (big["cpu_ref_us"] * 1e-6 / big["batch"],
+                                                       f"CPU reference build / batch at batch {big['batch']} ({src})")
+    if changes:
+        notes.append("kernels: " + ", ".join(f"{k} = {v[0]:.3g}" for k, v in changes.items()))
+        return a.with_(**changes)
+    notes.append(f"kernels: no usable verify-attention or tree-build points in {src}")
+    return a
+
+
+def calibrate(results: dict, *, gpu: str = "h200", moe_arm: str = "kernel", a: Assumptions | None = None,
+              report: bool = False):
+    """Assumptions calibrated on component measurements (`moe`, `kernels`; `ceilings` noted).
+
+    moe_arm: "kernel" (the W4A16 kernel: for INT4 experts) or "baseline" (torch bf16 grouped GEMM:
+    for a bf16 engine). Efficiencies are relative to the spec peaks in `data/hw/<gpu>.json`, so
+    they carry to other GPUs as fractions of peak. report=True also returns the notes.
+    """
+    if moe_arm not in ("kernel", "baseline"):
+        raise ValueError(f"moe_arm must be 'kernel' or 'baseline', got {moe_arm!r}")
+    a = a or Assumptions()
+    spec = hardware(gpu)
+    notes = []
+    if "ceilings" in results:
+        c = results["ceilings"]
+        notes.append(f"ceilings: copy {c.get('copy_bandwidth_Bps', 0) / 1e12:.2f} TB/s = "
+                     f"{c.get('copy_bandwidth_Bps', 0) / spec['hbm_bandwidth_Bps']:.0%} of the spec peak")
+    if "moe" in results:
+        a = _calibrate_moe(a, results["moe"], spec, moe_arm, notes)
+    else:
+        notes.append("moe: not recorded; MoE assumptions left at their defaults")
+    if "kernels" in results:
+        a = _calibrate_kernels(a, results["kernels"], spec, notes)
+    else:
+        notes.append("kernels: not recorded; attention and tree-build assumptions left at their defaults")
+    return (a, notes) if report else a
+
+
+# ----------------------------------------------------------------------------- the engine
+_CTX = ("context", "context_len", "prompt_len", "prefix_len", "cache_len")
+_STEP = ("step_ms", "median_step_ms", "mean_step_ms")
+_ACC = ("mean_accepted", "accepted", "tau")
+
+
+def _first(d: dict, keys, what: str):
+    for k in keys:
+        if k in d and d[k] is not None:
+            return d[k]
+    raise ValueError(f"engine row lacks {what} (looked for {list(keys)}; has {sorted(d)})")
+
+
+def engine_rows(result: dict) -> list[dict]:
+    """The engine payload's runs as {context, budget, concurrency, accepted, step_ms, phase_ms}."""
+    runs = None
+    for key in ("runs", "rows", "points", "ddtree"):
+        if isinstance(result.get(key), list):
+            runs = result[key]
+            break
+    if runs is None:
+        raise ValueError(f"engine result has no list of runs (keys: {sorted(result)})")
+    out = []
+    for r in runs:
+        if r.get("method", "ddtree") != "ddtree":
+            continue
+        step = _first(r, _STEP, "a step time")
+        if isinstance(step, dict):
+            step = step.get("median_ms")
+        out.append({
+            "context": int(_first(r, _CTX, "a context length")),
+            "budget": int(_first(r, ("budget",), "a budget")),
+            "concurrency": int(r.get("concurrency", r.get("batch", 1))),
+            "accepted": float(_first(r, _ACC, "an accepted length")),
+            "block": int(r.get("block", r.get("draft_depth", r.get("budget")))),
+            "step_ms": float(step),
+            "phase_ms": r.get("phase_ms") or {},
+        })
+    if not out:
+        raise ValueError("engine result holds no DDTree runs")
+    return out
+
+
+def engine_shape(result: dict) -> ModelShape:
+    """The engine's model shape from the config its payload carries (tp 1, bf16 experts)."""
+    cfg = result.get("config") or (result.get("params") or {}).get("config") or (result.get("parameters") or {}).get("config")
+    if not isinstance(cfg, dict):
+        raise ValueError("engine result carries no model config (looked for config, params.config, parameters.config)")
+    return ModelShape.from_config(cfg, tp=1, expert_bits=16)
+
+
+def _scenario(row: dict) -> Scenario:
+    q = row["budget"] + 1
+    return Scenario(concurrency=row["concurrency"], q_len=q, block=max(1, row["block"]),
+                    accepted=min(max(row["accepted"], 1e-6), q), context=row["context"], tree_builder="cpu")
+
+
+def anchor_host_costs(a: Assumptions, row: dict, shape: ModelShape, gpu="h200") -> Assumptions:
+    """Set the host-side terms no component suite measures from one engine run: the per-layer
+    launch latency (verify phase minus the modelled device terms), the drafter's host cost, the
+    build cost per request, and accept + compaction as dispatch."""
+    sc = _scenario(row)
+    ph = row["phase_ms"]
+    src = f"engine anchor run (context {row['context']}, budget {row['budget']})"
+    changes = {}
+    zero_fixed = a.with_(kernel_latency_s=(0.0, "zeroed to solve"), dispatch_s=(0.0, "zeroed"))
+    st = step_time(gpu, sc, zero_fixed, shape)
+    if "verify" in ph:
+        device = st["moe"] + st["dense"] + st["attention"] + st["allreduce"]
+        per_kernel = max(0.0, ph["verify"] * 1e-3 - device) / (shape.n_layers * a.v("kernels_per_layer"))
+        changes["kernel_latency_s"] = (per_kernel, f"{src}: (verify - modelled device time) / (layers x kernels)")
+    if "draft" in ph:
+        # the drafter's launches pay the per-kernel latency just solved; the rest is host time
+        a_k = a.with_(**{k: v for k, v in changes.items() if k == "kernel_latency_s"}) if changes else a
+        st_k = step_time(gpu, sc, a_k.with_(draft_host_s=(0.0, "zeroed to solve")), shape)
+        changes["draft_host_s"] = (max(0.0, ph["draft"] * 1e-3 - st_k["draft"]),
+                                   f"{src}: draft phase - modelled drafter device and launch time")
+    if "build" in ph:
+        changes["tree_build_cpu_s_per_request"] = (ph["build"] * 1e-3 / sc.concurrency, f"{src}: build phase")
+    host = sum(ph.get(k, 0.0) for k in ("accept", "compaction"))
+    if host:
+        changes["dispatch_s"] = (host * 1e-3, f"{src}: accept + compaction phases")
+    return a.with_(**changes)
+
+
+def validate(a: Assumptions, engine: dict, *, gpu="h200", anchor: int = 0, shape: ModelShape | None = None) -> list[dict]:
+    """Predicted vs measured engine step time per run; `anchor` (an index into the runs, ordered
+    by context then budget) is the one run that sets the host-side terms. Each row:
+    context, budget, measured_ms, predicted_ms, residual (predicted / measured - 1), role."""
+    rows = sorted(engine_rows(engine), key=lambda r: (r["context"], r["budget"], r["concurrency"]))
+    if not 0 <= anchor < len(rows):
+        raise ValueError(f"anchor {anchor} out of range for {len(rows)} engine runs")
+    shape = shape or engine_shape(engine)
+    anchored = anchor_host_costs(a, rows[anchor], shape, gpu)
+    out = []
+    for i, r in enumerate(rows):
+        st = step_time(gpu, _scenario(r), anchored, shape)
+        pure = step_time(gpu, _scenario(r), a, shape)
+        out.append({
+            "context": r["context"], "budget": r["budget"], "concurrency": r["concurrency"],
+            "accepted": r["accepted"], "measured_ms": r["step_ms"], "predicted_ms": st["total"] * 1e3,
+            "residual": st["total"] * 1e3 / r["step_ms"] - 1.0,
+            "components_only_ms": pure["total"] * 1e3,
+            "components_only_residual": pure["total"] * 1e3 / r["step_ms"] - 1.0,
+            "role": "anchor" if i == anchor else "held out",
+        })
+    return out
+
+
+def assumptions_diff(before: Assumptions, after: Assumptions) -> list[dict]:
+    """The parameters calibration changed: name, default, calibrated, source."""
+    rows = []
+    for name in before.names():
+        b, c = getattr(before, name), getattr(after, name)
+        if b != c:
+            rows.append({"name": name, "default": b.value, "calibrated": c.value, "unit": c.unit, "source": c.source})
+    return rows
+
+
+__all__ = ["Param", "anchor_host_costs", "assumptions_diff", "calibrate", "engine_rows", "engine_shape",
+           "load_results", "validate"]

@@ -1,0 +1,176 @@
+"""The step-time model: one verify step of tree speculative decoding on one GPU of a TP group.
+
+    t_step = moe + dense + attention + draft + tree + dispatch + allreduce + fixed
+
+- moe: per MoE layer, max(touched-expert bytes / (BW x eff), useful FLOPs / (bf16 x eff)) + a
+  per-layer latency, with M = concurrency x q_len tokens and touched experts
+  E(M) = E (1 - (1 - k/E)^M) (uniform routing): weight streaming below M ~ 256, a plateau of all
+  experts above it, compute only at M in the thousands (kernels-perf.md §5).
+- dense: the bf16 weights every step streams besides the routed experts (MLA projections,
+  shared experts, dense layer, lm_head), TP-sharded.
+- attention: MLA latent cache of every request read once per layer (replicated under TP), or the
+  tree queries' FLOPs if those bind (kernels-perf.md §7).
+- draft: the block drafter's weights (+ the shared lm_head) for `block` tokens per stream.
+- tree: CPU heapq per request, or one GPU kernel per step.
+- dispatch: host cost per step; allreduce: ~2 per layer, latency + ring bytes / link bandwidth;
+  fixed: kernels per layer x a per-kernel latency.
+Throughput = accepted / t_step per stream; x concurrency in aggregate.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kdlib.estimator.params import Assumptions, ModelShape, Scenario
+
+COMPONENTS = ("moe", "dense", "attention", "draft", "tree", "dispatch", "allreduce", "fixed")
+
+
+def hardware(gpu) -> dict:
+    """A spec dict from `data/hw/` (by slug), or the dict itself when one is given."""
+    if isinstance(gpu, dict):
+        for key in ("hbm_bandwidth_Bps", "bf16_dense_flops", "interconnect"):
+            if key not in gpu:
+                raise ValueError(f"hardware spec lacks {key!r}")
+        return gpu
+    from kdlib import hw
+
+    return hw.load(gpu)
+
+
+def touched_experts(m: float, n_experts: int, top_k: int) -> float:
+    """Expected distinct experts hit by m tokens with uniform top-k routing."""
+    if m < 0:
+        raise ValueError(f"m must be >= 0, got {m}")
+    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** m)
+
+
+def moe_layer(m: float, gpu, a: Assumptions | None = None, shape: ModelShape | None = None) -> dict:
+    """One MoE layer on one GPU: bytes, FLOPs, the physical floor at peak, and the modelled time (s)."""
+    a, shape, spec = a or Assumptions(), shape or ModelShape(), hardware(gpu)
+    touched = touched_experts(m, shape.n_experts, shape.top_k)
+    weight = touched * shape.expert_bytes() / shape.tp
+    inter = shape.moe_inter / shape.tp
+    act = m * shape.hidden * (2 + 4) + 2 * m * shape.top_k * inter * 2
+    flops = 2.0 * m * shape.top_k * 3 * shape.hidden * inter
+    bw, fl = spec["hbm_bandwidth_Bps"], spec["bf16_dense_flops"]
+    mem_s = (weight + act) / (bw * a.v("moe_bw_eff"))
+    comp_s = flops / (fl * a.v("moe_compute_eff"))
+    return {
+        "m": m, "touched": touched, "bytes": weight + act, "flops": flops,
+        "floor_s": max((weight + act) / bw, flops / fl),
+        "time_s": max(mem_s, comp_s) + a.v("moe_layer_latency_s"),
+        "bound": "memory" if mem_s >= comp_s else "compute",
+    }
+
+
+def _roofline(nbytes: float, flops: float, bw: float, bw_eff: float, fl: float, fl_eff: float) -> float:
+    return max(nbytes / (bw * bw_eff), flops / (fl * fl_eff))
+
+
+def step_time(gpu, scenario: Scenario, a: Assumptions | None = None, shape: ModelShape | None = None) -> dict:
+    """Seconds per verify step by component, their sum (`total`), and throughput.
+
+    Returns {component: s, ..., 'total': s, 'tok_s_per_stream', 'tok_s'}.
+    """
+    a, shape, spec = a or Assumptions(), shape or ModelShape(), hardware(gpu)
+    sc = scenario
+    bw, fl = spec["hbm_bandwidth_Bps"], spec["bf16_dense_flops"]
+    m = sc.m
+    out = {}
+
+    out["moe"] = shape.n_moe_layers * moe_layer(m, spec, a, shape)["time_s"]
+
+    dense_params = shape.dense_bytes_per_gpu() / 2
+    out["dense"] = _roofline(shape.dense_bytes_per_gpu(), 2.0 * m * dense_params,
+                             bw, a.v("dense_bw_eff"), fl, a.v("dense_compute_eff"))
+
+    kv = sc.concurrency * (sc.context + sc.q_len) * shape.latent_dim * a.v("kv_bytes_per_elem")
+    attn_flops = (2.0 * sc.concurrency * shape.heads_per_gpu * sc.q_len * (sc.context + sc.q_len)
+                  * (shape.latent_dim + shape.kv_lora_rank))
+    out["attention"] = shape.n_layers * _roofline(kv, attn_flops, bw, a.v("attn_bw_eff"), fl, a.v("attn_compute_eff"))
+
+    draft_bytes = (a.v("draft_layers") * a.v("draft_layer_params") * 2 + shape.vocab * shape.hidden * 2) / shape.tp
+    draft_flops = 2.0 * sc.concurrency * sc.block * draft_bytes / 2
+    out["draft"] = (_roofline(draft_bytes, draft_flops, bw, a.v("dense_bw_eff"), fl, a.v("dense_compute_eff"))
+                    + a.v("draft_layers") * a.v("kernels_per_layer") * a.v("kernel_latency_s")
+                    + a.v("draft_host_s"))
+
+    out["tree"] = (sc.concurrency * a.v("tree_build_cpu_s_per_request") if sc.tree_builder == "cpu"
+                   else a.v("tree_build_gpu_s"))
+    out["dispatch"] = a.v("dispatch_s")
+
+    if shape.tp > 1:
+        link = spec["interconnect"]
+        lat = link.get("latency_s")
+        if lat is None:
+            lat = a.v("allreduce_latency_nvlink_s") if link["kind"] == "nvlink" else a.v("allreduce_latency_pcie_s")
+        ring_bytes = 2.0 * (shape.tp - 1) / shape.tp * m * shape.hidden * 2
+        per = lat + ring_bytes / (link["bandwidth_Bps_per_direction"] * a.v("allreduce_bw_eff"))
+        out["allreduce"] = shape.n_layers * a.v("allreduces_per_layer") * per
+    else:
+        out["allreduce"] = 0.0
+
+    out["fixed"] = shape.n_layers * a.v("kernels_per_layer") * a.v("kernel_latency_s")
+    total = sum(out[c] for c in COMPONENTS)
+    out["total"] = total
+    out["tok_s_per_stream"] = sc.accepted / total
+    out["tok_s"] = sc.concurrency * sc.accepted / total
+    return out
+
+
+def project(gpus, scenarios, a: Assumptions | None = None, shape: ModelShape | None = None) -> list[dict]:
+    """One row per (gpu, scenario): step ms, each component's ms and share, tok/s, dominant term."""
+    rows = []
+    for gpu in gpus:
+        spec = hardware(gpu)
+        for sc in scenarios:
+            st = step_time(spec, sc, a, shape)
+            row = {"gpu": spec.get("slug", spec.get("name", "?")), "scenario": sc.name,
+                   "concurrency": sc.concurrency, "q_len": sc.q_len, "block": sc.block,
+                   "accepted": sc.accepted, "context": sc.context, "m": sc.m,
+                   "step_ms": st["total"] * 1e3, "tok_s_per_stream": st["tok_s_per_stream"], "tok_s": st["tok_s"]}
+            for c in COMPONENTS:
+                row[f"{c}_ms"] = st[c] * 1e3
+            row["dominant"] = max(COMPONENTS, key=lambda c: st[c])
+            rows.append(row)
+    return rows
+
+
+def sensitivity(gpu, scenario: Scenario, a: Assumptions | None = None, shape: ModelShape | None = None,
+                factor: float = 2.0) -> list[dict]:
+    """Tornado data: tok/s with each assumption divided and multiplied by `factor` (others fixed),
+    plus the accepted length; sorted by the swing, largest first."""
+    if factor <= 1:
+        raise ValueError(f"factor must be > 1, got {factor}")
+    a, shape = a or Assumptions(), shape or ModelShape()
+    base = step_time(gpu, scenario, a, shape)["tok_s"]
+    rows = []
+    for name in a.names():
+        lo = step_time(gpu, scenario, a.scaled(name, 1 / factor), shape)["tok_s"]
+        hi = step_time(gpu, scenario, a.scaled(name, factor), shape)["tok_s"]
+        if name.endswith("_eff"):
+            hi = step_time(gpu, scenario, a.scaled(name, min(factor, 1.0 / a.v(name))), shape)["tok_s"]
+        rows.append({"name": name, "low": lo, "high": hi, "base": base, "swing": abs(hi - lo)})
+    acc_lo = max(1.0, scenario.accepted / factor)
+    acc_hi = min(float(scenario.q_len), scenario.accepted * factor)
+    rows.append({"name": "accepted (scenario)", "base": base, "swing": 0.0,
+                 "low": base * acc_lo / scenario.accepted, "high": base * acc_hi / scenario.accepted})
+    rows[-1]["swing"] = abs(rows[-1]["high"] - rows[-1]["low"])
+    return sorted(rows, key=lambda r: -r["swing"])
+
+
+def moe_curve(ms, gpu, a: Assumptions | None = None, shape: ModelShape | None = None) -> list[dict]:
+    """The modelled MoE layer time and its floor against M (ms)."""
+    rows = []
+    for m in ms:
+        r = moe_layer(m, gpu, a, shape)
+        rows.append({"m": m, "touched": r["touched"], "bytes": r["bytes"], "flops": r["flops"],
+                     "floor_ms": r["floor_s"] * 1e3, "model_ms": r["time_s"] * 1e3, "bound": r["bound"]})
+    return rows
+
+
+def knee_m(shape: ModelShape | None = None, fraction: float = 0.995) -> float:
+    """M at which `fraction` of the experts are touched (the weight-streaming -> plateau knee)."""
+    shape = shape or ModelShape()
+    return math.log(1.0 - fraction) / math.log(1.0 - shape.top_k / shape.n_experts)

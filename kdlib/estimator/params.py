@@ -1,0 +1,262 @@
+"""The estimator's inputs: every assumption a named parameter with its unit and source.
+
+    a = Assumptions()                          # defaults, each with .source
+    a.moe_bw_eff.value, a.moe_bw_eff.source
+    a2 = a.with_(moe_bw_eff=(0.62, "calibrated: data/results/moe.h200.json"))
+    shape = ModelShape()                       # Kimi-K2 at TP8 (models-hardware.md §1.1)
+    Scenario(concurrency=4, q_len=33, block=16, accepted=12.0, context=4096)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+MH = "shared/design/reference/models-hardware.md"
+KP = "shared/design/reference/kernels-perf.md"
+
+
+@dataclass(frozen=True)
+class Param:
+    """One assumption: value, unit, and where it comes from ([U] = unverified, an assumption)."""
+
+    value: float
+    unit: str
+    source: str
+
+    def __post_init__(self):
+        if not isinstance(self.value, int | float) or self.value != self.value:
+            raise ValueError(f"Param value must be a number, got {self.value!r}")
+        if not self.source:
+            raise ValueError("every Param needs a source")
+
+
+def _p(value, unit, source):
+    return field(default_factory=lambda: Param(value, unit, source))
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """Efficiencies, latencies and host costs the step-time model needs (hardware peaks come from
+    `data/hw/` through `kdlib.hw`; model shapes from `ModelShape`)."""
+
+    moe_bw_eff: Param = _p(
+        0.70, "fraction of HBM peak",
+        "W4A16 MoE weight streaming: the seeds' Marlin at 67-73% of the PRO 6000 peak (seed 002, "
+        "'67-73% of the 1.8 TB/s'); kernels-perf.md §5 target 70-85% of copy bandwidth [U on other GPUs]")
+    moe_compute_eff: Param = _p(
+        0.35, "fraction of dense bf16 peak",
+        "W4A16 plateau on mma.sync with in-register dequant: Marlin ~141 TFLOP/s of ~312 on A100 "
+        "(45%) and 'not yet optimized for Hopper' (kernels-perf.md §5) [U]")
+    moe_layer_latency_s: Param = _p(
+        15e-6, "s per MoE layer",
+        "router top-k, sort, two grouped-GEMM launches, combine: ~5 kernels x ~3 us "
+        "(AIConfigurator constant latency 3 us, models-hardware.md §5.1) [U]")
+    dense_bw_eff: Param = _p(
+        0.80, "fraction of HBM peak",
+        "bf16 GEMV-like weight streaming (attention projections, shared expert, dense layer, lm_head): "
+        "AIConfigurator mem_bw_empirical_scaling_factor 0.8 (models-hardware.md §5.1)")
+    dense_compute_eff: Param = _p(
+        0.80, "fraction of dense bf16 peak",
+        "cuBLAS bf16 GEMM ~790 of 989 TFLOP/s on the H200 (kernels-perf.md header)")
+    attn_bw_eff: Param = _p(
+        0.85, "fraction of HBM peak",
+        "FlashMLA memory-bound decode 84-90% of peak on H800/H100 (kernels-perf.md §0)")
+    attn_compute_eff: Param = _p(
+        0.70, "fraction of dense bf16 peak",
+        "FlashMLA compute-bound ~75-80% of tensor peak; FlashInfer MLA 72-73% on the H200 at h = 64/128 "
+        "(kernels-perf.md §0 and 'Measured peers')")
+    kernels_per_layer: Param = _p(
+        12.0, "kernels per layer",
+        "'~10+ small kernels per layer' (models-hardware.md §6.4) [U]")
+    kernel_latency_s: Param = _p(
+        3e-6, "s per kernel",
+        "fixed cost of a small kernel inside a CUDA graph: AIConfigurator's 3 us constant latency "
+        "(models-hardware.md §5.1); 0.69 us replay + launch tail (kernels-perf.md §0) [U]")
+    allreduces_per_layer: Param = _p(
+        2.0, "collectives per layer",
+        "TP all-reduce after attention and after the MoE (models-hardware.md §0)")
+    allreduce_latency_nvlink_s: Param = _p(
+        10e-6, "s per collective",
+        "AIConfigurator system YAMLs: 10 us p2p latency (models-hardware.md §5.1); data/hw gives none [U]")
+    allreduce_latency_pcie_s: Param = _p(
+        30e-6, "s per collective",
+        "PCIe-only 8-GPU all-reduce latency, ~3x NVLink: 'the all-reduce latency term is much larger "
+        "than on NVLink systems' (models-hardware.md §6.4) [U]")
+    allreduce_bw_eff: Param = _p(
+        0.7, "fraction of link bandwidth",
+        "ring all-reduce bus efficiency of NCCL on small messages [U]")
+    draft_layers: Param = _p(
+        1.0, "layers",
+        "DFlash-style block drafter: a few target-width layers conditioned on target features; "
+        "one layer assumed (DDTree survey; drafter size not given in the seeds) [U]")
+    draft_layer_params: Param = _p(
+        0.5e9, "parameters per draft layer",
+        "one Kimi-K2-width dense layer: MLA projections ~0.1 B + dense MLP 3 x 7168 x 18432 = 0.4 B "
+        "(models-hardware.md §1.1) [U]")
+    draft_host_s: Param = _p(
+        0.2e-3, "s per draft call",
+        "host-side cost of one drafter call (sampling the block's top-K, feature hand-off) [U]")
+    tree_build_cpu_s_per_request: Param = _p(
+        0.27e-3, "s per request",
+        "CPU heapq builder: 17.4 ms at batch 64 on a 2-core machine, 14.8 ms on the GPU host "
+        "(kernels-perf.md 'Measured peers'); seeds: 6-21 ms at batch 64")
+    tree_build_gpu_s: Param = _p(
+        41e-6, "s per step",
+        "GPU DDTree builder inside a CUDA graph: 40.8 us at batch 64, 37.7 us at batch 1 "
+        "(kernels-perf.md 'Measured peers')")
+    dispatch_s: Param = _p(
+        0.5e-3, "s per step",
+        "host dispatch of one verify step with CUDA graphs in a native loop (sampling, accept, "
+        "bookkeeping) [U]; the seeds' Python stack carried ~12.5 ms of overhead in total (seed 002)")
+    kv_bytes_per_elem: Param = _p(
+        2.0, "bytes",
+        "bf16 MLA latent cache (models-hardware.md §0: 70,272 B/token in BF16)")
+
+    def names(self) -> list[str]:
+        return [f.name for f in dataclasses.fields(self)]
+
+    def v(self, name: str) -> float:
+        """The value of parameter `name`."""
+        return getattr(self, name).value
+
+    def with_(self, **changes) -> Assumptions:
+        """A copy with some parameters replaced; each change is a Param or (value, source)."""
+        out = {}
+        for name, change in changes.items():
+            if name not in self.names():
+                raise ValueError(f"unknown assumption {name!r}; known: {', '.join(self.names())}")
+            if isinstance(change, Param):
+                out[name] = change
+            else:
+                value, source = change
+                out[name] = Param(float(value), getattr(self, name).unit, source)
+        return dataclasses.replace(self, **out)
+
+    def scaled(self, name: str, factor: float) -> Assumptions:
+        p = getattr(self, name)
+        return self.with_(**{name: Param(p.value * factor, p.unit, f"{p.source} (x{factor:g})")})
+
+    def table(self) -> list[dict]:
+        return [{"name": n, "value": getattr(self, n).value, "unit": getattr(self, n).unit,
+                 "source": getattr(self, n).source} for n in self.names()]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The target model's shapes as one GPU of a TP group sees them. Defaults: Kimi-K2 (K2.x
+    share these; models-hardware.md §1.1 and §0), routed experts INT4 group 32, the rest bf16."""
+
+    n_layers: int = 61
+    n_dense_layers: int = 1            # first_k_dense_replace
+    hidden: int = 7168
+    moe_inter: int = 2048
+    dense_inter: int = 18432
+    n_experts: int = 384
+    top_k: int = 8
+    n_shared: int = 1
+    n_heads: int = 64
+    q_lora_rank: int = 1536
+    kv_lora_rank: int = 512
+    qk_rope_dim: int = 64
+    qk_nope_dim: int = 128
+    v_head_dim: int = 128
+    vocab: int = 163840
+    expert_bits: int = 4
+    group: int = 32
+    tp: int = 8
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) < 0:
+                raise ValueError(f"ModelShape.{f.name} must be >= 0")
+        if self.tp < 1 or self.top_k > self.n_experts:
+            raise ValueError("ModelShape: tp >= 1 and top_k <= n_experts required")
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers - self.n_dense_layers
+
+    @property
+    def heads_per_gpu(self) -> float:
+        return self.n_heads / self.tp
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_dim
+
+    def expert_bytes(self) -> float:
+        """One routed expert (gate, up, down), all of it: weights + bf16 group scales (if quantized)."""
+        params = 3 * self.hidden * self.moe_inter
+        scales = params / self.group * 2 if self.expert_bits < 16 else 0.0
+        return params * self.expert_bits / 8 + scales
+
+    def attn_params(self) -> float:
+        """MLA projections of one layer (q_a, q_b, kv_a, kv_b, o)."""
+        h, H = self.hidden, self.n_heads
+        return (h * self.q_lora_rank + self.q_lora_rank * H * (self.qk_nope_dim + self.qk_rope_dim)
+                + h * self.latent_dim + self.kv_lora_rank * H * (self.qk_nope_dim + self.v_head_dim)
+                + H * self.v_head_dim * h)
+
+    def dense_bytes_per_gpu(self) -> float:
+        """bf16 weights streamed every step besides the routed experts, per GPU (TP-sharded):
+        attention projections of every layer, shared experts, the dense MLP layers, lm_head."""
+        per = (self.n_layers * self.attn_params()
+               + self.n_moe_layers * self.n_shared * 3 * self.hidden * self.moe_inter
+               + self.n_dense_layers * 3 * self.hidden * self.dense_inter
+               + self.vocab * self.hidden)
+        return per * 2 / self.tp
+
+    @classmethod
+    def from_config(cls, cfg: dict, tp: int = 1, expert_bits: int = 4) -> ModelShape:
+        """From a HF DeepSeek-V3 / Kimi-K2 style config.json dict (text_config is looked into)."""
+        c = cfg.get("text_config", cfg)
+        try:
+            return cls(
+                n_layers=int(c["num_hidden_layers"]),
+                n_dense_layers=int(c.get("first_k_dense_replace", 0)),
+                hidden=int(c["hidden_size"]),
+                moe_inter=int(c["moe_intermediate_size"]),
+                dense_inter=int(c.get("intermediate_size", c["moe_intermediate_size"])),
+                n_experts=int(c["n_routed_experts"]),
+                top_k=int(c["num_experts_per_tok"]),
+                n_shared=int(c.get("n_shared_experts") or 0),
+                n_heads=int(c["num_attention_heads"]),
+                q_lora_rank=int(c.get("q_lora_rank") or c["hidden_size"]),
+                kv_lora_rank=int(c["kv_lora_rank"]),
+                qk_rope_dim=int(c["qk_rope_head_dim"]),
+                qk_nope_dim=int(c["qk_nope_head_dim"]),
+                v_head_dim=int(c["v_head_dim"]),
+                vocab=int(c["vocab_size"]),
+                expert_bits=expert_bits,
+                tp=tp,
+            )
+        except KeyError as err:
+            raise ValueError(f"config lacks {err.args[0]!r} (need a DeepSeek-V3 / Kimi-K2 style config)") from None
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One operating point. q_len: tokens verified per stream per step (tree budget + 1 root);
+    block: drafter block size; accepted: tokens committed per stream per step (incl. the bonus)."""
+
+    concurrency: int = 1
+    q_len: int = 9
+    block: int = 8
+    accepted: float = 4.4
+    context: int = 2048
+    tree_builder: str = "cpu"          # "cpu" (heapq on the host) or "gpu" (kernel in the graph)
+    name: str = ""
+
+    def __post_init__(self):
+        if self.concurrency < 1 or self.q_len < 1 or self.block < 1 or self.context < 0:
+            raise ValueError(f"Scenario needs concurrency, q_len, block >= 1 and context >= 0: {self}")
+        if not 0 < self.accepted <= self.q_len:
+            raise ValueError(f"accepted {self.accepted} must lie in (0, q_len = {self.q_len}]")
+        if self.tree_builder not in ("cpu", "gpu"):
+            raise ValueError(f"tree_builder must be 'cpu' or 'gpu', got {self.tree_builder!r}")
+
+    @property
+    def m(self) -> int:
+        """Tokens per layer call: concurrency x q_len."""
+        return self.concurrency * self.q_len

@@ -1,0 +1,252 @@
+"""kdlib.estimator: the seeds' projections rebuilt, the model's physics (monotonicity, plateau,
+limits), calibration recovering known parameters, validation, the CLI."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kdlib import DATA, ROOT, hw
+from kdlib import estimator as est
+from kdlib.estimator import calibration as cal
+from kdlib.estimator import seeds
+
+SHARED = ROOT.parent / "shared"
+
+
+# ----------------------------------------------------------------------------- seeds
+
+
+@pytest.mark.skipif(not (SHARED / "seeds").is_dir(), reason="../shared/seeds not present in this checkout")
+def test_every_seed_quote_stands_at_its_location():
+    for pid, p in seeds.points().items():
+        path, line = p["location"].rsplit(":", 1)
+        text = (SHARED / path).read_text().splitlines()[int(line) - 1]
+        assert p["quote"] in text, f"{pid}: quote not found at {p['location']}"
+
+
+def test_seed_points_have_value_unit_quote_location():
+    doc = json.loads((DATA / "estimator" / "seeds.json").read_text())
+    for pid, p in doc["points"].items():
+        assert {"value", "unit", "quote", "location"} <= set(p), pid
+    for name, a in doc["assumptions"].items():
+        assert a["source"], name
+
+
+def test_reproduce_matches_the_seeds_projections():
+    rep = seeds.reproduce()
+    now, strong, cut = rep["scenarios"]
+    assert now["tok_s"] == pytest.approx(303.0)
+    # the overhead the B300 point implies is the seeds' ~12.5 ms: an independent check
+    assert rep["terms_ms"]["overhead_implied"] == pytest.approx(12.5, abs=0.1)
+    assert strong["tok_s_low"] == pytest.approx(575, rel=0.01)
+    assert strong["tok_s_high"] == pytest.approx(770, rel=0.01)
+    # zero-parameter check: the high end reproduces, the low end does not
+    assert cut["tok_s_high"] == pytest.approx(980, rel=0.01)
+    assert cut["tok_s_low"] < 0.9 * 850
+    assert 13 < cut["accepted_needed_for_seed_low"] < 15
+
+
+def test_contradictions_carry_the_arithmetic():
+    by_id = {c["id"]: c for c in seeds.contradictions()}
+    assert {"moe7_vs_per_layer", "step80_vs_138", "moe_share_80", "b300_vs_per_gpu_reading",
+            "overhead_cut_low_end"} <= set(by_id)
+    assert "31.7 ms" in by_id["step80_vs_138"]["arithmetic"]
+    assert "70.8" in by_id["moe7_vs_per_layer"]["arithmetic"]
+
+
+def test_readings_differ_where_the_inputs_do():
+    r = {x["reading"][0]: x for x in seeds.readings()}
+    assert r["A"]["current_tok_s"] == pytest.approx(303.0)
+    assert r["C"]["current_tok_s"] < 0.6 * 303        # the per-GPU reading cannot give 303
+    assert r["B"]["current_tok_s"] < r["A"]["current_tok_s"]
+    assert r["D"]["strong_tok_s_high"] > r["A"]["strong_tok_s_high"]
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def test_kimi_defaults_equal_the_real_config():
+    cfg = json.loads((DATA / "configs" / "kimi-k2.6.json").read_text())
+    assert est.ModelShape.from_config(cfg, tp=8) == est.ModelShape()
+
+
+def test_bad_inputs_raise_value_error():
+    with pytest.raises(ValueError, match="source"):
+        est.Param(1.0, "x", "")
+    with pytest.raises(ValueError, match="unknown assumption"):
+        est.Assumptions().with_(nope=(1.0, "x"))
+    with pytest.raises(ValueError, match="accepted"):
+        est.Scenario(q_len=9, accepted=10.0)
+    with pytest.raises(ValueError, match="tree_builder"):
+        est.Scenario(tree_builder="fpga")
+    with pytest.raises(ValueError, match="config lacks"):
+        est.ModelShape.from_config({"hidden_size": 8})
+    with pytest.raises(ValueError, match="unknown GPU"):
+        est.step_time("a100", est.Scenario())
+
+
+def test_every_assumption_has_a_source():
+    for row in est.Assumptions().table():
+        assert row["source"] and row["unit"], row["name"]
+
+
+# ----------------------------------------------------------------------------- model physics
+
+
+def test_touched_experts_limits():
+    assert est.touched_experts(1, 384, 8) == pytest.approx(8.0)
+    assert est.touched_experts(4096, 384, 8) == pytest.approx(384.0, abs=1e-6)
+    assert 250 < est.knee_m() < 256          # 99.5% of 384 experts touched near M ~ 256
+
+
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 5000), dm=st.integers(1, 500))
+def test_moe_layer_monotone_and_floored(m, dm):
+    a = est.moe_layer(m, "h200")
+    b = est.moe_layer(m + dm, "h200")
+    assert b["touched"] >= a["touched"] and b["time_s"] >= a["time_s"]
+    assert a["time_s"] >= a["floor_s"]        # efficiencies <= 1 never beat the physical floor
+
+
+def test_moe_plateau_between_knee_and_compute():
+    t = {m: est.moe_layer(m, "h200")["time_s"] for m in (256, 512, 1024, 64)}
+    assert t[512] / t[256] < 1.05             # all experts touched: bytes stop growing
+    assert t[256] / t[64] > 1.2               # streaming regime grows with touched experts
+
+
+@settings(max_examples=30, deadline=None)
+@given(c=st.integers(1, 16), ctx=st.integers(0, 200_000), q=st.integers(1, 65), gpu=st.sampled_from(hw.slugs()))
+def test_step_time_monotone_in_context_and_concurrency(c, ctx, q, gpu):
+    sc = est.Scenario(concurrency=c, q_len=q, block=8, accepted=1.0, context=ctx)
+    base = est.step_time(gpu, sc)
+    more_ctx = est.step_time(gpu, est.Scenario(c, q, 8, 1.0, ctx + 4096))
+    more_c = est.step_time(gpu, est.Scenario(c + 1, q, 8, 1.0, ctx))
+    assert more_ctx["total"] >= base["total"] and more_c["total"] >= base["total"]
+    assert base["total"] == pytest.approx(sum(base[k] for k in est.COMPONENTS))
+    assert base["tok_s"] == pytest.approx(c * base["tok_s_per_stream"])
+
+
+def test_faster_hardware_is_faster_and_pcie_pays_more_allreduce():
+    sc = est.Scenario(concurrency=4, q_len=33, block=16, accepted=8.0)
+    t = {g: est.step_time(g, sc) for g in ("rtx-pro-6000", "h200", "b300")}
+    assert t["b300"]["total"] < t["h200"]["total"] < t["rtx-pro-6000"]["total"]
+    assert t["rtx-pro-6000"]["allreduce"] > 2 * t["h200"]["allreduce"]
+
+
+def test_project_and_sensitivity_tables():
+    rows = est.project(hw.slugs(), [est.Scenario(c, 9, 8, 4.4, 4096, name=f"C{c}") for c in (1, 4, 10)])
+    assert len(rows) == 3 * len(hw.slugs())
+    assert all(r["dominant"] in est.COMPONENTS for r in rows)
+    sens = est.sensitivity("b300", est.Scenario())
+    assert [r["swing"] for r in sens] == sorted((r["swing"] for r in sens), reverse=True)
+    by = {r["name"]: r for r in sens}
+    assert by["moe_bw_eff"]["high"] > by["moe_bw_eff"]["base"] > by["moe_bw_eff"]["low"]
+    assert by["dispatch_s"]["high"] < by["dispatch_s"]["low"]
+    with pytest.raises(ValueError, match="factor"):
+        est.sensitivity("b300", est.Scenario(), factor=1.0)
+
+
+def test_seeds_stack_hits_the_b300_point():
+    a = est.seeds_stack("b300")
+    sc = est.seed_scenarios()["current"][0]
+    assert est.step_time("b300", sc, a)["tok_s"] == pytest.approx(303.0)
+    assert "solved" in a.dispatch_s.source
+
+
+# ----------------------------------------------------------------------------- calibration
+
+
+def _fake_moe_result(eff: float, lat: float, spec: dict) -> dict:
+    """moe suite rows generated from known streaming efficiency and latency."""
+    shape = est.ModelShape()
+    rows = []
+    for m in (1, 4, 9, 16, 32, 64, 256, 4096):
+        r = est.moe_layer(m, spec, est.Assumptions(), shape)
+        t = lat + r["bytes"] / (eff * spec["hbm_bandwidth_Bps"])
+        rows.append({"m": m, "bytes": r["bytes"], "flops": r["flops"], "kernel": {"median_ms": t * 1e3},
+                     "baseline_bytes": 4 * r["bytes"], "baseline": {"median_ms": 2 * t * 1e3}})
+    return {"rows": rows, "_path": "synthetic"}
+
+
+def test_calibrate_recovers_moe_efficiency_and_latency():
+    spec = hw.load("h200")
+    a, notes = est.calibrate({"moe": _fake_moe_result(0.62, 20e-6, spec)}, report=True)
+    assert a.v("moe_bw_eff") == pytest.approx(0.62, rel=1e-6)
+    assert a.v("moe_layer_latency_s") == pytest.approx(20e-6, rel=1e-6)
+    assert "synthetic" in a.moe_bw_eff.source and any("kernels: not recorded" in n for n in notes)
+    with pytest.raises(ValueError, match="moe_arm"):
+        est.calibrate({}, moe_arm="marlin")
+
+
+def test_calibrate_reads_kernels_attention_and_tree_build():
+    spec = hw.load("h200")
+    kernels = {"_path": "synthetic", "verify_attention": {"points": [
+        {"bytes": 1e9, "flops": 1e9, "bound": "memory", "kernel": {"median_ms": 1e3 / (0.5 * spec["hbm_bandwidth_Bps"] / 1e9) * 1e-3 * 1e3}},
+    ]}, "tree_build": [{"batch": 1, "graph_replay_us": 30.0, "cpu_ref_us": 300.0},
+                       {"batch": 64, "graph_replay_us": 45.0, "cpu_ref_us": 12800.0}]}
+    a = est.calibrate({"kernels": kernels})
+    assert a.v("attn_bw_eff") == pytest.approx(0.5, rel=1e-6)
+    assert a.v("tree_build_gpu_s") == pytest.approx(30e-6)
+    assert a.v("tree_build_cpu_s_per_request") == pytest.approx(200e-6)
+
+
+def _fake_engine(shape_cfg: dict, truth: est.Assumptions) -> dict:
+    shape = est.ModelShape.from_config(shape_cfg, tp=1, expert_bits=16)
+    runs = []
+    for ctx in (128, 1024, 4096):
+        for budget in (8, 32):
+            sc = est.Scenario(1, budget + 1, budget, 3.0, ctx)
+            s = est.step_time("h200", sc, truth, shape)
+            verify = s["moe"] + s["dense"] + s["attention"] + s["fixed"]
+            runs.append({"method": "ddtree", "context": ctx, "budget": budget, "mean_accepted": 3.0,
+                         "step_ms": s["total"] * 1e3,
+                         "phase_ms": {"draft": s["draft"] * 1e3, "build": s["tree"] * 1e3, "verify": verify * 1e3,
+                                      "accept": s["dispatch"] * 1e3 / 2, "compaction": s["dispatch"] * 1e3 / 2}})
+    return {"config": shape_cfg, "runs": runs}
+
+
+def test_validate_anchors_host_costs_and_predicts_held_out_runs():
+    cfg = json.loads((DATA / "configs" / "tiny-a.json").read_text())
+    truth = est.Assumptions().with_(kernel_latency_s=(40e-6, "eager torch launch"), dispatch_s=(1e-3, "t"),
+                                    draft_host_s=(2e-3, "t"))
+    table = est.validate(est.Assumptions(), _fake_engine(cfg, truth))
+    assert [r["role"] for r in table].count("anchor") == 1 and len(table) == 6
+    assert max(abs(r["residual"]) for r in table) < 0.02
+    assert max(abs(r["components_only_residual"]) for r in table) > 0.2   # defaults alone miss eager costs
+    with pytest.raises(ValueError, match="anchor"):
+        est.validate(est.Assumptions(), _fake_engine(cfg, truth), anchor=99)
+    with pytest.raises(ValueError, match="no list of runs"):
+        cal.engine_rows({"something": 1})
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def _run_cli(argv):
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = est.cli(argv)
+    return rc, buf.getvalue()
+
+
+def test_cli_seeds_json_has_tok_s_per_scenario():
+    rc, out = _run_cli(["--scenario", "seeds", "--json"])
+    assert rc == 0
+    doc = json.loads(out)
+    assert len(doc["scenarios"]) == 3
+    for s in doc["scenarios"]:
+        assert "tok_s" in s or ("tok_s_low" in s and "tok_s_high" in s and s["tok_s_low"] <= s["tok_s_high"])
+    assert doc["readings"] and doc["contradictions"] and doc["model"]
+
+
+def test_cli_default_table_and_bad_gpu():
+    rc, out = _run_cli(["--gpu", "h200", "--concurrency", "1", "10"])
+    assert rc == 0 and "C=10" in out
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+        est.cli(["--gpu", "a100"])
