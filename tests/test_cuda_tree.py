@@ -165,6 +165,35 @@ def test_build_torch_dlpack_zero_copy():
     assert_trees_equal(got, ref.build_tree_batch(ids, lp, 64), "torch")
 
 
+@pytest.mark.gpu
+def test_single_request_twins():
+    """build_tree, accept_greedy, accept_sample, compact_kv (batches of one) against kdlib.ref."""
+    cp = _cp()
+    import kdlib.cuda as cu
+
+    rng = np.random.default_rng(12)
+    for mode in MODES:
+        ids, lp = pipeline.random_topk(rng, 1, 7, 6, 20, mode)
+        want = ref.build_tree(ids[0], lp[0], 30)
+        got = cu.build_tree(cp.asarray(ids[0]), cp.asarray(lp[0]), 30)
+        for f in ("node_token_ids", "parents", "visibility", "next_token", "next_sibling", "positions"):
+            assert (getattr(got, f).get() == getattr(want, f)).all(), f
+        assert (got.scores.get().view(np.int64) == want.scores.view(np.int64)).all()
+        batch = ref.build_tree_batch(ids, lp, 30)
+        tgt = _targets(rng, batch, 20)[0, : want.n + 1]
+        p_want, b_want = ref.accept_greedy(want, tgt)
+        p_got, b_got = cu.accept_greedy(got, cp.asarray(tgt))
+        assert (p_got.get() == p_want).all() and b_got == b_want
+        probs, u = _probs(rng, want.n + 1, 20, np.float32), _uniforms(rng, want.n + 1)
+        p_want, b_want = ref.accept_sample(want, probs, u)
+        p_got, b_got = cu.accept_sample(got, cp.asarray(probs), cp.asarray(u))
+        assert (p_got.get() == p_want).all() and b_got == b_want
+        cache = rng.standard_normal((50, 5)).astype(np.float32)
+        c_want = ref.compact_kv(cache.copy(), 3, p_want)
+        c_got = cu.compact_kv(cp.asarray(cache), 3, cp.asarray(p_want))
+        assert (c_got.get() == c_want).all()
+
+
 # ----------------------------------------------------------------------------- golden files
 
 

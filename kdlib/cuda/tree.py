@@ -171,6 +171,7 @@ def build_tree(top_token_ids, top_log_probs, budget: int, vocab_size: int | None
     Shape: top_token_ids [L, K'] int64, top_log_probs [L, K'] float32. Returns a DDTree of CuPy
     views; reading the tree size synchronises with the host once.
     """
+    _check_budget(budget)
     ids, lp = loader.as_cupy(top_token_ids), loader.as_cupy(top_log_probs)
     for name, a in (("top_token_ids", ids), ("top_log_probs", lp)):
         if a.ndim != 2:
