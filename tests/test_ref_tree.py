@@ -145,6 +145,28 @@ def test_float64_sibling_arithmetic():
     assert t.scores.tolist() == expect
 
 
+@pytest.mark.parametrize(
+    "a,c,c2",
+    [
+        # found by search: here (logw - c) + c2 != logw + (c2 - c)
+        (-0.20978518, -7.384491e-13, -2.4436637e-11),
+        # and here (logw - c) + c2 != a + c2 (a fresh sum along the path)
+        (-1.2378056e-14, -0.00014095061, -0.00065688114),
+    ],
+)
+def test_sibling_score_grouping_is_exact(a, c, c2):
+    """Log-probs with a wide exponent spread make float64 sums inexact: the grouping must be REF's."""
+    a, c, c2 = (float(np.float32(v)) for v in (a, c, c2))
+    ids = np.array([[1, 2], [3, 4]], dtype=np.int64)
+    lp = np.array([[a, a - 5.0], [c, c2]], dtype=np.float32)
+    t = build_tree(ids, lp, 3)
+    assert node_ranks(t, ids) == [(0,), (0, 0), (0, 1)]
+    logw = a + c
+    expect = (logw - c) + c2
+    assert expect != logw + (c2 - c) or expect != a + c2
+    assert t.scores[2] == expect
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(topk_case())
 def test_properties_and_brute_force(case):

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -55,7 +56,8 @@ TOL_TREE = "bit-exact: every integer/bool tensor equal; scores equal as float64 
 
 # name -> (seed, B, L, K', budget, input kind). Input kinds: "draft" = synthetic_topk (peaked,
 # sharpness 5), "flat" = sharpness 1 (wide trees), "peaked" = sharpness 14 (deep trees),
-# "tied" = dyadic log-probs from {0, -0.5, ..., -2} (exact ties everywhere).
+# "tied" = dyadic log-probs from {0, -0.5, ..., -2} (exact ties everywhere), "spread" = -10**U(-14, 1)
+# (the float64 score sums round, so only REF's exact arithmetic order reproduces them).
 CONFIGS = {
     "default": (1, 8, 15, 64, 64, "draft"),  # the production point: L 15, budget 64, K' 64
     "mid": (2, 8, 8, 40, 32, "draft"),  # K' > budget: columns 32..39 unused (poisoned)
@@ -66,6 +68,7 @@ CONFIGS = {
     "maxdepth": (7, 8, 16, 16, 64, "peaked"),  # L 16: the deepest the GPU builder takes
     "highbatch": (8, 64, 15, 64, 64, "draft"),  # B 64: the CPU-baseline point
     "tied": (9, 8, 6, 8, 64, "tied"),
+    "spread": (19, 16, 15, 2, 64, "spread"),  # exponents over 1e-14..10, far-apart ranks: inexact float64 sums
     "budget0": (10, 3, 4, 4, 0, "draft"),  # root-only trees
     "depth0": (11, 3, 0, 4, 8, "draft"),  # L = 0: root-only trees
 }
@@ -92,6 +95,12 @@ def topk_inputs(seed: int, bsz: int, L: int, kp: int, kind: str) -> tuple[np.nda
         ids = np.stack([np.stack([rng.permutation(1000)[:kp] for _ in range(L)]) for _ in range(bsz)]) \
             if L else np.zeros((bsz, 0, kp))
         return ids.astype(np.int64).reshape(bsz, L, kp), lp
+    if kind == "spread":
+        rng = np.random.default_rng(seed)
+        mags = [[[math.pow(10.0, e) for e in row] for row in req] for req in rng.uniform(-14.0, 1.0, size=(bsz, L, kp))]
+        lp = (-np.sort(np.array(mags), axis=-1)).astype(np.float32).reshape(bsz, L, kp)  # libm pow: no SIMD variance
+        ids = np.stack([np.stack([rng.permutation(1000)[:kp] for _ in range(L)]) for _ in range(bsz)])
+        return ids.astype(np.int64), lp
     sharp = {"draft": 5.0, "flat": 1.0, "peaked": 14.0}[kind]
     return synthetic_topk(seed, bsz, L, kp, sharpness=sharp, draft_vocab=max(kp, 1024))
 
