@@ -30,7 +30,10 @@
 //
 // Limits (checked by the wrapper before launch): K % 64 == 0, N % 64 == 0, 16-byte aligned bases.
 #include <cuda_bf16.h>
-#include <stdint.h>
+
+// NVRTC (CuPy) has no host headers such as <stdint.h>: fixed-width names of our own.
+typedef unsigned int u32;
+typedef unsigned short u16;
 
 namespace {
 
@@ -39,24 +42,24 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kDownTilesPerWarp = 2;    // down: 2 row tiles per warp, 16 per block
 
 // (a & b) | c in one instruction (lop3 truth table 0xEA).
-__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d;
+__device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) {
+  u32 d;
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
   return d;
 }
 
-__device__ __forceinline__ uint32_t bf162_bits(__nv_bfloat162 v) {
-  return *reinterpret_cast<uint32_t*>(&v);
+__device__ __forceinline__ u32 bf162_bits(__nv_bfloat162 v) {
+  return *reinterpret_cast<u32*>(&v);
 }
 
-__device__ __forceinline__ __nv_bfloat162 bits_bf162(uint32_t v) {
+__device__ __forceinline__ __nv_bfloat162 bits_bf162(u32 v) {
   return *reinterpret_cast<__nv_bfloat162*>(&v);
 }
 
 // Eight nibbles -> the four bf16x2 registers of an mma A fragment, dequantized exactly as the
 // reference does: bf16(q - 8) is exact, then one bf16 multiply by the group scale.
 // Nibbles n and n + 4 land in the low/high halves with exponent bits 0x43 (2^7): value 128 + q.
-__device__ __forceinline__ void dequant8(uint32_t w, uint32_t scales, uint32_t a[4]) {
+__device__ __forceinline__ void dequant8(u32 w, u32 scales, u32 a[4]) {
   const __nv_bfloat162 bias = __float2bfloat162_rn(136.0f);  // 128 (magic exponent) + 8 (zero point)
   const __nv_bfloat162 s_lo = bits_bf162(__byte_perm(scales, 0, 0x1010));  // row g, both halves
   const __nv_bfloat162 s_hi = bits_bf162(__byte_perm(scales, 0, 0x3232));  // row g + 8
@@ -67,7 +70,7 @@ __device__ __forceinline__ void dequant8(uint32_t w, uint32_t scales, uint32_t a
   }
 }
 
-__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+__device__ __forceinline__ void mma_bf16(float c[4], const u32 a[4], u32 b0, u32 b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
       "{%8, %9}, {%0, %1, %2, %3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -76,7 +79,7 @@ __device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32
 
 // The B fragments of one 64-column chunk for token row `row` (nullptr: a padding column of zeros).
 // Registers 2i, 2i+1 = b0, b1 of k16 step i (physical columns 16t + 4i + {0,1} and {2,3}).
-__device__ __forceinline__ void load_b(const uint16_t* row, int col0, int t, uint32_t b[8]) {
+__device__ __forceinline__ void load_b(const u16* row, int col0, int t, u32 b[8]) {
   if (row == nullptr) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) b[i] = 0u;
@@ -88,9 +91,9 @@ __device__ __forceinline__ void load_b(const uint16_t* row, int col0, int t, uin
   b[4] = hi.x; b[5] = hi.y; b[6] = hi.z; b[7] = hi.w;
 }
 
-__device__ __forceinline__ uint16_t f32_to_bf16_bits(float v) {
+__device__ __forceinline__ u16 f32_to_bf16_bits(float v) {
   const __nv_bfloat16 b = __float2bfloat16_rn(v);
-  return *reinterpret_cast<const uint16_t*>(&b);
+  return *reinterpret_cast<const u16*>(&b);
 }
 
 // Block (pair p, active expert a, token pass z): gate tile p and up tile p of one expert over the
@@ -98,9 +101,9 @@ __device__ __forceinline__ uint16_t f32_to_bf16_bits(float v) {
 // NCH chunks of 8 tokens per pass; KB chunks of 64 columns loaded before they are used.
 template <int NCH, int KB>
 __device__ __forceinline__ void gate_up_body(
-    const uint16_t* __restrict__ x, const uint4* __restrict__ w1, const uint32_t* __restrict__ s1,
+    const u16* __restrict__ x, const uint4* __restrict__ w1, const u32* __restrict__ s1,
     const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
-    const int* __restrict__ n_active, const int* __restrict__ sorted_token, uint16_t* __restrict__ h,
+    const int* __restrict__ n_active, const int* __restrict__ sorted_token, u16* __restrict__ h,
     int K, int N, float (*red)[NCH * 8][32]) {
   const int a_idx = blockIdx.y;
   if (a_idx >= *n_active) return;  // block-uniform
@@ -112,7 +115,7 @@ __device__ __forceinline__ void gate_up_body(
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int p = blockIdx.x, P = N >> 4, KC = K >> 6;
 
-  const uint16_t* xrow[NCH];
+  const u16* xrow[NCH];
 #pragma unroll
   for (int c = 0; c < NCH; ++c) {
     const int slot = slot0 + 8 * c + g;
@@ -128,13 +131,13 @@ __device__ __forceinline__ void gate_up_body(
 
   const size_t tile_base = (size_t)e * P + p;
   const uint4* wp = w1 + tile_base * KC * 2 * 32;
-  const uint32_t* sp = s1 + tile_base * KC * 2 * 16;
+  const u32* sp = s1 + tile_base * KC * 2 * 16;
   const int per_warp = (KC + kWarps - 1) / kWarps;
   const int kbeg = warp * per_warp, kend = min(KC, kbeg + per_warp);
 
   for (int k0 = kbeg; k0 < kend; k0 += KB) {
     uint4 wv[KB][2];
-    uint32_t sv[KB][2];
+    u32 sv[KB][2];
 #pragma unroll
     for (int j = 0; j < KB; ++j) {
       if (k0 + j < kend) {
@@ -148,15 +151,15 @@ __device__ __forceinline__ void gate_up_body(
 #pragma unroll
     for (int j = 0; j < KB; ++j) {
       if (k0 + j < kend) {
-        uint32_t b[NCH][8];
+        u32 b[NCH][8];
 #pragma unroll
         for (int c = 0; c < NCH; ++c) load_b(xrow[c], (k0 + j) * 64, t, b[c]);
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
-          const uint32_t words[4] = {wv[j][u].x, wv[j][u].y, wv[j][u].z, wv[j][u].w};
+          const u32 words[4] = {wv[j][u].x, wv[j][u].y, wv[j][u].z, wv[j][u].w};
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
-            uint32_t afrag[4];
+            u32 afrag[4];
             dequant8(words[i], sv[j][u], afrag);
 #pragma unroll
             for (int c = 0; c < NCH; ++c) mma_bf16(acc[c][u], afrag, b[c][2 * i], b[c][2 * i + 1]);
@@ -198,7 +201,7 @@ __device__ __forceinline__ void gate_up_body(
 // added into y (fp32, zeroed by the caller) with atomics, since topk experts share a token row.
 template <int NCH, int KB>
 __device__ __forceinline__ void down_body(
-    const uint16_t* __restrict__ h, const uint4* __restrict__ w2, const uint32_t* __restrict__ s2,
+    const u16* __restrict__ h, const uint4* __restrict__ w2, const u32* __restrict__ s2,
     const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
     const int* __restrict__ n_active, const int* __restrict__ sorted_token,
     const float* __restrict__ sorted_weight, float* __restrict__ y, int K, int N) {
@@ -214,7 +217,7 @@ __device__ __forceinline__ void down_body(
   const int rt0 = (blockIdx.x * kWarps + warp) * kDownTilesPerWarp;
   if (rt0 >= RT) return;  // warp-uniform; no block barrier in this kernel
 
-  const uint16_t* hrow[NCH];
+  const u16* hrow[NCH];
 #pragma unroll
   for (int c = 0; c < NCH; ++c) {
     const int slot = slot0 + 8 * c + g;
@@ -230,7 +233,7 @@ __device__ __forceinline__ void down_body(
 
   for (int k0 = 0; k0 < NC; k0 += KB) {
     uint4 wv[KB][kDownTilesPerWarp];
-    uint32_t sv[KB][kDownTilesPerWarp];
+    u32 sv[KB][kDownTilesPerWarp];
 #pragma unroll
     for (int j = 0; j < KB; ++j) {
 #pragma unroll
@@ -249,16 +252,16 @@ __device__ __forceinline__ void down_body(
 #pragma unroll
     for (int j = 0; j < KB; ++j) {
       if (k0 + j < NC) {
-        uint32_t b[NCH][8];
+        u32 b[NCH][8];
 #pragma unroll
         for (int c = 0; c < NCH; ++c) load_b(hrow[c], (k0 + j) * 64, t, b[c]);
 #pragma unroll
         for (int q = 0; q < kDownTilesPerWarp; ++q) {
           if (rt0 + q < RT) {
-            const uint32_t words[4] = {wv[j][q].x, wv[j][q].y, wv[j][q].z, wv[j][q].w};
+            const u32 words[4] = {wv[j][q].x, wv[j][q].y, wv[j][q].z, wv[j][q].w};
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-              uint32_t afrag[4];
+              u32 afrag[4];
               dequant8(words[i], sv[j][q], afrag);
 #pragma unroll
               for (int c = 0; c < NCH; ++c) mma_bf16(acc[q][c], afrag, b[c][2 * i], b[c][2 * i + 1]);
@@ -294,9 +297,9 @@ __device__ __forceinline__ void down_body(
 
 // Decode regime: <= 8 tokens per expert per pass, 7 column chunks (7 x 2 x 16 B per lane) in flight.
 extern "C" __global__ void __launch_bounds__(kThreads) moe_w4a16_v1_gate_up_n8(
-    const uint16_t* __restrict__ x, const uint4* __restrict__ w1, const uint32_t* __restrict__ s1,
+    const u16* __restrict__ x, const uint4* __restrict__ w1, const u32* __restrict__ s1,
     const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
-    const int* __restrict__ n_active, const int* __restrict__ sorted_token, uint16_t* __restrict__ h,
+    const int* __restrict__ n_active, const int* __restrict__ sorted_token, u16* __restrict__ h,
     int K, int N) {
   __shared__ float red[kWarps][8][32];
   gate_up_body<1, 7>(x, w1, s1, expert_offsets, active_experts, n_active, sorted_token, h, K, N, red);
@@ -304,16 +307,16 @@ extern "C" __global__ void __launch_bounds__(kThreads) moe_w4a16_v1_gate_up_n8(
 
 // Batched regime: 32 tokens per expert per pass (grid.z passes), 2 column chunks in flight.
 extern "C" __global__ void __launch_bounds__(kThreads) moe_w4a16_v1_gate_up_n32(
-    const uint16_t* __restrict__ x, const uint4* __restrict__ w1, const uint32_t* __restrict__ s1,
+    const u16* __restrict__ x, const uint4* __restrict__ w1, const u32* __restrict__ s1,
     const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
-    const int* __restrict__ n_active, const int* __restrict__ sorted_token, uint16_t* __restrict__ h,
+    const int* __restrict__ n_active, const int* __restrict__ sorted_token, u16* __restrict__ h,
     int K, int N) {
   __shared__ float red[kWarps][32][32];
   gate_up_body<4, 2>(x, w1, s1, expert_offsets, active_experts, n_active, sorted_token, h, K, N, red);
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_w4a16_v1_down_n8(
-    const uint16_t* __restrict__ h, const uint4* __restrict__ w2, const uint32_t* __restrict__ s2,
+    const u16* __restrict__ h, const uint4* __restrict__ w2, const u32* __restrict__ s2,
     const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
     const int* __restrict__ n_active, const int* __restrict__ sorted_token,
     const float* __restrict__ sorted_weight, float* __restrict__ y, int K, int N) {
@@ -321,7 +324,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_w4a16_v1_down_n8(
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads) moe_w4a16_v1_down_n32(
-    const uint16_t* __restrict__ h, const uint4* __restrict__ w2, const uint32_t* __restrict__ s2,
+    const u16* __restrict__ h, const uint4* __restrict__ w2, const u32* __restrict__ s2,
     const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
     const int* __restrict__ n_active, const int* __restrict__ sorted_token,
     const float* __restrict__ sorted_weight, float* __restrict__ y, int K, int N) {
