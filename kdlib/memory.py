@@ -467,6 +467,21 @@ def default_mem_fraction_static(gpu_memory_bytes: int, tp: int, pp: int = 1, spe
     return round((mem_gib - reserved) / mem_gib, 3), reserved, bucket
 
 
+def vlm_mem_fraction_factor(config) -> float:
+    """SGLang's cut of the default mem_fraction_static for multimodal checkpoints (1.0 without a vision tower).
+
+    0.95 x clamp(1 - 0.1 x (ratio - 1), 0.8, 1.05), ratio = vision layers x hidden^2 / (24 x 1024^2),
+    reading vision_config.num_hidden_layers / hidden_size with defaults 24 / 1024 (ServerArgs.
+    adjust_mem_fraction_for_vlm in python/sglang/srt/server_args.py, v0.5.x; applied only when the
+    fraction is not given). Kimi-K2.5/K2.6 name their vision fields vt_*, so the defaults apply: 0.95.
+    """
+    vision = load_config(config).get("vision_config")
+    if not isinstance(vision, dict):
+        return 1.0
+    ratio = int(vision.get("num_hidden_layers", 24)) * int(vision.get("hidden_size", 1024)) ** 2 / (24 * 1024**2)
+    return 0.95 * max(0.8, min(1.05, 1.0 - 0.1 * (ratio - 1.0)))
+
+
 def pool_bytes(gpu_memory_bytes: int, weights_per_gpu: int, mem_fraction_static: float,
                overhead_bytes: int = DEFAULT_OVERHEAD_BYTES) -> int:
     """SGLang's rest_memory in bytes: free_before x fraction - weights (may be <= 0: does not fit)."""
@@ -489,6 +504,16 @@ def mem_fraction_for_pool(gpu_memory_bytes: int, weights_per_gpu: int, pool_byte
                           overhead_bytes: int = DEFAULT_OVERHEAD_BYTES) -> float:
     """The mem_fraction_static at which SGLang's pool reaches `pool_bytes_needed` (may exceed 1: impossible)."""
     return (weights_per_gpu + pool_bytes_needed) / (gpu_memory_bytes - overhead_bytes)
+
+
+def implied_mem_fraction(config, gpu: str, tp: int, pool_tokens_logged: int, kv_dtype: str = "bfloat16",
+                         kv_split: str = "replicated", weight_format: str = "auto",
+                         overhead_bytes: int = DEFAULT_OVERHEAD_BYTES) -> float:
+    """The mem_fraction_static that reproduces a pool size a server logged (max_total_num_tokens),
+    under this module's weight count and overhead assumption."""
+    cell = kv_bytes_per_token(config, kv_dtype, tp, kv_split if kv_split != "context_parallel" else "replicated")
+    weights = weight_bytes(config, weight_format, tp, kv_split)["per_gpu"]
+    return mem_fraction_for_pool(hw.load(gpu)["memory_bytes"], weights, pool_tokens_logged * cell, overhead_bytes)
 
 
 # ----------------------------------------------------------------------------------------- YaRN
@@ -676,6 +701,10 @@ def plan(config, gpu: str, tp: int, context: int, *, kv_dtype: str = "bfloat16",
         mfs, reserved, bucket = default_mem_fraction_static(mem, tp, speculative=speculative,
                                                             dp_attention=kv_split == "dp_attention")
         mfs_note = f"SGLang default: reserve {reserved:g} GiB ({bucket})"
+        vlm = vlm_mem_fraction_factor(config)
+        if vlm != 1.0:
+            mfs = mfs * vlm
+            mfs_note += f" x {vlm:.3f} for the vision tower"
     else:
         mfs, mfs_note = float(mem_fraction_static), "given"
     # A pool slot holds one token's KV on one rank; under DCP a request's tokens are striped over c ranks.
@@ -809,9 +838,10 @@ def seeds_200k_recheck(seeds: dict | None = None, overhead_bytes: int = DEFAULT_
     dcp = kv_bytes_per_token(cfg, "bfloat16", tp, "context_parallel")
     pool_b = s["pool_tokens"] * full
     w = weight_bytes(cfg, "auto", tp)
-    mem = hw.load(gpu)["memory_bytes"]
-    implied_mfs = mem_fraction_for_pool(mem, w["per_gpu"], pool_b, overhead_bytes)
-    deployed = plan(cfg, gpu, tp, ctx, max_total_tokens=s["pool_tokens"], overhead_bytes=overhead_bytes)
+    implied_mfs = implied_mem_fraction(cfg, gpu, tp, s["pool_tokens"], overhead_bytes=overhead_bytes)
+    # their server: a hand-set fraction just above the implied one, capped at the logged pool
+    deployed = plan(cfg, gpu, tp, ctx, mem_fraction_static=min(implied_mfs + 1e-4, 0.999),
+                    max_total_tokens=s["pool_tokens"], overhead_bytes=overhead_bytes)
     default = plan(cfg, gpu, tp, ctx, overhead_bytes=overhead_bytes)
     rows = [
         dict(key="elements_per_token_layer", claim="KV elements per token per layer", seeds=s["elements_per_token_layer"],
@@ -829,11 +859,12 @@ def seeds_200k_recheck(seeds: dict | None = None, overhead_bytes: int = DEFAULT_
                     f"and 8.6 KiB taken as 8,600 B (even under DCP8 it is {ctx * dcp / 1e9:.3f} GB)"),
         dict(key="pool_tokens", claim="KV pool per GPU (tokens, logged at start-up)", seeds=s["pool_tokens"],
              recomputed=default.value("pool_tokens"), unit="tokens", status="consistent",
-             reason=f"our plan at SGLang's default mem_fraction_static {default.value('mem_fraction_static')}, no draft "
-                    f"model, {overhead_bytes / GiB:g} GiB assumed overhead. Their pool is {pool_b / 1e9:.2f} GB in bf16, "
-                    f"which matches mem_fraction_static {implied_mfs:.3f} with our weight count "
-                    f"({w['per_gpu'] / GiB:.2f} GiB per GPU); the gap fits a draft model and SGLang's +2 GiB "
-                    f"speculative reserve. This pool, sized once at start-up, bounds a request's KV"),
+             reason=f"their {pool_b / 1e9:.2f} GB pool (bf16) is what mem_fraction_static {implied_mfs:.3f} gives with our "
+                    f"weight count ({w['per_gpu'] / GiB:.2f} GiB per GPU) and {overhead_bytes / GiB:g} GiB assumed overhead, "
+                    f"so the fraction was set by hand ('based on the memory fraction configuration'); SGLang's own "
+                    f"default for this multimodal checkpoint, {default.value('mem_fraction_static'):.3f}, would give the "
+                    f"recomputed {default.value('pool_tokens'):,} tokens. The pool is sized once at start-up and bounds "
+                    f"a request's KV"),
         dict(key="free_memory", claim="free memory per GPU after weights and CUDA graphs", seeds=s["free_per_gpu_bytes"],
              recomputed=None, unit="B", status="not checkable",
              reason="an observation (nvidia-smi), not derivable from the config; beside the point, because the "

@@ -217,7 +217,8 @@ def test_plan_terms_add_up():
 
 
 def test_plan_modes_for_200k_on_rtx_pro_6000():
-    base = dict(config="kimi-k2.6", gpu="rtx-pro-6000", tp=8, context=200_000)
+    # a hand-set fraction near the seeds' (their logged pool implies 0.824)
+    base = dict(config="kimi-k2.6", gpu="rtx-pro-6000", tp=8, context=200_000, mem_fraction_static=0.83)
     fp8 = m.plan(**base, kv_dtype="fp8_e4m3")
     assert fp8.fits and fp8.value("pool_tokens") >= 200_001
     cp = m.plan(**base, kv_split="context_parallel")
@@ -226,8 +227,24 @@ def test_plan_modes_for_200k_on_rtx_pro_6000():
     assert cp.value("concurrent_at_context") >= 4
     dp = m.plan(**base, kv_split="dp_attention")
     assert not dp.fits  # DP-attention raises weights per GPU and does not lengthen one request
+    implied = m.implied_mem_fraction("kimi-k2.6", "rtx-pro-6000", 8, 101_134)
+    assert 0.82 < implied < 0.83
+    replay = m.plan(**{**base, "mem_fraction_static": implied + 1e-6})
+    assert abs(replay.value("pool_tokens") - 101_134) <= 1  # 1e-6 of the fraction is ~1 token
     capped = m.plan(**base, max_total_tokens=101_134)
     assert capped.value("longest_request") == 101_133
+    assert not m.plan(**base).fits
+
+
+def test_vlm_cut_of_the_default_fraction():
+    # SGLang multiplies its default by 0.95 (x a ViT-size factor) for multimodal checkpoints
+    assert m.vlm_mem_fraction_factor("kimi-k2.6") == 0.95
+    assert m.vlm_mem_fraction_factor("kimi-k2-thinking") == 1.0
+    assert m.vlm_mem_fraction_factor({"vision_config": {"num_hidden_layers": 48, "hidden_size": 1024}}) == 0.95 * 0.9
+    mm = m.plan("kimi-k2.6", "h200", 8, 1000)
+    text = m.plan("kimi-k2-thinking", "h200", 8, 1000)
+    assert mm.value("mem_fraction_static") == pytest.approx(0.95 * text.value("mem_fraction_static"))
+    assert m.plan("kimi-k2.6", "h200", 8, 1000, mem_fraction_static=0.8).value("mem_fraction_static") == 0.8
 
 
 def test_plan_dp_attention_counts_whole_pools():
@@ -247,7 +264,7 @@ def test_cannot_fit_verdicts_never_negative():
     assert m.max_context("kimi-k2-0711", "rtx-pro-6000", 8) == 0
     assert m.max_context("kimi-k2.6", "b300", 8) == 262_143
     assert m.concurrent_requests("kimi-k2-0711", "rtx-pro-6000", 8, 1000) == 0
-    assert m.concurrent_requests("kimi-k2.6", "b300", 8, 200_000) == 12
+    assert m.concurrent_requests("kimi-k2-thinking", "b300", 8, 200_000) == 12
 
 
 @settings(max_examples=40, deadline=None)
@@ -311,7 +328,7 @@ def test_cli_in_process(capsys):
     out = capsys.readouterr().out
     assert "70,272" in out and "DOES NOT FIT" in out
     assert kdlib.cli.main(["memory", "kimi-k2.6", "--gpu", "rtx-pro-6000", "--tp", "8", "--context", "200000",
-                           "--kv-dtype", "fp8_e4m3", "--json"]) == 0
+                           "--kv-dtype", "fp8_e4m3", "--mem-fraction-static", "0.83", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["fits"] is True and doc["inputs"]["kv_dtype"] == "fp8_e4m3"
     assert kdlib.cli.main(["memory", "nope", "--gpu", "h200", "--tp", "8", "--context", "1"]) == 2
