@@ -37,8 +37,10 @@ typedef unsigned short u16;
 
 namespace {
 
-constexpr int kWarps = 8;               // 256 threads: split-K over 8 warps in gate/up
+constexpr int kWarps = 8;               // down, and gate/up _n32: 256 threads
 constexpr int kThreads = kWarps * 32;
+constexpr int kWarpsN8 = 16;            // gate/up _n8: 16 warps split K (7 chunks each at K = 7168),
+constexpr int kThreadsN8 = kWarpsN8 * 32;  // so one round of loads covers a block's whole slice
 constexpr int kDownTilesPerWarp = 2;    // down: 2 row tiles per warp, 16 per block
 
 // (a & b) | c in one instruction (lop3 truth table 0xEA).
@@ -97,9 +99,9 @@ __device__ __forceinline__ u16 f32_to_bf16_bits(float v) {
 }
 
 // Block (pair p, active expert a, token pass z): gate tile p and up tile p of one expert over the
-// full K, split across the 8 warps, reduced in shared memory, SwiGLU, bf16 store.
+// full K, split across WARPS warps, reduced in shared memory, SwiGLU, bf16 store.
 // NCH chunks of 8 tokens per pass; KB chunks of 64 columns loaded before they are used.
-template <int NCH, int KB>
+template <int NCH, int KB, int WARPS>
 __device__ __forceinline__ void gate_up_body(
     const u16* __restrict__ x, const uint4* __restrict__ w1, const u32* __restrict__ s1,
     const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
@@ -132,7 +134,7 @@ __device__ __forceinline__ void gate_up_body(
   const size_t tile_base = (size_t)e * P + p;
   const uint4* wp = w1 + tile_base * KC * 2 * 32;
   const u32* sp = s1 + tile_base * KC * 2 * 16;
-  const int per_warp = (KC + kWarps - 1) / kWarps;
+  const int per_warp = (KC + WARPS - 1) / WARPS;
   const int kbeg = warp * per_warp, kend = min(KC, kbeg + per_warp);
 
   for (int k0 = kbeg; k0 < kend; k0 += KB) {
@@ -177,12 +179,12 @@ __device__ __forceinline__ void gate_up_body(
       for (int r = 0; r < 4; ++r) red[warp][(c * 2 + u) * 4 + r][lane] = acc[c][u][r];
   __syncthreads();
 
-  // One thread per (token chunk c, register r, lane): sum gate and up over the 8 warps.
-  for (int idx = threadIdx.x; idx < NCH * 4 * 32; idx += kThreads) {
+  // One thread per (token chunk c, register r, lane): sum gate and up over the warps.
+  for (int idx = threadIdx.x; idx < NCH * 4 * 32; idx += WARPS * 32) {
     const int ln = idx & 31, r = (idx >> 5) & 3, c = idx >> 7;
     float gs = 0.0f, us = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
+    for (int w = 0; w < WARPS; ++w) {
       gs += red[w][(c * 2 + 0) * 4 + r][ln];
       us += red[w][(c * 2 + 1) * 4 + r][ln];
     }
@@ -296,13 +298,13 @@ __device__ __forceinline__ void down_body(
 }  // namespace
 
 // Decode regime: <= 8 tokens per expert per pass, 7 column chunks (7 x 2 x 16 B per lane) in flight.
-extern "C" __global__ void __launch_bounds__(kThreads) moe_w4a16_v1_gate_up_n8(
+extern "C" __global__ void __launch_bounds__(kThreadsN8) moe_w4a16_v1_gate_up_n8(
     const u16* __restrict__ x, const uint4* __restrict__ w1, const u32* __restrict__ s1,
     const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
     const int* __restrict__ n_active, const int* __restrict__ sorted_token, u16* __restrict__ h,
     int K, int N) {
-  __shared__ float red[kWarps][8][32];
-  gate_up_body<1, 7>(x, w1, s1, expert_offsets, active_experts, n_active, sorted_token, h, K, N, red);
+  __shared__ float red[kWarpsN8][8][32];
+  gate_up_body<1, 7, kWarpsN8>(x, w1, s1, expert_offsets, active_experts, n_active, sorted_token, h, K, N, red);
 }
 
 // Batched regime: 32 tokens per expert per pass (grid.z passes), 2 column chunks in flight.
@@ -312,7 +314,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) moe_w4a16_v1_gate_up_n32(
     const int* __restrict__ n_active, const int* __restrict__ sorted_token, u16* __restrict__ h,
     int K, int N) {
   __shared__ float red[kWarps][32][32];
-  gate_up_body<4, 2>(x, w1, s1, expert_offsets, active_experts, n_active, sorted_token, h, K, N, red);
+  gate_up_body<4, 2, kWarps>(x, w1, s1, expert_offsets, active_experts, n_active, sorted_token, h, K, N, red);
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_w4a16_v1_down_n8(

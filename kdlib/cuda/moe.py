@@ -357,10 +357,11 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
     passes = -(-routing.max_count // per_pass)
     grid_y = max(1, routing.n_active)
     meta = (routing.expert_offsets, routing.active_experts, routing.n_active_dev, routing.sorted_token)
-    threads = 256   # kThreads in the .cu
+    threads_gate_up = 512 if variant == "n8" else 256   # kThreadsN8 / kThreads in the .cu
+    threads = 256
 
     gate_up = get_function(STEM, f"{STEM}_gate_up_{variant}")
-    gate_up((P, grid_y, passes), (threads,), (xb, w1, s1, *meta, h, np.int32(K), np.int32(N)))
+    gate_up((P, grid_y, passes), (threads_gate_up,), (xb, w1, s1, *meta, h, np.int32(K), np.int32(N)))
     _check(sync, "gate_up launch")
     down = get_function(STEM, f"{STEM}_down_{variant}")
     tiles_per_block = 8 * 2   # kWarps * kDownTilesPerWarp

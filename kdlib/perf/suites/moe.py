@@ -5,7 +5,8 @@ Shapes: 384 experts, hidden K = 7168, expert intermediate N = 2048 / 8 = 256 (TP
 routing of M tokens (uniformly random experts, Dirichlet-like random weights), M = 1 ... 4096.
 
 What is timed (CUDA events around each call, median of `iters` after warm-up):
-- kernel: y.fill(0) + gate/up+SwiGLU launch + down+combine launch (`kdlib.cuda.moe.moe_w4a16`).
+- kernel: y.fill(0) + gate/up+SwiGLU launch + down+combine launch (`kdlib.cuda.moe.moe_w4a16`),
+  issued from Python (eager) and, separately, replayed from a CUDA graph (`kernel_graph`).
   The routing metadata (sort by expert, offsets) is made once per routing outside the timing:
   an engine computes it once per layer call alongside the router, in a few small kernels.
 - baseline: gather x by sorted slot, `torch._grouped_mm` gate/up, SwiGLU, `torch._grouped_mm`
@@ -104,6 +105,34 @@ def _baseline_arm(torch, wgu, wd):
     return "padded_bmm", padded
 
 
+def _graph_time(routes, xb, packed, out, h, *, rotations: int, iters: int) -> dict:
+    """The same three launches replayed from one CUDA graph per routing: the device time without
+    the ~5 us per launch of Python issue (kernels-perf.md §6), which dominates at M = 1."""
+    import cupy as cp
+
+    from kdlib.cuda import moe
+    from kdlib.perf import timing
+
+    try:
+        stream = cp.cuda.Stream(non_blocking=True)
+        graphs = []
+        with stream:
+            for r, *_ in routes:
+                stream.begin_capture()
+                moe.moe_w4a16(xb, packed, r, out=out, h=h)
+                graphs.append(stream.end_capture())
+            state = {"i": 0}
+
+            def replay():
+                graphs[state["i"] % rotations].launch(stream=stream)
+                state["i"] += 1
+
+            t = timing.cuda_time(replay, warmup=rotations, iters=iters, backend="cupy")
+        return t.as_dict()
+    except Exception as err:  # a capture problem must not cost the eager numbers
+        return {"error": f"{type(err).__name__}: {err}"[:300]}
+
+
 def _measure(m: int, rng, packed, baseline, *, bw: float, flop_rate: float, rotations: int, iters: int) -> dict:
     """Time the kernel and the baseline at M = m over `rotations` routings; bytes, FLOPs, floors."""
     import cupy as cp
@@ -137,6 +166,7 @@ def _measure(m: int, rng, packed, baseline, *, bw: float, flop_rate: float, rota
         baseline(x, tok, wts, offs, m, r.max_count)
 
     t_kernel = timing.cuda_time(kernel_call, warmup=rotations, iters=iters, backend="cupy")
+    t_graph = _graph_time(routes, xb, packed, out, h, rotations=rotations, iters=iters)
     t_base = timing.cuda_time(baseline_call, warmup=rotations, iters=iters)
     touched = float(np.mean([rr[0].n_active for rr in routes]))
     acct = moe.layer_bytes_flops(m, touched, K, N, TOPK)
@@ -159,6 +189,9 @@ def _measure(m: int, rng, packed, baseline, *, bw: float, flop_rate: float, rota
         "kernel_frac_copy_bw": acct["bytes"] / sec_k / bw,
         "kernel_TFLOPs": acct["flops"] / sec_k / 1e12,
         "kernel_frac_floor": fl_k["floor_ms"] / t_kernel.median_ms,
+        "kernel_graph": t_graph,
+        "kernel_graph_frac_copy_bw": (acct["bytes"] / (t_graph["median_ms"] * 1e-3) / bw
+                                      if "median_ms" in t_graph else None),
         "baseline": t_base.as_dict(),
         "baseline_bytes": base_bytes,
         "baseline_floor": fl_b,
@@ -209,7 +242,8 @@ def run(args) -> dict:
         print(
             f"[moe] M={m:5d} touched {row['touched_experts']:6.1f}  kernel {row['kernel']['median_ms']:7.3f} ms "
             f"({row['kernel_GBps']:6.0f} GB/s, {row['kernel_frac_copy_bw']:.0%} of copy, "
-            f"{row['kernel_TFLOPs']:.1f} TF)  baseline[{arm}] {row['baseline']['median_ms']:7.3f} ms",
+            f"{row['kernel_TFLOPs']:.1f} TF; graph {row['kernel_graph'].get('median_ms', float('nan')):7.3f} ms)  "
+            f"baseline[{arm}] {row['baseline']['median_ms']:7.3f} ms",
             flush=True,
         )
 
@@ -233,6 +267,9 @@ def run(args) -> dict:
         "rows": rows,
         "summary": {
             "kernel_min_frac_copy_bw_m_le_32": min(r["kernel_frac_copy_bw"] for r in small) if small else None,
+            "kernel_graph_min_frac_copy_bw_m_le_32": min(
+                (r["kernel_graph_frac_copy_bw"] for r in small if r["kernel_graph_frac_copy_bw"] is not None),
+                default=None),
             "kernel_median_frac_copy_bw_m_le_32": float(np.median([r["kernel_frac_copy_bw"] for r in small])) if small else None,
             "all_experts_bytes": all_bytes,
             "all_experts_floor_ms": all_bytes / bw * 1e3,
