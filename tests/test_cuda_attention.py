@@ -1,4 +1,4 @@
-"""Tree-verify MLA attention kernels (`kernels/tree_verify_v{1,2}.cu`) against `kdlib.ref.attention`.
+"""Tree-verify MLA attention kernels (`kernels/tree_verify_v{1,2,3}.cu`) against `kdlib.ref.attention`.
 
 CPU: both sources compile for sm_90 and sm_120 with no local memory; the split plan covers the
 page table. GPU (`-m gpu`): >= 1,000 random cases with fresh inputs and poisoned output memory
@@ -33,7 +33,7 @@ POISON = 3.0e38  # left in freed pool memory; any unwritten output element shows
 # ----------------------------------------------------------------------------- CPU checks
 
 
-@pytest.mark.parametrize("stem", ["tree_verify_v1", "tree_verify_v2"])
+@pytest.mark.parametrize("stem", ["tree_verify_v1", "tree_verify_v2", "tree_verify_v3"])
 @pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
 def test_compiles_without_spills(stem, arch, tmp_path):
     nvcc = shutil.which("nvcc")

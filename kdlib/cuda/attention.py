@@ -1,4 +1,4 @@
-"""Tree-verify MLA attention on the GPU: CuPy wrappers of `kernels/tree_verify_v1.cu` and `_v2.cu`.
+"""Tree-verify MLA attention on the GPU: CuPy wrappers of `kernels/tree_verify_v1.cu` and `_v3.cu`.
 
 Same names and signatures as `kdlib.ref.attention` (plus keyword-only `impl` and `validate`):
 
@@ -14,7 +14,7 @@ the tail. Conventions follow the reference: an empty key set gives out 0 and lse
 at or past `tree_sizes[b]` are NaN in the tail and so in the merged result.
 
 Implementations (`impl`): "simple" (`tree_verify_v1`: one warp per row on the CUDA cores, fp32
-accumulation; the fp32 path, within 1e-5 of the float64 reference) and "mma" (`tree_verify_v2`:
+accumulation; the fp32 path, within 1e-5 of the float64 reference) and "mma" (`tree_verify_v3`:
 the bf16 prefix on the tensor cores with `mma.sync.m16n8k16`, fp32 accumulators; P rounded to
 bf16 before P·V, so bf16 inputs land near 1e-3 of the float64 reference of the same bf16 values).
 "auto" picks "mma" for bf16 when the device grants its 166 KB of shared memory, else "simple".
@@ -39,12 +39,12 @@ KV_LORA_RANK = 512  # value width: the latent part of each cached row
 MAX_Q = 65  # tree queries per request: a 64-node budget + the root (issue 4)
 
 _V1 = "tree_verify_v1"
-_V2 = "tree_verify_v2"
+_MMA = "tree_verify_v3"  # v2 (kept for the record) gathers each tile behind nine serial page-table reads
 _V1_ROWS = 8  # rows (warps) per block in tree_verify_v1.cu (ROWS)
 _V1_KCHUNK = 16  # keys per shared-memory step in tree_verify_v1.cu (KCHUNK)
 _V1_BLOCKS_PER_SM = 4  # 256 threads x <=118 registers and 37 KB shared: 4 blocks resident per SM
-_V2_BM = 64  # query rows per block in tree_verify_v2.cu (BM)
-_V2_BN = 32  # keys per pipeline stage in tree_verify_v2.cu (BN)
+_V2_BM = 64  # query rows per block in tree_verify_v3.cu (BM)
+_V2_BN = 32  # keys per pipeline stage in tree_verify_v3.cu (BN)
 _V2_SMEM = 64 * 1168 + 2 * 32 * 1168 + 2 * 4 * 16 * 32 * 4  # Q tile + 2 K stages + S exchange (bytes)
 _MAX_SPLITS = 64  # beyond this the partial-output traffic outweighs the gain in parallelism
 _MIN_TILES_PER_SPLIT = 8  # a split shorter than 8 key tiles spends its time on set-up
@@ -241,7 +241,7 @@ def _launch_prefix(qa, kind, kv, pt, lens, scale, impl):
     if impl == "mma":
         rb = -(-rows // _V2_BM)
         nsplit, chunk = split_plan(bsz, rb, width, _V2_BN, n_sm)
-        fn = loader.get_function(_V2, "tree_verify_v2_prefix_bf16")
+        fn = loader.get_function(_MMA, f"{_MMA}_prefix_bf16")
         loader.set_max_dynamic_shared(fn, _V2_SMEM)
         block, smem = 256, _V2_SMEM
     else:
