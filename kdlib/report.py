@@ -363,8 +363,9 @@ section.nb.failed-card { border-left: 5px solid var(--bad); }
 .head { display:flex; gap:12px; align-items:baseline; flex-wrap:wrap; }
 .head .links { margin-left:auto; font-size: 13px; }
 .abstract p { margin: 8px 0; }
-table { border-collapse: collapse; width: 100%; margin: 8px 0; font-size: 13.5px; }
-th, td { border-bottom: 1px solid var(--line); padding: 4px 8px; text-align: left; vertical-align: top; }
+table { border-collapse: collapse; width: 100%; margin: 8px 0; font-size: 13.5px; table-layout: fixed; }
+th, td { border-bottom: 1px solid var(--line); padding: 4px 8px; text-align: left; vertical-align: top;
+         overflow-wrap: anywhere; }
 th { background: var(--soft); font-weight: 600; }
 td.num { font-variant-numeric: tabular-nums; white-space: nowrap; }
 code { font: 12.5px ui-monospace,SFMono-Regular,Menlo,Consolas,monospace; background: var(--soft);
@@ -392,11 +393,20 @@ def _markdown(text: str) -> str:
 
 
 def _fmt_value(value) -> str:
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"  # 594,205,351,936 reads; 594205351936 does not
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, (dict, list)):
         return json.dumps(value)
     return str(value)
+
+
+def _head(*columns: tuple[str, int]) -> str:
+    """A header row; fixed column shares (percent) keep long value names from squeezing the table."""
+    return "<tr>" + "".join(f'<th style="width:{w}%">{_esc(name)}</th>' for name, w in columns) + "</tr>"
 
 
 def _records_table(records: list[dict]) -> str:
@@ -409,7 +419,7 @@ def _records_table(records: list[dict]) -> str:
         f"<td>{_esc(r.get('note', ''))}</td></tr>"
         for r in records
     )
-    return ("<table><tr><th>recorded value</th><th>value</th><th>provenance</th><th>note</th></tr>"
+    return (f"<table>{_head(('recorded value', 30), ('value', 17), ('provenance', 28), ('note', 25))}"
             f"{rows}</table>")
 
 
@@ -422,7 +432,7 @@ def _parameters_table(params: dict) -> str:
         f"<td class=meta>{_esc(p.get('help', ''))}</td></tr>"
         for n, p in params.items()
     )
-    return f"<table><tr><th>parameter</th><th>value</th><th>from</th><th>type / allowed</th></tr>{rows}</table>"
+    return f"<table>{_head(('parameter', 24), ('value', 22), ('from', 16), ('type / allowed', 38))}{rows}</table>"
 
 
 def audit_summary_html(entries: list[dict]) -> str:
@@ -442,7 +452,7 @@ def audit_summary_html(entries: list[dict]) -> str:
         for e, r in rows
     )
     return ('<div class="audit" id="audit"><h2>Seed audit: verdicts</h2>'
-            "<table><tr><th>claim</th><th>verdict</th><th>note</th><th>provenance</th><th>notebook</th></tr>"
+            f"<table>{_head(('claim', 24), ('verdict', 16), ('note', 30), ('provenance', 18), ('notebook', 12))}"
             f"{body}</table></div>")
 
 
