@@ -38,8 +38,10 @@ KV pool (SGLang, `model_runner_kv_cache_mixin.py`, models-hardware.md §2.3):
   rest = free_before_weights x mem_fraction_static - weights_per_gpu;  tokens = rest // cell
 with free_before_weights = GPU memory - `overhead_bytes` (CUDA context and NCCL buffers; 1.5 GiB is
 an assumption, not a measurement). The default mem_fraction_static is SGLang's v0.4.8-0.5.x heuristic
-by GPU-memory bucket (`default_mem_fraction_static`); newer SGLang derives the reserve differently
-(PR #10975), so pass the value your server logs when you know it.
+by GPU-memory bucket (`default_mem_fraction_static`), cut further for multimodal checkpoints such as
+Kimi-K2.6 (`vlm_mem_fraction_factor`); newer SGLang derives the reserve differently (PR #10975), so
+pass the value your server logs when you know it, or recover it from a logged pool size with
+`implied_mem_fraction`.
 
 Not modelled: a speculative draft model's own KV pool and weights (pass `draft_weight_bytes`;
 `speculative=True` only adds SGLang's +2 GiB reserve), the req_to_token pool (int32 indices, ~1 GB
@@ -90,7 +92,7 @@ class ConfigError(ValueError):
 # ----------------------------------------------------------------------------------------- configs
 
 def shipped() -> list[str]:
-    """Names of the shipped real-model configs (file stems in data/configs/)."""
+    """Names of the shipped configs (file stems in data/configs/: real models and the engine's tiny ones)."""
     return sorted(p.stem for p in CONFIGS.glob("*.json"))
 
 
@@ -357,7 +359,10 @@ def _tensors(g: Geometry, lm: dict, include_mtp: bool) -> list[tuple[str, str, i
 
 
 def param_count(config, include_mtp: bool = False) -> dict[str, int]:
-    """Parameters of the language model by part (see `_PART_SHARDING`), plus "total"."""
+    """Parameters of the language model by part (see `_PART_SHARDING`), plus "total".
+
+    include_mtp adds the MTP decoder layers (num_nextn_predict_layers); their eh_proj and extra norms
+    (~2 x hidden^2 each) are left out."""
     g = geometry(config)
     out: dict[str, int] = {}
     for part, _kind, o, i, count in _tensors(g, text_config(config), include_mtp):
@@ -446,9 +451,12 @@ def default_mem_fraction_static(gpu_memory_bytes: int, tp: int, pp: int = 1, spe
     """SGLang v0.4.8-0.5.x default: (mem_fraction_static, reserved GiB, bucket) by GPU memory.
 
     reserved GiB by bucket, with ps = tp x pp: < 35 GiB: 2.8 + ps/10; < 90: 9.5 + ps/2; < 160 (H20,
-    RTX PRO 6000 96 GB, H200): 12 + ps/2; else (B200, B300): 32; +2 with speculative decoding, +4 with
-    DP-attention; fraction = round((memory - reserved) / memory, 3) (python/sglang/srt/server_args.py,
-    models-hardware.md §2.3). Newer SGLang (PR #10975) uses another reserve rule.
+    RTX PRO 6000 96 GB, H200): 12 + ps/2; else (B200, B300): 32; +2 with speculative decoding (+6 for
+    a STANDALONE draft model in later 0.5.x), +4 with DP-attention; fraction = round((memory -
+    reserved) / memory, 3); memory in MiB as the driver reports it (sgl-project/sglang
+    python/sglang/srt/server_args.py, _handle_mem_fraction_static; models-hardware.md §2.3). For
+    multimodal checkpoints SGLang then multiplies by `vlm_mem_fraction_factor`. Newer SGLang
+    (PR #10975) uses another reserve rule.
     """
     mem_gib = gpu_memory_bytes / GiB
     ps = tp * pp
