@@ -832,6 +832,7 @@ SEEDS_200K = {
     "yarn_factor": 64.0,  # "YaRN ... scaling at factor 64.0"
     "old_context_length": 32_768,  # "--context-length 32768"
     "model_size_bytes": 548e9,  # seeds/002: "a cold reload of the 548 GB model"
+    "growth_vs_pool": 2.0,  # seeds/002: "Extending to 200k tokens would increase the cache size by roughly 2x"
 }
 
 
@@ -883,6 +884,11 @@ def seeds_200k_recheck(seeds: dict | None = None, overhead_bytes: int = DEFAULT_
              reason=f"their budget was free memory (10 GB) and their need 1.72 GB; the budget is the pool, "
                     f"{pool_b / 1e9:.2f} GB, and the need {ctx * full / 1e9:.2f} GB: one 200k request needs "
                     f"{ctx / s['pool_tokens']:.2f}x the pool"),
+        dict(key="growth_vs_pool", claim="200k versus the current pool", seeds=s["growth_vs_pool"],
+             recomputed=round(ctx / s["pool_tokens"], 3), unit="x",
+             status="reproduced" if abs(ctx / s["pool_tokens"] - s["growth_vs_pool"]) < 0.05 else "wrong",
+             reason="the arithmetic holds, and it is the answer: a request twice the pool's size cannot be held "
+                    "by the pool, whose size does not change when --context-length does"),
         dict(key="longest_request", claim="longest single request the pool allowed", seeds=ctx,
              recomputed=deployed.value("longest_request"), unit="tokens", status="wrong",
              reason="SGLang max_req_input_len = min(context_len - 1, max_total_num_tokens - 1): --context-length "

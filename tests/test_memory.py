@@ -318,6 +318,7 @@ def test_seeds_200k_recheck():
     assert rows["longest_request"]["recomputed"] == 101_133
     assert rows["max_position_embeddings"]["status"] == "reproduced"
     assert rows["yarn_factor"]["status"] == "reproduced"
+    assert rows["growth_vs_pool"]["status"] == "reproduced" and rows["growth_vs_pool"]["recomputed"] == 1.978
     assert {r["status"] for r in rows.values()} <= {"reproduced", "consistent", "wrong", "not checkable"}
 
 
