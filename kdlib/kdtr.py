@@ -81,13 +81,20 @@ import os
 import struct
 import sys
 import tempfile
+import warnings
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
+
+try:
+    import ml_dtypes
+
+    BFLOAT16: np.dtype | None = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # a bare GPU machine may lack it: bfloat16 then travels as its uint16 bits
+    BFLOAT16 = None
 
 MAGIC = b"\x89KDTR\r\n\x1a"
 VERSION = 1
@@ -100,22 +107,28 @@ MAX_NAME = 0xFFFF  # u16 name_len
 INDEX_MAX = 2**63 - 1  # numpy's npy_intp: the largest byte size of an array it will describe
 SUFFIXES = {".kdtr": "kdtr", ".safetensors": "safetensors", ".npz": "npz"}
 
-DTYPES: dict[int, np.dtype] = {
-    1: np.dtype("<f8"),
-    2: np.dtype("<f4"),
-    3: np.dtype("<f2"),
-    4: np.dtype(ml_dtypes.bfloat16),
-    5: np.dtype("<i8"),
-    6: np.dtype("<i4"),
-    7: np.dtype("<i2"),
-    8: np.dtype("i1"),
-    9: np.dtype("<u8"),
-    10: np.dtype("<u4"),
-    11: np.dtype("<u2"),
-    12: np.dtype("u1"),
-    13: np.dtype("?"),
+NAMES: dict[int, str] = {
+    1: "float64", 2: "float32", 3: "float16", 4: "bfloat16", 5: "int64", 6: "int32", 7: "int16",
+    8: "int8", 9: "uint64", 10: "uint32", 11: "uint16", 12: "uint8", 13: "bool",
 }
-CODES: dict[str, int] = {dt.name: code for code, dt in DTYPES.items()}
+CODES: dict[str, int] = {name: code for code, name in NAMES.items()}
+BF16_CODE = CODES["bfloat16"]
+# The numpy dtype each code is stored and returned as (little-endian). Without ml_dtypes,
+# bfloat16 is handed out as uint16 holding the same bits (with a warning on load).
+DTYPES: dict[int, np.dtype] = {
+    code: (BFLOAT16 if BFLOAT16 is not None else np.dtype("<u2")) if code == BF16_CODE
+    else np.dtype(name).newbyteorder("<")
+    for code, name in NAMES.items()
+}
+
+
+def _code_of(dtype: np.dtype) -> int | None:
+    """The KDTR code of a numpy dtype, or None when KDTR has no such dtype."""
+    if BFLOAT16 is not None and dtype == BFLOAT16:
+        return BF16_CODE
+    if dtype.kind not in "biuf":
+        return None
+    return CODES.get(dtype.name) if dtype.name != "bfloat16" else None
 
 
 class KdtrError(ValueError):
@@ -127,6 +140,7 @@ class Entry:
     """One row of the tensor table, as stored."""
 
     name: str
+    code: int
     dtype: np.dtype
     shape: tuple[int, ...]
     offset: int
@@ -202,7 +216,7 @@ def _parse(buf: bytes, actual_size: int, path) -> Header:
             raise KdtrError(f"{where}: tensor entry {i} runs past the end of the header")
         name_len, code, ndim, crc32, offset, nbytes = ENTRY.unpack_from(section, pos)
         pos += ENTRY.size
-        if code not in DTYPES:
+        if code not in NAMES:
             raise KdtrError(f"{where}: tensor entry {i} has unknown dtype code {code}")
         if ndim > MAX_NDIM:
             raise KdtrError(f"{where}: tensor entry {i} has {ndim} dimensions (at most {MAX_NDIM})")
@@ -234,7 +248,7 @@ def _parse(buf: bytes, actual_size: int, path) -> Header:
             size *= d
         if size != nbytes:
             raise KdtrError(
-                f"{where}: tensor {name!r}: shape {shape} of {dtype.name} is {size} bytes, "
+                f"{where}: tensor {name!r}: shape {shape} of {NAMES[code]} is {size} bytes, "
                 f"but the table says {nbytes}"
             )
         if offset % ALIGN:
@@ -244,7 +258,7 @@ def _parse(buf: bytes, actual_size: int, path) -> Header:
                 f"{where}: tensor {name!r} spans bytes [{offset}, {offset + nbytes}), outside the data "
                 f"section [{data_offset}, {file_size})"
             )
-        entries.append(Entry(name, dtype, tuple(shape), offset, nbytes, crc32))
+        entries.append(Entry(name, code, dtype, tuple(shape), offset, nbytes, crc32))
 
     metadata: dict[str, str] = {}
     for i in range(n_meta):
@@ -314,7 +328,8 @@ def load(path, mmap: bool = True, verify: bool | None = None, device: str | None
     read anyway", i.e. True for mmap=False and False for mmap=True, keeping the map O(header).
     device: None for numpy; "cuda" or "cuda:N" returns CuPy arrays on that device (one
     host-to-device copy per tensor). CuPy has no bfloat16 dtype (cupy/cupy issue #7527): where
-    it refuses one, a bfloat16 tensor arrives as uint16 holding the same bits.
+    it refuses one, a bfloat16 tensor arrives as uint16 holding the same bits (as it does on
+    the host when ml_dtypes is not installed).
     Raises KdtrError for any malformed file, before returning anything.
     """
     if verify is None:
@@ -322,6 +337,8 @@ def load(path, mmap: bool = True, verify: bool | None = None, device: str | None
     out: dict[str, np.ndarray] = {}
     with open(path, "rb") as f:
         h = _read_header(f, path)
+        if BFLOAT16 is None and any(e.code == BF16_CODE for e in h.tensors):
+            warnings.warn("ml_dtypes is not installed: bfloat16 tensors are returned as uint16 bits", stacklevel=2)
         if mmap:
             mm = np.memmap(f, dtype=np.uint8, mode="r") if h.file_size else None
             for e in h.tensors:
@@ -367,7 +384,7 @@ def _to_device(a: np.ndarray, device: str):
         try:
             return cupy.asarray(a)
         except (TypeError, ValueError):
-            if a.dtype != ml_dtypes.bfloat16:
+            if BFLOAT16 is None or a.dtype != BFLOAT16:
                 raise
             return cupy.asarray(a.view(np.uint16))
 
@@ -385,34 +402,33 @@ def _kind(x) -> str:
     return "numpy"
 
 
-def _describe(name, x) -> tuple[np.dtype, tuple[int, ...], object]:
-    """(dtype, shape, source) without moving device data; source is what `_host` converts later."""
+def _describe(name, x) -> tuple[int, tuple[int, ...], object]:
+    """(code, shape, source) without moving device data; source is what `_host` converts later."""
     kind = _kind(x)
     if kind == "torch":
-        dtype_name = str(x.dtype).removeprefix("torch.")
-        if dtype_name not in CODES:
-            raise ValueError(f"tensor {name!r}: torch dtype {x.dtype} is not supported by KDTR ({sorted(CODES)})")
-        return np.dtype(DTYPES[CODES[dtype_name]]), tuple(int(d) for d in x.shape), x
-    if kind == "cupy":
-        dt = np.dtype(x.dtype)
+        code = CODES.get(str(x.dtype).removeprefix("torch."))
         shape = tuple(int(d) for d in x.shape)
+        what = x.dtype
+    elif kind == "cupy":
+        what = np.dtype(x.dtype)
+        code, shape = _code_of(what), tuple(int(d) for d in x.shape)
     else:
         x = np.asarray(x)
-        dt, shape = x.dtype, x.shape
-    if dt.name not in CODES:
-        raise ValueError(f"tensor {name!r}: dtype {dt} is not supported by KDTR ({sorted(CODES)})")
-    return DTYPES[CODES[dt.name]], shape, x
+        what, code, shape = x.dtype, _code_of(x.dtype), x.shape
+    if code is None:
+        raise ValueError(f"tensor {name!r}: dtype {what} is not supported by KDTR ({sorted(CODES)})")
+    return code, shape, x
 
 
-def _host(x, dtype: np.dtype) -> np.ndarray:
-    """A C-contiguous little-endian host numpy array of `dtype` holding x's values."""
+def _host(x) -> np.ndarray:
+    """A C-contiguous little-endian host numpy array holding x's values (bfloat16: see DTYPES)."""
     kind = _kind(x)
     if kind == "torch":
         import torch
 
         t = x.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
         if t.dtype == torch.bfloat16:
-            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+            return t.view(torch.int16).numpy().view(DTYPES[BF16_CODE])
         a = t.numpy()
     elif kind == "cupy":
         a = x.get()
@@ -425,8 +441,8 @@ def _host(x, dtype: np.dtype) -> np.ndarray:
 
 def _encode_header(specs, metadata_items, data_offset: int, file_size: int) -> bytes:
     parts = []
-    for name_b, dtype, shape, offset, nbytes, crc in specs:
-        parts.append(ENTRY.pack(len(name_b), CODES[dtype.name], len(shape), crc, offset, nbytes))
+    for name_b, code, shape, offset, nbytes, crc in specs:
+        parts.append(ENTRY.pack(len(name_b), code, len(shape), crc, offset, nbytes))
         parts.append(struct.pack(f"<{len(shape)}Q", *shape))
         parts.append(name_b)
     for k, v in metadata_items:
@@ -492,12 +508,12 @@ def save(path, tensors: Mapping, metadata: Mapping[str, str] | None = None) -> N
         name_b = name.encode("utf-8")  # a lone surrogate raises UnicodeEncodeError, a ValueError
         if len(name_b) > MAX_NAME:
             raise ValueError(f"tensor name {name[:40]!r}... is {len(name_b)} bytes (at most {MAX_NAME})")
-        dtype, shape, source = _describe(name, x)
+        code, shape, source = _describe(name, x)
         if len(shape) > MAX_NDIM:
             raise ValueError(f"tensor {name!r} has {len(shape)} dimensions (at most {MAX_NDIM})")
-        nbytes = dtype.itemsize * math.prod(shape)
+        nbytes = DTYPES[code].itemsize * math.prod(shape)
         # An empty tensor points at the start of the data section, which every file has.
-        specs.append([name_b, dtype, shape, cursor if nbytes else 0, nbytes, 0])
+        specs.append([name_b, code, shape, cursor if nbytes else 0, nbytes, 0])
         sources.append(source)
         cursor = _align(cursor + nbytes)
     metadata_items = []
@@ -517,8 +533,8 @@ def save(path, tensors: Mapping, metadata: Mapping[str, str] | None = None) -> N
         for s, source in zip(specs, sources, strict=True):
             if s[4]:
                 f.write(b"\0" * (s[3] - f.tell()))
-            a = _host(source, s[1])
-            if a.dtype != s[1] or a.shape != s[2]:
+            a = _host(source)
+            if a.dtype != DTYPES[s[1]] or a.shape != s[2]:
                 raise ValueError(f"tensor {s[0].decode()!r} changed while being saved")
             s[5] = _write_array(f, a)
         f.seek(0)
@@ -564,7 +580,7 @@ def header_fields(path) -> list[tuple[int, int, str, object]]:
         pos += size
     for e in h.tensors:
         tag = f"tensor[{e.name}]"
-        for field, size, value in [("name_len", 2, len(e.name.encode())), ("dtype", 1, CODES[e.dtype.name]),
+        for field, size, value in [("name_len", 2, len(e.name.encode())), ("dtype", 1, e.code),
                                    ("ndim", 1, len(e.shape)), ("crc32", 4, e.crc32),
                                    ("offset", 8, e.offset), ("nbytes", 8, e.nbytes)]:
             rows.append((pos, size, f"{tag}.{field}", value))
@@ -594,7 +610,7 @@ def hexdump(path, max_rows: int = 64) -> str:
         more = " .." if size > 16 else ""
         v = f"{value:#010x}" if field.endswith(("crc", "crc32")) else repr(value)
         if field.endswith(".dtype"):
-            v += f" ({DTYPES[value].name})"
+            v += f" ({NAMES[value]})"
         lines.append(f"{off:08x}  {shown + more:<51}  {field} = {v}")
     if len(rows) > max_rows:
         lines.append(f"... {len(rows) - max_rows} more fields")
@@ -606,7 +622,7 @@ def table(path) -> str:
     fmt = _format_of(path)
     if fmt == "kdtr":
         h = read_header(path)
-        rows = [(e.name, e.dtype.name, e.shape, e.nbytes, str(e.offset), f"{e.crc32:08x}") for e in h.tensors]
+        rows = [(e.name, NAMES[e.code], e.shape, e.nbytes, str(e.offset), f"{e.crc32:08x}") for e in h.tensors]
         meta = h.metadata
         title = f"{path}: KDTR v{h.version}, {len(rows)} tensors, {h.file_size} bytes, data at {h.data_offset}"
     else:
@@ -677,8 +693,7 @@ def _write_any(path, tensors: dict, metadata: dict) -> None:
         return
     arrays = {}
     for k, v in tensors.items():
-        dtype, _, source = _describe(k, v)
-        arrays[k] = _host(source, dtype)
+        arrays[k] = _host(_describe(k, v)[2])
     if fmt == "safetensors":
         import safetensors.numpy
 
@@ -687,9 +702,9 @@ def _write_any(path, tensors: dict, metadata: dict) -> None:
         return
     if NPZ_SIDECAR in arrays:
         raise ValueError(f"tensor name {NPZ_SIDECAR!r} is reserved in .npz files")
-    side = {"dtypes": {k: a.dtype.name for k, a in arrays.items() if a.dtype == ml_dtypes.bfloat16},
-            "metadata": dict(metadata)}
-    arrays = {k: (a.view(np.uint16) if a.dtype == ml_dtypes.bfloat16 else a) for k, a in arrays.items()}
+    bf16 = {k for k, a in arrays.items() if BFLOAT16 is not None and a.dtype == BFLOAT16}
+    side = {"dtypes": {k: "bfloat16" for k in sorted(bf16)}, "metadata": dict(metadata)}
+    arrays = {k: (a.view(np.uint16) if k in bf16 else a) for k, a in arrays.items()}
     arrays[NPZ_SIDECAR] = np.array(json.dumps(side, sort_keys=True))
     _atomic_write(path, lambda f: np.savez(f, **arrays))
 

@@ -12,7 +12,6 @@ import tracemalloc
 import zlib
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -98,7 +97,7 @@ def test_round_trip_every_dtype(tmp_path, mmap):
     got = kdtr.load(p, mmap=mmap, verify=True)
     assert_same(got, want)
     assert kdtr.read_metadata(p) == {"k": "v", "unicode": "π ≈ 3.14"}
-    assert got["bfloat16/matrix"].dtype == ml_dtypes.bfloat16
+    assert got["bfloat16/matrix"].dtype == kdtr.BFLOAT16 and kdtr.BFLOAT16 is not None
     assert got["float64/scalar"].ndim == 0
 
 
@@ -143,7 +142,7 @@ def test_torch_tensors(tmp_path):
     p = tmp_path / "t.kdtr"
     kdtr.save(p, t)
     got = kdtr.load(p, mmap=False)
-    assert got["bf16"].dtype == ml_dtypes.bfloat16
+    assert got["bf16"].dtype == kdtr.BFLOAT16
     assert torch.equal(torch.from_numpy(got["bf16"].view(np.int16)).view(torch.bfloat16), t["bf16"])
     assert torch.equal(torch.from_numpy(got["transposed"]), t["transposed"])
     assert np.array_equal(got["grad"], t["grad"].detach().numpy())
@@ -217,7 +216,7 @@ def test_mmap_of_1gib_file_reads_only_the_header(tmp_path):
     chunk = bytes(1 << 26)
     for _ in range(n // len(chunk)):
         zeros_crc = zlib.crc32(chunk, zeros_crc)
-    spec = [[b"w", np.dtype("<f4"), (n // 4,), kdtr.ALIGN * 2, n, zeros_crc]]
+    spec = [[b"w", kdtr.CODES["float32"], (n // 4,), kdtr.ALIGN * 2, n, zeros_crc]]
     head = kdtr._encode_header(spec, [], kdtr.ALIGN * 2, kdtr.ALIGN * 2 + n)
     with open(p, "wb") as f:
         f.write(head)
@@ -464,7 +463,7 @@ def test_bool_bytes_other_than_0_1(tmp_path):
     [
         ({"x": np.zeros(2, np.complex64)}, None, "complex64 is not supported"),
         ({"x": np.array(["a"])}, None, "not supported"),
-        ({"x": np.zeros(2, ml_dtypes.float8_e4m3fn)}, None, "float8_e4m3fn is not supported"),
+        ({"x": "float8_e4m3fn"}, None, "float8_e4m3fn is not supported"),
         ({"": np.zeros(2)}, None, "non-empty strings"),
         ({3: np.zeros(2)}, None, "non-empty strings"),
         ({"x": np.zeros(2)}, {"k": 3}, "metadata must map"),
@@ -474,6 +473,8 @@ def test_bool_bytes_other_than_0_1(tmp_path):
     ],
 )
 def test_save_rejects_bad_arguments_before_any_work(tmp_path, tensors, metadata, message):
+    if isinstance(tensors, dict) and isinstance(tensors.get("x"), str):
+        tensors = {"x": np.zeros(2, pytest.importorskip("ml_dtypes").float8_e4m3fn)}
     with pytest.raises(ValueError, match=message):
         kdtr.save(tmp_path / "x.kdtr", tensors, metadata)
     assert list(tmp_path.iterdir()) == []
@@ -632,3 +633,28 @@ def test_benchmark_runs_small(tmp_path):
     assert result["formats"]["kdtr"]["file_bytes"] - result["data_bytes"] < 4096
     assert list(tmp_path.iterdir()) == []  # the scratch folder is removed
     assert set(kdtr_bench.table(result)["format"]) == set(result["formats"])
+
+
+def test_without_ml_dtypes_bfloat16_travels_as_bits(tmp_path):
+    """A machine without ml_dtypes still reads every file; bfloat16 comes back as uint16 bits."""
+    p = tmp_path / "bf.kdtr"
+    want = np.array([1.0, -2.5, 3.0e38], dtype=kdtr.BFLOAT16)
+    kdtr.save(p, {"w": want})
+    code = textwrap.dedent(
+        f"""
+        import sys, warnings
+        sys.modules["ml_dtypes"] = None  # import ml_dtypes now raises ImportError
+        import numpy as np
+        from kdlib import kdtr
+        assert kdtr.BFLOAT16 is None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            w = kdtr.load({str(p)!r})["w"]
+        assert w.dtype == np.uint16 and any("ml_dtypes" in str(c.message) for c in caught)
+        sys.stdout.write(w.tobytes().hex())
+        kdtr.save({str(tmp_path / "again.kdtr")!r}, {{"f": np.ones(2, np.float32)}})
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want.tobytes().hex()
