@@ -174,3 +174,17 @@ def test_bad_input():
         tree_tail_attention(q.astype(np.int64), tkv, vis, sizes, SCALE)
     with pytest.raises(ValueError, match="merge shapes"):
         merge_attention(np.zeros((2, 3, 8)), np.zeros((2, 3)), np.zeros((2, 3, 8)), np.zeros((2, 4)))
+
+
+def test_key_chunking_matches_one_pass(monkeypatch):
+    """Long prefixes are processed in key blocks merged by LSE: same result as one pass."""
+    import kdlib.ref.attention as attn
+
+    q, kv, pt, lens, tkv, vis, sizes = make_case(8, max_prefix=40, poison=False)
+    lens = np.array([40, 17, 3])
+    pt = np.stack([np.random.default_rng(b).permutation(64)[:40] for b in range(3)]).astype(np.int32)
+    whole = prefix_attention(q, kv, pt, lens, SCALE)
+    monkeypatch.setattr(attn, "KEY_CHUNK", 7)
+    chunked = prefix_attention(q, kv, pt, lens, SCALE)
+    assert_close(chunked[0], whole[0], rtol=1e-14, name="chunked out")
+    assert_close(chunked[1], whole[1], rtol=1e-14, name="chunked lse")

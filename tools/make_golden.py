@@ -242,7 +242,7 @@ def attention_file(name: str, out: Path) -> None:
     config = {"batch": bsz, "budget": budget, "heads": heads, "prefix_lens": list(lens), "slots": slots, "dtype": dtype}
     tol = {"float32": "1e-5 norm-relative (fp32 kernels)", "bfloat16": "2e-2 norm-relative (bf16 inputs, fp32 accumulate)"}
     kdtr.save(out / f"attention_{name}.kdtr", tensors,
-              _meta("attention", name, seed, config, {"out_lse": tol[dtype], "reference_recompute": "1e-13"}))
+              _meta("attention", name, seed, config, {"out_lse": tol[dtype], "reference_recompute": "1e-12 norm-relative (BLAS rounding)"}))
 
 
 def compact_file(out: Path) -> None:

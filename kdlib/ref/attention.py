@@ -29,14 +29,15 @@ import numpy as np
 KV_LORA_RANK = 512  # MLA latent width (DeepSeek-V3 / Kimi-K2 kv_lora_rank): the value dims
 
 
-def _float_array(name, a, ndim):
+def _float_array(name, a, ndim, upcast: bool = True):
+    """Validate a floating array of `ndim` dims; return it in float64 (or as it is, upcast=False)."""
     if not isinstance(a, np.ndarray):
         raise ValueError(f"{name} must be a numpy array, got {type(a).__name__}")
     if a.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {a.shape}")
     if not np.issubdtype(a.dtype, np.floating) and a.dtype.name != "bfloat16":
         raise ValueError(f"{name} must be a floating array, got {a.dtype}")
-    return a.astype(np.float64)
+    return a.astype(np.float64) if upcast else a
 
 
 def _int_array(name, a, shape):
@@ -61,25 +62,39 @@ def _as_batched_lengths(name, x, batched: bool, bsz: int):
     return np.array([int(x)], dtype=np.int64)
 
 
-def _attend(q: np.ndarray, keys: np.ndarray, mask: np.ndarray | None, scale: float, dv: int):
-    """q [Q, H, D], keys [S, D], mask [Q, S] bool or None -> out [Q, H, dv], lse [Q, H] (float64)."""
-    nq, nh, _ = q.shape
-    out = np.zeros((nq, nh, dv), dtype=np.float64)  # [Q, H, dv]
-    lse = np.full((nq, nh), -np.inf, dtype=np.float64)  # [Q, H]
-    if keys.shape[0] == 0:
-        return out, lse
-    s = np.einsum("qhd,sd->qhs", q, keys) * scale  # [Q, H, S]
+KEY_CHUNK = 8192  # keys per block: bounds the [Q*H, chunk] float64 score block (65 x 8 heads -> 34 MB)
+
+
+def _attend_block(qf: np.ndarray, keys: np.ndarray, mask: np.ndarray | None, scale: float, dv: int, nh: int):
+    """qf [Q*H, D], keys [S, D], mask [Q, S] -> out [Q*H, dv], lse [Q*H] (float64, one pass)."""
+    s = (qf @ keys.T) * scale  # [Q*H, S]
     if mask is not None:
-        s = np.where(mask[:, None, :], s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)  # [Q, H, 1]
-    has = np.isfinite(m[..., 0]) | np.isnan(m[..., 0])  # rows with a visible key (NaN propagates)
-    m_safe = np.where(np.isfinite(m), m, 0.0)
-    p = np.exp(s - m_safe)  # [Q, H, S]; masked -> 0
-    z = p.sum(axis=-1)  # [Q, H]
-    o = np.einsum("qhs,sd->qhd", p, keys[:, :dv]) / np.where(has, z, 1.0)[..., None]
-    out = np.where(has[..., None], o, 0.0)
-    lse = np.where(has, np.log(np.where(has, z, 1.0)) + m_safe[..., 0], -np.inf)
+        s = np.where(np.repeat(mask, nh, axis=0), s, -np.inf)
+    m = s.max(axis=-1)  # [Q*H]
+    has = ~np.isneginf(m)  # rows with a visible key (NaN rows stay NaN)
+    m_safe = np.where(has, m, 0.0)
+    p = np.exp(s - m_safe[:, None])  # [Q*H, S]; masked -> 0
+    z = p.sum(axis=-1)  # [Q*H]
+    z_safe = np.where(has, z, 1.0)
+    out = np.where(has[:, None], (p @ keys[:, :dv]) / z_safe[:, None], 0.0)
+    lse = np.where(has, np.log(z_safe) + m_safe, -np.inf)
     return out, lse
+
+
+def _attend(q: np.ndarray, keys: np.ndarray, mask: np.ndarray | None, scale: float, dv: int):
+    """q [Q, H, D], keys [S, D], mask [Q, S] bool or None -> out [Q, H, dv], lse [Q, H] (float64).
+
+    Keys are taken in blocks of KEY_CHUNK, merged by LSE, so a 200k-token prefix fits in memory.
+    """
+    nq, nh, d = q.shape
+    out = np.zeros((nq * nh, dv), dtype=np.float64)  # [Q*H, dv]
+    lse = np.full(nq * nh, -np.inf, dtype=np.float64)  # [Q*H]
+    qf = q.reshape(nq * nh, d)
+    for c0 in range(0, keys.shape[0], KEY_CHUNK):
+        c1 = min(c0 + KEY_CHUNK, keys.shape[0])
+        o, l = _attend_block(qf, keys[c0:c1], None if mask is None else mask[:, c0:c1], scale, dv, nh)
+        out, lse = merge_attention(out, lse, o, l) if c0 else (o, l)
+    return out.reshape(nq, nh, dv), lse.reshape(nq, nh)
 
 
 def prefix_attention(q, kv_cache, page_table, prefix_lens, softmax_scale, kv_lora_rank: int = KV_LORA_RANK):
@@ -98,7 +113,7 @@ def prefix_attention(q, kv_cache, page_table, prefix_lens, softmax_scale, kv_lor
     if not batched:
         q64 = q64[None]
     bsz, nq, nh, d = q64.shape
-    kv = _float_array("kv_cache", kv_cache, 2)
+    kv = _float_array("kv_cache", kv_cache, 2, upcast=False)  # only the rows read are upcast
     if kv.shape[1] != d:
         raise ValueError(f"kv_cache rows are {kv.shape[1]} wide but q is {d} wide")
     if not 0 < kv_lora_rank <= d:
@@ -117,7 +132,7 @@ def prefix_attention(q, kv_cache, page_table, prefix_lens, softmax_scale, kv_lor
     out = np.zeros((bsz, nq, nh, kv_lora_rank), dtype=np.float64)  # [B, Q, H, 512]
     lse = np.full((bsz, nq, nh), -np.inf, dtype=np.float64)  # [B, Q, H]
     for b in range(bsz):
-        keys = kv[pt[b, : lens[b]]]  # [prefix_len, D]
+        keys = kv[pt[b, : lens[b]]].astype(np.float64)  # [prefix_len, D]
         out[b], lse[b] = _attend(q64[b], keys, None, scale, kv_lora_rank)
     return (out, lse) if batched else (out[0], lse[0])
 
