@@ -199,9 +199,13 @@ def plan(paths: list[Path], profile: str, overrides: dict, params_dir: Path) -> 
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
+    """Write to a temporary file beside `path`, then rename: `path` is always old or new, never half."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def check_kernel(kernel_name: str = KERNEL) -> str:
@@ -248,12 +252,20 @@ def _error_of(exc: BaseException) -> dict:
 
 
 def render_html(executed: Path, html_path: Path, *, title: str) -> None:
-    """HTML of an executed notebook (images embedded, inputs and outputs shown), written atomically."""
+    """HTML of an executed notebook (images embedded, inputs and outputs shown), written atomically.
+
+    Cells tagged `remove-cell` are left out and cells tagged `remove-input` show only their outputs,
+    for boilerplate that would distract a reader (nbconvert's TagRemovePreprocessor).
+    """
     import nbformat
     from nbconvert import HTMLExporter
+    from nbconvert.preprocessors import TagRemovePreprocessor
 
     nb = nbformat.read(str(executed), as_version=4)
     exporter = HTMLExporter(embed_images=True)
+    exporter.register_preprocessor(
+        TagRemovePreprocessor(remove_cell_tags={"remove-cell"}, remove_input_tags={"remove-input"}), enabled=True
+    )
     body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": title}})
     nav = ('<nav style="font:14px system-ui,sans-serif;padding:8px 16px;border-bottom:1px solid #ddd">'
            '<a href="index.html">&larr; all notebooks</a></nav>')
@@ -533,12 +545,14 @@ def write_index(out_dir: Path, entries: list[dict], *, profile: str) -> dict:
         if isinstance(e, dict) and e.get("stem") not in ran and e.get("html") and (out_dir / e["html"]).is_file()
         and Path(e.get("notebook", "")).is_file()
     ]
+    notebooks = sorted(entries + kept, key=lambda e: e["stem"])
     doc = {
         "generated": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": _git_commit(),
         "profile": profile,
         "python": f"Python {sys.version.split()[0]}",
-        "notebooks": sorted(entries + kept, key=lambda e: e["stem"]),
+        "summary": {status: sum(e["status"] == status for e in notebooks) for status in ("passed", "failed")},
+        "notebooks": notebooks,
     }
     _atomic_write_text(out_dir / "index.json", json.dumps(doc, indent=1, default=str) + "\n")
     _atomic_write_text(out_dir / "index.html", index_html(doc))

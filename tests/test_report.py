@@ -32,6 +32,7 @@ def make_notebooks(folder):
                       "assert pathlib.Path('10_pass.ipynb').is_file(), 'cwd is not the notebook folder'"),
         new_code_cell("kdlib.nb.record('answer', N * 21, unit='x', source='data/results/fake.h200.json')\n"
                       "kdlib.nb.record('audit_verdict_claim_a', 'confirmed', note=LABEL)"),
+        new_code_cell("print('boilerplate ' + 'output')", metadata={"tags": ["remove-cell"]}),
     ])
     _write_nb(folder / "20_fail.ipynb", [
         new_markdown_cell("# 20 · Failing notebook\nIts second cell raises."),
@@ -107,6 +108,40 @@ def test_pages_exist_and_nothing_half_written(batch):
     assert html.rstrip().endswith("</html>") and 'href="index.html"' in html
     executed = nbformat.read(str(out / "10_pass.ipynb"), as_version=4)
     assert any("injected-parameters" in c.metadata.get("tags", []) for c in executed.cells)
+    # a cell tagged remove-cell runs (its output is in the notebook) but stays out of the page
+    assert "boilerplate output" in (out / "10_pass.ipynb").read_text() and "boilerplate" not in html
+    assert json.loads((out / "index.json").read_text())["summary"] == {"passed": 1, "failed": 1}
+
+
+def test_atomic_write_keeps_old_file_on_failure(tmp_path, monkeypatch):
+    target = tmp_path / "index.html"
+    target.write_text("old")
+
+    def broken_write(self, text, encoding=None):
+        with open(self, "w", encoding=encoding) as f:
+            f.write(text[:3])  # part of the data reaches the disk, then the write fails
+        raise OSError("disk full")
+
+    monkeypatch.setattr(type(target), "write_text", broken_write)
+    with pytest.raises(OSError, match="disk full"):
+        report._atomic_write_text(target, "new content")
+    monkeypatch.undo()
+    assert target.read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["index.html"]
+
+
+def test_console_script_shows_progress_and_exit_code(tmp_path):
+    import subprocess
+    import sys
+
+    nbs = make_notebooks(tmp_path / "notebooks")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kdlib", "report", "20_fail", "--notebooks-dir", str(nbs), "--out", str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "[1/1] 20_fail" in proc.stdout and "failed in" in proc.stdout and "RuntimeError: boom 1" in proc.stdout
+    assert "0 passed, 1 failed" in proc.stdout
 
 
 def test_index_is_self_contained(batch):
