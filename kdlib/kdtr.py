@@ -29,7 +29,7 @@ packed with no padding between them; their sizes add up to exactly `header_size`
 Tensor entry (24 + 8*ndim + name_len bytes)::
 
     u16 name_len   bytes of the UTF-8 name, 1..65535
-    u8  dtype      code from DTYPES below
+    u8  dtype      dtype code, listed below
     u8  ndim       0..64 (numpy's limit); 0 is a scalar
     u32 crc32      CRC-32 of the tensor's data bytes
     u64 offset     absolute file offset of the data, a multiple of 64
@@ -42,6 +42,7 @@ Metadata entry (8 + key_len + value_len bytes): `u32 key_len, u32 value_len`, th
 
 dtype codes: 1 float64, 2 float32, 3 float16, 4 bfloat16 (ml_dtypes), 5 int64, 6 int32, 7 int16,
 8 int8, 9 uint64, 10 uint32, 11 uint16, 12 uint8, 13 bool (one byte, 0 or 1). Code 0 is invalid.
+Where ml_dtypes is not installed, bfloat16 tensors load as uint16 arrays of the same bits.
 
 Rules a reader enforces (each failure is a `KdtrError` naming the problem): magic, version and
 flags as above; the file is exactly `file_size` bytes; the header section lies inside the file
