@@ -19,7 +19,11 @@ from kdlib import report
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars"]
+         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars",
+         "--disable-dev-shm-usage",  # containers often give /dev/shm only 64 MB
+         # every host name fails at once: the pages must render offline, and a CI sandbox whose DNS
+         # hangs cannot stall the page's load (nbconvert pages name MathJax and require.js on a CDN)
+         "--host-resolver-rules=MAP * ~NOTFOUND"]
 MAGENTA = (1.0, 0.0, 1.0)  # the test figure's fill: a colour nothing else on the page uses
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
 
