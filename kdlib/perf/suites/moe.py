@@ -76,10 +76,10 @@ def _baseline_arm(torch, wgu, wd):
         return combine(torch._grouped_mm(h, wd, offs=offs), tok, wts, m)
 
     def padded(x, tok, wts, offs, m, cap):
-        counts = torch.diff(offs, prepend=offs.new_zeros(1))
-        starts = offs - counts
+        ends = offs.long()
+        starts = ends - torch.diff(ends, prepend=ends.new_zeros(1))
         slot = torch.arange(tok.numel(), device="cuda")
-        expert = torch.searchsorted(offs, slot, right=True)
+        expert = torch.searchsorted(ends, slot, right=True)
         pos = slot - starts[expert]
         xs = torch.zeros(E, cap, K, dtype=x.dtype, device="cuda")
         xs[expert, pos] = x.index_select(0, tok)
