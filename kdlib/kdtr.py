@@ -114,11 +114,13 @@ NAMES: dict[int, str] = {
 }
 CODES: dict[str, int] = {name: code for code, name in NAMES.items()}
 BF16_CODE = CODES["bfloat16"]
-# The numpy dtype each code is stored and returned as (little-endian). Without ml_dtypes,
-# bfloat16 is handed out as uint16 holding the same bits (with a warning on load).
+# The numpy dtype each code is stored and returned as: little-endian (native order on a
+# little-endian host, so arrays print as plain float32 etc.). Without ml_dtypes, bfloat16 is
+# handed out as uint16 holding the same bits (with a warning on load).
+_LE = "=" if sys.byteorder == "little" else "<"
 DTYPES: dict[int, np.dtype] = {
-    code: (BFLOAT16 if BFLOAT16 is not None else np.dtype("<u2")) if code == BF16_CODE
-    else np.dtype(name).newbyteorder("<")
+    code: (BFLOAT16 if BFLOAT16 is not None else np.dtype(_LE + "u2")) if code == BF16_CODE
+    else np.dtype(name).newbyteorder(_LE)
     for code, name in NAMES.items()
 }
 
@@ -435,7 +437,8 @@ def _host(x) -> np.ndarray:
         a = x.get()
     else:
         a = np.asarray(x)
-    if a.dtype.byteorder == ">":
+    big = a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and sys.byteorder == "big")
+    if big and a.dtype.itemsize > 1:
         a = a.astype(a.dtype.newbyteorder("<"))
     return a if a.flags.c_contiguous else a.copy(order="C")  # ascontiguousarray would make 0-d 1-d
 
