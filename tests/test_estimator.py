@@ -60,6 +60,13 @@ def test_contradictions_carry_the_arithmetic():
     assert "70.8" in by_id["moe7_vs_per_layer"]["arithmetic"]
 
 
+def test_marlin_fraction_reconciles_with_whole_layer_weight_bytes():
+    m9, m32 = seeds.moe_points()
+    lo, hi = seeds.points()["marlin_frac_peak"]["value"]
+    assert lo - 0.01 <= m9["frac_weights_only"] <= hi + 0.01 and lo - 0.01 <= m32["frac_weights_only"] <= hi + 0.01
+    assert m9["frac_with_scales"] > hi and m32["frac_with_scales"] > hi
+
+
 def test_readings_differ_where_the_inputs_do():
     r = {x["reading"][0]: x for x in seeds.readings()}
     assert r["A"]["current_tok_s"] == pytest.approx(303.0)
