@@ -5,9 +5,11 @@
 
 torch tensors cross without copies: CPU tensors become numpy views (`Tensor.numpy()`;
 bfloat16 through an int16 view reinterpreted as `ml_dtypes.bfloat16`), CUDA tensors become
-cupy arrays through DLPack; results come back as torch tensors on the same device (DDTree and
-DDTreeBatch fields included). In-place ops (`compact_kv*`, `remap_slots`) write through the
-views into the caller's tensors and return the caller's own object. `kdlib.cuda` is imported
+cupy arrays through DLPack (bool as uint8 bytes viewed back as bool; bfloat16 stays a torch
+tensor, which the kdlib.cuda wrappers take as it is, since CuPy has no bfloat16); results come
+back as torch tensors on the same device (DDTree and DDTreeBatch fields included). In-place ops
+(`compact_kv*`, `remap_slots`) write through the views into the caller's tensors;
+`compact_kv*` return the caller's own object. `kdlib.cuda` is imported
 only when a cupy (or CUDA torch) argument shows up.
 """
 
@@ -37,6 +39,9 @@ OPS = (
 )
 
 
+RETURNS_FIRST_ARG = ("compact_kv", "compact_kv_batch")  # in place: they return their `cache` argument
+
+
 def _kind(x) -> str | None:
     """'numpy', 'cupy', 'torch-cpu', 'torch-cuda' or None (not an array)."""
     mod = type(x).__module__
@@ -64,17 +69,34 @@ def _torch_to_numpy(t):
     return t.numpy()
 
 
-def _to_backend(x, kind: str, originals: dict):
-    """torch -> numpy/cupy view; containers recursively; remember each view's torch original."""
+def _torch_to_cupy(t):
+    """DLPack view; bool crosses as uint8 bytes (same layout), viewed back as bool."""
+    import cupy
+    import torch
+
+    t = t.detach()
+    if t.dtype == torch.bool:
+        return cupy.from_dlpack(t.view(torch.uint8)).view(cupy.bool_)
+    return cupy.from_dlpack(t)
+
+
+def _to_backend(x, kind: str, originals: dict, in_tree: bool = False):
+    """torch -> numpy/cupy view; containers recursively; remember each view's torch original.
+
+    A torch CUDA bfloat16 tensor outside a DDTree stays torch: CuPy has no bfloat16 dtype, and the
+    kdlib.cuda wrappers take torch CUDA tensors themselves.
+    """
     if isinstance(x, DDTree | DDTreeBatch):
-        return type(x)(**{f.name: _to_backend(getattr(x, f.name), kind, originals) for f in dataclasses.fields(x)})
+        return type(x)(**{f.name: _to_backend(getattr(x, f.name), kind, originals, True) for f in dataclasses.fields(x)})
     k = _kind(x)
     if k == "torch-cpu":
         v = _torch_to_numpy(x)
     elif k == "torch-cuda":
-        import cupy
+        import torch
 
-        v = cupy.from_dlpack(x.detach())
+        if x.dtype == torch.bfloat16 and not in_tree:
+            return x
+        v = _torch_to_cupy(x)
     else:
         return x
     originals[id(v)] = (v, x)
@@ -95,8 +117,11 @@ def _to_torch(x, originals: dict):
 
         return torch.from_numpy(x)
     if k == "cupy":
+        import cupy
         import torch
 
+        if x.dtype == cupy.bool_:
+            return torch.from_dlpack(x.view(cupy.uint8)).view(torch.bool)
         return torch.from_dlpack(x)
     return x
 
@@ -133,9 +158,13 @@ def _make(name: str):
             return fn(*args, **kwargs)
         kind = "torch-cuda" if backend == "cupy" else "torch-cpu"
         originals: dict = {}
+        torch_args, torch_kwargs = args, kwargs
         args = tuple(_to_backend(a, kind, originals) for a in args)
         kwargs = {k: _to_backend(v, kind, originals) for k, v in kwargs.items()}
-        return _to_torch(fn(*args, **kwargs), originals)
+        result = fn(*args, **kwargs)
+        if name in RETURNS_FIRST_ARG:
+            return torch_args[0] if torch_args else torch_kwargs["cache"]  # the caller's cache, written in place
+        return _to_torch(result, originals)
 
     ref_fn = getattr(ref, name)
     op.__name__ = op.__qualname__ = name

@@ -80,3 +80,26 @@ def test_cupy_dispatches_to_cuda():
     got_t = ops.build_tree_batch(torch.from_numpy(ids).cuda(), torch.from_numpy(lp).cuda(), 5)
     assert got_t.parents.is_cuda
     np.testing.assert_array_equal(got_t.parents.cpu().numpy(), want.parents)
+
+
+@pytest.mark.gpu
+def test_torch_cuda_bf16_bool_and_in_place():
+    """bf16 queries, a bool visibility mask and an in-place compaction, all as torch CUDA tensors."""
+    from kdlib.check import assert_close
+
+    ids, lp = example()
+    trees = ops.build_tree_batch(torch.from_numpy(ids).cuda(), torch.from_numpy(lp).cuda(), 5)
+    assert trees.visibility.dtype == torch.bool and trees.visibility.is_cuda
+    rng = np.random.default_rng(1)
+    q = torch.from_numpy(rng.standard_normal((1, 6, 8, 576)).astype(np.float32)).to(torch.bfloat16).cuda()
+    tkv = torch.from_numpy(rng.standard_normal((1, 6, 576)).astype(np.float32)).to(torch.bfloat16).cuda()
+    out, lse = ops.tree_tail_attention(q, tkv, trees.visibility, trees.sizes, 0.07)
+    want = ref.tree_tail_attention(q.float().cpu().numpy(), tkv.float().cpu().numpy(),
+                                   trees.visibility.cpu().numpy(), trees.sizes.cpu().numpy(), 0.07)
+    assert out.is_cuda
+    assert_close(out.cpu().numpy(), want[0], rtol=2e-2, name="bf16 tail via ops")
+    cache = torch.arange(24, dtype=torch.float32, device="cuda").reshape(8, 3)
+    before = cache.clone()
+    got = ops.compact_kv_batch(cache, torch.tensor([2], device="cuda"), torch.tensor([[0, 3, 4]], device="cuda"),
+                               torch.tensor([3], device="cuda"))
+    assert got is cache and torch.equal(cache[2:5], before[[2, 5, 6]])
