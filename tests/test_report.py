@@ -28,8 +28,9 @@ def make_notebooks(folder):
     _write_nb(folder / "10_pass.ipynb", [
         new_markdown_cell("# 10 · Passing notebook\nIt multiplies **N** by 21; the headline is the product."),
         _params('N = 2  # int: >= 1\nLABEL = "plain"  # str: any label'),
-        new_code_cell("import pathlib\nimport kdlib.nb\n"
-                      "assert pathlib.Path('10_pass.ipynb').is_file(), 'cwd is not the notebook folder'"),
+        new_code_cell("import pathlib\nimport sys\nimport kdlib.nb\n"
+                      "assert pathlib.Path('10_pass.ipynb').is_file(), 'cwd is not the notebook folder'\n"
+                      "kdlib.nb.record('kernel_python', sys.executable)"),
         new_code_cell("kdlib.nb.record('answer', N * 21, unit='x', source='data/results/fake.h200.json')\n"
                       "kdlib.nb.record('audit_verdict_claim_a', 'confirmed', note=LABEL)"),
         new_code_cell("print('boilerplate ' + 'output')", metadata={"tags": ["remove-cell"]}),
@@ -224,10 +225,14 @@ def test_parse_overrides_is_yaml():
         report.parse_overrides([["1bad", "3"]])
 
 
-def test_kernel_is_this_interpreters():
+def test_kernel_is_this_interpreters(batch):
     import sys
     from pathlib import Path
 
+    _, out = batch
+    entries, _ = _index(out)
+    recs = {r["name"]: r["value"] for r in entries["10_pass"]["records"]}
+    assert Path(recs["kernel_python"]).parent == Path(sys.executable).parent  # the notebook ran in this venv
     assert Path(report.check_kernel("python3")).parent == Path(sys.executable).parent
     with pytest.raises(ValueError, match="no Jupyter kernel"):
         report.check_kernel("no_such_kernel_kdlib")
