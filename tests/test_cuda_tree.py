@@ -24,7 +24,8 @@ FIELDS = ("sizes", "node_token_ids", "node_depths", "parents", "visibility", "ne
 # L > 16 with budget <= 16, and the limits (budget 256, depth 16).
 BUILD_CONFIGS = [
     (64, 15, 64, 200), (8, 4, 3, 10), (1, 3, 2, 5), (20, 16, 40, 60), (33, 5, 1, 7),
-    (12, 30, 5, 20), (256, 16, 300, 400), (100, 2, 10, 12),
+    (12, 30, 5, 20), (256, 16, 300, 400), (100, 2, 10, 12), (31, 6, 31, 40), (32, 6, 32, 40), (95, 9, 20, 30),
+    (96, 9, 20, 30),
 ]
 MODES = ("random", "tied", "denormal")
 
@@ -73,21 +74,28 @@ def test_build_limits_raise_before_any_work():
         tree.build_tree_batch(None, None, tree.MAX_BUDGET + 1)
     with pytest.raises(ValueError, match="budget"):
         tree.build_tree_batch(None, None, -1)
-    assert tree.shared_bytes(256, 16, 256) <= 48 * 1024  # the documented worst case needs no opt-in
+    for version in tree.VERSIONS:  # the documented worst case needs no opt-in
+        assert tree.shared_bytes(256, 16, 256, version) <= 48 * 1024
+    assert tree.kernel_name(31) == ("tree_build_v2", "tree_build_v2_r1")
+    assert tree.kernel_name(32) == ("tree_build_v2", "tree_build_v2_r3")
+    assert tree.kernel_name(256) == ("tree_build_v2", "tree_build_v2_r9")
+    with pytest.raises(ValueError, match="version"):
+        tree.kernel_name(8, 3)
 
 
 # ----------------------------------------------------------------------------- build
 
 
 @pytest.mark.gpu
-def test_build_worked_example():
+@pytest.mark.parametrize("version", [1, 2])
+def test_build_worked_example(version):
     """Survey §2.7: L=3, N=5, K'=2."""
     cp = _cp()
     from kdlib.cuda import tree
 
     ids = np.array([[[10, 11], [20, 21], [30, 31]]], dtype=np.int64)
     lp = np.log(np.array([[[0.60, 0.30], [0.90, 0.05], [0.45, 0.40]]])).astype(np.float32)
-    got = tree.build_tree_batch(cp.asarray(ids), cp.asarray(lp), 5, out=_poisoned_batch(1, 5))
+    got = tree.build_tree_batch(cp.asarray(ids), cp.asarray(lp), 5, out=_poisoned_batch(1, 5), version=version)
     assert got.node_token_ids.get().tolist() == [[10, 20, 11, 20, 30]]
     assert got.parents.get().tolist() == [[-1, 0, 1, 0, 3, 2]]
     assert got.next_token.get().tolist() == [[1, 2, 5, 4, -1, -1]]
@@ -98,9 +106,10 @@ def test_build_worked_example():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("budget,depth,kp,vocab", BUILD_CONFIGS)
-def test_build_random_bit_exact(budget, depth, kp, vocab, mode):
+def test_build_random_bit_exact(budget, depth, kp, vocab, mode, version):
     cp = _cp()
     from kdlib.cuda import tree
 
@@ -108,20 +117,23 @@ def test_build_random_bit_exact(budget, depth, kp, vocab, mode):
     bsz = 16 if budget == 256 else 64
     ids, lp = pipeline.random_topk(rng, bsz, depth, kp, vocab, mode)
     want = ref.build_tree_batch(ids, lp, budget)
-    got = tree.build_tree_batch(cp.asarray(ids), cp.asarray(lp), budget, out=_poisoned_batch(bsz, budget))
-    assert_trees_equal(got, want, f"budget={budget} L={depth} K'={kp} {mode}")
+    got = tree.build_tree_batch(cp.asarray(ids), cp.asarray(lp), budget, out=_poisoned_batch(bsz, budget),
+                                version=version)
+    assert_trees_equal(got, want, f"v{version} budget={budget} L={depth} K'={kp} {mode}")
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("budget,depth,kp", [(0, 5, 4), (5, 0, 4), (5, 3, 0), (0, 0, 0)])
-def test_build_root_only(budget, depth, kp):
+def test_build_root_only(budget, depth, kp, version):
     cp = _cp()
     from kdlib.cuda import tree
 
     ids = np.arange(3 * depth * kp, dtype=np.int64).reshape(3, depth, kp)
     lp = np.zeros((3, depth, kp), dtype=np.float32)
-    got = tree.build_tree_batch(cp.asarray(ids), cp.asarray(lp), budget, out=_poisoned_batch(3, budget))
-    assert_trees_equal(got, ref.build_tree_batch(ids, lp, budget), "root-only")
+    got = tree.build_tree_batch(cp.asarray(ids), cp.asarray(lp), budget, out=_poisoned_batch(3, budget),
+                                version=version)
+    assert_trees_equal(got, ref.build_tree_batch(ids, lp, budget), f"v{version} root-only")
 
 
 @pytest.mark.gpu
@@ -227,10 +239,11 @@ def test_golden(path):
         pytest.skip(f"kind {kind!r} belongs to another kernel")
     if "top_token_ids" in t:  # tree build (tree, accept_sample)
         budget = int(t["budget"])
-        got = tree.build_tree_batch(cp.asarray(t["top_token_ids"]), cp.asarray(t["top_log_probs"]), budget,
-                                    out=_poisoned_batch(t["top_token_ids"].shape[0], budget))
         want = ref.DDTreeBatch(**{f: np.asarray(t[f]) for f in FIELDS})
-        assert_trees_equal(got, want, path.name)
+        for version in tree.VERSIONS:
+            got = tree.build_tree_batch(cp.asarray(t["top_token_ids"]), cp.asarray(t["top_log_probs"]), budget,
+                                        out=_poisoned_batch(t["top_token_ids"].shape[0], budget), version=version)
+            assert_trees_equal(got, want, f"{path.name} v{version}")
     max_depth = config.get("max_depth")
     if kind == "tree":
         got = accept.accept_greedy_batch(_stored_trees(t, cp), cp.asarray(t["target_tokens"]), max_depth=max_depth)
@@ -323,9 +336,10 @@ def _uniforms(rng, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("v", [1, 7, 1000, 4099])
-def test_sample_tokens_bit_exact(dtype, v):
+@pytest.mark.parametrize("v", [1, 7, 32, 33, 1000, 4099])
+def test_sample_tokens_bit_exact(dtype, v, version):
     cp = _cp()
     from kdlib.cuda import accept
 
@@ -333,15 +347,16 @@ def test_sample_tokens_bit_exact(dtype, v):
     n = 1024
     probs, u = _probs(rng, n, v, dtype), _uniforms(rng, n)
     out = cp.full(n, POISON_INT, dtype=cp.int64)
-    got = accept.sample_tokens(cp.asarray(probs), cp.asarray(u), out=out).get()
+    got = accept.sample_tokens(cp.asarray(probs), cp.asarray(u), out=out, version=version).get()
     want = ref.sample_tokens(probs, u)
     bad = np.flatnonzero(got != want)
     assert bad.size == 0, f"rows {bad[:5].tolist()}: got {got[bad[:5]]}, want {want[bad[:5]]}"
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_accept_sample_batch_exact(dtype):
+def test_accept_sample_batch_exact(dtype, version):
     cp = _cp()
     from kdlib.cuda import accept
 
@@ -359,7 +374,7 @@ def test_accept_sample_batch_exact(dtype):
     probs[unused] = np.nan  # never read
     want = ref.accept_sample_batch(trees, probs, u)
     d_trees = ref.DDTreeBatch(**{f: cp.asarray(getattr(trees, f)) for f in FIELDS})
-    got = accept.accept_sample_batch(d_trees, cp.asarray(probs), cp.asarray(u))
+    got = accept.accept_sample_batch(d_trees, cp.asarray(probs), cp.asarray(u), version=version)
     for g, w in zip(got, want, strict=True):
         assert (g.get() == w).all()
     assert want[1].max() > 2  # the test exercised real walks

@@ -1,9 +1,10 @@
 """GPU acceptance: `accept_greedy_batch`, `sample_tokens`, `accept_sample_batch`, the CUDA twins of
 `kdlib.ref.accept` (same names, same signatures, CuPy arrays in and out).
 
-Kernels (`kernels/tree_accept_v1.cu`): `tree_accept_greedy_v1`, one block per request, stages the
-LCRS lists in shared memory and walks them with one thread; `tree_sample_rows_v1_f32/_f64`, one
-thread per row, inverse CDF with sequential float64 sums (bit-exact with the reference).
+Kernels: `tree_accept_greedy_v1` (`kernels/tree_accept_v1.cu`), one block per request, stages
+the LCRS lists in shared memory and walks them with one thread; `tree_sample_rows_v2_f32/_f64`
+(`kernels/tree_accept_v2.cu`, default; `version=1` picks the first version in tree_accept_v1.cu),
+one thread per row, inverse CDF with sequential float64 sums (bit-exact with the reference).
 
 Differences from the reference, all forced by not synchronising with the host:
   * a path longer than `max_depth + 1` is truncated in `paths`, and `lengths[b]` keeps its true
@@ -22,8 +23,16 @@ from kdlib.cuda import loader
 from kdlib.ref.tree import DDTreeBatch
 
 GREEDY = ("tree_accept_v1", "tree_accept_greedy_v1")
-SAMPLE = {np.dtype(np.float32): ("tree_accept_v1", "tree_sample_rows_v1_f32"),
-          np.dtype(np.float64): ("tree_accept_v1", "tree_sample_rows_v1_f64")}
+SAMPLE_VERSIONS = (1, 2)  # v2 (default): loads software-pipelined; v1: one load per add (slower, same result)
+
+
+def sample_kernel(dtype, version: int = 2) -> tuple[str, str]:
+    """(file stem, kernel name) of the inverse-CDF draw for probs of this dtype."""
+    if version not in SAMPLE_VERSIONS:
+        raise ValueError(f"version must be one of {SAMPLE_VERSIONS}, got {version!r}")
+    suffix = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}[np.dtype(dtype)]
+    stem = "tree_accept_v1" if version == 1 else "tree_accept_v2"
+    return stem, f"tree_sample_rows_v{version}_{suffix}"
 GREEDY_THREADS = 64  # TA_THREADS in tree_accept_v1.cu
 SAMPLE_THREADS = 128  # launch bound of tree_sample_rows_v1_*
 
@@ -122,11 +131,11 @@ def _check_sample_values(probs, uniforms) -> None:
             raise ValueError(msg)
 
 
-def _sample_launch(probs, uniforms, sizes, rows_per_req: int, tokens) -> None:
+def _sample_launch(probs, uniforms, sizes, rows_per_req: int, tokens, version: int) -> None:
     n, v = probs.shape[0] * (probs.shape[1] if probs.ndim == 3 else 1), probs.shape[-1]
     if n == 0:
         return
-    fn = loader.get_function(*SAMPLE[probs.dtype])
+    fn = loader.get_function(*sample_kernel(probs.dtype, version))
     blocks = (n + SAMPLE_THREADS - 1) // SAMPLE_THREADS
     fn((blocks,), (SAMPLE_THREADS,),
        (probs, uniforms, sizes if sizes is not None else np.uint64(0), np.int64(rows_per_req), np.int64(n),
@@ -155,7 +164,7 @@ def _check_uniforms(uniforms, shape):
     return cupy.ascontiguousarray(uniforms)
 
 
-def sample_tokens(probs, uniforms, *, check_values: bool = False, out=None):
+def sample_tokens(probs, uniforms, *, check_values: bool = False, out=None, version: int = 2):
     """Inverse-CDF draw per row, bit-exact with `kdlib.ref.accept.sample_tokens`.
 
     Shape: probs [N, V] float32/float64, uniforms [N] float64 in [0, 1). Returns tokens [N] int64.
@@ -169,11 +178,12 @@ def sample_tokens(probs, uniforms, *, check_values: bool = False, out=None):
     tokens = cupy.empty(probs.shape[0], dtype=cupy.int64) if out is None else out  # [N]
     if tokens.shape != probs.shape[:1] or tokens.dtype != np.int64:
         raise ValueError(f"out must be an int64 array of shape {probs.shape[:1]}")
-    _sample_launch(probs, uniforms, None, 1, tokens)
+    _sample_launch(probs, uniforms, None, 1, tokens, version)
     return tokens
 
 
-def accept_sample_batch(trees, probs, uniforms, max_depth: int | None = None, *, check_values: bool = False, out=None):
+def accept_sample_batch(trees, probs, uniforms, max_depth: int | None = None, *, check_values: bool = False, out=None,
+                        version: int = 2):
     """Sample-and-walk over a batch on the GPU (see `kdlib.ref.accept.accept_sample_batch`).
 
     Shape: probs [B, budget+1, V] float32/float64, uniforms [B, budget+1] float64; rows >= sizes[b]
@@ -192,7 +202,7 @@ def accept_sample_batch(trees, probs, uniforms, max_depth: int | None = None, *,
         mask = cupy.asarray(rows)
         _check_sample_values(probs[mask], uniforms[mask])
     targets = cupy.empty((bsz, budget + 1), dtype=cupy.int64)  # [B, budget+1]
-    _sample_launch(probs, uniforms, cupy.ascontiguousarray(f["sizes"]), budget + 1, targets)
+    _sample_launch(probs, uniforms, cupy.ascontiguousarray(f["sizes"]), budget + 1, targets, version)
     return accept_greedy_batch(trees, targets, max_depth=max_depth, out=out)
 
 

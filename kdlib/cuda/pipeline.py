@@ -144,9 +144,14 @@ def reference_step(top_token_ids, top_log_probs, root_tokens, target_table, cach
     return {"trees": trees, "targets": targets, "paths": paths, "lengths": lengths, "bonus": bonus, "cache": out}
 
 
+def step_outputs_trees(trees):
+    """A DDTreeBatch of CuPy arrays copied to numpy (synchronises)."""
+    return trees.__class__(**{k: v.get() for k, v in vars(trees).items()})
+
+
 def step_outputs(step: TreeStep) -> dict:
     """The step's results copied to numpy (synchronises), keyed like `reference_step`."""
-    return {"trees": step.trees.__class__(**{k: v.get() for k, v in vars(step.trees).items()}),
+    return {"trees": step_outputs_trees(step.trees),
             "targets": step.targets.get(), "paths": step.paths.get(), "lengths": step.lengths.get(),
             "bonus": step.bonus.get(), "cache": step.cache.get()}
 
@@ -230,18 +235,33 @@ def smoke(bsz: int = 4) -> dict:
     step = make_step(cupy.asarray(inp["top_token_ids"]), cupy.asarray(inp["top_log_probs"]),
                      cupy.asarray(inp["root_tokens"]), cupy.asarray(inp["target_table"]),
                      cupy.asarray(inp["cache"]), cupy.asarray(inp["starts"]), budget)
-    step.run()  # tree_build_v1, tree_accept_greedy_v1, kv_compact_v1_u128
+    step.run()  # the default tree build, tree_accept_greedy_v1, kv_compact_v1_u128
     got = step_outputs(step)
-    verdict["tree_build_v1"] = all((getattr(got["trees"], f) == getattr(want["trees"], f)).all()
-                                   for f in ("sizes", "node_token_ids", "parents", "visibility", "next_token"))
+    verdict[tree.kernel_name(budget)[1]] = all((getattr(got["trees"], f) == getattr(want["trees"], f)).all()
+                                               for f in ("sizes", "node_token_ids", "parents", "visibility", "next_token",
+                                                         "next_sibling"))
     verdict["tree_accept_greedy_v1"] = all((got[k] == want[k]).all() for k in ("paths", "lengths", "bonus"))
     verdict["kv_compact_v1_u128"] = bool((got["cache"] == want["cache"]).all())
-    for dtype, name in ((np.float32, "tree_sample_rows_v1_f32"), (np.float64, "tree_sample_rows_v1_f64")):
+    for dtype in (np.float32, np.float64):
         probs = rng.random((bsz, budget + 1, vocab)).astype(dtype)
         u = rng.random((bsz, budget + 1))
-        p = accept.accept_sample_batch(step.trees, cupy.asarray(probs), cupy.asarray(u))
         w = ref.accept_sample_batch(want["trees"], probs, u)
-        verdict[name] = all((a.get() == b).all() for a, b in zip(p, w, strict=True))
+        for version in accept.SAMPLE_VERSIONS:
+            p = accept.accept_sample_batch(step.trees, cupy.asarray(probs), cupy.asarray(u), version=version)
+            verdict[accept.sample_kernel(dtype, version)[1]] = all((a.get() == b).all() for a, b in zip(p, w, strict=True))
+    for bud in (40, 120):  # the other register-row variants of tree_build_v2 (r3, r9)
+        ids, lp = random_topk(rng, bsz, 10, 16, 50, "tied")
+        w = ref.build_tree_batch(ids, lp, bud)
+        g = tree.build_tree_batch(cupy.asarray(ids), cupy.asarray(lp), bud)
+        verdict[tree.kernel_name(bud)[1]] = all((getattr(g, f).get() == getattr(w, f)).all()
+                                                for f in ("sizes", "node_token_ids", "parents", "visibility", "next_token"))
+    for version in tree.VERSIONS:
+        if version != tree.DEFAULT_VERSION:  # the step above ran the default version
+            got_v = tree.build_tree_batch(cupy.asarray(inp["top_token_ids"]), cupy.asarray(inp["top_log_probs"]), budget,
+                                          version=version)
+            verdict[tree.kernel_name(budget, version)[1]] = all(
+                (getattr(got_v, f).get() == getattr(want["trees"], f)).all()
+                for f in ("sizes", "node_token_ids", "parents", "visibility", "next_token", "next_sibling"))
     for dtype, shape, name in ((np.int8, (7,), "kv_compact_v1_u8"), (np.float32, (3,), "kv_compact_v1_u32")):
         cache = rng.integers(0, 100, (inp["cache"].shape[0], *shape)).astype(dtype)
         wc = cache.copy()

@@ -1,15 +1,17 @@
 """GPU DDTree builder: `build_tree_batch`, the CUDA twin of `kdlib.ref.tree.build_tree_batch`.
 
-Kernel: `kernels/tree_build_v1.cu`, one thread block (128 threads) per request; warp 0 runs the
-best-first pops over a frontier kept in shared memory, all four warps write the outputs. The
-result is bit-exact with the reference (same float64 arithmetic order, same rank-tuple
-tie-break), padding included.
+Kernels, one thread block (128 threads) per request, bit-exact with the reference (same float64
+arithmetic order, same rank-tuple tie-break), padding included:
+  * `tree_build_v2_r{1,3,9}` (default, `version=2`): the frontier in warp 0's registers (R rows
+    of 32 slots, R = 1, 3 or 9 picked from the budget); tree lists built after the pops;
+  * `tree_build_v1`: the frontier in shared memory (the first version, 55 us per build at
+    budget 64 on an H200, kept for comparison: `version=1`).
 
 Limits (ValueError before any launch): budget <= MAX_BUDGET (256), K = min(budget, K') <= 256
 (implied), L_eff = min(L, budget) <= MAX_DEPTH (16): trees deeper than 16 would need a wider
 rank-tuple key. Larger budgets are refused rather than silently degraded. Dynamic shared memory
-per block is `shared_bytes(budget, L_eff, K)` = 64 S + 4 S ceil(S/32) + 4 L_eff K with
-S = budget + 1 (42,084 B at the limits, under the default 48 KB).
+per block is `shared_bytes(budget, L_eff, K, version)` (formulas in the .cu files; 39,000 B for
+v2 and 42,084 B for v1 at the limits, under the default 48 KB).
 
 Value checks (finite, descending rows, distinct ids, ids in the vocabulary) need the data on
 the host or a device reduction plus a synchronisation, so they run only with
@@ -27,15 +29,29 @@ from kdlib.ref.tree import DDTreeBatch
 
 MAX_BUDGET = 256  # rank bytes are 8 bits (ranks < K <= budget) and the meta word holds parents < 2**16
 MAX_DEPTH = 16  # 16 rank bytes in the 128-bit rank-tuple key
-THREADS = 128  # must equal TB_THREADS in kernels/tree_build_v1.cu
-KERNEL = ("tree_build_v1", "tree_build_v1")
+THREADS = 128  # TB_THREADS / TB2_THREADS in kernels/tree_build_v{1,2}.cu
+VERSIONS = (1, 2)
+DEFAULT_VERSION = 2
+V2_ROWS = (1, 3, 9)  # register rows of tree_build_v2_r{R}: budget + 1 <= 32 R
 
 
-def shared_bytes(budget: int, l_eff: int, k: int) -> int:
-    """Dynamic shared memory of one block (see the layout comment in tree_build_v1.cu)."""
+def kernel_name(budget: int, version: int = DEFAULT_VERSION) -> tuple[str, str]:
+    """(file stem, kernel name) that builds trees of this budget."""
+    if version == 1:
+        return ("tree_build_v1", "tree_build_v1")
+    if version == 2:
+        rows = next(r for r in V2_ROWS if budget + 1 <= 32 * r)
+        return ("tree_build_v2", f"tree_build_v2_r{rows}")
+    raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
+
+
+def shared_bytes(budget: int, l_eff: int, k: int, version: int = DEFAULT_VERSION) -> int:
+    """Dynamic shared memory of one block (see the layout comments in tree_build_v{1,2}.cu)."""
     s = budget + 1
     w = (s + 31) // 32
-    return 64 * s + 4 * s * w + 4 * l_eff * k
+    if version == 1:
+        return 64 * s + 4 * s * w + 4 * l_eff * k
+    return 16 * s + 8 * s * w + 4 * l_eff * k
 
 
 def _check_budget(budget) -> int:
@@ -108,7 +124,8 @@ def _check_out(out, bsz: int, budget: int) -> None:
 
 
 def build_tree_batch(
-    top_token_ids, top_log_probs, budget: int, vocab_size: int | None = None, *, check_values: bool = False, out=None
+    top_token_ids, top_log_probs, budget: int, vocab_size: int | None = None, *, check_values: bool = False, out=None,
+    version: int = DEFAULT_VERSION,
 ) -> DDTreeBatch:
     """Build B DDTrees on the GPU, padded to budget + 1 slots (see `kdlib.ref.tree.DDTreeBatch`).
 
@@ -117,8 +134,10 @@ def build_tree_batch(
     bit-identical to `kdlib.ref.tree.build_tree_batch` on the same inputs.
     check_values: also run the reference's value checks on the device (one host sync).
     out: an `empty_batch(B, budget)` to write into (no allocation; graph capture).
+    version: the kernel generation (2, the default, or 1); both give identical results.
     """
     budget = _check_budget(budget)
+    kernel = kernel_name(budget, version)
     ids = loader.as_cupy(top_token_ids)
     lp = loader.as_cupy(top_log_probs)
     for name, a, dtype in (("top_token_ids", ids, np.int64), ("top_log_probs", lp, np.float32)):
@@ -151,8 +170,8 @@ def build_tree_batch(
 
     ids = cupy.ascontiguousarray(ids)
     lp = cupy.ascontiguousarray(lp)
-    fn = loader.get_function(*KERNEL)
-    smem = shared_bytes(budget, l_eff, k)
+    fn = loader.get_function(*kernel)
+    smem = shared_bytes(budget, l_eff, k, version)
     loader.set_max_dynamic_shared(fn, smem)
     i32 = np.int32
     fn(

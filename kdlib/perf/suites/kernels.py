@@ -25,7 +25,8 @@ fallback 4.3e12 B/s (kernels-perf.md §0); the other kernels have no meaningful 
 The verify-attention sweep of `kdlib.perf.suites._attention` (written by the attention
 engineer) is embedded under `verify_attention` when that module exists. `args.attention` or env
 `KDLIB_KERNELS_ATTENTION` = skip|quick|full overrides its grid (default: quick under --quick,
-else full); when absent or skipped, the payload says so.
+else full), and `KDLIB_KERNELS_ATTENTION_BUDGET_S` caps its wall time (its points come in
+priority order); when absent or skipped, the payload says so.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def _trees_equal(got, want) -> bool:
 
 
 def bench_build(ids_all, lp_all, iters: int) -> list[dict]:
+    """One row per (batch, kernel version): GPU times, CPU reference times, speed-ups, exactness."""
     import cupy
 
     from kdlib import perf, ref
@@ -111,13 +113,7 @@ def bench_build(ids_all, lp_all, iters: int) -> list[dict]:
     for bsz in BATCHES:
         ids, lp = ids_all[:bsz], lp_all[:bsz]
         d_ids, d_lp = cupy.asarray(ids), cupy.asarray(lp)
-        out = tree.empty_batch(bsz, BUDGET)
         want = ref.build_tree_batch(ids, lp, BUDGET)
-        tree.build_tree_batch(d_ids, d_lp, BUDGET, out=out)
-        exact = _trees_equal(out, want)
-
-        def build(d_ids=d_ids, d_lp=d_lp, out=out):
-            tree.build_tree_batch(d_ids, d_lp, BUDGET, out=out)
 
         def cpu_with_copies(d_ids=d_ids, d_lp=d_lp):
             t = ref.build_tree_batch(d_ids.get(), d_lp.get(), BUDGET)
@@ -128,23 +124,32 @@ def bench_build(ids_all, lp_all, iters: int) -> list[dict]:
 
         cpu = perf.cpu_time(lambda ids=ids, lp=lp: ref.build_tree_batch(ids, lp, BUDGET), warmup=1, iters=iters)
         cpu_copies = perf.cpu_time(cpu_with_copies, warmup=1, iters=iters)
-        eager = perf.cuda_time(build, warmup=5, iters=100, backend="cupy").as_dict()
-        g1, s1 = _graph(build)
-        replay = _replay_ms(g1, s1, 200)
-        gr, sr = _graph(build, REPEAT)
-        kernel = _replay_ms(gr, sr, 50)
-        rows.append({
-            "batch": bsz, "depth": DEPTH, "budget": BUDGET, "k_prime": K_PRIME, "bit_exact": exact,
-            "cpu_ref": cpu.as_dict(), "cpu_ref_with_copies": cpu_copies.as_dict(),
-            "gpu_eager": eager, "gpu_graph_replay": replay, f"gpu_graph_x{REPEAT}": kernel,
-            "kernel_us": _us(kernel, REPEAT), "graph_replay_us": _us(replay), "eager_us": _us(eager),
-            "cpu_ref_us": cpu.median_ms * 1e3, "cpu_ref_with_copies_us": cpu_copies.median_ms * 1e3,
-            "speedup_vs_cpu_kernel": cpu.median_ms / (kernel["median_ms"] / REPEAT),
-            "speedup_vs_cpu_graph_replay": cpu.median_ms / replay["median_ms"],
-            "speedup_vs_cpu_with_copies_graph_replay": cpu_copies.median_ms / replay["median_ms"],
-        })
-        print(f"[kernels] build B={bsz}: exact={exact} kernel {rows[-1]['kernel_us']:.2f} us, replay "
-              f"{rows[-1]['graph_replay_us']:.2f} us, cpu {rows[-1]['cpu_ref_us']:.0f} us", flush=True)
+        for version in tree.VERSIONS:
+            out = tree.empty_batch(bsz, BUDGET)
+
+            def build(d_ids=d_ids, d_lp=d_lp, out=out, version=version):
+                tree.build_tree_batch(d_ids, d_lp, BUDGET, out=out, version=version)
+
+            build()
+            exact = _trees_equal(out, want)
+            eager = perf.cuda_time(build, warmup=5, iters=100, backend="cupy").as_dict()
+            g1, s1 = _graph(build)
+            replay = _replay_ms(g1, s1, 200)
+            gr, sr = _graph(build, REPEAT)
+            kernel = _replay_ms(gr, sr, 50)
+            rows.append({
+                "batch": bsz, "version": version, "kernel": tree.kernel_name(BUDGET, version)[1],
+                "depth": DEPTH, "budget": BUDGET, "k_prime": K_PRIME, "bit_exact": exact,
+                "cpu_ref": cpu.as_dict(), "cpu_ref_with_copies": cpu_copies.as_dict(),
+                "gpu_eager": eager, "gpu_graph_replay": replay, f"gpu_graph_x{REPEAT}": kernel,
+                "kernel_us": _us(kernel, REPEAT), "graph_replay_us": _us(replay), "eager_us": _us(eager),
+                "cpu_ref_us": cpu.median_ms * 1e3, "cpu_ref_with_copies_us": cpu_copies.median_ms * 1e3,
+                "speedup_vs_cpu_kernel": cpu.median_ms / (kernel["median_ms"] / REPEAT),
+                "speedup_vs_cpu_graph_replay": cpu.median_ms / replay["median_ms"],
+                "speedup_vs_cpu_with_copies_graph_replay": cpu_copies.median_ms / replay["median_ms"],
+            })
+            print(f"[kernels] build v{version} B={bsz}: exact={exact} kernel {rows[-1]['kernel_us']:.2f} us, "
+                  f"replay {rows[-1]['graph_replay_us']:.2f} us, cpu {rows[-1]['cpu_ref_us']:.0f} us", flush=True)
     return rows
 
 
@@ -226,19 +231,27 @@ def bench_rest(inputs: dict, iters: int, bw: float) -> dict:
         t = _replay_ms(step.graph, step.stream, 200)
         eager = perf.cuda_time(step.run, warmup=3, iters=50, backend="cupy").as_dict()
         out["step"].append({"batch": bsz, "exact": step_exact, "graph_replay": t, "graph_replay_us": _us(t),
-                            "eager": eager, "eager_us": _us(eager), "kernels_per_step": 6})
+                            "eager": eager, "eager_us": _us(eager),
+                            "kernels_per_step": 7})  # build, 2 copies + max + take (stand-in verify), accept, compact
         print(f"[kernels] B={bsz}: accept {out['accept'][-1]['graph_replay_us']:.2f} us, step "
               f"{out['step'][-1]['graph_replay_us']:.2f} us (exact={step_exact})", flush=True)
 
     for bsz in (1, 64):
-        probs = cupy.asarray(rng.random((bsz, BUDGET + 1, SAMPLE_VOCAB), dtype=np.float32))  # [B, S, V]
-        u = cupy.asarray(rng.random((bsz, BUDGET + 1)))
+        probs_h = rng.random((bsz, BUDGET + 1, SAMPLE_VOCAB), dtype=np.float32)  # [B, S, V]
+        u_h = rng.random((bsz, BUDGET + 1))
+        probs, u = cupy.asarray(probs_h), cupy.asarray(u_h)
         trees = tree.build_tree_batch(cupy.asarray(inputs["top_token_ids"][:bsz]),
                                       cupy.asarray(inputs["top_log_probs"][:bsz]), BUDGET)
-        t = perf.cuda_time(lambda trees=trees, probs=probs, u=u: accept.accept_sample_batch(trees, probs, u),
-                           warmup=2, iters=10, backend="cupy").as_dict()
-        out["sample"].append({"batch": bsz, "vocab": SAMPLE_VOCAB, "dtype": "float32", "eager": t, "eager_us": _us(t),
-                              "note": "one thread per row, 2 V sequential float64 adds (bit-exact inverse CDF)"})
+        want_s = ref.accept_sample_batch(pipeline.step_outputs_trees(trees), probs_h, u_h)
+        for version in accept.SAMPLE_VERSIONS:
+            got_s = accept.accept_sample_batch(trees, probs, u, version=version)
+            exact = all((g.get() == w).all() for g, w in zip(got_s, want_s, strict=True))
+            t = perf.cuda_time(lambda trees=trees, probs=probs, u=u, v=version: accept.accept_sample_batch(
+                trees, probs, u, version=v), warmup=2, iters=10, backend="cupy").as_dict()
+            out["sample"].append({"batch": bsz, "version": version, "vocab": SAMPLE_VOCAB, "dtype": "float32",
+                                  "exact": exact, "eager": t, "eager_us": _us(t),
+                                  "note": "one thread per row, 2 V sequential float64 adds (bit-exact inverse CDF)"})
+            print(f"[kernels] sample v{version} B={bsz}: {_us(t):.0f} us exact={exact}", flush=True)
         del probs
     return out
 
@@ -253,6 +266,9 @@ def _attention(args) -> dict:
     except ImportError as e:
         return {"absent": f"kdlib.perf.suites._attention not importable: {e}"}
     sub = type(args)(**{**vars(args), "quick": mode == "quick"}) if hasattr(args, "__dict__") else args
+    budget_s = os.environ.get("KDLIB_KERNELS_ATTENTION_BUDGET_S")
+    if budget_s and hasattr(sub, "__dict__"):
+        sub.time_budget_s = float(budget_s)  # _attention stops adding points (priority order) past this
     return module.run(sub)
 
 
@@ -273,7 +289,9 @@ def run(args) -> dict:
     rest = bench_rest(inputs, iters, bw)
     cupy.get_default_memory_pool().free_all_blocks()
     attention = _attention(args)
-    head = build[-1]
+    b64 = [r for r in build if r["batch"] == max(BATCHES)]
+    exact64 = [r for r in b64 if r["bit_exact"]] or b64
+    head = min(exact64, key=lambda r: r["kernel_us"])  # the fastest bit-exact version at batch 64
     return {
         "parameters": {"batches": list(BATCHES), "depth": DEPTH, "budget": BUDGET, "k_prime": K_PRIME,
                        "repeat_per_graph": REPEAT, "cpu_iters": iters, "quick": quick,
@@ -282,7 +300,8 @@ def run(args) -> dict:
                        "l2": "all tree-kernel data L2-resident (launch/latency-bound kernels)"},
         "copy_bandwidth_Bps": bw, "copy_bandwidth_source": bw_source,
         "clocks_before": clocks_before, "clocks_after": _clocks(),
-        "headline": {"batch": head["batch"], "bit_exact": head["bit_exact"], "kernel_us": head["kernel_us"],
+        "headline": {"batch": head["batch"], "version": head["version"], "kernel": head["kernel"],
+                     "bit_exact": head["bit_exact"], "kernel_us": head["kernel_us"],
                      "graph_replay_us": head["graph_replay_us"], "cpu_ref_us": head["cpu_ref_us"],
                      "speedup_vs_cpu_kernel": head["speedup_vs_cpu_kernel"],
                      "speedup_vs_cpu_graph_replay": head["speedup_vs_cpu_graph_replay"]},
