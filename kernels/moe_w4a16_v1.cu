@@ -307,6 +307,17 @@ extern "C" __global__ void __launch_bounds__(kThreadsN8) moe_w4a16_v1_gate_up_n8
   gate_up_body<1, 7, kWarpsN8>(x, w1, s1, expert_offsets, active_experts, n_active, sorted_token, h, K, N, red);
 }
 
+// The same with 8 warps (two rounds of loads per warp at K = 7168, two blocks per SM): the
+// benchmark measures both block shapes in the decode regime.
+extern "C" __global__ void __launch_bounds__(kThreads) moe_w4a16_v1_gate_up_n8w8(
+    const u16* __restrict__ x, const uint4* __restrict__ w1, const u32* __restrict__ s1,
+    const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
+    const int* __restrict__ n_active, const int* __restrict__ sorted_token, u16* __restrict__ h,
+    int K, int N) {
+  __shared__ float red[kWarps][8][32];
+  gate_up_body<1, 7, kWarps>(x, w1, s1, expert_offsets, active_experts, n_active, sorted_token, h, K, N, red);
+}
+
 // Batched regime: 32 tokens per expert per pass (grid.z passes), 2 column chunks in flight.
 extern "C" __global__ void __launch_bounds__(kThreads) moe_w4a16_v1_gate_up_n32(
     const u16* __restrict__ x, const uint4* __restrict__ w1, const u32* __restrict__ s1,

@@ -166,8 +166,11 @@ def _gpu_case(E, K, N, M, k, seed):
     ref = moe.moe_w4a16_reference(x_bits, w, ids, wts)
     routing = moe.prepare_routing(cp.asarray(ids), cp.asarray(wts), E)
     packed = moe.upload(moe.pack_moe(w))
-    y = moe.moe_w4a16(cp.asarray(x_bits), packed, routing, sync=True)
-    return y, ref, routing
+
+    def run(**kw):
+        return moe.moe_w4a16(cp.asarray(x_bits), packed, routing, sync=True, **kw)
+
+    return run(), ref, routing, run
 
 
 @pytest.mark.gpu
@@ -181,9 +184,11 @@ def _gpu_case(E, K, N, M, k, seed):
     ],
 )
 def test_kernel_matches_reference(E, K, N, M, k, variant):
-    y, ref, routing = _gpu_case(E, K, N, M, k, seed=E + M)
+    y, ref, routing, run = _gpu_case(E, K, N, M, k, seed=E + M)
     assert (routing.max_count <= 8) == (variant == "n8")
     check.assert_close(y, ref, rtol=5e-3, name=f"moe_w4a16 E{E} K{K} N{N} M{M} top{k}")
+    if variant == "n8":   # the 8-warp gate/up block shape computes the same
+        check.assert_close(run(gate_up_warps=8), ref, rtol=5e-3, name=f"moe_w4a16 (8-warp gate/up) M{M}")
 
 
 @pytest.mark.gpu
@@ -206,5 +211,7 @@ def test_kernel_accepts_torch_bf16_and_rejects_bad_input():
         moe.moe_w4a16(cp.zeros((M + 1, K), cp.uint16), packed, routing)
     with pytest.raises(ValueError, match="uint16"):
         moe.moe_w4a16(cp.zeros((M, K), cp.float32), packed, routing)
+    with pytest.raises(ValueError, match="gate_up_warps"):
+        moe.moe_w4a16(x, packed, routing, gate_up_warps=4)
     with pytest.raises(ValueError, match="topk_ids must lie"):
         moe.prepare_routing(cp.asarray(ids + E), cp.asarray(wts), E)

@@ -314,13 +314,17 @@ def _check(sync: bool, what: str) -> None:
             raise RuntimeError(f"{STEM}: {what} failed: {err}") from err
 
 
-def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool = False):
+def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool = False,
+              gate_up_warps: int = 16):
     """y = MoE(x) with INT4 experts: two launches (gate/up + SwiGLU, down + weighted combine).
 
     Shape: x [M, K] bf16 (torch bf16 or CuPy uint16 bits); packed = `upload(pack_moe(w))`;
     returns y [M, K] float32 (CuPy). `out` (float32 [M, K]) and `h` (uint16 [M * topk, N]) may be
     given to avoid allocations; `out` is zeroed here. sync=True synchronizes after each launch.
+    gate_up_warps: 16 or 8, the gate/up block shape in the decode regime (<= 8 tokens per expert).
     """
+    if gate_up_warps not in (8, 16):
+        raise ValueError(f"gate_up_warps must be 8 or 16, got {gate_up_warps}")
     import cupy as cp
 
     from kdlib.cuda.loader import get_function
@@ -357,10 +361,14 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
     passes = -(-routing.max_count // per_pass)
     grid_y = max(1, routing.n_active)
     meta = (routing.expert_offsets, routing.active_experts, routing.n_active_dev, routing.sorted_token)
-    threads_gate_up = 512 if variant == "n8" else 256   # kThreadsN8 / kThreads in the .cu
-    threads = 256
+    threads = 256                                       # kThreads in the .cu
+    gate_up_name = f"{STEM}_gate_up_{variant}"
+    threads_gate_up = threads
+    if variant == "n8":
+        threads_gate_up = 32 * gate_up_warps            # kThreadsN8 (16 warps) or kThreads (_n8w8)
+        gate_up_name += "" if gate_up_warps == 16 else "w8"
 
-    gate_up = get_function(STEM, f"{STEM}_gate_up_{variant}")
+    gate_up = get_function(STEM, gate_up_name)
     gate_up((P, grid_y, passes), (threads_gate_up,), (xb, w1, s1, *meta, h, np.int32(K), np.int32(N)))
     _check(sync, "gate_up launch")
     down = get_function(STEM, f"{STEM}_down_{variant}")

@@ -167,6 +167,16 @@ def _measure(m: int, rng, packed, baseline, *, bw: float, flop_rate: float, rota
 
     t_kernel = timing.cuda_time(kernel_call, warmup=rotations, iters=iters, backend="cupy")
     t_graph = _graph_time(routes, xb, packed, out, h, rotations=rotations, iters=iters)
+    t_w8 = None
+    if all(rr[0].max_count <= 8 for rr in routes):   # decode regime: also the 8-warp gate/up block shape
+        moe.moe_w4a16(xb, packed, routes[0][0], out=out, h=h, sync=True, gate_up_warps=8)
+
+        def kernel_w8_call():
+            r = routes[state["i"] % rotations][0]
+            state["i"] += 1
+            moe.moe_w4a16(xb, packed, r, out=out, h=h, gate_up_warps=8)
+
+        t_w8 = timing.cuda_time(kernel_w8_call, warmup=rotations, iters=iters, backend="cupy").as_dict()
     t_base = timing.cuda_time(baseline_call, warmup=rotations, iters=iters)
     touched = float(np.mean([rr[0].n_active for rr in routes]))
     acct = moe.layer_bytes_flops(m, touched, K, N, TOPK)
@@ -190,6 +200,8 @@ def _measure(m: int, rng, packed, baseline, *, bw: float, flop_rate: float, rota
         "kernel_TFLOPs": acct["flops"] / sec_k / 1e12,
         "kernel_frac_floor": fl_k["floor_ms"] / t_kernel.median_ms,
         "kernel_graph": t_graph,
+        "kernel_gate_up_8warps": t_w8,
+        "kernel_gate_up_8warps_frac_copy_bw": acct["bytes"] / (t_w8["median_ms"] * 1e-3) / bw if t_w8 else None,
         "kernel_graph_frac_copy_bw": (acct["bytes"] / (t_graph["median_ms"] * 1e-3) / bw
                                       if "median_ms" in t_graph else None),
         "baseline": t_base.as_dict(),
@@ -270,6 +282,9 @@ def run(args) -> dict:
             "kernel_graph_min_frac_copy_bw_m_le_32": min(
                 (r["kernel_graph_frac_copy_bw"] for r in small if r["kernel_graph_frac_copy_bw"] is not None),
                 default=None),
+            "kernel_gate_up_8warps_min_frac_copy_bw_m_le_32": min(
+                (r["kernel_gate_up_8warps_frac_copy_bw"] for r in small
+                 if r["kernel_gate_up_8warps_frac_copy_bw"] is not None), default=None),
             "kernel_median_frac_copy_bw_m_le_32": float(np.median([r["kernel_frac_copy_bw"] for r in small])) if small else None,
             "all_experts_bytes": all_bytes,
             "all_experts_floor_ms": all_bytes / bw * 1e3,
