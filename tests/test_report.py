@@ -169,7 +169,7 @@ def test_smoke_profile_reads_params_file(tmp_path, caplog):
     assert "unknown parameter" not in caplog.text and "Unable to parse" not in caplog.text
     entries, _ = _index(out)
     assert list(entries) == ["10_pass"]
-    assert entries["10_pass"]["records"][0]["value"] == 21
+    assert {r["name"]: r["value"] for r in entries["10_pass"]["records"]}["answer"] == 21
     assert entries["10_pass"]["parameters"]["N"]["source"] == "10_pass.smoke.yaml"
     # a second run of the other notebook keeps the first one's entry in the index
     assert report.cli(["20_fail", "--notebooks-dir", str(nbs), "--out", str(out), "--profile", "smoke"]) == 1
