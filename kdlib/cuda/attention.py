@@ -14,10 +14,11 @@ the tail. Conventions follow the reference: an empty key set gives out 0 and lse
 at or past `tree_sizes[b]` are NaN in the tail and so in the merged result.
 
 Implementations (`impl`): "simple" (`tree_verify_v1`: one warp per row on the CUDA cores, fp32
-accumulation; the fp32 path, within 1e-5 of the float64 reference) and "mma" (`tree_verify_v3`:
-the bf16 prefix on the tensor cores with `mma.sync.m16n8k16`, fp32 accumulators; P rounded to
-bf16 before P·V, so bf16 inputs land near 1e-3 of the float64 reference of the same bf16 values).
-"auto" picks "mma" for bf16 when the device grants its 166 KB of shared memory, else "simple".
+accumulation; the fp32 path, within 1e-5 of the float64 reference) and "mma" (`MMA_DEFAULT`, one
+of `MMA_VERSIONS`, `tree_verify_v2`..`v4`: the bf16 prefix on the tensor cores with
+`mma.sync.m16n8k16`, fp32 accumulators; P rounded to bf16 before P·V, so bf16 inputs land near
+1e-3 of the float64 reference of the same bf16 values). "auto" picks "mma" for bf16 when the
+device grants its shared memory (166-203 KB per block; not on sm_120's 99 KB), else "simple".
 
 Checks before any launch raise ValueError: shapes, dtypes (float32 or bfloat16, all float inputs
 alike), Q <= 65, widths 576/512, and, with `validate=True` (the default, one device sync), the
@@ -39,13 +40,22 @@ KV_LORA_RANK = 512  # value width: the latent part of each cached row
 MAX_Q = 65  # tree queries per request: a 64-node budget + the root (issue 4)
 
 _V1 = "tree_verify_v1"
-_MMA = "tree_verify_v3"  # v2 (kept for the record) gathers each tile behind nine serial page-table reads
 _V1_ROWS = 8  # rows (warps) per block in tree_verify_v1.cu (ROWS)
 _V1_KCHUNK = 16  # keys per shared-memory step in tree_verify_v1.cu (KCHUNK)
 _V1_BLOCKS_PER_SM = 4  # 256 threads x <=118 registers and 37 KB shared: 4 blocks resident per SM
-_V2_BM = 64  # query rows per block in tree_verify_v3.cu (BM)
-_V2_BN = 32  # keys per pipeline stage in tree_verify_v3.cu (BN)
-_V2_SMEM = 64 * 1168 + 2 * 32 * 1168 + 2 * 4 * 16 * 32 * 4  # Q tile + 2 K stages + S exchange (bytes)
+_MMA_BM = 64  # query rows per block in tree_verify_v{2,3,4}.cu (BM)
+_MMA_BN = 32  # keys per pipeline stage (BN)
+_MMA_Q_SMEM = 64 * 1168  # Q tile: BM rows of 576 bf16 + 16 B pad
+_MMA_K_SMEM = 32 * 1168  # one K stage: BN rows
+_MMA_X_SMEM = 2 * 4 * 16 * 32 * 4  # partial-S exchange between the two halves of each row group
+# The tensor-core prefix kernels: impl name -> (file stem, shared memory bytes). v2 gathers each tile
+# behind nine serial page-table reads; v3 prefetches the slots a tile ahead; v4 adds a third K stage.
+MMA_VERSIONS = {
+    "mma_v2": ("tree_verify_v2", _MMA_Q_SMEM + 2 * _MMA_K_SMEM + _MMA_X_SMEM),
+    "mma_v3": ("tree_verify_v3", _MMA_Q_SMEM + 2 * _MMA_K_SMEM + _MMA_X_SMEM),
+    "mma_v4": ("tree_verify_v4", _MMA_Q_SMEM + 3 * _MMA_K_SMEM + _MMA_X_SMEM),
+}
+MMA_DEFAULT = "mma_v3"  # what impl "mma" (and "auto" on bf16) runs
 _MAX_SPLITS = 64  # beyond this the partial-output traffic outweighs the gain in parallelism
 _MIN_TILES_PER_SPLIT = 8  # a split shorter than 8 key tiles spends its time on set-up
 
@@ -221,12 +231,17 @@ def split_plan(bsz: int, row_blocks: int, width: int, tile: int, slots: int) -> 
 
 
 def _pick_impl(impl: str, kind: str) -> str:
-    if impl not in ("auto", "simple", "mma"):
-        raise ValueError(f"impl must be 'auto', 'simple' or 'mma', got {impl!r}")
-    if impl == "mma" and kind != "bf16":
-        raise ValueError("impl 'mma' needs bfloat16 inputs (the fp32 path is 'simple')")
+    """'simple' or a key of MMA_VERSIONS."""
+    names = ("auto", "simple", "mma", *MMA_VERSIONS)
+    if impl not in names:
+        raise ValueError(f"impl must be one of {names}, got {impl!r}")
+    if impl.startswith("mma") and kind != "bf16":
+        raise ValueError(f"impl {impl!r} needs bfloat16 inputs (the fp32 path is 'simple')")
+    if impl == "mma":
+        return MMA_DEFAULT
     if impl == "auto":
-        return "mma" if kind == "bf16" and _device_info()[1] >= _V2_SMEM else "simple"
+        fits = _device_info()[1] >= MMA_VERSIONS[MMA_DEFAULT][1]
+        return MMA_DEFAULT if kind == "bf16" and fits else "simple"
     return impl
 
 
@@ -238,12 +253,13 @@ def _launch_prefix(qa, kind, kv, pt, lens, scale, impl):
     rows = nq * nh
     width = pt.shape[1]
     n_sm, _ = _device_info()
-    if impl == "mma":
-        rb = -(-rows // _V2_BM)
-        nsplit, chunk = split_plan(bsz, rb, width, _V2_BN, n_sm)
-        fn = loader.get_function(_MMA, f"{_MMA}_prefix_bf16")
-        loader.set_max_dynamic_shared(fn, _V2_SMEM)
-        block, smem = 256, _V2_SMEM
+    if impl in MMA_VERSIONS:
+        stem, smem = MMA_VERSIONS[impl]
+        rb = -(-rows // _MMA_BM)
+        nsplit, chunk = split_plan(bsz, rb, width, _MMA_BN, n_sm)  # one 256-thread block per SM
+        fn = loader.get_function(stem, f"{stem}_prefix_bf16")
+        loader.set_max_dynamic_shared(fn, smem)
+        block = 256
     else:
         rb = -(-rows // _V1_ROWS)
         nsplit, chunk = split_plan(bsz, rb, width, _V1_KCHUNK, n_sm * _V1_BLOCKS_PER_SM)
