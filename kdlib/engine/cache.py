@@ -12,7 +12,7 @@ layer) and the token table `req_to_token [1, max_ctx]` (logical position -> slot
 (survey §5.1). Two ways, both through `kdlib.ops` (numpy reference on CPU, CuPy kernels on CUDA):
 
   * "compact": slots equal positions; the tree is appended at slots s .. s+n and
-    `ops.compact_kv(kv, s, path)` moves row s+path[i] to s+i (ascending, safe in place);
+    `ops.compact_kv_batch` moves row s+path[i] to s+i (ascending, safe in place);
   * "remap" (what page_size 1 allows): tree rows go to free slots anywhere in the pool and
     `ops.remap_slots` points req_to_token[s+i] at the slot of path[i]; the rejected slots return
     to the free list. No KV bytes move.
@@ -94,23 +94,26 @@ class LatentCache:
         self.req_to_token[0, self.length : self.length + slots.shape[0]] = slots
         self.length += int(slots.shape[0])
 
-    def commit_path(self, path) -> None:
-        """Keep the pending rows at `path` (tree indices, root first, strictly increasing) as positions s ..."""
+    def commit_path(self, paths: torch.Tensor, lengths: torch.Tensor) -> int:
+        """Keep the pending rows of the accepted path as positions s, s+1, ...; returns its length.
+
+        paths [1, W] int64 (tree indices, root first, strictly increasing, padded -1), lengths [1]
+        int64: the `accept_*_batch` outputs, on the cache's device.
+        """
         slots = self._take()
-        path = torch.as_tensor(path, dtype=torch.int64, device=self.device)
-        n = int(path.shape[0])
-        if n == 0 or n > slots.shape[0]:
+        n = int(lengths[0])
+        if not 1 <= n <= slots.shape[0]:
             raise ValueError(f"path length {n} must be in [1, {slots.shape[0]}]")
         s = self.length
+        starts = torch.tensor([s], dtype=torch.int64, device=self.device)
         if self.mode == "compact":
-            ops.compact_kv(self.kv, s, path)
+            ops.compact_kv_batch(self.kv, starts, paths, lengths)
             self.req_to_token[0, s : s + n] = torch.arange(s, s + n, device=self.device)
         else:
-            starts = torch.tensor([s], dtype=torch.int64, device=self.device)
-            lengths = torch.tensor([n], dtype=torch.int64, device=self.device)
-            freed = ops.remap_slots(self.req_to_token, starts, slots[None], path[None], lengths)
+            freed = ops.remap_slots(self.req_to_token, starts, slots[None], paths, lengths)
             self._free.extend(reversed(torch.as_tensor(freed).tolist()))
         self.length += n
+        return n
 
     def _take(self) -> torch.Tensor:
         if self._pending is None:

@@ -87,6 +87,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 # ----------------------------------------------------------------------------- layers
+def _up(x: torch.Tensor) -> torch.Tensor:
+    """Half types to float32 for norms and softmax (as transformers); float32/float64 stay as they are."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -94,7 +99,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = _up(x)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
@@ -124,8 +129,9 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] float32, expert ids [T, k] int64)."""
         c = self.cfg
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
-        choice = scores + self.e_score_correction_bias.float()
+        xr = x if x.dtype == torch.float64 else x.float()  # router in fp32 at least (as transformers)
+        scores = F.linear(xr, self.weight.to(xr.dtype)).sigmoid()  # [T, E]
+        choice = scores + self.e_score_correction_bias.to(xr.dtype)
         if c.n_group > 1:
             per = c.n_routed_experts // c.n_group
             group_scores = choice.view(-1, c.n_group, per).topk(2, dim=-1).values.sum(-1)  # [T, G]
@@ -207,7 +213,7 @@ class MLAttention(nn.Module):
         s = torch.matmul(q, k.transpose(1, 2)) * c.softmax_scale  # [nh, T, T]
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
         s = s.masked_fill(~causal, float("-inf"))
-        p = torch.softmax(s.float(), dim=-1).to(x.dtype)
+        p = torch.softmax(_up(s), dim=-1).to(x.dtype)
         o = torch.matmul(p, v.transpose(0, 1)).transpose(0, 1).reshape(T, nh * c.v_head_dim)
         return self.o_proj(o), lat
 
@@ -226,7 +232,7 @@ class MLAttention(nn.Module):
         s = (torch.einsum("qhr,kr->qhk", q_lat, k_c) + torch.einsum("qhd,kd->qhk", q_rope, k_r)) * c.softmax_scale
         if mask is not None:
             s = s.masked_fill(~mask[:, None, :], float("-inf"))  # [Q, nh, N]
-        p = torch.softmax(s.float(), dim=-1).to(x.dtype)
+        p = torch.softmax(_up(s), dim=-1).to(x.dtype)
         o_lat = torch.einsum("qhk,kr->qhr", p, k_c)  # [Q, nh, kv_lora]
         o = torch.einsum("qhr,hvr->qhv", o_lat, w_uv).reshape(Q, nh * c.v_head_dim)
         return self.o_proj(o)
@@ -307,10 +313,10 @@ class Model(nn.Module):
         return self.model.embed_tokens.weight.dtype
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head: h [T, H] (pre-norm residual stream) -> logits [T, V] float32."""
+        """Final norm + LM head: h [T, H] (pre-norm residual stream) -> logits [T, V], float32 or wider."""
         h = self.model.norm(h)
         w = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-        return F.linear(h, w).float()
+        return _up(F.linear(h, w))
 
     def check_tokens(self, token_ids) -> torch.Tensor:
         """Validate ids (1-D, non-empty, inside the vocabulary) and return them as int64 on the model's device."""

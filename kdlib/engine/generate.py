@@ -1,0 +1,260 @@
+"""Generation: autoregressive and DDTree speculative decoding over one request.
+
+    res = generate(model, prompt_ids, 64)                                             # AR greedy
+    res = generate(model, prompt_ids, 64, method="ddtree", drafter=d, budget=32)      # DDTree
+    res.tokens, res.tokens_per_forward, res.accepted, res.phase_totals_ms()
+
+One DDTree round (survey §1), with the bonus token b committed to the output but not yet cached
+and s tokens in the cache:
+
+  draft    the drafter's logits for depths 1..L after b -> log-softmax over the full vocabulary in
+           fp32 -> top-K per depth (K = top_k, default min(budget, V) as the paper code);
+  build    `ops.build_tree_batch` (best-first heap; numpy on CPU, the CUDA builder on GPU);
+  verify   one target forward of [b, tree tokens] at positions s + depth, each row attending to
+           the whole prefix and to its tree ancestors-or-self (absorbed MLA over the latent cache);
+  accept   greedy walk over the target's argmax per node (`ops.accept_greedy_batch`), or at
+           temperature T > 0 sample-and-walk (`ops.accept_sample_batch`) with one explicit uniform
+           per node from a seeded numpy generator; the drafter is never tempered (survey §4.2);
+  compact  keep the accepted rows as positions s .. s+tau-1 (`LatentCache.commit_path`), feed the
+           accepted nodes' target hidden states to the drafter, b = the new bonus.
+
+At T = 0 the output equals AR greedy token for token; at T > 0 it has AR sampling's distribution
+(both tested). Phase times are wall times with a device synchronisation at each boundary
+(`torch.cuda.synchronize` on CUDA), so they add up to the step time.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kdlib import ops
+from kdlib.engine.cache import LatentCache
+
+PHASES = ("draft", "build", "verify", "accept", "compaction")
+METHODS = ("ar", "ddtree")
+# The GPU tree builder's limits (kdlib/cuda/tree.py): budget <= 256, tree depth min(L, budget) <= 16.
+# The engine enforces them on every device so that a run means the same thing on CPU and GPU.
+MAX_BUDGET = 256
+MAX_DEPTH = 16
+
+
+@dataclass
+class GenerateResult:
+    """Tokens and per-step statistics of one `generate` call.
+
+    tokens           generated ids (prompt excluded), exactly max_new_tokens of them
+    target_forwards  target model forwards, the prefill included
+    accepted         tau per decode step (root + accepted drafts; 1 for every AR step)
+    tree_sizes       verified rows per step (n + 1; 1 for AR)
+    phase_ms         phase -> per-step wall ms (PHASES; AR fills verify and accept)
+    """
+
+    tokens: list[int]
+    method: str
+    prompt_len: int
+    budget: int | None
+    top_k: int | None
+    temperature: float
+    target_forwards: int
+    accepted: list[int] = field(default_factory=list)
+    tree_sizes: list[int] = field(default_factory=list)
+    phase_ms: dict = field(default_factory=lambda: {p: [] for p in PHASES})
+    prefill_ms: float = 0.0
+    drafter_setup_ms: float = 0.0
+    total_ms: float = 0.0
+
+    @property
+    def steps(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Generated tokens per target forward (the prefill counts as one; AR = 1.0)."""
+        return len(self.tokens) / self.target_forwards
+
+    @property
+    def mean_accepted(self) -> float:
+        return float(np.mean(self.accepted)) if self.accepted else 0.0
+
+    def phase_totals_ms(self) -> dict:
+        return {p: float(np.sum(v)) for p, v in self.phase_ms.items()}
+
+    def step_ms(self) -> np.ndarray:
+        """[steps] wall ms per decode step (the sum of its phases)."""
+        return np.sum([np.asarray(self.phase_ms[p]) for p in PHASES], axis=0)
+
+
+def _check_int(name, v, lo):
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    return int(v)
+
+
+def validate(model, prompt_ids, max_new_tokens, method, drafter, budget, top_k, temperature, max_context):
+    """All input checks, before any compute. Returns (prompt tensor, budget, K, context limit)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    prompt = model.check_tokens(prompt_ids)
+    max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
+    limit = model.cfg.max_position_embeddings if max_context is None else _check_int("max_context", max_context, 1)
+    if limit > model.cfg.max_position_embeddings:
+        raise ValueError(f"max_context {limit} exceeds the model's max_position_embeddings {model.cfg.max_position_embeddings}")
+    if prompt.shape[0] > limit:
+        raise ValueError(f"prompt of {prompt.shape[0]} tokens is longer than the context limit {limit}")
+    if prompt.shape[0] + max_new_tokens > limit:
+        raise ValueError(
+            f"prompt ({prompt.shape[0]}) + max_new_tokens ({max_new_tokens}) exceeds the context limit {limit}"
+        )
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    k = None
+    if method == "ddtree":
+        if drafter is None:
+            raise ValueError("method 'ddtree' needs a drafter")
+        if drafter.vocab_size != model.cfg.vocab_size:
+            raise ValueError(f"drafter vocabulary {drafter.vocab_size} != target vocabulary {model.cfg.vocab_size}")
+        horizon = drafter.block_size - 1
+        budget = horizon if budget is None else _check_int("budget", budget, 0)
+        if budget > MAX_BUDGET:
+            raise ValueError(f"budget {budget} exceeds the tree kernels' limit {MAX_BUDGET}")
+        if min(horizon, budget) > MAX_DEPTH:
+            raise ValueError(f"tree depth min(L={horizon}, budget={budget}) exceeds the tree kernels' limit {MAX_DEPTH}")
+        if top_k is not None:
+            _check_int("top_k", top_k, 1)
+        k = min(top_k if top_k is not None else max(budget, 1), budget if budget else 1, model.cfg.vocab_size)
+    elif drafter is not None or budget is not None or top_k is not None:
+        raise ValueError("drafter, budget and top_k apply to method 'ddtree' only")
+    return prompt, budget, k, limit
+
+
+def generate(model, prompt_ids, max_new_tokens: int, method: str = "ar", drafter=None, budget: int | None = None,
+             top_k: int | None = None, temperature: float = 0.0, seed: int = 0, cache_mode: str = "compact",
+             max_context: int | None = None) -> GenerateResult:
+    """Generate max_new_tokens after prompt_ids with the target `model` (see module docstring).
+
+    method "ar" | "ddtree"; drafter: a Drafter (kdlib.engine.drafter) for "ddtree"; budget: tree
+    nodes (non-root, default L = block_size - 1); top_k: per-depth candidates K (default
+    min(budget, V)); temperature 0 = greedy; seed: the numpy generator of the sampling uniforms;
+    cache_mode "compact" | "remap" (LatentCache); max_context: the context limit (default the
+    model's max_position_embeddings). Bad input raises ValueError before any compute.
+    """
+    prompt, budget, k, _ = validate(model, prompt_ids, max_new_tokens, method, drafter, budget, top_k, temperature,
+                                    max_context)
+    cfg, dev = model.cfg, model.device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    rng = np.random.Generator(np.random.PCG64(seed))
+    rows = budget + 1 if method == "ddtree" else 1
+    cache = LatentCache(cfg, prompt.shape[0] + max_new_tokens + rows + 1, mode=cache_mode, device=dev, dtype=model.dtype)
+    res = GenerateResult(tokens=[], method=method, prompt_len=int(prompt.shape[0]), budget=budget, top_k=k,
+                         temperature=float(temperature), target_forwards=0)
+
+    def pick(logits):  # [N, V] -> [N] int64 tokens on the device
+        if temperature == 0:
+            return logits.argmax(-1)
+        probs = torch.softmax(logits.float() / temperature, dim=-1)
+        u = torch.from_numpy(rng.random(logits.shape[0])).to(dev)
+        return ops.sample_tokens(probs, u)
+
+    sync()
+    t_start = time.perf_counter()
+    capture = tuple(drafter.target_layer_ids) if method == "ddtree" else ()
+    h, feats = model.prefill(cache, prompt, capture)
+    bonus = int(pick(model.head(h[-1:]))[0])
+    res.target_forwards = 1
+    out = [bonus]
+    sync()
+    t1 = time.perf_counter()
+    res.prefill_ms = (t1 - t_start) * 1e3
+    if method == "ddtree":
+        drafter.begin(model, prompt, feats, max_new_tokens)
+        sync()
+        res.drafter_setup_ms = (time.perf_counter() - t1) * 1e3
+
+    while len(out) < max_new_tokens:
+        if method == "ar":
+            bonus = _ar_step(model, cache, bonus, pick, res, sync)
+            out.append(bonus)
+        else:
+            emitted = _ddtree_step(model, cache, drafter, bonus, budget, k, temperature, rng, res, sync, capture)
+            out.extend(emitted)
+            bonus = emitted[-1]
+        res.target_forwards += 1
+    sync()
+    res.total_ms = (time.perf_counter() - t_start) * 1e3
+    res.tokens = out[:max_new_tokens]
+    return res
+
+
+def _ar_step(model, cache, token, pick, res, sync) -> int:
+    t0 = time.perf_counter()
+    s = cache.length
+    h, _ = model.forward_cached(cache, torch.tensor([token]), [s])
+    logits = model.head(h)
+    cache.commit()
+    sync()
+    t1 = time.perf_counter()
+    nxt = int(pick(logits)[0])
+    sync()
+    t2 = time.perf_counter()
+    for p, v in zip(PHASES, (0.0, 0.0, (t1 - t0) * 1e3, (t2 - t1) * 1e3, 0.0), strict=True):
+        res.phase_ms[p].append(v)
+    res.accepted.append(1)
+    res.tree_sizes.append(1)
+    return nxt
+
+
+def _ddtree_step(model, cache, drafter, bonus, budget, k, temperature, rng, res, sync, capture) -> list[int]:
+    dev, V = model.device, model.cfg.vocab_size
+    s = cache.length
+    t = [time.perf_counter()]
+    # draft: [L, V] fp32 logits -> full-vocabulary log-probs -> top-K per depth
+    logp = torch.log_softmax(drafter.draft(bonus, s).float(), dim=-1)
+    top = logp.topk(k, dim=-1)
+    ids, lps = top.indices[None].contiguous(), top.values[None].contiguous()  # [1, L, K]
+    sync()
+    t.append(time.perf_counter())
+    # build
+    trees = ops.build_tree_batch(ids, lps, budget, vocab_size=V)
+    m = int(trees.sizes[0])  # n + 1 verified rows
+    sync()
+    t.append(time.perf_counter())
+    # verify
+    tokens = torch.cat([torch.tensor([bonus], device=dev), trees.node_token_ids[0, : m - 1]])  # [n+1]
+    h, feats = model.forward_cached(cache, tokens, s + trees.positions[0, :m], trees.visibility[0, :m, :m], capture)
+    logits = model.head(h)  # [n+1, V]
+    sync()
+    t.append(time.perf_counter())
+    # accept
+    horizon = drafter.block_size - 1
+    if temperature == 0:
+        target = torch.zeros(1, budget + 1, dtype=torch.int64, device=dev)  # [1, budget+1]; pad never read
+        target[0, :m] = logits.argmax(-1)
+        paths, lengths, new_bonus = ops.accept_greedy_batch(trees, target, max_depth=horizon)
+    else:
+        probs = torch.zeros(1, budget + 1, V, dtype=torch.float32, device=dev)  # [1, budget+1, V]
+        probs[0, :m] = torch.softmax(logits / temperature, dim=-1)
+        probs[0, m:] = 1.0  # padding rows are never read; keep them valid probabilities
+        u = torch.from_numpy(rng.random((1, budget + 1))).to(dev)  # [1, budget+1] one uniform per node
+        paths, lengths, new_bonus = ops.accept_sample_batch(trees, probs, u, max_depth=horizon)
+    sync()
+    t.append(time.perf_counter())
+    # compaction + drafter context update
+    tau = cache.commit_path(paths, lengths)
+    path = paths[0, :tau]
+    accepted_tokens = tokens[path]
+    drafter.commit(accepted_tokens, feats[path] if feats is not None else None)
+    emitted = accepted_tokens[1:].tolist() + [int(new_bonus[0])]
+    sync()
+    t.append(time.perf_counter())
+    for p, a, b in zip(PHASES, t[:-1], t[1:], strict=True):
+        res.phase_ms[p].append((b - a) * 1e3)
+    res.accepted.append(tau)
+    res.tree_sizes.append(m)
+    return emitted

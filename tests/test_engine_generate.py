@@ -1,0 +1,222 @@
+"""kdlib.engine.generate: the DDTree == AR greedy invariant (CPU and CUDA), the T > 0 distribution, bad input."""
+
+import dataclasses
+import math
+from functools import cache
+
+import numpy as np
+import pytest
+import torch
+
+from kdlib import DATA
+from kdlib.engine.config import ModelConfig
+from kdlib.engine.drafter import NoisyOracleDrafter
+from kdlib.engine.generate import generate
+from kdlib.engine.model import Model
+
+N_CASES = 52
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads; one thread keeps parallel test workers from thrashing."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _config(name: str) -> ModelConfig:
+    base = ModelConfig.from_json(DATA / "configs" / f"{name.split('+')[0]}.json")
+    if name.endswith("+noqlora"):  # tiny-a without q_lora and without YaRN
+        return dataclasses.replace(base, q_lora_rank=None, rope=None)
+    if name.endswith("+v8"):  # a vocabulary small enough to tabulate distributions
+        return dataclasses.replace(base, vocab_size=8)
+    return base
+
+
+CONFIGS = ("tiny-a", "tiny-b", "tiny-a+noqlora")
+
+
+@cache
+def _model(name: str, seed: int, device: str = "cpu") -> Model:
+    return Model.random(_config(name), seed=seed, device=device)
+
+
+def _cases(n: int, seed: int):
+    """Random (config, model seed, prompt, max_new, budget, top_k, block, p_wrong, cache mode) tuples."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        name = CONFIGS[i % len(CONFIGS)]
+        vocab = _config(name).vocab_size
+        prompt = rng.integers(0, vocab, int(rng.integers(1, 20))).tolist()
+        block = int(rng.integers(2, 9))
+        budget = int(rng.choice([0, 1, 2, 3, 5, 8, 13, 24, 40]))
+        top_k = [None, 1, 1, 2, 3, 5][int(rng.integers(0, 6))]  # K' = 1 is the chain
+        out.append((name, int(rng.integers(0, 2)), prompt, int(rng.integers(4, 21)), budget, top_k, block,
+                    float(rng.choice([0.0, 0.2, 0.5, 0.9, 1.0])), ["compact", "remap"][i % 2], int(rng.integers(0, 1000))))
+    return out
+
+
+def _check_case(case, device="cpu"):
+    name, mseed, prompt, max_new, budget, top_k, block, p_wrong, mode, dseed = case
+    model = _model(name, mseed, device)
+    ar = generate(model, prompt, max_new)
+    drafter = NoisyOracleDrafter(model.cfg.vocab_size, p_wrong, block_size=block, seed=dseed)
+    dd = generate(model, prompt, max_new, method="ddtree", drafter=drafter, budget=budget, top_k=top_k, cache_mode=mode)
+    assert dd.tokens == ar.tokens, f"DDTree != AR for {case}"
+    assert len(dd.tokens) == max_new and dd.target_forwards == 1 + dd.steps
+    assert all(1 <= a <= min(block, budget + 1) for a in dd.accepted)
+    return dd
+
+
+def test_ddtree_equals_ar_greedy_cpu():
+    """>= 50 random cases: every budget, top-k (chain included), prompt, config and cache mode tried."""
+    cases = _cases(N_CASES, seed=0)
+    results = [_check_case(c) for c in cases]
+    # the corpus must exercise real trees: long accepts and rejections both occur
+    assert max(max(r.accepted) for r in results) >= 4
+    assert any(1 in r.accepted for r in results)
+    assert any(c[5] == 1 for c in cases) and any(c[4] == 0 for c in cases)
+
+
+@pytest.mark.gpu
+def test_ddtree_equals_ar_greedy_cuda():
+    """The same invariant on CUDA: tree build, accept and compaction run as CuPy kernels via kdlib.ops."""
+    for case in _cases(N_CASES, seed=1):
+        _check_case(case, device="cuda")
+
+
+def test_cache_modes_agree_and_tree_beats_chain():
+    """remap and compact give the same tokens; at a fixed acceptance a tree accepts no less than a chain."""
+    model = _model("tiny-a", 0)
+    prompt = [1, 2, 3, 4, 5]
+    kw = dict(method="ddtree", budget=16)
+    runs = {}
+    for mode in ("compact", "remap"):
+        for k in (1, None):
+            d = NoisyOracleDrafter(model.cfg.vocab_size, 0.4, block_size=6, seed=7)
+            runs[mode, k] = generate(model, prompt, 48, drafter=d, top_k=k, cache_mode=mode, **kw)
+    assert runs["compact", None].tokens == runs["remap", None].tokens == runs["compact", 1].tokens
+    assert runs["compact", None].accepted == runs["remap", None].accepted
+    assert runs["compact", None].tokens_per_forward >= runs["compact", 1].tokens_per_forward
+
+
+def test_oracle_acceptance_dial():
+    """p_wrong = 0 accepts whole blocks; p_wrong = 1 with a chain accepts nothing."""
+    model = _model("tiny-b", 0)
+    d0 = NoisyOracleDrafter(model.cfg.vocab_size, 0.0, block_size=5, seed=0)
+    r0 = generate(model, [3, 4], 30, method="ddtree", drafter=d0, budget=4)
+    assert set(r0.accepted[:-1]) == {5}
+    d1 = NoisyOracleDrafter(model.cfg.vocab_size, 1.0, block_size=5, seed=0)
+    r1 = generate(model, [3, 4], 10, method="ddtree", drafter=d1, budget=4, top_k=1)
+    assert set(r1.accepted) == {1} and r1.tokens_per_forward == 10 / 10
+
+
+# ----------------------------------------------------------------------------- temperature > 0
+class _MarginalDrafter:
+    """Drafts depth d from the target's own next-token logits after context + bonus (depth 1 exact,
+    deeper depths repeat it): cheap, and good enough that tree nodes are often accepted."""
+
+    target_layer_ids = ()
+
+    def __init__(self, model, block_size):
+        self.model, self.block_size, self.vocab_size = model, block_size, model.cfg.vocab_size
+
+    def begin(self, target, prompt_ids, features, max_new_tokens):
+        self.ctx = list(torch.as_tensor(prompt_ids).tolist())
+
+    def commit(self, token_ids, features):
+        self.ctx += torch.as_tensor(token_ids).tolist()
+
+    def draft(self, bonus, s):
+        row = self.model.logits(self.ctx + [int(bonus)])[-1]
+        return row[None].expand(self.block_size - 1, -1)
+
+
+def _chi2_pvalue(observed: np.ndarray, expected_p: np.ndarray) -> float:
+    """Pearson chi-square goodness of fit (cells with expectation < 5 pooled), Wilson-Hilferty p-value."""
+    n = observed.sum()
+    exp = expected_p * n
+    order = np.argsort(exp)
+    obs_s, exp_s = observed[order].astype(float), exp[order]
+    pooled_o, pooled_e, acc_o, acc_e = [], [], 0.0, 0.0
+    for o, e in zip(obs_s, exp_s, strict=True):
+        acc_o, acc_e = acc_o + o, acc_e + e
+        if acc_e >= 5:
+            pooled_o.append(acc_o)
+            pooled_e.append(acc_e)
+            acc_o = acc_e = 0.0
+    if acc_e > 0:
+        pooled_o[-1] += acc_o
+        pooled_e[-1] += acc_e
+    o, e = np.array(pooled_o), np.array(pooled_e)
+    stat, dof = float(((o - e) ** 2 / e).sum()), len(o) - 1
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def _exact_two_token_joint(model, prompt, temperature):
+    """[V, V] exact p(t1, t2 | prompt) of the tempered target."""
+    V = model.cfg.vocab_size
+    p1 = torch.softmax(model.logits(prompt)[-1] / temperature, -1).double()
+    joint = torch.zeros(V, V, dtype=torch.float64)
+    for t1 in range(V):
+        joint[t1] = p1[t1] * torch.softmax(model.logits(prompt + [t1])[-1] / temperature, -1).double()
+    return joint.numpy()
+
+
+@pytest.mark.slow
+def test_sampling_distribution_equals_ar():
+    """At T > 0, DDTree's first two tokens follow the target's exact joint law (and so does AR)."""
+    model = _model("tiny-a+v8", 2)
+    prompt, temp, n = [1, 5, 2], 0.8, 1200
+    joint = _exact_two_token_joint(model, prompt, temp).ravel()
+    dd_counts, ar_counts, taus = np.zeros(64), np.zeros(64), []
+    for seed in range(n):
+        d = _MarginalDrafter(model, block_size=3)
+        r = generate(model, prompt, 2, method="ddtree", drafter=d, budget=4, top_k=2, temperature=temp, seed=seed)
+        dd_counts[r.tokens[0] * 8 + r.tokens[1]] += 1
+        taus.extend(r.accepted)
+        a = generate(model, prompt, 2, temperature=temp, seed=10_000 + seed)
+        ar_counts[a.tokens[0] * 8 + a.tokens[1]] += 1
+    assert np.mean(np.array(taus) > 1) > 0.2, "the test must exercise accepted tree nodes"
+    p_dd, p_ar = _chi2_pvalue(dd_counts, joint), _chi2_pvalue(ar_counts, joint)
+    assert p_dd > 1e-3, f"DDTree samples do not follow the target (p = {p_dd:.2e})"
+    assert p_ar > 1e-3, f"AR samples do not follow the target (p = {p_ar:.2e})"
+    # the test can fail: the same samples against the law at another temperature are rejected
+    wrong = _exact_two_token_joint(model, prompt, 1.6).ravel()
+    assert _chi2_pvalue(dd_counts, wrong) < 1e-3
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(prompt_ids=[]), "non-empty"),
+        (dict(prompt_ids=[0, 96]), "vocabulary"),
+        (dict(prompt_ids=[-3]), "vocabulary"),
+        (dict(prompt_ids=list(range(10)) * 103), "longer than the context limit"),
+        (dict(max_new_tokens=1022), "exceeds the context limit"),
+        (dict(max_context=8, prompt_ids=list(range(9))), "longer than the context limit"),
+        (dict(method="ddtree", budget=257), "budget 257 exceeds"),
+        (dict(method="ddtree", budget=-1), "budget"),
+        (dict(method="ddtree", budget=20, block=18), "tree depth"),
+        (dict(method="ddtree", drafter=None), "needs a drafter"),
+        (dict(method="beam"), "method"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(budget=4), "apply to method 'ddtree' only"),
+        (dict(method="ddtree", top_k=0), "top_k"),
+    ],
+)
+def test_bad_input_raises_before_compute(kwargs, match, monkeypatch):
+    model = Model.random(_config("tiny-a"), seed=0)
+    monkeypatch.setattr(model, "prefill", lambda *a, **k: pytest.fail("computed before validating"))
+    args = dict(prompt_ids=[1, 2, 3], max_new_tokens=4, method="ar")
+    block = kwargs.pop("block", 4)
+    args.update(kwargs)
+    if args["method"] == "ddtree" and "drafter" not in kwargs:
+        args["drafter"] = NoisyOracleDrafter(model.cfg.vocab_size, 0.1, block_size=block)
+    with pytest.raises(ValueError, match=match):
+        generate(model, **args)
