@@ -215,3 +215,164 @@ def test_kernel_accepts_torch_bf16_and_rejects_bad_input():
         moe.moe_w4a16(x, packed, routing, gate_up_warps=4)
     with pytest.raises(ValueError, match="topk_ids must lie"):
         moe.prepare_routing(cp.asarray(ids + E), cp.asarray(wts), E)
+
+
+# ----------------------------------------------------------------------------- CPU: kernel emulation
+# A line-by-line transliteration of the two kernels' index arithmetic (flat pointers, block / warp /
+# lane decomposition, C-fragment epilogues) with the warp's mma done on the fragments all 32 lanes
+# hold. It checks the kernel's addressing against the host packing and the reference, on the CPU.
+
+
+def _emu_dequant(words: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """dequant8 for 32 lanes: words, scales [32] uint32 -> A registers as float64 pairs [32, 4, 2]."""
+    out = np.empty((32, 4, 2))
+    s_lo = moe.bf16_bits_to_f32((scales & 0xFFFF).astype(np.uint16)).astype(np.float64)
+    s_hi = moe.bf16_bits_to_f32((scales >> 16).astype(np.uint16)).astype(np.float64)
+    for j in range(4):
+        v = ((words >> np.uint32(4 * j)) & np.uint32(0x000F000F)) | np.uint32(0x43004300)
+        lo = moe.bf16_bits_to_f32((v & 0xFFFF).astype(np.uint16)).astype(np.float64)   # 128 + q
+        hi = moe.bf16_bits_to_f32((v >> 16).astype(np.uint16)).astype(np.float64)
+        s = s_hi if j & 1 else s_lo
+        out[:, j, 0] = moe.round_bf16((lo - 136.0) * s)
+        out[:, j, 1] = moe.round_bf16((hi - 136.0) * s)
+    return out
+
+
+def _emu_mma(acc: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+    """acc [32, 4] += the m16n8k16 product of A regs a [32, 4, 2] and B regs b [32, 2, 2] (PTX layout)."""
+    A = np.zeros((16, 16))
+    B = np.zeros((16, 8))
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for r, (row, col) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
+            A[row, col:col + 2] = a[lane, r]
+        B[2 * t:2 * t + 2, g] = b[lane, 0]
+        B[2 * t + 8:2 * t + 10, g] = b[lane, 1]
+    D = A @ B
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        acc[lane] += [D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]]
+
+
+def _emu_load_b(src: np.ndarray, rows: list, col0: int) -> np.ndarray:
+    """load_b for 32 lanes: rows[g] (row offset or None) -> B regs [32, 8 words, 2 halves] as float64."""
+    b = np.zeros((32, 8, 2))
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        if rows[g] is not None:
+            vals = moe.bf16_bits_to_f32(src[rows[g] + col0 + 16 * t: rows[g] + col0 + 16 * t + 16])
+            b[lane] = vals.reshape(8, 2)
+    return b
+
+
+def _emulate(x_bits, packed, ids, wts, E, K, N, warps_n8=16):
+    M, k = ids.shape
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    counts = np.bincount(flat, minlength=E)
+    off = np.concatenate([[0], np.cumsum(counts)])
+    active = np.nonzero(counts)[0]
+    stok, swt = order // k, wts.reshape(-1)[order]
+    nch, kb_g, warps = (1, 7, warps_n8) if counts.max() <= 8 else (4, 2, 8)
+    kb_d = 4 if nch == 1 else 2
+    passes = -(-counts.max() // (8 * nch))
+    w1 = packed["w1"].reshape(-1, 4)
+    s1 = packed["s1"].reshape(-1)
+    w2 = packed["w2"].reshape(-1, 4)
+    s2 = packed["s2"].reshape(-1)
+    x = np.asarray(x_bits).reshape(-1)
+    S, P, KC, RT, NC = M * k, N // 16, K // 64, K // 16, N // 64
+    h = np.zeros(S * N, np.uint16)
+    y = np.zeros(M * K)
+    lanes = np.arange(32)
+    g_l, t_l = lanes // 4, lanes % 4
+    for a_idx, e in enumerate(active):                       # gate/up: blockIdx.y
+        for z in range(passes):
+            end, slot0 = off[e + 1], off[e] + z * 8 * nch
+            if slot0 >= end:
+                continue
+            for p in range(P):                               # blockIdx.x
+                red = np.zeros((warps, nch * 8, 32))
+                tile_base = e * P + p
+                for warp in range(warps):
+                    xrow = [[(stok[s] * K if (s := slot0 + 8 * c + g) < end else None) for g in range(8)]
+                            for c in range(nch)]
+                    acc = np.zeros((nch, 2, 32, 4))
+                    per = -(-KC // warps)
+                    kbeg, kend = warp * per, min(KC, warp * per + per)
+                    for k0 in range(kbeg, kend, kb_g):
+                        for j in range(kb_g):
+                            if k0 + j >= kend:
+                                continue
+                            b = [_emu_load_b(x, xrow[c], (k0 + j) * 64) for c in range(nch)]
+                            for u in range(2):
+                                wv = w1[(tile_base * KC * 2 + (k0 + j) * 2 + u) * 32 + lanes]
+                                sv = s1[tile_base * KC * 2 * 16 + ((k0 + j) * 2 + u) * 16 + (t_l >> 1) * 8 + g_l]
+                                for i in range(4):
+                                    af = _emu_dequant(wv[:, i], sv)
+                                    for c in range(nch):
+                                        _emu_mma(acc[c, u], af, b[c][:, 2 * i:2 * i + 2])
+                    for c in range(nch):
+                        for u in range(2):
+                            for r in range(4):
+                                red[warp, (c * 2 + u) * 4 + r] = acc[c, u, :, r]
+                for idx in range(nch * 4 * 32):
+                    ln, r, c = idx & 31, (idx >> 5) & 3, idx >> 7
+                    gs = red[:, (c * 2) * 4 + r, ln].sum()
+                    us = red[:, (c * 2 + 1) * 4 + r, ln].sum()
+                    row = (ln >> 2) + (8 if r >= 2 else 0)
+                    slot = slot0 + 8 * c + 2 * (ln & 3) + (r & 1)
+                    if slot < end:
+                        h[slot * N + p * 16 + row] = moe.f32_to_bf16_bits(gs / (1 + np.exp(-gs)) * us)
+    for a_idx, e in enumerate(active):                       # down
+        for z in range(passes):
+            end, slot0 = off[e + 1], off[e] + z * 8 * nch
+            if slot0 >= end:
+                continue
+            for bx in range(-(-RT // 16)):
+                for warp in range(8):
+                    rt0 = (bx * 8 + warp) * 2
+                    if rt0 >= RT:
+                        continue
+                    hrow = [[(s * N if (s := slot0 + 8 * c + g) < end else None) for g in range(8)] for c in range(nch)]
+                    acc = np.zeros((2, nch, 32, 4))
+                    for k0 in range(0, NC, kb_d):
+                        for j in range(kb_d):
+                            if k0 + j >= NC:
+                                continue
+                            b = [_emu_load_b(h, hrow[c], (k0 + j) * 64) for c in range(nch)]
+                            for q in range(2):
+                                rt = rt0 + q
+                                if rt >= RT:
+                                    continue
+                                tile = (e * RT + rt) * NC + (k0 + j)
+                                wv, sv = w2[tile * 32 + lanes], s2[tile * 16 + (t_l >> 1) * 8 + g_l]
+                                for i in range(4):
+                                    af = _emu_dequant(wv[:, i], sv)
+                                    for c in range(nch):
+                                        _emu_mma(acc[q, c], af, b[c][:, 2 * i:2 * i + 2])
+                    for c in range(nch):
+                        for half in range(2):
+                            for lane in range(32):
+                                g, t = divmod(lane, 4)
+                                slot = slot0 + 8 * c + 2 * t + half
+                                if slot >= end:
+                                    continue
+                                for q in range(2):
+                                    rt = rt0 + q
+                                    if rt < RT:
+                                        y[stok[slot] * K + rt * 16 + g] += swt[slot] * acc[q, c, lane, half]
+                                        y[stok[slot] * K + rt * 16 + g + 8] += swt[slot] * acc[q, c, lane, 2 + half]
+    return y.reshape(M, K)
+
+
+@pytest.mark.parametrize("M,k,warps", [(5, 2, 16), (5, 2, 8), (80, 2, 8)])   # 80: two 32-token passes
+def test_kernel_addressing_emulated_on_cpu(M, k, warps):
+    E, K, N = 4, 128, 64
+    rng = np.random.default_rng(M)
+    w = moe.MoEWeights.random(E, K, N, seed=M, std=0.1)
+    x_bits = moe.f32_to_bf16_bits(rng.normal(0, 1, (M, K)))
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(M)]).astype(np.int32)
+    wts = rng.random((M, k)).astype(np.float32)
+    y = _emulate(x_bits, moe.pack_moe(w), ids, wts, E, K, N, warps_n8=warps)
+    check.assert_close(y, moe.moe_w4a16_reference(x_bits, w, ids, wts), rtol=2e-3, name=f"emulated kernel M{M}")
