@@ -286,7 +286,7 @@ def _emulate(x_bits, packed, ids, wts, E, K, N, warps_n8=16):
     y = np.zeros(M * K)
     lanes = np.arange(32)
     g_l, t_l = lanes // 4, lanes % 4
-    for a_idx, e in enumerate(active):                       # gate/up: blockIdx.y
+    for e in active:                                         # gate/up: blockIdx.y walks these
         for z in range(passes):
             end, slot0 = off[e + 1], off[e] + z * 8 * nch
             if slot0 >= end:
@@ -324,7 +324,7 @@ def _emulate(x_bits, packed, ids, wts, E, K, N, warps_n8=16):
                     slot = slot0 + 8 * c + 2 * (ln & 3) + (r & 1)
                     if slot < end:
                         h[slot * N + p * 16 + row] = moe.f32_to_bf16_bits(gs / (1 + np.exp(-gs)) * us)
-    for a_idx, e in enumerate(active):                       # down
+    for e in active:                                         # down
         for z in range(passes):
             end, slot0 = off[e + 1], off[e] + z * 8 * nch
             if slot0 >= end:
