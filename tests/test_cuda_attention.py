@@ -85,6 +85,18 @@ def test_summaries_on_a_synthetic_sweep():
     assert suite.frame(rec)[0]["baseline_note"] == "sdpa: too big"
 
 
+def test_junit_summary_counts_outcomes(tmp_path):
+    from kdlib.perf.suites import _attention as suite
+
+    xml = tmp_path / "j.xml"
+    xml.write_text('<testsuites><testsuite name="pytest"><testcase classname="t" name="a" time="0.5" />'
+                   '<testcase classname="t" name="b" time="0.1"><failure message="x">boom</failure></testcase>'
+                   '<testcase classname="t" name="c"><skipped message="s" /></testcase></testsuite></testsuites>')
+    got = suite.junit_summary(xml)
+    assert (got["passed"], got["failed"], got["skipped"], got["failures"]) == (1, 1, 1, ["t::b"])
+    assert suite.junit_summary(tmp_path / "missing.xml") is None
+
+
 # ----------------------------------------------------------------------------- GPU helpers
 
 

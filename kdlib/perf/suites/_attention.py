@@ -356,11 +356,62 @@ def goal(result: dict, variant: str | None = None) -> dict:
     }
 
 
-def main() -> None:  # pragma: no cover - GPU entry for a quick look
-    import json
+def junit_summary(path) -> dict | None:
+    """{passed, failed, skipped, failures: [test ids]} of a pytest --junitxml file (None when absent)."""
+    import xml.etree.ElementTree as ET
+    from pathlib import Path
 
-    print(json.dumps(run(SimpleNamespace(quick=True)), indent=1, default=float))
+    if not path or not Path(path).is_file():
+        return None
+    cases = ET.parse(path).getroot().iter("testcase")
+    out = {"passed": 0, "failed": 0, "skipped": 0, "failures": [], "cases": []}
+    for c in cases:
+        name = f"{c.get('classname', '')}::{c.get('name', '')}"
+        kind = "failed" if c.find("failure") is not None or c.find("error") is not None else \
+            "skipped" if c.find("skipped") is not None else "passed"
+        out[kind] += 1
+        out["cases"].append({"test": name, "outcome": kind, "seconds": float(c.get("time", 0))})
+        if kind == "failed":
+            out["failures"].append(name)
+    return out
+
+
+def main(argv=None) -> int:  # pragma: no cover - the GPU entry of a development run
+    """`python3 -m kdlib.perf.suites._attention --out DIR [--impls a,b] [--quick] [--junit FILE] ...`
+
+    Writes `<DIR>/verify_attention_dev.<gpu>.json` (provenance stamped), with the summary of a
+    pytest --junitxml file from the same session when given.
+    """
+    import argparse
+    import sys
+
+    from kdlib import perf
+
+    ap = argparse.ArgumentParser(prog="python3 -m kdlib.perf.suites._attention")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--impls", default="auto", help="comma list of kernel variants; the first is the headline")
+    ap.add_argument("--time-budget", type=float, default=None, help="seconds after which no new point starts")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--baseline-iters", type=int, default=5)
+    ap.add_argument("--junit", default=None, help="pytest --junitxml file of the GPU tests run just before")
+    a = ap.parse_args(argv)
+    args = SimpleNamespace(quick=a.quick, impls=a.impls.split(","), time_budget_s=a.time_budget, iters=a.iters,
+                           baseline_iters=a.baseline_iters)
+    payload = run(args)
+    payload["gpu_tests"] = junit_summary(a.junit)
+    command = "python3 -m kdlib.perf.suites._attention " + " ".join(sys.argv[1:] if argv is None else argv)
+    path = perf.write("verify_attention_dev", payload, out_dir=a.out, command=command)
+    print(f"[perf] wrote {path}")
+    for r in payload["points"]:
+        if r["heads"] == 8 and r["batch"] == 1 or r["queries"] == 65 and r["prefix"] == 200000:
+            v = "  ".join(f"{k} {x['kernel']['median_ms']:.4f} ms {x['fraction_of_floor']:.3f}" for k, x in r["variants"].items())
+            b = "  ".join(f"{k} {x['median_ms']:.4f}" for k, x in r["baselines"].items() if "median_ms" in x)
+            print(f"H{r['heads']} Q{r['queries']} S{r['prefix']} B{r['batch']} floor {r['floor_ms']:.4f} | {v} | {b}")
+    print("left out for time:", len(payload["left_out_for_time"]), "wall", round(payload["wall_s"], 1),
+          "tests:", {k: v for k, v in (payload["gpu_tests"] or {}).items() if k != "cases"})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
