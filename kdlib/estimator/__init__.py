@@ -98,6 +98,9 @@ def cli(argv: list[str] | None = None) -> int:
                     help="seeds: the seeds' B300 scenarios rebuilt; default: C = 1, 4, 10 projection")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 10])
     ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--tree", default="cpu", choices=("cpu", "gpu"), help="tree builder (default cpu)")
+    ap.add_argument("--calibrated", action="store_true",
+                    help="calibrate on the recorded H200 component results (data/results/*.h200.json) first")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = ap.parse_args(argv)
     try:
@@ -122,12 +125,17 @@ def cli(argv: list[str] | None = None) -> int:
                 print(f"  {r['reading'][:78]:<78} {r['current_tok_s']:5.0f} | {r['strong_tok_s_low']:4.0f}-"
                       f"{r['strong_tok_s_high']:<4.0f} | {r['cut_tok_s_low']:4.0f}-{r['cut_tok_s_high']:.0f}")
         return 0
-    scs = [Scenario(c, 9, 8, 4.4, args.context, "cpu", f"C={c}") for c in args.concurrency]
-    rows = project([args.gpu], scs)
+    p = seeds.points()
+    block, acc = int(p["b300_block"]["value"]), p["b300_accepted"]["value"]
+    scs = [Scenario(c, block + 1, block, acc, args.context, args.tree, f"C={c}") for c in args.concurrency]
+    a = calibrate(load_results("h200")) if args.calibrated else Assumptions()
+    rows = project([args.gpu], scs, a)
     if args.json:
-        print(json.dumps({"gpu": args.gpu, "assumptions": Assumptions().table(), "rows": rows}, indent=1))
+        print(json.dumps({"gpu": args.gpu, "assumptions": a.table(), "rows": rows}, indent=1))
     else:
-        print(f"{args.gpu}: block 8, ~4.4 accepted, context {args.context}, native-loop defaults")
+        what = "H200-calibrated" if args.calibrated else "default"
+        print(f"{args.gpu}: block {block}, ~{acc:g} accepted (the seeds' current drafter), context {args.context}, "
+              f"{args.tree} tree build, {what} assumptions")
         for r in rows:
             print(f"  C={r['concurrency']:<3} step {r['step_ms']:7.2f} ms  {r['tok_s']:8.0f} tok/s  "
                   f"dominant: {r['dominant']}")
