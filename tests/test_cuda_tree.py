@@ -74,20 +74,22 @@ def test_build_limits_raise_before_any_work():
         tree.build_tree_batch(None, None, tree.MAX_BUDGET + 1)
     with pytest.raises(ValueError, match="budget"):
         tree.build_tree_batch(None, None, -1)
-    for version in tree.VERSIONS:  # the documented worst case needs no opt-in
+    for version in (1, 2):  # the documented worst case needs no opt-in (v3 opts in)
         assert tree.shared_bytes(256, 16, 256, version) <= 48 * 1024
+    assert tree.shared_bytes(256, 16, 256, 3) <= 227 * 1024  # Hopper's per-block maximum
     assert tree.kernel_name(31) == ("tree_build_v2", "tree_build_v2_r1")
     assert tree.kernel_name(32) == ("tree_build_v2", "tree_build_v2_r3")
     assert tree.kernel_name(256) == ("tree_build_v2", "tree_build_v2_r9")
+    assert tree.kernel_name(64, 3) == ("tree_build_v3", "tree_build_v3_r3")
     with pytest.raises(ValueError, match="version"):
-        tree.kernel_name(8, 3)
+        tree.kernel_name(8, 4)
 
 
 # ----------------------------------------------------------------------------- build
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_build_worked_example(version):
     """Survey §2.7: L=3, N=5, K'=2."""
     cp = _cp()
@@ -106,7 +108,7 @@ def test_build_worked_example(version):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("budget,depth,kp,vocab", BUILD_CONFIGS)
 def test_build_random_bit_exact(budget, depth, kp, vocab, mode, version):
@@ -123,7 +125,7 @@ def test_build_random_bit_exact(budget, depth, kp, vocab, mode, version):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 @pytest.mark.parametrize("budget,depth,kp", [(0, 5, 4), (5, 0, 4), (5, 3, 0), (0, 0, 0)])
 def test_build_root_only(budget, depth, kp, version):
     cp = _cp()

@@ -249,19 +249,18 @@ def smoke(bsz: int = 4) -> dict:
         for version in accept.SAMPLE_VERSIONS:
             p = accept.accept_sample_batch(step.trees, cupy.asarray(probs), cupy.asarray(u), version=version)
             verdict[accept.sample_kernel(dtype, version)[1]] = all((a.get() == b).all() for a, b in zip(p, w, strict=True))
-    for bud in (40, 120):  # the other register-row variants of tree_build_v2 (r3, r9)
+    for bud in (budget, 40, 120):  # every register-row variant (r1, r3, r9) of tree_build_v2 and v3
         ids, lp = random_topk(rng, bsz, 10, 16, 50, "tied")
         w = ref.build_tree_batch(ids, lp, bud)
-        g = tree.build_tree_batch(cupy.asarray(ids), cupy.asarray(lp), bud)
-        verdict[tree.kernel_name(bud)[1]] = all((getattr(g, f).get() == getattr(w, f)).all()
-                                                for f in ("sizes", "node_token_ids", "parents", "visibility", "next_token"))
-    for version in tree.VERSIONS:
-        if version != tree.DEFAULT_VERSION:  # the step above ran the default version
-            got_v = tree.build_tree_batch(cupy.asarray(inp["top_token_ids"]), cupy.asarray(inp["top_log_probs"]), budget,
-                                          version=version)
-            verdict[tree.kernel_name(budget, version)[1]] = all(
-                (getattr(got_v, f).get() == getattr(want["trees"], f)).all()
+        for version in (2, 3):
+            g = tree.build_tree_batch(cupy.asarray(ids), cupy.asarray(lp), bud, version=version)
+            verdict[tree.kernel_name(bud, version)[1]] = all(
+                (getattr(g, f).get() == getattr(w, f)).all()
                 for f in ("sizes", "node_token_ids", "parents", "visibility", "next_token", "next_sibling"))
+    got_v1 = tree.build_tree_batch(cupy.asarray(inp["top_token_ids"]), cupy.asarray(inp["top_log_probs"]), budget,
+                                   version=1)
+    verdict["tree_build_v1"] = all((getattr(got_v1, f).get() == getattr(want["trees"], f)).all()
+                                   for f in ("sizes", "node_token_ids", "parents", "visibility", "next_token", "next_sibling"))
     for dtype, shape, name in ((np.int8, (7,), "kv_compact_v1_u8"), (np.float32, (3,), "kv_compact_v1_u32")):
         cache = rng.integers(0, 100, (inp["cache"].shape[0], *shape)).astype(dtype)
         wc = cache.copy()

@@ -4,14 +4,16 @@ Kernels, one thread block (128 threads) per request, bit-exact with the referenc
 arithmetic order, same rank-tuple tie-break), padding included:
   * `tree_build_v2_r{1,3,9}` (default, `version=2`): the frontier in warp 0's registers (R rows
     of 32 slots, R = 1, 3 or 9 picked from the budget); tree lists built after the pops;
+  * `tree_build_v3_r{1,3,9}` (`version=3`): v2 with each slot carrying the log-probs its pop
+    needs, taking one shared-memory round trip off every pop;
   * `tree_build_v1`: the frontier in shared memory (the first version, 55 us per build at
     budget 64 on an H200, kept for comparison: `version=1`).
 
 Limits (ValueError before any launch): budget <= MAX_BUDGET (256), K = min(budget, K') <= 256
 (implied), L_eff = min(L, budget) <= MAX_DEPTH (16): trees deeper than 16 would need a wider
 rank-tuple key. Larger budgets are refused rather than silently degraded. Dynamic shared memory
-per block is `shared_bytes(budget, L_eff, K, version)` (formulas in the .cu files; 39,000 B for
-v2 and 42,084 B for v1 at the limits, under the default 48 KB).
+per block is `shared_bytes(budget, L_eff, K, version)` (formulas in the .cu files; at the limits
+42,084 B for v1, 39,000 B for v2, 55,384 B for v3, which opts in above the default 48 KB).
 
 Value checks (finite, descending rows, distinct ids, ids in the vocabulary) need the data on
 the host or a device reduction plus a synchronisation, so they run only with
@@ -30,18 +32,18 @@ from kdlib.ref.tree import DDTreeBatch
 MAX_BUDGET = 256  # rank bytes are 8 bits (ranks < K <= budget) and the meta word holds parents < 2**16
 MAX_DEPTH = 16  # 16 rank bytes in the 128-bit rank-tuple key
 THREADS = 128  # TB_THREADS / TB2_THREADS in kernels/tree_build_v{1,2}.cu
-VERSIONS = (1, 2)
+VERSIONS = (1, 2, 3)
 DEFAULT_VERSION = 2
-V2_ROWS = (1, 3, 9)  # register rows of tree_build_v2_r{R}: budget + 1 <= 32 R
+V2_ROWS = (1, 3, 9)  # register rows of tree_build_v{2,3}_r{R}: budget + 1 <= 32 R
 
 
 def kernel_name(budget: int, version: int = DEFAULT_VERSION) -> tuple[str, str]:
     """(file stem, kernel name) that builds trees of this budget."""
     if version == 1:
         return ("tree_build_v1", "tree_build_v1")
-    if version == 2:
+    if version in (2, 3):
         rows = next(r for r in V2_ROWS if budget + 1 <= 32 * r)
-        return ("tree_build_v2", f"tree_build_v2_r{rows}")
+        return (f"tree_build_v{version}", f"tree_build_v{version}_r{rows}")
     raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
 
 
@@ -51,7 +53,9 @@ def shared_bytes(budget: int, l_eff: int, k: int, version: int = DEFAULT_VERSION
     w = (s + 31) // 32
     if version == 1:
         return 64 * s + 4 * s * w + 4 * l_eff * k
-    return 16 * s + 8 * s * w + 4 * l_eff * k
+    if version == 2:
+        return 16 * s + 8 * s * w + 4 * l_eff * k
+    return 16 * s + 8 * s * w + 8 * l_eff * k  # v3: the log-prob table as float64
 
 
 def _check_budget(budget) -> int:
@@ -134,7 +138,7 @@ def build_tree_batch(
     bit-identical to `kdlib.ref.tree.build_tree_batch` on the same inputs.
     check_values: also run the reference's value checks on the device (one host sync).
     out: an `empty_batch(B, budget)` to write into (no allocation; graph capture).
-    version: the kernel generation (2, the default, or 1); both give identical results.
+    version: the kernel generation (1, 2 or 3; default DEFAULT_VERSION); all give identical results.
     """
     budget = _check_budget(budget)
     kernel = kernel_name(budget, version)
