@@ -376,3 +376,15 @@ def test_kernel_addressing_emulated_on_cpu(M, k, warps):
     wts = rng.random((M, k)).astype(np.float32)
     y = _emulate(x_bits, moe.pack_moe(w), ids, wts, E, K, N, warps_n8=warps)
     check.assert_close(y, moe.moe_w4a16_reference(x_bits, w, ids, wts), rtol=2e-3, name=f"emulated kernel M{M}")
+
+
+def test_suite_helpers_route_distinct_experts_and_count_bytes():
+    from kdlib.perf.suites import moe as suite
+
+    ids, w = suite._routing(np.random.default_rng(0), 50)
+    assert ids.shape == (50, suite.TOPK) and all(len(set(r)) == suite.TOPK for r in ids.tolist())
+    np.testing.assert_allclose(w.sum(axis=1), 1.0, rtol=1e-6)
+    assert suite.expected_touched(1) == pytest.approx(suite.TOPK)
+    acct = moe.layer_bytes_flops(9, 66.0, suite.K, suite.N, suite.TOPK)
+    assert acct["weight_bytes"] == 66 * moe.packed_bytes_per_expert(suite.K, suite.N)
+    assert acct["flops"] == 2 * 9 * 8 * 3 * 7168 * 256
