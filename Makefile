@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.kdlib-stamp
 PROFILE ?= cpu
 
-.PHONY: all reports test test-fast lab gpu-test clean-reports lint
+.PHONY: all reports test lab gpu-test clean-reports lint chromium
 
 all: reports
 
@@ -29,7 +29,7 @@ reports: $(STAMP)
 ## test: unit, property and fuzz tests, kernel compile checks, nbval over all notebooks, batch runner (CPU)
 test: $(STAMP) chromium
 	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not gpu" tests
-	$(BIN)/python -m pytest --nbval-lax --nbval-current-env -p no:randomly notebooks
+	$(BIN)/python -m pytest -n 2 --dist loadfile --nbval-lax --nbval-current-env notebooks
 
 ## lab: JupyterLab on the notebooks
 lab: $(STAMP)
@@ -43,4 +43,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check kdlib tests
 
 clean-reports:
-	rm -rf reports/*.html reports/*.ipynb reports/*_files
+	rm -rf reports/*.html reports/*.ipynb reports/*_files reports/index.json
