@@ -255,6 +255,38 @@ def test_random_bf16_mma():
 
 
 @pytest.mark.gpu
+def test_random_bf16_mma_fast_1000():
+    """1,000 fresh random problems per tensor-core version against a float64 torch reference on the
+    GPU (full trees, ragged prefixes incl. empty ones, up to several KV splits)."""
+    import torch
+
+    from kdlib.check import assert_close
+    from kdlib.cuda import attention as cu
+
+    g = torch.Generator(device="cuda").manual_seed(8000)
+    rng = np.random.default_rng(8000)
+    for i in range(1000):
+        bsz, nq = int(rng.integers(1, 4)), int(rng.choice([1, 2, 5, 9, 17, 33, 64, 65]))
+        nh, width = int(rng.choice([1, 2, 3, 8, 16])), int(rng.choice([1, 40, 300, 1000, 3000]))
+        n_slots = 2 * width + 5
+        q = (torch.randn(bsz, nq, nh, 576, device="cuda", generator=g) * float(rng.choice([0.3, 1.0, 3.0]))).bfloat16()
+        kv = torch.randn(n_slots, 576, device="cuda", generator=g).bfloat16()  # [S, 576]
+        page = torch.stack([torch.randperm(n_slots, device="cuda", generator=g)[:width] for _ in range(bsz)]).int()
+        lens = torch.from_numpy(rng.integers(0, width + 1, size=bsz).astype(np.int32)).cuda()
+        tkv = torch.randn(bsz, nq, 576, device="cuda", generator=g).bfloat16()
+        vis = torch.from_numpy(np.stack([_random_tree(rng, nq) for _ in range(bsz)])).cuda()
+        sizes = torch.full((bsz,), nq, dtype=torch.int32, device="cuda")
+        scale = float(rng.uniform(0.02, 0.1))
+        r_out, r_lse = _torch_reference(q, kv, page, lens, tkv, vis, sizes, scale)
+        for impl in _mma_impls():
+            _poison_pool()
+            out, lse = cu.tree_verify_attention(q, kv, page, lens, tkv, vis, sizes, scale, impl=impl)
+            name = f"fast case {i} {impl} B{bsz} Q{nq} H{nh} P{width}"
+            assert_close(out, r_out, rtol=BF16_RTOL, name=name, quiet=True)
+            assert float(torch.max(torch.abs(torch.from_dlpack(lse) - r_lse))) <= LSE_ATOL_BF16, name
+
+
+@pytest.mark.gpu
 def test_random_bf16_mma_multi_split():
     _run_random(6000, 60, "bfloat16", _mma_impls(), BF16_RTOL, LSE_ATOL_BF16, max_p=3000, heads=(1, 2, 8))
 
