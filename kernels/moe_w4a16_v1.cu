@@ -6,8 +6,10 @@
 //   moe_w4a16_v1_gate_up_n{8,32}: h[slot, :] = silu(x[tok] . Wg^T) * (x[tok] . Wu^T)  -> bf16 [S, N]
 //   moe_w4a16_v1_down_n{8,32}:    y[tok, :] += weight[slot] * (h[slot] . Wd^T)           fp32 atomics
 // where slots are the M*topk (token, expert) pairs sorted by expert (routing metadata below).
-// The _n8 variants multiply one chunk of 8 tokens per weight pass (decode, <= 8 tokens per expert);
-// the _n32 variants four chunks (32 tokens) per pass, with grid.z covering more in further passes.
+// The _n8 variants multiply one chunk of 8 tokens per weight pass (decode, <= 8 tokens per expert),
+// _n16 two chunks, _n32 four chunks (32 tokens) per pass. More tokens take further passes: grid.x,
+// the fastest-varying block index, so the passes over one expert's weights run back to back and
+// re-read them from L2 rather than HBM.
 //
 // Routing metadata (int32, device), made by kdlib.cuda.moe.prepare_routing:
 //   expert_offsets [E + 1]  slot range [off[e], off[e+1]) of expert e in sorted order
@@ -98,7 +100,7 @@ __device__ __forceinline__ u16 f32_to_bf16_bits(float v) {
   return *reinterpret_cast<const u16*>(&b);
 }
 
-// Block (pair p, active expert a, token pass z): gate tile p and up tile p of one expert over the
+// Block (token pass x, pair p = y, active expert z): gate tile p and up tile p of one expert over the
 // full K, split across WARPS warps, reduced in shared memory, SwiGLU, bf16 store.
 // NCH chunks of 8 tokens per pass; KB chunks of 64 columns loaded before they are used.
 template <int NCH, int KB, int WARPS>
@@ -107,15 +109,15 @@ __device__ __forceinline__ void gate_up_body(
     const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
     const int* __restrict__ n_active, const int* __restrict__ sorted_token, u16* __restrict__ h,
     int K, int N, float (*red)[NCH * 8][32]) {
-  const int a_idx = blockIdx.y;
+  const int a_idx = blockIdx.z;
   if (a_idx >= *n_active) return;  // block-uniform
   const int e = active_experts[a_idx];
   const int end = expert_offsets[e + 1];
-  const int slot0 = expert_offsets[e] + blockIdx.z * (8 * NCH);
+  const int slot0 = expert_offsets[e] + blockIdx.x * (8 * NCH);
   if (slot0 >= end) return;  // block-uniform
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int p = blockIdx.x, P = N >> 4, KC = K >> 6;
+  const int p = blockIdx.y, P = N >> 4, KC = K >> 6;
 
   const u16* xrow[NCH];
 #pragma unroll
@@ -198,7 +200,7 @@ __device__ __forceinline__ void gate_up_body(
   }
 }
 
-// Block (row-tile group, active expert a, token pass z): each warp owns 2 row tiles of the
+// Block (token pass x, row-tile group y, active expert z): each warp owns 2 row tiles of the
 // output (16 rows each) over the full reduction N; results scaled by the routing weight are
 // added into y (fp32, zeroed by the caller) with atomics, since topk experts share a token row.
 template <int NCH, int KB>
@@ -207,16 +209,16 @@ __device__ __forceinline__ void down_body(
     const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
     const int* __restrict__ n_active, const int* __restrict__ sorted_token,
     const float* __restrict__ sorted_weight, float* __restrict__ y, int K, int N) {
-  const int a_idx = blockIdx.y;
+  const int a_idx = blockIdx.z;
   if (a_idx >= *n_active) return;
   const int e = active_experts[a_idx];
   const int end = expert_offsets[e + 1];
-  const int slot0 = expert_offsets[e] + blockIdx.z * (8 * NCH);
+  const int slot0 = expert_offsets[e] + blockIdx.x * (8 * NCH);
   if (slot0 >= end) return;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int RT = K >> 4, NC = N >> 6;
-  const int rt0 = (blockIdx.x * kWarps + warp) * kDownTilesPerWarp;
+  const int rt0 = (blockIdx.y * kWarps + warp) * kDownTilesPerWarp;
   if (rt0 >= RT) return;  // warp-uniform; no block barrier in this kernel
 
   const u16* hrow[NCH];
@@ -318,7 +320,17 @@ extern "C" __global__ void __launch_bounds__(kThreads) moe_w4a16_v1_gate_up_n8w8
   gate_up_body<1, 7, kWarps>(x, w1, s1, expert_offsets, active_experts, n_active, sorted_token, h, K, N, red);
 }
 
-// Batched regime: 32 tokens per expert per pass (grid.z passes), 2 column chunks in flight.
+// 16 tokens per expert per pass, 4 column chunks in flight.
+extern "C" __global__ void __launch_bounds__(kThreads) moe_w4a16_v1_gate_up_n16(
+    const u16* __restrict__ x, const uint4* __restrict__ w1, const u32* __restrict__ s1,
+    const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
+    const int* __restrict__ n_active, const int* __restrict__ sorted_token, u16* __restrict__ h,
+    int K, int N) {
+  __shared__ float red[kWarps][16][32];
+  gate_up_body<2, 4, kWarps>(x, w1, s1, expert_offsets, active_experts, n_active, sorted_token, h, K, N, red);
+}
+
+// Batched regime: 32 tokens per expert per pass (grid.x passes), 2 column chunks in flight.
 extern "C" __global__ void __launch_bounds__(kThreads) moe_w4a16_v1_gate_up_n32(
     const u16* __restrict__ x, const uint4* __restrict__ w1, const u32* __restrict__ s1,
     const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
@@ -334,6 +346,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_w4a16_v1_down_n8(
     const int* __restrict__ n_active, const int* __restrict__ sorted_token,
     const float* __restrict__ sorted_weight, float* __restrict__ y, int K, int N) {
   down_body<1, 4>(h, w2, s2, expert_offsets, active_experts, n_active, sorted_token, sorted_weight, y, K, N);
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads) moe_w4a16_v1_down_n16(
+    const u16* __restrict__ h, const uint4* __restrict__ w2, const u32* __restrict__ s2,
+    const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
+    const int* __restrict__ n_active, const int* __restrict__ sorted_token,
+    const float* __restrict__ sorted_weight, float* __restrict__ y, int K, int N) {
+  down_body<2, 4>(h, w2, s2, expert_offsets, active_experts, n_active, sorted_token, sorted_weight, y, K, N);
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads) moe_w4a16_v1_down_n32(

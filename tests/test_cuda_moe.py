@@ -179,13 +179,15 @@ def _gpu_case(E, K, N, M, k, seed):
     [
         (16, 512, 128, 5, 4, "n8"),        # decode: <= 8 tokens per expert
         (16, 512, 128, 200, 4, "n32"),     # ~50 tokens per expert: two 32-token passes
+        (16, 512, 128, 48, 4, "n16"),      # ~12 tokens per expert
         (16, 7168, 256, 3, 8, "n8"),       # Kimi-K2 TP8 shard shapes
         (8, 7168, 256, 40, 8, "n32"),      # every expert touched, 40 tokens each
     ],
 )
 def test_kernel_matches_reference(E, K, N, M, k, variant):
     y, ref, routing, run = _gpu_case(E, K, N, M, k, seed=E + M)
-    assert (routing.max_count <= 8) == (variant == "n8")
+    per_pass = 8 if routing.max_count <= 8 else 16 if routing.max_count <= 16 else 32
+    assert f"n{per_pass}" == variant, f"routing gave max {routing.max_count} tokens per expert"
     check.assert_close(y, ref, rtol=5e-3, name=f"moe_w4a16 E{E} K{K} N{N} M{M} top{k}")
     if variant == "n8":   # the 8-warp gate/up block shape computes the same
         check.assert_close(run(gate_up_warps=8), ref, rtol=5e-3, name=f"moe_w4a16 (8-warp gate/up) M{M}")
@@ -273,8 +275,8 @@ def _emulate(x_bits, packed, ids, wts, E, K, N, warps_n8=16):
     off = np.concatenate([[0], np.cumsum(counts)])
     active = np.nonzero(counts)[0]
     stok, swt = order // k, wts.reshape(-1)[order]
-    nch, kb_g, warps = (1, 7, warps_n8) if counts.max() <= 8 else (4, 2, 8)
-    kb_d = 4 if nch == 1 else 2
+    nch, kb_g, warps = (1, 7, warps_n8) if counts.max() <= 8 else (2, 4, 8) if counts.max() <= 16 else (4, 2, 8)
+    kb_d = 4 if nch <= 2 else 2
     passes = -(-counts.max() // (8 * nch))
     w1 = packed["w1"].reshape(-1, 4)
     s1 = packed["s1"].reshape(-1)
@@ -366,7 +368,7 @@ def _emulate(x_bits, packed, ids, wts, E, K, N, warps_n8=16):
     return y.reshape(M, K)
 
 
-@pytest.mark.parametrize("M,k,warps", [(5, 2, 16), (5, 2, 8), (80, 2, 8)])   # 80: two 32-token passes
+@pytest.mark.parametrize("M,k,warps", [(5, 2, 16), (5, 2, 8), (24, 2, 8), (80, 2, 8)])   # n8, n8w8, n16, n32 x2
 def test_kernel_addressing_emulated_on_cpu(M, k, warps):
     E, K, N = 4, 128, 64
     rng = np.random.default_rng(M)

@@ -356,10 +356,10 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
         raise ValueError(f"h must be contiguous uint16 [{S}, {N}]")
     out.fill(0)
 
-    variant = "n8" if routing.max_count <= 8 else "n32"
-    per_pass = 8 if variant == "n8" else 32
+    per_pass = 8 if routing.max_count <= 8 else 16 if routing.max_count <= 16 else 32
+    variant = f"n{per_pass}"
     passes = -(-routing.max_count // per_pass)
-    grid_y = max(1, routing.n_active)
+    n_active = max(1, routing.n_active)
     meta = (routing.expert_offsets, routing.active_experts, routing.n_active_dev, routing.sorted_token)
     threads = 256                                       # kThreads in the .cu
     gate_up_name = f"{STEM}_gate_up_{variant}"
@@ -369,11 +369,12 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
         gate_up_name += "" if gate_up_warps == 16 else "w8"
 
     gate_up = get_function(STEM, gate_up_name)
-    gate_up((P, grid_y, passes), (threads_gate_up,), (xb, w1, s1, *meta, h, np.int32(K), np.int32(N)))
+    # grid: (token pass, pair / row group, active expert) - passes over one expert run back to back
+    gate_up((passes, P, n_active), (threads_gate_up,), (xb, w1, s1, *meta, h, np.int32(K), np.int32(N)))
     _check(sync, "gate_up launch")
     down = get_function(STEM, f"{STEM}_down_{variant}")
     tiles_per_block = 8 * 2   # kWarps * kDownTilesPerWarp
-    down((-(-(K // 16) // tiles_per_block), grid_y, passes), (threads,),
+    down((passes, -(-(K // 16) // tiles_per_block), n_active), (threads,),
          (h, w2, s2, *meta, routing.sorted_weight, out, np.int32(K), np.int32(N)))
     _check(sync, "down launch")
     return out

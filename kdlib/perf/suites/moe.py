@@ -189,7 +189,8 @@ def _measure(m: int, rng, packed, baseline, *, bw: float, flop_rate: float, rota
         "touched_experts": touched,
         "expected_touched": expected_touched(m),
         "max_tokens_per_expert": max(rr[0].max_count for rr in routes),
-        "kernel_variant": "n8" if all(rr[0].max_count <= 8 for rr in routes) else "n32/mixed",
+        "kernel_variants": sorted({"n8" if rr[0].max_count <= 8 else "n16" if rr[0].max_count <= 16 else "n32"
+                                   for rr in routes}),
         "bytes": acct["bytes"],
         "weight_bytes": acct["weight_bytes"],
         "flops": acct["flops"],
