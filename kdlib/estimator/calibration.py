@@ -152,6 +152,17 @@ def _first(d: dict, keys, what: str):
     raise ValueError(f"engine row lacks {what} (looked for {list(keys)}; has {sorted(d)})")
 
 
+def _phases(r: dict) -> dict:
+    """Per-step phase ms: a dict of floats, of per-step lists (median taken), or totals / steps."""
+    ph = r.get("phase_ms")
+    if isinstance(ph, dict):
+        return {k: statistics.median(v) if isinstance(v, list) else float(v) for k, v in ph.items() if v is not None}
+    totals, steps = r.get("phase_totals_ms"), r.get("steps")
+    if isinstance(totals, dict) and steps:
+        return {k: float(v) / steps for k, v in totals.items()}
+    return {}
+
+
 def engine_rows(result: dict) -> list[dict]:
     """The engine payload's runs as {context, budget, concurrency, accepted, step_ms, phase_ms}."""
     runs = None
@@ -168,6 +179,8 @@ def engine_rows(result: dict) -> list[dict]:
         step = _first(r, _STEP, "a step time")
         if isinstance(step, dict):
             step = step.get("median_ms")
+        elif isinstance(step, list):
+            step = statistics.median(step)
         out.append({
             "context": int(_first(r, _CTX, "a context length")),
             "budget": int(_first(r, ("budget",), "a budget")),
@@ -175,7 +188,7 @@ def engine_rows(result: dict) -> list[dict]:
             "accepted": float(_first(r, _ACC, "an accepted length")),
             "block": int(r.get("block", r.get("draft_depth", r.get("budget")))),
             "step_ms": float(step),
-            "phase_ms": r.get("phase_ms") or {},
+            "phase_ms": _phases(r),
         })
     if not out:
         raise ValueError("engine result holds no DDTree runs")
