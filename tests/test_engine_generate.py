@@ -10,7 +10,7 @@ import torch
 
 from kdlib import DATA
 from kdlib.engine.config import ModelConfig
-from kdlib.engine.drafter import NoisyOracleDrafter
+from kdlib.engine.drafter import DFlashConfig, DFlashDrafter, NoisyOracleDrafter
 from kdlib.engine.generate import generate
 from kdlib.engine.model import Model
 
@@ -44,7 +44,8 @@ def _model(name: str, seed: int, device: str = "cpu") -> Model:
 
 
 def _cases(n: int, seed: int):
-    """Random (config, model seed, prompt, max_new, budget, top_k, block, p_wrong, cache mode) tuples."""
+    """Random (config, model seed, prompt, max_new, budget, top_k, block, p_wrong, cache mode, drafter seed,
+    drafter kind) tuples; every fifth case drafts with a random DFlash drafter, the others with the oracle."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
@@ -55,15 +56,20 @@ def _cases(n: int, seed: int):
         budget = int(rng.choice([0, 1, 2, 3, 5, 8, 13, 24, 40]))
         top_k = [None, 1, 1, 2, 3, 5][int(rng.integers(0, 6))]  # K' = 1 is the chain
         out.append((name, int(rng.integers(0, 2)), prompt, int(rng.integers(4, 21)), budget, top_k, block,
-                    float(rng.choice([0.0, 0.2, 0.5, 0.9, 1.0])), ["compact", "remap"][i % 2], int(rng.integers(0, 1000))))
+                    float(rng.choice([0.0, 0.2, 0.5, 0.9, 1.0])), ["compact", "remap"][i % 2], int(rng.integers(0, 1000)),
+                    "dflash" if i % 5 == 4 else "oracle"))
     return out
 
 
 def _check_case(case, device="cpu"):
-    name, mseed, prompt, max_new, budget, top_k, block, p_wrong, mode, dseed = case
+    name, mseed, prompt, max_new, budget, top_k, block, p_wrong, mode, dseed, kind = case
     model = _model(name, mseed, device)
     ar = generate(model, prompt, max_new)
-    drafter = NoisyOracleDrafter(model.cfg.vocab_size, p_wrong, block_size=block, seed=dseed)
+    if kind == "dflash":  # a random DFlash drafter: poor drafts, real hidden-state plumbing
+        cfg = DFlashConfig.for_target(model.cfg, num_layers=1, block_size=block)
+        drafter = DFlashDrafter(cfg, seed=dseed).to(device)
+    else:
+        drafter = NoisyOracleDrafter(model.cfg.vocab_size, p_wrong, block_size=block, seed=dseed)
     dd = generate(model, prompt, max_new, method="ddtree", drafter=drafter, budget=budget, top_k=top_k, cache_mode=mode)
     assert dd.tokens == ar.tokens, f"DDTree != AR for {case}"
     assert len(dd.tokens) == max_new and dd.target_forwards == 1 + dd.steps

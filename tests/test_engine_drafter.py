@@ -1,0 +1,102 @@
+"""kdlib.engine.drafter: the DFlash block drafter (inference == training forward, persistence, training step)."""
+
+import pytest
+import torch
+
+from kdlib import DATA, check
+from kdlib.engine.config import ModelConfig
+from kdlib.engine.drafter import DFlashConfig, DFlashDrafter, default_target_layers
+from kdlib.engine.generate import generate
+from kdlib.engine.model import Model
+
+
+@pytest.fixture(scope="module")
+def target():
+    return Model.random(ModelConfig.from_json(DATA / "configs" / "tiny-a.json"), seed=4)
+
+
+def _drafter(target, seed=0, **kw):
+    return DFlashDrafter(DFlashConfig.for_target(target.cfg, num_layers=2, block_size=5,
+                                                 target_layer_ids=(0, 2), **kw), seed=seed)
+
+
+def _seq(target, T=30, seed=0):
+    ids = torch.randint(0, target.cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(seed))
+    _, _, feats = target.forward_plain(ids, capture=(0, 2))
+    return ids, feats
+
+
+def test_default_taps():
+    assert default_target_layers(61, 5) == (1, 15, 30, 44, 58)
+    assert default_target_layers(61, 1) == (30,)
+    assert default_target_layers(3, 2) == (1,)
+
+
+def test_inference_equals_training_forward(target):
+    """draft(bonus=x_a, s=a) after the context 0..a-1 == block_forward's block at anchor a."""
+    d = _drafter(target)
+    ids, feats = _seq(target)
+    anchors = torch.tensor([3, 11, 12, 25])
+    train = d.block_forward(target, ids, feats, anchors)  # [A, L, V]
+    for i, a in enumerate(anchors.tolist()):
+        d.begin(target, ids[:a], feats[:a], 8)
+        check.assert_close(d.draft(int(ids[a]), a), train[i], rtol=1e-5, name=f"anchor {a}", quiet=True)
+
+
+def test_incremental_commit_equals_one_shot(target):
+    d = _drafter(target)
+    ids, feats = _seq(target)
+    d.begin(target, ids[:20], feats[:20], 8)
+    one = d.draft(int(ids[20]), 20)
+    d.begin(target, ids[:7], feats[:7], 8)
+    d.commit(ids[7:12], feats[7:12])
+    d.commit(ids[12:20], feats[12:20])
+    check.assert_close(d.draft(int(ids[20]), 20), one, rtol=1e-6, name="incremental context")
+    with pytest.raises(ValueError, match="position"):
+        d.draft(1, 19)
+
+
+def test_save_load_round_trip(target, tmp_path):
+    d = _drafter(target, seed=3)
+    d.save(tmp_path / "d.kdtr", metadata={"note": "test"})
+    d2 = DFlashDrafter.load(tmp_path / "d.kdtr")
+    assert d2.c == d.c
+    for k, v in d.state_dict().items():
+        check.assert_equal(d2.state_dict()[k], v, name=k, quiet=True)
+    assert not any(k.startswith(("embed", "lm_head")) for k in d.state_dict())
+
+
+def test_training_step_lowers_the_loss(target):
+    """The training forward is differentiable in the drafter only, and a few steps fit one sequence."""
+    target.requires_grad_(False)
+    d = _drafter(target, seed=1)
+    ids, feats = _seq(target, T=40, seed=2)
+    anchors = torch.arange(0, 36, 3)
+    opt = torch.optim.Adam(d.parameters(), lr=3e-3)
+    first = None
+    for _ in range(30):
+        loss = d.loss(target, ids, feats, anchors, gamma=4.0)
+        first = first if first is not None else float(loss.detach())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert float(loss.detach()) < 0.7 * first
+    assert all(p.grad is None for p in target.parameters())
+
+
+def test_ddtree_with_dflash_equals_ar(target):
+    d = _drafter(target, seed=5)
+    for budget, k in ((0, None), (3, 1), (9, 2), (20, None)):
+        ar = generate(target, [5, 6, 7], 20)
+        dd = generate(target, [5, 6, 7], 20, method="ddtree", drafter=d, budget=budget, top_k=k)
+        assert dd.tokens == ar.tokens, (budget, k)
+
+
+def test_config_errors(target):
+    with pytest.raises(ValueError, match="mask_token_id"):
+        DFlashConfig.for_target(target.cfg, mask_token_id=10_000).validate()
+    d = _drafter(target)
+    bad = DFlashDrafter(DFlashConfig.for_target(target.cfg, target_layer_ids=(7,)))
+    with pytest.raises(ValueError, match="not layers"):
+        bad.begin(target, torch.tensor([1]), torch.zeros(1, target.cfg.hidden_size), 4)
+    assert d.block_size == 5 and d.vocab_size == target.cfg.vocab_size
