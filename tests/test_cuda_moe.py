@@ -390,3 +390,11 @@ def test_suite_helpers_route_distinct_experts_and_count_bytes():
     acct = moe.layer_bytes_flops(9, 66.0, suite.K, suite.N, suite.TOPK)
     assert acct["weight_bytes"] == 66 * moe.packed_bytes_per_expert(suite.K, suite.N)
     assert acct["flops"] == 2 * 9 * 8 * 3 * 7168 * 256
+
+
+def test_suite_knee_from_times_interpolates_the_plateau_onset():
+    from kdlib.perf.suites import moe as suite
+
+    rows = [{"m": m, "kernel": {"median_ms": min(m, 100) / 100}} for m in (1, 10, 80, 90, 256, 512, 1024)]
+    assert suite._knee_from_times(rows, "kernel") == pytest.approx(85.0, rel=0.01)
+    assert suite._knee_from_times([{"m": 1, "kernel": {"median_ms": 1.0}}], "kernel") is None

@@ -105,6 +105,21 @@ def _baseline_arm(torch, wgu, wd):
     return "padded_bmm", padded
 
 
+def _knee_from_times(rows: list[dict], arm: str) -> float | None:
+    """M (log-interpolated) at which the measured time reaches 85% of its plateau, the median time
+    over 256 <= M <= 1024: the measured counterpart of `knee_m_bytes_85pct`."""
+    pts = sorted((r["m"], r[arm]["median_ms"]) for r in rows)
+    plateau = [t for m, t in pts if 256 <= m <= 1024]
+    if not plateau:
+        return None
+    target = 0.85 * float(np.median(plateau))
+    for (m0, t0), (m1, t1) in zip(pts, pts[1:], strict=False):
+        if t0 < target <= t1:
+            f = (math.log(target) - math.log(t0)) / (math.log(t1) - math.log(t0))
+            return float(math.exp(math.log(m0) + f * (math.log(m1) - math.log(m0))))
+    return float(pts[0][0]) if pts[0][1] >= target else None
+
+
 def _graph_time(routes, xb, packed, out, h, *, rotations: int, iters: int) -> dict:
     """The same three launches replayed from one CUDA graph per routing: the device time without
     the ~5 us per launch of Python issue (kernels-perf.md §6), which dominates at M = 1."""
@@ -261,6 +276,7 @@ def run(args) -> dict:
         )
 
     small = [r for r in rows if r["m"] <= 32]
+    knee_time = _knee_from_times(rows, "kernel")
     # Arithmetic knee: the M at which every expert is touched (weight bytes stop growing) is where
     # expected_touched reaches ~99.5% of E; the compute ridge for this shape is where useful FLOPs
     # at the bf16 ceiling equal streaming all experts' INT4 bytes at the copy bandwidth.
@@ -290,6 +306,9 @@ def run(args) -> dict:
             "all_experts_bytes": all_bytes,
             "all_experts_floor_ms": all_bytes / bw * 1e3,
             "knee_m_all_touched": saturate_m,
+            "knee_m_bytes_85pct": math.log(0.15) / math.log(1.0 - TOPK / E),
+            "knee_m_time_85pct_kernel": knee_time,
+            "knee_m_time_85pct_baseline": _knee_from_times(rows, "baseline"),
             "ridge_m_compute": ridge_m,
         },
     }
