@@ -36,7 +36,7 @@ from kdlib.estimator.params import Assumptions, ModelShape, Param, Scenario
 
 __all__ = [
     "COMPONENTS", "Assumptions", "ModelShape", "Param", "Scenario", "calibrate", "cli", "engine_rows", "hardware",
-    "knee_m", "load_results", "moe_curve", "moe_layer", "project", "seed_scenarios", "seeds",
+    "knee_m", "load_results", "model_seed_rows", "moe_curve", "moe_layer", "project", "seed_scenarios", "seeds",
     "seeds_stack", "sensitivity", "step_time", "touched_experts", "validate",
 ]
 
@@ -72,7 +72,7 @@ def seed_scenarios(context: int = 2048) -> dict:
     }
 
 
-def _model_seed_rows(gpu: str) -> list[dict]:
+def model_seed_rows(gpu: str = "b300") -> list[dict]:
     """This model's own projection of the seeds' scenarios (dispatch solved on the B300 point)."""
     p = seeds.points()
     a = seeds_stack("b300")
@@ -110,7 +110,7 @@ def cli(argv: list[str] | None = None) -> int:
     if args.scenario == "seeds":
         rep = seeds.reproduce()
         doc = {"gpu": args.gpu, "scenarios": rep["scenarios"], "terms_ms": rep["terms_ms"],
-               "model": _model_seed_rows(args.gpu), "readings": seeds.readings(),
+               "model": model_seed_rows(args.gpu), "readings": seeds.readings(),
                "contradictions": seeds.contradictions()}
         if args.json:
             print(json.dumps(doc, indent=1))
