@@ -107,7 +107,9 @@ class LatentCache:
         s = self.length
         starts = torch.tensor([s], dtype=torch.int64, device=self.device)
         if self.mode == "compact":
-            ops.compact_kv_batch(self.kv, starts, paths, lengths)
+            # a row move is dtype-blind: 2-byte floats travel as int16 (DLPack/CuPy lack bfloat16)
+            rows = self.kv.view(torch.int16) if self.kv.element_size() == 2 else self.kv
+            ops.compact_kv_batch(rows, starts, paths, lengths)
             self.req_to_token[0, s : s + n] = torch.arange(s, s + n, device=self.device)
         else:
             freed = ops.remap_slots(self.req_to_token, starts, slots[None], paths, lengths)

@@ -1,0 +1,230 @@
+"""GPU suite `engine`: tokens/s of AR and DDTree in the MVP engine, step time per phase, verify forward cost.
+
+    python3 -m kdlib.perf.run --suite engine [--quick] --out $OUT
+
+Sections of the payload:
+  config          the benchmark model's HF config (random weights, bfloat16): MLA with the real head
+                  dims (nope 128, rope 64, v 128, kv_lora 512) and a small MoE; see BENCH_CONFIG
+  runs            one row per generate call (method ar | ddtree, context = prompt length, budget,
+                  block, p_wrong of the noisy-oracle drafter): decode tokens/s, tokens per target
+                  forward, mean accepted length, median step ms, per-step phase ms (draft, build,
+                  verify, accept, compaction), and whether the DDTree tokens equal AR's
+  verify_forward  CUDA-event time of one absorbed verify forward (+ LM head) at contexts x rows
+                  (Q = budget + 1), with its bytes, FLOPs and the floor they imply
+  trained         the same AR / DDTree comparison on the trained tiny models of `kdlib.zoo`
+                  (held-out text per kind) when data/models/ holds them; else a note
+
+Timing: `generate` brackets every phase with a device synchronisation, so phase times add up to
+the step time (they include host work: Python, the expert loop, tree build on the GPU through
+kdlib.ops). Each configuration runs once untimed (warm-up: kernels compiled, allocator primed).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# A "tiny but not trivial" target: the MLA shapes of DeepSeek-V3 / Kimi-K2 (models-hardware.md §1)
+# at 1/7 of the width and 8 layers; 32 routed experts top-4 + 1 shared. About 0.4 B parameters.
+BENCH_CONFIG = {
+    "model_type": "deepseek_v3", "vocab_size": 32768, "hidden_size": 1024, "intermediate_size": 2816,
+    "moe_intermediate_size": 512, "num_hidden_layers": 8, "first_k_dense_replace": 1, "num_attention_heads": 16,
+    "q_lora_rank": 512, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "n_routed_experts": 32, "n_shared_experts": 1, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
+    "routed_scaling_factor": 2.5, "norm_topk_prob": True, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                        "original_max_position_embeddings": 8192, "beta_fast": 32.0, "beta_slow": 1.0,
+                        "mscale": 1.0, "mscale_all_dim": 1.0},
+}
+BLOCK = 16  # the DFlash b16 checkpoints' block size (survey §6): horizon L = 15
+DEFAULT_BW, DEFAULT_FLOPS = 4.3e12, 790e12  # H200 fallbacks when no ceilings file is recorded (COMMON.md)
+
+
+def _ceilings() -> tuple[float, float, str]:
+    from kdlib.perf import load
+
+    c = load("ceilings")
+    if c and "copy_bandwidth_Bps" in c and "bf16_matmul_flops" in c:
+        return float(c["copy_bandwidth_Bps"]), float(c["bf16_matmul_flops"]), c.get("_path", "ceilings")
+    return DEFAULT_BW, DEFAULT_FLOPS, "defaults 4.3e12 B/s, 790e12 FLOP/s (no ceilings result recorded)"
+
+
+def verify_cost(cfg, context: int, q: int, elem_bytes: int) -> tuple[float, float]:
+    """(bytes, FLOPs) of one verify forward of q rows over `context` cached rows, LM head included.
+
+    Bytes: every weight read once (routed experts: at most min(E, q * top-k) distinct ones per
+    layer), the latent cache rows read once per layer. FLOPs: 2 per weight per row for the active
+    parameters, plus the absorbed attention: per layer and head, q x keys x (kv_lora + rope) for
+    the scores, q x keys x kv_lora for the values, and the two absorb projections.
+    """
+    H, nh = cfg.hidden_size, cfg.num_attention_heads
+    attn = (H * cfg.q_lora_rank + cfg.q_lora_rank * nh * cfg.qk_head_dim if cfg.q_lora_rank else H * nh * cfg.qk_head_dim)
+    attn += H * cfg.latent_dim + cfg.kv_lora_rank * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim) + nh * cfg.v_head_dim * H
+    expert = 3 * H * cfg.moe_intermediate_size
+    dense = 3 * H * cfg.intermediate_size
+    n_dense = cfg.first_k_dense_replace
+    n_moe = cfg.num_hidden_layers - n_dense
+    touched = min(cfg.n_routed_experts, q * cfg.num_experts_per_tok)
+    shared = cfg.n_shared_experts * expert
+    head = cfg.vocab_size * H
+    weights = cfg.num_hidden_layers * attn + n_dense * dense + n_moe * (touched * expert + shared
+                                                                        + cfg.n_routed_experts * H) + head
+    keys = context + q
+    kv = cfg.num_hidden_layers * keys * cfg.latent_dim
+    active = cfg.num_hidden_layers * attn + n_dense * dense + n_moe * (cfg.num_experts_per_tok * expert + shared) + head
+    absorb = nh * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank
+    att_flops = cfg.num_hidden_layers * 2 * q * (nh * keys * (cfg.latent_dim + cfg.kv_lora_rank) + absorb)
+    return float((weights + kv) * elem_bytes), float(2 * q * active + att_flops)
+
+
+def _init_on_device(model, seed: int) -> None:
+    """Random weights drawn on the device (numpy init of 0.4 B parameters would dominate the run);
+    the same unit-gain scales as `kdlib.engine.loading.random_weights`."""
+    import torch
+
+    g = torch.Generator(device=model.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.state_dict().items():
+            r = torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * r)
+            elif name.endswith("e_score_correction_bias"):
+                p.copy_(0.1 * r)
+            elif name == "model.embed_tokens.weight":
+                p.copy_(r)
+            else:
+                p.copy_(r / p.shape[1] ** 0.5)
+
+
+def _row(res, *, context, block, p_wrong=None, ar_tokens=None, **extra) -> dict:
+    step = res.step_ms()
+    decode_s = float(step.sum()) / 1e3
+    return {
+        "method": res.method, "context": context, "budget": res.budget if res.budget is not None else 0,
+        "block": block, "p_wrong": p_wrong, "concurrency": 1, "top_k": res.top_k,
+        "new_tokens": len(res.tokens), "steps": res.steps, "target_forwards": res.target_forwards,
+        "decode_tokens_per_s": (len(res.tokens) - 1) / decode_s if decode_s > 0 else None,
+        "tokens_per_forward": res.tokens_per_forward, "mean_accepted": res.mean_accepted,
+        "step_ms": float(np.median(step)), "step_ms_p10": float(np.quantile(step, 0.1)),
+        "step_ms_p90": float(np.quantile(step, 0.9)), "prefill_ms": res.prefill_ms,
+        "phase_ms": {k: [float(x) for x in v] for k, v in res.phase_ms.items()},
+        "phase_median_ms": {k: float(np.median(v)) for k, v in res.phase_ms.items()},
+        "matches_ar": None if ar_tokens is None else res.tokens == ar_tokens,
+        **extra,
+    }
+
+
+def _generate_sweep(model, contexts, budgets, p_wrongs, max_new, rng) -> list[dict]:
+    from kdlib.engine.drafter import NoisyOracleDrafter
+    from kdlib.engine.generate import generate
+
+    V = model.cfg.vocab_size
+    rows = []
+    for ctx in contexts:
+        prompt = rng.integers(0, V, ctx).tolist()
+        generate(model, prompt, 8)  # warm-up
+        ar = generate(model, prompt, max_new)
+        rows.append(_row(ar, context=ctx, block=1))
+        print(f"[engine] ctx {ctx} AR: {rows[-1]['decode_tokens_per_s']:.1f} tok/s", flush=True)
+        for p in p_wrongs:
+            for b in budgets:
+                kw = dict(method="ddtree", budget=b)
+                generate(model, prompt, 8, drafter=NoisyOracleDrafter(V, p, block_size=BLOCK, seed=1), **kw)
+                d = NoisyOracleDrafter(V, p, block_size=BLOCK, seed=1)
+                r = generate(model, prompt, max_new, drafter=d, **kw)
+                rows.append(_row(r, context=ctx, block=BLOCK, p_wrong=p, ar_tokens=ar.tokens))
+                print(f"[engine] ctx {ctx} p_wrong {p} budget {b}: {rows[-1]['decode_tokens_per_s']:.1f} tok/s, "
+                      f"tau {r.mean_accepted:.2f}", flush=True)
+    return rows
+
+
+def _verify_sweep(model, contexts, qs, bw, fl) -> list[dict]:
+    import torch
+
+    from kdlib.engine.cache import LatentCache
+    from kdlib.perf import cuda_time, floor_ms
+
+    cfg, dev = model.cfg, model.device
+    out = []
+    g = torch.Generator(device=dev).manual_seed(0)
+    for ctx in contexts:
+        for q in qs:
+            cache = LatentCache(cfg, ctx + q + 1, device=dev, dtype=model.dtype)
+            cache.kv.normal_(generator=g)
+            cache.req_to_token[0, :ctx] = torch.arange(ctx, device=dev)
+            cache.length = ctx
+            tokens = torch.randint(0, cfg.vocab_size, (q,), generator=g, device=dev)
+            depth = torch.arange(q, device=dev)  # a chain: the attention cost does not depend on the shape
+            vis = torch.ones(q, q, dtype=torch.bool, device=dev).tril()
+
+            def step(tokens=tokens, depth=depth, vis=vis, cache=cache, ctx=ctx):
+                h, _ = model.forward_cached(cache, tokens, ctx + depth, vis)
+                model.head(h)
+                cache.discard()
+
+            t = cuda_time(step, warmup=3, iters=15)
+            nbytes, flops = verify_cost(cfg, ctx, q, model.dtype.itemsize)
+            out.append({"context": ctx, "q": q, "budget": q - 1, **t.as_dict(), "bytes": nbytes, "flops": flops,
+                        **floor_ms(nbytes, flops, bandwidth_Bps=bw, flop_rate=fl)})
+            print(f"[engine] verify ctx {ctx} q {q}: {t.median_ms:.2f} ms", flush=True)
+            del cache
+    return out
+
+
+def _trained(budgets, max_new) -> dict:
+    """AR vs DDTree on the trained zoo models, prompts from the held-out text of each kind."""
+    from kdlib import zoo
+    from kdlib.engine.generate import generate
+
+    if not zoo.available():
+        return {"available": False, "note": "no trained models in data/models/ (kdlib.zoo.available() is False)"}
+    try:
+        tok = zoo.load_tokenizer()
+        target = zoo.load_target(device="cuda")
+        drafter = zoo.load_drafter(target, device="cuda")
+        rows = []
+        for kind in zoo.KINDS:
+            doc = zoo.held_out(kind)[0]
+            prompt = tok.encode(doc)[:256]
+            ar = generate(target, prompt, max_new)
+            rows.append(_row(ar, context=len(prompt), block=1, kind=kind))
+            for b in budgets:
+                generate(target, prompt, 8, method="ddtree", drafter=drafter, budget=b)  # warm-up
+                r = generate(target, prompt, max_new, method="ddtree", drafter=drafter, budget=b)
+                rows.append(_row(r, context=len(prompt), block=drafter.block_size, kind=kind, ar_tokens=ar.tokens))
+        return {"available": True, "config": target.cfg.to_hf_dict(), "runs": rows}
+    except Exception as e:  # keep the synthetic measurements when the zoo is present but broken
+        return {"available": True, "error": f"{type(e).__name__}: {e}"}
+
+
+def run(args) -> dict:
+    import torch
+
+    from kdlib.engine.config import ModelConfig
+    from kdlib.engine.model import Model
+
+    if not torch.cuda.is_available():
+        raise SystemExit("the engine suite needs a CUDA device")
+    quick = bool(getattr(args, "quick", False))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = ModelConfig.from_dict(BENCH_CONFIG)
+    model = Model(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
+    _init_on_device(model, seed=0)
+    bw, fl, ceil_src = _ceilings()
+    params = {
+        "dtype": "bfloat16", "block": BLOCK, "max_new_tokens": 32 if quick else 128,
+        "contexts": [128] if quick else [128, 1024, 4096],
+        "budgets": [16] if quick else [4, 16, 64],
+        "p_wrong": [0.3] if quick else [0.1, 0.3, 0.6],
+        "verify_contexts": [1024] if quick else [256, 1024, 4096, 16384],
+        "verify_q": [1, 17] if quick else [1, 5, 9, 17, 33, 65, 129],
+        "trained_budgets": [16] if quick else [8, 16, 32, 64],
+        "ceilings": ceil_src,
+    }
+    rng = np.random.Generator(np.random.PCG64(0))
+    runs = _generate_sweep(model, params["contexts"], params["budgets"], params["p_wrong"], params["max_new_tokens"], rng)
+    verify = _verify_sweep(model, params["verify_contexts"], params["verify_q"], bw, fl)
+    del model
+    torch.cuda.empty_cache()
+    trained = _trained(params["trained_budgets"], params["max_new_tokens"])
+    return {"parameters": params, "config": cfg.to_hf_dict(), "runs": runs, "verify_forward": verify,
+            "trained": trained}

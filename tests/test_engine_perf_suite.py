@@ -1,0 +1,50 @@
+"""The engine perf suite's CPU-checkable parts: byte/FLOP accounting and the row format the estimator reads."""
+
+import numpy as np
+import pytest
+
+from kdlib import DATA
+from kdlib.engine.config import ModelConfig
+from kdlib.engine.loading import parameter_shapes
+from kdlib.engine.model import Model
+from kdlib.estimator import engine_rows
+from kdlib.perf.suites import engine as suite
+
+
+def test_bench_config_parses_and_is_kernel_compatible():
+    cfg = ModelConfig.from_dict(suite.BENCH_CONFIG)
+    assert cfg.latent_dim == 576 and cfg.qk_head_dim == 192  # the kernels' MLA shape
+    assert suite.BLOCK - 1 <= 16
+
+
+def test_verify_cost_counts_every_weight_once():
+    cfg = ModelConfig.from_dict(suite.BENCH_CONFIG)
+    shapes = parameter_shapes(cfg)
+    n = sum(int(np.prod(s)) for k, s in shapes.items() if "norm" not in k and "embed" not in k and "bias" not in k)
+    nbytes, flops = suite.verify_cost(cfg, 0, 1000, 2)  # q large: every expert touched
+    kv = cfg.num_hidden_layers * 1000 * cfg.latent_dim * 2
+    assert nbytes - kv == pytest.approx(2 * n, rel=1e-9)
+    b1, f1 = suite.verify_cost(cfg, 4096, 1, 2)
+    b2, f2 = suite.verify_cost(cfg, 8192, 1, 2)
+    assert b2 - b1 == cfg.num_hidden_layers * 4096 * cfg.latent_dim * 2 and f2 > f1
+
+
+def test_rows_feed_the_estimator():
+    model = Model.random(ModelConfig.from_json(DATA / "configs" / "tiny-a.json"), seed=0)
+    rows = suite._generate_sweep(model, [8], [4], [0.3], 10, np.random.default_rng(0))
+    assert [r["method"] for r in rows] == ["ar", "ddtree"]
+    assert rows[1]["matches_ar"] is True and rows[0]["tokens_per_forward"] == 1.0
+    parsed = engine_rows({"runs": rows})
+    assert len(parsed) == 1 and parsed[0]["budget"] == 4 and parsed[0]["context"] == 8
+    assert set(parsed[0]["phase_ms"]) == {"draft", "build", "verify", "accept", "compaction"}
+
+
+def test_verify_sweep_runs_with_a_cpu_clock(monkeypatch):
+    """The verify-forward sweep's set-up and bookkeeping, with CPU timing standing in for CUDA events."""
+    import kdlib.perf as perf
+
+    monkeypatch.setattr(perf, "cuda_time", lambda fn, warmup, iters: perf.cpu_time(fn, warmup=1, iters=2))
+    model = Model.random(ModelConfig.from_json(DATA / "configs" / "tiny-a.json"), seed=0)
+    rows = suite._verify_sweep(model, [16, 64], [1, 9], 4.3e12, 790e12)
+    assert [(r["context"], r["q"]) for r in rows] == [(16, 1), (16, 9), (64, 1), (64, 9)]
+    assert all(r["median_ms"] > 0 and r["floor_ms"] > 0 for r in rows)
