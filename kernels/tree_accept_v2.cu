@@ -2,10 +2,10 @@
 //
 // Same contract and result as tree_sample_rows_v1_* (bit-exact with kdlib.ref.accept.sample_tokens):
 // per row, total = sequential float64 sum in index order, x = u * total, token = the number of
-// prefix sums <= x. v1 issued one load per add and measured 5.6 ms per 65 rows at V = 32,000 on
-// an H200 (about 87 cycles per element: every add waited for its load). Here one thread still owns
-// a row (the float64 adds must stay in order), but it loads the next TA2_CHUNK elements while it
-// adds the current ones, so the time tends to the dependent-add chain (2 V adds per row).
+// prefix sums <= x. v1 issues one load per add, so every add waits for its load (times recorded in
+// data/results/kernels.h200.json). Here one thread still owns a row (the float64 adds must stay in
+// order), but it loads the next TA2_CHUNK elements while it adds the current ones, so the time
+// tends to the dependent chain of conversions and adds (2 V adds per row).
 
 #define TA2_CHUNK 32  // elements in flight per thread: hides an L2 round trip behind 32 float64 adds
 

@@ -1,6 +1,6 @@
 // tree_build_v2: batched DDTree best-first builder, one thread block per request, with the
-// frontier in registers (v1 kept it in shared memory and measured 55 us per build at budget 64
-// on an H200: about 1,700 cycles per pop, latency-bound).
+// frontier in registers (v1 keeps it in shared memory; both are latency-bound: one warp runs
+// the dependent chain of every pop; times in data/results/kernels.h200.json).
 //
 // Same contract and arithmetic as tree_build_v1 (bit-exact twin of kdlib.ref.tree.build_tree_batch):
 //   first child  = logw + lp[d][0];  next sibling = (logw - lp[d-1][r]) + lp[d-1][r+1];

@@ -77,9 +77,10 @@ def test_build_limits_raise_before_any_work():
     for version in (1, 2):  # the documented worst case needs no opt-in (v3 opts in)
         assert tree.shared_bytes(256, 16, 256, version) <= 48 * 1024
     assert tree.shared_bytes(256, 16, 256, 3) <= 227 * 1024  # Hopper's per-block maximum
-    assert tree.kernel_name(31) == ("tree_build_v2", "tree_build_v2_r1")
-    assert tree.kernel_name(32) == ("tree_build_v2", "tree_build_v2_r3")
-    assert tree.kernel_name(256) == ("tree_build_v2", "tree_build_v2_r9")
+    assert tree.kernel_name(31, 2) == ("tree_build_v2", "tree_build_v2_r1")
+    assert tree.kernel_name(32, 2) == ("tree_build_v2", "tree_build_v2_r3")
+    assert tree.kernel_name(256, 2) == ("tree_build_v2", "tree_build_v2_r9")
+    assert tree.kernel_name(1, 1) == ("tree_build_v1", "tree_build_v1")
     assert tree.kernel_name(64, 3) == ("tree_build_v3", "tree_build_v3_r3")
     with pytest.raises(ValueError, match="version"):
         tree.kernel_name(8, 4)

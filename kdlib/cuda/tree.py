@@ -2,12 +2,16 @@
 
 Kernels, one thread block (128 threads) per request, bit-exact with the reference (same float64
 arithmetic order, same rank-tuple tie-break), padding included:
-  * `tree_build_v2_r{1,3,9}` (default, `version=2`): the frontier in warp 0's registers (R rows
-    of 32 slots, R = 1, 3 or 9 picked from the budget); tree lists built after the pops;
-  * `tree_build_v3_r{1,3,9}` (`version=3`): v2 with each slot carrying the log-probs its pop
-    needs, taking one shared-memory round trip off every pop;
-  * `tree_build_v1`: the frontier in shared memory (the first version, 55 us per build at
-    budget 64 on an H200, kept for comparison: `version=1`).
+  * `tree_build_v3_r{1,3,9}` (default, `version=3`): the frontier in warp 0's registers (R rows
+    of 32 slots, R = 1, 3 or 9 picked from the budget), each slot carrying the log-probs its pop
+    needs; tree lists (LCRS, ancestor masks) built by the whole block after the pops;
+  * `tree_build_v2_r{1,3,9}` (`version=2`): v3 without the carried log-probs (one shared-memory
+    round trip more per pop);
+  * `tree_build_v1` (`version=1`): the frontier and the lists in shared memory, inside the loop.
+The recorded times of all three (and the CPU reference) are in data/results/kernels.h200.json
+(suite `kdlib.perf.suites.kernels`); the default is the fastest bit-exact one there. All three
+are latency-bound: one warp runs the dependent chain of every pop (argmax reduction, shuffles,
+float64 adds, register updates), so a build costs about the same at batch 1 and batch 64.
 
 Limits (ValueError before any launch): budget <= MAX_BUDGET (256), K = min(budget, K') <= 256
 (implied), L_eff = min(L, budget) <= MAX_DEPTH (16): trees deeper than 16 would need a wider
@@ -33,7 +37,7 @@ MAX_BUDGET = 256  # rank bytes are 8 bits (ranks < K <= budget) and the meta wor
 MAX_DEPTH = 16  # 16 rank bytes in the 128-bit rank-tuple key
 THREADS = 128  # TB_THREADS / TB2_THREADS in kernels/tree_build_v{1,2}.cu
 VERSIONS = (1, 2, 3)
-DEFAULT_VERSION = 2
+DEFAULT_VERSION = 3  # the fastest bit-exact version in data/results/kernels.h200.json
 V2_ROWS = (1, 3, 9)  # register rows of tree_build_v{2,3}_r{R}: budget + 1 <= 32 R
 
 

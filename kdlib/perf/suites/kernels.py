@@ -230,7 +230,8 @@ def bench_rest(inputs: dict, iters: int, bw: float) -> dict:
             (got[k] == want[k]).all() for k in ("targets", "paths", "lengths", "bonus", "cache"))
         t = _replay_ms(step.graph, step.stream, 200)
         eager = perf.cuda_time(step.run, warmup=3, iters=50, backend="cupy").as_dict()
-        out["step"].append({"batch": bsz, "exact": step_exact, "graph_replay": t, "graph_replay_us": _us(t),
+        out["step"].append({"batch": bsz, "exact": step_exact, "build_kernel": tree.kernel_name(BUDGET)[1],
+                            "graph_replay": t, "graph_replay_us": _us(t),
                             "eager": eager, "eager_us": _us(eager),
                             "kernels_per_step": 7})  # build, 2 copies + max + take (stand-in verify), accept, compact
         print(f"[kernels] B={bsz}: accept {out['accept'][-1]['graph_replay_us']:.2f} us, step "
