@@ -1,0 +1,206 @@
+"""Re-train the workbook's tiny models from scratch: corpus -> tokenizer -> target -> drafter -> acceptance.
+
+    python tools/train_tiny.py --device cuda --corpus .carry/corpus --out data/models --time-budget-s 240
+    python tools/train_tiny.py --smoke --out /tmp/tiny        # seconds on a CPU: micro sizes, a few steps
+
+Writes into --out (the files `kdlib.zoo` reads): tokenizer.json, target.config.json, target.kdtr,
+drafter.config.json, drafter.kdtr, held_out.json, training_record.json, and the acceptance
+result accept.<gpu>.json (`kdlib.perf.write`; move it to data/results/). The corpus folder is
+built with `kdlib.corpus` when it has no manifest (python -m kdlib.corpus --out DIR builds it
+alone; build it where you want its Python's stdlib: the corpus differs between versions).
+
+--time-budget-s is the training time: TARGET_SHARE of it for the target, the rest for the
+drafter; tokenising, evaluation and the acceptance run come on top (about a minute on a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a bare checkout (the GPU machine)
+
+from kdlib import corpus, perf, zoo  # noqa: E402
+from kdlib import training as T  # noqa: E402
+from kdlib.perf.suites import accept  # noqa: E402
+
+TARGET_SHARE = 2 / 3  # the target learns the language; the drafter only its continuation, and converges faster
+VOCAB = 4096
+EXCERPT_CHARS = 2400  # per held-out document in held_out.json: ~700 tokens, room for a prompt + continuation
+MAX_EXCERPTS = 24  # per kind
+VAL_FRACTION = 0.02  # of each kind's train tokens, for checkpoint selection
+ACCEPT_TIME_S = 80.0  # the acceptance run stops taking new prompts after this (the device call has a hard limit)
+# Full run (GPU): batch x seq tokens per step; the drafter's anchors per sequence (SpecForge samples up to 512
+# per much longer sequence; 48 of 512 positions keeps the block attention mask small).
+FULL = {"batch": 64, "seq": 512, "target_lr": 3e-3, "drafter_lr": 2e-3, "anchors": 48, "max_steps": 100_000}
+SMOKE = {"batch": 4, "seq": 64, "target_lr": 3e-3, "drafter_lr": 2e-3, "anchors": 4, "max_steps": 3}
+SMOKE_TARGET = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+                "num_attention_heads": 2, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16,
+                "v_head_dim": 16, "n_routed_experts": 4}
+
+
+def excerpt(text: str) -> str:
+    """A deterministic excerpt: from the first line start at or after a third of the document."""
+    if len(text) <= EXCERPT_CHARS:
+        return text
+    cut = text.find("\n", len(text) // 3)
+    start = cut + 1 if 0 <= cut < len(text) - EXCERPT_CHARS else 0
+    return text[start : start + EXCERPT_CHARS]
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", help="cpu | cuda")
+    ap.add_argument("--corpus", default=".carry/corpus", help="corpus folder (built when missing)")
+    ap.add_argument("--out", default=str(zoo.MODELS), help="output folder")
+    ap.add_argument("--time-budget-s", type=float, default=240.0, help="training seconds, target + drafter")
+    ap.add_argument("--smoke", action="store_true", help="micro sizes and 3 steps each: checks the pipeline")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    import torch
+
+    t_start = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    run = SMOKE if args.smoke else FULL
+    torch.manual_seed(args.seed)
+    if args.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+    def log(msg):
+        print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)
+
+    # corpus
+    cdir = Path(args.corpus)
+    if not (cdir / "manifest.json").is_file():
+        log(f"building the corpus into {cdir}")
+        corpus.write(corpus.extract(), cdir)
+    docs = corpus.read(cdir)
+    manifest = json.loads((cdir / "manifest.json").read_text())
+    log(f"corpus: {len(docs)} documents from Python {manifest['python']}")
+
+    # held-out excerpts (what the notebooks and the acceptance suite prompt with)
+    held = {k: [excerpt(d.text) for d in docs if d.kind == k and d.split == "held_out"][:MAX_EXCERPTS]
+            for k in corpus.KINDS}
+    _write_json(out / "held_out.json", held)
+
+    # tokenizer
+    tok = T.train_tokenizer((d.text for d in docs if d.split == "train"), VOCAB)
+    tok.save(str(out / "tokenizer.json"))
+    streams = T.token_streams(tok, docs)
+    sizes = {f"{k}.{s}": int(len(v)) for (k, s), v in sorted(streams.items())}
+    log(f"tokenizer: {tok.get_vocab_size()} tokens; streams {sizes}")
+
+    # target
+    from kdlib.engine.config import ModelConfig
+    from kdlib.engine.model import Model
+
+    tcfg = T.target_config(tok.get_vocab_size(), **(SMOKE_TARGET if args.smoke else {}))
+    target = Model(ModelConfig.from_dict(tcfg))
+    T.init_target(target, args.seed)
+    target.to(args.device)
+    n_target = sum(p.numel() for p in target.parameters())
+    log(f"target: {n_target / 1e6:.2f} M parameters")
+    held_streams = {k: streams[(k, "held_out")] for k in corpus.KINDS}
+    # validation: the tail of each kind's train stream, cut off from training; it picks the kept checkpoint
+    # so that the held-out text is never used for a decision
+    val_streams = {}
+    for k in corpus.KINDS:
+        s = streams[(k, "train")]
+        cut = len(s) - max(int(len(s) * VAL_FRACTION), run["seq"] * 2 + 2)
+        streams[(k, "train")], val_streams[k] = s[:cut], s[cut:]
+    eval_windows = 4 if args.smoke else 32
+
+    def eval_target():
+        r = {k: round(T.evaluate_target(target, s, run["seq"], run["batch"], eval_windows)["nll"], 4)
+             for k, s in val_streams.items()}
+        return {**r, "score": round(sum(r.values()) / len(r), 4)}
+
+    tspec = T.TrainSpec(max_steps=run["max_steps"], batch=run["batch"], seq=run["seq"], lr=run["target_lr"],
+                        time_budget_s=args.time_budget_s * TARGET_SHARE, warmup_steps=1 if args.smoke else 100,
+                        log_every=1 if args.smoke else 100, seed=args.seed)
+    tcurve = T.train_target(target, streams, tspec, log=log, eval_fn=eval_target,
+                            eval_every=1 if args.smoke else 250)
+    target_eval = {k: T.evaluate_target(target, s, run["seq"], run["batch"], 4 if args.smoke else None)
+                   for k, s in held_streams.items()}
+    train_eval = {k: T.evaluate_target(target, streams[(k, "train")], run["seq"], run["batch"], eval_windows * 4)
+                  for k in corpus.KINDS}
+    log(f"target held-out perplexity: { {k: round(v['ppl'], 2) for k, v in target_eval.items()} }")
+    _write_json(out / "target.config.json", tcfg)
+    T.save_weights(target, out / "target.kdtr", {"generator": "tools/train_tiny.py", "dtype": "float16"})
+
+    # drafter
+    n_layers = target.cfg.num_hidden_layers
+    dcfg = T.DraftConfig(hidden_size=target.cfg.hidden_size, target_layer_ids=tuple(range(n_layers)),
+                         mask_token_id=tok.token_to_id(T.SPECIAL_TOKENS[1]),
+                         **({"num_layers": 1, "num_heads": 2, "head_dim": 32, "intermediate_size": 128}
+                            if args.smoke else {}))
+    net = T.DraftNet(dcfg, target.cfg).to(args.device)
+    n_draft = sum(p.numel() for p in net.parameters())
+    log(f"drafter: {n_draft / 1e6:.2f} M parameters, taps {dcfg.target_layer_ids}")
+
+    def eval_drafter():
+        r = {k: round(T.evaluate_drafter(net, target, s, run["seq"], run["batch"], 8 if args.smoke else 64)["loss"], 4)
+             for k, s in val_streams.items()}
+        return {**r, "score": round(sum(r.values()) / len(r), 4)}
+
+    dspec = T.TrainSpec(max_steps=run["max_steps"], batch=run["batch"] // 2, seq=run["seq"], lr=run["drafter_lr"],
+                        time_budget_s=args.time_budget_s * (1 - TARGET_SHARE), warmup_steps=1 if args.smoke else 50,
+                        anchors=run["anchors"], log_every=1 if args.smoke else 100, seed=args.seed + 1)
+    dcurve = T.train_drafter(net, target, streams, dspec, log=log, eval_fn=eval_drafter,
+                             eval_every=1 if args.smoke else 250)
+    drafter_eval = {k: T.evaluate_drafter(net, target, s, run["seq"], run["batch"], 8 if args.smoke else 128)
+                    for k, s in held_streams.items()}
+    log(f"drafter held-out slot-1 accuracy: { {k: v['slot_acc'][0] for k, v in drafter_eval.items()} }")
+    _write_json(out / "drafter.config.json", dcfg.to_dict())
+    T.save_weights(net, out / "drafter.kdtr", {"generator": "tools/train_tiny.py", "dtype": "float16"})
+
+    # record
+    prov = perf.provenance()
+    files = ("tokenizer.json", "target.config.json", "target.kdtr", "drafter.config.json", "drafter.kdtr",
+             "held_out.json")
+    record = {
+        "command": prov["command"], "commit": prov["commit"], "date": prov["date"], "device": prov["gpu"],
+        "torch": prov["torch"], "python": prov["python"], "smoke": args.smoke,
+        "corpus": {"python": manifest["python"], "files": manifest["files"]},
+        "tokenizer": {"vocab_size": tok.get_vocab_size(), "kind": "byte-level BPE", "stream_tokens": sizes},
+        "target": {"parameters": n_target, "spec": _spec(tspec), "curve": tcurve,
+                   "held_out": target_eval, "train_sample": train_eval},
+        "drafter": {"parameters": n_draft, "spec": _spec(dspec), "curve": dcurve, "held_out": drafter_eval},
+        "models_sha256": {f: hashlib.sha256((out / f).read_bytes()).hexdigest() for f in files},
+        "validation": {"fraction_of_train": VAL_FRACTION, "tokens": {k: int(len(v)) for k, v in val_streams.items()}},
+        "train_seconds": round(time.perf_counter() - t_start, 1),
+    }
+    _write_json(out / "training_record.json", record)
+    log("models and training record written")
+
+    # acceptance on held-out text
+    n, new, budgets = (1, 24, (8,)) if args.smoke else (accept.FULL_PROMPTS, accept.NEW_TOKENS, accept.BUDGETS)
+    payload = accept.measure(args.device, n, new, budgets, prompt_tokens=32 if args.smoke else accept.PROMPT_TOKENS,
+                             folder=out, log=log, time_limit_s=ACCEPT_TIME_S)
+    path = perf.write("accept", payload, out_dir=out, command=prov["command"])
+    log(f"wrote {path}; total {time.perf_counter() - t_start:.1f}s")
+    return 0
+
+
+def _spec(spec) -> dict:
+    from dataclasses import asdict
+
+    d = asdict(spec)
+    d["time_budget_s"] = None if d["time_budget_s"] == float("inf") else d["time_budget_s"]
+    return d
+
+
+if __name__ == "__main__":
+    sys.exit(main())
