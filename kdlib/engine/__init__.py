@@ -4,27 +4,19 @@
     model = Model.from_pretrained("hf_dir")                       # or Model.random(cfg, seed=0)
     res = generate(model, prompt_ids, 64, method="ddtree", drafter=drafter, budget=32)
 
-Names resolve lazily so that `kdlib.engine.config` (pure Python) imports without torch.
+Modules: `config` (pure Python, HF config.json parsing), `model`, `loading` (HF safetensors,
+random weights), `cache` (paged latent KV cache), `drafter` (DFlash block drafter, noisy oracle),
+`generate`. Importing this package imports torch; `kdlib.engine.config` alone needs only the
+standard library, but Python runs this file first, so use the engine where torch is installed.
+The package attribute `generate` is the function (bound after its module was imported); the module's
+other names are reached with `from kdlib.engine.generate import PHASES, ...`.
 """
 
-import importlib
+from kdlib.engine.cache import LatentCache
+from kdlib.engine.config import ConfigError, ModelConfig
+from kdlib.engine.drafter import DFlashConfig, DFlashDrafter, NoisyOracleDrafter
+from kdlib.engine.generate import GenerateResult, generate
+from kdlib.engine.model import Model
 
-_EXPORTS = {
-    "ModelConfig": "config",
-    "ConfigError": "config",
-    "Model": "model",
-    "LatentCache": "cache",
-    "generate": "generate",
-    "GenerateResult": "generate",
-    "DFlashDrafter": "drafter",
-    "DFlashConfig": "drafter",
-    "NoisyOracleDrafter": "drafter",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"kdlib.engine.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'kdlib.engine' has no attribute {name!r}")
+__all__ = ["ConfigError", "DFlashConfig", "DFlashDrafter", "GenerateResult", "LatentCache", "Model", "ModelConfig",
+           "NoisyOracleDrafter", "generate"]
