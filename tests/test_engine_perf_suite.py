@@ -48,3 +48,12 @@ def test_verify_sweep_runs_with_a_cpu_clock(monkeypatch):
     rows = suite._verify_sweep(model, [16, 64], [1, 9], 4.3e12, 790e12)
     assert [(r["context"], r["q"]) for r in rows] == [(16, 1), (16, 9), (64, 1), (64, 9)]
     assert all(r["median_ms"] > 0 and r["floor_ms"] > 0 for r in rows)
+
+
+def test_dflash_sweep_runs_with_a_cpu_clock(monkeypatch):
+    import kdlib.perf as perf
+
+    monkeypatch.setattr(perf, "cuda_time", lambda fn, warmup, iters: perf.cpu_time(fn, warmup=1, iters=2))
+    model = Model.random(ModelConfig.from_json(DATA / "configs" / "tiny-a.json"), seed=0)
+    rows = suite._dflash_sweep(model, [16, 40])
+    assert [r["context"] for r in rows] == [16, 40] and all(r["median_ms"] > 0 for r in rows)

@@ -11,6 +11,9 @@ Sections of the payload:
                   verify, accept, compaction), and whether the DDTree tokens equal AR's
   verify_forward  CUDA-event time of one absorbed verify forward (+ LM head) at contexts x rows
                   (Q = budget + 1), with its bytes, FLOPs and the floor they imply
+  dflash_draft    CUDA-event time of one DFlash-style draft call (a random drafter with 2 layers,
+                  block 16) against the context it attends to: the draft-phase cost a real drafter
+                  adds, which the noisy oracle (a table look-up) does not have
   trained         the same AR / DDTree comparison on the trained tiny models of `kdlib.zoo`
                   (held-out text per kind) when data/models/ holds them; else a note
 
@@ -170,6 +173,27 @@ def _verify_sweep(model, contexts, qs, bw, fl) -> list[dict]:
     return out
 
 
+def _dflash_sweep(model, contexts) -> list[dict]:
+    import torch
+
+    from kdlib.engine.drafter import DFlashConfig, DFlashDrafter
+    from kdlib.perf import cuda_time
+
+    cfg = model.cfg
+    d = DFlashDrafter(DFlashConfig.for_target(cfg, num_layers=2, block_size=BLOCK, num_heads=16, head_dim=64))
+    d = d.to(device=model.device, dtype=model.dtype).eval()
+    g = torch.Generator(device=model.device).manual_seed(1)
+    out = []
+    for ctx in contexts:
+        feats = torch.randn(ctx, len(d.target_layer_ids) * cfg.hidden_size, generator=g, device=model.device,
+                            dtype=model.dtype)
+        d.begin(model, torch.zeros(ctx, dtype=torch.int64), feats, 1)
+        t = cuda_time(lambda ctx=ctx: d.draft(1, ctx), warmup=3, iters=20)
+        out.append({"context": ctx, "layers": 2, "block": BLOCK, **t.as_dict()})
+        print(f"[engine] dflash draft ctx {ctx}: {t.median_ms:.2f} ms", flush=True)
+    return out
+
+
 def _trained(budgets, max_new) -> dict:
     """AR vs DDTree on the trained zoo models, prompts from the held-out text of each kind."""
     from kdlib import zoo
@@ -223,8 +247,9 @@ def run(args) -> dict:
     rng = np.random.Generator(np.random.PCG64(0))
     runs = _generate_sweep(model, params["contexts"], params["budgets"], params["p_wrong"], params["max_new_tokens"], rng)
     verify = _verify_sweep(model, params["verify_contexts"], params["verify_q"], bw, fl)
+    dflash = _dflash_sweep(model, params["verify_contexts"])
     del model
     torch.cuda.empty_cache()
     trained = _trained(params["trained_budgets"], params["max_new_tokens"])
     return {"parameters": params, "config": cfg.to_hf_dict(), "runs": runs, "verify_forward": verify,
-            "trained": trained}
+            "dflash_draft": dflash, "trained": trained}
