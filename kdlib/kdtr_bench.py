@@ -105,6 +105,7 @@ def run(total_bytes: int = 256 << 20, repeats: int = 5, n_tensors: int = 8, fold
     if total_bytes < n_tensors * 4096 or repeats < 1:
         raise ValueError(f"need total_bytes >= {n_tensors * 4096} and repeats >= 1, got {total_bytes}, {repeats}")
     data = make_data(total_bytes, n_tensors)
+    load_before = os.getloadavg()[0]  # a busy machine slows every row: kept with the result
     nbytes = sum(a.nbytes for a in data.values())
     tmp = Path(tempfile.mkdtemp(prefix="kdtr_bench.", dir=folder))
     formats = {}
@@ -129,6 +130,7 @@ def run(total_bytes: int = 256 << 20, repeats: int = 5, n_tensors: int = 8, fold
                        "dtype": "float32", "shape_each": list(next(iter(data.values())).shape)},
         "data_bytes": nbytes,
         "cpu_count": os.cpu_count(),
+        "loadavg_1min": {"before": load_before, "after": os.getloadavg()[0]},
         "formats": formats,
         "notes": [
             "loads read from a warm page cache (the file was just written): parse + copy cost, not disk",
