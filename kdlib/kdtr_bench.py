@@ -9,9 +9,11 @@ wall time. Loads run from a warm page cache (the file was just written), so they
 parse + copy path, not the disk; saves go through the page cache too, except where a format
 fsyncs. KDTR's save is atomic and durable (fsync of the file and the folder), the others are
 not. Two baselines write the same bytes with no format at all: `raw_overwrite` (f.write into
-the existing file: the floor for a plain save) and `raw_atomic` (a new file, fsync, os.replace:
-the floor for an atomic, durable save like KDTR's). Dirty pages are flushed (os.sync) before
-each operation so that one format's writeback does not throttle the next.
+the existing file: the pattern of a plain save) and `raw_atomic` (a new file, fsync, os.replace:
+the pattern of an atomic, durable save like KDTR's). Dirty pages are flushed (os.sync) before
+each operation so that one format's writeback does not throttle the next. Save times on a
+shared VM still swing several-fold from run to run with the page cache and the host's
+writeback (p10/p90 are kept); compare loads with more confidence than saves.
 """
 
 from __future__ import annotations
@@ -135,7 +137,8 @@ def run(total_bytes: int = 256 << 20, repeats: int = 5, n_tensors: int = 8, fold
         "notes": [
             "loads read from a warm page cache (the file was just written): parse + copy cost, not disk",
             "kdtr save is atomic and durable (fsync of file and folder); npy/npz/safetensors saves overwrite "
-            "in place without fsync; raw_overwrite and raw_atomic are the floors of those two patterns",
+            "in place without fsync; raw_overwrite and raw_atomic write the same bytes in those two patterns with no format",
+            "save times swing several-fold between runs on a shared VM (page cache, writeback): see p10/p90",
             "kdtr load verifies a CRC-32 per tensor; load_noverify skips it; mmap_open maps the file and "
             "returns views (O(header), so its GBps only says how little it does), mmap_verify maps and "
             "reads every byte once for the CRC-32 check",
