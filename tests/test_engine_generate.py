@@ -166,18 +166,16 @@ def _chi2_pvalue(observed: np.ndarray, expected_p: np.ndarray) -> float:
 def _exact_two_token_joint(model, prompt, temperature):
     """[V, V] exact p(t1, t2 | prompt) of the tempered target."""
     V = model.cfg.vocab_size
-    p1 = torch.softmax(model.logits(prompt)[-1] / temperature, -1).double()
+    p1 = torch.softmax(model.logits(prompt)[-1] / temperature, -1).double().cpu()
     joint = torch.zeros(V, V, dtype=torch.float64)
     for t1 in range(V):
-        joint[t1] = p1[t1] * torch.softmax(model.logits(prompt + [t1])[-1] / temperature, -1).double()
+        joint[t1] = p1[t1] * torch.softmax(model.logits(prompt + [t1])[-1] / temperature, -1).double().cpu()
     return joint.numpy()
 
 
-@pytest.mark.slow
-def test_sampling_distribution_equals_ar():
-    """At T > 0, DDTree's first two tokens follow the target's exact joint law (and so does AR)."""
-    model = _model("tiny-a+v8", 2)
-    prompt, temp, n = [1, 5, 2], 0.8, 1200
+def _sampling_check(device: str, n: int):
+    model = _model("tiny-a+v8", 2, device)
+    prompt, temp = [1, 5, 2], 0.8
     joint = _exact_two_token_joint(model, prompt, temp).ravel()
     dd_counts, ar_counts, taus = np.zeros(64), np.zeros(64), []
     for seed in range(n):
@@ -194,6 +192,18 @@ def test_sampling_distribution_equals_ar():
     # the test can fail: the same samples against the law at another temperature are rejected
     wrong = _exact_two_token_joint(model, prompt, 1.6).ravel()
     assert _chi2_pvalue(dd_counts, wrong) < 1e-3
+
+
+@pytest.mark.slow
+def test_sampling_distribution_equals_ar():
+    """At T > 0, DDTree's first two tokens follow the target's exact joint law (and so does AR)."""
+    _sampling_check("cpu", 1200)
+
+
+@pytest.mark.gpu
+def test_sampling_distribution_equals_ar_cuda():
+    """The same law on CUDA, where sampling and sample-and-walk run as CuPy kernels."""
+    _sampling_check("cuda", 1200)
 
 
 # ----------------------------------------------------------------------------- bad input

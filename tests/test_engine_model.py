@@ -208,3 +208,63 @@ def test_checkpoint_mismatch_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(d))
     with pytest.raises(ValueError, match=r"missing 30 weights.*model\.layers\.2\."):
         Model.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "name, scale",
+    # softmax scales from models-hardware.md §3 (1/sqrt(192) x mscale(factor, mscale_all_dim)^2)
+    [("deepseek-v3", 0.13523), ("kimi-k2-0711", 0.13086), ("kimi-k2-0905", 0.14468), ("kimi-k2.6", 0.14468)],
+)
+def test_real_configs_parse(name, scale):
+    path = DATA / "configs" / f"{name}.json"
+    if not path.exists():
+        pytest.skip(f"{path.name} not in data/configs/")
+    cfg = ModelConfig.from_json(path)
+    assert cfg.softmax_scale == pytest.approx(scale, abs=5e-6)
+    assert cfg.latent_dim == 576 and cfg.qk_head_dim == 192 and cfg.rope_attention_factor == 1.0
+
+
+@pytest.mark.parametrize("name", ["deepseek-v2-lite", "qwen3-30b-a3b"])
+def test_other_families_are_refused(name):
+    path = DATA / "configs" / f"{name}.json"
+    if not path.exists():
+        pytest.skip(f"{path.name} not in data/configs/")
+    with pytest.raises(ConfigError, match="model_type"):
+        ModelConfig.from_json(path)
+
+
+def test_mtp_layers_skipped_quantized_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    cfg = ModelConfig.from_json(DATA / "configs" / "tiny-b.json")
+    m = Model.random(cfg, seed=0)
+    save_pretrained(m, tmp_path)
+    w = load_file(str(tmp_path / "model.safetensors"))
+    w[f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight"] = torch.zeros(2, 2)  # an MTP layer (DeepSeek-V3 layout)
+    save_file(w, str(tmp_path / "model.safetensors"))
+    ids = torch.arange(9)
+    check.assert_equal(Model.from_pretrained(tmp_path).logits(ids), m.logits(ids), name="MTP layer ignored")
+    w["model.layers.0.self_attn.o_proj.weight_scale_inv"] = torch.ones(1, 1)
+    save_file(w, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="quantized"):
+        Model.from_pretrained(tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny-a", "tiny-b"])
+def test_cuda_matches_cpu(name):
+    """Device-agnostic: the same weights give the same logits (FP32, TF32 off) on CUDA, both forms."""
+    cfg = ModelConfig.from_json(DATA / "configs" / f"{name}.json")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cpu = Model.random(cfg, seed=9)
+    gpu = Model.random(cfg, seed=9, device="cuda")
+    ids = torch.from_numpy(np.random.default_rng(1).integers(0, cfg.vocab_size, 40))
+    check.assert_close(gpu.logits(ids.cuda()).cpu(), cpu.logits(ids), rtol=1e-5, name=f"cuda vs cpu {name}")
+    cache = LatentCache(cfg, 64, device="cuda", mode="remap")
+    h, _ = gpu.prefill(cache, ids[:20].cuda())
+    rows = [gpu.head(h)]
+    for t in range(20, 40):
+        h, _ = gpu.forward_cached(cache, ids[t : t + 1].cuda(), [t])
+        cache.commit()
+        rows.append(gpu.head(h))
+    check.assert_close(torch.cat(rows).cpu(), cpu.logits(ids), rtol=1e-5, name=f"cuda absorbed decode {name}")
