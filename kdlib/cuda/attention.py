@@ -1,4 +1,4 @@
-"""Tree-verify MLA attention on the GPU: CuPy wrappers of `kernels/tree_verify_v1.cu` and `_v3.cu`.
+"""Tree-verify MLA attention on the GPU: CuPy wrappers of `kernels/tree_verify_v1.cu` .. `_v4.cu`.
 
 Same names and signatures as `kdlib.ref.attention` (plus keyword-only `impl` and `validate`):
 
@@ -42,7 +42,7 @@ MAX_Q = 65  # tree queries per request: a 64-node budget + the root (issue 4)
 _V1 = "tree_verify_v1"
 _V1_ROWS = 8  # rows (warps) per block in tree_verify_v1.cu (ROWS)
 _V1_KCHUNK = 16  # keys per shared-memory step in tree_verify_v1.cu (KCHUNK)
-_V1_BLOCKS_PER_SM = 4  # 256 threads x <=118 registers and 37 KB shared: 4 blocks resident per SM
+_V1_BLOCKS_PER_SM = 4  # sm_90: 256 threads x 64 registers and 37 KB shared -> 4 blocks resident per SM
 _MMA_BM = 64  # query rows per block in tree_verify_v{2,3,4}.cu (BM)
 _MMA_BN = 32  # keys per pipeline stage (BN)
 _MMA_Q_SMEM = 64 * 1168  # Q tile: BM rows of 576 bf16 + 16 B pad
@@ -55,7 +55,9 @@ MMA_VERSIONS = {
     "mma_v3": ("tree_verify_v3", _MMA_Q_SMEM + 2 * _MMA_K_SMEM + _MMA_X_SMEM),
     "mma_v4": ("tree_verify_v4", _MMA_Q_SMEM + 3 * _MMA_K_SMEM + _MMA_X_SMEM),
 }
-MMA_DEFAULT = "mma_v3"  # what impl "mma" (and "auto" on bf16) runs
+# What impl "mma" (and "auto" on bf16) runs: v3, the fastest in the recorded sweep
+# (data/results/verify_attention_dev.h200.json times v3 and v4 side by side; the third stage did not pay).
+MMA_DEFAULT = "mma_v3"
 _MAX_SPLITS = 64  # beyond this the partial-output traffic outweighs the gain in parallelism
 _MIN_TILES_PER_SPLIT = 8  # a split shorter than 8 key tiles spends its time on set-up
 
