@@ -1,6 +1,6 @@
 """The `kdlib` console script: one sub-command per module, each parsing its own arguments.
 
-    kdlib kdtr info FILE | kdtr convert A B
+    kdlib kdtr info FILE | kdtr convert A B | kdtr verify FILE
     kdlib report [NOTEBOOK ...] [--profile P] [-p NAME VALUE]
     kdlib memory CONFIG --gpu GPU --tp N --context T
     kdlib estimate [--scenario seeds] [--json]
