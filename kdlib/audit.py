@@ -460,9 +460,22 @@ def kern_build_share_gain(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
 def engine_figures(n_tokens: int = 24, block: int = 8) -> dict:
     """The seeds' engine figures on the workbook's engine (CPU, deterministic): for each golden tiny
     model, fp32 logits against its float64 golden logits, and n_tokens of AR greedy against DDTree
-    greedy with a perfect oracle drafter of block `block` (the seeds' 8x claim needs every draft
-    accepted). Returns {models: [{name, max_logit_diff, equal, tokens, forwards_ar, forwards_ddtree,
-    decode_forwards_ar, decode_forwards_ddtree}]}."""
+    greedy, once as a chain with a perfect oracle drafter of block `block` (the seeds' 8x needs every
+    draft accepted) and once as a budget-16 tree with a drafter wrong 30% of the time.
+    Returns {block, models: [{name, max_logit_diff, equal, tokens, forwards_ar, forwards_ddtree,
+    decode_forwards_ar, decode_forwards_ddtree, mean_accepted, tree_mean_accepted}]}."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: intra-op threads only add contention
+    try:
+        out = [_engine_case(p, n_tokens, block) for p in sorted((DATA / "golden").glob("model_tiny_*.kdtr"))]
+    finally:
+        torch.set_num_threads(threads)
+    return {"models": out, "block": block}
+
+
+def _engine_case(path: Path, n_tokens: int, block: int) -> dict:
     import json
 
     import numpy as np
@@ -474,36 +487,33 @@ def engine_figures(n_tokens: int = 24, block: int = 8) -> dict:
     from kdlib.engine.generate import generate
     from kdlib.engine.model import Model
 
-    out = []
-    for path in sorted((DATA / "golden").glob("model_tiny_*.kdtr")):
-        t, meta = kdtr.load(path), kdtr.read_metadata(path)
-        cfg = ModelConfig.from_dict(json.loads(meta["config"]))
-        model = Model(cfg)
-        model.load_weights({k[len("weight."):]: np.array(v) for k, v in t.items() if k.startswith("weight.")})
-        model.eval()
-        ids = np.array(t["token_ids"])
-        with torch.no_grad():
-            logits = model.logits(torch.from_numpy(ids)).double().numpy()
-        diff = float(np.abs(logits - np.array(t["logits"], dtype=np.float64)).max())
-        prompt = ids[: max(1, len(ids) // 2)].tolist()
-        ar = generate(model, prompt, n_tokens)
-        # the chain (top_k 1) with a perfect oracle: every step commits `block` tokens
-        dd = generate(model, prompt, n_tokens, method="ddtree", drafter=NoisyOracleDrafter(cfg.vocab_size, 0.0,
-                      block_size=block, seed=0), budget=block - 1, top_k=1)
-        # and a real tree (budget 16, K' = budget) under a drafter wrong 30% of the time per position
-        tree = generate(model, prompt, n_tokens, method="ddtree", drafter=NoisyOracleDrafter(cfg.vocab_size, 0.3,
-                        block_size=block, seed=1), budget=16)
-        equal = min(sum(a == b for a, b in zip(ar.tokens, x.tokens, strict=True)) for x in (dd, tree))
-        out.append({"name": path.stem, "max_logit_diff": diff, "equal": equal,
-                    "tokens": n_tokens, "forwards_ar": ar.target_forwards, "forwards_ddtree": dd.target_forwards,
-                    "decode_forwards_ar": ar.target_forwards - 1, "decode_forwards_ddtree": dd.target_forwards - 1,
-                    "mean_accepted": dd.mean_accepted, "tree_mean_accepted": tree.mean_accepted})
-    return {"models": out, "block": block}
+    t, meta = kdtr.load(path), kdtr.read_metadata(path)
+    cfg = ModelConfig.from_dict(json.loads(meta["config"]))
+    model = Model(cfg)
+    model.load_weights({k[len("weight."):]: np.array(v) for k, v in t.items() if k.startswith("weight.")})
+    model.eval()
+    ids = np.array(t["token_ids"])
+    with torch.no_grad():
+        logits = model.logits(torch.from_numpy(ids)).double().numpy()  # [T, V]
+    diff = float(np.abs(logits - np.array(t["logits"], dtype=np.float64)).max())
+    prompt = ids[: max(1, len(ids) // 2)].tolist()
+    ar = generate(model, prompt, n_tokens)
+    # the chain (top_k 1) with a perfect oracle: every step commits `block` tokens
+    dd = generate(model, prompt, n_tokens, method="ddtree", drafter=NoisyOracleDrafter(cfg.vocab_size, 0.0,
+                  block_size=block, seed=0), budget=block - 1, top_k=1)
+    # a real tree (budget 16, K' = budget) under a drafter wrong 30% of the time per position
+    tree = generate(model, prompt, n_tokens, method="ddtree", drafter=NoisyOracleDrafter(cfg.vocab_size, 0.3,
+                    block_size=block, seed=1), budget=16)
+    equal = min(sum(a == b for a, b in zip(ar.tokens, x.tokens, strict=True)) for x in (dd, tree))
+    return {"name": path.stem, "max_logit_diff": diff, "equal": equal, "tokens": n_tokens,
+            "forwards_ar": ar.target_forwards, "forwards_ddtree": dd.target_forwards,
+            "decode_forwards_ar": ar.target_forwards - 1, "decode_forwards_ddtree": dd.target_forwards - 1,
+            "mean_accepted": dd.mean_accepted, "tree_mean_accepted": tree.mean_accepted}
 
 
 @check
 def eng_tokens_equal(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
-    eng = engine_figures(n_tokens=fig.claim[1])
+    eng = engine_figures()  # 24 tokens, the seeds' count
     rows = eng["models"]
     ok = all(r["equal"] == r["tokens"] for r in rows)
     text = ", ".join(f"{r['name']}: {r['equal']} of {r['tokens']}" for r in rows) + \
@@ -908,6 +918,14 @@ def run_one(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
                        "an input it needs is absent or malformed", expected=list(fig.expects))
     if v.id != fig.id:
         raise AssertionError(f"check {fig.check} answered for {v.id}, not {fig.id}")
+    for e in fig.expects:  # show every record the catalogue names beside the verdict, when it is there
+        kind, _, rest = e.partition(":")
+        if kind == "record":
+            name, _, nb = rest.split(" (")[0].strip().partition("@")
+            rec = src.record(name, nb)
+            shown = f"record {name} = {rec['value']} {rec.get('unit', '')} ({rec['notebook']})".strip() if rec else None
+            if shown and shown not in v.sources:
+                v.sources.append(shown)
     return v
 
 
@@ -952,3 +970,75 @@ def record_all(verdicts: dict, cat: Catalogue) -> None:
 def notebooks_present() -> set:
     """Stems of the committed numbered notebooks."""
     return {p.stem for p in NOTEBOOKS.glob("[0-9]*.ipynb")}
+
+
+COLOURS = {REPRODUCED: "#a3be8c", CONTRADICTED: "#bf616a", READING: "#ebcb8b", OUT_OF_REACH: "#81a1c1",
+            MISSING: "#d8dee9"}
+
+
+def _claim_text(claim) -> str:
+    if isinstance(claim, dict):
+        return ", ".join(f"{k} {_claim_text(v)}" for k, v in claim.items())
+    if isinstance(claim, (list, tuple)):
+        return " / ".join(f"{x:g}" if isinstance(x, (int, float)) else str(x) for x in claim)
+    return f"{claim:g}" if isinstance(claim, (int, float)) else str(claim)
+
+
+def html_table(verdicts: dict, cat: Catalogue) -> str:
+    """The audit rows as one HTML table: figure and quote (with its seed and heading), the seeds'
+    number, the verdict, the workbook's figure, the reasoning, and the link to the section."""
+    import html
+
+    esc = html.escape
+    rows = []
+    for fid, v in verdicts.items():
+        f = cat[fid]
+        also = (f"<br><i>also seed {esc(f.also['seed'])}, {esc(f.also['where'])}: “{esc(f.also['quote'])}”</i>"
+                if f.also else "")
+        rows.append(
+            f"<tr><td><b>{esc(f.figure)}</b><br><code>{esc(fid)}</code> · {esc(f.category)}"
+            f"<details><summary>seed {esc(f.seed)}, {esc(f.where)}</summary>“{esc(f.quote)}”{also}</details></td>"
+            f"<td>{esc(_claim_text(f.claim))}</td>"
+            f"<td style='background:{COLOURS[v.verdict]}'><b>{esc(v.verdict)}</b></td>"
+            f"<td>{esc(v.ours)}</td><td>{esc(v.reason)}<br><small>{esc('; '.join(map(str, v.sources)))}</small></td>"
+            f"<td><a href='{esc(f.link)}'>{esc(f.notebook)}{' §' + esc(f.section.split('.')[0]) if f.section else ''}"
+            f"</a></td></tr>")
+    head = "".join(f"<th>{h}</th>" for h in ("figure (seed)", "seeds say", "verdict", "workbook's figure",
+                                              "reasoning (sources)", "shown in"))
+    return (f"<table style='font-size:12.5px;border-collapse:collapse' border=1 cellpadding=4>"
+            f"<tr>{head}</tr>{''.join(rows)}</table>")
+
+
+def by_area(verdicts: dict, cat: Catalogue, area: str) -> dict:
+    """The verdicts of one area, in catalogue order (ValueError for an unknown area)."""
+    if area not in AREAS:
+        raise ValueError(f"area {area!r} is not one of {AREAS}")
+    return {k: v for k, v in verdicts.items() if cat[k].area == area}
+
+
+# The figures where the two seeds, or one seed's figures, disagree with each other (issue 11's list).
+INTERNAL = ("diag_two_point_255", "diag_two_point_67", "diag_step_34_144", "moe_share_step_80_90",
+            "moe_7_to_1_5_ms", "diag_arith_20_vs_32", "eng_fewer_forwards")
+
+
+def source_status(src: Sources, cat: Catalogue) -> list[dict]:
+    """Every result file and record the catalogue names, with whether it is there now."""
+    out, seen = [], set()
+    for f in cat.values():
+        for e in f.expects:
+            kind, _, rest = e.partition(":")
+            name = rest.split(" (")[0].strip()
+            if kind not in ("result", "record") or (kind, name) in seen:
+                continue
+            seen.add((kind, name))
+            if kind == "result":
+                suite, _, gpu = name.partition(".")
+                doc = src.result(suite, gpu or None)
+                out.append({"kind": kind, "name": name, "present": doc is not None,
+                            "where": doc["_path"] if doc else f"data/results/{suite}.{gpu or '*'}.json"})
+            else:
+                rec, _, nb = name.partition("@")
+                got = src.record(rec, nb)
+                out.append({"kind": kind, "name": rec, "present": got is not None,
+                            "where": f"{src.reports_dir.name}/{nb}.ipynb" + ("" if got else " (not recorded yet)")})
+    return out
