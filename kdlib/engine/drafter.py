@@ -45,12 +45,14 @@ class NoisyOracleDrafter:
     `begin` for max_new_tokens + B_blk tokens after the prompt (`generate` times this as
     drafter_setup_ms, outside the steps), and L tokens afresh whenever the committed context has
     left that script, which happens at T > 0 only (counted in the draft phase: a study artefact,
-    not a drafter cost).
+    not a drafter cost). `reference`: the target's greedy continuation of the prompt when the caller
+    already has it (an AR run of at least max_new_tokens + B_blk tokens), to skip that set-up.
     """
 
     target_layer_ids: tuple[int, ...] = ()
 
-    def __init__(self, vocab_size: int, p_wrong: float, block_size: int = 8, seed: int = 0, margin: float = 3.0):
+    def __init__(self, vocab_size: int, p_wrong: float, block_size: int = 8, seed: int = 0, margin: float = 3.0,
+                 reference: list[int] | None = None):
         if not 0.0 <= p_wrong <= 1.0:
             raise ValueError(f"p_wrong must lie in [0, 1], got {p_wrong}")
         if block_size < 2:
@@ -59,6 +61,7 @@ class NoisyOracleDrafter:
             raise ValueError("the oracle needs a vocabulary of at least 2 tokens to draft a wrong one")
         self.vocab_size, self.p_wrong, self.block_size, self.margin = vocab_size, float(p_wrong), block_size, margin
         self.seed = seed
+        self.reference = None if reference is None else [int(t) for t in reference]
         self._model = None
         self._ctx: list[int] = []
         self._script: list[int] = []
@@ -67,7 +70,11 @@ class NoisyOracleDrafter:
         self._model = target
         self._rng = np.random.Generator(np.random.PCG64(self.seed))
         self._ctx = [int(t) for t in torch.as_tensor(prompt_ids).tolist()]
-        self._script = self._ctx + greedy_continuation(target, self._ctx, max_new_tokens + self.block_size)
+        need = max_new_tokens + self.block_size
+        if self.reference is not None and len(self.reference) >= need:
+            self._script = self._ctx + self.reference
+        else:
+            self._script = self._ctx + greedy_continuation(target, self._ctx, need)
 
     def commit(self, token_ids, features) -> None:
         self._ctx.extend(int(t) for t in torch.as_tensor(token_ids).tolist())

@@ -128,11 +128,12 @@ def _generate_sweep(model, contexts, budgets, p_wrongs, max_new, rng) -> list[di
         ar = generate(model, prompt, max_new)
         rows.append(_row(ar, context=ctx, block=1))
         print(f"[engine] ctx {ctx} AR: {rows[-1]['decode_tokens_per_s']:.1f} tok/s", flush=True)
+        script = generate(model, prompt, max_new + BLOCK).tokens  # the oracle's greedy reference, computed once
         for p in p_wrongs:
             for b in budgets:
                 kw = dict(method="ddtree", budget=b)
-                generate(model, prompt, 8, drafter=NoisyOracleDrafter(V, p, block_size=BLOCK, seed=1), **kw)
-                d = NoisyOracleDrafter(V, p, block_size=BLOCK, seed=1)
+                generate(model, prompt, 8, drafter=NoisyOracleDrafter(V, p, block_size=BLOCK, seed=1, reference=script), **kw)
+                d = NoisyOracleDrafter(V, p, block_size=BLOCK, seed=1, reference=script)
                 r = generate(model, prompt, max_new, drafter=d, **kw)
                 rows.append(_row(r, context=ctx, block=BLOCK, p_wrong=p, ar_tokens=ar.tokens))
                 print(f"[engine] ctx {ctx} p_wrong {p} budget {b}: {rows[-1]['decode_tokens_per_s']:.1f} tok/s, "
