@@ -373,17 +373,21 @@ class Model(nn.Module):
     def forward_cached(self, cache, token_ids, positions, visibility=None, capture: tuple[int, ...] = ()):
         """Absorbed-form forward of Q new tokens against a latent cache (decode: Q = 1; tree verify).
 
-        token_ids [Q], positions [Q] (RoPE positions, s + depth for a tree), visibility [Q, Q] bool
-        among the new tokens (None = all see all committed keys and themselves only when Q = 1).
-        The new tokens' latent rows are written to `cache.pending(Q)` slots; every query sees all
-        committed rows plus the new rows its visibility row allows.
-        Returns (h [Q, H], captured [Q, F] or None).
+        token_ids [Q]; positions [Q] (RoPE positions: s + depth for a tree); visibility [Q, Q] bool,
+        row i = the new rows query i may see (itself and its tree ancestors); None is allowed for
+        Q = 1 only. Every query sees all committed rows. The new latent rows go to `cache.pending(Q)`
+        slots; the caller keeps them with `cache.commit()` or `cache.commit_path(...)`.
+        Returns (h [Q, H] last residual stream, captured [Q, F] or None).
         """
         ids = self.check_tokens(token_ids)
         Q = ids.shape[0]
         if visibility is None and Q != 1:
             raise ValueError("visibility is required when more than one token is verified")
+        if visibility is not None and tuple(torch.as_tensor(visibility).shape) != (Q, Q):
+            raise ValueError(f"visibility must have shape [{Q}, {Q}], got {tuple(torch.as_tensor(visibility).shape)}")
         pos = torch.as_tensor(positions, device=self.device, dtype=torch.int64)
+        if tuple(pos.shape) != (Q,):
+            raise ValueError(f"positions must have shape [{Q}], got {tuple(pos.shape)}")
         cos, sin = rope_cos_sin(self.cfg, pos, self.dtype, self.device)
         slots = cache.pending(Q)  # [Q] physical slots of the new rows
         key_slots = cache.key_slots(slots)  # [s + Q]
