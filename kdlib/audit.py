@@ -128,9 +128,9 @@ def catalogue(path: str | Path = CATALOGUE) -> Catalogue:
 
 
 def anchor(heading: str) -> str:
-    """The id nbconvert gives a Markdown heading: its text (inline code and emphasis marks dropped),
+    """The id nbconvert gives a Markdown heading: its text (backticks and asterisks dropped),
     spaces as '-', URL-quoted with the characters nbconvert keeps (nbconvert.filters.strings)."""
-    text = re.sub(r"[`*_]", "", heading.lstrip("#").strip())
+    text = re.sub(r"[`*]", "", heading.lstrip("#").strip())
     return _urlquote(text.replace(" ", "-"), safe="?/:@!$&'()*+,;=")
 
 
