@@ -1,0 +1,29 @@
+"""Tensor parallelism for the MVP engine on torch.distributed (see `kdlib.tp.engine` for the layout).
+
+    from kdlib.tp import Comm, TPModel, generate, spawn
+    spawn(worker, world=2, backend="gloo")        # worker(rank, world, device, *args)
+
+Modules: `engine` (process group, sharded model, vocab-parallel selection, greedy AR / DDTree
+generate), `workers` (the check and benchmark workers that `tools/tp_run.py`, the `tp` perf suite
+and `tests/test_tp.py` spawn, and the single-process reference they compare against).
+"""
+
+from kdlib.tp.engine import (
+    MOE_MODES,
+    NCCL_ENV,
+    Comm,
+    TPModel,
+    assert_replicated,
+    check_tp_config,
+    generate,
+    init_process_group,
+    partition,
+    shard_state_dict,
+    spawn,
+    vocab_parallel_argmax,
+    vocab_parallel_topk,
+)
+
+__all__ = ["MOE_MODES", "NCCL_ENV", "Comm", "TPModel", "assert_replicated", "check_tp_config", "generate",
+           "init_process_group", "partition", "shard_state_dict", "spawn", "vocab_parallel_argmax",
+           "vocab_parallel_topk"]

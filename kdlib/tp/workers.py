@@ -1,0 +1,287 @@
+"""What `tools/tp_run.py`, the `tp` perf suite and `tests/test_tp.py` run on every rank, and the
+single-process reference they compare against.
+
+    spec = check_spec(config="tiny-a", moe_mode="ep")
+    spawn(check_worker, 2, (spec, "/tmp/tp.pt"))           # rank 0 saves its outputs (torch.save)
+    got, ref = torch.load("/tmp/tp.pt"), reference(spec)     # compare with compare(got, ref)
+
+    spawn(bench_worker, 4, (bench_spec(), "/tmp/b.json"), backend="nccl")   # GPU: step time, all-reduce share
+
+A check runs, on the TP engine: dense logits of a prompt, the vocab-parallel top-K of synthetic
+logits, AR greedy, and DDTree with each drafter (debug mode: trees and accepted paths asserted equal
+across ranks). The reference runs the same on one process with `kdlib.engine`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kdlib import DATA
+from kdlib.tp.engine import Comm, TPModel, assert_replicated, generate, vocab_parallel_topk
+
+# fp32 tolerance for TP vs single-process logits: the all-reduce sums partial products in a
+# different order; a few ulps of |logit| ~ 10 after 2-3 layers, with margin.
+LOGITS_ATOL, LOGITS_RTOL = 1e-4, 1e-4
+
+
+def check_spec(**kw) -> dict:
+    """Parameters of one check (defaults: tiny-a, expert parallel, 24 tokens, budget 8, block 5)."""
+    spec = {"config": "tiny-a", "seed": 0, "moe_mode": "ep", "prompt_len": 12, "max_new": 24, "budget": 8,
+            "block": 5, "p_wrong": 0.3, "topk_rows": 6, "topk_k": 7, "drafters": ("oracle", "dflash"),
+            "zoo": False, "device": "cpu"}
+    unknown = set(kw) - set(spec)
+    if unknown:
+        raise ValueError(f"unknown check parameters {sorted(unknown)}")
+    spec.update(kw)
+    return spec
+
+
+def _models(spec: dict, device):
+    """(full Model, {drafter name: factory(target)}, prompt list) for a spec, identical on every process."""
+    from kdlib.engine import DFlashConfig, DFlashDrafter, Model, ModelConfig, NoisyOracleDrafter
+
+    if spec["zoo"]:
+        from kdlib import zoo
+
+        model = zoo.load_target(device=str(device))
+        text = zoo.held_out("code")[0]
+        prompt = zoo.load_tokenizer().encode(text)[: spec["prompt_len"]]
+        drafters = {"zoo": lambda target: zoo.load_drafter(model, device=str(device))}
+    else:
+        cfg = ModelConfig.from_json(DATA / "configs" / f"{spec['config']}.json")
+        model = Model.random(cfg, seed=spec["seed"], device=device)
+        prompt = np.random.default_rng(spec["seed"]).integers(0, cfg.vocab_size, spec["prompt_len"]).tolist()
+        V, B = cfg.vocab_size, spec["block"]
+        dcfg = DFlashConfig.for_target(cfg, block_size=B)
+        drafters = {
+            "oracle": lambda target: NoisyOracleDrafter(V, spec["p_wrong"], block_size=B, seed=spec["seed"] + 1),
+            "dflash": lambda target: DFlashDrafter(dcfg, seed=spec["seed"] + 2).to(device),
+        }
+        drafters = {k: v for k, v in drafters.items() if k in spec["drafters"]}
+    return model, drafters, prompt
+
+
+def synthetic_logits(spec: dict, vocab_size: int) -> torch.Tensor:
+    """[rows, V] float32 draft logits for the top-K check: N(0, 3^2) rows, the last one rounded to
+    multiples of 0.5 so that it holds many ties (the tie rule is checked too)."""
+    g = torch.Generator().manual_seed(spec["seed"] + 7)
+    x = 3.0 * torch.randn(spec["topk_rows"], vocab_size, generator=g)  # 3: spread like real draft logits
+    x[-1] = (x[-1] * 2).round() / 2
+    return x
+
+
+def dense_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The single-device rule: log_softmax over the full row, best k, ties to the lower id."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    order = torch.sort(logp, dim=-1, descending=True, stable=True).indices[:, :k]
+    return order, logp.gather(-1, order)
+
+
+def check_worker(rank: int, world: int, device, spec: dict, out_path: str) -> None:
+    """Run the TP checks; rank 0 writes its outputs to out_path (atomic torch.save)."""
+    comm = Comm()
+    model, drafters, prompt = _models(spec, device)
+    tp = TPModel.from_model(model, comm, spec["moe_mode"])
+    out = {"world": world, "logits": tp.logits(prompt).cpu()}
+    v0, v1 = tp.vocab_range
+    syn = synthetic_logits(spec, model.cfg.vocab_size)
+    ids, lps = vocab_parallel_topk(syn[:, v0:v1].to(device), v0, spec["topk_k"], comm)
+    out["topk_ids"], out["topk_logp"] = ids.cpu(), lps.cpu()
+    out["ar"] = generate(tp, prompt, spec["max_new"]).tokens
+    for name, make in drafters.items():
+        r = generate(tp, prompt, spec["max_new"], method="ddtree", drafter=make(tp), budget=spec["budget"], debug=True)
+        out[f"ddtree:{name}"], out[f"accepted:{name}"] = r.tokens, r.accepted
+    for key in [k for k in out if k.startswith(("ar", "ddtree", "topk"))] + ["logits"]:
+        assert_replicated(comm, **{key.replace(":", "_"): torch.as_tensor(out[key])})
+    if rank == 0:
+        tmp = f"{out_path}.tmp"
+        torch.save(out, tmp)
+        os.replace(tmp, out_path)
+
+
+def reference(spec: dict) -> dict:
+    """The same outputs from one process with `kdlib.engine` (DDTree references are AR greedy)."""
+    from kdlib.engine import generate as engine_generate
+
+    model, drafters, prompt = _models(spec, torch.device(spec["device"]))
+    ids, lps = dense_topk(synthetic_logits(spec, model.cfg.vocab_size), spec["topk_k"])
+    out = {"logits": model.logits(prompt).cpu(), "topk_ids": ids, "topk_logp": lps,
+           "ar": engine_generate(model, prompt, spec["max_new"]).tokens}
+    for name, make in drafters.items():
+        r = engine_generate(model, prompt, spec["max_new"], method="ddtree", drafter=make(model), budget=spec["budget"])
+        out[f"ddtree:{name}"], out[f"accepted:{name}"] = r.tokens, r.accepted
+    return out
+
+
+def compare(got: dict, ref: dict) -> list[str]:
+    """Verdict lines; a line starting with 'FAIL' names a mismatch."""
+    lines = []
+    d = float((got["logits"] - ref["logits"]).abs().max())
+    ok = torch.allclose(got["logits"], ref["logits"], atol=LOGITS_ATOL, rtol=LOGITS_RTOL)
+    lines.append(f"{'ok  ' if ok else 'FAIL'} logits: max |TP - single| = {d:.2e}")
+    ok = torch.equal(got["topk_ids"], ref["topk_ids"])
+    lines.append(f"{'ok  ' if ok else 'FAIL'} vocab-parallel top-k ids == dense top-k ids")
+    d = float((got["topk_logp"] - ref["topk_logp"]).abs().max())
+    ok = d <= 1e-5  # log-partition merged from shards: a few fp32 ulps of |log Z| ~ 10
+    lines.append(f"{'ok  ' if ok else 'FAIL'} vocab-parallel top-k log-probs: max diff {d:.2e}")
+    ok = got["ar"] == ref["ar"]
+    lines.append(f"{'ok  ' if ok else 'FAIL'} TP AR == single-process AR ({len(ref['ar'])} tokens)")
+    for key in [k for k in got if k.startswith("ddtree:")]:
+        ok = got[key] == ref["ar"]
+        name = key.split(":")[1]
+        lines.append(f"{'ok  ' if ok else 'FAIL'} TP DDTree ({name}) == single-process AR; mean accepted "
+                     f"{np.mean(got['accepted:' + name]):.2f} (single-process DDTree {np.mean(ref['accepted:' + name]):.2f})")
+    return lines
+
+
+# ----------------------------------------------------------------------------- benchmark (GPU)
+def bench_spec(**kw) -> dict:
+    """Parameters of the step-time benchmark. config None = the engine suite's BENCH_CONFIG (MLA
+    with the real head dims, 16 heads, 32 experts; bfloat16); a tiny config name for a CPU smoke run.
+    allreduce_hidden 7168: Kimi-K2 / DeepSeek-V3's hidden size, the message the estimator models."""
+    spec = {"config": None, "seed": 0, "moe_mode": "ep", "context": 512, "max_new": 64, "budget": 32, "block": 16,
+            "p_wrong": 0.2, "dtype": "bfloat16", "allreduce_rows": (1, 8, 33, 64, 128, 256),
+            "allreduce_hidden": 7168, "iters": 50}
+    unknown = set(kw) - set(spec)
+    if unknown:
+        raise ValueError(f"unknown bench parameters {sorted(unknown)}")
+    spec.update(kw)
+    return spec
+
+
+def _bench_model(spec: dict, device):
+    from kdlib.engine import Model, ModelConfig
+    from kdlib.perf.suites.engine import BENCH_CONFIG, _init_on_device
+
+    dtype = getattr(torch, spec["dtype"])
+    if spec["config"] is None:
+        cfg = ModelConfig.from_dict(BENCH_CONFIG)
+        model = Model(cfg).to(device=device, dtype=dtype).eval()
+        _init_on_device(model, spec["seed"])  # seeded on the device: the same weights on every GPU
+        return model
+    cfg = ModelConfig.from_json(DATA / "configs" / f"{spec['config']}.json")
+    return Model.random(cfg, seed=spec["seed"], device=device, dtype=dtype)
+
+
+def _time(fn, device, iters):
+    from kdlib.perf import cpu_time, cuda_time
+
+    return cuda_time(fn, iters=iters) if device.type == "cuda" else cpu_time(fn, iters=iters)
+
+
+def bench_worker(rank: int, world: int, device, spec: dict, out_path: str) -> None:
+    """AR and DDTree (noisy oracle) on the TP engine: step time, then the same run with timed
+    collectives for the all-reduce share; an all-reduce sweep over message sizes; the single-device
+    engine as the reference (tokens compared, and timed on the world-1 run). Rank 0 writes JSON."""
+    import torch.distributed as dist
+
+    from kdlib.engine import NoisyOracleDrafter
+    from kdlib.engine import generate as engine_generate
+
+    full = _bench_model(spec, device)
+    cfg = full.cfg
+    comm = Comm()
+    tp = TPModel.from_model(full, comm, spec["moe_mode"])
+    prompt = np.random.default_rng(spec["seed"]).integers(0, cfg.vocab_size, spec["context"]).tolist()
+    single_ar = engine_generate(full, prompt, spec["max_new"]).tokens
+    probe = prompt[:64]
+    logit_diff = float((tp.logits(probe) - full.logits(probe)).abs().max())
+
+    def kw(method):
+        if method == "ar":
+            return {}
+        return {"method": "ddtree", "budget": spec["budget"],
+                "drafter": NoisyOracleDrafter(cfg.vocab_size, spec["p_wrong"], block_size=spec["block"], seed=1)}
+
+    rows = []
+    for method in ("ar", "ddtree"):
+        generate(tp, prompt, 8, **kw(method))  # warm-up
+        comm.timed = False
+        r = generate(tp, prompt, spec["max_new"], **kw(method))
+        comm.timed = True
+        rt = generate(tp, prompt, spec["max_new"], **kw(method))
+        comm.timed = False
+        st, stt = r.step_ms(), rt.step_ms()
+        stats = comm.stats()
+        rows.append({
+            "world": world, "engine": "tp", "method": method, "moe_mode": spec["moe_mode"], "steps": r.steps,
+            "step_ms": float(np.median(st)), "step_ms_p10": float(np.quantile(st, 0.1)),
+            "step_ms_p90": float(np.quantile(st, 0.9)),
+            "decode_tokens_per_s": (len(r.tokens) - 1) / (float(st.sum()) / 1e3),
+            "mean_accepted": r.mean_accepted,
+            "phase_median_ms": {k: float(np.median(v)) for k, v in r.phase_ms.items()},
+            "allreduce_calls_per_step": stats["all_reduce"]["calls"] / rt.steps,
+            "allreduce_bytes_per_step": stats["all_reduce"]["bytes"] / rt.steps,
+            "allreduce_ms_per_step": stats["all_reduce"]["ms"] / rt.steps,
+            "allgather_ms_per_step": stats["all_gather"]["ms"] / rt.steps,
+            "timed_step_ms": float(np.median(stt)),
+            "allreduce_share": stats["all_reduce"]["ms"] / float(stt.sum()),
+            "allgather_share": stats["all_gather"]["ms"] / float(stt.sum()),
+            "matches_single_ar": r.tokens == single_ar,
+        })
+        if world == 1:  # the single-device engine itself, same prompt and drafter
+            engine_generate(full, prompt, 8, **kw(method))
+            e = engine_generate(full, prompt, spec["max_new"], **kw(method))
+            se = e.step_ms()
+            rows.append({"world": 1, "engine": "single", "method": method, "steps": e.steps,
+                         "step_ms": float(np.median(se)), "step_ms_p10": float(np.quantile(se, 0.1)),
+                         "step_ms_p90": float(np.quantile(se, 0.9)),
+                         "decode_tokens_per_s": (len(e.tokens) - 1) / (float(se.sum()) / 1e3),
+                         "mean_accepted": e.mean_accepted, "matches_single_ar": e.tokens == single_ar})
+    sweep = []
+    if world > 1:
+        for m in spec["allreduce_rows"]:
+            x = torch.randn(m, spec["allreduce_hidden"], device=device).to(getattr(torch, spec["dtype"]))  # [m, 7168]
+            t = _time(lambda x=x: dist.all_reduce(x), device, spec["iters"])
+            nbytes = x.numel() * x.element_size()
+            sweep.append({"world": world, "rows": m, "bytes": nbytes, "median_us": t.median_ms * 1e3,
+                          "p10_us": t.p10_ms * 1e3, "p90_us": t.p90_ms * 1e3,
+                          "bus_bandwidth_Bps": 2 * (world - 1) / world * nbytes / (t.median_ms / 1e3)})
+    if rank == 0:
+        doc = {"runs": rows, "allreduce": sweep, "logits_max_abs_diff_vs_single": logit_diff}
+        tmp = f"{out_path}.tmp"
+        Path(tmp).write_text(json.dumps(doc))
+        os.replace(tmp, out_path)
+
+
+def fit_allreduce(sweep: list[dict]) -> dict:
+    """Per world size: latency (intercept) and bus bandwidth (from the slope) of a least-squares line
+    time = latency + ring_bytes / bandwidth, ring_bytes = 2 (W - 1) / W x message bytes (the
+    estimator's all-reduce model, kdlib/estimator/model.py)."""
+    out = {}
+    for w in sorted({r["world"] for r in sweep}):
+        pts = [r for r in sweep if r["world"] == w]
+        ring = np.array([2 * (w - 1) / w * r["bytes"] for r in pts])
+        t = np.array([r["median_us"] * 1e-6 for r in pts])
+        slope, lat = np.polyfit(ring, t, 1) if len(pts) > 1 else (float("nan"), float(t[0]))
+        out[str(w)] = {"latency_s": float(lat), "bus_bandwidth_Bps": float(1 / slope) if slope > 0 else None}
+    return out
+
+
+def bench(world_sizes, spec: dict, backend: str = "nccl", timeout_s: float = 300) -> dict:
+    """Spawn bench_worker once per world size; the payload of `tp.<gpu>.json`."""
+    import tempfile
+
+    from kdlib.tp.engine import spawn
+
+    runs, sweep, diffs = [], [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for w in world_sizes:
+            path = os.path.join(tmp, f"w{w}.json")
+            t0 = time.perf_counter()
+            spawn(bench_worker, w, (spec, path), backend=backend, timeout_s=timeout_s)
+            doc = json.loads(Path(path).read_text())
+            runs += doc["runs"]
+            sweep += doc["allreduce"]
+            diffs[str(w)] = doc["logits_max_abs_diff_vs_single"]
+            print(f"[tp] world {w}: {time.perf_counter() - t0:.0f} s; "
+                  + "; ".join(f"{r['engine']} {r['method']} {r['step_ms']:.2f} ms/step" for r in doc["runs"]), flush=True)
+    return {"parameters": {**spec, "world_sizes": list(world_sizes), "backend": backend},
+            "runs": runs, "allreduce": sweep, "allreduce_fit": fit_allreduce(sweep) if sweep else {},
+            "logits_max_abs_diff_vs_single": diffs}
