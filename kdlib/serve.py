@@ -38,7 +38,7 @@ over the limit, a prompt (plus max_tokens) over the context, a full queue (429).
 Concurrency: one engine worker thread takes requests from a FIFO queue one at a time, so greedy
 outputs under concurrency equal the sequential ones. Models: `kdlib.zoo` (the trained tiny target,
 drafter and tokenizer) when `zoo.available()`; otherwise a random tiny model from
-`data/configs/tiny-a.json`, a `NoisyOracleDrafter` and `ByteTokenizer` (printable ASCII), and
+`data/configs/tiny-a.json`, a noisy-oracle drafter (`LazyOracle` below) and `ByteTokenizer` (printable ASCII), and
 /v1/models and /health say so. FastAPI, uvicorn and prometheus_client are imported lazily.
 """
 
@@ -116,6 +116,49 @@ class ByteTokenizer:
         return "".join(self.TABLE[i] for i in (int(x) for x in ids) if 0 <= i < n)
 
 
+def _lazy_oracle_class():
+    """`LazyOracle`, defined on first use so that importing this module needs no torch."""
+    import numpy as np
+    import torch
+
+    from kdlib.engine.cache import LatentCache
+    from kdlib.engine.drafter import NoisyOracleDrafter
+
+    class LazyOracle(NoisyOracleDrafter):
+        """A NoisyOracleDrafter whose greedy script grows as decoding needs it, on a private cache.
+
+        The engine's oracle computes the whole greedy continuation (max_new_tokens of AR) in
+        `begin`; for a server that set-up grows with max_tokens, lands in the two-point difference
+        t(264) - t(8), and turns the diagnosis into a measurement of the oracle. Here `begin`
+        prefills the prompt only and each `draft` extends the script by the tokens the last step
+        committed (about tau AR forwards, counted in the draft phase of that step), so the cost
+        scales with the generated tokens as a real drafter's does. Drafts are the base class's.
+        """
+
+        def begin(self, target, prompt_ids, features, max_new_tokens: int) -> None:
+            self._model = target
+            self._rng = np.random.Generator(np.random.PCG64(self.seed))
+            ids = target.check_tokens(prompt_ids)
+            self._ctx = [int(t) for t in ids.tolist()]
+            self._cache = LatentCache(target.cfg, len(self._ctx) + max_new_tokens + self.block_size + 2,
+                                      device=target.device, dtype=target.dtype)
+            h, _ = target.prefill(self._cache, ids)
+            self._script = self._ctx + [int(target.head(h[-1:]).argmax(-1))]
+
+        def draft(self, bonus: int, s: int) -> torch.Tensor:
+            ctx = self._ctx + [int(bonus)]
+            want = len(ctx) + self.block_size - 1
+            if self._script[: len(ctx)] == ctx:  # still on the greedy path (always at T = 0)
+                while len(self._script) < want and self._cache.length + 1 < self._cache.num_slots:
+                    pos = self._cache.length
+                    h, _ = self._model.forward_cached(self._cache, torch.tensor([self._script[pos]]), [pos])
+                    self._cache.commit()
+                    self._script.append(int(self._model.head(h).argmax(-1)))
+            return super().draft(bonus, s)
+
+    return LazyOracle
+
+
 @dataclass
 class Bundle:
     """What the server serves: target, drafter, tokenizer, and a description of where they came from."""
@@ -144,15 +187,14 @@ def load_bundle(device: str = "cpu", *, prefer_trained: bool = True, config: str
     import torch
 
     from kdlib.engine.config import ModelConfig
-    from kdlib.engine.drafter import NoisyOracleDrafter
     from kdlib.engine.model import Model
 
     cfg = ModelConfig.from_json(DATA / "configs" / f"{config}.json")
     model = Model.random(cfg, seed=seed, device=device, dtype=torch.float32)
-    drafter = NoisyOracleDrafter(cfg.vocab_size, p_wrong, block_size=8, seed=seed)
+    drafter = _lazy_oracle_class()(cfg.vocab_size, p_wrong, block_size=8, seed=seed)
     return Bundle(model, drafter, ByteTokenizer(cfg.vocab_size), f"kdtree-random-{config}",
                   {"weights": f"random (data/configs/{config}.json, seed {seed}): trained models not available",
-                   "drafter": f"noisy oracle, p_wrong {p_wrong}", "tokenizer": "printable ASCII (ByteTokenizer)"})
+                   "drafter": f"noisy oracle (lazy script), p_wrong {p_wrong}", "tokenizer": "printable ASCII (ByteTokenizer)"})
 
 
 # ----------------------------------------------------------------------------- the engine worker
@@ -202,7 +244,11 @@ class Engine:
     """The served model behind a FIFO queue and one worker thread; Prometheus metrics of every step."""
 
     def __init__(self, bundle: Bundle | None = None, *, budget: int | None = None, max_tokens_limit: int | None = None,
-                 max_queue: int = MAX_QUEUE):
+                 max_queue: int = MAX_QUEUE, threads: int | None = None):
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)  # process-wide: tiny models run steadier on one thread
         self.bundle = bundle or load_bundle()
         self.budget = budget
         self.max_context = int(self.bundle.model.cfg.max_position_embeddings)
@@ -645,11 +691,12 @@ def cli(argv: list[str]) -> int:
     ap.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted")
     ap.add_argument("--random", action="store_true", help="serve the random fallback even when trained models exist")
     ap.add_argument("--config", default=FALLBACK_CONFIG, help="fallback model config under data/configs/")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = ap.parse_args(argv)
     import uvicorn
 
     bundle = load_bundle(args.device, prefer_trained=not args.random, config=args.config)
-    engine = Engine(bundle, budget=args.budget, max_tokens_limit=args.max_tokens_limit)
+    engine = Engine(bundle, budget=args.budget, max_tokens_limit=args.max_tokens_limit, threads=args.threads)
     print(f"kdlib serve: {engine.name} ({bundle.info['weights']}) on http://{args.host}:{args.port}", flush=True)
     uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level="info")
     engine.close()
