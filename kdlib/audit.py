@@ -171,13 +171,10 @@ class Sources:
         self.reports_dir = Path(reports_dir) if reports_dir is not None else REPORTS
         self._results = results
         self._records = records
-        self.read: list[str] = []  # every source a check looked at, found or not
 
     def result(self, suite: str, gpu: str | None = None) -> dict | None:
-        key = f"{suite}.{gpu}" if gpu else suite
-        self.read.append(f"result:{key}")
         if self._results is not None:
-            return self._results.get(key)
+            return self._results.get(f"{suite}.{gpu}" if gpu else suite)
         from kdlib.perf import load
 
         return load(suite, gpu)
@@ -202,7 +199,6 @@ class Sources:
         return self._records
 
     def record(self, name: str, notebook: str | None = None) -> dict | None:
-        self.read.append(f"record:{name}" + (f"@{notebook}" if notebook else ""))
         return self.records().get(name)
 
 
@@ -310,11 +306,10 @@ def kern_tree_bit_exact(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     versions = sorted({r.get("version", 1) for r in rows})
     ours = (f"bit-exact on every recorded build: {exact} ({len(rows)} runs, batches {batches}, kernel versions "
             f"{versions}); {len(golden)} golden cases in data/golden")
-    tests = res.get("verify_attention", {}).get("gpu_tests") if isinstance(res.get("verify_attention"), dict) else None
     return Verdict(fig.id, REPRODUCED if exact else CONTRADICTED, ours,
                    f"exact equality (no tolerance) with kdlib.ref.build_tree, on {res['provenance']['gpu']}, not "
-                   f"their sm_120; the seeds' {fig.claim} cases vs our {len(golden)} golden files"
-                   + (f"; GPU tests {tests}" if tests else ""),
+                   f"their sm_120; the seeds' {fig.claim} cases against our {len(golden)} golden files, which the GPU "
+                   "tests (pytest -m gpu, tests/test_cuda_tree.py) compare the same way",
                    sources=[res["_path"], "data/golden/tree_*.kdtr"], values={"golden_cases": len(golden)})
 
 
@@ -391,13 +386,15 @@ def kern_tree_speedup_b64(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
         if rec is None:
             return missing(fig.id, ["data/results/kernels.h200.json (headline.speedup_vs_cpu_kernel)",
                                     "record tree_build_speedup_b64 of 02_cuda_kernels"])
-        ours, where, gpu = float(rec["value"]), rec.get("source", "02_cuda_kernels"), "the recorded GPU"
+        ours, where, gpu, extra = float(rec["value"]), rec.get("source", "02_cuda_kernels"), "the recorded GPU", ""
     else:
         ours, where, gpu = float(res["headline"]["speedup_vs_cpu_kernel"]), res["_path"], res["provenance"]["gpu"]
+        replay = res["headline"].get("speedup_vs_cpu_graph_replay")
+        extra = f"; {float(replay):.0f}x counting one graph replay per build" if replay is not None else ""
     lo, hi = _span(fig.claim)
     verdict = REPRODUCED if within(ours, fig.claim, rel=0.25) else READING
     return Verdict(fig.id, verdict, f"{ours:.0f}x at batch 64 ({gpu} kernel time vs the workbook's heapq reference "
-                                    "on the same host)",
+                                    f"on the same host{extra})",
                    f"a ratio of two machines' speeds: ±25% of {lo:g}-{hi:g}x would count as reproduced; outside it, "
                    f"the figure holds only for their pair (sm_120 GPU, SGLang's Python builder on their CPU). The "
                    f"seeds also say '470×' (002, reference [4]), inside their own range",
@@ -787,8 +784,11 @@ def moe_m9_m32(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     e9, e32 = touched_experts(9, s.n_experts, s.top_k), touched_experts(32, s.n_experts, s.top_k)
     own = src.result("moe", "h200")
     mine = "the workbook's own W4A16 kernel on the H200 is not recorded yet (data/results/moe.h200.json)"
-    if own is not None:
-        mine = f"the workbook's own W4A16 kernel on {own['provenance']['gpu']}: see {own['_path']} (TP8 shard, not comparable 1:1)"
+    if own is not None and own.get("rows"):
+        near = [min(own["rows"], key=lambda r: abs(r["m"] - m)) for m in (9, 32)]
+        mine = (f"the workbook's own W4A16 kernel, Kimi-K2 TP8 shard on {own['provenance']['gpu']}: "
+                + ", ".join(f"M = {r['m']}: {r['kernel']['median_ms']:.3f} ms/layer, {r['kernel_frac_copy_bw']:.0%} "
+                            "of copy bandwidth" for r in near) + " (an eighth of the experts' width per GPU)")
     return Verdict(fig.id, OUT_OF_REACH,
                    f"time ratio {t32 / t9:.2f} against touched-expert ratio {e32:.0f} / {e9:.0f} = {e32 / e9:.2f}; {mine}",
                    "a Marlin measurement on one RTX PRO 6000 (sm_120), not reproducible here; internally the two "
@@ -859,7 +859,7 @@ def b300_303_c1(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
                                                     f"{float(rec['value']):.0f} tok/s" if rec else
                                                     "; the model's own B300 figure is not recorded yet "
                                                     "(est_model_b300_c1_native_tok_s of 06_b300_estimator)"),
-                   f"measured on a B300 that was released before the seeds were written (no B300 here); the 2.2x "
+                   f"measured on a B300 the seeds' authors had to give back (no B300 here either); the 2.2x "
                    f"holds (±5%: {ok})", sources=["seeds' figures"] + ([rec["source"]] if rec else []),
                    values={"ratio": ratio})
 
