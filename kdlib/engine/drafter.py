@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -29,6 +30,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from kdlib.engine.model import MLP, RMSNorm, _up, apply_rope
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """What `generate(method="ddtree")` needs from a drafter (see the module docstring for the call order)."""
+
+    block_size: int
+    vocab_size: int
+    target_layer_ids: tuple[int, ...]
+
+    def begin(self, target, prompt_ids, features, max_new_tokens: int) -> None: ...
+
+    def draft(self, bonus: int, s: int) -> torch.Tensor: ...
+
+    def commit(self, token_ids, features) -> None: ...
 
 
 # ----------------------------------------------------------------------------- noisy oracle

@@ -116,8 +116,13 @@ def validate(model, prompt_ids, max_new_tokens, method, drafter, budget, top_k, 
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     k = None
     if method == "ddtree":
+        from kdlib.engine.drafter import Drafter
+
         if drafter is None:
             raise ValueError("method 'ddtree' needs a drafter")
+        if not isinstance(drafter, Drafter):
+            raise ValueError(f"drafter {type(drafter).__name__} lacks the Drafter interface "
+                             "(block_size, vocab_size, target_layer_ids, begin, draft, commit)")
         if drafter.vocab_size != model.cfg.vocab_size:
             raise ValueError(f"drafter vocabulary {drafter.vocab_size} != target vocabulary {model.cfg.vocab_size}")
         horizon = drafter.block_size - 1
