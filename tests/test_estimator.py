@@ -218,6 +218,42 @@ def _fake_engine(shape_cfg: dict, truth: est.Assumptions) -> dict:
     return {"config": shape_cfg, "runs": runs}
 
 
+def _suite_like_engine(truth: est.Assumptions) -> dict:
+    """A payload shaped like kdlib/perf/suites/engine.py's: runs (AR + DDTree, per-step phase lists),
+    verify_forward sweep, the BENCH_CONFIG model, generated from `truth`."""
+    from kdlib.perf.suites.engine import BENCH_CONFIG
+
+    shape = est.ModelShape.from_config(BENCH_CONFIG, tp=1, expert_bits=16)
+    runs = [{"method": "ar", "context": 128, "budget": 0, "block": 1, "mean_accepted": 1.0, "step_ms": 9.0,
+             "phase_ms": {"verify": [9.0]}}]
+    for ctx in (128, 1024, 4096):
+        for budget in (4, 16, 64):
+            for tau in (2.0, 3.5):
+                sc = est.Scenario(1, budget + 1, 16, min(tau, budget + 1), ctx)
+                s = est.step_time("h200", sc, truth, shape)
+                verify = s["moe"] + s["dense"] + s["attention"] + s["fixed"]
+                ph = {"draft": s["draft"], "build": s["tree"], "verify": verify, "accept": s["dispatch"] / 2,
+                      "compaction": s["dispatch"] / 2}
+                runs.append({"method": "ddtree", "context": ctx, "budget": budget, "block": 16, "mean_accepted": tau,
+                             "step_ms": s["total"] * 1e3, "phase_ms": {k: [v * 1e3] * 5 for k, v in ph.items()}})
+    sweep = []
+    for ctx in (256, 1024, 4096):
+        for q in (1, 5, 17, 65):
+            s = est.step_time("h200", est.Scenario(1, q, 1, 1.0, ctx), truth, shape)
+            sweep.append({"context": ctx, "q": q, "median_ms": (s["moe"] + s["dense"] + s["attention"] + s["fixed"]) * 1e3})
+    return {"config": BENCH_CONFIG, "runs": runs, "verify_forward": sweep, "_path": "synthetic engine"}
+
+
+def test_validate_on_a_suite_shaped_payload_uses_the_verify_sweep():
+    truth = est.Assumptions().with_(kernel_latency_s=(25e-6, "t"), moe_per_expert_latency_s=(60e-6, "t"),
+                                    dispatch_s=(1.5e-3, "t"), draft_host_s=(0.8e-3, "t"))
+    notes = []
+    table = est.validate(est.Assumptions(), _suite_like_engine(truth), notes=notes)
+    assert len(table) == 18 and all(r["budget"] > 0 for r in table)
+    assert "moe_per_expert_latency_s = 6e-05" in notes[0]
+    assert max(abs(r["residual"]) for r in table) < 0.02
+
+
 def test_validate_anchors_host_costs_and_predicts_held_out_runs():
     cfg = json.loads((DATA / "configs" / "tiny-a.json").read_text())
     truth = est.Assumptions().with_(kernel_latency_s=(40e-6, "eager torch launch"), dispatch_s=(1e-3, "t"),

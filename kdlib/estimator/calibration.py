@@ -209,7 +209,44 @@ def _scenario(row: dict) -> Scenario:
                     accepted=min(max(row["accepted"], 1e-6), q), context=row["context"], tree_builder="cpu")
 
 
-def anchor_host_costs(a: Assumptions, row: dict, shape: ModelShape, gpu="h200") -> Assumptions:
+def calibrate_verify(a: Assumptions, engine: dict, shape: ModelShape, gpu="h200") -> tuple[Assumptions, str]:
+    """Per-kernel and per-touched-expert latencies from the engine's verify-forward sweep (a component
+    measurement: one target forward at contexts x rows, CUDA-event timed): least squares of
+    (measured - modelled device time) on [layers x kernels, MoE layers x touched experts(q)]."""
+    from kdlib.estimator.model import touched_experts
+
+    rows = [r for r in engine.get("verify_forward") or [] if "median_ms" in r and "q" in r and "context" in r]
+    if len(rows) < 3:
+        return a, "engine verify_forward: fewer than 3 points; per-kernel latency left to the anchor run"
+    base = a.with_(kernel_latency_s=(0.0, "zeroed to solve"), moe_per_expert_latency_s=(0.0, "zeroed to solve"))
+    xs0, xs1, ys = [], [], []
+    for r in rows:
+        sc = Scenario(1, int(r["q"]), 1, 1.0, int(r["context"]))
+        st = step_time(gpu, sc, base, shape)
+        device = st["moe"] + st["dense"] + st["attention"] + st["allreduce"]
+        xs0.append(shape.n_layers * a.v("kernels_per_layer"))
+        xs1.append(shape.n_moe_layers * touched_experts(sc.m, shape.n_experts, shape.top_k))
+        ys.append(r["median_ms"] * 1e-3 - device)
+    # two-feature least squares without intercept (normal equations)
+    s00 = sum(x * x for x in xs0)
+    s01 = sum(x * y for x, y in zip(xs0, xs1, strict=True))
+    s11 = sum(y * y for y in xs1)
+    b0 = sum(x * y for x, y in zip(xs0, ys, strict=True))
+    b1 = sum(x * y for x, y in zip(xs1, ys, strict=True))
+    det = s00 * s11 - s01 * s01
+    if det <= 0:
+        return a, "engine verify_forward: points do not separate per-kernel and per-expert costs"
+    k_lat = (b0 * s11 - b1 * s01) / det
+    e_lat = (s00 * b1 - s01 * b0) / det
+    if k_lat < 0 or e_lat < 0:      # keep the fit physical: refit the one that is positive alone
+        k_lat, e_lat = (max(0.0, b0 / s00), 0.0) if k_lat >= e_lat else (0.0, max(0.0, b1 / s11))
+    src = engine.get("_path", "engine result")
+    a = a.with_(kernel_latency_s=(k_lat, f"fit on the verify_forward sweep of {src} ({len(rows)} points)"),
+                moe_per_expert_latency_s=(e_lat, f"fit on the verify_forward sweep of {src}"))
+    return a, f"engine verify_forward: kernel_latency_s = {k_lat:.3g}, moe_per_expert_latency_s = {e_lat:.3g}"
+
+
+def anchor_host_costs(a: Assumptions, row: dict, shape: ModelShape, gpu="h200", *, verify: bool = True) -> Assumptions:
     """Set the host-side terms no component suite measures from one engine run: the per-layer
     launch latency (verify phase minus the modelled device terms), the drafter's host cost, the
     build cost per request, and accept + compaction as dispatch."""
@@ -219,7 +256,7 @@ def anchor_host_costs(a: Assumptions, row: dict, shape: ModelShape, gpu="h200") 
     changes = {}
     zero_fixed = a.with_(kernel_latency_s=(0.0, "zeroed to solve"), dispatch_s=(0.0, "zeroed"))
     st = step_time(gpu, sc, zero_fixed, shape)
-    if "verify" in ph:
+    if verify and "verify" in ph:
         device = st["moe"] + st["dense"] + st["attention"] + st["allreduce"]
         per_kernel = max(0.0, ph["verify"] * 1e-3 - device) / (shape.n_layers * a.v("kernels_per_layer"))
         changes["kernel_latency_s"] = (per_kernel, f"{src}: (verify - modelled device time) / (layers x kernels)")
@@ -237,15 +274,24 @@ def anchor_host_costs(a: Assumptions, row: dict, shape: ModelShape, gpu="h200") 
     return a.with_(**changes)
 
 
-def validate(a: Assumptions, engine: dict, *, gpu="h200", anchor: int = 0, shape: ModelShape | None = None) -> list[dict]:
-    """Predicted vs measured engine step time per run; `anchor` (an index into the runs, ordered
-    by context then budget) is the one run that sets the host-side terms. Each row:
-    context, budget, measured_ms, predicted_ms, residual (predicted / measured - 1), role."""
-    rows = sorted(engine_rows(engine), key=lambda r: (r["context"], r["budget"], r["concurrency"]))
+def validate(a: Assumptions, engine: dict, *, gpu="h200", anchor: int = 0, shape: ModelShape | None = None,
+             notes: list | None = None) -> list[dict]:
+    """Predicted vs measured engine step time per run.
+
+    The verify forward's launch costs come from the engine's verify-forward sweep when it holds
+    >= 3 points (`calibrate_verify`); `anchor` (an index into the runs, ordered by context, budget,
+    acceptance) is the one run that sets the host-side phases (draft, build, accept + compaction,
+    and the verify launch cost when no sweep is recorded). Each row: context, budget, accepted,
+    measured_ms, predicted_ms, residual (predicted / measured - 1), role ('anchor' / 'held out'),
+    and the prediction from `a` alone (components_only_*)."""
+    rows = sorted(engine_rows(engine), key=lambda r: (r["context"], r["budget"], r["concurrency"], r["accepted"]))
     if not 0 <= anchor < len(rows):
         raise ValueError(f"anchor {anchor} out of range for {len(rows)} engine runs")
     shape = shape or engine_shape(engine)
-    anchored = anchor_host_costs(a, rows[anchor], shape, gpu)
+    a_v, note = calibrate_verify(a, engine, shape, gpu)
+    if notes is not None:
+        notes.append(note)
+    anchored = anchor_host_costs(a_v, rows[anchor], shape, gpu, verify=a_v is a)
     out = []
     for i, r in enumerate(rows):
         st = step_time(gpu, _scenario(r), anchored, shape)
@@ -271,5 +317,5 @@ def assumptions_diff(before: Assumptions, after: Assumptions) -> list[dict]:
     return rows
 
 
-__all__ = ["Param", "anchor_host_costs", "assumptions_diff", "calibrate", "engine_rows", "engine_shape",
-           "load_results", "validate"]
+__all__ = ["Param", "anchor_host_costs", "assumptions_diff", "calibrate", "calibrate_verify", "engine_rows",
+           "engine_shape", "load_results", "validate"]

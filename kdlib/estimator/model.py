@@ -59,7 +59,7 @@ def moe_layer(m: float, gpu, a: Assumptions | None = None, shape: ModelShape | N
     return {
         "m": m, "touched": touched, "bytes": weight + act, "flops": flops,
         "floor_s": max((weight + act) / bw, flops / fl),
-        "time_s": max(mem_s, comp_s) + a.v("moe_layer_latency_s"),
+        "time_s": max(mem_s, comp_s) + a.v("moe_layer_latency_s") + touched * a.v("moe_per_expert_latency_s"),
         "bound": "memory" if mem_s >= comp_s else "compute",
     }
 

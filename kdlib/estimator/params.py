@@ -52,6 +52,10 @@ class Assumptions:
         15e-6, "s per MoE layer",
         "router top-k, sort, two grouped-GEMM launches, combine: ~5 kernels x ~3 us "
         "(AIConfigurator constant latency 3 us, models-hardware.md §5.1) [U]")
+    moe_per_expert_latency_s: Param = _p(
+        0.0, "s per touched expert per MoE layer",
+        "grouped MoE kernels launch once per layer (0 here); an expert loop, as the MVP engine's PyTorch "
+        "MoE, pays launches per touched expert: calibrated from the engine's verify-forward sweep")
     dense_bw_eff: Param = _p(
         0.80, "fraction of HBM peak",
         "bf16 GEMV-like weight streaming (attention projections, shared expert, dense layer, lm_head): "
