@@ -6,9 +6,10 @@
     est.project(["h200", "b300"], [sc])          # table rows
     est.seeds.reproduce()                        # the seeds' B300 projections, rebuilt
     a = est.calibrate(est.load_results("h200"))  # efficiencies from H200 measurements
-    est.validate(a)                              # against the engine's measured step times
+    est.validate(a, est.load_results("h200")["engine"])   # against the engine's measured step times
 
-CLI: `kdlib estimate [--gpu b300] [--scenario seeds|default] [--concurrency 1 4 10] [--json]`.
+CLI: `kdlib estimate [--gpu b300] [--scenario seeds|default] [--concurrency 1 4 10] [--context N]
+[--tree cpu|gpu] [--calibrated] [--json]`.
 Hardware peaks come from `data/hw/` (`kdlib.hw`); every other input is a named `Param` of
 `Assumptions` with its source; the model shape defaults to Kimi-K2 at TP8.
 """
