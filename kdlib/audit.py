@@ -990,20 +990,22 @@ def html_table(verdicts: dict, cat: Catalogue) -> str:
     import html
 
     esc = html.escape
+    left = "text-align:left;vertical-align:top"  # nbconvert's table CSS right-aligns cells
+    td = f" style='{left}'"
     rows = []
     for fid, v in verdicts.items():
         f = cat[fid]
         also = (f"<br><i>also seed {esc(f.also['seed'])}, {esc(f.also['where'])}: “{esc(f.also['quote'])}”</i>"
                 if f.also else "")
         rows.append(
-            f"<tr><td><b>{esc(f.figure)}</b><br><code>{esc(fid)}</code> · {esc(f.category)}"
+            f"<tr><td{td}><b>{esc(f.figure)}</b><br><code>{esc(fid)}</code> · {esc(f.category)}"
             f"<details><summary>seed {esc(f.seed)}, {esc(f.where)}</summary>“{esc(f.quote)}”{also}</details></td>"
-            f"<td>{esc(_claim_text(f.claim))}</td>"
-            f"<td style='background:{COLOURS[v.verdict]}'><b>{esc(v.verdict)}</b></td>"
-            f"<td>{esc(v.ours)}</td><td>{esc(v.reason)}<br><small>{esc('; '.join(map(str, v.sources)))}</small></td>"
-            f"<td><a href='{esc(f.link)}'>{esc(f.notebook)}{' §' + esc(f.section.split('.')[0]) if f.section else ''}"
+            f"<td{td}>{esc(_claim_text(f.claim))}</td>"
+            f"<td style='background:{COLOURS[v.verdict]};{left}'><b>{esc(v.verdict)}</b></td>"
+            f"<td{td}>{esc(v.ours)}</td><td{td}>{esc(v.reason)}<br><small>{esc('; '.join(map(str, v.sources)))}</small></td>"
+            f"<td{td}><a href='{esc(f.link)}'>{esc(f.notebook)}{' §' + esc(f.section.split('.')[0]) if f.section else ''}"
             f"</a></td></tr>")
-    head = "".join(f"<th>{h}</th>" for h in ("figure (seed)", "seeds say", "verdict", "workbook's figure",
+    head = "".join(f"<th{td}>{h}</th>" for h in ("figure (seed)", "seeds say", "verdict", "workbook's figure",
                                               "reasoning (sources)", "shown in"))
     return (f"<table style='font-size:12.5px;border-collapse:collapse' border=1 cellpadding=4>"
             f"<tr>{head}</tr>{''.join(rows)}</table>")

@@ -251,3 +251,13 @@ def test_fp32_floor_grows_with_input_scale():
     assert 0 < small < unit and math.isfinite(unit)
     with pytest.raises(ValueError):
         audit.fp32_attention_error(scale=0.0)
+
+
+def test_html_table_lists_every_figure_with_its_link(cat):
+    import html
+
+    v = audit.run_all(cat, _nothing(), areas=["memory"])
+    page = audit.html_table(v, cat)
+    for fid in v:
+        assert f"<code>{fid}</code>" in page and f"href='{html.escape(cat[fid].link)}'" in page
+    assert page.count("<tr>") == len(v) + 1
