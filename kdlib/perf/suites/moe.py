@@ -230,15 +230,19 @@ def _measure(m: int, rng, packed, baseline, *, bw: float, flop_rate: float, rota
 
 
 def run(args) -> dict:
-    import cupy as cp
     import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("the moe suite needs a CUDA device (torch.cuda.is_available() is False)")
+    try:
+        import cupy as cp
+    except ImportError as err:
+        raise SystemExit(f"the moe suite needs CuPy for the W4A16 kernel: {err}") from err
 
     from kdlib import perf
     from kdlib.cuda import moe
     from kdlib.perf import timing
 
-    if not torch.cuda.is_available():
-        raise RuntimeError("the moe suite needs a CUDA device")
     quick = bool(getattr(args, "quick", False))
     ms = M_QUICK if quick else M_FULL
     rotations = 8
