@@ -129,6 +129,8 @@ def _entry(rank, fn, world, backend, port, timeout_s, args):
 
     if backend == "gloo":  # W ranks share the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    else:  # fp32 matmuls stay fp32 (no TF32), so fp32 checks keep their tolerance
+        torch.backends.cuda.matmul.allow_tf32 = False
     device = init_process_group(rank, world, backend=backend, port=port, timeout_s=timeout_s)
     try:
         fn(rank, world, device, *args)

@@ -285,3 +285,33 @@ def bench(world_sizes, spec: dict, backend: str = "nccl", timeout_s: float = 300
     return {"parameters": {**spec, "world_sizes": list(world_sizes), "backend": backend},
             "runs": runs, "allreduce": sweep, "allreduce_fit": fit_allreduce(sweep) if sweep else {},
             "logits_max_abs_diff_vs_single": diffs}
+
+
+def run_check(world: int, spec: dict, backend: str = "gloo", timeout_s: float = 120) -> list[str]:
+    """Spawn check_worker over `world` ranks and compare rank 0's outputs with the single-process reference."""
+    import tempfile
+
+    from kdlib.tp.engine import spawn
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "rank0.pt")
+        spawn(check_worker, world, (spec, path), backend=backend, timeout_s=timeout_s)
+        got = torch.load(path)
+    return compare(got, reference(spec))
+
+
+def gpu_payload(world_sizes, *, quick: bool = False) -> dict:
+    """The `tp` record: NCCL checks (tiny-a, fp32, EP and sliced MoE) and the benchmark per world size."""
+    checks = {}
+    for w in [w for w in world_sizes if w > 1]:
+        for mode in ("ep", "tp"):
+            lines = run_check(w, check_spec(moe_mode=mode, device="cuda"), backend="nccl")
+            checks[f"w{w}-{mode}"] = lines
+            print(f"[tp] check world {w} moe {mode}:\n  " + "\n  ".join(lines), flush=True)
+    spec = bench_spec(**({"max_new": 32, "iters": 20, "allreduce_rows": (1, 64, 256)} if quick else {}))
+    payload = bench(world_sizes, spec, backend="nccl")
+    payload["checks"] = checks
+    payload["checks_pass"] = all(not x.startswith("FAIL") for v in checks.values() for x in v)
+    payload["nccl_env"] = {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                                          "NVSHMEM_DISABLE_NVLS")}
+    return payload
