@@ -24,7 +24,7 @@ ISSUE_FIGURES = {
                  "b300_303_c1", "b300_575_770", "b300_850_980"],
 }
 # Notebooks other engineers are still writing: a figure may point at their page without a section.
-FORTHCOMING = {"03_mvp_engine", "04_throughput_diagnosis"}
+FORTHCOMING = {"04_throughput_diagnosis"}
 
 
 @pytest.fixture(scope="module")
