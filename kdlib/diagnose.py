@@ -489,6 +489,98 @@ def diagnose(client, *, sweep: bool = True, sustained_tokens: int = SUSTAINED_TO
     return out
 
 
+def kinds_available() -> tuple[str, ...]:
+    """Text kinds to measure: kdlib.zoo's held-out kinds with the trained models, else ("pydoc",)."""
+    from kdlib import zoo
+
+    return zoo.KINDS if zoo.available() else ("pydoc",)
+
+
+def kind_text(kind: str) -> str:
+    """The text of one kind: held-out documents (kdlib.zoo) or, for "pydoc", `source_text()`."""
+    return source_text() if kind == "pydoc" else source_text(kind)
+
+
+def study(client, *, kinds=None, prompt_tokens: int = 256, sustained_tokens: int = 300, short: int = SHORT,
+          long: int = LONG, repeats: int = 1, sweep_max: int | None = None, sweep_kind: str | None = None,
+          progress: bool = False) -> dict:
+    """What notebook 04 and the `diagnosis` suite measure, on one client.
+
+    sweep     two-point at prompt lengths 64, 128, ... up to min(sweep_max, the context) on
+              `sweep_kind` text (default the first kind), each with its decomposition;
+    by_kind   per text kind, on a `prompt_tokens` prompt of that kind: the two-point rate and a
+              sustained streamed run of `sustained_tokens` (TTFT, decode tok/s, per-step accepted
+              lengths and step ms, decomposition).
+    """
+    kinds = tuple(kinds) if kinds is not None else kinds_available()
+    limit = client.max_context
+    room = limit - max(long, sustained_tokens) - 8
+    if room < 16:
+        raise ValueError(f"the context ({limit}) leaves no room for a prompt next to {max(long, sustained_tokens)} "
+                         "generated tokens")
+    prompt_tokens = min(prompt_tokens, room)
+    lengths, n = [], SWEEP_START
+    while n + long + 8 <= limit and (sweep_max is None or n <= sweep_max):
+        lengths.append(n)
+        n *= 2
+    sweep = context_sweep(client, lengths=lengths, text=kind_text(sweep_kind or kinds[0]), repeats=repeats, long=long,
+                          progress=progress) if lengths else []
+    rows = {}
+    for kind in kinds:
+        prompt, actual = make_prompt(client, prompt_tokens, kind_text(kind))
+        tp = two_point(client, prompt, short=short, long=long, repeats=repeats)
+        su = sustained(client, prompt, sustained_tokens, progress=progress)
+        rows[kind] = {"prompt_tokens": actual, "two_point": tp, "sustained": su}
+    return {"model": client.model, "model_info": client.info, "max_context": limit,
+            "parameters": {"kinds": list(kinds), "prompt_tokens": prompt_tokens, "sustained_tokens": sustained_tokens,
+                           "short": short, "long": long, "repeats": repeats, "sweep_max": sweep_max},
+            "sweep": sweep, "by_kind": rows}
+
+
+# The seeds' own figures (seeds/002 Act I; seeds/000 Thread Two), to check their arithmetic.
+SEED_FIGURES = {
+    "accepted_per_step": 2.9,  # tokens per step on reasoning text
+    "step_ms": 144.0,  # verify step at ~5.5k context
+    "step_ms_short": 34.0,  # verify step at 13 tokens of context
+    "step_ctx_short": 13,
+    "step_ctx_long": 5500,
+    "observed_tok_s": 32.0,  # the user's sustained figure (their repro: 32.7)
+    "sustained_prompt": 3200,  # the repro: ~3,200-token prompt, 1,500 tokens generated
+    "sustained_tokens": 1500,
+    "two_point_5k_tok_s": 66.8,  # two-point at 5,120 tokens of context
+    "two_point_ctx": 5120,
+}
+
+
+def seed_arithmetic(f: dict = SEED_FIGURES) -> dict:
+    """What the seeds' figures imply when multiplied out (throughput = accepted length / step time).
+
+    product_tok_s          2.9 / 0.144 s: the rate their accepted length and step time give
+    implied_accept         the accepted length 32 t/s needs at a 144 ms step
+    implied_step_ms        the step time 32 t/s needs at 2.9 tokens per step
+    linear_step_ms_mean    the mean step over the repro's contexts (3.2k -> 4.7k), interpolating the
+                           seeds' two step times (34 ms at 13 tokens, 144 ms at 5.5k) linearly
+    linear_product_tok_s   2.9 / that mean step
+    two_point_implied_accept  tokens per step the two-point 66.8 t/s at 5,120 implies at the
+                           interpolated step time there
+    """
+    slope = (f["step_ms"] - f["step_ms_short"]) / (f["step_ctx_long"] - f["step_ctx_short"])
+
+    def step_at(ctx):
+        return f["step_ms_short"] + slope * (ctx - f["step_ctx_short"])
+
+    mean_step = (step_at(f["sustained_prompt"]) + step_at(f["sustained_prompt"] + f["sustained_tokens"])) / 2
+    return {
+        "product_tok_s": f["accepted_per_step"] / (f["step_ms"] / 1e3),
+        "implied_accept": f["observed_tok_s"] * f["step_ms"] / 1e3,
+        "implied_step_ms": f["accepted_per_step"] / f["observed_tok_s"] * 1e3,
+        "linear_step_ms_mean": mean_step,
+        "linear_product_tok_s": f["accepted_per_step"] / (mean_step / 1e3),
+        "two_point_implied_accept": f["two_point_5k_tok_s"] * step_at(f["two_point_ctx"]) / 1e3,
+        "observed_over_product": f["observed_tok_s"] / (f["accepted_per_step"] / (f["step_ms"] / 1e3)),
+    }
+
+
 def _fmt(v, spec=".1f"):
     return "-" if v is None else format(v, spec)
 

@@ -245,11 +245,15 @@ class Engine:
 
     def __init__(self, bundle: Bundle | None = None, *, budget: int | None = None, max_tokens_limit: int | None = None,
                  max_queue: int = MAX_QUEUE, threads: int | None = None):
+        self.bundle = bundle or load_bundle()
+        if threads is None and self.bundle.model.device.type == "cpu":
+            # A tiny model's ops are far too small to split; on a shared CPU, torch's worker threads
+            # contend with other processes and a step took 10-20x longer (measured on a 2-core host).
+            threads = 1
         if threads is not None:
             import torch
 
-            torch.set_num_threads(threads)  # process-wide: tiny models run steadier on one thread
-        self.bundle = bundle or load_bundle()
+            torch.set_num_threads(threads)  # process-wide
         self.budget = budget
         self.max_context = int(self.bundle.model.cfg.max_position_embeddings)
         self.max_tokens_limit = min(max_tokens_limit or self.max_context, self.max_context)
@@ -691,7 +695,7 @@ def cli(argv: list[str]) -> int:
     ap.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted")
     ap.add_argument("--random", action="store_true", help="serve the random fallback even when trained models exist")
     ap.add_argument("--config", default=FALLBACK_CONFIG, help="fallback model config under data/configs/")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: 1 on CPU)")
     args = ap.parse_args(argv)
     import uvicorn
 

@@ -151,3 +151,23 @@ def test_cli_writes_json_and_table(server, tmp_path, capsys):
 def test_cli_reports_an_endpoint_error(server, capsys):
     rc = dg.cli(["--endpoint", server.url, "--model", "nope", "--no-sweep"])
     assert rc == 1 and "not served" in capsys.readouterr().err
+
+
+def test_seed_arithmetic():
+    a = dg.seed_arithmetic()
+    assert a["product_tok_s"] == pytest.approx(20.14, abs=0.01)  # 2.9 / 0.144 s, not 32
+    assert a["implied_accept"] == pytest.approx(4.608) and a["implied_step_ms"] == pytest.approx(90.625)
+    assert a["product_tok_s"] < a["linear_product_tok_s"] < dg.SEED_FIGURES["observed_tok_s"]
+
+
+def test_diagnosis_suite_core_on_cpu():
+    from kdlib.perf.suites import diagnosis
+
+    r = diagnosis.measure("cpu", prompt_tokens=32, sustained_tokens=40, repeats=1, sweep_max=64, long=40,
+                          prefer_trained=False)
+    assert [s["target_prompt_tokens"] for s in r["sweep"]] == [64]
+    row = r["by_kind"]["pydoc"]
+    assert row["prompt_tokens"] == 32 and row["sustained"]["completion_tokens"] == 40
+    d = row["sustained"]["decomposition"]
+    assert d["available"] and d["metric_set"] == "engine" and d["ratio"] > 0
+    assert row["two_point"]["completion_long"] == 40
