@@ -664,14 +664,45 @@ def diag_step_34_144(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
                                                        "need_sustained": need_sus, "need_c1": need_c1})
 
 
+PREDICTABLE_KIND = "templated"  # kdlib.zoo's repetitive kind: the seeds' "predictable or repetitive text"
+
+
+def diagnosis_by_kind(src: Sources) -> dict | None:
+    """kind -> {accepted, two_point_tok_s, sustained_tok_s, source} from the recorded `diagnosis`
+    suite (kdlib.diagnose.study), or None when it is not recorded."""
+    res = src.result("diagnosis")
+    if res is None or not res.get("by_kind"):
+        return None
+    out = {}
+    for kind, r in res["by_kind"].items():
+        su = r.get("sustained", {})
+        acc = (su.get("decomposition") or {}).get("accepted_length")
+        out[kind] = {"accepted": acc, "two_point_tok_s": r.get("two_point", {}).get("tokens_per_s"),
+                     "sustained_tok_s": su.get("decode_tokens_per_s"), "source": res["_path"]}
+    return out
+
+
 @check
 def diag_accept_by_text(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     c = fig.claim
-    hard = src.record("diag_accept_len_reasoning", "04_throughput_diagnosis")
-    easy = src.record("diag_accept_len_predictable", "04_throughput_diagnosis")
     overlap = max(c["predictable"][0], c["predictable_002"][0]) <= min(c["predictable"][1], c["predictable_002"][1])
     internal = (f"seed 000 says 5-8 and seed 002 ~7-8 on predictable text: "
                 f"{'overlapping, so consistent' if overlap else 'disjoint'}")
+    kinds = diagnosis_by_kind(src)
+    if kinds and PREDICTABLE_KIND in kinds and all(k["accepted"] is not None for k in kinds.values()):
+        easy = kinds[PREDICTABLE_KIND]["accepted"]
+        others = {k: v["accepted"] for k, v in kinds.items() if k != PREDICTABLE_KIND}
+        hard_kind = min(others, key=others.get)
+        return Verdict(fig.id, OUT_OF_REACH,
+                       "the workbook's tiny target + drafter, accepted per step: "
+                       + ", ".join(f"{k} {v['accepted']:.2f}" for k, v in kinds.items()),
+                       f"their numbers need their drafter and Kimi-K2.6 weights; what transfers is the direction: "
+                       f"the hardest kind here ({hard_kind}, {others[hard_kind]:.2f}) against the repetitive one "
+                       f"({PREDICTABLE_KIND}, {easy:.2f}): {'lower, as the seeds say' if others[hard_kind] < easy else 'NOT lower'}"
+                       f". {internal}", sources=[kinds[PREDICTABLE_KIND]["source"]],
+                       values={"hard": others[hard_kind], "easy": easy})
+    hard = src.record("diag_accept_len_reasoning", "04_throughput_diagnosis")
+    easy = src.record("diag_accept_len_predictable", "04_throughput_diagnosis")
     if hard is None or easy is None:
         v = missing(fig.id, ["record diag_accept_len_reasoning of 04_throughput_diagnosis",
                              "record diag_accept_len_predictable of 04_throughput_diagnosis"],
@@ -693,9 +724,17 @@ def diag_overestimate_2x(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     sustained = cat.claim("diag_sustained")["tok_s"]
     ratio = slow / sustained
     own = src.record("diag_two_point_over_sustained", "04_throughput_diagnosis")
+    kinds = diagnosis_by_kind(src)
     ok = within(ratio, fig.claim, rel=0.1)
-    mine = (f"; the workbook's own endpoint: two-point / sustained = {float(own['value']):.2f}" if own else
-            "; the workbook's own ratio is not recorded yet (diag_two_point_over_sustained of 04_throughput_diagnosis)")
+    if kinds and all(k["two_point_tok_s"] and k["sustained_tok_s"] for k in kinds.values()):
+        mine = "; the workbook's engine, two-point / sustained by text kind: " + ", ".join(
+            f"{k} {v['two_point_tok_s'] / v['sustained_tok_s']:.2f}" for k, v in kinds.items())
+        own = {"source": next(iter(kinds.values()))["source"]}
+    elif own:
+        mine = f"; the workbook's own endpoint: two-point / sustained = {float(own['value']):.2f}"
+    else:
+        mine = ("; the workbook's own ratio is not recorded yet (data/results/diagnosis.*.json, or record "
+                "diag_two_point_over_sustained of 04_throughput_diagnosis)")
     return Verdict(fig.id, REPRODUCED if ok else CONTRADICTED, f"{slow:g} / {sustained:g} = {ratio:.2f}x{mine}",
                    f"the seeds' two-point figure at 5,120 tokens against their sustained run (3,200 -> 4,700 tokens "
                    f"of context, the same range): ±10% of 2x: {ok}", sources=["seeds' figures"]
@@ -923,7 +962,8 @@ def run_one(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
         if kind == "record":
             name, _, nb = rest.split(" (")[0].strip().partition("@")
             rec = src.record(name, nb)
-            shown = f"record {name} = {rec['value']} {rec.get('unit', '')} ({rec['notebook']})".strip() if rec else None
+            unit = f" {rec['unit']}" if rec and rec.get("unit") else ""
+            shown = f"record {name} = {rec['value']}{unit} ({rec['notebook']})" if rec else None
             if shown and shown not in v.sources:
                 v.sources.append(shown)
     return v

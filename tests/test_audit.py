@@ -261,3 +261,19 @@ def test_html_table_lists_every_figure_with_its_link(cat):
     for fid in v:
         assert f"<code>{fid}</code>" in page and f"href='{html.escape(cat[fid].link)}'" in page
     assert page.count("<tr>") == len(v) + 1
+
+
+def test_a_recorded_diagnosis_result_decides_the_workbook_side(cat):
+    def kind(acc, tp, su):
+        return {"two_point": {"tokens_per_s": tp},
+                "sustained": {"decode_tokens_per_s": su, "decomposition": {"accepted_length": acc}}}
+
+    res = {"_path": "synthetic", "by_kind": {"code": kind(3.0, 90.0, 60.0), "prose": kind(2.2, 80.0, 50.0),
+                                             "templated": kind(6.5, 120.0, 100.0)}}
+    src = audit.Sources(results={"diagnosis": res}, records={})
+    v = audit.run_one(cat["diag_accept_by_text"], cat, src)
+    assert v.verdict == audit.OUT_OF_REACH and v.values == {"hard": 2.2, "easy": 6.5}
+    assert "as the seeds say" in v.reason
+    res["by_kind"]["prose"] = kind(7.0, 80.0, 50.0)
+    assert "NOT lower" in audit.run_one(cat["diag_accept_by_text"], cat, src).reason
+    assert "prose 1.60" in audit.run_one(cat["diag_overestimate_2x"], cat, src).ours
