@@ -75,3 +75,63 @@ def test_kernel_names_are_versioned(source):
     names = loader.KERNEL_DECL.findall(source.read_text())
     bad = [n for n in names if not re.search(r"_v\d+(_|$)", n)]
     assert not bad, f"{source.name}: kernel names must carry a version (<op>_v<N>[_variant]): {bad}"
+
+
+def _libnvrtc():
+    """libnvrtc from the nvidia-cuda-nvrtc wheel (the compiler CuPy uses at run time), or None."""
+    import ctypes
+    import glob
+
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for root in nvidia.__path__:
+        lib = os.path.join(root, "cu13", "lib")
+        main = sorted(glob.glob(os.path.join(lib, "libnvrtc.so.*")))
+        if main:
+            # NVRTC dlopens its builtins by soname; load them first so the lookup finds them.
+            for builtins in sorted(glob.glob(os.path.join(lib, "libnvrtc-builtins.so.*"))):
+                ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+            return ctypes.CDLL(main[0])
+    return None
+
+
+_NVRTC = _libnvrtc()
+
+
+def _cuda_include() -> str:
+    """The CUDA toolkit's include folder (cuda_bf16.h and friends), as CuPy finds it at run time."""
+    import glob
+
+    nvcc = os.path.realpath(loader.nvcc_path() or "")
+    candidates = [os.environ.get("CUDA_HOME", ""), os.path.dirname(os.path.dirname(nvcc)), "/usr/local/cuda"]
+    candidates += sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
+    for root in candidates:
+        if root and os.path.isfile(os.path.join(root, "include", "cuda_bf16.h")):
+            return os.path.join(root, "include")
+    pytest.fail(f"no CUDA include folder with cuda_bf16.h among {candidates}")
+
+
+@pytest.mark.skipif(_NVRTC is None, reason="nvidia-cuda-nvrtc is not installed (requirements.lock pins it)")
+@pytest.mark.parametrize("source", SOURCES, ids=[s.name for s in SOURCES])
+def test_compiles_with_nvrtc_as_cupy_does(source):
+    """nvcc accepts things NVRTC rejects (host headers such as <stdint.h> or <math.h>, INFINITY); CuPy's
+    RawModule compiles with NVRTC, so compile each file the way it does: C++17, flush-to-zero, device as
+    the default execution space, sm_90."""
+    import ctypes
+
+    include = _cuda_include()
+    options = [b"--std=c++17", b"-arch=sm_90", b"-ftz=true", b"--device-as-default-execution-space",
+               f"-I{KERNELS}".encode(), f"-I{include}".encode()]
+    prog = ctypes.c_void_p()
+    assert _NVRTC.nvrtcCreateProgram(ctypes.byref(prog), source.read_bytes(), source.name.encode(), 0, None, None) == 0
+    try:
+        rc = _NVRTC.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
+        size = ctypes.c_size_t()
+        _NVRTC.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        _NVRTC.nvrtcGetProgramLog(prog, log)
+    finally:
+        _NVRTC.nvrtcDestroyProgram(ctypes.byref(prog))
+    assert rc == 0, f"NVRTC rejected {source.name}:\n{log.value.decode(errors='replace')}"
