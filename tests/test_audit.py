@@ -274,6 +274,6 @@ def test_a_recorded_diagnosis_result_decides_the_workbook_side(cat):
     v = audit.run_one(cat["diag_accept_by_text"], cat, src)
     assert v.verdict == audit.OUT_OF_REACH and v.values == {"hard": 2.2, "easy": 6.5}
     assert "as the seeds say" in v.reason
-    res["by_kind"]["prose"] = kind(7.0, 80.0, 50.0)
-    assert "NOT lower" in audit.run_one(cat["diag_accept_by_text"], cat, src).reason
     assert "prose 1.60" in audit.run_one(cat["diag_overestimate_2x"], cat, src).ours
+    res["by_kind"]["prose"], res["by_kind"]["code"] = kind(7.0, 80.0, 50.0), kind(6.9, 80.0, 50.0)
+    assert "NOT lower" in audit.run_one(cat["diag_accept_by_text"], cat, src).reason
