@@ -439,7 +439,7 @@ def context_sweep(client, *, lengths: list[int] | None = None, max_context: int 
         if limit - long - 8 > (lengths[-1] if lengths else 0):
             lengths.append(limit - long - 8)  # the model's limit itself
     text = text if text is not None else source_text()
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     rows = []
     for n in tqdm(lengths, desc="context sweep", unit="point", disable=not progress):
@@ -452,7 +452,7 @@ def context_sweep(client, *, lengths: list[int] | None = None, max_context: int 
 def sustained(client, prompt: str, max_tokens: int = SUSTAINED_TOKENS, *, progress: bool = True) -> dict:
     """One long streamed generation: TTFT, decode tok/s (first to last chunk), end-to-end tok/s,
     and the decomposition over its steps."""
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     before = client.metrics()
     with tqdm(total=1, desc=f"sustained {max_tokens} tokens", disable=not progress) as bar:
