@@ -32,6 +32,8 @@ def _config(name: str) -> ModelConfig:
         return dataclasses.replace(base, q_lora_rank=None, rope=None)
     if name.endswith("+v8"):  # a vocabulary small enough to tabulate distributions
         return dataclasses.replace(base, vocab_size=8)
+    if name.endswith("+mla576"):  # the kernels' latent width: kv_lora 512 + rope 64
+        return dataclasses.replace(base, kv_lora_rank=512, qk_rope_head_dim=64)
     return base
 
 
@@ -39,13 +41,16 @@ CONFIGS = ("tiny-a", "tiny-b", "tiny-a+noqlora")
 
 
 @cache
-def _model(name: str, seed: int, device: str = "cpu") -> Model:
-    return Model.random(_config(name), seed=seed, device=device)
+def _model(name: str, seed: int, device: str = "cpu", attention: str = "torch") -> Model:
+    m = Model.random(_config(name), seed=seed, device=device)
+    m.attention = attention
+    return m
 
 
 def _cases(n: int, seed: int):
     """Random (config, model seed, prompt, max_new, budget, top_k, block, p_wrong, cache mode, drafter seed,
-    drafter kind) tuples; every fifth case drafts with a random DFlash drafter, the others with the oracle."""
+    drafter kind, attention) tuples; every fifth case drafts with a random DFlash drafter, the others with
+    the oracle; every third verifies through kdlib.ops.tree_verify_attention (numpy reference on CPU)."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
@@ -57,13 +62,15 @@ def _cases(n: int, seed: int):
         top_k = [None, 1, 1, 2, 3, 5][int(rng.integers(0, 6))]  # K' = 1 is the chain
         out.append((name, int(rng.integers(0, 2)), prompt, int(rng.integers(4, 21)), budget, top_k, block,
                     float(rng.choice([0.0, 0.2, 0.5, 0.9, 1.0])), ["compact", "remap"][i % 2], int(rng.integers(0, 1000)),
-                    "dflash" if i % 5 == 4 else "oracle"))
+                    "dflash" if i % 5 == 4 else "oracle", "ops" if i % 3 == 2 else "torch"))
     return out
 
 
 def _check_case(case, device="cpu"):
-    name, mseed, prompt, max_new, budget, top_k, block, p_wrong, mode, dseed, kind = case
-    model = _model(name, mseed, device)
+    name, mseed, prompt, max_new, budget, top_k, block, p_wrong, mode, dseed, kind, attention = case
+    if device == "cuda" and _config(name).latent_dim != 576:
+        attention = "torch"  # the CUDA tree-verify kernels are built for the 576-wide latent only
+    model = _model(name, mseed, device, attention)
     ar = generate(model, prompt, max_new)
     if kind == "dflash":  # a random DFlash drafter: poor drafts, real hidden-state plumbing
         cfg = DFlashConfig.for_target(model.cfg, num_layers=1, block_size=block)
@@ -92,6 +99,16 @@ def test_ddtree_equals_ar_greedy_cuda():
     """The same invariant on CUDA: tree build, accept and compaction run as CuPy kernels via kdlib.ops."""
     for case in _cases(N_CASES, seed=1):
         _check_case(case, device="cuda")
+
+
+@pytest.mark.gpu
+def test_ddtree_equals_ar_greedy_cuda_kernel_attention():
+    """And with the verify attention itself in the CuPy tree-verify kernels (576-wide latent, FP32)."""
+    for i, case in enumerate(_cases(24, seed=2)):
+        prompt = [t % _config("tiny-a").vocab_size for t in case[2]]
+        case = ("tiny-a+mla576", case[1], prompt, case[3], min(case[4], 64), *case[5:11], "ops")
+        _check_case(case, device="cuda")
+        assert _model("tiny-a+mla576", case[1], "cuda", "ops").attention == "ops", i
 
 
 def test_cache_modes_agree_and_tree_beats_chain():

@@ -148,10 +148,13 @@ def test_tiny_configs_parse():
 
 @pytest.mark.parametrize("name", ["tiny-a", "tiny-b"])
 @pytest.mark.parametrize("mode", ["compact", "remap"])
-def test_absorbed_decode_matches_plain(name, mode):
-    """Prefill + one-token absorbed decode steps give the full causal forward's logits."""
+@pytest.mark.parametrize("attention", ["torch", "ops"])
+def test_absorbed_decode_matches_plain(name, mode, attention):
+    """Prefill + one-token absorbed decode steps give the full causal forward's logits (attention in
+    torch, or through kdlib.ops.tree_verify_attention: the numpy reference here)."""
     cfg = ModelConfig.from_json(DATA / "configs" / f"{name}.json")
     model = Model.random(cfg, seed=5)
+    model.attention = attention
     ids = torch.from_numpy(np.random.default_rng(0).integers(0, cfg.vocab_size, 24))
     full = model.logits(ids)
     cache = LatentCache(cfg, 64, mode=mode)
@@ -161,13 +164,15 @@ def test_absorbed_decode_matches_plain(name, mode):
         h, _ = model.forward_cached(cache, ids[t : t + 1], [t])
         cache.commit()
         rows.append(model.head(h))
-    check.assert_close(torch.cat(rows), full, rtol=1e-5, name=f"absorbed decode vs plain {name} {mode}")
+    check.assert_close(torch.cat(rows), full, rtol=1e-5, name=f"absorbed decode vs plain {name} {mode} {attention}")
 
 
-def test_tree_verify_rows_match_causal_paths():
+@pytest.mark.parametrize("attention", ["torch", "ops"])
+def test_tree_verify_rows_match_causal_paths(attention):
     """Each verify row's logits equal a causal forward over root..node (survey §9 item 3)."""
     cfg = ModelConfig.from_json(DATA / "configs" / "tiny-a.json")
     model = Model.random(cfg, seed=6)
+    model.attention = attention
     prompt = torch.tensor([3, 1, 4, 1, 5])
     # root 0 -> 1 -> 3, root 0 -> 2 (a sibling of 1), node 4 child of 2
     parents = [-1, 0, 0, 1, 2]
@@ -268,3 +273,9 @@ def test_cuda_matches_cpu(name):
         cache.commit()
         rows.append(gpu.head(h))
     check.assert_close(torch.cat(rows).cpu(), cpu.logits(ids), rtol=1e-5, name=f"cuda absorbed decode {name}")
+
+
+def test_attention_backend_is_validated():
+    model = Model.random(ModelConfig.from_json(DATA / "configs" / "tiny-a.json"), seed=0)
+    with pytest.raises(ValueError, match="attention"):
+        model.attention = "flash"

@@ -6,13 +6,15 @@
     cache.commit()                  # prefill / AR decode: keep every pending row in order
     cache.commit_path(path)         # tree verify: keep the accepted nodes (path, root first) only
 
-Storage: `kv [num_slots, num_layers, kv_lora + rope]` (slot-major, so one row move carries every
-layer) and the token table `req_to_token [1, max_ctx]` (logical position -> slot, as SGLang's
-`req_to_token`). After a verify the accepted nodes must sit at logical positions s .. s+len-1
+Storage: `kv [num_layers, num_slots, kv_lora + rope]` (layer-major: each layer's pool is one
+contiguous [num_slots, 576] array, the layout the tree-verify kernels read) and the token table
+`req_to_token [1, max_ctx]` (logical position -> slot, as SGLang's `req_to_token`; one table for
+every layer). After a verify the accepted nodes must sit at logical positions s .. s+len-1
 (survey §5.1). Two ways, both through `kdlib.ops` (numpy reference on CPU, CuPy kernels on CUDA):
 
   * "compact": slots equal positions; the tree is appended at slots s .. s+n and
-    `ops.compact_kv_batch` moves row s+path[i] to s+i (ascending, safe in place);
+    `ops.compact_kv_batch` moves row s+path[i] to s+i (ascending, safe in place), one launch for
+    all layers (the layers are the batch: layer l's rows start at l * num_slots);
   * "remap" (what page_size 1 allows): tree rows go to free slots anywhere in the pool and
     `ops.remap_slots` points req_to_token[s+i] at the slot of path[i]; the rejected slots return
     to the free list. No KV bytes move.
@@ -43,7 +45,8 @@ class LatentCache:
         self.num_slots = int(num_slots)
         self.max_ctx = int(max_ctx or num_slots)
         self.device = torch.device(device or "cpu")
-        self.kv = torch.zeros(self.num_slots, cfg.num_hidden_layers, cfg.latent_dim, device=self.device, dtype=dtype)
+        self.kv = torch.zeros(cfg.num_hidden_layers, self.num_slots, cfg.latent_dim, device=self.device,
+                              dtype=dtype)  # [L, S, kv_lora + rope]
         self.req_to_token = torch.full((1, self.max_ctx), -1, dtype=torch.int64, device=self.device)  # [1, max_ctx]
         self.length = 0  # committed tokens (s)
         self._pending: torch.Tensor | None = None
@@ -78,14 +81,18 @@ class LatentCache:
 
     # ---- data
     def write(self, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        self.kv[slots, layer] = rows.to(self.kv.dtype)
+        self.kv[layer, slots] = rows.to(self.kv.dtype)
 
     def write_all(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """rows [q, num_layers, kv_lora + rope] (a prefill's latents) into slots [q]."""
-        self.kv[slots] = rows.to(self.kv.dtype)
+        self.kv[:, slots] = rows.transpose(0, 1).to(self.kv.dtype)
 
     def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        return self.kv[slots, layer]
+        return self.kv[layer, slots]
+
+    def prefix_table(self) -> torch.Tensor:
+        """[1, s] int64: the slots of the committed positions (the kernels' page table, page_size 1)."""
+        return self.req_to_token[:, : self.length]
 
     # ---- commit
     def commit(self) -> None:
@@ -109,7 +116,10 @@ class LatentCache:
         if self.mode == "compact":
             # a row move is dtype-blind: 2-byte floats travel as int16 (DLPack/CuPy lack bfloat16)
             rows = self.kv.view(torch.int16) if self.kv.element_size() == 2 else self.kv
-            ops.compact_kv_batch(rows, starts, paths, lengths)
+            L = self.kv.shape[0]
+            layer_starts = torch.arange(L, device=self.device) * self.num_slots + s  # [L]
+            ops.compact_kv_batch(rows.view(L * self.num_slots, -1), layer_starts, paths.expand(L, -1).contiguous(),
+                                 lengths.expand(L).contiguous())
             self.req_to_token[0, s : s + n] = torch.arange(s, s + n, device=self.device)
         else:
             freed = ops.remap_slots(self.req_to_token, starts, slots[None], paths, lengths)
@@ -125,4 +135,4 @@ class LatentCache:
 
     def committed_rows(self) -> torch.Tensor:
         """[s, num_layers, kv_lora + rope]: the committed latents in position order (for checks)."""
-        return self.kv[self.req_to_token[0, : self.length]]
+        return self.kv[:, self.req_to_token[0, : self.length]].transpose(0, 1)

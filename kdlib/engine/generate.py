@@ -42,6 +42,9 @@ METHODS = ("ar", "ddtree")
 # The engine enforces them on every device so that a run means the same thing on CPU and GPU.
 MAX_BUDGET = 256
 MAX_DEPTH = 16
+# With Model.attention == "ops" the verify runs through the tree-verify kernels: at most 65 rows
+# (kdlib/cuda/attention.py MAX_Q), i.e. budget <= 64, and the 576-wide MLA latent on CUDA.
+MAX_OPS_BUDGET = 64
 
 
 @dataclass
@@ -129,6 +132,8 @@ def validate(model, prompt_ids, max_new_tokens, method, drafter, budget, top_k, 
         budget = horizon if budget is None else _check_int("budget", budget, 0)
         if budget > MAX_BUDGET:
             raise ValueError(f"budget {budget} exceeds the tree kernels' limit {MAX_BUDGET}")
+        if getattr(model, "attention", "torch") == "ops" and budget > MAX_OPS_BUDGET:
+            raise ValueError(f"budget {budget} exceeds the tree-verify kernels' limit {MAX_OPS_BUDGET} (attention 'ops')")
         if min(horizon, budget) > MAX_DEPTH:
             raise ValueError(f"tree depth min(L={horizon}, budget={budget}) exceeds the tree kernels' limit {MAX_DEPTH}")
         if top_k is not None:

@@ -217,25 +217,53 @@ class MLAttention(nn.Module):
         o = torch.matmul(p, v.transpose(0, 1)).transpose(0, 1).reshape(T, nh * c.v_head_dim)
         return self.o_proj(o), lat
 
+    def _absorbed_q(self, x, cos, sin):
+        """x [Q, H] -> (q_lat [Q, nh, kv_lora], q_rope [Q, nh, rope], w_uv [nh, v, kv_lora])."""
+        c = self.cfg
+        q_nope, q_rope = self._q(x, cos, sin)
+        w = self.kv_b_proj.weight.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        w_uk, w_uv = w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]  # [nh, nope, r], [nh, v, r]
+        return torch.einsum("qhn,hnr->qhr", q_nope, w_uk), q_rope, w_uv
+
+    def _out(self, o_lat, w_uv):
+        """o_lat [Q, nh, kv_lora] -> [Q, H] through W_uv and o_proj."""
+        o = torch.einsum("qhr,hvr->qhv", o_lat, w_uv)
+        return self.o_proj(o.reshape(o.shape[0], -1))
+
     def forward_absorbed(self, x, cos, sin, keys: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Queries x [Q, H] over latent keys [N, kv_lora + rope] (already holding the queries' own rows).
 
         mask [Q, N] bool (True = visible) or None (all visible). Returns out [Q, H].
         """
         c = self.cfg
-        Q, nh = x.shape[0], c.num_attention_heads
-        q_nope, q_rope = self._q(x, cos, sin)
-        w = self.kv_b_proj.weight.view(nh, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
-        w_uk, w_uv = w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]  # [nh, nope, r], [nh, v, r]
-        q_lat = torch.einsum("qhn,hnr->qhr", q_nope, w_uk)  # [Q, nh, kv_lora]
+        q_lat, q_rope, w_uv = self._absorbed_q(x, cos, sin)
         k_c, k_r = keys[:, : c.kv_lora_rank], keys[:, c.kv_lora_rank :]
         s = (torch.einsum("qhr,kr->qhk", q_lat, k_c) + torch.einsum("qhd,kd->qhk", q_rope, k_r)) * c.softmax_scale
         if mask is not None:
             s = s.masked_fill(~mask[:, None, :], float("-inf"))  # [Q, nh, N]
         p = torch.softmax(_up(s), dim=-1).to(x.dtype)
-        o_lat = torch.einsum("qhk,kr->qhr", p, k_c)  # [Q, nh, kv_lora]
-        o = torch.einsum("qhr,hvr->qhv", o_lat, w_uv).reshape(Q, nh * c.v_head_dim)
-        return self.o_proj(o)
+        return self._out(torch.einsum("qhk,kr->qhr", p, k_c), w_uv)
+
+    def forward_absorbed_ops(self, x, cos, sin, pool, page_table, new_rows, visibility) -> torch.Tensor:
+        """The same attention through `kdlib.ops.tree_verify_attention` (numpy reference on CPU, the
+        CuPy tree-verify kernels on CUDA): prefix over the paged pool plus the tree tail, LSE-merged.
+
+        pool [S, kv_lora + rope] (one layer's slots), page_table [1, s], new_rows [Q, kv_lora + rope],
+        visibility [Q, Q] bool. Returns out [Q, H].
+        """
+        from kdlib import ops
+
+        c = self.cfg
+        Q = x.shape[0]
+        q_lat, q_rope, w_uv = self._absorbed_q(x, cos, sin)
+        q = torch.cat([q_lat, q_rope], dim=-1)[None].contiguous()  # [1, Q, nh, kv_lora + rope]
+        dev = x.device
+        extra = {"validate": False} if dev.type == "cuda" else {}  # inputs are built here, not user data
+        out, _ = ops.tree_verify_attention(
+            q, pool, page_table, torch.tensor([page_table.shape[1]], device=dev), new_rows[None].contiguous(),
+            visibility[None].contiguous(), torch.tensor([Q], device=dev), c.softmax_scale,
+            kv_lora_rank=c.kv_lora_rank, **extra)
+        return self._out(torch.as_tensor(out)[0].to(x.dtype), w_uv)
 
 
 class DecoderLayer(nn.Module):
@@ -264,11 +292,29 @@ class Model(nn.Module):
 
     Hidden-state taps for a drafter: `capture=(l1, l2, ...)` returns the outputs of those decoder
     layers (HF `hidden_states[l + 1]`), concatenated on the feature axis: [T, len(capture) * H].
+
+    `attention` picks the decode / verify attention (the plain prefill form is always torch):
+    "torch" (einsum over the gathered latent rows, the default) or "ops"
+    (`kdlib.ops.tree_verify_attention`: the float64 numpy reference on CPU, the CuPy tree-verify
+    kernels on CUDA, which need kv_lora_rank 512 + rope 64 and at most 65 verified rows).
     """
 
-    def __init__(self, cfg: ModelConfig):
+    ATTENTION = ("torch", "ops")
+
+    @property
+    def attention(self) -> str:
+        return self._attention
+
+    @attention.setter
+    def attention(self, value: str) -> None:
+        if value not in self.ATTENTION:
+            raise ValueError(f"attention must be one of {self.ATTENTION}, got {value!r}")
+        self._attention = value
+
+    def __init__(self, cfg: ModelConfig, attention: str = "torch"):
         super().__init__()
         self.cfg = cfg
+        self.attention = attention
         self.model = Backbone(cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -395,12 +441,23 @@ class Model(nn.Module):
         if visibility is not None:
             vis = torch.as_tensor(visibility, device=self.device, dtype=torch.bool)
             mask = torch.cat([torch.ones(Q, key_slots.shape[0] - Q, dtype=torch.bool, device=self.device), vis], dim=1)
+        use_ops = self.attention == "ops"
+        if use_ops and self.device.type == "cuda" and (self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim) != (512, 64):
+            raise ValueError("attention 'ops' on CUDA needs kv_lora_rank 512 and qk_rope_head_dim 64 (the kernels' 576)")
+        if use_ops:
+            vis_q = mask[:, -Q:] if mask is not None else torch.ones(1, 1, dtype=torch.bool, device=self.device)
+            table = cache.prefix_table()
         h = self.model.embed_tokens(ids)
         taps = []
         for i, layer in enumerate(self.model.layers):
             x = layer.input_layernorm(h)
-            cache.write(i, slots, layer.self_attn.latent(x, cos, sin))
-            h = layer.ffn(h + layer.self_attn.forward_absorbed(x, cos, sin, cache.read(i, key_slots), mask))
+            rows = layer.self_attn.latent(x, cos, sin)  # [Q, kv_lora + rope]
+            cache.write(i, slots, rows)
+            if use_ops:
+                a = layer.self_attn.forward_absorbed_ops(x, cos, sin, cache.kv[i], table, rows.to(cache.kv.dtype), vis_q)
+            else:
+                a = layer.self_attn.forward_absorbed(x, cos, sin, cache.read(i, key_slots), mask)
+            h = layer.ffn(h + a)
             if i in capture:
                 taps.append((i, h))
         return h, _concat_taps(taps, capture)

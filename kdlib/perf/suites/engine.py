@@ -153,7 +153,7 @@ def _verify_sweep(model, contexts, qs, bw, fl) -> list[dict]:
     for ctx in contexts:
         for q in qs:
             cache = LatentCache(cfg, ctx + q + 1, device=dev, dtype=model.dtype)
-            cache.kv.normal_(generator=g)
+            cache.kv.normal_(generator=g)  # [L, S, 576]
             cache.req_to_token[0, :ctx] = torch.arange(ctx, device=dev)
             cache.length = ctx
             tokens = torch.randint(0, cfg.vocab_size, (q,), generator=g, device=dev)
