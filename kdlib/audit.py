@@ -798,6 +798,20 @@ def _contradiction(cid: str) -> dict:
 
 
 @check
+def moe_experts_384_top8(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
+    from kdlib.memory import load_config, text_config
+
+    lm = text_config(load_config("kimi-k2.6"))
+    ours = {"routed": lm["n_routed_experts"], "active": lm["num_experts_per_tok"], "shared": lm["n_shared_experts"]}
+    ok = ours == fig.claim
+    return Verdict(fig.id, REPRODUCED if ok else CONTRADICTED,
+                   f"n_routed_experts {ours['routed']}, num_experts_per_tok {ours['active']}, "
+                   f"n_shared_experts {ours['shared']}",
+                   "exact, from the Kimi-K2.6 config (data/configs/kimi-k2.6.json, text_config)",
+                   sources=["data/configs/kimi-k2.6.json"], values=ours)
+
+
+@check
 def moe_marlin_67_73(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     from kdlib.estimator import seeds as est_seeds
 
