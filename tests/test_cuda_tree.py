@@ -83,7 +83,7 @@ def test_build_limits_raise_before_any_work():
     assert tree.kernel_name(1, 1) == ("tree_build_v1", "tree_build_v1")
     assert tree.kernel_name(64, 3) == ("tree_build_v3", "tree_build_v3_r3")
     with pytest.raises(ValueError, match="version"):
-        tree.kernel_name(8, 4)
+        tree.kernel_name(8, 5)
 
 
 # ----------------------------------------------------------------------------- build

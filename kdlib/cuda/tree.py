@@ -1,23 +1,30 @@
 """GPU DDTree builder: `build_tree_batch`, the CUDA twin of `kdlib.ref.tree.build_tree_batch`.
 
-Kernels, one thread block (128 threads) per request, bit-exact with the reference (same float64
-arithmetic order, same rank-tuple tie-break), padding included:
+Kernels, one thread block per request (128 threads; 256 for v4), bit-exact with the reference
+(same float64 arithmetic order, same rank-tuple tie-break), padding included:
+  * `tree_build_v4_r{1,2,4}` (`version=4`): the frontier kept sorted across warp 0's lanes, so a
+    pop needs no argmax reduction: both new candidates are placed by two ballots and one
+    per-lane shuffle; only the best (budget - pops done) candidates are kept, at most
+    floor((budget + 1) / 2), so one row of 32 lanes up to budget 64, two up to 128, four up to
+    256; outputs as in v3, visibility written as 4-byte words;
   * `tree_build_v3_r{1,3,9}` (default, `version=3`): the frontier in warp 0's registers (R rows
     of 32 slots, R = 1, 3 or 9 picked from the budget), each slot carrying the log-probs its pop
     needs; tree lists (LCRS, ancestor masks) built by the whole block after the pops;
   * `tree_build_v2_r{1,3,9}` (`version=2`): v3 without the carried log-probs (one shared-memory
     round trip more per pop);
   * `tree_build_v1` (`version=1`): the frontier and the lists in shared memory, inside the loop.
-The recorded times of all three (and the CPU reference) are in data/results/kernels.h200.json
-(suite `kdlib.perf.suites.kernels`); the default is the fastest bit-exact one there. All three
-are latency-bound: one warp runs the dependent chain of every pop (argmax reduction, shuffles,
+The recorded times (and the CPU reference) are in data/results/kernels.h200.json
+(suite `kdlib.perf.suites.kernels`); the default is the fastest bit-exact version recorded there
+(v4 was written without a GPU: it stays opt-in until a recorded run shows it bit-exact and
+faster). All are latency-bound: one warp runs the dependent chain of every pop (argmax reduction, shuffles,
 float64 adds, register updates), so a build costs about the same at batch 1 and batch 64.
 
 Limits (ValueError before any launch): budget <= MAX_BUDGET (256), K = min(budget, K') <= 256
 (implied), L_eff = min(L, budget) <= MAX_DEPTH (16): trees deeper than 16 would need a wider
 rank-tuple key. Larger budgets are refused rather than silently degraded. Dynamic shared memory
 per block is `shared_bytes(budget, L_eff, K, version)` (formulas in the .cu files; at the limits
-42,084 B for v1, 39,000 B for v2, 55,384 B for v3, which opts in above the default 48 KB).
+42,084 B for v1, 39,000 B for v2, 55,384 B for v3, 59,496 B for v4; v3 and v4 opt in above the
+default 48 KB).
 
 Value checks (finite, descending rows, distinct ids, ids in the vocabulary) need the data on
 the host or a device reduction plus a synchronisation, so they run only with
@@ -35,10 +42,12 @@ from kdlib.ref.tree import DDTreeBatch
 
 MAX_BUDGET = 256  # rank bytes are 8 bits (ranks < K <= budget) and the meta word holds parents < 2**16
 MAX_DEPTH = 16  # 16 rank bytes in the 128-bit rank-tuple key
-THREADS = 128  # TB_THREADS / TB2_THREADS in kernels/tree_build_v{1,2}.cu
-VERSIONS = (1, 2, 3)
+THREADS = 128  # TB_THREADS / TB2_THREADS / TB3_THREADS in kernels/tree_build_v{1,2,3}.cu
+V4_THREADS = 256  # TB4_THREADS in kernels/tree_build_v4.cu
+VERSIONS = (1, 2, 3, 4)
 DEFAULT_VERSION = 3  # the fastest bit-exact version in data/results/kernels.h200.json
 V2_ROWS = (1, 3, 9)  # register rows of tree_build_v{2,3}_r{R}: budget + 1 <= 32 R
+V4_ROWS = (1, 2, 4)  # frontier rows of tree_build_v4_r{R}: floor((budget + 1) / 2) <= 32 R
 
 
 def kernel_name(budget: int, version: int = DEFAULT_VERSION) -> tuple[str, str]:
@@ -48,17 +57,22 @@ def kernel_name(budget: int, version: int = DEFAULT_VERSION) -> tuple[str, str]:
     if version in (2, 3):
         rows = next(r for r in V2_ROWS if budget + 1 <= 32 * r)
         return (f"tree_build_v{version}", f"tree_build_v{version}_r{rows}")
+    if version == 4:
+        rows = next(r for r in V4_ROWS if (budget + 1) // 2 <= 32 * r)
+        return ("tree_build_v4", f"tree_build_v4_r{rows}")
     raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
 
 
 def shared_bytes(budget: int, l_eff: int, k: int, version: int = DEFAULT_VERSION) -> int:
-    """Dynamic shared memory of one block (see the layout comments in tree_build_v{1,2}.cu)."""
+    """Dynamic shared memory of one block (see the layout comments in tree_build_v{1,2,3,4}.cu)."""
     s = budget + 1
     w = (s + 31) // 32
     if version == 1:
         return 64 * s + 4 * s * w + 4 * l_eff * k
     if version == 2:
         return 16 * s + 8 * s * w + 4 * l_eff * k
+    if version == 4:
+        return 32 * s + 8 * s * w + 8 * l_eff * k  # v4: v3's plus the nodes' rank tuples
     return 16 * s + 8 * s * w + 8 * l_eff * k  # v3: the log-prob table as float64
 
 
@@ -142,7 +156,7 @@ def build_tree_batch(
     bit-identical to `kdlib.ref.tree.build_tree_batch` on the same inputs.
     check_values: also run the reference's value checks on the device (one host sync).
     out: an `empty_batch(B, budget)` to write into (no allocation; graph capture).
-    version: the kernel generation (1, 2 or 3; default DEFAULT_VERSION); all give identical results.
+    version: the kernel generation (1 to 4; default DEFAULT_VERSION); all give identical results.
     """
     budget = _check_budget(budget)
     kernel = kernel_name(budget, version)
@@ -183,7 +197,7 @@ def build_tree_batch(
     loader.set_max_dynamic_shared(fn, smem)
     i32 = np.int32
     fn(
-        (bsz,), (THREADS,),
+        (bsz,), (V4_THREADS if version == 4 else THREADS,),
         (ids, lp, i32(depth), i32(kp), i32(k), i32(l_eff), i32(budget),
          out.sizes, out.node_token_ids, out.node_depths, out.parents, out.visibility,
          out.next_token, out.next_sibling, out.positions, out.scores),

@@ -1,0 +1,325 @@
+// tree_build_v4: the frontier kept sorted across warp 0's lanes, one candidate per lane.
+//
+// Same contract and arithmetic as tree_build_v3 (bit-exact twin of kdlib.ref.tree.build_tree_batch:
+// float64 scores, sibling `(logw - lp[d-1][r]) + lp[d-1][r+1]`, child `logw + lp[d][0]`, ties
+// broken by the rank tuple in Python tuple order).
+//
+// The pop loop (warp 0). Position t = 32 * row + lane holds the t-th best frontier candidate
+// (score, meta); position 0 is the head, of which every lane also holds a copy W with the three
+// log-probs its pop needs. A pop then needs no argmax reduction:
+//   * the sibling X and first child Y of the head are computed in every lane (float64 adds);
+//   * each lane compares its own candidate with X and Y (scores only; when any compared score
+//     is exactly equal, a warp-uniform slow path compares rank tuples, rebuilt from the popped
+//     parents' tuples in shared memory); two ballots count the candidates before X and Y;
+//   * one per-lane shuffle moves every candidate to its new position (it shifts by -1, 0 or +1);
+//   * the next head is X, Y or the old second entry, chosen by selects in every lane (the second
+//     entry and the log-probs of all three were fetched at the start of the pop, off the chain).
+// Only the best (budget - pops done) candidates can still be popped (each pop removes one of
+// them at most), so the list is cut there; it then never holds more than floor((budget + 1) / 2)
+// candidates: 32 positions (one row) up to budget 64, 64 up to 128, 128 up to 256.
+// After the pops, all warps build the LCRS lists and ancestor masks and write the outputs
+// (visibility as 4-byte words where the buffer's alignment allows).
+//
+// Kernels tree_build_v4_r{1,2,4}: budget <= 64, 128, 256 (R rows of the frontier).
+// Dynamic shared memory (bytes), S = budget + 1, W = ceil(S / 32):
+//   32 * S + 8 * S * W + 8 * L_eff * K
+// = 59,496 B at budget 256, L_eff 16, K 256 (the wrapper opts in above 48 KB).
+
+#define TB4_THREADS 256  // 8 warps: warp 0 runs the pops; all 8 load the table and write the outputs
+
+typedef unsigned long long u64;
+
+// Exact float -> double (CuPy's -ftz=true may flush float32 subnormals in a plain conversion).
+__device__ __forceinline__ double f2d4(float f) {
+    const unsigned u = __float_as_uint(f);
+    if ((u & 0x7f800000u) == 0u) {
+        const double d = (double)(int)(u & 0x007fffffu) * 0x1p-149;
+        return (u >> 31) ? -d : d;
+    }
+    return (double)f;
+}
+
+// The rank tuple (r_1, ..., r_d) as bytes r_1..r_16 of (hi, lo), most significant first, then the
+// depth: (hi, lo, depth) in lexicographic order is Python's tuple order (a proper prefix has zero
+// bytes where its extensions have ranks >= 0, and the smaller depth).
+__device__ __forceinline__ void put_rank4(u64& hi, u64& lo, int depth, int rank) {
+    const int p = depth - 1;  // 0..15
+    if (p < 8) hi |= (u64)rank << (8 * (7 - p));
+    else lo |= (u64)rank << (8 * (15 - p));
+}
+
+__device__ __forceinline__ bool tuple_less4(u64 hi_a, u64 lo_a, int d_a, u64 hi_b, u64 lo_b, int d_b) {
+    if (hi_a != hi_b) return hi_a < hi_b;
+    if (lo_a != lo_b) return lo_a < lo_b;
+    return d_a < d_b;
+}
+
+// Meta word of a candidate: parent (bits 0-15), depth (16-23), rank (24-31).
+__device__ __forceinline__ int m_par(unsigned m) { return (int)(m & 0xFFFFu); }
+__device__ __forceinline__ int m_dep(unsigned m) { return (int)((m >> 16) & 0xFFu); }
+__device__ __forceinline__ int m_rank(unsigned m) { return (int)(m >> 24); }
+
+template <int R, int WM>
+__device__ __forceinline__ void build4(
+    const long long* __restrict__ ids, const float* __restrict__ lp,
+    int L, int Kp, int K, int L_eff, int budget,
+    long long* __restrict__ sizes, long long* __restrict__ node_token_ids, long long* __restrict__ node_depths,
+    long long* __restrict__ parents, unsigned char* __restrict__ visibility, long long* __restrict__ next_token,
+    long long* __restrict__ next_sibling, long long* __restrict__ positions, double* __restrict__ scores)
+{
+    const int b = blockIdx.x;
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int S = budget + 1;
+    const int W = (S + 31) >> 5;
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    u64* n_tup = (u64*)smem;                     // [S, 2] rank tuple (hi, lo) of node i
+    double* n_score = (double*)(n_tup + 2 * S);  // [S] score of node i (i >= 1)
+    double* lps = n_score + S;                   // [L_eff, K] log-probs as float64
+    int* n_parent = (int*)(lps + L_eff * K);     // [S]
+    int* n_src = n_parent + S;                   // [S] (depth - 1) * Kp + rank of node i; n_src[0] = n
+    unsigned* cmask = (unsigned*)(n_src + S);    // [S, W] children of node i
+    unsigned* amask = cmask + S * W;             // [S, W] ancestors-or-self of node i
+
+    const long long* ids_b = ids + (long long)b * L * Kp;
+    const float* lp_b = lp + (long long)b * L * Kp;
+    for (int i = tid; i < S * W; i += TB4_THREADS) cmask[i] = 0u;
+    for (int d = warp; d < L_eff; d += TB4_THREADS / 32)  // one row per warp: coalesced, no division
+        for (int c = lane; c < K; c += 32) lps[d * K + c] = f2d4(lp_b[d * Kp + c]);
+    __syncthreads();
+
+    if (warp == 0) {
+        const unsigned FULL = 0xffffffffu;
+        const bool empty_tree = (budget == 0 || L_eff == 0 || K == 0);
+        double esc[R];     // score of the candidate at position 32 r + lane
+        unsigned em[R];    // its meta word
+#pragma unroll
+        for (int r = 0; r < R; ++r) { esc[r] = 0.0; em[r] = 1u << 16; }
+        // The head W (position 0), in every lane, with lp[d-1][r], lp[d-1][r+1], lp[d][0].
+        double wsc = 0.0, wla = 0.0, wlb = 0.0, wlc = 0.0;
+        unsigned wm = 1u << 16;  // parent 0, depth 1, rank 0
+        int f = 0;               // frontier size
+        if (!empty_tree) {
+            wsc = lps[0];
+            wla = lps[0];
+            wlb = (K > 1) ? lps[1] : 0.0;
+            wlc = (L_eff > 1) ? lps[K] : 0.0;
+            if (lane == 0) esc[0] = wsc;
+            f = 1;
+        }
+        if (lane == 0) { n_parent[0] = -1; n_tup[0] = 0ull; n_tup[1] = 0ull; }
+        int n = 0;
+        for (int count = 0; count < budget && f > 0; ++count) {
+            const int idx = count + 1;
+            const int par = m_par(wm), dep = m_dep(wm), rk = m_rank(wm);
+            const bool nx = rk + 1 < K;     // the head has a next sibling X
+            const bool ny = dep < L_eff;    // and a first child Y
+            // Loads off the chain: the log-probs X and Y will need, the old second entry O1's.
+            const double x_lb = (rk + 2 < K) ? lps[(dep - 1) * K + rk + 2] : 0.0;
+            const double y_lb = (ny && K > 1) ? lps[dep * K + 1] : 0.0;
+            const double y_lc = (dep + 1 < L_eff) ? lps[(dep + 1) * K] : 0.0;
+            const double o1sc = __shfl_sync(FULL, esc[0], 1);
+            const unsigned o1m_raw = __shfl_sync(FULL, em[0], 1);
+            const unsigned o1m = (f >= 2) ? o1m_raw : (1u << 16);  // a safe address when there is none
+            const int o1d = m_dep(o1m), o1r = m_rank(o1m);
+            const double o1la = lps[(o1d - 1) * K + o1r];
+            const double o1lb = (o1r + 1 < K) ? lps[(o1d - 1) * K + o1r + 1] : 0.0;
+            const double o1lc = (o1d < L_eff) ? lps[o1d * K] : 0.0;
+            if (lane == 0) {  // node idx = the head (read after the pops; tuples in the slow path)
+                n_parent[idx] = par;
+                n_src[idx] = (dep - 1) * Kp + rk;
+                n_score[idx] = wsc;
+                u64 hi = n_tup[2 * par], lo = n_tup[2 * par + 1];
+                put_rank4(hi, lo, dep, rk);
+                n_tup[2 * idx] = hi;
+                n_tup[2 * idx + 1] = lo;
+            }
+            // The two new candidates.
+            const double xsc = (wsc - wla) + wlb;
+            const double ysc = wsc + wlc;
+            const unsigned xm = (wm & 0x00FFFFFFu) | ((unsigned)(rk + 1) << 24);  // used only when nx (rank+1 < 256)
+            const unsigned ym = (unsigned)idx | ((unsigned)(dep + 1) << 16);
+            // Compare every old entry (positions 1..f-1) with X and Y.
+            bool cx[R], cy[R];
+            bool tie = nx && ny && xsc == ysc;
+            bool yx = ysc > xsc;  // Y before X
+            bool lane_tie = false;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const int t = 32 * r + lane;
+                const bool v = t >= 1 && t < f;
+                cx[r] = v && esc[r] > xsc;
+                cy[r] = v && esc[r] > ysc;
+                lane_tie |= v && ((nx && esc[r] == xsc) || (ny && esc[r] == ysc));
+            }
+            if (__any_sync(FULL, lane_tie) || tie) {
+                // Exact score ties: rank tuples decide. Parents' tuples were stored by lane 0.
+                __syncwarp();
+                u64 phi = n_tup[2 * par], plo = n_tup[2 * par + 1];
+                u64 xhi = phi, xlo = plo, yhi = phi, ylo = plo;
+                put_rank4(xhi, xlo, dep, rk + 1 < 256 ? rk + 1 : 255);  // X's tuple (used only when nx)
+                put_rank4(yhi, ylo, dep, rk);                            // Y's = node idx's, one deeper
+                yx = ysc > xsc || (ysc == xsc && tuple_less4(yhi, ylo, dep + 1, xhi, xlo, dep));
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const int t = 32 * r + lane;
+                    const bool v = t >= 1 && t < f;
+                    const int ep = v ? m_par(em[r]) : 0;
+                    const int ed = v ? m_dep(em[r]) : 1;
+                    u64 ehi = n_tup[2 * ep], elo = n_tup[2 * ep + 1];
+                    put_rank4(ehi, elo, ed, v ? m_rank(em[r]) : 0);
+                    cx[r] = v && (esc[r] > xsc || (esc[r] == xsc && tuple_less4(ehi, elo, ed, xhi, xlo, dep)));
+                    cy[r] = v && (esc[r] > ysc || (esc[r] == ysc && tuple_less4(ehi, elo, ed, yhi, ylo, dep + 1)));
+                }
+            }
+            int ax = 0, ay = 0;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                ax += __popc(__ballot_sync(FULL, cx[r]));
+                ay += __popc(__ballot_sync(FULL, cy[r]));
+            }
+            const int px = ax + ((ny && yx) ? 1 : 0);   // X's new position (when nx)
+            const int py = ay + ((nx && !yx) ? 1 : 0);  // Y's new position (when ny)
+            const int total = f - 1 + (nx ? 1 : 0) + (ny ? 1 : 0);
+            int fn = min(total, budget - idx);  // only these can still be popped
+            fn = min(fn, 32 * R);               // never binds (see the header); keeps every index in range
+            // Move every entry to its new position: position t takes X, Y, or old position o + 1.
+            double nsc[R];
+            unsigned nm[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const int t = 32 * r + lane;
+                const int o = t - ((nx && px < t) ? 1 : 0) - ((ny && py < t) ? 1 : 0);
+                const int s = o + 1;  // in t-1 .. t+1
+                const int sl = s & 31, sr = s >> 5;
+                double v = __shfl_sync(FULL, esc[r], sl);
+                unsigned m = __shfl_sync(FULL, em[r], sl);
+                if (r + 1 < R) {
+                    const double v1 = __shfl_sync(FULL, esc[r + 1 < R ? r + 1 : r], sl);
+                    const unsigned m1 = __shfl_sync(FULL, em[r + 1 < R ? r + 1 : r], sl);
+                    if (sr == r + 1) { v = v1; m = m1; }
+                }
+                if (r > 0) {
+                    const double v0 = __shfl_sync(FULL, esc[r > 0 ? r - 1 : r], sl);
+                    const unsigned m0 = __shfl_sync(FULL, em[r > 0 ? r - 1 : r], sl);
+                    if (sr == r - 1) { v = v0; m = m0; }
+                }
+                const bool isx = nx && t == px, isy = ny && t == py;
+                nsc[r] = isx ? xsc : (isy ? ysc : v);
+                nm[r] = isx ? xm : (isy ? ym : m);
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) { esc[r] = nsc[r]; em[r] = nm[r]; }
+            // The next head: X, Y or O1 (all lanes agree: every operand is warp-uniform).
+            const bool hx = nx && px == 0, hy = !hx && ny && py == 0;
+            wsc = hx ? xsc : (hy ? ysc : o1sc);
+            wm = hx ? xm : (hy ? ym : o1m);
+            wla = hx ? wlb : (hy ? wlc : o1la);
+            const double nlb = hx ? x_lb : (hy ? y_lb : o1lb);
+            wlc = hx ? wlc : (hy ? y_lc : o1lc);
+            wlb = nlb;
+            f = fn;
+            n = idx;
+        }
+        if (lane == 0) n_src[0] = n;
+    }
+    __syncthreads();
+    const int n = n_src[0];
+
+    // LCRS from child bitmasks; ancestor bitmasks by walking each node's parent chain.
+    for (int c = 1 + tid; c <= n; c += TB4_THREADS) atomicOr(&cmask[n_parent[c] * W + (c >> 5)], 1u << (c & 31));
+    for (int i = tid; i <= n; i += TB4_THREADS) {
+        unsigned bits[WM];
+#pragma unroll
+        for (int r = 0; r < WM; ++r) bits[r] = 0u;
+        for (int a = i; a >= 0; a = n_parent[a]) {
+#pragma unroll
+            for (int r = 0; r < WM; ++r) bits[r] |= (r == (a >> 5)) ? (1u << (a & 31)) : 0u;
+        }
+#pragma unroll
+        for (int r = 0; r < WM; ++r) if (r < W) amask[i * W + r] = bits[r];
+    }
+    __syncthreads();
+
+    // Outputs; every element of every output is written (padding included).
+    if (tid == 0) sizes[b] = n + 1;
+    for (int i = tid; i < budget; i += TB4_THREADS) {
+        const long long o = (long long)b * budget + i;
+        const bool v = i < n;
+        const int src = v ? n_src[i + 1] : 0;
+        node_token_ids[o] = v ? ids_b[src] : -1ll;
+        node_depths[o] = v ? (long long)(src / Kp + 1) : -1ll;
+        scores[o] = v ? n_score[i + 1] : __longlong_as_double(0x7ff8000000000000ll);  // NaN padding
+    }
+    for (int i = tid; i < S; i += TB4_THREADS) {
+        const long long o = (long long)b * S + i;
+        long long first = -1, sib = -1, par = -1, pos = -1;
+        if (i <= n) {
+            par = n_parent[i];
+            pos = (i == 0) ? 0 : (long long)(n_src[i] / Kp + 1);
+            for (int w = 0; w < W; ++w) {
+                const unsigned word = cmask[i * W + w];
+                if (word) { first = w * 32 + __ffs(word) - 1; break; }
+            }
+            if (i > 0) {
+                const int p = (int)par;
+                for (int w = i >> 5; w < W; ++w) {
+                    unsigned word = cmask[p * W + w];
+                    if (w == (i >> 5)) word &= ((i & 31) == 31) ? 0u : (~0u << ((i & 31) + 1));
+                    if (word) { sib = w * 32 + __ffs(word) - 1; break; }
+                }
+            }
+        }
+        parents[o] = par;
+        next_token[o] = first;
+        next_sibling[o] = sib;
+        positions[o] = pos;
+    }
+    // Visibility [S, S] bytes: 4-byte words over the 4-byte-aligned middle of this request's
+    // block, single bytes at its two ends (never a byte of a neighbouring request).
+    unsigned char* vis_b = visibility + (long long)b * S * S;
+    const int SS = S * S;
+    const int head = min((int)((4u - (unsigned)((unsigned long long)vis_b & 3ull)) & 3u), SS);
+    const int words = (SS - head) >> 2;
+    const int tail = head + 4 * words;
+    for (int e = tid; e < head; e += TB4_THREADS) {
+        const int i = e / S, j = e - i * S;
+        vis_b[e] = (i <= n && j <= n) ? (unsigned char)((amask[i * W + (j >> 5)] >> (j & 31)) & 1u) : (unsigned char)0;
+    }
+    for (int e = tail + tid; e < SS; e += TB4_THREADS) {
+        const int i = e / S, j = e - i * S;
+        vis_b[e] = (i <= n && j <= n) ? (unsigned char)((amask[i * W + (j >> 5)] >> (j & 31)) & 1u) : (unsigned char)0;
+    }
+    unsigned* vis_w = (unsigned*)(vis_b + head);
+    for (int w = tid; w < words; w += TB4_THREADS) {
+        const int e = head + 4 * w;
+        int i = e / S, j = e - i * S;
+        unsigned word = 0u;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const unsigned bit = (i <= n && j <= n) ? ((amask[i * W + (j >> 5)] >> (j & 31)) & 1u) : 0u;
+            word |= bit << (8 * k);  // little-endian: byte k of the word is element e + k
+            if (++j == S) { j = 0; ++i; }
+        }
+        vis_w[w] = word;
+    }
+}
+
+#define TB4_ARGS                                                                                   \
+    const long long* __restrict__ ids, const float* __restrict__ lp, int L, int Kp, int K, int L_eff, \
+    int budget, long long* __restrict__ sizes, long long* __restrict__ node_token_ids,              \
+    long long* __restrict__ node_depths, long long* __restrict__ parents,                          \
+    unsigned char* __restrict__ visibility, long long* __restrict__ next_token,                    \
+    long long* __restrict__ next_sibling, long long* __restrict__ positions, double* __restrict__ scores
+#define TB4_PASS ids, lp, L, Kp, K, L_eff, budget, sizes, node_token_ids, node_depths, parents, visibility, \
+                 next_token, next_sibling, positions, scores
+
+// Arguments (all kernels): ids [B, L, Kp] int64, lp [B, L, Kp] float32, then the DDTreeBatch
+// outputs sizes [B], node_token_ids [B, budget], node_depths [B, budget], parents [B, S],
+// visibility [B, S, S] bool, next_token [B, S], next_sibling [B, S], positions [B, S],
+// scores [B, budget] float64. Template: R frontier rows, WM = most 32-bit words of a mask row.
+extern "C" __global__ void __launch_bounds__(TB4_THREADS, 1) tree_build_v4_r1(TB4_ARGS) { build4<1, 3>(TB4_PASS); }
+extern "C" __global__ void __launch_bounds__(TB4_THREADS, 1) tree_build_v4_r2(TB4_ARGS) { build4<2, 5>(TB4_PASS); }
+extern "C" __global__ void __launch_bounds__(TB4_THREADS, 1) tree_build_v4_r4(TB4_ARGS) { build4<4, 9>(TB4_PASS); }
