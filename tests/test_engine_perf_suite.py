@@ -45,8 +45,10 @@ def test_verify_sweep_runs_with_a_cpu_clock(monkeypatch):
 
     monkeypatch.setattr(perf, "cuda_time", lambda fn, warmup, iters: perf.cpu_time(fn, warmup=1, iters=2))
     model = Model.random(ModelConfig.from_json(DATA / "configs" / "tiny-a.json"), seed=0)
-    rows = suite._verify_sweep(model, [16, 64], [1, 9], 4.3e12, 790e12)
-    assert [(r["context"], r["q"]) for r in rows] == [(16, 1), (16, 9), (64, 1), (64, 9)]
+    rows = suite._verify_sweep(model, [16, 64], [1, 9, 70], 4.3e12, 790e12, attentions=("torch", "ops"))
+    pts = [(r["attention"], r["context"], r["q"]) for r in rows]
+    assert pts == [(a, c, q) for a in ("torch", "ops") for c in (16, 64) for q in (1, 9, 70) if a == "torch" or q <= 65]
+    assert model.attention == "torch"
     assert all(r["median_ms"] > 0 and r["floor_ms"] > 0 for r in rows)
 
 

@@ -10,7 +10,11 @@ Sections of the payload:
                   forward, mean accepted length, median step ms, per-step phase ms (draft, build,
                   verify, accept, compaction), and whether the DDTree tokens equal AR's
   verify_forward  CUDA-event time of one absorbed verify forward (+ LM head) at contexts x rows
-                  (Q = budget + 1), with its bytes, FLOPs and the floor they imply
+                  (Q = budget + 1), with its bytes, FLOPs and the floor they imply; `attention`
+                  "torch" (einsum attention) and "ops" (the CuPy tree-verify kernels, Q <= 65)
+  runs_kernel_attention  the DDTree rows again (one oracle rate, budgets <= 64) with the verify
+                  attention in the CuPy kernels (Model.attention = "ops"); kept apart from `runs`,
+                  which the estimator validates against
   dflash_draft    CUDA-event time of one DFlash-style draft call (a random drafter with 2 layers,
                   block 16) against the context it attends to: the draft-phase cost a real drafter
                   adds, which the noisy oracle (a table look-up) does not have
@@ -116,18 +120,19 @@ def _row(res, *, context, block, p_wrong=None, ar_tokens=None, **extra) -> dict:
     }
 
 
-def _generate_sweep(model, contexts, budgets, p_wrongs, max_new, rng) -> list[dict]:
+def _generate_sweep(model, contexts, budgets, p_wrongs, max_new, rng, attention: str = "torch") -> list[dict]:
     from kdlib.engine.drafter import NoisyOracleDrafter
     from kdlib.engine.generate import generate
 
     V = model.cfg.vocab_size
+    model.attention = attention
     rows = []
     for ctx in contexts:
         prompt = rng.integers(0, V, ctx).tolist()
         generate(model, prompt, 8)  # warm-up
         ar = generate(model, prompt, max_new)
-        rows.append(_row(ar, context=ctx, block=1))
-        print(f"[engine] ctx {ctx} AR: {rows[-1]['decode_tokens_per_s']:.1f} tok/s", flush=True)
+        rows.append(_row(ar, context=ctx, block=1, attention=attention))
+        print(f"[engine] {attention} ctx {ctx} AR: {rows[-1]['decode_tokens_per_s']:.1f} tok/s", flush=True)
         script = generate(model, prompt, max_new + BLOCK).tokens  # the oracle's greedy reference, computed once
         for p in p_wrongs:
             for b in budgets:
@@ -135,13 +140,13 @@ def _generate_sweep(model, contexts, budgets, p_wrongs, max_new, rng) -> list[di
                 generate(model, prompt, 8, drafter=NoisyOracleDrafter(V, p, block_size=BLOCK, seed=1, reference=script), **kw)
                 d = NoisyOracleDrafter(V, p, block_size=BLOCK, seed=1, reference=script)
                 r = generate(model, prompt, max_new, drafter=d, **kw)
-                rows.append(_row(r, context=ctx, block=BLOCK, p_wrong=p, ar_tokens=ar.tokens))
-                print(f"[engine] ctx {ctx} p_wrong {p} budget {b}: {rows[-1]['decode_tokens_per_s']:.1f} tok/s, "
+                rows.append(_row(r, context=ctx, block=BLOCK, p_wrong=p, ar_tokens=ar.tokens, attention=attention))
+                print(f"[engine] {attention} ctx {ctx} p_wrong {p} budget {b}: {rows[-1]['decode_tokens_per_s']:.1f} tok/s, "
                       f"tau {r.mean_accepted:.2f}", flush=True)
     return rows
 
 
-def _verify_sweep(model, contexts, qs, bw, fl) -> list[dict]:
+def _verify_sweep(model, contexts, qs, bw, fl, attentions=("torch",)) -> list[dict]:
     import torch
 
     from kdlib.engine.cache import LatentCache
@@ -150,27 +155,30 @@ def _verify_sweep(model, contexts, qs, bw, fl) -> list[dict]:
     cfg, dev = model.cfg, model.device
     out = []
     g = torch.Generator(device=dev).manual_seed(0)
-    for ctx in contexts:
-        for q in qs:
-            cache = LatentCache(cfg, ctx + q + 1, device=dev, dtype=model.dtype)
-            cache.kv.normal_(generator=g)  # [L, S, 576]
-            cache.req_to_token[0, :ctx] = torch.arange(ctx, device=dev)
-            cache.length = ctx
-            tokens = torch.randint(0, cfg.vocab_size, (q,), generator=g, device=dev)
-            depth = torch.arange(q, device=dev)  # a chain: the attention cost does not depend on the shape
-            vis = torch.ones(q, q, dtype=torch.bool, device=dev).tril()
+    for attention, ctx, q in ((a, c, q) for a in attentions for c in contexts for q in qs):
+        if attention == "ops" and q > 65:  # the tree-verify kernels' limit (kdlib/cuda/attention.py MAX_Q)
+            continue
+        model.attention = attention
+        cache = LatentCache(cfg, ctx + q + 1, device=dev, dtype=model.dtype)
+        cache.kv.normal_(generator=g)  # [L, S, 576]
+        cache.req_to_token[0, :ctx] = torch.arange(ctx, device=dev)
+        cache.length = ctx
+        tokens = torch.randint(0, cfg.vocab_size, (q,), generator=g, device=dev)
+        depth = torch.arange(q, device=dev)  # a chain: the attention cost does not depend on the shape
+        vis = torch.ones(q, q, dtype=torch.bool, device=dev).tril()
 
-            def step(tokens=tokens, depth=depth, vis=vis, cache=cache, ctx=ctx):
-                h, _ = model.forward_cached(cache, tokens, ctx + depth, vis)
-                model.head(h)
-                cache.discard()
+        def step(tokens=tokens, depth=depth, vis=vis, cache=cache, ctx=ctx):
+            h, _ = model.forward_cached(cache, tokens, ctx + depth, vis)
+            model.head(h)
+            cache.discard()
 
-            t = cuda_time(step, warmup=3, iters=15)
-            nbytes, flops = verify_cost(cfg, ctx, q, model.dtype.itemsize)
-            out.append({"context": ctx, "q": q, "budget": q - 1, **t.as_dict(), "bytes": nbytes, "flops": flops,
-                        **floor_ms(nbytes, flops, bandwidth_Bps=bw, flop_rate=fl)})
-            print(f"[engine] verify ctx {ctx} q {q}: {t.median_ms:.2f} ms", flush=True)
-            del cache
+        t = cuda_time(step, warmup=3, iters=15)
+        nbytes, flops = verify_cost(cfg, ctx, q, model.dtype.itemsize)
+        out.append({"attention": attention, "context": ctx, "q": q, "budget": q - 1, **t.as_dict(),
+                    "bytes": nbytes, "flops": flops, **floor_ms(nbytes, flops, bandwidth_Bps=bw, flop_rate=fl)})
+        print(f"[engine] verify {attention} ctx {ctx} q {q}: {t.median_ms:.2f} ms", flush=True)
+        del cache
+    model.attention = "torch"
     return out
 
 
@@ -247,10 +255,12 @@ def run(args) -> dict:
     }
     rng = np.random.Generator(np.random.PCG64(0))
     runs = _generate_sweep(model, params["contexts"], params["budgets"], params["p_wrong"], params["max_new_tokens"], rng)
-    verify = _verify_sweep(model, params["verify_contexts"], params["verify_q"], bw, fl)
+    runs_k = _generate_sweep(model, params["contexts"], [b for b in params["budgets"] if b <= 64], [0.3],
+                             params["max_new_tokens"], rng, attention="ops")
+    verify = _verify_sweep(model, params["verify_contexts"], params["verify_q"], bw, fl, attentions=("torch", "ops"))
     dflash = _dflash_sweep(model, params["verify_contexts"])
     del model
     torch.cuda.empty_cache()
     trained = _trained(params["trained_budgets"], params["max_new_tokens"])
-    return {"parameters": params, "config": cfg.to_hf_dict(), "runs": runs, "verify_forward": verify,
-            "dflash_draft": dflash, "trained": trained}
+    return {"parameters": params, "config": cfg.to_hf_dict(), "runs": runs, "runs_kernel_attention": runs_k,
+            "verify_forward": verify, "dflash_draft": dflash, "trained": trained}
