@@ -272,6 +272,17 @@ def _rounds_to(exact: float, shown: float) -> bool:
     return round(exact, digits) == shown
 
 
+def provenance(result: dict) -> str:
+    """Where a recorded result comes from: `kdlib.perf.describe` (GPU, versions, commit, date,
+    command, file), or its path alone when the provenance block is incomplete."""
+    from kdlib.perf import describe
+
+    try:
+        return describe(result)
+    except (KeyError, TypeError):
+        return str(result.get("_path", "?"))
+
+
 # --------------------------------------------------------------------------------------------- checks
 
 CHECKS: dict = {}
@@ -310,7 +321,7 @@ def kern_tree_bit_exact(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
                    f"exact equality (no tolerance) with kdlib.ref.build_tree, on {res['provenance']['gpu']}, not "
                    f"their sm_120; the seeds' {fig.claim} cases against our {len(golden)} golden files, which the GPU "
                    "tests (pytest -m gpu, tests/test_cuda_tree.py) compare the same way",
-                   sources=[res["_path"], "data/golden/tree_*.kdtr"], values={"golden_cases": len(golden)})
+                   sources=[provenance(res), "data/golden/tree_*.kdtr"], values={"golden_cases": len(golden)})
 
 
 @check
@@ -388,7 +399,7 @@ def kern_tree_speedup_b64(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
                                     "record tree_build_speedup_b64 of 02_cuda_kernels"])
         ours, where, gpu, extra = float(rec["value"]), rec.get("source", "02_cuda_kernels"), "the recorded GPU", ""
     else:
-        ours, where, gpu = float(res["headline"]["speedup_vs_cpu_kernel"]), res["_path"], res["provenance"]["gpu"]
+        ours, where, gpu = float(res["headline"]["speedup_vs_cpu_kernel"]), provenance(res), res["provenance"]["gpu"]
         replay = res["headline"].get("speedup_vs_cpu_graph_replay")
         extra = f"; {float(replay):.0f}x counting one graph replay per build" if replay is not None else ""
     lo, hi = _span(fig.claim)
@@ -408,12 +419,12 @@ def kern_cpu_build_b64(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     vals, sources = {}, []
     if cpu is not None:
         vals["workbook CPU (recorded)"] = float(cpu["headline"]["median_ms"])
-        sources.append(cpu["_path"])
+        sources.append(provenance(cpu))
     if gpu_side is not None:
         row = next((r for r in gpu_side["tree_build"] if r["batch"] == 64), None)
         if row is not None:
             vals[f"{gpu_side['provenance']['gpu']} host CPU"] = row["cpu_ref_us"] / 1e3
-            sources.append(gpu_side["_path"])
+            sources.append(provenance(gpu_side))
     if not vals:
         return missing(fig.id, ["data/results/tree_build_cpu.*.json (kdlib.ref.tree.record_cpu_baseline)",
                                 "data/results/kernels.h200.json (tree_build batch 64 cpu_ref_us)"])
@@ -446,7 +457,7 @@ def kern_build_share_gain(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
                    f"steps = {steps['accepted']:g} accepted / (138.7 and 517/10 tok/s); build time from the recorded "
                    f"heapq sweep (per request, scaled to 10 streams from batch {b10}). '~1%' within a factor 2: "
                    f"{ok}; a gain above the share ({hi_gain:.0%} end) is impossible: s / (1 - s) bounds it",
-                   sources=[cpu["_path"], "seeds' 138.7 / 517 tok/s"], values={"share_c1": share1, "share_c10": share10,
+                   sources=[provenance(cpu), "seeds' 138.7 / 517 tok/s"], values={"share_c1": share1, "share_c10": share10,
                                                                               "gain_max": gain_hi})
 
 
@@ -678,7 +689,7 @@ def diagnosis_by_kind(src: Sources) -> dict | None:
         su = r.get("sustained", {})
         acc = (su.get("decomposition") or {}).get("accepted_length")
         out[kind] = {"accepted": acc, "two_point_tok_s": r.get("two_point", {}).get("tokens_per_s"),
-                     "sustained_tok_s": su.get("decode_tokens_per_s"), "source": res["_path"]}
+                     "sustained_tok_s": su.get("decode_tokens_per_s"), "source": provenance(res)}
     return out
 
 
@@ -847,7 +858,7 @@ def moe_m9_m32(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
                    "a Marlin measurement on one RTX PRO 6000 (sm_120), not reproducible here; internally the two "
                    f"points grow like the bytes of the experts they touch ({t32 / t9:.2f} vs {e32 / e9:.2f}, "
                    "weight-streaming bound, as the seeds say)",
-                   sources=["kdlib.estimator.touched_experts"] + ([own["_path"]] if own else []),
+                   sources=["kdlib.estimator.touched_experts"] + ([provenance(own)] if own else []),
                    values={"time_ratio": t32 / t9, "expert_ratio": e32 / e9})
 
 
