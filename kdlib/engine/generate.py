@@ -138,7 +138,8 @@ def validate(model, prompt_ids, max_new_tokens, method, drafter, budget, top_k, 
             raise ValueError(f"tree depth min(L={horizon}, budget={budget}) exceeds the tree kernels' limit {MAX_DEPTH}")
         if top_k is not None:
             _check_int("top_k", top_k, 1)
-        k = min(top_k if top_k is not None else max(budget, 1), budget if budget else 1, model.cfg.vocab_size)
+        cap = max(budget, 1)  # K never exceeds the budget (survey §2.1); a root-only tree still reads one column
+        k = min(top_k if top_k is not None else cap, cap, model.cfg.vocab_size)
     elif drafter is not None or budget is not None or top_k is not None:
         raise ValueError("drafter, budget and top_k apply to method 'ddtree' only")
     return prompt, budget, k, limit
