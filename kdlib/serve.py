@@ -130,9 +130,10 @@ def _lazy_oracle_class():
         The engine's oracle computes the whole greedy continuation (max_new_tokens of AR) in
         `begin`; for a server that set-up grows with max_tokens, lands in the two-point difference
         t(264) - t(8), and turns the diagnosis into a measurement of the oracle. Here `begin`
-        prefills the prompt only and each `draft` extends the script by the tokens the last step
-        committed (about tau AR forwards, counted in the draft phase of that step), so the cost
-        scales with the generated tokens as a real drafter's does. Drafts are the base class's.
+        prefills the prompt and scripts the first draft window only (a fixed cost), and each
+        `draft` extends the script by the tokens the last step committed (about tau AR forwards,
+        counted in the draft phase of that step), so the cost scales with the generated tokens as
+        a real drafter's does. Drafts are the base class's.
         """
 
         def begin(self, target, prompt_ids, features, max_new_tokens: int) -> None:
@@ -144,16 +145,19 @@ def _lazy_oracle_class():
                                       device=target.device, dtype=target.dtype)
             h, _ = target.prefill(self._cache, ids)
             self._script = self._ctx + [int(target.head(h[-1:]).argmax(-1))]
+            self._extend(len(self._ctx) + self.block_size)  # the first draft's window: step 1 costs as the rest
+
+        def _extend(self, want: int) -> None:
+            while len(self._script) < want and self._cache.length + 1 < self._cache.num_slots:
+                pos = self._cache.length
+                h, _ = self._model.forward_cached(self._cache, torch.tensor([self._script[pos]]), [pos])
+                self._cache.commit()
+                self._script.append(int(self._model.head(h).argmax(-1)))
 
         def draft(self, bonus: int, s: int) -> torch.Tensor:
             ctx = self._ctx + [int(bonus)]
-            want = len(ctx) + self.block_size - 1
             if self._script[: len(ctx)] == ctx:  # still on the greedy path (always at T = 0)
-                while len(self._script) < want and self._cache.length + 1 < self._cache.num_slots:
-                    pos = self._cache.length
-                    h, _ = self._model.forward_cached(self._cache, torch.tensor([self._script[pos]]), [pos])
-                    self._cache.commit()
-                    self._script.append(int(self._model.head(h).argmax(-1)))
+                self._extend(len(ctx) + self.block_size - 1)
             return super().draft(bonus, s)
 
     return LazyOracle
