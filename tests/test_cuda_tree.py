@@ -4,6 +4,10 @@ cases per kernel (random, tied and subnormal log-probs). Outputs are poisoned be
 and compared in full, so an element the kernel forgot to write fails the test.
 
 GPU tests are marked `gpu` (skipped without CUDA); the limit checks that need no device run on CPU.
+tree_build_v4 is also checked without a device: a Python model of its warp algorithm, and the
+kernel source itself compiled for the host (g++, one user-level thread per CUDA thread, warp
+intrinsics in lock step), both against the reference on >= 1,000 random, tied, subnormal and
+frontier-filling cases.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import pytest
 
 from kdlib import DATA, ref
 from kdlib.cuda import pipeline
+from kdlib.cuda.tree import VERSIONS
 
 POISON_INT = -7777  # never a valid token, index, size or padding value
 FIELDS = ("sizes", "node_token_ids", "node_depths", "parents", "visibility", "next_token", "next_sibling",
@@ -82,6 +87,8 @@ def test_build_limits_raise_before_any_work():
     assert tree.kernel_name(256, 2) == ("tree_build_v2", "tree_build_v2_r9")
     assert tree.kernel_name(1, 1) == ("tree_build_v1", "tree_build_v1")
     assert tree.kernel_name(64, 3) == ("tree_build_v3", "tree_build_v3_r3")
+    assert [tree.kernel_name(b, 4)[1][-2:] for b in (0, 64, 65, 128, 129, 256)] == ["r1", "r1", "r2", "r2", "r4", "r4"]
+    assert tree.shared_bytes(256, 16, 256, 4) <= 227 * 1024
     with pytest.raises(ValueError, match="version"):
         tree.kernel_name(8, 5)
 
@@ -90,7 +97,7 @@ def test_build_limits_raise_before_any_work():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [1, 2, 3])
+@pytest.mark.parametrize("version", VERSIONS)
 def test_build_worked_example(version):
     """Survey §2.7: L=3, N=5, K'=2."""
     cp = _cp()
@@ -109,7 +116,7 @@ def test_build_worked_example(version):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [1, 2, 3])
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("budget,depth,kp,vocab", BUILD_CONFIGS)
 def test_build_random_bit_exact(budget, depth, kp, vocab, mode, version):
@@ -125,8 +132,40 @@ def test_build_random_bit_exact(budget, depth, kp, vocab, mode, version):
     assert_trees_equal(got, want, f"v{version} budget={budget} L={depth} K'={kp} {mode}")
 
 
+def frontier_filling_topk(rng, bsz: int, budget: int, kp: int):
+    """Inputs whose frontier reaches floor((budget + 1) / 2) live candidates and whose last pop is the
+    worst of them (L = 2, K' = kp >= budget): the budget // 2 best depth-1 ranks come first, each
+    leaving its first child behind; those children are popped last, in score order, and every other
+    candidate scores far below. Shape: ids, lp [bsz, 2, kp]."""
+    h = budget // 2
+    ids = np.stack([np.stack([rng.permutation(kp) for _ in range(2)]) for _ in range(bsz)]).astype(np.int64)
+    lp = np.empty((bsz, 2, kp), np.float32)
+    for b in range(bsz):
+        lp[b, 0] = np.concatenate([-np.sort(rng.random(h)) * 1e-3, -100 - np.sort(rng.random(kp - h))])
+        lp[b, 1] = np.concatenate([[-1.0], -50 - np.sort(rng.random(kp - 1))])
+    return ids, lp
+
+
+FILLING_BUDGETS = (31, 32, 63, 64, 65, 127, 128, 129, 255, 256)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [1, 2, 3])
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("budget", FILLING_BUDGETS)
+def test_build_frontier_filling_bit_exact(budget, version):
+    """The largest frontier a budget allows, its worst candidate popped last (v4 keeps only that many)."""
+    cp = _cp()
+    from kdlib.cuda import tree
+
+    ids, lp = frontier_filling_topk(np.random.default_rng(budget), 8, budget, budget + 3)
+    want = ref.build_tree_batch(ids, lp, budget)
+    got = tree.build_tree_batch(cp.asarray(ids), cp.asarray(lp), budget, out=_poisoned_batch(8, budget),
+                                version=version)
+    assert_trees_equal(got, want, f"v{version} filling budget={budget}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("budget,depth,kp", [(0, 5, 4), (5, 0, 4), (5, 3, 0), (0, 0, 0)])
 def test_build_root_only(budget, depth, kp, version):
     cp = _cp()
@@ -471,3 +510,334 @@ def test_step_graph_equals_reference(mode):
         for key in ("targets", "paths", "lengths", "bonus", "cache"):
             assert (got[key] == want[key]).all(), f"replay {it}: {key}"
     assert want["lengths"].max() > 1
+
+
+# ----------------------------------------------------------------------------- v4 without a device
+
+
+def _rank_key(tuples, parent: int, depth: int, rank: int) -> tuple[int, int]:
+    """(hi, lo) of the rank tuple parent's + (rank at depth): v4's 16-byte key, rank r_d in byte d-1."""
+    hi, lo = tuples[parent]
+    if rank == 0:  # a zero byte (also a first child one past depth 16, which v4 never orders)
+        return hi, lo
+    p = depth - 1
+    return (hi | rank << 8 * (7 - p), lo) if p < 8 else (hi, lo | rank << 8 * (15 - p))
+
+
+def v4_model(ids, lp, budget: int, k: int, rows: int):
+    """tree_build_v4's pop loop, position by position (kernels/tree_build_v4.cu, warp 0).
+
+    ids/lp: [L][>= k] lists. Position t of `ent` is lane t % 32 of row t // 32; a candidate is
+    (score, parent, depth, rank). Returns ((tokens, depths, parents, scores), most live candidates).
+    """
+    leff = min(len(ids), budget)
+    if budget == 0 or leff == 0 or k == 0:
+        return ([], [], [-1], []), 0
+
+    def lpv(d, r):  # lps[d][r], 0.0 outside the table (as the kernel's guarded loads)
+        return float(lp[d][r]) if d < leff and r < k else 0.0
+
+    def carried(c):  # lp[d-1][r], lp[d-1][r+1], lp[d][0] of candidate c
+        return lpv(c[2] - 1, c[3]), lpv(c[2] - 1, c[3] + 1), lpv(c[2], 0)
+
+    tuples = {0: (0, 0)}
+
+    def before(a, b, slow):  # a is popped before b
+        if not slow or a[0] != b[0]:
+            return a[0] > b[0]
+        ka, kb = _rank_key(tuples, *a[1:]), _rank_key(tuples, *b[1:])
+        return (*ka, a[2]) < (*kb, b[2])
+
+    size = 32 * rows
+    ent = [(lpv(0, 0), 0, 1, 0)] + [(0.0, 0, 1, 0)] * (size - 1)
+    w, wl = ent[0], carried(ent[0])
+    f, most = 1, 0
+    tokens, depths, parents, scores = [], [], [-1], []
+    for count in range(budget):
+        if f == 0:
+            break
+        idx = count + 1
+        sc, par, dep, rk = w
+        tokens.append(ids[dep - 1][rk])
+        depths.append(dep)
+        parents.append(par)
+        scores.append(sc)
+        tuples[idx] = _rank_key(tuples, par, dep, rk)
+        nx, ny = rk + 1 < k, dep < leff
+        x, y = ((sc - wl[0]) + wl[1], par, dep, rk + 1), (sc + wl[2], idx, dep + 1, 0)
+        xl, yl = (wl[1], lpv(dep - 1, rk + 2), wl[2]), (wl[2], lpv(dep, 1), lpv(dep + 1, 0))
+        o1 = ent[1] if f >= 2 else (0.0, 0, 1, 0)
+        live = range(1, f)
+        slow = (nx and ny and x[0] == y[0]) or any((nx and ent[t][0] == x[0]) or (ny and ent[t][0] == y[0]) for t in live)
+        y_first = before(y, x, slow)
+        px = sum(before(ent[t], x, slow) for t in live) + (ny and y_first)
+        py = sum(before(ent[t], y, slow) for t in live) + (nx and not y_first)
+        fn = min(f - 1 + nx + ny, budget - idx)
+        most = max(most, fn)
+        fn = min(fn, size)
+        new = []
+        for t in range(size):
+            if nx and t == px:
+                new.append(x)
+            elif ny and t == py:
+                new.append(y)
+            else:
+                s = t - (nx and px < t) - (ny and py < t) + 1  # shuffle source: t - 1, t or t + 1
+                new.append(ent[s] if s < size else (0.0, 0, 1, 0))
+        ent, f = new, fn
+        w, wl = (x, xl) if (nx and px == 0) else (y, yl) if (ny and py == 0) else (o1, carried(o1))
+    return (tokens, depths, parents, scores), most
+
+
+def _v4_cases():
+    """(ids, lp, budget): >= 1,000 requests over BUILD_CONFIGS x MODES, more budgets, frontier-filling inputs."""
+    configs = BUILD_CONFIGS + [(63, 7, 70, 90), (65, 10, 65, 100), (128, 16, 128, 200), (129, 5, 200, 300)]
+    for budget, depth, kp, vocab in configs:
+        for mode in MODES:
+            rng = np.random.default_rng(zlib.crc32(repr(("v4", budget, depth, kp, mode)).encode()))
+            bsz = 6 if budget > 128 else 24
+            ids, lp = pipeline.random_topk(rng, bsz, depth, kp, vocab, mode)
+            yield ids, lp, budget
+    for budget in FILLING_BUDGETS:
+        ids, lp = frontier_filling_topk(np.random.default_rng(budget), 4, budget, budget + 3)
+        yield ids, lp, budget
+    for budget, depth, kp in ((0, 5, 4), (5, 0, 4), (5, 3, 0), (1, 1, 1), (16, 16, 1), (3, 20, 2)):
+        yield np.arange(2 * depth * kp, dtype=np.int64).reshape(2, depth, kp), np.zeros((2, depth, kp), np.float32), budget
+
+
+def test_v4_model_matches_reference():
+    """The warp algorithm (sorted positions, ballot counts, cut list, head by selects) pops exactly
+    the reference's nodes, and never needs more than floor((budget + 1) / 2) positions."""
+    from kdlib.cuda import tree
+    from kdlib.ref import tree as ref_tree
+
+    requests = 0
+    for ids, lp, budget in _v4_cases():
+        k = min(budget, ids.shape[-1])
+        rows = int(tree.kernel_name(budget, 4)[1][-1])
+        for b in range(ids.shape[0]):
+            il, ll = ids[b, :, :k].tolist(), lp[b, :, :k].tolist()
+            got, most = v4_model(il, ll, budget, k, rows)
+            assert got == ref_tree._heap_build(il, ll, budget, k), f"budget {budget} request {b}"
+            assert most <= (budget + 1) // 2 <= 32 * rows
+            requests += 1
+    assert requests >= 1000
+
+
+# The host emulation: kernels/tree_build_v4.cu compiled by g++ with this shim, one ucontext per CUDA
+# thread of a block, blocks one after another; warp intrinsics exchange through a buffer between two
+# warp barriers, so lanes run in lock step where the kernel relies on it. Shared memory ends at a guard
+# page (an access past its size rounded to 16 bytes faults) and starts out as stale bytes.
+EMU_SHIM = r"""
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __launch_bounds__(a, b)
+#define __shared__
+#define __align__(n) __attribute__((aligned(n)))
+using std::max;
+using std::min;
+struct emu_dim3 { unsigned x, y, z; };
+static int emu_threads = 0, emu_cur = 0, emu_block = 0;
+static inline emu_dim3 emu_thread_idx() { return {(unsigned)emu_cur, 0u, 0u}; }
+static inline emu_dim3 emu_block_idx() { return {(unsigned)emu_block, 0u, 0u}; }
+#define threadIdx (emu_thread_idx())
+#define blockIdx (emu_block_idx())
+struct EmuBar { int count = 0; long gen = 0; };
+struct EmuThr { ucontext_t ctx; EmuBar* bar = nullptr; long gen = 0; bool done = false; };
+static EmuThr* emu_thr = nullptr;
+static ucontext_t emu_sched;
+static EmuBar emu_block_bar, emu_warp_bar[32];
+static uint64_t emu_xbuf[32][32];
+static unsigned char* emu_smem_base = nullptr;
+static void emu_wait(EmuBar* bar, int n) {
+    const long g = bar->gen;
+    if (++bar->count == n) { bar->count = 0; bar->gen++; return; }
+    emu_thr[emu_cur].bar = bar;
+    emu_thr[emu_cur].gen = g;
+    swapcontext(&emu_thr[emu_cur].ctx, &emu_sched);
+}
+static void __syncthreads() { emu_wait(&emu_block_bar, emu_threads); }
+static void __syncwarp(unsigned = 0xffffffffu) { emu_wait(&emu_warp_bar[emu_cur >> 5], 32); }
+static uint64_t emu_exchange(uint64_t v, int src) {
+    const int w = emu_cur >> 5;
+    emu_xbuf[w][emu_cur & 31] = v;
+    __syncwarp();
+    const uint64_t r = emu_xbuf[w][src & 31];
+    __syncwarp();
+    return r;
+}
+static unsigned __ballot_sync(unsigned, bool p) {
+    const int w = emu_cur >> 5;
+    emu_xbuf[w][emu_cur & 31] = p ? 1u : 0u;
+    __syncwarp();
+    unsigned r = 0u;
+    for (int l = 0; l < 32; ++l) r |= (unsigned)emu_xbuf[w][l] << l;
+    __syncwarp();
+    return r;
+}
+static bool __any_sync(unsigned m, bool p) { return __ballot_sync(m, p) != 0u; }
+static unsigned __shfl_sync(unsigned, unsigned v, int src) { return (unsigned)emu_exchange(v, src); }
+static double __shfl_sync(unsigned, double v, int src) {
+    uint64_t u; std::memcpy(&u, &v, 8); u = emu_exchange(u, src); double r; std::memcpy(&r, &u, 8); return r;
+}
+static int __popc(unsigned x) { return __builtin_popcount(x); }
+static int __ffs(int x) { return __builtin_ffs(x); }
+static unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+static double __longlong_as_double(long long u) { double d; std::memcpy(&d, &u, 8); return d; }
+static unsigned atomicOr(unsigned* p, unsigned v) { const unsigned o = *p; *p = o | v; return o; }
+static unsigned char* emu_smem() { return emu_smem_base; }
+"""
+
+EMU_DRIVER = r"""
+typedef void (*emu_kernel_t)(const long long*, const float*, int, int, int, int, int, long long*, long long*,
+                             long long*, long long*, unsigned char*, long long*, long long*, long long*, double*);
+static emu_kernel_t emu_fn;
+static const long long* a_ids; static const float* a_lp; static int a_L, a_Kp, a_K, a_Leff, a_budget;
+static long long *a_sizes, *a_tok, *a_dep, *a_par, *a_nt, *a_ns, *a_pos; static unsigned char* a_vis; static double* a_sc;
+static void emu_entry() {
+    emu_fn(a_ids, a_lp, a_L, a_Kp, a_K, a_Leff, a_budget, a_sizes, a_tok, a_dep, a_par, a_vis, a_nt, a_ns, a_pos, a_sc);
+    emu_thr[emu_cur].done = true;
+    emu_thr[emu_cur].bar = nullptr;
+    swapcontext(&emu_thr[emu_cur].ctx, &emu_sched);
+}
+// 0: done; 1: deadlock (a barrier some thread never reaches); 2: unknown kernel.
+extern "C" int emu_launch(const char* name, int grid, int threads, int smem_bytes, const long long* ids, const float* lp,
+                          int L, int Kp, int K, int L_eff, int budget, long long* sizes, long long* tok, long long* dep,
+                          long long* par, unsigned char* vis, long long* nt, long long* ns, long long* pos, double* sc) {
+    if (!std::strcmp(name, "tree_build_v4_r1")) emu_fn = tree_build_v4_r1;
+    else if (!std::strcmp(name, "tree_build_v4_r2")) emu_fn = tree_build_v4_r2;
+    else if (!std::strcmp(name, "tree_build_v4_r4")) emu_fn = tree_build_v4_r4;
+    else return 2;
+    a_ids = ids; a_lp = lp; a_L = L; a_Kp = Kp; a_K = K; a_Leff = L_eff; a_budget = budget;
+    a_sizes = sizes; a_tok = tok; a_dep = dep; a_par = par; a_vis = vis; a_nt = nt; a_ns = ns; a_pos = pos; a_sc = sc;
+    const long page = sysconf(_SC_PAGESIZE), used = (smem_bytes + 15) / 16 * 16;
+    const long span = (used + page - 1) / page * page;
+    unsigned char* map = (unsigned char*)mmap(nullptr, span + 2 * page, PROT_READ | PROT_WRITE,
+                                              MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    mprotect(map, page, PROT_NONE);
+    mprotect(map + page + span, page, PROT_NONE);
+    emu_smem_base = map + page + span - used;
+    const size_t stack = 1 << 16;
+    emu_threads = threads;
+    emu_thr = new EmuThr[threads];
+    char* stacks = (char*)std::malloc(stack * threads);
+    int rc = 0;
+    for (int b = 0; b < grid && rc == 0; ++b) {
+        emu_block = b;
+        std::memset(map + page, 0xA5, span);
+        emu_block_bar = EmuBar();
+        for (auto& w : emu_warp_bar) w = EmuBar();
+        for (int t = 0; t < threads; ++t) {
+            emu_thr[t] = EmuThr();
+            getcontext(&emu_thr[t].ctx);
+            emu_thr[t].ctx.uc_stack.ss_sp = stacks + stack * t;
+            emu_thr[t].ctx.uc_stack.ss_size = stack;
+            emu_thr[t].ctx.uc_link = &emu_sched;
+            makecontext(&emu_thr[t].ctx, emu_entry, 0);
+        }
+        for (;;) {
+            bool live = false, moved = false;
+            for (int t = 0; t < threads; ++t) {
+                if (emu_thr[t].done) continue;
+                live = true;
+                if (emu_thr[t].bar && emu_thr[t].bar->gen == emu_thr[t].gen) continue;
+                emu_thr[t].bar = nullptr;
+                emu_cur = t;
+                moved = true;
+                swapcontext(&emu_sched, &emu_thr[t].ctx);
+            }
+            if (!live) break;
+            if (!moved) { rc = 1; break; }
+        }
+    }
+    std::free(stacks);
+    delete[] emu_thr;
+    munmap(map, span + 2 * page);
+    return rc;
+}
+"""
+
+SMEM_DECL = "extern __shared__ __align__(16) unsigned char smem[];"
+
+
+@pytest.fixture(scope="module")
+def v4_host(tmp_path_factory):
+    """ctypes handle of kernels/tree_build_v4.cu built for the host with the emulation shim."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from kdlib import KERNELS
+
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ not found")
+    src = (KERNELS / "tree_build_v4.cu").read_text()
+    assert src.count(SMEM_DECL) == 1, "the shim replaces the kernel's one dynamic shared-memory declaration"
+    d = tmp_path_factory.mktemp("v4_host")
+    (d / "emu.cpp").write_text(EMU_SHIM + src.replace(SMEM_DECL, "unsigned char* smem = emu_smem();") + EMU_DRIVER)
+    run = subprocess.run([gxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-o", str(d / "emu.so"), str(d / "emu.cpp")],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return ctypes.CDLL(str(d / "emu.so"))
+
+
+def host_build_v4(lib, ids, lp, budget, vis_offset=0):
+    """Run tree_build_v4 on the host emulation; outputs poisoned, visibility at a byte offset
+    `vis_offset` inside a poisoned buffer whose margins must stay untouched."""
+    import ctypes
+
+    from kdlib.cuda import tree
+
+    bsz, depth, kp = ids.shape
+    k, l_eff, s = min(budget, kp), min(depth, budget), budget + 1
+    out = {}
+    for name in FIELDS:
+        shape = {"sizes": (bsz,), "node_token_ids": (bsz, budget), "node_depths": (bsz, budget), "scores": (bsz, budget)}.get(
+            name, (bsz, s))
+        if name == "scores":
+            out[name] = np.full(shape, np.inf)
+        elif name != "visibility":
+            out[name] = np.full(shape, POISON_INT, dtype=np.int64)
+    margin = 8
+    buf = np.full(bsz * s * s + vis_offset + margin, 0x5A, dtype=np.uint8)
+    vis = buf[vis_offset: vis_offset + bsz * s * s]
+    ids, lp = np.ascontiguousarray(ids), np.ascontiguousarray(lp)
+    ptr = ctypes.c_void_p
+    rc = lib.emu_launch(
+        tree.kernel_name(budget, 4)[1].encode(), bsz, tree.V4_THREADS, tree.shared_bytes(budget, l_eff, k, 4),
+        ptr(ids.ctypes.data), ptr(lp.ctypes.data), depth, kp, k, l_eff, budget,
+        *(ptr(out[n].ctypes.data) for n in ("sizes", "node_token_ids", "node_depths", "parents")), ptr(vis.ctypes.data),
+        *(ptr(out[n].ctypes.data) for n in ("next_token", "next_sibling", "positions", "scores")))
+    assert rc == 0, f"emulation returned {rc}"
+    assert (buf[:vis_offset] == 0x5A).all() and (buf[vis_offset + bsz * s * s:] == 0x5A).all(), "write outside visibility"
+    out["visibility"] = vis.reshape(bsz, s, s).view(np.bool_)
+    return ref.DDTreeBatch(**out)
+
+
+def test_v4_host_worked_example(v4_host):
+    ids = np.array([[[10, 11], [20, 21], [30, 31]]], dtype=np.int64)
+    lp = np.log(np.array([[[0.60, 0.30], [0.90, 0.05], [0.45, 0.40]]])).astype(np.float32)
+    got = host_build_v4(v4_host, ids, lp, 5)
+    assert got.parents.tolist() == [[-1, 0, 1, 0, 3, 2]]
+    assert_trees_equal(got, ref.build_tree_batch(ids, lp, 5), "host worked example")
+
+
+@pytest.mark.slow
+def test_v4_host_bit_exact(v4_host):
+    """The kernel source itself, on >= 1,000 requests (every visibility alignment), against the reference."""
+    requests = 0
+    for case, (ids, lp, budget) in enumerate(_v4_cases()):
+        want = ref.build_tree_batch(ids, lp, budget)
+        got = host_build_v4(v4_host, ids, lp, budget, vis_offset=case % 4)
+        assert_trees_equal(got, want, f"host v4 case {case} budget={budget} shape={ids.shape}")
+        requests += ids.shape[0]
+    assert requests >= 1000
