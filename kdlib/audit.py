@@ -403,7 +403,7 @@ def kern_tree_speedup_b64(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
         replay = res["headline"].get("speedup_vs_cpu_graph_replay")
         extra = f"; {float(replay):.0f}x counting one graph replay per build" if replay is not None else ""
     lo, hi = _span(fig.claim)
-    verdict = REPRODUCED if within(ours, fig.claim, rel=0.25) else READING
+    verdict = REPRODUCED if within(ours, fig.claim, rel=0.25) else READING  # a ratio of two machines' speeds: ±25% counts as the same result
     return Verdict(fig.id, verdict, f"{ours:.0f}x at batch 64 ({gpu} kernel time vs the workbook's heapq reference "
                                     f"on the same host{extra})",
                    f"a ratio of two machines' speeds: ±25% of {lo:g}-{hi:g}x would count as reproduced; outside it, "
@@ -449,7 +449,7 @@ def kern_build_share_gain(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     share10 = by_batch[b10] * 10 / b10 / steps["c10_ms"]  # per-request cost x 10 streams
     gain_hi = max(share1, share10) / (1 - max(share1, share10))  # removing the build entirely
     lo_gain, hi_gain = fig.claim["gain"]
-    ok = within(max(share1, share10), fig.claim["share"], rel=1.0) and gain_hi <= hi_gain
+    ok = within(max(share1, share10), fig.claim["share"], rel=1.0) and gain_hi <= hi_gain  # '~1%': anything up to 2%
     return Verdict(fig.id, REPRODUCED if ok else CONTRADICTED,
                    f"build share of the step: {share1:.1%} at C = 1 ({by_batch[min(by_batch)]:.2f} ms of "
                    f"{steps['c1_ms']:.1f} ms), {share10:.1%} at C = 10 ({by_batch[b10] * 10 / b10:.2f} ms of "
@@ -609,7 +609,7 @@ def diag_two_point_scaling(fig: Figure, cat: Catalogue, src: Sources) -> Verdict
     ratio = fast / slow
     t_short, t_long = 1e3 / fast, 1e3 / slow  # ms per generated token
     per_ctx_us = (t_long - t_short) / (5120 - 64) * 1e3  # the seeds' two contexts, 64 and 5,120 tokens
-    ok = within(ratio, fig.claim, rel=0.02)
+    ok = within(ratio, fig.claim, rel=0.02)  # '3.8×' is written to two digits
     return Verdict(fig.id, READING if ok else CONTRADICTED,
                    f"{fast:g} / {slow:g} = {ratio:.2f}x; {t_short:.2f} -> {t_long:.2f} ms per token = "
                    f"+{per_ctx_us:.2f} µs per token of context",
@@ -736,7 +736,7 @@ def diag_overestimate_2x(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     ratio = slow / sustained
     own = src.record("diag_two_point_over_sustained", "04_throughput_diagnosis")
     kinds = diagnosis_by_kind(src)
-    ok = within(ratio, fig.claim, rel=0.1)
+    ok = within(ratio, fig.claim, rel=0.1)  # 'roughly 2×'
     if kinds and all(k["two_point_tok_s"] and k["sustained_tok_s"] for k in kinds.values()):
         mine = "; the workbook's engine, two-point / sustained by text kind: " + ", ".join(
             f"{k} {v['two_point_tok_s'] / v['sustained_tok_s']:.2f}" for k, v in kinds.items())
@@ -917,7 +917,7 @@ def b300_303_c1(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     c1 = cat.claim("diag_baseline_c1_c10")[0]
     ratio = c["tok_s"] / c1
     rec = src.record("est_model_b300_c1_native_tok_s", "06_b300_estimator")
-    ok = within(ratio, c["ratio"], rel=0.05)
+    ok = within(ratio, c["ratio"], rel=0.05)  # '2.2×' is written to two digits
     return Verdict(fig.id, OUT_OF_REACH,
                    f"303 / 138.7 = {ratio:.2f}x" + (f"; the workbook's step-time model, native engine at C = 1: "
                                                     f"{float(rec['value']):.0f} tok/s" if rec else
@@ -944,7 +944,7 @@ def b300_575_770(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
 
     rep = est_seeds.reproduce()
     s = rep["scenarios"][1]
-    ok = within(s["tok_s_low"], fig.claim[0], rel=0.02) and within(s["tok_s_high"], fig.claim[1], rel=0.02)
+    ok = within(s["tok_s_low"], fig.claim[0], rel=0.02) and within(s["tok_s_high"], fig.claim[1], rel=0.02)  # the seeds' projections are quoted to 2-3 digits
     return Verdict(fig.id, READING if ok else CONTRADICTED,
                    f"rebuilt: {s['tok_s_low']:.0f}-{s['tok_s_high']:.0f} tok/s (step {rep['terms_ms']['step_strong']:.2f} ms)",
                    f"reproduces within ±2% once the one figure the seeds do not give, the block-8 draft cost inside "
@@ -959,7 +959,7 @@ def b300_850_980(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
 
     rep = est_seeds.reproduce()
     s = rep["scenarios"][2]
-    lo_ok = within(s["tok_s_low"], fig.claim[0], rel=0.02)
+    lo_ok = within(s["tok_s_low"], fig.claim[0], rel=0.02)  # as for 575-770
     hi_ok = within(s["tok_s_high"], fig.claim[1], rel=0.02)
     return Verdict(fig.id, REPRODUCED if lo_ok and hi_ok else CONTRADICTED,
                    f"rebuilt with no free parameter: {s['tok_s_low']:.0f}-{s['tok_s_high']:.0f} tok/s "
