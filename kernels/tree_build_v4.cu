@@ -25,7 +25,7 @@
 //   32 * S + 8 * S * W + 8 * L_eff * K
 // = 59,496 B at budget 256, L_eff 16, K 256 (the wrapper opts in above 48 KB).
 
-#define TB4_THREADS 256  // 8 warps: warp 0 runs the pops; all 8 load the table and write the outputs
+#define TB4_THREADS 256  // 8 warps: warp 0 runs the pops; all 8 load the table (rows w, w + 8) and write the outputs
 
 typedef unsigned long long u64;
 
@@ -85,9 +85,30 @@ __device__ __forceinline__ void build4(
 
     const long long* ids_b = ids + (long long)b * L * Kp;
     const float* lp_b = lp + (long long)b * L * Kp;
-    for (int i = tid; i < S * W; i += TB4_THREADS) cmask[i] = 0u;
-    for (int d = warp; d < L_eff; d += TB4_THREADS / 32)  // one row per warp: coalesced, no division
-        for (int c = lane; c < K; c += 32) lps[d * K + c] = f2d4(lp_b[d * Kp + c]);
+    {
+        // Rows warp and warp + 8 (L_eff <= 16), lanes along the row: coalesced, and every load of
+        // this thread issued before the first use (one L2 round trip, not one per element).
+        float v[2][8];  // [row][column / 32], K <= 256
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int d = warp + 8 * h;
+#pragma unroll
+            for (int m = 0; m < 8; ++m) {
+                const int c = lane + 32 * m;
+                v[h][m] = (d < L_eff && c < K) ? lp_b[d * Kp + c] : 0.0f;
+            }
+        }
+        for (int i = tid; i < S * W; i += TB4_THREADS) cmask[i] = 0u;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int d = warp + 8 * h;
+#pragma unroll
+            for (int m = 0; m < 8; ++m) {
+                const int c = lane + 32 * m;
+                if (d < L_eff && c < K) lps[d * K + c] = f2d4(v[h][m]);
+            }
+        }
+    }
     __syncthreads();
 
     if (warp == 0) {
@@ -127,7 +148,7 @@ __device__ __forceinline__ void build4(
             const double o1la = lps[(o1d - 1) * K + o1r];
             const double o1lb = (o1r + 1 < K) ? lps[(o1d - 1) * K + o1r + 1] : 0.0;
             const double o1lc = (o1d < L_eff) ? lps[o1d * K] : 0.0;
-            if (lane == 0) {  // node idx = the head (read after the pops; tuples in the slow path)
+            {  // node idx = the head: every lane stores the same values (no divergent branch)
                 n_parent[idx] = par;
                 n_src[idx] = (dep - 1) * Kp + rk;
                 n_score[idx] = wsc;
@@ -155,7 +176,7 @@ __device__ __forceinline__ void build4(
                 lane_tie |= v && ((nx && esc[r] == xsc) || (ny && esc[r] == ysc));
             }
             if (__any_sync(FULL, lane_tie) || tie) {
-                // Exact score ties: rank tuples decide. Parents' tuples were stored by lane 0.
+                // Exact score ties: rank tuples decide (the parents' tuples, stored in earlier pops).
                 __syncwarp();
                 u64 phi = n_tup[2 * par], plo = n_tup[2 * par + 1];
                 u64 xhi = phi, xlo = plo, yhi = phi, ylo = plo;
