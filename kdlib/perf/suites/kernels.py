@@ -3,7 +3,8 @@
 `python3 -m kdlib.perf.run --suite kernels --out DIR` -> `kernels.<gpu>.json`. Per batch
 B in 1..64 (L 15, budget 64, K' 64: the seeds' comparison point):
 
-  * tree build against `kdlib.ref.build_tree_batch` on the same inputs in the same run
+  * tree build, every kernel version of `kdlib.cuda.tree.VERSIONS` (v1-v4), against
+    `kdlib.ref.build_tree_batch` on the same inputs in the same run
     (`kdlib.ref.tree.synthetic_topk`, drafter-like): CPU reference time, CPU reference with the
     device->host->device copies and the sync it forces, and three GPU times:
       - `kernel`: one CUDA graph holding REPEAT back-to-back builds, replay time / REPEAT
@@ -11,6 +12,9 @@ B in 1..64 (L 15, budget 64, K' 64: the seeds' comparison point):
       - `graph_replay`: a graph of one build, replay time (what a captured decode step pays);
       - `eager`: one launch from Python between two events (includes the CPU launch gap);
     each GPU result is checked bit-exact against the reference before it is timed;
+  * tree build at batch 64 on tied inputs (`kdlib.cuda.pipeline.random_topk(..., "tied")`: log-probs
+    from 4 values, so most score comparisons are exact ties and the rank tuples decide), kernel
+    time per version, so the cost of the tie-break paths is on record;
   * accept (greedy walk), compaction (one layer of bf16 latent KV and 61 layers), page-1 remap
     and the composed step (build -> stand-in verify -> accept -> compact, `kdlib.cuda.pipeline`):
     graph-replay time per step; sampling (V 32,000) eager.
@@ -153,6 +157,35 @@ def bench_build(ids_all, lp_all, iters: int) -> list[dict]:
     return rows
 
 
+def bench_build_tied(vocab: int = 32000) -> list[dict]:
+    """Kernel time per version at batch 64 on tied log-probs (exactness checked first)."""
+    import cupy
+
+    from kdlib import ref
+    from kdlib.cuda import pipeline, tree
+
+    bsz = max(BATCHES)
+    ids, lp = pipeline.random_topk(np.random.default_rng(5), bsz, DEPTH, K_PRIME, vocab, "tied")  # [64, 15, 64]
+    want = ref.build_tree_batch(ids, lp, BUDGET)
+    d_ids, d_lp = cupy.asarray(ids), cupy.asarray(lp)
+    rows = []
+    for version in tree.VERSIONS:
+        out = tree.empty_batch(bsz, BUDGET)
+
+        def build(out=out, version=version):
+            tree.build_tree_batch(d_ids, d_lp, BUDGET, out=out, version=version)
+
+        build()
+        exact = _trees_equal(out, want)
+        gr, sr = _graph(build, REPEAT)
+        kernel = _replay_ms(gr, sr, 50)
+        rows.append({"batch": bsz, "version": version, "kernel": tree.kernel_name(BUDGET, version)[1],
+                     "inputs": "random_topk(seed 5, tied)", "bit_exact": exact, f"gpu_graph_x{REPEAT}": kernel,
+                     "kernel_us": _us(kernel, REPEAT)})
+        print(f"[kernels] build v{version} tied B={bsz}: exact={exact} kernel {rows[-1]['kernel_us']:.2f} us", flush=True)
+    return rows
+
+
 def bench_rest(inputs: dict, iters: int, bw: float) -> dict:
     """Accept, sampling, compaction, remap and the composed step, per batch."""
     import cupy
@@ -287,6 +320,7 @@ def run(args) -> dict:
     inputs = pipeline.random_step_inputs(np.random.default_rng(3), max(BATCHES), DEPTH, K_PRIME, 32000, BUDGET,
                                          row_dim=8, topk=(ids, lp))  # target chains planted into these top-k
     build = bench_build(inputs["top_token_ids"], inputs["top_log_probs"], iters)
+    build_tied = bench_build_tied()
     rest = bench_rest(inputs, iters, bw)
     cupy.get_default_memory_pool().free_all_blocks()
     attention = _attention(args)
@@ -306,5 +340,5 @@ def run(args) -> dict:
                      "graph_replay_us": head["graph_replay_us"], "cpu_ref_us": head["cpu_ref_us"],
                      "speedup_vs_cpu_kernel": head["speedup_vs_cpu_kernel"],
                      "speedup_vs_cpu_graph_replay": head["speedup_vs_cpu_graph_replay"]},
-        "tree_build": build, **rest, "verify_attention": attention,
+        "tree_build": build, "tree_build_tied": build_tied, **rest, "verify_attention": attention,
     }
