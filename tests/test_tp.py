@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kdlib import DATA, zoo
 from kdlib.engine import Model, ModelConfig
-from kdlib.tp import check_tp_config, partition, shard_state_dict, spawn
+from kdlib.tp import assert_replicated, check_tp_config, partition, shard_state_dict, spawn
 from kdlib.tp.workers import check_spec, check_worker, compare, reference
 
 SPAWN_TIMEOUT_S = 60  # a tiny check takes ~5-15 s on 2 cores; a hung collective fails after this
@@ -82,17 +82,19 @@ def test_shards_reassemble_the_full_weights(moe_mode):
             assert torch.equal(torch.cat([s[key] for s in shards]), full[key])
 
 
+# the engine's kdlib.ops verify attention (numpy reference on CPU) where the engine offers it
+_OPS = "ops" if "ops" in getattr(Model, "ATTENTION", ()) else "torch"
 CASES = [
-    (2, {"config": "tiny-a", "moe_mode": "ep"}),
+    (2, {"config": "tiny-a", "moe_mode": "ep", "attention": _OPS, "max_new": 16, "drafters": ("oracle",)}),
     (2, {"config": "tiny-b", "moe_mode": "tp"}),  # 3 heads: an uneven 2 + 1 split; untied, no q_lora
-    (4, {"config": "tiny-a", "moe_mode": "tp", "drafters": ("oracle",)}),
+    (4, {"config": "tiny-a", "moe_mode": "tp", "max_new": 16, "drafters": ("oracle",)}),
 ]
 if zoo.available():
     CASES.append((2, {"zoo": True, "prompt_len": 24}))
 
 
-@pytest.mark.parametrize("world,params", CASES, ids=[f"w{w}-{p.get('config', 'zoo')}-{p.get('moe_mode', 'ep')}"
-                                                     for w, p in CASES])
+@pytest.mark.parametrize("world,params", CASES, ids=[
+    f"w{w}-{p.get('config', 'zoo')}-{p.get('moe_mode', 'ep')}-{p.get('attention', 'torch')}" for w, p in CASES])
 def test_tp_gloo_equals_single_process(world, params, tmp_path):
     spec = check_spec(**params)
     out = tmp_path / "rank0.pt"
@@ -125,20 +127,39 @@ def _rank1_raises(rank, world, device):
     dist.barrier()  # rank 0 waits in a collective for a peer that is gone
 
 
-def _ranks_disagree(rank, world, device):
-    from kdlib.tp import Comm, assert_replicated
-
-    assert_replicated(Comm(), same=torch.arange(4), differs=torch.tensor([rank]))
-
-
 def test_child_failure_surfaces_instead_of_hanging():
-    with pytest.raises(Exception, match="boom on rank 1"):
+    # either rank 1's own error or rank 0's "peer closed the connection", whichever is reported first
+    with pytest.raises(Exception, match="boom on rank 1|Connection closed by peer|remote worker"):
         spawn(_rank1_raises, 2, timeout_s=SPAWN_TIMEOUT_S)
 
 
+class _TwoRanks:
+    """A stand-in for Comm whose all_gather returns rank 0's tensor and a second rank's (flipped bytes
+    for the names in `differs`): assert_replicated's comparison without a process group."""
+
+    world = 2
+
+    def __init__(self, differs):
+        self.differs, self.current = differs, None
+
+    def all_gather(self, x):
+        other = x.clone()
+        if self.current in self.differs:
+            other[0] ^= 1
+        return torch.stack([x, other])
+
+
 def test_debug_assert_names_the_tensor_that_differs_across_ranks():
-    with pytest.raises(Exception, match="differs between rank 0 and rank"):
-        spawn(_ranks_disagree, 2, timeout_s=SPAWN_TIMEOUT_S)
+    comm = _TwoRanks({"visibility"})
+    tensors = {"node_token_ids": torch.arange(5), "visibility": torch.eye(3, dtype=torch.bool),
+               "top_logp": torch.randn(2, 3)}
+    for name in tensors:  # one tensor at a time so the stand-in knows which one it is gathering
+        comm.current = name
+        if name == "visibility":
+            with pytest.raises(RuntimeError, match="visibility differs between rank 0 and rank"):
+                assert_replicated(comm, **{name: tensors[name]})
+        else:
+            assert_replicated(comm, **{name: tensors[name]})
 
 
 def test_vocab_shards_of_dense_logits_are_consistent():
@@ -152,3 +173,49 @@ def test_vocab_shards_of_dense_logits_are_consistent():
     for a, b, va, vb in zip(ids[-1][:-1], ids[-1][1:], vals[:-1], vals[1:], strict=True):
         assert va > vb or (va == vb and a < b)
     assert len(np.unique(row.numpy())) < row.numel()  # the row does hold ties
+
+
+def test_bench_path_on_gloo_counts_two_allreduces_per_layer():
+    """The benchmark worker (what the GPU run executes) on a tiny config over gloo: rows for 1 and 2
+    ranks, tokens equal to the single-process engine, two all-reduces per layer per step."""
+    from kdlib.tp.workers import bench, bench_spec
+
+    spec = bench_spec(config="tiny-a", dtype="float32", context=16, max_new=10, budget=6, block=5, iters=3,
+                      allreduce_rows=(1, 16), allreduce_hidden=32)
+    p = bench([1, 2], spec, backend="gloo", timeout_s=SPAWN_TIMEOUT_S)
+    layers = _cfg("tiny-a").num_hidden_layers
+    runs = {(r["world"], r["engine"], r["method"]): r for r in p["runs"]}
+    assert set(runs) == {(1, "tp", "ar"), (1, "single", "ar"), (1, "tp", "ddtree"), (1, "single", "ddtree"),
+                         (2, "tp", "ar"), (2, "tp", "ddtree")}
+    assert all(r["matches_single_ar"] for r in p["runs"])
+    for method in ("ar", "ddtree"):
+        assert runs[(2, "tp", method)]["allreduce_calls_per_step"] == 2 * layers
+        assert runs[(1, "tp", method)]["allreduce_calls_per_step"] == 0
+        assert 0 < runs[(2, "tp", method)]["allreduce_share"] < 1
+    assert {r["rows"] for r in p["allreduce"]} == {1, 16} and set(p["allreduce_fit"]) == {"2"}
+
+
+def test_perf_suite_refuses_without_two_gpus():
+    import argparse
+
+    from kdlib.perf.suites import tp as suite
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        pytest.skip("this host has several GPUs: the suite would run")
+    with pytest.raises(SystemExit, match="at least 2 GPUs"):
+        suite.run(argparse.Namespace(quick=True))
+    assert suite.world_sizes(8) == [1, 2, 4, 8] and suite.world_sizes(3) == [1, 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("moe_mode", ["ep", "tp"])
+def test_tp_nccl_equals_single_gpu(moe_mode):
+    """On a host with several GPUs: NCCL ranks (2, and 4 when present) vs one GPU, fp32."""
+    from kdlib.tp.workers import run_check
+
+    n = torch.cuda.device_count()
+    if n < 2:
+        pytest.skip(f"needs at least 2 GPUs, {n} visible")
+    for world in [w for w in (2, 4) if w <= n]:
+        lines = run_check(world, check_spec(moe_mode=moe_mode, device="cuda"), backend="nccl")
+        assert not [x for x in lines if x.startswith("FAIL")], "\n".join(lines)

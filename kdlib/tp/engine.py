@@ -239,6 +239,10 @@ class TPAttention(MLAttention):
     def forward_absorbed(self, x, cos, sin, keys, mask):
         return self.comm.all_reduce(super().forward_absorbed(x, cos, sin, keys, mask))
 
+    def forward_absorbed_ops(self, *args, **kwargs):
+        """The engine's `kdlib.ops` attention form (Model.attention == "ops") over this rank's heads."""
+        return self.comm.all_reduce(super().forward_absorbed_ops(*args, **kwargs))
+
 
 class TPMoE(nn.Module):
     """Routed experts (whole, `ep`, or sliced, `tp`) + sliced shared expert; returns this rank's partial sum."""
@@ -347,10 +351,11 @@ class TPModel(Model):
     """One rank's shard of `kdlib.engine.Model`; Model's forwards (plain, prefill, cached) run
     unchanged over the sharded layers, which all-reduce internally. `cfg` is the full config."""
 
-    def __init__(self, cfg, comm: Comm, moe_mode: str = "ep"):
+    def __init__(self, cfg, comm: Comm, moe_mode: str = "ep", attention: str = "torch"):
         check_tp_config(cfg, comm.world, moe_mode)
-        nn.Module.__init__(self)
+        nn.Module.__init__(self)  # not Model.__init__: that would build the full, unsharded layers
         self.cfg, self.comm, self.moe_mode = cfg, comm, moe_mode
+        self.attention = attention  # Model's decode/verify attention form ("torch" or "ops")
         self.model = nn.Module()  # the Backbone's attribute names, sharded layers
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.model.layers = nn.ModuleList(TPDecoderLayer(cfg, i, comm, moe_mode) for i in range(cfg.num_hidden_layers))
@@ -360,8 +365,8 @@ class TPModel(Model):
 
     @classmethod
     def from_model(cls, model: Model, comm: Comm, moe_mode: str = "ep", device=None, dtype=None) -> TPModel:
-        """This rank's shard of a full model (every rank passes the same weights)."""
-        tp = cls(model.cfg, comm, moe_mode)
+        """This rank's shard of a full model (every rank passes the same weights); same attention form."""
+        tp = cls(model.cfg, comm, moe_mode, attention=getattr(model, "attention", "torch"))
         tp.load_state_dict(shard_state_dict(model.state_dict(), model.cfg, comm.rank, comm.world, moe_mode))
         return tp.to(device=device or model.device, dtype=dtype or model.dtype).eval()
 

@@ -34,7 +34,7 @@ def check_spec(**kw) -> dict:
     """Parameters of one check (defaults: tiny-a, expert parallel, 24 tokens, budget 8, block 5)."""
     spec = {"config": "tiny-a", "seed": 0, "moe_mode": "ep", "prompt_len": 12, "max_new": 24, "budget": 8,
             "block": 5, "p_wrong": 0.3, "topk_rows": 6, "topk_k": 7, "drafters": ("oracle", "dflash"),
-            "zoo": False, "device": "cpu"}
+            "zoo": False, "device": "cpu", "attention": "torch"}
     unknown = set(kw) - set(spec)
     if unknown:
         raise ValueError(f"unknown check parameters {sorted(unknown)}")
@@ -64,6 +64,8 @@ def _models(spec: dict, device):
             "dflash": lambda target: DFlashDrafter(dcfg, seed=spec["seed"] + 2).to(device),
         }
         drafters = {k: v for k, v in drafters.items() if k in spec["drafters"]}
+    if spec["attention"] != "torch":
+        model.attention = spec["attention"]  # the engine's decode/verify form; TPModel copies it
     return model, drafters, prompt
 
 
