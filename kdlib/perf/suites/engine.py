@@ -203,7 +203,7 @@ def _dflash_sweep(model, contexts) -> list[dict]:
     return out
 
 
-def _trained(budgets, max_new) -> dict:
+def _trained(budgets, max_new, device: str = "cuda") -> dict:
     """AR vs DDTree on the trained zoo models, prompts from the held-out text of each kind."""
     from kdlib import zoo
     from kdlib.engine.generate import generate
@@ -212,8 +212,8 @@ def _trained(budgets, max_new) -> dict:
         return {"available": False, "note": "no trained models in data/models/ (kdlib.zoo.available() is False)"}
     try:
         tok = zoo.load_tokenizer()
-        target = zoo.load_target(device="cuda")
-        drafter = zoo.load_drafter(target, device="cuda")
+        target = zoo.load_target(device=device)
+        drafter = zoo.load_drafter(target, device=device)
         rows = []
         for kind in zoo.KINDS:
             doc = zoo.held_out(kind)[0]
