@@ -162,20 +162,21 @@ __device__ __forceinline__ void build4(
             const double ysc = wsc + wlc;
             const unsigned xm = (wm & 0x00FFFFFFu) | ((unsigned)(rk + 1) << 24);  // used only when nx (rank+1 < 256)
             const unsigned ym = (unsigned)idx | ((unsigned)(dep + 1) << 16);
-            // Compare every old entry (positions 1..f-1) with X and Y.
-            bool cx[R], cy[R];
-            bool tie = nx && ny && xsc == ysc;
+            // Compare every old entry (positions 1..f-1) with X and Y: one ballot per row and
+            // candidate; ax, ay = how many old entries come before X, Y.
             bool yx = ysc > xsc;  // Y before X
             bool lane_tie = false;
+            unsigned bx[R], by[R];
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 const int t = 32 * r + lane;
                 const bool v = t >= 1 && t < f;
-                cx[r] = v && esc[r] > xsc;
-                cy[r] = v && esc[r] > ysc;
                 lane_tie |= v && ((nx && esc[r] == xsc) || (ny && esc[r] == ysc));
+                bx[r] = __ballot_sync(FULL, v && esc[r] > xsc);
+                by[r] = __ballot_sync(FULL, v && esc[r] > ysc);
             }
-            if (__any_sync(FULL, lane_tie) || tie) {
+            // Votes issued together; the (rare) tie test does not delay the ballots above.
+            if (__any_sync(FULL, lane_tie) || (nx && ny && xsc == ysc)) {
                 // Exact score ties: rank tuples decide (the parents' tuples, stored in earlier pops).
                 __syncwarp();
                 u64 phi = n_tup[2 * par], plo = n_tup[2 * par + 1];
@@ -191,18 +192,24 @@ __device__ __forceinline__ void build4(
                     const int ed = v ? m_dep(em[r]) : 1;
                     u64 ehi = n_tup[2 * ep], elo = n_tup[2 * ep + 1];
                     put_rank4(ehi, elo, ed, v ? m_rank(em[r]) : 0);
-                    cx[r] = v && (esc[r] > xsc || (esc[r] == xsc && tuple_less4(ehi, elo, ed, xhi, xlo, dep)));
-                    cy[r] = v && (esc[r] > ysc || (esc[r] == ysc && tuple_less4(ehi, elo, ed, yhi, ylo, dep + 1)));
+                    bx[r] = __ballot_sync(FULL, v && (esc[r] > xsc || (esc[r] == xsc && tuple_less4(ehi, elo, ed, xhi, xlo, dep))));
+                    by[r] = __ballot_sync(FULL, v && (esc[r] > ysc || (esc[r] == ysc && tuple_less4(ehi, elo, ed, yhi, ylo, dep + 1))));
                 }
             }
             int ax = 0, ay = 0;
+            unsigned anyx = 0u, anyy = 0u;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                ax += __popc(__ballot_sync(FULL, cx[r]));
-                ay += __popc(__ballot_sync(FULL, cy[r]));
+                ax += __popc(bx[r]);
+                ay += __popc(by[r]);
+                anyx |= bx[r];
+                anyy |= by[r];
             }
             const int px = ax + ((ny && yx) ? 1 : 0);   // X's new position (when nx)
             const int py = ay + ((nx && !yx) ? 1 : 0);  // Y's new position (when ny)
+            // px == 0 and py == 0 without the popcounts (the next head's chain)
+            const bool hx = nx && anyx == 0u && !(ny && yx);
+            const bool hy = !hx && ny && anyy == 0u && !(nx && !yx);
             const int total = f - 1 + (nx ? 1 : 0) + (ny ? 1 : 0);
             int fn = min(total, budget - idx);  // only these can still be popped
             fn = min(fn, 32 * R);               // never binds (see the header); keeps every index in range
@@ -234,7 +241,6 @@ __device__ __forceinline__ void build4(
 #pragma unroll
             for (int r = 0; r < R; ++r) { esc[r] = nsc[r]; em[r] = nm[r]; }
             // The next head: X, Y or O1 (all lanes agree: every operand is warp-uniform).
-            const bool hx = nx && px == 0, hy = !hx && ny && py == 0;
             wsc = hx ? xsc : (hy ? ysc : o1sc);
             wm = hx ? xm : (hy ? ym : o1m);
             wla = hx ? wlb : (hy ? wlc : o1la);
