@@ -27,11 +27,13 @@ Layout per rank r of W (contiguous, near-equal ranges from `partition`; uneven s
     traffic is W x L x (2K + 1) numbers instead of L x V.
   * tree: built identically on every rank, not built once and broadcast. Its inputs (the gathered
     top-K) are bit-identical on every rank and the builder is deterministic, so the copies agree
-    with no communication; a broadcast would add one collective (NCCL latency) to every step's
-    critical path for a build that costs about as much. `debug=True` asserts the agreement.
+    with no communication. A broadcast would put one more collective on every step's critical
+    path while the other ranks sit idle during the build anyway; nothing is saved by building once.
+    `debug=True` asserts the agreement (tree fields, accepted paths).
 
-Every all-reduce returns the same bits on every rank, so hidden states, argmaxes, trees and
-accepted paths agree across ranks; reduction order differs from one GPU, so TP logits equal the
+Every all-reduce returns the same bits on every rank (gloo and NCCL's ring and tree reduce each
+chunk once, then distribute it), so hidden states, argmaxes, trees and accepted paths agree across
+ranks (the checks assert it); reduction order differs from one GPU, so TP logits equal the
 single-process ones within fp32 rounding, not bit for bit.
 
 Not here: DP-attention and decode context parallel (the cache is replicated), temperature > 0,
@@ -369,6 +371,16 @@ class TPModel(Model):
         tp = cls(model.cfg, comm, moe_mode, attention=getattr(model, "attention", "torch"))
         tp.load_state_dict(shard_state_dict(model.state_dict(), model.cfg, comm.rank, comm.world, moe_mode))
         return tp.to(device=device or model.device, dtype=dtype or model.dtype).eval()
+
+    @classmethod
+    def random(cls, cfg, comm: Comm, seed: int = 0, moe_mode: str = "ep", dtype=None, device=None) -> TPModel:
+        """This rank's shard of `Model.random(cfg, seed)` (the same weights on every rank)."""
+        return cls.from_model(Model.random(cfg, seed=seed, dtype=dtype, device=device), comm, moe_mode)
+
+    @classmethod
+    def from_pretrained(cls, path, comm: Comm, moe_mode: str = "ep", dtype=None, device=None) -> TPModel:
+        """Load the full HF checkpoint on this rank, then keep its shard (fine for small models only)."""
+        return cls.from_model(Model.from_pretrained(path, dtype=dtype, device=device), comm, moe_mode)
 
     def head_local(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + this rank's LM head rows: h [T, H] -> logits [T, v1 - v0], float32 or wider."""
