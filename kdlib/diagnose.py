@@ -1,6 +1,6 @@
 """Throughput diagnosis of an OpenAI-compatible endpoint (the seeds' method, as a tool).
 
-    kdlib diagnose                                   # starts the embedded server (kdlib.serve) on loopback
+    kdlib diagnose                                   # starts `kdlib serve` on loopback (a child process)
     kdlib diagnose --endpoint http://host:30000 --json diag.json
 
     client = OpenAIClient(url)                       # or EngineClient(engine): the engine in process
@@ -645,9 +645,9 @@ def cli(argv: list[str]) -> int:
     try:
         url = args.endpoint
         if url is None:
-            from kdlib.serve import EmbeddedServer
+            from kdlib.serve import ServerProcess
 
-            server = EmbeddedServer().start()
+            server = ServerProcess().start()  # `kdlib serve` in its own process, as a real endpoint
             url = server.url
             print(f"kdlib diagnose: started the embedded server at {url}", file=sys.stderr)
         client = OpenAIClient(url, args.model, api_key=args.api_key, metric_set=args.metrics)

@@ -64,6 +64,7 @@ CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
 CHAT_ROLES = ("system", "user", "assistant")
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
+SWITCH_INTERVAL_S = 0.0005  # `kdlib serve` process: see cli()
 MAX_QUEUE = 64  # waiting requests beyond this are refused with 429 (a bounded queue keeps latency bounded)
 FALLBACK_CONFIG = "tiny-a"
 FALLBACK_P_WRONG = 0.35  # the oracle's per-position miss rate: ~2.5 tokens per step, near the seeds' 2.9
@@ -175,16 +176,20 @@ class Bundle:
 
 
 def load_bundle(device: str = "cpu", *, prefer_trained: bool = True, config: str = FALLBACK_CONFIG,
-                p_wrong: float = FALLBACK_P_WRONG, seed: int = 0) -> Bundle:
-    """The trained zoo models when present (and prefer_trained), else the random fallback."""
+                p_wrong: float = FALLBACK_P_WRONG, seed: int = 0, folder=None) -> Bundle:
+    """The trained zoo models when present (and prefer_trained), else the random fallback.
+
+    folder: where the trained models are (default `kdlib.zoo.MODELS`, i.e. data/models/).
+    """
     if prefer_trained:
         try:
             from kdlib import zoo
 
-            if zoo.available():
-                model = zoo.load_target(device=device)
-                return Bundle(model, zoo.load_drafter(model), zoo.load_tokenizer(), "kdtree-tiny",
-                              {"weights": "trained (kdlib.zoo, data/models/)", "drafter": "trained DFlash-style",
+            if zoo.available(folder):
+                model = zoo.load_target(device=device, folder=folder)
+                where = folder if folder is not None else "data/models/"
+                return Bundle(model, zoo.load_drafter(model, folder=folder), zoo.load_tokenizer(folder), "kdtree-tiny",
+                              {"weights": f"trained (kdlib.zoo, {where})", "drafter": "trained DFlash-style",
                                "tokenizer": "trained byte-level BPE"})
         except ImportError:
             pass
@@ -645,6 +650,9 @@ class EmbeddedServer:
     """uvicorn serving `create_app(engine)` in a background thread on host:port (port 0 = a free one).
 
     with EmbeddedServer() as srv: ... srv.url ...      # the engine is closed on exit when it made it
+
+    Client and server share this process's GIL here, so a client timing a stream sees chunk
+    arrival late by up to a switch interval per hand-over; for measurements use `ServerProcess`.
     """
 
     def __init__(self, engine: Engine | None = None, host: str = "127.0.0.1", port: int = 0, **engine_kw):
@@ -690,6 +698,66 @@ class EmbeddedServer:
         self.stop()
 
 
+class ServerProcess:
+    """`kdlib serve` in a child process on 127.0.0.1 and a free port: a separate interpreter, as a
+    real endpoint is, so the client's timings do not share a GIL with the engine.
+
+    with ServerProcess(["--random"]) as srv: ... srv.url ...
+    """
+
+    def __init__(self, args: list[str] | None = None, host: str = "127.0.0.1", startup_s: float = 180.0):
+        self.args, self.host, self.startup_s = list(args or []), host, startup_s
+        self.port = None
+        self._proc = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> ServerProcess:
+        import subprocess
+        import sys
+
+        import httpx
+
+        with socket.socket() as s:  # a free port; released just before the child binds it
+            s.bind((self.host, 0))
+            self.port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "kdlib.cli", "serve", "--host", self.host, "--port", str(self.port), *self.args]
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + self.startup_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                err = self._proc.stderr.read()[-2000:]
+                raise RuntimeError(f"kdlib serve exited with {self._proc.returncode}: {err}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"kdlib serve did not answer /health on {self.url} within {self.startup_s:.0f} s")
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=30)
+            except Exception:  # noqa: BLE001 - it would not stop: kill our own child
+                self._proc.kill()
+                self._proc.wait(timeout=30)
+        if self._proc is not None and self._proc.stderr:
+            self._proc.stderr.close()
+        self._proc = None
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 def cli(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="kdlib serve", description=__doc__.splitlines()[0])
     ap.add_argument("--port", type=int, default=8000)
@@ -700,10 +768,17 @@ def cli(argv: list[str]) -> int:
     ap.add_argument("--random", action="store_true", help="serve the random fallback even when trained models exist")
     ap.add_argument("--config", default=FALLBACK_CONFIG, help="fallback model config under data/configs/")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: 1 on CPU)")
+    ap.add_argument("--models", default=None, help="folder of the trained models (default data/models/)")
     args = ap.parse_args(argv)
+    import sys
+
     import uvicorn
 
-    bundle = load_bundle(args.device, prefer_trained=not args.random, config=args.config)
+    # The event loop must get the GIL between engine steps to send each step's chunk promptly; at the
+    # default 5 ms switch interval a stream of 2-3 ms steps reaches the client in late bursts.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+
+    bundle = load_bundle(args.device, prefer_trained=not args.random, config=args.config, folder=args.models)
     engine = Engine(bundle, budget=args.budget, max_tokens_limit=args.max_tokens_limit, threads=args.threads)
     print(f"kdlib serve: {engine.name} ({bundle.info['weights']}) on http://{args.host}:{args.port}", flush=True)
     uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level="info")

@@ -209,3 +209,14 @@ def test_cli_help_runs():
     with pytest.raises(SystemExit) as e:
         serve.cli(["--help"])
     assert e.value.code == 0
+
+
+def test_server_process_serves_and_stops():
+    with serve.ServerProcess(["--random"]) as srv:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 6, "temperature": 0},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
+        url, proc = srv.url, srv._proc
+    assert proc.poll() is not None  # the child is gone
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(url + "/health", timeout=2)
