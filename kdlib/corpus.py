@@ -34,6 +34,7 @@ import os
 import sys
 import sysconfig
 import tempfile
+import warnings
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -91,7 +92,10 @@ def _code_docs(root: Path) -> list[Doc]:
 def _docstrings(text: str) -> list[str]:
     """Long docstrings of a module and its classes and functions, dedented, in source order."""
     try:
-        tree = ast.parse(text)
+        with warnings.catch_warnings():  # some stdlib sources hold invalid escape sequences in plain strings
+            warnings.simplefilter("ignore", SyntaxWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            tree = ast.parse(text)
     except SyntaxError:
         return []
     nodes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]

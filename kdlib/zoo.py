@@ -40,9 +40,9 @@ def available(folder: str | Path | None = None) -> bool:
     return all((root / f).is_file() for f in FILES)
 
 
-def _require(folder) -> Path:
+def _require(folder, *names: str) -> Path:
     root = Path(folder) if folder is not None else MODELS
-    missing = [f for f in FILES if not (root / f).is_file()]
+    missing = [f for f in names if not (root / f).is_file()]
     if missing:
         raise FileNotFoundError(
             f"{root}: trained models missing ({', '.join(missing)}); run `python tools/train_tiny.py` to train them"
@@ -78,7 +78,7 @@ class Tokenizer:
 def load_tokenizer(folder: str | Path | None = None) -> Tokenizer:
     from tokenizers import Tokenizer as _Tok
 
-    return Tokenizer(_Tok.from_file(str(_require(folder) / "tokenizer.json")))
+    return Tokenizer(_Tok.from_file(str(_require(folder, "tokenizer.json") / "tokenizer.json")))
 
 
 def _state_dict(path, dtype, device) -> dict:
@@ -98,7 +98,7 @@ def load_target(device: str = "cpu", dtype=None, folder: str | Path | None = Non
     from kdlib.engine.config import ModelConfig
     from kdlib.engine.model import Model
 
-    root = _require(folder)
+    root = _require(folder, "target.config.json", "target.kdtr")
     dtype = dtype or torch.float32
     cfg = ModelConfig.from_json(root / "target.config.json")
     model = Model(cfg)
@@ -110,7 +110,7 @@ def load_drafter(target, device: str | None = None, folder: str | Path | None = 
     """The trained DFlash-style drafter bound to `target` (its embedding and LM head)."""
     from kdlib.training import BlockDrafter, DraftConfig, DraftNet
 
-    root = _require(folder)
+    root = _require(folder, "drafter.config.json", "drafter.kdtr")
     cfg = DraftConfig.from_dict(json.loads((root / "drafter.config.json").read_text()))
     net = DraftNet(cfg, target.cfg)
     net.load_weights(_state_dict(root / "drafter.kdtr", target.dtype, "cpu"))
@@ -122,9 +122,9 @@ def held_out(kind: str, folder: str | Path | None = None) -> list[str]:
     """The held-out documents of one text kind (KINDS), as measured in the training record."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    return list(json.loads((_require(folder) / "held_out.json").read_text())[kind])
+    return list(json.loads((_require(folder, "held_out.json") / "held_out.json").read_text())[kind])
 
 
 def training_record(folder: str | Path | None = None) -> dict:
     """The training record (command, commit, device, loss curves, held-out perplexity per kind)."""
-    return json.loads((_require(folder) / "training_record.json").read_text())
+    return json.loads((_require(folder, "training_record.json") / "training_record.json").read_text())

@@ -9,6 +9,17 @@ result accept.<gpu>.json (`kdlib.perf.write`; move it to data/results/). The cor
 built with `kdlib.corpus` when it has no manifest (python -m kdlib.corpus --out DIR builds it
 alone; build it where you want its Python's stdlib: the corpus differs between versions).
 
+The device run that trained the committed models (its log is data/models/train.h200.log):
+
+    python3 tools/train_tiny.py --device cuda --corpus .carry/corpus --out $OUT --time-budget-s 210
+
+Its training_record.json did not come back (the run's folder held one file more than a device call
+returns), so the committed record was rebuilt from the log, with the held-out figures recomputed
+on the CPU from the stored weights:
+
+    python tools/train_tiny.py --record-from-log data/models/train.h200.log \
+        --accept-json data/results/accept.h200.json --out data/models --corpus .carry/corpus
+
 --time-budget-s is the training time: TARGET_SHARE of it for the target, the rest for the
 drafter; tokenising, evaluation and the acceptance run come on top (about a minute on a GPU).
 """
@@ -67,8 +78,17 @@ def main(argv=None) -> int:
     ap.add_argument("--time-budget-s", type=float, default=240.0, help="training seconds, target + drafter")
     ap.add_argument("--smoke", action="store_true", help="micro sizes and 3 steps each: checks the pipeline")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--record-from-log", metavar="LOG", help="no training: rebuild training_record.json in --out "
+                    "from a run's log and its accept JSON (--accept-json), re-evaluating held-out figures on the CPU")
+    ap.add_argument("--accept-json", help="the run's accept.<gpu>.json (its provenance) for --record-from-log")
     args = ap.parse_args(argv)
     import torch
+
+    if args.record_from_log:
+        rec = record_from_log(Path(args.record_from_log), Path(args.out), Path(args.corpus), Path(args.accept_json))
+        _write_json(Path(args.out) / "training_record.json", rec)
+        print(json.dumps({k: rec[k]["held_out"] for k in ("target", "drafter")}, indent=1))
+        return 0
 
     t_start = time.perf_counter()
     out = Path(args.out)
@@ -185,13 +205,98 @@ def main(argv=None) -> int:
     _write_json(out / "training_record.json", record)
     log("models and training record written")
 
-    # acceptance on held-out text
+    # acceptance on held-out text, in full float32 (TF32 matmuls would flip near-tied argmaxes between
+    # the AR and the tree-verify paths)
+    torch.backends.cuda.matmul.allow_tf32 = False
     n, new, budgets = (1, 24, (8,)) if args.smoke else (accept.FULL_PROMPTS, accept.NEW_TOKENS, accept.BUDGETS)
     payload = accept.measure(args.device, n, new, budgets, prompt_tokens=32 if args.smoke else accept.PROMPT_TOKENS,
                              folder=out, log=log, time_limit_s=ACCEPT_TIME_S)
     path = perf.write("accept", payload, out_dir=out, command=prov["command"])
     log(f"wrote {path}; total {time.perf_counter() - t_start:.1f}s")
     return 0
+
+
+def parse_log(text: str) -> dict:
+    """Loss curves and evaluations of both phases from a train_tiny log: {"target": curve, "drafter": curve}."""
+    import ast
+    import re
+
+    step_re = re.compile(r"step\s+(\d+)\s+loss ([\d.]+)\s+lr ([\d.e+-]+)\s+([\d.]+)s")
+    out, phase = {}, None
+    for line in text.splitlines():
+        body = line.split("] ", 1)[-1]
+        if body.startswith("target: "):
+            phase = "target"
+        elif body.startswith("drafter: "):
+            phase = "drafter"
+        if phase is None:
+            continue
+        c = out.setdefault(phase, {"step": [], "loss": [], "lr": [], "elapsed_s": [], "eval": []})
+        m = step_re.match(body)
+        if m:
+            for key, v in zip(("step", "loss", "lr", "elapsed_s"), m.groups(), strict=True):
+                c[key].append(int(v) if key == "step" else float(v))
+        elif body.strip().startswith("eval {"):
+            c["eval"].append(ast.literal_eval(body.strip()[5:]))
+        elif body.startswith("kept the state of step"):
+            c["kept_step"] = int(body.split()[5])
+    for c in out.values():
+        c["steps"] = c["eval"][-1]["step"] if c["eval"] else (c["step"][-1] if c["step"] else 0)
+    return out
+
+
+def record_from_log(log_path: Path, out: Path, corpus_dir: Path, provenance_from: Path) -> dict:
+    """Rebuild training_record.json for models already in `out` from the run's log (curves) and a CPU
+    re-evaluation of the held-out figures (float32, from the stored float16 weights); every such field
+    is marked. The provenance (command, commit, device, date) is read from the run's accept JSON."""
+    import torch
+
+    docs = corpus.read(corpus_dir)
+    manifest = json.loads((corpus_dir / "manifest.json").read_text())
+    prov = json.loads(provenance_from.read_text())["provenance"]
+    tok = zoo.load_tokenizer(out)
+    held = [d for d in docs if d.split == "held_out"]
+    streams = T.token_streams(tok._tok, held)
+    target = zoo.load_target(folder=out)
+    drafter = zoo.load_drafter(target, folder=out)
+    run = FULL
+    with torch.no_grad():
+        target_eval = {k: T.evaluate_target(target, streams[(k, "held_out")], run["seq"], run["batch"] // 4)
+                       for k in corpus.KINDS}
+        drafter_eval = {k: T.evaluate_drafter(drafter.net, target, streams[(k, "held_out")], run["seq"],
+                                              run["batch"] // 4, 128) for k in corpus.KINDS}
+    curves = parse_log(log_path.read_text())
+    files = ("tokenizer.json", "target.config.json", "target.kdtr", "drafter.config.json", "drafter.kdtr",
+             "held_out.json")
+    return {
+        "command": prov["command"], "commit": prov["commit"], "date": prov["date"], "device": prov["gpu"],
+        "torch": prov["torch"], "python": prov["python"], "smoke": False,
+        "reconstructed": (
+            f"the run's own training_record.json did not come back from the device; this record was rebuilt "
+            f"from its log ({log_path.name}: curves and evaluations as printed) and a re-evaluation on the CPU "
+            f"(float32, torch {torch.__version__}) of the held-out figures from the stored float16 weights; "
+            f"'log_held_out_ppl' is what the run itself printed"),
+        "corpus": {"python": manifest["python"], "files": manifest["files"]},
+        "tokenizer": {"vocab_size": tok.vocab_size, "kind": "byte-level BPE",
+                      "held_out_tokens": {k: int(len(streams[(k, "held_out")])) for k in corpus.KINDS}},
+        "target": {"parameters": sum(p.numel() for p in target.parameters()), "curve": curves.get("target"),
+                   "held_out": target_eval, "log_held_out_ppl": _logged(log_path, "target held-out perplexity: ")},
+        "drafter": {"parameters": sum(p.numel() for p in drafter.net.parameters()), "curve": curves.get("drafter"),
+                    "held_out": drafter_eval,
+                    "log_held_out_slot1_acc": _logged(log_path, "drafter held-out slot-1 accuracy: ")},
+        "validation": {"fraction_of_train": VAL_FRACTION},
+        "models_sha256": {f: hashlib.sha256((out / f).read_bytes()).hexdigest() for f in files},
+    }
+
+
+def _logged(log_path: Path, prefix: str):
+    import ast
+
+    for line in log_path.read_text().splitlines():
+        body = line.split("] ", 1)[-1]
+        if body.startswith(prefix):
+            return ast.literal_eval(body[len(prefix):])
+    return None
 
 
 def _spec(spec) -> dict:

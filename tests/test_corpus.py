@@ -1,0 +1,82 @@
+"""kdlib.corpus: deterministic extraction, held-out splits by kind with no overlap, bad input."""
+
+import json
+from functools import cache
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kdlib import corpus
+
+
+@cache
+def _docs():
+    return tuple(corpus.extract())
+
+
+def test_extraction_is_deterministic(tmp_path):
+    a = corpus.write(list(_docs()), tmp_path / "a")
+    b = corpus.write(corpus.extract(), tmp_path / "b")
+    assert a == b
+    for name in a["files"]:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+def test_every_kind_has_both_splits_and_no_overlap():
+    docs = _docs()
+    for kind in corpus.KINDS:
+        train = [d for d in docs if d.kind == kind and d.split == "train"]
+        held = [d for d in docs if d.kind == kind and d.split == "held_out"]
+        assert train and held, kind
+        assert not {d.id for d in train} & {d.id for d in held}, kind
+        assert not {d.text for d in train} & {d.text for d in held}, kind
+    ids = [(d.kind, d.id) for d in docs]
+    assert len(ids) == len(set(ids))
+
+
+def test_held_out_is_never_in_training_under_another_kind():
+    """Held-out topic text must not reach training as prose, nor held-out code as docstring prose."""
+    docs = _docs()
+    held_code = {d.id for d in docs if d.kind == "code" and d.split == "held_out"}
+    prose_from_code = [d for d in docs if d.kind == "prose" and d.id.startswith("docstrings/")]
+    assert prose_from_code and all(d.split == "train" for d in prose_from_code)
+    assert not {d.id.removeprefix("docstrings/") for d in prose_from_code} & held_code
+    train_texts = "\x00".join(d.text for d in docs if d.split == "train")
+    for d in docs:
+        if d.kind == "prose" and d.split == "held_out":
+            assert d.text not in train_texts, d.id
+
+
+def test_kinds_hold_what_they_say():
+    docs = _docs()
+    assert all(d.id.endswith(".py") for d in docs if d.kind == "code")
+    assert any(d.id == "calendar/2000" for d in docs if d.kind == "templated")
+    assert all(d.text.strip() for d in docs)
+
+
+def test_split_follows_the_documented_rule():
+    import zlib
+
+    for d in _docs()[::50]:
+        expect = zlib.crc32(f"{d.kind}:{d.id}".encode()) % 1000 < corpus.HELD_OUT_PER_MILLE[d.kind]
+        assert (d.split == "held_out") == expect or d.id.startswith("docstrings/")
+
+
+@given(st.sampled_from(corpus.KINDS), st.text(min_size=1, max_size=40))
+def test_split_of_is_a_function_of_kind_and_id(kind, doc_id):
+    assert corpus.split_of(kind, doc_id) == corpus.split_of(kind, doc_id) in corpus.SPLITS
+
+
+def test_read_round_trips(tmp_path):
+    docs = list(_docs())
+    corpus.write(docs, tmp_path)
+    assert corpus.read(tmp_path) == sorted(docs, key=lambda d: (corpus.KINDS.index(d.kind), corpus.SPLITS.index(d.split)))
+    assert json.loads((tmp_path / "manifest.json").read_text())["files"]["code.train.jsonl"]["docs"] > 0
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="kind"):
+        corpus.split_of("poetry", "x")
+    with pytest.raises(ValueError, match="manifest"):
+        corpus.read("/nonexistent/corpus")
