@@ -67,6 +67,11 @@ __device__ __forceinline__ void build4(
     long long* __restrict__ parents, unsigned char* __restrict__ visibility, long long* __restrict__ next_token,
     long long* __restrict__ next_sibling, long long* __restrict__ positions, double* __restrict__ scores)
 {
+    // Limits the layout relies on (kdlib.cuda.tree checks them before the launch; a direct launch
+    // outside them writes nothing rather than out of bounds).
+    if (budget < 0 || budget > TB4_THREADS || (budget + 1) / 2 > 32 * R || L_eff < 0 || L_eff > 16 || K < 0 ||
+        K > 256 || K > Kp || L_eff > L)
+        return;
     const int b = blockIdx.x;
     const int tid = threadIdx.x;
     const int lane = tid & 31;
@@ -254,6 +259,10 @@ __device__ __forceinline__ void build4(
     }
     __syncthreads();
     const int n = n_src[0];
+    // Thread i < budget (<= 256 = TB4_THREADS) owns node i + 1's token: its global load is
+    // issued now and used last, so the L2 round trip overlaps the list building below.
+    const int tsrc = (tid < n) ? n_src[tid + 1] : 0;
+    const long long tok = (tid < n) ? ids_b[tsrc] : -1ll;
 
     // LCRS from child bitmasks; ancestor bitmasks by walking each node's parent chain.
     for (int c = 1 + tid; c <= n; c += TB4_THREADS) atomicOr(&cmask[n_parent[c] * W + (c >> 5)], 1u << (c & 31));
@@ -272,13 +281,11 @@ __device__ __forceinline__ void build4(
 
     // Outputs; every element of every output is written (padding included).
     if (tid == 0) sizes[b] = n + 1;
-    for (int i = tid; i < budget; i += TB4_THREADS) {
-        const long long o = (long long)b * budget + i;
-        const bool v = i < n;
-        const int src = v ? n_src[i + 1] : 0;
-        node_token_ids[o] = v ? ids_b[src] : -1ll;
-        node_depths[o] = v ? (long long)(src / Kp + 1) : -1ll;
-        scores[o] = v ? n_score[i + 1] : __longlong_as_double(0x7ff8000000000000ll);  // NaN padding
+    if (tid < budget) {
+        const long long o = (long long)b * budget + tid;
+        const bool v = tid < n;
+        node_depths[o] = v ? (long long)(tsrc / Kp + 1) : -1ll;
+        scores[o] = v ? n_score[tid + 1] : __longlong_as_double(0x7ff8000000000000ll);  // NaN padding
     }
     for (int i = tid; i < S; i += TB4_THREADS) {
         const long long o = (long long)b * S + i;
@@ -332,6 +339,7 @@ __device__ __forceinline__ void build4(
         }
         vis_w[w] = word;
     }
+    if (tid < budget) node_token_ids[(long long)b * budget + tid] = tok;
 }
 
 #define TB4_ARGS                                                                                   \

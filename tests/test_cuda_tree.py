@@ -790,9 +790,10 @@ def v4_host(tmp_path_factory):
     return ctypes.CDLL(str(d / "emu.so"))
 
 
-def host_build_v4(lib, ids, lp, budget, vis_offset=0):
-    """Run tree_build_v4 on the host emulation; outputs poisoned, visibility at a byte offset
-    `vis_offset` inside a poisoned buffer whose margins must stay untouched."""
+def host_build_v4(lib, ids, lp, budget, vis_offset=0, kernel=None):
+    """Run tree_build_v4 (`kernel`, default the wrapper's pick) on the host emulation; outputs
+    poisoned, visibility at a byte offset `vis_offset` inside a poisoned buffer whose margins must
+    stay untouched."""
     import ctypes
 
     from kdlib.cuda import tree
@@ -813,7 +814,7 @@ def host_build_v4(lib, ids, lp, budget, vis_offset=0):
     ids, lp = np.ascontiguousarray(ids), np.ascontiguousarray(lp)
     ptr = ctypes.c_void_p
     rc = lib.emu_launch(
-        tree.kernel_name(budget, 4)[1].encode(), bsz, tree.V4_THREADS, tree.shared_bytes(budget, l_eff, k, 4),
+        (kernel or tree.kernel_name(budget, 4)[1]).encode(), bsz, tree.V4_THREADS, tree.shared_bytes(budget, l_eff, k, 4),
         ptr(ids.ctypes.data), ptr(lp.ctypes.data), depth, kp, k, l_eff, budget,
         *(ptr(out[n].ctypes.data) for n in ("sizes", "node_token_ids", "node_depths", "parents")), ptr(vis.ctypes.data),
         *(ptr(out[n].ctypes.data) for n in ("next_token", "next_sibling", "positions", "scores")))
@@ -841,3 +842,12 @@ def test_v4_host_bit_exact(v4_host):
         assert_trees_equal(got, want, f"host v4 case {case} budget={budget} shape={ids.shape}")
         requests += ids.shape[0]
     assert requests >= 1000
+
+
+def test_v4_host_launch_outside_limits_writes_nothing(v4_host):
+    """A direct launch past a kernel's rows (budget 65 on r1: 33 live candidates > 32 lanes) returns
+    before touching memory; the wrapper never does this (kernel_name picks r2)."""
+    ids, lp = frontier_filling_topk(np.random.default_rng(3), 2, 65, 68)
+    got = host_build_v4(v4_host, ids, lp, 65, kernel="tree_build_v4_r1")
+    assert (got.sizes == POISON_INT).all() and (got.node_token_ids == POISON_INT).all()
+    assert (got.visibility.view(np.uint8) == 0x5A).all() and np.isinf(got.scores).all()
