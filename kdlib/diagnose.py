@@ -281,14 +281,14 @@ class EngineClient:
 
 
 # ----------------------------------------------------------------------------- prompts
-def source_text(kind: str | None = None) -> str:
-    """Text to cut prompts from: held-out documents of `kind` (kdlib.zoo) when the trained models
-    are present, else Python's own documentation topics (`pydoc_data.topics`, in every install)."""
+def source_text(kind: str | None = None, folder=None) -> str:
+    """Text to cut prompts from: held-out documents of `kind` (kdlib.zoo, models in `folder`) when
+    the trained models are present, else Python's own documentation topics (`pydoc_data.topics`)."""
     if kind is not None:
         from kdlib import zoo
 
-        if zoo.available():
-            return "\n\n".join(zoo.held_out(kind))
+        if zoo.available(folder):
+            return "\n\n".join(zoo.held_out(kind, folder))
     from pydoc_data.topics import topics
 
     return "\n\n".join(topics[k] for k in sorted(topics))
@@ -489,22 +489,23 @@ def diagnose(client, *, sweep: bool = True, sustained_tokens: int = SUSTAINED_TO
     return out
 
 
-def kinds_available() -> tuple[str, ...]:
+def kinds_available(folder=None) -> tuple[str, ...]:
     """Text kinds to measure: kdlib.zoo's held-out kinds with the trained models, else ("pydoc",)."""
     from kdlib import zoo
 
-    return zoo.KINDS if zoo.available() else ("pydoc",)
+    return zoo.KINDS if zoo.available(folder) else ("pydoc",)
 
 
-def kind_text(kind: str) -> str:
+def kind_text(kind: str, folder=None) -> str:
     """The text of one kind: held-out documents (kdlib.zoo) or, for "pydoc", `source_text()`."""
-    return source_text() if kind == "pydoc" else source_text(kind)
+    return source_text() if kind == "pydoc" else source_text(kind, folder)
 
 
 def study(client, *, kinds=None, prompt_tokens: int = 256, sustained_tokens: int = 300, short: int = SHORT,
           long: int = LONG, repeats: int = 1, sweep_max: int | None = None, sweep_kind: str | None = None,
-          progress: bool = False) -> dict:
-    """What notebook 04 and the `diagnosis` suite measure, on one client.
+          progress: bool = False, models=None) -> dict:
+    """What notebook 04 and the `diagnosis` suite measure, on one client (`models`: the trained
+    models' folder, for the held-out text; default data/models/).
 
     sweep     two-point at prompt lengths 64, 128, ... up to min(sweep_max, the context) on
               `sweep_kind` text (default the first kind), each with its decomposition;
@@ -512,7 +513,8 @@ def study(client, *, kinds=None, prompt_tokens: int = 256, sustained_tokens: int
               sustained streamed run of `sustained_tokens` (TTFT, decode tok/s, per-step accepted
               lengths and step ms, decomposition).
     """
-    kinds = tuple(kinds) if kinds is not None else kinds_available()
+    trained = "trained" in str((client.info.get("kdlib") or {}).get("weights", "trained"))
+    kinds = tuple(kinds) if kinds is not None else (kinds_available(models) if trained else ("pydoc",))
     limit = client.max_context
     room = limit - max(long, sustained_tokens) - 8
     if room < 16:
@@ -523,11 +525,11 @@ def study(client, *, kinds=None, prompt_tokens: int = 256, sustained_tokens: int
     while n + long + 8 <= limit and (sweep_max is None or n <= sweep_max):
         lengths.append(n)
         n *= 2
-    sweep = context_sweep(client, lengths=lengths, text=kind_text(sweep_kind or kinds[0]), repeats=repeats, long=long,
+    sweep = context_sweep(client, lengths=lengths, text=kind_text(sweep_kind or kinds[0], models), repeats=repeats, long=long,
                           progress=progress) if lengths else []
     rows = {}
     for kind in kinds:
-        prompt, actual = make_prompt(client, prompt_tokens, kind_text(kind))
+        prompt, actual = make_prompt(client, prompt_tokens, kind_text(kind, models))
         tp = two_point(client, prompt, short=short, long=long, repeats=repeats)
         su = sustained(client, prompt, sustained_tokens, progress=progress)
         rows[kind] = {"prompt_tokens": actual, "two_point": tp, "sustained": su}
