@@ -357,19 +357,23 @@ class Engine:
                 return
             try:
                 job.result = self._generate(job)
-                self.m_req.labels("ok").inc()
+                self._count("ok")
                 if job.listener:
                     job.listener(("done", job.result, time.perf_counter()))
             except Exception as e:  # noqa: BLE001 - reported to the client; the worker keeps serving
                 job.error = e if isinstance(e, RequestError) else RequestError(
                     f"generation failed: {type(e).__name__}: {e}", status=500, type="server_error")
-                self.m_req.labels("error").inc()
+                self._count("error")
                 if job.listener:
                     job.listener(("error", job.error, time.perf_counter()))
             finally:
                 with self._lock:
                     self._pending -= 1
                 job.done.set()
+
+    def _count(self, status: str) -> None:
+        if self.registry is not None:
+            self.m_req.labels(status).inc()
 
     def _generate(self, job: Job, observe: bool = True) -> dict:
         import torch

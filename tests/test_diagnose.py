@@ -171,3 +171,16 @@ def test_diagnosis_suite_core_on_cpu():
     d = row["sustained"]["decomposition"]
     assert d["available"] and d["metric_set"] == "engine" and d["ratio"] > 0
     assert row["two_point"]["completion_long"] == 40
+
+
+def test_suite_core_needs_no_server_packages(monkeypatch):
+    # The GPU machine has no FastAPI, uvicorn, prometheus_client or httpx: the in-process path must not need them.
+    import sys
+
+    from kdlib.perf.suites import diagnosis
+
+    for m in ("fastapi", "uvicorn", "prometheus_client", "httpx"):
+        monkeypatch.setitem(sys.modules, m, None)
+    r = diagnosis.measure("cpu", prompt_tokens=24, sustained_tokens=24, repeats=1, sweep_max=0, long=24,
+                          prefer_trained=False)
+    assert r["sweep"] == [] and r["by_kind"]["pydoc"]["sustained"]["decomposition"]["available"]

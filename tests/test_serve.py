@@ -220,3 +220,14 @@ def test_server_process_serves_and_stops():
     assert proc.poll() is not None  # the child is gone
     with pytest.raises(httpx.HTTPError):
         httpx.get(url + "/health", timeout=2)
+
+
+def test_worker_survives_a_failing_generation():
+    eng = serve.Engine(serve.load_bundle(prefer_trained=False))
+    try:
+        with pytest.raises(serve.RequestError) as e:
+            eng.run([1, 2, 10_000], 4)  # past the vocabulary: the engine raises, the worker reports it
+        assert e.value.status == 500 and "generation failed" in str(e.value)
+        assert len(eng.run([1, 2, 3], 4)["tokens"]) == 4  # and keeps serving
+    finally:
+        eng.close()
