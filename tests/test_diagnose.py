@@ -184,3 +184,13 @@ def test_suite_core_needs_no_server_packages(monkeypatch):
     r = diagnosis.measure("cpu", prompt_tokens=24, sustained_tokens=24, repeats=1, sweep_max=0, long=24,
                           prefer_trained=False)
     assert r["sweep"] == [] and r["by_kind"]["pydoc"]["sustained"]["decomposition"]["available"]
+
+
+@pytest.mark.gpu
+def test_diagnosis_suite_core_on_gpu():
+    from kdlib.perf.suites import diagnosis
+
+    r = diagnosis.measure("cuda", prompt_tokens=32, sustained_tokens=48, repeats=1, sweep_max=64, long=40)
+    assert r["model_info"]["kdlib"]["device"].startswith("cuda")
+    for row in r["by_kind"].values():
+        assert row["sustained"]["completion_tokens"] == 48 and row["sustained"]["decomposition"]["available"]
