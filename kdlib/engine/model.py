@@ -158,6 +158,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, idx = self.gate(x)
         out = torch.zeros_like(x)
+        # one loop iteration per expert in use; reading that list is one host sync per MoE layer (an
+        # MVP choice: no grouped-GEMM kernel here)
         for e in torch.unique(idx).tolist():
             rows, slot = torch.where(idx == e)
             out.index_add_(0, rows, self.experts[e](x[rows]) * w[rows, slot, None].to(x.dtype))
@@ -381,6 +383,8 @@ class Model(nn.Module):
     def forward_plain(self, token_ids, capture: tuple[int, ...] = ()):
         """Full causal forward from position 0 in the plain MLA form.
 
+        The scores are materialised ([heads, T, T] per layer): fine for the prompts of this workbook,
+        no chunked prefill.
         Returns (h [T, H] last residual stream, latents [T, L, kv_lora + rope], captured [T, F] or None).
         """
         ids = self.check_tokens(token_ids)
