@@ -17,8 +17,15 @@
 // Only the best (budget - pops done) candidates can still be popped (each pop removes one of
 // them at most), so the list is cut there; it then never holds more than floor((budget + 1) / 2)
 // candidates: 32 positions (one row) up to budget 64, 64 up to 128, 128 up to 256.
+// tests/test_cuda_tree.py checks this loop as a Python model (v4_model) and runs this very source
+// on the host (g++, lock-step warp emulation) against the reference, besides the GPU tests.
 // After the pops, all warps build the LCRS lists and ancestor masks and write the outputs
 // (visibility as 4-byte words where the buffer's alignment allows).
+//
+// Budgets above 64: R = 2 or 4 rows (positions 32 r + lane). Each pop then does R ballot pairs and,
+// per row, 3 shuffles per word (the source of position t may sit in row r - 1, r or r + 1), so a
+// pop's instruction count grows with R and a build costs about budget pops of that size. The limit
+// is budget 256: 8-bit ranks in the rank key and meta word, and one thread per node token at the end.
 //
 // Kernels tree_build_v4_r{1,2,4}: budget <= 64, 128, 256 (R rows of the frontier).
 // Dynamic shared memory (bytes), S = budget + 1, W = ceil(S / 32):
