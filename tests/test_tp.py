@@ -137,7 +137,7 @@ class _TwoRanks:
     """A stand-in for Comm whose all_gather returns rank 0's tensor and a second rank's (flipped bytes
     for the names in `differs`): assert_replicated's comparison without a process group."""
 
-    world = 2
+    world, device = 2, torch.device("cpu")
 
     def __init__(self, differs):
         self.differs, self.current = differs, None

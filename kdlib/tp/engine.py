@@ -176,6 +176,9 @@ class Comm:
 
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        # where collective buffers must live: NCCL moves CUDA tensors only
+        nccl = dist.get_backend(group) == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.timed = timed
         self.reset()
 
@@ -442,7 +445,7 @@ def vocab_parallel_topk(local: torch.Tensor, v0: int, k: int, comm: Comm) -> tup
 def assert_replicated(comm: Comm, **tensors) -> None:
     """RuntimeError naming the first tensor whose bits differ between rank 0 and another rank."""
     for name, t in tensors.items():
-        t = torch.as_tensor(t)
+        t = torch.as_tensor(t).to(comm.device)
         raw = t.contiguous().view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
         got = comm.all_gather(raw.reshape(-1))  # [W, bytes]
         bad = [r for r in range(comm.world) if not torch.equal(got[r], got[0])]

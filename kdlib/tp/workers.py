@@ -193,7 +193,9 @@ def bench_worker(rank: int, world: int, device, spec: dict, out_path: str) -> No
     prompt = np.random.default_rng(spec["seed"]).integers(0, cfg.vocab_size, spec["context"]).tolist()
     single_ar = engine_generate(full, prompt, spec["max_new"]).tokens
     probe = prompt[:64]
-    logit_diff = float((tp.logits(probe) - full.logits(probe)).abs().max())
+    ref_logits = full.logits(probe)
+    logit_diff = float((tp.logits(probe) - ref_logits).abs().max())
+    logit_scale = float(ref_logits.abs().max())
 
     def kw(method):
         if method == "ar":
@@ -201,7 +203,7 @@ def bench_worker(rank: int, world: int, device, spec: dict, out_path: str) -> No
         return {"method": "ddtree", "budget": spec["budget"],
                 "drafter": NoisyOracleDrafter(cfg.vocab_size, spec["p_wrong"], block_size=spec["block"], seed=1)}
 
-    rows = []
+    rows, tp_ar = [], None
     for method in ("ar", "ddtree"):
         generate(tp, prompt, 8, **kw(method))  # warm-up
         comm.timed = False
@@ -211,6 +213,7 @@ def bench_worker(rank: int, world: int, device, spec: dict, out_path: str) -> No
         comm.timed = False
         st, stt = r.step_ms(), rt.step_ms()
         stats = comm.stats()
+        tp_ar = r.tokens if method == "ar" else tp_ar
         rows.append({
             "world": world, "engine": "tp", "method": method, "moe_mode": spec["moe_mode"], "steps": r.steps,
             "step_ms": float(np.median(st)), "step_ms_p10": float(np.quantile(st, 0.1)),
@@ -226,6 +229,7 @@ def bench_worker(rank: int, world: int, device, spec: dict, out_path: str) -> No
             "allreduce_share": stats["all_reduce"]["ms"] / float(stt.sum()),
             "allgather_share": stats["all_gather"]["ms"] / float(stt.sum()),
             "matches_single_ar": r.tokens == single_ar,
+            "matches_tp_ar": r.tokens == tp_ar,  # DDTree == AR on the same (TP) numerics
         })
         if world == 1:  # the single-device engine itself, same prompt and drafter
             engine_generate(full, prompt, 8, **kw(method))
@@ -246,7 +250,8 @@ def bench_worker(rank: int, world: int, device, spec: dict, out_path: str) -> No
                           "p10_us": t.p10_ms * 1e3, "p90_us": t.p90_ms * 1e3,
                           "bus_bandwidth_Bps": 2 * (world - 1) / world * nbytes / (t.median_ms / 1e3)})
     if rank == 0:
-        doc = {"runs": rows, "allreduce": sweep, "logits_max_abs_diff_vs_single": logit_diff}
+        doc = {"runs": rows, "allreduce": sweep, "logits_max_abs_diff_vs_single": logit_diff,
+               "logits_max_abs_single": logit_scale}
         tmp = f"{out_path}.tmp"
         Path(tmp).write_text(json.dumps(doc))
         os.replace(tmp, out_path)
@@ -272,7 +277,7 @@ def bench(world_sizes, spec: dict, backend: str = "nccl", timeout_s: float = 300
 
     from kdlib.tp.engine import spawn
 
-    runs, sweep, diffs = [], [], {}
+    runs, sweep, diffs, scale = [], [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for w in world_sizes:
             path = os.path.join(tmp, f"w{w}.json")
@@ -282,11 +287,12 @@ def bench(world_sizes, spec: dict, backend: str = "nccl", timeout_s: float = 300
             runs += doc["runs"]
             sweep += doc["allreduce"]
             diffs[str(w)] = doc["logits_max_abs_diff_vs_single"]
+            scale[str(w)] = doc["logits_max_abs_single"]
             print(f"[tp] world {w}: {time.perf_counter() - t0:.0f} s; "
                   + "; ".join(f"{r['engine']} {r['method']} {r['step_ms']:.2f} ms/step" for r in doc["runs"]), flush=True)
     return {"parameters": {**spec, "world_sizes": list(world_sizes), "backend": backend},
             "runs": runs, "allreduce": sweep, "allreduce_fit": fit_allreduce(sweep) if sweep else {},
-            "logits_max_abs_diff_vs_single": diffs}
+            "logits_max_abs_diff_vs_single": diffs, "logits_max_abs_single": scale}
 
 
 def run_check(world: int, spec: dict, backend: str = "gloo", timeout_s: float = 120) -> list[str]:

@@ -9,7 +9,10 @@ Sections of the payload:
   runs            per world size (1 = TPModel with no collectives, plus the single-GPU engine):
                   AR and DDTree (noisy oracle) step time on the engine suite's BENCH_CONFIG in
                   bfloat16, and from a second run with synchronised collectives the all-reduce and
-                  all-gather ms per step and their share of the step (`allreduce_share`)
+                  all-gather ms per step and their share of the step (`allreduce_share`);
+                  `matches_tp_ar` (DDTree == AR on the TP numerics) and `matches_single_ar` (vs one
+                  GPU: in bfloat16 the all-reduce rounds each rank's partial sum, so greedy tokens
+                  may part from the single-GPU ones; `logits_max_abs_diff_vs_single` shows by how much)
   allreduce       NCCL all-reduce of [rows, 7168] bf16 (Kimi-K2 / DeepSeek-V3 hidden size) per
                   world size; `allreduce_fit`: latency and bus bandwidth of t = lat + ring_bytes / bw,
                   the estimator's all-reduce model (kdlib/estimator/model.py)
