@@ -166,15 +166,17 @@ class OpenAIClient:
             body.update({"ignore_eos": True, "min_tokens": max_tokens})
         return body
 
-    def complete(self, prompt: str, max_tokens: int, *, stream: bool = False) -> Completion:
-        """One greedy completion; raises DiagnoseError on an HTTP error."""
+    def complete(self, prompt: str, max_tokens: int, *, stream: bool = False, on_tokens=None) -> Completion:
+        """One greedy completion; raises DiagnoseError on an HTTP error. `on_tokens(n)`: called per
+        streamed chunk with the completion tokens so far (the chunk count when the server sends no
+        running usage)."""
         import httpx
 
         for attempt in range(2):
             body = self._body(prompt, max_tokens, stream)
             t0 = time.perf_counter()
             try:
-                return self._stream(body, t0) if stream else self._plain(body, t0)
+                return self._stream(body, t0, on_tokens) if stream else self._plain(body, t0)
             except httpx.HTTPError as e:
                 raise DiagnoseError(f"POST /v1/completions failed: {type(e).__name__}: {e}") from None
             except DiagnoseError as e:
@@ -203,7 +205,7 @@ class OpenAIClient:
         return Completion(d["choices"][0].get("text", ""), int(u.get("prompt_tokens", 0)), int(u["completion_tokens"]),
                           body["max_tokens"], elapsed, ddtree=d.get("ddtree"))
 
-    def _stream(self, body, t0) -> Completion:
+    def _stream(self, body, t0, on_tokens=None) -> Completion:
         text, usage, ddtree = [], None, None
         times, counts = [], []  # per content chunk: arrival time, cumulative completion tokens (or None)
         with self._http.stream("POST", "/v1/completions", json=body) as r:
@@ -231,6 +233,8 @@ class OpenAIClient:
                         text.append(piece)
                         times.append(now)
                         counts.append(d["usage"]["completion_tokens"] if d.get("usage") else None)
+                        if on_tokens:
+                            on_tokens(counts[-1] if counts[-1] is not None else len(counts))
         elapsed = time.perf_counter() - t0
         if usage is None or "completion_tokens" not in usage:
             raise DiagnoseError("the stream carried no usage (stream_options.include_usage unsupported?)")
@@ -264,12 +268,20 @@ class EngineClient:
     def prompt_tokens(self, prompt: str) -> int:
         return len(self.engine.bundle.tokenizer.encode(prompt))
 
-    def complete(self, prompt: str, max_tokens: int, *, stream: bool = False) -> Completion:
+    def complete(self, prompt: str, max_tokens: int, *, stream: bool = False, on_tokens=None) -> Completion:
         ids = self.engine.bundle.tokenizer.encode(prompt)
         events = []
+        seen = [0]
+
+        def listen(ev):  # called on the engine's worker thread
+            n = len(ev[1]) if ev[0] == "tokens" else 0
+            events.append((ev[0], n, ev[2]))
+            seen[0] += n
+            if on_tokens and n:
+                on_tokens(seen[0])
+
         t0 = time.perf_counter()
-        res = self.engine.run(ids, max_tokens, 0.0, 0, listener=lambda ev: events.append((ev[0], len(ev[1])
-                                                                                         if ev[0] == "tokens" else 0, ev[2])))
+        res = self.engine.run(ids, max_tokens, 0.0, 0, listener=listen)
         elapsed = time.perf_counter() - t0
         toks = [(n, t) for kind, n, t in events if kind == "tokens"]
         c = Completion(self.engine.bundle.tokenizer.decode(res["tokens"]), res["prompt_tokens"], len(res["tokens"]),
@@ -439,25 +451,53 @@ def context_sweep(client, *, lengths: list[int] | None = None, max_context: int 
         if limit - long - 8 > (lengths[-1] if lengths else 0):
             lengths.append(limit - long - 8)  # the model's limit itself
     text = text if text is not None else source_text()
-    from tqdm import tqdm
-
     rows = []
-    for n in tqdm(lengths, desc="context sweep", unit="point", disable=not progress):
+    for n in _progress(lengths, desc="context sweep", unit="point", disable=not progress):
         prompt, actual = make_prompt(client, n, text)
         rows.append({"target_prompt_tokens": n, **two_point(client, prompt, long=long, repeats=repeats)})
         rows[-1]["prompt_tokens"] = actual
     return rows
 
 
+class _NoBar:
+    """Stands in for tqdm where it is not installed."""
+
+    n = 0
+
+    def __init__(self, iterable=None, **kw):
+        self._it = iterable
+
+    def __iter__(self):
+        return iter(self._it)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, k=1):
+        self.n += k
+
+
+def _progress(iterable=None, **kw):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar(iterable, **kw)
+    return tqdm(iterable, **kw)
+
+
 def sustained(client, prompt: str, max_tokens: int = SUSTAINED_TOKENS, *, progress: bool = True) -> dict:
     """One long streamed generation: TTFT, decode tok/s (first to last chunk), end-to-end tok/s,
     and the decomposition over its steps."""
-    from tqdm import tqdm
-
     before = client.metrics()
-    with tqdm(total=1, desc=f"sustained {max_tokens} tokens", disable=not progress) as bar:
-        c = client.complete(prompt, max_tokens, stream=True)
-        bar.update(1)
+    with _progress(total=max_tokens, desc=f"sustained {max_tokens} tokens", unit="tok", disable=not progress) as bar:
+        def advance(n):
+            bar.update(n - bar.n)
+
+        c = client.complete(prompt, max_tokens, stream=True, on_tokens=advance)
+        advance(c.completion_tokens)
     after = client.metrics()
     rate = c.decode_tokens / c.decode_s if c.decode_s else None
     res = {"prompt_tokens": c.prompt_tokens, "max_tokens": max_tokens, "completion_tokens": c.completion_tokens,
@@ -513,8 +553,8 @@ def study(client, *, kinds=None, prompt_tokens: int = 256, sustained_tokens: int
               sustained streamed run of `sustained_tokens` (TTFT, decode tok/s, per-step accepted
               lengths and step ms, decomposition).
     """
-    trained = "trained" in str((client.info.get("kdlib") or {}).get("weights", "trained"))
-    kinds = tuple(kinds) if kinds is not None else (kinds_available(models) if trained else ("pydoc",))
+    fallback = (client.info.get("kdlib") or {}).get("source") == "random"  # the embedded server's random model
+    kinds = tuple(kinds) if kinds is not None else (("pydoc",) if fallback else kinds_available(models))
     limit = client.max_context
     room = limit - max(long, sustained_tokens) - 8
     if room < 16:

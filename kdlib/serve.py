@@ -189,7 +189,7 @@ def load_bundle(device: str = "cpu", *, prefer_trained: bool = True, config: str
                 model = zoo.load_target(device=device, folder=folder)
                 where = folder if folder is not None else "data/models/"
                 return Bundle(model, zoo.load_drafter(model, folder=folder), zoo.load_tokenizer(folder), "kdtree-tiny",
-                              {"weights": f"trained (kdlib.zoo, {where})", "drafter": "trained DFlash-style",
+                              {"source": "trained", "weights": f"trained (kdlib.zoo, {where})", "drafter": "trained DFlash-style",
                                "tokenizer": "trained byte-level BPE"})
         except ImportError:
             pass
@@ -202,7 +202,8 @@ def load_bundle(device: str = "cpu", *, prefer_trained: bool = True, config: str
     model = Model.random(cfg, seed=seed, device=device, dtype=torch.float32)
     drafter = _lazy_oracle_class()(cfg.vocab_size, p_wrong, block_size=8, seed=seed)
     return Bundle(model, drafter, ByteTokenizer(cfg.vocab_size), f"kdtree-random-{config}",
-                  {"weights": f"random (data/configs/{config}.json, seed {seed}): trained models not available",
+                  {"source": "random", "weights": f"random (data/configs/{config}.json, seed {seed}): no trained "
+                   "models found",
                    "drafter": f"noisy oracle (lazy script), p_wrong {p_wrong}", "tokenizer": "printable ASCII (ByteTokenizer)"})
 
 
