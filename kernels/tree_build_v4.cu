@@ -29,8 +29,8 @@
 //
 // Kernels tree_build_v4_r{1,2,4}: budget <= 64, 128, 256 (R rows of the frontier).
 // Dynamic shared memory (bytes), S = budget + 1, W = ceil(S / 32):
-//   32 * S + 8 * S * W + 8 * L_eff * K
-// = 59,496 B at budget 256, L_eff 16, K 256 (the wrapper opts in above 48 KB).
+//   32 * S + 8 * S * W + 8 * 18 * 256 (the log-prob table at row stride 256)
+// = 40,504 B at budget 64 and 63,592 B at budget 256 (the wrapper opts in above 48 KB).
 
 #define TB4_THREADS 256  // 8 warps: warp 0 runs the pops; all 8 load the table (rows w, w + 8) and write the outputs
 
@@ -61,10 +61,19 @@ __device__ __forceinline__ bool tuple_less4(u64 hi_a, u64 lo_a, int d_a, u64 hi_
     return d_a < d_b;
 }
 
-// Meta word of a candidate: parent (bits 0-15), depth (16-23), rank (24-31).
+// Meta word of a candidate: parent (bits 0-15), rank (16-23), depth (24-31); so (m >> 16) - 256 =
+// (depth - 1) * 256 + rank is the index of lp[depth-1][rank] in the table of row stride 256.
 __device__ __forceinline__ int m_par(unsigned m) { return (int)(m & 0xFFFFu); }
-__device__ __forceinline__ int m_dep(unsigned m) { return (int)((m >> 16) & 0xFFu); }
-__device__ __forceinline__ int m_rank(unsigned m) { return (int)(m >> 24); }
+__device__ __forceinline__ int m_rank(unsigned m) { return (int)((m >> 16) & 0xFFu); }
+__device__ __forceinline__ int m_dep(unsigned m) { return (int)(m >> 24); }
+__device__ __forceinline__ int m_lix(unsigned m) { return (int)(m >> 16) - 256; }
+#define M_ROOT_CHILD (1u << 24)  // parent 0, rank 0, depth 1: the first candidate, and a safe filler
+
+// The log-prob table: row stride 256 (K <= 256), so indices come from the meta word by a shift.
+// Rows 0..17: reads at row L_eff + 1 <= 17 and one column past a row's end stay inside; such
+// cells (and columns >= K) hold stale values, read only for candidates that do not exist.
+#define LPS_STRIDE 256
+#define LPS_ROWS 18
 
 template <int R, int WM>
 __device__ __forceinline__ void build4(
@@ -89,8 +98,8 @@ __device__ __forceinline__ void build4(
     extern __shared__ __align__(16) unsigned char smem[];
     u64* n_tup = (u64*)smem;                     // [S, 2] rank tuple (hi, lo) of node i
     double* n_score = (double*)(n_tup + 2 * S);  // [S] score of node i (i >= 1)
-    double* lps = n_score + S;                   // [L_eff, K] log-probs as float64
-    int* n_parent = (int*)(lps + L_eff * K);     // [S]
+    double* lps = n_score + S;                   // [LPS_ROWS, LPS_STRIDE] log-probs as float64
+    int* n_parent = (int*)(lps + LPS_ROWS * LPS_STRIDE);  // [S]
     int* n_src = n_parent + S;                   // [S] (depth - 1) * Kp + rank of node i; n_src[0] = n
     unsigned* cmask = (unsigned*)(n_src + S);    // [S, W] children of node i
     unsigned* amask = cmask + S * W;             // [S, W] ancestors-or-self of node i
@@ -117,7 +126,7 @@ __device__ __forceinline__ void build4(
 #pragma unroll
             for (int m = 0; m < 8; ++m) {
                 const int c = lane + 32 * m;
-                if (d < L_eff && c < K) lps[d * K + c] = f2d4(v[h][m]);
+                if (d < L_eff && c < K) lps[d * LPS_STRIDE + c] = f2d4(v[h][m]);
             }
         }
     }
@@ -129,16 +138,16 @@ __device__ __forceinline__ void build4(
         double esc[R];     // score of the candidate at position 32 r + lane
         unsigned em[R];    // its meta word
 #pragma unroll
-        for (int r = 0; r < R; ++r) { esc[r] = 0.0; em[r] = 1u << 16; }
+        for (int r = 0; r < R; ++r) { esc[r] = 0.0; em[r] = M_ROOT_CHILD; }
         // The head W (position 0), in every lane, with lp[d-1][r], lp[d-1][r+1], lp[d][0].
         double wsc = 0.0, wla = 0.0, wlb = 0.0, wlc = 0.0;
-        unsigned wm = 1u << 16;  // parent 0, depth 1, rank 0
+        unsigned wm = M_ROOT_CHILD;
         int f = 0;               // frontier size
         if (!empty_tree) {
             wsc = lps[0];
             wla = lps[0];
-            wlb = (K > 1) ? lps[1] : 0.0;
-            wlc = (L_eff > 1) ? lps[K] : 0.0;
+            wlb = lps[1];            // stale when K = 1 (no sibling)
+            wlc = lps[LPS_STRIDE];   // stale when L_eff = 1 (no child)
             if (lane == 0) esc[0] = wsc;
             f = 1;
         }
@@ -150,16 +159,18 @@ __device__ __forceinline__ void build4(
             const bool nx = rk + 1 < K;     // the head has a next sibling X
             const bool ny = dep < L_eff;    // and a first child Y
             // Loads off the chain: the log-probs X and Y will need, the old second entry O1's.
-            const double x_lb = (rk + 2 < K) ? lps[(dep - 1) * K + rk + 2] : 0.0;
-            const double y_lb = (ny && K > 1) ? lps[dep * K + 1] : 0.0;
-            const double y_lc = (dep + 1 < L_eff) ? lps[(dep + 1) * K] : 0.0;
+            // Unguarded: a value past its row or depth belongs to a candidate that does not exist.
+            const int wix = m_lix(wm);
+            const double x_lb = lps[wix + 2];
+            const double y_lb = lps[dep * LPS_STRIDE + 1];
+            const double y_lc = lps[(dep + 1) * LPS_STRIDE];
             const double o1sc = __shfl_sync(FULL, esc[0], 1);
             const unsigned o1m_raw = __shfl_sync(FULL, em[0], 1);
-            const unsigned o1m = (f >= 2) ? o1m_raw : (1u << 16);  // a safe address when there is none
-            const int o1d = m_dep(o1m), o1r = m_rank(o1m);
-            const double o1la = lps[(o1d - 1) * K + o1r];
-            const double o1lb = (o1r + 1 < K) ? lps[(o1d - 1) * K + o1r + 1] : 0.0;
-            const double o1lc = (o1d < L_eff) ? lps[o1d * K] : 0.0;
+            const unsigned o1m = (f >= 2) ? o1m_raw : M_ROOT_CHILD;  // a safe address when there is none
+            const int o1ix = m_lix(o1m);
+            const double o1la = lps[o1ix];
+            const double o1lb = lps[o1ix + 1];
+            const double o1lc = lps[m_dep(o1m) * LPS_STRIDE];
             {  // node idx = the head: every lane stores the same values (no divergent branch)
                 n_parent[idx] = par;
                 n_src[idx] = (dep - 1) * Kp + rk;
@@ -172,8 +183,8 @@ __device__ __forceinline__ void build4(
             // The two new candidates.
             const double xsc = (wsc - wla) + wlb;
             const double ysc = wsc + wlc;
-            const unsigned xm = (wm & 0x00FFFFFFu) | ((unsigned)(rk + 1) << 24);  // used only when nx (rank+1 < 256)
-            const unsigned ym = (unsigned)idx | ((unsigned)(dep + 1) << 16);
+            const unsigned xm = wm + (1u << 16);                             // rank + 1 (used only when nx: < 256)
+            const unsigned ym = (unsigned)idx | ((wm & 0xFF000000u) + (1u << 24));  // parent idx, rank 0, depth + 1
             // Compare every old entry (positions 1..f-1) with X and Y: one ballot per row and
             // candidate; ax, ay = how many old entries come before X, Y.
             bool yx = ysc > xsc;  // Y before X

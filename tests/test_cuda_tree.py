@@ -627,7 +627,8 @@ def test_v4_model_matches_reference():
 # The host emulation: kernels/tree_build_v4.cu compiled by g++ with this shim, one ucontext per CUDA
 # thread of a block, blocks one after another; warp intrinsics exchange through a buffer between two
 # warp barriers, so lanes run in lock step where the kernel relies on it. Shared memory ends at a guard
-# page (an access past its size rounded to 16 bytes faults) and starts out as stale bytes.
+# page (an access past its size rounded to 16 bytes faults) and starts out as stale bytes (finite
+# doubles in even blocks, NaNs in odd ones).
 EMU_SHIM = r"""
 #include <algorithm>
 #include <cstdint>
@@ -732,7 +733,7 @@ extern "C" int emu_launch(const char* name, int grid, int threads, int smem_byte
     int rc = 0;
     for (int b = 0; b < grid && rc == 0; ++b) {
         emu_block = b;
-        std::memset(map + page, 0xA5, span);
+        std::memset(map + page, (b & 1) ? 0xFF : 0xA5, span);  // stale: NaN bit patterns in odd blocks
         emu_block_bar = EmuBar();
         for (auto& w : emu_warp_bar) w = EmuBar();
         for (int t = 0; t < threads; ++t) {

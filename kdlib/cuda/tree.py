@@ -23,7 +23,7 @@ Limits (ValueError before any launch): budget <= MAX_BUDGET (256), K = min(budge
 (implied), L_eff = min(L, budget) <= MAX_DEPTH (16): trees deeper than 16 would need a wider
 rank-tuple key. Larger budgets are refused rather than silently degraded. Dynamic shared memory
 per block is `shared_bytes(budget, L_eff, K, version)` (formulas in the .cu files; at the limits
-42,084 B for v1, 39,000 B for v2, 55,384 B for v3, 59,496 B for v4; v3 and v4 opt in above the
+42,084 B for v1, 39,000 B for v2, 55,384 B for v3, 63,592 B for v4; v3 and v4 opt in above the
 default 48 KB).
 
 Value checks (finite, descending rows, distinct ids, ids in the vocabulary) need the data on
@@ -48,6 +48,7 @@ VERSIONS = (1, 2, 3, 4)
 DEFAULT_VERSION = 3  # the fastest bit-exact version in data/results/kernels.h200.json
 V2_ROWS = (1, 3, 9)  # register rows of tree_build_v{2,3}_r{R}: budget + 1 <= 32 R
 V4_ROWS = (1, 2, 4)  # frontier rows of tree_build_v4_r{R}: floor((budget + 1) / 2) <= 32 R
+V4_TABLE_CELLS = 18 * 256  # LPS_ROWS * LPS_STRIDE in kernels/tree_build_v4.cu (indices by shifts)
 
 
 def kernel_name(budget: int, version: int = DEFAULT_VERSION) -> tuple[str, str]:
@@ -72,7 +73,7 @@ def shared_bytes(budget: int, l_eff: int, k: int, version: int = DEFAULT_VERSION
     if version == 2:
         return 16 * s + 8 * s * w + 4 * l_eff * k
     if version == 4:
-        return 32 * s + 8 * s * w + 8 * l_eff * k  # v4: v3's plus the nodes' rank tuples
+        return 32 * s + 8 * s * w + 8 * V4_TABLE_CELLS  # v4: fixed table at row stride 256, the nodes' rank tuples
     return 16 * s + 8 * s * w + 8 * l_eff * k  # v3: the log-prob table as float64
 
 
