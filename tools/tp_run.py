@@ -80,7 +80,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="with --bench: folder of the result JSON (default data/results/)")
     args = ap.parse_args(argv)
 
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not args.bench:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if args.bench:
+            ap.error("--bench spawns its own ranks for every GPU count: run it with plain python3, not torchrun")
         return _torchrun(args)
     if args.bench:
         from kdlib.perf import write
