@@ -34,7 +34,9 @@ Layout per rank r of W (contiguous, near-equal ranges from `partition`; uneven s
 Every all-reduce returns the same bits on every rank (gloo and NCCL's ring and tree reduce each
 chunk once, then distribute it), so hidden states, argmaxes, trees and accepted paths agree across
 ranks (the checks assert it); reduction order differs from one GPU, so TP logits equal the
-single-process ones within fp32 rounding, not bit for bit.
+single-process ones within fp32 rounding, not bit for bit. In bfloat16 each rank's partial sum is
+rounded to bf16 before the reduction, so TP greedy tokens may part from one GPU's (DDTree still
+equals AR on the same TP numerics).
 
 Not here: DP-attention and decode context parallel (the cache is replicated), temperature > 0,
 loading a checkpoint shard by shard (`from_model` slices a full model held by every rank).
