@@ -35,8 +35,9 @@ Every all-reduce returns the same bits on every rank (gloo and NCCL's ring and t
 chunk once, then distribute it), so hidden states, argmaxes, trees and accepted paths agree across
 ranks (the checks assert it); reduction order differs from one GPU, so TP logits equal the
 single-process ones within fp32 rounding, not bit for bit. In bfloat16 each rank's partial sum is
-rounded to bf16 before the reduction, so TP greedy tokens may part from one GPU's (DDTree still
-equals AR on the same TP numerics).
+rounded to bf16 where it is made (o_proj, expert and MLP outputs), so TP greedy tokens may part
+from one GPU's (DDTree still equals AR on the same TP numerics); reducing in float32 does not
+change that, the rounding happens before the collective.
 
 Not here: DP-attention and decode context parallel (the cache is replicated), temperature > 0,
 loading a checkpoint shard by shard (`from_model` slices a full model held by every rank).
