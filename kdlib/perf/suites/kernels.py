@@ -3,7 +3,8 @@
 `python3 -m kdlib.perf.run --suite kernels --out DIR` -> `kernels.<gpu>.json`. Per batch
 B in 1..64 (L 15, budget 64, K' 64: the seeds' comparison point):
 
-  * tree build, every kernel version of `kdlib.cuda.tree.VERSIONS` (v1-v4), against
+  * tree build, every kernel version of `kdlib.cuda.tree.VERSIONS` (v1-v4; env
+    `KDLIB_TREE_VERSIONS=3,4` restricts the list), against
     `kdlib.ref.build_tree_batch` on the same inputs in the same run
     (`kdlib.ref.tree.synthetic_topk`, drafter-like): CPU reference time, CPU reference with the
     device->host->device copies and the sync it forces, and three GPU times:
@@ -106,6 +107,23 @@ def _trees_equal(got, want) -> bool:
     return True
 
 
+def tree_versions() -> tuple[int, ...]:
+    """The build versions to time: `KDLIB_TREE_VERSIONS` (comma-separated) or all of tree.VERSIONS."""
+    from kdlib.cuda import tree
+
+    raw = os.environ.get("KDLIB_TREE_VERSIONS", "").strip()
+    if not raw:
+        return tuple(tree.VERSIONS)
+    try:
+        chosen = tuple(int(v) for v in raw.split(","))
+    except ValueError:
+        raise ValueError(f"KDLIB_TREE_VERSIONS must be comma-separated ints, got {raw!r}") from None
+    unknown = [v for v in chosen if v not in tree.VERSIONS]
+    if unknown or not chosen:
+        raise ValueError(f"KDLIB_TREE_VERSIONS {raw!r}: versions must be among {tree.VERSIONS}")
+    return chosen
+
+
 def bench_build(ids_all, lp_all, iters: int) -> list[dict]:
     """One row per (batch, kernel version): GPU times, CPU reference times, speed-ups, exactness."""
     import cupy
@@ -128,7 +146,7 @@ def bench_build(ids_all, lp_all, iters: int) -> list[dict]:
 
         cpu = perf.cpu_time(lambda ids=ids, lp=lp: ref.build_tree_batch(ids, lp, BUDGET), warmup=1, iters=iters)
         cpu_copies = perf.cpu_time(cpu_with_copies, warmup=1, iters=iters)
-        for version in tree.VERSIONS:
+        for version in tree_versions():
             out = tree.empty_batch(bsz, BUDGET)
 
             def build(d_ids=d_ids, d_lp=d_lp, out=out, version=version):
@@ -169,7 +187,7 @@ def bench_build_tied(vocab: int = 32000) -> list[dict]:
     want = ref.build_tree_batch(ids, lp, BUDGET)
     d_ids, d_lp = cupy.asarray(ids), cupy.asarray(lp)
     rows = []
-    for version in tree.VERSIONS:
+    for version in tree_versions():
         out = tree.empty_batch(bsz, BUDGET)
 
         def build(out=out, version=version):
@@ -329,6 +347,7 @@ def run(args) -> dict:
     head = min(exact64, key=lambda r: r["kernel_us"])  # the fastest bit-exact version at batch 64
     return {
         "parameters": {"batches": list(BATCHES), "depth": DEPTH, "budget": BUDGET, "k_prime": K_PRIME,
+                       "tree_versions": list(tree_versions()),
                        "repeat_per_graph": REPEAT, "cpu_iters": iters, "quick": quick,
                        "inputs": "kdlib.ref.tree.synthetic_topk(0, 64, 15, 64) with target chains planted by "
                                  "kdlib.cuda.pipeline.random_step_inputs(seed 3, topk=...); every sweep uses them",
