@@ -3,8 +3,10 @@
     kdlib serve --port 8000                      # FastAPI + uvicorn, as vLLM and SGLang serve
     curl localhost:8000/v1/completions -d '{"model": "...", "prompt": "def f(", "max_tokens": 32}'
 
-    with EmbeddedServer() as srv:                # in-process, on 127.0.0.1 and a free port
+    with EmbeddedServer() as srv:                # in-process (a thread), on 127.0.0.1 and a free port
         httpx.post(srv.url + "/v1/completions", json={...})
+    with ServerProcess(["--random"]) as srv:     # `kdlib serve` as a child process: what to time against
+        ...
 
 Routes:
   POST /v1/completions       prompt (a string, or a list of token ids) -> text_completion
