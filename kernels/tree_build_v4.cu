@@ -151,7 +151,9 @@ __device__ __forceinline__ void build4(
             if (lane == 0) esc[0] = wsc;
             f = 1;
         }
-        if (lane == 0) { n_parent[0] = -1; n_tup[0] = 0ull; n_tup[1] = 0ull; }
+        n_parent[0] = -1;  // all lanes store the same values: each lane's own store orders its later reads
+        n_tup[0] = 0ull;
+        n_tup[1] = 0ull;
         int n = 0;
         for (int count = 0; count < budget && f > 0; ++count) {
             const int idx = count + 1;
