@@ -151,9 +151,9 @@ __device__ __forceinline__ void build4(
             if (lane == 0) esc[0] = wsc;
             f = 1;
         }
-        n_parent[0] = -1;  // all lanes store the same values: each lane's own store orders its later reads
-        n_tup[0] = 0ull;
-        n_tup[1] = 0ull;
+        // Node records: lane 0 alone writes them and reads them back in the pop loop; other lanes
+        // read them only after a warp barrier (slow path) or the block barrier (outputs).
+        if (lane == 0) { n_parent[0] = -1; n_tup[0] = 0ull; n_tup[1] = 0ull; }
         int n = 0;
         for (int count = 0; count < budget && f > 0; ++count) {
             const int idx = count + 1;
@@ -173,7 +173,7 @@ __device__ __forceinline__ void build4(
             const double o1la = lps[o1ix];
             const double o1lb = lps[o1ix + 1];
             const double o1lc = lps[m_dep(o1m) * LPS_STRIDE];
-            {  // node idx = the head: every lane stores the same values (no divergent branch)
+            if (lane == 0) {  // node idx = the head
                 n_parent[idx] = par;
                 n_src[idx] = (dep - 1) * Kp + rk;
                 n_score[idx] = wsc;
