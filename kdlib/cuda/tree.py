@@ -16,8 +16,10 @@ Kernels, one thread block per request (128 threads; 256 for v4), bit-exact with 
 The recorded times (and the CPU reference) are in data/results/kernels.h200.json
 (suite `kdlib.perf.suites.kernels`); the default is the fastest bit-exact version recorded there
 (v4 was written without a GPU: it stays opt-in until a recorded run shows it bit-exact and
-faster). All are latency-bound: one warp runs the dependent chain of every pop (argmax reduction, shuffles,
-float64 adds, register updates), so a build costs about the same at batch 1 and batch 64.
+faster). All are latency-bound: one warp runs the dependent chain of every pop (v1-v3: an argmax
+reduction, shuffles, float64 adds, register updates; v4: float64 adds, ballots, one shuffle,
+selects), so a build costs about the same at batch 1 and batch 64. v4 is also checked without a
+device (tests/test_cuda_tree.py: a model of its warp loop and its source run on the host).
 
 Limits (ValueError before any launch): budget <= MAX_BUDGET (256), K = min(budget, K') <= 256
 (implied), L_eff = min(L, budget) <= MAX_DEPTH (16): trees deeper than 16 would need a wider
