@@ -6,7 +6,7 @@
     curve = train_target(target, streams, TrainSpec(...))    # next-token CE, AdamW, cosine LR
     net = DraftNet(DraftConfig(...), target.cfg)
     curve = train_drafter(net, target, streams, TrainSpec(...))
-    drafter = BlockDrafter(net, target)                      # for kdlib.engine.generate(method="ddtree")
+    drafter = to_engine(net.cfg, V, net.state_dict())        # kdlib.engine DFlashDrafter, for generate(method="ddtree")
 
 Target training runs a batched forward (`target_forward`) over the engine's own modules and
 parameters (HF DeepseekV3 names): the plain MLA form through `scaled_dot_product_attention`, and
@@ -24,8 +24,9 @@ keys before the anchor and to the whole block; the final norm and the target's L
 logits of slots 1..B_blk - 1. The target's embedding and LM head are used frozen and are not
 part of the drafter's weights. Training samples `anchors` random anchors per sequence, one
 forward covers them all (blocks see each other not at all), slot k predicts token anchor + k
-with the CE weighted exp(-(k - 1) / gamma). At inference (`BlockDrafter`) the context grows by
-the accepted nodes' features and the block always sees the whole context.
+with the CE weighted exp(-(k - 1) / gamma). This is the batched training twin of the engine's
+`DFlashDrafter` (same architecture, same maths; its `block_forward` takes one sequence at a time):
+`to_engine` hands the trained weights to it, and the tests check that both give the same logits.
 """
 
 from __future__ import annotations
@@ -409,65 +410,36 @@ def __getattr__(name):  # DraftNet is built on first use: importing kdlib.traini
     raise AttributeError(f"module 'kdlib.training' has no attribute {name!r}")
 
 
-class BlockDrafter:
-    """The trained drafter behind the engine's drafter interface (kdlib/engine/drafter.py docstring).
+def engine_state_dict(weights: dict) -> dict:
+    """DraftNet weight names -> `kdlib.engine.drafter.DFlashDrafter` names (the engine's layers hold the
+    attention projections directly, without the `self_attn.` level)."""
+    return {k.replace(".self_attn.", "."): v for k, v in weights.items()}
 
-    Holds per-layer context K/V of the committed tokens (positions 0..s-1); `draft(bonus, s)` runs
-    the block [bonus, MASK x (B_blk - 1)] at positions s..s+B_blk-1 over all of it.
-    """
 
-    def __init__(self, net, target):
-        self.net, self.target = net, target
-        self.block_size = net.cfg.block_size
-        self.vocab_size = target.cfg.vocab_size
-        self.target_layer_ids = tuple(net.cfg.target_layer_ids)
-        self._kv = None
-        self._len = 0
+def engine_config(cfg: DraftConfig, vocab_size: int):
+    """The `DFlashConfig` of the same drafter (the engine's inference class)."""
+    from kdlib.engine.drafter import DFlashConfig
 
-    def _append(self, features):
-        import torch
+    return DFlashConfig(hidden_size=cfg.hidden_size, vocab_size=vocab_size, target_layer_ids=cfg.target_layer_ids,
+                        mask_token_id=cfg.mask_token_id, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
+                        head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size, block_size=cfg.block_size,
+                        rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps)
 
-        n = features.shape[0]
-        pos = torch.arange(self._len, self._len + n, device=features.device)
-        new = self.net.context_kv(self.net.context(features.to(self.net.fc.weight.dtype)), pos)
-        if self._kv is None:
-            self._kv = [(k, v) for k, v in new]
-        else:
-            self._kv = [(torch.cat([k0, k]), torch.cat([v0, v])) for (k0, v0), (k, v) in zip(self._kv, new, strict=True)]
-        self._len += n
 
-    def begin(self, target, prompt_ids, features, max_new_tokens: int) -> None:
-        import torch
+def to_engine(cfg: DraftConfig, vocab_size: int, weights: dict):
+    """A `kdlib.engine.drafter.DFlashDrafter` (the engine's drafter, what `generate` runs) holding
+    `weights` (a state dict under DraftNet names, e.g. `net.state_dict()`), on the CPU in float32."""
+    import torch
 
-        if features is None:
-            raise ValueError("the block drafter needs the target's features (capture target_layer_ids)")
-        self.target = target
-        self._kv, self._len = None, 0
-        with torch.no_grad():
-            self._append(features)
+    from kdlib.engine.drafter import DFlashDrafter
 
-    def commit(self, token_ids, features) -> None:
-        import torch
-
-        with torch.no_grad():
-            self._append(features)
-
-    def draft(self, bonus: int, s: int):
-        """[L, V] float32 logits for depths 1..L after `bonus` at position s."""
-        import torch
-
-        if s != self._len:
-            raise ValueError(f"draft at position {s}, but the drafter's context holds {self._len} tokens")
-        dev = self.net.fc.weight.device
-        S = self.block_size
-        with torch.no_grad():
-            block = torch.full((S,), self.net.cfg.mask_token_id, dtype=torch.int64, device=dev)
-            block[0] = int(bonus)
-            h = self.target.model.embed_tokens(block)[None]  # [1, S, H]
-            pos = torch.arange(s, s + S, device=dev)[None]  # [1, S]
-            kv = [(k[None], v[None]) for k, v in self._kv]
-            logits = self.net.run_block(h, pos, kv, None, _lm_head(self.target))
-        return logits[0, 1:]
+    d = DFlashDrafter(engine_config(cfg, vocab_size))
+    src = engine_state_dict(weights)
+    own = d.state_dict()
+    if set(src) != set(own):
+        raise ValueError(f"drafter weights do not match the engine's names: {sorted(set(src) ^ set(own))[:4]}")
+    d.load_state_dict({k: torch.as_tensor(v).detach().to("cpu", torch.float32) for k, v in src.items()})
+    return d.eval()
 
 
 def drafter_loss(net, target, ids, anchors_per_seq: int, gen):

@@ -4,7 +4,7 @@
     if zoo.available():
         tok = zoo.load_tokenizer()                     # .encode(str) -> list[int], .decode(ids), .vocab_size
         target = zoo.load_target()                     # kdlib.engine.Model, float32, eval mode
-        drafter = zoo.load_drafter(target)             # for generate(..., method="ddtree", drafter=drafter)
+        drafter = zoo.load_drafter(target)             # engine DFlashDrafter: generate(..., method="ddtree", drafter=drafter)
         texts = zoo.held_out("code")                   # held-out documents of one kind (KINDS)
 
 Files (all under data/models/, written by `tools/train_tiny.py`, which re-trains everything):
@@ -107,15 +107,24 @@ def load_target(device: str = "cpu", dtype=None, folder: str | Path | None = Non
 
 
 def load_drafter(target, device: str | None = None, folder: str | Path | None = None):
-    """The trained DFlash-style drafter bound to `target` (its embedding and LM head)."""
-    from kdlib.training import BlockDrafter, DraftConfig, DraftNet
+    """The trained drafter as the engine's `DFlashDrafter`, on the target's device and dtype by default.
+
+    drafter.kdtr holds the weights under the training module's names (`kdlib.training.DraftNet`);
+    `kdlib.training.to_engine` renames them for the engine's class.
+    """
+    import numpy as np
+
+    from kdlib import kdtr
+    from kdlib.training import DraftConfig, to_engine
 
     root = _require(folder, "drafter.config.json", "drafter.kdtr")
     cfg = DraftConfig.from_dict(json.loads((root / "drafter.config.json").read_text()))
-    net = DraftNet(cfg, target.cfg)
-    net.load_weights(_state_dict(root / "drafter.kdtr", target.dtype, "cpu"))
-    dev = device if device is not None else target.device
-    return BlockDrafter(net.to(device=dev, dtype=target.dtype).eval(), target)
+    if cfg.hidden_size != target.cfg.hidden_size:
+        raise ValueError(f"drafter hidden {cfg.hidden_size} != target hidden {target.cfg.hidden_size}")
+    weights = {k: np.asarray(v, dtype=np.float32) for k, v in kdtr.load(root / "drafter.kdtr", mmap=False).items()}
+    d = to_engine(cfg, target.cfg.vocab_size, weights)
+    d.c.validate(target.cfg)
+    return d.to(device=device if device is not None else target.device, dtype=target.dtype).eval()
 
 
 def held_out(kind: str, folder: str | Path | None = None) -> list[str]:

@@ -61,8 +61,8 @@ def test_target_forward_equals_engine(name):
 
 
 def test_block_forward_equals_inference_draft():
-    """Training blocks (many anchors, block-attention mask) give the logits the engine-facing drafter
-    gives after a prefill of the anchor's prefix."""
+    """Training blocks (many anchors, block-attention mask) give the logits the engine's DFlashDrafter
+    gives, with the same weights, after a prefill of the anchor's prefix."""
     cfg = ModelConfig.from_json(DATA / "configs" / "tiny-a.json")
     target = Model.random(cfg, seed=1)
     net = _micro_drafter(target).eval()
@@ -74,7 +74,7 @@ def test_block_forward_equals_inference_draft():
     with torch.no_grad():
         _, feats = T.target_forward(target, ids, capture=net.cfg.target_layer_ids)
         logits, labels = net.block_forward(target, ids, feats, anchors)
-    d = T.BlockDrafter(net, target)
+    d = T.to_engine(net.cfg, cfg.vocab_size, net.state_dict())
     for b in range(2):
         for j, a in enumerate(anchors[b].tolist()):
             assert labels[b, j].tolist() == ids[b, a + 1 : a + net.cfg.block_size].tolist()
@@ -111,7 +111,7 @@ def test_a_few_drafter_steps_reduce_the_loss_and_ddtree_stays_exact():
     after = T.evaluate_drafter(net, target, window, 32, 8, windows=8)["loss"]
     assert after < before
     assert not any(p.requires_grad for p in target.parameters())  # the target stayed frozen
-    d = T.BlockDrafter(net, target)
+    d = T.to_engine(net.cfg, target.cfg.vocab_size, net.state_dict())
     prompt = window[:20].tolist()
     ar = generate(target, prompt, 24)
     for budget in (4, 16):
@@ -172,5 +172,5 @@ def test_bad_input():
     with pytest.raises(ValueError, match="anchor"):
         T.drafter_loss(_micro_drafter(target, block=16), target, torch.zeros(2, 10, dtype=torch.int64), 4,
                        torch.Generator())
-    with pytest.raises(ValueError, match="features"):
-        T.BlockDrafter(_micro_drafter(target), target).begin(target, [1, 2], None, 4)
+    with pytest.raises(ValueError, match="names"):
+        T.to_engine(_micro_drafter(target).cfg, 64, {"fc.weight": torch.zeros(32, 64)})

@@ -55,6 +55,18 @@ SMOKE_TARGET = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_s
                 "v_head_dim": 16, "n_routed_experts": 4}
 
 
+def specs(time_budget_s: float, smoke: bool, seed: int):
+    """The target's and the drafter's TrainSpec."""
+    run = SMOKE if smoke else FULL
+    tspec = T.TrainSpec(max_steps=run["max_steps"], batch=run["batch"], seq=run["seq"], lr=run["target_lr"],
+                        time_budget_s=time_budget_s * TARGET_SHARE, warmup_steps=1 if smoke else 100,
+                        log_every=1 if smoke else 100, seed=seed)
+    dspec = T.TrainSpec(max_steps=run["max_steps"], batch=run["batch"] // 2, seq=run["seq"], lr=run["drafter_lr"],
+                        time_budget_s=time_budget_s * (1 - TARGET_SHARE), warmup_steps=1 if smoke else 50,
+                        anchors=run["anchors"], log_every=1 if smoke else 100, seed=seed + 1)
+    return tspec, dspec
+
+
 def excerpt(text: str) -> str:
     """A deterministic excerpt: from the first line start at or after a third of the document."""
     if len(text) <= EXCERPT_CHARS:
@@ -147,9 +159,7 @@ def main(argv=None) -> int:
              for k, s in val_streams.items()}
         return {**r, "score": round(sum(r.values()) / len(r), 4)}
 
-    tspec = T.TrainSpec(max_steps=run["max_steps"], batch=run["batch"], seq=run["seq"], lr=run["target_lr"],
-                        time_budget_s=args.time_budget_s * TARGET_SHARE, warmup_steps=1 if args.smoke else 100,
-                        log_every=1 if args.smoke else 100, seed=args.seed)
+    tspec, dspec = specs(args.time_budget_s, args.smoke, args.seed)
     tcurve = T.train_target(target, streams, tspec, log=log, eval_fn=eval_target,
                             eval_every=1 if args.smoke else 250)
     target_eval = {k: T.evaluate_target(target, s, run["seq"], run["batch"], 4 if args.smoke else None)
@@ -175,9 +185,6 @@ def main(argv=None) -> int:
              for k, s in val_streams.items()}
         return {**r, "score": round(sum(r.values()) / len(r), 4)}
 
-    dspec = T.TrainSpec(max_steps=run["max_steps"], batch=run["batch"] // 2, seq=run["seq"], lr=run["drafter_lr"],
-                        time_budget_s=args.time_budget_s * (1 - TARGET_SHARE), warmup_steps=1 if args.smoke else 50,
-                        anchors=run["anchors"], log_every=1 if args.smoke else 100, seed=args.seed + 1)
     dcurve = T.train_drafter(net, target, streams, dspec, log=log, eval_fn=eval_drafter,
                              eval_every=1 if args.smoke else 250)
     drafter_eval = {k: T.evaluate_drafter(net, target, s, run["seq"], run["batch"], 8 if args.smoke else 128)
@@ -259,13 +266,18 @@ def record_from_log(log_path: Path, out: Path, corpus_dir: Path, provenance_from
     streams = T.token_streams(tok._tok, held)
     target = zoo.load_target(folder=out)
     drafter = zoo.load_drafter(target, folder=out)
+    net = T.DraftNet(T.DraftConfig.from_dict(json.loads((out / "drafter.config.json").read_text())), target.cfg)
+    net.load_weights(zoo._state_dict(out / "drafter.kdtr", torch.float32, "cpu"))
     run = FULL
     with torch.no_grad():
         target_eval = {k: T.evaluate_target(target, streams[(k, "held_out")], run["seq"], run["batch"] // 4)
                        for k in corpus.KINDS}
-        drafter_eval = {k: T.evaluate_drafter(drafter.net, target, streams[(k, "held_out")], run["seq"],
+        drafter_eval = {k: T.evaluate_drafter(net, target, streams[(k, "held_out")], run["seq"],
                                               run["batch"] // 4, 128) for k in corpus.KINDS}
     curves = parse_log(log_path.read_text())
+    cmd = prov["command"].split()
+    budget = float(cmd[cmd.index("--time-budget-s") + 1]) if "--time-budget-s" in cmd else 240.0
+    tspec, dspec = specs(budget, False, 0)
     files = ("tokenizer.json", "target.config.json", "target.kdtr", "drafter.config.json", "drafter.kdtr",
              "held_out.json")
     return {
@@ -279,9 +291,11 @@ def record_from_log(log_path: Path, out: Path, corpus_dir: Path, provenance_from
         "corpus": {"python": manifest["python"], "files": manifest["files"]},
         "tokenizer": {"vocab_size": tok.vocab_size, "kind": "byte-level BPE",
                       "held_out_tokens": {k: int(len(streams[(k, "held_out")])) for k in corpus.KINDS}},
-        "target": {"parameters": sum(p.numel() for p in target.parameters()), "curve": curves.get("target"),
+        "target": {"parameters": sum(p.numel() for p in target.parameters()), "spec": _spec(tspec),
+                   "curve": curves.get("target"),
                    "held_out": target_eval, "log_held_out_ppl": _logged(log_path, "target held-out perplexity: ")},
-        "drafter": {"parameters": sum(p.numel() for p in drafter.net.parameters()), "curve": curves.get("drafter"),
+        "drafter": {"parameters": sum(p.numel() for p in drafter.parameters()), "spec": _spec(dspec),
+                    "curve": curves.get("drafter"),
                     "held_out": drafter_eval,
                     "log_held_out_slot1_acc": _logged(log_path, "drafter held-out slot-1 accuracy: ")},
         "validation": {"fraction_of_train": VAL_FRACTION},
