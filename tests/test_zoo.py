@@ -95,3 +95,19 @@ def test_bad_input(tmp_path):
     assert not zoo.available(tmp_path)
     with pytest.raises(FileNotFoundError, match="train_tiny"):
         zoo.load_target(folder=tmp_path)
+
+
+@pytest.mark.gpu
+def test_ddtree_with_the_trained_drafter_equals_ar_on_cuda():
+    """The same invariant on the GPU (CUDA tree builder and accept kernels via kdlib.ops), float32 matmuls
+    (TF32 flips near-tied argmaxes between the AR and the tree-verify paths)."""
+    assert not torch.backends.cuda.matmul.allow_tf32
+    tok = _models()[0]
+    target = zoo.load_target(device="cuda")
+    drafter = zoo.load_drafter(target)
+    for kind in zoo.KINDS:
+        prompt = tok.encode(zoo.held_out(kind)[0])[:128]
+        ar = generate(target, prompt, 64)
+        for budget in (8, 64):
+            assert generate(target, prompt, 64, method="ddtree", drafter=drafter, budget=budget).tokens == ar.tokens, \
+                (kind, budget)
