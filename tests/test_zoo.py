@@ -111,3 +111,21 @@ def test_ddtree_with_the_trained_drafter_equals_ar_on_cuda():
         for budget in (8, 64):
             assert generate(target, prompt, 64, method="ddtree", drafter=drafter, budget=budget).tokens == ar.tokens, \
                 (kind, budget)
+
+
+def test_accept_suite_on_the_cpu():
+    """The acceptance suite's payload on a minimal sample: every method and kind, AR accepts 1 per step,
+    the chain verifies L + 1 rows, every speculative output equals AR's."""
+    from kdlib.perf.suites import accept
+
+    p = accept.measure("cpu", 1, 12, budgets=(4,), prompt_tokens=32, log=lambda _: None)
+    assert p["parameters"]["methods"] == ["ar", "chain", "ddtree_b4"]
+    assert not p["notes"]
+    for kind in zoo.KINDS:
+        rows = p["accept"][kind]["methods"]
+        assert p["accept"][kind]["prompts"] == 1
+        assert rows["ar"]["mean_accepted"] == 1.0
+        assert rows["chain"]["mean_verified_rows"] == p["parameters"]["block_size"]
+        assert all(r["equal_to_ar"] for r in rows.values())
+        assert all(sum(r["tau_hist"]) == r["steps"] for r in rows.values())
+        assert 1.0 <= rows["ddtree_b4"]["mean_accepted"] <= 5.0  # depth <= budget: tau <= budget + 1

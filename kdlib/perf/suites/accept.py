@@ -118,6 +118,8 @@ def measure(device: str, n_prompts: int, new_tokens: int, budgets=BUDGETS, promp
                 "per_prompt": a["per_prompt"],
                 "steps": len(a["taus"]),
                 "mean_verified_rows": float(np.mean(a["sizes"])) if a["sizes"] else None,
+                # tau_hist[t] = steps that accepted t tokens (root included), t = 0..B_blk
+                "tau_hist": np.bincount(a["taus"], minlength=drafter.block_size + 1).tolist(),
                 "tokens_per_forward": new_tokens * n / (len(a["taus"]) + n) if n else None,
                 "equal_to_ar": all(a["equal"]),
                 **({"budget": kw["budget"], "top_k": kw.get("top_k", kw["budget"])} if kw["method"] == "ddtree" else {}),
