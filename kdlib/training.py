@@ -236,6 +236,8 @@ class DraftConfig:
     intermediate_size: int = 512
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
+    # 7 at block 16 as SpecForge's DFlash recipes (sgl-project/SpecForge
+    # examples/configs/online/disaggregated/external/qwen3-8b-dflash-1server-dp4.yaml: loss_decay_gamma 7.0)
     loss_gamma: float = 7.0
 
     def __post_init__(self):
@@ -472,7 +474,14 @@ def drafter_loss(net, target, ids, anchors_per_seq: int, gen):
 @dataclass
 class TrainSpec:
     """One training run. The run stops at max_steps or time_budget_s, whichever comes first; the
-    cosine LR schedule follows progress = max(step / max_steps, elapsed / time_budget_s)."""
+    cosine LR schedule follows progress = max(step / max_steps, elapsed / time_budget_s).
+
+    Defaults are the usual small-GPT choices (nanoGPT-style): AdamW betas (0.9, 0.95), weight
+    decay 0.1 on matrices only, cosine decay to a tenth of the peak. `weights` is the share of
+    each text kind among the sampled windows: prose is the scarcest kind (~6 % of the tokens) and
+    is drawn more often than its share so that the model learns English at all; templated text
+    is easy and needs little. `anchors` is per sequence (drafter only).
+    """
 
     max_steps: int
     batch: int
