@@ -5,7 +5,7 @@
         tok = zoo.load_tokenizer()                     # .encode(str) -> list[int], .decode(ids), .vocab_size
         target = zoo.load_target()                     # kdlib.engine.Model, float32, eval mode
         drafter = zoo.load_drafter(target)             # engine DFlashDrafter: generate(..., method="ddtree", drafter=drafter)
-        texts = zoo.held_out("code")                   # held-out documents of one kind (KINDS)
+        texts = zoo.held_out("code")                   # held-out excerpts of one kind (KINDS)
 
 Files (all under data/models/, written by `tools/train_tiny.py`, which re-trains everything):
 
@@ -14,8 +14,10 @@ Files (all under data/models/, written by `tools/train_tiny.py`, which re-trains
     target.kdtr             the target's weights, HF DeepseekV3 parameter names, float16
     drafter.config.json     the drafter's config (block size, target layer taps, sizes, mask token)
     drafter.kdtr            the drafter's own weights (the embedding and LM head are the target's)
-    held_out.json           {kind: [document, ...]}: the held-out split the figures are measured on
+    held_out.json           {kind: [excerpt, ...]}: up to 24 excerpts (<= 2400 characters) of held-out
+                            documents per kind, the prompts of the acceptance figures
     training_record.json    command, commit, device, loss curves, held-out perplexity per kind
+    train.h200.log          the log of the device run that trained the committed models
 
 Weights are stored in float16 (half the bytes of float32; every trained value lies well inside
 float16's range) and loaded as float32 unless a dtype is given. Nothing is downloaded.
@@ -128,7 +130,7 @@ def load_drafter(target, device: str | None = None, folder: str | Path | None = 
 
 
 def held_out(kind: str, folder: str | Path | None = None) -> list[str]:
-    """The held-out documents of one text kind (KINDS), as measured in the training record."""
+    """Held-out excerpts of one text kind (KINDS): text never seen in training."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     return list(json.loads((_require(folder, "held_out.json") / "held_out.json").read_text())[kind])
