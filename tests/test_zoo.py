@@ -129,3 +129,19 @@ def test_accept_suite_on_the_cpu():
         assert all(r["equal_to_ar"] for r in rows.values())
         assert all(sum(r["tau_hist"]) == r["steps"] for r in rows.values())
         assert 1.0 <= rows["ddtree_b4"]["mean_accepted"] <= 5.0  # depth <= budget: tau <= budget + 1
+
+
+def test_training_record_is_complete():
+    """Command, commit and device of the run; loss curves that fall; a kept checkpoint that was evaluated;
+    held-out figures per kind with perplexity = exp(NLL)."""
+    rec = zoo.training_record()
+    assert rec["command"].startswith("python") and len(rec["commit"]) == 40 and rec["device"]
+    for part in ("target", "drafter"):
+        curve = rec[part]["curve"]
+        assert len(curve["step"]) == len(curve["loss"]) >= 2
+        assert curve["loss"][-1] < curve["loss"][0]
+        assert curve["kept_step"] in [e["step"] for e in curve["eval"]]
+        assert set(rec[part]["held_out"]) == set(zoo.KINDS)
+    for kind, ev in rec["target"]["held_out"].items():
+        assert math.isclose(ev["ppl"], math.exp(ev["nll"]), rel_tol=1e-9), kind
+        assert ev["tokens"] > 0
