@@ -239,13 +239,32 @@ class Job:
 
 
 class _Tap:
-    """Wraps a drafter: every `commit` (once per DDTree step) also hands the committed ids to `emit`."""
+    """Wraps a drafter: every `commit` (once per DDTree step) also hands the committed ids to `emit`.
+
+    The Drafter interface is spelled out member by member: from Python 3.12 on, `isinstance` against a
+    runtime-checkable Protocol looks members up statically, so `__getattr__` delegation would not count.
+    """
 
     def __init__(self, inner, emit):
         self._inner, self._emit = inner, emit
 
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
+    @property
+    def block_size(self) -> int:
+        return self._inner.block_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self._inner.vocab_size
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return self._inner.target_layer_ids
+
+    def begin(self, target, prompt_ids, features, max_new_tokens: int) -> None:
+        self._inner.begin(target, prompt_ids, features, max_new_tokens)
+
+    def draft(self, bonus: int, s: int):
+        return self._inner.draft(bonus, s)
 
     def commit(self, token_ids, features) -> None:
         self._inner.commit(token_ids, features)
