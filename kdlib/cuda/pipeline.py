@@ -249,10 +249,11 @@ def smoke(bsz: int = 4) -> dict:
         for version in accept.SAMPLE_VERSIONS:
             p = accept.accept_sample_batch(step.trees, cupy.asarray(probs), cupy.asarray(u), version=version)
             verdict[accept.sample_kernel(dtype, version)[1]] = all((a.get() == b).all() for a, b in zip(p, w, strict=True))
-    for bud in (budget, 40, 120):  # every register-row variant (r1, r3, r9) of tree_build_v2 and v3
+    # every register-row variant of tree_build_v2/v3 (r1, r3, r9) and frontier-row variant of v4 (r1, r2, r4)
+    for bud in (budget, 40, 120, 200):
         ids, lp = random_topk(rng, bsz, 10, 16, 50, "tied")
         w = ref.build_tree_batch(ids, lp, bud)
-        for version in (2, 3):
+        for version in (2, 3, 4):
             g = tree.build_tree_batch(cupy.asarray(ids), cupy.asarray(lp), bud, version=version)
             verdict[tree.kernel_name(bud, version)[1]] = all(
                 (getattr(g, f).get() == getattr(w, f)).all()

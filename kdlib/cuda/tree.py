@@ -47,7 +47,7 @@ MAX_DEPTH = 16  # 16 rank bytes in the 128-bit rank-tuple key
 THREADS = 128  # TB_THREADS / TB2_THREADS / TB3_THREADS in kernels/tree_build_v{1,2,3}.cu
 V4_THREADS = 256  # TB4_THREADS in kernels/tree_build_v4.cu
 VERSIONS = (1, 2, 3, 4)
-DEFAULT_VERSION = 3  # the fastest bit-exact version in data/results/kernels.h200.json
+DEFAULT_VERSION = 4  # the fastest bit-exact version in data/results/kernels.h200.json (24.9 µs vs v3 32.8 µs at batch 64)
 V2_ROWS = (1, 3, 9)  # register rows of tree_build_v{2,3}_r{R}: budget + 1 <= 32 R
 V4_ROWS = (1, 2, 4)  # frontier rows of tree_build_v4_r{R}: floor((budget + 1) / 2) <= 32 R
 V4_TABLE_CELLS = 18 * 256  # LPS_ROWS * LPS_STRIDE in kernels/tree_build_v4.cu (indices by shifts)
