@@ -734,22 +734,50 @@ def diag_overestimate_2x(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     slow, _ = cat.claim("diag_two_point_67")
     sustained = cat.claim("diag_sustained")["tok_s"]
     ratio = slow / sustained
+    seeds_ok = within(ratio, fig.claim, rel=0.1)  # 'roughly 2×'
+    same_ok = 0.25  # a same-text ratio within 25% of 2x counts as the same overestimate on this stack
     own = src.record("diag_two_point_over_sustained", "04_throughput_diagnosis")
     kinds = diagnosis_by_kind(src)
-    ok = within(ratio, fig.claim, rel=0.1)  # 'roughly 2×'
+    values = {"ratio": ratio}
     if kinds and all(k["two_point_tok_s"] and k["sustained_tok_s"] for k in kinds.values()):
-        mine = "; the workbook's engine, two-point / sustained by text kind: " + ", ".join(
-            f"{k} {v['two_point_tok_s'] / v['sustained_tok_s']:.2f}" for k, v in kinds.items())
+        same = {k: v["two_point_tok_s"] / v["sustained_tok_s"] for k, v in kinds.items()}
+        easy = max(kinds, key=lambda k: kinds[k]["two_point_tok_s"])
+        hard = min(kinds, key=lambda k: kinds[k]["sustained_tok_s"])
+        cross = kinds[easy]["two_point_tok_s"] / kinds[hard]["sustained_tok_s"]
+        values.update(same_text=same, cross=cross)
+        mine = ("; the workbook's engine, two-point / sustained on the same text: "
+                + ", ".join(f"{k} {r:.2f}" for k, r in same.items())
+                + f"; two-point on {easy} / sustained on {hard}: {cross:.2f}")
         own = {"source": next(iter(kinds.values()))["source"]}
+        if not seeds_ok:
+            verdict = CONTRADICTED
+        elif all(within(r, fig.claim, rel=same_ok) for r in same.values()):
+            verdict = REPRODUCED
+        elif cross >= fig.claim * (1 - same_ok):
+            verdict = READING
+        else:
+            verdict = CONTRADICTED
     elif own:
         mine = f"; the workbook's own endpoint: two-point / sustained = {float(own['value']):.2f}"
+        values["own"] = float(own["value"])
+        verdict = REPRODUCED if seeds_ok and within(values["own"], fig.claim, rel=same_ok) else READING
     else:
         mine = ("; the workbook's own ratio is not recorded yet (data/results/diagnosis.*.json, or record "
                 "diag_two_point_over_sustained of 04_throughput_diagnosis)")
-    return Verdict(fig.id, REPRODUCED if ok else CONTRADICTED, f"{slow:g} / {sustained:g} = {ratio:.2f}x{mine}",
-                   f"the seeds' two-point figure at 5,120 tokens against their sustained run (3,200 -> 4,700 tokens "
-                   f"of context, the same range): ±10% of 2x: {ok}", sources=["seeds' figures"]
-                   + ([own.get("source", "")] if own else []), values={"ratio": ratio})
+        verdict = READING if seeds_ok else CONTRADICTED
+    reason = (f"the seeds' two-point figure at 5,120 tokens against their sustained run (3,200 -> 4,700 tokens of "
+              f"context): {ratio:.2f}x, within 10% of 2x: {seeds_ok}. ")
+    if verdict == READING:
+        reason += ("On this stack two-point and sustained agree when both run on the same text; the overestimate "
+                   "appears when the two-point prompt is easier (accepts more per step) than the sustained text, "
+                   "as in the seeds (two-point over their own sweep prompts, the sustained run on the user's reasoning workload). "
+                   "The method measures decode speed on its own prompt; it is not a predictor for other text.")
+    elif verdict == REPRODUCED:
+        reason += f"The workbook's own ratio is within {same_ok:.0%} of 2x."
+    else:
+        reason += "Neither the same-text nor the easy-against-hard ratio of the workbook's engine comes near 2x."
+    return Verdict(fig.id, verdict, f"{slow:g} / {sustained:g} = {ratio:.2f}x{mine}", reason,
+                   sources=["seeds' figures"] + ([own.get("source", "")] if own else []), values=values)
 
 
 @check

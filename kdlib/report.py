@@ -447,6 +447,13 @@ def _parameters_table(params: dict) -> str:
     return f"<table>{_head(('parameter', 24), ('value', 22), ('from', 16), ('type / allowed', 38))}{rows}</table>"
 
 
+def _source_link(source: str) -> str:
+    """A recorded source that names a report page (`NN_name.html#anchor`) becomes a link; anything else is text."""
+    if re.fullmatch(r"[\w.-]+\.html(#[^\s\"'<>]*)?", source):
+        return f'<a href="{_esc(source)}">{_esc(source)}</a>'
+    return _esc(source)
+
+
 def audit_summary_html(entries: list[dict]) -> str:
     """The seed-audit block at the top of the index: every recorded `audit_verdict_*` value of every
     notebook (empty string when there are none)."""
@@ -458,8 +465,8 @@ def audit_summary_html(entries: list[dict]) -> str:
         return ""
     body = "".join(
         f"<tr><td><code>{_esc(r['name'].removeprefix(AUDIT_PREFIX))}</code></td>"
-        f"<td class=num><b>{_esc(_fmt_value(r.get('value')))}</b> {_esc(r.get('unit', ''))}</td>"
-        f"<td>{_esc(r.get('note', ''))}</td><td>{_esc(r.get('source', ''))}</td>"
+        f"<td><b>{_esc(_fmt_value(r.get('value')))}</b> {_esc(r.get('unit', ''))}</td>"
+        f"<td>{_esc(r.get('note', ''))}</td><td>{_source_link(str(r.get('source', '')))}</td>"
         f"<td><a href=\"#{_esc(e['stem'])}\">{_esc(e['stem'])}</a></td></tr>"
         for e, r in rows
     )

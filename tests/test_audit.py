@@ -274,6 +274,15 @@ def test_a_recorded_diagnosis_result_decides_the_workbook_side(cat):
     v = audit.run_one(cat["diag_accept_by_text"], cat, src)
     assert v.verdict == audit.OUT_OF_REACH and v.values == {"hard": 2.2, "easy": 6.5}
     assert "as the seeds say" in v.reason
-    assert "prose 1.60" in audit.run_one(cat["diag_overestimate_2x"], cat, src).ours
+    over = audit.run_one(cat["diag_overestimate_2x"], cat, src)
+    assert "prose 1.60" in over.ours and over.verdict == audit.READING  # same text ~1.2-1.6x, easy vs hard 2.4x
+    same_2x = {k: kind(3.0, 100.0, 50.0) for k in ("code", "prose", "templated")}
+    assert audit.run_one(cat["diag_overestimate_2x"], cat,
+                         audit.Sources(results={"diagnosis": {"_path": "s", "by_kind": same_2x}}, records={})
+                         ).verdict == audit.REPRODUCED
+    flat = {k: kind(3.0, 50.0, 50.0) for k in ("code", "prose", "templated")}
+    assert audit.run_one(cat["diag_overestimate_2x"], cat,
+                         audit.Sources(results={"diagnosis": {"_path": "s", "by_kind": flat}}, records={})
+                         ).verdict == audit.CONTRADICTED
     res["by_kind"]["prose"], res["by_kind"]["code"] = kind(7.0, 80.0, 50.0), kind(6.9, 80.0, 50.0)
     assert "NOT lower" in audit.run_one(cat["diag_accept_by_text"], cat, src).reason
