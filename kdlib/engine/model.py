@@ -147,6 +147,32 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
+    """Routed experts (top-k of `n_routed_experts`) plus the shared expert(s).
+
+    Three exact-same-maths paths, picked by size (`path`): T tokens, k = top-k, E experts.
+      * "gather" (2 T k <= E, e.g. AR decode): the chosen experts' weights are gathered per
+        (token, slot) from a stacked copy and applied with two batched matmuls; the gather moves
+        2 T k experts' bytes, less than reading all E once.
+      * "dense" (T E <= DENSE_MAX_ROWS, e.g. tree verify): every expert runs on every token (E / k
+        times the routed FLOPs, each expert's weights read once), then each token's k outputs are
+        picked out. No host sync, a fixed launch count whatever the experts touched.
+      * "loop" (long prefill): one iteration per expert in use; reading that list is a host sync
+        per layer, but the FLOPs stay the routed ones.
+    Every path adds a token's expert outputs in ascending expert id, as the loop's index_add_ does,
+    so the paths differ only in the matmul rounding of each expert's output.
+
+    The stacked copy ([E, 2I, H] gate|up and [E, H, I] down) is cached while autograd is off and
+    rebuilt when any expert parameter changes storage (`.to()`, a new tensor) or is written in
+    place (its version counter moves: `load_weights`, `load_state_dict`). The cache holds the source
+    tensors so that a freed storage cannot come back at the same address; after a `.to()` the old
+    copy is freed at the next forward. With autograd on, the weights are stacked per call.
+    """
+
+    # Above this many expert-token rows the dense path's wasted FLOPs (E / k x the routed ones) cost
+    # more than the loop's per-expert launches; 8192 keeps every verify (T <= 256) of a 32-expert
+    # model vectorised.
+    DENSE_MAX_ROWS = 8192
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate = Router(cfg)
@@ -154,17 +180,68 @@ class MoE(nn.Module):
         self.shared_experts = (
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
         )
+        self._stack_cache = None  # (source tensors, their versions, w13, w2); a plain attribute, not state
+
+    def path(self, n_tokens: int) -> str:
+        """The forward path for n_tokens rows: "gather", "dense" or "loop" (see the class docstring)."""
+        E, k = len(self.experts), self.gate.cfg.num_experts_per_tok
+        if 2 * n_tokens * k <= E:
+            return "gather"
+        return "dense" if n_tokens * E <= self.DENSE_MAX_ROWS else "loop"
+
+    def _expert_params(self) -> list[torch.Tensor]:
+        return [p for e in self.experts for p in (e.gate_proj.weight, e.up_proj.weight, e.down_proj.weight)]
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [E, 2I, H] = gate | up rows, w2 [E, H, I]): the expert weights stacked."""
+        ps = self._expert_params()
+        grad = torch.is_grad_enabled() and any(p.requires_grad for p in ps)
+        c = self._stack_cache
+        if not grad and c is not None and [p.data_ptr() for p in ps] == [t.data_ptr() for t in c[0]] \
+                and [p._version for p in ps] == c[1]:
+            return c[2], c[3]
+        self._stack_cache = None  # free the stale copy before building the new one
+        w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
+        w2 = torch.stack([e.down_proj.weight for e in self.experts])
+        if not grad:
+            self._stack_cache = ([p.detach() for p in ps], [p._version for p in ps], w13.detach(), w2.detach())
+        return w13, w2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, idx = self.gate(x)
-        out = torch.zeros_like(x)
-        # one loop iteration per expert in use; reading that list is one host sync per MoE layer (an
-        # MVP choice: no grouped-GEMM kernel here)
-        for e in torch.unique(idx).tolist():
-            rows, slot = torch.where(idx == e)
-            out.index_add_(0, rows, self.experts[e](x[rows]) * w[rows, slot, None].to(x.dtype))
+        w, idx = self.gate(x)  # [T, k] float32, [T, k] int64
+        path = self.path(x.shape[0])
+        if path == "loop":
+            out = torch.zeros_like(x)
+            for e in torch.unique(idx).tolist():
+                rows, slot = torch.where(idx == e)
+                out.index_add_(0, rows, self.experts[e](x[rows]) * w[rows, slot, None].to(x.dtype))
+        else:
+            out = self._routed_vectorised(x, w, idx, path)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
+        return out
+
+    def _routed_vectorised(self, x, w, idx, path: str) -> torch.Tensor:
+        T, k = idx.shape
+        I = self.experts[0].gate_proj.weight.shape[0]
+        idx, order = idx.sort(dim=1)  # ascending expert id per token: the loop's order of addition
+        w = w.gather(1, order)
+        w13, w2 = self.stacked()
+        if path == "gather":
+            flat = idx.reshape(-1)  # [T k]
+            xs = x.repeat_interleave(k, dim=0)[:, :, None]  # [T k, H, 1]
+            gu = torch.bmm(w13[flat], xs)[:, :, 0]  # [T k, 2I]
+            act = F.silu(gu[:, :I]) * gu[:, I:]  # [T k, I]
+            y = torch.bmm(w2[flat], act[:, :, None])[:, :, 0].view(T, k, -1)  # [T, k, H]
+        else:
+            gu = torch.matmul(x[None], w13.transpose(1, 2))  # [E, T, 2I]
+            act = F.silu(gu[..., :I]) * gu[..., I:]  # [E, T, I]
+            y_all = torch.matmul(act, w2.transpose(1, 2))  # [E, T, H]
+            y = y_all[idx, torch.arange(T, device=x.device)[:, None]]  # [T, k, H]
+        y = y * w[:, :, None].to(x.dtype)
+        out = y[:, 0]
+        for s in range(1, k):  # sequential, as index_add_ onto zeros in ascending expert order
+            out = out + y[:, s]
         return out
 
 
