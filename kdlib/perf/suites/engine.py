@@ -2,8 +2,13 @@
 
     python3 -m kdlib.perf.run --suite engine [--quick] --out $OUT
 
+Precision: every section but `bf16` runs the model in float32 with TF32 off (cuBLAS and cuDNN),
+so that DDTree's tokens equal AR's (`matches_ar`) and the noisy oracle never recomputes its script
+(in bfloat16 the verify forward's reduction order differs from the decode step's, the tokens
+diverge, and each step's 'draft' phase would then hold an AR recomputation).
+
 Sections of the payload:
-  config          the benchmark model's HF config (random weights, bfloat16): MLA with the real head
+  config          the benchmark model's HF config (random weights): MLA with the real head
                   dims (nope 128, rope 64, v 128, kv_lora 512) and a small MoE; see BENCH_CONFIG
   runs            one row per generate call (method ar | ddtree, context = prompt length, budget,
                   block, p_wrong of the noisy-oracle drafter): decode tokens/s, tokens per target
@@ -20,9 +25,11 @@ Sections of the payload:
                   adds, which the noisy oracle (a table look-up) does not have
   trained         the same AR / DDTree comparison on the trained tiny models of `kdlib.zoo`
                   (held-out text per kind) when data/models/ holds them; else a note
+  bf16            the one bfloat16 timing: the same model cast to bfloat16, one verify forward
+                  (torch attention, first verify context, q = BLOCK + 1), beside its float32 row
 
 Timing: `generate` brackets every phase with a device synchronisation, so phase times add up to
-the step time (they include host work: Python, the expert loop, tree build on the GPU through
+the step time (they include host work: Python and kernel launches, tree build on the GPU through
 kdlib.ops). Each configuration runs once untimed (warm-up: kernels compiled, allocator primed).
 """
 
@@ -43,6 +50,7 @@ BENCH_CONFIG = {
                         "mscale": 1.0, "mscale_all_dim": 1.0},
 }
 BLOCK = 16  # the DFlash b16 checkpoints' block size (survey §6): horizon L = 15
+BF16_VERIFY = (1024, BLOCK + 1)  # (context, q) of the one bf16 row: the budget-16 verify at a 1k context
 DEFAULT_BW, DEFAULT_FLOPS = 4.3e12, 790e12  # H200 fallbacks when no ceilings file is recorded (COMMON.md)
 
 
@@ -174,7 +182,8 @@ def _verify_sweep(model, contexts, qs, bw, fl, attentions=("torch",)) -> list[di
 
         t = cuda_time(step, warmup=3, iters=15)
         nbytes, flops = verify_cost(cfg, ctx, q, model.dtype.itemsize)
-        out.append({"attention": attention, "context": ctx, "q": q, "budget": q - 1, **t.as_dict(),
+        out.append({"attention": attention, "dtype": str(model.dtype).removeprefix("torch."), "context": ctx, "q": q,
+                    "budget": q - 1, **t.as_dict(),
                     "bytes": nbytes, "flops": flops, **floor_ms(nbytes, flops, bandwidth_Bps=bw, flop_rate=fl)})
         print(f"[engine] verify {attention} ctx {ctx} q {q}: {t.median_ms:.2f} ms", flush=True)
         del cache
@@ -229,22 +238,44 @@ def _trained(budgets, max_new, device: str = "cuda") -> dict:
         return {"available": True, "error": f"{type(e).__name__}: {e}"}
 
 
+def _bf16_verify(model, bw, fl) -> dict:
+    """The bf16 row: cast the (float32) model to bfloat16 and time one verify forward."""
+    import torch
+
+    model.to(torch.bfloat16)
+    (row,) = _verify_sweep(model, [BF16_VERIFY[0]], [BF16_VERIFY[1]], bw, fl)
+    return {"dtype": "bfloat16", "note": "the float32 model cast to bfloat16; timing only (no AR comparison)",
+            "verify_forward": [row]}
+
+
 def run(args) -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("the engine suite needs a CUDA device")
+    quick = bool(getattr(args, "quick", False))
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 matmuls in float32: DDTree == AR exactly
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        return _run(quick)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+
+
+def _run(quick: bool, device: str = "cuda", config: dict = BENCH_CONFIG) -> dict:
+    """The measurements; `device` / `config` other than the defaults only for a smoke run of this code."""
     import torch
 
     from kdlib.engine.config import ModelConfig
     from kdlib.engine.model import Model
 
-    if not torch.cuda.is_available():
-        raise SystemExit("the engine suite needs a CUDA device")
-    quick = bool(getattr(args, "quick", False))
-    torch.backends.cuda.matmul.allow_tf32 = False
-    cfg = ModelConfig.from_dict(BENCH_CONFIG)
-    model = Model(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
+    cfg = ModelConfig.from_dict(config)
+    model = Model(cfg).to(device=device, dtype=torch.float32).eval()
     _init_on_device(model, seed=0)
     bw, fl, ceil_src = _ceilings()
     params = {
-        "dtype": "bfloat16", "block": BLOCK, "max_new_tokens": 32 if quick else 128,
+        "dtype": "float32", "tf32": False, "block": BLOCK, "max_new_tokens": 32 if quick else 128,
         "contexts": [128] if quick else [128, 1024, 4096],
         "budgets": [16] if quick else [4, 16, 64],
         "p_wrong": [0.3] if quick else [0.1, 0.3, 0.6],
@@ -252,6 +283,9 @@ def run(args) -> dict:
         "verify_q": [1, 17] if quick else [1, 5, 9, 17, 33, 65, 129],
         "trained_budgets": [16] if quick else [8, 16, 32, 64],
         "ceilings": ceil_src,
+        "floor_note": "bytes at the row's dtype; FLOPs against the bf16 matmul ceiling, which float32 without TF32 "
+                      "does not reach, so a compute-bound float32 floor is optimistic",
+        "bf16_verify": {"context": BF16_VERIFY[0], "q": BF16_VERIFY[1]},
     }
     rng = np.random.Generator(np.random.PCG64(0))
     runs = _generate_sweep(model, params["contexts"], params["budgets"], params["p_wrong"], params["max_new_tokens"], rng)
@@ -265,8 +299,9 @@ def run(args) -> dict:
         model.attention = "torch"
         print(f"[engine] kernel attention arm failed: {runs_k['error']}", flush=True)
     dflash = _dflash_sweep(model, params["verify_contexts"])
+    bf16 = _bf16_verify(model, bw, fl)
     del model
     torch.cuda.empty_cache()
-    trained = _trained(params["trained_budgets"], params["max_new_tokens"])
+    trained = _trained(params["trained_budgets"], params["max_new_tokens"], device)
     return {"parameters": params, "config": cfg.to_hf_dict(), "runs": runs, "runs_kernel_attention": runs_k,
-            "verify_forward": verify, "dflash_draft": dflash, "trained": trained}
+            "verify_forward": verify, "dflash_draft": dflash, "trained": trained, "bf16": bf16}
