@@ -150,9 +150,10 @@ class MoE(nn.Module):
     """Routed experts (top-k of `n_routed_experts`) plus the shared expert(s).
 
     Three exact-same-maths paths, picked by size (`path`): T tokens, k = top-k, E experts.
-      * "gather" (2 T k <= E, e.g. AR decode): the chosen experts' weights are gathered per
-        (token, slot) from a stacked copy and applied with two batched matmuls; the gather moves
-        2 T k experts' bytes, less than reading all E once.
+      * "gather" (3 T k <= E, e.g. AR decode): the chosen experts' weights are gathered per
+        (token, slot) from a stacked copy and applied with two batched matmuls; the gather copies
+        T k experts (read, write, read again by the matmul: 3 T k expert-sized transfers), no more
+        than the dense path's one read of all E.
       * "dense" (T E <= DENSE_MAX_ROWS, e.g. tree verify): every expert runs on every token (E / k
         times the routed FLOPs, each expert's weights read once), then each token's k outputs are
         picked out. No host sync, a fixed launch count whatever the experts touched.
@@ -165,12 +166,14 @@ class MoE(nn.Module):
     rebuilt when any expert parameter changes storage (`.to()`, a new tensor) or is written in
     place (its version counter moves: `load_weights`, `load_state_dict`). The cache holds the source
     tensors so that a freed storage cannot come back at the same address; after a `.to()` the old
-    copy is freed at the next forward. With autograd on, the weights are stacked per call.
+    copy is freed at the next forward. The cache doubles the routed experts' memory. With
+    autograd on, the weights are stacked per call.
     """
 
-    # Above this many expert-token rows the dense path's wasted FLOPs (E / k x the routed ones) cost
-    # more than the loop's per-expert launches; 8192 keeps every verify (T <= 256) of a 32-expert
-    # model vectorised.
+    # Bound on the dense path's expert-token rows (E / k x the routed FLOPs): 8192 keeps every
+    # verify of a 32-expert model (T <= 256) vectorised while a layer's dense FLOPs stay a fraction
+    # of a millisecond on an H100-class GPU at the engine suite's widths; longer prefills take the
+    # loop, whose host sync and per-expert launches matter less there.
     DENSE_MAX_ROWS = 8192
 
     def __init__(self, cfg: ModelConfig):
@@ -180,31 +183,38 @@ class MoE(nn.Module):
         self.shared_experts = (
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
         )
-        self._stack_cache = None  # (source tensors, their versions, w13, w2); a plain attribute, not state
+        self._stack_cache = None  # (source tensors, their (address, version), w13, w2); a plain attribute, not state
 
     def path(self, n_tokens: int) -> str:
         """The forward path for n_tokens rows: "gather", "dense" or "loop" (see the class docstring)."""
         E, k = len(self.experts), self.gate.cfg.num_experts_per_tok
-        if 2 * n_tokens * k <= E:
+        if 3 * n_tokens * k <= E:
             return "gather"
         return "dense" if n_tokens * E <= self.DENSE_MAX_ROWS else "loop"
 
     def _expert_params(self) -> list[torch.Tensor]:
-        return [p for e in self.experts for p in (e.gate_proj.weight, e.up_proj.weight, e.down_proj.weight)]
+        # the module dicts read directly: nn.Module.__getattr__ for 3E weights per layer and forward
+        # costs more host time than a decode step's launches of the whole layer
+        return [e._modules[n]._parameters["weight"] for e in self.experts._modules.values()
+                for n in ("gate_proj", "up_proj", "down_proj")]
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [E, 2I, H] = gate | up rows, w2 [E, H, I]): the expert weights stacked."""
         ps = self._expert_params()
-        grad = torch.is_grad_enabled() and any(p.requires_grad for p in ps)
+        try:
+            key = [(p.data_ptr(), p._version) for p in ps]
+        except RuntimeError:  # inference-mode tensors keep no version counter: no cache
+            key = None
+        cacheable = key is not None and not (torch.is_grad_enabled() and any(p.requires_grad for p in ps))
         c = self._stack_cache
-        if not grad and c is not None and [p.data_ptr() for p in ps] == [t.data_ptr() for t in c[0]] \
-                and [p._version for p in ps] == c[1]:
+        if cacheable and c is not None and key == c[1]:
             return c[2], c[3]
         self._stack_cache = None  # free the stale copy before building the new one
         w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
         w2 = torch.stack([e.down_proj.weight for e in self.experts])
-        if not grad:
-            self._stack_cache = ([p.detach() for p in ps], [p._version for p in ps], w13.detach(), w2.detach())
+        if cacheable:
+            held = [p.detach() for p in ps]  # keeps the storages alive: no other tensor can reuse their addresses
+            self._stack_cache = (held, key, w13.detach(), w2.detach())
         return w13, w2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
