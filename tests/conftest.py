@@ -40,3 +40,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _torch_one_thread():
+    """Tiny models gain nothing from intra-op threads; one thread keeps parallel test workers (xdist,
+    2 cores) from thrashing. Only where the test module has imported torch already."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

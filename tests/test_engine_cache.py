@@ -11,15 +11,6 @@ from kdlib import DATA
 from kdlib.engine.cache import CacheFullError, LatentCache
 from kdlib.engine.config import ModelConfig
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads; one thread keeps parallel test workers from thrashing."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 CFG = dataclasses.replace(ModelConfig.from_json(DATA / "configs" / "tiny-a.json"), num_hidden_layers=2)
 
 

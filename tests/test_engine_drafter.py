@@ -10,15 +10,6 @@ from kdlib.engine.generate import generate
 from kdlib.engine.model import Model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads; one thread keeps parallel test workers from thrashing."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def target():
     return Model.random(ModelConfig.from_json(DATA / "configs" / "tiny-a.json"), seed=4)

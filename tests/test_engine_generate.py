@@ -17,14 +17,6 @@ from kdlib.engine.model import Model
 N_CASES = 52
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads; one thread keeps parallel test workers from thrashing."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def _config(name: str) -> ModelConfig:
     base = ModelConfig.from_json(DATA / "configs" / f"{name.split('+')[0]}.json")

@@ -15,15 +15,6 @@ from kdlib.engine.loading import random_weights
 from kdlib.engine.model import Model
 from kdlib.ref.model import forward
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads; one thread keeps parallel test workers from thrashing."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 FILES = ["model_tiny_a.kdtr", "model_tiny_b.kdtr"]
 
 

@@ -14,15 +14,6 @@ from kdlib.engine.config import ConfigError, ModelConfig
 from kdlib.engine.loading import save_pretrained
 from kdlib.engine.model import Model
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads; one thread keeps parallel test workers from thrashing."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
         "mscale": 0.8, "mscale_all_dim": 1.0}
 

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import torch
 
 from kdlib import DATA
 from kdlib.engine.config import ModelConfig
@@ -10,15 +9,6 @@ from kdlib.engine.loading import parameter_shapes
 from kdlib.engine.model import Model
 from kdlib.estimator import engine_rows
 from kdlib.perf.suites import engine as suite
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads; one thread keeps parallel test workers from thrashing."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_bench_config_parses_and_is_kernel_compatible():

@@ -14,15 +14,6 @@ from kdlib.engine.generate import generate
 from kdlib.engine.model import Model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Micro models gain nothing from intra-op threads; one thread keeps parallel test workers from thrashing."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _micro_target(vocab=64, seed=0) -> Model:
     cfg = T.target_config(vocab, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
                           num_attention_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
