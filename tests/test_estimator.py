@@ -254,6 +254,18 @@ def test_validate_on_a_suite_shaped_payload_uses_the_verify_sweep():
     assert max(abs(r["residual"]) for r in table) < 0.02
 
 
+def test_engine_shape_takes_the_weight_width_from_the_run_dtype():
+    from kdlib.perf.suites.engine import BENCH_CONFIG
+
+    payload = {"config": BENCH_CONFIG}
+    bf16 = cal.engine_shape(payload)  # payloads from before the dtype field: bfloat16
+    fp32 = cal.engine_shape({**payload, "parameters": {"dtype": "float32"}})
+    assert fp32.dense_bytes_per_gpu() == 2 * bf16.dense_bytes_per_gpu()
+    assert fp32.expert_bytes() == 2 * bf16.expert_bytes()
+    with pytest.raises(ValueError, match="dtype"):
+        cal.engine_shape({**payload, "parameters": {"dtype": "int8"}})
+
+
 def test_validate_anchors_host_costs_and_predicts_held_out_runs():
     cfg = json.loads((DATA / "configs" / "tiny-a.json").read_text())
     truth = est.Assumptions().with_(kernel_latency_s=(40e-6, "eager torch launch"), dispatch_s=(1e-3, "t"),

@@ -195,12 +195,21 @@ def engine_rows(result: dict) -> list[dict]:
     return out
 
 
+_DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
+
+
 def engine_shape(result: dict) -> ModelShape:
-    """The engine's model shape from the config its payload carries (tp 1, bf16 experts)."""
-    cfg = result.get("config") or (result.get("params") or {}).get("config") or (result.get("parameters") or {}).get("config")
+    """The engine's model shape from the config its payload carries: tp 1, every weight in the dtype the
+    run used (`parameters.dtype`; bfloat16 when a payload predates that field)."""
+    params = result.get("parameters") or {}
+    cfg = result.get("config") or (result.get("params") or {}).get("config") or params.get("config")
     if not isinstance(cfg, dict):
         raise ValueError("engine result carries no model config (looked for config, params.config, parameters.config)")
-    return ModelShape.from_config(cfg, tp=1, expert_bits=16)
+    dtype = params.get("dtype", "bfloat16")
+    if dtype not in _DTYPE_BITS:
+        raise ValueError(f"engine result dtype {dtype!r} is not one of {sorted(_DTYPE_BITS)}")
+    bits = _DTYPE_BITS[dtype]
+    return ModelShape.from_config(cfg, tp=1, expert_bits=bits, dense_bits=bits)
 
 
 def _scenario(row: dict) -> Scenario:

@@ -167,6 +167,7 @@ class ModelShape:
     v_head_dim: int = 128
     vocab: int = 163840
     expert_bits: int = 4
+    dense_bits: int = 16               # everything but the routed experts (bf16 in the INT4 checkpoints)
     group: int = 32
     tp: int = 8
 
@@ -203,16 +204,16 @@ class ModelShape:
                 + H * self.v_head_dim * h)
 
     def dense_bytes_per_gpu(self) -> float:
-        """bf16 weights streamed every step besides the routed experts, per GPU (TP-sharded):
+        """Weights (dense_bits each) streamed every step besides the routed experts, per GPU (TP-sharded):
         attention projections of every layer, shared experts, the dense MLP layers, lm_head."""
         per = (self.n_layers * self.attn_params()
                + self.n_moe_layers * self.n_shared * 3 * self.hidden * self.moe_inter
                + self.n_dense_layers * 3 * self.hidden * self.dense_inter
                + self.vocab * self.hidden)
-        return per * 2 / self.tp
+        return per * self.dense_bits / 8 / self.tp
 
     @classmethod
-    def from_config(cls, cfg: dict, tp: int = 1, expert_bits: int = 4) -> ModelShape:
+    def from_config(cls, cfg: dict, tp: int = 1, expert_bits: int = 4, dense_bits: int = 16) -> ModelShape:
         """From a HF DeepSeek-V3 / Kimi-K2 style config.json dict (text_config is looked into)."""
         c = cfg.get("text_config", cfg)
         try:
@@ -233,6 +234,7 @@ class ModelShape:
                 v_head_dim=int(c["v_head_dim"]),
                 vocab=int(c["vocab_size"]),
                 expert_bits=expert_bits,
+                dense_bits=dense_bits,
                 tp=tp,
             )
         except KeyError as err:
