@@ -39,6 +39,7 @@ import yaml
 
 from kdlib import NOTEBOOKS, REPORTS
 from kdlib.nb import read_records
+from kdlib.perf.results import git_commit
 
 KERNEL = "python3"
 DEFAULT_TIMEOUT_S = 1800  # per notebook; CPU defaults run in well under a minute, GPU profiles in minutes
@@ -532,12 +533,6 @@ def index_html(doc: dict) -> str:
     )
 
 
-def _git_commit() -> str:
-    from kdlib.perf.results import _git_commit as commit
-
-    return commit()
-
-
 def write_index(out_dir: Path, entries: list[dict], *, profile: str) -> dict:
     """Write index.json and index.html (atomically); entries of notebooks not run this time are kept
     from the previous index.json when their pages are still there."""
@@ -555,7 +550,7 @@ def write_index(out_dir: Path, entries: list[dict], *, profile: str) -> dict:
     notebooks = sorted(entries + kept, key=lambda e: e["stem"])
     doc = {
         "generated": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": _git_commit(),
+        "commit": git_commit(),
         "profile": profile,
         "python": f"Python {sys.version.split()[0]}",
         "summary": {status: sum(e["status"] == status for e in notebooks) for status in ("passed", "failed")},
@@ -583,7 +578,7 @@ def run_reports(names: list[str] | None = None, *, profile: str = "cpu", overrid
     paths = discover(notebooks_dir, names)
     jobs = plan(paths, profile, overrides or {}, notebooks_dir / "params")
     check_kernel(kernel_name)
-    commit = _git_commit()
+    commit = git_commit()
     for job in jobs:
         job["commit"] = commit
     out_dir = Path(out_dir)

@@ -256,16 +256,29 @@ def _ddtree_step(model, cache, drafter, bonus, budget, k, temperature, rng, res,
         paths, lengths, new_bonus = ops.accept_sample_batch(trees, probs, u, max_depth=horizon)
     sync()
     t.append(time.perf_counter())
-    # compaction + drafter context update
+    tau, emitted = commit_accepted(cache, drafter, tokens, feats, paths, lengths, new_bonus)
+    sync()
+    t.append(time.perf_counter())
+    record_step(res, t, tau, m)
+    return emitted
+
+
+def commit_accepted(cache, drafter, tokens, feats, paths, lengths, new_bonus) -> tuple[int, list[int]]:
+    """Compaction + drafter context update after the accept walk of one request.
+
+    tokens [n+1] and feats [n+1, F] | None are the verified tree's; paths/lengths/new_bonus come from
+    the accept kernel. Returns (tau = root + accepted nodes, the tokens emitted this step incl. the bonus).
+    """
     tau = cache.commit_path(paths, lengths)
     path = paths[0, :tau]
     accepted_tokens = tokens[path]
     drafter.commit(accepted_tokens, feats[path] if feats is not None else None)
-    emitted = accepted_tokens[1:].tolist() + [int(new_bonus[0])]
-    sync()
-    t.append(time.perf_counter())
+    return tau, accepted_tokens[1:].tolist() + [int(new_bonus[0])]
+
+
+def record_step(res, t: list[float], tau: int, tree_size: int) -> None:
+    """Per-phase times (t: perf_counter stamps at the phase boundaries, in PHASES order), tau and tree size."""
     for p, a, b in zip(PHASES, t[:-1], t[1:], strict=True):
         res.phase_ms[p].append((b - a) * 1e3)
     res.accepted.append(tau)
-    res.tree_sizes.append(m)
-    return emitted
+    res.tree_sizes.append(tree_size)

@@ -21,7 +21,8 @@ from kdlib import DATA, ROOT
 RESULTS = DATA / "results"
 
 
-def _git_commit() -> str:
+def git_commit() -> str:
+    """The repository's HEAD commit ($KDLIB_COMMIT first: a tree copied to a GPU machine has no .git)."""
     env = os.environ.get("KDLIB_COMMIT")
     if env:
         return env
@@ -42,7 +43,7 @@ def provenance(command: str | None = None) -> dict:
     """What produced a measurement: hardware, software versions, commit, date, command."""
     info = {
         "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "commit": _git_commit(),
+        "commit": git_commit(),
         "command": command or " ".join([os.path.basename(sys.executable)] + sys.argv),
         "python": platform.python_version(),
         "host_cpu": platform.processor() or platform.machine(),

@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kdlib.engine.generate import commit_accepted, record_step
 from kdlib.engine.model import MLP, MLAttention, Model, RMSNorm, Router, _up
 
 MOE_MODES = ("ep", "tp")
@@ -513,15 +514,6 @@ def generate(model: TPModel, prompt_ids, max_new_tokens: int, method: str = "ar"
     return res
 
 
-def _record(res, t, tau, m):
-    from kdlib.engine.generate import PHASES
-
-    for p, a, b in zip(PHASES, t[:-1], t[1:], strict=True):
-        res.phase_ms[p].append((b - a) * 1e3)
-    res.accepted.append(tau)
-    res.tree_sizes.append(m)
-
-
 def _ar_step(model, cache, token, res, sync) -> int:
     t0 = time.perf_counter()
     h, _ = model.forward_cached(cache, torch.tensor([token]), [cache.length])
@@ -529,7 +521,7 @@ def _ar_step(model, cache, token, res, sync) -> int:
     cache.commit()
     sync()
     t1 = time.perf_counter()
-    _record(res, [t0, t0, t0, t1, t1, t1], 1, 1)  # draft, build, compaction: none; accept inside greedy
+    record_step(res, [t0, t0, t0, t1, t1, t1], 1, 1)  # draft, build, compaction: none; accept inside greedy
     return nxt
 
 
@@ -577,13 +569,8 @@ def _ddtree_step(model, cache, drafter, bonus, budget, k, res, sync, capture, de
         assert_replicated(model.comm, paths=paths, lengths=lengths, bonus=new_bonus)
     sync()
     t.append(time.perf_counter())
-    # compaction + drafter context update
-    tau = cache.commit_path(paths, lengths)
-    path = paths[0, :tau]
-    accepted_tokens = tokens[path]
-    drafter.commit(accepted_tokens, feats[path] if feats is not None else None)
-    emitted = accepted_tokens[1:].tolist() + [int(new_bonus[0])]
+    tau, emitted = commit_accepted(cache, drafter, tokens, feats, paths, lengths, new_bonus)
     sync()
     t.append(time.perf_counter())
-    _record(res, t, tau, m)
+    record_step(res, t, tau, m)
     return emitted
