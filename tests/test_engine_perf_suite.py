@@ -39,17 +39,29 @@ def test_rows_feed_the_estimator():
     assert set(parsed[0]["phase_ms"]) == {"draft", "build", "verify", "accept", "compaction"}
 
 
+def test_repeats_keep_the_fastest_and_list_all():
+    model = Model.random(ModelConfig.from_json(DATA / "configs" / "tiny-a.json"), seed=0)
+    rows = suite._generate_sweep(model, [8], [4, 8], [0.3], 6, np.random.default_rng(0), repeats=3)
+    assert [(r["method"], r["budget"]) for r in rows] == [("ar", 0), ("ddtree", 4), ("ddtree", 8)]
+    for r in rows:
+        assert len(r["repeats"]) == 3 and all(rp["host_probe_ms"] > 0 for rp in r["repeats"])
+        assert r["step_ms"] == min(rp["step_ms"] for rp in r["repeats"])
+    assert all(r["drafter"] == "noisy_oracle" and r["matches_ar"] is True for r in rows[1:])
+    assert "drafter" not in rows[0] and rows[0]["matches_ar"] is None
+
+
 def test_verify_sweep_runs_with_a_cpu_clock(monkeypatch):
     """The verify-forward sweep's set-up and bookkeeping, with CPU timing standing in for CUDA events."""
     import kdlib.perf as perf
 
     monkeypatch.setattr(perf, "cuda_time", lambda fn, warmup, iters: perf.cpu_time(fn, warmup=1, iters=2))
     model = Model.random(ModelConfig.from_json(DATA / "configs" / "tiny-a.json"), seed=0)
-    rows = suite._verify_sweep(model, [16, 64], [1, 9, 70], 4.3e12, 790e12, attentions=("torch", "ops"))
+    rows = suite._verify_sweep(model, [16, 64], [1, 9, 70], 4.3e12, 790e12, attentions=("torch", "ops"), repeats=2)
     pts = [(r["attention"], r["context"], r["q"]) for r in rows]
     assert pts == [(a, c, q) for a in ("torch", "ops") for c in (16, 64) for q in (1, 9, 70) if a == "torch" or q <= 65]
     assert model.attention == "torch"
     assert all(r["median_ms"] > 0 and r["floor_ms"] > 0 for r in rows)
+    assert all(len(r["repeat_medians_ms"]) == 2 and r["median_ms"] == min(r["repeat_medians_ms"]) for r in rows)
 
 
 def test_dflash_sweep_runs_with_a_cpu_clock(monkeypatch):

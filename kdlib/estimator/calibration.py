@@ -189,6 +189,9 @@ def engine_rows(result: dict) -> list[dict]:
             "block": int(r.get("block", r.get("draft_depth", r.get("budget")))),
             "step_ms": float(step),
             "phase_ms": _phases(r),
+            # the engine suite's drafter is the noisy oracle (a table look-up); older payloads lack the
+            # field but carry its error rate
+            "drafter": r.get("drafter") or ("noisy_oracle" if r.get("p_wrong") is not None else "model"),
         })
     if not out:
         raise ValueError("engine result holds no DDTree runs")
@@ -220,11 +223,16 @@ def _scenario(row: dict) -> Scenario:
 
 def calibrate_verify(a: Assumptions, engine: dict, shape: ModelShape, gpu="h200") -> tuple[Assumptions, str]:
     """Per-kernel and per-touched-expert latencies from the engine's verify-forward sweep (a component
-    measurement: one target forward at contexts x rows, CUDA-event timed): least squares of
+    measurement: one target forward at contexts x rows, CUDA-event timed; its torch-attention rows in
+    the run's dtype, the arm the runs use): least squares of
     (measured - modelled device time) on [layers x kernels, MoE layers x touched experts(q)]."""
     from kdlib.estimator.model import touched_experts
 
-    rows = [r for r in engine.get("verify_forward") or [] if "median_ms" in r and "q" in r and "context" in r]
+    # the arm the validated runs use: torch attention in the run's dtype (the CuPy-kernel arm pays
+    # its own launch and interop costs, and is validated nowhere)
+    dtype = (engine.get("parameters") or {}).get("dtype")
+    rows = [r for r in engine.get("verify_forward") or [] if "median_ms" in r and "q" in r and "context" in r
+            and r.get("attention", "torch") == "torch" and (dtype is None or r.get("dtype", dtype) == dtype)]
     if len(rows) < 3:
         return a, "engine verify_forward: fewer than 3 points; per-kernel latency left to the anchor run"
     base = a.with_(kernel_latency_s=(0.0, "zeroed to solve"), moe_per_expert_latency_s=(0.0, "zeroed to solve"))
@@ -253,6 +261,14 @@ def calibrate_verify(a: Assumptions, engine: dict, shape: ModelShape, gpu="h200"
     a = a.with_(kernel_latency_s=(k_lat, f"fit on the verify_forward sweep of {src} ({len(rows)} points)"),
                 moe_per_expert_latency_s=(e_lat, f"fit on the verify_forward sweep of {src}"))
     return a, f"engine verify_forward: kernel_latency_s = {k_lat:.3g}, moe_per_expert_latency_s = {e_lat:.3g}"
+
+
+def for_drafter(a: Assumptions, row: dict) -> Assumptions:
+    """`a` for the row's drafter: a noisy oracle runs no drafter forward (its draft phase is host
+    work only), so its drafter layers are zero; a model drafter keeps the assumed ones."""
+    if row.get("drafter") == "noisy_oracle":
+        return a.with_(draft_layers=(0, "noisy-oracle drafter: a table look-up, no drafter forward"))
+    return a
 
 
 def anchor_host_costs(a: Assumptions, row: dict, shape: ModelShape, gpu="h200", *, verify: bool = True) -> Assumptions:
@@ -300,11 +316,11 @@ def validate(a: Assumptions, engine: dict, *, gpu="h200", anchor: int = 0, shape
     a_v, note = calibrate_verify(a, engine, shape, gpu)
     if notes is not None:
         notes.append(note)
-    anchored = anchor_host_costs(a_v, rows[anchor], shape, gpu, verify=a_v is a)
+    anchored = anchor_host_costs(for_drafter(a_v, rows[anchor]), rows[anchor], shape, gpu, verify=a_v is a)
     out = []
     for i, r in enumerate(rows):
-        st = step_time(gpu, _scenario(r), anchored, shape)
-        pure = step_time(gpu, _scenario(r), a, shape)
+        st = step_time(gpu, _scenario(r), for_drafter(anchored, r), shape)
+        pure = step_time(gpu, _scenario(r), for_drafter(a, r), shape)
         out.append({
             "context": r["context"], "budget": r["budget"], "concurrency": r["concurrency"],
             "accepted": r["accepted"], "measured_ms": r["step_ms"], "predicted_ms": st["total"] * 1e3,
@@ -327,4 +343,4 @@ def assumptions_diff(before: Assumptions, after: Assumptions) -> list[dict]:
 
 
 __all__ = ["Param", "anchor_host_costs", "assumptions_diff", "calibrate", "calibrate_verify", "engine_rows",
-           "engine_shape", "load_results", "validate"]
+           "engine_shape", "for_drafter", "load_results", "validate"]

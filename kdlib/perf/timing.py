@@ -42,6 +42,18 @@ def cpu_time(fn: Callable[[], object], *, warmup: int = 3, iters: int = 20) -> T
     return _summarise(samples)
 
 
+def host_probe_ms(n: int = 1_000_000) -> float:
+    """Wall ms of a fixed pure-Python loop of `n` additions: a gauge of the host CPU's current speed.
+
+    A host-bound measurement (Python dispatch, eager launches) taken next to it can be read against
+    it: on a shared machine this probe itself drifts by ~2x over seconds."""
+    t0 = time.perf_counter()
+    acc = 0
+    for i in range(n):
+        acc += i
+    return (time.perf_counter() - t0) * 1e3
+
+
 def cuda_time(fn: Callable[[], object], *, warmup: int = 5, iters: int = 50, backend: str = "torch") -> Timing:
     """Median device time of `fn()` in ms, each call bracketed by CUDA events on the current stream.
 
