@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kdlib import check
-from kdlib.cuda import moe
+from kdlib.cuda import loader, moe
 
 # ----------------------------------------------------------------------------- CPU: quantizer
 
@@ -170,31 +170,46 @@ def _gpu_case(E, K, N, M, k, seed):
     def run(**kw):
         return moe.moe_w4a16(cp.asarray(x_bits), packed, routing, sync=True, **kw)
 
-    return run(), ref, routing, run
+    return ref, routing, run
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize(
     "E,K,N,M,k,variant",
     [
         (16, 512, 128, 5, 4, "n8"),        # decode: <= 8 tokens per expert
-        (16, 512, 128, 200, 4, "n32"),     # ~50 tokens per expert: two 32-token passes
+        (16, 512, 128, 200, 4, "n32"),     # ~50 tokens per expert: two 32-token passes (v2: v1's kernels)
         (16, 512, 128, 32, 4, "n16"),      # ~8 tokens per expert, at most 12
         (16, 7168, 256, 3, 8, "n8"),       # Kimi-K2 TP8 shard shapes
         (8, 7168, 256, 40, 8, "n32"),      # every expert touched, 40 tokens each
+        (32, 2048, 256, 24, 4, "n8"),      # 512 gate/up items: v2's persistent blocks walk several each
     ],
 )
-def test_kernel_matches_reference(E, K, N, M, k, variant):
-    y, ref, routing, run = _gpu_case(E, K, N, M, k, seed=E + M)
+def test_kernel_matches_reference(E, K, N, M, k, variant, version):
+    ref, routing, run = _gpu_case(E, K, N, M, k, seed=E + M)
     per_pass = 8 if routing.max_count <= 8 else 16 if routing.max_count <= 16 else 32
     assert f"n{per_pass}" == variant, f"routing gave max {routing.max_count} tokens per expert"
-    check.assert_close(y, ref, rtol=5e-3, name=f"moe_w4a16 E{E} K{K} N{N} M{M} top{k}")
+    name = f"moe_w4a16 v{version} E{E} K{K} N{N} M{M} top{k}"
+    check.assert_close(run(version=version), ref, rtol=5e-3, name=name)
     if variant == "n8":   # the 8-warp gate/up block shape computes the same
-        check.assert_close(run(gate_up_warps=8), ref, rtol=5e-3, name=f"moe_w4a16 (8-warp gate/up) M{M}")
+        check.assert_close(run(version=version, gate_up_warps=8), ref, rtol=5e-3, name=f"{name} (8-warp gate/up)")
 
 
 @pytest.mark.gpu
-def test_kernel_accepts_torch_bf16_and_rejects_bad_input():
+@pytest.mark.parametrize("version", [1, 2])
+def test_kernel_overwrites_a_dirty_out(version):
+    """`out` full of NaN from an earlier use: v1 fills it, v2 zeroes it inside the gate/up launch."""
+    import cupy as cp
+
+    ref, routing, run = _gpu_case(16, 512, 128, 5, 4, seed=11)
+    out = cp.full((5, 512), cp.nan, dtype=cp.float32)
+    check.assert_close(run(version=version, out=out), ref, rtol=5e-3, name=f"v{version} into a NaN-filled out")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", [1, 2])
+def test_kernel_accepts_torch_bf16_and_rejects_bad_input(version):
     import cupy as cp
     import torch
 
@@ -206,15 +221,17 @@ def test_kernel_accepts_torch_bf16_and_rejects_bad_input():
     ids = np.stack([rng.choice(E, k, replace=False) for _ in range(M)]).astype(np.int32)
     wts = np.full((M, k), 0.5, np.float32)
     routing = moe.prepare_routing(torch.from_numpy(ids).cuda(), torch.from_numpy(wts).cuda(), E)
-    y = moe.moe_w4a16(x, packed, routing, sync=True)
+    y = moe.moe_w4a16(x, packed, routing, sync=True, version=version)
     x_bits = x.view(torch.int16).cpu().numpy().view(np.uint16)
-    check.assert_close(y, moe.moe_w4a16_reference(x_bits, w, ids, wts), rtol=5e-3, name="torch bf16 input")
+    check.assert_close(y, moe.moe_w4a16_reference(x_bits, w, ids, wts), rtol=5e-3, name=f"v{version} torch bf16 input")
     with pytest.raises(ValueError, match="x must be"):
         moe.moe_w4a16(cp.zeros((M + 1, K), cp.uint16), packed, routing)
     with pytest.raises(ValueError, match="uint16"):
         moe.moe_w4a16(cp.zeros((M, K), cp.float32), packed, routing)
     with pytest.raises(ValueError, match="gate_up_warps"):
-        moe.moe_w4a16(x, packed, routing, gate_up_warps=4)
+        moe.moe_w4a16(x, packed, routing, gate_up_warps=4, version=version)
+    with pytest.raises(ValueError, match="version must be 1 or 2"):
+        moe.moe_w4a16(x, packed, routing, version=3)
     with pytest.raises(ValueError, match="topk_ids must lie"):
         moe.prepare_routing(cp.asarray(ids + E), cp.asarray(wts), E)
 
@@ -398,3 +415,194 @@ def test_suite_knee_from_times_interpolates_the_plateau_onset():
     rows = [{"m": m, "kernel": {"median_ms": min(m, 100) / 100}} for m in (1, 10, 80, 90, 256, 512, 1024)]
     assert suite._knee_from_times(rows, "kernel") == pytest.approx(85.0, rel=0.01)
     assert suite._knee_from_times([{"m": 1, "kernel": {"median_ms": 1.0}}], "kernel") is None
+
+
+# ----------------------------------------------------------------------------- CPU: v2 emulation
+# The v2 kernels transliterated the same way: persistent grids, per-warp cp.async rings (a stage
+# array written at issue and read at consume, so a wrong cursor or stage index shows up as a wrong
+# result), the gate/up item stride and K split, the down kernel's per-warp item ranges.
+
+
+def _emulate_v2(x_bits, packed, ids, wts, E, K, N, *, warps, stages, sms, down_warps=16, down_stages=8):
+    M, k = ids.shape
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    counts = np.bincount(flat, minlength=E)
+    assert counts.max() <= 8, "v2 takes <= 8 slots per expert"
+    off = np.concatenate([[0], np.cumsum(counts)])
+    active = np.nonzero(counts)[0]
+    stok, swt = order // k, wts.reshape(-1)[order]
+    w1, s1 = packed["w1"].reshape(-1, 4), packed["s1"].reshape(-1)
+    w2, s2 = packed["w2"].reshape(-1, 4), packed["s2"].reshape(-1)
+    x = np.asarray(x_bits).reshape(-1)
+    S, P, KC, RT, NC = M * k, N // 16, K // 64, K // 16, N // 64
+    h = np.zeros(S * N, np.uint16)
+    y = np.full(M * K, np.nan)                   # the gate/up launch must zero it
+    lanes = np.arange(32)
+    g_l, t_l = lanes // 4, lanes % 4
+    # gate/up: grid = min(items, sms) blocks (one per SM, as the wrapper sizes it)
+    n_items = len(active) * P
+    grid = min(n_items, sms)
+    y[:] = 0.0
+    for bx in range(grid):
+        my_items = (n_items - 1 - bx) // grid + 1 if n_items > bx else 0
+        per_warp = -(-KC // warps)
+        partial = np.zeros((my_items, warps, 8, 32))
+        for warp in range(warps):
+            kbeg = min(KC, warp * per_warp)
+            cnt = min(KC, kbeg + per_warp) - kbeg
+            total = my_items * cnt
+            ring_w = np.zeros((stages, 2, 32, 4), np.uint32)
+            ring_x = np.zeros((stages, 32, 16), np.uint16)
+            ring_s = np.zeros((stages, 2, 32), np.uint32)
+            cur = {"it": 0, "c": 0, "stage": 0}
+
+            def issue(cur=cur, kbeg=kbeg, cnt=cnt, bx=bx, ring_w=ring_w, ring_x=ring_x, ring_s=ring_s):
+                item = bx + cur["it"] * grid
+                a_idx, p = divmod(item, P)
+                e = active[a_idx]
+                slot = off[e] + g_l
+                valid = slot < off[e + 1]
+                chunk0 = (e * P + p) * KC + kbeg
+                st, c = cur["stage"], cur["c"]
+                for u in range(2):
+                    ring_w[st, u] = w1[(chunk0 + c) * 2 * 32 + u * 32 + lanes]
+                    ring_s[st, u] = s1[(chunk0 + c) * 2 * 16 + u * 16 + (t_l >> 1) * 8 + g_l]
+                for ln in range(32):
+                    if valid[ln]:
+                        base = stok[slot[ln]] * K + (kbeg + c) * 64 + 16 * t_l[ln]
+                        ring_x[st, ln] = x[base:base + 16]
+                    else:
+                        ring_x[st, ln] = 0
+                cur["stage"] = (st + 1) % stages
+                cur["c"] += 1
+                if cur["c"] == cnt:
+                    cur["c"], cur["it"] = 0, cur["it"] + 1
+
+            issued = 0
+            for _ in range(stages - 1):
+                if issued < total:
+                    issue()
+                    issued += 1
+            stage_c = 0
+            for it in range(my_items):
+                acc = np.zeros((2, 32, 4))
+                for _ in range(cnt):
+                    if issued < total:
+                        issue()
+                        issued += 1
+                    xb = moe.bf16_bits_to_f32(ring_x[stage_c]).astype(np.float64).reshape(32, 8, 2)
+                    for u in range(2):
+                        for i in range(4):
+                            af = _emu_dequant(ring_w[stage_c, u, :, i], ring_s[stage_c, u])
+                            _emu_mma(acc[u], af, xb[:, 2 * i:2 * i + 2])
+                    stage_c = (stage_c + 1) % stages
+                for u in range(2):
+                    for r in range(4):
+                        partial[it, warp, u * 4 + r] = acc[u, :, r]
+        for it in range(my_items):
+            item = bx + it * grid
+            a_idx, p = divmod(item, P)
+            e = active[a_idx]
+            for tid in range(128):
+                ln, r = tid & 31, tid >> 5
+                slot = off[e] + 2 * (ln & 3) + (r & 1)
+                if slot < off[e + 1]:
+                    gs, us = partial[it, :, r, ln].sum(), partial[it, :, 4 + r, ln].sum()
+                    row = (ln >> 2) + (8 if r >= 2 else 0)
+                    h[slot * N + p * 16 + row] = moe.f32_to_bf16_bits(gs / (1 + np.exp(-gs)) * us)
+    # down: grid = min(ceil(items / warps), sms), contiguous item range per warp
+    n_items = len(active) * RT
+    grid = min(-(-n_items // down_warps), sms)
+    tw = grid * down_warps
+    for gw in range(tw):
+        i0, i1 = n_items * gw // tw, n_items * (gw + 1) // tw
+        total = (i1 - i0) * NC
+        ring_w = np.zeros((down_stages, 32, 4), np.uint32)
+        ring_s = np.zeros((down_stages, 32), np.uint32)
+        cur = {"it": i0, "c": 0, "stage": 0}
+
+        def issue_d(cur=cur, ring_w=ring_w, ring_s=ring_s):
+            a_idx, rt = divmod(cur["it"], RT)
+            chunk0 = (active[a_idx] * RT + rt) * NC
+            st, c = cur["stage"], cur["c"]
+            ring_w[st] = w2[(chunk0 + c) * 32 + lanes]
+            ring_s[st] = s2[(chunk0 + c) * 16 + (t_l >> 1) * 8 + g_l]
+            cur["stage"] = (st + 1) % down_stages
+            cur["c"] += 1
+            if cur["c"] == NC:
+                cur["c"], cur["it"] = 0, cur["it"] + 1
+
+        issued = 0
+        for _ in range(down_stages - 1):
+            if issued < total:
+                issue_d()
+                issued += 1
+        stage_c = 0
+        for item in range(i0, i1):
+            a_idx, rt = divmod(item, RT)
+            e = active[a_idx]
+            hrow = [(s * N if (s := off[e] + g) < off[e + 1] else None) for g in range(8)]
+            acc = np.zeros((32, 4))
+            for c in range(NC):
+                if issued < total:
+                    issue_d()
+                    issued += 1
+                b = _emu_load_b(h, hrow, c * 64)
+                for i in range(4):
+                    _emu_mma(acc, _emu_dequant(ring_w[stage_c, :, i], ring_s[stage_c]), b[:, 2 * i:2 * i + 2])
+                stage_c = (stage_c + 1) % down_stages
+            for lane in range(32):
+                g, t = divmod(lane, 4)
+                for half in range(2):
+                    slot = off[e] + 2 * t + half
+                    if slot < off[e + 1]:
+                        y[stok[slot] * K + rt * 16 + g] += swt[slot] * acc[lane, half]
+                        y[stok[slot] * K + rt * 16 + g + 8] += swt[slot] * acc[lane, 2 + half]
+    return y.reshape(M, K)
+
+
+@pytest.mark.parametrize("K,warps,stages,sms", [(128, 16, 5, 3), (1024, 16, 5, 2), (512, 8, 4, 5)])
+def test_kernel_v2_addressing_emulated_on_cpu(K, warps, stages, sms):
+    """Few emulated SMs, so blocks walk several items and the rings wrap across item boundaries."""
+    E, N, M, k = 4, 128, 6, 2
+    rng = np.random.default_rng(K + warps)
+    w = moe.MoEWeights.random(E, K, N, seed=K, std=0.1)
+    x_bits = moe.f32_to_bf16_bits(rng.normal(0, 1, (M, K)))
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(M)]).astype(np.int32)
+    wts = rng.random((M, k)).astype(np.float32)
+    y = _emulate_v2(x_bits, moe.pack_moe(w), ids, wts, E, K, N, warps=warps, stages=stages, sms=sms)
+    check.assert_close(y, moe.moe_w4a16_reference(x_bits, w, ids, wts), rtol=2e-3, name=f"emulated v2 K{K} w{warps}")
+
+
+# ----------------------------------------------------------------------------- compile: v2 resources
+
+
+@pytest.mark.skipif(loader.nvcc_path() is None, reason="nvcc not found on PATH")
+@pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
+def test_v2_kernels_fit_the_launch_shapes_the_wrapper_assumes(arch):
+    """ptxas's report of kernels/moe_w4a16_v2.cu against the wrapper's constants: no spills or stack,
+    registers low enough for the resident blocks the persistent grids count on, static shared
+    memory equal to the reduction buffer the wrapper budgets; and the H200's shared memory (228 KB
+    per SM, 227 KB per block) holds one 16-warp or two 8-warp gate/up blocks."""
+    from kdlib.cuda import loader
+
+    rc, text = loader.compile_report(moe.STEM_V2, arch)
+    assert rc == 0, text
+    rep = loader.parse_ptxas(text)
+    names = {f"{moe.STEM_V2}_gate_up_w16", f"{moe.STEM_V2}_gate_up_w8", f"{moe.STEM_V2}_down"}
+    assert names <= set(rep), sorted(rep)
+    h200 = {"sms": 132, "smem_block": 227 * 1024, "smem_sm": 228 * 1024, "smem_reserved": 1024}
+    for warps in (16, 8):
+        info = rep[f"{moe.STEM_V2}_gate_up_w{warps}"]
+        shape = moe.v2_gate_up_shape(warps, h200)
+        assert shape["blocks_per_sm"] == (1 if warps == 16 else 2)
+        assert info["spill_stores"] == info["spill_loads"] == info["stack"] == 0, info
+        assert info["registers"] * shape["threads"] * shape["blocks_per_sm"] <= 65536, info
+        assert info["static_smem"] == warps * moe._V2_RED_BYTES_PER_WARP, info
+    down = rep[f"{moe.STEM_V2}_down"]
+    assert down["spill_stores"] == down["stack"] == 0 and down["registers"] * moe._V2_DOWN[0] <= 65536, down
+    # A 100 KB part (sm_120: 99 KB per block) takes only the 8-warp gate/up block.
+    small = {"sms": 1, "smem_block": 99 * 1024, "smem_sm": 100 * 1024, "smem_reserved": 1024}
+    assert moe.v2_gate_up_shape(16, small)["blocks_per_sm"] == 0
+    assert moe.v2_gate_up_shape(8, small)["blocks_per_sm"] == 1

@@ -1,5 +1,5 @@
 """W4A16 MoE layer: the numpy reference, the weight packing, and the CuPy wrapper of
-`kernels/moe_w4a16_v1.cu`.
+`kernels/moe_w4a16_v1.cu` and `kernels/moe_w4a16_v2.cu` (same packed layout and routing metadata).
 
 The math (reference and kernel alike), for an expert with gate/up weights Wg, Wu [N, K] and down
 weights Wd [K, N], all INT4 with one bf16 scale per 32 consecutive reduction elements:
@@ -30,6 +30,7 @@ GROUP = 32          # reduction elements per scale (the kernel reads one scale p
 TILE_ROWS = 16      # mma m16: rows per tile
 CHUNK_COLS = 64     # columns per uint4 per lane (4 mma k16 steps)
 STEM = "moe_w4a16_v1"
+STEM_V2 = "moe_w4a16_v2"   # decode-regime kernels (<= 8 slots per expert), same layout
 
 
 # ----------------------------------------------------------------------------- bf16 bit helpers
@@ -314,20 +315,66 @@ def _check(sync: bool, what: str) -> None:
             raise RuntimeError(f"{STEM}: {what} failed: {err}") from err
 
 
+_V2_GATE_UP = {16: (512, 5), 8: (256, 4)}   # warps -> (threads, ring stages), as instantiated in the .cu
+_V2_DOWN = (512, 8)                         # kDownWarps * 32 threads, kDownStages
+_V2_STAGE_BYTES_GATE_UP = 32 * (4 * 16 + 2 * 4)   # per warp and stage: 4 uint4 + 2 words per lane
+_V2_STAGE_BYTES_DOWN = 32 * (16 + 4)              # per warp and stage: 1 uint4 + 1 word per lane
+_V2_RED_BYTES_PER_WARP = 8 * 32 * 4               # static red[WARPS][8][32] floats (gate/up only)
+_V2_MAX_SLOTS = 8                                  # tokens per expert the v2 kernels take in one pass
+_DEVICE_LIMITS: dict[int, dict] = {}
+
+
+def _device_limits() -> dict:
+    """SM count and shared-memory limits of the current device (cached): the persistent grids'
+    sizes and which v2 gate/up block shape fits."""
+    import cupy as cp
+
+    dev = cp.cuda.runtime.getDevice()
+    if dev not in _DEVICE_LIMITS:
+        props = cp.cuda.runtime.getDeviceProperties(dev)
+        _DEVICE_LIMITS[dev] = {
+            "sms": int(props["multiProcessorCount"]),
+            "smem_block": int(props.get("sharedMemPerBlockOptin", props.get("sharedMemPerBlock", 48 * 1024))),
+            "smem_sm": int(props.get("sharedMemPerMultiprocessor", 0)),
+            "smem_reserved": int(props.get("reservedSharedMemPerBlock", 1024)),
+        }
+    return _DEVICE_LIMITS[dev]
+
+
+def v2_gate_up_shape(warps: int, limits: dict) -> dict:
+    """The v2 gate/up block with `warps` warps on a device with `limits` (see `_device_limits`):
+    threads, dynamic shared memory, resident blocks per SM (0 = does not fit)."""
+    threads, stages = _V2_GATE_UP[warps]
+    dyn = warps * stages * _V2_STAGE_BYTES_GATE_UP
+    static = warps * _V2_RED_BYTES_PER_WARP
+    per_block = dyn + static + limits["smem_reserved"]
+    fits = dyn + static <= limits["smem_block"]
+    by_smem = limits["smem_sm"] // per_block if limits["smem_sm"] else 1
+    by_bounds = 2 if warps == 8 else 1          # __launch_bounds__ minimum blocks in the .cu
+    return {"threads": threads, "dyn_smem": dyn, "blocks_per_sm": min(by_smem, by_bounds) if fits else 0}
+
+
 def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool = False,
-              gate_up_warps: int = 16):
-    """y = MoE(x) with INT4 experts: two launches (gate/up + SwiGLU, down + weighted combine).
+              gate_up_warps: int | None = None, version: int = 1):
+    """y = MoE(x) with INT4 experts.
 
     Shape: x [M, K] bf16 (torch bf16 or CuPy uint16 bits); packed = `upload(pack_moe(w))`;
     returns y [M, K] float32 (CuPy). `out` (float32 [M, K]) and `h` (uint16 [M * topk, N]) may be
-    given to avoid allocations; `out` is zeroed here. sync=True synchronizes after each launch.
-    gate_up_warps: 16 or 8, the gate/up block shape in the decode regime (<= 8 tokens per expert).
+    given to avoid allocations; `out` is overwritten. sync=True synchronizes after each launch.
+
+    version 1 (`kernels/moe_w4a16_v1.cu`): y.fill(0), gate/up + SwiGLU launch, down + weighted
+    combine launch; gate_up_warps 16 (default) or 8 picks the gate/up block in the decode regime.
+    version 2 (`kernels/moe_w4a16_v2.cu`, decode regime: every expert has <= 8 slots): two
+    persistent launches streaming the weights through per-warp cp.async rings, y zeroed inside the
+    gate/up launch; gate_up_warps 16 (one 512-thread block per SM) or 8 (two 256-thread blocks per
+    SM), default 16 where its 200 KB of shared memory fit, else 8. With more than 8 slots on some
+    expert, version 2 runs version 1's n16 / n32 kernels.
     """
-    if gate_up_warps not in (8, 16):
+    if version not in (1, 2):
+        raise ValueError(f"version must be 1 or 2, got {version!r}")
+    if gate_up_warps not in (None, 8, 16):
         raise ValueError(f"gate_up_warps must be 8 or 16, got {gate_up_warps}")
     import cupy as cp
-
-    from kdlib.cuda.loader import get_function
 
     xb = _bf16_bits_cupy(x, "x")
     w1, s1, w2, s2 = (packed[k] for k in ("w1", "s1", "w2", "s2"))
@@ -354,8 +401,19 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
         h = cp.empty((S, N), dtype=cp.uint16)
     elif h.shape != (S, N) or h.dtype != cp.uint16 or not h.flags.c_contiguous:
         raise ValueError(f"h must be contiguous uint16 [{S}, {N}]")
-    out.fill(0)
+    if version == 2 and routing.max_count <= _V2_MAX_SLOTS:
+        _launch_v2(xb, w1, s1, w2, s2, routing, out, h, K, N, gate_up_warps, sync)
+    else:
+        _launch_v1(xb, w1, s1, w2, s2, routing, out, h, K, N, 16 if gate_up_warps is None else gate_up_warps, sync)
+    return out
 
+
+def _launch_v1(xb, w1, s1, w2, s2, routing: Routing, out, h, K: int, N: int, gate_up_warps: int, sync: bool):
+    """version 1: y.fill(0), gate/up launch, down launch (kernels/moe_w4a16_v1.cu)."""
+    from kdlib.cuda.loader import get_function
+
+    P = N // TILE_ROWS
+    out.fill(0)
     per_pass = 8 if routing.max_count <= 8 else 16 if routing.max_count <= 16 else 32
     variant = f"n{per_pass}"
     passes = -(-routing.max_count // per_pass)
@@ -377,4 +435,34 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
     down((passes, -(-(K // 16) // tiles_per_block), n_active), (threads,),
          (h, w2, s2, *meta, routing.sorted_weight, out, np.int32(K), np.int32(N)))
     _check(sync, "down launch")
-    return out
+
+
+def _launch_v2(xb, w1, s1, w2, s2, routing: Routing, out, h, K: int, N: int, gate_up_warps: int | None,
+               sync: bool):
+    """version 2: persistent gate/up launch (zeroes y), persistent down launch (kernels/moe_w4a16_v2.cu)."""
+    from kdlib.cuda.loader import get_function, set_max_dynamic_shared
+
+    limits = _device_limits()
+    if gate_up_warps is None:
+        gate_up_warps = 16 if v2_gate_up_shape(16, limits)["blocks_per_sm"] else 8
+    shape = v2_gate_up_shape(gate_up_warps, limits)
+    if not shape["blocks_per_sm"]:
+        raise ValueError(f"the v2 gate/up block with {gate_up_warps} warps needs {shape['dyn_smem']} B of "
+                         f"shared memory; this device allows {limits['smem_block']} B per block")
+    n_active = max(1, routing.n_active)
+    meta = (routing.expert_offsets, routing.active_experts, routing.n_active_dev, routing.sorted_token)
+    gate_up = get_function(STEM_V2, f"{STEM_V2}_gate_up_w{gate_up_warps}")
+    set_max_dynamic_shared(gate_up, shape["dyn_smem"])
+    items = n_active * (N // TILE_ROWS)                 # (expert, 16-row tile pair) work items
+    grid = min(items, limits["sms"] * shape["blocks_per_sm"])
+    gate_up((grid,), (shape["threads"],), (xb, w1, s1, *meta, h, out, np.int32(routing.m), np.int32(K), np.int32(N)),
+            shared_mem=shape["dyn_smem"])
+    _check(sync, "v2 gate_up launch")
+    down = get_function(STEM_V2, f"{STEM_V2}_down")
+    threads, stages = _V2_DOWN
+    dyn = threads // 32 * stages * _V2_STAGE_BYTES_DOWN
+    set_max_dynamic_shared(down, dyn)
+    grid = min(-(-n_active * (K // TILE_ROWS) // (threads // 32)), limits["sms"])   # >= 1 item per warp
+    down((grid,), (threads,), (h, w2, s2, *meta, routing.sorted_weight, out, np.int32(K), np.int32(N)),
+         shared_mem=dyn)
+    _check(sync, "v2 down launch")

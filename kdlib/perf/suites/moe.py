@@ -1,12 +1,19 @@
-"""MoE layer, two regimes, on one GPU: the W4A16 CuPy kernel (`kernels/moe_w4a16_v1.cu`) against a
-bf16 grouped GEMM in PyTorch, Kimi-K2 expert shapes at the TP8 shard.
+"""MoE layer, two regimes, on one GPU: the W4A16 CuPy kernels (`kernels/moe_w4a16_v1.cu` and the
+decode-regime `kernels/moe_w4a16_v2.cu`) against a bf16 grouped GEMM in PyTorch, Kimi-K2 expert
+shapes at the TP8 shard.
 
 Shapes: 384 experts, hidden K = 7168, expert intermediate N = 2048 / 8 = 256 (TP8 shard), top-8
 routing of M tokens (uniformly random experts, Dirichlet-like random weights), M = 1 ... 4096.
 
 What is timed (CUDA events around each call, median of `iters` after warm-up):
-- kernel: y.fill(0) + gate/up+SwiGLU launch + down+combine launch (`kdlib.cuda.moe.moe_w4a16`),
-  issued from Python (eager) and, separately, replayed from a CUDA graph (`kernel_graph`).
+- kernel: version 1, y.fill(0) + gate/up+SwiGLU launch + down+combine launch
+  (`kdlib.cuda.moe.moe_w4a16(..., version=1)`), issued from Python (eager) and, separately,
+  replayed from a CUDA graph (`kernel_graph`). `kernel_gate_up_8warps`: the same with v1's 8-warp
+  gate/up block (decode regime only).
+- kernel_v2: version 2, persistent gate/up launch (zeroes y) + persistent down launch, eager and
+  graph (`kernel_v2_graph`); where some expert has more than 8 slots, version 2 runs version 1's
+  kernels (the row's `kernel_v2_path` says which ran). `kernel_v2_gate_up_8warps`: v2 with its
+  8-warp gate/up block (two per SM) instead of the 16-warp one (decode regime only).
   The routing metadata (sort by expert, offsets) is made once per routing outside the timing:
   an engine computes it once per layer call alongside the router, in a few small kernels.
 - baseline: gather x by sorted slot, `torch._grouped_mm` gate/up, SwiGLU, `torch._grouped_mm`
@@ -120,9 +127,15 @@ def _knee_from_times(rows: list[dict], arm: str) -> float | None:
     return float(pts[0][0]) if pts[0][1] >= target else None
 
 
-def _graph_time(routes, xb, packed, out, h, *, rotations: int, iters: int) -> dict:
-    """The same three launches replayed from one CUDA graph per routing: the device time without
-    the ~5 us per launch of Python issue (kernels-perf.md §6), which dominates at M = 1."""
+def _min_key(rows: list[dict], key: str) -> float | None:
+    """The smallest non-None rows[i][key], or None."""
+    return min((r[key] for r in rows if r.get(key) is not None), default=None)
+
+
+def _graph_time(routes, xb, packed, out, h, *, rotations: int, iters: int, **kw) -> dict:
+    """The same launches (`moe_w4a16(..., **kw)`) replayed from one CUDA graph per routing: the
+    device time without the ~5 us per launch of Python issue (kernels-perf.md §6), which dominates
+    at M = 1."""
     import cupy as cp
 
     from kdlib.cuda import moe
@@ -134,7 +147,7 @@ def _graph_time(routes, xb, packed, out, h, *, rotations: int, iters: int) -> di
         with stream:
             for r, *_ in routes:
                 stream.begin_capture()
-                moe.moe_w4a16(xb, packed, r, out=out, h=h)
+                moe.moe_w4a16(xb, packed, r, out=out, h=h, **kw)
                 graphs.append(stream.end_capture())
             state = {"i": 0}
 
@@ -167,38 +180,44 @@ def _measure(m: int, rng, packed, baseline, *, bw: float, flop_rate: float, rota
         routes.append((r, offs, torch.from_dlpack(r.sorted_token).long(), torch.from_dlpack(r.sorted_weight)))
     out = cp.empty((m, K), dtype=cp.float32)                                    # [M, K]
     h = cp.empty((m * TOPK, N), dtype=cp.uint16)                                # [M*topk, N]
-    moe.moe_w4a16(xb, packed, routes[0][0], out=out, h=h, sync=True)            # surfaces launch errors
     state = {"i": 0}
 
-    def kernel_call():
-        r = routes[state["i"] % rotations][0]
-        state["i"] += 1
-        moe.moe_w4a16(xb, packed, r, out=out, h=h)
+    def eager(**kw) -> dict:
+        """Median timing of moe_w4a16(..., **kw) over the rotating routings (one synced call first:
+        it surfaces launch errors)."""
+        moe.moe_w4a16(xb, packed, routes[0][0], out=out, h=h, sync=True, **kw)
+
+        def call():
+            r = routes[state["i"] % rotations][0]
+            state["i"] += 1
+            moe.moe_w4a16(xb, packed, r, out=out, h=h, **kw)
+
+        return timing.cuda_time(call, warmup=rotations, iters=iters, backend="cupy").as_dict()
 
     def baseline_call():
         r, offs, tok, wts = routes[state["i"] % rotations]
         state["i"] += 1
         baseline(x, tok, wts, offs, m, r.max_count)
 
-    t_kernel = timing.cuda_time(kernel_call, warmup=rotations, iters=iters, backend="cupy")
-    t_graph = _graph_time(routes, xb, packed, out, h, rotations=rotations, iters=iters)
-    t_w8 = None
-    if all(rr[0].max_count <= 8 for rr in routes):   # decode regime: also the 8-warp gate/up block shape
-        moe.moe_w4a16(xb, packed, routes[0][0], out=out, h=h, sync=True, gate_up_warps=8)
-
-        def kernel_w8_call():
-            r = routes[state["i"] % rotations][0]
-            state["i"] += 1
-            moe.moe_w4a16(xb, packed, r, out=out, h=h, gate_up_warps=8)
-
-        t_w8 = timing.cuda_time(kernel_w8_call, warmup=rotations, iters=iters, backend="cupy").as_dict()
+    decode = all(rr[0].max_count <= 8 for rr in routes)   # v1's n8 kernels and v2's own kernels
+    t_kernel = eager(version=1)
+    t_graph = _graph_time(routes, xb, packed, out, h, rotations=rotations, iters=iters, version=1)
+    t_w8 = eager(version=1, gate_up_warps=8) if decode else None
+    t_v2 = eager(version=2)
+    t_v2_graph = _graph_time(routes, xb, packed, out, h, rotations=rotations, iters=iters, version=2)
+    t_v2_w8 = eager(version=2, gate_up_warps=8) if decode else None
     t_base = timing.cuda_time(baseline_call, warmup=rotations, iters=iters)
     touched = float(np.mean([rr[0].n_active for rr in routes]))
     acct = moe.layer_bytes_flops(m, touched, K, N, TOPK)
     base_bytes = touched * 3 * K * N * 2 + (acct["bytes"] - acct["weight_bytes"])
     fl_k = perf.floor_ms(acct["bytes"], acct["flops"], bandwidth_Bps=bw, flop_rate=flop_rate)
     fl_b = perf.floor_ms(base_bytes, acct["flops"], bandwidth_Bps=bw, flop_rate=flop_rate)
-    sec_k, sec_b = t_kernel.median_ms * 1e-3, t_base.median_ms * 1e-3
+    sec_k, sec_b = t_kernel["median_ms"] * 1e-3, t_base.median_ms * 1e-3
+
+    def frac(t: dict | None) -> float | None:
+        """Touched bytes / median time / copy bandwidth (None for an arm that did not run)."""
+        return acct["bytes"] / (t["median_ms"] * 1e-3) / bw if t and "median_ms" in t else None
+
     return {
         "m": m,
         "touched_experts": touched,
@@ -209,23 +228,30 @@ def _measure(m: int, rng, packed, baseline, *, bw: float, flop_rate: float, rota
         "bytes": acct["bytes"],
         "weight_bytes": acct["weight_bytes"],
         "flops": acct["flops"],
-        "kernel": t_kernel.as_dict(),
+        "kernel": t_kernel,
         "kernel_floor": fl_k,
         "kernel_GBps": acct["bytes"] / sec_k / 1e9,
-        "kernel_frac_copy_bw": acct["bytes"] / sec_k / bw,
+        "kernel_frac_copy_bw": frac(t_kernel),
         "kernel_TFLOPs": acct["flops"] / sec_k / 1e12,
-        "kernel_frac_floor": fl_k["floor_ms"] / t_kernel.median_ms,
+        "kernel_frac_floor": fl_k["floor_ms"] / t_kernel["median_ms"],
         "kernel_graph": t_graph,
         "kernel_gate_up_8warps": t_w8,
-        "kernel_gate_up_8warps_frac_copy_bw": acct["bytes"] / (t_w8["median_ms"] * 1e-3) / bw if t_w8 else None,
-        "kernel_graph_frac_copy_bw": (acct["bytes"] / (t_graph["median_ms"] * 1e-3) / bw
-                                      if "median_ms" in t_graph else None),
+        "kernel_gate_up_8warps_frac_copy_bw": frac(t_w8),
+        "kernel_graph_frac_copy_bw": frac(t_graph),
+        "kernel_v2_path": "v2" if decode else "v1 kernels (an expert has > 8 slots)",
+        "kernel_v2": t_v2,
+        "kernel_v2_frac_copy_bw": frac(t_v2),
+        "kernel_v2_graph": t_v2_graph,
+        "kernel_v2_graph_frac_copy_bw": frac(t_v2_graph),
+        "kernel_v2_gate_up_8warps": t_v2_w8,
+        "kernel_v2_gate_up_8warps_frac_copy_bw": frac(t_v2_w8),
+        "speedup_v2_vs_v1": t_kernel["median_ms"] / t_v2["median_ms"],
         "baseline": t_base.as_dict(),
         "baseline_bytes": base_bytes,
         "baseline_floor": fl_b,
         "baseline_GBps": base_bytes / sec_b / 1e9,
         "baseline_frac_floor": fl_b["floor_ms"] / t_base.median_ms,
-        "speedup_vs_baseline": t_base.median_ms / t_kernel.median_ms,
+        "speedup_vs_baseline": t_base.median_ms / t_kernel["median_ms"],
     }
 
 
@@ -275,6 +301,8 @@ def run(args) -> dict:
             f"[moe] M={m:5d} touched {row['touched_experts']:6.1f}  kernel {row['kernel']['median_ms']:7.3f} ms "
             f"({row['kernel_GBps']:6.0f} GB/s, {row['kernel_frac_copy_bw']:.0%} of copy, "
             f"{row['kernel_TFLOPs']:.1f} TF; graph {row['kernel_graph'].get('median_ms', float('nan')):7.3f} ms)  "
+            f"v2 {row['kernel_v2']['median_ms']:7.3f} ms ({row['kernel_v2_frac_copy_bw']:.0%}; graph "
+            f"{row['kernel_v2_graph'].get('median_ms', float('nan')):7.3f} ms)  "
             f"baseline[{arm}] {row['baseline']['median_ms']:7.3f} ms",
             flush=True,
         )
@@ -291,6 +319,8 @@ def run(args) -> dict:
         "params": {"experts": E, "hidden": K, "expert_inter_tp8": N, "topk": TOPK, "ms": list(ms),
                    "rotations": rotations, "iters": iters, "quick": quick,
                    "timed_kernel": "y.fill(0) + gate_up + down launches; routing prepared outside",
+                   "timed_kernel_v2": "gate_up (zeroes y) + down launches, persistent; v1's kernels "
+                                      "where an expert has > 8 slots; routing prepared outside",
                    "timed_baseline": f"gather + {arm} gate/up + SwiGLU + {arm} down + index_add combine"},
         "copy": copy,
         "copy_bandwidth_Bps": bw,
@@ -307,6 +337,14 @@ def run(args) -> dict:
                 (r["kernel_gate_up_8warps_frac_copy_bw"] for r in small
                  if r["kernel_gate_up_8warps_frac_copy_bw"] is not None), default=None),
             "kernel_median_frac_copy_bw_m_le_32": float(np.median([r["kernel_frac_copy_bw"] for r in small])) if small else None,
+            "kernel_v2_min_frac_copy_bw_m_le_32": _min_key(small, "kernel_v2_frac_copy_bw"),
+            "kernel_v2_graph_min_frac_copy_bw_m_le_32": _min_key(small, "kernel_v2_graph_frac_copy_bw"),
+            "kernel_v2_gate_up_8warps_min_frac_copy_bw_m_le_32": _min_key(small, "kernel_v2_gate_up_8warps_frac_copy_bw"),
+            "kernel_v2_median_frac_copy_bw_m_le_32": (float(np.median([r["kernel_v2_frac_copy_bw"] for r in small]))
+                                                      if small else None),
+            "kernel_v2_graph_min_frac_copy_bw_m_2_to_32": _min_key([r for r in small if r["m"] >= 2],
+                                                                   "kernel_v2_graph_frac_copy_bw"),
+            "kernel_v2_min_speedup_vs_v1_m_le_32": _min_key(small, "speedup_v2_vs_v1"),
             "all_experts_bytes": all_bytes,
             "all_experts_floor_ms": all_bytes / bw * 1e3,
             "knee_m_all_touched": saturate_m,

@@ -1,0 +1,372 @@
+// W4A16 grouped MoE GEMM, decode regime (<= 8 tokens per expert per layer call): the math, the
+// packed weight layout, the routing metadata and the dequantization are those of
+// moe_w4a16_v1.cu (read its header); v2 changes how the weight bytes are streamed.
+//
+// One MoE layer is two launches (v1: a y fill + two):
+//   moe_w4a16_v2_gate_up_w{16,8}: zero y, then h[slot, :] = silu(x[tok] . Wg^T) * (x[tok] . Wu^T)
+//   moe_w4a16_v2_down:            y[tok, :] += weight[slot] * (h[slot] . Wd^T)   (fp32 atomics)
+// Both are persistent: the grid is sized to the resident blocks, and every warp streams a long
+// sequence of 64-column chunks through its own cp.async ring in shared memory (STAGES deep), so the
+// loads of the next chunks - across work-item boundaries too - are in flight while the current one
+// is dequantized and multiplied (v1 loads a block's slice, computes, reduces and exits, and the
+// memory pipe of the SM idles in between unless another resident block happens to be loading).
+//
+// gate_up: work item = (active expert, 16-row tile pair p); items i = blockIdx.x, + gridDim.x, ...
+//   Each warp owns a fixed K range of every item (K split WARPS ways, as v1); per item the warps'
+//   partial sums meet in shared memory (two barriers per item; the ring keeps loading meanwhile).
+//   A chunk's stage holds gate and up weights, their scales and the 8 token rows' activations.
+// down: work item = (active expert, 16-row output tile) over the full reduction N; the flat item
+//   range is cut into one contiguous piece per warp (no barriers, balance to one item). The B
+//   fragments (h, 4 KB per expert) are read through L1 as in v1.
+//
+// Each lane reads back only the shared-memory words that its own cp.async wrote, so a per-thread
+// cp.async.wait_group is the only synchronization the rings need. Requirements (checked by the
+// wrapper): every expert has <= 8 slots (one token chunk), K % 64 == 0, N % 64 == 0, 16-byte
+// aligned bases; dynamic shared memory as given by the kStages / kWarps constants below.
+#include <cuda_bf16.h>
+
+// NVRTC (CuPy) has no host headers such as <stdint.h>: fixed-width names of our own.
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+namespace {
+
+constexpr int kDownWarps = 16;   // down: 512 threads, one block per SM
+constexpr int kDownStages = 8;   // 7 chunks (7 x 640 B) in flight per warp, ~70 KB per SM
+
+// gate/up stage per warp: 4 x 32 uint4 (gate w, up w, x cols 0-7, x cols 8-15) + 2 x 32 scale words.
+constexpr int kGuStageVec = 4 * 32;
+constexpr int kGuStageWords = 2 * 32;
+// down stage per warp: 32 uint4 of weights + 32 scale words.
+constexpr int kDnStageVec = 32;
+constexpr int kDnStageWords = 32;
+
+// (a & b) | c in one instruction (lop3 truth table 0xEA).
+__device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) {
+  u32 d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+__device__ __forceinline__ u32 bf162_bits(__nv_bfloat162 v) {
+  return *reinterpret_cast<u32*>(&v);
+}
+
+__device__ __forceinline__ __nv_bfloat162 bits_bf162(u32 v) {
+  return *reinterpret_cast<__nv_bfloat162*>(&v);
+}
+
+// Eight nibbles -> the four bf16x2 registers of an mma A fragment (identical to v1's dequant8).
+__device__ __forceinline__ void dequant8(u32 w, u32 scales, u32 a[4]) {
+  const __nv_bfloat162 bias = __float2bfloat162_rn(136.0f);  // 128 (magic exponent) + 8 (zero point)
+  const __nv_bfloat162 s_lo = bits_bf162(__byte_perm(scales, 0, 0x1010));  // row g, both halves
+  const __nv_bfloat162 s_hi = bits_bf162(__byte_perm(scales, 0, 0x3232));  // row g + 8
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const __nv_bfloat162 q = bits_bf162(and_or(w >> (4 * j), 0x000F000Fu, 0x43004300u));
+    a[j] = bf162_bits(__hmul2(__hsub2(q, bias), (j & 1) ? s_hi : s_lo));
+  }
+}
+
+__device__ __forceinline__ void mma_bf16(float c[4], const u32 a[4], u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// One k16 step group: the 4 words of one 16-row tile's chunk against the 8 B registers.
+__device__ __forceinline__ void mma_chunk(float acc[4], uint4 w, u32 s, const u32 b[8]) {
+  const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    u32 afrag[4];
+    dequant8(words[i], s, afrag);
+    mma_bf16(acc, afrag, b[2 * i], b[2 * i + 1]);
+  }
+}
+
+__device__ __forceinline__ u16 f32_to_bf16_bits(float v) {
+  const __nv_bfloat16 b = __float2bfloat16_rn(v);
+  return *reinterpret_cast<const u16*>(&b);
+}
+
+// ---------------------------------------------------------------- cp.async (sm_80+)
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes, L2 only (the weights are read once).
+__device__ __forceinline__ void cp16_cg(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+}
+
+// 16 bytes through L1 (activations, re-read by the other tiles of the expert); zeros when !valid.
+__device__ __forceinline__ void cp16_ca_zfill(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// The next chunk of a warp's stream into its ring (when one is left), then close the group: empty
+// groups keep the group count uniform, so wait_group<STAGES - 1> always means "the oldest landed".
+template <class Issue>
+__device__ __forceinline__ void issue_next(Issue& issue, int& issued, int total) {
+  if (issued < total) {
+    issue();
+    ++issued;
+  }
+  cp_commit();
+}
+
+// ---------------------------------------------------------------- gate / up
+// Items of this block: blockIdx.x + it * gridDim.x (it = 0 .. my_items-1), item = a_idx * P + p.
+// Warp `warp` streams chunks kbeg .. kbeg + cnt - 1 of each; the stream position pos = it * cnt + c.
+template <int WARPS, int STAGES>
+__device__ __forceinline__ void gate_up_body(
+    const u16* __restrict__ x, const uint4* __restrict__ w1, const u32* __restrict__ s1,
+    const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
+    const int* __restrict__ n_active, const int* __restrict__ sorted_token, u16* __restrict__ h,
+    float* __restrict__ y, int M, int K, int N, float (*red)[8][32], uint4* ring) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+
+  // y is the down launch's accumulator: zero it here (that launch starts after this one ends).
+  {
+    float4* y4 = reinterpret_cast<float4*>(y);
+    const int n4 = (M * K) >> 2;  // K % 64 == 0
+    for (int i = blockIdx.x * (WARPS * 32) + tid; i < n4; i += gridDim.x * (WARPS * 32))
+      y4[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+
+  const int P = N >> 4, KC = K >> 6;
+  const int n_items = *n_active * P;
+  const int my_items = n_items > (int)blockIdx.x ? (n_items - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+  const int per_warp = (KC + WARPS - 1) / WARPS;
+  const int kbeg = min(KC, warp * per_warp);
+  const int cnt = min(KC, kbeg + per_warp) - kbeg;  // 0 for trailing warps when KC < WARPS
+  const int total = my_items * cnt;
+
+  uint4* wring = ring + warp * STAGES * kGuStageVec;                                          // [S][4][32]
+  u32* sring = reinterpret_cast<u32*>(ring + WARPS * STAGES * kGuStageVec) + warp * STAGES * kGuStageWords;  // [S][2][32]
+
+  // Issue cursor: item it_i, chunk c_i; per-item addresses cached when it_i changes.
+  int it_i = 0, c_i = 0, stage_i = 0;
+  const uint4* wsrc = w1;
+  const u32* ssrc = s1;
+  const u16* xsrc = x;
+  bool xvalid = false;
+  auto issue_item = [&]() {
+    const int item = blockIdx.x + it_i * gridDim.x;
+    const int a_idx = item / P, p = item - a_idx * P;
+    const int e = active_experts[a_idx];
+    const int slot = expert_offsets[e] + g;
+    xvalid = slot < expert_offsets[e + 1];
+    xsrc = x + (xvalid ? (size_t)sorted_token[slot] * K : 0) + (size_t)kbeg * 64 + 16 * t;
+    const size_t chunk0 = ((size_t)e * P + p) * KC + kbeg;
+    wsrc = w1 + chunk0 * 2 * 32 + lane;
+    ssrc = s1 + chunk0 * 2 * 16 + (t >> 1) * 8 + g;
+  };
+  auto issue = [&]() {  // the chunk at the cursor into ring stage stage_i, then advance
+    if (c_i == 0) issue_item();
+    uint4* sw = wring + stage_i * kGuStageVec + lane;
+    u32* ss = sring + stage_i * kGuStageWords + lane;
+    const size_t cw = (size_t)c_i * 2 * 32, cs = (size_t)c_i * 2 * 16;
+    cp16_cg(sw, wsrc + cw);             // gate
+    cp16_cg(sw + 32, wsrc + cw + 32);   // up
+    cp16_ca_zfill(sw + 64, xsrc + c_i * 64, xvalid);
+    cp16_ca_zfill(sw + 96, xsrc + c_i * 64 + 8, xvalid);
+    cp4(ss, ssrc + cs);
+    cp4(ss + 32, ssrc + cs + 16);
+    stage_i = stage_i + 1 == STAGES ? 0 : stage_i + 1;
+    if (++c_i == cnt) { c_i = 0; ++it_i; }
+  };
+
+  int issued = 0;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue_next(issue, issued, total);
+
+  int stage_c = 0;
+  for (int it = 0; it < my_items; ++it) {
+    float acc[2][4];
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[u][r] = 0.0f;
+
+    for (int c = 0; c < cnt; ++c) {
+      issue_next(issue, issued, total);
+      cp_wait<STAGES - 1>();  // this thread's copies of the chunk being consumed have landed
+      const uint4* sw = wring + stage_c * kGuStageVec + lane;
+      const u32* ss = sring + stage_c * kGuStageWords + lane;
+      const uint4 wg = sw[0], wu = sw[32], xl = sw[64], xh = sw[96];
+      const u32 sg = ss[0], su = ss[32];
+      stage_c = stage_c + 1 == STAGES ? 0 : stage_c + 1;
+      const u32 b[8] = {xl.x, xl.y, xl.z, xl.w, xh.x, xh.y, xh.z, xh.w};
+      mma_chunk(acc[0], wg, sg, b);
+      mma_chunk(acc[1], wu, su, b);
+    }
+
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) red[warp][u * 4 + r][lane] = acc[u][r];
+    __syncthreads();
+
+    // One thread per (register r, lane): sum gate and up over the warps, SwiGLU, bf16 store.
+    if (tid < 4 * 32) {
+      const int item = blockIdx.x + it * gridDim.x;
+      const int a_idx = item / P, p = item - a_idx * P;
+      const int e = active_experts[a_idx];
+      const int ln = tid & 31, r = tid >> 5;
+      const int slot = expert_offsets[e] + 2 * (ln & 3) + (r & 1);  // C fragment: token column 2t, 2t+1
+      if (slot < expert_offsets[e + 1]) {
+        float gs = 0.0f, us = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+          gs += red[w][r][ln];
+          us += red[w][4 + r][ln];
+        }
+        const int row = (ln >> 2) + (r >= 2 ? 8 : 0);  // C fragment: rows g / g + 8
+        const float hv = gs / (1.0f + __expf(-gs)) * us;
+        h[(size_t)slot * N + p * 16 + row] = f32_to_bf16_bits(hv);
+      }
+    }
+    __syncthreads();  // red is rewritten by the next item
+  }
+  cp_wait<0>();  // no copy may outlive the block (only empty groups remain)
+}
+
+// ---------------------------------------------------------------- down
+template <int WARPS, int STAGES>
+__device__ __forceinline__ void down_body(
+    const u16* __restrict__ h, const uint4* __restrict__ w2, const u32* __restrict__ s2,
+    const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
+    const int* __restrict__ n_active, const int* __restrict__ sorted_token,
+    const float* __restrict__ sorted_weight, float* __restrict__ y, int K, int N, uint4* ring) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int RT = K >> 4, NC = N >> 6;
+  const long long n_items = (long long)*n_active * RT;
+  const long long gw = (long long)blockIdx.x * WARPS + warp, tw = (long long)gridDim.x * WARPS;
+  const int i0 = (int)(n_items * gw / tw), i1 = (int)(n_items * (gw + 1) / tw);  // this warp's items
+  const int total = (i1 - i0) * NC;
+
+  uint4* wring = ring + warp * STAGES * kDnStageVec;                                          // [S][32]
+  u32* sring = reinterpret_cast<u32*>(ring + WARPS * STAGES * kDnStageVec) + warp * STAGES * kDnStageWords;  // [S][32]
+
+  // Issue cursor: item it_i (absolute), chunk c_i.
+  int it_i = i0, c_i = 0, stage_i = 0;
+  const uint4* wsrc = w2;
+  const u32* ssrc = s2;
+  auto issue = [&]() {
+    if (c_i == 0) {
+      const int a_idx = it_i / RT, rt = it_i - a_idx * RT;
+      const size_t chunk0 = ((size_t)active_experts[a_idx] * RT + rt) * NC;
+      wsrc = w2 + chunk0 * 32 + lane;
+      ssrc = s2 + chunk0 * 16 + (t >> 1) * 8 + g;
+    }
+    cp16_cg(wring + stage_i * kDnStageVec + lane, wsrc + (size_t)c_i * 32);
+    cp4(sring + stage_i * kDnStageWords + lane, ssrc + (size_t)c_i * 16);
+    stage_i = stage_i + 1 == STAGES ? 0 : stage_i + 1;
+    if (++c_i == NC) { c_i = 0; ++it_i; }
+  };
+
+  int issued = 0;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue_next(issue, issued, total);
+
+  int stage_c = 0, cur_a = -1;
+  const u16* hrow = nullptr;     // this lane's B row: slot off + g of the current expert (or none)
+  float* yrow[2] = {y, y};       // C fragment token columns 2t, 2t + 1: their y rows ...
+  float wgt[2] = {0.0f, 0.0f};   // ... and routing weights (0 and unused when the slot is absent)
+  bool has[2] = {false, false};
+  for (int item = i0; item < i1; ++item) {
+    const int a_idx = item / RT, rt = item - a_idx * RT;
+    if (a_idx != cur_a) {  // a new expert: its slots' rows
+      cur_a = a_idx;
+      const int e = active_experts[a_idx];
+      const int off = expert_offsets[e], end = expert_offsets[e + 1];
+      hrow = off + g < end ? h + (size_t)(off + g) * N : nullptr;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int slot = off + 2 * t + half;
+        has[half] = slot < end;
+        yrow[half] = has[half] ? y + (size_t)sorted_token[slot] * K : y;
+        wgt[half] = has[half] ? sorted_weight[slot] : 0.0f;
+      }
+    }
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int c = 0; c < NC; ++c) {
+      issue_next(issue, issued, total);
+      u32 b[8];
+      if (hrow != nullptr) {
+        const uint4* p = reinterpret_cast<const uint4*>(hrow + c * 64 + 16 * t);
+        const uint4 lo = __ldg(p), hi = __ldg(p + 1);
+        b[0] = lo.x; b[1] = lo.y; b[2] = lo.z; b[3] = lo.w;
+        b[4] = hi.x; b[5] = hi.y; b[6] = hi.z; b[7] = hi.w;
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) b[i] = 0u;
+      }
+      cp_wait<STAGES - 1>();
+      const uint4 wv = wring[stage_c * kDnStageVec + lane];
+      const u32 sv = sring[stage_c * kDnStageWords + lane];
+      stage_c = stage_c + 1 == STAGES ? 0 : stage_c + 1;
+      mma_chunk(acc, wv, sv, b);
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      if (has[half]) {
+        atomicAdd(yrow[half] + rt * 16 + g, wgt[half] * acc[half]);
+        atomicAdd(yrow[half] + rt * 16 + g + 8, wgt[half] * acc[2 + half]);
+      }
+    }
+  }
+  cp_wait<0>();
+}
+
+}  // namespace
+
+// 16 warps (512 threads), one block per SM, 5 stages: 184 KB dynamic shared memory (H100/H200 class).
+extern "C" __global__ void __launch_bounds__(512, 1) moe_w4a16_v2_gate_up_w16(
+    const u16* __restrict__ x, const uint4* __restrict__ w1, const u32* __restrict__ s1,
+    const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
+    const int* __restrict__ n_active, const int* __restrict__ sorted_token, u16* __restrict__ h,
+    float* __restrict__ y, int M, int K, int N) {
+  __shared__ float red[16][8][32];
+  extern __shared__ uint4 ring[];
+  gate_up_body<16, 5>(x, w1, s1, expert_offsets, active_experts, n_active, sorted_token, h, y, M, K, N, red, ring);
+}
+
+// 8 warps (256 threads), 4 stages: 72 KB dynamic shared memory, so two blocks per SM on an H200
+// and one on a 100 KB part (sm_120).
+extern "C" __global__ void __launch_bounds__(256, 2) moe_w4a16_v2_gate_up_w8(
+    const u16* __restrict__ x, const uint4* __restrict__ w1, const u32* __restrict__ s1,
+    const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
+    const int* __restrict__ n_active, const int* __restrict__ sorted_token, u16* __restrict__ h,
+    float* __restrict__ y, int M, int K, int N) {
+  __shared__ float red[8][8][32];
+  extern __shared__ uint4 ring[];
+  gate_up_body<8, 4>(x, w1, s1, expert_offsets, active_experts, n_active, sorted_token, h, y, M, K, N, red, ring);
+}
+
+// 16 warps, 8 stages: 80 KB dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(kDownWarps * 32, 1) moe_w4a16_v2_down(
+    const u16* __restrict__ h, const uint4* __restrict__ w2, const u32* __restrict__ s2,
+    const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
+    const int* __restrict__ n_active, const int* __restrict__ sorted_token,
+    const float* __restrict__ sorted_weight, float* __restrict__ y, int K, int N) {
+  extern __shared__ uint4 ring[];
+  down_body<kDownWarps, kDownStages>(h, w2, s2, expert_offsets, active_experts, n_active, sorted_token,
+                                     sorted_weight, y, K, N, ring);
+}
