@@ -4,6 +4,8 @@ the GPU (gpu-marked)."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -155,6 +157,7 @@ def test_reference_matches_dense_float64_layer():
 # ----------------------------------------------------------------------------- GPU
 
 
+@functools.cache   # v1 and v2 share a case's weights, reference and routing
 def _gpu_case(E, K, N, M, k, seed):
     import cupy as cp
 
