@@ -254,6 +254,30 @@ def test_validate_on_a_suite_shaped_payload_uses_the_verify_sweep():
     assert max(abs(r["residual"]) for r in table) < 0.02
 
 
+def test_validate_ignores_the_kernel_attention_arm_of_the_verify_sweep():
+    truth = est.Assumptions().with_(kernel_latency_s=(25e-6, "t"), moe_per_expert_latency_s=(60e-6, "t"))
+    payload = _suite_like_engine(truth)
+    payload["verify_forward"] += [{**r, "attention": "ops", "median_ms": 3 * r["median_ms"]} for r in payload["verify_forward"]]
+    notes = []
+    table = est.validate(est.Assumptions(), payload, notes=notes)
+    assert "moe_per_expert_latency_s = 6e-05" in notes[0] and max(abs(r["residual"]) for r in table) < 0.02
+    assert all(0 < r["device_ms"] < r["predicted_ms"] for r in table)
+
+
+def test_noisy_oracle_rows_are_predicted_without_a_drafter_forward():
+    no_drafter = dict(draft_layers=(0, "t"), kernel_latency_s=(25e-6, "t"), dispatch_s=(1e-3, "t"))
+    truth = est.Assumptions().with_(**no_drafter)
+    payload = _suite_like_engine(truth)
+    for r in payload["runs"]:
+        r["drafter"] = "noisy_oracle"
+    assert max(abs(r["residual"]) for r in est.validate(est.Assumptions(), payload)) < 0.02
+    for r in payload["runs"]:
+        r["drafter"] = "model"  # the same measurements read as a drafter with a forward
+    assert max(abs(r["residual"]) for r in est.validate(est.Assumptions(), payload)) > 0.05
+    assert cal.engine_rows({"runs": [{"context": 8, "budget": 4, "mean_accepted": 2.0, "step_ms": 1.0,
+                                      "p_wrong": 0.3}]})[0]["drafter"] == "noisy_oracle"
+
+
 def test_engine_shape_takes_the_weight_width_from_the_run_dtype():
     from kdlib.perf.suites.engine import BENCH_CONFIG
 

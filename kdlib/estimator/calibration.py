@@ -307,8 +307,9 @@ def validate(a: Assumptions, engine: dict, *, gpu="h200", anchor: int = 0, shape
     >= 3 points (`calibrate_verify`); `anchor` (an index into the runs, ordered by context, budget,
     acceptance) is the one run that sets the host-side phases (draft, build, accept + compaction,
     and the verify launch cost when no sweep is recorded). Each row: context, budget, accepted,
-    measured_ms, predicted_ms, residual (predicted / measured - 1), role ('anchor' / 'held out'),
-    and the prediction from `a` alone (components_only_*)."""
+    measured_ms, predicted_ms, residual (predicted / measured - 1), device_ms (the predicted
+    device work: MoE, dense, attention, all-reduce; the rest is launch and host time), role
+    ('anchor' / 'held out'), and the prediction from `a` alone (components_only_*)."""
     rows = sorted(engine_rows(engine), key=lambda r: (r["context"], r["budget"], r["concurrency"], r["accepted"]))
     if not 0 <= anchor < len(rows):
         raise ValueError(f"anchor {anchor} out of range for {len(rows)} engine runs")
@@ -325,6 +326,7 @@ def validate(a: Assumptions, engine: dict, *, gpu="h200", anchor: int = 0, shape
             "context": r["context"], "budget": r["budget"], "concurrency": r["concurrency"],
             "accepted": r["accepted"], "measured_ms": r["step_ms"], "predicted_ms": st["total"] * 1e3,
             "residual": st["total"] * 1e3 / r["step_ms"] - 1.0,
+            "device_ms": (st["moe"] + st["dense"] + st["attention"] + st["allreduce"]) * 1e3,
             "components_only_ms": pure["total"] * 1e3,
             "components_only_residual": pure["total"] * 1e3 / r["step_ms"] - 1.0,
             "role": "anchor" if i == anchor else "held out",
