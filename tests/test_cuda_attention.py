@@ -455,6 +455,9 @@ def test_bad_inputs_raise_value_error_before_launch():
         {"visibility": dev["visibility"].astype(cp.int8)},
         {"softmax_scale": float("nan")},
         {"page_table": dev["page_table"] * 0 - 1, "prefix_lens": cp.full_like(dev["prefix_lens"], dev["page_table"].shape[1])},
+        # int64 slots that int32 narrowing would wrap to valid ones (2**32 + s -> s)
+        {"page_table": dev["page_table"].astype(cp.int64) + 2**32},
+        {"prefix_lens": dev["prefix_lens"].astype(cp.int64) + 2**32},
     ]
     for change in bad:
         with pytest.raises(ValueError):

@@ -22,7 +22,8 @@ device grants its shared memory (166-203 KB per block; not on sm_120's 99 KB), e
 
 Checks before any launch raise ValueError: shapes, dtypes (float32 or bfloat16, all float inputs
 alike), Q <= 65, widths 576/512, and, with `validate=True` (the default, one device sync), the
-values: prefix_lens in [0, P], tree_sizes in [0, Q], every read page-table slot in [0, S).
+values: prefix_lens in [0, P], tree_sizes in [0, Q], every read page-table slot in [0, S), and
+integer inputs wider than int32 within the int32 range (they are narrowed to int32).
 Timed loops pass `validate=False`.
 """
 
@@ -88,7 +89,9 @@ def _float_kind(x, name: str) -> tuple[object, str]:
     return cupy.ascontiguousarray(a), "f32"
 
 
-def _int32(x, name: str, shape: tuple[int, ...]):
+def _int32(x, name: str, shape: tuple[int, ...], validate: bool):
+    """x as contiguous int32; with `validate`, a wider integer input is range-checked first (one device
+    sync), so that int64 2**32 + 5 is an error rather than slot 5."""
     import cupy
 
     a = loader.as_cupy(x)
@@ -96,6 +99,9 @@ def _int32(x, name: str, shape: tuple[int, ...]):
         raise ValueError(f"{name} must be an integer array, got {a.dtype}")
     if a.shape != shape:
         raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
+    if validate and a.size and not np.can_cast(a.dtype, np.int32):
+        if bool(((a < -(2**31)) | (a > 2**31 - 1)).any()):
+            raise ValueError(f"{name} holds values outside the int32 range")
     return cupy.ascontiguousarray(a, dtype=cupy.int32)
 
 
@@ -111,11 +117,11 @@ def _bool_cupy(x):
     return loader.as_cupy(x)
 
 
-def _lengths(x, name: str, batched: bool, bsz: int):
+def _lengths(x, name: str, batched: bool, bsz: int, validate: bool):
     import cupy
 
     if batched:
-        return _int32(x, name, (bsz,))
+        return _int32(x, name, (bsz,), validate)
     if isinstance(x, bool) or not isinstance(x, numbers.Integral):
         raise ValueError(f"{name} must be an int in the unbatched form, got {type(x).__name__}")
     return cupy.asarray([int(x)], dtype=cupy.int32)
@@ -147,7 +153,7 @@ def _check_rank(kv_lora_rank):
         raise ValueError(f"the CUDA kernels are built for kv_lora_rank {KV_LORA_RANK}, got {kv_lora_rank}")
 
 
-def _check_prefix(qa, kind, kv_cache, page_table, prefix_lens, batched):
+def _check_prefix(qa, kind, kv_cache, page_table, prefix_lens, batched, validate):
     bsz = qa.shape[0]
     if len(getattr(kv_cache, "shape", ())) != 2:
         raise ValueError(f"kv_cache must be [S, {D_QK}], got shape {getattr(kv_cache, 'shape', None)}")
@@ -161,12 +167,12 @@ def _check_prefix(qa, kind, kv_cache, page_table, prefix_lens, batched):
     pt_shape = getattr(page_table, "shape", None)
     if pt_shape is None or len(pt_shape) != (2 if batched else 1):
         raise ValueError(f"page_table must be {'[B, P]' if batched else '[P]'}, got shape {pt_shape}")
-    pt = _int32(page_table if batched else loader.as_cupy(page_table)[None], "page_table", (bsz, pt_shape[-1]))
-    lens = _lengths(prefix_lens, "prefix_lens", batched, bsz)
+    pt = _int32(page_table if batched else loader.as_cupy(page_table)[None], "page_table", (bsz, pt_shape[-1]), validate)
+    lens = _lengths(prefix_lens, "prefix_lens", batched, bsz, validate)
     return kv, pt, lens
 
 
-def _check_tail(qa, kind, tree_kv, visibility, tree_sizes, batched):
+def _check_tail(qa, kind, tree_kv, visibility, tree_sizes, batched, validate):
     import cupy
 
     bsz, nq = qa.shape[:2]
@@ -181,7 +187,7 @@ def _check_tail(qa, kind, tree_kv, visibility, tree_sizes, batched):
     if vis.dtype != cupy.bool_ or vis.shape != vwant:
         raise ValueError(f"visibility must be a bool array of shape {vwant}, got {vis.dtype} {vis.shape}")
     vis = cupy.ascontiguousarray(vis if batched else vis[None])
-    sizes = _lengths(tree_sizes, "tree_sizes", batched, bsz)
+    sizes = _lengths(tree_sizes, "tree_sizes", batched, bsz, validate)
     return (tkv if batched else tkv[None]), vis, sizes
 
 
@@ -318,7 +324,7 @@ def prefix_attention(q, kv_cache, page_table, prefix_lens, softmax_scale, kv_lor
     """
     _check_rank(kv_lora_rank)
     qa, kind, batched = _check_q(q)
-    kv, pt, lens = _check_prefix(qa, kind, kv_cache, page_table, prefix_lens, batched)
+    kv, pt, lens = _check_prefix(qa, kind, kv_cache, page_table, prefix_lens, batched, validate)
     scale = _scale(softmax_scale)
     impl = _pick_impl(impl, kind)
     if validate:
@@ -342,7 +348,7 @@ def tree_tail_attention(q, tree_kv, visibility, tree_sizes, softmax_scale, kv_lo
     """
     _check_rank(kv_lora_rank)
     qa, kind, batched = _check_q(q)
-    tkv, vis, sizes = _check_tail(qa, kind, tree_kv, visibility, tree_sizes, batched)
+    tkv, vis, sizes = _check_tail(qa, kind, tree_kv, visibility, tree_sizes, batched, validate)
     scale = _scale(softmax_scale)
     if validate:
         _validate_tail(sizes, qa.shape[1])
@@ -383,8 +389,8 @@ def tree_verify_attention(q, kv_cache, page_table, prefix_lens, tree_kv, visibil
     """
     _check_rank(kv_lora_rank)
     qa, kind, batched = _check_q(q)
-    kv, pt, lens = _check_prefix(qa, kind, kv_cache, page_table, prefix_lens, batched)
-    tkv, vis, sizes = _check_tail(qa, kind, tree_kv, visibility, tree_sizes, batched)
+    kv, pt, lens = _check_prefix(qa, kind, kv_cache, page_table, prefix_lens, batched, validate)
+    tkv, vis, sizes = _check_tail(qa, kind, tree_kv, visibility, tree_sizes, batched, validate)
     scale = _scale(softmax_scale)
     impl = _pick_impl(impl, kind)
     if validate:
