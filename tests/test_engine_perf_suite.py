@@ -71,3 +71,23 @@ def test_dflash_sweep_runs_with_a_cpu_clock(monkeypatch):
     model = Model.random(ModelConfig.from_json(DATA / "configs" / "tiny-a.json"), seed=0)
     rows = suite._dflash_sweep(model, [16, 40])
     assert [r["context"] for r in rows] == [16, 40] and all(r["median_ms"] > 0 for r in rows)
+
+
+def test_random_weights_on_device_scales_and_determinism():
+    import torch
+
+    from kdlib.engine.loading import random_weights_on_device
+
+    cfg = ModelConfig.from_json(DATA / "configs" / "tiny-a.json")
+    a, b = Model(cfg).eval(), Model(cfg).eval()
+    random_weights_on_device(a, seed=3)
+    random_weights_on_device(b, seed=3)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    for name, p in sa.items():
+        if name.endswith("norm.weight"):
+            assert abs(float(p.mean()) - 1.0) < 0.1
+        elif p.ndim == 2 and name != "model.embed_tokens.weight" and p.numel() >= 4096:
+            assert float(p.std()) * p.shape[1] ** 0.5 == pytest.approx(1.0, rel=0.1), name
+    random_weights_on_device(b, seed=4)
+    assert not torch.equal(sa["lm_head.weight"], b.state_dict()["lm_head.weight"])

@@ -2,6 +2,7 @@
 
     model = load_pretrained(Path("hf_dir"))            # config.json + *.safetensors, HF DeepseekV3 names
     w = random_weights(cfg, seed=0)                    # name -> float32 numpy array (same seed, same bytes)
+    random_weights_on_device(model, seed=0)            # the same scales drawn by torch on the model's device
     save_pretrained(model, "out_dir")                  # config.json + model.safetensors (HF layout)
 
 Checkpoint names are the transformers DeepseekV3 ones (per-expert `mlp.experts.{e}.gate_proj.weight`,
@@ -84,6 +85,29 @@ def random_weights(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
             a = rng.standard_normal(shape) / np.sqrt(shape[1])
         out[name] = a.astype(np.float32)
     return out
+
+
+def random_weights_on_device(model, seed: int) -> None:
+    """Fill `model` in place with `random_weights`' scales, drawn by torch on the model's device.
+
+    For large benchmark models, whose numpy initialisation would dominate a GPU run. Same seed and
+    device kind, same weights (so every GPU of a TP group draws identical ones); the values differ
+    from `random_weights(cfg, seed)`, which stays the reference for tests.
+    """
+    import torch
+
+    g = torch.Generator(device=model.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.state_dict().items():
+            r = torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * r)
+            elif name.endswith("e_score_correction_bias"):
+                p.copy_(0.1 * r)
+            elif name == "model.embed_tokens.weight":
+                p.copy_(r)
+            else:
+                p.copy_(r / p.shape[1] ** 0.5)
 
 
 _MTP = re.compile(r"^model\.layers\.(\d+)\.")

@@ -159,13 +159,14 @@ def bench_spec(**kw) -> dict:
 
 def _bench_model(spec: dict, device):
     from kdlib.engine import Model, ModelConfig
-    from kdlib.perf.suites.engine import BENCH_CONFIG, _init_on_device
+    from kdlib.engine.loading import random_weights_on_device
+    from kdlib.perf.suites.engine import BENCH_CONFIG
 
     dtype = getattr(torch, spec["dtype"])
     if spec["config"] is None:
         cfg = ModelConfig.from_dict(BENCH_CONFIG)
         model = Model(cfg).to(device=device, dtype=dtype).eval()
-        _init_on_device(model, spec["seed"])  # seeded on the device: the same weights on every GPU
+        random_weights_on_device(model, spec["seed"])  # seeded on the device: the same weights on every GPU
         return model
     cfg = ModelConfig.from_json(DATA / "configs" / f"{spec['config']}.json")
     return Model.random(cfg, seed=spec["seed"], device=device, dtype=dtype)

@@ -97,25 +97,6 @@ def verify_cost(cfg, context: int, q: int, elem_bytes: int) -> tuple[float, floa
     return float((weights + kv) * elem_bytes), float(2 * q * active + att_flops)
 
 
-def _init_on_device(model, seed: int) -> None:
-    """Random weights drawn on the device (numpy init of 0.4 B parameters would dominate the run);
-    the same unit-gain scales as `kdlib.engine.loading.random_weights`."""
-    import torch
-
-    g = torch.Generator(device=model.device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.state_dict().items():
-            r = torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32)
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * r)
-            elif name.endswith("e_score_correction_bias"):
-                p.copy_(0.1 * r)
-            elif name == "model.embed_tokens.weight":
-                p.copy_(r)
-            else:
-                p.copy_(r / p.shape[1] ** 0.5)
-
-
 def _row(res, *, context, block, p_wrong=None, ar_tokens=None, **extra) -> dict:
     step = res.step_ms()
     decode_s = float(step.sum()) / 1e3
@@ -310,11 +291,12 @@ def _run(quick: bool, device: str = "cuda", config: dict = BENCH_CONFIG) -> dict
     import torch
 
     from kdlib.engine.config import ModelConfig
+    from kdlib.engine.loading import random_weights_on_device
     from kdlib.engine.model import Model
 
     cfg = ModelConfig.from_dict(config)
     model = Model(cfg).to(device=device, dtype=torch.float32).eval()
-    _init_on_device(model, seed=0)
+    random_weights_on_device(model, seed=0)
     bw, fl, ceil_src = _ceilings()
     params = {
         "dtype": "float32", "tf32": False, "block": BLOCK, "max_new_tokens": 32 if quick else 96,
