@@ -12,16 +12,17 @@
 // memory pipe of the SM idles in between unless another resident block happens to be loading).
 //
 // gate_up: work item = (active expert, 16-row tile pair p); items i = blockIdx.x, + gridDim.x, ...
-//   Each warp owns a fixed K range of every item (K split WARPS ways, as v1); per item the warps'
-//   partial sums meet in shared memory (two barriers per item; the ring keeps loading meanwhile).
+//   Each warp owns a fixed share of every item's K chunks (K split WARPS ways: a contiguous range
+//   as v1, or round-robin in the _w8i variant); per item the warps' partial sums meet in shared
+//   memory (one barrier per item, double-buffered; the rings keep loading meanwhile).
 //   A chunk's stage holds gate and up weights, their scales and the 8 token rows' activations.
 // down: work item = (active expert, 16-row output tile) over the full reduction N; the flat item
 //   range is cut into one contiguous piece per warp (no barriers, balance to one item). The B
-//   fragments (h, 4 KB per expert) are read through L1 as in v1.
+//   fragments (the expert's h rows, N <= 256) are loaded into registers once per expert.
 //
 // Each lane reads back only the shared-memory words that its own cp.async wrote, so a per-thread
 // cp.async.wait_group is the only synchronization the rings need. Requirements (checked by the
-// wrapper): every expert has <= 8 slots (one token chunk), K % 64 == 0, N % 64 == 0, 16-byte
+// wrapper): every expert has <= 8 slots (one token chunk), K % 64 == 0, N % 64 == 0, N <= 256, 16-byte
 // aligned bases; dynamic shared memory as given by the kStages / kWarps constants below.
 #include <cuda_bf16.h>
 
@@ -33,6 +34,7 @@ namespace {
 
 constexpr int kDownWarps = 16;   // down: 512 threads, one block per SM
 constexpr int kDownStages = 8;   // 7 chunks (7 x 640 B) in flight per warp, ~70 KB per SM
+constexpr int kDownMaxChunks = 4;  // N <= 256: the B fragments of a whole h row fit in 32 registers
 
 // gate/up stage per warp: 4 x 32 uint4 (gate w, up w, x cols 0-7, x cols 8-15) + 2 x 32 scale words.
 constexpr int kGuStageVec = 4 * 32;
@@ -132,13 +134,15 @@ __device__ __forceinline__ void issue_next(Issue& issue, int& issued, int total)
 
 // ---------------------------------------------------------------- gate / up
 // Items of this block: blockIdx.x + it * gridDim.x (it = 0 .. my_items-1), item = a_idx * P + p.
-// Warp `warp` streams chunks kbeg .. kbeg + cnt - 1 of each; the stream position pos = it * cnt + c.
-template <int WARPS, int STAGES>
+// Warp `warp` streams cnt chunks kfirst + c * kstep (c = 0 .. cnt-1) of each item: a contiguous
+// K range (kstep 1, INTERLEAVE false) or every WARPS-th chunk (kfirst = warp, kstep = WARPS), so
+// that the block's warps read adjacent chunks at the same time. Stream position pos = it * cnt + c.
+template <int WARPS, int STAGES, bool INTERLEAVE>
 __device__ __forceinline__ void gate_up_body(
     const u16* __restrict__ x, const uint4* __restrict__ w1, const u32* __restrict__ s1,
     const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
     const int* __restrict__ n_active, const int* __restrict__ sorted_token, u16* __restrict__ h,
-    float* __restrict__ y, int M, int K, int N, float (*red)[8][32], uint4* ring) {
+    float* __restrict__ y, int M, int K, int N, float (*red)[WARPS][8][32], uint4* ring) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
   // y is the down launch's accumulator: zero it here (that launch starts after this one ends).
@@ -153,8 +157,10 @@ __device__ __forceinline__ void gate_up_body(
   const int n_items = *n_active * P;
   const int my_items = n_items > (int)blockIdx.x ? (n_items - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
   const int per_warp = (KC + WARPS - 1) / WARPS;
-  const int kbeg = min(KC, warp * per_warp);
-  const int cnt = min(KC, kbeg + per_warp) - kbeg;  // 0 for trailing warps when KC < WARPS
+  const int kfirst = INTERLEAVE ? warp : min(KC, warp * per_warp);
+  const int kstep = INTERLEAVE ? WARPS : 1;
+  const int cnt = INTERLEAVE ? (warp < KC ? (KC - 1 - warp) / WARPS + 1 : 0)
+                             : min(KC, kfirst + per_warp) - kfirst;  // 0 for idle warps when KC < WARPS
   const int total = my_items * cnt;
 
   uint4* wring = ring + warp * STAGES * kGuStageVec;                                          // [S][4][32]
@@ -172,8 +178,8 @@ __device__ __forceinline__ void gate_up_body(
     const int e = active_experts[a_idx];
     const int slot = expert_offsets[e] + g;
     xvalid = slot < expert_offsets[e + 1];
-    xsrc = x + (xvalid ? (size_t)sorted_token[slot] * K : 0) + (size_t)kbeg * 64 + 16 * t;
-    const size_t chunk0 = ((size_t)e * P + p) * KC + kbeg;
+    xsrc = x + (xvalid ? (size_t)sorted_token[slot] * K : 0) + (size_t)kfirst * 64 + 16 * t;
+    const size_t chunk0 = ((size_t)e * P + p) * KC + kfirst;
     wsrc = w1 + chunk0 * 2 * 32 + lane;
     ssrc = s1 + chunk0 * 2 * 16 + (t >> 1) * 8 + g;
   };
@@ -181,11 +187,12 @@ __device__ __forceinline__ void gate_up_body(
     if (c_i == 0) issue_item();
     uint4* sw = wring + stage_i * kGuStageVec + lane;
     u32* ss = sring + stage_i * kGuStageWords + lane;
-    const size_t cw = (size_t)c_i * 2 * 32, cs = (size_t)c_i * 2 * 16;
+    const int k = c_i * kstep;          // chunks past kfirst
+    const size_t cw = (size_t)k * 2 * 32, cs = (size_t)k * 2 * 16;
     cp16_cg(sw, wsrc + cw);             // gate
     cp16_cg(sw + 32, wsrc + cw + 32);   // up
-    cp16_ca_zfill(sw + 64, xsrc + c_i * 64, xvalid);
-    cp16_ca_zfill(sw + 96, xsrc + c_i * 64 + 8, xvalid);
+    cp16_ca_zfill(sw + 64, xsrc + k * 64, xvalid);
+    cp16_ca_zfill(sw + 96, xsrc + k * 64 + 8, xvalid);
     cp4(ss, ssrc + cs);
     cp4(ss + 32, ssrc + cs + 16);
     stage_i = stage_i + 1 == STAGES ? 0 : stage_i + 1;
@@ -217,10 +224,13 @@ __device__ __forceinline__ void gate_up_body(
       mma_chunk(acc[1], wu, su, b);
     }
 
+    // Partial sums into red[it & 1]: the reads of this buffer two items ago all preceded the
+    // barrier of the previous item, so one barrier per item suffices.
+    float (*rb)[8][32] = red[it & 1];
 #pragma unroll
     for (int u = 0; u < 2; ++u)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) red[warp][u * 4 + r][lane] = acc[u][r];
+      for (int r = 0; r < 4; ++r) rb[warp][u * 4 + r][lane] = acc[u][r];
     __syncthreads();
 
     // One thread per (register r, lane): sum gate and up over the warps, SwiGLU, bf16 store.
@@ -234,20 +244,21 @@ __device__ __forceinline__ void gate_up_body(
         float gs = 0.0f, us = 0.0f;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) {
-          gs += red[w][r][ln];
-          us += red[w][4 + r][ln];
+          gs += rb[w][r][ln];
+          us += rb[w][4 + r][ln];
         }
         const int row = (ln >> 2) + (r >= 2 ? 8 : 0);  // C fragment: rows g / g + 8
         const float hv = gs / (1.0f + __expf(-gs)) * us;
         h[(size_t)slot * N + p * 16 + row] = f32_to_bf16_bits(hv);
       }
     }
-    __syncthreads();  // red is rewritten by the next item
   }
   cp_wait<0>();  // no copy may outlive the block (only empty groups remain)
 }
 
 // ---------------------------------------------------------------- down
+// The B fragments of all NC <= kDownMaxChunks chunks of the current expert's h rows stay in
+// registers while the warp walks that expert's row tiles (h is the same for all of them).
 template <int WARPS, int STAGES>
 __device__ __forceinline__ void down_body(
     const u16* __restrict__ h, const uint4* __restrict__ w2, const u32* __restrict__ s2,
@@ -255,7 +266,7 @@ __device__ __forceinline__ void down_body(
     const int* __restrict__ n_active, const int* __restrict__ sorted_token,
     const float* __restrict__ sorted_weight, float* __restrict__ y, int K, int N, uint4* ring) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int RT = K >> 4, NC = N >> 6;
+  const int RT = K >> 4, NC = N >> 6;  // NC <= kDownMaxChunks (checked by the wrapper)
   const long long n_items = (long long)*n_active * RT;
   const long long gw = (long long)blockIdx.x * WARPS + warp, tw = (long long)gridDim.x * WARPS;
   const int i0 = (int)(n_items * gw / tw), i1 = (int)(n_items * (gw + 1) / tw);  // this warp's items
@@ -286,7 +297,7 @@ __device__ __forceinline__ void down_body(
   for (int s = 0; s < STAGES - 1; ++s) issue_next(issue, issued, total);
 
   int stage_c = 0, cur_a = -1;
-  const u16* hrow = nullptr;     // this lane's B row: slot off + g of the current expert (or none)
+  u32 b[kDownMaxChunks][8];      // this lane's B registers of every chunk (token row g of the expert)
   float* yrow[2] = {y, y};       // C fragment token columns 2t, 2t + 1: their y rows ...
   float wgt[2] = {0.0f, 0.0f};   // ... and routing weights (0 and unused when the slot is absent)
   bool has[2] = {false, false};
@@ -296,7 +307,18 @@ __device__ __forceinline__ void down_body(
       cur_a = a_idx;
       const int e = active_experts[a_idx];
       const int off = expert_offsets[e], end = expert_offsets[e + 1];
-      hrow = off + g < end ? h + (size_t)(off + g) * N : nullptr;
+      const u16* hrow = off + g < end ? h + (size_t)(off + g) * N + 16 * t : nullptr;
+#pragma unroll
+      for (int c = 0; c < kDownMaxChunks; ++c) {
+        uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
+        if (hrow != nullptr && c < NC) {
+          const uint4* p = reinterpret_cast<const uint4*>(hrow + c * 64);
+          lo = __ldg(p);
+          hi = __ldg(p + 1);
+        }
+        b[c][0] = lo.x; b[c][1] = lo.y; b[c][2] = lo.z; b[c][3] = lo.w;
+        b[c][4] = hi.x; b[c][5] = hi.y; b[c][6] = hi.z; b[c][7] = hi.w;
+      }
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int slot = off + 2 * t + half;
@@ -306,23 +328,16 @@ __device__ __forceinline__ void down_body(
       }
     }
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int c = 0; c < NC; ++c) {
-      issue_next(issue, issued, total);
-      u32 b[8];
-      if (hrow != nullptr) {
-        const uint4* p = reinterpret_cast<const uint4*>(hrow + c * 64 + 16 * t);
-        const uint4 lo = __ldg(p), hi = __ldg(p + 1);
-        b[0] = lo.x; b[1] = lo.y; b[2] = lo.z; b[3] = lo.w;
-        b[4] = hi.x; b[5] = hi.y; b[6] = hi.z; b[7] = hi.w;
-      } else {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) b[i] = 0u;
+    for (int c = 0; c < kDownMaxChunks; ++c) {
+      if (c < NC) {
+        issue_next(issue, issued, total);
+        cp_wait<STAGES - 1>();
+        const uint4 wv = wring[stage_c * kDnStageVec + lane];
+        const u32 sv = sring[stage_c * kDnStageWords + lane];
+        stage_c = stage_c + 1 == STAGES ? 0 : stage_c + 1;
+        mma_chunk(acc, wv, sv, b[c]);
       }
-      cp_wait<STAGES - 1>();
-      const uint4 wv = wring[stage_c * kDnStageVec + lane];
-      const u32 sv = sring[stage_c * kDnStageWords + lane];
-      stage_c = stage_c + 1 == STAGES ? 0 : stage_c + 1;
-      mma_chunk(acc, wv, sv, b);
     }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -337,30 +352,46 @@ __device__ __forceinline__ void down_body(
 
 }  // namespace
 
-// 16 warps (512 threads), one block per SM, 5 stages: 184 KB dynamic shared memory (H100/H200 class).
+// Gate/up. red: two item buffers of per-warp partial sums (see gate_up_body).
+// 16 warps (512 threads), one block per SM, 5 stages: 180 KB dynamic + 32 KB static shared memory
+// (H100/H200 class only).
 extern "C" __global__ void __launch_bounds__(512, 1) moe_w4a16_v2_gate_up_w16(
     const u16* __restrict__ x, const uint4* __restrict__ w1, const u32* __restrict__ s1,
     const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
     const int* __restrict__ n_active, const int* __restrict__ sorted_token, u16* __restrict__ h,
     float* __restrict__ y, int M, int K, int N) {
-  __shared__ float red[16][8][32];
+  __shared__ float red[2][16][8][32];
   extern __shared__ uint4 ring[];
-  gate_up_body<16, 5>(x, w1, s1, expert_offsets, active_experts, n_active, sorted_token, h, y, M, K, N, red, ring);
+  gate_up_body<16, 5, false>(x, w1, s1, expert_offsets, active_experts, n_active, sorted_token, h, y, M, K, N,
+                             red, ring);
 }
 
-// 8 warps (256 threads), 4 stages: 72 KB dynamic shared memory, so two blocks per SM on an H200
-// and one on a 100 KB part (sm_120).
+// 8 warps (256 threads), 4 stages: 72 KB dynamic + 16 KB static shared memory, so two blocks per
+// SM on an H200 and one on a 100 KB part (sm_120).
 extern "C" __global__ void __launch_bounds__(256, 2) moe_w4a16_v2_gate_up_w8(
     const u16* __restrict__ x, const uint4* __restrict__ w1, const u32* __restrict__ s1,
     const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
     const int* __restrict__ n_active, const int* __restrict__ sorted_token, u16* __restrict__ h,
     float* __restrict__ y, int M, int K, int N) {
-  __shared__ float red[8][8][32];
+  __shared__ float red[2][8][8][32];
   extern __shared__ uint4 ring[];
-  gate_up_body<8, 4>(x, w1, s1, expert_offsets, active_experts, n_active, sorted_token, h, y, M, K, N, red, ring);
+  gate_up_body<8, 4, false>(x, w1, s1, expert_offsets, active_experts, n_active, sorted_token, h, y, M, K, N,
+                            red, ring);
 }
 
-// 16 warps, 8 stages: 80 KB dynamic shared memory.
+// The 8-warp block with the K chunks dealt out round-robin (warp w: chunks w, w + 8, ...).
+extern "C" __global__ void __launch_bounds__(256, 2) moe_w4a16_v2_gate_up_w8i(
+    const u16* __restrict__ x, const uint4* __restrict__ w1, const u32* __restrict__ s1,
+    const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
+    const int* __restrict__ n_active, const int* __restrict__ sorted_token, u16* __restrict__ h,
+    float* __restrict__ y, int M, int K, int N) {
+  __shared__ float red[2][8][8][32];
+  extern __shared__ uint4 ring[];
+  gate_up_body<8, 4, true>(x, w1, s1, expert_offsets, active_experts, n_active, sorted_token, h, y, M, K, N,
+                           red, ring);
+}
+
+// Down: 16 warps, 8 stages: 80 KB dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(kDownWarps * 32, 1) moe_w4a16_v2_down(
     const u16* __restrict__ h, const uint4* __restrict__ w2, const u32* __restrict__ s2,
     const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,

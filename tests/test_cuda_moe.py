@@ -195,8 +195,10 @@ def test_kernel_matches_reference(E, K, N, M, k, variant, version):
     assert f"n{per_pass}" == variant, f"routing gave max {routing.max_count} tokens per expert"
     name = f"moe_w4a16 v{version} E{E} K{K} N{N} M{M} top{k}"
     check.assert_close(run(version=version), ref, rtol=5e-3, name=name)
-    if variant == "n8":   # the 8-warp gate/up block shape computes the same
-        check.assert_close(run(version=version, gate_up_warps=8), ref, rtol=5e-3, name=f"{name} (8-warp gate/up)")
+    if variant == "n8":   # the other gate/up block shapes compute the same
+        others = [{"gate_up_warps": 8}] if version == 1 else [{"gate_up_warps": 16}, {"k_interleave": True}]
+        for kw in others:
+            check.assert_close(run(version=version, **kw), ref, rtol=5e-3, name=f"{name} {kw}")
 
 
 @pytest.mark.gpu
@@ -235,6 +237,8 @@ def test_kernel_accepts_torch_bf16_and_rejects_bad_input(version):
         moe.moe_w4a16(x, packed, routing, gate_up_warps=4, version=version)
     with pytest.raises(ValueError, match="version must be 1 or 2"):
         moe.moe_w4a16(x, packed, routing, version=3)
+    with pytest.raises(ValueError, match="k_interleave"):
+        moe.moe_w4a16(x, packed, routing, version=version, gate_up_warps=16, k_interleave=True)
     with pytest.raises(ValueError, match="topk_ids must lie"):
         moe.prepare_routing(cp.asarray(ids + E), cp.asarray(wts), E)
 
@@ -426,7 +430,8 @@ def test_suite_knee_from_times_interpolates_the_plateau_onset():
 # result), the gate/up item stride and K split, the down kernel's per-warp item ranges.
 
 
-def _emulate_v2(x_bits, packed, ids, wts, E, K, N, *, warps, stages, sms, down_warps=16, down_stages=8):
+def _emulate_v2(x_bits, packed, ids, wts, E, K, N, *, warps, stages, sms, interleave=False, down_warps=16,
+                down_stages=8):
     M, k = ids.shape
     flat = ids.reshape(-1)
     order = np.argsort(flat, kind="stable")
@@ -452,22 +457,25 @@ def _emulate_v2(x_bits, packed, ids, wts, E, K, N, *, warps, stages, sms, down_w
         per_warp = -(-KC // warps)
         partial = np.zeros((my_items, warps, 8, 32))
         for warp in range(warps):
-            kbeg = min(KC, warp * per_warp)
-            cnt = min(KC, kbeg + per_warp) - kbeg
+            if interleave:
+                kbeg, kstep, cnt = warp, warps, ((KC - 1 - warp) // warps + 1 if warp < KC else 0)
+            else:
+                kbeg, kstep = min(KC, warp * per_warp), 1
+                cnt = min(KC, kbeg + per_warp) - kbeg
             total = my_items * cnt
             ring_w = np.zeros((stages, 2, 32, 4), np.uint32)
             ring_x = np.zeros((stages, 32, 16), np.uint16)
             ring_s = np.zeros((stages, 2, 32), np.uint32)
             cur = {"it": 0, "c": 0, "stage": 0}
 
-            def issue(cur=cur, kbeg=kbeg, cnt=cnt, bx=bx, ring_w=ring_w, ring_x=ring_x, ring_s=ring_s):
+            def issue(cur=cur, kbeg=kbeg, kstep=kstep, cnt=cnt, bx=bx, ring_w=ring_w, ring_x=ring_x, ring_s=ring_s):
                 item = bx + cur["it"] * grid
                 a_idx, p = divmod(item, P)
                 e = active[a_idx]
                 slot = off[e] + g_l
                 valid = slot < off[e + 1]
                 chunk0 = (e * P + p) * KC + kbeg
-                st, c = cur["stage"], cur["c"]
+                st, c = cur["stage"], cur["c"] * kstep
                 for u in range(2):
                     ring_w[st, u] = w1[(chunk0 + c) * 2 * 32 + u * 32 + lanes]
                     ring_s[st, u] = s1[(chunk0 + c) * 2 * 16 + u * 16 + (t_l >> 1) * 8 + g_l]
@@ -565,8 +573,9 @@ def _emulate_v2(x_bits, packed, ids, wts, E, K, N, *, warps, stages, sms, down_w
     return y.reshape(M, K)
 
 
-@pytest.mark.parametrize("K,warps,stages,sms", [(128, 16, 5, 3), (1024, 16, 5, 2), (512, 8, 4, 5)])
-def test_kernel_v2_addressing_emulated_on_cpu(K, warps, stages, sms):
+@pytest.mark.parametrize("K,warps,stages,sms,interleave",
+                         [(128, 16, 5, 3, False), (1024, 16, 5, 2, False), (512, 8, 4, 5, False), (1344, 8, 4, 3, True)])
+def test_kernel_v2_addressing_emulated_on_cpu(K, warps, stages, sms, interleave):
     """Few emulated SMs, so blocks walk several items and the rings wrap across item boundaries."""
     E, N, M, k = 4, 128, 6, 2
     rng = np.random.default_rng(K + warps)
@@ -574,7 +583,8 @@ def test_kernel_v2_addressing_emulated_on_cpu(K, warps, stages, sms):
     x_bits = moe.f32_to_bf16_bits(rng.normal(0, 1, (M, K)))
     ids = np.stack([rng.choice(E, k, replace=False) for _ in range(M)]).astype(np.int32)
     wts = rng.random((M, k)).astype(np.float32)
-    y = _emulate_v2(x_bits, moe.pack_moe(w), ids, wts, E, K, N, warps=warps, stages=stages, sms=sms)
+    y = _emulate_v2(x_bits, moe.pack_moe(w), ids, wts, E, K, N, warps=warps, stages=stages, sms=sms,
+                    interleave=interleave)
     check.assert_close(y, moe.moe_w4a16_reference(x_bits, w, ids, wts), rtol=2e-3, name=f"emulated v2 K{K} w{warps}")
 
 
@@ -593,11 +603,11 @@ def test_v2_kernels_fit_the_launch_shapes_the_wrapper_assumes(arch):
     rc, text = loader.compile_report(moe.STEM_V2, arch)
     assert rc == 0, text
     rep = loader.parse_ptxas(text)
-    names = {f"{moe.STEM_V2}_gate_up_w16", f"{moe.STEM_V2}_gate_up_w8", f"{moe.STEM_V2}_down"}
+    names = {f"{moe.STEM_V2}_gate_up_w16", f"{moe.STEM_V2}_gate_up_w8", f"{moe.STEM_V2}_gate_up_w8i", f"{moe.STEM_V2}_down"}
     assert names <= set(rep), sorted(rep)
     h200 = {"sms": 132, "smem_block": 227 * 1024, "smem_sm": 228 * 1024, "smem_reserved": 1024}
-    for warps in (16, 8):
-        info = rep[f"{moe.STEM_V2}_gate_up_w{warps}"]
+    for warps, suffix in ((16, ""), (8, ""), (8, "i")):
+        info = rep[f"{moe.STEM_V2}_gate_up_w{warps}{suffix}"]
         shape = moe.v2_gate_up_shape(warps, h200)
         assert shape["blocks_per_sm"] == (1 if warps == 16 else 2)
         assert info["spill_stores"] == info["spill_loads"] == info["stack"] == 0, info

@@ -319,8 +319,9 @@ _V2_GATE_UP = {16: (512, 5), 8: (256, 4)}   # warps -> (threads, ring stages), a
 _V2_DOWN = (512, 8)                         # kDownWarps * 32 threads, kDownStages
 _V2_STAGE_BYTES_GATE_UP = 32 * (4 * 16 + 2 * 4)   # per warp and stage: 4 uint4 + 2 words per lane
 _V2_STAGE_BYTES_DOWN = 32 * (16 + 4)              # per warp and stage: 1 uint4 + 1 word per lane
-_V2_RED_BYTES_PER_WARP = 8 * 32 * 4               # static red[WARPS][8][32] floats (gate/up only)
+_V2_RED_BYTES_PER_WARP = 2 * 8 * 32 * 4           # static red[2][WARPS][8][32] floats (gate/up only)
 _V2_MAX_SLOTS = 8                                  # tokens per expert the v2 kernels take in one pass
+_V2_MAX_N = 256                                    # kDownMaxChunks * 64: h rows held in registers
 _DEVICE_LIMITS: dict[int, dict] = {}
 
 
@@ -354,8 +355,13 @@ def v2_gate_up_shape(warps: int, limits: dict) -> dict:
     return {"threads": threads, "dyn_smem": dyn, "blocks_per_sm": min(by_smem, by_bounds) if fits else 0}
 
 
+def v2_applies(routing: Routing, n_inter: int) -> bool:
+    """Whether version 2 runs its own kernels (decode regime, N <= 256) rather than version 1's."""
+    return routing.max_count <= _V2_MAX_SLOTS and n_inter <= _V2_MAX_N
+
+
 def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool = False,
-              gate_up_warps: int | None = None, version: int = 1):
+              gate_up_warps: int | None = None, version: int = 1, k_interleave: bool = False):
     """y = MoE(x) with INT4 experts.
 
     Shape: x [M, K] bf16 (torch bf16 or CuPy uint16 bits); packed = `upload(pack_moe(w))`;
@@ -364,16 +370,19 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
 
     version 1 (`kernels/moe_w4a16_v1.cu`): y.fill(0), gate/up + SwiGLU launch, down + weighted
     combine launch; gate_up_warps 16 (default) or 8 picks the gate/up block in the decode regime.
-    version 2 (`kernels/moe_w4a16_v2.cu`, decode regime: every expert has <= 8 slots): two
-    persistent launches streaming the weights through per-warp cp.async rings, y zeroed inside the
-    gate/up launch; gate_up_warps 16 (one 512-thread block per SM) or 8 (two 256-thread blocks per
-    SM), default 16 where its 200 KB of shared memory fit, else 8. With more than 8 slots on some
-    expert, version 2 runs version 1's n16 / n32 kernels.
+    version 2 (`kernels/moe_w4a16_v2.cu`, decode regime: every expert has <= 8 slots, N <= 256):
+    two persistent launches streaming the weights through per-warp cp.async rings, y zeroed inside
+    the gate/up launch; gate_up_warps 8 (default: two 256-thread blocks per SM on an H200, one on
+    a 100 KB part) or 16 (one 512-thread block per SM, H100/H200 class only); k_interleave=True
+    (8 warps only) deals the K chunks to the warps round-robin instead of in contiguous ranges.
+    Outside its regime version 2 runs version 1's kernels.
     """
     if version not in (1, 2):
         raise ValueError(f"version must be 1 or 2, got {version!r}")
     if gate_up_warps not in (None, 8, 16):
         raise ValueError(f"gate_up_warps must be 8 or 16, got {gate_up_warps}")
+    if k_interleave and (version != 2 or gate_up_warps == 16):
+        raise ValueError("k_interleave needs version=2 and the 8-warp gate/up block")
     import cupy as cp
 
     xb = _bf16_bits_cupy(x, "x")
@@ -401,8 +410,11 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
         h = cp.empty((S, N), dtype=cp.uint16)
     elif h.shape != (S, N) or h.dtype != cp.uint16 or not h.flags.c_contiguous:
         raise ValueError(f"h must be contiguous uint16 [{S}, {N}]")
-    if version == 2 and routing.max_count <= _V2_MAX_SLOTS:
-        _launch_v2(xb, w1, s1, w2, s2, routing, out, h, K, N, gate_up_warps, sync)
+    if version == 2 and v2_applies(routing, N):
+        launch_v2_gate_up(xb, packed, routing, out, h, gate_up_warps=gate_up_warps or 8, k_interleave=k_interleave)
+        _check(sync, "v2 gate_up launch")
+        launch_v2_down(packed, routing, out, h)
+        _check(sync, "v2 down launch")
     else:
         _launch_v1(xb, w1, s1, w2, s2, routing, out, h, K, N, 16 if gate_up_warps is None else gate_up_warps, sync)
     return out
@@ -437,32 +449,43 @@ def _launch_v1(xb, w1, s1, w2, s2, routing: Routing, out, h, K: int, N: int, gat
     _check(sync, "down launch")
 
 
-def _launch_v2(xb, w1, s1, w2, s2, routing: Routing, out, h, K: int, N: int, gate_up_warps: int | None,
-               sync: bool):
-    """version 2: persistent gate/up launch (zeroes y), persistent down launch (kernels/moe_w4a16_v2.cu)."""
+def launch_v2_gate_up(xb, packed: dict, routing: Routing, out, h, *, gate_up_warps: int = 8,
+                      k_interleave: bool = False) -> None:
+    """The v2 gate/up launch alone (it also zeroes `out`): `moe_w4a16(version=2)` checks the
+    arguments and calls this, then `launch_v2_down`; benchmarks time the two apart.
+
+    Shape: xb [M, K] uint16 (bf16 bits), out [M, K] float32, h [M * topk, N] uint16 (CuPy).
+    """
     from kdlib.cuda.loader import get_function, set_max_dynamic_shared
 
     limits = _device_limits()
-    if gate_up_warps is None:
-        gate_up_warps = 16 if v2_gate_up_shape(16, limits)["blocks_per_sm"] else 8
     shape = v2_gate_up_shape(gate_up_warps, limits)
     if not shape["blocks_per_sm"]:
-        raise ValueError(f"the v2 gate/up block with {gate_up_warps} warps needs {shape['dyn_smem']} B of "
+        raise ValueError(f"the v2 gate/up block with {gate_up_warps} warps needs {shape['dyn_smem']} B of dynamic "
                          f"shared memory; this device allows {limits['smem_block']} B per block")
-    n_active = max(1, routing.n_active)
-    meta = (routing.expert_offsets, routing.active_experts, routing.n_active_dev, routing.sorted_token)
-    gate_up = get_function(STEM_V2, f"{STEM_V2}_gate_up_w{gate_up_warps}")
+    E, P, KC = packed["w1"].shape[:3]
+    name = f"{STEM_V2}_gate_up_w{gate_up_warps}{'i' if k_interleave else ''}"
+    gate_up = get_function(STEM_V2, name)
     set_max_dynamic_shared(gate_up, shape["dyn_smem"])
-    items = n_active * (N // TILE_ROWS)                 # (expert, 16-row tile pair) work items
-    grid = min(items, limits["sms"] * shape["blocks_per_sm"])
-    gate_up((grid,), (shape["threads"],), (xb, w1, s1, *meta, h, out, np.int32(routing.m), np.int32(K), np.int32(N)),
-            shared_mem=shape["dyn_smem"])
-    _check(sync, "v2 gate_up launch")
+    items = max(1, routing.n_active) * P               # (expert, 16-row tile pair) work items
+    meta = (routing.expert_offsets, routing.active_experts, routing.n_active_dev, routing.sorted_token)
+    gate_up((min(items, limits["sms"] * shape["blocks_per_sm"]),), (shape["threads"],),
+            (xb, packed["w1"], packed["s1"], *meta, h, out, np.int32(routing.m), np.int32(KC * CHUNK_COLS),
+             np.int32(P * TILE_ROWS)), shared_mem=shape["dyn_smem"])
+
+
+def launch_v2_down(packed: dict, routing: Routing, out, h) -> None:
+    """The v2 down launch alone: out += the routing-weighted down projection of h (see
+    `launch_v2_gate_up`)."""
+    from kdlib.cuda.loader import get_function, set_max_dynamic_shared
+
+    limits = _device_limits()
+    E, RT, NC = packed["w2"].shape[:3]
     down = get_function(STEM_V2, f"{STEM_V2}_down")
     threads, stages = _V2_DOWN
     dyn = threads // 32 * stages * _V2_STAGE_BYTES_DOWN
     set_max_dynamic_shared(down, dyn)
-    grid = min(-(-n_active * (K // TILE_ROWS) // (threads // 32)), limits["sms"])   # >= 1 item per warp
-    down((grid,), (threads,), (h, w2, s2, *meta, routing.sorted_weight, out, np.int32(K), np.int32(N)),
-         shared_mem=dyn)
-    _check(sync, "v2 down launch")
+    grid = min(-(-max(1, routing.n_active) * RT // (threads // 32)), limits["sms"])   # >= 1 item per warp
+    meta = (routing.expert_offsets, routing.active_experts, routing.n_active_dev, routing.sorted_token)
+    down((grid,), (threads,), (h, packed["w2"], packed["s2"], *meta, routing.sorted_weight, out,
+                               np.int32(RT * TILE_ROWS), np.int32(NC * CHUNK_COLS)), shared_mem=dyn)

@@ -10,10 +10,13 @@ What is timed (CUDA events around each call, median of `iters` after warm-up):
   (`kdlib.cuda.moe.moe_w4a16(..., version=1)`), issued from Python (eager) and, separately,
   replayed from a CUDA graph (`kernel_graph`). `kernel_gate_up_8warps`: the same with v1's 8-warp
   gate/up block (decode regime only).
-- kernel_v2: version 2, persistent gate/up launch (zeroes y) + persistent down launch, eager and
-  graph (`kernel_v2_graph`); where some expert has more than 8 slots, version 2 runs version 1's
-  kernels (the row's `kernel_v2_path` says which ran). `kernel_v2_gate_up_8warps`: v2 with its
-  8-warp gate/up block (two per SM) instead of the 16-warp one (decode regime only).
+- kernel_v2: version 2 (default block shapes: 8-warp gate/up, two per SM), persistent gate/up
+  launch (zeroes y) + persistent down launch, eager and graph (`kernel_v2_graph`); where some
+  expert has more than 8 slots, version 2 runs version 1's kernels (the row's `kernel_v2_path`
+  says which ran). Decode regime only: `kernel_v2_gate_up_16warps` (one 16-warp gate/up block per
+  SM), `kernel_v2_k_interleave` (K chunks dealt to the warps round-robin), and the two v2 launches
+  timed apart, `kernel_v2_gate_up_only` and `kernel_v2_down_only` (eager, each with its fraction
+  of copy bandwidth over its own weight bytes: 2/3 and 1/3 of the touched experts').
   The routing metadata (sort by expert, offsets) is made once per routing outside the timing:
   an engine computes it once per layer call alongside the router, in a few small kernels.
 - baseline: gather x by sorted slot, `torch._grouped_mm` gate/up, SwiGLU, `torch._grouped_mm`
@@ -199,13 +202,27 @@ def _measure(m: int, rng, packed, baseline, *, bw: float, flop_rate: float, rota
         state["i"] += 1
         baseline(x, tok, wts, offs, m, r.max_count)
 
-    decode = all(rr[0].max_count <= 8 for rr in routes)   # v1's n8 kernels and v2's own kernels
+    def stage(launch) -> dict:
+        """Median timing of one v2 launch alone, launch(routing), over the rotating routings."""
+
+        def call():
+            launch(routes[state["i"] % rotations][0])
+            state["i"] += 1
+
+        return timing.cuda_time(call, warmup=rotations, iters=iters, backend="cupy").as_dict()
+
+    decode = all(moe.v2_applies(rr[0], N) for rr in routes)   # v1's n8 kernels and v2's own kernels
     t_kernel = eager(version=1)
     t_graph = _graph_time(routes, xb, packed, out, h, rotations=rotations, iters=iters, version=1)
     t_w8 = eager(version=1, gate_up_warps=8) if decode else None
     t_v2 = eager(version=2)
     t_v2_graph = _graph_time(routes, xb, packed, out, h, rotations=rotations, iters=iters, version=2)
-    t_v2_w8 = eager(version=2, gate_up_warps=8) if decode else None
+    t_v2_w16 = t_v2_il = t_v2_gu = t_v2_dn = None
+    if decode:
+        t_v2_w16 = eager(version=2, gate_up_warps=16)
+        t_v2_il = eager(version=2, k_interleave=True)
+        t_v2_gu = stage(lambda r: moe.launch_v2_gate_up(xb, packed, r, out, h))
+        t_v2_dn = stage(lambda r: moe.launch_v2_down(packed, r, out, h))
     t_base = timing.cuda_time(baseline_call, warmup=rotations, iters=iters)
     touched = float(np.mean([rr[0].n_active for rr in routes]))
     acct = moe.layer_bytes_flops(m, touched, K, N, TOPK)
@@ -214,9 +231,9 @@ def _measure(m: int, rng, packed, baseline, *, bw: float, flop_rate: float, rota
     fl_b = perf.floor_ms(base_bytes, acct["flops"], bandwidth_Bps=bw, flop_rate=flop_rate)
     sec_k, sec_b = t_kernel["median_ms"] * 1e-3, t_base.median_ms * 1e-3
 
-    def frac(t: dict | None) -> float | None:
-        """Touched bytes / median time / copy bandwidth (None for an arm that did not run)."""
-        return acct["bytes"] / (t["median_ms"] * 1e-3) / bw if t and "median_ms" in t else None
+    def frac(t: dict | None, nbytes: float = acct["bytes"]) -> float | None:
+        """nbytes (default: the layer's) / median time / copy bandwidth (None for an arm that did not run)."""
+        return nbytes / (t["median_ms"] * 1e-3) / bw if t and "median_ms" in t else None
 
     return {
         "m": m,
@@ -243,8 +260,14 @@ def _measure(m: int, rng, packed, baseline, *, bw: float, flop_rate: float, rota
         "kernel_v2_frac_copy_bw": frac(t_v2),
         "kernel_v2_graph": t_v2_graph,
         "kernel_v2_graph_frac_copy_bw": frac(t_v2_graph),
-        "kernel_v2_gate_up_8warps": t_v2_w8,
-        "kernel_v2_gate_up_8warps_frac_copy_bw": frac(t_v2_w8),
+        "kernel_v2_gate_up_16warps": t_v2_w16,
+        "kernel_v2_gate_up_16warps_frac_copy_bw": frac(t_v2_w16),
+        "kernel_v2_k_interleave": t_v2_il,
+        "kernel_v2_k_interleave_frac_copy_bw": frac(t_v2_il),
+        "kernel_v2_gate_up_only": t_v2_gu,
+        "kernel_v2_gate_up_only_frac_copy_bw": frac(t_v2_gu, acct["weight_bytes"] * 2 / 3),
+        "kernel_v2_down_only": t_v2_dn,
+        "kernel_v2_down_only_frac_copy_bw": frac(t_v2_dn, acct["weight_bytes"] / 3),
         "speedup_v2_vs_v1": t_kernel["median_ms"] / t_v2["median_ms"],
         "baseline": t_base.as_dict(),
         "baseline_bytes": base_bytes,
@@ -302,7 +325,11 @@ def run(args) -> dict:
             f"({row['kernel_GBps']:6.0f} GB/s, {row['kernel_frac_copy_bw']:.0%} of copy, "
             f"{row['kernel_TFLOPs']:.1f} TF; graph {row['kernel_graph'].get('median_ms', float('nan')):7.3f} ms)  "
             f"v2 {row['kernel_v2']['median_ms']:7.3f} ms ({row['kernel_v2_frac_copy_bw']:.0%}; graph "
-            f"{row['kernel_v2_graph'].get('median_ms', float('nan')):7.3f} ms)  "
+            f"{row['kernel_v2_graph'].get('median_ms', float('nan')):7.3f} ms; "
+            f"w16 {row['kernel_v2_gate_up_16warps_frac_copy_bw'] or float('nan'):.0%} "
+            f"k-il {row['kernel_v2_k_interleave_frac_copy_bw'] or float('nan'):.0%} "
+            f"gu {row['kernel_v2_gate_up_only_frac_copy_bw'] or float('nan'):.0%} "
+            f"dn {row['kernel_v2_down_only_frac_copy_bw'] or float('nan'):.0%})  "
             f"baseline[{arm}] {row['baseline']['median_ms']:7.3f} ms",
             flush=True,
         )
@@ -339,7 +366,8 @@ def run(args) -> dict:
             "kernel_median_frac_copy_bw_m_le_32": float(np.median([r["kernel_frac_copy_bw"] for r in small])) if small else None,
             "kernel_v2_min_frac_copy_bw_m_le_32": _min_key(small, "kernel_v2_frac_copy_bw"),
             "kernel_v2_graph_min_frac_copy_bw_m_le_32": _min_key(small, "kernel_v2_graph_frac_copy_bw"),
-            "kernel_v2_gate_up_8warps_min_frac_copy_bw_m_le_32": _min_key(small, "kernel_v2_gate_up_8warps_frac_copy_bw"),
+            "kernel_v2_gate_up_16warps_min_frac_copy_bw_m_le_32": _min_key(small, "kernel_v2_gate_up_16warps_frac_copy_bw"),
+            "kernel_v2_k_interleave_min_frac_copy_bw_m_le_32": _min_key(small, "kernel_v2_k_interleave_frac_copy_bw"),
             "kernel_v2_median_frac_copy_bw_m_le_32": (float(np.median([r["kernel_v2_frac_copy_bw"] for r in small]))
                                                       if small else None),
             "kernel_v2_graph_min_frac_copy_bw_m_2_to_32": _min_key([r for r in small if r["m"] >= 2],
