@@ -16,10 +16,9 @@
 //   as v1, or round-robin in the _w8i variant); per item the warps' partial sums meet in shared
 //   memory (one barrier per item, double-buffered; the rings keep loading meanwhile).
 //   A chunk's stage holds gate and up weights, their scales and the 8 token rows' activations.
-// down: work item = (active expert, 2 consecutive 16-row output tiles; 1 in the _t1 variant) over
-//   the full reduction N; the flat item range is cut into one contiguous piece per warp (no
-//   barriers, balance to one item). The B fragments (the expert's h rows, N <= 256) are loaded
-//   into registers once per expert.
+// down: work item = (active expert, 16-row output tile) over the full reduction N; the flat item
+//   range is cut into one contiguous piece per warp (no barriers, balance to one item). The B
+//   fragments (the expert's h rows, N <= 256) are loaded into registers once per expert.
 //
 // Each lane reads back only the shared-memory words that its own cp.async wrote, so a per-thread
 // cp.async.wait_group is the only synchronization the rings need. Requirements (checked by the
@@ -34,15 +33,15 @@ typedef unsigned short u16;
 namespace {
 
 constexpr int kDownWarps = 16;   // down: 512 threads, one block per SM
-constexpr int kDownStageTiles = 8;  // ring stages x row tiles per stage: 80 KB of ring per block
+constexpr int kDownStages = 8;   // 7 chunks (7 x 640 B) in flight per warp, ~70 KB per SM
 constexpr int kDownMaxChunks = 4;  // N <= 256: the B fragments of a whole h row fit in 32 registers
 
 // gate/up stage per warp: 4 x 32 uint4 (gate w, up w, x cols 0-7, x cols 8-15) + 2 x 32 scale words.
 constexpr int kGuStageVec = 4 * 32;
 constexpr int kGuStageWords = 2 * 32;
-// down stage per warp and row tile: 32 uint4 of weights + 32 scale words.
-constexpr int kDnTileVec = 32;
-constexpr int kDnTileWords = 32;
+// down stage per warp: 32 uint4 of weights + 32 scale words.
+constexpr int kDnStageVec = 32;
+constexpr int kDnStageWords = 32;
 
 // (a & b) | c in one instruction (lop3 truth table 0xEA).
 __device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) {
@@ -258,43 +257,37 @@ __device__ __forceinline__ void gate_up_body(
 }
 
 // ---------------------------------------------------------------- down
-// Work item = TILES consecutive row tiles of one expert (independent accumulators, TILES x 512 B of
-// weights per ring stage). The B fragments of all NC <= kDownMaxChunks chunks of the current
-// expert's h rows stay in registers while the warp walks that expert's row tiles.
-template <int WARPS, int STAGES, int TILES>
+// The B fragments of all NC <= kDownMaxChunks chunks of the current expert's h rows stay in
+// registers while the warp walks that expert's row tiles (h is the same for all of them).
+template <int WARPS, int STAGES>
 __device__ __forceinline__ void down_body(
     const u16* __restrict__ h, const uint4* __restrict__ w2, const u32* __restrict__ s2,
     const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
     const int* __restrict__ n_active, const int* __restrict__ sorted_token,
     const float* __restrict__ sorted_weight, float* __restrict__ y, int K, int N, uint4* ring) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int RT = K >> 4, NC = N >> 6;  // NC <= kDownMaxChunks (checked by the wrapper); RT % TILES == 0
-  const int RG = RT / TILES;           // row-tile groups per expert
-  const long long n_items = (long long)*n_active * RG;
+  const int RT = K >> 4, NC = N >> 6;  // NC <= kDownMaxChunks (checked by the wrapper)
+  const long long n_items = (long long)*n_active * RT;
   const long long gw = (long long)blockIdx.x * WARPS + warp, tw = (long long)gridDim.x * WARPS;
   const int i0 = (int)(n_items * gw / tw), i1 = (int)(n_items * (gw + 1) / tw);  // this warp's items
   const int total = (i1 - i0) * NC;
 
-  uint4* wring = ring + warp * STAGES * TILES * kDnTileVec;                                   // [S][TILES][32]
-  u32* sring = reinterpret_cast<u32*>(ring + WARPS * STAGES * TILES * kDnTileVec) +
-               warp * STAGES * TILES * kDnTileWords;                                           // [S][TILES][32]
+  uint4* wring = ring + warp * STAGES * kDnStageVec;                                          // [S][32]
+  u32* sring = reinterpret_cast<u32*>(ring + WARPS * STAGES * kDnStageVec) + warp * STAGES * kDnStageWords;  // [S][32]
 
-  // Issue cursor: item it_i (absolute), chunk c_i. Tile q of a group lies NC chunks after tile q - 1.
+  // Issue cursor: item it_i (absolute), chunk c_i.
   int it_i = i0, c_i = 0, stage_i = 0;
   const uint4* wsrc = w2;
   const u32* ssrc = s2;
   auto issue = [&]() {
     if (c_i == 0) {
-      const int a_idx = it_i / RG, rg = it_i - a_idx * RG;
-      const size_t chunk0 = ((size_t)active_experts[a_idx] * RT + rg * TILES) * NC;
+      const int a_idx = it_i / RT, rt = it_i - a_idx * RT;
+      const size_t chunk0 = ((size_t)active_experts[a_idx] * RT + rt) * NC;
       wsrc = w2 + chunk0 * 32 + lane;
       ssrc = s2 + chunk0 * 16 + (t >> 1) * 8 + g;
     }
-#pragma unroll
-    for (int q = 0; q < TILES; ++q) {
-      cp16_cg(wring + (stage_i * TILES + q) * kDnTileVec + lane, wsrc + (size_t)(q * NC + c_i) * 32);
-      cp4(sring + (stage_i * TILES + q) * kDnTileWords + lane, ssrc + (size_t)(q * NC + c_i) * 16);
-    }
+    cp16_cg(wring + stage_i * kDnStageVec + lane, wsrc + (size_t)c_i * 32);
+    cp4(sring + stage_i * kDnStageWords + lane, ssrc + (size_t)c_i * 16);
     stage_i = stage_i + 1 == STAGES ? 0 : stage_i + 1;
     if (++c_i == NC) { c_i = 0; ++it_i; }
   };
@@ -309,7 +302,7 @@ __device__ __forceinline__ void down_body(
   float wgt[2] = {0.0f, 0.0f};   // ... and routing weights (0 and unused when the slot is absent)
   bool has[2] = {false, false};
   for (int item = i0; item < i1; ++item) {
-    const int a_idx = item / RG, rt0 = (item - a_idx * RG) * TILES;
+    const int a_idx = item / RT, rt = item - a_idx * RT;
     if (a_idx != cur_a) {  // a new expert: its slots' rows
       cur_a = a_idx;
       const int e = active_experts[a_idx];
@@ -334,33 +327,23 @@ __device__ __forceinline__ void down_body(
         wgt[half] = has[half] ? sorted_weight[slot] : 0.0f;
       }
     }
-    float acc[TILES][4];
-#pragma unroll
-    for (int q = 0; q < TILES; ++q)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) acc[q][r] = 0.0f;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int c = 0; c < kDownMaxChunks; ++c) {
       if (c < NC) {
         issue_next(issue, issued, total);
         cp_wait<STAGES - 1>();
-#pragma unroll
-        for (int q = 0; q < TILES; ++q) {
-          const uint4 wv = wring[(stage_c * TILES + q) * kDnTileVec + lane];
-          const u32 sv = sring[(stage_c * TILES + q) * kDnTileWords + lane];
-          mma_chunk(acc[q], wv, sv, b[c]);
-        }
+        const uint4 wv = wring[stage_c * kDnStageVec + lane];
+        const u32 sv = sring[stage_c * kDnStageWords + lane];
         stage_c = stage_c + 1 == STAGES ? 0 : stage_c + 1;
+        mma_chunk(acc, wv, sv, b[c]);
       }
     }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       if (has[half]) {
-#pragma unroll
-        for (int q = 0; q < TILES; ++q) {
-          atomicAdd(yrow[half] + (rt0 + q) * 16 + g, wgt[half] * acc[q][half]);
-          atomicAdd(yrow[half] + (rt0 + q) * 16 + g + 8, wgt[half] * acc[q][2 + half]);
-        }
+        atomicAdd(yrow[half] + rt * 16 + g, wgt[half] * acc[half]);
+        atomicAdd(yrow[half] + rt * 16 + g + 8, wgt[half] * acc[2 + half]);
       }
     }
   }
@@ -408,24 +391,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_w4a16_v2_gate_up_w8i(
                            red, ring);
 }
 
-// Down: 16 warps, 2 row tiles per item, 4 stages: 80 KB dynamic shared memory.
+// Down: 16 warps, 8 stages: 80 KB dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(kDownWarps * 32, 1) moe_w4a16_v2_down(
     const u16* __restrict__ h, const uint4* __restrict__ w2, const u32* __restrict__ s2,
     const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
     const int* __restrict__ n_active, const int* __restrict__ sorted_token,
     const float* __restrict__ sorted_weight, float* __restrict__ y, int K, int N) {
   extern __shared__ uint4 ring[];
-  down_body<kDownWarps, kDownStageTiles / 2, 2>(h, w2, s2, expert_offsets, active_experts, n_active,
-                                                sorted_token, sorted_weight, y, K, N, ring);
-}
-
-// The same with 1 row tile per item and 8 stages (also 80 KB).
-extern "C" __global__ void __launch_bounds__(kDownWarps * 32, 1) moe_w4a16_v2_down_t1(
-    const u16* __restrict__ h, const uint4* __restrict__ w2, const u32* __restrict__ s2,
-    const int* __restrict__ expert_offsets, const int* __restrict__ active_experts,
-    const int* __restrict__ n_active, const int* __restrict__ sorted_token,
-    const float* __restrict__ sorted_weight, float* __restrict__ y, int K, int N) {
-  extern __shared__ uint4 ring[];
-  down_body<kDownWarps, kDownStageTiles, 1>(h, w2, s2, expert_offsets, active_experts, n_active, sorted_token,
-                                            sorted_weight, y, K, N, ring);
+  down_body<kDownWarps, kDownStages>(h, w2, s2, expert_offsets, active_experts, n_active, sorted_token,
+                                     sorted_weight, y, K, N, ring);
 }

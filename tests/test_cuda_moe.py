@@ -196,8 +196,7 @@ def test_kernel_matches_reference(E, K, N, M, k, variant, version):
     name = f"moe_w4a16 v{version} E{E} K{K} N{N} M{M} top{k}"
     check.assert_close(run(version=version), ref, rtol=5e-3, name=name)
     if variant == "n8":   # the other gate/up block shapes compute the same
-        others = ([{"gate_up_warps": 8}] if version == 1
-                  else [{"gate_up_warps": 16}, {"k_interleave": True}, {"down_tiles": 1}])
+        others = [{"gate_up_warps": 8}] if version == 1 else [{"gate_up_warps": 16}, {"k_interleave": True}]
         for kw in others:
             check.assert_close(run(version=version, **kw), ref, rtol=5e-3, name=f"{name} {kw}")
 
@@ -240,8 +239,6 @@ def test_kernel_accepts_torch_bf16_and_rejects_bad_input(version):
         moe.moe_w4a16(x, packed, routing, version=3)
     with pytest.raises(ValueError, match="k_interleave"):
         moe.moe_w4a16(x, packed, routing, version=version, gate_up_warps=16, k_interleave=True)
-    with pytest.raises(ValueError, match="down_tiles"):
-        moe.moe_w4a16(x, packed, routing, version=version, down_tiles=4)
     with pytest.raises(ValueError, match="topk_ids must lie"):
         moe.prepare_routing(cp.asarray(ids + E), cp.asarray(wts), E)
 
@@ -434,7 +431,7 @@ def test_suite_knee_from_times_interpolates_the_plateau_onset():
 
 
 def _emulate_v2(x_bits, packed, ids, wts, E, K, N, *, warps, stages, sms, interleave=False, down_warps=16,
-                down_tiles=2):
+                down_stages=8):
     M, k = ids.shape
     flat = ids.reshape(-1)
     order = np.argsort(flat, kind="stable")
@@ -525,25 +522,23 @@ def _emulate_v2(x_bits, packed, ids, wts, E, K, N, *, warps, stages, sms, interl
                     gs, us = partial[it, :, r, ln].sum(), partial[it, :, 4 + r, ln].sum()
                     row = (ln >> 2) + (8 if r >= 2 else 0)
                     h[slot * N + p * 16 + row] = moe.f32_to_bf16_bits(gs / (1 + np.exp(-gs)) * us)
-    # down: grid = min(ceil(items / warps), sms), contiguous item range per warp; item = down_tiles row tiles
-    down_stages, RG = 8 // down_tiles, RT // down_tiles
-    n_items = len(active) * RG
+    # down: grid = min(ceil(items / warps), sms), contiguous item range per warp
+    n_items = len(active) * RT
     grid = min(-(-n_items // down_warps), sms)
     tw = grid * down_warps
     for gw in range(tw):
         i0, i1 = n_items * gw // tw, n_items * (gw + 1) // tw
         total = (i1 - i0) * NC
-        ring_w = np.zeros((down_stages, down_tiles, 32, 4), np.uint32)
-        ring_s = np.zeros((down_stages, down_tiles, 32), np.uint32)
+        ring_w = np.zeros((down_stages, 32, 4), np.uint32)
+        ring_s = np.zeros((down_stages, 32), np.uint32)
         cur = {"it": i0, "c": 0, "stage": 0}
 
-        def issue_d(cur=cur, ring_w=ring_w, ring_s=ring_s, down_stages=down_stages, RG=RG):
-            a_idx, rg = divmod(cur["it"], RG)
-            chunk0 = (active[a_idx] * RT + rg * down_tiles) * NC
+        def issue_d(cur=cur, ring_w=ring_w, ring_s=ring_s):
+            a_idx, rt = divmod(cur["it"], RT)
+            chunk0 = (active[a_idx] * RT + rt) * NC
             st, c = cur["stage"], cur["c"]
-            for q in range(down_tiles):
-                ring_w[st, q] = w2[(chunk0 + q * NC + c) * 32 + lanes]
-                ring_s[st, q] = s2[(chunk0 + q * NC + c) * 16 + (t_l >> 1) * 8 + g_l]
+            ring_w[st] = w2[(chunk0 + c) * 32 + lanes]
+            ring_s[st] = s2[(chunk0 + c) * 16 + (t_l >> 1) * 8 + g_l]
             cur["stage"] = (st + 1) % down_stages
             cur["c"] += 1
             if cur["c"] == NC:
@@ -556,36 +551,31 @@ def _emulate_v2(x_bits, packed, ids, wts, E, K, N, *, warps, stages, sms, interl
                 issued += 1
         stage_c = 0
         for item in range(i0, i1):
-            a_idx, rg = divmod(item, RG)
+            a_idx, rt = divmod(item, RT)
             e = active[a_idx]
             hrow = [(s * N if (s := off[e] + g) < off[e + 1] else None) for g in range(8)]
-            acc = np.zeros((down_tiles, 32, 4))
+            acc = np.zeros((32, 4))
             for c in range(NC):
                 if issued < total:
                     issue_d()
                     issued += 1
                 b = _emu_load_b(h, hrow, c * 64)
-                for q in range(down_tiles):
-                    for i in range(4):
-                        af = _emu_dequant(ring_w[stage_c, q, :, i], ring_s[stage_c, q])
-                        _emu_mma(acc[q], af, b[:, 2 * i:2 * i + 2])
+                for i in range(4):
+                    _emu_mma(acc, _emu_dequant(ring_w[stage_c, :, i], ring_s[stage_c]), b[:, 2 * i:2 * i + 2])
                 stage_c = (stage_c + 1) % down_stages
             for lane in range(32):
                 g, t = divmod(lane, 4)
                 for half in range(2):
                     slot = off[e] + 2 * t + half
                     if slot < off[e + 1]:
-                        for q in range(down_tiles):
-                            rt = rg * down_tiles + q
-                            y[stok[slot] * K + rt * 16 + g] += swt[slot] * acc[q, lane, half]
-                            y[stok[slot] * K + rt * 16 + g + 8] += swt[slot] * acc[q, lane, 2 + half]
+                        y[stok[slot] * K + rt * 16 + g] += swt[slot] * acc[lane, half]
+                        y[stok[slot] * K + rt * 16 + g + 8] += swt[slot] * acc[lane, 2 + half]
     return y.reshape(M, K)
 
 
-@pytest.mark.parametrize("K,warps,stages,sms,interleave,down_tiles",
-                         [(128, 16, 5, 3, False, 2), (1024, 16, 5, 2, False, 1), (512, 8, 4, 5, False, 2),
-                          (1344, 8, 4, 3, True, 2)])
-def test_kernel_v2_addressing_emulated_on_cpu(K, warps, stages, sms, interleave, down_tiles):
+@pytest.mark.parametrize("K,warps,stages,sms,interleave",
+                         [(128, 16, 5, 3, False), (1024, 16, 5, 2, False), (512, 8, 4, 5, False), (1344, 8, 4, 3, True)])
+def test_kernel_v2_addressing_emulated_on_cpu(K, warps, stages, sms, interleave):
     """Few emulated SMs, so blocks walk several items and the rings wrap across item boundaries."""
     E, N, M, k = 4, 128, 6, 2
     rng = np.random.default_rng(K + warps)
@@ -594,7 +584,7 @@ def test_kernel_v2_addressing_emulated_on_cpu(K, warps, stages, sms, interleave,
     ids = np.stack([rng.choice(E, k, replace=False) for _ in range(M)]).astype(np.int32)
     wts = rng.random((M, k)).astype(np.float32)
     y = _emulate_v2(x_bits, moe.pack_moe(w), ids, wts, E, K, N, warps=warps, stages=stages, sms=sms,
-                    interleave=interleave, down_tiles=down_tiles)
+                    interleave=interleave)
     check.assert_close(y, moe.moe_w4a16_reference(x_bits, w, ids, wts), rtol=2e-3, name=f"emulated v2 K{K} w{warps}")
 
 
@@ -613,8 +603,7 @@ def test_v2_kernels_fit_the_launch_shapes_the_wrapper_assumes(arch):
     rc, text = loader.compile_report(moe.STEM_V2, arch)
     assert rc == 0, text
     rep = loader.parse_ptxas(text)
-    names = {f"{moe.STEM_V2}_gate_up_w16", f"{moe.STEM_V2}_gate_up_w8", f"{moe.STEM_V2}_gate_up_w8i", f"{moe.STEM_V2}_down",
-             f"{moe.STEM_V2}_down_t1"}
+    names = {f"{moe.STEM_V2}_gate_up_w16", f"{moe.STEM_V2}_gate_up_w8", f"{moe.STEM_V2}_gate_up_w8i", f"{moe.STEM_V2}_down"}
     assert names <= set(rep), sorted(rep)
     h200 = {"sms": 132, "smem_block": 227 * 1024, "smem_sm": 228 * 1024, "smem_reserved": 1024}
     for warps, suffix in ((16, ""), (8, ""), (8, "i")):
@@ -624,9 +613,8 @@ def test_v2_kernels_fit_the_launch_shapes_the_wrapper_assumes(arch):
         assert info["spill_stores"] == info["spill_loads"] == info["stack"] == 0, info
         assert info["registers"] * shape["threads"] * shape["blocks_per_sm"] <= 65536, info
         assert info["static_smem"] == warps * moe._V2_RED_BYTES_PER_WARP, info
-    for name in (f"{moe.STEM_V2}_down", f"{moe.STEM_V2}_down_t1"):
-        down = rep[name]
-        assert down["spill_stores"] == down["stack"] == 0 and down["registers"] * moe._V2_DOWN[0] <= 65536, down
+    down = rep[f"{moe.STEM_V2}_down"]
+    assert down["spill_stores"] == down["stack"] == 0 and down["registers"] * moe._V2_DOWN[0] <= 65536, down
     # A 100 KB part (sm_120: 99 KB per block) takes only the 8-warp gate/up block.
     small = {"sms": 1, "smem_block": 99 * 1024, "smem_sm": 100 * 1024, "smem_reserved": 1024}
     assert moe.v2_gate_up_shape(16, small)["blocks_per_sm"] == 0

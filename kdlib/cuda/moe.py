@@ -316,9 +316,9 @@ def _check(sync: bool, what: str) -> None:
 
 
 _V2_GATE_UP = {16: (512, 5), 8: (256, 4)}   # warps -> (threads, ring stages), as instantiated in the .cu
-_V2_DOWN = (512, 8)                         # kDownWarps * 32 threads, kDownStageTiles (stages x tiles)
+_V2_DOWN = (512, 8)                         # kDownWarps * 32 threads, kDownStages
 _V2_STAGE_BYTES_GATE_UP = 32 * (4 * 16 + 2 * 4)   # per warp and stage: 4 uint4 + 2 words per lane
-_V2_STAGE_BYTES_DOWN = 32 * (16 + 4)              # per warp, stage and row tile: 1 uint4 + 1 word per lane
+_V2_STAGE_BYTES_DOWN = 32 * (16 + 4)              # per warp and stage: 1 uint4 + 1 word per lane
 _V2_RED_BYTES_PER_WARP = 2 * 8 * 32 * 4           # static red[2][WARPS][8][32] floats (gate/up only)
 _V2_MAX_SLOTS = 8                                  # tokens per expert the v2 kernels take in one pass
 _V2_MAX_N = 256                                    # kDownMaxChunks * 64: h rows held in registers
@@ -361,8 +361,7 @@ def v2_applies(routing: Routing, n_inter: int) -> bool:
 
 
 def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool = False,
-              gate_up_warps: int | None = None, version: int = 1, k_interleave: bool = False,
-              down_tiles: int = 2):
+              gate_up_warps: int | None = None, version: int = 2, k_interleave: bool = False):
     """y = MoE(x) with INT4 experts.
 
     Shape: x [M, K] bf16 (torch bf16 or CuPy uint16 bits); packed = `upload(pack_moe(w))`;
@@ -371,12 +370,12 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
 
     version 1 (`kernels/moe_w4a16_v1.cu`): y.fill(0), gate/up + SwiGLU launch, down + weighted
     combine launch; gate_up_warps 16 (default) or 8 picks the gate/up block in the decode regime.
-    version 2 (`kernels/moe_w4a16_v2.cu`, decode regime: every expert has <= 8 slots, N <= 256):
-    two persistent launches streaming the weights through per-warp cp.async rings, y zeroed inside
-    the gate/up launch; gate_up_warps 8 (default: two 256-thread blocks per SM on an H200, one on
+    version 2 (the default: faster than version 1 at every M <= 64 on the H200 and the same
+    kernels above, see `kdlib.perf.load("moe")`; `kernels/moe_w4a16_v2.cu`, decode regime: every
+    expert has <= 8 slots, N <= 256): two persistent launches streaming the weights through
+    per-warp cp.async rings, y zeroed inside the gate/up launch; gate_up_warps 8 (default: two 256-thread blocks per SM on an H200, one on
     a 100 KB part) or 16 (one 512-thread block per SM, H100/H200 class only); k_interleave=True
-    (8 warps only) deals the K chunks to the warps round-robin instead of in contiguous ranges;
-    down_tiles 2 (default) or 1: 16-row output tiles per down work item.
+    (8 warps only) deals the K chunks to the warps round-robin instead of in contiguous ranges.
     Outside its regime version 2 runs version 1's kernels.
     """
     if version not in (1, 2):
@@ -385,8 +384,6 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
         raise ValueError(f"gate_up_warps must be 8 or 16, got {gate_up_warps}")
     if k_interleave and (version != 2 or gate_up_warps == 16):
         raise ValueError("k_interleave needs version=2 and the 8-warp gate/up block")
-    if down_tiles not in (1, 2):
-        raise ValueError(f"down_tiles must be 1 or 2, got {down_tiles}")
     import cupy as cp
 
     xb = _bf16_bits_cupy(x, "x")
@@ -417,7 +414,7 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
     if version == 2 and v2_applies(routing, N):
         launch_v2_gate_up(xb, packed, routing, out, h, gate_up_warps=gate_up_warps or 8, k_interleave=k_interleave)
         _check(sync, "v2 gate_up launch")
-        launch_v2_down(packed, routing, out, h, down_tiles=down_tiles)
+        launch_v2_down(packed, routing, out, h)
         _check(sync, "v2 down launch")
     else:
         _launch_v1(xb, w1, s1, w2, s2, routing, out, h, K, N, 16 if gate_up_warps is None else gate_up_warps, sync)
@@ -478,19 +475,18 @@ def launch_v2_gate_up(xb, packed: dict, routing: Routing, out, h, *, gate_up_war
              np.int32(P * TILE_ROWS)), shared_mem=shape["dyn_smem"])
 
 
-def launch_v2_down(packed: dict, routing: Routing, out, h, *, down_tiles: int = 2) -> None:
+def launch_v2_down(packed: dict, routing: Routing, out, h) -> None:
     """The v2 down launch alone: out += the routing-weighted down projection of h (see
-    `launch_v2_gate_up`); down_tiles 16-row output tiles per work item (2 or 1)."""
+    `launch_v2_gate_up`)."""
     from kdlib.cuda.loader import get_function, set_max_dynamic_shared
 
     limits = _device_limits()
     E, RT, NC = packed["w2"].shape[:3]
-    down = get_function(STEM_V2, f"{STEM_V2}_down" + ("" if down_tiles == 2 else "_t1"))
-    threads, stage_tiles = _V2_DOWN
-    dyn = threads // 32 * stage_tiles * _V2_STAGE_BYTES_DOWN
+    down = get_function(STEM_V2, f"{STEM_V2}_down")
+    threads, stages = _V2_DOWN
+    dyn = threads // 32 * stages * _V2_STAGE_BYTES_DOWN
     set_max_dynamic_shared(down, dyn)
-    items = max(1, routing.n_active) * RT // down_tiles
-    grid = min(-(-items // (threads // 32)), limits["sms"])   # >= 1 item per warp
+    grid = min(-(-max(1, routing.n_active) * RT // (threads // 32)), limits["sms"])   # >= 1 item per warp
     meta = (routing.expert_offsets, routing.active_experts, routing.n_active_dev, routing.sorted_token)
     down((grid,), (threads,), (h, packed["w2"], packed["s2"], *meta, routing.sorted_weight, out,
                                np.int32(RT * TILE_ROWS), np.int32(NC * CHUNK_COLS)), shared_mem=dyn)

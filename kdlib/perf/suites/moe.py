@@ -5,6 +5,10 @@ shapes at the TP8 shard.
 Shapes: 384 experts, hidden K = 7168, expert intermediate N = 2048 / 8 = 256 (TP8 shard), top-8
 routing of M tokens (uniformly random experts, Dirichlet-like random weights), M = 1 ... 4096.
 
+Arm names: `kernel` is version 1 (it was the default when this suite was written, and the
+estimator's calibration and notebook 06 read it); version 2, the default of `moe_w4a16` since the
+H200 run that first measured it, is `kernel_v2`.
+
 What is timed (CUDA events around each call, median of `iters` after warm-up):
 - kernel: version 1, y.fill(0) + gate/up+SwiGLU launch + down+combine launch
   (`kdlib.cuda.moe.moe_w4a16(..., version=1)`), issued from Python (eager) and, separately,
@@ -14,11 +18,9 @@ What is timed (CUDA events around each call, median of `iters` after warm-up):
   launch (zeroes y) + persistent down launch, eager and graph (`kernel_v2_graph`); where some
   expert has more than 8 slots, version 2 runs version 1's kernels (the row's `kernel_v2_path`
   says which ran). Decode regime only: `kernel_v2_gate_up_16warps` (one 16-warp gate/up block per
-  SM), `kernel_v2_k_interleave` (K chunks dealt to the warps round-robin), `kernel_v2_down_1tile`
-  (one 16-row output tile per down work item instead of two), and the two v2 launches timed apart,
-  `kernel_v2_gate_up_only` and `kernel_v2_down_only` (`kernel_v2_down_1tile_only`) (eager, each
-  with its fraction of copy bandwidth over its own weight bytes: 2/3 and 1/3 of the touched
-  experts').
+  SM), `kernel_v2_k_interleave` (K chunks dealt to the warps round-robin), and the two v2 launches
+  timed apart, `kernel_v2_gate_up_only` and `kernel_v2_down_only` (eager, each with its fraction
+  of copy bandwidth over its own weight bytes: 2/3 and 1/3 of the touched experts').
   The routing metadata (sort by expert, offsets) is made once per routing outside the timing:
   an engine computes it once per layer call alongside the router, in a few small kernels.
 - baseline: gather x by sorted slot, `torch._grouped_mm` gate/up, SwiGLU, `torch._grouped_mm`
@@ -219,14 +221,12 @@ def _measure(m: int, rng, packed, baseline, *, bw: float, flop_rate: float, rota
     t_w8 = eager(version=1, gate_up_warps=8) if decode else None
     t_v2 = eager(version=2)
     t_v2_graph = _graph_time(routes, xb, packed, out, h, rotations=rotations, iters=iters, version=2)
-    t_v2_w16 = t_v2_il = t_v2_d1 = t_v2_gu = t_v2_dn = t_v2_dn1 = None
+    t_v2_w16 = t_v2_il = t_v2_gu = t_v2_dn = None
     if decode:
         t_v2_w16 = eager(version=2, gate_up_warps=16)
         t_v2_il = eager(version=2, k_interleave=True)
-        t_v2_d1 = eager(version=2, down_tiles=1)
         t_v2_gu = stage(lambda r: moe.launch_v2_gate_up(xb, packed, r, out, h))
         t_v2_dn = stage(lambda r: moe.launch_v2_down(packed, r, out, h))
-        t_v2_dn1 = stage(lambda r: moe.launch_v2_down(packed, r, out, h, down_tiles=1))
     t_base = timing.cuda_time(baseline_call, warmup=rotations, iters=iters)
     touched = float(np.mean([rr[0].n_active for rr in routes]))
     acct = moe.layer_bytes_flops(m, touched, K, N, TOPK)
@@ -268,14 +268,10 @@ def _measure(m: int, rng, packed, baseline, *, bw: float, flop_rate: float, rota
         "kernel_v2_gate_up_16warps_frac_copy_bw": frac(t_v2_w16),
         "kernel_v2_k_interleave": t_v2_il,
         "kernel_v2_k_interleave_frac_copy_bw": frac(t_v2_il),
-        "kernel_v2_down_1tile": t_v2_d1,
-        "kernel_v2_down_1tile_frac_copy_bw": frac(t_v2_d1),
         "kernel_v2_gate_up_only": t_v2_gu,
         "kernel_v2_gate_up_only_frac_copy_bw": frac(t_v2_gu, acct["weight_bytes"] * 2 / 3),
         "kernel_v2_down_only": t_v2_dn,
         "kernel_v2_down_only_frac_copy_bw": frac(t_v2_dn, acct["weight_bytes"] / 3),
-        "kernel_v2_down_1tile_only": t_v2_dn1,
-        "kernel_v2_down_1tile_only_frac_copy_bw": frac(t_v2_dn1, acct["weight_bytes"] / 3),
         "speedup_v2_vs_v1": t_kernel["median_ms"] / t_v2["median_ms"],
         "baseline": t_base.as_dict(),
         "baseline_bytes": base_bytes,
@@ -336,10 +332,8 @@ def run(args) -> dict:
             f"{row['kernel_v2_graph'].get('median_ms', float('nan')):7.3f} ms; "
             f"w16 {row['kernel_v2_gate_up_16warps_frac_copy_bw'] or float('nan'):.0%} "
             f"k-il {row['kernel_v2_k_interleave_frac_copy_bw'] or float('nan'):.0%} "
-            f"d1 {row['kernel_v2_down_1tile_frac_copy_bw'] or float('nan'):.0%} "
             f"gu {row['kernel_v2_gate_up_only_frac_copy_bw'] or float('nan'):.0%} "
-            f"dn {row['kernel_v2_down_only_frac_copy_bw'] or float('nan'):.0%} "
-            f"dn1 {row['kernel_v2_down_1tile_only_frac_copy_bw'] or float('nan'):.0%})  "
+            f"dn {row['kernel_v2_down_only_frac_copy_bw'] or float('nan'):.0%})  "
             f"baseline[{arm}] {row['baseline']['median_ms']:7.3f} ms",
             flush=True,
         )
@@ -378,7 +372,6 @@ def run(args) -> dict:
             "kernel_v2_graph_min_frac_copy_bw_m_le_32": _min_key(small, "kernel_v2_graph_frac_copy_bw"),
             "kernel_v2_gate_up_16warps_min_frac_copy_bw_m_le_32": _min_key(small, "kernel_v2_gate_up_16warps_frac_copy_bw"),
             "kernel_v2_k_interleave_min_frac_copy_bw_m_le_32": _min_key(small, "kernel_v2_k_interleave_frac_copy_bw"),
-            "kernel_v2_down_1tile_min_frac_copy_bw_m_le_32": _min_key(small, "kernel_v2_down_1tile_frac_copy_bw"),
             "kernel_v2_median_frac_copy_bw_m_le_32": (float(np.median([r["kernel_v2_frac_copy_bw"] for r in small]))
                                                       if small else None),
             "kernel_v2_graph_min_frac_copy_bw_m_2_to_32": _min_key([r for r in small if r["m"] >= 2],
