@@ -145,11 +145,16 @@ def compare(got: dict, ref: dict) -> list[str]:
 # ----------------------------------------------------------------------------- benchmark (GPU)
 def bench_spec(**kw) -> dict:
     """Parameters of the step-time benchmark. config None = the engine suite's BENCH_CONFIG (MLA
-    with the real head dims, 16 heads, 32 experts; bfloat16); a tiny config name for a CPU smoke run.
-    allreduce_hidden 7168: Kimi-K2 / DeepSeek-V3's hidden size, the message the estimator models."""
+    with the real head dims, 16 heads, 32 experts); a tiny config name for a CPU smoke run.
+    dtype float32 (TF32 off on NCCL ranks), as the engine suite: in bfloat16 the DDTree tokens part
+    from AR, and the noisy oracle then re-derives its script inside the draft phase (~15 target
+    forwards a step), which would be timed as drafting. The all-reduce sweep runs in
+    `allreduce_dtype` (bfloat16, the serving activations) over [rows, allreduce_hidden] messages;
+    7168 is Kimi-K2 / DeepSeek-V3's hidden size, the message the estimator models, and the rows
+    reach 64 MiB so that the bandwidth term of the fit is not lost under the latency."""
     spec = {"config": None, "seed": 0, "moe_mode": "ep", "context": 512, "max_new": 64, "budget": 32, "block": 16,
-            "p_wrong": 0.2, "dtype": "bfloat16", "allreduce_rows": (1, 8, 33, 64, 128, 256),
-            "allreduce_hidden": 7168, "iters": 50}
+            "p_wrong": 0.2, "dtype": "float32", "allreduce_dtype": "bfloat16",
+            "allreduce_rows": (1, 8, 33, 64, 128, 256, 1024, 4096), "allreduce_hidden": 7168, "iters": 50}
     unknown = set(kw) - set(spec)
     if unknown:
         raise ValueError(f"unknown bench parameters {sorted(unknown)}")
@@ -244,7 +249,7 @@ def bench_worker(rank: int, world: int, device, spec: dict, out_path: str) -> No
     sweep = []
     if world > 1:
         for m in spec["allreduce_rows"]:
-            x = torch.randn(m, spec["allreduce_hidden"], device=device).to(getattr(torch, spec["dtype"]))  # [m, 7168]
+            x = torch.randn(m, spec["allreduce_hidden"], device=device).to(getattr(torch, spec["allreduce_dtype"]))  # [m, 7168]
             t = _time(lambda x=x: dist.all_reduce(x), device, spec["iters"])
             nbytes = x.numel() * x.element_size()
             sweep.append({"world": world, "rows": m, "bytes": nbytes, "median_us": t.median_ms * 1e3,

@@ -8,11 +8,12 @@ Sections of the payload:
                   TP AR and TP DDTree == single-GPU AR greedy); `checks_pass`
   runs            per world size (1 = TPModel with no collectives, plus the single-GPU engine):
                   AR and DDTree (noisy oracle) step time on the engine suite's BENCH_CONFIG in
-                  bfloat16, and from a second run with synchronised collectives the all-reduce and
-                  all-gather ms per step and their share of the step (`allreduce_share`);
-                  `matches_tp_ar` (DDTree == AR on the TP numerics) and `matches_single_ar` (vs one
-                  GPU: in bfloat16 the all-reduce rounds each rank's partial sum, so greedy tokens
-                  may part from the single-GPU ones; `logits_max_abs_diff_vs_single` shows by how much)
+                  float32 with TF32 off (as the engine suite, so that DDTree == AR and the oracle
+                  never re-derives its script inside the draft phase), and from a second run with
+                  synchronised collectives the all-reduce and all-gather ms per step and their share
+                  of the step (`allreduce_share`); `matches_tp_ar` (DDTree == AR on the TP numerics)
+                  and `matches_single_ar` (vs one GPU; `logits_max_abs_diff_vs_single` shows how far
+                  the TP partial sums move the logits)
   allreduce       NCCL all-reduce of [rows, 7168] bf16 (Kimi-K2 / DeepSeek-V3 hidden size) per
                   world size; `allreduce_fit`: latency and bus bandwidth of t = lat + ring_bytes / bw,
                   the estimator's all-reduce model (kdlib/estimator/model.py)
