@@ -82,6 +82,33 @@ def test_shards_reassemble_the_full_weights(moe_mode):
             assert torch.equal(torch.cat([s[key] for s in shards]), full[key])
 
 
+@pytest.mark.parametrize("moe_mode", ["ep", "tp"])
+@pytest.mark.parametrize("tokens,path", [(1, "gather"), (6, "dense"), (40, "loop")])
+def test_tp_moe_partial_sums_add_up_to_the_engine_moe_on_every_path(moe_mode, tokens, path, monkeypatch):
+    """3 ranks' TPMoE partials (uneven shards) sum to the single-process MoE on each forward path, in float64."""
+    from kdlib.engine.model import MoE
+    from kdlib.tp.engine import TPMoE
+
+    cfg = dataclasses.replace(_cfg("tiny-a"), n_routed_experts=24, num_experts_per_tok=2, n_group=1, topk_group=1)
+    monkeypatch.setattr(MoE, "DENSE_MAX_ROWS", 8 * cfg.n_routed_experts)  # 40 tokens take the loop
+    model = Model.random(cfg, seed=0).double().eval()
+    sd = model.state_dict()
+    layer = next(i for i in range(cfg.num_hidden_layers) if isinstance(model.model.layers[i].mlp, MoE))
+    full, prefix = model.model.layers[layer].mlp, f"model.layers.{layer}.mlp."
+    x = torch.randn(tokens, cfg.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    assert full.path(tokens) == path
+    total = torch.zeros_like(x)
+    for rank in range(3):
+        part = TPMoE(cfg, rank, 3, moe_mode).double().eval()
+        shard = shard_state_dict(sd, cfg, rank, 3, moe_mode)
+        part.load_state_dict({k[len(prefix):]: v for k, v in shard.items() if k.startswith(prefix)})
+        with torch.no_grad():
+            total += part(x)
+    with torch.no_grad():
+        want = full(x)
+    assert torch.allclose(total, want, rtol=1e-12, atol=1e-12), float((total - want).abs().max())
+
+
 # the engine's kdlib.ops verify attention (numpy reference on CPU) where the engine offers it
 _OPS = "ops" if "ops" in getattr(Model, "ATTENTION", ()) else "torch"
 CASES = [

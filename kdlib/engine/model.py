@@ -176,13 +176,17 @@ class MoE(nn.Module):
     # loop, whose host sync and per-expert launches matter less there.
     DENSE_MAX_ROWS = 8192
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, *, n_experts: int | None = None, inter: int | None = None,
+                 shared_inter: int | None = None):
+        """n_experts / inter / shared_inter: a shard's expert count and widths (kdlib.tp); default the
+        config's n_routed_experts, moe_intermediate_size and moe_intermediate_size x n_shared_experts."""
         super().__init__()
         self.gate = Router(cfg)
-        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.n_routed_experts))
-        self.shared_experts = (
-            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
-        )
+        n_experts = cfg.n_routed_experts if n_experts is None else n_experts
+        inter = cfg.moe_intermediate_size if inter is None else inter
+        shared_inter = cfg.moe_intermediate_size * cfg.n_shared_experts if shared_inter is None else shared_inter
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, inter) for _ in range(n_experts))
+        self.shared_experts = MLP(cfg.hidden_size, shared_inter) if cfg.n_shared_experts else None
         self._stack_cache = None  # (source tensors, their (address, version), w13, w2); a plain attribute, not state
 
     def path(self, n_tokens: int) -> str:

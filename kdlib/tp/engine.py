@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kdlib.engine.generate import commit_accepted, record_step
-from kdlib.engine.model import MLP, MLAttention, Model, RMSNorm, Router, _up
+from kdlib.engine.model import MLP, MLAttention, Model, MoE, RMSNorm, _up
 
 MOE_MODES = ("ep", "tp")
 BACKENDS = ("gloo", "nccl")
@@ -253,34 +253,39 @@ class TPAttention(MLAttention):
         return self.comm.all_reduce(super().forward_absorbed_ops(*args, **kwargs))
 
 
-class TPMoE(nn.Module):
-    """Routed experts (whole, `ep`, or sliced, `tp`) + sliced shared expert; returns this rank's partial sum."""
+class TPMoE(MoE):
+    """Routed experts (whole, `ep`, or sliced, `tp`) + sliced shared expert; returns this rank's partial sum.
+
+    The engine's MoE paths over this rank's experts: for "gather" and "dense" the other ranks'
+    experts get routing weight 0 (an exact zero in the ascending-expert sum) and a clamped local id;
+    "loop" visits the local experts in use only."""
 
     def __init__(self, cfg, rank: int, world: int, moe_mode: str):
-        super().__init__()
-        H, inter = cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate = Router(cfg)
+        inter = cfg.moe_intermediate_size
+        lo, hi = partition(inter * cfg.n_shared_experts, world)[rank] if cfg.n_shared_experts else (0, 0)
         if moe_mode == "ep":
-            self.expert_range = partition(cfg.n_routed_experts, world)[rank]
-            lo, hi = self.expert_range
-            self.experts = nn.ModuleList(MLP(H, inter) for _ in range(hi - lo))
+            expert_range = partition(cfg.n_routed_experts, world)[rank]
+            super().__init__(cfg, n_experts=expert_range[1] - expert_range[0], shared_inter=hi - lo)
         else:
-            self.expert_range = (0, cfg.n_routed_experts)
-            lo, hi = partition(inter, world)[rank]
-            self.experts = nn.ModuleList(MLP(H, hi - lo) for _ in range(cfg.n_routed_experts))
-        self.shared_experts = None
-        if cfg.n_shared_experts:
-            lo, hi = partition(inter * cfg.n_shared_experts, world)[rank]
-            self.shared_experts = MLP(H, hi - lo)
+            expert_range = (0, cfg.n_routed_experts)
+            ilo, ihi = partition(inter, world)[rank]
+            super().__init__(cfg, inter=ihi - ilo, shared_inter=hi - lo)
+        self.expert_range = expert_range
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, idx = self.gate(x)  # [T, k] each, identical on every rank
-        out = torch.zeros_like(x)
         lo, hi = self.expert_range
-        for e in torch.unique(idx).tolist():
-            if lo <= e < hi:
-                rows, slot = torch.where(idx == e)
-                out.index_add_(0, rows, self.experts[e - lo](x[rows]) * w[rows, slot, None].to(x.dtype))
+        path = self.path(x.shape[0])
+        if path == "loop":
+            out = torch.zeros_like(x)
+            for e in torch.unique(idx).tolist():
+                if lo <= e < hi:
+                    rows, slot = torch.where(idx == e)
+                    out.index_add_(0, rows, self.experts[e - lo](x[rows]) * w[rows, slot, None].to(x.dtype))
+        else:
+            local = (idx >= lo) & (idx < hi)
+            out = self._routed_vectorised(x, torch.where(local, w, torch.zeros_like(w)),
+                                          (idx - lo).clamp(0, hi - lo - 1), path)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
