@@ -329,3 +329,17 @@ def test_cli_default_table_and_bad_gpu():
     assert rc == 0 and "C=10" in out
     with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
         est.cli(["--gpu", "a100"])
+
+
+def test_allreduce_calibration_prefers_the_graph_fit():
+    eager = {"2": {"latency_s": 30e-6, "bus_bandwidth_Bps": 300e9}}
+    graph = {"2": {"latency_s": 12e-6, "bus_bandwidth_Bps": 315e9}}
+    a, notes = est.calibrate({"tp": {"allreduce_fit": eager, "allreduce_graph_fit": graph, "_path": "x"}}, report=True)
+    assert a.v("allreduce_latency_nvlink_s") == pytest.approx(12e-6)
+    assert a.v("allreduce_bw_eff") == pytest.approx(315e9 / 450e9)  # data/hw/h200.json: 450 GB/s per direction
+    assert any("in a CUDA graph" in n for n in notes)
+    a = est.calibrate({"tp": {"allreduce_fit": eager, "allreduce_graph_fit": {}}})
+    assert a.v("allreduce_latency_nvlink_s") == pytest.approx(30e-6) and "eager" in a.allreduce_latency_nvlink_s.source
+    assert est.calibrate({"tp": {}}) == est.Assumptions()
+    with pytest.raises(ValueError, match="moe_arm"):
+        est.calibrate({}, moe_arm="v3")

@@ -223,6 +223,7 @@ def test_bench_path_on_gloo_counts_two_allreduces_per_layer():
         assert runs[(1, "tp", method)]["allreduce_calls_per_step"] == 0
         assert 0 < runs[(2, "tp", method)]["allreduce_share"] < 1
     assert {r["rows"] for r in p["allreduce"]} == {1, 16} and set(p["allreduce_fit"]) == {"2"}
+    assert p["allreduce_graph"] == [] and p["allreduce_graph_fit"] == {}  # CUDA graphs: NCCL only
 
 
 def test_perf_suite_refuses_without_two_gpus():

@@ -6,7 +6,8 @@
 
 `calibrate` reads only component suites: `moe` (the W4A16 kernel's or the bf16 baseline's curve ->
 MoE bandwidth efficiency, per-layer latency, plateau compute efficiency), `kernels` (verify
-attention -> attention efficiencies; tree build -> CPU / GPU build costs). The engine's runs are
+attention -> attention efficiencies; tree build -> CPU / GPU build costs), `tp` (the NCCL
+all-reduce sweep -> all-reduce latency and bus efficiency). The engine's runs are
 kept out of it; `validate` then anchors the engine's host-side costs (per-layer launch latency,
 drafter and accept/compaction overheads, which no component suite measures) on ONE engine run and
 predicts every other run, reporting the residuals both for the held-out runs and for the anchor.
@@ -19,7 +20,8 @@ import statistics
 from kdlib.estimator.model import hardware, step_time
 from kdlib.estimator.params import Assumptions, ModelShape, Param, Scenario
 
-SUITES = ("ceilings", "moe", "kernels", "engine")
+SUITES = ("ceilings", "moe", "kernels", "engine", "tp")
+MOE_ARMS = ("kernel", "kernel_v1", "baseline")
 
 
 def load_results(gpu: str = "h200") -> dict:
@@ -50,9 +52,15 @@ def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
 def _calibrate_moe(a: Assumptions, moe: dict, spec: dict, arm: str, notes: list) -> Assumptions:
     rows = moe.get("rows") or []
     src = moe.get("_path", "moe result")
-    key_t, key_b = ("kernel", "bytes") if arm == "kernel" else ("baseline", "baseline_bytes")
+    if arm == "baseline":
+        key_t, key_b = "baseline", "baseline_bytes"
+    elif arm == "kernel_v1":
+        key_t, key_b = "kernel", "bytes"
+    else:  # the library's default W4A16 kernel: v2 where the payload times it (kdlib/perf/suites/moe.py)
+        key_t, key_b = ("kernel_v2" if any("kernel_v2" in r for r in rows) else "kernel"), "bytes"
+        arm = f"kernel ({key_t})"
     pts = [(r["m"], r[key_b], r[key_t]["median_ms"] * 1e-3, r["flops"]) for r in rows
-           if key_t in r and "median_ms" in r.get(key_t, {}) and key_b in r]
+           if isinstance(r.get(key_t), dict) and "median_ms" in r[key_t] and key_b in r]
     if not pts:
         notes.append(f"moe: no '{arm}' rows in {src}; MoE assumptions left at their defaults")
         return a
@@ -115,12 +123,14 @@ def calibrate(results: dict, *, gpu: str = "h200", moe_arm: str = "kernel", a: A
               report: bool = False):
     """Assumptions calibrated on component measurements (`moe`, `kernels`; `ceilings` noted).
 
-    moe_arm: "kernel" (the W4A16 kernel: for INT4 experts) or "baseline" (torch bf16 grouped GEMM:
-    for a bf16 engine). Efficiencies are relative to the spec peaks in `data/hw/<gpu>.json`, so
-    they carry to other GPUs as fractions of peak. report=True also returns the notes.
+    moe_arm: "kernel" (the default W4A16 kernel, v2 when recorded: for INT4 experts), "kernel_v1"
+    (the first W4A16 kernel) or "baseline" (torch bf16 grouped GEMM: for a bf16 engine). `tp` (NCCL
+    all-reduce sweep) sets the all-reduce latency and bus efficiency. Efficiencies are relative to
+    the spec peaks in `data/hw/<gpu>.json`, so they carry to other GPUs as fractions of peak.
+    report=True also returns the notes.
     """
-    if moe_arm not in ("kernel", "baseline"):
-        raise ValueError(f"moe_arm must be 'kernel' or 'baseline', got {moe_arm!r}")
+    if moe_arm not in MOE_ARMS:
+        raise ValueError(f"moe_arm must be one of {MOE_ARMS}, got {moe_arm!r}")
     a = a or Assumptions()
     spec = hardware(gpu)
     notes = []
@@ -136,7 +146,38 @@ def calibrate(results: dict, *, gpu: str = "h200", moe_arm: str = "kernel", a: A
         a = _calibrate_kernels(a, results["kernels"], spec, notes)
     else:
         notes.append("kernels: not recorded; attention and tree-build assumptions left at their defaults")
+    if "tp" in results:
+        a = _calibrate_allreduce(a, results["tp"], spec, notes)
+    else:
+        notes.append("tp: not recorded; all-reduce assumptions left at their defaults")
     return (a, notes) if report else a
+
+
+def _calibrate_allreduce(a: Assumptions, tp: dict, spec: dict, notes: list) -> Assumptions:
+    """All-reduce latency and bus efficiency from the NCCL sweep's fit t = latency + ring bytes / bus
+    bandwidth (kdlib.tp.workers.fit_allreduce), at the largest world size recorded: the sweep
+    captured in a CUDA graph where recorded (how a serving step issues its collectives), else the
+    eager one (which adds a Python launch per collective)."""
+    src = tp.get("_path", "tp result")
+    link = spec.get("interconnect") or {}
+    fits, how = {}, ""
+    for key, how in (("allreduce_graph_fit", "in a CUDA graph"), ("allreduce_fit", "eager")):
+        fits = {int(w): f for w, f in (tp.get(key) or {}).items() if f.get("latency_s") is not None}
+        if fits:
+            break
+    if not fits or link.get("kind") != "nvlink":
+        notes.append(f"tp: no all-reduce fit over NVLink in {src}; all-reduce assumptions left at their defaults")
+        return a
+    w = max(fits)
+    fit = fits[w]
+    changes = {"allreduce_latency_nvlink_s": (fit["latency_s"], f"intercept of the NCCL all-reduce fit ({how}) at "
+                                                                f"{w} GPUs ({src})")}
+    if fit.get("bus_bandwidth_Bps"):
+        eff = fit["bus_bandwidth_Bps"] / link["bandwidth_Bps_per_direction"]
+        changes["allreduce_bw_eff"] = (eff, f"fit bus bandwidth {fit['bus_bandwidth_Bps'] / 1e9:.0f} GB/s at {w} GPUs / "
+                                            f"{link['bandwidth_Bps_per_direction'] / 1e9:.0f} GB/s per direction ({src})")
+    notes.append(f"tp ({w} GPUs, {how}): " + ", ".join(f"{k} = {v[0]:.3g}" for k, v in changes.items()))
+    return a.with_(**changes)
 
 
 # ----------------------------------------------------------------------------- the engine

@@ -251,15 +251,53 @@ def bench_worker(rank: int, world: int, device, spec: dict, out_path: str) -> No
         for m in spec["allreduce_rows"]:
             x = torch.randn(m, spec["allreduce_hidden"], device=device).to(getattr(torch, spec["allreduce_dtype"]))  # [m, 7168]
             t = _time(lambda x=x: dist.all_reduce(x), device, spec["iters"])
-            nbytes = x.numel() * x.element_size()
-            sweep.append({"world": world, "rows": m, "bytes": nbytes, "median_us": t.median_ms * 1e3,
-                          "p10_us": t.p10_ms * 1e3, "p90_us": t.p90_ms * 1e3,
-                          "bus_bandwidth_Bps": 2 * (world - 1) / world * nbytes / (t.median_ms / 1e3)})
+            sweep.append(_allreduce_row(world, m, x, t.median_ms, t.p10_ms, t.p90_ms))
     if rank == 0:
         doc = {"runs": rows, "allreduce": sweep, "logits_max_abs_diff_vs_single": logit_diff,
                "logits_max_abs_single": logit_scale}
         tmp = f"{out_path}.tmp"
         Path(tmp).write_text(json.dumps(doc))
+        os.replace(tmp, out_path)
+
+
+def _allreduce_row(world: int, rows: int, x, median_ms: float, p10_ms: float, p90_ms: float) -> dict:
+    nbytes = x.numel() * x.element_size()
+    return {"world": world, "rows": rows, "bytes": nbytes, "median_us": median_ms * 1e3, "p10_us": p10_ms * 1e3,
+            "p90_us": p90_ms * 1e3, "bus_bandwidth_Bps": 2 * (world - 1) / world * nbytes / (median_ms / 1e3)}
+
+
+GRAPH_ALLREDUCES = 20  # collectives captured back to back per graph: per-collective time = replay / 20
+
+
+def graph_allreduce_worker(rank: int, world: int, device, spec: dict, out_path: str) -> None:
+    """The all-reduce sweep with the collectives captured in a CUDA graph (as a serving step runs
+    them: no per-call launch from Python); per collective = graph replay time / GRAPH_ALLREDUCES.
+    Spawned on its own by `bench`, so that a capture failure cannot cost the other measurements.
+    Rank 0 writes JSON."""
+    import torch.distributed as dist
+
+    from kdlib.perf import cuda_time
+
+    dist.all_reduce(torch.zeros(1, device=device))  # communicator up before any capture
+    out = []
+    for m in spec["allreduce_rows"]:
+        x = torch.randn(m, spec["allreduce_hidden"], device=device).to(getattr(torch, spec["allreduce_dtype"]))  # [m, 7168]
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up on a side stream, as graph capture requires
+            for _ in range(3):
+                dist.all_reduce(x)
+        torch.cuda.current_stream(device).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(GRAPH_ALLREDUCES):
+                dist.all_reduce(x)
+        t = cuda_time(g.replay, warmup=3, iters=max(5, spec["iters"] // 5))
+        out.append(_allreduce_row(world, m, x, t.median_ms / GRAPH_ALLREDUCES, t.p10_ms / GRAPH_ALLREDUCES,
+                                  t.p90_ms / GRAPH_ALLREDUCES))
+    if rank == 0:
+        tmp = f"{out_path}.tmp"
+        Path(tmp).write_text(json.dumps(out))
         os.replace(tmp, out_path)
 
 
@@ -277,13 +315,16 @@ def fit_allreduce(sweep: list[dict]) -> dict:
     return out
 
 
-def bench(world_sizes, spec: dict, backend: str = "nccl", timeout_s: float = 300) -> dict:
-    """Spawn bench_worker once per world size; the payload of `tp.<gpu>.json`."""
+def bench(world_sizes, spec: dict, backend: str = "nccl", timeout_s: float = 300, graph_timeout_s: float = 60) -> dict:
+    """Spawn bench_worker once per world size (and, on NCCL, graph_allreduce_worker); the payload of
+    `tp.<gpu>.json`."""
     import tempfile
+
+    from torch.multiprocessing.spawn import ProcessException
 
     from kdlib.tp.engine import spawn
 
-    runs, sweep, diffs, scale = [], [], {}, {}
+    runs, sweep, graph_sweep, diffs, scale = [], [], [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for w in world_sizes:
             path = os.path.join(tmp, f"w{w}.json")
@@ -292,12 +333,22 @@ def bench(world_sizes, spec: dict, backend: str = "nccl", timeout_s: float = 300
             doc = json.loads(Path(path).read_text())
             runs += doc["runs"]
             sweep += doc["allreduce"]
+            if w > 1 and backend == "nccl":
+                gpath = os.path.join(tmp, f"g{w}.json")
+                try:
+                    spawn(graph_allreduce_worker, w, (spec, gpath), backend=backend, timeout_s=graph_timeout_s)
+                    graph_sweep += json.loads(Path(gpath).read_text())
+                except (ProcessException, TimeoutError) as e:  # recorded: the eager figures above still stand
+                    graph_sweep.append({"world": w, "error": f"{type(e).__name__}: {e}"})
+                    print(f"[tp] world {w}: all-reduce graph capture failed: {e}", flush=True)
             diffs[str(w)] = doc["logits_max_abs_diff_vs_single"]
             scale[str(w)] = doc["logits_max_abs_single"]
             print(f"[tp] world {w}: {time.perf_counter() - t0:.0f} s; "
                   + "; ".join(f"{r['engine']} {r['method']} {r['step_ms']:.2f} ms/step" for r in doc["runs"]), flush=True)
     return {"parameters": {**spec, "world_sizes": list(world_sizes), "backend": backend},
             "runs": runs, "allreduce": sweep, "allreduce_fit": fit_allreduce(sweep) if sweep else {},
+            "allreduce_graph": graph_sweep,
+            "allreduce_graph_fit": fit_allreduce([r for r in graph_sweep if "error" not in r]),
             "logits_max_abs_diff_vs_single": diffs, "logits_max_abs_single": scale}
 
 

@@ -17,6 +17,10 @@ Sections of the payload:
   allreduce       NCCL all-reduce of [rows, 7168] bf16 (Kimi-K2 / DeepSeek-V3 hidden size) per
                   world size; `allreduce_fit`: latency and bus bandwidth of t = lat + ring_bytes / bw,
                   the estimator's all-reduce model (kdlib/estimator/model.py)
+  allreduce_graph the same sweep with 20 collectives captured per CUDA graph (per collective =
+                  replay / 20: no Python launch per call, as in a graph-captured serving step), in
+                  its own spawn (a capture failure is recorded as `error`); `allreduce_graph_fit`.
+                  The estimator calibrates on the graph fit when present
 
 Every process sets NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1
 (NVLink multicast off). World sizes: 1 and the powers of two up to the visible GPU count.
