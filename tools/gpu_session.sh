@@ -33,9 +33,12 @@ step tests_gpu      140 python3 -m pytest -m gpu tests -q -p no:cacheprovider --
                           --junitxml="$R/tests_gpu.xml"
 step kernels         80 env KDLIB_TREE_VERSIONS=3,4 KDLIB_KERNELS_ATTENTION=quick \
                           python3 -m kdlib.perf.run --suite kernels --out "$R"
-step moe             60 python3 -m kdlib.perf.run --suite moe --out "$R"
+step moe            100 python3 -m kdlib.perf.run --suite moe --out "$R"
 step engine        420 taskset -c 2 python3 -m kdlib.perf.run --suite engine --out "$R"   # full: ~290 s
 step diag_frag       60 python3 -m kdlib.perf.run --suite diagnosis --suite fragmentation --quick --out "$R"
 step sanitize_v4     20 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu \
                           tests/test_cuda_tree.py "-k=test_build_random_bit_exact and -4]" -q -p no:cacheprovider
+step racecheck      110 compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m kdlib.cuda.pipeline --no-pool
+# several GPUs only (exits at once on one): NCCL checks, TP step time, all-reduce sweeps; ~95 s on 2 GPUs
+step tp             240 taskset -c 2-9 python3 -m kdlib.perf.run --suite tp --out "$R"
 echo "total $(($(date +%s) - T0))s"
