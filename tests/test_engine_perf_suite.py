@@ -91,3 +91,19 @@ def test_random_weights_on_device_scales_and_determinism():
             assert float(p.std()) * p.shape[1] ** 0.5 == pytest.approx(1.0, rel=0.1), name
     random_weights_on_device(b, seed=4)
     assert not torch.equal(sa["lm_head.weight"], b.state_dict()["lm_head.weight"])
+
+
+def test_quick_suite_end_to_end_on_cpu(monkeypatch):
+    """The whole --quick payload on a tiny config with a CPU clock: every section notebooks 03 and 06 read."""
+    import json
+
+    import kdlib.perf as perf
+
+    monkeypatch.setattr(perf, "cuda_time", lambda fn, warmup=3, iters=15: perf.cpu_time(fn, warmup=1, iters=2))
+    out = suite._run(True, device="cpu", config=json.loads((DATA / "configs" / "tiny-a.json").read_text()))
+    assert {"parameters", "config", "runs", "runs_kernel_attention", "verify_forward", "dflash_draft", "trained",
+            "bf16"} <= set(out)
+    assert out["parameters"]["repeats"] == 1 and out["parameters"]["cpu_affinity"]
+    assert [r["method"] for r in out["runs"]] == ["ar", "ddtree"] and out["runs"][1]["matches_ar"] is True
+    rows = engine_rows(out)
+    assert len(rows) == 1 and rows[0]["drafter"] == "noisy_oracle"
