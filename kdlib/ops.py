@@ -21,23 +21,8 @@ import importlib
 from kdlib import ref
 from kdlib.ref.tree import DDTree, DDTreeBatch
 
-OPS = (
-    "build_tree",
-    "build_tree_batch",
-    "accept_greedy",
-    "accept_greedy_batch",
-    "sample_tokens",
-    "accept_sample",
-    "accept_sample_batch",
-    "prefix_attention",
-    "tree_tail_attention",
-    "merge_attention",
-    "tree_verify_attention",
-    "compact_kv",
-    "compact_kv_batch",
-    "remap_slots",
-)
-
+# every reference operation; the tree containers and constants are not dispatched
+OPS = tuple(n for n in ref.__all__ if n not in ("PAD", "KV_LORA_RANK", "DDTree", "DDTreeBatch"))
 
 RETURNS_FIRST_ARG = ("compact_kv", "compact_kv_batch")  # in place: they return their `cache` argument
 

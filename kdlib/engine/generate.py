@@ -173,21 +173,9 @@ def generate(model, prompt_ids, max_new_tokens: int, method: str = "ar", drafter
         u = torch.from_numpy(rng.random(logits.shape[0])).to(dev)
         return ops.sample_tokens(probs, u)
 
-    sync()
-    t_start = time.perf_counter()
-    capture = tuple(drafter.target_layer_ids) if method == "ddtree" else ()
-    h, feats = model.prefill(cache, prompt, capture)
-    bonus = int(pick(model.head(h[-1:]))[0])
-    res.target_forwards = 1
+    t_start, capture, bonus = run_prefill(model, cache, prompt, method, drafter, max_new_tokens,
+                                          lambda h: int(pick(model.head(h))[0]), res, sync)
     out = [bonus]
-    sync()
-    t1 = time.perf_counter()
-    res.prefill_ms = (t1 - t_start) * 1e3
-    if method == "ddtree":
-        drafter.begin(model, prompt, feats, max_new_tokens)
-        sync()
-        res.drafter_setup_ms = (time.perf_counter() - t1) * 1e3
-
     while len(out) < max_new_tokens:
         if method == "ar":
             bonus = _ar_step(model, cache, bonus, pick, res, sync)
@@ -201,6 +189,26 @@ def generate(model, prompt_ids, max_new_tokens: int, method: str = "ar", drafter
     res.total_ms = (time.perf_counter() - t_start) * 1e3
     res.tokens = out[:max_new_tokens]
     return res
+
+
+def run_prefill(model, cache, prompt, method, drafter, max_new_tokens, first_token, res, sync):
+    """The prompt's prefill (capturing the drafter's target layers for DDTree) and the drafter's
+    set-up, timed into res.prefill_ms / res.drafter_setup_ms. first_token(h_last [1, H]) -> the
+    first generated token id. Returns (t_start, capture, first token). Shared with kdlib.tp."""
+    sync()
+    t_start = time.perf_counter()
+    capture = tuple(drafter.target_layer_ids) if method == "ddtree" else ()
+    h, feats = model.prefill(cache, prompt, capture)
+    bonus = first_token(h[-1:])
+    res.target_forwards = 1
+    sync()
+    t1 = time.perf_counter()
+    res.prefill_ms = (t1 - t_start) * 1e3
+    if method == "ddtree":
+        drafter.begin(model, prompt, feats, max_new_tokens)
+        sync()
+        res.drafter_setup_ms = (time.perf_counter() - t1) * 1e3
+    return t_start, capture, bonus
 
 
 def _ar_step(model, cache, token, pick, res, sync) -> int:

@@ -160,11 +160,9 @@ def _calibrate_allreduce(a: Assumptions, tp: dict, spec: dict, notes: list) -> A
     eager one (which adds a Python launch per collective)."""
     src = tp.get("_path", "tp result")
     link = spec.get("interconnect") or {}
-    fits, how = {}, ""
-    for key, how in (("allreduce_graph_fit", "in a CUDA graph"), ("allreduce_fit", "eager")):
-        fits = {int(w): f for w, f in (tp.get(key) or {}).items() if f.get("latency_s") is not None}
-        if fits:
-            break
+    graph, eager = ({int(w): f for w, f in (tp.get(key) or {}).items() if f.get("latency_s") is not None}
+                    for key in ("allreduce_graph_fit", "allreduce_fit"))
+    fits, how = (graph, "in a CUDA graph") if graph else (eager, "eager")
     if not fits or link.get("kind") != "nvlink":
         notes.append(f"tp: no all-reduce fit over NVLink in {src}; all-reduce assumptions left at their defaults")
         return a

@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdlib.engine.generate import commit_accepted, record_step
+from kdlib.engine.generate import commit_accepted, record_step, run_prefill
 from kdlib.engine.model import MLP, MLAttention, Model, MoE, RMSNorm, _up
 
 MOE_MODES = ("ep", "tp")
@@ -489,20 +489,9 @@ def generate(model: TPModel, prompt_ids, max_new_tokens: int, method: str = "ar"
                         dtype=model.dtype)  # the full latent cache on every rank (plain TP)
     res = GenerateResult(tokens=[], method=method, prompt_len=int(prompt.shape[0]), budget=budget, top_k=k,
                          temperature=0.0, target_forwards=0)
-    sync()
-    t_start = time.perf_counter()
-    capture = tuple(drafter.target_layer_ids) if method == "ddtree" else ()
-    h, feats = model.prefill(cache, prompt, capture)
-    bonus = int(model.greedy(h[-1:])[0])
-    res.target_forwards = 1
+    t_start, capture, bonus = run_prefill(model, cache, prompt, method, drafter, max_new_tokens,
+                                          lambda h: int(model.greedy(h)[0]), res, sync)
     out = [bonus]
-    sync()
-    t1 = time.perf_counter()
-    res.prefill_ms = (t1 - t_start) * 1e3
-    if method == "ddtree":
-        drafter.begin(model, prompt, feats, max_new_tokens)
-        sync()
-        res.drafter_setup_ms = (time.perf_counter() - t1) * 1e3
     model.comm.reset()  # from here on the counters see the decode steps only
     while len(out) < max_new_tokens:
         if method == "ar":
