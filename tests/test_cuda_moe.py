@@ -157,7 +157,7 @@ def test_reference_matches_dense_float64_layer():
 # ----------------------------------------------------------------------------- GPU
 
 
-@functools.cache   # v1 and v2 share a case's weights, reference and routing
+@functools.cache   # the versions share a case's weights, reference and routing
 def _gpu_case(E, K, N, M, k, seed):
     import cupy as cp
 
@@ -177,11 +177,12 @@ def _gpu_case(E, K, N, M, k, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 @pytest.mark.parametrize(
     "E,K,N,M,k,variant",
     [
         (16, 512, 128, 5, 4, "n8"),        # decode: <= 8 tokens per expert
+        (16, 7168, 256, 1, 8, "n8"),       # one token: fewer gate/up items than v3's blocks
         (16, 512, 128, 200, 4, "n32"),     # ~50 tokens per expert: two 32-token passes (v2: v1's kernels)
         (16, 512, 128, 32, 4, "n16"),      # ~8 tokens per expert, at most 12
         (16, 7168, 256, 3, 8, "n8"),       # Kimi-K2 TP8 shard shapes
@@ -195,16 +196,16 @@ def test_kernel_matches_reference(E, K, N, M, k, variant, version):
     assert f"n{per_pass}" == variant, f"routing gave max {routing.max_count} tokens per expert"
     name = f"moe_w4a16 v{version} E{E} K{K} N{N} M{M} top{k}"
     check.assert_close(run(version=version), ref, rtol=5e-3, name=name)
-    if variant == "n8":   # the other gate/up block shapes compute the same
+    if variant == "n8" and version < 3:   # the other gate/up block shapes compute the same
         others = [{"gate_up_warps": 8}] if version == 1 else [{"gate_up_warps": 16}, {"k_interleave": True}]
         for kw in others:
             check.assert_close(run(version=version, **kw), ref, rtol=5e-3, name=f"{name} {kw}")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_kernel_overwrites_a_dirty_out(version):
-    """`out` full of NaN from an earlier use: v1 fills it, v2 zeroes it inside the gate/up launch."""
+    """`out` full of NaN from an earlier use: v1 fills it, v2 and v3 zero it inside their launch."""
     import cupy as cp
 
     ref, routing, run = _gpu_case(16, 512, 128, 5, 4, seed=11)
@@ -213,7 +214,7 @@ def test_kernel_overwrites_a_dirty_out(version):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_kernel_accepts_torch_bf16_and_rejects_bad_input(version):
     import cupy as cp
     import torch
@@ -235,8 +236,8 @@ def test_kernel_accepts_torch_bf16_and_rejects_bad_input(version):
         moe.moe_w4a16(cp.zeros((M, K), cp.float32), packed, routing)
     with pytest.raises(ValueError, match="gate_up_warps"):
         moe.moe_w4a16(x, packed, routing, gate_up_warps=4, version=version)
-    with pytest.raises(ValueError, match="version must be 1 or 2"):
-        moe.moe_w4a16(x, packed, routing, version=3)
+    with pytest.raises(ValueError, match="version must be 1, 2 or 3"):
+        moe.moe_w4a16(x, packed, routing, version=4)
     with pytest.raises(ValueError, match="k_interleave"):
         moe.moe_w4a16(x, packed, routing, version=version, gate_up_warps=16, k_interleave=True)
     with pytest.raises(ValueError, match="topk_ids must lie"):
@@ -588,6 +589,46 @@ def test_kernel_v2_addressing_emulated_on_cpu(K, warps, stages, sms, interleave)
     check.assert_close(y, moe.moe_w4a16_reference(x_bits, w, ids, wts), rtol=2e-3, name=f"emulated v2 K{K} w{warps}")
 
 
+@pytest.mark.gpu
+def test_v3_back_to_back_launches_leave_the_workspace_zero():
+    """v3's counters live in a workspace the last block resets: 40 launches in a row on one stream,
+    each with a new routing (some with fewer gate/up items than blocks), are each right, and the
+    workspace is zero after them; a CUDA graph replay of the launch is right too."""
+    import cupy as cp
+
+    E, K, N, k = 32, 2048, 128, 4
+    w = moe.MoEWeights.random(E, K, N, seed=5, std=0.05)
+    packed = moe.upload(moe.pack_moe(w))
+    rng = np.random.default_rng(5)
+    ws = moe.v3_workspace(E)
+    for i in range(40):
+        m = (1, 2, 7, 16)[i % 4]
+        x_bits = moe.f32_to_bf16_bits(rng.normal(0, 1, (m, K)))
+        ids = np.stack([rng.choice(E, k, replace=False) for _ in range(m)]).astype(np.int32)
+        wts = rng.random((m, k)).astype(np.float32)
+        routing = moe.prepare_routing(cp.asarray(ids), cp.asarray(wts), E)
+        y = moe.moe_w4a16(cp.asarray(x_bits), packed, routing, version=3)
+        if i % 8 == 7 or i < 4:
+            check.assert_close(y, moe.moe_w4a16_reference(x_bits, w, ids, wts), rtol=5e-3, name=f"v3 launch {i} M{m}")
+    cp.cuda.runtime.deviceSynchronize()
+    assert not cp.asnumpy(ws).any(), cp.asnumpy(ws)[:8]
+
+    out = cp.empty((m, K), dtype=cp.float32)
+    h = cp.empty((m * k, N), dtype=cp.uint16)
+    xb = cp.asarray(x_bits)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        moe.moe_w4a16(xb, packed, routing, out=out, h=h, version=3)
+        graph = stream.end_capture()
+        for _ in range(3):
+            out.fill(cp.nan)
+            graph.launch(stream=stream)
+    stream.synchronize()
+    check.assert_close(out, moe.moe_w4a16_reference(x_bits, w, ids, wts), rtol=5e-3, name="v3 graph replay")
+    assert not cp.asnumpy(ws).any()
+
+
 # ----------------------------------------------------------------------------- compile: v2 resources
 
 
@@ -619,3 +660,21 @@ def test_v2_kernels_fit_the_launch_shapes_the_wrapper_assumes(arch):
     small = {"sms": 1, "smem_block": 99 * 1024, "smem_sm": 100 * 1024, "smem_reserved": 1024}
     assert moe.v2_gate_up_shape(16, small)["blocks_per_sm"] == 0
     assert moe.v2_gate_up_shape(8, small)["blocks_per_sm"] == 1
+
+
+@pytest.mark.skipif(loader.nvcc_path() is None, reason="nvcc not found on PATH")
+@pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
+def test_v3_kernel_fits_the_launch_shape_the_wrapper_assumes(arch):
+    """ptxas's report of kernels/moe_w4a16_v3.cu: no spills or stack, registers for two 256-thread
+    blocks per SM, static shared memory as budgeted; two blocks per SM on an H200, one on a
+    100 KB part."""
+    rc, text = loader.compile_report(moe.STEM_V3, arch)
+    assert rc == 0, text
+    info = loader.parse_ptxas(text)[moe.STEM_V3]
+    assert info["spill_stores"] == info["spill_loads"] == info["stack"] == 0, info
+    assert info["registers"] * moe._V3_THREADS * 2 <= 65536, info
+    assert info["static_smem"] == moe._V3_STATIC_SMEM, info
+    h200 = {"sms": 132, "smem_block": 227 * 1024, "smem_sm": 228 * 1024, "smem_reserved": 1024}
+    assert moe.v3_shape(h200)["blocks_per_sm"] == 2
+    small = {"sms": 1, "smem_block": 99 * 1024, "smem_sm": 100 * 1024, "smem_reserved": 1024}
+    assert moe.v3_shape(small)["blocks_per_sm"] == 1

@@ -31,6 +31,7 @@ TILE_ROWS = 16      # mma m16: rows per tile
 CHUNK_COLS = 64     # columns per uint4 per lane (4 mma k16 steps)
 STEM = "moe_w4a16_v1"
 STEM_V2 = "moe_w4a16_v2"   # decode-regime kernels (<= 8 slots per expert), same layout
+STEM_V3 = "moe_w4a16_v3"   # the decode regime in one launch, same layout
 
 
 # ----------------------------------------------------------------------------- bf16 bit helpers
@@ -322,7 +323,12 @@ _V2_STAGE_BYTES_DOWN = 32 * (16 + 4)              # per warp and stage: 1 uint4 
 _V2_RED_BYTES_PER_WARP = 2 * 8 * 32 * 4           # static red[2][WARPS][8][32] floats (gate/up only)
 _V2_MAX_SLOTS = 8                                  # tokens per expert the v2 kernels take in one pass
 _V2_MAX_N = 256                                    # kDownMaxChunks * 64: h rows held in registers
+_V3_THREADS = 256                                  # kWarps * 32 in moe_w4a16_v3.cu
+_V3_DYN_SMEM = 8 * 4 * 2560                        # kWarps * kStages * kStageVec * 16 bytes
+_V3_STATIC_SMEM = 8 * 8 * 32 * 4 + 8 * 4           # red[kWarps][8][32] floats + q[kQueue] ints
+_V3_WS_HEADER = 3                                  # workspace ints before the per-expert ready counts
 _DEVICE_LIMITS: dict[int, dict] = {}
+_V3_WORKSPACE: dict[int, object] = {}
 
 
 def _device_limits() -> dict:
@@ -355,13 +361,36 @@ def v2_gate_up_shape(warps: int, limits: dict) -> dict:
     return {"threads": threads, "dyn_smem": dyn, "blocks_per_sm": min(by_smem, by_bounds) if fits else 0}
 
 
+def v3_shape(limits: dict) -> dict:
+    """The v3 block on a device with `limits` (see `_device_limits`): threads, dynamic shared memory,
+    resident blocks per SM (0 = does not fit); the grid is sms x blocks_per_sm."""
+    per_block = _V3_DYN_SMEM + _V3_STATIC_SMEM + limits["smem_reserved"]
+    fits = _V3_DYN_SMEM + _V3_STATIC_SMEM <= limits["smem_block"]
+    by_smem = limits["smem_sm"] // per_block if limits["smem_sm"] else 1
+    return {"threads": _V3_THREADS, "dyn_smem": _V3_DYN_SMEM, "blocks_per_sm": min(by_smem, 2) if fits else 0}
+
+
+def v3_workspace(n_experts: int):
+    """The current device's v3 workspace (int32 [3 + n_experts], zeroed when made; each launch leaves
+    it zero again). Launches that share it must be ordered (one stream); give concurrent streams
+    their own (`moe_w4a16(..., workspace=cupy.zeros(3 + E, cupy.int32))`)."""
+    import cupy as cp
+
+    dev = cp.cuda.runtime.getDevice()
+    ws = _V3_WORKSPACE.get(dev)
+    if ws is None or ws.size < _V3_WS_HEADER + n_experts:
+        ws = _V3_WORKSPACE[dev] = cp.zeros(_V3_WS_HEADER + n_experts, dtype=cp.int32)
+    return ws
+
+
 def v2_applies(routing: Routing, n_inter: int) -> bool:
     """Whether version 2 runs its own kernels (decode regime, N <= 256) rather than version 1's."""
     return routing.max_count <= _V2_MAX_SLOTS and n_inter <= _V2_MAX_N
 
 
 def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool = False,
-              gate_up_warps: int | None = None, version: int = 2, k_interleave: bool = False):
+              gate_up_warps: int | None = None, version: int = 2, k_interleave: bool = False,
+              workspace=None):
     """y = MoE(x) with INT4 experts.
 
     Shape: x [M, K] bf16 (torch bf16 or CuPy uint16 bits); packed = `upload(pack_moe(w))`;
@@ -377,9 +406,15 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
     a 100 KB part) or 16 (one 512-thread block per SM, H100/H200 class only); k_interleave=True
     (8 warps only) deals the K chunks to the warps round-robin instead of in contiguous ranges.
     Outside its regime version 2 runs version 1's kernels.
+    version 3 (`kernels/moe_w4a16_v3.cu`, the same regime): one persistent launch, gate/up items
+    from a global counter, then down items that wait per expert for its h; `workspace` (int32
+    [3 + E], zero) holds the counters, by default one per device (`v3_workspace`). Outside its
+    regime version 3 runs version 1's kernels too.
     """
-    if version not in (1, 2):
-        raise ValueError(f"version must be 1 or 2, got {version!r}")
+    if version not in (1, 2, 3):
+        raise ValueError(f"version must be 1, 2 or 3, got {version!r}")
+    if version == 3 and (gate_up_warps is not None or k_interleave):
+        raise ValueError("version 3 has one block shape: gate_up_warps and k_interleave do not apply")
     if gate_up_warps not in (None, 8, 16):
         raise ValueError(f"gate_up_warps must be 8 or 16, got {gate_up_warps}")
     if k_interleave and (version != 2 or gate_up_warps == 16):
@@ -411,7 +446,10 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
         h = cp.empty((S, N), dtype=cp.uint16)
     elif h.shape != (S, N) or h.dtype != cp.uint16 or not h.flags.c_contiguous:
         raise ValueError(f"h must be contiguous uint16 [{S}, {N}]")
-    if version == 2 and v2_applies(routing, N):
+    if version == 3 and v2_applies(routing, N):
+        launch_v3(xb, packed, routing, out, h, workspace=workspace)
+        _check(sync, "v3 launch")
+    elif version == 2 and v2_applies(routing, N):
         launch_v2_gate_up(xb, packed, routing, out, h, gate_up_warps=gate_up_warps or 8, k_interleave=k_interleave)
         _check(sync, "v2 gate_up launch")
         launch_v2_down(packed, routing, out, h)
@@ -490,3 +528,34 @@ def launch_v2_down(packed: dict, routing: Routing, out, h) -> None:
     meta = (routing.expert_offsets, routing.active_experts, routing.n_active_dev, routing.sorted_token)
     down((grid,), (threads,), (h, packed["w2"], packed["s2"], *meta, routing.sorted_weight, out,
                                np.int32(RT * TILE_ROWS), np.int32(NC * CHUNK_COLS)), shared_mem=dyn)
+
+
+def launch_v3(xb, packed: dict, routing: Routing, out, h, *, workspace=None) -> None:
+    """The v3 launch (gate/up, SwiGLU, down and the weighted combine into `out`, which it zeroes);
+    `moe_w4a16(version=3)` checks the arguments and calls this.
+
+    Shape: xb [M, K] uint16 (bf16 bits), out [M, K] float32, h [M * topk, N] uint16 (CuPy);
+    workspace int32 [3 + E] (zero; see `v3_workspace`).
+    """
+    import cupy as cp
+
+    from kdlib.cuda.loader import get_function, set_max_dynamic_shared
+
+    limits = _device_limits()
+    shape = v3_shape(limits)
+    if not shape["blocks_per_sm"]:
+        raise ValueError(f"the v3 block needs {_V3_DYN_SMEM + _V3_STATIC_SMEM} B of shared memory; this device "
+                         f"allows {limits['smem_block']} B per block")
+    E, P, KC = packed["w1"].shape[:3]
+    if workspace is None:
+        workspace = v3_workspace(E)
+    elif workspace.dtype != cp.int32 or workspace.size < _V3_WS_HEADER + E:
+        raise ValueError(f"workspace must be int32 with >= {_V3_WS_HEADER + E} entries, got {workspace.dtype} "
+                         f"{workspace.shape}")
+    fn = get_function(STEM_V3, STEM_V3)
+    set_max_dynamic_shared(fn, shape["dyn_smem"])
+    meta = (routing.expert_offsets, routing.active_experts, routing.n_active_dev, routing.sorted_token,
+            routing.sorted_weight)
+    fn((limits["sms"] * shape["blocks_per_sm"],), (shape["threads"],),
+       (xb, packed["w1"], packed["s1"], packed["w2"], packed["s2"], *meta, h, out, workspace,
+        np.int32(routing.m), np.int32(KC * CHUNK_COLS), np.int32(P * TILE_ROWS)), shared_mem=shape["dyn_smem"])

@@ -21,6 +21,9 @@ What is timed (CUDA events around each call, median of `iters` after warm-up):
   SM), `kernel_v2_k_interleave` (K chunks dealt to the warps round-robin), and the two v2 launches
   timed apart, `kernel_v2_gate_up_only` and `kernel_v2_down_only` (eager, each with its fraction
   of copy bandwidth over its own weight bytes: 2/3 and 1/3 of the touched experts').
+- kernel_v3: version 3 (`kernels/moe_w4a16_v3.cu`): the same decode regime in one persistent
+  launch (gate/up items from a global counter, down items waiting per expert for its h), eager
+  and graph (`kernel_v3_graph`); v1's kernels where some expert has more than 8 slots.
   The routing metadata (sort by expert, offsets) is made once per routing outside the timing:
   an engine computes it once per layer call alongside the router, in a few small kernels.
 - baseline: gather x by sorted slot, `torch._grouped_mm` gate/up, SwiGLU, `torch._grouped_mm`
@@ -227,6 +230,8 @@ def _measure(m: int, rng, packed, baseline, *, bw: float, flop_rate: float, rota
         t_v2_il = eager(version=2, k_interleave=True)
         t_v2_gu = stage(lambda r: moe.launch_v2_gate_up(xb, packed, r, out, h))
         t_v2_dn = stage(lambda r: moe.launch_v2_down(packed, r, out, h))
+    t_v3 = eager(version=3)
+    t_v3_graph = _graph_time(routes, xb, packed, out, h, rotations=rotations, iters=iters, version=3)
     t_base = timing.cuda_time(baseline_call, warmup=rotations, iters=iters)
     touched = float(np.mean([rr[0].n_active for rr in routes]))
     acct = moe.layer_bytes_flops(m, touched, K, N, TOPK)
@@ -273,6 +278,11 @@ def _measure(m: int, rng, packed, baseline, *, bw: float, flop_rate: float, rota
         "kernel_v2_down_only": t_v2_dn,
         "kernel_v2_down_only_frac_copy_bw": frac(t_v2_dn, acct["weight_bytes"] / 3),
         "speedup_v2_vs_v1": t_kernel["median_ms"] / t_v2["median_ms"],
+        "kernel_v3": t_v3,
+        "kernel_v3_frac_copy_bw": frac(t_v3),
+        "kernel_v3_graph": t_v3_graph,
+        "kernel_v3_graph_frac_copy_bw": frac(t_v3_graph),
+        "speedup_v3_vs_v2": t_v2["median_ms"] / t_v3["median_ms"],
         "baseline": t_base.as_dict(),
         "baseline_bytes": base_bytes,
         "baseline_floor": fl_b,
@@ -334,6 +344,8 @@ def run(args) -> dict:
             f"k-il {row['kernel_v2_k_interleave_frac_copy_bw'] or float('nan'):.0%} "
             f"gu {row['kernel_v2_gate_up_only_frac_copy_bw'] or float('nan'):.0%} "
             f"dn {row['kernel_v2_down_only_frac_copy_bw'] or float('nan'):.0%})  "
+            f"v3 {row['kernel_v3']['median_ms']:7.3f} ms ({row['kernel_v3_frac_copy_bw']:.0%}; graph "
+            f"{row['kernel_v3_graph_frac_copy_bw'] or float('nan'):.0%})  "
             f"baseline[{arm}] {row['baseline']['median_ms']:7.3f} ms",
             flush=True,
         )
@@ -352,6 +364,8 @@ def run(args) -> dict:
                    "timed_kernel": "y.fill(0) + gate_up + down launches; routing prepared outside",
                    "timed_kernel_v2": "gate_up (zeroes y) + down launches, persistent; v1's kernels "
                                       "where an expert has > 8 slots; routing prepared outside",
+                   "timed_kernel_v3": "one persistent launch (zeroes y); v1's kernels where an expert has "
+                                      "> 8 slots; routing prepared outside",
                    "timed_baseline": f"gather + {arm} gate/up + SwiGLU + {arm} down + index_add combine"},
         "copy": copy,
         "copy_bandwidth_Bps": bw,
@@ -377,6 +391,11 @@ def run(args) -> dict:
             "kernel_v2_graph_min_frac_copy_bw_m_2_to_32": _min_key([r for r in small if r["m"] >= 2],
                                                                    "kernel_v2_graph_frac_copy_bw"),
             "kernel_v2_min_speedup_vs_v1_m_le_32": _min_key(small, "speedup_v2_vs_v1"),
+            "kernel_v3_min_frac_copy_bw_m_le_32": _min_key(small, "kernel_v3_frac_copy_bw"),
+            "kernel_v3_graph_min_frac_copy_bw_m_le_32": _min_key(small, "kernel_v3_graph_frac_copy_bw"),
+            "kernel_v3_graph_min_frac_copy_bw_m_2_to_32": _min_key([r for r in small if r["m"] >= 2],
+                                                                   "kernel_v3_graph_frac_copy_bw"),
+            "kernel_v3_min_speedup_vs_v2_m_le_32": _min_key(small, "speedup_v3_vs_v2"),
             "all_experts_bytes": all_bytes,
             "all_experts_floor_ms": all_bytes / bw * 1e3,
             "knee_m_all_touched": saturate_m,

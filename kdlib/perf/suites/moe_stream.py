@@ -12,7 +12,8 @@ plus 1 GiB.
   (a block's warps read adjacent units). `two_launch`: the same bytes as two dependent launches
   of 2/3 and 1/3 (the gate/up + down split), so the cost of the launch boundary shows.
 - moe_v2: graph replay of `launch_v2_gate_up` alone, `launch_v2_down` alone and both, each as
-  a fraction of copy bandwidth over its own weight bytes (2/3 and 1/3 of the layer's).
+  a fraction of copy bandwidth over its own weight bytes (2/3 and 1/3 of the layer's); `v3`:
+  version 3's single launch over the same routings.
 Each timed replay reads a different region (8 rotations, together larger than L2), so the
 numbers are cold-weight numbers. The copy bandwidth is measured in the same run (1 GiB
 device-to-device copy, read + write counted), as in the moe suite.
@@ -135,7 +136,8 @@ def _moe_rows(cp, torch, timing, bw: float, iters: int) -> list[dict]:
         arms = {
             "gate_up": ([partial(moe.launch_v2_gate_up, xb, packed, r, out, h) for r in routes], wbytes * 2 / 3),
             "down": ([partial(moe.launch_v2_down, packed, r, out, h) for r in routes], wbytes / 3),
-            "both": ([partial(moe.moe_w4a16, xb, packed, r, out=out, h=h) for r in routes], wbytes),
+            "both": ([partial(moe.moe_w4a16, xb, packed, r, out=out, h=h, version=2) for r in routes], wbytes),
+            "v3": ([partial(moe.moe_w4a16, xb, packed, r, out=out, h=h, version=3) for r in routes], wbytes),
         }
         row = {"m": m, "touched_experts": touched, "weight_bytes": wbytes}
         for name, (launches, nbytes) in arms.items():
