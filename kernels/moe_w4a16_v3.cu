@@ -1,32 +1,39 @@
-// W4A16 grouped MoE GEMM, decode regime (<= 8 tokens per expert per layer call), in ONE launch:
-// the math, the packed weight layout, the routing metadata and the dequantization are those of
-// moe_w4a16_v1.cu (read its header); the per-warp cp.async rings are those of moe_w4a16_v2.cu.
+// W4A16 grouped MoE GEMM, decode regime (<= 8 tokens per expert per layer call), in ONE launch of
+// independent warps: the math, the packed weight layout, the routing metadata and the
+// dequantization are those of moe_w4a16_v1.cu (read its header); the per-warp cp.async rings are
+// those of moe_w4a16_v2.cu.
 //
-// Why one launch: v2's two launches (gate/up, then down) each pay a ramp and a drain, and the down
-// launch cannot start loading its weights until the last gate/up block is done. Measured on the
-// H200 (data/results/moe_stream.h200.json), a plain streaming read of the M = 4 layer's bytes
-// loses 7 points of copy bandwidth when split into two launches. Here every block runs
-//   phase 1, gate/up: work items (active expert, 16-row tile pair p) handed out by a global
-//     counter; per item the 8 warps' partial sums meet in shared memory, SwiGLU, h stored in bf16,
-//     then the item is published (ready[expert] += 1). The first Z items also zero a stripe of y.
-//   phase 2, down: when the counter is exhausted, each warp takes a contiguous range of the
-//     (active expert, 16-row output tile) items; its ring starts loading down weights at once
-//     (they do not depend on h) and the warp waits for ready[expert] == N / 16 only before it
-//     reads that expert's h, and for all Z stripes of y before its first atomic add.
-// No wait can deadlock without co-residency: phase-1 items go only to running blocks, which
-// finish them without waiting, and a block enters phase 2 only after the counter is exhausted.
-// The last block to finish resets the counters, so launches on one workspace must be ordered
-// (one stream); a launch that is aborted leaves them dirty (the wrapper re-zeroes on a new
-// workspace only).
+// Why: v2's two launches each pay a ramp and a drain (a plain streaming read of the M = 4 layer's
+// bytes loses 7 points of copy bandwidth when split in two launches, data/results/moe_stream.h200.json),
+// and its gate/up items (expert, 16-row tile pair), one per 8-warp block, come in waves that leave
+// blocks idle: 488 items on 264 blocks at M = 4. A first one-launch design (block-wide items from a
+// global counter, static down ranges; commit ae34b5e) measured no faster than v2 and slower at M = 1.
 //
-// Down streams one whole work item (NC <= 4 chunks: 2 KB of weights + their scales) per ring stage,
-// and both phases walk their items with running indices rather than divisions: v2's down kernel was
-// issue-bound (ncu, M = 32: 66% SM throughput at 51% of DRAM bandwidth; data/results/ncu/).
+// Here every warp is a worker with its own ring; no block barriers.
+//   gate/up: item = (active expert, tile pair p, K part) of KC / n_parts chunks, from a global
+//     counter; its partial gate and up sums are added (fp32 atomics) into a scratch the last part
+//     reads (a per-pair count says which part is last); that part applies SwiGLU, stores h, zeroes
+//     the scratch, and publishes the pair (ready[expert] += 1). With n_parts = 1 the only part does
+//     it from registers. The first Z items also zero a stripe of y.
+//   down: when gate/up items run out, the warp takes batches of kDownBatch (active expert, 16-row
+//     output tile) items from a second counter, one whole item (NC <= 4 chunks) per ring stage;
+//     before reading an expert's h it waits for ready[expert] == N / 16, and before its first
+//     atomic add into y for all Z stripes.
+// The ring runs on across item, batch and phase boundaries: the next unit is taken when the ring
+// first needs it, which keeps the loads flowing. No wait can deadlock: gate/up items go only to
+// running warps, which finish them without waiting, and a warp turns to down only after the
+// gate/up counter is exhausted. Both counters hand out work in expert order, so down starts on the
+// experts whose h is done first. The last warp to finish resets the counters; launches on one
+// workspace must be ordered (one stream).
 //
-// Workspace (int32, zero before the first launch): [0] next phase-1 item, [1] y stripes zeroed,
-// [2] blocks finished, [3 ...] ready count per active expert (n_active entries).
+// Workspace (int32, zero before the first launch, zero again after each): counters on 128-byte lines
+// of their own (many warps poll them): [0] next gate/up item, [32] next down batch, [64] y stripes
+// zeroed, [96] warps finished, [128 + 32 a] ready pairs of active expert a (a < E),
+// [128 + 32 E + pair] parts done of pair a * P + p. Scratch (fp32, zero likewise): [E * P][2][4][32]
+// (gate and up C fragments of a pair, lane-minor).
 // Requirements (checked by the wrapper): every expert has <= 8 slots, K % 64 == 0, N % 64 == 0,
-// N <= 256, 16-byte aligned bases, dynamic shared memory kWarps * kStages * kStageBytes.
+// N <= 256, (K / 64) % n_parts == 0 with >= kStages - 1 chunks per part, 16-byte aligned bases,
+// dynamic shared memory kWarps * kStages * kStageVec * 16 bytes.
 #include <cuda_bf16.h>
 
 // NVRTC (CuPy) has no host headers such as <stdint.h>: fixed-width names of our own.
@@ -35,17 +42,17 @@ typedef unsigned short u16;
 
 namespace {
 
-constexpr int kWarps = 8;          // 256 threads, two blocks per SM on an H200
+constexpr int kWarps = 8;          // warps per block (blocks only share an SM's shared memory)
 constexpr int kStages = 4;         // ring stages per warp (3 in flight)
-constexpr int kQueue = 8;          // phase-1 item slots of a block (see gate_up_phase)
-constexpr int kUngrabbed = -2, kGrabbing = -3;   // slot states besides an item id or -1 (none left)
+constexpr int kDownBatch = 4;      // down items per take (>= kStages - 1: the issue is <= 1 unit ahead)
 constexpr int kDownMaxChunks = 4;  // N <= 256: the B fragments of a whole h row fit in 32 registers
 constexpr int kZeroStripe = 1024;  // float4s of y per zeroing item (16 KB)
-// Ring stage per warp, in uint4: gate/up uses 4 x 32 (gate w, up w, x cols 0-7, x cols 8-15) and
-// 2 x 32 scale words after them; down uses kDownMaxChunks x 32 (weights) and kDownMaxChunks x 32
-// scale words. The larger (down) sets the stride.
-constexpr int kStageVec = kDownMaxChunks * 32 + kDownMaxChunks * 32 / 4;   // 160 uint4 = 2560 B
-constexpr int kWsNext = 0, kWsZeroed = 1, kWsDone = 2, kWsReady = 3;
+// Ring stage per warp, in uint4: 4 x 32 vectors, then 4 x 32 scale words (gate/up uses vectors
+// gate w, up w, x cols 0-7, x cols 8-15 and two scale words; down uses NC of each).
+constexpr int kStageVec = 4 * 32 + 4 * 32 / 4;   // 160 uint4 = 2560 B
+constexpr int kLine = 32;                         // ints per 128-byte line
+constexpr int kWsGateUp = 0, kWsDown = kLine, kWsZeroed = 2 * kLine, kWsDone = 3 * kLine, kWsReady = 4 * kLine;
+constexpr int kNone = -1, kEmpty = -0x7fffffff;  // unit ids: >= 0 gate/up item, <= -2 down batch -(b + 2)
 
 // (a & b) | c in one instruction (lop3 truth table 0xEA).
 __device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) {
@@ -97,7 +104,7 @@ __device__ __forceinline__ u16 f32_to_bf16_bits(float v) {
   return *reinterpret_cast<const u16*>(&b);
 }
 
-// ---------------------------------------------------------------- cp.async (sm_80+), flags
+// ---------------------------------------------------------------- cp.async (sm_80+), counters
 __device__ __forceinline__ u32 smem_u32(const void* p) {
   return static_cast<u32>(__cvta_generic_to_shared(p));
 }
@@ -107,7 +114,7 @@ __device__ __forceinline__ void cp16_cg(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
 }
 
-// 16 bytes through L1 (activations, re-read by the other tiles of the expert); zeros when !valid.
+// 16 bytes through L1 (activations, re-read by the other items of the expert); zeros when !valid.
 __device__ __forceinline__ void cp16_ca_zfill(void* dst, const void* src, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src),
                "r"(valid ? 16 : 0)
@@ -131,79 +138,114 @@ __device__ __forceinline__ int load_acquire(const int* p) {
   return v;
 }
 
-// Spin (the whole warp, one address) until *p >= target.
+// The whole warp waits until *p >= target: lane 0 polls with a growing pause (one request per
+// poll, not 32), then every lane reads the counter once with acquire semantics.
 __device__ __forceinline__ void wait_at_least(const int* p, int target) {
-  while (load_acquire(p) < target) __nanosleep(64);
+  if ((threadIdx.x & 31) == 0) {
+    unsigned ns = 32;
+    while (load_acquire(p) < target) {
+      __nanosleep(ns);
+      ns = ns < 1024 ? 2 * ns : ns;
+    }
+  }
+  __syncwarp();
+  (void)load_acquire(p);
 }
 
-// The item id of block queue slot s (called by a whole warp): the first warp to need the slot takes
-// the next id from the global counter (-1 once all n_items are handed out); the others read it.
-// Taking ids only when a ring first needs them keeps a block from holding items that idle blocks
-// could run (at M = 1 there are fewer gate/up items than blocks).
-__device__ __forceinline__ int slot_item(int* q, int s, int* ws, int n_items) {
+// Lane 0 takes the next value of a counter; every lane gets it.
+__device__ __forceinline__ int take(int* counter) {
   int v = 0;
-  if ((threadIdx.x & 31) == 0) {
-    v = atomicCAS(q + s, kUngrabbed, kGrabbing);
-    if (v == kUngrabbed) {
-      const int j = atomicAdd(ws + kWsNext, 1);
-      v = j < n_items ? j : -1;
-      atomicExch(q + s, v);
-    }
-    while (v == kGrabbing) v = atomicAdd(q + s, 0);
-  }
+  if ((threadIdx.x & 31) == 0) v = atomicAdd(counter, 1);
   return __shfl_sync(0xffffffffu, v, 0);
 }
 
-// ---------------------------------------------------------------- phase 1: gate / up
-// Items come from the global counter through a block queue q[kQueue] in shared memory: item it of
-// the block sits in slot it % kQueue, taken by the first warp whose ring reaches it (slot_item).
-// Rings run at most kStages - 1 chunks ahead, so every slot a warp touches belongs to an item
-// within kStages - 1 of the one being consumed, and warp 0 (cnt >= 1) touches item it + 1 before
-// the barriers that end item it. Thread 0 frees the slot of item it - 1 once item it starts.
-// Warp `warp` streams the chunks [kfirst, kfirst + cnt) of every item's K range.
-__device__ __forceinline__ void gate_up_phase(
+}  // namespace
+
+// One launch per MoE layer call; grid = the resident blocks (2 per SM on an H200) of kWarps warps,
+// dynamic shared memory kWarps * kStages * kStageVec * 16 = 80 KB.
+extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) moe_w4a16_v3(
     const u16* __restrict__ x, const uint4* __restrict__ w1, const u32* __restrict__ s1,
-    const int* __restrict__ expert_offsets, const int* __restrict__ active_experts, int n_items,
-    const int* __restrict__ sorted_token, u16* __restrict__ h, float* __restrict__ y, int* ws,
-    int M, int K, int N, int* q, float (*red)[8][32], uint4* wring) {
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int P = N >> 4, KC = K >> 6;
-  const int n4 = (M * K) >> 2;                                   // y in float4s (K % 64 == 0)
-  const int Z = min(n_items, (n4 + kZeroStripe - 1) / kZeroStripe);
+    const uint4* __restrict__ w2, const u32* __restrict__ s2, const int* __restrict__ expert_offsets,
+    const int* __restrict__ active_experts, const int* __restrict__ n_active_dev,
+    const int* __restrict__ sorted_token, const float* __restrict__ sorted_weight, u16* __restrict__ h,
+    float* __restrict__ y, int* __restrict__ ws, float* __restrict__ scratch, int n_experts, int M, int K,
+    int N, int n_parts) {
+  extern __shared__ uint4 ring[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  uint4* wring = ring + warp * kStages * kStageVec;                 // this warp's [kStages][kStageVec]
+  u32* sring = reinterpret_cast<u32*>(wring + 4 * 32);              // + stage * kStageVec * 4: scale words
+
+  const int n_active = *n_active_dev;
+  const int P = N >> 4, KC = K >> 6, RT = K >> 4, NC = N >> 6;
+  const int cpp = KC / n_parts;                                     // chunks per gate/up item
+  const int n_gu = n_active * P * n_parts;                          // gate/up items
+  const int n_dn = n_active * RT;                                   // down items
+  const int n_batches = (n_dn + kDownBatch - 1) / kDownBatch;
+  const int n4 = (M * K) >> 2;                                      // y in float4s (K % 64 == 0)
+  const int Z = min(n_gu, (n4 + kZeroStripe - 1) / kZeroStripe);   // y stripes, one per item j < Z
   const int zlen = (n4 + Z - 1) / Z;
-  const int per_warp = (KC + kWarps - 1) / kWarps;
-  const int kfirst = min(KC, warp * per_warp);
-  const int cnt = min(KC, kfirst + per_warp) - kfirst;            // 0 for idle warps when KC < kWarps
+  int* ready = ws + kWsReady;                                       // [E][kLine]
+  int* parts_done = ws + kWsReady + kLine * n_experts;              // [E * P]
 
-  if (tid < kQueue) q[tid] = kUngrabbed;
-  __syncthreads();
-
-  // Issue cursor: queue position it_i, chunk c_i; per-item addresses set when c_i == 0.
-  int it_i = 0, c_i = 0, stage_i = 0;
-  bool more = cnt > 0;
+  // ---------------------------------------------------------------- the issue side of the ring
+  // Unit being issued: `iu` (a gate/up item j >= 0, a down batch -(b + 2), or kNone when both
+  // counters ran out), stage ic within it; `pend` hands each unit taken to the consume side.
+  int pend = kEmpty;
+  int iu = kEmpty, ic = 0, istage = 0, i_end = 0;
   const uint4* wsrc = w1;
   const u32* ssrc = s1;
   const u16* xsrc = x;
   bool xvalid = false;
-  auto issue_next = [&]() {
-    if (more && c_i == 0) {
-      const int j = slot_item(q, it_i % kQueue, ws, n_items);
-      if (j < 0) {
-        more = false;
-      } else {
-        const int a_idx = j / P, p = j - a_idx * P;
-        const int e = active_experts[a_idx];
-        const int slot = expert_offsets[e] + g;
-        xvalid = slot < expert_offsets[e + 1];
-        xsrc = x + (xvalid ? (size_t)sorted_token[slot] * K : 0) + (size_t)kfirst * 64 + 16 * t;
-        const size_t chunk0 = ((size_t)e * P + p) * KC + kfirst;
-        wsrc = w1 + chunk0 * 2 * 32 + lane;
-        ssrc = s1 + chunk0 * 2 * 16 + (t >> 1) * 8 + g;
+  int ia = 0, irt = 0;   // down: expert index and row tile of the item being issued
+
+  auto start_gate_up = [&](int j) {   // addresses of item j's first chunk for this lane
+    const int pair = j / n_parts, part = j - pair * n_parts;
+    const int a_idx = pair / P, p = pair - a_idx * P;
+    const int e = active_experts[a_idx];
+    const int slot = expert_offsets[e] + g;
+    const int k0 = part * cpp;
+    xvalid = slot < expert_offsets[e + 1];
+    xsrc = x + (xvalid ? (size_t)sorted_token[slot] * K : 0) + (size_t)k0 * 64 + 16 * t;
+    const size_t chunk0 = ((size_t)e * P + p) * KC + k0;
+    wsrc = w1 + chunk0 * 2 * 32 + lane;
+    ssrc = s1 + chunk0 * 2 * 16 + (t >> 1) * 8 + g;
+  };
+  auto set_down_src = [&]() {
+    const size_t chunk0 = ((size_t)active_experts[ia] * RT + irt) * NC;
+    wsrc = w2 + chunk0 * 32 + lane;
+    ssrc = s2 + chunk0 * 16 + (t >> 1) * 8 + g;
+  };
+  auto next_unit = [&]() {            // take the next unit: gate/up first, then down batches
+    if (iu >= 0 || iu == kEmpty) {
+      const int j = take(ws + kWsGateUp);
+      if (j < n_gu) {
+        iu = j;
+        ic = 0;
+        i_end = cpp;
+        start_gate_up(j);
+        pend = iu;
+        return;
       }
     }
-    if (more) {
-      uint4* sw = wring + stage_i * kStageVec + lane;
-      u32* ss = reinterpret_cast<u32*>(wring + stage_i * kStageVec + 4 * 32) + lane;
+    const int b = take(ws + kWsDown);
+    if (b < n_batches) {
+      iu = -(b + 2);
+      ic = 0;
+      const int i0 = b * kDownBatch;
+      i_end = min(n_dn, i0 + kDownBatch) - i0;
+      ia = i0 / RT;
+      irt = i0 - ia * RT;
+      set_down_src();
+    } else {
+      iu = kNone;
+    }
+    pend = iu;
+  };
+  auto issue_next = [&]() {           // one ring stage of the unit being issued, then commit
+    if (iu == kEmpty || (iu != kNone && ic == i_end)) next_unit();
+    if (iu >= 0) {
+      uint4* sw = wring + istage * kStageVec + lane;
+      u32* ss = sring + istage * kStageVec * 4 + lane;
       cp16_cg(sw, wsrc);             // gate
       cp16_cg(sw + 32, wsrc + 32);   // up
       cp16_ca_zfill(sw + 64, xsrc, xvalid);
@@ -213,111 +255,11 @@ __device__ __forceinline__ void gate_up_phase(
       wsrc += 2 * 32;
       ssrc += 2 * 16;
       xsrc += 64;
-      stage_i = stage_i + 1 == kStages ? 0 : stage_i + 1;
-      if (++c_i == cnt) { c_i = 0; ++it_i; }
-    }
-    cp_commit();
-  };
-
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) issue_next();
-  __syncthreads();   // warp 0 has taken item 0
-
-  int stage_c = 0;
-  for (int it = 0;; ++it) {
-    const int j = *(volatile int*)(q + it % kQueue);   // taken before the last barrier; -1: none left
-    if (j < 0) break;
-    if (tid == 0) q[(it + kQueue - 1) % kQueue] = kUngrabbed;   // item it - 1's slot: no reader left
-    const int a_idx = j / P, p = j - a_idx * P;
-
-    if (j < Z) {  // one stripe of y, zeroed before any down atomic (phase 2 waits on ws[kWsZeroed])
-      float4* y4 = reinterpret_cast<float4*>(y);
-      const int end = min(n4, (j + 1) * zlen);
-      for (int i = j * zlen + tid; i < end; i += kWarps * 32) y4[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-
-    float acc[2][4];
-#pragma unroll
-    for (int u = 0; u < 2; ++u)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) acc[u][r] = 0.0f;
-    for (int c = 0; c < cnt; ++c) {
-      issue_next();
-      cp_wait<kStages - 1>();   // this thread's copies of the chunk being consumed have landed
-      const uint4* sw = wring + stage_c * kStageVec + lane;
-      const u32* ss = reinterpret_cast<const u32*>(wring + stage_c * kStageVec + 4 * 32) + lane;
-      const uint4 wg = sw[0], wu = sw[32], xl = sw[64], xh = sw[96];
-      const u32 sg = ss[0], su = ss[32];
-      stage_c = stage_c + 1 == kStages ? 0 : stage_c + 1;
-      const u32 b[8] = {xl.x, xl.y, xl.z, xl.w, xh.x, xh.y, xh.z, xh.w};
-      mma_chunk(acc[0], wg, sg, b);
-      mma_chunk(acc[1], wu, su, b);
-    }
-
-#pragma unroll
-    for (int u = 0; u < 2; ++u)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) red[warp][u * 4 + r][lane] = acc[u][r];
-    __syncthreads();
-
-    // One thread per (register r, lane): sum gate and up over the warps, SwiGLU, bf16 store.
-    if (tid < 4 * 32) {
-      const int e = active_experts[a_idx];
-      const int ln = tid & 31, r = tid >> 5;
-      const int slot = expert_offsets[e] + 2 * (ln & 3) + (r & 1);  // C fragment: token column 2t, 2t+1
-      if (slot < expert_offsets[e + 1]) {
-        float gs = 0.0f, us = 0.0f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) {
-          gs += red[w][r][ln];
-          us += red[w][4 + r][ln];
-        }
-        const int row = (ln >> 2) + (r >= 2 ? 8 : 0);  // C fragment: rows g / g + 8
-        const float hv = gs / (1.0f + __expf(-gs)) * us;
-        h[(size_t)slot * N + p * 16 + row] = f32_to_bf16_bits(hv);
-      }
-    }
-    __threadfence();   // h and the y stripe before the item is published
-    __syncthreads();   // also: red is free for the next item
-    if (tid == 0) {
-      atomicAdd(ws + kWsReady + a_idx, 1);
-      if (j < Z) atomicAdd(ws + kWsZeroed, 1);
-    }
-  }
-  cp_wait<0>();  // the ring is reused by phase 2 (only empty groups remain)
-}
-
-// ---------------------------------------------------------------- phase 2: down
-// One ring stage = one whole item: the NC chunks of one 16-row output tile over the full reduction
-// N (weights and this lane's scale word of each chunk). The B fragments of the current expert's h
-// rows stay in registers while the warp walks that expert's row tiles.
-__device__ __forceinline__ void down_phase(
-    const u16* __restrict__ h, const uint4* __restrict__ w2, const u32* __restrict__ s2,
-    const int* __restrict__ expert_offsets, const int* __restrict__ active_experts, int n_active,
-    const int* __restrict__ sorted_token, const float* __restrict__ sorted_weight, float* __restrict__ y,
-    const int* ws, int M, int K, int N, uint4* wring) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int RT = K >> 4, NC = N >> 6, P = N >> 4;
-  const int n4 = (M * K) >> 2;
-  const int Z = min(n_active * P, (n4 + kZeroStripe - 1) / kZeroStripe);   // as in gate_up_phase
-  const long long n_items = (long long)n_active * RT;
-  const long long gw = (long long)blockIdx.x * kWarps + warp, tw = (long long)gridDim.x * kWarps;
-  const int i0 = (int)(n_items * gw / tw), i1 = (int)(n_items * (gw + 1) / tw);  // this warp's items
-
-  // Issue cursor: item it_i as (expert index ia, row tile rt_i), advanced without divisions.
-  int it_i = i0, ia = i0 / RT, rt_i = i0 - ia * RT, stage_i = 0;
-  const uint4* wsrc = w2;
-  const u32* ssrc = s2;
-  auto set_src = [&]() {
-    const size_t chunk0 = ((size_t)active_experts[ia] * RT + rt_i) * NC;
-    wsrc = w2 + chunk0 * 32 + lane;
-    ssrc = s2 + chunk0 * 16 + (t >> 1) * 8 + g;
-  };
-  if (i0 < i1) set_src();
-  auto issue_next = [&]() {
-    if (it_i < i1) {
-      uint4* sw = wring + stage_i * kStageVec + lane;
-      u32* ss = reinterpret_cast<u32*>(wring + stage_i * kStageVec + kDownMaxChunks * 32) + lane;
+      ++ic;
+      istage = istage + 1 == kStages ? 0 : istage + 1;
+    } else if (iu != kNone) {
+      uint4* sw = wring + istage * kStageVec + lane;
+      u32* ss = sring + istage * kStageVec * 4 + lane;
 #pragma unroll
       for (int c = 0; c < kDownMaxChunks; ++c) {
         if (c < NC) {
@@ -325,11 +267,11 @@ __device__ __forceinline__ void down_phase(
           cp4(ss + c * 32, ssrc + c * 16);
         }
       }
-      stage_i = stage_i + 1 == kStages ? 0 : stage_i + 1;
-      if (++it_i < i1) {
-        if (++rt_i == RT) { rt_i = 0; ++ia; set_src(); }
+      if (++ic < i_end) {
+        if (++irt == RT) { irt = 0; ++ia; set_down_src(); }
         else { wsrc += NC * 32; ssrc += NC * 16; }
       }
+      istage = istage + 1 == kStages ? 0 : istage + 1;
     }
     cp_commit();
   };
@@ -337,90 +279,151 @@ __device__ __forceinline__ void down_phase(
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) issue_next();
 
-  int stage_c = 0, cur_a = -1, rt = i0 - (i0 / RT) * RT, a_idx = i0 / RT;
-  bool zeroed = false;
+  // ---------------------------------------------------------------- the consume side
+  int cstage = 0;
+  int cur_a = -1;                // down: the expert whose h is in b[] ...
+  bool zeroed = false;           // ... and whether y is known to be zero
   u32 b[kDownMaxChunks][8];      // this lane's B registers of every chunk (token row g of the expert)
   float* yrow[2] = {y, y};       // C fragment token columns 2t, 2t + 1: their y rows ...
   float wgt[2] = {0.0f, 0.0f};   // ... and routing weights (0 and unused when the slot is absent)
   bool has[2] = {false, false};
-  for (int item = i0; item < i1; ++item) {
-    if (a_idx != cur_a) {  // a new expert: wait for its h, then its slots' rows
-      cur_a = a_idx;
-      wait_at_least(ws + kWsReady + a_idx, P);
-      const int e = active_experts[a_idx];
-      const int off = expert_offsets[e], end = expert_offsets[e + 1];
-      const u16* hrow = off + g < end ? h + (size_t)(off + g) * N + 16 * t : nullptr;
+
+  for (int cu = pend; cu != kNone; cu = pend) {
+    pend = kEmpty;
+    if (cu >= 0) {
+      // ------------------------------------------------ gate/up item cu
+      const int j = cu, pair = j / n_parts;
+      const int a_idx = pair / P, p = pair - a_idx * P;
+      if (j < Z) {  // one stripe of y, zeroed before any down atomic (down waits on ws[kWsZeroed])
+        float4* y4 = reinterpret_cast<float4*>(y);
+        const int end = min(n4, (j + 1) * zlen);
+        for (int i = j * zlen + lane; i < end; i += 32) y4[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+      float acc[2][4];
 #pragma unroll
-      for (int c = 0; c < kDownMaxChunks; ++c) {
-        uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
-        if (hrow != nullptr && c < NC) {
-          const uint4* p = reinterpret_cast<const uint4*>(hrow + c * 64);
-          lo = __ldcg(p);    // written in this launch: from L2, never a stale L1 line
-          hi = __ldcg(p + 1);
+      for (int u = 0; u < 2; ++u)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[u][r] = 0.0f;
+      for (int c = 0; c < cpp; ++c) {
+        issue_next();
+        cp_wait<kStages - 1>();   // this thread's copies of the chunk being consumed have landed
+        const uint4* sw = wring + cstage * kStageVec + lane;
+        const u32* ss = sring + cstage * kStageVec * 4 + lane;
+        const uint4 wg = sw[0], wu = sw[32], xl = sw[64], xh = sw[96];
+        const u32 sg = ss[0], su = ss[32];
+        cstage = cstage + 1 == kStages ? 0 : cstage + 1;
+        const u32 bx[8] = {xl.x, xl.y, xl.z, xl.w, xh.x, xh.y, xh.z, xh.w};
+        mma_chunk(acc[0], wg, sg, bx);
+        mma_chunk(acc[1], wu, su, bx);
+      }
+      bool last = true;
+      float* sp = scratch + (size_t)pair * 256 + lane;    // [2][4][32] of this pair, this lane
+      if (n_parts > 1) {                                  // add this part; the last part finishes
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) atomicAdd(sp + (u * 4 + r) * 32, acc[u][r]);
+        __threadfence();
+        __syncwarp();
+        int old = 0;
+        if (lane == 0) old = atomicAdd(parts_done + pair, 1);
+        last = __shfl_sync(0xffffffffu, old, 0) == n_parts - 1;
+        if (last) {
+          __threadfence();
+#pragma unroll
+          for (int u = 0; u < 2; ++u)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              acc[u][r] = __ldcg(sp + (u * 4 + r) * 32);
+              __stcg(sp + (u * 4 + r) * 32, 0.0f);
+            }
+          if (lane == 0) parts_done[pair] = 0;
         }
-        b[c][0] = lo.x; b[c][1] = lo.y; b[c][2] = lo.z; b[c][3] = lo.w;
-        b[c][4] = hi.x; b[c][5] = hi.y; b[c][6] = hi.z; b[c][7] = hi.w;
       }
+      if (last) {   // SwiGLU of the C fragment: rows g / g + 8, token columns 2t / 2t + 1
+        const int e = active_experts[a_idx];
+        const int off = expert_offsets[e], end = expert_offsets[e + 1];
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int slot = off + 2 * t + half;
-        has[half] = slot < end;
-        yrow[half] = has[half] ? y + (size_t)sorted_token[slot] * K : y;
-        wgt[half] = has[half] ? sorted_weight[slot] : 0.0f;
+        for (int r = 0; r < 4; ++r) {
+          const int slot = off + 2 * t + (r & 1);
+          if (slot < end) {
+            const float gs = acc[0][r], us = acc[1][r];
+            h[(size_t)slot * N + p * 16 + g + (r >= 2 ? 8 : 0)] = f32_to_bf16_bits(gs / (1.0f + __expf(-gs)) * us);
+          }
+        }
+      }
+      if (last || j < Z) {
+        __threadfence();   // h and the y stripe before they are published
+        __syncwarp();
+        if (lane == 0) {
+          if (last) atomicAdd(ready + a_idx * kLine, 1);
+          if (j < Z) atomicAdd(ws + kWsZeroed, 1);
+        }
+      }
+    } else {
+      // ------------------------------------------------ down batch -(cu + 2)
+      const int i0 = -(cu + 2) * kDownBatch, i1 = min(n_dn, i0 + kDownBatch);
+      int a_idx = i0 / RT, rt = i0 - a_idx * RT;
+      for (int item = i0; item < i1; ++item) {
+        if (a_idx != cur_a) {  // a new expert: wait for its h, then its slots' rows
+          cur_a = a_idx;
+          wait_at_least(ready + a_idx * kLine, P);
+          const int e = active_experts[a_idx];
+          const int off = expert_offsets[e], end = expert_offsets[e + 1];
+          const u16* hrow = off + g < end ? h + (size_t)(off + g) * N + 16 * t : nullptr;
+#pragma unroll
+          for (int c = 0; c < kDownMaxChunks; ++c) {
+            uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
+            if (hrow != nullptr && c < NC) {
+              const uint4* q = reinterpret_cast<const uint4*>(hrow + c * 64);
+              lo = __ldcg(q);    // written in this launch: from L2, never a stale L1 line
+              hi = __ldcg(q + 1);
+            }
+            b[c][0] = lo.x; b[c][1] = lo.y; b[c][2] = lo.z; b[c][3] = lo.w;
+            b[c][4] = hi.x; b[c][5] = hi.y; b[c][6] = hi.z; b[c][7] = hi.w;
+          }
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int slot = off + 2 * t + half;
+            has[half] = slot < end;
+            yrow[half] = has[half] ? y + (size_t)sorted_token[slot] * K : y;
+            wgt[half] = has[half] ? sorted_weight[slot] : 0.0f;
+          }
+        }
+        issue_next();
+        cp_wait<kStages - 1>();
+        const uint4* sw = wring + cstage * kStageVec + lane;
+        const u32* ss = sring + cstage * kStageVec * 4 + lane;
+        cstage = cstage + 1 == kStages ? 0 : cstage + 1;
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int c = 0; c < kDownMaxChunks; ++c)
+          if (c < NC) mma_chunk(acc, sw[c * 32], ss[c * 32], b[c]);
+        if (!zeroed) {
+          wait_at_least(ws + kWsZeroed, Z);
+          zeroed = true;
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          if (has[half]) {
+            atomicAdd(yrow[half] + rt * 16 + g, wgt[half] * acc[half]);
+            atomicAdd(yrow[half] + rt * 16 + g + 8, wgt[half] * acc[2 + half]);
+          }
+        }
+        if (++rt == RT) { rt = 0; ++a_idx; }
       }
     }
-    issue_next();
-    cp_wait<kStages - 1>();
-    const uint4* sw = wring + stage_c * kStageVec + lane;
-    const u32* ss = reinterpret_cast<const u32*>(wring + stage_c * kStageVec + kDownMaxChunks * 32) + lane;
-    stage_c = stage_c + 1 == kStages ? 0 : stage_c + 1;
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int c = 0; c < kDownMaxChunks; ++c)
-      if (c < NC) mma_chunk(acc, sw[c * 32], ss[c * 32], b[c]);
-    if (!zeroed) {
-      wait_at_least(ws + kWsZeroed, Z);
-      zeroed = true;
-    }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      if (has[half]) {
-        atomicAdd(yrow[half] + rt * 16 + g, wgt[half] * acc[half]);
-        atomicAdd(yrow[half] + rt * 16 + g + 8, wgt[half] * acc[2 + half]);
-      }
-    }
-    if (++rt == RT) { rt = 0; ++a_idx; }
   }
   cp_wait<0>();
-}
 
-}  // namespace
-
-// One launch per MoE layer call; grid = the resident blocks (2 per SM on an H200), 256 threads,
-// dynamic shared memory kWarps * kStages * kStageVec * 16 = 80 KB, static 8 KB + the queue.
-extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) moe_w4a16_v3(
-    const u16* __restrict__ x, const uint4* __restrict__ w1, const u32* __restrict__ s1,
-    const uint4* __restrict__ w2, const u32* __restrict__ s2, const int* __restrict__ expert_offsets,
-    const int* __restrict__ active_experts, const int* __restrict__ n_active_dev,
-    const int* __restrict__ sorted_token, const float* __restrict__ sorted_weight, u16* __restrict__ h,
-    float* __restrict__ y, int* ws, int M, int K, int N) {
-  __shared__ float red[kWarps][8][32];
-  __shared__ int q[kQueue];
-  extern __shared__ uint4 ring[];
-  uint4* wring = ring + (threadIdx.x >> 5) * kStages * kStageVec;   // this warp's [kStages][kStageVec]
-  const int n_active = *n_active_dev;
-  gate_up_phase(x, w1, s1, expert_offsets, active_experts, n_active * (N >> 4), sorted_token, h, y, ws, M, K,
-                N, q, red, wring);
-  down_phase(h, w2, s2, expert_offsets, active_experts, n_active, sorted_token, sorted_weight, y, ws, M, K, N,
-             wring);
-
-  // The last block out resets the counters for the next launch on this workspace.
-  __syncthreads();
-  if (threadIdx.x == 0) {
+  // The last warp out resets the counters for the next launch on this workspace.
+  __syncwarp();
+  if (lane == 0) {
     __threadfence();
-    if (atomicAdd(ws + kWsDone, 1) == (int)gridDim.x - 1) {
-      for (int i = 0; i < n_active; ++i) ws[kWsReady + i] = 0;
-      ws[kWsNext] = 0;
+    if (atomicAdd(ws + kWsDone, 1) == (int)(gridDim.x * kWarps) - 1) {
+      for (int i = 0; i < n_active; ++i) ready[i * kLine] = 0;
+      ws[kWsGateUp] = 0;
+      ws[kWsDown] = 0;
       ws[kWsZeroed] = 0;
       ws[kWsDone] = 0;
       __threadfence();

@@ -600,18 +600,25 @@ def test_v3_back_to_back_launches_leave_the_workspace_zero():
     w = moe.MoEWeights.random(E, K, N, seed=5, std=0.05)
     packed = moe.upload(moe.pack_moe(w))
     rng = np.random.default_rng(5)
-    ws = moe.v3_workspace(E)
+    ws, scratch = moe.v3_workspace(E, N // 16)
     for i in range(40):
         m = (1, 2, 7, 16)[i % 4]
         x_bits = moe.f32_to_bf16_bits(rng.normal(0, 1, (m, K)))
         ids = np.stack([rng.choice(E, k, replace=False) for _ in range(m)]).astype(np.int32)
         wts = rng.random((m, k)).astype(np.float32)
         routing = moe.prepare_routing(cp.asarray(ids), cp.asarray(wts), E)
-        y = moe.moe_w4a16(cp.asarray(x_bits), packed, routing, version=3)
-        if i % 8 == 7 or i < 4:
-            check.assert_close(y, moe.moe_w4a16_reference(x_bits, w, ids, wts), rtol=5e-3, name=f"v3 launch {i} M{m}")
+        parts = (None, 1, 2, 8)[i % 4 if i < 8 else 0]   # K / 64 = 32 chunks: 32, 16 or 4 a part
+        y = moe.moe_w4a16(cp.asarray(x_bits), packed, routing, version=3, parts=parts)
+        if i % 8 == 7 or i < 8:
+            check.assert_close(y, moe.moe_w4a16_reference(x_bits, w, ids, wts), rtol=5e-3,
+                               name=f"v3 launch {i} M{m} parts {parts}")
     cp.cuda.runtime.deviceSynchronize()
-    assert not cp.asnumpy(ws).any(), cp.asnumpy(ws)[:8]
+    assert not cp.asnumpy(ws).any(), np.nonzero(cp.asnumpy(ws))
+    assert not cp.asnumpy(scratch).any()
+    with pytest.raises(ValueError, match="parts must divide"):
+        moe.moe_w4a16(cp.asarray(x_bits), packed, routing, version=3, parts=3)
+    with pytest.raises(ValueError, match="parts applies"):
+        moe.moe_w4a16(cp.asarray(x_bits), packed, routing, version=2, parts=2)
 
     out = cp.empty((m, K), dtype=cp.float32)
     h = cp.empty((m * k, N), dtype=cp.uint16)
@@ -627,6 +634,19 @@ def test_v3_back_to_back_launches_leave_the_workspace_zero():
     stream.synchronize()
     check.assert_close(out, moe.moe_w4a16_reference(x_bits, w, ids, wts), rtol=5e-3, name="v3 graph replay")
     assert not cp.asnumpy(ws).any()
+
+
+def test_v3_parts_split_k_only_when_tile_pairs_are_few():
+    """Kimi-K2 TP8 shapes on an H200 grid (264 blocks x 8 warps): one token (128 pairs) splits K into
+    the most parts that keep 4 chunks each; many pairs need no split; the split always divides K."""
+    warps = 264 * 8
+    assert moe.v3_parts(112, 128, warps) == 28
+    assert moe.v3_parts(112, 16 * 186, warps) == 2
+    assert moe.v3_parts(112, 16 * 384, warps) == 1
+    for pairs in (1, 16, 100, 500, 1000, 3000):
+        d = moe.v3_parts(112, pairs, warps)
+        assert 112 % d == 0 and (d == 1 or 112 // d >= 4)
+    assert moe.v3_parts(4, 1, warps) == 1   # K = 256: 4 chunks, no split possible
 
 
 # ----------------------------------------------------------------------------- compile: v2 resources

@@ -325,10 +325,11 @@ _V2_MAX_SLOTS = 8                                  # tokens per expert the v2 ke
 _V2_MAX_N = 256                                    # kDownMaxChunks * 64: h rows held in registers
 _V3_THREADS = 256                                  # kWarps * 32 in moe_w4a16_v3.cu
 _V3_DYN_SMEM = 8 * 4 * 2560                        # kWarps * kStages * kStageVec * 16 bytes
-_V3_STATIC_SMEM = 8 * 8 * 32 * 4 + 8 * 4           # red[kWarps][8][32] floats + q[kQueue] ints
-_V3_WS_HEADER = 3                                  # workspace ints before the per-expert ready counts
+_V3_STATIC_SMEM = 0
+_V3_LINE = 32                                      # ints per 128-byte line (kLine)
+_V3_MIN_CHUNKS = 4                                 # chunks per gate/up item at least (the ring needs 3)
 _DEVICE_LIMITS: dict[int, dict] = {}
-_V3_WORKSPACE: dict[int, object] = {}
+_V3_WORKSPACE: dict[tuple, tuple] = {}
 
 
 def _device_limits() -> dict:
@@ -370,27 +371,45 @@ def v3_shape(limits: dict) -> dict:
     return {"threads": _V3_THREADS, "dyn_smem": _V3_DYN_SMEM, "blocks_per_sm": min(by_smem, 2) if fits else 0}
 
 
-def v3_workspace(n_experts: int):
-    """The current device's v3 workspace (int32 [3 + n_experts], zeroed when made; each launch leaves
-    it zero again). Launches that share it must be ordered (one stream); give concurrent streams
-    their own (`moe_w4a16(..., workspace=cupy.zeros(3 + E, cupy.int32))`)."""
+def v3_workspace_sizes(n_experts: int, n_pairs: int) -> tuple[int, int]:
+    """(int32 counters, float32 scratch) element counts of a v3 workspace for E experts of P = N / 16
+    tile pairs each: 4 counter lines, a ready line per expert, a part count per (expert, pair);
+    the scratch holds the gate and up C fragments of every pair ([E * P][2][4][32])."""
+    return _V3_LINE * (4 + n_experts) + n_experts * n_pairs, n_experts * n_pairs * 256
+
+
+def v3_workspace(n_experts: int, n_pairs: int) -> tuple:
+    """The current device's v3 workspace (counters, scratch), zeroed when made; each launch leaves it
+    zero again. Launches that share it must be ordered (one stream); give concurrent streams their
+    own (`moe_w4a16(..., workspace=(cupy.zeros(n, cupy.int32), cupy.zeros(f, cupy.float32)))` with
+    (n, f) = `v3_workspace_sizes(E, P)`)."""
     import cupy as cp
 
     dev = cp.cuda.runtime.getDevice()
-    ws = _V3_WORKSPACE.get(dev)
-    if ws is None or ws.size < _V3_WS_HEADER + n_experts:
-        ws = _V3_WORKSPACE[dev] = cp.zeros(_V3_WS_HEADER + n_experts, dtype=cp.int32)
+    n_int, n_float = v3_workspace_sizes(n_experts, n_pairs)
+    ws = _V3_WORKSPACE.get((dev, n_experts, n_pairs))
+    if ws is None:
+        ws = _V3_WORKSPACE[(dev, n_experts, n_pairs)] = (cp.zeros(n_int, dtype=cp.int32),
+                                                         cp.zeros(n_float, dtype=cp.float32))
     return ws
 
 
+def v3_parts(k_chunks: int, n_pairs: int, n_warps: int) -> int:
+    """K parts per gate/up item: the fewest that give >= 2 items per warp of the grid (n_pairs = active
+    experts x tile pairs), among the divisors of k_chunks that leave >= _V3_MIN_CHUNKS chunks a
+    part; the most such parts when none gives that many items."""
+    ok = [d for d in range(1, k_chunks + 1) if k_chunks % d == 0 and (d == 1 or k_chunks // d >= _V3_MIN_CHUNKS)]
+    return next((d for d in ok if n_pairs * d >= 2 * n_warps), ok[-1])
+
+
 def v2_applies(routing: Routing, n_inter: int) -> bool:
-    """Whether version 2 runs its own kernels (decode regime, N <= 256) rather than version 1's."""
+    """Whether versions 2 and 3 run their own kernels (decode regime, N <= 256) rather than version 1's."""
     return routing.max_count <= _V2_MAX_SLOTS and n_inter <= _V2_MAX_N
 
 
 def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool = False,
               gate_up_warps: int | None = None, version: int = 2, k_interleave: bool = False,
-              workspace=None):
+              workspace=None, parts: int | None = None):
     """y = MoE(x) with INT4 experts.
 
     Shape: x [M, K] bf16 (torch bf16 or CuPy uint16 bits); packed = `upload(pack_moe(w))`;
@@ -406,15 +425,18 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
     a 100 KB part) or 16 (one 512-thread block per SM, H100/H200 class only); k_interleave=True
     (8 warps only) deals the K chunks to the warps round-robin instead of in contiguous ranges.
     Outside its regime version 2 runs version 1's kernels.
-    version 3 (`kernels/moe_w4a16_v3.cu`, the same regime): one persistent launch, gate/up items
-    from a global counter, then down items that wait per expert for its h; `workspace` (int32
-    [3 + E], zero) holds the counters, by default one per device (`v3_workspace`). Outside its
-    regime version 3 runs version 1's kernels too.
+    version 3 (`kernels/moe_w4a16_v3.cu`, the same regime): one launch of independent warps taking
+    gate/up items (K split in parts when there are few tile pairs) and then down batches from
+    global counters, down waiting per expert for its h; `workspace` = (int32 counters, float32
+    scratch), zero, by default one per device and shape (`v3_workspace`). Outside its regime
+    version 3 runs version 1's kernels too.
     """
     if version not in (1, 2, 3):
         raise ValueError(f"version must be 1, 2 or 3, got {version!r}")
     if version == 3 and (gate_up_warps is not None or k_interleave):
         raise ValueError("version 3 has one block shape: gate_up_warps and k_interleave do not apply")
+    if parts is not None and version != 3:
+        raise ValueError("parts applies to version 3 only")
     if gate_up_warps not in (None, 8, 16):
         raise ValueError(f"gate_up_warps must be 8 or 16, got {gate_up_warps}")
     if k_interleave and (version != 2 or gate_up_warps == 16):
@@ -446,8 +468,8 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
         h = cp.empty((S, N), dtype=cp.uint16)
     elif h.shape != (S, N) or h.dtype != cp.uint16 or not h.flags.c_contiguous:
         raise ValueError(f"h must be contiguous uint16 [{S}, {N}]")
-    if version == 3 and v2_applies(routing, N):
-        launch_v3(xb, packed, routing, out, h, workspace=workspace)
+    if version == 3 and v2_applies(routing, N) and KC >= 3:   # the ring runs 3 chunks ahead
+        launch_v3(xb, packed, routing, out, h, workspace=workspace, parts=parts)
         _check(sync, "v3 launch")
     elif version == 2 and v2_applies(routing, N):
         launch_v2_gate_up(xb, packed, routing, out, h, gate_up_warps=gate_up_warps or 8, k_interleave=k_interleave)
@@ -530,12 +552,13 @@ def launch_v2_down(packed: dict, routing: Routing, out, h) -> None:
                                np.int32(RT * TILE_ROWS), np.int32(NC * CHUNK_COLS)), shared_mem=dyn)
 
 
-def launch_v3(xb, packed: dict, routing: Routing, out, h, *, workspace=None) -> None:
+def launch_v3(xb, packed: dict, routing: Routing, out, h, *, workspace=None, parts: int | None = None) -> None:
     """The v3 launch (gate/up, SwiGLU, down and the weighted combine into `out`, which it zeroes);
     `moe_w4a16(version=3)` checks the arguments and calls this.
 
     Shape: xb [M, K] uint16 (bf16 bits), out [M, K] float32, h [M * topk, N] uint16 (CuPy);
-    workspace int32 [3 + E] (zero; see `v3_workspace`).
+    workspace (int32, float32) as `v3_workspace`; parts: K parts per gate/up item (default
+    `v3_parts`), a divisor of K / 64 leaving >= 3 chunks a part.
     """
     import cupy as cp
 
@@ -547,15 +570,23 @@ def launch_v3(xb, packed: dict, routing: Routing, out, h, *, workspace=None) -> 
         raise ValueError(f"the v3 block needs {_V3_DYN_SMEM + _V3_STATIC_SMEM} B of shared memory; this device "
                          f"allows {limits['smem_block']} B per block")
     E, P, KC = packed["w1"].shape[:3]
+    grid = limits["sms"] * shape["blocks_per_sm"]
+    if parts is None:
+        parts = v3_parts(KC, max(1, routing.n_active) * P, grid * shape["threads"] // 32)
+    elif KC % parts or KC // parts < 3:
+        raise ValueError(f"parts must divide K / 64 = {KC} and leave >= 3 chunks a part, got {parts}")
+    n_int, n_float = v3_workspace_sizes(E, P)
     if workspace is None:
-        workspace = v3_workspace(E)
-    elif workspace.dtype != cp.int32 or workspace.size < _V3_WS_HEADER + E:
-        raise ValueError(f"workspace must be int32 with >= {_V3_WS_HEADER + E} entries, got {workspace.dtype} "
-                         f"{workspace.shape}")
+        workspace = v3_workspace(E, P)
+    ws, scratch = workspace
+    if ws.dtype != cp.int32 or ws.size < n_int or scratch.dtype != cp.float32 or scratch.size < n_float:
+        raise ValueError(f"workspace must be (int32 >= {n_int}, float32 >= {n_float} elements), got "
+                         f"({ws.dtype} {ws.size}, {scratch.dtype} {scratch.size})")
     fn = get_function(STEM_V3, STEM_V3)
     set_max_dynamic_shared(fn, shape["dyn_smem"])
     meta = (routing.expert_offsets, routing.active_experts, routing.n_active_dev, routing.sorted_token,
             routing.sorted_weight)
-    fn((limits["sms"] * shape["blocks_per_sm"],), (shape["threads"],),
-       (xb, packed["w1"], packed["s1"], packed["w2"], packed["s2"], *meta, h, out, workspace,
-        np.int32(routing.m), np.int32(KC * CHUNK_COLS), np.int32(P * TILE_ROWS)), shared_mem=shape["dyn_smem"])
+    fn((grid,), (shape["threads"],),
+       (xb, packed["w1"], packed["s1"], packed["w2"], packed["s2"], *meta, h, out, ws, scratch, np.int32(E),
+        np.int32(routing.m), np.int32(KC * CHUNK_COLS), np.int32(P * TILE_ROWS), np.int32(parts)),
+       shared_mem=shape["dyn_smem"])
