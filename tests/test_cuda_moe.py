@@ -177,7 +177,7 @@ def _gpu_case(E, K, N, M, k, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [1, 2, 3])
+@pytest.mark.parametrize("version", [1, 2, 3, None])
 @pytest.mark.parametrize(
     "E,K,N,M,k,variant",
     [
@@ -196,7 +196,7 @@ def test_kernel_matches_reference(E, K, N, M, k, variant, version):
     assert f"n{per_pass}" == variant, f"routing gave max {routing.max_count} tokens per expert"
     name = f"moe_w4a16 v{version} E{E} K{K} N{N} M{M} top{k}"
     check.assert_close(run(version=version), ref, rtol=5e-3, name=name)
-    if variant == "n8" and version < 3:   # the other gate/up block shapes compute the same
+    if variant == "n8" and version in (1, 2):   # the other gate/up block shapes compute the same
         others = [{"gate_up_warps": 8}] if version == 1 else [{"gate_up_warps": 16}, {"k_interleave": True}]
         for kw in others:
             check.assert_close(run(version=version, **kw), ref, rtol=5e-3, name=f"{name} {kw}")
@@ -236,7 +236,7 @@ def test_kernel_accepts_torch_bf16_and_rejects_bad_input(version):
         moe.moe_w4a16(cp.zeros((M, K), cp.float32), packed, routing)
     with pytest.raises(ValueError, match="gate_up_warps"):
         moe.moe_w4a16(x, packed, routing, gate_up_warps=4, version=version)
-    with pytest.raises(ValueError, match="version must be 1, 2 or 3"):
+    with pytest.raises(ValueError, match="version must be None, 1, 2 or 3"):
         moe.moe_w4a16(x, packed, routing, version=4)
     with pytest.raises(ValueError, match="k_interleave"):
         moe.moe_w4a16(x, packed, routing, version=version, gate_up_warps=16, k_interleave=True)
@@ -640,13 +640,16 @@ def test_v3_parts_split_k_only_when_tile_pairs_are_few():
     """Kimi-K2 TP8 shapes on an H200 grid (264 blocks x 8 warps): one token (128 pairs) splits K into
     the most parts that keep 4 chunks each; many pairs need no split; the split always divides K."""
     warps = 264 * 8
-    assert moe.v3_parts(112, 128, warps) == 28
-    assert moe.v3_parts(112, 16 * 186, warps) == 2
-    assert moe.v3_parts(112, 16 * 384, warps) == 1
+    assert moe.v3_parts(112, 128, warps) == 14          # M = 1: the most parts of >= 8 chunks
+    assert moe.v3_parts(112, 16 * 59, warps) == 4       # M = 8
+    assert moe.v3_parts(112, 16 * 111, warps) == 2      # M = 16
+    assert moe.v3_parts(112, 16 * 186, warps) == 1      # M = 32
     for pairs in (1, 16, 100, 500, 1000, 3000):
         d = moe.v3_parts(112, pairs, warps)
-        assert 112 % d == 0 and (d == 1 or 112 // d >= 4)
+        assert 112 % d == 0 and (d == 1 or 112 // d >= 8)
     assert moe.v3_parts(4, 1, warps) == 1   # K = 256: 4 chunks, no split possible
+    # the default kernel: v2 at few tile pairs (M <= 4 of Kimi-K2 top-8), v3 from M = 8
+    assert [moe.pick_version(16 * n, warps) for n in (8, 16, 31, 59, 111, 384)] == [2, 2, 2, 3, 3, 3]
 
 
 # ----------------------------------------------------------------------------- compile: v2 resources

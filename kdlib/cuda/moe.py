@@ -327,7 +327,13 @@ _V3_THREADS = 256                                  # kWarps * 32 in moe_w4a16_v3
 _V3_DYN_SMEM = 8 * 4 * 2560                        # kWarps * kStages * kStageVec * 16 bytes
 _V3_STATIC_SMEM = 0
 _V3_LINE = 32                                      # ints per 128-byte line (kLine)
-_V3_MIN_CHUNKS = 4                                 # chunks per gate/up item at least (the ring needs 3)
+_V3_MIN_CHUNKS = 8                                 # chunks per gate/up item at least (the ring needs 3)
+# Item ids, routing reads and the hand-off of a split item cost each item a few microseconds of
+# latency: on the H200 (moe_stream.h200.json, v3_parts) v3 was fastest with the fewest parts giving
+# ~1.3 items per warp, and fastest with >= 8 chunks an item; below ~0.35 tile pairs per resident
+# warp (M <= 4 tokens of Kimi-K2 top-8) v2 was faster than v3 at any split.
+_V3_ITEMS_PER_WARP = 1.3
+_V3_MIN_PAIRS_PER_WARP = 0.35
 _DEVICE_LIMITS: dict[int, dict] = {}
 _V3_WORKSPACE: dict[tuple, tuple] = {}
 
@@ -395,11 +401,17 @@ def v3_workspace(n_experts: int, n_pairs: int) -> tuple:
 
 
 def v3_parts(k_chunks: int, n_pairs: int, n_warps: int) -> int:
-    """K parts per gate/up item: the fewest that give >= 2 items per warp of the grid (n_pairs = active
-    experts x tile pairs), among the divisors of k_chunks that leave >= _V3_MIN_CHUNKS chunks a
-    part; the most such parts when none gives that many items."""
+    """K parts per gate/up item: the fewest that give >= 1.3 items per warp of the grid (n_pairs =
+    active experts x tile pairs), among the divisors of k_chunks that leave >= 8 chunks a part; the
+    most such parts when none gives that many items."""
     ok = [d for d in range(1, k_chunks + 1) if k_chunks % d == 0 and (d == 1 or k_chunks // d >= _V3_MIN_CHUNKS)]
-    return next((d for d in ok if n_pairs * d >= 2 * n_warps), ok[-1])
+    return next((d for d in ok if n_pairs * d >= _V3_ITEMS_PER_WARP * n_warps), ok[-1])
+
+
+def pick_version(n_pairs: int, n_warps: int) -> int:
+    """The decode-regime kernel `moe_w4a16` runs by default: 3 when there are >= 0.35 tile pairs
+    (active experts x N / 16) per resident warp of v3's grid, else 2 (see _V3_MIN_PAIRS_PER_WARP)."""
+    return 3 if n_pairs >= _V3_MIN_PAIRS_PER_WARP * n_warps else 2
 
 
 def v2_applies(routing: Routing, n_inter: int) -> bool:
@@ -408,7 +420,7 @@ def v2_applies(routing: Routing, n_inter: int) -> bool:
 
 
 def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool = False,
-              gate_up_warps: int | None = None, version: int = 2, k_interleave: bool = False,
+              gate_up_warps: int | None = None, version: int | None = None, k_interleave: bool = False,
               workspace=None, parts: int | None = None):
     """y = MoE(x) with INT4 experts.
 
@@ -418,8 +430,11 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
 
     version 1 (`kernels/moe_w4a16_v1.cu`): y.fill(0), gate/up + SwiGLU launch, down + weighted
     combine launch; gate_up_warps 16 (default) or 8 picks the gate/up block in the decode regime.
-    version 2 (the default: faster than version 1 at every M <= 64 on the H200 and the same
-    kernels above, see `kdlib.perf.load("moe")`; `kernels/moe_w4a16_v2.cu`, decode regime: every
+    version None (the default): version 3 or 2 in the decode regime, by `pick_version` (3 where it
+    was faster on the H200: many active experts; 2 at few tokens), version 1's kernels above; 2
+    when gate_up_warps or k_interleave is given, 3 when parts is.
+    version 2 (faster than version 1 at every M <= 64 on the H200 and the same kernels above, see
+    `kdlib.perf.load("moe")`; `kernels/moe_w4a16_v2.cu`, decode regime: every
     expert has <= 8 slots, N <= 256): two persistent launches streaming the weights through
     per-warp cp.async rings, y zeroed inside the gate/up launch; gate_up_warps 8 (default: two 256-thread blocks per SM on an H200, one on
     a 100 KB part) or 16 (one 512-thread block per SM, H100/H200 class only); k_interleave=True
@@ -431,8 +446,8 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
     scratch), zero, by default one per device and shape (`v3_workspace`). Outside its regime
     version 3 runs version 1's kernels too.
     """
-    if version not in (1, 2, 3):
-        raise ValueError(f"version must be 1, 2 or 3, got {version!r}")
+    if version not in (None, 1, 2, 3):
+        raise ValueError(f"version must be None, 1, 2 or 3, got {version!r}")
     if version == 3 and (gate_up_warps is not None or k_interleave):
         raise ValueError("version 3 has one block shape: gate_up_warps and k_interleave do not apply")
     if parts is not None and version != 3:
@@ -468,6 +483,15 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
         h = cp.empty((S, N), dtype=cp.uint16)
     elif h.shape != (S, N) or h.dtype != cp.uint16 or not h.flags.c_contiguous:
         raise ValueError(f"h must be contiguous uint16 [{S}, {N}]")
+    if version is None:
+        if gate_up_warps is not None or k_interleave:
+            version = 2
+        elif parts is not None:
+            version = 3
+        else:
+            limits = _device_limits()
+            version = pick_version(max(1, routing.n_active) * P,
+                                   limits["sms"] * v3_shape(limits)["blocks_per_sm"] * _V3_THREADS // 32)
     if version == 3 and v2_applies(routing, N) and KC >= 3:   # the ring runs 3 chunks ahead
         launch_v3(xb, packed, routing, out, h, workspace=workspace, parts=parts)
         _check(sync, "v3 launch")

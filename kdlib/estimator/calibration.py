@@ -56,8 +56,10 @@ def _calibrate_moe(a: Assumptions, moe: dict, spec: dict, arm: str, notes: list)
         key_t, key_b = "baseline", "baseline_bytes"
     elif arm == "kernel_v1":
         key_t, key_b = "kernel", "bytes"
-    else:  # the library's default W4A16 kernel: v2 where the payload times it (kdlib/perf/suites/moe.py)
-        key_t, key_b = ("kernel_v2" if any("kernel_v2" in r for r in rows) else "kernel"), "bytes"
+    else:  # the library's default W4A16 kernel, as the payload times it (kdlib/perf/suites/moe.py):
+        # `kernel_default` where recorded, else v2 (the default of earlier runs), else v1
+        key_t = next((k for k in ("kernel_default", "kernel_v2") if any(k in r for r in rows)), "kernel")
+        key_b = "bytes"
         arm = f"kernel ({key_t})"
     pts = [(r["m"], r[key_b], r[key_t]["median_ms"] * 1e-3, r["flops"]) for r in rows
            if isinstance(r.get(key_t), dict) and "median_ms" in r[key_t] and key_b in r]
@@ -123,8 +125,9 @@ def calibrate(results: dict, *, gpu: str = "h200", moe_arm: str = "kernel", a: A
               report: bool = False):
     """Assumptions calibrated on component measurements (`moe`, `kernels`; `ceilings` noted).
 
-    moe_arm: "kernel" (the default W4A16 kernel, v2 when recorded: for INT4 experts), "kernel_v1"
-    (the first W4A16 kernel) or "baseline" (torch bf16 grouped GEMM: for a bf16 engine). `tp` (NCCL
+    moe_arm: "kernel" (the default W4A16 kernel as recorded: `kernel_default`, else v2; for INT4
+    experts), "kernel_v1" (the first W4A16 kernel) or "baseline" (torch bf16 grouped GEMM: for a
+    bf16 engine). `tp` (NCCL
     all-reduce sweep) sets the all-reduce latency and bus efficiency. Efficiencies are relative to
     the spec peaks in `data/hw/<gpu>.json`, so they carry to other GPUs as fractions of peak.
     report=True also returns the notes.

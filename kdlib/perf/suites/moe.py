@@ -21,6 +21,8 @@ What is timed (CUDA events around each call, median of `iters` after warm-up):
   SM), `kernel_v2_k_interleave` (K chunks dealt to the warps round-robin), and the two v2 launches
   timed apart, `kernel_v2_gate_up_only` and `kernel_v2_down_only` (eager, each with its fraction
   of copy bandwidth over its own weight bytes: 2/3 and 1/3 of the touched experts').
+- kernel_default: `moe_w4a16` as called without a version (v3 or v2 by `moe.pick_version`, v1's
+  kernels above the decode regime), eager and graph; `kernel_default_version` says which ran.
 - kernel_v3: version 3 (`kernels/moe_w4a16_v3.cu`): the same decode regime in one persistent
   launch (gate/up items from a global counter, down items waiting per expert for its h), eager
   and graph (`kernel_v3_graph`); v1's kernels where some expert has more than 8 slots.
@@ -230,6 +232,12 @@ def _measure(m: int, rng, packed, baseline, *, bw: float, flop_rate: float, rota
         t_v2_il = eager(version=2, k_interleave=True)
         t_v2_gu = stage(lambda r: moe.launch_v2_gate_up(xb, packed, r, out, h))
         t_v2_dn = stage(lambda r: moe.launch_v2_down(packed, r, out, h))
+    t_def = eager()
+    t_def_graph = _graph_time(routes, xb, packed, out, h, rotations=rotations, iters=iters)
+    limits = moe._device_limits()
+    warps = limits["sms"] * moe.v3_shape(limits)["blocks_per_sm"] * moe._V3_THREADS // 32
+    picked = sorted({moe.pick_version(rr[0].n_active * N // 16, warps) if moe.v2_applies(rr[0], N) else 1
+                     for rr in routes})
     t_v3 = eager(version=3)
     t_v3_graph = _graph_time(routes, xb, packed, out, h, rotations=rotations, iters=iters, version=3)
     t_base = timing.cuda_time(baseline_call, warmup=rotations, iters=iters)
@@ -278,6 +286,11 @@ def _measure(m: int, rng, packed, baseline, *, bw: float, flop_rate: float, rota
         "kernel_v2_down_only": t_v2_dn,
         "kernel_v2_down_only_frac_copy_bw": frac(t_v2_dn, acct["weight_bytes"] / 3),
         "speedup_v2_vs_v1": t_kernel["median_ms"] / t_v2["median_ms"],
+        "kernel_default": t_def,
+        "kernel_default_frac_copy_bw": frac(t_def),
+        "kernel_default_graph": t_def_graph,
+        "kernel_default_graph_frac_copy_bw": frac(t_def_graph),
+        "kernel_default_version": picked,
         "kernel_v3": t_v3,
         "kernel_v3_frac_copy_bw": frac(t_v3),
         "kernel_v3_graph": t_v3_graph,
@@ -344,6 +357,7 @@ def run(args) -> dict:
             f"k-il {row['kernel_v2_k_interleave_frac_copy_bw'] or float('nan'):.0%} "
             f"gu {row['kernel_v2_gate_up_only_frac_copy_bw'] or float('nan'):.0%} "
             f"dn {row['kernel_v2_down_only_frac_copy_bw'] or float('nan'):.0%})  "
+            f"default[v{row['kernel_default_version']}] {row['kernel_default_frac_copy_bw']:.0%}  "
             f"v3 {row['kernel_v3']['median_ms']:7.3f} ms ({row['kernel_v3_frac_copy_bw']:.0%}; graph "
             f"{row['kernel_v3_graph_frac_copy_bw'] or float('nan'):.0%})  "
             f"baseline[{arm}] {row['baseline']['median_ms']:7.3f} ms",
@@ -392,6 +406,8 @@ def run(args) -> dict:
                                                                    "kernel_v2_graph_frac_copy_bw"),
             "kernel_v2_min_speedup_vs_v1_m_le_32": _min_key(small, "speedup_v2_vs_v1"),
             "kernel_v3_min_frac_copy_bw_m_le_32": _min_key(small, "kernel_v3_frac_copy_bw"),
+            "kernel_default_min_frac_copy_bw_m_le_32": _min_key(small, "kernel_default_frac_copy_bw"),
+            "kernel_default_graph_min_frac_copy_bw_m_le_32": _min_key(small, "kernel_default_graph_frac_copy_bw"),
             "kernel_v3_graph_min_frac_copy_bw_m_le_32": _min_key(small, "kernel_v3_graph_frac_copy_bw"),
             "kernel_v3_graph_min_frac_copy_bw_m_2_to_32": _min_key([r for r in small if r["m"] >= 2],
                                                                    "kernel_v3_graph_frac_copy_bw"),
