@@ -15,12 +15,14 @@
 //     reads (a per-pair count says which part is last); that part applies SwiGLU, stores h, zeroes
 //     the scratch, and publishes the pair (ready[expert] += 1). With n_parts = 1 the only part does
 //     it from registers. The first Z items also zero a stripe of y.
-//   down: when gate/up items run out, the warp takes batches of kDownBatch (active expert, 16-row
+//   down: when gate/up items run out, the warp takes batches of down_batch (active expert, 16-row
 //     output tile) items from a second counter, one whole item (NC <= 4 chunks) per ring stage;
 //     before reading an expert's h it waits for ready[expert] == N / 16, and before its first
 //     atomic add into y for all Z stripes.
-// The ring runs on across item, batch and phase boundaries: the next unit is taken when the ring
-// first needs it, which keeps the loads flowing. No wait can deadlock: gate/up items go only to
+// The ring runs on across item, batch and phase boundaries. A unit costs latency before its loads
+// can start (the counter's atomic, then the routing reads its addresses need), so the next id is
+// taken kStages - 1 stages before the ring needs it, and the routing reads are one level deep
+// (active_ranges holds each active expert's slot range). No wait can deadlock: gate/up items go only to
 // running warps, which finish them without waiting, and a warp turns to down only after the
 // gate/up counter is exhausted. Both counters hand out work in expert order, so down starts on the
 // experts whose h is done first. The last warp to finish resets the counters; launches on one
@@ -32,7 +34,9 @@
 // [128 + 32 E + pair] parts done of pair a * P + p. Scratch (fp32, zero likewise): [E * P][2][4][32]
 // (gate and up C fragments of a pair, lane-minor).
 // Requirements (checked by the wrapper): every expert has <= 8 slots, K % 64 == 0, N % 64 == 0,
-// N <= 256, (K / 64) % n_parts == 0 with >= kStages - 1 chunks per part, 16-byte aligned bases,
+// N <= 256, (K / 64) % n_parts == 0 with >= kStages - 1 chunks per part, (K / 16) % down_batch == 0
+// with down_batch >= kStages - 1 (every unit spans >= kStages - 1 stages, so the issue side is at
+// most one unit ahead of the consume side), 16-byte aligned bases,
 // dynamic shared memory kWarps * kStages * kStageVec * 16 bytes.
 #include <cuda_bf16.h>
 
@@ -44,7 +48,6 @@ namespace {
 
 constexpr int kWarps = 8;          // warps per block (blocks only share an SM's shared memory)
 constexpr int kStages = 4;         // ring stages per warp (3 in flight)
-constexpr int kDownBatch = 4;      // down items per take (>= kStages - 1: the issue is <= 1 unit ahead)
 constexpr int kDownMaxChunks = 4;  // N <= 256: the B fragments of a whole h row fit in 32 registers
 constexpr int kZeroStripe = 1024;  // float4s of y per zeroing item (16 KB)
 // Ring stage per warp, in uint4: 4 x 32 vectors, then 4 x 32 scale words (gate/up uses vectors
@@ -152,10 +155,11 @@ __device__ __forceinline__ void wait_at_least(const int* p, int target) {
   (void)load_acquire(p);
 }
 
-// Lane 0 takes the next value of a counter; every lane gets it.
-__device__ __forceinline__ int take(int* counter) {
-  int v = 0;
-  if ((threadIdx.x & 31) == 0) v = atomicAdd(counter, 1);
+// A counter's next value for the whole warp: the one lane 0 took ahead (`early`, when valid),
+// else a fresh take.
+__device__ __forceinline__ int take(int* counter, int early) {
+  int v = early;
+  if ((threadIdx.x & 31) == 0 && early < 0) v = atomicAdd(counter, 1);
   return __shfl_sync(0xffffffffu, v, 0);
 }
 
@@ -165,11 +169,10 @@ __device__ __forceinline__ int take(int* counter) {
 // dynamic shared memory kWarps * kStages * kStageVec * 16 = 80 KB.
 extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) moe_w4a16_v3(
     const u16* __restrict__ x, const uint4* __restrict__ w1, const u32* __restrict__ s1,
-    const uint4* __restrict__ w2, const u32* __restrict__ s2, const int* __restrict__ expert_offsets,
-    const int* __restrict__ active_experts, const int* __restrict__ n_active_dev,
-    const int* __restrict__ sorted_token, const float* __restrict__ sorted_weight, u16* __restrict__ h,
-    float* __restrict__ y, int* __restrict__ ws, float* __restrict__ scratch, int n_experts, int M, int K,
-    int N, int n_parts) {
+    const uint4* __restrict__ w2, const u32* __restrict__ s2, const int* __restrict__ active_experts, const int* __restrict__ n_active_dev,
+    const int2* __restrict__ active_ranges, const int* __restrict__ sorted_token,
+    const float* __restrict__ sorted_weight, u16* __restrict__ h, float* __restrict__ y, int* __restrict__ ws,
+    float* __restrict__ scratch, int n_experts, int M, int K, int N, int n_parts, int down_batch) {
   extern __shared__ uint4 ring[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   uint4* wring = ring + warp * kStages * kStageVec;                 // this warp's [kStages][kStageVec]
@@ -180,7 +183,7 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) moe_w4a16_v3(
   const int cpp = KC / n_parts;                                     // chunks per gate/up item
   const int n_gu = n_active * P * n_parts;                          // gate/up items
   const int n_dn = n_active * RT;                                   // down items
-  const int n_batches = (n_dn + kDownBatch - 1) / kDownBatch;
+  const int n_batches = n_dn / down_batch;
   const int n4 = (M * K) >> 2;                                      // y in float4s (K % 64 == 0)
   const int Z = min(n_gu, (n4 + kZeroStripe - 1) / kZeroStripe);   // y stripes, one per item j < Z
   const int zlen = (n4 + Z - 1) / Z;
@@ -192,6 +195,7 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) moe_w4a16_v3(
   // counters ran out), stage ic within it; `pend` hands each unit taken to the consume side.
   int pend = kEmpty;
   int iu = kEmpty, ic = 0, istage = 0, i_end = 0;
+  int early = -1;        // lane 0: the counter value taken ahead for the next unit (-1: none)
   const uint4* wsrc = w1;
   const u32* ssrc = s1;
   const u16* xsrc = x;
@@ -202,9 +206,10 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) moe_w4a16_v3(
     const int pair = j / n_parts, part = j - pair * n_parts;
     const int a_idx = pair / P, p = pair - a_idx * P;
     const int e = active_experts[a_idx];
-    const int slot = expert_offsets[e] + g;
+    const int2 range = active_ranges[a_idx];
+    const int slot = range.x + g;
     const int k0 = part * cpp;
-    xvalid = slot < expert_offsets[e + 1];
+    xvalid = slot < range.y;
     xsrc = x + (xvalid ? (size_t)sorted_token[slot] * K : 0) + (size_t)k0 * 64 + 16 * t;
     const size_t chunk0 = ((size_t)e * P + p) * KC + k0;
     wsrc = w1 + chunk0 * 2 * 32 + lane;
@@ -217,7 +222,8 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) moe_w4a16_v3(
   };
   auto next_unit = [&]() {            // take the next unit: gate/up first, then down batches
     if (iu >= 0 || iu == kEmpty) {
-      const int j = take(ws + kWsGateUp);
+      const int j = take(ws + kWsGateUp, early);
+      early = -1;
       if (j < n_gu) {
         iu = j;
         ic = 0;
@@ -227,12 +233,13 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) moe_w4a16_v3(
         return;
       }
     }
-    const int b = take(ws + kWsDown);
+    const int b = take(ws + kWsDown, early);
+    early = -1;
     if (b < n_batches) {
       iu = -(b + 2);
       ic = 0;
-      const int i0 = b * kDownBatch;
-      i_end = min(n_dn, i0 + kDownBatch) - i0;
+      const int i0 = b * down_batch;
+      i_end = down_batch;
       ia = i0 / RT;
       irt = i0 - ia * RT;
       set_down_src();
@@ -243,6 +250,8 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) moe_w4a16_v3(
   };
   auto issue_next = [&]() {           // one ring stage of the unit being issued, then commit
     if (iu == kEmpty || (iu != kNone && ic == i_end)) next_unit();
+    if (iu != kNone && ic == i_end - (kStages - 1) && lane == 0)   // the next unit's id, taken ahead
+      early = atomicAdd(ws + (iu >= 0 ? kWsGateUp : kWsDown), 1);
     if (iu >= 0) {
       uint4* sw = wring + istage * kStageVec + lane;
       u32* ss = sring + istage * kStageVec * 4 + lane;
@@ -341,8 +350,8 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) moe_w4a16_v3(
         }
       }
       if (last) {   // SwiGLU of the C fragment: rows g / g + 8, token columns 2t / 2t + 1
-        const int e = active_experts[a_idx];
-        const int off = expert_offsets[e], end = expert_offsets[e + 1];
+        const int2 range = active_ranges[a_idx];
+        const int off = range.x, end = range.y;
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           const int slot = off + 2 * t + (r & 1);
@@ -362,14 +371,21 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) moe_w4a16_v3(
       }
     } else {
       // ------------------------------------------------ down batch -(cu + 2)
-      const int i0 = -(cu + 2) * kDownBatch, i1 = min(n_dn, i0 + kDownBatch);
+      const int i0 = -(cu + 2) * down_batch, i1 = i0 + down_batch;
       int a_idx = i0 / RT, rt = i0 - a_idx * RT;
       for (int item = i0; item < i1; ++item) {
-        if (a_idx != cur_a) {  // a new expert: wait for its h, then its slots' rows
+        if (a_idx != cur_a) {  // a new expert: its slots' rows, and its h once it is ready
           cur_a = a_idx;
+          const int2 range = active_ranges[a_idx];
+          const int off = range.x, end = range.y;
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int slot = off + 2 * t + half;
+            has[half] = slot < end;
+            yrow[half] = has[half] ? y + (size_t)sorted_token[slot] * K : y;
+            wgt[half] = has[half] ? sorted_weight[slot] : 0.0f;
+          }
           wait_at_least(ready + a_idx * kLine, P);
-          const int e = active_experts[a_idx];
-          const int off = expert_offsets[e], end = expert_offsets[e + 1];
           const u16* hrow = off + g < end ? h + (size_t)(off + g) * N + 16 * t : nullptr;
 #pragma unroll
           for (int c = 0; c < kDownMaxChunks; ++c) {
@@ -381,13 +397,6 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) moe_w4a16_v3(
             }
             b[c][0] = lo.x; b[c][1] = lo.y; b[c][2] = lo.z; b[c][3] = lo.w;
             b[c][4] = hi.x; b[c][5] = hi.y; b[c][6] = hi.z; b[c][7] = hi.w;
-          }
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int slot = off + 2 * t + half;
-            has[half] = slot < end;
-            yrow[half] = has[half] ? y + (size_t)sorted_token[slot] * K : y;
-            wgt[half] = has[half] ? sorted_weight[slot] : 0.0f;
           }
         }
         issue_next();

@@ -608,16 +608,19 @@ def test_v3_back_to_back_launches_leave_the_workspace_zero():
         wts = rng.random((m, k)).astype(np.float32)
         routing = moe.prepare_routing(cp.asarray(ids), cp.asarray(wts), E)
         parts = (None, 1, 2, 8)[i % 4 if i < 8 else 0]   # K / 64 = 32 chunks: 32, 16 or 4 a part
-        y = moe.moe_w4a16(cp.asarray(x_bits), packed, routing, version=3, parts=parts)
+        down_batch = (None, 4, 16, 128)[i // 2 % 4 if i < 8 else 0]   # K / 16 = 128 row tiles
+        y = moe.moe_w4a16(cp.asarray(x_bits), packed, routing, version=3, parts=parts, down_batch=down_batch)
         if i % 8 == 7 or i < 8:
             check.assert_close(y, moe.moe_w4a16_reference(x_bits, w, ids, wts), rtol=5e-3,
-                               name=f"v3 launch {i} M{m} parts {parts}")
+                               name=f"v3 launch {i} M{m} parts {parts} down_batch {down_batch}")
     cp.cuda.runtime.deviceSynchronize()
     assert not cp.asnumpy(ws).any(), np.nonzero(cp.asnumpy(ws))
     assert not cp.asnumpy(scratch).any()
     with pytest.raises(ValueError, match="parts must divide"):
         moe.moe_w4a16(cp.asarray(x_bits), packed, routing, version=3, parts=3)
-    with pytest.raises(ValueError, match="parts applies"):
+    with pytest.raises(ValueError, match="down_batch must divide"):
+        moe.moe_w4a16(cp.asarray(x_bits), packed, routing, version=3, down_batch=3)
+    with pytest.raises(ValueError, match="parts and down_batch apply"):
         moe.moe_w4a16(cp.asarray(x_bits), packed, routing, version=2, parts=2)
 
     out = cp.empty((m, K), dtype=cp.float32)
@@ -648,6 +651,9 @@ def test_v3_parts_split_k_only_when_tile_pairs_are_few():
         d = moe.v3_parts(112, pairs, warps)
         assert 112 % d == 0 and (d == 1 or 112 // d >= 8)
     assert moe.v3_parts(4, 1, warps) == 1   # K = 256: 4 chunks, no split possible
+    # down batches: >= 1.3 per warp, up to 32 row tiles, dividing K / 16 = 448
+    assert [moe.v3_down_batch(448, n, warps) for n in (8, 59, 111, 186, 384)] == [4, 8, 16, 28, 32]
+    assert moe.v3_down_batch(4, 1, warps) == 4
     # the default kernel: v2 at few tile pairs (M <= 4 of Kimi-K2 top-8), v3 from M = 8
     assert [moe.pick_version(16 * n, warps) for n in (8, 16, 31, 59, 111, 384)] == [2, 2, 2, 3, 3, 3]
 

@@ -232,6 +232,7 @@ class Routing:
     expert_offsets: object
     active_experts: object
     n_active_dev: object
+    active_ranges: object
     sorted_token: object
     sorted_weight: object
     m: int
@@ -269,10 +270,14 @@ def prepare_routing(topk_ids, topk_weights, n_experts: int) -> Routing:
     n_active = int(active.size)
     active_pad = cp.zeros(n_experts, dtype=cp.int32)
     active_pad[:n_active] = active
+    ranges = cp.zeros((n_experts, 2), dtype=cp.int32)       # [E, 2]: slot range of active expert a
+    ranges[:n_active, 0] = offsets[active]
+    ranges[:n_active, 1] = offsets[active + 1]
     return Routing(
         expert_offsets=offsets,
         active_experts=active_pad,
         n_active_dev=cp.asarray([n_active], dtype=cp.int32),
+        active_ranges=ranges,
         sorted_token=(order // topk).astype(cp.int32),
         sorted_weight=wts.reshape(-1)[order].astype(cp.float32),
         m=m, topk=topk, n_experts=n_experts, n_active=n_active, max_count=int(counts.max()),
@@ -408,6 +413,15 @@ def v3_parts(k_chunks: int, n_pairs: int, n_warps: int) -> int:
     return next((d for d in ok if n_pairs * d >= _V3_ITEMS_PER_WARP * n_warps), ok[-1])
 
 
+def v3_down_batch(row_tiles: int, n_active: int, n_warps: int) -> int:
+    """Down items (16-row output tiles) per take: the largest divisor of row_tiles (K / 16), up to 32,
+    that still gives >= 1.3 batches per warp of the grid; the smallest divisor >= 3 when none does.
+    A take costs one atomic and, on a new expert, the reads of its slots and h."""
+    ok = [d for d in range(3, min(32, row_tiles) + 1) if row_tiles % d == 0]
+    fits = [d for d in ok if n_active * row_tiles / d >= _V3_ITEMS_PER_WARP * n_warps]
+    return fits[-1] if fits else ok[0]
+
+
 def pick_version(n_pairs: int, n_warps: int) -> int:
     """The decode-regime kernel `moe_w4a16` runs by default: 3 when there are >= 0.35 tile pairs
     (active experts x N / 16) per resident warp of v3's grid, else 2 (see _V3_MIN_PAIRS_PER_WARP)."""
@@ -421,7 +435,7 @@ def v2_applies(routing: Routing, n_inter: int) -> bool:
 
 def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool = False,
               gate_up_warps: int | None = None, version: int | None = None, k_interleave: bool = False,
-              workspace=None, parts: int | None = None):
+              workspace=None, parts: int | None = None, down_batch: int | None = None):
     """y = MoE(x) with INT4 experts.
 
     Shape: x [M, K] bf16 (torch bf16 or CuPy uint16 bits); packed = `upload(pack_moe(w))`;
@@ -450,8 +464,8 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
         raise ValueError(f"version must be None, 1, 2 or 3, got {version!r}")
     if version == 3 and (gate_up_warps is not None or k_interleave):
         raise ValueError("version 3 has one block shape: gate_up_warps and k_interleave do not apply")
-    if parts is not None and version != 3:
-        raise ValueError("parts applies to version 3 only")
+    if (parts is not None or down_batch is not None) and version not in (None, 3):
+        raise ValueError("parts and down_batch apply to version 3 only")
     if gate_up_warps not in (None, 8, 16):
         raise ValueError(f"gate_up_warps must be 8 or 16, got {gate_up_warps}")
     if k_interleave and (version != 2 or gate_up_warps == 16):
@@ -486,14 +500,14 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
     if version is None:
         if gate_up_warps is not None or k_interleave:
             version = 2
-        elif parts is not None:
+        elif parts is not None or down_batch is not None:
             version = 3
         else:
             limits = _device_limits()
             version = pick_version(max(1, routing.n_active) * P,
                                    limits["sms"] * v3_shape(limits)["blocks_per_sm"] * _V3_THREADS // 32)
     if version == 3 and v2_applies(routing, N) and KC >= 3:   # the ring runs 3 chunks ahead
-        launch_v3(xb, packed, routing, out, h, workspace=workspace, parts=parts)
+        launch_v3(xb, packed, routing, out, h, workspace=workspace, parts=parts, down_batch=down_batch)
         _check(sync, "v3 launch")
     elif version == 2 and v2_applies(routing, N):
         launch_v2_gate_up(xb, packed, routing, out, h, gate_up_warps=gate_up_warps or 8, k_interleave=k_interleave)
@@ -576,13 +590,15 @@ def launch_v2_down(packed: dict, routing: Routing, out, h) -> None:
                                np.int32(RT * TILE_ROWS), np.int32(NC * CHUNK_COLS)), shared_mem=dyn)
 
 
-def launch_v3(xb, packed: dict, routing: Routing, out, h, *, workspace=None, parts: int | None = None) -> None:
+def launch_v3(xb, packed: dict, routing: Routing, out, h, *, workspace=None, parts: int | None = None,
+              down_batch: int | None = None) -> None:
     """The v3 launch (gate/up, SwiGLU, down and the weighted combine into `out`, which it zeroes);
     `moe_w4a16(version=3)` checks the arguments and calls this.
 
     Shape: xb [M, K] uint16 (bf16 bits), out [M, K] float32, h [M * topk, N] uint16 (CuPy);
     workspace (int32, float32) as `v3_workspace`; parts: K parts per gate/up item (default
-    `v3_parts`), a divisor of K / 64 leaving >= 3 chunks a part.
+    `v3_parts`), a divisor of K / 64 leaving >= 3 chunks a part; down_batch: down items per take
+    (default `v3_down_batch`), a divisor of K / 16, >= 3.
     """
     import cupy as cp
 
@@ -599,6 +615,11 @@ def launch_v3(xb, packed: dict, routing: Routing, out, h, *, workspace=None, par
         parts = v3_parts(KC, max(1, routing.n_active) * P, grid * shape["threads"] // 32)
     elif KC % parts or KC // parts < 3:
         raise ValueError(f"parts must divide K / 64 = {KC} and leave >= 3 chunks a part, got {parts}")
+    RT = KC * CHUNK_COLS // TILE_ROWS
+    if down_batch is None:
+        down_batch = v3_down_batch(RT, max(1, routing.n_active), grid * shape["threads"] // 32)
+    elif RT % down_batch or down_batch < 3:
+        raise ValueError(f"down_batch must divide K / 16 = {RT} and be >= 3, got {down_batch}")
     n_int, n_float = v3_workspace_sizes(E, P)
     if workspace is None:
         workspace = v3_workspace(E, P)
@@ -608,9 +629,9 @@ def launch_v3(xb, packed: dict, routing: Routing, out, h, *, workspace=None, par
                          f"({ws.dtype} {ws.size}, {scratch.dtype} {scratch.size})")
     fn = get_function(STEM_V3, STEM_V3)
     set_max_dynamic_shared(fn, shape["dyn_smem"])
-    meta = (routing.expert_offsets, routing.active_experts, routing.n_active_dev, routing.sorted_token,
+    meta = (routing.active_experts, routing.n_active_dev, routing.active_ranges, routing.sorted_token,
             routing.sorted_weight)
     fn((grid,), (shape["threads"],),
        (xb, packed["w1"], packed["s1"], packed["w2"], packed["s2"], *meta, h, out, ws, scratch, np.int32(E),
-        np.int32(routing.m), np.int32(KC * CHUNK_COLS), np.int32(P * TILE_ROWS), np.int32(parts)),
-       shared_mem=shape["dyn_smem"])
+        np.int32(routing.m), np.int32(KC * CHUNK_COLS), np.int32(P * TILE_ROWS), np.int32(parts),
+        np.int32(down_batch)), shared_mem=shape["dyn_smem"])

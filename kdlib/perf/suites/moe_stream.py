@@ -13,8 +13,8 @@ plus 1 GiB.
   of 2/3 and 1/3 (the gate/up + down split), so the cost of the launch boundary shows.
 - moe_v2: graph replay of `launch_v2_gate_up` alone, `launch_v2_down` alone and both, each as
   a fraction of copy bandwidth over its own weight bytes (2/3 and 1/3 of the layer's); `v3`:
-  version 3's single launch over the same routings (`v3`: its default K split; `v3_parts`: every
-  split it accepts).
+  version 3's single launch over the same routings (`v3`: its default K split and down batch;
+  `v3_parts`: every K split it accepts; `v3_down_batch`: down batches of 4 ... 64 row tiles).
 Each timed replay reads a different region (8 rotations, together larger than L2), so the
 numbers are cold-weight numbers. The copy bandwidth is measured in the same run (1 GiB
 device-to-device copy, read + write counted), as in the moe suite.
@@ -152,7 +152,15 @@ def _moe_rows(cp, torch, timing, bw: float, iters: int) -> list[dict]:
                                           for r in routes], iters)
             row["v3_parts"][str(d)] = {"timing": t, "frac_copy_bw": wbytes / (t["median_ms"] * 1e-3) / bw
                                        if "median_ms" in t else None}
+        row["v3_down_batch"] = {}
+        for d in (4, 8, 16, 28, 32, 64):
+            t = _replay_time(cp, timing, [partial(moe.moe_w4a16, xb, packed, r, out=out, h=h, version=3, down_batch=d)
+                                          for r in routes], iters)
+            row["v3_down_batch"][str(d)] = {"timing": t, "frac_copy_bw": wbytes / (t["median_ms"] * 1e-3) / bw
+                                            if "median_ms" in t else None}
         rows.append(row)
+        print(f"[moe_stream] v3 down_batch M={m:3d} " + "  ".join(
+            f"{d}: {v['frac_copy_bw'] or float('nan'):.0%}" for d, v in row["v3_down_batch"].items()), flush=True)
         print(f"[moe_stream] v3 parts M={m:3d} " + "  ".join(
             f"{d}: {v['frac_copy_bw'] or float('nan'):.0%}" for d, v in row["v3_parts"].items()), flush=True)
         print(f"[moe_stream] moe v2 M={m:3d} " + "  ".join(
