@@ -21,7 +21,7 @@
 //     atomic add into y for all Z stripes.
 // The ring runs on across item, batch and phase boundaries. A unit costs latency before its loads
 // can start (the counter's atomic, then the routing reads its addresses need), so the next id is
-// taken kStages - 1 stages before the ring needs it, and the routing reads are one level deep
+// taken STAGES - 1 stages before the ring needs it, and the routing reads are one level deep
 // (active_ranges holds each active expert's slot range). No wait can deadlock: gate/up items go only to
 // running warps, which finish them without waiting, and a warp turns to down only after the
 // gate/up counter is exhausted. Both counters hand out work in expert order, so down starts on the
@@ -34,10 +34,10 @@
 // [128 + 32 E + pair] parts done of pair a * P + p. Scratch (fp32, zero likewise): [E * P][2][4][32]
 // (gate and up C fragments of a pair, lane-minor).
 // Requirements (checked by the wrapper): every expert has <= 8 slots, K % 64 == 0, N % 64 == 0,
-// N <= 256, (K / 64) % n_parts == 0 with >= kStages - 1 chunks per part, (K / 16) % down_batch == 0
-// with down_batch >= kStages - 1 (every unit spans >= kStages - 1 stages, so the issue side is at
+// N <= 256, (K / 64) % n_parts == 0 with >= STAGES - 1 chunks per part, (K / 16) % down_batch == 0
+// with down_batch >= STAGES - 1 (every unit spans >= STAGES - 1 stages, so the issue side is at
 // most one unit ahead of the consume side), 16-byte aligned bases,
-// dynamic shared memory kWarps * kStages * kStageVec * 16 bytes.
+// dynamic shared memory kWarps * STAGES * kStageVec * 16 bytes (STAGES = 4, or 5 in _s5).
 #include <cuda_bf16.h>
 
 // NVRTC (CuPy) has no host headers such as <stdint.h>: fixed-width names of our own.
@@ -47,7 +47,6 @@ typedef unsigned short u16;
 namespace {
 
 constexpr int kWarps = 8;          // warps per block (blocks only share an SM's shared memory)
-constexpr int kStages = 4;         // ring stages per warp (3 in flight)
 constexpr int kDownMaxChunks = 4;  // N <= 256: the B fragments of a whole h row fit in 32 registers
 constexpr int kZeroStripe = 1024;  // float4s of y per zeroing item (16 KB)
 // Ring stage per warp, in uint4: 4 x 32 vectors, then 4 x 32 scale words (gate/up uses vectors
@@ -165,17 +164,17 @@ __device__ __forceinline__ int take(int* counter, int early) {
 
 }  // namespace
 
-// One launch per MoE layer call; grid = the resident blocks (2 per SM on an H200) of kWarps warps,
-// dynamic shared memory kWarps * kStages * kStageVec * 16 = 80 KB.
-extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) moe_w4a16_v3(
+// The kernel body, STAGES ring stages per warp (STAGES - 1 in flight).
+template <int STAGES>
+__device__ __forceinline__ void moe_v3_body(
     const u16* __restrict__ x, const uint4* __restrict__ w1, const u32* __restrict__ s1,
-    const uint4* __restrict__ w2, const u32* __restrict__ s2, const int* __restrict__ active_experts, const int* __restrict__ n_active_dev,
-    const int2* __restrict__ active_ranges, const int* __restrict__ sorted_token,
-    const float* __restrict__ sorted_weight, u16* __restrict__ h, float* __restrict__ y, int* __restrict__ ws,
-    float* __restrict__ scratch, int n_experts, int M, int K, int N, int n_parts, int down_batch) {
-  extern __shared__ uint4 ring[];
+    const uint4* __restrict__ w2, const u32* __restrict__ s2, const int* __restrict__ active_experts,
+    const int* __restrict__ n_active_dev, const int2* __restrict__ active_ranges,
+    const int* __restrict__ sorted_token, const float* __restrict__ sorted_weight, u16* __restrict__ h,
+    float* __restrict__ y, int* __restrict__ ws, float* __restrict__ scratch, int n_experts, int M, int K,
+    int N, int n_parts, int down_batch, uint4* ring) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  uint4* wring = ring + warp * kStages * kStageVec;                 // this warp's [kStages][kStageVec]
+  uint4* wring = ring + warp * STAGES * kStageVec;                 // this warp's [STAGES][kStageVec]
   u32* sring = reinterpret_cast<u32*>(wring + 4 * 32);              // + stage * kStageVec * 4: scale words
 
   const int n_active = *n_active_dev;
@@ -250,7 +249,7 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) moe_w4a16_v3(
   };
   auto issue_next = [&]() {           // one ring stage of the unit being issued, then commit
     if (iu == kEmpty || (iu != kNone && ic == i_end)) next_unit();
-    if (iu != kNone && ic == i_end - (kStages - 1) && lane == 0)   // the next unit's id, taken ahead
+    if (iu != kNone && ic == i_end - (STAGES - 1) && lane == 0)   // the next unit's id, taken ahead
       early = atomicAdd(ws + (iu >= 0 ? kWsGateUp : kWsDown), 1);
     if (iu >= 0) {
       uint4* sw = wring + istage * kStageVec + lane;
@@ -265,7 +264,7 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) moe_w4a16_v3(
       ssrc += 2 * 16;
       xsrc += 64;
       ++ic;
-      istage = istage + 1 == kStages ? 0 : istage + 1;
+      istage = istage + 1 == STAGES ? 0 : istage + 1;
     } else if (iu != kNone) {
       uint4* sw = wring + istage * kStageVec + lane;
       u32* ss = sring + istage * kStageVec * 4 + lane;
@@ -280,13 +279,13 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) moe_w4a16_v3(
         if (++irt == RT) { irt = 0; ++ia; set_down_src(); }
         else { wsrc += NC * 32; ssrc += NC * 16; }
       }
-      istage = istage + 1 == kStages ? 0 : istage + 1;
+      istage = istage + 1 == STAGES ? 0 : istage + 1;
     }
     cp_commit();
   };
 
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) issue_next();
+  for (int s = 0; s < STAGES - 1; ++s) issue_next();
 
   // ---------------------------------------------------------------- the consume side
   int cstage = 0;
@@ -315,12 +314,12 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) moe_w4a16_v3(
         for (int r = 0; r < 4; ++r) acc[u][r] = 0.0f;
       for (int c = 0; c < cpp; ++c) {
         issue_next();
-        cp_wait<kStages - 1>();   // this thread's copies of the chunk being consumed have landed
+        cp_wait<STAGES - 1>();   // this thread's copies of the chunk being consumed have landed
         const uint4* sw = wring + cstage * kStageVec + lane;
         const u32* ss = sring + cstage * kStageVec * 4 + lane;
         const uint4 wg = sw[0], wu = sw[32], xl = sw[64], xh = sw[96];
         const u32 sg = ss[0], su = ss[32];
-        cstage = cstage + 1 == kStages ? 0 : cstage + 1;
+        cstage = cstage + 1 == STAGES ? 0 : cstage + 1;
         const u32 bx[8] = {xl.x, xl.y, xl.z, xl.w, xh.x, xh.y, xh.z, xh.w};
         mma_chunk(acc[0], wg, sg, bx);
         mma_chunk(acc[1], wu, su, bx);
@@ -400,10 +399,10 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) moe_w4a16_v3(
           }
         }
         issue_next();
-        cp_wait<kStages - 1>();
+        cp_wait<STAGES - 1>();
         const uint4* sw = wring + cstage * kStageVec + lane;
         const u32* ss = sring + cstage * kStageVec * 4 + lane;
-        cstage = cstage + 1 == kStages ? 0 : cstage + 1;
+        cstage = cstage + 1 == STAGES ? 0 : cstage + 1;
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int c = 0; c < kDownMaxChunks; ++c)
@@ -439,3 +438,22 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) moe_w4a16_v3(
     }
   }
 }
+
+#define MOE_V3_ENTRY(NAME, STAGES)                                                                      \
+  extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) NAME(                                    \
+      const u16* __restrict__ x, const uint4* __restrict__ w1, const u32* __restrict__ s1,              \
+      const uint4* __restrict__ w2, const u32* __restrict__ s2, const int* __restrict__ active_experts, \
+      const int* __restrict__ n_active_dev, const int2* __restrict__ active_ranges,                     \
+      const int* __restrict__ sorted_token, const float* __restrict__ sorted_weight, u16* __restrict__ h, \
+      float* __restrict__ y, int* __restrict__ ws, float* __restrict__ scratch, int n_experts, int M,    \
+      int K, int N, int n_parts, int down_batch) {                                                      \
+    extern __shared__ uint4 ring[];                                                                     \
+    moe_v3_body<STAGES>(x, w1, s1, w2, s2, active_experts, n_active_dev, active_ranges, sorted_token,   \
+                        sorted_weight, h, y, ws, scratch, n_experts, M, K, N, n_parts, down_batch, ring); \
+  }
+
+// One launch per MoE layer call; grid = the resident blocks (2 per SM on an H200) of kWarps warps,
+// dynamic shared memory kWarps * STAGES * kStageVec * 16 bytes: 80 KB with 4 stages (the default),
+// 100 KB with 5 (_s5: one more chunk in flight per warp; two such blocks still fit an H200 SM).
+MOE_V3_ENTRY(moe_w4a16_v3, 4)
+MOE_V3_ENTRY(moe_w4a16_v3_s5, 5)
