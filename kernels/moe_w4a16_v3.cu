@@ -111,20 +111,20 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
   return static_cast<u32>(__cvta_generic_to_shared(p));
 }
 
+// cp.async into shared-memory addresses (u32) the caller keeps, so no copy converts an address.
 // 16 bytes, L2 only (the weights are read once).
-__device__ __forceinline__ void cp16_cg(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+__device__ __forceinline__ void cp16_cg(u32 dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
 
 // 16 bytes through L1 (activations, re-read by the other items of the expert); zeros when !valid.
-__device__ __forceinline__ void cp16_ca_zfill(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src),
-               "r"(valid ? 16 : 0)
+__device__ __forceinline__ void cp16_ca_zfill(u32 dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
                : "memory");
 }
 
-__device__ __forceinline__ void cp4(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+__device__ __forceinline__ void cp4(u32 dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
 }
 
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
@@ -175,7 +175,6 @@ __device__ __forceinline__ void moe_v3_body(
     int N, int n_parts, int down_batch, uint4* ring) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   uint4* wring = ring + warp * STAGES * kStageVec;                 // this warp's [STAGES][kStageVec]
-  u32* sring = reinterpret_cast<u32*>(wring + 4 * 32);              // + stage * kStageVec * 4: scale words
 
   const int n_active = *n_active_dev;
   const int P = N >> 4, KC = K >> 6, RT = K >> 4, NC = N >> 6;
@@ -192,8 +191,19 @@ __device__ __forceinline__ void moe_v3_body(
   // ---------------------------------------------------------------- the issue side of the ring
   // Unit being issued: `iu` (a gate/up item j >= 0, a down batch -(b + 2), or kNone when both
   // counters ran out), stage ic within it; `pend` hands each unit taken to the consume side.
+  // Ring addresses run with the stages: ivec / cvec = this lane's first vector of the stage being
+  // issued / consumed (its scale words lie kScaleOff - 12 * lane bytes further).
+  constexpr u32 kStageBytes = kStageVec * 16, kScaleOff = 4 * 32 * 16;
+  const u32 ring0 = smem_u32(wring) + 16 * lane, ring_last = ring0 + (STAGES - 1) * kStageBytes;
+  const u32 sdelta = kScaleOff - 12 * lane;
+  u32 ivec = ring0;
+  const uint4* cvec = wring + lane;
+  const uint4* const cvec_last = wring + (STAGES - 1) * kStageVec + lane;
+  auto next_ivec = [&]() { ivec = ivec == ring_last ? ring0 : ivec + kStageBytes; };
+  auto next_cvec = [&]() { cvec = cvec == cvec_last ? wring + lane : cvec + kStageVec; };
+
   int pend = kEmpty;
-  int iu = kEmpty, ic = 0, istage = 0, i_end = 0;
+  int iu = kEmpty, ic = 0, i_end = 0;
   int early = -1;        // lane 0: the counter value taken ahead for the next unit (-1: none)
   const uint4* wsrc = w1;
   const u32* ssrc = s1;
@@ -247,39 +257,39 @@ __device__ __forceinline__ void moe_v3_body(
     }
     pend = iu;
   };
+  auto issue_gate_up = [&]() {        // the next chunk of the gate/up item being issued
+    if (ic == i_end - (STAGES - 1) && lane == 0)   // the next unit's id, taken ahead
+      early = atomicAdd(ws + kWsGateUp, 1);
+    cp16_cg(ivec, wsrc);                // gate
+    cp16_cg(ivec + 512, wsrc + 32);     // up
+    cp16_ca_zfill(ivec + 1024, xsrc, xvalid);
+    cp16_ca_zfill(ivec + 1536, xsrc + 8, xvalid);
+    cp4(ivec + sdelta, ssrc);
+    cp4(ivec + sdelta + 128, ssrc + 16);
+    wsrc += 2 * 32;
+    ssrc += 2 * 16;
+    xsrc += 64;
+    ++ic;
+    next_ivec();
+  };
   auto issue_next = [&]() {           // one ring stage of the unit being issued, then commit
     if (iu == kEmpty || (iu != kNone && ic == i_end)) next_unit();
-    if (iu != kNone && ic == i_end - (STAGES - 1) && lane == 0)   // the next unit's id, taken ahead
-      early = atomicAdd(ws + (iu >= 0 ? kWsGateUp : kWsDown), 1);
     if (iu >= 0) {
-      uint4* sw = wring + istage * kStageVec + lane;
-      u32* ss = sring + istage * kStageVec * 4 + lane;
-      cp16_cg(sw, wsrc);             // gate
-      cp16_cg(sw + 32, wsrc + 32);   // up
-      cp16_ca_zfill(sw + 64, xsrc, xvalid);
-      cp16_ca_zfill(sw + 96, xsrc + 8, xvalid);
-      cp4(ss, ssrc);
-      cp4(ss + 32, ssrc + 16);
-      wsrc += 2 * 32;
-      ssrc += 2 * 16;
-      xsrc += 64;
-      ++ic;
-      istage = istage + 1 == STAGES ? 0 : istage + 1;
+      issue_gate_up();
     } else if (iu != kNone) {
-      uint4* sw = wring + istage * kStageVec + lane;
-      u32* ss = sring + istage * kStageVec * 4 + lane;
+      if (ic == i_end - (STAGES - 1) && lane == 0) early = atomicAdd(ws + kWsDown, 1);
 #pragma unroll
       for (int c = 0; c < kDownMaxChunks; ++c) {
         if (c < NC) {
-          cp16_cg(sw + c * 32, wsrc + c * 32);
-          cp4(ss + c * 32, ssrc + c * 16);
+          cp16_cg(ivec + 512 * c, wsrc + c * 32);
+          cp4(ivec + sdelta + 128 * c, ssrc + c * 16);
         }
       }
       if (++ic < i_end) {
         if (++irt == RT) { irt = 0; ++ia; set_down_src(); }
         else { wsrc += NC * 32; ssrc += NC * 16; }
       }
-      istage = istage + 1 == STAGES ? 0 : istage + 1;
+      next_ivec();
     }
     cp_commit();
   };
@@ -288,7 +298,6 @@ __device__ __forceinline__ void moe_v3_body(
   for (int s = 0; s < STAGES - 1; ++s) issue_next();
 
   // ---------------------------------------------------------------- the consume side
-  int cstage = 0;
   int cur_a = -1;                // down: the expert whose h is in b[] ...
   bool zeroed = false;           // ... and whether y is known to be zero
   u32 b[kDownMaxChunks][8];      // this lane's B registers of every chunk (token row g of the expert)
@@ -312,14 +321,19 @@ __device__ __forceinline__ void moe_v3_body(
       for (int u = 0; u < 2; ++u)
 #pragma unroll
         for (int r = 0; r < 4; ++r) acc[u][r] = 0.0f;
+      const int fast = cpp - (STAGES - 1);   // chunks whose issue stays inside this item
       for (int c = 0; c < cpp; ++c) {
-        issue_next();
+        if (c < fast) {
+          issue_gate_up();
+          cp_commit();
+        } else {
+          issue_next();
+        }
         cp_wait<STAGES - 1>();   // this thread's copies of the chunk being consumed have landed
-        const uint4* sw = wring + cstage * kStageVec + lane;
-        const u32* ss = sring + cstage * kStageVec * 4 + lane;
-        const uint4 wg = sw[0], wu = sw[32], xl = sw[64], xh = sw[96];
+        const u32* ss = reinterpret_cast<const u32*>(reinterpret_cast<const char*>(cvec) + sdelta);
+        const uint4 wg = cvec[0], wu = cvec[32], xl = cvec[64], xh = cvec[96];
         const u32 sg = ss[0], su = ss[32];
-        cstage = cstage + 1 == STAGES ? 0 : cstage + 1;
+        next_cvec();
         const u32 bx[8] = {xl.x, xl.y, xl.z, xl.w, xh.x, xh.y, xh.z, xh.w};
         mma_chunk(acc[0], wg, sg, bx);
         mma_chunk(acc[1], wu, su, bx);
@@ -400,9 +414,9 @@ __device__ __forceinline__ void moe_v3_body(
         }
         issue_next();
         cp_wait<STAGES - 1>();
-        const uint4* sw = wring + cstage * kStageVec + lane;
-        const u32* ss = sring + cstage * kStageVec * 4 + lane;
-        cstage = cstage + 1 == STAGES ? 0 : cstage + 1;
+        const u32* ss = reinterpret_cast<const u32*>(reinterpret_cast<const char*>(cvec) + sdelta);
+        const uint4* sw = cvec;
+        next_cvec();
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int c = 0; c < kDownMaxChunks; ++c)
