@@ -34,6 +34,7 @@ step tests_gpu      140 python3 -m pytest -m gpu tests -q -p no:cacheprovider --
 step kernels         80 env KDLIB_TREE_VERSIONS=3,4 KDLIB_KERNELS_ATTENTION=quick \
                           python3 -m kdlib.perf.run --suite kernels --out "$R"
 step moe            100 python3 -m kdlib.perf.run --suite moe --out "$R"
+step moe_stream      90 python3 -m kdlib.perf.run --suite moe_stream --out "$R"
 step engine        420 taskset -c 2 python3 -m kdlib.perf.run --suite engine --out "$R"   # full: ~290 s
 step diag_frag       60 python3 -m kdlib.perf.run --suite diagnosis --suite fragmentation --quick --out "$R"
 step sanitize_v4     20 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu \

@@ -1,5 +1,5 @@
 """W4A16 MoE layer: the numpy reference, the weight packing, and the CuPy wrapper of
-`kernels/moe_w4a16_v1.cu` and `kernels/moe_w4a16_v2.cu` (same packed layout and routing metadata).
+`kernels/moe_w4a16_v1.cu`, `_v2.cu` and `_v3.cu` (same packed layout and routing metadata).
 
 The math (reference and kernel alike), for an expert with gate/up weights Wg, Wu [N, K] and down
 weights Wd [K, N], all INT4 with one bf16 scale per 32 consecutive reduction elements:
@@ -15,7 +15,8 @@ tensors are viewed as int16 at the boundary), so this module needs only numpy on
 - `quantize_w4`, `dequantize_w4`: the INT4 group quantizer and its inverse (numpy).
 - `pack_rows`, `pack_scales`, `pack_moe`: the kernel's register-fragment layout (see the .cu header).
 - `moe_w4a16_reference`: the layer in float64 (numpy).
-- `prepare_routing`, `moe_w4a16`: the GPU path (CuPy; torch CUDA tensors enter by DLPack).
+- `prepare_routing`, `moe_w4a16`: the GPU path (CuPy; torch CUDA tensors enter by DLPack);
+  `pick_version`, `v3_parts`, `v3_down_batch`: the launch choices it makes, from H200 sweeps.
 
 The reference lives here rather than in `kdlib.ref` because its only twin is this kernel.
 """
@@ -452,8 +453,9 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
     version None (the default): version 3 or 2 in the decode regime, by `pick_version` (3 where it
     was faster on the H200: many active experts; 2 at few tokens), version 1's kernels above; 2
     when gate_up_warps or k_interleave is given, 3 when parts is.
-    version 2 (faster than version 1 at every M <= 64 on the H200 and the same kernels above, see
-    `kdlib.perf.load("moe")`; `kernels/moe_w4a16_v2.cu`, decode regime: every
+    version 2 (replayed from CUDA graphs, as fast as version 1 or faster at every M <= 64 on the
+    H200 and the same kernels above, see `kdlib.perf.load("moe")`; `kernels/moe_w4a16_v2.cu`,
+    decode regime: every
     expert has <= 8 slots, N <= 256): two persistent launches streaming the weights through
     per-warp cp.async rings, y zeroed inside the gate/up launch; gate_up_warps 8 (default: two 256-thread blocks per SM on an H200, one on
     a 100 KB part) or 16 (one 512-thread block per SM, H100/H200 class only); k_interleave=True
