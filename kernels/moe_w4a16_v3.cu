@@ -14,7 +14,9 @@
 //     counter; its partial gate and up sums are added (fp32 atomics) into a scratch the last part
 //     reads (a per-pair count says which part is last); that part applies SwiGLU, stores h, zeroes
 //     the scratch, and publishes the pair (ready[expert] += 1). With n_parts = 1 the only part does
-//     it from registers. The first Z items also zero a stripe of y.
+//     it from registers. The first Z items also zero a stripe of y. The parts add up in whatever
+//     order they finish, so with n_parts > 1 h (like y, in every version) can differ in the last
+//     bits from run to run.
 //   down: when gate/up items run out, the warp takes batches of down_batch (active expert, 16-row
 //     output tile) items from a second counter, one whole item (NC <= 4 chunks) per ring stage;
 //     before reading an expert's h it waits for ready[expert] == N / 16, and before its first
