@@ -42,6 +42,8 @@ ARMS = (
     ("v2 graph", "kernel_v2_graph"),
     ("v3 eager", "kernel_v3"),
     ("v3 graph", "kernel_v3_graph"),
+    ("default eager", "kernel_default"),        # what moe_w4a16 runs when no version is given
+    ("default graph", "kernel_default_graph"),
 )
 CEILINGS = ("one_launch", "two_launch")
 
