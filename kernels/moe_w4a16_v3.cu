@@ -455,21 +455,29 @@ __device__ __forceinline__ void moe_v3_body(
   }
 }
 
-#define MOE_V3_ENTRY(NAME, STAGES)                                                                      \
-  extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) NAME(                                    \
-      const u16* __restrict__ x, const uint4* __restrict__ w1, const u32* __restrict__ s1,              \
-      const uint4* __restrict__ w2, const u32* __restrict__ s2, const int* __restrict__ active_experts, \
-      const int* __restrict__ n_active_dev, const int2* __restrict__ active_ranges,                     \
-      const int* __restrict__ sorted_token, const float* __restrict__ sorted_weight, u16* __restrict__ h, \
-      float* __restrict__ y, int* __restrict__ ws, float* __restrict__ scratch, int n_experts, int M,    \
-      int K, int N, int n_parts, int down_batch) {                                                      \
-    extern __shared__ uint4 ring[];                                                                     \
-    moe_v3_body<STAGES>(x, w1, s1, w2, s2, active_experts, n_active_dev, active_ranges, sorted_token,   \
-                        sorted_weight, h, y, ws, scratch, n_experts, M, K, N, n_parts, down_batch, ring); \
-  }
-
 // One launch per MoE layer call; grid = the resident blocks (2 per SM on an H200) of kWarps warps,
 // dynamic shared memory kWarps * STAGES * kStageVec * 16 bytes: 80 KB with 4 stages (the default),
 // 100 KB with 5 (_s5: one more chunk in flight per warp; two such blocks still fit an H200 SM).
-MOE_V3_ENTRY(moe_w4a16_v3, 4)
-MOE_V3_ENTRY(moe_w4a16_v3_s5, 5)
+extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) moe_w4a16_v3(
+    const u16* __restrict__ x, const uint4* __restrict__ w1, const u32* __restrict__ s1,
+    const uint4* __restrict__ w2, const u32* __restrict__ s2, const int* __restrict__ active_experts,
+    const int* __restrict__ n_active_dev, const int2* __restrict__ active_ranges,
+    const int* __restrict__ sorted_token, const float* __restrict__ sorted_weight, u16* __restrict__ h,
+    float* __restrict__ y, int* __restrict__ ws, float* __restrict__ scratch, int n_experts, int M, int K, int N,
+    int n_parts, int down_batch) {
+  extern __shared__ uint4 ring[];
+  moe_v3_body<4>(x, w1, s1, w2, s2, active_experts, n_active_dev, active_ranges, sorted_token, sorted_weight, h,
+                   y, ws, scratch, n_experts, M, K, N, n_parts, down_batch, ring);
+}
+
+extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) moe_w4a16_v3_s5(
+    const u16* __restrict__ x, const uint4* __restrict__ w1, const u32* __restrict__ s1,
+    const uint4* __restrict__ w2, const u32* __restrict__ s2, const int* __restrict__ active_experts,
+    const int* __restrict__ n_active_dev, const int2* __restrict__ active_ranges,
+    const int* __restrict__ sorted_token, const float* __restrict__ sorted_weight, u16* __restrict__ h,
+    float* __restrict__ y, int* __restrict__ ws, float* __restrict__ scratch, int n_experts, int M, int K, int N,
+    int n_parts, int down_batch) {
+  extern __shared__ uint4 ring[];
+  moe_v3_body<5>(x, w1, s1, w2, s2, active_experts, n_active_dev, active_ranges, sorted_token, sorted_weight, h,
+                   y, ws, scratch, n_experts, M, K, N, n_parts, down_batch, ring);
+}

@@ -80,16 +80,39 @@ __device__ __forceinline__ void stream_body(const uint4* __restrict__ src, long 
 
 }  // namespace
 
-#define STREAM_READ(NAME, STAGES, VEC, BLOCKWISE)                                                   \
-  extern "C" __global__ void __launch_bounds__(1024) NAME(const uint4* __restrict__ src,            \
-                                                          long long n_units, uint4* __restrict__ sink) { \
-    extern __shared__ uint4 ring[];                                                                 \
-    stream_body<STAGES, VEC, BLOCKWISE>(src, n_units, sink, ring);                                  \
-  }
+// Configurations: stages S, 512 B x V per lane group and stage (s<S>_v<V>), _b = blockwise order.
+extern "C" __global__ void __launch_bounds__(1024) stream_read_v1_s8_v1(const uint4* __restrict__ src, long long n_units,
+                                                         uint4* __restrict__ sink) {
+  extern __shared__ uint4 ring[];
+  stream_body<8, 1, false>(src, n_units, sink, ring);
+}
 
-STREAM_READ(stream_read_v1_s8_v1, 8, 1, false)
-STREAM_READ(stream_read_v1_s4_v2, 4, 2, false)
-STREAM_READ(stream_read_v1_s8_v2, 8, 2, false)
-STREAM_READ(stream_read_v1_s4_v4, 4, 4, false)
-STREAM_READ(stream_read_v1_s8_v1_b, 8, 1, true)
-STREAM_READ(stream_read_v1_s4_v2_b, 4, 2, true)
+extern "C" __global__ void __launch_bounds__(1024) stream_read_v1_s4_v2(const uint4* __restrict__ src, long long n_units,
+                                                         uint4* __restrict__ sink) {
+  extern __shared__ uint4 ring[];
+  stream_body<4, 2, false>(src, n_units, sink, ring);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) stream_read_v1_s8_v2(const uint4* __restrict__ src, long long n_units,
+                                                         uint4* __restrict__ sink) {
+  extern __shared__ uint4 ring[];
+  stream_body<8, 2, false>(src, n_units, sink, ring);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) stream_read_v1_s4_v4(const uint4* __restrict__ src, long long n_units,
+                                                         uint4* __restrict__ sink) {
+  extern __shared__ uint4 ring[];
+  stream_body<4, 4, false>(src, n_units, sink, ring);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) stream_read_v1_s8_v1_b(const uint4* __restrict__ src, long long n_units,
+                                                         uint4* __restrict__ sink) {
+  extern __shared__ uint4 ring[];
+  stream_body<8, 1, true>(src, n_units, sink, ring);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) stream_read_v1_s4_v2_b(const uint4* __restrict__ src, long long n_units,
+                                                         uint4* __restrict__ sink) {
+  extern __shared__ uint4 ring[];
+  stream_body<4, 2, true>(src, n_units, sink, ring);
+}
