@@ -39,7 +39,7 @@
 // N <= 256, (K / 64) % n_parts == 0 with >= STAGES - 1 chunks per part, (K / 16) % down_batch == 0
 // with down_batch >= STAGES - 1 (every unit spans >= STAGES - 1 stages, so the issue side is at
 // most one unit ahead of the consume side), 16-byte aligned bases,
-// dynamic shared memory kWarps * STAGES * kStageVec * 16 bytes (STAGES = 4, or 5 in _s5).
+// dynamic shared memory kWarps * STAGES * kStageVec * 16 bytes (STAGES = 4).
 #include <cuda_bf16.h>
 
 // NVRTC (CuPy) has no host headers such as <stdint.h>: fixed-width names of our own.
@@ -100,6 +100,18 @@ __device__ __forceinline__ void mma_chunk(float acc[4], uint4 w, u32 s, const u3
     u32 afrag[4];
     dequant8(words[i], s, afrag);
     mma_bf16(acc, afrag, b[2 * i], b[2 * i + 1]);
+  }
+}
+
+// The same with the even and odd k16 steps in two accumulators: two dependency chains of mma.sync
+// instead of one (down accumulates a whole 16-row output tile over N in one warp).
+__device__ __forceinline__ void mma_chunk2(float acc0[4], float acc1[4], uint4 w, u32 s, const u32 b[8]) {
+  const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    u32 afrag[4];
+    dequant8(words[i], s, afrag);
+    mma_bf16((i & 1) ? acc1 : acc0, afrag, b[2 * i], b[2 * i + 1]);
   }
 }
 
@@ -419,10 +431,12 @@ __device__ __forceinline__ void moe_v3_body(
         const u32* ss = reinterpret_cast<const u32*>(reinterpret_cast<const char*>(cvec) + sdelta);
         const uint4* sw = cvec;
         next_cvec();
-        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc_odd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int c = 0; c < kDownMaxChunks; ++c)
-          if (c < NC) mma_chunk(acc, sw[c * 32], ss[c * 32], b[c]);
+          if (c < NC) mma_chunk2(acc, acc_odd, sw[c * 32], ss[c * 32], b[c]);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[r] += acc_odd[r];
         if (!zeroed) {
           wait_at_least(ws + kWsZeroed, Z);
           zeroed = true;
@@ -456,8 +470,8 @@ __device__ __forceinline__ void moe_v3_body(
 }
 
 // One launch per MoE layer call; grid = the resident blocks (2 per SM on an H200) of kWarps warps,
-// dynamic shared memory kWarps * STAGES * kStageVec * 16 bytes: 80 KB with 4 stages (the default),
-// 100 KB with 5 (_s5: one more chunk in flight per warp; two such blocks still fit an H200 SM).
+// 4 ring stages: dynamic shared memory kWarps * 4 * kStageVec * 16 bytes = 80 KB. (5 stages, one
+// more chunk in flight per warp, measured no faster on the H200: the kernel is issue-bound.)
 extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) moe_w4a16_v3(
     const u16* __restrict__ x, const uint4* __restrict__ w1, const u32* __restrict__ s1,
     const uint4* __restrict__ w2, const u32* __restrict__ s2, const int* __restrict__ active_experts,
@@ -467,17 +481,5 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) moe_w4a16_v3(
     int n_parts, int down_batch) {
   extern __shared__ uint4 ring[];
   moe_v3_body<4>(x, w1, s1, w2, s2, active_experts, n_active_dev, active_ranges, sorted_token, sorted_weight, h,
-                   y, ws, scratch, n_experts, M, K, N, n_parts, down_batch, ring);
-}
-
-extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) moe_w4a16_v3_s5(
-    const u16* __restrict__ x, const uint4* __restrict__ w1, const u32* __restrict__ s1,
-    const uint4* __restrict__ w2, const u32* __restrict__ s2, const int* __restrict__ active_experts,
-    const int* __restrict__ n_active_dev, const int2* __restrict__ active_ranges,
-    const int* __restrict__ sorted_token, const float* __restrict__ sorted_weight, u16* __restrict__ h,
-    float* __restrict__ y, int* __restrict__ ws, float* __restrict__ scratch, int n_experts, int M, int K, int N,
-    int n_parts, int down_batch) {
-  extern __shared__ uint4 ring[];
-  moe_v3_body<5>(x, w1, s1, w2, s2, active_experts, n_active_dev, active_ranges, sorted_token, sorted_weight, h,
                    y, ws, scratch, n_experts, M, K, N, n_parts, down_batch, ring);
 }

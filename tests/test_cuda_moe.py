@@ -609,9 +609,7 @@ def test_v3_back_to_back_launches_leave_the_workspace_zero():
         routing = moe.prepare_routing(cp.asarray(ids), cp.asarray(wts), E)
         parts = (None, 1, 2, 8)[i % 4 if i < 8 else 0]   # K / 64 = 32 chunks: 32, 16 or 4 a part
         down_batch = (None, 4, 16, 128)[i // 2 % 4 if i < 8 else 0]   # K / 16 = 128 row tiles
-        stages = 5 if i % 3 == 2 else None
-        y = moe.moe_w4a16(cp.asarray(x_bits), packed, routing, version=3, parts=parts, down_batch=down_batch,
-                          stages=stages)
+        y = moe.moe_w4a16(cp.asarray(x_bits), packed, routing, version=3, parts=parts, down_batch=down_batch)
         if i % 8 == 7 or i < 8:
             check.assert_close(y, moe.moe_w4a16_reference(x_bits, w, ids, wts), rtol=5e-3,
                                name=f"v3 launch {i} M{m} parts {parts} down_batch {down_batch}")
@@ -622,7 +620,7 @@ def test_v3_back_to_back_launches_leave_the_workspace_zero():
         moe.moe_w4a16(cp.asarray(x_bits), packed, routing, version=3, parts=3)
     with pytest.raises(ValueError, match="down_batch must divide"):
         moe.moe_w4a16(cp.asarray(x_bits), packed, routing, version=3, down_batch=3)
-    with pytest.raises(ValueError, match="parts, down_batch and stages apply"):
+    with pytest.raises(ValueError, match="parts and down_batch apply"):
         moe.moe_w4a16(cp.asarray(x_bits), packed, routing, version=2, parts=2)
 
     out = cp.empty((m, K), dtype=cp.float32)
@@ -656,7 +654,6 @@ def test_v3_parts_split_k_only_when_tile_pairs_are_few():
     # down batches: >= 1.3 per warp, up to 32 row tiles, dividing K / 16 = 448
     assert [moe.v3_down_batch(448, n, warps) for n in (8, 31, 59, 111, 186, 384)] == [4, 4, 8, 8, 8, 8]
     assert moe.v3_down_batch(4, 1, warps) == 4 and moe.v3_down_batch(12, 500, warps) == 3
-    assert moe.v3_down_batch(12, 500, warps, stages=5) == 4
     # the default kernel: v2 at few tile pairs (M <= 4 of Kimi-K2 top-8), v3 from M = 8
     assert [moe.pick_version(16 * n, warps) for n in (8, 16, 31, 59, 111, 384)] == [2, 2, 2, 3, 3, 3]
 
@@ -702,12 +699,11 @@ def test_v3_kernel_fits_the_launch_shape_the_wrapper_assumes(arch):
     100 KB part."""
     rc, text = loader.compile_report(moe.STEM_V3, arch)
     assert rc == 0, text
-    for name in (moe.STEM_V3, f"{moe.STEM_V3}_s5"):
-        info = loader.parse_ptxas(text)[name]
-        assert info["spill_stores"] == info["spill_loads"] == info["stack"] == 0, info
-        assert info["registers"] * moe._V3_THREADS * 2 <= 65536, info
-        assert info["static_smem"] == moe._V3_STATIC_SMEM, info
+    info = loader.parse_ptxas(text)[moe.STEM_V3]
+    assert info["spill_stores"] == info["spill_loads"] == info["stack"] == 0, info
+    assert info["registers"] * moe._V3_THREADS * 2 <= 65536, info
+    assert info["static_smem"] == moe._V3_STATIC_SMEM, info
     h200 = {"sms": 132, "smem_block": 227 * 1024, "smem_sm": 228 * 1024, "smem_reserved": 1024}
-    assert moe.v3_shape(h200)["blocks_per_sm"] == moe.v3_shape(h200, 5)["blocks_per_sm"] == 2
+    assert moe.v3_shape(h200)["blocks_per_sm"] == 2
     small = {"sms": 1, "smem_block": 99 * 1024, "smem_sm": 100 * 1024, "smem_reserved": 1024}
-    assert moe.v3_shape(small)["blocks_per_sm"] == 1 and moe.v3_shape(small, 5)["blocks_per_sm"] == 0
+    assert moe.v3_shape(small)["blocks_per_sm"] == 1

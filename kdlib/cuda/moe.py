@@ -330,8 +330,7 @@ _V2_RED_BYTES_PER_WARP = 2 * 8 * 32 * 4           # static red[2][WARPS][8][32] 
 _V2_MAX_SLOTS = 8                                  # tokens per expert the v2 kernels take in one pass
 _V2_MAX_N = 256                                    # kDownMaxChunks * 64: h rows held in registers
 _V3_THREADS = 256                                  # kWarps * 32 in moe_w4a16_v3.cu
-_V3_STAGE_BYTES = 8 * 2560                         # kWarps * kStageVec * 16: shared memory per ring stage
-_V3_STAGES = (4, 5)                                # moe_w4a16_v3 and moe_w4a16_v3_s5
+_V3_DYN_SMEM = 4 * 8 * 2560                        # 4 stages x kWarps x kStageVec * 16 bytes
 _V3_STATIC_SMEM = 0
 _V3_LINE = 32                                      # ints per 128-byte line (kLine)
 _V3_MIN_CHUNKS = 8                                 # chunks per gate/up item at least (the ring needs 3)
@@ -375,11 +374,10 @@ def v2_gate_up_shape(warps: int, limits: dict) -> dict:
     return {"threads": threads, "dyn_smem": dyn, "blocks_per_sm": min(by_smem, by_bounds) if fits else 0}
 
 
-def v3_shape(limits: dict, stages: int = 4) -> dict:
-    """The v3 block with `stages` ring stages on a device with `limits` (see `_device_limits`):
-    threads, dynamic shared memory, resident blocks per SM (0 = does not fit); the grid is
-    sms x blocks_per_sm."""
-    dyn = stages * _V3_STAGE_BYTES
+def v3_shape(limits: dict) -> dict:
+    """The v3 block on a device with `limits` (see `_device_limits`): threads, dynamic shared
+    memory, resident blocks per SM (0 = does not fit); the grid is sms x blocks_per_sm."""
+    dyn = _V3_DYN_SMEM
     per_block = dyn + _V3_STATIC_SMEM + limits["smem_reserved"]
     fits = dyn + _V3_STATIC_SMEM <= limits["smem_block"]
     by_smem = limits["smem_sm"] // per_block if limits["smem_sm"] else 1
@@ -417,12 +415,13 @@ def v3_parts(k_chunks: int, n_pairs: int, n_warps: int) -> int:
     return next((d for d in ok if n_pairs * d >= _V3_ITEMS_PER_WARP * n_warps), ok[-1])
 
 
-def v3_down_batch(row_tiles: int, n_active: int, n_warps: int, stages: int = 4) -> int:
+def v3_down_batch(row_tiles: int, n_active: int, n_warps: int) -> int:
     """Down items (16-row output tiles) per take: 8 when that still gives >= 1.3 batches per warp of
-    the grid and divides row_tiles (K / 16), else the smallest divisor >= stages - 1. The last
-    batches end while most warps are idle, so a batch's duration is a tail the kernel pays: on the
-    H200 (moe_stream.h200.json, v3_down_batch) 4 and 8 were best, 28 cost 2 points, 64 cost 18."""
-    ok = [d for d in range(stages - 1, row_tiles + 1) if row_tiles % d == 0]
+    the grid and divides row_tiles (K / 16), else the smallest divisor >= 3 (the ring runs 3 stages
+    ahead). The last batches end while most warps are idle, so a batch's duration is a tail the
+    kernel pays: on the H200 (moe_stream.h200.json, v3_down_batch) 4 and 8 were best, 28 cost 2
+    points, 64 cost 18."""
+    ok = [d for d in range(3, row_tiles + 1) if row_tiles % d == 0]
     if 8 in ok and n_active * row_tiles / 8 >= _V3_ITEMS_PER_WARP * n_warps:
         return 8
     return ok[0]
@@ -441,7 +440,7 @@ def v2_applies(routing: Routing, n_inter: int) -> bool:
 
 def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool = False,
               gate_up_warps: int | None = None, version: int | None = None, k_interleave: bool = False,
-              workspace=None, parts: int | None = None, down_batch: int | None = None, stages: int | None = None):
+              workspace=None, parts: int | None = None, down_batch: int | None = None):
     """y = MoE(x) with INT4 experts.
 
     Shape: x [M, K] bf16 (torch bf16 or CuPy uint16 bits); packed = `upload(pack_moe(w))`;
@@ -471,9 +470,9 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
         raise ValueError(f"version must be None, 1, 2 or 3, got {version!r}")
     if version == 3 and (gate_up_warps is not None or k_interleave):
         raise ValueError("version 3 has one block shape: gate_up_warps and k_interleave do not apply")
-    v3_args = parts is not None or down_batch is not None or stages is not None
+    v3_args = parts is not None or down_batch is not None
     if v3_args and version not in (None, 3):
-        raise ValueError("parts, down_batch and stages apply to version 3 only")
+        raise ValueError("parts and down_batch apply to version 3 only")
     if gate_up_warps not in (None, 8, 16):
         raise ValueError(f"gate_up_warps must be 8 or 16, got {gate_up_warps}")
     if k_interleave and (version != 2 or gate_up_warps == 16):
@@ -515,8 +514,7 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
             version = pick_version(max(1, routing.n_active) * P,
                                    limits["sms"] * v3_shape(limits)["blocks_per_sm"] * _V3_THREADS // 32)
     if version == 3 and v2_applies(routing, N) and KC >= 3:   # the ring runs 3 chunks ahead
-        launch_v3(xb, packed, routing, out, h, workspace=workspace, parts=parts, down_batch=down_batch,
-                  stages=stages or 4)
+        launch_v3(xb, packed, routing, out, h, workspace=workspace, parts=parts, down_batch=down_batch)
         _check(sync, "v3 launch")
     elif version == 2 and v2_applies(routing, N):
         launch_v2_gate_up(xb, packed, routing, out, h, gate_up_warps=gate_up_warps or 8, k_interleave=k_interleave)
@@ -600,38 +598,35 @@ def launch_v2_down(packed: dict, routing: Routing, out, h) -> None:
 
 
 def launch_v3(xb, packed: dict, routing: Routing, out, h, *, workspace=None, parts: int | None = None,
-              down_batch: int | None = None, stages: int = 4) -> None:
+              down_batch: int | None = None) -> None:
     """The v3 launch (gate/up, SwiGLU, down and the weighted combine into `out`, which it zeroes);
     `moe_w4a16(version=3)` checks the arguments and calls this.
 
     Shape: xb [M, K] uint16 (bf16 bits), out [M, K] float32, h [M * topk, N] uint16 (CuPy);
     workspace (int32, float32) as `v3_workspace`; parts: K parts per gate/up item (default
     `v3_parts`), a divisor of K / 64 leaving >= 3 chunks a part; down_batch: down items per take
-    (default `v3_down_batch`), a divisor of K / 16, >= stages - 1; stages: ring stages per warp,
-    4 (`moe_w4a16_v3`) or 5 (`moe_w4a16_v3_s5`).
+    (default `v3_down_batch`), a divisor of K / 16, >= 3.
     """
     import cupy as cp
 
     from kdlib.cuda.loader import get_function, set_max_dynamic_shared
 
-    if stages not in _V3_STAGES:
-        raise ValueError(f"stages must be one of {_V3_STAGES}, got {stages}")
     limits = _device_limits()
-    shape = v3_shape(limits, stages)
+    shape = v3_shape(limits)
     if not shape["blocks_per_sm"]:
-        raise ValueError(f"the v3 block with {stages} stages needs {shape['dyn_smem']} B of shared memory; this "
-                         f"device allows {limits['smem_block']} B per block")
+        raise ValueError(f"the v3 block needs {shape['dyn_smem']} B of shared memory; this device allows "
+                         f"{limits['smem_block']} B per block")
     E, P, KC = packed["w1"].shape[:3]
     grid = limits["sms"] * shape["blocks_per_sm"]
     if parts is None:
         parts = v3_parts(KC, max(1, routing.n_active) * P, grid * shape["threads"] // 32)
-    elif KC % parts or KC // parts < stages - 1:
-        raise ValueError(f"parts must divide K / 64 = {KC} and leave >= {stages - 1} chunks a part, got {parts}")
+    elif KC % parts or KC // parts < 3:
+        raise ValueError(f"parts must divide K / 64 = {KC} and leave >= 3 chunks a part, got {parts}")
     RT = KC * CHUNK_COLS // TILE_ROWS
     if down_batch is None:
-        down_batch = v3_down_batch(RT, max(1, routing.n_active), grid * shape["threads"] // 32, stages)
-    elif RT % down_batch or down_batch < stages - 1:
-        raise ValueError(f"down_batch must divide K / 16 = {RT} and be >= {stages - 1}, got {down_batch}")
+        down_batch = v3_down_batch(RT, max(1, routing.n_active), grid * shape["threads"] // 32)
+    elif RT % down_batch or down_batch < 3:
+        raise ValueError(f"down_batch must divide K / 16 = {RT} and be >= 3, got {down_batch}")
     n_int, n_float = v3_workspace_sizes(E, P)
     if workspace is None:
         workspace = v3_workspace(E, P)
@@ -639,7 +634,7 @@ def launch_v3(xb, packed: dict, routing: Routing, out, h, *, workspace=None, par
     if ws.dtype != cp.int32 or ws.size < n_int or scratch.dtype != cp.float32 or scratch.size < n_float:
         raise ValueError(f"workspace must be (int32 >= {n_int}, float32 >= {n_float} elements), got "
                          f"({ws.dtype} {ws.size}, {scratch.dtype} {scratch.size})")
-    fn = get_function(STEM_V3, STEM_V3 if stages == 4 else f"{STEM_V3}_s{stages}")
+    fn = get_function(STEM_V3, STEM_V3)
     set_max_dynamic_shared(fn, shape["dyn_smem"])
     meta = (routing.active_experts, routing.n_active_dev, routing.active_ranges, routing.sorted_token,
             routing.sorted_weight)

@@ -14,8 +14,7 @@ plus 1 GiB.
 - moe_v2: graph replay of `launch_v2_gate_up` alone, `launch_v2_down` alone and both, each as
   a fraction of copy bandwidth over its own weight bytes (2/3 and 1/3 of the layer's); `v3`:
   version 3's single launch over the same routings (`v3`: its default K split and down batch;
-  `v3_parts`: every K split it accepts; `v3_down_batch`: down batches of 4 ... 64 row tiles;
-  `v3_s5`: five ring stages per warp instead of four).
+  `v3_parts`: every K split it accepts; `v3_down_batch`: down batches of 4 ... 64 row tiles).
 Each timed replay reads a different region (8 rotations, together larger than L2), so the
 numbers are cold-weight numbers. The copy bandwidth is measured in the same run (1 GiB
 device-to-device copy, read + write counted), as in the moe suite.
@@ -140,8 +139,6 @@ def _moe_rows(cp, torch, timing, bw: float, iters: int) -> list[dict]:
             "down": ([partial(moe.launch_v2_down, packed, r, out, h) for r in routes], wbytes / 3),
             "both": ([partial(moe.moe_w4a16, xb, packed, r, out=out, h=h, version=2) for r in routes], wbytes),
             "v3": ([partial(moe.moe_w4a16, xb, packed, r, out=out, h=h, version=3) for r in routes], wbytes),
-            "v3_s5": ([partial(moe.moe_w4a16, xb, packed, r, out=out, h=h, version=3, stages=5) for r in routes],
-                      wbytes),
         }
         row = {"m": m, "touched_experts": touched, "weight_bytes": wbytes}
         for name, (launches, nbytes) in arms.items():
