@@ -64,17 +64,6 @@ def _width(budget: int, max_depth) -> int:
     return int(max_depth) + 1
 
 
-def _int64(name, a, shape):
-    import cupy
-
-    a = loader.as_cupy(a)
-    if not np.issubdtype(a.dtype, np.integer):
-        raise ValueError(f"{name} must be an integer array, got {a.dtype}")
-    if a.shape != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
-    return cupy.ascontiguousarray(a, dtype=cupy.int64)
-
-
 def _out_arrays(out, bsz, width):
     import cupy
 
@@ -97,7 +86,7 @@ def accept_greedy_batch(trees, target_tokens, max_depth: int | None = None, *, o
     out: optional (paths, lengths, bonus) buffers to write into (graph capture).
     """
     bsz, budget, f = _batch(trees)
-    target = _int64("target_tokens", target_tokens, (bsz, budget + 1))
+    target = loader.int_array(target_tokens, "target_tokens", "int64", shape=(bsz, budget + 1))
     width = _width(budget, max_depth)
     paths, lengths, bonus = _out_arrays(out, bsz, width)
     if bsz == 0:

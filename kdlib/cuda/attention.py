@@ -89,22 +89,6 @@ def _float_kind(x, name: str) -> tuple[object, str]:
     return cupy.ascontiguousarray(a), "f32"
 
 
-def _int32(x, name: str, shape: tuple[int, ...], validate: bool):
-    """x as contiguous int32; with `validate`, a wider integer input is range-checked first (one device
-    sync), so that int64 2**32 + 5 is an error rather than slot 5."""
-    import cupy
-
-    a = loader.as_cupy(x)
-    if a.dtype.kind not in "iu":
-        raise ValueError(f"{name} must be an integer array, got {a.dtype}")
-    if a.shape != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
-    if validate and a.size and not np.can_cast(a.dtype, np.int32):
-        if bool(((a < -(2**31)) | (a > 2**31 - 1)).any()):
-            raise ValueError(f"{name} holds values outside the int32 range")
-    return cupy.ascontiguousarray(a, dtype=cupy.int32)
-
-
 def _bool_cupy(x):
     """A CuPy view of a bool array; torch bool crosses DLPack as uint8 bytes (same layout)."""
     import cupy
@@ -121,7 +105,7 @@ def _lengths(x, name: str, batched: bool, bsz: int, validate: bool):
     import cupy
 
     if batched:
-        return _int32(x, name, (bsz,), validate)
+        return loader.int_array(x, name, "int32", shape=(bsz,), check_range=validate)
     if isinstance(x, bool) or not isinstance(x, numbers.Integral):
         raise ValueError(f"{name} must be an int in the unbatched form, got {type(x).__name__}")
     return cupy.asarray([int(x)], dtype=cupy.int32)
@@ -167,7 +151,8 @@ def _check_prefix(qa, kind, kv_cache, page_table, prefix_lens, batched, validate
     pt_shape = getattr(page_table, "shape", None)
     if pt_shape is None or len(pt_shape) != (2 if batched else 1):
         raise ValueError(f"page_table must be {'[B, P]' if batched else '[P]'}, got shape {pt_shape}")
-    pt = _int32(page_table if batched else loader.as_cupy(page_table)[None], "page_table", (bsz, pt_shape[-1]), validate)
+    pt = loader.int_array(page_table if batched else loader.as_cupy(page_table)[None], "page_table", "int32",
+                          shape=(bsz, pt_shape[-1]), check_range=validate)
     lens = _lengths(prefix_lens, "prefix_lens", batched, bsz, validate)
     return kv, pt, lens
 

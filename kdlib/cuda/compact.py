@@ -26,19 +26,9 @@ REMAP = {np.dtype(np.int64): ("kv_compact_v1", "kv_remap_v1_i64"), np.dtype(np.i
 THREADS = 256  # KC_THREADS in kv_compact_v1.cu
 
 
-def _index(name, a, ndim):
-    import cupy
-
-    a = loader.as_cupy(a)
-    if not np.issubdtype(a.dtype, np.integer):
-        raise ValueError(f"{name} must be an integer array, got {a.dtype}")
-    if a.ndim != ndim:
-        raise ValueError(f"{name} must have {ndim} dimension(s), got shape {a.shape}")
-    return cupy.ascontiguousarray(a, dtype=cupy.int64)
-
-
 def _common(starts, paths, lengths):
-    starts, paths, lengths = _index("starts", starts, 1), _index("paths", paths, 2), _index("lengths", lengths, 1)
+    starts, paths, lengths = (loader.int_array(a, name, "int64", ndim=nd) for a, name, nd in
+                              ((starts, "starts", 1), (paths, "paths", 2), (lengths, "lengths", 1)))
     bsz = starts.shape[0]
     if paths.shape[0] != bsz or lengths.shape[0] != bsz:
         raise ValueError(f"starts {starts.shape}, paths {paths.shape} and lengths {lengths.shape} disagree on B")
@@ -94,7 +84,7 @@ def remap_slots_masked(req_to_token, starts, tree_slots, paths, lengths, *, chec
     if r2t.ndim != 2 or r2t.dtype not in REMAP or not r2t.flags.c_contiguous:
         raise ValueError(f"req_to_token must be a C-contiguous int64 or int32 array [B, max_ctx], got {r2t.dtype} {r2t.shape}")
     bsz, starts, paths, lengths = _common(starts, paths, lengths)
-    slots = _index("tree_slots", tree_slots, 2)
+    slots = loader.int_array(tree_slots, "tree_slots", "int64", ndim=2)
     if r2t.shape[0] != bsz or slots.shape[0] != bsz:
         raise ValueError("req_to_token, starts, tree_slots, paths and lengths disagree on B")
     width = slots.shape[1]
@@ -137,6 +127,6 @@ def compact_kv(cache, start: int, path, *, check_values: bool = False):
 
     if isinstance(start, bool) or not isinstance(start, numbers.Integral):
         raise ValueError(f"start must be an int, got {type(start).__name__}")
-    p = _index("path", path, 1)
+    p = loader.int_array(path, "path", "int64", ndim=1)
     return compact_kv_batch(cache, cupy.full(1, int(start), dtype=cupy.int64), p[None],
                             cupy.full(1, p.shape[0], dtype=cupy.int64), check_values=check_values)

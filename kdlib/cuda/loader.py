@@ -141,6 +141,30 @@ def as_cupy(x):
     raise ValueError(f"expected a cupy.ndarray or a torch CUDA tensor, got {type(x).__name__}")
 
 
+def int_array(x, name: str, dtype: str, *, shape: tuple[int, ...] | None = None, ndim: int | None = None,
+              check_range: bool = False):
+    """`x` (CuPy, or a torch CUDA tensor by DLPack) as a C-contiguous CuPy array of the integer
+    `dtype` ("int32" or "int64") the kernels read, after checking that it holds integers and has
+    `shape` (or `ndim` dimensions). check_range=True also rejects values the cast would wrap (one
+    device sync, and only when x is wider than dtype): int64 2**32 + 5 is an error, not index 5.
+    ValueError naming `name` otherwise.
+    """
+    import cupy
+
+    a = as_cupy(x)
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be an integer array, got {a.dtype}")
+    if shape is not None and a.shape != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {a.shape}")
+    if ndim is not None and a.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimension(s), got shape {a.shape}")
+    if check_range and a.size and not cupy.can_cast(a.dtype, dtype):
+        info = cupy.iinfo(dtype)
+        if bool(((a < info.min) | (a > info.max)).any()):
+            raise ValueError(f"{name} holds values outside the {dtype} range")
+    return cupy.ascontiguousarray(a, dtype=dtype)
+
+
 def like_input(y, x):
     """Return the CuPy array `y` as the kind of array `x` was: a torch tensor (DLPack) or CuPy."""
     if is_torch(x):
