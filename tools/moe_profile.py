@@ -1,7 +1,9 @@
-"""Run `moe_w4a16` (version 2 unless told) a few times at one M, for a profiler to attach to:
+"""Run the W4A16 MoE layer a few times at one M, for a profiler to attach to.
+
+`kdlib.cuda.moe.moe_w4a16` runs its default kernel for that M unless --version is given:
 
     ncu --clock-control none -k regex:moe_w4a16 --launch-skip 8 --launch-count 2 \
-        python3 tools/moe_profile.py --m 32
+        python3 tools/moe_profile.py --m 32 --version 2
 
 Random INT4 experts in the kernel layout (Kimi-K2 shapes at the TP8 shard, as the moe suite),
 uniform top-8 routing; a fresh routing for every call.
@@ -16,7 +18,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--m", type=int, default=32, help="tokens in the layer call")
     ap.add_argument("--calls", type=int, default=8)
-    ap.add_argument("--version", type=int, default=2)
+    ap.add_argument("--version", type=int, choices=(1, 2, 3), default=None,
+                    help="kernel version (default: the library's pick for this M)")
     args = ap.parse_args()
 
     import cupy as cp
@@ -39,7 +42,7 @@ def main() -> None:
         ids, w = s._routing(rng, args.m)
         r = moe.prepare_routing(cp.asarray(ids), cp.asarray(w), s.E)
         moe.moe_w4a16(x, packed, r, version=args.version, sync=True)
-    print(f"moe_profile: {args.calls} calls at M={args.m}, version {args.version}")
+    print(f"moe_profile: {args.calls} calls at M={args.m}, version {args.version or 'default'}")
 
 
 if __name__ == "__main__":
