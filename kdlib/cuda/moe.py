@@ -450,15 +450,16 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
     version 1 (`kernels/moe_w4a16_v1.cu`): y.fill(0), gate/up + SwiGLU launch, down + weighted
     combine launch; gate_up_warps 16 (default) or 8 picks the gate/up block in the decode regime.
     version None (the default): version 3 or 2 in the decode regime, by `pick_version` (3 where it
-    was faster on the H200: many active experts; 2 at few tokens), version 1's kernels above; 2
-    when gate_up_warps or k_interleave is given, 3 when parts is.
+    was faster on the H200: many active experts; 2 at few tokens, and wherever v3's block does not
+    fit), version 1's kernels above; 2 when gate_up_warps or k_interleave is given, 3 when parts or
+    down_batch is.
     version 2 (replayed from CUDA graphs, as fast as version 1 or faster at every M <= 64 on the
     H200 and the same kernels above, see `kdlib.perf.load("moe")`; `kernels/moe_w4a16_v2.cu`,
-    decode regime: every
-    expert has <= 8 slots, N <= 256): two persistent launches streaming the weights through
-    per-warp cp.async rings, y zeroed inside the gate/up launch; gate_up_warps 8 (default: two 256-thread blocks per SM on an H200, one on
-    a 100 KB part) or 16 (one 512-thread block per SM, H100/H200 class only); k_interleave=True
-    (8 warps only) deals the K chunks to the warps round-robin instead of in contiguous ranges.
+    decode regime: every expert has <= 8 slots, N <= 256): two persistent launches streaming the
+    weights through per-warp cp.async rings, y zeroed inside the gate/up launch; gate_up_warps 8
+    (default: two 256-thread blocks per SM on an H200, one on a 100 KB part) or 16 (one 512-thread
+    block per SM, H100/H200 class only); k_interleave=True (8 warps only) deals the K chunks to the
+    warps round-robin instead of in contiguous ranges.
     Outside its regime version 2 runs version 1's kernels.
     version 3 (`kernels/moe_w4a16_v3.cu`, the same regime): one launch of independent warps taking
     gate/up items (K split in parts when there are few tile pairs) and then down batches from
@@ -511,8 +512,9 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
             version = 3
         else:
             limits = _device_limits()
-            version = pick_version(max(1, routing.n_active) * P,
-                                   limits["sms"] * v3_shape(limits)["blocks_per_sm"] * _V3_THREADS // 32)
+            resident = v3_shape(limits)["blocks_per_sm"]
+            version = pick_version(max(1, routing.n_active) * P, limits["sms"] * resident * _V3_THREADS // 32) \
+                if resident else 2
     if version == 3 and v2_applies(routing, N) and KC >= 3:   # the ring runs 3 chunks ahead
         launch_v3(xb, packed, routing, out, h, workspace=workspace, parts=parts, down_batch=down_batch)
         _check(sync, "v3 launch")
