@@ -589,6 +589,246 @@ def test_kernel_v2_addressing_emulated_on_cpu(K, warps, stages, sms, interleave)
     check.assert_close(y, moe.moe_w4a16_reference(x_bits, w, ids, wts), rtol=2e-3, name=f"emulated v2 K{K} w{warps}")
 
 
+# ----------------------------------------------------------------------------- CPU: v3 emulation
+# The v3 kernel's warps transliterated as coroutines that a random scheduler interleaves: the two
+# global counters with the ids taken ahead, the hand-off of a unit from the issue side to the
+# consume side (pend), per-warp rings, split items meeting in the scratch, the ready and zeroed
+# waits, and the last warp's reset. A wrong id, cursor or stage shows up as a wrong y; a wait that
+# can never end as a schedule that stops making progress.
+_V3_STAGES = 4
+_V3_NONE, _V3_EMPTY = -1, -0x7FFFFFFF
+
+
+def _emulate_v3(x_bits, packed, ids, wts, E, K, N, *, n_warps, parts, down_batch, seed):
+    M, k = ids.shape
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    counts = np.bincount(flat, minlength=E)
+    assert counts.max() <= 8, "v3 takes <= 8 slots per expert"
+    off = np.concatenate([[0], np.cumsum(counts)])
+    active = np.nonzero(counts)[0]
+    n_active = len(active)
+    stok, swt = order // k, wts.reshape(-1)[order]
+    w1, s1 = packed["w1"].reshape(-1, 4), packed["s1"].reshape(-1)
+    w2, s2 = packed["w2"].reshape(-1, 4), packed["s2"].reshape(-1)
+    x = np.asarray(x_bits).reshape(-1)
+    S, P, KC, RT, NC = M * k, N // 16, K // 64, K // 16, N // 64
+    cpp = KC // parts
+    n_gu, n_dn = n_active * P * parts, n_active * RT
+    n_batches = n_dn // down_batch
+    n4 = M * K // 4
+    Z = min(n_gu, -(-n4 // 1024))
+    zlen = -(-n4 // Z)
+    ws = {"gu": 0, "dn": 0, "zeroed": 0, "done": 0}
+    ready = np.zeros(E, int)
+    parts_done = np.zeros(E * P, int)
+    scratch = np.zeros((E * P, 2, 4, 32))
+    h = np.zeros(S * N, np.uint16)
+    y = np.full(M * K, np.nan)                   # the first items must zero it
+    lanes = np.arange(32)
+    g_l, t_l = lanes // 4, lanes % 4
+
+    def take(counter, early):
+        if early >= 0:
+            return early
+        ws[counter] += 1
+        return ws[counter] - 1
+
+    def warp_proc():
+        ring_w = np.zeros((_V3_STAGES, 4, 32, 4), np.uint32)   # vector slots (gate/up: gate, up; down: NC)
+        ring_x = np.zeros((_V3_STAGES, 32, 16), np.uint16)
+        ring_s = np.zeros((_V3_STAGES, 4, 32), np.uint32)
+        st = {"iu": _V3_EMPTY, "ic": 0, "i_end": 0, "early": -1, "pend": _V3_EMPTY, "istage": 0,
+              "wsrc": 0, "ssrc": 0, "xsrc": None, "ia": 0, "irt": 0}
+
+        def start_gate_up(j):
+            pair, part = divmod(j, parts)
+            a_idx, p = divmod(pair, P)
+            e = active[a_idx]
+            slot = off[e] + g_l
+            k0 = part * cpp
+            st["xsrc"] = [stok[slot[ln]] * K + k0 * 64 + 16 * t_l[ln] if slot[ln] < off[e + 1] else None
+                          for ln in range(32)]
+            chunk0 = (e * P + p) * KC + k0
+            st["wsrc"] = chunk0 * 2 * 32 + lanes
+            st["ssrc"] = chunk0 * 2 * 16 + (t_l >> 1) * 8 + g_l
+
+        def set_down_src():
+            chunk0 = (active[st["ia"]] * RT + st["irt"]) * NC
+            st["wsrc"] = chunk0 * 32 + lanes
+            st["ssrc"] = chunk0 * 16 + (t_l >> 1) * 8 + g_l
+
+        def next_unit():
+            if st["iu"] >= 0 or st["iu"] == _V3_EMPTY:
+                j = take("gu", st["early"])
+                st["early"] = -1
+                if j < n_gu:
+                    st.update(iu=j, ic=0, i_end=cpp, pend=j)
+                    start_gate_up(j)
+                    return
+            b = take("dn", st["early"])
+            st["early"] = -1
+            if b < n_batches:
+                st.update(iu=-(b + 2), ic=0, i_end=down_batch)
+                st["ia"], st["irt"] = divmod(b * down_batch, RT)
+                set_down_src()
+            else:
+                st["iu"] = _V3_NONE
+            st["pend"] = st["iu"]
+
+        def issue_next():
+            if st["iu"] == _V3_EMPTY or (st["iu"] != _V3_NONE and st["ic"] == st["i_end"]):
+                next_unit()
+            i = st["istage"]
+            if st["iu"] >= 0:
+                if st["ic"] == st["i_end"] - (_V3_STAGES - 1):
+                    st["early"] = take("gu", -1)
+                ring_w[i, 0], ring_w[i, 1] = w1[st["wsrc"]], w1[st["wsrc"] + 32]
+                ring_s[i, 0], ring_s[i, 1] = s1[st["ssrc"]], s1[st["ssrc"] + 16]
+                for ln in range(32):
+                    src = st["xsrc"][ln]
+                    ring_x[i, ln] = x[src:src + 16] if src is not None else 0
+                st["wsrc"] = st["wsrc"] + 64
+                st["ssrc"] = st["ssrc"] + 32
+                st["xsrc"] = [None if src is None else src + 64 for src in st["xsrc"]]
+                st["ic"] += 1
+                st["istage"] = (i + 1) % _V3_STAGES
+            elif st["iu"] != _V3_NONE:
+                if st["ic"] == st["i_end"] - (_V3_STAGES - 1):
+                    st["early"] = take("dn", -1)
+                for c in range(NC):
+                    ring_w[i, c], ring_s[i, c] = w2[st["wsrc"] + c * 32], s2[st["ssrc"] + c * 16]
+                st["ic"] += 1
+                if st["ic"] < st["i_end"]:
+                    st["irt"] += 1
+                    if st["irt"] == RT:
+                        st["irt"], st["ia"] = 0, st["ia"] + 1
+                        set_down_src()
+                    else:
+                        st["wsrc"], st["ssrc"] = st["wsrc"] + NC * 32, st["ssrc"] + NC * 16
+                st["istage"] = (i + 1) % _V3_STAGES
+
+        for _ in range(_V3_STAGES - 1):
+            issue_next()
+        cstage, cur_a, zeroed = 0, -1, False
+        b_regs, rows_y = None, None
+        cu = st["pend"]
+        while cu != _V3_NONE:
+            st["pend"] = _V3_EMPTY
+            if cu >= 0:
+                j = cu
+                pair = j // parts
+                a_idx, p = divmod(pair, P)
+                if j < Z:
+                    y[j * zlen * 4:min(n4, (j + 1) * zlen) * 4] = 0.0
+                acc = np.zeros((2, 32, 4))
+                for _ in range(cpp):
+                    issue_next()
+                    xb = moe.bf16_bits_to_f32(ring_x[cstage]).astype(np.float64).reshape(32, 8, 2)
+                    for u in range(2):
+                        for i in range(4):
+                            _emu_mma(acc[u], _emu_dequant(ring_w[cstage, u, :, i], ring_s[cstage, u]),
+                                     xb[:, 2 * i:2 * i + 2])
+                    cstage = (cstage + 1) % _V3_STAGES
+                    yield
+                last = True
+                if parts > 1:
+                    scratch[pair] += acc.transpose(0, 2, 1)
+                    parts_done[pair] += 1
+                    last = parts_done[pair] == parts
+                    if last:
+                        acc = scratch[pair].transpose(0, 2, 1).copy()
+                        scratch[pair] = 0.0
+                        parts_done[pair] = 0
+                if last:
+                    e = active[a_idx]
+                    for lane in range(32):
+                        g, t = divmod(lane, 4)
+                        for r in range(4):
+                            slot = off[e] + 2 * t + (r & 1)
+                            if slot < off[e + 1]:
+                                gs, us = acc[0, lane, r], acc[1, lane, r]
+                                h[slot * N + p * 16 + g + (8 if r >= 2 else 0)] = moe.f32_to_bf16_bits(
+                                    gs / (1 + np.exp(-gs)) * us)
+                    ready[a_idx] += 1
+                if j < Z:
+                    ws["zeroed"] += 1
+            else:
+                i0 = -(cu + 2) * down_batch
+                a_idx, rt = divmod(i0, RT)
+                for _item in range(i0, i0 + down_batch):
+                    if a_idx != cur_a:
+                        cur_a = a_idx
+                        e = active[a_idx]
+                        rows_y = [(stok[off[e] + 2 * t + half], swt[off[e] + 2 * t + half])
+                                  if off[e] + 2 * t + half < off[e + 1] else None
+                                  for t in range(4) for half in range(2)]
+                        while ready[a_idx] < P:
+                            yield
+                        hrow = [(s * N if (s := off[e] + g) < off[e + 1] else None) for g in range(8)]
+                        b_regs = [_emu_load_b(h, hrow, c * 64) for c in range(NC)]
+                    issue_next()
+                    acc = np.zeros((32, 4))
+                    for c in range(NC):
+                        for i in range(4):
+                            _emu_mma(acc, _emu_dequant(ring_w[cstage, c, :, i], ring_s[cstage, c]),
+                                     b_regs[c][:, 2 * i:2 * i + 2])
+                    cstage = (cstage + 1) % _V3_STAGES
+                    if not zeroed:
+                        while ws["zeroed"] < Z:
+                            yield
+                        zeroed = True
+                    for lane in range(32):
+                        g, t = divmod(lane, 4)
+                        for half in range(2):
+                            tw = rows_y[t * 2 + half]
+                            if tw is not None:
+                                y[tw[0] * K + rt * 16 + g] += tw[1] * acc[lane, half]
+                                y[tw[0] * K + rt * 16 + g + 8] += tw[1] * acc[lane, 2 + half]
+                    rt += 1
+                    if rt == RT:
+                        rt, a_idx = 0, a_idx + 1
+                    yield
+            cu = st["pend"]
+        ws["done"] += 1
+        if ws["done"] == n_warps:           # the last warp out resets the counters
+            ready[:n_active] = 0
+            ws.update(gu=0, dn=0, zeroed=0, done=0)
+
+    rng = np.random.default_rng(seed)
+    procs = [warp_proc() for _ in range(n_warps)]
+    steps = 0
+    while procs:
+        i = int(rng.integers(len(procs)))
+        try:
+            next(procs[i])
+        except StopIteration:
+            procs.pop(i)
+        steps += 1
+        assert steps < 200_000, "the emulated warps stopped making progress"
+    state = {"ws": dict(ws), "ready": ready.copy(), "parts_done": parts_done.copy(), "scratch_zero": not scratch.any()}
+    return y.reshape(M, K), state
+
+
+@pytest.mark.parametrize("K,n_warps,parts,down_batch,seed",
+                         [(256, 3, 1, 4, 0), (256, 5, 1, 8, 1), (512, 2, 2, 4, 2), (768, 7, 3, 4, 3), (512, 16, 2, 8, 4)])
+def test_kernel_v3_scheduling_emulated_on_cpu(K, n_warps, parts, down_batch, seed):
+    """Warps interleaved at random, some taking several units and some none; K split into parts;
+    y must match the reference and the workspace must be all zero afterwards."""
+    E, N, M, k = 4, 128, 6, 2
+    rng = np.random.default_rng(K + n_warps)
+    w = moe.MoEWeights.random(E, K, N, seed=K, std=0.1)
+    x_bits = moe.f32_to_bf16_bits(rng.normal(0, 1, (M, K)))
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(M)]).astype(np.int32)
+    wts = rng.random((M, k)).astype(np.float32)
+    y, state = _emulate_v3(x_bits, moe.pack_moe(w), ids, wts, E, K, N, n_warps=n_warps, parts=parts,
+                           down_batch=down_batch, seed=seed)
+    check.assert_close(y, moe.moe_w4a16_reference(x_bits, w, ids, wts), rtol=2e-3,
+                       name=f"emulated v3 K{K} warps {n_warps} parts {parts}")
+    assert state["ws"] == {"gu": 0, "dn": 0, "zeroed": 0, "done": 0}
+    assert not state["ready"].any() and not state["parts_done"].any() and state["scratch_zero"]
+
+
 @pytest.mark.gpu
 def test_v3_back_to_back_launches_leave_the_workspace_zero():
     """v3's counters live in a workspace the last block resets: 40 launches in a row on one stream,
