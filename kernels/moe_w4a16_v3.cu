@@ -3,11 +3,12 @@
 // dequantization are those of moe_w4a16_v1.cu (read its header); the per-warp cp.async rings are
 // those of moe_w4a16_v2.cu.
 //
-// Why: v2's two launches each pay a ramp and a drain (a plain streaming read of the M = 4 layer's
-// bytes loses 7 points of copy bandwidth when split in two launches, data/results/moe_stream.h200.json),
+// Why: v2's two launches each pay a ramp and a drain (a plain streaming read of a small layer's
+// bytes is slower split in two launches: data/results/moe_stream.h200.json, `two_launch`),
 // and its gate/up items (expert, 16-row tile pair), one per 8-warp block, come in waves that leave
 // blocks idle: 488 items on 264 blocks at M = 4. A first one-launch design (block-wide items from a
-// global counter, static down ranges; commit ae34b5e) measured no faster than v2 and slower at M = 1.
+// global counter, static down ranges; commit ae34b5e) measured no faster than v2 and slower at M = 1
+// (data/results/gpu_tests.h200.json, the call at that commit).
 //
 // Here every warp is a worker with its own ring; no block barriers.
 //   gate/up: item = (active expert, tile pair p, K part) of KC / n_parts chunks, from a global
@@ -471,7 +472,8 @@ __device__ __forceinline__ void moe_v3_body(
 
 // One launch per MoE layer call; grid = the resident blocks (2 per SM on an H200) of kWarps warps,
 // 4 ring stages: dynamic shared memory kWarps * 4 * kStageVec * 16 bytes = 80 KB. (5 stages, one
-// more chunk in flight per warp, measured no faster on the H200: the kernel is issue-bound.)
+// more chunk in flight per warp, measured no faster on the H200: data/results/gpu_tests.h200.json,
+// the call at 8ca6c79.)
 extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) moe_w4a16_v3(
     const u16* __restrict__ x, const uint4* __restrict__ w1, const u32* __restrict__ s1,
     const uint4* __restrict__ w2, const u32* __restrict__ s2, const int* __restrict__ active_experts,

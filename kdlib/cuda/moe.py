@@ -419,8 +419,8 @@ def v3_down_batch(row_tiles: int, n_active: int, n_warps: int) -> int:
     """Down items (16-row output tiles) per take: 8 when that still gives >= 1.3 batches per warp of
     the grid and divides row_tiles (K / 16), else the smallest divisor >= 3 (the ring runs 3 stages
     ahead). The last batches end while most warps are idle, so a batch's duration is a tail the
-    kernel pays: on the H200 (moe_stream.h200.json, v3_down_batch) 4 and 8 were best, 28 cost 2
-    points, 64 cost 18."""
+    kernel pays: on the H200 4 and 8 were best and larger batches lost more the larger they got
+    (`kdlib.perf.load("moe_stream")`, rows' `v3_down_batch`)."""
     ok = [d for d in range(3, row_tiles + 1) if row_tiles % d == 0]
     if 8 in ok and n_active * row_tiles / 8 >= _V3_ITEMS_PER_WARP * n_warps:
         return 8
@@ -431,6 +431,20 @@ def pick_version(n_pairs: int, n_warps: int) -> int:
     """The decode-regime kernel `moe_w4a16` runs by default: 3 when there are >= 0.35 tile pairs
     (active experts x N / 16) per resident warp of v3's grid, else 2 (see _V3_MIN_PAIRS_PER_WARP)."""
     return 3 if n_pairs >= _V3_MIN_PAIRS_PER_WARP * n_warps else 2
+
+
+def default_version(routing: Routing, n_inter: int) -> int:
+    """The kernel version `moe_w4a16` runs for `routing` when none is given: 1 outside the decode
+    regime (`v2_applies`), else `pick_version` on this device's v3 grid, or 2 where v3's block does
+    not fit. Needs CuPy (device limits)."""
+    if not v2_applies(routing, n_inter):
+        return 1
+    limits = _device_limits()
+    resident = v3_shape(limits)["blocks_per_sm"]
+    if not resident:
+        return 2
+    return pick_version(max(1, routing.n_active) * (n_inter // TILE_ROWS),
+                        limits["sms"] * resident * _V3_THREADS // 32)
 
 
 def v2_applies(routing: Routing, n_inter: int) -> bool:
@@ -511,10 +525,7 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
         elif v3_args:
             version = 3
         else:
-            limits = _device_limits()
-            resident = v3_shape(limits)["blocks_per_sm"]
-            version = pick_version(max(1, routing.n_active) * P, limits["sms"] * resident * _V3_THREADS // 32) \
-                if resident else 2
+            version = default_version(routing, N)
     if version == 3 and v2_applies(routing, N) and KC >= 3:   # the ring runs 3 chunks ahead
         launch_v3(xb, packed, routing, out, h, workspace=workspace, parts=parts, down_batch=down_batch)
         _check(sync, "v3 launch")

@@ -21,7 +21,7 @@ What is timed (CUDA events around each call, median of `iters` after warm-up):
   SM), `kernel_v2_k_interleave` (K chunks dealt to the warps round-robin), and the two v2 launches
   timed apart, `kernel_v2_gate_up_only` and `kernel_v2_down_only` (eager, each with its fraction
   of copy bandwidth over its own weight bytes: 2/3 and 1/3 of the touched experts').
-- kernel_default: `moe_w4a16` as called without a version (v3 or v2 by `moe.pick_version`, v1's
+- kernel_default: `moe_w4a16` as called without a version (`moe.default_version`: v3 or v2, v1's
   kernels above the decode regime), eager and graph; `kernel_default_version` says which ran.
 - kernel_v3: version 3 (`kernels/moe_w4a16_v3.cu`): the same decode regime in one persistent
   launch (gate/up items from a global counter, down items waiting per expert for its h), eager
@@ -234,10 +234,7 @@ def _measure(m: int, rng, packed, baseline, *, bw: float, flop_rate: float, rota
         t_v2_dn = stage(lambda r: moe.launch_v2_down(packed, r, out, h))
     t_def = eager()
     t_def_graph = _graph_time(routes, xb, packed, out, h, rotations=rotations, iters=iters)
-    limits = moe._device_limits()
-    warps = limits["sms"] * moe.v3_shape(limits)["blocks_per_sm"] * moe._V3_THREADS // 32
-    picked = sorted({moe.pick_version(rr[0].n_active * N // 16, warps) if moe.v2_applies(rr[0], N) else 1
-                     for rr in routes})
+    picked = sorted({moe.default_version(rr[0], N) for rr in routes})
     t_v3 = eager(version=3)
     t_v3_graph = _graph_time(routes, xb, packed, out, h, rotations=rotations, iters=iters, version=3)
     t_base = timing.cuda_time(baseline_call, warmup=rotations, iters=iters)
