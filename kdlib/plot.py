@@ -1,4 +1,10 @@
-"""One plotting style for every notebook and report."""
+"""One plotting style for every notebook and report.
+
+Conventions: legends sit outside the axes (`legend_outside`), so they never cover data; log axes carry
+plain-number labels at the values plotted (`log_ticks`) or at powers of ten (`plain_log`); series beyond
+the palette's six colours also change marker and line style (`series_style`); count axes get integer
+ticks (`int_ticks`); tables show floats rounded to their meaning with units in the headers (`table`).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,9 @@ PALETTE = {
     "accent": "#b48ead",
     "warn": "#bf616a",
 }
+COLORS = list(PALETTE.values())
+MARKERS = ("o", "s", "^", "D", "v", "P")
+LINESTYLES = ("-", "--", ":", "-.")
 
 
 def style() -> None:
@@ -22,6 +31,7 @@ def style() -> None:
             "figure.dpi": 110,
             "savefig.dpi": 110,
             "axes.grid": True,
+            "axes.axisbelow": True,
             "grid.alpha": 0.3,
             "axes.spines.top": False,
             "axes.spines.right": False,
@@ -30,7 +40,7 @@ def style() -> None:
             "legend.fontsize": 9,
             "legend.frameon": False,
             "font.size": 10,
-            "axes.prop_cycle": mpl.cycler(color=list(PALETTE.values())),
+            "axes.prop_cycle": mpl.cycler(color=COLORS),
         }
     )
 
@@ -42,3 +52,88 @@ def subplots(*args, **kwargs):
     style()
     kwargs.setdefault("layout", "constrained")
     return plt.subplots(*args, **kwargs)
+
+
+def color(i: int) -> str:
+    """The i-th palette colour (wrapping round); for more than six series use `series_style`."""
+    return COLORS[i % len(COLORS)]
+
+
+def series_style(i: int) -> dict:
+    """Line keywords for series i: colour cycles fastest, then marker and line style change together, so
+    up to 6 x 4 series stay distinguishable."""
+    k = i // len(COLORS)
+    return {"color": color(i), "marker": MARKERS[k % len(MARKERS)], "linestyle": LINESTYLES[k % len(LINESTYLES)]}
+
+
+def legend_outside(target, **kwargs):
+    """A legend right of the axes (or of the whole figure when given one), clear of the data."""
+    from matplotlib.figure import Figure
+
+    if isinstance(target, Figure):
+        return target.legend(loc="outside right upper", **kwargs)
+    kwargs.setdefault("loc", "upper left")
+    kwargs.setdefault("bbox_to_anchor", (1.02, 1.0))
+    kwargs.setdefault("borderaxespad", 0.0)
+    return target.legend(**kwargs)
+
+
+def _plain(v: float, _pos=None) -> str:
+    return f"{v:g}" if 1e-3 <= abs(v) < 1e6 else f"{v:.0e}"
+
+
+def log_ticks(ax, values, axis: str = "x") -> None:
+    """Log scale on `axis` with ticks exactly at `values`, labelled as plain numbers (no minor labels)."""
+    from matplotlib import ticker
+
+    getattr(ax, f"set_{axis}scale")("log")
+    a = getattr(ax, f"{axis}axis")
+    a.set_major_locator(ticker.FixedLocator(sorted(set(values))))
+    a.set_major_formatter(ticker.FuncFormatter(_plain))
+    a.set_minor_formatter(ticker.NullFormatter())
+
+
+def plain_log(ax, axis: str = "x") -> None:
+    """Log scale on `axis` with labels at powers of ten written as plain numbers (no minor labels)."""
+    from matplotlib import ticker
+
+    getattr(ax, f"set_{axis}scale")("log")
+    a = getattr(ax, f"{axis}axis")
+    a.set_major_locator(ticker.LogLocator(base=10))
+    a.set_major_formatter(ticker.FuncFormatter(_plain))
+    a.set_minor_formatter(ticker.NullFormatter())
+
+
+def int_ticks(ax, axis: str = "both") -> None:
+    """Integer tick positions only (counts, indices, node ids)."""
+    from matplotlib import ticker
+
+    for name in ("x", "y") if axis == "both" else (axis,):
+        getattr(ax, f"{name}axis").set_major_locator(ticker.MaxNLocator(integer=True))
+
+
+def stacked_bars(ax, labels, parts: dict, ylabel: str, title: str) -> None:
+    """Bars at `labels` stacked from `parts` ({segment name: values}, bottom first), legend outside in
+    stack order (top segment first)."""
+    import numpy as np
+
+    bottom = np.zeros(len(labels))
+    for i, (name, vals) in enumerate(parts.items()):
+        vals = np.asarray(vals, dtype=float)
+        ax.bar(labels, vals, bottom=bottom, label=name, color=color(i))
+        bottom += vals
+    ax.set(ylabel=ylabel, title=title)
+    handles, names = ax.get_legend_handles_labels()
+    legend_outside(ax, handles=handles[::-1], labels=names[::-1])
+
+
+def table(df, formats: dict | None = None, caption: str | None = None, index: bool = False):
+    """A pandas Styler for display: `formats` maps columns to format strings or callables (floats rounded
+    to what they mean; units belong in the column names); the index is hidden unless `index`. The
+    DataFrame itself is unchanged."""
+    st = df.style.format(formats or {}, na_rep="-")
+    if not index:
+        st = st.hide(axis="index")
+    if caption:
+        st = st.set_caption(caption)
+    return st
