@@ -1,5 +1,7 @@
 """kdlib.ref.attention against an independently written dense masked attention (torch SDPA, float64)."""
 
+import warnings
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -112,6 +114,28 @@ def test_merge_of_split_prefix_equals_unsplit():
     np.testing.assert_array_equal(l2, whole[1])
     o3, l3 = merge_attention(empty_out, empty_lse, empty_out, empty_lse)
     assert (o3 == 0).all() and np.isneginf(l3).all()
+
+
+def test_merge_of_empty_and_poisoned_parts_is_quiet():
+    """-inf with -inf (both parts empty) and NaN (rows past the tree) merge without a floating-point
+    warning: lse -inf / NaN as documented; finite lse agree with np.logaddexp."""
+    ni, nan = -np.inf, np.nan
+    la = np.array([ni, ni, nan, 1.5, ni, -3.0, 2.0])  # [7]
+    lb = np.array([ni, 0.25, ni, nan, 4.0, ni, 2.0 + 1e-9])  # [7]
+    oa, ob = np.ones((7, 2)), np.full((7, 2), 3.0)  # [7, 2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = merge_attention(oa, la, ob, lb)
+        q, kv, pt, lens, tkv, vis, sizes = make_case(5)
+        tree_verify_attention(q, kv, pt, lens, tkv, vis, sizes, SCALE)
+    assert np.isneginf(lse[0]) and (out[0] == 0).all()
+    assert np.isnan(lse[2:4]).all() and np.isnan(out[2:4]).all()
+    finite = np.isfinite(lse)
+    assert finite.tolist() == [False, True, False, False, True, True, True]
+    with np.errstate(invalid="ignore"):
+        assert_close(lse[finite], np.logaddexp(la, lb)[finite], rtol=1e-14, name="lse vs np.logaddexp")
+    np.testing.assert_array_equal(out[[1, 4]], ob[[1, 4]])
+    np.testing.assert_array_equal(out[5], oa[5])
 
 
 def test_chain_tail_equals_causal():

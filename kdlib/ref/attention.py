@@ -174,6 +174,13 @@ def tree_tail_attention(q, tree_kv, visibility, tree_sizes, softmax_scale, kv_lo
     return (out, lse) if batched else (out[0], lse[0])
 
 
+def _logaddexp(a, b):
+    """log(exp(a) + exp(b)) without floating-point warnings: -inf with -inf gives -inf and NaN (a
+    poisoned row) gives NaN, both quietly (np.logaddexp flags these as invalid)."""
+    hi = np.maximum(a, b)  # NaN propagates
+    return hi + np.log1p(np.exp(np.minimum(a, b) - np.where(np.isneginf(hi), 0.0, hi)))
+
+
 def merge_attention(out_a, lse_a, out_b, lse_b):
     """Merge two attention results over disjoint key sets by their LSE.
 
@@ -187,7 +194,7 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     lb = _float_array("lse_b", lse_b, np.ndim(lse_b))
     if oa.shape != ob.shape or la.shape != lb.shape or oa.shape[:-1] != la.shape:
         raise ValueError(f"merge shapes disagree: out {oa.shape} / {ob.shape}, lse {la.shape} / {lb.shape}")
-    lse = np.logaddexp(la, lb)  # [...]
+    lse = _logaddexp(la, lb)  # [...]
     empty = np.isneginf(lse)
     base = np.where(empty, 0.0, lse)
     wa = np.where(np.isneginf(la), 0.0, np.exp(la - base))
