@@ -1,17 +1,29 @@
 """The `kdlib` console script: one sub-command per module, each parsing its own arguments.
 
+    kdlib --version | kdlib --help
     kdlib kdtr info FILE | kdtr convert A B | kdtr verify FILE
     kdlib report [NOTEBOOK ...] [--profile P] [-p NAME VALUE]
     kdlib memory CONFIG --gpu GPU --tp N --context T
-    kdlib estimate [--scenario seeds] [--json]
+    kdlib estimate [--scenario seeds] [--gpu G] [--concurrency C ...] [--block-size B] [--accepted-length A] [--json]
     kdlib serve --port P
     kdlib diagnose [--endpoint URL]
 
 Each module exposes `cli(argv: list[str]) -> int`; it is imported only when its command runs,
 so a missing optional package (FastAPI on the GPU machine, say) breaks only that command.
+
+Conventions the commands share (argparse's): bad input is one line `kdlib CMD: error: ...` on
+stderr and exit status 2 (`Parser`, the argument types below, `fail` for a library's ValueError);
+`kdlib` without a command prints the commands on stderr and exits 2, `kdlib --help` on stdout
+with 0. Output cut short by a reader that went away (`kdlib memory ... | head`) ends the command
+quietly with status 141 = 128 + SIGPIPE, what a tool killed by SIGPIPE reports.
 """
 
+import argparse
 import importlib
+import importlib.metadata
+import math
+import os
+import signal
 import sys
 
 COMMANDS = {
@@ -22,26 +34,109 @@ COMMANDS = {
     "serve": ("kdlib.serve", "OpenAI-compatible HTTP server around the engine"),
     "diagnose": ("kdlib.diagnose", "throughput diagnosis of an OpenAI-compatible endpoint"),
 }
+EXIT_USAGE = 2
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line, `PROG: error: MESSAGE (see PROG --help)`, and exit 2."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)\n")
+
+
+def _one_line(text) -> str:
+    return " ".join(str(text).split())
+
+
+def fail(prog: str, err: Exception | str) -> int:
+    """Report a library's refusal (a ValueError) as `PROG: error: ...` on stderr; returns exit status 2."""
+    print(f"{prog}: error: {_one_line(err)}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _number(text: str, kind, what: str):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = _number(text, int, "a positive integer")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    value = _number(text, float, "a positive number")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    value = _number(text, float, "a number >= 0")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """argparse type: a number strictly between 0 and 1."""
+    value = _number(text, float, "a fraction in (0, 1)")
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1), got {text!r}")
+    return value
 
 
 def _usage() -> str:
-    lines = ["usage: kdlib COMMAND [ARGS ...]", "", "commands:"]
+    lines = ["usage: kdlib [--version] [--help] COMMAND [ARGS ...]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines += ["", "`kdlib COMMAND --help` shows a command's own arguments."]
+    lines += ["", "`kdlib COMMAND --help` shows a command's own arguments. `kdlib` alone prints this on stderr",
+              "and exits 2 (no command given); `kdlib --help` prints it on stdout and exits 0."]
     return "\n".join(lines)
+
+
+def _run(name: str, rest: list[str]) -> int:
+    if name in ("-h", "--help"):
+        print(_usage())
+        return 0
+    if name == "--version":
+        try:
+            version = importlib.metadata.version("kdlib")
+        except importlib.metadata.PackageNotFoundError:
+            return fail("kdlib", "no package metadata for kdlib here (install it: pip install -e .)")
+        print(f"kdlib {version}")
+        return 0
+    return int(importlib.import_module(COMMANDS[name][0]).cli(rest) or 0)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
-        return 0 if argv else 2
+    if not argv:
+        print(_usage(), file=sys.stderr)
+        return EXIT_USAGE
     name, rest = argv[0], argv[1:]
-    if name not in COMMANDS:
-        print(f"kdlib: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
-        return 2
-    module = importlib.import_module(COMMANDS[name][0])
-    return int(module.cli(rest) or 0)
+    if name not in COMMANDS and name not in ("-h", "--help", "--version"):
+        print(f"kdlib: error: unknown command {name!r} (commands: {', '.join(COMMANDS)}; see kdlib --help)",
+              file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        rc = _run(name, rest)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader left: point stdout at /dev/null so the interpreter's last flush has nowhere to fail.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    return rc
 
 
 if __name__ == "__main__":

@@ -51,16 +51,15 @@ vision tower of multimodal checkpoints.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from kdlib import DATA, hw
+from kdlib.cli import Parser, fail, fraction, nonnegative_float, positive_int
 
 CONFIGS = DATA / "configs"
 GiB = 2**30
@@ -149,7 +148,9 @@ def _need(lm: dict, key: str, why: str):
     if lm.get(key) is None:
         raise ConfigError(f"config {lm.get('_name', '?')}: missing field {key!r} (needed for {why})")
     value = lm[key]
-    if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ConfigError(f"config {lm.get('_name', '?')}: field {key!r} must be a number, got {value!r}")
+    if value < 0:
         raise ConfigError(f"config {lm.get('_name', '?')}: field {key!r} is negative ({value})")
     return value
 
@@ -234,7 +235,35 @@ def kv_heads_per_rank(g: Geometry, tp: int) -> int:
     """GQA/MHA KV heads a rank holds under plain TP: kv/tp, or 1 (replicated) when kv < tp."""
     if g.num_kv_heads >= tp and g.num_kv_heads % tp:
         raise ValueError(f"{g.name}: {g.num_kv_heads} KV heads cannot be split evenly over tp={tp}")
+    if g.num_kv_heads < tp and tp % g.num_kv_heads:
+        raise ValueError(f"{g.name}: tp={tp} is not a multiple of its {g.num_kv_heads} KV heads, so they cannot "
+                         f"be replicated evenly over the ranks")
     return max(1, g.num_kv_heads // tp)
+
+
+def check_tp(config, tp: int, kv_split: str = "replicated") -> None:
+    """Refuse a TP size the model cannot be split over (ValueError naming what does not divide).
+
+    Attention TP gives every rank whole heads, so tp must divide num_attention_heads (not checked
+    under dp_attention, where attention is not split); GQA KV heads are split or replicated evenly
+    (`kv_heads_per_rank`). Routed experts go whole to ranks (EP: tp divides the expert count) or
+    in slices (TP: tp divides moe_intermediate_size); one of the two must work.
+    """
+    _check_split(tp, kv_split)
+    g = geometry(config)
+    if kv_split != "dp_attention":
+        if g.num_heads % tp:
+            raise ValueError(f"{g.name}: tp={tp} cannot split its {g.num_heads} attention heads (every rank "
+                             f"holds whole heads: tp must divide {g.num_heads})")
+        if g.attention != "mla":
+            kv_heads_per_rank(g, tp)
+    lm = text_config(config)
+    experts = int(lm.get("n_routed_experts") or lm.get("num_experts") or 0)
+    if experts:
+        inter = int(_need(lm, "moe_intermediate_size", "MoE expert weights"))
+        if experts % tp and inter % tp:
+            raise ValueError(f"{g.name}: tp={tp} splits neither its {experts} routed experts (whole experts per "
+                             f"rank) nor their intermediate size {inter} (a slice of every expert per rank)")
 
 
 def dcp_size(g: Geometry, tp: int) -> int:
@@ -376,6 +405,9 @@ def resolve_weight_format(config, weight_format: str = "auto") -> str:
     if weight_format != "auto":
         if weight_format not in WEIGHT_FORMATS and not weight_format.startswith("int4_g"):
             raise ValueError(f"weight_format {weight_format!r} not in {WEIGHT_FORMATS} (or int4_g<N>)")
+        group = weight_format[len("int4_g"):] if weight_format.startswith("int4_g") else "1"
+        if not group.isdigit() or int(group) < 1:
+            raise ValueError(f"weight_format {weight_format!r}: int4_g<N> needs a positive integer group size N")
         return weight_format
     qc = text_config(config).get("quantization_config")
     if not qc:
@@ -420,7 +452,7 @@ def weight_bytes(config, weight_format: str = "auto", tp: int = 1, kv_split: str
     Per GPU: "split" parts / tp, attention / attention-TP (1 under dp_attention), replicated parts whole.
     Returns {"format", "total", "per_gpu", "by_part": {part: total bytes}, "per_gpu_by_part"}.
     """
-    _check_split(tp, kv_split)
+    check_tp(config, tp, kv_split)
     fmt = resolve_weight_format(config, weight_format)
     g = geometry(config)
     attn_tp = 1 if kv_split == "dp_attention" else tp
@@ -472,6 +504,9 @@ def default_mem_fraction_static(gpu_memory_bytes: int, tp: int, pp: int = 1, spe
         reserved, bucket = reserved + 2, bucket + " (+2 speculative)"
     if dp_attention:
         reserved, bucket = reserved + 4, bucket + " (+4 DP-attention)"
+    if reserved >= mem_gib:
+        raise ValueError(f"SGLang's default reserve of {reserved:g} GiB ({bucket}, tp={tp}) is not below the "
+                         f"{mem_gib:.2f} GiB of GPU memory: no default mem_fraction_static; give one")
     return round((mem_gib - reserved) / mem_gib, 3), reserved, bucket
 
 
@@ -490,13 +525,22 @@ def vlm_mem_fraction_factor(config) -> float:
     return 0.95 * max(0.8, min(1.05, 1.0 - 0.1 * (ratio - 1.0)))
 
 
+def free_before_weights(gpu_memory_bytes: int, overhead_bytes: int = DEFAULT_OVERHEAD_BYTES) -> int:
+    """GPU memory left once the CUDA context and NCCL buffers (`overhead_bytes`) are taken; > 0 or ValueError."""
+    if overhead_bytes < 0:
+        raise ValueError(f"overhead_bytes must be >= 0, got {overhead_bytes}")
+    if overhead_bytes >= gpu_memory_bytes:
+        raise ValueError(f"the overhead before weights, {_fmt_bytes(overhead_bytes)}, is not below the GPU memory, "
+                         f"{_fmt_bytes(gpu_memory_bytes)}: nothing is left for weights or KV")
+    return gpu_memory_bytes - overhead_bytes
+
+
 def pool_bytes(gpu_memory_bytes: int, weights_per_gpu: int, mem_fraction_static: float,
                overhead_bytes: int = DEFAULT_OVERHEAD_BYTES) -> int:
     """SGLang's rest_memory in bytes: free_before x fraction - weights (may be <= 0: does not fit)."""
     if not 0 < mem_fraction_static < 1:
         raise ValueError(f"mem_fraction_static must be in (0, 1), got {mem_fraction_static}")
-    free_before = gpu_memory_bytes - overhead_bytes
-    return int(free_before * mem_fraction_static) - int(weights_per_gpu)
+    return int(free_before_weights(gpu_memory_bytes, overhead_bytes) * mem_fraction_static) - int(weights_per_gpu)
 
 
 def pool_tokens(gpu_memory_bytes: int, weights_per_gpu: int, cell_bytes: float, mem_fraction_static: float,
@@ -511,7 +555,7 @@ def pool_tokens(gpu_memory_bytes: int, weights_per_gpu: int, cell_bytes: float, 
 def mem_fraction_for_pool(gpu_memory_bytes: int, weights_per_gpu: int, pool_bytes_needed: float,
                           overhead_bytes: int = DEFAULT_OVERHEAD_BYTES) -> float:
     """The mem_fraction_static at which SGLang's pool reaches `pool_bytes_needed` (may exceed 1: impossible)."""
-    return (weights_per_gpu + pool_bytes_needed) / (gpu_memory_bytes - overhead_bytes)
+    return (weights_per_gpu + pool_bytes_needed) / free_before_weights(gpu_memory_bytes, overhead_bytes)
 
 
 def implied_mem_fraction(config, gpu: str, tp: int, pool_tokens_logged: int, kv_dtype: str = "bfloat16",
@@ -698,11 +742,12 @@ def plan(config, gpu: str, tp: int, context: int, *, kv_dtype: str = "bfloat16",
     _check_split(tp, kv_split)
     if not isinstance(context, int) or context < 1:
         raise ValueError(f"context must be a positive integer (tokens), got {context!r}")
-    if draft_weight_bytes < 0 or overhead_bytes < 0:
-        raise ValueError("draft_weight_bytes and overhead_bytes must be >= 0")
+    if draft_weight_bytes < 0:
+        raise ValueError(f"draft_weight_bytes must be >= 0, got {draft_weight_bytes}")
     spec = hw.load(gpu)
     g = geometry(config)
     mem = int(spec["memory_bytes"])
+    free_before = free_before_weights(mem, overhead_bytes)
     w = weight_bytes(config, weight_format, tp, kv_split)
     weights = w["per_gpu"] + int(draft_weight_bytes)
     if mem_fraction_static is None:
@@ -713,12 +758,13 @@ def plan(config, gpu: str, tp: int, context: int, *, kv_dtype: str = "bfloat16",
         if vlm != 1.0:
             mfs = mfs * vlm
             mfs_note += f" x {vlm:.3f} for the vision tower"
+    elif not 0 < mem_fraction_static < 1:
+        raise ValueError(f"mem_fraction_static must be in (0, 1), got {mem_fraction_static}")
     else:
         mfs, mfs_note = float(mem_fraction_static), "given"
     # A pool slot holds one token's KV on one rank; under DCP a request's tokens are striped over c ranks.
     c = dcp_size(g, tp) if kv_split == "context_parallel" else 1
     cell = kv_bytes_per_token(config, kv_dtype, tp, "replicated" if c > 1 else kv_split)
-    free_before = mem - overhead_bytes
     static = int(free_before * mfs)
     rest = pool_bytes(mem, weights, mfs, overhead_bytes)
     tokens = pool_tokens(mem, weights, cell, mfs, overhead_bytes) if rest > 0 else 0
@@ -915,21 +961,26 @@ def seeds_200k_recheck(seeds: dict | None = None, overhead_bytes: int = DEFAULT_
 # ----------------------------------------------------------------------------------------- CLI
 
 def cli(argv: list[str] | None = None) -> int:
-    """`kdlib memory CONFIG --gpu GPU --tp N --context T [...]`: print the memory plan."""
-    ap = argparse.ArgumentParser(prog="kdlib memory", description="KV-cache and weight memory plan from a config.json "
-                                 f"(shipped configs: {', '.join(shipped())})")
+    """`kdlib memory CONFIG --gpu GPU --tp N --context T [...]`: print the memory plan.
+    Bad input, or a deployment the model cannot be split over, is one line on stderr and exit 2."""
+    ap = Parser(prog="kdlib memory", description="KV-cache and weight memory plan from a config.json "
+                f"(shipped configs: {', '.join(shipped())})")
     ap.add_argument("config", help="a shipped config name, a config.json, or a directory holding one")
     ap.add_argument("--gpu", required=True, help=f"one of {', '.join(hw.slugs())}")
-    ap.add_argument("--tp", type=int, required=True, help="tensor-parallel size (GPUs)")
-    ap.add_argument("--context", type=int, required=True, help="request length to check, tokens")
+    ap.add_argument("--tp", type=positive_int, required=True,
+                    help="tensor-parallel size (GPUs); must split the attention heads and the routed experts")
+    ap.add_argument("--context", type=positive_int, required=True, help="request length to check, tokens")
     ap.add_argument("--kv-dtype", default="bfloat16", help=f"KV dtype: {', '.join(DTYPE_BYTES)} or auto")
     ap.add_argument("--kv-split", default="replicated", choices=KV_SPLITS)
-    ap.add_argument("--weight-format", default="auto", help=f"{', '.join(WEIGHT_FORMATS)} or int4_g<N>")
-    ap.add_argument("--mem-fraction-static", type=float, default=None, help="default: SGLang's heuristic")
-    ap.add_argument("--overhead-gib", type=float, default=DEFAULT_OVERHEAD_BYTES / GiB,
-                    help="memory taken before weights load (CUDA context, NCCL), GiB; an assumption")
+    ap.add_argument("--weight-format", default="auto", help=f"{', '.join(WEIGHT_FORMATS)} or int4_g<N> (N >= 1)")
+    ap.add_argument("--mem-fraction-static", type=fraction, default=None,
+                    help="in (0, 1); default: SGLang's heuristic")
+    ap.add_argument("--overhead-gib", type=nonnegative_float, default=DEFAULT_OVERHEAD_BYTES / GiB,
+                    help="memory taken before weights load (CUDA context, NCCL), GiB, below the GPU's memory; "
+                         "an assumption")
     ap.add_argument("--speculative", action="store_true", help="add SGLang's +2 GiB speculative reserve")
-    ap.add_argument("--max-total-tokens", type=int, default=None, help="cap the per-GPU pool (SGLang --max-total-tokens)")
+    ap.add_argument("--max-total-tokens", type=positive_int, default=None,
+                    help="cap the per-GPU pool (SGLang --max-total-tokens)")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_args(argv)
     try:
@@ -938,7 +989,6 @@ def cli(argv: list[str] | None = None) -> int:
                  overhead_bytes=int(args.overhead_gib * GiB), speculative=args.speculative,
                  max_total_tokens=args.max_total_tokens)
     except ValueError as e:
-        print(f"kdlib memory: {e}", file=sys.stderr)
-        return 2
+        return fail(ap.prog, e)
     print(json.dumps(p.to_dict(), indent=1) if args.json else p)
     return 0

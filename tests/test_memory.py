@@ -134,6 +134,58 @@ def test_bad_arguments():
         m.plan("deepseek-v3", "a100", 8, 1000)
 
 
+def test_tp_must_split_heads_kv_heads_and_experts():
+    for tp in (3, 1024):
+        with pytest.raises(ValueError, match=f"tp={tp} cannot split its 64 attention heads"):
+            m.plan("kimi-k2.6", "h200", tp, 1000)
+        with pytest.raises(ValueError, match="attention heads"):
+            m.weight_bytes("kimi-k2.6", tp=tp)
+    # DP-attention keeps attention whole; 384 experts go 128 to a rank
+    assert m.weight_bytes("kimi-k2.6", tp=3, kv_split="dp_attention")["per_gpu"] > 0
+    m.check_tp("qwen3-30b-a3b", 3, "dp_attention")  # 128 experts do not split over 3, their 768 columns do
+    with pytest.raises(ValueError, match=r"tp=5 splits neither its 128 routed experts \(.*\) nor their intermediate size 768"):
+        m.check_tp("qwen3-30b-a3b", 5, "dp_attention")
+    gqa = {"num_hidden_layers": 2, "hidden_size": 96, "num_attention_heads": 12, "num_key_value_heads": 4,
+           "vocab_size": 10, "intermediate_size": 32}
+    assert m.weight_bytes(gqa, tp=12)["per_gpu"] > 0  # 4 KV heads, each on 3 ranks
+    with pytest.raises(ValueError, match="tp=6 is not a multiple of its 4 KV heads"):
+        m.weight_bytes(gqa, tp=6)
+    with pytest.raises(ValueError, match="not a multiple of its 4 KV heads"):
+        m.kv_bytes_per_token(gqa, tp=6)
+
+
+def test_weight_format_group_size_checked():
+    for fmt in ("int4_g0", "int4_g", "int4_gabc", "int4_g-32"):
+        with pytest.raises(ValueError, match="positive integer group size"):
+            m.weight_bytes("kimi-k2.6", fmt, tp=8)
+    assert m.resolve_weight_format("kimi-k2.6", "int4_g128") == "int4_g128"
+
+
+def test_memory_that_does_not_fit_is_said():
+    mem = hw.load("h200")["memory_bytes"]
+    with pytest.raises(ValueError, match="overhead before weights.*is not below the GPU memory"):
+        m.plan("kimi-k2.6", "h200", 8, 1000, overhead_bytes=500 * m.GiB)
+    with pytest.raises(ValueError, match="is not below the GPU memory"):
+        m.pool_bytes(mem, 0, 0.5, overhead_bytes=mem)
+    with pytest.raises(ValueError, match="is not below the GPU memory"):
+        m.mem_fraction_for_pool(mem, 0, 1, overhead_bytes=mem + 1)
+    with pytest.raises(ValueError, match="overhead_bytes must be >= 0"):
+        m.plan("kimi-k2.6", "h200", 8, 1000, overhead_bytes=-1)
+    with pytest.raises(ValueError, match=r"mem_fraction_static must be in \(0, 1\), got 1.5"):
+        m.plan("kimi-k2.6", "h200", 8, 1000, mem_fraction_static=1.5)
+    with pytest.raises(ValueError, match="default reserve of 112 GiB .* is not below the 96.00 GiB"):
+        m.default_mem_fraction_static(96 * m.GiB, tp=200)
+    p = m.plan("kimi-k2.6", "h200", 2, 1000)  # the weights per GPU against the memory: a verdict, not an error
+    assert not p.fits and p.verdict.startswith("DOES NOT FIT: the weights alone need")
+
+
+def test_config_fields_must_be_numbers():
+    cfg = m.load_config("deepseek-v3")
+    cfg["num_hidden_layers"] = "61"
+    with pytest.raises(m.ConfigError, match="'num_hidden_layers' must be a number, got '61'"):
+        m.kv_bytes_per_token(cfg)
+
+
 # ------------------------------------------------------------------------------ weights
 
 def test_param_counts_match_reference():

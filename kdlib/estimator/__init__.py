@@ -8,7 +8,8 @@
     a = est.calibrate(est.load_results("h200"))  # efficiencies from H200 measurements
     est.validate(a, est.load_results("h200")["engine"])   # against the engine's measured step times
 
-CLI: `kdlib estimate [--gpu b300] [--scenario seeds|default] [--concurrency 1 4 10] [--context N]
+CLI: `kdlib estimate [--scenario seeds] [--json]` (the seeds' B300 scenarios, nothing else to set), or
+`kdlib estimate [--gpu b300] [--concurrency 1 4 10] [--context N] [--block-size B] [--accepted-length A]
 [--tree cpu|gpu] [--calibrated] [--json]`.
 Hardware peaks come from `data/hw/` (`kdlib.hw`); every other input is a named `Param` of
 `Assumptions` with its source; the model shape defaults to Kimi-K2 at TP8.
@@ -16,10 +17,11 @@ Hardware peaks come from `data/hw/` (`kdlib.hw`); every other input is a named `
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
+from kdlib import memory
+from kdlib.cli import Parser, fail, positive_float, positive_int
 from kdlib.estimator import seeds
 from kdlib.estimator.calibration import calibrate, engine_rows, load_results, validate
 from kdlib.estimator.model import (
@@ -33,12 +35,12 @@ from kdlib.estimator.model import (
     step_time,
     touched_experts,
 )
-from kdlib.estimator.params import Assumptions, ModelShape, Param, Scenario
+from kdlib.estimator.params import SHAPE_CONFIG, Assumptions, ModelShape, Param, Scenario
 
 __all__ = [
-    "COMPONENTS", "Assumptions", "ModelShape", "Param", "Scenario", "calibrate", "cli", "engine_rows", "hardware",
-    "knee_m", "load_results", "model_seed_rows", "moe_curve", "moe_layer", "project", "seed_scenarios", "seeds",
-    "seeds_stack", "sensitivity", "step_time", "touched_experts", "validate",
+    "COMPONENTS", "SHAPE_CONFIG", "Assumptions", "ModelShape", "Param", "Scenario", "calibrate", "cli", "engine_rows",
+    "hardware", "knee_m", "load_results", "model_seed_rows", "moe_curve", "moe_layer", "project", "seed_scenarios",
+    "seeds", "seeds_stack", "sensitivity", "step_time", "touched_experts", "validate",
 ]
 
 
@@ -92,51 +94,96 @@ def model_seed_rows(gpu: str = "b300") -> list[dict]:
     return rows
 
 
+_PROJECTION_ONLY = ("gpu", "concurrency", "context", "block_size", "accepted_length", "tree", "calibrated")
+
+
+def _seeds_doc() -> dict:
+    rep = seeds.reproduce()
+    return {"gpu": "b300", "scenarios": rep["scenarios"], "terms_ms": rep["terms_ms"], "model": model_seed_rows("b300"),
+            "readings": seeds.readings(), "contradictions": seeds.contradictions()}
+
+
+def _print_seeds(doc: dict) -> None:
+    print("The seeds' B300 projections, rebuilt from their calibration points:")
+    for s in doc["scenarios"]:
+        got = f"{s['tok_s']:.0f}" if "tok_s" in s else f"{s['tok_s_low']:.0f}-{s['tok_s_high']:.0f}"
+        want = f"{s['seed_tok_s']:.0f}" if "seed_tok_s" in s else f"{s['seed_tok_s_low']:.0f}-{s['seed_tok_s_high']:.0f}"
+        print(f"  {s['name']:<55} {got:>10} tok/s   (seeds: {want})")
+    print("Under each reading of their inputs (B300 tok/s: current | strong | overhead cut):")
+    for r in doc["readings"]:
+        print(f"  {r['reading'][:78]:<78} {r['current_tok_s']:5.0f} | {r['strong_tok_s_low']:4.0f}-"
+              f"{r['strong_tok_s_high']:<4.0f} | {r['cut_tok_s_low']:4.0f}-{r['cut_tok_s_high']:.0f}")
+
+
 def cli(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kdlib estimate", description="step-time and throughput estimator")
-    ap.add_argument("--gpu", default="b300", help="a slug of data/hw/ (default b300)")
+    """`kdlib estimate [...]`: the seeds' scenarios rebuilt, or a projection of this model at C = 1, 4, 10
+    (or --concurrency ...). Bad input is one line on stderr and exit 2."""
+    p = seeds.points()
+    block0, acc0 = int(p["b300_block"]["value"]), p["b300_accepted"]["value"]
+    max_pos = int(memory.text_config(SHAPE_CONFIG)["max_position_embeddings"])
+    ap = Parser(prog="kdlib estimate", description="step-time and throughput estimator (the model: "
+                f"{SHAPE_CONFIG} at TP8); every flag but --json belongs to the default scenario")
     ap.add_argument("--scenario", default="default", choices=("default", "seeds"),
-                    help="seeds: the seeds' B300 scenarios rebuilt; default: C = 1, 4, 10 projection")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 10])
-    ap.add_argument("--context", type=int, default=2048)
-    ap.add_argument("--tree", default="cpu", choices=("cpu", "gpu"), help="tree builder (default cpu)")
+                    help="seeds: the seeds' own B300 scenarios at C = 1, rebuilt; default: a projection at "
+                         "C = 1, 4, 10")
+    ap.add_argument("--gpu", default=None, help="a slug of data/hw/ (default b300)")
+    ap.add_argument("--concurrency", type=positive_int, nargs="+", default=None,
+                    help="streams per step, each >= 1 (default 1 4 10)")
+    ap.add_argument("--context", type=positive_int, default=None,
+                    help=f"tokens already cached per stream (default 2048); with the block + 1 tokens a step "
+                         f"verifies at most max_position_embeddings = {max_pos:,}")
+    ap.add_argument("--block-size", type=positive_int, default=None,
+                    help=f"drafter block: tokens drafted per stream per step; a step verifies block + 1 "
+                         f"(default {block0}, the seeds' current drafter)")
+    ap.add_argument("--accepted-length", type=positive_float, default=None,
+                    help=f"tokens committed per stream per step, the bonus token included, in [1, block + 1] "
+                         f"(default {acc0:g}, the seeds' current drafter)")
+    ap.add_argument("--tree", default=None, choices=("cpu", "gpu"), help="tree builder (default cpu)")
     ap.add_argument("--calibrated", action="store_true",
                     help="calibrate on the recorded H200 component results (data/results/*.h200.json) first")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = ap.parse_args(argv)
-    try:
-        hardware(args.gpu)
-    except ValueError as err:
-        ap.error(str(err))
+    given = ["--" + k.replace("_", "-") for k in _PROJECTION_ONLY if getattr(args, k) not in (None, False)]
     if args.scenario == "seeds":
-        rep = seeds.reproduce()
-        doc = {"gpu": args.gpu, "scenarios": rep["scenarios"], "terms_ms": rep["terms_ms"],
-               "model": model_seed_rows(args.gpu), "readings": seeds.readings(),
-               "contradictions": seeds.contradictions()}
+        if given:
+            ap.error(f"--scenario seeds rebuilds the seeds' own B300 figures at C = 1 and takes no "
+                     f"{', '.join(given)}; drop {'it' if len(given) == 1 else 'them'}, or leave out --scenario")
+        try:
+            doc = _seeds_doc()
+        except ValueError as err:
+            return fail(ap.prog, err)
         if args.json:
             print(json.dumps(doc, indent=1))
         else:
-            print("The seeds' B300 projections, rebuilt from their calibration points:")
-            for s in rep["scenarios"]:
-                got = f"{s['tok_s']:.0f}" if "tok_s" in s else f"{s['tok_s_low']:.0f}-{s['tok_s_high']:.0f}"
-                want = f"{s['seed_tok_s']:.0f}" if "seed_tok_s" in s else f"{s['seed_tok_s_low']:.0f}-{s['seed_tok_s_high']:.0f}"
-                print(f"  {s['name']:<55} {got:>10} tok/s   (seeds: {want})")
-            print("Under each reading of their inputs (B300 tok/s: current | strong | overhead cut):")
-            for r in doc["readings"]:
-                print(f"  {r['reading'][:78]:<78} {r['current_tok_s']:5.0f} | {r['strong_tok_s_low']:4.0f}-"
-                      f"{r['strong_tok_s_high']:<4.0f} | {r['cut_tok_s_low']:4.0f}-{r['cut_tok_s_high']:.0f}")
+            _print_seeds(doc)
         return 0
-    p = seeds.points()
-    block, acc = int(p["b300_block"]["value"]), p["b300_accepted"]["value"]
-    scs = [Scenario(c, block + 1, block, acc, args.context, args.tree, f"C={c}") for c in args.concurrency]
-    a = calibrate(load_results("h200")) if args.calibrated else Assumptions()
-    rows = project([args.gpu], scs, a)
+    gpu = args.gpu or "b300"
+    concurrency = args.concurrency or [1, 4, 10]
+    context = 2048 if args.context is None else args.context
+    block = args.block_size or block0
+    acc = acc0 if args.accepted_length is None else args.accepted_length
+    tree = args.tree or "cpu"
+    if not 1 <= acc <= block + 1:
+        default = "" if args.accepted_length else " (the default; give --accepted-length)"
+        ap.error(f"accepted length {acc:g}{default} must lie in [1, block + 1 = {block + 1}] (a step commits at "
+                 f"least the bonus token and at most every token it verifies)")
+    if context + block + 1 > max_pos:
+        ap.error(f"context {context:,} + the {block + 1} tokens a step verifies exceed {SHAPE_CONFIG}'s "
+                 f"max_position_embeddings {max_pos:,}")
+    try:
+        hardware(gpu)
+        scs = [Scenario(c, block + 1, block, acc, context, tree, f"C={c}") for c in concurrency]
+        a = calibrate(load_results("h200")) if args.calibrated else Assumptions()
+        rows = project([gpu], scs, a)
+    except ValueError as err:
+        return fail(ap.prog, err)
     if args.json:
-        print(json.dumps({"gpu": args.gpu, "assumptions": a.table(), "rows": rows}, indent=1))
+        print(json.dumps({"gpu": gpu, "assumptions": a.table(), "rows": rows}, indent=1))
     else:
         what = "H200-calibrated" if args.calibrated else "default"
-        print(f"{args.gpu}: block {block}, ~{acc:g} accepted (the seeds' current drafter), context {args.context}, "
-              f"{args.tree} tree build, {what} assumptions")
+        drafter = " (the seeds' current drafter)" if (block, acc) == (block0, acc0) else ""
+        print(f"{gpu}: block {block}, ~{acc:g} accepted{drafter}, context {context}, {tree} tree build, "
+              f"{what} assumptions")
         for r in rows:
             print(f"  C={r['concurrency']:<3} step {r['step_ms']:7.2f} ms  {r['tok_s']:8.0f} tok/s  "
                   f"dominant: {r['dominant']}")

@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 MH = "shared/design/reference/models-hardware.md"
+# The shipped config (data/configs/) whose shapes ModelShape()'s defaults are (tests/test_estimator.py checks it).
+SHAPE_CONFIG = "kimi-k2.6"
 KP = "shared/design/reference/kernels-perf.md"
 
 
