@@ -70,6 +70,7 @@ file; a killed process can leave one behind (recognisable by that suffix), never
     kdtr.save("golden.kdtr", {"q": q, "lse": lse}, metadata={"generator": "ref.tree_verify", "seed": "0"})
     t = kdtr.load("golden.kdtr")              # dict name -> read-only numpy view into a memory map
     t = kdtr.load("golden.kdtr", device="cuda")   # CuPy arrays
+    kdtr.differences("new.kdtr", "golden.kdtr", close={"out": 1e-12})   # [] when they agree
     kdlib kdtr info golden.kdtr | kdlib kdtr convert golden.kdtr golden.safetensors
 """
 
@@ -640,6 +641,70 @@ def table(path) -> str:
     lines.append("metadata:" if meta else "metadata: (none)")
     lines += [f"  {k} = {v}" for k, v in meta.items()]
     return "\n".join(lines)
+
+
+def _locate(offset: int, rows, entries) -> str:
+    """The header field or tensor whose bytes hold file offset `offset`."""
+    for off, size, field, _ in rows:
+        if off <= offset < off + size:
+            return field
+    for e in entries:
+        if e.offset <= offset < e.offset + e.nbytes:
+            return f"tensor[{e.name}] data"
+    return "padding"
+
+
+def differences(actual, expected, close: Mapping[str, float] | None = None) -> list[str]:
+    """What differs between two KDTR files, one line per problem; an empty list when they agree.
+
+    Every byte must be equal except, for each float tensor named in `close` (name -> rtol), its
+    data and its CRC-32 field, and the header CRC. Those tensors must hold NaN and infinities at
+    the same places, with the same values, and finite values within rtol norm-relative
+    (kdlib.check.errors). Both files are verified in full first. For golden files whose computed
+    floats come from BLAS or SIMD math, whose rounding differs from one CPU to the next.
+    """
+    from kdlib.check import errors
+
+    close = dict(close or {})
+    ha, hb = verify(actual), verify(expected)
+    entries = {e.name: e for e in hb.tensors}
+    missing = sorted(set(close) - set(entries))
+    if missing:
+        return [f"{expected}: no tensors named {missing} (asked to compare them at a tolerance)"]
+    ra, rb = Path(actual).read_bytes(), Path(expected).read_bytes()
+    if len(ra) != len(rb):
+        return [f"sizes differ: {len(ra)} vs {len(rb)} bytes"]
+    rows = header_fields(expected)
+    crc_at = {field: off for off, _, field, _ in rows if field.endswith(".crc32")}
+    masked = [(56, 60)]  # header_crc
+    for name in close:
+        e, at = entries[name], crc_at[f"tensor[{name}].crc32"]
+        masked += [(at, at + 4), (e.offset, e.offset + e.nbytes)]
+    a, b = np.frombuffer(ra, np.uint8).copy(), np.frombuffer(rb, np.uint8).copy()
+    for lo, hi in masked:
+        a[lo:hi] = b[lo:hi] = 0
+    problems = []
+    bad = np.flatnonzero(a != b)
+    if bad.size:
+        where = sorted({_locate(int(i), rows, hb.tensors) for i in bad[:10_000]})
+        problems.append(f"{bad.size} bytes differ outside the tolerance-compared tensors, in {', '.join(where[:8])}")
+        if len(ha.tensors) != len(hb.tensors) or ha.data_offset != hb.data_offset:
+            return problems  # different layouts: the tensors below cannot be paired
+    ta, tb = load(actual), load(expected)
+    for name, rtol in close.items():
+        x, y = ta[name], tb[name]
+        if x.dtype != y.dtype or x.shape != y.shape or (y.dtype.kind != "f" and y.dtype != BFLOAT16):
+            problems.append(f"{name}: {x.dtype} {x.shape} vs {y.dtype} {y.shape} (need equal float tensors)")
+            continue
+        x, y = x.astype(np.float64), y.astype(np.float64)
+        fin = np.isfinite(y)
+        if not np.array_equal(np.isfinite(x), fin) or not np.array_equal(x[~fin], y[~fin], equal_nan=True):
+            problems.append(f"{name}: NaN / infinity pattern differs")
+            continue
+        rel = errors(x[fin], y[fin])["norm_rel"]
+        if not rel <= rtol:
+            problems.append(f"{name}: norm-relative difference {rel:.3e} > rtol {rtol:g}")
+    return problems
 
 
 # ---------------------------------------------------------------------------------------------

@@ -75,8 +75,9 @@ def test_a_wrong_weight_fails():
         check.assert_close(model.eval().logits(torch.from_numpy(ids)), logits, rtol=1e-5, quiet=True)
 
 
-def test_regeneration_is_byte_identical(tmp_path):
-    subprocess.run([sys.executable, str(ROOT / "tools" / "make_golden_model.py"), "--out", str(tmp_path)],
-                   check=True, capture_output=True)
-    for name in FILES:
-        assert (tmp_path / name).read_bytes() == (DATA / "golden" / name).read_bytes(), name
+def test_regeneration_matches():
+    """Every byte regenerates except the logits: BLAS and numpy's SIMD exp choose their kernels, and so their
+    rounding, by CPU; the logits match at the tool's RTOL_REGEN (tests/test_golden.py: another code path)."""
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / "make_golden_model.py"), "--check"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0 and "regenerate" in run.stdout, run.stdout + run.stderr
