@@ -238,6 +238,29 @@ class DraftLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+    def forward_batch(self, x, positions, ctx_k, ctx_v, ctx_valid):
+        """C blocks at once: x [C, B, H] at positions [C, B]; ctx_k/ctx_v [C, T, nh, hd] each block's
+        own context, ctx_valid [C, T] bool (rows past a stream's context are never seen)."""
+        c = self.c
+        C, B, H = x.shape
+        a = self.input_layernorm(x).reshape(C * B, H)
+        pos = positions.reshape(-1)
+        q = self.q_norm(self.q_proj(a).view(-1, c.num_heads, c.head_dim))
+        cos, sin = _neox_cos_sin(pos, c.head_dim, c.rope_theta, x.dtype, x.device)
+        q = apply_rope(q, cos, sin, interleave=False).view(C, B, c.num_heads, c.head_dim)
+        bk, bv = self.kv(a, pos)
+        keep = ctx_valid[:, :, None, None]
+        k = torch.cat([torch.where(keep, ctx_k, 0), bk.view(C, B, c.num_heads, c.head_dim)], dim=1)  # [C, T+B, nh, hd]
+        v = torch.cat([torch.where(keep, ctx_v, 0), bv.view(C, B, c.num_heads, c.head_dim)], dim=1)
+        s = torch.einsum("cqhd,ckhd->chqk", q, k) * c.head_dim**-0.5  # [C, nh, B, T+B]
+        seen = torch.cat([ctx_valid, torch.ones(C, B, dtype=torch.bool, device=x.device)], dim=1)  # [C, T+B]
+        s = s.masked_fill(~seen[:, None, None, :], float("-inf"))
+        p = torch.softmax(_up(s), dim=-1).to(x.dtype)
+        o = torch.einsum("chqk,ckhd->cqhd", p, v).reshape(C, B, c.num_heads * c.head_dim)
+        x = x + self.o_proj(o)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
 class DFlashDrafter(nn.Module):
     """DFlash-style block drafter (survey §6). Weights: fc, hidden_norm, layers.*, norm (no embedding
     or LM head: the target's are used, frozen). `state_dict()` holds exactly the drafter's weights.

@@ -39,6 +39,9 @@ from torch import nn
 
 from kdlib.engine.config import ModelConfig
 
+# torch's grouped GEMM (one launch for all experts, offsets on the device: no host sync); CUDA bf16 only
+GROUPED_MM = hasattr(torch, "_grouped_mm")
+
 
 # ----------------------------------------------------------------------------- RoPE (host side)
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -66,9 +69,13 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return interp * (1.0 - extrap_weight) + extrap * extrap_weight
 
 
-def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, rope/2] for integer positions [T], magnitude-scaled by the YaRN attention factor."""
-    inv = torch.from_numpy(rope_inv_freq(cfg)).to(device)
+def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor, dtype, device, inv: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, rope/2] for integer positions [T], magnitude-scaled by the YaRN attention factor.
+
+    inv: `rope_inv_freq(cfg)` already on `device` (float64), e.g. to keep host copies out of a CUDA graph.
+    """
+    inv = torch.from_numpy(rope_inv_freq(cfg)).to(device) if inv is None else inv
     ang = positions.to(device=device, dtype=torch.float64)[:, None] * inv[None, :]  # [T, rope/2]
     m = cfg.rope_attention_factor
     return (ang.cos() * m).to(dtype), (ang.sin() * m).to(dtype)
@@ -149,7 +156,7 @@ class Router(nn.Module):
 class MoE(nn.Module):
     """Routed experts (top-k of `n_routed_experts`) plus the shared expert(s).
 
-    Three exact-same-maths paths, picked by size (`path`): T tokens, k = top-k, E experts.
+    Four exact-same-maths paths, picked by size (`path`): T tokens, k = top-k, E experts.
       * "gather" (3 T k <= E, e.g. AR decode): the chosen experts' weights are gathered per
         (token, slot) from a stacked copy and applied with two batched matmuls; the gather copies
         T k experts (read, write, read again by the matmul: 3 T k expert-sized transfers), no more
@@ -159,6 +166,9 @@ class MoE(nn.Module):
         picked out. No host sync, a fixed launch count whatever the experts touched.
       * "loop" (long prefill): one iteration per expert in use; reading that list is a host sync
         per layer, but the FLOPs stay the routed ones.
+      * "grouped" (`sync_free`, CUDA bfloat16, past the dense bound): slots sorted by expert on the
+        device and both matmuls as one `torch._grouped_mm` each, the routed FLOPs with no host sync
+        (the batched engine's large verify batches, CUDA graphs). Without it, sync_free takes "dense".
     Every path adds a token's expert outputs in ascending expert id, as the loop's index_add_ does,
     so the paths differ only in the matmul rounding of each expert's output.
 
@@ -189,12 +199,21 @@ class MoE(nn.Module):
         self.shared_experts = MLP(cfg.hidden_size, shared_inter) if cfg.n_shared_experts else None
         self._stack_cache = None  # (source tensors, their (address, version), w13, w2); a plain attribute, not state
 
-    def path(self, n_tokens: int) -> str:
-        """The forward path for n_tokens rows: "gather", "dense" or "loop" (see the class docstring)."""
+    def path(self, n_tokens: int, sync_free: bool = False, device=None, dtype=None) -> str:
+        """The forward path for n_tokens rows: "gather", "dense", "grouped" or "loop" (class docstring).
+
+        sync_free (batched engine steps, CUDA graphs): never "loop"; past DENSE_MAX_ROWS "grouped"
+        (torch._grouped_mm: CUDA, bfloat16) where it runs, else "dense".
+        """
         E, k = len(self.experts), self.gate.cfg.num_experts_per_tok
         if 3 * n_tokens * k <= E:
             return "gather"
-        return "dense" if n_tokens * E <= self.DENSE_MAX_ROWS else "loop"
+        if n_tokens * E <= self.DENSE_MAX_ROWS:
+            return "dense"
+        if not sync_free:
+            return "loop"
+        grouped = device is not None and device.type == "cuda" and dtype == torch.bfloat16 and GROUPED_MM
+        return "grouped" if grouped else "dense"
 
     def _expert_params(self) -> list[torch.Tensor]:
         # the module dicts read directly: nn.Module.__getattr__ for 3E weights per layer and forward
@@ -221,9 +240,9 @@ class MoE(nn.Module):
             self._stack_cache = (held, key, w13.detach(), w2.detach())
         return w13, w2
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sync_free: bool = False) -> torch.Tensor:
         w, idx = self.gate(x)  # [T, k] float32, [T, k] int64
-        path = self.path(x.shape[0])
+        path = self.path(x.shape[0], sync_free, x.device, x.dtype)
         if path == "loop":
             out = torch.zeros_like(x)
             for e in torch.unique(idx).tolist():
@@ -247,6 +266,18 @@ class MoE(nn.Module):
             gu = torch.bmm(w13[flat], xs)[:, :, 0]  # [T k, 2I]
             act = F.silu(gu[:, :I]) * gu[:, I:]  # [T k, I]
             y = torch.bmm(w2[flat], act[:, :, None])[:, :, 0].view(T, k, -1)  # [T, k, H]
+        elif path == "grouped":
+            E = w13.shape[0]
+            flat = idx.reshape(-1)  # [T k] slots, token-major
+            order = flat.argsort(stable=True)  # slots grouped by expert
+            counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(
+                0, flat, torch.ones_like(flat, dtype=torch.int32))
+            offs = counts.cumsum(0, dtype=torch.int32)  # [E] end row of each expert's group
+            xs = x[order // k]  # [T k, H] rows grouped by expert
+            gu = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)  # [T k, 2I]
+            act = F.silu(gu[:, :I]) * gu[:, I:]
+            ys = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)  # [T k, H]
+            y = torch.empty_like(ys).index_copy_(0, order, ys).view(T, k, -1)  # back to token-major
         else:
             gu = torch.matmul(x[None], w13.transpose(1, 2))  # [E, T, 2I]
             act = F.silu(gu[..., :I]) * gu[..., I:]  # [E, T, I]
@@ -337,6 +368,21 @@ class MLAttention(nn.Module):
         p = torch.softmax(_up(s), dim=-1).to(x.dtype)
         return self._out(torch.einsum("qhk,kr->qhr", p, k_c), w_uv)
 
+    def forward_batch(self, x, cos, sin, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """C streams of W queries each, x [C*W, H], over their own latent keys [C, T, kv_lora + rope]
+        (new rows included); mask [C, W, T] bool (True = visible). Returns out [C*W, H]."""
+        c = self.cfg
+        C, W, T = mask.shape
+        q_lat, q_rope, w_uv = self._absorbed_q(x, cos, sin)
+        q_lat = q_lat.view(C, W, c.num_attention_heads, c.kv_lora_rank)  # [C, W, nh, r]
+        q_rope = q_rope.view(C, W, c.num_attention_heads, c.qk_rope_head_dim)
+        k_c, k_r = keys[..., : c.kv_lora_rank], keys[..., c.kv_lora_rank :]  # [C, T, r], [C, T, rope]
+        s = (torch.einsum("cwhr,ctr->cwht", q_lat, k_c) + torch.einsum("cwhd,ctd->cwht", q_rope, k_r)) * c.softmax_scale
+        s = s.masked_fill(~mask[:, :, None, :], float("-inf"))  # [C, W, nh, T]
+        p = torch.softmax(_up(s), dim=-1).to(x.dtype)
+        o_lat = torch.einsum("cwht,ctr->cwhr", p, k_c).reshape(C * W, c.num_attention_heads, c.kv_lora_rank)
+        return self._out(o_lat, w_uv)
+
     def forward_absorbed_ops(self, x, cos, sin, pool, page_table, new_rows, visibility) -> torch.Tensor:
         """The same attention through `kdlib.ops.tree_verify_attention` (numpy reference on CPU, the
         CuPy tree-verify kernels on CUDA): prefix over the paged pool plus the tree tail, LSE-merged.
@@ -367,8 +413,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def ffn(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def ffn(self, h: torch.Tensor, sync_free: bool = False) -> torch.Tensor:
+        x = self.post_attention_layernorm(h)
+        return h + (self.mlp(x, sync_free) if isinstance(self.mlp, MoE) else self.mlp(x))
 
 
 class Backbone(nn.Module):
@@ -553,6 +600,52 @@ class Model(nn.Module):
             else:
                 a = layer.self_attn.forward_absorbed(x, cos, sin, cache.read(i, key_slots), mask)
             h = layer.ffn(h + a)
+            if i in capture:
+                taps.append((i, h))
+        return h, _concat_taps(taps, capture)
+
+
+    def rope_inv(self) -> torch.Tensor:
+        """`rope_inv_freq(cfg)` as a float64 tensor on the model's device, made once (graph-safe afterwards)."""
+        inv = getattr(self, "_rope_inv", None)
+        if inv is None or inv.device != self.device:
+            inv = torch.from_numpy(rope_inv_freq(self.cfg)).to(self.device)
+            self._rope_inv = inv
+        return inv
+
+    @torch.no_grad()
+    def forward_batch(self, kv: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, token_ids: torch.Tensor,
+                      depth: torch.Tensor, visibility: torch.Tensor, capture: tuple[int, ...] = ()):
+        """Absorbed-form forward of C streams of W new rows each over a shared paged latent pool.
+
+        kv [layers, S, kv_lora + rope] the pool; table [C, T] int64, the slot of each stream's
+        logical positions (T >= lens + W); lens [C] committed tokens per stream; token_ids [C, W];
+        depth [C, W] (RoPE position lens + depth: 0 for AR, the tree depth for a verify);
+        visibility [C, W, W] bool (row i sees itself and its tree ancestors). Row j's latent is
+        written to slot table[c, lens[c] + j]; stream c's keys are its positions t < lens[c] + W,
+        visible to row i when t < lens[c] or visibility[c, i, t - lens[c]]. No host sync, no
+        host-to-device copy and, with MoE's sync_free paths, graph-capturable: the batched engine's
+        step. Returns (h [C*W, H] last residual stream, captured [C*W, F] or None).
+        """
+        C, W = token_ids.shape
+        T = table.shape[1]
+        dev = self.device
+        pos = (lens[:, None] + depth).reshape(-1)  # [C*W] RoPE positions
+        cos, sin = rope_cos_sin(self.cfg, pos, self.dtype, dev, inv=self.rope_inv())
+        cols = torch.arange(W, device=dev)
+        slots = table.gather(1, lens[:, None] + cols[None]).reshape(-1)  # [C*W] slots of the new rows
+        rel = torch.arange(T, device=dev)[None, :] - lens[:, None]  # [C, T] key position - lens
+        tree = torch.gather(visibility, 2, rel.clamp(0, W - 1)[:, None, :].expand(C, W, T))  # [C, W, T]
+        mask = (rel < 0)[:, None, :] | (tree & ((rel >= 0) & (rel < W))[:, None, :])  # [C, W, T]
+        exists = (rel < W)[..., None]  # [C, T, 1]: keys past a stream's rows read as 0, never as stale bytes
+        h = self.model.embed_tokens(token_ids.reshape(-1))  # [C*W, H]
+        taps = []
+        for i, layer in enumerate(self.model.layers):
+            x = layer.input_layernorm(h)
+            rows = layer.self_attn.latent(x, cos, sin)  # [C*W, kv_lora + rope]
+            kv[i].index_copy_(0, slots, rows.to(kv.dtype))
+            keys = torch.where(exists, kv[i][table], 0).to(x.dtype)  # [C, T, kv_lora + rope]
+            h = layer.ffn(h + layer.self_attn.forward_batch(x, cos, sin, keys, mask), sync_free=True)
             if i in capture:
                 taps.append((i, h))
         return h, _concat_taps(taps, capture)
