@@ -31,9 +31,10 @@ test: $(STAMP) chromium
 	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not gpu" tests
 	$(BIN)/python -m pytest -n 2 --dist loadfile --nbval-lax --nbval-current-env notebooks
 
-## lab: JupyterLab on the notebooks
+## lab: JupyterLab on the notebooks; options in LAB_ARGS (e.g. "--no-browser --ip 127.0.0.1 --port 8888"),
+## --allow-root added when run as root
 lab: $(STAMP)
-	$(BIN)/jupyter lab notebooks
+	$(BIN)/jupyter lab notebooks $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 ## gpu-test: on a CUDA machine (no venv there): every kernel against its reference, the engine on GPU
 gpu-test:
