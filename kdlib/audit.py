@@ -8,9 +8,11 @@
 
 A figure's check is a function of `CHECKS` (named by the catalogue's `check`). It reads, in this
 order, (1) GPU/CPU measurements in `data/results/` (`kdlib.perf.load`), (2) values the other
-notebooks recorded with `kdlib.nb.record` in their executed copies under `reports/`, (3) kdlib
-computations (memory math, the estimator, the tiny engine on CPU) for figures that are computed,
-not measured. No measured number is typed here: the only numbers in this module are the seeds'
+notebooks recorded with `kdlib.nb.record` in their executed copies under `reports/` (or the folder
+given), (3) kdlib computations (memory math, the estimator, the tiny engine on CPU) for figures that
+are computed, not measured. Nothing outside the repository is read: the seeds' quotes, their
+places and the articles' titles are in the catalogue (the seed articles themselves are not shipped).
+No measured number is typed here: the only numbers in this module are the seeds'
 own (read from the catalogue) and the tolerances, each with its reason. A value that is not
 recorded yet makes the verdict MISSING, naming the file or record it expected; it never raises.
 
@@ -31,10 +33,9 @@ from functools import cache
 from pathlib import Path
 from urllib.parse import quote as _urlquote
 
-from kdlib import DATA, NOTEBOOKS, REPORTS, ROOT
+from kdlib import DATA, NOTEBOOKS, REPORTS
 
 CATALOGUE = DATA / "audit" / "seed_figures.yaml"
-SEEDS_DIR = ROOT.parent / "shared" / "seeds"  # the seed articles stand beside the repository (DESIGN.md: ../seeds/)
 AUDIT_NOTEBOOK = "07_seed_audit"
 RECORD_PREFIX = "audit_verdict_"  # kdlib.report renders every record with this prefix in the index's audit block
 
@@ -77,12 +78,16 @@ class Figure:
 
 
 class Catalogue(dict):
-    """id -> Figure, in catalogue order; `seed_files` maps the seed keys to file names."""
+    """id -> Figure, in catalogue order; `seeds` maps the seed keys to {title, file}."""
 
-    seed_files: dict
+    seeds: dict
 
     def claim(self, fid: str):
         return self[fid].claim
+
+    def cite(self, seed: str, where: str) -> str:
+        """A seed place in words: the article's title and the heading path, `“Title” › Part › Section`."""
+        return f"“{self.seeds[str(seed)]['title']}” › {where}"
 
 
 def _load_yaml(path: Path) -> dict:
@@ -100,11 +105,17 @@ def _load_yaml(path: Path) -> dict:
 REQUIRED = ("id", "area", "figure", "claim", "quote", "seed", "where", "category", "check", "expects", "notebook")
 
 
-def catalogue(path: str | Path = CATALOGUE) -> Catalogue:
-    """Read and validate the catalogue: every field present, ids unique, areas known, checks defined."""
-    doc = _load_yaml(Path(path))
+def catalogue(path: str | Path | None = None) -> Catalogue:
+    """Read and validate the catalogue (default `CATALOGUE`): every field present, ids unique, areas
+    known, checks defined, every seed with a title."""
+    path = CATALOGUE if path is None else Path(path)
+    doc = _load_yaml(path)
     cat = Catalogue()
-    cat.seed_files = {str(k): v for k, v in doc["seeds"].items()}
+    cat.seeds = {}
+    for key, seed in doc["seeds"].items():
+        if not isinstance(seed, dict) or not seed.get("title") or not seed.get("file"):
+            raise ValueError(f"{path}: seed {key!r} needs a title and a file name")
+        cat.seeds[str(key)] = {"title": str(seed["title"]), "file": str(seed["file"])}
     for i, raw in enumerate(doc["figures"]):
         missing = [k for k in REQUIRED if k not in raw]
         if missing:
@@ -116,8 +127,8 @@ def catalogue(path: str | Path = CATALOGUE) -> Catalogue:
             raise ValueError(f"{path}: {fid}: area {raw['area']!r} is not one of {AREAS}")
         if raw["check"] not in CHECKS:
             raise ValueError(f"{path}: {fid}: check {raw['check']!r} is not a function of kdlib.audit.CHECKS")
-        if str(raw["seed"]) not in cat.seed_files:
-            raise ValueError(f"{path}: {fid}: seed {raw['seed']!r} is not one of {sorted(cat.seed_files)}")
+        if str(raw["seed"]) not in cat.seeds:
+            raise ValueError(f"{path}: {fid}: seed {raw['seed']!r} is not one of {sorted(cat.seeds)}")
         cat[fid] = Figure(
             id=fid, area=raw["area"], figure=raw["figure"], claim=raw["claim"], quote=raw["quote"],
             seed=str(raw["seed"]), where=raw["where"], category=raw["category"], check=raw["check"],
@@ -132,28 +143,6 @@ def anchor(heading: str) -> str:
     spaces as '-', URL-quoted with the characters nbconvert keeps (nbconvert.filters.strings)."""
     text = re.sub(r"[`*]", "", heading.lstrip("#").strip())
     return _urlquote(text.replace(" ", "-"), safe="?/:@!$&'()*+,;=")
-
-
-def _normalise(text: str) -> str:
-    return re.sub(r"\s+", " ", text).strip()
-
-
-def locate(fig: Figure, cat: Catalogue, seeds_dir: Path = SEEDS_DIR) -> dict:
-    """Where the quote stands: {file, offset, line, headings_found}; ValueError when the quote or a
-    heading of `where` is not in the seed text before it."""
-    path = Path(seeds_dir) / cat.seed_files[fig.seed]
-    raw = path.read_text(encoding="utf-8")
-    text = _normalise(raw)
-    at = text.find(_normalise(fig.quote))
-    if at < 0:
-        raise ValueError(f"{fig.id}: the quote is not in {path.name}")
-    before = text[:at]
-    for part in (p.strip() for p in fig.where.split("›")):
-        if part not in before:
-            raise ValueError(f"{fig.id}: heading {part!r} of 'where' does not stand before the quote in {path.name}")
-    head = _normalise(fig.quote)[:40]
-    line = next((i for i, ln in enumerate(raw.splitlines(), 1) if head in _normalise(ln)), None)
-    return {"file": path.name, "offset": at, "line": line}
 
 
 # --------------------------------------------------------------------------------------------- sources
@@ -890,21 +879,44 @@ def moe_m9_m32(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
                    values={"time_ratio": t32 / t9, "expert_ratio": e32 / e9})
 
 
+def compute_floor_m(gpu: str = "h200") -> float:
+    """The tokens per MoE layer M at which its FLOPs at peak take as long as its bytes at peak
+    (`kdlib.estimator.moe_layer`, Kimi-K2 TP8 shard, data/hw/<gpu>.json): below it the layer is
+    memory-bound at any efficiency the two share. Bisection to 1 token."""
+    from kdlib.estimator import model as est
+
+    spec = est.hardware(gpu)
+
+    def compute_bound(m: float) -> bool:
+        r = est.moe_layer(m, gpu)
+        return r["flops"] / spec["bf16_dense_flops"] >= r["bytes"] / spec["hbm_bandwidth_Bps"]
+
+    lo, hi = 1.0, 2.0
+    while not compute_bound(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if compute_bound(mid) else (mid, hi)
+    return hi
+
+
 @check
 def moe_plateau_256(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     from kdlib.estimator import knee_m
 
     knee = knee_m()
+    cross = compute_floor_m("h200")
     rec = src.record("est_moe_knee_m", "06_b300_estimator")
     ok = within(knee, fig.claim, rel=0.1)  # 'M ≈ 256' is a round number: ±10%
     return Verdict(fig.id, READING if ok else CONTRADICTED,
                    f"99.5% of the 384 experts are touched at M = {knee:.0f} (uniform top-8)"
                    + (f"; notebook 06 records {float(rec['value']):.0f}" if rec else ""),
                    f"the knee's position reproduces (±10%: {ok}), but not its cause: at M ≈ 256 the layer is still "
-                   "memory-bound (every expert's weights are read once; the compute floor only overtakes near "
-                   "M ≈ 2,500 on an H200, kernels-perf.md §5). 'Compute-bound plateau' holds only as 'weight bytes "
-                   "stop growing'", sources=["kdlib.estimator.knee_m"] + ([rec["source"]] if rec else []),
-                   values={"knee": knee})
+                   "memory-bound (every expert's weights are read once; its FLOPs at peak only take as long as its "
+                   f"bytes at peak from M ≈ {cross:,.0f} on an H200). 'Compute-bound plateau' holds only as "
+                   "'weight bytes stop growing'",
+                   sources=["kdlib.estimator.knee_m", "kdlib.audit.compute_floor_m (data/hw/h200.json)"]
+                   + ([rec["source"]] if rec else []), values={"knee": knee, "compute_floor_m": cross})
 
 
 @check
@@ -1036,7 +1048,7 @@ def table(verdicts: dict, cat: Catalogue, link_prefix: str = ""):
     rows = []
     for fid, v in verdicts.items():
         f = cat[fid]
-        rows.append({"id": fid, "area": f.area, "figure": f.figure, "seed": f"{f.seed}: {f.where}",
+        rows.append({"id": fid, "area": f.area, "figure": f.figure, "seed": cat.cite(f.seed, f.where),
                      "category": f.category, "verdict": v.verdict, "ours": v.ours, "reason": v.reason,
                      "link": link_prefix + f.link})
     return pd.DataFrame(rows).set_index("id")
@@ -1051,13 +1063,13 @@ def counts(verdicts: dict) -> dict:
 
 
 def record_all(verdicts: dict, cat: Catalogue) -> None:
-    """`kdlib.nb.record("audit_verdict_<id>", verdict, note=..., source=...)` for every figure."""
+    """`kdlib.nb.record("audit_verdict_<id>", verdict, note=<the workbook's figure>, source=<link>)` for
+    every figure (the index takes the claim's words from the catalogue, by id)."""
     from kdlib.nb import record
 
     for fid, v in verdicts.items():
-        f = cat[fid]
-        note = f"{f.figure} — {v.ours}"
-        record(f"{RECORD_PREFIX}{fid}", v.verdict, note=note[:400], source=f.link)
+        note = v.ours if len(v.ours) <= 400 else v.ours[:399] + "…"
+        record(f"{RECORD_PREFIX}{fid}", v.verdict, note=note, source=cat[fid].link)
 
 
 def notebooks_present() -> set:
@@ -1088,11 +1100,11 @@ def html_table(verdicts: dict, cat: Catalogue) -> str:
     rows = []
     for fid, v in verdicts.items():
         f = cat[fid]
-        also = (f"<br><i>also seed {esc(f.also['seed'])}, {esc(f.also['where'])}: “{esc(f.also['quote'])}”</i>"
+        also = (f"<br><i>also {esc(cat.cite(f.also['seed'], f.also['where']))}: “{esc(f.also['quote'])}”</i>"
                 if f.also else "")
         rows.append(
             f"<tr><td{td}><b>{esc(f.figure)}</b><br><code>{esc(fid)}</code> · {esc(f.category)}"
-            f"<details><summary>seed {esc(f.seed)}, {esc(f.where)}</summary>“{esc(f.quote)}”{also}</details></td>"
+            f"<details><summary>{esc(cat.cite(f.seed, f.where))}</summary>“{esc(f.quote)}”{also}</details></td>"
             f"<td{td}>{esc(_claim_text(f.claim))}</td>"
             f"<td style='background:{COLOURS[v.verdict]};{left}'><b>{esc(v.verdict)}</b></td>"
             f"<td{td}>{esc(v.ours)}</td><td{td}>{esc(v.reason)}<br><small>{esc('; '.join(map(str, v.sources)))}</small></td>"

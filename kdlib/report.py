@@ -6,15 +6,20 @@
 
 For every notebook the runner writes `<out>/<stem>.ipynb` (the executed notebook; the partial one
 when it failed) and `<out>/<stem>.html`, then `<out>/index.html` and `<out>/index.json`. The index
-lists each notebook's title and abstract (its first `# NN · Title` markdown cell), the parameters it
-ran with (the defaults of its `parameters` cell, then the profile file, then `-p` overrides), its
-status and duration, the error when it failed, and its recorded headline values with their
-provenance (`kdlib.nb.record`, read back with `kdlib.nb.read_records`). A failing notebook does not
-stop the batch; the exit code is 1 when any notebook failed.
+opens with the seed audit's verdict count, then lists each notebook's title and abstract (its first
+`# NN · Title` markdown cell), the parameters it ran with (the defaults of its `parameters` cell,
+then the profile file, then `-p` overrides), its status and duration, the error when it failed, any
+stderr output its page shows, and its recorded headline values with their provenance
+(`kdlib.nb.record`, read back with `kdlib.nb.read_records`; a provenance naming a report page is a
+link). The audit's table, one row per seed figure with the claim in words, comes last, folded. A
+failing notebook does not stop the batch; the exit code is 1 when any notebook failed.
 
 Parameters: profile `cpu` uses `notebooks/params/<stem>.cpu.yaml` when present, else the notebook's
-own defaults (which are the CPU profile by convention). Any other profile requires its file.
-Names that the notebook's parameters cell does not define are an error, found before anything runs.
+own defaults (which are the CPU profile by convention). Any other profile requires its file. Before
+anything runs, every name must be one the notebook's parameters cell defines and every value must fit
+what the cell declares (the comment after each literal: type, bounds, choices; `parameter_spec`).
+A parameter named REPORTS_DIR that neither sets gets the `--out` folder, so a notebook that reads the
+other notebooks' executed copies (07_seed_audit) reads the ones this run writes.
 
 Every file is written atomically (a temporary file in the same folder, then `os.replace`). Notebooks
 run with the working directory set to their own folder, on the kernel `python3`, which must be this
@@ -24,26 +29,29 @@ papermill, nbconvert and nbformat are imported inside the functions that need th
 
 from __future__ import annotations
 
-import argparse
 import ast
 import datetime as _dt
 import html
 import json
+import math
 import os
 import re
 import sys
 import time
 from pathlib import Path
+from urllib.parse import unquote
 
 import yaml
 
-from kdlib import NOTEBOOKS, REPORTS
+from kdlib import NOTEBOOKS, REPORTS, audit
+from kdlib.cli import Parser, fail
 from kdlib.nb import read_records
 from kdlib.perf.results import git_commit
 
 KERNEL = "python3"
 DEFAULT_TIMEOUT_S = 1800  # per notebook; CPU defaults run in well under a minute, GPU profiles in minutes
-AUDIT_PREFIX = "audit_verdict_"
+AUDIT_PREFIX = audit.RECORD_PREFIX
+OUT_PARAMETER = "REPORTS_DIR"  # a notebook parameter of this name reads the executed notebooks of --out
 
 
 # --------------------------------------------------------------------------- notebook facts
@@ -126,6 +134,112 @@ def notebook_info(path: Path) -> dict:
     return {"title": title, "abstract": abstract, "defaults": defaults, "has_parameters_cell": bool(tagged)}
 
 
+# --------------------------------------------------------------------------- parameter types
+
+_NUMBER = r"-?\d[\d_]*(?:\.\d+)?(?:[eE]-?\d+)?"
+_TYPE_WORD = re.compile(r"^(list)?\s*(?:of\s+|\[)?\s*(int|float|str|bool)\b")
+_RANGE = re.compile(rf"(?<![\w.])({_NUMBER})\s*\.\.\s*({_NUMBER})(?![\w.])")
+_INTERVAL = re.compile(rf"\bin\s*([\[(])\s*({_NUMBER})\s*,\s*({_NUMBER})\s*([\])])")
+_COMPARE = re.compile(rf"(>=|<=|>|<|≥|≤)\s*({_NUMBER})(?![\w.])")
+_BARE_CHOICES = re.compile(r"^\s*[\w.-]+(?:\s*\|\s*[\w.-]+)+\s*$")
+_KINDS = {"int": int, "float": float, "str": str, "bool": bool}
+_OPS = {">=": lambda v, b: v >= b, ">": lambda v, b: v > b, "<=": lambda v, b: v <= b, "<": lambda v, b: v < b}
+
+
+def _kind_of(value) -> type | None:
+    """bool, int, float or str of a scalar literal; None for anything else."""
+    for kind in (bool, int, float, str):  # bool first: True is an int too
+        if isinstance(value, kind):
+            return kind
+    return None
+
+
+def parameter_spec(default, comment: str) -> dict:
+    """What a parameter accepts, from its literal and the comment after it.
+
+    The comment may open with a type (`int`, `float`, `str`, `bool`, `list of int`, `list[str]`,
+    `... | None`), and may state bounds anywhere (`>= 1`, `> 0`, `1..16`, `in [0, 1]`) and, for
+    strings, choices (quoted, `"auto" or "never"`, or a bare `a | b | c` after the colon). The
+    literal's own type is the floor: an int literal under a `float` comment accepts floats, a float
+    literal always accepts ints; `None` is accepted when the literal is None or the comment says None.
+    Returns {kind (type or None: anything), is_list, none_ok, bounds [(op, number)], choices (tuple or None)}.
+    """
+    text = comment.strip()
+    m = _TYPE_WORD.match(text)
+    said = _KINDS[m.group(2)] if m else None
+    is_list = isinstance(default, list) or bool(m and m.group(1))
+    if isinstance(default, list):
+        kinds = {_kind_of(x) for x in default}
+        literal = kinds.pop() if len(kinds) == 1 else (float if kinds == {int, float} else None)
+    else:
+        literal = _kind_of(default)
+    if not isinstance(default, (list, str, int, float, type(None))):  # a dict, tuple or unparsed expression
+        literal, said = None, None
+    kind = literal or said
+    if said is not None and literal is not None and said is not literal:
+        kind = float if {said, literal} == {int, float} else literal
+    bounds = []
+    for lo, hi in _RANGE.findall(text):
+        bounds += [(">=", float(lo)), ("<=", float(hi))]
+    for left, lo, hi, right in _INTERVAL.findall(text):
+        bounds += [(">=" if left == "[" else ">", float(lo)), ("<=" if right == "]" else "<", float(hi))]
+    text_wo_intervals = _INTERVAL.sub("", text)
+    bounds += [({"≥": ">=", "≤": "<="}.get(op, op), float(n)) for op, n in _COMPARE.findall(text_wo_intervals)]
+    choices = None
+    if kind is str:
+        quoted = re.findall(r'"([^"]*)"', text)
+        after = text.split(":", 1)[1] if ":" in text else ""
+        if quoted:
+            choices = tuple(dict.fromkeys(quoted))
+        elif _BARE_CHOICES.match(after):
+            choices = tuple(c.strip() for c in after.split("|"))
+    return {"kind": kind, "is_list": is_list, "none_ok": default is None or bool(re.search(r"\bNone\b", text)),
+            "bounds": bounds if kind in (int, float) else [], "choices": choices}
+
+
+def _kind_name(spec: dict) -> str:
+    name = spec["kind"].__name__ if spec["kind"] else "value"
+    name = f"list of {name}" if spec["is_list"] else f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+    bounds = ", ".join(f"{op} {n:g}" for op, n in spec["bounds"])
+    choices = " or ".join(map(repr, spec["choices"])) if spec["choices"] else ""
+    return name + "".join(f" ({x})" for x in (bounds, choices) if x) + (" or None" if spec["none_ok"] else "")
+
+
+def _scalar_problem(value, spec: dict) -> str | None:
+    kind = spec["kind"]
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = kind is None or isinstance(value, kind)
+    if not ok:
+        return f"got {value!r} ({type(value).__name__})"
+    if kind in (int, float) and not math.isfinite(value):
+        return f"got {value!r}"
+    failed = [f"{op} {n:g}" for op, n in spec["bounds"] if not _OPS[op](value, n)]
+    if failed:
+        return f"got {value!r}, which is not {' and '.join(failed)}"
+    if spec["choices"] is not None and value not in spec["choices"]:
+        return f"got {value!r}"
+    return None
+
+
+def check_parameter(value, spec: dict) -> str | None:
+    """None when `value` fits `spec` (see `parameter_spec`), else what is wrong, in words."""
+    if value is None:
+        return None if spec["none_ok"] else "got None"
+    if not spec["is_list"]:
+        return _scalar_problem(value, spec)
+    if not isinstance(value, list):
+        return f"got {value!r} ({type(value).__name__}), not a list"
+    for x in value:
+        problem = _scalar_problem(x, spec)
+        if problem:
+            return f"element {problem}"
+    return None
+
+
 def parse_overrides(pairs: list[list[str]] | None) -> dict:
     """[['SEED', '3'], ['NAME', 'x']] -> {'SEED': 3, 'NAME': 'x'} (each value parsed as YAML)."""
     out = {}
@@ -135,7 +249,7 @@ def parse_overrides(pairs: list[list[str]] | None) -> dict:
         try:
             out[name] = yaml.safe_load(raw)
         except yaml.YAMLError as e:
-            raise ValueError(f"-p {name} {raw!r}: not a YAML value ({e})") from e
+            raise ValueError(f"-p {name} {raw!r}: not a YAML value ({' '.join(str(e).split())})") from e
     return out
 
 
@@ -150,7 +264,7 @@ def profile_parameters(stem: str, profile: str, params_dir: Path) -> tuple[dict,
     try:
         doc = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML ({e})") from e
+        raise ValueError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from e
     if doc is None:
         doc = {}
     if not isinstance(doc, dict):
@@ -158,8 +272,16 @@ def profile_parameters(stem: str, profile: str, params_dir: Path) -> tuple[dict,
     return doc, path
 
 
-def plan(paths: list[Path], profile: str, overrides: dict, params_dir: Path) -> list[dict]:
-    """What each notebook will run with; every bad name or file is reported here, before any run."""
+def _typed(value, spec: dict):
+    """The string 'None' means None where None is accepted (a user types -p MODELS None)."""
+    return None if value == "None" and spec["none_ok"] else value
+
+
+def plan(paths: list[Path], profile: str, overrides: dict, params_dir: Path, out_dir: Path = REPORTS) -> list[dict]:
+    """What each notebook will run with; every bad name, value or file is reported here, before any run.
+
+    A notebook parameter named `OUT_PARAMETER` (REPORTS_DIR) that no profile or -p sets gets `out_dir`.
+    """
     jobs, problems = [], []
     for path in paths:
         try:
@@ -175,24 +297,37 @@ def plan(paths: list[Path], profile: str, overrides: dict, params_dir: Path) -> 
                             f"(its parameters cell defines {sorted(defaults) or 'none'})")
         params = {n: {"value": d["value"], "default": d["value"], "source": "default", "help": d["help"]}
                   for n, d in defaults.items()}
+        specs = {n: parameter_spec(d["value"], d["help"]) for n, d in defaults.items()}
+        for name, spec in specs.items():
+            problem = check_parameter(defaults[name]["value"], spec)
+            if problem:
+                problems.append(f"{path.name}: the default of {name} does not fit its own comment "
+                                f"({defaults[name]['help']!r}: {_kind_name(spec)}): {problem}")
         injected = {}
-        for name, value in from_profile.items():
-            if name in params:
-                params[name].update(value=value, source=profile_file.name)
-                injected[name] = value
-        for name, value in overrides.items():
-            if name in params:
-                params[name].update(value=value, source="-p")
-                injected[name] = value
+        given = [(n, v, profile_file.name if profile_file else "", f"{profile_file}: {n}")
+                 for n, v in from_profile.items()]
+        given += [(n, v, "-p", f"-p {n}") for n, v in overrides.items()]
+        for name, value, source, where in given:
+            if name not in params:
+                continue
+            value = _typed(value, specs[name])
+            problem = check_parameter(value, specs[name])
+            if problem:
+                problems.append(f"{where}: {name} of {path.stem} takes {_kind_name(specs[name])}; {problem}")
+            params[name].update(value=value, source=source)
+            injected[name] = value
+        if OUT_PARAMETER in params and OUT_PARAMETER not in injected:
+            params[OUT_PARAMETER].update(value=str(Path(out_dir).resolve()), source="--out")
+            injected[OUT_PARAMETER] = params[OUT_PARAMETER]["value"]
         jobs.append({"path": path, "info": info, "parameters": params, "injected": injected, "profile": profile,
                      "profile_file": str(profile_file) if profile_file else None})
-    if overrides and not problems:
-        defined = set().union(*(j["info"]["defaults"] for j in jobs))
-        unused = sorted(set(overrides) - defined)
-        if unused:
-            problems.append(f"-p {unused}: no chosen notebook has such a parameter")
+    defined = set().union(*(j["info"]["defaults"] for j in jobs)) if jobs else set()
+    unused = sorted(set(overrides) - defined)
+    if unused and len(jobs) == len(paths):
+        problems.append(f"-p {', '.join(unused)}: no chosen notebook has such a parameter "
+                        f"(theirs: {', '.join(sorted(defined)) or 'none'})")
     if problems:
-        raise ValueError("cannot run the reports:\n  " + "\n  ".join(problems))
+        raise ValueError("cannot run the reports: " + "; ".join(problems))
     return jobs
 
 
@@ -277,6 +412,23 @@ def render_html(executed: Path, html_path: Path, *, title: str) -> None:
     _atomic_write_text(html_path, body)
 
 
+def stderr_outputs(executed: Path) -> list[dict]:
+    """The stderr streams a reader would see on the page (cells tagged `remove-cell` left out):
+    [{exec_count, text: its first non-empty line}]. Warnings belong fixed at their source, not shown."""
+    import nbformat
+
+    nb = nbformat.read(str(executed), as_version=4)
+    out = []
+    for cell in nb.cells:
+        if cell.cell_type != "code" or "remove-cell" in cell.metadata.get("tags", []):
+            continue
+        for o in cell.get("outputs", []):
+            if o.get("output_type") == "stream" and o.get("name") == "stderr":
+                line = next((ln.strip() for ln in o.get("text", "").splitlines() if ln.strip()), "")
+                out.append({"exec_count": cell.get("execution_count"), "text": line[:300]})
+    return out
+
+
 class _DropParameterGuesses:
     """papermill guesses parameter names from the cell's text line by line and warns on lines it cannot
     read (any with two '=', such as `N = 2  # int: >= 1`), then calls the name unknown. `plan` has
@@ -335,6 +487,7 @@ def run_one(job: dict, out_dir: Path, *, timeout_s: float, kernel_name: str = KE
     if not html_ok and html_path.exists():
         html_path.unlink()
     records = list(read_records(executed).values()) if have_output else []
+    stderr = stderr_outputs(executed) if have_output else []
     return {
         "stem": stem,
         "notebook": str(path),
@@ -351,6 +504,7 @@ def run_one(job: dict, out_dir: Path, *, timeout_s: float, kernel_name: str = KE
         "html": html_path.name if html_ok else None,
         "ipynb": executed.name if have_output else None,
         "records": records,
+        "stderr": stderr,
     }
 
 
@@ -387,7 +541,11 @@ pre.error { background:#fff1f1; border:1px solid #f3c0c0; padding:10px; border-r
             white-space: pre-wrap; font: 12.5px ui-monospace,Menlo,Consolas,monospace; margin: 8px 0; }
 details > summary { cursor: pointer; color: var(--muted); font-size: 13px; margin-top: 6px; }
 .changed { font-weight: 600; }
-.audit { border:2px solid var(--accent); border-radius:8px; padding:12px 16px; margin: 0 0 22px; }
+.audit { border:2px solid var(--accent); border-radius:8px; padding:12px 16px; margin: 22px 0 0; }
+.audit > summary { font-size: 17px; font-weight: 600; color: var(--fg); margin: 0; }
+.verdicts { margin: 0 0 18px; }
+.verdict { display:inline-block; padding:1px 8px; border-radius:10px; font-size:13px; color:#1f2328; }
+.warn { background:#fff8c5; border:1px solid #d4a72c; padding:6px 10px; border-radius:6px; font-size:13px; }
 nav.toc ol { margin: 6px 0 20px; padding-left: 22px; }
 """
 
@@ -405,16 +563,38 @@ def _markdown(text: str) -> str:
     return mistune.create_markdown(escape=True)(text)
 
 
-def _fmt_value(value) -> str:
-    if isinstance(value, bool):
-        return str(value)
+def _fmt_number(x: float) -> str:
+    """Three significant digits in plain notation (thousands separated); tiny values in e-notation."""
+    if x == 0 or not math.isfinite(x):
+        return f"{x:g}"
+    if abs(x) >= 1000:
+        return f"{x:,.0f}"
+    if abs(x) < 1e-3:
+        return f"{x:.2g}"
+    return f"{x:.{max(0, 2 - math.floor(math.log10(abs(x))))}f}"
+
+
+BYTE_UNITS = ("B", "bytes")
+_BINARY = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20))
+
+
+def fmt_value(value, unit: str = "") -> tuple[str, str]:
+    """(value, unit) as the index shows them: byte counts of a MiB and more in binary units, floats to
+    three significant digits, integers with thousands separators."""
+    if unit in BYTE_UNITS and isinstance(value, (int, float)) and not isinstance(value, bool):
+        for name, size in _BINARY:
+            if abs(value) >= size:
+                return _fmt_number(value / size), name
+        return f"{value:,.0f}", "B"
+    if isinstance(value, bool) or value is None:
+        return str(value), unit
     if isinstance(value, int):
-        return f"{value:,}"  # 594,205,351,936 reads; 594205351936 does not
+        return f"{value:,}", unit
     if isinstance(value, float):
-        return f"{value:.4g}"
+        return _fmt_number(value), unit
     if isinstance(value, (dict, list)):
-        return json.dumps(value)
-    return str(value)
+        return json.dumps(value), unit
+    return str(value), unit
 
 
 def _head(*columns: tuple[str, int]) -> str:
@@ -422,18 +602,41 @@ def _head(*columns: tuple[str, int]) -> str:
     return "<tr>" + "".join(f'<th style="width:{w}%">{_esc(name)}</th>' for name, w in columns) + "</tr>"
 
 
-def _records_table(records: list[dict]) -> str:
-    if not records:
-        return '<p class="meta">No recorded values.</p>'
-    rows = "".join(
-        f"<tr><td><code>{_esc(r.get('name'))}</code></td>"
-        f"<td class=\"num\">{_esc(_fmt_value(r.get('value')))} {_esc(r.get('unit', ''))}</td>"
-        f"<td>{_esc(r.get('source', '')) or '<span class=meta>—</span>'}</td>"
-        f"<td>{_esc(r.get('note', ''))}</td></tr>"
-        for r in records
-    )
-    return (f"<table>{_head(('recorded value', 30), ('value', 17), ('provenance', 28), ('note', 25))}"
-            f"{rows}</table>")
+_PAGE = re.compile(r"([\w.-]+)\.html(?:#(\S+))?")
+
+
+def source_link(source: str, pages: set[str]) -> str:
+    """A recorded source that names a report page (`NN_name.html#anchor`, the anchor as the page's
+    element id, `kdlib.audit.anchor`) is a link when that page is in this report; other sources are text."""
+    m = _PAGE.fullmatch(source)
+    if not m:
+        return f"<code>{_esc(source)}</code>" if source else '<span class="meta">—</span>'
+    stem, frag = m.group(1), m.group(2)
+    section = unquote(frag) if frag else ""
+    label = stem + (f" §{section.split('.')[0]}" if section[:1].isdigit() else (f" #{section}" if section else ""))
+    if f"{stem}.html" not in pages:
+        return f'{_esc(label)} <span class="meta">(page not in this report)</span>'
+    title = f' title="{_esc(section.replace("-", " "))}"' if section else ""
+    return f'<a href="{_esc(source)}"{title}>{_esc(label)}</a>'
+
+
+def _records_table(records: list[dict], pages: set[str]) -> str:
+    own = [r for r in records if not str(r.get("name", "")).startswith(AUDIT_PREFIX)]
+    n_audit = len(records) - len(own)
+    more = (f'<p class="meta">{n_audit} audit verdicts: in the <a href="#audit">seed audit table</a>.</p>'
+            if n_audit else "")
+    if not own:
+        return more or '<p class="meta">No recorded values.</p>'
+    rows = []
+    for r in own:
+        value, unit = fmt_value(r.get("value"), r.get("unit", ""))
+        exact = r.get("value")
+        title = f' title="{_esc(f"{exact:,} B")}"' if unit != r.get("unit", "") and isinstance(exact, int) else ""
+        rows.append(f"<tr><td><code>{_esc(r.get('name'))}</code></td><td class=\"num\"{title}>{_esc(value)}</td>"
+                    f"<td>{_esc(unit)}</td><td class=\"prov\">{source_link(str(r.get('source', '')), pages)}</td>"
+                    f"<td>{_esc(r.get('note', ''))}</td></tr>")
+    head = _head(("recorded value", 27), ("value", 12), ("unit", 9), ("provenance", 27), ("note", 25))
+    return f"<table>{head}{''.join(rows)}</table>{more}"
 
 
 def _parameters_table(params: dict) -> str:
@@ -448,35 +651,73 @@ def _parameters_table(params: dict) -> str:
     return f"<table>{_head(('parameter', 24), ('value', 22), ('from', 16), ('type / allowed', 38))}{rows}</table>"
 
 
-def _source_link(source: str) -> str:
-    """A recorded source that names a report page (`NN_name.html#anchor`) becomes a link; anything else is text."""
-    if re.fullmatch(r"[\w.-]+\.html(#[^\s\"'<>]*)?", source):
-        return f'<a href="{_esc(source)}">{_esc(source)}</a>'
-    return _esc(source)
+def _audit_rows(entries: list[dict]) -> list[tuple[dict, dict]]:
+    return [(e, r) for e in entries for r in e.get("records", []) if str(r.get("name", "")).startswith(AUDIT_PREFIX)]
 
 
-def audit_summary_html(entries: list[dict]) -> str:
-    """The seed-audit block at the top of the index: every recorded `audit_verdict_*` value of every
-    notebook (empty string when there are none)."""
-    rows = [
-        (e, r) for e in entries for r in e.get("records", [])
-        if str(r.get("name", "")).startswith(AUDIT_PREFIX)
-    ]
+def _claims() -> dict:
+    """Catalogue id -> the claim in words (`figure` of data/audit/seed_figures.yaml); {} when unreadable."""
+    try:
+        return {fid: f.figure for fid, f in audit.catalogue().items()}
+    except ValueError:
+        return {}
+
+
+def verdict_counts(entries: list[dict]) -> dict:
+    """verdict -> number of audit records, in `kdlib.audit.VERDICTS` order (other values after them)."""
+    got = [str(r.get("value")) for _, r in _audit_rows(entries)]
+    order = list(audit.VERDICTS) + sorted(set(got) - set(audit.VERDICTS))
+    return {v: got.count(v) for v in order if v in got or v != audit.MISSING}
+
+
+def _verdict_badge(verdict: str, n: int | None = None) -> str:
+    colour = audit.COLOURS.get(verdict, "#d8dee9")
+    count = f"<b>{n}</b> " if n is not None else ""
+    return f'<span class="verdict" style="background:{colour}">{count}{_esc(verdict)}</span>'
+
+
+def audit_counts_html(entries: list[dict]) -> str:
+    """The verdict count at the top of the index (empty string when no notebook recorded verdicts)."""
+    rows = _audit_rows(entries)
     if not rows:
         return ""
-    body = "".join(
-        f"<tr><td><code>{_esc(r['name'].removeprefix(AUDIT_PREFIX))}</code></td>"
-        f"<td><b>{_esc(_fmt_value(r.get('value')))}</b> {_esc(r.get('unit', ''))}</td>"
-        f"<td>{_esc(r.get('note', ''))}</td><td>{_source_link(str(r.get('source', '')))}</td>"
-        f"<td><a href=\"#{_esc(e['stem'])}\">{_esc(e['stem'])}</a></td></tr>"
-        for e, r in rows
-    )
-    return ('<div class="audit" id="audit"><h2>Seed audit: verdicts</h2>'
-            f"<table>{_head(('claim', 24), ('verdict', 16), ('note', 30), ('provenance', 18), ('notebook', 12))}"
-            f"{body}</table></div>")
+    badges = " ".join(_verdict_badge(v, n) for v, n in verdict_counts(entries).items())
+    return (f'<p class="verdicts" id="verdicts">Seed audit, {len(rows)} figures: {badges} '
+            '<a href="#audit">(table below)</a></p>')
 
 
-def _entry_html(e: dict) -> str:
+def audit_summary_html(entries: list[dict], pages: set[str] | None = None) -> str:
+    """The seed-audit table, folded, after the notebooks: every recorded `audit_verdict_*` value, the
+    claim in words (from the catalogue), the workbook's figure and where the page shows it (empty
+    string when there are none)."""
+    rows = _audit_rows(entries)
+    if not rows:
+        return ""
+    pages = {e["html"] for e in entries if e.get("html")} if pages is None else pages
+    claims = _claims()
+    body = []
+    for e, r in rows:
+        fid = r["name"].removeprefix(AUDIT_PREFIX)
+        claim = _esc(claims[fid]) if fid in claims else f"<code>{_esc(fid)}</code>"
+        body.append(f"<tr><td>{claim}</td><td>{_verdict_badge(str(r.get('value')))}</td>"
+                    f"<td>{_esc(r.get('note', ''))}</td>"
+                    f"<td class=\"prov\">{source_link(str(r.get('source', '')), pages)}</td>"
+                    f"<td><a href=\"#{_esc(e['stem'])}\">{_esc(e['stem'])}</a></td></tr>")
+    head = _head(("seeds' claim", 26), ("verdict", 14), ("the workbook's figure", 34), ("shown in", 14),
+                 ("recorded by", 12))
+    return (f'<details class="audit" id="audit"><summary>Seed audit: all {len(rows)} figures, one row each'
+            f"</summary><table>{head}{''.join(body)}</table></details>")
+
+
+def _stderr_note(e: dict) -> str:
+    cells = e.get("stderr") or []
+    if not cells:
+        return ""
+    where = "; ".join(f"In [{c['exec_count']}]: {c['text']}" for c in cells[:3])
+    return f'<p class="warn">stderr output on the page ({len(cells)} cell{"s" * (len(cells) > 1)}): {_esc(where)}</p>'
+
+
+def _entry_html(e: dict, pages: set[str]) -> str:
     status = e["status"]
     links = []
     if e.get("html"):
@@ -492,25 +733,27 @@ def _entry_html(e: dict) -> str:
                f"{_esc(line)}</pre>")
     n_changed = sum(p["source"] != "default" for p in e["parameters"].values())
     carried = " · from an earlier run" if e.get("carried_over") else ""
+    profile_file = f"; file {_esc(Path(e['profile_file']).name)}" if e.get("profile_file") else ""
     return (
         f'<section class="nb{" failed-card" if status == "failed" else ""}" id="{_esc(e["stem"])}">'
         f'<div class="head"><h2>{title}</h2><span class="badge {status}">{status}</span>'
         f'<span class="meta">{e["duration_s"]:.1f} s · profile {_esc(e.get("profile", "?"))} · '
         f'{_esc(e["ran_at"])} · <code>{_esc(str(e.get("commit", "?"))[:10])}</code>{carried}</span>'
         f'<span class="links">{" · ".join(links)}</span></div>'
-        f"{err}"
+        f"{err}{_stderr_note(e)}"
         f'<div class="abstract">{_markdown(e["abstract"])}</div>'
-        f"{_records_table(e['records'])}"
+        f"{_records_table(e['records'], pages)}"
         f"<details{' open' if n_changed else ''}><summary>parameters ({len(e['parameters'])}, "
-        f"{n_changed} changed from the defaults{'; file ' + _esc(Path(e['profile_file']).name) if e.get('profile_file') else ''})"
-        f"</summary>{_parameters_table(e['parameters'])}</details>"
+        f"{n_changed} changed from the defaults{profile_file})</summary>{_parameters_table(e['parameters'])}</details>"
         "</section>"
     )
 
 
 def index_html(doc: dict) -> str:
-    """The self-contained index page (inline CSS, no scripts, no external assets)."""
+    """The self-contained index page (inline CSS, no scripts, no external assets): the audit's verdict
+    count, the notebooks (each with its abstract, recorded values and parameters), then the audit table."""
     entries = doc["notebooks"]
+    pages = {e["html"] for e in entries if e.get("html")}
     n_fail = sum(e["status"] == "failed" for e in entries)
     summary = (f'<span class="badge passed">{len(entries) - n_fail} passed</span> '
                + (f'<span class="badge failed">{n_fail} failed</span>' if n_fail else ""))
@@ -526,9 +769,10 @@ def index_html(doc: dict) -> str:
         f'<p class="meta">Generated {_esc(doc["generated"])} · commit <code>{_esc(doc["commit"][:12])}</code> · '
         f'profile <code>{_esc(doc["profile"])}</code> · {_esc(doc["python"])}</p>'
         f'<p class="summary">{summary}</p>'
-        f"{audit_summary_html(entries)}"
+        f"{audit_counts_html(entries)}"
         f'<nav class="toc"><ol>{toc}</ol></nav>'
-        + "".join(_entry_html(e) for e in entries)
+        + "".join(_entry_html(e, pages) for e in entries)
+        + audit_summary_html(entries, pages)
         + "</main></body></html>\n"
     )
 
@@ -575,15 +819,15 @@ def run_reports(names: list[str] | None = None, *, profile: str = "cpu", overrid
     notebooks_dir = Path(notebooks_dir)
     if timeout_s <= 0:
         raise ValueError(f"timeout must be positive, got {timeout_s}")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {out_dir} exists and is not a folder")
     paths = discover(notebooks_dir, names)
-    jobs = plan(paths, profile, overrides or {}, notebooks_dir / "params")
+    jobs = plan(paths, profile, overrides or {}, notebooks_dir / "params", out_dir)
     check_kernel(kernel_name)
     commit = git_commit()
     for job in jobs:
         job["commit"] = commit
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"--out {out_dir} exists and is not a folder")
     out_dir.mkdir(parents=True, exist_ok=True)
     entries = []
     width = max(len(p.stem) for p in paths)
@@ -601,7 +845,7 @@ def run_reports(names: list[str] | None = None, *, profile: str = "cpu", overrid
 
 
 def cli(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="kdlib report", description=__doc__.splitlines()[0])
+    ap = Parser(prog="kdlib report", description=__doc__.splitlines()[0])
     ap.add_argument("notebooks", nargs="*", help="stems, file names or unique prefixes (default: all)")
     ap.add_argument("--profile", default="cpu",
                     help="parameters from notebooks/params/<stem>.<profile>.yaml (default cpu: the defaults)")
@@ -621,8 +865,7 @@ def cli(argv: list[str]) -> int:
             log_output=args.log_output,
         )
     except ValueError as e:
-        print(f"kdlib report: {e}", file=sys.stderr)
-        return 2
+        return fail("kdlib report", e)
     failed = [e["stem"] for e in entries if e["status"] == "failed"]
     index = Path(args.out) / "index.html"
     print(f"{len(entries) - len(failed)} passed, {len(failed)} failed in {time.perf_counter() - t0:.1f} s"

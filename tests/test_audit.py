@@ -1,14 +1,16 @@
 """kdlib.audit: the seed-figure catalogue is complete and located in the seeds, every check resolves
-to a verdict (or an explicit 'missing'), and the verdict logic on synthetic inputs."""
+to a verdict (or an explicit 'missing') from inside the repository alone, and the verdict logic on
+synthetic inputs."""
 
 import copy
 import math
+import re
 
 import nbformat
 import pytest
 import yaml
 
-from kdlib import NOTEBOOKS, audit
+from kdlib import NOTEBOOKS, ROOT, audit
 from kdlib.nb import RECORD_MIME
 
 # The figures issue 11 lists, by area -> the catalogue ids that carry them.
@@ -45,26 +47,88 @@ def test_catalogue_covers_every_figure_the_issue_lists(cat):
     assert {f.area for f in cat.values()} == set(audit.AREAS)
 
 
-def test_quotes_and_headings_stand_in_the_seeds(cat):
-    if not audit.SEEDS_DIR.is_dir():
-        pytest.skip(f"the seeds are not beside this checkout ({audit.SEEDS_DIR})")
+# The seed articles stand beside the repository in the design material (not in a clone): where they are,
+# the catalogue's quotes and places are checked against them; the audit itself never reads them.
+SEEDS_DIR = ROOT.parent / "shared" / "seeds"
+
+
+def _normalise(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def locate(seed_file: str, quote: str, where: str) -> int:
+    """The offset of `quote` in the seed text; ValueError when it, or a heading of `where` before it, is not there."""
+    path = SEEDS_DIR / seed_file
+    text = _normalise(path.read_text(encoding="utf-8"))
+    at = text.find(_normalise(quote))
+    if at < 0:
+        raise ValueError(f"the quote is not in {path.name}")
+    for part in (p.strip() for p in where.split("›")):
+        if part not in text[:at]:
+            raise ValueError(f"heading {part!r} of 'where' does not stand before the quote in {path.name}")
+    return at
+
+
+needs_seeds = pytest.mark.skipif(not SEEDS_DIR.is_dir(), reason=f"the seed articles are not beside this checkout "
+                                                                f"({SEEDS_DIR})")
+
+
+@needs_seeds
+def test_quotes_headings_and_titles_stand_in_the_seeds(cat):
+    for key, seed in cat.seeds.items():
+        first = (SEEDS_DIR / seed["file"]).read_text(encoding="utf-8").splitlines()[0].strip()
+        assert seed["title"] == first, key
     for f in cat.values():
-        where = audit.locate(f, cat)
-        assert where["line"] is not None, f.id
+        locate(cat.seeds[f.seed]["file"], f.quote, f.where)
         if f.also:
-            also = audit.Figure(**{**f.__dict__, "seed": f.also["seed"], "where": f.also["where"],
-                                   "quote": f.also["quote"]})
-            audit.locate(also, cat)
+            locate(cat.seeds[f.also["seed"]]["file"], f.also["quote"], f.also["where"])
 
 
+@needs_seeds
 def test_a_misquote_is_caught(cat):
-    if not audit.SEEDS_DIR.is_dir():
-        pytest.skip("the seeds are not beside this checkout")
     f = cat["mem_8_6_kb_per_gpu"]
     with pytest.raises(ValueError, match="quote"):
-        audit.locate(audit.Figure(**{**f.__dict__, "quote": f.quote.replace("8.6", "8.7")}), cat)
+        locate(cat.seeds[f.seed]["file"], f.quote.replace("8.6", "8.7"), f.where)
     with pytest.raises(ValueError, match="heading"):
-        audit.locate(audit.Figure(**{**f.__dict__, "where": "Act III"}), cat)  # Act III is in seed 002 only
+        locate(cat.seeds[f.seed]["file"], f.quote, "Act III")  # Act III is in seed 002 only
+
+
+_READER = """
+import json, os, sys, tempfile
+from pathlib import Path
+opened = set()
+def hook(event, args):
+    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        opened.add(os.path.realpath(os.fsdecode(args[0])))
+sys.addaudithook(hook)
+from kdlib import ROOT, audit
+cat = audit.catalogue()
+verdicts = audit.run_all(cat, audit.Sources(sys.argv[1]))
+page = audit.html_table(verdicts, cat) + audit.table(verdicts, cat).to_string()
+allowed = [str(ROOT), sys.prefix, sys.base_prefix, tempfile.gettempdir(), "/proc", "/sys", "/dev", "/etc", "/usr"]
+outside = sorted(p for p in opened if not any(p == a or p.startswith(a.rstrip("/") + "/") for a in allowed))
+print(json.dumps({"outside": outside, "shared": sorted(p for p in opened if "/shared/" in p),
+                  "counts": audit.counts(verdicts), "page": page}))
+"""
+
+
+def test_the_audit_reads_nothing_outside_the_repository(cat, tmp_path):
+    """Every file the audit opens (Python's audit hook sees each open) is inside the repository or the
+    interpreter's own installation; the pages it writes cite the seeds by title, not by a path."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _READER, str(tmp_path)], capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got["outside"] == [] and got["shared"] == []
+    assert sum(got["counts"].values()) == len(cat)
+    page = got["page"]
+    assert all(seed["title"] in page for seed in cat.seeds.values())
+    for path in ("shared/", "seeds/", ".txt", "models-hardware", "kernels-perf", ".md"):
+        assert path not in page, path
 
 
 def test_links_point_at_real_sections(cat):
@@ -232,6 +296,7 @@ def test_bad_catalogues_are_refused(tmp_path):
         (lambda d: d["figures"][0].pop("quote"), "lacks"),
         (lambda d: d["figures"][0].update(area="gpu"), "area"),
         (lambda d: d["figures"][0].update(seed="001"), "seed"),
+        (lambda d: d["seeds"]["000"].pop("title"), "needs a title"),
     ]:
         d = copy.deepcopy(doc)
         mutate(d)
@@ -260,6 +325,7 @@ def test_html_table_lists_every_figure_with_its_link(cat):
     page = audit.html_table(v, cat)
     for fid in v:
         assert f"<code>{fid}</code>" in page and f"href='{html.escape(cat[fid].link)}'" in page
+        assert html.escape(cat.cite(cat[fid].seed, cat[fid].where)) in page
     assert page.count("<tr>") == len(v) + 1
 
 

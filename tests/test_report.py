@@ -7,7 +7,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from kdlib import report
+from kdlib import NOTEBOOKS, audit, report
 
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
 
@@ -32,13 +32,16 @@ def make_notebooks(folder):
                       "assert pathlib.Path('10_pass.ipynb').is_file(), 'cwd is not the notebook folder'\n"
                       "kdlib.nb.record('kernel_python', sys.executable)"),
         new_code_cell("kdlib.nb.record('answer', N * 21, unit='x', source='data/results/fake.h200.json')\n"
-                      "kdlib.nb.record('audit_verdict_claim_a', 'confirmed', note=LABEL)"),
+                      "kdlib.nb.record('weights', 594_205_351_936, unit='B', source='10_pass.html')\n"
+                      "kdlib.nb.record('audit_verdict_claim_a', 'confirmed', note=LABEL)\n"
+                      "kdlib.nb.record('audit_verdict_mem_576_elements', 'reproduced', note='576 = 512 + 64')"),
         new_code_cell("print('boilerplate ' + 'output')", metadata={"tags": ["remove-cell"]}),
     ])
     _write_nb(folder / "20_fail.ipynb", [
         new_markdown_cell("# 20 · Failing notebook\nIts second cell raises."),
-        _params("K = 1  # int: any"),
-        new_code_cell("import kdlib.nb\nkdlib.nb.record('before_failure', 7)"),
+        _params("K = 1  # int: any\nREPORTS_DIR = None  # str | None: where the executed notebooks are"),
+        new_code_cell("import sys\nimport kdlib.nb\nkdlib.nb.record('before_failure', 7)\n"
+                      "kdlib.nb.record('reports_dir', REPORTS_DIR)\nsys.stderr.write('careful: a warning\\n')"),
         new_code_cell("raise RuntimeError(f'boom {K}')"),
         new_code_cell("print('never runs')"),
     ])
@@ -81,6 +84,9 @@ def test_failure_is_marked_with_its_error_and_partial_page(batch):
     assert "RuntimeError" in page and "boom 1" in page and 'href="20_fail.html"' in page
     # the partial notebook holds what ran before the failure, and not what came after
     assert entries["20_fail"]["records"][0]["value"] == 7
+    # what the page shows on stderr is listed in the index (cell 3: after parameters and injected parameters)
+    assert entries["20_fail"]["stderr"] == [{"exec_count": 3, "text": "careful: a warning"}]
+    assert entries["10_pass"]["stderr"] == [] and "careful: a warning" in page
     executed = nbformat.read(str(out / "20_fail.ipynb"), as_version=4)
     last = executed.cells[-1]
     assert "never runs" in last.source and last.outputs == [] and last.execution_count is None
@@ -97,6 +103,9 @@ def test_records_with_provenance_and_override(batch):
     assert params["N"] == {"value": 5, "default": 2, "source": "-p", "help": "int: >= 1"}
     assert params["LABEL"]["source"] == "default" and params["LABEL"]["value"] == "plain"
     assert "K" in entries["20_fail"]["parameters"]  # -p N applies only where N is a parameter
+    # REPORTS_DIR, when nothing sets it, is the --out folder
+    assert entries["20_fail"]["parameters"]["REPORTS_DIR"]["source"] == "--out"
+    assert {r["name"]: r["value"] for r in entries["20_fail"]["records"]}["reports_dir"] == str(out.resolve())
     assert entries["10_pass"]["title"] == "10 · Passing notebook"
     assert "multiplies" in entries["10_pass"]["abstract"] and "<strong>N</strong>" in page
 
@@ -153,12 +162,44 @@ def test_index_is_self_contained(batch):
     assert "<style>" in page
 
 
-def test_audit_summary_block(batch):
+def test_audit_block_counts_on_top_table_last_claims_in_words(batch):
     _, out = batch
     _, page = _index(out)
-    assert 'id="audit"' in page and "claim_a" in page
-    assert page.index('id="audit"') < page.index('id="10_pass"')  # at the top
+    claim = audit.catalogue()["mem_576_elements"].figure
+    assert page.index('id="verdicts"') < page.index('id="10_pass"') < page.index('id="audit"')
+    assert '<details class="audit" id="audit">' in page  # folded
+    assert claim in page and "mem_576_elements" not in page  # the claim in words, not its id
+    assert "claim_a" in page  # an id the catalogue does not know stays as it is
+    counts = report.verdict_counts(_index(out)[0].values())
+    assert counts == {audit.REPRODUCED: 1, audit.READING: 0, audit.CONTRADICTED: 0, audit.OUT_OF_REACH: 0,
+                      "confirmed": 1}
     assert report.audit_summary_html([{"stem": "x", "records": [{"name": "other", "value": 1}]}]) == ""
+    assert report.audit_counts_html([{"stem": "x", "records": []}]) == ""
+
+
+def test_values_in_units_and_rounded(batch):
+    _, out = batch
+    _, page = _index(out)
+    assert "553" in page and "GiB" in page and "594,205,351,936" not in page.replace('title="594,205,351,936 B"', "")
+    assert report.fmt_value(594_205_351_936, "B") == ("553", "GiB")
+    assert report.fmt_value(70_272, "B") == ("70,272", "B")
+    assert report.fmt_value(3 * 2**20, "bytes") == ("3.00", "MiB")
+    assert report.fmt_value(412.748, "x") == ("413", "x")
+    assert report.fmt_value(4.3712, "") == ("4.37", "")
+    assert report.fmt_value(0.06251, "s") == ("0.0625", "s")
+    assert report.fmt_value(8.04e-6, "") == ("8e-06", "")
+    assert report.fmt_value(123456.7, "tok") == ("123,457", "tok")
+    assert report.fmt_value(True, "") == ("True", "") and report.fmt_value(1024, "tokens") == ("1,024", "tokens")
+
+
+def test_provenance_pages_are_links_even_with_an_apostrophe():
+    heading = "5. The seeds' 200k decision, re-checked"
+    source = f"05_context_memory.html#{audit.anchor(heading)}"
+    link = report.source_link(source, {"05_context_memory.html"})
+    assert link.startswith('<a href="05_context_memory.html#5.-The-seeds&#x27;-200k-decision,-re-checked"')
+    assert ">05_context_memory §5</a>" in link
+    assert "<a " not in report.source_link(source, set()) and "not in this report" in report.source_link(source, set())
+    assert report.source_link("data/results/kernels.h200.json", set()) == "<code>data/results/kernels.h200.json</code>"
 
 
 def test_smoke_profile_reads_params_file(tmp_path, caplog):
@@ -178,7 +219,13 @@ def test_smoke_profile_reads_params_file(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["-p", "NOPE", "1"], "no chosen notebook has such a parameter"),
+    (["-p", "NOPE", "1"], "-p NOPE: no chosen notebook has such a parameter"),
+    (["-p", "N", "notanint"], "-p N: N of 10_pass takes an int (>= 1); got 'notanint' (str)"),
+    (["-p", "N", "0"], "N of 10_pass takes an int (>= 1); got 0, which is not >= 1"),
+    (["-p", "N", "2.5"], "got 2.5 (float)"),
+    (["-p", "LABEL", "3"], "LABEL of 10_pass takes a str; got 3 (int)"),
+    (["-p", "K", "[1, 2]"], "K of 20_fail takes an int; got [1, 2] (list)"),
+    (["-p", "N", "[1"], "not a YAML value"),
     (["--profile", "h200"], "10_pass.h200.yaml"),
     (["99_missing"], "matches no notebook"),
     (["--timeout", "0"], "timeout must be positive"),
@@ -187,8 +234,85 @@ def test_bad_input_fails_before_running(tmp_path, capsys, argv, message):
     nbs = make_notebooks(tmp_path / "notebooks")
     out = tmp_path / "out"
     assert report.cli(argv + ["--notebooks-dir", str(nbs), "--out", str(out)]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("kdlib report: error: ") and err.count("\n") == 1, err
     assert not out.exists()
+
+
+def test_profile_values_are_checked_too(tmp_path):
+    nbs = make_notebooks(tmp_path / "notebooks")
+    (nbs / "params" / "10_pass.smoke.yaml").write_text("N: -3\n")
+    with pytest.raises(ValueError, match=r"10_pass.smoke.yaml: N: N of 10_pass takes an int \(>= 1\); got -3"):
+        report.run_reports(["10_pass"], profile="smoke", notebooks_dir=nbs, out_dir=tmp_path / "out")
+
+
+def test_a_default_that_breaks_its_own_comment_is_refused(tmp_path):
+    nbs = tmp_path / "notebooks"
+    nbs.mkdir()
+    _write_nb(nbs / "40_bad.ipynb", [new_markdown_cell("# 40 · Bad"), _params('MODE = "fast"  # str: "a" or "b"')])
+    with pytest.raises(ValueError, match="the default of MODE does not fit its own comment"):
+        report.run_reports(notebooks_dir=nbs, out_dir=tmp_path / "out")
+
+
+def test_the_real_command_line_refuses_a_bad_value_before_running(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "kdlib", "report", "05_context_memory", "-p", "CONTEXT", "notanint",
+                           "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == ("kdlib report: error: cannot run the reports: -p CONTEXT: CONTEXT of 05_context_memory "
+                           "takes an int; got 'notanint' (str)\n")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("default, comment, spec", [
+    (8, "int >= 1: heads", {"kind": int, "is_list": False, "none_ok": False, "bounds": [(">=", 1.0)],
+                             "choices": None}),
+    (5, "int 1..16: depth", {"kind": int, "bounds": [(">=", 1.0), ("<=", 16.0)]}),
+    (0.75, "float in [0, 1): a share", {"kind": float, "bounds": [(">=", 0.0), ("<", 1.0)]}),
+    (2.0, "float > 1: factor", {"kind": float, "bounds": [(">", 1.0)]}),
+    (1, "float: a length", {"kind": float}),
+    (256, "int: tokens (>= 16); None = the model's limit", {"kind": int, "none_ok": True, "bounds": [(">=", 16.0)]}),
+    (None, "str | None: a folder", {"kind": str, "none_ok": True}),
+    ([1, 4], "list of int in 1..16: streams", {"kind": int, "is_list": True, "bounds": [(">=", 1.0), ("<=", 16.0)]}),
+    (["a"], "list of data/hw slugs", {"kind": str, "is_list": True, "choices": None}),
+    ("auto", 'str "auto" | "never": use them', {"kind": str, "choices": ("auto", "never")}),
+    ("h200", "str: rtx-pro-6000 | h200 | b300", {"kind": str, "choices": ("rtx-pro-6000", "h200", "b300")}),
+    ("kimi-k2.6", "str: a config, e.g. kimi-k2.6, deepseek-v3", {"kind": str, "choices": None}),
+    (True, "bool: compile", {"kind": bool}),
+    ("max(1, 2)", "", {"kind": str}),  # an unparsed expression is its source text: only the literal's type
+])
+def test_parameter_spec(default, comment, spec):
+    got = report.parameter_spec(default, comment)
+    assert {k: got[k] for k in spec} == spec
+    assert report.check_parameter(default, got) is None
+
+
+def test_check_parameter():
+    spec = report.parameter_spec([1, 4], "list of int in 1..16: streams")
+    assert report.check_parameter([16], spec) is None
+    assert report.check_parameter([17], spec) == "element got 17, which is not <= 16"
+    assert report.check_parameter(3, spec) == "got 3 (int), not a list"
+    assert report.check_parameter([True], spec) == "element got True (bool)"
+    assert report.check_parameter(None, spec) == "got None"
+    choice = report.parameter_spec("auto", 'str: "auto" or "never"')
+    assert report.check_parameter("sometimes", choice) == "got 'sometimes'"
+    assert report.check_parameter(float("nan"), report.parameter_spec(1.0, "float")) == "got nan"
+
+
+def test_every_notebook_default_fits_its_declared_type(tmp_path):
+    """The specs parse the real parameters cells: each default fits its own comment, and a few known ones."""
+    jobs = report.plan(report.discover(NOTEBOOKS), "cpu", {}, NOTEBOOKS / "params", tmp_path)
+    specs = {(j["path"].stem, n): report.parameter_spec(p["default"], p["help"])
+             for j in jobs for n, p in j["parameters"].items()}
+    assert specs[("05_context_memory", "CONTEXT")]["kind"] is int
+    assert specs[("05_context_memory", "GPU")]["choices"] == ("rtx-pro-6000", "h200", "b200", "b300")
+    assert specs[("01_numpy_references", "FOLLOW")]["bounds"] == [(">=", 0.0), ("<=", 1.0)]
+    assert specs[("07_seed_audit", "REPORTS_DIR")]["none_ok"]
+    (job07,) = [j for j in jobs if j["path"].stem == "07_seed_audit"]
+    assert job07["injected"] == {"REPORTS_DIR": str(tmp_path.resolve())}
 
 
 def test_profile_file_with_unknown_name_is_rejected(tmp_path):
