@@ -66,30 +66,49 @@ def series_style(i: int) -> dict:
     return {"color": color(i), "marker": MARKERS[k % len(MARKERS)], "linestyle": LINESTYLES[k % len(LINESTYLES)]}
 
 
-def legend_outside(target, **kwargs):
-    """A legend right of the axes (or of the whole figure when given one), clear of the data."""
+def legend_outside(target, below: bool = False, **kwargs):
+    """A legend right of the axes (or of the whole figure when given one), or under the axes' x label
+    with `below` (pass ncols), clear of the data."""
     from matplotlib.figure import Figure
 
     if isinstance(target, Figure):
-        return target.legend(loc="outside right upper", **kwargs)
-    kwargs.setdefault("loc", "upper left")
-    kwargs.setdefault("bbox_to_anchor", (1.02, 1.0))
+        return target.legend(loc="outside lower center" if below else "outside right upper", **kwargs)
+    kwargs.setdefault("loc", "upper center" if below else "upper left")
+    kwargs.setdefault("bbox_to_anchor", (0.5, -0.16) if below else (1.02, 1.0))
     kwargs.setdefault("borderaxespad", 0.0)
     return target.legend(**kwargs)
 
 
-def _plain(v: float, _pos=None) -> str:
-    return f"{v:g}" if 1e-3 <= abs(v) < 1e6 else f"{v:.0e}"
+def plain(v: float, _pos=None) -> str:
+    """A tick label as a plain number: 0.01, 4, 200000 (powers beyond a million as 1e+06)."""
+    return f"{v:g}" if 1e-3 <= abs(v) < 1e6 or v == 0 else f"{v:.0e}"
 
 
-def log_ticks(ax, values, axis: str = "x") -> None:
-    """Log scale on `axis` with ticks exactly at `values`, labelled as plain numbers (no minor labels)."""
+def kilo(v: float, _pos=None) -> str:
+    """A token-count label: multiples of 1024 as 8k / 128k, of 1000 as 200k, others plain."""
+    for unit in (1024, 1000):
+        if v >= unit and v % unit == 0:
+            return f"{int(v) // unit}k"
+    return plain(v)
+
+
+def log_ticks(ax, values, axis: str = "x", fmt=plain, min_gap: float = 0.2) -> None:
+    """Log scale on `axis` with ticks exactly at `values`, labelled by `fmt` (plain numbers, or `kilo`
+    for token counts); going down from the largest, a tick closer than `min_gap` decades to the last
+    labelled one keeps its mark but not its label, so labels never overlap. No minor labels."""
+    import math
+
     from matplotlib import ticker
 
+    ticks = sorted({float(v) for v in values})
+    labels, last = {}, math.inf
+    for v in reversed(ticks):
+        if math.log10(last / v) >= min_gap:
+            labels[v], last = fmt(v), v
     getattr(ax, f"set_{axis}scale")("log")
     a = getattr(ax, f"{axis}axis")
-    a.set_major_locator(ticker.FixedLocator(sorted(set(values))))
-    a.set_major_formatter(ticker.FuncFormatter(_plain))
+    a.set_major_locator(ticker.FixedLocator(ticks))
+    a.set_major_formatter(ticker.FuncFormatter(lambda v, _pos: labels.get(float(v), "")))
     a.set_minor_formatter(ticker.NullFormatter())
 
 
@@ -100,7 +119,7 @@ def plain_log(ax, axis: str = "x") -> None:
     getattr(ax, f"set_{axis}scale")("log")
     a = getattr(ax, f"{axis}axis")
     a.set_major_locator(ticker.LogLocator(base=10))
-    a.set_major_formatter(ticker.FuncFormatter(_plain))
+    a.set_major_formatter(ticker.FuncFormatter(plain))
     a.set_minor_formatter(ticker.NullFormatter())
 
 
@@ -127,11 +146,11 @@ def stacked_bars(ax, labels, parts: dict, ylabel: str, title: str) -> None:
     legend_outside(ax, handles=handles[::-1], labels=names[::-1])
 
 
-def table(df, formats: dict | None = None, caption: str | None = None, index: bool = False):
-    """A pandas Styler for display: `formats` maps columns to format strings or callables (floats rounded
-    to what they mean; units belong in the column names); the index is hidden unless `index`. The
-    DataFrame itself is unchanged."""
-    st = df.style.format(formats or {}, na_rep="-")
+def table(df, formats=None, caption: str | None = None, index: bool = False):
+    """A pandas Styler for display: `formats` is one format string for every cell or a {column: format
+    string or callable} map (floats rounded to what they mean; units belong in the column names or the
+    caption); the index is hidden unless `index`. The DataFrame itself is unchanged."""
+    st = df.style.format(formats, na_rep="-")
     if not index:
         st = st.hide(axis="index")
     if caption:
