@@ -4,7 +4,7 @@
     kdlib kdtr info FILE | kdtr convert A B | kdtr verify FILE
     kdlib report [NOTEBOOK ...] [--profile P] [-p NAME VALUE]
     kdlib memory CONFIG --gpu GPU --tp N --context T
-    kdlib estimate [--scenario seeds] [--gpu G] [--concurrency C ...] [--block-size B] [--accepted-length A] [--json]
+    kdlib estimate [--scenario seeds] [--gpu G] [--concurrency C ...] [--block-size B] [--accepted-length A]
     kdlib serve --port P
     kdlib diagnose [--endpoint URL]
 
@@ -100,8 +100,8 @@ def fraction(text: str) -> float:
 def _usage() -> str:
     lines = ["usage: kdlib [--version] [--help] COMMAND [ARGS ...]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines += ["", "`kdlib COMMAND --help` shows a command's own arguments. `kdlib` alone prints this on stderr",
-              "and exits 2 (no command given); `kdlib --help` prints it on stdout and exits 0."]
+    lines += ["", "`kdlib COMMAND --help` shows a command's own arguments. `kdlib` alone prints this on",
+              "stderr and exits 2 (no command given); `kdlib --help` prints it on stdout and exits 0."]
     return "\n".join(lines)
 
 

@@ -236,8 +236,8 @@ def kv_heads_per_rank(g: Geometry, tp: int) -> int:
     if g.num_kv_heads >= tp and g.num_kv_heads % tp:
         raise ValueError(f"{g.name}: {g.num_kv_heads} KV heads cannot be split evenly over tp={tp}")
     if g.num_kv_heads < tp and tp % g.num_kv_heads:
-        raise ValueError(f"{g.name}: tp={tp} is not a multiple of its {g.num_kv_heads} KV heads, so they cannot "
-                         f"be replicated evenly over the ranks")
+        raise ValueError(f"{g.name}: tp={tp} is not a multiple of its {g.num_kv_heads} KV heads, so they "
+                         f"cannot be replicated evenly over the ranks")
     return max(1, g.num_kv_heads // tp)
 
 
@@ -262,8 +262,9 @@ def check_tp(config, tp: int, kv_split: str = "replicated") -> None:
     if experts:
         inter = int(_need(lm, "moe_intermediate_size", "MoE expert weights"))
         if experts % tp and inter % tp:
-            raise ValueError(f"{g.name}: tp={tp} splits neither its {experts} routed experts (whole experts per "
-                             f"rank) nor their intermediate size {inter} (a slice of every expert per rank)")
+            raise ValueError(f"{g.name}: tp={tp} splits neither its {experts} routed experts (whole experts "
+                             f"per rank) nor their intermediate size {inter} (a slice of every expert per "
+                             f"rank)")
 
 
 def dcp_size(g: Geometry, tp: int) -> int:
@@ -407,7 +408,8 @@ def resolve_weight_format(config, weight_format: str = "auto") -> str:
             raise ValueError(f"weight_format {weight_format!r} not in {WEIGHT_FORMATS} (or int4_g<N>)")
         group = weight_format[len("int4_g"):] if weight_format.startswith("int4_g") else "1"
         if not group.isdigit() or int(group) < 1:
-            raise ValueError(f"weight_format {weight_format!r}: int4_g<N> needs a positive integer group size N")
+            raise ValueError(f"weight_format {weight_format!r}: int4_g<N> needs a positive integer group "
+                             f"size N")
         return weight_format
     qc = text_config(config).get("quantization_config")
     if not qc:
@@ -526,12 +528,13 @@ def vlm_mem_fraction_factor(config) -> float:
 
 
 def free_before_weights(gpu_memory_bytes: int, overhead_bytes: int = DEFAULT_OVERHEAD_BYTES) -> int:
-    """GPU memory left once the CUDA context and NCCL buffers (`overhead_bytes`) are taken; > 0 or ValueError."""
+    """GPU memory left once the CUDA context and NCCL buffers (`overhead_bytes`) are taken (> 0, else
+    ValueError)."""
     if overhead_bytes < 0:
         raise ValueError(f"overhead_bytes must be >= 0, got {overhead_bytes}")
     if overhead_bytes >= gpu_memory_bytes:
-        raise ValueError(f"the overhead before weights, {_fmt_bytes(overhead_bytes)}, is not below the GPU memory, "
-                         f"{_fmt_bytes(gpu_memory_bytes)}: nothing is left for weights or KV")
+        raise ValueError(f"the overhead before weights, {_fmt_bytes(overhead_bytes)}, is not below the GPU "
+                         f"memory, {_fmt_bytes(gpu_memory_bytes)}: nothing is left for weights or KV")
     return gpu_memory_bytes - overhead_bytes
 
 
@@ -540,7 +543,8 @@ def pool_bytes(gpu_memory_bytes: int, weights_per_gpu: int, mem_fraction_static:
     """SGLang's rest_memory in bytes: free_before x fraction - weights (may be <= 0: does not fit)."""
     if not 0 < mem_fraction_static < 1:
         raise ValueError(f"mem_fraction_static must be in (0, 1), got {mem_fraction_static}")
-    return int(free_before_weights(gpu_memory_bytes, overhead_bytes) * mem_fraction_static) - int(weights_per_gpu)
+    free_before = free_before_weights(gpu_memory_bytes, overhead_bytes)
+    return int(free_before * mem_fraction_static) - int(weights_per_gpu)
 
 
 def pool_tokens(gpu_memory_bytes: int, weights_per_gpu: int, cell_bytes: float, mem_fraction_static: float,
@@ -972,12 +976,13 @@ def cli(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=positive_int, required=True, help="request length to check, tokens")
     ap.add_argument("--kv-dtype", default="bfloat16", help=f"KV dtype: {', '.join(DTYPE_BYTES)} or auto")
     ap.add_argument("--kv-split", default="replicated", choices=KV_SPLITS)
-    ap.add_argument("--weight-format", default="auto", help=f"{', '.join(WEIGHT_FORMATS)} or int4_g<N> (N >= 1)")
+    ap.add_argument("--weight-format", default="auto",
+                    help=f"{', '.join(WEIGHT_FORMATS)} or int4_g<N> (N >= 1)")
     ap.add_argument("--mem-fraction-static", type=fraction, default=None,
                     help="in (0, 1); default: SGLang's heuristic")
     ap.add_argument("--overhead-gib", type=nonnegative_float, default=DEFAULT_OVERHEAD_BYTES / GiB,
-                    help="memory taken before weights load (CUDA context, NCCL), GiB, below the GPU's memory; "
-                         "an assumption")
+                    help="memory taken before weights load (CUDA context, NCCL), GiB, below the GPU's "
+                         "memory; an assumption")
     ap.add_argument("--speculative", action="store_true", help="add SGLang's +2 GiB speculative reserve")
     ap.add_argument("--max-total-tokens", type=positive_int, default=None,
                     help="cap the per-GPU pool (SGLang --max-total-tokens)")

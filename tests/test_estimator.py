@@ -79,7 +79,7 @@ def test_readings_differ_where_the_inputs_do():
 
 
 def test_kimi_defaults_equal_the_real_config():
-    cfg = json.loads((DATA / "configs" / "kimi-k2.6.json").read_text())
+    cfg = json.loads((DATA / "configs" / f"{est.SHAPE_CONFIG}.json").read_text())
     assert est.ModelShape.from_config(cfg, tp=8) == est.ModelShape()
 
 
@@ -326,9 +326,57 @@ def test_cli_seeds_json_has_tok_s_per_scenario():
 
 def test_cli_default_table_and_bad_gpu():
     rc, out = _run_cli(["--gpu", "h200", "--concurrency", "1", "10"])
-    assert rc == 0 and "C=10" in out
-    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
-        est.cli(["--gpu", "a100"])
+    assert rc == 0 and "C=10" in out and "(the seeds' current drafter)" in out
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert est.cli(["--gpu", "a100"]) == 2
+    assert err.getvalue().startswith("kdlib estimate: error: unknown GPU 'a100'")
+
+
+def _rows(argv):
+    rc, out = _run_cli([*argv, "--json"])
+    assert rc == 0
+    return json.loads(out)["rows"]
+
+
+def test_cli_accepted_length_scales_throughput_not_the_step():
+    low, high = _rows(["--accepted-length", "3"]), _rows(["--accepted-length", "6"])
+    for lo, hi in zip(low, high, strict=True):
+        assert (lo["accepted"], hi["accepted"]) == (3.0, 6.0) and lo["block"] == hi["block"] == 8
+        assert lo["step_ms"] == pytest.approx(hi["step_ms"])
+        assert hi["tok_s"] == pytest.approx(2 * lo["tok_s"])
+
+
+def test_cli_block_size_sets_what_a_step_verifies():
+    small, large = _rows(["--block-size", "4", "--accepted-length", "3"]), _rows(["--block-size", "16",
+                                                                                   "--accepted-length", "3"])
+    for s, big in zip(small, large, strict=True):
+        assert (s["block"], s["q_len"], big["block"], big["q_len"]) == (4, 5, 16, 17)
+        assert big["m"] == big["concurrency"] * 17
+        assert big["step_ms"] > s["step_ms"] and big["tok_s"] < s["tok_s"]
+    rc, out = _run_cli(["--block-size", "16", "--accepted-length", "12"])
+    assert rc == 0 and "block 16, ~12 accepted," in out and "current drafter" not in out
+
+
+def test_cli_context_up_to_the_model_limit():
+    limit = json.loads((DATA / "configs" / f"{est.SHAPE_CONFIG}.json").read_text())["text_config"][
+        "max_position_embeddings"]
+    rows = _rows(["--context", str(limit - 9), "--concurrency", "4"])
+    assert rows[0]["context"] == limit - 9
+    assert rows[0]["attention_ms"] > _rows(["--concurrency", "4"])[0]["attention_ms"]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_:
+        est.cli(["--context", str(limit - 8)])
+    assert exit_.value.code == 2 and f"max_position_embeddings {limit:,}" in err.getvalue()
+
+
+def test_cli_seeds_scenario_refuses_projection_flags():
+    for flags in (["--gpu", "b300"], ["--calibrated"], ["--concurrency", "4"], ["--tree", "gpu"],
+                  ["--accepted-length", "5"]):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_:
+            est.cli(["--scenario", "seeds", *flags])
+        assert exit_.value.code == 2 and f"takes no {flags[0]};" in err.getvalue()
 
 
 def test_allreduce_calibration_prefers_the_graph_fit():

@@ -143,7 +143,8 @@ def test_tp_must_split_heads_kv_heads_and_experts():
     # DP-attention keeps attention whole; 384 experts go 128 to a rank
     assert m.weight_bytes("kimi-k2.6", tp=3, kv_split="dp_attention")["per_gpu"] > 0
     m.check_tp("qwen3-30b-a3b", 3, "dp_attention")  # 128 experts do not split over 3, their 768 columns do
-    with pytest.raises(ValueError, match=r"tp=5 splits neither its 128 routed experts \(.*\) nor their intermediate size 768"):
+    with pytest.raises(ValueError, match=r"tp=5 splits neither its 128 routed experts \(.*\) nor their "
+                                         r"intermediate size 768"):
         m.check_tp("qwen3-30b-a3b", 5, "dp_attention")
     gqa = {"num_hidden_layers": 2, "hidden_size": 96, "num_attention_heads": 12, "num_key_value_heads": 4,
            "vocab_size": 10, "intermediate_size": 32}
@@ -175,7 +176,7 @@ def test_memory_that_does_not_fit_is_said():
         m.plan("kimi-k2.6", "h200", 8, 1000, mem_fraction_static=1.5)
     with pytest.raises(ValueError, match="default reserve of 112 GiB .* is not below the 96.00 GiB"):
         m.default_mem_fraction_static(96 * m.GiB, tp=200)
-    p = m.plan("kimi-k2.6", "h200", 2, 1000)  # the weights per GPU against the memory: a verdict, not an error
+    p = m.plan("kimi-k2.6", "h200", 2, 1000)  # weights per GPU beyond the memory: a verdict, not an error
     assert not p.fits and p.verdict.startswith("DOES NOT FIT: the weights alone need")
 
 

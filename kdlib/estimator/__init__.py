@@ -38,9 +38,10 @@ from kdlib.estimator.model import (
 from kdlib.estimator.params import SHAPE_CONFIG, Assumptions, ModelShape, Param, Scenario
 
 __all__ = [
-    "COMPONENTS", "SHAPE_CONFIG", "Assumptions", "ModelShape", "Param", "Scenario", "calibrate", "cli", "engine_rows",
-    "hardware", "knee_m", "load_results", "model_seed_rows", "moe_curve", "moe_layer", "project", "seed_scenarios",
-    "seeds", "seeds_stack", "sensitivity", "step_time", "touched_experts", "validate",
+    "COMPONENTS", "SHAPE_CONFIG", "Assumptions", "ModelShape", "Param", "Scenario", "calibrate", "cli",
+    "engine_rows", "hardware", "knee_m", "load_results", "model_seed_rows", "moe_curve", "moe_layer",
+    "project", "seed_scenarios", "seeds", "seeds_stack", "sensitivity", "step_time", "touched_experts",
+    "validate",
 ]
 
 
@@ -99,15 +100,17 @@ _PROJECTION_ONLY = ("gpu", "concurrency", "context", "block_size", "accepted_len
 
 def _seeds_doc() -> dict:
     rep = seeds.reproduce()
-    return {"gpu": "b300", "scenarios": rep["scenarios"], "terms_ms": rep["terms_ms"], "model": model_seed_rows("b300"),
-            "readings": seeds.readings(), "contradictions": seeds.contradictions()}
+    return {"gpu": "b300", "scenarios": rep["scenarios"], "terms_ms": rep["terms_ms"],
+            "model": model_seed_rows("b300"), "readings": seeds.readings(),
+            "contradictions": seeds.contradictions()}
 
 
 def _print_seeds(doc: dict) -> None:
     print("The seeds' B300 projections, rebuilt from their calibration points:")
     for s in doc["scenarios"]:
         got = f"{s['tok_s']:.0f}" if "tok_s" in s else f"{s['tok_s_low']:.0f}-{s['tok_s_high']:.0f}"
-        want = f"{s['seed_tok_s']:.0f}" if "seed_tok_s" in s else f"{s['seed_tok_s_low']:.0f}-{s['seed_tok_s_high']:.0f}"
+        want = (f"{s['seed_tok_s']:.0f}" if "seed_tok_s" in s
+                else f"{s['seed_tok_s_low']:.0f}-{s['seed_tok_s_high']:.0f}")
         print(f"  {s['name']:<55} {got:>10} tok/s   (seeds: {want})")
     print("Under each reading of their inputs (B300 tok/s: current | strong | overhead cut):")
     for r in doc["readings"]:
@@ -146,8 +149,9 @@ def cli(argv: list[str] | None = None) -> int:
     given = ["--" + k.replace("_", "-") for k in _PROJECTION_ONLY if getattr(args, k) not in (None, False)]
     if args.scenario == "seeds":
         if given:
+            them = "it" if len(given) == 1 else "them"
             ap.error(f"--scenario seeds rebuilds the seeds' own B300 figures at C = 1 and takes no "
-                     f"{', '.join(given)}; drop {'it' if len(given) == 1 else 'them'}, or leave out --scenario")
+                     f"{', '.join(given)}; drop {them}, or leave out --scenario")
         try:
             doc = _seeds_doc()
         except ValueError as err:
@@ -165,8 +169,8 @@ def cli(argv: list[str] | None = None) -> int:
     tree = args.tree or "cpu"
     if not 1 <= acc <= block + 1:
         default = "" if args.accepted_length else " (the default; give --accepted-length)"
-        ap.error(f"accepted length {acc:g}{default} must lie in [1, block + 1 = {block + 1}] (a step commits at "
-                 f"least the bonus token and at most every token it verifies)")
+        ap.error(f"accepted length {acc:g}{default} must lie in [1, block + 1 = {block + 1}] (a step commits "
+                 f"at least the bonus token and at most every token it verifies)")
     if context + block + 1 > max_pos:
         ap.error(f"context {context:,} + the {block + 1} tokens a step verifies exceed {SHAPE_CONFIG}'s "
                  f"max_position_embeddings {max_pos:,}")

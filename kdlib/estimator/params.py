@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 MH = "shared/design/reference/models-hardware.md"
-# The shipped config (data/configs/) whose shapes ModelShape()'s defaults are (tests/test_estimator.py checks it).
+# The shipped config (data/configs/) whose shapes are ModelShape()'s defaults (test_estimator checks).
 SHAPE_CONFIG = "kimi-k2.6"
 KP = "shared/design/reference/kernels-perf.md"
 
