@@ -158,6 +158,7 @@ class _DFlashLanes:
     def __init__(self, drafter: DFlashDrafter, target, lanes: int, cap: int):
         drafter.c.validate(target.cfg)
         self.d, self.target = drafter, target
+        self.capture = tuple(drafter.target_layer_ids)  # target layers whose outputs feed the context
         c = drafter.c
         w = drafter.fc.weight
         self.k = [torch.zeros(lanes, cap, c.num_heads, c.head_dim, device=w.device, dtype=w.dtype) for _ in drafter.layers]
@@ -227,6 +228,11 @@ class _OracleLanes:
 
 
 def _lane_drafter(drafter, target, lanes, cap):
+    """The per-lane state of a drafter: DFlash and the noisy oracle here; any other drafter brings its
+    own through `drafter.make_lanes(target, lanes, cap)` -> an object with graph_safe, admit, draft, commit
+    (the signatures of _DFlashLanes)."""
+    if hasattr(drafter, "make_lanes"):
+        return drafter.make_lanes(target, lanes, cap)
     if isinstance(drafter, DFlashDrafter):
         return _DFlashLanes(drafter, target, lanes, cap)
     if isinstance(drafter, NoisyOracleDrafter):
@@ -455,7 +461,7 @@ class BatchEngine:
 
     def _prefill(self, r: _Request) -> StepOutput:
         m, lane, P = self.model, r.lane, len(r.prompt)
-        capture = tuple(self.drafter.d.target_layer_ids) if isinstance(self.drafter, _DFlashLanes) else ()
+        capture = getattr(self.drafter, "capture", ())
         h, lats, feats = m.forward_plain(r.prompt, capture)  # [P, H], [P, layers, D], [P, F] | None
         dev = self.device
         slots = torch.tensor(r.slots, dtype=torch.int64, device=dev)
@@ -618,7 +624,7 @@ class BatchEngine:
             tokens = torch.cat([bonus[:, None], nodes.clamp(min=0)], dim=1)  # [C, W]
             depth = torch.as_tensor(trees.positions, device=dev).clamp(min=0)  # [C, W]
             vis = torch.as_tensor(trees.visibility, device=dev)  # [C, W, W]
-            capture = self.drafter.d.target_layer_ids if isinstance(self.drafter, _DFlashLanes) else ()
+            capture = getattr(self.drafter, "capture", ())
             h, feats = m.forward_batch(self.pool.kv, table, lens, tokens, depth, vis, tuple(capture))
             logits = m.head(h).view(C, W, -1)  # [C, W, V]
             target = self._pick(logits, u, lanes, sampled, filtered)  # [C, W]
