@@ -1,21 +1,27 @@
 """The reports as a reader sees them: index.html and notebook pages opened in headless Chromium
 (Debian's `chromium`, installed by `make test`). Checks that the pages render, that every local link
-resolves, and that a matplotlib figure is embedded and drawn on screen."""
+resolves, that a matplotlib figure is embedded and drawn on screen, that the index puts the audit's
+verdict count first and its table after the notebooks, that every provenance is a link to an element
+id of its page (section headings with an apostrophe included), and that no page of a notebook that
+passed shows a stderr block."""
 
 import base64
+import html
+import json
 import re
 import shutil
 import struct
 import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
+from urllib.parse import unquote
 
 import nbformat
 import numpy as np
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from kdlib import report
+from kdlib import audit, report
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -26,6 +32,11 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
          "--host-resolver-rules=MAP * ~NOTFOUND"]
 MAGENTA = (1.0, 0.0, 1.0)  # the test figure's fill: a colour nothing else on the page uses
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
+SECTION = "2. The seeds' 200k decision, re-checked"
+AUDITED = {"mem_576_elements": "reproduced", "mem_8_6_kb_per_gpu": "contradicted",
+           "moe_plateau_256": "consistent under a reading", "diag_baseline_c1_c10": "not reproducible here"}
+# nbconvert renders stderr streams and error tracebacks alike as this block (nbconvert 7, lab template)
+STDERR_BLOCK = re.compile(r'<div class="jp-RenderedText[^"]*"[^>]*data-mime-type="application/vnd\.jupyter\.stderr"')
 
 
 def _nb(path, cells):
@@ -48,6 +59,14 @@ def out(tmp_path_factory):
             "ax.add_patch(plt.Rectangle((0, 0), SIDE, SIDE, color='#ff00ff'))\n"
             "ax.set_xlim(0, SIDE); ax.set_ylim(0, SIDE); ax.axis('off')\nplt.show()\n"
             "kdlib.nb.record('side', SIDE, unit='m', source='this notebook')"),
+        new_markdown_cell(f"## {SECTION}\nA heading with an apostrophe, as notebook 05's section 5."),
+        new_code_cell(
+            "from kdlib import audit\n"
+            f"link = '10_figure.html#' + audit.anchor({SECTION!r})\n"
+            "kdlib.nb.record('weights', 594_205_351_936, unit='B', source=link)\n"
+            f"for fid, verdict in {AUDITED!r}.items():\n"
+            "    kdlib.nb.record(audit.RECORD_PREFIX + fid, verdict, note='ours', source=link)\n"
+            "kdlib.nb.record(audit.RECORD_PREFIX + 'kern_tree_queue_65', 'reproduced', source='10_figure.html')"),
     ])
     _nb(nbs / "20_fail.ipynb", [
         new_markdown_cell("# 20 · Failing notebook\nRaises at once."),
@@ -154,3 +173,59 @@ def test_figure_is_embedded_and_drawn(out, tmp_path):
 def test_failed_notebook_page_renders(out, tmp_path):
     dom = dump_dom(tmp_path, out / "20_fail.html")
     assert "deliberate failure" in dom and "ValueError" in dom
+
+
+def _element_ids(tmp_path, page: Path, cache: dict) -> set[str]:
+    if page not in cache:
+        cache[page] = _parse(dump_dom(tmp_path, page)).ids
+    return cache[page]
+
+
+def _has_id(fragment: str, ids: set[str]) -> bool:
+    """A browser tries the fragment as written, then percent-decoded (HTML: 'find a potential indicated element')."""
+    return fragment in ids or unquote(fragment) in ids
+
+
+def test_index_order_verdicts_notebooks_then_folded_table(out, tmp_path):
+    dom = dump_dom(tmp_path, out / "index.html")
+    at = {k: dom.index(k) for k in ('id="verdicts"', 'id="10_figure"', 'id="20_fail"', 'id="audit"')}
+    assert at['id="verdicts"'] < at['id="10_figure"'] < at['id="20_fail"'] < at['id="audit"']
+    audit_block = re.search(r'<details class="audit" id="audit"[^>]*>', dom).group(0)
+    assert "open" not in audit_block  # folded
+    counts = re.sub(r"<[^>]+>", "", dom[at['id="verdicts"']:dom.index("</p>", at['id="verdicts"'])])
+    for n, verdict in ((2, "reproduced"), (1, "consistent under a reading"), (1, "contradicted"),
+                       (1, "not reproducible here")):
+        assert f"{n} {verdict}" in counts, counts
+    claims = audit.catalogue()
+    table = dom[at['id="audit"']:]
+    for fid in AUDITED:
+        assert claims[fid].figure in table and fid not in table  # the claim in words, not its id
+    assert "553" in dom and "GiB" in dom and ">594,205,351,936<" not in dom
+
+
+def test_every_provenance_is_a_link_to_an_element_of_its_page(out, tmp_path):
+    dom = dump_dom(tmp_path, out / "index.html")
+    cells = re.findall(r'<td class="prov">(.*?)</td>', dom, flags=re.S)
+    pages = [c for c in cells if ".html" in c or "§" in c]
+    assert len(pages) == len(AUDITED) + 2, cells  # the audit rows and the 'weights' record
+    cache, checked = {}, 0
+    for cell in pages:
+        m = re.fullmatch(r'<a href="([^"]+)"[^>]*>[^<]+</a>', cell.strip())
+        assert m, f"a provenance that names a page is not a link: {cell}"
+        target, _, fragment = html.unescape(m.group(1)).partition("#")
+        assert (out / target).is_file(), target
+        if fragment:
+            assert _has_id(fragment, _element_ids(tmp_path, out / target, cache)), f"no id {fragment!r} in {target}"
+            checked += 1
+    assert checked == len(AUDITED) + 1  # every one with an apostrophe in its anchor
+
+
+def test_no_passed_page_shows_a_stderr_block(out, tmp_path):
+    entries = {e["stem"]: e for e in json.loads((out / "index.json").read_text())["notebooks"]}
+    for stem, e in entries.items():
+        blocks = STDERR_BLOCK.findall(dump_dom(tmp_path, out / e["html"]))
+        if e["status"] == "passed":
+            assert blocks == [] and e["stderr"] == [], f"{stem}.html shows {len(blocks)} stderr block(s)"
+        else:
+            assert blocks, f"{stem}.html: its traceback is not where a stderr block is expected"
+    assert STDERR_BLOCK.findall(dump_dom(tmp_path, out / "index.html")) == []
