@@ -1,12 +1,17 @@
 """Training the tiny target and its DFlash-style drafter; device-agnostic (CPU or CUDA).
 
-    tok = train_tokenizer(texts, 4096)                       # byte-level BPE (`tokenizers`)
-    streams = token_streams(tok, docs)                       # {(kind, split): int32 ids, docs joined by EOS}
+    tok = train_tokenizer(texts, 4096)                       # byte-level BPE (`tokenizers`), EOS id 0, MASK id 1
+    streams = token_streams(tok, docs)                       # {(kind, split): int32 ids, each doc followed by EOS}
     target = Model(ModelConfig.from_dict(target_config(tok.get_vocab_size())))
     curve = train_target(target, streams, TrainSpec(...))    # next-token CE, AdamW, cosine LR
-    net = DraftNet(DraftConfig(...), target.cfg)
-    curve = train_drafter(net, target, streams, TrainSpec(...))
-    drafter = to_engine(net.cfg, V, net.state_dict())        # kdlib.engine DFlashDrafter, for generate(method="ddtree")
+    drafter = DFlashDrafter(drafter_config(target.cfg, MASK_ID))   # the engine's class (kdlib.engine.drafter)
+    init_drafter(drafter, seed)
+    curve = train_drafter(drafter, target, streams, TrainSpec(...))
+    save_drafter(drafter, "drafter.kdtr", {...})             # DFlashDrafter.save; kdlib.zoo.load_drafter reads it
+
+Every document of the training streams ends with the end-of-text token (`kdlib.zoo.EOS_TOKEN`,
+"<|endoftext|>" as GPT-2's and Qwen's tokenizers name it), so the target learns to emit it where
+a text ends; target_config names it `eos_token_id`.
 
 Target training runs a batched forward (`target_forward`) over the engine's own modules and
 parameters (HF DeepseekV3 names): the plain MLA form through `scaled_dot_product_attention`, and
@@ -24,9 +29,11 @@ keys before the anchor and to the whole block; the final norm and the target's L
 logits of slots 1..B_blk - 1. The target's embedding and LM head are used frozen and are not
 part of the drafter's weights. Training samples `anchors` random anchors per sequence, one
 forward covers them all (blocks see each other not at all), slot k predicts token anchor + k
-with the CE weighted exp(-(k - 1) / gamma). This is the batched training twin of the engine's
-`DFlashDrafter` (same architecture, same maths; its `block_forward` takes one sequence at a time):
-`to_engine` hands the trained weights to it, and the tests check that both give the same logits.
+with the CE weighted exp(-(k - 1) / gamma). The module trained is the engine's own
+`DFlashDrafter`: `drafter_forward` runs its `block_forward` for a whole batch of sequences at once
+(the engine's takes one sequence), over its modules and parameters, and `save_drafter` writes it
+with its own `save`; the tests check both forwards give the same logits. Serving never imports
+this module.
 """
 
 from __future__ import annotations
@@ -35,17 +42,21 @@ import contextlib
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
-SPECIAL_TOKENS = ("<|endoftext|>", "<|mask|>")  # document separator, drafter mask token
+from kdlib import zoo
+
+SPECIAL_TOKENS = (zoo.EOS_TOKEN, zoo.MASK_TOKEN)  # the BPE trainer gives them the first ids, in this order
+EOS_ID, MASK_ID = 0, 1  # end of text (every document ends with it), the drafter's block filler
 BIAS_RATE = 1e-3  # DeepSeek-V3's bias update speed gamma (arXiv 2412.19437 §4.2: 0.001 for most of training)
 
 
 # ----------------------------------------------------------------------------- tokenizer and data
 def train_tokenizer(texts, vocab_size: int):
-    """A byte-level BPE tokenizer (lossless round trip for every str) with SPECIAL_TOKENS first."""
+    """A byte-level BPE tokenizer (lossless round trip for every str) with SPECIAL_TOKENS first (ids
+    EOS_ID, MASK_ID). vocab_size counts the special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if vocab_size < 256 + len(SPECIAL_TOKENS):
@@ -56,14 +67,26 @@ def train_tokenizer(texts, vocab_size: int):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
+    ids = [tok.token_to_id(t) for t in SPECIAL_TOKENS]
+    if ids != [EOS_ID, MASK_ID]:
+        raise RuntimeError(f"the BPE trainer gave the special tokens ids {ids}, expected {[EOS_ID, MASK_ID]}")
     return tok
 
 
 def token_streams(tok, docs) -> dict:
-    """{(kind, split): int32 array}: every document's ids followed by the EOS id, in document order."""
-    eos = tok.token_to_id(SPECIAL_TOKENS[0])
+    """{(kind, split): int32 array}: every document's ids followed by EOS_ID, in document order.
+
+    A document holding a special token's text is refused (it would encode to that token and end or
+    mask the text mid-way).
+    """
+    eos = tok.token_to_id(zoo.EOS_TOKEN)
+    if eos is None:
+        raise ValueError(f"the tokenizer has no {zoo.EOS_TOKEN} token")
     groups: dict = {}
     for d in docs:
+        bad = [t for t in SPECIAL_TOKENS if t in d.text]
+        if bad:
+            raise ValueError(f"document {d.kind}:{d.id} holds the special token text {bad[0]}")
         groups.setdefault((d.kind, d.split), []).append(d.text)
     out = {}
     for key, texts in groups.items():
@@ -91,7 +114,8 @@ def target_config(vocab_size: int, **overrides) -> dict:
 
     4 layers (the first dense, as DeepSeek-V3's first_k_dense_replace), hidden 256, 4 heads of
     qk 32 + 32 rope / v 32, no q LoRA, kv_lora 64; 16 routed experts of width 96, top-2, plus one
-    shared: ~7M parameters, 14 MB in float16, a few ms per token on a CPU core.
+    shared: ~7M parameters, 14 MB in float16, a few ms per token on a CPU core. bos and eos are the
+    end-of-text token (GPT-2's convention: it ends every document, so it also precedes the next).
     """
     cfg = {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
@@ -102,7 +126,7 @@ def target_config(vocab_size: int, **overrides) -> dict:
         "routed_scaling_factor": 1.0, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
         "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "rope_interleave": True,
-        "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 0,
+        "tie_word_embeddings": False, "bos_token_id": EOS_ID, "eos_token_id": EOS_ID,
     }
     unknown = set(overrides) - set(cfg)
     if unknown:
@@ -222,252 +246,138 @@ def balance_router(model, loads, rate: float = BIAS_RATE) -> None:
 
 
 # ----------------------------------------------------------------------------- drafter
-@dataclass(frozen=True)
-class DraftConfig:
-    """The DFlash-style drafter's shape. hidden_size must equal the target's (shared embedding/head)."""
-
-    hidden_size: int
-    target_layer_ids: tuple[int, ...]
-    mask_token_id: int
-    block_size: int = 16
-    num_layers: int = 2
-    num_heads: int = 4
-    head_dim: int = 64
-    intermediate_size: int = 512
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    # 7 at block 16 as SpecForge's DFlash recipes (sgl-project/SpecForge
-    # examples/configs/online/disaggregated/external/qwen3-8b-dflash-1server-dp4.yaml: loss_decay_gamma 7.0)
-    loss_gamma: float = 7.0
-
-    def __post_init__(self):
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
-        if not self.target_layer_ids:
-            raise ValueError("target_layer_ids must name at least one target layer")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even (RoPE pairs), got {self.head_dim}")
-
-    @classmethod
-    def from_dict(cls, d: dict) -> DraftConfig:
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = set(d) - known - {"architecture"}
-        if unknown:
-            raise ValueError(f"drafter config: unknown fields {sorted(unknown)}")
-        d = {k: v for k, v in d.items() if k in known}
-        return cls(**{**d, "target_layer_ids": tuple(d["target_layer_ids"])})
-
-    def to_dict(self) -> dict:
-        return {"architecture": "DFlashDraft", **asdict(self), "target_layer_ids": list(self.target_layer_ids)}
+# 7 at block 16 as SpecForge's DFlash recipes (sgl-project/SpecForge
+# examples/configs/online/disaggregated/external/qwen3-8b-dflash-1server-dp4.yaml: loss_decay_gamma 7.0)
+LOSS_GAMMA = 7.0
 
 
-def _rope_neox(x, pos, theta: float):
-    """NeoX RoPE (rotate halves) on x [..., T, nh, d] at integer positions pos [..., T]."""
+def drafter_config(target_cfg, mask_token_id: int, **overrides):
+    """The tiny drafter's `kdlib.engine.drafter.DFlashConfig` for `target_cfg` (an engine ModelConfig).
+
+    Block 16, taps on every target layer, 2 layers of 4 heads x 64, SwiGLU width 512: ~1.6M
+    parameters beside the tiny target. `overrides` replace these shape fields.
+    """
+    from kdlib.engine.drafter import DFlashConfig
+
+    kw = {"target_layer_ids": tuple(range(target_cfg.num_hidden_layers)), "block_size": 16, "num_layers": 2,
+          "num_heads": 4, "head_dim": 64, "intermediate_size": 512, "rope_theta": 10000.0, "rms_norm_eps": 1e-6}
+    unknown = set(overrides) - set(kw)
+    if unknown:
+        raise ValueError(f"unknown drafter config fields {sorted(unknown)}")
+    kw.update(overrides)
+    kw["target_layer_ids"] = tuple(kw["target_layer_ids"])
+    cfg = DFlashConfig(hidden_size=target_cfg.hidden_size, vocab_size=target_cfg.vocab_size,
+                       mask_token_id=mask_token_id, **kw)
+    cfg.validate(target_cfg)
+    return cfg
+
+
+def init_drafter(drafter, seed: int) -> None:
+    """torch.nn.Linear's default initialisation, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), for every projection
+    of a `DFlashDrafter`, from its own generator; norms 1."""
     import torch
 
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d)  # [d/2]
-    ang = pos.to(torch.float64)[..., None] * inv  # [..., T, d/2]
-    cos, sin = ang.cos().to(x.dtype)[..., None, :], ang.sin().to(x.dtype)[..., None, :]
-    a, b = x[..., : d // 2], x[..., d // 2 :]
-    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
-
-
-def _draft_modules(cfg: DraftConfig):
-    from torch import nn
-
-    from kdlib.engine.model import MLP, RMSNorm
-
-    class Attn(nn.Module):
-        def __init__(self):
-            super().__init__()
-            H, nh, hd = cfg.hidden_size, cfg.num_heads, cfg.head_dim
-            self.q_proj = nn.Linear(H, nh * hd, bias=False)
-            self.k_proj = nn.Linear(H, nh * hd, bias=False)
-            self.v_proj = nn.Linear(H, nh * hd, bias=False)
-            self.o_proj = nn.Linear(nh * hd, H, bias=False)
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
-
-        def kv(self, x, pos):
-            """x [..., T, H] at positions pos [..., T] -> K, V [..., T, nh, hd] (K normed and rotated)."""
-            shape = x.shape[:-1] + (cfg.num_heads, cfg.head_dim)
-            k = _rope_neox(self.k_norm(self.k_proj(x).view(shape)), pos, cfg.rope_theta)
-            return k, self.v_proj(x).view(shape)
-
-        def q(self, x, pos):
-            shape = x.shape[:-1] + (cfg.num_heads, cfg.head_dim)
-            return _rope_neox(self.q_norm(self.q_proj(x).view(shape)), pos, cfg.rope_theta)
-
-    class Layer(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.self_attn = Attn()
-            self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
-
-    return Layer, RMSNorm
-
-
-def _make_net():
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
-    class DraftNet(nn.Module):
-        """The drafter's own weights: fc, hidden_norm, decoder layers, norm (see module docstring)."""
-
-        def __init__(self, cfg: DraftConfig, target_cfg):
-            super().__init__()
-            if cfg.hidden_size != target_cfg.hidden_size:
-                raise ValueError(f"drafter hidden {cfg.hidden_size} != target hidden {target_cfg.hidden_size}")
-            bad = [i for i in cfg.target_layer_ids if not 0 <= i < target_cfg.num_hidden_layers]
-            if bad:
-                raise ValueError(f"target_layer_ids {bad} are not layers of a {target_cfg.num_hidden_layers}-layer target")
-            if not 0 <= cfg.mask_token_id < target_cfg.vocab_size:
-                raise ValueError(f"mask_token_id {cfg.mask_token_id} outside the vocabulary {target_cfg.vocab_size}")
-            Layer, RMSNorm = _draft_modules(cfg)
-            self.cfg = cfg
-            self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
-            self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.layers = nn.ModuleList(Layer() for _ in range(cfg.num_layers))
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-        def load_weights(self, weights: dict) -> None:
-            from kdlib.engine.loading import check_keys
-
-            own = self.state_dict()
-            check_keys(set(own), set(weights))
-            with torch.no_grad():
-                for k, t in own.items():
-                    if tuple(weights[k].shape) != tuple(t.shape):
-                        raise ValueError(f"{k}: shape {tuple(weights[k].shape)} does not match {tuple(t.shape)}")
-                    t.copy_(torch.as_tensor(weights[k]).to(t.dtype))
-
-        def context(self, feats):
-            """Target features [..., T, F] -> drafter context [..., T, H]."""
-            return self.hidden_norm(self.fc(feats))
-
-        def context_kv(self, ctx, pos):
-            """Per-layer context K, V for ctx [..., T, H] at positions pos [..., T]."""
-            return [layer.self_attn.kv(ctx, pos) for layer in self.layers]
-
-        def run_block(self, h, pos, ctx_kv, mask, lm_head_weight):
-            """Block states h [B, Q, H] at positions pos [B, Q] over context K/V [B, C, nh, hd] per layer.
-
-            mask [B, Q, C + Q] bool (True = visible) or None (all visible). Returns logits [B, Q, V] float32.
-            """
-            B, Q, _ = h.shape
-            m = None if mask is None else mask[:, None]  # [B, 1, Q, C+Q]
-            for layer, (kc, vc) in zip(self.layers, ctx_kv, strict=True):
-                x = layer.input_layernorm(h)
-                a = layer.self_attn
-                q = a.q(x, pos)
-                kb, vb = a.kv(x, pos)
-                k = torch.cat([kc, kb], dim=1).transpose(1, 2)  # [B, nh, C+Q, hd]
-                v = torch.cat([vc, vb], dim=1).transpose(1, 2)
-                o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=m)  # [B, nh, Q, hd]
-                h = h + a.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
-            return F.linear(self.norm(h), lm_head_weight).float()
-
-        def block_forward(self, target, ids, feats, anchors):
-            """Training forward (SpecForge-style): logits of every anchor's block, slots 1..B_blk-1.
-
-            ids [B, T] int64, feats [B, T, F] (target taps), anchors [B, A] int64 with
-            1 <= a <= T - B_blk. Returns logits [B, A, B_blk - 1, V] float32 and labels [B, A, B_blk - 1].
-            """
-            c = self.cfg
-            B, T = ids.shape
-            A, S = anchors.shape[1], c.block_size
-            k = torch.arange(S, device=ids.device)
-            pos = anchors[:, :, None] + k  # [B, A, S]
-            block = torch.full((B, A, S), c.mask_token_id, dtype=torch.int64, device=ids.device)
-            block[:, :, 0] = torch.gather(ids, 1, anchors)
-            labels = torch.gather(ids, 1, pos[:, :, 1:].reshape(B, -1)).view(B, A, S - 1)
-            ctx = self.context(feats)  # [B, T, H]
-            ctx_kv = self.context_kv(ctx, torch.arange(T, device=ids.device).expand(B, T))
-            # visibility: context j < anchor; block keys of the same anchor only
-            q_anchor = pos[:, :, :1].expand(B, A, S).reshape(B, A * S)  # [B, Q]
-            see_ctx = torch.arange(T, device=ids.device)[None, None, :] < q_anchor[:, :, None]  # [B, Q, T]
-            blk = torch.arange(A, device=ids.device).repeat_interleave(S)  # [Q]
-            see_blk = (blk[:, None] == blk[None, :]).expand(B, -1, -1)  # [B, Q, Q]
-            mask = torch.cat([see_ctx, see_blk], dim=-1)
-            h = target.model.embed_tokens(block.view(B, A * S))
-            logits = self.run_block(h, pos.view(B, A * S), ctx_kv, mask, _lm_head(target))
-            return logits.view(B, A, S, -1)[:, :, 1:], labels
-
-    return DraftNet
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.dim() == 2:
+                bound = 1.0 / math.sqrt(p.shape[1])
+                p.copy_(torch.rand(p.shape, generator=g) * (2 * bound) - bound)
+            else:
+                p.fill_(1.0)
 
 
 def _lm_head(target):
     return target.model.embed_tokens.weight if target.cfg.tie_word_embeddings else target.lm_head.weight
 
 
-def __getattr__(name):  # DraftNet is built on first use: importing kdlib.training does not import torch
-    if name == "DraftNet":
-        globals()["DraftNet"] = _make_net()
-        return globals()["DraftNet"]
-    raise AttributeError(f"module 'kdlib.training' has no attribute {name!r}")
+def drafter_forward(drafter, target, ids, feats, anchors):
+    """`DFlashDrafter.block_forward` for a batch, over the drafter's own modules and parameters.
+
+    ids [B, T] int64, feats [B, T, F] (the target's taps), anchors [B, A] int64 with
+    1 <= a <= T - B_blk. Block a of row b is [ids[b, a], MASK x (B_blk - 1)] at positions
+    a..a + B_blk - 1; it sees row b's context j < a and its own block, nothing of other blocks or
+    rows. Returns logits [B, A, B_blk - 1, V] float32 and labels [B, A, B_blk - 1] (ids[b, a + k]).
+    The same maths as block_forward row by row (tests/test_training.py checks it); the attention
+    runs through scaled_dot_product_attention over the whole batch with the block mask.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from kdlib.engine.drafter import _neox_cos_sin
+    from kdlib.engine.model import apply_rope
+
+    c = drafter.c
+    B, T = ids.shape
+    A, S = anchors.shape[1], c.block_size
+    Q, nh, hd = A * S, c.num_heads, c.head_dim
+    dev = ids.device
+    pos = anchors[:, :, None] + torch.arange(S, device=dev)  # [B, A, S]
+    block = torch.full((B, A, S), c.mask_token_id, dtype=torch.int64, device=dev)
+    block[:, :, 0] = torch.gather(ids, 1, anchors)
+    labels = torch.gather(ids, 1, pos[:, :, 1:].reshape(B, -1)).view(B, A, S - 1)
+    ctx = drafter.context(feats.reshape(B * T, -1))  # [B*T, H]
+    ctx_pos = torch.arange(T, device=dev).repeat(B)  # [B*T]
+    see_ctx = torch.arange(T, device=dev)[None, None, :] < anchors.repeat_interleave(S, dim=1)[:, :, None]  # [B, Q, T]
+    blk = torch.arange(A, device=dev).repeat_interleave(S)  # [Q] block of each query row
+    see_blk = (blk[:, None] == blk[None, :]).expand(B, Q, Q)  # [B, Q, Q]
+    mask = torch.cat([see_ctx, see_blk], dim=-1)[:, None]  # [B, 1, Q, T + Q]
+    qpos = pos.reshape(B * Q)
+    x = target.model.embed_tokens(block.view(B * Q)).to(ctx.dtype)  # [B*Q, H]
+    for layer in drafter.layers:
+        kc, vc = layer.kv(ctx, ctx_pos)  # [B*T, nh, hd]
+        a = layer.input_layernorm(x)
+        cos, sin = _neox_cos_sin(qpos, hd, c.rope_theta, x.dtype, dev)
+        q = apply_rope(layer.q_norm(layer.q_proj(a).view(-1, nh, hd)), cos, sin, interleave=False)  # [B*Q, nh, hd]
+        kb, vb = layer.kv(a, qpos)  # [B*Q, nh, hd]
+        k = torch.cat([kc.view(B, T, nh, hd), kb.view(B, Q, nh, hd)], dim=1).transpose(1, 2)  # [B, nh, T+Q, hd]
+        v = torch.cat([vc.view(B, T, nh, hd), vb.view(B, Q, nh, hd)], dim=1).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.view(B, Q, nh, hd).transpose(1, 2), k, v, attn_mask=mask)  # [B, nh, Q, hd]
+        x = x + layer.o_proj(o.transpose(1, 2).reshape(B * Q, nh * hd))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    logits = F.linear(drafter.norm(x), _lm_head(target)).float()  # [B*Q, V]
+    return logits.view(B, A, S, -1)[:, :, 1:], labels
 
 
-def engine_state_dict(weights: dict) -> dict:
-    """DraftNet weight names -> `kdlib.engine.drafter.DFlashDrafter` names (the engine's layers hold the
-    attention projections directly, without the `self_attn.` level)."""
-    return {k.replace(".self_attn.", "."): v for k, v in weights.items()}
-
-
-def engine_config(cfg: DraftConfig, vocab_size: int):
-    """The `DFlashConfig` of the same drafter (the engine's inference class)."""
-    from kdlib.engine.drafter import DFlashConfig
-
-    return DFlashConfig(hidden_size=cfg.hidden_size, vocab_size=vocab_size, target_layer_ids=cfg.target_layer_ids,
-                        mask_token_id=cfg.mask_token_id, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
-                        head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size, block_size=cfg.block_size,
-                        rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps)
-
-
-def to_engine(cfg: DraftConfig, vocab_size: int, weights: dict):
-    """A `kdlib.engine.drafter.DFlashDrafter` (the engine's drafter, what `generate` runs) holding
-    `weights` (a state dict under DraftNet names, e.g. `net.state_dict()`), on the CPU in float32."""
+def sample_anchors(batch: int, seq: int, block_size: int, per_seq: int, gen, device="cpu"):
+    """[batch, A] int64 anchors, A = min(per_seq, seq - block_size): distinct per row, drawn uniformly
+    from 1..seq - block_size (every block stays inside the window) with the torch generator `gen`."""
     import torch
 
-    from kdlib.engine.drafter import DFlashDrafter
-
-    d = DFlashDrafter(engine_config(cfg, vocab_size))
-    src = engine_state_dict(weights)
-    own = d.state_dict()
-    if set(src) != set(own):
-        raise ValueError(f"drafter weights do not match the engine's names: {sorted(set(src) ^ set(own))[:4]}")
-    d.load_state_dict({k: torch.as_tensor(v).detach().to("cpu", torch.float32) for k, v in src.items()})
-    return d.eval()
+    hi = seq - block_size  # the last anchor whose block stays inside the window
+    if hi < 1:
+        raise ValueError(f"sequence length {seq} leaves no anchor for block size {block_size}")
+    A = min(per_seq, hi)
+    return torch.stack([torch.randperm(hi, generator=gen)[:A] + 1 for _ in range(batch)]).to(device)
 
 
-def drafter_loss(net, target, ids, anchors_per_seq: int, gen):
-    """Position-decayed block CE of the drafter on ids [B, T] with random anchors.
+def drafter_loss(drafter, target, ids, anchors, gamma: float = LOSS_GAMMA):
+    """Position-decayed block CE of the drafter on ids [B, T] at anchors [B, A]: slot k's mean CE
+    weighted exp(-(k - 1) / gamma), as `DFlashDrafter.loss` averaged over the rows.
 
     Returns (loss, per-slot top-1 accuracy [B_blk - 1] float tensor, detached).
     """
     import torch
     import torch.nn.functional as F
 
-    c = net.cfg
-    B, T = ids.shape
-    hi = T - c.block_size  # the last anchor whose block stays inside the window
-    if hi < 1:
-        raise ValueError(f"sequence length {T} leaves no anchor for block size {c.block_size}")
-    A = min(anchors_per_seq, hi)
-    anchors = torch.stack([torch.randperm(hi, generator=gen)[:A] + 1 for _ in range(B)]).to(ids.device)  # [B, A]
     with torch.no_grad():
-        _, feats = target_forward(target, ids, capture=c.target_layer_ids)
-    logits, labels = net.block_forward(target, ids, feats.detach(), anchors)
+        _, feats = target_forward(target, ids, capture=drafter.target_layer_ids)
+    logits, labels = drafter_forward(drafter, target, ids, feats.detach(), anchors)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view(labels.shape)
-    k = torch.arange(1, c.block_size, device=ids.device, dtype=torch.float32)
-    w = torch.exp(-(k - 1) / c.loss_gamma)  # [B_blk - 1]
+    k = torch.arange(1, drafter.block_size, device=ids.device, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / gamma)  # [B_blk - 1]
     loss = (ce.mean(dim=(0, 1)) * w).sum() / w.sum()
     acc = (logits.argmax(-1) == labels).float().mean(dim=(0, 1)).detach()
     return loss, acc
+
+
+def save_drafter(drafter, path, metadata: dict) -> None:
+    """The drafter through `DFlashDrafter.save` (config in the file's metadata), weights in float16."""
+    from kdlib.engine.drafter import DFlashDrafter
+
+    half = DFlashDrafter(drafter.c)
+    half.load_state_dict(drafter.state_dict())
+    half.half().save(path, {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()})
 
 
 # ----------------------------------------------------------------------------- loops
@@ -480,7 +390,8 @@ class TrainSpec:
     decay 0.1 on matrices only, cosine decay to a tenth of the peak. `weights` is the share of
     each text kind among the sampled windows: prose is the scarcest kind (~6 % of the tokens) and
     is drawn more often than its share so that the model learns English at all; templated text
-    is easy and needs little. `anchors` is per sequence (drafter only).
+    is easy and needs little. `anchors` (per sequence) and `loss_gamma` (slot k's CE weight
+    exp(-(k - 1) / gamma)) are the drafter's only.
     """
 
     max_steps: int
@@ -493,6 +404,7 @@ class TrainSpec:
     min_lr_ratio: float = 0.1
     weights: dict = field(default_factory=lambda: {"code": 0.5, "prose": 0.3, "templated": 0.2})
     anchors: int = 32
+    loss_gamma: float = LOSS_GAMMA
     log_every: int = 50
     seed: int = 0
 
@@ -596,26 +508,29 @@ def train_target(model, streams: dict, spec: TrainSpec, log=print, eval_fn=None,
     return curve
 
 
-def train_drafter(net, target, streams: dict, spec: TrainSpec, log=print, eval_fn=None, eval_every: int = 0) -> dict:
-    """Train the drafter `net` against the frozen `target`. Returns the loss curve (with per-slot accuracy)."""
+def train_drafter(drafter, target, streams: dict, spec: TrainSpec, log=print, eval_fn=None,
+                  eval_every: int = 0) -> dict:
+    """Train `drafter` (a kdlib.engine.drafter.DFlashDrafter) against the frozen `target`.
+    Returns the loss curve (with per-slot accuracy)."""
     import torch
 
     device = target.device
     for p in target.parameters():
         p.requires_grad_(False)
     target.eval()
-    net.train()
+    drafter.train()
     gen = torch.Generator().manual_seed(spec.seed)
-    params = list(net.parameters())
+    params = list(drafter.parameters())
 
     def step_fn(rng):
         ids = torch.from_numpy(sample_windows(streams, spec.weights, spec.batch, spec.seq, rng)).to(device)
+        anchors = sample_anchors(spec.batch, spec.seq, drafter.block_size, spec.anchors, gen, device)
         with _autocast(device):
-            loss, acc = drafter_loss(net, target, ids, spec.anchors, gen)
+            loss, acc = drafter_loss(drafter, target, ids, anchors, spec.loss_gamma)
         return loss, lambda: [round(float(a), 4) for a in acc]
 
-    curve = _loop(net, params, step_fn, spec, log, eval_fn, eval_every)
-    net.eval()
+    curve = _loop(drafter, params, step_fn, spec, log, eval_fn, eval_every)
+    drafter.eval()
     return curve
 
 
@@ -639,19 +554,54 @@ def evaluate_target(model, stream, seq: int, batch: int, max_windows: int | None
     return {"nll": nll, "ppl": math.exp(nll), "tokens": count}
 
 
-def evaluate_drafter(net, target, stream, seq: int, batch: int, windows: int, seed: int = 0) -> dict:
+def evaluate_eos(model, stream, seq: int, batch: int = 16) -> dict:
+    """How the target ends texts, on the documents of a stream (each followed by EOS_ID).
+
+    For every document end with at least `seq` tokens before it, the window of those tokens is
+    run once: `p_eos_at_end` is the mean probability of EOS as the next token there and
+    `eos_top1_at_end` how often it is the top-1; `false_eos_top1` is the share of the window's
+    other positions (where the next token is not EOS) at which EOS is the top-1 anyway. With no
+    such document end the three figures are None.
+    """
+    import torch
+
+    ends = np.flatnonzero(stream == EOS_ID)
+    ends = ends[ends >= seq]
+    if len(ends) == 0:
+        return {"documents": 0, "p_eos_at_end": None, "eos_top1_at_end": None, "false_eos_top1": None}
+    wins = np.stack([stream[e - seq : e + 1] for e in ends]).astype(np.int64)  # [n, seq + 1], EOS last
+    p_end, top_end, false_top, inner = [], [], 0, 0
+    with torch.no_grad(), _autocast(model.device):
+        for i in range(0, len(wins), batch):
+            ids = torch.from_numpy(wins[i : i + batch]).to(model.device)
+            h, _ = target_forward(model, ids[:, :-1])
+            logits = model.head(h).float()  # [b, seq, V]
+            top = logits.argmax(-1) == EOS_ID  # [b, seq]
+            p_end += torch.softmax(logits[:, -1], dim=-1)[:, EOS_ID].tolist()
+            top_end += top[:, -1].tolist()
+            other = ids[:, 1:-1] != EOS_ID  # [b, seq - 1]: positions whose next token is inside a text
+            false_top += int((top[:, :-1] & other).sum())
+            inner += int(other.sum())
+    return {"documents": len(wins), "p_eos_at_end": round(float(np.mean(p_end)), 4),
+            "eos_top1_at_end": round(float(np.mean(top_end)), 4),
+            "false_eos_top1": round(false_top / max(inner, 1), 6)}
+
+
+def evaluate_drafter(drafter, target, stream, seq: int, batch: int, windows: int, seed: int = 0,
+                     anchors: int = 32, gamma: float = LOSS_GAMMA) -> dict:
     """Held-out drafter block CE and per-slot top-1 accuracy on `windows` windows of the stream."""
     import torch
 
     rng = np.random.Generator(np.random.PCG64(seed))
     gen = torch.Generator().manual_seed(seed)
     starts = rng.integers(0, len(stream) - seq, windows)
-    wins = np.stack([stream[s : s + seq] for s in starts]).astype(np.int64)
+    wins = np.stack([stream[s : s + seq] for s in starts]).astype(np.int64)  # [windows, seq]
     losses, accs = [], []
     with torch.no_grad(), _autocast(target.device):
         for i in range(0, windows, batch):
             ids = torch.from_numpy(wins[i : i + batch]).to(target.device)
-            loss, acc = drafter_loss(net, target, ids, 32, gen)
+            at = sample_anchors(ids.shape[0], seq, drafter.block_size, anchors, gen, target.device)
+            loss, acc = drafter_loss(drafter, target, ids, at, gamma)
             losses.append(float(loss))
             accs.append(acc.cpu().numpy())
     return {"loss": float(np.mean(losses)), "slot_acc": [round(float(a), 4) for a in np.mean(accs, axis=0)]}

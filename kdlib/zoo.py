@@ -2,22 +2,28 @@
 
     from kdlib import zoo
     if zoo.available():
-        tok = zoo.load_tokenizer()                     # .encode(str) -> list[int], .decode(ids), .vocab_size
+        tok = zoo.load_tokenizer()                     # .encode(str) -> list[int], .decode(ids), .vocab_size,
+                                                       # .eos_token_id (the end-of-text token, EOS_TOKEN)
         target = zoo.load_target()                     # kdlib.engine.Model, float32, eval mode
         drafter = zoo.load_drafter(target)             # engine DFlashDrafter: generate(..., method="ddtree", drafter=drafter)
         texts = zoo.held_out("code")                   # held-out excerpts of one kind (KINDS)
 
 Files (all under data/models/, written by `tools/train_tiny.py`, which re-trains everything):
 
-    tokenizer.json          byte-level BPE (Hugging Face `tokenizers`)
-    target.config.json      HF DeepseekV3 config.json of the target
+    tokenizer.json          byte-level BPE (Hugging Face `tokenizers`); special tokens EOS_TOKEN (id 0,
+                            the end of every training document) and MASK_TOKEN (id 1, the drafter's filler)
+    target.config.json      HF DeepseekV3 config.json of the target (eos_token_id: EOS_TOKEN's id)
     target.kdtr             the target's weights, HF DeepseekV3 parameter names, float16
-    drafter.config.json     the drafter's config (block size, target layer taps, sizes, mask token)
-    drafter.kdtr            the drafter's own weights (the embedding and LM head are the target's)
+    drafter.kdtr            the engine's DFlashDrafter as its `save` writes it: its own weights (the
+                            embedding and LM head are the target's), float16, config in the metadata
     held_out.json           {kind: [excerpt, ...]}: up to 24 excerpts (<= 2400 characters) of held-out
                             documents per kind, the prompts of the acceptance figures
     training_record.json    command, commit, device, loss curves, held-out perplexity per kind
     train.h200.log          the log of the device run that trained the committed models
+
+Models trained before the trainer trained the engine's class (up to commit 76e1f19) have a
+drafter.kdtr without config metadata, under the trainer's former module names, and a
+drafter.config.json beside it; `load_drafter` still reads that layout.
 
 Weights are stored in float16 (half the bytes of float32; every trained value lies well inside
 float16's range) and loaded as float32 unless a dtype is given. Nothing is downloaded.
@@ -32,8 +38,11 @@ from kdlib import DATA
 
 MODELS = DATA / "models"
 KINDS = ("code", "prose", "templated")
-FILES = ("tokenizer.json", "target.config.json", "target.kdtr", "drafter.config.json", "drafter.kdtr",
-         "held_out.json", "training_record.json")
+FILES = ("tokenizer.json", "target.config.json", "target.kdtr", "drafter.kdtr", "held_out.json",
+         "training_record.json")
+EOS_TOKEN = "<|endoftext|>"  # end of text, as GPT-2's and Qwen's tokenizers name it
+MASK_TOKEN = "<|mask|>"  # fills the drafter's block slots after the first
+EXCERPT_CHARS = 2400  # held_out.json's excerpt length: a shorter excerpt is a whole document
 
 
 def available(folder: str | Path | None = None) -> bool:
@@ -70,7 +79,13 @@ class Tokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 
+    @property
+    def eos_token_id(self) -> int | None:
+        """The end-of-text token's id (EOS_TOKEN), None for a tokenizer without it."""
+        return self._tok.token_to_id(EOS_TOKEN)
+
     def decode(self, ids) -> str:
+        """Special tokens decode to their text (EOS_TOKEN included)."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def token_to_id(self, token: str) -> int | None:
@@ -109,24 +124,39 @@ def load_target(device: str = "cpu", dtype=None, folder: str | Path | None = Non
 
 
 def load_drafter(target, device: str | None = None, folder: str | Path | None = None):
-    """The trained drafter as the engine's `DFlashDrafter`, on the target's device and dtype by default.
-
-    drafter.kdtr holds the weights under the training module's names (`kdlib.training.DraftNet`);
-    `kdlib.training.to_engine` renames them for the engine's class.
-    """
-    import numpy as np
-
+    """The trained drafter, the engine's `DFlashDrafter`, on the target's device and dtype by default."""
     from kdlib import kdtr
-    from kdlib.training import DraftConfig, to_engine
+    from kdlib.engine.drafter import DFlashDrafter
 
-    root = _require(folder, "drafter.config.json", "drafter.kdtr")
-    cfg = DraftConfig.from_dict(json.loads((root / "drafter.config.json").read_text()))
-    if cfg.hidden_size != target.cfg.hidden_size:
-        raise ValueError(f"drafter hidden {cfg.hidden_size} != target hidden {target.cfg.hidden_size}")
-    weights = {k: np.asarray(v, dtype=np.float32) for k, v in kdtr.load(root / "drafter.kdtr", mmap=False).items()}
-    d = to_engine(cfg, target.cfg.vocab_size, weights)
+    path = _require(folder, "drafter.kdtr") / "drafter.kdtr"
+    if "dflash_config" in kdtr.read_metadata(path):
+        d = DFlashDrafter.load(path)
+    else:
+        d = _former_drafter(path.parent, target.cfg.vocab_size)
     d.c.validate(target.cfg)
     return d.to(device=device if device is not None else target.device, dtype=target.dtype).eval()
+
+
+def _former_drafter(root: Path, vocab_size: int):
+    """A drafter of the former layout (see the module docstring): drafter.config.json holds the shape,
+    drafter.kdtr the weights with an extra `self_attn.` level in each layer's attention names."""
+    import dataclasses
+
+    import torch
+
+    from kdlib.engine.drafter import DFlashConfig, DFlashDrafter
+
+    raw = json.loads((_require(root, "drafter.config.json") / "drafter.config.json").read_text())
+    names = {f.name for f in dataclasses.fields(DFlashConfig)}
+    cfg = DFlashConfig(**{**{k: v for k, v in raw.items() if k in names}, "vocab_size": vocab_size,
+                          "target_layer_ids": tuple(raw["target_layer_ids"])})
+    d = DFlashDrafter(cfg)
+    weights = {k.replace(".self_attn.", "."): v for k, v in _state_dict(root / "drafter.kdtr", torch.float32, "cpu").items()}
+    own = d.state_dict()
+    if set(weights) != set(own):
+        raise ValueError(f"{root / 'drafter.kdtr'}: weights do not match the drafter ({sorted(set(weights) ^ set(own))[:3]})")
+    d.load_state_dict(weights)
+    return d
 
 
 def held_out(kind: str, folder: str | Path | None = None) -> list[str]:

@@ -55,6 +55,36 @@ def test_tokenizer_round_trips_held_out_text():
             assert len(ids) < len(text)  # BPE merges: fewer tokens than characters
 
 
+def test_end_of_text_token_is_named_and_atomic():
+    """The tokenizer's end-of-text token is the target config's eos_token_id and one token both ways."""
+    tok, target, drafter = _models()
+    eos = tok.eos_token_id
+    assert eos == tok.token_to_id(zoo.EOS_TOKEN) == target.cfg.extra["eos_token_id"] == 0
+    assert tok.encode(zoo.EOS_TOKEN) == [eos] and tok.decode([eos]) == zoo.EOS_TOKEN
+    text = zoo.held_out("code")[0][:200]
+    ids = tok.encode(text + zoo.EOS_TOKEN + text)
+    assert ids == tok.encode(text) + [eos] + tok.encode(text) and tok.decode(ids) == text + zoo.EOS_TOKEN + text
+    assert drafter.c.mask_token_id == tok.token_to_id(zoo.MASK_TOKEN) != eos
+
+
+def test_target_ends_whole_documents_with_eos():
+    """Held-out templated excerpts shorter than the excerpt length are whole documents: the target's top-1
+    after them is the end-of-text token for at least three in four, and EOS is almost never its top-1
+    inside a text (the committed models: 24 of 24, and never)."""
+    tok, target, _ = _models()
+    whole = [t for t in zoo.held_out("templated") if len(t) < zoo.EXCERPT_CHARS][:8]
+    assert len(whole) >= 4
+    ends, inside, positions = 0, 0, 0
+    with torch.no_grad():
+        for text in whole:
+            top = target.logits(torch.tensor(tok.encode(text)[-200:])).argmax(-1) == tok.eos_token_id
+            ends += int(top[-1])
+            inside += int(top[:-1].sum())
+            positions += top.shape[0] - 1
+    assert ends >= 0.75 * len(whole)
+    assert inside <= 0.01 * positions
+
+
 @pytest.mark.parametrize("kind", zoo.KINDS)
 def test_target_models_held_out_text(kind):
     """Perplexity of the engine's own forward on a held-out window, against the recorded full-set figure.
