@@ -146,10 +146,30 @@ def stacked_bars(ax, labels, parts: dict, ylabel: str, title: str) -> None:
     legend_outside(ax, handles=handles[::-1], labels=names[::-1])
 
 
+def grouped_bars(ax, groups, series: dict, value_fmt: str | None = None) -> None:
+    """Side-by-side bars: one group per entry of `groups`, one bar per `series` entry ({label: values},
+    one value per group); `value_fmt` (e.g. "{:.3f}") writes each value above its bar."""
+    import numpy as np
+
+    x = np.arange(len(groups))
+    width = 0.8 / len(series)
+    for i, (label, vals) in enumerate(series.items()):
+        bars = ax.bar(x + (i - (len(series) - 1) / 2) * width, np.asarray(vals, dtype=float), width=width, label=label,
+                      color=color(i))
+        if value_fmt:
+            ax.bar_label(bars, labels=[value_fmt.format(v) for v in vals], fontsize=8, padding=2)
+    ax.set_xticks(x, list(groups))
+    ax.grid(False, axis="x")
+
+
 def table(df, formats=None, caption: str | None = None, index: bool = False):
-    """A pandas Styler for display: `formats` is one format string for every cell or a {column: format
-    string or callable} map (floats rounded to what they mean; units belong in the column names or the
-    caption); the index is hidden unless `index`. The DataFrame itself is unchanged."""
+    """A pandas Styler for display: `formats` is one format string for every float column or a {column:
+    format string or callable} map (floats rounded to what they mean; units belong in the column names or
+    the caption); the index is hidden unless `index`. The DataFrame itself is unchanged."""
+    from pandas.api.types import is_float_dtype
+
+    if isinstance(formats, str):
+        formats = {c: formats for c in df.columns if is_float_dtype(df[c])}
     st = df.style.format(formats, na_rep="-")
     if not index:
         st = st.hide(axis="index")
