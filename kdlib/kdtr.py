@@ -41,8 +41,10 @@ Metadata entry (8 + key_len + value_len bytes): `u32 key_len, u32 value_len`, th
 (non-empty) and value. Metadata holds strings only: generator, seed, commit, tolerances, ...
 
 dtype codes: 1 float64, 2 float32, 3 float16, 4 bfloat16 (ml_dtypes), 5 int64, 6 int32, 7 int16,
-8 int8, 9 uint64, 10 uint32, 11 uint16, 12 uint8, 13 bool (one byte, 0 or 1). Code 0 is invalid.
-Where ml_dtypes is not installed, bfloat16 tensors load as uint16 arrays of the same bits.
+8 int8, 9 uint64, 10 uint32, 11 uint16, 12 uint8, 13 bool (one byte, 0 or 1), 14 float8_e4m3fn,
+15 float8_e5m2 (both ml_dtypes; OCP FP8 as in safetensors' F8_E4M3 / F8_E5M2). Code 0 is invalid.
+Where ml_dtypes is not installed, bfloat16 and float8 tensors load as uint16 / uint8 arrays of the
+same bits.
 
 Rules a reader enforces (each failure is a `KdtrError` naming the problem): magic, version and
 flags as above; the file is exactly `file_size` bytes; the header section lies inside the file
@@ -84,6 +86,7 @@ import struct
 import sys
 import tempfile
 import warnings
+import zipfile
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -93,10 +96,8 @@ import numpy as np
 
 try:
     import ml_dtypes
-
-    BFLOAT16: np.dtype | None = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # a bare GPU machine may lack it: bfloat16 then travels as its uint16 bits
-    BFLOAT16 = None
+except ImportError:  # a bare GPU machine may lack it: see ML_DTYPES
+    ml_dtypes = None
 
 MAGIC = b"\x89KDTR\r\n\x1a"
 VERSION = 1
@@ -111,16 +112,25 @@ SUFFIXES = {".kdtr": "kdtr", ".safetensors": "safetensors", ".npz": "npz"}
 
 NAMES: dict[int, str] = {
     1: "float64", 2: "float32", 3: "float16", 4: "bfloat16", 5: "int64", 6: "int32", 7: "int16",
-    8: "int8", 9: "uint64", 10: "uint32", 11: "uint16", 12: "uint8", 13: "bool",
+    8: "int8", 9: "uint64", 10: "uint32", 11: "uint16", 12: "uint8", 13: "bool", 14: "float8_e4m3fn",
+    15: "float8_e5m2",
 }
 CODES: dict[str, int] = {name: code for code, name in NAMES.items()}
 BF16_CODE = CODES["bfloat16"]
+# The codes numpy has no dtype for: ml_dtypes provides them. Without ml_dtypes they are handed out
+# as unsigned integers holding the same bits (with a warning on load).
+ML_DTYPES: dict[int, np.dtype | None] = {
+    code: np.dtype(getattr(ml_dtypes, NAMES[code])) if ml_dtypes is not None else None
+    for code in (BF16_CODE, CODES["float8_e4m3fn"], CODES["float8_e5m2"])
+}
+BFLOAT16 = ML_DTYPES[BF16_CODE]
+FLOAT_CODES = frozenset(CODES[n] for n in ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"))
 # The numpy dtype each code is stored and returned as: little-endian (native order on a
-# little-endian host, so arrays print as plain float32 etc.). Without ml_dtypes, bfloat16 is
-# handed out as uint16 holding the same bits (with a warning on load).
+# little-endian host, so arrays print as plain float32 etc.).
 _LE = "=" if sys.byteorder == "little" else "<"
+_BITS = {BF16_CODE: "u2", CODES["float8_e4m3fn"]: "u1", CODES["float8_e5m2"]: "u1"}
 DTYPES: dict[int, np.dtype] = {
-    code: (BFLOAT16 if BFLOAT16 is not None else np.dtype(_LE + "u2")) if code == BF16_CODE
+    code: (ML_DTYPES[code] or np.dtype(_LE + _BITS[code])) if code in ML_DTYPES
     else np.dtype(name).newbyteorder(_LE)
     for code, name in NAMES.items()
 }
@@ -128,11 +138,13 @@ DTYPES: dict[int, np.dtype] = {
 
 def _code_of(dtype: np.dtype) -> int | None:
     """The KDTR code of a numpy dtype, or None when KDTR has no such dtype."""
-    if BFLOAT16 is not None and dtype == BFLOAT16:
-        return BF16_CODE
+    for code, dt in ML_DTYPES.items():
+        if dt is not None and dtype == dt:
+            return code
     if dtype.kind not in "biuf":
         return None
-    return CODES.get(dtype.name) if dtype.name != "bfloat16" else None
+    code = CODES.get(dtype.name)
+    return None if code in ML_DTYPES else code  # a same-named dtype that is not ml_dtypes' own
 
 
 class KdtrError(ValueError):
@@ -332,7 +344,7 @@ def load(path, mmap: bool = True, verify: bool | None = None, device: str | None
     read anyway", i.e. True for mmap=False and False for mmap=True, keeping the map O(header).
     device: None for numpy; "cuda" or "cuda:N" returns CuPy arrays on that device (one
     host-to-device copy per tensor). CuPy has no bfloat16 dtype (cupy/cupy issue #7527): where
-    it refuses one, a bfloat16 tensor arrives as uint16 holding the same bits (as it does on
+    it refuses one, a bfloat16 (float8) tensor arrives as uint16 (uint8) holding the same bits (as it does on
     the host when ml_dtypes is not installed).
     Raises KdtrError for any malformed file, before returning anything.
     """
@@ -341,8 +353,9 @@ def load(path, mmap: bool = True, verify: bool | None = None, device: str | None
     out: dict[str, np.ndarray] = {}
     with open(path, "rb") as f:
         h = _read_header(f, path)
-        if BFLOAT16 is None and any(e.code == BF16_CODE for e in h.tensors):
-            warnings.warn("ml_dtypes is not installed: bfloat16 tensors are returned as uint16 bits", stacklevel=2)
+        if ml_dtypes is None and any(e.code in ML_DTYPES for e in h.tensors):
+            warnings.warn("ml_dtypes is not installed: bfloat16 / float8 tensors are returned as their "
+                          "unsigned-integer bits", stacklevel=2)
         if mmap:
             mm = np.memmap(f, dtype=np.uint8, mode="r") if h.file_size else None
             for e in h.tensors:
@@ -388,9 +401,9 @@ def _to_device(a: np.ndarray, device: str):
         try:
             return cupy.asarray(a)
         except (TypeError, ValueError):
-            if BFLOAT16 is None or a.dtype != BFLOAT16:
+            if _code_of(a.dtype) not in ML_DTYPES:
                 raise
-            return cupy.asarray(a.view(np.uint16))
+            return cupy.asarray(a.view(f"u{a.dtype.itemsize}"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,8 +444,9 @@ def _host(x) -> np.ndarray:
         import torch
 
         t = x.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
-        if t.dtype == torch.bfloat16:
-            return t.view(torch.int16).numpy().view(DTYPES[BF16_CODE])
+        code = CODES.get(str(t.dtype).removeprefix("torch."))
+        if code in ML_DTYPES:  # torch hands these to numpy only as their bits
+            return t.view(torch.int16 if t.element_size() == 2 else torch.uint8).numpy().view(DTYPES[code])
         a = t.numpy()
     elif kind == "cupy":
         a = x.get()
@@ -693,7 +707,7 @@ def differences(actual, expected, close: Mapping[str, float] | None = None) -> l
     ta, tb = load(actual), load(expected)
     for name, rtol in close.items():
         x, y = ta[name], tb[name]
-        if x.dtype != y.dtype or x.shape != y.shape or (y.dtype.kind != "f" and y.dtype != BFLOAT16):
+        if x.dtype != y.dtype or x.shape != y.shape or _code_of(y.dtype) not in FLOAT_CODES:
             problems.append(f"{name}: {x.dtype} {x.shape} vs {y.dtype} {y.shape} (need equal float tensors)")
             continue
         x, y = x.astype(np.float64), y.astype(np.float64)
@@ -710,7 +724,14 @@ def differences(actual, expected, close: Mapping[str, float] | None = None) -> l
 # ---------------------------------------------------------------------------------------------
 # Converters: KDTR <-> safetensors <-> npz, picked by file suffix
 
-NPZ_SIDECAR = "__kdtr__"  # npz member holding JSON {dtypes, metadata}: npz cannot name bfloat16
+NPZ_SIDECAR = "__kdtr__"  # npz member holding JSON {dtypes, metadata}: npz cannot name bfloat16 or float8
+ST_METADATA = "__metadata__"  # the safetensors header key of the metadata
+# safetensors dtype -> KDTR dtype name (the safetensors format's own spelling, from its documentation)
+ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+             "I32": "int32", "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16",
+             "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+ST_CODES = {CODES[name]: st for st, name in ST_DTYPES.items()}
+NPZ_DATE = (1980, 1, 1, 0, 0, 0)  # zip member timestamps: the format's earliest, so output is run-independent
 
 
 def _format_of(path) -> str:
@@ -723,18 +744,11 @@ def _format_of(path) -> str:
 def _read_any(path) -> tuple[dict, dict]:
     fmt = _format_of(path)
     if fmt == "kdtr":
+        for e in read_header(path).tensors:
+            _ml_dtype(path, e.name, e.code)
         return load(path, mmap=False), read_metadata(path)
     if fmt == "safetensors":
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(path), framework="numpy") as f:
-                meta = dict(f.metadata() or {})
-                return {k: f.get_tensor(k) for k in f.keys()}, meta
-        except FileNotFoundError:
-            raise
-        except Exception as e:  # the library raises its own SafetensorError and others
-            raise KdtrError(f"{path}: cannot read safetensors: {e}") from e
+        return _read_safetensors(path)
     try:
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
@@ -749,14 +763,81 @@ def _read_any(path) -> tuple[dict, dict]:
         info = json.loads(str(side))
         for k, dt in info.get("dtypes", {}).items():
             if k in arrays:
-                arrays[k] = arrays[k].view(np.dtype(dt))
+                arrays[k] = arrays[k].view(_ml_dtype(path, k, CODES[dt]))
         return arrays, dict(info.get("metadata", {}))
-    except (ValueError, TypeError, AttributeError) as e:
+    except (ValueError, TypeError, AttributeError, KeyError) as e:
         raise KdtrError(f"{path}: malformed {NPZ_SIDECAR} member: {e}") from e
 
 
+def _ml_dtype(path, name: str, code: int) -> np.dtype:
+    """The numpy dtype of code `code` for tensor `name` of a file being converted; bits alone would lose the type."""
+    if code in ML_DTYPES and ML_DTYPES[code] is None:
+        raise KdtrError(f"{path}: tensor {name!r} is {NAMES[code]}, which needs the ml_dtypes package to convert")
+    return DTYPES[code]
+
+
+def _read_safetensors(path) -> tuple[dict, dict]:
+    """Tensors (by name) and metadata (by key) of a safetensors file, parsed and checked by the library.
+
+    The library's own numpy loader cannot make float8 arrays (numpy has no such dtype), so the raw
+    bytes it hands out are viewed here through ST_DTYPES.
+    """
+    from safetensors import deserialize, safe_open
+
+    raw = Path(path).read_bytes()
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            meta = f.metadata() or {}
+        views = deserialize(raw)
+    except Exception as e:  # the library raises its own SafetensorError and others
+        raise KdtrError(f"{path}: cannot read safetensors: {e}") from e
+    tensors = {}
+    for name, v in sorted(views):  # the library hands them out in no fixed order
+        if v["dtype"] not in ST_DTYPES:
+            raise KdtrError(f"{path}: tensor {name!r} has safetensors dtype {v['dtype']}, which KDTR cannot hold "
+                            f"(it holds {', '.join(ST_DTYPES)})")
+        a = np.frombuffer(v["data"], _ml_dtype(path, name, CODES[ST_DTYPES[v["dtype"]]])).reshape(v["shape"])
+        if a.dtype == np.bool_ and a.size and a.view(np.uint8).max() > 1:
+            raise KdtrError(f"{path}: bool tensor {name!r} holds bytes other than 0 and 1")
+        tensors[name] = a
+    return tensors, dict(sorted(meta.items()))
+
+
+def _write_safetensors(f, arrays: dict, metadata: dict) -> None:
+    """The safetensors format (u64 header size, JSON header padded with spaces to 8 bytes, data),
+    written here because the library orders the metadata differently in every process. Tensors in
+    decreasing item size, then by name, as the library lays them out (each one aligned)."""
+    if ST_METADATA in arrays:
+        raise ValueError(f"tensor name {ST_METADATA!r} is reserved in .safetensors files")
+    order = sorted(arrays, key=lambda k: (-arrays[k].dtype.itemsize, k))
+    header: dict = {ST_METADATA: metadata} if metadata else {}
+    pos = 0
+    for k in order:
+        a = arrays[k]
+        header[k] = {"dtype": ST_CODES[_code_of(a.dtype)], "shape": list(a.shape), "data_offsets": [pos, pos + a.nbytes]}
+        pos += a.nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    f.write(struct.pack("<Q", len(text)) + text)
+    for k in order:
+        _write_array(f, arrays[k])
+
+
+def _write_npz(f, arrays: dict) -> None:
+    """An uncompressed .npz, one `<name>.npy` member per array, as np.load reads it. Written member by
+    member (np.savez's keyword arguments would take tensors named `file` or `allow_pickle`), with
+    fixed timestamps."""
+    with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED) as z:
+        for k, a in arrays.items():
+            info = zipfile.ZipInfo(f"{k}.npy", date_time=NPZ_DATE)
+            with z.open(info, "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, a, allow_pickle=False)
+
+
 def _write_any(path, tensors: dict, metadata: dict) -> None:
+    """Write `tensors` and `metadata` (sorted by key, so the bytes never depend on the order read)."""
     fmt = _format_of(path)
+    metadata = dict(sorted(metadata.items()))
     if fmt == "kdtr":
         save(path, tensors, metadata)
         return
@@ -764,22 +845,21 @@ def _write_any(path, tensors: dict, metadata: dict) -> None:
     for k, v in tensors.items():
         arrays[k] = _host(_describe(k, v)[2])
     if fmt == "safetensors":
-        import safetensors.numpy
-
-        blob = safetensors.numpy.save(arrays, metadata=dict(metadata) or None)
-        _atomic_write(path, lambda f: f.write(blob))
+        _atomic_write(path, lambda f: _write_safetensors(f, arrays, metadata))
         return
     if NPZ_SIDECAR in arrays:
         raise ValueError(f"tensor name {NPZ_SIDECAR!r} is reserved in .npz files")
-    bf16 = {k for k, a in arrays.items() if BFLOAT16 is not None and a.dtype == BFLOAT16}
-    side = {"dtypes": {k: "bfloat16" for k in sorted(bf16)}, "metadata": dict(metadata)}
-    arrays = {k: (a.view(np.uint16) if k in bf16 else a) for k, a in arrays.items()}
+    ml = {k: _code_of(a.dtype) for k, a in arrays.items() if _code_of(a.dtype) in ML_DTYPES}
+    side = {"dtypes": {k: NAMES[ml[k]] for k in sorted(ml)}, "metadata": metadata}
+    arrays = {k: (a.view(f"u{a.dtype.itemsize}") if k in ml else a) for k, a in arrays.items()}
     arrays[NPZ_SIDECAR] = np.array(json.dumps(side, sort_keys=True))
-    _atomic_write(path, lambda f: np.savez(f, **arrays))
+    _atomic_write(path, lambda f: _write_npz(f, arrays))
 
 
 def convert(src, dst) -> None:
-    """Copy tensors and metadata between .kdtr, .safetensors and .npz files (types by suffix)."""
+    """Copy tensors and metadata between .kdtr, .safetensors and .npz files (types by suffix).
+
+    Deterministic: the same source gives the same bytes in every run (metadata sorted by key)."""
     _format_of(dst)
     tensors, metadata = _read_any(src)
     _write_any(dst, tensors, metadata)
@@ -800,7 +880,7 @@ def from_safetensors(src, dst) -> None:
 
 
 def to_npz(src, dst) -> None:
-    """KDTR -> .npz (bfloat16 stored as uint16 bits, dtypes and metadata in the `__kdtr__` member)."""
+    """KDTR -> .npz (bfloat16 / float8 stored as uint16 / uint8 bits, dtypes and metadata in the `__kdtr__` member)."""
     if _format_of(src) != "kdtr" or _format_of(dst) != "npz":
         raise ValueError(f"to_npz wants a .kdtr source and a .npz target, got {src}, {dst}")
     convert(src, dst)

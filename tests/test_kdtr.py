@@ -310,7 +310,7 @@ def test_header_checksum(small):
         kdtr.read_metadata(small)
 
 
-@pytest.mark.parametrize("code", [0, 14, 255])
+@pytest.mark.parametrize("code", [0, 16, 255])
 def test_unknown_dtype(small, code):
     buf = image(small)
     buf[entry_pos(buf, 0) + 2] = code
@@ -463,7 +463,7 @@ def test_bool_bytes_other_than_0_1(tmp_path):
     [
         ({"x": np.zeros(2, np.complex64)}, None, "complex64 is not supported"),
         ({"x": np.array(["a"])}, None, "not supported"),
-        ({"x": "float8_e4m3fn"}, None, "float8_e4m3fn is not supported"),
+        ({"x": "float8_e4m3fnuz"}, None, "float8_e4m3fnuz is not supported"),  # the fnuz variant, not OCP
         ({"": np.zeros(2)}, None, "non-empty strings"),
         ({3: np.zeros(2)}, None, "non-empty strings"),
         ({"x": np.zeros(2)}, {"k": 3}, "metadata must map"),
@@ -474,7 +474,7 @@ def test_bool_bytes_other_than_0_1(tmp_path):
 )
 def test_save_rejects_bad_arguments_before_any_work(tmp_path, tensors, metadata, message):
     if isinstance(tensors, dict) and isinstance(tensors.get("x"), str):
-        tensors = {"x": np.zeros(2, pytest.importorskip("ml_dtypes").float8_e4m3fn)}
+        tensors = {"x": np.zeros(2, getattr(pytest.importorskip("ml_dtypes"), tensors["x"]))}
     with pytest.raises(ValueError, match=message):
         kdtr.save(tmp_path / "x.kdtr", tensors, metadata)
     assert list(tmp_path.iterdir()) == []
@@ -564,6 +564,92 @@ def test_converters_round_trip(tmp_path, ext):
     assert set(got) == set(want)  # safetensors orders names its own way
     assert_same({k: got[k] for k in want}, want)
     assert kdtr.read_metadata(back) == {"generator": "test"}
+
+
+def test_convert_is_byte_identical_across_processes(tmp_path):
+    """safetensors hands out (and its writer emits) metadata in a per-process order: converted files
+    must not depend on it. Two processes with different hash seeds, every target format."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "m.safetensors"
+    meta = {k: f"value {k}" for k in ("format", "zeta", "alpha", "model", "b")}
+    save_file({"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.arange(3, dtype=np.int8)}, str(src),
+              metadata=meta)
+    for ext in ("kdtr", "safetensors", "npz"):
+        outs = []
+        for seed in ("1", "2"):
+            dst = tmp_path / f"out{seed}.{ext}"
+            code = f"from kdlib import kdtr; raise SystemExit(kdtr.cli(['convert', {str(src)!r}, {str(dst)!r}]))"
+            subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120,
+                           env={**os.environ, "PYTHONHASHSEED": seed})
+            outs.append(dst.read_bytes())
+        assert outs[0] == outs[1], ext
+    with safe_open(str(tmp_path / "out1.safetensors"), framework="numpy") as f:
+        assert f.metadata() == meta and sorted(f.keys()) == ["b", "w"]
+    assert list(kdtr.read_metadata(tmp_path / "out1.kdtr")) == sorted(meta)
+
+
+@pytest.mark.parametrize("ext", ["npz", "safetensors"])
+def test_names_that_collide_with_savez_arguments(tmp_path, ext):
+    """np.savez(file, *args, allow_pickle=..., **kwds) would drop `allow_pickle` and fail on `file`."""
+    want = {"file": np.arange(4, dtype=np.int32), "allow_pickle": np.ones((2, 2)), "args": np.zeros(0, np.uint8),
+            "x.npy": np.array(1.5, np.float32), "dir/name": np.arange(3, dtype=np.int16)}
+    src, mid, back = tmp_path / "n.kdtr", tmp_path / f"n.{ext}", tmp_path / "back.kdtr"
+    kdtr.save(src, want)
+    kdtr.convert(src, mid)
+    kdtr.convert(mid, back)
+    assert_same({k: kdtr.load(back)[k] for k in want}, want)
+    if ext == "npz":
+        with np.load(mid, allow_pickle=False) as z:
+            assert sorted(z.files) == sorted([*want, kdtr.NPZ_SIDECAR])
+            assert np.array_equal(z["file"], want["file"]) and np.array_equal(z["allow_pickle"], want["allow_pickle"])
+
+
+def fp8_every_bit_pattern() -> dict[str, np.ndarray]:
+    """All 256 bytes as each OCP FP8 type (NaNs, infinities, -0 and subnormals included)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bits = np.arange(256, dtype=np.uint8).reshape(16, 16)  # [16, 16]
+    return {"e4m3": bits.view(ml_dtypes.float8_e4m3fn), "e5m2": bits.view(ml_dtypes.float8_e5m2),
+            "scale": np.linspace(0.5, 2.0, 16, dtype=np.float32)}
+
+
+def test_fp8_against_safetensors(tmp_path):
+    """FP8 written by the safetensors library converts to KDTR and back bit for bit; the library's torch
+    loader reads the file KDTR writes as the same float8 tensors."""
+    torch = pytest.importorskip("torch")
+    from safetensors.numpy import save_file
+    from safetensors.torch import load_file
+
+    want = fp8_every_bit_pattern()
+    src, k, back = tmp_path / "f8.safetensors", tmp_path / "f8.kdtr", tmp_path / "back.safetensors"
+    save_file(want, str(src), metadata={"quant": "fp8"})
+    kdtr.convert(src, k)
+    got = kdtr.load(k)
+    assert [kdtr.NAMES[e.code] for e in kdtr.read_header(k).tensors] == ["float8_e4m3fn", "float8_e5m2", "float32"]
+    assert_same(got, want)
+    kdtr.convert(k, back)
+    t = load_file(str(back))
+    assert t["e4m3"].dtype == torch.float8_e4m3fn and t["e5m2"].dtype == torch.float8_e5m2
+    for name in ("e4m3", "e5m2"):
+        assert t[name].view(torch.uint8).numpy().tobytes() == want[name].tobytes()
+    for ext in ("npz", "kdtr"):  # and through the other formats
+        kdtr.convert(back, tmp_path / f"again.{ext}")
+        kdtr.convert(tmp_path / f"again.{ext}", tmp_path / "again2.kdtr")
+        assert_same(kdtr.load(tmp_path / "again2.kdtr"), want)
+    torch_in = {"e4m3": t["e4m3"], "e5m2": t["e5m2"]}  # torch float8 tensors saved directly
+    kdtr.save(tmp_path / "t.kdtr", torch_in)
+    assert_same(kdtr.load(tmp_path / "t.kdtr"), {n: want[n] for n in torch_in})
+
+
+def test_unsupported_safetensors_dtype_is_named(tmp_path):
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "c.safetensors"
+    save_file({"ok": np.zeros(2, np.float32), "z": np.zeros(2, np.complex64)}, str(src))
+    with pytest.raises(KdtrError, match="tensor 'z' has safetensors dtype C64, which KDTR cannot hold"):
+        kdtr.convert(src, tmp_path / "c.kdtr")
+    assert not (tmp_path / "c.kdtr").exists()
 
 
 def test_convert_reads_foreign_files(tmp_path):
