@@ -484,7 +484,9 @@ class BatchEngine:
         if self.drafter is not None:
             self.drafter.admit(lane, r.prompt, feats, r.max_new)
         t = int(tok)
-        lp = self._logprob_entries(torch.log_softmax(logits[0].float(), -1), [t]) if p.logprobs is not None else None
+        lp = None
+        if p.logprobs is not None:
+            lp = self._logprob_entries(torch.log_softmax(logits[0].float(), -1), [t], p.logprobs)
         return self._emit(r, [t], 1, lp)
 
     def _pick(self, logits, u, lanes, sampled: bool, filtered: bool) -> torch.Tensor:
@@ -501,6 +503,7 @@ class BatchEngine:
         return torch.where((temp > 0)[:, None], drawn.view(C, W), greedy)
 
     # ---- one step
+    @torch.no_grad()
     def step(self) -> list[StepOutput]:
         """Admit waiting requests, then one decode step of every running request (module docstring)."""
         t0 = time.perf_counter()
@@ -666,9 +669,9 @@ class BatchEngine:
             out[:, base + wd + wd * TOP_LOGPROBS : base + wd + wd * TOP_LOGPROBS + n * TOP_LOGPROBS] = \
                 top.values[:, :n].reshape(C, -1).double()
 
-    def _logprob_entries(self, lp: torch.Tensor, toks: list[int]) -> list[dict]:
-        """lp [n, V] log-probabilities of the rows that predicted toks [n]."""
-        top = lp.topk(min(TOP_LOGPROBS, lp.shape[-1]), dim=-1)
+    def _logprob_entries(self, lp: torch.Tensor, toks: list[int], n_top: int) -> list[dict]:
+        """lp [n, V] log-probabilities of the rows that predicted toks [n]; n_top alternatives each."""
+        top = lp.topk(min(n_top, lp.shape[-1]), dim=-1)
         return [{"token": t, "logprob": float(lp[i, t]),
                  "top": list(zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True))} for i, t in enumerate(toks)]
 

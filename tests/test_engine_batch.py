@@ -1,0 +1,319 @@
+"""kdlib.engine.batch: batched DDTree == single-stream AR greedy under continuous batching, the sampled
+distribution (chi-square against the exact AR distribution), seeds independent of the batch, the pool's
+bookkeeping (all free afterwards, no stream reads another's slots, poisoned free slots), clear errors."""
+
+import dataclasses
+import itertools
+import math
+from functools import cache
+
+import numpy as np
+import pytest
+import torch
+
+from kdlib import DATA
+from kdlib.engine.batch import BatchEngine, SamplingParams, filtered_probs, generate_batch, hashed_uniforms
+from kdlib.engine.config import ModelConfig
+from kdlib.engine.drafter import DFlashConfig, DFlashDrafter, NoisyOracleDrafter
+from kdlib.engine.generate import generate
+from kdlib.engine.model import Model
+
+
+@cache
+def _model(vocab: int | None = None, device: str = "cpu") -> Model:
+    cfg = ModelConfig.from_json(DATA / "configs" / "tiny-a.json")
+    if vocab is not None:
+        cfg = dataclasses.replace(cfg, vocab_size=vocab)
+    return Model.random(cfg, seed=0, device=device)
+
+
+def _drafter(kind: str, model: Model, block: int = 6):
+    if kind == "oracle":
+        return NoisyOracleDrafter(model.cfg.vocab_size, p_wrong=0.3, block_size=block, seed=1)
+    return DFlashDrafter(DFlashConfig.for_target(model.cfg, block_size=block), seed=2).to(model.device)
+
+
+def _prompts(n: int, seed: int, vocab: int, lo: int = 1, hi: int = 300) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
+
+
+def _ar(model, prompt, n) -> list[int]:
+    return generate(model, prompt, n).tokens
+
+
+@pytest.mark.parametrize("streams", [1, 3, 16])
+@pytest.mark.parametrize("method,kind,budget", [("ar", None, None), ("ddtree", "oracle", 1), ("ddtree", "oracle", 64),
+                                                ("ddtree", "dflash", 8)])
+def test_greedy_batch_equals_single_stream_ar(streams, method, kind, budget):
+    m = _model()
+    prompts = _prompts(streams, seed=streams * 7 + (budget or 0), vocab=m.cfg.vocab_size)
+    new = [int(x) for x in np.random.default_rng(streams).integers(4, 14, streams)]
+    drafter = _drafter(kind, m) if kind else None
+    eng = BatchEngine(m, max_streams=streams, method=method, drafter=drafter, budget=budget, keep_results=True)
+    rids = [eng.add_request(p, n) for p, n in zip(prompts, new, strict=True)]
+    while eng.has_work():
+        eng.step()
+    for rid, p, n in zip(rids, prompts, new, strict=True):
+        assert eng.result(rid).tokens == _ar(m, p, n), (method, kind, budget, len(p))
+    assert eng.pool_free_slots == eng.pool_slots and eng.num_running == 0
+
+
+def test_generate_batch_matches_ar_and_reports_acceptance():
+    m = _model()
+    prompts = _prompts(4, seed=3, vocab=m.cfg.vocab_size, hi=40)
+    res = generate_batch(m, prompts, 12, method="ddtree", drafter=_drafter("oracle", m), budget=16)
+    for r, p in zip(res, prompts, strict=True):
+        assert r.tokens == _ar(m, p, 12)
+        assert sum(r.accepted) >= 11 and r.target_forwards == 1 + len(r.accepted)
+        assert r.mean_accepted > 1.0  # the oracle is right 70% of the time per depth
+
+
+def test_streams_join_and_leave_mid_run_with_poisoned_free_slots():
+    """Continuous batching over 3 lanes: requests arrive between steps, one is aborted, the rest equal
+    their single-stream AR output; every free slot holds NaN at every step (a stream reading a slot it
+    does not own would turn NaN), and each lane's page table only names its own slots."""
+    m = _model()
+    V = m.cfg.vocab_size
+    prompts = _prompts(8, seed=11, vocab=V, hi=120)
+    new = [5, 9, 3, 12, 7, 1, 10, 6]
+    eng = BatchEngine(m, max_streams=3, method="ddtree", drafter=_drafter("dflash", m), budget=5, keep_results=True,
+                      num_slots=420)
+    arrivals = {0: [0, 1], 2: [2, 3, 4], 3: [5], 6: [6, 7]}
+    rids, aborted = {}, None
+    for step in itertools.count():
+        for i in arrivals.get(step, []):
+            rids[i] = eng.add_request(prompts[i], new[i])
+        if step == 4:
+            aborted = rids[3]
+            assert eng.abort(aborted)
+        free = torch.tensor(eng.pool.free_slots(), dtype=torch.int64)
+        eng.pool.kv[:, free] = float("nan")
+        eng.step()
+        for lane, r in enumerate(eng._lanes):
+            if r is not None:
+                seen = set(eng.table[lane, : int(eng.lens[lane]) + eng.rows].tolist())
+                assert seen <= set(r.slots), f"lane {lane} reads slots it does not own"
+        if step > max(arrivals) and not eng.has_work():
+            break
+    for i, rid in rids.items():
+        if rid == aborted:
+            assert eng.result(rid) is None
+            continue
+        assert eng.result(rid).tokens == _ar(m, prompts[i], new[i]), i
+    assert eng.pool_free_slots == eng.pool_slots and eng.num_running == eng.num_waiting == 0
+
+
+def test_a_request_waits_for_slots_then_runs():
+    m = _model()
+    p = _prompts(3, seed=5, vocab=m.cfg.vocab_size, lo=50, hi=60)
+    eng = BatchEngine(m, max_streams=3, num_slots=2 * (60 + 8 + 1), keep_results=True)
+    rids = [eng.add_request(x, 8) for x in p]
+    eng.step()
+    assert eng.num_running == 2 and eng.num_waiting == 1  # the third does not fit until one ends
+    while eng.has_work():
+        eng.step()
+    assert [eng.result(r).tokens for r in rids] == [_ar(m, x, 8) for x in p]
+
+
+def test_errors_are_clear_and_before_any_work():
+    m = _model()
+    eng = BatchEngine(m, max_streams=2, num_slots=100)
+    with pytest.raises(ValueError, match="KV slots"):
+        eng.add_request([1] * 90, 20)
+    with pytest.raises(ValueError, match="context limit"):
+        eng.add_request([1] * 1000, 100)
+    with pytest.raises(ValueError, match="vocabulary"):
+        eng.add_request([m.cfg.vocab_size], 4)
+    with pytest.raises(ValueError, match="temperature"):
+        eng.add_request([1], 4, SamplingParams(temperature=-1.0))
+    with pytest.raises(ValueError, match="top_p"):
+        eng.add_request([1], 4, SamplingParams(top_p=0.0))
+    with pytest.raises(ValueError, match="needs a drafter"):
+        BatchEngine(m, method="ddtree")
+    assert not eng.has_work() and eng.pool_free_slots == 100
+
+
+def test_stop_tokens_min_tokens_and_ignore_eos():
+    m = _model()
+    prompt = _prompts(1, seed=2, vocab=m.cfg.vocab_size, hi=30)[0]
+    ref = _ar(m, prompt, 12)
+    stop = ref[4]
+    first = ref.index(stop)
+    eng = BatchEngine(m, max_streams=3, method="ddtree", drafter=_drafter("oracle", m), budget=8, keep_results=True)
+    a = eng.add_request(prompt, 12, SamplingParams(stop_token_ids=(stop,)))
+    b = eng.add_request(prompt, 12, SamplingParams(stop_token_ids=(stop,), ignore_eos=True))
+    c = eng.add_request(prompt, 12, SamplingParams(stop_token_ids=(stop,), min_tokens=first + 1))
+    reasons = {}
+    while eng.has_work():
+        for o in eng.step():
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+    assert eng.result(a).tokens == ref[: first + 1] and reasons[a] == "stop"
+    assert eng.result(b).tokens == ref and reasons[b] == "length"
+    later = ref.index(stop, first + 1) + 1 if stop in ref[first + 1 :] else 12
+    assert eng.result(c).tokens == ref[:later]
+
+
+def test_logprobs_match_the_target_distribution():
+    m = _model()
+    prompt = _prompts(1, seed=4, vocab=m.cfg.vocab_size, hi=20)[0]
+    eng = BatchEngine(m, max_streams=1, method="ddtree", drafter=_drafter("oracle", m), budget=4, keep_results=True)
+    rid = eng.add_request(prompt, 6, SamplingParams(logprobs=3))
+    entries = []
+    while eng.has_work():
+        for o in eng.step():
+            entries.extend(o.logprobs)
+    toks = eng.result(rid).tokens
+    assert [e["token"] for e in entries] == toks
+    lp = torch.log_softmax(m.logits(prompt + toks), dim=-1)[len(prompt) - 1 : -1]  # [6, V] row i predicts toks[i]
+    for i, e in enumerate(entries):
+        assert e["logprob"] == pytest.approx(float(lp[i, toks[i]]), abs=1e-4)
+        assert [t for t, _ in e["top"]] == lp[i].topk(3).indices.tolist()
+
+
+def test_hashed_uniforms_are_uniform_and_a_pure_function():
+    seeds = torch.arange(64, dtype=torch.int64) * 7919 + 3
+    u = hashed_uniforms(seeds, torch.full((64,), 17, dtype=torch.int64), 256)  # [64, 256]
+    assert u.dtype == torch.float64 and bool(((u >= 0) & (u < 1)).all())
+    assert torch.equal(u, hashed_uniforms(seeds, torch.full((64,), 17, dtype=torch.int64), 256))
+    counts = torch.histc(u.float(), bins=16, min=0, max=1)
+    chi2 = float(((counts - u.numel() / 16) ** 2 / (u.numel() / 16)).sum())
+    p = float(torch.special.gammaincc(torch.tensor(7.5), torch.tensor(chi2 / 2)))
+    assert p > 1e-3, f"uniformity chi-square {chi2:.1f}, p = {p:.2e}"
+    assert len(set(u.flatten().tolist())) == u.numel()
+
+
+def test_filtered_probs_top_k_and_top_p():
+    logits = torch.log(torch.tensor([[[0.5, 0.3, 0.15, 0.05]]]))
+    one = torch.ones(1)
+    p = filtered_probs(logits, one, torch.tensor([0.7]), torch.tensor([0]), True)[0, 0]
+    assert torch.allclose(p, torch.tensor([0.5, 0.3, 0.0, 0.0]) / 0.8)
+    p = filtered_probs(logits, one, torch.tensor([1.0]), torch.tensor([3]), True)[0, 0]
+    assert torch.allclose(p, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
+    assert torch.allclose(filtered_probs(logits, one, one, torch.tensor([0]), False)[0, 0],
+                          torch.tensor([0.5, 0.3, 0.15, 0.05]))
+
+
+def _exact_joint(model, prompt, temperature, n=3) -> dict:
+    """P(t1..tn) of AR sampling at `temperature`, enumerated over a small vocabulary."""
+    V = model.cfg.vocab_size
+    probs = {}
+    for seq in itertools.product(range(V), repeat=n - 1):
+        logits = model.logits(prompt + list(seq))[len(prompt) - 1 :]  # [n, V] rows predict t1..tn
+        p = torch.softmax(logits.double() / temperature, dim=-1)
+        head = math.prod(float(p[i, seq[i]]) for i in range(n - 1))
+        for t in range(V):
+            probs[seq + (t,)] = head * float(p[n - 1, t])
+    return probs
+
+
+def _chi2_p(counts: dict, probs: dict, total: int) -> tuple[float, float, int]:
+    """Pearson chi-square over the cells with expected count >= 5 (the rest pooled into one)."""
+    obs, exp, rest_o, rest_e = [], [], 0.0, 0.0
+    for cell, p in probs.items():
+        e = p * total
+        if e >= 5:
+            obs.append(counts.get(cell, 0))
+            exp.append(e)
+        else:
+            rest_o += counts.get(cell, 0)
+            rest_e += e
+    if rest_e > 0:
+        obs.append(rest_o)
+        exp.append(rest_e)
+    o, e = np.asarray(obs, dtype=float), np.asarray(exp, dtype=float)
+    chi2 = float(((o - e) ** 2 / e).sum())
+    df = len(o) - 1
+    p = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(chi2 / 2, dtype=torch.float64)))
+    return chi2, p, df
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ar", "ddtree"])
+def test_sampled_distribution_equals_ar_sampling(method, capsys):
+    """Over 3000 seeds, the first three sampled tokens of the batched engine (64 streams at a time)
+    follow the exact AR sampling distribution at T = 0.9 (DDTree: a random DFlash drafter, budget 3,
+    so the first step's accept walk decides t2 and usually t3)."""
+    m = _model(vocab=8)
+    prompt = [1, 5, 2]
+    temp, N = 0.9, 3000
+    probs = _exact_joint(m, prompt, temp)
+    drafter = _drafter("dflash", m, block=4) if method == "ddtree" else None
+    eng = BatchEngine(m, max_streams=64, method=method, drafter=drafter, budget=3 if drafter else None,
+                      keep_results=True)
+    rids = [eng.add_request(prompt, 3, SamplingParams(temperature=temp, seed=s)) for s in range(N)]
+    while eng.has_work():
+        eng.step()
+    counts: dict = {}
+    for rid in rids:
+        key = tuple(eng.result(rid).tokens)
+        counts[key] = counts.get(key, 0) + 1
+    chi2, p, df = _chi2_p(counts, probs, N)
+    _, p_wrong_t, _ = _chi2_p(counts, _exact_joint(m, prompt, 1.2), N)  # the test's power: T = 1.2 is told apart
+    with capsys.disabled():
+        print(f"\n[{method}] chi-square {chi2:.1f} on {df} dof, p = {p:.3f} (against T = 1.2: p = {p_wrong_t:.1e})")
+    assert p > 1e-3, f"{method}: chi-square {chi2:.1f} on {df} dof, p = {p:.2e}"
+    assert p_wrong_t < 1e-3
+
+
+def test_same_seed_same_tokens_whatever_else_runs():
+    m = _model()
+    prompt = _prompts(1, seed=9, vocab=m.cfg.vocab_size, hi=25)[0]
+    others = _prompts(5, seed=10, vocab=m.cfg.vocab_size, hi=60)
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=1234)
+
+    def run(with_others: bool):
+        eng = BatchEngine(m, max_streams=6, method="ddtree", drafter=_drafter("dflash", m), budget=6,
+                          keep_results=True)
+        if with_others:
+            for i, o in enumerate(others[:3]):
+                eng.add_request(o, 9, SamplingParams(temperature=0.5, seed=i))
+        rid = eng.add_request(prompt, 10, params)
+        if with_others:
+            for o in others[3:]:
+                eng.add_request(o, 4)
+        while eng.has_work():
+            eng.step()
+        return eng.result(rid).tokens
+
+    alone = run(False)
+    assert alone == run(True)
+    assert len(alone) == 10
+
+
+# ----------------------------------------------------------------------------- CUDA
+def _cuda_model(dtype=torch.float32):
+    m = _model(device="cuda")
+    return m if dtype == torch.float32 else Model.random(m.cfg, seed=0, device="cuda", dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("streams", [1, 3, 16])
+def test_gpu_graphs_equal_eager_and_ar(streams):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    m = _cuda_model()
+    prompts = _prompts(streams, seed=streams, vocab=m.cfg.vocab_size)
+    d = _drafter("dflash", m)
+    outs = {}
+    for graphs in (False, True):
+        outs[graphs] = [r.tokens for r in generate_batch(m, prompts, 12, method="ddtree", drafter=d, budget=16,
+                                                         graphs=graphs)]
+    assert outs[True] == outs[False]
+    assert outs[True] == [_ar(m, p, 12) for p in prompts]
+    sampled = [generate_batch(m, prompts, 8, method="ddtree", drafter=d, budget=16, temperature=0.8, seed=5,
+                              graphs=g) for g in (False, True)]
+    assert [r.tokens for r in sampled[0]] == [r.tokens for r in sampled[1]]
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_moe_matches_dense_in_bf16():
+    m = _cuda_model(torch.bfloat16)
+    moe = next(layer.mlp for layer in m.model.layers if hasattr(layer.mlp, "experts"))
+    x = torch.randn(4096, m.cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    assert moe.path(4096, True, x.device, x.dtype) == "grouped"
+    w, idx = moe.gate(x)
+    grouped = moe._routed_vectorised(x, w, idx, "grouped").float()
+    dense = moe._routed_vectorised(x, w, idx, "dense").float()
+    rel = float((grouped - dense).norm() / dense.norm())
+    assert rel < 2e-2, rel
