@@ -377,10 +377,35 @@ def _uniforms(rng, n):
     return u
 
 
+SAMPLE_VERSIONS = (1, 2, 3)  # kdlib.cuda.accept.SAMPLE_VERSIONS, spelled out: importing it needs no device
+
+
+def test_sample_v3_constants_come_from_the_reference():
+    """v3's thread and piece counts reach the compiler from kdlib.ref.accept; the defaults in the source
+    (offline compiles only) are the same numbers, so the ptxas and NVRTC checks compile what runs."""
+    import re
+
+    from kdlib import KERNELS
+    from kdlib.cuda import accept
+    from kdlib.ref import accept as ref_accept
+
+    assert accept.SAMPLE_VERSIONS == SAMPLE_VERSIONS and accept.SAMPLE_DEFAULT == 3
+    assert accept.SAMPLE_ORDER[accept.SAMPLE_DEFAULT] == "blocked" == ref_accept.SAMPLE_ORDERS[0]
+    assert accept.sample_options(3) == (f"-DTA3_THREADS={ref_accept.SAMPLE_THREADS}",
+                                        f"-DTA3_PIECE={ref_accept.SAMPLE_PIECE}")
+    assert accept.sample_options(2) == ()
+    assert accept.sample_kernel(np.float32) == ("tree_accept_v3", "tree_sample_rows_v3_f32")
+    src = (KERNELS / "tree_accept_v3.cu").read_text()
+    defaults = dict(re.findall(r"#define (TA3_THREADS|TA3_PIECE) (\d+)", src))
+    assert defaults == {"TA3_THREADS": str(ref_accept.SAMPLE_THREADS), "TA3_PIECE": str(ref_accept.SAMPLE_PIECE)}
+    with pytest.raises(ValueError, match="version"):
+        accept.sample_kernel(np.float32, 4)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", SAMPLE_VERSIONS)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("v", [1, 7, 32, 33, 1000, 4099])
+@pytest.mark.parametrize("v", [1, 7, 32, 33, 1000, 2048, 2049, 4099, 6147])
 def test_sample_tokens_bit_exact(dtype, v, version):
     cp = _cp()
     from kdlib.cuda import accept
@@ -390,13 +415,13 @@ def test_sample_tokens_bit_exact(dtype, v, version):
     probs, u = _probs(rng, n, v, dtype), _uniforms(rng, n)
     out = cp.full(n, POISON_INT, dtype=cp.int64)
     got = accept.sample_tokens(cp.asarray(probs), cp.asarray(u), out=out, version=version).get()
-    want = ref.sample_tokens(probs, u)
+    want = ref.sample_tokens(probs, u, order=accept.SAMPLE_ORDER[version])
     bad = np.flatnonzero(got != want)
     assert bad.size == 0, f"rows {bad[:5].tolist()}: got {got[bad[:5]]}, want {want[bad[:5]]}"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", SAMPLE_VERSIONS)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_accept_sample_batch_exact(dtype, version):
     cp = _cp()
@@ -414,12 +439,144 @@ def test_accept_sample_batch_exact(dtype, version):
     u = _uniforms(rng, bsz * (budget + 1)).reshape(bsz, budget + 1)
     unused = np.arange(budget + 1)[None, :] >= trees.sizes[:, None]
     probs[unused] = np.nan  # never read
-    want = ref.accept_sample_batch(trees, probs, u)
+    want = ref.accept_sample_batch(trees, probs, u, order=accept.SAMPLE_ORDER[version])
     d_trees = ref.DDTreeBatch(**{f: cp.asarray(getattr(trees, f)) for f in FIELDS})
     got = accept.accept_sample_batch(d_trees, cp.asarray(probs), cp.asarray(u), version=version)
     for g, w in zip(got, want, strict=True):
         assert (g.get() == w).all()
     assert want[1].max() > 2  # the test exercised real walks
+
+
+def _hard_rows(rng, n, v, dtype):
+    """[n, v] rows that stress an inverse CDF: softmax-like peaks, tile-long runs of zeros, a single
+    nonzero, subnormal-only mass, exact integer masses; and uniforms [n] with 0, the largest double
+    below 1 and u = m / 1024 on the integer rows (x lands exactly on a CDF step, thread boundaries
+    included)."""
+    probs = np.zeros((n, v), dtype=np.float64)  # [n, v]
+    u = rng.random(n)  # [n]
+    tiny = 1e-40 if dtype == np.float32 else 5e-324  # subnormal in the row's dtype (float64: sums of them too)
+    for r in range(n):
+        kind = r % 6
+        if kind == 0:  # a tempered softmax over random logits
+            z = rng.standard_normal(v) * rng.choice([1.0, 4.0, 12.0])
+            probs[r] = np.exp(z - z.max())
+        elif kind == 1:  # skewed, zeros, a zero run as long as several tiles
+            probs[r] = rng.random(v) ** 4 * (rng.random(v) < 0.5)
+            a = int(rng.integers(0, v))
+            probs[r, a:a + int(rng.integers(1, 3 * 2048))] = 0.0
+            probs[r, int(rng.integers(0, v))] += 1e-3
+        elif kind == 2:  # a single nonzero
+            probs[r, int(rng.integers(0, v))] = rng.choice([tiny, 1.0])
+        elif kind == 3:  # subnormal mass only
+            probs[r, rng.random(v) < 0.01] = tiny
+            probs[r, int(rng.integers(0, v))] = tiny
+        else:  # 1024 ones: exact sums, u = m / 1024 exact
+            probs[r, rng.choice(v, 1024, replace=False)] = 1.0
+            u[r] = int(rng.integers(0, 1024)) / 1024.0
+    u[::7] = 0.0
+    u[3::7] = np.nextafter(1.0, 0.0)
+    return probs.astype(dtype), u
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("v,rows", [(4096, 1536), (32000, 768), (163840, 192)])
+def test_sample_v3_bit_exact_at_model_vocabularies(v, rows, dtype):
+    """v3 against the blocked reference over many rows at V = 4096, 32,000 and 163,840 (Kimi-K2);
+    also with the rows misaligned for vector loads (an odd element offset) and at V + 1 (no float4)."""
+    cp = _cp()
+    from kdlib.cuda import accept
+
+    rng = np.random.default_rng(v + (dtype == np.float64))
+    probs, u = _hard_rows(rng, rows, v, dtype)
+    want = ref.sample_tokens(probs, u)
+    d_u = cp.asarray(u)
+    out = cp.full(rows, POISON_INT, dtype=cp.int64)
+    got = accept.sample_tokens(cp.asarray(probs), d_u, out=out).get()
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, f"rows {bad[:5].tolist()} (kinds {(bad[:5] % 6).tolist()}): got {got[bad[:5]]}, want {want[bad[:5]]}"
+    flat = cp.zeros(rows * v + 1, dtype=dtype)
+    flat[1:] = cp.asarray(probs).reshape(-1)
+    shifted = flat[1:].reshape(rows, v)  # C-contiguous, 4 or 8 bytes off a 16-byte boundary
+    assert shifted.data.ptr % 16 != 0
+    assert (accept.sample_tokens(shifted, d_u).get() == want).all()
+    wider = np.concatenate([probs, np.zeros((rows, 1), dtype=dtype)], axis=1)  # [rows, V + 1]
+    wider[::5, -1] = 0.25  # some rows with mass in that last, lone column
+    assert (accept.sample_tokens(cp.asarray(wider), d_u).get() == ref.sample_tokens(wider, u)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", [4096, 32000])
+def test_sample_v3_has_v2s_distribution(v):
+    """Stratified uniforms u_i = (i + 1/2) / M over M copies of one row: an inverse CDF in any order
+    draws token k within one of M p_k / sum(p) times, so v3 and v2 agree on the distribution to 2 / M."""
+    cp = _cp()
+    from kdlib.cuda import accept
+
+    rng = np.random.default_rng(v)
+    m = 8192 if v == 4096 else 2048
+    z = rng.standard_normal(v) * 3
+    p = np.exp(z - z.max()).astype(np.float32)
+    p[rng.random(v) < 0.2] = 0.0
+    probs = cp.tile(cp.asarray(p), (m, 1))  # [M, V]
+    u = cp.asarray((np.arange(m) + 0.5) / m)  # [M]
+    expect = m * p.astype(np.float64) / p.astype(np.float64).sum()
+    counts = {ver: np.bincount(accept.sample_tokens(probs, u, version=ver).get(), minlength=v) for ver in (2, 3)}
+    for ver, c in counts.items():
+        assert np.abs(c - expect).max() <= 1 + 1e-6, ver
+        assert c[p == 0].sum() == 0, ver
+    assert np.abs(counts[3] - counts[2]).max() <= 2
+
+
+@pytest.mark.gpu
+def test_sample_v3_in_a_cuda_graph():
+    """sample_tokens (out=) and accept_sample_batch (out=, targets=) captured in one CUDA graph and replayed
+    on new inputs written into the captured buffers: bit-exact with the reference every time."""
+    cp = _cp()
+    from kdlib.cuda import accept
+
+    rng = np.random.default_rng(21)
+    bsz, depth, kp, vocab, budget = 8, 6, 8, 32000, 24
+    ids, lp = pipeline.random_topk(rng, bsz, depth, kp, 50)
+    trees = ref.build_tree_batch(ids, lp, budget)
+    d_trees = ref.DDTreeBatch(**{f: cp.asarray(getattr(trees, f)) for f in FIELDS})
+    probs = cp.empty((bsz, budget + 1, vocab), dtype=cp.float32)  # [B, S, V]
+    u = cp.empty((bsz, budget + 1))  # [B, S]
+    tokens = cp.empty(bsz * (budget + 1), dtype=cp.int64)  # [B * S]
+    targets = cp.empty((bsz, budget + 1), dtype=cp.int64)  # [B, S]
+    outs = (cp.empty((bsz, budget + 1), dtype=cp.int64), cp.empty(bsz, dtype=cp.int64), cp.empty(bsz, dtype=cp.int64))
+
+    def step():
+        accept.sample_tokens(probs.reshape(-1, vocab), u.reshape(-1), out=tokens)
+        accept.accept_sample_batch(d_trees, probs, u, out=outs, targets=targets)
+
+    probs.fill(1.0)
+    u.fill(0.5)
+    step()  # compiles the kernels before the capture
+    cp.cuda.runtime.deviceSynchronize()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        step()
+        graph = stream.end_capture()
+    for _ in range(3):
+        p_h = (rng.random((bsz, budget + 1, vocab)) ** 8).astype(np.float32)  # [B, S, V]
+        tgt = _targets(rng, trees, 50, p_follow=0.9)
+        rows, cols = np.nonzero(tgt >= 0)
+        p_h[rows, cols, tgt[rows, cols]] += 20000.0  # mostly on one child's token, so that walks go deep
+        u_h = rng.random((bsz, budget + 1))
+        with stream:  # the copies and poison on the graph's stream, ordered before the replay
+            probs.set(p_h)
+            u.set(u_h)
+            for buf in (tokens, targets, *outs):
+                buf.fill(POISON_INT)
+            graph.launch(stream)
+        stream.synchronize()
+        assert (tokens.get() == ref.sample_tokens(p_h.reshape(-1, vocab), u_h.reshape(-1))).all()
+        want = ref.accept_sample_batch(trees, p_h, u_h)
+        for g, w in zip(outs, want, strict=True):
+            assert (g.get() == w).all()
+        assert want[1].max() > 2  # real walks
 
 
 # ----------------------------------------------------------------------------- compaction, remap

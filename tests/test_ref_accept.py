@@ -5,6 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kdlib.ref import accept as acc_ref
 from kdlib.ref import (
     accept_greedy,
     accept_greedy_batch,
@@ -14,6 +15,7 @@ from kdlib.ref import (
     build_tree_batch,
     sample_tokens,
 )
+from kdlib.ref.accept import SAMPLE_ORDERS, SAMPLE_PIECE, SAMPLE_THREADS, blocked_order
 
 V = 6  # a tiny vocabulary, so the lookup-table target often agrees with the draft
 
@@ -122,13 +124,13 @@ def test_max_depth_too_small():
 # ----------------------------------------------------------------------------- sampling
 
 
-def test_sample_tokens_matches_sequential_sums():
+def test_sequential_order_matches_sequential_sums():
     rng = np.random.default_rng(0)
     probs = rng.random((300, 17)).astype(np.float32)
     probs[:, 3] = 0.0  # never drawn
     u = rng.random(300)
     u[:5] = 0.0
-    got = sample_tokens(probs, u)
+    got = sample_tokens(probs, u, order="sequential")
     for r in range(300):
         acc = []
         s = 0.0
@@ -141,11 +143,158 @@ def test_sample_tokens_matches_sequential_sums():
     assert got.dtype == np.int64
 
 
-def test_sample_tokens_unnormalised_and_edges():
+@pytest.mark.parametrize("order", SAMPLE_ORDERS)
+def test_sample_tokens_unnormalised_and_edges(order):
+    # V <= SAMPLE_PIECE: one thread holds the whole row in index order, so both orders agree
     probs = np.array([[0.0, 2.0, 2.0], [1.0, 0.0, 0.0]], dtype=np.float64)
-    assert sample_tokens(probs, np.array([0.0, 0.999999])).tolist() == [1, 0]
-    assert sample_tokens(probs, np.array([0.5, 0.5])).tolist() == [2, 0]  # u*total == cum[1] -> next index
-    assert sample_tokens(probs, np.array([np.nextafter(1.0, 0), 0.0])).tolist() == [2, 0]
+    assert sample_tokens(probs, np.array([0.0, 0.999999]), order=order).tolist() == [1, 0]
+    assert sample_tokens(probs, np.array([0.5, 0.5]), order=order).tolist() == [2, 0]  # u*total == cum[1] -> next
+    assert sample_tokens(probs, np.array([np.nextafter(1.0, 0), 0.0]), order=order).tolist() == [2, 0]
+
+
+def blocked_by_definition(p, u: float, threads: int, piece: int) -> int:
+    """The blocked draw of one row written out with Python floats (IEEE doubles) and loops."""
+    v = len(p)
+    tile = threads * piece
+    seqs = [[k * tile + t * piece + e for k in range(-(-v // tile)) for e in range(piece) if k * tile + t * piece + e < v]
+            for t in range(threads)]
+    partial = []
+    for seq in seqs:
+        s = 0.0
+        for i in seq:
+            s += float(p[i])
+        partial.append(s)
+
+    def scan32(a):  # shuffle-up scan: at step d lane i adds lane i - d's value from before the step
+        for d in (1, 2, 4, 8, 16):
+            a = [a[i] + a[i - d] if i >= d else a[i] for i in range(32)]
+        return a
+
+    lanes = [scan32(partial[w * 32:(w + 1) * 32]) for w in range(threads // 32)]
+    warp_inc = scan32([lane[31] for lane in lanes] + [0.0] * (32 - len(lanes)))
+    excl = [([0.0] + warp_inc)[w] + ([0.0] + lanes[w])[lane] for w in range(len(lanes)) for lane in range(32)]
+    ends = [excl[t] + partial[t] for t in range(threads)]
+    total = max(ends[t] for t in range(threads) if partial[t] > 0)
+    x = u * total
+    if not x < total:
+        x = float(np.nextafter(total, 0.0))
+    for t, seq in enumerate(seqs):
+        s = 0.0
+        for i in seq:
+            s += float(p[i])
+            if p[i] > 0 and x < excl[t] + s:
+                return i
+    raise AssertionError("no token drawn")
+
+
+def adversarial_row(rng, v: int, dtype):
+    """Skewed mass with zeros, runs of zeros as long as a tile, subnormals and one dominant entry."""
+    p = rng.random(v) ** rng.choice([1, 3, 12])
+    p[rng.random(v) < rng.choice([0.0, 0.3, 0.9])] = 0.0
+    if v > 8 and rng.random() < 0.5:
+        a = int(rng.integers(0, v))
+        p[a:a + int(rng.integers(1, v))] = 0.0
+    tiny = np.float32(1e-40) if dtype == np.float32 else 5e-324  # subnormal in the row's dtype
+    p[rng.random(v) < 0.05] = tiny
+    p[int(rng.integers(0, v))] += rng.choice([0.0, 1e-30, 1.0, 1e6])
+    if not (p > 0).any():
+        p[int(rng.integers(0, v))] = tiny
+    return p.astype(dtype)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**32 - 1), st.sampled_from([(32, 1), (32, 4), (64, 2), (128, 4), (SAMPLE_THREADS, SAMPLE_PIECE)]),
+       st.sampled_from([np.float32, np.float64]))
+def test_blocked_draw_equals_its_definition(seed, layout, dtype):
+    """The vectorised blocked draw against loops over Python floats: several thread and piece counts
+    (one to 16 warps, one to several tiles, V not a multiple of the tile), zeros, subnormals, u = 0
+    and u just below 1."""
+    threads, piece = layout
+    rng = np.random.default_rng(seed)
+    v = int(rng.integers(1, 3 * threads * piece + 7))
+    p = adversarial_row(rng, v, dtype)
+    u = np.array([0.0, np.nextafter(1.0, 0.0), rng.random(), rng.random()])
+    got = acc_ref._draw_blocked(np.tile(p.astype(np.float64), (4, 1)), u, threads, piece)
+    want = [blocked_by_definition(p, float(x), threads, piece) for x in u]
+    assert got.tolist() == want
+    assert (p[got] > 0).all()
+    if layout == (SAMPLE_THREADS, SAMPLE_PIECE):
+        assert sample_tokens(p[None].repeat(4, axis=0), u).tolist() == want
+    assert got[0] == next(i for i in blocked_order(v, threads, piece) if p[i] > 0)  # u = 0: first positive
+
+
+@pytest.mark.parametrize("v", [1, 4, 5, 2047, 2048, 2049, 6143, 32000])
+def test_blocked_order_is_a_permutation(v):
+    order = blocked_order(v)
+    assert order.dtype == np.int64 and sorted(order.tolist()) == list(range(v))
+    tile = SAMPLE_THREADS * SAMPLE_PIECE
+    assert order[: min(v, SAMPLE_PIECE)].tolist() == list(range(min(v, SAMPLE_PIECE)))  # thread 0 starts the row
+    if v > tile:
+        assert order[SAMPLE_PIECE] == tile  # thread 0 goes on with its piece of tile 1
+
+
+@pytest.mark.parametrize("order", SAMPLE_ORDERS)
+@pytest.mark.parametrize("v", [1500, 6000, 9001])
+def test_u_on_exact_boundaries(order, v):
+    """1024 ones among zeros: every sum is an exact integer and u = m / 1024 is exact, so x = m lands on
+    a CDF step exactly (thread and warp boundaries of the blocked order included) and the draw is the
+    (m+1)-th positive token of the order."""
+    rng = np.random.default_rng(v)
+    ones = np.sort(rng.choice(v, 1024, replace=False))
+    probs = np.zeros((1024, v), dtype=np.float32)
+    probs[:, ones] = 1.0
+    m = np.arange(1024)
+    visit = blocked_order(v) if order == "blocked" else np.arange(v)
+    positives = visit[probs[0, visit] > 0]  # positive tokens in the order's sequence
+    got = sample_tokens(probs, m / 1024.0, order=order)
+    assert got.tolist() == positives[m].tolist()
+
+
+@pytest.mark.parametrize("order", SAMPLE_ORDERS)
+@pytest.mark.parametrize("dtype,tiny", [(np.float32, 1e-40), (np.float64, 5e-324), (np.float32, 1.0)])
+def test_single_nonzero_is_always_drawn(order, dtype, tiny):
+    rng = np.random.default_rng(4)
+    v = 5000
+    where = rng.integers(0, v, 64)
+    probs = np.zeros((64, v), dtype=dtype)
+    probs[np.arange(64), where] = tiny
+    u = rng.random(64)
+    u[:2] = [0.0, np.nextafter(1.0, 0.0)]
+    got = sample_tokens(probs, u, order=order)
+    if order == "sequential":  # u * total rounds up to a subnormal total (here for u > 1/2): V, out of range
+        where = np.where(u * tiny < tiny, where, v)
+    assert got.tolist() == where.tolist()
+
+
+def test_orders_agree_when_one_thread_holds_the_mass():
+    """With every positive entry in one thread's elements the blocked CDF is the sequential one (the
+    other threads add only zeros), so both orders draw the same token for every u."""
+    rng = np.random.default_rng(8)
+    v = 3 * SAMPLE_THREADS * SAMPLE_PIECE + 5
+    order = blocked_order(v)
+    rows = 200
+    probs = np.zeros((rows, v), dtype=np.float32)
+    u = rng.random(rows)
+    u[:3] = [0.0, np.nextafter(1.0, 0.0), 0.5]
+    for r in range(rows):
+        t = int(rng.integers(0, SAMPLE_THREADS))
+        own = [i for i in order if (i % (SAMPLE_THREADS * SAMPLE_PIECE)) // SAMPLE_PIECE == t]
+        probs[r, own] = rng.random(len(own)) ** 3 * (rng.random(len(own)) < 0.7)
+        probs[r, own[int(rng.integers(len(own)))]] += 1e-3
+    assert (sample_tokens(probs, u) == sample_tokens(probs, u, order="sequential")).all()
+
+
+@pytest.mark.parametrize("order", SAMPLE_ORDERS)
+def test_stratified_uniforms_give_the_distribution(order):
+    """u_i = (i + 1/2) / M hits token k about M p_k / sum(p) times; an inverse CDF in any order misses
+    that count by at most one (plus float64 rounding), so the two orders have the same distribution."""
+    rng = np.random.default_rng(6)
+    v, m = 3000, 8192
+    p = adversarial_row(rng, v, np.float32)
+    counts = np.bincount(sample_tokens(np.tile(p, (m, 1)), (np.arange(m) + 0.5) / m, order=order), minlength=v)
+    expect = m * p.astype(np.float64) / p.astype(np.float64).sum()
+    assert np.abs(counts - expect).max() <= 1 + 1e-6
+    assert counts[p == 0].sum() == 0
 
 
 @settings(max_examples=100, deadline=None)
@@ -213,9 +362,15 @@ def test_first_emitted_token_follows_target():
         (np.ones((1, 2)), -np.ones(1) * 0.1, r"\[0, 1\)"),
     ],
 )
-def test_sample_tokens_bad_input(probs, u, msg):
+@pytest.mark.parametrize("order", SAMPLE_ORDERS)
+def test_sample_tokens_bad_input(probs, u, msg, order):
     with pytest.raises(ValueError, match=msg):
-        sample_tokens(probs, u)
+        sample_tokens(probs, u, order=order)
+
+
+def test_sample_tokens_bad_order():
+    with pytest.raises(ValueError, match="order"):
+        sample_tokens(np.ones((1, 2)), np.zeros(1), order="pairwise")
 
 
 def test_accept_bad_input():

@@ -2,9 +2,14 @@
 `kdlib.ref.accept` (same names, same signatures, CuPy arrays in and out).
 
 Kernels: `tree_accept_greedy_v1` (`kernels/tree_accept_v1.cu`), one block per request, stages
-the LCRS lists in shared memory and walks them with one thread; `tree_sample_rows_v2_f32/_f64`
-(`kernels/tree_accept_v2.cu`, default; `version=1` picks the first version in tree_accept_v1.cu),
-one thread per row, inverse CDF with sequential float64 sums (bit-exact with the reference).
+the LCRS lists in shared memory and walks them with one thread. The inverse-CDF draw
+`tree_sample_rows_v<N>_f32/_f64`, bit-exact with `kdlib.ref.accept.sample_tokens` in the order
+`SAMPLE_ORDER[N]`:
+  * v3 (`kernels/tree_accept_v3.cu`, default): one block of `ref.accept.SAMPLE_THREADS` threads
+    per row, the "blocked" order; the thread and piece counts reach the compiler as -D options
+    from `kdlib.ref.accept`, so kernel and reference share one definition;
+  * v2 (`tree_accept_v2.cu`) and v1 (`tree_accept_v1.cu`): one thread per row, the "sequential"
+    order (the whole vocabulary through one dependent chain: slow at large V).
 
 Differences from the reference, all forced by not synchronising with the host:
   * a path longer than `max_depth + 1` is truncated in `paths`, and `lengths[b]` keeps its true
@@ -20,21 +25,36 @@ import numbers
 import numpy as np
 
 from kdlib.cuda import loader
+from kdlib.ref import accept as ref_accept
 from kdlib.ref.tree import DDTreeBatch
 
 GREEDY = ("tree_accept_v1", "tree_accept_greedy_v1")
-SAMPLE_VERSIONS = (1, 2)  # v2 (default): loads software-pipelined; v1: one load per add (slower, same result)
+SAMPLE_VERSIONS = (1, 2, 3)  # v3: a block per row; v2: one thread per row, pipelined loads; v1: one load per add
+SAMPLE_DEFAULT = 3
+SAMPLE_ORDER = {1: "sequential", 2: "sequential", 3: "blocked"}  # the kdlib.ref.accept order each one matches
+GREEDY_THREADS = 64  # TA_THREADS in tree_accept_v1.cu
+ROW_THREADS = 128  # threads per block of v1/v2 (their launch bound), one row each
+MAX_VOCAB = 1 << 30  # v3 indexes a row with 32-bit offsets
 
 
-def sample_kernel(dtype, version: int = 2) -> tuple[str, str]:
-    """(file stem, kernel name) of the inverse-CDF draw for probs of this dtype."""
+def _check_version(version) -> None:
     if version not in SAMPLE_VERSIONS:
         raise ValueError(f"version must be one of {SAMPLE_VERSIONS}, got {version!r}")
+
+
+def sample_kernel(dtype, version: int = SAMPLE_DEFAULT) -> tuple[str, str]:
+    """(file stem, kernel name) of the inverse-CDF draw for probs of this dtype."""
+    _check_version(version)
     suffix = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}[np.dtype(dtype)]
-    stem = "tree_accept_v1" if version == 1 else "tree_accept_v2"
-    return stem, f"tree_sample_rows_v{version}_{suffix}"
-GREEDY_THREADS = 64  # TA_THREADS in tree_accept_v1.cu
-SAMPLE_THREADS = 128  # launch bound of tree_sample_rows_v1_*
+    return f"tree_accept_v{version}", f"tree_sample_rows_v{version}_{suffix}"
+
+
+def sample_options(version: int = SAMPLE_DEFAULT) -> tuple[str, ...]:
+    """Compiler options of the draw: v3's thread and piece counts, taken from kdlib.ref.accept."""
+    _check_version(version)
+    if version != 3:
+        return ()
+    return (f"-DTA3_THREADS={ref_accept.SAMPLE_THREADS}", f"-DTA3_PIECE={ref_accept.SAMPLE_PIECE}")
 
 
 def _batch(trees):
@@ -121,14 +141,19 @@ def _check_sample_values(probs, uniforms) -> None:
 
 
 def _sample_launch(probs, uniforms, sizes, rows_per_req: int, tokens, version: int) -> None:
+    _check_version(version)
     n, v = probs.shape[0] * (probs.shape[1] if probs.ndim == 3 else 1), probs.shape[-1]
+    if version == 3 and v > MAX_VOCAB:
+        raise ValueError(f"sampling version 3 takes a vocabulary of at most {MAX_VOCAB}, got {v}")
     if n == 0:
         return
-    fn = loader.get_function(*sample_kernel(probs.dtype, version))
-    blocks = (n + SAMPLE_THREADS - 1) // SAMPLE_THREADS
-    fn((blocks,), (SAMPLE_THREADS,),
-       (probs, uniforms, sizes if sizes is not None else np.uint64(0), np.int64(rows_per_req), np.int64(n),
-        np.int64(v), tokens))
+    fn = loader.get_function(*sample_kernel(probs.dtype, version), options=sample_options(version))
+    sizes_arg = sizes if sizes is not None else np.uint64(0)
+    if version == 3:  # one block per row
+        fn((n,), (ref_accept.SAMPLE_THREADS,), (probs, uniforms, sizes_arg, np.int64(rows_per_req), np.int64(v), tokens))
+        return
+    fn(((n + ROW_THREADS - 1) // ROW_THREADS,), (ROW_THREADS,),
+       (probs, uniforms, sizes_arg, np.int64(rows_per_req), np.int64(n), np.int64(v), tokens))
 
 
 def _check_probs(probs, ndim: int):
@@ -153,10 +178,13 @@ def _check_uniforms(uniforms, shape):
     return cupy.ascontiguousarray(uniforms)
 
 
-def sample_tokens(probs, uniforms, *, check_values: bool = False, out=None, version: int = 2):
-    """Inverse-CDF draw per row, bit-exact with `kdlib.ref.accept.sample_tokens`.
+def sample_tokens(probs, uniforms, *, check_values: bool = False, out=None, version: int = SAMPLE_DEFAULT):
+    """Inverse-CDF draw per row, bit-exact with `kdlib.ref.accept.sample_tokens(probs, uniforms,
+    order=SAMPLE_ORDER[version])` (the default v3: the reference's default order).
 
-    Shape: probs [N, V] float32/float64, uniforms [N] float64 in [0, 1). Returns tokens [N] int64.
+    Shape: probs [N, V] float32/float64, uniforms [N] float64 in [0, 1). Returns tokens [N] int64
+    (out: an int64 [N] buffer to write into). Without check_values, a row with no positive entry
+    gets -1 from v3 (V from v1/v2).
     """
     import cupy
 
@@ -165,18 +193,22 @@ def sample_tokens(probs, uniforms, *, check_values: bool = False, out=None, vers
     if check_values:
         _check_sample_values(probs, uniforms)
     tokens = cupy.empty(probs.shape[0], dtype=cupy.int64) if out is None else out  # [N]
-    if tokens.shape != probs.shape[:1] or tokens.dtype != np.int64:
-        raise ValueError(f"out must be an int64 array of shape {probs.shape[:1]}")
+    if tokens.shape != probs.shape[:1] or tokens.dtype != np.int64 or not tokens.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous int64 array of shape {probs.shape[:1]}")
     _sample_launch(probs, uniforms, None, 1, tokens, version)
     return tokens
 
 
 def accept_sample_batch(trees, probs, uniforms, max_depth: int | None = None, *, check_values: bool = False, out=None,
-                        version: int = 2):
-    """Sample-and-walk over a batch on the GPU (see `kdlib.ref.accept.accept_sample_batch`).
+                        targets=None, version: int = SAMPLE_DEFAULT):
+    """Sample-and-walk over a batch on the GPU (see `kdlib.ref.accept.accept_sample_batch`, whose
+    `order=SAMPLE_ORDER[version]` it matches bit for bit).
 
     Shape: probs [B, budget+1, V] float32/float64, uniforms [B, budget+1] float64; rows >= sizes[b]
     are never read. Returns paths [B, max_depth+1] int64 padded -1, lengths [B], bonus [B].
+    out: (paths, lengths, bonus) buffers; targets: an int64 [B, budget+1] buffer for the drawn
+    tokens (-1 past sizes[b]). With both and check_values=False nothing is allocated and nothing
+    synchronises (graph capture).
     """
     import cupy
 
@@ -190,7 +222,10 @@ def accept_sample_batch(trees, probs, uniforms, max_depth: int | None = None, *,
         rows = np.arange(budget + 1)[None, :] < sizes[:, None]
         mask = cupy.asarray(rows)
         _check_sample_values(probs[mask], uniforms[mask])
-    targets = cupy.empty((bsz, budget + 1), dtype=cupy.int64)  # [B, budget+1]
+    if targets is None:
+        targets = cupy.empty((bsz, budget + 1), dtype=cupy.int64)  # [B, budget+1]
+    elif targets.shape != (bsz, budget + 1) or targets.dtype != np.int64 or not targets.flags.c_contiguous:
+        raise ValueError(f"targets must be a C-contiguous int64 array of shape {(bsz, budget + 1)}")
     _sample_launch(probs, uniforms, cupy.ascontiguousarray(f["sizes"]), budget + 1, targets, version)
     return accept_greedy_batch(trees, targets, max_depth=max_depth, out=out)
 

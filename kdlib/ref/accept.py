@@ -9,8 +9,10 @@ root). `path` is the list of accepted node indices, root included, so tau = len(
 Sampling is lossless sample-and-walk (REF `liranringel/ddtree:ddtree.py:420` with
 `model/utils.py:28-35`): draw one token from the target at every node with an explicit uniform,
 then walk exactly as in the greedy case. The draw is an inverse CDF written so a kernel can
-match it bit for bit: cumsum and total are sequential float64 sums in index order, and the token
-is the first index i with `u * total < cumsum[i]`.
+match it bit for bit: every sum is float64, in an order fixed here (`sample_tokens`: the blocked
+order of `tree_accept_v3`, one block of SAMPLE_THREADS threads per row; or the sequential index
+order of the one-thread-per-row kernels v1/v2), and a token is drawn only where its probability
+is positive.
 """
 
 from __future__ import annotations
@@ -109,15 +111,13 @@ def accept_greedy_batch(
     return paths, lengths, bonus
 
 
-def sample_tokens(probs: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
-    """Inverse-CDF draw, one token per row, bit-reproducible.
+SAMPLE_THREADS = 512  # threads per row in the blocked order (tree_accept_v3 gets it as -DTA3_THREADS)
+SAMPLE_PIECE = 4  # consecutive elements a thread owns per tile (-DTA3_PIECE: one float4 load)
+SAMPLE_ORDERS = ("blocked", "sequential")
+_ROW_ELEMENTS = 1 << 22  # padded elements per slab of rows in the blocked draw (bounds its memory)
 
-    Shape: probs [N, V] float32 or float64, non-negative, finite, each row with a positive sum
-    (need not be normalised); uniforms [N] float64 in [0, 1).
-    For each row: cumsum = sequential float64 prefix sums in index order, total = cumsum[V-1];
-    the token is the first i with `u * total < cumsum[i]` (zero-probability tokens are never drawn).
-    Returns tokens [N] int64.
-    """
+
+def _check_sample_inputs(probs, uniforms) -> None:
     if not isinstance(probs, np.ndarray) or probs.ndim != 2:
         raise ValueError(f"probs must be a numpy array of shape [N, V], got {getattr(probs, 'shape', type(probs).__name__)}")
     if probs.dtype not in (np.float32, np.float64):
@@ -135,34 +135,136 @@ def sample_tokens(probs: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
         raise ValueError("probs contains negative values")
     if not ((uniforms >= 0) & (uniforms < 1)).all():
         raise ValueError("uniforms must lie in [0, 1)")
-    cum = np.cumsum(probs.astype(np.float64), axis=1)  # [N, V], add.accumulate: sequential in index order
-    if probs.shape[0] and not (cum[:, -1] > 0).all():
+    if probs.shape[0] and not (probs.sum(axis=1, dtype=np.float64) > 0).all():  # exact test: terms are >= 0
         raise ValueError("a probs row sums to zero")
-    out = np.empty(probs.shape[0], dtype=np.int64)  # [N]
-    for r in range(probs.shape[0]):
-        x = uniforms[r] * cum[r, -1]
-        out[r] = np.searchsorted(cum[r], x, side="right")  # first i with x < cum[i]
+
+
+def blocked_order(v: int, threads: int = SAMPLE_THREADS, piece: int = SAMPLE_PIECE) -> np.ndarray:
+    """The token indices [V] int64 in the order the blocked CDF visits them.
+
+    A row is cut into tiles of threads * piece elements; thread t owns elements
+    k * threads * piece + t * piece + e (e < piece) of every tile k, and visits them tile by tile;
+    the order is thread 0's elements, then thread 1's, and so on.
+    """
+    tiles = -(-v // (threads * piece))
+    idx = np.arange(tiles * threads * piece, dtype=np.int64).reshape(tiles, threads, piece)
+    seq = idx.transpose(1, 0, 2).reshape(-1)
+    return seq[seq < v]
+
+
+def _warp_scan(a: np.ndarray) -> np.ndarray:
+    """Inclusive scan over the last axis (32 lanes) in a warp's shuffle-up order: at steps
+    d = 1, 2, 4, 8, 16 lane i adds the value lane i - d held before the step."""
+    for d in (1, 2, 4, 8, 16):
+        b = a.copy()
+        b[..., d:] += a[..., :-d]
+        a = b
+    return a
+
+
+def _shift(a: np.ndarray) -> np.ndarray:
+    """Exclusive from inclusive: every lane takes its left neighbour's value, lane 0 takes 0.0."""
+    return np.concatenate([np.zeros_like(a[..., :1]), a[..., :-1]], axis=-1)
+
+
+def _draw_blocked(p: np.ndarray, u: np.ndarray, threads: int, piece: int) -> np.ndarray:
+    """The blocked draw of `sample_tokens` on float64 rows p [N, V] with u [N]; tokens [N] int64."""
+    n, v = p.shape
+    tile = threads * piece
+    tiles = -(-v // tile)
+    grid = np.zeros((n, tiles * tile))  # [N, K * tile], zero past V (adding +0.0 changes no sum)
+    grid[:, :v] = p
+    grid = grid.reshape(n, tiles, threads, piece)  # [N, K, T, P]: element k * tile + t * P + e
+    partial = np.zeros((n, threads))  # [N, T] each thread's sequential sum over (k, e)
+    for k in range(tiles):
+        for e in range(piece):
+            partial = partial + grid[:, k, :, e]
+    warps = threads // 32
+    lanes = _warp_scan(partial.reshape(n, warps, 32))  # [N, W, 32] inclusive within each warp
+    totals = np.zeros((n, 32))  # [N, 32] warp totals in warp 0's lanes, 0.0 past the last warp
+    totals[:, :warps] = lanes[:, :, 31]
+    warp_excl = _shift(_warp_scan(totals))[:, :warps]  # [N, W]
+    excl = (warp_excl[:, :, None] + _shift(lanes)).reshape(n, threads)  # [N, T] CDF before thread t
+    end = excl + partial  # [N, T] CDF after thread t
+    live = partial > 0
+    total = np.where(live, end, 0.0).max(axis=1)  # [N]
+    x = u * total
+    x = np.where(x < total, x, np.nextafter(total, 0.0))  # u * total rounds to total only for subnormal totals
+    t = (live & (x[:, None] < end)).argmax(axis=1)  # [N] the first thread with mass whose block ends above x
+    rows = np.arange(n)
+    seq = grid[rows, :, t, :].reshape(n, tiles * piece)  # [N, K * P] thread t's elements in its order
+    cum = excl[rows, t][:, None] + np.cumsum(seq, axis=1)  # cumsum is add.accumulate: sequential
+    j = ((seq > 0) & (x[:, None] < cum)).argmax(axis=1)  # [N]
+    return (j // piece) * tile + t * piece + j % piece
+
+
+def _draw_sequential(p: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """The sequential draw of `sample_tokens` on float64 rows p [N, V] with u [N]; tokens [N] int64."""
+    cum = np.cumsum(p, axis=1)  # [N, V], add.accumulate: sequential in index order
+    out = np.empty(p.shape[0], dtype=np.int64)  # [N]
+    for r in range(p.shape[0]):
+        out[r] = np.searchsorted(cum[r], u[r] * cum[r, -1], side="right")  # first i with x < cum[i]
     return out
 
 
-def accept_sample(tree: DDTree, probs: np.ndarray, uniforms: np.ndarray) -> tuple[np.ndarray, int]:
+def sample_tokens(probs: np.ndarray, uniforms: np.ndarray, *, order: str = "blocked") -> np.ndarray:
+    """Inverse-CDF draw, one token per row, bit-reproducible.
+
+    Shape: probs [N, V] float32 or float64, non-negative, finite, each row with a positive sum
+    (need not be normalised); uniforms [N] float64 in [0, 1). Returns tokens [N] int64.
+    Every sum is float64 (float32 probabilities convert exactly) in one of two orders:
+
+    order="blocked" (the twin of tree_accept_v3, the CUDA default): the tokens in
+    `blocked_order(V)`. Thread t (of T = SAMPLE_THREADS) sums its elements sequentially in that
+    order into partial[t]; an exclusive scan of partial in warp order (a 32-lane shuffle-up scan
+    inside each warp of 32 threads, the same scan over the warp totals, then
+    excl[t] = warp_excl + lane_excl) gives the CDF before thread t, end[t] = excl[t] + partial[t].
+    total = the largest end[t] of a thread with partial > 0; x = u * total (the float below total
+    where that rounds up to it). The token is the first in the order with probability > 0 and
+    x < excl[t] + (t's sequential sum up to and including it); one exists whenever total > 0.
+
+    order="sequential" (the twin of kernels v1/v2): cumsum = sequential prefix sums in index order,
+    x = u * cumsum[V-1], the token is the first i with x < cumsum[i].
+
+    Either way a zero-probability token is never drawn, u = 0 gives the first positive token of
+    the order, and over uniforms the draw has the distribution probs / sum(probs) up to float64
+    rounding; the two orders give different tokens for the same u.
+    """
+    if order not in SAMPLE_ORDERS:
+        raise ValueError(f"order must be one of {SAMPLE_ORDERS}, got {order!r}")
+    _check_sample_inputs(probs, uniforms)
+    n, v = probs.shape
+    if order == "sequential":
+        return _draw_sequential(probs.astype(np.float64), uniforms)
+    out = np.empty(n, dtype=np.int64)  # [N]
+    tile = SAMPLE_THREADS * SAMPLE_PIECE
+    step = max(1, _ROW_ELEMENTS // (-(-v // tile) * tile)) if n else 1
+    for r0 in range(0, n, step):
+        out[r0:r0 + step] = _draw_blocked(probs[r0:r0 + step].astype(np.float64), uniforms[r0:r0 + step],
+                                          SAMPLE_THREADS, SAMPLE_PIECE)
+    return out
+
+
+def accept_sample(tree: DDTree, probs: np.ndarray, uniforms: np.ndarray, *, order: str = "blocked"
+                  ) -> tuple[np.ndarray, int]:
     """Sample-and-walk acceptance of one tree (lossless at any temperature).
 
     Shape: probs [n+1, V] float32/float64 (the tempered target distribution at every node),
     uniforms [n+1] float64 in [0, 1) (one per node). Equals
-    `accept_greedy(tree, sample_tokens(probs, uniforms))`.
+    `accept_greedy(tree, sample_tokens(probs, uniforms, order=order))`.
     Returns (path [tau] int64, bonus int).
     """
     _check_tree(tree)
     if not isinstance(probs, np.ndarray) or probs.ndim != 2 or probs.shape[0] != tree.n + 1:
         raise ValueError(f"probs must have shape [{tree.n + 1}, V], got {getattr(probs, 'shape', None)}")
-    return accept_greedy(tree, sample_tokens(probs, uniforms))
+    return accept_greedy(tree, sample_tokens(probs, uniforms, order=order))
 
 
 def accept_sample_batch(
-    trees: DDTreeBatch, probs: np.ndarray, uniforms: np.ndarray, max_depth: int | None = None
+    trees: DDTreeBatch, probs: np.ndarray, uniforms: np.ndarray, max_depth: int | None = None, *,
+    order: str = "blocked"
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Sample-and-walk over a batch.
+    """Sample-and-walk over a batch: `sample_tokens` (in `order`) on every node, then the greedy walk.
 
     Shape: probs [B, budget+1, V] float32/float64, uniforms [B, budget+1] float64; slots
     >= sizes[b] are never read (may hold anything, NaN included).
@@ -178,5 +280,5 @@ def accept_sample_batch(
     targets = np.full((bsz, budget + 1), PAD, dtype=np.int64)  # [B, budget+1]
     for b in range(bsz):
         m = int(trees.sizes[b])
-        targets[b, :m] = sample_tokens(probs[b, :m], uniforms[b, :m])
+        targets[b, :m] = sample_tokens(probs[b, :m], uniforms[b, :m], order=order)
     return accept_greedy_batch(trees, targets, max_depth=max_depth)
