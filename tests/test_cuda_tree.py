@@ -579,6 +579,35 @@ def test_sample_v3_in_a_cuda_graph():
         assert want[1].max() > 2  # real walks
 
 
+def test_accept_suite_parts(monkeypatch):
+    """KDLIB_ACCEPT_PARTS picks the accept suite's parts; a name it does not know is a clear error."""
+    from kdlib.perf.suites import accept as suite
+
+    monkeypatch.delenv("KDLIB_ACCEPT_PARTS", raising=False)
+    assert suite._parts() == ("acceptance", "sampling")
+    monkeypatch.setenv("KDLIB_ACCEPT_PARTS", "sampling")
+    assert suite._parts() == ("sampling",)
+    monkeypatch.setenv("KDLIB_ACCEPT_PARTS", "sampling,speed")
+    with pytest.raises(ValueError, match="KDLIB_ACCEPT_PARTS"):
+        suite._parts()
+
+
+@pytest.mark.gpu
+def test_accept_suite_sampling_points():
+    """The accept suite's sampling sweep on a small grid: every point bit-exact on its checked rows,
+    a floor below the time, both versions at every point and the speedup table complete."""
+    _cp()
+    from kdlib.perf.suites import accept as suite
+
+    out = suite.bench_sampling(vocabs=(4096, 32000), rows=(1, 16), iters=2, log=lambda _: None)
+    pts = out["points"]
+    assert {(p["vocab"], p["rows"], p["version"]) for p in pts} == {
+        (v, r, ver) for v in (4096, 32000) for r in (1, 16) for ver in suite.SAMPLE_TIMED}
+    assert all(p["exact_first_rows"] and 0 < p["floor_us"] < p["kernel_us"] for p in pts)
+    assert all(p["bytes"] == p["rows"] * (p["vocab"] * 4 + 16) for p in pts)
+    assert len(out["speedup"]) == 4 and out["copy_bandwidth_Bps"] > 0
+
+
 # ----------------------------------------------------------------------------- compaction, remap
 
 

@@ -19,9 +19,25 @@ is not the object here; notebook 04 and the diagnose suite time steps).
 The GPU run goes through the CUDA tree builder (kdlib.ops dispatch); if the first CUDA generate
 raises, the suite says so in the payload and measures on the CPU instead (acceptance does not
 depend on the device beyond float rounding).
+
+On CUDA the payload also has `sampling`: the inverse-CDF draw of sampled acceptance
+(`kdlib.cuda.accept.sample_tokens`), kernel v3 (a block per row) against v2 (a thread per row),
+at V in SAMPLE_VOCABS (4,096, 32,000 and Kimi-K2's 163,840) and rows in SAMPLE_ROWS, float32
+softmax rows. Each point is checked against the reference (`kdlib.ref.accept.sample_tokens` in
+the version's order) on its first rows, then timed as CUDA-graph replays of back-to-back draws
+(median over replays, per draw), cycling through enough copies of the rows that they do not
+stay in L2 where the rows are many (`l2_resident` marks the points, small row counts, whose
+replays read L2-warm rows, as a decode step that has just written its softmax does). Floor: the
+bytes a draw must read (probs, uniforms) and write (tokens) over the device-to-device copy
+bandwidth measured in the same run. Env `KDLIB_ACCEPT_PARTS` picks the
+parts: `acceptance,sampling` (default) or either alone.
 """
 
 from __future__ import annotations
+
+import os
+
+import numpy as np
 
 BUDGETS = (8, 16, 32, 64)
 PROMPT_TOKENS = 128  # enough context for the drafter's features; short enough for a fast CPU sample
@@ -30,6 +46,14 @@ FULL_PROMPTS = 12  # per kind on the GPU
 QUICK_PROMPTS = 2  # per kind for the CPU sample
 QUICK_NEW_TOKENS = 48
 QUICK_BUDGETS = (8, 32)
+PARTS = ("acceptance", "sampling")
+SAMPLE_VOCABS = (4096, 32000, 163840)
+SAMPLE_ROWS = (1, 4, 16, 64, 256, 1024)
+QUICK_SAMPLE_ROWS = (1, 64, 1024)
+SAMPLE_TIMED = (2, 3)  # kdlib.cuda.accept sampling versions timed: the thread-per-row v2 and v3
+SAMPLE_REPEAT = {2: 1, 3: 20}  # draws per graph: v2 takes milliseconds, v3 microseconds
+SAMPLE_CHECK_ROWS = 8  # rows of each point checked against the reference
+SAMPLE_FOOTPRINT = 4  # cycled copies of the rows span at least this many L2 sizes
 
 
 def prompts(tok, kind: str, n: int, prompt_tokens: int, folder=None) -> list[list[int]]:
@@ -62,8 +86,6 @@ def measure(device: str, n_prompts: int, new_tokens: int, budgets=BUDGETS, promp
     `time_limit_s` (no new round starts after it) still has the same prompts for every method.
     """
     import time
-
-    import numpy as np
 
     from kdlib import zoo
     from kdlib.engine.generate import generate
@@ -136,10 +158,101 @@ def measure(device: str, n_prompts: int, new_tokens: int, budgets=BUDGETS, promp
     }
 
 
+def _sample_point(probs_all, u_all, rows: int, version: int, iters: int) -> dict:
+    """One timed (rows, version) point over the cycled copies probs_all [C, N, V], u_all [C, N]."""
+    import cupy
+
+    from kdlib import ref
+    from kdlib.cuda import accept
+    from kdlib.perf.suites.kernels import _graph, _replay_ms
+
+    copies, _, v = probs_all.shape
+    repeat = SAMPLE_REPEAT[version]
+    tokens = cupy.full((copies, rows), -7, dtype=cupy.int64)  # [C, rows]
+    calls = [(probs_all[i % copies, :rows], u_all[i % copies, :rows], tokens[i % copies]) for i in range(repeat)]
+
+    def draws():
+        for p, u, out in calls:
+            accept.sample_tokens(p, u, out=out, version=version)
+
+    graph, stream = _graph(draws, repeats=1)
+    t = _replay_ms(graph, stream, iters)
+    k = min(rows, SAMPLE_CHECK_ROWS)
+    want = ref.sample_tokens(probs_all[0, :k].get(), u_all[0, :k].get(), order=accept.SAMPLE_ORDER[version])
+    return {"rows": rows, "vocab": v, "version": version, "kernel": accept.sample_kernel(np.float32, version)[1],
+            "exact_first_rows": bool((tokens[0, :k].get() == want).all()), "checked_rows": k,
+            "draws_per_graph": repeat, "graph_replay": t, "kernel_us": t["median_ms"] * 1e3 / repeat}
+
+
+def bench_sampling(vocabs=SAMPLE_VOCABS, rows=SAMPLE_ROWS, iters: int = 10, log=print) -> dict:
+    """The `sampling` payload: v2 and v3 per (V, rows), with the copy-bandwidth floor of each point."""
+    import cupy
+    import torch
+
+    from kdlib.perf import timing
+    from kdlib.perf.suites import moe as moe_suite
+
+    copy = moe_suite._copy_bandwidth(torch, timing)
+    bw = copy["copy_bandwidth_Bps"]
+    l2 = int(cupy.cuda.Device().attributes["L2CacheSize"])
+    gen = cupy.random.RandomState(0)
+    points = []
+    for v in vocabs:
+        n = max(rows)
+        copies = max(1, min(SAMPLE_REPEAT[3], -(-SAMPLE_FOOTPRINT * l2 // (n * v * 4))))
+        z = gen.standard_normal((copies, n, v), dtype=cupy.float32) * 3.0  # [C, N, V] logits
+        z -= z.max(axis=-1, keepdims=True)
+        probs = cupy.exp(z)
+        probs /= probs.sum(axis=-1, keepdims=True)  # [C, N, V] float32 softmax rows
+        del z
+        u = gen.random_sample((copies, n))  # [C, N] float64
+        for r in rows:
+            nbytes = r * v * 4 + r * 8 + r * 8  # probs and uniforms read, tokens written
+            floor_us = nbytes / bw * 1e6
+            for version in SAMPLE_TIMED:
+                pt = _sample_point(probs, u, r, version, iters)
+                footprint = min(copies, pt["draws_per_graph"]) * r * v * 4  # probs bytes one replay cycles through
+                pt.update(bytes=nbytes, floor_us=floor_us, fraction_of_copy_bw=floor_us / pt["kernel_us"],
+                          cycled_copies=copies, footprint_bytes=footprint, l2_resident=footprint < l2)
+                points.append(pt)
+                log(f"[accept] sample v{version} V={v} rows={r}: {pt['kernel_us']:.1f} us "
+                    f"(floor {floor_us:.2f} us, exact={pt['exact_first_rows']})")
+        del probs, u
+        cupy.get_default_memory_pool().free_all_blocks()
+    speedup = []
+    for p3 in (p for p in points if p["version"] == 3):
+        p2 = next(p for p in points if p["version"] == 2 and p["vocab"] == p3["vocab"] and p["rows"] == p3["rows"])
+        speedup.append({"vocab": p3["vocab"], "rows": p3["rows"], "v2_over_v3": p2["kernel_us"] / p3["kernel_us"]})
+    return {"parameters": {"vocabs": list(vocabs), "rows": list(rows), "versions": list(SAMPLE_TIMED),
+                           "replays": iters, "dtype": "float32",
+                           "inputs": "softmax of N(0, 3^2) logits per row, uniforms from cupy.random.RandomState(0)",
+                           "l2_bytes": l2, "footprint": f">= {SAMPLE_FOOTPRINT} x L2 per graph where rows allow"},
+            "copy": copy, "copy_bandwidth_Bps": bw, "points": points, "speedup": speedup}
+
+
+def _parts() -> tuple[str, ...]:
+    parts = tuple(p.strip() for p in os.environ.get("KDLIB_ACCEPT_PARTS", ",".join(PARTS)).split(",") if p.strip())
+    bad = [p for p in parts if p not in PARTS]
+    if bad or not parts:
+        raise ValueError(f"KDLIB_ACCEPT_PARTS must name some of {PARTS}, got {os.environ.get('KDLIB_ACCEPT_PARTS')!r}")
+    return parts
+
+
 def run(args) -> dict:
     import torch
 
+    parts = _parts()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.quick:
-        return measure(device, QUICK_PROMPTS, QUICK_NEW_TOKENS, QUICK_BUDGETS)
-    return measure(device, FULL_PROMPTS, NEW_TOKENS, BUDGETS)
+    payload = {"parts": list(parts)}
+    if "acceptance" in parts:
+        if args.quick:
+            payload.update(measure(device, QUICK_PROMPTS, QUICK_NEW_TOKENS, QUICK_BUDGETS))
+        else:
+            payload.update(measure(device, FULL_PROMPTS, NEW_TOKENS, BUDGETS))
+    if "sampling" in parts:
+        if device != "cuda":
+            payload["sampling"] = {"absent": "no CUDA device"}
+        else:
+            payload["sampling"] = bench_sampling(rows=QUICK_SAMPLE_ROWS if args.quick else SAMPLE_ROWS,
+                                                 iters=3 if args.quick else 10)
+    return payload
