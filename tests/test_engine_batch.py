@@ -289,19 +289,19 @@ def _cuda_model(dtype=torch.float32):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("streams", [1, 3, 16])
-def test_gpu_graphs_equal_eager_and_ar(streams):
+@pytest.mark.parametrize("streams,budget", [(1, 16), (3, 3), (16, 16)])
+def test_gpu_graphs_equal_eager_and_ar(streams, budget):
     torch.backends.cuda.matmul.allow_tf32 = False
     m = _cuda_model()
     prompts = _prompts(streams, seed=streams, vocab=m.cfg.vocab_size)
     d = _drafter("dflash", m)
     outs = {}
     for graphs in (False, True):
-        outs[graphs] = [r.tokens for r in generate_batch(m, prompts, 12, method="ddtree", drafter=d, budget=16,
+        outs[graphs] = [r.tokens for r in generate_batch(m, prompts, 12, method="ddtree", drafter=d, budget=budget,
                                                          graphs=graphs)]
     assert outs[True] == outs[False]
     assert outs[True] == [_ar(m, p, 12) for p in prompts]
-    sampled = [generate_batch(m, prompts, 8, method="ddtree", drafter=d, budget=16, temperature=0.8, seed=5,
+    sampled = [generate_batch(m, prompts, 8, method="ddtree", drafter=d, budget=budget, temperature=0.8, seed=5,
                               graphs=g) for g in (False, True)]
     assert [r.tokens for r in sampled[0]] == [r.tokens for r in sampled[1]]
 
@@ -315,5 +315,5 @@ def test_gpu_grouped_moe_matches_dense_in_bf16():
     w, idx = moe.gate(x)
     grouped = moe._routed_vectorised(x, w, idx, "grouped").float()
     dense = moe._routed_vectorised(x, w, idx, "dense").float()
-    rel = float((grouped - dense).norm() / dense.norm())
+    rel = float(((grouped - dense).norm() / dense.norm()).detach())
     assert rel < 2e-2, rel

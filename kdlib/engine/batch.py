@@ -688,12 +688,12 @@ class BatchEngine:
 
     def _accept(self, trees, target, C):
         if self.device.type != "cuda":
-            paths, lengths, bonus = ops.accept_greedy_batch(trees, target, max_depth=self.horizon)
+            paths, lengths, bonus = ops.accept_greedy_batch(trees, target, max_depth=self.width - 1)
             return (torch.as_tensor(paths, device=self.device), torch.as_tensor(lengths, device=self.device),
                     torch.as_tensor(bonus, device=self.device))
         from kdlib.cuda import accept
 
-        accept.accept_greedy_batch(trees.cupy, target, max_depth=self.horizon, out=trees.accept_cupy)
+        accept.accept_greedy_batch(trees.cupy, target, max_depth=self.width - 1, out=trees.accept_cupy)
         return trees.paths, trees.lengths, trees.new_bonus
 
     # ---- CUDA graphs

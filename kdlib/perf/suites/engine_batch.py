@@ -176,6 +176,15 @@ def _goals(trained: list[dict]) -> dict:
     }
 
 
+def _partial(args, payload) -> None:
+    """The rows so far, written after each row (a cut run still leaves its measurements)."""
+    import json
+    from pathlib import Path
+
+    if getattr(args, "out", None):
+        Path(args.out, "engine_batch.partial.json").write_text(json.dumps(payload, default=float))
+
+
 def run(args) -> dict:
     import torch
 
@@ -209,7 +218,9 @@ def run(args) -> dict:
                     trained.append(_run_row(target, m, b, drafter, prompts, 96, {"model": "trained", "kind": kind,
                                                                                   "context": PROMPT}))
                     print(f"[engine_batch] trained {kind} {m}{b or ''} C={c}: {trained[-1]['step_ms']:.3f} ms, "
-                          f"busy {trained[-1]['busy']}", flush=True)
+                          f"busy {trained[-1]['busy']:.2f}, {trained[-1]['tokens_per_s']:.0f} tok/s, "
+                          f"accepted {trained[-1]['mean_accepted']:.2f}", flush=True)
+                    _partial(args, {**payload, "trained": trained})
         _ratios(trained)
         p0 = tok.encode(zoo.held_out("code")[0])[:PROMPT]
         payload["baselines"] = {
@@ -228,7 +239,9 @@ def run(args) -> dict:
             for c in streams:
                 prompts = [rng.integers(0, cfg.vocab_size, ctx).tolist() for _ in range(c)]
                 rows.append(_run_row(bench, m, b, bd, prompts, 48, {"model": "bench8", "context": ctx}))
-                print(f"[engine_batch] bench ctx={ctx} {m}{b or ''} C={c}: {rows[-1]['step_ms']:.3f} ms", flush=True)
+                print(f"[engine_batch] bench ctx={ctx} {m}{b or ''} C={c}: {rows[-1]['step_ms']:.3f} ms, "
+                      f"busy {rows[-1]['busy']:.2f}, {rows[-1]['tokens_per_s']:.0f} tok/s", flush=True)
+                _partial(args, {**payload, "trained": trained, "bench": rows})
     _ratios(rows)
     payload["bench"] = rows
     payload["bench_baselines"] = {"transformers_generate": _hf_generate(bench, rng.integers(0, cfg.vocab_size, 256).tolist(),
