@@ -4,7 +4,7 @@
 // v1/v2 give each row to one thread that reads the whole vocabulary twice through a dependent
 // chain of 2 V float64 adds. Here a block of TA3_THREADS threads shares a row:
 //   1. thread t sums, sequentially in float64, its elements k * TILE + t * 4 + e (e < 4) of every
-//      tile k of TILE = TA3_THREADS * 4 elements (one coalesced float4 load per tile and thread);
+//      tile k of TILE = TA3_THREADS * 4 elements (coalesced 16-byte loads where the row allows);
 //   2. an exclusive scan of those partial sums (shuffle-up scan inside each warp, the same scan
 //      over the warp totals in warp 0) gives excl[t] and end[t] = excl[t] + partial[t];
 //   3. total = max end[t] over threads with mass, x = u * total; the first thread with mass
@@ -29,7 +29,7 @@ static_assert(TA3_THREADS % 32 == 0 && TA3_THREADS >= 32 && TA3_THREADS <= 1024,
 #define TA3_TILE (TA3_THREADS * TA3_PIECE)
 #define TA3_FULL 0xffffffffu
 
-// Exact float -> double; a plain conversion under CuPy's -ftz=true would flush subnormals.
+// Exact float -> double; a plain conversion under CuPy's -ftz=true may flush subnormals.
 __device__ __forceinline__ double exact_f64(float f) {
     double d;
     asm("cvt.f64.f32 %0, %1;" : "=d"(d) : "f"(f));
@@ -144,7 +144,7 @@ __device__ __forceinline__ void draw_row(const T* __restrict__ row, double u, un
         const double y = warp_scan(lane < TA3_WARPS ? s_warp[lane] : 0.0, lane);
         double ex = __shfl_up_sync(TA3_FULL, y, 1);
         if (lane == 0) ex = 0.0;
-        if (lane < TA3_WARPS) s_warp[lane] = ex;  // every lane read s_warp before the shuffles
+        if (lane < TA3_WARPS) s_warp[lane] = ex;  // each lane rewrites the entry it read
     }
     __syncthreads();
     const double excl = s_warp[w] + lane_excl;
