@@ -224,7 +224,8 @@ def sample_tokens(probs: np.ndarray, uniforms: np.ndarray, *, order: str = "bloc
     x < excl[t] + (t's sequential sum up to and including it); one exists whenever total > 0.
 
     order="sequential" (the twin of kernels v1/v2): cumsum = sequential prefix sums in index order,
-    x = u * cumsum[V-1], the token is the first i with x < cumsum[i].
+    x = u * cumsum[V-1], the token is the first i with x < cumsum[i] (V, out of range, where x
+    rounds up to a subnormal float64 total: float64 rows of subnormal mass only).
 
     Either way a zero-probability token is never drawn, u = 0 gives the first positive token of
     the order, and over uniforms the draw has the distribution probs / sum(probs) up to float64
