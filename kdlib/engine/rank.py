@@ -1,0 +1,765 @@
+"""One tensor-parallel rank of a DeepSeek-V3 / Kimi-K2 model at real shapes, with random weights made on the device.
+
+    shape = RankShape(ModelConfig.from_json("data/configs/kimi-k2.6.json"), tp=8, rank=0, moe_mode="tp")
+    model = RankModel(shape, device="cuda", seed=0)              # ~76 GB of weights, generated in seconds
+    step = RankStep(model, streams=10, context=5500, budget=16, drafter=RankDrafter(model, DFLASH_KIMI))
+    step.run()                                                   # one verify step, all parts, on static buffers
+
+What rank `rank` of `tp` holds (the slicing of `kdlib.tp.engine.shard_state_dict`, `partition` ranges):
+  * attention (plain TP): its heads of q_b_proj / kv_b_proj / o_proj; q_a_proj, kv_a_proj_with_mqa
+    and their norms replicated, so the latent cache [layers, slots, kv_lora + rope] is the whole one;
+  * FFN: the dense first layer and the shared expert sliced along the intermediate axis; the routed
+    experts sliced the same way (`moe_mode="tp"`, all 384 with N = 2048 / tp each) or whole (`"ep"`,
+    384 / tp experts of N = 2048); the router replicated;
+  * embedding and LM head: its vocabulary rows (vocab-parallel, as `kdlib.memory` counts them).
+Weights: bf16 everywhere but the routed experts, which are INT4 with a bf16 scale per 32 inputs in the
+packed layout of `kdlib.cuda.moe.pack_moe` (`pack_moe_torch` is its torch twin), quantized from
+Gaussians on the device; std 1 / sqrt(fan in) (unit gain), norms 1, router bias 0.
+
+The forward of a step (`RankStep.forward`) is the batched engine's verify (C streams x W rows over a
+paged latent pool) with the rank's kernels: the tree-verify MLA kernels (`kdlib.ops`, 576-wide latent)
+and `moe_w4a16` with routing built on the device (`device_routing`: no host sync, launch sizes from
+static bounds), so the whole step is CUDA-graph capturable. What a rank does not do here: the
+collectives. Their time is modelled from the recorded NCCL fit (`allreduce_ms`); the partial sums
+stand in for the reduced ones (the step's work does not depend on their values).
+
+The drafter (`RankDrafter`) is a DFlash block drafter at a given shape, sharded like the target
+(heads and MLP split over the ranks, one KV head per rank at 8 KV heads and tp 8, fc split along its
+input features), its context K/V held per slot beside the target's latent. Acceptance is a parameter:
+the tree builder gets the drafter's top-K ids with log-probs of a fixed profile (`draft_profile`),
+and the accept walk gets forced targets (`forced_targets`) that agree with the tree's first-child
+chain up to the chosen accepted length, so the step's work is real while tau is chosen.
+On the CPU the same code runs with the numpy references for attention and tree, and the routed
+experts dequantized in torch (the INT4 kernel needs CUDA).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kdlib.engine.config import ModelConfig
+from kdlib.engine.model import apply_rope, rope_cos_sin
+from kdlib.tp.engine import MOE_MODES, partition
+
+GROUP = 32  # INT4 scale group (kdlib.cuda.moe.GROUP)
+
+
+# ----------------------------------------------------------------------------- shapes
+@dataclass(frozen=True)
+class RankShape:
+    """The slice of `cfg` that rank `rank` of `tp` holds (kdlib.tp's `partition` ranges)."""
+
+    cfg: ModelConfig
+    tp: int = 8
+    rank: int = 0
+    moe_mode: str = "tp"
+
+    def __post_init__(self):
+        if self.moe_mode not in MOE_MODES:
+            raise ValueError(f"moe_mode must be one of {MOE_MODES}, got {self.moe_mode!r}")
+        if not 0 <= self.rank < self.tp:
+            raise ValueError(f"rank must lie in [0, {self.tp}), got {self.rank}")
+
+    def _range(self, n: int) -> tuple[int, int]:
+        return partition(n, self.tp)[self.rank]
+
+    @property
+    def heads(self) -> int:
+        lo, hi = self._range(self.cfg.num_attention_heads)
+        return hi - lo
+
+    @property
+    def vocab_range(self) -> tuple[int, int]:
+        return self._range(self.cfg.vocab_size)
+
+    @property
+    def expert_range(self) -> tuple[int, int]:
+        """Global ids [e0, e1) of the experts this rank holds (all of them under "tp")."""
+        return self._range(self.cfg.n_routed_experts) if self.moe_mode == "ep" else (0, self.cfg.n_routed_experts)
+
+    @property
+    def n_experts(self) -> int:
+        e0, e1 = self.expert_range
+        return e1 - e0
+
+    @property
+    def expert_inter(self) -> int:
+        """N of each local expert: whole under "ep", this rank's slice under "tp"."""
+        if self.moe_mode == "ep":
+            return self.cfg.moe_intermediate_size
+        lo, hi = self._range(self.cfg.moe_intermediate_size)
+        return hi - lo
+
+    @property
+    def shared_inter(self) -> int:
+        lo, hi = self._range(self.cfg.moe_intermediate_size * self.cfg.n_shared_experts)
+        return hi - lo
+
+    @property
+    def dense_inter(self) -> int:
+        lo, hi = self._range(self.cfg.intermediate_size)
+        return hi - lo
+
+
+# ----------------------------------------------------------------------------- INT4 on the device
+def quantize_w4_torch(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kdlib.cuda.moe.quantize_w4` in torch: w [..., R, C] float32 -> q [..., R, C] uint8 (0..15),
+    scales [..., R, C / group] int16 (bf16 bits). Same arithmetic: s = bf16(max|g| / 7), round half even."""
+    g = w.float().reshape(*w.shape[:-1], w.shape[-1] // group, group)
+    s = (g.abs().amax(-1) / 7.0).to(torch.bfloat16).float()  # [..., R, C/group]
+    safe = torch.where(s > 0, s, torch.ones_like(s))[..., None]
+    q = torch.clamp(torch.round(g / safe), -8, 7) + 8
+    q = torch.where(s[..., None] > 0, q, torch.full_like(q, 8)).to(torch.uint8).reshape(w.shape)
+    return q, s.to(torch.bfloat16).view(torch.int16)
+
+
+def pack_rows_torch(q: torch.Tensor) -> torch.Tensor:
+    """`kdlib.cuda.moe.pack_rows` in torch: q [..., R, C] uint8 -> [..., R/16, C/64, 32, 4] int32 (uint32 bits)."""
+    *lead, R, C = q.shape
+    n = len(lead)
+    v = q.to(torch.int64).reshape(*lead, R // 16, 2, 8, C // 64, 4, 4, 4)  # [.., rt, h, g, kc, t, i, j]
+    v = v.permute(*range(n), n, n + 3, n + 2, n + 4, n + 5, n + 1, n + 6)  # [.., rt, kc, g, t, i, h, j]
+    words = torch.zeros(v.shape[:-2], dtype=torch.int64, device=q.device)
+    for h in range(2):
+        for j in range(4):
+            words |= v[..., h, j] << (4 * (h + 2 * (j // 2) + 4 * (j % 2)))
+    return _as_int32(words).reshape(*lead, R // 16, C // 64, 32, 4).contiguous()
+
+
+def _as_int32(w: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2^32) -> int32 with the same 32 bits."""
+    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
+
+
+def pack_scales_torch(s: torch.Tensor) -> torch.Tensor:
+    """`kdlib.cuda.moe.pack_scales` in torch: s [..., R, C/32] int16 (bf16 bits) -> [..., R/16, C/64, 16] int32."""
+    *lead, R, G = s.shape
+    n = len(lead)
+    v = (s.to(torch.int64) & 0xFFFF).reshape(*lead, R // 16, 2, 8, G // 2, 2)  # [.., rt, h, g, kc, grp]
+    v = v.permute(*range(n), n, n + 3, n + 4, n + 2, n + 1)  # [.., rt, kc, grp, g, h]
+    words = _as_int32(v[..., 0] | (v[..., 1] << 16))
+    return words.reshape(*lead, R // 16, G // 2, 16).contiguous()
+
+
+def pack_moe_torch(q_gate, s_gate, q_up, s_up, q_down, s_down) -> dict[str, torch.Tensor]:
+    """`kdlib.cuda.moe.pack_moe` in torch (int32 words, the kernel reads them as uint32): w1, s1, w2, s2."""
+    return {"w1": torch.stack([pack_rows_torch(q_gate), pack_rows_torch(q_up)], dim=3).contiguous(),
+            "s1": torch.stack([pack_scales_torch(s_gate), pack_scales_torch(s_up)], dim=3).contiguous(),
+            "w2": pack_rows_torch(q_down), "s2": pack_scales_torch(s_down)}
+
+
+def dequantize_w4_torch(q: torch.Tensor, s: torch.Tensor, group: int = GROUP) -> torch.Tensor:
+    """bf16((q - 8) * s) as float32: q [..., R, C] uint8, s [..., R, C/group] int16 bf16 bits."""
+    sc = s.view(torch.bfloat16).float().repeat_interleave(group, dim=-1)
+    return ((q.float() - 8.0) * sc).to(torch.bfloat16).float()
+
+
+# ----------------------------------------------------------------------------- routing on the device
+@dataclass
+class DeviceRouting:
+    """`kdlib.cuda.moe.Routing`'s device arrays as torch tensors (int32 / float32), made without a host sync."""
+
+    expert_offsets: torch.Tensor  # [E + 1]
+    active_experts: torch.Tensor  # [E] experts with >= 1 slot first, ascending
+    n_active: torch.Tensor  # [1]
+    active_ranges: torch.Tensor  # [E, 2]
+    sorted_token: torch.Tensor  # [M k] (local slots first, by expert)
+    sorted_weight: torch.Tensor  # [M k]
+    max_count: torch.Tensor  # [] the largest slot count of one expert
+
+
+def device_routing(ids: torch.Tensor, weights: torch.Tensor, e0: int, n_local: int) -> DeviceRouting:
+    """ids, weights [M, k] (global expert ids) -> the routing of the local experts [e0, e0 + n_local).
+
+    Slots of other ranks' experts sort after every local one and no expert range covers them."""
+    M, k = ids.shape
+    dev = ids.device
+    local = (ids >= e0) & (ids < e0 + n_local)
+    key = torch.where(local, ids - e0, torch.full_like(ids, n_local)).reshape(-1)  # [M k]
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(n_local + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[:n_local]
+    offsets = torch.zeros(n_local + 1, dtype=torch.int64, device=dev)
+    offsets[1:] = counts.cumsum(0)
+    active = torch.argsort((counts == 0).to(torch.int8), stable=True)  # [E] non-empty experts first
+    ranges = torch.stack([offsets[active], offsets[active + 1]], dim=1)  # [E, 2]
+    i32 = torch.int32
+    return DeviceRouting(offsets.to(i32), active.to(i32), (counts > 0).sum().reshape(1).to(i32), ranges.to(i32),
+                         (order // k).to(i32), weights.reshape(-1)[order].float(), counts.max())
+
+
+def count_bound(m: int, topk: int, n_experts_global: int, factor: float) -> int:
+    """Static bound on one expert's slots for the launch sizes: m itself (exact) when m <= 8 (the
+    decode kernels' regime), else min(m, max(8, ceil(factor x the uniform-routing mean)))."""
+    if m <= 8:
+        return m
+    return min(m, max(8, math.ceil(factor * m * topk / n_experts_global)))
+
+
+# ----------------------------------------------------------------------------- the rank's weights
+def _randn(shape, std, device, gen, dtype=torch.bfloat16):
+    return (torch.randn(shape, device=device, generator=gen, dtype=torch.float32) * std).to(dtype)
+
+
+class RankModel:
+    """The weights of one rank (module docstring) and its layer pieces; tensors in `self.layers[l]`."""
+
+    def __init__(self, shape: RankShape, device="cuda", seed: int = 0, expert_chunk: int = 32,
+                 keep_unpacked: bool | None = None):
+        """keep_unpacked: also keep the experts' q / scales (the torch path's input; default on the CPU only)."""
+        c = shape.cfg
+        self.shape, self.cfg, self.device = shape, c, torch.device(device)
+        dev, bf = self.device, torch.bfloat16
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        H, nh, r, rope = c.hidden_size, shape.heads, c.kv_lora_rank, c.qk_rope_head_dim
+        v0, v1 = shape.vocab_range
+        ones = torch.ones  # norms
+        self.embed = _randn((v1 - v0, H), 1.0, dev, gen)  # [V_r, H]
+        self.lm_head = _randn((v1 - v0, H), H**-0.5, dev, gen)  # [V_r, H]
+        self.norm = ones(H, dtype=bf, device=dev)
+        self.layers: list[dict] = []
+        for i in range(c.num_hidden_layers):
+            L = {
+                "in_norm": ones(H, dtype=bf, device=dev), "post_norm": ones(H, dtype=bf, device=dev),
+                "q_a": _randn((c.q_lora_rank, H), H**-0.5, dev, gen), "q_a_norm": ones(c.q_lora_rank, dtype=bf, device=dev),
+                "q_b": _randn((nh * c.qk_head_dim, c.q_lora_rank), c.q_lora_rank**-0.5, dev, gen),
+                "kv_a": _randn((r + rope, H), H**-0.5, dev, gen), "kv_a_norm": ones(r, dtype=bf, device=dev),
+                "kv_b": _randn((nh * (c.qk_nope_head_dim + c.v_head_dim), r), r**-0.5, dev, gen),
+                "o": _randn((H, nh * c.v_head_dim), (nh * c.v_head_dim * shape.tp) ** -0.5, dev, gen),
+            }
+            if i < c.first_k_dense_replace:
+                n = shape.dense_inter
+                L["mlp_gu"] = _randn((2 * n, H), H**-0.5, dev, gen)  # [gate | up, H]
+                L["mlp_down"] = _randn((H, n), c.intermediate_size**-0.5, dev, gen)
+            else:
+                L["router"] = _randn((c.n_routed_experts, H), H**-0.5, dev, gen)
+                L["router_bias"] = torch.zeros(c.n_routed_experts, dtype=torch.float32, device=dev)
+                n = shape.shared_inter
+                L["mlp_gu"] = _randn((2 * n, H), H**-0.5, dev, gen)
+                L["mlp_down"] = _randn((H, n), (c.moe_intermediate_size * c.n_shared_experts) ** -0.5, dev, gen)
+                L.update(self._experts(gen, expert_chunk, self.device.type != "cuda" if keep_unpacked is None
+                                       else keep_unpacked))
+            self.layers.append(L)
+        self._rope_inv = None
+
+    def _experts(self, gen, chunk: int, keep: bool) -> dict:
+        """The local experts of one layer, quantized and packed chunk by chunk (bounded transient memory).
+        With `keep` the unpacked q / scales are kept too (the torch path dequantizes them)."""
+        s, c, dev = self.shape, self.cfg, self.device
+        E, N, K = s.n_experts, s.expert_inter, c.hidden_size
+        parts, canon = [], []
+        chunk = max(1, chunk * 256 // N)  # ~chunk x 256 x K elements per pass
+        for e in range(0, E, chunk):
+            n = min(chunk, E - e)
+            gate = quantize_w4_torch(torch.randn((n, N, K), device=dev, generator=gen) * K**-0.5)
+            up = quantize_w4_torch(torch.randn((n, N, K), device=dev, generator=gen) * K**-0.5)
+            down = quantize_w4_torch(torch.randn((n, K, N), device=dev, generator=gen) * c.moe_intermediate_size**-0.5)
+            parts.append(pack_moe_torch(*gate, *up, *down))
+            if keep:
+                canon.append((*gate, *up, *down))
+        out = {"experts": {k: torch.cat([p[k] for p in parts]) for k in ("w1", "s1", "w2", "s2")}}
+        if canon:
+            out["experts_q"] = tuple(torch.cat([x[i] for x in canon]) for i in range(6))
+        return out
+
+    # ---- accounting
+    def weight_bytes(self) -> int:
+        """Bytes of every weight tensor this rank holds (what `kdlib.memory.weight_bytes(...)["per_gpu"]` counts)."""
+        tensors = [self.embed, self.lm_head, self.norm]
+        for L in self.layers:
+            for k, v in L.items():
+                if k == "experts":
+                    tensors += list(v.values())
+                elif not k.startswith("_") and k != "experts_q":
+                    tensors.append(v)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def rope_inv(self) -> torch.Tensor:
+        if self._rope_inv is None:
+            from kdlib.engine.model import rope_inv_freq
+
+            self._rope_inv = torch.from_numpy(rope_inv_freq(self.cfg)).to(self.device)
+        return self._rope_inv
+
+    # ---- layer pieces (shapes: M = C x W rows)
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [M] global -> [M, H]: this rank's vocabulary rows, zero elsewhere (the all-reduce sums the shards)."""
+        v0, v1 = self.shape.vocab_range
+        inside = (ids >= v0) & (ids < v1)
+        rows = F.embedding((ids - v0).clamp(0, v1 - v0 - 1), self.embed)
+        return rows * inside[:, None].to(rows.dtype)
+
+    @staticmethod
+    def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    def attn_pre(self, L: dict, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, H] (normed) -> q [M, nh, kv_lora + rope] (absorbed), latent rows [M, kv_lora + rope]."""
+        c, nh = self.cfg, self.shape.heads
+        q = F.linear(self.rms(F.linear(x, L["q_a"]), L["q_a_norm"], 1e-6), L["q_b"]).view(-1, nh, c.qk_head_dim)
+        q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        w = L["kv_b"].view(nh, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        q_lat = torch.einsum("mhn,hnr->mhr", q_nope, w[:, : c.qk_nope_head_dim])  # [M, nh, r]
+        q = torch.cat([q_lat, apply_rope(q_rope, cos, sin, c.rope_interleave)], dim=-1)
+        kv = F.linear(x, L["kv_a"])
+        c_kv, k_rope = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        rows = torch.cat([self.rms(c_kv, L["kv_a_norm"], 1e-6), apply_rope(k_rope, cos, sin, c.rope_interleave)], -1)
+        return q, rows
+
+    def attn_post(self, L: dict, o_lat: torch.Tensor) -> torch.Tensor:
+        """o_lat [M, nh, kv_lora] -> this rank's o_proj partial [M, H]."""
+        c, nh = self.cfg, self.shape.heads
+        w_uv = L["kv_b"].view(nh, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)[:, c.qk_nope_head_dim:]
+        o = torch.einsum("mhr,hvr->mhv", o_lat.to(w_uv.dtype), w_uv)
+        return F.linear(o.reshape(o.shape[0], -1), L["o"])
+
+    def mlp(self, L: dict, x: torch.Tensor) -> torch.Tensor:
+        """The dense layer's or the shared expert's slice: SwiGLU [M, H] -> [M, H]."""
+        gu = F.linear(x, L["mlp_gu"])
+        g, u = gu.chunk(2, dim=-1)
+        return F.linear(F.silu(g) * u, L["mlp_down"])
+
+    def route(self, L: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """noaux_tc router (n_group 1 for Kimi-K2): x [M, H] -> weights [M, k] float32, ids [M, k] int64."""
+        c = self.cfg
+        scores = F.linear(x, L["router"]).float().sigmoid()  # [M, E]
+        idx = (scores + L["router_bias"]).topk(c.num_experts_per_tok, dim=-1).indices
+        w = scores.gather(1, idx)
+        if c.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w * c.routed_scaling_factor, idx
+
+    def routed(self, L: dict, x: torch.Tensor, bound: int, overflow: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's routed-expert partial sum [M, H] (bf16): `moe_w4a16` on CUDA (graph-safe routing with
+        static launch bound `bound` slots per expert; `overflow` += 1 when an expert had more), torch on the CPU."""
+        w, idx = self.route(L, x)
+        s = self.shape
+        rt = device_routing(idx, w, s.expert_range[0], s.n_experts)
+        if overflow is not None:
+            overflow += (rt.max_count > bound).to(overflow.dtype)
+        if x.device.type != "cuda":
+            return self.routed_torch(L, x, rt)
+        return self._routed_kernel(L, x, rt, bound)
+
+    def _routed_kernel(self, L, x, rt: DeviceRouting, bound: int) -> torch.Tensor:
+        import cupy
+
+        from kdlib.cuda import moe
+        from kdlib.cuda.loader import as_cupy
+
+        M, K = x.shape
+        E, k = self.shape.n_experts, self.cfg.num_experts_per_tok
+        packed = L.get("_cupy")
+        if packed is None:
+            packed = L["_cupy"] = {n: as_cupy(t).view(cupy.uint32) for n, t in L["experts"].items()}
+        routing = moe.Routing(as_cupy(rt.expert_offsets), as_cupy(rt.active_experts), as_cupy(rt.n_active),
+                              as_cupy(rt.active_ranges), as_cupy(rt.sorted_token), as_cupy(rt.sorted_weight),
+                              m=M, topk=k, n_experts=E, n_active=min(E, M * k), max_count=bound)
+        out = torch.empty(M, K, dtype=torch.float32, device=x.device)  # [M, H]
+        h = torch.empty(M * k, self.shape.expert_inter, dtype=torch.int16, device=x.device)  # [M k, N] bf16 bits
+        moe.moe_w4a16(x.contiguous(), packed, routing, out=as_cupy(out), h=as_cupy(h).view(cupy.uint16),
+                      version=None if bound <= 8 else 1)
+        return out.to(x.dtype)
+
+    def routed_torch(self, L, x, rt: DeviceRouting) -> torch.Tensor:
+        """The routed experts from the unpacked q / scales (`keep_unpacked`), float32 sums -> x.dtype."""
+        qg, sg, qu, su, qd, sd = L["experts_q"]
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        offs = rt.expert_offsets.long()
+        for e in range(self.shape.n_experts):
+            a, b = int(offs[e]), int(offs[e + 1])
+            if a == b:
+                continue
+            rows = rt.sorted_token[a:b].long()
+            xe = x[rows].float()
+            g = xe @ dequantize_w4_torch(qg[e], sg[e]).T
+            u = xe @ dequantize_w4_torch(qu[e], su[e]).T
+            hh = (F.silu(g) * u).to(torch.bfloat16).float()
+            out.index_add_(0, rows, rt.sorted_weight[a:b, None] * (hh @ dequantize_w4_torch(qd[e], sd[e]).T))
+        return out.to(x.dtype)
+
+    def head_local(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + this rank's LM head rows: [M, H] -> [M, V_r] float32."""
+        return F.linear(self.rms(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+
+
+# ----------------------------------------------------------------------------- the DFlash drafter
+@dataclass(frozen=True)
+class DraftShape:
+    """A DFlash drafter's shape (whole model; `RankDrafter` keeps a rank's slice) and where it comes from."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    source: str = ""
+
+
+# z-lab/Kimi-K2.5-DFlash as published (Hugging Face; the shape from the GGUF conversion's model card,
+# huggingface.co/freakyskittle/kimi-k2.5-dflash.gguf: 6 layers, hidden 7168, 64 Q / 8 KV heads,
+# intermediate 18432; block size 8, target layers [1, 12, 24, 35, 47, 58] from the K2.6 DFlash-shaped
+# card huggingface.co/freakyskittle/Kimi-K2.6-DFlash-baseinit). head_dim 128 is inferred: it makes the
+# F32 file's ~13.9 GB (3.48 B parameters without embedding and LM head, which are the target's).
+DFLASH_KIMI = DraftShape(6, 64, 8, 128, 18432, 8, (1, 12, 24, 35, 47, 58),
+                         "z-lab/Kimi-K2.5-DFlash (HF): 6 layers, 64/8 heads, inter 18432, block 8; head_dim 128 inferred")
+
+
+class RankDrafter:
+    """A rank's slice of a DFlash drafter (module docstring); context K/V per pool slot [layers, S, kv_r, hd]."""
+
+    def __init__(self, model: RankModel, ds: DraftShape, seed: int = 1):
+        s, c, dev = model.shape, model.cfg, model.device
+        self.model, self.ds = model, ds
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        H, hd = c.hidden_size, ds.head_dim
+        self.nh = partition(ds.num_heads, s.tp)[s.rank][1] - partition(ds.num_heads, s.tp)[s.rank][0]
+        self.nkv = max(1, ds.num_kv_heads // s.tp)  # replicated when fewer KV heads than ranks
+        lo, hi = partition(ds.intermediate_size, s.tp)[s.rank]
+        taps = len(ds.target_layer_ids)
+        flo, fhi = partition(taps * H, s.tp)[s.rank]
+        self.fc_cols = (flo, fhi)
+        bf = torch.bfloat16
+        self.fc = _randn((H, fhi - flo), (taps * H) ** -0.5, dev, gen)  # [H, F_r] row-parallel
+        self.hidden_norm = torch.ones(H, dtype=bf, device=dev)
+        self.norm = torch.ones(H, dtype=bf, device=dev)
+        self.layers = []
+        for _ in range(ds.num_layers):
+            self.layers.append({
+                "in_norm": torch.ones(H, dtype=bf, device=dev), "post_norm": torch.ones(H, dtype=bf, device=dev),
+                "q": _randn((self.nh * hd, H), H**-0.5, dev, gen), "k": _randn((self.nkv * hd, H), H**-0.5, dev, gen),
+                "v": _randn((self.nkv * hd, H), H**-0.5, dev, gen),
+                "o": _randn((H, self.nh * hd), (ds.num_heads * hd) ** -0.5, dev, gen),
+                "q_norm": torch.ones(hd, dtype=bf, device=dev), "k_norm": torch.ones(hd, dtype=bf, device=dev),
+                "gu": _randn((2 * (hi - lo), H), H**-0.5, dev, gen),
+                "down": _randn((H, hi - lo), ds.intermediate_size**-0.5, dev, gen)})
+        self.kv = None  # [layers, 2, S + 1, kv_r, hd], made by `make_pool`
+
+    def weight_bytes(self) -> int:
+        ts = [self.fc, self.hidden_norm, self.norm] + [t for L in self.layers for t in L.values()]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def make_pool(self, slots: int) -> None:
+        ds = self.ds
+        self.kv = torch.zeros(ds.num_layers, 2, slots, self.nkv, ds.head_dim, dtype=torch.bfloat16,
+                              device=self.model.device)
+
+    def _rope(self, x, pos):
+        hd = self.ds.head_dim
+        inv = 1e6 ** (-torch.arange(0, hd, 2, dtype=torch.float64, device=x.device) / hd)  # DFlash: rope_theta 1e6
+        ang = pos.double()[:, None] * inv[None]
+        return apply_rope(x, ang.cos().to(x.dtype), ang.sin().to(x.dtype), interleave=False)
+
+    def _kv(self, L, h, pos):
+        hd = self.ds.head_dim
+        k = self.model.rms(F.linear(h, L["k"]).view(-1, self.nkv, hd), L["k_norm"], 1e-6)
+        return self._rope(k, pos), F.linear(h, L["v"]).view(-1, self.nkv, hd)
+
+    def draft(self, bonus: torch.Tensor, lens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """bonus, lens [C], table [C, T] (context slots) -> local logits [C, B - 1, V_r] float32 (depths 1..L)."""
+        m, ds = self.model, self.ds
+        C, T = table.shape
+        B, hd, eps = ds.block_size, ds.head_dim, m.cfg.rms_norm_eps
+        dev = bonus.device
+        ids = torch.full((C, B), m.cfg.vocab_size - 2, dtype=torch.int64, device=dev)  # MASK: a reserved id
+        ids[:, 0] = bonus
+        x = m.embed_rows(ids.reshape(-1))  # [C*B, H]
+        pos = (lens[:, None] + torch.arange(B, device=dev)[None]).reshape(-1)  # [C*B]
+        valid = torch.arange(T, device=dev)[None] < lens[:, None]  # [C, T]
+        seen = torch.cat([valid, torch.ones(C, B, dtype=torch.bool, device=dev)], 1)  # [C, T + B]
+        rep = self.nh // self.nkv
+        for L, kv in zip(self.layers, self.kv, strict=True):
+            a = m.rms(x, L["in_norm"], eps)
+            q = self._rope(m.rms(F.linear(a, L["q"]).view(-1, self.nh, hd), L["q_norm"], 1e-6), pos)
+            bk, bv = self._kv(L, a, pos)
+            k = torch.cat([kv[0][table], bk.view(C, B, self.nkv, hd)], 1)  # [C, T + B, kv_r, hd]
+            v = torch.cat([kv[1][table], bv.view(C, B, self.nkv, hd)], 1)
+            q = q.view(C, B, self.nkv, rep, hd)
+            sc = torch.einsum("cbgrd,ctgd->cgrbt", q, k) * hd**-0.5  # [C, kv_r, rep, B, T + B]
+            sc = sc.masked_fill(~seen[:, None, None, None, :], float("-inf"))
+            p = torch.softmax(sc.float(), dim=-1).to(x.dtype)
+            o = torch.einsum("cgrbt,ctgd->cbgrd", p, v).reshape(C * B, self.nh * hd)
+            x = x + F.linear(o, L["o"])
+            gu = F.linear(m.rms(x, L["post_norm"], eps), L["gu"])
+            g, u = gu.chunk(2, dim=-1)
+            x = x + F.linear(F.silu(g) * u, L["down"])
+        return m.head_local(x.view(C, B, -1)[:, 1:].reshape(C * (B - 1), -1)).view(C, B - 1, -1)
+
+    def commit(self, feats: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> None:
+        """feats [N, taps x H] of committed rows -> their context K/V at `slots` [N] (positions `pos` [N])."""
+        m = self.model
+        f0, f1 = self.fc_cols
+        h = m.rms(F.linear(feats[:, f0:f1], self.fc), self.hidden_norm, m.cfg.rms_norm_eps)  # [N, H] (partial)
+        for L, kv in zip(self.layers, self.kv, strict=True):
+            k, v = self._kv(L, h, pos)
+            kv[0].index_copy_(0, slots, k)
+            kv[1].index_copy_(0, slots, v)
+
+
+# ----------------------------------------------------------------------------- acceptance as a parameter
+def draft_profile(depth: int, k: int, p_top: float) -> torch.Tensor:
+    """Log-probs [depth, k] float32 of the forced-acceptance drafter: the top token p_top, the others
+    sharing 1 - p_top geometrically (ratio 1/2), the same at every depth (descending rows)."""
+    rest = (1 - p_top) * 0.5 ** torch.arange(1, k, dtype=torch.float64)
+    rest = rest / rest.sum() * (1 - p_top) if k > 1 else rest
+    row = torch.cat([torch.tensor([p_top], dtype=torch.float64), rest]).clamp(min=1e-30).log()
+    return row.float().expand(depth, k).contiguous()
+
+
+def forced_targets(tokens: torch.Tensor, positions: torch.Tensor, next_token: torch.Tensor, argmax: torch.Tensor,
+                   accepted: int) -> torch.Tensor:
+    """The accept walk's targets [C, W] for a chosen accepted length: a row at depth < accepted - 1 names the
+    token of its first child (the walk descends the first-child chain), deeper rows keep the target's argmax.
+
+    tokens [C, W] (slot 0 = the bonus), positions [C, W] (tree depth, -1 = padding), next_token [C, W]
+    (first child's slot or -1), argmax [C, W]."""
+    child = tokens.gather(1, next_token.clamp(min=0))
+    return torch.where((positions >= 0) & (positions < accepted - 1) & (next_token >= 0), child, argmax)
+
+
+# ----------------------------------------------------------------------------- modelled collectives
+def allreduce_ms(nbytes: float, fit: dict, world: int) -> float:
+    """NCCL ring all-reduce time of `nbytes` from a fit {latency_s, bus_bandwidth_Bps}: lat + 2 (W-1)/W bytes / bw."""
+    return (fit["latency_s"] + 2.0 * (world - 1) / world * nbytes / fit["bus_bandwidth_Bps"]) * 1e3
+
+
+def step_allreduces(shape: RankShape, rows: int, draft_rows: int, commit_rows: int, ds: DraftShape | None) -> list[int]:
+    """Bytes of each all-reduce of one step on a rank (bf16 hidden rows): the embedding, two per target
+    layer; with a drafter its embedding, two per draft layer and its fc on the committed rows."""
+    H = shape.cfg.hidden_size * 2
+    out = [rows * H] * (1 + 2 * shape.cfg.num_hidden_layers)
+    if ds is not None:
+        out += [draft_rows * H] * (1 + 2 * ds.num_layers) + [commit_rows * H]
+    return out
+
+
+# ----------------------------------------------------------------------------- one step on static buffers
+class RankStep:
+    """Static buffers and the parts of one step for C streams at `context` cached tokens each (AR when
+    drafter is None, else DDTree with `budget` nodes); slots of stream c: c * (context + W) + position.
+
+    parts: "draft", "tree", "verify" (embed, layers, head), "accept", "commit"; `run()` runs them in order.
+    `run(only=...)` with a subset of {"dense", "attention", "moe"} runs the verify forward with just those
+    pieces (the others read the outputs a full forward left in place): the per-component timings."""
+
+    PARTS = ("draft", "tree", "verify", "accept", "commit")
+
+    def __init__(self, model: RankModel, streams: int, context: int, budget: int | None = None,
+                 drafter: RankDrafter | None = None, accepted: int = 4, p_top: float = 0.8, bound_factor: float = 4.0,
+                 pool: torch.Tensor | None = None, seed: int = 0):
+        c = model.cfg
+        self.m, self.d, self.C, self.ctx = model, drafter, int(streams), int(context)
+        dev = model.device
+        self.ddtree = drafter is not None
+        self.budget = int(budget) if self.ddtree else 0
+        self.W = self.budget + 1 if self.ddtree else 1
+        self.accepted = int(accepted) if self.ddtree else 1
+        C, W = self.C, self.W
+        per = self.ctx + W
+        need = C * per
+        if pool is None:
+            pool = torch.zeros(c.num_hidden_layers, need, c.latent_dim, dtype=torch.bfloat16, device=dev)
+        if pool.shape[1] < need:
+            raise ValueError(f"the pool holds {pool.shape[1]} slots, {C} streams of {per} need {need}")
+        self.pool = pool
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.table = (torch.arange(C, **i64)[:, None] * per + torch.arange(per, **i64)[None])  # [C, ctx + W]
+        self.prefix32 = self.table[:, : self.ctx].to(torch.int32).contiguous()  # [C, ctx] the kernels' page table
+        self.lens = torch.full((C,), self.ctx, **i64)
+        self.lens32 = self.lens.to(torch.int32)
+        self.bonus = torch.randint(0, c.vocab_size, (C,), generator=gen, device=dev)
+        self.M = C * W
+        self.bound = count_bound(self.M, c.num_experts_per_tok, c.n_routed_experts, bound_factor)
+        self.overflow = torch.zeros((), dtype=torch.int64, device=dev)
+        self.tokens = self.bonus[:, None].repeat(1, W).contiguous()  # [C, W]
+        self.depth = torch.zeros(C, W, **i64)
+        self.vis = torch.ones(C, W, W, dtype=torch.bool, device=dev) if W == 1 else \
+            torch.eye(W, dtype=torch.bool, device=dev).expand(C, W, W).contiguous()
+        self.sizes32 = torch.full((C,), W, dtype=torch.int32, device=dev)
+        H = c.hidden_size
+        self.taps = tuple(drafter.ds.target_layer_ids) if self.ddtree else ()
+        self.feats = torch.zeros(self.M, len(self.taps) * H, dtype=torch.bfloat16, device=dev) if self.taps else None
+        # per-layer outputs a part-only forward reads in place of the pieces it skips
+        L = c.num_hidden_layers
+        self.x_saved = torch.zeros(L, self.M, H, dtype=torch.bfloat16, device=dev)  # normed attention input
+        self.q_saved = torch.zeros(L, self.M, model.shape.heads, c.latent_dim, dtype=torch.bfloat16, device=dev)
+        self.rows_saved = torch.zeros(L, self.M, c.latent_dim, dtype=torch.bfloat16, device=dev)
+        self.o_saved = torch.zeros(L, self.M, model.shape.heads, c.kv_lora_rank, dtype=torch.float32, device=dev)
+        self.f_saved = torch.zeros(L, self.M, H, dtype=torch.bfloat16, device=dev)  # normed FFN input
+        self.argmax = torch.zeros(C, W, **i64)
+        self.target = torch.zeros(C, W, **i64)
+        self.tau = torch.ones(C, **i64)
+        self.lens_next = self.lens.clone()
+        if self.ddtree:
+            self.k = min(self.budget, c.vocab_size)
+            self.profile = draft_profile(drafter.ds.block_size - 1, self.k, p_top).to(dev)
+            self.horizon = drafter.ds.block_size - 1
+            self.trees = None
+            self.top_ids = torch.zeros(C, self.horizon, self.k, **i64)
+            self.top_lp = self.profile.expand(C, -1, -1).contiguous()
+
+    # ---- the parts
+    def run(self, only: tuple[str, ...] | None = None, save: bool = False) -> None:
+        ctx = _cupy_stream() if self.m.device.type == "cuda" else _null()
+        with ctx, torch.no_grad():
+            if only is not None:
+                self.verify(only)
+                return
+            for p in self.parts():
+                self.verify(save=save) if p == "verify" else getattr(self, p)()
+
+    def parts(self) -> tuple[str, ...]:
+        return self.PARTS if self.ddtree else ("verify", "commit")
+
+    def part(self, name: str) -> None:
+        ctx = _cupy_stream() if self.m.device.type == "cuda" else _null()
+        with ctx, torch.no_grad():
+            getattr(self, name)()
+
+    def draft(self) -> None:
+        logits = self.d.draft(self.bonus, self.lens, self.table[:, : self.ctx])  # [C, L, V_r]
+        top = torch.log_softmax(logits, dim=-1).topk(self.k, dim=-1)  # local shard's top-K (gather modelled)
+        v0 = self.m.shape.vocab_range[0]
+        self.top_ids.copy_(top.indices + v0)
+        self.top_lp.copy_(self.profile.expand_as(top.values))  # acceptance is a parameter (module docstring)
+
+    def tree(self) -> None:
+        dev = self.m.device
+        if dev.type == "cuda":
+            from kdlib.cuda import tree as ktree
+            from kdlib.engine.batch import _TreeBuffers
+
+            if self.trees is None:
+                self.trees = _TreeBuffers(self.C, self.budget, self.horizon, dev)
+            ktree.build_tree_batch(self.top_ids, self.top_lp, self.budget, out=self.trees.cupy)
+            t = self.trees
+            nodes, depth, vis, nxt = t.node_token_ids, t.positions, t.visibility, t.next_token
+        else:
+            from kdlib import ops
+
+            t = self.trees = ops.build_tree_batch(self.top_ids, self.top_lp, self.budget)
+            nodes, depth, vis, nxt = (torch.as_tensor(x) for x in (t.node_token_ids, t.positions, t.visibility,
+                                                                    t.next_token))
+        self.tokens.copy_(torch.cat([self.bonus[:, None], nodes.clamp(min=0)], dim=1))
+        self.depth.copy_(depth.clamp(min=0))
+        self.vis.copy_(vis)
+        self.tree_depth, self.next_token = depth, nxt
+
+    def verify(self, only: tuple[str, ...] | None = None, save: bool = False) -> None:
+        """The target's forward over the C x W rows; save=True (eager, before timing) keeps each layer's
+        piece inputs and outputs for the part-only forwards."""
+        m, c = self.m, self.m.cfg
+        C, W, eps = self.C, self.W, c.rms_norm_eps
+        full = only is None
+        do = (lambda p: True) if full else (lambda p: p in only)
+        pos = (self.lens[:, None] + self.depth).reshape(-1)  # [M]
+        cos, sin = rope_cos_sin(c, pos, torch.bfloat16, m.device, inv=m.rope_inv())
+        slots = self.table.gather(1, self.lens[:, None] + torch.arange(W, device=m.device)[None]).reshape(-1)
+        h = m.embed_rows(self.tokens.reshape(-1)) if do("dense") else None
+        tap = 0
+        for i, L in enumerate(m.layers):
+            if do("dense"):
+                x = m.rms(h, L["in_norm"], eps)
+                q, rows = m.attn_pre(L, x, cos, sin)
+                if save:
+                    self.x_saved[i].copy_(x)
+                    self.q_saved[i].copy_(q)
+                    self.rows_saved[i].copy_(rows)
+            if do("attention"):
+                o_lat = self._attention(i, self.q_saved[i] if not full else q, self.rows_saved[i] if not full else rows,
+                                        slots)
+                if save:
+                    self.o_saved[i].copy_(o_lat)
+            if do("dense"):
+                h = h + m.attn_post(L, o_lat if full else self.o_saved[i])
+                f = m.rms(h, L["post_norm"], eps)
+                if save:
+                    self.f_saved[i].copy_(f)
+                y = m.mlp(L, f)
+            if do("moe") and "router" in L:
+                r = m.routed(L, f if full else self.f_saved[i], self.bound, self.overflow)
+                y = y + r if full else r
+            if do("dense"):
+                h = h + y
+                if i in self.taps:
+                    self.feats[:, tap * c.hidden_size:(tap + 1) * c.hidden_size].copy_(h)
+                    tap += 1
+        if do("dense"):
+            logits = m.head_local(h).view(C, W, -1)  # [C, W, V_r]; the global argmax is a (max, id) gather
+            self.argmax.copy_(logits.argmax(-1) + m.shape.vocab_range[0])
+
+    def _attention(self, i: int, q, rows, slots) -> torch.Tensor:
+        """Latent rows to their slots, then the tree-verify attention -> o_lat [M, nh, kv_lora] float32."""
+        from kdlib import ops
+
+        m, c = self.m, self.m.cfg
+        C, W = self.C, self.W
+        self.pool[i].index_copy_(0, slots, rows)
+        cuda = m.device.type == "cuda"
+        extra = {"validate": False} if cuda else {}
+        out, _ = ops.tree_verify_attention(
+            q.view(C, W, m.shape.heads, c.latent_dim), self.pool[i],
+            self.prefix32 if cuda else self.table[:, : self.ctx], self.lens32 if cuda else self.lens,
+            rows.view(C, W, c.latent_dim), self.vis, self.sizes32 if cuda else self.sizes32.long(),
+            c.softmax_scale, kv_lora_rank=c.kv_lora_rank, **extra)
+        return torch.as_tensor(out, device=m.device).reshape(C * W, m.shape.heads, c.kv_lora_rank).float()
+
+    def accept(self) -> None:
+        dev = self.m.device
+        self.target.copy_(forced_targets(self.tokens, torch.as_tensor(self.tree_depth, device=dev),
+                                         torch.as_tensor(self.next_token, device=dev), self.argmax, self.accepted))
+        if dev.type == "cuda":
+            from kdlib.cuda import accept
+
+            t = self.trees
+            accept.accept_greedy_batch(t.cupy, self.target, max_depth=self.horizon, out=t.accept_cupy)
+            self.paths, self.tau_dev = t.paths, t.lengths
+        else:
+            from kdlib import ops
+
+            paths, lengths, _ = ops.accept_greedy_batch(self.trees, self.target, max_depth=self.horizon)
+            self.paths, self.tau_dev = torch.as_tensor(paths), torch.as_tensor(lengths)
+        self.tau.copy_(self.tau_dev)
+
+    def commit(self) -> None:
+        """Page-table tail permuted so the accepted rows come first (page_size 1: no KV bytes move),
+        the drafter's context K/V of the W rows in that order, lens + tau into `lens_next`."""
+        C, W, dev = self.C, self.W, self.m.device
+        idx = self.lens[:, None] + torch.arange(W, device=dev)[None]  # [C, W]
+        if self.ddtree:
+            paths = self.paths
+            key = W + torch.arange(W + 1, device=dev).expand(C, W + 1).clone()  # [C, W + 1]
+            order = torch.arange(paths.shape[1], device=dev).expand_as(paths)
+            key.scatter_(1, torch.where(paths >= 0, paths, W), order)
+            perm = key[:, :W].argsort(dim=1, stable=True)  # [C, W]
+            tail = self.table.gather(1, idx).gather(1, perm)
+            self.table.scatter_(1, idx, tail)
+            f = self.feats.view(C, W, -1).gather(1, perm[:, :, None].expand(C, W, self.feats.shape[-1]))
+            self.d.commit(f.reshape(C * W, -1), tail.reshape(-1), idx.reshape(-1))
+        self.lens_next.copy_(self.lens + self.tau)
+
+    def allreduce_bytes(self) -> list[int]:
+        ds = self.d.ds if self.ddtree else None
+        return step_allreduces(self.m.shape, self.M, self.C * ds.block_size if ds else 0, self.M, ds)
+
+
+def _cupy_stream():
+    from kdlib.engine.batch import _cupy_on_torch_stream
+
+    return _cupy_on_torch_stream()
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,263 @@
+"""GPU suite `k2_rank`: one TP8 rank of Kimi-K2.6 at real shapes on one GPU (`kdlib.engine.rank`).
+
+    python3 -m kdlib.perf.run --suite k2_rank --out $OUT [--quick]
+    env: K2_RANK_BUDGET_S (seconds for the grid, default 200), K2_RANK_MOE (tp | ep, default tp)
+
+Sections of the payload:
+  memory     GPU memory allocated by the rank's weights and by one 200,000-token latent cache against
+             `kdlib.memory` (weights per GPU, kv_bytes at tp 8): `ratio`, `within_2pct`
+  setup      weight generation seconds, the drafter shape (DFLASH_KIMI, with its source), bytes
+  ceilings   the recorded copy bandwidth and bf16 matmul rate (data/results/ceilings.h200.json) the floors use
+  allreduce  the recorded NCCL fit (data/results/tp.h200.json, largest world, graph fit first) the modelled
+             all-reduce uses, extrapolated to world 8 by the ring formula (modelled, not measured)
+  rows       per (context, streams C, method): the whole step (one CUDA graph, median of replays), each
+             part in its own graph (draft, tree, verify, accept, commit) and the verify forward's pieces
+             (dense and norms, attention, routed MoE) each alone over all layers; each beside its floor
+             (bytes / copy bandwidth, FLOPs / matmul rate); the modelled all-reduce; the accepted length
+             the forced-acceptance drafter produced; MoE bound overflows (must be 0)
+  cut        the grid rows not measured (time budget, or streams x context beyond the SGLang pool that
+             `kdlib.memory` predicts for a TP8 H200 rank)
+The JSON is rewritten after every row, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+CONTEXTS = (5500, 128, 32000, 128000, 200000)  # the seeds' 5.5k first
+STREAMS = (1, 10, 4, 16)
+BUDGETS = (None, 8, 16, 32, 64)  # None = AR
+ACCEPTED = 4  # the forced accepted length (bonus included) of the DDTree rows: a parameter
+P_TOP = 0.8  # top-1 probability of the draft profile (tree shape)
+
+
+def grid(pool_tokens: int, quick: bool) -> tuple[list[tuple[int, int, int | None]], list[dict]]:
+    """(context, C, budget) rows in measuring order, and the rows cut because C x context exceeds the pool."""
+    rows, cut = [], []
+    contexts, streams, budgets = ((5500, 128), (1, 10), (None, 16)) if quick else (CONTEXTS, STREAMS, BUDGETS)
+    for ctx in contexts:
+        for c in streams:
+            for b in budgets:
+                if c * (ctx + (b or 0) + 1) > pool_tokens:
+                    cut.append({"context": ctx, "streams": c, "budget": b, "why": "beyond the predicted pool"})
+                else:
+                    rows.append((ctx, c, b))
+    return rows, cut
+
+
+def _floor(nbytes: float, flops: float, ceil: dict) -> dict:
+    from kdlib.perf.timing import floor_ms
+
+    return floor_ms(nbytes, flops, bandwidth_Bps=ceil["copy_bandwidth_Bps"], flop_rate=ceil["bf16_matmul_flops"])
+
+
+def floors(step, ceil: dict) -> dict:
+    """Per-component floors of a RankStep (bytes each read once, useful FLOPs)."""
+    from kdlib.cuda.moe import layer_bytes_flops
+    from kdlib.estimator.model import touched_experts
+
+    m, c, s = step.m, step.m.cfg, step.m.shape
+    L, M, C, W, ctx = c.num_hidden_layers, step.M, step.C, step.W, step.ctx
+    n_moe = L - c.first_k_dense_replace
+    k = c.num_experts_per_tok
+    touched = s.n_experts * (touched_experts(M, c.n_routed_experts, k) / c.n_routed_experts)
+    slots_tokens = M if s.moe_mode == "tp" else M * s.n_experts / c.n_routed_experts
+    moe = layer_bytes_flops(slots_tokens, touched, c.hidden_size, s.expert_inter, k)
+    routed = sum(t.numel() * t.element_size() for L_ in m.layers if "experts" in L_ for t in L_["experts"].values())
+    dense_bytes = m.weight_bytes() - routed - m.embed.numel() * m.embed.element_size()
+    out = {"moe": _floor(n_moe * moe["bytes"], n_moe * moe["flops"], ceil),
+           "dense": _floor(dense_bytes + 4 * L * M * c.hidden_size * 2, 2.0 * M * dense_bytes / 2, ceil)}
+    kv = C * ctx * c.latent_dim * 2
+    out["attention"] = _floor(L * (kv + 2 * M * c.latent_dim * 2),
+                              L * 2.0 * M * s.heads * (ctx + W) * (c.latent_dim + c.kv_lora_rank), ceil)
+    if step.ddtree:
+        d = step.d
+        B = d.ds.block_size
+        ctx_kv = C * ctx * d.ds.num_layers * 2 * d.nkv * d.ds.head_dim * 2
+        head = m.lm_head.numel() * 2
+        out["draft"] = _floor(d.weight_bytes() + head + ctx_kv, 2.0 * C * B * (d.weight_bytes() + head) / 2, ceil)
+        out["tree"] = _floor(C * (B - 1) * step.k * 12 + C * W * W, 0.0, ceil)
+        out["accept"] = _floor(C * W * 8 * 4, 0.0, ceil)
+        out["commit"] = _floor(d.fc.numel() * 2 + sum(L_["k"].numel() * 4 for L_ in d.layers)
+                               + M * d.ds.num_layers * 2 * d.nkv * d.ds.head_dim * 2, 2.0 * M * d.fc.numel(), ceil)
+    return out
+
+
+def _graph(fn, pool):
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # warm-up outside the capture: kernels compiled, workspaces and handles made
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        fn()
+    return g
+
+
+def timed(fn, pool, iters: int, warmup: int = 1) -> tuple[dict, str | None]:
+    """Median of CUDA-graph replays of fn; if the capture fails, eager calls (and the error, recorded)."""
+    from kdlib.perf.timing import cuda_time
+
+    try:
+        g = _graph(fn, pool)
+    except Exception as err:  # a capture failure must not lose the row: time it eagerly and say so
+        return cuda_time(fn, warmup=warmup, iters=iters).as_dict(), f"{type(err).__name__}: {err}"[:300]
+    return cuda_time(g.replay, warmup=warmup, iters=iters).as_dict(), None
+
+
+def measure_row(model, drafter, pool, ctx: int, C: int, budget, ceil: dict, fit: dict, iters: int) -> dict:
+    import torch
+
+    from kdlib.engine.rank import RankStep, allreduce_ms
+
+    t0 = time.perf_counter()
+    step = RankStep(model, C, ctx, budget, drafter if budget else None, accepted=ACCEPTED, p_top=P_TOP, pool=pool)
+    step.run(save=True)  # eager: fills the pieces' inputs, compiles kernels
+    torch.cuda.synchronize()
+    gpool = torch.cuda.graph_pool_handle()
+    errors = {}
+    whole, errors["step"] = timed(step.run, gpool, iters, warmup=2)
+    parts, pieces = {}, {}
+    for p in step.parts():
+        parts[p], errors[p] = timed(lambda p=p: step.part(p), gpool, iters)
+    for p in ("dense", "attention", "moe"):
+        pieces[p], errors[p] = timed(lambda p=p: step.run(only=(p,)), gpool, iters)
+    torch.cuda.synchronize()
+    fl = floors(step, ceil)
+    ar = [allreduce_ms(b, fit, model.shape.tp) for b in step.allreduce_bytes()]
+    comps = {"moe": pieces["moe"]["median_ms"], "attention": pieces["attention"]["median_ms"],
+             "dense": pieces["dense"]["median_ms"]}
+    for p in ("draft", "tree", "accept", "commit"):
+        if p in parts:
+            comps[p] = parts[p]["median_ms"]
+    row = {"context": ctx, "streams": C, "method": "ddtree" if budget else "ar", "budget": budget,
+           "rows_per_stream": step.W, "m_rows": step.M, "moe_count_bound": step.bound,
+           "step": whole, "step_ms": whole["median_ms"], "parts": parts, "pieces": pieces,
+           "graph_errors": {k: v for k, v in errors.items() if v}, "graphs": not any(errors.values()),
+           "components_ms": comps, "components_sum_ms": sum(comps.values()),
+           "floors": fl, "floor_sum_ms": sum(f["floor_ms"] for f in fl.values()),
+           "allreduce_modelled_ms": sum(ar), "allreduce_calls": len(ar),
+           "step_with_allreduce_ms": whole["median_ms"] + sum(ar),
+           "accepted_mean": float(step.tau.float().mean()), "accepted_target": step.accepted,
+           "moe_bound_overflows": int(step.overflow), "wall_s": time.perf_counter() - t0}
+    n = row["accepted_mean"]
+    row["tok_s_per_stream"] = n / row["step_with_allreduce_ms"] * 1e3
+    row["tok_s"] = C * row["tok_s_per_stream"]
+    torch.cuda.empty_cache()
+    return row
+
+
+def _recorded(name: str) -> dict:
+    from kdlib.perf import results
+
+    r = results.load(name, "h200")
+    if r is None:
+        raise SystemExit(f"k2_rank needs the recorded {name} suite (data/results/{name}.h200.json)")
+    return r
+
+
+def allreduce_fit() -> dict:
+    tp = _recorded("tp")
+    fits = tp.get("allreduce_graph_fit") or tp["allreduce_fit"]
+    w = max(fits, key=int)
+    return {"world_measured": int(w), "source": "allreduce_graph_fit" if tp.get("allreduce_graph_fit") else
+            "allreduce_fit", "path": tp["_path"], **fits[w]}
+
+
+def run(args) -> dict:
+    import torch
+
+    from kdlib import memory
+    from kdlib.engine.config import ModelConfig
+    from kdlib.engine.rank import DFLASH_KIMI, RankDrafter, RankModel, RankShape
+    from kdlib.perf import results
+
+    quick = bool(getattr(args, "quick", False))
+    budget_s = float(os.environ.get("K2_RANK_BUDGET_S", "200"))
+    moe_mode = os.environ.get("K2_RANK_MOE", "tp")
+    name = "kimi-k2.6"
+    cfg_dict = memory.load_config(name)
+    cfg = ModelConfig.from_dict(cfg_dict)
+    shape = RankShape(cfg, tp=8, rank=0, moe_mode=moe_mode)
+    ceil_doc = _recorded("ceilings")
+    ceil = {k: ceil_doc[k] for k in ("copy_bandwidth_Bps", "bf16_matmul_flops")}
+    ceil["path"] = ceil_doc["_path"]
+    fit = allreduce_fit()
+    payload = {"parameters": {"config": name, "tp": 8, "rank": 0, "moe_mode": moe_mode, "accepted": ACCEPTED,
+                              "p_top": P_TOP, "quick": quick, "budget_s": budget_s, "iters": 10},
+               "ceilings": ceil, "allreduce": fit, "rows": [], "cut": []}
+
+    def save():
+        results.write("k2_rank", payload, out_dir=args.out, command="python3 -m kdlib.perf.run --suite k2_rank")
+
+    torch.cuda.synchronize()
+    a0 = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    model = RankModel(shape, device="cuda", seed=0)
+    torch.cuda.synchronize()
+    gen_s = time.perf_counter() - t0
+    w_meas = torch.cuda.memory_allocated() - a0
+    kv200 = torch.zeros(cfg.num_hidden_layers, 200_000, cfg.latent_dim, dtype=torch.bfloat16, device="cuda")
+    kv_meas = torch.cuda.memory_allocated() - a0 - w_meas
+    free, total = torch.cuda.mem_get_info()
+    w_pred = memory.weight_bytes(cfg_dict, tp=8)["per_gpu"]
+    kv_pred = memory.kv_bytes(cfg_dict, 200_000, tp=8)
+    payload["memory"] = {"weights_allocated": w_meas, "weights_predicted": w_pred, "kv_200k_allocated": kv_meas,
+                         "kv_200k_predicted": kv_pred, "allocated": w_meas + kv_meas, "predicted": w_pred + kv_pred,
+                         "ratio": (w_meas + kv_meas) / (w_pred + kv_pred),
+                         "within_2pct": abs((w_meas + kv_meas) / (w_pred + kv_pred) - 1) <= 0.02,
+                         "weights_tensor_bytes": model.weight_bytes(), "device_used_bytes": total - free,
+                         "device_total_bytes": total}
+    del kv200
+    torch.cuda.empty_cache()
+    drafter = RankDrafter(model, DFLASH_KIMI)
+    pool_tokens = memory.plan(cfg_dict, "h200", tp=8, context=200_000).value("pool_tokens")
+    rows, cut = grid(pool_tokens, quick)
+    slots = max(c * (ctx + (b or 0) + 1) for ctx, c, b in rows)
+    pool = torch.zeros(cfg.num_hidden_layers, slots, cfg.latent_dim, dtype=torch.bfloat16, device="cuda")
+    drafter.make_pool(slots)
+    payload["setup"] = {"weight_generation_s": gen_s, "drafter": {**DFLASH_KIMI.__dict__,
+                                                                  "weight_bytes_rank": drafter.weight_bytes()},
+                        "pool_slots": slots, "pool_tokens_predicted": pool_tokens}
+    payload["cut"] = cut
+    save()
+    start = time.perf_counter()
+    for i, (ctx, c, b) in enumerate(rows):
+        if time.perf_counter() - start > budget_s:
+            payload["cut"] += [{"context": x, "streams": y, "budget": z, "why": "time budget"} for x, y, z in rows[i:]]
+            break
+        row = measure_row(model, drafter, pool, ctx, c, b, ceil, fit, iters=10)
+        payload["rows"].append(row)
+        print(f"[k2_rank] ctx {ctx:>6} C {c:>2} {row['method']:>6} b {b or 0:>2}: step {row['step_ms']:8.2f} ms "
+              f"(+ar {row['allreduce_modelled_ms']:.2f}) parts sum {row['components_sum_ms']:8.2f} "
+              f"floors {row['floor_sum_ms']:7.2f} tau {row['accepted_mean']:.2f}", flush=True)
+        save()
+    return payload
+
+
+def table(doc: dict) -> str:
+    """The short table tools/k2_rank_gpu.sh prints at the end."""
+    m = doc.get("memory", {})
+    lines = [f"memory: allocated {m.get('allocated', 0) / 1e9:.2f} GB vs predicted {m.get('predicted', 0) / 1e9:.2f} GB "
+             f"(ratio {m.get('ratio', 0):.4f}, within 2%: {m.get('within_2pct')})",
+             f"{'ctx':>7} {'C':>3} {'method':>7} {'step ms':>9} {'+AR ms':>8} {'moe':>7} {'attn':>7} {'dense':>7} "
+             f"{'draft':>6} {'floor':>7} {'tau':>5} {'tok/s':>7}"]
+    for r in doc.get("rows", []):
+        cm = r["components_ms"]
+        lines.append(f"{r['context']:>7} {r['streams']:>3} {r['method'][:2] + str(r['budget'] or ''):>7} "
+                     f"{r['step_ms']:9.2f} {r['allreduce_modelled_ms']:8.2f} {cm['moe']:7.2f} {cm['attention']:7.2f} "
+                     f"{cm['dense']:7.2f} {cm.get('draft', 0):6.2f} {r['floor_sum_ms']:7.2f} "
+                     f"{r['accepted_mean']:5.2f} {r['tok_s']:7.0f}")
+    lines.append(f"cut: {len(doc.get('cut', []))} rows")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(table(json.loads(open(sys.argv[1]).read())))

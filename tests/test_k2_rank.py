@@ -1,0 +1,233 @@
+"""kdlib.engine.rank: the torch INT4 packer against kdlib.cuda.moe, the device routing against
+prepare_routing's metadata, the rank's slicing against kdlib.tp, its weight bytes against kdlib.memory,
+a whole step at a scaled-down config on the CPU; on CUDA (marked gpu) the moe_w4a16 path with device
+routing against the torch dequantized path, and a captured step replayed against the eager one."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from kdlib import memory
+from kdlib.cuda import moe
+from kdlib.engine.config import ModelConfig
+from kdlib.engine.model import Model
+from kdlib.engine.rank import (
+    DFLASH_KIMI,
+    DraftShape,
+    RankDrafter,
+    RankModel,
+    RankShape,
+    RankStep,
+    allreduce_ms,
+    count_bound,
+    device_routing,
+    draft_profile,
+    forced_targets,
+    pack_moe_torch,
+    quantize_w4_torch,
+)
+from kdlib.perf.suites import k2_rank
+from kdlib.tp.engine import shard_state_dict
+
+
+def small_config(**kw) -> dict:
+    """Kimi-K2.6's config scaled down (kernel-legal widths: K % 64, N % 64, the 576-wide latent)."""
+    d = json.loads((memory.CONFIGS / "kimi-k2.6.json").read_text())
+    t = d["text_config"]
+    t.update(hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=3,
+             num_attention_heads=4, n_routed_experts=16, q_lora_rank=64, vocab_size=512, num_experts_per_tok=4)
+    t.update(kw)
+    return d
+
+
+def test_torch_packer_matches_pack_moe():
+    rng = np.random.default_rng(3)
+    w = [rng.normal(0, 0.02, s).astype(np.float32) for s in ((3, 64, 128), (3, 64, 128), (3, 128, 64))]
+    w[0][0, 5, :32] = 0.0  # an all-zero group: scale 0, q = 8
+    ref = moe.MoEWeights(*(x for a in w for x in moe.quantize_w4(a)))
+    qs = [quantize_w4_torch(torch.from_numpy(a)) for a in w]
+    for (q, s), name in zip(qs, ("gate", "up", "down"), strict=True):
+        np.testing.assert_array_equal(q.numpy(), getattr(ref, f"q_{name}"))
+        np.testing.assert_array_equal(s.numpy().view(np.uint16), getattr(ref, f"s_{name}"))
+    got = pack_moe_torch(*(x for qs_ in qs for x in qs_))
+    want = moe.pack_moe(ref)
+    for k in ("w1", "s1", "w2", "s2"):
+        np.testing.assert_array_equal(got[k].numpy().view(np.uint32), want[k])
+
+
+def test_device_routing_matches_prepare_routing_metadata():
+    rng = np.random.default_rng(0)
+    E, M, k = 16, 9, 4
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(M)])
+    w = rng.random((M, k)).astype(np.float32)
+    for e0, n in ((0, 16), (8, 8)):  # all experts (tp), the second half (ep, rank 1 of 2)
+        rt = device_routing(torch.from_numpy(ids), torch.from_numpy(w), e0, n)
+        local = (ids >= e0) & (ids < e0 + n)
+        counts = np.bincount((ids[local] - e0), minlength=n)
+        np.testing.assert_array_equal(rt.expert_offsets.numpy(), np.concatenate([[0], np.cumsum(counts)]))
+        act = np.nonzero(counts)[0]
+        assert int(rt.n_active[0]) == len(act)
+        np.testing.assert_array_equal(rt.active_experts.numpy()[: len(act)], act)
+        off = rt.expert_offsets.numpy()
+        for a, e in enumerate(act):
+            assert tuple(rt.active_ranges[a].tolist()) == (off[e], off[e + 1])
+            toks = sorted(rt.sorted_token[off[e]:off[e + 1]].tolist())
+            assert toks == sorted(np.nonzero((ids == e + e0).any(1))[0].tolist())
+            for t, wt in zip(rt.sorted_token[off[e]:off[e + 1]].tolist(), rt.sorted_weight[off[e]:off[e + 1]].tolist(),
+                             strict=True):
+                assert wt == pytest.approx(float(w[t][list(ids[t]).index(e + e0)]))
+        assert int(rt.max_count) == counts.max()
+
+
+def test_count_bound():
+    assert count_bound(5, 8, 384, 4.0) == 5  # exact in the decode regime
+    assert count_bound(16, 8, 384, 4.0) == 8
+    assert count_bound(1040, 8, 384, 4.0) == 87
+    assert count_bound(20, 8, 8, 4.0) == 20  # never above m
+
+
+@pytest.mark.parametrize("mode", ["tp", "ep"])
+def test_slicing_matches_kdlib_tp(mode):
+    d = small_config(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, q_lora_rank=24, kv_lora_rank=16,
+                     qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=8, vocab_size=96,
+                     num_experts_per_tok=2)
+    cfg = ModelConfig.from_dict(d)
+    sd = Model(cfg).state_dict()
+    for rank in range(2):
+        s = RankShape(cfg, tp=2, rank=rank, moe_mode=mode)
+        sh = shard_state_dict(sd, cfg, rank, 2, mode)
+        a = "model.layers.1.self_attn."
+        assert sh[a + "q_b_proj.weight"].shape[0] == s.heads * cfg.qk_head_dim
+        assert sh[a + "o_proj.weight"].shape[1] == s.heads * cfg.v_head_dim
+        assert sh["model.layers.0.mlp.gate_proj.weight"].shape[0] == s.dense_inter
+        assert sh["model.layers.1.mlp.shared_experts.up_proj.weight"].shape[0] == s.shared_inter
+        experts = {int(k.split(".")[5]) for k in sh if ".mlp.experts." in k and k.startswith("model.layers.1.")}
+        assert len(experts) == s.n_experts
+        assert sh["model.layers.1.mlp.experts.0.gate_proj.weight"].shape[0] == s.expert_inter
+        assert sh["lm_head.weight"].shape[0] == s.vocab_range[1] - s.vocab_range[0]
+
+
+@pytest.mark.parametrize("mode", ["tp", "ep"])
+def test_weight_bytes_match_kdlib_memory(mode):
+    d = small_config()
+    m = RankModel(RankShape(ModelConfig.from_dict(d), tp=2, rank=1, moe_mode=mode), device="cpu")
+    assert m.weight_bytes() == memory.weight_bytes(d, tp=2)["per_gpu"]
+
+
+def test_forced_targets_walk_the_first_child_chain():
+    # root (slot 0) -> slot 1 (token 11) -> slot 2 (token 12); slot 3 (token 13) a sibling of slot 1
+    tokens = torch.tensor([[5, 11, 12, 13]])
+    positions = torch.tensor([[0, 1, 2, 1]])
+    next_token = torch.tensor([[1, 2, -1, -1]])
+    argmax = torch.tensor([[90, 91, 92, 93]])
+    assert forced_targets(tokens, positions, next_token, argmax, 3).tolist() == [[11, 12, 92, 93]]
+    assert forced_targets(tokens, positions, next_token, argmax, 2).tolist() == [[11, 91, 92, 93]]
+    assert forced_targets(tokens, positions, next_token, argmax, 1).tolist() == [[90, 91, 92, 93]]
+
+
+def test_draft_profile_rows_descend_and_sum_to_one():
+    p = draft_profile(7, 16, 0.8)
+    assert p.shape == (7, 16)
+    assert float(p[0].exp().sum()) == pytest.approx(1.0, abs=1e-6)
+    assert bool((p[:, 1:] < p[:, :-1]).all())
+
+
+def test_dflash_shape_is_the_published_one():
+    assert (DFLASH_KIMI.num_layers, DFLASH_KIMI.num_heads, DFLASH_KIMI.num_kv_heads) == (6, 64, 8)
+    assert (DFLASH_KIMI.intermediate_size, DFLASH_KIMI.block_size) == (18432, 8)
+    assert "z-lab" in DFLASH_KIMI.source
+
+
+def test_allreduce_model_is_the_ring_formula():
+    fit = {"latency_s": 1e-5, "bus_bandwidth_Bps": 1e11}
+    assert allreduce_ms(7168 * 2, fit, 8) == pytest.approx((1e-5 + 2 * 7 / 8 * 14336 / 1e11) * 1e3)
+
+
+def test_grid_cuts_rows_beyond_the_pool():
+    rows, cut = k2_rank.grid(702_300, quick=False)
+    assert (200000, 1, 64) in rows and (5500, 10, None) in rows
+    assert all(c * (ctx + (b or 0) + 1) <= 702_300 for ctx, c, b in rows)
+    assert {(r["context"], r["streams"]) for r in cut} >= {(200000, 4), (128000, 10)}
+    assert rows[0][0] == 5500  # the seeds' context first
+
+
+@pytest.mark.parametrize("mode", ["tp", "ep"])
+def test_cpu_step_runs_every_part(mode):
+    d = small_config()
+    m = RankModel(RankShape(ModelConfig.from_dict(d), tp=2, rank=0, moe_mode=mode), device="cpu")
+    dr = RankDrafter(m, DraftShape(2, 4, 2, 32, 256, 4, (0, 2)))
+    ar = RankStep(m, streams=2, context=20)
+    ar.run(save=True)
+    assert ar.lens_next.tolist() == [21, 21]
+    st = RankStep(m, streams=2, context=20, budget=8, drafter=dr, accepted=3)
+    dr.make_pool(st.pool.shape[1])
+    st.run(save=True)
+    assert st.tau.tolist() == [3, 3]  # the forced accepted length (the chain is deep enough)
+    assert st.lens_next.tolist() == [23, 23]
+    assert bool(torch.isfinite(st.o_saved).all()) and bool(torch.isfinite(st.f_saved).all())
+    before = st.argmax.clone()
+    for only in (("dense",), ("attention",), ("moe",)):
+        st.run(only=only)  # the pieces alone (for their timings) leave the step's inputs as they were
+    st.part("verify")
+    assert torch.equal(st.argmax, before)
+    assert int(st.overflow) == 0
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_gpu_packer_and_moe_kernel_with_device_routing():
+    d = small_config(hidden_size=256, moe_intermediate_size=256, n_routed_experts=32, num_experts_per_tok=8)
+    cfg = ModelConfig.from_dict(d)
+    m = RankModel(RankShape(cfg, tp=2, rank=0, moe_mode="tp"), device="cuda", seed=2, keep_unpacked=True)
+    L = m.layers[1]
+    from kdlib.engine.rank import _cupy_stream
+
+    for M in (1, 4, 8, 33, 200):
+        x = torch.randn(M, cfg.hidden_size, device="cuda").to(torch.bfloat16)
+        w, idx = m.route(L, x)
+        rt = device_routing(idx, w, 0, m.shape.n_experts)
+        bound = max(count_bound(M, cfg.num_experts_per_tok, cfg.n_routed_experts, 4.0), int(rt.max_count))
+        with _cupy_stream():
+            got = m._routed_kernel(L, x, rt, bound).float()
+        ref = m.routed_torch(L, x, rt).float()
+        err = (got - ref).norm() / ref.norm()
+        assert err < 2e-2, (M, float(err))
+
+
+@pytest.mark.gpu
+def test_gpu_unpack_inverts_the_packer():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = [torch.randn(s, device="cuda", generator=g) for s in ((2, 64, 128), (2, 64, 128), (2, 128, 64))]
+    qs = [quantize_w4_torch(a) for a in w]
+    p = pack_moe_torch(*(x for q in qs for x in q))
+    ref = moe.pack_moe(moe.MoEWeights(*(x.cpu().numpy().view(np.uint16) if x.dtype == torch.int16 else x.cpu().numpy()
+                                        for q in qs for x in q)))
+    for k in ("w1", "s1", "w2", "s2"):
+        np.testing.assert_array_equal(p[k].cpu().numpy().view(np.uint32), ref[k])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("budget", [None, 16])
+def test_gpu_step_graph_replay_matches_eager(budget):
+    d = small_config(hidden_size=256, moe_intermediate_size=256, n_routed_experts=32, num_experts_per_tok=8)
+    m = RankModel(RankShape(ModelConfig.from_dict(d), tp=2, rank=0, moe_mode="tp"), device="cuda")
+    dr = RankDrafter(m, DraftShape(2, 4, 2, 64, 256, 8, (0, 2))) if budget else None
+    st = RankStep(m, streams=3, context=300, budget=budget, drafter=dr, accepted=4)
+    if dr is not None:
+        dr.make_pool(st.pool.shape[1])
+    st.run(save=True)
+    torch.cuda.synchronize()
+    eager = (st.argmax.clone(), st.tau.clone())
+    timing, err = k2_rank.timed(st.run, torch.cuda.graph_pool_handle(), iters=3)
+    assert err is None, err
+    assert timing["median_ms"] > 0
+    assert torch.equal(st.tau, eager[1])
+    # atomics in the MoE kernels may move the last bit of a sum: the argmax agrees almost everywhere
+    assert float((st.argmax == eager[0]).float().mean()) >= 0.9
+    if budget:
+        assert st.tau.tolist() == [4, 4, 4]
+    assert int(st.overflow) == 0
