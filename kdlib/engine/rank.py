@@ -36,6 +36,7 @@ experts dequantized in torch (the INT4 kernel needs CUDA).
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -608,7 +609,7 @@ class RankStep:
 
     # ---- the parts
     def run(self, only: tuple[str, ...] | None = None, save: bool = False) -> None:
-        ctx = _cupy_stream() if self.m.device.type == "cuda" else _null()
+        ctx = _cupy_stream() if self.m.device.type == "cuda" else nullcontext()
         with ctx, torch.no_grad():
             if only is not None:
                 self.verify(only)
@@ -620,7 +621,7 @@ class RankStep:
         return self.PARTS if self.ddtree else ("verify", "commit")
 
     def part(self, name: str) -> None:
-        ctx = _cupy_stream() if self.m.device.type == "cuda" else _null()
+        ctx = _cupy_stream() if self.m.device.type == "cuda" else nullcontext()
         with ctx, torch.no_grad():
             getattr(self, name)()
 
@@ -755,11 +756,3 @@ def _cupy_stream():
     from kdlib.engine.batch import _cupy_on_torch_stream
 
     return _cupy_on_torch_stream()
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
