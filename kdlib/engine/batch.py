@@ -609,7 +609,7 @@ class BatchEngine:
         m, dev, W = self.model, self.device, self.rows
         lanes = torch.arange(C, device=dev)
         lens, bonus, table = self.lens[:C], self.bonus[:C], self.table[:C, :T]
-        u = hashed_uniforms(self.seeds[:C], lens, W)  # [C, W]
+        u = hashed_uniforms(self.seeds[:C], lens, W) if sampled else None  # [C, W]
         if self.method == "ar":
             tokens = bonus[:, None]  # [C, 1]
             depth = torch.zeros(C, 1, dtype=torch.int64, device=dev)

@@ -213,11 +213,11 @@ class DraftLayer(nn.Module):
         self.k_norm = RMSNorm(hd, c.rms_norm_eps)
         self.mlp = MLP(H, c.intermediate_size)
 
-    def kv(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [N, H] at positions [N] -> k, v [N, nh, hd] (k normed and rotated)."""
+    def kv(self, h: torch.Tensor, positions: torch.Tensor, cos_sin=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [N, H] at positions [N] -> k, v [N, nh, hd] (k normed and rotated); cos_sin: the positions' (cos, sin)."""
         c = self.c
         k = self.k_norm(self.k_proj(h).view(-1, c.num_heads, c.head_dim))
-        cos, sin = _neox_cos_sin(positions, c.head_dim, c.rope_theta, h.dtype, h.device)
+        cos, sin = cos_sin or _neox_cos_sin(positions, c.head_dim, c.rope_theta, h.dtype, h.device)
         return apply_rope(k, cos, sin, interleave=False), self.v_proj(h).view(-1, c.num_heads, c.head_dim)
 
     def forward(self, x, positions, ctx_k, ctx_v, mask=None):
@@ -248,7 +248,7 @@ class DraftLayer(nn.Module):
         q = self.q_norm(self.q_proj(a).view(-1, c.num_heads, c.head_dim))
         cos, sin = _neox_cos_sin(pos, c.head_dim, c.rope_theta, x.dtype, x.device)
         q = apply_rope(q, cos, sin, interleave=False).view(C, B, c.num_heads, c.head_dim)
-        bk, bv = self.kv(a, pos)
+        bk, bv = self.kv(a, pos, (cos, sin))
         keep = ctx_valid[:, :, None, None]
         k = torch.cat([torch.where(keep, ctx_k, 0), bk.view(C, B, c.num_heads, c.head_dim)], dim=1)  # [C, T+B, nh, hd]
         v = torch.cat([torch.where(keep, ctx_v, 0), bv.view(C, B, c.num_heads, c.head_dim)], dim=1)

@@ -41,8 +41,9 @@ def _engine(model, method, budget, drafter, streams, max_context):
                        budget=budget, max_context=max_context, keep_results=True)
 
 
-def _device_ms(fn, steps: int) -> float:
-    """CUDA kernel time per call of fn, summed from torch.profiler's device events."""
+def _device_profile(fn, steps: int, top: int = 25) -> dict:
+    """Per call of fn: CUDA kernel time and kernel count from torch.profiler's device events, and the
+    `top` kernels by device time (name, calls per step, us per step)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -51,8 +52,11 @@ def _device_ms(fn, steps: int) -> float:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
-    total_us = sum(e.self_device_time_total for e in prof.key_averages() if e.self_device_time_total > 0)
-    return total_us / 1e3 / steps
+    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    return {"device_ms": sum(e.self_device_time_total for e in kernels) / 1e3 / steps,
+            "kernels_per_step": sum(e.count for e in kernels) / steps,
+            "top_kernels": [(e.key[:120], e.count / steps, e.self_device_time_total / steps) for e in kernels[:top]]}
 
 
 def _run_row(model, method, budget, drafter, prompts, max_new, label: dict) -> dict:
@@ -77,7 +81,8 @@ def _run_row(model, method, budget, drafter, prompts, max_new, label: dict) -> d
             wall.append(dt)
             toks += sum(len(eng.result(r).tokens) for r in rids) - before
     steps = len(wall)
-    dev = _device_ms(eng.step, 3) if eng.num_running == C else float("nan")
+    prof = _device_profile(eng.step, 3) if eng.num_running == C else {"device_ms": float("nan")}
+    dev = prof["device_ms"]
     recs = [eng.result(r) for r in rids]
     acc = [np.mean(r.accepted[1:]) for r in recs if len(r.accepted) > 1]
     first_tokens = list(recs[0].tokens)
@@ -90,7 +95,8 @@ def _run_row(model, method, budget, drafter, prompts, max_new, label: dict) -> d
             "step_ms_p90": float(np.quantile(wall, 0.9)) if wall else None, "timed_steps": steps,
             "device_ms": dev, "busy": dev / step_ms if wall else None, "tokens_per_s": agg,
             "tokens_per_s_per_stream": agg / C, "mean_accepted": float(np.mean(acc)) if acc else 1.0,
-            "tokens": [first_tokens]}
+            "kernels_per_step": prof.get("kernels_per_step"),
+            "top_kernels": prof.get("top_kernels") if C == 1 else None, "tokens": [first_tokens]}
 
 
 def _hf_state_dict(model, hf_keys: set) -> dict:
