@@ -1,0 +1,721 @@
+// tree_verify_v5: the whole tree-verify MLA attention (paged prefix + tree tail) on Hopper's
+// warpgroup tensor cores (wgmma, sm_90a), bf16 in, fp32 out. Three launches, no host sync, fixed
+// buffers (CUDA-graph capturable):
+//
+//   tree_verify_v5_plan     one block: cuts the work into jobs of equal size (below) and writes the
+//                           plan [1 + PLAN_STRIDE * B] int32 that the other two kernels read;
+//   tree_verify_v5_attend   persistent, one CTA per SM (grid G = SM count): runs jobs blockIdx.x,
+//                           blockIdx.x + G, ... and writes per job a normalised partial
+//                           out [64, 512] fp32 and natural-log lse [64] at the job's index;
+//   tree_verify_v5_combine  one block per query row: LSE merge of the row's jobs -> out [B*M, 512],
+//                           lse [B*M].
+//
+// Work. Request b has rows_b query rows (row = q * H + h; Q * H rows for the prefix alone,
+// tree_sizes[b] * H in the verify, whose later rows are padding and come out NaN), in row blocks
+// of BM = 64; a prefix of T_b = ceil(len_b / 64) key tiles; and in the verify U_b = ceil(tree_sizes[b]
+// / 64) <= 2 tail tiles (the tree's own rows, visible under the visibility mask). A job is
+// (request, key chunk, row block): 64 rows over one chunk of prefix tiles, chunk 0 also over the tail
+// tiles first, in one online softmax. Jobs are numbered request-major, then chunk, then row block,
+// so the CTAs that run the same request and chunk for its other row blocks run in the same round
+// and read the keys once from DRAM, the rest from L2. The plan picks the chunk length among the
+// shortest that fit the jobs into k = 1..MAX_ROUNDS rounds of G, by a cost of rounds x (job tiles +
+// JOB_OVERHEAD) + jobs / 32 (the combine's reads).
+//
+// CTA of the attend kernel (256 threads, 217 KB of shared memory): the Q block [64 x 576] and two
+// K stages [64 keys x 576], each stored as nine 64-dim column blocks [rows][128 B] in the 128-byte
+// swizzle (16-byte chunk c of row r at chunk c ^ (r % 8)), the layout wgmma reads.
+//   warpgroup 0: loads Q; S = Q K^T (36 x wgmma m64n64k16, both operands from shared memory); the
+//     online softmax (log2 domain) with the mask (keys past the job's end; the visibility mask on
+//     tail tiles); writes P (bf16) over the stage's rope column block (dims 512..575, dead once S
+//     is done) and the rows' rescale factors; O[:, 0:256] += P V (4 x wgmma m64n256k16, P from
+//     registers); then S of the next tile is issued before waiting on this P V.
+//   warpgroup 1: gathers the K tiles through the page table (cp.async, 16 B pieces, completion on
+//     an mbarrier; keys past the end zero-filled), prefetches rows two tiles ahead into L2, and
+//     accumulates O[:, 256:512] += P V (P read from shared memory).
+// Handoffs (mbarriers, one per stage): full (tile landed), pready (P and factors written), vfree
+// (warpgroup 0 done with the stage). P is rounded to bf16 before P V; the sums l use fp32 P.
+// Every reduction has a fixed order: results are bit-for-bit reproducible.
+//
+// The attend kernel needs sm_90a (wgmma); built for another target its body traps.
+
+#include <cuda_bf16.h>
+
+#define D_QK 576
+#define D_V 512
+#define BM 64                           // query rows per job
+#define BN 64                           // keys per tile
+#define NCB 9                           // 64-dim column blocks of a 576-wide row
+#define CB_BYTES (64 * 128)             // one column block of 64 rows: 8 KB
+#define TILE_BYTES (NCB * CB_BYTES)     // 73728: the Q block or one K stage
+#define ROPE_CB 8                       // column block of dims 512..575 (holds P once S is done)
+#define MSG_BYTES (2 * BM * 4)          // per stage: rescale factor and 1/l of each row
+#define BAR_OFF (3 * TILE_BYTES + 2 * MSG_BYTES)
+#define SMEM_BYTES (BAR_OFF + 6 * 8 + 1024)  // + slack to align the base to 1024 B: 222256
+#define NTHREADS 256
+#define PLAN_HDR 1                      // plan[0] = number of jobs
+#define PLAN_STRIDE 8                   // per request: base job, chunks, chunk tiles, row blocks, len, rows, tail rows
+#define P_BASE 0
+#define P_NCHUNK 1
+#define P_CHUNK 2
+#define P_RB 3
+#define P_LEN 4
+#define P_ROWS 5
+#define P_NTAIL 6
+#define MAX_ROUNDS 4                    // jobs <= MAX_ROUNDS * G + B * ceil(M / 64): the partials' bound
+#define JOB_OVERHEAD 5                  // tiles' worth of a job's Q load, pipeline fill and output write
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+#define NEG_INF __int_as_float(0xff800000)
+#define QNAN __int_as_float(0x7fc00000)
+
+// ------------------------------------------------------------------------------------------ plan
+
+// Jobs of request with prefix tiles T and tail tiles U when prefix chunks are at most c tiles.
+__device__ __forceinline__ int chunks_of(int T, int U, int c) { return T > 0 ? (T + c - 1) / c : (U > 0 ? 1 : 0); }
+
+// prefix_lens [B] int32, tree_sizes [B] int32 or null (prefix alone) -> plan [1 + PLAN_STRIDE * B].
+// Grid 1, block 256. Scratch: plan entries of each request hold T and U until thread 0 writes them.
+extern "C" __global__ void __launch_bounds__(256) tree_verify_v5_plan(
+    const int* __restrict__ prefix_lens, const int* __restrict__ tree_sizes, int B, int P, int Q, int H, int G,
+    int* __restrict__ plan) {
+    __shared__ long long cost[MAX_ROUNDS];
+    __shared__ int chunk_of_k[MAX_ROUNDS];
+    __shared__ int tmax_warp[8];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    int tmax = 0;
+    for (int b = tid; b < B; b += blockDim.x) {
+        const int len = min(max(prefix_lens[b], 0), P);
+        const int ts = tree_sizes ? min(max(tree_sizes[b], 0), Q) : Q;
+        const int rows = ts * H, T = (len + BN - 1) / BN, U = tree_sizes ? (ts + BN - 1) / BN : 0;
+        int* e = plan + PLAN_HDR + b * PLAN_STRIDE;
+        e[P_RB] = (rows + BM - 1) / BM;
+        e[P_LEN] = len;
+        e[P_ROWS] = rows;
+        e[P_NTAIL] = tree_sizes ? ts : 0;
+        e[P_NCHUNK] = T;  // scratch: prefix tiles
+        e[P_CHUNK] = U;   // scratch: tail tiles
+        tmax = max(tmax, T);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) tmax = max(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
+    if (lane == 0) tmax_warp[warp] = tmax;
+    __syncthreads();
+    tmax = 1;
+    for (int w = 0; w < 8; ++w) tmax = max(tmax, tmax_warp[w]);
+    if (warp < MAX_ROUNDS) {  // warp k-1: the shortest chunk that fits the jobs into k rounds
+        const long long limit = (long long)(warp + 1) * G;
+        auto jobs = [&](int c) {
+            long long n = 0;
+            for (int b = lane; b < B; b += 32) {
+                const int* e = plan + PLAN_HDR + b * PLAN_STRIDE;
+                n += (long long)e[P_RB] * chunks_of(e[P_NCHUNK], e[P_CHUNK], c);
+            }
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) n += __shfl_xor_sync(0xffffffffu, n, off);
+            return n;
+        };
+        int lo = 1, hi = tmax;
+        while (lo < hi) {  // jobs(c) does not grow with c
+            const int mid = (lo + hi) >> 1;
+            if (jobs(mid) <= limit) hi = mid;
+            else lo = mid + 1;
+        }
+        const long long n = jobs(lo);
+        int longest = 0;  // the longest job in tiles
+        for (int b = lane; b < B; b += 32) {
+            const int* e = plan + PLAN_HDR + b * PLAN_STRIDE;
+            const int T = e[P_NCHUNK], U = e[P_CHUNK], nc = chunks_of(T, U, lo);
+            if (e[P_RB] > 0 && nc > 0) longest = max(longest, (T > 0 ? (T + nc - 1) / nc : 0) + U);
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) longest = max(longest, __shfl_xor_sync(0xffffffffu, longest, off));
+        if (lane == 0) {
+            cost[warp] = (n + G - 1) / G * (long long)(longest + JOB_OVERHEAD) * 32 + n;
+            chunk_of_k[warp] = lo;
+        }
+    }
+    __syncthreads();
+    if (tid == 0) {
+        int best = 0;
+        for (int k = 1; k < MAX_ROUNDS; ++k)
+            if (cost[k] < cost[best]) best = k;
+        const int c = chunk_of_k[best];
+        int base = 0;
+        for (int b = 0; b < B; ++b) {
+            int* e = plan + PLAN_HDR + b * PLAN_STRIDE;
+            const int T = e[P_NCHUNK], U = e[P_CHUNK];
+            const int nc = e[P_RB] > 0 ? chunks_of(T, U, c) : 0;
+            e[P_BASE] = base;
+            e[P_NCHUNK] = nc;
+            e[P_CHUNK] = nc > 0 && T > 0 ? (T + nc - 1) / nc : 0;  // equal chunks within the request
+            base += nc * e[P_RB];
+        }
+        plan[0] = base;
+    }
+}
+
+// ------------------------------------------------------------------------------------- job decode
+
+struct Job {
+    int b;       // request
+    int row0;    // first row of the block
+    int nrows;   // valid rows of the block, 1..64
+    int ntail;   // tree rows read as tail keys (0 but in chunk 0 of the verify)
+    int utiles;  // tail tiles, read first
+    int ks, ke;  // prefix keys [ks, ke)
+    int ntiles;  // utiles + prefix tiles
+};
+
+__device__ __forceinline__ Job decode_job(const int* __restrict__ plan, int nreq, int j) {
+    int lo = 0, hi = nreq - 1;  // the last request whose first job is <= j holds j
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (plan[PLAN_HDR + mid * PLAN_STRIDE + P_BASE] <= j) lo = mid;
+        else hi = mid - 1;
+    }
+    const int* e = plan + PLAN_HDR + lo * PLAN_STRIDE;
+    const int local = j - e[P_BASE], chunk = local / e[P_RB], rb = local - chunk * e[P_RB];
+    Job jb;
+    jb.b = lo;
+    jb.row0 = rb * BM;
+    jb.nrows = min(BM, e[P_ROWS] - jb.row0);
+    jb.ntail = chunk == 0 ? e[P_NTAIL] : 0;
+    jb.utiles = (jb.ntail + BN - 1) / BN;
+    jb.ks = chunk * e[P_CHUNK] * BN;
+    jb.ke = min(e[P_LEN], jb.ks + e[P_CHUNK] * BN);
+    jb.ntiles = jb.utiles + (jb.ke > jb.ks ? (jb.ke - jb.ks + BN - 1) / BN : 0);
+    return jb;
+}
+
+// Keys [k0, kend) of tile it of a job; tail tiles index the tree rows, prefix tiles the page table.
+__device__ __forceinline__ void tile_keys(const Job& jb, int it, bool& tail, int& k0, int& kend) {
+    tail = it < jb.utiles;
+    k0 = tail ? it * BN : jb.ks + (it - jb.utiles) * BN;
+    kend = tail ? jb.ntail : jb.ke;
+}
+
+// Next position (j, it) in a CTA's stream of tiles (its jobs' tiles in order); j >= njobs: the end.
+__device__ __forceinline__ void stream_next(const int* plan, int nreq, int njobs, int& j, int& it) {
+    if (j >= njobs) return;
+    if (++it < decode_job(plan, nreq, j).ntiles) return;
+    j += gridDim.x;
+    it = 0;
+}
+
+// ----------------------------------------------------------------------------- Hopper primitives
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* src, unsigned bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void bar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void bar_arrive(unsigned bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+
+// Arrives once every cp.async this thread issued so far has landed (the count must include it).
+__device__ __forceinline__ void bar_arrive_copies(unsigned bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void bar_wait(unsigned bar, unsigned parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nWAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra WAIT;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+
+// Shared memory written through the generic proxy (st.shared, cp.async) is next read by wgmma.
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Pin a register between the wgmma issue / wait points (the compiler does not see the async writes).
+__device__ __forceinline__ void reg_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+__device__ __forceinline__ void reg_fence(unsigned& r) { asm volatile("" : "+r"(r)::"memory"); }
+template <int N>
+__device__ __forceinline__ void reg_fence(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) reg_fence(r[i]);
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle, 8-row groups 1024 B apart; lbo: the
+// leading-dimension offset (unused for K-major; the 64-column block stride for MN-major).
+__device__ __forceinline__ unsigned long long sw128_desc(unsigned addr, unsigned lbo) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
+           ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+#define ACC8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                   "+f"(d[i + 6]), "+f"(d[i + 7])
+#define ACC32(d, i) ACC8(d, i), ACC8(d, i + 8), ACC8(d, i + 16), ACC8(d, i + 24)
+
+// d[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B K-major in shared memory.
+__device__ __forceinline__ void wgmma_s(float (&d)[32], unsigned long long da, unsigned long long db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "%32, %33, p, 1, 1, 0, 0;\n}\n"
+        : ACC32(d, 0)
+        : "l"(da), "l"(db), "r"(acc));
+}
+
+#define WG_N256_D                                                                                    \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                        \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "               \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "               \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "               \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "               \
+    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "               \
+    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "   \
+    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+
+// d[64 x 256] += A[64 x 16] B[16 x 256]: A from registers (the mma.m16n8k16 A fragment per warp),
+// B MN-major in shared memory.
+__device__ __forceinline__ void wgmma_pv_rs(float (&d)[128], const unsigned (&a)[4], unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " WG_N256_D
+        "{%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+        : ACC32(d, 0), ACC32(d, 32), ACC32(d, 64), ACC32(d, 96)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+// d[64 x 256] += A[64 x 16] B[16 x 256]: A K-major, B MN-major, both in shared memory.
+__device__ __forceinline__ void wgmma_pv_ss(float (&d)[128], unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " WG_N256_D
+        "%128, %129, p, 1, 1, 0, 1;\n}\n"
+        : ACC32(d, 0), ACC32(d, 32), ACC32(d, 64), ACC32(d, 96)
+        : "l"(da), "l"(db), "r"(1));
+}
+
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+}
+
+// Stage s of the K ring, and its barriers.
+#define KST(base, s) ((base) + TILE_BYTES * (1 + (s)))
+#define BAR_FULL(bars, s) ((bars) + 8 * (s))
+#define BAR_PREADY(bars, s) ((bars) + 16 + 8 * (s))
+#define BAR_VFREE(bars, s) ((bars) + 32 + 8 * (s))
+
+// An opaque copy: keeps the compiler from hoisting the 36 loop-invariant descriptors of a tile
+// out of the loop into registers (it would otherwise hold them all live).
+__device__ __forceinline__ unsigned opaque(unsigned x) {
+    unsigned y;
+    asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+
+// S = Q K^T of the stage at kst: 36 k-steps over the nine column blocks.
+__device__ __forceinline__ void issue_s(float (&s)[32], unsigned qs, unsigned kst) {
+    const unsigned long long dq = sw128_desc(opaque(qs), 16), dk = sw128_desc(opaque(kst), 16);
+#pragma unroll
+    for (int k = 0; k < 36; ++k) {
+        const unsigned off = (k >> 2) * CB_BYTES + (k & 3) * 32;
+        wgmma_s(s, dq + (off >> 4), dk + (off >> 4), k > 0);
+    }
+}
+
+// Gather sources of stream tile (j, it) for rows lrow + 16p: tree rows (tail) or page-table slots.
+__device__ __forceinline__ void gather_sources(const int* plan, int nreq, const int* page_table, const char* kvb,
+                                               const char* tkb, int P, int Q, int j, int it, int lrow,
+                                               const char* (&src)[4], int& nvalid) {
+    const Job jb = decode_job(plan, nreq, j);
+    bool tail;
+    int k0, kend;
+    tile_keys(jb, it, tail, k0, kend);
+    nvalid = kend - k0;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        const int key = k0 + lrow + 16 * p;
+        const bool ok = lrow + 16 * p < nvalid;
+        src[p] = tail ? tkb + ((long long)jb.b * Q + (ok ? key : 0)) * (D_QK * 2)
+                      : kvb + (long long)(ok ? page_table[(long long)jb.b * P + key] : 0) * (D_QK * 2);
+    }
+}
+
+// One tile into the stage at dst (128 threads, 36 x 16 B each; rows past nvalid zero), then the
+// thread's arrive on the stage's full barrier once its copies land.
+__device__ __forceinline__ void gather(unsigned dst, unsigned full, const char* const (&src)[4], int nvalid, int lrow,
+                                       int ch) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        const int row = lrow + 16 * p;
+        const int bytes = row < nvalid ? 16 : 0;
+        const unsigned d = dst + row * 128 + ((ch ^ (row & 7)) << 4);
+#pragma unroll
+        for (int cb = 0; cb < NCB; ++cb) cp_async16(d + cb * CB_BYTES, src[p] + cb * 128 + ch * 16, bytes);
+    }
+    bar_arrive_copies(full);
+}
+
+// The prefix rows of stream tile (j, it) into L2, one row per thread wt < 64.
+__device__ __forceinline__ void prefetch_rows(const int* plan, int nreq, int njobs, const int* page_table,
+                                              const char* kvb, int P, int j, int it, int wt) {
+    if (j >= njobs || wt >= BN) return;
+    const Job jb = decode_job(plan, nreq, j);
+    bool tail;
+    int k0, kend;
+    tile_keys(jb, it, tail, k0, kend);
+    const int key = k0 + wt;
+    if (tail || key >= kend) return;
+    prefetch_l2(kvb + (long long)page_table[(long long)jb.b * P + key] * (D_QK * 2), D_QK * 2);
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// ------------------------------------------------------------------------------------------ attend
+
+// q [B, M, 576] bf16 (M = Q*H, row = q*H + h), kv [S, 576] bf16, page_table [B, P] int32,
+// tree_kv [B, Q, 576] bf16 and vis [B, Q, Q] uint8 (both null for the prefix alone), plan ->
+// parts [jobs, 64, 512] fp32, part_lse [jobs, 64] fp32 (rows past a job's valid rows unwritten).
+// Grid G (one per SM), block 256, dynamic shared memory SMEM_BYTES.
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v5_attend(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv, const int* __restrict__ page_table,
+    const __nv_bfloat16* __restrict__ tree_kv, const unsigned char* __restrict__ vis, const int* __restrict__ plan,
+    int nreq, int P, int Q, int H, float scale, float* __restrict__ parts, float* __restrict__ part_lse) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ unsigned char smem_raw[];
+    const int njobs = plan[0];
+    if ((int)blockIdx.x >= njobs) return;
+    const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    unsigned char* gbase = smem_raw + (base - smem_u32(smem_raw));
+    float* msg = reinterpret_cast<float*>(gbase + 3 * TILE_BYTES);  // [stage][factor | 1/l][64]
+    const unsigned bars = base + BAR_OFF;
+    const int tid = threadIdx.x;
+    const int M = Q * H;
+    if (tid == 0) {
+        for (int s = 0; s < 2; ++s) {
+            bar_init(BAR_FULL(bars, s), 128);
+            bar_init(BAR_PREADY(bars, s), 128);
+            bar_init(BAR_VFREE(bars, s), 128);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    const int wt = tid & 127, warp = wt >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    const int lr0 = warp * 16 + g, lr1 = lr0 + 8;  // this thread's accumulator rows in the block
+
+    if (tid < 128) {
+        // ------------------------------------------------ warpgroup 0: S, softmax, O[:, 0:256]
+        const float sl2 = scale * LOG2E;
+        float o[128];
+        float s[32];
+        unsigned pa[4][4];
+        int t = 0;  // stream position: stage t & 1, phase (t >> 1) & 1
+        for (int j = blockIdx.x; j < njobs; j += gridDim.x) {
+            const Job jb = decode_job(plan, nreq, j);
+            {  // Q block, rows past the valid ones zero
+                const char* qg = reinterpret_cast<const char*>(q + ((long long)jb.b * M + jb.row0) * D_QK);
+                const int r = wt >> 3, c = wt & 7;
+#pragma unroll
+                for (int p = 0; p < 4; ++p) {
+                    const int row = r + 16 * p;
+                    const bool ok = row < jb.nrows;
+                    const char* src = qg + (ok ? (long long)row * D_QK * 2 : 0) + c * 16;
+                    const unsigned dst = base + row * 128 + ((c ^ (row & 7)) << 4);
+#pragma unroll
+                    for (int cb = 0; cb < NCB; ++cb) cp_async16(dst + cb * CB_BYTES, src + cb * 128, ok ? 16 : 0);
+                }
+                asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+                asm volatile("bar.sync 1, 128;\n" ::: "memory");
+                fence_async_smem();
+            }
+#pragma unroll
+            for (int i = 0; i < 128; ++i) o[i] = 0.f;
+            float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+
+            bar_wait(BAR_FULL(bars, t & 1), (t >> 1) & 1);
+            fence_async_smem();
+            reg_fence(s);
+            wg_fence();
+            issue_s(s, base, KST(base, t & 1));
+            wg_commit();
+            wg_wait<0>();
+            reg_fence(s);
+
+            for (int it = 0; it < jb.ntiles; ++it, ++t) {
+                const int st = t & 1;
+                bool tail;
+                int k0, kend;
+                tile_keys(jb, it, tail, k0, kend);
+                // mask, scale to the log2 domain, row maxima over the quad
+                float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+                for (int jj = 0; jj < 8; ++jj) {
+                    const int key = k0 + jj * 8 + 2 * t4;
+                    bool a0 = key < kend, a1 = key + 1 < kend;
+                    bool b0 = a0, b1 = a1;
+                    if (tail) {  // visibility rows of this thread's two query rows; padding rows see nothing
+                        const unsigned char* v0 = vis + ((long long)jb.b * Q + (jb.row0 + lr0) / H) * Q;
+                        const unsigned char* v1 = vis + ((long long)jb.b * Q + (jb.row0 + lr1) / H) * Q;
+                        a0 = a0 && lr0 < jb.nrows && v0[key];
+                        a1 = a1 && lr0 < jb.nrows && v0[key + 1];
+                        b0 = b0 && lr1 < jb.nrows && v1[key];
+                        b1 = b1 && lr1 < jb.nrows && v1[key + 1];
+                    }
+                    s[4 * jj + 0] = a0 ? s[4 * jj + 0] * sl2 : NEG_INF;
+                    s[4 * jj + 1] = a1 ? s[4 * jj + 1] * sl2 : NEG_INF;
+                    s[4 * jj + 2] = b0 ? s[4 * jj + 2] * sl2 : NEG_INF;
+                    s[4 * jj + 3] = b1 ? s[4 * jj + 3] * sl2 : NEG_INF;
+                    mx0 = fmaxf(mx0, fmaxf(s[4 * jj + 0], s[4 * jj + 1]));
+                    mx1 = fmaxf(mx1, fmaxf(s[4 * jj + 2], s[4 * jj + 3]));
+                }
+#pragma unroll
+                for (int off = 1; off < 4; off <<= 1) {
+                    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+                    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+                }
+                const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+                const float ms0 = mn0 == NEG_INF ? 0.f : mn0, ms1 = mn1 == NEG_INF ? 0.f : mn1;  // no key yet
+                const float c0 = exp2f(m0 - ms0), c1 = exp2f(m1 - ms1);
+                m0 = mn0;
+                m1 = mn1;
+                l0 *= c0;
+                l1 *= c1;
+                if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {
+#pragma unroll
+                    for (int i = 0; i < 32; ++i) {
+                        o[4 * i + 0] *= c0;
+                        o[4 * i + 1] *= c0;
+                        o[4 * i + 2] *= c1;
+                        o[4 * i + 3] *= c1;
+                    }
+                }
+                // P: bf16 A fragments, and over the stage's rope column block for warpgroup 1
+                const unsigned rope = KST(base, st) + ROPE_CB * CB_BYTES;
+#pragma unroll
+                for (int jj = 0; jj < 8; ++jj) {
+                    const float p0 = exp2f(s[4 * jj + 0] - ms0), p1 = exp2f(s[4 * jj + 1] - ms0);
+                    const float p2 = exp2f(s[4 * jj + 2] - ms1), p3 = exp2f(s[4 * jj + 3] - ms1);
+                    l0 += p0 + p1;
+                    l1 += p2 + p3;
+                    const unsigned u0 = pack_bf16(p0, p1), u1 = pack_bf16(p2, p3);
+                    pa[jj >> 1][(jj & 1) * 2 + 0] = u0;
+                    pa[jj >> 1][(jj & 1) * 2 + 1] = u1;
+                    const unsigned a0 = rope + (lr0 >> 3) * 1024 + (lr0 & 7) * 128 + ((jj ^ (lr0 & 7)) << 4) + 4 * t4;
+                    const unsigned a1 = rope + (lr1 >> 3) * 1024 + (lr1 & 7) * 128 + ((jj ^ (lr1 & 7)) << 4) + 4 * t4;
+                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a0), "r"(u0) : "memory");
+                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a1), "r"(u1) : "memory");
+                }
+                const bool last = it + 1 == jb.ntiles;
+                float i0 = 0.f, i1 = 0.f;
+                if (last) {
+#pragma unroll
+                    for (int off = 1; off < 4; off <<= 1) {
+                        l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+                        l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+                    }
+                    i0 = l0 > 0.f ? 1.f / l0 : 0.f;
+                    i1 = l1 > 0.f ? 1.f / l1 : 0.f;
+                }
+                if (t4 == 0) {
+                    float* mg = msg + st * 2 * BM;
+                    mg[lr0] = c0;
+                    mg[lr1] = c1;
+                    mg[BM + lr0] = i0;
+                    mg[BM + lr1] = i1;
+                }
+                fence_async_smem();
+                bar_arrive(BAR_PREADY(bars, st));
+
+                // O[:, 0:256] += P V, then S of the next tile behind it
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) reg_fence(pa[kk][e]);
+                reg_fence(o);
+                wg_fence();
+                const unsigned long long dv = sw128_desc(KST(base, st), CB_BYTES);
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk) wgmma_pv_rs(o, pa[kk], dv + ((kk * 2048) >> 4));
+                wg_commit();
+                if (!last) {
+                    bar_wait(BAR_FULL(bars, st ^ 1), ((t + 1) >> 1) & 1);
+                    fence_async_smem();
+                    reg_fence(s);
+                    wg_fence();
+                    issue_s(s, base, KST(base, st ^ 1));
+                    wg_commit();
+                    wg_wait<1>();
+                    bar_arrive(BAR_VFREE(bars, st));
+                    wg_wait<0>();
+                    reg_fence(s);
+                } else {
+                    wg_wait<0>();
+                    bar_arrive(BAR_VFREE(bars, st));
+                }
+                reg_fence(o);
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) reg_fence(pa[kk][e]);
+                if (last) {
+                    const long long orow = (long long)j * BM;
+                    if (lr0 < jb.nrows) {
+                        float* dst = parts + (orow + lr0) * D_V + 2 * t4;
+#pragma unroll
+                        for (int i = 0; i < 32; ++i)
+                            *reinterpret_cast<float2*>(dst + 8 * i) = make_float2(o[4 * i] * i0, o[4 * i + 1] * i0);
+                        if (t4 == 0) part_lse[orow + lr0] = l0 > 0.f ? (m0 + log2f(l0)) * LN2 : NEG_INF;
+                    }
+                    if (lr1 < jb.nrows) {
+                        float* dst = parts + (orow + lr1) * D_V + 2 * t4;
+#pragma unroll
+                        for (int i = 0; i < 32; ++i)
+                            *reinterpret_cast<float2*>(dst + 8 * i) = make_float2(o[4 * i + 2] * i1, o[4 * i + 3] * i1);
+                        if (t4 == 0) part_lse[orow + lr1] = l1 > 0.f ? (m1 + log2f(l1)) * LN2 : NEG_INF;
+                    }
+                }
+            }
+        }
+    } else {
+        // ------------------------------------------ warpgroup 1: K gather, O[:, 256:512]
+        const char* kvb = reinterpret_cast<const char*>(kv);
+        const char* tkb = reinterpret_cast<const char*>(tree_kv);
+        const int lrow = wt >> 3, ch = wt & 7;  // gather: rows lrow + 16p, 16-byte chunk ch of each column block
+        // Stream positions (job, tile) of the next tile to gather and the next to prefetch into L2;
+        // jobs are decoded again where needed (a binary search over the requests, cached loads).
+        int ld_j = blockIdx.x, ld_it = 0, pf_j = blockIdx.x, pf_it = 0;
+        const char* src[4];  // gather sources of the tile at (ld_j, ld_it), read one tile ahead
+        int nvalid = 0;      // its rows inside the key range
+        gather_sources(plan, nreq, page_table, kvb, tkb, P, Q, ld_j, ld_it, lrow, src, nvalid);
+        stream_next(plan, nreq, njobs, pf_j, pf_it);
+        stream_next(plan, nreq, njobs, pf_j, pf_it);
+        for (int s0 = 0; s0 < 2 && ld_j < njobs; ++s0) {  // prologue: stream tiles 0 and 1
+            gather(KST(base, s0), BAR_FULL(bars, s0), src, nvalid, lrow, ch);
+            prefetch_rows(plan, nreq, njobs, page_table, kvb, P, pf_j, pf_it, wt);
+            stream_next(plan, nreq, njobs, ld_j, ld_it);
+            stream_next(plan, nreq, njobs, pf_j, pf_it);
+            if (ld_j < njobs) gather_sources(plan, nreq, page_table, kvb, tkb, P, Q, ld_j, ld_it, lrow, src, nvalid);
+        }
+
+        float o[128];
+        int t = 0;
+        for (int j = blockIdx.x; j < njobs; j += gridDim.x) {
+            const Job jb = decode_job(plan, nreq, j);
+            const int ntiles = jb.ntiles, nrows = jb.nrows;
+#pragma unroll
+            for (int i = 0; i < 128; ++i) o[i] = 0.f;
+            for (int it = 0; it < ntiles; ++it, ++t) {
+                const int st = t & 1;
+                bar_wait(BAR_PREADY(bars, st), (t >> 1) & 1);
+                fence_async_smem();
+                const float* mg = msg + st * 2 * BM;
+                const float c0 = mg[lr0], c1 = mg[lr1];
+                if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {
+#pragma unroll
+                    for (int i = 0; i < 32; ++i) {
+                        o[4 * i + 0] *= c0;
+                        o[4 * i + 1] *= c0;
+                        o[4 * i + 2] *= c1;
+                        o[4 * i + 3] *= c1;
+                    }
+                }
+                reg_fence(o);
+                wg_fence();
+                const unsigned kst = KST(base, st);
+                const unsigned long long dp = sw128_desc(kst + ROPE_CB * CB_BYTES, 16);
+                const unsigned long long dv = sw128_desc(kst + 4 * CB_BYTES, CB_BYTES);
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk) wgmma_pv_ss(o, dp + ((kk * 32) >> 4), dv + ((kk * 2048) >> 4));
+                wg_commit();
+                wg_wait<0>();
+                reg_fence(o);
+                const bool last = it + 1 == ntiles;
+                const float i0 = last ? mg[BM + lr0] : 0.f, i1 = last ? mg[BM + lr1] : 0.f;
+                if (ld_j < njobs) {  // refill this stage with stream tile t + 2
+                    bar_wait(BAR_VFREE(bars, st), (t >> 1) & 1);
+                    gather(kst, BAR_FULL(bars, st), src, nvalid, lrow, ch);
+                    prefetch_rows(plan, nreq, njobs, page_table, kvb, P, pf_j, pf_it, wt);
+                    stream_next(plan, nreq, njobs, ld_j, ld_it);
+                    stream_next(plan, nreq, njobs, pf_j, pf_it);
+                    if (ld_j < njobs) gather_sources(plan, nreq, page_table, kvb, tkb, P, Q, ld_j, ld_it, lrow, src, nvalid);
+                }
+                if (last) {
+                    const long long orow = (long long)j * BM;
+                    if (lr0 < nrows) {
+                        float* dst = parts + (orow + lr0) * D_V + 256 + 2 * t4;
+#pragma unroll
+                        for (int i = 0; i < 32; ++i)
+                            *reinterpret_cast<float2*>(dst + 8 * i) = make_float2(o[4 * i] * i0, o[4 * i + 1] * i0);
+                    }
+                    if (lr1 < nrows) {
+                        float* dst = parts + (orow + lr1) * D_V + 256 + 2 * t4;
+#pragma unroll
+                        for (int i = 0; i < 32; ++i)
+                            *reinterpret_cast<float2*>(dst + 8 * i) = make_float2(o[4 * i + 2] * i1, o[4 * i + 3] * i1);
+                    }
+                }
+            }
+        }
+    }
+#else
+    __trap();  // built without sm_90a: no wgmma
+#endif
+}
+
+// ----------------------------------------------------------------------------------------- combine
+
+// LSE merge of each row's jobs. parts / part_lse as the attend kernel wrote them, plan ->
+// out [B*M, 512] fp32, lse [B*M] fp32. Rows at or past a request's rows_b (verify padding) are NaN;
+// a row without jobs (empty prefix, no tail) is out 0, lse -inf. Grid B*M, block 128 (float4 each).
+extern "C" __global__ void __launch_bounds__(128) tree_verify_v5_combine(
+    const float* __restrict__ parts, const float* __restrict__ part_lse, const int* __restrict__ plan, int M,
+    float* __restrict__ out, float* __restrict__ lse) {
+    const long long n = blockIdx.x;
+    const int b = (int)(n / M), r = (int)(n - (long long)b * M);
+    const int t = threadIdx.x;
+    const int* e = plan + PLAN_HDR + b * PLAN_STRIDE;
+    float4* o = reinterpret_cast<float4*>(out + n * D_V) + t;
+    if (r >= e[P_ROWS]) {
+        *o = make_float4(QNAN, QNAN, QNAN, QNAN);
+        if (t == 0) lse[n] = QNAN;
+        return;
+    }
+    const int nch = e[P_NCHUNK], rbn = e[P_RB];
+    const long long first = (long long)e[P_BASE] + r / BM, lr = r % BM;  // job of chunk i: first + i * rbn
+    float mx = NEG_INF;
+    for (int i = 0; i < nch; ++i) mx = fmaxf(mx, part_lse[(first + (long long)i * rbn) * BM + lr]);
+    const float base = mx == NEG_INF ? 0.f : mx;
+    float z = 0.f;
+    for (int i = 0; i < nch; ++i) z += expf(part_lse[(first + (long long)i * rbn) * BM + lr] - base);
+    const float inv = z > 0.f ? 1.f / z : 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int i = 0; i < nch; ++i) {
+        const long long jrow = (first + (long long)i * rbn) * BM + lr;
+        const float w = expf(part_lse[jrow] - base) * inv;
+        const float4 v = reinterpret_cast<const float4*>(parts + jrow * D_V)[t];
+        acc.x = fmaf(w, v.x, acc.x);
+        acc.y = fmaf(w, v.y, acc.y);
+        acc.z = fmaf(w, v.z, acc.z);
+        acc.w = fmaf(w, v.w, acc.w);
+    }
+    *o = acc;
+    if (t == 0) lse[n] = z > 0.f ? base + logf(z) : NEG_INF;
+}
