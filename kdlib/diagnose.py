@@ -1,13 +1,15 @@
-"""Throughput diagnosis of an OpenAI-compatible endpoint (the seeds' method, as a tool).
+"""Throughput diagnosis of an OpenAI-compatible endpoint (the seeds' method, as a tool), and a load mode.
 
     kdlib diagnose                                   # starts `kdlib serve` on loopback (a child process)
-    kdlib diagnose --endpoint http://host:30000 --json diag.json
+    kdlib diagnose --endpoint http://host:30000/v1 --json diag.json
+    kdlib diagnose --load --concurrency 1,2,4,8,16 --json load.json      # beside `vllm bench serve`
 
     client = OpenAIClient(url)                       # or EngineClient(engine): the engine in process
     two_point(client, prompt)                        # 256 / (t(264) - t(8)): decode rate, prefill cancels
     context_sweep(client)                            # two-point at prompt lengths 64, 128, ... up to the limit
     sustained(client, prompt, 1500)                  # one long streamed generation: TTFT, decode tok/s
     decompose(before, after, measured)               # accepted length / step time vs the measured tok/s
+    load_test(client, concurrency=(1, 2, 4, 8, 16))  # latency percentiles, throughput, goodput per level
 
 Measurements:
   two-point   the same prompt with max_tokens 8 and 264 (interleaved, `repeats` each, medians):
@@ -18,19 +20,27 @@ Measurements:
   sustained   one streamed request of `max_tokens` (default 1500): TTFT = time to the first chunk;
               decode tok/s = tokens after the first chunk / time from the first to the last chunk.
   decompose   from two /metrics snapshots around a measurement: mean accepted length (tokens per
-              step) and mean step time; their ratio predicts tok/s, compared with the measured one.
+              request per step), mean step time and streams per step; accepted / step time
+              predicts one stream's tok/s, times the streams the aggregate tok/s.
+  load        fixed concurrency levels and request-rate sweeps (`load_test`): TTFT, TPOT, ITL and
+              end-to-end latency (p50 / p90 / p99), request / output throughput, goodput under
+              latency targets, the decomposition per level, the spread of every figure over
+              repeats, and whether greedy outputs under load equal the sequential ones.
 
-What it relies on from an endpoint (vLLM and SGLang both serve these): POST /v1/completions with
-`prompt` (a string), `max_tokens`, `temperature` 0, `stream`, `stream_options.include_usage`; the
-extra sampling fields `ignore_eos` and `min_tokens` (vLLM and SGLang accept them; OpenAI itself
-does not, and an endpoint that refuses them is retried without); `usage.prompt_tokens` and
-`usage.completion_tokens` (in the last stream chunk when streaming); GET /v1/models `data[0].id`
-and `max_model_len` (else pass --max-context). Prompt lengths are hit by calibrating characters
-per token against `usage.prompt_tokens`; the lengths actually used are reported.
+Clients: the official `openai` package (OpenAI / AsyncOpenAI, no retries), and
+`prometheus_client.parser` for /metrics. The base URL may be given with or without /v1. What it
+relies on from an endpoint (vLLM and SGLang both serve these): POST /v1/completions with `prompt`
+(a string), `max_tokens`, `temperature` 0, `stream`, `stream_options.include_usage`; the extra
+fields `ignore_eos`, `min_tokens` and `stream_options.continuous_usage_stats` (vLLM and SGLang
+accept them; OpenAI itself does not, and an endpoint that refuses them is retried without);
+`usage.prompt_tokens` and `usage.completion_tokens` (in the last stream chunk when streaming); GET
+/v1/models `data[0].id` and `max_model_len` (else pass --max-context). Prompt lengths are hit by
+calibrating characters per token against `usage.prompt_tokens`; the lengths actually used are
+reported.
 
-Chunk token counts: a speculative server sends several tokens per chunk. The tool asks for
-`stream_options.continuous_usage_stats` (vLLM's; the embedded server's too) and then knows the
-count per chunk; without it, each chunk is taken to hold completion_tokens / chunks.
+Chunk token counts: a speculative server sends several tokens per chunk. With vLLM's
+`continuous_usage_stats` (the embedded server's too) the count per chunk is known; without it,
+each chunk is taken to hold completion_tokens / chunks. ITL is the gap between content chunks.
 
 Metrics (`METRIC_SETS`): "kdlib" (the embedded server: kdlib_spec_accept_length and
 kdlib_step_seconds histograms: accepted length and step time measured inside the engine);
@@ -42,13 +52,18 @@ anything else: no decomposition (reported as unavailable).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import math
 import os
+import shlex
 import statistics
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
+
+import numpy as np
 
 SHORT, LONG = 8, 264  # the seeds' two points: 256 decode tokens apart
 SUSTAINED_TOKENS = 1500  # the seeds' reproduction: a 1,500-token continuous generation
@@ -59,6 +74,9 @@ METRIC_SETS = {
               "step_sum_s": "kdlib_step_seconds_sum", "step_count": "kdlib_step_seconds_count"},
     "vllm": {"accepted": "vllm:spec_decode_num_accepted_tokens_total", "drafts": "vllm:spec_decode_num_drafts_total"},
 }
+EXTRA_FIELDS = ("ignore_eos", "min_tokens", "continuous_usage_stats")  # beyond OpenAI's API (vLLM's, SGLang's)
+CONCURRENCY = (1, 2, 4, 8, 16)  # the load mode's default levels
+PERCENTILES = (50, 90, 99)
 
 
 class DiagnoseError(RuntimeError):
@@ -69,8 +87,9 @@ class DiagnoseError(RuntimeError):
 class Completion:
     """One request as the client saw it. Times in seconds (perf_counter differences).
 
-    decode_tokens / decode_s: tokens after the first chunk and the time from first to last chunk
-    (streaming only). ddtree: the server's per-response DDTree stats when it returns them.
+    decode_tokens / decode_s: tokens after the first chunk and the time from first to last chunk;
+    itl_s: the gaps between content chunks (streaming only). ddtree: the server's per-choice
+    DDTree stats when it returns them.
     """
 
     text: str
@@ -83,44 +102,113 @@ class Completion:
     decode_s: float | None = None
     chunks: int = 0
     ddtree: dict | None = None
+    finish_reason: str | None = None
+    itl_s: list[float] | None = None
 
     @property
     def early_stop(self) -> bool:
         return self.completion_tokens < self.requested
 
 
+
+
 # ----------------------------------------------------------------------------- clients
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text exposition -> {series name: value summed over label sets} (no dependency)."""
+    """Prometheus text exposition -> {sample name: value summed over label sets}, through
+    `prometheus_client.parser` (histogram buckets and `_created` samples left out)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        if "{" in line:
-            name, rest = line[: line.index("{")], line[line.rindex("}") + 1 :].split()
-        else:
-            name, *rest = line.split()
-        if not rest:
-            continue
-        value = rest[0]  # a timestamp may follow
-        try:
-            out[name] = out.get(name, 0.0) + float(value)
-        except ValueError:
-            continue
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.endswith(("_bucket", "_created")):
+                continue
+            out[s.name] = out.get(s.name, 0.0) + float(s.value)
     return out
 
 
+def split_base_url(url: str) -> tuple[str, str]:
+    """A server's root and its OpenAI base: 'http://h:1/v1/' and 'http://h:1' both give
+    ('http://h:1', 'http://h:1/v1')."""
+    root = url.strip().rstrip("/")
+    if root.endswith("/v1"):
+        root = root[:-3]
+    return root, root + "/v1"
+
+
+class _Chunks:
+    """What a client sees of one streamed completion: text, and per content chunk its arrival time
+    and the completion tokens so far (from vLLM's `continuous_usage_stats`, else None)."""
+
+    def __init__(self, t0: float, on_tokens=None):
+        self.t0, self.on_tokens = t0, on_tokens
+        self.text: list[str] = []
+        self.times: list[float] = []
+        self.counts: list[int | None] = []
+        self.usage = self.ddtree = self.finish_reason = None
+
+    def add(self, chunk, now: float) -> None:
+        u = chunk.usage
+        if u is not None:
+            self.usage = u
+        for ch in chunk.choices or ():
+            extra = ch.model_extra or {}
+            if extra.get("ddtree"):
+                self.ddtree = extra["ddtree"]
+            if ch.finish_reason:
+                self.finish_reason = ch.finish_reason
+            piece = ch.text or ""
+            n = u.completion_tokens if u is not None else None
+            if piece or (n and (not self.counts or n != self.counts[-1])):
+                self.text.append(piece)
+                self.times.append(now)
+                self.counts.append(n)
+                if self.on_tokens:
+                    self.on_tokens(n if n is not None else len(self.counts))
+
+    def result(self, requested: int, elapsed: float) -> Completion:
+        if self.usage is None:
+            raise DiagnoseError("the stream carried no usage (stream_options.include_usage unsupported?)")
+        n = int(self.usage.completion_tokens)
+        c = Completion("".join(self.text), int(self.usage.prompt_tokens or 0), n, requested, elapsed,
+                       chunks=len(self.times), ddtree=self.ddtree, finish_reason=self.finish_reason)
+        if self.times:
+            c.ttft_s = self.times[0] - self.t0
+            first = self.counts[0] if self.counts[0] is not None else n / len(self.times)
+            c.decode_tokens, c.decode_s = n - first, self.times[-1] - self.times[0]
+            c.itl_s = [b - a for a, b in zip(self.times, self.times[1:], strict=False)]
+        return c
+
+
+def _status_error(e) -> DiagnoseError:
+    err = DiagnoseError(f"POST /v1/completions: HTTP {e.status_code}: {str(e)[:300]}")
+    err.status = e.status_code
+    return err
+
+
+def _refuses_extras(e: DiagnoseError) -> bool:
+    return getattr(e, "status", 0) == 400 and any(k in str(e) for k in EXTRA_FIELDS)
+
+
 class OpenAIClient:
-    """A client of any OpenAI-compatible endpoint (httpx, imported lazily)."""
+    """A client of any OpenAI-compatible endpoint, through the official `openai` package.
+
+    base_url: the server's root or its /v1 base. Requests are greedy completions that ask for
+    exactly max_tokens (`ignore_eos`, `min_tokens`; dropped for good if the endpoint refuses them)
+    and, when streaming, for usage in every chunk. No retries: a failure is a finding.
+    """
 
     def __init__(self, base_url: str, model: str | None = None, *, timeout: float = 900.0, api_key: str | None = None,
                  metric_set: str = "auto"):
         import httpx
+        import openai
 
-        self.base_url = base_url.rstrip("/")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=headers)
-        self._extras = True  # ignore_eos / min_tokens until the endpoint refuses them
+        self.root, self.base_url = split_base_url(base_url)
+        self.api_key = api_key or "-"  # the openai client insists on one; open endpoints ignore it
+        self.timeout = timeout
+        self._oa = openai.OpenAI(base_url=self.base_url, api_key=self.api_key, timeout=timeout, max_retries=0)
+        self._http = httpx.Client(timeout=30.0)
+        self.extras = True  # ignore_eos / min_tokens / continuous_usage_stats until the endpoint refuses them
         info = self.model_info(model)
         self.model = info["id"]
         self.max_context = info.get("max_model_len")
@@ -128,18 +216,18 @@ class OpenAIClient:
         self.metric_set = metric_set
 
     def close(self) -> None:
+        self._oa.close()
         self._http.close()
 
     def model_info(self, model: str | None = None) -> dict:
-        import httpx
+        import openai
 
         try:
-            r = self._http.get("/v1/models")
-        except httpx.HTTPError as e:
-            raise DiagnoseError(f"cannot reach {self.base_url}: {type(e).__name__}: {e}") from None
-        if r.status_code != 200:
-            raise DiagnoseError(f"GET /v1/models: HTTP {r.status_code}: {r.text[:200]}")
-        data = r.json().get("data") or []
+            data = [m.model_dump() for m in self._oa.models.list().data]
+        except openai.APIConnectionError as e:
+            raise DiagnoseError(f"cannot reach {self.base_url}: {e.__cause__ or e}") from None
+        except openai.APIStatusError as e:
+            raise DiagnoseError(f"GET /v1/models: HTTP {e.status_code}: {str(e)[:200]}") from None
         if not data:
             raise DiagnoseError("GET /v1/models lists no model")
         if model is None:
@@ -152,100 +240,56 @@ class OpenAIClient:
     def metrics(self) -> dict[str, float] | None:
         """Parsed /metrics, or None when the endpoint has none."""
         try:
-            r = self._http.get("/metrics")
+            r = self._http.get(self.root + "/metrics")
         except Exception:  # noqa: BLE001 - no metrics endpoint is a normal case
             return None
         return parse_metrics(r.text) if r.status_code == 200 else None
 
-    def _body(self, prompt: str, max_tokens: int, stream: bool) -> dict:
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                "stream": stream}
+    def request_kwargs(self, prompt: str, max_tokens: int, stream: bool) -> dict:
+        """The arguments of one greedy completion (shared with the load mode's async client)."""
+        kw = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": stream}
         if stream:
-            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-        if self._extras:
-            body.update({"ignore_eos": True, "min_tokens": max_tokens})
-        return body
+            kw["stream_options"] = {"include_usage": True, **({"continuous_usage_stats": True} if self.extras else {})}
+        if self.extras:
+            kw["extra_body"] = {"ignore_eos": True, "min_tokens": max_tokens}
+        return kw
 
     def complete(self, prompt: str, max_tokens: int, *, stream: bool = False, on_tokens=None) -> Completion:
         """One greedy completion; raises DiagnoseError on an HTTP error. `on_tokens(n)`: called per
         streamed chunk with the completion tokens so far (the chunk count when the server sends no
         running usage)."""
-        import httpx
-
         for attempt in range(2):
-            body = self._body(prompt, max_tokens, stream)
-            t0 = time.perf_counter()
             try:
-                return self._stream(body, t0, on_tokens) if stream else self._plain(body, t0)
-            except httpx.HTTPError as e:
-                raise DiagnoseError(f"POST /v1/completions failed: {type(e).__name__}: {e}") from None
+                return self._complete(prompt, max_tokens, stream, on_tokens)
             except DiagnoseError as e:
-                if attempt == 0 and self._extras and getattr(e, "status", 0) == 400 and (
-                        "ignore_eos" in str(e) or "min_tokens" in str(e)):
-                    self._extras = False  # an endpoint that refuses the extra fields: go without them
+                if attempt == 0 and self.extras and _refuses_extras(e):
+                    self.extras = False  # an endpoint that refuses the extra fields: go without them
                     continue
                 raise
         raise AssertionError("unreachable")
 
-    @staticmethod
-    def _error(r) -> DiagnoseError:
-        e = DiagnoseError(f"POST /v1/completions: HTTP {r.status_code}: {r.text[:300]}")
-        e.status = r.status_code
-        return e
+    def _complete(self, prompt, max_tokens, stream, on_tokens) -> Completion:
+        import openai
 
-    def _plain(self, body, t0) -> Completion:
-        r = self._http.post("/v1/completions", json=body)
-        elapsed = time.perf_counter() - t0
-        if r.status_code != 200:
-            raise self._error(r)
-        d = r.json()
-        u = d.get("usage") or {}
-        if "completion_tokens" not in u:
-            raise DiagnoseError("the reply has no usage.completion_tokens")
-        return Completion(d["choices"][0].get("text", ""), int(u.get("prompt_tokens", 0)), int(u["completion_tokens"]),
-                          body["max_tokens"], elapsed, ddtree=d.get("ddtree"))
-
-    def _stream(self, body, t0, on_tokens=None) -> Completion:
-        text, usage, ddtree = [], None, None
-        times, counts = [], []  # per content chunk: arrival time, cumulative completion tokens (or None)
-        with self._http.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                r.read()
-                raise self._error(r)
-            for line in r.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                d = json.loads(data)
-                if "error" in d:
-                    raise DiagnoseError(f"stream error: {d['error']}")
-                now = time.perf_counter()
-                if d.get("usage"):
-                    usage = d["usage"]
-                if d.get("ddtree"):
-                    ddtree = d["ddtree"]
-                for ch in d.get("choices") or []:
-                    piece = ch.get("text") or (ch.get("delta") or {}).get("content") or ""
-                    if piece or (d.get("usage") and d["usage"].get("completion_tokens")
-                                 and (not counts or d["usage"]["completion_tokens"] != counts[-1])):
-                        text.append(piece)
-                        times.append(now)
-                        counts.append(d["usage"]["completion_tokens"] if d.get("usage") else None)
-                        if on_tokens:
-                            on_tokens(counts[-1] if counts[-1] is not None else len(counts))
-        elapsed = time.perf_counter() - t0
-        if usage is None or "completion_tokens" not in usage:
-            raise DiagnoseError("the stream carried no usage (stream_options.include_usage unsupported?)")
-        n = int(usage["completion_tokens"])
-        c = Completion("".join(text), int(usage.get("prompt_tokens", 0)), n, body["max_tokens"], elapsed,
-                       chunks=len(times), ddtree=ddtree)
-        if times:
-            c.ttft_s = times[0] - t0
-            first = counts[0] if counts[0] is not None else n / len(times)
-            c.decode_tokens, c.decode_s = n - first, times[-1] - times[0]
-        return c
+        t0 = time.perf_counter()
+        try:
+            r = self._oa.completions.create(**self.request_kwargs(prompt, max_tokens, stream))
+            if not stream:
+                elapsed = time.perf_counter() - t0
+                if r.usage is None:
+                    raise DiagnoseError("the reply has no usage.completion_tokens")
+                ch = r.choices[0]
+                return Completion(ch.text or "", int(r.usage.prompt_tokens or 0), int(r.usage.completion_tokens),
+                                  max_tokens, elapsed, ddtree=(ch.model_extra or {}).get("ddtree"),
+                                  finish_reason=ch.finish_reason)
+            acc = _Chunks(t0, on_tokens)
+            for chunk in r:
+                acc.add(chunk, time.perf_counter())
+            return acc.result(max_tokens, time.perf_counter() - t0)
+        except openai.APIStatusError as e:
+            raise _status_error(e) from None
+        except openai.APIError as e:  # connection errors, and an error event inside the stream
+            raise DiagnoseError(f"POST /v1/completions failed: {type(e).__name__}: {e}") from None
 
 
 class EngineClient:
@@ -269,26 +313,26 @@ class EngineClient:
         return len(self.engine.bundle.tokenizer.encode(prompt))
 
     def complete(self, prompt: str, max_tokens: int, *, stream: bool = False, on_tokens=None) -> Completion:
-        ids = self.engine.bundle.tokenizer.encode(prompt)
-        events = []
-        seen = [0]
+        from kdlib.engine.batch import SamplingParams
 
-        def listen(ev):  # called on the engine's worker thread
-            n = len(ev[1]) if ev[0] == "tokens" else 0
-            events.append((ev[0], n, ev[2]))
-            seen[0] += n
-            if on_tokens and n:
-                on_tokens(seen[0])
+        ids = self.engine.bundle.tokenizer.encode(prompt)
+        deltas = []  # (cumulative tokens, time) per step that emitted tokens, from the engine's thread
+
+        def listen(ev):
+            if ev[0] == "delta" and ev[1].token_ids:
+                deltas.append((ev[1].completion_tokens, ev[1].t))
+                if on_tokens:
+                    on_tokens(ev[1].completion_tokens)
 
         t0 = time.perf_counter()
-        res = self.engine.run(ids, max_tokens, 0.0, 0, listener=listen)
+        res = self.engine.run(ids, max_tokens, SamplingParams(ignore_eos=True), listener=listen)
         elapsed = time.perf_counter() - t0
-        toks = [(n, t) for kind, n, t in events if kind == "tokens"]
-        c = Completion(self.engine.bundle.tokenizer.decode(res["tokens"]), res["prompt_tokens"], len(res["tokens"]),
-                       max_tokens, elapsed, chunks=len(toks), ddtree=res["ddtree"])
-        if stream and toks:
-            c.ttft_s = toks[0][1] - t0
-            c.decode_tokens, c.decode_s = c.completion_tokens - toks[0][0], toks[-1][1] - toks[0][1]
+        c = Completion(res["text"], res["prompt_tokens"], len(res["tokens"]), max_tokens, elapsed, chunks=len(deltas),
+                       ddtree=res["ddtree"], finish_reason=res["finish_reason"])
+        if stream and deltas:
+            c.ttft_s = deltas[0][1] - t0
+            c.decode_tokens, c.decode_s = c.completion_tokens - deltas[0][0], deltas[-1][1] - deltas[0][1]
+            c.itl_s = [b[1] - a[1] for a, b in zip(deltas, deltas[1:], strict=False)]
         return c
 
 
@@ -348,7 +392,10 @@ def decompose(before: dict | None, after: dict | None, measured_tok_s: float | N
 
     `metric_set`: "kdlib" (Prometheus names of the embedded server), "engine" (EngineClient
     snapshots: the same totals unprefixed), "vllm" (accepted length only). Returns
-    {available, accepted_length, step_ms, predicted_tok_s, measured_tok_s, ratio, within_tolerance}.
+    {available, accepted_length, step_ms, predicted_tok_s, measured_tok_s, ratio, within_tolerance}
+    and, for kdlib / engine, steps (request steps), engine_steps, batch (request steps per engine
+    step) and predicted_aggregate_tok_s (accepted_length x batch / step time). predicted_tok_s is
+    one stream's rate, what `measured_tok_s` (one stream's) is compared with.
     """
     out = {"available": False, "metric_set": metric_set, "accepted_length": None, "step_ms": None,
            "predicted_tok_s": None, "measured_tok_s": measured_tok_s, "ratio": None, "within_tolerance": None}
@@ -369,6 +416,9 @@ def decompose(before: dict | None, after: dict | None, measured_tok_s: float | N
         out["step_ms"] = delta(names["step_sum_s"]) / delta(names["step_count"]) * 1e3
         out["predicted_tok_s"] = out["accepted_length"] / (out["step_ms"] / 1e3)
         out["steps"] = steps
+        out["engine_steps"] = delta(names["step_count"])
+        out["batch"] = steps / out["engine_steps"]
+        out["predicted_aggregate_tok_s"] = delta(names["accept_sum"]) / delta(names["step_sum_s"])
         out["available"] = True
     elif metric_set == "vllm":
         names = METRIC_SETS["vllm"]
@@ -666,9 +716,262 @@ def write_json(result: dict, path) -> None:
         raise
 
 
+# ----------------------------------------------------------------------------- load mode
+def prompt_pool(client, n: int, tokens: int, text: str | None = None) -> list[str]:
+    """n distinct prompts of about `tokens` tokens each: evenly spaced slices of `text` of the
+    character length that gives `tokens` on this endpoint for the first slice."""
+    text = text if text is not None else source_text()
+    first, _ = make_prompt(client, tokens, text)
+    chars = len(first)
+    while len(text) < chars * (n + 1):
+        text = text + "\n\n" + text
+    stride = (len(text) - chars) // n
+    return [text[i * stride: i * stride + chars] for i in range(n)]
+
+
+def _spread(values: list[float]) -> dict:
+    """mean, std (sample), min, max and n of a figure over repeats."""
+    v = [float(x) for x in values if x is not None]
+    if not v:
+        return {"mean": None, "std": None, "min": None, "max": None, "n": 0}
+    return {"mean": statistics.fmean(v), "std": statistics.stdev(v) if len(v) > 1 else 0.0, "min": min(v),
+            "max": max(v), "n": len(v)}
+
+
+def _percentiles(values: list[float]) -> dict:
+    """mean and the PERCENTILES of `values` (None each when empty)."""
+    if not values:
+        return {"mean": None, **{f"p{q}": None for q in PERCENTILES}}
+    a = np.asarray(values, dtype=np.float64)
+    return {"mean": float(a.mean()), **{f"p{q}": float(np.percentile(a, q)) for q in PERCENTILES}}
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, float]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        elif isinstance(v, int | float) and not isinstance(v, bool):
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+async def _one_request(aoa, kw: dict, rec: dict) -> None:
+    """One streamed completion into `rec` (its start time already set): ok, ttft_s, itl_s, e2e_s,
+    output/prompt tokens and text, or ok False with the error."""
+    import openai
+
+    acc = _Chunks(rec["start"])
+    try:
+        stream = await aoa.completions.create(**kw)
+        async for chunk in stream:
+            acc.add(chunk, time.perf_counter())
+        c = acc.result(kw["max_tokens"], time.perf_counter() - rec["start"])
+    except (openai.APIError, DiagnoseError) as e:
+        rec.update(ok=False, end=time.perf_counter(), error=f"{type(e).__name__}: {e}"[:300])
+        return
+    rec.update(ok=True, end=rec["start"] + c.elapsed_s, ttft_s=c.ttft_s, e2e_s=c.elapsed_s, itl_s=c.itl_s or [],
+               output_tokens=c.completion_tokens, prompt_tokens=c.prompt_tokens, text=c.text)
+
+
+async def _load_run(client, prompts: list[str], order: list[int], output_len: int, *, concurrency: int | None,
+                    rate: float | None, seed: int) -> list[dict]:
+    """Send one request per entry of `order` (an index into prompts): at most `concurrency` in flight,
+    arrivals a Poisson process of `rate` per second when given (inf: all at once)."""
+    import openai
+
+    aoa = openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key, timeout=client.timeout, max_retries=0)
+    gate = asyncio.Semaphore(concurrency) if concurrency else None
+    recs = [{"prompt": i} for i in order]
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(order)) if rate and math.isfinite(rate) else None
+
+    async def run(rec):
+        if gate is None:
+            rec["start"] = time.perf_counter()
+            return await _one_request(aoa, client.request_kwargs(prompts[rec["prompt"]], output_len, True), rec)
+        async with gate:
+            rec["start"] = time.perf_counter()
+            await _one_request(aoa, client.request_kwargs(prompts[rec["prompt"]], output_len, True), rec)
+
+    try:
+        tasks = []
+        for k, rec in enumerate(recs):
+            if gaps is not None and k:
+                await asyncio.sleep(gaps[k])
+            tasks.append(asyncio.ensure_future(run(rec)))
+        await asyncio.gather(*tasks)
+    finally:
+        await aoa.close()
+    return recs
+
+
+def _summarise(recs: list[dict], requested: int, reference: list[str] | None, slo: dict | None,
+               decomposition: dict) -> dict:
+    ok = [r for r in recs if r["ok"]]
+    t0 = min(r["start"] for r in recs)
+    duration = max(r["end"] for r in recs) - t0
+    out_tokens = sum(r["output_tokens"] for r in ok)
+    tpot = [(r["e2e_s"] - r["ttft_s"]) / (r["output_tokens"] - 1) for r in ok
+            if r["output_tokens"] > 1 and r["ttft_s"] is not None]
+    per_stream = [(r["output_tokens"] - 1) / (r["e2e_s"] - r["ttft_s"]) for r in ok
+                  if r["output_tokens"] > 1 and r["ttft_s"] is not None and r["e2e_s"] > r["ttft_s"]]
+
+    def good(r) -> bool:
+        n = r["output_tokens"]
+        got = {"ttft_ms": (r["ttft_s"] or 0) * 1e3, "e2e_ms": r["e2e_s"] * 1e3,
+               "tpot_ms": (r["e2e_s"] - r["ttft_s"]) / (n - 1) * 1e3 if n > 1 and r["ttft_s"] is not None else 0.0}
+        return all(got[k] <= v for k, v in slo.items())
+
+    res = {"requests": len(recs), "completed": len(ok), "failed": len(recs) - len(ok), "duration_s": duration,
+           "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+           "total_token_throughput": (out_tokens + sum(r["prompt_tokens"] for r in ok)) / duration,
+           "goodput": (sum(good(r) for r in ok) / duration) if slo else None,
+           "ttft_ms": _percentiles([r["ttft_s"] * 1e3 for r in ok if r["ttft_s"] is not None]),
+           "tpot_ms": _percentiles([x * 1e3 for x in tpot]),
+           "itl_ms": _percentiles([x * 1e3 for r in ok for x in r["itl_s"]]),
+           "e2e_ms": _percentiles([r["e2e_s"] * 1e3 for r in ok]),
+           "per_stream_tok_s": statistics.fmean(per_stream) if per_stream else None,
+           "early_stops": sum(r["output_tokens"] < requested for r in ok),
+           "greedy_mismatches": (sum(r["text"] != reference[r["prompt"]] for r in ok) if reference is not None
+                                 else None),
+           "errors": sorted({r["error"] for r in recs if not r["ok"]})[:5],
+           "decomposition": decomposition}
+    d = decomposition
+    if d.get("predicted_aggregate_tok_s"):
+        d["measured_aggregate_tok_s"] = res["output_throughput"]
+        d["aggregate_ratio"] = res["output_throughput"] / d["predicted_aggregate_tok_s"]
+    return res
+
+
+def load_test(client, *, concurrency=CONCURRENCY, rates=(), max_concurrency: int | None = None,
+              num_prompts: int | None = None, distinct: int = 16, input_len: int = 128, output_len: int = 128,
+              repeats: int = 3, slo: dict | None = None, check_greedy: bool = True, warmup: bool = True,
+              seed: int = 0, text: str | None = None, progress: bool = True) -> dict:
+    """`vllm bench serve`'s figures per level, plus the decomposition and a greedy-equality check.
+
+    Levels: each fixed concurrency C (num_prompts requests, default 4 C, at most C in flight), then
+    each request rate (Poisson arrivals; inf = all at once; at most max_concurrency in flight).
+    Requests cycle through `distinct` prompts of ~input_len tokens and ask for exactly output_len
+    greedy tokens. Per level: one untimed warm-up run (CUDA-graph buckets, allocator) when
+    `warmup`, then `repeats` runs; each run reports TTFT / TPOT / ITL / e2e (mean, p50, p90, p99,
+    ms), request, output and total throughput, goodput (requests per second meeting every target
+    of `slo`, e.g. {"ttft_ms": 500, "tpot_ms": 50}), the mean per-stream decode rate, and the
+    decomposition over its steps (from /metrics): accepted length per stream step x streams per
+    step / step time = predicted aggregate tok/s, against the measured output throughput.
+    `summary` gives every figure's spread over the repeats. check_greedy: a sequential pass over
+    the prompts first gives each one's reference text; every later output is compared with it
+    (`greedy_mismatches`: differing outputs; 0 means concurrency changed no greedy output).
+    """
+    if client.max_context and input_len + output_len + 16 > client.max_context:
+        raise ValueError(f"input_len {input_len} + output_len {output_len} (+16) exceeds the context "
+                         f"{client.max_context}")
+    for name, v in (("repeats", repeats), ("distinct", distinct), ("output_len", output_len), ("input_len", input_len)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    if slo and set(slo) - {"ttft_ms", "tpot_ms", "e2e_ms"}:
+        raise ValueError(f"slo keys are ttft_ms, tpot_ms, e2e_ms; got {sorted(slo)}")
+    prompts = prompt_pool(client, distinct, input_len, text)
+    out = {"endpoint": getattr(client, "base_url", None), "model": client.model, "model_info": client.info,
+           "max_context": client.max_context, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "parameters": {"concurrency": list(concurrency), "rates": [float(r) for r in rates],
+                          "max_concurrency": max_concurrency, "num_prompts": num_prompts, "distinct": distinct,
+                          "input_len": input_len, "output_len": output_len, "repeats": repeats, "slo": slo,
+                          "warmup": warmup, "seed": seed}}
+    reference = None
+    if check_greedy:
+        t0 = time.perf_counter()
+        recs = asyncio.run(_load_run(client, prompts, list(range(distinct)), output_len, concurrency=1, rate=None,
+                                     seed=seed))
+        bad = [r["error"] for r in recs if not r["ok"]]
+        if bad:
+            raise DiagnoseError(f"the sequential reference pass failed: {bad[0]}")
+        reference = [r["text"] for r in recs]
+        out["reference"] = {"prompts": distinct, "seconds": time.perf_counter() - t0,
+                            "prompt_tokens": [r["prompt_tokens"] for r in recs]}
+    levels = [("concurrency", c) for c in concurrency] + [("rate", r) for r in rates]
+    out["levels"] = []
+    for mode, v in _progress(levels, desc="load levels", unit="level", disable=not progress):
+        c = int(v) if mode == "concurrency" else max_concurrency
+        rate = float(v) if mode == "rate" else None
+        n = num_prompts or (4 * int(v) if mode == "concurrency" else 4 * distinct)
+        order = [k % distinct for k in range(n)]
+        if warmup:
+            asyncio.run(_load_run(client, prompts, order[: max(c or 1, 1)], output_len, concurrency=c, rate=None,
+                                  seed=seed))
+        runs = []
+        for rep in range(repeats):
+            before = client.metrics()
+            recs = asyncio.run(_load_run(client, prompts, order, output_len, concurrency=c, rate=rate,
+                                         seed=seed + rep))
+            after = client.metrics()
+            runs.append(_summarise(recs, output_len, reference, slo,
+                                   decompose(before, after, None, _metric_set(client, before))))
+        flat = [_flatten({k: v for k, v in r.items() if k != "errors"}) for r in runs]
+        keys = sorted(set().union(*flat))
+        out["levels"].append({"mode": mode, "concurrency": c, "request_rate": rate, "requests": n, "runs": runs,
+                              "summary": {k: _spread([f.get(k) for f in flat]) for k in keys}})
+    return out
+
+
+def load_table(result: dict) -> str:
+    """A plain-text table of a `load_test` result: means over repeats (± std where it matters)."""
+    lines = [f"endpoint {result['endpoint']}  model {result['model']}  input {result['parameters']['input_len']} "
+             f"output {result['parameters']['output_len']} tokens, {result['parameters']['repeats']} repeats", ""]
+    lines.append(f"{'level':<10}{'req/s':>7}{'out tok/s':>16}{'tok/s/strm':>11}{'TTFT p50/p99':>15}"
+                 f"{'TPOT p50/p99':>15}{'ITL p50/p99':>14}{'e2e p99':>9}{'goodput':>8}{'acc':>6}{'step ms':>8}"
+                 f"{'batch':>6}{'meas/pred':>10}{'greedy':>7}")
+
+    def m(s, k, spec=".1f"):
+        v = s.get(k, {}).get("mean")
+        return "-" if v is None else format(v, spec)
+
+    for lv in result["levels"]:
+        s = lv["summary"]
+        name = f"C={lv['concurrency']}" if lv["mode"] == "concurrency" else f"{lv['request_rate']:g}/s"
+        tput = f"{m(s, 'output_throughput')}±{_fmt(s.get('output_throughput', {}).get('std'))}"
+        ratio = s.get("decomposition.aggregate_ratio", {}).get("mean")
+        mism = s.get("greedy_mismatches", {}).get("max")
+        lines.append(f"{name:<10}{m(s, 'request_throughput', '.2f'):>7}{tput:>16}{m(s, 'per_stream_tok_s'):>11}"
+                     f"{m(s, 'ttft_ms.p50') + '/' + m(s, 'ttft_ms.p99'):>15}"
+                     f"{m(s, 'tpot_ms.p50', '.2f') + '/' + m(s, 'tpot_ms.p99', '.2f'):>15}"
+                     f"{m(s, 'itl_ms.p50', '.2f') + '/' + m(s, 'itl_ms.p99', '.2f'):>14}{m(s, 'e2e_ms.p99', '.0f'):>9}"
+                     f"{m(s, 'goodput', '.2f'):>8}{m(s, 'decomposition.accepted_length', '.2f'):>6}"
+                     f"{m(s, 'decomposition.step_ms', '.2f'):>8}{m(s, 'decomposition.batch', '.1f'):>6}"
+                     f"{_fmt(ratio, '.3f'):>10}{'-' if mism is None else int(mism):>7}")
+    return "\n".join(lines)
+
+
+def _levels(text: str, what: str, *, integer: bool) -> tuple:
+    """'1,2,4' -> (1, 2, 4); rates may be 'inf'. ValueError naming `what` otherwise."""
+    try:
+        vals = tuple((int(x) if integer else float(x)) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--{what}: a comma-separated list of {'integers' if integer else 'numbers'}, "
+                         f"got {text!r}") from None
+    if any(not v > 0 for v in vals):
+        raise ValueError(f"--{what}: every value must be > 0, got {text!r}")
+    return vals
+
+
+def _slo(items: list[str]) -> dict:
+    """['ttft:500', 'tpot:50'] -> {'ttft_ms': 500.0, 'tpot_ms': 50.0} (vllm bench serve's --goodput form)."""
+    out = {}
+    for it in items:
+        key, _, ms = it.partition(":")
+        if key not in ("ttft", "tpot", "e2e") or not ms:
+            raise ValueError(f"--goodput: items are ttft:MS, tpot:MS or e2e:MS, got {it!r}")
+        try:
+            out[f"{key}_ms"] = float(ms)
+        except ValueError:
+            raise ValueError(f"--goodput: {it!r} has no number of milliseconds") from None
+    return out
+
+
 def cli(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="kdlib diagnose", description=__doc__.splitlines()[0])
-    ap.add_argument("--endpoint", help="base URL of an OpenAI-compatible server (default: start the embedded one)")
+    ap.add_argument("--endpoint", help="base URL of an OpenAI-compatible server, with or without /v1 (default: "
+                    "start the embedded one)")
+    ap.add_argument("--serve-args", default="", help="arguments of the embedded `kdlib serve` (one string)")
     ap.add_argument("--model", help="model id (default: the first /v1/models lists)")
     ap.add_argument("--json", help="write the result here")
     ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
@@ -678,25 +981,52 @@ def cli(argv: list[str]) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--metrics", default="auto", choices=["auto", "kdlib", "vllm", "none"])
+    g = ap.add_argument_group("load mode (--load)")
+    g.add_argument("--load", action="store_true", help="measure under load instead (load_test)")
+    g.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)), help="fixed concurrency levels")
+    g.add_argument("--request-rate", default="", help="request rates per second to sweep (inf: all at once)")
+    g.add_argument("--max-concurrency", type=int, default=None, help="in-flight cap of the rate sweep")
+    g.add_argument("--num-prompts", type=int, default=None, help="requests per run (default 4 x C; rates: 4 x distinct)")
+    g.add_argument("--distinct-prompts", type=int, default=16)
+    g.add_argument("--input-len", type=int, default=128)
+    g.add_argument("--output-len", type=int, default=128)
+    g.add_argument("--goodput", nargs="*", default=[], metavar="KEY:MS", help="latency targets: ttft:MS tpot:MS e2e:MS")
+    g.add_argument("--no-greedy-check", action="store_true", help="skip the sequential reference pass")
+    g.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
     args = ap.parse_args(argv)
-    for name in ("sustained_tokens", "repeats", "max_context"):
+    for name in ("sustained_tokens", "repeats", "max_context", "num_prompts", "max_concurrency", "distinct_prompts",
+                 "input_len", "output_len"):
         v = getattr(args, name)
         if v is not None and v < (0 if name == "sustained_tokens" else 1):
             ap.error(f"--{name.replace('_', '-')} must be positive")
+    try:
+        levels = _levels(args.concurrency, "concurrency", integer=True)
+        rates = _levels(args.request_rate, "request-rate", integer=False)
+        slo = _slo(args.goodput)
+    except ValueError as e:
+        ap.error(str(e))
     server = None
     try:
         url = args.endpoint
         if url is None:
             from kdlib.serve import ServerProcess
 
-            server = ServerProcess().start()  # `kdlib serve` in its own process, as a real endpoint
+            server = ServerProcess(shlex.split(args.serve_args)).start()  # `kdlib serve` in its own process
             url = server.url
             print(f"kdlib diagnose: started the embedded server at {url}", file=sys.stderr)
         client = OpenAIClient(url, args.model, api_key=args.api_key, metric_set=args.metrics)
+        if args.max_context:
+            client.max_context = args.max_context
         try:
-            result = diagnose(client, sweep=not args.no_sweep, sustained_tokens=args.sustained_tokens,
-                              sustained_prompt=args.sustained_prompt, max_context=args.max_context,
-                              repeats=args.repeats)
+            if args.load:
+                result = load_test(client, concurrency=levels, rates=rates, max_concurrency=args.max_concurrency,
+                                   num_prompts=args.num_prompts, distinct=args.distinct_prompts,
+                                   input_len=args.input_len, output_len=args.output_len, repeats=args.repeats,
+                                   slo=slo or None, check_greedy=not args.no_greedy_check, seed=args.seed)
+            else:
+                result = diagnose(client, sweep=not args.no_sweep, sustained_tokens=args.sustained_tokens,
+                                  sustained_prompt=args.sustained_prompt, max_context=args.max_context,
+                                  repeats=args.repeats)
         finally:
             client.close()
     except (DiagnoseError, ValueError) as e:
@@ -705,10 +1035,8 @@ def cli(argv: list[str]) -> int:
     finally:
         if server is not None:
             server.stop()
-    print(table(result))
+    print(load_table(result) if args.load else table(result))
     if args.json:
         write_json(result, args.json)
         print(f"wrote {args.json}")
     return 0
-
-

@@ -59,6 +59,10 @@ def test_decompose_kdlib_engine_vllm_and_none():
     d = dg.decompose(before, after, measured_tok_s=19.0, metric_set="kdlib")
     assert d["accepted_length"] == 3.0 and d["step_ms"] == pytest.approx(150.0)
     assert d["predicted_tok_s"] == pytest.approx(20.0) and d["ratio"] == pytest.approx(0.95) and d["within_tolerance"]
+    assert d["batch"] == 1.0 and d["predicted_aggregate_tok_s"] == pytest.approx(20.0)
+    batched = dg.decompose(before, {**after, "kdlib_step_seconds_count": 10, "kdlib_step_seconds_sum": 1.5})
+    assert batched["batch"] == 2.0 and batched["step_ms"] == pytest.approx(100.0)  # 10 request steps in 5 engine steps
+    assert batched["predicted_aggregate_tok_s"] == pytest.approx(30 / 0.5)
     assert dg.decompose(before, after, 30.0)["within_tolerance"] is False
     eng = dg.decompose({"accept_sum": 0, "accept_count": 0, "step_sum_s": 0, "step_count": 0},
                        {"accept_sum": 29, "accept_count": 10, "step_sum_s": 1.44, "step_count": 10}, metric_set="engine")
@@ -71,12 +75,18 @@ def test_decompose_kdlib_engine_vllm_and_none():
     assert dg.decompose(before, before)["why"].startswith("no decode steps")
 
 
-def test_parse_metrics_sums_label_sets_and_skips_comments():
-    text = ('# HELP x y\n# TYPE kdlib_requests_total counter\nkdlib_requests_total{status="ok"} 3.0\n'
+def test_parse_metrics_through_prometheus_client():
+    text = ('# HELP kdlib_requests Finished\n# TYPE kdlib_requests counter\nkdlib_requests_total{status="ok"} 3.0\n'
             'kdlib_requests_total{status="error"} 1.0\nvllm:spec_decode_num_drafts_total{model_name="m"} 7 1700000\n'
-            'plain_metric 2.5\n')
+            '# TYPE h histogram\nh_bucket{le="1.0"} 2\nh_bucket{le="+Inf"} 3\nh_sum 4.5\nh_count 3\nplain_metric 2.5\n')
     m = dg.parse_metrics(text)
-    assert m == {"kdlib_requests_total": 4.0, "vllm:spec_decode_num_drafts_total": 7.0, "plain_metric": 2.5}
+    assert m == {"kdlib_requests_total": 4.0, "vllm:spec_decode_num_drafts_total": 7.0, "h_sum": 4.5, "h_count": 3.0,
+                 "plain_metric": 2.5}
+
+
+def test_base_url_with_or_without_v1():
+    for url in ("http://h:1", "http://h:1/", "http://h:1/v1", "http://h:1/v1/ "):
+        assert dg.split_base_url(url) == ("http://h:1", "http://h:1/v1")
 
 
 def test_make_prompt_hits_the_length():
@@ -96,33 +106,76 @@ def test_context_sweep_lengths_double_up_to_the_limit():
 # ----------------------------------------------------------------------------- against the embedded server
 @pytest.fixture(scope="module")
 def server():
-    eng = serve.Engine(serve.load_bundle(prefer_trained=False), threads=1)
+    eng = serve.Engine(serve.load_bundle(prefer_trained=False), threads=1, max_num_seqs=4, max_model_len=512)
     with serve.EmbeddedServer(eng) as srv:
         yield srv
     eng.close()
 
 
 def test_openai_client_two_point_and_sustained_on_loopback(server):
-    client = dg.OpenAIClient(server.url)
+    client = dg.OpenAIClient(server.url + "/v1")
     try:
-        assert client.model == server.engine.name and client.max_context == 1024
+        assert client.model == server.engine.name and client.max_context == 512 and client.root == server.url
         prompt, n = dg.make_prompt(client, 48)
         assert n == 48  # one character per token on the fallback tokenizer
         tp = dg.two_point(client, prompt, short=4, long=36, repeats=1)
         assert tp["completion_short"] == 4 and tp["completion_long"] == 36 and not tp["early_stop"]
         assert tp["tokens_per_s"] > 0
         d = tp["decomposition"]
-        assert d["metric_set"] == "kdlib" and d["available"] and 1 <= d["accepted_length"] <= 8
+        assert d["metric_set"] == "kdlib" and d["available"] and 1 <= d["accepted_length"] <= 8 and d["batch"] == 1
         s = dg.sustained(client, prompt, 80, progress=False)
         assert s["completion_tokens"] == 80 and s["ttft_s"] > 0 and s["decode_tokens_per_s"] > 0
         assert s["chunks"] > 2 and s["decomposition"]["available"]
-        assert sum(s["per_step"]["accepted"]) >= 79
+        assert sum(s["per_step"]["accepted"]) >= 80
         # the engine in process gives the same greedy text as the endpoint
         plain = client.complete(prompt, 20)
         via_engine = dg.EngineClient(server.engine).complete(prompt, 20, stream=True)
-        assert via_engine.text == plain.text and via_engine.ttft_s > 0
+        assert via_engine.text == plain.text and via_engine.ttft_s > 0 and via_engine.completion_tokens == 20
     finally:
         client.close()
+
+
+def test_load_mode_levels_rates_spread_and_greedy_check(server):
+    client = dg.OpenAIClient(server.url)
+    try:
+        r = dg.load_test(client, concurrency=(1, 4), rates=(float("inf"),), max_concurrency=4, distinct=4,
+                         num_prompts=8, input_len=16, output_len=12, repeats=2, slo={"e2e_ms": 1e6}, progress=False)
+    finally:
+        client.close()
+    assert r["reference"]["prompts"] == 4 and len(r["reference"]["prompt_tokens"]) == 4
+    assert [(lv["mode"], lv["concurrency"]) for lv in r["levels"]] == [("concurrency", 1), ("concurrency", 4),
+                                                                         ("rate", 4)]
+    for lv in r["levels"]:
+        assert len(lv["runs"]) == 2
+        for run in lv["runs"]:
+            assert run["completed"] == run["requests"] == 8 and run["failed"] == 0 and run["early_stops"] == 0
+            assert run["greedy_mismatches"] == 0  # concurrency changed no greedy output
+            assert run["goodput"] == pytest.approx(run["request_throughput"])  # every request meets a 1000 s target
+            for fig in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+                p = run[fig]
+                assert 0 < p["p50"] <= p["p90"] <= p["p99"], fig
+            assert run["output_throughput"] == pytest.approx(8 * 12 / run["duration_s"])
+            d = run["decomposition"]
+            assert d["available"] and d["metric_set"] == "kdlib" and d["measured_aggregate_tok_s"] > 0
+        s = lv["summary"]
+        assert s["output_throughput"]["n"] == 2 and s["output_throughput"]["min"] <= s["output_throughput"]["mean"]
+        assert s["decomposition.batch"]["mean"] >= 1
+    assert r["levels"][1]["summary"]["decomposition.batch"]["mean"] > 1.5  # four streams step together
+    assert "C=4" in dg.load_table(r)
+
+
+def test_cli_load_mode_writes_json(server, tmp_path, capsys):
+    out = tmp_path / "load.json"
+    rc = dg.cli(["--endpoint", server.url + "/v1", "--load", "--concurrency", "2", "--repeats", "1",
+                 "--distinct-prompts", "2", "--num-prompts", "2", "--input-len", "8", "--output-len", "6",
+                 "--goodput", "ttft:0.001", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    run = res["levels"][0]["runs"][0]
+    assert run["completed"] == 2 and run["goodput"] == 0.0  # nobody gets a first token within 1 microsecond
+    assert "C=2" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        dg.cli(["--load", "--goodput", "latency:5"])
 
 
 def test_unknown_model_and_dead_endpoint(server):

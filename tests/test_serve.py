@@ -1,233 +1,287 @@
-"""The OpenAI-compatible server (kdlib.serve) on a real uvicorn loopback server, with httpx clients."""
+"""The OpenAI-compatible server (kdlib.serve) on a real uvicorn loopback server, driven by the official
+`openai` client and raw httpx: the trained tiny models (kdlib.zoo) on CPU, context 128."""
 
 import json
+import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
 import pytest
+import torch
 
-from kdlib import serve
+from kdlib import serve, zoo
 from kdlib.diagnose import parse_metrics
+from kdlib.engine.generate import generate
+
+CONTEXT = 128
+EOS_PROMPT = "if __name__ == '__main__':\n    main()\n"  # the trained target's greedy continuation is end-of-text
 
 
 @pytest.fixture(scope="module")
-def server():
-    bundle = serve.load_bundle(prefer_trained=False)  # the random fallback: fast and always there
-    with serve.EmbeddedServer(serve.Engine(bundle, max_tokens_limit=200)) as srv:
+def bundle():
+    if not zoo.available():
+        pytest.skip("the trained models are not in data/models/")
+    return serve.load_bundle()
+
+
+@pytest.fixture(scope="module")
+def server(bundle):
+    with serve.EmbeddedServer(serve.Engine(bundle, max_num_seqs=8, max_model_len=CONTEXT)) as srv:
         yield srv
     srv.engine.close()
 
 
 @pytest.fixture(scope="module")
-def client(server):
+def oa(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(server):
     with httpx.Client(base_url=server.url, timeout=120) as c:
         yield c
 
 
-def _complete(client, prompt, n, **kw):
-    r = client.post("/v1/completions", json={"model": client_model(client), "prompt": prompt, "max_tokens": n,
-                                             "temperature": 0, **kw})
-    assert r.status_code == 200, r.text
-    return r.json()
+def _greedy(oa, prompt, n, **kw):
+    return oa.completions.create(model="kdtree-tiny", prompt=prompt, max_tokens=n, temperature=0, **kw)
 
 
-def client_model(client):
-    return client.get("/v1/models").json()["data"][0]["id"]
+def test_models_health_and_model_by_id(oa, http, server):
+    ids = [m.id for m in oa.models.list().data]
+    assert ids == [server.engine.name] == ["kdtree-tiny"]
+    m = oa.models.retrieve("kdtree-tiny")
+    assert m.model_extra["max_model_len"] == CONTEXT and m.model_extra["kdlib"]["source"] == "trained"
+    with pytest.raises(openai.NotFoundError):
+        oa.models.retrieve("gpt-4")
+    h = http.get("/health").json()
+    assert h["status"] == "ok" and h["running"] == 0 and h["kdlib"]["stop_token_ids"] == [0]
 
 
-def _sse(client, path, body):
-    chunks = []
-    with client.stream("POST", path, json=body) as r:
-        assert r.status_code == 200
-        assert r.headers["content-type"].startswith("text/event-stream")
-        lines = [ln for ln in r.iter_lines() if ln]
-    assert lines[-1] == "data: [DONE]"
-    for ln in lines[:-1]:
-        assert ln.startswith("data: ")
-        chunks.append(json.loads(ln[6:]))
-    return chunks
-
-
-def test_models_and_health_say_what_is_served(client, server):
-    m = client.get("/v1/models").json()
-    assert m["object"] == "list" and m["data"][0]["id"] == server.engine.name
-    assert m["data"][0]["max_model_len"] == 1024  # data/configs/tiny-a.json
-    assert m["data"][0]["kdlib"]["source"] == "random"
-    h = client.get("/health").json()
-    assert h["status"] == "ok" and h["kdlib"]["source"] == "random" and h["queue"] == 0
-
-
-def test_completion_shape_usage_and_ddtree_stats(client):
-    d = _complete(client, "The quick brown fox", 24)
-    assert d["object"] == "text_completion" and d["choices"][0]["finish_reason"] == "length"
-    assert d["usage"] == {"prompt_tokens": 19, "completion_tokens": 24, "total_tokens": 43}
-    assert len(d["choices"][0]["text"]) == 24  # the byte tokenizer: one character per token
-    st = d["ddtree"]
+def test_completion_shape_usage_and_ddtree_stats(oa):
+    r = _greedy(oa, "The quick brown fox", 12, extra_body={"ignore_eos": True})
+    c = r.choices[0]
+    assert r.object == "text_completion" and c.finish_reason == "length" and c.index == 0
+    assert r.usage.completion_tokens == 12 and r.usage.total_tokens == r.usage.prompt_tokens + 12
+    st = c.model_extra["ddtree"]
     assert st["method"] == "ddtree" and len(st["accepted"]) == len(st["step_ms"]) == st["steps"]
-    assert sum(st["accepted"]) >= 23  # every token after the prefill's one comes from a step
+    assert sum(st["accepted"]) >= 12  # the last step may have gone past max_tokens
 
 
-def test_greedy_server_output_equals_autoregressive_greedy(client, server):
-    import torch
-
-    from kdlib.engine.generate import generate
-
+def test_greedy_output_equals_single_stream_autoregressive(oa, bundle):
     prompt = "def main():\n    return"
-    d = _complete(client, prompt, 30)
-    b = server.engine.bundle
+    r = _greedy(oa, prompt, 24, extra_body={"ignore_eos": True})
     with torch.no_grad():
-        ar = generate(b.model, b.tokenizer.encode(prompt), 30, method="ar")
-    assert d["choices"][0]["text"] == b.tokenizer.decode(ar.tokens)
+        ar = generate(bundle.model, bundle.tokenizer.encode(prompt), 24, method="ar")
+    assert r.choices[0].text == bundle.tokenizer.decode(ar.tokens)
 
 
-def test_token_id_prompt_and_batch_of_one_string(client):
-    by_text = _complete(client, "abc", 8)
-    by_list = _complete(client, ["abc"], 8)
-    ids = serve.ByteTokenizer(96).encode("abc")
-    by_ids = _complete(client, ids, 8)
-    assert by_text["choices"][0]["text"] == by_list["choices"][0]["text"] == by_ids["choices"][0]["text"]
+def test_streaming_equals_plain_with_usage_chunks(oa):
+    kw = {"extra_body": {"ignore_eos": True}}
+    plain = _greedy(oa, "Streaming test:", 30, **kw).choices[0].text
+    chunks = list(_greedy(oa, "Streaming test:", 30, stream=True, **kw,
+                          stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    content = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in content) == plain
+    assert content[-1].choices[0].finish_reason == "length" and "ddtree" in content[-1].choices[0].model_extra
+    counts = [c.usage.completion_tokens for c in content]
+    assert counts == sorted(counts) and counts[-1] == 30 and len(content) > 3
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30
 
 
-def test_streaming_equals_non_streaming(client):
-    body = {"prompt": "Streaming test:", "max_tokens": 40, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    chunks = _sse(client, "/v1/completions", body)
-    content = [c for c in chunks if c["choices"]]
-    text = "".join(c["choices"][0]["text"] for c in content)
-    assert text == _complete(client, "Streaming test:", 40)["choices"][0]["text"]
-    assert content[-1]["choices"][0]["finish_reason"] == "length" and "ddtree" in content[-1]
-    assert all(c["object"] == "text_completion" for c in chunks)
-    counts = [c["usage"]["completion_tokens"] for c in content]
-    assert counts == sorted(counts) and counts[-1] == 40
-    assert len(content) > 2  # several steps, several chunks
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 40
+def test_chat_with_developer_role_and_text_parts(oa, server):
+    msgs = [{"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+            {"role": "user", "content": "Hi"}]
+    plain = oa.chat.completions.create(model="kdtree-tiny", messages=msgs, max_completion_tokens=16, temperature=0)
+    assert plain.object == "chat.completion" and plain.choices[0].message.role == "assistant"
+    text = serve.protocol.render_chat(serve.protocol.ChatCompletionRequest.model_validate({"messages": msgs}).messages)
+    assert plain.usage.prompt_tokens == len(server.engine.bundle.tokenizer.encode(text))
+    chunks = list(oa.chat.completions.create(model="kdtree-tiny", messages=msgs, max_tokens=16, temperature=0,
+                                             stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant" and all(c.object == "chat.completion.chunk" for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == plain.choices[0].message.content
 
 
-def test_chat_streaming_and_plain(client):
-    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    plain = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 20, "temperature": 0}).json()
-    assert plain["object"] == "chat.completion"
-    assert plain["choices"][0]["message"]["role"] == "assistant"
-    assert plain["usage"]["prompt_tokens"] == len(serve.render_chat(msgs))
-    chunks = _sse(client, "/v1/chat/completions", {"messages": msgs, "max_tokens": 20, "temperature": 0,
-                                                   "stream": True})
-    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
-    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
-    assert text == plain["choices"][0]["message"]["content"]
+def test_n_choices_seed_and_fresh_randomness(oa):
+    kw = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 1.2, "n": 3,
+          "extra_body": {"ignore_eos": True}}
+    a = oa.completions.create(model="kdtree-tiny", seed=7, **kw)
+    b = oa.completions.create(model="kdtree-tiny", seed=7, **kw)
+    texts = [c.text for c in a.choices]
+    assert [c.index for c in a.choices] == [0, 1, 2] and texts == [c.text for c in b.choices]
+    assert len(set(texts)) > 1  # choice i samples with seed + i
+    assert a.usage.completion_tokens == 48
+    fresh = [oa.completions.create(model="kdtree-tiny", **kw).choices[0].text for _ in range(2)]
+    assert fresh[0] != fresh[1] or fresh[0] != texts[0]  # no seed: fresh randomness every time
+
+
+def test_stop_strings_end_the_text_before_them(oa):
+    full = _greedy(oa, "import os\n", 40, extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert len(stop) == 3 and stop.strip()
+    r = _greedy(oa, "import os\n", 40, stop=[stop, "never-in-there"], extra_body={"ignore_eos": True})
+    c = r.choices[0]
+    assert c.text == full[: full.index(stop)] and c.finish_reason == "stop"
+    streamed = list(_greedy(oa, "import os\n", 40, stop=stop, stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == c.text
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_end_of_text_token_stop_min_tokens_and_ignore_eos(oa):
+    r = _greedy(oa, EOS_PROMPT, 20)
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and c.text == "" and r.usage.completion_tokens == 1  # counted, not shown
+    assert _greedy(oa, EOS_PROMPT, 20, extra_body={"ignore_eos": True}).choices[0].finish_reason == "length"
+    m = _greedy(oa, EOS_PROMPT, 20, extra_body={"min_tokens": 6})
+    assert m.usage.completion_tokens >= 6 and "<|endoftext|>" not in m.choices[0].text
+
+
+def test_logprobs_in_completion_and_chat_shapes(oa):
+    r = _greedy(oa, "x = 1\n", 8, logprobs=2, extra_body={"ignore_eos": True}).choices[0]
+    lp = r.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    assert "".join(lp.tokens) == r.text and lp.text_offset[0] == 0
+    assert all(v <= 0 for v in lp.token_logprobs) and all(len(t) <= 2 for t in lp.top_logprobs)
+    assert all(max(t.values()) >= v - 1e-6 for t, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True))
+    chat = oa.chat.completions.create(model="kdtree-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                      temperature=0, logprobs=True, top_logprobs=3,
+                                      extra_body={"ignore_eos": True}).choices[0]
+    content = chat.logprobs.content
+    assert len(content) == 6 and all(len(e.top_logprobs) == 3 and e.logprob <= 0 for e in content)
+    assert "".join(e.token for e in content) == chat.message.content
+
+
+def test_echo_and_max_tokens_null(oa, http):
+    r = _greedy(oa, "abc", 5, echo=True, extra_body={"ignore_eos": True}).choices[0]
+    assert r.text.startswith("abc") and len(r.text) > 3
+    ids = serve.load_bundle().tokenizer.encode("Hello")
+    rest = http.post("/v1/completions", json={"prompt": ids, "max_tokens": None, "temperature": 0,
+                                              "ignore_eos": True}).json()
+    assert rest["usage"]["completion_tokens"] == CONTEXT - len(ids)  # null = the rest of the context
+    assert rest["choices"][0]["finish_reason"] == "length"
+
+
+def test_fields_it_cannot_honour_get_a_400_naming_them(http):
+    for body, named, status in [({"prompt": "x", "logit_bias": {"5": 3}}, "logit_bias", 400),
+                                ({"prompt": "x", "presence_penalty": 1.0}, "presence_penalty", 400),
+                                ({"prompt": "x", "guided_json": {}}, "guided_json", 400),
+                                ({"prompt": "x", "max_tokens": CONTEXT}, "max_tokens", 400),
+                                ({"prompt": "x", "model": "gpt-4"}, "model", 404)]:
+        r = http.post("/v1/completions", json=body)
+        err = r.json()["error"]
+        assert r.status_code == status and err["param"] == named and err["type"] == "invalid_request_error", body
+        assert named in err["message"] or "context length" in err["message"] or "gpt-4" in err["message"]
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "tools": [{}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
 
 
 def test_concurrent_greedy_requests_equal_sequential(server):
-    prompts = [f"Request number {i}: " for i in range(6)]
+    prompts = [f"Request number {i}: " for i in range(8)]
 
     def one(p):
-        with httpx.Client(base_url=server.url, timeout=300) as c:
-            r = c.post("/v1/completions", json={"prompt": p, "max_tokens": 32, "temperature": 0})
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["text"]
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": p, "max_tokens": 20, "temperature": 0,
+                                                             "ignore_eos": True}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
 
     with ThreadPoolExecutor(len(prompts)) as ex:
         parallel = list(ex.map(one, prompts))
-    sequential = [one(p) for p in prompts]
-    assert parallel == sequential
+    assert parallel == [one(p) for p in prompts]
 
 
-BAD = [
-    (b"{not json", 400, "invalid_json"),
-    (b"[1, 2]", 400, "invalid_json"),
-    (b'{"prompt": 5}', 400, "invalid_type"),
-    (b'{"prompt": "x", "max_tokens": "8"}', 400, "invalid_type"),
-    (b'{"prompt": "x", "max_tokens": true}', 400, "invalid_type"),
-    (b'{"prompt": "x", "model": "gpt-4"}', 404, "model_not_found"),
-    (b'{"prompt": "x", "max_tokens": 0}', 400, "invalid_value"),
-    (b'{"prompt": "x", "max_tokens": -3}', 400, "invalid_value"),
-    (b'{"prompt": "x", "max_tokens": 201}', 400, "invalid_value"),  # over the server's limit (200)
-    (json.dumps({"prompt": "y" * 1000, "max_tokens": 100}).encode(), 400, "context_length_exceeded"),
-    (b'{"prompt": [1, 2, 999]}', 400, "invalid_value"),
-    (b'{"prompt": ""}', 400, "invalid_value"),
-    (b'{"prompt": "x", "temperature": -1}', 400, "invalid_value"),
-    (b'{"prompt": "x", "stream": "yes"}', 400, "invalid_type"),
-    (b'{"prompt": "x", "stop": ["\\n"]}', 400, "unsupported"),
-]
+def test_metrics_under_kdlib_and_vllm_names(http, oa):
+    before = parse_metrics(http.get("/metrics").text)
+    r = _greedy(oa, "metrics", 20, extra_body={"ignore_eos": True})
+    after = parse_metrics(http.get("/metrics").text)
+
+    def d(k):
+        return after.get(k, 0) - before.get(k, 0)
+
+    steps = r.choices[0].model_extra["ddtree"]["steps"]
+    assert d("kdlib_spec_accept_length_count") == steps and d("kdlib_step_seconds_count") == steps
+    assert d("kdlib_generation_tokens_total") == 20 and d("kdlib_requests_total") == 1
+    assert d("vllm:time_to_first_token_seconds_count") == 1 and d("vllm:inter_token_latency_seconds_count") == steps - 1
+    drafts = d("vllm:spec_decode_num_drafts_total")
+    assert steps - 1 <= drafts <= steps  # the prefill's token is no draft round
+    assert d("vllm:spec_decode_num_accepted_tokens_total") == d("vllm:spec_decode_num_accepted_tokens_per_pos_total")
+    assert after["vllm:num_requests_running"] == 0 == after["vllm:num_requests_waiting"]
+    assert after["kdlib_kv_pool_free_slots"] == after["kdlib_kv_pool_slots"] > 0
 
 
-@pytest.mark.parametrize("body,status,code", BAD)
-def test_bad_requests_get_openai_errors_and_server_stays_up(client, body, status, code):
-    r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
-    assert r.status_code == status
-    err = r.json()["error"]
-    assert err["code"] == code and err["message"] and err["type"] == "invalid_request_error"
-    assert client.get("/health").json()["status"] == "ok"
-    assert _complete(client, "still up", 4)["usage"]["completion_tokens"] == 4
+def test_a_disconnected_client_is_cancelled(server, http):
+    def aborted():
+        return parse_metrics(http.get("/metrics").text).get("kdlib_requests_total", 0)
+
+    before = aborted()
+    body = {"prompt": "Long story: ", "max_tokens": CONTEXT - 8, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(base_url=server.url, timeout=60) as c, c.stream("POST", "/v1/completions",
+                                                                      json={**body, "stream": True}) as r:
+        for _ in zip(range(3), r.iter_lines(), strict=False):  # read a few events, then hang up
+            pass
+    with pytest.raises(httpx.ReadTimeout):  # not streaming: the client gives up waiting
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.3))
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (server.engine.state()["running"] or aborted() < before + 2):
+        time.sleep(0.05)
+    s = server.engine.state()
+    assert s["running"] == 0 and s["pool_free"] == s["pool_slots"] and aborted() == before + 2
+    assert parse_metrics(http.get("/metrics").text)["kdlib_generation_tokens_total"] > 0
 
 
-def test_bad_chat_messages(client):
-    for msgs in ([], [{"role": "robot", "content": "x"}], [{"role": "user", "content": 3}], "hi"):
-        r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4})
-        assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
+def test_api_key_body_limit_and_full_queue(bundle):
+    engine = serve.Engine(bundle, max_num_seqs=2, max_model_len=64, max_waiting=0)
+    with serve.EmbeddedServer(engine, api_key="sesame", max_body_bytes=10_000) as srv:
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0) as bad:
+            with pytest.raises(openai.AuthenticationError):
+                bad.models.list()
+        assert httpx.get(srv.url + "/health").status_code == 200  # open: only /v1/* needs the key
+        key = {"Authorization": "Bearer sesame"}
+        assert httpx.get(srv.url + "/v1/models", headers=key).status_code == 200
+        big = json.dumps({"prompt": "y" * 20_000}).encode()
+        r = httpx.post(srv.url + "/v1/completions", content=big, headers={**key, "content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        chunked = httpx.post(srv.url + "/v1/completions", content=iter([big[:8000], big[8000:]]), headers=key)
+        assert chunked.status_code == 413
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=key)
+        assert r.status_code == 429 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
+    engine.close()
 
 
-def test_unknown_route_is_an_openai_shaped_404(client):
-    r = client.get("/v1/nothing")
-    assert r.status_code == 404 and "error" in r.json()
+def test_port_in_use_is_a_clear_error(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        assert serve.cli(["--port", str(s.getsockname()[1])]) == 1
+    assert "cannot listen on 127.0.0.1" in capsys.readouterr().err
 
 
-def test_metrics_count_steps_and_tokens(client):
-    before = parse_metrics(client.get("/metrics").text)
-    d = _complete(client, "metrics", 20)
-    after = parse_metrics(client.get("/metrics").text)
-    steps = d["ddtree"]["steps"]
-    assert after["kdlib_spec_accept_length_count"] - before.get("kdlib_spec_accept_length_count", 0) == steps
-    assert after["kdlib_spec_accept_length_sum"] - before.get("kdlib_spec_accept_length_sum", 0) == sum(
-        d["ddtree"]["accepted"])
-    assert after["kdlib_step_seconds_count"] - before.get("kdlib_step_seconds_count", 0) == steps
-    assert after["kdlib_generation_tokens_total"] - before.get("kdlib_generation_tokens_total", 0) == 20
-    assert after["kdlib_step_seconds_sum"] > before.get("kdlib_step_seconds_sum", 0)
-
-
-def test_full_queue_is_refused_with_429():
-    eng = serve.Engine(serve.load_bundle(prefer_trained=False), max_queue=0)
+def test_engine_in_process_reports_bad_requests_and_keeps_serving(bundle):
+    engine = serve.Engine(bundle, max_num_seqs=2, max_model_len=64)
     try:
         with pytest.raises(serve.RequestError) as e:
-            eng.submit(serve.Job([1, 2], 4, 0.0, 0))
-        assert e.value.status == 429 and e.value.body()["error"]["code"] == "queue_full"
+            engine.run([1, 2, 10_000], 4)  # past the vocabulary: the engine refuses it
+        assert e.value.status == 400
+        out = engine.run([5, 6, 7], 4)
+        assert len(out["tokens"]) <= 4 and out["finish_reason"] in ("stop", "length")
+        assert engine.snapshot()["requests"] == 1
     finally:
-        eng.close()
+        engine.close()
 
 
-def test_byte_tokenizer_and_chat_template():
-    tok = serve.ByteTokenizer(96)
-    text = "Hello,\nworld ~!"
-    assert tok.decode(tok.encode(text)) == text
-    assert tok.decode(tok.encode("é")) == "?"
-    with pytest.raises(ValueError):
-        serve.ByteTokenizer(50)
-    assert serve.render_chat([{"role": "user", "content": "hi"}]) == "<|user|>\nhi\n<|assistant|>\n"
+def test_server_process_serves_and_stops():
+    with serve.ServerProcess(["--random", "--method", "ar", "--max-model-len", "64"]) as srv:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 6, "temperature": 0},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
+        url, proc = srv.url, srv._proc
+    assert proc.poll() is not None
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(url + "/health", timeout=2)
 
 
 def test_cli_help_runs():
     with pytest.raises(SystemExit) as e:
         serve.cli(["--help"])
     assert e.value.code == 0
-
-
-def test_server_process_serves_and_stops():
-    with serve.ServerProcess(["--random"]) as srv:
-        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 6, "temperature": 0},
-                       timeout=60)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
-        url, proc = srv.url, srv._proc
-    assert proc.poll() is not None  # the child is gone
-    with pytest.raises(httpx.HTTPError):
-        httpx.get(url + "/health", timeout=2)
-
-
-def test_worker_survives_a_failing_generation():
-    eng = serve.Engine(serve.load_bundle(prefer_trained=False))
-    try:
-        with pytest.raises(serve.RequestError) as e:
-            eng.run([1, 2, 10_000], 4)  # past the vocabulary: the engine raises, the worker reports it
-        assert e.value.status == 500 and "generation failed" in str(e.value)
-        assert len(eng.run([1, 2, 3], 4)["tokens"]) == 4  # and keeps serving
-    finally:
-        eng.close()

@@ -1,0 +1,244 @@
+"""Request bodies of the OpenAI surface as pydantic models (strict: "8" is no integer, true no number).
+
+    CompletionRequest       POST /v1/completions
+    ChatCompletionRequest   POST /v1/chat/completions
+    error_from_validation(errors) -> RequestError   one 400 naming every bad field
+
+Every field a client may send is declared; any other field is refused (400, code
+"unsupported_field", the message names them). OpenAI fields this server cannot honour are
+declared with their neutral value only (frequency_penalty 0, logit_bias {}, tools [], ...): that
+value is accepted, any other one gets a 400 naming the field. null is the same as absent
+everywhere except for `prompt` and `messages`, which are required.
+
+Sampling fields: max_tokens (chat: max_completion_tokens first) null/absent = the rest of the
+context; temperature (default 1.0 as OpenAI; below 1e-5 = greedy), top_p (0, 1], top_k (0 or -1 =
+off, as is the vocabulary size or more), seed (absent = fresh randomness; choice i of n uses
+seed + i), n 1..16, stop (a string or up to 4, each 1..MAX_STOP_CHARS characters; not included in
+the output), ignore_eos, min_tokens (<= max_tokens; stop tokens and stop strings count only from
+there), user (accepted, not used); completions: logprobs 0..MAX_LOGPROBS (top alternatives per token), echo; chat: logprobs (bool),
+top_logprobs 0..MAX_LOGPROBS. Chat messages: role system | developer | user | assistant, content
+a string or a list of text parts ({"type": "text", "text": ...}).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
+
+from kdlib.serve.engine import RequestError
+
+MAX_N = 16
+MAX_STOPS = 4  # OpenAI's limit
+MAX_STOP_CHARS = 256  # per stop string: bounds the hold-back scan of every step
+MAX_LOGPROBS = 20  # top alternatives per token (vLLM's default max_logprobs; OpenAI: 5 / 20)
+CHAT_TEMPLATE = "<|{role}|>\n{content}\n"  # each message; then "<|assistant|>\n" for the reply
+TEMPLATE_ROLE = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+Float = Annotated[float, Field(allow_inf_nan=False)]
+
+
+def _neutral(name: str, ok) -> Any:
+    """A field accepted at its neutral value only (`ok(v)` true), else a 400 naming it."""
+
+    def check(cls, v):
+        if v is not None and not ok(v):
+            raise PydanticCustomError("unsupported", "only the neutral value is supported (got {value})",
+                                      {"value": repr(v)})
+        return v
+
+    return field_validator(name)(check)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: usage in every chunk
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[Float, Field(ge=0)] | None = None
+    top_p: Annotated[Float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
+    stop: Any = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    frequency_penalty: Float | None = None
+    presence_penalty: Float | None = None
+    repetition_penalty: Float | None = None
+    logit_bias: dict[str, Float] | None = None
+
+    _frequency = _neutral("frequency_penalty", lambda v: v == 0)
+    _presence = _neutral("presence_penalty", lambda v: v == 0)
+    _repetition = _neutral("repetition_penalty", lambda v: v == 1)
+    _bias = _neutral("logit_bias", lambda v: not v)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v):
+        if v is None:
+            return ()
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+            raise PydanticCustomError("invalid_type", "must be a string or a list of strings")
+        if len(v) > MAX_STOPS:
+            raise PydanticCustomError("invalid_value", f"at most {MAX_STOPS} strings, got {len(v)}")
+        if any(not 1 <= len(s) <= MAX_STOP_CHARS for s in v):
+            raise PydanticCustomError("invalid_value", f"each stop string must have 1..{MAX_STOP_CHARS} characters")
+        return tuple(dict.fromkeys(v))
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get("stream"):
+            raise PydanticCustomError("invalid_value", "only allowed when 'stream' is true")
+        return v
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions. prompt: a string, a list of one string, token ids, or a list of one id list."""
+
+    prompt: Any
+    echo: bool | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
+    suffix: str | None = None
+
+    _suffix = _neutral("suffix", lambda v: v == "")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v):
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str | list):
+            v = v[0]  # a batch of one, as OpenAI clients send
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            return v
+        raise PydanticCustomError("invalid_type", "must be a string or a non-empty list of token ids (one prompt "
+                                  "per request)")
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v, info: ValidationInfo):
+        if v is not None and v != (info.data.get("n") or 1):
+            raise PydanticCustomError("unsupported", "only best_of = n is supported")
+        return v
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Any
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, v):
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list):
+            parts = []
+            for p in v:
+                if not isinstance(p, dict) or p.get("type") != "text":
+                    kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+                    raise PydanticCustomError("unsupported", "only text parts (type 'text') are supported, got {kind}",
+                                              {"kind": repr(kind)})
+                parts.append(TextPart.model_validate(p).text)
+            return "".join(parts)
+        raise PydanticCustomError("invalid_type", "must be a string or a list of text parts")
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    _format = _neutral("response_format", lambda v: v == {"type": "text"})
+    _tools = _neutral("tools", lambda v: v == [])
+    _tool_choice = _neutral("tool_choice", lambda v: v == "none")
+    _store = _neutral("store", lambda v: v is False)
+    _tier = _neutral("service_tier", lambda v: v in ("auto", "default"))
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get("logprobs"):
+            raise PydanticCustomError("invalid_value", "needs 'logprobs': true")
+        return v
+
+
+def render_chat(messages: list[Message]) -> str:
+    """The prompt text of a chat: CHAT_TEMPLATE per message (developer as system), then the reply's header."""
+    return "".join(CHAT_TEMPLATE.format(role=TEMPLATE_ROLE[m.role], content=m.content) for m in messages) \
+        + "<|assistant|>\n"
+
+
+_NOT_AN_OBJECT = ("model_attributes_type", "dict_type", "model_type")
+_CODES = {"extra_forbidden": "unsupported_field", "missing": "missing_field", "json_invalid": "invalid_json",
+          "unsupported": "unsupported", "invalid_value": "invalid_value"}
+
+
+def _loc(loc) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def error_from_validation(errors: list[dict]) -> RequestError:
+    """One RequestError (400) for pydantic's errors (FastAPI's RequestValidationError.errors()):
+    the message lists every problem (unsupported fields first), `param` and `code` name the first."""
+    extra, problems, first = [], [], None
+    for e in errors:
+        kind = e.get("type", "")
+        loc = () if kind == "json_invalid" else tuple(p for p in e.get("loc", ()) if p != "body")
+        name = _loc(loc)
+        if kind == "extra_forbidden":
+            extra.append(name)
+            continue
+        first = first or (name, kind)
+        if not loc:
+            problems.append("the request body must be a JSON object" if kind in _NOT_AN_OBJECT
+                            else e.get("msg", "invalid body"))
+        else:
+            problems.append(f"{name}: {e.get('msg', 'invalid')}")
+    if extra:
+        problems.insert(0, f"unsupported field{'s' if len(extra) > 1 else ''} {', '.join(extra)}: this server "
+                        f"cannot honour {'them' if len(extra) > 1 else 'it'}")
+        first = (extra[0], "extra_forbidden")
+    name, kind = first or ("", "")
+    if not name and kind in (*_NOT_AN_OBJECT, "json_invalid"):
+        code = "invalid_json"
+    else:
+        code = _CODES.get(kind) or ("invalid_type" if kind.endswith("_type") or kind == "literal_error"
+                                    else "invalid_value")
+    return RequestError("; ".join(problems), param=name or None, code=code)

@@ -1,0 +1,222 @@
+"""Running the server: `kdlib serve` (cli), in a thread of this process, or as a child process.
+
+    kdlib serve --port 8000 --max-num-seqs 16 --served-model-name tiny --api-key KEY
+    with EmbeddedServer() as srv: ... srv.url ...           # uvicorn in a thread, 127.0.0.1, a free port
+    with ServerProcess(["--random"]) as srv: ... srv.url    # `kdlib serve` as a child: what to time against
+
+`kdlib serve` binds its socket first: a port in use is a one-line error and exit code 1 before
+any model is loaded. It prints the address only once the engine has warmed up and uvicorn
+serves on that socket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import threading
+import time
+
+from kdlib.serve.app import MAX_BODY_BYTES, create_app
+from kdlib.serve.bundle import FALLBACK_CONFIG, load_bundle
+from kdlib.serve.engine import MAX_WAITING, Engine
+
+SWITCH_INTERVAL_S = 0.0005  # the `kdlib serve` process's GIL switch interval: see cli()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening-ready socket on host:port (port 0: a free one); OSError when it is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT only: a live listener still refuses
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _uvicorn(app, log_level: str):
+    import uvicorn
+
+    return uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5))
+
+
+class EmbeddedServer:
+    """uvicorn serving `create_app(engine)` in a background thread on host:port (port 0 = a free one).
+
+    with EmbeddedServer() as srv: ... srv.url ...      # the engine is closed on exit when it made it
+
+    Client and server share this process's GIL here, so a client timing a stream sees chunk
+    arrival late by up to a switch interval per hand-over; for measurements use `ServerProcess`.
+    """
+
+    def __init__(self, engine: Engine | None = None, host: str = "127.0.0.1", port: int = 0, *,
+                 api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES, **engine_kw):
+        self._own = engine is None
+        self.engine = engine or Engine(**engine_kw)
+        self.host, self.port = host, port
+        self.api_key, self.max_body_bytes = api_key, max_body_bytes
+        self._server = self._thread = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> EmbeddedServer:
+        sock = bind(self.host, self.port)
+        self.port = sock.getsockname()[1]
+        self.engine.wait_ready()
+        app = create_app(self.engine, api_key=self.api_key, max_body_bytes=self.max_body_bytes)
+        self._server = _uvicorn(app, "warning")
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the embedded server did not start on {self.url}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=30)
+            self._server = None
+        if self._own:
+            self.engine.close()
+
+    def __enter__(self) -> EmbeddedServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class ServerProcess:
+    """`kdlib serve` in a child process on 127.0.0.1 and a free port: a separate interpreter, as a
+    real endpoint is, so the client's timings do not share a GIL with the engine.
+
+    with ServerProcess(["--random"]) as srv: ... srv.url ...
+    """
+
+    def __init__(self, args: list[str] | None = None, host: str = "127.0.0.1", startup_s: float = 300.0,
+                 env: dict | None = None):
+        self.args, self.host, self.startup_s, self.env = list(args or []), host, startup_s, env
+        self.port = None
+        self._proc = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> ServerProcess:
+        import subprocess
+
+        import httpx
+
+        with socket.socket() as s:  # a free port; released just before the child binds it
+            s.bind((self.host, 0))
+            self.port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "kdlib.cli", "serve", "--host", self.host, "--port", str(self.port), *self.args]
+        env = {**os.environ, **self.env} if self.env else None
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        deadline = time.monotonic() + self.startup_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                err = self._proc.stderr.read()[-2000:]
+                raise RuntimeError(f"kdlib serve exited with {self._proc.returncode}: {err}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"kdlib serve did not answer /health on {self.url} within {self.startup_s:.0f} s")
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=30)
+            except Exception:  # noqa: BLE001 - it would not stop: kill our own child
+                self._proc.kill()
+                self._proc.wait(timeout=30)
+        if self._proc is not None and self._proc.stderr:
+            self._proc.stderr.close()
+        self._proc = None
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _positive(v: str) -> int:
+    n = int(v)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kdlib serve", description="OpenAI-compatible HTTP server around the "
+                                 "batched engine (continuous batching)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--served-model-name", nargs="+", default=None,
+                    help="model name(s) clients send; the first is the one /v1/models lists first (default: the "
+                    "bundle's name)")
+    ap.add_argument("--api-key", default=os.environ.get("KDLIB_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on /v1/* (default $KDLIB_API_KEY; none = open)")
+    ap.add_argument("--max-model-len", type=_positive, default=None,
+                    help="context limit per request, prompt + completion (default: the model's)")
+    ap.add_argument("--max-num-seqs", type=_positive, default=16, help="streams the engine runs at once")
+    ap.add_argument("--max-waiting", type=int, default=MAX_WAITING, help="sequences allowed to wait (429 beyond)")
+    ap.add_argument("--max-body-bytes", type=_positive, default=MAX_BODY_BYTES, help="request body limit (413)")
+    ap.add_argument("--method", choices=["ddtree", "ar"], default="ddtree")
+    ap.add_argument("--budget", type=_positive, default=None, help="DDTree budget (default: the drafter's horizon)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--random", action="store_true", help="serve the random fallback even when trained models exist")
+    ap.add_argument("--config", default=FALLBACK_CONFIG, help="fallback model config under data/configs/")
+    ap.add_argument("--models", default=None, help="folder of the trained models (default data/models/)")
+    ap.add_argument("--threads", type=_positive, default=None, help="torch CPU threads (default: 1 on CPU)")
+    ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return ap
+
+
+def cli(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as e:
+        print(f"kdlib serve: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    # The event loop must get the GIL between engine steps to send each step's chunks promptly; at the
+    # default 5 ms switch interval a stream of 2-3 ms steps reaches the client in late bursts.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    try:
+        bundle = load_bundle(args.device, prefer_trained=not args.random, config=args.config, folder=args.models)
+        engine = Engine(bundle, method=args.method, budget=args.budget, max_num_seqs=args.max_num_seqs,
+                        max_model_len=args.max_model_len, max_waiting=args.max_waiting, threads=args.threads,
+                        served_names=tuple(args.served_model_name) if args.served_model_name else None)
+    except (ValueError, FileNotFoundError) as e:
+        sock.close()
+        print(f"kdlib serve: {e}", file=sys.stderr)
+        return 2
+    try:
+        engine.wait_ready()
+        server = _uvicorn(create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes), args.log_level)
+        print(f"kdlib serve: {', '.join(engine.names)} ({bundle.info['weights']}; {args.method}, "
+              f"{args.max_num_seqs} streams, context {engine.max_model_len}) on http://{args.host}:{sock.getsockname()[1]}",
+              flush=True)
+        server.run(sockets=[sock])
+    finally:
+        engine.close()
+        sock.close()
+    return 0
