@@ -113,17 +113,25 @@ def plan_request(req, engine: Engine, chat: bool) -> Plan:
         raise RequestError(f"the model '{req.model}' does not exist; this server serves {list(engine.names)}",
                            status=404, param="model", code="model_not_found")
     tok, vocab = engine.bundle.tokenizer, engine.bundle.model.cfg.vocab_size
+    where = "messages" if chat else "prompt"
+
+    def encode(text: str) -> list[int]:
+        try:
+            return tok.encode(text)
+        except Exception as e:  # noqa: BLE001 - e.g. a lone surrogate, which has no UTF-8 bytes
+            raise RequestError(f"the {where} cannot be tokenised: {type(e).__name__}: {str(e)[:200]}", param=where,
+                               code="invalid_value") from None
+
     if chat:
         prompt_text = render_chat(req.messages)
-        ids = tok.encode(prompt_text)
+        ids = encode(prompt_text)
     elif isinstance(req.prompt, str):
-        prompt_text, ids = req.prompt, tok.encode(req.prompt)
+        prompt_text, ids = req.prompt, encode(req.prompt)
     else:
         ids = list(req.prompt)
         if any(not 0 <= t < vocab for t in ids):
             raise RequestError(f"prompt token ids must lie in [0, {vocab})", param="prompt", code="invalid_value")
         prompt_text = tok.decode(ids) if req.echo else ""
-    where = "messages" if chat else "prompt"
     if not ids:
         raise RequestError("the prompt is empty", param=where, code="invalid_value")
     limit = engine.max_model_len
@@ -261,7 +269,10 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_body_bytes: in
     @app.exception_handler(HTTPException)
     async def _http(request, e: HTTPException):
         code = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}.get(e.status_code, str(e.status_code))
-        return _error_response(RequestError(str(e.detail), status=e.status_code, code=code, headers=e.headers))
+        # FastAPI's 400 for a body json.loads cannot take (not UTF-8, nested past the recursion limit)
+        msg = "the request body is not valid JSON (not UTF-8, or nested too deeply)" if e.status_code == 400 \
+            else str(e.detail)
+        return _error_response(RequestError(msg, status=e.status_code, code=code, headers=e.headers))
 
     @app.exception_handler(Exception)
     async def _crash(request, e: Exception):

@@ -33,6 +33,7 @@ MAX_N = 16
 MAX_STOPS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 256  # per stop string: bounds the hold-back scan of every step
 MAX_LOGPROBS = 20  # top alternatives per token (vLLM's default max_logprobs; OpenAI: 5 / 20)
+MAX_NAMED = 10  # an error message names at most this many fields / problems
 CHAT_TEMPLATE = "<|{role}|>\n{content}\n"  # each message; then "<|assistant|>\n" for the reply
 TEMPLATE_ROLE = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -45,7 +46,7 @@ def _neutral(name: str, ok) -> Any:
     def check(cls, v):
         if v is not None and not ok(v):
             raise PydanticCustomError("unsupported", "only the neutral value is supported (got {value})",
-                                      {"value": repr(v)})
+                                      {"value": repr(v)[:80]})
         return v
 
     return field_validator(name)(check)
@@ -226,14 +227,17 @@ def error_from_validation(errors: list[dict]) -> RequestError:
             extra.append(name)
             continue
         first = first or (name, kind)
-        if not loc:
-            problems.append("the request body must be a JSON object" if kind in _NOT_AN_OBJECT
-                            else e.get("msg", "invalid body"))
+        if kind == "json_invalid":
+            problems.append(f"the request body is not valid JSON: {(e.get('ctx') or {}).get('error', e.get('msg'))}")
+        elif not loc:
+            problems.append("the request body must be a JSON object" if kind in _NOT_AN_OBJECT else
+                            "the request body is empty" if kind == "missing" else e.get("msg", "invalid body"))
         else:
             problems.append(f"{name}: {e.get('msg', 'invalid')}")
     if extra:
-        problems.insert(0, f"unsupported field{'s' if len(extra) > 1 else ''} {', '.join(extra)}: this server "
-                        f"cannot honour {'them' if len(extra) > 1 else 'it'}")
+        names = ", ".join(extra[:MAX_NAMED]) + (f" and {len(extra) - MAX_NAMED} more" if len(extra) > MAX_NAMED else "")
+        problems.insert(0, f"unsupported field{'s' if len(extra) > 1 else ''} {names}: this server cannot honour "
+                        f"{'them' if len(extra) > 1 else 'it'}")
         first = (extra[0], "extra_forbidden")
     name, kind = first or ("", "")
     if not name and kind in (*_NOT_AN_OBJECT, "json_invalid"):
@@ -241,4 +245,5 @@ def error_from_validation(errors: list[dict]) -> RequestError:
     else:
         code = _CODES.get(kind) or ("invalid_type" if kind.endswith("_type") or kind == "literal_error"
                                     else "invalid_value")
-    return RequestError("; ".join(problems), param=name or None, code=code)
+    more = f"; and {len(problems) - MAX_NAMED} more problems" if len(problems) > MAX_NAMED else ""
+    return RequestError("; ".join(problems[:MAX_NAMED]) + more, param=name or None, code=code)
