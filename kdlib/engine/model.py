@@ -106,8 +106,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x * rsqrt(mean(x^2) + eps) in float32 or wider, one fused kernel on CUDA; weight after the cast (as transformers)
-        return self.weight * F.rms_norm(_up(x), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        # w * x * rsqrt(mean(x^2) + eps), one fused kernel on CUDA that accumulates half types in float32
+        # and rounds once (transformers rounds x * rsqrt to the half type before the weight: bf16 may part
+        # from it in the last bit; float32 and float64 are the same arithmetic)
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
 
 
 class MLP(nn.Module):
