@@ -21,10 +21,6 @@ Files (all under data/models/, written by `tools/train_tiny.py`, which re-trains
     training_record.json    command, commit, device, loss curves, held-out perplexity per kind
     train.h200.log          the log of the device run that trained the committed models
 
-Models trained before the trainer trained the engine's class (up to commit 76e1f19) have a
-drafter.kdtr without config metadata, under the trainer's former module names, and a
-drafter.config.json beside it; `load_drafter` still reads that layout.
-
 Weights are stored in float16 (half the bytes of float32; every trained value lies well inside
 float16's range) and loaded as float32 unless a dtype is given. Nothing is downloaded.
 """
@@ -125,38 +121,11 @@ def load_target(device: str = "cpu", dtype=None, folder: str | Path | None = Non
 
 def load_drafter(target, device: str | None = None, folder: str | Path | None = None):
     """The trained drafter, the engine's `DFlashDrafter`, on the target's device and dtype by default."""
-    from kdlib import kdtr
     from kdlib.engine.drafter import DFlashDrafter
 
-    path = _require(folder, "drafter.kdtr") / "drafter.kdtr"
-    if "dflash_config" in kdtr.read_metadata(path):
-        d = DFlashDrafter.load(path)
-    else:
-        d = _former_drafter(path.parent, target.cfg.vocab_size)
+    d = DFlashDrafter.load(_require(folder, "drafter.kdtr") / "drafter.kdtr")
     d.c.validate(target.cfg)
     return d.to(device=device if device is not None else target.device, dtype=target.dtype).eval()
-
-
-def _former_drafter(root: Path, vocab_size: int):
-    """A drafter of the former layout (see the module docstring): drafter.config.json holds the shape,
-    drafter.kdtr the weights with an extra `self_attn.` level in each layer's attention names."""
-    import dataclasses
-
-    import torch
-
-    from kdlib.engine.drafter import DFlashConfig, DFlashDrafter
-
-    raw = json.loads((_require(root, "drafter.config.json") / "drafter.config.json").read_text())
-    names = {f.name for f in dataclasses.fields(DFlashConfig)}
-    cfg = DFlashConfig(**{**{k: v for k, v in raw.items() if k in names}, "vocab_size": vocab_size,
-                          "target_layer_ids": tuple(raw["target_layer_ids"])})
-    d = DFlashDrafter(cfg)
-    weights = {k.replace(".self_attn.", "."): v for k, v in _state_dict(root / "drafter.kdtr", torch.float32, "cpu").items()}
-    own = d.state_dict()
-    if set(weights) != set(own):
-        raise ValueError(f"{root / 'drafter.kdtr'}: weights do not match the drafter ({sorted(set(weights) ^ set(own))[:3]})")
-    d.load_state_dict(weights)
-    return d
 
 
 def held_out(kind: str, folder: str | Path | None = None) -> list[str]:
