@@ -112,15 +112,32 @@ def log_ticks(ax, values, axis: str = "x", fmt=plain, min_gap: float = 0.2) -> N
     a.set_minor_formatter(ticker.NullFormatter())
 
 
-def plain_log(ax, axis: str = "x") -> None:
-    """Log scale on `axis` with labels at powers of ten written as plain numbers (no minor labels)."""
+def si_bytes(v: float, _pos=None) -> str:
+    """A byte-count label in decimal units: 500 B, 10 kB, 1 MB, 2 GB."""
+    for unit, name in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if abs(v) >= unit:
+            return f"{v / unit:g} {name}"
+    return f"{v:g} B"
+
+
+def plain_log(ax, axis: str = "x", fmt=plain) -> None:
+    """Log scale on `axis` labelled by `fmt` (plain numbers, or `si_bytes`) at powers of ten, and also at
+    2 and 5 times them while the axis spans less than two decades."""
+    import math
+
     from matplotlib import ticker
 
     getattr(ax, f"set_{axis}scale")("log")
     a = getattr(ax, f"{axis}axis")
+
+    def minor(v, _pos):
+        lo, hi = sorted(a.get_view_interval())
+        return fmt(v) if lo > 0 and math.log10(hi / lo) < 2 else ""
+
     a.set_major_locator(ticker.LogLocator(base=10))
-    a.set_major_formatter(ticker.FuncFormatter(plain))
-    a.set_minor_formatter(ticker.NullFormatter())
+    a.set_major_formatter(ticker.FuncFormatter(fmt))
+    a.set_minor_locator(ticker.LogLocator(base=10, subs=(2.0, 5.0)))
+    a.set_minor_formatter(ticker.FuncFormatter(minor))
 
 
 def int_ticks(ax, axis: str = "both") -> None:
