@@ -7,6 +7,7 @@ import asyncio
 import json
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -130,6 +131,25 @@ def test_200_streams_with_clients_hanging_up(server, reference):
     assert httpx.get(server.url + "/health", timeout=10).json()["status"] == "ok"
     r = httpx.post(server.url + "/v1/completions", json=_body(3), timeout=60)
     assert r.json()["choices"][0]["text"] == reference[3]
+
+
+def test_tokenising_a_large_prompt_does_not_stall_the_server(server):
+    """The server in its own process: the client's requests do not compete with it for a GIL."""
+    big = ("def f(x):\n    return x * 2  # twice\n" * 30_000)[:900_000]  # JSON under the 1 MiB body limit
+
+    def post():
+        return httpx.post(server.url + "/v1/completions", json={"prompt": big, "max_tokens": 1}, timeout=60)
+
+    with ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(post)
+        worst = 0.0
+        while not fut.done():
+            t0 = time.perf_counter()
+            assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+            worst = max(worst, time.perf_counter() - t0)
+        r = fut.result()
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert worst < 1.0, f"/health took {worst:.2f} s while a prompt was tokenised"
 
 
 # ----------------------------------------------------------------------------- hostile bodies
