@@ -312,7 +312,7 @@ class BatchEngine:
 
     def __init__(self, model, max_streams: int = 16, method: str = "ar", drafter=None, budget: int | None = None,
                  top_k: int | None = None, num_slots: int | None = None, max_context: int | None = None,
-                 graphs: bool | None = None, keep_results: bool = False):
+                 graphs: bool | None = None, keep_results: bool = False, compile: bool = False):
         if method not in ("ar", "ddtree"):
             raise ValueError(f"method must be 'ar' or 'ddtree', got {method!r}")
         for name, v in (("max_streams", max_streams),):
@@ -350,6 +350,11 @@ class BatchEngine:
         self.pool = SlotPool(cfg, num_slots, self.device, self.dtype)
         self.drafter = None if method == "ar" else _lane_drafter(drafter, model, self.max_streams, cap)
         self.graphs = (self.device.type == "cuda") if graphs is None else bool(graphs)
+        # torch.compile (inductor, dynamic shapes) fuses the verify forward's and the drafter block's
+        # elementwise chains into fewer kernels; compiled on the first step of a shape (outside the graph)
+        self._verify = torch.compile(_verify, dynamic=True) if compile else _verify
+        if compile and isinstance(self.drafter, _DFlashLanes):
+            self.drafter.draft = torch.compile(self.drafter.draft, dynamic=True)
         if self.graphs and self.device.type != "cuda":
             raise ValueError("graphs=True needs the model on a CUDA device")
         if self.graphs and self.drafter is not None and not self.drafter.graph_safe:
@@ -614,8 +619,7 @@ class BatchEngine:
             tokens = bonus[:, None]  # [C, 1]
             depth = torch.zeros(C, 1, dtype=torch.int64, device=dev)
             vis = torch.ones(C, 1, 1, dtype=torch.bool, device=dev)
-            h, _ = m.forward_batch(self.pool.kv, table, lens, tokens, depth, vis)
-            logits = m.head(h).view(C, 1, -1)  # [C, 1, V]
+            logits, _ = self._verify(m, self.pool.kv, table, lens, tokens, depth, vis, ())  # [C, 1, V]
             nxt = self._pick(logits, u, lanes, sampled, filtered)  # [C, 1]
             tau = torch.ones(C, dtype=torch.int64, device=dev)
             emitted, rows = nxt, torch.zeros(C, 1, dtype=torch.int64, device=dev)
@@ -628,8 +632,7 @@ class BatchEngine:
             depth = torch.as_tensor(trees.positions, device=dev).clamp(min=0)  # [C, W]
             vis = torch.as_tensor(trees.visibility, device=dev)  # [C, W, W]
             capture = getattr(self.drafter, "capture", ())
-            h, feats = m.forward_batch(self.pool.kv, table, lens, tokens, depth, vis, tuple(capture))
-            logits = m.head(h).view(C, W, -1)  # [C, W, V]
+            logits, feats = self._verify(m, self.pool.kv, table, lens, tokens, depth, vis, tuple(capture))  # [C, W, V]
             target = self._pick(logits, u, lanes, sampled, filtered)  # [C, W]
             paths, tau, new_bonus = self._accept(trees, target, C)  # [C, L+1], [C], [C]
             # page-table tail: accepted rows first (path order), then the rest in index order; padded
@@ -730,6 +733,12 @@ class BatchEngine:
         restore()
         self._graphs[key] = g
         return g
+
+
+def _verify(model, kv, table, lens, tokens, depth, vis, capture):
+    """`Model.forward_batch` + the LM head: logits [C, W, V] and the captured features [C*W, F] | None."""
+    h, feats = model.forward_batch(kv, table, lens, tokens, depth, vis, capture)
+    return model.head(h).view(tokens.shape[0], tokens.shape[1], -1), feats
 
 
 class _TreeBuffers:

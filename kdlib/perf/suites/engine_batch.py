@@ -34,11 +34,11 @@ TIMED_STEPS = 24
 PROMPT = 256
 
 
-def _engine(model, method, budget, drafter, streams, max_context):
+def _engine(model, method, budget, drafter, streams, max_context, compile_=False):
     from kdlib.engine.batch import BatchEngine
 
     return BatchEngine(model, max_streams=streams, method=method, drafter=drafter if method == "ddtree" else None,
-                       budget=budget, max_context=max_context, keep_results=True)
+                       budget=budget, max_context=max_context, keep_results=True, compile=compile_)
 
 
 def _device_profile(fn, steps: int, top: int = 25) -> dict:
@@ -59,15 +59,18 @@ def _device_profile(fn, steps: int, top: int = 25) -> dict:
             "top_kernels": [(e.key[:120], e.count / steps, e.self_device_time_total / steps) for e in kernels[:top]]}
 
 
-def _run_row(model, method, budget, drafter, prompts, max_new, label: dict) -> dict:
-    """C = len(prompts) streams; wall and device time of TIMED_STEPS steps after the buckets are captured."""
+def _run_row(model, method, budget, drafter, prompts, max_new, label: dict, compile_: bool = False) -> dict:
+    """C = len(prompts) streams; wall and device time of TIMED_STEPS steps after the buckets are captured
+    (compile_: the engine's torch.compile arm; the first steps' wall, compile included, is recorded)."""
     import torch
 
     C = len(prompts)
-    eng = _engine(model, method, budget, drafter, C, max(len(p) for p in prompts) + max_new + 8)
+    eng = _engine(model, method, budget, drafter, C, max(len(p) for p in prompts) + max_new + 8, compile_)
     rids = [eng.add_request(p, max_new) for p in prompts]
+    t_first = time.perf_counter()
     eng.step()  # admissions + first step (captures the first bucket)
     eng.step()
+    first_s = time.perf_counter() - t_first
     wall, toks = [], 0
     for _ in range(TIMED_STEPS):
         if eng.num_running < C:
@@ -95,7 +98,7 @@ def _run_row(model, method, budget, drafter, prompts, max_new, label: dict) -> d
             "step_ms_p90": float(np.quantile(wall, 0.9)) if wall else None, "timed_steps": steps,
             "device_ms": dev, "busy": dev / step_ms if wall else None, "tokens_per_s": agg,
             "tokens_per_s_per_stream": agg / C, "mean_accepted": float(np.mean(acc)) if acc else 1.0,
-            "kernels_per_step": prof.get("kernels_per_step"),
+            "kernels_per_step": prof.get("kernels_per_step"), "compiled": compile_, "first_steps_s": first_s,
             "top_kernels": prof.get("top_kernels") if C == 1 else None, "tokens": [first_tokens]}
 
 
@@ -228,6 +231,21 @@ def run(args) -> dict:
                           f"accepted {trained[-1]['mean_accepted']:.2f}", flush=True)
                     _partial(args, {**payload, "trained": trained})
         _ratios(trained)
+        compiled = []
+        if not quick:  # the torch.compile arm: C = 1 and 16, code prompts, AR and DDTree budget 32
+            enc = [tok.encode(t)[:PROMPT] for t in zoo.held_out("code") if len(tok.encode(t)) > PROMPT]
+            t_arm = time.perf_counter()
+            for m, b in (METHODS[0], METHODS[3]):
+                for c in (1, 16):
+                    if time.perf_counter() - t_arm > 240:
+                        break
+                    row = _run_row(target, m, b, drafter, [enc[i % len(enc)] for i in range(c)], 96,
+                                   {"model": "trained", "kind": "code", "context": PROMPT}, compile_=True)
+                    compiled.append(row)
+                    print(f"[engine_batch] compiled {m}{b or ''} C={c}: {row['step_ms']:.3f} ms, busy {row['busy']:.2f}, "
+                          f"kernels {row.get('kernels_per_step')}, first steps {row['first_steps_s']:.1f} s", flush=True)
+                    _partial(args, {**payload, "trained": trained, "compiled": compiled})
+        payload["compiled"] = compiled
         p0 = tok.encode(zoo.held_out("code")[0])[:PROMPT]
         payload["baselines"] = {
             "eager_loop": [_eager_loop(target, p0, 64, m, drafter if m == "ddtree" else None, b) for m, b in methods],
