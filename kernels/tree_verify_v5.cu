@@ -21,7 +21,7 @@
 // shortest that fit the jobs into k = 1..MAX_ROUNDS rounds of G, by a cost of rounds x (job tiles +
 // JOB_OVERHEAD) + jobs / 32 (the combine's reads).
 //
-// CTA of the attend kernel (256 threads, 217 KB of shared memory): the Q block [64 x 576] and two
+// CTA of the attend kernel (256 threads, 218 KB of shared memory): the Q block [64 x 576] and two
 // K stages [64 keys x 576], each stored as nine 64-dim column blocks [rows][128 B] in the 128-byte
 // swizzle (16-byte chunk c of row r at chunk c ^ (r % 8)), the layout wgmma reads.
 //   warpgroup 0: loads Q; S = Q K^T (36 x wgmma m64n64k16, both operands from shared memory); the
@@ -50,7 +50,7 @@
 #define ROPE_CB 8                       // column block of dims 512..575 (holds P once S is done)
 #define MSG_BYTES (2 * BM * 4)          // per stage: rescale factor and 1/l of each row
 #define BAR_OFF (3 * TILE_BYTES + 2 * MSG_BYTES)
-#define SMEM_BYTES (BAR_OFF + 6 * 8 + 1024)  // + slack to align the base to 1024 B: 222256
+#define SMEM_BYTES (BAR_OFF + 6 * 8 + 1024)  // + slack to align the base to 1024 B: 223280
 #define NTHREADS 256
 #define PLAN_HDR 1                      // plan[0] = number of jobs
 #define PLAN_STRIDE 8                   // per request: base job, chunks, chunk tiles, row blocks, len, rows, tail rows

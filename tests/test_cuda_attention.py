@@ -11,6 +11,7 @@ run under compute-sanitizer.
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import numpy as np
@@ -18,7 +19,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kdlib import DATA
+from kdlib import DATA, KERNELS
 from kdlib.ref import attention as ref
 
 FP32_RTOL = 1e-5  # fp32 accumulation against float64 (issue 4)
@@ -95,6 +96,432 @@ def test_junit_summary_counts_outcomes(tmp_path):
     got = suite.junit_summary(xml)
     assert (got["passed"], got["failed"], got["skipped"], got["failures"]) == (1, 1, 1, ["t::b"])
     assert suite.junit_summary(tmp_path / "missing.xml") is None
+
+
+# ----------------------------------------------------------------------------- v5 (wgmma) emulated on the CPU
+# The tree_verify_v5 kernels' integer plan, job decode, shared-memory layouts, register fragments and
+# arithmetic, re-done in numpy from the kernel's formulas, against the float64 reference.
+
+V5_SOURCE = KERNELS / "tree_verify_v5.cu"
+
+
+def _v5_decode(plan, j):
+    """Mirror of decode_job: job j -> dict(b, row0, nrows, ntail, utiles, ks, ke, ntiles)."""
+    bsz = (len(plan) - 1) // 8
+    bases = plan[1::8][:bsz]
+    b = int(np.searchsorted(bases, j, side="right")) - 1  # the last request whose first job is <= j
+    base, _, chunk_t, rbn, length, rows, ntail_b = (int(x) for x in plan[1 + 8 * b:8 + 8 * b])
+    chunk, blk = divmod(j - base, rbn)
+    ntail = ntail_b if chunk == 0 else 0
+    ks = chunk * chunk_t * 64
+    ke = min(length, ks + chunk_t * 64)
+    utiles = -(-ntail // 64)
+    return {"b": b, "row0": blk * 64, "nrows": min(64, rows - blk * 64), "ntail": ntail, "utiles": utiles,
+            "ks": ks, "ke": ke, "ntiles": utiles + (-(-(ke - ks) // 64) if ke > ks else 0)}
+
+
+def _v5_random_shape(rng):
+    bsz = int(rng.integers(1, 40))
+    nq, nh = int(rng.choice([1, 2, 9, 17, 33, 65])), int(rng.choice([1, 2, 8, 16, 64]))
+    width = int(rng.choice([0, 1, 63, 64, 65, 1000, 4096, 70_000, 200_000]))
+    lens = rng.integers(0, width + 1, size=bsz)
+    if rng.random() < 0.5:
+        lens[:] = width
+    sizes = rng.integers(0, nq + 1, size=bsz) if rng.random() < 0.7 else None
+    return lens, sizes, width, nq, nh, int(rng.choice([1, 3, 132]))
+
+
+def test_v5_constants_match_the_kernel_source():
+    from kdlib.cuda import attention as cu
+
+    src = V5_SOURCE.read_text()
+
+    def define(name):
+        return int(re.search(rf"#define {name} (\d+)", src).group(1))
+
+    assert (define("BM"), define("BN"), define("MAX_ROUNDS"), define("JOB_OVERHEAD"), define("PLAN_STRIDE")) == (
+        cu._V5_BM, cu._V5_BN, cu._V5_ROUNDS, cu._V5_JOB_OVERHEAD, cu._V5_PLAN_STRIDE)
+    tile, msg = 9 * 64 * 128, 2 * define("BM") * 4  # TILE_BYTES, MSG_BYTES
+    assert cu._V5_SMEM == 3 * tile + 2 * msg + 6 * 8 + 1024 <= 227 * 1024  # SMEM_BYTES, the H200 opt-in limit
+
+
+def test_v5_plan_runs_every_row_over_every_key_once():
+    """Jobs of every CTA (c, c + G, ...) cover each (request, row block, key) exactly once, prefix and
+    tail, within the partial buffers' bound; the combine's job arithmetic finds exactly a row's jobs."""
+    from kdlib.cuda import attention as cu
+
+    rng = np.random.default_rng(51)
+    for _ in range(300):
+        lens, sizes, width, nq, nh, grid = _v5_random_shape(rng)
+        plan = cu.plan_v5(lens, sizes, width, nq, nh, grid)
+        bsz, njobs = len(lens), int(plan[0])
+        assert 0 <= njobs <= cu.v5_max_jobs(bsz, nq * nh, grid)
+        runs = {}  # (b, row0) -> [(nrows, ntail, ks, ke)] in the order the CTAs run them
+        for c in range(grid):
+            for j in range(c, njobs, grid):
+                jb = _v5_decode(plan, j)
+                assert 1 <= jb["nrows"] <= 64 and jb["ntiles"] >= 1 and jb["row0"] % 64 == 0
+                assert jb["ntiles"] == jb["utiles"] + -(-(jb["ke"] - jb["ks"]) // 64)
+                runs.setdefault((jb["b"], jb["row0"]), []).append((jb["nrows"], jb["ntail"], jb["ks"], jb["ke"], j))
+        for b in range(bsz):
+            e = [int(x) for x in plan[1 + 8 * b:8 + 8 * b]]
+            ts = nq if sizes is None else int(sizes[b])
+            rows = ts * nh
+            assert e[5] == rows and e[3] == -(-rows // 64)
+            for row0 in range(0, nq * nh, 64):
+                got = runs.pop((b, row0), [])
+                has_work = int(lens[b]) > 0 or (sizes is not None and ts > 0)
+                if row0 >= rows or not has_work:
+                    assert not got, (b, row0)
+                    continue
+                assert {g[0] for g in got} == {min(64, rows - row0)}
+                assert sum(g[1] for g in got) == (ts if sizes is not None else 0)  # the tail once, in one job
+                spans = sorted((g[2], g[3]) for g in got)
+                assert spans[0][0] == 0 and spans[-1][1] == int(lens[b])
+                assert all(a[1] == nxt[0] for a, nxt in zip(spans, spans[1:], strict=False))
+                jobs = [e[0] + row0 // 64 + i * e[3] for i in range(e[1])]  # tree_verify_v5_combine's
+                assert sorted(jobs) == sorted(g[4] for g in got)
+        assert not runs
+
+
+def test_v5_plan_balances_the_issue_shapes():
+    """One round of nearly G equal jobs at 8 x 65 x 200k and 64 x 65 x 32k; the ragged batch within 25% of
+    an even split of its tiles."""
+    from kdlib.cuda import attention as cu
+
+    for nh, s in ((8, 200_000), (64, 32_768)):
+        plan = cu.plan_v5([s], [65], s, 65, nh, 132)
+        assert 120 <= plan[0] <= 132
+    rng = np.random.default_rng(3)
+    lens = rng.integers(1024, 65_537, size=16)
+    sizes = rng.integers(9, 66, size=16)
+    plan = cu.plan_v5(lens, sizes, 65_536, 65, 8, 132)
+    load = np.zeros(132)
+    for j in range(int(plan[0])):
+        load[j % 132] += _v5_decode(plan, j)["ntiles"] + cu._V5_JOB_OVERHEAD
+    even = sum(-(-int(sz) * 8 // 64) * (-(-int(ln) // 64) + 2) for ln, sz in zip(lens, sizes, strict=True)) / 132
+    assert load.max() <= 1.25 * even + 2 * cu._V5_JOB_OVERHEAD
+
+
+def _sw128(addr):
+    """The 128-byte swizzle wgmma and the copy engine apply to shared-memory byte addresses."""
+    return addr ^ (((addr >> 7) & 7) << 4)
+
+
+def _kmajor(smem16, start, rows):
+    """A K-major wgmma operand [rows, 16] read from shared memory (uint16 view) by the canonical
+    128-byte-swizzle layout: 8-row groups 1024 B apart, rows 128 B apart, two 16-byte K chunks."""
+    m, k = np.meshgrid(np.arange(rows), np.arange(16), indexing="ij")
+    addr = start + (m // 8) * 1024 + (m % 8) * 128 + (k // 8) * 16 + (k % 8) * 2
+    return smem16[_sw128(addr) // 2]
+
+
+def _mnmajor(smem16, start, lbo, n):
+    """An MN-major wgmma B operand [16, n]: 64-column blocks lbo apart, 8-row K groups 1024 B apart."""
+    k, c = np.meshgrid(np.arange(16), np.arange(n), indexing="ij")
+    addr = start + (c // 64) * lbo + ((c % 64) // 8) * 16 + (c % 8) * 2 + (k // 8) * 1024 + (k % 8) * 128
+    return smem16[_sw128(addr) // 2]
+
+
+def _v5_write_tile(smem, base, rows16):
+    """The Q load / K gather of the kernel: thread wt -> rows wt//8 + 16p, chunk wt%8 of each column block."""
+    written = np.zeros(len(smem), dtype=np.int32)
+    for wt in range(128):
+        r, c = wt >> 3, wt & 7
+        for p in range(4):
+            row = r + 16 * p
+            for cb in range(9):
+                dst = base + cb * 8192 + row * 128 + ((c ^ (row & 7)) << 4)
+                smem[dst // 2:dst // 2 + 8] = rows16[row, cb * 64 + c * 8:cb * 64 + c * 8 + 8]
+                written[dst:dst + 16] += 1
+    return written
+
+
+def _acc_layout(n):
+    """wgmma fp32 accumulator d[i] of thread tid (0..127): (row, col) of m64nNk16."""
+    tid, i = np.meshgrid(np.arange(128), np.arange(n // 2), indexing="ij")
+    warp, g, t4 = tid // 32, (tid % 32) // 4, tid % 4
+    return 16 * warp + g + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * t4 + (i & 1)
+
+
+def test_v5_shared_memory_layouts_give_wgmma_the_right_operands():
+    """Q, K tiles written as the kernel writes them and P stored from its registers read back through
+    the descriptors the kernel issues (start addresses, 1024-B groups, the 8 KB column-block stride)
+    as Q[:, 16k:16k+16], K, V = K[:, :512] halves and P, for every k-step; every byte written once."""
+    rng = np.random.default_rng(5)
+    q = rng.integers(0, 2**16, size=(64, 576), dtype=np.uint16)
+    k = rng.integers(0, 2**16, size=(64, 576), dtype=np.uint16)
+    p = rng.integers(0, 2**16, size=(64, 64), dtype=np.uint16)
+    qs, ks = 0, 73728
+    smem = np.zeros(3 * 73728 // 2, dtype=np.uint16)
+    assert (_v5_write_tile(smem, qs, q)[:73728] == 1).all()
+    assert (_v5_write_tile(smem, ks, k)[73728:2 * 73728] == 1).all()
+    for step in range(36):  # S = Q K^T: off = (k >> 2) * CB_BYTES + (k & 3) * 32
+        off = (step >> 2) * 8192 + (step & 3) * 32
+        np.testing.assert_array_equal(_kmajor(smem, qs + off, 64), q[:, 16 * step:16 * step + 16])
+        np.testing.assert_array_equal(_kmajor(smem, ks + off, 64), k[:, 16 * step:16 * step + 16])
+    rope = ks + 8 * 8192  # P over the rope column block, from the S accumulator registers
+    rows, cols = _acc_layout(64)  # s[i] of thread tid is S[rows, cols]
+    stored = np.zeros(8192, dtype=np.int32)
+    for tid in range(128):
+        lane, warp = tid % 32, tid // 32
+        g, t4 = lane // 4, lane % 4
+        for lr, e0 in ((warp * 16 + g, 0), (warp * 16 + g + 8, 2)):
+            for jj in range(8):
+                assert (rows[tid, 4 * jj + e0], cols[tid, 4 * jj + e0]) == (lr, 8 * jj + 2 * t4)
+                a = rope + (lr >> 3) * 1024 + (lr & 7) * 128 + ((jj ^ (lr & 7)) << 4) + 4 * t4
+                smem[a // 2:a // 2 + 2] = p[lr, 8 * jj + 2 * t4:8 * jj + 2 * t4 + 2]
+                stored[a - rope:a - rope + 4] += 1
+    assert (stored == 1).all()
+    for step in range(4):  # O[:, h*256:(h+1)*256] += P V: A = P (K-major), B = V (MN-major, LBO 8 KB)
+        np.testing.assert_array_equal(_kmajor(smem, rope + step * 32, 64), p[:, 16 * step:16 * step + 16])
+        for half in range(2):
+            v = _mnmajor(smem, ks + 4 * half * 8192 + step * 2048, 8192, 256)
+            np.testing.assert_array_equal(v, k[16 * step:16 * step + 16, 256 * half:256 * half + 256])
+
+
+def test_v5_register_fragments():
+    """The accumulator layout covers each tile element once; the P fragments built from it are the
+    m64nNk16 A layout (reg r, half h: row 16w + g + 8(r % 2), key 2 t4 + h + 8(r // 2)); the output
+    writes (rows lr0 / lr1, dims 8i + 2 t4) cover O once."""
+    for n in (64, 256):
+        rows, cols = _acc_layout(n)
+        assert len({(int(r), int(c)) for r, c in zip(rows.ravel(), cols.ravel(), strict=True)}) == 64 * n
+    rows, cols = _acc_layout(64)
+    for tid in range(128):
+        warp, g, t4 = tid // 32, (tid % 32) // 4, tid % 4
+        for jj in range(8):  # pa[jj >> 1][(jj & 1) * 2 + e] = pack(s[4 jj + 2 e], s[4 jj + 2 e + 1])
+            for e in range(2):
+                kk, r = jj >> 1, (jj & 1) * 2 + e
+                for h in range(2):
+                    want = (16 * warp + g + 8 * (r % 2), 16 * kk + 2 * t4 + h + 8 * (r // 2))
+                    assert (rows[tid, 4 * jj + 2 * e + h], cols[tid, 4 * jj + 2 * e + h]) == want
+
+
+class _Bar:
+    """An mbarrier: `count` arrivals complete a phase; wait(parity) passes once (phases & 1) != parity."""
+
+    def __init__(self, count):
+        self.count, self.pending, self.phases = count, 0, 0
+
+    def arrive(self):
+        self.pending += 1
+        if self.pending == self.count:
+            self.pending, self.phases = 0, self.phases + 1
+
+    def ready(self, parity):
+        return (self.phases & 1) != parity
+
+
+def _v5_pipeline(stream, rng):
+    """The attend kernel's two warpgroups and the copy engine as coroutines under a random interleaving,
+    with the kernel's barrier protocol (full / pready / vfree per stage, parities (t >> 1) & 1).
+    stream: the CTA's tiles as (job, it, ntiles). Checks what each step reads is the tile it means;
+    returns the completed tile order of both warpgroups, or raises on a deadlock."""
+    full, pready, vfree = [_Bar(1) for _ in range(2)], [_Bar(1) for _ in range(2)], [_Bar(1) for _ in range(2)]
+    stage = [None, None]  # tile whose K rows landed in each stage
+    rope = [None, None]  # tile whose P sits in each stage's rope block
+    msg = [None, None]  # tile whose factors sit in each stage's message
+    s_read = [None, None]  # tile S was last computed on in each stage (warpgroup 0's reads)
+    landing = []  # gathers in flight: (stage, tile)
+    done = {0: [], 1: []}
+    n = len(stream)
+
+    def wait(bar, parity):
+        while not bar.ready(parity):
+            yield
+
+    def gather(st, u):  # the copies land later; the arrive follows their landing
+        assert rope[st] is None or rope[st] < u - 1, "gather over a P warpgroup 1 has not read"
+        stage[st] = None
+        landing.append((st, u))
+
+    def wg0():
+        t = 0
+        while t < n:
+            _, it, ntiles = stream[t]
+            if it == 0:  # job start: Q, then S of its first tile
+                yield from wait(full[t & 1], (t >> 1) & 1)
+                assert stage[t & 1] == t
+                s_read[t & 1] = t
+            st = t & 1
+            rope[st], msg[st] = t, t  # P and the factors of tile t
+            pready[st].arrive()
+            yield
+            if it + 1 < ntiles:
+                yield from wait(full[st ^ 1], ((t + 1) >> 1) & 1)
+                assert stage[st ^ 1] == t + 1
+                s_read[st ^ 1] = t + 1
+            assert stage[st] == t  # P V of tile t read its V
+            vfree[st].arrive()
+            done[0].append(t)
+            t += 1
+            yield
+
+    def wg1():
+        for u in range(min(2, n)):
+            gather(u, u)
+        t = 0
+        while t < n:
+            st = t & 1
+            yield from wait(pready[st], (t >> 1) & 1)
+            assert stage[st] == t and rope[st] == t and msg[st] == t
+            yield
+            assert stage[st] == t and rope[st] == t and msg[st] == t  # P V and 1/l of tile t
+            done[1].append(t)
+            rope[st] = -1 if rope[st] == t else rope[st]
+            if t + 2 < n:
+                yield from wait(vfree[st], (t >> 1) & 1)
+                assert s_read[st] == t
+                gather(st, t + 2)
+            t += 1
+            yield
+
+    actors = [wg0(), wg1()]
+    live = [True, True]
+    steps = 0
+    while any(live):
+        steps += 1
+        assert steps < 1000 * (n + 10), "no progress"
+        if landing and rng.random() < 0.3:  # a gather's copies land, then its arrive
+            st, u = landing.pop(0)
+            stage[st] = u
+            full[st].arrive()
+            continue
+        i = int(rng.integers(0, 2))
+        if not live[i]:
+            continue
+        try:
+            next(actors[i])
+        except StopIteration:
+            live[i] = False
+        if not landing and all(not lv for lv in live):
+            break
+    return done
+
+
+def test_v5_barrier_protocol_under_random_interleavings():
+    """Both warpgroups finish every tile in order for random CTA streams (one-tile jobs, long jobs,
+    job boundaries at either stage), whatever the interleaving and copy latency; a reader never sees
+    a stage refilled early."""
+    from kdlib.cuda import attention as cu
+
+    rng = np.random.default_rng(9)
+    tried = 0
+    while tried < 200:
+        lens, sizes, width, nq, nh, grid = _v5_random_shape(rng)
+        lens = np.minimum(lens, 2000)
+        plan = cu.plan_v5(lens, sizes, min(width, 2000), nq, nh, grid)
+        c = int(rng.integers(0, grid))
+        stream = []
+        for j in range(c, int(plan[0]), grid):
+            nt = _v5_decode(plan, j)["ntiles"]
+            stream += [(j, it, nt) for it in range(nt)]
+        if len(stream) > 400:
+            continue
+        tried += 1
+        done = _v5_pipeline(stream, rng)
+        assert done[0] == done[1] == list(range(len(stream)))
+
+
+def _bf16(x):
+    import ml_dtypes
+
+    return np.asarray(x, dtype=np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def _v5_emulate(case, grid):
+    """The v5 verify in numpy float32 with the kernel's order of operations: per job and tile S = Q K^T,
+    mask, log2-domain online softmax (the 'no key yet' guard), P rounded to bf16 for P V, l from fp32
+    P, then the combine by LSE; rows past tree_sizes * H NaN."""
+    from kdlib.cuda import attention as cu
+
+    q, kv, pt, lens = case["q"], case["kv_cache"], case["page_table"], case["prefix_lens"]
+    tkv, vis, sizes = case["tree_kv"], case["visibility"], case["tree_sizes"]
+    bsz, nq, nh, _ = q.shape
+    rows_m = nq * nh
+    plan = cu.plan_v5(lens, sizes, pt.shape[1], nq, nh, grid)
+    sl2 = np.float32(case["softmax_scale"] * 1.4426950408889634)
+    njobs = int(plan[0])
+    parts = np.full((njobs, 64, 512), np.nan, np.float32)
+    plse = np.full((njobs, 64), np.nan, np.float32)
+    qf = q.reshape(bsz, rows_m, 576).astype(np.float32)
+    for j in range(njobs):
+        jb = _v5_decode(plan, j)
+        b, r0, nr = jb["b"], jb["row0"], jb["nrows"]
+        qb = np.zeros((64, 576), np.float32)
+        qb[:nr] = qf[b, r0:r0 + nr]
+        qrow = (r0 + np.arange(64)) // nh  # query of each block row
+        m = np.full(64, -np.inf, np.float32)
+        l = np.zeros(64, np.float32)
+        o = np.zeros((64, 512), np.float32)
+        for it in range(jb["ntiles"]):
+            tail = it < jb["utiles"]
+            k0 = it * 64 if tail else jb["ks"] + (it - jb["utiles"]) * 64
+            kend = jb["ntail"] if tail else jb["ke"]
+            keys = k0 + np.arange(64)
+            ok = keys < kend
+            kt = np.zeros((64, 576), np.float32)
+            src = tkv[b, keys[ok]] if tail else kv[pt[b, keys[ok]]]
+            kt[ok] = src
+            s = qb @ kt.T  # [64 rows, 64 keys]
+            mask = np.broadcast_to(ok, (64, 64)).copy()
+            if tail:
+                mask &= (np.arange(64) < nr)[:, None]
+                mask &= vis[b, np.minimum(qrow, nq - 1)][:, np.minimum(keys, nq - 1)]
+            s = np.where(mask, s * sl2, -np.inf).astype(np.float32)
+            mn = np.maximum(m, s.max(axis=1))
+            ms = np.where(np.isneginf(mn), np.float32(0), mn)
+            c = np.exp2(m - ms)
+            m = mn
+            pr = np.exp2(s - ms[:, None]).astype(np.float32)
+            l = l * c + pr.sum(axis=1)
+            o = o * c[:, None] + _bf16(pr) @ kt[:, :512]
+        inv = np.where(l > 0, 1 / np.where(l > 0, l, 1), 0).astype(np.float32)
+        parts[j, :nr] = (o * inv[:, None])[:nr]
+        plse[j, :nr] = np.where(l > 0, (m + np.log2(np.where(l > 0, l, 1))) * np.float32(0.6931471805599453),
+                                -np.inf)[:nr]
+    out = np.zeros((bsz, rows_m, 512), np.float32)
+    lse = np.zeros((bsz, rows_m), np.float32)
+    for b in range(bsz):
+        base, nch, _, rbn, _, rows_b, _ = (int(x) for x in plan[1 + 8 * b:8 + 8 * b])
+        for r in range(rows_m):
+            if r >= rows_b:
+                out[b, r], lse[b, r] = np.nan, np.nan
+                continue
+            jobs = [base + r // 64 + i * rbn for i in range(nch)]
+            ls = np.array([plse[j, r % 64] for j in jobs], np.float32)
+            mx = ls.max(initial=-np.inf)
+            basev = 0.0 if np.isneginf(mx) else mx
+            w = np.exp(ls - basev)
+            z = w.sum()
+            out[b, r] = sum(wi / z * parts[j, r % 64] for wi, j in zip(w, jobs, strict=True)) if z > 0 else 0
+            lse[b, r] = basev + np.log(z) if z > 0 else -np.inf
+    return out.reshape(bsz, nq, nh, 512), lse.reshape(bsz, nq, nh)
+
+
+def test_v5_emulated_verify_matches_float64_reference():
+    """The emulated v5 arithmetic on bf16 inputs lands within the bf16 bounds of the float64 reference,
+    at several grids (job splits), with ragged trees, empty prefixes and rows without visible keys."""
+    import ml_dtypes
+
+    for seed in range(12):
+        rng = np.random.default_rng(700 + seed)
+        case = _case(rng, max_p=400, heads=(1, 3, 8, 16))
+        case["tree_sizes"] = np.minimum(case["tree_sizes"], case["q"].shape[1])
+        for k in ("q", "kv_cache", "tree_kv"):
+            case[k] = case[k].astype(ml_dtypes.bfloat16).astype(np.float64)
+        r_out, r_lse = ref.tree_verify_attention(**case)
+        emu = {k: (v.astype(np.float32) if k in ("q", "kv_cache", "tree_kv") else v) for k, v in case.items()}
+        for grid in (1, 3, 7):
+            out, lse = _v5_emulate(emu, grid)
+            assert np.array_equal(np.isnan(lse), np.isnan(r_lse)), f"seed {seed} grid {grid}: NaN rows"
+            keep = ~np.isnan(r_lse)
+            assert np.array_equal(np.isneginf(lse[keep]), np.isneginf(r_lse[keep]))
+            num = np.linalg.norm((out - r_out)[keep])
+            assert num <= BF16_RTOL * max(np.linalg.norm(r_out[keep]), 1e-30), f"seed {seed} grid {grid}"
+            fin = keep & np.isfinite(r_lse)
+            assert np.abs(lse[fin] - r_lse[fin]).max(initial=0) <= LSE_ATOL_BF16
 
 
 # ----------------------------------------------------------------------------- GPU helpers
@@ -229,11 +656,21 @@ def _run_random(seed0, n_cases, dtype, impls, rtol, lse_atol, **case_kw):
 
 
 def _mma_impls():
-    """Every tensor-core version, or the comma list in $KDLIB_TEST_MMA (e.g. 'mma_v3,mma_v4')."""
-    from kdlib.cuda.attention import MMA_VERSIONS
+    """Every tensor-core version the device runs (the mma.sync ones, and "wgmma" on sm_90), or the comma
+    list in $KDLIB_TEST_MMA (e.g. 'mma_v3,wgmma')."""
+    from kdlib.cuda.attention import MMA_VERSIONS, WGMMA, wgmma_available
 
     chosen = os.environ.get("KDLIB_TEST_MMA")
-    return [m.strip() for m in chosen.split(",")] if chosen else list(MMA_VERSIONS)
+    if chosen:
+        return [m.strip() for m in chosen.split(",")]
+    return list(MMA_VERSIONS) + ([WGMMA] if wgmma_available() else [])
+
+
+def _need_wgmma():
+    from kdlib.cuda.attention import wgmma_available
+
+    if not wgmma_available():
+        pytest.skip("impl 'wgmma' needs an sm_90 device")
 
 
 # ----------------------------------------------------------------------------- GPU tests
@@ -369,7 +806,7 @@ def _torch_reference(q, kv, page, lens, tkv, vis, sizes, scale):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,impl", [("bfloat16", "mma_v2"), ("bfloat16", "mma_v3"), ("bfloat16", "mma_v4"),
-                                        ("float32", "simple")])
+                                        ("bfloat16", "wgmma"), ("float32", "simple")])
 @pytest.mark.parametrize("nh,width", [(8, 20_000), (16, 9_000), (64, 2_500)])
 def test_long_prefix_against_float64_torch(dtype, impl, nh, width):
     import torch
@@ -377,6 +814,8 @@ def test_long_prefix_against_float64_torch(dtype, impl, nh, width):
     from kdlib.check import assert_close
     from kdlib.cuda import attention as cu
 
+    if impl == "wgmma":
+        _need_wgmma()
     g = torch.Generator(device="cuda").manual_seed(nh * 7 + width)
     bsz, nq = 2, 65
     tdt = getattr(torch, dtype)
@@ -469,12 +908,82 @@ def test_bad_inputs_raise_value_error_before_launch():
                            cp.zeros((4, 512), cp.float32), cp.zeros(4, cp.float32))
 
 
+@pytest.mark.gpu
+def test_wgmma_plan_kernel_matches_numpy_mirror():
+    """The device plan equals plan_v5 integer for integer (ragged, empty, prefix-only and huge requests)."""
+    _need_wgmma()
+    from kdlib.cuda import attention as cu
+    from kdlib.cuda import loader
+
+    cp = _cp()
+    rng = np.random.default_rng(77)
+    fn = loader.get_function(cu._V5, "tree_verify_v5_plan", options=cu._V5_OPTIONS)
+    for _ in range(200):
+        lens, sizes, width, nq, nh, grid = _v5_random_shape(rng)
+        want = cu.plan_v5(lens, sizes, width, nq, nh, grid)
+        plan = cp.full(want.shape, -7, dtype=cp.int32)
+        d_sizes = cp.asarray(sizes, dtype=cp.int32) if sizes is not None else np.uintp(0)
+        fn((1,), (256,), (cp.asarray(lens, dtype=cp.int32), d_sizes, np.int32(len(lens)), np.int32(width),
+                          np.int32(nq), np.int32(nh), np.int32(grid), plan))
+        np.testing.assert_array_equal(plan.get(), want)
+
+
+@pytest.mark.gpu
+def test_wgmma_bit_reproducible_graph_captured_and_allocation_free():
+    """With a workspace: two eager calls agree bit for bit, a call allocates no memory, and the three
+    launches captured in a CUDA graph replay to the same bits (ragged batch, several jobs per row)."""
+    _need_wgmma()
+    import torch
+
+    from kdlib.cuda import attention as cu
+
+    cp = _cp()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    bsz, nq, nh, width = 5, 33, 8, 6000
+    q = torch.randn(bsz, nq, nh, 576, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(2 * width, 576, device="cuda", generator=g).bfloat16()
+    page = torch.stack([torch.randperm(2 * width, device="cuda", generator=g)[:width] for _ in range(bsz)]).int()
+    lens = torch.tensor([width, 1, 0, 2500, 4097], device="cuda", dtype=torch.int32)
+    tkv = torch.randn(bsz, nq, 576, device="cuda", generator=g).bfloat16()
+    rng = np.random.default_rng(1)
+    vis = torch.from_numpy(np.stack([_random_tree(rng, nq) for _ in range(bsz)])).cuda()
+    sizes = torch.tensor([33, 9, 1, 0, 20], device="cuda", dtype=torch.int32)
+    args = (q, kv, page, lens, tkv, vis, sizes, 576**-0.5)
+    ws = cu.make_workspace(bsz, nq, nh)
+    first = [a.copy() for a in cu.tree_verify_attention(*args, impl="wgmma", workspace=ws)]
+    pool = cp.get_default_memory_pool()
+    used = pool.used_bytes()
+    again = cu.tree_verify_attention(*args, impl="wgmma", workspace=ws, validate=False)
+    assert pool.used_bytes() == used, "a call with a workspace allocated memory"
+    for a, b in zip(first, again, strict=True):
+        assert np.array_equal(a.get(), b.get(), equal_nan=True), "two runs differ"
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream, torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr)):
+        stream.begin_capture()
+        cu.tree_verify_attention(*args, impl="wgmma", workspace=ws, validate=False)
+        graph = stream.end_capture()
+        ws.out.fill(np.nan)
+        graph.launch(stream=stream)
+        stream.synchronize()
+    for a, b in zip(first, (ws.out.reshape(first[0].shape), ws.lse.reshape(first[1].shape)), strict=True):
+        assert np.array_equal(a.get(), b.get(), equal_nan=True), "graph replay differs from the eager call"
+    r_out, r_lse = ref.tree_verify_attention(
+        q.float().cpu().double().numpy(), kv.float().cpu().double().numpy(), page.cpu().numpy(), lens.cpu().numpy(),
+        tkv.float().cpu().double().numpy(), vis.cpu().numpy(), sizes.cpu().numpy(), 576**-0.5)
+    _compare(*first, r_out, r_lse, rtol=BF16_RTOL, lse_atol=LSE_ATOL_BF16, name="wgmma ragged batch")
+    with pytest.raises(ValueError):
+        cu.tree_verify_attention(*args, impl="wgmma", workspace=cu.make_workspace(bsz, nq, nh + 1))
+    with pytest.raises(ValueError):
+        cu.tree_verify_attention(*args, impl="mma_v3", workspace=ws)
+
+
 def _sanitize_driver(impls):
     """Small cases of every kernel (or of `impls` only), for compute-sanitizer memcheck / racecheck."""
     from kdlib.cuda import attention as cu
 
     cp = _cp()
     runs = [(1, "float32", "simple"), (3, "bfloat16", "simple")] + [(2, "bfloat16", m) for m in cu.MMA_VERSIONS]
+    runs += [(4, "bfloat16", cu.WGMMA)] if cu.wgmma_available() else []
     runs = [r for r in runs if not impls or r[2] in impls]
     for seed, dtype, impl in runs:
         case = _case(np.random.default_rng(seed), max_p=700, heads=(2, 8))

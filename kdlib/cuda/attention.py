@@ -17,8 +17,13 @@ Implementations (`impl`): "simple" (`tree_verify_v1`: one warp per row on the CU
 accumulation; the fp32 path, within 1e-5 of the float64 reference) and "mma" (`MMA_DEFAULT`, one
 of `MMA_VERSIONS`, `tree_verify_v2`..`v4`: the bf16 prefix on the tensor cores with
 `mma.sync.m16n8k16`, fp32 accumulators; P rounded to bf16 before P·V, so bf16 inputs land near
-1e-3 of the float64 reference of the same bf16 values). "auto" picks "mma" for bf16 when the
-device grants its shared memory (166-203 KB per block; not on sm_120's 99 KB), else "simple".
+1e-3 of the float64 reference of the same bf16 values). "wgmma" (`tree_verify_v5`, sm_90a only)
+runs the whole verify on Hopper's warpgroup tensor cores in three launches: a one-block plan that
+cuts the work into equal jobs (`plan_v5` is its numpy mirror), a persistent kernel (one CTA per SM)
+over the prefix with the tree tail fused in, and an LSE combine; its buffers can be allocated once
+(`make_workspace`) so that a call allocates nothing and syncs nothing (CUDA-graph capturable).
+"auto" picks `BF16_DEFAULT` for bf16 where the device runs it (else "mma" where the device grants
+its 166-203 KB of shared memory, not on sm_120's 99 KB), and "simple" for fp32.
 
 Checks before any launch raise ValueError: shapes, dtypes (float32 or bfloat16, all float inputs
 alike), Q <= 65, widths 576/512, and, with `validate=True` (the default, one device sync), the
@@ -59,6 +64,19 @@ MMA_VERSIONS = {
 # What impl "mma" (and "auto" on bf16) runs: v3, the fastest in the recorded sweep
 # (data/results/verify_attention_dev.h200.json times v3 and v4 side by side; the third stage did not pay).
 MMA_DEFAULT = "mma_v3"
+# The wgmma whole-verify kernels (tree_verify_v5.cu), built for sm_90a through NVRTC.
+WGMMA = "wgmma"
+_V5 = "tree_verify_v5"
+_V5_OPTIONS = ("-arch=sm_90a",)
+_V5_SMEM = 3 * 73728 + 2 * 512 + 6 * 8 + 1024  # Q block + two K stages + factors + barriers + alignment (SMEM_BYTES)
+_V5_BM = 64  # rows per job (BM)
+_V5_BN = 64  # keys per tile (BN)
+_V5_ROUNDS = 4  # MAX_ROUNDS: the plan fits the jobs into at most this many rounds of one job per CTA
+_V5_JOB_OVERHEAD = 5  # JOB_OVERHEAD, in tiles
+_V5_PLAN_STRIDE = 8  # PLAN_STRIDE: per request base, chunks, chunk tiles, row blocks, len, rows, tail rows
+# What "auto" runs for bf16 where the device has sm_90a: the faster of "wgmma" and "mma" in the
+# recorded attention sweep (data/results/attention.h200.json); a one-line change after a new run.
+BF16_DEFAULT = "mma"
 _MAX_SPLITS = 64  # beyond this the partial-output traffic outweighs the gain in parallelism
 _MIN_TILES_PER_SPLIT = 8  # a split shorter than 8 key tiles spends its time on set-up
 
@@ -201,6 +219,15 @@ def _device_info() -> tuple[int, int]:
     return int(props["multiProcessorCount"]), int(props["sharedMemPerBlockOptin"])
 
 
+def wgmma_available() -> bool:
+    """True when the current device runs the sm_90a kernels (compute capability 9.0, their shared memory)."""
+    import cupy
+
+    dev = cupy.cuda.runtime.getDevice()
+    props = cupy.cuda.runtime.getDeviceProperties(dev)
+    return (int(props["major"]), int(props["minor"])) == (9, 0) and int(props["sharedMemPerBlockOptin"]) >= _V5_SMEM
+
+
 def split_plan(bsz: int, row_blocks: int, width: int, tile: int, slots: int) -> tuple[int, int]:
     """(nsplit, chunk): how to cut a page table of `width` keys so the grid fills the GPU.
 
@@ -224,18 +251,143 @@ def split_plan(bsz: int, row_blocks: int, width: int, tile: int, slots: int) -> 
 
 
 def _pick_impl(impl: str, kind: str) -> str:
-    """'simple' or a key of MMA_VERSIONS."""
-    names = ("auto", "simple", "mma", *MMA_VERSIONS)
+    """'simple', 'wgmma' or a key of MMA_VERSIONS."""
+    names = ("auto", "simple", "mma", WGMMA, *MMA_VERSIONS)
     if impl not in names:
         raise ValueError(f"impl must be one of {names}, got {impl!r}")
-    if impl.startswith("mma") and kind != "bf16":
-        raise ValueError(f"impl {impl!r} needs bfloat16 inputs (the fp32 path is 'simple')")
+    if impl.startswith("mma") or impl == WGMMA:
+        if kind != "bf16":
+            raise ValueError(f"impl {impl!r} needs bfloat16 inputs (the fp32 path is 'simple')")
+    if impl == WGMMA and not wgmma_available():
+        raise ValueError("impl 'wgmma' needs an sm_90 device (H100/H200) with 218 KB of shared memory per block")
     if impl == "mma":
         return MMA_DEFAULT
     if impl == "auto":
-        fits = _device_info()[1] >= MMA_VERSIONS[MMA_DEFAULT][1]
-        return MMA_DEFAULT if kind == "bf16" and fits else "simple"
+        if kind != "bf16":
+            return "simple"
+        if BF16_DEFAULT == WGMMA and wgmma_available():
+            return WGMMA
+        return MMA_DEFAULT if _device_info()[1] >= MMA_VERSIONS[MMA_DEFAULT][1] else "simple"
     return impl
+
+
+def _ceil(a, b):
+    return -(-a // b)
+
+
+def v5_max_jobs(bsz: int, rows: int, grid: int) -> int:
+    """The most jobs the v5 plan makes for B requests of `rows` query rows on `grid` CTAs (MAX_ROUNDS * G
+    + B * ceil(rows / 64)): the partial buffers' first dimension."""
+    return _V5_ROUNDS * grid + bsz * _ceil(rows, _V5_BM)
+
+
+def plan_v5(prefix_lens, tree_sizes, width: int, nq: int, nh: int, grid: int) -> np.ndarray:
+    """numpy mirror of `tree_verify_v5_plan`: the int32 plan [1 + 8 B] the kernels read.
+
+    prefix_lens [B] ints; tree_sizes [B] ints or None (the prefix alone, no tail); width = P, the
+    page-table width; grid = G CTAs. plan[0] = jobs; per request b at 1 + 8 b: first job, key chunks,
+    tiles per chunk, row blocks, prefix length, query rows, tail rows. Jobs of request b are numbered
+    chunk-major then row block: job = first + chunk * row_blocks + block.
+    """
+    lens = np.clip(np.asarray(prefix_lens, dtype=np.int64), 0, width)  # [B]
+    bsz = lens.shape[0]
+    tail = tree_sizes is not None
+    ts = np.clip(np.asarray(tree_sizes, dtype=np.int64), 0, nq) if tail else np.full(bsz, nq, dtype=np.int64)
+    rows = ts * nh
+    rb = -(-rows // _V5_BM)
+    tiles = -(-lens // _V5_BN)  # T: prefix tiles
+    utiles = -(-ts // _V5_BN) if tail else np.zeros(bsz, dtype=np.int64)  # U: tail tiles
+
+    def chunks(c):
+        return np.where(tiles > 0, -(-tiles // c), np.where(utiles > 0, 1, 0))
+
+    def jobs(c):
+        return int((rb * chunks(c)).sum())
+
+    tmax = max(1, int(tiles.max(initial=0)))
+    best = None
+    for k in range(1, _V5_ROUNDS + 1):
+        lo, hi = 1, tmax
+        while lo < hi:  # the shortest chunk that fits the jobs into k rounds of `grid`
+            mid = (lo + hi) // 2
+            if jobs(mid) <= k * grid:
+                hi = mid
+            else:
+                lo = mid + 1
+        n, nc = jobs(lo), chunks(lo)
+        live = (rb > 0) & (nc > 0)
+        size = np.where(tiles > 0, -(-tiles // np.maximum(nc, 1)), 0) + utiles
+        longest = int(size[live].max(initial=0))
+        cost = _ceil(n, grid) * (longest + _V5_JOB_OVERHEAD) * 32 + n
+        if best is None or cost < best[0]:
+            best = (cost, lo)
+    c = best[1]
+    plan = np.zeros(1 + _V5_PLAN_STRIDE * bsz, dtype=np.int32)
+    base = 0
+    for b in range(bsz):
+        nc = int(chunks(c)[b]) if rb[b] > 0 else 0
+        e = 1 + _V5_PLAN_STRIDE * b
+        plan[e:e + 7] = (base, nc, _ceil(int(tiles[b]), nc) if nc and tiles[b] else 0, rb[b], lens[b], rows[b],
+                         ts[b] if tail else 0)
+        base += nc * int(rb[b])
+    plan[0] = base
+    return plan
+
+
+class VerifyWorkspace:
+    """Buffers of one "wgmma" call shape (B requests, Q queries, H heads): with it a call allocates nothing.
+
+    plan [1 + 8 B] int32, parts [jobs, 64, 512] fp32 and part_lse [jobs, 64] fp32 (jobs = v5_max_jobs),
+    out [B*Q*H, 512] fp32 and lse [B*Q*H] fp32 (the returned arrays are views of these: the next call
+    with the same workspace overwrites them).
+    """
+
+    def __init__(self, bsz: int, nq: int, nh: int):
+        import cupy
+
+        if bsz < 1 or not 1 <= nq <= MAX_Q or nh < 1:
+            raise ValueError(f"workspace shape needs B >= 1, 1 <= Q <= {MAX_Q}, H >= 1, got {(bsz, nq, nh)}")
+        self.shape = (bsz, nq, nh)
+        self.grid = _device_info()[0]
+        rows = nq * nh
+        jobs = v5_max_jobs(bsz, rows, self.grid)
+        self.plan = cupy.zeros(1 + _V5_PLAN_STRIDE * bsz, dtype=cupy.int32)  # [1 + 8B]
+        self.parts = cupy.empty((jobs, _V5_BM, KV_LORA_RANK), dtype=cupy.float32)  # [jobs, 64, 512]
+        self.part_lse = cupy.empty((jobs, _V5_BM), dtype=cupy.float32)  # [jobs, 64]
+        self.out = cupy.empty((bsz * rows, KV_LORA_RANK), dtype=cupy.float32)  # [B*Q*H, 512]
+        self.lse = cupy.empty((bsz * rows,), dtype=cupy.float32)  # [B*Q*H]
+
+
+def make_workspace(bsz: int, nq: int, nh: int) -> VerifyWorkspace:
+    """Preallocated buffers for impl "wgmma" calls on q of shape [bsz, nq, nh, 576] (see VerifyWorkspace)."""
+    return VerifyWorkspace(bsz, nq, nh)
+
+
+def _launch_v5(qa, kv, pt, lens, scale, ws, tail=None):
+    """The three v5 launches -> (out [B*M, 512], lse [B*M]) fp32 views of the workspace.
+
+    tail = (tree_kv [B, Q, 576], visibility [B, Q, Q], tree_sizes [B]) for the whole verify, None
+    for the prefix alone.
+    """
+    bsz, nq, nh, _ = qa.shape
+    if ws is None:
+        ws = VerifyWorkspace(bsz, nq, nh)
+    elif ws.shape != (bsz, nq, nh):
+        raise ValueError(f"workspace was made for (B, Q, H) = {ws.shape}, the call has {(bsz, nq, nh)}")
+    rows = nq * nh
+    null = np.uintp(0)
+    tkv, vis, sizes = tail if tail is not None else (null, null, null)
+    plan_fn = loader.get_function(_V5, "tree_verify_v5_plan", options=_V5_OPTIONS)
+    attend_fn = loader.get_function(_V5, "tree_verify_v5_attend", options=_V5_OPTIONS)
+    combine_fn = loader.get_function(_V5, "tree_verify_v5_combine", options=_V5_OPTIONS)
+    loader.set_max_dynamic_shared(attend_fn, _V5_SMEM)
+    width = pt.shape[1]
+    plan_fn((1,), (256,), (lens, sizes, np.int32(bsz), np.int32(width), np.int32(nq), np.int32(nh),
+                           np.int32(ws.grid), ws.plan))
+    attend_fn((ws.grid,), (256,), (qa, kv, pt, tkv, vis, ws.plan, np.int32(bsz), np.int32(width), np.int32(nq),
+                                    np.int32(nh), np.float32(scale), ws.parts, ws.part_lse), shared_mem=_V5_SMEM)
+    combine_fn((bsz * rows,), (KV_LORA_RANK // 4,), (ws.parts, ws.part_lse, ws.plan, np.int32(rows), ws.out, ws.lse))
+    return ws.out, ws.lse
 
 
 def _launch_prefix(qa, kind, kv, pt, lens, scale, impl):
@@ -300,21 +452,34 @@ def _launch_combine(parts, plse, rows_per_batch, extra=None, extra_lse=None):
     return out, lse
 
 
+def _check_workspace(workspace, impl):
+    if workspace is not None and impl != WGMMA:
+        raise ValueError(f"workspace buffers serve impl 'wgmma' only, the call runs {impl!r}")
+    if workspace is not None and not isinstance(workspace, VerifyWorkspace):
+        raise ValueError(f"workspace must come from make_workspace, got {type(workspace).__name__}")
+
+
 def prefix_attention(q, kv_cache, page_table, prefix_lens, softmax_scale, kv_lora_rank: int = KV_LORA_RANK, *,
-                     impl: str = "auto", validate: bool = True):
+                     impl: str = "auto", validate: bool = True, workspace: VerifyWorkspace | None = None):
     """Attention of every query over its request's paged latent prefix (page_size 1), split-KV.
 
     Shape: q [B, Q, H, 576], kv_cache [S, 576], page_table [B, P] int, prefix_lens [B] int
     (or the unbatched form). Returns out [B, Q, H, 512] fp32, lse [B, Q, H] fp32 (CuPy).
+    workspace (impl "wgmma" only): buffers from make_workspace; the results are views of it.
     """
     _check_rank(kv_lora_rank)
     qa, kind, batched = _check_q(q)
     kv, pt, lens = _check_prefix(qa, kind, kv_cache, page_table, prefix_lens, batched, validate)
     scale = _scale(softmax_scale)
     impl = _pick_impl(impl, kind)
+    _check_workspace(workspace, impl)
     if validate:
         _validate_prefix(kv, pt, lens)
     bsz, nq, nh, _ = qa.shape
+    if impl == WGMMA:
+        out, lse = _launch_v5(qa, kv, pt, lens, scale, workspace)
+        out, lse = out.reshape(bsz, nq, nh, KV_LORA_RANK), lse.reshape(bsz, nq, nh)
+        return (out, lse) if batched else (out[0], lse[0])
     parts, plse = _launch_prefix(qa, kind, kv, pt, lens, scale, impl)
     if parts.shape[1] == 1:
         out, lse = parts, plse
@@ -366,11 +531,14 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
 
 
 def tree_verify_attention(q, kv_cache, page_table, prefix_lens, tree_kv, visibility, tree_sizes, softmax_scale,
-                          kv_lora_rank: int = KV_LORA_RANK, *, impl: str = "auto", validate: bool = True):
-    """The whole verify attention: split-KV prefix + masked tail, merged in one combine launch.
+                          kv_lora_rank: int = KV_LORA_RANK, *, impl: str = "auto", validate: bool = True,
+                          workspace: VerifyWorkspace | None = None):
+    """The whole verify attention: split-KV prefix + masked tail, merged in one combine launch
+    (impl "wgmma": the tail fused into the prefix kernel).
 
     Shapes as in the two parts (batched or unbatched). Returns out [B, Q, H, 512] fp32 and the
-    natural-log lse [B, Q, H] fp32 (CuPy); rows >= tree_sizes[b] are NaN.
+    natural-log lse [B, Q, H] fp32 (CuPy); rows >= tree_sizes[b] are NaN. workspace (impl "wgmma"
+    only): buffers from make_workspace; the results are views of it.
     """
     _check_rank(kv_lora_rank)
     qa, kind, batched = _check_q(q)
@@ -378,10 +546,15 @@ def tree_verify_attention(q, kv_cache, page_table, prefix_lens, tree_kv, visibil
     tkv, vis, sizes = _check_tail(qa, kind, tree_kv, visibility, tree_sizes, batched, validate)
     scale = _scale(softmax_scale)
     impl = _pick_impl(impl, kind)
+    _check_workspace(workspace, impl)
     if validate:
         _validate_prefix(kv, pt, lens)
         _validate_tail(sizes, qa.shape[1])
     bsz, nq, nh, _ = qa.shape
+    if impl == WGMMA:
+        out, lse = _launch_v5(qa, kv, pt, lens, scale, workspace, tail=(tkv, vis, sizes))
+        out, lse = out.reshape(bsz, nq, nh, KV_LORA_RANK), lse.reshape(bsz, nq, nh)
+        return (out, lse) if batched else (out[0], lse[0])
     parts, plse = _launch_prefix(qa, kind, kv, pt, lens, scale, impl)
     t_out, t_lse = _launch_tail(qa, kind, tkv, vis, sizes, scale)
     out, lse = _launch_combine(parts, plse, nq * nh, t_out.reshape(-1, KV_LORA_RANK), t_lse.reshape(-1))
