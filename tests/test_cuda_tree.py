@@ -13,6 +13,7 @@ frontier-filling cases.
 from __future__ import annotations
 
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -810,147 +811,13 @@ def test_v4_model_matches_reference():
     assert requests >= 1000
 
 
-# The host emulation: kernels/tree_build_v4.cu compiled by g++ with this shim, one ucontext per CUDA
+# The host emulation: kernels/tree_build_v4.cu compiled by g++ with tests/emu/cuda_shim.h in front and
+# tests/emu/tree_build_driver.cpp behind it, one ucontext per CUDA
 # thread of a block, blocks one after another; warp intrinsics exchange through a buffer between two
 # warp barriers, so lanes run in lock step where the kernel relies on it. Shared memory ends at a guard
 # page (an access past its size rounded to 16 bytes faults) and starts out as stale bytes (finite
 # doubles in even blocks, NaNs in odd ones).
-EMU_SHIM = r"""
-#include <algorithm>
-#include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <sys/mman.h>
-#include <ucontext.h>
-#include <unistd.h>
-#define __device__
-#define __global__
-#define __forceinline__ inline
-#define __launch_bounds__(a, b)
-#define __shared__
-#define __align__(n) __attribute__((aligned(n)))
-using std::max;
-using std::min;
-struct emu_dim3 { unsigned x, y, z; };
-static int emu_threads = 0, emu_cur = 0, emu_block = 0;
-static inline emu_dim3 emu_thread_idx() { return {(unsigned)emu_cur, 0u, 0u}; }
-static inline emu_dim3 emu_block_idx() { return {(unsigned)emu_block, 0u, 0u}; }
-#define threadIdx (emu_thread_idx())
-#define blockIdx (emu_block_idx())
-struct EmuBar { int count = 0; long gen = 0; };
-struct EmuThr { ucontext_t ctx; EmuBar* bar = nullptr; long gen = 0; bool done = false; };
-static EmuThr* emu_thr = nullptr;
-static ucontext_t emu_sched;
-static EmuBar emu_block_bar, emu_warp_bar[32];
-static uint64_t emu_xbuf[32][32];
-static unsigned char* emu_smem_base = nullptr;
-static void emu_wait(EmuBar* bar, int n) {
-    const long g = bar->gen;
-    if (++bar->count == n) { bar->count = 0; bar->gen++; return; }
-    emu_thr[emu_cur].bar = bar;
-    emu_thr[emu_cur].gen = g;
-    swapcontext(&emu_thr[emu_cur].ctx, &emu_sched);
-}
-static void __syncthreads() { emu_wait(&emu_block_bar, emu_threads); }
-static void __syncwarp(unsigned = 0xffffffffu) { emu_wait(&emu_warp_bar[emu_cur >> 5], 32); }
-static uint64_t emu_exchange(uint64_t v, int src) {
-    const int w = emu_cur >> 5;
-    emu_xbuf[w][emu_cur & 31] = v;
-    __syncwarp();
-    const uint64_t r = emu_xbuf[w][src & 31];
-    __syncwarp();
-    return r;
-}
-static unsigned __ballot_sync(unsigned, bool p) {
-    const int w = emu_cur >> 5;
-    emu_xbuf[w][emu_cur & 31] = p ? 1u : 0u;
-    __syncwarp();
-    unsigned r = 0u;
-    for (int l = 0; l < 32; ++l) r |= (unsigned)emu_xbuf[w][l] << l;
-    __syncwarp();
-    return r;
-}
-static bool __any_sync(unsigned m, bool p) { return __ballot_sync(m, p) != 0u; }
-static unsigned __shfl_sync(unsigned, unsigned v, int src) { return (unsigned)emu_exchange(v, src); }
-static double __shfl_sync(unsigned, double v, int src) {
-    uint64_t u; std::memcpy(&u, &v, 8); u = emu_exchange(u, src); double r; std::memcpy(&r, &u, 8); return r;
-}
-static int __popc(unsigned x) { return __builtin_popcount(x); }
-static int __ffs(int x) { return __builtin_ffs(x); }
-static unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
-static double __longlong_as_double(long long u) { double d; std::memcpy(&d, &u, 8); return d; }
-static unsigned atomicOr(unsigned* p, unsigned v) { const unsigned o = *p; *p = o | v; return o; }
-static unsigned char* emu_smem() { return emu_smem_base; }
-"""
 
-EMU_DRIVER = r"""
-typedef void (*emu_kernel_t)(const long long*, const float*, int, int, int, int, int, long long*, long long*,
-                             long long*, long long*, unsigned char*, long long*, long long*, long long*, double*);
-static emu_kernel_t emu_fn;
-static const long long* a_ids; static const float* a_lp; static int a_L, a_Kp, a_K, a_Leff, a_budget;
-static long long *a_sizes, *a_tok, *a_dep, *a_par, *a_nt, *a_ns, *a_pos; static unsigned char* a_vis; static double* a_sc;
-static void emu_entry() {
-    emu_fn(a_ids, a_lp, a_L, a_Kp, a_K, a_Leff, a_budget, a_sizes, a_tok, a_dep, a_par, a_vis, a_nt, a_ns, a_pos, a_sc);
-    emu_thr[emu_cur].done = true;
-    emu_thr[emu_cur].bar = nullptr;
-    swapcontext(&emu_thr[emu_cur].ctx, &emu_sched);
-}
-// 0: done; 1: deadlock (a barrier some thread never reaches); 2: unknown kernel.
-extern "C" int emu_launch(const char* name, int grid, int threads, int smem_bytes, const long long* ids, const float* lp,
-                          int L, int Kp, int K, int L_eff, int budget, long long* sizes, long long* tok, long long* dep,
-                          long long* par, unsigned char* vis, long long* nt, long long* ns, long long* pos, double* sc) {
-    if (!std::strcmp(name, "tree_build_v4_r1")) emu_fn = tree_build_v4_r1;
-    else if (!std::strcmp(name, "tree_build_v4_r2")) emu_fn = tree_build_v4_r2;
-    else if (!std::strcmp(name, "tree_build_v4_r4")) emu_fn = tree_build_v4_r4;
-    else return 2;
-    a_ids = ids; a_lp = lp; a_L = L; a_Kp = Kp; a_K = K; a_Leff = L_eff; a_budget = budget;
-    a_sizes = sizes; a_tok = tok; a_dep = dep; a_par = par; a_vis = vis; a_nt = nt; a_ns = ns; a_pos = pos; a_sc = sc;
-    const long page = sysconf(_SC_PAGESIZE), used = (smem_bytes + 15) / 16 * 16;
-    const long span = (used + page - 1) / page * page;
-    unsigned char* map = (unsigned char*)mmap(nullptr, span + 2 * page, PROT_READ | PROT_WRITE,
-                                              MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    mprotect(map, page, PROT_NONE);
-    mprotect(map + page + span, page, PROT_NONE);
-    emu_smem_base = map + page + span - used;
-    const size_t stack = 1 << 16;
-    emu_threads = threads;
-    emu_thr = new EmuThr[threads];
-    char* stacks = (char*)std::malloc(stack * threads);
-    int rc = 0;
-    for (int b = 0; b < grid && rc == 0; ++b) {
-        emu_block = b;
-        std::memset(map + page, (b & 1) ? 0xFF : 0xA5, span);  // stale: NaN bit patterns in odd blocks
-        emu_block_bar = EmuBar();
-        for (auto& w : emu_warp_bar) w = EmuBar();
-        for (int t = 0; t < threads; ++t) {
-            emu_thr[t] = EmuThr();
-            getcontext(&emu_thr[t].ctx);
-            emu_thr[t].ctx.uc_stack.ss_sp = stacks + stack * t;
-            emu_thr[t].ctx.uc_stack.ss_size = stack;
-            emu_thr[t].ctx.uc_link = &emu_sched;
-            makecontext(&emu_thr[t].ctx, emu_entry, 0);
-        }
-        for (;;) {
-            bool live = false, moved = false;
-            for (int t = 0; t < threads; ++t) {
-                if (emu_thr[t].done) continue;
-                live = true;
-                if (emu_thr[t].bar && emu_thr[t].bar->gen == emu_thr[t].gen) continue;
-                emu_thr[t].bar = nullptr;
-                emu_cur = t;
-                moved = true;
-                swapcontext(&emu_sched, &emu_thr[t].ctx);
-            }
-            if (!live) break;
-            if (!moved) { rc = 1; break; }
-        }
-    }
-    std::free(stacks);
-    delete[] emu_thr;
-    munmap(map, span + 2 * page);
-    return rc;
-}
-"""
 
 SMEM_DECL = "extern __shared__ __align__(16) unsigned char smem[];"
 
@@ -970,7 +837,9 @@ def v4_host(tmp_path_factory):
     src = (KERNELS / "tree_build_v4.cu").read_text()
     assert src.count(SMEM_DECL) == 1, "the shim replaces the kernel's one dynamic shared-memory declaration"
     d = tmp_path_factory.mktemp("v4_host")
-    (d / "emu.cpp").write_text(EMU_SHIM + src.replace(SMEM_DECL, "unsigned char* smem = emu_smem();") + EMU_DRIVER)
+    emu = Path(__file__).parent / "emu"
+    (d / "emu.cpp").write_text((emu / "cuda_shim.h").read_text() + src.replace(SMEM_DECL, "unsigned char* smem = emu_smem();")
+                               + (emu / "tree_build_driver.cpp").read_text())
     run = subprocess.run([gxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-o", str(d / "emu.so"), str(d / "emu.cpp")],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
