@@ -107,7 +107,7 @@ class ServerProcess:
                  env: dict | None = None):
         self.args, self.host, self.startup_s, self.env = list(args or []), host, startup_s, env
         self.port = None
-        self._proc = None
+        self._proc = self._log = None
 
     @property
     def url(self) -> str:
@@ -115,6 +115,7 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         import subprocess
+        import tempfile
 
         import httpx
 
@@ -123,12 +124,15 @@ class ServerProcess:
             self.port = s.getsockname()[1]
         cmd = [sys.executable, "-m", "kdlib.cli", "serve", "--host", self.host, "--port", str(self.port), *self.args]
         env = {**os.environ, **self.env} if self.env else None
-        self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        self._log = tempfile.TemporaryFile(mode="w+")  # the child's stderr: a pipe nobody reads would fill up
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self._log, text=True, env=env)
         deadline = time.monotonic() + self.startup_s
         while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                err = self._proc.stderr.read()[-2000:]
-                raise RuntimeError(f"kdlib serve exited with {self._proc.returncode}: {err}")
+            rc = self._proc.poll()
+            if rc is not None:
+                err = self.log()[-2000:]
+                self.stop()
+                raise RuntimeError(f"kdlib serve exited with {rc}: {err}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return self
@@ -138,6 +142,13 @@ class ServerProcess:
         self.stop()
         raise RuntimeError(f"kdlib serve did not answer /health on {self.url} within {self.startup_s:.0f} s")
 
+    def log(self) -> str:
+        """What the child wrote to stderr so far."""
+        if self._log is None:
+            return ""
+        self._log.seek(0)
+        return self._log.read()
+
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
@@ -146,8 +157,9 @@ class ServerProcess:
             except Exception:  # noqa: BLE001 - it would not stop: kill our own child
                 self._proc.kill()
                 self._proc.wait(timeout=30)
-        if self._proc is not None and self._proc.stderr:
-            self._proc.stderr.close()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
         self._proc = None
 
     def __enter__(self) -> ServerProcess:

@@ -1,0 +1,79 @@
+"""GPU suite `serve`: `kdlib serve` under load, measured by `kdlib diagnose`'s load mode.
+
+    python3 -m kdlib.perf.run --suite serve [--quick] --out DIR
+
+`kdlib serve` runs as a child process (the trained tiny models, continuous batching over the
+batched engine, --max-num-seqs 16) and `kdlib.diagnose.load_test` drives it through the official
+openai client at fixed concurrency C = 1, 2, 4, 8, 16, once per engine method (DDTree, and AR as
+the lever's baseline): TTFT / TPOT / ITL / end-to-end percentiles, aggregate (output) and
+per-stream tok/s, goodput under SLO, the accepted-length x step-time decomposition per level,
+the greedy check (outputs under load against the sequential ones) and every figure's spread over
+repeats. `scaling[method]` sums it up: aggregate and per-stream tok/s by C, aggregate over C = 1,
+and the issue's goal (aggregate at C = 16 >= GOAL x C = 1, with no greedy mismatch).
+
+The GPU machine has no FastAPI, uvicorn, pydantic or openai: carry the wheels of
+tools/serve_wheels.txt (its header gives the commands). Wall-clock figures as a client sees them
+over loopback HTTP; the tiny models make every step launch-bound, so they speak to the server
+and the batching, not to a large model's speed.
+"""
+
+from __future__ import annotations
+
+FULL = {"concurrency": (1, 2, 4, 8, 16), "repeats": 3, "input_len": 128, "output_len": 256, "distinct": 16,
+        "methods": ("ddtree", "ar")}
+QUICK = {"concurrency": (1, 4, 16), "repeats": 1, "input_len": 64, "output_len": 64, "distinct": 8,
+         "methods": ("ddtree",)}
+GOAL = 8.0  # aggregate tok/s at C = 16 over C = 1
+SLO = {"ttft_ms": 500.0, "tpot_ms": 50.0}  # goodput's latency targets
+MAX_NUM_SEQS = 16
+
+
+def scaling(result: dict) -> dict:
+    """Aggregate / per-stream tok/s by concurrency (means over repeats) and the goal check."""
+    levels = [lv for lv in result["levels"] if lv["mode"] == "concurrency"]
+    agg = {lv["concurrency"]: lv["summary"]["output_throughput"]["mean"] for lv in levels}
+    per = {lv["concurrency"]: lv["summary"].get("per_stream_tok_s", {}).get("mean") for lv in levels}
+    mismatches = sum(r["greedy_mismatches"] or 0 for lv in levels for r in lv["runs"])
+    base, top = agg.get(1), max(agg) if agg else None
+    ratio = agg[top] / base if base and top else None
+    return {"aggregate_tok_s": agg, "per_stream_tok_s": per,
+            "aggregate_over_c1": {c: a / base for c, a in agg.items()} if base else None,
+            "goal": {"concurrency": top, "over_c1": ratio, "target": GOAL, "greedy_mismatches": mismatches,
+                     "met": bool(ratio is not None and top == MAX_NUM_SEQS and ratio >= GOAL and mismatches == 0)}}
+
+
+def measure(device: str = "cpu", *, concurrency, repeats: int, input_len: int, output_len: int, distinct: int,
+            methods=("ddtree",), serve_args=(), slo=SLO) -> dict:
+    """load_test against a fresh `kdlib serve` per method on `device` (the suite's core; runs on CPU too)."""
+    from kdlib import diagnose
+    from kdlib.serve import ServerProcess
+
+    out = {"parameters": {"concurrency": list(concurrency), "repeats": repeats, "input_len": input_len,
+                          "output_len": output_len, "distinct": distinct, "methods": list(methods), "slo": slo,
+                          "max_num_seqs": MAX_NUM_SEQS, "serve_args": list(serve_args)},
+           "by_method": {}, "scaling": {}}
+    for method in methods:
+        args = ["--device", device, "--method", method, "--max-num-seqs", str(MAX_NUM_SEQS), "--log-level", "warning",
+                *serve_args]
+        with ServerProcess(args, startup_s=900) as srv:
+            client = diagnose.OpenAIClient(srv.url)
+            try:
+                res = diagnose.load_test(client, concurrency=concurrency, repeats=repeats, input_len=input_len,
+                                         output_len=output_len, distinct=distinct, slo=slo, progress=False)
+            finally:
+                client.close()
+        out["by_method"][method] = res
+        out["scaling"][method] = scaling(res)
+    first = out["by_method"][methods[0]]
+    out["model"], out["model_info"] = first["model"], first["model_info"]
+    return out
+
+
+def run(args) -> dict:
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    quick = getattr(args, "quick", False)
+    res = measure(device, **(QUICK if quick else FULL))
+    res["parameters"].update({"device": device, "profile": "quick" if quick else "full"})
+    return res

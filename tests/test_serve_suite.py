@@ -1,0 +1,37 @@
+"""The `serve` perf suite's core (kdlib.perf.suites.serve): `kdlib serve` in a child process under
+kdlib.diagnose's load mode, on CPU with the trained tiny models; on the GPU machine as a gpu test."""
+
+import pytest
+
+from kdlib import zoo
+from kdlib.perf.suites import serve as suite
+
+
+def _check(res, levels):
+    sc = res["scaling"]["ddtree"]
+    assert sorted(sc["aggregate_tok_s"]) == list(levels) and sc["aggregate_over_c1"][1] == pytest.approx(1.0)
+    assert sc["goal"]["greedy_mismatches"] == 0 and sc["goal"]["concurrency"] == max(levels)
+    lv = res["by_method"]["ddtree"]["levels"]
+    assert [x["concurrency"] for x in lv] == list(levels)
+    assert all(r["completed"] == r["requests"] and r["decomposition"]["available"] for x in lv for r in x["runs"])
+    return sc
+
+
+def test_serve_suite_core_on_cpu():
+    if not zoo.available():
+        pytest.skip("the trained models are not in data/models/")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("openai")
+    res = suite.measure("cpu", concurrency=(1, 2), repeats=1, input_len=8, output_len=8, distinct=2)
+    sc = _check(res, (1, 2))
+    assert sc["goal"]["met"] is False  # C = 2 is no C = 16
+    assert res["model_info"]["kdlib"]["source"] == "trained" and res["parameters"]["methods"] == ["ddtree"]
+
+
+@pytest.mark.gpu
+def test_serve_suite_core_on_gpu():
+    pytest.importorskip("fastapi")  # with the wheels of tools/serve_wheels.txt on PYTHONPATH
+    res = suite.measure("cuda", concurrency=(1, 4), repeats=1, input_len=32, output_len=32, distinct=4)
+    sc = _check(res, (1, 4))
+    assert res["model_info"]["kdlib"]["device"].startswith("cuda")
+    assert sc["aggregate_tok_s"][4] > sc["aggregate_tok_s"][1]  # four streams batch
