@@ -415,7 +415,7 @@ def kern_cpu_build_b64(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
             vals[f"{gpu_side['provenance']['gpu']} host CPU"] = row["cpu_ref_us"] / 1e3
             sources.append(provenance(gpu_side))
     if not vals:
-        return missing(fig.id, ["data/results/tree_build_cpu.*.json (kdlib.ref.tree.record_cpu_baseline)",
+        return missing(fig.id, ["data/results/tree_build_cpu.*.json (python -m kdlib.perf.run --suite tree_build_cpu)",
                                 "data/results/kernels.h200.json (tree_build batch 64 cpu_ref_us)"])
     factor = 1.5  # host CPUs differ (2-core dev box, GPU host, their server): same range within 1.5x either way
     ok = all(within_factor(v, fig.claim, factor) for v in vals.values())

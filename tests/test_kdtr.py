@@ -711,14 +711,14 @@ def test_module_is_importable_without_optional_packages():
 
 
 def test_benchmark_runs_small(tmp_path):
-    from kdlib import kdtr_bench
+    from kdlib.perf.suites import kdtr_io
 
-    result = kdtr_bench.run(total_bytes=1 << 16, repeats=1, n_tensors=2, folder=tmp_path)
+    result = kdtr_io.measure(total_bytes=1 << 16, repeats=1, n_tensors=2, folder=tmp_path)
     assert result["data_bytes"] == 1 << 16
     assert {"kdtr", "npy", "npz", "safetensors", "raw_overwrite", "raw_atomic"} <= set(result["formats"])
     assert result["formats"]["kdtr"]["file_bytes"] - result["data_bytes"] < 4096
     assert list(tmp_path.iterdir()) == []  # the scratch folder is removed
-    assert set(kdtr_bench.table(result)["format"]) == set(result["formats"])
+    assert set(kdtr_io.table(result)["format"]) == set(result["formats"])
 
 
 def test_without_ml_dtypes_bfloat16_travels_as_bits(tmp_path):

@@ -1,7 +1,8 @@
-"""CPU benchmark: save / load throughput of KDTR beside .npy, .npz and safetensors on the same data.
+"""Suite `kdtr_io` (CPU): save / load throughput of KDTR beside .npy, .npz and safetensors on the same data.
 
-    python -m kdlib.kdtr_bench                 # ~256 MiB, median of 5 -> data/results/kdtr_io.cpu.json
-    python -m kdlib.kdtr_bench --mib 16 --repeats 2 --out /tmp/r
+    python -m kdlib.perf.run --suite kdtr_io            # ~256 MiB, median of 5 -> data/results/kdtr_io.cpu.json
+    python -m kdlib.perf.run --suite kdtr_io --quick    # 16 MiB, median of 2
+    measure(total_bytes=16 << 20, repeats=2)            # the same from Python (notebook 00)
 
 The data: `n_tensors` float32 tensors of equal size (Shape: [rows, 1024] each) adding up to
 `total_bytes`. Every format writes and reads the same dict. Throughput = data bytes / median
@@ -18,7 +19,6 @@ writeback (p10/p90 are kept); compare loads with more confidence than saves.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import tempfile
@@ -99,7 +99,7 @@ def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir()) if path.is_dir() else path.stat().st_size
 
 
-def run(total_bytes: int = 256 << 20, repeats: int = 5, n_tensors: int = 8, folder=None) -> dict:
+def measure(total_bytes: int = 256 << 20, repeats: int = 5, n_tensors: int = 8, folder=None) -> dict:
     """Measure every format's save and load; returns the payload for `kdlib.perf.write`.
 
     Per operation: one warm-up, then the median of `repeats` runs (kdlib.perf.cpu_time).
@@ -109,7 +109,7 @@ def run(total_bytes: int = 256 << 20, repeats: int = 5, n_tensors: int = 8, fold
     data = make_data(total_bytes, n_tensors)
     load_before = os.getloadavg()[0]  # a busy machine slows every row: kept with the result
     nbytes = sum(a.nbytes for a in data.values())
-    tmp = Path(tempfile.mkdtemp(prefix="kdtr_bench.", dir=folder))
+    tmp = Path(tempfile.mkdtemp(prefix="kdtr_io.", dir=folder))
     formats = {}
     try:
         for fmt, case in _cases(tmp, data).items():
@@ -161,22 +161,7 @@ def table(result: dict):
     return pd.DataFrame(rows)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kdlib.kdtr_bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--mib", type=int, default=256, help="data size in MiB (default 256)")
-    ap.add_argument("--repeats", type=int, default=5, help="timed runs per operation (median reported)")
-    ap.add_argument("--out", default=None, help="folder for kdtr_io.<host>.json (default data/results/)")
-    args = ap.parse_args(argv)
-    from kdlib import perf
-
-    payload = run(total_bytes=args.mib << 20, repeats=args.repeats)
-    path = perf.write(SUITE, payload, out_dir=args.out)
-    for fmt, row in payload["formats"].items():
-        ops = ", ".join(f"{op} {v['GBps']:.2f} GB/s" for op, v in row.items() if isinstance(v, dict))
-        print(f"{fmt:>16}: {ops}")
-    print(f"wrote {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+def run(args) -> dict:
+    """The suite entry point (kdlib.perf.run): 256 MiB and 5 repeats, or 16 MiB and 2 with --quick."""
+    quick = bool(getattr(args, "quick", False))
+    return measure(total_bytes=(16 if quick else 256) << 20, repeats=2 if quick else 5)
