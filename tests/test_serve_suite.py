@@ -11,7 +11,7 @@ def _check(res, levels):
     sc = res["scaling"]["ddtree"]
     assert sorted(sc["aggregate_tok_s"]) == list(levels) and sc["aggregate_over_c1"][1] == pytest.approx(1.0)
     assert sc["goal"]["greedy_mismatches"] == 0 and sc["goal"]["concurrency"] == max(levels)
-    lv = res["by_method"]["ddtree"]["levels"]
+    lv = res["by_arm"]["ddtree"]["levels"]
     assert [x["concurrency"] for x in lv] == list(levels)
     assert all(r["completed"] == r["requests"] and r["decomposition"]["available"] for x in lv for r in x["runs"])
     return sc
@@ -25,7 +25,8 @@ def test_serve_suite_core_on_cpu():
     res = suite.measure("cpu", concurrency=(1, 2), repeats=1, input_len=8, output_len=8, distinct=2)
     sc = _check(res, (1, 2))
     assert sc["goal"]["met"] is False  # C = 2 is no C = 16
-    assert res["model_info"]["kdlib"]["source"] == "trained" and res["parameters"]["methods"] == ["ddtree"]
+    assert res["model_info"]["kdlib"]["source"] == "trained" and res["model_info"]["kdlib"]["dtype"] == "float32"
+    assert res["parameters"]["arms"] == {"ddtree": ["ddtree", "float32"]}
 
 
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
 """What the server serves: target, drafter and tokenizer, trained (`kdlib.zoo`) or a random fallback.
 
-    b = load_bundle("cuda")        # the trained tiny models when present, else the fallback below
+    b = load_bundle("cuda", dtype="bfloat16")   # the trained tiny models when present, else the fallback below
     b.model, b.drafter, b.tokenizer, b.stop_token_ids, b.info
 
 Fallback (no trained models, or prefer_trained=False): a random tiny model from
@@ -16,6 +16,7 @@ from kdlib import DATA
 
 FALLBACK_CONFIG = "tiny-a"
 FALLBACK_P_WRONG = 0.35  # the oracle's per-position miss rate: ~2.5 tokens per step, near the seeds' 2.9
+DTYPES = ("float32", "bfloat16")
 END_OF_TEXT = "<|endoftext|>"  # the trained tokenizer's document separator (kdlib.training.SPECIAL_TOKENS)
 
 
@@ -152,32 +153,37 @@ class Bundle:
 
 
 def load_bundle(device: str = "cpu", *, prefer_trained: bool = True, config: str = FALLBACK_CONFIG,
-                p_wrong: float = FALLBACK_P_WRONG, seed: int = 0, folder=None) -> Bundle:
+                p_wrong: float = FALLBACK_P_WRONG, seed: int = 0, folder=None, dtype: str = "float32") -> Bundle:
     """The trained zoo models when present (and prefer_trained), else the random fallback.
 
-    folder: where the trained models are (default `kdlib.zoo.MODELS`, i.e. data/models/).
+    folder: where the trained models are (default `kdlib.zoo.MODELS`, i.e. data/models/); dtype:
+    "float32" (greedy outputs bit-stable across batch shapes) or "bfloat16".
     """
+    import torch
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    dt = getattr(torch, dtype)
     if prefer_trained:
         try:
             from kdlib import zoo
 
             if zoo.available(folder):
-                model = zoo.load_target(device=device, folder=folder)
+                model = zoo.load_target(device=device, dtype=dt, folder=folder)
                 where = folder if folder is not None else "data/models/"
                 return Bundle(model, zoo.load_drafter(model, folder=folder), zoo.load_tokenizer(folder), "kdtree-tiny",
                               {"source": "trained", "weights": f"trained (kdlib.zoo, {where})", "drafter": "trained DFlash-style",
-                               "tokenizer": "trained byte-level BPE"})
+                               "tokenizer": "trained byte-level BPE", "dtype": dtype})
         except ImportError:
             pass
-    import torch
-
     from kdlib.engine.config import ModelConfig
     from kdlib.engine.model import Model
 
     cfg = ModelConfig.from_json(DATA / "configs" / f"{config}.json")
-    model = Model.random(cfg, seed=seed, device=device, dtype=torch.float32)
+    model = Model.random(cfg, seed=seed, device=device, dtype=dt)
     drafter = _lazy_oracle_class()(cfg.vocab_size, p_wrong, block_size=8, seed=seed)
     return Bundle(model, drafter, ByteTokenizer(cfg.vocab_size), f"kdtree-random-{config}",
                   {"source": "random", "weights": f"random (data/configs/{config}.json, seed {seed}): no trained "
                    "models found",
-                   "drafter": f"noisy oracle (lazy script), p_wrong {p_wrong}", "tokenizer": "printable ASCII (ByteTokenizer)"})
+                   "drafter": f"noisy oracle (lazy script), p_wrong {p_wrong}", "tokenizer": "printable ASCII (ByteTokenizer)",
+                   "dtype": dtype})

@@ -19,7 +19,7 @@ import threading
 import time
 
 from kdlib.serve.app import MAX_BODY_BYTES, create_app
-from kdlib.serve.bundle import FALLBACK_CONFIG, load_bundle
+from kdlib.serve.bundle import DTYPES, FALLBACK_CONFIG, load_bundle
 from kdlib.serve.engine import MAX_WAITING, Engine
 
 SWITCH_INTERVAL_S = 0.0005  # the `kdlib serve` process's GIL switch interval: see cli()
@@ -194,6 +194,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--method", choices=["ddtree", "ar"], default="ddtree")
     ap.add_argument("--budget", type=_positive, default=None, help="DDTree budget (default: the drafter's horizon)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and activations")
     ap.add_argument("--random", action="store_true", help="serve the random fallback even when trained models exist")
     ap.add_argument("--config", default=FALLBACK_CONFIG, help="fallback model config under data/configs/")
     ap.add_argument("--models", default=None, help="folder of the trained models (default data/models/)")
@@ -213,7 +214,8 @@ def cli(argv: list[str]) -> int:
     # default 5 ms switch interval a stream of 2-3 ms steps reaches the client in late bursts.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
-        bundle = load_bundle(args.device, prefer_trained=not args.random, config=args.config, folder=args.models)
+        bundle = load_bundle(args.device, prefer_trained=not args.random, config=args.config, folder=args.models,
+                             dtype=args.dtype)
         engine = Engine(bundle, method=args.method, budget=args.budget, max_num_seqs=args.max_num_seqs,
                         max_model_len=args.max_model_len, max_waiting=args.max_waiting, threads=args.threads,
                         served_names=tuple(args.served_model_name) if args.served_model_name else None)
@@ -224,7 +226,7 @@ def cli(argv: list[str]) -> int:
     try:
         engine.wait_ready()
         server = _uvicorn(create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes), args.log_level)
-        print(f"kdlib serve: {', '.join(engine.names)} ({bundle.info['weights']}; {args.method}, "
+        print(f"kdlib serve: {', '.join(engine.names)} ({bundle.info['weights']}; {args.dtype}, {args.method}, "
               f"{args.max_num_seqs} streams, context {engine.max_model_len}) on http://{args.host}:{sock.getsockname()[1]}",
               flush=True)
         server.run(sockets=[sock])

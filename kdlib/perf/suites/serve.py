@@ -4,12 +4,13 @@
 
 `kdlib serve` runs as a child process (the trained tiny models, continuous batching over the
 batched engine, --max-num-seqs 16) and `kdlib.diagnose.load_test` drives it through the official
-openai client at fixed concurrency C = 1, 2, 4, 8, 16, once per engine method (DDTree, and AR as
-the lever's baseline): TTFT / TPOT / ITL / end-to-end percentiles, aggregate (output) and
-per-stream tok/s, goodput under SLO, the accepted-length x step-time decomposition per level,
-the greedy check (outputs under load against the sequential ones) and every figure's spread over
-repeats. `scaling[method]` sums it up: aggregate and per-stream tok/s by C, aggregate over C = 1,
-and the issue's goal (aggregate at C = 16 >= GOAL x C = 1, with no greedy mismatch).
+openai client at fixed concurrency C = 1, 2, 4, 8, 16, once per arm (ARMS: method and dtype;
+DDTree in float32, AR in float32 as the lever's baseline, DDTree in bfloat16 as the engine_batch
+suite runs it): TTFT / TPOT / ITL / end-to-end percentiles, aggregate (output) and per-stream
+tok/s, goodput under SLO, the accepted-length x step-time decomposition per level, the greedy
+check (outputs under load against the sequential ones of the same server) and every figure's
+spread over repeats. `scaling[arm]` sums it up: aggregate and per-stream tok/s by C, aggregate
+over C = 1, and the issue's goal (aggregate at C = 16 >= GOAL x C = 1, with no greedy mismatch).
 
 The GPU machine has no FastAPI, uvicorn, pydantic or openai: carry the wheels of
 tools/serve_wheels.txt (its header gives the commands). Wall-clock figures as a client sees them
@@ -19,10 +20,11 @@ and the batching, not to a large model's speed.
 
 from __future__ import annotations
 
+ARMS = {"ddtree": ("ddtree", "float32"), "ar": ("ar", "float32"), "ddtree_bf16": ("ddtree", "bfloat16")}
 FULL = {"concurrency": (1, 2, 4, 8, 16), "repeats": 3, "input_len": 128, "output_len": 256, "distinct": 16,
-        "methods": ("ddtree", "ar")}
+        "arms": tuple(ARMS)}
 QUICK = {"concurrency": (1, 4, 16), "repeats": 1, "input_len": 64, "output_len": 64, "distinct": 8,
-         "methods": ("ddtree",)}
+         "arms": ("ddtree",)}
 GOAL = 8.0  # aggregate tok/s at C = 16 over C = 1
 SLO = {"ttft_ms": 500.0, "tpot_ms": 50.0}  # goodput's latency targets
 MAX_NUM_SEQS = 16
@@ -43,18 +45,19 @@ def scaling(result: dict) -> dict:
 
 
 def measure(device: str = "cpu", *, concurrency, repeats: int, input_len: int, output_len: int, distinct: int,
-            methods=("ddtree",), serve_args=(), slo=SLO) -> dict:
-    """load_test against a fresh `kdlib serve` per method on `device` (the suite's core; runs on CPU too)."""
+            arms=("ddtree",), serve_args=(), slo=SLO) -> dict:
+    """load_test against a fresh `kdlib serve` per arm (ARMS) on `device` (the suite's core; runs on CPU too)."""
     from kdlib import diagnose
     from kdlib.serve import ServerProcess
 
     out = {"parameters": {"concurrency": list(concurrency), "repeats": repeats, "input_len": input_len,
-                          "output_len": output_len, "distinct": distinct, "methods": list(methods), "slo": slo,
-                          "max_num_seqs": MAX_NUM_SEQS, "serve_args": list(serve_args)},
-           "by_method": {}, "scaling": {}}
-    for method in methods:
-        args = ["--device", device, "--method", method, "--max-num-seqs", str(MAX_NUM_SEQS), "--log-level", "warning",
-                *serve_args]
+                          "output_len": output_len, "distinct": distinct, "arms": {a: list(ARMS[a]) for a in arms},
+                          "slo": slo, "max_num_seqs": MAX_NUM_SEQS, "serve_args": list(serve_args)},
+           "by_arm": {}, "scaling": {}}
+    for arm in arms:
+        method, dtype = ARMS[arm]
+        args = ["--device", device, "--method", method, "--dtype", dtype, "--max-num-seqs", str(MAX_NUM_SEQS),
+                "--log-level", "warning", *serve_args]
         with ServerProcess(args, startup_s=900) as srv:
             client = diagnose.OpenAIClient(srv.url)
             try:
@@ -62,9 +65,9 @@ def measure(device: str = "cpu", *, concurrency, repeats: int, input_len: int, o
                                          output_len=output_len, distinct=distinct, slo=slo, progress=False)
             finally:
                 client.close()
-        out["by_method"][method] = res
-        out["scaling"][method] = scaling(res)
-    first = out["by_method"][methods[0]]
+        out["by_arm"][arm] = res
+        out["scaling"][arm] = scaling(res)
+    first = out["by_arm"][arms[0]]
     out["model"], out["model_info"] = first["model"], first["model_info"]
     return out
 
