@@ -262,3 +262,50 @@ def test_oracle_reference_equals_computed_script(monkeypatch):
     given = generate(model, prompt, 30, method="ddtree", budget=8,
                      drafter=NoisyOracleDrafter(model.cfg.vocab_size, 0.4, block_size=6, seed=3, reference=ref))
     assert computed.tokens == given.tokens and computed.accepted == given.accepted
+
+
+# ----------------------------------------------------------------------------- the model's hooks
+class _HookedModel(Model):
+    """Model with its decode-loop hooks counted and recomputed in float64: the argmax is the same (the
+    float32 logits convert exactly); the top-K may order near-ties otherwise, which DDTree == AR does
+    not depend on."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.calls = {"greedy": 0, "draft_topk": 0, "begin_decode": 0, "assert_replicated": 0}
+
+    def greedy(self, h):
+        self.calls["greedy"] += 1
+        return self.head(h).double().argmax(-1)
+
+    def draft_topk(self, logits, k):
+        self.calls["draft_topk"] += 1
+        top = torch.log_softmax(logits.double(), dim=-1).topk(k, dim=-1)
+        return top.indices, top.values.float()
+
+    def begin_decode(self):
+        self.calls["begin_decode"] += 1
+
+    def assert_replicated(self, **tensors):
+        assert {"top_ids", "paths", "bonus"} & set(tensors)
+        self.calls["assert_replicated"] += 1
+
+
+def test_loop_picks_and_drafts_through_the_model_hooks():
+    """generate's only target pick (T = 0) and draft top-K are model.greedy / model.draft_topk (what
+    kdlib.tp overrides): a subclass's hooks are called once per forward and per step, and give the same
+    tokens as the base Model; debug asks the model for two agreement checks per step."""
+    cfg = _config("tiny-a")
+    base = _model("tiny-a", 0)
+    hooked = _HookedModel(cfg)
+    hooked.load_state_dict(base.state_dict())
+    prompt = [4, 9, 2, 7]
+    ar = generate(hooked, prompt, 12)
+    assert ar.tokens == generate(base, prompt, 12).tokens
+    assert hooked.calls == {"greedy": 12, "draft_topk": 0, "begin_decode": 1, "assert_replicated": 0}
+    hooked.calls = dict.fromkeys(hooked.calls, 0)
+    d = NoisyOracleDrafter(cfg.vocab_size, 0.3, block_size=5, seed=1)
+    dd = generate(hooked, prompt, 12, method="ddtree", drafter=d, budget=6, debug=True)
+    assert dd.tokens == ar.tokens
+    assert hooked.calls == {"greedy": 1 + dd.steps, "draft_topk": dd.steps, "begin_decode": 1,
+                            "assert_replicated": 2 * dd.steps}

@@ -1,9 +1,11 @@
 """kdlib.tp: the tensor-parallel engine on gloo (CPU ranks spawned with torch.multiprocessing).
 
-Each spawned check compares rank 0's outputs with a single-process run of `kdlib.engine`: logits
-within fp32 tolerance, vocab-parallel top-K ids exact and log-probs close, TP AR and TP DDTree
-tokens equal to single-process AR greedy; inside the ranks, debug mode asserts that trees, paths
-and outputs are bit-identical across ranks. A child's failure must surface here, not hang.
+Each spawned check runs `kdlib.engine.generate` (the one decode loop) on TPModel ranks and compares
+rank 0's outputs with a single-process run: logits within fp32 tolerance, vocab-parallel top-K ids
+exact and log-probs close, TP AR and TP DDTree tokens equal to single-process AR greedy, sampled
+AR and DDTree (T > 0) equal to the single-process draws of the same seed; inside the ranks, debug
+mode asserts that trees, paths and outputs are bit-identical across ranks. A child's failure must
+surface here, not hang.
 """
 
 import dataclasses
@@ -138,15 +140,16 @@ def test_compare_catches_a_wrong_result():
     g = torch.Generator().manual_seed(0)
     ref = {"logits": torch.randn(5, 96, generator=g), "topk_ids": torch.arange(14).view(2, 7),
            "topk_logp": -torch.rand(2, 7, generator=g), "ar": [3, 1, 4, 1, 5], "ddtree:oracle": [3, 1, 4, 1, 5],
-           "accepted:oracle": [2, 3]}
+           "accepted:oracle": [2, 3], "sampled:ar": [2, 7, 1], "sampled:ddtree:oracle": [2, 7, 1]}
     same = {k: (v.clone() if isinstance(v, torch.Tensor) else list(v)) for k, v in ref.items()}
     assert not [x for x in compare(same, ref) if x.startswith("FAIL")]
     bad = {k: (v.clone() if isinstance(v, torch.Tensor) else list(v)) for k, v in ref.items()}
     bad["logits"][0, 0] += 1e-2
     bad["topk_ids"][0, [0, 1]] = bad["topk_ids"][0, [1, 0]]
     bad["ddtree:oracle"][-1] = 6
+    bad["sampled:ddtree:oracle"][0] = 8
     fails = [x for x in compare(bad, ref) if x.startswith("FAIL")]
-    assert len(fails) == 3, fails
+    assert len(fails) == 4, fails
 
 
 def _rank1_raises(rank, world, device):

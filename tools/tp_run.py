@@ -1,6 +1,7 @@
 """Run the tensor-parallel engine (kdlib.tp) and check it against one process; on GPUs, benchmark it.
 
-Check (DDTree and AR greedy on N ranks vs the single-process engine; exit 1 on a mismatch):
+Check (`kdlib.engine.generate` on N TPModel ranks: AR and DDTree, greedy and sampled with a seed, vs the
+single-process run; exit 1 on a mismatch):
 
     python tools/tp_run.py --world-size 2                                  # gloo on CPU, mp.spawn
     python tools/tp_run.py --world-size 4 --config tiny-a --moe-mode tp

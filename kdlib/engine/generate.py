@@ -8,19 +8,26 @@ One DDTree round (survey §1), with the bonus token b committed to the output bu
 and s tokens in the cache:
 
   draft    the drafter's logits for depths 1..L after b -> log-softmax over the full vocabulary in
-           fp32 -> top-K per depth (K = top_k, default min(budget, V) as the paper code);
+           fp32 -> top-K per depth (K = top_k, default min(budget, V) as the paper code;
+           `model.draft_topk`);
   build    `ops.build_tree_batch` (best-first heap; numpy on CPU, the CUDA builder on GPU);
   verify   one target forward of [b, tree tokens] at positions s + depth, each row attending to
-           the whole prefix and to its tree ancestors-or-self (absorbed MLA over the latent cache);
-  accept   greedy walk over the target's argmax per node (`ops.accept_greedy_batch`), or at
-           temperature T > 0 sample-and-walk (`ops.accept_sample_batch`) with one explicit uniform
-           per node from a seeded numpy generator; the drafter is never tempered (survey §4.2);
+           the whole prefix and to its tree ancestors-or-self (absorbed MLA over the latent cache),
+           and the target's argmax per node (`model.greedy`; at T > 0 its logits, `model.head`);
+  accept   greedy walk over those argmaxes (`ops.accept_greedy_batch`), or at temperature T > 0
+           sample-and-walk (`ops.accept_sample_batch`) with one explicit uniform per node from a
+           seeded numpy generator; the drafter is never tempered (survey §4.2);
   compact  keep the accepted rows as positions s .. s+tau-1 (`LatentCache.commit_path`), feed the
            accepted nodes' target hidden states to the drafter, b = the new bonus.
 
+An AR step is a verify of one row (forward, LM head, argmax) and, at T > 0, an accept (the draw).
 At T = 0 the output equals AR greedy token for token; at T > 0 it has AR sampling's distribution
 (both tested). Phase times are wall times with a device synchronisation at each boundary
 (`torch.cuda.synchronize` on CUDA), so they add up to the step time.
+
+The same loop runs one rank of tensor parallelism: `kdlib.tp.TPModel` overrides the model's
+hooks (`greedy` and `draft_topk` vocab-parallel, `head` gathered, `begin_decode` resets its
+collective counters, `assert_replicated` compares ranks), and every rank gets the same result.
 """
 
 from __future__ import annotations
@@ -147,14 +154,20 @@ def validate(model, prompt_ids, max_new_tokens, method, drafter, budget, top_k, 
 
 def generate(model, prompt_ids, max_new_tokens: int, method: str = "ar", drafter=None, budget: int | None = None,
              top_k: int | None = None, temperature: float = 0.0, seed: int = 0, cache_mode: str = "compact",
-             max_context: int | None = None) -> GenerateResult:
+             max_context: int | None = None, debug: bool = False) -> GenerateResult:
     """Generate max_new_tokens after prompt_ids with the target `model` (see module docstring).
 
     method "ar" | "ddtree"; drafter: a Drafter (kdlib.engine.drafter) for "ddtree"; budget: tree
     nodes (non-root, default L = block_size - 1); top_k: per-depth candidates K (default
     min(budget, V)); temperature 0 = greedy; seed: the numpy generator of the sampling uniforms;
     cache_mode "compact" | "remap" (LatentCache); max_context: the context limit (default the
-    model's max_position_embeddings). Bad input raises ValueError before any compute.
+    model's max_position_embeddings); debug: `model.assert_replicated` on every step's draft top-K,
+    tree and accepted path (a no-op on one process). Bad input raises ValueError before any compute.
+
+    The loop is the same for one process and for a `kdlib.tp.TPModel` rank (every rank calls it with
+    the same arguments and gets the same result); what differs lives in the model's hooks:
+    `greedy(h)` (target argmax), `head(h)` (dense logits, for sampling), `draft_topk(logits, k)`,
+    `begin_decode()` and `assert_replicated(**tensors)`.
     """
     prompt, budget, k, _ = validate(model, prompt_ids, max_new_tokens, method, drafter, budget, top_k, temperature,
                                     max_context)
@@ -166,40 +179,21 @@ def generate(model, prompt_ids, max_new_tokens: int, method: str = "ar", drafter
     res = GenerateResult(tokens=[], method=method, prompt_len=int(prompt.shape[0]), budget=budget, top_k=k,
                          temperature=float(temperature), target_forwards=0)
 
-    def pick(logits):  # [N, V] -> [N] int64 tokens on the device
+    def score(h):  # h [N, H] -> T = 0: [N] int64 target tokens; T > 0: [N, V] dense logits
+        return model.greedy(h) if temperature == 0 else model.head(h)
+
+    def pick(scores):  # score(h) -> [N] int64 tokens: the argmax, or one draw per row at temperature T
         if temperature == 0:
-            return logits.argmax(-1)
-        probs = torch.softmax(logits.float() / temperature, dim=-1)
-        u = torch.from_numpy(rng.random(logits.shape[0])).to(dev)
+            return scores
+        probs = torch.softmax(scores.float() / temperature, dim=-1)
+        u = torch.from_numpy(rng.random(scores.shape[0])).to(dev)
         return ops.sample_tokens(probs, u)
 
-    t_start, capture, bonus = run_prefill(model, cache, prompt, method, drafter, max_new_tokens,
-                                          lambda h: int(pick(model.head(h))[0]), res, sync)
-    out = [bonus]
-    while len(out) < max_new_tokens:
-        if method == "ar":
-            bonus = _ar_step(model, cache, bonus, pick, res, sync)
-            out.append(bonus)
-        else:
-            emitted = _ddtree_step(model, cache, drafter, bonus, budget, k, temperature, rng, res, sync, capture)
-            out.extend(emitted)
-            bonus = emitted[-1]
-        res.target_forwards += 1
-    sync()
-    res.total_ms = (time.perf_counter() - t_start) * 1e3
-    res.tokens = out[:max_new_tokens]
-    return res
-
-
-def run_prefill(model, cache, prompt, method, drafter, max_new_tokens, first_token, res, sync):
-    """The prompt's prefill (capturing the drafter's target layers for DDTree) and the drafter's
-    set-up, timed into res.prefill_ms / res.drafter_setup_ms. first_token(h_last [1, H]) -> the
-    first generated token id. Returns (t_start, capture, first token). Shared with kdlib.tp."""
     sync()
     t_start = time.perf_counter()
     capture = tuple(drafter.target_layer_ids) if method == "ddtree" else ()
     h, feats = model.prefill(cache, prompt, capture)
-    bonus = first_token(h[-1:])
+    out = [int(pick(score(h[-1:]))[0])]
     res.target_forwards = 1
     sync()
     t1 = time.perf_counter()
@@ -208,60 +202,71 @@ def run_prefill(model, cache, prompt, method, drafter, max_new_tokens, first_tok
         drafter.begin(model, prompt, feats, max_new_tokens)
         sync()
         res.drafter_setup_ms = (time.perf_counter() - t1) * 1e3
-    return t_start, capture, bonus
+    model.begin_decode()
+    while len(out) < max_new_tokens:
+        if method == "ar":
+            out.append(_ar_step(model, cache, out[-1], score, pick, res, sync))
+        else:
+            out.extend(_ddtree_step(model, cache, drafter, out[-1], budget, k, temperature, rng, score, res, sync,
+                                    capture, debug))
+        res.target_forwards += 1
+    sync()
+    res.total_ms = (time.perf_counter() - t_start) * 1e3
+    res.tokens = out[:max_new_tokens]
+    return res
 
 
-def _ar_step(model, cache, token, pick, res, sync) -> int:
+def _ar_step(model, cache, token, score, pick, res, sync) -> int:
     t0 = time.perf_counter()
-    s = cache.length
-    h, _ = model.forward_cached(cache, torch.tensor([token]), [s])
-    logits = model.head(h)
+    h, _ = model.forward_cached(cache, torch.tensor([token]), [cache.length])
+    scores = score(h)
     cache.commit()
     sync()
     t1 = time.perf_counter()
-    nxt = int(pick(logits)[0])
+    nxt = int(pick(scores)[0])
     sync()
     t2 = time.perf_counter()
-    for p, v in zip(PHASES, (0.0, 0.0, (t1 - t0) * 1e3, (t2 - t1) * 1e3, 0.0), strict=True):
-        res.phase_ms[p].append(v)
-    res.accepted.append(1)
-    res.tree_sizes.append(1)
+    record_step(res, [t0, t0, t0, t1, t2, t2], 1, 1)  # no draft, build or compaction
     return nxt
 
 
-def _ddtree_step(model, cache, drafter, bonus, budget, k, temperature, rng, res, sync, capture) -> list[int]:
+def _ddtree_step(model, cache, drafter, bonus, budget, k, temperature, rng, score, res, sync, capture,
+                 debug) -> list[int]:
     dev, V = model.device, model.cfg.vocab_size
     s = cache.length
     t = [time.perf_counter()]
-    # draft: [L, V] fp32 logits -> full-vocabulary log-probs -> top-K per depth
-    logp = torch.log_softmax(drafter.draft(bonus, s).float(), dim=-1)
-    top = logp.topk(k, dim=-1)
-    ids, lps = top.indices[None].contiguous(), top.values[None].contiguous()  # [1, L, K]
+    # draft: the drafter's logits per depth -> top-K of the full-vocabulary fp32 log-probs
+    ids, lps = model.draft_topk(drafter.draft(bonus, s), k)  # [L, K] each
     sync()
     t.append(time.perf_counter())
-    # build
-    trees = ops.build_tree_batch(ids, lps, budget, vocab_size=V)
+    # build (on every TP rank, from identical inputs)
+    trees = ops.build_tree_batch(ids[None].contiguous(), lps[None].contiguous(), budget, vocab_size=V)
     m = int(trees.sizes[0])  # n + 1 verified rows
+    if debug:
+        model.assert_replicated(top_ids=ids, top_logp=lps, node_token_ids=trees.node_token_ids,
+                                visibility=trees.visibility, positions=trees.positions)
     sync()
     t.append(time.perf_counter())
-    # verify
+    # verify: the target's argmax per node (T = 0) or its dense logits (T > 0)
     tokens = torch.cat([torch.tensor([bonus], device=dev), trees.node_token_ids[0, : m - 1]])  # [n+1]
     h, feats = model.forward_cached(cache, tokens, s + trees.positions[0, :m], trees.visibility[0, :m, :m], capture)
-    logits = model.head(h)  # [n+1, V]
+    scores = score(h)  # [n+1] or [n+1, V]
     sync()
     t.append(time.perf_counter())
     # accept
     horizon = drafter.block_size - 1
     if temperature == 0:
         target = torch.zeros(1, budget + 1, dtype=torch.int64, device=dev)  # [1, budget+1]; pad never read
-        target[0, :m] = logits.argmax(-1)
+        target[0, :m] = scores
         paths, lengths, new_bonus = ops.accept_greedy_batch(trees, target, max_depth=horizon)
     else:
         probs = torch.zeros(1, budget + 1, V, dtype=torch.float32, device=dev)  # [1, budget+1, V]
-        probs[0, :m] = torch.softmax(logits / temperature, dim=-1)
+        probs[0, :m] = torch.softmax(scores / temperature, dim=-1)
         probs[0, m:] = 1.0  # padding rows are never read; keep them valid probabilities
         u = torch.from_numpy(rng.random((1, budget + 1))).to(dev)  # [1, budget+1] one uniform per node
         paths, lengths, new_bonus = ops.accept_sample_batch(trees, probs, u, max_depth=horizon)
+    if debug:
+        model.assert_replicated(paths=paths, lengths=lengths, bonus=new_bonus)
     sync()
     t.append(time.perf_counter())
     tau, emitted = commit_accepted(cache, drafter, tokens, feats, paths, lengths, new_bonus)

@@ -505,6 +505,23 @@ class Model(nn.Module):
         w = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
         return _up(F.linear(h, w))
 
+    # ---- decode-loop hooks (kdlib.engine.generate); kdlib.tp.TPModel overrides them vocab-parallel
+    def greedy(self, h: torch.Tensor) -> torch.Tensor:
+        """[T] int64 argmax over the vocabulary of head(h); ties to the lower id."""
+        return self.head(h).argmax(-1)
+
+    def draft_topk(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafter logits [L, V] -> (ids [L, k] int64, log-probs [L, k] float32): top-k of the float32
+        log-softmax over the full vocabulary, best first."""
+        top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        return top.indices, top.values
+
+    def begin_decode(self) -> None:
+        """Called after the prefill and the drafter's set-up, before the first decode step (one process: nothing)."""
+
+    def assert_replicated(self, **tensors) -> None:
+        """Debug check that every process holds the same bits of `tensors` (one process: nothing to compare)."""
+
     def check_tokens(self, token_ids) -> torch.Tensor:
         """Validate ids (1-D, non-empty, inside the vocabulary) and return them as int64 on the model's device."""
         t = torch.as_tensor(token_ids)

@@ -1,8 +1,8 @@
-"""Tensor-parallel engine on torch.distributed (NCCL on GPUs, gloo on CPU): plain TP over the MVP engine.
+"""Tensor parallelism on torch.distributed (NCCL on GPUs, gloo on CPU): plain TP under the MVP engine's loop.
 
     comm = Comm()                                                  # after init_process_group(...)
     tp = TPModel.from_model(Model.random(cfg, seed=0), comm, moe_mode="ep")
-    res = generate(tp, prompt_ids, 64, method="ddtree", drafter=d, budget=32)   # identical on every rank
+    res = kdlib.engine.generate(tp, prompt_ids, 64, method="ddtree", drafter=d, budget=32)  # same on every rank
 
     spawn(worker, world=2, backend="gloo")                         # worker(rank, world, device, *args)
 
@@ -19,9 +19,9 @@ Layout per rank r of W (contiguous, near-equal ranges from `partition`; uneven s
   * embedding: replicated (a lookup; a vocab-parallel embedding would add a third all-reduce).
   * LM head: vocab-parallel, `lm_head.weight` holds this rank's vocabulary rows [v0, v1).
     `greedy` takes the global argmax from gathered (max, id) pairs; `head` gathers dense logits
-    (checks and the noisy-oracle study drafter only).
+    (sampling at T > 0, checks and the noisy-oracle study drafter).
   * drafter: replicated; its logits come out of the target's `lm_head.weight`, i.e. this rank's
-    vocabulary shard. `vocab_parallel_topk` gathers per rank the top-K (log-prob numerator, id)
+    vocabulary shard. `draft_topk` (`vocab_parallel_topk`) gathers per rank the top-K (log-prob numerator, id)
     pairs and the shard's logsumexp, and forms the global top-K log-probs over the full vocabulary
     (SGLang's `_topk_from_vocab_parallel_head` scheme, ddtree-survey.md §2.6 and §8 item 3): the
     traffic is W x L x (2K + 1) numbers instead of L x V.
@@ -29,7 +29,10 @@ Layout per rank r of W (contiguous, near-equal ranges from `partition`; uneven s
     top-K) are bit-identical on every rank and the builder is deterministic, so the copies agree
     with no communication. A broadcast would put one more collective on every step's critical
     path while the other ranks sit idle during the build anyway; nothing is saved by building once.
-    `debug=True` asserts the agreement (tree fields, accepted paths).
+    `generate(..., debug=True)` asserts the agreement (tree fields, accepted paths).
+
+The decode loop is `kdlib.engine.generate`'s, the one of a single process: TPModel only overrides
+its hooks (`greedy`, `draft_topk`, `head`, `begin_decode`, `assert_replicated`).
 
 Every all-reduce returns the same bits on every rank (gloo and NCCL's ring and tree reduce each
 chunk once, then distribute it), so hidden states, argmaxes, trees and accepted paths agree across
@@ -39,8 +42,11 @@ rounded to bf16 where it is made (o_proj, expert and MLP outputs), so TP greedy 
 from one GPU's (DDTree still equals AR on the same TP numerics); reducing in float32 does not
 change that, the rounding happens before the collective.
 
-Not here: DP-attention and decode context parallel (the cache is replicated), temperature > 0,
-loading a checkpoint shard by shard (`from_model` slices a full model held by every rank).
+At T > 0 the draws read the gathered dense logits (V per verified row, not vocab-parallel) and
+the seeded uniforms, both identical on every rank, so the ranks draw the same tokens.
+
+Not here: DP-attention and decode context parallel (the cache is replicated), vocab-parallel
+sampling, loading a checkpoint shard by shard (`from_model` slices a full model held by every rank).
 """
 
 from __future__ import annotations
@@ -54,7 +60,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdlib.engine.generate import commit_accepted, record_step, run_prefill
 from kdlib.engine.model import MLP, MLAttention, Model, MoE, RMSNorm, _up
 
 MOE_MODES = ("ep", "tp")
@@ -407,9 +412,31 @@ class TPModel(Model):
         parts = self.comm.all_gather(local)  # [W, T, width]
         return torch.cat([parts[r, :, : hi - lo] for r, (lo, hi) in enumerate(ranges)], dim=-1)
 
+    # ---- the decode loop's hooks (kdlib.engine.generate; Model has the one-process forms)
     def greedy(self, h: torch.Tensor) -> torch.Tensor:
         """[T] int64 global argmax over the full vocabulary from gathered per-shard (max, id) pairs."""
         return vocab_parallel_argmax(self.head_local(h), self.vocab_range[0], self.comm)
+
+    def draft_topk(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafter logits -> (ids [L, k], full-vocabulary log-probs [L, k]) by `vocab_parallel_topk`.
+
+        Drafters that read the target's `lm_head.weight` give this rank's shard [L, V_r]; dense
+        [L, V] ones (tied heads, the noisy oracle) are sliced to it."""
+        v0, v1 = self.vocab_range
+        if logits.shape[-1] == self.cfg.vocab_size and v1 - v0 != self.cfg.vocab_size:
+            logits = logits[:, v0:v1]
+        elif logits.shape[-1] != v1 - v0:
+            raise ValueError(f"drafter logits of width {logits.shape[-1]}: expected {v1 - v0} (shard) or "
+                             f"{self.cfg.vocab_size} (dense)")
+        return vocab_parallel_topk(logits, v0, k, self.comm)
+
+    def begin_decode(self) -> None:
+        """From here on `comm` counts the decode steps' collectives only (prefill and drafter set-up excluded)."""
+        self.comm.reset()
+
+    def assert_replicated(self, **tensors) -> None:
+        """RuntimeError naming the first tensor whose bits differ between rank 0 and another rank."""
+        assert_replicated(self.comm, **tensors)
 
 
 # ----------------------------------------------------------------------------- vocab-parallel selection
@@ -460,111 +487,3 @@ def assert_replicated(comm: Comm, **tensors) -> None:
         bad = [r for r in range(comm.world) if not torch.equal(got[r], got[0])]
         if bad:
             raise RuntimeError(f"{name} differs between rank 0 and rank(s) {bad}")
-
-
-# ----------------------------------------------------------------------------- generate
-def generate(model: TPModel, prompt_ids, max_new_tokens: int, method: str = "ar", drafter=None,
-             budget: int | None = None, top_k: int | None = None, temperature: float = 0.0,
-             cache_mode: str = "compact", max_context: int | None = None, debug: bool = False):
-    """`kdlib.engine.generate` for a TPModel: every rank calls it with the same arguments and gets
-    the same `GenerateResult`. Greedy only (temperature 0). Phases as the engine's; `verify`
-    includes the vocab-parallel argmax, `draft` the vocab-parallel top-K. debug: assert across ranks
-    that every tree and accepted path is identical (extra collectives). Afterwards `model.comm`
-    counts the collectives of the decode steps (prefill and drafter set-up excluded).
-    """
-    from kdlib.engine.generate import GenerateResult, validate
-
-    if not isinstance(model, TPModel):
-        raise ValueError(f"model must be a TPModel, got {type(model).__name__}")
-    if temperature != 0:
-        raise ValueError(f"the tensor-parallel engine decodes greedily only (temperature 0), got {temperature!r}")
-    prompt, budget, k, _ = validate(model, prompt_ids, max_new_tokens, method, drafter, budget, top_k, temperature,
-                                    max_context)
-    from kdlib.engine.cache import LatentCache
-
-    cfg, dev = model.cfg, model.device
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    rows = budget + 1 if method == "ddtree" else 1
-    cache = LatentCache(cfg, prompt.shape[0] + max_new_tokens + rows + 1, mode=cache_mode, device=dev,
-                        dtype=model.dtype)  # the full latent cache on every rank (plain TP)
-    res = GenerateResult(tokens=[], method=method, prompt_len=int(prompt.shape[0]), budget=budget, top_k=k,
-                         temperature=0.0, target_forwards=0)
-    t_start, capture, bonus = run_prefill(model, cache, prompt, method, drafter, max_new_tokens,
-                                          lambda h: int(model.greedy(h)[0]), res, sync)
-    out = [bonus]
-    model.comm.reset()  # from here on the counters see the decode steps only
-    while len(out) < max_new_tokens:
-        if method == "ar":
-            bonus = _ar_step(model, cache, bonus, res, sync)
-            out.append(bonus)
-        else:
-            emitted = _ddtree_step(model, cache, drafter, bonus, budget, k, res, sync, capture, debug)
-            out.extend(emitted)
-            bonus = emitted[-1]
-        res.target_forwards += 1
-    sync()
-    res.total_ms = (time.perf_counter() - t_start) * 1e3
-    res.tokens = out[:max_new_tokens]
-    return res
-
-
-def _ar_step(model, cache, token, res, sync) -> int:
-    t0 = time.perf_counter()
-    h, _ = model.forward_cached(cache, torch.tensor([token]), [cache.length])
-    nxt = int(model.greedy(h)[0])
-    cache.commit()
-    sync()
-    t1 = time.perf_counter()
-    record_step(res, [t0, t0, t0, t1, t1, t1], 1, 1)  # draft, build, compaction: none; accept inside greedy
-    return nxt
-
-
-def local_draft_logits(model: TPModel, logits: torch.Tensor) -> torch.Tensor:
-    """A drafter's logits as this rank's vocabulary shard [L, V_r]: drafters that read the target's
-    `lm_head.weight` already give the shard; dense [L, V] ones (tied heads, the noisy oracle) are sliced."""
-    v0, v1 = model.vocab_range
-    if logits.shape[-1] == v1 - v0:
-        return logits
-    if logits.shape[-1] == model.cfg.vocab_size:
-        return logits[:, v0:v1]
-    raise ValueError(f"drafter logits of width {logits.shape[-1]}: expected {v1 - v0} (shard) or "
-                     f"{model.cfg.vocab_size} (dense)")
-
-
-def _ddtree_step(model, cache, drafter, bonus, budget, k, res, sync, capture, debug) -> list[int]:
-    from kdlib import ops
-
-    dev, V = model.device, model.cfg.vocab_size
-    s = cache.length
-    t = [time.perf_counter()]
-    # draft: shard logits -> global top-K (ids, full-vocabulary log-probs) from gathered pairs
-    ids, lps = vocab_parallel_topk(local_draft_logits(model, drafter.draft(bonus, s)), model.vocab_range[0], k,
-                                   model.comm)
-    sync()
-    t.append(time.perf_counter())
-    # build: on every rank, from identical inputs
-    trees = ops.build_tree_batch(ids[None].contiguous(), lps[None].contiguous(), budget, vocab_size=V)
-    m = int(trees.sizes[0])
-    if debug:
-        assert_replicated(model.comm, top_ids=ids, top_logp=lps, node_token_ids=trees.node_token_ids,
-                          visibility=trees.visibility, positions=trees.positions)
-    sync()
-    t.append(time.perf_counter())
-    # verify + the vocab-parallel argmax per node
-    tokens = torch.cat([torch.tensor([bonus], device=dev), trees.node_token_ids[0, : m - 1]])  # [n+1]
-    h, feats = model.forward_cached(cache, tokens, s + trees.positions[0, :m], trees.visibility[0, :m, :m], capture)
-    target = torch.zeros(1, budget + 1, dtype=torch.int64, device=dev)  # [1, budget+1]; pad never read
-    target[0, :m] = model.greedy(h)
-    sync()
-    t.append(time.perf_counter())
-    # accept
-    paths, lengths, new_bonus = ops.accept_greedy_batch(trees, target, max_depth=drafter.block_size - 1)
-    if debug:
-        assert_replicated(model.comm, paths=paths, lengths=lengths, bonus=new_bonus)
-    sync()
-    t.append(time.perf_counter())
-    tau, emitted = commit_accepted(cache, drafter, tokens, feats, paths, lengths, new_bonus)
-    sync()
-    t.append(time.perf_counter())
-    record_step(res, t, tau, m)
-    return emitted

@@ -7,9 +7,10 @@ single-process reference they compare against.
 
     spawn(bench_worker, 4, (bench_spec(), "/tmp/b.json"), backend="nccl")   # GPU: step time, all-reduce share
 
-A check runs, on the TP engine: dense logits of a prompt, the vocab-parallel top-K of synthetic
-logits, AR greedy, and DDTree with each drafter (debug mode: trees and accepted paths asserted equal
-across ranks). The reference runs the same on one process with `kdlib.engine`.
+A check runs, through `kdlib.engine.generate` on TPModel ranks: dense logits of a prompt, the
+vocab-parallel top-K of synthetic logits, AR greedy, DDTree with each drafter (debug mode: trees and
+accepted paths asserted equal across ranks), and AR and DDTree (first drafter) sampled at
+temperature > 0 with a fixed seed. The reference runs the same on one process.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import numpy as np
 import torch
 
 from kdlib import DATA
-from kdlib.tp.engine import Comm, TPModel, assert_replicated, generate, vocab_parallel_topk
+from kdlib.engine.generate import generate
+from kdlib.tp.engine import Comm, TPModel, assert_replicated, vocab_parallel_topk
 
 # fp32 tolerance for TP vs single-process logits: the all-reduce sums partial products in a
 # different order; a few ulps of |logit| ~ 10 after 2-3 layers, with margin.
@@ -31,15 +33,20 @@ LOGITS_ATOL, LOGITS_RTOL = 1e-4, 1e-4
 
 
 def check_spec(**kw) -> dict:
-    """Parameters of one check (defaults: tiny-a, expert parallel, 24 tokens, budget 8, block 5)."""
+    """Parameters of one check (defaults: tiny-a, expert parallel, 24 tokens, budget 8, block 5,
+    sampled runs at temperature 0.8)."""
     spec = {"config": "tiny-a", "seed": 0, "moe_mode": "ep", "prompt_len": 12, "max_new": 24, "budget": 8,
             "block": 5, "p_wrong": 0.3, "topk_rows": 6, "topk_k": 7, "drafters": ("oracle", "dflash"),
-            "zoo": False, "device": "cpu", "attention": "torch"}
+            "temperature": 0.8, "zoo": False, "device": "cpu", "attention": "torch"}
+    return _override(spec, kw, "check")
+
+
+def _override(spec: dict, kw: dict, what: str) -> dict:
+    """spec updated with kw; ValueError naming the keys spec does not have."""
     unknown = set(kw) - set(spec)
     if unknown:
-        raise ValueError(f"unknown check parameters {sorted(unknown)}")
-    spec.update(kw)
-    return spec
+        raise ValueError(f"unknown {what} parameters {sorted(unknown)}")
+    return {**spec, **kw}
 
 
 def _models(spec: dict, device):
@@ -99,7 +106,8 @@ def check_worker(rank: int, world: int, device, spec: dict, out_path: str) -> No
     for name, make in drafters.items():
         r = generate(tp, prompt, spec["max_new"], method="ddtree", drafter=make(tp), budget=spec["budget"], debug=True)
         out[f"ddtree:{name}"], out[f"accepted:{name}"] = r.tokens, r.accepted
-    for key in [k for k in out if k.startswith(("ar", "ddtree", "topk"))] + ["logits"]:
+    out.update(_sampled(tp, drafters, prompt, spec, debug=True))
+    for key in [k for k in out if k.startswith(("ar", "ddtree", "topk", "sampled"))] + ["logits"]:
         assert_replicated(comm, **{key.replace(":", "_"): torch.as_tensor(out[key])})
     if rank == 0:
         tmp = f"{out_path}.tmp"
@@ -107,17 +115,26 @@ def check_worker(rank: int, world: int, device, spec: dict, out_path: str) -> No
         os.replace(tmp, out_path)
 
 
-def reference(spec: dict) -> dict:
-    """The same outputs from one process with `kdlib.engine` (DDTree references are AR greedy)."""
-    from kdlib.engine import generate as engine_generate
+def _sampled(model, drafters: dict, prompt, spec: dict, debug: bool = False) -> dict:
+    """{"sampled:ar": tokens, "sampled:ddtree:<first drafter>": tokens} at spec["temperature"], seed spec["seed"]."""
+    kw = {"temperature": spec["temperature"], "seed": spec["seed"]}
+    out = {"sampled:ar": generate(model, prompt, spec["max_new"], **kw).tokens}
+    for name, make in list(drafters.items())[:1]:
+        out[f"sampled:ddtree:{name}"] = generate(model, prompt, spec["max_new"], method="ddtree", drafter=make(model),
+                                                 budget=spec["budget"], debug=debug, **kw).tokens
+    return out
 
+
+def reference(spec: dict) -> dict:
+    """The same outputs from one process (DDTree references are AR greedy; sampled ones the same seed's)."""
     model, drafters, prompt = _models(spec, torch.device(spec["device"]))
     ids, lps = dense_topk(synthetic_logits(spec, model.cfg.vocab_size), spec["topk_k"])
     out = {"logits": model.logits(prompt).cpu(), "topk_ids": ids, "topk_logp": lps,
-           "ar": engine_generate(model, prompt, spec["max_new"]).tokens}
+           "ar": generate(model, prompt, spec["max_new"]).tokens}
     for name, make in drafters.items():
-        r = engine_generate(model, prompt, spec["max_new"], method="ddtree", drafter=make(model), budget=spec["budget"])
+        r = generate(model, prompt, spec["max_new"], method="ddtree", drafter=make(model), budget=spec["budget"])
         out[f"ddtree:{name}"], out[f"accepted:{name}"] = r.tokens, r.accepted
+    out.update(_sampled(model, drafters, prompt, spec))
     return out
 
 
@@ -139,6 +156,12 @@ def compare(got: dict, ref: dict) -> list[str]:
         name = key.split(":")[1]
         lines.append(f"{'ok  ' if ok else 'FAIL'} TP DDTree ({name}) == single-process AR; mean accepted "
                      f"{np.mean(got['accepted:' + name]):.2f} (single-process DDTree {np.mean(ref['accepted:' + name]):.2f})")
+    # Same seed, same uniforms: the draws could part only where the fp32 rounding of the logits (~1e-6)
+    # moves a CDF boundary across a uniform, a chance of that order per token.
+    for key in [k for k in got if k.startswith("sampled:")]:
+        ok = got[key] == ref.get(key)
+        lines.append(f"{'ok  ' if ok else 'FAIL'} TP {key.split(':', 1)[1]} sampled at T > 0 == single-process, "
+                     "same seed")
     return lines
 
 
@@ -155,11 +178,7 @@ def bench_spec(**kw) -> dict:
     spec = {"config": None, "seed": 0, "moe_mode": "ep", "context": 512, "max_new": 64, "budget": 32, "block": 16,
             "p_wrong": 0.2, "dtype": "float32", "allreduce_dtype": "bfloat16",
             "allreduce_rows": (1, 8, 33, 64, 128, 256, 1024, 4096), "allreduce_hidden": 7168, "iters": 50}
-    unknown = set(kw) - set(spec)
-    if unknown:
-        raise ValueError(f"unknown bench parameters {sorted(unknown)}")
-    spec.update(kw)
-    return spec
+    return _override(spec, kw, "bench")
 
 
 def _bench_model(spec: dict, device):
@@ -190,14 +209,13 @@ def bench_worker(rank: int, world: int, device, spec: dict, out_path: str) -> No
     import torch.distributed as dist
 
     from kdlib.engine import NoisyOracleDrafter
-    from kdlib.engine import generate as engine_generate
 
     full = _bench_model(spec, device)
     cfg = full.cfg
     comm = Comm()
     tp = TPModel.from_model(full, comm, spec["moe_mode"])
     prompt = np.random.default_rng(spec["seed"]).integers(0, cfg.vocab_size, spec["context"]).tolist()
-    single_ar = engine_generate(full, prompt, spec["max_new"]).tokens
+    single_ar = generate(full, prompt, spec["max_new"]).tokens
     probe = prompt[:64]
     ref_logits = full.logits(probe)
     logit_diff = float((tp.logits(probe) - ref_logits).abs().max())
@@ -238,8 +256,8 @@ def bench_worker(rank: int, world: int, device, spec: dict, out_path: str) -> No
             "matches_tp_ar": r.tokens == tp_ar,  # DDTree == AR on the same (TP) numerics
         })
         if world == 1:  # the single-device engine itself, same prompt and drafter
-            engine_generate(full, prompt, 8, **kw(method))
-            e = engine_generate(full, prompt, spec["max_new"], **kw(method))
+            generate(full, prompt, 8, **kw(method))
+            e = generate(full, prompt, spec["max_new"], **kw(method))
             se = e.step_ms()
             rows.append({"world": 1, "engine": "single", "method": method, "steps": e.steps,
                          "step_ms": float(np.median(se)), "step_ms_p10": float(np.quantile(se, 0.1)),
