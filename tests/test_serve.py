@@ -249,6 +249,44 @@ def test_api_key_body_limit_and_full_queue(bundle):
     engine.close()
 
 
+def test_served_model_names_and_streamed_choices(bundle):
+    engine = serve.Engine(bundle, max_num_seqs=4, max_model_len=64, served_names=("tiny", "org/tiny-alias"))
+    with serve.EmbeddedServer(engine) as srv, openai.OpenAI(base_url=srv.url + "/v1", api_key="-", max_retries=0) as oa:
+        assert [m.id for m in oa.models.list().data] == ["tiny", "org/tiny-alias"]
+        assert oa.models.retrieve("org/tiny-alias").id == "org/tiny-alias"
+        chunks = list(oa.completions.create(model="org/tiny-alias", prompt="a = [", max_tokens=6, n=2, seed=3,
+                                            temperature=1.0, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+        assert {c.model for c in chunks} == {"org/tiny-alias"}
+        finished = {ch.index: ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason}
+        assert finished == {0: "length", 1: "length"} and chunks[-1].usage.completion_tokens == 12
+        with pytest.raises(openai.NotFoundError):
+            oa.completions.create(model="kdtree-tiny", prompt="x", max_tokens=1)
+    engine.close()
+
+
+def test_a_failing_engine_step_fails_its_requests_and_the_loop_goes_on(bundle):
+    engine = serve.Engine(bundle, max_num_seqs=2, max_model_len=64)
+    assert engine.wait_ready(60)  # the warm-up request has run its steps
+    real = engine.core.step
+    calls = []
+
+    def broken():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("device lost")
+        return real()
+
+    engine.core.step = broken
+    try:
+        with pytest.raises(serve.RequestError) as e:
+            engine.run([5, 6, 7], 4)
+        assert e.value.status == 500 and "device lost" in str(e.value)
+        assert len(engine.run([5, 6, 7], 4)["tokens"]) >= 1 and engine.state()["running"] == 0
+    finally:
+        engine.close()
+
+
 def test_port_in_use_is_a_clear_error(capsys):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
