@@ -5,8 +5,8 @@
     kdlib report [NOTEBOOK ...] [--profile P] [-p NAME VALUE]
     kdlib memory CONFIG --gpu GPU --tp N --context T
     kdlib estimate [--scenario seeds] [--gpu G] [--concurrency C ...] [--block-size B] [--accepted-length A]
-    kdlib serve --port P
-    kdlib diagnose [--endpoint URL]
+    kdlib serve --port P [--max-num-seqs N]
+    kdlib diagnose [--endpoint URL] [--load]
 
 Each module exposes `cli(argv: list[str]) -> int`; it is imported only when its command runs,
 so a missing optional package (FastAPI on the GPU machine, say) breaks only that command.
@@ -31,8 +31,8 @@ COMMANDS = {
     "report": ("kdlib.report", "run notebooks through papermill into reports/ (HTML + index)"),
     "memory": ("kdlib.memory", "KV-cache and weight memory plan from a config.json"),
     "estimate": ("kdlib.estimator", "step-time and throughput estimator"),
-    "serve": ("kdlib.serve", "OpenAI-compatible HTTP server around the engine"),
-    "diagnose": ("kdlib.diagnose", "throughput diagnosis of an OpenAI-compatible endpoint"),
+    "serve": ("kdlib.serve", "OpenAI-compatible HTTP server around the batched engine (continuous batching)"),
+    "diagnose": ("kdlib.diagnose", "throughput diagnosis and load test of an OpenAI-compatible endpoint"),
 }
 EXIT_USAGE = 2
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
