@@ -37,6 +37,7 @@
 // Every reduction has a fixed order: results are bit-for-bit reproducible.
 //
 // The attend kernel needs sm_90a (wgmma); built for another target its body traps.
+// kdlib-arch: sm_90a wgmma=tree_verify_v5_attend (tests/test_kernels_compile.py builds it so, checks the SASS)
 
 #include <cuda_bf16.h>
 

@@ -135,3 +135,65 @@ def test_compiles_with_nvrtc_as_cupy_does(source):
     finally:
         _NVRTC.nvrtcDestroyProgram(ctypes.byref(prog))
     assert rc == 0, f"NVRTC rejected {source.name}:\n{log.value.decode(errors='replace')}"
+
+
+ARCH_A = re.compile(r"//\s*kdlib-arch:\s*sm_90a\s+wgmma=([\w,]+)")
+SOURCES_90A = [s for s in SOURCES if ARCH_A.search(s.read_text())]
+
+
+def _cuobjdump() -> str | None:
+    import shutil
+
+    return shutil.which("cuobjdump")
+
+
+@pytest.mark.parametrize("source", SOURCES_90A, ids=[s.name for s in SOURCES_90A])
+def test_sm90a_kernels_compile_without_spills_and_use_wgmma(source, tmp_path):
+    """Files marked '// kdlib-arch: sm_90a wgmma=<kernels>' also build for sm_90a with nvcc: no warning, no
+    spill, no stack frame, and (where cuobjdump is on PATH) HGMMA in the SASS of each kernel named."""
+    import subprocess
+
+    cubin = tmp_path / "k.cubin"
+    proc = subprocess.run([loader.nvcc_path(), *loader.NVCC_FLAGS, f"-I{KERNELS}", "-gencode=arch=compute_90a,code=sm_90a",
+                           "-o", str(cubin), str(source)], capture_output=True, text=True, timeout=300)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    assert "warning" not in text.lower(), text  # e.g. wgmma serialised by ptxas (C7510)
+    entries = loader.parse_ptxas(text)
+    assert set(loader.KERNEL_DECL.findall(source.read_text())) <= set(entries)
+    for name, info in entries.items():
+        assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, f"{name}: {info}"
+    if _cuobjdump() is None:
+        pytest.skip("cuobjdump not on PATH: the SASS check did not run")
+    sass = subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, timeout=120).stdout
+    by_name = {f.split()[0]: f for f in sass.split("Function : ")[1:]}
+    for name in ARCH_A.search(source.read_text()).group(1).split(","):  # the kernels the marker names
+        assert "HGMMA" in by_name[name], f"{name}: no HGMMA in its SASS"
+
+
+@pytest.mark.skipif(_NVRTC is None, reason="nvidia-cuda-nvrtc is not installed (requirements.lock pins it)")
+@pytest.mark.parametrize("source", SOURCES_90A, ids=[s.name for s in SOURCES_90A])
+def test_sm90a_kernels_compile_with_nvrtc_as_the_wrappers_load_them(source):
+    """What the CuPy wrappers load: NVRTC with '-arch=sm_90a' beside CuPy's own '-arch=sm_90' and
+    '-ftz=true' (NVRTC builds for sm_90a then); ptxas -v shows no spill and no stack frame."""
+    import ctypes
+
+    options = [b"--std=c++17", b"-arch=sm_90a", b"-arch=sm_90", b"-ftz=true", b"--device-as-default-execution-space",
+               b"--ptxas-options=-v", f"-I{KERNELS}".encode(), f"-I{_cuda_include()}".encode()]
+    prog = ctypes.c_void_p()
+    assert _NVRTC.nvrtcCreateProgram(ctypes.byref(prog), source.read_bytes(), source.name.encode(), 0, None, None) == 0
+    try:
+        rc = _NVRTC.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
+        size = ctypes.c_size_t()
+        _NVRTC.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        _NVRTC.nvrtcGetProgramLog(prog, log)
+    finally:
+        _NVRTC.nvrtcDestroyProgram(ctypes.byref(prog))
+    text = log.value.decode(errors="replace")
+    assert rc == 0, f"NVRTC rejected {source.name}:\n{text}"
+    entries = loader.parse_ptxas(text.replace("ptxas         .", "ptxas info    :"))
+    assert set(loader.KERNEL_DECL.findall(source.read_text())) <= set(entries), text
+    assert "for 'sm_90a'" in text, text
+    for name, info in entries.items():
+        assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, f"{name}: {info}"

@@ -148,6 +148,66 @@ def _torch_graph_time(fn, torch, iters):
     return t, mode
 
 
+def torch_baselines(q, pool, pt, tkv, vis, scale: float, outs: dict, fl: dict, iters: int, *,
+                    enabled: bool = True) -> dict:
+    """The PyTorch baselines of one point (full trees, every request of prefix pt.shape[1]):
+
+    `matmul` (gather the paged prefix + tree rows, bmm -> masked fp32 softmax -> bmm, bf16) and
+    `sdpa` (scaled_dot_product_attention with a bool mask, enable_gqa), each graph-replayed where
+    capture works, with its relative difference from each kernel output in `outs` (impl -> CuPy
+    out [B, Q, H, 512]); skipped (the reason recorded) past _BASELINE_MAX_BYTES of score matrices.
+    q [B, Q, H, 576], pool [N, 576], pt [B, S] int32, tkv [B, Q, 576], vis [B, Q, Q] (torch CUDA).
+    """
+    import torch
+
+    bsz, nq, h, _ = q.shape
+    s = pt.shape[1]
+    dev = q.device
+    score_bytes = bsz * nq * h * (s + nq) * (2 + 4 + 2)
+    if not enabled:
+        return {"matmul": {"skipped": "baselines off"}, "sdpa": {"skipped": "baselines off"}}
+    if score_bytes > _BASELINE_MAX_BYTES:
+        why = f"score matrices {score_bytes / 1e9:.0f} GB > {_BASELINE_MAX_BYTES / 1e9:.0f} GB limit"
+        return {"matmul": {"skipped": why}, "sdpa": {"skipped": why}}
+    base = {}
+    pt = pt.long()
+    tail_mask = vis[:, :, None, :].expand(bsz, nq, h, nq).reshape(bsz, nq * h, nq)  # [B, Q*H, Q]
+    sdpa_mask = torch.cat([torch.ones(bsz, 1, nq, s, dtype=torch.bool, device=dev), vis[:, None]], -1)
+
+    def keys():
+        return torch.cat([pool[pt], tkv], 1)  # [B, S+Q, 576] gather of the paged prefix + tree rows
+
+    res = {}
+
+    def matmul():
+        k = keys()
+        sc = torch.bmm(q.reshape(bsz, nq * h, D_QK), k.transpose(1, 2)) * scale  # [B, Q*H, S+Q] bf16
+        sc[:, :, s:].masked_fill_(~tail_mask, float("-inf"))
+        pr = torch.softmax(sc, -1, dtype=torch.float32).to(torch.bfloat16)
+        res["matmul"] = torch.bmm(pr, k[:, :, :D_V])  # [B, Q*H, 512]
+
+    def sdpa():
+        k = keys()[:, None]  # [B, 1, S+Q, 576]
+        res["sdpa"] = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k, k[..., :D_V], attn_mask=sdpa_mask, scale=scale, enable_gqa=True)
+
+    first = next(iter(outs), None)
+    for name, fn in (("matmul", matmul), ("sdpa", sdpa)):
+        try:
+            bt, mode = _torch_graph_time(fn, torch, iters)
+            ref_out = res[name].float().reshape(bsz, nq, h, D_V) if name == "matmul" else \
+                res[name].float().transpose(1, 2)
+            norm = torch.linalg.vector_norm(ref_out)
+            diff = {k: float(torch.linalg.vector_norm(torch.from_dlpack(o) - ref_out) / norm) for k, o in outs.items()}
+            base[name] = {**bt.as_dict(), "mode": mode, "fraction_of_floor": fl["floor_ms"] / bt.median_ms,
+                          "rel_diff_vs_kernel": diff.get(first), "rel_diff_by_variant": diff}
+        except torch.OutOfMemoryError as e:
+            base[name] = {"skipped": f"out of memory: {str(e).splitlines()[0][:120]}"}
+        res.clear()
+        torch.cuda.empty_cache()
+    return base
+
+
 def run_point(p: dict, pool, ceil: dict, *, iters: int, baseline_iters: int, baselines: bool = True,
               impls: tuple[str, ...] = ("auto",)) -> dict:
     """Time one (H, Q, S, B) point for each kernel variant in `impls` (the first is the headline).
@@ -200,49 +260,10 @@ def run_point(p: dict, pool, ceil: dict, *, iters: int, baseline_iters: int, bas
                 "achieved_TBps": head["achieved_TBps"], "achieved_TFLOPs": head["achieved_TFLOPs"]})
     head_ms = head["kernel"]["median_ms"]
 
-    base = {}
-    score_bytes = bsz * nq * h * (s + nq) * (2 + 4 + 2)
-    if not baselines:
-        base = {"matmul": {"skipped": "baselines off"}, "sdpa": {"skipped": "baselines off"}}
-    elif score_bytes > _BASELINE_MAX_BYTES:
-        why = f"score matrices {score_bytes / 1e9:.0f} GB > {_BASELINE_MAX_BYTES / 1e9:.0f} GB limit"
-        base = {"matmul": {"skipped": why}, "sdpa": {"skipped": why}}
-    else:
-        pt = tables[0].long()
-        tail_mask = vis[:, :, None, :].expand(bsz, nq, h, nq).reshape(bsz, nq * h, nq)  # [B, Q*H, Q]
-        sdpa_mask = torch.cat([torch.ones(bsz, 1, nq, s, dtype=torch.bool, device=dev), vis[:, None]], -1)
-
-        def keys():
-            return torch.cat([pool[pt], tkv], 1)  # [B, S+Q, 576] gather of the paged prefix + tree rows
-
-        res = {}
-
-        def matmul():
-            k = keys()
-            sc = torch.bmm(q.reshape(bsz, nq * h, D_QK), k.transpose(1, 2)) * scale  # [B, Q*H, S+Q] bf16
-            sc[:, :, s:].masked_fill_(~tail_mask, float("-inf"))
-            pr = torch.softmax(sc, -1, dtype=torch.float32).to(torch.bfloat16)
-            res["matmul"] = torch.bmm(pr, k[:, :, :D_V])  # [B, Q*H, 512]
-
-        def sdpa():
-            k = keys()[:, None]  # [B, 1, S+Q, 576]
-            res["sdpa"] = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k, k[..., :D_V], attn_mask=sdpa_mask, scale=scale, enable_gqa=True)
-
-        for name, fn in (("matmul", matmul), ("sdpa", sdpa)):
-            try:
-                bt, mode = _torch_graph_time(fn, torch, baseline_iters)
-                ref_out = res[name].float().reshape(bsz, nq, h, D_V) if name == "matmul" else \
-                    res[name].float().transpose(1, 2)
-                norm = torch.linalg.vector_norm(ref_out)
-                diff = {k: float(torch.linalg.vector_norm(torch.from_dlpack(o) - ref_out) / norm) for k, o in outs.items()}
-                base[name] = {**bt.as_dict(), "mode": mode, "speedup": bt.median_ms / head_ms,
-                              "fraction_of_floor": fl["floor_ms"] / bt.median_ms,
-                              "rel_diff_vs_kernel": diff[impls[0]], "rel_diff_by_variant": diff}
-            except torch.OutOfMemoryError as e:
-                base[name] = {"skipped": f"out of memory: {str(e).splitlines()[0][:120]}"}
-            res.clear()
-            torch.cuda.empty_cache()
+    base = torch_baselines(q, pool, tables[0], tkv, vis, scale, outs, fl, baseline_iters, enabled=baselines)
+    for b in base.values():
+        if "median_ms" in b:
+            b["speedup"] = b["median_ms"] / head_ms
     row["baselines"] = base
     best = [v["median_ms"] for v in base.values() if "median_ms" in v]
     for v in row["variants"].values():
