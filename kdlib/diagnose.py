@@ -986,7 +986,8 @@ def cli(argv: list[str]) -> int:
     g.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)), help="fixed concurrency levels")
     g.add_argument("--request-rate", default="", help="request rates per second to sweep (inf: all at once)")
     g.add_argument("--max-concurrency", type=int, default=None, help="in-flight cap of the rate sweep")
-    g.add_argument("--num-prompts", type=int, default=None, help="requests per run (default 4 x C; rates: 4 x distinct)")
+    g.add_argument("--num-prompts", type=int, default=None,
+                   help="requests per run (default 4 x C; rates: 4 x distinct)")
     g.add_argument("--distinct-prompts", type=int, default=16)
     g.add_argument("--input-len", type=int, default=128)
     g.add_argument("--output-len", type=int, default=128)

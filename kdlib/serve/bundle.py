@@ -172,8 +172,8 @@ def load_bundle(device: str = "cpu", *, prefer_trained: bool = True, config: str
                 model = zoo.load_target(device=device, dtype=dt, folder=folder)
                 where = folder if folder is not None else "data/models/"
                 return Bundle(model, zoo.load_drafter(model, folder=folder), zoo.load_tokenizer(folder), "kdtree-tiny",
-                              {"source": "trained", "weights": f"trained (kdlib.zoo, {where})", "drafter": "trained DFlash-style",
-                               "tokenizer": "trained byte-level BPE", "dtype": dtype})
+                              {"source": "trained", "weights": f"trained (kdlib.zoo, {where})",
+                               "drafter": "trained DFlash-style", "tokenizer": "trained byte-level BPE", "dtype": dtype})
         except ImportError:
             pass
     from kdlib.engine.config import ModelConfig
@@ -184,6 +184,5 @@ def load_bundle(device: str = "cpu", *, prefer_trained: bool = True, config: str
     drafter = _lazy_oracle_class()(cfg.vocab_size, p_wrong, block_size=8, seed=seed)
     return Bundle(model, drafter, ByteTokenizer(cfg.vocab_size), f"kdtree-random-{config}",
                   {"source": "random", "weights": f"random (data/configs/{config}.json, seed {seed}): no trained "
-                   "models found",
-                   "drafter": f"noisy oracle (lazy script), p_wrong {p_wrong}", "tokenizer": "printable ASCII (ByteTokenizer)",
-                   "dtype": dtype})
+                   "models found", "drafter": f"noisy oracle (lazy script), p_wrong {p_wrong}",
+                   "tokenizer": "printable ASCII (ByteTokenizer)", "dtype": dtype})

@@ -11,9 +11,10 @@ The loop, on its own thread: take new and cancelled sequences from the inbox (`a
 between steps and leave when done (continuous batching), each with its own sampling settings.
 Text is made here (`TextStream`): a sequence whose text completes a stop string is aborted in the
 engine at once and finishes with "stop" (stop strings count from min_tokens on); an end-of-text
-token ends it with "stop" too; end-of-text tokens are counted but never decoded into text. Listeners run on the loop's thread and must only hand the event on:
-("prompt", [per-position logprobs]) first when asked for, then ("delta", Delta) per step with
-tokens, then ("done", Done) or ("error", RequestError).
+token ends it with "stop" too; end-of-text tokens are counted but never decoded into text.
+Listeners run on the loop's thread and must only hand the event on: ("prompt", [per-position
+logprobs]) first when asked for, then ("delta", Delta) per step with tokens, then ("done", Done)
+or ("error", RequestError).
 """
 
 from __future__ import annotations
@@ -98,7 +99,10 @@ class Sequence:
 
     def emit(self, kind: str, payload) -> None:
         if self.listener is not None:
-            self.listener((kind, payload))
+            try:
+                self.listener((kind, payload))
+            except RuntimeError:  # the listener's event loop has closed (server shut down): nobody to tell
+                pass
 
     def stats(self, method: str, budget) -> dict:
         n, steps = len(self.tokens), len(self.accepted)
@@ -120,8 +124,8 @@ def make_core(bundle: Bundle, *, max_num_seqs: int, max_model_len: int | None, m
     from kdlib.engine.drafter import NoisyOracleDrafter
 
     ddtree = method == "ddtree"
-    return BatchEngine(bundle.model, max_streams=max_num_seqs, method=method, drafter=bundle.drafter if ddtree else None,
-                       budget=budget, max_context=max_model_len,
+    return BatchEngine(bundle.model, max_streams=max_num_seqs, method=method,
+                       drafter=bundle.drafter if ddtree else None, budget=budget, max_context=max_model_len,
                        graphs=False if ddtree and isinstance(bundle.drafter, NoisyOracleDrafter) else None)
 
 
@@ -185,8 +189,8 @@ class Engine:
 
     def info(self) -> dict:
         b = self.bundle
-        return {**b.info, "method": self.method, "budget": getattr(self.core, "budget", self.budget) or None, "max_model_len": self.max_model_len,
-                "max_num_seqs": self.max_num_seqs, "device": str(b.model.device),
+        return {**b.info, "method": self.method, "budget": getattr(self.core, "budget", self.budget) or None,
+                "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs, "device": str(b.model.device),
                 "stop_token_ids": sorted(self.stop_token_ids)}
 
     def state(self) -> dict:
@@ -332,10 +336,11 @@ class Engine:
             pass
 
     def _add(self, seq: Sequence) -> None:
-        if seq.cancelled:
-            return
         try:
             seq.text = TextStream(self.bundle.tokenizer, seq.stops)
+            if seq.cancelled:  # the client left before the sequence reached the engine
+                self._finish(seq, "abort", time.perf_counter())
+                return
             if seq.prompt_logprobs is not None:
                 seq.emit("prompt", self.core.prompt_logprobs(seq.prompt_ids, seq.prompt_logprobs))
             seq.rid = self.core.add_request(seq.prompt_ids, seq.max_tokens, seq.params)

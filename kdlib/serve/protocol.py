@@ -15,9 +15,10 @@ context; temperature (default 1.0 as OpenAI; below 1e-5 = greedy), top_p (0, 1],
 off, as is the vocabulary size or more), seed (absent = fresh randomness; choice i of n uses
 seed + i), n 1..16, stop (a string or up to 4, each 1..MAX_STOP_CHARS characters; not included in
 the output), ignore_eos, min_tokens (<= max_tokens; stop tokens and stop strings count only from
-there), user (accepted, not used); completions: logprobs 0..MAX_LOGPROBS (top alternatives per token), echo; chat: logprobs (bool),
-top_logprobs 0..MAX_LOGPROBS. Chat messages: role system | developer | user | assistant, content
-a string or a list of text parts ({"type": "text", "text": ...}).
+there), user (accepted, not used). Completions: logprobs 0..MAX_LOGPROBS (top alternatives per
+token), echo (with logprobs only where the engine has `prompt_logprobs`; else a 400). Chat: logprobs (bool), top_logprobs 0..MAX_LOGPROBS; messages with role system |
+developer | user | assistant and content a string or a list of text parts ({"type": "text",
+"text": ...}).
 """
 
 from __future__ import annotations
