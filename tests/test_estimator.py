@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 
 import pytest
 from hypothesis import given, settings
@@ -391,3 +392,36 @@ def test_allreduce_calibration_prefers_the_graph_fit():
     assert est.calibrate({"tp": {}}) == est.Assumptions()
     with pytest.raises(ValueError, match="moe_arm"):
         est.calibrate({}, moe_arm="v3")
+
+
+def _bench_row(method, budget, streams, context, step_ms, device_ms, **kw):
+    return {"model": "bench8", "context": context, "method": method, "budget": budget, "streams": streams,
+            "step_ms": step_ms, "device_ms": device_ms, "mean_accepted": 1.0, **kw}
+
+
+def test_validate_batch_terms_and_residuals():
+    a = est.Assumptions()
+    doc = {"bench": [_bench_row("ar", 0, 1, 256, 3.0, 2.0), _bench_row("ddtree", 16, 1, 256, 4.0, 3.0),
+                     _bench_row("ddtree", 16, 4, 4096, 8.0, float("nan"), kernels_per_step=500.0)]}
+    ar, dd, dd4 = cal.validate_batch(a, doc)
+    for r in (ar, dd, dd4):
+        assert r["predicted_ms"] - r["predicted_device_ms"] == pytest.approx(a.v("dispatch_s") * 1e3)
+        assert r["residual"] == pytest.approx(r["predicted_ms"] / r["measured_ms"] - 1)
+        assert r["fixed_ms"] == pytest.approx(8 * a.v("kernels_per_layer") * a.v("kernel_latency_s") * 1e3)
+    assert ar["device_residual"] == pytest.approx(ar["predicted_device_ms"] / 2.0 - 1)
+    assert dd["predicted_device_ms"] > ar["predicted_device_ms"]      # draft + tree + 17 verify rows
+    assert ar["unexplained_device_ms"] == pytest.approx(2.0 - (ar["predicted_device_ms"] - ar["fixed_ms"]))
+    assert ar["unexplained_us_per_kernel"] is None and math.isnan(dd4["device_residual"])
+    assert math.isnan(dd4["unexplained_us_per_kernel"])
+    with pytest.raises(ValueError, match="no bench rows"):
+        cal.validate_batch(a, {"bench": []})
+
+
+def test_validate_batch_on_the_recording():
+    from kdlib import perf
+
+    doc = perf.load("engine_batch", "h200")
+    if doc is None:
+        pytest.skip("no data/results/engine_batch.h200.json recorded")
+    rows = est.validate_batch(est.Assumptions(), doc)
+    assert len(rows) == len(doc["bench"]) and all(r["predicted_ms"] > 0 for r in rows)

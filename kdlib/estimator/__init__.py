@@ -7,6 +7,7 @@
     est.seeds.reproduce()                        # the seeds' B300 projections, rebuilt
     a = est.calibrate(est.load_results("h200"))  # efficiencies from H200 measurements
     est.validate(a, est.load_results("h200")["engine"])   # against the engine's measured step times
+    est.validate_batch(a, kdlib.perf.load("engine_batch", "h200"))   # against the batched graph engine
 
 CLI: `kdlib estimate [--scenario seeds] [--json]` (the seeds' B300 scenarios, nothing else to set), or
 `kdlib estimate [--gpu b300] [--concurrency 1 4 10] [--context N] [--block-size B] [--accepted-length A]
@@ -23,7 +24,7 @@ import sys
 from kdlib import memory
 from kdlib.cli import Parser, fail, positive_float, positive_int
 from kdlib.estimator import seeds
-from kdlib.estimator.calibration import calibrate, engine_rows, load_results, validate
+from kdlib.estimator.calibration import calibrate, engine_rows, load_results, validate, validate_batch
 from kdlib.estimator.model import (
     COMPONENTS,
     hardware,
@@ -41,7 +42,7 @@ __all__ = [
     "COMPONENTS", "SHAPE_CONFIG", "Assumptions", "ModelShape", "Param", "Scenario", "calibrate", "cli",
     "engine_rows", "hardware", "knee_m", "load_results", "model_seed_rows", "moe_curve", "moe_layer",
     "project", "seed_scenarios", "seeds", "seeds_stack", "sensitivity", "step_time", "touched_experts",
-    "validate",
+    "validate", "validate_batch",
 ]
 
 
@@ -59,7 +60,8 @@ def seeds_stack(gpu="b300", a: Assumptions | None = None, shape: ModelShape | No
         raise ValueError(f"the model's non-dispatch terms ({rest * 1e3:.2f} ms) already exceed the seeds' step "
                          f"({target * 1e3:.2f} ms); no dispatch overhead can reproduce 303 tok/s")
     return a.with_(dispatch_s=(target - rest, "solved: the seeds' B300 303 tok/s at C = 1, block 8, ~4.4 accepted "
-                                              "(seed 002:45, :69) minus this model's other terms"))
+                                              "(seed article “The Three Acts of Engineering”, lines 45 and 69) "
+                                              "minus this model's other terms"))
 
 
 def seed_scenarios(context: int = 2048) -> dict:

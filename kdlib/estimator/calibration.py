@@ -386,5 +386,62 @@ def assumptions_diff(before: Assumptions, after: Assumptions) -> list[dict]:
     return rows
 
 
-__all__ = ["Param", "anchor_host_costs", "assumptions_diff", "calibrate", "calibrate_verify", "engine_rows",
-           "engine_shape", "for_drafter", "load_results", "validate"]
+def _bench_shape_and_drafter(a: Assumptions) -> tuple[ModelShape, Assumptions, int]:
+    """The engine_batch bench model (kdlib.perf.suites.engine.BENCH_CONFIG, bf16, one GPU) as a ModelShape,
+    `a` with its DFlash drafter's layers and per-layer parameters (DFlashConfig.for_target at the suite's
+    block: q/k/v/o projections at hidden width + a gated MLP), and that block size."""
+    from kdlib.engine.config import ModelConfig
+    from kdlib.engine.drafter import DFlashConfig
+    from kdlib.perf.suites.engine import BENCH_CONFIG, BLOCK
+
+    shape = ModelShape.from_config(BENCH_CONFIG, tp=1, expert_bits=16, dense_bits=16)
+    d = DFlashConfig.for_target(ModelConfig.from_dict(BENCH_CONFIG), block_size=BLOCK)
+    per_layer = 4 * d.hidden_size ** 2 + 3 * d.hidden_size * d.intermediate_size
+    src = "DFlashConfig.for_target(BENCH_CONFIG) of kdlib.perf.suites.engine_batch's bench drafter"
+    return shape, a.with_(draft_layers=(d.num_layers, src), draft_layer_params=(per_layer, src)), BLOCK
+
+
+DEVICE_TERMS = ("moe", "dense", "attention", "draft", "tree", "fixed")
+
+
+def validate_batch(a: Assumptions, doc: dict, *, gpu="h200") -> list[dict]:
+    """Predicted vs measured step of every `bench` row of an engine_batch result (the 8-layer model, bf16,
+    one CUDA-graph replay per step), from `a` alone: nothing is fitted on these rows.
+
+    A graph step has no host work inside it, so the drafter's host cost is zero and every term but
+    `dispatch` is device time; AR rows have no draft and no tree build. Each row: context, method, budget,
+    streams, accepted, measured_ms / measured_device_ms (wall step and profiler device time),
+    predicted_ms / predicted_device_ms, residual and device_residual (predicted / measured - 1), fixed_ms
+    (the per-kernel term, layers x kernels_per_layer x kernel_latency_s), the measured device time the
+    model leaves unexplained beyond its bytes/FLOP terms (unexplained_device_ms = measured device -
+    (predicted device - fixed)), and, where the row counts its kernels, that time per kernel."""
+    shape, a, block = _bench_shape_and_drafter(a)
+    a = a.with_(draft_host_s=(0.0, "inside the CUDA graph: no host work per drafter call"))
+    out = []
+    for r in doc.get("bench") or []:
+        dd = r["method"] == "ddtree"
+        q = r["budget"] + 1 if dd else 1
+        sc = Scenario(concurrency=r["streams"], q_len=q, block=block if dd else 1,
+                      accepted=min(max(r["mean_accepted"], 1.0), q), context=r["context"], tree_builder="gpu")
+        st = step_time(gpu, sc, a, shape)
+        terms = {c: st[c] for c in DEVICE_TERMS if dd or c not in ("draft", "tree")}
+        device = sum(terms.values()) * 1e3
+        total = device + st["dispatch"] * 1e3
+        dev = float(r["device_ms"]) if r.get("device_ms") is not None else float("nan")
+        kern = r.get("kernels_per_step")
+        unexplained = dev - (device - terms["fixed"] * 1e3)
+        out.append({
+            "context": r["context"], "method": r["method"], "budget": r["budget"], "streams": r["streams"],
+            "accepted": r["mean_accepted"], "measured_ms": r["step_ms"], "measured_device_ms": dev,
+            "predicted_ms": total, "predicted_device_ms": device, "residual": total / r["step_ms"] - 1.0,
+            "device_residual": device / dev - 1.0 if dev == dev else float("nan"),
+            "fixed_ms": terms["fixed"] * 1e3, "unexplained_device_ms": unexplained,
+            "kernels_per_step": kern, "unexplained_us_per_kernel": unexplained * 1e3 / kern if kern else None,
+        })
+    if not out:
+        raise ValueError("engine_batch result holds no bench rows")
+    return out
+
+
+__all__ = ["DEVICE_TERMS", "Param", "anchor_host_costs", "assumptions_diff", "calibrate", "calibrate_verify",
+           "engine_rows", "engine_shape", "for_drafter", "load_results", "validate", "validate_batch"]

@@ -3,7 +3,7 @@
     a = Assumptions()                          # defaults, each with .source
     a.moe_bw_eff.value, a.moe_bw_eff.source
     a2 = a.with_(moe_bw_eff=(0.62, "calibrated: data/results/moe.h200.json"))
-    shape = ModelShape()                       # Kimi-K2 at TP8 (models-hardware.md §1.1)
+    shape = ModelShape()                       # Kimi-K2 at TP8 (data/configs/kimi-k2.6.json)
     Scenario(concurrency=4, q_len=33, block=16, accepted=12.0, context=4096)
 """
 
@@ -12,10 +12,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-MH = "shared/design/reference/models-hardware.md"
 # The shipped config (data/configs/) whose shapes are ModelShape()'s defaults (test_estimator checks).
 SHAPE_CONFIG = "kimi-k2.6"
-KP = "shared/design/reference/kernels-perf.md"
 
 
 @dataclass(frozen=True)
@@ -44,16 +42,17 @@ class Assumptions:
 
     moe_bw_eff: Param = _p(
         0.70, "fraction of HBM peak",
-        "W4A16 MoE weight streaming: the seeds' Marlin at 67-73% of the PRO 6000 peak (seed 002, "
-        "'67-73% of the 1.8 TB/s'); kernels-perf.md §5 target 70-85% of copy bandwidth [U on other GPUs]")
+        "W4A16 MoE weight streaming: the seeds' Marlin at 67-73% of the PRO 6000 peak (seed article "
+        "“The Three Acts of Engineering”: '67-73% of the 1.8 TB/s'); 70-85% of copy bandwidth assumed "
+        "reachable on other GPUs [U]")
     moe_compute_eff: Param = _p(
         0.35, "fraction of dense bf16 peak",
-        "W4A16 plateau on mma.sync with in-register dequant: Marlin ~141 TFLOP/s of ~312 on A100 "
-        "(45%) and 'not yet optimized for Hopper' (kernels-perf.md §5) [U]")
+        "W4A16 plateau on mma.sync with in-register dequant: Marlin ~141 TFLOP/s (vllm-project/vllm PR #2497; "
+        "GPU unstated, taken as an A100 of ~312: 45%) and 'not yet optimized for Hopper' (IST-DASLab/marlin README) [U]")
     moe_layer_latency_s: Param = _p(
         15e-6, "s per MoE layer",
         "router top-k, sort, two grouped-GEMM launches, combine: ~5 kernels x ~3 us "
-        "(AIConfigurator constant latency 3 us, models-hardware.md §5.1) [U]")
+        "(the 3 us constant latency of AIConfigurator's system YAMLs (ai-dynamo/aiconfigurator)) [U]")
     moe_per_expert_latency_s: Param = _p(
         0.0, "s per touched expert per MoE layer",
         "grouped MoE kernels launch once per layer (0 here); an expert loop, as the MVP engine's PyTorch "
@@ -61,34 +60,36 @@ class Assumptions:
     dense_bw_eff: Param = _p(
         0.80, "fraction of HBM peak",
         "bf16 GEMV-like weight streaming (attention projections, shared expert, dense layer, lm_head): "
-        "AIConfigurator mem_bw_empirical_scaling_factor 0.8 (models-hardware.md §5.1)")
+        "mem_bw_empirical_scaling_factor 0.8 of AIConfigurator's system YAMLs (ai-dynamo/aiconfigurator)")
     dense_compute_eff: Param = _p(
         0.80, "fraction of dense bf16 peak",
-        "cuBLAS bf16 GEMM ~790 of 989 TFLOP/s on the H200 (kernels-perf.md header)")
+        "cuBLAS bf16 GEMM ~790 of 989 TFLOP/s on the H200 (bf16_matmul_flops of data/results/ceilings.h200.json "
+        "against data/hw/h200.json)")
     attn_bw_eff: Param = _p(
         0.85, "fraction of HBM peak",
-        "FlashMLA memory-bound decode 84-90% of peak on H800/H100 (kernels-perf.md §0)")
+        "FlashMLA memory-bound decode 84-90% of peak on H800/H100 (deepseek-ai/FlashMLA README) [U here]")
     attn_compute_eff: Param = _p(
         0.70, "fraction of dense bf16 peak",
         "FlashMLA compute-bound ~75-80% of tensor peak; FlashInfer MLA 72-73% on the H200 at h = 64/128 "
-        "(kernels-perf.md §0 and 'Measured peers')")
+        "(deepseek-ai/FlashMLA README; FlashInfer's MLA benchmarks) [U here]")
     kernels_per_layer: Param = _p(
         12.0, "kernels per layer",
-        "'~10+ small kernels per layer' (models-hardware.md §6.4) [U]")
+        "assumed for a fused serving stack; the batched engine's count per step is recorded as kernels_per_step "
+        "in data/results/engine_batch.h200.json where measured [U]")
     kernel_latency_s: Param = _p(
         3e-6, "s per kernel",
         "fixed cost of a small kernel inside a CUDA graph: AIConfigurator's 3 us constant latency "
-        "(models-hardware.md §5.1); 0.69 us replay + launch tail (kernels-perf.md §0) [U]")
+        "(AIConfigurator's system YAMLs (ai-dynamo/aiconfigurator)) [U]")
     allreduces_per_layer: Param = _p(
         2.0, "collectives per layer",
-        "TP all-reduce after attention and after the MoE (models-hardware.md §0)")
+        "TP all-reduce after attention and after the MoE (the split kdlib.tp implements)")
     allreduce_latency_nvlink_s: Param = _p(
         10e-6, "s per collective",
-        "AIConfigurator system YAMLs: 10 us p2p latency (models-hardware.md §5.1); data/hw gives none [U]")
+        "10 us p2p latency of AIConfigurator's system YAMLs (ai-dynamo/aiconfigurator); data/hw gives none [U]")
     allreduce_latency_pcie_s: Param = _p(
         30e-6, "s per collective",
         "PCIe-only 8-GPU all-reduce latency, ~3x NVLink: 'the all-reduce latency term is much larger "
-        "than on NVLink systems' (models-hardware.md §6.4) [U]")
+        "than on NVLink systems' (PCIe Gen5 x16 only: interconnect source of data/hw/rtx-pro-6000.json) [U]")
     allreduce_bw_eff: Param = _p(
         0.7, "fraction of link bandwidth",
         "ring all-reduce bus efficiency of NCCL on small messages [U]")
@@ -99,25 +100,27 @@ class Assumptions:
     draft_layer_params: Param = _p(
         0.5e9, "parameters per draft layer",
         "one Kimi-K2-width dense layer: MLA projections ~0.1 B + dense MLP 3 x 7168 x 18432 = 0.4 B "
-        "(models-hardware.md §1.1) [U]")
+        "(hidden_size and intermediate_size of data/configs/kimi-k2.6.json) [U]")
     draft_host_s: Param = _p(
         0.2e-3, "s per draft call",
         "host-side cost of one drafter call (sampling the block's top-K, feature hand-off) [U]")
     tree_build_cpu_s_per_request: Param = _p(
         0.27e-3, "s per request",
         "CPU heapq builder: 17.4 ms at batch 64 on a 2-core machine, 14.8 ms on the GPU host "
-        "(kernels-perf.md 'Measured peers'); seeds: 6-21 ms at batch 64")
+        "(before calibration; tree_build of data/results/kernels.h200.json replaces it); seeds: 6-21 ms at batch 64")
     tree_build_gpu_s: Param = _p(
         41e-6, "s per step",
         "GPU DDTree builder inside a CUDA graph: 40.8 us at batch 64, 37.7 us at batch 1 "
-        "(kernels-perf.md 'Measured peers')")
+        "(before calibration; tree_build of data/results/kernels.h200.json replaces it)")
     dispatch_s: Param = _p(
         0.5e-3, "s per step",
         "host dispatch of one verify step with CUDA graphs in a native loop (sampling, accept, "
-        "bookkeeping) [U]; the seeds' Python stack carried ~12.5 ms of overhead in total (seed 002)")
+        "bookkeeping) [U]; the seeds' Python stack carried ~12.5 ms of overhead in total "
+        "(seed article “The Three Acts of Engineering”)")
     kv_bytes_per_elem: Param = _p(
         2.0, "bytes",
-        "bf16 MLA latent cache (models-hardware.md §0: 70,272 B/token in BF16)")
+        "bf16 MLA latent cache: 61 layers x (kv_lora_rank 512 + qk_rope_head_dim 64) x 2 B = 70,272 B/token "
+        "(data/configs/kimi-k2.6.json; kdlib.memory)")
 
     def names(self) -> list[str]:
         return [f.name for f in dataclasses.fields(self)]
@@ -151,7 +154,7 @@ class Assumptions:
 @dataclass(frozen=True)
 class ModelShape:
     """The target model's shapes as one GPU of a TP group sees them. Defaults: Kimi-K2 (K2.x
-    share these; models-hardware.md §1.1 and §0), routed experts INT4 group 32, the rest bf16."""
+    share these; data/configs/kimi-k2.6.json and its _provenance), routed experts INT4 group 32, the rest bf16."""
 
     n_layers: int = 61
     n_dense_layers: int = 1            # first_k_dense_replace
