@@ -98,6 +98,31 @@ def test_junit_summary_counts_outcomes(tmp_path):
     assert suite.junit_summary(tmp_path / "missing.xml") is None
 
 
+def test_attention_suite_shapes_costs_and_goals():
+    from kdlib.perf.suites import _attention as base
+    from kdlib.perf.suites import attention as suite
+
+    lens, trees = suite.ragged_shape()
+    assert len(lens) == len(trees) == 16 and (min(lens), max(lens)) == (1024, 65_536)
+    assert (min(trees), max(trees)) == (9, 65) and len(set(trees)) == 16
+    assert suite.ragged_cost(8, [200_000], [65]) == base.cost(8, 65, 200_000, 1)
+
+    def row(key, ms, floor_ms, mem_ms, bound, fi_ms=None, ragged=False):
+        t = {"median_ms": ms}
+        return {"heads": key[0], "queries": key[1], "prefix": key[2], "batch": key[3], "ragged": ragged,
+                "bound": bound, "mem_ms": mem_ms, "flashinfer": {"median_ms": fi_ms} if fi_ms else {"skipped": "x"},
+                "variants": {"wgmma": {"kernel": t, "fraction_of_floor": floor_ms / ms}}}
+
+    g = suite.goals([row((8, 65, 200_000, 1), 0.44, 0.287, 0.05, "compute", fi_ms=0.5),
+                     row((64, 65, 32_768, 1), 0.6, 0.376, 0.01, "compute"),
+                     row((8, 9, 200_000, 1), 0.07, 0.054, 0.054, "memory"),
+                     row((8, 65, None, 16), 1.0, 0.5, 0.1, "compute", ragged=True)], "wgmma")
+    assert g["H8xQ65xS200000"]["met"] and g["H8xQ65xS200000"]["faster_than_flashinfer"]
+    assert not g["H64xQ65xS32768"]["met"] and not g["H64xQ65xS32768"]["faster_than_flashinfer"]
+    assert g["H8xQ9xS200000xB1"]["fraction_of_copy_bandwidth"] == pytest.approx(0.054 / 0.07)
+    assert g["H8xQ9xS200000xB1"]["met"] and not g["ragged"]["met"]
+
+
 # ----------------------------------------------------------------------------- v5 (wgmma) emulated on the CPU
 # The tree_verify_v5 kernels' integer plan, job decode, shared-memory layouts, register fragments and
 # arithmetic, re-done in numpy from the kernel's formulas, against the float64 reference.

@@ -1,6 +1,8 @@
 """Attention suite (issue 19): the whole tree verify at the issue's shapes, every arm on the same inputs.
 
-`python3 -m kdlib.perf.run --suite attention [--quick]` (or tools/attention_gpu.sh). Per point
+`python3 -m kdlib.perf.run --suite attention [--quick]` (or tools/attention_gpu.sh; env:
+KDLIB_ATTENTION_IMPLS, a comma list of kernel variants, and KDLIB_ATTENTION_BUDGET_S, after which no
+new point starts; the points run in priority order). Per point
 (heads H, tree queries Q, prefix S, batch B; bf16, page_size 1, scattered slots, random trees):
 
   * `wgmma` (tree_verify_v5) and the previous bf16 default (`MMA_DEFAULT`): the whole verify
@@ -18,6 +20,7 @@ The ragged point is C = 16 requests with prefixes spread from 1k to 64k and tree
 from __future__ import annotations
 
 import math
+import os
 import time
 
 from kdlib.perf.suites import _attention as base
@@ -210,12 +213,13 @@ def run(args) -> dict:
     from kdlib.cuda import attention as cu
 
     quick = bool(getattr(args, "quick", False))
-    pts = list(QUICK_POINTS if quick else POINTS)
     lens, trees = ragged_shape()
-    pts.append({"heads": RAGGED["heads"], "queries": RAGGED["queries"], "batch": RAGGED["batch"], "lens": lens,
-                "trees": trees})
-    impls = [cu.WGMMA] if cu.wgmma_available() else []
-    impls.append(cu.MMA_DEFAULT)
+    ragged = {"heads": RAGGED["heads"], "queries": RAGGED["queries"], "batch": RAGGED["batch"], "lens": lens,
+              "trees": trees}
+    pts = QUICK_POINTS + [ragged] if quick else POINTS[:3] + [ragged] + POINTS[3:]
+    chosen = os.environ.get("KDLIB_ATTENTION_IMPLS")  # comma list; default: wgmma where it runs + MMA_DEFAULT
+    impls = [m.strip() for m in chosen.split(",")] if chosen else \
+        ([cu.WGMMA] if cu.wgmma_available() else []) + [cu.MMA_DEFAULT]
     ceil = base.ceilings()
     rows_needed = max(sum(p["lens"]) if "lens" in p else p["prefix"] * p["batch"] for p in pts)
     pool = torch.randn(rows_needed, D_QK, device="cuda", dtype=torch.bfloat16)  # [N, 576] KV rows
@@ -224,7 +228,8 @@ def run(args) -> dict:
     if fi is not None:  # FlashInfer's page_size-1 caches: [N, 1, 512] latent and [N, 1, 64] rope
         kv_split = (pool[:, :D_V].contiguous().view(-1, 1, D_V), pool[:, D_V:].contiguous().view(-1, 1, D_QK - D_V))
     iters, b_iters = (10, 3) if quick else (20, 5)
-    budget = getattr(args, "time_budget_s", None)
+    budget = getattr(args, "time_budget_s", None) or os.environ.get("KDLIB_ATTENTION_BUDGET_S")
+    budget = float(budget) if budget else None
     clocks_before = base._clocks()
     t0 = time.monotonic()
     rows, left_out = [], []

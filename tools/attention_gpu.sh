@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Issue 19 in one device call on the H200: GPU tests of the attention kernels, the attention suite
+# (wgmma vs the previous default vs PyTorch vs FlashInfer), and an ncu report of tree_verify_v5_attend
+# at 8 heads x 65 queries x 200k prefix. Each step runs under its own time limit (~5 min in all).
+#
+#   here, once (needs PyPI):  bash tools/attention_gpu.sh fetch-wheels
+#       -> .whl/attention/ (git-ignored): flashinfer-python 0.7.2.post1 without the sources of kernels other
+#          than the Hopper MLA one (30 MB of the 62) + apache-tvm-ffi 0.1.15.post2, for Python 3.12
+#   device call (carry [".whl/attention"]):  OUT=$OUT KDLIB_COMMIT=<sha> bash tools/attention_gpu.sh
+#       KDLIB_FLASHINFER=0 skips FlashInfer (its MLA kernel JIT-compiles with nvcc on first use, ~20-35 s);
+#       KDLIB_NCU=0 skips the ncu report.
+#
+# $OUT gets attention.<gpu>.json (provenance stamped), tests.xml, smoke.log, tests.log, bench.log,
+# ncu_v5.txt, nvidia-smi.txt and summary.txt: 8 files.
+set -u
+
+if [ "${1:-}" = fetch-wheels ]; then
+  set -e
+  W=.whl/attention
+  mkdir -p $W/dl
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d $W/dl flashinfer-python==0.7.2.post1 apache-tvm-ffi==0.1.15.post2
+  mv $W/dl/apache_tvm_ffi-*.whl $W/
+  # flashinfer's JIT sources for every other kernel (csrc subfolders and .cu files) stay behind
+  python3 - $W/dl/flashinfer_python-0.7.2.post1-py3-none-any.whl $W/ <<'PY'
+import os, sys, zipfile
+src, out = sys.argv[1], os.path.join(sys.argv[2], os.path.basename(sys.argv[1]))
+def keep(name):
+    pre = "flashinfer/data/csrc/"
+    if not name.startswith(pre):
+        return True
+    rest = name[len(pre):]
+    return "/" not in rest and (not rest.endswith(".cu") or rest.startswith("batch_mla_sm90_"))
+zin = zipfile.ZipFile(src)
+kept = [i for i in zin.infolist() if keep(i.filename)]
+names = {i.filename for i in kept}
+with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zout:
+    for i in kept:
+        data = zin.read(i.filename)
+        if i.filename.endswith(".dist-info/RECORD"):
+            data = "".join(l + "\n" for l in data.decode().splitlines() if l.split(",")[0] in names).encode()
+        zout.writestr(i, data)
+print(f"{out}: {len(kept)} of {len(zin.infolist())} files, {os.path.getsize(out) / 1e6:.1f} MB")
+PY
+  rm -rf $W/dl
+  du -sh $W
+  exit 0
+fi
+
+: "${OUT:?set OUT to the output folder}"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+T0=$(date +%s)
+step() {  # step NAME SECONDS COMMAND...: its output in $OUT/NAME.log
+  local name=$1 secs=$2 start rc
+  shift 2
+  start=$(date +%s)
+  timeout --kill-after=5 "$secs" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  printf '%-8s rc=%-3s %4ss  %s\n' "$name" "$rc" "$(($(date +%s) - start))" "$*" | tee -a "$OUT/summary.txt"
+  tail -n 4 "$OUT/$name.log"
+}
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv \
+  >"$OUT/nvidia-smi.txt" 2>&1
+if [ "${KDLIB_FLASHINFER:-1}" != 0 ] && ls .whl/attention/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/attention/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || echo "wheel install failed: no FlashInfer arm" | tee -a "$OUT/summary.txt"
+fi
+
+# (0) smoke: the new kernel compiles, runs, terminates and matches float64 on a ragged batch; if not,
+#     the rest runs without it (no time spent on a broken or hanging kernel)
+step smoke 60 python3 -m pytest -m gpu tests/test_cuda_attention.py -x -q -p no:cacheprovider \
+  -k "wgmma_bit_reproducible or wgmma_plan_kernel"
+if grep -q " passed" "$OUT/smoke.log" && ! grep -q -E "failed|error" "$OUT/smoke.log"; then
+  TEST_MMA=wgmma
+else
+  TEST_MMA=mma_v3
+  export KDLIB_ATTENTION_IMPLS=mma_v3 KDLIB_NCU=0
+  echo "smoke failed: tests and suite without wgmma" | tee -a "$OUT/summary.txt"
+fi
+# (a) the GPU tests of the attention kernels; the tensor-core random sweeps on the new kernel alone
+#     (KDLIB_TEST_MMA), the long-prefix, golden and merge tests on every version
+step tests 150 env KDLIB_TEST_MMA=$TEST_MMA python3 -m pytest -m gpu tests/test_cuda_attention.py -x -q \
+  -p no:cacheprovider --junitxml="$OUT/tests.xml"
+# (b) the attention suite: no new point starts past KDLIB_ATTENTION_BUDGET_S
+step bench 170 env KDLIB_ATTENTION_BUDGET_S=110 python3 -m kdlib.perf.run --suite attention --out "$OUT"
+# (c) ncu of the new kernel at the issue's first row (second call: the first compiles and warms)
+if [ "${KDLIB_NCU:-1}" != 0 ]; then
+  cat >/tmp/ncu_v5.py <<'PY'
+import torch
+from kdlib.cuda import attention as cu
+g = torch.Generator(device="cuda").manual_seed(0)
+nq, nh, s = 65, 8, 200_000
+q = torch.randn(1, nq, nh, 576, device="cuda", generator=g).bfloat16()
+kv = torch.randn(s, 576, device="cuda", generator=g).bfloat16()
+pt = torch.randperm(s, device="cuda", generator=g).int()[None]
+tkv = torch.randn(1, nq, 576, device="cuda", generator=g).bfloat16()
+vis = torch.tril(torch.ones(nq, nq, dtype=torch.bool, device="cuda"))[None]
+lens = torch.tensor([s], dtype=torch.int32, device="cuda")
+sizes = torch.tensor([nq], dtype=torch.int32, device="cuda")
+ws = cu.make_workspace(1, nq, nh)
+for _ in range(2):
+    cu.tree_verify_attention(q, kv, pt, lens, tkv, vis, sizes, 576**-0.5, impl="wgmma", workspace=ws)
+torch.cuda.synchronize()
+PY
+  step ncu 60 env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ncu --clock-control none \
+    --kernel-name tree_verify_v5_attend --launch-skip 1 --launch-count 1 \
+    --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+    --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats \
+    python3 /tmp/ncu_v5.py
+  mv "$OUT/ncu.log" "$OUT/ncu_v5.txt"
+fi
+echo "total $(($(date +%s) - T0))s" | tee -a "$OUT/summary.txt"
+ls "$OUT"
