@@ -317,6 +317,18 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     return *reinterpret_cast<unsigned*>(&v);
 }
 
+// O rows of this thread *= their factors (rows g: c0, g + 8: c1), skipped when no row of the warp moved.
+__device__ __forceinline__ void rescale(float (&o)[128], float c0, float c1) {
+    if (!__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) return;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+        o[4 * i + 0] *= c0;
+        o[4 * i + 1] *= c0;
+        o[4 * i + 2] *= c1;
+        o[4 * i + 3] *= c1;
+    }
+}
+
 // Stage s of the K ring, and its barriers.
 #define KST(base, s) ((base) + TILE_BYTES * (1 + (s)))
 #define BAR_FULL(bars, s) ((bars) + 8 * (s))
@@ -499,15 +511,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v5_attend(
                 m1 = mn1;
                 l0 *= c0;
                 l1 *= c1;
-                if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {
-#pragma unroll
-                    for (int i = 0; i < 32; ++i) {
-                        o[4 * i + 0] *= c0;
-                        o[4 * i + 1] *= c0;
-                        o[4 * i + 2] *= c1;
-                        o[4 * i + 3] *= c1;
-                    }
-                }
+                rescale(o, c0, c1);
                 // P: bf16 A fragments, and over the stage's rope column block for warpgroup 1
                 const unsigned rope = KST(base, st) + ROPE_CB * CB_BYTES;
 #pragma unroll
@@ -629,15 +633,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v5_attend(
                 fence_async_smem();
                 const float* mg = msg + st * 2 * BM;
                 const float c0 = mg[lr0], c1 = mg[lr1];
-                if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {
-#pragma unroll
-                    for (int i = 0; i < 32; ++i) {
-                        o[4 * i + 0] *= c0;
-                        o[4 * i + 1] *= c0;
-                        o[4 * i + 2] *= c1;
-                        o[4 * i + 3] *= c1;
-                    }
-                }
+                rescale(o, c0, c1);
                 reg_fence(o);
                 wg_fence();
                 const unsigned kst = KST(base, st);

@@ -119,11 +119,17 @@ def test_compiles_with_nvrtc_as_cupy_does(source):
     """nvcc accepts things NVRTC rejects (host headers such as <stdint.h> or <math.h>, INFINITY); CuPy's
     RawModule compiles with NVRTC, so compile each file the way it does: C++17, flush-to-zero, device as
     the default execution space, sm_90."""
+    rc, log = _nvrtc_compile(source, [b"-arch=sm_90"])
+    assert rc == 0, f"NVRTC rejected {source.name}:\n{log}"
+
+
+def _nvrtc_compile(source, extra: list[bytes]) -> tuple[int, str]:
+    """(NVRTC result code, program log) of `source` with CuPy's options (C++17, flush-to-zero, device as
+    the default execution space, the kernel and CUDA include folders) plus `extra`."""
     import ctypes
 
-    include = _cuda_include()
-    options = [b"--std=c++17", b"-arch=sm_90", b"-ftz=true", b"--device-as-default-execution-space",
-               f"-I{KERNELS}".encode(), f"-I{include}".encode()]
+    options = [b"--std=c++17", *extra, b"-ftz=true", b"--device-as-default-execution-space",
+               f"-I{KERNELS}".encode(), f"-I{_cuda_include()}".encode()]
     prog = ctypes.c_void_p()
     assert _NVRTC.nvrtcCreateProgram(ctypes.byref(prog), source.read_bytes(), source.name.encode(), 0, None, None) == 0
     try:
@@ -134,7 +140,7 @@ def test_compiles_with_nvrtc_as_cupy_does(source):
         _NVRTC.nvrtcGetProgramLog(prog, log)
     finally:
         _NVRTC.nvrtcDestroyProgram(ctypes.byref(prog))
-    assert rc == 0, f"NVRTC rejected {source.name}:\n{log.value.decode(errors='replace')}"
+    return rc, log.value.decode(errors="replace")
 
 
 ARCH_A = re.compile(r"//\s*kdlib-arch:\s*sm_90a\s+wgmma=([\w,]+)")
@@ -176,21 +182,7 @@ def test_sm90a_kernels_compile_without_spills_and_use_wgmma(source, tmp_path):
 def test_sm90a_kernels_compile_with_nvrtc_as_the_wrappers_load_them(source):
     """What the CuPy wrappers load: NVRTC with '-arch=sm_90a' beside CuPy's own '-arch=sm_90' and
     '-ftz=true' (NVRTC builds for sm_90a then); ptxas -v shows no spill and no stack frame."""
-    import ctypes
-
-    options = [b"--std=c++17", b"-arch=sm_90a", b"-arch=sm_90", b"-ftz=true", b"--device-as-default-execution-space",
-               b"--ptxas-options=-v", f"-I{KERNELS}".encode(), f"-I{_cuda_include()}".encode()]
-    prog = ctypes.c_void_p()
-    assert _NVRTC.nvrtcCreateProgram(ctypes.byref(prog), source.read_bytes(), source.name.encode(), 0, None, None) == 0
-    try:
-        rc = _NVRTC.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
-        size = ctypes.c_size_t()
-        _NVRTC.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        _NVRTC.nvrtcGetProgramLog(prog, log)
-    finally:
-        _NVRTC.nvrtcDestroyProgram(ctypes.byref(prog))
-    text = log.value.decode(errors="replace")
+    rc, text = _nvrtc_compile(source, [b"-arch=sm_90a", b"-arch=sm_90", b"--ptxas-options=-v"])
     assert rc == 0, f"NVRTC rejected {source.name}:\n{text}"
     entries = loader.parse_ptxas(text.replace("ptxas         .", "ptxas info    :"))
     assert set(loader.KERNEL_DECL.findall(source.read_text())) <= set(entries), text
