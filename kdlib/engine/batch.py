@@ -385,7 +385,8 @@ class BatchEngine:
         self._next_id = 0
         self.spec_stats = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
                            "accepted_per_pos": [0] * max(self.horizon, 1)}
-        self.step_ms: list[float] = []
+        self.step_ms: list[float] = []  # host wall time of each step
+        self.replay_ms: list[float] | None = None  # a list: each replay's device span is appended (benchmarks)
 
     # ---- public state
     @property
@@ -704,8 +705,16 @@ class BatchEngine:
         g = self._graphs.get(key)
         if g is None:
             g = self._capture(key)
-        g.replay()
+        if self.replay_ms is None:
+            g.replay()
+        else:  # the graph's span on the device, between two events on its stream
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.replay()
+            end.record()
         torch.cuda.current_stream().synchronize()  # the step's one wait: the packed tokens are on the host
+        if self.replay_ms is not None:
+            self.replay_ms.append(start.elapsed_time(end))
 
     def _capture(self, key):
         C, T, sampled, filtered, want_lp = key

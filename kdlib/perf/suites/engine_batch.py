@@ -28,9 +28,13 @@ import time
 
 import numpy as np
 
+from kdlib import zoo
+from kdlib.perf.suites.engine import BENCH_CONFIG, BLOCK
+
 METHODS = (("ar", None), ("ddtree", 8), ("ddtree", 16), ("ddtree", 32), ("ddtree", 64))
 STREAMS = (1, 4, 16, 64)
 TIMED_STEPS = 24
+NEW_TRAINED = 256  # tokens per trained-model request: room for the steps after warm-up and profiling
 PROMPT = 256
 
 
@@ -71,7 +75,9 @@ def _run_row(model, method, budget, drafter, prompts, max_new, label: dict, comp
     eng.step()  # admissions + first step (captures the first bucket)
     eng.step()
     first_s = time.perf_counter() - t_first
-    wall, toks = [], 0
+    prof = _device_profile(eng.step, 3) if eng.num_running == C else {"device_ms": float("nan")}
+    eng.replay_ms = []
+    wall, span, toks = [], [], 0
     for _ in range(TIMED_STEPS):
         if eng.num_running < C:
             break
@@ -82,9 +88,9 @@ def _run_row(model, method, budget, drafter, prompts, max_new, label: dict, comp
         dt = (time.perf_counter() - t0) * 1e3
         if len(eng._graphs) == graphs:  # a step that captured a new bucket is not timed
             wall.append(dt)
+            span.append(eng.replay_ms[-1])
             toks += sum(len(eng.result(r).tokens) for r in rids) - before
     steps = len(wall)
-    prof = _device_profile(eng.step, 3) if eng.num_running == C else {"device_ms": float("nan")}
     dev = prof["device_ms"]
     recs = [eng.result(r) for r in rids]
     acc = [np.mean(r.accepted[1:]) for r in recs if len(r.accepted) > 1]
@@ -96,7 +102,8 @@ def _run_row(model, method, budget, drafter, prompts, max_new, label: dict, comp
     return {**label, "method": method, "budget": budget or 0, "streams": C, "step_ms": step_ms,
             "step_ms_p10": float(np.quantile(wall, 0.1)) if wall else None,
             "step_ms_p90": float(np.quantile(wall, 0.9)) if wall else None, "timed_steps": steps,
-            "device_ms": dev, "busy": dev / step_ms if wall else None, "tokens_per_s": agg,
+            "device_ms": dev, "busy": dev / step_ms if wall else None,
+            "replay_span_ms": float(np.median(span)) if span else None, "tokens_per_s": agg,
             "tokens_per_s_per_stream": agg / C, "mean_accepted": float(np.mean(acc)) if acc else 1.0,
             "kernels_per_step": prof.get("kernels_per_step"), "compiled": compile_, "first_steps_s": first_s,
             "top_kernels": prof.get("top_kernels") if C == 1 else None, "tokens": [first_tokens]}
@@ -176,7 +183,7 @@ def _goals(trained: list[dict]) -> dict:
             scale[f"{m}{b or ''}"] = float(np.mean([r["tokens_per_s"] for r in sixteen])
                                            / np.mean([r["tokens_per_s"] for r in one]))
     return {
-        "busy_at_c1_min": min((r["busy"] for r in c1 if r["busy"] is not None), default=None),
+        "busy_at_c1_min": min((r["busy"] for r in c1 if r["busy"] is not None and np.isfinite(r["busy"])), default=None),
         "ar_step_ms_c1": float(np.median([r["step_ms"] for r in ar1])) if ar1 else None,
         "ddtree32_step_ms_c1": float(np.median([r["step_ms"] for r in dd32])) if dd32 else None,
         "ddtree32_ratio_by_kind": ratios,
@@ -197,11 +204,9 @@ def _partial(args, payload) -> None:
 def run(args) -> dict:
     import torch
 
-    from kdlib import zoo
     from kdlib.engine.config import ModelConfig
     from kdlib.engine.drafter import DFlashConfig, DFlashDrafter
     from kdlib.engine.model import Model
-    from kdlib.perf.suites.engine import BENCH_CONFIG, BLOCK
 
     quick = bool(getattr(args, "quick", False))
     streams = (1, 4) if quick else STREAMS
@@ -224,7 +229,7 @@ def run(args) -> dict:
             for m, b in methods:
                 for c in streams:
                     prompts = [enc[i % len(enc)] for i in range(c)]
-                    trained.append(_run_row(target, m, b, drafter, prompts, 96, {"model": "trained", "kind": kind,
+                    trained.append(_run_row(target, m, b, drafter, prompts, NEW_TRAINED, {"model": "trained", "kind": kind,
                                                                                   "context": PROMPT}))
                     print(f"[engine_batch] trained {kind} {m}{b or ''} C={c}: {trained[-1]['step_ms']:.3f} ms, "
                           f"busy {trained[-1]['busy']:.2f}, {trained[-1]['tokens_per_s']:.0f} tok/s, "
@@ -261,7 +266,8 @@ def run(args) -> dict:
     for ctx in ((256,) if quick else (256, 4096)):
         for m, b in (methods if quick else (METHODS[0], METHODS[2], METHODS[3])):
             for c in streams:
-                prompts = [rng.integers(0, cfg.vocab_size, ctx).tolist() for _ in range(c)]
+                prompts = [np.random.default_rng([ctx, c, i]).integers(0, cfg.vocab_size, ctx).tolist()
+                           for i in range(c)]  # the same prompts for every method at (context, C)
                 rows.append(_run_row(bench, m, b, bd, prompts, 48, {"model": "bench8", "context": ctx}))
                 print(f"[engine_batch] bench ctx={ctx} {m}{b or ''} C={c}: {rows[-1]['step_ms']:.3f} ms, "
                       f"busy {rows[-1]['busy']:.2f}, {rows[-1]['tokens_per_s']:.0f} tok/s", flush=True)
