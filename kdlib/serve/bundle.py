@@ -52,6 +52,7 @@ def _lazy_oracle_class():
     import numpy as np
     import torch
 
+    from kdlib.engine.batch import _OracleLanes
     from kdlib.engine.cache import LatentCache
     from kdlib.engine.drafter import NoisyOracleDrafter
 
@@ -93,35 +94,16 @@ def _lazy_oracle_class():
 
         def make_lanes(self, target, lanes: int, cap: int):
             """The batched engine's per-lane state (`kdlib.engine.batch`'s drafter hook)."""
-            return LazyOracleLanes(self, target, lanes)
+            return LazyOracleLanes(self, target, lanes, cap)
 
-    class LazyOracleLanes:
-        """One LazyOracle per lane of the batched engine; host-side drafts, so eager steps only. A lane
-        whose committed length is 0 is idle (the engine zeroes a finished lane) and drafts nothing."""
-
-        graph_safe = False
-
-        def __init__(self, proto: LazyOracle, target, lanes: int):
-            self.proto, self.target = proto, target
-            self.lanes: list[LazyOracle | None] = [None] * lanes
+    class LazyOracleLanes(_OracleLanes):
+        """The batched engine's per-lane oracles (host-side drafts: eager steps only), each a LazyOracle."""
 
         def admit(self, lane: int, prompt, feats, max_new: int) -> None:
             p = self.proto
             d = LazyOracle(p.vocab_size, p.p_wrong, p.block_size, seed=p.seed, margin=p.margin)
             d.begin(self.target, prompt, None, max_new)
             self.lanes[lane] = d
-
-        def draft(self, bonus, lens, T) -> torch.Tensor:
-            """bonus, lens [C] -> logits [C, L, V]."""
-            L, V = self.proto.block_size - 1, self.proto.vocab_size
-            rows = [d.draft(b, s) if d is not None and s > 0 else torch.zeros(L, V, device=bonus.device)
-                    for d, b, s in zip(self.lanes, bonus.tolist(), lens.tolist(), strict=False)]  # lanes 0..C-1
-            return torch.stack(rows)
-
-        def commit(self, lens, tokens, feats, tau) -> None:
-            for c, (s, n) in enumerate(zip(lens.tolist(), tau.tolist(), strict=True)):
-                if self.lanes[c] is not None and s > 0:
-                    self.lanes[c].commit(tokens[c, :n], None)
 
     return LazyOracle
 
