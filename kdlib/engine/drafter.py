@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kdlib import kdtr
+from kdlib.engine.cache import LatentCache
 from kdlib.engine.model import MLP, RMSNorm, _up, apply_rope
 
 
@@ -113,8 +115,6 @@ class NoisyOracleDrafter:
 @torch.no_grad()
 def greedy_continuation(model, ids, n: int) -> list[int]:
     """The target's next n greedy tokens after ids (prefill + absorbed decode on a private cache)."""
-    from kdlib.engine.cache import LatentCache
-
     ids = model.check_tokens(ids)
     cache = LatentCache(model.cfg, ids.shape[0] + n + 1, device=model.device, dtype=model.dtype)
     h, _ = model.prefill(cache, ids)
@@ -398,16 +398,12 @@ class DFlashDrafter(nn.Module):
     # ---- persistence
     def save(self, path, metadata: dict | None = None) -> None:
         """state_dict + config to a KDTR file (metadata key `dflash_config` holds the config JSON)."""
-        from kdlib import kdtr
-
         meta = {"kind": "dflash_drafter", "dflash_config": json.dumps(asdict(self.c))}
         meta.update({str(k): str(v) for k, v in (metadata or {}).items()})
         kdtr.save(path, {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}, metadata=meta)
 
     @classmethod
     def load(cls, path, device=None, dtype=torch.float32) -> DFlashDrafter:
-        from kdlib import kdtr
-
         meta = kdtr.read_metadata(path)
         if "dflash_config" not in meta:
             raise ValueError(f"{path}: not a DFlash drafter file (no dflash_config metadata)")

@@ -42,6 +42,7 @@ import torch
 
 from kdlib import ops
 from kdlib.engine.cache import LatentCache
+from kdlib.engine.drafter import Drafter
 
 PHASES = ("draft", "build", "verify", "accept", "compaction")
 METHODS = ("ar", "ddtree")
@@ -126,8 +127,6 @@ def validate(model, prompt_ids, max_new_tokens, method, drafter, budget, top_k, 
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     k = None
     if method == "ddtree":
-        from kdlib.engine.drafter import Drafter
-
         if drafter is None:
             raise ValueError("method 'ddtree' needs a drafter")
         if not isinstance(drafter, Drafter):

@@ -1,6 +1,6 @@
 """Weights: Hugging Face checkpoint loading, deterministic random weights, KDTR round trips.
 
-    model = load_pretrained(Path("hf_dir"))            # config.json + *.safetensors, HF DeepseekV3 names
+    w = read_safetensors_dir(Path("hf_dir"), cfg)      # name -> tensor (HF names): Model.from_pretrained
     w = random_weights(cfg, seed=0)                    # name -> float32 numpy array (same seed, same bytes)
     random_weights_on_device(model, seed=0)            # the same scales drawn by torch on the model's device
     save_pretrained(model, "out_dir")                  # config.json + model.safetensors (HF layout)
@@ -145,21 +145,6 @@ def read_safetensors_dir(path: Path, cfg: ModelConfig) -> dict:
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     return weights
-
-
-def load_pretrained(path: Path, dtype=None, device=None):
-    """Model from a HF folder (config.json + safetensors)."""
-    import torch
-
-    from kdlib.engine.model import Model
-
-    if not path.is_dir():
-        raise ValueError(f"{path}: not a folder")
-    cfg = ModelConfig.from_json(path / "config.json")
-    weights = read_safetensors_dir(path, cfg)
-    model = Model(cfg)
-    model.load_weights(weights)
-    return model.to(device=device or "cpu", dtype=dtype or torch.float32).eval()
 
 
 def save_pretrained(model, path) -> None:

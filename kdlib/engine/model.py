@@ -37,7 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kdlib import ops
 from kdlib.engine.config import ModelConfig
+from kdlib.engine.loading import check_keys, random_weights, read_safetensors_dir
 
 # torch's grouped GEMM (one launch for all experts, offsets on the device: no host sync); CUDA bf16 only
 GROUPED_MM = hasattr(torch, "_grouped_mm")
@@ -391,8 +393,6 @@ class MLAttention(nn.Module):
         pool [S, kv_lora + rope] (one layer's slots), page_table [1, s], new_rows [Q, kv_lora + rope],
         visibility [Q, Q] bool. Returns out [Q, H].
         """
-        from kdlib import ops
-
         c = self.cfg
         Q = x.shape[0]
         q_lat, q_rope, w_uv = self._absorbed_q(x, cos, sin)
@@ -464,23 +464,23 @@ class Model(nn.Module):
     @classmethod
     def from_pretrained(cls, path, dtype=None, device=None) -> Model:
         """Load config.json + *.safetensors (HF DeepseekV3 names) from a folder."""
-        from kdlib.engine.loading import load_pretrained
-
-        return load_pretrained(Path(path), dtype=dtype, device=device)
+        path = Path(path)
+        if not path.is_dir():
+            raise ValueError(f"{path}: not a folder")
+        cfg = ModelConfig.from_json(path / "config.json")
+        m = cls(cfg)
+        m.load_weights(read_safetensors_dir(path, cfg))
+        return m.to(device=device or "cpu", dtype=dtype or torch.float32).eval()
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, dtype=None, device=None) -> Model:
         """Deterministic random weights (numpy PCG64 per `loading.random_weights`): same seed, same model."""
-        from kdlib.engine.loading import random_weights
-
         m = cls(cfg)
         m.load_weights(random_weights(cfg, seed))
         return m.to(device=device or "cpu", dtype=dtype or torch.float32).eval()
 
     def load_weights(self, weights: dict) -> None:
         """Copy a name -> array mapping (numpy or torch, HF names) into the parameters; exact key match."""
-        from kdlib.engine.loading import check_keys
-
         own = self.state_dict()
         check_keys(set(own), set(weights))
         with torch.no_grad():

@@ -42,8 +42,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kdlib import ops
+from kdlib.cuda import accept as cuda_accept
+from kdlib.cuda import moe
+from kdlib.cuda import tree as ktree
+from kdlib.cuda.loader import as_cupy
+from kdlib.engine.batch import _cupy_on_torch_stream, _TreeBuffers
 from kdlib.engine.config import ModelConfig
-from kdlib.engine.model import apply_rope, rope_cos_sin
+from kdlib.engine.model import apply_rope, rope_cos_sin, rope_inv_freq
 from kdlib.tp.engine import MOE_MODES, partition
 
 GROUP = 32  # INT4 scale group (kdlib.cuda.moe.GROUP)
@@ -281,8 +287,6 @@ class RankModel:
 
     def rope_inv(self) -> torch.Tensor:
         if self._rope_inv is None:
-            from kdlib.engine.model import rope_inv_freq
-
             self._rope_inv = torch.from_numpy(rope_inv_freq(self.cfg)).to(self.device)
         return self._rope_inv
 
@@ -349,9 +353,6 @@ class RankModel:
 
     def _routed_kernel(self, L, x, rt: DeviceRouting, bound: int) -> torch.Tensor:
         import cupy
-
-        from kdlib.cuda import moe
-        from kdlib.cuda.loader import as_cupy
 
         M, K = x.shape
         E, k = self.shape.n_experts, self.cfg.num_experts_per_tok
@@ -635,17 +636,12 @@ class RankStep:
     def tree(self) -> None:
         dev = self.m.device
         if dev.type == "cuda":
-            from kdlib.cuda import tree as ktree
-            from kdlib.engine.batch import _TreeBuffers
-
             if self.trees is None:
                 self.trees = _TreeBuffers(self.C, self.budget, self.horizon, dev)
             ktree.build_tree_batch(self.top_ids, self.top_lp, self.budget, out=self.trees.cupy)
             t = self.trees
             nodes, depth, vis, nxt = t.node_token_ids, t.positions, t.visibility, t.next_token
         else:
-            from kdlib import ops
-
             t = self.trees = ops.build_tree_batch(self.top_ids, self.top_lp, self.budget)
             nodes, depth, vis, nxt = (torch.as_tensor(x) for x in (t.node_token_ids, t.positions, t.visibility,
                                                                     t.next_token))
@@ -699,8 +695,6 @@ class RankStep:
 
     def _attention(self, i: int, q, rows, slots) -> torch.Tensor:
         """Latent rows to their slots, then the tree-verify attention -> o_lat [M, nh, kv_lora] float32."""
-        from kdlib import ops
-
         m, c = self.m, self.m.cfg
         C, W = self.C, self.W
         self.pool[i].index_copy_(0, slots, rows)
@@ -718,14 +712,10 @@ class RankStep:
         self.target.copy_(forced_targets(self.tokens, torch.as_tensor(self.tree_depth, device=dev),
                                          torch.as_tensor(self.next_token, device=dev), self.argmax, self.accepted))
         if dev.type == "cuda":
-            from kdlib.cuda import accept
-
             t = self.trees
-            accept.accept_greedy_batch(t.cupy, self.target, max_depth=self.horizon, out=t.accept_cupy)
+            cuda_accept.accept_greedy_batch(t.cupy, self.target, max_depth=self.horizon, out=t.accept_cupy)
             self.paths, self.tau_dev = t.paths, t.lengths
         else:
-            from kdlib import ops
-
             paths, lengths, _ = ops.accept_greedy_batch(self.trees, self.target, max_depth=self.horizon)
             self.paths, self.tau_dev = torch.as_tensor(paths), torch.as_tensor(lengths)
         self.tau.copy_(self.tau_dev)
@@ -753,6 +743,4 @@ class RankStep:
 
 
 def _cupy_stream():
-    from kdlib.engine.batch import _cupy_on_torch_stream
-
     return _cupy_on_torch_stream()
