@@ -39,6 +39,11 @@ import os
 
 import numpy as np
 
+from kdlib import ref, zoo
+from kdlib.cuda import accept
+from kdlib.perf.suites import moe as moe_suite
+from kdlib.perf.suites.kernels import _graph, _replay_ms
+
 BUDGETS = (8, 16, 32, 64)
 PROMPT_TOKENS = 128  # enough context for the drafter's features; short enough for a fast CPU sample
 NEW_TOKENS = 96  # several DDTree rounds even at full-block acceptance (16 per round)
@@ -58,8 +63,6 @@ SAMPLE_FOOTPRINT = 4  # cycled copies of the rows span at least this many L2 siz
 
 def prompts(tok, kind: str, n: int, prompt_tokens: int, folder=None) -> list[list[int]]:
     """The first `prompt_tokens` ids of up to n held-out documents of `kind` (shorter ones skipped)."""
-    from kdlib import zoo
-
     out = []
     for text in zoo.held_out(kind, folder=folder):
         ids = tok.encode(text)
@@ -87,7 +90,6 @@ def measure(device: str, n_prompts: int, new_tokens: int, budgets=BUDGETS, promp
     """
     import time
 
-    from kdlib import zoo
     from kdlib.engine.generate import generate
 
     t0 = time.perf_counter()
@@ -162,10 +164,6 @@ def _sample_point(probs_all, u_all, rows: int, version: int, iters: int) -> dict
     """One timed (rows, version) point over the cycled copies probs_all [C, N, V], u_all [C, N]."""
     import cupy
 
-    from kdlib import ref
-    from kdlib.cuda import accept
-    from kdlib.perf.suites.kernels import _graph, _replay_ms
-
     copies, _, v = probs_all.shape
     repeat = SAMPLE_REPEAT[version]
     tokens = cupy.full((copies, rows), -7, dtype=cupy.int64)  # [C, rows]
@@ -189,10 +187,7 @@ def bench_sampling(vocabs=SAMPLE_VOCABS, rows=SAMPLE_ROWS, iters: int = 10, log=
     import cupy
     import torch
 
-    from kdlib.perf import timing
-    from kdlib.perf.suites import moe as moe_suite
-
-    copy = moe_suite._copy_bandwidth(torch, timing)
+    copy = moe_suite._copy_bandwidth(torch)
     bw = copy["copy_bandwidth_Bps"]
     l2 = int(cupy.cuda.Device().attributes["L2CacheSize"])
     gen = cupy.random.RandomState(0)

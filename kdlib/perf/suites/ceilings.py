@@ -22,6 +22,9 @@ All timings: CUDA events around each call, warm-up calls first, median and quant
 
 from __future__ import annotations
 
+from kdlib.check import assert_close
+from kdlib.perf import cuda_time
+
 GiB = 1 << 30
 HEADLINE_COPY_BYTES = 4 * GiB  # >= 4 GiB: 80x the H200's 50 MB L2, launch overhead < 0.1 %
 COPY_SIZES = (256 << 20, 1 * GiB, 4 * GiB)  # the curve shows where bandwidth saturates
@@ -31,8 +34,6 @@ CHECK_ROWS = 256  # rows of the product checked against float32: 256 x 8192, che
 
 
 def _copy_case(torch, nbytes: int, method: str, *, warmup: int, iters: int) -> dict:
-    from kdlib.perf import cuda_time
-
     if method == "memcpy":
         src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")  # [nbytes] uint8
     elif method == "kernel":
@@ -64,9 +65,6 @@ def _copy_case(torch, nbytes: int, method: str, *, warmup: int, iters: int) -> d
 
 
 def _matmul_case(torch, m: int, n: int, k: int, *, warmup: int, iters: int) -> dict:
-    from kdlib.check import assert_close
-    from kdlib.perf import cuda_time
-
     gen = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randn(m, k, dtype=torch.bfloat16, device="cuda", generator=gen)  # [M, K]
     b = torch.randn(k, n, dtype=torch.bfloat16, device="cuda", generator=gen)  # [K, N]

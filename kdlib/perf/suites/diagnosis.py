@@ -15,6 +15,8 @@ decomposition), not to a large model's speed.
 
 from __future__ import annotations
 
+from kdlib import diagnose, serve
+
 FULL = {"prompt_tokens": 512, "sustained_tokens": 1500, "repeats": 3, "sweep_max": None}
 QUICK = {"prompt_tokens": 256, "sustained_tokens": 300, "repeats": 1, "sweep_max": 512}
 
@@ -22,8 +24,6 @@ QUICK = {"prompt_tokens": 256, "sustained_tokens": 300, "repeats": 1, "sweep_max
 def measure(device: str = "cpu", *, prompt_tokens: int, sustained_tokens: int, repeats: int, sweep_max: int | None,
             long: int = 264, kinds=None, prefer_trained: bool = True) -> dict:
     """`diagnose.study` against an in-process Engine on `device` (the suite's core; runs on CPU too)."""
-    from kdlib import diagnose, serve
-
     engine = serve.Engine(serve.load_bundle(device, prefer_trained=prefer_trained))
     try:
         client = diagnose.EngineClient(engine)

@@ -43,6 +43,9 @@ import os
 
 import numpy as np
 
+from kdlib import perf, zoo
+from kdlib.perf import floor_ms, host_probe_ms, load
+
 # A "tiny but not trivial" target: the MLA shapes of DeepSeek-V3 / Kimi-K2 (models-hardware.md §1)
 # at 1/7 of the width and 8 layers; 32 routed experts top-4 + 1 shared. About 0.4 B parameters.
 BENCH_CONFIG = {
@@ -61,8 +64,6 @@ DEFAULT_BW, DEFAULT_FLOPS = 4.3e12, 790e12  # H200 fallbacks when no ceilings fi
 
 
 def _ceilings() -> tuple[float, float, str]:
-    from kdlib.perf import load
-
     c = load("ceilings")
     if c and "copy_bandwidth_Bps" in c and "bf16_matmul_flops" in c:
         return float(c["copy_bandwidth_Bps"]), float(c["bf16_matmul_flops"]), c.get("_path", "ceilings")
@@ -126,7 +127,6 @@ def _generate_sweep(model, contexts, budgets, p_wrongs, max_new, rng, attention:
     repeats, each with a host-speed probe (`kdlib.perf.host_probe_ms`) taken just before it."""
     from kdlib.engine.drafter import NoisyOracleDrafter
     from kdlib.engine.generate import generate
-    from kdlib.perf import host_probe_ms
 
     V = model.cfg.vocab_size
     model.attention = attention
@@ -174,7 +174,6 @@ def _verify_sweep(model, contexts, qs, bw, fl, attentions=("torch",), repeats: i
     import torch
 
     from kdlib.engine.cache import LatentCache
-    from kdlib.perf import cuda_time, floor_ms
 
     cfg, dev = model.cfg, model.device
     g = torch.Generator(device=dev).manual_seed(0)
@@ -200,7 +199,7 @@ def _verify_sweep(model, contexts, qs, bw, fl, attentions=("torch",), repeats: i
     for _ in range(repeats):
         for (attention, _ctx, _q, step), ts in zip(points, timings, strict=True):
             model.attention = attention
-            ts.append(cuda_time(step, warmup=3, iters=15))
+            ts.append(perf.cuda_time(step, warmup=3, iters=15))
     out = []
     for (attention, ctx, q, _), ts in zip(points, timings, strict=True):
         t = min(ts, key=lambda t: t.median_ms)
@@ -218,7 +217,6 @@ def _dflash_sweep(model, contexts) -> list[dict]:
     import torch
 
     from kdlib.engine.drafter import DFlashConfig, DFlashDrafter
-    from kdlib.perf import cuda_time
 
     cfg = model.cfg
     d = DFlashDrafter(DFlashConfig.for_target(cfg, num_layers=2, block_size=BLOCK, num_heads=16, head_dim=64))
@@ -229,7 +227,7 @@ def _dflash_sweep(model, contexts) -> list[dict]:
         feats = torch.randn(ctx, len(d.target_layer_ids) * cfg.hidden_size, generator=g, device=model.device,
                             dtype=model.dtype)
         d.begin(model, torch.zeros(ctx, dtype=torch.int64), feats, 1)
-        t = cuda_time(lambda ctx=ctx: d.draft(1, ctx), warmup=3, iters=20)
+        t = perf.cuda_time(lambda ctx=ctx: d.draft(1, ctx), warmup=3, iters=20)
         out.append({"context": ctx, "layers": 2, "block": BLOCK, **t.as_dict()})
         print(f"[engine] dflash draft ctx {ctx}: {t.median_ms:.2f} ms", flush=True)
     return out
@@ -237,7 +235,6 @@ def _dflash_sweep(model, contexts) -> list[dict]:
 
 def _trained(budgets, max_new, device: str = "cuda") -> dict:
     """AR vs DDTree on the trained zoo models, prompts from the held-out text of each kind."""
-    from kdlib import zoo
     from kdlib.engine.generate import generate
 
     if not zoo.available():

@@ -29,6 +29,9 @@ import math
 import numpy as np
 
 from kdlib import fragmentation as fr
+from kdlib import perf
+from kdlib.cuda import attention as cu
+from kdlib.perf.suites._attention import _clocks, _graph, _time_graphs, _torch_graph_time, ceilings
 
 D_QK, D_V = 576, 512
 LAYOUTS = ("contiguous", "simulated", "random")
@@ -58,10 +61,6 @@ def cost(h: int, q: int, s: int) -> dict:
 def run_point(h: int, q: int, s: int, ceil: dict, *, iters: int, seed: int = 0) -> dict:
     import cupy
     import torch
-
-    from kdlib import perf
-    from kdlib.cuda import attention as cu
-    from kdlib.perf.suites._attention import _graph, _time_graphs, _torch_graph_time
 
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(seed + s + q)
@@ -126,8 +125,6 @@ def run_point(h: int, q: int, s: int, ceil: dict, *, iters: int, seed: int = 0) 
 def run(args) -> dict:
     """The suite: every (H, Q, S) of FULL (QUICK with --quick)."""
     import torch
-
-    from kdlib.perf.suites._attention import _clocks, ceilings
 
     if not torch.cuda.is_available():
         raise RuntimeError("the fragmentation suite needs a CUDA device")

@@ -26,6 +26,12 @@ import json
 import os
 import time
 
+from kdlib import memory
+from kdlib.cuda.moe import layer_bytes_flops
+from kdlib.estimator.model import touched_experts
+from kdlib.perf import results
+from kdlib.perf.timing import cuda_time, floor_ms
+
 CONTEXTS = (5500, 128, 32000, 128000, 200000)  # the seeds' 5.5k first
 STREAMS = (1, 10, 4, 16)
 BUDGETS = (None, 8, 16, 32, 64)  # None = AR
@@ -48,16 +54,11 @@ def grid(pool_tokens: int, quick: bool) -> tuple[list[tuple[int, int, int | None
 
 
 def _floor(nbytes: float, flops: float, ceil: dict) -> dict:
-    from kdlib.perf.timing import floor_ms
-
     return floor_ms(nbytes, flops, bandwidth_Bps=ceil["copy_bandwidth_Bps"], flop_rate=ceil["bf16_matmul_flops"])
 
 
 def floors(step, ceil: dict) -> dict:
     """Per-component floors of a RankStep (bytes each read once, useful FLOPs)."""
-    from kdlib.cuda.moe import layer_bytes_flops
-    from kdlib.estimator.model import touched_experts
-
     m, c, s = step.m, step.m.cfg, step.m.shape
     L, M, C, W, ctx = c.num_hidden_layers, step.M, step.C, step.W, step.ctx
     n_moe = L - c.first_k_dense_replace
@@ -101,8 +102,6 @@ def _graph(fn, pool):
 
 def timed(fn, pool, iters: int, warmup: int = 1) -> tuple[dict, str | None]:
     """Median of CUDA-graph replays of fn; if the capture fails, eager calls (and the error, recorded)."""
-    from kdlib.perf.timing import cuda_time
-
     try:
         g = _graph(fn, pool)
     except Exception as err:  # a capture failure must not lose the row: time it eagerly and say so
@@ -153,8 +152,6 @@ def measure_row(model, drafter, pool, ctx: int, C: int, budget, ceil: dict, fit:
 
 
 def _recorded(name: str) -> dict:
-    from kdlib.perf import results
-
     r = results.load(name, "h200")
     if r is None:
         raise SystemExit(f"k2_rank needs the recorded {name} suite (data/results/{name}.h200.json)")
@@ -172,10 +169,8 @@ def allreduce_fit() -> dict:
 def run(args) -> dict:
     import torch
 
-    from kdlib import memory
     from kdlib.engine.config import ModelConfig
     from kdlib.engine.rank import DFLASH_KIMI, RankDrafter, RankModel, RankShape
-    from kdlib.perf import results
 
     quick = bool(getattr(args, "quick", False))
     budget_s = float(os.environ.get("K2_RANK_BUDGET_S", "200"))

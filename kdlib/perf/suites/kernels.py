@@ -42,6 +42,10 @@ import subprocess
 
 import numpy as np
 
+from kdlib import perf, ref
+from kdlib.cuda import accept, compact, pipeline, tree
+from kdlib.ref.tree import synthetic_topk
+
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 DEPTH, BUDGET, K_PRIME = 15, 64, 64
 REPEAT = 20  # builds per graph for the kernel-time estimate: amortises the graph launch
@@ -61,8 +65,6 @@ def _clocks() -> str | None:
 
 
 def _bandwidth() -> tuple[float, str]:
-    from kdlib import perf
-
     c = perf.load("ceilings")
     if c and c.get("copy_bandwidth_Bps"):
         return float(c["copy_bandwidth_Bps"]), c.get("_path", "ceilings")
@@ -85,8 +87,6 @@ def _graph(fn, repeats: int = 1):
 
 
 def _replay_ms(graph, stream, iters: int) -> dict:
-    from kdlib import perf
-
     with stream:
         t = perf.cuda_time(lambda: graph.launch(stream), warmup=5, iters=iters, backend="cupy")
     return t.as_dict()
@@ -109,8 +109,6 @@ def _trees_equal(got, want) -> bool:
 
 def tree_versions() -> tuple[int, ...]:
     """The build versions to time: `KDLIB_TREE_VERSIONS` (comma-separated) or all of tree.VERSIONS."""
-    from kdlib.cuda import tree
-
     raw = os.environ.get("KDLIB_TREE_VERSIONS", "").strip()
     if not raw:
         return tuple(tree.VERSIONS)
@@ -127,9 +125,6 @@ def tree_versions() -> tuple[int, ...]:
 def bench_build(ids_all, lp_all, iters: int) -> list[dict]:
     """One row per (batch, kernel version): GPU times, CPU reference times, speed-ups, exactness."""
     import cupy
-
-    from kdlib import perf, ref
-    from kdlib.cuda import tree
 
     rows = []
     for bsz in BATCHES:
@@ -179,9 +174,6 @@ def bench_build_tied(vocab: int = 1000) -> list[dict]:
     """Kernel time per version at batch 64 on tied log-probs (exactness checked first)."""
     import cupy
 
-    from kdlib import ref
-    from kdlib.cuda import pipeline, tree
-
     bsz = max(BATCHES)
     ids, lp = pipeline.random_topk(np.random.default_rng(5), bsz, DEPTH, K_PRIME, vocab, "tied")  # [64, 15, 64]
     want = ref.build_tree_batch(ids, lp, BUDGET)
@@ -207,9 +199,6 @@ def bench_build_tied(vocab: int = 1000) -> list[dict]:
 def bench_rest(inputs: dict, iters: int, bw: float) -> dict:
     """Accept, sampling, compaction, remap and the composed step, per batch."""
     import cupy
-
-    from kdlib import perf, ref
-    from kdlib.cuda import accept, compact, pipeline, tree
 
     out = {"accept": [], "sample": [], "compact": [], "remap": [], "step": []}
     rng = np.random.default_rng(7)
@@ -328,9 +317,6 @@ def _attention(args) -> dict:
 
 def run(args) -> dict:
     import cupy
-
-    from kdlib.cuda import pipeline
-    from kdlib.ref.tree import synthetic_topk
 
     quick = bool(getattr(args, "quick", False))
     iters = 3 if quick else 7

@@ -45,6 +45,10 @@ import math
 
 import numpy as np
 
+from kdlib import perf
+from kdlib.cuda import moe
+from kdlib.perf import timing
+
 E, K, N, TOPK = 384, 7168, 2048 // 8, 8
 M_FULL = (1, 2, 4, 8, 9, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 M_QUICK = (1, 9, 32, 256, 1024, 4096)
@@ -62,7 +66,7 @@ def _routing(rng, m: int):
     return ids, w / w.sum(axis=1, keepdims=True)
 
 
-def _copy_bandwidth(torch, timing) -> dict:
+def _copy_bandwidth(torch) -> dict:
     n = 1 << 30
     src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
     dst = torch.empty_like(src)
@@ -150,9 +154,6 @@ def _graph_time(routes, xb, packed, out, h, *, rotations: int, iters: int, **kw)
     at M = 1."""
     import cupy as cp
 
-    from kdlib.cuda import moe
-    from kdlib.perf import timing
-
     try:
         stream = cp.cuda.Stream(non_blocking=True)
         graphs = []
@@ -177,10 +178,6 @@ def _measure(m: int, rng, packed, baseline, *, bw: float, flop_rate: float, rota
     """Time the kernel and the baseline at M = m over `rotations` routings; bytes, FLOPs, floors."""
     import cupy as cp
     import torch
-
-    from kdlib import perf
-    from kdlib.cuda import moe
-    from kdlib.perf import timing
 
     x = torch.randn(m, K, device="cuda").to(torch.bfloat16)                    # [M, K]
     xb = cp.from_dlpack(x.view(torch.int16)).view(cp.uint16)                    # bf16 bits, no copy
@@ -312,17 +309,13 @@ def run(args) -> dict:
     except ImportError as err:
         raise SystemExit(f"the moe suite needs CuPy for the W4A16 kernel: {err}") from err
 
-    from kdlib import perf
-    from kdlib.cuda import moe
-    from kdlib.perf import timing
-
     quick = bool(getattr(args, "quick", False))
     ms = M_QUICK if quick else M_FULL
     rotations = 8
     iters = 24 if quick else 40
     rng = np.random.default_rng(0)
 
-    copy = _copy_bandwidth(torch, timing)
+    copy = _copy_bandwidth(torch)
     ceilings = perf.load("ceilings", "h200")
     flop_rate = (ceilings or {}).get("bf16_matmul_flops") or DEFAULT_FLOPS
     flop_source = ceilings["_path"] if ceilings and ceilings.get("bf16_matmul_flops") else "default 790e12 (no ceilings recorded)"

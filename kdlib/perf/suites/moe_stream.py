@@ -26,6 +26,9 @@ from functools import partial
 
 import numpy as np
 
+from kdlib.cuda import moe
+from kdlib.cuda.loader import get_function, set_max_dynamic_shared
+from kdlib.perf import timing
 from kdlib.perf.suites import moe as moe_suite
 
 STEM = "stream_read_v1"
@@ -54,7 +57,7 @@ def _graphs(cp, launches_per_rotation):
     return stream, graphs
 
 
-def _replay_time(cp, timing, launches_per_rotation, iters: int) -> dict:
+def _replay_time(cp, launches_per_rotation, iters: int) -> dict:
     try:
         stream, graphs = _graphs(cp, launches_per_rotation)
         state = {"i": 0}
@@ -69,9 +72,7 @@ def _replay_time(cp, timing, launches_per_rotation, iters: int) -> dict:
         return {"error": f"{type(err).__name__}: {err}"[:300]}
 
 
-def _stream_rows(cp, timing, pool, sizes: dict, bw: float, sms: int, iters: int) -> list[dict]:
-    from kdlib.cuda.loader import get_function, set_max_dynamic_shared
-
+def _stream_rows(cp, pool, sizes: dict, bw: float, sms: int, iters: int) -> list[dict]:
     sink = cp.zeros(sms * 1024 * 4, dtype=cp.uint32)
     pool_units = pool.size * 4 // 512                     # pool of uint32 words, units of 512 B
     rows = []
@@ -94,12 +95,12 @@ def _stream_rows(cp, timing, pool, sizes: dict, bw: float, sms: int, iters: int)
                     read(start, n1)
                     read(start + n1 * vec, n - n1)
 
-                t = _replay_time(cp, timing, [partial(read, s, n_units) for s in starts], iters)
+                t = _replay_time(cp, [partial(read, s, n_units) for s in starts], iters)
                 row = {"config": suffix, "stages": stages, "unit_bytes": unit, "blockwise": blockwise,
                        "warps_per_sm": warps, "size": label, "bytes": n_units * unit, "timing": t,
                        "frac_copy_bw": n_units * unit / (t["median_ms"] * 1e-3) / bw if "median_ms" in t else None}
                 if suffix == "s8_v1" and warps == 16:
-                    t2 = _replay_time(cp, timing, [partial(two, s) for s in starts], iters)
+                    t2 = _replay_time(cp, [partial(two, s) for s in starts], iters)
                     row["two_launch"] = t2
                     row["two_launch_frac_copy_bw"] = (n_units * unit / (t2["median_ms"] * 1e-3) / bw
                                                       if "median_ms" in t2 else None)
@@ -113,8 +114,6 @@ def _stream_rows(cp, timing, pool, sizes: dict, bw: float, sms: int, iters: int)
 
 
 def _moe_rows(cp, torch, timing, bw: float, iters: int) -> list[dict]:
-    from kdlib.cuda import moe
-
     E, K, N, TOPK = moe_suite.E, moe_suite.K, moe_suite.N, moe_suite.TOPK
     P, KC = N // 16, K // 64
     packed = {
@@ -142,19 +141,19 @@ def _moe_rows(cp, torch, timing, bw: float, iters: int) -> list[dict]:
         }
         row = {"m": m, "touched_experts": touched, "weight_bytes": wbytes}
         for name, (launches, nbytes) in arms.items():
-            t = _replay_time(cp, timing, launches, iters)
+            t = _replay_time(cp, launches, iters)
             row[name] = t
             row[f"{name}_frac_copy_bw"] = nbytes / (t["median_ms"] * 1e-3) / bw if "median_ms" in t else None
         # v3 with every K split it accepts (the default is moe.v3_parts): where the split pays off.
         row["v3_parts"] = {}
         for d in [d for d in range(1, KC + 1) if KC % d == 0 and KC // d >= 4]:
-            t = _replay_time(cp, timing, [partial(moe.moe_w4a16, xb, packed, r, out=out, h=h, version=3, parts=d)
+            t = _replay_time(cp, [partial(moe.moe_w4a16, xb, packed, r, out=out, h=h, version=3, parts=d)
                                           for r in routes], iters)
             row["v3_parts"][str(d)] = {"timing": t, "frac_copy_bw": wbytes / (t["median_ms"] * 1e-3) / bw
                                        if "median_ms" in t else None}
         row["v3_down_batch"] = {}
         for d in (4, 8, 16, 28, 32, 64):
-            t = _replay_time(cp, timing, [partial(moe.moe_w4a16, xb, packed, r, out=out, h=h, version=3, down_batch=d)
+            t = _replay_time(cp, [partial(moe.moe_w4a16, xb, packed, r, out=out, h=h, version=3, down_batch=d)
                                           for r in routes], iters)
             row["v3_down_batch"][str(d)] = {"timing": t, "frac_copy_bw": wbytes / (t["median_ms"] * 1e-3) / bw
                                             if "median_ms" in t else None}
@@ -176,12 +175,9 @@ def run(args) -> dict:
         raise SystemExit("the moe_stream suite needs a CUDA device (torch.cuda.is_available() is False)")
     import cupy as cp
 
-    from kdlib.cuda import moe
-    from kdlib.perf import timing
-
     quick = bool(getattr(args, "quick", False))
     iters = 20 if quick else 40
-    copy = moe_suite._copy_bandwidth(torch, timing)
+    copy = moe_suite._copy_bandwidth(torch)
     bw = copy["copy_bandwidth_Bps"]
     per_expert = moe.packed_bytes_per_expert(moe_suite.K, moe_suite.N)
     sizes = {f"M={m}": moe_suite.expected_touched(m) * per_expert for m in M_SIZES}
@@ -189,7 +185,7 @@ def run(args) -> dict:
     sms = int(cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())["multiProcessorCount"])
     pool = cp.from_dlpack(torch.randint(-(2**31), 2**31 - 1, (3 << 28,), dtype=torch.int32,
                                         device="cuda")).view(cp.uint32)      # 3 GiB of random words
-    stream_rows = _stream_rows(cp, timing, pool, sizes, bw, sms, iters)
+    stream_rows = _stream_rows(cp, pool, sizes, bw, sms, iters)
     del pool
     moe_rows = _moe_rows(cp, torch, timing, bw, iters)
     return {
