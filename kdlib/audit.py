@@ -33,7 +33,14 @@ from functools import cache
 from pathlib import Path
 from urllib.parse import quote as _urlquote
 
-from kdlib import DATA, NOTEBOOKS, REPORTS
+from kdlib import DATA, NOTEBOOKS, REPORTS, hw, kdtr
+from kdlib.cuda.tree import MAX_BUDGET
+from kdlib.estimator import ModelShape, knee_m, touched_experts
+from kdlib.estimator import model as est
+from kdlib.estimator import seeds as est_seeds
+from kdlib.memory import format_value, load_config, param_count, seeds_200k_recheck, text_config
+from kdlib.nb import read_records, record
+from kdlib.perf import describe, load
 
 CATALOGUE = DATA / "audit" / "seed_figures.yaml"
 AUDIT_NOTEBOOK = "07_seed_audit"
@@ -164,15 +171,12 @@ class Sources:
     def result(self, suite: str, gpu: str | None = None) -> dict | None:
         if self._results is not None:
             return self._results.get(f"{suite}.{gpu}" if gpu else suite)
-        from kdlib.perf import load
 
         return load(suite, gpu)
 
     def records(self) -> dict:
         """name -> payload of every value recorded in the executed notebooks under reports/ (not 07)."""
         if self._records is None:
-            from kdlib.nb import read_records
-
             out = {}
             if self.reports_dir.is_dir():
                 for nb in sorted(self.reports_dir.glob("[0-9]*.ipynb")):
@@ -264,8 +268,6 @@ def _rounds_to(exact: float, shown: float) -> bool:
 def provenance(result: dict) -> str:
     """Where a recorded result comes from: `kdlib.perf.describe` (GPU, versions, commit, date,
     command, file), or its path alone when the provenance block is incomplete."""
-    from kdlib.perf import describe
-
     try:
         return describe(result)
     except (KeyError, TypeError):
@@ -285,8 +287,6 @@ def check(fn):
 def _seed_steps(cat: Catalogue) -> dict:
     """PRO 6000 step times (ms) implied by the seeds' service throughputs at ~4.4 accepted per step
     (the only accepted length the seeds give for the service's block-8 drafter: seed 002, Act III)."""
-    from kdlib.estimator import seeds as est_seeds
-
     acc = est_seeds.points()["b300_accepted"]["value"]
     c1, c10 = cat.claim("diag_baseline_c1_c10")
     return {"accepted": acc, "c1_ms": acc / c1 * 1e3, "c10_ms": acc / (c10 / 10) * 1e3, "c1": c1, "c10": c10}
@@ -315,8 +315,6 @@ def kern_tree_bit_exact(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
 
 @check
 def kern_tree_queue_65(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
-    from kdlib.cuda.tree import MAX_BUDGET
-
     nodes, words = fig.claim
     budget = nodes - 1  # the seeds' trees: 64 drafted nodes plus the root (budget 32-64, seed 000 'budget 32-64')
     need_words = math.ceil(nodes / 64)
@@ -478,7 +476,6 @@ def _engine_case(path: Path, n_tokens: int, block: int) -> dict:
     import numpy as np
     import torch
 
-    from kdlib import kdtr
     from kdlib.engine.config import ModelConfig
     from kdlib.engine.drafter import NoisyOracleDrafter
     from kdlib.engine.generate import generate
@@ -611,9 +608,6 @@ def diag_two_point_scaling(fig: Figure, cat: Catalogue, src: Sources) -> Verdict
 
 @check
 def diag_sustained(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
-    from kdlib import hw
-    from kdlib.memory import load_config, param_count
-
     c = fig.claim
     p = param_count("kimi-k2.6")
     lm = load_config("kimi-k2.6")
@@ -793,8 +787,6 @@ _RECHECK_VERDICT = {"reproduced": REPRODUCED, "consistent": READING, "wrong": CO
 
 @check
 def mem_recheck(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
-    from kdlib.memory import format_value, seeds_200k_recheck
-
     rows = {r["key"]: r for r in seeds_200k_recheck()}
     keys = fig.recheck_key if isinstance(fig.recheck_key, list) else [fig.recheck_key]
     picked = [rows[k] for k in keys]
@@ -820,15 +812,11 @@ def mem_recheck(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
 
 
 def _contradiction(cid: str) -> dict:
-    from kdlib.estimator import seeds as est_seeds
-
     return next(c for c in est_seeds.contradictions() if c["id"] == cid)
 
 
 @check
 def moe_experts_384_top8(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
-    from kdlib.memory import load_config, text_config
-
     lm = text_config(load_config("kimi-k2.6"))
     ours = {"routed": lm["n_routed_experts"], "active": lm["num_experts_per_tok"], "shared": lm["n_shared_experts"]}
     ok = ours == fig.claim
@@ -841,8 +829,6 @@ def moe_experts_384_top8(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
 
 @check
 def moe_marlin_67_73(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
-    from kdlib.estimator import seeds as est_seeds
-
     pts = est_seeds.moe_points()
     w_only = [p["frac_weights_only"] for p in pts]
     scales = [p["frac_with_scales"] for p in pts]
@@ -858,8 +844,6 @@ def moe_marlin_67_73(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
 
 @check
 def moe_m9_m32(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
-    from kdlib.estimator import ModelShape, touched_experts
-
     s = ModelShape()
     t9, t32 = fig.claim
     e9, e32 = touched_experts(9, s.n_experts, s.top_k), touched_experts(32, s.n_experts, s.top_k)
@@ -883,8 +867,6 @@ def compute_floor_m(gpu: str = "h200") -> float:
     """The tokens per MoE layer M at which its FLOPs at peak take as long as its bytes at peak
     (`kdlib.estimator.moe_layer`, Kimi-K2 TP8 shard, data/hw/<gpu>.json): below it the layer is
     memory-bound at any efficiency the two share. Bisection to 1 token."""
-    from kdlib.estimator import model as est
-
     spec = est.hardware(gpu)
 
     def compute_bound(m: float) -> bool:
@@ -902,8 +884,6 @@ def compute_floor_m(gpu: str = "h200") -> float:
 
 @check
 def moe_plateau_256(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
-    from kdlib.estimator import knee_m
-
     knee = knee_m()
     cross = compute_floor_m("h200")
     rec = src.record("est_moe_knee_m", "06_b300_estimator")
@@ -921,8 +901,6 @@ def moe_plateau_256(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
 
 @check
 def moe_7_to_1_5_ms(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
-    from kdlib import hw
-
     c = fig.claim
     pro, b300 = hw.load("rtx-pro-6000")["hbm_bandwidth_Bps"], hw.load("b300")["hbm_bandwidth_Bps"]
     ratio = b300 / pro
@@ -970,8 +948,6 @@ def b300_303_c1(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
 
 @check
 def b300_overhead_12_5(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
-    from kdlib.estimator import seeds as est_seeds
-
     t = est_seeds.reproduce()["terms_ms"]
     return compare(fig.id, t["overhead_implied"], fig.claim, rel=0.05, what="overhead implied by 303 tok/s at 4.4 "
                    f"accepted minus the MoE term ({t['step_current']:.2f} - {t['moe_step_m9_b300']:.2f} ms)",
@@ -980,8 +956,6 @@ def b300_overhead_12_5(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
 
 @check
 def b300_575_770(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
-    from kdlib.estimator import seeds as est_seeds
-
     rep = est_seeds.reproduce()
     s = rep["scenarios"][1]
     ok = within(s["tok_s_low"], fig.claim[0], rel=0.02) and within(s["tok_s_high"], fig.claim[1], rel=0.02)  # the seeds' projections are quoted to 2-3 digits
@@ -995,8 +969,6 @@ def b300_575_770(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
 
 @check
 def b300_850_980(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
-    from kdlib.estimator import seeds as est_seeds
-
     rep = est_seeds.reproduce()
     s = rep["scenarios"][2]
     lo_ok = within(s["tok_s_low"], fig.claim[0], rel=0.02)  # as for 575-770
@@ -1065,8 +1037,6 @@ def counts(verdicts: dict) -> dict:
 def record_all(verdicts: dict, cat: Catalogue) -> None:
     """`kdlib.nb.record("audit_verdict_<id>", verdict, note=<the workbook's figure>, source=<link>)` for
     every figure (the index takes the claim's words from the catalogue, by id)."""
-    from kdlib.nb import record
-
     for fid, v in verdicts.items():
         note = v.ours if len(v.ours) <= 400 else v.ours[:399] + "…"
         record(f"{RECORD_PREFIX}{fid}", v.verdict, note=note, source=cat[fid].link)

@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kdlib.ref.tree import build_tree_batch, synthetic_topk
+
 POLICIES = ("fifo", "sorted", "lifo")
 PAGE = 64  # FlashMLA's page size (kernels-perf.md §1): the block a page-64 kernel reads
 
@@ -102,8 +104,6 @@ def top1_chains(budget: int, depth: int, *, trees: int = 32, seed: int = 0, shar
     Each array holds the index (1..budget) of the depth-1, depth-2, ... node of the chain that
     always takes the first child, as `kdlib.ref.build_tree_batch` numbers nodes (pop order).
     """
-    from kdlib.ref.tree import build_tree_batch, synthetic_topk
-
     k = max(1, min(budget, 16))  # 16 candidates per depth: wider rows only add low-score siblings
     ids, lps = synthetic_topk(seed, trees, depth, k, vocab_size=4096, draft_vocab=256, sharpness=sharpness)
     batch = build_tree_batch(ids, lps, budget)

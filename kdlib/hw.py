@@ -20,7 +20,7 @@ import json
 from functools import cache
 from pathlib import Path
 
-from kdlib import DATA
+from kdlib import DATA, perf
 
 HW_DIR = DATA / "hw"
 
@@ -81,8 +81,6 @@ def measured(slug: str) -> dict | None:
     The keys a ceilings suite records are `copy_bandwidth_Bps` and `bf16_matmul_flops`; the result
     also carries `provenance` and `_path` (show them with `kdlib.perf.describe`).
     """
-    from kdlib import perf
-
     load(slug)  # a typo is an error, not a silent None
     # The perf slug comes from the driver's name ('NVIDIA RTX PRO 6000 Blackwell Server Edition'
     # -> 'rtx-pro-6000-blackwell-server-edition'), so a prefix match is needed for some GPUs.

@@ -94,6 +94,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kdlib.check import errors
+
 try:
     import ml_dtypes
 except ImportError:  # a bare GPU machine may lack it: see ML_DTYPES
@@ -677,8 +679,6 @@ def differences(actual, expected, close: Mapping[str, float] | None = None) -> l
     (kdlib.check.errors). Both files are verified in full first. For golden files whose computed
     floats come from BLAS or SIMD math, whose rounding differs from one CPU to the next.
     """
-    from kdlib.check import errors
-
     close = dict(close or {})
     ha, hb = verify(actual), verify(expected)
     entries = {e.name: e for e in hb.tensors}

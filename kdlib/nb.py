@@ -15,6 +15,8 @@ import math
 import random
 from types import SimpleNamespace
 
+from kdlib import plot
+
 RECORD_MIME = "application/vnd.kdlib.record+json"
 
 
@@ -24,8 +26,6 @@ def setup(seed: int = 0) -> SimpleNamespace:
     Returns env with: live (bool), device ('cuda' or 'cpu'), gpu (name or None).
     """
     import numpy as np
-
-    from kdlib import plot
 
     random.seed(seed)
     np.random.seed(seed)

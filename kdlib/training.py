@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kdlib import zoo
+from kdlib import kdtr, zoo
 
 SPECIAL_TOKENS = (zoo.EOS_TOKEN, zoo.MASK_TOKEN)  # the BPE trainer gives them the first ids, in this order
 EOS_ID, MASK_ID = 0, 1  # end of text (every document ends with it), the drafter's block filler
@@ -609,7 +609,5 @@ def evaluate_drafter(drafter, target, stream, seq: int, batch: int, windows: int
 
 def save_weights(module, path, metadata: dict) -> None:
     """state_dict -> KDTR in float16 (atomic), metadata values stringified (JSON for non-str)."""
-    from kdlib import kdtr
-
     tensors = {k: v.detach().to("cpu").half().numpy() for k, v in module.state_dict().items()}
     kdtr.save(path, tensors, {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()})

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kdlib import DATA
+from kdlib import DATA, kdtr
 
 MODELS = DATA / "models"
 KINDS = ("code", "prose", "templated")
@@ -97,8 +97,6 @@ def load_tokenizer(folder: str | Path | None = None) -> Tokenizer:
 def _state_dict(path, dtype, device) -> dict:
     import numpy as np
     import torch
-
-    from kdlib import kdtr
 
     return {k: torch.from_numpy(np.ascontiguousarray(v)).to(device=device, dtype=dtype)
             for k, v in kdtr.load(path, mmap=False).items()}

@@ -26,7 +26,7 @@ import numpy as np
 
 from kdlib.cuda import loader
 from kdlib.ref import accept as ref_accept
-from kdlib.ref.tree import DDTreeBatch
+from kdlib.ref.tree import DDTree, DDTreeBatch
 
 GREEDY = ("tree_accept_v1", "tree_accept_greedy_v1")
 SAMPLE_VERSIONS = (1, 2, 3)  # v3: a block per row; v2: one thread per row, pipelined loads; v1: one load per add
@@ -231,8 +231,6 @@ def accept_sample_batch(trees, probs, uniforms, max_depth: int | None = None, *,
 
 
 def _single(tree):
-    from kdlib.ref.tree import DDTree
-
     if not isinstance(tree, DDTree):
         raise ValueError(f"tree must be a DDTree, got {type(tree).__name__}")
     import cupy

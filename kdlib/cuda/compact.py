@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from kdlib.cuda import loader
+from kdlib.ref import compact as ref
 
 COMPACT = {16: ("kv_compact_v1", "kv_compact_v1_u128"), 4: ("kv_compact_v1", "kv_compact_v1_u32"),
            1: ("kv_compact_v1", "kv_compact_v1_u8")}
@@ -59,8 +60,6 @@ def compact_kv_batch(cache, starts, paths, lengths, *, check_values: bool = Fals
         raise ValueError("cache must be C-contiguous (the kernel addresses rows by a fixed stride)")
     bsz, starts, paths, lengths = _common(starts, paths, lengths)
     if check_values:
-        from kdlib.ref import compact as ref
-
         ref.compact_kv_batch(np.zeros((c.shape[0], 0), np.int8), starts.get(), paths.get(), lengths.get())
     if bsz == 0 or c.size == 0:
         return cache
@@ -89,8 +88,6 @@ def remap_slots_masked(req_to_token, starts, tree_slots, paths, lengths, *, chec
         raise ValueError("req_to_token, starts, tree_slots, paths and lengths disagree on B")
     width = slots.shape[1]
     if check_values:
-        from kdlib.ref import compact as ref
-
         ref.remap_slots(np.zeros(r2t.shape, np.int64), starts.get(), slots.get(), paths.get(), lengths.get())
     if freed is None:
         freed = cupy.empty((bsz, width), dtype=cupy.bool_)  # [B, budget+1]

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kdlib.cuda.loader import as_cupy, get_function, is_torch, set_max_dynamic_shared
+
 GROUP = 32          # reduction elements per scale (the kernel reads one scale per lane per chunk)
 TILE_ROWS = 16      # mma m16: rows per tile
 CHUNK_COLS = 64     # columns per uint4 per lane (4 mma k16 steps)
@@ -250,8 +252,6 @@ def prepare_routing(topk_ids, topk_weights, n_experts: int) -> Routing:
     """
     import cupy as cp
 
-    from kdlib.cuda.loader import as_cupy
-
     ids = as_cupy(topk_ids)
     wts = as_cupy(topk_weights)
     if ids.ndim != 2 or wts.shape != ids.shape:
@@ -288,8 +288,6 @@ def prepare_routing(topk_ids, topk_weights, n_experts: int) -> Routing:
 def _bf16_bits_cupy(x, name: str):
     """A uint16 CuPy view of bf16 data (torch bf16 tensor or CuPy uint16 array)."""
     import cupy as cp
-
-    from kdlib.cuda.loader import as_cupy, is_torch
 
     if is_torch(x):
         import torch
@@ -541,8 +539,6 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
 
 def _launch_v1(xb, w1, s1, w2, s2, routing: Routing, out, h, K: int, N: int, gate_up_warps: int, sync: bool):
     """version 1: y.fill(0), gate/up launch, down launch (kernels/moe_w4a16_v1.cu)."""
-    from kdlib.cuda.loader import get_function
-
     P = N // TILE_ROWS
     out.fill(0)
     per_pass = 8 if routing.max_count <= 8 else 16 if routing.max_count <= 16 else 32
@@ -575,8 +571,6 @@ def launch_v2_gate_up(xb, packed: dict, routing: Routing, out, h, *, gate_up_war
 
     Shape: xb [M, K] uint16 (bf16 bits), out [M, K] float32, h [M * topk, N] uint16 (CuPy).
     """
-    from kdlib.cuda.loader import get_function, set_max_dynamic_shared
-
     limits = _device_limits()
     shape = v2_gate_up_shape(gate_up_warps, limits)
     if not shape["blocks_per_sm"]:
@@ -596,8 +590,6 @@ def launch_v2_gate_up(xb, packed: dict, routing: Routing, out, h, *, gate_up_war
 def launch_v2_down(packed: dict, routing: Routing, out, h) -> None:
     """The v2 down launch alone: out += the routing-weighted down projection of h (see
     `launch_v2_gate_up`)."""
-    from kdlib.cuda.loader import get_function, set_max_dynamic_shared
-
     limits = _device_limits()
     E, RT, NC = packed["w2"].shape[:3]
     down = get_function(STEM_V2, f"{STEM_V2}_down")
@@ -621,8 +613,6 @@ def launch_v3(xb, packed: dict, routing: Routing, out, h, *, workspace=None, par
     (default `v3_down_batch`), a divisor of K / 16, >= 3.
     """
     import cupy as cp
-
-    from kdlib.cuda.loader import get_function, set_max_dynamic_shared
 
     limits = _device_limits()
     shape = v3_shape(limits)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kdlib import ref
 from kdlib.cuda import accept, compact, loader, tree
 
 
@@ -132,8 +133,6 @@ def reference_step(top_token_ids, top_log_probs, root_tokens, target_table, cach
 
     Returns {trees, targets, paths, lengths, bonus, cache}.
     """
-    from kdlib import ref
-
     trees = ref.build_tree_batch(top_token_ids, top_log_probs, budget)
     tokens = np.concatenate([np.asarray(root_tokens, np.int64)[:, None], trees.node_token_ids], axis=1)  # [B, S]
     targets = np.asarray(target_table, np.int64)[np.maximum(tokens, 0)]  # [B, S]
@@ -223,9 +222,6 @@ def smoke(bsz: int = 4) -> dict:
     gives every array its own cudaMalloc so memcheck sees out-of-bounds accesses exactly.
     """
     import cupy
-
-    from kdlib import ref
-    from kdlib.cuda import accept, compact
 
     rng = np.random.default_rng(0)
     budget, depth, kp, vocab = 24, 6, 8, 40

@@ -23,9 +23,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kdlib import DATA
+from kdlib import DATA, zoo
+from kdlib.engine import DFlashConfig, DFlashDrafter, Model, ModelConfig, NoisyOracleDrafter
 from kdlib.engine.generate import generate
-from kdlib.tp.engine import Comm, TPModel, assert_replicated, vocab_parallel_topk
+from kdlib.engine.loading import random_weights_on_device
+from kdlib.perf import cpu_time, cuda_time
+from kdlib.perf.suites.engine import BENCH_CONFIG
+from kdlib.tp.engine import Comm, TPModel, assert_replicated, spawn, vocab_parallel_topk
 
 # fp32 tolerance for TP vs single-process logits: the all-reduce sums partial products in a
 # different order; a few ulps of |logit| ~ 10 after 2-3 layers, with margin.
@@ -51,11 +55,7 @@ def _override(spec: dict, kw: dict, what: str) -> dict:
 
 def _models(spec: dict, device):
     """(full Model, {drafter name: factory(target)}, prompt list) for a spec, identical on every process."""
-    from kdlib.engine import DFlashConfig, DFlashDrafter, Model, ModelConfig, NoisyOracleDrafter
-
     if spec["zoo"]:
-        from kdlib import zoo
-
         model = zoo.load_target(device=str(device))
         text = zoo.held_out("code")[0]
         prompt = zoo.load_tokenizer().encode(text)[: spec["prompt_len"]]
@@ -182,10 +182,6 @@ def bench_spec(**kw) -> dict:
 
 
 def _bench_model(spec: dict, device):
-    from kdlib.engine import Model, ModelConfig
-    from kdlib.engine.loading import random_weights_on_device
-    from kdlib.perf.suites.engine import BENCH_CONFIG
-
     dtype = getattr(torch, spec["dtype"])
     if spec["config"] is None:
         cfg = ModelConfig.from_dict(BENCH_CONFIG)
@@ -197,8 +193,6 @@ def _bench_model(spec: dict, device):
 
 
 def _time(fn, device, iters):
-    from kdlib.perf import cpu_time, cuda_time
-
     return cuda_time(fn, iters=iters) if device.type == "cuda" else cpu_time(fn, iters=iters)
 
 
@@ -207,8 +201,6 @@ def bench_worker(rank: int, world: int, device, spec: dict, out_path: str) -> No
     collectives for the all-reduce share; an all-reduce sweep over message sizes; the single-device
     engine as the reference (tokens compared, and timed on the world-1 run). Rank 0 writes JSON."""
     import torch.distributed as dist
-
-    from kdlib.engine import NoisyOracleDrafter
 
     full = _bench_model(spec, device)
     cfg = full.cfg
@@ -294,8 +286,6 @@ def graph_allreduce_worker(rank: int, world: int, device, spec: dict, out_path: 
     Rank 0 writes JSON."""
     import torch.distributed as dist
 
-    from kdlib.perf import cuda_time
-
     dist.all_reduce(torch.zeros(1, device=device))  # communicator up before any capture
     out = []
     for m in spec["allreduce_rows"]:
@@ -340,8 +330,6 @@ def bench(world_sizes, spec: dict, backend: str = "nccl", timeout_s: float = 300
 
     from torch.multiprocessing.spawn import ProcessException
 
-    from kdlib.tp.engine import spawn
-
     runs, sweep, graph_sweep, diffs, scale = [], [], [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for w in world_sizes:
@@ -373,8 +361,6 @@ def bench(world_sizes, spec: dict, backend: str = "nccl", timeout_s: float = 300
 def run_check(world: int, spec: dict, backend: str = "gloo", timeout_s: float = 120) -> list[str]:
     """Spawn check_worker over `world` ranks and compare rank 0's outputs with the single-process reference."""
     import tempfile
-
-    from kdlib.tp.engine import spawn
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "rank0.pt")
