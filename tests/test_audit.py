@@ -12,6 +12,7 @@ import yaml
 
 from kdlib import NOTEBOOKS, ROOT, audit
 from kdlib.nb import RECORD_MIME
+from kdlib.report import AUDIT_PREFIX
 
 # The figures issue 11 lists, by area -> the catalogue ids that carry them.
 ISSUE_FIGURES = {
@@ -305,8 +306,6 @@ def test_bad_catalogues_are_refused(tmp_path):
 
 
 def test_record_prefix_is_the_one_the_index_renders():
-    from kdlib.report import AUDIT_PREFIX
-
     assert audit.RECORD_PREFIX == AUDIT_PREFIX
 
 

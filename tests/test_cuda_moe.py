@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from kdlib import check
 from kdlib.cuda import loader, moe
+from kdlib.perf.suites import moe as suite
 
 # ----------------------------------------------------------------------------- CPU: quantizer
 
@@ -406,8 +407,6 @@ def test_kernel_addressing_emulated_on_cpu(M, k, warps):
 
 
 def test_suite_helpers_route_distinct_experts_and_count_bytes():
-    from kdlib.perf.suites import moe as suite
-
     ids, w = suite._routing(np.random.default_rng(0), 50)
     assert ids.shape == (50, suite.TOPK) and all(len(set(r)) == suite.TOPK for r in ids.tolist())
     np.testing.assert_allclose(w.sum(axis=1), 1.0, rtol=1e-6)
@@ -418,8 +417,6 @@ def test_suite_helpers_route_distinct_experts_and_count_bytes():
 
 
 def test_suite_knee_from_times_interpolates_the_plateau_onset():
-    from kdlib.perf.suites import moe as suite
-
     rows = [{"m": m, "kernel": {"median_ms": min(m, 100) / 100}} for m in (1, 10, 80, 90, 256, 512, 1024)]
     assert suite._knee_from_times(rows, "kernel") == pytest.approx(85.0, rel=0.01)
     assert suite._knee_from_times([{"m": 1, "kernel": {"median_ms": 1.0}}], "kernel") is None
@@ -908,8 +905,6 @@ def test_v2_kernels_fit_the_launch_shapes_the_wrapper_assumes(arch):
     registers low enough for the resident blocks the persistent grids count on, static shared
     memory equal to the reduction buffer the wrapper budgets; and the H200's shared memory (228 KB
     per SM, 227 KB per block) holds one 16-warp or two 8-warp gate/up blocks."""
-    from kdlib.cuda import loader
-
     rc, text = loader.compile_report(moe.STEM_V2, arch)
     assert rc == 0, text
     rep = loader.parse_ptxas(text)

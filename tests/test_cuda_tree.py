@@ -18,9 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kdlib import DATA, ref
-from kdlib.cuda import pipeline
+import kdlib.cuda as cu
+from kdlib import DATA, KERNELS, kdtr, ref
+from kdlib.cuda import accept, compact, loader, pipeline, tree
 from kdlib.cuda.tree import VERSIONS
+from kdlib.perf.suites import accept as suite
+from kdlib.ref import accept as ref_accept
+from kdlib.ref import tree as ref_tree
 
 POISON_INT = -7777  # never a valid token, index, size or padding value
 FIELDS = ("sizes", "node_token_ids", "node_depths", "parents", "visibility", "next_token", "next_sibling",
@@ -41,8 +45,6 @@ def _cp():
 
 
 def _poisoned_batch(bsz, budget):
-    from kdlib.cuda import tree
-
     out = tree.empty_batch(bsz, budget)
     for name in FIELDS:
         a = getattr(out, name)
@@ -74,8 +76,6 @@ def assert_trees_equal(got, want, what=""):
 
 
 def test_build_limits_raise_before_any_work():
-    from kdlib.cuda import tree
-
     with pytest.raises(ValueError, match="budget"):
         tree.build_tree_batch(None, None, tree.MAX_BUDGET + 1)
     with pytest.raises(ValueError, match="budget"):
@@ -102,7 +102,6 @@ def test_build_limits_raise_before_any_work():
 def test_build_worked_example(version):
     """Survey §2.7: L=3, N=5, K'=2."""
     cp = _cp()
-    from kdlib.cuda import tree
 
     ids = np.array([[[10, 11], [20, 21], [30, 31]]], dtype=np.int64)
     lp = np.log(np.array([[[0.60, 0.30], [0.90, 0.05], [0.45, 0.40]]])).astype(np.float32)
@@ -122,7 +121,6 @@ def test_build_worked_example(version):
 @pytest.mark.parametrize("budget,depth,kp,vocab", BUILD_CONFIGS)
 def test_build_random_bit_exact(budget, depth, kp, vocab, mode, version):
     cp = _cp()
-    from kdlib.cuda import tree
 
     rng = np.random.default_rng(zlib.crc32(repr((budget, depth, kp, vocab, mode)).encode()))
     bsz = 16 if budget == 256 else 64
@@ -156,7 +154,6 @@ FILLING_BUDGETS = (31, 32, 63, 64, 65, 127, 128, 129, 255, 256)
 def test_build_frontier_filling_bit_exact(budget, version):
     """The largest frontier a budget allows, its worst candidate popped last (v4 keeps only that many)."""
     cp = _cp()
-    from kdlib.cuda import tree
 
     ids, lp = frontier_filling_topk(np.random.default_rng(budget), 8, budget, budget + 3)
     want = ref.build_tree_batch(ids, lp, budget)
@@ -170,7 +167,6 @@ def test_build_frontier_filling_bit_exact(budget, version):
 @pytest.mark.parametrize("budget,depth,kp", [(0, 5, 4), (5, 0, 4), (5, 3, 0), (0, 0, 0)])
 def test_build_root_only(budget, depth, kp, version):
     cp = _cp()
-    from kdlib.cuda import tree
 
     ids = np.arange(3 * depth * kp, dtype=np.int64).reshape(3, depth, kp)
     lp = np.zeros((3, depth, kp), dtype=np.float32)
@@ -182,7 +178,6 @@ def test_build_root_only(budget, depth, kp, version):
 @pytest.mark.gpu
 def test_build_limits_and_check_values():
     cp = _cp()
-    from kdlib.cuda import tree
 
     ids, lp = pipeline.random_topk(np.random.default_rng(1), 2, 17, 4, 10)
     with pytest.raises(ValueError, match="depth"):
@@ -210,7 +205,6 @@ def test_build_torch_dlpack_zero_copy():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch without CUDA")
-    from kdlib.cuda import loader, tree
 
     ids, lp = pipeline.random_topk(np.random.default_rng(2), 8, 15, 64, 100)
     t_ids, t_lp = torch.from_numpy(ids).cuda(), torch.from_numpy(lp).cuda()
@@ -224,7 +218,6 @@ def test_build_torch_dlpack_zero_copy():
 def test_single_request_twins():
     """build_tree, accept_greedy, accept_sample, compact_kv (batches of one) against kdlib.ref."""
     cp = _cp()
-    import kdlib.cuda as cu
 
     rng = np.random.default_rng(12)
     for mode in MODES:
@@ -259,8 +252,6 @@ GOLDEN_KINDS = ("tree", "accept_sample", "compact")
 def _golden(path):
     import json
 
-    from kdlib import kdtr
-
     meta = kdtr.read_metadata(path)
     return kdtr.load(path, mmap=False), meta, json.loads(meta.get("config", "{}"))
 
@@ -274,7 +265,6 @@ def _stored_trees(t, cp):
 def test_golden(path):
     """Every golden file of kind tree / accept_sample / compact, against its stored outputs."""
     cp = _cp()
-    from kdlib.cuda import accept, compact, tree
 
     t, meta, config = _golden(path)
     kind = meta.get("kind")
@@ -313,8 +303,6 @@ def test_golden(path):
 def test_golden_files_present():
     kinds = set()
     for path in GOLDEN:
-        from kdlib import kdtr
-
         kinds.add(kdtr.read_metadata(path).get("kind"))
     assert set(GOLDEN_KINDS) <= kinds, f"golden kinds found: {sorted(kinds)}"
 
@@ -346,7 +334,6 @@ def _targets(rng, trees, vocab, p_follow=0.8):
 @pytest.mark.parametrize("budget,depth,kp,vocab", BUILD_CONFIGS)
 def test_accept_greedy_random_exact(budget, depth, kp, vocab, mode):
     cp = _cp()
-    from kdlib.cuda import accept
 
     rng = np.random.default_rng(zlib.crc32(repr(("accept", budget, depth, kp, mode)).encode()))
     bsz = 16 if budget == 256 else 64
@@ -386,10 +373,6 @@ def test_sample_v3_constants_come_from_the_reference():
     (offline compiles only) are the same numbers, so the ptxas and NVRTC checks compile what runs."""
     import re
 
-    from kdlib import KERNELS
-    from kdlib.cuda import accept
-    from kdlib.ref import accept as ref_accept
-
     assert accept.SAMPLE_VERSIONS == SAMPLE_VERSIONS and accept.SAMPLE_DEFAULT == 3
     assert accept.SAMPLE_ORDER[accept.SAMPLE_DEFAULT] == "blocked" == ref_accept.SAMPLE_ORDERS[0]
     assert accept.sample_options(3) == (f"-DTA3_THREADS={ref_accept.SAMPLE_THREADS}",
@@ -409,7 +392,6 @@ def test_sample_v3_constants_come_from_the_reference():
 @pytest.mark.parametrize("v", [1, 7, 32, 33, 1000, 2048, 2049, 4099, 6147])
 def test_sample_tokens_bit_exact(dtype, v, version):
     cp = _cp()
-    from kdlib.cuda import accept
 
     rng = np.random.default_rng(v)
     n = 1024
@@ -426,7 +408,6 @@ def test_sample_tokens_bit_exact(dtype, v, version):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_accept_sample_batch_exact(dtype, version):
     cp = _cp()
-    from kdlib.cuda import accept
 
     rng = np.random.default_rng(5)
     bsz, depth, kp, vocab, budget = 64, 6, 8, 16, 24
@@ -486,7 +467,6 @@ def test_sample_v3_bit_exact_at_model_vocabularies(v, rows, dtype):
     """v3 against the blocked reference over many rows at V = 4096, 32,000 and 163,840 (Kimi-K2);
     also with the rows misaligned for vector loads (an odd element offset) and at V + 1 (no float4)."""
     cp = _cp()
-    from kdlib.cuda import accept
 
     rng = np.random.default_rng(v + (dtype == np.float64))
     probs, u = _hard_rows(rng, rows, v, dtype)
@@ -512,7 +492,6 @@ def test_sample_v3_has_v2s_distribution(v):
     """Stratified uniforms u_i = (i + 1/2) / M over M copies of one row: an inverse CDF in any order
     draws token k within one of M p_k / sum(p) times, so v3 and v2 agree on the distribution to 2 / M."""
     cp = _cp()
-    from kdlib.cuda import accept
 
     rng = np.random.default_rng(v)
     m = 8192 if v == 4096 else 2048
@@ -534,7 +513,6 @@ def test_sample_v3_in_a_cuda_graph():
     """sample_tokens (out=) and accept_sample_batch (out=, targets=) captured in one CUDA graph and replayed
     on new inputs written into the captured buffers: bit-exact with the reference every time."""
     cp = _cp()
-    from kdlib.cuda import accept
 
     rng = np.random.default_rng(21)
     bsz, depth, kp, vocab, budget = 8, 6, 8, 32000, 24
@@ -582,8 +560,6 @@ def test_sample_v3_in_a_cuda_graph():
 
 def test_accept_suite_parts(monkeypatch):
     """KDLIB_ACCEPT_PARTS picks the accept suite's parts; a name it does not know is a clear error."""
-    from kdlib.perf.suites import accept as suite
-
     monkeypatch.delenv("KDLIB_ACCEPT_PARTS", raising=False)
     assert suite._parts() == ("acceptance", "sampling")
     monkeypatch.setenv("KDLIB_ACCEPT_PARTS", "sampling")
@@ -598,7 +574,6 @@ def test_accept_suite_sampling_points():
     """The accept suite's sampling sweep on a small grid: every point bit-exact on its checked rows,
     a floor below the time, both versions at every point and the speedup table complete."""
     _cp()
-    from kdlib.perf.suites import accept as suite
 
     out = suite.bench_sampling(vocabs=(4096, 32000), rows=(1, 16), iters=2, log=lambda _: None)
     pts = out["points"]
@@ -628,7 +603,6 @@ def _random_paths(rng, bsz, width, maxlen):
                                              (np.float32, (3,)), (np.float64, (2, 5))])
 def test_compact_kv_batch_exact(dtype, row_shape):
     cp = _cp()
-    from kdlib.cuda import compact
 
     rng = np.random.default_rng(len(row_shape) * 100 + row_shape[-1])
     bsz, width, maxlen = 256, 65, 17
@@ -646,7 +620,6 @@ def test_compact_kv_batch_exact(dtype, row_shape):
 @pytest.mark.gpu
 def test_remap_slots_exact():
     cp = _cp()
-    from kdlib.cuda import compact
 
     rng = np.random.default_rng(9)
     bsz, width, maxlen, max_ctx = 1024, 65, 17, 200
@@ -795,9 +768,6 @@ def _v4_cases():
 def test_v4_model_matches_reference():
     """The warp algorithm (sorted positions, ballot counts, cut list, head by selects) pops exactly
     the reference's nodes, and never needs more than floor((budget + 1) / 2) positions."""
-    from kdlib.cuda import tree
-    from kdlib.ref import tree as ref_tree
-
     requests = 0
     for ids, lp, budget in _v4_cases():
         k = min(budget, ids.shape[-1])
@@ -829,8 +799,6 @@ def v4_host(tmp_path_factory):
     import shutil
     import subprocess
 
-    from kdlib import KERNELS
-
     gxx = shutil.which("g++")
     if gxx is None:
         pytest.skip("g++ not found")
@@ -851,8 +819,6 @@ def host_build_v4(lib, ids, lp, budget, vis_offset=0, kernel=None):
     poisoned, visibility at a byte offset `vis_offset` inside a poisoned buffer whose margins must
     stay untouched."""
     import ctypes
-
-    from kdlib.cuda import tree
 
     bsz, depth, kp = ids.shape
     k, l_eff, s = min(budget, kp), min(depth, budget), budget + 1

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import kdlib.engine.drafter as drafter_mod
 from kdlib import DATA
 from kdlib.engine.config import ModelConfig
 from kdlib.engine.drafter import DFlashConfig, DFlashDrafter, NoisyOracleDrafter
@@ -251,8 +252,6 @@ def test_bad_input_raises_before_compute(kwargs, match, monkeypatch):
 
 def test_oracle_reference_equals_computed_script(monkeypatch):
     """A given greedy reference (skipping the oracle's own AR set-up) drafts exactly as the computed one."""
-    import kdlib.engine.drafter as drafter_mod
-
     model = _model("tiny-a", 1)
     prompt = [7, 8, 9, 10]
     ref = generate(model, prompt, 30 + 6).tokens

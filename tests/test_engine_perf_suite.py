@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 
+import kdlib.perf as perf
 from kdlib import DATA
 from kdlib.engine.config import ModelConfig
-from kdlib.engine.loading import parameter_shapes
+from kdlib.engine.loading import parameter_shapes, random_weights_on_device
 from kdlib.engine.model import Model
 from kdlib.estimator import engine_rows
 from kdlib.perf.suites import engine as suite
@@ -52,8 +53,6 @@ def test_repeats_keep_the_fastest_and_list_all():
 
 def test_verify_sweep_runs_with_a_cpu_clock(monkeypatch):
     """The verify-forward sweep's set-up and bookkeeping, with CPU timing standing in for CUDA events."""
-    import kdlib.perf as perf
-
     monkeypatch.setattr(perf, "cuda_time", lambda fn, warmup, iters: perf.cpu_time(fn, warmup=1, iters=2))
     model = Model.random(ModelConfig.from_json(DATA / "configs" / "tiny-a.json"), seed=0)
     rows = suite._verify_sweep(model, [16, 64], [1, 9, 70], 4.3e12, 790e12, attentions=("torch", "ops"), repeats=2)
@@ -65,8 +64,6 @@ def test_verify_sweep_runs_with_a_cpu_clock(monkeypatch):
 
 
 def test_dflash_sweep_runs_with_a_cpu_clock(monkeypatch):
-    import kdlib.perf as perf
-
     monkeypatch.setattr(perf, "cuda_time", lambda fn, warmup, iters: perf.cpu_time(fn, warmup=1, iters=2))
     model = Model.random(ModelConfig.from_json(DATA / "configs" / "tiny-a.json"), seed=0)
     rows = suite._dflash_sweep(model, [16, 40])
@@ -75,8 +72,6 @@ def test_dflash_sweep_runs_with_a_cpu_clock(monkeypatch):
 
 def test_random_weights_on_device_scales_and_determinism():
     import torch
-
-    from kdlib.engine.loading import random_weights_on_device
 
     cfg = ModelConfig.from_json(DATA / "configs" / "tiny-a.json")
     a, b = Model(cfg).eval(), Model(cfg).eval()
@@ -96,8 +91,6 @@ def test_random_weights_on_device_scales_and_determinism():
 def test_quick_suite_end_to_end_on_cpu(monkeypatch):
     """The whole --quick payload on a tiny config with a CPU clock: every section notebooks 03 and 06 read."""
     import json
-
-    import kdlib.perf as perf
 
     monkeypatch.setattr(perf, "cuda_time", lambda fn, warmup=3, iters=15: perf.cpu_time(fn, warmup=1, iters=2))
     out = suite._run(True, device="cpu", config=json.loads((DATA / "configs" / "tiny-a.json").read_text()))

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kdlib import fragmentation as fr
+from kdlib.perf.suites import fragmentation as suite
 
 
 def test_allocator_fifo_appends_freed_slots_behind_unused_ones():
@@ -119,8 +120,6 @@ def test_scattered_table():
 
 
 def test_suite_layouts_and_costs_on_cpu():
-    from kdlib.perf.suites import fragmentation as suite
-
     tables = suite.layouts(4096, seed=0)
     assert set(tables) == set(suite.LAYOUTS)
     for name, t in tables.items():
@@ -134,8 +133,6 @@ def test_suite_layouts_and_costs_on_cpu():
 @pytest.mark.gpu
 def test_suite_runs_on_gpu(tmp_path):
     from types import SimpleNamespace
-
-    from kdlib.perf.suites import fragmentation as suite
 
     res = suite.run(SimpleNamespace(quick=True))
     assert res["points"]

@@ -5,6 +5,7 @@ import json
 import pytest
 
 import kdlib.hw as hw
+from kdlib.perf import results
 
 EXPECTED = {"rtx-pro-6000", "h200", "b200", "b300"}
 
@@ -47,8 +48,6 @@ def test_unknown_slug_lists_known():
 
 
 def test_measured_reads_ceilings(tmp_path, monkeypatch):
-    from kdlib.perf import results
-
     monkeypatch.setattr(results, "RESULTS", tmp_path)
     monkeypatch.setattr(results, "ROOT", tmp_path)
     assert hw.measured("h200") is None

@@ -22,6 +22,7 @@ from kdlib.engine.rank import (
     RankModel,
     RankShape,
     RankStep,
+    _cupy_stream,
     allreduce_ms,
     count_bound,
     device_routing,
@@ -184,7 +185,6 @@ def test_gpu_packer_and_moe_kernel_with_device_routing():
     cfg = ModelConfig.from_dict(d)
     m = RankModel(RankShape(cfg, tp=2, rank=0, moe_mode="tp"), device="cuda", seed=2, keep_unpacked=True)
     L = m.layers[1]
-    from kdlib.engine.rank import _cupy_stream
 
     for M in (1, 4, 8, 33, 200):
         x = torch.randn(M, cfg.hidden_size, device="cuda").to(torch.bfloat16)

@@ -21,6 +21,7 @@ import kdlib
 from kdlib import cli as kdcli
 from kdlib import kdtr
 from kdlib.kdtr import KdtrError
+from kdlib.perf.suites import kdtr_io
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -711,8 +712,6 @@ def test_module_is_importable_without_optional_packages():
 
 
 def test_benchmark_runs_small(tmp_path):
-    from kdlib.perf.suites import kdtr_io
-
     result = kdtr_io.measure(total_bytes=1 << 16, repeats=1, n_tensors=2, folder=tmp_path)
     assert result["data_bytes"] == 1 << 16
     assert {"kdtr", "npy", "npz", "safetensors", "raw_overwrite", "raw_atomic"} <= set(result["formats"])

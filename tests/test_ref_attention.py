@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+import kdlib.ref.attention as attn
 from kdlib.check import assert_close
 from kdlib.ref import (
     build_tree_batch,
@@ -202,8 +203,6 @@ def test_bad_input():
 
 def test_key_chunking_matches_one_pass(monkeypatch):
     """Long prefixes are processed in key blocks merged by LSE: same result as one pass."""
-    import kdlib.ref.attention as attn
-
     q, kv, pt, lens, tkv, vis, sizes = make_case(8, max_prefix=40, poison=False)
     lens = np.array([40, 17, 3])
     pt = np.stack([np.random.default_rng(b).permutation(64)[:40] for b in range(3)]).astype(np.int32)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kdlib import ops, ref
+from kdlib.check import assert_close
 
 
 def example():
@@ -85,8 +86,6 @@ def test_cupy_dispatches_to_cuda():
 @pytest.mark.gpu
 def test_torch_cuda_bf16_bool_and_in_place():
     """bf16 queries, a bool visibility mask and an in-place compaction, all as torch CUDA tensors."""
-    from kdlib.check import assert_close
-
     ids, lp = example()
     trees = ops.build_tree_batch(torch.from_numpy(ids).cuda(), torch.from_numpy(lp).cuda(), 5)
     assert trees.visibility.dtype == torch.bool and trees.visibility.is_cuda

@@ -18,8 +18,21 @@ from hypothesis import strategies as st
 
 from kdlib import DATA, zoo
 from kdlib.engine import Model, ModelConfig
+from kdlib.engine.model import MoE
+from kdlib.perf.suites import tp as suite
 from kdlib.tp import assert_replicated, check_tp_config, partition, shard_state_dict, spawn
-from kdlib.tp.workers import check_spec, check_worker, compare, reference
+from kdlib.tp.engine import TPMoE
+from kdlib.tp.workers import (
+    bench,
+    bench_spec,
+    check_spec,
+    check_worker,
+    compare,
+    dense_topk,
+    reference,
+    run_check,
+    synthetic_logits,
+)
 
 SPAWN_TIMEOUT_S = 60  # a tiny check takes ~5-15 s on 2 cores; a hung collective fails after this
 
@@ -88,9 +101,6 @@ def test_shards_reassemble_the_full_weights(moe_mode):
 @pytest.mark.parametrize("tokens,path", [(1, "gather"), (6, "dense"), (40, "loop")])
 def test_tp_moe_partial_sums_add_up_to_the_engine_moe_on_every_path(moe_mode, tokens, path, monkeypatch):
     """3 ranks' TPMoE partials (uneven shards) sum to the single-process MoE on each forward path, in float64."""
-    from kdlib.engine.model import MoE
-    from kdlib.tp.engine import TPMoE
-
     cfg = dataclasses.replace(_cfg("tiny-a"), n_routed_experts=24, num_experts_per_tok=2, n_group=1, topk_group=1)
     monkeypatch.setattr(MoE, "DENSE_MAX_ROWS", 8 * cfg.n_routed_experts)  # 40 tokens take the loop
     model = Model.random(cfg, seed=0).double().eval()
@@ -197,8 +207,6 @@ def test_debug_assert_names_the_tensor_that_differs_across_ranks():
 
 def test_vocab_shards_of_dense_logits_are_consistent():
     """The synthetic top-K rows hold ties in their last row: the reference breaks them to the lower id."""
-    from kdlib.tp.workers import dense_topk, synthetic_logits
-
     x = synthetic_logits(check_spec(), 96)
     ids, _ = dense_topk(x, 7)
     row = x[-1]
@@ -211,8 +219,6 @@ def test_vocab_shards_of_dense_logits_are_consistent():
 def test_bench_path_on_gloo_counts_two_allreduces_per_layer():
     """The benchmark worker (what the GPU run executes) on a tiny config over gloo: rows for 1 and 2
     ranks, tokens equal to the single-process engine, two all-reduces per layer per step."""
-    from kdlib.tp.workers import bench, bench_spec
-
     spec = bench_spec(config="tiny-a", dtype="float32", context=16, max_new=8, budget=6, block=5, iters=3,
                       allreduce_rows=(1, 16), allreduce_hidden=32)
     p = bench([1, 2], spec, backend="gloo", timeout_s=SPAWN_TIMEOUT_S)
@@ -232,8 +238,6 @@ def test_bench_path_on_gloo_counts_two_allreduces_per_layer():
 def test_perf_suite_refuses_without_two_gpus():
     import argparse
 
-    from kdlib.perf.suites import tp as suite
-
     if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
         pytest.skip("this host has several GPUs: the suite would run")
     with pytest.raises(SystemExit, match="at least 2 GPUs"):
@@ -245,8 +249,6 @@ def test_perf_suite_refuses_without_two_gpus():
 @pytest.mark.parametrize("moe_mode", ["ep", "tp"])
 def test_tp_nccl_equals_single_gpu(moe_mode):
     """On a host with several GPUs: NCCL ranks (2, and 4 when present) vs one GPU, fp32."""
-    from kdlib.tp.workers import run_check
-
     n = torch.cuda.device_count()
     if n < 2:
         pytest.skip(f"needs at least 2 GPUs, {n} visible")

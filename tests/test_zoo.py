@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kdlib import zoo
 from kdlib.engine.generate import generate
+from kdlib.perf.suites import accept
 
 MAX_MODEL_BYTES = 20 * 10**6  # the issue's storage limit for data/models/
 
@@ -146,8 +147,6 @@ def test_ddtree_with_the_trained_drafter_equals_ar_on_cuda():
 def test_accept_suite_on_the_cpu():
     """The acceptance suite's payload on a minimal sample: every method and kind, AR accepts 1 per step,
     the chain verifies L + 1 rows, every speculative output equals AR's."""
-    from kdlib.perf.suites import accept
-
     p = accept.measure("cpu", 1, 12, budgets=(4,), prompt_tokens=32, log=lambda _: None)
     assert p["parameters"]["methods"] == ["ar", "chain", "ddtree_b4"]
     assert not p["notes"]

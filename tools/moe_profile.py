@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import argparse
 
+from kdlib.cuda import moe
+from kdlib.perf.suites import moe as s
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -25,9 +28,6 @@ def main() -> None:
     import cupy as cp
     import numpy as np
     import torch
-
-    from kdlib.cuda import moe
-    from kdlib.perf.suites import moe as s
 
     P, KC = s.N // 16, s.K // 64
     packed = {

@@ -24,6 +24,9 @@ import os
 import sys
 import tempfile
 
+from kdlib.perf import write
+from kdlib.perf.suites.tp import run
+
 
 def _spec(args):
     from kdlib.tp.workers import check_spec
@@ -86,9 +89,6 @@ def main(argv=None) -> int:
             ap.error("--bench spawns its own ranks for every GPU count: run it with plain python3, not torchrun")
         return _torchrun(args)
     if args.bench:
-        from kdlib.perf import write
-        from kdlib.perf.suites.tp import run
-
         path = write("tp", run(args), out_dir=args.out, command="python3 tools/tp_run.py " + " ".join(sys.argv[1:]))
         print(f"[tp_run] wrote {path}", flush=True)
         return 0
