@@ -62,6 +62,7 @@
 #define P_LEN 4
 #define P_ROWS 5
 #define P_NTAIL 6
+#define P_PAD 7
 #define MAX_ROUNDS 4                    // jobs <= MAX_ROUNDS * G + B * ceil(M / 64): the partials' bound
 #define JOB_OVERHEAD 5                  // tiles' worth of a job's Q load, pipeline fill and output write
 #define LOG2E 1.4426950408889634f
@@ -93,6 +94,7 @@ extern "C" __global__ void __launch_bounds__(256) tree_verify_v5_plan(
         e[P_LEN] = len;
         e[P_ROWS] = rows;
         e[P_NTAIL] = tree_sizes ? ts : 0;
+        e[P_PAD] = 0;     // the record's unused eighth int: the plan holds no stale bytes
         e[P_NCHUNK] = T;  // scratch: prefix tiles
         e[P_CHUNK] = U;   // scratch: tail tiles
         tmax = max(tmax, T);
