@@ -57,6 +57,7 @@ import json
 import math
 import os
 import shlex
+import socket
 import statistics
 import sys
 import tempfile
@@ -180,6 +181,20 @@ class _Chunks:
         return c
 
 
+def _http_client(asynchronous: bool):
+    """openai's default HTTP client with TCP_NODELAY on its sockets: without it a request's body,
+    written after its headers, could wait ~40 ms for the server's delayed ACK (Nagle's algorithm;
+    seen on the first request of a new connection), and that lands in TTFT. The transport comes
+    from the httpx flavour the openai package uses."""
+    import openai
+
+    base = openai.DefaultAsyncHttpxClient if asynchronous else openai.DefaultHttpxClient
+    hx = sys.modules[next(c for c in base.__mro__[1:] if c.__name__.endswith("Client")).__module__.split(".")[0]]
+    transport = hx.AsyncHTTPTransport if asynchronous else hx.HTTPTransport
+    return base(transport=transport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
+                                    limits=hx.Limits(max_connections=1000, max_keepalive_connections=100)))
+
+
 def _status_error(e) -> DiagnoseError:
     err = DiagnoseError(f"POST /v1/completions: HTTP {e.status_code}: {str(e)[:300]}")
     err.status = e.status_code
@@ -206,7 +221,8 @@ class OpenAIClient:
         self.root, self.base_url = split_base_url(base_url)
         self.api_key = api_key or "-"  # the openai client insists on one; open endpoints ignore it
         self.timeout = timeout
-        self._oa = openai.OpenAI(base_url=self.base_url, api_key=self.api_key, timeout=timeout, max_retries=0)
+        self._oa = openai.OpenAI(base_url=self.base_url, api_key=self.api_key, timeout=timeout, max_retries=0,
+                                 http_client=_http_client(False))
         self._http = httpx.Client(timeout=30.0)
         self.extras = True  # ignore_eos / min_tokens / continuous_usage_stats until the endpoint refuses them
         info = self.model_info(model)
@@ -780,7 +796,8 @@ async def _load_run(client, prompts: list[str], order: list[int], output_len: in
     arrivals a Poisson process of `rate` per second when given (inf: all at once)."""
     import openai
 
-    aoa = openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key, timeout=client.timeout, max_retries=0)
+    aoa = openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key, timeout=client.timeout, max_retries=0,
+                             http_client=_http_client(True))
     gate = asyncio.Semaphore(concurrency) if concurrency else None
     recs = [{"prompt": i} for i in order]
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(order)) if rate and math.isfinite(rate) else None

@@ -205,9 +205,9 @@ class _Request:
         self.engine, self.plan = engine, plan
         self.queue: asyncio.Queue = asyncio.Queue()
         want = plan.logprobs if plan.echo and plan.logprobs is not None else None
-        self.seqs = [Sequence(plan.prompt_ids, plan.max_tokens, p, plan.stops,
-                              lambda ev: loop.call_soon_threadsafe(self.queue.put_nowait, ev), index=i,
-                              prompt_logprobs=want if i == 0 else None) for i, p in enumerate(plan.params)]
+        self.seqs = [Sequence(plan.prompt_ids, plan.max_tokens, p, plan.stops, self.queue.put_nowait, index=i,
+                              prompt_logprobs=want if i == 0 else None, post=loop.call_soon_threadsafe)
+                     for i, p in enumerate(plan.params)]
         self.open = len(self.seqs)
 
     def submit(self) -> None:

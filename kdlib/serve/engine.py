@@ -77,7 +77,9 @@ class Sequence:
     """One generated sequence (one choice of a request). params: the engine's SamplingParams.
 
     prompt_logprobs: top-n for the prompt's own logprobs (echo + logprobs), None = not asked.
-    The fields after `listener` belong to the loop's thread.
+    post: None (the listener is called on the loop's thread) or a callable(fn, arg) running fn(arg)
+    on the listener's own thread, e.g. an event loop's call_soon_threadsafe: the events of one engine
+    step then reach that thread in one call. The fields after `post` belong to the loop's thread.
     """
 
     prompt_ids: list[int]
@@ -87,6 +89,7 @@ class Sequence:
     listener: object = None
     index: int = 0
     prompt_logprobs: int | None = None
+    post: object = None
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
     rid: int | None = None
@@ -115,6 +118,11 @@ class Sequence:
                 "ttft_ms": (self.first_at - self.submitted) * 1e3 if self.first_at is not None else None,
                 "decode_ms": decode_s * 1e3,
                 "decode_tokens_per_s": (n - first_n) / decode_s if decode_s > 0 else None}
+
+
+def _deliver(items) -> None:
+    for listener, ev in items:
+        listener(ev)
 
 
 def make_core(bundle: Bundle, *, max_num_seqs: int, max_model_len: int | None, method: str, budget: int | None):
@@ -166,6 +174,7 @@ class Engine:
         self._inbox: list[tuple[str, Sequence]] = []
         self._adds = 0  # "add" commands in the inbox (they count as waiting)
         self._active: dict[int, Sequence] = {}
+        self._outbox: dict[object, list] = {}  # post -> [(listener, event)] of this loop iteration
         self._closing = False
         self.totals = dict.fromkeys(TOTALS, 0.0)
         self._state = self._read_state()
@@ -307,11 +316,28 @@ class Engine:
                     state = self._read_state()
                 with self._cv:
                     self._state = state
+                self._flush()
         gone = RequestError("the server shut down", status=503, type="server_error", code="shutdown")
         self._fail_all(gone)
         for kind, seq in self._inbox:
             if kind == "add":
-                seq.emit("error", gone)
+                self._emit(seq, "error", gone)
+        self._flush()
+
+    def _emit(self, seq: Sequence, kind: str, payload) -> None:
+        if seq.post is None:
+            seq.emit(kind, payload)
+        else:
+            self._outbox.setdefault(seq.post, []).append((seq.listener, (kind, payload)))
+
+    def _flush(self) -> None:
+        """Hand this iteration's events over: one call per listener thread."""
+        box, self._outbox = self._outbox, {}
+        for post, items in box.items():
+            try:
+                post(_deliver, items)
+            except RuntimeError:  # that event loop has closed (server shut down): nobody to tell
+                pass
 
     def _fail_all(self, err: RequestError) -> None:
         """Fail (and abort in the engine) every running or waiting sequence."""
@@ -342,13 +368,13 @@ class Engine:
                 self._finish(seq, "abort", time.perf_counter())
                 return
             if seq.prompt_logprobs is not None:
-                seq.emit("prompt", self.core.prompt_logprobs(seq.prompt_ids, seq.prompt_logprobs))
+                self._emit(seq, "prompt", self.core.prompt_logprobs(seq.prompt_ids, seq.prompt_logprobs))
             seq.rid = self.core.add_request(seq.prompt_ids, seq.max_tokens, seq.params)
         except ValueError as e:
-            seq.emit("error", RequestError(str(e), code="invalid_value"))
+            self._emit(seq, "error", RequestError(str(e), code="invalid_value"))
             return
         except Exception as e:  # noqa: BLE001 - reported to the client; the loop keeps serving
-            seq.emit("error", RequestError(f"generation failed: {type(e).__name__}: {e}", status=500,
+            self._emit(seq, "error", RequestError(f"generation failed: {type(e).__name__}: {e}", status=500,
                                            type="server_error"))
             return
         self._active[seq.rid] = seq
@@ -435,7 +461,7 @@ class Engine:
             self.metrics.gen.inc(len(toks))
         text = seq.text.take(final=finished)
         if toks or text:
-            seq.emit("delta", Delta(seq.index, text, tuple(toks), tuple(lps) if lps is not None else None,
+            self._emit(seq, "delta", Delta(seq.index, text, tuple(toks), tuple(lps) if lps is not None else None,
                                     len(seq.tokens), now))
         if finished:
             self._finish(seq, reason or "length", now)
@@ -451,10 +477,10 @@ class Engine:
             m.e2e.observe(now - seq.submitted)
             if stats["decode_tokens_per_s"] is not None:
                 m.rate.observe(stats["decode_tokens_per_s"])
-        seq.emit("done", Done(seq.index, reason, tuple(seq.tokens), seq.text.text, stats, now))
+        self._emit(seq, "done", Done(seq.index, reason, tuple(seq.tokens), seq.text.text, stats, now))
 
     def _fail(self, seq: Sequence, err: RequestError) -> None:
         self._active.pop(seq.rid, None)
         if self.metrics is not None:
             self.metrics.requests.labels("error").inc()
-        seq.emit("error", err)
+        self._emit(seq, "error", err)

@@ -28,7 +28,9 @@ SWITCH_INTERVAL_S = 0.0005  # the `kdlib serve` process's GIL switch interval: s
 def bind(host: str, port: int) -> socket.socket:
     """A listening-ready socket on host:port (port 0: a free one); OSError when it is taken."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on connections of such sockets. Without it
+    # a kept-alive connection's next response waited ~40 ms (Nagle against the client's delayed ACK).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT only: a live listener still refuses
     try:
         sock.bind((host, port))

@@ -5,16 +5,19 @@
     delta = ts.take()                    # text that can go to the client now
     delta += ts.take(final=True)         # at the end: everything left
 
-Decoding re-reads a short window of ids rather than the whole output: `decode(ids[p:])` minus
-`decode(ids[p:r])`, where p..r are the ids of the last piece already turned into text. A window
-whose text ends in U+FFFD (an incomplete UTF-8 character of a byte-level BPE) waits for the next
-id. Text that may be the start of a stop string is held back until it is known not to be one, so
+Decoding re-reads a short window of ids rather than the whole output: the new text is
+`decode(ids[p:])` minus the window's text so far (`decode(ids[p:r])`, kept from the last call),
+so one push costs one decode. The window's start p moves up to PREFIX ids before r once it spans
+WINDOW ids (one extra decode then): a few ids of context keep decoders that treat a leading
+token specially right. A window whose text ends in U+FFFD (an incomplete UTF-8 character of a
+byte-level BPE) waits for the next id. Text that may be the start of a stop string is held back until it is known not to be one, so
 a stop string split across tokens (or steps) never reaches the client.
 """
 
 from __future__ import annotations
 
 REPLACEMENT = "\ufffd"
+WINDOW, PREFIX = 16, 4  # ids a decode window may span before it restarts, and the context it keeps
 
 
 class TextStream:
@@ -31,7 +34,8 @@ class TextStream:
         if any(not s for s in self.stops):
             raise ValueError("stop strings must be non-empty")
         self._ids: list[int] = []
-        self._p = self._r = 0  # ids[p:r] is the last decoded window; ids[:r] are all in `text`
+        self._p = self._r = 0  # ids[:r] are all in `text`; the window ids[p:r] decodes to `_window`
+        self._window = ""
         self.text = ""
         self.sent = 0
         self._searched = 0  # text[:searched] holds no stop string
@@ -59,12 +63,14 @@ class TextStream:
         """Turn the waiting ids into text; False while they end inside a character (unless final)."""
         if self._r == len(self._ids):
             return False
-        before = self._tok.decode(self._ids[self._p:self._r])
         window = self._tok.decode(self._ids[self._p:])
         if window.endswith(REPLACEMENT) and not final:
             return False  # an incomplete character: wait for the next id
-        self.text += window[len(before):]
-        self._p, self._r = self._r, len(self._ids)
+        self.text += window[len(self._window):]
+        self._r, self._window = len(self._ids), window
+        if self._r - self._p > WINDOW:
+            self._p = self._r - PREFIX
+            self._window = self._tok.decode(self._ids[self._p:self._r])
         return True
 
     def flush(self) -> None:
