@@ -6,6 +6,7 @@ with an empty batch and a free KV pool."""
 import asyncio
 import json
 import random
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -152,6 +153,17 @@ def test_tokenising_a_large_prompt_does_not_stall_the_server(server):
         r = fut.result()
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert worst < 1.0, f"/health took {worst:.2f} s while a prompt was tokenised"
+
+
+def test_a_kept_alive_connection_answers_without_a_nagle_delay(server):
+    """Responses on a reused connection must not wait for the client's delayed ACK (~40 ms)."""
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        times = []
+        for _ in range(12):
+            t0 = time.perf_counter()
+            assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+            times.append(time.perf_counter() - t0)
+    assert statistics.median(times[2:]) < 0.035, [round(t * 1e3, 1) for t in times]
 
 
 # ----------------------------------------------------------------------------- hostile bodies
