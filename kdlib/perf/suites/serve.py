@@ -13,12 +13,15 @@ spread over repeats. `scaling[arm]` sums it up: aggregate and per-stream tok/s b
 over C = 1, and the issue's goal (aggregate at C = 16 >= GOAL x C = 1, with no greedy mismatch).
 
 The GPU machine has no FastAPI, uvicorn, pydantic or openai: carry the wheels of
-tools/serve_wheels.txt (its header gives the commands). Wall-clock figures as a client sees them
-over loopback HTTP; the tiny models make every step launch-bound, so they speak to the server
-and the batching, not to a large model's speed.
+tools/serve_wheels.txt (its header gives the commands). $KDLIB_SERVE_ARMS (comma-separated names
+of ARMS) picks the arms; each arm's table is printed as soon as it is measured. Wall-clock
+figures as a client sees them over loopback HTTP; the tiny models make every step launch-bound,
+so they speak to the server and the batching, not to a large model's speed.
 """
 
 from __future__ import annotations
+
+import os
 
 ARMS = {"ddtree": ("ddtree", "float32"), "ar": ("ar", "float32"), "ddtree_bf16": ("ddtree", "bfloat16")}
 FULL = {"concurrency": (1, 2, 4, 8, 16), "repeats": 3, "input_len": 128, "output_len": 256, "distinct": 16,
@@ -67,6 +70,8 @@ def measure(device: str = "cpu", *, concurrency, repeats: int, input_len: int, o
                 client.close()
         out["by_arm"][arm] = res
         out["scaling"][arm] = scaling(res)
+        print(f"[serve] {arm} ({method}, {dtype}):\n{diagnose.load_table(res)}\ngoal: {out['scaling'][arm]['goal']}",
+              flush=True)
     first = out["by_arm"][arms[0]]
     out["model"], out["model_info"] = first["model"], first["model_info"]
     return out
@@ -77,6 +82,12 @@ def run(args) -> dict:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     quick = getattr(args, "quick", False)
-    res = measure(device, **(QUICK if quick else FULL))
+    p = dict(QUICK if quick else FULL)
+    if os.environ.get("KDLIB_SERVE_ARMS"):
+        p["arms"] = tuple(a.strip() for a in os.environ["KDLIB_SERVE_ARMS"].split(",") if a.strip())
+        unknown = [a for a in p["arms"] if a not in ARMS]
+        if unknown:
+            raise ValueError(f"KDLIB_SERVE_ARMS: unknown arms {unknown}; the arms are {list(ARMS)}")
+    res = measure(device, **p)
     res["parameters"].update({"device": device, "profile": "quick" if quick else "full"})
     return res
