@@ -18,5 +18,14 @@ from kdlib.engine.drafter import DFlashConfig, DFlashDrafter, NoisyOracleDrafter
 from kdlib.engine.generate import GenerateResult, generate
 from kdlib.engine.model import Model
 
-__all__ = ["ConfigError", "DFlashConfig", "DFlashDrafter", "GenerateResult", "LatentCache", "Model", "ModelConfig",
-           "NoisyOracleDrafter", "generate"]
+__all__ = [
+    "ConfigError",
+    "DFlashConfig",
+    "DFlashDrafter",
+    "GenerateResult",
+    "LatentCache",
+    "Model",
+    "ModelConfig",
+    "NoisyOracleDrafter",
+    "generate",
+]

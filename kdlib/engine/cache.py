@@ -47,7 +47,8 @@ class LatentCache:
         self.device = torch.device(device or "cpu")
         self.kv = torch.zeros(cfg.num_hidden_layers, self.num_slots, cfg.latent_dim, device=self.device,
                               dtype=dtype)  # [L, S, kv_lora + rope]
-        self.req_to_token = torch.full((1, self.max_ctx), -1, dtype=torch.int64, device=self.device)  # [1, max_ctx]
+        # [1, max_ctx]
+        self.req_to_token = torch.full((1, self.max_ctx), -1, dtype=torch.int64, device=self.device)
         self.length = 0  # committed tokens (s)
         self._pending: torch.Tensor | None = None
         self._free = list(range(self.num_slots - 1, -1, -1))  # remap mode: a stack, lowest slot on top
@@ -118,8 +119,12 @@ class LatentCache:
             rows = self.kv.view(torch.int16) if self.kv.element_size() == 2 else self.kv
             L = self.kv.shape[0]
             layer_starts = torch.arange(L, device=self.device) * self.num_slots + s  # [L]
-            ops.compact_kv_batch(rows.view(L * self.num_slots, -1), layer_starts, paths.expand(L, -1).contiguous(),
-                                 lengths.expand(L).contiguous())
+            ops.compact_kv_batch(
+                rows.view(L * self.num_slots, -1),
+                layer_starts,
+                paths.expand(L, -1).contiguous(),
+                lengths.expand(L).contiguous(),
+            )
             self.req_to_token[0, s : s + n] = torch.arange(s, s + n, device=self.device)
         else:
             freed = ops.remap_slots(self.req_to_token, starts, slots[None], paths, lengths)

@@ -130,11 +130,13 @@ class ModelConfig:
             raise ConfigError(f"config must be a dict, got {type(d).__name__}")
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(f"model_type: {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
+            raise ConfigError(f"model_type: {model_type!r} is not supported (supported: "
+                              f"{SUPPORTED_MODEL_TYPES})")
         if model_type == "kimi_k25":
             text = d.get("text_config")
             if not isinstance(text, dict):
-                raise ConfigError("text_config: required for model_type 'kimi_k25' (the LM config lives there)")
+                raise ConfigError("text_config: required for model_type 'kimi_k25' (the LM config lives "
+                                  "there)")
             inner = dict(text)
             inner.setdefault("model_type", "kimi_k2")
             if inner["model_type"] not in ("deepseek_v3", "kimi_k2"):
@@ -156,7 +158,8 @@ class ModelConfig:
             raise ConfigError(f"hidden_act: {hidden_act!r} is not supported (SwiGLU needs 'silu')")
         scoring = d.get("scoring_func", "sigmoid")
         if scoring != "sigmoid":
-            raise ConfigError(f"scoring_func: {scoring!r} is not supported (only 'sigmoid', DeepSeek-V3 routing)")
+            raise ConfigError(f"scoring_func: {scoring!r} is not supported (only 'sigmoid', DeepSeek-V3 "
+                              "routing)")
         topk_method = d.get("topk_method", "noaux_tc")
         if topk_method != "noaux_tc":
             raise ConfigError(f"topk_method: {topk_method!r} is not supported (only 'noaux_tc')")
@@ -214,12 +217,15 @@ class ModelConfig:
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"qk_rope_head_dim: must be even (pairs rotate), got {self.qk_rope_head_dim}")
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
-            raise ConfigError(f"first_k_dense_replace: must be in [0, num_hidden_layers], got {self.first_k_dense_replace}")
+            raise ConfigError("first_k_dense_replace: must be in [0, num_hidden_layers], got "
+                              f"{self.first_k_dense_replace}")
         if self.n_routed_experts % self.n_group:
-            raise ConfigError(f"n_group: {self.n_group} does not divide n_routed_experts {self.n_routed_experts}")
+            raise ConfigError(f"n_group: {self.n_group} does not divide n_routed_experts "
+                              f"{self.n_routed_experts}")
         per_group = self.n_routed_experts // self.n_group
         if per_group < 2 and self.n_group > 1:
-            raise ConfigError(f"n_group: group scores take the top-2 experts of each group; {per_group} per group is too few")
+            raise ConfigError(f"n_group: group scores take the top-2 experts of each group; {per_group} per "
+                              "group is too few")
         if self.topk_group > self.n_group:
             raise ConfigError(f"topk_group: {self.topk_group} exceeds n_group {self.n_group}")
         if self.num_experts_per_tok > self.topk_group * per_group:
@@ -294,7 +300,9 @@ def _typed(name, value, kind):
             raise ConfigError(f"{name}: expected true/false, got {value!r}")
         return value
     if kind is int:
-        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+        if isinstance(value, bool) or not (
+            isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+        ):
             raise ConfigError(f"{name}: expected an integer, got {value!r}")
         return int(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -69,15 +69,27 @@ class NoisyOracleDrafter:
 
     target_layer_ids: tuple[int, ...] = ()
 
-    def __init__(self, vocab_size: int, p_wrong: float, block_size: int = 8, seed: int = 0, margin: float = 3.0,
-                 reference: list[int] | None = None):
+    def __init__(
+        self,
+        vocab_size: int,
+        p_wrong: float,
+        block_size: int = 8,
+        seed: int = 0,
+        margin: float = 3.0,
+        reference: list[int] | None = None,
+    ):
         if not 0.0 <= p_wrong <= 1.0:
             raise ValueError(f"p_wrong must lie in [0, 1], got {p_wrong}")
         if block_size < 2:
             raise ValueError(f"block_size must be >= 2 (horizon L = block_size - 1), got {block_size}")
         if vocab_size < 2:
             raise ValueError("the oracle needs a vocabulary of at least 2 tokens to draft a wrong one")
-        self.vocab_size, self.p_wrong, self.block_size, self.margin = vocab_size, float(p_wrong), block_size, margin
+        self.vocab_size, self.p_wrong, self.block_size, self.margin = (
+            vocab_size,
+            float(p_wrong),
+            block_size,
+            margin,
+        )
         self.seed = seed
         self.reference = None if reference is None else [int(t) for t in reference]
         self._model = None
@@ -165,7 +177,9 @@ class DFlashConfig:
     rms_norm_eps: float = 1e-6
 
     @classmethod
-    def for_target(cls, cfg, *, num_layers: int = 2, block_size: int = 8, target_layer_ids=None, **kw) -> DFlashConfig:
+    def for_target(
+        cls, cfg, *, num_layers: int = 2, block_size: int = 8, target_layer_ids=None, **kw
+    ) -> DFlashConfig:
         ids = tuple(target_layer_ids) if target_layer_ids is not None else default_target_layers(
             cfg.num_hidden_layers, num_layers)
         kw.setdefault("mask_token_id", cfg.vocab_size - 1)
@@ -179,7 +193,8 @@ class DFlashConfig:
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids must name at least one target layer")
         if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, "
+                             f"{self.vocab_size})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even (RoPE pairs), got {self.head_dim}")
         if target_cfg is not None:
@@ -250,7 +265,8 @@ class DraftLayer(nn.Module):
         q = apply_rope(q, cos, sin, interleave=False).view(C, B, c.num_heads, c.head_dim)
         bk, bv = self.kv(a, pos, (cos, sin))
         keep = ctx_valid[:, :, None, None]
-        k = torch.cat([torch.where(keep, ctx_k, 0), bk.view(C, B, c.num_heads, c.head_dim)], dim=1)  # [C, T+B, nh, hd]
+        # [C, T+B, nh, hd]
+        k = torch.cat([torch.where(keep, ctx_k, 0), bk.view(C, B, c.num_heads, c.head_dim)], dim=1)
         v = torch.cat([torch.where(keep, ctx_v, 0), bv.view(C, B, c.num_heads, c.head_dim)], dim=1)
         s = torch.einsum("cqhd,ckhd->chqk", q, k) * c.head_dim**-0.5  # [C, nh, B, T+B]
         seen = torch.cat([ctx_valid, torch.ones(C, B, dtype=torch.bool, device=x.device)], dim=1)  # [C, T+B]
@@ -317,7 +333,9 @@ class DFlashDrafter(nn.Module):
 
     def _block_ids(self, first: torch.Tensor) -> torch.Tensor:
         """first [A] -> [A, B] = [first, MASK x (B - 1)]."""
-        ids = torch.full((first.shape[0], self.c.block_size), self.c.mask_token_id, dtype=torch.int64, device=first.device)
+        ids = torch.full(
+            (first.shape[0], self.c.block_size), self.c.mask_token_id, dtype=torch.int64, device=first.device
+        )
         ids[:, 0] = first
         return ids
 
@@ -356,7 +374,9 @@ class DFlashDrafter(nn.Module):
         return self._logits(target, x)[1:]  # [L, V]
 
     # ---- training
-    def block_forward(self, target, token_ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    def block_forward(
+        self, target, token_ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor
+    ) -> torch.Tensor:
         """Logits [A, B-1, V] of the blocks anchored at `anchors` [A] of one sequence.
 
         token_ids [T] and features [T, len(ids) * H] (the target's taps over the whole sequence,
@@ -390,7 +410,9 @@ class DFlashDrafter(nn.Module):
         tgt_pos = anchors[:, None] + k[None]  # [A, L]
         valid = tgt_pos < token_ids.shape[0]
         labels = token_ids[tgt_pos.clamp(max=token_ids.shape[0] - 1)]
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view_as(labels)
+        ce = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none"
+        ).view_as(labels)
         w = torch.ones(L, device=logits.device) if gamma is None else torch.exp(-(k - 1).float() / gamma)
         w = w[None].expand_as(ce) * valid
         return (ce * w).sum() / w.sum().clamp(min=1e-12)
@@ -400,7 +422,9 @@ class DFlashDrafter(nn.Module):
         """state_dict + config to a KDTR file (metadata key `dflash_config` holds the config JSON)."""
         meta = {"kind": "dflash_drafter", "dflash_config": json.dumps(asdict(self.c))}
         meta.update({str(k): str(v) for k, v in (metadata or {}).items()})
-        kdtr.save(path, {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}, metadata=meta)
+        kdtr.save(
+            path, {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}, metadata=meta
+        )
 
     @classmethod
     def load(cls, path, device=None, dtype=torch.float32) -> DFlashDrafter:
@@ -414,6 +438,7 @@ class DFlashDrafter(nn.Module):
         own = d.state_dict()
         missing, extra = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
         if missing or extra:
-            raise ValueError(f"{path}: drafter weights do not match the config (missing {missing[:3]}, extra {extra[:3]})")
+            raise ValueError(f"{path}: drafter weights do not match the config (missing {missing[:3]}, extra "
+                             f"{extra[:3]})")
         d.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in tensors.items()})
         return d.to(device=device or "cpu", dtype=dtype).eval()

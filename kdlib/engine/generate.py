@@ -113,17 +113,27 @@ def validate(model, prompt_ids, max_new_tokens, method, drafter, budget, top_k, 
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     prompt = model.check_tokens(prompt_ids)
     max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
-    limit = model.cfg.max_position_embeddings if max_context is None else _check_int("max_context", max_context, 1)
+    limit = (
+        model.cfg.max_position_embeddings
+        if max_context is None
+        else _check_int("max_context", max_context, 1)
+    )
     if limit > model.cfg.max_position_embeddings:
-        raise ValueError(f"max_context {limit} exceeds the model's max_position_embeddings {model.cfg.max_position_embeddings}")
+        raise ValueError(f"max_context {limit} exceeds the model's max_position_embeddings "
+                         f"{model.cfg.max_position_embeddings}")
     if prompt.shape[0] > limit:
         raise ValueError(f"prompt of {prompt.shape[0]} tokens is longer than the context limit {limit}")
     if prompt.shape[0] + max_new_tokens > limit:
         raise ValueError(
-            f"prompt ({prompt.shape[0]}) + max_new_tokens ({max_new_tokens}) exceeds the context limit {limit}"
+            f"prompt ({prompt.shape[0]}) + max_new_tokens ({max_new_tokens}) exceeds the context limit "
+            f"{limit}"
         )
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not math.isfinite(temperature) \
-            or temperature < 0:
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, numbers.Real)
+        or not math.isfinite(temperature)
+        or temperature < 0
+    ):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     k = None
     if method == "ddtree":
@@ -133,27 +143,42 @@ def validate(model, prompt_ids, max_new_tokens, method, drafter, budget, top_k, 
             raise ValueError(f"drafter {type(drafter).__name__} lacks the Drafter interface "
                              "(block_size, vocab_size, target_layer_ids, begin, draft, commit)")
         if drafter.vocab_size != model.cfg.vocab_size:
-            raise ValueError(f"drafter vocabulary {drafter.vocab_size} != target vocabulary {model.cfg.vocab_size}")
+            raise ValueError(f"drafter vocabulary {drafter.vocab_size} != target vocabulary "
+                             f"{model.cfg.vocab_size}")
         horizon = drafter.block_size - 1
         budget = horizon if budget is None else _check_int("budget", budget, 0)
         if budget > MAX_BUDGET:
             raise ValueError(f"budget {budget} exceeds the tree kernels' limit {MAX_BUDGET}")
         if getattr(model, "attention", "torch") == "ops" and budget > MAX_OPS_BUDGET:
-            raise ValueError(f"budget {budget} exceeds the tree-verify kernels' limit {MAX_OPS_BUDGET} (attention 'ops')")
+            raise ValueError(f"budget {budget} exceeds the tree-verify kernels' limit {MAX_OPS_BUDGET} "
+                             "(attention 'ops')")
         if min(horizon, budget) > MAX_DEPTH:
-            raise ValueError(f"tree depth min(L={horizon}, budget={budget}) exceeds the tree kernels' limit {MAX_DEPTH}")
+            raise ValueError(f"tree depth min(L={horizon}, budget={budget}) exceeds the tree kernels' limit "
+                             f"{MAX_DEPTH}")
         if top_k is not None:
             _check_int("top_k", top_k, 1)
-        cap = max(budget, 1)  # K never exceeds the budget (survey §2.1); a root-only tree still reads one column
+        # K never exceeds the budget (survey §2.1); a root-only tree still reads one column
+        cap = max(budget, 1)
         k = min(top_k if top_k is not None else cap, cap, model.cfg.vocab_size)
     elif drafter is not None or budget is not None or top_k is not None:
         raise ValueError("drafter, budget and top_k apply to method 'ddtree' only")
     return prompt, budget, k, limit
 
 
-def generate(model, prompt_ids, max_new_tokens: int, method: str = "ar", drafter=None, budget: int | None = None,
-             top_k: int | None = None, temperature: float = 0.0, seed: int = 0, cache_mode: str = "compact",
-             max_context: int | None = None, debug: bool = False) -> GenerateResult:
+def generate(
+    model,
+    prompt_ids,
+    max_new_tokens: int,
+    method: str = "ar",
+    drafter=None,
+    budget: int | None = None,
+    top_k: int | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
+    cache_mode: str = "compact",
+    max_context: int | None = None,
+    debug: bool = False,
+) -> GenerateResult:
     """Generate max_new_tokens after prompt_ids with the target `model` (see module docstring).
 
     method "ar" | "ddtree"; drafter: a Drafter (kdlib.engine.drafter) for "ddtree"; budget: tree
@@ -168,13 +193,16 @@ def generate(model, prompt_ids, max_new_tokens: int, method: str = "ar", drafter
     `greedy(h)` (target argmax), `head(h)` (dense logits, for sampling), `draft_topk(logits, k)`,
     `begin_decode()` and `assert_replicated(**tensors)`.
     """
-    prompt, budget, k, _ = validate(model, prompt_ids, max_new_tokens, method, drafter, budget, top_k, temperature,
-                                    max_context)
+    prompt, budget, k, _ = validate(
+        model, prompt_ids, max_new_tokens, method, drafter, budget, top_k, temperature, max_context
+    )
     cfg, dev = model.cfg, model.device
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     rng = np.random.Generator(np.random.PCG64(seed))
     rows = budget + 1 if method == "ddtree" else 1
-    cache = LatentCache(cfg, prompt.shape[0] + max_new_tokens + rows + 1, mode=cache_mode, device=dev, dtype=model.dtype)
+    cache = LatentCache(
+        cfg, prompt.shape[0] + max_new_tokens + rows + 1, mode=cache_mode, device=dev, dtype=model.dtype
+    )
     res = GenerateResult(tokens=[], method=method, prompt_len=int(prompt.shape[0]), budget=budget, top_k=k,
                          temperature=float(temperature), target_forwards=0)
 
@@ -206,8 +234,23 @@ def generate(model, prompt_ids, max_new_tokens: int, method: str = "ar", drafter
         if method == "ar":
             out.append(_ar_step(model, cache, out[-1], score, pick, res, sync))
         else:
-            out.extend(_ddtree_step(model, cache, drafter, out[-1], budget, k, temperature, rng, score, res, sync,
-                                    capture, debug))
+            out.extend(
+                _ddtree_step(
+                    model,
+                    cache,
+                    drafter,
+                    out[-1],
+                    budget,
+                    k,
+                    temperature,
+                    rng,
+                    score,
+                    res,
+                    sync,
+                    capture,
+                    debug,
+                )
+            )
         res.target_forwards += 1
     sync()
     res.total_ms = (time.perf_counter() - t_start) * 1e3
@@ -248,7 +291,9 @@ def _ddtree_step(model, cache, drafter, bonus, budget, k, temperature, rng, scor
     t.append(time.perf_counter())
     # verify: the target's argmax per node (T = 0) or its dense logits (T > 0)
     tokens = torch.cat([torch.tensor([bonus], device=dev), trees.node_token_ids[0, : m - 1]])  # [n+1]
-    h, feats = model.forward_cached(cache, tokens, s + trees.positions[0, :m], trees.visibility[0, :m, :m], capture)
+    h, feats = model.forward_cached(
+        cache, tokens, s + trees.positions[0, :m], trees.visibility[0, :m, :m], capture
+    )
     scores = score(h)  # [n+1] or [n+1, V]
     sync()
     t.append(time.perf_counter())

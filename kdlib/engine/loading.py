@@ -137,7 +137,8 @@ def read_safetensors_dir(path: Path, cfg: ModelConfig) -> dict:
     for f in files:
         for k, v in load_file(str(f)).items():
             if any(s in k for s in _QUANT):
-                raise ValueError(f"{f.name}: quantized weight {k!r}; the engine loads dense float checkpoints only")
+                raise ValueError(f"{f.name}: quantized weight {k!r}; the engine loads dense float "
+                                 "checkpoints only")
             m = _MTP.match(k)
             if (m and int(m.group(1)) >= cfg.num_hidden_layers) or k.endswith("rotary_emb.inv_freq"):
                 continue

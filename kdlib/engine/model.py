@@ -58,7 +58,11 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     interp = 1.0 / (r.factor * pos_freqs)
 
     def correction_dim(rotations):
-        return d * math.log(r.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        return (
+            d
+            * math.log(r.original_max_position_embeddings / (rotations * 2 * math.pi))
+            / (2 * math.log(base))
+        )
 
     low, high = correction_dim(r.beta_fast), correction_dim(r.beta_slow)
     if r.truncate:
@@ -197,10 +201,13 @@ class MoE(nn.Module):
         self.gate = Router(cfg)
         n_experts = cfg.n_routed_experts if n_experts is None else n_experts
         inter = cfg.moe_intermediate_size if inter is None else inter
-        shared_inter = cfg.moe_intermediate_size * cfg.n_shared_experts if shared_inter is None else shared_inter
+        shared_inter = (
+            cfg.moe_intermediate_size * cfg.n_shared_experts if shared_inter is None else shared_inter
+        )
         self.experts = nn.ModuleList(MLP(cfg.hidden_size, inter) for _ in range(n_experts))
         self.shared_experts = MLP(cfg.hidden_size, shared_inter) if cfg.n_shared_experts else None
-        self._stack_cache = None  # (source tensors, their (address, version), w13, w2); a plain attribute, not state
+        # (source tensors, their (address, version), w13, w2); a plain attribute, not state
+        self._stack_cache = None
 
     def path(self, n_tokens: int, sync_free: bool = False, device=None, dtype=None) -> str:
         """The forward path for n_tokens rows: "gather", "dense", "grouped" or "loop" (class docstring).
@@ -239,7 +246,8 @@ class MoE(nn.Module):
         w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
         w2 = torch.stack([e.down_proj.weight for e in self.experts])
         if cacheable:
-            held = [p.detach() for p in ps]  # keeps the storages alive: no other tensor can reuse their addresses
+            # keeps the storages alive: no other tensor can reuse their addresses
+            held = [p.detach() for p in ps]
             self._stack_cache = (held, key, w13.detach(), w2.detach())
         return w13, w2
 
@@ -348,7 +356,9 @@ class MLAttention(nn.Module):
         """x [Q, H] -> (q_lat [Q, nh, kv_lora], q_rope [Q, nh, rope], w_uv [nh, v, kv_lora])."""
         c = self.cfg
         q_nope, q_rope = self._q(x, cos, sin)
-        w = self.kv_b_proj.weight.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        w = self.kv_b_proj.weight.view(
+            c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank
+        )
         w_uk, w_uv = w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]  # [nh, nope, r], [nh, v, r]
         return torch.einsum("qhn,hnr->qhr", q_nope, w_uk), q_rope, w_uv
 
@@ -365,7 +375,9 @@ class MLAttention(nn.Module):
         c = self.cfg
         q_lat, q_rope, w_uv = self._absorbed_q(x, cos, sin)
         k_c, k_r = keys[:, : c.kv_lora_rank], keys[:, c.kv_lora_rank :]
-        s = (torch.einsum("qhr,kr->qhk", q_lat, k_c) + torch.einsum("qhd,kd->qhk", q_rope, k_r)) * c.softmax_scale
+        s = (
+            torch.einsum("qhr,kr->qhk", q_lat, k_c) + torch.einsum("qhd,kd->qhk", q_rope, k_r)
+        ) * c.softmax_scale
         if mask is not None:
             s = s.masked_fill(~mask[:, None, :], float("-inf"))  # [Q, nh, N]
         p = torch.softmax(_up(s), dim=-1).to(x.dtype)
@@ -380,7 +392,9 @@ class MLAttention(nn.Module):
         q_lat = q_lat.view(C, W, c.num_attention_heads, c.kv_lora_rank)  # [C, W, nh, r]
         q_rope = q_rope.view(C, W, c.num_attention_heads, c.qk_rope_head_dim)
         k_c, k_r = keys[..., : c.kv_lora_rank], keys[..., c.kv_lora_rank :]  # [C, T, r], [C, T, rope]
-        s = (torch.einsum("cwhr,ctr->cwht", q_lat, k_c) + torch.einsum("cwhd,ctd->cwht", q_rope, k_r)) * c.softmax_scale
+        s = (
+            torch.einsum("cwhr,ctr->cwht", q_lat, k_c) + torch.einsum("cwhd,ctd->cwht", q_rope, k_r)
+        ) * c.softmax_scale
         s = s.masked_fill(~mask[:, :, None, :], float("-inf"))  # [C, W, nh, T]
         p = torch.softmax(_up(s), dim=-1).to(x.dtype)
         o_lat = torch.einsum("cwht,ctr->cwhr", p, k_c).reshape(C * W, c.num_attention_heads, c.kv_lora_rank)
@@ -410,7 +424,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         self.self_attn = MLAttention(cfg)
-        self.mlp = MoE(cfg) if index >= cfg.first_k_dense_replace else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = (
+            MoE(cfg) if index >= cfg.first_k_dense_replace else MLP(cfg.hidden_size, cfg.intermediate_size)
+        )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -488,7 +504,8 @@ class Model(nn.Module):
                 src = weights[k]
                 src = torch.from_numpy(np.ascontiguousarray(src)) if isinstance(src, np.ndarray) else src
                 if tuple(src.shape) != tuple(t.shape):
-                    raise ValueError(f"{k}: shape {tuple(src.shape)} does not match the config's {tuple(t.shape)}")
+                    raise ValueError(f"{k}: shape {tuple(src.shape)} does not match the config's "
+                                     f"{tuple(t.shape)}")
                 t.copy_(src.to(t.dtype))
 
     @property
@@ -590,7 +607,8 @@ class Model(nn.Module):
         if visibility is None and Q != 1:
             raise ValueError("visibility is required when more than one token is verified")
         if visibility is not None and tuple(torch.as_tensor(visibility).shape) != (Q, Q):
-            raise ValueError(f"visibility must have shape [{Q}, {Q}], got {tuple(torch.as_tensor(visibility).shape)}")
+            raise ValueError(f"visibility must have shape [{Q}, {Q}], got "
+                             f"{tuple(torch.as_tensor(visibility).shape)}")
         pos = torch.as_tensor(positions, device=self.device, dtype=torch.int64)
         if tuple(pos.shape) != (Q,):
             raise ValueError(f"positions must have shape [{Q}], got {tuple(pos.shape)}")
@@ -600,12 +618,21 @@ class Model(nn.Module):
         mask = None
         if visibility is not None:
             vis = torch.as_tensor(visibility, device=self.device, dtype=torch.bool)
-            mask = torch.cat([torch.ones(Q, key_slots.shape[0] - Q, dtype=torch.bool, device=self.device), vis], dim=1)
+            mask = torch.cat(
+                [torch.ones(Q, key_slots.shape[0] - Q, dtype=torch.bool, device=self.device), vis], dim=1
+            )
         use_ops = self.attention == "ops"
-        if use_ops and self.device.type == "cuda" and (self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim) != (512, 64):
-            raise ValueError("attention 'ops' on CUDA needs kv_lora_rank 512 and qk_rope_head_dim 64 (the kernels' 576)")
+        if (
+            use_ops
+            and self.device.type == "cuda"
+            and (self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim) != (512, 64)
+        ):
+            raise ValueError("attention 'ops' on CUDA needs kv_lora_rank 512 and qk_rope_head_dim 64 (the "
+                             "kernels' 576)")
         if use_ops:
-            vis_q = mask[:, -Q:] if mask is not None else torch.ones(1, 1, dtype=torch.bool, device=self.device)
+            vis_q = (
+                mask[:, -Q:] if mask is not None else torch.ones(1, 1, dtype=torch.bool, device=self.device)
+            )
             table = cache.prefix_table()
         h = self.model.embed_tokens(ids)
         taps = []
@@ -614,7 +641,9 @@ class Model(nn.Module):
             rows = layer.self_attn.latent(x, cos, sin)  # [Q, kv_lora + rope]
             cache.write(i, slots, rows)
             if use_ops:
-                a = layer.self_attn.forward_absorbed_ops(x, cos, sin, cache.kv[i], table, rows.to(cache.kv.dtype), vis_q)
+                a = layer.self_attn.forward_absorbed_ops(
+                    x, cos, sin, cache.kv[i], table, rows.to(cache.kv.dtype), vis_q
+                )
             else:
                 a = layer.self_attn.forward_absorbed(x, cos, sin, cache.read(i, key_slots), mask)
             h = layer.ffn(h + a)
@@ -632,8 +661,16 @@ class Model(nn.Module):
         return inv
 
     @torch.no_grad()
-    def forward_batch(self, kv: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, token_ids: torch.Tensor,
-                      depth: torch.Tensor, visibility: torch.Tensor, capture: tuple[int, ...] = ()):
+    def forward_batch(
+        self,
+        kv: torch.Tensor,
+        table: torch.Tensor,
+        lens: torch.Tensor,
+        token_ids: torch.Tensor,
+        depth: torch.Tensor,
+        visibility: torch.Tensor,
+        capture: tuple[int, ...] = (),
+    ):
         """Absorbed-form forward of C streams of W new rows each over a shared paged latent pool.
 
         kv [layers, S, kv_lora + rope] the pool; table [C, T] int64, the slot of each stream's

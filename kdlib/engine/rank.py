@@ -86,7 +86,11 @@ class RankShape:
     @property
     def expert_range(self) -> tuple[int, int]:
         """Global ids [e0, e1) of the experts this rank holds (all of them under "tp")."""
-        return self._range(self.cfg.n_routed_experts) if self.moe_mode == "ep" else (0, self.cfg.n_routed_experts)
+        return (
+            self._range(self.cfg.n_routed_experts)
+            if self.moe_mode == "ep"
+            else (0, self.cfg.n_routed_experts)
+        )
 
     @property
     def n_experts(self) -> int:
@@ -188,15 +192,24 @@ def device_routing(ids: torch.Tensor, weights: torch.Tensor, e0: int, n_local: i
     local = (ids >= e0) & (ids < e0 + n_local)
     key = torch.where(local, ids - e0, torch.full_like(ids, n_local)).reshape(-1)  # [M k]
     order = torch.argsort(key, stable=True)
-    counts = torch.zeros(n_local + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    counts = torch.zeros(n_local + 1, dtype=torch.int64, device=dev).scatter_add_(
+        0, key, torch.ones_like(key)
+    )
     counts = counts[:n_local]
     offsets = torch.zeros(n_local + 1, dtype=torch.int64, device=dev)
     offsets[1:] = counts.cumsum(0)
     active = torch.argsort((counts == 0).to(torch.int8), stable=True)  # [E] non-empty experts first
     ranges = torch.stack([offsets[active], offsets[active + 1]], dim=1)  # [E, 2]
     i32 = torch.int32
-    return DeviceRouting(offsets.to(i32), active.to(i32), (counts > 0).sum().reshape(1).to(i32), ranges.to(i32),
-                         (order // k).to(i32), weights.reshape(-1)[order].float(), counts.max())
+    return DeviceRouting(
+        offsets.to(i32),
+        active.to(i32),
+        (counts > 0).sum().reshape(1).to(i32),
+        ranges.to(i32),
+        (order // k).to(i32),
+        weights.reshape(-1)[order].float(),
+        counts.max(),
+    )
 
 
 def count_bound(m: int, topk: int, n_experts_global: int, factor: float) -> int:
@@ -231,10 +244,13 @@ class RankModel:
         self.layers: list[dict] = []
         for i in range(c.num_hidden_layers):
             L = {
-                "in_norm": ones(H, dtype=bf, device=dev), "post_norm": ones(H, dtype=bf, device=dev),
-                "q_a": _randn((c.q_lora_rank, H), H**-0.5, dev, gen), "q_a_norm": ones(c.q_lora_rank, dtype=bf, device=dev),
+                "in_norm": ones(H, dtype=bf, device=dev),
+                "post_norm": ones(H, dtype=bf, device=dev),
+                "q_a": _randn((c.q_lora_rank, H), H**-0.5, dev, gen),
+                "q_a_norm": ones(c.q_lora_rank, dtype=bf, device=dev),
                 "q_b": _randn((nh * c.qk_head_dim, c.q_lora_rank), c.q_lora_rank**-0.5, dev, gen),
-                "kv_a": _randn((r + rope, H), H**-0.5, dev, gen), "kv_a_norm": ones(r, dtype=bf, device=dev),
+                "kv_a": _randn((r + rope, H), H**-0.5, dev, gen),
+                "kv_a_norm": ones(r, dtype=bf, device=dev),
                 "kv_b": _randn((nh * (c.qk_nope_head_dim + c.v_head_dim), r), r**-0.5, dev, gen),
                 "o": _randn((H, nh * c.v_head_dim), (nh * c.v_head_dim * shape.tp) ** -0.5, dev, gen),
             }
@@ -247,7 +263,9 @@ class RankModel:
                 L["router_bias"] = torch.zeros(c.n_routed_experts, dtype=torch.float32, device=dev)
                 n = shape.shared_inter
                 L["mlp_gu"] = _randn((2 * n, H), H**-0.5, dev, gen)
-                L["mlp_down"] = _randn((H, n), (c.moe_intermediate_size * c.n_shared_experts) ** -0.5, dev, gen)
+                L["mlp_down"] = _randn(
+                    (H, n), (c.moe_intermediate_size * c.n_shared_experts) ** -0.5, dev, gen
+                )
                 L.update(self._experts(gen, expert_chunk, self.device.type != "cuda" if keep_unpacked is None
                                        else keep_unpacked))
             self.layers.append(L)
@@ -264,7 +282,9 @@ class RankModel:
             n = min(chunk, E - e)
             gate = quantize_w4_torch(torch.randn((n, N, K), device=dev, generator=gen) * K**-0.5)
             up = quantize_w4_torch(torch.randn((n, N, K), device=dev, generator=gen) * K**-0.5)
-            down = quantize_w4_torch(torch.randn((n, K, N), device=dev, generator=gen) * c.moe_intermediate_size**-0.5)
+            down = quantize_w4_torch(
+                torch.randn((n, K, N), device=dev, generator=gen) * c.moe_intermediate_size**-0.5
+            )
             parts.append(pack_moe_torch(*gate, *up, *down))
             if keep:
                 canon.append((*gate, *up, *down))
@@ -306,14 +326,18 @@ class RankModel:
     def attn_pre(self, L: dict, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """x [M, H] (normed) -> q [M, nh, kv_lora + rope] (absorbed), latent rows [M, kv_lora + rope]."""
         c, nh = self.cfg, self.shape.heads
-        q = F.linear(self.rms(F.linear(x, L["q_a"]), L["q_a_norm"], 1e-6), L["q_b"]).view(-1, nh, c.qk_head_dim)
+        q = F.linear(self.rms(F.linear(x, L["q_a"]), L["q_a_norm"], 1e-6), L["q_b"]).view(
+            -1, nh, c.qk_head_dim
+        )
         q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         w = L["kv_b"].view(nh, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         q_lat = torch.einsum("mhn,hnr->mhr", q_nope, w[:, : c.qk_nope_head_dim])  # [M, nh, r]
         q = torch.cat([q_lat, apply_rope(q_rope, cos, sin, c.rope_interleave)], dim=-1)
         kv = F.linear(x, L["kv_a"])
         c_kv, k_rope = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        rows = torch.cat([self.rms(c_kv, L["kv_a_norm"], 1e-6), apply_rope(k_rope, cos, sin, c.rope_interleave)], -1)
+        rows = torch.cat(
+            [self.rms(c_kv, L["kv_a_norm"], 1e-6), apply_rope(k_rope, cos, sin, c.rope_interleave)], -1
+        )
         return q, rows
 
     def attn_post(self, L: dict, o_lat: torch.Tensor) -> torch.Tensor:
@@ -339,7 +363,9 @@ class RankModel:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         return w * c.routed_scaling_factor, idx
 
-    def routed(self, L: dict, x: torch.Tensor, bound: int, overflow: torch.Tensor | None = None) -> torch.Tensor:
+    def routed(
+        self, L: dict, x: torch.Tensor, bound: int, overflow: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """This rank's routed-expert partial sum [M, H] (bf16): `moe_w4a16` on CUDA (graph-safe routing with
         static launch bound `bound` slots per expert; `overflow` += 1 when an expert had more), torch on the CPU."""
         w, idx = self.route(L, x)
@@ -363,7 +389,8 @@ class RankModel:
                               as_cupy(rt.active_ranges), as_cupy(rt.sorted_token), as_cupy(rt.sorted_weight),
                               m=M, topk=k, n_experts=E, n_active=min(E, M * k), max_count=bound)
         out = torch.empty(M, K, dtype=torch.float32, device=x.device)  # [M, H]
-        h = torch.empty(M * k, self.shape.expert_inter, dtype=torch.int16, device=x.device)  # [M k, N] bf16 bits
+        # [M k, N] bf16 bits
+        h = torch.empty(M * k, self.shape.expert_inter, dtype=torch.int16, device=x.device)
         moe.moe_w4a16(x.contiguous(), packed, routing, out=as_cupy(out), h=as_cupy(h).view(cupy.uint16),
                       version=None if bound <= 8 else 1)
         return out.to(x.dtype)
@@ -411,7 +438,8 @@ class DraftShape:
 # card huggingface.co/freakyskittle/Kimi-K2.6-DFlash-baseinit). head_dim 128 is inferred: it makes the
 # F32 file's ~13.9 GB (3.48 B parameters without embedding and LM head, which are the target's).
 DFLASH_KIMI = DraftShape(6, 64, 8, 128, 18432, 8, (1, 12, 24, 35, 47, 58),
-                         "z-lab/Kimi-K2.5-DFlash (HF): 6 layers, 64/8 heads, inter 18432, block 8; head_dim 128 inferred")
+                         "z-lab/Kimi-K2.5-DFlash (HF): 6 layers, 64/8 heads, inter 18432, block 8; head_dim "
+                         "128 inferred")
 
 
 class RankDrafter:
@@ -434,14 +462,20 @@ class RankDrafter:
         self.norm = torch.ones(H, dtype=bf, device=dev)
         self.layers = []
         for _ in range(ds.num_layers):
-            self.layers.append({
-                "in_norm": torch.ones(H, dtype=bf, device=dev), "post_norm": torch.ones(H, dtype=bf, device=dev),
-                "q": _randn((self.nh * hd, H), H**-0.5, dev, gen), "k": _randn((self.nkv * hd, H), H**-0.5, dev, gen),
-                "v": _randn((self.nkv * hd, H), H**-0.5, dev, gen),
-                "o": _randn((H, self.nh * hd), (ds.num_heads * hd) ** -0.5, dev, gen),
-                "q_norm": torch.ones(hd, dtype=bf, device=dev), "k_norm": torch.ones(hd, dtype=bf, device=dev),
-                "gu": _randn((2 * (hi - lo), H), H**-0.5, dev, gen),
-                "down": _randn((H, hi - lo), ds.intermediate_size**-0.5, dev, gen)})
+            self.layers.append(
+                {
+                    "in_norm": torch.ones(H, dtype=bf, device=dev),
+                    "post_norm": torch.ones(H, dtype=bf, device=dev),
+                    "q": _randn((self.nh * hd, H), H**-0.5, dev, gen),
+                    "k": _randn((self.nkv * hd, H), H**-0.5, dev, gen),
+                    "v": _randn((self.nkv * hd, H), H**-0.5, dev, gen),
+                    "o": _randn((H, self.nh * hd), (ds.num_heads * hd) ** -0.5, dev, gen),
+                    "q_norm": torch.ones(hd, dtype=bf, device=dev),
+                    "k_norm": torch.ones(hd, dtype=bf, device=dev),
+                    "gu": _randn((2 * (hi - lo), H), H**-0.5, dev, gen),
+                    "down": _randn((H, hi - lo), ds.intermediate_size**-0.5, dev, gen),
+                }
+            )
         self.kv = None  # [layers, 2, S + 1, kv_r, hd], made by `make_pool`
 
     def weight_bytes(self) -> int:
@@ -455,7 +489,8 @@ class RankDrafter:
 
     def _rope(self, x, pos):
         hd = self.ds.head_dim
-        inv = 1e6 ** (-torch.arange(0, hd, 2, dtype=torch.float64, device=x.device) / hd)  # DFlash: rope_theta 1e6
+        # DFlash: rope_theta 1e6
+        inv = 1e6 ** (-torch.arange(0, hd, 2, dtype=torch.float64, device=x.device) / hd)
         ang = pos.double()[:, None] * inv[None]
         return apply_rope(x, ang.cos().to(x.dtype), ang.sin().to(x.dtype), interleave=False)
 
@@ -498,7 +533,8 @@ class RankDrafter:
         """feats [N, taps x H] of committed rows -> their context K/V at `slots` [N] (positions `pos` [N])."""
         m = self.model
         f0, f1 = self.fc_cols
-        h = m.rms(F.linear(feats[:, f0:f1], self.fc), self.hidden_norm, m.cfg.rms_norm_eps)  # [N, H] (partial)
+        # [N, H] (partial)
+        h = m.rms(F.linear(feats[:, f0:f1], self.fc), self.hidden_norm, m.cfg.rms_norm_eps)
         for L, kv in zip(self.layers, self.kv, strict=True):
             k, v = self._kv(L, h, pos)
             kv[0].index_copy_(0, slots, k)
@@ -515,8 +551,13 @@ def draft_profile(depth: int, k: int, p_top: float) -> torch.Tensor:
     return row.float().expand(depth, k).contiguous()
 
 
-def forced_targets(tokens: torch.Tensor, positions: torch.Tensor, next_token: torch.Tensor, argmax: torch.Tensor,
-                   accepted: int) -> torch.Tensor:
+def forced_targets(
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    next_token: torch.Tensor,
+    argmax: torch.Tensor,
+    accepted: int,
+) -> torch.Tensor:
     """The accept walk's targets [C, W] for a chosen accepted length: a row at depth < accepted - 1 names the
     token of its first child (the walk descends the first-child chain), deeper rows keep the target's argmax.
 
@@ -532,7 +573,9 @@ def allreduce_ms(nbytes: float, fit: dict, world: int) -> float:
     return (fit["latency_s"] + 2.0 * (world - 1) / world * nbytes / fit["bus_bandwidth_Bps"]) * 1e3
 
 
-def step_allreduces(shape: RankShape, rows: int, draft_rows: int, commit_rows: int, ds: DraftShape | None) -> list[int]:
+def step_allreduces(
+    shape: RankShape, rows: int, draft_rows: int, commit_rows: int, ds: DraftShape | None
+) -> list[int]:
     """Bytes of each all-reduce of one step on a rank (bf16 hidden rows): the embedding, two per target
     layer; with a drafter its embedding, two per draft layer and its fc on the committed rows."""
     H = shape.cfg.hidden_size * 2
@@ -553,9 +596,19 @@ class RankStep:
 
     PARTS = ("draft", "tree", "verify", "accept", "commit")
 
-    def __init__(self, model: RankModel, streams: int, context: int, budget: int | None = None,
-                 drafter: RankDrafter | None = None, accepted: int = 4, p_top: float = 0.8, bound_factor: float = 4.0,
-                 pool: torch.Tensor | None = None, seed: int = 0):
+    def __init__(
+        self,
+        model: RankModel,
+        streams: int,
+        context: int,
+        budget: int | None = None,
+        drafter: RankDrafter | None = None,
+        accepted: int = 4,
+        p_top: float = 0.8,
+        bound_factor: float = 4.0,
+        pool: torch.Tensor | None = None,
+        seed: int = 0,
+    ):
         c = model.cfg
         self.m, self.d, self.C, self.ctx = model, drafter, int(streams), int(context)
         dev = model.device
@@ -574,7 +627,8 @@ class RankStep:
         gen = torch.Generator(device=dev).manual_seed(seed)
         i64 = dict(dtype=torch.int64, device=dev)
         self.table = (torch.arange(C, **i64)[:, None] * per + torch.arange(per, **i64)[None])  # [C, ctx + W]
-        self.prefix32 = self.table[:, : self.ctx].to(torch.int32).contiguous()  # [C, ctx] the kernels' page table
+        # [C, ctx] the kernels' page table
+        self.prefix32 = self.table[:, : self.ctx].to(torch.int32).contiguous()
         self.lens = torch.full((C,), self.ctx, **i64)
         self.lens32 = self.lens.to(torch.int32)
         self.bonus = torch.randint(0, c.vocab_size, (C,), generator=gen, device=dev)
@@ -588,13 +642,19 @@ class RankStep:
         self.sizes32 = torch.full((C,), W, dtype=torch.int32, device=dev)
         H = c.hidden_size
         self.taps = tuple(drafter.ds.target_layer_ids) if self.ddtree else ()
-        self.feats = torch.zeros(self.M, len(self.taps) * H, dtype=torch.bfloat16, device=dev) if self.taps else None
+        self.feats = (
+            torch.zeros(self.M, len(self.taps) * H, dtype=torch.bfloat16, device=dev) if self.taps else None
+        )
         # per-layer outputs a part-only forward reads in place of the pieces it skips
         L = c.num_hidden_layers
         self.x_saved = torch.zeros(L, self.M, H, dtype=torch.bfloat16, device=dev)  # normed attention input
-        self.q_saved = torch.zeros(L, self.M, model.shape.heads, c.latent_dim, dtype=torch.bfloat16, device=dev)
+        self.q_saved = torch.zeros(
+            L, self.M, model.shape.heads, c.latent_dim, dtype=torch.bfloat16, device=dev
+        )
         self.rows_saved = torch.zeros(L, self.M, c.latent_dim, dtype=torch.bfloat16, device=dev)
-        self.o_saved = torch.zeros(L, self.M, model.shape.heads, c.kv_lora_rank, dtype=torch.float32, device=dev)
+        self.o_saved = torch.zeros(
+            L, self.M, model.shape.heads, c.kv_lora_rank, dtype=torch.float32, device=dev
+        )
         self.f_saved = torch.zeros(L, self.M, H, dtype=torch.bfloat16, device=dev)  # normed FFN input
         self.argmax = torch.zeros(C, W, **i64)
         self.target = torch.zeros(C, W, **i64)
@@ -643,8 +703,9 @@ class RankStep:
             nodes, depth, vis, nxt = t.node_token_ids, t.positions, t.visibility, t.next_token
         else:
             t = self.trees = ops.build_tree_batch(self.top_ids, self.top_lp, self.budget)
-            nodes, depth, vis, nxt = (torch.as_tensor(x) for x in (t.node_token_ids, t.positions, t.visibility,
-                                                                    t.next_token))
+            nodes, depth, vis, nxt = (
+                torch.as_tensor(x) for x in (t.node_token_ids, t.positions, t.visibility, t.next_token)
+            )
         self.tokens.copy_(torch.cat([self.bonus[:, None], nodes.clamp(min=0)], dim=1))
         self.depth.copy_(depth.clamp(min=0))
         self.vis.copy_(vis)
@@ -671,8 +732,9 @@ class RankStep:
                     self.q_saved[i].copy_(q)
                     self.rows_saved[i].copy_(rows)
             if do("attention"):
-                o_lat = self._attention(i, self.q_saved[i] if not full else q, self.rows_saved[i] if not full else rows,
-                                        slots)
+                o_lat = self._attention(
+                    i, self.q_saved[i] if not full else q, self.rows_saved[i] if not full else rows, slots
+                )
                 if save:
                     self.o_saved[i].copy_(o_lat)
             if do("dense"):
@@ -709,8 +771,15 @@ class RankStep:
 
     def accept(self) -> None:
         dev = self.m.device
-        self.target.copy_(forced_targets(self.tokens, torch.as_tensor(self.tree_depth, device=dev),
-                                         torch.as_tensor(self.next_token, device=dev), self.argmax, self.accepted))
+        self.target.copy_(
+            forced_targets(
+                self.tokens,
+                torch.as_tensor(self.tree_depth, device=dev),
+                torch.as_tensor(self.next_token, device=dev),
+                self.argmax,
+                self.accepted,
+            )
+        )
         if dev.type == "cuda":
             t = self.trees
             cuda_accept.accept_greedy_batch(t.cupy, self.target, max_depth=self.horizon, out=t.accept_cupy)
