@@ -7,4 +7,14 @@
 from kdlib.perf.results import describe, load, provenance, write
 from kdlib.perf.timing import Timing, cpu_time, cuda_time, floor_ms, host_probe_ms
 
-__all__ = ["Timing", "cpu_time", "cuda_time", "floor_ms", "host_probe_ms", "describe", "load", "provenance", "write"]
+__all__ = [
+    "Timing",
+    "cpu_time",
+    "cuda_time",
+    "floor_ms",
+    "host_probe_ms",
+    "describe",
+    "load",
+    "provenance",
+    "write",
+]

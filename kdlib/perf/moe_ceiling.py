@@ -194,6 +194,7 @@ def format_verdict(v: dict) -> str:
         return ", ".join(map(str, v[key])) or "none"
 
     return (f"{v['arm']}: >= {v['goal']:.0%} of copy bandwidth at M = {ms('met')}; missed where the "
-            f"{v['ceiling'].replace('_', '-')} ceiling is below the goal (unreachable) at M = {ms('unreachable')}; "
+            f"{v['ceiling'].replace('_', '-')} ceiling is below the goal (unreachable) at M = "
+            f"{ms('unreachable')}; "
             f"missed though reachable at M = {ms('reachable')}"
             + (f"; no ceiling measured at M = {ms('no_ceiling')}" if v["no_ceiling"] else ""))

@@ -27,7 +27,9 @@ def git_commit() -> str:
     if env:
         return env
     try:
-        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        )
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -78,13 +80,17 @@ def provenance(command: str | None = None) -> dict:
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
             capture_output=True, text=True, timeout=10,
         )
-        info["driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+        info["driver"] = (
+            out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+        )
     except (OSError, subprocess.SubprocessError):
         pass
     return info
 
 
-def write(suite: str, payload: dict, *, out_dir: str | os.PathLike | None = None, command: str | None = None) -> Path:
+def write(
+    suite: str, payload: dict, *, out_dir: str | os.PathLike | None = None, command: str | None = None
+) -> Path:
     """Write `{suite, provenance, **payload}` atomically to `<out_dir>/<suite>.<gpu>.json`."""
     prov = provenance(command)
     doc = {"suite": suite, "provenance": prov, **payload}

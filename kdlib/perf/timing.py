@@ -54,7 +54,9 @@ def host_probe_ms(n: int = 1_000_000) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def cuda_time(fn: Callable[[], object], *, warmup: int = 5, iters: int = 50, backend: str = "torch") -> Timing:
+def cuda_time(
+    fn: Callable[[], object], *, warmup: int = 5, iters: int = 50, backend: str = "torch"
+) -> Timing:
     """Median device time of `fn()` in ms, each call bracketed by CUDA events on the current stream.
 
     backend: "torch" (torch.cuda.Event) or "cupy" (cupy.cuda.Event); both see the same device.

@@ -108,7 +108,10 @@ def measure(device: str, n_prompts: int, new_tokens: int, budgets=BUDGETS, promp
             drafter = zoo.load_drafter(target, folder=folder)
     plan = methods(drafter.block_size, budgets)
     ps = {kind: prompts(tok, kind, n_prompts, prompt_tokens, folder) for kind in zoo.KINDS}
-    acc = {kind: {name: {"per_prompt": [], "taus": [], "sizes": [], "equal": []} for name, _ in plan} for kind in ps}
+    acc = {
+        kind: {name: {"per_prompt": [], "taus": [], "sizes": [], "equal": []} for name, _ in plan}
+        for kind in ps
+    }
     rounds = 0
     for i in range(max(len(v) for v in ps.values())):
         if time_limit_s is not None and time.perf_counter() - t0 > time_limit_s:
@@ -129,8 +132,14 @@ def measure(device: str, n_prompts: int, new_tokens: int, budgets=BUDGETS, promp
                 a["sizes"] += res.tree_sizes
                 a["equal"].append(res.tokens == ar_tokens)
         rounds += 1
-        log(f"[accept] round {rounds}: " + "  ".join(
-            f"{k} " + "/".join(f"{np.mean(acc[k][n]['taus']):.2f}" for n, _ in plan) for k in ps if acc[k]["ar"]["taus"]))
+        log(
+            f"[accept] round {rounds}: "
+            + "  ".join(
+                f"{k} " + "/".join(f"{np.mean(acc[k][n]['taus']):.2f}" for n, _ in plan)
+                for k in ps
+                if acc[k]["ar"]["taus"]
+            )
+        )
     table = {}
     for kind in ps:
         rows = {}
@@ -146,7 +155,11 @@ def measure(device: str, n_prompts: int, new_tokens: int, budgets=BUDGETS, promp
                 "tau_hist": np.bincount(a["taus"], minlength=drafter.block_size + 1).tolist(),
                 "tokens_per_forward": new_tokens * n / (len(a["taus"]) + n) if n else None,
                 "equal_to_ar": all(a["equal"]),
-                **({"budget": kw["budget"], "top_k": kw.get("top_k", kw["budget"])} if kw["method"] == "ddtree" else {}),
+                **(
+                    {"budget": kw["budget"], "top_k": kw.get("top_k", kw["budget"])}
+                    if kw["method"] == "ddtree"
+                    else {}
+                ),
             }
         table[kind] = {"prompts": len(acc[kind]["ar"]["per_prompt"]), "methods": rows}
     return {
@@ -167,7 +180,9 @@ def _sample_point(probs_all, u_all, rows: int, version: int, iters: int) -> dict
     copies, _, v = probs_all.shape
     repeat = SAMPLE_REPEAT[version]
     tokens = cupy.full((copies, rows), -7, dtype=cupy.int64)  # [C, rows]
-    calls = [(probs_all[i % copies, :rows], u_all[i % copies, :rows], tokens[i % copies]) for i in range(repeat)]
+    calls = [
+        (probs_all[i % copies, :rows], u_all[i % copies, :rows], tokens[i % copies]) for i in range(repeat)
+    ]
 
     def draws():
         for p, u, out in calls:
@@ -177,9 +192,17 @@ def _sample_point(probs_all, u_all, rows: int, version: int, iters: int) -> dict
     t = _replay_ms(graph, stream, iters)
     k = min(rows, SAMPLE_CHECK_ROWS)
     want = ref.sample_tokens(probs_all[0, :k].get(), u_all[0, :k].get(), order=accept.SAMPLE_ORDER[version])
-    return {"rows": rows, "vocab": v, "version": version, "kernel": accept.sample_kernel(np.float32, version)[1],
-            "exact_first_rows": bool((tokens[0, :k].get() == want).all()), "checked_rows": k,
-            "draws_per_graph": repeat, "graph_replay": t, "kernel_us": t["median_ms"] * 1e3 / repeat}
+    return {
+        "rows": rows,
+        "vocab": v,
+        "version": version,
+        "kernel": accept.sample_kernel(np.float32, version)[1],
+        "exact_first_rows": bool((tokens[0, :k].get() == want).all()),
+        "checked_rows": k,
+        "draws_per_graph": repeat,
+        "graph_replay": t,
+        "kernel_us": t["median_ms"] * 1e3 / repeat,
+    }
 
 
 def bench_sampling(vocabs=SAMPLE_VOCABS, rows=SAMPLE_ROWS, iters: int = 10, log=print) -> dict:
@@ -206,7 +229,8 @@ def bench_sampling(vocabs=SAMPLE_VOCABS, rows=SAMPLE_ROWS, iters: int = 10, log=
             floor_us = nbytes / bw * 1e6
             for version in SAMPLE_TIMED:
                 pt = _sample_point(probs, u, r, version, iters)
-                footprint = min(copies, pt["draws_per_graph"]) * r * v * 4  # probs bytes one replay cycles through
+                # probs bytes one replay cycles through
+                footprint = min(copies, pt["draws_per_graph"]) * r * v * 4
                 pt.update(bytes=nbytes, floor_us=floor_us, fraction_of_copy_bw=floor_us / pt["kernel_us"],
                           cycled_copies=copies, footprint_bytes=footprint, l2_resident=footprint < l2)
                 points.append(pt)
@@ -216,20 +240,29 @@ def bench_sampling(vocabs=SAMPLE_VOCABS, rows=SAMPLE_ROWS, iters: int = 10, log=
         cupy.get_default_memory_pool().free_all_blocks()
     speedup = []
     for p3 in (p for p in points if p["version"] == 3):
-        p2 = next(p for p in points if p["version"] == 2 and p["vocab"] == p3["vocab"] and p["rows"] == p3["rows"])
-        speedup.append({"vocab": p3["vocab"], "rows": p3["rows"], "v2_over_v3": p2["kernel_us"] / p3["kernel_us"]})
+        p2 = next(
+            p for p in points if p["version"] == 2 and p["vocab"] == p3["vocab"] and p["rows"] == p3["rows"]
+        )
+        speedup.append(
+            {"vocab": p3["vocab"], "rows": p3["rows"], "v2_over_v3": p2["kernel_us"] / p3["kernel_us"]}
+        )
     return {"parameters": {"vocabs": list(vocabs), "rows": list(rows), "versions": list(SAMPLE_TIMED),
                            "replays": iters, "dtype": "float32",
-                           "inputs": "softmax of N(0, 3^2) logits per row, uniforms from cupy.random.RandomState(0)",
-                           "l2_bytes": l2, "footprint": f">= {SAMPLE_FOOTPRINT} x L2 per graph where rows allow"},
+                           "inputs": "softmax of N(0, 3^2) logits per row, uniforms from "
+                                     "cupy.random.RandomState(0)",
+                           "l2_bytes": l2, "footprint": f">= {SAMPLE_FOOTPRINT} x L2 per graph where rows "
+                                                        "allow"},
             "copy": copy, "copy_bandwidth_Bps": bw, "points": points, "speedup": speedup}
 
 
 def _parts() -> tuple[str, ...]:
-    parts = tuple(p.strip() for p in os.environ.get("KDLIB_ACCEPT_PARTS", ",".join(PARTS)).split(",") if p.strip())
+    parts = tuple(
+        p.strip() for p in os.environ.get("KDLIB_ACCEPT_PARTS", ",".join(PARTS)).split(",") if p.strip()
+    )
     bad = [p for p in parts if p not in PARTS]
     if bad or not parts:
-        raise ValueError(f"KDLIB_ACCEPT_PARTS must name some of {PARTS}, got {os.environ.get('KDLIB_ACCEPT_PARTS')!r}")
+        raise ValueError(f"KDLIB_ACCEPT_PARTS must name some of {PARTS}, got "
+                         f"{os.environ.get('KDLIB_ACCEPT_PARTS')!r}")
     return parts
 
 

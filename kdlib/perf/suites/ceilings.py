@@ -111,7 +111,9 @@ def run(args) -> dict:
         matmuls.append(_matmul_case(torch, m, n, k, warmup=warmup, iters=iters))
         torch.cuda.empty_cache()
 
-    headline_copy = next(c for c in copies if c["method"] == "memcpy" and c["bytes_per_copy"] == HEADLINE_COPY_BYTES)
+    headline_copy = next(
+        c for c in copies if c["method"] == "memcpy" and c["bytes_per_copy"] == HEADLINE_COPY_BYTES
+    )
     headline_mm = next(r for r in matmuls if (r["m"], r["n"], r["k"]) == HEADLINE_MATMUL)
     return {
         "parameters": {

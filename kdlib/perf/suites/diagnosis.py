@@ -21,16 +21,32 @@ FULL = {"prompt_tokens": 512, "sustained_tokens": 1500, "repeats": 3, "sweep_max
 QUICK = {"prompt_tokens": 256, "sustained_tokens": 300, "repeats": 1, "sweep_max": 512}
 
 
-def measure(device: str = "cpu", *, prompt_tokens: int, sustained_tokens: int, repeats: int, sweep_max: int | None,
-            long: int = 264, kinds=None, prefer_trained: bool = True) -> dict:
+def measure(
+    device: str = "cpu",
+    *,
+    prompt_tokens: int,
+    sustained_tokens: int,
+    repeats: int,
+    sweep_max: int | None,
+    long: int = 264,
+    kinds=None,
+    prefer_trained: bool = True,
+) -> dict:
     """`diagnose.study` against an in-process Engine on `device` (the suite's core; runs on CPU too)."""
     engine = serve.Engine(serve.load_bundle(device, prefer_trained=prefer_trained))
     try:
         client = diagnose.EngineClient(engine)
         limit = engine.max_context
         sustained_tokens = min(sustained_tokens, limit - 64)  # keep a prompt of >= 64 tokens in the context
-        return diagnose.study(client, kinds=kinds, prompt_tokens=prompt_tokens, sustained_tokens=sustained_tokens,
-                              long=long, repeats=repeats, sweep_max=sweep_max)
+        return diagnose.study(
+            client,
+            kinds=kinds,
+            prompt_tokens=prompt_tokens,
+            sustained_tokens=sustained_tokens,
+            long=long,
+            repeats=repeats,
+            sweep_max=sweep_max,
+        )
     finally:
         engine.close()
 
@@ -41,5 +57,7 @@ def run(args) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     p = QUICK if getattr(args, "quick", False) else FULL
     res = measure(device, **p)
-    res["parameters"].update({"device": device, "profile": "quick" if getattr(args, "quick", False) else "full"})
+    res["parameters"].update(
+        {"device": device, "profile": "quick" if getattr(args, "quick", False) else "full"}
+    )
     return res

@@ -49,14 +49,38 @@ from kdlib.perf import floor_ms, host_probe_ms, load
 # A "tiny but not trivial" target: the MLA shapes of DeepSeek-V3 / Kimi-K2 (models-hardware.md §1)
 # at 1/7 of the width and 8 layers; 32 routed experts top-4 + 1 shared. About 0.4 B parameters.
 BENCH_CONFIG = {
-    "model_type": "deepseek_v3", "vocab_size": 32768, "hidden_size": 1024, "intermediate_size": 2816,
-    "moe_intermediate_size": 512, "num_hidden_layers": 8, "first_k_dense_replace": 1, "num_attention_heads": 16,
-    "q_lora_rank": 512, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "n_routed_experts": 32, "n_shared_experts": 1, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
-    "routed_scaling_factor": 2.5, "norm_topk_prob": True, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
-    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                        "original_max_position_embeddings": 8192, "beta_fast": 32.0, "beta_slow": 1.0,
-                        "mscale": 1.0, "mscale_all_dim": 1.0},
+    "model_type": "deepseek_v3",
+    "vocab_size": 32768,
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "moe_intermediate_size": 512,
+    "num_hidden_layers": 8,
+    "first_k_dense_replace": 1,
+    "num_attention_heads": 16,
+    "q_lora_rank": 512,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 32,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 4,
+    "n_group": 4,
+    "topk_group": 2,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 32768,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
 }
 BLOCK = 16  # the DFlash b16 checkpoints' block size (survey §6): horizon L = 15
 BF16_VERIFY = (1024, BLOCK + 1)  # (context, q) of the one bf16 row: the budget-16 verify at a 1k context
@@ -79,8 +103,16 @@ def verify_cost(cfg, context: int, q: int, elem_bytes: int) -> tuple[float, floa
     the scores, q x keys x kv_lora for the values, and the two absorb projections.
     """
     H, nh = cfg.hidden_size, cfg.num_attention_heads
-    attn = (H * cfg.q_lora_rank + cfg.q_lora_rank * nh * cfg.qk_head_dim if cfg.q_lora_rank else H * nh * cfg.qk_head_dim)
-    attn += H * cfg.latent_dim + cfg.kv_lora_rank * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim) + nh * cfg.v_head_dim * H
+    attn = (
+        H * cfg.q_lora_rank + cfg.q_lora_rank * nh * cfg.qk_head_dim
+        if cfg.q_lora_rank
+        else H * nh * cfg.qk_head_dim
+    )
+    attn += (
+        H * cfg.latent_dim
+        + cfg.kv_lora_rank * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        + nh * cfg.v_head_dim * H
+    )
     expert = 3 * H * cfg.moe_intermediate_size
     dense = 3 * H * cfg.intermediate_size
     n_dense = cfg.first_k_dense_replace
@@ -92,7 +124,12 @@ def verify_cost(cfg, context: int, q: int, elem_bytes: int) -> tuple[float, floa
                                                                         + cfg.n_routed_experts * H) + head
     keys = context + q
     kv = cfg.num_hidden_layers * keys * cfg.latent_dim
-    active = cfg.num_hidden_layers * attn + n_dense * dense + n_moe * (cfg.num_experts_per_tok * expert + shared) + head
+    active = (
+        cfg.num_hidden_layers * attn
+        + n_dense * dense
+        + n_moe * (cfg.num_experts_per_tok * expert + shared)
+        + head
+    )
     absorb = nh * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank
     att_flops = cfg.num_hidden_layers * 2 * q * (nh * keys * (cfg.latent_dim + cfg.kv_lora_rank) + absorb)
     return float((weights + kv) * elem_bytes), float(2 * q * active + att_flops)
@@ -134,11 +171,18 @@ def _generate_sweep(model, contexts, budgets, p_wrongs, max_new, rng, attention:
     for ctx in contexts:
         prompt = rng.integers(0, V, ctx).tolist()
         generate(model, prompt, 8)  # warm-up
-        script = generate(model, prompt, max_new + BLOCK).tokens  # the oracle's greedy reference, computed once
+        # the oracle's greedy reference, computed once
+        script = generate(model, prompt, max_new + BLOCK).tokens
         configs = [(None, 0)] + [(p, b) for p in p_wrongs for b in budgets]
         for p, b in configs[1:]:  # warm-up per tree shape (kernels compiled, allocator primed)
-            generate(model, prompt, 8, drafter=NoisyOracleDrafter(V, p, block_size=BLOCK, seed=1, reference=script),
-                     method="ddtree", budget=b)
+            generate(
+                model,
+                prompt,
+                8,
+                drafter=NoisyOracleDrafter(V, p, block_size=BLOCK, seed=1, reference=script),
+                method="ddtree",
+                budget=b,
+            )
         done: dict = {c: [] for c in configs}
         for _ in range(repeats):
             for p, b in configs:
@@ -151,14 +195,33 @@ def _generate_sweep(model, contexts, budgets, p_wrongs, max_new, rng, attention:
                 done[p, b].append((r, probe))
         ar_tokens = done[None, 0][0][0].tokens
         for p, b in configs:
-            reps = [(_row(r, context=ctx, block=BLOCK if p is not None else 1, p_wrong=p,
-                          ar_tokens=None if p is None else ar_tokens, attention=attention), probe) for r, probe in done[p, b]]
+            reps = [
+                (
+                    _row(
+                        r,
+                        context=ctx,
+                        block=BLOCK if p is not None else 1,
+                        p_wrong=p,
+                        ar_tokens=None if p is None else ar_tokens,
+                        attention=attention,
+                    ),
+                    probe,
+                )
+                for r, probe in done[p, b]
+            ]
             row = dict(min(reps, key=lambda rp: rp[0]["step_ms"])[0])
             if p is not None:
                 row["drafter"] = "noisy_oracle"
                 row["matches_ar"] = all(rr["matches_ar"] for rr, _ in reps)
-            row["repeats"] = [{"step_ms": rr["step_ms"], "decode_tokens_per_s": rr["decode_tokens_per_s"],
-                               "mean_accepted": rr["mean_accepted"], "host_probe_ms": probe} for rr, probe in reps]
+            row["repeats"] = [
+                {
+                    "step_ms": rr["step_ms"],
+                    "decode_tokens_per_s": rr["decode_tokens_per_s"],
+                    "mean_accepted": rr["mean_accepted"],
+                    "host_probe_ms": probe,
+                }
+                for rr, probe in reps
+            ]
             rows.append(row)
             what = "AR" if p is None else f"p_wrong {p} budget {b}"
             steps = ", ".join(format(rr["step_ms"], ".1f") for rr, _ in reps)
@@ -204,10 +267,24 @@ def _verify_sweep(model, contexts, qs, bw, fl, attentions=("torch",), repeats: i
     for (attention, ctx, q, _), ts in zip(points, timings, strict=True):
         t = min(ts, key=lambda t: t.median_ms)
         nbytes, flops = verify_cost(cfg, ctx, q, model.dtype.itemsize)
-        out.append({"attention": attention, "dtype": str(model.dtype).removeprefix("torch."), "context": ctx, "q": q,
-                    "budget": q - 1, **t.as_dict(), "repeat_medians_ms": [x.median_ms for x in ts],
-                    "bytes": nbytes, "flops": flops, **floor_ms(nbytes, flops, bandwidth_Bps=bw, flop_rate=fl)})
-        print(f"[engine] verify {attention} ctx {ctx} q {q}: {t.median_ms:.2f} ms (best of {len(ts)})", flush=True)
+        out.append(
+            {
+                "attention": attention,
+                "dtype": str(model.dtype).removeprefix("torch."),
+                "context": ctx,
+                "q": q,
+                "budget": q - 1,
+                **t.as_dict(),
+                "repeat_medians_ms": [x.median_ms for x in ts],
+                "bytes": nbytes,
+                "flops": flops,
+                **floor_ms(nbytes, flops, bandwidth_Bps=bw, flop_rate=fl),
+            }
+        )
+        print(
+            f"[engine] verify {attention} ctx {ctx} q {q}: {t.median_ms:.2f} ms (best of {len(ts)})",
+            flush=True,
+        )
     del points
     model.attention = "torch"
     return out
@@ -238,7 +315,8 @@ def _trained(budgets, max_new, device: str = "cuda") -> dict:
     from kdlib.engine.generate import generate
 
     if not zoo.available():
-        return {"available": False, "note": "no trained models in data/models/ (kdlib.zoo.available() is False)"}
+        return {"available": False, "note": "no trained models in data/models/ (kdlib.zoo.available() is "
+                                            "False)"}
     try:
         tok = zoo.load_tokenizer()
         target = zoo.load_target(device=device)
@@ -252,7 +330,9 @@ def _trained(budgets, max_new, device: str = "cuda") -> dict:
             for b in budgets:
                 generate(target, prompt, 8, method="ddtree", drafter=drafter, budget=b)  # warm-up
                 r = generate(target, prompt, max_new, method="ddtree", drafter=drafter, budget=b)
-                rows.append(_row(r, context=len(prompt), block=drafter.block_size, kind=kind, ar_tokens=ar.tokens))
+                rows.append(
+                    _row(r, context=len(prompt), block=drafter.block_size, kind=kind, ar_tokens=ar.tokens)
+                )
         return {"available": True, "config": target.cfg.to_hf_dict(), "runs": rows}
     except Exception as e:  # keep the synthetic measurements when the zoo is present but broken
         return {"available": True, "error": f"{type(e).__name__}: {e}"}
@@ -305,18 +385,30 @@ def _run(quick: bool, device: str = "cuda", config: dict = BENCH_CONFIG) -> dict
         "verify_q": [1, 17] if quick else [1, 5, 9, 17, 33, 65, 129],
         "trained_budgets": [16] if quick else [8, 16, 32, 64],
         "ceilings": ceil_src,
-        "floor_note": "bytes at the row's dtype; FLOPs against the bf16 matmul ceiling, which float32 without TF32 "
+        "floor_note": "bytes at the row's dtype; FLOPs against the bf16 matmul ceiling, which float32 "
+                      "without TF32 "
                       "does not reach, so a compute-bound float32 floor is optimistic",
         "bf16_verify": {"context": BF16_VERIFY[0], "q": BF16_VERIFY[1]},
     }
     rng = np.random.Generator(np.random.PCG64(0))
-    runs = _generate_sweep(model, params["contexts"], params["budgets"], params["p_wrong"], params["max_new_tokens"], rng,
-                           repeats=params["repeats"])
-    verify = _verify_sweep(model, params["verify_contexts"], params["verify_q"], bw, fl, repeats=params["repeats"])
+    runs = _generate_sweep(
+        model,
+        params["contexts"],
+        params["budgets"],
+        params["p_wrong"],
+        params["max_new_tokens"],
+        rng,
+        repeats=params["repeats"],
+    )
+    verify = _verify_sweep(
+        model, params["verify_contexts"], params["verify_q"], bw, fl, repeats=params["repeats"]
+    )
     try:  # the kernel-attention arm is new: a failure there must not cost the torch measurements
         runs_k = _generate_sweep(model, params["contexts"], [b for b in params["budgets"] if b <= 64], [0.3],
                                  params["max_new_tokens"], rng, attention="ops")
-        verify += _verify_sweep(model, params["verify_contexts"], params["verify_q"], bw, fl, attentions=("ops",))
+        verify += _verify_sweep(
+            model, params["verify_contexts"], params["verify_q"], bw, fl, attentions=("ops",)
+        )
     except Exception as e:
         runs_k = {"error": f"{type(e).__name__}: {e}"}
         model.attention = "torch"

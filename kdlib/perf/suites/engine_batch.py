@@ -41,8 +41,16 @@ PROMPT = 256
 def _engine(model, method, budget, drafter, streams, max_context, compile_=False):
     from kdlib.engine.batch import BatchEngine
 
-    return BatchEngine(model, max_streams=streams, method=method, drafter=drafter if method == "ddtree" else None,
-                       budget=budget, max_context=max_context, keep_results=True, compile=compile_)
+    return BatchEngine(
+        model,
+        max_streams=streams,
+        method=method,
+        drafter=drafter if method == "ddtree" else None,
+        budget=budget,
+        max_context=max_context,
+        keep_results=True,
+        compile=compile_,
+    )
 
 
 def _device_profile(fn, steps: int, top: int = 25) -> dict:
@@ -58,9 +66,13 @@ def _device_profile(fn, steps: int, top: int = 25) -> dict:
         torch.cuda.synchronize()
     kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     kernels.sort(key=lambda e: -e.self_device_time_total)
-    return {"device_ms": sum(e.self_device_time_total for e in kernels) / 1e3 / steps,
-            "kernels_per_step": sum(e.count for e in kernels) / steps,
-            "top_kernels": [(e.key[:120], e.count / steps, e.self_device_time_total / steps) for e in kernels[:top]]}
+    return {
+        "device_ms": sum(e.self_device_time_total for e in kernels) / 1e3 / steps,
+        "kernels_per_step": sum(e.count for e in kernels) / steps,
+        "top_kernels": [
+            (e.key[:120], e.count / steps, e.self_device_time_total / steps) for e in kernels[:top]
+        ],
+    }
 
 
 def _run_row(model, method, budget, drafter, prompts, max_new, label: dict, compile_: bool = False) -> dict:
@@ -151,8 +163,13 @@ def _eager_loop(model, prompt, max_new, method, drafter, budget) -> dict:
     generate(model, prompt, 8, method=method, drafter=drafter, budget=budget)
     res = generate(model, prompt, max_new, method=method, drafter=drafter, budget=budget)
     step = res.step_ms()
-    return {"method": method, "budget": budget or 0, "step_ms": float(np.median(step)),
-            "tokens_per_s": (len(res.tokens) - 1) / (float(step.sum()) / 1e3), "mean_accepted": res.mean_accepted}
+    return {
+        "method": method,
+        "budget": budget or 0,
+        "step_ms": float(np.median(step)),
+        "tokens_per_s": (len(res.tokens) - 1) / (float(step.sum()) / 1e3),
+        "mean_accepted": res.mean_accepted,
+    }
 
 
 def _ratios(rows: list[dict]) -> None:
@@ -163,7 +180,9 @@ def _ratios(rows: list[dict]) -> None:
         if r["method"] == "ddtree" and a:
             r["ratio_vs_accepted_ar"] = r["tokens_per_s"] / (r["mean_accepted"] * a["tokens_per_s"])
             ta, tb = a["tokens"][0], r["tokens"][0]
-            same = next((i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y), min(len(ta), len(tb)))
+            same = next(
+                (i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y), min(len(ta), len(tb))
+            )
             r["agreement_with_ar"] = {"first_difference": same, "of": min(len(ta), len(tb))}
 
 
@@ -183,12 +202,20 @@ def _goals(trained: list[dict]) -> dict:
             scale[f"{m}{b or ''}"] = float(np.mean([r["tokens_per_s"] for r in sixteen])
                                            / np.mean([r["tokens_per_s"] for r in one]))
     return {
-        "busy_at_c1_min": min((r["busy"] for r in c1 if r["busy"] is not None and np.isfinite(r["busy"])), default=None),
+        "busy_at_c1_min": min(
+            (r["busy"] for r in c1 if r["busy"] is not None and np.isfinite(r["busy"])), default=None
+        ),
         "ar_step_ms_c1": float(np.median([r["step_ms"] for r in ar1])) if ar1 else None,
         "ddtree32_step_ms_c1": float(np.median([r["step_ms"] for r in dd32])) if dd32 else None,
         "ddtree32_ratio_by_kind": ratios,
         "aggregate_c16_over_c1": scale,
-        "targets": {"busy": 0.85, "ar_step_ms": 0.5, "ddtree32_step_ms": 1.0, "ratio": 0.8, "c16_over_c1": 10.0},
+        "targets": {
+            "busy": 0.85,
+            "ar_step_ms": 0.5,
+            "ddtree32_step_ms": 1.0,
+            "ratio": 0.8,
+            "c16_over_c1": 10.0,
+        },
     }
 
 
@@ -212,8 +239,15 @@ def run(args) -> dict:
     streams = (1, 4) if quick else STREAMS
     methods = METHODS[:2] if quick else METHODS
     torch.manual_seed(0)
-    payload = {"parameters": {"streams": list(streams), "methods": [list(m) for m in methods], "prompt": PROMPT,
-                              "timed_steps": TIMED_STEPS, "dtype": "bfloat16"}}
+    payload = {
+        "parameters": {
+            "streams": list(streams),
+            "methods": [list(m) for m in methods],
+            "prompt": PROMPT,
+            "timed_steps": TIMED_STEPS,
+            "dtype": "bfloat16",
+        }
+    }
     rng = np.random.default_rng(0)
 
     # trained tiny model, held-out prompts per kind
@@ -229,9 +263,19 @@ def run(args) -> dict:
             for m, b in methods:
                 for c in streams:
                     prompts = [enc[i % len(enc)] for i in range(c)]
-                    trained.append(_run_row(target, m, b, drafter, prompts, NEW_TRAINED, {"model": "trained", "kind": kind,
-                                                                                  "context": PROMPT}))
-                    print(f"[engine_batch] trained {kind} {m}{b or ''} C={c}: {trained[-1]['step_ms']:.3f} ms, "
+                    trained.append(
+                        _run_row(
+                            target,
+                            m,
+                            b,
+                            drafter,
+                            prompts,
+                            NEW_TRAINED,
+                            {"model": "trained", "kind": kind, "context": PROMPT},
+                        )
+                    )
+                    print(f"[engine_batch] trained {kind} {m}{b or ''} C={c}: {trained[-1]['step_ms']:.3f} "
+                          "ms, "
                           f"busy {trained[-1]['busy']:.2f}, {trained[-1]['tokens_per_s']:.0f} tok/s, "
                           f"accepted {trained[-1]['mean_accepted']:.2f}", flush=True)
                     _partial(args, {**payload, "trained": trained})
@@ -247,13 +291,19 @@ def run(args) -> dict:
                     row = _run_row(target, m, b, drafter, [enc[i % len(enc)] for i in range(c)], 96,
                                    {"model": "trained", "kind": "code", "context": PROMPT}, compile_=True)
                     compiled.append(row)
-                    print(f"[engine_batch] compiled {m}{b or ''} C={c}: {row['step_ms']:.3f} ms, busy {row['busy']:.2f}, "
-                          f"kernels {row.get('kernels_per_step')}, first steps {row['first_steps_s']:.1f} s", flush=True)
+                    print(
+                        f"[engine_batch] compiled {m}{b or ''} C={c}: {row['step_ms']:.3f} ms, busy "
+                        f"{row['busy']:.2f}, "
+                        f"kernels {row.get('kernels_per_step')}, first steps {row['first_steps_s']:.1f} s",
+                        flush=True,
+                    )
                     _partial(args, {**payload, "trained": trained, "compiled": compiled})
         payload["compiled"] = compiled
         p0 = tok.encode(zoo.held_out("code")[0])[:PROMPT]
         payload["baselines"] = {
-            "eager_loop": [_eager_loop(target, p0, 64, m, drafter if m == "ddtree" else None, b) for m, b in methods],
+            "eager_loop": [
+                _eager_loop(target, p0, 64, m, drafter if m == "ddtree" else None, b) for m, b in methods
+            ],
             "transformers_generate": _hf_generate(target, p0, 64),
         }
     payload["trained"] = trained
@@ -261,7 +311,9 @@ def run(args) -> dict:
     # 8-layer engine-suite model, random weights and drafter, contexts
     cfg = ModelConfig.from_dict(BENCH_CONFIG)
     bench = Model.random(cfg, seed=0, device="cuda", dtype=torch.bfloat16)
-    bd = DFlashDrafter(DFlashConfig.for_target(cfg, block_size=BLOCK), seed=1).to(device="cuda", dtype=torch.bfloat16)
+    bd = DFlashDrafter(DFlashConfig.for_target(cfg, block_size=BLOCK), seed=1).to(
+        device="cuda", dtype=torch.bfloat16
+    )
     rows = []
     for ctx in ((256,) if quick else (256, 4096)):
         for m, b in (methods if quick else (METHODS[0], METHODS[2], METHODS[3])):
@@ -274,8 +326,9 @@ def run(args) -> dict:
                 _partial(args, {**payload, "trained": trained, "bench": rows})
     _ratios(rows)
     payload["bench"] = rows
-    payload["bench_baselines"] = {"transformers_generate": _hf_generate(bench, rng.integers(0, cfg.vocab_size, 256).tolist(),
-                                                                        32)}
+    payload["bench_baselines"] = {
+        "transformers_generate": _hf_generate(bench, rng.integers(0, cfg.vocab_size, 256).tolist(), 32)
+    }
     payload["goals"] = _goals(trained)
     print(f"[engine_batch] goals {payload['goals']}", flush=True)
     return payload

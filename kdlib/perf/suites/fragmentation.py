@@ -69,7 +69,9 @@ def run_point(h: int, q: int, s: int, ceil: dict, *, iters: int, seed: int = 0) 
     lens = torch.tensor([s], dtype=torch.int32, device=dev)
     scale = D_QK**-0.5
     c = cost(h, q, s)
-    fl = perf.floor_ms(c["bytes"], c["flops"], bandwidth_Bps=ceil["bandwidth_Bps"], flop_rate=ceil["flop_rate"])
+    fl = perf.floor_ms(
+        c["bytes"], c["flops"], bandwidth_Bps=ceil["bandwidth_Bps"], flop_rate=ceil["flop_rate"]
+    )
     tables = layouts(s, seed)
     span = int(max(int(t.max()) for t in tables.values())) + 1
     n_rot = max(1, min(_MAX_ROTATIONS, math.ceil(_ROTATE_BYTES / (s * D_QK * 2))))
@@ -111,14 +113,22 @@ def run_point(h: int, q: int, s: int, ceil: dict, *, iters: int, seed: int = 0) 
         tt, mode = _torch_graph_time(torch_attn, torch, iters)
         rel = float(torch.linalg.vector_norm(out - ref) / torch.linalg.vector_norm(ref))
         row["layouts"][name] = {
-            "layout": {k: stats[k] for k in ("runs", "mean_run", "pages_touched", "page_amplification", "page_fill")},
-            "kernel": t.as_dict(), "fraction_of_floor": fl["floor_ms"] / t.median_ms,
+            "layout": {
+                k: stats[k] for k in ("runs", "mean_run", "pages_touched", "page_amplification", "page_fill")
+            },
+            "kernel": t.as_dict(),
+            "fraction_of_floor": fl["floor_ms"] / t.median_ms,
             "achieved_TBps": c["bytes"] / (t.median_ms * 1e-3) / 1e12,
-            "gather": tg.as_dict(), "torch": {**tt.as_dict(), "mode": mode}, "rel_diff_vs_contiguous": rel}
+            "gather": tg.as_dict(),
+            "torch": {**tt.as_dict(), "mode": mode},
+            "rel_diff_vs_contiguous": rel,
+        }
     k0 = row["layouts"]["contiguous"]["kernel"]["median_ms"]
     for v in row["layouts"].values():
         v["kernel_slowdown_vs_contiguous"] = v["kernel"]["median_ms"] / k0
-        v["torch_slowdown_vs_contiguous"] = v["torch"]["median_ms"] / row["layouts"]["contiguous"]["torch"]["median_ms"]
+        v["torch_slowdown_vs_contiguous"] = (
+            v["torch"]["median_ms"] / row["layouts"]["contiguous"]["torch"]["median_ms"]
+        )
     return row
 
 

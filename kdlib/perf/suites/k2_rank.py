@@ -47,14 +47,18 @@ def grid(pool_tokens: int, quick: bool) -> tuple[list[tuple[int, int, int | None
         for c in streams:
             for b in budgets:
                 if c * (ctx + (b or 0) + 1) > pool_tokens:
-                    cut.append({"context": ctx, "streams": c, "budget": b, "why": "beyond the predicted pool"})
+                    cut.append(
+                        {"context": ctx, "streams": c, "budget": b, "why": "beyond the predicted pool"}
+                    )
                 else:
                     rows.append((ctx, c, b))
     return rows, cut
 
 
 def _floor(nbytes: float, flops: float, ceil: dict) -> dict:
-    return floor_ms(nbytes, flops, bandwidth_Bps=ceil["copy_bandwidth_Bps"], flop_rate=ceil["bf16_matmul_flops"])
+    return floor_ms(
+        nbytes, flops, bandwidth_Bps=ceil["copy_bandwidth_Bps"], flop_rate=ceil["bf16_matmul_flops"]
+    )
 
 
 def floors(step, ceil: dict) -> dict:
@@ -66,7 +70,9 @@ def floors(step, ceil: dict) -> dict:
     touched = s.n_experts * (touched_experts(M, c.n_routed_experts, k) / c.n_routed_experts)
     slots_tokens = M if s.moe_mode == "tp" else M * s.n_experts / c.n_routed_experts
     moe = layer_bytes_flops(slots_tokens, touched, c.hidden_size, s.expert_inter, k)
-    routed = sum(t.numel() * t.element_size() for L_ in m.layers if "experts" in L_ for t in L_["experts"].values())
+    routed = sum(
+        t.numel() * t.element_size() for L_ in m.layers if "experts" in L_ for t in L_["experts"].values()
+    )
     dense_bytes = m.weight_bytes() - routed - m.embed.numel() * m.embed.element_size()
     out = {"moe": _floor(n_moe * moe["bytes"], n_moe * moe["flops"], ceil),
            "dense": _floor(dense_bytes + 4 * L * M * c.hidden_size * 2, 2.0 * M * dense_bytes / 2, ceil)}
@@ -78,11 +84,18 @@ def floors(step, ceil: dict) -> dict:
         B = d.ds.block_size
         ctx_kv = C * ctx * d.ds.num_layers * 2 * d.nkv * d.ds.head_dim * 2
         head = m.lm_head.numel() * 2
-        out["draft"] = _floor(d.weight_bytes() + head + ctx_kv, 2.0 * C * B * (d.weight_bytes() + head) / 2, ceil)
+        out["draft"] = _floor(
+            d.weight_bytes() + head + ctx_kv, 2.0 * C * B * (d.weight_bytes() + head) / 2, ceil
+        )
         out["tree"] = _floor(C * (B - 1) * step.k * 12 + C * W * W, 0.0, ceil)
         out["accept"] = _floor(C * W * 8 * 4, 0.0, ceil)
-        out["commit"] = _floor(d.fc.numel() * 2 + sum(L_["k"].numel() * 4 for L_ in d.layers)
-                               + M * d.ds.num_layers * 2 * d.nkv * d.ds.head_dim * 2, 2.0 * M * d.fc.numel(), ceil)
+        out["commit"] = _floor(
+            d.fc.numel() * 2
+            + sum(L_["k"].numel() * 4 for L_ in d.layers)
+            + M * d.ds.num_layers * 2 * d.nkv * d.ds.head_dim * 2,
+            2.0 * M * d.fc.numel(),
+            ceil,
+        )
     return out
 
 
@@ -115,7 +128,9 @@ def measure_row(model, drafter, pool, ctx: int, C: int, budget, ceil: dict, fit:
     from kdlib.engine.rank import RankStep, allreduce_ms
 
     t0 = time.perf_counter()
-    step = RankStep(model, C, ctx, budget, drafter if budget else None, accepted=ACCEPTED, p_top=P_TOP, pool=pool)
+    step = RankStep(
+        model, C, ctx, budget, drafter if budget else None, accepted=ACCEPTED, p_top=P_TOP, pool=pool
+    )
     step.run(save=True)  # eager: fills the pieces' inputs, compiles kernels
     torch.cuda.synchronize()
     gpool = torch.cuda.graph_pool_handle()
@@ -188,7 +203,8 @@ def run(args) -> dict:
                "ceilings": ceil, "allreduce": fit, "rows": [], "cut": []}
 
     def save():
-        results.write("k2_rank", payload, out_dir=args.out, command="python3 -m kdlib.perf.run --suite k2_rank")
+        results.write("k2_rank", payload, out_dir=args.out, command="python3 -m kdlib.perf.run --suite "
+                                                                    "k2_rank")
 
     torch.cuda.synchronize()
     a0 = torch.cuda.memory_allocated()
@@ -202,12 +218,19 @@ def run(args) -> dict:
     free, total = torch.cuda.mem_get_info()
     w_pred = memory.weight_bytes(cfg_dict, tp=8)["per_gpu"]
     kv_pred = memory.kv_bytes(cfg_dict, 200_000, tp=8)
-    payload["memory"] = {"weights_allocated": w_meas, "weights_predicted": w_pred, "kv_200k_allocated": kv_meas,
-                         "kv_200k_predicted": kv_pred, "allocated": w_meas + kv_meas, "predicted": w_pred + kv_pred,
-                         "ratio": (w_meas + kv_meas) / (w_pred + kv_pred),
-                         "within_2pct": abs((w_meas + kv_meas) / (w_pred + kv_pred) - 1) <= 0.02,
-                         "weights_tensor_bytes": model.weight_bytes(), "device_used_bytes": total - free,
-                         "device_total_bytes": total}
+    payload["memory"] = {
+        "weights_allocated": w_meas,
+        "weights_predicted": w_pred,
+        "kv_200k_allocated": kv_meas,
+        "kv_200k_predicted": kv_pred,
+        "allocated": w_meas + kv_meas,
+        "predicted": w_pred + kv_pred,
+        "ratio": (w_meas + kv_meas) / (w_pred + kv_pred),
+        "within_2pct": abs((w_meas + kv_meas) / (w_pred + kv_pred) - 1) <= 0.02,
+        "weights_tensor_bytes": model.weight_bytes(),
+        "device_used_bytes": total - free,
+        "device_total_bytes": total,
+    }
     del kv200
     torch.cuda.empty_cache()
     drafter = RankDrafter(model, DFLASH_KIMI)
@@ -216,19 +239,25 @@ def run(args) -> dict:
     slots = max(c * (ctx + (b or 0) + 1) for ctx, c, b in rows)
     pool = torch.zeros(cfg.num_hidden_layers, slots, cfg.latent_dim, dtype=torch.bfloat16, device="cuda")
     drafter.make_pool(slots)
-    payload["setup"] = {"weight_generation_s": gen_s, "drafter": {**DFLASH_KIMI.__dict__,
-                                                                  "weight_bytes_rank": drafter.weight_bytes()},
-                        "pool_slots": slots, "pool_tokens_predicted": pool_tokens}
+    payload["setup"] = {
+        "weight_generation_s": gen_s,
+        "drafter": {**DFLASH_KIMI.__dict__, "weight_bytes_rank": drafter.weight_bytes()},
+        "pool_slots": slots,
+        "pool_tokens_predicted": pool_tokens,
+    }
     payload["cut"] = cut
     save()
     start = time.perf_counter()
     for i, (ctx, c, b) in enumerate(rows):
         if time.perf_counter() - start > budget_s:
-            payload["cut"] += [{"context": x, "streams": y, "budget": z, "why": "time budget"} for x, y, z in rows[i:]]
+            payload["cut"] += [
+                {"context": x, "streams": y, "budget": z, "why": "time budget"} for x, y, z in rows[i:]
+            ]
             break
         row = measure_row(model, drafter, pool, ctx, c, b, ceil, fit, iters=10)
         payload["rows"].append(row)
-        print(f"[k2_rank] ctx {ctx:>6} C {c:>2} {row['method']:>6} b {b or 0:>2}: step {row['step_ms']:8.2f} ms "
+        print(f"[k2_rank] ctx {ctx:>6} C {c:>2} {row['method']:>6} b {b or 0:>2}: step {row['step_ms']:8.2f} "
+              "ms "
               f"(+ar {row['allreduce_modelled_ms']:.2f}) parts sum {row['components_sum_ms']:8.2f} "
               f"floors {row['floor_sum_ms']:7.2f} tau {row['accepted_mean']:.2f}", flush=True)
         save()
@@ -238,14 +267,17 @@ def run(args) -> dict:
 def table(doc: dict) -> str:
     """The short table tools/k2_rank_gpu.sh prints at the end."""
     m = doc.get("memory", {})
-    lines = [f"memory: allocated {m.get('allocated', 0) / 1e9:.2f} GB vs predicted {m.get('predicted', 0) / 1e9:.2f} GB "
+    lines = [f"memory: allocated {m.get('allocated', 0) / 1e9:.2f} GB vs predicted "
+             f"{m.get('predicted', 0) / 1e9:.2f} GB "
              f"(ratio {m.get('ratio', 0):.4f}, within 2%: {m.get('within_2pct')})",
-             f"{'ctx':>7} {'C':>3} {'method':>7} {'step ms':>9} {'+AR ms':>8} {'moe':>7} {'attn':>7} {'dense':>7} "
+             f"{'ctx':>7} {'C':>3} {'method':>7} {'step ms':>9} {'+AR ms':>8} {'moe':>7} {'attn':>7} "
+             f"{'dense':>7} "
              f"{'draft':>6} {'floor':>7} {'tau':>5} {'tok/s':>7}"]
     for r in doc.get("rows", []):
         cm = r["components_ms"]
         lines.append(f"{r['context']:>7} {r['streams']:>3} {r['method'][:2] + str(r['budget'] or ''):>7} "
-                     f"{r['step_ms']:9.2f} {r['allreduce_modelled_ms']:8.2f} {cm['moe']:7.2f} {cm['attention']:7.2f} "
+                     f"{r['step_ms']:9.2f} {r['allreduce_modelled_ms']:8.2f} {cm['moe']:7.2f} "
+                     f"{cm['attention']:7.2f} "
                      f"{cm['dense']:7.2f} {cm.get('draft', 0):6.2f} {r['floor_sum_ms']:7.2f} "
                      f"{r['accepted_mean']:5.2f} {r['tok_s']:7.0f}")
     lines.append(f"cut: {len(doc.get('cut', []))} rows")

@@ -84,7 +84,11 @@ def _cases(folder: Path, data: dict[str, np.ndarray]) -> dict[str, dict]:
             "load": lambda: {k: np.load(npy_dir / f"{k}.npy") for k in data},
             "mmap_open": lambda: {k: np.load(npy_dir / f"{k}.npy", mmap_mode="r") for k in data},
         },
-        "npz": {"path": folder / "d.npz", "save": lambda: np.savez(folder / "d.npz", **data), "load": npz_load},
+        "npz": {
+            "path": folder / "d.npz",
+            "save": lambda: np.savez(folder / "d.npz", **data),
+            "load": npz_load,
+        },
         "safetensors": {
             "path": folder / "d.safetensors",
             "save": lambda: save_file(data, str(folder / "d.safetensors")),
@@ -105,7 +109,8 @@ def measure(total_bytes: int = 256 << 20, repeats: int = 5, n_tensors: int = 8, 
     Per operation: one warm-up, then the median of `repeats` runs (kdlib.perf.cpu_time).
     """
     if total_bytes < n_tensors * 4096 or repeats < 1:
-        raise ValueError(f"need total_bytes >= {n_tensors * 4096} and repeats >= 1, got {total_bytes}, {repeats}")
+        raise ValueError(f"need total_bytes >= {n_tensors * 4096} and repeats >= 1, got {total_bytes}, "
+                         f"{repeats}")
     data = make_data(total_bytes, n_tensors)
     load_before = os.getloadavg()[0]  # a busy machine slows every row: kept with the result
     nbytes = sum(a.nbytes for a in data.values())
@@ -137,7 +142,8 @@ def measure(total_bytes: int = 256 << 20, repeats: int = 5, n_tensors: int = 8, 
         "notes": [
             "loads read from a warm page cache (the file was just written): parse + copy cost, not disk",
             "kdtr save is atomic and durable (fsync of file and folder); npy/npz/safetensors saves overwrite "
-            "in place without fsync; raw_overwrite and raw_atomic write the same bytes in those two patterns with no format",
+            "in place without fsync; raw_overwrite and raw_atomic write the same bytes in those two patterns "
+            "with no format",
             "save times swing several-fold between runs on a shared VM (page cache, writeback): see p10/p90",
             "kdtr load verifies a CRC-32 per tensor; load_noverify skips it; mmap_open maps the file and "
             "returns views (O(header), so its GBps only says how little it does), mmap_verify maps and "

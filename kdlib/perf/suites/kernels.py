@@ -97,8 +97,17 @@ def _us(d: dict, repeats: int = 1) -> float:
 
 
 def _trees_equal(got, want) -> bool:
-    for name in ("sizes", "node_token_ids", "node_depths", "parents", "visibility", "next_token", "next_sibling",
-                 "positions", "scores"):
+    for name in (
+        "sizes",
+        "node_token_ids",
+        "node_depths",
+        "parents",
+        "visibility",
+        "next_token",
+        "next_sibling",
+        "positions",
+        "scores",
+    ):
         g, w = getattr(got, name).get(), getattr(want, name)
         if name == "scores":
             g, w = g.view(np.int64), w.view(np.int64)
@@ -134,12 +143,24 @@ def bench_build(ids_all, lp_all, iters: int) -> list[dict]:
 
         def cpu_with_copies(d_ids=d_ids, d_lp=d_lp):
             t = ref.build_tree_batch(d_ids.get(), d_lp.get(), BUDGET)
-            arrays = [cupy.asarray(getattr(t, f)) for f in ("sizes", "node_token_ids", "parents", "visibility",
-                                                             "next_token", "next_sibling", "positions")]
+            arrays = [
+                cupy.asarray(getattr(t, f))
+                for f in (
+                    "sizes",
+                    "node_token_ids",
+                    "parents",
+                    "visibility",
+                    "next_token",
+                    "next_sibling",
+                    "positions",
+                )
+            ]
             cupy.cuda.runtime.deviceSynchronize()
             return arrays
 
-        cpu = perf.cpu_time(lambda ids=ids, lp=lp: ref.build_tree_batch(ids, lp, BUDGET), warmup=1, iters=iters)
+        cpu = perf.cpu_time(
+            lambda ids=ids, lp=lp: ref.build_tree_batch(ids, lp, BUDGET), warmup=1, iters=iters
+        )
         cpu_copies = perf.cpu_time(cpu_with_copies, warmup=1, iters=iters)
         for version in tree_versions():
             out = tree.empty_batch(bsz, BUDGET)
@@ -165,8 +186,11 @@ def bench_build(ids_all, lp_all, iters: int) -> list[dict]:
                 "speedup_vs_cpu_graph_replay": cpu.median_ms / replay["median_ms"],
                 "speedup_vs_cpu_with_copies_graph_replay": cpu_copies.median_ms / replay["median_ms"],
             })
-            print(f"[kernels] build v{version} B={bsz}: exact={exact} kernel {rows[-1]['kernel_us']:.2f} us, "
-                  f"replay {rows[-1]['graph_replay_us']:.2f} us, cpu {rows[-1]['cpu_ref_us']:.0f} us", flush=True)
+            print(
+                f"[kernels] build v{version} B={bsz}: exact={exact} kernel {rows[-1]['kernel_us']:.2f} us, "
+                f"replay {rows[-1]['graph_replay_us']:.2f} us, cpu {rows[-1]['cpu_ref_us']:.0f} us",
+                flush=True,
+            )
     return rows
 
 
@@ -175,7 +199,8 @@ def bench_build_tied(vocab: int = 1000) -> list[dict]:
     import cupy
 
     bsz = max(BATCHES)
-    ids, lp = pipeline.random_topk(np.random.default_rng(5), bsz, DEPTH, K_PRIME, vocab, "tied")  # [64, 15, 64]
+    # [64, 15, 64]
+    ids, lp = pipeline.random_topk(np.random.default_rng(5), bsz, DEPTH, K_PRIME, vocab, "tied")
     want = ref.build_tree_batch(ids, lp, BUDGET)
     d_ids, d_lp = cupy.asarray(ids), cupy.asarray(lp)
     rows = []
@@ -189,10 +214,21 @@ def bench_build_tied(vocab: int = 1000) -> list[dict]:
         exact = _trees_equal(out, want)
         gr, sr = _graph(build, REPEAT)
         kernel = _replay_ms(gr, sr, 50)
-        rows.append({"batch": bsz, "version": version, "kernel": tree.kernel_name(BUDGET, version)[1],
-                     "inputs": "random_topk(seed 5, tied)", "bit_exact": exact, f"gpu_graph_x{REPEAT}": kernel,
-                     "kernel_us": _us(kernel, REPEAT)})
-        print(f"[kernels] build v{version} tied B={bsz}: exact={exact} kernel {rows[-1]['kernel_us']:.2f} us", flush=True)
+        rows.append(
+            {
+                "batch": bsz,
+                "version": version,
+                "kernel": tree.kernel_name(BUDGET, version)[1],
+                "inputs": "random_topk(seed 5, tied)",
+                "bit_exact": exact,
+                f"gpu_graph_x{REPEAT}": kernel,
+                "kernel_us": _us(kernel, REPEAT),
+            }
+        )
+        print(
+            f"[kernels] build v{version} tied B={bsz}: exact={exact} kernel {rows[-1]['kernel_us']:.2f} us",
+            flush=True,
+        )
     return rows
 
 
@@ -207,31 +243,52 @@ def bench_rest(inputs: dict, iters: int, bw: float) -> dict:
                for k, v in inputs.items()}
         inp["cache"] = inputs["cache"][: bsz * (BUDGET + 1) + 1]
         want = pipeline.reference_step(**inp)
-        trees = tree.build_tree_batch(cupy.asarray(inp["top_token_ids"]), cupy.asarray(inp["top_log_probs"]), BUDGET)
+        trees = tree.build_tree_batch(
+            cupy.asarray(inp["top_token_ids"]), cupy.asarray(inp["top_log_probs"]), BUDGET
+        )
         targets = cupy.asarray(want["targets"])
         width = want["paths"].shape[1]
-        bufs = (cupy.empty((bsz, width), cupy.int64), cupy.empty(bsz, cupy.int64), cupy.empty(bsz, cupy.int64))
+        bufs = (
+            cupy.empty((bsz, width), cupy.int64),
+            cupy.empty(bsz, cupy.int64),
+            cupy.empty(bsz, cupy.int64),
+        )
 
         def acc(trees=trees, targets=targets, bufs=bufs, width=width):
             accept.accept_greedy_batch(trees, targets, max_depth=width - 1, out=bufs)
 
         acc()
-        exact = all((g.get() == w).all() for g, w in zip(bufs, (want["paths"], want["lengths"], want["bonus"]), strict=True))
+        exact = all(
+            (g.get() == w).all()
+            for g, w in zip(bufs, (want["paths"], want["lengths"], want["bonus"]), strict=True)
+        )
         g, s = _graph(acc)
         gr, sr = _graph(acc, REPEAT)
-        cpu = perf.cpu_time(lambda w=want, m=width - 1: ref.accept_greedy_batch(w["trees"], w["targets"], max_depth=m),
-                            warmup=1, iters=iters)
+        cpu = perf.cpu_time(
+            lambda w=want, m=width - 1: ref.accept_greedy_batch(w["trees"], w["targets"], max_depth=m),
+            warmup=1,
+            iters=iters,
+        )
         rk = _replay_ms(gr, sr, 50)
         out["accept"].append({"batch": bsz, "exact": exact, "mean_path_length": float(want["lengths"].mean()),
                               "graph_replay": _replay_ms(g, s, 200), f"gpu_graph_x{REPEAT}": rk,
                               "kernel_us": _us(rk, REPEAT), "cpu_ref": cpu.as_dict()})
         out["accept"][-1]["graph_replay_us"] = _us(out["accept"][-1]["graph_replay"])
 
-        paths, lengths, starts = cupy.asarray(want["paths"]), cupy.asarray(want["lengths"]), cupy.asarray(inp["starts"])
-        moved_rows = int(sum(int((want["paths"][b, : want["lengths"][b]] != np.arange(want["lengths"][b])).sum())
-                             for b in range(bsz)))
+        paths, lengths, starts = (
+            cupy.asarray(want["paths"]),
+            cupy.asarray(want["lengths"]),
+            cupy.asarray(inp["starts"]),
+        )
+        moved_rows = int(
+            sum(
+                int((want["paths"][b, : want["lengths"][b]] != np.arange(want["lengths"][b])).sum())
+                for b in range(bsz)
+            )
+        )
         for layers in (1, LAYERS):
-            cache = cupy.zeros((bsz * (BUDGET + 1) + 1, layers * ROW_BYTES // 2), dtype=cupy.uint16)  # [slots, layers*576] bf16 bits
+            # [slots, layers*576] bf16 bits
+            cache = cupy.zeros((bsz * (BUDGET + 1) + 1, layers * ROW_BYTES // 2), dtype=cupy.uint16)
             cache[...] = cupy.arange(cache.size, dtype=cupy.uint32).reshape(cache.shape).astype(cupy.uint16)
 
             def comp(cache=cache, paths=paths, lengths=lengths, starts=starts):
@@ -240,13 +297,24 @@ def bench_rest(inputs: dict, iters: int, bw: float) -> dict:
             g, s = _graph(comp)
             t = _replay_ms(g, s, 200)
             nbytes = 2 * moved_rows * layers * ROW_BYTES
-            out["compact"].append({"batch": bsz, "layers": layers, "row_bytes": layers * ROW_BYTES, "moved_rows": moved_rows,
-                                   "bytes": nbytes, "graph_replay": t, "graph_replay_us": _us(t),
-                                   **perf.floor_ms(nbytes, 0.0, bandwidth_Bps=bw, flop_rate=1.0),
-                                   "achieved_Bps": nbytes / (t["median_ms"] * 1e-3)})
+            out["compact"].append(
+                {
+                    "batch": bsz,
+                    "layers": layers,
+                    "row_bytes": layers * ROW_BYTES,
+                    "moved_rows": moved_rows,
+                    "bytes": nbytes,
+                    "graph_replay": t,
+                    "graph_replay_us": _us(t),
+                    **perf.floor_ms(nbytes, 0.0, bandwidth_Bps=bw, flop_rate=1.0),
+                    "achieved_Bps": nbytes / (t["median_ms"] * 1e-3),
+                }
+            )
             del cache
 
-        slots = cupy.asarray(rng.permutation(bsz * (BUDGET + 1) * 2)[: bsz * (BUDGET + 1)].reshape(bsz, BUDGET + 1))
+        slots = cupy.asarray(
+            rng.permutation(bsz * (BUDGET + 1) * 2)[: bsz * (BUDGET + 1)].reshape(bsz, BUDGET + 1)
+        )
         r2t = cupy.zeros((bsz, 4096), dtype=cupy.int32)
         rstarts = cupy.full(bsz, 1000, dtype=cupy.int64)
         freed = cupy.empty((bsz, BUDGET + 1), dtype=cupy.bool_)
@@ -273,7 +341,8 @@ def bench_rest(inputs: dict, iters: int, bw: float) -> dict:
         out["step"].append({"batch": bsz, "exact": step_exact, "build_kernel": tree.kernel_name(BUDGET)[1],
                             "graph_replay": t, "graph_replay_us": _us(t),
                             "eager": eager, "eager_us": _us(eager),
-                            "kernels_per_step": 7})  # build, 2 copies + max + take (stand-in verify), accept, compact
+                            # build, 2 copies + max + take (stand-in verify), accept, compact
+                            "kernels_per_step": 7})
         print(f"[kernels] B={bsz}: accept {out['accept'][-1]['graph_replay_us']:.2f} us, step "
               f"{out['step'][-1]['graph_replay_us']:.2f} us (exact={step_exact})", flush=True)
 
@@ -287,13 +356,16 @@ def bench_rest(inputs: dict, iters: int, bw: float) -> dict:
                   for o in set(accept.SAMPLE_ORDER.values())}
         for version in accept.SAMPLE_VERSIONS:
             got_s = accept.accept_sample_batch(trees, probs, u, version=version)
-            exact = all((g.get() == w).all() for g, w in zip(got_s, want_s[accept.SAMPLE_ORDER[version]], strict=True))
+            exact = all(
+                (g.get() == w).all() for g, w in zip(got_s, want_s[accept.SAMPLE_ORDER[version]], strict=True)
+            )
             t = perf.cuda_time(lambda trees=trees, probs=probs, u=u, v=version: accept.accept_sample_batch(
                 trees, probs, u, version=v), warmup=2, iters=10, backend="cupy").as_dict()
             out["sample"].append({"batch": bsz, "version": version, "vocab": SAMPLE_VOCAB, "dtype": "float32",
                                   "exact": exact, "eager": t, "eager_us": _us(t),
                                   "note": "bit-exact inverse CDF, float64 sums: " + (
-                                      "one block per row" if version == 3 else "one thread per row, 2 V sequential adds")})
+                                      "one block per row" if version == 3 else "one thread per row, 2 V "
+                                                                               "sequential adds")})
             print(f"[kernels] sample v{version} B={bsz}: {_us(t):.0f} us exact={exact}", flush=True)
         del probs
     return out
@@ -323,8 +395,9 @@ def run(args) -> dict:
     bw, bw_source = _bandwidth()
     clocks_before = _clocks()
     ids, lp = synthetic_topk(0, max(BATCHES), DEPTH, K_PRIME)  # [64, 15, 64] drafter-like, vocab 32000
-    inputs = pipeline.random_step_inputs(np.random.default_rng(3), max(BATCHES), DEPTH, K_PRIME, 32000, BUDGET,
-                                         row_dim=8, topk=(ids, lp))  # target chains planted into these top-k
+    inputs = pipeline.random_step_inputs(
+        np.random.default_rng(3), max(BATCHES), DEPTH, K_PRIME, 32000, BUDGET, row_dim=8, topk=(ids, lp)
+    )  # target chains planted into these top-k
     build = bench_build(inputs["top_token_ids"], inputs["top_log_probs"], iters)
     build_tied = bench_build_tied()
     rest = bench_rest(inputs, iters, bw)
@@ -338,7 +411,8 @@ def run(args) -> dict:
                        "tree_versions": list(tree_versions()),
                        "repeat_per_graph": REPEAT, "cpu_iters": iters, "quick": quick,
                        "inputs": "kdlib.ref.tree.synthetic_topk(0, 64, 15, 64) with target chains planted by "
-                                 "kdlib.cuda.pipeline.random_step_inputs(seed 3, topk=...); every sweep uses them",
+                                 "kdlib.cuda.pipeline.random_step_inputs(seed 3, topk=...); every sweep uses "
+                                 "them",
                        "l2": "all tree-kernel data L2-resident (launch/latency-bound kernels)"},
         "copy_bandwidth_Bps": bw, "copy_bandwidth_source": bw_source,
         "clocks_before": clocks_before, "clocks_after": _clocks(),

@@ -90,7 +90,9 @@ def _baseline_arm(torch, wgu, wd):
     """The bf16 grouped GEMM that runs here: ('grouped_mm', fn) or ('padded_bmm', fn)."""
 
     def combine(yd, tok, wts, m):
-        return torch.zeros(m, K, dtype=torch.float32, device="cuda").index_add_(0, tok, (yd * wts[:, None]).float())
+        return torch.zeros(m, K, dtype=torch.float32, device="cuda").index_add_(
+            0, tok, (yd * wts[:, None]).float()
+        )
 
     def grouped(x, tok, wts, offs, m, cap):
         xs = x.index_select(0, tok)
@@ -174,7 +176,9 @@ def _graph_time(routes, xb, packed, out, h, *, rotations: int, iters: int, **kw)
         return {"error": f"{type(err).__name__}: {err}"[:300]}
 
 
-def _measure(m: int, rng, packed, baseline, *, bw: float, flop_rate: float, rotations: int, iters: int) -> dict:
+def _measure(
+    m: int, rng, packed, baseline, *, bw: float, flop_rate: float, rotations: int, iters: int
+) -> dict:
     """Time the kernel and the baseline at M = m over `rotations` routings; bytes, FLOPs, floors."""
     import cupy as cp
     import torch
@@ -318,7 +322,11 @@ def run(args) -> dict:
     copy = _copy_bandwidth(torch)
     ceilings = perf.load("ceilings", "h200")
     flop_rate = (ceilings or {}).get("bf16_matmul_flops") or DEFAULT_FLOPS
-    flop_source = ceilings["_path"] if ceilings and ceilings.get("bf16_matmul_flops") else "default 790e12 (no ceilings recorded)"
+    flop_source = (
+        ceilings["_path"]
+        if ceilings and ceilings.get("bf16_matmul_flops")
+        else "default 790e12 (no ceilings recorded)"
+    )
     bw = copy["copy_bandwidth_Bps"]
 
     # INT4 experts in the kernel layout (random bits: timing does not depend on the values).
@@ -326,7 +334,9 @@ def run(args) -> dict:
     packed = {
         "w1": _random_words(torch, cp, E * P * KC * 2 * 32 * 4).reshape(E, P, KC, 2, 32, 4),
         "s1": _random_scales(torch, cp, E * P * KC * 2 * 16).reshape(E, P, KC, 2, 16),
-        "w2": _random_words(torch, cp, E * (K // 16) * (N // 64) * 32 * 4).reshape(E, K // 16, N // 64, 32, 4),
+        "w2": _random_words(torch, cp, E * (K // 16) * (N // 64) * 32 * 4).reshape(
+            E, K // 16, N // 64, 32, 4
+        ),
         "s2": _random_scales(torch, cp, E * (K // 16) * (N // 64) * 16).reshape(E, K // 16, N // 64, 16),
     }
     wgu = (torch.randn(E, K, 2 * N, device="cuda") * 0.02).to(torch.bfloat16)   # [E, K, 2N]
@@ -338,9 +348,11 @@ def run(args) -> dict:
         row = _measure(m, rng, packed, baseline, bw=bw, flop_rate=flop_rate, rotations=rotations, iters=iters)
         rows.append(row)
         print(
-            f"[moe] M={m:5d} touched {row['touched_experts']:6.1f}  kernel {row['kernel']['median_ms']:7.3f} ms "
+            f"[moe] M={m:5d} touched {row['touched_experts']:6.1f}  kernel {row['kernel']['median_ms']:7.3f} "
+            "ms "
             f"({row['kernel_GBps']:6.0f} GB/s, {row['kernel_frac_copy_bw']:.0%} of copy, "
-            f"{row['kernel_TFLOPs']:.1f} TF; graph {row['kernel_graph'].get('median_ms', float('nan')):7.3f} ms)  "
+            f"{row['kernel_TFLOPs']:.1f} TF; graph {row['kernel_graph'].get('median_ms', float('nan')):7.3f} "
+            "ms)  "
             f"v2 {row['kernel_v2']['median_ms']:7.3f} ms ({row['kernel_v2_frac_copy_bw']:.0%}; graph "
             f"{row['kernel_v2_graph'].get('median_ms', float('nan')):7.3f} ms; "
             f"w16 {row['kernel_v2_gate_up_16warps_frac_copy_bw'] or float('nan'):.0%} "
@@ -363,14 +375,22 @@ def run(args) -> dict:
     ridge_m = all_bytes / bw * flop_rate / (2.0 * TOPK * 3 * K * N)
     saturate_m = math.log(0.005) / math.log(1.0 - TOPK / E)
     return {
-        "params": {"experts": E, "hidden": K, "expert_inter_tp8": N, "topk": TOPK, "ms": list(ms),
-                   "rotations": rotations, "iters": iters, "quick": quick,
-                   "timed_kernel": "y.fill(0) + gate_up + down launches; routing prepared outside",
-                   "timed_kernel_v2": "gate_up (zeroes y) + down launches, persistent; v1's kernels "
-                                      "where an expert has > 8 slots; routing prepared outside",
-                   "timed_kernel_v3": "one persistent launch (zeroes y); v1's kernels where an expert has "
-                                      "> 8 slots; routing prepared outside",
-                   "timed_baseline": f"gather + {arm} gate/up + SwiGLU + {arm} down + index_add combine"},
+        "params": {
+            "experts": E,
+            "hidden": K,
+            "expert_inter_tp8": N,
+            "topk": TOPK,
+            "ms": list(ms),
+            "rotations": rotations,
+            "iters": iters,
+            "quick": quick,
+            "timed_kernel": "y.fill(0) + gate_up + down launches; routing prepared outside",
+            "timed_kernel_v2": "gate_up (zeroes y) + down launches, persistent; v1's kernels "
+            "where an expert has > 8 slots; routing prepared outside",
+            "timed_kernel_v3": "one persistent launch (zeroes y); v1's kernels where an expert has "
+            "> 8 slots; routing prepared outside",
+            "timed_baseline": f"gather + {arm} gate/up + SwiGLU + {arm} down + index_add combine",
+        },
         "copy": copy,
         "copy_bandwidth_Bps": bw,
         "bf16_flops_ceiling": flop_rate,
@@ -378,29 +398,48 @@ def run(args) -> dict:
         "baseline_arm": arm,
         "rows": rows,
         "summary": {
-            "kernel_min_frac_copy_bw_m_le_32": min(r["kernel_frac_copy_bw"] for r in small) if small else None,
+            "kernel_min_frac_copy_bw_m_le_32": min(r["kernel_frac_copy_bw"] for r in small)
+            if small
+            else None,
             "kernel_graph_min_frac_copy_bw_m_le_32": min(
                 (r["kernel_graph_frac_copy_bw"] for r in small if r["kernel_graph_frac_copy_bw"] is not None),
-                default=None),
+                default=None,
+            ),
             "kernel_gate_up_8warps_min_frac_copy_bw_m_le_32": min(
-                (r["kernel_gate_up_8warps_frac_copy_bw"] for r in small
-                 if r["kernel_gate_up_8warps_frac_copy_bw"] is not None), default=None),
-            "kernel_median_frac_copy_bw_m_le_32": float(np.median([r["kernel_frac_copy_bw"] for r in small])) if small else None,
+                (
+                    r["kernel_gate_up_8warps_frac_copy_bw"]
+                    for r in small
+                    if r["kernel_gate_up_8warps_frac_copy_bw"] is not None
+                ),
+                default=None,
+            ),
+            "kernel_median_frac_copy_bw_m_le_32": float(np.median([r["kernel_frac_copy_bw"] for r in small]))
+            if small
+            else None,
             "kernel_v2_min_frac_copy_bw_m_le_32": _min_key(small, "kernel_v2_frac_copy_bw"),
             "kernel_v2_graph_min_frac_copy_bw_m_le_32": _min_key(small, "kernel_v2_graph_frac_copy_bw"),
-            "kernel_v2_gate_up_16warps_min_frac_copy_bw_m_le_32": _min_key(small, "kernel_v2_gate_up_16warps_frac_copy_bw"),
-            "kernel_v2_k_interleave_min_frac_copy_bw_m_le_32": _min_key(small, "kernel_v2_k_interleave_frac_copy_bw"),
-            "kernel_v2_median_frac_copy_bw_m_le_32": (float(np.median([r["kernel_v2_frac_copy_bw"] for r in small]))
-                                                      if small else None),
-            "kernel_v2_graph_min_frac_copy_bw_m_2_to_32": _min_key([r for r in small if r["m"] >= 2],
-                                                                   "kernel_v2_graph_frac_copy_bw"),
+            "kernel_v2_gate_up_16warps_min_frac_copy_bw_m_le_32": _min_key(
+                small, "kernel_v2_gate_up_16warps_frac_copy_bw"
+            ),
+            "kernel_v2_k_interleave_min_frac_copy_bw_m_le_32": _min_key(
+                small, "kernel_v2_k_interleave_frac_copy_bw"
+            ),
+            "kernel_v2_median_frac_copy_bw_m_le_32": (
+                float(np.median([r["kernel_v2_frac_copy_bw"] for r in small])) if small else None
+            ),
+            "kernel_v2_graph_min_frac_copy_bw_m_2_to_32": _min_key(
+                [r for r in small if r["m"] >= 2], "kernel_v2_graph_frac_copy_bw"
+            ),
             "kernel_v2_min_speedup_vs_v1_m_le_32": _min_key(small, "speedup_v2_vs_v1"),
             "kernel_v3_min_frac_copy_bw_m_le_32": _min_key(small, "kernel_v3_frac_copy_bw"),
             "kernel_default_min_frac_copy_bw_m_le_32": _min_key(small, "kernel_default_frac_copy_bw"),
-            "kernel_default_graph_min_frac_copy_bw_m_le_32": _min_key(small, "kernel_default_graph_frac_copy_bw"),
+            "kernel_default_graph_min_frac_copy_bw_m_le_32": _min_key(
+                small, "kernel_default_graph_frac_copy_bw"
+            ),
             "kernel_v3_graph_min_frac_copy_bw_m_le_32": _min_key(small, "kernel_v3_graph_frac_copy_bw"),
-            "kernel_v3_graph_min_frac_copy_bw_m_2_to_32": _min_key([r for r in small if r["m"] >= 2],
-                                                                   "kernel_v3_graph_frac_copy_bw"),
+            "kernel_v3_graph_min_frac_copy_bw_m_2_to_32": _min_key(
+                [r for r in small if r["m"] >= 2], "kernel_v3_graph_frac_copy_bw"
+            ),
             "kernel_v3_min_speedup_vs_v2_m_le_32": _min_key(small, "speedup_v3_vs_v2"),
             "all_experts_bytes": all_bytes,
             "all_experts_floor_ms": all_bytes / bw * 1e3,

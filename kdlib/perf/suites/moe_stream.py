@@ -96,9 +96,19 @@ def _stream_rows(cp, pool, sizes: dict, bw: float, sms: int, iters: int) -> list
                     read(start + n1 * vec, n - n1)
 
                 t = _replay_time(cp, [partial(read, s, n_units) for s in starts], iters)
-                row = {"config": suffix, "stages": stages, "unit_bytes": unit, "blockwise": blockwise,
-                       "warps_per_sm": warps, "size": label, "bytes": n_units * unit, "timing": t,
-                       "frac_copy_bw": n_units * unit / (t["median_ms"] * 1e-3) / bw if "median_ms" in t else None}
+                row = {
+                    "config": suffix,
+                    "stages": stages,
+                    "unit_bytes": unit,
+                    "blockwise": blockwise,
+                    "warps_per_sm": warps,
+                    "size": label,
+                    "bytes": n_units * unit,
+                    "timing": t,
+                    "frac_copy_bw": n_units * unit / (t["median_ms"] * 1e-3) / bw
+                    if "median_ms" in t
+                    else None,
+                }
                 if suffix == "s8_v1" and warps == 16:
                     t2 = _replay_time(cp, [partial(two, s) for s in starts], iters)
                     row["two_launch"] = t2
@@ -119,8 +129,12 @@ def _moe_rows(cp, torch, timing, bw: float, iters: int) -> list[dict]:
     packed = {
         "w1": moe_suite._random_words(torch, cp, E * P * KC * 2 * 32 * 4).reshape(E, P, KC, 2, 32, 4),
         "s1": moe_suite._random_scales(torch, cp, E * P * KC * 2 * 16).reshape(E, P, KC, 2, 16),
-        "w2": moe_suite._random_words(torch, cp, E * (K // 16) * (N // 64) * 32 * 4).reshape(E, K // 16, N // 64, 32, 4),
-        "s2": moe_suite._random_scales(torch, cp, E * (K // 16) * (N // 64) * 16).reshape(E, K // 16, N // 64, 16),
+        "w2": moe_suite._random_words(torch, cp, E * (K // 16) * (N // 64) * 32 * 4).reshape(
+            E, K // 16, N // 64, 32, 4
+        ),
+        "s2": moe_suite._random_scales(torch, cp, E * (K // 16) * (N // 64) * 16).reshape(
+            E, K // 16, N // 64, 16
+        ),
     }
     rng = np.random.default_rng(0)
     rows = []
@@ -134,9 +148,15 @@ def _moe_rows(cp, torch, timing, bw: float, iters: int) -> list[dict]:
         touched = float(np.mean([r.n_active for r in routes]))
         wbytes = moe.layer_bytes_flops(m, touched, K, N, TOPK)["weight_bytes"]
         arms = {
-            "gate_up": ([partial(moe.launch_v2_gate_up, xb, packed, r, out, h) for r in routes], wbytes * 2 / 3),
+            "gate_up": (
+                [partial(moe.launch_v2_gate_up, xb, packed, r, out, h) for r in routes],
+                wbytes * 2 / 3,
+            ),
             "down": ([partial(moe.launch_v2_down, packed, r, out, h) for r in routes], wbytes / 3),
-            "both": ([partial(moe.moe_w4a16, xb, packed, r, out=out, h=h, version=2) for r in routes], wbytes),
+            "both": (
+                [partial(moe.moe_w4a16, xb, packed, r, out=out, h=h, version=2) for r in routes],
+                wbytes,
+            ),
             "v3": ([partial(moe.moe_w4a16, xb, packed, r, out=out, h=h, version=3) for r in routes], wbytes),
         }
         row = {"m": m, "touched_experts": touched, "weight_bytes": wbytes}
@@ -158,12 +178,18 @@ def _moe_rows(cp, torch, timing, bw: float, iters: int) -> list[dict]:
             row["v3_down_batch"][str(d)] = {"timing": t, "frac_copy_bw": wbytes / (t["median_ms"] * 1e-3) / bw
                                             if "median_ms" in t else None}
         rows.append(row)
-        print(f"[moe_stream] v3 down_batch M={m:3d} " + "  ".join(
-            f"{d}: {v['frac_copy_bw'] or float('nan'):.0%}" for d, v in row["v3_down_batch"].items()), flush=True)
+        print(
+            f"[moe_stream] v3 down_batch M={m:3d} "
+            + "  ".join(
+                f"{d}: {v['frac_copy_bw'] or float('nan'):.0%}" for d, v in row["v3_down_batch"].items()
+            ),
+            flush=True,
+        )
         print(f"[moe_stream] v3 parts M={m:3d} " + "  ".join(
             f"{d}: {v['frac_copy_bw'] or float('nan'):.0%}" for d, v in row["v3_parts"].items()), flush=True)
         print(f"[moe_stream] moe v2 M={m:3d} " + "  ".join(
-            f"{k} {row[k].get('median_ms', float('nan')) * 1e3:7.1f} us ({row[k + '_frac_copy_bw'] or float('nan'):.0%})"
+            f"{k} {row[k].get('median_ms', float('nan')) * 1e3:7.1f} us "
+            f"({row[k + '_frac_copy_bw'] or float('nan'):.0%})"
             for k in arms), flush=True)
     return rows
 

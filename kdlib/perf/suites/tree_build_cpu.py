@@ -9,7 +9,8 @@ from __future__ import annotations
 from kdlib.perf import cpu_time
 from kdlib.ref.tree import build_tree_batch, synthetic_topk
 
-BASELINE_POINT = {"batch": 64, "depth": 15, "budget": 64, "k_prime": 64}  # issue 3: the seeds' SGLang comparison point
+# issue 3: the seeds' SGLang comparison point
+BASELINE_POINT = {"batch": 64, "depth": 15, "budget": 64, "k_prime": 64}
 
 
 def measure(
@@ -30,8 +31,15 @@ def measure(
     p = BASELINE_POINT
     headline = measure(p["batch"], p["budget"], p["k_prime"]) if depth == p["depth"] else None
     return {
-        "parameters": {"batches": list(batches), "budgets": list(budgets), "depth": depth, "iters": iters, "seed": seed,
-                       "inputs": "kdlib.ref.tree.synthetic_topk (sharpness 5.0: mean top-1 prob about 0.56, draft_vocab 1024)"},
+        "parameters": {
+            "batches": list(batches),
+            "budgets": list(budgets),
+            "depth": depth,
+            "iters": iters,
+            "seed": seed,
+            "inputs": "kdlib.ref.tree.synthetic_topk (sharpness 5.0: mean top-1 prob about 0.56, "
+            "draft_vocab 1024)",
+        },
         "headline": headline,
         "vs_batch": [measure(b, 64, 64) for b in batches],
         "vs_budget": [measure(max(batches), n, n) for n in budgets],
