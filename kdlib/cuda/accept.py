@@ -29,7 +29,8 @@ from kdlib.ref import accept as ref_accept
 from kdlib.ref.tree import DDTree, DDTreeBatch
 
 GREEDY = ("tree_accept_v1", "tree_accept_greedy_v1")
-SAMPLE_VERSIONS = (1, 2, 3)  # v3: a block per row; v2: one thread per row, pipelined loads; v1: one load per add
+# v3: a block per row; v2: one thread per row, pipelined loads; v1: one load per add
+SAMPLE_VERSIONS = (1, 2, 3)
 SAMPLE_DEFAULT = 3
 SAMPLE_ORDER = {1: "sequential", 2: "sequential", 3: "blocked"}  # the kdlib.ref.accept order each one matches
 GREEDY_THREADS = 64  # TA_THREADS in tree_accept_v1.cu
@@ -92,7 +93,11 @@ def _out_arrays(out, bsz, width):
                 cupy.empty(bsz, dtype=cupy.int64),  # lengths [B]
                 cupy.empty(bsz, dtype=cupy.int64))  # bonus [B]
     paths, lengths, bonus = out
-    for name, a, shape in (("paths", paths, (bsz, width)), ("lengths", lengths, (bsz,)), ("bonus", bonus, (bsz,))):
+    for name, a, shape in (
+        ("paths", paths, (bsz, width)),
+        ("lengths", lengths, (bsz,)),
+        ("bonus", bonus, (bsz,)),
+    ):
         if a.shape != shape or a.dtype != np.int64 or not a.flags.c_contiguous:
             raise ValueError(f"out {name} must be a C-contiguous int64 array of shape {shape}")
     return paths, lengths, bonus
@@ -150,7 +155,11 @@ def _sample_launch(probs, uniforms, sizes, rows_per_req: int, tokens, version: i
     fn = loader.get_function(*sample_kernel(probs.dtype, version), options=sample_options(version))
     sizes_arg = sizes if sizes is not None else np.uint64(0)
     if version == 3:  # one block per row
-        fn((n,), (ref_accept.SAMPLE_THREADS,), (probs, uniforms, sizes_arg, np.int64(rows_per_req), np.int64(v), tokens))
+        fn(
+            (n,),
+            (ref_accept.SAMPLE_THREADS,),
+            (probs, uniforms, sizes_arg, np.int64(rows_per_req), np.int64(v), tokens),
+        )
         return
     fn(((n + ROW_THREADS - 1) // ROW_THREADS,), (ROW_THREADS,),
        (probs, uniforms, sizes_arg, np.int64(rows_per_req), np.int64(n), np.int64(v), tokens))
@@ -174,7 +183,8 @@ def _check_uniforms(uniforms, shape):
 
     uniforms = loader.as_cupy(uniforms)
     if uniforms.dtype != np.float64 or uniforms.shape != shape:
-        raise ValueError(f"uniforms must be a float64 array of shape {shape}, got {uniforms.dtype} {uniforms.shape}")
+        raise ValueError(f"uniforms must be a float64 array of shape {shape}, got {uniforms.dtype} "
+                         f"{uniforms.shape}")
     return cupy.ascontiguousarray(uniforms)
 
 
@@ -199,8 +209,17 @@ def sample_tokens(probs, uniforms, *, check_values: bool = False, out=None, vers
     return tokens
 
 
-def accept_sample_batch(trees, probs, uniforms, max_depth: int | None = None, *, check_values: bool = False, out=None,
-                        targets=None, version: int = SAMPLE_DEFAULT):
+def accept_sample_batch(
+    trees,
+    probs,
+    uniforms,
+    max_depth: int | None = None,
+    *,
+    check_values: bool = False,
+    out=None,
+    targets=None,
+    version: int = SAMPLE_DEFAULT,
+):
     """Sample-and-walk over a batch on the GPU (see `kdlib.ref.accept.accept_sample_batch`, whose
     `order=SAMPLE_ORDER[version]` it matches bit for bit).
 

@@ -23,7 +23,10 @@ from kdlib.ref import compact as ref
 
 COMPACT = {16: ("kv_compact_v1", "kv_compact_v1_u128"), 4: ("kv_compact_v1", "kv_compact_v1_u32"),
            1: ("kv_compact_v1", "kv_compact_v1_u8")}
-REMAP = {np.dtype(np.int64): ("kv_compact_v1", "kv_remap_v1_i64"), np.dtype(np.int32): ("kv_compact_v1", "kv_remap_v1_i32")}
+REMAP = {
+    np.dtype(np.int64): ("kv_compact_v1", "kv_remap_v1_i64"),
+    np.dtype(np.int32): ("kv_compact_v1", "kv_remap_v1_i32"),
+}
 THREADS = 256  # KC_THREADS in kv_compact_v1.cu
 
 
@@ -32,7 +35,8 @@ def _common(starts, paths, lengths):
                               ((starts, "starts", 1), (paths, "paths", 2), (lengths, "lengths", 1)))
     bsz = starts.shape[0]
     if paths.shape[0] != bsz or lengths.shape[0] != bsz:
-        raise ValueError(f"starts {starts.shape}, paths {paths.shape} and lengths {lengths.shape} disagree on B")
+        raise ValueError(f"starts {starts.shape}, paths {paths.shape} and lengths {lengths.shape} disagree "
+                         "on B")
     if paths.shape[1] >= 2**31:
         raise ValueError("paths is too wide")
     return bsz, starts, paths, lengths
@@ -71,7 +75,9 @@ def compact_kv_batch(cache, starts, paths, lengths, *, check_values: bool = Fals
     return cache
 
 
-def remap_slots_masked(req_to_token, starts, tree_slots, paths, lengths, *, check_values: bool = False, freed=None):
+def remap_slots_masked(
+    req_to_token, starts, tree_slots, paths, lengths, *, check_values: bool = False, freed=None
+):
     """page_size 1 commit without a host sync: updates req_to_token in place, returns
     freed_mask [B, budget+1] bool (node j's slot is allocated and j is not on the path).
 
@@ -81,7 +87,8 @@ def remap_slots_masked(req_to_token, starts, tree_slots, paths, lengths, *, chec
 
     r2t = loader.as_cupy(req_to_token)
     if r2t.ndim != 2 or r2t.dtype not in REMAP or not r2t.flags.c_contiguous:
-        raise ValueError(f"req_to_token must be a C-contiguous int64 or int32 array [B, max_ctx], got {r2t.dtype} {r2t.shape}")
+        raise ValueError("req_to_token must be a C-contiguous int64 or int32 array [B, max_ctx], got "
+                         f"{r2t.dtype} {r2t.shape}")
     bsz, starts, paths, lengths = _common(starts, paths, lengths)
     slots = loader.int_array(tree_slots, "tree_slots", "int64", ndim=2)
     if r2t.shape[0] != bsz or slots.shape[0] != bsz:

@@ -93,7 +93,9 @@ def get_module(stem: str, *, options: tuple[str, ...] = (), name_expressions: tu
     return mod
 
 
-def get_function(stem: str, name: str, *, options: tuple[str, ...] = (), name_expressions: tuple[str, ...] = ()):
+def get_function(
+    stem: str, name: str, *, options: tuple[str, ...] = (), name_expressions: tuple[str, ...] = ()
+):
     """The kernel `name` of `kernels/<stem>.cu` as a `cupy.RawKernel` (cached per device)."""
     import cupy
 
@@ -184,7 +186,9 @@ _PROPS = re.compile(r"Function properties for (\S+)")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
 _SMEM = re.compile(r"(\d+) bytes smem")
-KERNEL_DECL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(')
+KERNEL_DECL = re.compile(
+    r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\('
+)
 ALLOW_STACK = re.compile(r"//\s*kdlib-allow-stack:\s*(\S+)\s+(\d+)\s+\S")
 
 
@@ -211,7 +215,9 @@ def parse_ptxas(text: str) -> dict[str, dict]:
             continue
         m = _FRAME.search(line)
         if m:
-            entries[current].update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+            entries[current].update(
+                stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3))
+            )
         m = _REGS.search(line)
         if m:
             entries[current]["registers"] = int(m.group(1))
@@ -238,8 +244,20 @@ def compile_report(stem: str, arch: str, *, cache_dir: Path | None = None) -> tu
     if cached.exists():
         return 0, cached.read_text()
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.run([nvcc, *NVCC_FLAGS, f"-I{KERNELS}", f"-arch={arch}", "-o", os.path.join(tmp, "k.cubin"),
-                               str(source)], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [
+                nvcc,
+                *NVCC_FLAGS,
+                f"-I{KERNELS}",
+                f"-arch={arch}",
+                "-o",
+                os.path.join(tmp, "k.cubin"),
+                str(source),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     out = proc.stdout + proc.stderr
     if proc.returncode == 0:
         cache_dir.mkdir(parents=True, exist_ok=True)

@@ -87,7 +87,8 @@ def dequantize_w4(q, scales, group: int = GROUP) -> np.ndarray:
 # ----------------------------------------------------------------------------- packing
 def _check_tiles(rows: int, cols: int, what: str) -> None:
     if rows % TILE_ROWS or cols % CHUNK_COLS:
-        raise ValueError(f"{what}: rows {rows} must be a multiple of {TILE_ROWS} and columns {cols} of {CHUNK_COLS}")
+        raise ValueError(f"{what}: rows {rows} must be a multiple of {TILE_ROWS} and columns {cols} of "
+                         f"{CHUNK_COLS}")
 
 
 def pack_rows(q) -> np.ndarray:
@@ -152,7 +153,9 @@ class MoEWeights:
         return E, K, N
 
     @classmethod
-    def random(cls, n_experts: int, hidden: int, inter: int, *, seed: int = 0, std: float = 0.02) -> MoEWeights:
+    def random(
+        cls, n_experts: int, hidden: int, inter: int, *, seed: int = 0, std: float = 0.02
+    ) -> MoEWeights:
         """Gaussian weights (std `std`), quantized."""
         rng = np.random.default_rng(seed)
         qg, sg = quantize_w4(rng.normal(0, std, (n_experts, inter, hidden)))
@@ -409,7 +412,9 @@ def v3_parts(k_chunks: int, n_pairs: int, n_warps: int) -> int:
     """K parts per gate/up item: the fewest that give >= 1.3 items per warp of the grid (n_pairs =
     active experts x tile pairs), among the divisors of k_chunks that leave >= 8 chunks a part; the
     most such parts when none gives that many items."""
-    ok = [d for d in range(1, k_chunks + 1) if k_chunks % d == 0 and (d == 1 or k_chunks // d >= _V3_MIN_CHUNKS)]
+    ok = [
+        d for d in range(1, k_chunks + 1) if k_chunks % d == 0 and (d == 1 or k_chunks // d >= _V3_MIN_CHUNKS)
+    ]
     return next((d for d in ok if n_pairs * d >= _V3_ITEMS_PER_WARP * n_warps), ok[-1])
 
 
@@ -501,7 +506,8 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
     expect = {"s1": (E, P, KC, 2, 16), "w2": (E, K // 16, N // 64, 32, 4), "s2": (E, K // 16, N // 64, 16)}
     for name, shape in expect.items():
         if tuple(packed[name].shape) != shape or packed[name].dtype != cp.uint32:
-            raise ValueError(f"packed[{name!r}] must be uint32 {shape}, got {packed[name].dtype} {packed[name].shape}")
+            raise ValueError(f"packed[{name!r}] must be uint32 {shape}, got {packed[name].dtype} "
+                             f"{packed[name].shape}")
     if N % CHUNK_COLS:
         raise ValueError(f"expert intermediate N = {N} must be a multiple of {CHUNK_COLS}")
     if xb.ndim != 2 or xb.shape != (routing.m, K):
@@ -528,12 +534,16 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
         launch_v3(xb, packed, routing, out, h, workspace=workspace, parts=parts, down_batch=down_batch)
         _check(sync, "v3 launch")
     elif version == 2 and v2_applies(routing, N):
-        launch_v2_gate_up(xb, packed, routing, out, h, gate_up_warps=gate_up_warps or 8, k_interleave=k_interleave)
+        launch_v2_gate_up(
+            xb, packed, routing, out, h, gate_up_warps=gate_up_warps or 8, k_interleave=k_interleave
+        )
         _check(sync, "v2 gate_up launch")
         launch_v2_down(packed, routing, out, h)
         _check(sync, "v2 down launch")
     else:
-        _launch_v1(xb, w1, s1, w2, s2, routing, out, h, K, N, 16 if gate_up_warps is None else gate_up_warps, sync)
+        _launch_v1(
+            xb, w1, s1, w2, s2, routing, out, h, K, N, 16 if gate_up_warps is None else gate_up_warps, sync
+        )
     return out
 
 
@@ -574,7 +584,8 @@ def launch_v2_gate_up(xb, packed: dict, routing: Routing, out, h, *, gate_up_war
     limits = _device_limits()
     shape = v2_gate_up_shape(gate_up_warps, limits)
     if not shape["blocks_per_sm"]:
-        raise ValueError(f"the v2 gate/up block with {gate_up_warps} warps needs {shape['dyn_smem']} B of dynamic "
+        raise ValueError(f"the v2 gate/up block with {gate_up_warps} warps needs {shape['dyn_smem']} B of "
+                         "dynamic "
                          f"shared memory; this device allows {limits['smem_block']} B per block")
     E, P, KC = packed["w1"].shape[:3]
     name = f"{STEM_V2}_gate_up_w{gate_up_warps}{'i' if k_interleave else ''}"

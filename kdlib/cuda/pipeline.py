@@ -85,7 +85,8 @@ class TreeStep:
 
 def _check_step_inputs(ids, lp, root, table, cache, starts, budget):
     if ids.ndim != 3 or lp.shape != ids.shape:
-        raise ValueError(f"top_token_ids / top_log_probs must share a [B, L, K'] shape, got {ids.shape}, {lp.shape}")
+        raise ValueError(f"top_token_ids / top_log_probs must share a [B, L, K'] shape, got {ids.shape}, "
+                         f"{lp.shape}")
     bsz = ids.shape[0]
     if root.shape != (bsz,) or starts.shape != (bsz,):
         raise ValueError(f"root_tokens and starts must have shape [{bsz}], got {root.shape}, {starts.shape}")
@@ -97,7 +98,9 @@ def _check_step_inputs(ids, lp, root, table, cache, starts, budget):
         raise ValueError(f"budget must be an int >= 0, got {budget!r}")
 
 
-def make_step(top_token_ids, top_log_probs, root_tokens, target_table, cache, starts, budget: int) -> TreeStep:
+def make_step(
+    top_token_ids, top_log_probs, root_tokens, target_table, cache, starts, budget: int
+) -> TreeStep:
     """Allocate a step's buffers on the device (copies of the inputs; `cache` is used in place).
 
     Shape: top_token_ids [B, L, K'] int64, top_log_probs [B, L, K'] float32, root_tokens [B] int,
@@ -128,19 +131,29 @@ def make_step(top_token_ids, top_log_probs, root_tokens, target_table, cache, st
     )
 
 
-def reference_step(top_token_ids, top_log_probs, root_tokens, target_table, cache, starts, budget: int) -> dict:
+def reference_step(
+    top_token_ids, top_log_probs, root_tokens, target_table, cache, starts, budget: int
+) -> dict:
     """The same step with `kdlib.ref` on numpy inputs; `cache` is copied, not modified.
 
     Returns {trees, targets, paths, lengths, bonus, cache}.
     """
     trees = ref.build_tree_batch(top_token_ids, top_log_probs, budget)
-    tokens = np.concatenate([np.asarray(root_tokens, np.int64)[:, None], trees.node_token_ids], axis=1)  # [B, S]
+    # [B, S]
+    tokens = np.concatenate([np.asarray(root_tokens, np.int64)[:, None], trees.node_token_ids], axis=1)
     targets = np.asarray(target_table, np.int64)[np.maximum(tokens, 0)]  # [B, S]
     width = min(top_token_ids.shape[1], budget) + 1
     paths, lengths, bonus = ref.accept_greedy_batch(trees, targets, max_depth=width - 1)
     out = cache.copy()
     ref.compact_kv_batch(out, np.asarray(starts, np.int64), paths, lengths)
-    return {"trees": trees, "targets": targets, "paths": paths, "lengths": lengths, "bonus": bonus, "cache": out}
+    return {
+        "trees": trees,
+        "targets": targets,
+        "paths": paths,
+        "lengths": lengths,
+        "bonus": bonus,
+        "cache": out,
+    }
 
 
 def step_outputs_trees(trees):
@@ -233,9 +246,10 @@ def smoke(bsz: int = 4) -> dict:
                      cupy.asarray(inp["cache"]), cupy.asarray(inp["starts"]), budget)
     step.run()  # the default tree build, tree_accept_greedy_v1, kv_compact_v1_u128
     got = step_outputs(step)
-    verdict[tree.kernel_name(budget)[1]] = all((getattr(got["trees"], f) == getattr(want["trees"], f)).all()
-                                               for f in ("sizes", "node_token_ids", "parents", "visibility", "next_token",
-                                                         "next_sibling"))
+    verdict[tree.kernel_name(budget)[1]] = all(
+        (getattr(got["trees"], f) == getattr(want["trees"], f)).all()
+        for f in ("sizes", "node_token_ids", "parents", "visibility", "next_token", "next_sibling")
+    )
     verdict["tree_accept_greedy_v1"] = all((got[k] == want[k]).all() for k in ("paths", "lengths", "bonus"))
     verdict["kv_compact_v1_u128"] = bool((got["cache"] == want["cache"]).all())
     for dtype in (np.float32, np.float64):
@@ -244,7 +258,9 @@ def smoke(bsz: int = 4) -> dict:
         for version in accept.SAMPLE_VERSIONS:
             w = ref.accept_sample_batch(want["trees"], probs, u, order=accept.SAMPLE_ORDER[version])
             p = accept.accept_sample_batch(step.trees, cupy.asarray(probs), cupy.asarray(u), version=version)
-            verdict[accept.sample_kernel(dtype, version)[1]] = all((a.get() == b).all() for a, b in zip(p, w, strict=True))
+            verdict[accept.sample_kernel(dtype, version)[1]] = all(
+                (a.get() == b).all() for a, b in zip(p, w, strict=True)
+            )
     # every register-row variant of tree_build_v2/v3 (r1, r3, r9) and frontier-row variant of v4 (r1, r2, r4)
     for bud in (budget, 40, 120, 200):
         ids, lp = random_topk(rng, bsz, 10, 16, 50, "tied")
@@ -254,16 +270,21 @@ def smoke(bsz: int = 4) -> dict:
             verdict[tree.kernel_name(bud, version)[1]] = all(
                 (getattr(g, f).get() == getattr(w, f)).all()
                 for f in ("sizes", "node_token_ids", "parents", "visibility", "next_token", "next_sibling"))
-    got_v1 = tree.build_tree_batch(cupy.asarray(inp["top_token_ids"]), cupy.asarray(inp["top_log_probs"]), budget,
-                                   version=1)
-    verdict["tree_build_v1"] = all((getattr(got_v1, f).get() == getattr(want["trees"], f)).all()
-                                   for f in ("sizes", "node_token_ids", "parents", "visibility", "next_token", "next_sibling"))
+    got_v1 = tree.build_tree_batch(
+        cupy.asarray(inp["top_token_ids"]), cupy.asarray(inp["top_log_probs"]), budget, version=1
+    )
+    verdict["tree_build_v1"] = all(
+        (getattr(got_v1, f).get() == getattr(want["trees"], f)).all()
+        for f in ("sizes", "node_token_ids", "parents", "visibility", "next_token", "next_sibling")
+    )
     for dtype, shape, name in ((np.int8, (7,), "kv_compact_v1_u8"), (np.float32, (3,), "kv_compact_v1_u32")):
         cache = rng.integers(0, 100, (inp["cache"].shape[0], *shape)).astype(dtype)
         wc = cache.copy()
         ref.compact_kv_batch(wc, inp["starts"], want["paths"], want["lengths"])
         gc = cupy.asarray(cache)
-        compact.compact_kv_batch(gc, cupy.asarray(inp["starts"]), cupy.asarray(want["paths"]), cupy.asarray(want["lengths"]))
+        compact.compact_kv_batch(
+            gc, cupy.asarray(inp["starts"]), cupy.asarray(want["paths"]), cupy.asarray(want["lengths"])
+        )
         verdict[name] = bool((gc.get() == wc).all())
     slots = rng.permutation(4 * bsz * (budget + 1))[: bsz * (budget + 1)].reshape(bsz, budget + 1)
     for dtype, name in ((np.int64, "kv_remap_v1_i64"), (np.int32, "kv_remap_v1_i32")):

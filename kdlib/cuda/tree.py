@@ -47,7 +47,8 @@ MAX_DEPTH = 16  # 16 rank bytes in the 128-bit rank-tuple key
 THREADS = 128  # TB_THREADS / TB2_THREADS / TB3_THREADS in kernels/tree_build_v{1,2,3}.cu
 V4_THREADS = 256  # TB4_THREADS in kernels/tree_build_v4.cu
 VERSIONS = (1, 2, 3, 4)
-DEFAULT_VERSION = 4  # the fastest bit-exact version in data/results/kernels.h200.json (24.9 µs vs v3 32.8 µs at batch 64)
+# the fastest bit-exact version in data/results/kernels.h200.json (24.9 µs vs v3 32.8 µs at batch 64)
+DEFAULT_VERSION = 4
 V2_ROWS = (1, 3, 9)  # register rows of tree_build_v{2,3}_r{R}: budget + 1 <= 32 R
 V4_ROWS = (1, 2, 4)  # frontier rows of tree_build_v4_r{R}: floor((budget + 1) / 2) <= 32 R
 V4_TABLE_CELLS = 18 * 256  # LPS_ROWS * LPS_STRIDE in kernels/tree_build_v4.cu (indices by shifts)
@@ -75,7 +76,8 @@ def shared_bytes(budget: int, l_eff: int, k: int, version: int = DEFAULT_VERSION
     if version == 2:
         return 16 * s + 8 * s * w + 4 * l_eff * k
     if version == 4:
-        return 32 * s + 8 * s * w + 8 * V4_TABLE_CELLS  # v4: fixed table at row stride 256, the nodes' rank tuples
+        # v4: fixed table at row stride 256, the nodes' rank tuples
+        return 32 * s + 8 * s * w + 8 * V4_TABLE_CELLS
     return 16 * s + 8 * s * w + 8 * l_eff * k  # v3: the log-prob table as float64
 
 
@@ -85,7 +87,8 @@ def _check_budget(budget) -> int:
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
     if budget > MAX_BUDGET:
-        raise ValueError(f"budget {budget} exceeds the GPU builder's limit {MAX_BUDGET} (use kdlib.ref on the host)")
+        raise ValueError(f"budget {budget} exceeds the GPU builder's limit {MAX_BUDGET} (use kdlib.ref on "
+                         "the host)")
     return int(budget)
 
 
@@ -141,15 +144,32 @@ def empty_batch(bsz: int, budget: int) -> DDTreeBatch:
 
 def _check_out(out, bsz: int, budget: int) -> None:
     ref = empty_batch(0, budget)
-    for name in ("sizes", "node_token_ids", "node_depths", "parents", "visibility", "next_token", "next_sibling", "positions", "scores"):
+    for name in (
+        "sizes",
+        "node_token_ids",
+        "node_depths",
+        "parents",
+        "visibility",
+        "next_token",
+        "next_sibling",
+        "positions",
+        "scores",
+    ):
         a, r = getattr(out, name), getattr(ref, name)
         want = (bsz,) + r.shape[1:]
         if a.shape != want or a.dtype != r.dtype or not a.flags.c_contiguous:
-            raise ValueError(f"out.{name} must be a C-contiguous {r.dtype} array of shape {want}, got {a.dtype} {a.shape}")
+            raise ValueError(f"out.{name} must be a C-contiguous {r.dtype} array of shape {want}, got "
+                             f"{a.dtype} {a.shape}")
 
 
 def build_tree_batch(
-    top_token_ids, top_log_probs, budget: int, vocab_size: int | None = None, *, check_values: bool = False, out=None,
+    top_token_ids,
+    top_log_probs,
+    budget: int,
+    vocab_size: int | None = None,
+    *,
+    check_values: bool = False,
+    out=None,
     version: int = DEFAULT_VERSION,
 ) -> DDTreeBatch:
     """Build B DDTrees on the GPU, padded to budget + 1 slots (see `kdlib.ref.tree.DDTreeBatch`).
@@ -174,7 +194,9 @@ def build_tree_batch(
         raise ValueError(f"top_token_ids {ids.shape} and top_log_probs {lp.shape} differ in shape")
     if ids.device.id != lp.device.id:
         raise ValueError("top_token_ids and top_log_probs are on different devices")
-    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral) or vocab_size <= 0):
+    if vocab_size is not None and (
+        isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral) or vocab_size <= 0
+    ):
         raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
     bsz, depth, kp = ids.shape
     k = min(budget, kp)
@@ -209,7 +231,9 @@ def build_tree_batch(
     return out
 
 
-def build_tree(top_token_ids, top_log_probs, budget: int, vocab_size: int | None = None, *, check_values: bool = False):
+def build_tree(
+    top_token_ids, top_log_probs, budget: int, vocab_size: int | None = None, *, check_values: bool = False
+):
     """One request's DDTree on the GPU (see `kdlib.ref.tree.build_tree`): a batch of one, unpadded.
 
     Shape: top_token_ids [L, K'] int64, top_log_probs [L, K'] float32. Returns a DDTree of CuPy

@@ -78,7 +78,10 @@ def accept_greedy(tree: DDTree, target_tokens: np.ndarray) -> tuple[np.ndarray, 
     _check_tree(tree)
     _check_int_array("target_tokens", target_tokens, shape=(tree.n + 1,))
     path, bonus = _walk(
-        tree.node_token_ids.tolist(), tree.next_token.tolist(), tree.next_sibling.tolist(), target_tokens.tolist()
+        tree.node_token_ids.tolist(),
+        tree.next_token.tolist(),
+        tree.next_sibling.tolist(),
+        target_tokens.tolist(),
     )
     return np.asarray(path, dtype=np.int64), bonus
 
@@ -101,11 +104,14 @@ def accept_greedy_batch(
     paths = np.full((bsz, width), PAD, dtype=np.int64)  # [B, max_depth+1]
     lengths = np.zeros(bsz, dtype=np.int64)  # [B]
     bonus = np.zeros(bsz, dtype=np.int64)  # [B]
-    tok, nxt, sib, tgt = (a.tolist() for a in (trees.node_token_ids, trees.next_token, trees.next_sibling, target_tokens))
+    tok, nxt, sib, tgt = (
+        a.tolist() for a in (trees.node_token_ids, trees.next_token, trees.next_sibling, target_tokens)
+    )
     for b in range(bsz):
         path, bonus[b] = _walk(tok[b], nxt[b], sib[b], tgt[b])
         if len(path) > width:
-            raise ValueError(f"request {b}: accepted path of length {len(path)} exceeds max_depth + 1 = {width}")
+            raise ValueError(f"request {b}: accepted path of length {len(path)} exceeds max_depth + 1 = "
+                             f"{width}")
         paths[b, : len(path)] = path
         lengths[b] = len(path)
     return paths, lengths, bonus
@@ -119,10 +125,15 @@ _ROW_ELEMENTS = 1 << 22  # padded elements per slab of rows in the blocked draw 
 
 def _check_sample_inputs(probs, uniforms) -> None:
     if not isinstance(probs, np.ndarray) or probs.ndim != 2:
-        raise ValueError(f"probs must be a numpy array of shape [N, V], got {getattr(probs, 'shape', type(probs).__name__)}")
+        raise ValueError("probs must be a numpy array of shape [N, V], got "
+                         f"{getattr(probs, 'shape', type(probs).__name__)}")
     if probs.dtype not in (np.float32, np.float64):
         raise ValueError(f"probs must be float32 or float64, got {probs.dtype}")
-    if not isinstance(uniforms, np.ndarray) or uniforms.dtype != np.float64 or uniforms.shape != probs.shape[:1]:
+    if (
+        not isinstance(uniforms, np.ndarray)
+        or uniforms.dtype != np.float64
+        or uniforms.shape != probs.shape[:1]
+    ):
         raise ValueError(
             f"uniforms must be a float64 array of shape {probs.shape[:1]}, got "
             f"{getattr(uniforms, 'dtype', type(uniforms).__name__)} {getattr(uniforms, 'shape', '')}"
@@ -189,7 +200,8 @@ def _draw_blocked(p: np.ndarray, u: np.ndarray, threads: int, piece: int) -> np.
     live = partial > 0
     total = np.where(live, end, 0.0).max(axis=1)  # [N]
     x = u * total
-    x = np.where(x < total, x, np.nextafter(total, 0.0))  # u * total rounds to total only for subnormal totals
+    # u * total rounds to total only for subnormal totals
+    x = np.where(x < total, x, np.nextafter(total, 0.0))
     t = (live & (x[:, None] < end)).argmax(axis=1)  # [N] the first thread with mass whose block ends above x
     rows = np.arange(n)
     seq = grid[rows, :, t, :].reshape(n, tiles * piece)  # [N, K * P] thread t's elements in its order
@@ -275,9 +287,11 @@ def accept_sample_batch(
     _check_batch(trees)
     bsz, budget = trees.batch, trees.budget
     if not isinstance(probs, np.ndarray) or probs.ndim != 3 or probs.shape[:2] != (bsz, budget + 1):
-        raise ValueError(f"probs must have shape [{bsz}, {budget + 1}, V], got {getattr(probs, 'shape', None)}")
+        raise ValueError(f"probs must have shape [{bsz}, {budget + 1}, V], got "
+                         f"{getattr(probs, 'shape', None)}")
     if not isinstance(uniforms, np.ndarray) or uniforms.shape != (bsz, budget + 1):
-        raise ValueError(f"uniforms must have shape [{bsz}, {budget + 1}], got {getattr(uniforms, 'shape', None)}")
+        raise ValueError(f"uniforms must have shape [{bsz}, {budget + 1}], got "
+                         f"{getattr(uniforms, 'shape', None)}")
     targets = np.full((bsz, budget + 1), PAD, dtype=np.int64)  # [B, budget+1]
     for b in range(bsz):
         m = int(trees.sizes[b])

@@ -42,14 +42,20 @@ def _float_array(name, a, ndim, upcast: bool = True):
 
 def _int_array(name, a, shape):
     if not isinstance(a, np.ndarray) or not np.issubdtype(a.dtype, np.integer):
-        raise ValueError(f"{name} must be an integer numpy array, got {getattr(a, 'dtype', type(a).__name__)}")
+        raise ValueError(
+            f"{name} must be an integer numpy array, got {getattr(a, 'dtype', type(a).__name__)}"
+        )
     if a.shape != shape:
         raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
     return a.astype(np.int64)
 
 
 def _scale(softmax_scale) -> float:
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real) or not np.isfinite(softmax_scale):
+    if (
+        isinstance(softmax_scale, bool)
+        or not isinstance(softmax_scale, numbers.Real)
+        or not np.isfinite(softmax_scale)
+    ):
         raise ValueError(f"softmax_scale must be a finite real number, got {softmax_scale!r}")
     return float(softmax_scale)
 
@@ -119,7 +125,8 @@ def prefix_attention(q, kv_cache, page_table, prefix_lens, softmax_scale, kv_lor
     if not 0 < kv_lora_rank <= d:
         raise ValueError(f"kv_lora_rank must lie in (0, {d}], got {kv_lora_rank}")
     if not isinstance(page_table, np.ndarray) or page_table.ndim != (2 if batched else 1):
-        raise ValueError(f"page_table must be a numpy array of {'[B, P]' if batched else '[P]'}, got {getattr(page_table, 'shape', None)}")
+        raise ValueError(f"page_table must be a numpy array of {'[B, P]' if batched else '[P]'}, got "
+                         f"{getattr(page_table, 'shape', None)}")
     pt = _int_array("page_table", page_table if batched else page_table[None], (bsz, page_table.shape[-1]))
     lens = _as_batched_lengths("prefix_lens", prefix_lens, batched, bsz)
     if ((lens < 0) | (lens > pt.shape[1])).any():
@@ -160,7 +167,8 @@ def tree_tail_attention(q, tree_kv, visibility, tree_sizes, softmax_scale, kv_lo
         raise ValueError(f"kv_lora_rank must lie in (0, {d}], got {kv_lora_rank}")
     want = (bsz, nq, nq) if batched else (nq, nq)
     if not isinstance(visibility, np.ndarray) or visibility.dtype != bool or visibility.shape != want:
-        raise ValueError(f"visibility must be a bool array of shape {want}, got {getattr(visibility, 'dtype', None)} {getattr(visibility, 'shape', None)}")
+        raise ValueError(f"visibility must be a bool array of shape {want}, got "
+                         f"{getattr(visibility, 'dtype', None)} {getattr(visibility, 'shape', None)}")
     vis = visibility if batched else visibility[None]
     sizes = _as_batched_lengths("tree_sizes", tree_sizes, batched, bsz)
     if ((sizes < 0) | (sizes > nq)).any():
@@ -204,7 +212,15 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
 
 
 def tree_verify_attention(
-    q, kv_cache, page_table, prefix_lens, tree_kv, visibility, tree_sizes, softmax_scale, kv_lora_rank: int = KV_LORA_RANK
+    q,
+    kv_cache,
+    page_table,
+    prefix_lens,
+    tree_kv,
+    visibility,
+    tree_sizes,
+    softmax_scale,
+    kv_lora_rank: int = KV_LORA_RANK,
 ):
     """The whole verify attention: merge(prefix_attention, tree_tail_attention).
 

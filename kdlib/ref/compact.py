@@ -30,7 +30,9 @@ def _int(name, x) -> int:
 
 def _int_array(name, a, ndim):
     if not isinstance(a, np.ndarray) or not np.issubdtype(a.dtype, np.integer):
-        raise ValueError(f"{name} must be an integer numpy array, got {getattr(a, 'dtype', type(a).__name__)}")
+        raise ValueError(
+            f"{name} must be an integer numpy array, got {getattr(a, 'dtype', type(a).__name__)}"
+        )
     if a.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimension(s), got shape {a.shape}")
 
@@ -55,7 +57,9 @@ def compact_kv(cache: np.ndarray, start: int, path: np.ndarray) -> np.ndarray:
     return cache
 
 
-def compact_kv_batch(cache: np.ndarray, starts: np.ndarray, paths: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def compact_kv_batch(
+    cache: np.ndarray, starts: np.ndarray, paths: np.ndarray, lengths: np.ndarray
+) -> np.ndarray:
     """compact_kv for B requests sharing one cache, in place.
 
     Shape: cache [num_slots, D...], starts [B] int, paths [B, maxlen] int (padding past
@@ -70,7 +74,8 @@ def compact_kv_batch(cache: np.ndarray, starts: np.ndarray, paths: np.ndarray, l
     _int_array("lengths", lengths, 1)
     bsz = starts.shape[0]
     if paths.shape[0] != bsz or lengths.shape[0] != bsz:
-        raise ValueError(f"starts {starts.shape}, paths {paths.shape} and lengths {lengths.shape} disagree on B")
+        raise ValueError(f"starts {starts.shape}, paths {paths.shape} and lengths {lengths.shape} disagree "
+                         "on B")
     if ((lengths < 0) | (lengths > paths.shape[1])).any():
         raise ValueError(f"lengths must lie in [0, {paths.shape[1]}]")
     spans = []
@@ -92,7 +97,11 @@ def compact_kv_batch(cache: np.ndarray, starts: np.ndarray, paths: np.ndarray, l
 
 
 def remap_slots(
-    req_to_token: np.ndarray, starts: np.ndarray, tree_slots: np.ndarray, paths: np.ndarray, lengths: np.ndarray
+    req_to_token: np.ndarray,
+    starts: np.ndarray,
+    tree_slots: np.ndarray,
+    paths: np.ndarray,
+    lengths: np.ndarray,
 ) -> np.ndarray:
     """page_size 1 commit: point the request's token table at the accepted slots, free the rest.
 
@@ -104,8 +113,13 @@ def remap_slots(
     Returns freed_slots [k] (dtype of tree_slots): every allocated slot of a rejected node, in
     request order, then node index order.
     """
-    for name, a, nd in (("req_to_token", req_to_token, 2), ("starts", starts, 1), ("tree_slots", tree_slots, 2),
-                        ("paths", paths, 2), ("lengths", lengths, 1)):
+    for name, a, nd in (
+        ("req_to_token", req_to_token, 2),
+        ("starts", starts, 1),
+        ("tree_slots", tree_slots, 2),
+        ("paths", paths, 2),
+        ("lengths", lengths, 1),
+    ):
         _int_array(name, a, nd)
     bsz = req_to_token.shape[0]
     if not (starts.shape[0] == tree_slots.shape[0] == paths.shape[0] == lengths.shape[0] == bsz):
@@ -122,7 +136,8 @@ def remap_slots(
             raise ValueError(f"paths[{b}] accepts a node with no allocated slot")
         s = int(starts[b])
         if s < 0 or s + path.size > req_to_token.shape[1]:
-            raise ValueError(f"request {b}: start {s} + {path.size} accepted tokens exceed max_ctx {req_to_token.shape[1]}")
+            raise ValueError(f"request {b}: start {s} + {path.size} accepted tokens exceed max_ctx "
+                             f"{req_to_token.shape[1]}")
     freed = []
     for b in range(bsz):
         path = paths[b, : lengths[b]]

@@ -47,7 +47,9 @@ def _silu(x: np.ndarray) -> np.ndarray:
 
 
 def _swiglu(x, w, prefix):
-    return (_silu(x @ w[prefix + "gate_proj.weight"].T) * (x @ w[prefix + "up_proj.weight"].T)) @ w[prefix + "down_proj.weight"].T
+    return (_silu(x @ w[prefix + "gate_proj.weight"].T) * (x @ w[prefix + "up_proj.weight"].T)) @ w[
+        prefix + "down_proj.weight"
+    ].T
 
 
 def _mscale(s: float, m: float) -> float:
@@ -63,7 +65,11 @@ def rope_tables(cfg, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, flo
     y = cfg.rope
     if y is not None:
         def dim_for(rotations):
-            return d * math.log(y.original_max_position_embeddings / (2 * math.pi * rotations)) / (2 * math.log(cfg.rope_theta))
+            return (
+                d
+                * math.log(y.original_max_position_embeddings / (2 * math.pi * rotations))
+                / (2 * math.log(cfg.rope_theta))
+            )
 
         low, high = dim_for(y.beta_fast), dim_for(y.beta_slow)
         if y.truncate:
@@ -131,7 +137,9 @@ def forward(cfg, weights: dict, token_ids) -> np.ndarray:
         if cfg.q_lora_rank is None:
             q = a @ w[p + "self_attn.q_proj.weight"].T
         else:
-            qa = _rmsnorm(a @ w[p + "self_attn.q_a_proj.weight"].T, w[p + "self_attn.q_a_layernorm.weight"], 1e-6)
+            qa = _rmsnorm(
+                a @ w[p + "self_attn.q_a_proj.weight"].T, w[p + "self_attn.q_a_layernorm.weight"], 1e-6
+            )
             q = qa @ w[p + "self_attn.q_b_proj.weight"].T
         q = q.reshape(T, nh, nope + rd)
         kva = a @ w[p + "self_attn.kv_a_proj_with_mqa.weight"].T  # [T, r + rd]

@@ -129,7 +129,10 @@ def _check_topk(top_token_ids, top_log_probs, budget, vocab_size, ndim: int) -> 
     """
     budget = _check_budget(budget)
     what = "[L, K']" if ndim == 2 else "[B, L, K']"
-    for name, a, dtype in (("top_token_ids", top_token_ids, np.int64), ("top_log_probs", top_log_probs, np.float32)):
+    for name, a, dtype in (
+        ("top_token_ids", top_token_ids, np.int64),
+        ("top_log_probs", top_log_probs, np.float32),
+    ):
         if not isinstance(a, np.ndarray):
             raise ValueError(f"{name} must be a numpy array, got {type(a).__name__}")
         if a.ndim != ndim:
@@ -137,8 +140,11 @@ def _check_topk(top_token_ids, top_log_probs, budget, vocab_size, ndim: int) -> 
         if a.dtype != dtype:
             raise ValueError(f"{name} must be {np.dtype(dtype).name}, got {a.dtype}")
     if top_token_ids.shape != top_log_probs.shape:
-        raise ValueError(f"top_token_ids {top_token_ids.shape} and top_log_probs {top_log_probs.shape} differ in shape")
-    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral) or vocab_size <= 0):
+        raise ValueError(f"top_token_ids {top_token_ids.shape} and top_log_probs {top_log_probs.shape} "
+                         "differ in shape")
+    if vocab_size is not None and (
+        isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral) or vocab_size <= 0
+    ):
         raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
     k = min(budget, top_token_ids.shape[-1])
     ids = top_token_ids[..., :k]
@@ -222,7 +228,9 @@ def _fill_lcrs(parents: list[int], next_token: np.ndarray, next_sibling: np.ndar
         last_child[p] = child
 
 
-def build_tree(top_token_ids: np.ndarray, top_log_probs: np.ndarray, budget: int, vocab_size: int | None = None) -> DDTree:
+def build_tree(
+    top_token_ids: np.ndarray, top_log_probs: np.ndarray, budget: int, vocab_size: int | None = None
+) -> DDTree:
     """Build one request's DDTree (survey §2.3) from its per-depth top-k.
 
     Shape:
@@ -282,11 +290,18 @@ def _build(top_token_ids: np.ndarray, top_log_probs: np.ndarray, budget: int, k:
     return DDTreeBatch(sizes, tok, dep, par, vis, nxt, sib, pos, sc)
 
 
-# ----------------------------------------------------------------------------- synthetic inputs and the CPU baseline
+# ---------------------------------------------------------------------- synthetic inputs and the CPU baseline
 
 
 def synthetic_topk(
-    seed: int, batch: int, depth: int, k: int, *, vocab_size: int = 32000, draft_vocab: int = 1024, sharpness: float = 5.0
+    seed: int,
+    batch: int,
+    depth: int,
+    k: int,
+    *,
+    vocab_size: int = 32000,
+    draft_vocab: int = 1024,
+    sharpness: float = 5.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Drafter-like top-k inputs, reproducible byte for byte on any platform.
 

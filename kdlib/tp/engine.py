@@ -95,12 +95,15 @@ def check_tp_config(cfg, world: int, moe_mode: str = "ep") -> None:
         dims["intermediate_size"] = cfg.intermediate_size
     if cfg.first_k_dense_replace < cfg.num_hidden_layers:
         if cfg.n_shared_experts:
-            dims["moe_intermediate_size x n_shared_experts"] = cfg.moe_intermediate_size * cfg.n_shared_experts
+            dims["moe_intermediate_size x n_shared_experts"] = (
+                cfg.moe_intermediate_size * cfg.n_shared_experts
+            )
         dims["n_routed_experts" if moe_mode == "ep" else "moe_intermediate_size"] = (
             cfg.n_routed_experts if moe_mode == "ep" else cfg.moe_intermediate_size)
     for name, n in dims.items():
         if n < world:
-            raise ValueError(f"{name} ({n}) cannot be split over {world} ranks (every rank needs at least one)")
+            raise ValueError(f"{name} ({n}) cannot be split over {world} ranks (every rank needs at least "
+                             "one)")
 
 
 def set_nccl_env() -> None:
@@ -108,8 +111,15 @@ def set_nccl_env() -> None:
     os.environ.update(NCCL_ENV)
 
 
-def init_process_group(rank: int, world: int, *, backend: str = "gloo", port: int, master_addr: str = "127.0.0.1",
-                       timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.device:
+def init_process_group(
+    rank: int,
+    world: int,
+    *,
+    backend: str = "gloo",
+    port: int,
+    master_addr: str = "127.0.0.1",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> torch.device:
     """Join a TCP rendezvous at master_addr:port; returns this rank's device (cuda:rank for NCCL)."""
     import datetime
 
@@ -124,7 +134,9 @@ def init_process_group(rank: int, world: int, *, backend: str = "gloo", port: in
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     kw = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s), **kw)
+    dist.init_process_group(
+        backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s), **kw
+    )
     return device
 
 
@@ -149,7 +161,9 @@ def _entry(rank, fn, world, backend, port, timeout_s, args):
         dist.destroy_process_group()
 
 
-def spawn(fn, world: int, args: tuple = (), *, backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def spawn(
+    fn, world: int, args: tuple = (), *, backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S
+) -> None:
     """Run fn(rank, world, device, *args) on `world` fresh processes joined by a process group.
 
     fn must be importable (a module-level function). A child's exception is re-raised here (the
@@ -168,7 +182,8 @@ def spawn(fn, world: int, args: tuple = (), *, backend: str = "gloo", timeout_s:
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
-            raise TimeoutError(f"tensor-parallel run of {world} ranks did not finish in {timeout_s + 60:.0f} s")
+            raise TimeoutError(f"tensor-parallel run of {world} ranks did not finish in {timeout_s + 60:.0f} "
+                               "s")
 
 
 class Comm:
@@ -197,7 +212,10 @@ class Comm:
         self.seconds = dict.fromkeys(self.KINDS, 0.0)
 
     def stats(self) -> dict:
-        return {k: {"calls": self.calls[k], "bytes": self.bytes[k], "ms": self.seconds[k] * 1e3} for k in self.KINDS}
+        return {
+            k: {"calls": self.calls[k], "bytes": self.bytes[k], "ms": self.seconds[k] * 1e3}
+            for k in self.KINDS
+        }
 
     def _run(self, kind, x, op):
         self.calls[kind] += 1
@@ -377,7 +395,9 @@ class TPModel(Model):
         self.attention = attention  # Model's decode/verify attention form ("torch" or "ops")
         self.model = nn.Module()  # the Backbone's attribute names, sharded layers
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(TPDecoderLayer(cfg, i, comm, moe_mode) for i in range(cfg.num_hidden_layers))
+        self.model.layers = nn.ModuleList(
+            TPDecoderLayer(cfg, i, comm, moe_mode) for i in range(cfg.num_hidden_layers)
+        )
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.vocab_range = partition(cfg.vocab_size, comm.world)[comm.rank]
         self.lm_head = nn.Linear(cfg.hidden_size, self.vocab_range[1] - self.vocab_range[0], bias=False)
@@ -453,7 +473,9 @@ def vocab_parallel_argmax(local: torch.Tensor, v0: int, comm: Comm) -> torch.Ten
     return g_ids.gather(0, best[None])[0]
 
 
-def vocab_parallel_topk(local: torch.Tensor, v0: int, k: int, comm: Comm) -> tuple[torch.Tensor, torch.Tensor]:
+def vocab_parallel_topk(
+    local: torch.Tensor, v0: int, k: int, comm: Comm
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Global top-k of log_softmax over a vocabulary split across ranks, from (score, id) pairs.
 
     local [L, V_r] float logits of ids v0 .. v0+V_r-1. Each rank gathers its top-min(k, V_r)

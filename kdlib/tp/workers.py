@@ -67,7 +67,9 @@ def _models(spec: dict, device):
         V, B = cfg.vocab_size, spec["block"]
         dcfg = DFlashConfig.for_target(cfg, block_size=B)
         drafters = {
-            "oracle": lambda target: NoisyOracleDrafter(V, spec["p_wrong"], block_size=B, seed=spec["seed"] + 1),
+            "oracle": lambda target: NoisyOracleDrafter(
+                V, spec["p_wrong"], block_size=B, seed=spec["seed"] + 1
+            ),
             "dflash": lambda target: DFlashDrafter(dcfg, seed=spec["seed"] + 2).to(device),
         }
         drafters = {k: v for k, v in drafters.items() if k in spec["drafters"]}
@@ -104,7 +106,9 @@ def check_worker(rank: int, world: int, device, spec: dict, out_path: str) -> No
     out["topk_ids"], out["topk_logp"] = ids.cpu(), lps.cpu()
     out["ar"] = generate(tp, prompt, spec["max_new"]).tokens
     for name, make in drafters.items():
-        r = generate(tp, prompt, spec["max_new"], method="ddtree", drafter=make(tp), budget=spec["budget"], debug=True)
+        r = generate(
+            tp, prompt, spec["max_new"], method="ddtree", drafter=make(tp), budget=spec["budget"], debug=True
+        )
         out[f"ddtree:{name}"], out[f"accepted:{name}"] = r.tokens, r.accepted
     out.update(_sampled(tp, drafters, prompt, spec, debug=True))
     for key in [k for k in out if k.startswith(("ar", "ddtree", "topk", "sampled"))] + ["logits"]:
@@ -120,8 +124,16 @@ def _sampled(model, drafters: dict, prompt, spec: dict, debug: bool = False) -> 
     kw = {"temperature": spec["temperature"], "seed": spec["seed"]}
     out = {"sampled:ar": generate(model, prompt, spec["max_new"], **kw).tokens}
     for name, make in list(drafters.items())[:1]:
-        out[f"sampled:ddtree:{name}"] = generate(model, prompt, spec["max_new"], method="ddtree", drafter=make(model),
-                                                 budget=spec["budget"], debug=debug, **kw).tokens
+        out[f"sampled:ddtree:{name}"] = generate(
+            model,
+            prompt,
+            spec["max_new"],
+            method="ddtree",
+            drafter=make(model),
+            budget=spec["budget"],
+            debug=debug,
+            **kw,
+        ).tokens
     return out
 
 
@@ -132,7 +144,9 @@ def reference(spec: dict) -> dict:
     out = {"logits": model.logits(prompt).cpu(), "topk_ids": ids, "topk_logp": lps,
            "ar": generate(model, prompt, spec["max_new"]).tokens}
     for name, make in drafters.items():
-        r = generate(model, prompt, spec["max_new"], method="ddtree", drafter=make(model), budget=spec["budget"])
+        r = generate(
+            model, prompt, spec["max_new"], method="ddtree", drafter=make(model), budget=spec["budget"]
+        )
         out[f"ddtree:{name}"], out[f"accepted:{name}"] = r.tokens, r.accepted
     out.update(_sampled(model, drafters, prompt, spec))
     return out
@@ -155,12 +169,14 @@ def compare(got: dict, ref: dict) -> list[str]:
         ok = got[key] == ref["ar"]
         name = key.split(":")[1]
         lines.append(f"{'ok  ' if ok else 'FAIL'} TP DDTree ({name}) == single-process AR; mean accepted "
-                     f"{np.mean(got['accepted:' + name]):.2f} (single-process DDTree {np.mean(ref['accepted:' + name]):.2f})")
+                     f"{np.mean(got['accepted:' + name]):.2f} (single-process DDTree "
+                     f"{np.mean(ref['accepted:' + name]):.2f})")
     # Same seed, same uniforms: the draws could part only where the fp32 rounding of the logits (~1e-6)
     # moves a CDF boundary across a uniform, a chance of that order per token.
     for key in [k for k in got if k.startswith("sampled:")]:
         ok = got[key] == ref.get(key)
-        lines.append(f"{'ok  ' if ok else 'FAIL'} TP {key.split(':', 1)[1]} sampled at T > 0 == single-process, "
+        lines.append(f"{'ok  ' if ok else 'FAIL'} TP {key.split(':', 1)[1]} sampled at T > 0 == "
+                     "single-process, "
                      "same seed")
     return lines
 
@@ -175,9 +191,21 @@ def bench_spec(**kw) -> dict:
     `allreduce_dtype` (bfloat16, the serving activations) over [rows, allreduce_hidden] messages;
     7168 is Kimi-K2 / DeepSeek-V3's hidden size, the message the estimator models, and the rows
     reach 64 MiB so that the bandwidth term of the fit is not lost under the latency."""
-    spec = {"config": None, "seed": 0, "moe_mode": "ep", "context": 512, "max_new": 64, "budget": 32, "block": 16,
-            "p_wrong": 0.2, "dtype": "float32", "allreduce_dtype": "bfloat16",
-            "allreduce_rows": (1, 8, 33, 64, 128, 256, 1024, 4096), "allreduce_hidden": 7168, "iters": 50}
+    spec = {
+        "config": None,
+        "seed": 0,
+        "moe_mode": "ep",
+        "context": 512,
+        "max_new": 64,
+        "budget": 32,
+        "block": 16,
+        "p_wrong": 0.2,
+        "dtype": "float32",
+        "allreduce_dtype": "bfloat16",
+        "allreduce_rows": (1, 8, 33, 64, 128, 256, 1024, 4096),
+        "allreduce_hidden": 7168,
+        "iters": 50,
+    }
     return _override(spec, kw, "bench")
 
 
@@ -216,8 +244,11 @@ def bench_worker(rank: int, world: int, device, spec: dict, out_path: str) -> No
     def kw(method):
         if method == "ar":
             return {}
-        return {"method": "ddtree", "budget": spec["budget"],
-                "drafter": NoisyOracleDrafter(cfg.vocab_size, spec["p_wrong"], block_size=spec["block"], seed=1)}
+        return {
+            "method": "ddtree",
+            "budget": spec["budget"],
+            "drafter": NoisyOracleDrafter(cfg.vocab_size, spec["p_wrong"], block_size=spec["block"], seed=1),
+        }
 
     rows, tp_ar = [], None
     for method in ("ar", "ddtree"):
@@ -259,7 +290,9 @@ def bench_worker(rank: int, world: int, device, spec: dict, out_path: str) -> No
     sweep = []
     if world > 1:
         for m in spec["allreduce_rows"]:
-            x = torch.randn(m, spec["allreduce_hidden"], device=device).to(getattr(torch, spec["allreduce_dtype"]))  # [m, 7168]
+            x = torch.randn(m, spec["allreduce_hidden"], device=device).to(
+                getattr(torch, spec["allreduce_dtype"])
+            )  # [m, 7168]
             t = _time(lambda x=x: dist.all_reduce(x), device, spec["iters"])
             sweep.append(_allreduce_row(world, m, x, t.median_ms, t.p10_ms, t.p90_ms))
     if rank == 0:
@@ -272,8 +305,15 @@ def bench_worker(rank: int, world: int, device, spec: dict, out_path: str) -> No
 
 def _allreduce_row(world: int, rows: int, x, median_ms: float, p10_ms: float, p90_ms: float) -> dict:
     nbytes = x.numel() * x.element_size()
-    return {"world": world, "rows": rows, "bytes": nbytes, "median_us": median_ms * 1e3, "p10_us": p10_ms * 1e3,
-            "p90_us": p90_ms * 1e3, "bus_bandwidth_Bps": 2 * (world - 1) / world * nbytes / (median_ms / 1e3)}
+    return {
+        "world": world,
+        "rows": rows,
+        "bytes": nbytes,
+        "median_us": median_ms * 1e3,
+        "p10_us": p10_ms * 1e3,
+        "p90_us": p90_ms * 1e3,
+        "bus_bandwidth_Bps": 2 * (world - 1) / world * nbytes / (median_ms / 1e3),
+    }
 
 
 GRAPH_ALLREDUCES = 20  # collectives captured back to back per graph: per-collective time = replay / 20
@@ -289,7 +329,9 @@ def graph_allreduce_worker(rank: int, world: int, device, spec: dict, out_path: 
     dist.all_reduce(torch.zeros(1, device=device))  # communicator up before any capture
     out = []
     for m in spec["allreduce_rows"]:
-        x = torch.randn(m, spec["allreduce_hidden"], device=device).to(getattr(torch, spec["allreduce_dtype"]))  # [m, 7168]
+        x = torch.randn(m, spec["allreduce_hidden"], device=device).to(
+            getattr(torch, spec["allreduce_dtype"])
+        )  # [m, 7168]
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm-up on a side stream, as graph capture requires
@@ -323,7 +365,9 @@ def fit_allreduce(sweep: list[dict]) -> dict:
     return out
 
 
-def bench(world_sizes, spec: dict, backend: str = "nccl", timeout_s: float = 300, graph_timeout_s: float = 60) -> dict:
+def bench(
+    world_sizes, spec: dict, backend: str = "nccl", timeout_s: float = 300, graph_timeout_s: float = 60
+) -> dict:
     """Spawn bench_worker once per world size (and, on NCCL, graph_allreduce_worker); the payload of
     `tp.<gpu>.json`."""
     import tempfile
@@ -342,15 +386,20 @@ def bench(world_sizes, spec: dict, backend: str = "nccl", timeout_s: float = 300
             if w > 1 and backend == "nccl":
                 gpath = os.path.join(tmp, f"g{w}.json")
                 try:
-                    spawn(graph_allreduce_worker, w, (spec, gpath), backend=backend, timeout_s=graph_timeout_s)
+                    spawn(
+                        graph_allreduce_worker, w, (spec, gpath), backend=backend, timeout_s=graph_timeout_s
+                    )
                     graph_sweep += json.loads(Path(gpath).read_text())
                 except (ProcessException, TimeoutError) as e:  # recorded: the eager figures above still stand
                     graph_sweep.append({"world": w, "error": f"{type(e).__name__}: {e}"})
                     print(f"[tp] world {w}: all-reduce graph capture failed: {e}", flush=True)
             diffs[str(w)] = doc["logits_max_abs_diff_vs_single"]
             scale[str(w)] = doc["logits_max_abs_single"]
-            print(f"[tp] world {w}: {time.perf_counter() - t0:.0f} s; "
-                  + "; ".join(f"{r['engine']} {r['method']} {r['step_ms']:.2f} ms/step" for r in doc["runs"]), flush=True)
+            print(
+                f"[tp] world {w}: {time.perf_counter() - t0:.0f} s; "
+                + "; ".join(f"{r['engine']} {r['method']} {r['step_ms']:.2f} ms/step" for r in doc["runs"]),
+                flush=True,
+            )
     return {"parameters": {**spec, "world_sizes": list(world_sizes), "backend": backend},
             "runs": runs, "allreduce": sweep, "allreduce_fit": fit_allreduce(sweep) if sweep else {},
             "allreduce_graph": graph_sweep,
@@ -382,6 +431,8 @@ def gpu_payload(world_sizes, *, quick: bool = False) -> dict:
     payload = bench(world_sizes, spec, backend="nccl")
     payload["checks"] = checks
     payload["checks_pass"] = all(not x.startswith("FAIL") for v in checks.values() for x in v)
-    payload["nccl_env"] = {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                                                          "NVSHMEM_DISABLE_NVLS")}
+    payload["nccl_env"] = {
+        k: os.environ.get(k)
+        for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+    }
     return payload
