@@ -36,7 +36,8 @@ def _cuda_available() -> bool:
 def pytest_collection_modifyitems(config, items):
     if _cuda_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device (run with python3 -m pytest -m gpu on the GPU machine)")
+    skip = pytest.mark.skip(reason="needs a CUDA device (run with python3 -m pytest -m gpu on the GPU "
+                                   "machine)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -16,15 +16,43 @@ from kdlib.report import AUDIT_PREFIX
 
 # The figures issue 11 lists, by area -> the catalogue ids that carry them.
 ISSUE_FIGURES = {
-    "kernels": ["kern_tree_bit_exact", "kern_tree_queue_65", "kern_verify_max_abs_err", "kern_tree_speedup_b64",
-                "kern_cpu_build_b64", "kern_build_share_gain"],
+    "kernels": [
+        "kern_tree_bit_exact",
+        "kern_tree_queue_65",
+        "kern_verify_max_abs_err",
+        "kern_tree_speedup_b64",
+        "kern_cpu_build_b64",
+        "kern_build_share_gain",
+    ],
     "engine": ["eng_tokens_equal", "eng_max_logit_diff", "eng_fewer_forwards"],
-    "diagnosis": ["diag_baseline_c1_c10", "diag_two_point_255", "diag_two_point_67", "diag_sustained",
-                  "diag_step_34_144", "diag_accept_by_text", "diag_overestimate_2x", "diag_arith_20_vs_32"],
-    "memory": ["mem_576_elements", "mem_8_6_kb_per_gpu", "mem_1_72_gb_200k", "mem_10_gb_free", "mem_pool_101134",
-               "mem_maxpos_yarn"],
-    "moe_b300": ["moe_marlin_67_73", "moe_m9_m32", "moe_plateau_256", "moe_7_to_1_5_ms", "moe_share_step_80_90",
-                 "b300_303_c1", "b300_575_770", "b300_850_980"],
+    "diagnosis": [
+        "diag_baseline_c1_c10",
+        "diag_two_point_255",
+        "diag_two_point_67",
+        "diag_sustained",
+        "diag_step_34_144",
+        "diag_accept_by_text",
+        "diag_overestimate_2x",
+        "diag_arith_20_vs_32",
+    ],
+    "memory": [
+        "mem_576_elements",
+        "mem_8_6_kb_per_gpu",
+        "mem_1_72_gb_200k",
+        "mem_10_gb_free",
+        "mem_pool_101134",
+        "mem_maxpos_yarn",
+    ],
+    "moe_b300": [
+        "moe_marlin_67_73",
+        "moe_m9_m32",
+        "moe_plateau_256",
+        "moe_7_to_1_5_ms",
+        "moe_share_step_80_90",
+        "b300_303_c1",
+        "b300_575_770",
+        "b300_850_980",
+    ],
 }
 # Notebooks other engineers are still writing: a figure may point at their page without a section.
 FORTHCOMING = {"04_throughput_diagnosis"}
@@ -70,7 +98,8 @@ def locate(seed_file: str, quote: str, where: str) -> int:
     return at
 
 
-needs_seeds = pytest.mark.skipif(not SEEDS_DIR.is_dir(), reason=f"the seed articles are not beside this checkout "
+needs_seeds = pytest.mark.skipif(not SEEDS_DIR.is_dir(), reason="the seed articles are not beside this "
+                                                                "checkout "
                                                                 f"({SEEDS_DIR})")
 
 
@@ -167,7 +196,12 @@ def test_every_check_resolves_with_nothing_recorded(cat):
         assert v.verdict in audit.VERDICTS and v.ours and v.reason, fid
         if v.verdict == audit.MISSING:
             assert v.expected and "not recorded yet" in v.ours, fid
-    needs_results = ["kern_tree_bit_exact", "kern_tree_speedup_b64", "kern_cpu_build_b64", "kern_build_share_gain"]
+    needs_results = [
+        "kern_tree_bit_exact",
+        "kern_tree_speedup_b64",
+        "kern_cpu_build_b64",
+        "kern_build_share_gain",
+    ]
     assert all(verdicts[f].verdict == audit.MISSING for f in needs_results)
     assert verdicts["diag_accept_by_text"].verdict == audit.MISSING
     computed = [f for f in cat if cat[f].area in ("engine", "memory")]
@@ -239,8 +273,9 @@ def _cpu(ms_b64: float) -> dict:
     (False, 2000.0, 100.0, (audit.CONTRADICTED, audit.READING, audit.CONTRADICTED)),
 ])
 def test_synthetic_results_decide_the_kernel_verdicts(cat, bit_exact, speedup, cpu_ms, expect):
-    src = audit.Sources(results={"kernels.h200": _kernels(bit_exact, speedup), "tree_build_cpu": _cpu(cpu_ms)},
-                        records={})
+    src = audit.Sources(
+        results={"kernels.h200": _kernels(bit_exact, speedup), "tree_build_cpu": _cpu(cpu_ms)}, records={}
+    )
     got = tuple(audit.run_one(cat[f], cat, src).verdict
                 for f in ("kern_tree_bit_exact", "kern_tree_speedup_b64", "kern_cpu_build_b64"))
     assert got == expect
@@ -268,17 +303,24 @@ def test_records_are_read_from_executed_notebooks(cat, tmp_path):
         {**rec, "name": "diag_accept_len_reasoning", "value": 2.1},
         {**rec, "name": "diag_accept_len_predictable", "value": 5.5},
         {**rec, "name": "diag_two_point_over_sustained", "value": 1.8}])
-    _executed(tmp_path / f"{audit.AUDIT_NOTEBOOK}.ipynb", [{**rec, "name": "diag_accept_len_reasoning", "value": 99}])
+    _executed(
+        tmp_path / f"{audit.AUDIT_NOTEBOOK}.ipynb",
+        [{**rec, "name": "diag_accept_len_reasoning", "value": 99}],
+    )
     src = audit.Sources(tmp_path, results={})
     assert src.record("diag_accept_len_reasoning")["value"] == 2.1  # the audit's own page is not a source
     v = audit.run_one(cat["diag_accept_by_text"], cat, src)
     assert v.verdict == audit.OUT_OF_REACH and v.values == {"hard": 2.1, "easy": 5.5}
     assert "1.80" in audit.run_one(cat["diag_overestimate_2x"], cat, src).ours
-    assert any(s["name"] == "diag_accept_len_reasoning" and s["present"] for s in audit.source_status(src, cat))
+    assert any(
+        s["name"] == "diag_accept_len_reasoning" and s["present"] for s in audit.source_status(src, cat)
+    )
 
 
 def test_a_failing_input_becomes_missing_not_an_exception(cat):
-    broken = audit.Sources(results={"kernels.h200": {"_path": "x", "provenance": {}, "tree_build": [{}]}}, records={})
+    broken = audit.Sources(
+        results={"kernels.h200": {"_path": "x", "provenance": {}, "tree_build": [{}]}}, records={}
+    )
     v = audit.run_one(cat["kern_tree_bit_exact"], cat, broken)
     assert v.verdict == audit.MISSING and "KeyError" in v.ours
 
@@ -340,7 +382,8 @@ def test_a_recorded_diagnosis_result_decides_the_workbook_side(cat):
     assert v.verdict == audit.OUT_OF_REACH and v.values == {"hard": 2.2, "easy": 6.5}
     assert "as the seeds say" in v.reason
     over = audit.run_one(cat["diag_overestimate_2x"], cat, src)
-    assert "prose 1.60" in over.ours and over.verdict == audit.READING  # same text ~1.2-1.6x, easy vs hard 2.4x
+    # same text ~1.2-1.6x, easy vs hard 2.4x
+    assert "prose 1.60" in over.ours and over.verdict == audit.READING
     same_2x = {k: kind(3.0, 100.0, 50.0) for k in ("code", "prose", "templated")}
     assert audit.run_one(cat["diag_overestimate_2x"], cat,
                          audit.Sources(results={"diagnosis": {"_path": "s", "by_kind": same_2x}}, records={})

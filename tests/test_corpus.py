@@ -69,7 +69,9 @@ def test_write_read_round_trips(tmp_path):
 
     docs = list(_docs())
     manifest = corpus.write(docs, tmp_path)
-    assert corpus.read(tmp_path) == sorted(docs, key=lambda d: (corpus.KINDS.index(d.kind), corpus.SPLITS.index(d.split)))
+    assert corpus.read(tmp_path) == sorted(
+        docs, key=lambda d: (corpus.KINDS.index(d.kind), corpus.SPLITS.index(d.split))
+    )
     for name, info in manifest["files"].items():
         assert hashlib.sha256((tmp_path / name).read_bytes()).hexdigest() == info["sha256"]
     assert json.loads((tmp_path / "manifest.json").read_text()) == json.loads(json.dumps(manifest))

@@ -22,7 +22,9 @@ def test_bf16_round_trip_and_rounding():
     vals = np.array([1.0, -2.5, 3.0e-3, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8], dtype=np.float32)
     out = moe.bf16_bits_to_f32(moe.f32_to_bf16_bits(vals))
     # 1 + 2^-8 is a tie between 1 and 1 + 2^-7: nearest even is 1.0; 1 + 3*2^-8 rounds up to 1 + 2^-6
-    np.testing.assert_array_equal(out, np.array([1.0, -2.5, np.float32(out[2]), 1.0, 1.0 + 2.0**-6], np.float32))
+    np.testing.assert_array_equal(
+        out, np.array([1.0, -2.5, np.float32(out[2]), 1.0, 1.0 + 2.0**-6], np.float32)
+    )
     assert abs(out[2] - 3.0e-3) <= 3.0e-3 * 2.0**-8
 
 
@@ -65,7 +67,10 @@ def _a_fragment_tile(words: np.ndarray, scales: np.ndarray, i: int) -> np.ndarra
         g, t = divmod(lane, 4)
         w = int(words[lane, i])
         sw = int(scales[(t >> 1) * 8 + g])
-        s_row = {0: float(moe.bf16_bits_to_f32(np.uint16(sw & 0xFFFF))), 1: float(moe.bf16_bits_to_f32(np.uint16(sw >> 16)))}
+        s_row = {
+            0: float(moe.bf16_bits_to_f32(np.uint16(sw & 0xFFFF))),
+            1: float(moe.bf16_bits_to_f32(np.uint16(sw >> 16))),
+        }
         for j in range(4):
             v = (w >> (4 * j)) & 0x000F000F
             lo, hi = v & 0xF, v >> 16
@@ -211,7 +216,9 @@ def test_kernel_overwrites_a_dirty_out(version):
 
     ref, routing, run = _gpu_case(16, 512, 128, 5, 4, seed=11)
     out = cp.full((5, 512), cp.nan, dtype=cp.float32)
-    check.assert_close(run(version=version, out=out), ref, rtol=5e-3, name=f"v{version} into a NaN-filled out")
+    check.assert_close(
+        run(version=version, out=out), ref, rtol=5e-3, name=f"v{version} into a NaN-filled out"
+    )
 
 
 @pytest.mark.gpu
@@ -230,7 +237,8 @@ def test_kernel_accepts_torch_bf16_and_rejects_bad_input(version):
     routing = moe.prepare_routing(torch.from_numpy(ids).cuda(), torch.from_numpy(wts).cuda(), E)
     y = moe.moe_w4a16(x, packed, routing, sync=True, version=version)
     x_bits = x.view(torch.int16).cpu().numpy().view(np.uint16)
-    check.assert_close(y, moe.moe_w4a16_reference(x_bits, w, ids, wts), rtol=5e-3, name=f"v{version} torch bf16 input")
+    check.assert_close(y, moe.moe_w4a16_reference(x_bits, w, ids, wts), rtol=5e-3, name=f"v{version} torch "
+                                                                                        "bf16 input")
     with pytest.raises(ValueError, match="x must be"):
         moe.moe_w4a16(cp.zeros((M + 1, K), cp.uint16), packed, routing)
     with pytest.raises(ValueError, match="uint16"):
@@ -301,7 +309,9 @@ def _emulate(x_bits, packed, ids, wts, E, K, N, warps_n8=16):
     off = np.concatenate([[0], np.cumsum(counts)])
     active = np.nonzero(counts)[0]
     stok, swt = order // k, wts.reshape(-1)[order]
-    nch, kb_g, warps = (1, 7, warps_n8) if counts.max() <= 8 else (2, 4, 8) if counts.max() <= 16 else (4, 2, 8)
+    nch, kb_g, warps = (
+        (1, 7, warps_n8) if counts.max() <= 8 else (2, 4, 8) if counts.max() <= 16 else (4, 2, 8)
+    )
     kb_d = 4 if nch <= 2 else 2
     passes = -(-counts.max() // (8 * nch))
     w1 = packed["w1"].reshape(-1, 4)
@@ -335,7 +345,9 @@ def _emulate(x_bits, packed, ids, wts, E, K, N, warps_n8=16):
                             b = [_emu_load_b(x, xrow[c], (k0 + j) * 64) for c in range(nch)]
                             for u in range(2):
                                 wv = w1[(tile_base * KC * 2 + (k0 + j) * 2 + u) * 32 + lanes]
-                                sv = s1[tile_base * KC * 2 * 16 + ((k0 + j) * 2 + u) * 16 + (t_l >> 1) * 8 + g_l]
+                                sv = s1[
+                                    tile_base * KC * 2 * 16 + ((k0 + j) * 2 + u) * 16 + (t_l >> 1) * 8 + g_l
+                                ]
                                 for i in range(4):
                                     af = _emu_dequant(wv[:, i], sv)
                                     for c in range(nch):
@@ -362,7 +374,10 @@ def _emulate(x_bits, packed, ids, wts, E, K, N, warps_n8=16):
                     rt0 = (bx * 8 + warp) * 2
                     if rt0 >= RT:
                         continue
-                    hrow = [[(s * N if (s := slot0 + 8 * c + g) < end else None) for g in range(8)] for c in range(nch)]
+                    hrow = [
+                        [(s * N if (s := slot0 + 8 * c + g) < end else None) for g in range(8)]
+                        for c in range(nch)
+                    ]
                     acc = np.zeros((2, nch, 32, 4))
                     for k0 in range(0, NC, kb_d):
                         for j in range(kb_d):
@@ -390,11 +405,14 @@ def _emulate(x_bits, packed, ids, wts, E, K, N, warps_n8=16):
                                     rt = rt0 + q
                                     if rt < RT:
                                         y[stok[slot] * K + rt * 16 + g] += swt[slot] * acc[q, c, lane, half]
-                                        y[stok[slot] * K + rt * 16 + g + 8] += swt[slot] * acc[q, c, lane, 2 + half]
+                                        y[stok[slot] * K + rt * 16 + g + 8] += (
+                                            swt[slot] * acc[q, c, lane, 2 + half]
+                                        )
     return y.reshape(M, K)
 
 
-@pytest.mark.parametrize("M,k,warps", [(5, 2, 16), (5, 2, 8), (24, 2, 8), (80, 2, 8)])   # n8, n8w8, n16, n32 x2
+# n8, n8w8, n16, n32 x2
+@pytest.mark.parametrize("M,k,warps", [(5, 2, 16), (5, 2, 8), (24, 2, 8), (80, 2, 8)])
 def test_kernel_addressing_emulated_on_cpu(M, k, warps):
     E, K, N = 4, 128, 64
     rng = np.random.default_rng(M)
@@ -403,7 +421,8 @@ def test_kernel_addressing_emulated_on_cpu(M, k, warps):
     ids = np.stack([rng.choice(E, k, replace=False) for _ in range(M)]).astype(np.int32)
     wts = rng.random((M, k)).astype(np.float32)
     y = _emulate(x_bits, moe.pack_moe(w), ids, wts, E, K, N, warps_n8=warps)
-    check.assert_close(y, moe.moe_w4a16_reference(x_bits, w, ids, wts), rtol=2e-3, name=f"emulated kernel M{M}")
+    check.assert_close(y, moe.moe_w4a16_reference(x_bits, w, ids, wts), rtol=2e-3, name="emulated kernel "
+                                                                                        f"M{M}")
 
 
 def test_suite_helpers_route_distinct_experts_and_count_bytes():
@@ -466,7 +485,9 @@ def _emulate_v2(x_bits, packed, ids, wts, E, K, N, *, warps, stages, sms, interl
             ring_s = np.zeros((stages, 2, 32), np.uint32)
             cur = {"it": 0, "c": 0, "stage": 0}
 
-            def issue(cur=cur, kbeg=kbeg, kstep=kstep, cnt=cnt, bx=bx, ring_w=ring_w, ring_x=ring_x, ring_s=ring_s):
+            def issue(
+                cur=cur, kbeg=kbeg, kstep=kstep, cnt=cnt, bx=bx, ring_w=ring_w, ring_x=ring_x, ring_s=ring_s
+            ):
                 item = bx + cur["it"] * grid
                 a_idx, p = divmod(item, P)
                 e = active[a_idx]
@@ -571,8 +592,10 @@ def _emulate_v2(x_bits, packed, ids, wts, E, K, N, *, warps, stages, sms, interl
     return y.reshape(M, K)
 
 
-@pytest.mark.parametrize("K,warps,stages,sms,interleave",
-                         [(128, 16, 5, 3, False), (1024, 16, 5, 2, False), (512, 8, 4, 5, False), (1344, 8, 4, 3, True)])
+@pytest.mark.parametrize(
+    "K,warps,stages,sms,interleave",
+    [(128, 16, 5, 3, False), (1024, 16, 5, 2, False), (512, 8, 4, 5, False), (1344, 8, 4, 3, True)],
+)
 def test_kernel_v2_addressing_emulated_on_cpu(K, warps, stages, sms, interleave):
     """Few emulated SMs, so blocks walk several items and the rings wrap across item boundaries."""
     E, N, M, k = 4, 128, 6, 2
@@ -583,7 +606,8 @@ def test_kernel_v2_addressing_emulated_on_cpu(K, warps, stages, sms, interleave)
     wts = rng.random((M, k)).astype(np.float32)
     y = _emulate_v2(x_bits, moe.pack_moe(w), ids, wts, E, K, N, warps=warps, stages=stages, sms=sms,
                     interleave=interleave)
-    check.assert_close(y, moe.moe_w4a16_reference(x_bits, w, ids, wts), rtol=2e-3, name=f"emulated v2 K{K} w{warps}")
+    check.assert_close(y, moe.moe_w4a16_reference(x_bits, w, ids, wts), rtol=2e-3, name=f"emulated v2 K{K} "
+                                                                                        f"w{warps}")
 
 
 # ----------------------------------------------------------------------------- CPU: v3 emulation
@@ -803,12 +827,19 @@ def _emulate_v3(x_bits, packed, ids, wts, E, K, N, *, n_warps, parts, down_batch
             procs.pop(i)
         steps += 1
         assert steps < 200_000, "the emulated warps stopped making progress"
-    state = {"ws": dict(ws), "ready": ready.copy(), "parts_done": parts_done.copy(), "scratch_zero": not scratch.any()}
+    state = {
+        "ws": dict(ws),
+        "ready": ready.copy(),
+        "parts_done": parts_done.copy(),
+        "scratch_zero": not scratch.any(),
+    }
     return y.reshape(M, K), state
 
 
-@pytest.mark.parametrize("K,n_warps,parts,down_batch,seed",
-                         [(256, 3, 1, 4, 0), (256, 5, 1, 8, 1), (512, 2, 2, 4, 2), (768, 7, 3, 4, 3), (512, 16, 2, 8, 4)])
+@pytest.mark.parametrize(
+    "K,n_warps,parts,down_batch,seed",
+    [(256, 3, 1, 4, 0), (256, 5, 1, 8, 1), (512, 2, 2, 4, 2), (768, 7, 3, 4, 3), (512, 16, 2, 8, 4)],
+)
 def test_kernel_v3_scheduling_emulated_on_cpu(K, n_warps, parts, down_batch, seed):
     """Warps interleaved at random, some taking several units and some none; K split into parts;
     y must match the reference and the workspace must be all zero afterwards."""
@@ -908,7 +939,12 @@ def test_v2_kernels_fit_the_launch_shapes_the_wrapper_assumes(arch):
     rc, text = loader.compile_report(moe.STEM_V2, arch)
     assert rc == 0, text
     rep = loader.parse_ptxas(text)
-    names = {f"{moe.STEM_V2}_gate_up_w16", f"{moe.STEM_V2}_gate_up_w8", f"{moe.STEM_V2}_gate_up_w8i", f"{moe.STEM_V2}_down"}
+    names = {
+        f"{moe.STEM_V2}_gate_up_w16",
+        f"{moe.STEM_V2}_gate_up_w8",
+        f"{moe.STEM_V2}_gate_up_w8i",
+        f"{moe.STEM_V2}_down",
+    }
     assert names <= set(rep), sorted(rep)
     h200 = {"sms": 132, "smem_block": 227 * 1024, "smem_sm": 228 * 1024, "smem_reserved": 1024}
     for warps, suffix in ((16, ""), (8, ""), (8, "i")):

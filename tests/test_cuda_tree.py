@@ -62,14 +62,18 @@ def assert_trees_equal(got, want, what=""):
         g = getattr(got, name)
         g = g.get() if hasattr(g, "get") else np.asarray(g)
         w = getattr(want, name)
-        assert g.shape == w.shape and g.dtype == w.dtype, f"{what} {name}: {g.dtype}{g.shape} vs {w.dtype}{w.shape}"
+        assert g.shape == w.shape and g.dtype == w.dtype, (
+            f"{what} {name}: {g.dtype}{g.shape} vs {w.dtype}{w.shape}"
+        )
         if name == "visibility":
             g = g.view(np.uint8)
             w = w.view(np.uint8)
         if name == "scores":  # bit-exact, NaN padding included
             g, w = g.view(np.int64), w.view(np.int64)
         bad = np.argwhere(g != w)
-        assert bad.size == 0, f"{what} {name} differs at {bad[:5].tolist()}: got {g[tuple(bad[0])]}, want {w[tuple(bad[0])]}"
+        assert bad.size == 0, (
+            f"{what} {name} differs at {bad[:5].tolist()}: got {g[tuple(bad[0])]}, want {w[tuple(bad[0])]}"
+        )
 
 
 # ----------------------------------------------------------------------------- CPU: limits
@@ -88,7 +92,14 @@ def test_build_limits_raise_before_any_work():
     assert tree.kernel_name(256, 2) == ("tree_build_v2", "tree_build_v2_r9")
     assert tree.kernel_name(1, 1) == ("tree_build_v1", "tree_build_v1")
     assert tree.kernel_name(64, 3) == ("tree_build_v3", "tree_build_v3_r3")
-    assert [tree.kernel_name(b, 4)[1][-2:] for b in (0, 64, 65, 128, 129, 256)] == ["r1", "r1", "r2", "r2", "r4", "r4"]
+    assert [tree.kernel_name(b, 4)[1][-2:] for b in (0, 64, 65, 128, 129, 256)] == [
+        "r1",
+        "r1",
+        "r2",
+        "r2",
+        "r4",
+        "r4",
+    ]
     assert tree.shared_bytes(256, 16, 256, 4) <= 227 * 1024
     with pytest.raises(ValueError, match="version"):
         tree.kernel_name(8, 5)
@@ -105,7 +116,9 @@ def test_build_worked_example(version):
 
     ids = np.array([[[10, 11], [20, 21], [30, 31]]], dtype=np.int64)
     lp = np.log(np.array([[[0.60, 0.30], [0.90, 0.05], [0.45, 0.40]]])).astype(np.float32)
-    got = tree.build_tree_batch(cp.asarray(ids), cp.asarray(lp), 5, out=_poisoned_batch(1, 5), version=version)
+    got = tree.build_tree_batch(
+        cp.asarray(ids), cp.asarray(lp), 5, out=_poisoned_batch(1, 5), version=version
+    )
     assert got.node_token_ids.get().tolist() == [[10, 20, 11, 20, 30]]
     assert got.parents.get().tolist() == [[-1, 0, 1, 0, 3, 2]]
     assert got.next_token.get().tolist() == [[1, 2, 5, 4, -1, -1]]
@@ -274,30 +287,42 @@ def test_golden(path):
         budget = int(t["budget"])
         want = ref.DDTreeBatch(**{f: np.asarray(t[f]) for f in FIELDS})
         for version in tree.VERSIONS:
-            got = tree.build_tree_batch(cp.asarray(t["top_token_ids"]), cp.asarray(t["top_log_probs"]), budget,
-                                        out=_poisoned_batch(t["top_token_ids"].shape[0], budget), version=version)
+            got = tree.build_tree_batch(
+                cp.asarray(t["top_token_ids"]),
+                cp.asarray(t["top_log_probs"]),
+                budget,
+                out=_poisoned_batch(t["top_token_ids"].shape[0], budget),
+                version=version,
+            )
             assert_trees_equal(got, want, f"{path.name} v{version}")
     max_depth = config.get("max_depth")
     if kind == "tree":
-        got = accept.accept_greedy_batch(_stored_trees(t, cp), cp.asarray(t["target_tokens"]), max_depth=max_depth)
+        got = accept.accept_greedy_batch(
+            _stored_trees(t, cp), cp.asarray(t["target_tokens"]), max_depth=max_depth
+        )
         for name, g in zip(("paths", "lengths", "bonus"), got, strict=True):
             assert (g.get() == t[name]).all(), f"{path.name}: {name}"
     elif kind == "accept_sample":
-        got = accept.accept_sample_batch(_stored_trees(t, cp), cp.asarray(t["probs"]), cp.asarray(t["uniforms"]),
-                                         max_depth=max_depth)
+        got = accept.accept_sample_batch(
+            _stored_trees(t, cp), cp.asarray(t["probs"]), cp.asarray(t["uniforms"]), max_depth=max_depth
+        )
         for name, g in zip(("paths", "lengths", "bonus"), got, strict=True):
             assert (g.get() == t[name]).all(), f"{path.name}: {name}"
         tokens = accept.sample_tokens(cp.asarray(t["st_probs"]), cp.asarray(t["st_uniforms"]))
         assert (tokens.get() == t["st_tokens"]).all()
     else:
         cache = cp.asarray(t["cache"])
-        compact.compact_kv_batch(cache, cp.asarray(t["starts"]), cp.asarray(t["paths"]), cp.asarray(t["lengths"]))
+        compact.compact_kv_batch(
+            cache, cp.asarray(t["starts"]), cp.asarray(t["paths"]), cp.asarray(t["lengths"])
+        )
         assert (cache.get().view(np.uint8) == t["cache_out"].view(np.uint8)).all(), f"{path.name}: cache"
         r2t = cp.asarray(t["req_to_token"])
         freed = compact.remap_slots(r2t, cp.asarray(t["remap_starts"]), cp.asarray(t["tree_slots"]),
                                     cp.asarray(t["paths"]), cp.asarray(t["lengths"]))
         assert (r2t.get() == t["req_to_token_out"]).all(), f"{path.name}: req_to_token"
-        assert freed.dtype == t["freed_slots"].dtype and (freed.get() == t["freed_slots"]).all(), f"{path.name}: freed"
+        assert freed.dtype == t["freed_slots"].dtype and (freed.get() == t["freed_slots"]).all(), (
+            f"{path.name}: freed"
+        )
 
 
 def test_golden_files_present():
@@ -381,7 +406,10 @@ def test_sample_v3_constants_come_from_the_reference():
     assert accept.sample_kernel(np.float32) == ("tree_accept_v3", "tree_sample_rows_v3_f32")
     src = (KERNELS / "tree_accept_v3.cu").read_text()
     defaults = dict(re.findall(r"#define (TA3_THREADS|TA3_PIECE) (\d+)", src))
-    assert defaults == {"TA3_THREADS": str(ref_accept.SAMPLE_THREADS), "TA3_PIECE": str(ref_accept.SAMPLE_PIECE)}
+    assert defaults == {
+        "TA3_THREADS": str(ref_accept.SAMPLE_THREADS),
+        "TA3_PIECE": str(ref_accept.SAMPLE_PIECE),
+    }
     with pytest.raises(ValueError, match="version"):
         accept.sample_kernel(np.float32, 4)
 
@@ -436,7 +464,8 @@ def _hard_rows(rng, n, v, dtype):
     included)."""
     probs = np.zeros((n, v), dtype=np.float64)  # [n, v]
     u = rng.random(n)  # [n]
-    tiny = 1e-40 if dtype == np.float32 else 5e-324  # subnormal in the row's dtype (float64: sums of them too)
+    # subnormal in the row's dtype (float64: sums of them too)
+    tiny = 1e-40 if dtype == np.float32 else 5e-324
     for r in range(n):
         kind = r % 6
         if kind == 0:  # a tempered softmax over random logits
@@ -475,7 +504,9 @@ def test_sample_v3_bit_exact_at_model_vocabularies(v, rows, dtype):
     out = cp.full(rows, POISON_INT, dtype=cp.int64)
     got = accept.sample_tokens(cp.asarray(probs), d_u, out=out).get()
     bad = np.flatnonzero(got != want)
-    assert bad.size == 0, f"rows {bad[:5].tolist()} (kinds {(bad[:5] % 6).tolist()}): got {got[bad[:5]]}, want {want[bad[:5]]}"
+    assert bad.size == 0, (
+        f"rows {bad[:5].tolist()} (kinds {(bad[:5] % 6).tolist()}): got {got[bad[:5]]}, want {want[bad[:5]]}"
+    )
     flat = cp.zeros(rows * v + 1, dtype=dtype)
     flat[1:] = cp.asarray(probs).reshape(-1)
     shifted = flat[1:].reshape(rows, v)  # C-contiguous, 4 or 8 bytes off a 16-byte boundary
@@ -501,7 +532,9 @@ def test_sample_v3_has_v2s_distribution(v):
     probs = cp.tile(cp.asarray(p), (m, 1))  # [M, V]
     u = cp.asarray((np.arange(m) + 0.5) / m)  # [M]
     expect = m * p.astype(np.float64) / p.astype(np.float64).sum()
-    counts = {ver: np.bincount(accept.sample_tokens(probs, u, version=ver).get(), minlength=v) for ver in (2, 3)}
+    counts = {
+        ver: np.bincount(accept.sample_tokens(probs, u, version=ver).get(), minlength=v) for ver in (2, 3)
+    }
     for ver, c in counts.items():
         assert np.abs(c - expect).max() <= 1 + 1e-6, ver
         assert c[p == 0].sum() == 0, ver
@@ -523,7 +556,11 @@ def test_sample_v3_in_a_cuda_graph():
     u = cp.empty((bsz, budget + 1))  # [B, S]
     tokens = cp.empty(bsz * (budget + 1), dtype=cp.int64)  # [B * S]
     targets = cp.empty((bsz, budget + 1), dtype=cp.int64)  # [B, S]
-    outs = (cp.empty((bsz, budget + 1), dtype=cp.int64), cp.empty(bsz, dtype=cp.int64), cp.empty(bsz, dtype=cp.int64))
+    outs = (
+        cp.empty((bsz, budget + 1), dtype=cp.int64),
+        cp.empty(bsz, dtype=cp.int64),
+        cp.empty(bsz, dtype=cp.int64),
+    )
 
     def step():
         accept.sample_tokens(probs.reshape(-1, vocab), u.reshape(-1), out=tokens)
@@ -593,7 +630,11 @@ def _random_paths(rng, bsz, width, maxlen):
     for b in range(bsz):
         m = int(lengths[b])
         if m:
-            rest = np.sort(rng.choice(np.arange(1, width), m - 1, replace=False)) if m > 1 else np.zeros(0, np.int64)
+            rest = (
+                np.sort(rng.choice(np.arange(1, width), m - 1, replace=False))
+                if m > 1
+                else np.zeros(0, np.int64)
+            )
             paths[b, :m] = np.concatenate([[0], rest])
     return paths, lengths.astype(np.int64)
 
@@ -633,7 +674,9 @@ def test_remap_slots_exact():
     want_r2t = r2t.copy()
     want_freed = ref.remap_slots(want_r2t, starts, slots, paths, lengths)
     got_r2t = cp.asarray(r2t)
-    got_freed = compact.remap_slots(got_r2t, cp.asarray(starts), cp.asarray(slots), cp.asarray(paths), cp.asarray(lengths))
+    got_freed = compact.remap_slots(
+        got_r2t, cp.asarray(starts), cp.asarray(slots), cp.asarray(paths), cp.asarray(lengths)
+    )
     assert (got_r2t.get() == want_r2t).all()
     assert got_freed.dtype == want_freed.dtype and (got_freed.get() == want_freed).all()
 
@@ -728,7 +771,9 @@ def v4_model(ids, lp, budget: int, k: int, rows: int):
         xl, yl = (wl[1], lpv(dep - 1, rk + 2), wl[2]), (wl[2], lpv(dep, 1), lpv(dep + 1, 0))
         o1 = ent[1] if f >= 2 else (0.0, 0, 1, 0)
         live = range(1, f)
-        slow = (nx and ny and x[0] == y[0]) or any((nx and ent[t][0] == x[0]) or (ny and ent[t][0] == y[0]) for t in live)
+        slow = (nx and ny and x[0] == y[0]) or any(
+            (nx and ent[t][0] == x[0]) or (ny and ent[t][0] == y[0]) for t in live
+        )
         y_first = before(y, x, slow)
         px = sum(before(ent[t], x, slow) for t in live) + (ny and y_first)
         py = sum(before(ent[t], y, slow) for t in live) + (nx and not y_first)
@@ -762,7 +807,11 @@ def _v4_cases():
         ids, lp = frontier_filling_topk(np.random.default_rng(budget), 4, budget, budget + 3)
         yield ids, lp, budget
     for budget, depth, kp in ((0, 5, 4), (5, 0, 4), (5, 3, 0), (1, 1, 1), (16, 16, 1), (3, 20, 2)):
-        yield np.arange(2 * depth * kp, dtype=np.int64).reshape(2, depth, kp), np.zeros((2, depth, kp), np.float32), budget
+        yield (
+            np.arange(2 * depth * kp, dtype=np.int64).reshape(2, depth, kp),
+            np.zeros((2, depth, kp), np.float32),
+            budget,
+        )
 
 
 def test_v4_model_matches_reference():
@@ -806,10 +855,16 @@ def v4_host(tmp_path_factory):
     assert src.count(SMEM_DECL) == 1, "the shim replaces the kernel's one dynamic shared-memory declaration"
     d = tmp_path_factory.mktemp("v4_host")
     emu = Path(__file__).parent / "emu"
-    (d / "emu.cpp").write_text((emu / "cuda_shim.h").read_text() + src.replace(SMEM_DECL, "unsigned char* smem = emu_smem();")
-                               + (emu / "tree_build_driver.cpp").read_text())
-    run = subprocess.run([gxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-o", str(d / "emu.so"), str(d / "emu.cpp")],
-                         capture_output=True, text=True)
+    (d / "emu.cpp").write_text(
+        (emu / "cuda_shim.h").read_text()
+        + src.replace(SMEM_DECL, "unsigned char* smem = emu_smem();")
+        + (emu / "tree_build_driver.cpp").read_text()
+    )
+    run = subprocess.run(
+        [gxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-o", str(d / "emu.so"), str(d / "emu.cpp")],
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr
     return ctypes.CDLL(str(d / "emu.so"))
 
@@ -824,8 +879,12 @@ def host_build_v4(lib, ids, lp, budget, vis_offset=0, kernel=None):
     k, l_eff, s = min(budget, kp), min(depth, budget), budget + 1
     out = {}
     for name in FIELDS:
-        shape = {"sizes": (bsz,), "node_token_ids": (bsz, budget), "node_depths": (bsz, budget), "scores": (bsz, budget)}.get(
-            name, (bsz, s))
+        shape = {
+            "sizes": (bsz,),
+            "node_token_ids": (bsz, budget),
+            "node_depths": (bsz, budget),
+            "scores": (bsz, budget),
+        }.get(name, (bsz, s))
         if name == "scores":
             out[name] = np.full(shape, np.inf)
         elif name != "visibility":
@@ -836,12 +895,25 @@ def host_build_v4(lib, ids, lp, budget, vis_offset=0, kernel=None):
     ids, lp = np.ascontiguousarray(ids), np.ascontiguousarray(lp)
     ptr = ctypes.c_void_p
     rc = lib.emu_launch(
-        (kernel or tree.kernel_name(budget, 4)[1]).encode(), bsz, tree.V4_THREADS, tree.shared_bytes(budget, l_eff, k, 4),
-        ptr(ids.ctypes.data), ptr(lp.ctypes.data), depth, kp, k, l_eff, budget,
-        *(ptr(out[n].ctypes.data) for n in ("sizes", "node_token_ids", "node_depths", "parents")), ptr(vis.ctypes.data),
-        *(ptr(out[n].ctypes.data) for n in ("next_token", "next_sibling", "positions", "scores")))
+        (kernel or tree.kernel_name(budget, 4)[1]).encode(),
+        bsz,
+        tree.V4_THREADS,
+        tree.shared_bytes(budget, l_eff, k, 4),
+        ptr(ids.ctypes.data),
+        ptr(lp.ctypes.data),
+        depth,
+        kp,
+        k,
+        l_eff,
+        budget,
+        *(ptr(out[n].ctypes.data) for n in ("sizes", "node_token_ids", "node_depths", "parents")),
+        ptr(vis.ctypes.data),
+        *(ptr(out[n].ctypes.data) for n in ("next_token", "next_sibling", "positions", "scores")),
+    )
     assert rc == 0, f"emulation returned {rc}"
-    assert (buf[:vis_offset] == 0x5A).all() and (buf[vis_offset + bsz * s * s:] == 0x5A).all(), "write outside visibility"
+    assert (buf[:vis_offset] == 0x5A).all() and (buf[vis_offset + bsz * s * s :] == 0x5A).all(), (
+        "write outside visibility"
+    )
     out["visibility"] = vis.reshape(bsz, s, s).view(np.bool_)
     return ref.DDTreeBatch(**out)
 

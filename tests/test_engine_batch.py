@@ -43,14 +43,18 @@ def _ar(model, prompt, n) -> list[int]:
 
 
 @pytest.mark.parametrize("streams", [1, 3, 16])
-@pytest.mark.parametrize("method,kind,budget", [("ar", None, None), ("ddtree", "oracle", 1), ("ddtree", "oracle", 64),
-                                                ("ddtree", "dflash", 8)])
+@pytest.mark.parametrize(
+    "method,kind,budget",
+    [("ar", None, None), ("ddtree", "oracle", 1), ("ddtree", "oracle", 64), ("ddtree", "dflash", 8)],
+)
 def test_greedy_batch_equals_single_stream_ar(streams, method, kind, budget):
     m = _model()
     prompts = _prompts(streams, seed=streams * 7 + (budget or 0), vocab=m.cfg.vocab_size)
     new = [int(x) for x in np.random.default_rng(streams).integers(4, 14, streams)]
     drafter = _drafter(kind, m) if kind else None
-    eng = BatchEngine(m, max_streams=streams, method=method, drafter=drafter, budget=budget, keep_results=True)
+    eng = BatchEngine(
+        m, max_streams=streams, method=method, drafter=drafter, budget=budget, keep_results=True
+    )
     rids = [eng.add_request(p, n) for p, n in zip(prompts, new, strict=True)]
     while eng.has_work():
         eng.step()
@@ -77,8 +81,15 @@ def test_streams_join_and_leave_mid_run_with_poisoned_free_slots():
     V = m.cfg.vocab_size
     prompts = _prompts(8, seed=11, vocab=V, hi=120)
     new = [5, 9, 3, 12, 7, 1, 10, 6]
-    eng = BatchEngine(m, max_streams=3, method="ddtree", drafter=_drafter("dflash", m), budget=5, keep_results=True,
-                      num_slots=420)
+    eng = BatchEngine(
+        m,
+        max_streams=3,
+        method="ddtree",
+        drafter=_drafter("dflash", m),
+        budget=5,
+        keep_results=True,
+        num_slots=420,
+    )
     arrivals = {0: [0, 1], 2: [2, 3, 4], 3: [5], 6: [6, 7]}
     rids, aborted = {}, None
     for step in itertools.count():
@@ -140,7 +151,9 @@ def test_stop_tokens_min_tokens_and_ignore_eos():
     ref = _ar(m, prompt, 12)
     stop = ref[4]
     first = ref.index(stop)
-    eng = BatchEngine(m, max_streams=3, method="ddtree", drafter=_drafter("oracle", m), budget=8, keep_results=True)
+    eng = BatchEngine(
+        m, max_streams=3, method="ddtree", drafter=_drafter("oracle", m), budget=8, keep_results=True
+    )
     a = eng.add_request(prompt, 12, SamplingParams(stop_token_ids=(stop,)))
     b = eng.add_request(prompt, 12, SamplingParams(stop_token_ids=(stop,), ignore_eos=True))
     c = eng.add_request(prompt, 12, SamplingParams(stop_token_ids=(stop,), min_tokens=first + 1))
@@ -158,7 +171,9 @@ def test_stop_tokens_min_tokens_and_ignore_eos():
 def test_logprobs_match_the_target_distribution():
     m = _model()
     prompt = _prompts(1, seed=4, vocab=m.cfg.vocab_size, hi=20)[0]
-    eng = BatchEngine(m, max_streams=1, method="ddtree", drafter=_drafter("oracle", m), budget=4, keep_results=True)
+    eng = BatchEngine(
+        m, max_streams=1, method="ddtree", drafter=_drafter("oracle", m), budget=4, keep_results=True
+    )
     rid = eng.add_request(prompt, 6, SamplingParams(logprobs=3))
     entries = []
     while eng.has_work():
@@ -166,7 +181,8 @@ def test_logprobs_match_the_target_distribution():
             entries.extend(o.logprobs)
     toks = eng.result(rid).tokens
     assert [e["token"] for e in entries] == toks
-    lp = torch.log_softmax(m.logits(prompt + toks), dim=-1)[len(prompt) - 1 : -1]  # [6, V] row i predicts toks[i]
+    # [6, V] row i predicts toks[i]
+    lp = torch.log_softmax(m.logits(prompt + toks), dim=-1)[len(prompt) - 1 : -1]
     for i, e in enumerate(entries):
         assert e["logprob"] == pytest.approx(float(lp[i, toks[i]]), abs=1e-4)
         assert [t for t, _ in e["top"]] == lp[i].topk(3).indices.tolist()
@@ -225,7 +241,11 @@ def _chi2_p(counts: dict, probs: dict, total: int) -> tuple[float, float, int]:
     o, e = np.asarray(obs, dtype=float), np.asarray(exp, dtype=float)
     chi2 = float(((o - e) ** 2 / e).sum())
     df = len(o) - 1
-    p = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(chi2 / 2, dtype=torch.float64)))
+    p = float(
+        torch.special.gammaincc(
+            torch.tensor(df / 2, dtype=torch.float64), torch.tensor(chi2 / 2, dtype=torch.float64)
+        )
+    )
     return chi2, p, df
 
 
@@ -250,9 +270,11 @@ def test_sampled_distribution_equals_ar_sampling(method, capsys):
         key = tuple(eng.result(rid).tokens)
         counts[key] = counts.get(key, 0) + 1
     chi2, p, df = _chi2_p(counts, probs, N)
-    _, p_wrong_t, _ = _chi2_p(counts, _exact_joint(m, prompt, 1.2), N)  # the test's power: T = 1.2 is told apart
+    # the test's power: T = 1.2 is told apart
+    _, p_wrong_t, _ = _chi2_p(counts, _exact_joint(m, prompt, 1.2), N)
     with capsys.disabled():
-        print(f"\n[{method}] chi-square {chi2:.1f} on {df} dof, p = {p:.3f} (against T = 1.2: p = {p_wrong_t:.1e})")
+        print(f"\n[{method}] chi-square {chi2:.1f} on {df} dof, p = {p:.3f} (against T = 1.2: p = "
+              f"{p_wrong_t:.1e})")
     assert p > 1e-3, f"{method}: chi-square {chi2:.1f} on {df} dof, p = {p:.2e}"
     assert p_wrong_t < 1e-3
 
@@ -297,12 +319,18 @@ def test_gpu_graphs_equal_eager_and_ar(streams, budget):
     d = _drafter("dflash", m)
     outs = {}
     for graphs in (False, True):
-        outs[graphs] = [r.tokens for r in generate_batch(m, prompts, 12, method="ddtree", drafter=d, budget=budget,
-                                                         graphs=graphs)]
+        outs[graphs] = [
+            r.tokens
+            for r in generate_batch(m, prompts, 12, method="ddtree", drafter=d, budget=budget, graphs=graphs)
+        ]
     assert outs[True] == outs[False]
     assert outs[True] == [_ar(m, p, 12) for p in prompts]
-    sampled = [generate_batch(m, prompts, 8, method="ddtree", drafter=d, budget=budget, temperature=0.8, seed=5,
-                              graphs=g) for g in (False, True)]
+    sampled = [
+        generate_batch(
+            m, prompts, 8, method="ddtree", drafter=d, budget=budget, temperature=0.8, seed=5, graphs=g
+        )
+        for g in (False, True)
+    ]
     assert [r.tokens for r in sampled[0]] == [r.tokens for r in sampled[1]]
 
 

@@ -53,9 +53,22 @@ def _cases(n: int, seed: int):
         block = int(rng.integers(2, 9))
         budget = int(rng.choice([0, 1, 2, 3, 5, 8, 13, 24, 40]))
         top_k = [None, 1, 1, 2, 3, 5][int(rng.integers(0, 6))]  # K' = 1 is the chain
-        out.append((name, int(rng.integers(0, 2)), prompt, int(rng.integers(4, 21)), budget, top_k, block,
-                    float(rng.choice([0.0, 0.2, 0.5, 0.9, 1.0])), ["compact", "remap"][i % 2], int(rng.integers(0, 1000)),
-                    "dflash" if i % 5 == 4 else "oracle", "ops" if i % 3 == 2 else "torch"))
+        out.append(
+            (
+                name,
+                int(rng.integers(0, 2)),
+                prompt,
+                int(rng.integers(4, 21)),
+                budget,
+                top_k,
+                block,
+                float(rng.choice([0.0, 0.2, 0.5, 0.9, 1.0])),
+                ["compact", "remap"][i % 2],
+                int(rng.integers(0, 1000)),
+                "dflash" if i % 5 == 4 else "oracle",
+                "ops" if i % 3 == 2 else "torch",
+            )
+        )
     return out
 
 
@@ -70,7 +83,9 @@ def _check_case(case, device="cpu"):
         drafter = DFlashDrafter(cfg, seed=dseed).to(device)
     else:
         drafter = NoisyOracleDrafter(model.cfg.vocab_size, p_wrong, block_size=block, seed=dseed)
-    dd = generate(model, prompt, max_new, method="ddtree", drafter=drafter, budget=budget, top_k=top_k, cache_mode=mode)
+    dd = generate(
+        model, prompt, max_new, method="ddtree", drafter=drafter, budget=budget, top_k=top_k, cache_mode=mode
+    )
     assert dd.tokens == ar.tokens, f"DDTree != AR for {case}"
     assert len(dd.tokens) == max_new and dd.target_forwards == 1 + dd.steps
     assert all(1 <= a <= min(block, budget + 1) for a in dd.accepted)
@@ -192,7 +207,9 @@ def _sampling_check(device: str, n: int):
     dd_counts, ar_counts, taus = np.zeros(64), np.zeros(64), []
     for seed in range(n):
         d = _MarginalDrafter(model, block_size=3)
-        r = generate(model, prompt, 2, method="ddtree", drafter=d, budget=4, top_k=2, temperature=temp, seed=seed)
+        r = generate(
+            model, prompt, 2, method="ddtree", drafter=d, budget=4, top_k=2, temperature=temp, seed=seed
+        )
         dd_counts[r.tokens[0] * 8 + r.tokens[1]] += 1
         taus.extend(r.accepted)
         a = generate(model, prompt, 2, temperature=temp, seed=10_000 + seed)
@@ -257,9 +274,16 @@ def test_oracle_reference_equals_computed_script(monkeypatch):
     ref = generate(model, prompt, 30 + 6).tokens
     computed = generate(model, prompt, 30, method="ddtree", budget=8,
                         drafter=NoisyOracleDrafter(model.cfg.vocab_size, 0.4, block_size=6, seed=3))
-    monkeypatch.setattr(drafter_mod, "greedy_continuation", lambda *a, **k: pytest.fail("recomputed the script"))
-    given = generate(model, prompt, 30, method="ddtree", budget=8,
-                     drafter=NoisyOracleDrafter(model.cfg.vocab_size, 0.4, block_size=6, seed=3, reference=ref))
+    monkeypatch.setattr(drafter_mod, "greedy_continuation", lambda *a, **k: pytest.fail("recomputed the "
+                                                                                        "script"))
+    given = generate(
+        model,
+        prompt,
+        30,
+        method="ddtree",
+        budget=8,
+        drafter=NoisyOracleDrafter(model.cfg.vocab_size, 0.4, block_size=6, seed=3, reference=ref),
+    )
     assert computed.tokens == given.tokens and computed.accepted == given.accepted
 
 

@@ -42,7 +42,8 @@ def test_torch_fp64_and_cached_path_match_golden(name):
     model = Model(cfg)
     model.load_weights(weights)
     model = model.double().eval()
-    check.assert_close(model.logits(torch.from_numpy(ids)), logits, rtol=1e-12, name=f"torch fp64 vs golden {name}")
+    check.assert_close(model.logits(torch.from_numpy(ids)), logits, rtol=1e-12, name="torch fp64 vs golden "
+                                                                                     f"{name}")
     cache = LatentCache(cfg, len(ids), dtype=torch.float64)
     h, _ = model.prefill(cache, torch.from_numpy(ids[:5]))
     rows = [model.head(h)]

@@ -14,18 +14,45 @@ from kdlib.engine.config import ConfigError, ModelConfig
 from kdlib.engine.loading import save_pretrained
 from kdlib.engine.model import Model
 
-YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
-        "mscale": 0.8, "mscale_all_dim": 1.0}
+YARN = {
+    "type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 0.8,
+    "mscale_all_dim": 1.0,
+}
 
 
 def _hf_dict(q_lora, rope, n_group, topk_group, interleave=True, tie=False):
     return dict(
-        model_type="deepseek_v3", vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-        num_hidden_layers=3, num_attention_heads=4, n_shared_experts=1, n_routed_experts=8, kv_lora_rank=16,
-        q_lora_rank=q_lora, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=10, n_group=n_group,
-        topk_group=topk_group, num_experts_per_tok=3, first_k_dense_replace=1, max_position_embeddings=256,
-        rope_scaling=rope, rope_theta=10000.0, rms_norm_eps=1e-6, routed_scaling_factor=2.5, norm_topk_prob=True,
-        rope_interleave=interleave, tie_word_embeddings=tie,
+        model_type="deepseek_v3",
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        kv_lora_rank=16,
+        q_lora_rank=q_lora,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        qk_nope_head_dim=10,
+        n_group=n_group,
+        topk_group=topk_group,
+        num_experts_per_tok=3,
+        first_k_dense_replace=1,
+        max_position_embeddings=256,
+        rope_scaling=rope,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        rope_interleave=interleave,
+        tie_word_embeddings=tie,
     )
 
 
@@ -33,8 +60,9 @@ CASES = {
     "qlora-yarn-groups2": _hf_dict(24, YARN, 2, 1),
     "no-qlora-yarn-groups4": _hf_dict(None, YARN, 4, 2),
     "no-qlora-plain-rope-neox": _hf_dict(None, None, 1, 1, interleave=False),
-    "qlora-yarn-defaults-tied": _hf_dict(24, {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32},
-                                         2, 2, tie=True),
+    "qlora-yarn-defaults-tied": _hf_dict(
+        24, {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32}, 2, 2, tie=True
+    ),
 }
 
 
@@ -87,7 +115,11 @@ def test_config_spellings_agree():
     rope["rope_type"] = rope.pop("type")
     rope["rope_theta"] = b.pop("rope_theta")
     b["rope_parameters"] = rope
-    k25 = {"model_type": "kimi_k25", "text_config": {**copy.deepcopy(a), "model_type": "kimi_k2"}, "vision_config": {}}
+    k25 = {
+        "model_type": "kimi_k25",
+        "text_config": {**copy.deepcopy(a), "model_type": "kimi_k2"},
+        "vision_config": {},
+    }
     ca, cb, ck = ModelConfig.from_dict(a), ModelConfig.from_dict(b), ModelConfig.from_dict(k25)
     assert ca == cb
     assert ck.model_type == "kimi_k25" and ck.rope == ca.rope and ck.hidden_size == ca.hidden_size
@@ -96,8 +128,20 @@ def test_config_spellings_agree():
 
 def test_config_values_kimi_k2_yarn():
     """Softmax scale of Kimi-K2-0905 (models-hardware.md §3 table: x2.0047 over 1/sqrt(192))."""
-    d = _hf_dict(1536, {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
-                        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}, 1, 1)
+    d = _hf_dict(
+        1536,
+        {
+            "type": "yarn",
+            "factor": 64.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 1.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        1,
+        1,
+    )
     d.update(model_type="kimi_k2", qk_nope_head_dim=128, qk_rope_head_dim=64, rope_theta=50000.0)
     cfg = ModelConfig.from_dict(d)
     assert cfg.softmax_scale == pytest.approx(192**-0.5 * 2.0047, rel=1e-4)
@@ -164,7 +208,8 @@ def test_absorbed_decode_matches_plain(name, mode, attention):
         h, _ = model.forward_cached(cache, ids[t : t + 1], [t])
         cache.commit()
         rows.append(model.head(h))
-    check.assert_close(torch.cat(rows), full, rtol=1e-5, name=f"absorbed decode vs plain {name} {mode} {attention}")
+    check.assert_close(torch.cat(rows), full, rtol=1e-5, name=f"absorbed decode vs plain {name} {mode} "
+                                                              f"{attention}")
 
 
 @pytest.mark.parametrize("attention", ["torch", "ops"])
@@ -245,7 +290,8 @@ def test_mtp_layers_skipped_quantized_refused(tmp_path):
     m = Model.random(cfg, seed=0)
     save_pretrained(m, tmp_path)
     w = load_file(str(tmp_path / "model.safetensors"))
-    w[f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight"] = torch.zeros(2, 2)  # an MTP layer (DeepSeek-V3 layout)
+    # an MTP layer (DeepSeek-V3 layout)
+    w[f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight"] = torch.zeros(2, 2)
     save_file(w, str(tmp_path / "model.safetensors"))
     ids = torch.arange(9)
     check.assert_equal(Model.from_pretrained(tmp_path).logits(ids), m.logits(ids), name="MTP layer ignored")

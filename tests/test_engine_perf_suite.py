@@ -21,7 +21,9 @@ def test_bench_config_parses_and_is_kernel_compatible():
 def test_verify_cost_counts_every_weight_once():
     cfg = ModelConfig.from_dict(suite.BENCH_CONFIG)
     shapes = parameter_shapes(cfg)
-    n = sum(int(np.prod(s)) for k, s in shapes.items() if "norm" not in k and "embed" not in k and "bias" not in k)
+    n = sum(
+        int(np.prod(s)) for k, s in shapes.items() if "norm" not in k and "embed" not in k and "bias" not in k
+    )
     nbytes, flops = suite.verify_cost(cfg, 0, 1000, 2)  # q large: every expert touched
     kv = cfg.num_hidden_layers * 1000 * cfg.latent_dim * 2
     assert nbytes - kv == pytest.approx(2 * n, rel=1e-9)
@@ -55,12 +57,18 @@ def test_verify_sweep_runs_with_a_cpu_clock(monkeypatch):
     """The verify-forward sweep's set-up and bookkeeping, with CPU timing standing in for CUDA events."""
     monkeypatch.setattr(perf, "cuda_time", lambda fn, warmup, iters: perf.cpu_time(fn, warmup=1, iters=2))
     model = Model.random(ModelConfig.from_json(DATA / "configs" / "tiny-a.json"), seed=0)
-    rows = suite._verify_sweep(model, [16, 64], [1, 9, 70], 4.3e12, 790e12, attentions=("torch", "ops"), repeats=2)
+    rows = suite._verify_sweep(
+        model, [16, 64], [1, 9, 70], 4.3e12, 790e12, attentions=("torch", "ops"), repeats=2
+    )
     pts = [(r["attention"], r["context"], r["q"]) for r in rows]
-    assert pts == [(a, c, q) for a in ("torch", "ops") for c in (16, 64) for q in (1, 9, 70) if a == "torch" or q <= 65]
+    assert pts == [
+        (a, c, q) for a in ("torch", "ops") for c in (16, 64) for q in (1, 9, 70) if a == "torch" or q <= 65
+    ]
     assert model.attention == "torch"
     assert all(r["median_ms"] > 0 and r["floor_ms"] > 0 for r in rows)
-    assert all(len(r["repeat_medians_ms"]) == 2 and r["median_ms"] == min(r["repeat_medians_ms"]) for r in rows)
+    assert all(
+        len(r["repeat_medians_ms"]) == 2 and r["median_ms"] == min(r["repeat_medians_ms"]) for r in rows
+    )
 
 
 def test_dflash_sweep_runs_with_a_cpu_clock(monkeypatch):
@@ -92,10 +100,20 @@ def test_quick_suite_end_to_end_on_cpu(monkeypatch):
     """The whole --quick payload on a tiny config with a CPU clock: every section notebooks 03 and 06 read."""
     import json
 
-    monkeypatch.setattr(perf, "cuda_time", lambda fn, warmup=3, iters=15: perf.cpu_time(fn, warmup=1, iters=2))
+    monkeypatch.setattr(
+        perf, "cuda_time", lambda fn, warmup=3, iters=15: perf.cpu_time(fn, warmup=1, iters=2)
+    )
     out = suite._run(True, device="cpu", config=json.loads((DATA / "configs" / "tiny-a.json").read_text()))
-    assert {"parameters", "config", "runs", "runs_kernel_attention", "verify_forward", "dflash_draft", "trained",
-            "bf16"} <= set(out)
+    assert {
+        "parameters",
+        "config",
+        "runs",
+        "runs_kernel_attention",
+        "verify_forward",
+        "dflash_draft",
+        "trained",
+        "bf16",
+    } <= set(out)
     assert out["parameters"]["repeats"] == 1 and out["parameters"]["cpu_affinity"]
     assert [r["method"] for r in out["runs"]] == ["ar", "ddtree"] and out["runs"][1]["matches_ar"] is True
     rows = engine_rows(out)

@@ -42,7 +42,13 @@ def test_allocator_rejects_bad_arguments():
 
 def test_layout_stats_contiguous_and_strided():
     c = fr.layout_stats(fr.contiguous_table(640, start=64))
-    assert (c["runs"], c["mean_run"], c["pages_touched"], c["page_amplification"], c["page_fill"]) == (1, 640, 10, 1, 1)
+    assert (c["runs"], c["mean_run"], c["pages_touched"], c["page_amplification"], c["page_fill"]) == (
+        1,
+        640,
+        10,
+        1,
+        1,
+    )
     s = fr.layout_stats(np.arange(0, 128, 2))  # every other slot: no two positions adjacent
     assert s["runs"] == 64 and s["mean_run"] == 1 and s["pages_touched"] == 2 and s["page_fill"] == 0.5
     with pytest.raises(ValueError):

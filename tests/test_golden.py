@@ -23,7 +23,8 @@ def _generator():
 
 
 GEN = _generator()
-# model_*.kdtr are the engine's golden logits, written by tools/make_golden_model.py (tests/test_engine_golden.py)
+# model_*.kdtr are the engine's golden logits, written by tools/make_golden_model.py
+# (tests/test_engine_golden.py)
 FILES = sorted(p.name for p in GOLDEN.glob("*.kdtr") if not p.name.startswith("model_"))
 
 
@@ -70,14 +71,21 @@ def test_check_catches_changes(tmp_path):
 def test_regeneration_on_another_code_path():
     """Both generators' --check with OpenBLAS forced onto its Sandybridge kernels (one thread), numpy's
     SIMD dispatch held to the SSE4.2 baseline and torch's to its default ISA: another CPU's rounding."""
-    env = {**os.environ, "OPENBLAS_CORETYPE": "Sandybridge", "OPENBLAS_NUM_THREADS": "1", "OPENBLAS_VERBOSE": "2",
-           "NPY_DISABLE_CPU_FEATURES": "X86_V3 X86_V4 AVX512_ICL AVX512_SPR", "ATEN_CPU_CAPABILITY": "default"}
+    env = {
+        **os.environ,
+        "OPENBLAS_CORETYPE": "Sandybridge",
+        "OPENBLAS_NUM_THREADS": "1",
+        "OPENBLAS_VERBOSE": "2",
+        "NPY_DISABLE_CPU_FEATURES": "X86_V3 X86_V4 AVX512_ICL AVX512_SPR",
+        "ATEN_CPU_CAPABILITY": "default",
+    }
     probe = "from numpy._core._multiarray_umath import __cpu_features__ as f; print('V3', f['X86_V3'], f['X86_V4'])"
     got = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert "Core: Sandybridge" in got.stdout + got.stderr and "V3 False False" in got.stdout, got
     for tool in ("make_golden.py", "make_golden_model.py"):
-        run = subprocess.run([sys.executable, str(ROOT / "tools" / tool), "--check"], env=env, capture_output=True,
-                             text=True)
+        run = subprocess.run(
+            [sys.executable, str(ROOT / "tools" / tool), "--check"], env=env, capture_output=True, text=True
+        )
         assert run.returncode == 0, run.stdout + run.stderr
 
 
@@ -104,7 +112,9 @@ def test_tree_files(name):
     _int_exact(bonus, t["bonus"], "bonus")
     # unused inputs really are poisoned
     k = min(int(t["budget"]), t["top_token_ids"].shape[-1])
-    assert (t["top_token_ids"][..., k:] == GEN.I64_POISON).all() and np.isnan(t["top_log_probs"][..., k:]).all()
+    assert (t["top_token_ids"][..., k:] == GEN.I64_POISON).all() and np.isnan(
+        t["top_log_probs"][..., k:]
+    ).all()
     for b, m in enumerate(t["sizes"]):
         assert (t["target_tokens"][b, m:] == GEN.I64_POISON).all()
 
@@ -119,7 +129,9 @@ def test_accept_sample_file():
     for b, m in enumerate(trees.sizes):
         _int_exact(ref.sample_tokens(probs[b, :m], uniforms[b, :m]), t["tokens"][b, :m], "tokens")
         assert np.isnan(probs[b, m:]).all()
-    _int_exact(ref.sample_tokens(np.array(t["st_probs"]), np.array(t["st_uniforms"])), t["st_tokens"], "st_tokens")
+    _int_exact(
+        ref.sample_tokens(np.array(t["st_probs"]), np.array(t["st_uniforms"])), t["st_tokens"], "st_tokens"
+    )
 
 
 @pytest.mark.parametrize("name", [f for f in FILES if f.startswith("attention_")])

@@ -39,8 +39,17 @@ def small_config(**kw) -> dict:
     """Kimi-K2.6's config scaled down (kernel-legal widths: K % 64, N % 64, the 576-wide latent)."""
     d = json.loads((memory.CONFIGS / "kimi-k2.6.json").read_text())
     t = d["text_config"]
-    t.update(hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=3,
-             num_attention_heads=4, n_routed_experts=16, q_lora_rank=64, vocab_size=512, num_experts_per_tok=4)
+    t.update(
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        n_routed_experts=16,
+        q_lora_rank=64,
+        vocab_size=512,
+        num_experts_per_tok=4,
+    )
     t.update(kw)
     return d
 
@@ -78,8 +87,11 @@ def test_device_routing_matches_prepare_routing_metadata():
             assert tuple(rt.active_ranges[a].tolist()) == (off[e], off[e + 1])
             toks = sorted(rt.sorted_token[off[e]:off[e + 1]].tolist())
             assert toks == sorted(np.nonzero((ids == e + e0).any(1))[0].tolist())
-            for t, wt in zip(rt.sorted_token[off[e]:off[e + 1]].tolist(), rt.sorted_weight[off[e]:off[e + 1]].tolist(),
-                             strict=True):
+            for t, wt in zip(
+                rt.sorted_token[off[e] : off[e + 1]].tolist(),
+                rt.sorted_weight[off[e] : off[e + 1]].tolist(),
+                strict=True,
+            ):
                 assert wt == pytest.approx(float(w[t][list(ids[t]).index(e + e0)]))
         assert int(rt.max_count) == counts.max()
 
@@ -93,9 +105,19 @@ def test_count_bound():
 
 @pytest.mark.parametrize("mode", ["tp", "ep"])
 def test_slicing_matches_kdlib_tp(mode):
-    d = small_config(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, q_lora_rank=24, kv_lora_rank=16,
-                     qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=8, vocab_size=96,
-                     num_experts_per_tok=2)
+    d = small_config(
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        n_routed_experts=8,
+        vocab_size=96,
+        num_experts_per_tok=2,
+    )
     cfg = ModelConfig.from_dict(d)
     sd = Model(cfg).state_dict()
     for rank in range(2):
@@ -106,7 +128,9 @@ def test_slicing_matches_kdlib_tp(mode):
         assert sh[a + "o_proj.weight"].shape[1] == s.heads * cfg.v_head_dim
         assert sh["model.layers.0.mlp.gate_proj.weight"].shape[0] == s.dense_inter
         assert sh["model.layers.1.mlp.shared_experts.up_proj.weight"].shape[0] == s.shared_inter
-        experts = {int(k.split(".")[5]) for k in sh if ".mlp.experts." in k and k.startswith("model.layers.1.")}
+        experts = {
+            int(k.split(".")[5]) for k in sh if ".mlp.experts." in k and k.startswith("model.layers.1.")
+        }
         assert len(experts) == s.n_experts
         assert sh["model.layers.1.mlp.experts.0.gate_proj.weight"].shape[0] == s.expert_inter
         assert sh["lm_head.weight"].shape[0] == s.vocab_range[1] - s.vocab_range[0]
@@ -204,8 +228,15 @@ def test_gpu_unpack_inverts_the_packer():
     w = [torch.randn(s, device="cuda", generator=g) for s in ((2, 64, 128), (2, 64, 128), (2, 128, 64))]
     qs = [quantize_w4_torch(a) for a in w]
     p = pack_moe_torch(*(x for q in qs for x in q))
-    ref = moe.pack_moe(moe.MoEWeights(*(x.cpu().numpy().view(np.uint16) if x.dtype == torch.int16 else x.cpu().numpy()
-                                        for q in qs for x in q)))
+    ref = moe.pack_moe(
+        moe.MoEWeights(
+            *(
+                x.cpu().numpy().view(np.uint16) if x.dtype == torch.int16 else x.cpu().numpy()
+                for q in qs
+                for x in q
+            )
+        )
+    )
     for k in ("w1", "s1", "w2", "s2"):
         np.testing.assert_array_equal(p[k].cpu().numpy().view(np.uint32), ref[k])
 

@@ -581,7 +581,9 @@ def test_convert_is_byte_identical_across_processes(tmp_path):
         outs = []
         for seed in ("1", "2"):
             dst = tmp_path / f"out{seed}.{ext}"
-            code = f"from kdlib import kdtr; raise SystemExit(kdtr.cli(['convert', {str(src)!r}, {str(dst)!r}]))"
+            code = (
+                f"from kdlib import kdtr; raise SystemExit(kdtr.cli(['convert', {str(src)!r}, {str(dst)!r}]))"
+            )
             subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120,
                            env={**os.environ, "PYTHONHASHSEED": seed})
             outs.append(dst.read_bytes())
@@ -594,8 +596,13 @@ def test_convert_is_byte_identical_across_processes(tmp_path):
 @pytest.mark.parametrize("ext", ["npz", "safetensors"])
 def test_names_that_collide_with_savez_arguments(tmp_path, ext):
     """np.savez(file, *args, allow_pickle=..., **kwds) would drop `allow_pickle` and fail on `file`."""
-    want = {"file": np.arange(4, dtype=np.int32), "allow_pickle": np.ones((2, 2)), "args": np.zeros(0, np.uint8),
-            "x.npy": np.array(1.5, np.float32), "dir/name": np.arange(3, dtype=np.int16)}
+    want = {
+        "file": np.arange(4, dtype=np.int32),
+        "allow_pickle": np.ones((2, 2)),
+        "args": np.zeros(0, np.uint8),
+        "x.npy": np.array(1.5, np.float32),
+        "dir/name": np.arange(3, dtype=np.int16),
+    }
     src, mid, back = tmp_path / "n.kdtr", tmp_path / f"n.{ext}", tmp_path / "back.kdtr"
     kdtr.save(src, want)
     kdtr.convert(src, mid)
@@ -604,7 +611,9 @@ def test_names_that_collide_with_savez_arguments(tmp_path, ext):
     if ext == "npz":
         with np.load(mid, allow_pickle=False) as z:
             assert sorted(z.files) == sorted([*want, kdtr.NPZ_SIDECAR])
-            assert np.array_equal(z["file"], want["file"]) and np.array_equal(z["allow_pickle"], want["allow_pickle"])
+            assert np.array_equal(z["file"], want["file"]) and np.array_equal(
+                z["allow_pickle"], want["allow_pickle"]
+            )
 
 
 def fp8_every_bit_pattern() -> dict[str, np.ndarray]:
@@ -627,7 +636,11 @@ def test_fp8_against_safetensors(tmp_path):
     save_file(want, str(src), metadata={"quant": "fp8"})
     kdtr.convert(src, k)
     got = kdtr.load(k)
-    assert [kdtr.NAMES[e.code] for e in kdtr.read_header(k).tensors] == ["float8_e4m3fn", "float8_e5m2", "float32"]
+    assert [kdtr.NAMES[e.code] for e in kdtr.read_header(k).tensors] == [
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float32",
+    ]
     assert_same(got, want)
     kdtr.convert(k, back)
     t = load_file(str(back))
@@ -700,7 +713,9 @@ def test_cli_subprocess(small, tmp_path):
     r = subprocess.run([exe, "kdtr", "info", str(bad)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "truncated" in r.stderr
     npz = tmp_path / "s.npz"
-    r = subprocess.run([exe, "kdtr", "convert", str(small), str(npz)], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [exe, "kdtr", "convert", str(small), str(npz)], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, r.stderr
     with np.load(npz, allow_pickle=False) as z:
         assert np.array_equal(z["a"], kdtr.load(small)["a"])

@@ -16,7 +16,15 @@ import kdlib.cli
 import kdlib.memory as m
 from kdlib import ROOT, hw
 
-REAL = ["kimi-k2-0711", "kimi-k2-0905", "kimi-k2-thinking", "kimi-k2.6", "deepseek-v3", "deepseek-v2-lite", "qwen3-30b-a3b"]
+REAL = [
+    "kimi-k2-0711",
+    "kimi-k2-0905",
+    "kimi-k2-thinking",
+    "kimi-k2.6",
+    "deepseek-v3",
+    "deepseek-v2-lite",
+    "qwen3-30b-a3b",
+]
 MLA_61 = ["kimi-k2-0711", "kimi-k2-0905", "kimi-k2-thinking", "kimi-k2.6", "deepseek-v3"]
 
 
@@ -60,7 +68,8 @@ def test_gqa_tp_modes():
     assert m.kv_bytes_per_token(q, tp=2) == 49_152
     assert m.kv_bytes_per_token(q, tp=8) == 24_576  # 1 head per rank, each head on 2 ranks
     assert m.kv_bytes_per_token(q, tp=8, kv_split="dp_attention") == 98_304
-    assert m.kv_bytes_per_token(q, tp=8, kv_split="context_parallel") == 12_288  # DCP2 removes the duplication
+    # DCP2 removes the duplication
+    assert m.kv_bytes_per_token(q, tp=8, kv_split="context_parallel") == 12_288
     assert m.kv_bytes_per_token(q, tp=4, kv_split="context_parallel") == 24_576  # no duplication to remove
     with pytest.raises(ValueError, match="fp4"):
         m.kv_bytes_per_token(q, "fp4_e2m1")
@@ -72,7 +81,12 @@ def test_kv_bytes_context_parallel_busiest_rank():
 
 
 @settings(max_examples=60, deadline=None)
-@given(layers=st.integers(1, 200), r=st.integers(1, 1024), rope=st.integers(0, 256), tp=st.sampled_from([1, 2, 4, 8, 16]))
+@given(
+    layers=st.integers(1, 200),
+    r=st.integers(1, 1024),
+    rope=st.integers(0, 256),
+    tp=st.sampled_from([1, 2, 4, 8, 16]),
+)
 def test_mla_formula_property(layers, r, rope, tp):
     cfg = {"num_hidden_layers": layers, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 10,
            "kv_lora_rank": r, "qk_rope_head_dim": rope, "qk_nope_head_dim": 8, "v_head_dim": 8}
@@ -194,7 +208,9 @@ def test_param_counts_match_reference():
     assert m.param_count("deepseek-v3")["total"] / 1e9 == pytest.approx(671.0, abs=0.1)  # "671B"
     assert m.param_count("deepseek-v3", include_mtp=True)["total"] > m.param_count("deepseek-v3")["total"]
     # MLA attention of one K2 layer: 101.1 M (models-hardware.md §1.5)
-    per_layer = (m.param_count("kimi-k2-0711")["attention"] + m.param_count("kimi-k2-0711")["attention_replicated"]) / 61
+    per_layer = (
+        m.param_count("kimi-k2-0711")["attention"] + m.param_count("kimi-k2-0711")["attention_replicated"]
+    ) / 61
     assert per_layer / 1e6 == pytest.approx(101.1, abs=0.05)
 
 
@@ -211,7 +227,10 @@ def test_weight_formats():
     assert fp8["format"] == "fp8_block"
     assert 671e9 < fp8["total"] < 0.69e12  # 1 B/param + fp32 block scales + bf16 embeddings
     # bf16: 2 B/param, except the fp32 e_score_correction_bias (256 experts x 58 MoE layers)
-    assert m.weight_bytes("deepseek-v3", "bf16")["total"] == 2 * m.param_count("deepseek-v3")["total"] + 2 * 256 * 58
+    assert (
+        m.weight_bytes("deepseek-v3", "bf16")["total"]
+        == 2 * m.param_count("deepseek-v3")["total"] + 2 * 256 * 58
+    )
     assert m.weight_bytes("qwen3-30b-a3b")["format"] == "bf16"
     with pytest.raises(ValueError, match="weight_format"):
         m.weight_bytes("deepseek-v3", "int2")
@@ -293,7 +312,10 @@ def test_vlm_cut_of_the_default_fraction():
     # SGLang multiplies its default by 0.95 (x a ViT-size factor) for multimodal checkpoints
     assert m.vlm_mem_fraction_factor("kimi-k2.6") == 0.95
     assert m.vlm_mem_fraction_factor("kimi-k2-thinking") == 1.0
-    assert m.vlm_mem_fraction_factor({"vision_config": {"num_hidden_layers": 48, "hidden_size": 1024}}) == 0.95 * 0.9
+    assert (
+        m.vlm_mem_fraction_factor({"vision_config": {"num_hidden_layers": 48, "hidden_size": 1024}})
+        == 0.95 * 0.9
+    )
     mm = m.plan("kimi-k2.6", "h200", 8, 1000)
     text = m.plan("kimi-k2-thinking", "h200", 8, 1000)
     assert mm.value("mem_fraction_static") == pytest.approx(0.95 * text.value("mem_fraction_static"))
@@ -321,9 +343,14 @@ def test_cannot_fit_verdicts_never_negative():
 
 
 @settings(max_examples=40, deadline=None)
-@given(tp=st.sampled_from([1, 2, 4, 8, 16]), ctx=st.integers(1, 400_000),
-       mfs=st.one_of(st.none(), st.floats(0.05, 0.98)), split=st.sampled_from(m.KV_SPLITS),
-       dtype=st.sampled_from(["bfloat16", "fp8_e4m3"]), gpu=st.sampled_from(["rtx-pro-6000", "h200", "b200", "b300"]))
+@given(
+    tp=st.sampled_from([1, 2, 4, 8, 16]),
+    ctx=st.integers(1, 400_000),
+    mfs=st.one_of(st.none(), st.floats(0.05, 0.98)),
+    split=st.sampled_from(m.KV_SPLITS),
+    dtype=st.sampled_from(["bfloat16", "fp8_e4m3"]),
+    gpu=st.sampled_from(["rtx-pro-6000", "h200", "b200", "b300"]),
+)
 def test_plan_property_no_negative_counts(tp, ctx, mfs, split, dtype, gpu):
     p = m.plan("kimi-k2.6", gpu, tp, ctx, kv_dtype=dtype, mem_fraction_static=mfs, kv_split=split)
     for key in ("kv_pool", "pool_tokens", "group_tokens", "longest_request", "concurrent_at_context"):
@@ -335,7 +362,11 @@ def test_plan_property_no_negative_counts(tp, ctx, mfs, split, dtype, gpu):
 
 def test_yarn_checks():
     k = m.yarn("kimi-k2.6")
-    assert k["factor"] == 64 and k["factor_x_original"] == 262_144 == k["max_position_embeddings"] and k["consistent"]
+    assert (
+        k["factor"] == 64
+        and k["factor_x_original"] == 262_144 == k["max_position_embeddings"]
+        and k["consistent"]
+    )
     assert k["logit_scale_factor"] == pytest.approx(2.0047, abs=1e-4)
     assert k["softmax_scale"] == pytest.approx(0.14468, abs=1e-5)
     assert k["correction_range"] == (19, 20)
@@ -364,9 +395,14 @@ def test_yarn_plain_hf_and_rope_parameters_spelling():
 def test_seeds_200k_recheck():
     rows = {r["key"]: r for r in m.seeds_200k_recheck()}
     assert rows["elements_per_token_layer"]["status"] == "reproduced"
-    assert rows["kv_per_token_per_gpu"]["status"] == "wrong" and rows["kv_per_token_per_gpu"]["recomputed"] == 70_272
+    assert (
+        rows["kv_per_token_per_gpu"]["status"] == "wrong"
+        and rows["kv_per_token_per_gpu"]["recomputed"] == 70_272
+    )
     assert rows["kv_200k_per_gpu"]["recomputed"] == 14_054_400_000
-    assert rows["pool_tokens"]["recomputed"] == m.plan("kimi-k2.6", "rtx-pro-6000", 8, 200_000).value("pool_tokens")
+    assert rows["pool_tokens"]["recomputed"] == m.plan("kimi-k2.6", "rtx-pro-6000", 8, 200_000).value(
+        "pool_tokens"
+    )
     assert rows["kv_200k_headroom"]["recomputed"] == 101_134 * 70_272 - 200_000 * 70_272
     assert rows["longest_request"]["recomputed"] == 101_133
     assert rows["max_position_embeddings"]["status"] == "reproduced"
@@ -378,7 +414,10 @@ def test_seeds_200k_recheck():
 # ------------------------------------------------------------------------------ CLI
 
 def test_cli_in_process(capsys):
-    assert kdlib.cli.main(["memory", "kimi-k2.6", "--gpu", "rtx-pro-6000", "--tp", "8", "--context", "200000"]) == 0
+    assert (
+        kdlib.cli.main(["memory", "kimi-k2.6", "--gpu", "rtx-pro-6000", "--tp", "8", "--context", "200000"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "70,272" in out and "DOES NOT FIT" in out
     assert kdlib.cli.main(["memory", "kimi-k2.6", "--gpu", "rtx-pro-6000", "--tp", "8", "--context", "200000",
@@ -391,14 +430,36 @@ def test_cli_in_process(capsys):
 
 def test_cli_subprocess():
     out = subprocess.run(
-        [sys.executable, "-m", "kdlib", "memory", "deepseek-v3", "--gpu", "h200", "--tp", "8", "--context", "100000",
-         "--kv-split", "context_parallel", "--json"],
-        capture_output=True, text=True, cwd=ROOT, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "kdlib",
+            "memory",
+            "deepseek-v3",
+            "--gpu",
+            "h200",
+            "--tp",
+            "8",
+            "--context",
+            "100000",
+            "--kv-split",
+            "context_parallel",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     rows = {r["key"]: r["value"] for r in doc["rows"]}
     assert rows["kv_bytes_per_token"] == 70_272 and rows["group_tokens"] == 8 * rows["pool_tokens"]
-    bad = subprocess.run([sys.executable, "-m", "kdlib", "memory", "deepseek-v3", "--gpu", "h200", "--tp", "8"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "kdlib", "memory", "deepseek-v3", "--gpu", "h200", "--tp", "8"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "--context" in bad.stderr

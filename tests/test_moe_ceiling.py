@@ -23,7 +23,9 @@ def stream_payload(fracs: dict, two: dict | None = None, bw: float = BW) -> dict
             if i == 0 and two and m in two:
                 row["two_launch_frac_copy_bw"] = two[m]
             rows.append(row)
-        rows.append({"config": "c0", "warps_per_sm": 16, "size": "1GiB", "bytes": 1 << 30, "frac_copy_bw": 1.08})
+        rows.append(
+            {"config": "c0", "warps_per_sm": 16, "size": "1GiB", "bytes": 1 << 30, "frac_copy_bw": 1.08}
+        )
     sizes = {f"M={m}": 1000.0 * m for m in fracs} | {"1GiB": float(1 << 30)}
     return {"suite": "moe_stream", "copy_bandwidth_Bps": bw, "sizes": sizes, "stream": rows}
 
@@ -94,7 +96,8 @@ def test_table_joins_ceiling_per_m_and_ratios_in_bytes_per_second():
     assert t.loc[1, "ratio_one_launch"] == pytest.approx(0.25 / (2 * 0.5))
     assert t.loc[1, "ratio_two_launch"] == pytest.approx(0.25 / (2 * 0.4))
     assert math.isnan(t.loc[4, "ratio_two_launch"])
-    assert math.isnan(t.loc[9, "one_launch"]) and math.isnan(t.loc[9, "ratio_one_launch"])  # not measured: NaN
+    # not measured: NaN
+    assert math.isnan(t.loc[9, "one_launch"]) and math.isnan(t.loc[9, "ratio_one_launch"])
 
 
 def test_verdict_classifies_miss_above_ceiling_as_unreachable():

@@ -48,7 +48,9 @@ def _recorded(path, name: str, value) -> None:
 
 def _printed(executed) -> str:
     nb = nbformat.read(str(executed), as_version=4)
-    return "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.get("name") == "stdout")
+    return "".join(
+        o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.get("name") == "stdout"
+    )
 
 
 @pytest.mark.slow
@@ -70,9 +72,15 @@ def test_seed_audit_reads_the_out_folder_from_another_cwd(tmp_path):
 @pytest.mark.slow
 def test_seed_audit_runs_under_plain_papermill_from_another_cwd(tmp_path):
     executed = tmp_path / "07.ipynb"
-    code = ("import papermill, sys; papermill.execute_notebook(sys.argv[1], sys.argv[2], kernel_name='python3', "
+    code = ("import papermill, sys; papermill.execute_notebook(sys.argv[1], sys.argv[2], "
+            "kernel_name='python3', "
             "progress_bar=False)")
-    proc = subprocess.run([sys.executable, "-c", code, str(AUDIT), str(executed)], capture_output=True, text=True,
-                          timeout=900, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(AUDIT), str(executed)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "figures;" in _printed(executed) and "under reports/" in _printed(executed)

@@ -29,7 +29,8 @@ def test_log_ticks_keep_labels_apart():
     ax.plot(prefixes, [1, 2, 3, 4, 5])
     plot.log_ticks(ax, prefixes, fmt=plot.kilo)
     got = _labels(ax)
-    assert got[200000] == "200k" and got[131072] == "" and got[1024] == "1k"  # 128k sits 0.18 decades from 200k
+    # 128k sits 0.18 decades from 200k
+    assert got[200000] == "200k" and got[131072] == "" and got[1024] == "1k"
     assert ax.get_xscale() == "log" and set(got) == set(prefixes)
 
 
@@ -40,7 +41,9 @@ def test_plain_log_labels_minor_ticks_only_on_short_spans():
     for ax in (short, wide):
         plot.plain_log(ax)
     fig.canvas.draw()
-    minor = {ax: [t.get_text() for t in ax.get_xticklabels(minor=True) if t.get_text()] for ax in (short, wide)}
+    minor = {
+        ax: [t.get_text() for t in ax.get_xticklabels(minor=True) if t.get_text()] for ax in (short, wide)
+    }
     assert "20" in minor[short] and "50" in minor[short]
     assert minor[wide] == []
 

@@ -94,7 +94,9 @@ def test_greedy_walk_equals_causal_redecode(seed, L, kp, budget):
 def test_greedy_batch_equals_per_request(budget):
     rng = np.random.default_rng(budget)
     bsz, L, kp = 7, 5, 4
-    ids = np.stack([np.stack([rng.permutation(V)[:kp] for _ in range(L)]) for _ in range(bsz)]).astype(np.int64)
+    ids = np.stack([np.stack([rng.permutation(V)[:kp] for _ in range(L)]) for _ in range(bsz)]).astype(
+        np.int64
+    )
     lp = -np.sort(-np.log(rng.dirichlet(np.ones(V), size=(bsz, L))), axis=-1)[..., :kp].astype(np.float32)
     trees = build_tree_batch(ids, lp, budget)
     targets = rng.integers(0, V, size=(bsz, budget + 1)).astype(np.int64)
@@ -112,11 +114,16 @@ def test_greedy_batch_equals_per_request(budget):
     poisoned = targets.copy()
     for b in range(bsz):
         poisoned[b, trees.sizes[b]:] = 2**62
-    assert all(np.array_equal(x, y) for x, y in zip(accept_greedy_batch(trees, poisoned), (paths, lengths, bonus), strict=True))
+    assert all(
+        np.array_equal(x, y)
+        for x, y in zip(accept_greedy_batch(trees, poisoned), (paths, lengths, bonus), strict=True)
+    )
 
 
 def test_max_depth_too_small():
-    t = build_tree_batch(np.array([[[1], [2], [3]]], dtype=np.int64), np.zeros((1, 3, 1), dtype=np.float32), 3)
+    t = build_tree_batch(
+        np.array([[[1], [2], [3]]], dtype=np.int64), np.zeros((1, 3, 1), dtype=np.float32), 3
+    )
     with pytest.raises(ValueError, match="max_depth"):
         accept_greedy_batch(t, np.array([[1, 2, 3, 4]], dtype=np.int64), max_depth=1)
 
@@ -148,7 +155,8 @@ def test_sample_tokens_unnormalised_and_edges(order):
     # V <= SAMPLE_PIECE: one thread holds the whole row in index order, so both orders agree
     probs = np.array([[0.0, 2.0, 2.0], [1.0, 0.0, 0.0]], dtype=np.float64)
     assert sample_tokens(probs, np.array([0.0, 0.999999]), order=order).tolist() == [1, 0]
-    assert sample_tokens(probs, np.array([0.5, 0.5]), order=order).tolist() == [2, 0]  # u*total == cum[1] -> next
+    # u*total == cum[1] -> next
+    assert sample_tokens(probs, np.array([0.5, 0.5]), order=order).tolist() == [2, 0]
     assert sample_tokens(probs, np.array([np.nextafter(1.0, 0), 0.0]), order=order).tolist() == [2, 0]
 
 
@@ -156,8 +164,15 @@ def blocked_by_definition(p, u: float, threads: int, piece: int) -> int:
     """The blocked draw of one row written out with Python floats (IEEE doubles) and loops."""
     v = len(p)
     tile = threads * piece
-    seqs = [[k * tile + t * piece + e for k in range(-(-v // tile)) for e in range(piece) if k * tile + t * piece + e < v]
-            for t in range(threads)]
+    seqs = [
+        [
+            k * tile + t * piece + e
+            for k in range(-(-v // tile))
+            for e in range(piece)
+            if k * tile + t * piece + e < v
+        ]
+        for t in range(threads)
+    ]
     partial = []
     for seq in seqs:
         s = 0.0
@@ -203,8 +218,11 @@ def adversarial_row(rng, v: int, dtype):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(0, 2**32 - 1), st.sampled_from([(32, 1), (32, 4), (64, 2), (128, 4), (SAMPLE_THREADS, SAMPLE_PIECE)]),
-       st.sampled_from([np.float32, np.float64]))
+@given(
+    st.integers(0, 2**32 - 1),
+    st.sampled_from([(32, 1), (32, 4), (64, 2), (128, 4), (SAMPLE_THREADS, SAMPLE_PIECE)]),
+    st.sampled_from([np.float32, np.float64]),
+)
 def test_blocked_draw_equals_its_definition(seed, layout, dtype):
     """The vectorised blocked draw against loops over Python floats: several thread and piece counts
     (one to 16 warps, one to several tiles, V not a multiple of the tile), zeros, subnormals, u = 0
@@ -228,7 +246,8 @@ def test_blocked_order_is_a_permutation(v):
     order = blocked_order(v)
     assert order.dtype == np.int64 and sorted(order.tolist()) == list(range(v))
     tile = SAMPLE_THREADS * SAMPLE_PIECE
-    assert order[: min(v, SAMPLE_PIECE)].tolist() == list(range(min(v, SAMPLE_PIECE)))  # thread 0 starts the row
+    # thread 0 starts the row
+    assert order[: min(v, SAMPLE_PIECE)].tolist() == list(range(min(v, SAMPLE_PIECE)))
     if v > tile:
         assert order[SAMPLE_PIECE] == tile  # thread 0 goes on with its piece of tile 1
 
@@ -291,7 +310,9 @@ def test_stratified_uniforms_give_the_distribution(order):
     rng = np.random.default_rng(6)
     v, m = 3000, 8192
     p = adversarial_row(rng, v, np.float32)
-    counts = np.bincount(sample_tokens(np.tile(p, (m, 1)), (np.arange(m) + 0.5) / m, order=order), minlength=v)
+    counts = np.bincount(
+        sample_tokens(np.tile(p, (m, 1)), (np.arange(m) + 0.5) / m, order=order), minlength=v
+    )
     expect = m * p.astype(np.float64) / p.astype(np.float64).sum()
     assert np.abs(counts - expect).max() <= 1 + 1e-6
     assert counts[p == 0].sum() == 0
@@ -312,7 +333,9 @@ def test_accept_sample_equals_sample_then_walk(seed, budget):
 def test_accept_sample_batch_equals_per_request():
     rng = np.random.default_rng(3)
     bsz, L, kp, budget = 5, 4, 3, 12
-    ids = np.stack([np.stack([rng.permutation(V)[:kp] for _ in range(L)]) for _ in range(bsz)]).astype(np.int64)
+    ids = np.stack([np.stack([rng.permutation(V)[:kp] for _ in range(L)]) for _ in range(bsz)]).astype(
+        np.int64
+    )
     lp = -np.sort(-np.log(rng.dirichlet(np.ones(V), size=(bsz, L))), axis=-1)[..., :kp].astype(np.float32)
     trees = build_tree_batch(ids, lp, budget)
     probs = rng.dirichlet(np.ones(V), size=(bsz, budget + 1)).astype(np.float32)

@@ -26,7 +26,9 @@ def make_case(seed, bsz=3, budget=9, max_prefix=11, slots=64, poison=True):
     """Random queries/keys over real DDTrees; every unused slot poisoned with NaN or a huge index."""
     rng = np.random.default_rng(seed)
     L, kp, vocab = 4, 3, 50
-    ids = np.stack([np.stack([rng.permutation(vocab)[:kp] for _ in range(L)]) for _ in range(bsz)]).astype(np.int64)
+    ids = np.stack([np.stack([rng.permutation(vocab)[:kp] for _ in range(L)]) for _ in range(bsz)]).astype(
+        np.int64
+    )
     lp = -np.sort(-np.log(rng.dirichlet(np.ones(vocab), size=(bsz, L))), axis=-1)[..., :kp].astype(np.float32)
     trees = build_tree_batch(ids, lp, budget)
     q_len = budget + 1
@@ -57,7 +59,8 @@ def dense_reference(q, kv_cache, page_table, prefix_lens, tree_kv, vis, sizes):
     lse = np.full((bsz, qn, H), np.nan)
     for b in range(bsz):
         m = int(sizes[b])
-        keys = np.concatenate([kv_cache[page_table[b, : prefix_lens[b]].astype(np.int64)], tree_kv[b, :m]])  # [P+m, 576]
+        # [P+m, 576]
+        keys = np.concatenate([kv_cache[page_table[b, : prefix_lens[b]].astype(np.int64)], tree_kv[b, :m]])
         mask = np.concatenate([np.ones((m, prefix_lens[b]), bool), vis[b, :m, :m]], axis=1)  # [m, P+m]
         qt = torch.from_numpy(q[b, :m]).permute(1, 0, 2)  # [H, m, 576]
         kt = torch.from_numpy(keys)[None].expand(H, -1, -1)
@@ -167,7 +170,9 @@ def test_low_precision_inputs_computed_in_float64(dtype):
     q, kv, pt, lens, tkv, vis, sizes = make_case(4, poison=False)
     lo = [x.astype(dtype) for x in (q, kv, tkv)]
     out, lse = tree_verify_attention(lo[0], lo[1], pt, lens, lo[2], vis, sizes, SCALE)
-    ref = tree_verify_attention(*(x.astype(np.float64) for x in lo[:2]), pt, lens, lo[2].astype(np.float64), vis, sizes, SCALE)
+    ref = tree_verify_attention(
+        *(x.astype(np.float64) for x in lo[:2]), pt, lens, lo[2].astype(np.float64), vis, sizes, SCALE
+    )
     assert out.dtype == np.float64
     np.testing.assert_array_equal(out, ref[0])
     np.testing.assert_array_equal(lse, ref[1])

@@ -76,7 +76,11 @@ def test_remap_slots():
     assert freed.tolist() == [101, 102, 105, 201]
     assert req_to_token[0, 4:7].tolist() == [100, 103, 104]
     assert req_to_token[1, 0:2].tolist() == [200, 202]
-    assert (req_to_token[0, :4] == -7).all() and (req_to_token[0, 7:] == -7).all() and (req_to_token[1, 2:] == -7).all()
+    assert (
+        (req_to_token[0, :4] == -7).all()
+        and (req_to_token[0, 7:] == -7).all()
+        and (req_to_token[1, 2:] == -7).all()
+    )
 
 
 @settings(max_examples=100, deadline=None)

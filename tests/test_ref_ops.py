@@ -50,7 +50,9 @@ def test_attention_torch_bf16():
     q = torch.from_numpy(rng.standard_normal((2, 2, 576)).astype(np.float32)).to(torch.bfloat16)
     kv = torch.from_numpy(rng.standard_normal((4, 576)).astype(np.float32))
     out, lse = ops.prefix_attention(q, kv, torch.tensor([3, 1, 0]), 3, 0.1)
-    ref_out, ref_lse = ref.prefix_attention(q.float().numpy().astype(np.float64), kv.numpy(), np.array([3, 1, 0]), 3, 0.1)
+    ref_out, ref_lse = ref.prefix_attention(
+        q.float().numpy().astype(np.float64), kv.numpy(), np.array([3, 1, 0]), 3, 0.1
+    )
     assert out.dtype == torch.float64
     np.testing.assert_array_equal(out.numpy(), ref_out)
     np.testing.assert_array_equal(lse.numpy(), ref_lse)
@@ -99,6 +101,10 @@ def test_torch_cuda_bf16_bool_and_in_place():
     assert_close(out.cpu().numpy(), want[0], rtol=2e-2, name="bf16 tail via ops")
     cache = torch.arange(24, dtype=torch.float32, device="cuda").reshape(8, 3)
     before = cache.clone()
-    got = ops.compact_kv_batch(cache, torch.tensor([2], device="cuda"), torch.tensor([[0, 3, 4]], device="cuda"),
-                               torch.tensor([3], device="cuda"))
+    got = ops.compact_kv_batch(
+        cache,
+        torch.tensor([2], device="cuda"),
+        torch.tensor([[0, 3, 4]], device="cuda"),
+        torch.tensor([3], device="cuda"),
+    )
     assert got is cache and torch.equal(cache[2:5], before[[2, 5, 6]])

@@ -94,7 +94,9 @@ def check_structure(tree: DDTree, ids: np.ndarray, lp: np.ndarray, budget: int) 
 
 
 def sorted_rows(draw, L, kp, values):
-    lp = np.array(draw(st.lists(st.lists(values, min_size=kp, max_size=kp), min_size=L, max_size=L)), dtype=np.float32)
+    lp = np.array(
+        draw(st.lists(st.lists(values, min_size=kp, max_size=kp), min_size=L, max_size=L)), dtype=np.float32
+    )
     lp = -np.sort(-lp.reshape(L, kp), axis=1)
     return lp.astype(np.float32)
 
@@ -265,7 +267,15 @@ def test_batch_equals_per_request(bsz, L, kp, budget):
         got = batch.tree(b)
         m = one.n + 1
         assert batch.sizes[b] == m
-        for f in ("node_token_ids", "node_depths", "parents", "visibility", "next_token", "next_sibling", "positions"):
+        for f in (
+            "node_token_ids",
+            "node_depths",
+            "parents",
+            "visibility",
+            "next_token",
+            "next_sibling",
+            "positions",
+        ):
             np.testing.assert_array_equal(getattr(got, f), getattr(one, f), err_msg=f)
         assert got.scores.tobytes() == one.scores.tobytes()
         # padding

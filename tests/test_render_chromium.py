@@ -24,19 +24,30 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 from kdlib import audit, report
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars",
-         "--disable-dev-shm-usage",  # containers often give /dev/shm only 64 MB
-         # every host name fails at once: the pages must render offline, and a CI sandbox whose DNS
-         # hangs cannot stall the page's load (nbconvert pages name MathJax and require.js on a CDN)
-         "--host-resolver-rules=MAP * ~NOTFOUND"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+    "--disable-dev-shm-usage",  # containers often give /dev/shm only 64 MB
+    # every host name fails at once: the pages must render offline, and a CI sandbox whose DNS
+    # hangs cannot stall the page's load (nbconvert pages name MathJax and require.js on a CDN)
+    "--host-resolver-rules=MAP * ~NOTFOUND",
+]
 MAGENTA = (1.0, 0.0, 1.0)  # the test figure's fill: a colour nothing else on the page uses
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
 SECTION = "2. The seeds' 200k decision, re-checked"
 AUDITED = {"mem_576_elements": "reproduced", "mem_8_6_kb_per_gpu": "contradicted",
            "moe_plateau_256": "consistent under a reading", "diag_baseline_c1_c10": "not reproducible here"}
 # nbconvert renders stderr streams and error tracebacks alike as this block (nbconvert 7, lab template)
-STDERR_BLOCK = re.compile(r'<div class="jp-RenderedText[^"]*"[^>]*data-mime-type="application/vnd\.jupyter\.stderr"')
+STDERR_BLOCK = re.compile(
+    r'<div class="jp-RenderedText[^"]*"[^>]*data-mime-type="application/vnd\.jupyter\.stderr"'
+)
 
 
 def _nb(path, cells):
@@ -66,7 +77,8 @@ def out(tmp_path_factory):
             "kdlib.nb.record('weights', 594_205_351_936, unit='B', source=link)\n"
             f"for fid, verdict in {AUDITED!r}.items():\n"
             "    kdlib.nb.record(audit.RECORD_PREFIX + fid, verdict, note='ours', source=link)\n"
-            "kdlib.nb.record(audit.RECORD_PREFIX + 'kern_tree_queue_65', 'reproduced', source='10_figure.html')"),
+            "kdlib.nb.record(audit.RECORD_PREFIX + 'kern_tree_queue_65', 'reproduced', "
+            "source='10_figure.html')"),
     ])
     _nb(nbs / "20_fail.ipynb", [
         new_markdown_cell("# 20 · Failing notebook\nRaises at once."),
@@ -215,7 +227,9 @@ def test_every_provenance_is_a_link_to_an_element_of_its_page(out, tmp_path):
         target, _, fragment = html.unescape(m.group(1)).partition("#")
         assert (out / target).is_file(), target
         if fragment:
-            assert _has_id(fragment, _element_ids(tmp_path, out / target, cache)), f"no id {fragment!r} in {target}"
+            assert _has_id(fragment, _element_ids(tmp_path, out / target, cache)), (
+                f"no id {fragment!r} in {target}"
+            )
             checked += 1
     assert checked == len(AUDITED) + 1  # every one with an apostrophe in its anchor
 

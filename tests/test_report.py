@@ -25,26 +25,40 @@ def make_notebooks(folder):
     """10_pass (records values, checks its cwd), 20_fail (records, then raises); params for smoke."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "params").mkdir(exist_ok=True)
-    _write_nb(folder / "10_pass.ipynb", [
-        new_markdown_cell("# 10 · Passing notebook\nIt multiplies **N** by 21; the headline is the product."),
-        _params('N = 2  # int: >= 1\nLABEL = "plain"  # str: any label'),
-        new_code_cell("import pathlib\nimport sys\nimport kdlib.nb\n"
-                      "assert pathlib.Path('10_pass.ipynb').is_file(), 'cwd is not the notebook folder'\n"
-                      "kdlib.nb.record('kernel_python', sys.executable)"),
-        new_code_cell("kdlib.nb.record('answer', N * 21, unit='x', source='data/results/fake.h200.json')\n"
-                      "kdlib.nb.record('weights', 594_205_351_936, unit='B', source='10_pass.html')\n"
-                      "kdlib.nb.record('audit_verdict_claim_a', 'confirmed', note=LABEL)\n"
-                      "kdlib.nb.record('audit_verdict_mem_576_elements', 'reproduced', note='576 = 512 + 64')"),
-        new_code_cell("print('boilerplate ' + 'output')", metadata={"tags": ["remove-cell"]}),
-    ])
-    _write_nb(folder / "20_fail.ipynb", [
-        new_markdown_cell("# 20 · Failing notebook\nIts second cell raises."),
-        _params("K = 1  # int: any\nREPORTS_DIR = None  # str | None: where the executed notebooks are"),
-        new_code_cell("import sys\nimport kdlib.nb\nkdlib.nb.record('before_failure', 7)\n"
-                      "kdlib.nb.record('reports_dir', REPORTS_DIR)\nsys.stderr.write('careful: a warning\\n')"),
-        new_code_cell("raise RuntimeError(f'boom {K}')"),
-        new_code_cell("print('never runs')"),
-    ])
+    _write_nb(
+        folder / "10_pass.ipynb",
+        [
+            new_markdown_cell(
+                "# 10 · Passing notebook\nIt multiplies **N** by 21; the headline is the product."
+            ),
+            _params('N = 2  # int: >= 1\nLABEL = "plain"  # str: any label'),
+            new_code_cell(
+                "import pathlib\nimport sys\nimport kdlib.nb\n"
+                "assert pathlib.Path('10_pass.ipynb').is_file(), 'cwd is not the notebook folder'\n"
+                "kdlib.nb.record('kernel_python', sys.executable)"
+            ),
+            new_code_cell(
+                "kdlib.nb.record('answer', N * 21, unit='x', source='data/results/fake.h200.json')\n"
+                "kdlib.nb.record('weights', 594_205_351_936, unit='B', source='10_pass.html')\n"
+                "kdlib.nb.record('audit_verdict_claim_a', 'confirmed', note=LABEL)\n"
+                "kdlib.nb.record('audit_verdict_mem_576_elements', 'reproduced', note='576 = 512 + 64')"
+            ),
+            new_code_cell("print('boilerplate ' + 'output')", metadata={"tags": ["remove-cell"]}),
+        ],
+    )
+    _write_nb(
+        folder / "20_fail.ipynb",
+        [
+            new_markdown_cell("# 20 · Failing notebook\nIts second cell raises."),
+            _params("K = 1  # int: any\nREPORTS_DIR = None  # str | None: where the executed notebooks are"),
+            new_code_cell(
+                "import sys\nimport kdlib.nb\nkdlib.nb.record('before_failure', 7)\n"
+                "kdlib.nb.record('reports_dir', REPORTS_DIR)\nsys.stderr.write('careful: a warning\\n')"
+            ),
+            new_code_cell("raise RuntimeError(f'boom {K}')"),
+            new_code_cell("print('never runs')"),
+        ],
+    )
     (folder / "params" / "10_pass.smoke.yaml").write_text("N: 1\n")
     (folder / "params" / "20_fail.smoke.yaml").write_text("{}\n")
     return folder
@@ -113,7 +127,14 @@ def test_records_with_provenance_and_override(batch):
 def test_pages_exist_and_nothing_half_written(batch):
     _, out = batch
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["10_pass.html", "10_pass.ipynb", "20_fail.html", "20_fail.ipynb", "index.html", "index.json"]
+    assert names == [
+        "10_pass.html",
+        "10_pass.ipynb",
+        "20_fail.html",
+        "20_fail.ipynb",
+        "index.html",
+        "index.json",
+    ]
     html = (out / "10_pass.html").read_text()
     assert html.rstrip().endswith("</html>") and 'href="index.html"' in html
     executed = nbformat.read(str(out / "10_pass.ipynb"), as_version=4)
@@ -146,11 +167,27 @@ def test_console_script_shows_progress_and_exit_code(tmp_path):
 
     nbs = make_notebooks(tmp_path / "notebooks")
     proc = subprocess.run(
-        [sys.executable, "-m", "kdlib", "report", "20_fail", "--notebooks-dir", str(nbs), "--out", str(tmp_path / "o")],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "kdlib",
+            "report",
+            "20_fail",
+            "--notebooks-dir",
+            str(nbs),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 1, proc.stderr
-    assert "[1/1] 20_fail" in proc.stdout and "failed in" in proc.stdout and "RuntimeError: boom 1" in proc.stdout
+    assert (
+        "[1/1] 20_fail" in proc.stdout
+        and "failed in" in proc.stdout
+        and "RuntimeError: boom 1" in proc.stdout
+    )
     assert "0 passed, 1 failed" in proc.stdout
 
 
@@ -180,7 +217,8 @@ def test_audit_block_counts_on_top_table_last_claims_in_words(batch):
 def test_values_in_units_and_rounded(batch):
     _, out = batch
     _, page = _index(out)
-    assert "553" in page and "GiB" in page and "594,205,351,936" not in page.replace('title="594,205,351,936 B"', "")
+    assert "553" in page and "GiB" in page and "594,205,351,936" not in page.replace('title="594,205,351,936 '
+                                                                                     'B"', "")
     assert report.fmt_value(594_205_351_936, "B") == ("553", "GiB")
     assert report.fmt_value(70_272, "B") == ("70,272", "B")
     assert report.fmt_value(3 * 2**20, "bytes") == ("3.00", "MiB")
@@ -189,7 +227,10 @@ def test_values_in_units_and_rounded(batch):
     assert report.fmt_value(0.06251, "s") == ("0.0625", "s")
     assert report.fmt_value(8.04e-6, "") == ("8e-06", "")
     assert report.fmt_value(123456.7, "tok") == ("123,457", "tok")
-    assert report.fmt_value(True, "") == ("True", "") and report.fmt_value(1024, "tokens") == ("1,024", "tokens")
+    assert report.fmt_value(True, "") == ("True", "") and report.fmt_value(1024, "tokens") == (
+        "1,024",
+        "tokens",
+    )
 
 
 def test_provenance_pages_are_links_even_with_an_apostrophe():
@@ -198,8 +239,13 @@ def test_provenance_pages_are_links_even_with_an_apostrophe():
     link = report.source_link(source, {"05_context_memory.html"})
     assert link.startswith('<a href="05_context_memory.html#5.-The-seeds&#x27;-200k-decision,-re-checked"')
     assert ">05_context_memory §5</a>" in link
-    assert "<a " not in report.source_link(source, set()) and "not in this report" in report.source_link(source, set())
-    assert report.source_link("data/results/kernels.h200.json", set()) == "<code>data/results/kernels.h200.json</code>"
+    assert "<a " not in report.source_link(source, set()) and "not in this report" in report.source_link(
+        source, set()
+    )
+    assert (
+        report.source_link("data/results/kernels.h200.json", set())
+        == "<code>data/results/kernels.h200.json</code>"
+    )
 
 
 def test_smoke_profile_reads_params_file(tmp_path, caplog):
@@ -242,14 +288,17 @@ def test_bad_input_fails_before_running(tmp_path, capsys, argv, message):
 def test_profile_values_are_checked_too(tmp_path):
     nbs = make_notebooks(tmp_path / "notebooks")
     (nbs / "params" / "10_pass.smoke.yaml").write_text("N: -3\n")
-    with pytest.raises(ValueError, match=r"10_pass.smoke.yaml: N: N of 10_pass takes an int \(>= 1\); got -3"):
+    with pytest.raises(
+        ValueError, match=r"10_pass.smoke.yaml: N: N of 10_pass takes an int \(>= 1\); got -3"
+    ):
         report.run_reports(["10_pass"], profile="smoke", notebooks_dir=nbs, out_dir=tmp_path / "out")
 
 
 def test_a_default_that_breaks_its_own_comment_is_refused(tmp_path):
     nbs = tmp_path / "notebooks"
     nbs.mkdir()
-    _write_nb(nbs / "40_bad.ipynb", [new_markdown_cell("# 40 · Bad"), _params('MODE = "fast"  # str: "a" or "b"')])
+    _write_nb(nbs / "40_bad.ipynb", [new_markdown_cell("# 40 · Bad"), _params('MODE = "fast"  # str: "a" or '
+                                                                              '"b"')])
     with pytest.raises(ValueError, match="the default of MODE does not fit its own comment"):
         report.run_reports(notebooks_dir=nbs, out_dir=tmp_path / "out")
 
@@ -259,31 +308,70 @@ def test_the_real_command_line_refuses_a_bad_value_before_running(tmp_path):
     import sys
 
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "kdlib", "report", "05_context_memory", "-p", "CONTEXT", "notanint",
-                           "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kdlib",
+            "report",
+            "05_context_memory",
+            "-p",
+            "CONTEXT",
+            "notanint",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr == ("kdlib report: error: cannot run the reports: -p CONTEXT: CONTEXT of 05_context_memory "
+    assert proc.stderr == ("kdlib report: error: cannot run the reports: -p CONTEXT: CONTEXT of "
+                           "05_context_memory "
                            "takes an int; got 'notanint' (str)\n")
     assert not out.exists()
 
 
-@pytest.mark.parametrize("default, comment, spec", [
-    (8, "int >= 1: heads", {"kind": int, "is_list": False, "none_ok": False, "bounds": [(">=", 1.0)],
-                             "choices": None}),
-    (5, "int 1..16: depth", {"kind": int, "bounds": [(">=", 1.0), ("<=", 16.0)]}),
-    (0.75, "float in [0, 1): a share", {"kind": float, "bounds": [(">=", 0.0), ("<", 1.0)]}),
-    (2.0, "float > 1: factor", {"kind": float, "bounds": [(">", 1.0)]}),
-    (1, "float: a length", {"kind": float}),
-    (256, "int: tokens (>= 16); None = the model's limit", {"kind": int, "none_ok": True, "bounds": [(">=", 16.0)]}),
-    (None, "str | None: a folder", {"kind": str, "none_ok": True}),
-    ([1, 4], "list of int in 1..16: streams", {"kind": int, "is_list": True, "bounds": [(">=", 1.0), ("<=", 16.0)]}),
-    (["a"], "list of data/hw slugs", {"kind": str, "is_list": True, "choices": None}),
-    ("auto", 'str "auto" | "never": use them', {"kind": str, "choices": ("auto", "never")}),
-    ("h200", "str: rtx-pro-6000 | h200 | b300", {"kind": str, "choices": ("rtx-pro-6000", "h200", "b300")}),
-    ("kimi-k2.6", "str: a config, e.g. kimi-k2.6, deepseek-v3", {"kind": str, "choices": None}),
-    (True, "bool: compile", {"kind": bool}),
-    ("max(1, 2)", "", {"kind": str}),  # an unparsed expression is its source text: only the literal's type
-])
+@pytest.mark.parametrize(
+    "default, comment, spec",
+    [
+        (
+            8,
+            "int >= 1: heads",
+            {"kind": int, "is_list": False, "none_ok": False, "bounds": [(">=", 1.0)], "choices": None},
+        ),
+        (5, "int 1..16: depth", {"kind": int, "bounds": [(">=", 1.0), ("<=", 16.0)]}),
+        (0.75, "float in [0, 1): a share", {"kind": float, "bounds": [(">=", 0.0), ("<", 1.0)]}),
+        (2.0, "float > 1: factor", {"kind": float, "bounds": [(">", 1.0)]}),
+        (1, "float: a length", {"kind": float}),
+        (
+            256,
+            "int: tokens (>= 16); None = the model's limit",
+            {"kind": int, "none_ok": True, "bounds": [(">=", 16.0)]},
+        ),
+        (None, "str | None: a folder", {"kind": str, "none_ok": True}),
+        (
+            [1, 4],
+            "list of int in 1..16: streams",
+            {"kind": int, "is_list": True, "bounds": [(">=", 1.0), ("<=", 16.0)]},
+        ),
+        (["a"], "list of data/hw slugs", {"kind": str, "is_list": True, "choices": None}),
+        ("auto", 'str "auto" | "never": use them', {"kind": str, "choices": ("auto", "never")}),
+        (
+            "h200",
+            "str: rtx-pro-6000 | h200 | b300",
+            {"kind": str, "choices": ("rtx-pro-6000", "h200", "b300")},
+        ),
+        ("kimi-k2.6", "str: a config, e.g. kimi-k2.6, deepseek-v3", {"kind": str, "choices": None}),
+        (True, "bool: compile", {"kind": bool}),
+        (
+            "max(1, 2)",
+            "",
+            {"kind": str},
+        ),  # an unparsed expression is its source text: only the literal's type
+    ],
+)
 def test_parameter_spec(default, comment, spec):
     got = report.parameter_spec(default, comment)
     assert {k: got[k] for k in spec} == spec
@@ -325,14 +413,19 @@ def test_profile_file_with_unknown_name_is_rejected(tmp_path):
 def test_notebook_budget_stops_a_slow_notebook(tmp_path):
     nbs = tmp_path / "notebooks"
     nbs.mkdir()
-    _write_nb(nbs / "30_slow.ipynb", [new_markdown_cell("# 30 · Slow"), new_code_cell("import time\ntime.sleep(120)")])
+    _write_nb(
+        nbs / "30_slow.ipynb",
+        [new_markdown_cell("# 30 · Slow"), new_code_cell("import time\ntime.sleep(120)")],
+    )
     entries = report.run_reports(notebooks_dir=nbs, out_dir=tmp_path / "out", timeout_s=4)
     assert entries[0]["status"] == "failed"
     assert "Timeout" in entries[0]["error"]["ename"] and entries[0]["duration_s"] < 60
 
 
 def test_parse_parameters_cell():
-    src = 'A = 3  # int: 1..8\nB: float = 0.5  # float\nC = [1, 2]\nD = max(1, 2)  # not a literal\nimport os\n'
+    src = (
+        "A = 3  # int: 1..8\nB: float = 0.5  # float\nC = [1, 2]\nD = max(1, 2)  # not a literal\nimport os\n"
+    )
     p = report.parse_parameters_cell(src)
     assert p["A"] == {"value": 3, "help": "int: 1..8"}
     assert p["B"] == {"value": 0.5, "help": "float"}
@@ -343,8 +436,9 @@ def test_parse_parameters_cell():
 
 
 def test_parse_overrides_is_yaml():
-    assert report.parse_overrides([["A", "3"], ["B", "0.5"], ["C", "[1, 2]"], ["D", "text"], ["E", "true"]]) == {
-        "A": 3, "B": 0.5, "C": [1, 2], "D": "text", "E": True}
+    assert report.parse_overrides(
+        [["A", "3"], ["B", "0.5"], ["C", "[1, 2]"], ["D", "text"], ["E", "true"]]
+    ) == {"A": 3, "B": 0.5, "C": [1, 2], "D": "text", "E": True}
     with pytest.raises(ValueError, match="identifier"):
         report.parse_overrides([["1bad", "3"]])
 

@@ -73,24 +73,38 @@ def test_shards_reassemble_the_full_weights(moe_mode):
     shards = [shard_state_dict(full, cfg, r, world, moe_mode) for r in range(world)]
     qk, nv, v = cfg.qk_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.v_head_dim
     attn = "model.layers.1.self_attn."
-    assert torch.equal(torch.cat([s[attn + "q_b_proj.weight"] for s in shards]), full[attn + "q_b_proj.weight"])
-    assert torch.equal(torch.cat([s[attn + "kv_b_proj.weight"] for s in shards]), full[attn + "kv_b_proj.weight"])
-    assert torch.equal(torch.cat([s[attn + "o_proj.weight"] for s in shards], 1), full[attn + "o_proj.weight"])
+    assert torch.equal(
+        torch.cat([s[attn + "q_b_proj.weight"] for s in shards]), full[attn + "q_b_proj.weight"]
+    )
+    assert torch.equal(
+        torch.cat([s[attn + "kv_b_proj.weight"] for s in shards]), full[attn + "kv_b_proj.weight"]
+    )
+    assert torch.equal(
+        torch.cat([s[attn + "o_proj.weight"] for s in shards], 1), full[attn + "o_proj.weight"]
+    )
     assert [s[attn + "q_b_proj.weight"].shape[0] // qk for s in shards] == [2, 1, 1]
     assert [s[attn + "kv_b_proj.weight"].shape[0] // nv for s in shards] == [2, 1, 1]
     assert [s[attn + "o_proj.weight"].shape[1] // v for s in shards] == [2, 1, 1]
     for s in shards:  # replicated: the latent projection (so the cache), norms, router, embedding
-        for k in (attn + "kv_a_proj_with_mqa.weight", attn + "q_a_proj.weight", "model.layers.1.mlp.gate.weight",
-                  "model.embed_tokens.weight", "model.norm.weight"):
+        for k in (
+            attn + "kv_a_proj_with_mqa.weight",
+            attn + "q_a_proj.weight",
+            "model.layers.1.mlp.gate.weight",
+            "model.embed_tokens.weight",
+            "model.norm.weight",
+        ):
             assert torch.equal(s[k], full[k])
     assert torch.equal(torch.cat([s["lm_head.weight"] for s in shards]), full["lm_head.weight"])
     dense = "model.layers.0.mlp."
-    assert torch.equal(torch.cat([s[dense + "down_proj.weight"] for s in shards], 1), full[dense + "down_proj.weight"])
+    assert torch.equal(
+        torch.cat([s[dense + "down_proj.weight"] for s in shards], 1), full[dense + "down_proj.weight"]
+    )
     ex = "model.layers.2.mlp.experts."
     if moe_mode == "ep":
         got = [k for s in shards for k in sorted(s) if k.startswith(ex) and k.endswith("up_proj.weight")]
         assert len(got) == cfg.n_routed_experts  # every expert on exactly one rank
-        assert torch.equal(shards[2][ex + "0.up_proj.weight"], full[ex + "6.up_proj.weight"])  # rank 2 owns 6, 7
+        # rank 2 owns 6, 7
+        assert torch.equal(shards[2][ex + "0.up_proj.weight"], full[ex + "6.up_proj.weight"])
     else:
         for e in range(cfg.n_routed_experts):
             key = f"{ex}{e}.up_proj.weight"
@@ -101,7 +115,9 @@ def test_shards_reassemble_the_full_weights(moe_mode):
 @pytest.mark.parametrize("tokens,path", [(1, "gather"), (6, "dense"), (40, "loop")])
 def test_tp_moe_partial_sums_add_up_to_the_engine_moe_on_every_path(moe_mode, tokens, path, monkeypatch):
     """3 ranks' TPMoE partials (uneven shards) sum to the single-process MoE on each forward path, in float64."""
-    cfg = dataclasses.replace(_cfg("tiny-a"), n_routed_experts=24, num_experts_per_tok=2, n_group=1, topk_group=1)
+    cfg = dataclasses.replace(
+        _cfg("tiny-a"), n_routed_experts=24, num_experts_per_tok=2, n_group=1, topk_group=1
+    )
     monkeypatch.setattr(MoE, "DENSE_MAX_ROWS", 8 * cfg.n_routed_experts)  # 40 tokens take the loop
     model = Model.random(cfg, seed=0).double().eval()
     sd = model.state_dict()
@@ -132,8 +148,14 @@ if zoo.available():
     CASES.append((2, {"zoo": True, "prompt_len": 24, "max_new": 16}))
 
 
-@pytest.mark.parametrize("world,params", CASES, ids=[
-    f"w{w}-{p.get('config', 'zoo')}-{p.get('moe_mode', 'ep')}-{p.get('attention', 'torch')}" for w, p in CASES])
+@pytest.mark.parametrize(
+    "world,params",
+    CASES,
+    ids=[
+        f"w{w}-{p.get('config', 'zoo')}-{p.get('moe_mode', 'ep')}-{p.get('attention', 'torch')}"
+        for w, p in CASES
+    ],
+)
 def test_tp_gloo_equals_single_process(world, params, tmp_path):
     spec = check_spec(**params)
     out = tmp_path / "rank0.pt"
@@ -148,9 +170,16 @@ def test_tp_gloo_equals_single_process(world, params, tmp_path):
 def test_compare_catches_a_wrong_result():
     """The verdict is able to fail: a perturbed logit, a swapped top-k id and a changed token all show."""
     g = torch.Generator().manual_seed(0)
-    ref = {"logits": torch.randn(5, 96, generator=g), "topk_ids": torch.arange(14).view(2, 7),
-           "topk_logp": -torch.rand(2, 7, generator=g), "ar": [3, 1, 4, 1, 5], "ddtree:oracle": [3, 1, 4, 1, 5],
-           "accepted:oracle": [2, 3], "sampled:ar": [2, 7, 1], "sampled:ddtree:oracle": [2, 7, 1]}
+    ref = {
+        "logits": torch.randn(5, 96, generator=g),
+        "topk_ids": torch.arange(14).view(2, 7),
+        "topk_logp": -torch.rand(2, 7, generator=g),
+        "ar": [3, 1, 4, 1, 5],
+        "ddtree:oracle": [3, 1, 4, 1, 5],
+        "accepted:oracle": [2, 3],
+        "sampled:ar": [2, 7, 1],
+        "sampled:ddtree:oracle": [2, 7, 1],
+    }
     same = {k: (v.clone() if isinstance(v, torch.Tensor) else list(v)) for k, v in ref.items()}
     assert not [x for x in compare(same, ref) if x.startswith("FAIL")]
     bad = {k: (v.clone() if isinstance(v, torch.Tensor) else list(v)) for k, v in ref.items()}

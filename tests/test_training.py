@@ -21,9 +21,20 @@ from kdlib.engine.model import Model
 
 
 def _micro_target(vocab=64, seed=0) -> Model:
-    cfg = T.target_config(vocab, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-                          num_attention_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                          v_head_dim=8, n_routed_experts=4, max_position_embeddings=256)
+    cfg = T.target_config(
+        vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        n_routed_experts=4,
+        max_position_embeddings=256,
+    )
     m = Model(ModelConfig.from_dict(cfg))
     T.init_target(m, seed)
     return m
@@ -186,7 +197,9 @@ _TOK = []
 
 def _tok():
     if not _TOK:
-        _TOK.append(T.train_tokenizer(["def f(x):\n    return x + 1\n", "Hello, world. " * 20, "é ü 中文 🙂"], 300))
+        _TOK.append(
+            T.train_tokenizer(["def f(x):\n    return x + 1\n", "Hello, world. " * 20, "é ü 中文 🙂"], 300)
+        )
     return _TOK[0]
 
 

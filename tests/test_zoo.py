@@ -64,7 +64,9 @@ def test_end_of_text_token_is_named_and_atomic():
     assert tok.encode(zoo.EOS_TOKEN) == [eos] and tok.decode([eos]) == zoo.EOS_TOKEN
     text = zoo.held_out("code")[0][:200]
     ids = tok.encode(text + zoo.EOS_TOKEN + text)
-    assert ids == tok.encode(text) + [eos] + tok.encode(text) and tok.decode(ids) == text + zoo.EOS_TOKEN + text
+    assert (
+        ids == tok.encode(text) + [eos] + tok.encode(text) and tok.decode(ids) == text + zoo.EOS_TOKEN + text
+    )
     assert drafter.c.mask_token_id == tok.token_to_id(zoo.MASK_TOKEN) != eos
 
 
@@ -113,7 +115,9 @@ def test_ddtree_with_the_trained_drafter_equals_ar():
         prompt = tok.encode(zoo.held_out(kind)[0])[:48]
         ar = generate(target, prompt, 24)
         tree = generate(target, prompt, 24, method="ddtree", drafter=drafter, budget=16)
-        chain = generate(target, prompt, 24, method="ddtree", drafter=drafter, budget=drafter.block_size - 1, top_k=1)
+        chain = generate(
+            target, prompt, 24, method="ddtree", drafter=drafter, budget=drafter.block_size - 1, top_k=1
+        )
         assert tree.tokens == ar.tokens, kind
         assert chain.tokens == ar.tokens, kind
         if kind == "templated":
@@ -140,8 +144,10 @@ def test_ddtree_with_the_trained_drafter_equals_ar_on_cuda():
         prompt = tok.encode(zoo.held_out(kind)[0])[:128]
         ar = generate(target, prompt, 64)
         for budget in (8, 64):
-            assert generate(target, prompt, 64, method="ddtree", drafter=drafter, budget=budget).tokens == ar.tokens, \
-                (kind, budget)
+            assert (
+                generate(target, prompt, 64, method="ddtree", drafter=drafter, budget=budget).tokens
+                == ar.tokens
+            ), (kind, budget)
 
 
 def test_accept_suite_on_the_cpu():

@@ -54,8 +54,17 @@ from kdlib.ref.tree import synthetic_topk
 GENERATOR = "tools/make_golden.py"
 I64_POISON = np.iinfo(np.int64).max
 I32_POISON = np.iinfo(np.int32).max
-TREE_FIELDS = ("sizes", "node_token_ids", "node_depths", "parents", "visibility", "next_token", "next_sibling",
-               "positions", "scores")
+TREE_FIELDS = (
+    "sizes",
+    "node_token_ids",
+    "node_depths",
+    "parents",
+    "visibility",
+    "next_token",
+    "next_sibling",
+    "positions",
+    "scores",
+)
 TOL_TREE = "bit-exact: every integer/bool tensor equal; scores equal as float64 bytes"
 
 # name -> (seed, B, L, K', budget, input kind). Input kinds: "draft" = synthetic_topk (peaked,
@@ -72,7 +81,8 @@ CONFIGS = {
     "maxdepth": (7, 8, 16, 16, 64, "peaked"),  # L 16: the deepest the GPU builder takes
     "highbatch": (8, 64, 15, 64, 64, "draft"),  # B 64: the CPU-baseline point
     "tied": (9, 8, 6, 8, 64, "tied"),
-    "spread": (19, 16, 15, 2, 64, "spread"),  # exponents over 1e-14..10, far-apart ranks: inexact float64 sums
+    # exponents over 1e-14..10, far-apart ranks: inexact float64 sums
+    "spread": (19, 16, 15, 2, 64, "spread"),
     "budget0": (10, 3, 4, 4, 0, "draft"),  # root-only trees
     "depth0": (11, 3, 0, 4, 8, "draft"),  # L = 0: root-only trees
 }
@@ -101,8 +111,12 @@ def topk_inputs(seed: int, bsz: int, L: int, kp: int, kind: str) -> tuple[np.nda
         return ids.astype(np.int64).reshape(bsz, L, kp), lp
     if kind == "spread":
         rng = np.random.default_rng(seed)
-        mags = [[[math.pow(10.0, e) for e in row] for row in req] for req in rng.uniform(-14.0, 1.0, size=(bsz, L, kp))]
-        lp = (-np.sort(np.array(mags), axis=-1)).astype(np.float32).reshape(bsz, L, kp)  # libm pow: no SIMD variance
+        mags = [
+            [[math.pow(10.0, e) for e in row] for row in req]
+            for req in rng.uniform(-14.0, 1.0, size=(bsz, L, kp))
+        ]
+        # libm pow: no SIMD variance
+        lp = (-np.sort(np.array(mags), axis=-1)).astype(np.float32).reshape(bsz, L, kp)
         ids = np.stack([np.stack([rng.permutation(1000)[:kp] for _ in range(L)]) for _ in range(bsz)])
         return ids.astype(np.int64), lp
     sharp = {"draft": 5.0, "flat": 1.0, "peaked": 14.0}[kind]
@@ -156,7 +170,12 @@ def example_file(out: Path) -> None:
     trees = ref.build_tree_batch(ids, lp, 5)
     targets = np.array([[11, 0, 0, 20, 77, 0]], dtype=np.int64)
     paths, lengths, bonus = ref.accept_greedy_batch(trees, targets)
-    tensors = {"top_token_ids": ids, "top_log_probs": lp, "budget": np.array(5, dtype=np.int64), "target_tokens": targets}
+    tensors = {
+        "top_token_ids": ids,
+        "top_log_probs": lp,
+        "budget": np.array(5, dtype=np.int64),
+        "target_tokens": targets,
+    }
     tensors.update({f: getattr(trees, f) for f in TREE_FIELDS})
     tensors.update({"paths": paths, "lengths": lengths, "bonus": bonus})
     kdtr.save(out / "tree_example.kdtr", tensors,
@@ -167,7 +186,9 @@ def example_file(out: Path) -> None:
 def sample_file(out: Path) -> None:
     seed, bsz, L, kp, budget, vocab = 20, 8, 6, 8, 32, 16
     rng = np.random.default_rng(seed)
-    ids = np.stack([np.stack([rng.permutation(vocab)[:kp] for _ in range(L)]) for _ in range(bsz)]).astype(np.int64)
+    ids = np.stack([np.stack([rng.permutation(vocab)[:kp] for _ in range(L)]) for _ in range(bsz)]).astype(
+        np.int64
+    )
     lp = -np.sort(rng.random((bsz, L, kp)) * 4.0, axis=-1).astype(np.float32)
     trees = ref.build_tree_batch(ids, lp, budget)
     s = budget + 1
@@ -195,8 +216,19 @@ def sample_file(out: Path) -> None:
     st_tokens = ref.sample_tokens(st_probs, st_uniforms)
     tensors = {"top_token_ids": ids, "top_log_probs": lp, "budget": np.array(budget, dtype=np.int64)}
     tensors.update({f: getattr(trees, f) for f in TREE_FIELDS})
-    tensors.update({"probs": probs, "uniforms": uniforms, "tokens": tokens, "paths": paths, "lengths": lengths,
-                    "bonus": bonus, "st_probs": st_probs, "st_uniforms": st_uniforms, "st_tokens": st_tokens})
+    tensors.update(
+        {
+            "probs": probs,
+            "uniforms": uniforms,
+            "tokens": tokens,
+            "paths": paths,
+            "lengths": lengths,
+            "bonus": bonus,
+            "st_probs": st_probs,
+            "st_uniforms": st_uniforms,
+            "st_tokens": st_tokens,
+        }
+    )
     config = {"batch": bsz, "depth": L, "k_prime": kp, "budget": budget, "vocab": vocab, "max_depth": budget}
     kdtr.save(out / "accept_sample.kdtr", tensors,
               _meta("accept_sample", "sample", seed, config,
@@ -241,14 +273,43 @@ def attention_file(name: str, out: Path) -> None:
     p_out, p_lse = ref.prefix_attention(*args, scale)
     t_out, t_lse = ref.tree_tail_attention(q, tree_kv, trees.visibility, trees.sizes, scale)
     v_out, v_lse = ref.merge_attention(p_out, p_lse, t_out, t_lse)
-    tensors = {"q": q, "kv_cache": kv_cache, "page_table": page_table, "prefix_lens": prefix_lens,
-               "tree_kv": tree_kv, "visibility": trees.visibility, "tree_sizes": trees.sizes,
-               "softmax_scale": np.array(scale), "out": v_out, "lse": v_lse, "prefix_out": p_out, "prefix_lse": p_lse,
-               "tail_out": t_out, "tail_lse": t_lse}
-    config = {"batch": bsz, "budget": budget, "heads": heads, "prefix_lens": list(lens), "slots": slots, "dtype": dtype}
-    tol = {"float32": "1e-5 norm-relative (fp32 kernels)", "bfloat16": "2e-2 norm-relative (bf16 inputs, fp32 accumulate)"}
-    kdtr.save(out / f"attention_{name}.kdtr", tensors,
-              _meta("attention", name, seed, config, {"out_lse": tol[dtype], "reference_recompute": "1e-12 norm-relative (BLAS rounding)"}))
+    tensors = {
+        "q": q,
+        "kv_cache": kv_cache,
+        "page_table": page_table,
+        "prefix_lens": prefix_lens,
+        "tree_kv": tree_kv,
+        "visibility": trees.visibility,
+        "tree_sizes": trees.sizes,
+        "softmax_scale": np.array(scale),
+        "out": v_out,
+        "lse": v_lse,
+        "prefix_out": p_out,
+        "prefix_lse": p_lse,
+        "tail_out": t_out,
+        "tail_lse": t_lse,
+    }
+    config = {
+        "batch": bsz,
+        "budget": budget,
+        "heads": heads,
+        "prefix_lens": list(lens),
+        "slots": slots,
+        "dtype": dtype,
+    }
+    tol = {"float32": "1e-5 norm-relative (fp32 kernels)", "bfloat16": "2e-2 norm-relative (bf16 inputs, "
+                                                                       "fp32 accumulate)"}
+    kdtr.save(
+        out / f"attention_{name}.kdtr",
+        tensors,
+        _meta(
+            "attention",
+            name,
+            seed,
+            config,
+            {"out_lse": tol[dtype], "reference_recompute": "1e-12 norm-relative (BLAS rounding)"},
+        ),
+    )
 
 
 def compact_file(out: Path) -> None:
@@ -328,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         with tempfile.TemporaryDirectory() as tmp:
             problems = check(generate(Path(tmp)), args.out)
-        print("\n".join(problems) or f"{args.out}: every golden file regenerates (COMPUTED at their tolerance)")
+        print("\n".join(problems) or f"{args.out}: every golden file regenerates (COMPUTED at their "
+                                     "tolerance)")
         return 1 if problems else 0
     for path in generate(args.out):
         print(f"{path}  {path.stat().st_size:>9,d} B")

@@ -74,7 +74,8 @@ def main(argv=None) -> int:
     if args.check:
         with tempfile.TemporaryDirectory() as tmp:
             problems = check(write(Path(tmp)), Path(args.out), lambda _: {"logits": RTOL_REGEN})
-        print("\n".join(problems) or f"{args.out}: the model golden files regenerate (logits at {RTOL_REGEN:g})")
+        print("\n".join(problems) or f"{args.out}: the model golden files regenerate (logits at "
+                                     f"{RTOL_REGEN:g})")
         return 1 if problems else 0
     for path in write(Path(args.out)):
         print(f"wrote {path}")

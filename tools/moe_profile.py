@@ -33,8 +33,12 @@ def main() -> None:
     packed = {
         "w1": s._random_words(torch, cp, s.E * P * KC * 2 * 32 * 4).reshape(s.E, P, KC, 2, 32, 4),
         "s1": s._random_scales(torch, cp, s.E * P * KC * 2 * 16).reshape(s.E, P, KC, 2, 16),
-        "w2": s._random_words(torch, cp, s.E * (s.K // 16) * (s.N // 64) * 32 * 4).reshape(s.E, s.K // 16, s.N // 64, 32, 4),
-        "s2": s._random_scales(torch, cp, s.E * (s.K // 16) * (s.N // 64) * 16).reshape(s.E, s.K // 16, s.N // 64, 16),
+        "w2": s._random_words(torch, cp, s.E * (s.K // 16) * (s.N // 64) * 32 * 4).reshape(
+            s.E, s.K // 16, s.N // 64, 32, 4
+        ),
+        "s2": s._random_scales(torch, cp, s.E * (s.K // 16) * (s.N // 64) * 16).reshape(
+            s.E, s.K // 16, s.N // 64, 16
+        ),
     }
     x = torch.randn(args.m, s.K, device="cuda").to(torch.bfloat16)      # [M, K]
     rng = np.random.default_rng(0)

@@ -73,23 +73,30 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-size", type=int, default=2, help="ranks to spawn for a check (default 2)")
     ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
-    ap.add_argument("--config", default="tiny-a", help="a data/configs/<name>.json tiny config (default tiny-a)")
+    ap.add_argument("--config", default="tiny-a", help="a data/configs/<name>.json tiny config (default "
+                                                       "tiny-a)")
     ap.add_argument("--zoo", action="store_true", help="use the trained kdlib.zoo models instead of --config")
     ap.add_argument("--moe-mode", choices=("ep", "tp"), default="ep", help="experts whole per rank or sliced")
     ap.add_argument("--max-new", type=int, default=24)
     ap.add_argument("--budget", type=int, default=8)
     ap.add_argument("--block", type=int, default=5, help="drafter block size (horizon = block - 1)")
-    ap.add_argument("--bench", action="store_true", help="GPU benchmark over 1, 2, 4, 8 GPUs -> tp.<gpu>.json")
+    ap.add_argument(
+        "--bench", action="store_true", help="GPU benchmark over 1, 2, 4, 8 GPUs -> tp.<gpu>.json"
+    )
     ap.add_argument("--quick", action="store_true", help="with --bench: a reduced sweep")
-    ap.add_argument("--out", default=None, help="with --bench: folder of the result JSON (default data/results/)")
+    ap.add_argument("--out", default=None, help="with --bench: folder of the result JSON (default "
+                                                "data/results/)")
     args = ap.parse_args(argv)
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if args.bench:
-            ap.error("--bench spawns its own ranks for every GPU count: run it with plain python3, not torchrun")
+            ap.error("--bench spawns its own ranks for every GPU count: run it with plain python3, not "
+                     "torchrun")
         return _torchrun(args)
     if args.bench:
-        path = write("tp", run(args), out_dir=args.out, command="python3 tools/tp_run.py " + " ".join(sys.argv[1:]))
+        path = write(
+            "tp", run(args), out_dir=args.out, command="python3 tools/tp_run.py " + " ".join(sys.argv[1:])
+        )
         print(f"[tp_run] wrote {path}", flush=True)
         return 0
     from kdlib.tp.workers import run_check

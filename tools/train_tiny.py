@@ -50,9 +50,18 @@ LOG_NAME = "train.log"
 # per much longer sequence; 48 of 512 positions keeps the block attention mask small).
 FULL = {"batch": 64, "seq": 512, "target_lr": 3e-3, "drafter_lr": 2e-3, "anchors": 48, "max_steps": 100_000}
 SMOKE = {"batch": 4, "seq": 64, "target_lr": 3e-3, "drafter_lr": 2e-3, "anchors": 4, "max_steps": 3}
-SMOKE_TARGET = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2,
-                "num_attention_heads": 2, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16,
-                "v_head_dim": 16, "n_routed_experts": 4}
+SMOKE_TARGET = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 16,
+    "n_routed_experts": 4,
+}
 SMOKE_DRAFTER = {"num_layers": 1, "num_heads": 2, "head_dim": 32, "intermediate_size": 128}
 
 
@@ -62,9 +71,17 @@ def specs(target_s: float, drafter_s: float, smoke: bool, seed: int):
     tspec = T.TrainSpec(max_steps=run["max_steps"], batch=run["batch"], seq=run["seq"], lr=run["target_lr"],
                         time_budget_s=target_s, warmup_steps=1 if smoke else 100,
                         log_every=1 if smoke else 100, seed=seed)
-    dspec = T.TrainSpec(max_steps=run["max_steps"], batch=run["batch"] // 2, seq=run["seq"], lr=run["drafter_lr"],
-                        time_budget_s=drafter_s, warmup_steps=1 if smoke else 50,
-                        anchors=run["anchors"], log_every=1 if smoke else 100, seed=seed + 1)
+    dspec = T.TrainSpec(
+        max_steps=run["max_steps"],
+        batch=run["batch"] // 2,
+        seq=run["seq"],
+        lr=run["drafter_lr"],
+        time_budget_s=drafter_s,
+        warmup_steps=1 if smoke else 50,
+        anchors=run["anchors"],
+        log_every=1 if smoke else 100,
+        seed=seed + 1,
+    )
     return tspec, dspec
 
 
@@ -172,7 +189,8 @@ def train(args, out: Path, log, t_start: float) -> None:
     tok.save(str(out / "tokenizer.json"))
     streams = T.token_streams(tok, docs)
     sizes = {f"{k}.{s}": int(len(v)) for (k, s), v in sorted(streams.items())}
-    log(f"tokenizer: {tok.get_vocab_size()} tokens ({zoo.EOS_TOKEN} {T.EOS_ID}, {zoo.MASK_TOKEN} {T.MASK_ID}); "
+    log(f"tokenizer: {tok.get_vocab_size()} tokens ({zoo.EOS_TOKEN} {T.EOS_ID}, {zoo.MASK_TOKEN} "
+        f"{T.MASK_ID}); "
         f"streams {sizes}")
 
     # target
@@ -202,11 +220,14 @@ def train(args, out: Path, log, t_start: float) -> None:
                             eval_every=1 if args.smoke else 250)
     target_eval = {k: T.evaluate_target(target, s, run["seq"], run["batch"], 4 if args.smoke else None)
                    for k, s in held_streams.items()}
-    train_eval = {k: T.evaluate_target(target, streams[(k, "train")], run["seq"], run["batch"], eval_windows * 4)
-                  for k in corpus.KINDS}
+    train_eval = {
+        k: T.evaluate_target(target, streams[(k, "train")], run["seq"], run["batch"], eval_windows * 4)
+        for k in corpus.KINDS
+    }
     eos_eval = {k: T.evaluate_eos(target, s, run["seq"]) for k, s in held_streams.items()}
     log(f"target held-out perplexity: { {k: round(v['ppl'], 2) for k, v in target_eval.items()} }")
-    log(f"target held-out end of text: { {k: (v['p_eos_at_end'], v['false_eos_top1']) for k, v in eos_eval.items()} }")
+    log("target held-out end of text: "
+        f"{ {k: (v['p_eos_at_end'], v['false_eos_top1']) for k, v in eos_eval.items()} }")
     _write_json(out / "target.config.json", tcfg)
     T.save_weights(target, out / "target.kdtr", {"generator": "tools/train_tiny.py", "dtype": "float16"})
 
@@ -226,25 +247,50 @@ def train(args, out: Path, log, t_start: float) -> None:
 
     dcurve = T.train_drafter(drafter, target, streams, dspec, log=log, eval_fn=eval_drafter,
                              eval_every=1 if args.smoke else 250)
-    drafter_eval = {k: T.evaluate_drafter(drafter, target, s, run["seq"], run["batch"], 8 if args.smoke else 128)
-                    for k, s in held_streams.items()}
+    drafter_eval = {
+        k: T.evaluate_drafter(drafter, target, s, run["seq"], run["batch"], 8 if args.smoke else 128)
+        for k, s in held_streams.items()
+    }
     log(f"drafter held-out slot-1 accuracy: { {k: v['slot_acc'][0] for k, v in drafter_eval.items()} }")
     T.save_drafter(drafter, out / "drafter.kdtr", {"generator": "tools/train_tiny.py", "dtype": "float16"})
 
     # record (before the acceptance run, which reads its models_sha256)
     prov = perf.provenance()
     record = {
-        "command": prov["command"], "commit": prov["commit"], "date": prov["date"], "device": prov["gpu"],
-        "torch": prov["torch"], "python": prov["python"], "smoke": args.smoke,
+        "command": prov["command"],
+        "commit": prov["commit"],
+        "date": prov["date"],
+        "device": prov["gpu"],
+        "torch": prov["torch"],
+        "python": prov["python"],
+        "smoke": args.smoke,
         "corpus": {"python": manifest["python"], "files": manifest["files"]},
-        "tokenizer": {"vocab_size": tok.get_vocab_size(), "kind": "byte-level BPE", "stream_tokens": sizes,
-                      "special_tokens": {t: tok.token_to_id(t) for t in T.SPECIAL_TOKENS}},
-        "target": {"parameters": n_target, "spec": _spec(tspec), "curve": tcurve,
-                   "held_out": target_eval, "train_sample": train_eval, "end_of_text": eos_eval},
-        "drafter": {"parameters": n_draft, "config": {**asdict(dcfg), "target_layer_ids": list(dcfg.target_layer_ids)},
-                    "spec": _spec(dspec), "curve": dcurve, "held_out": drafter_eval},
+        "tokenizer": {
+            "vocab_size": tok.get_vocab_size(),
+            "kind": "byte-level BPE",
+            "stream_tokens": sizes,
+            "special_tokens": {t: tok.token_to_id(t) for t in T.SPECIAL_TOKENS},
+        },
+        "target": {
+            "parameters": n_target,
+            "spec": _spec(tspec),
+            "curve": tcurve,
+            "held_out": target_eval,
+            "train_sample": train_eval,
+            "end_of_text": eos_eval,
+        },
+        "drafter": {
+            "parameters": n_draft,
+            "config": {**asdict(dcfg), "target_layer_ids": list(dcfg.target_layer_ids)},
+            "spec": _spec(dspec),
+            "curve": dcurve,
+            "held_out": drafter_eval,
+        },
         "models_sha256": {f: hashlib.sha256((out / f).read_bytes()).hexdigest() for f in MODEL_FILES},
-        "validation": {"fraction_of_train": VAL_FRACTION, "tokens": {k: int(len(v)) for k, v in val_streams.items()}},
+        "validation": {
+            "fraction_of_train": VAL_FRACTION,
+            "tokens": {k: int(len(v)) for k, v in val_streams.items()},
+        },
         "train_seconds": round(time.perf_counter() - t_start, 1),
     }
     _write_json(out / "training_record.json", record)
@@ -253,9 +299,19 @@ def train(args, out: Path, log, t_start: float) -> None:
     # acceptance on held-out text, in full float32 (TF32 matmuls would flip near-tied argmaxes between
     # the AR and the tree-verify paths)
     torch.backends.cuda.matmul.allow_tf32 = False
-    n, new, budgets = (1, 24, (8,)) if args.smoke else (accept.FULL_PROMPTS, accept.NEW_TOKENS, accept.BUDGETS)
-    payload = accept.measure(args.device, n, new, budgets, prompt_tokens=32 if args.smoke else accept.PROMPT_TOKENS,
-                             folder=out, log=log, time_limit_s=args.accept_s)
+    n, new, budgets = (
+        (1, 24, (8,)) if args.smoke else (accept.FULL_PROMPTS, accept.NEW_TOKENS, accept.BUDGETS)
+    )
+    payload = accept.measure(
+        args.device,
+        n,
+        new,
+        budgets,
+        prompt_tokens=32 if args.smoke else accept.PROMPT_TOKENS,
+        folder=out,
+        log=log,
+        time_limit_s=args.accept_s,
+    )
     path = perf.write("accept", payload, out_dir=out, command=prov["command"])
     log(f"wrote {path}")
 
