@@ -44,7 +44,8 @@ from kdlib.perf import describe, load
 
 CATALOGUE = DATA / "audit" / "seed_figures.yaml"
 AUDIT_NOTEBOOK = "07_seed_audit"
-RECORD_PREFIX = "audit_verdict_"  # kdlib.report renders every record with this prefix in the index's audit block
+# kdlib.report renders every record with this prefix in the index's audit block
+RECORD_PREFIX = "audit_verdict_"
 
 REPRODUCED = "reproduced"
 CONTRADICTED = "contradicted"
@@ -109,7 +110,19 @@ def _load_yaml(path: Path) -> dict:
     return doc
 
 
-REQUIRED = ("id", "area", "figure", "claim", "quote", "seed", "where", "category", "check", "expects", "notebook")
+REQUIRED = (
+    "id",
+    "area",
+    "figure",
+    "claim",
+    "quote",
+    "seed",
+    "where",
+    "category",
+    "check",
+    "expects",
+    "notebook",
+)
 
 
 def catalogue(path: str | Path | None = None) -> Catalogue:
@@ -218,7 +231,8 @@ class Verdict:
 def missing(fid: str, expected: list[str], have: str = "") -> Verdict:
     """A figure whose deciding value is not recorded yet."""
     what = "; ".join(expected)
-    return Verdict(fid, MISSING, f"not recorded yet: {what}", have or "the check runs once that value is recorded",
+    return Verdict(fid, MISSING, f"not recorded yet: {what}", have or "the check runs once that value is "
+                                                                      "recorded",
                    expected=list(expected))
 
 
@@ -298,17 +312,21 @@ def kern_tree_bit_exact(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     res = src.result("kernels", "h200")
     if res is None or not res.get("tree_build"):
         return missing(fig.id, ["data/results/kernels.h200.json (python3 -m kdlib.perf.run --suite kernels)"],
-                       f"{len(golden)} golden tree cases are ready in data/golden/ (the seeds had {fig.claim}); "
+                       f"{len(golden)} golden tree cases are ready in data/golden/ (the seeds had "
+                       f"{fig.claim}); "
                        "bit-exactness on the GPU is what the recording decides")
     rows = res["tree_build"]
     exact = all(r["bit_exact"] for r in rows)
     batches = sorted({r["batch"] for r in rows})
     versions = sorted({r.get("version", 1) for r in rows})
-    ours = (f"bit-exact on every recorded build: {exact} ({len(rows)} runs, batches {batches}, kernel versions "
+    ours = (f"bit-exact on every recorded build: {exact} ({len(rows)} runs, batches {batches}, kernel "
+            "versions "
             f"{versions}); {len(golden)} golden cases in data/golden")
     return Verdict(fig.id, REPRODUCED if exact else CONTRADICTED, ours,
-                   f"exact equality (no tolerance) with kdlib.ref.build_tree, on {res['provenance']['gpu']}, not "
-                   f"their sm_120; the seeds' {fig.claim} cases against our {len(golden)} golden files, which the GPU "
+                   f"exact equality (no tolerance) with kdlib.ref.build_tree, on {res['provenance']['gpu']}, "
+                   "not "
+                   f"their sm_120; the seeds' {fig.claim} cases against our {len(golden)} golden files, "
+                   "which the GPU "
                    "tests (pytest -m gpu, tests/test_cuda_tree.py) compare the same way",
                    sources=[provenance(res), "data/golden/tree_*.kdtr"], values={"golden_cases": len(golden)})
 
@@ -316,14 +334,20 @@ def kern_tree_bit_exact(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
 @check
 def kern_tree_queue_65(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     nodes, words = fig.claim
-    budget = nodes - 1  # the seeds' trees: 64 drafted nodes plus the root (budget 32-64, seed 000 'budget 32-64')
+    # the seeds' trees: 64 drafted nodes plus the root (budget 32-64, seed 000 'budget 32-64')
+    budget = nodes - 1
     need_words = math.ceil(nodes / 64)
     ok = need_words == words
-    return Verdict(fig.id, REPRODUCED if ok else CONTRADICTED,
-                   f"budget {budget} + root = {nodes} nodes -> ceil({nodes} / 64) = {need_words} uint64 words per "
-                   f"ancestor set; the workbook's builder takes budgets up to {MAX_BUDGET}",
-                   "arithmetic (exact): a 65-node tree needs a 65-bit ancestor mask, i.e. two 64-bit words",
-                   sources=["kdlib.cuda.tree.MAX_BUDGET"], values={"words": need_words, "max_budget": MAX_BUDGET})
+    return Verdict(
+        fig.id,
+        REPRODUCED if ok else CONTRADICTED,
+        f"budget {budget} + root = {nodes} nodes -> ceil({nodes} / 64) = {need_words} uint64 "
+        "words per "
+        f"ancestor set; the workbook's builder takes budgets up to {MAX_BUDGET}",
+        "arithmetic (exact): a 65-node tree needs a 65-bit ancestor mask, i.e. two 64-bit words",
+        sources=["kdlib.cuda.tree.MAX_BUDGET"],
+        values={"words": need_words, "max_budget": MAX_BUDGET},
+    )
 
 
 def fp32_attention_error(configs=None, scale: float = 1.0, seed: int = 0) -> list[dict]:
@@ -337,7 +361,14 @@ def fp32_attention_error(configs=None, scale: float = 1.0, seed: int = 0) -> lis
 
     if not scale > 0:
         raise ValueError(f"scale must be > 0, got {scale}")
-    configs = configs or [(8, 1, 256), (8, 9, 512), (8, 17, 1024), (16, 33, 512), (16, 65, 1024), (64, 65, 256)]
+    configs = configs or [
+        (8, 1, 256),
+        (8, 9, 512),
+        (8, 17, 1024),
+        (16, 33, 512),
+        (16, 65, 1024),
+        (64, 65, 256),
+    ]
     rng = np.random.default_rng(seed)
     out = []
     for h, q, s in configs:
@@ -355,7 +386,8 @@ def fp32_attention_error(configs=None, scale: float = 1.0, seed: int = 0) -> lis
     return out
 
 
-# Input scales tried for the fp32 floor: unit normal, and the 0.3 / 0.1 multipliers random test tensors often carry.
+# Input scales tried for the fp32 floor: unit normal, and the 0.3 / 0.1 multipliers random test tensors often
+# carry.
 ATTN_SCALES = (1.0, 0.3, 0.1)
 
 
@@ -365,15 +397,21 @@ def kern_verify_max_abs_err(fig: Figure, cat: Catalogue, src: Sources) -> Verdic
     best = min(worst, key=lambda s: abs(math.log(worst[s] / fig.claim)))
     factor = 3.0  # 'approximately 2e-8': the same half-decade
     ok = within_factor(worst[best], fig.claim, factor)
-    return Verdict(fig.id, READING if ok else CONTRADICTED,
-                   "float32 rounding of the same attention, 6 MLA shapes (q_len <= 65), max abs error by input std: "
-                   + ", ".join(f"{s:g}: {e:.1g}" for s, e in worst.items()),
-                   f"absolute error grows like the cube of the input scale (scores ~ std^2, outputs ~ std), and the "
-                   f"seeds do not give theirs: ~2e-8 is float32 rounding for inputs of std ~{best:g} (within "
-                   f"{factor:g}x: {ok}), not for unit-normal inputs ({worst[1.0]:.1g}). Their kernel is not here; the "
-                   "workbook checks its kernels against float64 relative to the norm (fp32 within 1e-5, "
-                   "tests/test_cuda_attention.py), which does not depend on the scale",
-                   sources=["kdlib.audit.fp32_attention_error"], values={"max_abs_by_scale": worst, "std": best})
+    return Verdict(
+        fig.id,
+        READING if ok else CONTRADICTED,
+        "float32 rounding of the same attention, 6 MLA shapes (q_len <= 65), max abs error by "
+        "input std: " + ", ".join(f"{s:g}: {e:.1g}" for s, e in worst.items()),
+        "absolute error grows like the cube of the input scale (scores ~ std^2, outputs ~ std), "
+        "and the "
+        f"seeds do not give theirs: ~2e-8 is float32 rounding for inputs of std ~{best:g} (within "
+        f"{factor:g}x: {ok}), not for unit-normal inputs ({worst[1.0]:.1g}). Their kernel is not "
+        "here; the "
+        "workbook checks its kernels against float64 relative to the norm (fp32 within 1e-5, "
+        "tests/test_cuda_attention.py), which does not depend on the scale",
+        sources=["kdlib.audit.fp32_attention_error"],
+        values={"max_abs_by_scale": worst, "std": best},
+    )
 
 
 @check
@@ -384,17 +422,30 @@ def kern_tree_speedup_b64(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
         if rec is None:
             return missing(fig.id, ["data/results/kernels.h200.json (headline.speedup_vs_cpu_kernel)",
                                     "record tree_build_speedup_b64 of 02_cuda_kernels"])
-        ours, where, gpu, extra = float(rec["value"]), rec.get("source", "02_cuda_kernels"), "the recorded GPU", ""
+        ours, where, gpu, extra = (
+            float(rec["value"]),
+            rec.get("source", "02_cuda_kernels"),
+            "the recorded GPU",
+            "",
+        )
     else:
-        ours, where, gpu = float(res["headline"]["speedup_vs_cpu_kernel"]), provenance(res), res["provenance"]["gpu"]
+        ours, where, gpu = (
+            float(res["headline"]["speedup_vs_cpu_kernel"]),
+            provenance(res),
+            res["provenance"]["gpu"],
+        )
         replay = res["headline"].get("speedup_vs_cpu_graph_replay")
         extra = f"; {float(replay):.0f}x counting one graph replay per build" if replay is not None else ""
     lo, hi = _span(fig.claim)
-    verdict = REPRODUCED if within(ours, fig.claim, rel=0.25) else READING  # a ratio of two machines' speeds: ±25% counts as the same result
-    return Verdict(fig.id, verdict, f"{ours:.0f}x at batch 64 ({gpu} kernel time vs the workbook's heapq reference "
+    # a ratio of two machines' speeds: ±25% counts as the same result
+    verdict = REPRODUCED if within(ours, fig.claim, rel=0.25) else READING
+    return Verdict(fig.id, verdict, f"{ours:.0f}x at batch 64 ({gpu} kernel time vs the workbook's heapq "
+                                    "reference "
                                     f"on the same host{extra})",
-                   f"a ratio of two machines' speeds: ±25% of {lo:g}-{hi:g}x would count as reproduced; outside it, "
-                   f"the figure holds only for their pair (sm_120 GPU, SGLang's Python builder on their CPU). The "
+                   f"a ratio of two machines' speeds: ±25% of {lo:g}-{hi:g}x would count as reproduced; "
+                   "outside it, "
+                   "the figure holds only for their pair (sm_120 GPU, SGLang's Python builder on their "
+                   "CPU). The "
                    f"seeds also say '470×' (002, reference [4]), inside their own range",
                    sources=[where], values={"ours": ours})
 
@@ -413,9 +464,11 @@ def kern_cpu_build_b64(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
             vals[f"{gpu_side['provenance']['gpu']} host CPU"] = row["cpu_ref_us"] / 1e3
             sources.append(provenance(gpu_side))
     if not vals:
-        return missing(fig.id, ["data/results/tree_build_cpu.*.json (python -m kdlib.perf.run --suite tree_build_cpu)",
+        return missing(fig.id, ["data/results/tree_build_cpu.*.json (python -m kdlib.perf.run --suite "
+                                "tree_build_cpu)",
                                 "data/results/kernels.h200.json (tree_build batch 64 cpu_ref_us)"])
-    factor = 1.5  # host CPUs differ (2-core dev box, GPU host, their server): same range within 1.5x either way
+    # host CPUs differ (2-core dev box, GPU host, their server): same range within 1.5x either way
+    factor = 1.5
     ok = all(within_factor(v, fig.claim, factor) for v in vals.values())
     text = ", ".join(f"{k}: {v:.2f} ms" for k, v in vals.items())
     return Verdict(fig.id, REPRODUCED if ok else CONTRADICTED,
@@ -436,16 +489,22 @@ def kern_build_share_gain(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     share10 = by_batch[b10] * 10 / b10 / steps["c10_ms"]  # per-request cost x 10 streams
     gain_hi = max(share1, share10) / (1 - max(share1, share10))  # removing the build entirely
     lo_gain, hi_gain = fig.claim["gain"]
-    ok = within(max(share1, share10), fig.claim["share"], rel=1.0) and gain_hi <= hi_gain  # '~1%': anything up to 2%
-    return Verdict(fig.id, REPRODUCED if ok else CONTRADICTED,
-                   f"build share of the step: {share1:.1%} at C = 1 ({by_batch[min(by_batch)]:.2f} ms of "
-                   f"{steps['c1_ms']:.1f} ms), {share10:.1%} at C = 10 ({by_batch[b10] * 10 / b10:.2f} ms of "
-                   f"{steps['c10_ms']:.1f} ms); removing it entirely gains at most {gain_hi:.1%}",
-                   f"steps = {steps['accepted']:g} accepted / (138.7 and 517/10 tok/s); build time from the recorded "
-                   f"heapq sweep (per request, scaled to 10 streams from batch {b10}). '~1%' within a factor 2: "
-                   f"{ok}; a gain above the share ({hi_gain:.0%} end) is impossible: s / (1 - s) bounds it",
-                   sources=[provenance(cpu), "seeds' 138.7 / 517 tok/s"], values={"share_c1": share1, "share_c10": share10,
-                                                                              "gain_max": gain_hi})
+    # '~1%': anything up to 2%
+    ok = within(max(share1, share10), fig.claim["share"], rel=1.0) and gain_hi <= hi_gain
+    return Verdict(
+        fig.id,
+        REPRODUCED if ok else CONTRADICTED,
+        f"build share of the step: {share1:.1%} at C = 1 ({by_batch[min(by_batch)]:.2f} ms of "
+        f"{steps['c1_ms']:.1f} ms), {share10:.1%} at C = 10 ({by_batch[b10] * 10 / b10:.2f} ms of "
+        f"{steps['c10_ms']:.1f} ms); removing it entirely gains at most {gain_hi:.1%}",
+        f"steps = {steps['accepted']:g} accepted / (138.7 and 517/10 tok/s); build time from the "
+        "recorded "
+        f"heapq sweep (per request, scaled to 10 streams from batch {b10}). '~1%' within a factor "
+        "2: "
+        f"{ok}; a gain above the share ({hi_gain:.0%} end) is impossible: s / (1 - s) bounds it",
+        sources=[provenance(cpu), "seeds' 138.7 / 517 tok/s"],
+        values={"share_c1": share1, "share_c10": share10, "gain_max": gain_hi},
+    )
 
 
 # --------------------------------------------------------------------------------------------- engine
@@ -512,10 +571,16 @@ def eng_tokens_equal(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     ok = all(r["equal"] == r["tokens"] for r in rows)
     text = ", ".join(f"{r['name']}: {r['equal']} of {r['tokens']}" for r in rows) + \
         " (a perfect chain and a budget-16 tree with a drafter wrong 30% of the time)"
-    return Verdict(fig.id, REPRODUCED if ok else CONTRADICTED, f"DDTree == AR greedy, {text}",
-                   "exact token equality (no tolerance) on the two golden tiny configs, CPU; the engine's test "
-                   "suite checks the same over 52 random cases (tests/test_engine_generate.py)",
-                   sources=["kdlib.audit.engine_figures", "data/golden/model_tiny_*.kdtr"], values={"rows": rows})
+    return Verdict(
+        fig.id,
+        REPRODUCED if ok else CONTRADICTED,
+        f"DDTree == AR greedy, {text}",
+        "exact token equality (no tolerance) on the two golden tiny configs, CPU; the engine's "
+        "test "
+        "suite checks the same over 52 random cases (tests/test_engine_generate.py)",
+        sources=["kdlib.audit.engine_figures", "data/golden/model_tiny_*.kdtr"],
+        values={"rows": rows},
+    )
 
 
 @check
@@ -524,11 +589,17 @@ def eng_max_logit_diff(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     worst = max(r["max_logit_diff"] for r in rows)
     factor = 10.0  # an absolute logit error scales with the logits' size (model, weights): same decade +-1
     ok = within_factor(worst, fig.claim, factor)
-    return Verdict(fig.id, REPRODUCED if ok else READING,
-                   f"torch fp32 against the float64 golden logits: max |diff| {worst:.2g} "
-                   f"({', '.join(r['name'] + ' ' + format(r['max_logit_diff'], '.2g') for r in rows)})",
-                   f"tolerance: within a factor {factor:g} of 8e-6 (fp32 rounding on logits of order 1-10; their "
-                   f"model and weights differ): {ok}", sources=["kdlib.audit.engine_figures"], values={"ours": worst})
+    return Verdict(
+        fig.id,
+        REPRODUCED if ok else READING,
+        f"torch fp32 against the float64 golden logits: max |diff| {worst:.2g} "
+        f"({', '.join(r['name'] + ' ' + format(r['max_logit_diff'], '.2g') for r in rows)})",
+        f"tolerance: within a factor {factor:g} of 8e-6 (fp32 rounding on logits of order 1-10; "
+        "their "
+        f"model and weights differ): {ok}",
+        sources=["kdlib.audit.engine_figures"],
+        values={"ours": worst},
+    )
 
 
 @check
@@ -538,14 +609,22 @@ def eng_fewer_forwards(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     full = r["forwards_ar"] / r["forwards_ddtree"]
     decode = r["decode_forwards_ar"] / r["decode_forwards_ddtree"]
     reasoning = cat.claim("diag_accept_by_text")["reasoning"]
-    return Verdict(fig.id, READING,
-                   f"{r['tokens']} tokens with a perfect block-{eng['block']} drafter (chain, {r['mean_accepted']:.1f} "
-                   f"committed per step): AR {r['forwards_ar']} forwards "
-                   f"vs DDTree {r['forwards_ddtree']} = {full:.1f}x (prefill counted), {decode:.1f}x decode forwards only",
-                   f"8x ({decode:.1f}x rounded) needs every step to commit 8 tokens: a perfect drafter at block 8, "
-                   f"prefill left out of the count. The service's drafter commits {reasoning:g}-4.4 per step (seeds' 2.9 on reasoning, 4.4 "
-                   f"at the B300 point): {reasoning:g}-4.4x fewer forwards, not 8x",
-                   sources=["kdlib.audit.engine_figures"], values={"ratio_full": full, "ratio_decode": decode})
+    return Verdict(
+        fig.id,
+        READING,
+        f"{r['tokens']} tokens with a perfect block-{eng['block']} drafter (chain, "
+        f"{r['mean_accepted']:.1f} "
+        f"committed per step): AR {r['forwards_ar']} forwards "
+        f"vs DDTree {r['forwards_ddtree']} = {full:.1f}x (prefill counted), {decode:.1f}x decode "
+        "forwards only",
+        f"8x ({decode:.1f}x rounded) needs every step to commit 8 tokens: a perfect drafter at "
+        "block 8, "
+        f"prefill left out of the count. The service's drafter commits {reasoning:g}-4.4 per step "
+        "(seeds' 2.9 on reasoning, 4.4 "
+        f"at the B300 point): {reasoning:g}-4.4x fewer forwards, not 8x",
+        sources=["kdlib.audit.engine_figures"],
+        values={"ratio_full": full, "ratio_decode": decode},
+    )
 
 
 # --------------------------------------------------------------------------------------------- diagnosis
@@ -556,11 +635,14 @@ def diag_baseline_c1_c10(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     c1, c10 = fig.claim
     r1 = src.record("est_crosscheck_pro6000_c1_tok_s", "06_b300_estimator")
     r10 = src.record("est_crosscheck_pro6000_c10_tok_s", "06_b300_estimator")
-    model = (f"the estimator's PRO 6000 model gives {float(r1['value']):.0f} and {float(r10['value']):.0f} tok/s"
-             if r1 and r10 else "the estimator's model figure is not recorded yet (est_crosscheck_pro6000_c1/c10_tok_s "
+    model = (f"the estimator's PRO 6000 model gives {float(r1['value']):.0f} and {float(r10['value']):.0f} "
+             "tok/s"
+             if r1 and r10 else "the estimator's model figure is not recorded yet "
+                                "(est_crosscheck_pro6000_c1/c10_tok_s "
                                 "of 06_b300_estimator)")
     return Verdict(fig.id, OUT_OF_REACH, model,
-                   f"a measurement of their 8x RTX PRO 6000 service with Kimi-K2.6 INT4 weights and their drafter "
+                   "a measurement of their 8x RTX PRO 6000 service with Kimi-K2.6 INT4 weights and their "
+                   "drafter "
                    f"(none here). Internal: 517 / 10 = {c10 / 10:.1f} tok/s per stream at C = 10, "
                    f"{c10 / 10 / c1:.0%} of the C = 1 rate; seed 000 rounds 138.7 to '138 t/s'",
                    sources=[r["source"] for r in (r1, r10) if r] or ["06_b300_estimator (not recorded yet)"],
@@ -573,8 +655,10 @@ def diag_two_point_255(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     rounded = _rounds_to(exact, shown)
     return Verdict(fig.id, READING if not rounded else REPRODUCED,
                    f"{exact:g} rounds to {round(exact):.0f}, not {shown:g}",
-                   f"the two seeds state the same measurement as {exact:g} and {shown:g}: {shown:g} is {exact:g} "
-                   f"truncated, not rounded (a {exact - shown:.1f} t/s, {(exact - shown) / exact:.1%} slip); consistent "
+                   f"the two seeds state the same measurement as {exact:g} and {shown:g}: {shown:g} is "
+                   f"{exact:g} "
+                   f"truncated, not rounded (a {exact - shown:.1f} t/s, {(exact - shown) / exact:.1%} slip); "
+                   "consistent "
                    "if seed 002 truncates", sources=["seed 000 / seed 002 text"], values={"rounded": rounded})
 
 
@@ -582,10 +666,16 @@ def diag_two_point_255(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
 def diag_two_point_67(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     exact, shown = fig.claim
     rounded = _rounds_to(exact, shown)
-    return Verdict(fig.id, REPRODUCED if rounded else READING,
-                   f"{exact:g} rounds to {round(exact):.0f}" + ("" if rounded else f", not {shown:g}"),
-                   f"same measurement, rounded to integers in seed 002 ({'consistent' if rounded else 'not rounding'}); "
-                   f"'5k' for 5,120 tokens of context", sources=["seed 000 / seed 002 text"], values={"rounded": rounded})
+    return Verdict(
+        fig.id,
+        REPRODUCED if rounded else READING,
+        f"{exact:g} rounds to {round(exact):.0f}" + ("" if rounded else f", not {shown:g}"),
+        "same measurement, rounded to integers in seed 002 "
+        f"({'consistent' if rounded else 'not rounding'}); "
+        f"'5k' for 5,120 tokens of context",
+        sources=["seed 000 / seed 002 text"],
+        values={"rounded": rounded},
+    )
 
 
 @check
@@ -596,14 +686,21 @@ def diag_two_point_scaling(fig: Figure, cat: Catalogue, src: Sources) -> Verdict
     t_short, t_long = 1e3 / fast, 1e3 / slow  # ms per generated token
     per_ctx_us = (t_long - t_short) / (5120 - 64) * 1e3  # the seeds' two contexts, 64 and 5,120 tokens
     ok = within(ratio, fig.claim, rel=0.02)  # '3.8×' is written to two digits
-    return Verdict(fig.id, READING if ok else CONTRADICTED,
-                   f"{fast:g} / {slow:g} = {ratio:.2f}x; {t_short:.2f} -> {t_long:.2f} ms per token = "
-                   f"+{per_ctx_us:.2f} µs per token of context",
-                   "3.8x reproduces (±2%, rounding). Seed 002 calls it the attention's 'quadratic cost', seed 000 "
-                   "'O(context_length) computation per step': per decoded token the cost is linear in context (each "
-                   "token attends over the prefix once); only the whole sequence's cost is quadratic. Two points "
-                   "cannot tell linear from quadratic; the linear reading holds",
-                   sources=["seeds' two-point figures"], values={"ratio": ratio, "us_per_ctx_token": per_ctx_us})
+    return Verdict(
+        fig.id,
+        READING if ok else CONTRADICTED,
+        f"{fast:g} / {slow:g} = {ratio:.2f}x; {t_short:.2f} -> {t_long:.2f} ms per token = "
+        f"+{per_ctx_us:.2f} µs per token of context",
+        "3.8x reproduces (±2%, rounding). Seed 002 calls it the attention's 'quadratic cost', "
+        "seed 000 "
+        "'O(context_length) computation per step': per decoded token the cost is linear in "
+        "context (each "
+        "token attends over the prefix once); only the whole sequence's cost is quadratic. Two "
+        "points "
+        "cannot tell linear from quadratic; the linear reading holds",
+        sources=["seeds' two-point figures"],
+        values={"ratio": ratio, "us_per_ctx_token": per_ctx_us},
+    )
 
 
 @check
@@ -613,7 +710,8 @@ def diag_sustained(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     lm = load_config("kimi-k2.6")
     lm = lm.get("text_config", lm)
     active = p["total"] - p["routed_experts"] * (1 - lm["num_experts_per_tok"] / lm["n_routed_experts"])
-    flops = 2 * active * c["prompt"]  # matmul FLOPs of the prefill (attention over <= 3.2k tokens adds little)
+    # matmul FLOPs of the prefill (attention over <= 3.2k tokens adds little)
+    flops = 2 * active * c["prompt"]
     spec = hw.load("rtx-pro-6000")
     n_gpu = 8  # the seeds' eight RTX PRO 6000
     peak = n_gpu * spec["bf16_dense_flops"]
@@ -622,12 +720,17 @@ def diag_sustained(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     decode_s = c["generated"] / c["tok_s"]
     e2e = c["generated"] / (decode_s + c["ttft_s"])
     return Verdict(fig.id, READING,
-                   f"prefill of {c['prompt']:,} tokens = {flops:.2e} FLOP ({active / 1e9:.1f} B active parameters): "
-                   f">= {min_ttft * 1e3:.0f} ms at 100% of 8 x {spec['bf16_dense_flops'] / 1e12:.0f} TFLOP/s bf16; "
+                   f"prefill of {c['prompt']:,} tokens = {flops:.2e} FLOP ({active / 1e9:.1f} B active "
+                   "parameters): "
+                   f">= {min_ttft * 1e3:.0f} ms at 100% of 8 x {spec['bf16_dense_flops'] / 1e12:.0f} TFLOP/s "
+                   "bf16; "
                    f"TTFT {c['ttft_s']:g} s needs {frac:.0%} of that peak",
-                   f"not reproducible here (their service); internally, a fresh 3,200-token prefill in 0.06 s would run "
-                   f"a 1T MoE at {frac:.0%} of the GPUs' dense peak over PCIe tensor parallelism, far above what such "
-                   f"systems reach: consistent only if the prompt's prefix was already cached (SGLang's radix cache; "
+                   "not reproducible here (their service); internally, a fresh 3,200-token prefill in 0.06 "
+                   "s would run "
+                   f"a 1T MoE at {frac:.0%} of the GPUs' dense peak over PCIe tensor parallelism, far above "
+                   "what such "
+                   "systems reach: consistent only if the prompt's prefix was already cached (SGLang's "
+                   "radix cache; "
                    f"the same prompt had been sent before). Decode-only and end-to-end both 32.7 t/s holds: "
                    f"{c['generated']} / ({decode_s:.1f} + {c['ttft_s']:g}) s = {e2e:.2f} t/s",
                    sources=["kdlib.memory.param_count (kimi-k2.6)", "data/hw/rtx-pro-6000.json"],
@@ -648,11 +751,16 @@ def diag_step_34_144(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     need_c1 = c1 * short_ms / 1e3
     bad = need_long > best
     return Verdict(fig.id, CONTRADICTED if bad else READING,
-                   f"tokens per step each throughput needs at these steps: 138.7 t/s x 34 ms = {need_c1:.1f}; "
-                   f"255.7 x 34 ms = {need_short:.1f}; 66.8 x 144 ms = {need_long:.1f}; 32.7 x 144 ms = {need_sus:.1f}",
-                   f"the seeds' best acceptance is {best:g} per step (predictable text); the two-point 66.8 t/s at "
-                   f"5,120 would need {need_long:.1f} per 144 ms step, and 32.7 t/s at their 2.9 per step needs "
-                   f"{2.9 / sustained * 1e3:.0f} ms steps, not 144. Only 34 ms with 138.7 t/s ({need_c1:.1f} per step, "
+                   "tokens per step each throughput needs at these steps: 138.7 t/s x 34 ms = "
+                   f"{need_c1:.1f}; "
+                   f"255.7 x 34 ms = {need_short:.1f}; 66.8 x 144 ms = {need_long:.1f}; 32.7 x 144 ms = "
+                   f"{need_sus:.1f}",
+                   f"the seeds' best acceptance is {best:g} per step (predictable text); the two-point 66.8 "
+                   "t/s at "
+                   f"5,120 would need {need_long:.1f} per 144 ms step, and 32.7 t/s at their 2.9 per step "
+                   "needs "
+                   f"{2.9 / sustained * 1e3:.0f} ms steps, not 144. Only 34 ms with 138.7 t/s ({need_c1:.1f} "
+                   "per step, "
                    f"near the 4.4 of the B300 point) fits",
                    sources=["seeds' figures"], values={"need_short": need_short, "need_long": need_long,
                                                        "need_sustained": need_sus, "need_c1": need_c1})
@@ -679,7 +787,9 @@ def diagnosis_by_kind(src: Sources) -> dict | None:
 @check
 def diag_accept_by_text(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     c = fig.claim
-    overlap = max(c["predictable"][0], c["predictable_002"][0]) <= min(c["predictable"][1], c["predictable_002"][1])
+    overlap = max(c["predictable"][0], c["predictable_002"][0]) <= min(
+        c["predictable"][1], c["predictable_002"][1]
+    )
     internal = (f"seed 000 says 5-8 and seed 002 ~7-8 on predictable text: "
                 f"{'overlapping, so consistent' if overlap else 'disjoint'}")
     kinds = diagnosis_by_kind(src)
@@ -690,9 +800,12 @@ def diag_accept_by_text(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
         return Verdict(fig.id, OUT_OF_REACH,
                        "the workbook's tiny target + drafter, accepted per step: "
                        + ", ".join(f"{k} {v['accepted']:.2f}" for k, v in kinds.items()),
-                       f"their numbers need their drafter and Kimi-K2.6 weights; what transfers is the direction: "
-                       f"the hardest kind here ({hard_kind}, {others[hard_kind]:.2f}) against the repetitive one "
-                       f"({PREDICTABLE_KIND}, {easy:.2f}): {'lower, as the seeds say' if others[hard_kind] < easy else 'NOT lower'}"
+                       "their numbers need their drafter and Kimi-K2.6 weights; what transfers is the "
+                       "direction: "
+                       f"the hardest kind here ({hard_kind}, {others[hard_kind]:.2f}) against the repetitive "
+                       "one "
+                       f"({PREDICTABLE_KIND}, {easy:.2f}): "
+                       f"{'lower, as the seeds say' if others[hard_kind] < easy else 'NOT lower'}"
                        f". {internal}", sources=[kinds[PREDICTABLE_KIND]["source"]],
                        values={"hard": others[hard_kind], "easy": easy})
     hard = src.record("diag_accept_len_reasoning", "04_throughput_diagnosis")
@@ -700,16 +813,23 @@ def diag_accept_by_text(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     if hard is None or easy is None:
         v = missing(fig.id, ["record diag_accept_len_reasoning of 04_throughput_diagnosis",
                              "record diag_accept_len_predictable of 04_throughput_diagnosis"],
-                    f"their figures need their drafter and Kimi-K2.6 (not reproducible here); the workbook's own "
+                    "their figures need their drafter and Kimi-K2.6 (not reproducible here); the workbook's "
+                    "own "
                     f"drafter on hard against predictable text is what notebook 04 records. {internal}")
         return v
     h, e = float(hard["value"]), float(easy["value"])
-    return Verdict(fig.id, OUT_OF_REACH,
-                   f"the workbook's tiny target + drafter: {h:.2f} (hard text) against {e:.2f} (predictable) accepted "
-                   f"per step", f"their numbers need their drafter and weights; the direction "
-                                f"({'harder text accepts less, as the seeds say' if h < e else 'NOT as the seeds say'}) "
-                                f"is what transfers. {internal}",
-                   sources=[hard.get("source", ""), easy.get("source", "")], values={"hard": h, "easy": e})
+    return Verdict(
+        fig.id,
+        OUT_OF_REACH,
+        f"the workbook's tiny target + drafter: {h:.2f} (hard text) against {e:.2f} (predictable) "
+        "accepted "
+        f"per step",
+        f"their numbers need their drafter and weights; the direction "
+        f"({'harder text accepts less, as the seeds say' if h < e else 'NOT as the seeds say'}) "
+        f"is what transfers. {internal}",
+        sources=[hard.get("source", ""), easy.get("source", "")],
+        values={"hard": h, "easy": e},
+    )
 
 
 @check
@@ -748,17 +868,25 @@ def diag_overestimate_2x(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
         mine = ("; the workbook's own ratio is not recorded yet (data/results/diagnosis.*.json, or record "
                 "diag_two_point_over_sustained of 04_throughput_diagnosis)")
         verdict = READING if seeds_ok else CONTRADICTED
-    reason = (f"the seeds' two-point figure at 5,120 tokens against their sustained run (3,200 -> 4,700 tokens of "
+    reason = ("the seeds' two-point figure at 5,120 tokens against their sustained run (3,200 -> 4,700 "
+              "tokens of "
               f"context): {ratio:.2f}x, within 10% of 2x: {seeds_ok}. ")
     if verdict == READING:
-        reason += ("On this stack two-point and sustained agree when both run on the same text; the overestimate "
-                   "appears when the two-point prompt is easier (accepts more per step) than the sustained text, "
-                   "as in the seeds (two-point over their own sweep prompts, the sustained run on the user's reasoning workload). "
-                   "The method measures decode speed on its own prompt; it is not a predictor for other text.")
+        reason += (
+            "On this stack two-point and sustained agree when both run on the same text; the "
+            "overestimate "
+            "appears when the two-point prompt is easier (accepts more per step) than the sustained "
+            "text, "
+            "as in the seeds (two-point over their own sweep prompts, the sustained run on the user's "
+            "reasoning workload). "
+            "The method measures decode speed on its own prompt; it is not a predictor for other text."
+        )
     elif verdict == REPRODUCED:
         reason += f"The workbook's own ratio is within {same_ok:.0%} of 2x."
     else:
-        reason += "Neither the same-text nor the easy-against-hard ratio of the workbook's engine comes near 2x."
+        reason += (
+            "Neither the same-text nor the easy-against-hard ratio of the workbook's engine comes near 2x."
+        )
     return Verdict(fig.id, verdict, f"{slow:g} / {sustained:g} = {ratio:.2f}x{mine}", reason,
                    sources=["seeds' figures"] + ([own.get("source", "")] if own else []), values=values)
 
@@ -770,13 +898,21 @@ def diag_arith_20_vs_32(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     sustained = cat.claim("diag_sustained")["tok_s"]
     step_needed = c["accepted"] / sustained
     acc_needed = sustained * c["step_s"]
-    return Verdict(fig.id, CONTRADICTED,
-                   f"2.9 / 0.144 = {got:.1f} t/s (the division holds); {sustained:g} t/s needs a "
-                   f"{step_needed * 1e3:.0f} ms step at 2.9 per step, or {acc_needed:.1f} per step at 144 ms",
-                   "the explanation runs backwards: if the step also holds tree building and sampling it is longer, "
-                   "and throughput lower than 20 t/s, not higher. The 144 ms step and 2.9 per step cannot both "
-                   f"describe the 32.7 t/s run; an ~{step_needed * 1e3:.0f} ms step can (it sits in the seeds' own "
-                   "'80-90 ms/step')", sources=["seeds' figures"], values={"tok_s": got, "step_needed_ms": step_needed * 1e3})
+    return Verdict(
+        fig.id,
+        CONTRADICTED,
+        f"2.9 / 0.144 = {got:.1f} t/s (the division holds); {sustained:g} t/s needs a "
+        f"{step_needed * 1e3:.0f} ms step at 2.9 per step, or {acc_needed:.1f} per step at 144 ms",
+        "the explanation runs backwards: if the step also holds tree building and sampling it is "
+        "longer, "
+        "and throughput lower than 20 t/s, not higher. The 144 ms step and 2.9 per step cannot "
+        "both "
+        f"describe the 32.7 t/s run; an ~{step_needed * 1e3:.0f} ms step can (it sits in the "
+        "seeds' own "
+        "'80-90 ms/step')",
+        sources=["seeds' figures"],
+        values={"tok_s": got, "step_needed_ms": step_needed * 1e3},
+    )
 
 
 # --------------------------------------------------------------------------------------------- memory
@@ -792,8 +928,11 @@ def mem_recheck(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     picked = [rows[k] for k in keys]
     worst = [_RECHECK_VERDICT[r["status"]] for r in picked]
     verdict = next(v for v in (CONTRADICTED, READING, OUT_OF_REACH, REPRODUCED) if v in worst)
-    ours = "; ".join(f"{r['claim']}: " + (format_value(r["recomputed"], r["unit"]) if r["recomputed"] is not None
-                                           else "not derivable") for r in picked)
+    ours = "; ".join(
+        f"{r['claim']}: "
+        + (format_value(r["recomputed"], r["unit"]) if r["recomputed"] is not None else "not derivable")
+        for r in picked
+    )
     reason = " | ".join(r["reason"] for r in picked)
     sources = ["kdlib.memory.seeds_200k_recheck"]
     for k in keys:
@@ -802,7 +941,8 @@ def mem_recheck(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
             sources.append(f"record mem_seed_{k}_recomputed = {rec['value']} ({rec['notebook']})")
     if fig.recheck_key == "pool_tokens":
         extra = [rows["growth_vs_pool"], rows["longest_request"], rows["kv_200k_headroom"]]
-        reason += " | " + " | ".join(f"{r['claim']}: {format_value(r['recomputed'], r['unit'])} ({r['status']})"
+        reason += " | " + " | ".join(f"{r['claim']}: {format_value(r['recomputed'], r['unit'])} "
+                                     f"({r['status']})"
                                      for r in extra)
     return Verdict(fig.id, verdict, ours, reason, sources=sources,
                    values={k: rows[k]["recomputed"] for k in keys})
@@ -818,7 +958,11 @@ def _contradiction(cid: str) -> dict:
 @check
 def moe_experts_384_top8(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     lm = text_config(load_config("kimi-k2.6"))
-    ours = {"routed": lm["n_routed_experts"], "active": lm["num_experts_per_tok"], "shared": lm["n_shared_experts"]}
+    ours = {
+        "routed": lm["n_routed_experts"],
+        "active": lm["num_experts_per_tok"],
+        "shared": lm["n_shared_experts"],
+    }
     ok = ours == fig.claim
     return Verdict(fig.id, REPRODUCED if ok else CONTRADICTED,
                    f"n_routed_experts {ours['routed']}, num_experts_per_tok {ours['active']}, "
@@ -832,14 +976,21 @@ def moe_marlin_67_73(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     pts = est_seeds.moe_points()
     w_only = [p["frac_weights_only"] for p in pts]
     scales = [p["frac_with_scales"] for p in pts]
-    ok = all(within(f, fig.claim, rel=0.03) for f in w_only)  # ±3% of the fraction: the seeds' two-digit rounding
-    return Verdict(fig.id, READING if ok else CONTRADICTED,
-                   f"touched experts of one whole layer / time: INT4 weights only {', '.join(f'{f:.1%}' for f in w_only)}; "
-                   f"with bf16 group-32 scales {', '.join(f'{f:.1%}' for f in scales)} (M = 9, 32)",
-                   f"67-73% holds only if the per-layer times stream one unsharded layer (all TP ranks' experts on one "
-                   f"GPU) and the scales are left out of the bytes; counting the scales the kernel runs at "
-                   f"{min(scales):.0%}-{max(scales):.0%}. {_contradiction('marlin_fraction')['verdict']}",
-                   sources=["kdlib.estimator.seeds.moe_points"], values={"weights_only": w_only, "with_scales": scales})
+    # ±3% of the fraction: the seeds' two-digit rounding
+    ok = all(within(f, fig.claim, rel=0.03) for f in w_only)
+    return Verdict(
+        fig.id,
+        READING if ok else CONTRADICTED,
+        "touched experts of one whole layer / time: INT4 weights only "
+        f"{', '.join(f'{f:.1%}' for f in w_only)}; "
+        f"with bf16 group-32 scales {', '.join(f'{f:.1%}' for f in scales)} (M = 9, 32)",
+        "67-73% holds only if the per-layer times stream one unsharded layer (all TP ranks' "
+        "experts on one "
+        f"GPU) and the scales are left out of the bytes; counting the scales the kernel runs at "
+        f"{min(scales):.0%}-{max(scales):.0%}. {_contradiction('marlin_fraction')['verdict']}",
+        sources=["kdlib.estimator.seeds.moe_points"],
+        values={"weights_only": w_only, "with_scales": scales},
+    )
 
 
 @check
@@ -852,11 +1003,14 @@ def moe_m9_m32(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     if own is not None and own.get("rows"):
         near = [min(own["rows"], key=lambda r: abs(r["m"] - m)) for m in (9, 32)]
         mine = (f"the workbook's own W4A16 kernel, Kimi-K2 TP8 shard on {own['provenance']['gpu']}: "
-                + ", ".join(f"M = {r['m']}: {r['kernel']['median_ms']:.3f} ms/layer, {r['kernel_frac_copy_bw']:.0%} "
+                + ", ".join(f"M = {r['m']}: {r['kernel']['median_ms']:.3f} ms/layer, "
+                            f"{r['kernel_frac_copy_bw']:.0%} "
                             "of copy bandwidth" for r in near) + " (an eighth of the experts' width per GPU)")
     return Verdict(fig.id, OUT_OF_REACH,
-                   f"time ratio {t32 / t9:.2f} against touched-expert ratio {e32:.0f} / {e9:.0f} = {e32 / e9:.2f}; {mine}",
-                   "a Marlin measurement on one RTX PRO 6000 (sm_120), not reproducible here; internally the two "
+                   f"time ratio {t32 / t9:.2f} against touched-expert ratio {e32:.0f} / {e9:.0f} = "
+                   f"{e32 / e9:.2f}; {mine}",
+                   "a Marlin measurement on one RTX PRO 6000 (sm_120), not reproducible here; internally the "
+                   "two "
                    f"points grow like the bytes of the experts they touch ({t32 / t9:.2f} vs {e32 / e9:.2f}, "
                    "weight-streaming bound, as the seeds say)",
                    sources=["kdlib.estimator.touched_experts"] + ([provenance(own)] if own else []),
@@ -891,8 +1045,10 @@ def moe_plateau_256(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     return Verdict(fig.id, READING if ok else CONTRADICTED,
                    f"99.5% of the 384 experts are touched at M = {knee:.0f} (uniform top-8)"
                    + (f"; notebook 06 records {float(rec['value']):.0f}" if rec else ""),
-                   f"the knee's position reproduces (±10%: {ok}), but not its cause: at M ≈ 256 the layer is still "
-                   "memory-bound (every expert's weights are read once; its FLOPs at peak only take as long as its "
+                   f"the knee's position reproduces (±10%: {ok}), but not its cause: at M ≈ 256 the layer is "
+                   "still "
+                   "memory-bound (every expert's weights are read once; its FLOPs at peak only take as long "
+                   "as its "
                    f"bytes at peak from M ≈ {cross:,.0f} on an H200). 'Compute-bound plateau' holds only as "
                    "'weight bytes stop growing'",
                    sources=["kdlib.estimator.knee_m", "kdlib.audit.compute_floor_m (data/hw/h200.json)"]
@@ -906,13 +1062,18 @@ def moe_7_to_1_5_ms(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     ratio = b300 / pro
     scaled = c["pro6000_ms"] / c["bw_ratio"]
     con = _contradiction("moe7_vs_per_layer")
-    return Verdict(fig.id, READING,
-                   f"7 / 4.5 = {scaled:.2f} ms; data/hw: {b300 / 1e12:.1f} / {pro / 1e12:.3f} TB/s = {ratio:.2f}x; "
-                   f"{con['arithmetic']}",
-                   f"the division holds ({ratio:.2f}x rounds to 4.5). {con['verdict']}: ~7 ms is one layer's MoE at the "
-                   "plateau on one GPU holding every expert, not a step's MoE (60 layers, TP8)",
-                   sources=["data/hw/rtx-pro-6000.json", "data/hw/b300.json", "kdlib.estimator.seeds.contradictions"],
-                   values={"bw_ratio": ratio, "scaled_ms": scaled})
+    return Verdict(
+        fig.id,
+        READING,
+        f"7 / 4.5 = {scaled:.2f} ms; data/hw: {b300 / 1e12:.1f} / {pro / 1e12:.3f} TB/s = "
+        f"{ratio:.2f}x; "
+        f"{con['arithmetic']}",
+        f"the division holds ({ratio:.2f}x rounds to 4.5). {con['verdict']}: ~7 ms is one layer's "
+        "MoE at the "
+        "plateau on one GPU holding every expert, not a step's MoE (60 layers, TP8)",
+        sources=["data/hw/rtx-pro-6000.json", "data/hw/b300.json", "kdlib.estimator.seeds.contradictions"],
+        values={"bw_ratio": ratio, "scaled_ms": scaled},
+    )
 
 
 @check
@@ -921,9 +1082,11 @@ def moe_share_step_80_90(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     sustained_step = 2.9 / cat.claim("diag_sustained")["tok_s"] * 1e3
     a, b = _contradiction("step80_vs_138"), _contradiction("moe_share_80")
     return Verdict(fig.id, CONTRADICTED,
-                   f"C = 1: {steps['c1_ms']:.1f} ms per step; C = 10: {steps['c10_ms']:.0f} ms; the sustained reasoning "
+                   f"C = 1: {steps['c1_ms']:.1f} ms per step; C = 10: {steps['c10_ms']:.0f} ms; the "
+                   "sustained reasoning "
                    f"run: 2.9 / 32.7 = {sustained_step:.0f} ms. {b['arithmetic']}",
-                   f"'80-90 ms at 1-10 streams' is contradicted at C = 1 by their own 138.7 tok/s ({a['arithmetic']}); "
+                   "'80-90 ms at 1-10 streams' is contradicted at C = 1 by their own 138.7 tok/s "
+                   f"({a['arithmetic']}); "
                    f"it fits C = 10 and the sustained run. {b['verdict']}",
                    sources=["kdlib.estimator.seeds.contradictions", "seeds' 138.7 / 517 tok/s"],
                    values={"step_c1_ms": steps["c1_ms"], "step_c10_ms": steps["c10_ms"]})
@@ -937,7 +1100,8 @@ def b300_303_c1(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     rec = src.record("est_model_b300_c1_native_tok_s", "06_b300_estimator")
     ok = within(ratio, c["ratio"], rel=0.05)  # '2.2×' is written to two digits
     return Verdict(fig.id, OUT_OF_REACH,
-                   f"303 / 138.7 = {ratio:.2f}x" + (f"; the workbook's step-time model, native engine at C = 1: "
+                   f"303 / 138.7 = {ratio:.2f}x" + ("; the workbook's step-time model, native engine at C = "
+                                                    "1: "
                                                     f"{float(rec['value']):.0f} tok/s" if rec else
                                                     "; the model's own B300 figure is not recorded yet "
                                                     "(est_model_b300_c1_native_tok_s of 06_b300_estimator)"),
@@ -949,7 +1113,8 @@ def b300_303_c1(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
 @check
 def b300_overhead_12_5(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     t = est_seeds.reproduce()["terms_ms"]
-    return compare(fig.id, t["overhead_implied"], fig.claim, rel=0.05, what="overhead implied by 303 tok/s at 4.4 "
+    return compare(fig.id, t["overhead_implied"], fig.claim, rel=0.05, what="overhead implied by 303 tok/s "
+                                                                            "at 4.4 "
                    f"accepted minus the MoE term ({t['step_current']:.2f} - {t['moe_step_m9_b300']:.2f} ms)",
                    source="kdlib.estimator.seeds.reproduce", why_tol="the seeds write '~12.5'")
 
@@ -958,13 +1123,21 @@ def b300_overhead_12_5(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
 def b300_575_770(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     rep = est_seeds.reproduce()
     s = rep["scenarios"][1]
-    ok = within(s["tok_s_low"], fig.claim[0], rel=0.02) and within(s["tok_s_high"], fig.claim[1], rel=0.02)  # the seeds' projections are quoted to 2-3 digits
-    return Verdict(fig.id, READING if ok else CONTRADICTED,
-                   f"rebuilt: {s['tok_s_low']:.0f}-{s['tok_s_high']:.0f} tok/s (step {rep['terms_ms']['step_strong']:.2f} ms)",
-                   f"reproduces within ±2% once the one figure the seeds do not give, the block-8 draft cost inside "
-                   f"the 12.5 ms, is fitted ({rep['terms_ms']['draft8_fitted']:.2f} ms): consistent under that "
-                   "reading, and a projection, not a measurement", sources=["kdlib.estimator.seeds.reproduce"],
-                   values={"low": s["tok_s_low"], "high": s["tok_s_high"]})
+    # the seeds' projections are quoted to 2-3 digits
+    ok = within(s["tok_s_low"], fig.claim[0], rel=0.02) and within(s["tok_s_high"], fig.claim[1], rel=0.02)
+    return Verdict(
+        fig.id,
+        READING if ok else CONTRADICTED,
+        f"rebuilt: {s['tok_s_low']:.0f}-{s['tok_s_high']:.0f} tok/s (step "
+        f"{rep['terms_ms']['step_strong']:.2f} ms)",
+        "reproduces within ±2% once the one figure the seeds do not give, the block-8 draft cost "
+        "inside "
+        f"the 12.5 ms, is fitted ({rep['terms_ms']['draft8_fitted']:.2f} ms): consistent under "
+        "that "
+        "reading, and a projection, not a measurement",
+        sources=["kdlib.estimator.seeds.reproduce"],
+        values={"low": s["tok_s_low"], "high": s["tok_s_high"]},
+    )
 
 
 @check
@@ -977,7 +1150,8 @@ def b300_850_980(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
                    f"rebuilt with no free parameter: {s['tok_s_low']:.0f}-{s['tok_s_high']:.0f} tok/s "
                    f"(step {rep['terms_ms']['step_overhead_cut']:.2f} ms)",
                    f"high end ±2%: {hi_ok}; low end ±2%: {lo_ok} - 850 tok/s would need "
-                   f"{s['accepted_needed_for_seed_low']:.1f} accepted per step, not 12: the range's two ends do not come "
+                   f"{s['accepted_needed_for_seed_low']:.1f} accepted per step, not 12: the range's two ends "
+                   "do not come "
                    "from the same terms", sources=["kdlib.estimator.seeds.reproduce"],
                    values={"low": s["tok_s_low"], "high": s["tok_s_high"]})
 
@@ -1079,7 +1253,8 @@ def html_table(verdicts: dict, cat: Catalogue) -> str:
             f"<td style='background:{COLOURS[v.verdict]};{left}'><b>{esc(v.verdict)}</b></td>"
             f"<td{td}>{esc(v.ours)}</td><td{td}>{esc(v.reason)}<br><small>{esc('; '.join(map(str, v.sources)))}</small></td>"
             f"<td{td}><a href='{esc(f.link)}'>{esc(f.notebook)}{' §' + esc(f.section.split('.')[0]) if f.section else ''}"
-            f"</a></td></tr>")
+            f"</a></td></tr>"
+        )
     head = "".join(f"<th{td}>{h}</th>" for h in ("figure (seed)", "seeds say", "verdict", "workbook's figure",
                                               "reasoning (sources)", "shown in"))
     return (f"<table style='font-size:12.5px;border-collapse:collapse' border=1 cellpadding=4>"
@@ -1117,5 +1292,6 @@ def source_status(src: Sources, cat: Catalogue) -> list[dict]:
                 rec, _, nb = name.partition("@")
                 got = src.record(rec, nb)
                 out.append({"kind": kind, "name": rec, "present": got is not None,
-                            "where": f"{src.reports_dir.name}/{nb}.ipynb" + ("" if got else " (not recorded yet)")})
+                            "where": f"{src.reports_dir.name}/{nb}.ipynb" + ("" if got else " (not recorded "
+                                                                                            "yet)")})
     return out

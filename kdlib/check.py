@@ -31,18 +31,24 @@ def errors(actual, expected) -> dict:
     return {
         "max_abs": float(diff.max()) if diff.size else 0.0,
         "max_rel": float((diff / np.maximum(np.abs(b), 1e-300)).max()) if diff.size else 0.0,
-        "norm_rel": float(np.linalg.norm(diff.ravel()) / norm_b) if norm_b > 0 else float(np.linalg.norm(diff.ravel())),
+        "norm_rel": float(np.linalg.norm(diff.ravel()) / norm_b)
+        if norm_b > 0
+        else float(np.linalg.norm(diff.ravel())),
         "nan": bool(np.isnan(a).any() or np.isnan(b).any()),
     }
 
 
-def assert_close(actual, expected, *, rtol: float, atol: float = 0.0, name: str = "", quiet: bool = False) -> dict:
+def assert_close(
+    actual, expected, *, rtol: float, atol: float = 0.0, name: str = "", quiet: bool = False
+) -> dict:
     """Pass when ‖a − b‖ / ‖b‖ <= rtol, or max |a − b| <= atol when atol is given; NaN never passes."""
     e = errors(actual, expected)
     ok = not e["nan"] and (e["norm_rel"] <= rtol or (atol > 0 and e["max_abs"] <= atol))
     line = (
         f"{'PASS' if ok else 'FAIL'} {name}: norm-rel err {e['norm_rel']:.3e} (rtol {rtol:g}), "
-        f"max abs err {e['max_abs']:.3e}" + (f" (atol {atol:g})" if atol else "") + (" NaN!" if e["nan"] else "")
+        f"max abs err {e['max_abs']:.3e}"
+        + (f" (atol {atol:g})" if atol else "")
+        + (" NaN!" if e["nan"] else "")
     )
     if not quiet:
         print(line)
@@ -62,7 +68,9 @@ def assert_equal(actual, expected, *, name: str = "", quiet: bool = False) -> No
     elif a.tobytes() != b.tobytes():
         bad = np.flatnonzero(a.reshape(-1).view(np.uint8) != b.reshape(-1).view(np.uint8)) if a.size else []
         problems.append(f"{len(bad)} differing bytes, first at byte {bad[0] if len(bad) else '?'}")
-    line = f"{'PASS' if not problems else 'FAIL'} {name}: " + ("bit-exact" if not problems else "; ".join(problems))
+    line = f"{'PASS' if not problems else 'FAIL'} {name}: " + (
+        "bit-exact" if not problems else "; ".join(problems)
+    )
     if not quiet:
         print(line)
     if problems:

@@ -64,7 +64,9 @@ def split_of(kind: str, doc_id: str) -> str:
     """'held_out' or 'train' for a document, from crc32 of its kind and id (stable everywhere)."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    return "held_out" if zlib.crc32(f"{kind}:{doc_id}".encode()) % 1000 < HELD_OUT_PER_MILLE[kind] else "train"
+    return (
+        "held_out" if zlib.crc32(f"{kind}:{doc_id}".encode()) % 1000 < HELD_OUT_PER_MILLE[kind] else "train"
+    )
 
 
 def stdlib_dir() -> Path:
@@ -98,7 +100,9 @@ def _docstrings(text: str) -> list[str]:
             tree = ast.parse(text)
     except SyntaxError:
         return []
-    nodes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    nodes = [tree] + [
+        n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    ]
     found = []
     for n in nodes:
         doc = ast.get_docstring(n, clean=True)
@@ -142,9 +146,13 @@ def _templated_docs() -> list[Doc]:
             pages.append((f"unicode/{start:04X}", "\n".join(rows) + "\n"))
     ents = sorted(html.entities.name2codepoint.items())
     for i in range(0, len(ents), UNICODE_PAGE):
-        rows = [f"&{n}; = U+{cp:04X} {unicodedata.name(chr(cp), '?')}" for n, cp in ents[i : i + UNICODE_PAGE]]
+        rows = [
+            f"&{n}; = U+{cp:04X} {unicodedata.name(chr(cp), '?')}" for n, cp in ents[i : i + UNICODE_PAGE]
+        ]
         pages.append((f"entities/{i // UNICODE_PAGE:02d}", "\n".join(rows) + "\n"))
-    pages.append(("http_status", "".join(f"{s.value} {s.phrase}: {s.description}\n" for s in http.HTTPStatus)))
+    pages.append(
+        ("http_status", "".join(f"{s.value} {s.phrase}: {s.description}\n" for s in http.HTTPStatus))
+    )
     pages.append(("errno", "".join(f"{code:4d} {name}: {os.strerror(code)}\n"
                                    for code, name in sorted(errno.errorcode.items()))))
     pages.append(("keywords", "".join(f"keyword {i:2d}: {k}\n" for i, k in enumerate(keyword.kwlist))))
@@ -190,7 +198,8 @@ def read(folder: str | Path) -> list[Doc]:
     """The documents written by `write`, in file order."""
     folder = Path(folder)
     if not (folder / "manifest.json").is_file():
-        raise ValueError(f"{folder}: no corpus here (manifest.json missing); build it with python -m kdlib.corpus --out {folder}")
+        raise ValueError(f"{folder}: no corpus here (manifest.json missing); build it with python -m "
+                         f"kdlib.corpus --out {folder}")
     docs = []
     for kind in KINDS:
         for split in SPLITS:

@@ -98,7 +98,9 @@ class Allocator:
             self._free.extendleft(reversed(slots))
 
 
-def top1_chains(budget: int, depth: int, *, trees: int = 32, seed: int = 0, sharpness: float = 5.0) -> list[np.ndarray]:
+def top1_chains(
+    budget: int, depth: int, *, trees: int = 32, seed: int = 0, sharpness: float = 5.0
+) -> list[np.ndarray]:
     """Tree indices of the top-1 chain (root excluded) of `trees` DDTrees built from synthetic top-k.
 
     Each array holds the index (1..budget) of the depth-1, depth-2, ... node of the chain that
@@ -119,9 +121,20 @@ def top1_chains(budget: int, depth: int, *, trees: int = 32, seed: int = 0, shar
     return out
 
 
-def simulate(requests: int = 4, prompt_len: int = 512, new_tokens: int = 2048, budget: int = 32, depth: int = 15,
-             accept_mean: float = 3.0, accepted=None, policy: str = "fifo", total: int | None = None,
-             pool_slots: int | None = None, length_jitter: float = 0.5, seed: int = 0) -> Simulation:
+def simulate(
+    requests: int = 4,
+    prompt_len: int = 512,
+    new_tokens: int = 2048,
+    budget: int = 32,
+    depth: int = 15,
+    accept_mean: float = 3.0,
+    accepted=None,
+    policy: str = "fifo",
+    total: int | None = None,
+    pool_slots: int | None = None,
+    length_jitter: float = 0.5,
+    seed: int = 0,
+) -> Simulation:
     """Run the allocator through DDTree generation of `requests` concurrent requests.
 
     requests      requests decoding at once (continuous batching keeps this many running)
@@ -138,8 +151,13 @@ def simulate(requests: int = 4, prompt_len: int = 512, new_tokens: int = 2048, b
                   one round of trees, so freed slots do get reused)
     Returns a Simulation whose tables are the finished requests' slot lists.
     """
-    for name, v, lo in (("requests", requests, 1), ("prompt_len", prompt_len, 0), ("new_tokens", new_tokens, 1),
-                        ("budget", budget, 1), ("depth", depth, 1)):
+    for name, v, lo in (
+        ("requests", requests, 1),
+        ("prompt_len", prompt_len, 0),
+        ("new_tokens", new_tokens, 1),
+        ("budget", budget, 1),
+        ("depth", depth, 1),
+    ):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
     if policy not in POLICIES:
@@ -173,7 +191,9 @@ def simulate(requests: int = 4, prompt_len: int = 512, new_tokens: int = 2048, b
 
     def start():
         nonlocal started
-        target = int(rng.integers(round(new_tokens * (1 - length_jitter)), round(new_tokens * (1 + length_jitter)) + 1))
+        target = int(
+            rng.integers(round(new_tokens * (1 - length_jitter)), round(new_tokens * (1 + length_jitter)) + 1)
+        )
         running.append({"slots": list(alloc.alloc(prompt_len)) if prompt_len else [], "left": max(1, target)})
         started += 1
 
@@ -241,8 +261,12 @@ def summary(sim: Simulation, page: int = PAGE) -> dict:
     whole = [layout_stats(t, page) for t in sim.tables]
     gen = [layout_stats(t[p:], page) for t in sim.tables if t.size > p]
     out = {k: float(np.mean([w[k] for w in whole])) for k in whole[0]}
-    out.update({f"generated_{k}": float(np.mean([g[k] for g in gen])) for k in ("length", "runs", "mean_run",
-                                                                             "page_amplification", "page_fill")})
+    out.update(
+        {
+            f"generated_{k}": float(np.mean([g[k] for g in gen]))
+            for k in ("length", "runs", "mean_run", "page_amplification", "page_fill")
+        }
+    )
     out["requests"] = len(sim.tables)
     out["mean_accepted"] = float(np.mean(sim.accepted))
     return out
@@ -257,4 +281,6 @@ def scattered_table(length: int, pool: int, seed: int = 0) -> np.ndarray:
     """[length] int64 distinct slots drawn uniformly from [0, pool): the worst case, no locality."""
     if pool < length:
         raise ValueError(f"pool ({pool}) must hold length ({length}) slots")
-    return np.random.Generator(np.random.PCG64(seed)).choice(pool, size=length, replace=False).astype(np.int64)
+    return (
+        np.random.Generator(np.random.PCG64(seed)).choice(pool, size=length, replace=False).astype(np.int64)
+    )

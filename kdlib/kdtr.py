@@ -126,7 +126,9 @@ ML_DTYPES: dict[int, np.dtype | None] = {
     for code in (BF16_CODE, CODES["float8_e4m3fn"], CODES["float8_e5m2"])
 }
 BFLOAT16 = ML_DTYPES[BF16_CODE]
-FLOAT_CODES = frozenset(CODES[n] for n in ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"))
+FLOAT_CODES = frozenset(
+    CODES[n] for n in ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+)
 # The numpy dtype each code is stored and returned as: little-endian (native order on a
 # little-endian host, so arrays print as plain float32 etc.).
 _LE = "=" if sys.byteorder == "little" else "<"
@@ -201,7 +203,9 @@ def _parse(buf: bytes, actual_size: int, path) -> Header:
     if version != VERSION:
         raise KdtrError(f"{where}: unknown KDTR version {version} (this reader knows version {VERSION})")
     if flags or reserved:
-        raise KdtrError(f"{where}: reserved preamble fields are not zero (flags {flags}, reserved {reserved})")
+        raise KdtrError(
+            f"{where}: reserved preamble fields are not zero (flags {flags}, reserved {reserved})"
+        )
     if file_size != actual_size:
         what = "truncated" if actual_size < file_size else "has trailing bytes"
         raise KdtrError(f"{where}: {what}: the header says {file_size} bytes, the file has {actual_size}")
@@ -219,11 +223,14 @@ def _parse(buf: bytes, actual_size: int, path) -> Header:
     section = buf[PREAMBLE.size : PREAMBLE.size + header_size]
     crc = zlib.crc32(section, zlib.crc32(buf[:56]))
     if crc != header_crc:
-        raise KdtrError(f"{where}: header checksum mismatch (stored {header_crc:#010x}, computed {crc:#010x})")
+        raise KdtrError(
+            f"{where}: header checksum mismatch (stored {header_crc:#010x}, computed {crc:#010x})"
+        )
     # Each entry takes at least its fixed part plus one name/key byte: bounds the counts by the size.
     if n_tensors * (ENTRY.size + 1) + n_meta * (META.size + 1) > header_size:
         raise KdtrError(
-            f"{where}: {n_tensors} tensors and {n_meta} metadata entries cannot fit a {header_size}-byte header"
+            f"{where}: {n_tensors} tensors and {n_meta} metadata entries cannot fit a {header_size}-byte "
+            "header"
         )
 
     pos = 0
@@ -332,7 +339,8 @@ def read_metadata(path) -> dict[str, str]:
 def _check_data(e: Entry, flat: np.ndarray, path) -> None:
     crc = zlib.crc32(flat)
     if crc != e.crc32:
-        raise KdtrError(f"{path}: checksum mismatch in tensor {e.name!r} (stored {e.crc32:#010x}, computed {crc:#010x})")
+        raise KdtrError(f"{path}: checksum mismatch in tensor {e.name!r} (stored {e.crc32:#010x}, computed "
+                        f"{crc:#010x})")
     if e.dtype == np.bool_ and flat.size and flat.max() > 1:
         raise KdtrError(f"{path}: bool tensor {e.name!r} holds bytes other than 0 and 1")
 
@@ -371,7 +379,8 @@ def load(path, mmap: bool = True, verify: bool | None = None, device: str | None
                 f.seek(e.offset)
                 got = f.readinto(flat)
                 if got != e.nbytes:
-                    raise KdtrError(f"{path}: truncated while reading tensor {e.name!r} ({got} of {e.nbytes} bytes)")
+                    raise KdtrError(f"{path}: truncated while reading tensor {e.name!r} ({got} of {e.nbytes} "
+                                    "bytes)")
                 if verify:
                     _check_data(e, flat, path)
                 out[e.name] = flat.view(e.dtype).reshape(e.shape)
@@ -540,7 +549,8 @@ def save(path, tensors: Mapping, metadata: Mapping[str, str] | None = None) -> N
     metadata_items = []
     for k, v in (metadata or {}).items():
         if not isinstance(k, str) or not k or not isinstance(v, str):
-            raise ValueError(f"metadata must map non-empty str keys to str values, got {k!r}: {type(v).__name__}")
+            raise ValueError(f"metadata must map non-empty str keys to str values, got {k!r}: "
+                             f"{type(v).__name__}")
         metadata_items.append((k.encode("utf-8"), v.encode("utf-8")))
 
     header_len = len(_encode_header(specs, metadata_items, 0, 0))
@@ -643,9 +653,13 @@ def table(path) -> str:
     fmt = _format_of(path)
     if fmt == "kdtr":
         h = read_header(path)
-        rows = [(e.name, NAMES[e.code], e.shape, e.nbytes, str(e.offset), f"{e.crc32:08x}") for e in h.tensors]
+        rows = [
+            (e.name, NAMES[e.code], e.shape, e.nbytes, str(e.offset), f"{e.crc32:08x}") for e in h.tensors
+        ]
         meta = h.metadata
-        title = f"{path}: KDTR v{h.version}, {len(rows)} tensors, {h.file_size} bytes, data at {h.data_offset}"
+        title = (
+            f"{path}: KDTR v{h.version}, {len(rows)} tensors, {h.file_size} bytes, data at {h.data_offset}"
+        )
     else:
         tensors, meta = _read_any(path)
         rows = [(k, v.dtype.name, v.shape, v.nbytes, "-", "-") for k, v in tensors.items()]
@@ -701,7 +715,8 @@ def differences(actual, expected, close: Mapping[str, float] | None = None) -> l
     bad = np.flatnonzero(a != b)
     if bad.size:
         where = sorted({_locate(int(i), rows, hb.tensors) for i in bad[:10_000]})
-        problems.append(f"{bad.size} bytes differ outside the tolerance-compared tensors, in {', '.join(where[:8])}")
+        problems.append(f"{bad.size} bytes differ outside the tolerance-compared tensors, in "
+                        f"{', '.join(where[:8])}")
         if len(ha.tensors) != len(hb.tensors) or ha.data_offset != hb.data_offset:
             return problems  # different layouts: the tensors below cannot be paired
     ta, tb = load(actual), load(expected)
@@ -772,7 +787,8 @@ def _read_any(path) -> tuple[dict, dict]:
 def _ml_dtype(path, name: str, code: int) -> np.dtype:
     """The numpy dtype of code `code` for tensor `name` of a file being converted; bits alone would lose the type."""
     if code in ML_DTYPES and ML_DTYPES[code] is None:
-        raise KdtrError(f"{path}: tensor {name!r} is {NAMES[code]}, which needs the ml_dtypes package to convert")
+        raise KdtrError(f"{path}: tensor {name!r} is {NAMES[code]}, which needs the ml_dtypes package to "
+                        "convert")
     return DTYPES[code]
 
 
@@ -794,7 +810,8 @@ def _read_safetensors(path) -> tuple[dict, dict]:
     tensors = {}
     for name, v in sorted(views):  # the library hands them out in no fixed order
         if v["dtype"] not in ST_DTYPES:
-            raise KdtrError(f"{path}: tensor {name!r} has safetensors dtype {v['dtype']}, which KDTR cannot hold "
+            raise KdtrError(f"{path}: tensor {name!r} has safetensors dtype {v['dtype']}, which KDTR cannot "
+                            "hold "
                             f"(it holds {', '.join(ST_DTYPES)})")
         a = np.frombuffer(v["data"], _ml_dtype(path, name, CODES[ST_DTYPES[v["dtype"]]])).reshape(v["shape"])
         if a.dtype == np.bool_ and a.size and a.view(np.uint8).max() > 1:
@@ -814,7 +831,11 @@ def _write_safetensors(f, arrays: dict, metadata: dict) -> None:
     pos = 0
     for k in order:
         a = arrays[k]
-        header[k] = {"dtype": ST_CODES[_code_of(a.dtype)], "shape": list(a.shape), "data_offsets": [pos, pos + a.nbytes]}
+        header[k] = {
+            "dtype": ST_CODES[_code_of(a.dtype)],
+            "shape": list(a.shape),
+            "data_offsets": [pos, pos + a.nbytes],
+        }
         pos += a.nbytes
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     text += b" " * (-len(text) % 8)
@@ -899,7 +920,8 @@ def from_npz(src, dst) -> None:
 
 def cli(argv: list[str]) -> int:
     """Exit codes: 0 success, 2 bad input (usage, missing or malformed file, unsupported type)."""
-    ap = argparse.ArgumentParser(prog="kdlib kdtr", description="Inspect, check and convert KDTR tensor files.")
+    ap = argparse.ArgumentParser(prog="kdlib kdtr", description="Inspect, check and convert KDTR tensor "
+                                                                "files.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("info", help="print the tensor table and metadata (.kdtr, .safetensors, .npz)")
     p.add_argument("file")

@@ -113,7 +113,8 @@ def load_config(config) -> dict:
     elif not path.exists() and str(config) in shipped():
         path = CONFIGS / f"{config}.json"
     if not path.is_file():
-        raise ValueError(f"no config {str(config)!r}: not a file, and not one of the shipped configs {shipped()}")
+        raise ValueError(f"no config {str(config)!r}: not a file, and not one of the shipped configs "
+                         f"{shipped()}")
     try:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -201,12 +202,22 @@ def geometry(config) -> Geometry:
         kv_lora = rope = None
         kind = "mha" if kv_heads == heads else "gqa"
         if heads % kv_heads:
-            raise ConfigError(f"config {lm['_name']}: num_attention_heads {heads} not a multiple of num_key_value_heads {kv_heads}")
+            raise ConfigError(f"config {lm['_name']}: num_attention_heads {heads} not a multiple of "
+                              f"num_key_value_heads {kv_heads}")
     return Geometry(
-        name=lm["_name"], model_type=str(lm.get("model_type", "?")), attention=kind, num_layers=int(layers),
-        hidden_size=int(hidden), num_heads=int(heads), num_kv_heads=int(kv_heads), head_dim=int(head_dim),
-        v_head_dim=int(v), kv_lora_rank=kv_lora, qk_rope_head_dim=rope,
-        vocab_size=int(_need(lm, "vocab_size", "embeddings")), torch_dtype=str(lm.get("torch_dtype") or "bfloat16"),
+        name=lm["_name"],
+        model_type=str(lm.get("model_type", "?")),
+        attention=kind,
+        num_layers=int(layers),
+        hidden_size=int(hidden),
+        num_heads=int(heads),
+        num_kv_heads=int(kv_heads),
+        head_dim=int(head_dim),
+        v_head_dim=int(v),
+        kv_lora_rank=kv_lora,
+        qk_rope_head_dim=rope,
+        vocab_size=int(_need(lm, "vocab_size", "embeddings")),
+        torch_dtype=str(lm.get("torch_dtype") or "bfloat16"),
         mtp_layers=int(lm.get("num_nextn_predict_layers") or 0),
     )
 
@@ -318,7 +329,8 @@ def kv_bytes(config, tokens: int, dtype: str = "bfloat16", tp: int = 1, kv_split
 #   "attn"       divided over the attention-TP ranks (tp, or 1 under DP-attention);
 #   "kv"         GQA/MHA k_proj and v_proj: as the KV heads, one head per rank when kv heads < tp;
 #   "replicated" whole on every rank (norms, the router, MLA's down projections q_a / kv_a, which
-#                SGLang builds as ReplicatedLinear: sgl-project/sglang python/sglang/srt/models/deepseek_v2.py).
+#                SGLang builds as ReplicatedLinear: sgl-project/sglang
+#                python/sglang/srt/models/deepseek_v2.py).
 _PART_SHARDING = {
     "embed": "split", "lm_head": "split", "attention": "attn", "attention_kv": "kv",
     "attention_replicated": "replicated",
@@ -339,7 +351,13 @@ def _tensors(g: Geometry, lm: dict, include_mtp: bool) -> list[tuple[str, str, i
     layers = L + (g.mtp_layers if include_mtp else 0)
     t.append(("norms", "vector", h, 1, 2 * layers))  # input and post-attention RMSNorm
     if g.attention == "mla":
-        n, nope, rope, v, r = g.num_heads, g.head_dim - g.qk_rope_head_dim, g.qk_rope_head_dim, g.v_head_dim, g.kv_lora_rank
+        n, nope, rope, v, r = (
+            g.num_heads,
+            g.head_dim - g.qk_rope_head_dim,
+            g.qk_rope_head_dim,
+            g.v_head_dim,
+            g.kv_lora_rank,
+        )
         q_lora = lm.get("q_lora_rank")
         if q_lora:
             t += [("attention_replicated", "linear", q_lora, h, layers),
@@ -418,7 +436,8 @@ def resolve_weight_format(config, weight_format: str = "auto") -> str:
     if method == "fp8":
         block = qc.get("weight_block_size")
         if block != [FP8_BLOCK, FP8_BLOCK]:
-            raise ConfigError(f"fp8 quantization_config with weight_block_size {block!r}: only 128x128 blocks are modelled")
+            raise ConfigError(f"fp8 quantization_config with weight_block_size {block!r}: only 128x128 "
+                              "blocks are modelled")
         return "fp8_block"
     if method == "compressed-tensors":
         groups = qc.get("config_groups") or {}
@@ -523,7 +542,9 @@ def vlm_mem_fraction_factor(config) -> float:
     vision = load_config(config).get("vision_config")
     if not isinstance(vision, dict):
         return 1.0
-    ratio = int(vision.get("num_hidden_layers", 24)) * int(vision.get("hidden_size", 1024)) ** 2 / (24 * 1024**2)
+    ratio = (
+        int(vision.get("num_hidden_layers", 24)) * int(vision.get("hidden_size", 1024)) ** 2 / (24 * 1024**2)
+    )
     return 0.95 * max(0.8, min(1.05, 1.0 - 0.1 * (ratio - 1.0)))
 
 
@@ -567,9 +588,13 @@ def implied_mem_fraction(config, gpu: str, tp: int, pool_tokens_logged: int, kv_
                          overhead_bytes: int = DEFAULT_OVERHEAD_BYTES) -> float:
     """The mem_fraction_static that reproduces a pool size a server logged (max_total_num_tokens),
     under this module's weight count and overhead assumption."""
-    cell = kv_bytes_per_token(config, kv_dtype, tp, kv_split if kv_split != "context_parallel" else "replicated")
+    cell = kv_bytes_per_token(
+        config, kv_dtype, tp, kv_split if kv_split != "context_parallel" else "replicated"
+    )
     weights = weight_bytes(config, weight_format, tp, kv_split)["per_gpu"]
-    return mem_fraction_for_pool(hw.load(gpu)["memory_bytes"], weights, pool_tokens_logged * cell, overhead_bytes)
+    return mem_fraction_for_pool(
+        hw.load(gpu)["memory_bytes"], weights, pool_tokens_logged * cell, overhead_bytes
+    )
 
 
 # ----------------------------------------------------------------------------------------- YaRN
@@ -588,15 +613,26 @@ def sglang_context_length(config) -> int:
     SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1.
     """
     lm = text_config(config)
-    for key in ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings"):
+    for key in (
+        "max_sequence_length",
+        "seq_length",
+        "max_seq_len",
+        "model_max_length",
+        "max_position_embeddings",
+    ):
         if lm.get(key) is not None:
             base = int(lm[key])
             break
     else:
-        raise ConfigError(f"config {lm['_name']}: missing field 'max_position_embeddings' (needed for the context length)")
+        raise ConfigError(f"config {lm['_name']}: missing field 'max_position_embeddings' (needed for the "
+                          "context length)")
     rs = _rope_scaling(lm)
     factor = 1.0
-    if rs and "original_max_position_embeddings" not in rs and (rs.get("rope_type") or rs.get("type")) != "llama3":
+    if (
+        rs
+        and "original_max_position_embeddings" not in rs
+        and (rs.get("rope_type") or rs.get("type")) != "llama3"
+    ):
         factor = float(rs.get("factor") or 1.0)
     return int(base * factor)
 
@@ -606,7 +642,9 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def yarn_correction_range(rotary_dim: int, base: float, original: int, beta_fast: float, beta_slow: float) -> tuple[int, int]:
+def yarn_correction_range(
+    rotary_dim: int, base: float, original: int, beta_fast: float, beta_slow: float
+) -> tuple[int, int]:
     """(low, high) rotary-pair indices of the YaRN ramp, floor/ceil as in DeepSeek's inference/model.py."""
     def dim(rotations):
         return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
@@ -631,9 +669,14 @@ def yarn(config) -> dict:
     rs = _rope_scaling(lm)
     rope_type = (rs.get("rope_type") or rs.get("type")) if rs else None
     max_pos = lm.get("max_position_embeddings")
-    out = {"model": g.name, "rope_type": rope_type, "yarn": rope_type in ("yarn", "deepseek_yarn"),
-           "rope_theta": lm.get("rope_theta", (rs or {}).get("rope_theta")), "max_position_embeddings": max_pos,
-           "sglang_context_length": sglang_context_length(config)}
+    out = {
+        "model": g.name,
+        "rope_type": rope_type,
+        "yarn": rope_type in ("yarn", "deepseek_yarn"),
+        "rope_theta": lm.get("rope_theta", (rs or {}).get("rope_theta")),
+        "max_position_embeddings": max_pos,
+        "sglang_context_length": sglang_context_length(config),
+    }
     if not out["yarn"]:
         return out
     s = float(_need(rs, "factor", "YaRN"))
@@ -793,64 +836,163 @@ def plan(config, gpu: str, tp: int, context: int, *, kv_dtype: str = "bfloat16",
     }[kv_split]
     rows = [
         {"key": "gpu_memory", "term": "GPU memory", "value": mem, "unit": "B", "note": spec["name"]},
-        {"key": "overhead", "term": "CUDA context + NCCL before weights", "value": overhead_bytes, "unit": "B",
-         "note": "assumed"},
-        {"key": "free_before_weights", "term": "free before weights", "value": free_before, "unit": "B", "note": ""},
-        {"key": "mem_fraction_static", "term": "mem_fraction_static", "value": mfs, "unit": "", "note": mfs_note},
-        {"key": "static_budget", "term": "static budget (free x fraction)", "value": static, "unit": "B",
-         "note": "weights + KV pool"},
-        {"key": "reserve", "term": "reserve (activations, CUDA graphs)", "value": free_before - static, "unit": "B",
-         "note": "free x (1 - fraction)"},
-        {"key": "weights_total", "term": "weights, whole model", "value": w["total"], "unit": "B",
-         "note": f"{w['format']}, LM only"},
-        {"key": "weights_per_gpu", "term": "weights per GPU", "value": weights, "unit": "B",
-         "note": f"tp={tp}" + (", attention replicated (DP-attention)" if kv_split == "dp_attention" else "")
-         + (f", + draft {_fmt_bytes(draft_weight_bytes)}" if draft_weight_bytes else "")},
-        {"key": "kv_pool", "term": "KV pool per GPU (rest_memory)", "value": max(0, rest), "unit": "B",
-         "note": "" if rest > 0 else f"nothing left: short by {_fmt_bytes(-rest)}"},
-        {"key": "kv_bytes_per_token", "term": "KV bytes per pool slot per GPU", "value": cell, "unit": "B/token",
-         "note": f"{kv_dtype}, {mode_note}"},
-        {"key": "pool_tokens", "term": "pool tokens per GPU (max_total_num_tokens)", "value": tokens,
-         "unit": "tokens", "note": "" if max_total_tokens is None else f"capped by max_total_tokens={max_total_tokens:,}"},
-        {"key": "group_tokens", "term": f"tokens the {tp}-GPU group holds", "value": group_tokens, "unit": "tokens",
-         "note": mode_note},
-        {"key": "derived_context", "term": "derived context length (SGLang)", "value": derived, "unit": "tokens",
-         "note": "from max_position_embeddings"},
-        {"key": "longest_request", "term": "longest single request", "value": longest, "unit": "tokens",
-         "note": "min(context_len, pool) - 1"},
-        {"key": "request_kv", "term": f"KV of one {context:,}-token request per GPU", "value": need, "unit": "B",
-         "note": ""},
-        {"key": "concurrent_at_context", "term": f"concurrent {context:,}-token requests", "value": concurrent,
-         "unit": "requests", "note": ""},
+        {
+            "key": "overhead",
+            "term": "CUDA context + NCCL before weights",
+            "value": overhead_bytes,
+            "unit": "B",
+            "note": "assumed",
+        },
+        {
+            "key": "free_before_weights",
+            "term": "free before weights",
+            "value": free_before,
+            "unit": "B",
+            "note": "",
+        },
+        {
+            "key": "mem_fraction_static",
+            "term": "mem_fraction_static",
+            "value": mfs,
+            "unit": "",
+            "note": mfs_note,
+        },
+        {
+            "key": "static_budget",
+            "term": "static budget (free x fraction)",
+            "value": static,
+            "unit": "B",
+            "note": "weights + KV pool",
+        },
+        {
+            "key": "reserve",
+            "term": "reserve (activations, CUDA graphs)",
+            "value": free_before - static,
+            "unit": "B",
+            "note": "free x (1 - fraction)",
+        },
+        {
+            "key": "weights_total",
+            "term": "weights, whole model",
+            "value": w["total"],
+            "unit": "B",
+            "note": f"{w['format']}, LM only",
+        },
+        {
+            "key": "weights_per_gpu",
+            "term": "weights per GPU",
+            "value": weights,
+            "unit": "B",
+            "note": f"tp={tp}"
+            + (", attention replicated (DP-attention)" if kv_split == "dp_attention" else "")
+            + (f", + draft {_fmt_bytes(draft_weight_bytes)}" if draft_weight_bytes else ""),
+        },
+        {
+            "key": "kv_pool",
+            "term": "KV pool per GPU (rest_memory)",
+            "value": max(0, rest),
+            "unit": "B",
+            "note": "" if rest > 0 else f"nothing left: short by {_fmt_bytes(-rest)}",
+        },
+        {
+            "key": "kv_bytes_per_token",
+            "term": "KV bytes per pool slot per GPU",
+            "value": cell,
+            "unit": "B/token",
+            "note": f"{kv_dtype}, {mode_note}",
+        },
+        {
+            "key": "pool_tokens",
+            "term": "pool tokens per GPU (max_total_num_tokens)",
+            "value": tokens,
+            "unit": "tokens",
+            "note": "" if max_total_tokens is None else f"capped by max_total_tokens={max_total_tokens:,}",
+        },
+        {
+            "key": "group_tokens",
+            "term": f"tokens the {tp}-GPU group holds",
+            "value": group_tokens,
+            "unit": "tokens",
+            "note": mode_note,
+        },
+        {
+            "key": "derived_context",
+            "term": "derived context length (SGLang)",
+            "value": derived,
+            "unit": "tokens",
+            "note": "from max_position_embeddings",
+        },
+        {
+            "key": "longest_request",
+            "term": "longest single request",
+            "value": longest,
+            "unit": "tokens",
+            "note": "min(context_len, pool) - 1",
+        },
+        {
+            "key": "request_kv",
+            "term": f"KV of one {context:,}-token request per GPU",
+            "value": need,
+            "unit": "B",
+            "note": "",
+        },
+        {
+            "key": "concurrent_at_context",
+            "term": f"concurrent {context:,}-token requests",
+            "value": concurrent,
+            "unit": "requests",
+            "note": "",
+        },
     ]
-    inputs = {"model": g.name, "gpu": gpu, "tp": tp, "context": context, "kv_dtype": kv_dtype, "kv_split": kv_split,
-              "weight_format": w["format"], "mem_fraction_static": mfs, "overhead_bytes": overhead_bytes,
-              "speculative": speculative, "draft_weight_bytes": draft_weight_bytes, "max_total_tokens": max_total_tokens}
+    inputs = {
+        "model": g.name,
+        "gpu": gpu,
+        "tp": tp,
+        "context": context,
+        "kv_dtype": kv_dtype,
+        "kv_split": kv_split,
+        "weight_format": w["format"],
+        "mem_fraction_static": mfs,
+        "overhead_bytes": overhead_bytes,
+        "speculative": speculative,
+        "draft_weight_bytes": draft_weight_bytes,
+        "max_total_tokens": max_total_tokens,
+    }
     if weights >= mem:
         verdict = (f"DOES NOT FIT: the weights alone need {_fmt_bytes(weights)} per GPU, more than the "
                    f"{_fmt_bytes(mem)} a {spec['name']} has; use more GPUs or a smaller weight format.")
         fits = False
     elif rest <= 0:
         need_mfs = mem_fraction_for_pool(mem, weights, cell * context, overhead_bytes)
-        verdict = (f"DOES NOT FIT at mem_fraction_static={mfs:g}: the weights ({_fmt_bytes(weights)} per GPU) leave no "
-                   f"KV pool (SGLang stops with 'Not enough memory'); one {context:,}-token request would need "
-                   f"mem_fraction_static >= {need_mfs:.3f}" + (" (impossible)" if need_mfs >= 1 else "") + ".")
+        verdict = (
+            f"DOES NOT FIT at mem_fraction_static={mfs:g}: the weights ({_fmt_bytes(weights)} per "
+            "GPU) leave no "
+            f"KV pool (SGLang stops with 'Not enough memory'); one {context:,}-token request would "
+            "need "
+            f"mem_fraction_static >= {need_mfs:.3f}" + (" (impossible)" if need_mfs >= 1 else "") + "."
+        )
         fits = False
     elif context > derived:
-        verdict = (f"DOES NOT FIT the model: {context:,} tokens exceed the derived context length {derived:,} "
-                   f"(SGLang refuses it unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1, and the YaRN range ends there).")
+        verdict = (f"DOES NOT FIT the model: {context:,} tokens exceed the derived context length "
+                   f"{derived:,} "
+                   "(SGLang refuses it unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1, and the YaRN "
+                   "range ends there).")
         fits = False
     elif context > longest:
         pool_needed = kv_bytes(config, context + 1, kv_dtype, tp, kv_split)
         need_mfs = mem_fraction_for_pool(mem, weights, pool_needed, overhead_bytes)
-        verdict = (f"ONE {context:,}-TOKEN REQUEST DOES NOT FIT: the pool holds {one_request_tokens:,} tokens for one "
-                   f"request, so the longest is {longest:,}. It needs {_fmt_bytes(need)} of KV per GPU; options: "
+        verdict = (f"ONE {context:,}-TOKEN REQUEST DOES NOT FIT: the pool holds {one_request_tokens:,} "
+                   "tokens for one "
+                   f"request, so the longest is {longest:,}. It needs {_fmt_bytes(need)} of KV per GPU; "
+                   "options: "
                    f"mem_fraction_static >= {need_mfs:.3f}" + (" (impossible)" if need_mfs >= 1 else "")
-                   + ", a smaller KV dtype, or context parallelism (DP-attention adds capacity for more requests, "
+                   + ", a smaller KV dtype, or context parallelism (DP-attention adds capacity for more "
+                     "requests, "
                    "not for a longer one).")
         fits = False
     else:
-        verdict = (f"FITS: one {context:,}-token request takes {context / one_request_tokens:.0%} of the pool; "
+        verdict = (f"FITS: one {context:,}-token request takes {context / one_request_tokens:.0%} of the "
+                   "pool; "
                    f"{concurrent:,} such request(s) at once; longest single request {longest:,} tokens.")
         fits = True
     return Plan(rows, verdict, fits, inputs)
@@ -867,14 +1009,15 @@ def concurrent_requests(config, gpu: str, tp: int, context: int, **kwargs) -> in
     return plan(config, gpu, tp, context, **kwargs).value("concurrent_at_context")
 
 
-# ----------------------------------------------------------------------------------------- the seeds' 200k decision
+# ----------------------------------------------------------------------------------- the seeds' 200k decision
 
 # The memory figures of the seeds' 200k-context decision for Kimi-K2.6 INT4 on 8 x RTX PRO 6000, TP8
 # (seeds/000, "Thread Three: Extending Context Length to 200k"; seeds/002, "Act II"), as they state them.
 SEEDS_200K = {
     "model": "kimi-k2.6", "gpu": "rtx-pro-6000", "tp": 8, "context": 200_000,
     "elements_per_token_layer": 576,  # "The per-token KV storage is 576 elements per layer"
-    "kv_per_token_per_gpu_bytes": 8.6e3,  # "each GPU stores only 1/8 ... approximately 8.6 KB per token per GPU"
+    # "each GPU stores only 1/8 ... approximately 8.6 KB per token per GPU"
+    "kv_per_token_per_gpu_bytes": 8.6e3,
     "kv_200k_per_gpu_bytes": 1.72e9,  # "A 200k-token context would require roughly 1.72 GB per GPU"
     "free_per_gpu_bytes": 10e9,  # "approximately 10 GB of free memory available after weights, CUDA graphs"
     "pool_tokens": 101_134,  # "The KV cache pool was allocated for approximately 101,134 tokens"
@@ -882,7 +1025,8 @@ SEEDS_200K = {
     "yarn_factor": 64.0,  # "YaRN ... scaling at factor 64.0"
     "old_context_length": 32_768,  # "--context-length 32768"
     "model_size_bytes": 548e9,  # seeds/002: "a cold reload of the 548 GB model"
-    "growth_vs_pool": 2.0,  # seeds/002: "Extending to 200k tokens would increase the cache size by roughly 2x"
+    # seeds/002: "Extending to 200k tokens would increase the cache size by roughly 2x"
+    "growth_vs_pool": 2.0,
 }
 
 
@@ -903,61 +1047,140 @@ def seeds_200k_recheck(seeds: dict | None = None, overhead_bytes: int = DEFAULT_
                     max_total_tokens=s["pool_tokens"], overhead_bytes=overhead_bytes)
     default = plan(cfg, gpu, tp, ctx, overhead_bytes=overhead_bytes)
     rows = [
-        dict(key="elements_per_token_layer", claim="KV elements per token per layer", seeds=s["elements_per_token_layer"],
-             recomputed=g.kv_elements_per_layer, unit="elements",
-             status="reproduced" if g.kv_elements_per_layer == s["elements_per_token_layer"] else "wrong",
-             reason=f"kv_lora_rank {g.kv_lora_rank} + qk_rope_head_dim {g.qk_rope_head_dim}"),
-        dict(key="kv_per_token_per_gpu", claim="KV bytes per token per GPU at TP8", seeds=s["kv_per_token_per_gpu_bytes"],
-             recomputed=full, unit="B/token", status="wrong",
-             reason=f"SGLang plain TP replicates the MLA latent on every rank: {g.num_layers} x {g.kv_elements_per_layer} x 2 B "
-                    f"= {full:,} B. Their 8.6 'KB' is {dcp:,} B = {dcp / 1024:.2f} KiB, the figure only decode context "
-                    f"parallelism over 8 ranks would give"),
-        dict(key="kv_200k_per_gpu", claim="KV of one 200k request per GPU", seeds=s["kv_200k_per_gpu_bytes"],
-             recomputed=ctx * full, unit="B", status="wrong",
-             reason=f"{ctx:,} x {full:,} B = {ctx * full / 1e9:.2f} GB ({ctx * full / GiB:.2f} GiB). Two slips: the /8, "
-                    f"and 8.6 KiB taken as 8,600 B (even under DCP8 it is {ctx * dcp / 1e9:.3f} GB)"),
-        dict(key="pool_tokens", claim="KV pool per GPU (tokens, logged at start-up)", seeds=s["pool_tokens"],
-             recomputed=default.value("pool_tokens"), unit="tokens", status="consistent",
-             reason=f"their {pool_b / 1e9:.2f} GB pool (bf16) is what mem_fraction_static {implied_mfs:.3f} gives with our "
-                    f"weight count ({w['per_gpu'] / GiB:.2f} GiB per GPU) and {overhead_bytes / GiB:g} GiB assumed overhead, "
-                    f"so the fraction was set by hand ('based on the memory fraction configuration'); SGLang's own "
-                    f"default for this multimodal checkpoint, {default.value('mem_fraction_static'):.3f}, would give the "
-                    f"recomputed {default.value('pool_tokens'):,} tokens. The pool is sized once at start-up and bounds "
-                    f"a request's KV"),
-        dict(key="free_memory", claim="free memory per GPU after weights and CUDA graphs", seeds=s["free_per_gpu_bytes"],
-             recomputed=None, unit="B", status="not checkable",
-             reason="an observation (nvidia-smi), not derivable from the config; beside the point, because the "
-                    "KV pool does not grow into free memory after start-up"),
-        dict(key="kv_200k_headroom", claim="headroom left by one 200k request (budget - need)",
-             seeds=s["free_per_gpu_bytes"] - s["kv_200k_per_gpu_bytes"], recomputed=pool_b - ctx * full, unit="B",
-             status="wrong",
-             reason=f"their budget was free memory (10 GB) and their need 1.72 GB; the budget is the pool, "
-                    f"{pool_b / 1e9:.2f} GB, and the need {ctx * full / 1e9:.2f} GB: one 200k request needs "
-                    f"{ctx / s['pool_tokens']:.2f}x the pool"),
-        dict(key="growth_vs_pool", claim="200k versus the current pool", seeds=s["growth_vs_pool"],
-             recomputed=round(ctx / s["pool_tokens"], 3), unit="x",
-             status="reproduced" if abs(ctx / s["pool_tokens"] - s["growth_vs_pool"]) < 0.05 else "wrong",
-             reason="the arithmetic holds, and it is the answer: a request twice the pool's size cannot be held "
-                    "by the pool, whose size does not change when --context-length does"),
-        dict(key="longest_request", claim="longest single request the pool allowed", seeds=ctx,
-             recomputed=deployed.value("longest_request"), unit="tokens", status="wrong",
-             reason="SGLang max_req_input_len = min(context_len - 1, max_total_num_tokens - 1): --context-length "
-                    "200000 passes start-up (<= the derived 262,144) but longer requests than this are refused"),
-        dict(key="max_position_embeddings", claim="max_position_embeddings", seeds=s["max_position_embeddings"],
-             recomputed=y["max_position_embeddings"], unit="tokens",
-             status="reproduced" if y["max_position_embeddings"] == s["max_position_embeddings"] else "wrong",
-             reason=f"= factor x original = {y['factor']:g} x {y['original_max_position_embeddings']:,} = "
-                    f"{y['factor_x_original']:,}; SGLang derives context {y['sglang_context_length']:,}"),
-        dict(key="yarn_factor", claim="YaRN factor", seeds=s["yarn_factor"], recomputed=y["factor"], unit="",
-             status="reproduced" if y["factor"] == s["yarn_factor"] else "wrong",
-             reason=f"static YaRN: attention logits x (0.1 ln {y['factor']:g} + 1)^2 = {y['logit_scale_factor']:.4f} "
-                    f"at every length"),
-        dict(key="model_size", claim="checkpoint size", seeds=s["model_size_bytes"], recomputed=w["total"], unit="B",
-             status="consistent" if abs(w["total"] / GiB * 1e9 / s["model_size_bytes"] - 1) < 0.02 else "wrong",
-             reason=f"INT4 g32 routed experts + bf16 rest = {w['total'] / 1e9:.1f} GB = {w['total'] / GiB:.1f} GiB (LM only, "
-                    f"vision tower left out); the seeds' 548 'GB' is within "
-                    f"{abs(w['total'] / GiB * 1e9 / s['model_size_bytes'] - 1):.1%} of the GiB figure (likely a du -h "
-                    f"reading), {1 - s['model_size_bytes'] / w['total']:.0%} below the decimal one"),
+        dict(
+            key="elements_per_token_layer",
+            claim="KV elements per token per layer",
+            seeds=s["elements_per_token_layer"],
+            recomputed=g.kv_elements_per_layer,
+            unit="elements",
+            status="reproduced" if g.kv_elements_per_layer == s["elements_per_token_layer"] else "wrong",
+            reason=f"kv_lora_rank {g.kv_lora_rank} + qk_rope_head_dim {g.qk_rope_head_dim}",
+        ),
+        dict(
+            key="kv_per_token_per_gpu",
+            claim="KV bytes per token per GPU at TP8",
+            seeds=s["kv_per_token_per_gpu_bytes"],
+            recomputed=full,
+            unit="B/token",
+            status="wrong",
+            reason=f"SGLang plain TP replicates the MLA latent on every rank: {g.num_layers} x "
+            f"{g.kv_elements_per_layer} x 2 B "
+            f"= {full:,} B. Their 8.6 'KB' is {dcp:,} B = {dcp / 1024:.2f} KiB, the figure only "
+            "decode context "
+            f"parallelism over 8 ranks would give",
+        ),
+        dict(
+            key="kv_200k_per_gpu",
+            claim="KV of one 200k request per GPU",
+            seeds=s["kv_200k_per_gpu_bytes"],
+            recomputed=ctx * full,
+            unit="B",
+            status="wrong",
+            reason=f"{ctx:,} x {full:,} B = {ctx * full / 1e9:.2f} GB ({ctx * full / GiB:.2f} GiB). Two "
+            "slips: the /8, "
+            f"and 8.6 KiB taken as 8,600 B (even under DCP8 it is {ctx * dcp / 1e9:.3f} GB)",
+        ),
+        dict(
+            key="pool_tokens",
+            claim="KV pool per GPU (tokens, logged at start-up)",
+            seeds=s["pool_tokens"],
+            recomputed=default.value("pool_tokens"),
+            unit="tokens",
+            status="consistent",
+            reason=f"their {pool_b / 1e9:.2f} GB pool (bf16) is what mem_fraction_static {implied_mfs:.3f} "
+            "gives with our "
+            f"weight count ({w['per_gpu'] / GiB:.2f} GiB per GPU) and {overhead_bytes / GiB:g} GiB "
+            "assumed overhead, "
+            "so the fraction was set by hand ('based on the memory fraction configuration'); "
+            "SGLang's own "
+            f"default for this multimodal checkpoint, {default.value('mem_fraction_static'):.3f}, "
+            "would give the "
+            f"recomputed {default.value('pool_tokens'):,} tokens. The pool is sized once at start-up "
+            "and bounds "
+            f"a request's KV",
+        ),
+        dict(
+            key="free_memory",
+            claim="free memory per GPU after weights and CUDA graphs",
+            seeds=s["free_per_gpu_bytes"],
+            recomputed=None,
+            unit="B",
+            status="not checkable",
+            reason="an observation (nvidia-smi), not derivable from the config; beside the point, because "
+            "the "
+            "KV pool does not grow into free memory after start-up",
+        ),
+        dict(
+            key="kv_200k_headroom",
+            claim="headroom left by one 200k request (budget - need)",
+            seeds=s["free_per_gpu_bytes"] - s["kv_200k_per_gpu_bytes"],
+            recomputed=pool_b - ctx * full,
+            unit="B",
+            status="wrong",
+            reason=f"their budget was free memory (10 GB) and their need 1.72 GB; the budget is the pool, "
+            f"{pool_b / 1e9:.2f} GB, and the need {ctx * full / 1e9:.2f} GB: one 200k request needs "
+            f"{ctx / s['pool_tokens']:.2f}x the pool",
+        ),
+        dict(
+            key="growth_vs_pool",
+            claim="200k versus the current pool",
+            seeds=s["growth_vs_pool"],
+            recomputed=round(ctx / s["pool_tokens"], 3),
+            unit="x",
+            status="reproduced" if abs(ctx / s["pool_tokens"] - s["growth_vs_pool"]) < 0.05 else "wrong",
+            reason="the arithmetic holds, and it is the answer: a request twice the pool's size cannot be "
+            "held "
+            "by the pool, whose size does not change when --context-length does",
+        ),
+        dict(
+            key="longest_request",
+            claim="longest single request the pool allowed",
+            seeds=ctx,
+            recomputed=deployed.value("longest_request"),
+            unit="tokens",
+            status="wrong",
+            reason="SGLang max_req_input_len = min(context_len - 1, max_total_num_tokens - 1): "
+            "--context-length "
+            "200000 passes start-up (<= the derived 262,144) but longer requests than this are "
+            "refused",
+        ),
+        dict(
+            key="max_position_embeddings",
+            claim="max_position_embeddings",
+            seeds=s["max_position_embeddings"],
+            recomputed=y["max_position_embeddings"],
+            unit="tokens",
+            status="reproduced" if y["max_position_embeddings"] == s["max_position_embeddings"] else "wrong",
+            reason=f"= factor x original = {y['factor']:g} x {y['original_max_position_embeddings']:,} = "
+            f"{y['factor_x_original']:,}; SGLang derives context {y['sglang_context_length']:,}",
+        ),
+        dict(
+            key="yarn_factor",
+            claim="YaRN factor",
+            seeds=s["yarn_factor"],
+            recomputed=y["factor"],
+            unit="",
+            status="reproduced" if y["factor"] == s["yarn_factor"] else "wrong",
+            reason=f"static YaRN: attention logits x (0.1 ln {y['factor']:g} + 1)^2 = "
+            f"{y['logit_scale_factor']:.4f} "
+            f"at every length",
+        ),
+        dict(
+            key="model_size",
+            claim="checkpoint size",
+            seeds=s["model_size_bytes"],
+            recomputed=w["total"],
+            unit="B",
+            status="consistent"
+            if abs(w["total"] / GiB * 1e9 / s["model_size_bytes"] - 1) < 0.02
+            else "wrong",
+            reason=f"INT4 g32 routed experts + bf16 rest = {w['total'] / 1e9:.1f} GB = "
+            f"{w['total'] / GiB:.1f} GiB (LM only, "
+            f"vision tower left out); the seeds' 548 'GB' is within "
+            f"{abs(w['total'] / GiB * 1e9 / s['model_size_bytes'] - 1):.1%} of the GiB figure "
+            "(likely a du -h "
+            f"reading), {1 - s['model_size_bytes'] / w['total']:.0%} below the decimal one",
+        ),
     ]
     return rows
 
@@ -989,10 +1212,19 @@ def cli(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_args(argv)
     try:
-        p = plan(args.config, args.gpu, args.tp, args.context, kv_dtype=args.kv_dtype, weight_format=args.weight_format,
-                 mem_fraction_static=args.mem_fraction_static, kv_split=args.kv_split,
-                 overhead_bytes=int(args.overhead_gib * GiB), speculative=args.speculative,
-                 max_total_tokens=args.max_total_tokens)
+        p = plan(
+            args.config,
+            args.gpu,
+            args.tp,
+            args.context,
+            kv_dtype=args.kv_dtype,
+            weight_format=args.weight_format,
+            mem_fraction_static=args.mem_fraction_static,
+            kv_split=args.kv_split,
+            overhead_bytes=int(args.overhead_gib * GiB),
+            speculative=args.speculative,
+            max_total_tokens=args.max_total_tokens,
+        )
     except ValueError as e:
         return fail(ap.prog, e)
     print(json.dumps(p.to_dict(), indent=1) if args.json else p)

@@ -42,7 +42,8 @@ def setup(seed: int = 0) -> SimpleNamespace:
     if live:
         print(f"GPU live: {gpu}. GPU sections measure now.")
     else:
-        print("No GPU here: GPU sections render recorded results from data/results/ (provenance shown with each).")
+        print("No GPU here: GPU sections render recorded results from data/results/ (provenance shown with "
+              "each).")
     return SimpleNamespace(live=live, device="cuda" if live else "cpu", gpu=gpu, seed=seed)
 
 

@@ -72,7 +72,9 @@ def _to_backend(x, kind: str, originals: dict, in_tree: bool = False):
     kdlib.cuda wrappers take torch CUDA tensors themselves.
     """
     if isinstance(x, DDTree | DDTreeBatch):
-        return type(x)(**{f.name: _to_backend(getattr(x, f.name), kind, originals, True) for f in dataclasses.fields(x)})
+        return type(x)(
+            **{f.name: _to_backend(getattr(x, f.name), kind, originals, True) for f in dataclasses.fields(x)}
+        )
     k = _kind(x)
     if k == "torch-cpu":
         v = _torch_to_numpy(x)
@@ -148,7 +150,8 @@ def _make(name: str):
         kwargs = {k: _to_backend(v, kind, originals) for k, v in kwargs.items()}
         result = fn(*args, **kwargs)
         if name in RETURNS_FIRST_ARG:
-            return torch_args[0] if torch_args else torch_kwargs["cache"]  # the caller's cache, written in place
+            # the caller's cache, written in place
+            return torch_args[0] if torch_args else torch_kwargs["cache"]
         return _to_torch(result, originals)
 
     ref_fn = getattr(ref, name)

@@ -63,7 +63,11 @@ def series_style(i: int) -> dict:
     """Line keywords for series i: colour cycles fastest, then marker and line style change together, so
     up to 6 x 4 series stay distinguishable."""
     k = i // len(COLORS)
-    return {"color": color(i), "marker": MARKERS[k % len(MARKERS)], "linestyle": LINESTYLES[k % len(LINESTYLES)]}
+    return {
+        "color": color(i),
+        "marker": MARKERS[k % len(MARKERS)],
+        "linestyle": LINESTYLES[k % len(LINESTYLES)],
+    }
 
 
 def legend_outside(target, below: bool = False, **kwargs):
@@ -171,8 +175,13 @@ def grouped_bars(ax, groups, series: dict, value_fmt: str | None = None) -> None
     x = np.arange(len(groups))
     width = 0.8 / len(series)
     for i, (label, vals) in enumerate(series.items()):
-        bars = ax.bar(x + (i - (len(series) - 1) / 2) * width, np.asarray(vals, dtype=float), width=width, label=label,
-                      color=color(i))
+        bars = ax.bar(
+            x + (i - (len(series) - 1) / 2) * width,
+            np.asarray(vals, dtype=float),
+            width=width,
+            label=label,
+            color=color(i),
+        )
         if value_fmt:
             ax.bar_label(bars, labels=[value_fmt.format(v) for v in vals], fontsize=8, padding=2)
     ax.set_xticks(x, list(groups))

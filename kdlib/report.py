@@ -129,7 +129,8 @@ def notebook_info(path: Path) -> dict:
             abstract = first_md.source.strip()
     tagged = [c for c in nb.cells if c.cell_type == "code" and "parameters" in c.metadata.get("tags", [])]
     if len(tagged) > 1:
-        raise ValueError(f"{path.name}: {len(tagged)} cells are tagged 'parameters'; papermill needs exactly one")
+        raise ValueError(f"{path.name}: {len(tagged)} cells are tagged 'parameters'; papermill needs exactly "
+                         "one")
     defaults = parse_parameters_cell(tagged[0].source) if tagged else {}
     return {"title": title, "abstract": abstract, "defaults": defaults, "has_parameters_cell": bool(tagged)}
 
@@ -143,7 +144,12 @@ _INTERVAL = re.compile(rf"\bin\s*([\[(])\s*({_NUMBER})\s*,\s*({_NUMBER})\s*([\])
 _COMPARE = re.compile(rf"(>=|<=|>|<|≥|≤)\s*({_NUMBER})(?![\w.])")
 _BARE_CHOICES = re.compile(r"^\s*[\w.-]+(?:\s*\|\s*[\w.-]+)+\s*$")
 _KINDS = {"int": int, "float": float, "str": str, "bool": bool}
-_OPS = {">=": lambda v, b: v >= b, ">": lambda v, b: v > b, "<=": lambda v, b: v <= b, "<": lambda v, b: v < b}
+_OPS = {
+    ">=": lambda v, b: v >= b,
+    ">": lambda v, b: v > b,
+    "<=": lambda v, b: v <= b,
+    "<": lambda v, b: v < b,
+}
 
 
 def _kind_of(value) -> type | None:
@@ -184,7 +190,9 @@ def parameter_spec(default, comment: str) -> dict:
     for left, lo, hi, right in _INTERVAL.findall(text):
         bounds += [(">=" if left == "[" else ">", float(lo)), ("<=" if right == "]" else "<", float(hi))]
     text_wo_intervals = _INTERVAL.sub("", text)
-    bounds += [({"≥": ">=", "≤": "<="}.get(op, op), float(n)) for op, n in _COMPARE.findall(text_wo_intervals)]
+    bounds += [
+        ({"≥": ">=", "≤": "<="}.get(op, op), float(n)) for op, n in _COMPARE.findall(text_wo_intervals)
+    ]
     choices = None
     if kind is str:
         quoted = re.findall(r'"([^"]*)"', text)
@@ -193,8 +201,13 @@ def parameter_spec(default, comment: str) -> dict:
             choices = tuple(dict.fromkeys(quoted))
         elif _BARE_CHOICES.match(after):
             choices = tuple(c.strip() for c in after.split("|"))
-    return {"kind": kind, "is_list": is_list, "none_ok": default is None or bool(re.search(r"\bNone\b", text)),
-            "bounds": bounds if kind in (int, float) else [], "choices": choices}
+    return {
+        "kind": kind,
+        "is_list": is_list,
+        "none_ok": default is None or bool(re.search(r"\bNone\b", text)),
+        "bounds": bounds if kind in (int, float) else [],
+        "choices": choices,
+    }
 
 
 def _kind_name(spec: dict) -> str:
@@ -277,7 +290,9 @@ def _typed(value, spec: dict):
     return None if value == "None" and spec["none_ok"] else value
 
 
-def plan(paths: list[Path], profile: str, overrides: dict, params_dir: Path, out_dir: Path = REPORTS) -> list[dict]:
+def plan(
+    paths: list[Path], profile: str, overrides: dict, params_dir: Path, out_dir: Path = REPORTS
+) -> list[dict]:
     """What each notebook will run with; every bad name, value or file is reported here, before any run.
 
     A notebook parameter named `OUT_PARAMETER` (REPORTS_DIR) that no profile or -p sets gets `out_dir`.
@@ -319,8 +334,16 @@ def plan(paths: list[Path], profile: str, overrides: dict, params_dir: Path, out
         if OUT_PARAMETER in params and OUT_PARAMETER not in injected:
             params[OUT_PARAMETER].update(value=str(Path(out_dir).resolve()), source="--out")
             injected[OUT_PARAMETER] = params[OUT_PARAMETER]["value"]
-        jobs.append({"path": path, "info": info, "parameters": params, "injected": injected, "profile": profile,
-                     "profile_file": str(profile_file) if profile_file else None})
+        jobs.append(
+            {
+                "path": path,
+                "info": info,
+                "parameters": params,
+                "injected": injected,
+                "profile": profile,
+                "profile_file": str(profile_file) if profile_file else None,
+            }
+        )
     defined = set().union(*(j["info"]["defaults"] for j in jobs)) if jobs else set()
     unused = sorted(set(overrides) - defined)
     if unused and len(jobs) == len(paths):
@@ -355,7 +378,11 @@ def check_kernel(kernel_name: str = KERNEL) -> str:
                          f"`{sys.executable} -m ipykernel install --sys-prefix --name {kernel_name}`") from e
     exe = spec.argv[0]
     # jupyter_client runs a bare 'python' / 'python3' / 'python3.11' as sys.executable.
-    if exe in ("python", f"python{sys.version_info[0]}", f"python{sys.version_info[0]}.{sys.version_info[1]}"):
+    if exe in (
+        "python",
+        f"python{sys.version_info[0]}",
+        f"python{sys.version_info[0]}.{sys.version_info[1]}",
+    ):
         return sys.executable
     if Path(exe).absolute().parent != Path(sys.executable).absolute().parent:
         raise ValueError(f"kernel {kernel_name!r} ({spec.resource_dir}) starts {exe}, not this environment's "
@@ -400,7 +427,8 @@ def render_html(executed: Path, html_path: Path, *, title: str) -> None:
     nb = nbformat.read(str(executed), as_version=4)
     exporter = HTMLExporter(embed_images=True)
     exporter.register_preprocessor(
-        TagRemovePreprocessor(remove_cell_tags={"remove-cell"}, remove_input_tags={"remove-input"}), enabled=True
+        TagRemovePreprocessor(remove_cell_tags={"remove-cell"}, remove_input_tags={"remove-input"}),
+        enabled=True,
     )
     body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": title}})
     nav = ('<nav style="font:14px system-ui,sans-serif;padding:8px 16px;border-bottom:1px solid #ddd">'
@@ -613,7 +641,9 @@ def source_link(source: str, pages: set[str]) -> str:
         return f"<code>{_esc(source)}</code>" if source else '<span class="meta">—</span>'
     stem, frag = m.group(1), m.group(2)
     section = unquote(frag) if frag else ""
-    label = stem + (f" §{section.split('.')[0]}" if section[:1].isdigit() else (f" #{section}" if section else ""))
+    label = stem + (
+        f" §{section.split('.')[0]}" if section[:1].isdigit() else (f" #{section}" if section else "")
+    )
     if f"{stem}.html" not in pages:
         return f'{_esc(label)} <span class="meta">(page not in this report)</span>'
     title = f' title="{_esc(section.replace("-", " "))}"' if section else ""
@@ -631,9 +661,13 @@ def _records_table(records: list[dict], pages: set[str]) -> str:
     for r in own:
         value, unit = fmt_value(r.get("value"), r.get("unit", ""))
         exact = r.get("value")
-        title = f' title="{_esc(f"{exact:,} B")}"' if unit != r.get("unit", "") and isinstance(exact, int) else ""
-        rows.append(f"<tr><td><code>{_esc(r.get('name'))}</code></td><td class=\"num\"{title}>{_esc(value)}</td>"
-                    f"<td>{_esc(unit)}</td><td class=\"prov\">{source_link(str(r.get('source', '')), pages)}</td>"
+        title = (
+            f' title="{_esc(f"{exact:,} B")}"' if unit != r.get("unit", "") and isinstance(exact, int) else ""
+        )
+        rows.append(f"<tr><td><code>{_esc(r.get('name'))}</code></td><td "
+                    f"class=\"num\"{title}>{_esc(value)}</td>"
+                    f"<td>{_esc(unit)}</td><td "
+                    f"class=\"prov\">{source_link(str(r.get('source', '')), pages)}</td>"
                     f"<td>{_esc(r.get('note', ''))}</td></tr>")
     head = _head(("recorded value", 27), ("value", 12), ("unit", 9), ("provenance", 27), ("note", 25))
     return f"<table>{head}{''.join(rows)}</table>{more}"
@@ -652,7 +686,12 @@ def _parameters_table(params: dict) -> str:
 
 
 def _audit_rows(entries: list[dict]) -> list[tuple[dict, dict]]:
-    return [(e, r) for e in entries for r in e.get("records", []) if str(r.get("name", "")).startswith(AUDIT_PREFIX)]
+    return [
+        (e, r)
+        for e in entries
+        for r in e.get("records", [])
+        if str(r.get("name", "")).startswith(AUDIT_PREFIX)
+    ]
 
 
 def _claims() -> dict:
@@ -744,7 +783,8 @@ def _entry_html(e: dict, pages: set[str]) -> str:
         f'<div class="abstract">{_markdown(e["abstract"])}</div>'
         f"{_records_table(e['records'], pages)}"
         f"<details{' open' if n_changed else ''}><summary>parameters ({len(e['parameters'])}, "
-        f"{n_changed} changed from the defaults{profile_file})</summary>{_parameters_table(e['parameters'])}</details>"
+        f"{n_changed} changed from the "
+        f"defaults{profile_file})</summary>{_parameters_table(e['parameters'])}</details>"
         "</section>"
     )
 
@@ -766,7 +806,8 @@ def index_html(doc: dict) -> str:
         "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
         f"<title>kdtree workbook: reports</title><style>{_CSS}</style></head><body><main>"
         "<h1>kdtree workbook: reports</h1>"
-        f'<p class="meta">Generated {_esc(doc["generated"])} · commit <code>{_esc(doc["commit"][:12])}</code> · '
+        f'<p class="meta">Generated {_esc(doc["generated"])} · commit '
+        f'<code>{_esc(doc["commit"][:12])}</code> · '
         f'profile <code>{_esc(doc["profile"])}</code> · {_esc(doc["python"])}</p>'
         f'<p class="summary">{summary}</p>'
         f"{audit_counts_html(entries)}"
@@ -787,8 +828,12 @@ def write_index(out_dir: Path, entries: list[dict], *, profile: str) -> dict:
         pass
     ran = {e["stem"] for e in entries}
     kept = [
-        {**e, "carried_over": True} for e in previous
-        if isinstance(e, dict) and e.get("stem") not in ran and e.get("html") and (out_dir / e["html"]).is_file()
+        {**e, "carried_over": True}
+        for e in previous
+        if isinstance(e, dict)
+        and e.get("stem") not in ran
+        and e.get("html")
+        and (out_dir / e["html"]).is_file()
         and Path(e.get("notebook", "")).is_file()
     ]
     notebooks = sorted(entries + kept, key=lambda e: e["stem"])
@@ -808,9 +853,17 @@ def write_index(out_dir: Path, entries: list[dict], *, profile: str) -> dict:
 # --------------------------------------------------------------------------- entry point
 
 
-def run_reports(names: list[str] | None = None, *, profile: str = "cpu", overrides: dict | None = None,
-                out_dir: Path = REPORTS, notebooks_dir: Path = NOTEBOOKS, timeout_s: float = DEFAULT_TIMEOUT_S,
-                kernel_name: str = KERNEL, log_output: bool = False) -> list[dict]:
+def run_reports(
+    names: list[str] | None = None,
+    *,
+    profile: str = "cpu",
+    overrides: dict | None = None,
+    out_dir: Path = REPORTS,
+    notebooks_dir: Path = NOTEBOOKS,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    kernel_name: str = KERNEL,
+    log_output: bool = False,
+) -> list[dict]:
     """Run the notebooks, write their pages and the index; returns the entries of this run.
 
     Raises ValueError (before running anything) for unknown notebooks, missing or bad parameter
@@ -836,10 +889,16 @@ def run_reports(names: list[str] | None = None, *, profile: str = "cpu", overrid
         entry = run_one(job, out_dir, timeout_s=timeout_s, kernel_name=kernel_name, log_output=log_output,
                         progress_bar=sys.stderr.isatty())
         entries.append(entry)
-        write_index(out_dir, entries, profile=profile)  # after each notebook: an interrupted batch still has one
+        # after each notebook: an interrupted batch still has one
+        write_index(out_dir, entries, profile=profile)
         err = entry["error"]
-        note = "" if not err else f"  {err['ename']}: {err['evalue'][:200]}" + (f"  at: {err['line']}" if err["line"] else "")
-        print(f"[{i}/{len(jobs)}] {entry['stem']:<{width}} {entry['status']} in {entry['duration_s']:.1f} s{note}",
+        note = (
+            ""
+            if not err
+            else f"  {err['ename']}: {err['evalue'][:200]}" + (f"  at: {err['line']}" if err["line"] else "")
+        )
+        print(f"[{i}/{len(jobs)}] {entry['stem']:<{width}} {entry['status']} in {entry['duration_s']:.1f} "
+              f"s{note}",
               flush=True)
     return entries
 
@@ -852,7 +911,8 @@ def cli(argv: list[str]) -> int:
     ap.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"),
                     help="override a parameter (VALUE parsed as YAML); repeatable")
     ap.add_argument("--out", default=str(REPORTS), help="output folder (default reports/)")
-    ap.add_argument("--notebooks-dir", default=str(NOTEBOOKS), help="where the notebooks are (default notebooks/)")
+    ap.add_argument("--notebooks-dir", default=str(NOTEBOOKS), help="where the notebooks are (default "
+                                                                    "notebooks/)")
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                     help=f"seconds each notebook may run in all (default {DEFAULT_TIMEOUT_S})")
     ap.add_argument("--log-output", action="store_true", help="stream the notebooks' output to the terminal")

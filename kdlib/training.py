@@ -60,7 +60,8 @@ def train_tokenizer(texts, vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if vocab_size < 256 + len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size must cover the 256 byte symbols and the special tokens, got {vocab_size}")
+        raise ValueError("vocab_size must cover the 256 byte symbols and the special tokens, got "
+                         f"{vocab_size}")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -95,7 +96,9 @@ def token_streams(tok, docs) -> dict:
     return out
 
 
-def sample_windows(streams: dict, weights: dict, batch: int, seq: int, rng: np.random.Generator) -> np.ndarray:
+def sample_windows(
+    streams: dict, weights: dict, batch: int, seq: int, rng: np.random.Generator
+) -> np.ndarray:
     """[batch, seq] int64 windows from the train streams, the kind of each row drawn by `weights`."""
     kinds = sorted(weights)
     p = np.array([weights[k] for k in kinds], dtype=np.float64)
@@ -118,15 +121,38 @@ def target_config(vocab_size: int, **overrides) -> dict:
     end-of-text token (GPT-2's convention: it ends every document, so it also precedes the next).
     """
     cfg = {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-        "vocab_size": vocab_size, "hidden_size": 256, "intermediate_size": 768, "moe_intermediate_size": 96,
-        "num_hidden_layers": 4, "first_k_dense_replace": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
-        "q_lora_rank": None, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 32,
-        "n_routed_experts": 16, "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
-        "routed_scaling_factor": 1.0, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
-        "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "rope_interleave": True,
-        "tie_word_embeddings": False, "bos_token_id": EOS_ID, "eos_token_id": EOS_ID,
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": vocab_size,
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "moe_intermediate_size": 96,
+        "num_hidden_layers": 4,
+        "first_k_dense_replace": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": None,
+        "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 32,
+        "v_head_dim": 32,
+        "n_routed_experts": 16,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "norm_topk_prob": True,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 2048,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "rope_interleave": True,
+        "tie_word_embeddings": False,
+        "bos_token_id": EOS_ID,
+        "eos_token_id": EOS_ID,
     }
     unknown = set(overrides) - set(cfg)
     if unknown:
@@ -147,7 +173,11 @@ def init_target(model, seed: int) -> None:
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:
-                std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+                std = (
+                    0.02 / math.sqrt(2 * n_layers)
+                    if name.endswith(("o_proj.weight", "down_proj.weight"))
+                    else 0.02
+                )
                 p.copy_(torch.randn(p.shape, generator=g) * std)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
@@ -166,7 +196,8 @@ def _attention(attn, x, cos, sin):
     nh = c.num_attention_heads
     q = attn.q_proj(x) if c.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
     q_nope, q_rope = q.view(B, T, nh, c.qk_head_dim).split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-    q_rope = apply_rope(q_rope.transpose(0, 1), cos, sin, c.rope_interleave).transpose(0, 1)  # [B, T, nh, rope]
+    # [B, T, nh, rope]
+    q_rope = apply_rope(q_rope.transpose(0, 1), cos, sin, c.rope_interleave).transpose(0, 1)
     c_kv, k_rope = attn.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
     k_rope = apply_rope(k_rope.transpose(0, 1), cos, sin, c.rope_interleave).transpose(0, 1)  # [B, T, rope]
     kv = attn.kv_b_proj(attn.kv_a_layernorm(c_kv)).view(B, T, nh, c.qk_nope_head_dim + c.v_head_dim)
@@ -183,7 +214,8 @@ def _moe(moe, x, loads):
 
     w, idx = moe.gate(x)  # [N, k] float32, [N, k] int64
     E = len(moe.experts)
-    combine = torch.zeros(x.shape[0], E, dtype=torch.float32, device=x.device).scatter_add_(1, idx, w)  # [N, E]
+    # [N, E]
+    combine = torch.zeros(x.shape[0], E, dtype=torch.float32, device=x.device).scatter_add_(1, idx, w)
     gate = torch.stack([e.gate_proj.weight for e in moe.experts])  # [E, I, H]
     up = torch.stack([e.up_proj.weight for e in moe.experts])  # [E, I, H]
     down = torch.stack([e.down_proj.weight for e in moe.experts])  # [E, H, I]
@@ -259,8 +291,16 @@ def drafter_config(target_cfg, mask_token_id: int, **overrides):
     """
     from kdlib.engine.drafter import DFlashConfig
 
-    kw = {"target_layer_ids": tuple(range(target_cfg.num_hidden_layers)), "block_size": 16, "num_layers": 2,
-          "num_heads": 4, "head_dim": 64, "intermediate_size": 512, "rope_theta": 10000.0, "rms_norm_eps": 1e-6}
+    kw = {
+        "target_layer_ids": tuple(range(target_cfg.num_hidden_layers)),
+        "block_size": 16,
+        "num_layers": 2,
+        "num_heads": 4,
+        "head_dim": 64,
+        "intermediate_size": 512,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+    }
     unknown = set(overrides) - set(kw)
     if unknown:
         raise ValueError(f"unknown drafter config fields {sorted(unknown)}")
@@ -318,7 +358,8 @@ def drafter_forward(drafter, target, ids, feats, anchors):
     labels = torch.gather(ids, 1, pos[:, :, 1:].reshape(B, -1)).view(B, A, S - 1)
     ctx = drafter.context(feats.reshape(B * T, -1))  # [B*T, H]
     ctx_pos = torch.arange(T, device=dev).repeat(B)  # [B*T]
-    see_ctx = torch.arange(T, device=dev)[None, None, :] < anchors.repeat_interleave(S, dim=1)[:, :, None]  # [B, Q, T]
+    # [B, Q, T]
+    see_ctx = torch.arange(T, device=dev)[None, None, :] < anchors.repeat_interleave(S, dim=1)[:, :, None]
     blk = torch.arange(A, device=dev).repeat_interleave(S)  # [Q] block of each query row
     see_blk = (blk[:, None] == blk[None, :]).expand(B, Q, Q)  # [B, Q, Q]
     mask = torch.cat([see_ctx, see_blk], dim=-1)[:, None]  # [B, 1, Q, T + Q]
@@ -328,11 +369,14 @@ def drafter_forward(drafter, target, ids, feats, anchors):
         kc, vc = layer.kv(ctx, ctx_pos)  # [B*T, nh, hd]
         a = layer.input_layernorm(x)
         cos, sin = _neox_cos_sin(qpos, hd, c.rope_theta, x.dtype, dev)
-        q = apply_rope(layer.q_norm(layer.q_proj(a).view(-1, nh, hd)), cos, sin, interleave=False)  # [B*Q, nh, hd]
+        # [B*Q, nh, hd]
+        q = apply_rope(layer.q_norm(layer.q_proj(a).view(-1, nh, hd)), cos, sin, interleave=False)
         kb, vb = layer.kv(a, qpos)  # [B*Q, nh, hd]
-        k = torch.cat([kc.view(B, T, nh, hd), kb.view(B, Q, nh, hd)], dim=1).transpose(1, 2)  # [B, nh, T+Q, hd]
+        # [B, nh, T+Q, hd]
+        k = torch.cat([kc.view(B, T, nh, hd), kb.view(B, Q, nh, hd)], dim=1).transpose(1, 2)
         v = torch.cat([vc.view(B, T, nh, hd), vb.view(B, Q, nh, hd)], dim=1).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.view(B, Q, nh, hd).transpose(1, 2), k, v, attn_mask=mask)  # [B, nh, Q, hd]
+        # [B, nh, Q, hd]
+        o = F.scaled_dot_product_attention(q.view(B, Q, nh, hd).transpose(1, 2), k, v, attn_mask=mask)
         x = x + layer.o_proj(o.transpose(1, 2).reshape(B * Q, nh * hd))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     logits = F.linear(drafter.norm(x), _lm_head(target)).float()  # [B*Q, V]
@@ -363,7 +407,9 @@ def drafter_loss(drafter, target, ids, anchors, gamma: float = LOSS_GAMMA):
     with torch.no_grad():
         _, feats = target_forward(target, ids, capture=drafter.target_layer_ids)
     logits, labels = drafter_forward(drafter, target, ids, feats.detach(), anchors)
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view(labels.shape)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view(
+        labels.shape
+    )
     k = torch.arange(1, drafter.block_size, device=ids.device, dtype=torch.float32)
     w = torch.exp(-(k - 1) / gamma)  # [B_blk - 1]
     loss = (ce.mean(dim=(0, 1)) * w).sum() / w.sum()
@@ -496,7 +542,9 @@ def train_target(model, streams: dict, spec: TrainSpec, log=print, eval_fn=None,
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step_fn(rng):
-        ids = torch.from_numpy(sample_windows(streams, spec.weights, spec.batch, spec.seq + 1, rng)).to(device)
+        ids = torch.from_numpy(sample_windows(streams, spec.weights, spec.batch, spec.seq + 1, rng)).to(
+            device
+        )
         loads: list = []
         with _autocast(device):
             loss = lm_loss(model, ids, loads)

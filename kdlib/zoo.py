@@ -52,7 +52,8 @@ def _require(folder, *names: str) -> Path:
     missing = [f for f in names if not (root / f).is_file()]
     if missing:
         raise FileNotFoundError(
-            f"{root}: trained models missing ({', '.join(missing)}); run `python tools/train_tiny.py` to train them"
+            f"{root}: trained models missing ({', '.join(missing)}); run `python tools/train_tiny.py` to "
+            "train them"
         )
     return root
 
