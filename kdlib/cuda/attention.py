@@ -75,8 +75,8 @@ _V5_ROUNDS = 4  # MAX_ROUNDS: the plan fits the jobs into at most this many roun
 _V5_JOB_OVERHEAD = 5  # JOB_OVERHEAD, in tiles
 _V5_PLAN_STRIDE = 8  # PLAN_STRIDE: per request base, chunks, chunk tiles, row blocks, len, rows, tail rows
 # What "auto" runs for bf16 where the device has sm_90a: the faster of "wgmma" and "mma" in the
-# recorded attention sweep (data/results/attention.h200.json); a one-line change after a new run.
-BF16_DEFAULT = "mma"
+# recorded attention sweep (data/results/attention.h200.json: "wgmma" at every point of the grid).
+BF16_DEFAULT = "wgmma"
 _MAX_SPLITS = 64  # beyond this the partial-output traffic outweighs the gain in parallelism
 _MIN_TILES_PER_SPLIT = 8  # a split shorter than 8 key tiles spends its time on set-up
 
