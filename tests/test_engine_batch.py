@@ -188,6 +188,21 @@ def test_logprobs_match_the_target_distribution():
         assert [t for t, _ in e["top"]] == lp[i].topk(3).indices.tolist()
 
 
+def test_prompt_logprobs_match_a_full_forward():
+    m = _model()
+    prompt = _prompts(1, seed=6, vocab=m.cfg.vocab_size, lo=8, hi=20)[0]
+    eng = BatchEngine(m, max_streams=1)
+    got = eng.prompt_logprobs(prompt, 2)
+    lp = torch.log_softmax(m.logits(prompt), dim=-1)  # [P, V] row i predicts prompt[i+1]
+    assert got[0] is None and len(got) == len(prompt)
+    for i in range(1, len(prompt)):
+        assert got[i]["token"] == prompt[i]
+        assert got[i]["logprob"] == pytest.approx(float(lp[i - 1, prompt[i]]), abs=1e-5)
+        assert [t for t, _ in got[i]["top"]] == lp[i - 1].topk(2).indices.tolist()
+    with pytest.raises(ValueError, match="top_n"):
+        eng.prompt_logprobs(prompt, 99)
+
+
 def test_hashed_uniforms_are_uniform_and_a_pure_function():
     seeds = torch.arange(64, dtype=torch.int64) * 7919 + 3
     u = hashed_uniforms(seeds, torch.full((64,), 17, dtype=torch.int64), 256)  # [64, 256]

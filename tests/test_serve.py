@@ -163,6 +163,19 @@ def test_echo_and_max_tokens_null(oa, http):
     assert rest["choices"][0]["finish_reason"] == "length"
 
 
+def test_echo_with_logprobs_scores_the_prompt(oa, bundle):
+    """echo + logprobs: the prompt's tokens come first, the first without a logprob (as OpenAI), the
+    others scored by the target given what precedes them, then the completion's."""
+    ids = bundle.tokenizer.encode("def f(x):\n    return x")
+    r = _greedy(oa, ids, 4, echo=True, logprobs=1, extra_body={"ignore_eos": True}).choices[0]
+    lp = r.logprobs
+    assert len(lp.tokens) == len(ids) + 4 and lp.token_logprobs[0] is None
+    ref = torch.log_softmax(bundle.model.logits(ids).float(), dim=-1)  # [P, V] row i predicts ids[i+1]
+    for i in range(1, len(ids)):
+        assert lp.token_logprobs[i] == pytest.approx(float(ref[i - 1, ids[i]]), abs=1e-4)
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+
+
 def test_fields_it_cannot_honour_get_a_400_naming_them(http):
     for body, named, status in [({"prompt": "x", "logit_bias": {"5": 3}}, "logit_bias", 400),
                                 ({"prompt": "x", "presence_penalty": 1.0}, "presence_penalty", 400),

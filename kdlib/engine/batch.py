@@ -444,6 +444,18 @@ class BatchEngine:
             self._retire(r)
         return True
 
+    @torch.no_grad()
+    def prompt_logprobs(self, prompt_ids, top_n: int) -> list[dict | None]:
+        """Between steps: per prompt position i the log-probability of prompt[i] given prompt[:i] and the
+        top_n alternatives (echo + logprobs); position 0 has no context and gets None."""
+        if isinstance(top_n, bool) or not isinstance(top_n, numbers.Integral) or not 0 <= top_n <= TOP_LOGPROBS:
+            raise ValueError(f"top_n must be an int in [0, {TOP_LOGPROBS}], got {top_n!r}")
+        ids = self.model.check_tokens(prompt_ids)
+        if ids.shape[0] > self.max_context:
+            raise ValueError(f"prompt of {ids.shape[0]} tokens exceeds the context limit {self.max_context}")
+        lp = torch.log_softmax(self.model.logits(ids).float(), dim=-1)[:-1]  # [P-1, V] row i predicts prompt[i+1]
+        return [None] + self._logprob_entries(lp, ids[1:].tolist(), int(top_n))
+
     def result(self, rid: int) -> _Request | None:
         """A request's record (tokens, accepted, steps): running or waiting, or finished under keep_results."""
         return self._requests.get(rid) or self.finished.get(rid)
