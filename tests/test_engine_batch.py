@@ -44,17 +44,17 @@ def _ar(model, prompt, n) -> list[int]:
 
 @pytest.mark.parametrize("streams", [1, 3, 16])
 @pytest.mark.parametrize(
-    "method,kind,budget",
-    [("ar", None, None), ("ddtree", "oracle", 1), ("ddtree", "oracle", 64), ("ddtree", "dflash", 8)],
+    "method,kind,budget,overlap",
+    [("ar", None, None, False), ("ddtree", "oracle", 1, False), ("ddtree", "oracle", 64, False),
+     ("ddtree", "dflash", 8, False), ("ar", None, None, True), ("ddtree", "dflash", 8, True)],
 )
-def test_greedy_batch_equals_single_stream_ar(streams, method, kind, budget):
+def test_greedy_batch_equals_single_stream_ar(streams, method, kind, budget, overlap):
     m = _model()
     prompts = _prompts(streams, seed=streams * 7 + (budget or 0), vocab=m.cfg.vocab_size)
     new = [int(x) for x in np.random.default_rng(streams).integers(4, 14, streams)]
     drafter = _drafter(kind, m) if kind else None
-    eng = BatchEngine(
-        m, max_streams=streams, method=method, drafter=drafter, budget=budget, keep_results=True
-    )
+    eng = BatchEngine(m, max_streams=streams, method=method, drafter=drafter, budget=budget, keep_results=True,
+                      overlap=overlap)
     rids = [eng.add_request(p, n) for p, n in zip(prompts, new, strict=True)]
     while eng.has_work():
         eng.step()
@@ -73,10 +73,12 @@ def test_generate_batch_matches_ar_and_reports_acceptance():
         assert r.mean_accepted > 1.0  # the oracle is right 70% of the time per depth
 
 
-def test_streams_join_and_leave_mid_run_with_poisoned_free_slots():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_streams_join_and_leave_mid_run_with_poisoned_free_slots(overlap):
     """Continuous batching over 3 lanes: requests arrive between steps, one is aborted, the rest equal
     their single-stream AR output; every free slot holds NaN at every step (a stream reading a slot it
-    does not own would turn NaN), and each lane's page table only names its own slots."""
+    does not own would turn NaN), and each lane's page table only names its own slots. With overlap
+    the step in flight also runs requests that finished in the step before it (their tokens dropped)."""
     m = _model()
     V = m.cfg.vocab_size
     prompts = _prompts(8, seed=11, vocab=V, hi=120)
@@ -89,6 +91,7 @@ def test_streams_join_and_leave_mid_run_with_poisoned_free_slots():
         budget=5,
         keep_results=True,
         num_slots=420,
+        overlap=overlap,
     )
     arrivals = {0: [0, 1], 2: [2, 3, 4], 3: [5], 6: [6, 7]}
     rids, aborted = {}, None
@@ -145,15 +148,15 @@ def test_errors_are_clear_and_before_any_work():
     assert not eng.has_work() and eng.pool_free_slots == 100
 
 
-def test_stop_tokens_min_tokens_and_ignore_eos():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_stop_tokens_min_tokens_and_ignore_eos(overlap):
     m = _model()
     prompt = _prompts(1, seed=2, vocab=m.cfg.vocab_size, hi=30)[0]
     ref = _ar(m, prompt, 12)
     stop = ref[4]
     first = ref.index(stop)
-    eng = BatchEngine(
-        m, max_streams=3, method="ddtree", drafter=_drafter("oracle", m), budget=8, keep_results=True
-    )
+    eng = BatchEngine(m, max_streams=3, method="ddtree", drafter=_drafter("oracle", m), budget=8,
+                      keep_results=True, overlap=overlap)
     a = eng.add_request(prompt, 12, SamplingParams(stop_token_ids=(stop,)))
     b = eng.add_request(prompt, 12, SamplingParams(stop_token_ids=(stop,), ignore_eos=True))
     c = eng.add_request(prompt, 12, SamplingParams(stop_token_ids=(stop,), min_tokens=first + 1))
@@ -300,9 +303,9 @@ def test_same_seed_same_tokens_whatever_else_runs():
     others = _prompts(5, seed=10, vocab=m.cfg.vocab_size, hi=60)
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=1234)
 
-    def run(with_others: bool):
+    def run(with_others: bool, overlap: bool = False):
         eng = BatchEngine(m, max_streams=6, method="ddtree", drafter=_drafter("dflash", m), budget=6,
-                          keep_results=True)
+                          keep_results=True, overlap=overlap)
         if with_others:
             for i, o in enumerate(others[:3]):
                 eng.add_request(o, 9, SamplingParams(temperature=0.5, seed=i))
@@ -315,7 +318,7 @@ def test_same_seed_same_tokens_whatever_else_runs():
         return eng.result(rid).tokens
 
     alone = run(False)
-    assert alone == run(True)
+    assert alone == run(True) == run(True, overlap=True)
     assert len(alone) == 10
 
 
@@ -338,7 +341,9 @@ def test_gpu_graphs_equal_eager_and_ar(streams, budget):
             r.tokens
             for r in generate_batch(m, prompts, 12, method="ddtree", drafter=d, budget=budget, graphs=graphs)
         ]
-    assert outs[True] == outs[False]
+    outs["overlap"] = [r.tokens for r in generate_batch(m, prompts, 12, method="ddtree", drafter=d,
+                                                        budget=budget, graphs=True, overlap=True)]
+    assert outs[True] == outs[False] == outs["overlap"]
     assert outs[True] == [_ar(m, p, 12) for p in prompts]
     sampled = [
         generate_batch(

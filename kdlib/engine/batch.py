@@ -312,7 +312,8 @@ class BatchEngine:
 
     def __init__(self, model, max_streams: int = 16, method: str = "ar", drafter=None, budget: int | None = None,
                  top_k: int | None = None, num_slots: int | None = None, max_context: int | None = None,
-                 graphs: bool | None = None, keep_results: bool = False, compile: bool = False):
+                 graphs: bool | None = None, keep_results: bool = False, compile: bool = False,
+                 overlap: bool = False):
         if method not in ("ar", "ddtree"):
             raise ValueError(f"method must be 'ar' or 'ddtree', got {method!r}")
         for name, v in (("max_streams", max_streams),):
@@ -373,7 +374,10 @@ class BatchEngine:
         # packed step result: [emitted count, tokens x width, (logprob, top ids, top logprobs) x width]
         self.out_cols = 1 + self.width * (2 + 2 * TOP_LOGPROBS)
         self.out_dev = torch.zeros(n, self.out_cols, dtype=torch.float64, device=dev)  # [lanes, cols]
-        self.out_host = torch.zeros(n, self.out_cols, dtype=torch.float64, pin_memory=dev.type == "cuda")
+        pinned = dict(dtype=torch.float64, pin_memory=dev.type == "cuda")
+        self.out_host = (torch.zeros(2, n, self.out_cols, **pinned) if overlap  # [2, lanes, cols]: one per step in flight
+                         else torch.zeros(n, self.out_cols, **pinned))
+        self.overlap, self._inflight, self._flip = bool(overlap), None, 0
         self._graphs: dict = {}
         self._graph_pool = None
         self._trees: dict = {}
@@ -406,7 +410,7 @@ class BatchEngine:
         return self.pool.num_slots
 
     def has_work(self) -> bool:
-        return bool(self._waiting) or self.num_running > 0
+        return bool(self._waiting) or self.num_running > 0 or self._inflight is not None
 
     # ---- requests
     def reserve(self, prompt_len: int, max_new_tokens: int) -> int:
@@ -523,35 +527,67 @@ class BatchEngine:
     # ---- one step
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
-        """Admit waiting requests, then one decode step of every running request (module docstring)."""
+        """Admit waiting requests, then one decode step of every running request (module docstring).
+
+        With overlap, the device runs step k+1 while the host reads step k's tokens: a call launches
+        the next step for the requests running now, then collects the previous one (a request that
+        finished there has run one step more, whose tokens are dropped), then admits; its outputs lag
+        the device by one step."""
         t0 = time.perf_counter()
-        outs = self._admit()
-        running = [r for r in self._lanes if r is not None]
-        if not running:
+        if not self.overlap:
+            outs = self._admit()
+            launched = self._launch()
+            if launched is not None:
+                outs += self._finish(launched)
+                self.step_ms.append((time.perf_counter() - t0) * 1e3)
             return outs
-        C = min(1 << max(r.lane for r in running).bit_length(), self.max_streams)  # lanes 0..C-1 step
-        lens = [len(r.prompt) + len(r.tokens) - 1 for r in running]  # committed = everything but the bonus
+        launched = self._launch()
+        outs = self._finish(self._inflight) if self._inflight is not None else []
+        self._inflight = launched
+        outs += self._admit()
+        if launched is not None:
+            self.step_ms.append((time.perf_counter() - t0) * 1e3)
+        return outs
+
+    def _launch(self):
+        """Start one device step over the running lanes; returns (requests by lane, C, host buffer, event)."""
+        running = [(r.lane, r) for r in self._lanes if r is not None]
+        if not running:
+            return None
+        C = min(1 << max(lane for lane, _ in running).bit_length(), self.max_streams)  # lanes 0..C-1 step
+        ahead = self.width if self._inflight is not None else 0  # a step in flight may commit this many more
+        lens = [len(r.prompt) + len(r.tokens) - 1 + ahead for _, r in running]  # committed: all but the bonus
         T = MIN_TABLE
         while T < max(lens) + self.rows:
             T *= 2
         T = min(T, self.table_cap)
-        lanes = range(C)
-        reqs = [self._lanes[i] for i in lanes]
+        reqs = [self._lanes[i] for i in range(C)]
         sampled = any(r is not None and r.params.temperature > 0 for r in reqs)
         filtered = any(r is not None and r.params.temperature > 0 and (r.params.top_p < 1 or r.params.top_k > 0)
                        for r in reqs)
         want_lp = any(r is not None and r.params.logprobs is not None for r in reqs)
         key = (C, T, sampled, filtered, want_lp)
+        host = self.out_host[self._flip] if self.overlap else self.out_host
+        self._flip ^= 1
+        event = None
         if self.graphs:
             self._replay(key)
+            if self.overlap:  # the copy leaves the graph: each step has its own host buffer
+                host[:C].copy_(self.out_dev[:C], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
         else:
             self._device_step(*key)
-            self.out_host[:C].copy_(self.out_dev[:C])
-        out = self.out_host[:C].numpy()
-        for r in running:
-            outs.append(self._collect(r, out[r.lane]))
-        self.step_ms.append((time.perf_counter() - t0) * 1e3)
-        return outs
+            host[:C].copy_(self.out_dev[:C])
+        return running, C, host, event
+
+    def _finish(self, launched) -> list[StepOutput]:
+        """Wait for a launched step's packed tokens and hand them to the requests still in their lanes."""
+        running, C, host, event = launched
+        if event is not None:
+            event.synchronize()  # the step's one wait
+        out = host[:C].numpy()
+        return [self._collect(r, out[lane]) for lane, r in running if self._lanes[lane] is r]
 
     def _collect(self, r: _Request, row: np.ndarray) -> StepOutput:
         n = int(row[0])
@@ -724,6 +760,8 @@ class BatchEngine:
             start.record()
             g.replay()
             end.record()
+        if self.overlap:
+            return  # _finish waits for this step's copy later
         torch.cuda.current_stream().synchronize()  # the step's one wait: the packed tokens are on the host
         if self.replay_ms is not None:
             self.replay_ms.append(start.elapsed_time(end))
@@ -750,7 +788,8 @@ class BatchEngine:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self._graph_pool):
             self._device_step(*key)
-            self.out_host[:C].copy_(self.out_dev[:C], non_blocking=True)
+            if not self.overlap:
+                self.out_host[:C].copy_(self.out_dev[:C], non_blocking=True)
         restore()
         self._graphs[key] = g
         return g
@@ -797,7 +836,8 @@ class _TreeBuffers:
 # ----------------------------------------------------------------------------- one call for many prompts
 def generate_batch(model, prompts, max_new_tokens: int, method: str = "ar", drafter=None, budget: int | None = None,
                    temperature: float = 0.0, seed: int | None = None, max_streams: int | None = None,
-                   graphs: bool | None = None, top_k: int | None = None) -> list[GenerateResult]:
+                   graphs: bool | None = None, top_k: int | None = None, compile: bool = False,
+                   overlap: bool = False) -> list[GenerateResult]:
     """Generate max_new_tokens after each prompt with the batched engine; results in prompt order.
 
     seed: request i gets seed + i (None: fresh randomness). GenerateResult.phase_ms stays empty
@@ -811,7 +851,7 @@ def generate_batch(model, prompts, max_new_tokens: int, method: str = "ar", draf
     longest = max(len(p) for p in prompts) + max_new_tokens
     eng = BatchEngine(model, max_streams=n, method=method, drafter=drafter, budget=budget, top_k=top_k,
                       max_context=min(model.cfg.max_position_embeddings, max(longest, 1)), graphs=graphs,
-                      keep_results=True)
+                      keep_results=True, compile=compile, overlap=overlap)
     t0 = time.perf_counter()
     rids = [eng.add_request(p, max_new_tokens, SamplingParams(temperature=temperature,
                                                              seed=None if seed is None else seed + i))
