@@ -16,9 +16,9 @@ so `state_dict()` loads a HF checkpoint as it is):
 RoPE follows transformers: with `rope_interleave` (the DeepSeek default) the rotary half of q/k is
 read as interleaved pairs (x0, x1), (x2, x3)... and written out de-interleaved, [rotated evens |
 rotated odds]; otherwise the NeoX halves (rotate_half). q and k get the same layout, so the dot
-product is unchanged, and the cache stores k_rope already rotated. YaRN: inverse frequencies and
-magnitudes as transformers' `_compute_yarn_parameters`, the softmax scale multiplied by
-mscale(factor, mscale_all_dim)^2 (models-hardware.md §3). cos/sin are computed in float64 and
+product is unchanged, and the cache stores k_rope already rotated. YaRN (`kdlib.config`): inverse
+frequencies and magnitudes as transformers' `_compute_yarn_parameters`, the softmax scale multiplied
+by mscale(factor, mscale_all_dim)^2 (models-hardware.md §3). cos/sin are computed in float64 and
 rounded once to the compute dtype.
 
 MoE: sigmoid router scores; expert choice uses scores + e_score_correction_bias, restricted to the
@@ -29,7 +29,6 @@ the unbiased scores of the chosen experts, normalised when `norm_topk_prob`, tim
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kdlib import ops
-from kdlib.engine.config import ModelConfig
+from kdlib.config import ModelConfig, rope_inv_freq
 from kdlib.engine.loading import check_keys, random_weights, read_safetensors_dir
 
 # torch's grouped GEMM (one launch for all experts, offsets on the device: no host sync); CUDA bf16 only
@@ -46,35 +45,6 @@ GROUPED_MM = hasattr(torch, "_grouped_mm")
 
 
 # ----------------------------------------------------------------------------- RoPE (host side)
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [qk_rope_head_dim / 2] float64, YaRN-blended when configured."""
-    d = cfg.qk_rope_head_dim
-    base = cfg.rope_theta
-    pos_freqs = base ** (np.arange(0, d, 2, dtype=np.float64) / d)
-    extrap = 1.0 / pos_freqs
-    r = cfg.rope
-    if r is None:
-        return extrap
-    interp = 1.0 / (r.factor * pos_freqs)
-
-    def correction_dim(rotations):
-        return (
-            d
-            * math.log(r.original_max_position_embeddings / (rotations * 2 * math.pi))
-            / (2 * math.log(base))
-        )
-
-    low, high = correction_dim(r.beta_fast), correction_dim(r.beta_slow)
-    if r.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, d - 1)
-    if low == high:
-        high += 0.001  # as transformers: avoid a zero-width ramp
-    ramp = np.clip((np.arange(d // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
-    extrap_weight = 1.0 - ramp
-    return interp * (1.0 - extrap_weight) + extrap * extrap_weight
-
-
 def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor, dtype, device, inv: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [T, rope/2] for integer positions [T], magnitude-scaled by the YaRN attention factor.

@@ -16,14 +16,10 @@ Per layer l (x: the residual stream, [T, H]):
 logits = rmsnorm(x) W_lm^T.
 
 RoPE: pairs (2i, 2i+1) when `rope_interleave` (output written de-interleaved, as transformers does;
-the dot product is the same either way), else halves (i, i + rope/2). YaRN (transformers
-`_compute_yarn_parameters`): pair i has base frequency theta_i = base^(-2i/d); with
-low = floor(d ln(L0 / (2 pi beta_fast)) / (2 ln base)), high = ceil(... beta_slow ...) clamped to
-[0, d-1] and ramp_i = clip((i - low) / (high - low), 0, 1), the frequency is
-theta_i (1 - ramp_i) + theta_i / factor * ramp_i; cos/sin carry the magnitude
-mscale(factor, mscale) / mscale(factor, mscale_all_dim) (or mscale(factor, 1) when either is
-unset), and the softmax scale is (nope + rope)^-1/2 * mscale(factor, mscale_all_dim)^2 when
-mscale_all_dim is set; mscale(s, m) = 0.1 m ln s + 1 for s > 1, else 1 (models-hardware.md §3).
+the dot product is the same either way), else halves (i, i + rope/2). The frequencies, the cos/sin
+magnitude and the softmax scale are kdlib.config's one YaRN (`rope_inv_freq`,
+`ModelConfig.rope_attention_factor`, `ModelConfig.softmax_scale`; transformers
+`_compute_yarn_parameters`), which `test_engine_model` checks against transformers itself.
 
 Router (DeepSeek-V3 noaux_tc): s = sigmoid(x Wg^T); choice = s + bias; with n_group > 1 a group's
 score is the sum of its two largest choice values and only the topk_group best groups stay
@@ -33,9 +29,9 @@ eligible; the top num_experts_per_tok eligible experts by choice are used with w
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
+
+from kdlib.config import ModelConfig, rope_inv_freq
 
 
 def _rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -52,42 +48,11 @@ def _swiglu(x, w, prefix):
     ].T
 
 
-def _mscale(s: float, m: float) -> float:
-    return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
-
-
-def rope_tables(cfg, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+def rope_tables(cfg: ModelConfig, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
     """cos, sin [T, rope/2] float64 and the softmax scale, from the config's RoPE / YaRN fields."""
-    d = cfg.qk_rope_head_dim
-    i = np.arange(d // 2, dtype=np.float64)
-    theta = cfg.rope_theta ** (-2.0 * i / d)
-    mag, scale = 1.0, (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
-    y = cfg.rope
-    if y is not None:
-        def dim_for(rotations):
-            return (
-                d
-                * math.log(y.original_max_position_embeddings / (2 * math.pi * rotations))
-                / (2 * math.log(cfg.rope_theta))
-            )
-
-        low, high = dim_for(y.beta_fast), dim_for(y.beta_slow)
-        if y.truncate:
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, d - 1)
-        width = (high - low) if high != low else 0.001
-        ramp = np.clip((i - low) / width, 0.0, 1.0)
-        theta = theta * (1.0 - ramp) + theta / y.factor * ramp
-        if y.attention_factor is not None:
-            mag = y.attention_factor
-        elif y.mscale and y.mscale_all_dim:
-            mag = _mscale(y.factor, y.mscale) / _mscale(y.factor, y.mscale_all_dim)
-        else:
-            mag = _mscale(y.factor, 1.0)
-        if y.mscale_all_dim:
-            scale *= _mscale(y.factor, y.mscale_all_dim) ** 2
-    ang = positions.astype(np.float64)[:, None] * theta[None, :]
-    return np.cos(ang) * mag, np.sin(ang) * mag, scale
+    ang = positions.astype(np.float64)[:, None] * rope_inv_freq(cfg)[None, :]  # [T, rope/2]
+    mag = cfg.rope_attention_factor
+    return np.cos(ang) * mag, np.sin(ang) * mag, cfg.softmax_scale
 
 
 def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleave: bool) -> np.ndarray:
