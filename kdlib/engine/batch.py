@@ -569,9 +569,9 @@ class BatchEngine:
         key = (C, T, sampled, filtered, want_lp)
         host = self.out_host[self._flip] if self.overlap else self.out_host
         self._flip ^= 1
-        event = None
+        event = span = None
         if self.graphs:
-            self._replay(key)
+            span = self._replay(key)
             if self.overlap:  # the copy leaves the graph: each step has its own host buffer
                 host[:C].copy_(self.out_dev[:C], non_blocking=True)
                 event = torch.cuda.Event()
@@ -579,13 +579,15 @@ class BatchEngine:
         else:
             self._device_step(*key)
             host[:C].copy_(self.out_dev[:C])
-        return running, C, host, event
+        return running, C, host, event, span
 
     def _finish(self, launched) -> list[StepOutput]:
         """Wait for a launched step's packed tokens and hand them to the requests still in their lanes."""
-        running, C, host, event = launched
+        running, C, host, event, span = launched
         if event is not None:
             event.synchronize()  # the step's one wait
+        if span is not None and self.replay_ms is not None:
+            self.replay_ms.append(span[0].elapsed_time(span[1]))
         out = host[:C].numpy()
         return [self._collect(r, out[lane]) for lane, r in running if self._lanes[lane] is r]
 
@@ -749,22 +751,21 @@ class BatchEngine:
         return trees.paths, trees.lengths, trees.new_bonus
 
     # ---- CUDA graphs
-    def _replay(self, key) -> None:
+    def _replay(self, key):
         g = self._graphs.get(key)
         if g is None:
             g = self._capture(key)
+        span = None
         if self.replay_ms is None:
             g.replay()
         else:  # the graph's span on the device, between two events on its stream
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            span = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            span[0].record()
             g.replay()
-            end.record()
-        if self.overlap:
-            return  # _finish waits for this step's copy later
-        torch.cuda.current_stream().synchronize()  # the step's one wait: the packed tokens are on the host
-        if self.replay_ms is not None:
-            self.replay_ms.append(start.elapsed_time(end))
+            span[1].record()
+        if not self.overlap:
+            torch.cuda.current_stream().synchronize()  # the step's one wait: the packed tokens are on the host
+        return span  # read once the step is known done (_finish)
 
     def _capture(self, key):
         C, T, sampled, filtered, want_lp = key

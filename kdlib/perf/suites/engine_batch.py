@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from kdlib import zoo
-from kdlib.perf.suites.engine import BENCH_CONFIG, BLOCK
+from kdlib.perf.bench_model import BENCH_CONFIG, BLOCK
 
 METHODS = (("ar", None), ("ddtree", 8), ("ddtree", 16), ("ddtree", 32), ("ddtree", 64))
 STREAMS = (1, 4, 16, 64)
@@ -38,19 +38,11 @@ NEW_TRAINED = 256  # tokens per trained-model request: room for the steps after 
 PROMPT = 256
 
 
-def _engine(model, method, budget, drafter, streams, max_context, compile_=False):
+def _engine(model, method, budget, drafter, streams, max_context, compile_=False, overlap=False):
     from kdlib.engine.batch import BatchEngine
 
-    return BatchEngine(
-        model,
-        max_streams=streams,
-        method=method,
-        drafter=drafter if method == "ddtree" else None,
-        budget=budget,
-        max_context=max_context,
-        keep_results=True,
-        compile=compile_,
-    )
+    return BatchEngine(model, max_streams=streams, method=method, drafter=drafter if method == "ddtree" else None,
+                       budget=budget, max_context=max_context, keep_results=True, compile=compile_, overlap=overlap)
 
 
 def _device_profile(fn, steps: int, top: int = 25) -> dict:
@@ -75,13 +67,14 @@ def _device_profile(fn, steps: int, top: int = 25) -> dict:
     }
 
 
-def _run_row(model, method, budget, drafter, prompts, max_new, label: dict, compile_: bool = False) -> dict:
+def run_row(model, method, budget, drafter, prompts, max_new, label: dict, compile_: bool = False,
+            overlap: bool = False) -> dict:
     """C = len(prompts) streams; wall and device time of TIMED_STEPS steps after the buckets are captured
     (compile_: the engine's torch.compile arm; the first steps' wall, compile included, is recorded)."""
     import torch
 
     C = len(prompts)
-    eng = _engine(model, method, budget, drafter, C, max(len(p) for p in prompts) + max_new + 8, compile_)
+    eng = _engine(model, method, budget, drafter, C, max(len(p) for p in prompts) + max_new + 8, compile_, overlap)
     rids = [eng.add_request(p, max_new) for p in prompts]
     t_first = time.perf_counter()
     eng.step()  # admissions + first step (captures the first bucket)
@@ -100,7 +93,8 @@ def _run_row(model, method, budget, drafter, prompts, max_new, label: dict, comp
         dt = (time.perf_counter() - t0) * 1e3
         if len(eng._graphs) == graphs:  # a step that captured a new bucket is not timed
             wall.append(dt)
-            span.append(eng.replay_ms[-1])
+            if eng.replay_ms:
+                span.append(eng.replay_ms[-1])
             toks += sum(len(eng.result(r).tokens) for r in rids) - before
     steps = len(wall)
     dev = prof["device_ms"]
@@ -117,7 +111,8 @@ def _run_row(model, method, budget, drafter, prompts, max_new, label: dict, comp
             "device_ms": dev, "busy": dev / step_ms if wall else None,
             "replay_span_ms": float(np.median(span)) if span else None, "tokens_per_s": agg,
             "tokens_per_s_per_stream": agg / C, "mean_accepted": float(np.mean(acc)) if acc else 1.0,
-            "kernels_per_step": prof.get("kernels_per_step"), "compiled": compile_, "first_steps_s": first_s,
+            "kernels_per_step": prof.get("kernels_per_step"), "compiled": compile_, "overlap": overlap,
+            "first_steps_s": first_s,
             "top_kernels": prof.get("top_kernels") if C == 1 else None, "tokens": [first_tokens]}
 
 
@@ -264,7 +259,7 @@ def run(args) -> dict:
                 for c in streams:
                     prompts = [enc[i % len(enc)] for i in range(c)]
                     trained.append(
-                        _run_row(
+                        run_row(
                             target,
                             m,
                             b,
@@ -288,7 +283,7 @@ def run(args) -> dict:
                 for c in (1, 16):
                     if time.perf_counter() - t_arm > 240:
                         break
-                    row = _run_row(target, m, b, drafter, [enc[i % len(enc)] for i in range(c)], 96,
+                    row = run_row(target, m, b, drafter, [enc[i % len(enc)] for i in range(c)], 96,
                                    {"model": "trained", "kind": "code", "context": PROMPT}, compile_=True)
                     compiled.append(row)
                     print(
@@ -320,7 +315,7 @@ def run(args) -> dict:
             for c in streams:
                 prompts = [np.random.default_rng([ctx, c, i]).integers(0, cfg.vocab_size, ctx).tolist()
                            for i in range(c)]  # the same prompts for every method at (context, C)
-                rows.append(_run_row(bench, m, b, bd, prompts, 48, {"model": "bench8", "context": ctx}))
+                rows.append(run_row(bench, m, b, bd, prompts, 48, {"model": "bench8", "context": ctx}))
                 print(f"[engine_batch] bench ctx={ctx} {m}{b or ''} C={c}: {rows[-1]['step_ms']:.3f} ms, "
                       f"busy {rows[-1]['busy']:.2f}, {rows[-1]['tokens_per_s']:.0f} tok/s", flush=True)
                 _partial(args, {**payload, "trained": trained, "bench": rows})
