@@ -9,7 +9,8 @@
 `config` everywhere is a dict (a parsed config.json), a path to a config.json (or to a directory
 holding one), or the name of a shipped config: a file stem in `data/configs/` (`shipped()` lists
 them). Multimodal wrappers (`kimi_k25`: Kimi-K2.5 / K2.6) keep the language model under
-`text_config`; only that part is counted (the vision tower is left out, and said so).
+`text_config`; only that part is counted (the vision tower is left out, and said so). The config is
+read by `kdlib.config` (`load_config`, `text_config`, `geometry`, `ConfigError`, the one YaRN).
 
 KV cache per token, whole model (`tp=1`):
   MLA      layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes: the latent c_kv and the shared
@@ -51,17 +52,25 @@ vision tower of multimodal checkpoints.
 
 from __future__ import annotations
 
-import copy
 import json
 import math
-import os
-from dataclasses import dataclass
-from pathlib import Path
 
-from kdlib import DATA, hw
+from kdlib import hw
 from kdlib.cli import Parser, fail, fraction, nonnegative_float, positive_int
+from kdlib.config import CONFIGS as CONFIGS  # the shipped configs' folder, memory.CONFIGS to its users
+from kdlib.config import (
+    ConfigError,
+    Geometry,
+    geometry,
+    load_config,
+    parse_rope,
+    require,
+    rope_block,
+    rope_type,
+    shipped,
+    text_config,
+)
 
-CONFIGS = DATA / "configs"
 GiB = 2**30
 KV_SPLITS = ("replicated", "dp_attention", "context_parallel")
 DTYPE_BYTES = {
@@ -76,150 +85,6 @@ WEIGHT_FORMATS = ("auto", "bf16", "fp8_block", "int4_g32")
 DEFAULT_OVERHEAD_BYTES = int(1.5 * GiB)
 FP8_BLOCK = 128  # DeepSeek block-FP8: one fp32 scale per 128 x 128 weight block (README_WEIGHTS.md)
 FP4_SCALE_BLOCK = 16  # SGLang MLATokenToKVPoolFP4: one 1-byte scale per 16 elements
-
-
-# A config is MLA when it has any MLA field or an MLA model_type; then every MLA field is required,
-# so a DeepSeek config that lost kv_lora_rank is an error, not a silent MHA reading.
-_MLA_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim")
-MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
-
-
-class ConfigError(ValueError):
-    """A config.json that lacks a field the memory math needs, or holds an impossible value."""
-
-
-# ----------------------------------------------------------------------------------------- configs
-
-def shipped() -> list[str]:
-    """Names of the shipped configs (file stems in data/configs/: real models and the engine's tiny ones)."""
-    return sorted(p.stem for p in CONFIGS.glob("*.json"))
-
-
-def load_config(config) -> dict:
-    """The parsed config.json (a fresh copy): from a dict, a path (file or directory), or a shipped name.
-
-    The returned dict gets a `_name` key (file stem, directory name or the dict's own `_name`) used in
-    error messages and tables.
-    """
-    if isinstance(config, dict):
-        cfg = copy.deepcopy(config)
-        cfg.setdefault("_name", cfg.get("_name") or cfg.get("model_type") or "config")
-        return cfg
-    if not isinstance(config, str | os.PathLike):
-        raise ValueError(f"config must be a dict, a path or a shipped name, got {type(config).__name__}")
-    path = Path(config)
-    if path.is_dir():
-        path = path / "config.json"
-    elif not path.exists() and str(config) in shipped():
-        path = CONFIGS / f"{config}.json"
-    if not path.is_file():
-        raise ValueError(f"no config {str(config)!r}: not a file, and not one of the shipped configs "
-                         f"{shipped()}")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from e
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: a config.json must hold a JSON object")
-    cfg["_name"] = path.parent.name if path.name == "config.json" else path.stem
-    return cfg
-
-
-def text_config(config) -> dict:
-    """The language-model part of a config: `text_config` for multimodal wrappers, else the config.
-
-    Fields the wrapper keeps at top level (quantization_config, torch_dtype) are carried down when
-    the text part lacks them (models-hardware.md §1.6).
-    """
-    cfg = load_config(config)
-    if "text_config" not in cfg:
-        return cfg
-    lm = copy.deepcopy(cfg["text_config"])
-    if not isinstance(lm, dict):
-        raise ConfigError(f"config {cfg['_name']}: text_config is not an object")
-    for key in ("quantization_config", "torch_dtype"):
-        if key not in lm and key in cfg:
-            lm[key] = cfg[key]
-    lm["_name"] = cfg["_name"]
-    lm["_wrapper_model_type"] = cfg.get("model_type")
-    return lm
-
-
-def _need(lm: dict, key: str, why: str):
-    if lm.get(key) is None:
-        raise ConfigError(f"config {lm.get('_name', '?')}: missing field {key!r} (needed for {why})")
-    value = lm[key]
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        raise ConfigError(f"config {lm.get('_name', '?')}: field {key!r} must be a number, got {value!r}")
-    if value < 0:
-        raise ConfigError(f"config {lm.get('_name', '?')}: field {key!r} is negative ({value})")
-    return value
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """What the memory math reads from a config (language model only)."""
-
-    name: str
-    model_type: str
-    attention: str  # "mla" | "gqa" | "mha"
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int  # GQA/MHA KV heads; 1 for MLA (the latent is one shared "head")
-    head_dim: int  # GQA/MHA K head dim; for MLA qk_nope + qk_rope (192 for K2/V3, not hidden/heads)
-    v_head_dim: int
-    kv_lora_rank: int | None
-    qk_rope_head_dim: int | None
-    vocab_size: int
-    torch_dtype: str
-    mtp_layers: int
-
-    @property
-    def kv_elements_per_layer(self) -> int:
-        """Elements cached per token per layer, whole model: 576 for K2 / DeepSeek-V3."""
-        if self.attention == "mla":
-            return self.kv_lora_rank + self.qk_rope_head_dim
-        return self.num_kv_heads * (self.head_dim + self.v_head_dim)
-
-
-def geometry(config) -> Geometry:
-    """Parse the attention / KV geometry of a config. ConfigError names any missing field."""
-    lm = text_config(config)
-    layers = _need(lm, "num_hidden_layers", "the KV cache (one entry per layer)")
-    hidden = _need(lm, "hidden_size", "weights")
-    heads = _need(lm, "num_attention_heads", "attention")
-    if any(lm.get(k) is not None for k in _MLA_FIELDS) or lm.get("model_type") in MLA_MODEL_TYPES:
-        kv_lora = _need(lm, "kv_lora_rank", "the MLA latent cache")
-        rope = _need(lm, "qk_rope_head_dim", "the MLA latent cache (the shared RoPE key)")
-        nope = _need(lm, "qk_nope_head_dim", "MLA head dims")
-        v = _need(lm, "v_head_dim", "MLA head dims")
-        kind, kv_heads, head_dim = "mla", 1, nope + rope
-    else:
-        kv_heads = lm.get("num_key_value_heads") or heads
-        head_dim = lm.get("head_dim") or hidden // heads
-        v = head_dim
-        kv_lora = rope = None
-        kind = "mha" if kv_heads == heads else "gqa"
-        if heads % kv_heads:
-            raise ConfigError(f"config {lm['_name']}: num_attention_heads {heads} not a multiple of "
-                              f"num_key_value_heads {kv_heads}")
-    return Geometry(
-        name=lm["_name"],
-        model_type=str(lm.get("model_type", "?")),
-        attention=kind,
-        num_layers=int(layers),
-        hidden_size=int(hidden),
-        num_heads=int(heads),
-        num_kv_heads=int(kv_heads),
-        head_dim=int(head_dim),
-        v_head_dim=int(v),
-        kv_lora_rank=kv_lora,
-        qk_rope_head_dim=rope,
-        vocab_size=int(_need(lm, "vocab_size", "embeddings")),
-        torch_dtype=str(lm.get("torch_dtype") or "bfloat16"),
-        mtp_layers=int(lm.get("num_nextn_predict_layers") or 0),
-    )
 
 
 # ----------------------------------------------------------------------------------------- KV cache
@@ -271,7 +136,7 @@ def check_tp(config, tp: int, kv_split: str = "replicated") -> None:
     lm = text_config(config)
     experts = int(lm.get("n_routed_experts") or lm.get("num_experts") or 0)
     if experts:
-        inter = int(_need(lm, "moe_intermediate_size", "MoE expert weights"))
+        inter = int(require(lm, "moe_intermediate_size", "MoE expert weights"))
         if experts % tp and inter % tp:
             raise ValueError(f"{g.name}: tp={tp} splits neither its {experts} routed experts (whole experts "
                              f"per rank) nor their intermediate size {inter} (a slice of every expert per "
@@ -381,7 +246,7 @@ def _tensors(g: Geometry, lm: dict, include_mtp: bool) -> list[tuple[str, str, i
     # (num_experts, decoder_sparse_step, mlp_only_layers); a model with neither is dense.
     experts = lm.get("n_routed_experts") or lm.get("num_experts") or 0
     if experts:
-        moe_inter = _need(lm, "moe_intermediate_size", "MoE expert weights")
+        moe_inter = require(lm, "moe_intermediate_size", "MoE expert weights")
         if "n_routed_experts" in lm:
             dense_layers = int(lm.get("first_k_dense_replace") or 0)
             moe_layers = L - dense_layers
@@ -401,7 +266,7 @@ def _tensors(g: Geometry, lm: dict, include_mtp: bool) -> list[tuple[str, str, i
     else:
         dense_layers = L
     if dense_layers:
-        inter = _need(lm, "intermediate_size", "dense MLP weights")
+        inter = require(lm, "intermediate_size", "dense MLP weights")
         t.append(("dense_mlp", "linear", inter, h, 3 * dense_layers))
     return t
 
@@ -599,11 +464,6 @@ def implied_mem_fraction(config, gpu: str, tp: int, pool_tokens_logged: int, kv_
 
 # ----------------------------------------------------------------------------------------- YaRN
 
-def _rope_scaling(lm: dict) -> dict | None:
-    rs = lm.get("rope_scaling") or lm.get("rope_parameters")  # transformers >= 5 spells it rope_parameters
-    return rs if isinstance(rs, dict) else None
-
-
 def sglang_context_length(config) -> int:
     """The context length SGLang derives from a config (hf_transformers_utils.get_context_length).
 
@@ -626,88 +486,60 @@ def sglang_context_length(config) -> int:
     else:
         raise ConfigError(f"config {lm['_name']}: missing field 'max_position_embeddings' (needed for the "
                           "context length)")
-    rs = _rope_scaling(lm)
+    rs = rope_block(lm)
     factor = 1.0
-    if (
-        rs
-        and "original_max_position_embeddings" not in rs
-        and (rs.get("rope_type") or rs.get("type")) != "llama3"
-    ):
+    if rs and "original_max_position_embeddings" not in rs and rope_type(lm) != "llama3":
         factor = float(rs.get("factor") or 1.0)
     return int(base * factor)
 
 
-def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    """YaRN magnitude 0.1 * mscale * ln(s) + 1 (1 for s <= 1): DeepSeek / SGLang / vLLM yarn_get_mscale."""
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def yarn_correction_range(
-    rotary_dim: int, base: float, original: int, beta_fast: float, beta_slow: float
-) -> tuple[int, int]:
-    """(low, high) rotary-pair indices of the YaRN ramp, floor/ceil as in DeepSeek's inference/model.py."""
-    def dim(rotations):
-        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
-    return max(math.floor(dim(beta_fast)), 0), min(math.ceil(dim(beta_slow)), rotary_dim - 1)
-
-
 def yarn(config) -> dict:
     """YaRN checks of a config: factor x original vs max_position_embeddings, the derived context,
-    the correction range, and the attention-temperature factor and where it is applied.
+    the correction range, and the attention-temperature factors and where they are applied.
 
-    Which models apply what (models-hardware.md §3):
-    * DeepSeek-V2/V3 and Kimi-K2 ("deepseek_yarn" in SGLang, DeepseekScalingRotaryEmbedding): cos/sin
-      scaled by mscale(s, mscale) / mscale(s, mscale_all_dim) (= 1 when they are equal), and the
-      softmax scale multiplied by mscale(s, mscale_all_dim)^2 = (0.1 * mscale_all_dim * ln s + 1)^2.
-    * Plain HF "yarn" (Qwen, Llama-family YaRN): cos/sin scaled by attention_factor (default
-      0.1 ln s + 1), which multiplies q.k by its square; the softmax scale itself is untouched.
-    In both the scaling is static: it applies at every sequence length, so the factor must match the
-    checkpoint. Returns {"yarn": False, ...} for configs without YaRN.
+    kdlib.config's one YaRN (transformers' `_compute_yarn_parameters`, models-hardware.md §3):
+    cos/sin scaled by `cos_sin_mscale` (attention_factor; for DeepSeek-V2/V3 and Kimi-K2, which set
+    mscale and mscale_all_dim, mscale(s, mscale) / mscale(s, mscale_all_dim) = 1 when they are
+    equal, as SGLang's DeepseekScalingRotaryEmbedding), so q.k of the rotary dims is scaled by its
+    square; and, when mscale_all_dim is set (DeepSeek-V3 attention), the softmax scale multiplied by
+    mscale(s, mscale_all_dim)^2 = (0.1 * mscale_all_dim * ln s + 1)^2. `logit_scale_factor` is the
+    product of both on the rotary part of q.k. The scaling is static: it applies at every sequence
+    length, so the factor must match the checkpoint. Returns {"yarn": False, ...} for configs
+    without YaRN.
     """
     lm = text_config(config)
     g = geometry(config)
-    rs = _rope_scaling(lm)
-    rope_type = (rs.get("rope_type") or rs.get("type")) if rs else None
+    kind = rope_type(lm)
     max_pos = lm.get("max_position_embeddings")
     out = {
         "model": g.name,
-        "rope_type": rope_type,
-        "yarn": rope_type in ("yarn", "deepseek_yarn"),
-        "rope_theta": lm.get("rope_theta", (rs or {}).get("rope_theta")),
+        "rope_type": kind,
+        "yarn": kind in ("yarn", "deepseek_yarn"),
+        "rope_theta": lm.get("rope_theta", (rope_block(lm) or {}).get("rope_theta")),
         "max_position_embeddings": max_pos,
         "sglang_context_length": sglang_context_length(config),
     }
     if not out["yarn"]:
         return out
-    s = float(_need(rs, "factor", "YaRN"))
-    original = rs.get("original_max_position_embeddings")
-    deepseek_style = g.attention == "mla" or "mscale_all_dim" in rs
-    qk_dim = g.head_dim  # nope + rope for MLA
-    if deepseek_style:
-        mscale, mscale_all = float(rs.get("mscale", 1.0)), float(rs.get("mscale_all_dim", 0.0))
-        cos_sin = yarn_mscale(s, mscale) / yarn_mscale(s, mscale_all)
-        softmax = yarn_mscale(s, mscale_all) ** 2
-        applied = "softmax scale x mscale(s, mscale_all_dim)^2; cos/sin x mscale(s, mscale)/mscale(s, mscale_all_dim)"
+    theta, y = parse_rope(lm)
+    original = y.original_max_position_embeddings
+    cos_sin, softmax = y.attention_scale(), y.softmax_factor()
+    if y.mscale_all_dim:
+        applied = ("softmax scale x mscale(s, mscale_all_dim)^2; cos/sin x attention factor "
+                   "(mscale(s, mscale)/mscale(s, mscale_all_dim) unless given)")
     else:
-        attn = float(rs.get("attention_factor") or yarn_mscale(s))
-        mscale = mscale_all = None
-        cos_sin, softmax = attn, attn**2
         applied = "cos/sin x attention_factor (q.k x its square); softmax scale untouched"
-    rotary = g.qk_rope_head_dim if g.attention == "mla" else int(lm.get("head_dim") or g.head_dim)
-    base = float(out["rope_theta"] or 10000.0)
     out.update({
-        "factor": s, "original_max_position_embeddings": original,
-        "factor_x_original": int(s * original) if original else None,
-        "consistent": bool(original) and max_pos is not None and int(s * original) == int(max_pos),
-        "beta_fast": rs.get("beta_fast", 32), "beta_slow": rs.get("beta_slow", 1),
-        "mscale": mscale, "mscale_all_dim": mscale_all,
-        "cos_sin_mscale": cos_sin, "logit_scale_factor": softmax,
-        "softmax_scale": qk_dim**-0.5 * (softmax if deepseek_style else 1.0),
+        "factor": y.factor, "original_max_position_embeddings": original,
+        "factor_x_original": int(y.factor * original),
+        "consistent": max_pos is not None and int(y.factor * original) == int(max_pos),
+        "beta_fast": y.beta_fast, "beta_slow": y.beta_slow,
+        "mscale": y.mscale, "mscale_all_dim": y.mscale_all_dim,
+        "cos_sin_mscale": cos_sin, "logit_scale_factor": cos_sin**2 * softmax,
+        "softmax_scale": g.head_dim**-0.5 * softmax,  # head_dim: nope + rope for MLA
         "applied_by": applied,
+        "correction_range": y.correction_range(g.rotary_dim, theta),
     })
-    if original:
-        out["correction_range"] = yarn_correction_range(
-            rotary, base, int(original), float(out["beta_fast"]), float(out["beta_slow"]))
     return out
 
 
