@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 
+from kdlib import hw
 from kdlib.estimator.params import Assumptions, ModelShape, Scenario
 
 COMPONENTS = ("moe", "dense", "attention", "draft", "tree", "dispatch", "allreduce", "fixed")
@@ -33,8 +34,6 @@ def hardware(gpu) -> dict:
             if key not in gpu:
                 raise ValueError(f"hardware spec lacks {key!r}")
         return gpu
-    from kdlib import hw
-
     return hw.load(gpu)
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from kdlib.config import ModelConfig
+
 # The shipped config (data/configs/) whose shapes are ModelShape()'s defaults (test_estimator checks).
 SHAPE_CONFIG = "kimi-k2.6"
 
@@ -218,32 +220,31 @@ class ModelShape:
         return per * self.dense_bits / 8 / self.tp
 
     @classmethod
-    def from_config(cls, cfg: dict, tp: int = 1, expert_bits: int = 4, dense_bits: int = 16) -> ModelShape:
-        """From a HF DeepSeek-V3 / Kimi-K2 style config.json dict (text_config is looked into)."""
-        c = cfg.get("text_config", cfg)
-        try:
-            return cls(
-                n_layers=int(c["num_hidden_layers"]),
-                n_dense_layers=int(c.get("first_k_dense_replace", 0)),
-                hidden=int(c["hidden_size"]),
-                moe_inter=int(c["moe_intermediate_size"]),
-                dense_inter=int(c.get("intermediate_size", c["moe_intermediate_size"])),
-                n_experts=int(c["n_routed_experts"]),
-                top_k=int(c["num_experts_per_tok"]),
-                n_shared=int(c.get("n_shared_experts") or 0),
-                n_heads=int(c["num_attention_heads"]),
-                q_lora_rank=int(c.get("q_lora_rank") or c["hidden_size"]),
-                kv_lora_rank=int(c["kv_lora_rank"]),
-                qk_rope_dim=int(c["qk_rope_head_dim"]),
-                qk_nope_dim=int(c["qk_nope_head_dim"]),
-                v_head_dim=int(c["v_head_dim"]),
-                vocab=int(c["vocab_size"]),
-                expert_bits=expert_bits,
-                dense_bits=dense_bits,
-                tp=tp,
-            )
-        except KeyError as err:
-            raise ValueError(f"config lacks {err.args[0]!r} (need a DeepSeek-V3 / Kimi-K2 style config)") from None
+    def from_config(cls, config, tp: int = 1, expert_bits: int = 4, dense_bits: int = 16) -> ModelShape:
+        """From a DeepSeek-V3 / Kimi-K2 style config: a `kdlib.config.ModelConfig`, or what
+        `ModelConfig.load` reads (a config.json dict, a path, a shipped name); ConfigError names a bad field.
+        Without q_lora_rank the query projection is counted as a hidden-wide q_lora pair."""
+        c = config if isinstance(config, ModelConfig) else ModelConfig.load(config)
+        return cls(
+            n_layers=c.num_hidden_layers,
+            n_dense_layers=c.first_k_dense_replace,
+            hidden=c.hidden_size,
+            moe_inter=c.moe_intermediate_size,
+            dense_inter=c.intermediate_size,
+            n_experts=c.n_routed_experts,
+            top_k=c.num_experts_per_tok,
+            n_shared=c.n_shared_experts,
+            n_heads=c.num_attention_heads,
+            q_lora_rank=c.q_lora_rank or c.hidden_size,
+            kv_lora_rank=c.kv_lora_rank,
+            qk_rope_dim=c.qk_rope_head_dim,
+            qk_nope_dim=c.qk_nope_head_dim,
+            v_head_dim=c.v_head_dim,
+            vocab=c.vocab_size,
+            expert_bits=expert_bits,
+            dense_bits=dense_bits,
+            tp=tp,
+        )
 
 
 @dataclass(frozen=True)
