@@ -2,26 +2,28 @@
 
     from kdlib import audit
     cat = audit.catalogue()                       # the figures of data/audit/seed_figures.yaml
-    src = audit.Sources()                         # data/results/*.json and reports/*.ipynb records
+    src = audit.Sources()                         # data/results/*.json
     verdicts = audit.run_all(cat, src)            # id -> Verdict
     audit.table(verdicts, cat)                    # one row per figure (pandas)
 
-A figure's check is a function of `CHECKS` (named by the catalogue's `check`). It reads, in this
-order, (1) GPU/CPU measurements in `data/results/` (`kdlib.perf.load`), (2) values the other
-notebooks recorded with `kdlib.nb.record` in their executed copies under `reports/` (or the folder
-given), (3) kdlib computations (memory math, the estimator, the tiny engine on CPU) for figures that
-are computed, not measured. Nothing outside the repository is read: the seeds' quotes, their
-places and the articles' titles are in the catalogue (the seed articles themselves are not shipped).
+A figure's check is a function of `CHECKS` (named by the catalogue's `check`). It reads (1) GPU/CPU
+measurements in `data/results/` (`kdlib.perf.load`) and (2) kdlib computations (memory math, the
+estimator, the tiny engine on CPU) for figures that are computed, not measured; a figure another
+notebook also shows is one kdlib function both call (`kdlib.headlines`, `kdlib.memory.seeds_200k_recheck`,
+`kdlib.estimator.seeds.reproduce`, ...). No executed notebook is read, so the verdicts do not depend on
+what `reports/` holds or on the order notebooks run in. Nothing outside the repository is read: the
+seeds' quotes, their places and the articles' titles are in the catalogue (the seed articles
+themselves are not shipped).
 No measured number is typed here: the only numbers in this module are the seeds'
 own (read from the catalogue) and the tolerances, each with its reason. A value that is not
-recorded yet makes the verdict MISSING, naming the file or record it expected; it never raises.
+recorded yet makes the verdict MISSING, naming the result file it expected; it never raises.
 
 Verdicts:
     reproduced                   the workbook's figure agrees within the stated tolerance
     contradicted                 a workbook figure or the seeds' own figures rule it out (by what)
     consistent under a reading   it holds only if read a stated way (which is said)
     not reproducible here        needs their hardware or model weights (which), with what can be checked
-    missing                      the record / result it needs is not there yet (which)
+    missing                      the result it needs is not recorded yet (which)
 """
 
 from __future__ import annotations
@@ -33,17 +35,16 @@ from functools import cache
 from pathlib import Path
 from urllib.parse import quote as _urlquote
 
-from kdlib import DATA, NOTEBOOKS, REPORTS, hw, kdtr
+from kdlib import DATA, NOTEBOOKS, headlines, hw, kdtr
 from kdlib.cuda.tree import MAX_BUDGET
 from kdlib.estimator import ModelShape, knee_m, touched_experts
 from kdlib.estimator import model as est
 from kdlib.estimator import seeds as est_seeds
 from kdlib.memory import format_value, load_config, param_count, seeds_200k_recheck, text_config
-from kdlib.nb import read_records, record
+from kdlib.nb import record
 from kdlib.perf import describe, load
 
 CATALOGUE = DATA / "audit" / "seed_figures.yaml"
-AUDIT_NOTEBOOK = "07_seed_audit"
 # kdlib.report renders every record with this prefix in the index's audit block
 RECORD_PREFIX = "audit_verdict_"
 
@@ -124,10 +125,13 @@ REQUIRED = (
     "notebook",
 )
 
+# what a check reads: result:<suite>[.<gpu>] of data/results, compute:<kdlib function>
+EXPECTS = ("result", "compute")
+
 
 def catalogue(path: str | Path | None = None) -> Catalogue:
     """Read and validate the catalogue (default `CATALOGUE`): every field present, ids unique, areas
-    known, checks defined, every seed with a title."""
+    known, checks defined, every `expects` of a known kind, every seed with a title."""
     path = CATALOGUE if path is None else Path(path)
     doc = _load_yaml(path)
     cat = Catalogue()
@@ -147,6 +151,9 @@ def catalogue(path: str | Path | None = None) -> Catalogue:
             raise ValueError(f"{path}: {fid}: area {raw['area']!r} is not one of {AREAS}")
         if raw["check"] not in CHECKS:
             raise ValueError(f"{path}: {fid}: check {raw['check']!r} is not a function of kdlib.audit.CHECKS")
+        bad = [e for e in raw["expects"] if str(e).partition(":")[0] not in EXPECTS]
+        if bad:
+            raise ValueError(f"{path}: {fid}: expects {bad} name no kind of {EXPECTS} ('<kind>:<what>')")
         if str(raw["seed"]) not in cat.seeds:
             raise ValueError(f"{path}: {fid}: seed {raw['seed']!r} is not one of {sorted(cat.seeds)}")
         cat[fid] = Figure(
@@ -169,43 +176,19 @@ def anchor(heading: str) -> str:
 
 
 class Sources:
-    """What the checks read: recorded results (data/results) and recorded notebook values (reports/).
+    """What the checks read besides kdlib: the recorded results of data/results.
 
-    `results` and `records` may be given directly (tests, synthetic inputs): suite -> doc or None,
-    and name -> payload (with a 'notebook' key). Otherwise they are read lazily from disk.
+    `results` may be given directly (tests, synthetic inputs): "<suite>[.<gpu>]" -> doc (absent: not
+    recorded). Otherwise each is read from disk (`kdlib.perf.load`).
     """
 
-    def __init__(self, reports_dir: str | Path | None = None, *, results: dict | None = None,
-                 records: dict | None = None):
-        self.reports_dir = Path(reports_dir) if reports_dir is not None else REPORTS
+    def __init__(self, *, results: dict | None = None):
         self._results = results
-        self._records = records
 
     def result(self, suite: str, gpu: str | None = None) -> dict | None:
         if self._results is not None:
             return self._results.get(f"{suite}.{gpu}" if gpu else suite)
-
         return load(suite, gpu)
-
-    def records(self) -> dict:
-        """name -> payload of every value recorded in the executed notebooks under reports/ (not 07)."""
-        if self._records is None:
-            out = {}
-            if self.reports_dir.is_dir():
-                for nb in sorted(self.reports_dir.glob("[0-9]*.ipynb")):
-                    if nb.stem == AUDIT_NOTEBOOK:
-                        continue
-                    try:
-                        recs = read_records(nb)
-                    except Exception:  # a half-written or foreign file is not a source
-                        continue
-                    for name, payload in recs.items():
-                        out[name] = {**payload, "notebook": nb.stem}
-            self._records = out
-        return self._records
-
-    def record(self, name: str, notebook: str | None = None) -> dict | None:
-        return self.records().get(name)
 
 
 # --------------------------------------------------------------------------------------------- verdicts
@@ -418,24 +401,10 @@ def kern_verify_max_abs_err(fig: Figure, cat: Catalogue, src: Sources) -> Verdic
 def kern_tree_speedup_b64(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     res = src.result("kernels", "h200")
     if res is None:
-        rec = src.record("tree_build_speedup_b64", "02_cuda_kernels")
-        if rec is None:
-            return missing(fig.id, ["data/results/kernels.h200.json (headline.speedup_vs_cpu_kernel)",
-                                    "record tree_build_speedup_b64 of 02_cuda_kernels"])
-        ours, where, gpu, extra = (
-            float(rec["value"]),
-            rec.get("source", "02_cuda_kernels"),
-            "the recorded GPU",
-            "",
-        )
-    else:
-        ours, where, gpu = (
-            float(res["headline"]["speedup_vs_cpu_kernel"]),
-            provenance(res),
-            res["provenance"]["gpu"],
-        )
-        replay = res["headline"].get("speedup_vs_cpu_graph_replay")
-        extra = f"; {float(replay):.0f}x counting one graph replay per build" if replay is not None else ""
+        return missing(fig.id, ["data/results/kernels.h200.json (headline.speedup_vs_cpu_kernel)"])
+    ours, where, gpu = float(res["headline"]["speedup_vs_cpu_kernel"]), provenance(res), res["provenance"]["gpu"]
+    replay = res["headline"].get("speedup_vs_cpu_graph_replay")
+    extra = f"; {float(replay):.0f}x counting one graph replay per build" if replay is not None else ""
     lo, hi = _span(fig.claim)
     # a ratio of two machines' speeds: ±25% counts as the same result
     verdict = REPRODUCED if within(ours, fig.claim, rel=0.25) else READING
@@ -633,20 +602,16 @@ def eng_fewer_forwards(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
 @check
 def diag_baseline_c1_c10(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     c1, c10 = fig.claim
-    r1 = src.record("est_crosscheck_pro6000_c1_tok_s", "06_b300_estimator")
-    r10 = src.record("est_crosscheck_pro6000_c10_tok_s", "06_b300_estimator")
-    model = (f"the estimator's PRO 6000 model gives {float(r1['value']):.0f} and {float(r10['value']):.0f} "
-             "tok/s"
-             if r1 and r10 else "the estimator's model figure is not recorded yet "
-                                "(est_crosscheck_pro6000_c1/c10_tok_s "
-                                "of 06_b300_estimator)")
+    cross = headlines.pro6000_crosscheck_tok_s()
+    model = (f"the estimator's PRO 6000 model (the seeds' stack solved on their B300 point, context "
+             f"{headlines.CONTEXT}) gives {cross[1]:.0f} and {cross[10]:.0f} tok/s")
     return Verdict(fig.id, OUT_OF_REACH, model,
                    "a measurement of their 8x RTX PRO 6000 service with Kimi-K2.6 INT4 weights and their "
                    "drafter "
                    f"(none here). Internal: 517 / 10 = {c10 / 10:.1f} tok/s per stream at C = 10, "
                    f"{c10 / 10 / c1:.0%} of the C = 1 rate; seed 000 rounds 138.7 to '138 t/s'",
-                   sources=[r["source"] for r in (r1, r10) if r] or ["06_b300_estimator (not recorded yet)"],
-                   values={"per_stream_c10": c10 / 10})
+                   sources=["kdlib.headlines.pro6000_crosscheck_tok_s"],
+                   values={"per_stream_c10": c10 / 10, "model_c1": cross[1], "model_c10": cross[10]})
 
 
 @check
@@ -808,28 +773,10 @@ def diag_accept_by_text(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
                        f"{'lower, as the seeds say' if others[hard_kind] < easy else 'NOT lower'}"
                        f". {internal}", sources=[kinds[PREDICTABLE_KIND]["source"]],
                        values={"hard": others[hard_kind], "easy": easy})
-    hard = src.record("diag_accept_len_reasoning", "04_throughput_diagnosis")
-    easy = src.record("diag_accept_len_predictable", "04_throughput_diagnosis")
-    if hard is None or easy is None:
-        v = missing(fig.id, ["record diag_accept_len_reasoning of 04_throughput_diagnosis",
-                             "record diag_accept_len_predictable of 04_throughput_diagnosis"],
-                    "their figures need their drafter and Kimi-K2.6 (not reproducible here); the workbook's "
-                    "own "
-                    f"drafter on hard against predictable text is what notebook 04 records. {internal}")
-        return v
-    h, e = float(hard["value"]), float(easy["value"])
-    return Verdict(
-        fig.id,
-        OUT_OF_REACH,
-        f"the workbook's tiny target + drafter: {h:.2f} (hard text) against {e:.2f} (predictable) "
-        "accepted "
-        f"per step",
-        f"their numbers need their drafter and weights; the direction "
-        f"({'harder text accepts less, as the seeds say' if h < e else 'NOT as the seeds say'}) "
-        f"is what transfers. {internal}",
-        sources=[hard.get("source", ""), easy.get("source", "")],
-        values={"hard": h, "easy": e},
-    )
+    return missing(fig.id, ["data/results/diagnosis.*.json (by_kind[*].sustained.decomposition.accepted_length; "
+                            "python3 -m kdlib.perf.run --suite diagnosis)"],
+                   "their figures need their drafter and Kimi-K2.6 (not reproducible here); the workbook's "
+                   f"own drafter on hard against predictable text is what the diagnosis suite records. {internal}")
 
 
 @check
@@ -839,8 +786,8 @@ def diag_overestimate_2x(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     ratio = slow / sustained
     seeds_ok = within(ratio, fig.claim, rel=0.1)  # 'roughly 2×'
     same_ok = 0.25  # a same-text ratio within 25% of 2x counts as the same overestimate on this stack
-    own = src.record("diag_two_point_over_sustained", "04_throughput_diagnosis")
     kinds = diagnosis_by_kind(src)
+    sources = ["seeds' figures"]
     values = {"ratio": ratio}
     if kinds and all(k["two_point_tok_s"] and k["sustained_tok_s"] for k in kinds.values()):
         same = {k: v["two_point_tok_s"] / v["sustained_tok_s"] for k, v in kinds.items()}
@@ -851,7 +798,7 @@ def diag_overestimate_2x(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
         mine = ("; the workbook's engine, two-point / sustained on the same text: "
                 + ", ".join(f"{k} {r:.2f}" for k, r in same.items())
                 + f"; two-point on {easy} / sustained on {hard}: {cross:.2f}")
-        own = {"source": next(iter(kinds.values()))["source"]}
+        sources.append(next(iter(kinds.values()))["source"])
         if not seeds_ok:
             verdict = CONTRADICTED
         elif all(within(r, fig.claim, rel=same_ok) for r in same.values()):
@@ -860,13 +807,8 @@ def diag_overestimate_2x(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
             verdict = READING
         else:
             verdict = CONTRADICTED
-    elif own:
-        mine = f"; the workbook's own endpoint: two-point / sustained = {float(own['value']):.2f}"
-        values["own"] = float(own["value"])
-        verdict = REPRODUCED if seeds_ok and within(values["own"], fig.claim, rel=same_ok) else READING
     else:
-        mine = ("; the workbook's own ratio is not recorded yet (data/results/diagnosis.*.json, or record "
-                "diag_two_point_over_sustained of 04_throughput_diagnosis)")
+        mine = "; the workbook's own ratio is not recorded yet (data/results/diagnosis.*.json)"
         verdict = READING if seeds_ok else CONTRADICTED
     reason = ("the seeds' two-point figure at 5,120 tokens against their sustained run (3,200 -> 4,700 "
               "tokens of "
@@ -888,7 +830,7 @@ def diag_overestimate_2x(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
             "Neither the same-text nor the easy-against-hard ratio of the workbook's engine comes near 2x."
         )
     return Verdict(fig.id, verdict, f"{slow:g} / {sustained:g} = {ratio:.2f}x{mine}", reason,
-                   sources=["seeds' figures"] + ([own.get("source", "")] if own else []), values=values)
+                   sources=sources, values=values)
 
 
 @check
@@ -935,10 +877,6 @@ def mem_recheck(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     )
     reason = " | ".join(r["reason"] for r in picked)
     sources = ["kdlib.memory.seeds_200k_recheck"]
-    for k in keys:
-        rec = src.record(f"mem_seed_{k}_recomputed", "05_context_memory")
-        if rec is not None:
-            sources.append(f"record mem_seed_{k}_recomputed = {rec['value']} ({rec['notebook']})")
     if fig.recheck_key == "pool_tokens":
         extra = [rows["growth_vs_pool"], rows["longest_request"], rows["kv_200k_headroom"]]
         reason += " | " + " | ".join(f"{r['claim']}: {format_value(r['recomputed'], r['unit'])} "
@@ -1040,19 +978,17 @@ def compute_floor_m(gpu: str = "h200") -> float:
 def moe_plateau_256(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     knee = knee_m()
     cross = compute_floor_m("h200")
-    rec = src.record("est_moe_knee_m", "06_b300_estimator")
     ok = within(knee, fig.claim, rel=0.1)  # 'M ≈ 256' is a round number: ±10%
     return Verdict(fig.id, READING if ok else CONTRADICTED,
-                   f"99.5% of the 384 experts are touched at M = {knee:.0f} (uniform top-8)"
-                   + (f"; notebook 06 records {float(rec['value']):.0f}" if rec else ""),
+                   f"99.5% of the 384 experts are touched at M = {knee:.0f} (uniform top-8)",
                    f"the knee's position reproduces (±10%: {ok}), but not its cause: at M ≈ 256 the layer is "
                    "still "
                    "memory-bound (every expert's weights are read once; its FLOPs at peak only take as long "
                    "as its "
                    f"bytes at peak from M ≈ {cross:,.0f} on an H200). 'Compute-bound plateau' holds only as "
                    "'weight bytes stop growing'",
-                   sources=["kdlib.estimator.knee_m", "kdlib.audit.compute_floor_m (data/hw/h200.json)"]
-                   + ([rec["source"]] if rec else []), values={"knee": knee, "compute_floor_m": cross})
+                   sources=["kdlib.estimator.knee_m", "kdlib.audit.compute_floor_m (data/hw/h200.json)"],
+                   values={"knee": knee, "compute_floor_m": cross})
 
 
 @check
@@ -1097,17 +1033,14 @@ def b300_303_c1(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     c = fig.claim
     c1 = cat.claim("diag_baseline_c1_c10")[0]
     ratio = c["tok_s"] / c1
-    rec = src.record("est_model_b300_c1_native_tok_s", "06_b300_estimator")
+    native = headlines.b300_native_tok_s()
     ok = within(ratio, c["ratio"], rel=0.05)  # '2.2×' is written to two digits
     return Verdict(fig.id, OUT_OF_REACH,
-                   f"303 / 138.7 = {ratio:.2f}x" + ("; the workbook's step-time model, native engine at C = "
-                                                    "1: "
-                                                    f"{float(rec['value']):.0f} tok/s" if rec else
-                                                    "; the model's own B300 figure is not recorded yet "
-                                                    "(est_model_b300_c1_native_tok_s of 06_b300_estimator)"),
+                   f"303 / 138.7 = {ratio:.2f}x; the workbook's step-time model, native engine at C = 1 "
+                   f"(context {headlines.CONTEXT}): {native:.0f} tok/s",
                    f"measured on a B300 the seeds' authors had to give back (no B300 here either); the 2.2x "
-                   f"holds (±5%: {ok})", sources=["seeds' figures"] + ([rec["source"]] if rec else []),
-                   values={"ratio": ratio})
+                   f"holds (±5%: {ok})", sources=["seeds' figures", "kdlib.headlines.b300_native_tok_s"],
+                   values={"ratio": ratio, "model_native_tok_s": native})
 
 
 @check
@@ -1168,15 +1101,6 @@ def run_one(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
                        "an input it needs is absent or malformed", expected=list(fig.expects))
     if v.id != fig.id:
         raise AssertionError(f"check {fig.check} answered for {v.id}, not {fig.id}")
-    for e in fig.expects:  # show every record the catalogue names beside the verdict, when it is there
-        kind, _, rest = e.partition(":")
-        if kind == "record":
-            name, _, nb = rest.split(" (")[0].strip().partition("@")
-            rec = src.record(name, nb)
-            unit = f" {rec['unit']}" if rec and rec.get("unit") else ""
-            shown = f"record {name} = {rec['value']}{unit} ({rec['notebook']})" if rec else None
-            if shown and shown not in v.sources:
-                v.sources.append(shown)
     return v
 
 
@@ -1274,24 +1198,17 @@ INTERNAL = ("diag_two_point_255", "diag_two_point_67", "diag_step_34_144", "moe_
 
 
 def source_status(src: Sources, cat: Catalogue) -> list[dict]:
-    """Every result file and record the catalogue names, with whether it is there now."""
+    """Every result file the catalogue names (`result:` of `expects`), with whether it is there now."""
     out, seen = [], set()
     for f in cat.values():
         for e in f.expects:
             kind, _, rest = e.partition(":")
             name = rest.split(" (")[0].strip()
-            if kind not in ("result", "record") or (kind, name) in seen:
+            if kind != "result" or name in seen:
                 continue
-            seen.add((kind, name))
-            if kind == "result":
-                suite, _, gpu = name.partition(".")
-                doc = src.result(suite, gpu or None)
-                out.append({"kind": kind, "name": name, "present": doc is not None,
-                            "where": doc["_path"] if doc else f"data/results/{suite}.{gpu or '*'}.json"})
-            else:
-                rec, _, nb = name.partition("@")
-                got = src.record(rec, nb)
-                out.append({"kind": kind, "name": rec, "present": got is not None,
-                            "where": f"{src.reports_dir.name}/{nb}.ipynb" + ("" if got else " (not recorded "
-                                                                                            "yet)")})
+            seen.add(name)
+            suite, _, gpu = name.partition(".")
+            doc = src.result(suite, gpu or None)
+            out.append({"name": name, "present": doc is not None,
+                        "where": doc["_path"] if doc else f"data/results/{suite}.{gpu or '*'}.json"})
     return out

@@ -18,8 +18,8 @@ Parameters: profile `cpu` uses `notebooks/params/<stem>.cpu.yaml` when present, 
 own defaults (which are the CPU profile by convention). Any other profile requires its file. Before
 anything runs, every name must be one the notebook's parameters cell defines and every value must fit
 what the cell declares (the comment after each literal: type, bounds, choices; `parameter_spec`).
-A parameter named REPORTS_DIR that neither sets gets the `--out` folder, so a notebook that reads the
-other notebooks' executed copies (07_seed_audit) reads the ones this run writes.
+No notebook reads another's executed copy (the seed audit reads `data/` and kdlib), so notebooks run
+in any order and alone.
 
 Every file is written atomically (a temporary file in the same folder, then `os.replace`). Notebooks
 run with the working directory set to their own folder, on the kernel `python3`, which must be this
@@ -51,7 +51,6 @@ from kdlib.perf.results import git_commit
 KERNEL = "python3"
 DEFAULT_TIMEOUT_S = 1800  # per notebook; CPU defaults run in well under a minute, GPU profiles in minutes
 AUDIT_PREFIX = audit.RECORD_PREFIX
-OUT_PARAMETER = "REPORTS_DIR"  # a notebook parameter of this name reads the executed notebooks of --out
 
 
 # --------------------------------------------------------------------------- notebook facts
@@ -290,13 +289,8 @@ def _typed(value, spec: dict):
     return None if value == "None" and spec["none_ok"] else value
 
 
-def plan(
-    paths: list[Path], profile: str, overrides: dict, params_dir: Path, out_dir: Path = REPORTS
-) -> list[dict]:
-    """What each notebook will run with; every bad name, value or file is reported here, before any run.
-
-    A notebook parameter named `OUT_PARAMETER` (REPORTS_DIR) that no profile or -p sets gets `out_dir`.
-    """
+def plan(paths: list[Path], profile: str, overrides: dict, params_dir: Path) -> list[dict]:
+    """What each notebook will run with; every bad name, value or file is reported here, before any run."""
     jobs, problems = [], []
     for path in paths:
         try:
@@ -331,9 +325,6 @@ def plan(
                 problems.append(f"{where}: {name} of {path.stem} takes {_kind_name(specs[name])}; {problem}")
             params[name].update(value=value, source=source)
             injected[name] = value
-        if OUT_PARAMETER in params and OUT_PARAMETER not in injected:
-            params[OUT_PARAMETER].update(value=str(Path(out_dir).resolve()), source="--out")
-            injected[OUT_PARAMETER] = params[OUT_PARAMETER]["value"]
         jobs.append(
             {
                 "path": path,
@@ -876,7 +867,7 @@ def run_reports(
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out {out_dir} exists and is not a folder")
     paths = discover(notebooks_dir, names)
-    jobs = plan(paths, profile, overrides or {}, notebooks_dir / "params", out_dir)
+    jobs = plan(paths, profile, overrides or {}, notebooks_dir / "params")
     check_kernel(kernel_name)
     commit = git_commit()
     for job in jobs:

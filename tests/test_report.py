@@ -50,10 +50,10 @@ def make_notebooks(folder):
         folder / "20_fail.ipynb",
         [
             new_markdown_cell("# 20 · Failing notebook\nIts second cell raises."),
-            _params("K = 1  # int: any\nREPORTS_DIR = None  # str | None: where the executed notebooks are"),
+            _params("K = 1  # int: any"),
             new_code_cell(
                 "import sys\nimport kdlib.nb\nkdlib.nb.record('before_failure', 7)\n"
-                "kdlib.nb.record('reports_dir', REPORTS_DIR)\nsys.stderr.write('careful: a warning\\n')"
+                "sys.stderr.write('careful: a warning\\n')"
             ),
             new_code_cell("raise RuntimeError(f'boom {K}')"),
             new_code_cell("print('never runs')"),
@@ -98,8 +98,8 @@ def test_failure_is_marked_with_its_error_and_partial_page(batch):
     assert "RuntimeError" in page and "boom 1" in page and 'href="20_fail.html"' in page
     # the partial notebook holds what ran before the failure, and not what came after
     assert entries["20_fail"]["records"][0]["value"] == 7
-    # what the page shows on stderr is listed in the index (cell 3: after parameters and injected parameters)
-    assert entries["20_fail"]["stderr"] == [{"exec_count": 3, "text": "careful: a warning"}]
+    # what the page shows on stderr is listed in the index (cell 2: after parameters, nothing injected)
+    assert entries["20_fail"]["stderr"] == [{"exec_count": 2, "text": "careful: a warning"}]
     assert entries["10_pass"]["stderr"] == [] and "careful: a warning" in page
     executed = nbformat.read(str(out / "20_fail.ipynb"), as_version=4)
     last = executed.cells[-1]
@@ -117,9 +117,8 @@ def test_records_with_provenance_and_override(batch):
     assert params["N"] == {"value": 5, "default": 2, "source": "-p", "help": "int: >= 1"}
     assert params["LABEL"]["source"] == "default" and params["LABEL"]["value"] == "plain"
     assert "K" in entries["20_fail"]["parameters"]  # -p N applies only where N is a parameter
-    # REPORTS_DIR, when nothing sets it, is the --out folder
-    assert entries["20_fail"]["parameters"]["REPORTS_DIR"]["source"] == "--out"
-    assert {r["name"]: r["value"] for r in entries["20_fail"]["records"]}["reports_dir"] == str(out.resolve())
+    assert entries["20_fail"]["parameters"]["K"] == {"value": 1, "default": 1, "source": "default",
+                                                     "help": "int: any"}
     assert entries["10_pass"]["title"] == "10 · Passing notebook"
     assert "multiplies" in entries["10_pass"]["abstract"] and "<strong>N</strong>" in page
 
@@ -390,17 +389,17 @@ def test_check_parameter():
     assert report.check_parameter(float("nan"), report.parameter_spec(1.0, "float")) == "got nan"
 
 
-def test_every_notebook_default_fits_its_declared_type(tmp_path):
+def test_every_notebook_default_fits_its_declared_type():
     """The specs parse the real parameters cells: each default fits its own comment, and a few known ones."""
-    jobs = report.plan(report.discover(NOTEBOOKS), "cpu", {}, NOTEBOOKS / "params", tmp_path)
+    jobs = report.plan(report.discover(NOTEBOOKS), "cpu", {}, NOTEBOOKS / "params")
     specs = {(j["path"].stem, n): report.parameter_spec(p["default"], p["help"])
              for j in jobs for n, p in j["parameters"].items()}
     assert specs[("05_context_memory", "CONTEXT")]["kind"] is int
     assert specs[("05_context_memory", "GPU")]["choices"] == ("rtx-pro-6000", "h200", "b200", "b300")
     assert specs[("01_numpy_references", "FOLLOW")]["bounds"] == [(">=", 0.0), ("<=", 1.0)]
-    assert specs[("07_seed_audit", "REPORTS_DIR")]["none_ok"]
-    (job07,) = [j for j in jobs if j["path"].stem == "07_seed_audit"]
-    assert job07["injected"] == {"REPORTS_DIR": str(tmp_path.resolve())}
+    assert specs[("07_seed_audit", "CATALOGUE")]["none_ok"]
+    # the cpu profile is the defaults: nothing is injected, not even a folder of executed notebooks
+    assert all(j["injected"] == {} for j in jobs)
 
 
 def test_profile_file_with_unknown_name_is_rejected(tmp_path):
