@@ -21,7 +21,7 @@ the older `rope_scaling` + top-level `rope_theta`; the type key may be `type` or
 (models-hardware.md §3): with d the rotary width, pair i has the frequency
 base^(-2i/d) (1 - ramp_i) + base^(-2i/d) / factor ramp_i, ramp_i = clip((i - low) / (high - low), 0, 1),
 low / high the pair index where the original context turns beta_fast / beta_slow rotations
-(floored / ceiled when `truncate`, clamped to [0, d - 1]); cos/sin carry `attention_factor` (default
+(floored / ceiled when `truncate`; low >= 0, high <= d - 1); cos/sin carry `attention_factor` (default
 mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set, else mscale(factor, 1)),
 and DeepSeek-V3 multiplies the softmax scale by mscale(factor, mscale_all_dim)^2 when mscale_all_dim
 is set; mscale(s, m) = 0.1 m ln s + 1 for s > 1, else 1. Pure Python: numpy is imported only by
@@ -240,7 +240,7 @@ class YarnScaling:
 
     def correction_range(self, rotary_dim: int, base: float) -> tuple[float, float]:
         """(low, high) rotary-pair indices of the ramp: where the original context turns beta_fast and
-        beta_slow rotations, floored / ceiled when `truncate`, clamped to [0, rotary_dim - 1]."""
+        beta_slow rotations, floored / ceiled when `truncate`; low at least 0, high at most rotary_dim - 1."""
         def dim(rotations):
             return (rotary_dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))
                     / (2 * math.log(base)))

@@ -1,0 +1,113 @@
+"""kdlib.config: the one config.json reader (every view agrees), the one ConfigError, the one YaRN."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kdlib import ROOT, check, config, memory
+from kdlib import estimator as est
+from kdlib.config import ConfigError, ModelConfig, YarnScaling, rope_inv_freq, yarn_mscale
+
+ENGINE_CONFIGS = [n for n in config.shipped() if json.loads((config.CONFIGS / f"{n}.json").read_text())
+                  .get("model_type") in config.SUPPORTED_MODEL_TYPES]
+
+
+def test_pure_python_at_import():
+    """The memory math, the estimator and the CLI import neither torch nor numpy."""
+    code = ("import sys, kdlib.config, kdlib.memory, kdlib.estimator, kdlib.cli; "
+            "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+
+
+def test_one_config_error():
+    from kdlib.engine import config as engine_config
+
+    assert memory.ConfigError is ConfigError is engine_config.ConfigError
+    assert engine_config.ModelConfig is ModelConfig and issubclass(ConfigError, ValueError)
+
+
+def test_bad_files_raise_config_error(tmp_path):
+    (tmp_path / "a.json").write_text("{not json")
+    (tmp_path / "b.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        config.load_config(tmp_path / "a.json")
+    with pytest.raises(ConfigError, match="JSON object"):
+        ModelConfig.load(tmp_path / "b.json")
+    with pytest.raises(ValueError, match="shipped configs"):
+        config.load_config("no-such-model")
+
+
+@pytest.mark.parametrize("name", ENGINE_CONFIGS)
+def test_the_views_agree(name):
+    """geometry (memory), ModelConfig (engine) and ModelShape (estimator) read the same numbers."""
+    c, g = ModelConfig.load(name), config.geometry(name)
+    shape = est.ModelShape.from_config(name)
+    assert g.attention == "mla" and g.kv_elements_per_layer == c.latent_dim == shape.latent_dim
+    assert g.head_dim == c.qk_head_dim and g.rotary_dim == c.qk_rope_head_dim == shape.qk_rope_dim
+    assert g.num_layers == c.num_hidden_layers == shape.n_layers
+    assert g.vocab_size == c.vocab_size == shape.vocab and g.num_heads == c.num_attention_heads == shape.n_heads
+    y = memory.yarn(name)
+    assert y["softmax_scale"] == c.softmax_scale and y["cos_sin_mscale"] == c.rope_attention_factor
+    assert y["correction_range"] == c.rope.correction_range(c.qk_rope_head_dim, c.rope_theta)
+
+
+def test_inv_freq_kimi_k2_written_out():
+    """Kimi-K2.6: d 64, base 50000, 4096 x 64, beta 1 / 1: the original context turns once at pair
+    64 ln(4096 / 2 pi) / (2 ln 50000) = 19.16, so pairs 0..19 keep base^(-2i/64) and 20..31 are / 64."""
+    c = ModelConfig.load("kimi-k2.6")
+    assert c.rope.correction_range(64, 50000.0) == (19, 20)
+    i = np.arange(32)
+    want = np.where(i <= 19, 50000.0 ** (-i / 32), 50000.0 ** (-i / 32) / 64)  # [32]
+    check.assert_close(rope_inv_freq(c), want, rtol=1e-14, name="kimi-k2.6 inverse frequencies")
+
+
+def test_inv_freq_tiny_a_ramp_written_out():
+    """tiny-a: d 8, base 1e4, 256 x 4, beta 32 / 1: low floor(0.105) = 0, high ceil(1.61) = 2, ramp
+    [0, 1/2, 1, 1] over the 4 pairs; magnitude mscale(4, 0.8) / mscale(4, 1), softmax x mscale(4, 1)^2."""
+    c = ModelConfig.load("tiny-a")
+    base = 1e4 ** (-np.arange(4) / 4)  # [4]
+    ramp = np.array([0.0, 0.5, 1.0, 1.0])
+    check.assert_close(rope_inv_freq(c), base * (1 - ramp) + base / 4 * ramp, rtol=1e-14, name="tiny-a")
+    ln4 = math.log(4)
+    assert c.rope_attention_factor == pytest.approx((0.08 * ln4 + 1) / (0.1 * ln4 + 1), rel=1e-14)
+    assert c.softmax_scale == pytest.approx(c.qk_head_dim**-0.5 * (0.1 * ln4 + 1) ** 2, rel=1e-14)
+
+
+def test_plain_rope_has_no_yarn():
+    d = ModelConfig.load("tiny-a").to_hf_dict()
+    d["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e4}
+    c = ModelConfig.from_dict(d)
+    assert c.rope is None and c.rope_attention_factor == 1.0 and c.softmax_scale == c.qk_head_dim**-0.5
+    check.assert_close(rope_inv_freq(c), 1e4 ** (-np.arange(4) / 4), rtol=1e-14, name="plain RoPE")
+
+
+def test_yarn_magnitudes_follow_transformers():
+    assert yarn_mscale(1.0, 5.0) == 1.0 and yarn_mscale(math.e, 2.0) == pytest.approx(1.2)
+    both = YarnScaling(factor=16.0, original_max_position_embeddings=64, mscale=0.5, mscale_all_dim=1.0)
+    assert both.attention_scale() == pytest.approx(yarn_mscale(16, 0.5) / yarn_mscale(16, 1.0))
+    assert both.softmax_factor() == pytest.approx(yarn_mscale(16, 1.0) ** 2)
+    # mscale alone is ignored (transformers needs both), the default 0.1 ln s + 1 applies
+    alone = YarnScaling(factor=16.0, original_max_position_embeddings=64, mscale=0.5)
+    assert alone.attention_scale() == yarn_mscale(16) and alone.softmax_factor() == 1.0
+    given = YarnScaling(factor=16.0, original_max_position_embeddings=64, mscale=0.5, mscale_all_dim=1.0,
+                        attention_factor=0.9)
+    assert given.attention_scale() == 0.9
+
+
+def test_correction_range_truncate_and_clamp():
+    y = YarnScaling(factor=8.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0)
+    low, high = y.correction_range(64, 10000.0)
+    exact = [64 * math.log(4096 / (b * 2 * math.pi)) / (2 * math.log(10000.0)) for b in (32.0, 1.0)]
+    assert (low, high) == (math.floor(exact[0]), math.ceil(exact[1]))
+    loose = YarnScaling(factor=8.0, original_max_position_embeddings=4096, truncate=False)
+    assert loose.correction_range(64, 10000.0) == pytest.approx(tuple(exact))
+    # beta_fast turns before pair 0 and beta_slow after the last pair: low 0, high d - 1
+    wide = YarnScaling(factor=8.0, original_max_position_embeddings=64, beta_fast=32.0, beta_slow=1e-6)
+    assert wide.correction_range(8, 10.0) == (0, 7)
