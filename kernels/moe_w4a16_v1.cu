@@ -33,9 +33,7 @@
 // Limits (checked by the wrapper before launch): K % 64 == 0, N % 64 == 0, 16-byte aligned bases.
 #include <cuda_bf16.h>
 
-// NVRTC (CuPy) has no host headers such as <stdint.h>: fixed-width names of our own.
-typedef unsigned int u32;
-typedef unsigned short u16;
+#include "common/w4a16.cuh"
 
 namespace {
 
@@ -44,42 +42,6 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kWarpsN8 = 16;            // gate/up _n8: 16 warps split K (7 chunks each at K = 7168),
 constexpr int kThreadsN8 = kWarpsN8 * 32;  // so one round of loads covers a block's whole slice
 constexpr int kDownTilesPerWarp = 2;    // down: 2 row tiles per warp, 16 per block
-
-// (a & b) | c in one instruction (lop3 truth table 0xEA).
-__device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) {
-  u32 d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-
-__device__ __forceinline__ u32 bf162_bits(__nv_bfloat162 v) {
-  return *reinterpret_cast<u32*>(&v);
-}
-
-__device__ __forceinline__ __nv_bfloat162 bits_bf162(u32 v) {
-  return *reinterpret_cast<__nv_bfloat162*>(&v);
-}
-
-// Eight nibbles -> the four bf16x2 registers of an mma A fragment, dequantized exactly as the
-// reference does: bf16(q - 8) is exact, then one bf16 multiply by the group scale.
-// Nibbles n and n + 4 land in the low/high halves with exponent bits 0x43 (2^7): value 128 + q.
-__device__ __forceinline__ void dequant8(u32 w, u32 scales, u32 a[4]) {
-  const __nv_bfloat162 bias = __float2bfloat162_rn(136.0f);  // 128 (magic exponent) + 8 (zero point)
-  const __nv_bfloat162 s_lo = bits_bf162(__byte_perm(scales, 0, 0x1010));  // row g, both halves
-  const __nv_bfloat162 s_hi = bits_bf162(__byte_perm(scales, 0, 0x3232));  // row g + 8
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const __nv_bfloat162 q = bits_bf162(and_or(w >> (4 * j), 0x000F000Fu, 0x43004300u));
-    a[j] = bf162_bits(__hmul2(__hsub2(q, bias), (j & 1) ? s_hi : s_lo));
-  }
-}
-
-__device__ __forceinline__ void mma_bf16(float c[4], const u32 a[4], u32 b0, u32 b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 // The B fragments of one 64-column chunk for token row `row` (nullptr: a padding column of zeros).
 // Registers 2i, 2i+1 = b0, b1 of k16 step i (physical columns 16t + 4i + {0,1} and {2,3}).
@@ -93,11 +55,6 @@ __device__ __forceinline__ void load_b(const u16* row, int col0, int t, u32 b[8]
   const uint4 lo = __ldg(p), hi = __ldg(p + 1);
   b[0] = lo.x; b[1] = lo.y; b[2] = lo.z; b[3] = lo.w;
   b[4] = hi.x; b[5] = hi.y; b[6] = hi.z; b[7] = hi.w;
-}
-
-__device__ __forceinline__ u16 f32_to_bf16_bits(float v) {
-  const __nv_bfloat16 b = __float2bfloat16_rn(v);
-  return *reinterpret_cast<const u16*>(&b);
 }
 
 // Block (token pass x, pair p = y, active expert z): gate tile p and up tile p of one expert over the

@@ -17,6 +17,8 @@
 // Shared memory of tree_accept_greedy_v1 (bytes), S = budget + 1: 8 * (4 * S) + 8 * S
 // (next_token, next_sibling, node tokens, targets as int64; the path) = 40 S, 10,280 B at S 257.
 
+#include "common/exact_f64.cuh"
+
 #define TA_THREADS 64
 
 extern "C" __global__ void __launch_bounds__(TA_THREADS) tree_accept_greedy_v1(
@@ -70,18 +72,6 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS) tree_accept_greedy_v1(
     const int len = s_len;
     for (int i = tid; i < width; i += TA_THREADS) paths[(long long)b * width + i] = (i < len) ? s_path[i] : -1ll;
 }
-
-// Exact float -> double. CuPy compiles with -ftz=true, under which a plain conversion may flush
-// float32 subnormals to zero; numpy keeps them. Subnormal f = mantissa * 2^-149, exact in double.
-__device__ __forceinline__ double to_f64(float f) {
-    const unsigned u = __float_as_uint(f);
-    if ((u & 0x7f800000u) == 0u) {
-        const double d = (double)(int)(u & 0x007fffffu) * 0x1p-149;
-        return (u >> 31) ? -d : d;
-    }
-    return (double)f;
-}
-__device__ __forceinline__ double to_f64(double d) { return d; }
 
 template <typename T>
 __device__ __forceinline__ long long sample_row(const T* __restrict__ row, double u, long long V) {

@@ -7,18 +7,9 @@
 // order), but it loads the next TA2_CHUNK elements while it adds the current ones, so the time
 // tends to the dependent chain of conversions and adds (2 V adds per row).
 
-#define TA2_CHUNK 32  // elements in flight per thread: hides an L2 round trip behind 32 float64 adds
+#include "common/exact_f64.cuh"
 
-// Exact float -> double (CuPy's -ftz=true may flush float32 subnormals in a plain conversion).
-__device__ __forceinline__ double as_f64(float f) {
-    const unsigned u = __float_as_uint(f);
-    if ((u & 0x7f800000u) == 0u) {
-        const double d = (double)(int)(u & 0x007fffffu) * 0x1p-149;
-        return (u >> 31) ? -d : d;
-    }
-    return (double)f;
-}
-__device__ __forceinline__ double as_f64(double d) { return d; }
+#define TA2_CHUNK 32  // elements in flight per thread: hides an L2 round trip behind 32 float64 adds
 
 template <typename T>
 __device__ __forceinline__ void load_chunk(const T* __restrict__ row, long long j, long long V, T (&v)[TA2_CHUNK]) {
@@ -35,7 +26,7 @@ __device__ long long draw_row(const T* __restrict__ row, double u, long long V) 
         load_chunk<T>(row, j + TA2_CHUNK, V, nxt);
 #pragma unroll
         for (int t = 0; t < TA2_CHUNK; ++t)
-            if (j + t < V) total += as_f64(cur[t]);
+            if (j + t < V) total += to_f64(cur[t]);
 #pragma unroll
         for (int t = 0; t < TA2_CHUNK; ++t) cur[t] = nxt[t];
     }
@@ -49,7 +40,7 @@ __device__ long long draw_row(const T* __restrict__ row, double u, long long V) 
 #pragma unroll
         for (int t = 0; t < TA2_CHUNK; ++t) {
             if (!done && j + t < V) {
-                acc += as_f64(cur[t]);
+                acc += to_f64(cur[t]);
                 if (acc > x) done = true; else ++count;
             }
         }

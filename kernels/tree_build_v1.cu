@@ -26,26 +26,11 @@
 #define TB_THREADS 128  // 4 warps: warp 0 runs the pops, all 4 write the outputs
 #define TB_MAX_ROWS 9   // slot rows per lane: ceil(257 / 32) slots at budget 256
 
-typedef unsigned long long u64;
+#include "common/exact_f64.cuh"
+#include "common/tree_keys.cuh"
 
-__device__ __forceinline__ u64 okey(double x) {
-    // +0.0 folds -0.0 into +0.0 (Python compares them equal); larger x -> larger key, never 0.
-    u64 b = (u64)__double_as_longlong(x + 0.0);
-    return (b >> 63) ? ~b : (b | 0x8000000000000000ull);
-}
-
-// Exact float -> double. CuPy compiles with -ftz=true, under which a plain conversion may flush
-// float32 subnormals to zero; numpy keeps them. Subnormal f = mantissa * 2^-149, exact in double.
-__device__ __forceinline__ double to_f64(float f) {
-    const unsigned u = __float_as_uint(f);
-    if ((u & 0x7f800000u) == 0u) {
-        const double d = (double)(int)(u & 0x007fffffu) * 0x1p-149;
-        return (u >> 31) ? -d : d;
-    }
-    return (double)f;
-}
-
-// True when slot a's rank tuple sorts before slot b's (Python tuple order).
+// True when slot a's rank tuple sorts before slot b's (Python tuple order). It reads lo and meta
+// only when hi ties (ranks_less on loaded values compiles to other SASS).
 __device__ __forceinline__ bool rank_less(const u64* hi, const u64* lo, const unsigned* meta, int a, int b) {
     if (hi[a] != hi[b]) return hi[a] < hi[b];
     if (lo[a] != lo[b]) return lo[a] < lo[b];

@@ -27,30 +27,8 @@
 
 #define TB2_THREADS 128  // 4 warps: warp 0 runs the pops, all 4 build the lists and write outputs
 
-typedef unsigned long long u64;
-
-__device__ __forceinline__ u64 okey2(double x) {
-    // +0.0 folds -0.0 into +0.0 (Python compares them equal); larger x -> larger key, never 0.
-    u64 b = (u64)__double_as_longlong(x + 0.0);
-    return (b >> 63) ? ~b : (b | 0x8000000000000000ull);
-}
-
-// Exact float -> double (CuPy's -ftz=true may flush float32 subnormals in a plain conversion).
-__device__ __forceinline__ double f2d(float f) {
-    const unsigned u = __float_as_uint(f);
-    if ((u & 0x7f800000u) == 0u) {
-        const double d = (double)(int)(u & 0x007fffffu) * 0x1p-149;
-        return (u >> 31) ? -d : d;
-    }
-    return (double)f;
-}
-
-// (hi_a, lo_a, depth_a) < (hi_b, lo_b, depth_b): Python tuple order of the rank tuples.
-__device__ __forceinline__ bool ranks_less(u64 hi_a, u64 lo_a, unsigned meta_a, u64 hi_b, u64 lo_b, unsigned meta_b) {
-    if (hi_a != hi_b) return hi_a < hi_b;
-    if (lo_a != lo_b) return lo_a < lo_b;
-    return ((meta_a >> 16) & 0xFFu) < ((meta_b >> 16) & 0xFFu);
-}
+#include "common/exact_f64.cuh"
+#include "common/tree_keys.cuh"
 
 template <int R>
 __device__ __forceinline__ void build(
@@ -93,8 +71,8 @@ __device__ __forceinline__ void build(
 #pragma unroll
         for (int r = 0; r < R; ++r) { key[r] = 0ull; hi[r] = 0ull; lo[r] = 0ull; sc[r] = 0.0; meta[r] = 0u; }
         if (lane == 0 && !empty_tree) {
-            sc[0] = f2d(lps[0]);
-            key[0] = okey2(sc[0]);
+            sc[0] = to_f64(lps[0]);
+            key[0] = okey(sc[0]);
             meta[0] = 1u << 16;  // parent 0, depth 1, rank 0
         }
         // This lane's best slot (a copy of its registers).
@@ -141,9 +119,9 @@ __device__ __forceinline__ void build(
             const bool has_sib = rank + 1 < K;
             const bool has_child = depth < L_eff;
             const float* row = lps + (depth - 1) * K;
-            const double lp_r = f2d(row[rank]);
-            const double lp_r1 = has_sib ? f2d(row[rank + 1]) : 0.0;
-            const double lp_c = has_child ? f2d(lps[depth * K]) : 0.0;
+            const double lp_r = to_f64(row[rank]);
+            const double lp_r1 = has_sib ? to_f64(row[rank + 1]) : 0.0;
+            const double lp_c = has_child ? to_f64(lps[depth * K]) : 0.0;
             if (lane == 0) {
                 n_parent[idx] = parent;
                 n_src[idx] = (depth - 1) * Kp + rank;
@@ -152,7 +130,7 @@ __device__ __forceinline__ void build(
             // 3) the two pushes.
             const double sib = (logw - lp_r) + lp_r1;
             const double ch = logw + lp_c;
-            const u64 sib_key = okey2(sib), ch_key = okey2(ch);
+            const u64 sib_key = okey(sib), ch_key = okey(ch);
             const int p8 = depth - 1;  // byte of this depth's rank in (hi, lo)
             const u64 sib_hi = (p8 < 8) ? khi + (1ull << (8 * (7 - p8))) : khi;
             const u64 sib_lo = (p8 < 8) ? klo : klo + (1ull << (8 * (15 - p8)));

@@ -15,30 +15,8 @@
 
 #define TB3_THREADS 128  // 4 warps: warp 0 runs the pops, all 4 build the lists and write outputs
 
-typedef unsigned long long u64;
-
-__device__ __forceinline__ u64 okey3(double x) {
-    // +0.0 folds -0.0 into +0.0 (Python compares them equal); larger x -> larger key, never 0.
-    u64 b = (u64)__double_as_longlong(x + 0.0);
-    return (b >> 63) ? ~b : (b | 0x8000000000000000ull);
-}
-
-// Exact float -> double (CuPy's -ftz=true may flush float32 subnormals in a plain conversion).
-__device__ __forceinline__ double f2d3(float f) {
-    const unsigned u = __float_as_uint(f);
-    if ((u & 0x7f800000u) == 0u) {
-        const double d = (double)(int)(u & 0x007fffffu) * 0x1p-149;
-        return (u >> 31) ? -d : d;
-    }
-    return (double)f;
-}
-
-// (hi_a, lo_a, depth_a) < (hi_b, lo_b, depth_b): Python tuple order of the rank tuples.
-__device__ __forceinline__ bool ranks_less3(u64 hi_a, u64 lo_a, unsigned meta_a, u64 hi_b, u64 lo_b, unsigned meta_b) {
-    if (hi_a != hi_b) return hi_a < hi_b;
-    if (lo_a != lo_b) return lo_a < lo_b;
-    return ((meta_a >> 16) & 0xFFu) < ((meta_b >> 16) & 0xFFu);
-}
+#include "common/exact_f64.cuh"
+#include "common/tree_keys.cuh"
 
 template <int R>
 __device__ __forceinline__ void build3(
@@ -67,7 +45,7 @@ __device__ __forceinline__ void build3(
     for (int i = tid; i < S * W; i += TB3_THREADS) cmask[i] = 0u;
     for (int i = tid; i < L_eff * K; i += TB3_THREADS) {
         const int d = i / K;
-        lps[i] = f2d3(lp_b[d * Kp + (i - d * K)]);
+        lps[i] = to_f64(lp_b[d * Kp + (i - d * K)]);
     }
     __syncthreads();
 
@@ -84,7 +62,7 @@ __device__ __forceinline__ void build3(
         }
         if (lane == 0 && !empty_tree) {
             sc[0] = lps[0];
-            key[0] = okey3(sc[0]);
+            key[0] = okey(sc[0]);
             meta[0] = 1u << 16;  // parent 0, depth 1, rank 0
             la[0] = lps[0];
             lb[0] = (K > 1) ? lps[1] : 0.0;
@@ -119,7 +97,7 @@ __device__ __forceinline__ void build3(
                     rest &= rest - 1;
                     const u64 ohi = __shfl_sync(FULL, bhi, l), olo = __shfl_sync(FULL, blo, l);
                     const unsigned om = __shfl_sync(FULL, bmeta, l);
-                    if (ranks_less3(ohi, olo, om, whi, wlo, wm)) { wl = l; whi = ohi; wlo = olo; wm = om; }
+                    if (ranks_less(ohi, olo, om, whi, wlo, wm)) { wl = l; whi = ohi; wlo = olo; wm = om; }
                 }
             }
             // 2) the winner, broadcast from its lane.
@@ -148,7 +126,7 @@ __device__ __forceinline__ void build3(
             // 3) the two pushes.
             const double sib = (logw - lp_r) + lp_r1;
             const double ch = logw + lp_c;
-            const u64 sib_key = okey3(sib), ch_key = okey3(ch);
+            const u64 sib_key = okey(sib), ch_key = okey(ch);
             const int p8 = depth - 1;  // byte of this depth's rank in (hi, lo)
             const u64 sib_hi = (p8 < 8) ? khi + (1ull << (8 * (7 - p8))) : khi;
             const u64 sib_lo = (p8 < 8) ? klo : klo + (1ull << (8 * (15 - p8)));
@@ -190,7 +168,7 @@ __device__ __forceinline__ void build3(
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
                     const bool better = key[r] > bkey ||
-                        (key[r] == bkey && key[r] != 0ull && ranks_less3(hi[r], lo[r], meta[r], bhi, blo, bmeta));
+                        (key[r] == bkey && key[r] != 0ull && ranks_less(hi[r], lo[r], meta[r], bhi, blo, bmeta));
                     if (better) {
                         bkey = key[r]; bsc = sc[r]; bhi = hi[r]; blo = lo[r]; bmeta = meta[r]; brow = r;
                         bla = la[r]; blb = lb[r]; blc = lc[r];

@@ -34,17 +34,9 @@
 
 #define TB4_THREADS 256  // 8 warps: warp 0 runs the pops; all 8 load the table (rows w, w + 8) and write the outputs
 
-typedef unsigned long long u64;
+#include "common/exact_f64.cuh"
 
-// Exact float -> double (CuPy's -ftz=true may flush float32 subnormals in a plain conversion).
-__device__ __forceinline__ double f2d4(float f) {
-    const unsigned u = __float_as_uint(f);
-    if ((u & 0x7f800000u) == 0u) {
-        const double d = (double)(int)(u & 0x007fffffu) * 0x1p-149;
-        return (u >> 31) ? -d : d;
-    }
-    return (double)f;
-}
+typedef unsigned long long u64;
 
 // The rank tuple (r_1, ..., r_d) as bytes r_1..r_16 of (hi, lo), most significant first, then the
 // depth: (hi, lo, depth) in lexicographic order is Python's tuple order (a proper prefix has zero
@@ -126,7 +118,7 @@ __device__ __forceinline__ void build4(
 #pragma unroll
             for (int m = 0; m < 8; ++m) {
                 const int c = lane + 32 * m;
-                if (d < L_eff && c < K) lps[d * LPS_STRIDE + c] = f2d4(v[h][m]);
+                if (d < L_eff && c < K) lps[d * LPS_STRIDE + c] = to_f64(v[h][m]);
             }
         }
     }

@@ -11,12 +11,16 @@ Arguments are CuPy arrays (passed as device pointers) or numpy scalars of the ex
 (`numpy.int32(n)`, `numpy.float32(x)`); a Python int is passed as a 64-bit integer, which does
 not match an `int` parameter.
 
-Caching: one `RawModule` per (stem, options, device) per process; the source is read once, so
-edits to a `.cu` file need `clear_cache()` (or a fresh process). CuPy also keeps compiled cubins
-on disk (`~/.cupy/kernel_cache`), keyed by source, options, arch and NVRTC version, so a fresh
-process recompiles only what changed.
+Shared device code lives in headers under `kernels/common/*.cuh`, included as
+`#include "common/<name>.cuh"`. NVRTC compiles `expanded_source(stem)`: the `.cu` text with every
+such include inlined (each header once), so every cache below is keyed on the headers too.
 
-Options: NVRTC gets `-I kernels/` (so sources may include shared headers there) and
+Caching: one `RawModule` per (stem, options, device) per process; the source is read once, so
+edits to a `.cu` or `.cuh` file need `clear_cache()` (or a fresh process). CuPy also keeps
+compiled cubins on disk (`~/.cupy/kernel_cache`), keyed by source (headers expanded), options,
+arch and NVRTC version, so a fresh process recompiles only what changed.
+
+Options: NVRTC gets `-I kernels/` and
 `--std=c++17`; CuPy itself appends `-arch=sm_<cc>` for the current device and always adds
 `-ftz=true` (fp32 denormals flush to zero; see design/reference/kernels-perf.md §6). Pass extra
 flags with `options=(...)`, e.g. `("-arch=sm_90a",)` to get `__CUDA_ARCH_FEAT_SM90_ALL` (wgmma);
@@ -66,9 +70,44 @@ def source_path(stem: str) -> Path:
     return path
 
 
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[^\n]*$', re.MULTILINE)
+_PRAGMA_ONCE = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+once[ \t]*\n", re.MULTILINE)
+
+
+def expand_includes(path: Path, include_dir: Path) -> str:
+    """The text of `path` with every `#include "name"` inlined, recursively: `name` is looked up
+    beside the including file, then under `include_dir` (the compiler's order with
+    `-I include_dir`); each file is inlined once (`#pragma once`), `#include <...>` stays.
+    ValueError naming the file when an include is not found.
+    """
+    seen: set[Path] = set()
+
+    def expand(file: Path) -> str:
+        def inline(m: re.Match) -> str:
+            name = m.group(1)
+            found = [c for c in (file.parent / name, include_dir / name) if c.is_file()]
+            if not found:
+                raise ValueError(f"{file.name}: #include \"{name}\" not found beside it or under {include_dir}")
+            header = found[0].resolve()
+            if header in seen:
+                return ""
+            seen.add(header)
+            return _PRAGMA_ONCE.sub("", expand(header)).rstrip("\n")
+
+        return _INCLUDE.sub(inline, file.read_text())
+
+    return expand(path)
+
+
+def expanded_source(stem: str) -> str:
+    """The source of `kernels/<stem>.cu` with its `#include "..."` headers inlined (what NVRTC
+    compiles and what the compile caches key on)."""
+    return expand_includes(source_path(stem), KERNELS)
+
+
 def _source(stem: str) -> str:
     if stem not in _SOURCES:
-        _SOURCES[stem] = source_path(stem).read_text()
+        _SOURCES[stem] = expanded_source(stem)
     return _SOURCES[stem]
 
 
@@ -114,7 +153,7 @@ def set_max_dynamic_shared(fn, nbytes: int) -> None:
 
 
 def clear_cache() -> None:
-    """Forget every loaded module and source (after editing a `.cu` file in a live session)."""
+    """Forget every loaded module and source (after editing a `.cu` or `.cuh` file in a live session)."""
     with _LOCK:
         _MODULES.clear()
         _FUNCTIONS.clear()
@@ -229,15 +268,16 @@ def parse_ptxas(text: str) -> dict[str, dict]:
 def compile_report(stem: str, arch: str, *, cache_dir: Path | None = None) -> tuple[int, str]:
     """(nvcc return code, nvcc + ptxas -v output) for `kernels/<stem>.cu` compiled to a cubin.
 
-    Cached by content (source, arch, flags, nvcc version) under cache_dir (default
-    build/ptxas-cache/), so an unchanged file costs nothing the second time.
+    Cached by content (source with its headers expanded, arch, flags, nvcc version) under
+    cache_dir (default build/ptxas-cache/), so an unchanged file costs nothing the second time
+    and editing a header recompiles every file that includes it.
     """
     nvcc = nvcc_path()
     if nvcc is None:
         raise ValueError("nvcc not found (PATH or $NVCC)")
     source = source_path(stem)
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
-    text = source.read_text()
+    text = expanded_source(stem)
     key = hashlib.sha256("\0".join([text, arch, *NVCC_FLAGS, version]).encode()).hexdigest()[:24]
     cache_dir = cache_dir or (KERNELS.parent / "build" / "ptxas-cache")
     cached = cache_dir / f"{stem}.{arch}.{key}.log"
