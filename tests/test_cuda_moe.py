@@ -426,7 +426,7 @@ def test_kernel_addressing_emulated_on_cpu(M, k, warps):
 
 
 def test_suite_helpers_route_distinct_experts_and_count_bytes():
-    ids, w = suite._routing(np.random.default_rng(0), 50)
+    ids, w = suite.routing(np.random.default_rng(0), 50)
     assert ids.shape == (50, suite.TOPK) and all(len(set(r)) == suite.TOPK for r in ids.tolist())
     np.testing.assert_allclose(w.sum(axis=1), 1.0, rtol=1e-6)
     assert suite.expected_touched(1) == pytest.approx(suite.TOPK)

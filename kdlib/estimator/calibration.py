@@ -19,6 +19,7 @@ import statistics
 
 from kdlib.estimator.model import hardware, step_time
 from kdlib.estimator.params import Assumptions, ModelShape, Param, Scenario
+from kdlib.perf.bench_model import BENCH_CONFIG, BLOCK
 
 SUITES = ("ceilings", "moe", "kernels", "engine", "tp")
 MOE_ARMS = ("kernel", "kernel_v1", "baseline")
@@ -387,12 +388,11 @@ def assumptions_diff(before: Assumptions, after: Assumptions) -> list[dict]:
 
 
 def _bench_shape_and_drafter(a: Assumptions) -> tuple[ModelShape, Assumptions, int]:
-    """The engine_batch bench model (kdlib.perf.suites.engine.BENCH_CONFIG, bf16, one GPU) as a ModelShape,
+    """The engine_batch bench model (kdlib.perf.bench_model.BENCH_CONFIG, bf16, one GPU) as a ModelShape,
     `a` with its DFlash drafter's layers and per-layer parameters (DFlashConfig.for_target at the suite's
     block: q/k/v/o projections at hidden width + a gated MLP), and that block size."""
     from kdlib.engine.config import ModelConfig
     from kdlib.engine.drafter import DFlashConfig
-    from kdlib.perf.suites.engine import BENCH_CONFIG, BLOCK
 
     shape = ModelShape.from_config(BENCH_CONFIG, tp=1, expert_bits=16, dense_bits=16)
     d = DFlashConfig.for_target(ModelConfig.from_dict(BENCH_CONFIG), block_size=BLOCK)

@@ -1,14 +1,24 @@
-"""Timing with warm-up, many repeats, median and quantiles.
+"""The one timing layer of the suites: warm-up, many repeats, median and quantiles.
 
-GPU work is timed with CUDA events (torch or CuPy, whichever array module the callable uses);
-CPU work with `time.perf_counter`. A benchmark reports the median; p10/p90 show the spread.
+GPU work is timed with CUDA events (torch or CuPy, whichever array module the callable uses):
+`cuda_time` brackets eager calls, `graph_time` replays what a callable launches from CUDA graphs
+(no Python launch cost: the device time), `replay_time` replays graphs captured elsewhere,
+`graph_or_eager` falls back to eager calls where a torch capture fails. CPU work is timed with
+`time.perf_counter`. A benchmark reports the median; p10/p90 show the spread.
+
+Suites defeat the L2 by rotating disjoint input sets (`l2_rotations`), not by flushing it between
+calls; `clocks` records the SM / memory clocks around a sweep, `copy_bandwidth` measures the
+device-to-device copy rate a floor divides by.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import statistics
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 
@@ -105,3 +115,175 @@ def floor_ms(bytes_moved: float, flops: float, *, bandwidth_Bps: float, flop_rat
         "compute_ms": compute_ms,
         "bound": "memory" if mem_ms >= compute_ms else "compute",
     }
+
+
+def l2_rotations(set_bytes: float, *, target_bytes: float = 256e6, max_sets: int = 8, fit: int | None = None) -> int:
+    """How many disjoint input sets of `set_bytes` a timed point cycles through: enough that one pass
+    moves `target_bytes` (> 4x the H200's 60 MB L2, so no replay finds its inputs cached), at most
+    `max_sets`, at most `fit` (the sets that fit the allocated pool), at least 1."""
+    n = min(max_sets, math.ceil(target_bytes / set_bytes))
+    return max(1, n if fit is None else min(n, fit))
+
+
+def clocks() -> str | None:
+    """nvidia-smi's 'SM clock, memory clock, temperature, power' of every GPU, or None without it."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10,
+        )
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _sequence(launches) -> list[Callable[[], object]]:
+    return [launches] if callable(launches) else list(launches)
+
+
+def cupy_graphs(launches, *, repeats: int = 1, warm: int = 1, torch_stream: bool = False) -> tuple[list, object]:
+    """Capture each callable of `launches` (one or a sequence), called `repeats` times back to back,
+    into its own CUDA graph on one non-blocking CuPy stream; returns (graphs, stream).
+
+    warm: eager calls of each callable on that stream before any capture (compilation, pool
+    growth). torch_stream: torch's current stream is the capture stream too, so that torch ops and
+    the DLPack hand-over of torch inputs inside the callables are captured with no cross-stream event.
+    """
+    import cupy
+
+    fns = _sequence(launches)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    graphs = []
+    with contextlib.ExitStack() as ctx:
+        ctx.enter_context(stream)
+        if torch_stream:
+            import torch
+
+            ctx.enter_context(torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr)))
+        for fn in fns:
+            for _ in range(warm):
+                fn()
+        stream.synchronize()
+        for fn in fns:
+            stream.begin_capture()
+            for _ in range(repeats):
+                fn()
+            graphs.append(stream.end_capture())
+    return graphs, stream
+
+
+def replay_time(graphs, stream, *, iters: int, warmup: int | None = None) -> Timing:
+    """Device time of one graph launch on `stream` (CuPy graphs, one or a list replayed in turn).
+    warmup: untimed launches, by default one per graph and at least 3."""
+    graphs = [graphs] if not isinstance(graphs, Sequence) else list(graphs)
+    state = {"i": 0}
+
+    def replay():
+        graphs[state["i"] % len(graphs)].launch(stream=stream)
+        state["i"] += 1
+
+    with stream:
+        return cuda_time(replay, warmup=max(3, len(graphs)) if warmup is None else warmup, iters=iters,
+                         backend="cupy")
+
+
+def graph_time(
+    launches,
+    *,
+    iters: int,
+    warmup: int | None = None,
+    repeats: int = 1,
+    warm: int = 1,
+    backend: str = "cupy",
+    torch_stream: bool = False,
+    pool=None,
+) -> Timing:
+    """Device time of a CUDA-graph replay of what `launches` (one callable, or a sequence replayed in
+    turn: rotated inputs) launches, each captured `repeats` times per graph (divide by `repeats` for
+    one call). A capture failure raises.
+
+    backend "cupy": CuPy stream capture (`cupy_graphs`; `torch_stream` as there); "torch":
+    `torch.cuda.CUDAGraph` capture after `warm` calls on a side stream (as capture requires), in the
+    memory pool `pool` when given. warmup: untimed replays (default as `replay_time`; 1 for torch).
+    """
+    if backend == "cupy":
+        graphs, stream = cupy_graphs(launches, repeats=repeats, warm=warm, torch_stream=torch_stream)
+        return replay_time(graphs, stream, iters=iters, warmup=warmup)
+    if backend != "torch":
+        raise ValueError(f"backend must be 'cupy' or 'torch', got {backend!r}")
+    import torch
+
+    fns = _sequence(launches)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in fns:
+            for _ in range(warm):
+                fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graphs = []
+    for fn in fns:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            for _ in range(repeats):
+                fn()
+        graphs.append(g)
+    state = {"i": 0}
+
+    def replay():
+        graphs[state["i"] % len(graphs)].replay()
+        state["i"] += 1
+
+    return cuda_time(replay, warmup=1 if warmup is None else warmup, iters=iters, backend="torch")
+
+
+def graph_record(launches, **kw) -> dict:
+    """`graph_time(launches, **kw)` as a dict, or {"error": "..."} where the capture fails: one
+    configuration of a sweep that cannot be captured must not cost the others their numbers."""
+    try:
+        return graph_time(launches, **kw).as_dict()
+    except Exception as err:  # noqa: BLE001 - recorded in the row, the sweep goes on
+        return {"error": f"{type(err).__name__}: {err}"[:300]}
+
+
+def graph_or_eager(fn: Callable[[], object], *, iters: int, warmup: int = 1, pool=None) -> tuple[Timing, str, str | None]:
+    """torch `graph_time` of fn, or eager `cuda_time` where the capture fails: (timing, "graph" or
+    "eager", the capture error or None). Time a row that cannot be captured rather than lose it."""
+    import torch
+
+    try:
+        return graph_time(fn, iters=iters, warmup=warmup, backend="torch", pool=pool), "graph", None
+    except Exception as err:  # noqa: BLE001 - an op that cannot be captured: time it eagerly and say why
+        torch.cuda.synchronize()
+        return cuda_time(fn, warmup=warmup, iters=iters), "eager", f"{type(err).__name__}: {err}"[:300]
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, *, method: str = "memcpy", warmup: int = 3, iters: int = 20) -> dict:
+    """Device-to-device copy rate of `nbytes` (torch, the current GPU), the copy checked exact.
+
+    method "memcpy": `dst.copy_(src)` of uint8, one cudaMemcpyAsync; "kernel": `torch.mul(src, 1.0,
+    out=dst)` of float32 from N(0, 1) (finite and normal, so x * 1 reproduces x bit for bit), one
+    streaming kernel. Bytes moved = 2 x nbytes (read + write); `Bps` = moved / median time."""
+    import torch
+
+    if method == "memcpy":
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")  # [nbytes] uint8
+    elif method == "kernel":
+        src = torch.randn(nbytes // 4, dtype=torch.float32, device="cuda")  # [nbytes / 4] float32
+    else:
+        raise ValueError(f"copy method must be 'memcpy' or 'kernel', got {method!r}")
+    dst = torch.empty_like(src)
+
+    def fn():
+        if method == "memcpy":
+            dst.copy_(src)
+        else:
+            torch.mul(src, 1.0, out=dst)
+
+    t = cuda_time(fn, warmup=warmup, iters=iters)
+    if not torch.equal(dst, src):
+        raise AssertionError(f"{method} copy of {nbytes} bytes did not reproduce its source")
+    moved = 2 * nbytes
+    return {"method": method, "bytes_per_copy": nbytes, "bytes_moved": moved, "timing": t.as_dict(),
+            "Bps": moved / (t.median_ms * 1e-3), "checked": True}

@@ -28,7 +28,8 @@ from kdlib.engine import DFlashConfig, DFlashDrafter, Model, ModelConfig, NoisyO
 from kdlib.engine.generate import generate
 from kdlib.engine.loading import random_weights_on_device
 from kdlib.perf import cpu_time, cuda_time
-from kdlib.perf.suites.engine import BENCH_CONFIG
+from kdlib.perf.bench_model import BENCH_CONFIG
+from kdlib.perf.timing import graph_time
 from kdlib.tp.engine import Comm, TPModel, assert_replicated, spawn, vocab_parallel_topk
 
 # fp32 tolerance for TP vs single-process logits: the all-reduce sums partial products in a
@@ -332,17 +333,8 @@ def graph_allreduce_worker(rank: int, world: int, device, spec: dict, out_path: 
         x = torch.randn(m, spec["allreduce_hidden"], device=device).to(
             getattr(torch, spec["allreduce_dtype"])
         )  # [m, 7168]
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # warm-up on a side stream, as graph capture requires
-            for _ in range(3):
-                dist.all_reduce(x)
-        torch.cuda.current_stream(device).wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(GRAPH_ALLREDUCES):
-                dist.all_reduce(x)
-        t = cuda_time(g.replay, warmup=3, iters=max(5, spec["iters"] // 5))
+        t = graph_time(lambda x=x: dist.all_reduce(x), iters=max(5, spec["iters"] // 5), warmup=3,
+                       repeats=GRAPH_ALLREDUCES, warm=3, backend="torch")
         out.append(_allreduce_row(world, m, x, t.median_ms / GRAPH_ALLREDUCES, t.p10_ms / GRAPH_ALLREDUCES,
                                   t.p90_ms / GRAPH_ALLREDUCES))
     if rank == 0:

@@ -19,17 +19,16 @@ Baselines are skipped (and the reason recorded) where their score matrices would
 
 from __future__ import annotations
 
-import math
-import subprocess
 import time
 from types import SimpleNamespace
+
+from kdlib import perf
+from kdlib.perf import timing
 
 D_QK, D_V = 576, 512
 FALLBACK_BW = 4.3e12  # B/s: device-to-device copy measured on an H200 (kernels-perf.md), when no ceilings file
 FALLBACK_FLOPS = 790e12  # FLOP/s: bf16 8k^3 matmul measured on an H200 (kernels-perf.md)
 _BASELINE_MAX_BYTES = 24e9  # scores bf16 + probabilities fp32 + bf16 copy: keep well inside 141 GB
-_ROTATE_BYTES = 256e6  # > 4x the 60 MB L2: rotate KV sets until one pass moves this much
-_MAX_ROTATIONS = 8
 
 FULL_GRID = {
     "primary": {"heads": [8], "queries": [1, 9, 17, 33, 65], "prefix": [1024, 8192, 32768, 131072, 200000],
@@ -65,8 +64,6 @@ def cost(h: int, q: int, s: int, b: int) -> dict:
 
 
 def ceilings() -> dict:
-    from kdlib import perf
-
     rec = perf.load("ceilings")
     if rec and "copy_bandwidth_Bps" in rec and "bf16_matmul_flops" in rec:
         return {"bandwidth_Bps": float(rec["copy_bandwidth_Bps"]), "flop_rate": float(rec["bf16_matmul_flops"]),
@@ -75,16 +72,7 @@ def ceilings() -> dict:
             "source": "no ceilings file: 4.3 TB/s and 790 TFLOP/s measured on an H200 (design/reference/kernels-perf.md)"}
 
 
-def _clocks() -> str | None:
-    try:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw",
-                            "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
-        return r.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _random_tree_visibility(torch, bsz: int, nq: int, gen):
+def random_tree_visibility(torch, bsz: int, nq: int, gen):
     """[B, Q, Q] bool: ancestors-and-self of random trees (parent of node i drawn below i)."""
     vis = torch.zeros(bsz, nq, nq, dtype=torch.bool)
     parents = (torch.rand(bsz, nq, generator=gen) * torch.arange(nq)).long()
@@ -95,57 +83,11 @@ def _random_tree_visibility(torch, bsz: int, nq: int, gen):
     return vis
 
 
-def _graph(fn, cupy, torch):
-    """Capture `fn` (CuPy launches) into a CUDA graph on a fresh stream; returns (graph, stream).
-
-    torch's current stream is set to the same stream, so the DLPack hand-over of torch inputs
-    needs no cross-stream event inside the capture.
-    """
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream, torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr)):
-        fn()  # warm: compile, pool growth
-        stream.synchronize()
-        stream.begin_capture()
-        fn()
-        graph = stream.end_capture()
-    return graph, stream
-
-
-def _time_graphs(graphs, stream, iters, cupy):
-    from kdlib import perf
-
-    state = {"i": 0}
-
-    def replay():
-        graphs[state["i"] % len(graphs)].launch(stream=stream)
-        state["i"] += 1
-
-    with stream:
-        return perf.cuda_time(replay, warmup=3, iters=iters, backend="cupy")
-
-
-def _torch_graph_time(fn, torch, iters):
-    """Median time of `fn` (torch ops) replayed from a torch CUDA graph; eager when capture fails."""
-    from kdlib import perf
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    try:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        t = perf.cuda_time(g.replay, warmup=1, iters=iters, backend="torch")
-        mode = "graph"
-        del g
-    except Exception:  # noqa: BLE001 - an op that cannot be captured: time it eagerly instead
-        torch.cuda.synchronize()
-        t = perf.cuda_time(fn, warmup=1, iters=iters, backend="torch")
-        mode = "eager"
-    return t, mode
+def graph_time(launches, iters: int):
+    """Device time of CUDA-graph replays of `launches` (CuPy launches on torch inputs, one callable per
+    rotated input set), torch's current stream set to the capture stream (the DLPack hand-over of torch
+    inputs needs no cross-stream event inside the capture)."""
+    return timing.graph_time(launches, iters=iters, warmup=3, torch_stream=True)
 
 
 def torch_baselines(q, pool, pt, tkv, vis, scale: float, outs: dict, fl: dict, iters: int, *,
@@ -194,7 +136,7 @@ def torch_baselines(q, pool, pt, tkv, vis, scale: float, outs: dict, fl: dict, i
     first = next(iter(outs), None)
     for name, fn in (("matmul", matmul), ("sdpa", sdpa)):
         try:
-            bt, mode = _torch_graph_time(fn, torch, iters)
+            bt, mode, _ = timing.graph_or_eager(fn, iters=iters)
             ref_out = res[name].float().reshape(bsz, nq, h, D_V) if name == "matmul" else \
                 res[name].float().transpose(1, 2)
             norm = torch.linalg.vector_norm(ref_out)
@@ -214,10 +156,8 @@ def run_point(p: dict, pool, ceil: dict, *, iters: int, baseline_iters: int, bas
 
     `pool` is a bf16 [N, 576] torch tensor of KV rows (N >= B*S).
     """
-    import cupy
     import torch
 
-    from kdlib import perf
     from kdlib.cuda import attention as cu
 
     h, nq, s, bsz = p["heads"], p["queries"], p["prefix"], p["batch"]
@@ -225,13 +165,13 @@ def run_point(p: dict, pool, ceil: dict, *, iters: int, baseline_iters: int, bas
     gen = torch.Generator().manual_seed(h * 1_000_003 + nq * 10_007 + s + bsz)
     q = torch.randn(bsz, nq, h, D_QK, generator=gen).to(dev, torch.bfloat16)  # [B, Q, H, 576]
     tkv = torch.randn(bsz, nq, D_QK, generator=gen).to(dev, torch.bfloat16)  # [B, Q, 576]
-    vis = _random_tree_visibility(torch, bsz, nq, gen).to(dev)  # [B, Q, Q]
+    vis = random_tree_visibility(torch, bsz, nq, gen).to(dev)  # [B, Q, Q]
     lens = torch.full((bsz,), s, dtype=torch.int32, device=dev)
     sizes = torch.full((bsz,), nq, dtype=torch.int32, device=dev)
     scale = D_QK**-0.5
     c = cost(h, nq, s, bsz)
     kv_bytes = bsz * s * D_QK * 2
-    n_rot = max(1, min(_MAX_ROTATIONS, math.ceil(_ROTATE_BYTES / kv_bytes), pool.shape[0] // (bsz * s)))
+    n_rot = timing.l2_rotations(kv_bytes, fit=pool.shape[0] // (bsz * s))
     perm = torch.randperm(s, device=dev, dtype=torch.int32)  # scattered slots within each request's range
     tables = [(perm[None, :] + (r * bsz + torch.arange(bsz, device=dev, dtype=torch.int32)[:, None]) * s)
               for r in range(n_rot)]  # [B, S] each, disjoint slot ranges
@@ -244,17 +184,11 @@ def run_point(p: dict, pool, ceil: dict, *, iters: int, baseline_iters: int, bas
             return cu.tree_verify_attention(q, pool, pt, lens, tkv, vis, sizes, scale, impl=impl, validate=False)
 
         cu.tree_verify_attention(q, pool, tables[0], lens, tkv, vis, sizes, scale, impl=impl)  # validated once
-        graphs, stream = [], None
-        for pt in tables:
-            g, stream_r = _graph(lambda pt=pt, call=call: call(pt), cupy, torch)
-            graphs.append(g)
-            stream = stream if stream is not None else stream_r
-        t = _time_graphs(graphs, stream, iters, cupy)  # every graph replayed on the first stream
+        t = graph_time([lambda pt=pt, call=call: call(pt) for pt in tables], iters)
         row["variants"][impl] = {"kernel": t.as_dict(), "fraction_of_floor": fl["floor_ms"] / t.median_ms,
                                  "achieved_TBps": c["bytes"] / (t.median_ms * 1e-3) / 1e12,
                                  "achieved_TFLOPs": c["flops"] / (t.median_ms * 1e-3) / 1e12}
         outs[impl] = call(tables[0])[0]
-        del graphs
     head = row["variants"][impls[0]]  # the headline variant, also at the top level
     row.update({"impl": impls[0], "kernel": head["kernel"], "fraction_of_floor": head["fraction_of_floor"],
                 "achieved_TBps": head["achieved_TBps"], "achieved_TFLOPs": head["achieved_TFLOPs"]})
@@ -281,7 +215,7 @@ def run(args) -> dict:
     ceil = ceilings()
     max_slots = max(p["batch"] * p["prefix"] for p in grid)
     pool = torch.randn(max_slots, D_QK, device="cuda", dtype=torch.bfloat16)  # [N, 576] KV rows
-    clocks_before = _clocks()
+    clocks_before = timing.clocks()
     from kdlib.cuda import attention as cu
 
     impls = tuple(getattr(args, "impls", None) or ("auto",))  # kernel variants; the first is the headline
@@ -304,7 +238,7 @@ def run(args) -> dict:
                        "tree": "random trees, every request full (tree_sizes = Q), prefix_lens = S"},
         "ceilings": ceil,
         "clocks_before": clocks_before,
-        "clocks_after": _clocks(),
+        "clocks_after": timing.clocks(),
         "points": rows,
         "left_out_for_time": left_out,
         "wall_s": time.monotonic() - t0,
@@ -406,7 +340,6 @@ def main(argv=None) -> int:  # pragma: no cover - the GPU entry of a development
     import argparse
     import sys
 
-    from kdlib import perf
 
     ap = argparse.ArgumentParser(prog="python3 -m kdlib.perf.suites._attention")
     ap.add_argument("--out", required=True)

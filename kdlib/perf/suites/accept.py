@@ -41,8 +41,7 @@ import numpy as np
 
 from kdlib import ref, zoo
 from kdlib.cuda import accept
-from kdlib.perf.suites import moe as moe_suite
-from kdlib.perf.suites.kernels import _graph, _replay_ms
+from kdlib.perf import timing
 
 BUDGETS = (8, 16, 32, 64)
 PROMPT_TOKENS = 128  # enough context for the drafter's features; short enough for a fast CPU sample
@@ -188,8 +187,7 @@ def _sample_point(probs_all, u_all, rows: int, version: int, iters: int) -> dict
         for p, u, out in calls:
             accept.sample_tokens(p, u, out=out, version=version)
 
-    graph, stream = _graph(draws, repeats=1)
-    t = _replay_ms(graph, stream, iters)
+    t = timing.graph_time(draws, iters=iters, warmup=5).as_dict()
     k = min(rows, SAMPLE_CHECK_ROWS)
     want = ref.sample_tokens(probs_all[0, :k].get(), u_all[0, :k].get(), order=accept.SAMPLE_ORDER[version])
     return {
@@ -208,10 +206,9 @@ def _sample_point(probs_all, u_all, rows: int, version: int, iters: int) -> dict
 def bench_sampling(vocabs=SAMPLE_VOCABS, rows=SAMPLE_ROWS, iters: int = 10, log=print) -> dict:
     """The `sampling` payload: v2 and v3 per (V, rows), with the copy-bandwidth floor of each point."""
     import cupy
-    import torch
 
-    copy = moe_suite._copy_bandwidth(torch)
-    bw = copy["copy_bandwidth_Bps"]
+    copy = timing.copy_bandwidth()
+    bw = copy["Bps"]
     l2 = int(cupy.cuda.Device().attributes["L2CacheSize"])
     gen = cupy.random.RandomState(0)
     points = []

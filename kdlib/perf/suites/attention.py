@@ -19,10 +19,11 @@ The ragged point is C = 16 requests with prefixes spread from 1k to 64k and tree
 
 from __future__ import annotations
 
-import math
 import os
 import time
 
+from kdlib import perf
+from kdlib.perf import timing
 from kdlib.perf.suites import _attention as base
 
 D_QK, D_V = base.D_QK, base.D_V
@@ -42,8 +43,6 @@ RAGGED = {"heads": 8, "queries": 65, "batch": 16, "prefix_range": (1024, 65_536)
 GOAL_MS = {(8, 65, 200_000, 1): 0.45, (64, 65, 32_768, 1): 0.50}  # issue 19: whole verify at most
 GOAL_RAGGED_FRACTION = 0.60
 GOAL_MEMORY_FRACTION = 0.70  # queries 1..9: of copy bandwidth
-_ROTATE_BYTES = 256e6  # > 4x the 60 MB L2: page-table sets a point cycles through
-_MAX_ROTATIONS = 8
 
 
 def ragged_shape(batch: int = RAGGED["batch"]) -> tuple[list[int], list[int]]:
@@ -76,7 +75,6 @@ def _flashinfer_prefix(fi, q, ckv, kpe, pt, lens, scale, iters):
     """FlashInfer MLA over the prefix alone: (timing dict, out [B, Q, H, 512] bf16, plan seconds)."""
     import torch
 
-    from kdlib import perf
 
     bsz, nq, nh, _ = q.shape
     dev = q.device
@@ -107,7 +105,6 @@ def run_point(p: dict, pool, kv_split, ceil: dict, impls, *, iters: int, baselin
     import cupy
     import torch
 
-    from kdlib import perf
     from kdlib.cuda import attention as cu
 
     h, nq, bsz = p["heads"], p["queries"], p["batch"]
@@ -119,13 +116,13 @@ def run_point(p: dict, pool, kv_split, ceil: dict, impls, *, iters: int, baselin
     gen = torch.Generator().manual_seed(h * 1_000_003 + nq * 10_007 + width + bsz)
     q = torch.randn(bsz, nq, h, D_QK, generator=gen).to(dev, torch.bfloat16)  # [B, Q, H, 576]
     tkv = torch.randn(bsz, nq, D_QK, generator=gen).to(dev, torch.bfloat16)  # [B, Q, 576]
-    vis = base._random_tree_visibility(torch, bsz, nq, gen).to(dev)  # [B, Q, Q]
+    vis = base.random_tree_visibility(torch, bsz, nq, gen).to(dev)  # [B, Q, Q]
     lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
     sizes_t = torch.tensor(trees, dtype=torch.int32, device=dev)
     scale = D_QK**-0.5
     c = ragged_cost(h, lens, trees) if ragged else base.cost(h, nq, width, bsz)
     total = sum(lens)
-    n_rot = max(1, min(_MAX_ROTATIONS, math.ceil(_ROTATE_BYTES / (total * D_QK * 2)), pool.shape[0] // total))
+    n_rot = timing.l2_rotations(total * D_QK * 2, fit=pool.shape[0] // total)
     starts = [sum(lens[:b]) for b in range(bsz)]
     tables = []  # [B, width] int32 each: request b's rows scattered over its own slot range, per rotation
     for r in range(n_rot):
@@ -146,17 +143,11 @@ def run_point(p: dict, pool, kv_split, ceil: dict, impls, *, iters: int, baselin
                                             workspace=ws)
 
         cu.tree_verify_attention(q, pool, tables[0], lens_t, tkv, vis, sizes_t, scale, impl=impl, workspace=ws)
-        graphs, stream = [], None
-        for pt in tables:
-            g, s_r = base._graph(lambda pt=pt, call=call: call(pt), cupy, torch)
-            graphs.append(g)
-            stream = stream if stream is not None else s_r
-        t = base._time_graphs(graphs, stream, iters, cupy)
+        t = base.graph_time([lambda pt=pt, call=call: call(pt) for pt in tables], iters)
         row["variants"][impl] = {"kernel": t.as_dict(), "fraction_of_floor": fl["floor_ms"] / t.median_ms,
                                  "achieved_TBps": c["bytes"] / (t.median_ms * 1e-3) / 1e12,
                                  "achieved_TFLOPs": c["flops"] / (t.median_ms * 1e-3) / 1e12}
         outs[impl] = call(tables[0])[0].copy()
-        del graphs
     if len(outs) > 1:  # the arms agree (bf16 operands: ~1e-3)
         first = next(iter(outs.values()))
         keep = ~cupy.isnan(first)
@@ -230,7 +221,7 @@ def run(args) -> dict:
     iters, b_iters = (10, 3) if quick else (20, 5)
     budget = getattr(args, "time_budget_s", None) or os.environ.get("KDLIB_ATTENTION_BUDGET_S")
     budget = float(budget) if budget else None
-    clocks_before = base._clocks()
+    clocks_before = timing.clocks()
     t0 = time.monotonic()
     rows, left_out = [], []
     for p in pts:
@@ -250,7 +241,7 @@ def run(args) -> dict:
                        "flashinfer": getattr(fi, "__version__", None) if fi is not None else fi_why},
         "ceilings": ceil,
         "clocks_before": clocks_before,
-        "clocks_after": base._clocks(),
+        "clocks_after": timing.clocks(),
         "points": rows,
         "left_out_for_time": left_out,
         "goals": goals(rows, impls[0]),

@@ -23,7 +23,7 @@ All timings: CUDA events around each call, warm-up calls first, median and quant
 from __future__ import annotations
 
 from kdlib.check import assert_close
-from kdlib.perf import cuda_time
+from kdlib.perf.timing import copy_bandwidth, cuda_time
 
 GiB = 1 << 30
 HEADLINE_COPY_BYTES = 4 * GiB  # >= 4 GiB: 80x the H200's 50 MB L2, launch overhead < 0.1 %
@@ -31,37 +31,6 @@ COPY_SIZES = (256 << 20, 1 * GiB, 4 * GiB)  # the curve shows where bandwidth sa
 HEADLINE_MATMUL = (8192, 8192, 8192)  # M, N, K: large enough to saturate every SM on H100/H200-class parts
 MATMUL_SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (16384, 16384, 8192))
 CHECK_ROWS = 256  # rows of the product checked against float32: 256 x 8192, cheap on the host
-
-
-def _copy_case(torch, nbytes: int, method: str, *, warmup: int, iters: int) -> dict:
-    if method == "memcpy":
-        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")  # [nbytes] uint8
-    elif method == "kernel":
-        # [nbytes / 4] float32 from N(0, 1): finite and normal, so x * 1 reproduces x bit for bit
-        src = torch.randn(nbytes // 4, dtype=torch.float32, device="cuda")
-    else:
-        raise ValueError(f"copy method must be 'memcpy' or 'kernel', got {method!r}")
-    dst = torch.empty_like(src)
-
-    def fn():
-        if method == "memcpy":
-            dst.copy_(src)  # same dtype, contiguous, same device: one device-to-device cudaMemcpyAsync
-        else:
-            torch.mul(src, 1.0, out=dst)  # one elementwise streaming kernel
-
-    timing = cuda_time(fn, warmup=warmup, iters=iters)
-    ok = bool(torch.equal(dst, src))
-    if not ok:
-        raise AssertionError(f"{method} copy of {nbytes} bytes did not reproduce its source")
-    moved = 2 * nbytes  # read + write
-    return {
-        "method": method,
-        "bytes_per_copy": nbytes,
-        "bytes_moved": moved,
-        "timing": timing.as_dict(),
-        "Bps": moved / (timing.median_ms * 1e-3),
-        "checked": ok,
-    }
 
 
 def _matmul_case(torch, m: int, n: int, k: int, *, warmup: int, iters: int) -> dict:
@@ -105,7 +74,7 @@ def run(args) -> dict:
     copies, matmuls = [], []
     for method in ("memcpy", "kernel"):
         for size in copy_sizes:
-            copies.append(_copy_case(torch, size, method, warmup=warmup, iters=iters))
+            copies.append(copy_bandwidth(size, method=method, warmup=warmup, iters=iters))
             torch.cuda.empty_cache()  # the case's buffers died with it; hand their memory back
     for m, n, k in shapes:
         matmuls.append(_matmul_case(torch, m, n, k, warmup=warmup, iters=iters))

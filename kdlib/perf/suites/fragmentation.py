@@ -24,21 +24,18 @@ Bytes = KV rows + page table + queries + outputs; FLOPs = 2 H Q S (576 + 512); f
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from kdlib import fragmentation as fr
 from kdlib import perf
 from kdlib.cuda import attention as cu
-from kdlib.perf.suites._attention import _clocks, _graph, _time_graphs, _torch_graph_time, ceilings
+from kdlib.perf import timing
+from kdlib.perf.suites._attention import ceilings, graph_time
 
 D_QK, D_V = 576, 512
 LAYOUTS = ("contiguous", "simulated", "random")
 FULL = {"prefix": [8192, 32768, 131072], "queries": [9, 65], "heads": [8]}
 QUICK = {"prefix": [32768], "queries": [65], "heads": [8]}
-_ROTATE_BYTES = 256e6  # > 4x the H200's 60 MB L2
-_MAX_ROTATIONS = 8
 _L2_BYTES = 60e6
 
 
@@ -59,7 +56,6 @@ def cost(h: int, q: int, s: int) -> dict:
 
 
 def run_point(h: int, q: int, s: int, ceil: dict, *, iters: int, seed: int = 0) -> dict:
-    import cupy
     import torch
 
     dev = torch.device("cuda")
@@ -74,7 +70,7 @@ def run_point(h: int, q: int, s: int, ceil: dict, *, iters: int, seed: int = 0) 
     )
     tables = layouts(s, seed)
     span = int(max(int(t.max()) for t in tables.values())) + 1
-    n_rot = max(1, min(_MAX_ROTATIONS, math.ceil(_ROTATE_BYTES / (s * D_QK * 2))))
+    n_rot = timing.l2_rotations(s * D_QK * 2)
     pool = torch.zeros(n_rot * span, D_QK, dtype=torch.bfloat16, device=dev)  # [rot * span, 576]
     row = {"heads": h, "queries": q, "prefix": s, **c, **fl, "rotations": n_rot,
            "l2_resident": n_rot * s * D_QK * 2 < 2 * _L2_BYTES, "layouts": {}}
@@ -91,13 +87,7 @@ def run_point(h: int, q: int, s: int, ceil: dict, *, iters: int, seed: int = 0) 
 
         out = torch.from_dlpack(cu.prefix_attention(qt, pool, pts[0], lens, scale)[0])  # validated once
         ref = out if ref is None else ref
-        graphs, stream = [], None
-        for pt in pts:
-            g, st = _graph(lambda pt=pt: call(pt), cupy, torch)
-            graphs.append(g)
-            stream = stream or st
-        t = _time_graphs(graphs, stream, iters, cupy)
-        del graphs
+        t = graph_time([lambda pt=pt: call(pt) for pt in pts], iters)
         idx = pts[0][0].long()
 
         def gather(idx=idx):
@@ -109,8 +99,8 @@ def run_point(h: int, q: int, s: int, ceil: dict, *, iters: int, seed: int = 0) 
             pr = torch.softmax(sc, -1, dtype=torch.float32).to(torch.bfloat16)
             return torch.bmm(pr, k[:, :, :D_V])
 
-        tg, _ = _torch_graph_time(gather, torch, iters)
-        tt, mode = _torch_graph_time(torch_attn, torch, iters)
+        tg, _, _ = timing.graph_or_eager(gather, iters=iters)
+        tt, mode, _ = timing.graph_or_eager(torch_attn, iters=iters)
         rel = float(torch.linalg.vector_norm(out - ref) / torch.linalg.vector_norm(ref))
         row["layouts"][name] = {
             "layout": {
@@ -141,7 +131,7 @@ def run(args) -> dict:
     grid = QUICK if getattr(args, "quick", False) else FULL
     ceil = ceilings()
     iters = 30 if getattr(args, "quick", False) else 100
-    clocks_before = _clocks()
+    clocks_before = timing.clocks()
     pts = []
     for h in grid["heads"]:
         for s in grid["prefix"]:
@@ -150,4 +140,4 @@ def run(args) -> dict:
                 torch.cuda.empty_cache()  # the point's slot pool is garbage now
     return {"parameters": {"grid": grid, "iters": iters, "layouts": list(LAYOUTS), "dtype": "bfloat16",
                            "page_size": 1, "batch": 1},
-            "ceilings": ceil, "clocks_before": clocks_before, "clocks_after": _clocks(), "points": pts}
+            "ceilings": ceil, "clocks_before": clocks_before, "clocks_after": timing.clocks(), "points": pts}

@@ -29,8 +29,8 @@ import time
 from kdlib import memory
 from kdlib.cuda.moe import layer_bytes_flops
 from kdlib.estimator.model import touched_experts
-from kdlib.perf import results
-from kdlib.perf.timing import cuda_time, floor_ms
+from kdlib.perf import results, timing
+from kdlib.perf.timing import floor_ms
 
 CONTEXTS = (5500, 128, 32000, 128000, 200000)  # the seeds' 5.5k first
 STREAMS = (1, 10, 4, 16)
@@ -99,27 +99,11 @@ def floors(step, ceil: dict) -> dict:
     return out
 
 
-def _graph(fn, pool):
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # warm-up outside the capture: kernels compiled, workspaces and handles made
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool):
-        fn()
-    return g
-
-
 def timed(fn, pool, iters: int, warmup: int = 1) -> tuple[dict, str | None]:
-    """Median of CUDA-graph replays of fn; if the capture fails, eager calls (and the error, recorded)."""
-    try:
-        g = _graph(fn, pool)
-    except Exception as err:  # a capture failure must not lose the row: time it eagerly and say so
-        return cuda_time(fn, warmup=warmup, iters=iters).as_dict(), f"{type(err).__name__}: {err}"[:300]
-    return cuda_time(g.replay, warmup=warmup, iters=iters).as_dict(), None
+    """Median of CUDA-graph replays of fn (graphs in `pool`); if the capture fails, eager calls (and the
+    error, recorded): a capture failure must not lose the row."""
+    t, _, err = timing.graph_or_eager(fn, iters=iters, warmup=warmup, pool=pool)
+    return t.as_dict(), err
 
 
 def measure_row(model, drafter, pool, ctx: int, C: int, budget, ceil: dict, fit: dict, iters: int) -> dict:

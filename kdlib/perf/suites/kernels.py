@@ -38,12 +38,12 @@ from __future__ import annotations
 
 import importlib
 import os
-import subprocess
 
 import numpy as np
 
 from kdlib import perf, ref
 from kdlib.cuda import accept, compact, pipeline, tree
+from kdlib.perf import timing
 from kdlib.ref.tree import synthetic_topk
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -55,15 +55,6 @@ LAYERS = 61  # Kimi-K2 / DeepSeek-V3 layer count (data/configs)
 SAMPLE_VOCAB = 32000
 
 
-def _clocks() -> str | None:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw",
-                              "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def _bandwidth() -> tuple[float, str]:
     c = perf.load("ceilings")
     if c and c.get("copy_bandwidth_Bps"):
@@ -71,25 +62,9 @@ def _bandwidth() -> tuple[float, str]:
     return FALLBACK_BW, "fallback 4.3e12 B/s (no ceilings file recorded)"
 
 
-def _graph(fn, repeats: int = 1):
-    """Capture `repeats` calls of fn into one CUDA graph (after an eager warm-up call)."""
-    import cupy
-
-    fn()
-    cupy.cuda.runtime.deviceSynchronize()
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        for _ in range(repeats):
-            fn()
-        graph = stream.end_capture()
-    return graph, stream
-
-
-def _replay_ms(graph, stream, iters: int) -> dict:
-    with stream:
-        t = perf.cuda_time(lambda: graph.launch(stream), warmup=5, iters=iters, backend="cupy")
-    return t.as_dict()
+def _graph_ms(fn, iters: int, repeats: int = 1) -> dict:
+    """Timing dict of a CUDA-graph replay of `repeats` calls of fn (after an eager warm-up call)."""
+    return timing.graph_time(fn, iters=iters, warmup=5, repeats=repeats).as_dict()
 
 
 def _us(d: dict, repeats: int = 1) -> float:
@@ -171,10 +146,8 @@ def bench_build(ids_all, lp_all, iters: int) -> list[dict]:
             build()
             exact = _trees_equal(out, want)
             eager = perf.cuda_time(build, warmup=5, iters=100, backend="cupy").as_dict()
-            g1, s1 = _graph(build)
-            replay = _replay_ms(g1, s1, 200)
-            gr, sr = _graph(build, REPEAT)
-            kernel = _replay_ms(gr, sr, 50)
+            replay = _graph_ms(build, 200)
+            kernel = _graph_ms(build, 50, REPEAT)
             rows.append({
                 "batch": bsz, "version": version, "kernel": tree.kernel_name(BUDGET, version)[1],
                 "depth": DEPTH, "budget": BUDGET, "k_prime": K_PRIME, "bit_exact": exact,
@@ -212,8 +185,7 @@ def bench_build_tied(vocab: int = 1000) -> list[dict]:
 
         build()
         exact = _trees_equal(out, want)
-        gr, sr = _graph(build, REPEAT)
-        kernel = _replay_ms(gr, sr, 50)
+        kernel = _graph_ms(build, 50, REPEAT)
         rows.append(
             {
                 "batch": bsz,
@@ -262,16 +234,15 @@ def bench_rest(inputs: dict, iters: int, bw: float) -> dict:
             (g.get() == w).all()
             for g, w in zip(bufs, (want["paths"], want["lengths"], want["bonus"]), strict=True)
         )
-        g, s = _graph(acc)
-        gr, sr = _graph(acc, REPEAT)
+        replay = _graph_ms(acc, 200)
+        rk = _graph_ms(acc, 50, REPEAT)
         cpu = perf.cpu_time(
             lambda w=want, m=width - 1: ref.accept_greedy_batch(w["trees"], w["targets"], max_depth=m),
             warmup=1,
             iters=iters,
         )
-        rk = _replay_ms(gr, sr, 50)
         out["accept"].append({"batch": bsz, "exact": exact, "mean_path_length": float(want["lengths"].mean()),
-                              "graph_replay": _replay_ms(g, s, 200), f"gpu_graph_x{REPEAT}": rk,
+                              "graph_replay": replay, f"gpu_graph_x{REPEAT}": rk,
                               "kernel_us": _us(rk, REPEAT), "cpu_ref": cpu.as_dict()})
         out["accept"][-1]["graph_replay_us"] = _us(out["accept"][-1]["graph_replay"])
 
@@ -294,8 +265,7 @@ def bench_rest(inputs: dict, iters: int, bw: float) -> dict:
             def comp(cache=cache, paths=paths, lengths=lengths, starts=starts):
                 compact.compact_kv_batch(cache, starts, paths, lengths)
 
-            g, s = _graph(comp)
-            t = _replay_ms(g, s, 200)
+            t = _graph_ms(comp, 200)
             nbytes = 2 * moved_rows * layers * ROW_BYTES
             out["compact"].append(
                 {
@@ -322,8 +292,7 @@ def bench_rest(inputs: dict, iters: int, bw: float) -> dict:
         def remap(r2t=r2t, rstarts=rstarts, slots=slots, paths=paths, lengths=lengths, freed=freed):
             compact.remap_slots_masked(r2t, rstarts, slots, paths, lengths, freed=freed)
 
-        g, s = _graph(remap)
-        t = _replay_ms(g, s, 200)
+        t = _graph_ms(remap, 200)
         out["remap"].append({"batch": bsz, "graph_replay": t, "graph_replay_us": _us(t)})
 
         step = pipeline.make_step(cupy.asarray(inp["top_token_ids"]), cupy.asarray(inp["top_log_probs"]),
@@ -336,7 +305,7 @@ def bench_rest(inputs: dict, iters: int, bw: float) -> dict:
         got = pipeline.step_outputs(step)
         step_exact = _trees_equal(step.trees, want["trees"]) and all(
             (got[k] == want[k]).all() for k in ("targets", "paths", "lengths", "bonus", "cache"))
-        t = _replay_ms(step.graph, step.stream, 200)
+        t = timing.replay_time(step.graph, step.stream, iters=200, warmup=5).as_dict()
         eager = perf.cuda_time(step.run, warmup=3, iters=50, backend="cupy").as_dict()
         out["step"].append({"batch": bsz, "exact": step_exact, "build_kernel": tree.kernel_name(BUDGET)[1],
                             "graph_replay": t, "graph_replay_us": _us(t),
@@ -393,7 +362,7 @@ def run(args) -> dict:
     quick = bool(getattr(args, "quick", False))
     iters = 3 if quick else 7
     bw, bw_source = _bandwidth()
-    clocks_before = _clocks()
+    clocks_before = timing.clocks()
     ids, lp = synthetic_topk(0, max(BATCHES), DEPTH, K_PRIME)  # [64, 15, 64] drafter-like, vocab 32000
     inputs = pipeline.random_step_inputs(
         np.random.default_rng(3), max(BATCHES), DEPTH, K_PRIME, 32000, BUDGET, row_dim=8, topk=(ids, lp)
@@ -415,7 +384,7 @@ def run(args) -> dict:
                                  "them",
                        "l2": "all tree-kernel data L2-resident (launch/latency-bound kernels)"},
         "copy_bandwidth_Bps": bw, "copy_bandwidth_source": bw_source,
-        "clocks_before": clocks_before, "clocks_after": _clocks(),
+        "clocks_before": clocks_before, "clocks_after": timing.clocks(),
         "headline": {"batch": head["batch"], "version": head["version"], "kernel": head["kernel"],
                      "bit_exact": head["bit_exact"], "kernel_us": head["kernel_us"],
                      "graph_replay_us": head["graph_replay_us"], "cpu_ref_us": head["cpu_ref_us"],

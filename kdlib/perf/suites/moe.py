@@ -42,6 +42,7 @@ device-to-device copy, read + write counted) and the bf16 matmul ceiling from
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import numpy as np
 
@@ -60,26 +61,19 @@ def expected_touched(m: int, n_experts: int = E, topk: int = TOPK) -> float:
     return n_experts * (1.0 - (1.0 - topk / n_experts) ** m)
 
 
-def _routing(rng, m: int):
+def routing(rng, m: int):
+    """Random top-k routing of m tokens: ids [m, TOPK] int32 (distinct experts), weights [m, TOPK] summing to 1."""
     ids = np.argsort(rng.random((m, E)), axis=1)[:, :TOPK].astype(np.int32)   # k distinct experts
     w = rng.random((m, TOPK)).astype(np.float32)
     return ids, w / w.sum(axis=1, keepdims=True)
 
 
-def _copy_bandwidth(torch) -> dict:
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    t = timing.cuda_time(lambda: dst.copy_(src), warmup=3, iters=20)
-    return {"bytes": 2 * n, "timing": t.as_dict(), "copy_bandwidth_Bps": 2 * n / (t.median_ms * 1e-3)}
-
-
-def _random_words(torch, cp, n: int):
+def random_words(torch, cp, n: int):
     t = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, device="cuda")
     return cp.from_dlpack(t).view(cp.uint32)
 
 
-def _random_scales(torch, cp, n: int):
+def random_scales(torch, cp, n: int):
     """n uint32 words, each two bf16 scales in [2^-9, 2^-7): small positive, finite."""
     lo = torch.randint(0x3B00, 0x3C00, (n,), dtype=torch.int32, device="cuda")
     hi = torch.randint(0x3B00, 0x3C00, (n,), dtype=torch.int32, device="cuda")
@@ -154,26 +148,8 @@ def _graph_time(routes, xb, packed, out, h, *, rotations: int, iters: int, **kw)
     """The same launches (`moe_w4a16(..., **kw)`) replayed from one CUDA graph per routing: the
     device time without the ~5 us per launch of Python issue (kernels-perf.md §6), which dominates
     at M = 1."""
-    import cupy as cp
-
-    try:
-        stream = cp.cuda.Stream(non_blocking=True)
-        graphs = []
-        with stream:
-            for r, *_ in routes:
-                stream.begin_capture()
-                moe.moe_w4a16(xb, packed, r, out=out, h=h, **kw)
-                graphs.append(stream.end_capture())
-            state = {"i": 0}
-
-            def replay():
-                graphs[state["i"] % rotations].launch(stream=stream)
-                state["i"] += 1
-
-            t = timing.cuda_time(replay, warmup=rotations, iters=iters, backend="cupy")
-        return t.as_dict()
-    except Exception as err:  # a capture problem must not cost the eager numbers
-        return {"error": f"{type(err).__name__}: {err}"[:300]}
+    launches = [partial(moe.moe_w4a16, xb, packed, r, out=out, h=h, **kw) for r, *_ in routes]
+    return timing.graph_record(launches, iters=iters, warmup=rotations, warm=0)
 
 
 def _measure(
@@ -187,7 +163,7 @@ def _measure(
     xb = cp.from_dlpack(x.view(torch.int16)).view(cp.uint16)                    # bf16 bits, no copy
     routes = []
     for _ in range(rotations):
-        ids, w = _routing(rng, m)
+        ids, w = routing(rng, m)
         r = moe.prepare_routing(cp.asarray(ids), cp.asarray(w), E)
         offs = torch.as_tensor(cp.asnumpy(r.expert_offsets[1:]), device="cuda")   # [E] int32 group ends
         routes.append((r, offs, torch.from_dlpack(r.sorted_token).long(), torch.from_dlpack(r.sorted_weight)))
@@ -319,7 +295,7 @@ def run(args) -> dict:
     iters = 24 if quick else 40
     rng = np.random.default_rng(0)
 
-    copy = _copy_bandwidth(torch)
+    copy = timing.copy_bandwidth()
     ceilings = perf.load("ceilings", "h200")
     flop_rate = (ceilings or {}).get("bf16_matmul_flops") or DEFAULT_FLOPS
     flop_source = (
@@ -327,17 +303,17 @@ def run(args) -> dict:
         if ceilings and ceilings.get("bf16_matmul_flops")
         else "default 790e12 (no ceilings recorded)"
     )
-    bw = copy["copy_bandwidth_Bps"]
+    bw = copy["Bps"]
 
     # INT4 experts in the kernel layout (random bits: timing does not depend on the values).
     P, KC = N // 16, K // 64
     packed = {
-        "w1": _random_words(torch, cp, E * P * KC * 2 * 32 * 4).reshape(E, P, KC, 2, 32, 4),
-        "s1": _random_scales(torch, cp, E * P * KC * 2 * 16).reshape(E, P, KC, 2, 16),
-        "w2": _random_words(torch, cp, E * (K // 16) * (N // 64) * 32 * 4).reshape(
+        "w1": random_words(torch, cp, E * P * KC * 2 * 32 * 4).reshape(E, P, KC, 2, 32, 4),
+        "s1": random_scales(torch, cp, E * P * KC * 2 * 16).reshape(E, P, KC, 2, 16),
+        "w2": random_words(torch, cp, E * (K // 16) * (N // 64) * 32 * 4).reshape(
             E, K // 16, N // 64, 32, 4
         ),
-        "s2": _random_scales(torch, cp, E * (K // 16) * (N // 64) * 16).reshape(E, K // 16, N // 64, 16),
+        "s2": random_scales(torch, cp, E * (K // 16) * (N // 64) * 16).reshape(E, K // 16, N // 64, 16),
     }
     wgu = (torch.randn(E, K, 2 * N, device="cuda") * 0.02).to(torch.bfloat16)   # [E, K, 2N]
     wd = (torch.randn(E, N, K, device="cuda") * 0.02).to(torch.bfloat16)        # [E, N, K]

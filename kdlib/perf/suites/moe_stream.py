@@ -45,31 +45,9 @@ CONFIGS = (
 )
 
 
-def _graphs(cp, launches_per_rotation):
-    """One CUDA graph per rotation, each capturing what its callable launches; returns (stream, graphs)."""
-    stream = cp.cuda.Stream(non_blocking=True)
-    graphs = []
-    with stream:
-        for fn in launches_per_rotation:
-            stream.begin_capture()
-            fn()
-            graphs.append(stream.end_capture())
-    return stream, graphs
-
-
-def _replay_time(cp, launches_per_rotation, iters: int) -> dict:
-    try:
-        stream, graphs = _graphs(cp, launches_per_rotation)
-        state = {"i": 0}
-
-        def replay():
-            graphs[state["i"] % len(graphs)].launch(stream=stream)
-            state["i"] += 1
-
-        with stream:
-            return timing.cuda_time(replay, warmup=len(graphs), iters=iters, backend="cupy").as_dict()
-    except Exception as err:  # one configuration's failure must not cost the others
-        return {"error": f"{type(err).__name__}: {err}"[:300]}
+def _replay(launches_per_rotation, iters: int) -> dict:
+    """CUDA-graph replays, one graph per rotation (an error dict where capture fails)."""
+    return timing.graph_record(launches_per_rotation, iters=iters, warmup=len(launches_per_rotation), warm=0)
 
 
 def _stream_rows(cp, pool, sizes: dict, bw: float, sms: int, iters: int) -> list[dict]:
@@ -95,7 +73,7 @@ def _stream_rows(cp, pool, sizes: dict, bw: float, sms: int, iters: int) -> list
                     read(start, n1)
                     read(start + n1 * vec, n - n1)
 
-                t = _replay_time(cp, [partial(read, s, n_units) for s in starts], iters)
+                t = _replay([partial(read, s, n_units) for s in starts], iters)
                 row = {
                     "config": suffix,
                     "stages": stages,
@@ -110,7 +88,7 @@ def _stream_rows(cp, pool, sizes: dict, bw: float, sms: int, iters: int) -> list
                     else None,
                 }
                 if suffix == "s8_v1" and warps == 16:
-                    t2 = _replay_time(cp, [partial(two, s) for s in starts], iters)
+                    t2 = _replay([partial(two, s) for s in starts], iters)
                     row["two_launch"] = t2
                     row["two_launch_frac_copy_bw"] = (n_units * unit / (t2["median_ms"] * 1e-3) / bw
                                                       if "median_ms" in t2 else None)
@@ -123,16 +101,16 @@ def _stream_rows(cp, pool, sizes: dict, bw: float, sms: int, iters: int) -> list
     return rows
 
 
-def _moe_rows(cp, torch, timing, bw: float, iters: int) -> list[dict]:
+def _moe_rows(cp, torch, bw: float, iters: int) -> list[dict]:
     E, K, N, TOPK = moe_suite.E, moe_suite.K, moe_suite.N, moe_suite.TOPK
     P, KC = N // 16, K // 64
     packed = {
-        "w1": moe_suite._random_words(torch, cp, E * P * KC * 2 * 32 * 4).reshape(E, P, KC, 2, 32, 4),
-        "s1": moe_suite._random_scales(torch, cp, E * P * KC * 2 * 16).reshape(E, P, KC, 2, 16),
-        "w2": moe_suite._random_words(torch, cp, E * (K // 16) * (N // 64) * 32 * 4).reshape(
+        "w1": moe_suite.random_words(torch, cp, E * P * KC * 2 * 32 * 4).reshape(E, P, KC, 2, 32, 4),
+        "s1": moe_suite.random_scales(torch, cp, E * P * KC * 2 * 16).reshape(E, P, KC, 2, 16),
+        "w2": moe_suite.random_words(torch, cp, E * (K // 16) * (N // 64) * 32 * 4).reshape(
             E, K // 16, N // 64, 32, 4
         ),
-        "s2": moe_suite._random_scales(torch, cp, E * (K // 16) * (N // 64) * 16).reshape(
+        "s2": moe_suite.random_scales(torch, cp, E * (K // 16) * (N // 64) * 16).reshape(
             E, K // 16, N // 64, 16
         ),
     }
@@ -142,7 +120,7 @@ def _moe_rows(cp, torch, timing, bw: float, iters: int) -> list[dict]:
         x = torch.randn(m, K, device="cuda").to(torch.bfloat16)                 # [M, K]
         xb = cp.from_dlpack(x.view(torch.int16)).view(cp.uint16)
         routes = [moe.prepare_routing(cp.asarray(i), cp.asarray(w), E)
-                  for i, w in (moe_suite._routing(rng, m) for _ in range(ROTATIONS))]
+                  for i, w in (moe_suite.routing(rng, m) for _ in range(ROTATIONS))]
         out = cp.empty((m, K), dtype=cp.float32)                                # [M, K]
         h = cp.empty((m * TOPK, N), dtype=cp.uint16)                            # [M*topk, N]
         touched = float(np.mean([r.n_active for r in routes]))
@@ -161,20 +139,20 @@ def _moe_rows(cp, torch, timing, bw: float, iters: int) -> list[dict]:
         }
         row = {"m": m, "touched_experts": touched, "weight_bytes": wbytes}
         for name, (launches, nbytes) in arms.items():
-            t = _replay_time(cp, launches, iters)
+            t = _replay(launches, iters)
             row[name] = t
             row[f"{name}_frac_copy_bw"] = nbytes / (t["median_ms"] * 1e-3) / bw if "median_ms" in t else None
         # v3 with every K split it accepts (the default is moe.v3_parts): where the split pays off.
         row["v3_parts"] = {}
         for d in [d for d in range(1, KC + 1) if KC % d == 0 and KC // d >= 4]:
-            t = _replay_time(cp, [partial(moe.moe_w4a16, xb, packed, r, out=out, h=h, version=3, parts=d)
-                                          for r in routes], iters)
+            t = _replay([partial(moe.moe_w4a16, xb, packed, r, out=out, h=h, version=3, parts=d)
+                                 for r in routes], iters)
             row["v3_parts"][str(d)] = {"timing": t, "frac_copy_bw": wbytes / (t["median_ms"] * 1e-3) / bw
                                        if "median_ms" in t else None}
         row["v3_down_batch"] = {}
         for d in (4, 8, 16, 28, 32, 64):
-            t = _replay_time(cp, [partial(moe.moe_w4a16, xb, packed, r, out=out, h=h, version=3, down_batch=d)
-                                          for r in routes], iters)
+            t = _replay([partial(moe.moe_w4a16, xb, packed, r, out=out, h=h, version=3, down_batch=d)
+                                 for r in routes], iters)
             row["v3_down_batch"][str(d)] = {"timing": t, "frac_copy_bw": wbytes / (t["median_ms"] * 1e-3) / bw
                                             if "median_ms" in t else None}
         rows.append(row)
@@ -203,8 +181,8 @@ def run(args) -> dict:
 
     quick = bool(getattr(args, "quick", False))
     iters = 20 if quick else 40
-    copy = moe_suite._copy_bandwidth(torch)
-    bw = copy["copy_bandwidth_Bps"]
+    copy = timing.copy_bandwidth()
+    bw = copy["Bps"]
     per_expert = moe.packed_bytes_per_expert(moe_suite.K, moe_suite.N)
     sizes = {f"M={m}": moe_suite.expected_touched(m) * per_expert for m in M_SIZES}
     sizes["1GiB"] = float(1 << 30)
@@ -213,7 +191,7 @@ def run(args) -> dict:
                                         device="cuda")).view(cp.uint32)      # 3 GiB of random words
     stream_rows = _stream_rows(cp, pool, sizes, bw, sms, iters)
     del pool
-    moe_rows = _moe_rows(cp, torch, timing, bw, iters)
+    moe_rows = _moe_rows(cp, torch, bw, iters)
     return {
         "params": {"m_sizes": list(M_SIZES), "rotations": ROTATIONS, "iters": iters, "sms": sms,
                    "configs": [{"kernel": f"{STEM}_{c[0]}", "stages": c[1], "unit_bytes": 512 * c[2],
