@@ -1132,12 +1132,16 @@ def counts(verdicts: dict) -> dict:
     return out
 
 
+def record_note(v: Verdict) -> str:
+    """The note of a verdict's record: the workbook's figure, cut to 400 characters."""
+    return v.ours if len(v.ours) <= 400 else v.ours[:399] + "…"
+
+
 def record_all(verdicts: dict, cat: Catalogue) -> None:
     """`kdlib.nb.record("audit_verdict_<id>", verdict, note=<the workbook's figure>, source=<link>)` for
     every figure (the index takes the claim's words from the catalogue, by id)."""
     for fid, v in verdicts.items():
-        note = v.ours if len(v.ours) <= 400 else v.ours[:399] + "…"
-        record(f"{RECORD_PREFIX}{fid}", v.verdict, note=note, source=cat[fid].link)
+        record(f"{RECORD_PREFIX}{fid}", v.verdict, note=record_note(v), source=cat[fid].link)
 
 
 def notebooks_present() -> set:
