@@ -930,6 +930,32 @@ def load_test(client, *, concurrency=CONCURRENCY, rates=(), max_concurrency: int
     return out
 
 
+CURVE_FIELDS = {  # load_curve column -> the summary key whose mean over repeats it holds
+    "aggregate tok/s": "output_throughput", "per-stream tok/s": "per_stream_tok_s",
+    "TTFT p50 ms": "ttft_ms.p50", "TTFT p99 ms": "ttft_ms.p99", "TPOT p50 ms": "tpot_ms.p50",
+    "ITL p99 ms": "itl_ms.p99", "e2e p99 ms": "e2e_ms.p99", "accepted/step": "decomposition.accepted_length",
+    "step ms": "decomposition.step_ms", "batch": "decomposition.batch",
+    "measured / predicted": "decomposition.aggregate_ratio", "greedy mismatches": "greedy_mismatches",
+}
+
+
+def load_curve(result: dict) -> list[dict]:
+    """One row per fixed-concurrency level of a `load_test` result: the means over repeats of
+    CURVE_FIELDS, the aggregate's std beside it, and the greedy mismatches' maximum."""
+    rows = []
+    for lv in result["levels"]:
+        if lv["mode"] != "concurrency":
+            continue
+        s = lv["summary"]
+        row = {"concurrency": lv["concurrency"]}
+        for col, key in CURVE_FIELDS.items():
+            stat = s.get(key, {})
+            row[col] = stat.get("max" if key == "greedy_mismatches" else "mean")
+        row["aggregate std"] = s.get("output_throughput", {}).get("std")
+        rows.append(row)
+    return rows
+
+
 def load_table(result: dict) -> str:
     """A plain-text table of a `load_test` result: means over repeats (± std where it matters)."""
     lines = [f"endpoint {result['endpoint']}  model {result['model']}  input {result['parameters']['input_len']} "
