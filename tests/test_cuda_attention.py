@@ -1,7 +1,7 @@
-"""Tree-verify MLA attention kernels (`kernels/tree_verify_v1.cu` .. `_v4.cu`) against `kdlib.ref.attention`.
+"""Tree-verify MLA attention kernels (`kernels/tree_verify/*.cu`) against `kdlib.ref.attention`.
 
 CPU: the split plan covers the page table; the recorded sweep's summary helpers (compile and
-spill checks of every kernels/*.cu are in tests/test_kernels_compile.py). GPU (`-m gpu`): >= 1,000 random cases with fresh inputs and poisoned output memory
+spill checks of every kernels/<family>/*.cu are in tests/test_kernels_compile.py). GPU (`-m gpu`): >= 1,000 random cases with fresh inputs and poisoned output memory
 (fp32 within 1e-5 of float64; bf16 within 1e-2, norm-relative, of float64 on the same bf16
 values), long prefixes against a float64 torch reference, torch tensors through DLPack, and
 ValueError before any launch. `python3 tests/test_cuda_attention.py sanitize` is the small driver
@@ -127,7 +127,7 @@ def test_attention_suite_shapes_costs_and_goals():
 # The tree_verify_v5 kernels' integer plan, job decode, shared-memory layouts, register fragments and
 # arithmetic, re-done in numpy from the kernel's formulas, against the float64 reference.
 
-V5_SOURCE = KERNELS / "tree_verify_v5.cu"
+V5_SOURCE = KERNELS / "tree_verify" / "wgmma_v5.cu"
 
 
 def _v5_decode(plan, j):

@@ -932,11 +932,11 @@ def test_v3_parts_split_k_only_when_tile_pairs_are_few():
 @pytest.mark.skipif(loader.nvcc_path() is None, reason="nvcc not found on PATH")
 @pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
 def test_v2_kernels_fit_the_launch_shapes_the_wrapper_assumes(arch):
-    """ptxas's report of kernels/moe_w4a16_v2.cu against the wrapper's constants: no spills or stack,
+    """ptxas's report of kernels/moe_w4a16/v2.cu against the wrapper's constants: no spills or stack,
     registers low enough for the resident blocks the persistent grids count on, static shared
     memory equal to the reduction buffer the wrapper budgets; and the H200's shared memory (228 KB
     per SM, 227 KB per block) holds one 16-warp or two 8-warp gate/up blocks."""
-    rc, text = loader.compile_report(moe.STEM_V2, arch)
+    rc, text = loader.compile_report(moe.SOURCE_V2, arch)
     assert rc == 0, text
     rep = loader.parse_ptxas(text)
     names = {
@@ -965,10 +965,10 @@ def test_v2_kernels_fit_the_launch_shapes_the_wrapper_assumes(arch):
 @pytest.mark.skipif(loader.nvcc_path() is None, reason="nvcc not found on PATH")
 @pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
 def test_v3_kernel_fits_the_launch_shape_the_wrapper_assumes(arch):
-    """ptxas's report of kernels/moe_w4a16_v3.cu: no spills or stack, registers for two 256-thread
+    """ptxas's report of kernels/moe_w4a16/v3.cu: no spills or stack, registers for two 256-thread
     blocks per SM, static shared memory as budgeted; two blocks per SM on an H200, one on a
     100 KB part."""
-    rc, text = loader.compile_report(moe.STEM_V3, arch)
+    rc, text = loader.compile_report(moe.SOURCE_V3, arch)
     assert rc == 0, text
     info = loader.parse_ptxas(text)[moe.STEM_V3]
     assert info["spill_stores"] == info["spill_loads"] == info["stack"] == 0, info

@@ -87,11 +87,11 @@ def test_build_limits_raise_before_any_work():
     for version in (1, 2):  # the documented worst case needs no opt-in (v3 opts in)
         assert tree.shared_bytes(256, 16, 256, version) <= 48 * 1024
     assert tree.shared_bytes(256, 16, 256, 3) <= 227 * 1024  # Hopper's per-block maximum
-    assert tree.kernel_name(31, 2) == ("tree_build_v2", "tree_build_v2_r1")
-    assert tree.kernel_name(32, 2) == ("tree_build_v2", "tree_build_v2_r3")
-    assert tree.kernel_name(256, 2) == ("tree_build_v2", "tree_build_v2_r9")
-    assert tree.kernel_name(1, 1) == ("tree_build_v1", "tree_build_v1")
-    assert tree.kernel_name(64, 3) == ("tree_build_v3", "tree_build_v3_r3")
+    assert tree.kernel_name(31, 2) == ("tree_build/v2", "tree_build_v2_r1")
+    assert tree.kernel_name(32, 2) == ("tree_build/v2", "tree_build_v2_r3")
+    assert tree.kernel_name(256, 2) == ("tree_build/v2", "tree_build_v2_r9")
+    assert tree.kernel_name(1, 1) == ("tree_build/v1", "tree_build_v1")
+    assert tree.kernel_name(64, 3) == ("tree_build/v3", "tree_build_v3_r3")
     assert [tree.kernel_name(b, 4)[1][-2:] for b in (0, 64, 65, 128, 129, 256)] == [
         "r1",
         "r1",
@@ -403,8 +403,8 @@ def test_sample_v3_constants_come_from_the_reference():
     assert accept.sample_options(3) == (f"-DTA3_THREADS={ref_accept.SAMPLE_THREADS}",
                                         f"-DTA3_PIECE={ref_accept.SAMPLE_PIECE}")
     assert accept.sample_options(2) == ()
-    assert accept.sample_kernel(np.float32) == ("tree_accept_v3", "tree_sample_rows_v3_f32")
-    src = (KERNELS / "tree_accept_v3.cu").read_text()
+    assert accept.sample_kernel(np.float32) == ("tree_accept/sample_v3", "tree_sample_rows_v3_f32")
+    src = (KERNELS / "tree_accept" / "sample_v3.cu").read_text()
     defaults = dict(re.findall(r"#define (TA3_THREADS|TA3_PIECE) (\d+)", src))
     assert defaults == {
         "TA3_THREADS": str(ref_accept.SAMPLE_THREADS),
@@ -728,7 +728,7 @@ def _rank_key(tuples, parent: int, depth: int, rank: int) -> tuple[int, int]:
 
 
 def v4_model(ids, lp, budget: int, k: int, rows: int):
-    """tree_build_v4's pop loop, position by position (kernels/tree_build_v4.cu, warp 0).
+    """tree_build_v4's pop loop, position by position (kernels/tree_build/v4.cu, warp 0).
 
     ids/lp: [L][>= k] lists. Position t of `ent` is lane t % 32 of row t // 32; a candidate is
     (score, parent, depth, rank). Returns ((tokens, depths, parents, scores), most live candidates).
@@ -830,7 +830,7 @@ def test_v4_model_matches_reference():
     assert requests >= 1000
 
 
-# The host emulation: kernels/tree_build_v4.cu compiled by g++ with tests/emu/cuda_shim.h in front and
+# The host emulation: kernels/tree_build/v4.cu compiled by g++ with tests/emu/cuda_shim.h in front and
 # tests/emu/tree_build_driver.cpp behind it, one ucontext per CUDA
 # thread of a block, blocks one after another; warp intrinsics exchange through a buffer between two
 # warp barriers, so lanes run in lock step where the kernel relies on it. Shared memory ends at a guard
@@ -843,7 +843,7 @@ SMEM_DECL = "extern __shared__ __align__(16) unsigned char smem[];"
 
 @pytest.fixture(scope="module")
 def v4_host(tmp_path_factory):
-    """ctypes handle of kernels/tree_build_v4.cu built for the host with the emulation shim."""
+    """ctypes handle of kernels/tree_build/v4.cu built for the host with the emulation shim."""
     import ctypes
     import shutil
     import subprocess
@@ -851,7 +851,7 @@ def v4_host(tmp_path_factory):
     gxx = shutil.which("g++")
     if gxx is None:
         pytest.skip("g++ not found")
-    src = loader.expanded_source("tree_build_v4")  # headers inlined: g++ sees one file
+    src = loader.expanded_source("tree_build/v4")  # headers inlined: g++ sees one file
     assert src.count(SMEM_DECL) == 1, "the shim replaces the kernel's one dynamic shared-memory declaration"
     d = tmp_path_factory.mktemp("v4_host")
     emu = Path(__file__).parent / "emu"

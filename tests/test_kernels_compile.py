@@ -1,12 +1,13 @@
-"""Every `kernels/*.cu` compiles with nvcc to a cubin for sm_90 (H200) and sm_120 (RTX PRO 6000
+"""Every `kernels/<family>/*.cu` compiles with nvcc to a cubin for sm_90 (H200) and sm_120 (RTX PRO 6000
 Blackwell), and ptxas's resource report (-Xptxas -v) shows no spills and no stack frame.
 
 A kernel that needs a stack frame documents it in its source with a line
 `// kdlib-allow-stack: <kernel name> <max bytes> <why>`; its frame may then be up to that size
-(spills are never allowed). Files are found by glob, so new kernels are checked automatically.
+(spills are never allowed). Files are found by glob, so new kernels are checked automatically; shared
+device code in `kernels/common/*.cuh` (and a family's own `.cuh`) is checked through the files including it.
 
 Speed: all (file, arch) compiles run in parallel (`kdlib.cuda.loader.resource_report`'s thread
-pool) and each report is cached under build/ptxas-cache/ keyed by source, flags and nvcc
+pool) and each report is cached under build/ptxas-cache/ keyed by source (headers expanded), flags and nvcc
 version, so an unchanged file costs nothing on the next run.
 """
 
@@ -21,20 +22,26 @@ import pytest
 from kdlib import KERNELS
 from kdlib.cuda import loader
 
-SOURCES = sorted(KERNELS.glob("*.cu"))
+SOURCES = sorted(KERNELS.glob("*/*.cu"))
+IDS = [s.relative_to(KERNELS).as_posix() for s in SOURCES]
+
+
+def _stem(source) -> str:
+    return source.relative_to(KERNELS).with_suffix("").as_posix()
 
 pytestmark = pytest.mark.skipif(loader.nvcc_path() is None, reason="nvcc not found on PATH")
 
 
 @pytest.fixture(scope="module")
 def reports() -> dict[tuple[str, str], tuple[int, str]]:
-    jobs = [(src.stem, arch) for src in SOURCES for arch in loader.ARCHS]
+    jobs = [(_stem(src), arch) for src in SOURCES for arch in loader.ARCHS]
     with cf.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
         return dict(zip(jobs, pool.map(lambda j: loader.compile_report(*j), jobs), strict=True))
 
 
 def test_there_are_kernels():
-    assert SOURCES, f"no kernels/*.cu found under {KERNELS}"
+    assert SOURCES, f"no kernels/<family>/*.cu found under {KERNELS}"
+    assert [_stem(s) for s in SOURCES] == loader.sources()
 
 
 def test_parse_ptxas_reads_the_report_lines():
@@ -50,14 +57,14 @@ def test_parse_ptxas_reads_the_report_lines():
 
 
 @pytest.mark.parametrize("arch", loader.ARCHS)
-@pytest.mark.parametrize("source", SOURCES, ids=[s.name for s in SOURCES])
+@pytest.mark.parametrize("source", SOURCES, ids=IDS)
 def test_compiles_without_spills(reports, source, arch):
-    rc, text = reports[(source.stem, arch)]
-    assert rc == 0, f"nvcc failed for {source.name} ({arch}):\n{text}"
+    rc, text = reports[(_stem(source), arch)]
+    assert rc == 0, f"nvcc failed for {_stem(source)}.cu ({arch}):\n{text}"
     entries = loader.parse_ptxas(text)
     src = source.read_text()
     declared = set(loader.KERNEL_DECL.findall(src))
-    assert declared, f'{source.name} declares no extern "C" __global__ kernel'
+    assert declared, f'{_stem(source)}.cu declares no extern "C" __global__ kernel'
     assert declared <= set(entries), f"ptxas reported {sorted(entries)}, source declares {sorted(declared)}"
     allowed = {m.group(1): int(m.group(2)) for m in loader.ALLOW_STACK.finditer(src)}
     for name, info in entries.items():
@@ -70,11 +77,60 @@ def test_compiles_without_spills(reports, source, arch):
         assert 0 < info["registers"] <= 255, f"{name} ({arch}): {info['registers']} registers"
 
 
-@pytest.mark.parametrize("source", SOURCES, ids=[s.name for s in SOURCES])
+def test_stems_name_family_and_file():
+    assert loader.source_path("tree_verify/prefix_v4") == KERNELS / "tree_verify" / "prefix_v4.cu"
+    # the flat alias kdlib/perf/suites/moe_stream.py loads ("stream_read_v1")
+    assert loader.source_path("stream_read_v1") == KERNELS / "stream_read" / "v1.cu"
+    for bad in ("tree_build/v9", "tree_build_v9", "tree_build/v1.cu", "../kernels/tree_build/v1", "common/w4a16"):
+        with pytest.raises(ValueError):
+            loader.source_path(bad)
+
+
+def _tiny_tree(root, value: int):
+    """kernels-like folder: fam/v1.cu includes common/h.cuh (which includes common/g.cuh twice over)."""
+    (root / "common").mkdir(parents=True, exist_ok=True)
+    (root / "fam").mkdir(exist_ok=True)
+    (root / "common" / "g.cuh").write_text("#pragma once\n__device__ __forceinline__ int g() { return 3; }\n")
+    (root / "common" / "h.cuh").write_text(
+        f'#pragma once\n#include "common/g.cuh"\n__device__ __forceinline__ int h() {{ return g() + {value}; }}\n'
+    )
+    (root / "fam" / "v1.cu").write_text(
+        '#include "common/h.cuh"\n#include "common/g.cuh"\n'
+        'extern "C" __global__ void fam_v1(int* out) { out[threadIdx.x] = h(); }\n'
+    )
+
+
+def test_expand_includes_inlines_each_header_once(tmp_path):
+    _tiny_tree(tmp_path, 5)
+    text = loader.expand_includes(tmp_path / "fam" / "v1.cu", tmp_path)
+    assert "#include" not in text and "pragma once" not in text
+    assert text.count("int g()") == 1 and "return g() + 5;" in text
+    (tmp_path / "fam" / "v1.cu").write_text('#include "common/missing.cuh"\n')
+    with pytest.raises(ValueError, match="missing.cuh"):
+        loader.expand_includes(tmp_path / "fam" / "v1.cu", tmp_path)
+
+
+def test_editing_a_header_changes_the_compile_cache_key(tmp_path, monkeypatch):
+    """compile_report keys its cache on the source with headers expanded: a header edit recompiles."""
+    kernels, cache = tmp_path / "kernels", tmp_path / "cache"
+    _tiny_tree(kernels, 5)
+    monkeypatch.setattr(loader, "KERNELS", kernels)
+    rc, text = loader.compile_report("fam/v1", "sm_90", cache_dir=cache)
+    assert rc == 0, text
+    assert "fam_v1" in loader.parse_ptxas(text)
+    assert loader.compile_report("fam/v1", "sm_90", cache_dir=cache) == (0, text)  # served from the cache
+    assert len(list(cache.iterdir())) == 1
+    _tiny_tree(kernels, 6)
+    rc, _ = loader.compile_report("fam/v1", "sm_90", cache_dir=cache)
+    assert rc == 0
+    assert len(list(cache.iterdir())) == 2, "a header edit must give a new cache entry"
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=IDS)
 def test_kernel_names_are_versioned(source):
     names = loader.KERNEL_DECL.findall(source.read_text())
     bad = [n for n in names if not re.search(r"_v\d+(_|$)", n)]
-    assert not bad, f"{source.name}: kernel names must carry a version (<op>_v<N>[_variant]): {bad}"
+    assert not bad, f"{_stem(source)}.cu: kernel names must carry a version (<op>_v<N>[_variant]): {bad}"
 
 
 def _libnvrtc():
@@ -114,13 +170,13 @@ def _cuda_include() -> str:
 
 
 @pytest.mark.skipif(_NVRTC is None, reason="nvidia-cuda-nvrtc is not installed (requirements.lock pins it)")
-@pytest.mark.parametrize("source", SOURCES, ids=[s.name for s in SOURCES])
+@pytest.mark.parametrize("source", SOURCES, ids=IDS)
 def test_compiles_with_nvrtc_as_cupy_does(source):
     """nvcc accepts things NVRTC rejects (host headers such as <stdint.h> or <math.h>, INFINITY); CuPy's
     RawModule compiles with NVRTC, so compile each file the way it does: C++17, flush-to-zero, device as
     the default execution space, sm_90."""
     rc, log = _nvrtc_compile(source, [b"-arch=sm_90"])
-    assert rc == 0, f"NVRTC rejected {source.name}:\n{log}"
+    assert rc == 0, f"NVRTC rejected {_stem(source)}.cu:\n{log}"
 
 
 def _nvrtc_compile(source, extra: list[bytes]) -> tuple[int, str]:
@@ -131,7 +187,8 @@ def _nvrtc_compile(source, extra: list[bytes]) -> tuple[int, str]:
     options = [b"--std=c++17", *extra, b"-ftz=true", b"--device-as-default-execution-space",
                f"-I{KERNELS}".encode(), f"-I{_cuda_include()}".encode()]
     prog = ctypes.c_void_p()
-    assert _NVRTC.nvrtcCreateProgram(ctypes.byref(prog), source.read_bytes(), source.name.encode(), 0, None, None) == 0
+    text = loader.expand_includes(source, KERNELS).encode()  # what kdlib.cuda.loader hands NVRTC
+    assert _NVRTC.nvrtcCreateProgram(ctypes.byref(prog), text, source.name.encode(), 0, None, None) == 0
     try:
         rc = _NVRTC.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
         size = ctypes.c_size_t()
@@ -153,7 +210,7 @@ def _cuobjdump() -> str | None:
     return shutil.which("cuobjdump")
 
 
-@pytest.mark.parametrize("source", SOURCES_90A, ids=[s.name for s in SOURCES_90A])
+@pytest.mark.parametrize("source", SOURCES_90A, ids=[s.relative_to(KERNELS).as_posix() for s in SOURCES_90A])
 def test_sm90a_kernels_compile_without_spills_and_use_wgmma(source, tmp_path):
     """Files marked '// kdlib-arch: sm_90a wgmma=<kernels>' also build for sm_90a with nvcc: no warning, no
     spill, no stack frame, and (where cuobjdump is on PATH) HGMMA in the SASS of each kernel named."""
@@ -178,12 +235,12 @@ def test_sm90a_kernels_compile_without_spills_and_use_wgmma(source, tmp_path):
 
 
 @pytest.mark.skipif(_NVRTC is None, reason="nvidia-cuda-nvrtc is not installed (requirements.lock pins it)")
-@pytest.mark.parametrize("source", SOURCES_90A, ids=[s.name for s in SOURCES_90A])
+@pytest.mark.parametrize("source", SOURCES_90A, ids=[s.relative_to(KERNELS).as_posix() for s in SOURCES_90A])
 def test_sm90a_kernels_compile_with_nvrtc_as_the_wrappers_load_them(source):
     """What the CuPy wrappers load: NVRTC with '-arch=sm_90a' beside CuPy's own '-arch=sm_90' and
     '-ftz=true' (NVRTC builds for sm_90a then); ptxas -v shows no spill and no stack frame."""
     rc, text = _nvrtc_compile(source, [b"-arch=sm_90a", b"-arch=sm_90", b"--ptxas-options=-v"])
-    assert rc == 0, f"NVRTC rejected {source.name}:\n{text}"
+    assert rc == 0, f"NVRTC rejected {_stem(source)}.cu:\n{text}"
     entries = loader.parse_ptxas(text.replace("ptxas         .", "ptxas info    :"))
     assert set(loader.KERNEL_DECL.findall(source.read_text())) <= set(entries), text
     assert "for 'sm_90a'" in text, text

@@ -1,4 +1,4 @@
-"""CuPy glue for the CUDA kernels in `kernels/*.cu`.
+"""CuPy glue for the CUDA kernels in `kernels/<family>/*.cu`.
 
 `loader` compiles and caches the sources (`loader.get_function(stem, kernel_name)`). Each
 wrapper module has the same function names and signatures as its `kdlib.ref` twin, takes CuPy

@@ -1,14 +1,14 @@
 """GPU acceptance: `accept_greedy_batch`, `sample_tokens`, `accept_sample_batch`, the CUDA twins of
 `kdlib.ref.accept` (same names, same signatures, CuPy arrays in and out).
 
-Kernels: `tree_accept_greedy_v1` (`kernels/tree_accept_v1.cu`), one block per request, stages
+Kernels: `tree_accept_greedy_v1` (`kernels/tree_accept/greedy_v1.cu`), one block per request, stages
 the LCRS lists in shared memory and walks them with one thread. The inverse-CDF draw
 `tree_sample_rows_v<N>_f32/_f64`, bit-exact with `kdlib.ref.accept.sample_tokens` in the order
 `SAMPLE_ORDER[N]`:
-  * v3 (`kernels/tree_accept_v3.cu`, default): one block of `ref.accept.SAMPLE_THREADS` threads
+  * v3 (`kernels/tree_accept/sample_v3.cu`, default): one block of `ref.accept.SAMPLE_THREADS` threads
     per row, the "blocked" order; the thread and piece counts reach the compiler as -D options
     from `kdlib.ref.accept`, so kernel and reference share one definition;
-  * v2 (`tree_accept_v2.cu`) and v1 (`tree_accept_v1.cu`): one thread per row, the "sequential"
+  * v2 (`tree_accept/sample_v2.cu`) and v1 (`tree_accept/sample_v1.cu`): one thread per row, the "sequential"
     order (the whole vocabulary through one dependent chain: slow at large V).
 
 Differences from the reference, all forced by not synchronising with the host:
@@ -28,12 +28,12 @@ from kdlib.cuda import loader
 from kdlib.ref import accept as ref_accept
 from kdlib.ref.tree import DDTree, DDTreeBatch
 
-GREEDY = ("tree_accept_v1", "tree_accept_greedy_v1")
+GREEDY = ("tree_accept/greedy_v1", "tree_accept_greedy_v1")  # (stem, kernel name)
 # v3: a block per row; v2: one thread per row, pipelined loads; v1: one load per add
 SAMPLE_VERSIONS = (1, 2, 3)
 SAMPLE_DEFAULT = 3
 SAMPLE_ORDER = {1: "sequential", 2: "sequential", 3: "blocked"}  # the kdlib.ref.accept order each one matches
-GREEDY_THREADS = 64  # TA_THREADS in tree_accept_v1.cu
+GREEDY_THREADS = 64  # TA_THREADS in tree_accept/greedy_v1.cu
 ROW_THREADS = 128  # threads per block of v1/v2 (their launch bound), one row each
 MAX_VOCAB = 1 << 30  # v3 indexes a row with 32-bit offsets
 
@@ -44,10 +44,11 @@ def _check_version(version) -> None:
 
 
 def sample_kernel(dtype, version: int = SAMPLE_DEFAULT) -> tuple[str, str]:
-    """(file stem, kernel name) of the inverse-CDF draw for probs of this dtype."""
+    """(stem, kernel name) of the inverse-CDF draw for probs of this dtype, e.g.
+    ("tree_accept/sample_v3", "tree_sample_rows_v3_f32")."""
     _check_version(version)
     suffix = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}[np.dtype(dtype)]
-    return f"tree_accept_v{version}", f"tree_sample_rows_v{version}_{suffix}"
+    return f"tree_accept/sample_v{version}", f"tree_sample_rows_v{version}_{suffix}"
 
 
 def sample_options(version: int = SAMPLE_DEFAULT) -> tuple[str, ...]:
@@ -120,7 +121,7 @@ def accept_greedy_batch(trees, target_tokens, max_depth: int | None = None, *, o
 
     s = budget + 1
     fn = loader.get_function(*GREEDY)
-    smem = 40 * s  # five int64 arrays of S entries (see tree_accept_v1.cu)
+    smem = 40 * s  # five int64 arrays of S entries (see tree_accept/greedy_v1.cu)
     loader.set_max_dynamic_shared(fn, smem)
     fn((bsz,), (GREEDY_THREADS,),
        (cupy.ascontiguousarray(f["node_token_ids"]), cupy.ascontiguousarray(f["next_token"]),

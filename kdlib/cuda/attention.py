@@ -1,4 +1,4 @@
-"""Tree-verify MLA attention on the GPU: CuPy wrappers of `kernels/tree_verify_v1.cu` .. `_v4.cu`.
+"""Tree-verify MLA attention on the GPU: CuPy wrappers of `kernels/tree_verify/*.cu`.
 
 Same names and signatures as `kdlib.ref.attention` (plus keyword-only `impl` and `validate`):
 
@@ -45,28 +45,29 @@ D_QK = 576  # MLA absorb width: kv_lora_rank 512 + rope 64 (DeepSeek-V3 / Kimi-K
 KV_LORA_RANK = 512  # value width: the latent part of each cached row
 MAX_Q = 65  # tree queries per request: a 64-node budget + the root (issue 4)
 
-_V1 = "tree_verify_v1"
-_V1_ROWS = 8  # rows (warps) per block in tree_verify_v1.cu (ROWS)
-_V1_KCHUNK = 16  # keys per shared-memory step in tree_verify_v1.cu (KCHUNK)
+# v1 is three stages, each its own file; every prefix version is followed by tail_v1 and combine_v1.
+_V1_PREFIX, _V1_TAIL, _V1_COMBINE = "tree_verify/prefix_v1", "tree_verify/tail_v1", "tree_verify/combine_v1"
+_V1_ROWS = 8  # rows (warps) per block in tree_verify/attend_rows_v1.cuh (ROWS)
+_V1_KCHUNK = 16  # keys per shared-memory step in tree_verify/attend_rows_v1.cuh (KCHUNK)
 _V1_BLOCKS_PER_SM = 4  # sm_90: 256 threads x 64 registers and 37 KB shared -> 4 blocks resident per SM
-_MMA_BM = 64  # query rows per block in tree_verify_v{2,3,4}.cu (BM)
+_MMA_BM = 64  # query rows per block in tree_verify/prefix_v{2,3,4}.cu (BM)
 _MMA_BN = 32  # keys per pipeline stage (BN)
 _MMA_Q_SMEM = 64 * 1168  # Q tile: BM rows of 576 bf16 + 16 B pad
 _MMA_K_SMEM = 32 * 1168  # one K stage: BN rows
 _MMA_X_SMEM = 2 * 4 * 16 * 32 * 4  # partial-S exchange between the two halves of each row group
-# The tensor-core prefix kernels: impl name -> (file stem, shared memory bytes). v2 gathers each tile
+# The tensor-core prefix kernels: impl name -> (stem, shared memory bytes). v2 gathers each tile
 # behind nine serial page-table reads; v3 prefetches the slots a tile ahead; v4 adds a third K stage.
 MMA_VERSIONS = {
-    "mma_v2": ("tree_verify_v2", _MMA_Q_SMEM + 2 * _MMA_K_SMEM + _MMA_X_SMEM),
-    "mma_v3": ("tree_verify_v3", _MMA_Q_SMEM + 2 * _MMA_K_SMEM + _MMA_X_SMEM),
-    "mma_v4": ("tree_verify_v4", _MMA_Q_SMEM + 3 * _MMA_K_SMEM + _MMA_X_SMEM),
+    "mma_v2": ("tree_verify/prefix_v2", _MMA_Q_SMEM + 2 * _MMA_K_SMEM + _MMA_X_SMEM),
+    "mma_v3": ("tree_verify/prefix_v3", _MMA_Q_SMEM + 2 * _MMA_K_SMEM + _MMA_X_SMEM),
+    "mma_v4": ("tree_verify/prefix_v4", _MMA_Q_SMEM + 3 * _MMA_K_SMEM + _MMA_X_SMEM),
 }
 # What impl "mma" (and "auto" on bf16) runs: v3, the fastest in the recorded sweep
 # (data/results/verify_attention_dev.h200.json times v3 and v4 side by side; the third stage did not pay).
 MMA_DEFAULT = "mma_v3"
-# The wgmma whole-verify kernels (tree_verify_v5.cu), built for sm_90a through NVRTC.
+# The wgmma whole-verify kernels (tree_verify/wgmma_v5.cu), built for sm_90a through NVRTC.
 WGMMA = "wgmma"
-_V5 = "tree_verify_v5"
+_V5 = "tree_verify/wgmma_v5"
 _V5_OPTIONS = ("-arch=sm_90a",)
 _V5_SMEM = 3 * 73728 + 2 * 512 + 6 * 8 + 1024  # Q block + two K stages + factors + barriers + alignment (SMEM_BYTES)
 _V5_BM = 64  # rows per job (BM)
@@ -402,13 +403,13 @@ def _launch_prefix(qa, kind, kv, pt, lens, scale, impl):
         stem, smem = MMA_VERSIONS[impl]
         rb = -(-rows // _MMA_BM)
         nsplit, chunk = split_plan(bsz, rb, width, _MMA_BN, n_sm)  # one 256-thread block per SM
-        fn = loader.get_function(stem, f"{stem}_prefix_bf16")
+        fn = loader.get_function(stem, f"tree_verify_{stem.rsplit('_', 1)[1]}_prefix_bf16")  # e.g. _v3_
         loader.set_max_dynamic_shared(fn, smem)
         block = 256
     else:
         rb = -(-rows // _V1_ROWS)
         nsplit, chunk = split_plan(bsz, rb, width, _V1_KCHUNK, n_sm * _V1_BLOCKS_PER_SM)
-        fn = loader.get_function(_V1, f"tree_verify_v1_prefix_{kind}")
+        fn = loader.get_function(_V1_PREFIX, f"tree_verify_v1_prefix_{kind}")
         block, smem = _V1_ROWS * 32, 0
     parts = cupy.empty((bsz, nsplit, rows, KV_LORA_RANK), dtype=cupy.float32)  # [B, nsplit, Q*H, 512]
     plse = cupy.empty((bsz, nsplit, rows), dtype=cupy.float32)  # [B, nsplit, Q*H]
@@ -428,7 +429,7 @@ def _launch_tail(qa, kind, tkv, vis, sizes, scale):
     bsz, nq, nh, _ = qa.shape
     out = cupy.empty((bsz, nq, nh, KV_LORA_RANK), dtype=cupy.float32)  # [B, Q, H, 512]
     lse = cupy.empty((bsz, nq, nh), dtype=cupy.float32)  # [B, Q, H]
-    fn = loader.get_function(_V1, f"tree_verify_v1_tail_{kind}")
+    fn = loader.get_function(_V1_TAIL, f"tree_verify_v1_tail_{kind}")
     fn((-(-(nq * nh) // _V1_ROWS), 1, bsz), (_V1_ROWS * 32,),
        (qa, tkv, vis, sizes, np.int32(nq), np.int32(nh), np.float32(scale), out, lse))
     return out, lse
@@ -445,7 +446,7 @@ def _launch_combine(parts, plse, rows_per_batch, extra=None, extra_lse=None):
     if nrows == 0:
         return out, lse
     null = np.uintp(0)
-    fn = loader.get_function(_V1, "tree_verify_v1_combine")
+    fn = loader.get_function(_V1_COMBINE, "tree_verify_v1_combine")
     fn((nrows,), (KV_LORA_RANK // 4,),
        (parts, plse, np.int32(nparts), np.int32(rows_per_batch),
         null if extra is None else extra, null if extra_lse is None else extra_lse, out, lse))

@@ -1,7 +1,7 @@
 """GPU KV bookkeeping after acceptance: `compact_kv_batch`, `remap_slots`, the CUDA twins of
 `kdlib.ref.compact` (same names and signatures; in place on the caller's CuPy / torch arrays).
 
-Kernels (`kernels/kv_compact_v1.cu`):
+Kernels (`kernels/kv_compact/v1.cu`):
   * `kv_compact_v1_u{128,32,8}`: one thread per (request, 16/4/1-byte column of a row), copying
     the accepted rows in ascending order; in place is exact because path[i] >= i (see the .cu).
   * `kv_remap_v1_i64/_i32` (req_to_token int64 / int32): page_size 1 commit, one block per request; writes req_to_token and a
@@ -21,13 +21,13 @@ import numpy as np
 from kdlib.cuda import loader
 from kdlib.ref import compact as ref
 
-COMPACT = {16: ("kv_compact_v1", "kv_compact_v1_u128"), 4: ("kv_compact_v1", "kv_compact_v1_u32"),
-           1: ("kv_compact_v1", "kv_compact_v1_u8")}
+COMPACT = {16: ("kv_compact/v1", "kv_compact_v1_u128"), 4: ("kv_compact/v1", "kv_compact_v1_u32"),
+           1: ("kv_compact/v1", "kv_compact_v1_u8")}
 REMAP = {
-    np.dtype(np.int64): ("kv_compact_v1", "kv_remap_v1_i64"),
-    np.dtype(np.int32): ("kv_compact_v1", "kv_remap_v1_i32"),
+    np.dtype(np.int64): ("kv_compact/v1", "kv_remap_v1_i64"),
+    np.dtype(np.int32): ("kv_compact/v1", "kv_remap_v1_i32"),
 }
-THREADS = 256  # KC_THREADS in kv_compact_v1.cu
+THREADS = 256  # KC_THREADS in kv_compact/v1.cu
 
 
 def _common(starts, paths, lengths):

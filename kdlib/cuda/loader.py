@@ -1,10 +1,13 @@
-"""Cached loader of the CUDA sources in `kernels/*.cu`, through `cupy.RawModule` (NVRTC).
+"""Cached loader of the CUDA sources in `kernels/<family>/*.cu`, through `cupy.RawModule` (NVRTC).
 
-Every kernel lives in `kernels/<stem>.cu` (raw pointers, `extern "C"`, versioned names such as
-`tree_build_v1`). A wrapper gets a launchable function with
+Every kernel lives in `kernels/<family>/<stage>_v<N>.cu` (or `<family>/v<N>.cu` where a version is
+the whole op), named by the stem `"<family>/<file stem>"`: `"tree_build/v4"`,
+`"tree_verify/prefix_v4"`, `"tree_accept/sample_v3"`; kernels inside keep their versioned
+`extern "C"` names (`tree_build_v4_r1`), which recorded results and ncu reports name. A wrapper
+gets a launchable function with
 
     from kdlib.cuda import loader
-    fn = loader.get_function("tree_build_v1", "tree_build_v1")   # (file stem, kernel name)
+    fn = loader.get_function("tree_build/v1", "tree_build_v1")   # (stem, kernel name)
     fn((grid,), (threads,), (arg0, arg1, ...), shared_mem=nbytes)   # cupy.RawKernel call
 
 Arguments are CuPy arrays (passed as device pointers) or numpy scalars of the exact C type
@@ -55,15 +58,27 @@ _SOURCES: dict[str, str] = {}
 _BASE_OPTIONS = ("--std=c++17", f"-I{KERNELS}")
 
 
+_STEM = re.compile(r"[a-z0-9_]+/[a-z0-9_]+")
+_FLAT = re.compile(r"([a-z0-9_]+)_(v\d+)")
+
+
 def sources() -> list[str]:
-    """The file stems of every `kernels/*.cu`, sorted (e.g. ['kv_compact_v1', 'tree_build_v1'])."""
-    return sorted(p.stem for p in KERNELS.glob("*.cu"))
+    """The stems of every `kernels/<family>/*.cu`, sorted (e.g. ['kv_compact/v1', 'tree_build/v1'])."""
+    return sorted(p.relative_to(KERNELS).with_suffix("").as_posix() for p in KERNELS.glob("*/*.cu"))
 
 
 def source_path(stem: str) -> Path:
-    """Path of `kernels/<stem>.cu`; ValueError naming the known stems when it does not exist."""
-    if "/" in stem or stem.endswith(".cu"):
-        raise ValueError(f"give the file stem (e.g. 'tree_build_v1'), not a path: {stem!r}")
+    """Path of `kernels/<stem>.cu` for a stem "<family>/<file stem>"; ValueError naming the known
+    stems when it does not exist.
+
+    Alias: a flat stem "<family>_v<N>" (the names before the family folders) means "<family>/v<N>";
+    kdlib/perf/suites/moe_stream.py loads "stream_read_v1" that way.
+    """
+    flat = _FLAT.fullmatch(stem)
+    if flat and "/" not in stem:
+        stem = f"{flat.group(1)}/{flat.group(2)}"
+    if not _STEM.fullmatch(stem):
+        raise ValueError(f"give the stem '<family>/<file stem>' (e.g. 'tree_build/v1'), got {stem!r}")
     path = KERNELS / f"{stem}.cu"
     if not path.is_file():
         raise ValueError(f"no kernel source kernels/{stem}.cu; known: {sources()}")
@@ -266,7 +281,8 @@ def parse_ptxas(text: str) -> dict[str, dict]:
 
 
 def compile_report(stem: str, arch: str, *, cache_dir: Path | None = None) -> tuple[int, str]:
-    """(nvcc return code, nvcc + ptxas -v output) for `kernels/<stem>.cu` compiled to a cubin.
+    """(nvcc return code, nvcc + ptxas -v output) for `kernels/<stem>.cu` compiled to a cubin
+    (stem "<family>/<file stem>").
 
     Cached by content (source with its headers expanded, arch, flags, nvcc version) under
     cache_dir (default build/ptxas-cache/), so an unchanged file costs nothing the second time
@@ -280,7 +296,7 @@ def compile_report(stem: str, arch: str, *, cache_dir: Path | None = None) -> tu
     text = expanded_source(stem)
     key = hashlib.sha256("\0".join([text, arch, *NVCC_FLAGS, version]).encode()).hexdigest()[:24]
     cache_dir = cache_dir or (KERNELS.parent / "build" / "ptxas-cache")
-    cached = cache_dir / f"{stem}.{arch}.{key}.log"
+    cached = cache_dir / f"{stem.replace('/', '+')}.{arch}.{key}.log"
     if cached.exists():
         return 0, cached.read_text()
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,5 +1,5 @@
 """W4A16 MoE layer: the numpy reference, the weight packing, and the CuPy wrapper of
-`kernels/moe_w4a16_v1.cu`, `_v2.cu` and `_v3.cu` (same packed layout and routing metadata).
+`kernels/moe_w4a16/v1.cu`, `v2.cu` and `v3.cu` (same packed layout and routing metadata).
 
 The math (reference and kernel alike), for an expert with gate/up weights Wg, Wu [N, K] and down
 weights Wd [K, N], all INT4 with one bf16 scale per 32 consecutive reduction elements:
@@ -32,6 +32,8 @@ from kdlib.cuda.loader import as_cupy, get_function, is_torch, set_max_dynamic_s
 GROUP = 32          # reduction elements per scale (the kernel reads one scale per lane per chunk)
 TILE_ROWS = 16      # mma m16: rows per tile
 CHUNK_COLS = 64     # columns per uint4 per lane (4 mma k16 steps)
+# Sources (loader stems) and the prefixes of their kernel names.
+SOURCE, SOURCE_V2, SOURCE_V3 = "moe_w4a16/v1", "moe_w4a16/v2", "moe_w4a16/v3"
 STEM = "moe_w4a16_v1"
 STEM_V2 = "moe_w4a16_v2"   # decode-regime kernels (<= 8 slots per expert), same layout
 STEM_V3 = "moe_w4a16_v3"   # the decode regime in one launch, same layout
@@ -330,7 +332,7 @@ _V2_STAGE_BYTES_DOWN = 32 * (16 + 4)              # per warp and stage: 1 uint4 
 _V2_RED_BYTES_PER_WARP = 2 * 8 * 32 * 4           # static red[2][WARPS][8][32] floats (gate/up only)
 _V2_MAX_SLOTS = 8                                  # tokens per expert the v2 kernels take in one pass
 _V2_MAX_N = 256                                    # kDownMaxChunks * 64: h rows held in registers
-_V3_THREADS = 256                                  # kWarps * 32 in moe_w4a16_v3.cu
+_V3_THREADS = 256                                  # kWarps * 32 in moe_w4a16/v3.cu
 _V3_DYN_SMEM = 4 * 8 * 2560                        # 4 stages x kWarps x kStageVec * 16 bytes
 _V3_STATIC_SMEM = 0
 _V3_LINE = 32                                      # ints per 128-byte line (kLine)
@@ -464,21 +466,21 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
     returns y [M, K] float32 (CuPy). `out` (float32 [M, K]) and `h` (uint16 [M * topk, N]) may be
     given to avoid allocations; `out` is overwritten. sync=True synchronizes after each launch.
 
-    version 1 (`kernels/moe_w4a16_v1.cu`): y.fill(0), gate/up + SwiGLU launch, down + weighted
+    version 1 (`kernels/moe_w4a16/v1.cu`): y.fill(0), gate/up + SwiGLU launch, down + weighted
     combine launch; gate_up_warps 16 (default) or 8 picks the gate/up block in the decode regime.
     version None (the default): version 3 or 2 in the decode regime, by `pick_version` (3 where it
     was faster on the H200: many active experts; 2 at few tokens, and wherever v3's block does not
     fit), version 1's kernels above; 2 when gate_up_warps or k_interleave is given, 3 when parts or
     down_batch is.
     version 2 (replayed from CUDA graphs, as fast as version 1 or faster at every M <= 64 on the
-    H200 and the same kernels above, see `kdlib.perf.load("moe")`; `kernels/moe_w4a16_v2.cu`,
+    H200 and the same kernels above, see `kdlib.perf.load("moe")`; `kernels/moe_w4a16/v2.cu`,
     decode regime: every expert has <= 8 slots, N <= 256): two persistent launches streaming the
     weights through per-warp cp.async rings, y zeroed inside the gate/up launch; gate_up_warps 8
     (default: two 256-thread blocks per SM on an H200, one on a 100 KB part) or 16 (one 512-thread
     block per SM, H100/H200 class only); k_interleave=True (8 warps only) deals the K chunks to the
     warps round-robin instead of in contiguous ranges.
     Outside its regime version 2 runs version 1's kernels.
-    version 3 (`kernels/moe_w4a16_v3.cu`, the same regime): one launch of independent warps taking
+    version 3 (`kernels/moe_w4a16/v3.cu`, the same regime): one launch of independent warps taking
     gate/up items (K split in parts when there are few tile pairs) and then down batches from
     global counters, down waiting per expert for its h; `workspace` = (int32 counters, float32
     scratch), zero, by default one per device and shape (`v3_workspace`). Outside its regime
@@ -548,7 +550,7 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
 
 
 def _launch_v1(xb, w1, s1, w2, s2, routing: Routing, out, h, K: int, N: int, gate_up_warps: int, sync: bool):
-    """version 1: y.fill(0), gate/up launch, down launch (kernels/moe_w4a16_v1.cu)."""
+    """version 1: y.fill(0), gate/up launch, down launch (kernels/moe_w4a16/v1.cu)."""
     P = N // TILE_ROWS
     out.fill(0)
     per_pass = 8 if routing.max_count <= 8 else 16 if routing.max_count <= 16 else 32
@@ -563,11 +565,11 @@ def _launch_v1(xb, w1, s1, w2, s2, routing: Routing, out, h, K: int, N: int, gat
         threads_gate_up = 32 * gate_up_warps            # kThreadsN8 (16 warps) or kThreads (_n8w8)
         gate_up_name += "" if gate_up_warps == 16 else "w8"
 
-    gate_up = get_function(STEM, gate_up_name)
+    gate_up = get_function(SOURCE, gate_up_name)
     # grid: (token pass, pair / row group, active expert) - passes over one expert run back to back
     gate_up((passes, P, n_active), (threads_gate_up,), (xb, w1, s1, *meta, h, np.int32(K), np.int32(N)))
     _check(sync, "gate_up launch")
-    down = get_function(STEM, f"{STEM}_down_{variant}")
+    down = get_function(SOURCE, f"{STEM}_down_{variant}")
     tiles_per_block = 8 * 2   # kWarps * kDownTilesPerWarp
     down((passes, -(-(K // 16) // tiles_per_block), n_active), (threads,),
          (h, w2, s2, *meta, routing.sorted_weight, out, np.int32(K), np.int32(N)))
@@ -589,7 +591,7 @@ def launch_v2_gate_up(xb, packed: dict, routing: Routing, out, h, *, gate_up_war
                          f"shared memory; this device allows {limits['smem_block']} B per block")
     E, P, KC = packed["w1"].shape[:3]
     name = f"{STEM_V2}_gate_up_w{gate_up_warps}{'i' if k_interleave else ''}"
-    gate_up = get_function(STEM_V2, name)
+    gate_up = get_function(SOURCE_V2, name)
     set_max_dynamic_shared(gate_up, shape["dyn_smem"])
     items = max(1, routing.n_active) * P               # (expert, 16-row tile pair) work items
     meta = (routing.expert_offsets, routing.active_experts, routing.n_active_dev, routing.sorted_token)
@@ -603,7 +605,7 @@ def launch_v2_down(packed: dict, routing: Routing, out, h) -> None:
     `launch_v2_gate_up`)."""
     limits = _device_limits()
     E, RT, NC = packed["w2"].shape[:3]
-    down = get_function(STEM_V2, f"{STEM_V2}_down")
+    down = get_function(SOURCE_V2, f"{STEM_V2}_down")
     threads, stages = _V2_DOWN
     dyn = threads // 32 * stages * _V2_STAGE_BYTES_DOWN
     set_max_dynamic_shared(down, dyn)
@@ -648,7 +650,7 @@ def launch_v3(xb, packed: dict, routing: Routing, out, h, *, workspace=None, par
     if ws.dtype != cp.int32 or ws.size < n_int or scratch.dtype != cp.float32 or scratch.size < n_float:
         raise ValueError(f"workspace must be (int32 >= {n_int}, float32 >= {n_float} elements), got "
                          f"({ws.dtype} {ws.size}, {scratch.dtype} {scratch.size})")
-    fn = get_function(STEM_V3, STEM_V3)
+    fn = get_function(SOURCE_V3, STEM_V3)
     set_max_dynamic_shared(fn, shape["dyn_smem"])
     meta = (routing.active_experts, routing.n_active_dev, routing.active_ranges, routing.sorted_token,
             routing.sorted_weight)

@@ -44,31 +44,31 @@ from kdlib.ref.tree import DDTreeBatch
 
 MAX_BUDGET = 256  # rank bytes are 8 bits (ranks < K <= budget) and the meta word holds parents < 2**16
 MAX_DEPTH = 16  # 16 rank bytes in the 128-bit rank-tuple key
-THREADS = 128  # TB_THREADS / TB2_THREADS / TB3_THREADS in kernels/tree_build_v{1,2,3}.cu
-V4_THREADS = 256  # TB4_THREADS in kernels/tree_build_v4.cu
+THREADS = 128  # TB_THREADS / TB2_THREADS / TB3_THREADS in kernels/tree_build/v{1,2,3}.cu
+V4_THREADS = 256  # TB4_THREADS in kernels/tree_build/v4.cu
 VERSIONS = (1, 2, 3, 4)
 # the fastest bit-exact version in data/results/kernels.h200.json (24.9 µs vs v3 32.8 µs at batch 64)
 DEFAULT_VERSION = 4
 V2_ROWS = (1, 3, 9)  # register rows of tree_build_v{2,3}_r{R}: budget + 1 <= 32 R
 V4_ROWS = (1, 2, 4)  # frontier rows of tree_build_v4_r{R}: floor((budget + 1) / 2) <= 32 R
-V4_TABLE_CELLS = 18 * 256  # LPS_ROWS * LPS_STRIDE in kernels/tree_build_v4.cu (indices by shifts)
+V4_TABLE_CELLS = 18 * 256  # LPS_ROWS * LPS_STRIDE in kernels/tree_build/v4.cu (indices by shifts)
 
 
 def kernel_name(budget: int, version: int = DEFAULT_VERSION) -> tuple[str, str]:
-    """(file stem, kernel name) that builds trees of this budget."""
+    """(stem, kernel name) that builds trees of this budget, e.g. ("tree_build/v4", "tree_build_v4_r4")."""
     if version == 1:
-        return ("tree_build_v1", "tree_build_v1")
+        return ("tree_build/v1", "tree_build_v1")
     if version in (2, 3):
         rows = next(r for r in V2_ROWS if budget + 1 <= 32 * r)
-        return (f"tree_build_v{version}", f"tree_build_v{version}_r{rows}")
+        return (f"tree_build/v{version}", f"tree_build_v{version}_r{rows}")
     if version == 4:
         rows = next(r for r in V4_ROWS if (budget + 1) // 2 <= 32 * r)
-        return ("tree_build_v4", f"tree_build_v4_r{rows}")
+        return ("tree_build/v4", f"tree_build_v4_r{rows}")
     raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
 
 
 def shared_bytes(budget: int, l_eff: int, k: int, version: int = DEFAULT_VERSION) -> int:
-    """Dynamic shared memory of one block (see the layout comments in tree_build_v{1,2,3,4}.cu)."""
+    """Dynamic shared memory of one block (see the layout comments in tree_build/v{1,2,3,4}.cu)."""
     s = budget + 1
     w = (s + 31) // 32
     if version == 1:

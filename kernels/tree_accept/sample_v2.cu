@@ -1,4 +1,4 @@
-// tree_accept_v2: the inverse-CDF draw of tree_accept_v1 with the row loads software-pipelined.
+// tree_accept sample_v2: the inverse-CDF draw of sample_v1 with the row loads software-pipelined.
 //
 // Same contract and result as tree_sample_rows_v1_* (bit-exact with kdlib.ref.accept.sample_tokens):
 // per row, total = sequential float64 sum in index order, x = u * total, token = the number of

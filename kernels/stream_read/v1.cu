@@ -1,6 +1,6 @@
 // Streaming-read probe: the bandwidth a kernel gets when every warp streams a contiguous range of
 // global memory through its own cp.async ring in shared memory, the access pattern of the W4A16 MoE
-// kernels (moe_w4a16_v2.cu), without their math. It answers: at a given total size (the touched
+// kernels (moe_w4a16/v2.cu), without their math. It answers: at a given total size (the touched
 // experts' bytes of one MoE layer call) and a given shape of request (bytes per warp and ring
 // stage, ring depth, warps per SM), what fraction of the copy bandwidth can such a kernel reach?
 //

@@ -1,4 +1,4 @@
-// tree_accept_v3: the inverse-CDF draw with one block per row, in the blocked order of
+// tree_accept sample_v3: the inverse-CDF draw with one block per row, in the blocked order of
 // kdlib.ref.accept.sample_tokens (order="blocked"), bit-exact with it.
 //
 // v1/v2 give each row to one thread that reads the whole vocabulary twice through a dependent

@@ -1,6 +1,6 @@
 // W4A16 grouped MoE GEMM, decode regime (<= 8 tokens per expert per layer call): the math, the
 // packed weight layout, the routing metadata and the dequantization are those of
-// moe_w4a16_v1.cu (read its header); v2 changes how the weight bytes are streamed.
+// moe_w4a16/v1.cu (read its header); v2 changes how the weight bytes are streamed.
 //
 // One MoE layer is two launches (v1: a y fill + two):
 //   moe_w4a16_v2_gate_up_w{16,8}: zero y, then h[slot, :] = silu(x[tok] . Wg^T) * (x[tok] . Wu^T)

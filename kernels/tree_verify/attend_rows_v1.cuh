@@ -1,7 +1,8 @@
-// tree_verify_v1: tree-verify MLA attention (absorb form), the simple CUDA-core path.
+// tree_verify v1 (prefix_v1.cu, tail_v1.cu, combine_v1.cu): tree-verify MLA attention (absorb form),
+// the simple CUDA-core path. attend_rows_v1.cuh holds the row loop prefix_v1 and tail_v1 share.
 //
 // Every query row is 576 wide (512 latent + 64 rope); all heads share one 576-wide key per token,
-// whose first 512 dims are also the value. Three kernels:
+// whose first 512 dims are also the value. Three stages:
 //   tree_verify_v1_prefix_{f32,bf16}: the paged prefix (page_size 1), split along the KV length
 //       (flash-decoding): grid (row blocks, splits, B); each block writes a normalised partial
 //       out [B, nsplit, M, 512] and its natural-log lse [B, nsplit, M] (M = Q*H rows per request,
@@ -13,6 +14,8 @@
 // One warp per row, a block of ROWS rows shares a chunk of KCHUNK keys staged in shared memory
 // as float. fp32 accumulation, expf/logf (no fast math) so that fp32 inputs match a float64
 // reference to ~1e-6.
+
+#pragma once
 
 #include <cuda_bf16.h>
 
@@ -122,88 +125,4 @@ __device__ void attend_rows(const T* __restrict__ q, const T* __restrict__ keys,
 #pragma unroll
     for (int i = 0; i < V_PER_LANE; ++i) orow_p[lane + 32 * i] = acc[i] * inv;
     if (lane == 0) lse[orow] = l > 0.f ? m + logf(l) : NEG_INF;
-}
-
-// q [B, Q, H, 576], kv [S, 576], page_table [B, P] int32, prefix_lens [B] int32 ->
-// out [B, nsplit, Q*H, 512] fp32, lse [B, nsplit, Q*H] fp32. Grid (ceil(Q*H/ROWS), nsplit, B), block ROWS*32.
-extern "C" __global__ void __launch_bounds__(ROWS * 32) tree_verify_v1_prefix_f32(
-    const float* q, const float* kv, const int* page_table, const int* prefix_lens, int P, int Q, int H, int nsplit,
-    int chunk, float scale, float* out, float* lse) {
-    attend_rows<float, false>(q, kv, page_table, prefix_lens, nullptr, P, Q, H, nsplit, chunk, scale, out, lse);
-}
-
-extern "C" __global__ void __launch_bounds__(ROWS * 32) tree_verify_v1_prefix_bf16(
-    const __nv_bfloat16* q, const __nv_bfloat16* kv, const int* page_table, const int* prefix_lens, int P, int Q, int H,
-    int nsplit, int chunk, float scale, float* out, float* lse) {
-    attend_rows<__nv_bfloat16, false>(q, kv, page_table, prefix_lens, nullptr, P, Q, H, nsplit, chunk, scale, out, lse);
-}
-
-// q [B, Q, H, 576], tree_kv [B, Q, 576], vis [B, Q, Q] uint8, tree_sizes [B] int32 ->
-// out [B, Q, H, 512] fp32, lse [B, Q, H] fp32. Grid (ceil(Q*H/ROWS), 1, B), block ROWS*32.
-extern "C" __global__ void __launch_bounds__(ROWS * 32) tree_verify_v1_tail_f32(
-    const float* q, const float* tree_kv, const unsigned char* vis, const int* tree_sizes, int Q, int H, float scale,
-    float* out, float* lse) {
-    attend_rows<float, true>(q, tree_kv, nullptr, tree_sizes, vis, 0, Q, H, 1, 0, scale, out, lse);
-}
-
-extern "C" __global__ void __launch_bounds__(ROWS * 32) tree_verify_v1_tail_bf16(
-    const __nv_bfloat16* q, const __nv_bfloat16* tree_kv, const unsigned char* vis, const int* tree_sizes, int Q, int H,
-    float scale, float* out, float* lse) {
-    attend_rows<__nv_bfloat16, true>(q, tree_kv, nullptr, tree_sizes, vis, 0, Q, H, 1, 0, scale, out, lse);
-}
-
-// LSE merge. parts [B, nparts, M, 512] and part_lse [B, nparts, M] (normalised partials), plus an
-// optional extra part [B*M, 512] / [B*M] (extra == nullptr: none). out [B*M, 512], lse [B*M].
-// Grid (B*M), block 128 (4 dims per thread, float4).
-extern "C" __global__ void __launch_bounds__(128) tree_verify_v1_combine(
-    const float* __restrict__ parts, const float* __restrict__ part_lse, int nparts, int M,
-    const float* __restrict__ extra, const float* __restrict__ extra_lse, float* __restrict__ out,
-    float* __restrict__ lse) {
-    const long long n = blockIdx.x;
-    const long long b = n / M, r = n - b * M;
-    const int t = threadIdx.x;
-    const float* pl = part_lse + b * nparts * M + r;
-    float mx = NEG_INF;
-    bool nan = false;
-    for (int s = 0; s < nparts; ++s) {
-        const float v = pl[(long long)s * M];
-        nan |= (v != v);
-        mx = fmaxf(mx, v);
-    }
-    if (extra) {
-        const float v = extra_lse[n];
-        nan |= (v != v);
-        mx = fmaxf(mx, v);
-    }
-    float4* o = reinterpret_cast<float4*>(out + n * D_V) + t;
-    if (nan) {
-        const float qn = __int_as_float(0x7fc00000);
-        *o = make_float4(qn, qn, qn, qn);
-        if (t == 0) lse[n] = qn;
-        return;
-    }
-    const float base = mx == NEG_INF ? 0.f : mx;
-    float z = 0.f;
-    for (int s = 0; s < nparts; ++s) z += expf(pl[(long long)s * M] - base);
-    if (extra) z += expf(extra_lse[n] - base);
-    const float inv = z > 0.f ? 1.f / z : 0.f;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s = 0; s < nparts; ++s) {
-        const float w = expf(pl[(long long)s * M] - base) * inv;
-        const float4 v = reinterpret_cast<const float4*>(parts + ((b * nparts + s) * M + r) * D_V)[t];
-        acc.x = fmaf(w, v.x, acc.x);
-        acc.y = fmaf(w, v.y, acc.y);
-        acc.z = fmaf(w, v.z, acc.z);
-        acc.w = fmaf(w, v.w, acc.w);
-    }
-    if (extra) {
-        const float w = expf(extra_lse[n] - base) * inv;
-        const float4 v = reinterpret_cast<const float4*>(extra + n * D_V)[t];
-        acc.x = fmaf(w, v.x, acc.x);
-        acc.y = fmaf(w, v.y, acc.y);
-        acc.z = fmaf(w, v.z, acc.z);
-        acc.w = fmaf(w, v.w, acc.w);
-    }
-    *o = acc;
-    if (t == 0) lse[n] = z > 0.f ? base + logf(z) : NEG_INF;
 }

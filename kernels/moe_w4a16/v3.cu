@@ -1,7 +1,7 @@
 // W4A16 grouped MoE GEMM, decode regime (<= 8 tokens per expert per layer call), in ONE launch of
 // independent warps: the math, the packed weight layout, the routing metadata and the
-// dequantization are those of moe_w4a16_v1.cu (read its header); the per-warp cp.async rings are
-// those of moe_w4a16_v2.cu.
+// dequantization are those of moe_w4a16/v1.cu (read its header); the per-warp cp.async rings are
+// those of moe_w4a16/v2.cu.
 //
 // Why: v2's two launches each pay a ramp and a drain (a plain streaming read of a small layer's
 // bytes is slower split in two launches: data/results/moe_stream.h200.json, `two_launch`),
