@@ -79,8 +79,6 @@ def test_compiles_without_spills(reports, source, arch):
 
 def test_stems_name_family_and_file():
     assert loader.source_path("tree_verify/prefix_v4") == KERNELS / "tree_verify" / "prefix_v4.cu"
-    # the flat alias kdlib/perf/suites/moe_stream.py loads ("stream_read_v1")
-    assert loader.source_path("stream_read_v1") == KERNELS / "stream_read" / "v1.cu"
     for bad in ("tree_build/v9", "tree_build_v9", "tree_build/v1.cu", "../kernels/tree_build/v1", "common/w4a16"):
         with pytest.raises(ValueError):
             loader.source_path(bad)

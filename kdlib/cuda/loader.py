@@ -59,7 +59,6 @@ _BASE_OPTIONS = ("--std=c++17", f"-I{KERNELS}")
 
 
 _STEM = re.compile(r"[a-z0-9_]+/[a-z0-9_]+")
-_FLAT = re.compile(r"([a-z0-9_]+)_(v\d+)")
 
 
 def sources() -> list[str]:
@@ -70,13 +69,7 @@ def sources() -> list[str]:
 def source_path(stem: str) -> Path:
     """Path of `kernels/<stem>.cu` for a stem "<family>/<file stem>"; ValueError naming the known
     stems when it does not exist.
-
-    Alias: a flat stem "<family>_v<N>" (the names before the family folders) means "<family>/v<N>";
-    kdlib/perf/suites/moe_stream.py loads "stream_read_v1" that way.
     """
-    flat = _FLAT.fullmatch(stem)
-    if flat and "/" not in stem:
-        stem = f"{flat.group(1)}/{flat.group(2)}"
     if not _STEM.fullmatch(stem):
         raise ValueError(f"give the stem '<family>/<file stem>' (e.g. 'tree_build/v1'), got {stem!r}")
     path = KERNELS / f"{stem}.cu"

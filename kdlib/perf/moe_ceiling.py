@@ -2,7 +2,7 @@
 
 Two recorded payloads, as `kdlib.perf.load` returns them:
 
-- `moe_stream` (suite `kdlib.perf.suites.moe_stream`): one launch of `kernels/stream_read_v1.cu`
+- `moe_stream` (suite `kdlib.perf.suites.moe_stream`): one launch of `kernels/stream_read/v1.cu`
   reads exactly the touched experts' weight + scale bytes of a layer call at M tokens, in several
   configurations (ring depth, bytes per stage, warps per SM, order); one configuration also reads
   them as two dependent launches (2/3 then 1/3, the gate/up + down split). Replayed from CUDA

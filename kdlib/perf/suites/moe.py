@@ -1,5 +1,5 @@
-"""MoE layer, two regimes, on one GPU: the W4A16 CuPy kernels (`kernels/moe_w4a16_v1.cu` and the
-decode-regime `kernels/moe_w4a16_v2.cu`) against a bf16 grouped GEMM in PyTorch, Kimi-K2 expert
+"""MoE layer, two regimes, on one GPU: the W4A16 CuPy kernels (`kernels/moe_w4a16/v1.cu` and the
+decode-regime `kernels/moe_w4a16/v2.cu`) against a bf16 grouped GEMM in PyTorch, Kimi-K2 expert
 shapes at the TP8 shard.
 
 Shapes: 384 experts, hidden K = 7168, expert intermediate N = 2048 / 8 = 256 (TP8 shard), top-8
@@ -23,7 +23,7 @@ What is timed (CUDA events around each call, median of `iters` after warm-up):
   of copy bandwidth over its own weight bytes: 2/3 and 1/3 of the touched experts').
 - kernel_default: `moe_w4a16` as called without a version (`moe.default_version`: v3 or v2, v1's
   kernels above the decode regime), eager and graph; `kernel_default_version` says which ran.
-- kernel_v3: version 3 (`kernels/moe_w4a16_v3.cu`): the same decode regime in one persistent
+- kernel_v3: version 3 (`kernels/moe_w4a16/v3.cu`): the same decode regime in one persistent
   launch (gate/up items from a global counter, down items waiting per expert for its h), eager
   and graph (`kernel_v3_graph`); v1's kernels where some expert has more than 8 slots.
   The routing metadata (sort by expert, offsets) is made once per routing outside the timing:

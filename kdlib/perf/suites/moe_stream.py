@@ -1,5 +1,5 @@
 """What bandwidth can a W4A16 MoE layer call reach at all, at its size? Streaming-read ceilings
-(`kernels/stream_read_v1.cu`) and the two launches of `moe_w4a16` version 2 timed apart, all
+(`kernels/stream_read/v1.cu`) and the two launches of `moe_w4a16` version 2 timed apart, all
 replayed from CUDA graphs, on one GPU.
 
 Sizes: the touched experts' INT4 weight + scale bytes of one layer call at M = 1 ... 64 tokens
@@ -31,7 +31,8 @@ from kdlib.cuda.loader import get_function, set_max_dynamic_shared
 from kdlib.perf import timing
 from kdlib.perf.suites import moe as moe_suite
 
-STEM = "stream_read_v1"
+SOURCE = "stream_read/v1"  # kernels/stream_read/v1.cu
+STEM = "stream_read_v1"  # its kernels' name prefix
 M_SIZES = (1, 2, 4, 8, 16, 32, 64)
 ROTATIONS = 8
 # (kernel suffix, stages, vec, blockwise, warps per SM to try)
@@ -55,7 +56,7 @@ def _stream_rows(cp, pool, sizes: dict, bw: float, sms: int, iters: int) -> list
     pool_units = pool.size * 4 // 512                     # pool of uint32 words, units of 512 B
     rows = []
     for suffix, stages, vec, blockwise, warp_list in CONFIGS:
-        fn = get_function(STEM, f"{STEM}_{suffix}")
+        fn = get_function(SOURCE, f"{STEM}_{suffix}")
         unit = 512 * vec
         for warps in warp_list:
             dyn = warps * stages * unit
