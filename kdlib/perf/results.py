@@ -103,10 +103,20 @@ def write(
     return path
 
 
+def _recorded_order(path: Path) -> tuple[str, str]:
+    """Sort key of a result file: its provenance date (ISO 8601 UTC, so it sorts as text; '' when the
+    file records none), then its name."""
+    date = (json.loads(path.read_text()).get("provenance") or {}).get("date") or ""
+    return date, path.name
+
+
 def load(suite: str, gpu: str | None = None) -> dict | None:
-    """The recorded result of `suite` (on `gpu`, a slug such as 'h200'), or None when none is recorded."""
+    """The recorded result of `suite` (on `gpu`, a slug or a glob such as 'h200' / 'h200-*'), or None.
+
+    Where several files match, the one with the latest provenance date wins, ties broken by the
+    greatest file name: the choice depends on the files' contents, never on when they were copied."""
     pattern = f"{suite}.{gpu}.json" if gpu else f"{suite}.*.json"
-    paths = sorted(RESULTS.glob(pattern), key=lambda p: p.stat().st_mtime)
+    paths = sorted(RESULTS.glob(pattern), key=_recorded_order)
     if not paths:
         return None
     doc = json.loads(paths[-1].read_text())
