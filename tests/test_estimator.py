@@ -182,13 +182,15 @@ def test_seeds_stack_hits_the_b300_point():
 
 
 def _fake_moe_result(eff: float, lat: float, spec: dict) -> dict:
-    """moe suite rows generated from known streaming efficiency and latency."""
+    """moe suite rows generated from known streaming efficiency and latency: the default arm
+    (`kernel_default`, v2) at `eff`, v1 (`kernel`) twice as slow."""
     shape = est.ModelShape()
     rows = []
     for m in (1, 4, 9, 16, 32, 64, 256, 4096):
         r = est.moe_layer(m, spec, est.Assumptions(), shape)
         t = lat + r["bytes"] / (eff * spec["hbm_bandwidth_Bps"])
-        rows.append({"m": m, "bytes": r["bytes"], "flops": r["flops"], "kernel": {"median_ms": t * 1e3},
+        rows.append({"m": m, "bytes": r["bytes"], "flops": r["flops"], "kernel_default": {"median_ms": t * 1e3},
+                     "kernel_default_version": [2], "kernel": {"median_ms": 2 * t * 1e3},
                      "baseline_bytes": 4 * r["bytes"], "baseline": {"median_ms": 2 * t * 1e3}})
     return {"rows": rows, "_path": "synthetic"}
 
@@ -199,8 +201,25 @@ def test_calibrate_recovers_moe_efficiency_and_latency():
     assert a.v("moe_bw_eff") == pytest.approx(0.62, rel=1e-6)
     assert a.v("moe_layer_latency_s") == pytest.approx(20e-6, rel=1e-6)
     assert "synthetic" in a.moe_bw_eff.source and any("kernels: not recorded" in n for n in notes)
+    assert any(n.startswith("moe (kernel (default: v2))") for n in notes)
     with pytest.raises(ValueError, match="moe_arm"):
         est.calibrate({}, moe_arm="marlin")
+
+
+def test_calibrate_moe_arms_are_one_key_each():
+    """kernel_v1 reads the payload's `kernel` (v1), baseline its own bytes; a payload with no default
+    arm leaves the assumptions alone instead of falling back to another version."""
+    spec = hw.load("h200")
+    doc = _fake_moe_result(0.62, 20e-6, spec)
+    v1 = est.calibrate({"moe": doc}, moe_arm="kernel_v1")
+    assert v1.v("moe_bw_eff") == pytest.approx(0.31, rel=1e-3)
+    base = est.calibrate({"moe": doc}, moe_arm="baseline")
+    assert base.v("moe_bw_eff") == pytest.approx(4 * 0.31, rel=1e-3)
+    for r in doc["rows"]:
+        del r["kernel_default"]
+    a, notes = est.calibrate({"moe": doc}, report=True)
+    assert a.v("moe_bw_eff") == est.Assumptions().v("moe_bw_eff")
+    assert any("no 'kernel' rows in synthetic" in n for n in notes)
 
 
 def test_calibrate_reads_kernels_attention_and_tree_build():

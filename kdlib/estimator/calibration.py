@@ -20,6 +20,7 @@ import statistics
 from kdlib.estimator.model import hardware, step_time
 from kdlib.estimator.params import Assumptions, ModelShape, Param, Scenario
 from kdlib.perf.bench_model import BENCH_CONFIG, BLOCK
+from kdlib.perf.results import Recorded, moe_rows
 
 SUITES = ("ceilings", "moe", "kernels", "engine", "tp")
 MOE_ARMS = ("kernel", "kernel_v1", "baseline")
@@ -51,19 +52,15 @@ def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
 
 
 def _calibrate_moe(a: Assumptions, moe: dict, spec: dict, arm: str, notes: list) -> Assumptions:
-    rows = moe.get("rows") or []
     src = moe.get("_path", "moe result")
-    if arm == "baseline":
-        key_t, key_b = "baseline", "baseline_bytes"
-    elif arm == "kernel_v1":
-        key_t, key_b = "kernel", "bytes"
-    else:  # the library's default W4A16 kernel, as the payload times it (kdlib/perf/suites/moe.py):
-        # `kernel_default` where recorded, else v2 (the default of earlier runs), else v1
-        key_t = next((k for k in ("kernel_default", "kernel_v2") if any(k in r for r in rows)), "kernel")
-        key_b = "bytes"
-        arm = f"kernel ({key_t})"
-    pts = [(r["m"], r[key_b], r[key_t]["median_ms"] * 1e-3, r["flops"]) for r in rows
-           if isinstance(r.get(key_t), dict) and "median_ms" in r[key_t] and key_b in r]
+    pick = {"kernel": {"op": "moe_w4a16", "mode": "eager", "variant": "default"},
+            "kernel_v1": {"op": "moe_w4a16", "mode": "eager", "variant": "", "version": 1},
+            "baseline": {"op": "moe_bf16_grouped_mm", "mode": "eager"}}[arm]
+    rows = Recorded(moe, moe_rows(moe)).select(**pick)
+    if arm == "kernel" and rows:
+        versions = sorted({r.version for r in rows}, key=lambda v: (v is None, v or 0))
+        arm = "kernel (default: " + ", ".join("mixed" if v is None else f"v{v}" for v in versions) + ")"
+    pts = [(r.shape["m"], r.bytes, r.median_ms * 1e-3, r.flops) for r in rows]
     if not pts:
         notes.append(f"moe: no '{arm}' rows in {src}; MoE assumptions left at their defaults")
         return a
@@ -126,9 +123,9 @@ def calibrate(results: dict, *, gpu: str = "h200", moe_arm: str = "kernel", a: A
               report: bool = False):
     """Assumptions calibrated on component measurements (`moe`, `kernels`; `ceilings` noted).
 
-    moe_arm: "kernel" (the default W4A16 kernel as recorded: `kernel_default`, else v2; for INT4
-    experts), "kernel_v1" (the first W4A16 kernel) or "baseline" (torch bf16 grouped GEMM: for a
-    bf16 engine). `tp` (NCCL
+    moe_arm: "kernel" (the library's default W4A16 kernel, the moe payload's `kernel_default`; for
+    INT4 experts), "kernel_v1" (the first W4A16 kernel, its `kernel`) or "baseline" (torch bf16
+    grouped GEMM: for a bf16 engine); `kdlib.perf.results.moe_rows` reads the arms. `tp` (NCCL
     all-reduce sweep) sets the all-reduce latency and bus efficiency. Efficiencies are relative to
     the spec peaks in `data/hw/<gpu>.json`, so they carry to other GPUs as fractions of peak.
     report=True also returns the notes.

@@ -14,11 +14,13 @@ import platform
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from kdlib import DATA, ROOT
 
 RESULTS = DATA / "results"
+SCHEMA = 1  # the layout `write` stamps; tools/migrate_results.py brought the older files to it
 
 
 def git_commit() -> str:
@@ -91,9 +93,9 @@ def provenance(command: str | None = None) -> dict:
 def write(
     suite: str, payload: dict, *, out_dir: str | os.PathLike | None = None, command: str | None = None
 ) -> Path:
-    """Write `{suite, provenance, **payload}` atomically to `<out_dir>/<suite>.<gpu>.json`."""
+    """Write `{suite, schema, provenance, **payload}` atomically to `<out_dir>/<suite>.<gpu>.json`."""
     prov = provenance(command)
-    doc = {"suite": suite, "provenance": prov, **payload}
+    doc = {"suite": suite, "schema": SCHEMA, "provenance": prov, **payload}
     out = Path(out_dir) if out_dir else RESULTS
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{suite}.{gpu_slug(prov['gpu'])}.json"
@@ -132,3 +134,158 @@ def describe(result: dict) -> str:
         f"recorded on {p['gpu']} (driver {p.get('driver')}, CUDA {p.get('cuda')}, torch {p.get('torch')}, "
         f"CuPy {p.get('cupy')}), commit {p['commit'][:10]}, {p['date']}, by `{p['command']}` -> {where}"
     )
+
+
+# ----------------------------------------------------------------------------- typed loaders
+class SchemaError(ValueError):
+    """A recorded file whose layout this code does not read."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One timed arm at one sweep point, whatever suite measured it.
+
+    op: the operation ('moe_w4a16', 'moe_bf16_grouped_mm', 'stream_read'); version: the kernel version
+    (None for a torch baseline, or where the routings of one point picked different versions);
+    mode: 'eager' (CUDA events around each call) or 'graph' (CUDA-graph replay); variant: '' for the
+    plain launch, else a tuning or a stage ('gate_up_only', 'default' = the library's default choice);
+    shape: the sweep point ({'m': 16}); bytes / flops: what the arm must move and compute; key: the
+    payload key the timing was read from."""
+
+    op: str
+    version: int | None
+    mode: str
+    variant: str
+    shape: dict
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    bytes: float
+    flops: float
+    key: str
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """A recorded result file: its payload, its tidy rows and where it came from."""
+
+    doc: dict
+    rows: tuple[Row, ...]
+
+    @property
+    def path(self) -> str:
+        return self.doc.get("_path", "?")
+
+    def select(self, **fields) -> list[Row]:
+        """The rows whose fields equal every given value, e.g. select(op='moe_w4a16', mode='graph')."""
+        return [r for r in self.rows if all(getattr(r, k) == v for k, v in fields.items())]
+
+
+def load_checked(suite: str, gpu: str | None = None) -> dict | None:
+    """`load(suite, gpu)`, refusing a file of another schema (SchemaError names the file)."""
+    doc = load(suite, gpu)
+    if doc is not None and doc.get("schema") != SCHEMA:
+        raise SchemaError(f"{doc['_path']}: schema {doc.get('schema')!r}, this code reads {SCHEMA} "
+                          f"(migrate it with `python3 tools/migrate_results.py`)")
+    return doc
+
+
+def _timed(op, version, mode, variant, shape, t: dict, nbytes: float, flops: float, key: str) -> Row:
+    return Row(op, version, mode, variant, shape, float(t["median_ms"]), float(t.get("p10_ms", t["median_ms"])),
+               float(t.get("p90_ms", t["median_ms"])), float(nbytes), float(flops), key)
+
+
+# moe payload key -> (version, mode, variant, share of the layer's (weight bytes, FLOPs) it moves).
+# A share of None means the whole layer: its `bytes` (weights and activations) and `flops`.
+_MOE_ARMS = {
+    "kernel": (1, "eager", "", None),
+    "kernel_graph": (1, "graph", "", None),
+    "kernel_gate_up_8warps": (1, "eager", "gate_up_8warps", None),
+    "kernel_v2": (2, "eager", "", None),
+    "kernel_v2_graph": (2, "graph", "", None),
+    "kernel_v2_gate_up_16warps": (2, "eager", "gate_up_16warps", None),
+    "kernel_v2_k_interleave": (2, "eager", "k_interleave", None),
+    "kernel_v2_gate_up_only": (2, "eager", "gate_up_only", 2 / 3),
+    "kernel_v2_down_only": (2, "eager", "down_only", 1 / 3),
+    "kernel_default": (None, "eager", "default", None),
+    "kernel_default_graph": (None, "graph", "default", None),
+    "kernel_v3": (3, "eager", "", None),
+    "kernel_v3_graph": (3, "graph", "", None),
+}
+
+
+def moe_rows(doc: dict) -> tuple[Row, ...]:
+    """Tidy rows of a moe payload (kdlib/perf/suites/moe.py): every W4A16 arm (op 'moe_w4a16') and
+    the bf16 baseline (op 'moe_bf16_grouped_mm') at every M that timed it.
+
+    The payload's arm `kernel` is version 1; `kernel_default` is the library's default choice, its
+    version the one `kernel_default_version` names (None where the routings picked several); a v2 arm
+    at an M where an expert has > 8 slots ran v1's kernels (variant 'v1_kernels')."""
+    out = []
+    for r in doc.get("rows") or []:
+        shape = {"m": int(r["m"])}
+        for key, (version, mode, variant, share) in _MOE_ARMS.items():
+            t = r.get(key)
+            if not isinstance(t, dict) or "median_ms" not in t:
+                continue
+            if variant == "default":
+                picked = r.get("kernel_default_version") or []
+                version = picked[0] if len(picked) == 1 else None
+            elif version == 2 and r.get("kernel_v2_path", "v2") != "v2":
+                variant = variant or "v1_kernels"
+            nbytes, flops = ((r["bytes"], r["flops"]) if share is None
+                             else (r["weight_bytes"] * share, r["flops"] * share))
+            out.append(_timed("moe_w4a16", version, mode, variant, shape, t, nbytes, flops, key))
+        if isinstance(r.get("baseline"), dict) and "baseline_bytes" in r:
+            out.append(_timed("moe_bf16_grouped_mm", None, "eager", "", shape, r["baseline"],
+                              r["baseline_bytes"], r["flops"], "baseline"))
+    return tuple(out)
+
+
+def load_moe(gpu: str = "h200") -> Recorded | None:
+    """The recorded moe suite on `gpu` with its tidy rows (`moe_rows`), or None."""
+    doc = load_checked("moe", gpu)
+    return None if doc is None else Recorded(doc, moe_rows(doc))
+
+
+def moe_stream_rows(doc: dict) -> tuple[Row, ...]:
+    """Tidy rows of a moe_stream payload (kdlib/perf/suites/moe_stream.py): the stream-read probe
+    (op 'stream_read', version 1, graph replay; variant its config and warps per SM, shape its size,
+    stages, unit and block-wise flag). It reads bytes and computes nothing: flops 0."""
+    out = []
+    for r in doc.get("stream") or []:
+        shape = {k: r[k] for k in ("size", "stages", "unit_bytes", "blockwise", "warps_per_sm")}
+        out.append(_timed("stream_read", 1, "graph", f"{r['config']}_w{r['warps_per_sm']}", shape, r["timing"],
+                          r["bytes"], 0.0, "stream"))
+    return tuple(out)
+
+
+def load_moe_stream(gpu: str = "h200") -> Recorded | None:
+    """The recorded moe_stream suite on `gpu` with its stream-read rows (`moe_stream_rows`), or None."""
+    doc = load_checked("moe_stream", gpu)
+    return None if doc is None else Recorded(doc, moe_stream_rows(doc))
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """What a floor divides by: the device-to-device copy rate and the bf16 matmul rate, and where
+    they come from (a recorded file, or the stated fallback)."""
+
+    bandwidth_Bps: float
+    flop_rate: float
+    source: str
+    recorded: bool
+
+
+# What a suite divides by when no ceilings file is recorded: the device-to-device copy and the bf16
+# 8k^3 matmul measured on an H200 (design/reference/kernels-perf.md).
+FALLBACK_BW, FALLBACK_FLOPS = 4.3e12, 790e12
+
+
+def ceilings(gpu: str | None = None) -> Ceilings:
+    """The recorded ceilings (`data/results/ceilings.<gpu>.json`, any GPU when None), else the fallback."""
+    doc = load("ceilings", gpu)
+    if doc and doc.get("copy_bandwidth_Bps") and doc.get("bf16_matmul_flops"):
+        return Ceilings(float(doc["copy_bandwidth_Bps"]), float(doc["bf16_matmul_flops"]), doc["_path"], True)
+    return Ceilings(FALLBACK_BW, FALLBACK_FLOPS, "no ceilings file recorded: 4.3 TB/s copy and 790 TFLOP/s bf16, "
+                    "measured on an H200 (design/reference/kernels-perf.md)", False)
