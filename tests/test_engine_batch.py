@@ -322,6 +322,49 @@ def test_same_seed_same_tokens_whatever_else_runs():
     assert len(alone) == 10
 
 
+# ----------------------------------------------------------------------------- INT4 experts
+def _int4_config(hidden: int = 64, inter: int = 32) -> ModelConfig:
+    """tiny-a widened so the INT4 groups (32) fit: hidden and expert intermediate multiples of 32 (of 64 on CUDA)."""
+    cfg = ModelConfig.from_json(DATA / "configs" / "tiny-a.json")
+    return dataclasses.replace(cfg, hidden_size=hidden, moe_intermediate_size=inter, intermediate_size=2 * hidden)
+
+
+def test_int4_experts_match_the_numpy_quantizer_and_reference():
+    """The routed experts after quantize_int4 equal the sum over each token's experts computed from
+    kdlib.cuda.moe's numpy quantizer and dequantizer (h rounded to bf16 as the kernel does)."""
+    from kdlib.cuda import moe as kmoe
+
+    m = Model.random(_int4_config(), seed=3)
+    layer = next(la.mlp for la in m.model.layers if hasattr(la.mlp, "experts"))
+    x = torch.randn(7, m.cfg.hidden_size, generator=torch.Generator().manual_seed(0))  # [T, H]
+    w13, w2 = (a.detach().numpy().astype(np.float64) for a in layer.stacked())
+    I = w13.shape[1] // 2
+    deq = [kmoe.dequantize_w4(*kmoe.quantize_w4(a)).astype(np.float64) for a in (w13[:, :I], w13[:, I:], w2)]
+    with torch.no_grad():
+        wts, idx = layer.gate(x)
+        shared = layer.shared_experts(x)
+        layer.quantize_int4()
+        got = (layer(x) - shared).numpy()
+    assert len(layer.experts) == 0 and layer.path(7) == "int4"
+    xs = x.numpy().astype(np.float64)
+    ref = np.zeros_like(xs)
+    for t_ in range(x.shape[0]):
+        for e, wt in zip(idx[t_].tolist(), wts[t_].tolist(), strict=True):
+            g, u = deq[0][e] @ xs[t_], deq[1][e] @ xs[t_]
+            h = kmoe.round_bf16(g / (1 + np.exp(-g)) * u).astype(np.float64)
+            ref[t_] += wt * (deq[2][e] @ h)
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4
+    with pytest.raises(ValueError, match="INT4 already"):
+        layer.quantize_int4()
+
+
+def test_int4_engine_ddtree_equals_ar():
+    m = Model.random(_int4_config(), seed=4).quantize_experts_int4()
+    prompts = _prompts(3, seed=8, vocab=m.cfg.vocab_size, hi=50)
+    res = generate_batch(m, prompts, 10, method="ddtree", drafter=_drafter("dflash", m), budget=8)
+    assert [r.tokens for r in res] == [_ar(m, p, 10) for p in prompts]
+
+
 # ----------------------------------------------------------------------------- CUDA
 def _cuda_model(dtype=torch.float32):
     m = _model(device="cuda")
@@ -352,6 +395,28 @@ def test_gpu_graphs_equal_eager_and_ar(streams, budget):
         for g in (False, True)
     ]
     assert [r.tokens for r in sampled[0]] == [r.tokens for r in sampled[1]]
+
+
+@pytest.mark.gpu
+def test_gpu_int4_engine_runs_moe_w4a16_in_graphs():
+    """bf16 model with INT4 experts on CUDA: the MoE layer through moe_w4a16 equals the dequantized torch
+    path on the same weights (bf16 tolerance), and the batched engine runs it eagerly and in graphs."""
+    from kdlib.engine.int4 import device_routing, routed_dequantized
+
+    m = Model.random(_int4_config(256, 128), seed=5, device="cuda", dtype=torch.bfloat16).quantize_experts_int4()
+    layer = next(la.mlp for la in m.model.layers if hasattr(la.mlp, "experts"))
+    for rows in (1, 5, 40):  # the decode kernels' regime (<= 8 slots an expert) and version 1's
+        x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            w, idx = layer.gate(x)
+            got = layer._routed_int4(x, w, idx).float()
+        ref = routed_dequantized(x, layer.int4["q"], device_routing(idx, w, 0, layer.int4["n_experts"])).float()
+        assert float((got - ref).norm() / ref.norm()) < 2e-2, rows
+    prompts = _prompts(3, seed=9, vocab=m.cfg.vocab_size, hi=40)
+    d = _drafter("dflash", m).to(dtype=torch.bfloat16)
+    for graphs in (False, True):
+        res = generate_batch(m, prompts, 8, method="ddtree", drafter=d, budget=8, graphs=graphs)
+        assert all(len(r.tokens) == 8 and 0 <= min(r.tokens) and max(r.tokens) < m.cfg.vocab_size for r in res)
 
 
 @pytest.mark.gpu

@@ -14,6 +14,7 @@ import torch
 from kdlib import memory
 from kdlib.cuda import moe
 from kdlib.engine.config import ModelConfig
+from kdlib.engine.int4 import count_bound, device_routing, pack_moe_torch, quantize_w4_torch
 from kdlib.engine.model import Model
 from kdlib.engine.rank import (
     DFLASH_KIMI,
@@ -24,12 +25,8 @@ from kdlib.engine.rank import (
     RankStep,
     _cupy_stream,
     allreduce_ms,
-    count_bound,
-    device_routing,
     draft_profile,
     forced_targets,
-    pack_moe_torch,
-    quantize_w4_torch,
 )
 from kdlib.perf.suites import k2_rank
 from kdlib.tp.engine import shard_state_dict

@@ -288,7 +288,7 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch
 
 
 @contextmanager
-def _cupy_on_torch_stream():
+def cupy_on_torch_stream():
     """CuPy launches on torch's current stream and CuPy allocations from torch's caching allocator,
     so that CuPy kernels join a torch CUDA-graph capture (memory from the graph's pool)."""
     import cupy
@@ -656,7 +656,7 @@ class BatchEngine:
     # ---- the device step (eager, or captured into a graph)
     def _device_step(self, C: int, T: int, sampled: bool, filtered: bool, want_lp: bool) -> None:
         if self.device.type == "cuda":
-            with _cupy_on_torch_stream():
+            with cupy_on_torch_stream():
                 self._device_step_body(C, T, sampled, filtered, want_lp)
         else:
             self._device_step_body(C, T, sampled, filtered, want_lp)
@@ -736,7 +736,7 @@ class BatchEngine:
 
         buf = self._trees.get(C)
         if buf is None:
-            buf = self._trees[C] = _TreeBuffers(C, self.budget, self.horizon, self.device)
+            buf = self._trees[C] = TreeBuffers(C, self.budget, self.horizon, self.device)
         tree.build_tree_batch(ids, lps, self.budget, out=buf.cupy)
         return buf
 
@@ -802,7 +802,7 @@ def _verify(model, kv, table, lens, tokens, depth, vis, capture):
     return model.head(h).view(tokens.shape[0], tokens.shape[1], -1), feats
 
 
-class _TreeBuffers:
+class TreeBuffers:
     """Static torch buffers of C trees and their accept outputs, with CuPy views (zero copy) for the kernels."""
 
     def __init__(self, C: int, budget: int, horizon: int, device):

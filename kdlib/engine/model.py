@@ -155,6 +155,11 @@ class MoE(nn.Module):
     tensors so that a freed storage cannot come back at the same address; after a `.to()` the old
     copy is freed at the next forward. The cache doubles the routed experts' memory. With
     autograd on, the weights are stacked per call.
+
+    `quantize_int4()` replaces the routed experts by INT4 group-32 weights (`kdlib.engine.int4`):
+    the layer then routes on the device and runs `kdlib.cuda.moe.moe_w4a16` on CUDA (bf16 inputs,
+    launch sizes from the exact bound of M slots per expert: no host sync, graph-capturable), the
+    dequantized weights in torch elsewhere (one iteration per expert, the CPU reference).
     """
 
     # Bound on the dense path's expert-token rows (E / k x the routed FLOPs): 8192 keeps every
@@ -178,6 +183,7 @@ class MoE(nn.Module):
         self.shared_experts = MLP(cfg.hidden_size, shared_inter) if cfg.n_shared_experts else None
         # (source tensors, their (address, version), w13, w2); a plain attribute, not state
         self._stack_cache = None
+        self.int4 = None  # after quantize_int4: {"q": unpacked (q, s) x 3, "packed": kernel layout | None, ...}
 
     def path(self, n_tokens: int, sync_free: bool = False, device=None, dtype=None) -> str:
         """The forward path for n_tokens rows: "gather", "dense", "grouped" or "loop" (class docstring).
@@ -185,6 +191,8 @@ class MoE(nn.Module):
         sync_free (batched engine steps, CUDA graphs): never "loop"; past DENSE_MAX_ROWS "grouped"
         (torch._grouped_mm: CUDA, bfloat16) where it runs, else "dense".
         """
+        if self.int4 is not None:
+            return "int4"
         E, k = len(self.experts), self.gate.cfg.num_experts_per_tok
         if 3 * n_tokens * k <= E:
             return "gather"
@@ -221,10 +229,53 @@ class MoE(nn.Module):
             self._stack_cache = (held, key, w13.detach(), w2.detach())
         return w13, w2
 
+    @torch.no_grad()
+    def quantize_int4(self) -> None:
+        """Quantize the routed experts to INT4 (group 32 along each matrix's input axis) and free their
+        float weights. On CUDA the packed kernel layout is kept too; it needs the hidden size and the
+        expert intermediate size to be multiples of 64 (moe_w4a16's tiles): ValueError otherwise."""
+        from kdlib.engine.int4 import pack_moe_torch, quantize_w4_torch
+
+        if self.int4 is not None:
+            raise ValueError("the experts are INT4 already")
+        w13, w2 = self.stacked()  # [E, 2I, H], [E, H, I]
+        E, I2, H = w13.shape
+        I = I2 // 2
+        if H % 32 or I % 32:
+            raise ValueError(f"INT4 groups of 32 need hidden {H} and expert intermediate {I} to be multiples of 32")
+        cuda = w13.device.type == "cuda"
+        if cuda and (H % 64 or I % 64):
+            raise ValueError(f"moe_w4a16 needs hidden {H} and expert intermediate {I} to be multiples of 64")
+        qs = (*quantize_w4_torch(w13[:, :I]), *quantize_w4_torch(w13[:, I:]), *quantize_w4_torch(w2))
+        self.int4 = {"q": qs, "packed": pack_moe_torch(*qs) if cuda else None, "n_experts": E, "inter": I,
+                     "views": None}
+        self.experts = nn.ModuleList()
+        self._stack_cache = None
+
+    def _routed_int4(self, x, w, idx) -> torch.Tensor:
+        from kdlib.engine.int4 import device_routing, routed_dequantized, routed_kernel
+
+        q = self.int4
+        if q["q"][0].device != x.device:
+            raise ValueError(f"the INT4 experts live on {q['q'][0].device}, the input on {x.device}: "
+                             "quantize after moving the model")
+        rt = device_routing(idx, w, 0, q["n_experts"])
+        if q["packed"] is None or x.device.type != "cuda":
+            return routed_dequantized(x, q["q"], rt)
+        if q["views"] is None:  # made once, outside any graph capture (the first call is a warm-up)
+            import cupy
+
+            from kdlib.cuda.loader import as_cupy
+
+            q["views"] = {n: as_cupy(t).view(cupy.uint32) for n, t in q["packed"].items()}
+        return routed_kernel(x, q["packed"], rt, idx.shape[1], q["inter"], bound=x.shape[0], cupy_packed=q["views"])
+
     def forward(self, x: torch.Tensor, sync_free: bool = False) -> torch.Tensor:
         w, idx = self.gate(x)  # [T, k] float32, [T, k] int64
         path = self.path(x.shape[0], sync_free, x.device, x.dtype)
-        if path == "loop":
+        if path == "int4":
+            out = self._routed_int4(x, w, idx)
+        elif path == "loop":
             out = torch.zeros_like(x)
             for e in torch.unique(idx).tolist():
                 rows, slot = torch.where(idx == e)
@@ -485,6 +536,16 @@ class Model(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
+
+    def quantize_experts_int4(self) -> Model:
+        """Every MoE layer's routed experts to INT4 group 32 (`MoE.quantize_int4`), in place; returns self.
+        On CUDA the model must be bfloat16 (moe_w4a16's activations); quantize after moving it."""
+        if self.device.type == "cuda" and self.dtype != torch.bfloat16:
+            raise ValueError(f"INT4 experts on CUDA run moe_w4a16 on bfloat16 activations; the model is {self.dtype}")
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.quantize_int4()
+        return self
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head: h [T, H] (pre-norm residual stream) -> logits [T, V], float32 or wider."""

@@ -35,7 +35,6 @@ experts dequantized in torch (the INT4 kernel needs CUDA).
 
 from __future__ import annotations
 
-import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -44,15 +43,21 @@ import torch.nn.functional as F
 
 from kdlib import ops
 from kdlib.cuda import accept as cuda_accept
-from kdlib.cuda import moe
 from kdlib.cuda import tree as ktree
 from kdlib.cuda.loader import as_cupy
-from kdlib.engine.batch import _cupy_on_torch_stream, _TreeBuffers
+from kdlib.engine.batch import TreeBuffers, cupy_on_torch_stream
 from kdlib.engine.config import ModelConfig
+from kdlib.engine.int4 import (
+    DeviceRouting,
+    count_bound,
+    device_routing,
+    pack_moe_torch,
+    quantize_w4_torch,
+    routed_dequantized,
+    routed_kernel,
+)
 from kdlib.engine.model import apply_rope, rope_cos_sin, rope_inv_freq
 from kdlib.tp.engine import MOE_MODES, partition
-
-GROUP = 32  # INT4 scale group (kdlib.cuda.moe.GROUP)
 
 
 # ----------------------------------------------------------------------------- shapes
@@ -117,109 +122,6 @@ class RankShape:
 
 
 # ----------------------------------------------------------------------------- INT4 on the device
-def quantize_w4_torch(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """`kdlib.cuda.moe.quantize_w4` in torch: w [..., R, C] float32 -> q [..., R, C] uint8 (0..15),
-    scales [..., R, C / group] int16 (bf16 bits). Same arithmetic: s = bf16(max|g| / 7), round half even."""
-    g = w.float().reshape(*w.shape[:-1], w.shape[-1] // group, group)
-    s = (g.abs().amax(-1) / 7.0).to(torch.bfloat16).float()  # [..., R, C/group]
-    safe = torch.where(s > 0, s, torch.ones_like(s))[..., None]
-    q = torch.clamp(torch.round(g / safe), -8, 7) + 8
-    q = torch.where(s[..., None] > 0, q, torch.full_like(q, 8)).to(torch.uint8).reshape(w.shape)
-    return q, s.to(torch.bfloat16).view(torch.int16)
-
-
-def pack_rows_torch(q: torch.Tensor) -> torch.Tensor:
-    """`kdlib.cuda.moe.pack_rows` in torch: q [..., R, C] uint8 -> [..., R/16, C/64, 32, 4] int32 (uint32 bits)."""
-    *lead, R, C = q.shape
-    n = len(lead)
-    v = q.to(torch.int64).reshape(*lead, R // 16, 2, 8, C // 64, 4, 4, 4)  # [.., rt, h, g, kc, t, i, j]
-    v = v.permute(*range(n), n, n + 3, n + 2, n + 4, n + 5, n + 1, n + 6)  # [.., rt, kc, g, t, i, h, j]
-    words = torch.zeros(v.shape[:-2], dtype=torch.int64, device=q.device)
-    for h in range(2):
-        for j in range(4):
-            words |= v[..., h, j] << (4 * (h + 2 * (j // 2) + 4 * (j % 2)))
-    return _as_int32(words).reshape(*lead, R // 16, C // 64, 32, 4).contiguous()
-
-
-def _as_int32(w: torch.Tensor) -> torch.Tensor:
-    """int64 values in [0, 2^32) -> int32 with the same 32 bits."""
-    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
-
-
-def pack_scales_torch(s: torch.Tensor) -> torch.Tensor:
-    """`kdlib.cuda.moe.pack_scales` in torch: s [..., R, C/32] int16 (bf16 bits) -> [..., R/16, C/64, 16] int32."""
-    *lead, R, G = s.shape
-    n = len(lead)
-    v = (s.to(torch.int64) & 0xFFFF).reshape(*lead, R // 16, 2, 8, G // 2, 2)  # [.., rt, h, g, kc, grp]
-    v = v.permute(*range(n), n, n + 3, n + 4, n + 2, n + 1)  # [.., rt, kc, grp, g, h]
-    words = _as_int32(v[..., 0] | (v[..., 1] << 16))
-    return words.reshape(*lead, R // 16, G // 2, 16).contiguous()
-
-
-def pack_moe_torch(q_gate, s_gate, q_up, s_up, q_down, s_down) -> dict[str, torch.Tensor]:
-    """`kdlib.cuda.moe.pack_moe` in torch (int32 words, the kernel reads them as uint32): w1, s1, w2, s2."""
-    return {"w1": torch.stack([pack_rows_torch(q_gate), pack_rows_torch(q_up)], dim=3).contiguous(),
-            "s1": torch.stack([pack_scales_torch(s_gate), pack_scales_torch(s_up)], dim=3).contiguous(),
-            "w2": pack_rows_torch(q_down), "s2": pack_scales_torch(s_down)}
-
-
-def dequantize_w4_torch(q: torch.Tensor, s: torch.Tensor, group: int = GROUP) -> torch.Tensor:
-    """bf16((q - 8) * s) as float32: q [..., R, C] uint8, s [..., R, C/group] int16 bf16 bits."""
-    sc = s.view(torch.bfloat16).float().repeat_interleave(group, dim=-1)
-    return ((q.float() - 8.0) * sc).to(torch.bfloat16).float()
-
-
-# ----------------------------------------------------------------------------- routing on the device
-@dataclass
-class DeviceRouting:
-    """`kdlib.cuda.moe.Routing`'s device arrays as torch tensors (int32 / float32), made without a host sync."""
-
-    expert_offsets: torch.Tensor  # [E + 1]
-    active_experts: torch.Tensor  # [E] experts with >= 1 slot first, ascending
-    n_active: torch.Tensor  # [1]
-    active_ranges: torch.Tensor  # [E, 2]
-    sorted_token: torch.Tensor  # [M k] (local slots first, by expert)
-    sorted_weight: torch.Tensor  # [M k]
-    max_count: torch.Tensor  # [] the largest slot count of one expert
-
-
-def device_routing(ids: torch.Tensor, weights: torch.Tensor, e0: int, n_local: int) -> DeviceRouting:
-    """ids, weights [M, k] (global expert ids) -> the routing of the local experts [e0, e0 + n_local).
-
-    Slots of other ranks' experts sort after every local one and no expert range covers them."""
-    M, k = ids.shape
-    dev = ids.device
-    local = (ids >= e0) & (ids < e0 + n_local)
-    key = torch.where(local, ids - e0, torch.full_like(ids, n_local)).reshape(-1)  # [M k]
-    order = torch.argsort(key, stable=True)
-    counts = torch.zeros(n_local + 1, dtype=torch.int64, device=dev).scatter_add_(
-        0, key, torch.ones_like(key)
-    )
-    counts = counts[:n_local]
-    offsets = torch.zeros(n_local + 1, dtype=torch.int64, device=dev)
-    offsets[1:] = counts.cumsum(0)
-    active = torch.argsort((counts == 0).to(torch.int8), stable=True)  # [E] non-empty experts first
-    ranges = torch.stack([offsets[active], offsets[active + 1]], dim=1)  # [E, 2]
-    i32 = torch.int32
-    return DeviceRouting(
-        offsets.to(i32),
-        active.to(i32),
-        (counts > 0).sum().reshape(1).to(i32),
-        ranges.to(i32),
-        (order // k).to(i32),
-        weights.reshape(-1)[order].float(),
-        counts.max(),
-    )
-
-
-def count_bound(m: int, topk: int, n_experts_global: int, factor: float) -> int:
-    """Static bound on one expert's slots for the launch sizes: m itself (exact) when m <= 8 (the
-    decode kernels' regime), else min(m, max(8, ceil(factor x the uniform-routing mean)))."""
-    if m <= 8:
-        return m
-    return min(m, max(8, math.ceil(factor * m * topk / n_experts_global)))
-
-
 # ----------------------------------------------------------------------------- the rank's weights
 def _randn(shape, std, device, gen, dtype=torch.bfloat16):
     return (torch.randn(shape, device=device, generator=gen, dtype=torch.float32) * std).to(dtype)
@@ -380,37 +282,15 @@ class RankModel:
     def _routed_kernel(self, L, x, rt: DeviceRouting, bound: int) -> torch.Tensor:
         import cupy
 
-        M, K = x.shape
-        E, k = self.shape.n_experts, self.cfg.num_experts_per_tok
-        packed = L.get("_cupy")
-        if packed is None:
-            packed = L["_cupy"] = {n: as_cupy(t).view(cupy.uint32) for n, t in L["experts"].items()}
-        routing = moe.Routing(as_cupy(rt.expert_offsets), as_cupy(rt.active_experts), as_cupy(rt.n_active),
-                              as_cupy(rt.active_ranges), as_cupy(rt.sorted_token), as_cupy(rt.sorted_weight),
-                              m=M, topk=k, n_experts=E, n_active=min(E, M * k), max_count=bound)
-        out = torch.empty(M, K, dtype=torch.float32, device=x.device)  # [M, H]
-        # [M k, N] bf16 bits
-        h = torch.empty(M * k, self.shape.expert_inter, dtype=torch.int16, device=x.device)
-        moe.moe_w4a16(x.contiguous(), packed, routing, out=as_cupy(out), h=as_cupy(h).view(cupy.uint16),
-                      version=None if bound <= 8 else 1)
-        return out.to(x.dtype)
+        views = L.get("_cupy")
+        if views is None:
+            views = L["_cupy"] = {n: as_cupy(t).view(cupy.uint32) for n, t in L["experts"].items()}
+        return routed_kernel(x, L["experts"], rt, self.cfg.num_experts_per_tok, self.shape.expert_inter, bound,
+                             cupy_packed=views)
 
     def routed_torch(self, L, x, rt: DeviceRouting) -> torch.Tensor:
         """The routed experts from the unpacked q / scales (`keep_unpacked`), float32 sums -> x.dtype."""
-        qg, sg, qu, su, qd, sd = L["experts_q"]
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        offs = rt.expert_offsets.long()
-        for e in range(self.shape.n_experts):
-            a, b = int(offs[e]), int(offs[e + 1])
-            if a == b:
-                continue
-            rows = rt.sorted_token[a:b].long()
-            xe = x[rows].float()
-            g = xe @ dequantize_w4_torch(qg[e], sg[e]).T
-            u = xe @ dequantize_w4_torch(qu[e], su[e]).T
-            hh = (F.silu(g) * u).to(torch.bfloat16).float()
-            out.index_add_(0, rows, rt.sorted_weight[a:b, None] * (hh @ dequantize_w4_torch(qd[e], sd[e]).T))
-        return out.to(x.dtype)
+        return routed_dequantized(x, L["experts_q"], rt)
 
     def head_local(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + this rank's LM head rows: [M, H] -> [M, V_r] float32."""
@@ -697,7 +577,7 @@ class RankStep:
         dev = self.m.device
         if dev.type == "cuda":
             if self.trees is None:
-                self.trees = _TreeBuffers(self.C, self.budget, self.horizon, dev)
+                self.trees = TreeBuffers(self.C, self.budget, self.horizon, dev)
             ktree.build_tree_batch(self.top_ids, self.top_lp, self.budget, out=self.trees.cupy)
             t = self.trees
             nodes, depth, vis, nxt = t.node_token_ids, t.positions, t.visibility, t.next_token
@@ -812,4 +692,4 @@ class RankStep:
 
 
 def _cupy_stream():
-    return _cupy_on_torch_stream()
+    return cupy_on_torch_stream()
