@@ -6,17 +6,18 @@ The trained tiny model (bf16, code prompts of 256 tokens), AR and DDTree budget 
 each in four arms: graphs (the plain replay, the baseline of the same run), overlap (the host reads
 step k's tokens while step k+1 runs), compile (torch.compile's fused kernels inside the graph) and
 both. Rows as `engine_batch.run_row` makes them (wall step, profiler device time and kernel count,
-the graph's device span, tokens/s, accepted length, the first steps' wall with compilation).
+the graph's device span, tokens/s, accepted length, the first steps' wall with compilation). KDLIB_ARMS_STREAMS (e.g. "1") and KDLIB_ARMS_BUDGET_S trim the run.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 ARMS = (("graphs", False, False), ("overlap", False, True), ("compile", True, False), ("compile+overlap", True, True))
 METHODS = (("ar", None), ("ddtree", 32))
 STREAMS = (1, 16)
-BUDGET_S = 150  # no new row starts past this many seconds
+BUDGET_S = 150  # no new row starts past this many seconds (KDLIB_ARMS_BUDGET_S)
 
 
 def run(args) -> dict:
@@ -29,11 +30,13 @@ def run(args) -> dict:
     target = zoo.load_target(device="cuda", dtype=torch.bfloat16)
     drafter = zoo.load_drafter(target)
     enc = [tok.encode(t)[:PROMPT] for t in zoo.held_out("code") if len(tok.encode(t)) > PROMPT]
+    budget_s = float(os.environ.get("KDLIB_ARMS_BUDGET_S", BUDGET_S))
+    streams = tuple(int(s) for s in os.environ.get("KDLIB_ARMS_STREAMS", ",".join(map(str, STREAMS))).split(","))
     rows, cut, t0 = [], [], time.perf_counter()
-    for c in STREAMS:
+    for c in streams:
         for m, b in METHODS:
             for arm, compile_, overlap in ARMS:
-                if time.perf_counter() - t0 > BUDGET_S:
+                if time.perf_counter() - t0 > budget_s:
                     cut.append({"streams": c, "method": m, "budget": b or 0, "arm": arm})
                     continue
                 row = run_row(target, m, b, drafter, [enc[i % len(enc)] for i in range(c)], NEW_TRAINED,
@@ -44,6 +47,6 @@ def run(args) -> dict:
                       f"{row['replay_span_ms'] or float('nan'):.3f} ms, kernels {row.get('kernels_per_step')}, "
                       f"{row['tokens_per_s']:.0f} tok/s", flush=True)
     return {"parameters": {"arms": [a[0] for a in ARMS], "methods": [list(m) for m in METHODS],
-                           "streams": list(STREAMS), "prompt": PROMPT, "new_tokens": NEW_TRAINED, "dtype": "bfloat16",
-                           "budget_s": BUDGET_S},
+                           "streams": list(streams), "prompt": PROMPT, "new_tokens": NEW_TRAINED, "dtype": "bfloat16",
+                           "budget_s": budget_s},
             "rows": rows, "cut_for_time": cut}
