@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 import pytest
 
 from kdlib.perf import results
+from tools import migrate_results as mig
 
 
 @pytest.fixture
@@ -43,3 +45,129 @@ def test_load_breaks_date_ties_by_name_and_undated_files_lose(results_dir):
     for t, name in ((3e9, "s.a.json"), (1e9, "s.b.json"), (4e9, "s.c.json")):
         os.utime(results_dir / name, (t, t))
     assert results.load("s")["value"] == 2.0
+
+
+# ----------------------------------------------------------------------------- the schema migration
+def _numbers(node, path=()):
+    """(path, value) of every number under a JSON node (bools are not numbers here)."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _numbers(v, (*path, k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _numbers(v, (*path, i))
+    elif isinstance(node, int | float) and not isinstance(node, bool):
+        yield path, node
+
+
+_RENAMED = {"bytes": "bytes_moved", "copy_bandwidth_Bps": "Bps"}  # inside a migrated copy block
+
+
+def _migrated_path(path: tuple) -> tuple:
+    copy_at = path.index("copy") if "copy" in path else None
+    if copy_at is not None and copy_at == len(path) - 2 and path[-1] in _RENAMED:
+        return (*path[:-1], _RENAMED[path[-1]])
+    return path
+
+
+def _at(doc, path):
+    for k in path:
+        doc = doc[k]
+    return doc
+
+
+def _recorded_before():
+    """{name: text} of data/results/*.json at the commit the migration ran on (skips without git)."""
+    try:
+        names = subprocess.run(["git", "-C", str(results.ROOT), "ls-tree", "--name-only",
+                                f"{mig.MIGRATED_FROM}:data/results"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("the tree travelled without .git: the pre-migration files are not at hand")
+    out = {}
+    for name in names.stdout.split():
+        if name.endswith(".json"):
+            out[name] = subprocess.run(["git", "-C", str(results.ROOT), "show",
+                                        f"{mig.MIGRATED_FROM}:data/results/{name}"],
+                                       capture_output=True, text=True, check=True).stdout
+    return out
+
+
+def test_migration_keeps_every_number_of_every_recorded_file():
+    before = _recorded_before()
+    assert len(before) >= 15
+    for name, text in before.items():
+        old = json.loads(text)
+        path = results.RESULTS / name
+        new = json.loads(path.read_text())
+        assert new == mig.migrate(old), f"{name}: the recorded file is not the script's output"
+        assert mig.dumps(mig.migrate(new)) == path.read_text(), f"{name}: migrating twice changes it"
+        old_numbers = dict(_numbers(old))
+        for p, v in old_numbers.items():
+            got = _at(new, _migrated_path(p))
+            assert got == v and type(got) is type(v), f"{name}: {p} was {v!r}, is {got!r}"
+        kept = {_migrated_path(q) for q in old_numbers}
+        added = {p: v for p, v in _numbers(new) if p not in kept}
+        for p, v in added.items():
+            assert p == ("schema",) or p[-1] == "bytes_per_copy", f"{name}: a new number at {p}"
+            if p[-1] == "bytes_per_copy":
+                assert 2 * v == _at(new, (*p[:-1], "bytes_moved"))
+        assert new["schema"] == results.SCHEMA
+
+
+def test_migrate_cli_checks_and_rewrites(tmp_path):
+    old = {"suite": "moe", "provenance": {"date": "2026-11-29T00:00:00Z"},
+           "copy": {"bytes": 2048, "timing": {"median_ms": 0.5}, "copy_bandwidth_Bps": 4096000.0}}
+    (tmp_path / "moe.h200.json").write_text(mig.dumps(old))
+    assert mig.main(["--dir", str(tmp_path), "--check"]) == 1
+    assert json.loads((tmp_path / "moe.h200.json").read_text()) == old
+    assert mig.main(["--dir", str(tmp_path)]) == 0
+    new = json.loads((tmp_path / "moe.h200.json").read_text())
+    assert list(new)[:2] == ["suite", "schema"]
+    assert new["copy"] == {"method": "memcpy", "bytes_per_copy": 1024, "bytes_moved": 2048,
+                           "timing": {"median_ms": 0.5}, "Bps": 4096000.0, "checked": False}
+    assert mig.main(["--dir", str(tmp_path), "--check"]) == 0
+    with pytest.raises(SystemExit) as err:
+        mig.main(["--dir", str(tmp_path / "absent")])
+    assert err.value.code == 2
+
+
+# ----------------------------------------------------------------------------- typed loaders
+def test_load_moe_rows_carry_the_recorded_figures():
+    rec = results.load_moe("h200")
+    raw = {r["m"]: r for r in rec.doc["rows"]}
+    assert len(rec.select(op="moe_bf16_grouped_mm")) == len(raw)
+    for row in rec.rows:
+        r = raw[row.shape["m"]]
+        assert row.median_ms == r[row.key]["median_ms"] and row.p90_ms == r[row.key]["p90_ms"]
+        assert row.flops <= r["flops"]
+    v1 = {r.shape["m"]: r for r in rec.select(op="moe_w4a16", version=1, mode="eager", variant="")}
+    assert {r.key for r in v1.values()} == {"kernel"} and set(v1) == set(raw)
+    for row in rec.select(variant="default"):
+        picked = raw[row.shape["m"]]["kernel_default_version"]
+        assert row.version == (picked[0] if len(picked) == 1 else None)
+    stage = rec.select(variant="gate_up_only")[0]
+    assert stage.bytes == pytest.approx(raw[stage.shape["m"]]["weight_bytes"] * 2 / 3)
+
+
+def test_load_moe_stream_rows_and_copy_block():
+    rec = results.load_moe_stream("h200")
+    assert len(rec.rows) == len(rec.doc["stream"]) and all(r.op == "stream_read" and r.flops == 0 for r in rec.rows)
+    copy = rec.doc["copy"]
+    assert copy["Bps"] == rec.doc["copy_bandwidth_Bps"] and copy["bytes_moved"] == 2 * copy["bytes_per_copy"]
+
+
+def test_typed_loader_refuses_another_schema(results_dir):
+    (results_dir / "moe.h200.json").write_text(json.dumps({"suite": "moe", "provenance": {}, "rows": []}))
+    with pytest.raises(results.SchemaError, match=r"moe.h200.json: schema None.*migrate_results"):
+        results.load_moe("h200")
+    assert results.load_moe("b300") is None
+
+
+def test_ceilings_recorded_or_stated_fallback(results_dir):
+    fb = results.ceilings()
+    assert not fb.recorded and fb.bandwidth_Bps == results.FALLBACK_BW and "no ceilings file" in fb.source
+    (results_dir / "ceilings.h200.json").write_text(json.dumps(
+        {"suite": "ceilings", "schema": 1, "provenance": {"date": "2026-11-29T00:00:00Z"},
+         "copy_bandwidth_Bps": 4.2e12, "bf16_matmul_flops": 6.9e14}))
+    got = results.ceilings("h200")
+    assert got == results.Ceilings(4.2e12, 6.9e14, "ceilings.h200.json", True)
