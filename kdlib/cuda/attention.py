@@ -50,6 +50,8 @@ _V1_PREFIX, _V1_TAIL, _V1_COMBINE = "tree_verify/prefix_v1", "tree_verify/tail_v
 _V1_ROWS = 8  # rows (warps) per block in tree_verify/attend_rows_v1.cuh (ROWS)
 _V1_KCHUNK = 16  # keys per shared-memory step in tree_verify/attend_rows_v1.cuh (KCHUNK)
 _V1_BLOCKS_PER_SM = 4  # sm_90: 256 threads x 64 registers and 37 KB shared -> 4 blocks resident per SM
+_COMBINE_THREADS = KV_LORA_RANK // 4  # tree_verify_v1_combine / tree_verify_v5_combine: 4 columns a thread
+_MMA_THREADS = 256  # NTHREADS in tree_verify/prefix_v{2,3,4}.cu
 _MMA_BM = 64  # query rows per block in tree_verify/prefix_v{2,3,4}.cu (BM)
 _MMA_BN = 32  # keys per pipeline stage (BN)
 _MMA_Q_SMEM = 64 * 1168  # Q tile: BM rows of 576 bf16 + 16 B pad
@@ -69,6 +71,7 @@ MMA_DEFAULT = "mma_v3"
 WGMMA = "wgmma"
 _V5 = "tree_verify/wgmma_v5"
 _V5_OPTIONS = ("-arch=sm_90a",)
+_V5_THREADS = 256  # NTHREADS of the plan and attend kernels
 _V5_SMEM = 3 * 73728 + 2 * 512 + 6 * 8 + 1024  # Q block + two K stages + factors + barriers + alignment (SMEM_BYTES)
 _V5_BM = 64  # rows per job (BM)
 _V5_BN = 64  # keys per tile (BN)
@@ -383,11 +386,11 @@ def _launch_v5(qa, kv, pt, lens, scale, ws, tail=None):
     combine_fn = loader.get_function(_V5, "tree_verify_v5_combine", options=_V5_OPTIONS)
     loader.set_max_dynamic_shared(attend_fn, _V5_SMEM)
     width = pt.shape[1]
-    plan_fn((1,), (256,), (lens, sizes, np.int32(bsz), np.int32(width), np.int32(nq), np.int32(nh),
+    plan_fn((1,), (_V5_THREADS,), (lens, sizes, np.int32(bsz), np.int32(width), np.int32(nq), np.int32(nh),
                            np.int32(ws.grid), ws.plan))
-    attend_fn((ws.grid,), (256,), (qa, kv, pt, tkv, vis, ws.plan, np.int32(bsz), np.int32(width), np.int32(nq),
+    attend_fn((ws.grid,), (_V5_THREADS,), (qa, kv, pt, tkv, vis, ws.plan, np.int32(bsz), np.int32(width), np.int32(nq),
                                     np.int32(nh), np.float32(scale), ws.parts, ws.part_lse), shared_mem=_V5_SMEM)
-    combine_fn((bsz * rows,), (KV_LORA_RANK // 4,), (ws.parts, ws.part_lse, ws.plan, np.int32(rows), ws.out, ws.lse))
+    combine_fn((bsz * rows,), (_COMBINE_THREADS,), (ws.parts, ws.part_lse, ws.plan, np.int32(rows), ws.out, ws.lse))
     return ws.out, ws.lse
 
 
@@ -405,7 +408,7 @@ def _launch_prefix(qa, kind, kv, pt, lens, scale, impl):
         nsplit, chunk = split_plan(bsz, rb, width, _MMA_BN, n_sm)  # one 256-thread block per SM
         fn = loader.get_function(stem, f"tree_verify_{stem.rsplit('_', 1)[1]}_prefix_bf16")  # e.g. _v3_
         loader.set_max_dynamic_shared(fn, smem)
-        block = 256
+        block = _MMA_THREADS
     else:
         rb = -(-rows // _V1_ROWS)
         nsplit, chunk = split_plan(bsz, rb, width, _V1_KCHUNK, n_sm * _V1_BLOCKS_PER_SM)
@@ -447,7 +450,7 @@ def _launch_combine(parts, plse, rows_per_batch, extra=None, extra_lse=None):
         return out, lse
     null = np.uintp(0)
     fn = loader.get_function(_V1_COMBINE, "tree_verify_v1_combine")
-    fn((nrows,), (KV_LORA_RANK // 4,),
+    fn((nrows,), (_COMBINE_THREADS,),
        (parts, plse, np.int32(nparts), np.int32(rows_per_batch),
         null if extra is None else extra, null if extra_lse is None else extra_lse, out, lse))
     return out, lse

@@ -40,7 +40,9 @@ cupy is imported inside the functions, so importing this module works on machine
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import operator
 import os
 import re
 import shutil
@@ -117,6 +119,83 @@ def _source(stem: str) -> str:
     if stem not in _SOURCES:
         _SOURCES[stem] = expanded_source(stem)
     return _SOURCES[stem]
+
+
+_DEFINE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_]\w*)[ \t]+([^\n]*?)[ \t]*(?://[^\n]*)?$", re.MULTILINE)
+_CONSTEXPR = re.compile(
+    r"^[ \t]*constexpr[ \t]+(?:int|unsigned|u32|long long)[ \t]+([^;]*);", re.MULTILINE
+)
+_INT_LITERAL = re.compile(r"\b(0[xX][0-9a-fA-F]+|\d+)[uUlL]*\b")
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
+        ast.Mod: operator.mod, ast.LShift: operator.lshift, ast.RShift: operator.rshift, ast.BitOr: operator.or_,
+        ast.BitAnd: operator.and_}
+
+
+def int_expression(text: str, names: dict[str, int]) -> int | None:
+    """The value of a C integer constant expression (literals with u/l suffixes, + - * / % << >> | &,
+    parentheses, `names` for identifiers); None when it is anything else (a float, a cast, a call).
+    Division truncates as C's does for the non-negative operands kernels use.
+    """
+    py = _INT_LITERAL.sub(lambda m: str(int(m.group(1), 0)), text.strip()).replace("/", "//")
+    try:
+        tree = ast.parse(py, mode="eval")
+    except SyntaxError:
+        return None
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.Name) and node.id in names:
+            return names[node.id]
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](value(node.left), value(node.right))
+        raise ValueError(ast.dump(node))
+
+    try:
+        return value(tree.body)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def source_constants(stem: str) -> dict[str, int]:
+    """The integer `#define NAME expr` and `constexpr int name = expr` of `kernels/<stem>.cu`, headers
+    included, in source order, evaluated (e.g. {"TB4_THREADS": 256, "LPS_ROWS": 18, ...}). Names defined
+    twice with different values, and expressions that are not integer constants, are left out. A
+    default under `#ifndef` is its offline value: options such as `-DTA3_THREADS=...` override it.
+    """
+    text = _source(stem)
+    found: dict[str, int] = {}
+    clashes: set[str] = set()
+    items = [(m.start(), 0, m.group(1), m.group(2)) for m in _DEFINE.finditer(text)]
+    for m in _CONSTEXPR.finditer(text):
+        for i, part in enumerate(m.group(1).split(",")):
+            name, eq, expr = part.partition("=")
+            if eq:
+                items.append((m.start(), i, name.strip(), expr))
+    for *_, name, expr in sorted(items, key=lambda t: t[:2]):
+        v = int_expression(expr, found)
+        if v is None:
+            continue
+        if name in found and found[name] != v:
+            clashes.add(name)
+        found[name] = v
+    return {k: v for k, v in found.items() if k not in clashes}
+
+
+_BOUNDS = re.compile(r'extern\s+"C"\s+__global__\s+void\s+__launch_bounds__\s*\(([^)]*)\)\s*(\w+)\s*\(')
+
+
+def launch_bounds(stem: str) -> dict[str, tuple[int, int]]:
+    """Kernel name -> (max threads per block, min blocks per SM, 0 when not given) from the
+    `__launch_bounds__` of every `extern "C"` kernel of `kernels/<stem>.cu`, constants evaluated."""
+    names = source_constants(stem)
+    out = {}
+    for m in _BOUNDS.finditer(_source(stem)):
+        args = [int_expression(a, names) for a in m.group(1).split(",")]
+        out[m.group(2)] = (args[0], args[1] if len(args) > 1 else 0)
+    return out
 
 
 def get_module(stem: str, *, options: tuple[str, ...] = (), name_expressions: tuple[str, ...] = ()):

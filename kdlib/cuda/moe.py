@@ -325,15 +325,21 @@ def _check(sync: bool, what: str) -> None:
             raise RuntimeError(f"{STEM}: {what} failed: {err}") from err
 
 
-_V2_GATE_UP = {16: (512, 5), 8: (256, 4)}   # warps -> (threads, ring stages), as instantiated in the .cu
+# warps -> (threads, ring stages, __launch_bounds__ min blocks), as instantiated in moe_w4a16/v2.cu
+_V2_GATE_UP = {16: (512, 5, 1), 8: (256, 4, 2)}
 _V2_DOWN = (512, 8)                         # kDownWarps * 32 threads, kDownStages
 _V2_STAGE_BYTES_GATE_UP = 32 * (4 * 16 + 2 * 4)   # per warp and stage: 4 uint4 + 2 words per lane
 _V2_STAGE_BYTES_DOWN = 32 * (16 + 4)              # per warp and stage: 1 uint4 + 1 word per lane
 _V2_RED_BYTES_PER_WARP = 2 * 8 * 32 * 4           # static red[2][WARPS][8][32] floats (gate/up only)
 _V2_MAX_SLOTS = 8                                  # tokens per expert the v2 kernels take in one pass
 _V2_MAX_N = 256                                    # kDownMaxChunks * 64: h rows held in registers
+_V1_THREADS = 256                                  # kThreads in moe_w4a16/v1.cu (the n8 gate/up: 32 x warps)
+_V1_DOWN_TILES_PER_BLOCK = 16                      # kWarps * kDownTilesPerWarp
 _V3_THREADS = 256                                  # kWarps * 32 in moe_w4a16/v3.cu
-_V3_DYN_SMEM = 4 * 8 * 2560                        # 4 stages x kWarps x kStageVec * 16 bytes
+_V3_MIN_BLOCKS = 2                                 # __launch_bounds__(kWarps * 32, 2): resident blocks per SM
+_V3_STAGES = 4                                     # moe_v3_body<4>: ring stages per warp
+_V3_STAGE_BYTES = 2560                             # kStageVec * 16
+_V3_DYN_SMEM = _V3_STAGES * _V3_THREADS // 32 * _V3_STAGE_BYTES   # 80 KB
 _V3_STATIC_SMEM = 0
 _V3_LINE = 32                                      # ints per 128-byte line (kLine)
 _V3_MIN_CHUNKS = 8                                 # chunks per gate/up item at least (the ring needs 3)
@@ -367,13 +373,12 @@ def _device_limits() -> dict:
 def v2_gate_up_shape(warps: int, limits: dict) -> dict:
     """The v2 gate/up block with `warps` warps on a device with `limits` (see `_device_limits`):
     threads, dynamic shared memory, resident blocks per SM (0 = does not fit)."""
-    threads, stages = _V2_GATE_UP[warps]
+    threads, stages, by_bounds = _V2_GATE_UP[warps]
     dyn = warps * stages * _V2_STAGE_BYTES_GATE_UP
     static = warps * _V2_RED_BYTES_PER_WARP
     per_block = dyn + static + limits["smem_reserved"]
     fits = dyn + static <= limits["smem_block"]
     by_smem = limits["smem_sm"] // per_block if limits["smem_sm"] else 1
-    by_bounds = 2 if warps == 8 else 1          # __launch_bounds__ minimum blocks in the .cu
     return {"threads": threads, "dyn_smem": dyn, "blocks_per_sm": min(by_smem, by_bounds) if fits else 0}
 
 
@@ -384,7 +389,7 @@ def v3_shape(limits: dict) -> dict:
     per_block = dyn + _V3_STATIC_SMEM + limits["smem_reserved"]
     fits = dyn + _V3_STATIC_SMEM <= limits["smem_block"]
     by_smem = limits["smem_sm"] // per_block if limits["smem_sm"] else 1
-    return {"threads": _V3_THREADS, "dyn_smem": dyn, "blocks_per_sm": min(by_smem, 2) if fits else 0}
+    return {"threads": _V3_THREADS, "dyn_smem": dyn, "blocks_per_sm": min(by_smem, _V3_MIN_BLOCKS) if fits else 0}
 
 
 def v3_workspace_sizes(n_experts: int, n_pairs: int) -> tuple[int, int]:
@@ -558,9 +563,8 @@ def _launch_v1(xb, w1, s1, w2, s2, routing: Routing, out, h, K: int, N: int, gat
     passes = -(-routing.max_count // per_pass)
     n_active = max(1, routing.n_active)
     meta = (routing.expert_offsets, routing.active_experts, routing.n_active_dev, routing.sorted_token)
-    threads = 256                                       # kThreads in the .cu
     gate_up_name = f"{STEM}_gate_up_{variant}"
-    threads_gate_up = threads
+    threads_gate_up = _V1_THREADS
     if variant == "n8":
         threads_gate_up = 32 * gate_up_warps            # kThreadsN8 (16 warps) or kThreads (_n8w8)
         gate_up_name += "" if gate_up_warps == 16 else "w8"
@@ -570,8 +574,7 @@ def _launch_v1(xb, w1, s1, w2, s2, routing: Routing, out, h, K: int, N: int, gat
     gate_up((passes, P, n_active), (threads_gate_up,), (xb, w1, s1, *meta, h, np.int32(K), np.int32(N)))
     _check(sync, "gate_up launch")
     down = get_function(SOURCE, f"{STEM}_down_{variant}")
-    tiles_per_block = 8 * 2   # kWarps * kDownTilesPerWarp
-    down((passes, -(-(K // 16) // tiles_per_block), n_active), (threads,),
+    down((passes, -(-(K // 16) // _V1_DOWN_TILES_PER_BLOCK), n_active), (_V1_THREADS,),
          (h, w2, s2, *meta, routing.sorted_weight, out, np.int32(K), np.int32(N)))
     _check(sync, "down launch")
 

@@ -29,7 +29,7 @@
 //
 // Kernels tree_build_v4_r{1,2,4}: budget <= 64, 128, 256 (R rows of the frontier).
 // Dynamic shared memory (bytes), S = budget + 1, W = ceil(S / 32):
-//   32 * S + 8 * S * W + 8 * 18 * 256 (the log-prob table at row stride 256)
+//   32 * S + 8 * S * W + 8 * LPS_ROWS * LPS_STRIDE (the log-prob table, 18 rows at stride 256)
 // = 40,504 B at budget 64 and 63,592 B at budget 256 (the wrapper opts in above 48 KB).
 
 #define TB4_THREADS 256  // 8 warps: warp 0 runs the pops; all 8 load the table (rows w, w + 8) and write the outputs

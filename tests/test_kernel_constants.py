@@ -1,0 +1,196 @@
+"""Python's copies of kernel constants equal the kernels' own (`#define`, `constexpr`,
+`__launch_bounds__`, template arguments and the shared-memory formulas in the .cu comments), read from
+the sources by `kdlib.cuda.loader.source_constants` / `launch_bounds`; no GPU and no compiler needed.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from kdlib import KERNELS
+from kdlib.cuda import accept, attention, compact, loader, moe, tree
+from kdlib.ref import accept as ref_accept
+
+
+def consts(stem: str) -> dict[str, int]:
+    return loader.source_constants(stem)
+
+
+def kernel_body(stem: str, kernel: str) -> str:
+    """The text of `kernel`'s body in kernels/<stem>.cu (from its name to the matching brace)."""
+    text = loader.expanded_source(stem)
+    start = text.index("{", re.search(rf"\b{kernel}\s*\(", text).end())
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start:i + 1]
+    raise AssertionError(f"unbalanced braces in {kernel}")
+
+
+# ----------------------------------------------------------------------------- the parser itself
+def test_int_expression_reads_c_constant_expressions():
+    names = {"A": 3, "B": 8}
+    assert loader.int_expression("(A * 32 + 1) / 2", names) == 48
+    assert loader.int_expression("0xffffffffu", names) == 2**32 - 1
+    assert loader.int_expression("(1u << 24)", names) == 1 << 24
+    assert loader.int_expression("-0x7fffffff", names) == -(2**31 - 1)
+    assert loader.int_expression("B * B", names) == 64
+    for not_int in ("1.4426950408889634f", "__int_as_float(0xff800000)", "C + 1", "(int)A"):
+        assert loader.int_expression(not_int, names) is None
+
+
+def test_source_constants_of_a_file(tmp_path, monkeypatch):
+    fam = tmp_path / "fam"
+    fam.mkdir()
+    (fam / "v1.cu").write_text(
+        "#define N 4  // four\n#define BYTES (N * 16)\n#define SCALE 0.5f\n#define MAC(x) (x)\n"
+        "constexpr int kA = 2, kB = kA * N;\n"
+        "template <> struct U<float> { static constexpr int value = 8; };\n"
+        '#define TWICE 1\n#undef TWICE\n#define TWICE 2\n'
+        'extern "C" __global__ void __launch_bounds__(BYTES, kA) k_v1(int n) {}\n'
+    )
+    monkeypatch.setattr(loader, "KERNELS", tmp_path)
+    monkeypatch.setattr(loader, "_SOURCES", {})
+    assert loader.source_constants("fam/v1") == {"N": 4, "BYTES": 64, "kA": 2, "kB": 8}
+    assert loader.launch_bounds("fam/v1") == {"k_v1": (64, 2)}
+
+
+# ----------------------------------------------------------------------------- tree build
+def _smem_formula(stem: str) -> str:
+    """The dynamic shared-memory formula the .cu header states (S = budget + 1, W = ceil(S / 32))."""
+    text = (KERNELS / f"{stem}.cu").read_text()
+    m = re.search(r"Dynamic shared memory \(bytes\), S = budget \+ 1, W = ceil\(S / 32\):\n//\s+([^(\n]+)", text)
+    assert m, f"{stem}.cu states no shared-memory formula"
+    return m.group(1).strip()
+
+
+@pytest.mark.parametrize("version", tree.VERSIONS)
+def test_tree_shared_bytes_is_the_formula_of_the_kernel_source(version):
+    stem = f"tree_build/v{version}"
+    formula, names = _smem_formula(stem), consts(stem)
+    for budget in (0, 1, 31, 32, 63, 64, 95, 127, 128, 200, 256):
+        for l_eff, k in ((1, 1), (min(budget, 16) or 1, min(budget, 256) or 1), (7, 33)):
+            s = budget + 1
+            env = {**names, "S": s, "W": -(-s // 32), "L_eff": l_eff, "K": k}
+            assert tree.shared_bytes(budget, l_eff, k, version) == loader.int_expression(formula, env), (
+                version, budget, l_eff, k)
+
+
+def test_tree_threads_tables_and_rows_match_the_sources():
+    assert tree.THREADS == consts("tree_build/v1")["TB_THREADS"] == consts("tree_build/v2")["TB2_THREADS"]
+    assert tree.THREADS == consts("tree_build/v3")["TB3_THREADS"]
+    assert tree.V4_THREADS == consts("tree_build/v4")["TB4_THREADS"]
+    v4 = consts("tree_build/v4")
+    assert tree.V4_TABLE_CELLS == v4["LPS_ROWS"] * v4["LPS_STRIDE"]
+    assert consts("tree_build/v1")["TB_MAX_ROWS"] == math.ceil((tree.MAX_BUDGET + 1) / 32)
+    for version in tree.VERSIONS:
+        bounds = loader.launch_bounds(f"tree_build/v{version}")
+        rows = sorted(int(m.group(1)) for name in bounds if (m := re.search(r"_r(\d+)$", name)))
+        assert tuple(rows) == {1: (), 2: tree.V2_ROWS, 3: tree.V2_ROWS, 4: tree.V4_ROWS}[version]
+        threads = tree.V4_THREADS if version == 4 else tree.THREADS
+        assert {t for t, _ in bounds.values()} == {threads}
+        for budget in (0, 31, 32, 64, 95, 96, 128, 129, 255, 256):
+            stem, name = tree.kernel_name(budget, version)
+            assert stem == f"tree_build/v{version}" and name in bounds
+
+
+# ----------------------------------------------------------------------------- acceptance, compaction
+def test_accept_thread_counts_match_the_sources():
+    assert accept.GREEDY_THREADS == consts("tree_accept/greedy_v1")["TA_THREADS"]
+    assert set(loader.launch_bounds("tree_accept/greedy_v1").values()) == {(accept.GREEDY_THREADS, 0)}
+    for version in (1, 2):
+        assert set(loader.launch_bounds(f"tree_accept/sample_v{version}").values()) == {(accept.ROW_THREADS, 0)}
+    v3 = consts("tree_accept/sample_v3")
+    # the offline default of the -D options equals what the wrapper passes (kdlib.ref.accept)
+    assert (v3["TA3_THREADS"], v3["TA3_PIECE"]) == (ref_accept.SAMPLE_THREADS, ref_accept.SAMPLE_PIECE)
+    assert accept.sample_options(3) == (f"-DTA3_THREADS={v3['TA3_THREADS']}", f"-DTA3_PIECE={v3['TA3_PIECE']}")
+
+
+def test_compact_threads_match_the_source():
+    assert compact.THREADS == consts("kv_compact/v1")["KC_THREADS"]
+    assert set(loader.launch_bounds("kv_compact/v1").values()) == {(compact.THREADS, 0)}
+
+
+# ----------------------------------------------------------------------------- MoE W4A16
+def test_moe_v1_launch_constants_match_the_source():
+    c = consts("moe_w4a16/v1")
+    assert moe._V1_THREADS == c["kThreads"]
+    assert moe._V1_DOWN_TILES_PER_BLOCK == c["kWarps"] * c["kDownTilesPerWarp"]
+    bounds = loader.launch_bounds("moe_w4a16/v1")
+    assert bounds["moe_w4a16_v1_gate_up_n8"][0] == 32 * 16 == c["kThreadsN8"]  # gate_up_warps 16
+    assert bounds["moe_w4a16_v1_gate_up_n8w8"][0] == 32 * 8                      # gate_up_warps 8
+    assert {t for name, (t, _) in bounds.items() if name != "moe_w4a16_v1_gate_up_n8"} == {moe._V1_THREADS}
+
+
+def test_moe_v2_blocks_match_the_source():
+    c = consts("moe_w4a16/v2")
+    bounds = loader.launch_bounds("moe_w4a16/v2")
+    roomy = {"sms": 1, "smem_block": 1 << 30, "smem_sm": 1 << 30, "smem_reserved": 0}
+    for warps, (threads, stages, min_blocks) in moe._V2_GATE_UP.items():
+        for name in (f"moe_w4a16_v2_gate_up_w{warps}", f"moe_w4a16_v2_gate_up_w{warps}i"):
+            if name not in bounds:
+                continue
+            assert bounds[name] == (threads, min_blocks) and threads == 32 * warps
+            body = kernel_body("moe_w4a16/v2", name)
+            args = re.search(r"gate_up_body<(\d+), (\d+), (?:true|false)>", body).groups()
+            assert tuple(map(int, args)) == (warps, stages)
+            red = tuple(map(int, re.search(r"__shared__ float red\[(\d+)\]\[(\d+)\]\[(\d+)\]\[(\d+)\]", body).groups()))
+            assert red[1] == warps and 4 * math.prod(red) == warps * moe._V2_RED_BYTES_PER_WARP
+        assert moe.v2_gate_up_shape(warps, roomy)["blocks_per_sm"] == min_blocks
+    assert moe._V2_STAGE_BYTES_GATE_UP == 16 * c["kGuStageVec"] + 4 * c["kGuStageWords"]
+    assert moe._V2_STAGE_BYTES_DOWN == 16 * c["kDnStageVec"] + 4 * c["kDnStageWords"]
+    assert moe._V2_DOWN == (32 * c["kDownWarps"], c["kDownStages"])
+    assert bounds["moe_w4a16_v2_down"] == (moe._V2_DOWN[0], 1)
+    assert moe._V2_MAX_N == c["kDownMaxChunks"] * moe.CHUNK_COLS
+
+
+def test_moe_v3_block_matches_the_source():
+    c = consts("moe_w4a16/v3")
+    assert loader.launch_bounds("moe_w4a16/v3") == {"moe_w4a16_v3": (moe._V3_THREADS, moe._V3_MIN_BLOCKS)}
+    assert moe._V3_THREADS == 32 * c["kWarps"]
+    stages = int(re.search(r"moe_v3_body<(\d+)>", kernel_body("moe_w4a16/v3", "moe_w4a16_v3")).group(1))
+    assert (moe._V3_STAGES, moe._V3_STAGE_BYTES) == (stages, 16 * c["kStageVec"]) == (stages, c["kStageBytes"])
+    assert moe._V3_DYN_SMEM == c["kWarps"] * stages * c["kStageBytes"]
+    assert moe._V3_LINE == c["kLine"] and c["kWsReady"] == 4 * c["kLine"]  # 4 counter lines, then ready flags
+    assert moe._V2_MAX_N == c["kDownMaxChunks"] * moe.CHUNK_COLS
+
+
+# ----------------------------------------------------------------------------- tree-verify attention
+def test_attention_v1_constants_match_the_sources():
+    for stem in ("tree_verify/prefix_v1", "tree_verify/tail_v1"):
+        c = consts(stem)
+        assert (c["D_QK"], c["D_V"], c["ROWS"], c["KCHUNK"]) == (
+            attention.D_QK, attention.KV_LORA_RANK, attention._V1_ROWS, attention._V1_KCHUNK)
+        assert set(loader.launch_bounds(stem).values()) == {(32 * attention._V1_ROWS, 0)}
+    assert consts("tree_verify/combine_v1")["D_V"] == attention.KV_LORA_RANK
+    assert loader.launch_bounds("tree_verify/combine_v1") == {"tree_verify_v1_combine": (attention._COMBINE_THREADS, 0)}
+
+
+@pytest.mark.parametrize("name", sorted(attention.MMA_VERSIONS))
+def test_attention_mma_constants_match_the_sources(name):
+    stem, smem = attention.MMA_VERSIONS[name]
+    c = consts(stem)
+    assert (c["D_QK"], c["D_V"], c["BM"], c["BN"]) == (attention.D_QK, attention.KV_LORA_RANK, attention._MMA_BM,
+                                                       attention._MMA_BN)
+    assert (c["Q_SMEM"], c["K_SMEM"], c["X_SMEM"]) == (attention._MMA_Q_SMEM, attention._MMA_K_SMEM,
+                                                       attention._MMA_X_SMEM)
+    assert smem == c["SMEM_BYTES"]
+    assert set(loader.launch_bounds(stem).values()) == {(attention._MMA_THREADS, 1)} and c["NTHREADS"] == 256
+
+
+def test_attention_wgmma_constants_match_the_source():
+    c = consts(attention._V5)
+    assert (c["D_QK"], c["D_V"]) == (attention.D_QK, attention.KV_LORA_RANK)
+    assert c["SMEM_BYTES"] == attention._V5_SMEM
+    assert (c["BM"], c["BN"], c["MAX_ROUNDS"], c["JOB_OVERHEAD"], c["PLAN_STRIDE"]) == (
+        attention._V5_BM, attention._V5_BN, attention._V5_ROUNDS, attention._V5_JOB_OVERHEAD,
+        attention._V5_PLAN_STRIDE)
+    assert loader.launch_bounds(attention._V5) == {
+        "tree_verify_v5_plan": (attention._V5_THREADS, 0),
+        "tree_verify_v5_attend": (attention._V5_THREADS, 1),
+        "tree_verify_v5_combine": (attention._COMBINE_THREADS, 0),
+    }
