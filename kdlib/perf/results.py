@@ -276,6 +276,10 @@ class Ceilings:
     source: str
     recorded: bool
 
+    def as_dict(self) -> dict:
+        """The block a payload records: bandwidth_Bps, flop_rate, source."""
+        return {"bandwidth_Bps": self.bandwidth_Bps, "flop_rate": self.flop_rate, "source": self.source}
+
 
 # What a suite divides by when no ceilings file is recorded: the device-to-device copy and the bf16
 # 8k^3 matmul measured on an H200 (design/reference/kernels-perf.md).

@@ -20,14 +20,11 @@ Baselines are skipped (and the reason recorded) where their score matrices would
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 from kdlib import perf
-from kdlib.perf import timing
+from kdlib.perf import results, timing
 
 D_QK, D_V = 576, 512
-FALLBACK_BW = 4.3e12  # B/s: device-to-device copy measured on an H200 (kernels-perf.md), when no ceilings file
-FALLBACK_FLOPS = 790e12  # FLOP/s: bf16 8k^3 matmul measured on an H200 (kernels-perf.md)
 _BASELINE_MAX_BYTES = 24e9  # scores bf16 + probabilities fp32 + bf16 copy: keep well inside 141 GB
 
 FULL_GRID = {
@@ -61,15 +58,6 @@ def cost(h: int, q: int, s: int, b: int) -> dict:
                + q * h * D_QK * 2  # queries
                + q * h * (D_V * 4 + 4))  # out fp32 + lse
     return {"bytes": b * per_req, "flops": 2.0 * b * h * q * s * (D_QK + D_V)}
-
-
-def ceilings() -> dict:
-    rec = perf.load("ceilings")
-    if rec and "copy_bandwidth_Bps" in rec and "bf16_matmul_flops" in rec:
-        return {"bandwidth_Bps": float(rec["copy_bandwidth_Bps"]), "flop_rate": float(rec["bf16_matmul_flops"]),
-                "source": rec.get("_path", "data/results/ceilings")}
-    return {"bandwidth_Bps": FALLBACK_BW, "flop_rate": FALLBACK_FLOPS,
-            "source": "no ceilings file: 4.3 TB/s and 790 TFLOP/s measured on an H200 (design/reference/kernels-perf.md)"}
 
 
 def random_tree_visibility(torch, bsz: int, nq: int, gen):
@@ -207,25 +195,31 @@ def run_point(p: dict, pool, ceil: dict, *, iters: int, baseline_iters: int, bas
 
 
 def run(args) -> dict:
-    """The verify-attention sweep; `args.quick` gives a small grid."""
+    """The entry point's adapter (`python3 -m kdlib.perf.run --suite _attention [--quick]`): `sweep`."""
+    return sweep(quick=bool(args.quick))
+
+
+def sweep(*, quick: bool = False, impls=("auto",), iters: int = 20, baseline_iters: int = 5,
+          time_budget_s: float | None = None) -> dict:
+    """The verify-attention sweep: the quick grid or the full one, each point timed for every kernel
+    variant in `impls` (the first is the headline), `iters` / `baseline_iters` replays; past
+    `time_budget_s` seconds no new point starts (the grid is in priority order)."""
     import torch
 
-    quick = bool(getattr(args, "quick", False))
     grid = points(quick)
-    ceil = ceilings()
+    ceil = results.ceilings().as_dict()
     max_slots = max(p["batch"] * p["prefix"] for p in grid)
     pool = torch.randn(max_slots, D_QK, device="cuda", dtype=torch.bfloat16)  # [N, 576] KV rows
     clocks_before = timing.clocks()
     from kdlib.cuda import attention as cu
 
-    impls = tuple(getattr(args, "impls", None) or ("auto",))  # kernel variants; the first is the headline
+    impls = tuple(impls)
     resolved = {i: cu._pick_impl(i, "bf16") for i in impls}  # 'auto' -> the mma version it ran
-    iters, b_iters = int(getattr(args, "iters", 20)), int(getattr(args, "baseline_iters", 5))
-    budget = getattr(args, "time_budget_s", None)  # stop adding points past this (the grid is in priority order)
+    b_iters = baseline_iters
     t0 = time.monotonic()
     rows, left_out = [], []
     for p in grid:
-        if budget is not None and time.monotonic() - t0 > budget:
+        if time_budget_s is not None and time.monotonic() - t0 > time_budget_s:
             left_out.append(p)
             continue
         rows.append(run_point(p, pool, ceil, iters=10 if quick else iters, baseline_iters=3 if quick else b_iters,
@@ -350,9 +344,8 @@ def main(argv=None) -> int:  # pragma: no cover - the GPU entry of a development
     ap.add_argument("--baseline-iters", type=int, default=5)
     ap.add_argument("--junit", default=None, help="pytest --junitxml file of the GPU tests run just before")
     a = ap.parse_args(argv)
-    args = SimpleNamespace(quick=a.quick, impls=a.impls.split(","), time_budget_s=a.time_budget, iters=a.iters,
-                           baseline_iters=a.baseline_iters)
-    payload = run(args)
+    payload = sweep(quick=a.quick, impls=a.impls.split(","), time_budget_s=a.time_budget, iters=a.iters,
+                    baseline_iters=a.baseline_iters)
     payload["gpu_tests"] = junit_summary(a.junit)
     command = "python3 -m kdlib.perf.suites._attention " + " ".join(sys.argv[1:] if argv is None else argv)
     path = perf.write("verify_attention_dev", payload, out_dir=a.out, command=command)

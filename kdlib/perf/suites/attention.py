@@ -23,7 +23,7 @@ import os
 import time
 
 from kdlib import perf
-from kdlib.perf import timing
+from kdlib.perf import results, timing
 from kdlib.perf.suites import _attention as base
 
 D_QK, D_V = base.D_QK, base.D_V
@@ -211,7 +211,7 @@ def run(args) -> dict:
     chosen = os.environ.get("KDLIB_ATTENTION_IMPLS")  # comma list; default: wgmma where it runs + MMA_DEFAULT
     impls = [m.strip() for m in chosen.split(",")] if chosen else \
         ([cu.WGMMA] if cu.wgmma_available() else []) + [cu.MMA_DEFAULT]
-    ceil = base.ceilings()
+    ceil = results.ceilings().as_dict()
     rows_needed = max(sum(p["lens"]) if "lens" in p else p["prefix"] * p["batch"] for p in pts)
     pool = torch.randn(rows_needed, D_QK, device="cuda", dtype=torch.bfloat16)  # [N, 576] KV rows
     fi, fi_why = _flashinfer()

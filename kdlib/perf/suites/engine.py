@@ -44,18 +44,10 @@ import os
 import numpy as np
 
 from kdlib import perf, zoo
-from kdlib.perf import floor_ms, host_probe_ms, load
+from kdlib.perf import floor_ms, host_probe_ms, results
 from kdlib.perf.bench_model import BENCH_CONFIG, BLOCK
 
 BF16_VERIFY = (1024, BLOCK + 1)  # (context, q) of the one bf16 row: the budget-16 verify at a 1k context
-DEFAULT_BW, DEFAULT_FLOPS = 4.3e12, 790e12  # H200 fallbacks when no ceilings file is recorded (COMMON.md)
-
-
-def _ceilings() -> tuple[float, float, str]:
-    c = load("ceilings")
-    if c and "copy_bandwidth_Bps" in c and "bf16_matmul_flops" in c:
-        return float(c["copy_bandwidth_Bps"]), float(c["bf16_matmul_flops"]), c.get("_path", "ceilings")
-    return DEFAULT_BW, DEFAULT_FLOPS, "defaults 4.3e12 B/s, 790e12 FLOP/s (no ceilings result recorded)"
 
 
 def verify_cost(cfg, context: int, q: int, elem_bytes: int) -> tuple[float, float]:
@@ -338,7 +330,8 @@ def _run(quick: bool, device: str = "cuda", config: dict = BENCH_CONFIG) -> dict
     cfg = ModelConfig.from_dict(config)
     model = Model(cfg).to(device=device, dtype=torch.float32).eval()
     random_weights_on_device(model, seed=0)
-    bw, fl, ceil_src = _ceilings()
+    ceil = results.ceilings()
+    bw, fl, ceil_src = ceil.bandwidth_Bps, ceil.flop_rate, ceil.source
     params = {
         "dtype": "float32", "tf32": False, "block": BLOCK, "max_new_tokens": 32 if quick else 96,
         "repeats": 1 if quick else 3, "cpu_affinity": sorted(os.sched_getaffinity(0)),

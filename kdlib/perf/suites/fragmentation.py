@@ -29,8 +29,8 @@ import numpy as np
 from kdlib import fragmentation as fr
 from kdlib import perf
 from kdlib.cuda import attention as cu
-from kdlib.perf import timing
-from kdlib.perf.suites._attention import ceilings, graph_time
+from kdlib.perf import results, timing
+from kdlib.perf.suites._attention import graph_time
 
 D_QK, D_V = 576, 512
 LAYOUTS = ("contiguous", "simulated", "random")
@@ -129,7 +129,7 @@ def run(args) -> dict:
     if not torch.cuda.is_available():
         raise RuntimeError("the fragmentation suite needs a CUDA device")
     grid = QUICK if getattr(args, "quick", False) else FULL
-    ceil = ceilings()
+    ceil = results.ceilings().as_dict()
     iters = 30 if getattr(args, "quick", False) else 100
     clocks_before = timing.clocks()
     pts = []

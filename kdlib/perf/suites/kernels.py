@@ -23,12 +23,12 @@ Data are L2-resident (a few MB at most): these kernels are launch/latency-bound 
 are L2-warm, which is what a decode step sees for them.
 
 Floors: compaction moves bytes (read + write of each moved row): floor = bytes / copy bandwidth
-from `data/results/ceilings.h200.json` (`kdlib.perf.load("ceilings")`) when recorded, else the
+from `data/results/ceilings.h200.json` (`kdlib.perf.results.ceilings()`) when recorded, else the
 fallback 4.3e12 B/s (kernels-perf.md §0); the other kernels have no meaningful byte/FLOP floor
 (dependent latency chains), so only their times are recorded.
 
 The verify-attention sweep of `kdlib.perf.suites._attention` (written by the attention
-engineer) is embedded under `verify_attention` when that module exists. `args.attention` or env
+engineer) is embedded under `verify_attention` when that module exists. `sweep(attention=...)` or env
 `KDLIB_KERNELS_ATTENTION` = skip|quick|full overrides its grid (default: quick under --quick,
 else full), and `KDLIB_KERNELS_ATTENTION_BUDGET_S` caps its wall time (its points come in
 priority order); when absent or skipped, the payload says so.
@@ -43,23 +43,15 @@ import numpy as np
 
 from kdlib import perf, ref
 from kdlib.cuda import accept, compact, pipeline, tree
-from kdlib.perf import timing
+from kdlib.perf import results, timing
 from kdlib.ref.tree import synthetic_topk
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 DEPTH, BUDGET, K_PRIME = 15, 64, 64
 REPEAT = 20  # builds per graph for the kernel-time estimate: amortises the graph launch
-FALLBACK_BW = 4.3e12  # B/s, device-to-device copy measured on an H200 (kernels-perf.md §0)
 ROW_BYTES = 576 * 2  # one token's bf16 MLA latent (kv_lora 512 + rope 64) in one layer
 LAYERS = 61  # Kimi-K2 / DeepSeek-V3 layer count (data/configs)
 SAMPLE_VOCAB = 32000
-
-
-def _bandwidth() -> tuple[float, str]:
-    c = perf.load("ceilings")
-    if c and c.get("copy_bandwidth_Bps"):
-        return float(c["copy_bandwidth_Bps"]), c.get("_path", "ceilings")
-    return FALLBACK_BW, "fallback 4.3e12 B/s (no ceilings file recorded)"
 
 
 def _graph_ms(fn, iters: int, repeats: int = 1) -> dict:
@@ -340,28 +332,31 @@ def bench_rest(inputs: dict, iters: int, bw: float) -> dict:
     return out
 
 
-def _attention(args) -> dict:
-    mode = getattr(args, "attention", None) or os.environ.get(
-        "KDLIB_KERNELS_ATTENTION", "quick" if getattr(args, "quick", False) else "full")
+def _attention(*, quick: bool, attention: str | None) -> dict:
+    mode = attention or os.environ.get("KDLIB_KERNELS_ATTENTION", "quick" if quick else "full")
     if mode == "skip":
         return {"absent": "skipped (KDLIB_KERNELS_ATTENTION=skip)"}
     try:
         module = importlib.import_module("kdlib.perf.suites._attention")
     except ImportError as e:
         return {"absent": f"kdlib.perf.suites._attention not importable: {e}"}
-    sub = type(args)(**{**vars(args), "quick": mode == "quick"}) if hasattr(args, "__dict__") else args
-    budget_s = os.environ.get("KDLIB_KERNELS_ATTENTION_BUDGET_S")
-    if budget_s and hasattr(sub, "__dict__"):
-        sub.time_budget_s = float(budget_s)  # _attention stops adding points (priority order) past this
-    return module.run(sub)
+    budget_s = os.environ.get("KDLIB_KERNELS_ATTENTION_BUDGET_S")  # no new point starts past this
+    return module.sweep(quick=mode == "quick", time_budget_s=float(budget_s) if budget_s else None)
 
 
 def run(args) -> dict:
+    """The entry point's adapter (`python3 -m kdlib.perf.run --suite kernels [--quick]`): `sweep`."""
+    return sweep(quick=bool(args.quick))
+
+
+def sweep(*, quick: bool = False, attention: str | None = None) -> dict:
+    """The kernels sweep (quick: fewer CPU repeats); `attention` 'quick' / 'full' / 'skip' picks the
+    verify-attention sweep embedded in it (default $KDLIB_KERNELS_ATTENTION, else as `quick`)."""
     import cupy
 
-    quick = bool(getattr(args, "quick", False))
     iters = 3 if quick else 7
-    bw, bw_source = _bandwidth()
+    ceil = results.ceilings()
+    bw, bw_source = ceil.bandwidth_Bps, ceil.source
     clocks_before = timing.clocks()
     ids, lp = synthetic_topk(0, max(BATCHES), DEPTH, K_PRIME)  # [64, 15, 64] drafter-like, vocab 32000
     inputs = pipeline.random_step_inputs(
@@ -371,7 +366,7 @@ def run(args) -> dict:
     build_tied = bench_build_tied()
     rest = bench_rest(inputs, iters, bw)
     cupy.get_default_memory_pool().free_all_blocks()
-    attention = _attention(args)
+    attention = _attention(quick=quick, attention=attention)
     b64 = [r for r in build if r["batch"] == max(BATCHES)]
     exact64 = [r for r in b64 if r["bit_exact"]] or b64
     head = min(exact64, key=lambda r: r["kernel_us"])  # the fastest bit-exact version at batch 64

@@ -48,12 +48,11 @@ import numpy as np
 
 from kdlib import perf
 from kdlib.cuda import moe
-from kdlib.perf import timing
+from kdlib.perf import results, timing
 
 E, K, N, TOPK = 384, 7168, 2048 // 8, 8
 M_FULL = (1, 2, 4, 8, 9, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 M_QUICK = (1, 9, 32, 256, 1024, 4096)
-DEFAULT_FLOPS = 790e12   # bf16 dense matmul ceiling on an H200 (kernels-perf.md header) when unrecorded
 
 
 def expected_touched(m: int, n_experts: int = E, topk: int = TOPK) -> float:
@@ -296,13 +295,8 @@ def run(args) -> dict:
     rng = np.random.default_rng(0)
 
     copy = timing.copy_bandwidth()
-    ceilings = perf.load("ceilings", "h200")
-    flop_rate = (ceilings or {}).get("bf16_matmul_flops") or DEFAULT_FLOPS
-    flop_source = (
-        ceilings["_path"]
-        if ceilings and ceilings.get("bf16_matmul_flops")
-        else "default 790e12 (no ceilings recorded)"
-    )
+    ceil = results.ceilings("h200")
+    flop_rate, flop_source = ceil.flop_rate, ceil.source
     bw = copy["Bps"]
 
     # INT4 experts in the kernel layout (random bits: timing does not depend on the values).
