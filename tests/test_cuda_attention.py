@@ -1022,3 +1022,23 @@ def _sanitize_driver(impls):
 
 if __name__ == "__main__" and sys.argv[1:2] == ["sanitize"]:
     _sanitize_driver(sys.argv[2:])
+
+
+def test_version_vocabulary_and_the_deprecated_impl_names():
+    from kdlib.cuda import attention as cu
+
+    assert cu.VERSIONS == (1, 2, 3, 4, 5)
+    assert cu.LAUNCHES[cu.DEFAULT_VERSION].impl == cu.BF16_DEFAULT
+    assert cu.IMPLS["mma"] == cu.IMPLS[cu.MMA_DEFAULT] and cu.IMPLS["auto"] is None
+    assert {name: cu.LAUNCHES[cu.IMPLS[name]].stem for name in cu.MMA_VERSIONS} == {
+        name: stem for name, (stem, _) in cu.MMA_VERSIONS.items()}
+    # fp32 is a dtype path: version None and every name of version 1 run it, the rest refuse it
+    assert cu.pick_version(None, None, "f32") == cu.pick_version(1, None, "f32") == 1
+    assert cu.pick_version(None, "simple", "f32") == cu.pick_version(None, "auto", "f32") == 1
+    assert cu.pick_version(3, None, "bf16") == cu.pick_version(None, "mma", "bf16") == 3
+    assert cu._pick_impl("mma_v4", "bf16") == "mma_v4" and cu._pick_impl("simple", "f32") == "simple"
+    for version, impl, kind, match in ((2, None, "f32", "bfloat16"), (None, "mma", "f32", "bfloat16"),
+                                       (6, None, "bf16", "version"), (True, None, "bf16", "version"),
+                                       (3, "mma", "bf16", "not both"), (None, "fast", "bf16", "impl")):
+        with pytest.raises(ValueError, match=match):
+            cu.pick_version(version, impl, kind)

@@ -103,6 +103,13 @@ def test_build_limits_raise_before_any_work():
     assert tree.shared_bytes(256, 16, 256, 4) <= 227 * 1024
     with pytest.raises(ValueError, match="version"):
         tree.kernel_name(8, 5)
+    with pytest.raises(ValueError, match="version"):
+        tree.launch(8, True)
+    # version None is DEFAULT_VERSION everywhere
+    assert tree.launch(64) == tree.launch(64, tree.DEFAULT_VERSION) == tree.launch(64, None)
+    assert tree.launch(64).version == tree.DEFAULT_VERSION
+    assert tree.kernel_name(200) == tree.kernel_name(200, tree.DEFAULT_VERSION)
+    assert tree.shared_bytes(64, 15, 64) == tree.shared_bytes(64, 15, 64, tree.DEFAULT_VERSION)
 
 
 # ----------------------------------------------------------------------------- build

@@ -91,7 +91,7 @@ def test_tree_threads_tables_and_rows_match_the_sources():
         bounds = loader.launch_bounds(f"tree_build/v{version}")
         rows = sorted(int(m.group(1)) for name in bounds if (m := re.search(r"_r(\d+)$", name)))
         assert tuple(rows) == {1: (), 2: tree.V2_ROWS, 3: tree.V2_ROWS, 4: tree.V4_ROWS}[version]
-        threads = tree.V4_THREADS if version == 4 else tree.THREADS
+        threads = tree.launch(64, version).threads
         assert {t for t, _ in bounds.values()} == {threads}
         for budget in (0, 31, 32, 64, 95, 96, 128, 129, 255, 256):
             stem, name = tree.kernel_name(budget, version)
@@ -194,3 +194,18 @@ def test_attention_wgmma_constants_match_the_source():
         "tree_verify_v5_attend": (attention._V5_THREADS, 1),
         "tree_verify_v5_combine": (attention._COMBINE_THREADS, 0),
     }
+
+
+@pytest.mark.parametrize("version", attention.VERSIONS)
+def test_attention_launches_name_kernels_of_their_sources(version):
+    settings = attention.LAUNCHES[version]
+    c, bounds = consts(settings.stem), loader.launch_bounds(settings.stem)
+    assert settings.smem == c.get("SMEM_BYTES", 0)
+    assert (settings.rows, settings.keys) == ((c["BM"], c["BN"]) if version > 1 else (c["ROWS"], c["KCHUNK"]))
+    if version < 5:
+        for kind in settings.dtypes:  # the name _launch_prefix composes
+            assert bounds[f"tree_verify_v{version}_prefix_{kind}"][0] == settings.threads
+        assert not [n for n in bounds if n.endswith("_f32")] or "f32" in settings.dtypes
+    else:
+        assert bounds["tree_verify_v5_attend"][0] == settings.threads
+    assert attention.IMPLS[settings.impl] == version

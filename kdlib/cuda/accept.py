@@ -4,8 +4,9 @@
 Kernels: `tree_accept_greedy_v1` (`kernels/tree_accept/greedy_v1.cu`), one block per request, stages
 the LCRS lists in shared memory and walks them with one thread. The inverse-CDF draw
 `tree_sample_rows_v<N>_f32/_f64`, bit-exact with `kdlib.ref.accept.sample_tokens` in the order
-`SAMPLE_ORDER[N]`:
-  * v3 (`kernels/tree_accept/sample_v3.cu`, default): one block of `ref.accept.SAMPLE_THREADS` threads
+`SAMPLE_ORDER[N]`; `version=None` (the default) runs `DEFAULT_VERSION` = 3, and `sample_launch`
+gives each version's launch settings:
+  * v3 (`kernels/tree_accept/sample_v3.cu`, the default): one block of `ref.accept.SAMPLE_THREADS` threads
     per row, the "blocked" order; the thread and piece counts reach the compiler as -D options
     from `kdlib.ref.accept`, so kernel and reference share one definition;
   * v2 (`tree_accept/sample_v2.cu`) and v1 (`tree_accept/sample_v1.cu`): one thread per row, the "sequential"
@@ -21,6 +22,7 @@ Differences from the reference, all forced by not synchronising with the host:
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -30,33 +32,46 @@ from kdlib.ref.tree import DDTree, DDTreeBatch
 
 GREEDY = ("tree_accept/greedy_v1", "tree_accept_greedy_v1")  # (stem, kernel name)
 # v3: a block per row; v2: one thread per row, pipelined loads; v1: one load per add
-SAMPLE_VERSIONS = (1, 2, 3)
-SAMPLE_DEFAULT = 3
+VERSIONS = SAMPLE_VERSIONS = (1, 2, 3)  # of the draw; the greedy walk has one version
+DEFAULT_VERSION = SAMPLE_DEFAULT = 3
 SAMPLE_ORDER = {1: "sequential", 2: "sequential", 3: "blocked"}  # the kdlib.ref.accept order each one matches
 GREEDY_THREADS = 64  # TA_THREADS in tree_accept/greedy_v1.cu
 ROW_THREADS = 128  # threads per block of v1/v2 (their launch bound), one row each
 MAX_VOCAB = 1 << 30  # v3 indexes a row with 32-bit offsets
 
 
-def _check_version(version) -> None:
-    if version not in SAMPLE_VERSIONS:
-        raise ValueError(f"version must be one of {SAMPLE_VERSIONS}, got {version!r}")
+@dataclass(frozen=True)
+class SampleLaunch:
+    """How one version of the draw runs: its loader stem, threads per block, rows per block, and the
+    compiler options (v3's thread and piece counts, taken from kdlib.ref.accept)."""
+
+    version: int
+    stem: str
+    threads: int
+    rows_per_block: int
+    options: tuple[str, ...]
 
 
-def sample_kernel(dtype, version: int = SAMPLE_DEFAULT) -> tuple[str, str]:
+def sample_launch(version: int | None = None) -> SampleLaunch:
+    """The launch settings of sampling `version` (None: DEFAULT_VERSION)."""
+    version = loader.check_version(version, VERSIONS, DEFAULT_VERSION)
+    if version == 3:  # one block per row
+        options = (f"-DTA3_THREADS={ref_accept.SAMPLE_THREADS}", f"-DTA3_PIECE={ref_accept.SAMPLE_PIECE}")
+        return SampleLaunch(3, "tree_accept/sample_v3", ref_accept.SAMPLE_THREADS, 1, options)
+    return SampleLaunch(version, f"tree_accept/sample_v{version}", ROW_THREADS, ROW_THREADS, ())
+
+
+def sample_kernel(dtype, version: int | None = None) -> tuple[str, str]:
     """(stem, kernel name) of the inverse-CDF draw for probs of this dtype, e.g.
-    ("tree_accept/sample_v3", "tree_sample_rows_v3_f32")."""
-    _check_version(version)
+    ("tree_accept/sample_v3", "tree_sample_rows_v3_f32"); version None: DEFAULT_VERSION."""
+    settings = sample_launch(version)
     suffix = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}[np.dtype(dtype)]
-    return f"tree_accept/sample_v{version}", f"tree_sample_rows_v{version}_{suffix}"
+    return settings.stem, f"tree_sample_rows_v{settings.version}_{suffix}"
 
 
-def sample_options(version: int = SAMPLE_DEFAULT) -> tuple[str, ...]:
-    """Compiler options of the draw: v3's thread and piece counts, taken from kdlib.ref.accept."""
-    _check_version(version)
-    if version != 3:
-        return ()
-    return (f"-DTA3_THREADS={ref_accept.SAMPLE_THREADS}", f"-DTA3_PIECE={ref_accept.SAMPLE_PIECE}")
+def sample_options(version: int | None = None) -> tuple[str, ...]:
+    """Compiler options of the draw (`sample_launch(version).options`)."""
+    return sample_launch(version).options
 
 
 def _batch(trees):
@@ -146,23 +161,22 @@ def _check_sample_values(probs, uniforms) -> None:
             raise ValueError(msg)
 
 
-def _sample_launch(probs, uniforms, sizes, rows_per_req: int, tokens, version: int) -> None:
-    _check_version(version)
+def _sample_launch(probs, uniforms, sizes, rows_per_req: int, tokens, version: int | None) -> None:
+    settings = sample_launch(version)
+    version = settings.version
     n, v = probs.shape[0] * (probs.shape[1] if probs.ndim == 3 else 1), probs.shape[-1]
     if version == 3 and v > MAX_VOCAB:
         raise ValueError(f"sampling version 3 takes a vocabulary of at most {MAX_VOCAB}, got {v}")
     if n == 0:
         return
-    fn = loader.get_function(*sample_kernel(probs.dtype, version), options=sample_options(version))
+    fn = loader.get_function(*sample_kernel(probs.dtype, version), options=settings.options)
     sizes_arg = sizes if sizes is not None else np.uint64(0)
-    if version == 3:  # one block per row
-        fn(
-            (n,),
-            (ref_accept.SAMPLE_THREADS,),
-            (probs, uniforms, sizes_arg, np.int64(rows_per_req), np.int64(v), tokens),
-        )
+    grid = (-(-n // settings.rows_per_block),)
+    if version == 3:
+        fn(grid, (settings.threads,),
+           (probs, uniforms, sizes_arg, np.int64(rows_per_req), np.int64(v), tokens))
         return
-    fn(((n + ROW_THREADS - 1) // ROW_THREADS,), (ROW_THREADS,),
+    fn(grid, (settings.threads,),
        (probs, uniforms, sizes_arg, np.int64(rows_per_req), np.int64(n), np.int64(v), tokens))
 
 
@@ -189,9 +203,9 @@ def _check_uniforms(uniforms, shape):
     return cupy.ascontiguousarray(uniforms)
 
 
-def sample_tokens(probs, uniforms, *, check_values: bool = False, out=None, version: int = SAMPLE_DEFAULT):
+def sample_tokens(probs, uniforms, *, check_values: bool = False, out=None, version: int | None = None):
     """Inverse-CDF draw per row, bit-exact with `kdlib.ref.accept.sample_tokens(probs, uniforms,
-    order=SAMPLE_ORDER[version])` (the default v3: the reference's default order).
+    order=SAMPLE_ORDER[version])` (version None: DEFAULT_VERSION, v3, the reference's default order).
 
     Shape: probs [N, V] float32/float64, uniforms [N] float64 in [0, 1). Returns tokens [N] int64
     (out: an int64 [N] buffer to write into). Without check_values, a row with no positive entry
@@ -219,10 +233,10 @@ def accept_sample_batch(
     check_values: bool = False,
     out=None,
     targets=None,
-    version: int = SAMPLE_DEFAULT,
+    version: int | None = None,
 ):
     """Sample-and-walk over a batch on the GPU (see `kdlib.ref.accept.accept_sample_batch`, whose
-    `order=SAMPLE_ORDER[version]` it matches bit for bit).
+    `order=SAMPLE_ORDER[version]` it matches bit for bit; version None: DEFAULT_VERSION).
 
     Shape: probs [B, budget+1, V] float32/float64, uniforms [B, budget+1] float64; rows >= sizes[b]
     are never read. Returns paths [B, max_depth+1] int64 padded -1, lengths [B], bonus [B].

@@ -1,6 +1,7 @@
 """Tree-verify MLA attention on the GPU: CuPy wrappers of `kernels/tree_verify/*.cu`.
 
-Same names and signatures as `kdlib.ref.attention` (plus keyword-only `impl` and `validate`):
+Same names and signatures as `kdlib.ref.attention` (plus keyword-only `version`, `validate` and
+`workspace`):
 
     out, lse = tree_verify_attention(q, kv_cache, page_table, prefix_lens, tree_kv, visibility,
                                      tree_sizes, softmax_scale)
@@ -13,17 +14,27 @@ over the tree's own rows under the visibility mask; and the LSE combine of all p
 the tail. Conventions follow the reference: an empty key set gives out 0 and lse -inf; query rows
 at or past `tree_sizes[b]` are NaN in the tail and so in the merged result.
 
-Implementations (`impl`): "simple" (`tree_verify_v1`: one warp per row on the CUDA cores, fp32
-accumulation; the fp32 path, within 1e-5 of the float64 reference) and "mma" (`MMA_DEFAULT`, one
-of `MMA_VERSIONS`, `tree_verify_v2`..`v4`: the bf16 prefix on the tensor cores with
-`mma.sync.m16n8k16`, fp32 accumulators; P rounded to bf16 before P·V, so bf16 inputs land near
-1e-3 of the float64 reference of the same bf16 values). "wgmma" (`tree_verify_v5`, sm_90a only)
-runs the whole verify on Hopper's warpgroup tensor cores in three launches: a one-block plan that
-cuts the work into equal jobs (`plan_v5` is its numpy mirror), a persistent kernel (one CTA per SM)
-over the prefix with the tree tail fused in, and an LSE combine; its buffers can be allocated once
-(`make_workspace`) so that a call allocates nothing and syncs nothing (CUDA-graph capturable).
-"auto" picks `BF16_DEFAULT` for bf16 where the device runs it (else "mma" where the device grants
-its 166-203 KB of shared memory, not on sm_120's 99 KB), and "simple" for fp32.
+Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch settings):
+  * 1 (`tree_verify_v1`, the files prefix_v1 / tail_v1 / combine_v1): one warp per row on the CUDA
+    cores, fp32 accumulation; the only version with an fp32 path (within 1e-5 of the float64
+    reference), bf16 too;
+  * 2, 3, 4 (`tree_verify/prefix_v{2,3,4}.cu`, then v1's tail and combine): the bf16 prefix on the
+    tensor cores with `mma.sync.m16n8k16`, fp32 accumulators; P rounded to bf16 before P·V, so bf16
+    inputs land near 1e-3 of the float64 reference of the same bf16 values; 3 (`MMA_DEFAULT`) was
+    the fastest of the three in data/results/verify_attention_dev.h200.json;
+  * 5 (`tree_verify/wgmma_v5.cu`, sm_90a only, `DEFAULT_VERSION`): the whole verify on Hopper's
+    warpgroup tensor cores in three launches: a one-block plan that cuts the work into equal jobs
+    (`plan_v5` is its numpy mirror), a persistent kernel (one CTA per SM) over the prefix with the
+    tree tail fused in, and an LSE combine; its buffers can be allocated once (`make_workspace`) so
+    that a call allocates nothing and syncs nothing (CUDA-graph capturable).
+`version=None` (the default) picks by dtype and device: fp32 runs 1 (a dtype path, not a choice);
+bf16 runs `DEFAULT_VERSION` (5, `BF16_DEFAULT`: the faster at every point of
+data/results/attention.h200.json) where the device runs it, else 3 where the device grants its
+166 KB of shared memory (not on sm_120's 99 KB), else 1.
+
+Deprecated alias: `impl=` names a version as recorded results and kdlib.perf suites do
+(`IMPLS`: "simple" = 1, "mma_v2" / "mma_v3" / "mma_v4" = 2 / 3 / 4, "mma" = `MMA_DEFAULT`,
+"wgmma" = 5, "auto" = None); give `version` or `impl`, not both.
 
 Checks before any launch raise ValueError: shapes, dtypes (float32 or bfloat16, all float inputs
 alike), Q <= 65, widths 576/512, and, with `validate=True` (the default, one device sync), the
@@ -36,6 +47,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -57,18 +69,7 @@ _MMA_BN = 32  # keys per pipeline stage (BN)
 _MMA_Q_SMEM = 64 * 1168  # Q tile: BM rows of 576 bf16 + 16 B pad
 _MMA_K_SMEM = 32 * 1168  # one K stage: BN rows
 _MMA_X_SMEM = 2 * 4 * 16 * 32 * 4  # partial-S exchange between the two halves of each row group
-# The tensor-core prefix kernels: impl name -> (stem, shared memory bytes). v2 gathers each tile
-# behind nine serial page-table reads; v3 prefetches the slots a tile ahead; v4 adds a third K stage.
-MMA_VERSIONS = {
-    "mma_v2": ("tree_verify/prefix_v2", _MMA_Q_SMEM + 2 * _MMA_K_SMEM + _MMA_X_SMEM),
-    "mma_v3": ("tree_verify/prefix_v3", _MMA_Q_SMEM + 2 * _MMA_K_SMEM + _MMA_X_SMEM),
-    "mma_v4": ("tree_verify/prefix_v4", _MMA_Q_SMEM + 3 * _MMA_K_SMEM + _MMA_X_SMEM),
-}
-# What impl "mma" (and "auto" on bf16) runs: v3, the fastest in the recorded sweep
-# (data/results/verify_attention_dev.h200.json times v3 and v4 side by side; the third stage did not pay).
-MMA_DEFAULT = "mma_v3"
 # The wgmma whole-verify kernels (tree_verify/wgmma_v5.cu), built for sm_90a through NVRTC.
-WGMMA = "wgmma"
 _V5 = "tree_verify/wgmma_v5"
 _V5_OPTIONS = ("-arch=sm_90a",)
 _V5_THREADS = 256  # NTHREADS of the plan and attend kernels
@@ -78,9 +79,51 @@ _V5_BN = 64  # keys per tile (BN)
 _V5_ROUNDS = 4  # MAX_ROUNDS: the plan fits the jobs into at most this many rounds of one job per CTA
 _V5_JOB_OVERHEAD = 5  # JOB_OVERHEAD, in tiles
 _V5_PLAN_STRIDE = 8  # PLAN_STRIDE: per request base, chunks, chunk tiles, row blocks, len, rows, tail rows
-# What "auto" runs for bf16 where the device has sm_90a: the faster of "wgmma" and "mma" in the
-# recorded attention sweep (data/results/attention.h200.json: "wgmma" at every point of the grid).
+
+
+@dataclass(frozen=True)
+class VerifyLaunch:
+    """Launch settings of one version: the name results record it by (`impl`), the prefix (v5: the
+    whole-verify) source, threads per block, dynamic shared memory, query rows per block (v5: per
+    job) and keys per step, the dtypes it takes and NVRTC options."""
+
+    version: int
+    impl: str
+    stem: str
+    threads: int
+    smem: int
+    rows: int
+    keys: int
+    dtypes: tuple[str, ...] = ("bf16",)
+    options: tuple[str, ...] = ()
+
+
+_MMA_X = _MMA_Q_SMEM + _MMA_X_SMEM  # the Q tile and the partial-S exchange; K stages come on top
+# v2 gathers each tile behind nine serial page-table reads; v3 prefetches the slots a tile ahead; v4 adds a
+# third K stage.
+_MMA_K2, _MMA_K3 = _MMA_X + 2 * _MMA_K_SMEM, _MMA_X + 3 * _MMA_K_SMEM  # two / three K stages
+LAUNCHES = {
+    1: VerifyLaunch(1, "simple", _V1_PREFIX, 32 * _V1_ROWS, 0, _V1_ROWS, _V1_KCHUNK, ("f32", "bf16")),
+    2: VerifyLaunch(2, "mma_v2", "tree_verify/prefix_v2", _MMA_THREADS, _MMA_K2, _MMA_BM, _MMA_BN),
+    3: VerifyLaunch(3, "mma_v3", "tree_verify/prefix_v3", _MMA_THREADS, _MMA_K2, _MMA_BM, _MMA_BN),
+    4: VerifyLaunch(4, "mma_v4", "tree_verify/prefix_v4", _MMA_THREADS, _MMA_K3, _MMA_BM, _MMA_BN),
+    5: VerifyLaunch(5, "wgmma", _V5, _V5_THREADS, _V5_SMEM, _V5_BM, _V5_BN, options=_V5_OPTIONS),
+}
+VERSIONS = tuple(LAUNCHES)
+# The tensor-core prefix kernels by name -> (stem, shared memory bytes), as recorded results name them.
+MMA_VERSIONS = {LAUNCHES[v].impl: (LAUNCHES[v].stem, LAUNCHES[v].smem) for v in (2, 3, 4)}
+# The mma version "mma" names, and the one bf16 falls back to without sm_90a: v3, the fastest in the
+# recorded sweep (data/results/verify_attention_dev.h200.json times v3 and v4 side by side; the third
+# stage did not pay).
+MMA_DEFAULT = "mma_v3"
+WGMMA = "wgmma"
+# What version None runs for bf16 where the device has sm_90a: the faster of "wgmma" and MMA_DEFAULT in
+# the recorded attention sweep (data/results/attention.h200.json: "wgmma" at every point of the grid).
 BF16_DEFAULT = "wgmma"
+_BY_IMPL = {launch.impl: v for v, launch in LAUNCHES.items()}
+DEFAULT_VERSION = _BY_IMPL[BF16_DEFAULT]
+# The deprecated impl= names -> versions ("auto": None, the default pick).
+IMPLS = {**_BY_IMPL, "mma": _BY_IMPL[MMA_DEFAULT], "auto": None}
 _MAX_SPLITS = 64  # beyond this the partial-output traffic outweighs the gain in parallelism
 _MIN_TILES_PER_SPLIT = 8  # a split shorter than 8 key tiles spends its time on set-up
 
@@ -254,25 +297,37 @@ def split_plan(bsz: int, row_blocks: int, width: int, tile: int, slots: int) -> 
     return -(-width // chunk), chunk
 
 
+def pick_version(version: int | None = None, impl: str | None = None, kind: str = "bf16") -> int:
+    """The version a call on inputs of `kind` ("bf16" or "f32") runs: `version` (or the deprecated `impl`
+    name) checked against the dtype and the device, or the default pick for None (see the module
+    docstring). Needs CuPy and a device for the default pick and for version 5."""
+    if impl is not None:
+        if version is not None:
+            raise ValueError(f"give version or the deprecated impl, not both (got {version!r} and {impl!r})")
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be one of {tuple(IMPLS)}, got {impl!r}")
+        version = IMPLS[impl]
+    version = loader.check_version(version, VERSIONS, None)
+    if version is None:
+        if kind != "bf16":
+            return 1
+        if DEFAULT_VERSION != 5 or wgmma_available():
+            return DEFAULT_VERSION
+        mma = IMPLS[MMA_DEFAULT]
+        return mma if _device_info()[1] >= LAUNCHES[mma].smem else 1
+    if kind not in LAUNCHES[version].dtypes:
+        raise ValueError(f"version {version} ({LAUNCHES[version].impl!r}) needs bfloat16 inputs (the fp32 "
+                         "path is version 1)")
+    if version == 5 and not wgmma_available():
+        raise ValueError("version 5 ('wgmma') needs an sm_90 device (H100/H200) with 218 KB of shared memory "
+                         "per block")
+    return version
+
+
 def _pick_impl(impl: str, kind: str) -> str:
-    """'simple', 'wgmma' or a key of MMA_VERSIONS."""
-    names = ("auto", "simple", "mma", WGMMA, *MMA_VERSIONS)
-    if impl not in names:
-        raise ValueError(f"impl must be one of {names}, got {impl!r}")
-    if impl.startswith("mma") or impl == WGMMA:
-        if kind != "bf16":
-            raise ValueError(f"impl {impl!r} needs bfloat16 inputs (the fp32 path is 'simple')")
-    if impl == WGMMA and not wgmma_available():
-        raise ValueError("impl 'wgmma' needs an sm_90 device (H100/H200) with 218 KB of shared memory per block")
-    if impl == "mma":
-        return MMA_DEFAULT
-    if impl == "auto":
-        if kind != "bf16":
-            return "simple"
-        if BF16_DEFAULT == WGMMA and wgmma_available():
-            return WGMMA
-        return MMA_DEFAULT if _device_info()[1] >= MMA_VERSIONS[MMA_DEFAULT][1] else "simple"
-    return impl
+    """The recorded name (`LAUNCHES[v].impl`) of the version `impl` picks: kept for kdlib.perf's
+    `_attention` suite, which records it; new code calls `pick_version`."""
+    return LAUNCHES[pick_version(None, impl, kind)].impl
 
 
 def _ceil(a, b):
@@ -339,7 +394,8 @@ def plan_v5(prefix_lens, tree_sizes, width: int, nq: int, nh: int, grid: int) ->
 
 
 class VerifyWorkspace:
-    """Buffers of one "wgmma" call shape (B requests, Q queries, H heads): with it a call allocates nothing.
+    """Buffers of one version 5 ("wgmma") call shape (B requests, Q queries, H heads): with it a call
+    allocates nothing.
 
     plan [1 + 8 B] int32, parts [jobs, 64, 512] fp32 and part_lse [jobs, 64] fp32 (jobs = v5_max_jobs),
     out [B*Q*H, 512] fp32 and lse [B*Q*H] fp32 (the returned arrays are views of these: the next call
@@ -363,7 +419,8 @@ class VerifyWorkspace:
 
 
 def make_workspace(bsz: int, nq: int, nh: int) -> VerifyWorkspace:
-    """Preallocated buffers for impl "wgmma" calls on q of shape [bsz, nq, nh, 576] (see VerifyWorkspace)."""
+    """Preallocated buffers for version 5 ("wgmma") calls on q of shape [bsz, nq, nh, 576] (see
+    VerifyWorkspace)."""
     return VerifyWorkspace(bsz, nq, nh)
 
 
@@ -394,26 +451,22 @@ def _launch_v5(qa, kv, pt, lens, scale, ws, tail=None):
     return ws.out, ws.lse
 
 
-def _launch_prefix(qa, kind, kv, pt, lens, scale, impl):
-    """-> (parts [B, nsplit, M, 512], lse [B, nsplit, M]) fp32, normalised partials per split."""
+def _launch_prefix(qa, kind, kv, pt, lens, scale, version: int):
+    """Versions 1-4 -> (parts [B, nsplit, M, 512], lse [B, nsplit, M]) fp32, normalised partials per split."""
     import cupy
 
     bsz, nq, nh, _ = qa.shape
     rows = nq * nh
     width = pt.shape[1]
     n_sm, _ = _device_info()
-    if impl in MMA_VERSIONS:
-        stem, smem = MMA_VERSIONS[impl]
-        rb = -(-rows // _MMA_BM)
-        nsplit, chunk = split_plan(bsz, rb, width, _MMA_BN, n_sm)  # one 256-thread block per SM
-        fn = loader.get_function(stem, f"tree_verify_{stem.rsplit('_', 1)[1]}_prefix_bf16")  # e.g. _v3_
-        loader.set_max_dynamic_shared(fn, smem)
-        block = _MMA_THREADS
-    else:
-        rb = -(-rows // _V1_ROWS)
-        nsplit, chunk = split_plan(bsz, rb, width, _V1_KCHUNK, n_sm * _V1_BLOCKS_PER_SM)
-        fn = loader.get_function(_V1_PREFIX, f"tree_verify_v1_prefix_{kind}")
-        block, smem = _V1_ROWS * 32, 0
+    settings = LAUNCHES[version]
+    rb = -(-rows // settings.rows)
+    # v2-v4: one 256-thread block per SM; v1: _V1_BLOCKS_PER_SM
+    slots = n_sm * (_V1_BLOCKS_PER_SM if version == 1 else 1)
+    nsplit, chunk = split_plan(bsz, rb, width, settings.keys, slots)
+    fn = loader.get_function(settings.stem, f"tree_verify_v{version}_prefix_{kind}")
+    loader.set_max_dynamic_shared(fn, settings.smem)
+    block, smem = settings.threads, settings.smem
     parts = cupy.empty((bsz, nsplit, rows, KV_LORA_RANK), dtype=cupy.float32)  # [B, nsplit, Q*H, 512]
     plse = cupy.empty((bsz, nsplit, rows), dtype=cupy.float32)  # [B, nsplit, Q*H]
     fn(
@@ -456,35 +509,38 @@ def _launch_combine(parts, plse, rows_per_batch, extra=None, extra_lse=None):
     return out, lse
 
 
-def _check_workspace(workspace, impl):
-    if workspace is not None and impl != WGMMA:
-        raise ValueError(f"workspace buffers serve impl 'wgmma' only, the call runs {impl!r}")
+def _check_workspace(workspace, version: int):
+    if workspace is not None and version != 5:
+        raise ValueError(f"workspace buffers serve version 5 ('wgmma') only, the call runs version {version}")
     if workspace is not None and not isinstance(workspace, VerifyWorkspace):
         raise ValueError(f"workspace must come from make_workspace, got {type(workspace).__name__}")
 
 
 def prefix_attention(q, kv_cache, page_table, prefix_lens, softmax_scale, kv_lora_rank: int = KV_LORA_RANK, *,
-                     impl: str = "auto", validate: bool = True, workspace: VerifyWorkspace | None = None):
+                     version: int | None = None, validate: bool = True,
+                     workspace: VerifyWorkspace | None = None, impl: str | None = None):
     """Attention of every query over its request's paged latent prefix (page_size 1), split-KV.
 
     Shape: q [B, Q, H, 576], kv_cache [S, 576], page_table [B, P] int, prefix_lens [B] int
     (or the unbatched form). Returns out [B, Q, H, 512] fp32, lse [B, Q, H] fp32 (CuPy).
-    workspace (impl "wgmma" only): buffers from make_workspace; the results are views of it.
+    version: one of VERSIONS, None (the default): by dtype and device (fp32: 1; bf16: DEFAULT_VERSION
+    where it runs). impl: deprecated name of a version (IMPLS). workspace (version 5 only): buffers from
+    make_workspace; the results are views of it.
     """
     _check_rank(kv_lora_rank)
     qa, kind, batched = _check_q(q)
     kv, pt, lens = _check_prefix(qa, kind, kv_cache, page_table, prefix_lens, batched, validate)
     scale = _scale(softmax_scale)
-    impl = _pick_impl(impl, kind)
-    _check_workspace(workspace, impl)
+    version = pick_version(version, impl, kind)
+    _check_workspace(workspace, version)
     if validate:
         _validate_prefix(kv, pt, lens)
     bsz, nq, nh, _ = qa.shape
-    if impl == WGMMA:
+    if version == 5:
         out, lse = _launch_v5(qa, kv, pt, lens, scale, workspace)
         out, lse = out.reshape(bsz, nq, nh, KV_LORA_RANK), lse.reshape(bsz, nq, nh)
         return (out, lse) if batched else (out[0], lse[0])
-    parts, plse = _launch_prefix(qa, kind, kv, pt, lens, scale, impl)
+    parts, plse = _launch_prefix(qa, kind, kv, pt, lens, scale, version)
     if parts.shape[1] == 1:
         out, lse = parts, plse
     else:
@@ -535,31 +591,34 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
 
 
 def tree_verify_attention(q, kv_cache, page_table, prefix_lens, tree_kv, visibility, tree_sizes, softmax_scale,
-                          kv_lora_rank: int = KV_LORA_RANK, *, impl: str = "auto", validate: bool = True,
-                          workspace: VerifyWorkspace | None = None):
+                          kv_lora_rank: int = KV_LORA_RANK, *, version: int | None = None,
+                          validate: bool = True, workspace: VerifyWorkspace | None = None,
+                          impl: str | None = None):
     """The whole verify attention: split-KV prefix + masked tail, merged in one combine launch
-    (impl "wgmma": the tail fused into the prefix kernel).
+    (version 5: the tail fused into the prefix kernel).
 
     Shapes as in the two parts (batched or unbatched). Returns out [B, Q, H, 512] fp32 and the
-    natural-log lse [B, Q, H] fp32 (CuPy); rows >= tree_sizes[b] are NaN. workspace (impl "wgmma"
-    only): buffers from make_workspace; the results are views of it.
+    natural-log lse [B, Q, H] fp32 (CuPy); rows >= tree_sizes[b] are NaN. version: one of VERSIONS,
+    None (the default): by dtype and device (fp32: 1; bf16: DEFAULT_VERSION where it runs). impl:
+    deprecated name of a version (IMPLS). workspace (version 5 only): buffers from make_workspace;
+    the results are views of it.
     """
     _check_rank(kv_lora_rank)
     qa, kind, batched = _check_q(q)
     kv, pt, lens = _check_prefix(qa, kind, kv_cache, page_table, prefix_lens, batched, validate)
     tkv, vis, sizes = _check_tail(qa, kind, tree_kv, visibility, tree_sizes, batched, validate)
     scale = _scale(softmax_scale)
-    impl = _pick_impl(impl, kind)
-    _check_workspace(workspace, impl)
+    version = pick_version(version, impl, kind)
+    _check_workspace(workspace, version)
     if validate:
         _validate_prefix(kv, pt, lens)
         _validate_tail(sizes, qa.shape[1])
     bsz, nq, nh, _ = qa.shape
-    if impl == WGMMA:
+    if version == 5:
         out, lse = _launch_v5(qa, kv, pt, lens, scale, workspace, tail=(tkv, vis, sizes))
         out, lse = out.reshape(bsz, nq, nh, KV_LORA_RANK), lse.reshape(bsz, nq, nh)
         return (out, lse) if batched else (out[0], lse[0])
-    parts, plse = _launch_prefix(qa, kind, kv, pt, lens, scale, impl)
+    parts, plse = _launch_prefix(qa, kind, kv, pt, lens, scale, version)
     t_out, t_lse = _launch_tail(qa, kind, tkv, vis, sizes, scale)
     out, lse = _launch_combine(parts, plse, nq * nh, t_out.reshape(-1, KV_LORA_RANK), t_lse.reshape(-1))
     out, lse = out.reshape(bsz, nq, nh, KV_LORA_RANK), lse.reshape(bsz, nq, nh)

@@ -198,6 +198,16 @@ def launch_bounds(stem: str) -> dict[str, tuple[int, int]]:
     return out
 
 
+def check_version(version, versions: tuple[int, ...], default: int | None) -> int | None:
+    """`version` when it is one of `versions`, `default` when it is None; ValueError otherwise. Every
+    wrapper takes `version: int | None` this way (None: the op's DEFAULT_VERSION or default pick)."""
+    if version is None:
+        return default
+    if isinstance(version, bool) or version not in versions:
+        raise ValueError(f"version must be None or one of {versions}, got {version!r}")
+    return int(version)
+
+
 def get_module(stem: str, *, options: tuple[str, ...] = (), name_expressions: tuple[str, ...] = ()):
     """The compiled `cupy.RawModule` of `kernels/<stem>.cu` for the current device (cached)."""
     import cupy

@@ -1,32 +1,33 @@
 """GPU DDTree builder: `build_tree_batch`, the CUDA twin of `kdlib.ref.tree.build_tree_batch`.
 
-Kernels, one thread block per request (128 threads; 256 for v4), bit-exact with the reference
-(same float64 arithmetic order, same rank-tuple tie-break), padding included:
-  * `tree_build_v4_r{1,2,4}` (`version=4`): the frontier kept sorted across warp 0's lanes, so a
-    pop needs no argmax reduction: both new candidates are placed by two ballots and one
-    per-lane shuffle; only the best (budget - pops done) candidates are kept, at most
+Kernels, one thread block per request (`launch(budget, version).threads`: 128, or 256 for v4),
+bit-exact with the reference (same float64 arithmetic order, same rank-tuple tie-break), padding
+included; `version=None` (the default) runs `DEFAULT_VERSION` = 4:
+  * `tree_build_v4_r{1,2,4}` (`version=4`, the default): the frontier kept sorted across warp 0's
+    lanes, so a pop needs no argmax reduction: both new candidates are placed by two ballots and
+    one per-lane shuffle; only the best (budget - pops done) candidates are kept, at most
     floor((budget + 1) / 2), so one row of 32 lanes up to budget 64, two up to 128, four up to
     256; outputs as in v3, visibility written as 4-byte words;
-  * `tree_build_v3_r{1,3,9}` (default, `version=3`): the frontier in warp 0's registers (R rows
-    of 32 slots, R = 1, 3 or 9 picked from the budget), each slot carrying the log-probs its pop
-    needs; tree lists (LCRS, ancestor masks) built by the whole block after the pops;
+  * `tree_build_v3_r{1,3,9}` (`version=3`): the frontier in warp 0's registers (R rows of 32
+    slots, R = 1, 3 or 9 picked from the budget), each slot carrying the log-probs its pop needs;
+    tree lists (LCRS, ancestor masks) built by the whole block after the pops;
   * `tree_build_v2_r{1,3,9}` (`version=2`): v3 without the carried log-probs (one shared-memory
     round trip more per pop);
   * `tree_build_v1` (`version=1`): the frontier and the lists in shared memory, inside the loop.
 The recorded times (and the CPU reference) are in data/results/kernels.h200.json
-(suite `kdlib.perf.suites.kernels`); the default is the fastest bit-exact version recorded there
-(v4 was written without a GPU: it stays opt-in until a recorded run shows it bit-exact and
-faster). All are latency-bound: one warp runs the dependent chain of every pop (v1-v3: an argmax
-reduction, shuffles, float64 adds, register updates; v4: float64 adds, ballots, one shuffle,
-selects), so a build costs about the same at batch 1 and batch 64. v4 is also checked without a
-device (tests/test_cuda_tree.py: a model of its warp loop and its source run on the host).
+(suite `kdlib.perf.suites.kernels`); the default is the version of its headline, the fastest
+bit-exact one recorded at batch 64 (tests/test_kernel_constants.py checks the two agree). All are
+latency-bound: one warp runs the dependent chain of every pop (v1-v3: an argmax reduction,
+shuffles, float64 adds, register updates; v4: float64 adds, ballots, one shuffle, selects), so a
+build costs about the same at batch 1 and batch 64. v4 is also checked without a device
+(tests/test_cuda_tree.py: a model of its warp loop and its source run on the host).
 
 Limits (ValueError before any launch): budget <= MAX_BUDGET (256), K = min(budget, K') <= 256
 (implied), L_eff = min(L, budget) <= MAX_DEPTH (16): trees deeper than 16 would need a wider
 rank-tuple key. Larger budgets are refused rather than silently degraded. Dynamic shared memory
-per block is `shared_bytes(budget, L_eff, K, version)` (formulas in the .cu files; at the limits
-42,084 B for v1, 39,000 B for v2, 55,384 B for v3, 63,592 B for v4; v3 and v4 opt in above the
-default 48 KB).
+per block is `shared_bytes(budget, L_eff, K, version)` (the formulas stated in the .cu files, which
+tests/test_kernel_constants.py evaluates against it; at the limits 42,084 B for v1, 39,000 B for v2,
+55,384 B for v3, 63,592 B for v4; v3 and v4 opt in above the default 48 KB).
 
 Value checks (finite, descending rows, distinct ids, ids in the vocabulary) need the data on
 the host or a device reduction plus a synchronisation, so they run only with
@@ -36,6 +37,7 @@ the host or a device reduction plus a synchronisation, so they run only with
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -47,28 +49,46 @@ MAX_DEPTH = 16  # 16 rank bytes in the 128-bit rank-tuple key
 THREADS = 128  # TB_THREADS / TB2_THREADS / TB3_THREADS in kernels/tree_build/v{1,2,3}.cu
 V4_THREADS = 256  # TB4_THREADS in kernels/tree_build/v4.cu
 VERSIONS = (1, 2, 3, 4)
-# the fastest bit-exact version in data/results/kernels.h200.json (24.9 µs vs v3 32.8 µs at batch 64)
-DEFAULT_VERSION = 4
+DEFAULT_VERSION = 4  # the headline version of data/results/kernels.h200.json: the fastest bit-exact one
 V2_ROWS = (1, 3, 9)  # register rows of tree_build_v{2,3}_r{R}: budget + 1 <= 32 R
 V4_ROWS = (1, 2, 4)  # frontier rows of tree_build_v4_r{R}: floor((budget + 1) / 2) <= 32 R
 V4_TABLE_CELLS = 18 * 256  # LPS_ROWS * LPS_STRIDE in kernels/tree_build/v4.cu (indices by shifts)
 
 
-def kernel_name(budget: int, version: int = DEFAULT_VERSION) -> tuple[str, str]:
-    """(stem, kernel name) that builds trees of this budget, e.g. ("tree_build/v4", "tree_build_v4_r4")."""
+@dataclass(frozen=True)
+class TreeLaunch:
+    """How one version builds trees of one budget: loader stem, kernel name, threads per block."""
+
+    version: int
+    stem: str
+    kernel: str
+    threads: int
+
+
+def launch(budget: int, version: int | None = None) -> TreeLaunch:
+    """The launch settings of `version` (None: DEFAULT_VERSION) at this budget, e.g.
+    TreeLaunch(4, "tree_build/v4", "tree_build_v4_r1", 256) at budget 64."""
+    version = loader.check_version(version, VERSIONS, DEFAULT_VERSION)
     if version == 1:
-        return ("tree_build/v1", "tree_build_v1")
+        return TreeLaunch(1, "tree_build/v1", "tree_build_v1", THREADS)
     if version in (2, 3):
         rows = next(r for r in V2_ROWS if budget + 1 <= 32 * r)
-        return (f"tree_build/v{version}", f"tree_build_v{version}_r{rows}")
-    if version == 4:
-        rows = next(r for r in V4_ROWS if (budget + 1) // 2 <= 32 * r)
-        return ("tree_build/v4", f"tree_build_v4_r{rows}")
-    raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
+        return TreeLaunch(version, f"tree_build/v{version}", f"tree_build_v{version}_r{rows}", THREADS)
+    rows = next(r for r in V4_ROWS if (budget + 1) // 2 <= 32 * r)
+    return TreeLaunch(4, "tree_build/v4", f"tree_build_v4_r{rows}", V4_THREADS)
 
 
-def shared_bytes(budget: int, l_eff: int, k: int, version: int = DEFAULT_VERSION) -> int:
-    """Dynamic shared memory of one block (see the layout comments in tree_build/v{1,2,3,4}.cu)."""
+def kernel_name(budget: int, version: int | None = None) -> tuple[str, str]:
+    """(stem, kernel name) that builds trees of this budget, e.g. ("tree_build/v4", "tree_build_v4_r4");
+    version None: DEFAULT_VERSION."""
+    settings = launch(budget, version)
+    return settings.stem, settings.kernel
+
+
+def shared_bytes(budget: int, l_eff: int, k: int, version: int | None = None) -> int:
+    """Dynamic shared memory of one block (see the layout comments in tree_build/v{1,2,3,4}.cu);
+    version None: DEFAULT_VERSION."""
+    version = loader.check_version(version, VERSIONS, DEFAULT_VERSION)
     s = budget + 1
     w = (s + 31) // 32
     if version == 1:
@@ -170,7 +190,7 @@ def build_tree_batch(
     *,
     check_values: bool = False,
     out=None,
-    version: int = DEFAULT_VERSION,
+    version: int | None = None,
 ) -> DDTreeBatch:
     """Build B DDTrees on the GPU, padded to budget + 1 slots (see `kdlib.ref.tree.DDTreeBatch`).
 
@@ -179,10 +199,10 @@ def build_tree_batch(
     bit-identical to `kdlib.ref.tree.build_tree_batch` on the same inputs.
     check_values: also run the reference's value checks on the device (one host sync).
     out: an `empty_batch(B, budget)` to write into (no allocation; graph capture).
-    version: the kernel generation (1 to 4; default DEFAULT_VERSION); all give identical results.
+    version: the kernel version, one of VERSIONS (None: DEFAULT_VERSION, v4); all give identical results.
     """
     budget = _check_budget(budget)
-    kernel = kernel_name(budget, version)
+    settings = launch(budget, version)
     ids = loader.as_cupy(top_token_ids)
     lp = loader.as_cupy(top_log_probs)
     for name, a, dtype in (("top_token_ids", ids, np.int64), ("top_log_probs", lp, np.float32)):
@@ -217,12 +237,12 @@ def build_tree_batch(
 
     ids = cupy.ascontiguousarray(ids)
     lp = cupy.ascontiguousarray(lp)
-    fn = loader.get_function(*kernel)
-    smem = shared_bytes(budget, l_eff, k, version)
+    fn = loader.get_function(settings.stem, settings.kernel)
+    smem = shared_bytes(budget, l_eff, k, settings.version)
     loader.set_max_dynamic_shared(fn, smem)
     i32 = np.int32
     fn(
-        (bsz,), (V4_THREADS if version == 4 else THREADS,),
+        (bsz,), (settings.threads,),
         (ids, lp, i32(depth), i32(kp), i32(k), i32(l_eff), i32(budget),
          out.sizes, out.node_token_ids, out.node_depths, out.parents, out.visibility,
          out.next_token, out.next_sibling, out.positions, out.scores),
