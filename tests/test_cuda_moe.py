@@ -203,9 +203,10 @@ def test_kernel_matches_reference(E, K, N, M, k, variant, version):
     name = f"moe_w4a16 v{version} E{E} K{K} N{N} M{M} top{k}"
     check.assert_close(run(version=version), ref, rtol=5e-3, name=name)
     if variant == "n8" and version in (1, 2):   # the other gate/up block shapes compute the same
-        others = [{"gate_up_warps": 8}] if version == 1 else [{"gate_up_warps": 16}, {"k_interleave": True}]
-        for kw in others:
-            check.assert_close(run(version=version, **kw), ref, rtol=5e-3, name=f"{name} {kw}")
+        others = [moe.V1Settings(8)] if version == 1 else [moe.V2Settings(16),
+                                                            moe.V2Settings(k_interleave=True)]
+        for settings in others:
+            check.assert_close(run(settings=settings), ref, rtol=5e-3, name=f"{name} {settings}")
 
 
 @pytest.mark.gpu
@@ -245,7 +246,7 @@ def test_kernel_accepts_torch_bf16_and_rejects_bad_input(version):
         moe.moe_w4a16(cp.zeros((M, K), cp.float32), packed, routing)
     with pytest.raises(ValueError, match="gate_up_warps"):
         moe.moe_w4a16(x, packed, routing, gate_up_warps=4, version=version)
-    with pytest.raises(ValueError, match="version must be None, 1, 2 or 3"):
+    with pytest.raises(ValueError, match="version must be None or one of"):
         moe.moe_w4a16(x, packed, routing, version=4)
     with pytest.raises(ValueError, match="k_interleave"):
         moe.moe_w4a16(x, packed, routing, version=version, gate_up_warps=16, k_interleave=True)
@@ -978,3 +979,33 @@ def test_v3_kernel_fits_the_launch_shape_the_wrapper_assumes(arch):
     assert moe.v3_shape(h200)["blocks_per_sm"] == 2
     small = {"sms": 1, "smem_block": 99 * 1024, "smem_sm": 100 * 1024, "smem_reserved": 1024}
     assert moe.v3_shape(small)["blocks_per_sm"] == 1
+
+
+def test_launch_settings_name_versions_and_keep_the_old_keywords():
+    """Settings objects name their version; the deprecated keywords build the same objects (no device)."""
+    V1, V2, V3 = moe.V1Settings, moe.V2Settings, moe.V3Settings
+    assert moe.VERSIONS == tuple(moe.SETTINGS) == (1, 2, 3)
+    assert moe.launch_settings() == (None, None)
+    assert moe.launch_settings(2) == (2, None)
+    assert moe.launch_settings(settings=V3(parts=2)) == (3, V3(parts=2))
+    assert moe.launch_settings(2, V2(16)) == (2, V2(16))
+    # the old keywords: gate_up_warps / k_interleave imply 2, parts / down_batch imply 3
+    assert moe.launch_settings(gate_up_warps=16) == (2, V2(16))
+    assert moe.launch_settings(k_interleave=True) == (2, V2(k_interleave=True))
+    assert moe.launch_settings(parts=4) == (3, V3(parts=4))
+    assert moe.launch_settings(3, down_batch=8) == (3, V3(down_batch=8))
+    assert moe.launch_settings(1, gate_up_warps=8) == (1, V1(8))
+    for kwargs, match in (
+        ({"version": 4}, "version must be None or one of"),
+        ({"version": 1, "settings": V2()}, "version 2's"),
+        ({"settings": V2(), "parts": 2}, "not both"),
+        ({"settings": {"parts": 2}}, "V1Settings, V2Settings or V3Settings"),
+        ({"settings": V1(4)}, "gate_up_warps must be 8 or 16"),
+        ({"gate_up_warps": 4}, "gate_up_warps must be 8 or 16"),
+        ({"version": 3, "gate_up_warps": 8}, "version 3 has one block shape"),
+        ({"version": 2, "parts": 2}, "parts and down_batch apply"),
+        ({"version": 1, "k_interleave": True}, "k_interleave needs"),
+        ({"settings": V2(16, True)}, "k_interleave needs"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            moe.launch_settings(**kwargs)

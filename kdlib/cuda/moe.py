@@ -24,10 +24,11 @@ The reference lives here rather than in `kdlib.ref` because its only twin is thi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
-from kdlib.cuda.loader import as_cupy, get_function, is_torch, set_max_dynamic_shared
+from kdlib.cuda.loader import as_cupy, check_version, get_function, is_torch, set_max_dynamic_shared
 
 GROUP = 32          # reduction elements per scale (the kernel reads one scale per lane per chunk)
 TILE_ROWS = 16      # mma m16: rows per tile
@@ -462,46 +463,116 @@ def v2_applies(routing: Routing, n_inter: int) -> bool:
     return routing.max_count <= _V2_MAX_SLOTS and n_inter <= _V2_MAX_N
 
 
+@dataclass(frozen=True)
+class V1Settings:
+    """Version 1's launch choice: the gate/up block of the decode regime's n8 kernels, 16 or 8 warps."""
+
+    version: ClassVar[int] = 1
+    gate_up_warps: int = 16
+
+
+@dataclass(frozen=True)
+class V2Settings:
+    """Version 2's launch choices: the gate/up block, 8 warps (None: 8; version 1's 16 where v2 runs v1's
+    kernels) or 16; k_interleave=True (8 warps only) deals the K chunks to the warps round-robin."""
+
+    version: ClassVar[int] = 2
+    gate_up_warps: int | None = None
+    k_interleave: bool = False
+
+
+@dataclass(frozen=True)
+class V3Settings:
+    """Version 3's launch choices: K parts per gate/up item (None: `v3_parts`) and down items per take
+    (None: `v3_down_batch`); see `launch_v3`."""
+
+    version: ClassVar[int] = 3
+    parts: int | None = None
+    down_batch: int | None = None
+
+
+VERSIONS = (1, 2, 3)
+SETTINGS = {1: V1Settings, 2: V2Settings, 3: V3Settings}
+# No fixed default: version None runs `default_version(routing, N)`, picked per call from the routing
+# (tests/test_kernel_constants.py checks the pick against data/results/moe.h200.json).
+DEFAULT_VERSION = None
+
+
+def launch_settings(version: int | None = None, settings=None, *, gate_up_warps: int | None = None,
+                    k_interleave: bool = False, parts: int | None = None, down_batch: int | None = None):
+    """(version or None, settings or None) for `moe_w4a16`'s arguments, checked (ValueError).
+
+    `settings` (a V1Settings / V2Settings / V3Settings) names its version; the deprecated keywords build
+    one: gate_up_warps / k_interleave imply version 2 and parts / down_batch version 3 when version is
+    None. None, None: `moe_w4a16` picks `default_version` and its default settings.
+    """
+    version = check_version(version, VERSIONS, None)
+    old = gate_up_warps is not None or k_interleave or parts is not None or down_batch is not None
+    if settings is not None:
+        if old:
+            raise ValueError("give settings or the deprecated keywords (gate_up_warps, k_interleave, parts, "
+                             "down_batch), not both")
+        if not isinstance(settings, tuple(SETTINGS.values())):
+            raise ValueError(f"settings must be a V1Settings, V2Settings or V3Settings, got {settings!r}")
+        if version not in (None, settings.version):
+            raise ValueError(f"settings {settings!r} are version {settings.version}'s, the call asks for "
+                             f"version {version}")
+        version = settings.version
+        gate_up_warps = getattr(settings, "gate_up_warps", None)
+        k_interleave = getattr(settings, "k_interleave", False)
+    elif old:
+        if version == 3 and (gate_up_warps is not None or k_interleave):
+            raise ValueError("version 3 has one block shape: gate_up_warps and k_interleave do not apply")
+        if (parts is not None or down_batch is not None) and version not in (None, 3):
+            raise ValueError("parts and down_batch apply to version 3 only")
+        if version is None:
+            version = 2 if gate_up_warps is not None or k_interleave else 3
+        settings = {1: lambda: V1Settings(16 if gate_up_warps is None else gate_up_warps),
+                    2: lambda: V2Settings(gate_up_warps, k_interleave),
+                    3: lambda: V3Settings(parts, down_batch)}[version]()
+    if gate_up_warps not in (None, 8, 16):
+        raise ValueError(f"gate_up_warps must be 8 or 16, got {gate_up_warps}")
+    if k_interleave and (version != 2 or gate_up_warps == 16):
+        raise ValueError("k_interleave needs version=2 and the 8-warp gate/up block")
+    return version, settings
+
+
 def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool = False,
-              gate_up_warps: int | None = None, version: int | None = None, k_interleave: bool = False,
-              workspace=None, parts: int | None = None, down_batch: int | None = None):
+              version: int | None = None, settings=None, workspace=None, gate_up_warps: int | None = None,
+              k_interleave: bool = False, parts: int | None = None, down_batch: int | None = None):
     """y = MoE(x) with INT4 experts.
 
     Shape: x [M, K] bf16 (torch bf16 or CuPy uint16 bits); packed = `upload(pack_moe(w))`;
     returns y [M, K] float32 (CuPy). `out` (float32 [M, K]) and `h` (uint16 [M * topk, N]) may be
     given to avoid allocations; `out` is overwritten. sync=True synchronizes after each launch.
 
+    version: one of VERSIONS, or None (the default): `default_version` picks per call, 3 or 2 in the
+    decode regime by `pick_version` (3 where it was faster on the H200: many active experts; 2 at few
+    tokens, and wherever v3's block does not fit), 1 above it. settings: the chosen version's launch
+    choices (`V1Settings`, `V2Settings`, `V3Settings`; it names its version, so version may be left
+    None); None: that version's defaults. The keywords gate_up_warps, k_interleave, parts and
+    down_batch are deprecated aliases of the settings' fields (`launch_settings`; with version None,
+    gate_up_warps or k_interleave mean version 2, parts or down_batch version 3).
+
     version 1 (`kernels/moe_w4a16/v1.cu`): y.fill(0), gate/up + SwiGLU launch, down + weighted
-    combine launch; gate_up_warps 16 (default) or 8 picks the gate/up block in the decode regime.
-    version None (the default): version 3 or 2 in the decode regime, by `pick_version` (3 where it
-    was faster on the H200: many active experts; 2 at few tokens, and wherever v3's block does not
-    fit), version 1's kernels above; 2 when gate_up_warps or k_interleave is given, 3 when parts or
-    down_batch is.
+    combine launch; `V1Settings.gate_up_warps` 16 (default) or 8 picks the gate/up block in the decode
+    regime.
     version 2 (replayed from CUDA graphs, as fast as version 1 or faster at every M <= 64 on the
     H200 and the same kernels above, see `kdlib.perf.load("moe")`; `kernels/moe_w4a16/v2.cu`,
     decode regime: every expert has <= 8 slots, N <= 256): two persistent launches streaming the
-    weights through per-warp cp.async rings, y zeroed inside the gate/up launch; gate_up_warps 8
-    (default: two 256-thread blocks per SM on an H200, one on a 100 KB part) or 16 (one 512-thread
-    block per SM, H100/H200 class only); k_interleave=True (8 warps only) deals the K chunks to the
-    warps round-robin instead of in contiguous ranges.
+    weights through per-warp cp.async rings, y zeroed inside the gate/up launch; `V2Settings`:
+    gate_up_warps 8 (default: two 256-thread blocks per SM on an H200, one on a 100 KB part) or 16
+    (one 512-thread block per SM, H100/H200 class only); k_interleave=True (8 warps only) deals the K
+    chunks to the warps round-robin instead of in contiguous ranges.
     Outside its regime version 2 runs version 1's kernels.
     version 3 (`kernels/moe_w4a16/v3.cu`, the same regime): one launch of independent warps taking
-    gate/up items (K split in parts when there are few tile pairs) and then down batches from
-    global counters, down waiting per expert for its h; `workspace` = (int32 counters, float32
+    gate/up items (K split in `V3Settings.parts` when there are few tile pairs) and then down batches
+    from global counters, down waiting per expert for its h; `workspace` = (int32 counters, float32
     scratch), zero, by default one per device and shape (`v3_workspace`). Outside its regime
     version 3 runs version 1's kernels too.
     """
-    if version not in (None, 1, 2, 3):
-        raise ValueError(f"version must be None, 1, 2 or 3, got {version!r}")
-    if version == 3 and (gate_up_warps is not None or k_interleave):
-        raise ValueError("version 3 has one block shape: gate_up_warps and k_interleave do not apply")
-    v3_args = parts is not None or down_batch is not None
-    if v3_args and version not in (None, 3):
-        raise ValueError("parts and down_batch apply to version 3 only")
-    if gate_up_warps not in (None, 8, 16):
-        raise ValueError(f"gate_up_warps must be 8 or 16, got {gate_up_warps}")
-    if k_interleave and (version != 2 or gate_up_warps == 16):
-        raise ValueError("k_interleave needs version=2 and the 8-warp gate/up block")
+    version, settings = launch_settings(version, settings, gate_up_warps=gate_up_warps,
+                                        k_interleave=k_interleave, parts=parts, down_batch=down_batch)
     import cupy as cp
 
     xb = _bf16_bits_cupy(x, "x")
@@ -531,26 +602,22 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
     elif h.shape != (S, N) or h.dtype != cp.uint16 or not h.flags.c_contiguous:
         raise ValueError(f"h must be contiguous uint16 [{S}, {N}]")
     if version is None:
-        if gate_up_warps is not None or k_interleave:
-            version = 2
-        elif v3_args:
-            version = 3
-        else:
-            version = default_version(routing, N)
+        version = default_version(routing, N)
+    if settings is None:
+        settings = SETTINGS[version]()
     if version == 3 and v2_applies(routing, N) and KC >= 3:   # the ring runs 3 chunks ahead
-        launch_v3(xb, packed, routing, out, h, workspace=workspace, parts=parts, down_batch=down_batch)
+        launch_v3(xb, packed, routing, out, h, workspace=workspace, parts=settings.parts,
+                  down_batch=settings.down_batch)
         _check(sync, "v3 launch")
     elif version == 2 and v2_applies(routing, N):
-        launch_v2_gate_up(
-            xb, packed, routing, out, h, gate_up_warps=gate_up_warps or 8, k_interleave=k_interleave
-        )
+        launch_v2_gate_up(xb, packed, routing, out, h, gate_up_warps=settings.gate_up_warps or 8,
+                          k_interleave=settings.k_interleave)
         _check(sync, "v2 gate_up launch")
         launch_v2_down(packed, routing, out, h)
         _check(sync, "v2 down launch")
     else:
-        _launch_v1(
-            xb, w1, s1, w2, s2, routing, out, h, K, N, 16 if gate_up_warps is None else gate_up_warps, sync
-        )
+        warps = getattr(settings, "gate_up_warps", None) or 16   # v3's fallback, and v2's without a choice
+        _launch_v1(xb, w1, s1, w2, s2, routing, out, h, K, N, warps, sync)
     return out
 
 
