@@ -5,12 +5,13 @@ the sources by `kdlib.cuda.loader.source_constants` / `launch_bounds`; no GPU an
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
 import pytest
 
-from kdlib import KERNELS
+from kdlib import DATA, KERNELS
 from kdlib.cuda import accept, attention, compact, loader, moe, tree
 from kdlib.ref import accept as ref_accept
 
@@ -27,7 +28,7 @@ def kernel_body(stem: str, kernel: str) -> str:
     for i in range(start, len(text)):
         depth += {"{": 1, "}": -1}.get(text[i], 0)
         if depth == 0:
-            return text[start:i + 1]
+            return text[start : i + 1]
     raise AssertionError(f"unbalanced braces in {kernel}")
 
 
@@ -50,7 +51,7 @@ def test_source_constants_of_a_file(tmp_path, monkeypatch):
         "#define N 4  // four\n#define BYTES (N * 16)\n#define SCALE 0.5f\n#define MAC(x) (x)\n"
         "constexpr int kA = 2, kB = kA * N;\n"
         "template <> struct U<float> { static constexpr int value = 8; };\n"
-        '#define TWICE 1\n#undef TWICE\n#define TWICE 2\n'
+        "#define TWICE 1\n#undef TWICE\n#define TWICE 2\n"
         'extern "C" __global__ void __launch_bounds__(BYTES, kA) k_v1(int n) {}\n'
     )
     monkeypatch.setattr(loader, "KERNELS", tmp_path)
@@ -63,7 +64,9 @@ def test_source_constants_of_a_file(tmp_path, monkeypatch):
 def _smem_formula(stem: str) -> str:
     """The dynamic shared-memory formula the .cu header states (S = budget + 1, W = ceil(S / 32))."""
     text = (KERNELS / f"{stem}.cu").read_text()
-    m = re.search(r"Dynamic shared memory \(bytes\), S = budget \+ 1, W = ceil\(S / 32\):\n//\s+([^(\n]+)", text)
+    m = re.search(
+        r"Dynamic shared memory \(bytes\), S = budget \+ 1, W = ceil\(S / 32\):\n//\s+([^(\n]+)", text
+    )
     assert m, f"{stem}.cu states no shared-memory formula"
     return m.group(1).strip()
 
@@ -77,7 +80,11 @@ def test_tree_shared_bytes_is_the_formula_of_the_kernel_source(version):
             s = budget + 1
             env = {**names, "S": s, "W": -(-s // 32), "L_eff": l_eff, "K": k}
             assert tree.shared_bytes(budget, l_eff, k, version) == loader.int_expression(formula, env), (
-                version, budget, l_eff, k)
+                version,
+                budget,
+                l_eff,
+                k,
+            )
 
 
 def test_tree_threads_tables_and_rows_match_the_sources():
@@ -103,11 +110,16 @@ def test_accept_thread_counts_match_the_sources():
     assert accept.GREEDY_THREADS == consts("tree_accept/greedy_v1")["TA_THREADS"]
     assert set(loader.launch_bounds("tree_accept/greedy_v1").values()) == {(accept.GREEDY_THREADS, 0)}
     for version in (1, 2):
-        assert set(loader.launch_bounds(f"tree_accept/sample_v{version}").values()) == {(accept.ROW_THREADS, 0)}
+        assert set(loader.launch_bounds(f"tree_accept/sample_v{version}").values()) == {
+            (accept.ROW_THREADS, 0)
+        }
     v3 = consts("tree_accept/sample_v3")
     # the offline default of the -D options equals what the wrapper passes (kdlib.ref.accept)
     assert (v3["TA3_THREADS"], v3["TA3_PIECE"]) == (ref_accept.SAMPLE_THREADS, ref_accept.SAMPLE_PIECE)
-    assert accept.sample_options(3) == (f"-DTA3_THREADS={v3['TA3_THREADS']}", f"-DTA3_PIECE={v3['TA3_PIECE']}")
+    assert accept.sample_options(3) == (
+        f"-DTA3_THREADS={v3['TA3_THREADS']}",
+        f"-DTA3_PIECE={v3['TA3_PIECE']}",
+    )
 
 
 def test_compact_threads_match_the_source():
@@ -122,7 +134,7 @@ def test_moe_v1_launch_constants_match_the_source():
     assert moe._V1_DOWN_TILES_PER_BLOCK == c["kWarps"] * c["kDownTilesPerWarp"]
     bounds = loader.launch_bounds("moe_w4a16/v1")
     assert bounds["moe_w4a16_v1_gate_up_n8"][0] == 32 * 16 == c["kThreadsN8"]  # gate_up_warps 16
-    assert bounds["moe_w4a16_v1_gate_up_n8w8"][0] == 32 * 8                      # gate_up_warps 8
+    assert bounds["moe_w4a16_v1_gate_up_n8w8"][0] == 32 * 8  # gate_up_warps 8
     assert {t for name, (t, _) in bounds.items() if name != "moe_w4a16_v1_gate_up_n8"} == {moe._V1_THREADS}
 
 
@@ -138,7 +150,11 @@ def test_moe_v2_blocks_match_the_source():
             body = kernel_body("moe_w4a16/v2", name)
             args = re.search(r"gate_up_body<(\d+), (\d+), (?:true|false)>", body).groups()
             assert tuple(map(int, args)) == (warps, stages)
-            red = tuple(map(int, re.search(r"__shared__ float red\[(\d+)\]\[(\d+)\]\[(\d+)\]\[(\d+)\]", body).groups()))
+            red = tuple(
+                map(
+                    int, re.search(r"__shared__ float red\[(\d+)\]\[(\d+)\]\[(\d+)\]\[(\d+)\]", body).groups()
+                )
+            )
             assert red[1] == warps and 4 * math.prod(red) == warps * moe._V2_RED_BYTES_PER_WARP
         assert moe.v2_gate_up_shape(warps, roomy)["blocks_per_sm"] == min_blocks
     assert moe._V2_STAGE_BYTES_GATE_UP == 16 * c["kGuStageVec"] + 4 * c["kGuStageWords"]
@@ -153,7 +169,9 @@ def test_moe_v3_block_matches_the_source():
     assert loader.launch_bounds("moe_w4a16/v3") == {"moe_w4a16_v3": (moe._V3_THREADS, moe._V3_MIN_BLOCKS)}
     assert moe._V3_THREADS == 32 * c["kWarps"]
     stages = int(re.search(r"moe_v3_body<(\d+)>", kernel_body("moe_w4a16/v3", "moe_w4a16_v3")).group(1))
-    assert (moe._V3_STAGES, moe._V3_STAGE_BYTES) == (stages, 16 * c["kStageVec"]) == (stages, c["kStageBytes"])
+    assert (
+        (moe._V3_STAGES, moe._V3_STAGE_BYTES) == (stages, 16 * c["kStageVec"]) == (stages, c["kStageBytes"])
+    )
     assert moe._V3_DYN_SMEM == c["kWarps"] * stages * c["kStageBytes"]
     assert moe._V3_LINE == c["kLine"] and c["kWsReady"] == 4 * c["kLine"]  # 4 counter lines, then ready flags
     assert moe._V2_MAX_N == c["kDownMaxChunks"] * moe.CHUNK_COLS
@@ -164,20 +182,33 @@ def test_attention_v1_constants_match_the_sources():
     for stem in ("tree_verify/prefix_v1", "tree_verify/tail_v1"):
         c = consts(stem)
         assert (c["D_QK"], c["D_V"], c["ROWS"], c["KCHUNK"]) == (
-            attention.D_QK, attention.KV_LORA_RANK, attention._V1_ROWS, attention._V1_KCHUNK)
+            attention.D_QK,
+            attention.KV_LORA_RANK,
+            attention._V1_ROWS,
+            attention._V1_KCHUNK,
+        )
         assert set(loader.launch_bounds(stem).values()) == {(32 * attention._V1_ROWS, 0)}
     assert consts("tree_verify/combine_v1")["D_V"] == attention.KV_LORA_RANK
-    assert loader.launch_bounds("tree_verify/combine_v1") == {"tree_verify_v1_combine": (attention._COMBINE_THREADS, 0)}
+    assert loader.launch_bounds("tree_verify/combine_v1") == {
+        "tree_verify_v1_combine": (attention._COMBINE_THREADS, 0)
+    }
 
 
 @pytest.mark.parametrize("name", sorted(attention.MMA_VERSIONS))
 def test_attention_mma_constants_match_the_sources(name):
     stem, smem = attention.MMA_VERSIONS[name]
     c = consts(stem)
-    assert (c["D_QK"], c["D_V"], c["BM"], c["BN"]) == (attention.D_QK, attention.KV_LORA_RANK, attention._MMA_BM,
-                                                       attention._MMA_BN)
-    assert (c["Q_SMEM"], c["K_SMEM"], c["X_SMEM"]) == (attention._MMA_Q_SMEM, attention._MMA_K_SMEM,
-                                                       attention._MMA_X_SMEM)
+    assert (c["D_QK"], c["D_V"], c["BM"], c["BN"]) == (
+        attention.D_QK,
+        attention.KV_LORA_RANK,
+        attention._MMA_BM,
+        attention._MMA_BN,
+    )
+    assert (c["Q_SMEM"], c["K_SMEM"], c["X_SMEM"]) == (
+        attention._MMA_Q_SMEM,
+        attention._MMA_K_SMEM,
+        attention._MMA_X_SMEM,
+    )
     assert smem == c["SMEM_BYTES"]
     assert set(loader.launch_bounds(stem).values()) == {(attention._MMA_THREADS, 1)} and c["NTHREADS"] == 256
 
@@ -187,8 +218,12 @@ def test_attention_wgmma_constants_match_the_source():
     assert (c["D_QK"], c["D_V"]) == (attention.D_QK, attention.KV_LORA_RANK)
     assert c["SMEM_BYTES"] == attention._V5_SMEM
     assert (c["BM"], c["BN"], c["MAX_ROUNDS"], c["JOB_OVERHEAD"], c["PLAN_STRIDE"]) == (
-        attention._V5_BM, attention._V5_BN, attention._V5_ROUNDS, attention._V5_JOB_OVERHEAD,
-        attention._V5_PLAN_STRIDE)
+        attention._V5_BM,
+        attention._V5_BN,
+        attention._V5_ROUNDS,
+        attention._V5_JOB_OVERHEAD,
+        attention._V5_PLAN_STRIDE,
+    )
     assert loader.launch_bounds(attention._V5) == {
         "tree_verify_v5_plan": (attention._V5_THREADS, 0),
         "tree_verify_v5_attend": (attention._V5_THREADS, 1),
@@ -209,3 +244,58 @@ def test_attention_launches_name_kernels_of_their_sources(version):
     else:
         assert bounds["tree_verify_v5_attend"][0] == settings.threads
     assert attention.IMPLS[settings.impl] == version
+
+
+# ----------------------------------------------------------------------------- defaults against the records
+def _record(name: str) -> dict:
+    return json.loads((DATA / "results" / f"{name}.h200.json").read_text())
+
+
+def test_tree_default_is_the_recorded_headline():
+    """DEFAULT_VERSION is kernels.h200.json's headline: bit-exact, and the fastest version at its batch."""
+    rec = _record("kernels")
+    head = rec["headline"]
+    assert head["version"] == tree.DEFAULT_VERSION and head["bit_exact"]
+    assert head["kernel"] == tree.kernel_name(rec["parameters"]["budget"])[1]
+    at_batch = [r for r in rec["tree_build"] if r["batch"] == head["batch"]]
+    assert {r["version"] for r in at_batch} == set(rec["parameters"]["tree_versions"])
+    fastest = min(at_batch, key=lambda r: r["kernel_us"])
+    assert fastest["version"] == tree.DEFAULT_VERSION and fastest["kernel_us"] == head["kernel_us"]
+
+
+def test_attention_bf16_default_is_the_faster_at_every_recorded_point():
+    rec = _record("attention")
+    assert attention.LAUNCHES[attention.DEFAULT_VERSION].impl == attention.BF16_DEFAULT
+    assert set(rec["parameters"]["impls"]) == {attention.BF16_DEFAULT, attention.MMA_DEFAULT}
+    assert rec["points"]
+    for p in rec["points"]:
+        ms = {impl: v["kernel"]["median_ms"] for impl, v in p["variants"].items()}
+        assert min(ms, key=ms.get) == attention.BF16_DEFAULT, (p["heads"], p["queries"], p["batch"], ms)
+
+
+def test_attention_mma_default_is_the_faster_mma_in_the_recorded_sweep():
+    """MMA_DEFAULT (v3) against v4 in verify_attention_dev.h200.json: faster at the median point ratio."""
+    rec, mma = _record("verify_attention_dev"), attention.MMA_DEFAULT
+    ratios = [
+        p["variants"]["mma_v4"]["kernel"]["median_ms"] / p["variants"][mma]["kernel"]["median_ms"]
+        for p in rec["points"]
+        if {"mma_v4", mma} <= set(p["variants"])
+    ]
+    assert ratios and sorted(ratios)[len(ratios) // 2] >= 1.0
+
+
+def test_moe_default_pick_is_the_faster_recorded_version():
+    """default_version's rule (pick_version on the H200's v3 grid) reproduces the version moe.h200.json
+    recorded for every decode-regime row, and that version was the faster of v2 and v3 there."""
+    rec = _record("moe")
+    inter = rec["params"]["expert_inter_tp8"]
+    _, min_blocks = loader.launch_bounds("moe_w4a16/v3")["moe_w4a16_v3"]
+    warps = rec["provenance"]["sm_count"] * min_blocks * moe._V3_THREADS // 32  # the grid on the H200
+    decode = [r for r in rec["rows"] if r["max_tokens_per_expert"] <= moe._V2_MAX_SLOTS]
+    assert decode
+    for r in decode:
+        (picked,) = r["kernel_default_version"]
+        assert picked == moe.pick_version(round(r["touched_experts"] * inter / moe.TILE_ROWS), warps), r["m"]
+        graph = {v: r[f"kernel_v{v}_graph"]["median_ms"] for v in (2, 3)}
+        assert min(graph, key=graph.get) == picked, (r["m"], graph)
+    assert all(r["kernel_default_version"] == [1] for r in rec["rows"] if r["max_tokens_per_expert"] > 16)
