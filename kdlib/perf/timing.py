@@ -263,14 +263,19 @@ def copy_bandwidth(nbytes: int = 1 << 30, *, method: str = "memcpy", warmup: int
     """Device-to-device copy rate of `nbytes` (torch, the current GPU), the copy checked exact.
 
     method "memcpy": `dst.copy_(src)` of uint8, one cudaMemcpyAsync; "kernel": `torch.mul(src, 1.0,
-    out=dst)` of float32 from N(0, 1) (finite and normal, so x * 1 reproduces x bit for bit), one
-    streaming kernel. Bytes moved = 2 x nbytes (read + write); `Bps` = moved / median time."""
+    out=dst)` of float32 in [1, 3] (finite and normal, so x * 1 reproduces x bit for bit), one
+    streaming kernel. Bytes moved = 2 x nbytes (read + write); `Bps` = moved / median time. The data
+    is a fixed non-constant pattern, not drawn from the CUDA generator: a failed graph capture earlier
+    in the process (graph_or_eager's fallback) can leave that generator unusable."""
     import torch
 
     if method == "memcpy":
-        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")  # [nbytes] uint8
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")  # [nbytes] the bytes 0..250 repeating
+        row = torch.arange(251, dtype=torch.uint8, device="cuda")
+        src[: nbytes // 251 * 251].view(-1, 251).copy_(row)
+        src[nbytes // 251 * 251 :] = row[: nbytes % 251]
     elif method == "kernel":
-        src = torch.randn(nbytes // 4, dtype=torch.float32, device="cuda")  # [nbytes / 4] float32
+        src = torch.arange(nbytes // 4, dtype=torch.float32, device="cuda").mul_(0.618).sin_().add_(2.0)  # [nbytes / 4]
     else:
         raise ValueError(f"copy method must be 'memcpy' or 'kernel', got {method!r}")
     dst = torch.empty_like(src)
