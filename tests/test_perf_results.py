@@ -76,31 +76,32 @@ def _at(doc, path):
     return doc
 
 
-def _recorded_before():
-    """{name: text} of data/results/*.json at the commit the migration ran on (skips without git)."""
+def _recorded_at(rev: str) -> dict:
+    """{name: text} of data/results/*.json at commit `rev` (skips without git history)."""
     try:
         names = subprocess.run(["git", "-C", str(results.ROOT), "ls-tree", "--name-only",
-                                f"{mig.MIGRATED_FROM}:data/results"], capture_output=True, text=True, check=True)
+                                f"{rev}:data/results"], capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
-        pytest.skip("the tree travelled without .git: the pre-migration files are not at hand")
+        pytest.skip(f"no git history with {rev}: the migration's before and after are not at hand")
     out = {}
     for name in names.stdout.split():
         if name.endswith(".json"):
-            out[name] = subprocess.run(["git", "-C", str(results.ROOT), "show",
-                                        f"{mig.MIGRATED_FROM}:data/results/{name}"],
+            out[name] = subprocess.run(["git", "-C", str(results.ROOT), "show", f"{rev}:data/results/{name}"],
                                        capture_output=True, text=True, check=True).stdout
     return out
 
 
 def test_migration_keeps_every_number_of_every_recorded_file():
-    before = _recorded_before()
+    """The migration commit (MIGRATED_BY) against the commit it ran on (MIGRATED_FROM), both read from
+    git: files recorded later may hold new measurements, so the working tree is checked only for
+    being at the current schema (the next test)."""
+    before, after = _recorded_at(mig.MIGRATED_FROM), _recorded_at(mig.MIGRATED_BY)
     assert len(before) >= 15
     for name, text in before.items():
         old = json.loads(text)
-        path = results.RESULTS / name
-        new = json.loads(path.read_text())
-        assert new == mig.migrate(old), f"{name}: the recorded file is not the script's output"
-        assert mig.dumps(mig.migrate(new)) == path.read_text(), f"{name}: migrating twice changes it"
+        new = json.loads(after[name])
+        assert new == mig.migrate(old), f"{name}: the migrated file is not the script's output"
+        assert mig.dumps(mig.migrate(new)) == after[name], f"{name}: migrating twice changes it"
         old_numbers = dict(_numbers(old))
         for p, v in old_numbers.items():
             got = _at(new, _migrated_path(p))
@@ -112,6 +113,14 @@ def test_migration_keeps_every_number_of_every_recorded_file():
             if p[-1] == "bytes_per_copy":
                 assert 2 * v == _at(new, (*p[:-1], "bytes_moved"))
         assert new["schema"] == results.SCHEMA
+
+
+def test_every_recorded_file_is_at_the_current_schema():
+    for path in sorted(results.RESULTS.glob("*.json")):
+        text = path.read_text()
+        doc = json.loads(text)
+        assert doc.get("schema") == results.SCHEMA, path.name
+        assert mig.migrate(doc) == doc, f"{path.name}: the migration would still change it"
 
 
 def test_migrate_cli_checks_and_rewrites(tmp_path):

@@ -21,6 +21,7 @@ from kdlib.perf.results import RESULTS, SCHEMA  # noqa: E402
 
 # the commit whose data/results/ the migration was run on (tests/test_perf_results.py reads it back)
 MIGRATED_FROM = "fd61de1"
+MIGRATED_BY = "3b0298c"  # the commit that holds the migrated files
 
 
 def _copy_block(c: dict) -> dict:
