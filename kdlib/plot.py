@@ -54,6 +54,9 @@ def subplots(*args, **kwargs):
     return plt.subplots(*args, **kwargs)
 
 
+HATCHES = (None, "//", "..", "xx")  # stacked segments beyond the palette
+
+
 def color(i: int) -> str:
     """The i-th palette colour (wrapping round); for more than six series use `series_style`."""
     return COLORS[i % len(COLORS)]
@@ -160,7 +163,9 @@ def stacked_bars(ax, labels, parts: dict, ylabel: str, title: str) -> None:
     bottom = np.zeros(len(labels))
     for i, (name, vals) in enumerate(parts.items()):
         vals = np.asarray(vals, dtype=float)
-        ax.bar(labels, vals, bottom=bottom, label=name, color=color(i))
+        # past the six colours a hatch tells a segment from the one of the same colour
+        hatch = HATCHES[(i // len(COLORS)) % len(HATCHES)]
+        ax.bar(labels, vals, bottom=bottom, label=name, color=color(i), hatch=hatch, edgecolor="white")
         bottom += vals
     ax.set(ylabel=ylabel, title=title)
     handles, names = ax.get_legend_handles_labels()

@@ -65,3 +65,11 @@ def test_table_formats_floats_only_and_leaves_the_frame():
     html = plot.table(df, "{:.2f}", caption="times (ms)").to_html()
     assert ">1.23<" in html and ">-<" in html and ">3<" in html and "times (ms)" in html
     assert df["ms"].iloc[0] == 1.23456
+
+
+def test_stacked_bars_tell_every_segment_apart():
+    fig, ax = plot.subplots()
+    parts = {f"part {i}": [1.0, 2.0] for i in range(8)}  # more segments than the palette's six colours
+    plot.stacked_bars(ax, ["a", "b"], parts, "ms", "eight parts")
+    styles = {(tuple(c.patches[0].get_facecolor()), c.patches[0].get_hatch()) for c in ax.containers}
+    assert len(styles) == 8
