@@ -25,10 +25,10 @@ from kdlib.cuda.tree import VERSIONS
 from kdlib.perf.suites import accept as suite
 from kdlib.ref import accept as ref_accept
 from kdlib.ref import tree as ref_tree
+from kdlib.ref.tree import BATCH_FIELDS
 
 POISON_INT = -7777  # never a valid token, index, size or padding value
-FIELDS = ("sizes", "node_token_ids", "node_depths", "parents", "visibility", "next_token", "next_sibling",
-          "positions", "scores")
+FIELDS = BATCH_FIELDS
 
 # (budget, L, K', vocab): the benchmark shape, small and edge budgets, K' > budget, K' = 1 (chain),
 # L > 16 with budget <= 16, and the limits (budget 256, depth 16).

@@ -49,22 +49,12 @@ from pathlib import Path
 import numpy as np
 
 from kdlib import DATA, kdtr, ref
-from kdlib.ref.tree import synthetic_topk
+from kdlib.ref.tree import BATCH_FIELDS, synthetic_topk
 
 GENERATOR = "tools/make_golden.py"
 I64_POISON = np.iinfo(np.int64).max
 I32_POISON = np.iinfo(np.int32).max
-TREE_FIELDS = (
-    "sizes",
-    "node_token_ids",
-    "node_depths",
-    "parents",
-    "visibility",
-    "next_token",
-    "next_sibling",
-    "positions",
-    "scores",
-)
+TREE_FIELDS = BATCH_FIELDS
 TOL_TREE = "bit-exact: every integer/bool tensor equal; scores equal as float64 bytes"
 
 # name -> (seed, B, L, K', budget, input kind). Input kinds: "draft" = synthetic_topk (peaked,

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kdlib.cuda import loader
-from kdlib.ref.tree import DDTreeBatch
+from kdlib.ref.tree import BATCH_FIELDS, DDTreeBatch
 
 MAX_BUDGET = 256  # rank bytes are 8 bits (ranks < K <= budget) and the meta word holds parents < 2**16
 MAX_DEPTH = 16  # 16 rank bytes in the 128-bit rank-tuple key
@@ -164,17 +164,7 @@ def empty_batch(bsz: int, budget: int) -> DDTreeBatch:
 
 def _check_out(out, bsz: int, budget: int) -> None:
     ref = empty_batch(0, budget)
-    for name in (
-        "sizes",
-        "node_token_ids",
-        "node_depths",
-        "parents",
-        "visibility",
-        "next_token",
-        "next_sibling",
-        "positions",
-        "scores",
-    ):
+    for name in BATCH_FIELDS:
         a, r = getattr(out, name), getattr(ref, name)
         want = (bsz,) + r.shape[1:]
         if a.shape != want or a.dtype != r.dtype or not a.flags.c_contiguous:

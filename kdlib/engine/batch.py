@@ -808,7 +808,7 @@ class TreeBuffers:
     def __init__(self, C: int, budget: int, horizon: int, device):
         import cupy
 
-        from kdlib.ref.tree import DDTreeBatch
+        from kdlib.ref.tree import BATCH_FIELDS, DDTreeBatch
 
         s = budget + 1
         i64 = dict(dtype=torch.int64, device=device)
@@ -828,9 +828,7 @@ class TreeBuffers:
         def cp(t):
             return cupy.from_dlpack(t.view(torch.uint8)).view(cupy.bool_) if t.dtype == torch.bool else cupy.from_dlpack(t)
 
-        names = ("sizes", "node_token_ids", "node_depths", "parents", "visibility", "next_token", "next_sibling",
-                 "positions", "scores")
-        self.cupy = DDTreeBatch(**{n: cp(getattr(self, n)) for n in names})
+        self.cupy = DDTreeBatch(**{n: cp(getattr(self, n)) for n in BATCH_FIELDS})
         self.accept_cupy = (cp(self.paths), cp(self.lengths), cp(self.new_bonus))
 
 

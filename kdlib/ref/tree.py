@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -109,6 +109,9 @@ class DDTreeBatch:
             positions=self.positions[b, : n + 1],
             scores=self.scores[b, :n],
         )
+
+
+BATCH_FIELDS = tuple(f.name for f in fields(DDTreeBatch))  # the arrays of a DDTreeBatch, in order
 
 
 # ----------------------------------------------------------------------------- validation

@@ -44,7 +44,7 @@ import numpy as np
 from kdlib import perf, ref
 from kdlib.cuda import accept, compact, pipeline, tree
 from kdlib.perf import results, timing
-from kdlib.ref.tree import synthetic_topk
+from kdlib.ref.tree import BATCH_FIELDS, synthetic_topk
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 DEPTH, BUDGET, K_PRIME = 15, 64, 64
@@ -64,17 +64,7 @@ def _us(d: dict, repeats: int = 1) -> float:
 
 
 def _trees_equal(got, want) -> bool:
-    for name in (
-        "sizes",
-        "node_token_ids",
-        "node_depths",
-        "parents",
-        "visibility",
-        "next_token",
-        "next_sibling",
-        "positions",
-        "scores",
-    ):
+    for name in BATCH_FIELDS:
         g, w = getattr(got, name).get(), getattr(want, name)
         if name == "scores":
             g, w = g.view(np.int64), w.view(np.int64)
