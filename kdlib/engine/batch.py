@@ -321,9 +321,8 @@ class BatchEngine:
                  overlap: bool = False):
         if method not in ("ar", "ddtree"):
             raise ValueError(f"method must be 'ar' or 'ddtree', got {method!r}")
-        for name, v in (("max_streams", max_streams),):
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if isinstance(max_streams, bool) or not isinstance(max_streams, numbers.Integral) or max_streams < 1:
+            raise ValueError(f"max_streams must be an int >= 1, got {max_streams!r}")
         cfg = model.cfg
         self.model, self.cfg, self.method = model, cfg, method
         self.device, self.dtype = model.device, model.dtype
