@@ -6,7 +6,7 @@
 
     client = OpenAIClient(url)                       # or EngineClient(engine): the engine in process
     two_point(client, prompt)                        # 256 / (t(264) - t(8)): decode rate, prefill cancels
-    context_sweep(client)                            # two-point at prompt lengths 64, 128, ... up to the limit
+    context_sweep(client)                            # two-point at prompt lengths 64, 128, ... to the limit
     sustained(client, prompt, 1500)                  # one long streamed generation: TTFT, decode tok/s
     decompose(before, after, measured)               # accepted length / step time vs the measured tok/s
     load_test(client, concurrency=(1, 2, 4, 8, 16))  # latency percentiles, throughput, goodput per level
@@ -73,9 +73,11 @@ DECOMPOSE_TOLERANCE = 0.10  # the decomposition "explains" a measured rate when 
 METRIC_SETS = {
     "kdlib": {"accept_sum": "kdlib_spec_accept_length_sum", "accept_count": "kdlib_spec_accept_length_count",
               "step_sum_s": "kdlib_step_seconds_sum", "step_count": "kdlib_step_seconds_count"},
-    "vllm": {"accepted": "vllm:spec_decode_num_accepted_tokens_total", "drafts": "vllm:spec_decode_num_drafts_total"},
+    "vllm": {"accepted": "vllm:spec_decode_num_accepted_tokens_total",
+             "drafts": "vllm:spec_decode_num_drafts_total"},
 }
-EXTRA_FIELDS = ("ignore_eos", "min_tokens", "continuous_usage_stats")  # beyond OpenAI's API (vLLM's, SGLang's)
+# beyond OpenAI's API (vLLM's, SGLang's)
+EXTRA_FIELDS = ("ignore_eos", "min_tokens", "continuous_usage_stats")
 CONCURRENCY = (1, 2, 4, 8, 16)  # the load mode's default levels
 PERCENTILES = (50, 90, 99)
 
@@ -189,7 +191,8 @@ def _http_client(asynchronous: bool):
     import openai
 
     base = openai.DefaultAsyncHttpxClient if asynchronous else openai.DefaultHttpxClient
-    hx = sys.modules[next(c for c in base.__mro__[1:] if c.__name__.endswith("Client")).__module__.split(".")[0]]
+    httpx_base = next(c for c in base.__mro__[1:] if c.__name__.endswith("Client"))
+    hx = sys.modules[httpx_base.__module__.split(".")[0]]
     transport = hx.AsyncHTTPTransport if asynchronous else hx.HTTPTransport
     return base(transport=transport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
                                     limits=hx.Limits(max_connections=1000, max_keepalive_connections=100)))
@@ -213,8 +216,8 @@ class OpenAIClient:
     and, when streaming, for usage in every chunk. No retries: a failure is a finding.
     """
 
-    def __init__(self, base_url: str, model: str | None = None, *, timeout: float = 900.0, api_key: str | None = None,
-                 metric_set: str = "auto"):
+    def __init__(self, base_url: str, model: str | None = None, *, timeout: float = 900.0,
+                 api_key: str | None = None, metric_set: str = "auto"):
         import httpx
         import openai
 
@@ -251,7 +254,8 @@ class OpenAIClient:
         for d in data:
             if d.get("id") == model:
                 return d
-        raise DiagnoseError(f"model {model!r} not served here; the endpoint lists {[d.get('id') for d in data]}")
+        raise DiagnoseError(f"model {model!r} not served here; the endpoint lists "
+                            f"{[d.get('id') for d in data]}")
 
     def metrics(self) -> dict[str, float] | None:
         """Parsed /metrics, or None when the endpoint has none."""
@@ -263,9 +267,11 @@ class OpenAIClient:
 
     def request_kwargs(self, prompt: str, max_tokens: int, stream: bool) -> dict:
         """The arguments of one greedy completion (shared with the load mode's async client)."""
-        kw = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": stream}
+        kw = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+              "stream": stream}
         if stream:
-            kw["stream_options"] = {"include_usage": True, **({"continuous_usage_stats": True} if self.extras else {})}
+            kw["stream_options"] = {"include_usage": True,
+                                    **({"continuous_usage_stats": True} if self.extras else {})}
         if self.extras:
             kw["extra_body"] = {"ignore_eos": True, "min_tokens": max_tokens}
         return kw
@@ -295,8 +301,9 @@ class OpenAIClient:
                 if r.usage is None:
                     raise DiagnoseError("the reply has no usage.completion_tokens")
                 ch = r.choices[0]
-                return Completion(ch.text or "", int(r.usage.prompt_tokens or 0), int(r.usage.completion_tokens),
-                                  max_tokens, elapsed, ddtree=(ch.model_extra or {}).get("ddtree"),
+                return Completion(ch.text or "", int(r.usage.prompt_tokens or 0),
+                                  int(r.usage.completion_tokens), max_tokens, elapsed,
+                                  ddtree=(ch.model_extra or {}).get("ddtree"),
                                   finish_reason=ch.finish_reason)
             acc = _Chunks(t0, on_tokens)
             for chunk in r:
@@ -343,8 +350,8 @@ class EngineClient:
         t0 = time.perf_counter()
         res = self.engine.run(ids, max_tokens, SamplingParams(ignore_eos=True), listener=listen)
         elapsed = time.perf_counter() - t0
-        c = Completion(res["text"], res["prompt_tokens"], len(res["tokens"]), max_tokens, elapsed, chunks=len(deltas),
-                       ddtree=res["ddtree"], finish_reason=res["finish_reason"])
+        c = Completion(res["text"], res["prompt_tokens"], len(res["tokens"]), max_tokens, elapsed,
+                       chunks=len(deltas), ddtree=res["ddtree"], finish_reason=res["finish_reason"])
         if stream and deltas:
             c.ttft_s = deltas[0][1] - t0
             c.decode_tokens, c.decode_s = c.completion_tokens - deltas[0][0], deltas[-1][1] - deltas[0][1]
@@ -492,19 +499,21 @@ def two_point(client, prompt: str, *, short: int = SHORT, long: int = LONG, repe
     n_s, n_l = statistics.median(ns), statistics.median(nl)
     early = any(n < short for n in ns) or any(n < long for n in nl)
     rate = (n_l - n_s) / (t_l - t_s) if t_l > t_s and n_l > n_s else None
-    res = {"prompt_tokens": pt, "short": short, "long": long, "repeats": repeats, "t_short_s": t_s, "t_long_s": t_l,
-           "completion_short": n_s, "completion_long": n_l, "early_stop": early, "tokens_per_s": rate,
+    res = {"prompt_tokens": pt, "short": short, "long": long, "repeats": repeats, "t_short_s": t_s,
+           "t_long_s": t_l, "completion_short": n_s, "completion_long": n_l, "early_stop": early,
+           "tokens_per_s": rate,
            "nominal_tokens_per_s": (long - short) / (t_l - t_s) if t_l > t_s else None}
     if early:
-        res["warning"] = (f"the endpoint stopped early (completion tokens {ns} / {nl} for max_tokens {short} / {long}); "
-                          "the rate uses the tokens actually returned")
+        res["warning"] = (f"the endpoint stopped early (completion tokens {ns} / {nl} for max_tokens "
+                          f"{short} / {long}); the rate uses the tokens actually returned")
     ms = _metric_set(client, before)
     res["decomposition"] = decompose(before, after, rate, ms)  # over the steps of the short and long requests
     return res
 
 
-def context_sweep(client, *, lengths: list[int] | None = None, max_context: int | None = None, text: str | None = None,
-                  repeats: int = 2, long: int = LONG, progress: bool = True) -> list[dict]:
+def context_sweep(client, *, lengths: list[int] | None = None, max_context: int | None = None,
+                  text: str | None = None, repeats: int = 2, long: int = LONG,
+                  progress: bool = True) -> list[dict]:
     """Two-point at prompt lengths 64, 128, ... (doubling, each with prompt + long inside the context)."""
     limit = max_context or client.max_context
     if lengths is None:
@@ -558,7 +567,8 @@ def sustained(client, prompt: str, max_tokens: int = SUSTAINED_TOKENS, *, progre
     """One long streamed generation: TTFT, decode tok/s (first to last chunk), end-to-end tok/s,
     and the decomposition over its steps."""
     before = client.metrics()
-    with _progress(total=max_tokens, desc=f"sustained {max_tokens} tokens", unit="tok", disable=not progress) as bar:
+    with _progress(total=max_tokens, desc=f"sustained {max_tokens} tokens", unit="tok",
+                   disable=not progress) as bar:
         def advance(n):
             bar.update(n - bar.n)
 
@@ -566,8 +576,9 @@ def sustained(client, prompt: str, max_tokens: int = SUSTAINED_TOKENS, *, progre
         advance(c.completion_tokens)
     after = client.metrics()
     rate = c.decode_tokens / c.decode_s if c.decode_s else None
-    res = {"prompt_tokens": c.prompt_tokens, "max_tokens": max_tokens, "completion_tokens": c.completion_tokens,
-           "early_stop": c.early_stop, "ttft_s": c.ttft_s, "elapsed_s": c.elapsed_s, "decode_tokens_per_s": rate,
+    res = {"prompt_tokens": c.prompt_tokens, "max_tokens": max_tokens,
+           "completion_tokens": c.completion_tokens, "early_stop": c.early_stop, "ttft_s": c.ttft_s,
+           "elapsed_s": c.elapsed_s, "decode_tokens_per_s": rate,
            "end_to_end_tokens_per_s": c.completion_tokens / c.elapsed_s, "chunks": c.chunks,
            "decomposition": decompose(before, after, rate, _metric_set(client, before))}
     if c.ddtree:
@@ -575,20 +586,23 @@ def sustained(client, prompt: str, max_tokens: int = SUSTAINED_TOKENS, *, progre
     return res
 
 
-def diagnose(client, *, sweep: bool = True, sustained_tokens: int = SUSTAINED_TOKENS, sustained_prompt: int = 512,
-             max_context: int | None = None, repeats: int = 2, text: str | None = None, progress: bool = True) -> dict:
+def diagnose(client, *, sweep: bool = True, sustained_tokens: int = SUSTAINED_TOKENS,
+             sustained_prompt: int = 512, max_context: int | None = None, repeats: int = 2,
+             text: str | None = None, progress: bool = True) -> dict:
     """Everything: two-point at 64 tokens, the sweep, and the sustained run. A JSON-ready dict."""
     text = text if text is not None else source_text()
     limit = max_context or client.max_context
-    out = {"endpoint": getattr(client, "base_url", "in-process engine"), "model": client.model, "model_info": client.info,
-           "max_context": limit, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    out = {"endpoint": getattr(client, "base_url", "in-process engine"), "model": client.model,
+           "model_info": client.info, "max_context": limit,
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     prompt, _ = make_prompt(client, SWEEP_START, text)
     out["two_point"] = two_point(client, prompt, repeats=repeats)
     if sweep:
         out["sweep"] = context_sweep(client, max_context=limit, text=text, repeats=repeats, progress=progress)
     if sustained_tokens:
         if limit:
-            sustained_tokens = min(sustained_tokens, limit - 16)  # leave a prompt of >= 16 tokens inside the context
+            # leave a prompt of >= 16 tokens inside the context
+            sustained_tokens = min(sustained_tokens, limit - 16)
             sustained_prompt = max(8, min(sustained_prompt, limit - sustained_tokens - 8))
         p, _ = make_prompt(client, sustained_prompt, text)
         out["sustained"] = sustained(client, p, sustained_tokens, progress=progress)
@@ -619,20 +633,21 @@ def study(client, *, kinds=None, prompt_tokens: int = 256, sustained_tokens: int
               sustained streamed run of `sustained_tokens` (TTFT, decode tok/s, per-step accepted
               lengths and step ms, decomposition).
     """
-    fallback = (client.info.get("kdlib") or {}).get("source") == "random"  # the embedded server's random model
+    # the embedded server's random model
+    fallback = (client.info.get("kdlib") or {}).get("source") == "random"
     kinds = tuple(kinds) if kinds is not None else (("pydoc",) if fallback else kinds_available(models))
     limit = client.max_context
     room = limit - max(long, sustained_tokens) - 8
     if room < 16:
-        raise ValueError(f"the context ({limit}) leaves no room for a prompt next to {max(long, sustained_tokens)} "
-                         "generated tokens")
+        raise ValueError(f"the context ({limit}) leaves no room for a prompt next to "
+                         f"{max(long, sustained_tokens)} generated tokens")
     prompt_tokens = min(prompt_tokens, room)
     lengths, n = [], SWEEP_START
     while n + long + 8 <= limit and (sweep_max is None or n <= sweep_max):
         lengths.append(n)
         n *= 2
-    sweep = context_sweep(client, lengths=lengths, text=kind_text(sweep_kind or kinds[0], models), repeats=repeats, long=long,
-                          progress=progress) if lengths else []
+    sweep = context_sweep(client, lengths=lengths, text=kind_text(sweep_kind or kinds[0], models),
+                          repeats=repeats, long=long, progress=progress) if lengths else []
     rows = {}
     for kind in kinds:
         prompt, actual = make_prompt(client, prompt_tokens, kind_text(kind, models))
@@ -640,8 +655,9 @@ def study(client, *, kinds=None, prompt_tokens: int = 256, sustained_tokens: int
         su = sustained(client, prompt, sustained_tokens, progress=progress)
         rows[kind] = {"prompt_tokens": actual, "two_point": tp, "sustained": su}
     return {"model": client.model, "model_info": client.info, "max_context": limit,
-            "parameters": {"kinds": list(kinds), "prompt_tokens": prompt_tokens, "sustained_tokens": sustained_tokens,
-                           "short": short, "long": long, "repeats": repeats, "sweep_max": sweep_max},
+            "parameters": {"kinds": list(kinds), "prompt_tokens": prompt_tokens,
+                           "sustained_tokens": sustained_tokens, "short": short, "long": long,
+                           "repeats": repeats, "sweep_max": sweep_max},
             "sweep": sweep, "by_kind": rows}
 
 
@@ -695,14 +711,16 @@ def _fmt(v, spec=".1f"):
 
 def table(result: dict) -> str:
     """A plain-text table of a `diagnose` result."""
-    lines = [f"endpoint {result['endpoint']}  model {result['model']}  max context {result['max_context']}", ""]
-    lines.append(f"{'measurement':<28}{'prompt tok':>11}{'tok/s':>10}{'accepted':>10}{'step ms':>10}{'predicted':>11}"
-                 f"{'meas/pred':>10}")
+    lines = [f"endpoint {result['endpoint']}  model {result['model']}  max context {result['max_context']}",
+             ""]
+    lines.append(f"{'measurement':<28}{'prompt tok':>11}{'tok/s':>10}{'accepted':>10}{'step ms':>10}"
+                 f"{'predicted':>11}{'meas/pred':>10}")
 
     def row(name, r, rate_key):
         d = r.get("decomposition") or {}
         flag = " EARLY STOP" if r.get("early_stop") else ""
-        lines.append(f"{name:<28}{_fmt(r.get('prompt_tokens'), 'd') if r.get('prompt_tokens') is not None else '-':>11}"
+        prompt_tokens = _fmt(r.get("prompt_tokens"), "d") if r.get("prompt_tokens") is not None else "-"
+        lines.append(f"{name:<28}{prompt_tokens:>11}"
                      f"{_fmt(r.get(rate_key)):>10}{_fmt(d.get('accepted_length'), '.2f'):>10}"
                      f"{_fmt(d.get('step_ms'), '.2f'):>10}{_fmt(d.get('predicted_tok_s')):>11}"
                      f"{_fmt(d.get('ratio'), '.3f'):>10}{flag}")
@@ -713,7 +731,8 @@ def table(result: dict) -> str:
     if "sustained" in result:
         s = result["sustained"]
         row(f"sustained {s['max_tokens']} (decode)", s, "decode_tokens_per_s")
-        lines.append(f"{'':<28}TTFT {_fmt(s['ttft_s'], '.3f')} s, end-to-end {_fmt(s['end_to_end_tokens_per_s'])} tok/s")
+        lines.append(f"{'':<28}TTFT {_fmt(s['ttft_s'], '.3f')} s, "
+                     f"end-to-end {_fmt(s['end_to_end_tokens_per_s'])} tok/s")
     return "\n".join(lines)
 
 
@@ -786,8 +805,9 @@ async def _one_request(aoa, kw: dict, rec: dict) -> None:
     except (openai.APIError, DiagnoseError) as e:
         rec.update(ok=False, end=time.perf_counter(), error=f"{type(e).__name__}: {e}"[:300])
         return
-    rec.update(ok=True, end=rec["start"] + c.elapsed_s, ttft_s=c.ttft_s, e2e_s=c.elapsed_s, itl_s=c.itl_s or [],
-               output_tokens=c.completion_tokens, prompt_tokens=c.prompt_tokens, text=c.text)
+    rec.update(ok=True, end=rec["start"] + c.elapsed_s, ttft_s=c.ttft_s, e2e_s=c.elapsed_s,
+               itl_s=c.itl_s or [], output_tokens=c.completion_tokens, prompt_tokens=c.prompt_tokens,
+               text=c.text)
 
 
 async def _load_run(client, prompts: list[str], order: list[int], output_len: int, *, concurrency: int | None,
@@ -796,19 +816,21 @@ async def _load_run(client, prompts: list[str], order: list[int], output_len: in
     arrivals a Poisson process of `rate` per second when given (inf: all at once)."""
     import openai
 
-    aoa = openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key, timeout=client.timeout, max_retries=0,
-                             http_client=_http_client(True))
+    aoa = openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key, timeout=client.timeout,
+                             max_retries=0, http_client=_http_client(True))
     gate = asyncio.Semaphore(concurrency) if concurrency else None
     recs = [{"prompt": i} for i in order]
-    gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(order)) if rate and math.isfinite(rate) else None
+    gaps = (np.random.default_rng(seed).exponential(1.0 / rate, len(order)) if rate and math.isfinite(rate)
+            else None)
 
     async def run(rec):
+        prompt = prompts[rec["prompt"]]
         if gate is None:
             rec["start"] = time.perf_counter()
-            return await _one_request(aoa, client.request_kwargs(prompts[rec["prompt"]], output_len, True), rec)
+            return await _one_request(aoa, client.request_kwargs(prompt, output_len, True), rec)
         async with gate:
             rec["start"] = time.perf_counter()
-            await _one_request(aoa, client.request_kwargs(prompts[rec["prompt"]], output_len, True), rec)
+            await _one_request(aoa, client.request_kwargs(prompt, output_len, True), rec)
 
     try:
         tasks = []
@@ -836,7 +858,8 @@ def _summarise(recs: list[dict], requested: int, reference: list[str] | None, sl
     def good(r) -> bool:
         n = r["output_tokens"]
         got = {"ttft_ms": (r["ttft_s"] or 0) * 1e3, "e2e_ms": r["e2e_s"] * 1e3,
-               "tpot_ms": (r["e2e_s"] - r["ttft_s"]) / (n - 1) * 1e3 if n > 1 and r["ttft_s"] is not None else 0.0}
+               "tpot_ms": ((r["e2e_s"] - r["ttft_s"]) / (n - 1) * 1e3 if n > 1 and r["ttft_s"] is not None
+                           else 0.0)}
         return all(got[k] <= v for k, v in slo.items())
 
     res = {"requests": len(recs), "completed": len(ok), "failed": len(recs) - len(ok), "duration_s": duration,
@@ -882,7 +905,8 @@ def load_test(client, *, concurrency=CONCURRENCY, rates=(), max_concurrency: int
     if client.max_context and input_len + output_len + 16 > client.max_context:
         raise ValueError(f"input_len {input_len} + output_len {output_len} (+16) exceeds the context "
                          f"{client.max_context}")
-    for name, v in (("repeats", repeats), ("distinct", distinct), ("output_len", output_len), ("input_len", input_len)):
+    for name, v in (("repeats", repeats), ("distinct", distinct), ("output_len", output_len),
+                    ("input_len", input_len)):
         if v < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
     if slo and set(slo) - {"ttft_ms", "tpot_ms", "e2e_ms"}:
@@ -891,14 +915,14 @@ def load_test(client, *, concurrency=CONCURRENCY, rates=(), max_concurrency: int
     out = {"endpoint": getattr(client, "base_url", None), "model": client.model, "model_info": client.info,
            "max_context": client.max_context, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "parameters": {"concurrency": list(concurrency), "rates": [float(r) for r in rates],
-                          "max_concurrency": max_concurrency, "num_prompts": num_prompts, "distinct": distinct,
-                          "input_len": input_len, "output_len": output_len, "repeats": repeats, "slo": slo,
-                          "warmup": warmup, "seed": seed}}
+                          "max_concurrency": max_concurrency, "num_prompts": num_prompts,
+                          "distinct": distinct, "input_len": input_len, "output_len": output_len,
+                          "repeats": repeats, "slo": slo, "warmup": warmup, "seed": seed}}
     reference = None
     if check_greedy:
         t0 = time.perf_counter()
-        recs = asyncio.run(_load_run(client, prompts, list(range(distinct)), output_len, concurrency=1, rate=None,
-                                     seed=seed))
+        recs = asyncio.run(_load_run(client, prompts, list(range(distinct)), output_len, concurrency=1,
+                                     rate=None, seed=seed))
         bad = [r["error"] for r in recs if not r["ok"]]
         if bad:
             raise DiagnoseError(f"the sequential reference pass failed: {bad[0]}")
@@ -913,8 +937,8 @@ def load_test(client, *, concurrency=CONCURRENCY, rates=(), max_concurrency: int
         n = num_prompts or (4 * int(v) if mode == "concurrency" else 4 * distinct)
         order = [k % distinct for k in range(n)]
         if warmup:
-            asyncio.run(_load_run(client, prompts, order[: max(c or 1, 1)], output_len, concurrency=c, rate=None,
-                                  seed=seed))
+            asyncio.run(_load_run(client, prompts, order[: max(c or 1, 1)], output_len, concurrency=c,
+                                  rate=None, seed=seed))
         runs = []
         for rep in range(repeats):
             before = client.metrics()
@@ -925,8 +949,8 @@ def load_test(client, *, concurrency=CONCURRENCY, rates=(), max_concurrency: int
                                    decompose(before, after, None, _metric_set(client, before))))
         flat = [_flatten({k: v for k, v in r.items() if k != "errors"}) for r in runs]
         keys = sorted(set().union(*flat))
-        out["levels"].append({"mode": mode, "concurrency": c, "request_rate": rate, "requests": n, "runs": runs,
-                              "summary": {k: _spread([f.get(k) for f in flat]) for k in keys}})
+        out["levels"].append({"mode": mode, "concurrency": c, "request_rate": rate, "requests": n,
+                              "runs": runs, "summary": {k: _spread([f.get(k) for f in flat]) for k in keys}})
     return out
 
 
@@ -958,11 +982,12 @@ def load_curve(result: dict) -> list[dict]:
 
 def load_table(result: dict) -> str:
     """A plain-text table of a `load_test` result: means over repeats (± std where it matters)."""
-    lines = [f"endpoint {result['endpoint']}  model {result['model']}  input {result['parameters']['input_len']} "
-             f"output {result['parameters']['output_len']} tokens, {result['parameters']['repeats']} repeats", ""]
+    p = result["parameters"]
+    lines = [f"endpoint {result['endpoint']}  model {result['model']}  input {p['input_len']} "
+             f"output {p['output_len']} tokens, {p['repeats']} repeats", ""]
     lines.append(f"{'level':<10}{'req/s':>7}{'out tok/s':>16}{'tok/s/strm':>11}{'TTFT p50/p99':>15}"
-                 f"{'TPOT p50/p99':>15}{'ITL p50/p99':>14}{'e2e p99':>9}{'goodput':>8}{'acc':>6}{'step ms':>8}"
-                 f"{'batch':>6}{'meas/pred':>10}{'greedy':>7}")
+                 f"{'TPOT p50/p99':>15}{'ITL p50/p99':>14}{'e2e p99':>9}{'goodput':>8}{'acc':>6}"
+                 f"{'step ms':>8}{'batch':>6}{'meas/pred':>10}{'greedy':>7}")
 
     def m(s, k, spec=".1f"):
         v = s.get(k, {}).get("mean")
@@ -974,10 +999,12 @@ def load_table(result: dict) -> str:
         tput = f"{m(s, 'output_throughput')}±{_fmt(s.get('output_throughput', {}).get('std'))}"
         ratio = s.get("decomposition.aggregate_ratio", {}).get("mean")
         mism = s.get("greedy_mismatches", {}).get("max")
-        lines.append(f"{name:<10}{m(s, 'request_throughput', '.2f'):>7}{tput:>16}{m(s, 'per_stream_tok_s'):>11}"
+        lines.append(f"{name:<10}{m(s, 'request_throughput', '.2f'):>7}{tput:>16}"
+                     f"{m(s, 'per_stream_tok_s'):>11}"
                      f"{m(s, 'ttft_ms.p50') + '/' + m(s, 'ttft_ms.p99'):>15}"
                      f"{m(s, 'tpot_ms.p50', '.2f') + '/' + m(s, 'tpot_ms.p99', '.2f'):>15}"
-                     f"{m(s, 'itl_ms.p50', '.2f') + '/' + m(s, 'itl_ms.p99', '.2f'):>14}{m(s, 'e2e_ms.p99', '.0f'):>9}"
+                     f"{m(s, 'itl_ms.p50', '.2f') + '/' + m(s, 'itl_ms.p99', '.2f'):>14}"
+                     f"{m(s, 'e2e_ms.p99', '.0f'):>9}"
                      f"{m(s, 'goodput', '.2f'):>8}{m(s, 'decomposition.accepted_length', '.2f'):>6}"
                      f"{m(s, 'decomposition.step_ms', '.2f'):>8}{m(s, 'decomposition.batch', '.1f'):>6}"
                      f"{_fmt(ratio, '.3f'):>10}{'-' if mism is None else int(mism):>7}")
@@ -1012,8 +1039,8 @@ def _slo(items: list[str]) -> dict:
 
 def cli(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="kdlib diagnose", description=__doc__.splitlines()[0])
-    ap.add_argument("--endpoint", help="base URL of an OpenAI-compatible server, with or without /v1 (default: "
-                    "start the embedded one)")
+    ap.add_argument("--endpoint", help="base URL of an OpenAI-compatible server, with or without /v1 "
+                    "(default: start the embedded one)")
     ap.add_argument("--serve-args", default="", help="arguments of the embedded `kdlib serve` (one string)")
     ap.add_argument("--model", help="model id (default: the first /v1/models lists)")
     ap.add_argument("--json", help="write the result here")
@@ -1034,12 +1061,13 @@ def cli(argv: list[str]) -> int:
     g.add_argument("--distinct-prompts", type=int, default=16)
     g.add_argument("--input-len", type=int, default=128)
     g.add_argument("--output-len", type=int, default=128)
-    g.add_argument("--goodput", nargs="*", default=[], metavar="KEY:MS", help="latency targets: ttft:MS tpot:MS e2e:MS")
+    g.add_argument("--goodput", nargs="*", default=[], metavar="KEY:MS",
+                   help="latency targets: ttft:MS tpot:MS e2e:MS")
     g.add_argument("--no-greedy-check", action="store_true", help="skip the sequential reference pass")
     g.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
     args = ap.parse_args(argv)
-    for name in ("sustained_tokens", "repeats", "max_context", "num_prompts", "max_concurrency", "distinct_prompts",
-                 "input_len", "output_len"):
+    for name in ("sustained_tokens", "repeats", "max_context", "num_prompts", "max_concurrency",
+                 "distinct_prompts", "input_len", "output_len"):
         v = getattr(args, name)
         if v is not None and v < (0 if name == "sustained_tokens" else 1):
             ap.error(f"--{name.replace('_', '-')} must be positive")
@@ -1063,9 +1091,10 @@ def cli(argv: list[str]) -> int:
             client.max_context = args.max_context
         try:
             if args.load:
-                result = load_test(client, concurrency=levels, rates=rates, max_concurrency=args.max_concurrency,
-                                   num_prompts=args.num_prompts, distinct=args.distinct_prompts,
-                                   input_len=args.input_len, output_len=args.output_len, repeats=args.repeats,
+                result = load_test(client, concurrency=levels, rates=rates,
+                                   max_concurrency=args.max_concurrency, num_prompts=args.num_prompts,
+                                   distinct=args.distinct_prompts, input_len=args.input_len,
+                                   output_len=args.output_len, repeats=args.repeats,
                                    slo=slo or None, check_greedy=not args.no_greedy_check, seed=args.seed)
             else:
                 result = diagnose(client, sweep=not args.no_sweep, sustained_tokens=args.sustained_tokens,

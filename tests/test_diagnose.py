@@ -58,30 +58,35 @@ def test_decompose_kdlib_engine_vllm_and_none():
              "kdlib_step_seconds_sum": 2.5, "kdlib_step_seconds_count": 15}
     d = dg.decompose(before, after, measured_tok_s=19.0, metric_set="kdlib")
     assert d["accepted_length"] == 3.0 and d["step_ms"] == pytest.approx(150.0)
-    assert d["predicted_tok_s"] == pytest.approx(20.0) and d["ratio"] == pytest.approx(0.95) and d["within_tolerance"]
+    assert d["predicted_tok_s"] == pytest.approx(20.0) and d["ratio"] == pytest.approx(0.95)
+    assert d["within_tolerance"]
     assert d["batch"] == 1.0 and d["predicted_aggregate_tok_s"] == pytest.approx(20.0)
     batched = dg.decompose(before, {**after, "kdlib_step_seconds_count": 10, "kdlib_step_seconds_sum": 1.5})
-    assert batched["batch"] == 2.0 and batched["step_ms"] == pytest.approx(100.0)  # 10 request steps in 5 engine steps
+    # 10 request steps in 5 engine steps
+    assert batched["batch"] == 2.0 and batched["step_ms"] == pytest.approx(100.0)
     assert batched["predicted_aggregate_tok_s"] == pytest.approx(30 / 0.5)
     assert dg.decompose(before, after, 30.0)["within_tolerance"] is False
     eng = dg.decompose({"accept_sum": 0, "accept_count": 0, "step_sum_s": 0, "step_count": 0},
-                       {"accept_sum": 29, "accept_count": 10, "step_sum_s": 1.44, "step_count": 10}, metric_set="engine")
+                       {"accept_sum": 29, "accept_count": 10, "step_sum_s": 1.44, "step_count": 10},
+                       metric_set="engine")
     assert eng["predicted_tok_s"] == pytest.approx(2.9 / 0.144)  # the seeds' arithmetic: ~20 t/s
-    v = dg.decompose({"vllm:spec_decode_num_accepted_tokens_total": 0, "vllm:spec_decode_num_drafts_total": 0},
-                     {"vllm:spec_decode_num_accepted_tokens_total": 190, "vllm:spec_decode_num_drafts_total": 100},
-                     metric_set="vllm")
+    accepted, drafts = "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_drafts_total"
+    v = dg.decompose({accepted: 0, drafts: 0}, {accepted: 190, drafts: 100}, metric_set="vllm")
     assert v["accepted_length"] == pytest.approx(2.9) and v["predicted_tok_s"] is None and not v["available"]
     assert dg.decompose(None, after)["available"] is False
     assert dg.decompose(before, before)["why"].startswith("no decode steps")
 
 
 def test_parse_metrics_through_prometheus_client():
-    text = ('# HELP kdlib_requests Finished\n# TYPE kdlib_requests counter\nkdlib_requests_total{status="ok"} 3.0\n'
-            'kdlib_requests_total{status="error"} 1.0\nvllm:spec_decode_num_drafts_total{model_name="m"} 7 1700000\n'
-            '# TYPE h histogram\nh_bucket{le="1.0"} 2\nh_bucket{le="+Inf"} 3\nh_sum 4.5\nh_count 3\nplain_metric 2.5\n')
+    text = ('# HELP kdlib_requests Finished\n# TYPE kdlib_requests counter\n'
+            'kdlib_requests_total{status="ok"} 3.0\n'
+            'kdlib_requests_total{status="error"} 1.0\n'
+            'vllm:spec_decode_num_drafts_total{model_name="m"} 7 1700000\n'
+            '# TYPE h histogram\nh_bucket{le="1.0"} 2\nh_bucket{le="+Inf"} 3\nh_sum 4.5\nh_count 3\n'
+            'plain_metric 2.5\n')
     m = dg.parse_metrics(text)
-    assert m == {"kdlib_requests_total": 4.0, "vllm:spec_decode_num_drafts_total": 7.0, "h_sum": 4.5, "h_count": 3.0,
-                 "plain_metric": 2.5}
+    assert m == {"kdlib_requests_total": 4.0, "vllm:spec_decode_num_drafts_total": 7.0, "h_sum": 4.5,
+                 "h_count": 3.0, "plain_metric": 2.5}
 
 
 def test_base_url_with_or_without_v1():
@@ -122,7 +127,8 @@ def test_openai_client_two_point_and_sustained_on_loopback(server):
         assert tp["completion_short"] == 4 and tp["completion_long"] == 36 and not tp["early_stop"]
         assert tp["tokens_per_s"] > 0
         d = tp["decomposition"]
-        assert d["metric_set"] == "kdlib" and d["available"] and 1 <= d["accepted_length"] <= 8 and d["batch"] == 1
+        assert d["metric_set"] == "kdlib" and d["available"]
+        assert 1 <= d["accepted_length"] <= 8 and d["batch"] == 1
         s = dg.sustained(client, prompt, 80, progress=False)
         assert s["completion_tokens"] == 80 and s["ttft_s"] > 0 and s["decode_tokens_per_s"] > 0
         assert s["chunks"] > 2 and s["decomposition"]["available"]
@@ -139,7 +145,8 @@ def test_load_mode_levels_rates_spread_and_greedy_check(server):
     client = dg.OpenAIClient(server.url)
     try:
         r = dg.load_test(client, concurrency=(1, 4), rates=(float("inf"),), max_concurrency=4, distinct=4,
-                         num_prompts=8, input_len=16, output_len=12, repeats=2, slo={"e2e_ms": 1e6}, progress=False)
+                         num_prompts=8, input_len=16, output_len=12, repeats=2, slo={"e2e_ms": 1e6},
+                         progress=False)
     finally:
         client.close()
     assert r["reference"]["prompts"] == 4 and len(r["reference"]["prompt_tokens"]) == 4
@@ -150,7 +157,8 @@ def test_load_mode_levels_rates_spread_and_greedy_check(server):
         for run in lv["runs"]:
             assert run["completed"] == run["requests"] == 8 and run["failed"] == 0 and run["early_stops"] == 0
             assert run["greedy_mismatches"] == 0  # concurrency changed no greedy output
-            assert run["goodput"] == pytest.approx(run["request_throughput"])  # every request meets a 1000 s target
+            # every request meets a 1000 s target
+            assert run["goodput"] == pytest.approx(run["request_throughput"])
             for fig in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
                 p = run[fig]
                 assert 0 < p["p50"] <= p["p90"] <= p["p99"], fig
@@ -158,7 +166,8 @@ def test_load_mode_levels_rates_spread_and_greedy_check(server):
             d = run["decomposition"]
             assert d["available"] and d["metric_set"] == "kdlib" and d["measured_aggregate_tok_s"] > 0
         s = lv["summary"]
-        assert s["output_throughput"]["n"] == 2 and s["output_throughput"]["min"] <= s["output_throughput"]["mean"]
+        tput = s["output_throughput"]
+        assert tput["n"] == 2 and tput["min"] <= tput["mean"]
         assert s["decomposition.batch"]["mean"] >= 1
     assert r["levels"][1]["summary"]["decomposition.batch"]["mean"] > 1.5  # four streams step together
     assert "C=4" in dg.load_table(r)
@@ -192,8 +201,8 @@ def test_unknown_model_and_dead_endpoint(server):
 
 def test_cli_writes_json_and_table(server, tmp_path, capsys):
     out = tmp_path / "diag.json"
-    rc = dg.cli(["--endpoint", server.url, "--no-sweep", "--sustained-tokens", "40", "--sustained-prompt", "32",
-                 "--repeats", "1", "--json", str(out)])
+    rc = dg.cli(["--endpoint", server.url, "--no-sweep", "--sustained-tokens", "40",
+                 "--sustained-prompt", "32", "--repeats", "1", "--json", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["two_point"]["completion_long"] == 264 and res["sustained"]["completion_tokens"] == 40
@@ -227,7 +236,8 @@ def test_diagnosis_suite_core_on_cpu():
 
 
 def test_suite_core_needs_no_server_packages(monkeypatch):
-    # The GPU machine has no FastAPI, uvicorn, prometheus_client or httpx: the in-process path must not need them.
+    # The GPU machine has no FastAPI, uvicorn, prometheus_client or httpx: the in-process path must not
+    # need them.
     import sys
 
     from kdlib.perf.suites import diagnosis
