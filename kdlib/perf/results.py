@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import re
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kdlib import DATA, ROOT
+from kdlib.cuda.attention import IMPLS
 
 RESULTS = DATA / "results"
 SCHEMA = 1  # the layout `write` stamps; tools/migrate_results.py brought the older files to it
@@ -149,8 +151,9 @@ class Row:
     (None for a torch baseline, or where the routings of one point picked different versions);
     mode: 'eager' (CUDA events around each call) or 'graph' (CUDA-graph replay); variant: '' for the
     plain launch, else a tuning or a stage ('gate_up_only', 'default' = the library's default choice);
-    shape: the sweep point ({'m': 16}); bytes / flops: what the arm must move and compute; key: the
-    payload key the timing was read from."""
+    shape: the sweep point ({'m': 16}); bytes / flops: what the arm must move and compute (NaN where
+    the payload records neither); key: the payload key the timing was read from; floor_ms: the
+    physical floor the payload records beside the arm, None where it records none."""
 
     op: str
     version: int | None
@@ -163,6 +166,7 @@ class Row:
     bytes: float
     flops: float
     key: str
+    floor_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -190,9 +194,21 @@ def load_checked(suite: str, gpu: str | None = None) -> dict | None:
     return doc
 
 
-def _timed(op, version, mode, variant, shape, t: dict, nbytes: float, flops: float, key: str) -> Row:
+def _timed(op, version, mode, variant, shape, t: dict, nbytes: float, flops: float, key: str,
+           floor: float | None = None) -> Row:
     return Row(op, version, mode, variant, shape, float(t["median_ms"]), float(t.get("p10_ms", t["median_ms"])),
-               float(t.get("p90_ms", t["median_ms"])), float(nbytes), float(flops), key)
+               float(t.get("p90_ms", t["median_ms"])), float(nbytes), float(flops), key,
+               None if floor is None else float(floor))
+
+
+def _is_timing(t) -> bool:
+    """A recorded timing block (a skipped arm records {'skipped': why} instead)."""
+    return isinstance(t, dict) and "median_ms" in t
+
+
+def _recorded(suite: str, gpu: str | None, rows) -> Recorded | None:
+    doc = load_checked(suite, gpu)
+    return None if doc is None else Recorded(doc, rows(doc))
 
 
 # moe payload key -> (version, mode, variant, share of the layer's (weight bytes, FLOPs) it moves).
@@ -264,6 +280,111 @@ def load_moe_stream(gpu: str = "h200") -> Recorded | None:
     """The recorded moe_stream suite on `gpu` with its stream-read rows (`moe_stream_rows`), or None."""
     doc = load_checked("moe_stream", gpu)
     return None if doc is None else Recorded(doc, moe_stream_rows(doc))
+
+
+# ---- verify attention (suites attention, kernels' verify_attention, verify_attention_dev*)
+VERIFY_OP = "tree_verify_attention"  # kdlib.cuda.attention's whole verify (prefix + tail + merge)
+TORCH_BASELINE_OPS = {"matmul": "torch_matmul_attention", "sdpa": "torch_sdpa_attention"}
+FLASHINFER_OP = "flashinfer_mla_prefix"  # FlashInfer's MLA over the prefix alone (no tree mask)
+
+
+def attention_version(impl: str, parameters: dict) -> int | None:
+    """The kernel version a recorded impl name ran: `kdlib.cuda.attention.IMPLS`, with 'mma' read as the
+    payload's recorded `mma_default` and 'auto' as its `resolved_impls` (None where the file does not
+    say which version those names meant when it was recorded)."""
+    impl = (parameters.get("resolved_impls") or {}).get(impl, impl)
+    if impl == "mma":
+        impl = parameters.get("mma_default")
+    return None if impl in (None, "mma", "auto") else IMPLS.get(impl)
+
+
+def attention_shape(p: dict) -> dict:
+    """The sweep point of a verify-attention row: heads, queries, batch and prefix (None for a ragged
+    batch, which adds its per-request `lens` and `trees` as tuples)."""
+    shape = {k: int(p[k]) for k in ("heads", "queries", "batch")}
+    shape["prefix"] = None if p.get("prefix") is None else int(p["prefix"])
+    if p.get("lens"):
+        shape["lens"] = tuple(int(n) for n in p["lens"])
+        shape["trees"] = tuple(int(n) for n in p["trees"])
+    return shape
+
+
+def _verify_point_rows(p: dict, parameters: dict) -> list[Row]:
+    """The rows of one verify-attention point: each kernel variant (graph replay), the torch baselines
+    that ran (their recorded mode) and FlashInfer's prefix; all carry the point's bytes, FLOPs and floor."""
+    shape = attention_shape(p)
+    cost = (p["bytes"], p["flops"])
+    out = []
+    for impl, v in (p.get("variants") or {}).items():
+        if _is_timing(v.get("kernel")):
+            out.append(_timed(VERIFY_OP, attention_version(impl, parameters), "graph", "", shape, v["kernel"],
+                              *cost, f"variants.{impl}.kernel", p["floor_ms"]))
+    for name, b in (p.get("baselines") or {}).items():
+        if _is_timing(b):
+            out.append(_timed(TORCH_BASELINE_OPS[name], None, b.get("mode", "graph"), "", shape, b, *cost,
+                              f"baselines.{name}", p["floor_ms"]))
+    if _is_timing(p.get("flashinfer")):
+        out.append(_timed(FLASHINFER_OP, None, "eager", "prefix_only", shape, p["flashinfer"], *cost,
+                          "flashinfer", p["floor_ms"]))
+    return out
+
+
+def attention_rows(doc: dict) -> tuple[Row, ...]:
+    """Tidy rows of an attention payload (kdlib/perf/suites/attention.py), at every point that ran:
+
+    op 'tree_verify_attention' for each kernel variant (the whole verify replayed from a CUDA graph;
+    version from `attention_version`: wgmma 5, mma_v3 3), 'torch_matmul_attention' / 'torch_sdpa_attention'
+    for the PyTorch baselines (uniform points only; mode as recorded, graph where capture worked) and
+    'flashinfer_mla_prefix' (variant 'prefix_only': FlashInfer over the prefix alone, eager). Every row
+    carries its point's bytes, FLOPs and floor (those of the whole verify: FlashInfer's prefix-only run
+    moves slightly less). Issue 19's goal table (`goals`) and the variants' agreement
+    (`rel_diff_between_variants`) are not timings: read them from `Recorded.doc`."""
+    params = doc.get("parameters") or {}
+    return tuple(r for p in doc.get("points") or [] for r in _verify_point_rows(p, params))
+
+
+def load_attention(gpu: str = "h200") -> Recorded | None:
+    """The recorded attention suite on `gpu` with its tidy rows (`attention_rows`), or None."""
+    return _recorded("attention", gpu, attention_rows)
+
+
+# ---- one TP8 rank of Kimi-K2.6 (suite k2_rank)
+K2_RANK_OP = "k2_rank_step"
+
+
+def k2_rank_rows(doc: dict) -> tuple[Row, ...]:
+    """Tidy rows of a k2_rank payload (kdlib/perf/suites/k2_rank.py): op 'k2_rank_step', version None,
+    at each measured (context, streams, method 'ar' | 'ddtree', budget) shape:
+
+    variant '' the whole step, 'draft' / 'tree' / 'verify' / 'accept' / 'commit' each part in its own
+    graph (the parts the method has), 'dense' / 'attention' / 'moe' the verify forward's pieces each alone
+    over all layers. mode 'graph', or 'eager' where that capture failed (`graph_errors`). floor_ms is
+    the component's recorded floor (the step's: `floor_sum_ms`; the verify part has none); bytes and
+    FLOPs are NaN (the payload records a floor's memory and compute terms, `floors`, not its bytes).
+    The memory check, the modelled all-reduce, the accepted lengths, tokens/s and the cut rows are not
+    timings: read them from `Recorded.doc`."""
+    out = []
+    for r in doc.get("rows") or []:
+        shape = {"context": int(r["context"]), "streams": int(r["streams"]), "method": r["method"],
+                 "budget": None if r["budget"] is None else int(r["budget"])}
+        errors = r.get("graph_errors") or {}
+        floors = r.get("floors") or {}
+        timed = [("", "step", r.get("step"))]
+        timed += [(k, f"parts.{k}", t) for k, t in (r.get("parts") or {}).items()]
+        timed += [(k, f"pieces.{k}", t) for k, t in (r.get("pieces") or {}).items()]
+        for variant, key, t in timed:
+            if not _is_timing(t):
+                continue
+            floor = floors[variant]["floor_ms"] if variant in floors else None
+            mode = "eager" if errors.get(variant or "step") else "graph"
+            out.append(_timed(K2_RANK_OP, None, mode, variant, shape, t, math.nan, math.nan, key,
+                              floor if variant else r.get("floor_sum_ms")))
+    return tuple(out)
+
+
+def load_k2_rank(gpu: str = "h200") -> Recorded | None:
+    """The recorded k2_rank suite on `gpu` with its tidy rows (`k2_rank_rows`), or None."""
+    return _recorded("k2_rank", gpu, k2_rank_rows)
 
 
 @dataclass(frozen=True)
