@@ -1,0 +1,235 @@
+"""Small tree-verify attention calls for compute-sanitizer, each checked against the float64 reference.
+
+    python3 tools/sanitize_attention.py run --json CASES.json        # the driver (under a sanitizer)
+    python3 tools/sanitize_attention.py summarize DIR                # DIR/<tool>.log + DIR/<tool>.json
+
+`run` makes bf16 problems (Kimi-K2 rows: 576 wide, page_size 1, scattered slots, random trees) and
+calls `kdlib.cuda.attention` on them: version 5 ("wgmma", the bf16 default) at 8 heads x 9 and x 65
+queries over a 1,000-token prefix, the prefix alone, a call on a preallocated workspace, a ragged
+batch of 3 (prefixes 1,000 / 0 / 357, trees of 1 / 33 / 65 rows), and one version 3 ("mma_v3") call
+on the ragged batch. Each output is compared with `kdlib.ref.attention` on the same bf16 values
+(norm-relative error <= 1e-2, lse within 2e-3, padding rows NaN), so a clean sanitizer run is also a
+correct one. The kernels a case covers are those the wrapper fetched from `kdlib.cuda.loader` while
+it ran (each is fetched right before its launch). CuPy's memory pool is off (`--pool` keeps it), so
+every array is its own allocation and memcheck sees an out-of-bounds access at its first byte; set
+PYTORCH_NO_CUDA_MEMORY_CACHING=1 for the torch inputs (tools/sanitize_gpu.sh does).
+
+`summarize` reads the compute-sanitizer logs and the driver's case files a run of
+tools/sanitize_gpu.sh left in DIR and writes DIR/sanitize.json: per tool its exit code, the
+sanitizer's error (and racecheck hazard) counts, whether every case passed, and the kernels covered.
+Exit code 0 when every tool ran clean and every case passed, 1 otherwise, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from kdlib.check import errors
+from kdlib.cuda import attention as cu
+from kdlib.cuda import loader
+from kdlib.perf.results import provenance
+from kdlib.ref import attention as ref
+
+RTOL = 1e-2  # bf16 operands, P rounded to bf16 before P.V (tests/test_cuda_attention.py: BF16_RTOL)
+LSE_ATOL = 2e-3  # lse of fp32 S on bf16 inputs: only the summation order differs
+TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")  # what `summarize` looks for in DIR
+SCALE = 576**-0.5
+_ERRORS = re.compile(r"ERROR SUMMARY: (\d+) errors?")
+_HAZARDS = re.compile(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)")
+
+
+def problem(seed: int, nh: int, nq: int, lens: list[int], sizes: list[int]) -> dict:
+    """A batched float64 problem: B = len(lens) requests, prefix b of lens[b] scattered slots, tree b of
+    sizes[b] valid rows (random ancestors-and-self visibility)."""
+    import torch
+
+    from kdlib.perf.suites._attention import random_tree_visibility
+
+    rng = np.random.default_rng(seed)
+    bsz, width = len(lens), max(max(lens), 1)
+    slots = 2 * width + 7
+    vis = random_tree_visibility(torch, bsz, nq, torch.Generator().manual_seed(seed)).numpy()  # [B, Q, Q]
+    return {
+        "q": rng.standard_normal((bsz, nq, nh, cu.D_QK)),  # [B, Q, H, 576]
+        "kv_cache": rng.standard_normal((slots, cu.D_QK)),  # [S, 576] latent + rope rows
+        "page_table": np.stack([rng.permutation(slots)[:width] for _ in range(bsz)]).astype(np.int32),  # [B, P]
+        "prefix_lens": np.array(lens, dtype=np.int32),  # [B]
+        "tree_kv": rng.standard_normal((bsz, nq, cu.D_QK)),  # [B, Q, 576]
+        "visibility": vis,
+        "tree_sizes": np.array(sizes, dtype=np.int32),  # [B]
+        "softmax_scale": SCALE,
+    }
+
+
+def to_device(case: dict) -> tuple[dict, dict]:
+    """(device inputs: bf16 torch tensors and int32 / bool CuPy arrays, the float64 values they hold)."""
+    import cupy
+    import ml_dtypes
+    import torch
+
+    dev, seen = {}, {}
+    for k, v in case.items():
+        if isinstance(v, np.ndarray) and v.dtype == np.float64:
+            bits = v.astype(ml_dtypes.bfloat16)
+            seen[k] = bits.astype(np.float64)
+            dev[k] = torch.from_numpy(bits.view(np.int16).copy()).cuda().view(torch.bfloat16)
+        else:
+            seen[k] = v
+            dev[k] = cupy.asarray(v) if isinstance(v, np.ndarray) else v
+    return dev, seen
+
+
+def compare(out, lse, ref_out, ref_lse) -> dict:
+    """Norm-relative error of out, max |lse error| and the NaN (padding) pattern against the reference."""
+    out, lse = out.get().astype(np.float64), lse.get().astype(np.float64)
+    pad = np.isnan(ref_lse)
+    keep = ~pad
+    fin = keep & np.isfinite(ref_lse)
+    e = errors(out[keep], ref_out[keep]) if keep.any() else {"norm_rel": 0.0, "nan": False}
+    lse_err = float(np.abs(lse[fin] - ref_lse[fin]).max(initial=0.0))
+    padding_ok = bool(np.array_equal(np.isnan(lse), pad) and np.isnan(out[pad]).all())
+    ok = not e["nan"] and e["norm_rel"] <= RTOL and lse_err <= LSE_ATOL and padding_ok
+    return {"norm_rel": float(e["norm_rel"]), "lse_max_abs": lse_err, "padding_rows_nan": padding_ok, "ok": ok}
+
+
+PREFIX_KEYS = ("q", "kv_cache", "page_table", "prefix_lens", "softmax_scale")
+
+
+def cases() -> list[dict]:
+    """What `run` calls: name, problem shape, version, the call ('verify' or 'prefix'), workspace or not."""
+    ragged = {"nh": 8, "nq": 65, "lens": [1000, 0, 357], "sizes": [1, 33, 65]}
+    return [
+        {"name": "v5 verify 8x9x1000", "shape": {"nh": 8, "nq": 9, "lens": [1000], "sizes": [9]}, "version": 5,
+         "call": "verify", "workspace": False},
+        {"name": "v5 verify 8x65x1000 (workspace)", "shape": {"nh": 8, "nq": 65, "lens": [1000], "sizes": [65]},
+         "version": 5, "call": "verify", "workspace": True},
+        {"name": "v5 prefix 8x65x1000", "shape": {"nh": 8, "nq": 65, "lens": [1000], "sizes": [65]}, "version": 5,
+         "call": "prefix", "workspace": False},
+        {"name": "v5 verify ragged B3", "shape": ragged, "version": 5, "call": "verify", "workspace": False},
+        {"name": "v3 verify ragged B3", "shape": ragged, "version": 3, "call": "verify", "workspace": False},
+    ]
+
+
+def run_case(spec: dict, seed: int) -> dict:
+    """One call of `spec` on fresh inputs, its output against the float64 reference, the kernels it fetched."""
+    import cupy
+
+    sh = spec["shape"]
+    dev, seen = to_device(problem(seed, sh["nh"], sh["nq"], sh["lens"], sh["sizes"]))
+    fetched = []
+    fetch = loader.get_function
+
+    def recording(stem, name, **kw):
+        fetched.append(name)
+        return fetch(stem, name, **kw)
+
+    loader.get_function = recording  # observe which kernels the wrapper loads (and then launches)
+    try:
+        if spec["call"] == "prefix":
+            args = {k: dev[k] for k in PREFIX_KEYS}
+            got = cu.prefix_attention(**args, version=spec["version"])
+            want = ref.prefix_attention(**{k: seen[k] for k in PREFIX_KEYS})
+        else:
+            ws = cu.make_workspace(len(sh["lens"]), sh["nq"], sh["nh"]) if spec["workspace"] else None
+            got = cu.tree_verify_attention(**dev, version=spec["version"], workspace=ws)
+            want = ref.tree_verify_attention(**seen)
+        cupy.cuda.runtime.deviceSynchronize()
+    finally:
+        loader.get_function = fetch
+    verdict = compare(*got, *want)
+    print(f"{'PASS' if verdict['ok'] else 'FAIL'} {spec['name']}: norm-rel {verdict['norm_rel']:.2e}, "
+          f"lse {verdict['lse_max_abs']:.1e}, kernels {sorted(set(fetched))}", flush=True)
+    return {**spec, "seed": seed, **verdict, "kernels": sorted(set(fetched))}
+
+
+def run(json_path: Path, pool: bool) -> int:
+    import cupy
+
+    if not pool:
+        cupy.cuda.set_allocator(None)  # every array its own cudaMalloc: exact bounds for memcheck
+    if not cu.wgmma_available():
+        print("version 5 needs an sm_90 device (H100 / H200); nothing run", file=sys.stderr)
+        return 1
+    done = [run_case(spec, seed) for seed, spec in enumerate(cases())]
+    doc = {"provenance": provenance(), "pool": pool, "rtol": RTOL, "lse_atol": LSE_ATOL, "cases": done,
+           "kernels": sorted({k for c in done for k in c["kernels"]}), "ok": all(c["ok"] for c in done)}
+    tmp = json_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, json_path)
+    print("sanitize driver done:", "every case passed" if doc["ok"] else "a case FAILED", flush=True)
+    return 0 if doc["ok"] else 1
+
+
+def parse_log(text: str, tool: str) -> dict:
+    """A compute-sanitizer log's findings, summed over every summary line: `errors` from ERROR SUMMARY
+    (memcheck, synccheck, initcheck) or the hazards of RACECHECK SUMMARY (racecheck, with their errors
+    and warnings); errors None where the log holds no such line (the run did not reach its end)."""
+    if tool == "racecheck":
+        found = [tuple(int(x) for x in m) for m in _HAZARDS.findall(text)]
+        if not found:
+            return {"errors": None}
+        n, e, w = (sum(col) for col in zip(*found, strict=True))
+        return {"errors": n, "hazard_errors": e, "hazard_warnings": w}
+    found = [int(m) for m in _ERRORS.findall(text)]
+    return {"errors": sum(found) if found else None}
+
+
+def summarize(folder: Path) -> int:
+    """Write folder/sanitize.json from the <tool>.log, <tool>.rc and <tool>.json of every tool run there.
+
+    A tool is clean when compute-sanitizer exited 0, its log's summary counts no finding, and the
+    driver wrote its case file with every case passed (a summary of 0 alone is not enough: a target
+    that died early can leave one)."""
+    tools = {}
+    for tool in TOOLS:
+        log = folder / f"{tool}.log"
+        if not log.exists():
+            continue
+        rc_file, cases_file = folder / f"{tool}.rc", folder / f"{tool}.json"
+        found = parse_log(log.read_text(errors="replace"), tool)
+        driver = json.loads(cases_file.read_text()) if cases_file.exists() else None
+        rc = int(rc_file.read_text().strip()) if rc_file.exists() else None
+        tools[tool] = {
+            "rc": rc, **found,
+            "cases": None if driver is None else len(driver["cases"]),
+            "cases_passed": None if driver is None else sum(c["ok"] for c in driver["cases"]),
+            "kernels": None if driver is None else driver["kernels"],
+            "clean": rc == 0 and found["errors"] == 0 and driver is not None and driver["ok"],
+        }
+    if not tools:
+        print(f"no <tool>.log in {folder}: nothing to summarize", file=sys.stderr)
+        return 2
+    doc = {"provenance": provenance(), "tools": tools, "clean": all(t["clean"] for t in tools.values())}
+    (folder / "sanitize.json").write_text(json.dumps(doc, indent=1) + "\n")
+    for tool, t in tools.items():
+        print(f"{tool:10s} rc {t['rc']}  findings {t['errors']}  cases {t['cases_passed']}/{t['cases']}  "
+              f"{'clean' if t['clean'] else 'NOT CLEAN'}")
+    return 0 if doc["clean"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="the driver: every case once, checked, cases written to --json")
+    r.add_argument("--json", type=Path, required=True, help="where the case results go")
+    r.add_argument("--pool", action="store_true", help="keep CuPy's memory pool (default: off)")
+    s = sub.add_parser("summarize", help="DIR/<tool>.log + .json + .rc -> DIR/sanitize.json")
+    s.add_argument("folder", type=Path)
+    args = ap.parse_args(argv)
+    if args.cmd == "run":
+        return run(args.json, args.pool)
+    if not args.folder.is_dir():
+        print(f"not a folder: {args.folder}", file=sys.stderr)
+        return 2
+    return summarize(args.folder)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

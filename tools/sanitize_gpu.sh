@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# compute-sanitizer over the tree-verify attention kernels (issue 19: memcheck and racecheck clean), on
+# the H200: memcheck, racecheck and synccheck, each over tools/sanitize_attention.py (version 5, the
+# wgmma bf16 default, at 8 heads x 9 and x 65 queries over a 1,000-token prefix, the prefix alone, a
+# workspace call and a ragged batch of 3 with trees of 1 to 65 rows; one version 3 call; every output
+# checked against the float64 reference). Run from the repo root:
+#
+#   device call:  OUT=$OUT KDLIB_COMMIT=<sha> bash tools/sanitize_gpu.sh
+#       KDLIB_SANITIZE_TOOLS: the tools, in order (default "memcheck racecheck synccheck"; initcheck
+#       is also summarized); KDLIB_SANITIZE_FLAGS: extra compute-sanitizer options for every tool.
+#
+# First the driver runs once without a sanitizer (warm: NVRTC compiles the kernels into CuPy's disk
+# cache and the cases are checked), then once under each tool, each step under its own time limit
+# (~9 min at most in all). $OUT gets nvidia-smi.txt, warm.log / warm.json, <tool>.log (sanitizer and
+# driver output), <tool>.json (the driver's cases), <tool>.rc, summary.txt and sanitize.json (per tool:
+# exit code, findings, cases passed, kernels covered; `clean`). Exit code 0 when every tool is clean.
+set -u
+: "${OUT:?set OUT to the output folder}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTORCH_NO_CUDA_MEMORY_CACHING=1
+DRIVER=tools/sanitize_attention.py
+
+CS=$(command -v compute-sanitizer || true)
+for c in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer \
+  /usr/local/cuda-*/bin/compute-sanitizer; do
+  [ -z "$CS" ] && [ -x "$c" ] && CS=$c
+done
+if [ -z "$CS" ]; then
+  echo "compute-sanitizer not found (PATH, /usr/local/cuda*/bin): nothing run" | tee -a "$OUT/summary.txt"
+  exit 2
+fi
+"$CS" --version 2>&1 | tail -n 1 | tee -a "$OUT/summary.txt"
+
+step() {  # step NAME SECONDS COMMAND...: output in $OUT/NAME.log, exit code in $OUT/NAME.rc
+  local name=$1 secs=$2 start rc
+  shift 2
+  start=$(date +%s)
+  timeout --kill-after=5 "$secs" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  echo "$rc" >"$OUT/$name.rc"
+  printf '%-10s rc=%-3s %4ss  %s\n' "$name" "$rc" "$(($(date +%s) - start))" "$*" | tee -a "$OUT/summary.txt"
+  tail -n 3 "$OUT/$name.log"
+}
+
+limit() {  # seconds a tool gets: racecheck instruments every shared-memory access and is the slowest
+  case $1 in racecheck) echo 200 ;; memcheck) echo 150 ;; *) echo 120 ;; esac
+}
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv \
+  >"$OUT/nvidia-smi.txt" 2>&1
+step warm 90 python3 $DRIVER run --json "$OUT/warm.json"
+if [ "$(cat "$OUT/warm.rc")" != 0 ]; then
+  echo "the driver fails without a sanitizer: no tool run (see warm.log)" | tee -a "$OUT/summary.txt"
+  exit 1
+fi
+for tool in ${KDLIB_SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
+  # shellcheck disable=SC2086  # KDLIB_SANITIZE_FLAGS is a list of options
+  step "$tool" "$(limit "$tool")" "$CS" --tool "$tool" --error-exitcode 9 ${KDLIB_SANITIZE_FLAGS:-} \
+    python3 $DRIVER run --json "$OUT/$tool.json"
+done
+python3 $DRIVER summarize "$OUT" | tee -a "$OUT/summary.txt"
+exit "${PIPESTATUS[0]}"
