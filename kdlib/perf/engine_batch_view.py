@@ -14,29 +14,16 @@ both with None. Device time is NaN where the profiled steps could not hold every
 from __future__ import annotations
 
 import math
-import re
 
 import numpy as np
 import pandas as pd
+
+from kdlib.perf import profile
 
 # DDTree tokens/s over (mean accepted x AR tokens/s) in the DDTree paper, as issue 16 states it
 PAPER_RATIO_BAND = (0.60, 0.77)
 PAPER = ("Ringel & Romano, “Accelerating Speculative Decoding with Block Diffusion Draft Trees” "
          "(arXiv 2604.12989; the paper kdlib/ref/tree.py follows)")
-# first match wins: attention before GEMM (the tree-verify kernels use wgmma), MoE before GEMM
-KERNEL_CLASSES = (
-    ("attention", r"attn|attention|flash|fmha|sdpa|tree_verify"),
-    ("MoE routing / experts", r"moe|expert|grouped|route"),
-    ("GEMM", r"gemm|gemv|cutlass|xmma|cublas|matmul|splitk|wgmma"),
-    ("norm", r"norm"),
-    ("softmax / top-k / sort", r"softmax|topk|top_k|sort|argmax|scan|radix"),
-    ("tree build / accept", r"tree|accept|ddtree"),
-    ("copy / index", r"copy|memcpy|memset|index|gather|scatter|cat|fill"),
-    ("elementwise / reduce", r"elementwise|vectorized|unrolled|reduce|pointwise|mul|add"),
-)
-OTHER = "other"
-
-
 def method_label(method: str, budget: int | None) -> str:
     """'AR' or 'DDTree b32'."""
     return "AR" if method == "ar" else f"DDTree b{budget}"
@@ -133,19 +120,11 @@ def goal_mismatches(doc: dict, rel: float = 1e-9) -> list[str]:
     return bad
 
 
-def kernel_class(name: str) -> str:
-    """The class of one kernel name (`KERNEL_CLASSES`, first match; `other` when none matches)."""
-    low = name.lower()
-    return next((c for c, pat in KERNEL_CLASSES if re.search(pat, low)), OTHER)
-
-
 def kernel_classes(top_kernels) -> dict:
-    """{class: device us per step} over a row's `top_kernels` ([name, calls per step, us per step] each)."""
-    out: dict = {}
-    for name, _calls, us in top_kernels or []:
-        c = kernel_class(name)
-        out[c] = out.get(c, 0.0) + float(us)
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+    """{class: device us per step} over a row's `top_kernels` ([name, calls per step, us per step] each),
+    largest first (`kdlib.perf.profile.kernel_classes`)."""
+    by = profile.kernel_classes([(n, c, float(us)) for n, c, us in top_kernels or []])
+    return {k: v["us"] for k, v in sorted(by.items(), key=lambda kv: -kv[1]["us"])}
 
 
 def agreement(doc: dict, section: str = "trained") -> pd.DataFrame:

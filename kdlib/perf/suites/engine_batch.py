@@ -30,6 +30,7 @@ import numpy as np
 
 from kdlib import zoo
 from kdlib.perf.bench_model import BENCH_CONFIG, BLOCK
+from kdlib.perf.profile import device_profile
 
 METHODS = (("ar", None), ("ddtree", 8), ("ddtree", 16), ("ddtree", 32), ("ddtree", 64))
 STREAMS = (1, 4, 16, 64)
@@ -45,28 +46,6 @@ def _engine(model, method, budget, drafter, streams, max_context, compile_=False
                        budget=budget, max_context=max_context, keep_results=True, compile=compile_, overlap=overlap)
 
 
-def _device_profile(fn, steps: int, top: int = 25) -> dict:
-    """Per call of fn: CUDA kernel time and kernel count from torch.profiler's device events, and the
-    `top` kernels by device time (name, calls per step, us per step)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    kernels.sort(key=lambda e: -e.self_device_time_total)
-    return {
-        "device_ms": sum(e.self_device_time_total for e in kernels) / 1e3 / steps,
-        "kernels_per_step": sum(e.count for e in kernels) / steps,
-        "top_kernels": [
-            (e.key[:120], e.count / steps, e.self_device_time_total / steps) for e in kernels[:top]
-        ],
-    }
-
-
 def run_row(model, method, budget, drafter, prompts, max_new, label: dict, compile_: bool = False,
             overlap: bool = False) -> dict:
     """C = len(prompts) streams; wall and device time of TIMED_STEPS steps after the buckets are captured
@@ -79,7 +58,7 @@ def run_row(model, method, budget, drafter, prompts, max_new, label: dict, compi
     eng.step()  # admissions + first step (captures the first bucket)
     eng.step()
     first_s = time.perf_counter() - t_first
-    prof = _device_profile(eng.step, 3) if eng.num_running == C else {"device_ms": float("nan")}
+    prof = device_profile(eng.step, 3) if eng.num_running == C else {"device_ms": float("nan")}
     eng.replay_ms = []
     wall, span, toks = [], [], 0
     for _ in range(TIMED_STEPS):
