@@ -6,6 +6,7 @@ import pytest
 
 from kdlib import perf
 from kdlib.perf import engine_batch_view as ebv
+from kdlib.perf import profile
 
 DOC = perf.load("engine_batch", "h200")
 needs_doc = pytest.mark.skipif(DOC is None, reason="no data/results/engine_batch.h200.json recorded")
@@ -67,12 +68,17 @@ def test_agreement_counts_first_difference():
 
 
 def test_kernel_class_order_and_other():
-    assert ebv.kernel_class("tree_verify_v4_wgmma_attend") == "attention"  # attention before GEMM
-    assert ebv.kernel_class("moe_w4a16_grouped_gemm") == "MoE routing / experts"
-    assert ebv.kernel_class("rms_norm_kernel") == "norm"
-    assert ebv.kernel_class("at::native::vectorized_elementwise_kernel") == "elementwise / reduce"
-    assert ebv.kernel_class("mystery") == ebv.OTHER
+    kc = profile.kernel_class
+    assert kc("tree_verify_v4_wgmma_attend") == "attention"  # attention before GEMM
+    assert kc("moe_w4a16_grouped_gemm") == "MoE routing / experts"
+    assert kc("rms_norm_kernel") == "norm"
+    assert kc("at::native::vectorized_elementwise_kernel") == "elementwise / reduce"
+    assert kc("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "fused (torch.compile)"
+    assert kc("mystery") == profile.OTHER
     assert ebv.kernel_classes(None) == {}
+    rows = [("gemv_kernel", 2.0, 5.0), ("tree_verify_v5_attend", 1.0, 7.0), ("sm90_xmma_gemm", 1.0, 1.5)]
+    assert ebv.kernel_classes(rows) == {"attention": 7.0, "GEMM": 6.5}
+    assert profile.kernel_classes(rows)["GEMM"] == {"calls": 3.0, "us": 6.5}
 
 
 def test_first_difference():
