@@ -138,9 +138,7 @@ def test_suite_layouts_and_costs_on_cpu():
 
 @pytest.mark.gpu
 def test_suite_runs_on_gpu(tmp_path):
-    from types import SimpleNamespace
-
-    res = suite.run(SimpleNamespace(quick=True))
+    res = suite.run(quick=True)
     assert res["points"]
     for p in res["points"]:
         for name in suite.LAYOUTS:

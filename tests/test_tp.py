@@ -265,12 +265,10 @@ def test_bench_path_on_gloo_counts_two_allreduces_per_layer():
 
 
 def test_perf_suite_refuses_without_two_gpus():
-    import argparse
-
     if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
         pytest.skip("this host has several GPUs: the suite would run")
     with pytest.raises(SystemExit, match="at least 2 GPUs"):
-        suite.run(argparse.Namespace(quick=True))
+        suite.run(quick=True)
     assert suite.world_sizes(8) == [1, 2, 4, 8] and suite.world_sizes(3) == [1, 2]
 
 

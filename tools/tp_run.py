@@ -95,7 +95,8 @@ def main(argv=None) -> int:
         return _torchrun(args)
     if args.bench:
         path = write(
-            "tp", run(args), out_dir=args.out, command="python3 tools/tp_run.py " + " ".join(sys.argv[1:])
+            "tp", run(quick=args.quick), out_dir=args.out,
+            command="python3 tools/tp_run.py " + " ".join(sys.argv[1:]),
         )
         print(f"[tp_run] wrote {path}", flush=True)
         return 0

@@ -1,22 +1,51 @@
 """GPU entry point: `python3 -m kdlib.perf.run --suite NAME [--out DIR] [--quick]`.
 
-A suite is a module `kdlib.perf.suites.<NAME>` with `run(args) -> dict` (the payload: parameters,
-medians, quantiles, bytes and FLOPs with their floor). This script stamps it with provenance
-and writes `<out>/<NAME>.<gpu>.json` (default out: data/results/).
+A suite is a module `kdlib.perf.suites.<NAME>` with a keyword-only `run(*, quick=False, ...) -> dict`
+(the payload: parameters, medians, quantiles, bytes and FLOPs with their floor). This script calls
+it with those of its options the suite's signature names (`quick`, `out`: see `ENTRY_OPTIONS`), so
+notebooks and tests call the same `run` with plain keywords. A suite still written as `run(args)`
+(one positional parameter) gets the argparse Namespace. The payload is stamped with provenance and
+written to `<out>/<NAME>.<gpu>.json` (default out: data/results/).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import pkgutil
 import sys
 
 from kdlib.perf import results, suites
 
+# The entry point's options a suite may take as keywords: `quick` (a reduced sweep) and `out` (the
+# result folder, for a suite that writes partial results as it goes).
+ENTRY_OPTIONS = ("quick", "out")
+
 
 def available() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(suites.__path__))
+
+
+def is_keyword_only(fn) -> bool:
+    """True when every parameter of `fn` is keyword-only (the suite form); False for `run(args)`."""
+    return all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in inspect.signature(fn).parameters.values())
+
+
+def suite_kwargs(fn, args: argparse.Namespace) -> dict:
+    """The entry point's options (ENTRY_OPTIONS, from `args`) that the keyword-only `fn` accepts."""
+    accepted = inspect.signature(fn).parameters
+    return {name: getattr(args, name) for name in ENTRY_OPTIONS if name in accepted}
+
+
+def call_suite(module, args: argparse.Namespace) -> dict:
+    """`module.run(**suite_kwargs)`, or `module.run(args)` for a suite in the older `run(args)` form."""
+    if not is_keyword_only(module.run):
+        return module.run(args)
+    kwargs = suite_kwargs(module.run, args)
+    if args.quick and "quick" not in kwargs:
+        print(f"[perf] {module.__name__} has no quick mode: --quick ignored", flush=True)
+    return module.run(**kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python3 -m kdlib.perf.run " + " ".join(sys.argv[1:] if argv is None else argv)
     for name in args.suite:
         module = importlib.import_module(f"kdlib.perf.suites.{name}")
-        payload = module.run(args)
+        payload = call_suite(module, args)
         path = results.write(name, payload, out_dir=args.out, command=command)
         print(f"[perf] {name}: wrote {path}", flush=True)
     return 0

@@ -1,7 +1,8 @@
 """Verify-attention benchmark: `kdlib.cuda.attention.tree_verify_attention` against PyTorch baselines.
 
-`run(args) -> dict` (the `kernels` suite embeds it under `verify_attention`; on its own:
-`python3 -c 'import kdlib.perf.suites._attention as a, ...'`, see notebooks/02b). Per point
+`sweep(*, quick=False, ...) -> dict`, also the suite's `run` (the `kernels` suite embeds it under
+`verify_attention`; on its own: `python3 -m kdlib.perf.run --suite _attention`, or `main` below;
+notebooks/02b calls `sweep`). Per point
 (heads H, tree queries Q, prefix S, batch B), all bf16 inputs, page_size 1 with scattered slots:
 
   * kernel: the whole verify (split-KV prefix + masked tail + LSE combine, three launches) captured
@@ -20,6 +21,7 @@ Baselines are skipped (and the reason recorded) where their score matrices would
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from kdlib import perf
 from kdlib.perf import results, timing
@@ -194,16 +196,18 @@ def run_point(p: dict, pool, ceil: dict, *, iters: int, baseline_iters: int, bas
     return row
 
 
-def run(args) -> dict:
-    """The entry point's adapter (`python3 -m kdlib.perf.run --suite _attention [--quick]`): `sweep`."""
-    return sweep(quick=bool(args.quick))
+def sweep(*, quick: bool = False, impls: Sequence[str] = ("auto",), iters: int = 20,
+          baseline_iters: int = 5, time_budget_s: float | None = None) -> dict:
+    """The verify-attention sweep.
 
-
-def sweep(*, quick: bool = False, impls=("auto",), iters: int = 20, baseline_iters: int = 5,
-          time_budget_s: float | None = None) -> dict:
-    """The verify-attention sweep: the quick grid or the full one, each point timed for every kernel
-    variant in `impls` (the first is the headline), `iters` / `baseline_iters` replays; past
-    `time_budget_s` seconds no new point starts (the grid is in priority order)."""
+    quick: QUICK_GRID with 10 kernel / 3 baseline replays per point (else FULL_GRID).
+    impls: kernel variants (`kdlib.cuda.attention.IMPLS` names) timed at every point; the first is
+        the headline.
+    iters, baseline_iters: CUDA-graph replays per point of each kernel variant / each baseline on
+        the full grid (quick runs 10 / 3; `parameters` records the values given).
+    time_budget_s: past this many seconds no new point starts (the grid is in priority order);
+        None: no limit.
+    """
     import torch
 
     grid = points(quick)
@@ -214,7 +218,7 @@ def sweep(*, quick: bool = False, impls=("auto",), iters: int = 20, baseline_ite
     from kdlib.cuda import attention as cu
 
     impls = tuple(impls)
-    resolved = {i: cu._pick_impl(i, "bf16") for i in impls}  # 'auto' -> the mma version it ran
+    resolved = {i: cu.LAUNCHES[cu.pick_version(None, i, "bf16")].impl for i in impls}  # 'auto' -> what ran
     b_iters = baseline_iters
     t0 = time.monotonic()
     rows, left_out = [], []
@@ -244,6 +248,9 @@ def sweep(*, quick: bool = False, impls=("auto",), iters: int = 20, baseline_ite
             "FLOPs count the prefix only: 2 B H Q S (576 + 512)",
         ],
     }
+
+
+run = sweep  # the suite's entry (kdlib.perf.run calls every suite's `run`)
 
 
 GOAL_MIN_PREFIX = 8192  # issue 4: beat the best PyTorch baseline at every prefix >= 8k ...

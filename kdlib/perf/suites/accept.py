@@ -29,13 +29,14 @@ the version's order) on its first rows, then timed as CUDA-graph replays of back
 stay in L2 where the rows are many (`l2_resident` marks the points, small row counts, whose
 replays read L2-warm rows, as a decode step that has just written its softmax does). Floor: the
 bytes a draw must read (probs, uniforms) and write (tokens) over the device-to-device copy
-bandwidth measured in the same run. Env `KDLIB_ACCEPT_PARTS` picks the
-parts: `acceptance,sampling` (default) or either alone.
+bandwidth measured in the same run. `run(parts=...)` (default: env `KDLIB_ACCEPT_PARTS`) picks
+the parts: `acceptance,sampling` (default) or either alone.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -252,25 +253,34 @@ def bench_sampling(vocabs=SAMPLE_VOCABS, rows=SAMPLE_ROWS, iters: int = 10, log=
             "copy": copy, "copy_bandwidth_Bps": bw, "points": points, "speedup": speedup}
 
 
-def _parts() -> tuple[str, ...]:
-    parts = tuple(
-        p.strip() for p in os.environ.get("KDLIB_ACCEPT_PARTS", ",".join(PARTS)).split(",") if p.strip()
-    )
-    bad = [p for p in parts if p not in PARTS]
-    if bad or not parts:
-        raise ValueError(f"KDLIB_ACCEPT_PARTS must name some of {PARTS}, got "
-                         f"{os.environ.get('KDLIB_ACCEPT_PARTS')!r}")
-    return parts
+def _parts(parts: Sequence[str] | None = None) -> tuple[str, ...]:
+    """The parts to run: `parts`, else env `KDLIB_ACCEPT_PARTS` (comma-separated), else PARTS."""
+    if parts is not None:
+        chosen, source = tuple(parts), "parts"
+    else:
+        raw = os.environ.get("KDLIB_ACCEPT_PARTS", ",".join(PARTS))
+        chosen, source = tuple(p.strip() for p in raw.split(",") if p.strip()), "KDLIB_ACCEPT_PARTS"
+    bad = [p for p in chosen if p not in PARTS]
+    if bad or not chosen:
+        got = list(parts) if parts is not None else os.environ.get("KDLIB_ACCEPT_PARTS")
+        raise ValueError(f"{source} must name some of {PARTS}, got {got!r}")
+    return chosen
 
 
-def run(args) -> dict:
+def run(*, quick: bool = False, parts: Sequence[str] | None = None) -> dict:
+    """The suite (see the module docstring).
+
+    quick: QUICK_PROMPTS prompts of QUICK_NEW_TOKENS tokens at QUICK_BUDGETS, and sampling at
+        QUICK_SAMPLE_ROWS with 3 replays (else the full sweep, 10 replays).
+    parts: some of PARTS; None: env `KDLIB_ACCEPT_PARTS`, else both.
+    """
     import torch
 
-    parts = _parts()
+    parts = _parts(parts)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     payload = {"parts": list(parts)}
     if "acceptance" in parts:
-        if args.quick:
+        if quick:
             payload.update(measure(device, QUICK_PROMPTS, QUICK_NEW_TOKENS, QUICK_BUDGETS))
         else:
             payload.update(measure(device, FULL_PROMPTS, NEW_TOKENS, BUDGETS))
@@ -278,6 +288,6 @@ def run(args) -> dict:
         if device != "cuda":
             payload["sampling"] = {"absent": "no CUDA device"}
         else:
-            payload["sampling"] = bench_sampling(rows=QUICK_SAMPLE_ROWS if args.quick else SAMPLE_ROWS,
-                                                 iters=3 if args.quick else 10)
+            payload["sampling"] = bench_sampling(rows=QUICK_SAMPLE_ROWS if quick else SAMPLE_ROWS,
+                                                 iters=3 if quick else 10)
     return payload

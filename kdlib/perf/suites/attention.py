@@ -1,8 +1,9 @@
 """Attention suite (issue 19): the whole tree verify at the issue's shapes, every arm on the same inputs.
 
-`python3 -m kdlib.perf.run --suite attention [--quick]` (or tools/attention_gpu.sh; env:
-KDLIB_ATTENTION_IMPLS, a comma list of kernel variants, and KDLIB_ATTENTION_BUDGET_S, after which no
-new point starts; the points run in priority order). Per point
+`python3 -m kdlib.perf.run --suite attention [--quick]` (or tools/attention_gpu.sh), or
+`run(quick=..., impls=..., time_budget_s=...)`; env KDLIB_ATTENTION_IMPLS (a comma list of kernel
+variants) and KDLIB_ATTENTION_BUDGET_S (after which no new point starts; the points run in priority
+order) are those parameters' defaults. Per point
 (heads H, tree queries Q, prefix S, batch B; bf16, page_size 1, scattered slots, random trees):
 
   * `wgmma` (tree_verify_v5) and the previous bf16 default (`MMA_DEFAULT`): the whole verify
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 
 from kdlib import perf
 from kdlib.perf import results, timing
@@ -198,19 +200,28 @@ def goals(points: list[dict], impl: str) -> dict:
     return out
 
 
-def run(args) -> dict:
+def run(*, quick: bool = False, impls: Sequence[str] | None = None, time_budget_s: float | None = None) -> dict:
+    """The suite (see the module docstring).
+
+    quick: QUICK_POINTS and the ragged point, 10 kernel / 3 baseline replays (else POINTS, 20 / 5).
+    impls: kernel variants (`kdlib.cuda.attention.IMPLS` names), the first the headline; None: env
+        `KDLIB_ATTENTION_IMPLS` (a comma list), else wgmma where the device runs it and MMA_DEFAULT.
+    time_budget_s: past this many seconds no new point starts; None: env `KDLIB_ATTENTION_BUDGET_S`,
+        else no limit.
+    """
     import torch
 
     from kdlib.cuda import attention as cu
 
-    quick = bool(getattr(args, "quick", False))
     lens, trees = ragged_shape()
     ragged = {"heads": RAGGED["heads"], "queries": RAGGED["queries"], "batch": RAGGED["batch"], "lens": lens,
               "trees": trees}
     pts = QUICK_POINTS + [ragged] if quick else POINTS[:3] + [ragged] + POINTS[3:]
-    chosen = os.environ.get("KDLIB_ATTENTION_IMPLS")  # comma list; default: wgmma where it runs + MMA_DEFAULT
-    impls = [m.strip() for m in chosen.split(",")] if chosen else \
-        ([cu.WGMMA] if cu.wgmma_available() else []) + [cu.MMA_DEFAULT]
+    if impls is None:
+        chosen = os.environ.get("KDLIB_ATTENTION_IMPLS")  # comma list; default: wgmma where it runs + MMA_DEFAULT
+        impls = [m.strip() for m in chosen.split(",")] if chosen else \
+            ([cu.WGMMA] if cu.wgmma_available() else []) + [cu.MMA_DEFAULT]
+    impls = list(impls)
     ceil = results.ceilings().as_dict()
     rows_needed = max(sum(p["lens"]) if "lens" in p else p["prefix"] * p["batch"] for p in pts)
     pool = torch.randn(rows_needed, D_QK, device="cuda", dtype=torch.bfloat16)  # [N, 576] KV rows
@@ -219,7 +230,7 @@ def run(args) -> dict:
     if fi is not None:  # FlashInfer's page_size-1 caches: [N, 1, 512] latent and [N, 1, 64] rope
         kv_split = (pool[:, :D_V].contiguous().view(-1, 1, D_V), pool[:, D_V:].contiguous().view(-1, 1, D_QK - D_V))
     iters, b_iters = (10, 3) if quick else (20, 5)
-    budget = getattr(args, "time_budget_s", None) or os.environ.get("KDLIB_ATTENTION_BUDGET_S")
+    budget = time_budget_s or os.environ.get("KDLIB_ATTENTION_BUDGET_S")
     budget = float(budget) if budget else None
     clocks_before = timing.clocks()
     t0 = time.monotonic()

@@ -56,13 +56,16 @@ def _matmul_case(torch, m: int, n: int, k: int, *, warmup: int, iters: int) -> d
     }
 
 
-def run(args) -> dict:
-    """Measure both ceilings on the current CUDA device; see the module docstring."""
+def run(*, quick: bool = False) -> dict:
+    """Measure both ceilings on the current CUDA device; see the module docstring.
+
+    quick: the headline copy size and matmul shape only, 3 warm-up / 10 timed runs (else every size
+    and shape, 10 / 50).
+    """
     import torch
 
     if not torch.cuda.is_available():
         raise RuntimeError("the ceilings suite needs a CUDA device")
-    quick = bool(getattr(args, "quick", False))
     copy_sizes = (HEADLINE_COPY_BYTES,) if quick else COPY_SIZES
     shapes = (HEADLINE_MATMUL,) if quick else MATMUL_SHAPES
     warmup, iters = (3, 10) if quick else (10, 50)

@@ -51,13 +51,12 @@ def measure(
         engine.close()
 
 
-def run(args) -> dict:
+def run(*, quick: bool = False) -> dict:
+    """`measure` on CUDA when present (else the CPU) with the QUICK profile (quick) or FULL."""
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    p = QUICK if getattr(args, "quick", False) else FULL
+    p = QUICK if quick else FULL
     res = measure(device, **p)
-    res["parameters"].update(
-        {"device": device, "profile": "quick" if getattr(args, "quick", False) else "full"}
-    )
+    res["parameters"].update({"device": device, "profile": "quick" if quick else "full"})
     return res

@@ -304,12 +304,13 @@ def _bf16_verify(model, bw, fl) -> dict:
             "verify_forward": [row]}
 
 
-def run(args) -> dict:
+def run(*, quick: bool = False) -> dict:
+    """The suite on the CUDA device, float32 with TF32 off (restored after); quick: the reduced
+    sweep of `_run` (one context, budget and p_wrong, fewer tokens and repeats)."""
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("the engine suite needs a CUDA device")
-    quick = bool(getattr(args, "quick", False))
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 matmuls in float32: DDTree == AR exactly
     torch.backends.cudnn.allow_tf32 = False

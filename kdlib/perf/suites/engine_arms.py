@@ -6,13 +6,16 @@ The trained tiny model (bf16, code prompts of 256 tokens), AR and DDTree budget 
 each in four arms: graphs (the plain replay, the baseline of the same run), overlap (the host reads
 step k's tokens while step k+1 runs), compile (torch.compile's fused kernels inside the graph) and
 both. Rows as `engine_batch.run_row` makes them (wall step, profiler device time and kernel count,
-the graph's device span, tokens/s, accepted length, the first steps' wall with compilation). KDLIB_ARMS_STREAMS (e.g. "1") and KDLIB_ARMS_BUDGET_S trim the run.
+the graph's device span, tokens/s, accepted length, the first steps' wall with compilation).
+`run(streams=..., budget_s=...)` trims the run (defaults: env KDLIB_ARMS_STREAMS, e.g. "1", and
+KDLIB_ARMS_BUDGET_S).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 
 ARMS = (("graphs", False, False), ("overlap", False, True), ("compile", True, False), ("compile+overlap", True, True))
 METHODS = (("ar", None), ("ddtree", 32))
@@ -20,7 +23,13 @@ STREAMS = (1, 16)
 BUDGET_S = 150  # no new row starts past this many seconds (KDLIB_ARMS_BUDGET_S)
 
 
-def run(args) -> dict:
+def run(*, streams: Sequence[int] | None = None, budget_s: float | None = None) -> dict:
+    """Every (streams, method, arm) row; no quick mode (trim the run with the parameters).
+
+    streams: concurrent streams C of each row block; None: env `KDLIB_ARMS_STREAMS` (comma-separated),
+        else STREAMS.
+    budget_s: no new row starts past this many seconds; None: env `KDLIB_ARMS_BUDGET_S`, else BUDGET_S.
+    """
     import torch
 
     from kdlib import zoo
@@ -30,8 +39,10 @@ def run(args) -> dict:
     target = zoo.load_target(device="cuda", dtype=torch.bfloat16)
     drafter = zoo.load_drafter(target)
     enc = [tok.encode(t)[:PROMPT] for t in zoo.held_out("code") if len(tok.encode(t)) > PROMPT]
-    budget_s = float(os.environ.get("KDLIB_ARMS_BUDGET_S", BUDGET_S))
-    streams = tuple(int(s) for s in os.environ.get("KDLIB_ARMS_STREAMS", ",".join(map(str, STREAMS))).split(","))
+    budget_s = float(os.environ.get("KDLIB_ARMS_BUDGET_S", BUDGET_S) if budget_s is None else budget_s)
+    if streams is None:
+        streams = os.environ.get("KDLIB_ARMS_STREAMS", ",".join(map(str, STREAMS))).split(",")
+    streams = tuple(int(s) for s in streams)
     rows, cut, t0 = [], [], time.perf_counter()
     for c in streams:
         for m, b in METHODS:

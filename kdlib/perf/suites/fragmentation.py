@@ -122,15 +122,15 @@ def run_point(h: int, q: int, s: int, ceil: dict, *, iters: int, seed: int = 0) 
     return row
 
 
-def run(args) -> dict:
-    """The suite: every (H, Q, S) of FULL (QUICK with --quick)."""
+def run(*, quick: bool = False) -> dict:
+    """The suite: every (H, Q, S) of FULL, 100 replays a layout (quick: QUICK, 30 replays)."""
     import torch
 
     if not torch.cuda.is_available():
         raise RuntimeError("the fragmentation suite needs a CUDA device")
-    grid = QUICK if getattr(args, "quick", False) else FULL
+    grid = QUICK if quick else FULL
     ceil = results.ceilings().as_dict()
-    iters = 30 if getattr(args, "quick", False) else 100
+    iters = 30 if quick else 100
     clocks_before = timing.clocks()
     pts = []
     for h in grid["heads"]:

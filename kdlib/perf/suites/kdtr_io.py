@@ -167,7 +167,6 @@ def table(result: dict):
     return pd.DataFrame(rows)
 
 
-def run(args) -> dict:
-    """The suite entry point (kdlib.perf.run): 256 MiB and 5 repeats, or 16 MiB and 2 with --quick."""
-    quick = bool(getattr(args, "quick", False))
+def run(*, quick: bool = False) -> dict:
+    """The suite entry point (kdlib.perf.run): 256 MiB and 5 repeats, or 16 MiB and 2 when quick."""
     return measure(total_bytes=(16 if quick else 256) << 20, repeats=2 if quick else 5)

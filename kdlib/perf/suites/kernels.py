@@ -3,8 +3,8 @@
 `python3 -m kdlib.perf.run --suite kernels --out DIR` -> `kernels.<gpu>.json`. Per batch
 B in 1..64 (L 15, budget 64, K' 64: the seeds' comparison point):
 
-  * tree build, every kernel version of `kdlib.cuda.tree.VERSIONS` (v1-v4; env
-    `KDLIB_TREE_VERSIONS=3,4` restricts the list), against
+  * tree build, every kernel version of `kdlib.cuda.tree.VERSIONS` (v1-v4; `sweep(versions=...)`
+    or env `KDLIB_TREE_VERSIONS=3,4` restricts the list), against
     `kdlib.ref.build_tree_batch` on the same inputs in the same run
     (`kdlib.ref.tree.synthetic_topk`, drafter-like): CPU reference time, CPU reference with the
     device->host->device copies and the sync it forces, and three GPU times:
@@ -30,14 +30,16 @@ fallback 4.3e12 B/s (kernels-perf.md §0); the other kernels have no meaningful 
 The verify-attention sweep of `kdlib.perf.suites._attention` (written by the attention
 engineer) is embedded under `verify_attention` when that module exists. `sweep(attention=...)` or env
 `KDLIB_KERNELS_ATTENTION` = skip|quick|full overrides its grid (default: quick under --quick,
-else full), and `KDLIB_KERNELS_ATTENTION_BUDGET_S` caps its wall time (its points come in
-priority order); when absent or skipped, the payload says so.
+else full), and `sweep(attention_budget_s=...)` or env `KDLIB_KERNELS_ATTENTION_BUDGET_S` caps its
+wall time (its points come in priority order); when absent or skipped, the payload says so.
+`run` is `sweep` (the name the entry point calls).
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -73,22 +75,27 @@ def _trees_equal(got, want) -> bool:
     return True
 
 
-def tree_versions() -> tuple[int, ...]:
-    """The build versions to time: `KDLIB_TREE_VERSIONS` (comma-separated) or all of tree.VERSIONS."""
-    raw = os.environ.get("KDLIB_TREE_VERSIONS", "").strip()
-    if not raw:
-        return tuple(tree.VERSIONS)
-    try:
-        chosen = tuple(int(v) for v in raw.split(","))
-    except ValueError:
-        raise ValueError(f"KDLIB_TREE_VERSIONS must be comma-separated ints, got {raw!r}") from None
+def tree_versions(versions: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The build versions to time: `versions`, else `KDLIB_TREE_VERSIONS` (comma-separated), else all
+    of tree.VERSIONS."""
+    if versions is not None:
+        chosen, raw = tuple(versions), list(versions)
+    else:
+        raw = os.environ.get("KDLIB_TREE_VERSIONS", "").strip()
+        if not raw:
+            return tuple(tree.VERSIONS)
+        try:
+            chosen = tuple(int(v) for v in raw.split(","))
+        except ValueError:
+            raise ValueError(f"KDLIB_TREE_VERSIONS must be comma-separated ints, got {raw!r}") from None
     unknown = [v for v in chosen if v not in tree.VERSIONS]
     if unknown or not chosen:
-        raise ValueError(f"KDLIB_TREE_VERSIONS {raw!r}: versions must be among {tree.VERSIONS}")
+        source = "versions" if versions is not None else "KDLIB_TREE_VERSIONS"
+        raise ValueError(f"{source} {raw!r}: versions must be among {tree.VERSIONS}")
     return chosen
 
 
-def bench_build(ids_all, lp_all, iters: int) -> list[dict]:
+def bench_build(ids_all, lp_all, iters: int, versions: Sequence[int] = tree.VERSIONS) -> list[dict]:
     """One row per (batch, kernel version): GPU times, CPU reference times, speed-ups, exactness."""
     import cupy
 
@@ -119,7 +126,7 @@ def bench_build(ids_all, lp_all, iters: int) -> list[dict]:
             lambda ids=ids, lp=lp: ref.build_tree_batch(ids, lp, BUDGET), warmup=1, iters=iters
         )
         cpu_copies = perf.cpu_time(cpu_with_copies, warmup=1, iters=iters)
-        for version in tree_versions():
+        for version in versions:
             out = tree.empty_batch(bsz, BUDGET)
 
             def build(d_ids=d_ids, d_lp=d_lp, out=out, version=version):
@@ -149,7 +156,7 @@ def bench_build(ids_all, lp_all, iters: int) -> list[dict]:
     return rows
 
 
-def bench_build_tied(vocab: int = 1000) -> list[dict]:
+def bench_build_tied(vocab: int = 1000, versions: Sequence[int] = tree.VERSIONS) -> list[dict]:
     """Kernel time per version at batch 64 on tied log-probs (exactness checked first)."""
     import cupy
 
@@ -159,7 +166,7 @@ def bench_build_tied(vocab: int = 1000) -> list[dict]:
     want = ref.build_tree_batch(ids, lp, BUDGET)
     d_ids, d_lp = cupy.asarray(ids), cupy.asarray(lp)
     rows = []
-    for version in tree_versions():
+    for version in versions:
         out = tree.empty_batch(bsz, BUDGET)
 
         def build(out=out, version=version):
@@ -322,7 +329,7 @@ def bench_rest(inputs: dict, iters: int, bw: float) -> dict:
     return out
 
 
-def _attention(*, quick: bool, attention: str | None) -> dict:
+def _attention(*, quick: bool, attention: str | None, budget_s: float | None) -> dict:
     mode = attention or os.environ.get("KDLIB_KERNELS_ATTENTION", "quick" if quick else "full")
     if mode == "skip":
         return {"absent": "skipped (KDLIB_KERNELS_ATTENTION=skip)"}
@@ -330,20 +337,27 @@ def _attention(*, quick: bool, attention: str | None) -> dict:
         module = importlib.import_module("kdlib.perf.suites._attention")
     except ImportError as e:
         return {"absent": f"kdlib.perf.suites._attention not importable: {e}"}
-    budget_s = os.environ.get("KDLIB_KERNELS_ATTENTION_BUDGET_S")  # no new point starts past this
-    return module.sweep(quick=mode == "quick", time_budget_s=float(budget_s) if budget_s else None)
+    if budget_s is None:
+        env = os.environ.get("KDLIB_KERNELS_ATTENTION_BUDGET_S")
+        budget_s = float(env) if env else None
+    return module.sweep(quick=mode == "quick", time_budget_s=budget_s)
 
 
-def run(args) -> dict:
-    """The entry point's adapter (`python3 -m kdlib.perf.run --suite kernels [--quick]`): `sweep`."""
-    return sweep(quick=bool(args.quick))
+def sweep(*, quick: bool = False, attention: str | None = None, versions: Sequence[int] | None = None,
+          attention_budget_s: float | None = None) -> dict:
+    """The kernels sweep.
 
-
-def sweep(*, quick: bool = False, attention: str | None = None) -> dict:
-    """The kernels sweep (quick: fewer CPU repeats); `attention` 'quick' / 'full' / 'skip' picks the
-    verify-attention sweep embedded in it (default $KDLIB_KERNELS_ATTENTION, else as `quick`)."""
+    quick: 3 CPU-reference repeats instead of 7 (and the quick verify-attention grid by default).
+    attention: 'quick' / 'full' / 'skip', the verify-attention sweep embedded in it; None: env
+        `KDLIB_KERNELS_ATTENTION`, else as `quick`.
+    versions: the tree-build versions timed (among tree.VERSIONS); None: env `KDLIB_TREE_VERSIONS`
+        (comma-separated), else all.
+    attention_budget_s: past this many seconds no new verify-attention point starts; None: env
+        `KDLIB_KERNELS_ATTENTION_BUDGET_S`, else no limit.
+    """
     import cupy
 
+    versions = tree_versions(versions)
     iters = 3 if quick else 7
     ceil = results.ceilings()
     bw, bw_source = ceil.bandwidth_Bps, ceil.source
@@ -352,17 +366,17 @@ def sweep(*, quick: bool = False, attention: str | None = None) -> dict:
     inputs = pipeline.random_step_inputs(
         np.random.default_rng(3), max(BATCHES), DEPTH, K_PRIME, 32000, BUDGET, row_dim=8, topk=(ids, lp)
     )  # target chains planted into these top-k
-    build = bench_build(inputs["top_token_ids"], inputs["top_log_probs"], iters)
-    build_tied = bench_build_tied()
+    build = bench_build(inputs["top_token_ids"], inputs["top_log_probs"], iters, versions)
+    build_tied = bench_build_tied(versions=versions)
     rest = bench_rest(inputs, iters, bw)
     cupy.get_default_memory_pool().free_all_blocks()
-    attention = _attention(quick=quick, attention=attention)
+    attention = _attention(quick=quick, attention=attention, budget_s=attention_budget_s)
     b64 = [r for r in build if r["batch"] == max(BATCHES)]
     exact64 = [r for r in b64 if r["bit_exact"]] or b64
     head = min(exact64, key=lambda r: r["kernel_us"])  # the fastest bit-exact version at batch 64
     return {
         "parameters": {"batches": list(BATCHES), "depth": DEPTH, "budget": BUDGET, "k_prime": K_PRIME,
-                       "tree_versions": list(tree_versions()),
+                       "tree_versions": list(versions),
                        "repeat_per_graph": REPEAT, "cpu_iters": iters, "quick": quick,
                        "inputs": "kdlib.ref.tree.synthetic_topk(0, 64, 15, 64) with target chains planted by "
                                  "kdlib.cuda.pipeline.random_step_inputs(seed 3, topk=...); every sweep uses "
@@ -377,3 +391,6 @@ def sweep(*, quick: bool = False, attention: str | None = None) -> dict:
                      "speedup_vs_cpu_graph_replay": head["speedup_vs_cpu_graph_replay"]},
         "tree_build": build, "tree_build_tied": build_tied, **rest, "verify_attention": attention,
     }
+
+
+run = sweep  # the suite's entry (kdlib.perf.run calls every suite's `run`)

@@ -173,14 +173,14 @@ def _moe_rows(cp, torch, bw: float, iters: int) -> list[dict]:
     return rows
 
 
-def run(args) -> dict:
+def run(*, quick: bool = False) -> dict:
+    """The suite on the CUDA device (see the module docstring); quick: 20 replays a point instead of 40."""
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("the moe_stream suite needs a CUDA device (torch.cuda.is_available() is False)")
     import cupy as cp
 
-    quick = bool(getattr(args, "quick", False))
     iters = 20 if quick else 40
     copy = timing.copy_bandwidth()
     bw = copy["Bps"]

@@ -13,8 +13,8 @@ spread over repeats. `scaling[arm]` sums it up: aggregate and per-stream tok/s b
 over C = 1, and the issue's goal (aggregate at C = 16 >= GOAL x C = 1, with no greedy mismatch).
 
 The GPU machine has no FastAPI, uvicorn, pydantic or openai: carry the wheels of
-tools/serve_wheels.txt (its header gives the commands). $KDLIB_SERVE_ARMS (comma-separated names
-of ARMS) picks the arms; each arm's table is printed as soon as it is measured. Wall-clock
+tools/serve_wheels.txt (its header gives the commands). `run(arms=...)` (default: $KDLIB_SERVE_ARMS,
+comma-separated names of ARMS) picks the arms; each arm's table is printed as soon as it is measured. Wall-clock
 figures as a client sees them over loopback HTTP; the tiny models make every step launch-bound,
 so they speak to the server and the batching, not to a large model's speed.
 """
@@ -22,6 +22,7 @@ so they speak to the server and the batching, not to a large model's speed.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 ARMS = {"ddtree": ("ddtree", "float32"), "ar": ("ar", "float32"), "ddtree_bf16": ("ddtree", "bfloat16")}
 FULL = {"concurrency": (1, 2, 4, 8, 16), "repeats": 3, "input_len": 128, "output_len": 256, "distinct": 16,
@@ -77,17 +78,25 @@ def measure(device: str = "cpu", *, concurrency, repeats: int, input_len: int, o
     return out
 
 
-def run(args) -> dict:
+def run(*, quick: bool = False, arms: Sequence[str] | None = None) -> dict:
+    """`measure` on CUDA when present (else the CPU) with the QUICK profile (quick) or FULL.
+
+    arms: names of ARMS to measure, in order; None: env `KDLIB_SERVE_ARMS` (comma-separated), else
+        the profile's arms.
+    """
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    quick = getattr(args, "quick", False)
     p = dict(QUICK if quick else FULL)
-    if os.environ.get("KDLIB_SERVE_ARMS"):
-        p["arms"] = tuple(a.strip() for a in os.environ["KDLIB_SERVE_ARMS"].split(",") if a.strip())
+    source = "arms"
+    if arms is None and os.environ.get("KDLIB_SERVE_ARMS"):
+        arms = [a.strip() for a in os.environ["KDLIB_SERVE_ARMS"].split(",") if a.strip()]
+        source = "KDLIB_SERVE_ARMS"
+    if arms is not None:
+        p["arms"] = tuple(arms)
         unknown = [a for a in p["arms"] if a not in ARMS]
         if unknown:
-            raise ValueError(f"KDLIB_SERVE_ARMS: unknown arms {unknown}; the arms are {list(ARMS)}")
+            raise ValueError(f"{source}: unknown arms {unknown}; the arms are {list(ARMS)}")
     res = measure(device, **p)
     res["parameters"].update({"device": device, "profile": "quick" if quick else "full"})
     return res

@@ -38,7 +38,9 @@ def world_sizes(n_gpus: int) -> list[int]:
     return out
 
 
-def run(args) -> dict:
+def run(*, quick: bool = False) -> dict:
+    """The suite over world sizes 1, 2, 4, ... up to the visible GPUs (at least 2); quick: the reduced
+    sweep of `kdlib.tp.workers.gpu_payload`."""
     import torch
 
     from kdlib.tp.engine import set_nccl_env
@@ -49,4 +51,4 @@ def run(args) -> dict:
         raise SystemExit(f"the tp suite needs at least 2 GPUs of one host, {n} visible "
                          "(run it on nvidia-h200-x2 or larger)")
     set_nccl_env()  # the spawned ranks inherit it (and set it again themselves)
-    return gpu_payload(world_sizes(n), quick=bool(getattr(args, "quick", False)))
+    return gpu_payload(world_sizes(n), quick=quick)

@@ -46,6 +46,6 @@ def measure(
     }
 
 
-def run(args) -> dict:
-    """The suite entry point (kdlib.perf.run); --quick: 3 repeats instead of 10."""
-    return measure(iters=3 if getattr(args, "quick", False) else 10)
+def run(*, quick: bool = False) -> dict:
+    """The suite entry point (kdlib.perf.run): `measure` with 10 repeats, or 3 when quick."""
+    return measure(iters=3 if quick else 10)

@@ -1,0 +1,115 @@
+"""The suites' calling convention (issue 21): every `kdlib.perf.suites.<name>.run` takes keyword arguments
+only, each typed, defaulted and documented, and `kdlib.perf.run` passes it only names it accepts. Checked
+from signatures (no GPU); the CPU suites run end to end through the entry point."""
+
+import argparse
+import importlib
+import inspect
+import json
+import types
+
+import pytest
+
+from kdlib.perf import run as entry
+from kdlib.perf.suites import accept, engine_arms, kernels, serve
+
+# Suites still in the `run(args)` form (the lead's, being rewritten); run.py hands them the Namespace.
+LEGACY = {"engine_batch", "k2_rank"}
+
+
+def _suites() -> dict:
+    return {name: importlib.import_module(f"kdlib.perf.suites.{name}") for name in entry.available()}
+
+
+def test_every_suite_run_is_keyword_only_typed_defaulted_and_documented():
+    suites = _suites()
+    for name, module in suites.items():
+        if name in LEGACY:
+            assert not entry.is_keyword_only(module.run), f"{name} is keyword-only now: drop it from LEGACY"
+            continue
+        assert entry.is_keyword_only(module.run), f"{name}.run takes positional parameters"
+        doc = inspect.getdoc(module.run) or ""
+        for p in inspect.signature(module.run).parameters.values():
+            assert p.default is not inspect.Parameter.empty, f"{name}.run({p.name}) has no default"
+            assert p.annotation is not inspect.Parameter.empty, f"{name}.run({p.name}) has no type"
+            assert p.name in doc, f"{name}.run's docstring does not document {p.name!r}"
+    assert LEGACY <= set(suites)
+
+
+def test_the_entry_point_passes_only_the_names_a_suite_accepts():
+    args = argparse.Namespace(suite=["x"], quick=True, out="/tmp/x")
+    for name, module in _suites().items():
+        if name in LEGACY:
+            continue
+        accepted = inspect.signature(module.run).parameters
+        kwargs = entry.suite_kwargs(module.run, args)
+        assert set(kwargs) <= set(accepted), name
+        assert set(kwargs) == set(entry.ENTRY_OPTIONS) & set(accepted), name
+        if "quick" in accepted:
+            assert kwargs["quick"] is True, name
+    assert "quick" not in inspect.signature(engine_arms.run).parameters  # the one suite with no quick mode
+
+
+def test_call_suite_in_each_form(capsys):
+    args = argparse.Namespace(suite=["x"], quick=True, out="/tmp/x")
+
+    def keyword(*, quick: bool = False, out: str | None = None, extra: int = 3):
+        return {"quick": quick, "out": out, "extra": extra}
+
+    def no_quick(*, budget_s: float | None = None):
+        return {"budget_s": budget_s}
+
+    def legacy(ns):
+        return {"got": ns}
+
+    mods = {}
+    for fn in (keyword, no_quick, legacy):
+        mods[fn.__name__] = types.ModuleType(f"kdlib.perf.suites.{fn.__name__}")
+        mods[fn.__name__].run = fn
+    assert entry.call_suite(mods["keyword"], args) == {"quick": True, "out": "/tmp/x", "extra": 3}
+    assert entry.call_suite(mods["no_quick"], args) == {"budget_s": None}
+    assert "kdlib.perf.suites.no_quick has no quick mode: --quick ignored" in capsys.readouterr().out
+    assert entry.call_suite(mods["legacy"], args) == {"got": args}
+    entry.call_suite(mods["no_quick"], argparse.Namespace(suite=["x"], quick=False, out=None))
+    assert capsys.readouterr().out == ""
+
+
+def test_the_cpu_suites_through_the_entry_point(tmp_path):
+    assert entry.main(["--suite", "kdtr_io", "--suite", "tree_build_cpu", "--quick", "--out", str(tmp_path)]) == 0
+    io = json.loads((tmp_path / "kdtr_io.cpu.json").read_text())
+    build = json.loads((tmp_path / "tree_build_cpu.cpu.json").read_text())
+    assert io["suite"] == "kdtr_io" and build["suite"] == "tree_build_cpu"
+    assert io["parameters"]["total_bytes"] == 16 << 20 and io["parameters"]["repeats"] == 2  # quick
+    assert build["parameters"]["iters"] == 3 and build["headline"]["median_ms"] > 0
+    assert io["provenance"]["command"].endswith(f"--quick --out {tmp_path}")
+
+
+def test_the_entry_point_refuses_an_unknown_suite(capsys):
+    with pytest.raises(SystemExit) as e:
+        entry.main(["--suite", "nope"])
+    assert e.value.code == 2 and "unknown suite(s) ['nope']" in capsys.readouterr().err
+
+
+def test_parameters_come_before_their_environment_defaults(monkeypatch):
+    monkeypatch.setenv("KDLIB_TREE_VERSIONS", "3,4")
+    monkeypatch.setenv("KDLIB_ACCEPT_PARTS", "sampling")
+    assert kernels.tree_versions() == (3, 4)
+    assert kernels.tree_versions([2]) == (2,)
+    assert accept._parts() == ("sampling",)
+    assert accept._parts(["acceptance"]) == ("acceptance",)
+    with pytest.raises(ValueError, match=r"versions \[9\]: versions must be among"):
+        kernels.tree_versions([9])
+    with pytest.raises(ValueError, match="parts must name some of"):
+        accept._parts(["speed"])
+    monkeypatch.delenv("KDLIB_TREE_VERSIONS")
+    assert kernels.tree_versions() == tuple(kernels.tree.VERSIONS)
+
+
+def test_serve_arms_parameter_is_checked_before_any_server_starts(monkeypatch):
+    pytest.importorskip("torch")
+    monkeypatch.setenv("KDLIB_SERVE_ARMS", "ddtree")
+    with pytest.raises(ValueError, match=r"arms: unknown arms \['fast'\]"):
+        serve.run(quick=True, arms=["fast"])
+    monkeypatch.setenv("KDLIB_SERVE_ARMS", "ddtree,fast")
+    with pytest.raises(ValueError, match=r"KDLIB_SERVE_ARMS: unknown arms \['fast'\]"):
+        serve.run(quick=True)
