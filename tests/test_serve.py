@@ -16,7 +16,8 @@ from kdlib.diagnose import parse_metrics
 from kdlib.engine.generate import generate
 
 CONTEXT = 128
-EOS_PROMPT = "if __name__ == '__main__':\n    main()\n"  # the trained target's greedy continuation is end-of-text
+# the trained target's greedy continuation is end-of-text
+EOS_PROMPT = "if __name__ == '__main__':\n    main()\n"
 
 
 @pytest.fixture(scope="module")
@@ -92,15 +93,19 @@ def test_streaming_equals_plain_with_usage_chunks(oa):
 
 
 def test_chat_with_developer_role_and_text_parts(oa, server):
-    msgs = [{"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+    msgs = [{"role": "developer",
+             "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
             {"role": "user", "content": "Hi"}]
-    plain = oa.chat.completions.create(model="kdtree-tiny", messages=msgs, max_completion_tokens=16, temperature=0)
+    plain = oa.chat.completions.create(model="kdtree-tiny", messages=msgs, max_completion_tokens=16,
+                                       temperature=0)
     assert plain.object == "chat.completion" and plain.choices[0].message.role == "assistant"
-    text = serve.protocol.render_chat(serve.protocol.ChatCompletionRequest.model_validate({"messages": msgs}).messages)
+    req = serve.protocol.ChatCompletionRequest.model_validate({"messages": msgs})
+    text = serve.protocol.render_chat(req.messages)
     assert plain.usage.prompt_tokens == len(server.engine.bundle.tokenizer.encode(text))
     chunks = list(oa.chat.completions.create(model="kdtree-tiny", messages=msgs, max_tokens=16, temperature=0,
                                              stream=True))
-    assert chunks[0].choices[0].delta.role == "assistant" and all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == plain.choices[0].message.content
 
 
@@ -145,8 +150,8 @@ def test_logprobs_in_completion_and_chat_shapes(oa):
     assert "".join(lp.tokens) == r.text and lp.text_offset[0] == 0
     assert all(v <= 0 for v in lp.token_logprobs) and all(len(t) <= 2 for t in lp.top_logprobs)
     assert all(max(t.values()) >= v - 1e-6 for t, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True))
-    chat = oa.chat.completions.create(model="kdtree-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
-                                      temperature=0, logprobs=True, top_logprobs=3,
+    chat = oa.chat.completions.create(model="kdtree-tiny", messages=[{"role": "user", "content": "hi"}],
+                                      max_tokens=6, temperature=0, logprobs=True, top_logprobs=3,
                                       extra_body={"ignore_eos": True}).choices[0]
     content = chat.logprobs.content
     assert len(content) == 6 and all(len(e.top_logprobs) == 3 and e.logprob <= 0 for e in content)
@@ -184,9 +189,11 @@ def test_fields_it_cannot_honour_get_a_400_naming_them(http):
                                 ({"prompt": "x", "model": "gpt-4"}, "model", 404)]:
         r = http.post("/v1/completions", json=body)
         err = r.json()["error"]
-        assert r.status_code == status and err["param"] == named and err["type"] == "invalid_request_error", body
+        assert r.status_code == status and err["param"] == named, body
+        assert err["type"] == "invalid_request_error", body
         assert named in err["message"] or "context length" in err["message"] or "gpt-4" in err["message"]
-    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "tools": [{}]})
+    r = http.post("/v1/chat/completions",
+                  json={"messages": [{"role": "user", "content": "x"}], "tools": [{}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
 
 
@@ -215,10 +222,12 @@ def test_metrics_under_kdlib_and_vllm_names(http, oa):
     steps = r.choices[0].model_extra["ddtree"]["steps"]
     assert d("kdlib_spec_accept_length_count") == steps and d("kdlib_step_seconds_count") == steps
     assert d("kdlib_generation_tokens_total") == 20 and d("kdlib_requests_total") == 1
-    assert d("vllm:time_to_first_token_seconds_count") == 1 and d("vllm:inter_token_latency_seconds_count") == steps - 1
+    assert d("vllm:time_to_first_token_seconds_count") == 1
+    assert d("vllm:inter_token_latency_seconds_count") == steps - 1
     drafts = d("vllm:spec_decode_num_drafts_total")
     assert steps - 1 <= drafts <= steps  # the prefill's token is no draft round
-    assert d("vllm:spec_decode_num_accepted_tokens_total") == d("vllm:spec_decode_num_accepted_tokens_per_pos_total")
+    assert (d("vllm:spec_decode_num_accepted_tokens_total")
+            == d("vllm:spec_decode_num_accepted_tokens_per_pos_total"))
     assert after["vllm:num_requests_running"] == 0 == after["vllm:num_requests_waiting"]
     assert after["kdlib_kv_pool_free_slots"] == after["kdlib_kv_pool_slots"] > 0
 
@@ -253,22 +262,26 @@ def test_api_key_body_limit_and_full_queue(bundle):
         key = {"Authorization": "Bearer sesame"}
         assert httpx.get(srv.url + "/v1/models", headers=key).status_code == 200
         big = json.dumps({"prompt": "y" * 20_000}).encode()
-        r = httpx.post(srv.url + "/v1/completions", content=big, headers={**key, "content-type": "application/json"})
+        r = httpx.post(srv.url + "/v1/completions", content=big,
+                       headers={**key, "content-type": "application/json"})
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         chunked = httpx.post(srv.url + "/v1/completions", content=iter([big[:8000], big[8000:]]), headers=key)
         assert chunked.status_code == 413
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=key)
-        assert r.status_code == 429 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "queue_full"
     engine.close()
 
 
 def test_served_model_names_and_streamed_choices(bundle):
     engine = serve.Engine(bundle, max_num_seqs=4, max_model_len=64, served_names=("tiny", "org/tiny-alias"))
-    with serve.EmbeddedServer(engine) as srv, openai.OpenAI(base_url=srv.url + "/v1", api_key="-", max_retries=0) as oa:
+    with (serve.EmbeddedServer(engine) as srv,
+          openai.OpenAI(base_url=srv.url + "/v1", api_key="-", max_retries=0) as oa):
         assert [m.id for m in oa.models.list().data] == ["tiny", "org/tiny-alias"]
         assert oa.models.retrieve("org/tiny-alias").id == "org/tiny-alias"
         chunks = list(oa.completions.create(model="org/tiny-alias", prompt="a = [", max_tokens=6, n=2, seed=3,
-                                            temperature=1.0, stream=True, stream_options={"include_usage": True},
+                                            temperature=1.0, stream=True,
+                                            stream_options={"include_usage": True},
                                             extra_body={"ignore_eos": True}))
         assert {c.model for c in chunks} == {"org/tiny-alias"}
         finished = {ch.index: ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason}

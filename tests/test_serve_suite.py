@@ -13,7 +13,8 @@ def _check(res, levels):
     assert sc["goal"]["greedy_mismatches"] == 0 and sc["goal"]["concurrency"] == max(levels)
     lv = res["by_arm"]["ddtree"]["levels"]
     assert [x["concurrency"] for x in lv] == list(levels)
-    assert all(r["completed"] == r["requests"] and r["decomposition"]["available"] for x in lv for r in x["runs"])
+    runs = [r for x in lv for r in x["runs"]]
+    assert all(r["completed"] == r["requests"] and r["decomposition"]["available"] for r in runs)
     return sc
 
 
@@ -25,7 +26,8 @@ def test_serve_suite_core_on_cpu():
     res = suite.measure("cpu", concurrency=(1, 2), repeats=1, input_len=8, output_len=8, distinct=2)
     sc = _check(res, (1, 2))
     assert sc["goal"]["met"] is False  # C = 2 is no C = 16
-    assert res["model_info"]["kdlib"]["source"] == "trained" and res["model_info"]["kdlib"]["dtype"] == "float32"
+    info = res["model_info"]["kdlib"]
+    assert info["source"] == "trained" and info["dtype"] == "float32"
     assert res["parameters"]["arms"] == {"ddtree": ["ddtree", "float32"]}
 
 

@@ -132,7 +132,8 @@ def test_request_models_accept_what_clients_send():
     assert r.prompt == "abc" and r.stop == ("\n",) and r.max_tokens is None
     assert CompletionRequest.model_validate({"prompt": [[5, 6]]}).prompt == [5, 6]
     chat = ChatCompletionRequest.model_validate({
-        "messages": [{"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+        "messages": [{"role": "developer",
+                      "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
                      {"role": "user", "content": "Hi"}],
         "max_completion_tokens": 5, "logprobs": True, "top_logprobs": 3, "response_format": {"type": "text"},
         "tools": [], "store": False})

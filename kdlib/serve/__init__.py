@@ -5,7 +5,7 @@
 
     with EmbeddedServer() as srv:                      # in-process (a thread), on 127.0.0.1 and a free port
         openai.OpenAI(base_url=srv.url + "/v1", api_key="-").completions.create(...)
-    with ServerProcess(["--random"]) as srv:           # `kdlib serve` as a child process: what to time against
+    with ServerProcess(["--random"]) as srv:           # `kdlib serve` as a child process: time against it
         ...
 
 Routes:
@@ -33,6 +33,6 @@ from kdlib.serve.engine import MAX_WAITING, TOTALS, Delta, Done, Engine, Request
 from kdlib.serve.server import EmbeddedServer, ServerProcess, bind, cli
 from kdlib.serve.text import TextStream
 
-__all__ = ["FALLBACK_CONFIG", "MAX_WAITING", "TOTALS", "Bundle", "ByteTokenizer", "Delta", "Done", "EmbeddedServer",
-           "Engine", "RequestError", "Sequence", "ServerProcess", "TextStream", "bind", "cli", "load_bundle",
-           "make_core"]
+__all__ = ["FALLBACK_CONFIG", "MAX_WAITING", "TOTALS", "Bundle", "ByteTokenizer", "Delta", "Done",
+           "EmbeddedServer", "Engine", "RequestError", "Sequence", "ServerProcess", "TextStream", "bind",
+           "cli", "load_bundle", "make_core"]

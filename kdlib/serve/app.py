@@ -84,8 +84,9 @@ class Guard:
         await self.app(scope, receive_again, send)
 
     def _too_large(self, n: int) -> RequestError:
-        return RequestError(f"the request body is too large ({'at least ' if n == self.limit + 1 else ''}{n} bytes; "
-                            f"the limit is {self.limit})", status=413, code="request_too_large")
+        at_least = "at least " if n == self.limit + 1 else ""
+        return RequestError(f"the request body is too large ({at_least}{n} bytes; the limit is {self.limit})",
+                            status=413, code="request_too_large")
 
 
 @dataclass
@@ -119,8 +120,8 @@ def plan_request(req, engine: Engine, chat: bool) -> Plan:
         try:  # encode_batch: the trained tokenizer lets go of the GIL there (encode holds it throughout)
             return tok.encode_batch([text])[0] if hasattr(tok, "encode_batch") else tok.encode(text)
         except Exception as e:  # noqa: BLE001 - e.g. a lone surrogate, which has no UTF-8 bytes
-            raise RequestError(f"the {where} cannot be tokenised: {type(e).__name__}: {str(e)[:200]}", param=where,
-                               code="invalid_value") from None
+            raise RequestError(f"the {where} cannot be tokenised: {type(e).__name__}: {str(e)[:200]}",
+                               param=where, code="invalid_value") from None
 
     if chat:
         prompt_text = render_chat(req.messages)
@@ -130,14 +131,15 @@ def plan_request(req, engine: Engine, chat: bool) -> Plan:
     else:
         ids = list(req.prompt)
         if any(not 0 <= t < vocab for t in ids):
-            raise RequestError(f"prompt token ids must lie in [0, {vocab})", param="prompt", code="invalid_value")
+            raise RequestError(f"prompt token ids must lie in [0, {vocab})", param="prompt",
+                               code="invalid_value")
         prompt_text = tok.decode(ids) if req.echo else ""
     if not ids:
         raise RequestError("the prompt is empty", param=where, code="invalid_value")
     limit = engine.max_model_len
     if len(ids) >= limit:
-        raise RequestError(f"this model's maximum context length is {limit} tokens; the prompt alone has {len(ids)}",
-                           param=where, code="context_length_exceeded")
+        raise RequestError(f"this model's maximum context length is {limit} tokens; the prompt alone has "
+                           f"{len(ids)}", param=where, code="context_length_exceeded")
     key = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
     max_tokens = getattr(req, key)
     if max_tokens is None:
@@ -152,17 +154,19 @@ def plan_request(req, engine: Engine, chat: bool) -> Plan:
                            code="invalid_value")
     logprobs = ((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs
     if not chat and req.echo and logprobs is not None and not hasattr(engine.core, "prompt_logprobs"):
-        raise RequestError("echo with logprobs needs the prompt's logprobs, which this engine does not compute",
-                           param="echo", code="unsupported")
+        raise RequestError("echo with logprobs needs the prompt's logprobs, which this engine does not "
+                           "compute", param="echo", code="unsupported")
     seed = None if req.seed is None else req.seed % 2**64
     n = req.n or 1
     temperature = 1.0 if req.temperature is None else req.temperature
-    top_k = 0 if req.top_k in (None, -1) or req.top_k >= vocab else req.top_k  # k >= the vocabulary: no filter
+    # k >= the vocabulary: no filter
+    top_k = 0 if req.top_k in (None, -1) or req.top_k >= vocab else req.top_k
     params = [SamplingParams(temperature=temperature if temperature >= GREEDY_BELOW else 0.0,
                              top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
                              seed=None if seed is None else (seed + i) % 2**64,
-                             stop_token_ids=tuple(sorted(engine.stop_token_ids)), ignore_eos=bool(req.ignore_eos),
-                             min_tokens=min_tokens, logprobs=logprobs) for i in range(n)]
+                             stop_token_ids=tuple(sorted(engine.stop_token_ids)),
+                             ignore_eos=bool(req.ignore_eos), min_tokens=min_tokens, logprobs=logprobs)
+              for i in range(n)]
     opts = req.stream_options
     return Plan(ids, prompt_text, max_tokens, params, tuple(req.stop or ()), bool(req.stream),
                 bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats), logprobs,
@@ -183,7 +187,8 @@ class _Logprobs:
             s = self.piece(i)
             return {"token": s, "logprob": lp, "bytes": list(s.encode())}
 
-        return [{**one(e["token"], e["logprob"]), "top_logprobs": [one(i, lp) for i, lp in e["top"]]} for e in entries]
+        return [{**one(e["token"], e["logprob"]), "top_logprobs": [one(i, lp) for i, lp in e["top"]]}
+                for e in entries]
 
     def completion(self, entries, offset: int) -> dict:
         """offset: characters of text before the first token. An entry's "top" None: no alternatives."""
@@ -192,7 +197,8 @@ class _Logprobs:
             s = self.piece(e["token"])
             out["tokens"].append(s)
             out["token_logprobs"].append(e["logprob"])
-            out["top_logprobs"].append(None if e["top"] is None else {self.piece(i): lp for i, lp in e["top"]})
+            out["top_logprobs"].append(None if e["top"] is None
+                                       else {self.piece(i): lp for i, lp in e["top"]})
             out["text_offset"].append(offset)
             offset += len(s)
         return out
@@ -268,7 +274,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_body_bytes: in
 
     @app.exception_handler(HTTPException)
     async def _http(request, e: HTTPException):
-        code = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}.get(e.status_code, str(e.status_code))
+        codes = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}
+        code = codes.get(e.status_code, str(e.status_code))
         # FastAPI's 400 for a body json.loads cannot take (not UTF-8, nested past the recursion limit)
         msg = "the request body is not valid JSON (not UTF-8, or nested too deeply)" if e.status_code == 400 \
             else str(e.detail)
@@ -296,8 +303,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_body_bytes: in
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         if model_id not in engine.names:
-            raise RequestError(f"the model '{model_id}' does not exist; this server serves {list(engine.names)}",
-                               status=404, param="model", code="model_not_found")
+            raise RequestError(f"the model '{model_id}' does not exist; this server serves "
+                               f"{list(engine.names)}", status=404, param="model", code="model_not_found")
         return model_card(model_id)
 
     @app.get("/metrics")
@@ -322,7 +329,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_body_bytes: in
             return [{"token": plan.prompt_ids[0], "logprob": None, "top": None}, *per_position[1:]]
 
         def usage(completion: int) -> dict:
-            return {"prompt_tokens": prompt_n, "completion_tokens": completion, "total_tokens": prompt_n + completion}
+            return {"prompt_tokens": prompt_n, "completion_tokens": completion,
+                    "total_tokens": prompt_n + completion}
 
         if not plan.stream:
             gone = asyncio.ensure_future(_disconnected(request))
@@ -346,14 +354,16 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_body_bytes: in
                 text = (plan.prompt_text + d.text) if plan.echo else d.text
                 if chat:
                     c = {"index": i, "message": {"role": "assistant", "content": text},
-                         "logprobs": {"content": lp.chat_content(token_lp[i])} if plan.logprobs is not None else None}
+                         "logprobs": ({"content": lp.chat_content(token_lp[i])} if plan.logprobs is not None
+                                      else None)}
                 else:
                     entries = (prompt_entries(prompt_lp) if prompt_lp is not None else []) + token_lp[i]
                     c = {"index": i, "text": text,
                          "logprobs": lp.completion(entries, 0) if plan.logprobs is not None else None}
                 choices.append({**c, "finish_reason": d.finish_reason, "ddtree": d.stats})
             return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                    "model": name, "choices": choices, "usage": usage(sum(len(d.token_ids) for d in dones.values()))}
+                    "model": name, "choices": choices,
+                    "usage": usage(sum(len(d.token_ids) for d in dones.values()))}
 
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -367,7 +377,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_body_bytes: in
 
             def chunk(i: int, text: str, logprobs=None, finish=None, **extra) -> dict:
                 if chat:
-                    delta = {"role": "assistant", "content": text} if first[i] else ({"content": text} if text else {})
+                    delta = ({"role": "assistant", "content": text} if first[i]
+                             else ({"content": text} if text else {}))
                     first[i] = False
                     choice = {"index": i, "delta": delta,
                               "logprobs": {"content": logprobs} if logprobs is not None else None}
@@ -392,8 +403,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_body_bytes: in
                         counts[d.index] = d.completion_tokens
                         logprobs = None
                         if d.logprobs is not None:
-                            logprobs = lp.chat_content(d.logprobs) if chat else lp.completion(d.logprobs,
-                                                                                               offsets[d.index])
+                            logprobs = (lp.chat_content(d.logprobs) if chat
+                                        else lp.completion(d.logprobs, offsets[d.index]))
                         offsets[d.index] += len(d.text)
                         yield sse(chunk(d.index, d.text, logprobs))
                     elif kind == "done":

@@ -1,6 +1,6 @@
 """What the server serves: target, drafter and tokenizer, trained (`kdlib.zoo`) or a random fallback.
 
-    b = load_bundle("cuda", dtype="bfloat16")   # the trained tiny models when present, else the fallback below
+    b = load_bundle("cuda", dtype="bfloat16")   # the trained tiny models when present, else the fallback
     b.model, b.drafter, b.tokenizer, b.stop_token_ids, b.info
 
 Fallback (no trained models, or prefer_trained=False): a random tiny model from
@@ -31,7 +31,8 @@ class ByteTokenizer:
 
     def __init__(self, vocab_size: int):
         if vocab_size < len(self.TABLE):
-            raise ValueError(f"ByteTokenizer needs a vocabulary of >= {len(self.TABLE)} ids, got {vocab_size}")
+            raise ValueError(f"ByteTokenizer needs a vocabulary of >= {len(self.TABLE)} ids, "
+                             f"got {vocab_size}")
         self.vocab_size = vocab_size
         self._ids = {c: i for i, c in enumerate(self.TABLE)}
 
@@ -77,7 +78,8 @@ def _lazy_oracle_class():
                                       device=target.device, dtype=target.dtype)
             h, _ = target.prefill(self._cache, ids)
             self._script = self._ctx + [int(target.head(h[-1:]).argmax(-1))]
-            self._extend(len(self._ctx) + self.block_size)  # the first draft's window: step 1 costs as the rest
+            # the first draft's window: step 1 costs as the rest
+            self._extend(len(self._ctx) + self.block_size)
 
         def _extend(self, want: int) -> None:
             while len(self._script) < want and self._cache.length + 1 < self._cache.num_slots:
@@ -131,11 +133,13 @@ class Bundle:
             return (int(eot),)
         eos = self.model.cfg.extra.get("eos_token_id")
         ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
-        return tuple(int(i) for i in ids if 0 <= int(i) < self.tokenizer.vocab_size and self.tokenizer.decode([int(i)]))
+        return tuple(int(i) for i in ids
+                     if 0 <= int(i) < self.tokenizer.vocab_size and self.tokenizer.decode([int(i)]))
 
 
 def load_bundle(device: str = "cpu", *, prefer_trained: bool = True, config: str = FALLBACK_CONFIG,
-                p_wrong: float = FALLBACK_P_WRONG, seed: int = 0, folder=None, dtype: str = "float32") -> Bundle:
+                p_wrong: float = FALLBACK_P_WRONG, seed: int = 0, folder=None,
+                dtype: str = "float32") -> Bundle:
     """The trained zoo models when present (and prefer_trained), else the random fallback.
 
     folder: where the trained models are (default `kdlib.zoo.MODELS`, i.e. data/models/); dtype:
@@ -153,9 +157,11 @@ def load_bundle(device: str = "cpu", *, prefer_trained: bool = True, config: str
             if zoo.available(folder):
                 model = zoo.load_target(device=device, dtype=dt, folder=folder)
                 where = folder if folder is not None else "data/models/"
-                return Bundle(model, zoo.load_drafter(model, folder=folder), zoo.load_tokenizer(folder), "kdtree-tiny",
+                return Bundle(model, zoo.load_drafter(model, folder=folder), zoo.load_tokenizer(folder),
+                              "kdtree-tiny",
                               {"source": "trained", "weights": f"trained (kdlib.zoo, {where})",
-                               "drafter": "trained DFlash-style", "tokenizer": "trained byte-level BPE", "dtype": dtype})
+                               "drafter": "trained DFlash-style", "tokenizer": "trained byte-level BPE",
+                               "dtype": dtype})
         except ImportError:
             pass
     from kdlib.engine.config import ModelConfig
@@ -165,6 +171,7 @@ def load_bundle(device: str = "cpu", *, prefer_trained: bool = True, config: str
     model = Model.random(cfg, seed=seed, device=device, dtype=dt)
     drafter = _lazy_oracle_class()(cfg.vocab_size, p_wrong, block_size=8, seed=seed)
     return Bundle(model, drafter, ByteTokenizer(cfg.vocab_size), f"kdtree-random-{config}",
-                  {"source": "random", "weights": f"random (data/configs/{config}.json, seed {seed}): no trained "
-                   "models found", "drafter": f"noisy oracle (lazy script), p_wrong {p_wrong}",
+                  {"source": "random",
+                   "weights": f"random (data/configs/{config}.json, seed {seed}): no trained models found",
+                   "drafter": f"noisy oracle (lazy script), p_wrong {p_wrong}",
                    "tokenizer": "printable ASCII (ByteTokenizer)", "dtype": dtype})

@@ -31,7 +31,8 @@ MAX_WAITING = 256  # sequences waiting to join the batch beyond this are refused
 RETRY_AFTER_S = 1  # the Retry-After of a 429: the batch frees a stream every few steps
 # Running totals an Engine keeps (also without prometheus_client, as on the GPU machine; the same
 # series as kdlib_spec_accept_length_{sum,count}, kdlib_step_seconds_{sum,count}, ...).
-TOTALS = ("accept_sum", "accept_count", "step_sum_s", "step_count", "generation_tokens", "prompt_tokens", "requests")
+TOTALS = ("accept_sum", "accept_count", "step_sum_s", "step_count", "generation_tokens", "prompt_tokens",
+          "requests")
 
 
 class RequestError(ValueError):
@@ -125,7 +126,8 @@ def _deliver(items) -> None:
         listener(ev)
 
 
-def make_core(bundle: Bundle, *, max_num_seqs: int, max_model_len: int | None, method: str, budget: int | None):
+def make_core(bundle: Bundle, *, max_num_seqs: int, max_model_len: int | None, method: str,
+              budget: int | None):
     """The batched engine over the bundle's model (and drafter for DDTree; the fallback's oracle
     drafts on the host, so its steps run eagerly instead of as CUDA graphs)."""
     from kdlib.engine.batch import BatchEngine
@@ -157,7 +159,8 @@ class Engine:
         if not 1 <= max_num_seqs:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.max_model_len = max_model_len or limit
-        self.method, self.budget, self.max_num_seqs, self.max_waiting = method, budget, max_num_seqs, max_waiting
+        self.method, self.budget = method, budget
+        self.max_num_seqs, self.max_waiting = max_num_seqs, max_waiting
         self.names = tuple(served_names or (self.bundle.name,))
         self.stop_token_ids = frozenset(self.bundle.stop_token_ids)
         if threads is None and getattr(self.bundle.model, "device", None) is not None \
@@ -199,8 +202,8 @@ class Engine:
     def info(self) -> dict:
         b = self.bundle
         return {**b.info, "method": self.method, "budget": getattr(self.core, "budget", self.budget) or None,
-                "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs, "device": str(b.model.device),
-                "stop_token_ids": sorted(self.stop_token_ids)}
+                "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
+                "device": str(b.model.device), "stop_token_ids": sorted(self.stop_token_ids)}
 
     def state(self) -> dict:
         """The latest snapshot: running, waiting (incl. the inbox), pool_slots, pool_free, spec."""
@@ -227,15 +230,17 @@ class Engine:
 
     def _refuse_if_busy(self, waiting: int, n: int) -> None:
         if waiting + n > self.max_waiting:
-            raise RequestError(f"the server is busy: {waiting} sequences wait for {self.max_num_seqs} streams "
-                               f"(limit {self.max_waiting} waiting); retry later", status=429, type="rate_limit_error",
-                               code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise RequestError(f"the server is busy: {waiting} sequences wait for {self.max_num_seqs} "
+                               f"streams (limit {self.max_waiting} waiting); retry later", status=429,
+                               type="rate_limit_error", code="queue_full",
+                               headers={"Retry-After": str(RETRY_AFTER_S)})
 
     def submit(self, seqs: list[Sequence]) -> None:
         """Queue the sequences of one request together, or refuse them all (429)."""
         with self._cv:
             if self._closing:
-                raise RequestError("the server is shutting down", status=503, type="server_error", code="shutdown")
+                raise RequestError("the server is shutting down", status=503, type="server_error",
+                                   code="shutdown")
             self._refuse_if_busy(self._state["waiting"] + self._adds, len(seqs))
             for s in seqs:
                 s.submitted = time.perf_counter()
@@ -424,7 +429,8 @@ class Engine:
                         self._advance(seq, o, now)
             except Exception as e:  # noqa: BLE001 - this sequence fails, the others go on
                 self.core.abort(rid)
-                self._fail(seq, RequestError(f"server error: {type(e).__name__}: {e}", status=500, type="server_error"))
+                self._fail(seq, RequestError(f"server error: {type(e).__name__}: {e}", status=500,
+                                             type="server_error"))
         if not taus:
             return
         with self._cv:
@@ -444,9 +450,11 @@ class Engine:
         toks = [int(t) for t in o.new_tokens]
         lps = list(o.logprobs) if o.logprobs is not None else None
         finished, reason = o.finished, o.finish_reason
-        shown = [j for j, t in enumerate(toks) if t not in self.stop_token_ids]  # end-of-text: counted, not shown
+        # end-of-text: counted, not shown
+        shown = [j for j, t in enumerate(toks) if t not in self.stop_token_ids]
         min_tokens = getattr(seq.params, "min_tokens", 0)
-        first_checked = next((k for k, j in enumerate(shown) if len(seq.tokens) + j + 1 > min_tokens), len(shown))
+        first_checked = next((k for k, j in enumerate(shown) if len(seq.tokens) + j + 1 > min_tokens),
+                             len(shown))
         used = seq.text.push([toks[j] for j in shown], check_from=first_checked)
         if used is not None:  # a stop string: keep the tokens up to the one completing it
             toks = toks[: shown[used - 1] + 1]
@@ -461,8 +469,8 @@ class Engine:
             self.metrics.gen.inc(len(toks))
         text = seq.text.take(final=finished)
         if toks or text:
-            self._emit(seq, "delta", Delta(seq.index, text, tuple(toks), tuple(lps) if lps is not None else None,
-                                    len(seq.tokens), now))
+            self._emit(seq, "delta", Delta(seq.index, text, tuple(toks),
+                                           tuple(lps) if lps is not None else None, len(seq.tokens), now))
         if finished:
             self._finish(seq, reason or "length", now)
 

@@ -37,25 +37,30 @@ class Metrics:
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
         r = self.registry = CollectorRegistry()
-        self.accept = Histogram("kdlib_spec_accept_length", "Tokens committed per request per step (root + accepted)",
+        self.accept = Histogram("kdlib_spec_accept_length",
+                                "Tokens committed per request per step (root + accepted)",
                                 buckets=ACCEPT_BUCKETS, registry=r)
-        self.step = Histogram("kdlib_step_seconds", "Wall time of one batched engine step", buckets=STEP_BUCKETS,
-                              registry=r)
+        self.step = Histogram("kdlib_step_seconds", "Wall time of one batched engine step",
+                              buckets=STEP_BUCKETS, registry=r)
         self.batch = Histogram("kdlib_step_batch_size", "Requests that emitted tokens in one engine step",
                                buckets=BATCH_BUCKETS, registry=r)
-        self.rate = Histogram("kdlib_request_decode_tokens_per_second", "Per request: tokens after the first / "
-                              "seconds from the first to the last", buckets=RATE_BUCKETS, registry=r)
-        self.ttft_kdlib = Histogram("kdlib_time_to_first_token_seconds", "Submission (after tokenisation) to the "
-                                    "first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.rate = Histogram("kdlib_request_decode_tokens_per_second",
+                              "Per request: tokens after the first / seconds from the first to the last",
+                              buckets=RATE_BUCKETS, registry=r)
+        self.ttft_kdlib = Histogram("kdlib_time_to_first_token_seconds",
+                                    "Submission (after tokenisation) to the first token",
+                                    buckets=LATENCY_BUCKETS, registry=r)
         self.gen = Counter("kdlib_generation_tokens", "Completion tokens generated", registry=r)
         self.prompt = Counter("kdlib_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.decode_s = Counter("kdlib_decode_seconds", "Seconds spent in engine steps", registry=r)
-        self.requests = Counter("kdlib_requests", "Finished sequences by finish reason (stop, length, abort, error)",
+        self.requests = Counter("kdlib_requests",
+                                "Finished sequences by finish reason (stop, length, abort, error)",
                                 ["status"], registry=r)
         lab = ["model_name"]
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", lab,
                               buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between a request's successive emissions", lab,
+        self.itl = Histogram("vllm:inter_token_latency_seconds",
+                             "Time between a request's successive emissions", lab,
                              buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Submission to the last token", lab,
                              buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
@@ -81,7 +86,8 @@ class _StateCollector:
 
         s, lab = self.state(), [self.name]
         for name, doc, v in (("vllm:num_requests_running", "Requests in the running batch", s["running"]),
-                             ("vllm:num_requests_waiting", "Requests waiting to join the batch", s["waiting"]),
+                             ("vllm:num_requests_waiting", "Requests waiting to join the batch",
+                              s["waiting"]),
                              ("vllm:kv_cache_usage_perc", "Fraction of the KV pool in use",
                               1.0 - s["pool_free"] / s["pool_slots"] if s["pool_slots"] else 0.0)):
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
@@ -90,14 +96,16 @@ class _StateCollector:
         yield GaugeMetricFamily("kdlib_kv_pool_slots", "KV pool slots", value=s["pool_slots"])
         yield GaugeMetricFamily("kdlib_kv_pool_free_slots", "Free KV pool slots", value=s["pool_free"])
         spec = s["spec"]
-        for key, name, doc in (("drafts", "vllm:spec_decode_num_drafts", "Draft (speculation) rounds, per request"),
+        for key, name, doc in (("drafts", "vllm:spec_decode_num_drafts",
+                                "Draft (speculation) rounds, per request"),
                                ("draft_tokens", "vllm:spec_decode_num_draft_tokens", "Draft tokens verified"),
-                               ("accepted_tokens", "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted")):
+                               ("accepted_tokens", "vllm:spec_decode_num_accepted_tokens",
+                                "Draft tokens accepted")):
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(lab, spec.get(key, 0))
             yield c
-        c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted by position",
-                                labels=["model_name", "position"])
+        c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                "Draft tokens accepted by position", labels=["model_name", "position"])
         for pos, v in enumerate(spec.get("accepted_per_pos", ())):
             c.add_metric([self.name, str(pos)], v)
         yield c

@@ -16,9 +16,9 @@ off, as is the vocabulary size or more), seed (absent = fresh randomness; choice
 seed + i), n 1..16, stop (a string or up to 4, each 1..MAX_STOP_CHARS characters; not included in
 the output), ignore_eos, min_tokens (<= max_tokens; stop tokens and stop strings count only from
 there), user (accepted, not used). Completions: logprobs 0..MAX_LOGPROBS (top alternatives per
-token), echo (with logprobs only where the engine has `prompt_logprobs`; else a 400). Chat: logprobs (bool), top_logprobs 0..MAX_LOGPROBS; messages with role system |
-developer | user | assistant and content a string or a list of text parts ({"type": "text",
-"text": ...}).
+token), echo (with logprobs only where the engine has `prompt_logprobs`; else a 400). Chat:
+logprobs (bool), top_logprobs 0..MAX_LOGPROBS; messages with role system | developer | user |
+assistant and content a string or a list of text parts ({"type": "text", "text": ...}).
 """
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ class _Sampling(BaseModel):
         if len(v) > MAX_STOPS:
             raise PydanticCustomError("invalid_value", f"at most {MAX_STOPS} strings, got {len(v)}")
         if any(not 1 <= len(s) <= MAX_STOP_CHARS for s in v):
-            raise PydanticCustomError("invalid_value", f"each stop string must have 1..{MAX_STOP_CHARS} characters")
+            raise PydanticCustomError("invalid_value",
+                                      f"each stop string must have 1..{MAX_STOP_CHARS} characters")
         return tuple(dict.fromkeys(v))
 
     @field_validator("stream_options")
@@ -129,8 +130,8 @@ class CompletionRequest(_Sampling):
             return v
         if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
             return v
-        raise PydanticCustomError("invalid_type", "must be a string or a non-empty list of token ids (one prompt "
-                                  "per request)")
+        raise PydanticCustomError("invalid_type", "must be a string or a non-empty list of token ids "
+                                  "(one prompt per request)")
 
     @field_validator("best_of")
     @classmethod
@@ -163,7 +164,8 @@ class Message(BaseModel):
             for p in v:
                 if not isinstance(p, dict) or p.get("type") != "text":
                     kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-                    raise PydanticCustomError("unsupported", "only text parts (type 'text') are supported, got {kind}",
+                    raise PydanticCustomError("unsupported",
+                                              "only text parts (type 'text') are supported, got {kind}",
                                               {"kind": repr(kind)})
                 parts.append(TextPart.model_validate(p).text)
             return "".join(parts)
@@ -229,16 +231,19 @@ def error_from_validation(errors: list[dict]) -> RequestError:
             continue
         first = first or (name, kind)
         if kind == "json_invalid":
-            problems.append(f"the request body is not valid JSON: {(e.get('ctx') or {}).get('error', e.get('msg'))}")
+            why = (e.get("ctx") or {}).get("error", e.get("msg"))
+            problems.append(f"the request body is not valid JSON: {why}")
         elif not loc:
             problems.append("the request body must be a JSON object" if kind in _NOT_AN_OBJECT else
-                            "the request body is empty" if kind == "missing" else e.get("msg", "invalid body"))
+                            "the request body is empty" if kind == "missing" else
+                            e.get("msg", "invalid body"))
         else:
             problems.append(f"{name}: {e.get('msg', 'invalid')}")
     if extra:
-        names = ", ".join(extra[:MAX_NAMED]) + (f" and {len(extra) - MAX_NAMED} more" if len(extra) > MAX_NAMED else "")
-        problems.insert(0, f"unsupported field{'s' if len(extra) > 1 else ''} {names}: this server cannot honour "
-                        f"{'them' if len(extra) > 1 else 'it'}")
+        more = f" and {len(extra) - MAX_NAMED} more" if len(extra) > MAX_NAMED else ""
+        names = ", ".join(extra[:MAX_NAMED]) + more
+        problems.insert(0, f"unsupported field{'s' if len(extra) > 1 else ''} {names}: this server cannot "
+                        f"honour {'them' if len(extra) > 1 else 'it'}")
         first = (extra[0], "extra_forbidden")
     name, kind = first or ("", "")
     if not name and kind in (*_NOT_AN_OBJECT, "json_invalid"):

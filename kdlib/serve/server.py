@@ -31,7 +31,8 @@ def bind(host: str, port: int) -> socket.socket:
     # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on connections of such sockets. Without it
     # a kept-alive connection's next response waited ~40 ms (Nagle against the client's delayed ACK).
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT only: a live listener still refuses
+    # TIME_WAIT only: a live listener still refuses
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
         sock.listen(2048)
@@ -44,7 +45,8 @@ def bind(host: str, port: int) -> socket.socket:
 def _uvicorn(app, log_level: str):
     import uvicorn
 
-    return uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5))
+    return uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False,
+                                         timeout_graceful_shutdown=5))
 
 
 class EmbeddedServer:
@@ -124,7 +126,8 @@ class ServerProcess:
         with socket.socket() as s:  # a free port; released just before the child binds it
             s.bind((self.host, 0))
             self.port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "kdlib.cli", "serve", "--host", self.host, "--port", str(self.port), *self.args]
+        cmd = [sys.executable, "-m", "kdlib.cli", "serve", "--host", self.host, "--port", str(self.port),
+               *self.args]
         env = {**os.environ, **self.env} if self.env else None
         self._log = tempfile.TemporaryFile(mode="w+")  # the child's stderr: a pipe nobody reads would fill up
         self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self._log, text=True, env=env)
@@ -184,20 +187,24 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--served-model-name", nargs="+", default=None,
-                    help="model name(s) clients send; the first is the one /v1/models lists first (default: the "
-                    "bundle's name)")
+                    help="model name(s) clients send; the first is the one /v1/models lists first "
+                    "(default: the bundle's name)")
     ap.add_argument("--api-key", default=os.environ.get("KDLIB_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on /v1/* (default $KDLIB_API_KEY; none = open)")
     ap.add_argument("--max-model-len", type=_positive, default=None,
                     help="context limit per request, prompt + completion (default: the model's)")
     ap.add_argument("--max-num-seqs", type=_positive, default=16, help="streams the engine runs at once")
-    ap.add_argument("--max-waiting", type=int, default=MAX_WAITING, help="sequences allowed to wait (429 beyond)")
-    ap.add_argument("--max-body-bytes", type=_positive, default=MAX_BODY_BYTES, help="request body limit (413)")
+    ap.add_argument("--max-waiting", type=int, default=MAX_WAITING,
+                    help="sequences allowed to wait (429 beyond)")
+    ap.add_argument("--max-body-bytes", type=_positive, default=MAX_BODY_BYTES,
+                    help="request body limit (413)")
     ap.add_argument("--method", choices=["ddtree", "ar"], default="ddtree")
-    ap.add_argument("--budget", type=_positive, default=None, help="DDTree budget (default: the drafter's horizon)")
+    ap.add_argument("--budget", type=_positive, default=None,
+                    help="DDTree budget (default: the drafter's horizon)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and activations")
-    ap.add_argument("--random", action="store_true", help="serve the random fallback even when trained models exist")
+    ap.add_argument("--random", action="store_true",
+                    help="serve the random fallback even when trained models exist")
     ap.add_argument("--config", default=FALLBACK_CONFIG, help="fallback model config under data/configs/")
     ap.add_argument("--models", default=None, help="folder of the trained models (default data/models/)")
     ap.add_argument("--threads", type=_positive, default=None, help="torch CPU threads (default: 1 on CPU)")
@@ -216,8 +223,8 @@ def cli(argv: list[str]) -> int:
     # default 5 ms switch interval a stream of 2-3 ms steps reaches the client in late bursts.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
-        bundle = load_bundle(args.device, prefer_trained=not args.random, config=args.config, folder=args.models,
-                             dtype=args.dtype)
+        bundle = load_bundle(args.device, prefer_trained=not args.random, config=args.config,
+                             folder=args.models, dtype=args.dtype)
         engine = Engine(bundle, method=args.method, budget=args.budget, max_num_seqs=args.max_num_seqs,
                         max_model_len=args.max_model_len, max_waiting=args.max_waiting, threads=args.threads,
                         served_names=tuple(args.served_model_name) if args.served_model_name else None)
@@ -227,10 +234,11 @@ def cli(argv: list[str]) -> int:
         return 2
     try:
         engine.wait_ready()
-        server = _uvicorn(create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes), args.log_level)
-        print(f"kdlib serve: {', '.join(engine.names)} ({bundle.info['weights']}; {args.dtype}, {args.method}, "
-              f"{args.max_num_seqs} streams, context {engine.max_model_len}) on http://{args.host}:{sock.getsockname()[1]}",
-              flush=True)
+        app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+        server = _uvicorn(app, args.log_level)
+        print(f"kdlib serve: {', '.join(engine.names)} ({bundle.info['weights']}; {args.dtype}, "
+              f"{args.method}, {args.max_num_seqs} streams, context {engine.max_model_len}) "
+              f"on http://{args.host}:{sock.getsockname()[1]}", flush=True)
         server.run(sockets=[sock])
     finally:
         engine.close()

@@ -10,8 +10,9 @@ Decoding re-reads a short window of ids rather than the whole output: the new te
 so one push costs one decode. The window's start p moves up to PREFIX ids before r once it spans
 WINDOW ids (one extra decode then): a few ids of context keep decoders that treat a leading
 token specially right. A window whose text ends in U+FFFD (an incomplete UTF-8 character of a
-byte-level BPE) waits for the next id. Text that may be the start of a stop string is held back until it is known not to be one, so
-a stop string split across tokens (or steps) never reaches the client.
+byte-level BPE) waits for the next id. Text that may be the start of a stop string is held back
+until it is known not to be one, so a stop string split across tokens (or steps) never reaches the
+client.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ class TextStream:
 
     def _find_stop(self) -> bool:
         """A stop string ending after `_searched` (the text before it holds none that counts)."""
-        hits = [(i, s) for s in self.stops if (i := self.text.find(s, max(0, self._searched - len(s) + 1))) >= 0]
+        hits = [(i, s) for s in self.stops
+                if (i := self.text.find(s, max(0, self._searched - len(s) + 1))) >= 0]
         if not hits:
             return False
         i, s = min(hits)
