@@ -149,8 +149,10 @@ class Row:
 
     op: the operation ('moe_w4a16', 'moe_bf16_grouped_mm', 'stream_read'); version: the kernel version
     (None for a torch baseline, or where the routings of one point picked different versions);
-    mode: 'eager' (CUDA events around each call) or 'graph' (CUDA-graph replay); variant: '' for the
-    plain launch, else a tuning or a stage ('gate_up_only', 'default' = the library's default choice);
+    mode: 'eager' (CUDA events, or the host's clock around a synchronised GPU step), 'graph' (CUDA-graph
+    replay) or 'cpu' (a host-only run, wall clock); variant: '' for the plain launch, else a tuning or a
+    stage ('gate_up_only', 'default' = the library's default choice); median_ms / p10_ms / p90_ms: the
+    recorded quantiles (NaN where the payload records only a median);
     shape: the sweep point ({'m': 16}); bytes / flops: what the arm must move and compute (NaN where
     the payload records neither); key: the payload key the timing was read from; floor_ms: the
     physical floor the payload records beside the arm, None where it records none."""
@@ -195,10 +197,24 @@ def load_checked(suite: str, gpu: str | None = None) -> dict | None:
 
 
 def _timed(op, version, mode, variant, shape, t: dict, nbytes: float, flops: float, key: str,
-           floor: float | None = None) -> Row:
-    return Row(op, version, mode, variant, shape, float(t["median_ms"]), float(t.get("p10_ms", t["median_ms"])),
-               float(t.get("p90_ms", t["median_ms"])), float(nbytes), float(flops), key,
-               None if floor is None else float(floor))
+           floor: float | None = None, per: int = 1) -> Row:
+    """A Row from a timing block {median_ms, p10_ms, p90_ms} (a quantile it lacks: NaN); `per` > 1 divides
+    the times of a graph of `per` back-to-back launches into the time of one."""
+    def q(name):
+        return float(t[name]) / per if t.get(name) is not None else math.nan
+
+    return Row(op, version, mode, variant, shape, q("median_ms"), q("p10_ms"), q("p90_ms"), float(nbytes),
+               float(flops), key, None if floor is None else float(floor))
+
+
+def _shape(r: dict, *keys: str) -> dict:
+    """The sweep point of a payload row: those of `keys` it records."""
+    return {k: r[k] for k in keys if k in r}
+
+
+def _step_timing(r: dict, prefix: str = "step_ms") -> dict:
+    """The timing block of a row that records `step_ms`, `step_ms_p10`, `step_ms_p90` side by side."""
+    return {"median_ms": r[prefix], "p10_ms": r.get(prefix + "_p10"), "p90_ms": r.get(prefix + "_p90")}
 
 
 def _is_timing(t) -> bool:
@@ -315,10 +331,13 @@ def _verify_point_rows(p: dict, parameters: dict) -> list[Row]:
     shape = attention_shape(p)
     cost = (p["bytes"], p["flops"])
     out = []
-    for impl, v in (p.get("variants") or {}).items():
-        if _is_timing(v.get("kernel")):
-            out.append(_timed(VERIFY_OP, attention_version(impl, parameters), "graph", "", shape, v["kernel"],
-                              *cost, f"variants.{impl}.kernel", p["floor_ms"]))
+    kernels = {impl: (v.get("kernel"), f"variants.{impl}.kernel") for impl, v in (p.get("variants") or {}).items()}
+    if not kernels:  # an older sweep: one kernel, its impl named by the point, else 'auto'
+        kernels = {p.get("impl", "auto"): (p.get("kernel"), "kernel")}
+    for impl, (t, key) in kernels.items():
+        if _is_timing(t):
+            out.append(_timed(VERIFY_OP, attention_version(impl, parameters), "graph", "", shape, t, *cost, key,
+                              p["floor_ms"]))
     for name, b in (p.get("baselines") or {}).items():
         if _is_timing(b):
             out.append(_timed(TORCH_BASELINE_OPS[name], None, b.get("mode", "graph"), "", shape, b, *cost,
@@ -385,6 +404,307 @@ def k2_rank_rows(doc: dict) -> tuple[Row, ...]:
 def load_k2_rank(gpu: str = "h200") -> Recorded | None:
     """The recorded k2_rank suite on `gpu` with its tidy rows (`k2_rank_rows`), or None."""
     return _recorded("k2_rank", gpu, k2_rank_rows)
+
+
+def verify_attention_rows(doc: dict) -> tuple[Row, ...]:
+    """Tidy rows of a verify-attention sweep (kdlib/perf/suites/_attention.py, recorded alone as
+    verify_attention_dev / verify_attention_dev_v2, or embedded in the kernels payload): as
+    `attention_rows`, at every (heads, queries, prefix, batch) point. A point's top-level `kernel` copies
+    its first variant and is not read twice; a sweep without variants (verify_attention_dev_v2) gives its
+    one kernel, version None (the file names it only as impl 'auto', not which version that was). The
+    sweep's GPU test outcomes (`gpu_tests`) and the points left out for time are in `Recorded.doc`."""
+    return attention_rows(doc)
+
+
+def load_verify_attention_dev(gpu: str = "h200") -> Recorded | None:
+    """The recorded verify_attention_dev sweep on `gpu` (`verify_attention_rows`), or None."""
+    return _recorded("verify_attention_dev", gpu, verify_attention_rows)
+
+
+def load_verify_attention_dev_v2(gpu: str = "h200") -> Recorded | None:
+    """The recorded verify_attention_dev_v2 sweep on `gpu` (the first tensor-core version's;
+    `verify_attention_rows`), or None."""
+    return _recorded("verify_attention_dev_v2", gpu, verify_attention_rows)
+
+
+# ---- the tree kernels (suite kernels)
+TREE_SHAPE = ("batch", "depth", "budget", "k_prime")
+
+
+def _kernel_arms(r: dict, op: str, version, shape: dict, arms, per: int, nbytes=math.nan, flops=math.nan,
+                 floor=None) -> list[Row]:
+    """The rows of `arms` ((payload key, op or None for `op`, mode, variant)) that `r` times (an arm of
+    another op, the reference, has no kernel version); the back-to-back arm (a graph of `per` launches)
+    is given per launch."""
+    return [_timed(arm_op or op, None if arm_op else version, mode, variant, shape, r[key], nbytes, flops, key, floor,
+                   per if variant == "back_to_back" else 1)
+            for key, arm_op, mode, variant in arms if _is_timing(r.get(key))]
+
+
+def kernels_rows(doc: dict) -> tuple[Row, ...]:
+    """Tidy rows of a kernels payload (kdlib/perf/suites/kernels.py), per batch:
+
+    'tree_build' (version as recorded; shape batch, depth, budget, k_prime; tied inputs add
+    inputs='tied'), 'tree_accept', 'tree_sample_rows' (eager), 'kv_compact' (its bytes, FLOPs 0 and
+    floor), 'page_remap', 'tree_step' (build -> stand-in verify -> accept -> compact). Modes: 'eager'
+    (one launch between events), 'graph' variant '' (a graph of one launch: what a captured step
+    pays) and 'graph' variant 'back_to_back' (a graph of `repeat_per_graph` launches, replay time / that
+    count: the suite's kernel_us). The numpy references are op '<op>_ref', mode 'cpu', timed again
+    beside each kernel version (variant 'with_copies': plus the device->host->device copies). The other kernels have no byte / FLOP floor
+    (bytes, FLOPs NaN). The embedded verify-attention sweep gives `verify_attention_rows`; the bit-exact
+    checks and the headline are in `Recorded.doc`."""
+    per = int((doc.get("parameters") or {}).get("repeat_per_graph", 1))
+    x = (f"gpu_graph_x{per}", None, "graph", "back_to_back")
+    out = []
+    for r in doc.get("tree_build") or []:
+        shape = _shape(r, *TREE_SHAPE)
+        out += _kernel_arms(r, "tree_build", r.get("version"), shape, (
+            ("gpu_eager", None, "eager", ""), ("gpu_graph_replay", None, "graph", ""), x,
+            ("cpu_ref", "tree_build_ref", "cpu", ""), ("cpu_ref_with_copies", "tree_build_ref", "cpu", "with_copies")),
+            per)
+    for r in doc.get("tree_build_tied") or []:
+        shape = {"batch": r["batch"], **_shape(doc.get("parameters") or {}, *TREE_SHAPE[1:]), "inputs": "tied"}
+        out += _kernel_arms(r, "tree_build", r.get("version"), shape, (x,), per)
+    for r in doc.get("accept") or []:
+        out += _kernel_arms(r, "tree_accept", None, _shape(r, "batch"), (
+            ("graph_replay", None, "graph", ""), x, ("cpu_ref", "tree_accept_ref", "cpu", "")), per)
+    for r in doc.get("sample") or []:
+        out += _kernel_arms(r, "tree_sample_rows", r.get("version"), _shape(r, "batch", "vocab", "dtype"),
+                            (("eager", None, "eager", ""),), per)
+    for r in doc.get("compact") or []:
+        out += _kernel_arms(r, "kv_compact", None, _shape(r, "batch", "layers", "row_bytes", "moved_rows"),
+                            (("graph_replay", None, "graph", ""),), per, r["bytes"], 0.0, r.get("floor_ms"))
+    for r in doc.get("remap") or []:
+        out += _kernel_arms(r, "page_remap", None, _shape(r, "batch"), (("graph_replay", None, "graph", ""),), per)
+    for r in doc.get("step") or []:
+        out += _kernel_arms(r, "tree_step", None, _shape(r, "batch"), (
+            ("graph_replay", None, "graph", ""), ("eager", None, "eager", "")), per)
+    va = doc.get("verify_attention")
+    if isinstance(va, dict) and va.get("points"):
+        out += attention_rows(va)
+    return tuple(out)
+
+
+def load_kernels(gpu: str = "h200") -> Recorded | None:
+    """The recorded kernels suite on `gpu` with its tidy rows (`kernels_rows`), or None."""
+    return _recorded("kernels", gpu, kernels_rows)
+
+
+# ---- sampled acceptance's draw (suite accept; the sampling part recorded alone as accept_sampling)
+def accept_rows(doc: dict) -> tuple[Row, ...]:
+    """Tidy rows of an accept payload (kdlib/perf/suites/accept.py): its `sampling` part, op
+    'tree_sample_rows' (version as recorded; shape rows, vocab, dtype), a CUDA graph of back-to-back
+    draws, replay time / `draws_per_graph` (the suite's kernel_us); bytes as recorded, FLOPs 0, floor
+    the recorded `floor_us`. The acceptance part (`accept`: mean accepted lengths per text kind and
+    method) counts tokens and times nothing: read it from `Recorded.doc`."""
+    sampling = doc.get("sampling") or {}
+    dtype = (sampling.get("parameters") or {}).get("dtype")
+    out = []
+    for p in sampling.get("points") or []:
+        if _is_timing(p.get("graph_replay")):
+            shape = {"rows": p["rows"], "vocab": p["vocab"], "dtype": dtype}
+            out.append(_timed("tree_sample_rows", p.get("version"), "graph", "", shape, p["graph_replay"],
+                              p["bytes"], 0.0, "graph_replay", p["floor_us"] * 1e-3, int(p["draws_per_graph"])))
+    return tuple(out)
+
+
+def load_accept(gpu: str = "h200") -> Recorded | None:
+    """The recorded accept suite on `gpu` (`accept_rows`: none where it holds acceptance only), or None."""
+    return _recorded("accept", gpu, accept_rows)
+
+
+def load_accept_sampling(gpu: str = "h200") -> Recorded | None:
+    """The recorded accept_sampling file on `gpu` (the accept suite's sampling part alone, `accept_rows`),
+    or None."""
+    return _recorded("accept_sampling", gpu, accept_rows)
+
+
+# ---- the engines (suites engine, engine_batch, engine_arms, tp)
+ENGINE_STEP_OP = "engine_step"  # one step of kdlib.engine.generate's eager loop (host clock, synchronised)
+BATCH_STEP_OP = "batch_engine_step"  # one BatchEngine.step: a graph replay and its one wait (host clock)
+RUN_SHAPE = ("model", "kind", "method", "context", "budget", "block", "p_wrong", "concurrency", "top_k")
+
+
+def engine_rows(doc: dict) -> tuple[Row, ...]:
+    """Tidy rows of an engine payload (kdlib/perf/suites/engine.py):
+
+    op 'engine_step' (mode 'eager': the median step of a generate run, wall clock around synchronised
+    phases; variant the verify attention, 'torch' or 'ops', '' where the run does not say) for `runs`,
+    `runs_kernel_attention` (model 'bench') and `trained.runs` (model 'trained', per text kind);
+    op 'verify_forward' (CUDA events; shape dtype, context, q, budget; its bytes, FLOPs and floor) for
+    `verify_forward` and `bf16.verify_forward`; op 'dflash_draft' (CUDA events; bytes, FLOPs NaN).
+    Tokens/s, accepted lengths, per-phase medians, repeats and the AR comparisons are in `Recorded.doc`."""
+    out = []
+    runs = [("runs", "bench", r) for r in doc.get("runs") or []]
+    runs += [("runs_kernel_attention", "bench", r) for r in doc.get("runs_kernel_attention") or []]
+    runs += [("trained.runs", "trained", r) for r in (doc.get("trained") or {}).get("runs") or []]
+    for key, model, r in runs:
+        shape = _shape({"model": model, **r}, *RUN_SHAPE)
+        out.append(_timed(ENGINE_STEP_OP, None, "eager", r.get("attention", ""), shape, _step_timing(r), math.nan,
+                          math.nan, key))
+    vf = [("verify_forward", r) for r in doc.get("verify_forward") or []]
+    vf += [("bf16.verify_forward", r) for r in (doc.get("bf16") or {}).get("verify_forward") or []]
+    for key, r in vf:
+        out.append(_timed("verify_forward", None, "eager", r["attention"], _shape(r, "dtype", "context", "q", "budget"),
+                          r, r["bytes"], r["flops"], key, r.get("floor_ms")))
+    for r in doc.get("dflash_draft") or []:
+        out.append(_timed("dflash_draft", None, "eager", "", _shape(r, "context", "layers", "block"), r, math.nan,
+                          math.nan, "dflash_draft"))
+    return tuple(out)
+
+
+def load_engine(gpu: str = "h200") -> Recorded | None:
+    """The recorded engine suite on `gpu` with its tidy rows (`engine_rows`), or None."""
+    return _recorded("engine", gpu, engine_rows)
+
+
+BATCH_SHAPE = ("model", "kind", "context", "method", "budget", "streams")
+
+
+def _batch_rows(rows, key: str, variant) -> list[Row]:
+    return [_timed(BATCH_STEP_OP, None, "graph", variant(r), _shape(r, *BATCH_SHAPE), _step_timing(r), math.nan,
+                   math.nan, key) for r in rows]
+
+
+def engine_batch_rows(doc: dict) -> tuple[Row, ...]:
+    """Tidy rows of an engine_batch payload (kdlib/perf/suites/engine_batch.py): op 'batch_engine_step'
+    (mode 'graph': the wall step, host time of one BatchEngine.step; variant 'compiled' for the
+    `compiled` section's torch.compile rows) of `trained`, `bench` and `compiled`, and op 'engine_step'
+    (mode 'eager', median only) of the eager single-stream loop (`baselines.eager_loop`). Bytes and
+    FLOPs NaN. The profiler's device time, busy, tokens/s, accepted lengths, tokens, transformers'
+    generate and the goals are not step timings: read them from `Recorded.doc`
+    (kdlib.perf.engine_batch_view tabulates them)."""
+    out = []
+    for key in ("trained", "bench", "compiled"):
+        out += _batch_rows(doc.get(key) or [], key, lambda r: "compiled" if r.get("compiled") else "")
+    for r in (doc.get("baselines") or {}).get("eager_loop") or []:
+        out.append(_timed(ENGINE_STEP_OP, None, "eager", "", _shape(r, "method", "budget"), _step_timing(r),
+                          math.nan, math.nan, "baselines.eager_loop"))
+    return tuple(out)
+
+
+def load_engine_batch(gpu: str = "h200") -> Recorded | None:
+    """The recorded engine_batch suite on `gpu` with its tidy rows (`engine_batch_rows`), or None."""
+    return _recorded("engine_batch", gpu, engine_batch_rows)
+
+
+def engine_arms_rows(doc: dict) -> tuple[Row, ...]:
+    """Tidy rows of an engine_arms payload (kdlib/perf/suites/engine_arms.py): op 'batch_engine_step'
+    (mode 'graph', the wall step) per row, variant its arm ('graphs', 'overlap', 'compile', 'both').
+    Device times, spans, tokens/s and the rows cut for time are in `Recorded.doc`."""
+    return tuple(_batch_rows(doc.get("rows") or [], "rows", lambda r: r.get("arm", "")))
+
+
+def load_engine_arms(gpu: str = "h200") -> Recorded | None:
+    """The recorded engine_arms suite on `gpu` with its tidy rows (`engine_arms_rows`), or None."""
+    return _recorded("engine_arms", gpu, engine_arms_rows)
+
+
+def tp_rows(doc: dict) -> tuple[Row, ...]:
+    """Tidy rows of a tp payload (kdlib/perf/suites/tp.py): op 'engine_step' (mode 'eager', variant the
+    engine: 'tp' or 'single'; shape world, method, moe_mode) per run, and op 'nccl_allreduce' (shape
+    world, rows; its bytes, FLOPs 0; recorded in us, given in ms): mode 'eager' from `allreduce`, mode
+    'graph' from `allreduce_graph` (per collective of a graph of 20). The all-reduce fits, shares,
+    logit differences and rank checks are in `Recorded.doc`."""
+    out = []
+    for r in doc.get("runs") or []:
+        out.append(_timed(ENGINE_STEP_OP, None, "eager", r["engine"], _shape(r, "world", "method", "moe_mode"),
+                          _step_timing(r), math.nan, math.nan, "runs"))
+    for key, mode in (("allreduce", "eager"), ("allreduce_graph", "graph")):
+        for r in doc.get(key) or []:
+            if "median_us" not in r:
+                continue
+            t = {f"{q}_ms": r[f"{q}_us"] * 1e-3 for q in ("median", "p10", "p90") if f"{q}_us" in r}
+            out.append(_timed("nccl_allreduce", None, mode, "", _shape(r, "world", "rows"), t, r["bytes"], 0.0, key))
+    return tuple(out)
+
+
+def load_tp(gpu: str = "h200") -> Recorded | None:
+    """The recorded tp suite on `gpu` with its tidy rows (`tp_rows`), or None."""
+    return _recorded("tp", gpu, tp_rows)
+
+
+# ---- fragmentation, diagnosis, serve
+def fragmentation_rows(doc: dict) -> tuple[Row, ...]:
+    """Tidy rows of a fragmentation payload (kdlib/perf/suites/fragmentation.py), per point and KV layout
+    (shape heads, queries, prefix, layout 'contiguous' | 'simulated' | 'random'), each a graph replay:
+    op 'prefix_attention' (kdlib.cuda.attention's prefix kernel + combine, version None: the file does
+    not record it) and 'torch_matmul_attention' (gather + bmm + softmax + bmm), with the point's bytes,
+    FLOPs and floor; 'torch_index_select' (the gather alone: bytes NaN, FLOPs 0, no floor). The layouts'
+    statistics and the slowdowns against contiguous are in `Recorded.doc`."""
+    out = []
+    for p in doc.get("points") or []:
+        for layout, arms in (p.get("layouts") or {}).items():
+            shape = {**_shape(p, "heads", "queries", "prefix"), "layout": layout}
+            for key, op, cost, floor in (("kernel", "prefix_attention", (p["bytes"], p["flops"]), p["floor_ms"]),
+                                         ("torch", "torch_matmul_attention", (p["bytes"], p["flops"]), p["floor_ms"]),
+                                         ("gather", "torch_index_select", (math.nan, 0.0), None)):
+                t = arms.get(key)
+                if _is_timing(t):
+                    out.append(_timed(op, None, t.get("mode", "graph"), "", shape, t, *cost, f"layouts.{layout}.{key}",
+                                      floor))
+    return tuple(out)
+
+
+def load_fragmentation(gpu: str = "h200") -> Recorded | None:
+    """The recorded fragmentation suite on `gpu` with its tidy rows (`fragmentation_rows`), or None."""
+    return _recorded("fragmentation", gpu, fragmentation_rows)
+
+
+def _no_rows(doc: dict) -> tuple[Row, ...]:
+    return ()
+
+
+def load_diagnosis(gpu: str = "h200") -> Recorded | None:
+    """The recorded diagnosis suite on `gpu`, or None. It has no rows: its figures are wall-clock seconds
+    and tokens/s of whole requests (two-point and sustained runs, their decompositions), not timings of
+    an op; read them from `Recorded.doc` (`sweep`, `by_kind`)."""
+    return _recorded("diagnosis", gpu, _no_rows)
+
+
+def load_serve(gpu: str = "h200") -> Recorded | None:
+    """The recorded serve suite on `gpu`, or None. It has no rows: its figures are a client's request
+    latencies (TTFT / TPOT / ITL / end-to-end percentiles over requests), throughputs and goodput per
+    concurrency, not timings of an op; read them from `Recorded.doc` (`by_arm`, `scaling`)."""
+    return _recorded("serve", gpu, _no_rows)
+
+
+# ---- the CPU suites (kdtr_io, tree_build_cpu)
+def kdtr_io_rows(doc: dict) -> tuple[Row, ...]:
+    """Tidy rows of a kdtr_io payload (kdlib/perf/suites/kdtr_io.py): op the format ('kdtr', 'npy', 'npz',
+    'safetensors', 'raw_overwrite', 'raw_atomic'), variant the action ('save', 'load', 'load_noverify',
+    'mmap_open', 'mmap_verify'), mode 'cpu'; shape total_bytes, n_tensors, dtype; bytes the data bytes,
+    FLOPs 0. File sizes and GB/s are in `Recorded.doc`."""
+    params = doc.get("parameters") or {}
+    shape = _shape(params, "total_bytes", "n_tensors", "dtype")
+    out = []
+    for fmt, actions in (doc.get("formats") or {}).items():
+        for action, a in actions.items():
+            if isinstance(a, dict) and _is_timing(a.get("timing")):
+                out.append(_timed(fmt, None, "cpu", action, shape, a["timing"], doc["data_bytes"], 0.0,
+                                  f"formats.{fmt}.{action}.timing"))
+    return tuple(out)
+
+
+def load_kdtr_io(gpu: str = "cpu") -> Recorded | None:
+    """The recorded kdtr_io suite (a CPU suite: `gpu` 'cpu') with its tidy rows (`kdtr_io_rows`), or None."""
+    return _recorded("kdtr_io", gpu, kdtr_io_rows)
+
+
+def tree_build_cpu_rows(doc: dict) -> tuple[Row, ...]:
+    """Tidy rows of a tree_build_cpu payload (kdlib/perf/suites/tree_build_cpu.py): op 'tree_build_ref'
+    (the numpy reference builder), mode 'cpu', shape batch, depth, budget, k_prime, from `headline`,
+    `vs_batch` and `vs_budget` (each its own measurement: a shape in two of them is timed twice);
+    bytes and FLOPs NaN."""
+    timed = [("headline", doc.get("headline"))]
+    timed += [(k, r) for k in ("vs_batch", "vs_budget") for r in doc.get(k) or []]
+    return tuple(_timed("tree_build_ref", None, "cpu", "", _shape(r, *TREE_SHAPE), r, math.nan, math.nan, key)
+                 for key, r in timed if _is_timing(r))
+
+
+def load_tree_build_cpu(gpu: str = "cpu") -> Recorded | None:
+    """The recorded tree_build_cpu suite (a CPU suite: `gpu` 'cpu') with its tidy rows, or None."""
+    return _recorded("tree_build_cpu", gpu, tree_build_cpu_rows)
 
 
 @dataclass(frozen=True)
