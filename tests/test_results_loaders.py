@@ -83,8 +83,194 @@ def test_load_k2_rank_step_parts_and_pieces():
     assert rec.doc["memory"]["within_2pct"] == raw["memory"]["within_2pct"]
 
 
+# ----------------------------------------------------------------------------- verify-attention sweeps
+def test_load_verify_attention_dev_reads_each_variant_once():
+    raw = _raw("verify_attention_dev.h200.json")
+    rec = results.load_verify_attention_dev("h200")
+    kernels = rec.select(op="tree_verify_attention")
+    assert len(kernels) == sum(len(p["variants"]) for p in raw["points"])  # not the top-level copy again
+    assert {r.version for r in kernels} == {3, 4}
+    p = raw["points"][-1]
+    shape = {k: p[k] for k in ("heads", "queries", "batch", "prefix")}
+    v4 = rec.select(op="tree_verify_attention", version=4, shape=shape)[0]
+    assert v4.median_ms == p["variants"]["mma_v4"]["kernel"]["median_ms"] and v4.floor_ms == p["floor_ms"]
+    n_base = sum(_timing(b) for q in raw["points"] for b in q["baselines"].values())
+    assert len(rec.rows) == len(kernels) + n_base
+    assert rec.doc["gpu_tests"]["failed"] == raw["gpu_tests"]["failed"]
+
+
+def test_load_verify_attention_dev_v2_one_kernel_of_unnamed_version():
+    raw = _raw("verify_attention_dev_v2.h200.json")
+    rec = results.load_verify_attention_dev_v2("h200")
+    kernels = rec.select(op="tree_verify_attention")
+    assert len(kernels) == len(raw["points"]) and {r.version for r in kernels} == {None}
+    assert [r.p10_ms for r in kernels] == [p["kernel"]["p10_ms"] for p in raw["points"]]
+    assert all(r.key == "kernel" for r in kernels)
+
+
+# ----------------------------------------------------------------------------- kernels
+def test_load_kernels_every_kernel_and_the_embedded_sweep():
+    raw = _raw("kernels.h200.json")
+    rec = results.load_kernels("h200")
+    per = raw["parameters"]["repeat_per_graph"]
+    b0 = raw["tree_build"][0]
+    shape = {k: b0[k] for k in ("batch", "depth", "budget", "k_prime")}
+    b2b = rec.select(op="tree_build", version=b0["version"], variant="back_to_back", shape=shape)
+    assert len(b2b) == 1 and b2b[0].median_ms * 1e3 == pytest.approx(b0["kernel_us"], rel=1e-12)
+    assert b2b[0].p90_ms == b0["gpu_graph_x20"]["p90_ms"] / per
+    eager = rec.select(op="tree_build", version=b0["version"], mode="eager", shape=shape)
+    assert [r.median_ms for r in eager] == [b0["gpu_eager"]["median_ms"]]
+    refs = rec.select(op="tree_build_ref")
+    assert len(refs) == 2 * len(raw["tree_build"]) and {r.version for r in refs} == {None}
+    tied = [r for r in rec.select(op="tree_build") if r.shape.get("inputs") == "tied"]
+    assert len(tied) == len(raw["tree_build_tied"])
+    compact = rec.select(op="kv_compact")
+    assert [(r.bytes, r.floor_ms) for r in compact] == [(c["bytes"], c["floor_ms"]) for c in raw["compact"]]
+    assert len(rec.select(op="tree_accept", variant="")) == len(raw["accept"])
+    assert len(rec.select(op="tree_accept", variant="back_to_back")) == len(raw["accept"])
+    assert len(rec.select(op="tree_accept_ref")) == len(raw["accept"])
+    assert len(rec.select(op="tree_step")) == 2 * len(raw["step"])
+    assert len(rec.select(op="page_remap")) == len(raw["remap"])
+    assert [r.version for r in rec.select(op="tree_sample_rows")] == [s["version"] for s in raw["sample"]]
+    va = rec.select(op="tree_verify_attention")  # impl 'auto', resolved to mma_v3 when recorded
+    assert len(va) == len(raw["verify_attention"]["points"]) and {r.version for r in va} == {3}
+    assert all(_ints(r.shape, ("batch",)) for r in rec.rows)
+
+
+# ----------------------------------------------------------------------------- accept
+def test_load_accept_sampling_per_draw_and_acceptance_without_rows():
+    raw = _raw("accept_sampling.h200.json")
+    rec = results.load_accept_sampling("h200")
+    assert len(rec.rows) == len(raw["sampling"]["points"])
+    for row, p in zip(rec.rows, raw["sampling"]["points"], strict=True):
+        assert row.median_ms * 1e3 == pytest.approx(p["kernel_us"], rel=1e-12)
+        assert (row.version, row.shape["rows"], row.shape["vocab"], row.bytes) == (p["version"], p["rows"], p["vocab"],
+                                                                                   p["bytes"])
+    acc = results.load_accept("h200")
+    assert acc.rows == () and acc.doc["accept"] == _raw("accept.h200.json")["accept"]
+    assert results.load_accept("cpu").path == "data/results/accept.cpu.json"
+
+
+# ----------------------------------------------------------------------------- engines
+def test_load_engine_steps_verify_forward_and_draft():
+    raw = _raw("engine.h200.json")
+    rec = results.load_engine("h200")
+    steps = rec.select(op="engine_step")
+    assert len(steps) == len(raw["runs"]) + len(raw["runs_kernel_attention"]) + len(raw["trained"]["runs"])
+    first = steps[0]
+    r0 = raw["runs"][0]
+    assert (first.median_ms, first.p10_ms, first.p90_ms) == (r0["step_ms"], r0["step_ms_p10"], r0["step_ms_p90"])
+    assert first.shape["model"] == "bench" and first.variant == r0["attention"]
+    assert {r.shape["kind"] for r in steps if r.shape["model"] == "trained"} == {"code", "prose", "templated"}
+    vf = rec.select(op="verify_forward")
+    assert len(vf) == len(raw["verify_forward"]) + len(raw["bf16"]["verify_forward"])
+    assert (vf[0].median_ms, vf[0].bytes, vf[0].floor_ms) == (raw["verify_forward"][0]["median_ms"],
+                                                              raw["verify_forward"][0]["bytes"],
+                                                              raw["verify_forward"][0]["floor_ms"])
+    assert [r.shape["dtype"] for r in vf].count("bfloat16") == len(raw["bf16"]["verify_forward"])
+    assert len(rec.select(op="dflash_draft")) == len(raw["dflash_draft"])
+    assert all(_ints(r.shape, ("context",)) for r in rec.rows)
+
+
+def test_load_engine_batch_wall_steps_and_the_eager_loop():
+    raw = _raw("engine_batch.h200.json")
+    rec = results.load_engine_batch("h200")
+    graph = rec.select(op="batch_engine_step")
+    assert len(graph) == len(raw["trained"]) + len(raw["bench"]) + len(raw["compiled"])
+    assert len(rec.select(variant="compiled")) == len(raw["compiled"])
+    t = raw["trained"][-1]
+    shape = {k: t[k] for k in ("model", "kind", "context", "method", "budget", "streams")}
+    got = rec.select(op="batch_engine_step", variant="", shape=shape)
+    assert [(r.median_ms, r.p90_ms) for r in got] == [(t["step_ms"], t["step_ms_p90"])]
+    eager = rec.select(op="engine_step")
+    assert [r.median_ms for r in eager] == [e["step_ms"] for e in raw["baselines"]["eager_loop"]]
+    assert all(math.isnan(r.p10_ms) for r in eager)  # the payload records the median alone
+    assert all(_ints(r.shape, ("streams", "budget")) for r in graph)
+
+
+def test_engine_arms_rows_from_a_payload_of_the_suite(results_dir):
+    row = {"model": "trained", "kind": "code", "context": 256, "arm": "overlap", "method": "ddtree", "budget": 32,
+           "streams": 16, "step_ms": 1.5, "step_ms_p10": 1.4, "step_ms_p90": 1.7, "tokens_per_s": 1e4}
+    (results_dir / "engine_arms.h200.json").write_text(json.dumps(
+        {"suite": "engine_arms", "schema": results.SCHEMA, "provenance": {}, "rows": [row], "cut_for_time": []}))
+    rec = results.load_engine_arms("h200")
+    assert [(r.variant, r.mode, r.median_ms, r.p10_ms, r.shape["streams"]) for r in rec.rows] == [
+        ("overlap", "graph", 1.5, 1.4, 16)]
+
+
+def test_load_tp_steps_and_allreduce():
+    raw = _raw("tp.h200.json")
+    rec = results.load_tp("h200")
+    assert len(rec.select(op="engine_step")) == len(raw["runs"])
+    r = raw["runs"][-1]
+    step = rec.select(op="engine_step", variant=r["engine"], shape={k: r[k] for k in ("world", "method", "moe_mode")})
+    assert [s.median_ms for s in step] == [r["step_ms"]]
+    graph = rec.select(op="nccl_allreduce", mode="graph")
+    assert len(graph) == sum("median_us" in a for a in raw["allreduce_graph"])
+    assert graph[0].median_ms == pytest.approx(raw["allreduce_graph"][0]["median_us"] * 1e-3, rel=1e-15)
+    assert graph[0].bytes == raw["allreduce_graph"][0]["bytes"] and graph[0].flops == 0
+    assert len(rec.select(op="nccl_allreduce", mode="eager")) == len(raw["allreduce"])
+
+
+def test_load_k2_rank_none_for_a_gpu_never_recorded():
+    assert results.load_k2_rank("b300") is None
+
+
+# ----------------------------------------------------------------------------- fragmentation, diagnosis, serve
+def test_load_fragmentation_three_arms_per_layout():
+    raw = _raw("fragmentation.h200.json")
+    rec = results.load_fragmentation("h200")
+    p = raw["points"][0]
+    assert len(rec.rows) == 3 * sum(len(q["layouts"]) for q in raw["points"])
+    sim = rec.select(op="prefix_attention", shape={"heads": p["heads"], "queries": p["queries"], "prefix": p["prefix"],
+                                                   "layout": "simulated"})
+    assert [r.median_ms for r in sim] == [p["layouts"]["simulated"]["kernel"]["median_ms"]]
+    assert sim[0].floor_ms == p["floor_ms"]
+    gather = rec.select(op="torch_index_select")
+    assert all(r.floor_ms is None and math.isnan(r.bytes) for r in gather)
+
+
+@pytest.mark.parametrize("suite, key", [("diagnosis", "by_kind"), ("serve", "scaling")])
+def test_request_level_suites_have_no_rows(suite, key):
+    rec = getattr(results, f"load_{suite}")("h200")
+    assert rec.rows == () and rec.doc[key] == _raw(f"{suite}.h200.json")[key]
+
+
+# ----------------------------------------------------------------------------- CPU suites
+def test_load_kdtr_io_every_format_and_action():
+    raw = _raw("kdtr_io.cpu.json")
+    rec = results.load_kdtr_io()
+    assert len(rec.rows) == sum(isinstance(a, dict) for f in raw["formats"].values() for a in f.values())
+    load = rec.select(op="kdtr", variant="load")
+    assert [r.median_ms for r in load] == [raw["formats"]["kdtr"]["load"]["timing"]["median_ms"]]
+    assert load[0].mode == "cpu" and load[0].bytes == raw["data_bytes"]
+    assert all(_ints(r.shape, ("total_bytes", "n_tensors")) for r in rec.rows)
+
+
+def test_load_tree_build_cpu_headline_and_sweeps():
+    raw = _raw("tree_build_cpu.cpu.json")
+    rec = results.load_tree_build_cpu()
+    assert len(rec.rows) == 1 + len(raw["vs_batch"]) + len(raw["vs_budget"])
+    head = [r for r in rec.rows if r.key == "headline"]
+    assert [(r.median_ms, r.p10_ms) for r in head] == [(raw["headline"]["median_ms"], raw["headline"]["p10_ms"])]
+    assert all(_ints(r.shape, ("batch", "depth", "budget", "k_prime")) for r in rec.rows)
+
+
 # ----------------------------------------------------------------------------- every loader
-LOADERS = {"attention": results.load_attention, "k2_rank": results.load_k2_rank}
+LOADERS = {
+    "attention": results.load_attention, "k2_rank": results.load_k2_rank, "kernels": results.load_kernels,
+    "verify_attention_dev": results.load_verify_attention_dev,
+    "verify_attention_dev_v2": results.load_verify_attention_dev_v2, "engine": results.load_engine,
+    "engine_batch": results.load_engine_batch, "engine_arms": results.load_engine_arms,
+    "accept": results.load_accept, "accept_sampling": results.load_accept_sampling,
+    "fragmentation": results.load_fragmentation, "diagnosis": results.load_diagnosis, "tp": results.load_tp,
+    "serve": results.load_serve, "kdtr_io": results.load_kdtr_io, "tree_build_cpu": results.load_tree_build_cpu,
+}
+
+
+def test_every_recorded_suite_has_a_loader():
+    recorded = {p.name.split(".")[0] for p in (DATA / "results").glob("*.json")}
+    assert recorded - set(LOADERS) <= {"ceilings", "moe", "moe_stream", "gpu_tests"}
 
 
 @pytest.fixture
