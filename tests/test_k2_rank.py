@@ -175,6 +175,11 @@ def test_grid_cuts_rows_beyond_the_pool():
     assert all(c * (ctx + (b or 0) + 1) <= 702_300 for ctx, c, b in rows)
     assert {(r["context"], r["streams"]) for r in cut} >= {(200000, 4), (128000, 10)}
     assert rows[0][0] == 5500  # the seeds' context first
+    long, _ = k2_rank.grid(702_300, quick=False, contexts=(200000, 128000))
+    assert {r[0] for r in long} == {200000, 128000} and long[0][0] == 200000
+    assert set(k2_rank.PLAIN_ROWS) <= set(rows)  # the compiled rows' plain baseline is on the grid
+    with pytest.raises(ValueError, match="not in the grid"):
+        k2_rank.grid(702_300, quick=False, contexts=(1000,))
 
 
 @pytest.mark.parametrize("mode", ["tp", "ep"])
@@ -197,6 +202,31 @@ def test_cpu_step_runs_every_part(mode):
     st.part("verify")
     assert torch.equal(st.argmax, before)
     assert int(st.overflow) == 0
+
+
+def _saved(st: RankStep) -> dict:
+    return {k: getattr(st, k).float().clone() for k in ("x_saved", "q_saved", "rows_saved", "o_saved", "f_saved")}
+
+
+def test_compiled_pieces_trace_whole_and_agree():
+    """compile_pieces traces each piece as one graph (fullgraph: a break raises) at two row counts, and the
+    traced step gives the pieces' values of the plain one (aot_eager runs the same aten ops)."""
+    m = RankModel(RankShape(ModelConfig.from_dict(small_config()), tp=2, rank=0, moe_mode="tp"), device="cpu")
+    plain = {}
+    for C in (1, 3):
+        st = RankStep(m, streams=C, context=20)
+        st.run(save=True)
+        plain[C] = (_saved(st), st.argmax.clone())
+    torch._dynamo.reset()
+    m.compile_pieces(backend="aot_eager")
+    for C in (1, 3):
+        st = RankStep(m, streams=C, context=20)
+        st.run(save=True)
+        got = _saved(st)
+        for k, v in plain[C][0].items():
+            torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
+        assert torch.equal(st.argmax, plain[C][1])
+    assert m.compiled
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -259,3 +289,30 @@ def test_gpu_step_graph_replay_matches_eager(budget):
     if budget:
         assert st.tau.tolist() == [4, 4, 4]
     assert int(st.overflow) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_step_graph_replay_matches_plain():
+    """Inductor-compiled pieces inside the captured step: the pieces' values within bf16 rounding of the
+    plain step's, the same accepted lengths, and the argmax almost everywhere."""
+    d = small_config(hidden_size=256, moe_intermediate_size=256, n_routed_experts=32, num_experts_per_tok=8)
+    m = RankModel(RankShape(ModelConfig.from_dict(d), tp=2, rank=0, moe_mode="tp"), device="cuda")
+    dr = RankDrafter(m, DraftShape(2, 4, 2, 64, 256, 8, (0, 2)))
+    st = RankStep(m, streams=3, context=300, budget=16, drafter=dr, accepted=4)
+    dr.make_pool(st.pool.shape[1])
+    st.run(save=True)
+    torch.cuda.synchronize()
+    plain, argmax = _saved(st), st.argmax.clone()
+    torch._dynamo.reset()
+    m.compile_pieces()
+    st.run(save=True)  # compiles
+    timing, err = k2_rank.timed(st.run, torch.cuda.graph_pool_handle(), iters=3)
+    assert err is None, err
+    st.run(save=True)
+    torch.cuda.synchronize()
+    for k, v in _saved(st).items():
+        err = float((v - plain[k]).norm() / plain[k].norm())
+        assert err < 2e-2, (k, err)
+    assert st.tau.tolist() == [4, 4, 4]
+    assert float((st.argmax == argmax).float().mean()) >= 0.9
+

@@ -36,7 +36,7 @@ experts dequantized in torch (the INT4 kernel needs CUDA).
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +58,11 @@ from kdlib.engine.int4 import (
 )
 from kdlib.engine.model import apply_rope, rope_cos_sin, rope_inv_freq
 from kdlib.tp.engine import MOE_MODES, partition
+
+# the layer weights `RankModel.pre` and `RankModel.post` read, in their argument order
+_PRE = ("in_norm", "q_a", "q_a_norm", "q_b", "kv_b", "kv_a", "kv_a_norm")
+_POST = ("kv_b", "o", "post_norm", "mlp_gu", "mlp_down")
+_ROUTING = tuple(f.name for f in fields(DeviceRouting))  # the order DeviceRouting(*...) takes
 
 
 # ----------------------------------------------------------------------------- shapes
@@ -135,6 +140,8 @@ class RankModel:
         """keep_unpacked: also keep the experts' q / scales (the torch path's input; default on the CPU only)."""
         c = shape.cfg
         self.shape, self.cfg, self.device = shape, c, torch.device(device)
+        # the slice sizes the traced pieces read, as plain ints (tracing stops at `partition`'s divmod)
+        self.heads, self.e0, self.n_local = shape.heads, shape.expert_range[0], shape.n_experts
         dev, bf = self.device, torch.bfloat16
         gen = torch.Generator(device=dev).manual_seed(seed)
         H, nh, r, rope = c.hidden_size, shape.heads, c.kv_lora_rank, c.qk_rope_head_dim
@@ -172,6 +179,8 @@ class RankModel:
                                        else keep_unpacked))
             self.layers.append(L)
         self._rope_inv = None
+        self._pre_fn, self._post_fn, self._route_fn = self._pre, self._post, self._route
+        self.compiled = False
 
     def _experts(self, gen, chunk: int, keep: bool) -> dict:
         """The local experts of one layer, quantized and packed chunk by chunk (bounded transient memory).
@@ -222,12 +231,49 @@ class RankModel:
 
     @staticmethod
     def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        xf = x.float()
-        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        """RMSNorm as the engine's `RMSNorm` computes it: one fused kernel on CUDA, float32 inside."""
+        return F.rms_norm(x, (x.shape[-1],), w.to(x.dtype), eps)
+
+    def pre(self, L: dict, h: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The input norm and `attn_pre`: h [M, H] -> normed x [M, H], q [M, nh, 576], latent rows [M, 576]."""
+        return self._pre_fn(h, cos, sin, *(L[k] for k in _PRE))
+
+    def post(self, L: dict, h: torch.Tensor, o_lat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`attn_post`, the residual, the FFN norm and the dense MLP (the shared expert where routed):
+        -> h [M, H] (after attention), normed f [M, H], y [M, H] (the MLP's output)."""
+        return self._post_fn(h, o_lat, *(L[k] for k in _POST))
+
+    def _pre(self, h, cos, sin, *w):
+        L = dict(zip(_PRE, w, strict=True))
+        x = self.rms(h, L["in_norm"], self.cfg.rms_norm_eps)
+        return (x, *self.attn_pre(L, x, cos, sin))
+
+    def _post(self, h, o_lat, *w):
+        L = dict(zip(_POST, w, strict=True))
+        h = h + self.attn_post(L, o_lat)
+        f = self.rms(h, L["post_norm"], self.cfg.rms_norm_eps)
+        return h, f, self.mlp(L, f)
+
+    def _route(self, x, router, router_bias) -> tuple[torch.Tensor, ...]:
+        w, idx = self.route({"router": router, "router_bias": router_bias}, x)
+        rt = device_routing(idx, w, self.e0, self.n_local)
+        return tuple(getattr(rt, name) for name in _ROUTING)
+
+    def compile_pieces(self, backend: str = "inductor") -> None:
+        """Compile the torch code between the kernels (`pre`, `post`, the router and its device routing)
+        with torch.compile (Inductor, dynamic row count, whole graphs: a graph break raises), so the norms,
+        RoPE, concatenations and the routing's small ops fuse into a few kernels; the matmuls stay cuBLAS
+        and attention / experts the project's kernels. The first call of each piece per row count 1 / > 1
+        compiles (before any CUDA-graph capture). backend: torch.compile's ("aot_eager" traces without code
+        generation: the CPU test's check that every piece is one graph)."""
+        self._pre_fn, self._post_fn, self._route_fn = (
+            torch.compile(f, dynamic=True, fullgraph=True, backend=backend)
+            for f in (self._pre, self._post, self._route))
+        self.compiled = True
 
     def attn_pre(self, L: dict, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """x [M, H] (normed) -> q [M, nh, kv_lora + rope] (absorbed), latent rows [M, kv_lora + rope]."""
-        c, nh = self.cfg, self.shape.heads
+        c, nh = self.cfg, self.heads
         q = F.linear(self.rms(F.linear(x, L["q_a"]), L["q_a_norm"], 1e-6), L["q_b"]).view(
             -1, nh, c.qk_head_dim
         )
@@ -244,7 +290,7 @@ class RankModel:
 
     def attn_post(self, L: dict, o_lat: torch.Tensor) -> torch.Tensor:
         """o_lat [M, nh, kv_lora] -> this rank's o_proj partial [M, H]."""
-        c, nh = self.cfg, self.shape.heads
+        c, nh = self.cfg, self.heads
         w_uv = L["kv_b"].view(nh, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)[:, c.qk_nope_head_dim:]
         o = torch.einsum("mhr,hvr->mhv", o_lat.to(w_uv.dtype), w_uv)
         return F.linear(o.reshape(o.shape[0], -1), L["o"])
@@ -270,9 +316,7 @@ class RankModel:
     ) -> torch.Tensor:
         """This rank's routed-expert partial sum [M, H] (bf16): `moe_w4a16` on CUDA (graph-safe routing with
         static launch bound `bound` slots per expert; `overflow` += 1 when an expert had more), torch on the CPU."""
-        w, idx = self.route(L, x)
-        s = self.shape
-        rt = device_routing(idx, w, s.expert_range[0], s.n_experts)
+        rt = DeviceRouting(*self._route_fn(x, L["router"], L["router_bias"]))
         if overflow is not None:
             overflow += (rt.max_count > bound).to(overflow.dtype)
         if x.device.type != "cuda":
@@ -595,7 +639,7 @@ class RankStep:
         """The target's forward over the C x W rows; save=True (eager, before timing) keeps each layer's
         piece inputs and outputs for the part-only forwards."""
         m, c = self.m, self.m.cfg
-        C, W, eps = self.C, self.W, c.rms_norm_eps
+        C, W = self.C, self.W
         full = only is None
         do = (lambda p: True) if full else (lambda p: p in only)
         pos = (self.lens[:, None] + self.depth).reshape(-1)  # [M]
@@ -605,8 +649,7 @@ class RankStep:
         tap = 0
         for i, L in enumerate(m.layers):
             if do("dense"):
-                x = m.rms(h, L["in_norm"], eps)
-                q, rows = m.attn_pre(L, x, cos, sin)
+                x, q, rows = m.pre(L, h, cos, sin)
                 if save:
                     self.x_saved[i].copy_(x)
                     self.q_saved[i].copy_(q)
@@ -618,11 +661,9 @@ class RankStep:
                 if save:
                     self.o_saved[i].copy_(o_lat)
             if do("dense"):
-                h = h + m.attn_post(L, o_lat if full else self.o_saved[i])
-                f = m.rms(h, L["post_norm"], eps)
+                h, f, y = m.post(L, h, o_lat if full else self.o_saved[i])
                 if save:
                     self.f_saved[i].copy_(f)
-                y = m.mlp(L, f)
             if do("moe") and "router" in L:
                 r = m.routed(L, f if full else self.f_saved[i], self.bound, self.overflow)
                 y = y + r if full else r

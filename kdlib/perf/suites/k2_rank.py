@@ -1,7 +1,10 @@
 """GPU suite `k2_rank`: one TP8 rank of Kimi-K2.6 at real shapes on one GPU (`kdlib.engine.rank`).
 
     python3 -m kdlib.perf.run --suite k2_rank --out $OUT [--quick]
-    env: K2_RANK_BUDGET_S (seconds for the grid, default 200), K2_RANK_MOE (tp | ep, default tp)
+    env: K2_RANK_BUDGET_S (seconds for the grid, default 200), K2_RANK_MOE (tp | ep, default tp),
+         K2_RANK_COMPILE (1: torch.compile the pieces between the kernels, after the PLAIN_ROWS are measured
+         without it; 0: never; default 1), K2_RANK_CONTEXTS (comma list, default all, in CONTEXTS order),
+         K2_RANK_RESUME (a k2_rank JSON of an earlier run: its rows are kept and not measured again)
 
 Sections of the payload:
   memory     GPU memory allocated by the rank's weights and by one 200,000-token latent cache against
@@ -14,7 +17,9 @@ Sections of the payload:
              part in its own graph (draft, tree, verify, accept, commit) and the verify forward's pieces
              (dense and norms, attention, routed MoE) each alone over all layers; each beside its floor
              (bytes / copy bandwidth, FLOPs / matmul rate); the modelled all-reduce; the accepted length
-             the forced-acceptance drafter produced; MoE bound overflows (must be 0)
+             the forced-acceptance drafter produced; MoE bound overflows (must be 0); `compiled`; the
+             profiled replay of the whole step (`profile`: device ms against the replay's wall ms, kernels
+             per step, device us and calls per kernel class, the top kernels); the row's commit and date
   cut        the grid rows not measured (time budget, or streams x context beyond the SGLang pool that
              `kdlib.memory` predicts for a TP8 H200 rank)
 The JSON is rewritten after every row, so a run cut short keeps what it measured.
@@ -29,21 +34,30 @@ import time
 from kdlib import memory
 from kdlib.cuda.moe import layer_bytes_flops
 from kdlib.estimator.model import touched_experts
-from kdlib.perf import results, timing
+from kdlib.perf import profile, results, timing
 from kdlib.perf.timing import floor_ms
 
-CONTEXTS = (5500, 128, 32000, 128000, 200000)  # the seeds' 5.5k first
+CONTEXTS = (5500, 200000, 128000, 32000, 128)  # the seeds' 5.5k first, then the longest
+# measured without torch.compile before the pieces are compiled: the compiled rows' baseline in the same run
+PLAIN_ROWS = ((5500, 1, None), (5500, 1, 16), (5500, 10, None), (5500, 10, 16))
 STREAMS = (1, 10, 4, 16)
 BUDGETS = (None, 8, 16, 32, 64)  # None = AR
 ACCEPTED = 4  # the forced accepted length (bonus included) of the DDTree rows: a parameter
 P_TOP = 0.8  # top-1 probability of the draft profile (tree shape)
 
 
-def grid(pool_tokens: int, quick: bool) -> tuple[list[tuple[int, int, int | None]], list[dict]]:
-    """(context, C, budget) rows in measuring order, and the rows cut because C x context exceeds the pool."""
+def grid(pool_tokens: int, quick: bool, contexts: tuple[int, ...] | None = None
+         ) -> tuple[list[tuple[int, int, int | None]], list[dict]]:
+    """(context, C, budget) rows in measuring order, and the rows cut because C x context exceeds the pool.
+    contexts: only these (in CONTEXTS order)."""
     rows, cut = [], []
-    contexts, streams, budgets = ((5500, 128), (1, 10), (None, 16)) if quick else (CONTEXTS, STREAMS, BUDGETS)
-    for ctx in contexts:
+    ctxs, streams, budgets = ((5500, 128), (1, 10), (None, 16)) if quick else (CONTEXTS, STREAMS, BUDGETS)
+    if contexts is not None:
+        unknown = set(contexts) - set(CONTEXTS)
+        if unknown:
+            raise ValueError(f"contexts {sorted(unknown)} are not in the grid's {CONTEXTS}")
+        ctxs = tuple(x for x in ctxs if x in contexts)
+    for ctx in ctxs:
         for c in streams:
             for b in budgets:
                 if c * (ctx + (b or 0) + 1) > pool_tokens:
@@ -126,6 +140,7 @@ def measure_row(model, drafter, pool, ctx: int, C: int, budget, ceil: dict, fit:
     for p in ("dense", "attention", "moe"):
         pieces[p], errors[p] = timed(lambda p=p: step.run(only=(p,)), gpool, iters)
     torch.cuda.synchronize()
+    prof = _profile(step, gpool)
     fl = floors(step, ceil)
     ar = [allreduce_ms(b, fit, model.shape.tp) for b in step.allreduce_bytes()]
     comps = {"moe": pieces["moe"]["median_ms"], "attention": pieces["attention"]["median_ms"],
@@ -142,12 +157,34 @@ def measure_row(model, drafter, pool, ctx: int, C: int, budget, ceil: dict, fit:
            "allreduce_modelled_ms": sum(ar), "allreduce_calls": len(ar),
            "step_with_allreduce_ms": whole["median_ms"] + sum(ar),
            "accepted_mean": float(step.tau.float().mean()), "accepted_target": step.accepted,
-           "moe_bound_overflows": int(step.overflow), "wall_s": time.perf_counter() - t0}
+           "moe_bound_overflows": int(step.overflow), "compiled": model.compiled, "profile": prof,
+           "commit": results.git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "wall_s": time.perf_counter() - t0}
+    if prof:
+        prof["busy"] = prof["device_ms"] / whole["median_ms"]
     n = row["accepted_mean"]
     row["tok_s_per_stream"] = n / row["step_with_allreduce_ms"] * 1e3
     row["tok_s"] = C * row["tok_s_per_stream"]
     torch.cuda.empty_cache()
     return row
+
+
+def _profile(step, gpool) -> dict | None:
+    """The whole step captured once more and three replays profiled (`kdlib.perf.profile`): device ms,
+    kernels per step, per-class sums, the top 15 kernels; None where the capture fails."""
+    import torch
+
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g, pool=gpool):
+            step.run()
+    except Exception:  # noqa: BLE001 - the step's own timing already records a capture failure
+        torch.cuda.synchronize()
+        return None
+    g.replay()
+    p = profile.device_profile(g.replay, steps=3, top=15)
+    p["classes"] = profile.kernel_classes(p.pop("kernels"))
+    return p
 
 
 def _recorded(name: str) -> dict:
@@ -174,6 +211,10 @@ def run(args) -> dict:
     quick = bool(getattr(args, "quick", False))
     budget_s = float(os.environ.get("K2_RANK_BUDGET_S", "200"))
     moe_mode = os.environ.get("K2_RANK_MOE", "tp")
+    compile_ = os.environ.get("K2_RANK_COMPILE", "1") != "0"
+    contexts = tuple(int(x) for x in os.environ.get("K2_RANK_CONTEXTS", "").split(",") if x) or None
+    resume = os.environ.get("K2_RANK_RESUME")
+    kept = json.loads(open(resume).read())["rows"] if resume and os.path.exists(resume) else []
     name = "kimi-k2.6"
     cfg_dict = memory.load_config(name)
     cfg = ModelConfig.from_dict(cfg_dict)
@@ -183,7 +224,9 @@ def run(args) -> dict:
     ceil["path"] = ceil_doc["_path"]
     fit = allreduce_fit()
     payload = {"parameters": {"config": name, "tp": 8, "rank": 0, "moe_mode": moe_mode, "accepted": ACCEPTED,
-                              "p_top": P_TOP, "quick": quick, "budget_s": budget_s, "iters": 10},
+                              "p_top": P_TOP, "quick": quick, "budget_s": budget_s, "iters": 10,
+                              "compile": compile_, "plain_rows": [list(r) for r in PLAIN_ROWS] if compile_ else [],
+                              "resumed_rows": len(kept)},
                "ceilings": ceil, "allreduce": fit, "rows": [], "cut": []}
 
     def save():
@@ -219,7 +262,7 @@ def run(args) -> dict:
     torch.cuda.empty_cache()
     drafter = RankDrafter(model, DFLASH_KIMI)
     pool_tokens = memory.plan(cfg_dict, "h200", tp=8, context=200_000).value("pool_tokens")
-    rows, cut = grid(pool_tokens, quick)
+    rows, cut = grid(pool_tokens, quick, contexts)
     slots = max(c * (ctx + (b or 0) + 1) for ctx, c, b in rows)
     pool = torch.zeros(cfg.num_hidden_layers, slots, cfg.latent_dim, dtype=torch.bfloat16, device="cuda")
     drafter.make_pool(slots)
@@ -230,20 +273,33 @@ def run(args) -> dict:
         "pool_tokens_predicted": pool_tokens,
     }
     payload["cut"] = cut
+    payload["rows"] = list(kept)
+    done = {(r["context"], r["streams"], r["budget"], r.get("compiled", False)) for r in kept}
+    # (row, compiled): the plain baseline rows first, then the grid compiled (or plain when compile_ is off)
+    todo = [(r, False) for r in PLAIN_ROWS if compile_ and r in rows] + [(r, compile_) for r in rows]
+    todo = [(r, c) for r, c in todo if (*r, c) not in done]
     save()
     start = time.perf_counter()
-    for i, (ctx, c, b) in enumerate(rows):
+    for i, ((ctx, c, b), comp) in enumerate(todo):
         if time.perf_counter() - start > budget_s:
-            payload["cut"] += [
-                {"context": x, "streams": y, "budget": z, "why": "time budget"} for x, y, z in rows[i:]
-            ]
+            payload["cut"] += [{"context": x, "streams": y, "budget": z, "compiled": cc, "why": "time budget"}
+                               for (x, y, z), cc in todo[i:]]
             break
+        if comp and not model.compiled:
+            t_c = time.perf_counter()
+            model.compile_pieces()
+            payload["setup"]["compile_started_s"] = t_c - start
         row = measure_row(model, drafter, pool, ctx, c, b, ceil, fit, iters=10)
+        if not row["graphs"]:  # a part's capture failed (seen once on the first row of a run): once more
+            row = {**measure_row(model, drafter, pool, ctx, c, b, ceil, fit, iters=10),
+                   "first_attempt_graph_errors": row["graph_errors"]}
         payload["rows"].append(row)
-        print(f"[k2_rank] ctx {ctx:>6} C {c:>2} {row['method']:>6} b {b or 0:>2}: step {row['step_ms']:8.2f} "
-              "ms "
-              f"(+ar {row['allreduce_modelled_ms']:.2f}) parts sum {row['components_sum_ms']:8.2f} "
-              f"floors {row['floor_sum_ms']:7.2f} tau {row['accepted_mean']:.2f}", flush=True)
+        prof = row["profile"] or {}
+        print(f"[k2_rank] ctx {ctx:>6} C {c:>2} {row['method']:>6} b {b or 0:>2}{' compiled' if comp else '':>9}: "
+              f"step {row['step_ms']:8.2f} ms (+ar {row['allreduce_modelled_ms']:.2f}) parts sum "
+              f"{row['components_sum_ms']:8.2f} floors {row['floor_sum_ms']:7.2f} tau {row['accepted_mean']:.2f} "
+              f"kernels {prof.get('kernels_per_step', 0):.0f} busy {prof.get('busy', 0):.2f} "
+              f"({row['wall_s']:.1f} s)", flush=True)
         save()
     return payload
 
