@@ -1,11 +1,11 @@
 """Tree-verify MLA attention kernels (`kernels/tree_verify/*.cu`) against `kdlib.ref.attention`.
 
 CPU: the split plan covers the page table; the recorded sweep's summary helpers (compile and
-spill checks of every kernels/<family>/*.cu are in tests/test_kernels_compile.py). GPU (`-m gpu`): >= 1,000 random cases with fresh inputs and poisoned output memory
-(fp32 within 1e-5 of float64; bf16 within 1e-2, norm-relative, of float64 on the same bf16
-values), long prefixes against a float64 torch reference, torch tensors through DLPack, and
-ValueError before any launch. `python3 tests/test_cuda_attention.py sanitize` is the small driver
-run under compute-sanitizer.
+spill checks of every kernels/<family>/*.cu are in tests/test_kernels_compile.py). GPU
+(`-m gpu`): >= 1,000 random cases with fresh inputs and poisoned output memory (fp32 within 1e-5
+of float64; bf16 within 1e-2, norm-relative, of float64 on the same bf16 values), long prefixes
+against a float64 torch reference, torch tensors through DLPack, and ValueError before any launch.
+`python3 tests/test_cuda_attention.py sanitize` is the small driver run under compute-sanitizer.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def test_split_plan_covers_the_page_table(bsz, row_blocks, width, tile, slots):
 def _recorded():
     from kdlib import perf
 
-    return [r for r in (perf.load("verify_attention_dev", "h200"), perf.load("verify_attention_dev_v2", "h200")) if r]
+    recorded = (perf.load("verify_attention_dev", "h200"), perf.load("verify_attention_dev_v2", "h200"))
+    return [r for r in recorded if r]
 
 
 def test_recorded_sweep_summaries_are_consistent():
@@ -65,7 +66,8 @@ def test_recorded_sweep_summaries_are_consistent():
             g = suite.goal(rec, variant)
             worst = g["min_speedup_ge_8k"]
             assert g["points_compared"] > 0 and worst == min(
-                r["speedup_vs_best"] for r in rows if r["prefix"] >= 8192 and r["speedup_vs_best"] is not None)
+                r["speedup_vs_best"] for r in rows
+                if r["prefix"] >= 8192 and r["speedup_vs_best"] is not None)
             assert g["beats_baselines"] == (worst > 1.0)
 
 
@@ -91,8 +93,9 @@ def test_junit_summary_counts_outcomes(tmp_path):
 
     xml = tmp_path / "j.xml"
     xml.write_text('<testsuites><testsuite name="pytest"><testcase classname="t" name="a" time="0.5" />'
-                   '<testcase classname="t" name="b" time="0.1"><failure message="x">boom</failure></testcase>'
-                   '<testcase classname="t" name="c"><skipped message="s" /></testcase></testsuite></testsuites>')
+                   '<testcase classname="t" name="b" time="0.1"><failure message="x">boom</failure>'
+                   '</testcase><testcase classname="t" name="c"><skipped message="s" /></testcase>'
+                   '</testsuite></testsuites>')
     got = suite.junit_summary(xml)
     assert (got["passed"], got["failed"], got["skipped"], got["failures"]) == (1, 1, 1, ["t::b"])
     assert suite.junit_summary(tmp_path / "missing.xml") is None
@@ -110,7 +113,8 @@ def test_attention_suite_shapes_costs_and_goals():
     def row(key, ms, floor_ms, mem_ms, bound, fi_ms=None, ragged=False):
         t = {"median_ms": ms}
         return {"heads": key[0], "queries": key[1], "prefix": key[2], "batch": key[3], "ragged": ragged,
-                "bound": bound, "mem_ms": mem_ms, "flashinfer": {"median_ms": fi_ms} if fi_ms else {"skipped": "x"},
+                "bound": bound, "mem_ms": mem_ms,
+                "flashinfer": {"median_ms": fi_ms} if fi_ms else {"skipped": "x"},
                 "variants": {"wgmma": {"kernel": t, "fraction_of_floor": floor_ms / ms}}}
 
     g = suite.goals([row((8, 65, 200_000, 1), 0.44, 0.287, 0.05, "compute", fi_ms=0.5),
@@ -164,7 +168,8 @@ def test_v5_constants_match_the_kernel_source():
     def define(name):
         return int(re.search(rf"#define {name} (\d+)", src).group(1))
 
-    assert (define("BM"), define("BN"), define("MAX_ROUNDS"), define("JOB_OVERHEAD"), define("PLAN_STRIDE")) == (
+    names = ("BM", "BN", "MAX_ROUNDS", "JOB_OVERHEAD", "PLAN_STRIDE")
+    assert tuple(define(n) for n in names) == (
         cu._V5_BM, cu._V5_BN, cu._V5_ROUNDS, cu._V5_JOB_OVERHEAD, cu._V5_PLAN_STRIDE)
     tile, msg = 9 * 64 * 128, 2 * define("BM") * 4  # TILE_BYTES, MSG_BYTES
     assert cu._V5_SMEM == 3 * tile + 2 * msg + 6 * 8 + 1024 <= 227 * 1024  # SMEM_BYTES, the H200 opt-in limit
@@ -187,7 +192,8 @@ def test_v5_plan_runs_every_row_over_every_key_once():
                 jb = _v5_decode(plan, j)
                 assert 1 <= jb["nrows"] <= 64 and jb["ntiles"] >= 1 and jb["row0"] % 64 == 0
                 assert jb["ntiles"] == jb["utiles"] + -(-(jb["ke"] - jb["ks"]) // 64)
-                runs.setdefault((jb["b"], jb["row0"]), []).append((jb["nrows"], jb["ntail"], jb["ks"], jb["ke"], j))
+                runs.setdefault((jb["b"], jb["row0"]), []).append(
+                    (jb["nrows"], jb["ntail"], jb["ks"], jb["ke"], j))
         for b in range(bsz):
             e = [int(x) for x in plan[1 + 8 * b:8 + 8 * b]]
             ts = nq if sizes is None else int(sizes[b])
@@ -224,7 +230,8 @@ def test_v5_plan_balances_the_issue_shapes():
     load = np.zeros(132)
     for j in range(int(plan[0])):
         load[j % 132] += _v5_decode(plan, j)["ntiles"] + cu._V5_JOB_OVERHEAD
-    even = sum(-(-int(sz) * 8 // 64) * (-(-int(ln) // 64) + 2) for ln, sz in zip(lens, sizes, strict=True)) / 132
+    even = sum(-(-int(sz) * 8 // 64) * (-(-int(ln) // 64) + 2)
+               for ln, sz in zip(lens, sizes, strict=True)) / 132
     assert load.max() <= 1.25 * even + 2 * cu._V5_JOB_OVERHEAD
 
 
@@ -343,7 +350,7 @@ def _v5_pipeline(stream, rng):
     with the kernel's barrier protocol (full / pready / vfree per stage, parities (t >> 1) & 1).
     stream: the CTA's tiles as (job, it, ntiles). Checks what each step reads is the tile it means;
     returns the completed tile order of both warpgroups, or raises on a deadlock."""
-    full, pready, vfree = [_Bar(1) for _ in range(2)], [_Bar(1) for _ in range(2)], [_Bar(1) for _ in range(2)]
+    full, pready, vfree = ([_Bar(1) for _ in range(2)] for _ in range(3))
     stage = [None, None]  # tile whose K rows landed in each stage
     rope = [None, None]  # tile whose P sits in each stage's rope block
     msg = [None, None]  # tile whose factors sit in each stage's message
@@ -586,7 +593,8 @@ def _case(rng, *, max_p=300, heads=(1, 2, 3, 4, 8, 16)):
     lens = rng.integers(0, width + 1, size=bsz)
     if bsz > 1 and width:
         lens[0] = width  # a full row and, often, an empty or short one
-    page = np.stack([rng.permutation(n_slots)[:width] for _ in range(bsz)]).astype(np.int32).reshape(bsz, width)
+    page = np.stack([rng.permutation(n_slots)[:width] for _ in range(bsz)]).astype(np.int32)
+    page = page.reshape(bsz, width)
     sizes = rng.integers(0, nq + 1, size=bsz)
     sizes[0] = nq
     vis = np.zeros((bsz, nq, nq), dtype=bool)
@@ -644,11 +652,13 @@ def _compare(out, lse, ref_out, ref_lse, *, rtol, lse_atol, name):
     assert np.isnan(out[nan_rows]).all(), f"{name}: padding rows of out not NaN"
     keep = ~nan_rows
     assert np.array_equal(np.isneginf(lse[keep]), np.isneginf(ref_lse[keep])), f"{name}: empty rows differ"
-    assert np.isfinite(out[keep]).all() and np.abs(out[keep]).max(initial=0) < 1e30, f"{name}: unwritten or inf output"
+    assert np.isfinite(out[keep]).all() and np.abs(out[keep]).max(initial=0) < 1e30, \
+        f"{name}: unwritten or inf output"
     if keep.any():
         assert_close(out[keep], ref_out[keep], rtol=rtol, name=name, quiet=True)
         fin = keep & np.isfinite(ref_lse)
-        assert np.abs(lse[fin] - ref_lse[fin]).max(initial=0) <= lse_atol, f"{name}: lse off by more than {lse_atol}"
+        assert np.abs(lse[fin] - ref_lse[fin]).max(initial=0) <= lse_atol, \
+            f"{name}: lse off by more than {lse_atol}"
 
 
 def _run_random(seed0, n_cases, dtype, impls, rtol, lse_atol, **case_kw):
@@ -673,11 +683,13 @@ def _run_random(seed0, n_cases, dtype, impls, rtol, lse_atol, **case_kw):
         for impl in impls:
             _poison_pool()
             out, lse = cu.tree_verify_attention(**dev, impl=impl)
-            _compare(out, lse, r_out, r_lse, rtol=rtol, lse_atol=lse_atol, name=f"verify {dtype} {impl} seed {seed}")
+            _compare(out, lse, r_out, r_lse, rtol=rtol, lse_atol=lse_atol,
+                     name=f"verify {dtype} {impl} seed {seed}")
             if parts:
                 _poison_pool()
                 cp_out = cu.prefix_attention(**{k: dev[k] for k in p_args}, impl=impl)
-                _compare(*cp_out, *rp, rtol=rtol, lse_atol=lse_atol, name=f"prefix {dtype} {impl} seed {seed}")
+                _compare(*cp_out, *rp, rtol=rtol, lse_atol=lse_atol,
+                         name=f"prefix {dtype} {impl} seed {seed}")
 
 
 def _mma_impls():
@@ -731,9 +743,11 @@ def test_random_bf16_mma_fast_1000():
         bsz, nq = int(rng.integers(1, 4)), int(rng.choice([1, 2, 5, 9, 17, 33, 64, 65]))
         nh, width = int(rng.choice([1, 2, 3, 8, 16])), int(rng.choice([1, 40, 300, 1000, 3000]))
         n_slots = 2 * width + 5
-        q = (torch.randn(bsz, nq, nh, 576, device="cuda", generator=g) * float(rng.choice([0.3, 1.0, 3.0]))).bfloat16()
+        q = (torch.randn(bsz, nq, nh, 576, device="cuda", generator=g)
+             * float(rng.choice([0.3, 1.0, 3.0]))).bfloat16()
         kv = torch.randn(n_slots, 576, device="cuda", generator=g).bfloat16()  # [S, 576]
-        page = torch.stack([torch.randperm(n_slots, device="cuda", generator=g)[:width] for _ in range(bsz)]).int()
+        page = torch.stack([torch.randperm(n_slots, device="cuda", generator=g)[:width]
+                            for _ in range(bsz)]).int()
         lens = torch.from_numpy(rng.integers(0, width + 1, size=bsz).astype(np.int32)).cuda()
         tkv = torch.randn(bsz, nq, 576, device="cuda", generator=g).bfloat16()
         vis = torch.from_numpy(np.stack([_random_tree(rng, nq) for _ in range(bsz)])).cuda()
@@ -783,8 +797,10 @@ def test_golden_attention_files(path):
     _compare(*tail, t["tail_out"], t["tail_lse"], rtol=rtol, lse_atol=atol, name=f"{path.stem} tail")
     for impl in impls:
         _poison_pool()
-        pre = cu.prefix_attention(dev["q"], dev["kv_cache"], dev["page_table"], dev["prefix_lens"], scale, impl=impl)
-        _compare(*pre, t["prefix_out"], t["prefix_lse"], rtol=rtol, lse_atol=atol, name=f"{path.stem} prefix {impl}")
+        pre = cu.prefix_attention(dev["q"], dev["kv_cache"], dev["page_table"], dev["prefix_lens"], scale,
+                                  impl=impl)
+        _compare(*pre, t["prefix_out"], t["prefix_lse"], rtol=rtol, lse_atol=atol,
+                 name=f"{path.stem} prefix {impl}")
         _poison_pool()
         whole = cu.tree_verify_attention(**dev, softmax_scale=scale, impl=impl)
         _compare(*whole, t["out"], t["lse"], rtol=rtol, lse_atol=atol, name=f"{path.stem} verify {impl}")
@@ -830,8 +846,8 @@ def _torch_reference(q, kv, page, lens, tkv, vis, sizes, scale):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,impl", [("bfloat16", "mma_v2"), ("bfloat16", "mma_v3"), ("bfloat16", "mma_v4"),
-                                        ("bfloat16", "wgmma"), ("float32", "simple")])
+@pytest.mark.parametrize("dtype,impl", [("bfloat16", "mma_v2"), ("bfloat16", "mma_v3"),
+                                        ("bfloat16", "mma_v4"), ("bfloat16", "wgmma"), ("float32", "simple")])
 @pytest.mark.parametrize("nh,width", [(8, 20_000), (16, 9_000), (64, 2_500)])
 def test_long_prefix_against_float64_torch(dtype, impl, nh, width):
     import torch
@@ -846,7 +862,8 @@ def test_long_prefix_against_float64_torch(dtype, impl, nh, width):
     tdt = getattr(torch, dtype)
     q = torch.randn(bsz, nq, nh, 576, device="cuda", generator=g).to(tdt)  # [B, Q, H, 576]
     kv = torch.randn(2 * width, 576, device="cuda", generator=g).to(tdt)  # [S, 576]
-    page = torch.stack([torch.randperm(2 * width, device="cuda", generator=g)[:width] for _ in range(bsz)]).int()
+    page = torch.stack([torch.randperm(2 * width, device="cuda", generator=g)[:width]
+                        for _ in range(bsz)]).int()
     lens = torch.tensor([width, width // 3], device="cuda", dtype=torch.int32)
     tkv = torch.randn(bsz, nq, 576, device="cuda", generator=g).to(tdt)  # [B, Q, 576]
     rng = np.random.default_rng(width)
@@ -918,7 +935,8 @@ def test_bad_inputs_raise_value_error_before_launch():
         {"tree_sizes": dev["tree_sizes"] + 100},
         {"visibility": dev["visibility"].astype(cp.int8)},
         {"softmax_scale": float("nan")},
-        {"page_table": dev["page_table"] * 0 - 1, "prefix_lens": cp.full_like(dev["prefix_lens"], dev["page_table"].shape[1])},
+        {"page_table": dev["page_table"] * 0 - 1,
+         "prefix_lens": cp.full_like(dev["prefix_lens"], dev["page_table"].shape[1])},
         # int64 slots that int32 narrowing would wrap to valid ones (2**32 + s -> s)
         {"page_table": dev["page_table"].astype(cp.int64) + 2**32},
         {"prefix_lens": dev["prefix_lens"].astype(cp.int64) + 2**32},
@@ -967,7 +985,8 @@ def test_wgmma_bit_reproducible_graph_captured_and_allocation_free():
     bsz, nq, nh, width = 5, 33, 8, 6000
     q = torch.randn(bsz, nq, nh, 576, device="cuda", generator=g).bfloat16()
     kv = torch.randn(2 * width, 576, device="cuda", generator=g).bfloat16()
-    page = torch.stack([torch.randperm(2 * width, device="cuda", generator=g)[:width] for _ in range(bsz)]).int()
+    page = torch.stack([torch.randperm(2 * width, device="cuda", generator=g)[:width]
+                        for _ in range(bsz)]).int()
     lens = torch.tensor([width, 1, 0, 2500, 4097], device="cuda", dtype=torch.int32)
     tkv = torch.randn(bsz, nq, 576, device="cuda", generator=g).bfloat16()
     rng = np.random.default_rng(1)
@@ -993,8 +1012,9 @@ def test_wgmma_bit_reproducible_graph_captured_and_allocation_free():
     for a, b in zip(first, (ws.out.reshape(first[0].shape), ws.lse.reshape(first[1].shape)), strict=True):
         assert np.array_equal(a.get(), b.get(), equal_nan=True), "graph replay differs from the eager call"
     r_out, r_lse = ref.tree_verify_attention(
-        q.float().cpu().double().numpy(), kv.float().cpu().double().numpy(), page.cpu().numpy(), lens.cpu().numpy(),
-        tkv.float().cpu().double().numpy(), vis.cpu().numpy(), sizes.cpu().numpy(), 576**-0.5)
+        q.float().cpu().double().numpy(), kv.float().cpu().double().numpy(), page.cpu().numpy(),
+        lens.cpu().numpy(), tkv.float().cpu().double().numpy(), vis.cpu().numpy(), sizes.cpu().numpy(),
+        576**-0.5)
     _compare(*first, r_out, r_lse, rtol=BF16_RTOL, lse_atol=LSE_ATOL_BF16, name="wgmma ragged batch")
     with pytest.raises(ValueError):
         cu.tree_verify_attention(*args, impl="wgmma", workspace=cu.make_workspace(bsz, nq, nh + 1))
@@ -1007,15 +1027,16 @@ def _sanitize_driver(impls):
     from kdlib.cuda import attention as cu
 
     cp = _cp()
-    runs = [(1, "float32", "simple"), (3, "bfloat16", "simple")] + [(2, "bfloat16", m) for m in cu.MMA_VERSIONS]
+    runs = [(1, "float32", "simple"), (3, "bfloat16", "simple")]
+    runs += [(2, "bfloat16", m) for m in cu.MMA_VERSIONS]
     runs += [(4, "bfloat16", cu.WGMMA)] if cu.wgmma_available() else []
     runs = [r for r in runs if not impls or r[2] in impls]
     for seed, dtype, impl in runs:
         case = _case(np.random.default_rng(seed), max_p=700, heads=(2, 8))
         dev, _ = _to_device(case, dtype)
         cu.tree_verify_attention(**dev, impl=impl)
-        cu.prefix_attention(**{k: dev[k] for k in ("q", "kv_cache", "page_table", "prefix_lens", "softmax_scale")},
-                            impl=impl)
+        prefix_keys = ("q", "kv_cache", "page_table", "prefix_lens", "softmax_scale")
+        cu.prefix_attention(**{k: dev[k] for k in prefix_keys}, impl=impl)
     cp.cuda.runtime.deviceSynchronize()
     print("sanitize driver done")
 

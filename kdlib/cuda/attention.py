@@ -73,7 +73,8 @@ _MMA_X_SMEM = 2 * 4 * 16 * 32 * 4  # partial-S exchange between the two halves o
 _V5 = "tree_verify/wgmma_v5"
 _V5_OPTIONS = ("-arch=sm_90a",)
 _V5_THREADS = 256  # NTHREADS of the plan and attend kernels
-_V5_SMEM = 3 * 73728 + 2 * 512 + 6 * 8 + 1024  # Q block + two K stages + factors + barriers + alignment (SMEM_BYTES)
+# Q block + two K stages + factors + barriers + alignment (SMEM_BYTES)
+_V5_SMEM = 3 * 73728 + 2 * 512 + 6 * 8 + 1024
 _V5_BM = 64  # rows per job (BM)
 _V5_BN = 64  # keys per tile (BN)
 _V5_ROUNDS = 4  # MAX_ROUNDS: the plan fits the jobs into at most this many rounds of one job per CTA
@@ -129,7 +130,8 @@ _MIN_TILES_PER_SPLIT = 8  # a split shorter than 8 key tiles spends its time on 
 
 
 def _scale(softmax_scale) -> float:
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real) or not math.isfinite(softmax_scale):
+    if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
+            or not math.isfinite(softmax_scale)):
         raise ValueError(f"softmax_scale must be a finite real number, got {softmax_scale!r}")
     return float(softmax_scale)
 
@@ -142,7 +144,8 @@ def _float_kind(x, name: str) -> tuple[object, str]:
         import torch
 
         if x.dtype == torch.bfloat16:
-            return cupy.ascontiguousarray(loader.as_cupy(x.contiguous().view(torch.int16))).view(cupy.uint16), "bf16"
+            bits = loader.as_cupy(x.contiguous().view(torch.int16))
+            return cupy.ascontiguousarray(bits).view(cupy.uint16), "bf16"
         if x.dtype != torch.float32:
             raise ValueError(f"{name} must be float32 or bfloat16, got {x.dtype}")
         return cupy.ascontiguousarray(loader.as_cupy(x)), "f32"
@@ -180,7 +183,8 @@ def _check_q(q):
     """q -> (CuPy [B, Q, H, 576], kind, batched)."""
     nd = len(getattr(q, "shape", ()))
     if nd not in (3, 4):
-        raise ValueError(f"q must be [B, Q, H, {D_QK}] (or unbatched [Q, H, {D_QK}]), got shape {getattr(q, 'shape', None)}")
+        raise ValueError(f"q must be [B, Q, H, {D_QK}] (or unbatched [Q, H, {D_QK}]), "
+                         f"got shape {getattr(q, 'shape', None)}")
     qa, kind = _float_kind(q, "q")
     batched = nd == 4
     if not batched:
@@ -272,7 +276,8 @@ def wgmma_available() -> bool:
 
     dev = cupy.cuda.runtime.getDevice()
     props = cupy.cuda.runtime.getDeviceProperties(dev)
-    return (int(props["major"]), int(props["minor"])) == (9, 0) and int(props["sharedMemPerBlockOptin"]) >= _V5_SMEM
+    return ((int(props["major"]), int(props["minor"])) == (9, 0)
+            and int(props["sharedMemPerBlockOptin"]) >= _V5_SMEM)
 
 
 def split_plan(bsz: int, row_blocks: int, width: int, tile: int, slots: int) -> tuple[int, int]:
@@ -386,8 +391,8 @@ def plan_v5(prefix_lens, tree_sizes, width: int, nq: int, nh: int, grid: int) ->
     for b in range(bsz):
         nc = int(chunks(c)[b]) if rb[b] > 0 else 0
         e = 1 + _V5_PLAN_STRIDE * b
-        plan[e:e + 7] = (base, nc, _ceil(int(tiles[b]), nc) if nc and tiles[b] else 0, rb[b], lens[b], rows[b],
-                         ts[b] if tail else 0)
+        plan[e:e + 7] = (base, nc, _ceil(int(tiles[b]), nc) if nc and tiles[b] else 0, rb[b], lens[b],
+                         rows[b], ts[b] if tail else 0)
         base += nc * int(rb[b])
     plan[0] = base
     return plan
@@ -445,9 +450,11 @@ def _launch_v5(qa, kv, pt, lens, scale, ws, tail=None):
     width = pt.shape[1]
     plan_fn((1,), (_V5_THREADS,), (lens, sizes, np.int32(bsz), np.int32(width), np.int32(nq), np.int32(nh),
                            np.int32(ws.grid), ws.plan))
-    attend_fn((ws.grid,), (_V5_THREADS,), (qa, kv, pt, tkv, vis, ws.plan, np.int32(bsz), np.int32(width), np.int32(nq),
-                                    np.int32(nh), np.float32(scale), ws.parts, ws.part_lse), shared_mem=_V5_SMEM)
-    combine_fn((bsz * rows,), (_COMBINE_THREADS,), (ws.parts, ws.part_lse, ws.plan, np.int32(rows), ws.out, ws.lse))
+    attend_fn((ws.grid,), (_V5_THREADS,), (qa, kv, pt, tkv, vis, ws.plan, np.int32(bsz), np.int32(width),
+                                           np.int32(nq), np.int32(nh), np.float32(scale), ws.parts,
+                                           ws.part_lse), shared_mem=_V5_SMEM)
+    combine_fn((bsz * rows,), (_COMBINE_THREADS,),
+               (ws.parts, ws.part_lse, ws.plan, np.int32(rows), ws.out, ws.lse))
     return ws.out, ws.lse
 
 
@@ -549,8 +556,8 @@ def prefix_attention(q, kv_cache, page_table, prefix_lens, softmax_scale, kv_lor
     return (out, lse) if batched else (out[0], lse[0])
 
 
-def tree_tail_attention(q, tree_kv, visibility, tree_sizes, softmax_scale, kv_lora_rank: int = KV_LORA_RANK, *,
-                        validate: bool = True):
+def tree_tail_attention(q, tree_kv, visibility, tree_sizes, softmax_scale, kv_lora_rank: int = KV_LORA_RANK,
+                        *, validate: bool = True):
     """Attention of every tree query over the tree's own rows under the visibility mask.
 
     Shape: q [B, Q, H, 576], tree_kv [B, Q, 576], visibility [B, Q, Q] bool, tree_sizes [B] int.
@@ -590,8 +597,8 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     return out.reshape(*lead, KV_LORA_RANK), lse.reshape(lead)
 
 
-def tree_verify_attention(q, kv_cache, page_table, prefix_lens, tree_kv, visibility, tree_sizes, softmax_scale,
-                          kv_lora_rank: int = KV_LORA_RANK, *, version: int | None = None,
+def tree_verify_attention(q, kv_cache, page_table, prefix_lens, tree_kv, visibility, tree_sizes,
+                          softmax_scale, kv_lora_rank: int = KV_LORA_RANK, *, version: int | None = None,
                           validate: bool = True, workspace: VerifyWorkspace | None = None,
                           impl: str | None = None):
     """The whole verify attention: split-KV prefix + masked tail, merged in one combine launch

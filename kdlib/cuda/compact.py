@@ -4,10 +4,10 @@
 Kernels (`kernels/kv_compact/v1.cu`):
   * `kv_compact_v1_u{128,32,8}`: one thread per (request, 16/4/1-byte column of a row), copying
     the accepted rows in ascending order; in place is exact because path[i] >= i (see the .cu).
-  * `kv_remap_v1_i64/_i32` (req_to_token int64 / int32): page_size 1 commit, one block per request; writes req_to_token and a
-    per-node freed mask. `remap_slots` turns the mask into the reference's freed-slot list
-    (a boolean gather, which synchronises); `remap_slots_masked` returns the mask and stays
-    asynchronous (graph-capturable).
+  * `kv_remap_v1_i64/_i32` (req_to_token int64 / int32): page_size 1 commit, one block per request;
+    writes req_to_token and a per-node freed mask. `remap_slots` turns the mask into the
+    reference's freed-slot list (a boolean gather, which synchronises); `remap_slots_masked`
+    returns the mask and stays asynchronous (graph-capturable).
 
 Value checks the reference makes (strictly increasing paths, non-overlapping request spans,
 indices in range, allocated slots) need the data on the host; they run only with

@@ -97,7 +97,8 @@ def expand_includes(path: Path, include_dir: Path) -> str:
             name = m.group(1)
             found = [c for c in (file.parent / name, include_dir / name) if c.is_file()]
             if not found:
-                raise ValueError(f"{file.name}: #include \"{name}\" not found beside it or under {include_dir}")
+                raise ValueError(f"{file.name}: #include \"{name}\" not found beside it or under "
+                                 f"{include_dir}")
             header = found[0].resolve()
             if header in seen:
                 return ""
@@ -121,14 +122,15 @@ def _source(stem: str) -> str:
     return _SOURCES[stem]
 
 
-_DEFINE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_]\w*)[ \t]+([^\n]*?)[ \t]*(?://[^\n]*)?$", re.MULTILINE)
+_DEFINE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_]\w*)[ \t]+([^\n]*?)[ \t]*(?://[^\n]*)?$",
+                     re.MULTILINE)
 _CONSTEXPR = re.compile(
     r"^[ \t]*constexpr[ \t]+(?:int|unsigned|u32|long long)[ \t]+([^;]*);", re.MULTILINE
 )
 _INT_LITERAL = re.compile(r"\b(0[xX][0-9a-fA-F]+|\d+)[uUlL]*\b")
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
-        ast.Mod: operator.mod, ast.LShift: operator.lshift, ast.RShift: operator.rshift, ast.BitOr: operator.or_,
-        ast.BitAnd: operator.and_}
+        ast.Mod: operator.mod, ast.LShift: operator.lshift, ast.RShift: operator.rshift,
+        ast.BitOr: operator.or_, ast.BitAnd: operator.and_}
 
 
 def int_expression(text: str, names: dict[str, int]) -> int | None:

@@ -390,7 +390,8 @@ def v3_shape(limits: dict) -> dict:
     per_block = dyn + _V3_STATIC_SMEM + limits["smem_reserved"]
     fits = dyn + _V3_STATIC_SMEM <= limits["smem_block"]
     by_smem = limits["smem_sm"] // per_block if limits["smem_sm"] else 1
-    return {"threads": _V3_THREADS, "dyn_smem": dyn, "blocks_per_sm": min(by_smem, _V3_MIN_BLOCKS) if fits else 0}
+    return {"threads": _V3_THREADS, "dyn_smem": dyn,
+            "blocks_per_sm": min(by_smem, _V3_MIN_BLOCKS) if fits else 0}
 
 
 def v3_workspace_sizes(n_experts: int, n_pairs: int) -> tuple[int, int]:
