@@ -68,7 +68,8 @@ def test_compiles_without_spills(reports, source, arch):
     assert declared <= set(entries), f"ptxas reported {sorted(entries)}, source declares {sorted(declared)}"
     allowed = {m.group(1): int(m.group(2)) for m in loader.ALLOW_STACK.finditer(src)}
     for name, info in entries.items():
-        assert {"stack", "spill_stores", "spill_loads", "registers"} <= set(info), f"{name}: incomplete report\n{text}"
+        assert {"stack", "spill_stores", "spill_loads", "registers"} <= set(info), \
+            f"{name}: incomplete report\n{text}"
         assert info["spill_stores"] == 0 and info["spill_loads"] == 0, f"{name} ({arch}) spills: {info}"
         assert info["stack"] <= allowed.get(name, 0), (
             f"{name} ({arch}) uses a {info['stack']} B stack frame (local memory); document it with "
@@ -79,7 +80,8 @@ def test_compiles_without_spills(reports, source, arch):
 
 def test_stems_name_family_and_file():
     assert loader.source_path("tree_verify/prefix_v4") == KERNELS / "tree_verify" / "prefix_v4.cu"
-    for bad in ("tree_build/v9", "tree_build_v9", "tree_build/v1.cu", "../kernels/tree_build/v1", "common/w4a16"):
+    for bad in ("tree_build/v9", "tree_build_v9", "tree_build/v1.cu", "../kernels/tree_build/v1",
+                "common/w4a16"):
         with pytest.raises(ValueError):
             loader.source_path(bad)
 
@@ -90,7 +92,8 @@ def _tiny_tree(root, value: int):
     (root / "fam").mkdir(exist_ok=True)
     (root / "common" / "g.cuh").write_text("#pragma once\n__device__ __forceinline__ int g() { return 3; }\n")
     (root / "common" / "h.cuh").write_text(
-        f'#pragma once\n#include "common/g.cuh"\n__device__ __forceinline__ int h() {{ return g() + {value}; }}\n'
+        f'#pragma once\n#include "common/g.cuh"\n'
+        f'__device__ __forceinline__ int h() {{ return g() + {value}; }}\n'
     )
     (root / "fam" / "v1.cu").write_text(
         '#include "common/h.cuh"\n#include "common/g.cuh"\n'
@@ -215,18 +218,21 @@ def test_sm90a_kernels_compile_without_spills_and_use_wgmma(source, tmp_path):
     import subprocess
 
     cubin = tmp_path / "k.cubin"
-    proc = subprocess.run([loader.nvcc_path(), *loader.NVCC_FLAGS, f"-I{KERNELS}", "-gencode=arch=compute_90a,code=sm_90a",
-                           "-o", str(cubin), str(source)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([loader.nvcc_path(), *loader.NVCC_FLAGS, f"-I{KERNELS}",
+                           "-gencode=arch=compute_90a,code=sm_90a", "-o", str(cubin), str(source)],
+                          capture_output=True, text=True, timeout=300)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text
     assert "warning" not in text.lower(), text  # e.g. wgmma serialised by ptxas (C7510)
     entries = loader.parse_ptxas(text)
     assert set(loader.KERNEL_DECL.findall(source.read_text())) <= set(entries)
     for name, info in entries.items():
-        assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, f"{name}: {info}"
+        assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, \
+            f"{name}: {info}"
     if _cuobjdump() is None:
         pytest.skip("cuobjdump not on PATH: the SASS check did not run")
-    sass = subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, timeout=120).stdout
+    sass = subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True,
+                          timeout=120).stdout
     by_name = {f.split()[0]: f for f in sass.split("Function : ")[1:]}
     for name in ARCH_A.search(source.read_text()).group(1).split(","):  # the kernels the marker names
         assert "HGMMA" in by_name[name], f"{name}: no HGMMA in its SASS"
@@ -243,4 +249,5 @@ def test_sm90a_kernels_compile_with_nvrtc_as_the_wrappers_load_them(source):
     assert set(loader.KERNEL_DECL.findall(source.read_text())) <= set(entries), text
     assert "for 'sm_90a'" in text, text
     for name, info in entries.items():
-        assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, f"{name}: {info}"
+        assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, \
+            f"{name}: {info}"
