@@ -75,7 +75,8 @@ def test_call_suite_in_each_form(capsys):
 
 
 def test_the_cpu_suites_through_the_entry_point(tmp_path):
-    assert entry.main(["--suite", "kdtr_io", "--suite", "tree_build_cpu", "--quick", "--out", str(tmp_path)]) == 0
+    argv = ["--suite", "kdtr_io", "--suite", "tree_build_cpu", "--quick", "--out", str(tmp_path)]
+    assert entry.main(argv) == 0
     io = json.loads((tmp_path / "kdtr_io.cpu.json").read_text())
     build = json.loads((tmp_path / "tree_build_cpu.cpu.json").read_text())
     assert io["suite"] == "kdtr_io" and build["suite"] == "tree_build_cpu"

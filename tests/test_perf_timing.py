@@ -1,5 +1,6 @@
 """kdlib.perf.timing, the one timing layer of the suites: its CPU-checkable rules here, CUDA-graph
-replay, the eager fallback and the copy rate on the GPU (`python3 -m pytest -m gpu tests/test_perf_timing.py`)."""
+replay, the eager fallback and the copy rate on the GPU (`python3 -m pytest -m gpu
+tests/test_perf_timing.py`)."""
 
 import ast
 from pathlib import Path
@@ -94,7 +95,7 @@ PENDING = {
 
 def test_no_kdlib_module_imports_a_private_name_of_another():
     kdlib = ROOT / "kdlib"
-    found = {(p.relative_to(kdlib).as_posix(), u) for p in sorted(kdlib.rglob("*.py")) for u in _private_uses(p)}
+    found = {(p.relative_to(kdlib).as_posix(), u) for p in kdlib.rglob("*.py") for u in _private_uses(p)}
     assert not found - PENDING, f"private names used across modules: {sorted(found - PENDING)}"
     assert not PENDING - found, f"gone, drop from PENDING: {sorted(PENDING - found)}"
 

@@ -117,7 +117,8 @@ def floor_ms(bytes_moved: float, flops: float, *, bandwidth_Bps: float, flop_rat
     }
 
 
-def l2_rotations(set_bytes: float, *, target_bytes: float = 256e6, max_sets: int = 8, fit: int | None = None) -> int:
+def l2_rotations(set_bytes: float, *, target_bytes: float = 256e6, max_sets: int = 8,
+                 fit: int | None = None) -> int:
     """How many disjoint input sets of `set_bytes` a timed point cycles through: enough that one pass
     moves `target_bytes` (> 4x the H200's 60 MB L2, so no replay finds its inputs cached), at most
     `max_sets`, at most `fit` (the sets that fit the allocated pool), at least 1."""
@@ -129,7 +130,8 @@ def clocks() -> str | None:
     """nvidia-smi's 'SM clock, memory clock, temperature, power' of every GPU, or None without it."""
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw", "--format=csv,noheader"],
+            ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw",
+             "--format=csv,noheader"],
             capture_output=True, text=True, timeout=10,
         )
         return out.stdout.strip() or None
@@ -141,7 +143,8 @@ def _sequence(launches) -> list[Callable[[], object]]:
     return [launches] if callable(launches) else list(launches)
 
 
-def cupy_graphs(launches, *, repeats: int = 1, warm: int = 1, torch_stream: bool = False) -> tuple[list, object]:
+def cupy_graphs(launches, *, repeats: int = 1, warm: int = 1,
+                torch_stream: bool = False) -> tuple[list, object]:
     """Capture each callable of `launches` (one or a sequence), called `repeats` times back to back,
     into its own CUDA graph on one non-blocking CuPy stream; returns (graphs, stream).
 
@@ -247,7 +250,8 @@ def graph_record(launches, **kw) -> dict:
         return {"error": f"{type(err).__name__}: {err}"[:300]}
 
 
-def graph_or_eager(fn: Callable[[], object], *, iters: int, warmup: int = 1, pool=None) -> tuple[Timing, str, str | None]:
+def graph_or_eager(fn: Callable[[], object], *, iters: int, warmup: int = 1,
+                   pool=None) -> tuple[Timing, str, str | None]:
     """torch `graph_time` of fn, or eager `cuda_time` where the capture fails: (timing, "graph" or
     "eager", the capture error or None). Time a row that cannot be captured rather than lose it."""
     import torch
@@ -259,7 +263,8 @@ def graph_or_eager(fn: Callable[[], object], *, iters: int, warmup: int = 1, poo
         return cuda_time(fn, warmup=warmup, iters=iters), "eager", f"{type(err).__name__}: {err}"[:300]
 
 
-def copy_bandwidth(nbytes: int = 1 << 30, *, method: str = "memcpy", warmup: int = 3, iters: int = 20) -> dict:
+def copy_bandwidth(nbytes: int = 1 << 30, *, method: str = "memcpy", warmup: int = 3,
+                   iters: int = 20) -> dict:
     """Device-to-device copy rate of `nbytes` (torch, the current GPU), the copy checked exact.
 
     method "memcpy": `dst.copy_(src)` of uint8, one cudaMemcpyAsync; "kernel": `torch.mul(src, 1.0,
@@ -275,7 +280,8 @@ def copy_bandwidth(nbytes: int = 1 << 30, *, method: str = "memcpy", warmup: int
         src[: nbytes // 251 * 251].view(-1, 251).copy_(row)
         src[nbytes // 251 * 251 :] = row[: nbytes % 251]
     elif method == "kernel":
-        src = torch.arange(nbytes // 4, dtype=torch.float32, device="cuda").mul_(0.618).sin_().add_(2.0)  # [nbytes / 4]
+        # [nbytes / 4]
+        src = torch.arange(nbytes // 4, dtype=torch.float32, device="cuda").mul_(0.618).sin_().add_(2.0)
     else:
         raise ValueError(f"copy method must be 'memcpy' or 'kernel', got {method!r}")
     dst = torch.empty_like(src)

@@ -32,7 +32,8 @@ _BASELINE_MAX_BYTES = 24e9  # scores bf16 + probabilities fp32 + bf16 copy: keep
 FULL_GRID = {
     "primary": {"heads": [8], "queries": [1, 9, 17, 33, 65], "prefix": [1024, 8192, 32768, 131072, 200000],
                 "batch": [1, 8, 64]},
-    "heads": {"heads": [16, 64], "queries": [9, 65], "prefix": [1024, 8192, 32768, 131072, 200000], "batch": [1, 8]},
+    "heads": {"heads": [16, 64], "queries": [9, 65], "prefix": [1024, 8192, 32768, 131072, 200000],
+              "batch": [1, 8]},
 }
 QUICK_GRID = {
     "primary": {"heads": [8], "queries": [9, 65], "prefix": [8192, 200000], "batch": [1]},
@@ -130,7 +131,8 @@ def torch_baselines(q, pool, pt, tkv, vis, scale: float, outs: dict, fl: dict, i
             ref_out = res[name].float().reshape(bsz, nq, h, D_V) if name == "matmul" else \
                 res[name].float().transpose(1, 2)
             norm = torch.linalg.vector_norm(ref_out)
-            diff = {k: float(torch.linalg.vector_norm(torch.from_dlpack(o) - ref_out) / norm) for k, o in outs.items()}
+            diff = {k: float(torch.linalg.vector_norm(torch.from_dlpack(o) - ref_out) / norm)
+                    for k, o in outs.items()}
             base[name] = {**bt.as_dict(), "mode": mode, "fraction_of_floor": fl["floor_ms"] / bt.median_ms,
                           "rel_diff_vs_kernel": diff.get(first), "rel_diff_by_variant": diff}
         except torch.OutOfMemoryError as e:
@@ -166,14 +168,17 @@ def run_point(p: dict, pool, ceil: dict, *, iters: int, baseline_iters: int, bas
     tables = [(perm[None, :] + (r * bsz + torch.arange(bsz, device=dev, dtype=torch.int32)[:, None]) * s)
               for r in range(n_rot)]  # [B, S] each, disjoint slot ranges
 
-    fl = perf.floor_ms(c["bytes"], c["flops"], bandwidth_Bps=ceil["bandwidth_Bps"], flop_rate=ceil["flop_rate"])
+    fl = perf.floor_ms(c["bytes"], c["flops"], bandwidth_Bps=ceil["bandwidth_Bps"],
+                       flop_rate=ceil["flop_rate"])
     row = {**p, **c, **fl, "rotations": n_rot, "variants": {}}
     outs = {}
     for impl in impls:
         def call(pt, impl=impl):
-            return cu.tree_verify_attention(q, pool, pt, lens, tkv, vis, sizes, scale, impl=impl, validate=False)
+            return cu.tree_verify_attention(q, pool, pt, lens, tkv, vis, sizes, scale, impl=impl,
+                                            validate=False)
 
-        cu.tree_verify_attention(q, pool, tables[0], lens, tkv, vis, sizes, scale, impl=impl)  # validated once
+        # validated once
+        cu.tree_verify_attention(q, pool, tables[0], lens, tkv, vis, sizes, scale, impl=impl)
         t = graph_time([lambda pt=pt, call=call: call(pt) for pt in tables], iters)
         row["variants"][impl] = {"kernel": t.as_dict(), "fraction_of_floor": fl["floor_ms"] / t.median_ms,
                                  "achieved_TBps": c["bytes"] / (t.median_ms * 1e-3) / 1e12,
@@ -226,13 +231,14 @@ def sweep(*, quick: bool = False, impls: Sequence[str] = ("auto",), iters: int =
         if time_budget_s is not None and time.monotonic() - t0 > time_budget_s:
             left_out.append(p)
             continue
-        rows.append(run_point(p, pool, ceil, iters=10 if quick else iters, baseline_iters=3 if quick else b_iters,
-                              impls=impls))
+        rows.append(run_point(p, pool, ceil, iters=10 if quick else iters,
+                              baseline_iters=3 if quick else b_iters, impls=impls))
         torch.cuda.empty_cache()
     return {
         "parameters": {"quick": quick, "impls": list(impls), "resolved_impls": resolved, "iters": iters,
-                       "baseline_iters": b_iters, "grid": QUICK_GRID if quick else FULL_GRID, "dtype": "bfloat16",
-                       "page_size": 1, "kv_pool_rows": max_slots, "softmax_scale": "576**-0.5",
+                       "baseline_iters": b_iters, "grid": QUICK_GRID if quick else FULL_GRID,
+                       "dtype": "bfloat16", "page_size": 1, "kv_pool_rows": max_slots,
+                       "softmax_scale": "576**-0.5",
                        "tree": "random trees, every request full (tree_sizes = Q), prefix_lens = S"},
         "ceilings": ceil,
         "clocks_before": clocks_before,
@@ -241,9 +247,11 @@ def sweep(*, quick: bool = False, impls: Sequence[str] = ("auto",), iters: int =
         "left_out_for_time": left_out,
         "wall_s": time.monotonic() - t0,
         "notes": [
-            "kernel time = CUDA-graph replay of tree_verify_attention (3 launches) per variant in parameters.impls "
-            "('auto' = the bf16 mma prefix default at the recorded commit); the top-level kernel fields are impls[0]",
-            "baselines include the page-table gather of the prefix (PyTorch has no paged MLA path), graph-replayed "
+            "kernel time = CUDA-graph replay of tree_verify_attention (3 launches) per variant in "
+            "parameters.impls ('auto' = the bf16 mma prefix default at the recorded commit); the top-level "
+            "kernel fields are impls[0]",
+            "baselines include the page-table gather of the prefix (PyTorch has no paged MLA path), "
+            "graph-replayed "
             "where capture works (see mode); they read one KV set (no rotation), the kernel rotates",
             "FLOPs count the prefix only: 2 B H Q S (576 + 512)",
         ],
@@ -279,10 +287,12 @@ def frame(result: dict, variant: str | None = None) -> list[dict]:
             "heads": r["heads"], "queries": r["queries"], "prefix": r["prefix"], "batch": r["batch"],
             "bound": r["bound"], "floor_ms": r["floor_ms"], "kernel_ms": v["kernel"]["median_ms"],
             "kernel_p10_ms": v["kernel"]["p10_ms"], "kernel_p90_ms": v["kernel"]["p90_ms"],
-            "fraction_of_floor": v["fraction_of_floor"], "TBps": v["achieved_TBps"], "TFLOPs": v["achieved_TFLOPs"],
+            "fraction_of_floor": v["fraction_of_floor"], "TBps": v["achieved_TBps"],
+            "TFLOPs": v["achieved_TFLOPs"],
             "matmul_ms": ms.get("matmul"), "sdpa_ms": ms.get("sdpa"), "best_baseline_ms": best,
             "speedup_vs_best": best / v["kernel"]["median_ms"] if best else None,
-            "baseline_note": "; ".join(f"{k}: {b['skipped']}" for k, b in base.items() if "skipped" in b) or None,
+            "baseline_note": "; ".join(f"{k}: {b['skipped']}" for k, b in base.items() if "skipped" in b)
+            or None,
             "rel_diff_vs_matmul": base.get("matmul", {}).get("rel_diff_by_variant", {}).get(variant)
             if variant and variant != "kernel" else base.get("matmul", {}).get("rel_diff_vs_kernel"),
         })
@@ -341,11 +351,11 @@ def main(argv=None) -> int:  # pragma: no cover - the GPU entry of a development
     import argparse
     import sys
 
-
     ap = argparse.ArgumentParser(prog="python3 -m kdlib.perf.suites._attention")
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--impls", default="auto", help="comma list of kernel variants; the first is the headline")
+    ap.add_argument("--impls", default="auto",
+                    help="comma list of kernel variants; the first is the headline")
     ap.add_argument("--time-budget", type=float, default=None, help="seconds after which no new point starts")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--baseline-iters", type=int, default=5)
@@ -359,9 +369,11 @@ def main(argv=None) -> int:  # pragma: no cover - the GPU entry of a development
     print(f"[perf] wrote {path}")
     for r in payload["points"]:
         if r["heads"] == 8 and r["batch"] == 1 or r["queries"] == 65 and r["prefix"] == 200000:
-            v = "  ".join(f"{k} {x['kernel']['median_ms']:.4f} ms {x['fraction_of_floor']:.3f}" for k, x in r["variants"].items())
+            v = "  ".join(f"{k} {x['kernel']['median_ms']:.4f} ms {x['fraction_of_floor']:.3f}"
+                          for k, x in r["variants"].items())
             b = "  ".join(f"{k} {x['median_ms']:.4f}" for k, x in r["baselines"].items() if "median_ms" in x)
-            print(f"H{r['heads']} Q{r['queries']} S{r['prefix']} B{r['batch']} floor {r['floor_ms']:.4f} | {v} | {b}")
+            print(f"H{r['heads']} Q{r['queries']} S{r['prefix']} B{r['batch']} floor {r['floor_ms']:.4f} "
+                  f"| {v} | {b}")
     print("left out for time:", len(payload["left_out_for_time"]), "wall", round(payload["wall_s"], 1),
           "tests:", {k: v for k, v in (payload["gpu_tests"] or {}).items() if k != "cases"})
     return 0

@@ -1,4 +1,4 @@
-"""Acceptance: mean accepted length per step of DDTree vs the chain vs AR, per text kind, on the trained models.
+"""Acceptance: mean accepted length per step of DDTree vs the chain vs AR per text kind, trained models.
 
     python3 -m kdlib.perf.run --suite accept [--quick]   ->  data/results/accept.<gpu>.json
 

@@ -60,7 +60,8 @@ def ragged_cost(nh: int, lens: list[int], trees: list[int]) -> dict:
     """Bytes and FLOPs of a ragged verify: each request's prefix, tree rows, queries and outputs once."""
     nbytes = sum(s * (D_QK * 2 + 4) + t * D_QK * 2 + t * t + t * nh * D_QK * 2 + t * nh * (D_V * 4 + 4)
                  for s, t in zip(lens, trees, strict=True))
-    return {"bytes": nbytes, "flops": 2.0 * nh * sum(s * t for s, t in zip(lens, trees, strict=True)) * (D_QK + D_V)}
+    flops = 2.0 * nh * sum(s * t for s, t in zip(lens, trees, strict=True)) * (D_QK + D_V)
+    return {"bytes": nbytes, "flops": flops}
 
 
 def _flashinfer():
@@ -132,19 +133,21 @@ def run_point(p: dict, pool, kv_split, ceil: dict, impls, *, iters: int, baselin
         for b, n in enumerate(lens):
             pt[b, :n] = torch.randperm(n, device=dev, dtype=torch.int32) + r * total + starts[b]
         tables.append(pt)
-    fl = perf.floor_ms(c["bytes"], c["flops"], bandwidth_Bps=ceil["bandwidth_Bps"], flop_rate=ceil["flop_rate"])
+    fl = perf.floor_ms(c["bytes"], c["flops"], bandwidth_Bps=ceil["bandwidth_Bps"],
+                       flop_rate=ceil["flop_rate"])
     row = {"heads": h, "queries": nq, "batch": bsz, "prefix": None if ragged else width, "ragged": ragged,
-           "lens": lens if ragged else None, "trees": trees if ragged else None, **c, **fl, "rotations": n_rot,
-           "variants": {}}
+           "lens": lens if ragged else None, "trees": trees if ragged else None, **c, **fl,
+           "rotations": n_rot, "variants": {}}
     outs = {}
     for impl in impls:
         ws = cu.make_workspace(bsz, nq, h) if impl == cu.WGMMA else None
 
         def call(pt, impl=impl, ws=ws):
-            return cu.tree_verify_attention(q, pool, pt, lens_t, tkv, vis, sizes_t, scale, impl=impl, validate=False,
-                                            workspace=ws)
+            return cu.tree_verify_attention(q, pool, pt, lens_t, tkv, vis, sizes_t, scale, impl=impl,
+                                            validate=False, workspace=ws)
 
-        cu.tree_verify_attention(q, pool, tables[0], lens_t, tkv, vis, sizes_t, scale, impl=impl, workspace=ws)
+        cu.tree_verify_attention(q, pool, tables[0], lens_t, tkv, vis, sizes_t, scale, impl=impl,
+                                 workspace=ws)
         t = base.graph_time([lambda pt=pt, call=call: call(pt) for pt in tables], iters)
         row["variants"][impl] = {"kernel": t.as_dict(), "fraction_of_floor": fl["floor_ms"] / t.median_ms,
                                  "achieved_TBps": c["bytes"] / (t.median_ms * 1e-3) / 1e12,
@@ -154,9 +157,12 @@ def run_point(p: dict, pool, kv_split, ceil: dict, impls, *, iters: int, baselin
         first = next(iter(outs.values()))
         keep = ~cupy.isnan(first)
         row["rel_diff_between_variants"] = {
-            k: float(cupy.linalg.norm((o - first)[keep]) / cupy.linalg.norm(first[keep])) for k, o in outs.items()}
-    row["baselines"] = {"matmul": {"skipped": "ragged batch"}, "sdpa": {"skipped": "ragged batch"}} if ragged else \
-        base.torch_baselines(q, pool, tables[0], tkv, vis, scale, outs, fl, baseline_iters)
+            k: float(cupy.linalg.norm((o - first)[keep]) / cupy.linalg.norm(first[keep]))
+            for k, o in outs.items()}
+    if ragged:
+        row["baselines"] = {"matmul": {"skipped": "ragged batch"}, "sdpa": {"skipped": "ragged batch"}}
+    else:
+        row["baselines"] = base.torch_baselines(q, pool, tables[0], tkv, vis, scale, outs, fl, baseline_iters)
     if fi is None:
         row["flashinfer"] = {"skipped": "flashinfer not importable"}
     else:
@@ -187,20 +193,22 @@ def goals(points: list[dict], impl: str) -> dict:
         ms = v["kernel"]["median_ms"]
         fi_ms = r.get("flashinfer", {}).get("median_ms")
         if key in GOAL_MS:
-            out[f"H{key[0]}xQ{key[1]}xS{key[2]}"] = {"ms": ms, "goal_ms": GOAL_MS[key], "met": ms <= GOAL_MS[key],
-                                                      "flashinfer_prefix_ms": fi_ms,
-                                                      "faster_than_flashinfer": fi_ms is not None and ms < fi_ms}
+            out[f"H{key[0]}xQ{key[1]}xS{key[2]}"] = {
+                "ms": ms, "goal_ms": GOAL_MS[key], "met": ms <= GOAL_MS[key], "flashinfer_prefix_ms": fi_ms,
+                "faster_than_flashinfer": fi_ms is not None and ms < fi_ms}
         elif r["ragged"]:
             out["ragged"] = {"fraction_of_floor": v["fraction_of_floor"], "goal": GOAL_RAGGED_FRACTION,
                              "met": v["fraction_of_floor"] >= GOAL_RAGGED_FRACTION}
         elif r["queries"] <= 9 and r["bound"] == "memory":
             frac = r["mem_ms"] / ms  # bytes / time over the copy bandwidth
             out[f"H{key[0]}xQ{key[1]}xS{key[2]}xB{key[3]}"] = {
-                "fraction_of_copy_bandwidth": frac, "goal": GOAL_MEMORY_FRACTION, "met": frac >= GOAL_MEMORY_FRACTION}
+                "fraction_of_copy_bandwidth": frac, "goal": GOAL_MEMORY_FRACTION,
+                "met": frac >= GOAL_MEMORY_FRACTION}
     return out
 
 
-def run(*, quick: bool = False, impls: Sequence[str] | None = None, time_budget_s: float | None = None) -> dict:
+def run(*, quick: bool = False, impls: Sequence[str] | None = None,
+        time_budget_s: float | None = None) -> dict:
     """The suite (see the module docstring).
 
     quick: QUICK_POINTS and the ragged point, 10 kernel / 3 baseline replays (else POINTS, 20 / 5).
@@ -218,7 +226,7 @@ def run(*, quick: bool = False, impls: Sequence[str] | None = None, time_budget_
               "trees": trees}
     pts = QUICK_POINTS + [ragged] if quick else POINTS[:3] + [ragged] + POINTS[3:]
     if impls is None:
-        chosen = os.environ.get("KDLIB_ATTENTION_IMPLS")  # comma list; default: wgmma where it runs + MMA_DEFAULT
+        chosen = os.environ.get("KDLIB_ATTENTION_IMPLS")  # comma list; else wgmma where it runs + MMA_DEFAULT
         impls = [m.strip() for m in chosen.split(",")] if chosen else \
             ([cu.WGMMA] if cu.wgmma_available() else []) + [cu.MMA_DEFAULT]
     impls = list(impls)
@@ -228,7 +236,8 @@ def run(*, quick: bool = False, impls: Sequence[str] | None = None, time_budget_
     fi, fi_why = _flashinfer()
     kv_split = None
     if fi is not None:  # FlashInfer's page_size-1 caches: [N, 1, 512] latent and [N, 1, 64] rope
-        kv_split = (pool[:, :D_V].contiguous().view(-1, 1, D_V), pool[:, D_V:].contiguous().view(-1, 1, D_QK - D_V))
+        kv_split = (pool[:, :D_V].contiguous().view(-1, 1, D_V),
+                    pool[:, D_V:].contiguous().view(-1, 1, D_QK - D_V))
     iters, b_iters = (10, 3) if quick else (20, 5)
     budget = time_budget_s or os.environ.get("KDLIB_ATTENTION_BUDGET_S")
     budget = float(budget) if budget else None
@@ -243,12 +252,14 @@ def run(*, quick: bool = False, impls: Sequence[str] | None = None, time_budget_
         r = rows[-1]
         print(f"[attention] H{r['heads']} Q{r['queries']} S{r['prefix'] or 'ragged'} B{r['batch']} "
               f"floor {r['floor_ms']:.4f} | " + "  ".join(
-                  f"{k} {v['kernel']['median_ms']:.4f} ({v['fraction_of_floor']:.2f})" for k, v in r["variants"].items())
+                  f"{k} {v['kernel']['median_ms']:.4f} ({v['fraction_of_floor']:.2f})"
+                  for k, v in r["variants"].items())
               + f" | flashinfer {r['flashinfer'].get('median_ms')}", flush=True)
     return {
         "parameters": {"quick": quick, "impls": impls, "mma_default": cu.MMA_DEFAULT, "iters": iters,
                        "baseline_iters": b_iters, "points": pts, "dtype": "bfloat16", "page_size": 1,
-                       "softmax_scale": "576**-0.5", "tree": "random trees; uniform points: full trees (tree_sizes = Q)",
+                       "softmax_scale": "576**-0.5",
+                       "tree": "random trees; uniform points: full trees (tree_sizes = Q)",
                        "flashinfer": getattr(fi, "__version__", None) if fi is not None else fi_why},
         "ceilings": ceil,
         "clocks_before": clocks_before,
@@ -258,8 +269,10 @@ def run(*, quick: bool = False, impls: Sequence[str] | None = None, time_budget_
         "goals": goals(rows, impls[0]),
         "wall_s": time.monotonic() - t0,
         "notes": [
-            "variants: the whole verify (prefix + tail + merge) replayed from CUDA graphs; wgmma on a workspace",
-            "flashinfer: BatchMLAPagedAttentionWrapper(page_size 1, causal=False) over the prefix alone, eager",
+            "variants: the whole verify (prefix + tail + merge) replayed from CUDA graphs; wgmma on a "
+            "workspace",
+            "flashinfer: BatchMLAPagedAttentionWrapper(page_size 1, causal=False) over the prefix alone, "
+            "eager",
             "FLOPs count the prefix only: 2 H Q S (576 + 512) (ragged: each request's own S and tree rows)",
         ],
     }

@@ -1,4 +1,4 @@
-"""GPU suite `engine_arms`: the batched engine's two step-time levers beside its plain graph replay, in one run.
+"""GPU suite `engine_arms`: the batched engine's two step-time levers beside its plain graph replay.
 
     python3 -m kdlib.perf.run --suite engine_arms --out $OUT
 
@@ -17,7 +17,9 @@ import os
 import time
 from collections.abc import Sequence
 
-ARMS = (("graphs", False, False), ("overlap", False, True), ("compile", True, False), ("compile+overlap", True, True))
+# (name, torch.compile, overlap)
+ARMS = (("graphs", False, False), ("overlap", False, True), ("compile", True, False),
+        ("compile+overlap", True, True))
 METHODS = (("ar", None), ("ddtree", 32))
 STREAMS = (1, 16)
 BUDGET_S = 150  # no new row starts past this many seconds (KDLIB_ARMS_BUDGET_S)
@@ -55,9 +57,11 @@ def run(*, streams: Sequence[int] | None = None, budget_s: float | None = None) 
                               compile_=compile_, overlap=overlap)
                 rows.append(row)
                 print(f"[engine_arms] {arm:>15} {m}{b or ''} C={c}: {row['step_ms']:.3f} ms, span "
-                      f"{row['replay_span_ms'] or float('nan'):.3f} ms, kernels {row.get('kernels_per_step')}, "
+                      f"{row['replay_span_ms'] or float('nan'):.3f} ms, "
+                      f"kernels {row.get('kernels_per_step')}, "
                       f"{row['tokens_per_s']:.0f} tok/s", flush=True)
     return {"parameters": {"arms": [a[0] for a in ARMS], "methods": [list(m) for m in METHODS],
-                           "streams": list(streams), "prompt": PROMPT, "new_tokens": NEW_TRAINED, "dtype": "bfloat16",
+                           "streams": list(streams), "prompt": PROMPT, "new_tokens": NEW_TRAINED,
+                           "dtype": "bfloat16",
                            "budget_s": budget_s},
             "rows": rows, "cut_for_time": cut}

@@ -1,6 +1,6 @@
 """Suite `kdtr_io` (CPU): save / load throughput of KDTR beside .npy, .npz and safetensors on the same data.
 
-    python -m kdlib.perf.run --suite kdtr_io            # ~256 MiB, median of 5 -> data/results/kdtr_io.cpu.json
+    python -m kdlib.perf.run --suite kdtr_io            # ~256 MiB, median of 5: data/results/kdtr_io.cpu.json
     python -m kdlib.perf.run --suite kdtr_io --quick    # 16 MiB, median of 2
     measure(total_bytes=16 << 20, repeats=2)            # the same from Python (notebook 00)
 

@@ -61,7 +61,8 @@ def expected_touched(m: int, n_experts: int = E, topk: int = TOPK) -> float:
 
 
 def routing(rng, m: int):
-    """Random top-k routing of m tokens: ids [m, TOPK] int32 (distinct experts), weights [m, TOPK] summing to 1."""
+    """Random top-k routing of m tokens: ids [m, TOPK] int32 (distinct experts), weights [m, TOPK] (rows sum
+    to 1)."""
     ids = np.argsort(rng.random((m, E)), axis=1)[:, :TOPK].astype(np.int32)   # k distinct experts
     w = rng.random((m, TOPK)).astype(np.float32)
     return ids, w / w.sum(axis=1, keepdims=True)

@@ -14,8 +14,8 @@ over C = 1, and the issue's goal (aggregate at C = 16 >= GOAL x C = 1, with no g
 
 The GPU machine has no FastAPI, uvicorn, pydantic or openai: carry the wheels of
 tools/serve_wheels.txt (its header gives the commands). `run(arms=...)` (default: $KDLIB_SERVE_ARMS,
-comma-separated names of ARMS) picks the arms; each arm's table is printed as soon as it is measured. Wall-clock
-figures as a client sees them over loopback HTTP; the tiny models make every step launch-bound,
+comma-separated names of ARMS) picks the arms; each arm's table is printed as soon as it is measured.
+Wall-clock figures as a client sees them over loopback HTTP; the tiny models make every step launch-bound,
 so they speak to the server and the batching, not to a large model's speed.
 """
 
@@ -45,17 +45,20 @@ def scaling(result: dict) -> dict:
     return {"aggregate_tok_s": agg, "per_stream_tok_s": per,
             "aggregate_over_c1": {c: a / base for c, a in agg.items()} if base else None,
             "goal": {"concurrency": top, "over_c1": ratio, "target": GOAL, "greedy_mismatches": mismatches,
-                     "met": bool(ratio is not None and top == MAX_NUM_SEQS and ratio >= GOAL and mismatches == 0)}}
+                     "met": bool(ratio is not None and top == MAX_NUM_SEQS and ratio >= GOAL
+                                 and mismatches == 0)}}
 
 
 def measure(device: str = "cpu", *, concurrency, repeats: int, input_len: int, output_len: int, distinct: int,
             arms=("ddtree",), serve_args=(), slo=SLO) -> dict:
-    """load_test against a fresh `kdlib serve` per arm (ARMS) on `device` (the suite's core; runs on CPU too)."""
+    """load_test against a fresh `kdlib serve` per arm (ARMS) on `device` (the suite's core; runs on CPU
+    too)."""
     from kdlib import diagnose
     from kdlib.serve import ServerProcess
 
     out = {"parameters": {"concurrency": list(concurrency), "repeats": repeats, "input_len": input_len,
-                          "output_len": output_len, "distinct": distinct, "arms": {a: list(ARMS[a]) for a in arms},
+                          "output_len": output_len, "distinct": distinct,
+                          "arms": {a: list(ARMS[a]) for a in arms},
                           "slo": slo, "max_num_seqs": MAX_NUM_SEQS, "serve_args": list(serve_args)},
            "by_arm": {}, "scaling": {}}
     for arm in arms:
@@ -65,14 +68,15 @@ def measure(device: str = "cpu", *, concurrency, repeats: int, input_len: int, o
         with ServerProcess(args, startup_s=900) as srv:
             client = diagnose.OpenAIClient(srv.url)
             try:
-                res = diagnose.load_test(client, concurrency=concurrency, repeats=repeats, input_len=input_len,
-                                         output_len=output_len, distinct=distinct, slo=slo, progress=False)
+                res = diagnose.load_test(client, concurrency=concurrency, repeats=repeats,
+                                         input_len=input_len, output_len=output_len, distinct=distinct,
+                                         slo=slo, progress=False)
             finally:
                 client.close()
         out["by_arm"][arm] = res
         out["scaling"][arm] = scaling(res)
-        print(f"[serve] {arm} ({method}, {dtype}):\n{diagnose.load_table(res)}\ngoal: {out['scaling'][arm]['goal']}",
-              flush=True)
+        print(f"[serve] {arm} ({method}, {dtype}):\n{diagnose.load_table(res)}\n"
+              f"goal: {out['scaling'][arm]['goal']}", flush=True)
     first = out["by_arm"][arms[0]]
     out["model"], out["model_info"] = first["model"], first["model_info"]
     return out

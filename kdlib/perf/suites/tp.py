@@ -3,8 +3,8 @@
     python3 -m kdlib.perf.run --suite tp [--quick] --out $OUT        # needs >= 2 visible GPUs
 
 Sections of the payload:
-  checks          per world size (expert parallel; sliced experts too at the largest): NCCL ranks vs one GPU on
-                  tiny-a in fp32 (logits within tolerance, vocab-parallel top-K == dense top-K,
+  checks          per world size (expert parallel; sliced experts too at the largest): NCCL ranks vs one GPU
+                  on tiny-a in fp32 (logits within tolerance, vocab-parallel top-K == dense top-K,
                   TP AR and TP DDTree == single-GPU AR greedy); `checks_pass`
   runs            per world size (1 = TPModel with no collectives, plus the single-GPU engine):
                   AR and DDTree (noisy oracle) step time on the engine suite's BENCH_CONFIG in

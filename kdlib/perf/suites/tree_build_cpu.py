@@ -1,4 +1,4 @@
-"""Suite `tree_build_cpu` (CPU): the numpy reference tree builder's time, the baseline the GPU builder is held against.
+"""Suite `tree_build_cpu` (CPU): the numpy reference tree builder's time, the GPU builder's baseline.
 
     python -m kdlib.perf.run --suite tree_build_cpu     # -> data/results/tree_build_cpu.<host>.json
     measure(batches=(1, 4), budgets=(8, 16), iters=3)   # the same from Python (notebook 01)
