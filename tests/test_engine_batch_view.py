@@ -45,7 +45,8 @@ def test_rows_tolerate_missing_and_present_kernel_fields():
     doc = copy.deepcopy(DOC)
     for r in doc["trained"]:
         r["kernels_per_step"] = 100.0
-        r["top_kernels"] = [["void gemm_kernel<bf16>", 2.0, 30.0], ["tree_verify_attn", 1.0, 12.5]] if r["streams"] == 1 else None
+        top = [["void gemm_kernel<bf16>", 2.0, 30.0], ["tree_verify_attn", 1.0, 12.5]]
+        r["top_kernels"] = top if r["streams"] == 1 else None
     df = ebv.rows(doc)
     one = df[df.streams == 1].iloc[0]
     assert ebv.kernel_classes(one.top_kernels) == {"GEMM": 30.0, "attention": 12.5}
@@ -56,7 +57,8 @@ def test_rows_tolerate_missing_and_present_kernel_fields():
 @needs_doc
 def test_eager_vs_graph_pairs_the_same_method():
     eg = ebv.eager_vs_graph(DOC)
-    assert list(eg.label) == [ebv.method_label(e["method"], e["budget"]) for e in DOC["baselines"]["eager_loop"]]
+    eager = DOC["baselines"]["eager_loop"]
+    assert list(eg.label) == [ebv.method_label(e["method"], e["budget"]) for e in eager]
     assert (eg.speedup == eg.eager_step_ms / eg.graph_step_ms).all()
 
 

@@ -1,4 +1,5 @@
-"""kdlib.engine.drafter: the DFlash block drafter (inference == training forward, persistence, training step)."""
+"""kdlib.engine.drafter: the DFlash block drafter (inference == training forward, persistence,
+training step)."""
 
 import pytest
 import torch

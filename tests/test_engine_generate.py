@@ -1,4 +1,5 @@
-"""kdlib.engine.generate: the DDTree == AR greedy invariant (CPU and CUDA), the T > 0 distribution, bad input."""
+"""kdlib.engine.generate: the DDTree == AR greedy invariant (CPU and CUDA), the T > 0 distribution,
+bad input."""
 
 import dataclasses
 import math

@@ -1,5 +1,5 @@
-"""kdlib.engine model: config parsing, HF checkpoint loading, equality with transformers' DeepseekV3ForCausalLM,
-and the absorbed (cached) MLA form against the plain one."""
+"""kdlib.engine model: config parsing, HF checkpoint loading, equality with transformers'
+DeepseekV3ForCausalLM, and the absorbed (cached) MLA form against the plain one."""
 
 import copy
 import json
@@ -68,7 +68,8 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_transformers(case, tmp_path):
-    """A random HF DeepseekV3ForCausalLM, saved with save_pretrained, loads and gives the same logits (FP32)."""
+    """A random HF DeepseekV3ForCausalLM, saved with save_pretrained, loads and gives the same logits
+    (FP32)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     cfg = ModelConfig.from_dict(CASES[case])
@@ -108,7 +109,8 @@ def test_save_pretrained_round_trip(tmp_path):
 
 
 def test_config_spellings_agree():
-    """rope_parameters (transformers 5) == rope_scaling + rope_theta; type == rope_type; kimi_k25 text_config."""
+    """rope_parameters (transformers 5) == rope_scaling + rope_theta; type == rope_type; kimi_k25
+    text_config."""
     a = CASES["qlora-yarn-groups2"]
     b = copy.deepcopy(a)
     rope = dict(b.pop("rope_scaling"))

@@ -1,4 +1,5 @@
-"""The engine perf suite's CPU-checkable parts: byte/FLOP accounting and the row format the estimator reads."""
+"""The engine perf suite's CPU-checkable parts: byte/FLOP accounting and the row format the
+estimator reads."""
 
 import numpy as np
 import pytest

@@ -7,8 +7,9 @@
 Modules: `config` (a re-export of `kdlib.config`, the one pure-Python config.json reader), `model`,
 `loading` (HF safetensors, random weights), `cache` (paged latent KV cache), `drafter` (DFlash block
 drafter, noisy oracle), `generate` (the single-stream eager loop, one GPU and TP), `batch` (the batched
-graph engine), `rank` (one TP8 rank of Kimi-K2.6 at real shapes). Importing this package imports torch; `kdlib.engine.config` alone needs only the
-standard library, but Python runs this file first, so use the engine where torch is installed.
+graph engine), `rank` (one TP8 rank of Kimi-K2.6 at real shapes). Importing this package imports
+torch; `kdlib.engine.config` alone needs only the standard library, but Python runs this file first,
+so use the engine where torch is installed.
 The package attribute `generate` is the function (bound after its module was imported); the module's
 other names are reached with `from kdlib.engine.generate import PHASES, ...`.
 """

@@ -229,7 +229,8 @@ class DraftLayer(nn.Module):
         self.mlp = MLP(H, c.intermediate_size)
 
     def kv(self, h: torch.Tensor, positions: torch.Tensor, cos_sin=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [N, H] at positions [N] -> k, v [N, nh, hd] (k normed and rotated); cos_sin: the positions' (cos, sin)."""
+        """h [N, H] at positions [N] -> k, v [N, nh, hd] (k normed and rotated); cos_sin: the
+        positions' (cos, sin)."""
         c = self.c
         k = self.k_norm(self.k_proj(h).view(-1, c.num_heads, c.head_dim))
         cos, sin = cos_sin or _neox_cos_sin(positions, c.head_dim, c.rope_theta, h.dtype, h.device)

@@ -334,7 +334,8 @@ def commit_accepted(cache, drafter, tokens, feats, paths, lengths, new_bonus) ->
 
 
 def record_step(res, t: list[float], tau: int, tree_size: int) -> None:
-    """Per-phase times (t: perf_counter stamps at the phase boundaries, in PHASES order), tau and tree size."""
+    """Per-phase times (t: perf_counter stamps at the phase boundaries, in PHASES order), tau and
+    tree size."""
     for p, a, b in zip(PHASES, t[:-1], t[1:], strict=True):
         res.phase_ms[p].append((b - a) * 1e3)
     res.accepted.append(tau)

@@ -183,7 +183,8 @@ class MoE(nn.Module):
         self.shared_experts = MLP(cfg.hidden_size, shared_inter) if cfg.n_shared_experts else None
         # (source tensors, their (address, version), w13, w2); a plain attribute, not state
         self._stack_cache = None
-        self.int4 = None  # after quantize_int4: {"q": unpacked (q, s) x 3, "packed": kernel layout | None, ...}
+        # after quantize_int4: {"q": unpacked (q, s) x 3, "packed": kernel layout | None, ...}
+        self.int4 = None
 
     def path(self, n_tokens: int, sync_free: bool = False, device=None, dtype=None) -> str:
         """The forward path for n_tokens rows: "gather", "dense", "grouped" or "loop" (class docstring).
@@ -242,7 +243,8 @@ class MoE(nn.Module):
         E, I2, H = w13.shape
         I = I2 // 2
         if H % 32 or I % 32:
-            raise ValueError(f"INT4 groups of 32 need hidden {H} and expert intermediate {I} to be multiples of 32")
+            raise ValueError(f"INT4 groups of 32 need hidden {H} and expert intermediate {I} "
+                             "to be multiples of 32")
         cuda = w13.device.type == "cuda"
         if cuda and (H % 64 or I % 64):
             raise ValueError(f"moe_w4a16 needs hidden {H} and expert intermediate {I} to be multiples of 64")
@@ -268,7 +270,8 @@ class MoE(nn.Module):
             from kdlib.cuda.loader import as_cupy
 
             q["views"] = {n: as_cupy(t).view(cupy.uint32) for n, t in q["packed"].items()}
-        return routed_kernel(x, q["packed"], rt, idx.shape[1], q["inter"], bound=x.shape[0], cupy_packed=q["views"])
+        return routed_kernel(x, q["packed"], rt, idx.shape[1], q["inter"], bound=x.shape[0],
+                             cupy_packed=q["views"])
 
     def forward(self, x: torch.Tensor, sync_free: bool = False) -> torch.Tensor:
         w, idx = self.gate(x)  # [T, k] float32, [T, k] int64
@@ -541,7 +544,8 @@ class Model(nn.Module):
         """Every MoE layer's routed experts to INT4 group 32 (`MoE.quantize_int4`), in place; returns self.
         On CUDA the model must be bfloat16 (moe_w4a16's activations); quantize after moving it."""
         if self.device.type == "cuda" and self.dtype != torch.bfloat16:
-            raise ValueError(f"INT4 experts on CUDA run moe_w4a16 on bfloat16 activations; the model is {self.dtype}")
+            raise ValueError("INT4 experts on CUDA run moe_w4a16 on bfloat16 activations; "
+                             f"the model is {self.dtype}")
         for layer in self.model.layers:
             if isinstance(layer.mlp, MoE):
                 layer.mlp.quantize_int4()
@@ -565,13 +569,16 @@ class Model(nn.Module):
         return top.indices, top.values
 
     def begin_decode(self) -> None:
-        """Called after the prefill and the drafter's set-up, before the first decode step (one process: nothing)."""
+        """Called after the prefill and the drafter's set-up, before the first decode step (one
+        process: nothing)."""
 
     def assert_replicated(self, **tensors) -> None:
-        """Debug check that every process holds the same bits of `tensors` (one process: nothing to compare)."""
+        """Debug check that every process holds the same bits of `tensors` (one process: nothing to
+        compare)."""
 
     def check_tokens(self, token_ids) -> torch.Tensor:
-        """Validate ids (1-D, non-empty, inside the vocabulary) and return them as int64 on the model's device."""
+        """Validate ids (1-D, non-empty, inside the vocabulary) and return them as int64 on the
+        model's device."""
         t = torch.as_tensor(token_ids)
         if t.dim() != 1 or t.numel() == 0:
             raise ValueError(f"token_ids must be a non-empty 1-D sequence, got shape {tuple(t.shape)}")
@@ -684,7 +691,8 @@ class Model(nn.Module):
 
 
     def rope_inv(self) -> torch.Tensor:
-        """`rope_inv_freq(cfg)` as a float64 tensor on the model's device, made once (graph-safe afterwards)."""
+        """`rope_inv_freq(cfg)` as a float64 tensor on the model's device, made once (graph-safe
+        afterwards)."""
         inv = getattr(self, "_rope_inv", None)
         if inv is None or inv.device != self.device:
             inv = torch.from_numpy(rope_inv_freq(self.cfg)).to(self.device)
