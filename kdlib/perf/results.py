@@ -431,54 +431,51 @@ def load_verify_attention_dev_v2(gpu: str = "h200") -> Recorded | None:
 TREE_SHAPE = ("batch", "depth", "budget", "k_prime")
 
 
-def _kernel_arms(r: dict, op: str, version, shape: dict, arms, per: int, nbytes=math.nan, flops=math.nan,
-                 floor=None) -> list[Row]:
-    """The rows of `arms` ((payload key, op or None for `op`, mode, variant)) that `r` times (an arm of
-    another op, the reference, has no kernel version); the back-to-back arm (a graph of `per` launches)
-    is given per launch."""
-    return [_timed(arm_op or op, None if arm_op else version, mode, variant, shape, r[key], nbytes, flops, key, floor,
-                   per if variant == "back_to_back" else 1)
-            for key, arm_op, mode, variant in arms if _is_timing(r.get(key))]
+_GRAPH, _EAGER = ("graph_replay", None, "graph", ""), ("eager", None, "eager", "")
+# kernels payload section -> (op, shape keys, arms: (timing key, op of another arm or None, mode, variant));
+# "x" stands for the back-to-back graph, gpu_graph_x<repeat_per_graph>
+_KERNEL_SECTIONS = {
+    "tree_build": ("tree_build", TREE_SHAPE, (("gpu_eager", None, "eager", ""), ("gpu_graph_replay", None, "graph", ""),
+                                              "x", ("cpu_ref", "tree_build_ref", "cpu", ""),
+                                              ("cpu_ref_with_copies", "tree_build_ref", "cpu", "with_copies"))),
+    "tree_build_tied": ("tree_build", ("batch",), ("x",)),
+    "accept": ("tree_accept", ("batch",), (_GRAPH, "x", ("cpu_ref", "tree_accept_ref", "cpu", ""))),
+    "sample": ("tree_sample_rows", ("batch", "vocab", "dtype"), (_EAGER,)),
+    "compact": ("kv_compact", ("batch", "layers", "row_bytes", "moved_rows"), (_GRAPH,)),
+    "remap": ("page_remap", ("batch",), (_GRAPH,)),
+    "step": ("tree_step", ("batch",), (_GRAPH, _EAGER)),
+}
 
 
 def kernels_rows(doc: dict) -> tuple[Row, ...]:
     """Tidy rows of a kernels payload (kdlib/perf/suites/kernels.py), per batch:
 
-    'tree_build' (version as recorded; shape batch, depth, budget, k_prime; tied inputs add
+    'tree_build' (version as recorded; shape batch, depth, budget, k_prime; the tied inputs add
     inputs='tied'), 'tree_accept', 'tree_sample_rows' (eager), 'kv_compact' (its bytes, FLOPs 0 and
     floor), 'page_remap', 'tree_step' (build -> stand-in verify -> accept -> compact). Modes: 'eager'
     (one launch between events), 'graph' variant '' (a graph of one launch: what a captured step
     pays) and 'graph' variant 'back_to_back' (a graph of `repeat_per_graph` launches, replay time / that
-    count: the suite's kernel_us). The numpy references are op '<op>_ref', mode 'cpu', timed again
-    beside each kernel version (variant 'with_copies': plus the device->host->device copies). The other kernels have no byte / FLOP floor
+    count: the suite's kernel_us). The numpy references are op '<op>_ref' (no kernel version), mode
+    'cpu', timed again beside each kernel version (variant 'with_copies': plus the device->host->device
+    copies). key '<section>[i].<timing>' names the payload entry, so the rows of one entry (a kernel
+    and the reference timed beside it) stay together. The other kernels have no byte / FLOP floor
     (bytes, FLOPs NaN). The embedded verify-attention sweep gives `verify_attention_rows`; the bit-exact
     checks and the headline are in `Recorded.doc`."""
-    per = int((doc.get("parameters") or {}).get("repeat_per_graph", 1))
-    x = (f"gpu_graph_x{per}", None, "graph", "back_to_back")
+    params = doc.get("parameters") or {}
+    per = int(params.get("repeat_per_graph", 1))
     out = []
-    for r in doc.get("tree_build") or []:
-        shape = _shape(r, *TREE_SHAPE)
-        out += _kernel_arms(r, "tree_build", r.get("version"), shape, (
-            ("gpu_eager", None, "eager", ""), ("gpu_graph_replay", None, "graph", ""), x,
-            ("cpu_ref", "tree_build_ref", "cpu", ""), ("cpu_ref_with_copies", "tree_build_ref", "cpu", "with_copies")),
-            per)
-    for r in doc.get("tree_build_tied") or []:
-        shape = {"batch": r["batch"], **_shape(doc.get("parameters") or {}, *TREE_SHAPE[1:]), "inputs": "tied"}
-        out += _kernel_arms(r, "tree_build", r.get("version"), shape, (x,), per)
-    for r in doc.get("accept") or []:
-        out += _kernel_arms(r, "tree_accept", None, _shape(r, "batch"), (
-            ("graph_replay", None, "graph", ""), x, ("cpu_ref", "tree_accept_ref", "cpu", "")), per)
-    for r in doc.get("sample") or []:
-        out += _kernel_arms(r, "tree_sample_rows", r.get("version"), _shape(r, "batch", "vocab", "dtype"),
-                            (("eager", None, "eager", ""),), per)
-    for r in doc.get("compact") or []:
-        out += _kernel_arms(r, "kv_compact", None, _shape(r, "batch", "layers", "row_bytes", "moved_rows"),
-                            (("graph_replay", None, "graph", ""),), per, r["bytes"], 0.0, r.get("floor_ms"))
-    for r in doc.get("remap") or []:
-        out += _kernel_arms(r, "page_remap", None, _shape(r, "batch"), (("graph_replay", None, "graph", ""),), per)
-    for r in doc.get("step") or []:
-        out += _kernel_arms(r, "tree_step", None, _shape(r, "batch"), (
-            ("graph_replay", None, "graph", ""), ("eager", None, "eager", "")), per)
+    for section, (op, keys, arms) in _KERNEL_SECTIONS.items():
+        for i, r in enumerate(doc.get(section) or []):
+            shape = _shape(r, *keys)
+            if section == "tree_build_tied":
+                shape = {**shape, **_shape(params, *TREE_SHAPE[1:]), "inputs": "tied"}
+            nbytes, flops = (r["bytes"], 0.0) if section == "compact" else (math.nan, math.nan)
+            for arm in arms:
+                key, arm_op, mode, variant = (f"gpu_graph_x{per}", None, "graph", "back_to_back") if arm == "x" else arm
+                if _is_timing(r.get(key)):
+                    out.append(_timed(arm_op or op, None if arm_op else r.get("version"), mode, variant, shape, r[key],
+                                      nbytes, flops, f"{section}[{i}].{key}", r.get("floor_ms"),
+                                      per if variant == "back_to_back" else 1))
     va = doc.get("verify_attention")
     if isinstance(va, dict) and va.get("points"):
         out += attention_rows(va)
