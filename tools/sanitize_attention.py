@@ -41,6 +41,7 @@ RTOL = 1e-2  # bf16 operands, P rounded to bf16 before P.V (tests/test_cuda_atte
 LSE_ATOL = 2e-3  # lse of fp32 S on bf16 inputs: only the summation order differs
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")  # what `summarize` looks for in DIR
 SCALE = 576**-0.5
+PREFIX_KEYS = ("q", "kv_cache", "page_table", "prefix_lens", "softmax_scale")  # prefix_attention's inputs
 _ERRORS = re.compile(r"ERROR SUMMARY: (\d+) errors?")
 _HAZARDS = re.compile(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)")
 
@@ -97,9 +98,6 @@ def compare(out, lse, ref_out, ref_lse) -> dict:
     padding_ok = bool(np.array_equal(np.isnan(lse), pad) and np.isnan(out[pad]).all())
     ok = not e["nan"] and e["norm_rel"] <= RTOL and lse_err <= LSE_ATOL and padding_ok
     return {"norm_rel": float(e["norm_rel"]), "lse_max_abs": lse_err, "padding_rows_nan": padding_ok, "ok": ok}
-
-
-PREFIX_KEYS = ("q", "kv_cache", "page_table", "prefix_lens", "softmax_scale")
 
 
 def cases() -> list[dict]:
