@@ -81,7 +81,8 @@ class Figure:
 
     @property
     def link(self) -> str:
-        """Relative link to the rendered section: `<notebook>.html#<anchor>` (the page alone when no section)."""
+        """Relative link to the rendered section: `<notebook>.html#<anchor>` (the page alone when no
+        section)."""
         page = f"{self.notebook}.html"
         return f"{page}#{anchor(self.section)}" if self.section else page
 
@@ -402,7 +403,8 @@ def kern_tree_speedup_b64(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     res = src.result("kernels", "h200")
     if res is None:
         return missing(fig.id, ["data/results/kernels.h200.json (headline.speedup_vs_cpu_kernel)"])
-    ours, where, gpu = float(res["headline"]["speedup_vs_cpu_kernel"]), provenance(res), res["provenance"]["gpu"]
+    ours, where = float(res["headline"]["speedup_vs_cpu_kernel"]), provenance(res)
+    gpu = res["provenance"]["gpu"]
     replay = res["headline"].get("speedup_vs_cpu_graph_replay")
     extra = f"; {float(replay):.0f}x counting one graph replay per build" if replay is not None else ""
     lo, hi = _span(fig.claim)
@@ -773,10 +775,12 @@ def diag_accept_by_text(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
                        f"{'lower, as the seeds say' if others[hard_kind] < easy else 'NOT lower'}"
                        f". {internal}", sources=[kinds[PREDICTABLE_KIND]["source"]],
                        values={"hard": others[hard_kind], "easy": easy})
-    return missing(fig.id, ["data/results/diagnosis.*.json (by_kind[*].sustained.decomposition.accepted_length; "
+    return missing(fig.id, ["data/results/diagnosis.*.json "
+                            "(by_kind[*].sustained.decomposition.accepted_length; "
                             "python3 -m kdlib.perf.run --suite diagnosis)"],
                    "their figures need their drafter and Kimi-K2.6 (not reproducible here); the workbook's "
-                   f"own drafter on hard against predictable text is what the diagnosis suite records. {internal}")
+                   "own drafter on hard against predictable text is what the diagnosis suite records. "
+                   f"{internal}")
 
 
 @check
@@ -1176,11 +1180,14 @@ def html_table(verdicts: dict, cat: Catalogue) -> str:
                 if f.also else "")
         rows.append(
             f"<tr><td{td}><b>{esc(f.figure)}</b><br><code>{esc(fid)}</code> · {esc(f.category)}"
-            f"<details><summary>{esc(cat.cite(f.seed, f.where))}</summary>“{esc(f.quote)}”{also}</details></td>"
+            f"<details><summary>{esc(cat.cite(f.seed, f.where))}</summary>“{esc(f.quote)}”{also}"
+            f"</details></td>"
             f"<td{td}>{esc(_claim_text(f.claim))}</td>"
             f"<td style='background:{COLOURS[v.verdict]};{left}'><b>{esc(v.verdict)}</b></td>"
-            f"<td{td}>{esc(v.ours)}</td><td{td}>{esc(v.reason)}<br><small>{esc('; '.join(map(str, v.sources)))}</small></td>"
-            f"<td{td}><a href='{esc(f.link)}'>{esc(f.notebook)}{' §' + esc(f.section.split('.')[0]) if f.section else ''}"
+            f"<td{td}>{esc(v.ours)}</td><td{td}>{esc(v.reason)}"
+            f"<br><small>{esc('; '.join(map(str, v.sources)))}</small></td>"
+            f"<td{td}><a href='{esc(f.link)}'>{esc(f.notebook)}"
+            f"{' §' + esc(f.section.split('.')[0]) if f.section else ''}"
             f"</a></td></tr>"
         )
     head = "".join(f"<th{td}>{h}</th>" for h in ("figure (seed)", "seeds say", "verdict", "workbook's figure",

@@ -48,7 +48,8 @@ MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 
 
 class ConfigError(ValueError):
-    """A config.json that lacks a field a reader needs, or holds an unsupported value: the message names it."""
+    """A config.json that lacks a field a reader needs, or holds an unsupported value: the message
+    names it."""
 
 
 # ----------------------------------------------------------------------------------------- files
@@ -121,13 +122,15 @@ def require(lm: dict, key: str, why: str):
 
 
 def rope_block(lm: dict) -> dict | None:
-    """The RoPE block: `rope_parameters` (transformers >= 5) or `rope_scaling`; None when neither is a dict."""
+    """The RoPE block: `rope_parameters` (transformers >= 5) or `rope_scaling`; None when neither is
+    a dict."""
     block = lm.get("rope_parameters") or lm.get("rope_scaling")
     return block if isinstance(block, dict) else None
 
 
 def rope_type(lm: dict) -> str | None:
-    """The RoPE type of a config ("yarn", "llama3", "default", ...; `rope_type` or `type`), None without one."""
+    """The RoPE type of a config ("yarn", "llama3", "default", ...; `rope_type` or `type`), None
+    without one."""
     block = rope_block(lm)
     return (block.get("rope_type") or block.get("type")) if block else None
 
@@ -470,7 +473,8 @@ class ModelConfig:
                 raise ConfigError("rope_scaling.original_max_position_embeddings: must be > 0")
 
     def to_hf_dict(self) -> dict:
-        """A transformers-5 style config.json dict (`rope_parameters`) that round-trips through `from_dict`."""
+        """A transformers-5 style config.json dict (`rope_parameters`) that round-trips through
+        `from_dict`."""
         rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope is not None:
             r = asdict(self.rope)

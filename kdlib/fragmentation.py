@@ -24,9 +24,9 @@ One decode round for a batch of running requests (how the SGLang DDTree ports al
 allocate (budget + 1) slots per request in ONE call for the whole batch (the verify rows
 `out_cache_loc`), keep the root and the accepted path's slots, free the rest in one call. The
 accepted path is the top-1 chain of a real DDTree (`kdlib.ref.build_tree_batch` on synthetic
-drafter top-k), cut at the sampled accepted length tau, so the kept slots sit at the indices best-first order gives
-those nodes (siblings popped in between leave gaps). The simplification: acceptance always follows
-the top-1 chain (a sibling is never the accepted node).
+drafter top-k), cut at the sampled accepted length tau, so the kept slots sit at the indices
+best-first order gives those nodes (siblings popped in between leave gaps). The simplification:
+acceptance always follows the top-1 chain (a sibling is never the accepted node).
 A request that finishes frees all its slots; a new one takes its place until `total` requests
 have run, so prefills land in whatever the free list holds then.
 """

@@ -785,7 +785,8 @@ def _read_any(path) -> tuple[dict, dict]:
 
 
 def _ml_dtype(path, name: str, code: int) -> np.dtype:
-    """The numpy dtype of code `code` for tensor `name` of a file being converted; bits alone would lose the type."""
+    """The numpy dtype of code `code` for tensor `name` of a file being converted; bits alone would
+    lose the type."""
     if code in ML_DTYPES and ML_DTYPES[code] is None:
         raise KdtrError(f"{path}: tensor {name!r} is {NAMES[code]}, which needs the ml_dtypes package to "
                         "convert")
@@ -901,7 +902,8 @@ def from_safetensors(src, dst) -> None:
 
 
 def to_npz(src, dst) -> None:
-    """KDTR -> .npz (bfloat16 / float8 stored as uint16 / uint8 bits, dtypes and metadata in the `__kdtr__` member)."""
+    """KDTR -> .npz (bfloat16 / float8 stored as uint16 / uint8 bits, dtypes and metadata in the
+    `__kdtr__` member)."""
     if _format_of(src) != "kdtr" or _format_of(dst) != "npz":
         raise ValueError(f"to_npz wants a .kdtr source and a .npz target, got {src}, {dst}")
     convert(src, dst)

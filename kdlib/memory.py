@@ -397,7 +397,8 @@ def default_mem_fraction_static(gpu_memory_bytes: int, tp: int, pp: int = 1, spe
 
 
 def vlm_mem_fraction_factor(config) -> float:
-    """SGLang's cut of the default mem_fraction_static for multimodal checkpoints (1.0 without a vision tower).
+    """SGLang's cut of the default mem_fraction_static for multimodal checkpoints (1.0 without a
+    vision tower).
 
     0.95 x clamp(1 - 0.1 x (ratio - 1), 0.8, 1.05), ratio = vision layers x hidden^2 / (24 x 1024^2),
     reading vision_config.num_hidden_layers / hidden_size with defaults 24 / 1024 (ServerArgs.
@@ -435,7 +436,8 @@ def pool_bytes(gpu_memory_bytes: int, weights_per_gpu: int, mem_fraction_static:
 
 def pool_tokens(gpu_memory_bytes: int, weights_per_gpu: int, cell_bytes: float, mem_fraction_static: float,
                 overhead_bytes: int = DEFAULT_OVERHEAD_BYTES) -> int:
-    """SGLang's max_total_num_tokens per GPU: rest_memory // cell, and 0 (never negative) when nothing is left."""
+    """SGLang's max_total_num_tokens per GPU: rest_memory // cell, and 0 (never negative) when
+    nothing is left."""
     if cell_bytes <= 0:
         raise ValueError(f"cell_bytes must be > 0, got {cell_bytes}")
     rest = pool_bytes(gpu_memory_bytes, weights_per_gpu, mem_fraction_static, overhead_bytes)
@@ -444,7 +446,8 @@ def pool_tokens(gpu_memory_bytes: int, weights_per_gpu: int, cell_bytes: float, 
 
 def mem_fraction_for_pool(gpu_memory_bytes: int, weights_per_gpu: int, pool_bytes_needed: float,
                           overhead_bytes: int = DEFAULT_OVERHEAD_BYTES) -> float:
-    """The mem_fraction_static at which SGLang's pool reaches `pool_bytes_needed` (may exceed 1: impossible)."""
+    """The mem_fraction_static at which SGLang's pool reaches `pool_bytes_needed` (may exceed 1:
+    impossible)."""
     return (weights_per_gpu + pool_bytes_needed) / free_before_weights(gpu_memory_bytes, overhead_bytes)
 
 
@@ -583,7 +586,8 @@ class Plan(list):
         raise KeyError(f"no row {key!r}; rows: {[r['key'] for r in self]}")
 
     def to_frame(self, human: bool = False):
-        """A DataFrame indexed by row key; human=True replaces value and unit by one formatted `shown` column."""
+        """A DataFrame indexed by row key; human=True replaces value and unit by one formatted `shown`
+        column."""
         import pandas as pd
 
         frame = pd.DataFrame(list(self)).set_index("key")

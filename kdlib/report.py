@@ -673,7 +673,8 @@ def _parameters_table(params: dict) -> str:
         f"<td class=meta>{_esc(p.get('help', ''))}</td></tr>"
         for n, p in params.items()
     )
-    return f"<table>{_head(('parameter', 24), ('value', 22), ('from', 16), ('type / allowed', 38))}{rows}</table>"
+    head = _head(("parameter", 24), ("value", 22), ("from", 16), ("type / allowed", 38))
+    return f"<table>{head}{rows}</table>"
 
 
 def _audit_rows(entries: list[dict]) -> list[tuple[dict, dict]]:
@@ -744,7 +745,8 @@ def _stderr_note(e: dict) -> str:
     if not cells:
         return ""
     where = "; ".join(f"In [{c['exec_count']}]: {c['text']}" for c in cells[:3])
-    return f'<p class="warn">stderr output on the page ({len(cells)} cell{"s" * (len(cells) > 1)}): {_esc(where)}</p>'
+    return (f'<p class="warn">stderr output on the page ({len(cells)} cell{"s" * (len(cells) > 1)}): '
+            f'{_esc(where)}</p>')
 
 
 def _entry_html(e: dict, pages: set[str]) -> str:

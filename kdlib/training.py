@@ -1,13 +1,13 @@
 """Training the tiny target and its DFlash-style drafter; device-agnostic (CPU or CUDA).
 
-    tok = train_tokenizer(texts, 4096)                       # byte-level BPE (`tokenizers`), EOS id 0, MASK id 1
-    streams = token_streams(tok, docs)                       # {(kind, split): int32 ids, each doc followed by EOS}
+    tok = train_tokenizer(texts, 4096)                       # byte-level BPE (`tokenizers`), EOS 0, MASK 1
+    streams = token_streams(tok, docs)                       # {(kind, split): int32 ids, each doc + EOS}
     target = Model(ModelConfig.from_dict(target_config(tok.get_vocab_size())))
     curve = train_target(target, streams, TrainSpec(...))    # next-token CE, AdamW, cosine LR
     drafter = DFlashDrafter(drafter_config(target.cfg, MASK_ID))   # the engine's class (kdlib.engine.drafter)
     init_drafter(drafter, seed)
     curve = train_drafter(drafter, target, streams, TrainSpec(...))
-    save_drafter(drafter, "drafter.kdtr", {...})             # DFlashDrafter.save; kdlib.zoo.load_drafter reads it
+    save_drafter(drafter, "drafter.kdtr", {...})             # DFlashDrafter.save; zoo.load_drafter reads it
 
 Every document of the training streams ends with the end-of-text token (`kdlib.zoo.EOS_TOKEN`,
 "<|endoftext|>" as GPT-2's and Qwen's tokenizers name it), so the target learns to emit it where

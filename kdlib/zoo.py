@@ -5,7 +5,7 @@
         tok = zoo.load_tokenizer()                     # .encode(str) -> list[int], .decode(ids), .vocab_size,
                                                        # .eos_token_id (the end-of-text token, EOS_TOKEN)
         target = zoo.load_target()                     # kdlib.engine.Model, float32, eval mode
-        drafter = zoo.load_drafter(target)             # engine DFlashDrafter: generate(..., method="ddtree", drafter=drafter)
+        drafter = zoo.load_drafter(target)             # engine DFlashDrafter, for generate's method="ddtree"
         texts = zoo.held_out("code")                   # held-out excerpts of one kind (KINDS)
 
 Files (all under data/models/, written by `tools/train_tiny.py`, which re-trains everything):

@@ -87,7 +87,8 @@ def _normalise(text: str) -> str:
 
 
 def locate(seed_file: str, quote: str, where: str) -> int:
-    """The offset of `quote` in the seed text; ValueError when it, or a heading of `where` before it, is not there."""
+    """The offset of `quote` in the seed text; ValueError when it, or a heading of `where` before it,
+    is not there."""
     path = SEEDS_DIR / seed_file
     text = _normalise(path.read_text(encoding="utf-8"))
     at = text.find(_normalise(quote))
@@ -136,7 +137,8 @@ from kdlib import ROOT, audit
 cat = audit.catalogue()
 verdicts = audit.run_all(cat, audit.Sources())
 page = audit.html_table(verdicts, cat) + audit.table(verdicts, cat).to_string()
-allowed = [str(ROOT), sys.prefix, sys.base_prefix, tempfile.gettempdir(), "/proc", "/sys", "/dev", "/etc", "/usr"]
+allowed = [str(ROOT), sys.prefix, sys.base_prefix, tempfile.gettempdir(), "/proc", "/sys", "/dev", "/etc",
+           "/usr"]
 outside = sorted(p for p in opened if not any(p == a or p.startswith(a.rstrip("/") + "/") for a in allowed))
 print(json.dumps({"outside": outside, "shared": sorted(p for p in opened if "/shared/" in p),
                   "notebooks": sorted(p for p in opened if p.endswith(".ipynb")),

@@ -52,7 +52,8 @@ def test_the_views_agree(name):
     assert g.attention == "mla" and g.kv_elements_per_layer == c.latent_dim == shape.latent_dim
     assert g.head_dim == c.qk_head_dim and g.rotary_dim == c.qk_rope_head_dim == shape.qk_rope_dim
     assert g.num_layers == c.num_hidden_layers == shape.n_layers
-    assert g.vocab_size == c.vocab_size == shape.vocab and g.num_heads == c.num_attention_heads == shape.n_heads
+    assert g.vocab_size == c.vocab_size == shape.vocab
+    assert g.num_heads == c.num_attention_heads == shape.n_heads
     y = memory.yarn(name)
     assert y["softmax_scale"] == c.softmax_scale and y["cos_sin_mscale"] == c.rope_attention_factor
     assert y["correction_range"] == c.rope.correction_range(c.qk_rope_head_dim, c.rope_theta)

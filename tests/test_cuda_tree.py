@@ -802,7 +802,8 @@ def v4_model(ids, lp, budget: int, k: int, rows: int):
 
 
 def _v4_cases():
-    """(ids, lp, budget): >= 1,000 requests over BUILD_CONFIGS x MODES, more budgets, frontier-filling inputs."""
+    """(ids, lp, budget): >= 1,000 requests over BUILD_CONFIGS x MODES, more budgets, frontier-filling
+    inputs."""
     configs = BUILD_CONFIGS + [(63, 7, 70, 90), (65, 10, 65, 100), (128, 16, 128, 200), (129, 5, 200, 300)]
     for budget, depth, kp, vocab in configs:
         for mode in MODES:

@@ -79,7 +79,8 @@ def test_regeneration_on_another_code_path():
         "NPY_DISABLE_CPU_FEATURES": "X86_V3 X86_V4 AVX512_ICL AVX512_SPR",
         "ATEN_CPU_CAPABILITY": "default",
     }
-    probe = "from numpy._core._multiarray_umath import __cpu_features__ as f; print('V3', f['X86_V3'], f['X86_V4'])"
+    probe = ("from numpy._core._multiarray_umath import __cpu_features__ as f; "
+             "print('V3', f['X86_V3'], f['X86_V4'])")
     got = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert "Core: Sandybridge" in got.stdout + got.stderr and "V3 False False" in got.stdout, got
     for tool in ("make_golden.py", "make_golden_model.py"):

@@ -66,7 +66,8 @@ FED = ("kern_tree_speedup_b64", "diag_accept_by_text", "diag_overestimate_2x", "
 @pytest.fixture(scope="module")
 def expected():
     """audit_verdict_<id> -> (verdict, note) as `kdlib.audit` gives them here, reading no notebook."""
-    return {f"{audit.RECORD_PREFIX}{fid}": (v.verdict, audit.record_note(v)) for fid, v in audit.run_all().items()}
+    return {f"{audit.RECORD_PREFIX}{fid}": (v.verdict, audit.record_note(v))
+            for fid, v in audit.run_all().items()}
 
 
 def _same_verdicts(executed, expected: dict) -> None:

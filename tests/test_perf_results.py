@@ -160,7 +160,8 @@ def test_load_moe_rows_carry_the_recorded_figures():
 
 def test_load_moe_stream_rows_and_copy_block():
     rec = results.load_moe_stream("h200")
-    assert len(rec.rows) == len(rec.doc["stream"]) and all(r.op == "stream_read" and r.flops == 0 for r in rec.rows)
+    assert len(rec.rows) == len(rec.doc["stream"])
+    assert all(r.op == "stream_read" and r.flops == 0 for r in rec.rows)
     copy = rec.doc["copy"]
     assert copy["Bps"] == rec.doc["copy_bandwidth_Bps"] and copy["bytes_moved"] == 2 * copy["bytes_per_copy"]
 

@@ -194,7 +194,8 @@ def _element_ids(tmp_path, page: Path, cache: dict) -> set[str]:
 
 
 def _has_id(fragment: str, ids: set[str]) -> bool:
-    """A browser tries the fragment as written, then percent-decoded (HTML: 'find a potential indicated element')."""
+    """A browser tries the fragment as written, then percent-decoded (HTML: 'find a potential
+    indicated element')."""
     return fragment in ids or unquote(fragment) in ids
 
 

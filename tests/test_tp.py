@@ -66,7 +66,8 @@ def test_config_that_cannot_be_split_is_refused():
 
 @pytest.mark.parametrize("moe_mode", ["ep", "tp"])
 def test_shards_reassemble_the_full_weights(moe_mode):
-    """Concatenating the shards of 3 ranks (uneven: 4 heads, 96 vocab rows, 8 experts) gives back every tensor."""
+    """Concatenating the shards of 3 ranks (uneven: 4 heads, 96 vocab rows, 8 experts) gives back every
+    tensor."""
     cfg = _cfg("tiny-a")
     full = Model.random(cfg, seed=3).state_dict()
     world = 3
@@ -114,7 +115,8 @@ def test_shards_reassemble_the_full_weights(moe_mode):
 @pytest.mark.parametrize("moe_mode", ["ep", "tp"])
 @pytest.mark.parametrize("tokens,path", [(1, "gather"), (6, "dense"), (40, "loop")])
 def test_tp_moe_partial_sums_add_up_to_the_engine_moe_on_every_path(moe_mode, tokens, path, monkeypatch):
-    """3 ranks' TPMoE partials (uneven shards) sum to the single-process MoE on each forward path, in float64."""
+    """3 ranks' TPMoE partials (uneven shards) sum to the single-process MoE on each forward path, in
+    float64."""
     cfg = dataclasses.replace(
         _cfg("tiny-a"), n_routed_experts=24, num_experts_per_tok=2, n_group=1, topk_group=1
     )

@@ -1,5 +1,6 @@
-"""kdlib.training: the batched training forwards equal the engine's, the trained drafter is the engine's class and
-loads through kdlib.zoo, documents end with the end-of-text token, a few steps reduce the loss, bad input."""
+"""kdlib.training: the batched training forwards equal the engine's, the trained drafter is the
+engine's class and loads through kdlib.zoo, documents end with the end-of-text token, a few steps
+reduce the loss, bad input."""
 
 import importlib.util
 import json

@@ -1,4 +1,4 @@
-"""Bring the recorded result files to `kdlib.perf.results.SCHEMA`: `python3 tools/migrate_results.py [--check]`.
+"""Bring recorded result files to `kdlib.perf.results.SCHEMA`: `python3 tools/migrate_results.py [--check]`.
 
 Schema 1 (what `results.write` stamps): a top-level `"schema": 1`, and the copy-bandwidth block of the
 moe, moe_stream and accept (`sampling`) payloads in the shape `kdlib.perf.timing.copy_bandwidth` and the
@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                 tmp = path.with_suffix(".json.tmp")
                 tmp.write_text(new)
                 tmp.replace(path)
-    print(f"{'would change' if args.check else 'migrated'} {len(changed)} file(s): {', '.join(changed) or '-'}")
+    print(f"{'would change' if args.check else 'migrated'} {len(changed)} file(s): "
+          f"{', '.join(changed) or '-'}")
     return 1 if args.check and changed else 0
 
 

@@ -2,7 +2,7 @@
 
     comm = Comm()                                                  # after init_process_group(...)
     tp = TPModel.from_model(Model.random(cfg, seed=0), comm, moe_mode="ep")
-    res = kdlib.engine.generate(tp, prompt_ids, 64, method="ddtree", drafter=d, budget=32)  # same on every rank
+    res = kdlib.engine.generate(tp, prompt_ids, 64, method="ddtree", drafter=d, budget=32)  # rank-invariant
 
     spawn(worker, world=2, backend="gloo")                         # worker(rank, world, device, *args)
 
@@ -424,7 +424,8 @@ class TPModel(Model):
         return _up(F.linear(self.model.norm(h), self.lm_head.weight))
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Dense logits [T, V] gathered from every rank (checks and study drafters; decoding uses `greedy`)."""
+        """Dense logits [T, V] gathered from every rank (checks and study drafters; decoding uses
+        `greedy`)."""
         ranges = partition(self.cfg.vocab_size, self.comm.world)
         width = max(hi - lo for lo, hi in ranges)  # shards differ by at most one row: pad to one width
         local = self.head_local(h)
@@ -451,7 +452,8 @@ class TPModel(Model):
         return vocab_parallel_topk(logits, v0, k, self.comm)
 
     def begin_decode(self) -> None:
-        """From here on `comm` counts the decode steps' collectives only (prefill and drafter set-up excluded)."""
+        """From here on `comm` counts the decode steps' collectives only (prefill and drafter set-up
+        excluded)."""
         self.comm.reset()
 
     def assert_replicated(self, **tensors) -> None:

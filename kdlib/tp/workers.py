@@ -121,7 +121,8 @@ def check_worker(rank: int, world: int, device, spec: dict, out_path: str) -> No
 
 
 def _sampled(model, drafters: dict, prompt, spec: dict, debug: bool = False) -> dict:
-    """{"sampled:ar": tokens, "sampled:ddtree:<first drafter>": tokens} at spec["temperature"], seed spec["seed"]."""
+    """{"sampled:ar": tokens, "sampled:ddtree:<first drafter>": tokens} at spec["temperature"],
+    seed spec["seed"]."""
     kw = {"temperature": spec["temperature"], "seed": spec["seed"]}
     out = {"sampled:ar": generate(model, prompt, spec["max_new"], **kw).tokens}
     for name, make in list(drafters.items())[:1]:
@@ -400,7 +401,8 @@ def bench(
 
 
 def run_check(world: int, spec: dict, backend: str = "gloo", timeout_s: float = 120) -> list[str]:
-    """Spawn check_worker over `world` ranks and compare rank 0's outputs with the single-process reference."""
+    """Spawn check_worker over `world` ranks and compare rank 0's outputs with the single-process
+    reference."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
