@@ -65,7 +65,8 @@ def test_contradictions_carry_the_arithmetic():
 def test_marlin_fraction_reconciles_with_whole_layer_weight_bytes():
     m9, m32 = seeds.moe_points()
     lo, hi = seeds.points()["marlin_frac_peak"]["value"]
-    assert lo - 0.01 <= m9["frac_weights_only"] <= hi + 0.01 and lo - 0.01 <= m32["frac_weights_only"] <= hi + 0.01
+    assert lo - 0.01 <= m9["frac_weights_only"] <= hi + 0.01
+    assert lo - 0.01 <= m32["frac_weights_only"] <= hi + 0.01
     assert m9["frac_with_scales"] > hi and m32["frac_with_scales"] > hi
 
 
@@ -140,7 +141,8 @@ def test_moe_plateau_between_knee_and_compute():
 
 
 @settings(max_examples=30, deadline=None)
-@given(c=st.integers(1, 16), ctx=st.integers(0, 200_000), q=st.integers(1, 65), gpu=st.sampled_from(hw.slugs()))
+@given(c=st.integers(1, 16), ctx=st.integers(0, 200_000), q=st.integers(1, 65),
+       gpu=st.sampled_from(hw.slugs()))
 def test_step_time_monotone_in_context_and_concurrency(c, ctx, q, gpu):
     sc = est.Scenario(concurrency=c, q_len=q, block=8, accepted=1.0, context=ctx)
     base = est.step_time(gpu, sc)
@@ -189,8 +191,8 @@ def _fake_moe_result(eff: float, lat: float, spec: dict) -> dict:
     for m in (1, 4, 9, 16, 32, 64, 256, 4096):
         r = est.moe_layer(m, spec, est.Assumptions(), shape)
         t = lat + r["bytes"] / (eff * spec["hbm_bandwidth_Bps"])
-        rows.append({"m": m, "bytes": r["bytes"], "flops": r["flops"], "kernel_default": {"median_ms": t * 1e3},
-                     "kernel_default_version": [2], "kernel": {"median_ms": 2 * t * 1e3},
+        rows.append({"m": m, "bytes": r["bytes"], "flops": r["flops"],
+                     "kernel_default": {"median_ms": t * 1e3}, "kernel_default_version": [2], "kernel": {"median_ms": 2 * t * 1e3},
                      "baseline_bytes": 4 * r["bytes"], "baseline": {"median_ms": 2 * t * 1e3}})
     return {"rows": rows, "_path": "synthetic"}
 
@@ -225,7 +227,8 @@ def test_calibrate_moe_arms_are_one_key_each():
 def test_calibrate_reads_kernels_attention_and_tree_build():
     spec = hw.load("h200")
     kernels = {"_path": "synthetic", "verify_attention": {"points": [
-        {"bytes": 1e9, "flops": 1e9, "bound": "memory", "kernel": {"median_ms": 1e3 / (0.5 * spec["hbm_bandwidth_Bps"] / 1e9) * 1e-3 * 1e3}},
+        {"bytes": 1e9, "flops": 1e9, "bound": "memory",
+         "kernel": {"median_ms": 1e3 / (0.5 * spec["hbm_bandwidth_Bps"] / 1e9) * 1e-3 * 1e3}},
     ]}, "tree_build": [{"batch": 1, "graph_replay_us": 30.0, "cpu_ref_us": 300.0},
                        {"batch": 64, "graph_replay_us": 45.0, "cpu_ref_us": 12800.0}]}
     a = est.calibrate({"kernels": kernels})
@@ -244,8 +247,9 @@ def _fake_engine(shape_cfg: dict, truth: est.Assumptions) -> dict:
             verify = s["moe"] + s["dense"] + s["attention"] + s["fixed"]
             runs.append({"method": "ddtree", "context": ctx, "budget": budget, "mean_accepted": 3.0,
                          "step_ms": s["total"] * 1e3,
-                         "phase_ms": {"draft": s["draft"] * 1e3, "build": s["tree"] * 1e3, "verify": verify * 1e3,
-                                      "accept": s["dispatch"] * 1e3 / 2, "compaction": s["dispatch"] * 1e3 / 2}})
+                         "phase_ms": {"draft": s["draft"] * 1e3, "build": s["tree"] * 1e3,
+                                      "verify": verify * 1e3, "accept": s["dispatch"] * 1e3 / 2,
+                                      "compaction": s["dispatch"] * 1e3 / 2}})
     return {"config": shape_cfg, "runs": runs}
 
 
@@ -265,13 +269,15 @@ def _suite_like_engine(truth: est.Assumptions) -> dict:
                 verify = s["moe"] + s["dense"] + s["attention"] + s["fixed"]
                 ph = {"draft": s["draft"], "build": s["tree"], "verify": verify, "accept": s["dispatch"] / 2,
                       "compaction": s["dispatch"] / 2}
-                runs.append({"method": "ddtree", "context": ctx, "budget": budget, "block": 16, "mean_accepted": tau,
-                             "step_ms": s["total"] * 1e3, "phase_ms": {k: [v * 1e3] * 5 for k, v in ph.items()}})
+                runs.append({"method": "ddtree", "context": ctx, "budget": budget, "block": 16,
+                             "mean_accepted": tau, "step_ms": s["total"] * 1e3,
+                             "phase_ms": {k: [v * 1e3] * 5 for k, v in ph.items()}})
     sweep = []
     for ctx in (256, 1024, 4096):
         for q in (1, 5, 17, 65):
             s = est.step_time("h200", est.Scenario(1, q, 1, 1.0, ctx), truth, shape)
-            sweep.append({"context": ctx, "q": q, "median_ms": (s["moe"] + s["dense"] + s["attention"] + s["fixed"]) * 1e3})
+            sweep.append({"context": ctx, "q": q,
+                          "median_ms": (s["moe"] + s["dense"] + s["attention"] + s["fixed"]) * 1e3})
     return {"config": BENCH_CONFIG, "runs": runs, "verify_forward": sweep, "_path": "synthetic engine"}
 
 
@@ -288,7 +294,8 @@ def test_validate_on_a_suite_shaped_payload_uses_the_verify_sweep():
 def test_validate_ignores_the_kernel_attention_arm_of_the_verify_sweep():
     truth = est.Assumptions().with_(kernel_latency_s=(25e-6, "t"), moe_per_expert_latency_s=(60e-6, "t"))
     payload = _suite_like_engine(truth)
-    payload["verify_forward"] += [{**r, "attention": "ops", "median_ms": 3 * r["median_ms"]} for r in payload["verify_forward"]]
+    payload["verify_forward"] += [{**r, "attention": "ops", "median_ms": 3 * r["median_ms"]}
+                                  for r in payload["verify_forward"]]
     notes = []
     table = est.validate(est.Assumptions(), payload, notes=notes)
     assert "moe_per_expert_latency_s = 6e-05" in notes[0] and max(abs(r["residual"]) for r in table) < 0.02
@@ -413,12 +420,15 @@ def test_cli_seeds_scenario_refuses_projection_flags():
 def test_allreduce_calibration_prefers_the_graph_fit():
     eager = {"2": {"latency_s": 30e-6, "bus_bandwidth_Bps": 300e9}}
     graph = {"2": {"latency_s": 12e-6, "bus_bandwidth_Bps": 315e9}}
-    a, notes = est.calibrate({"tp": {"allreduce_fit": eager, "allreduce_graph_fit": graph, "_path": "x"}}, report=True)
+    a, notes = est.calibrate({"tp": {"allreduce_fit": eager, "allreduce_graph_fit": graph, "_path": "x"}},
+                             report=True)
     assert a.v("allreduce_latency_nvlink_s") == pytest.approx(12e-6)
-    assert a.v("allreduce_bw_eff") == pytest.approx(315e9 / 450e9)  # data/hw/h200.json: 450 GB/s per direction
+    # data/hw/h200.json: 450 GB/s per direction
+    assert a.v("allreduce_bw_eff") == pytest.approx(315e9 / 450e9)
     assert any("in a CUDA graph" in n for n in notes)
     a = est.calibrate({"tp": {"allreduce_fit": eager, "allreduce_graph_fit": {}}})
-    assert a.v("allreduce_latency_nvlink_s") == pytest.approx(30e-6) and "eager" in a.allreduce_latency_nvlink_s.source
+    assert a.v("allreduce_latency_nvlink_s") == pytest.approx(30e-6)
+    assert "eager" in a.allreduce_latency_nvlink_s.source
     assert est.calibrate({"tp": {}}) == est.Assumptions()
     with pytest.raises(ValueError, match="moe_arm"):
         est.calibrate({}, moe_arm="v3")
