@@ -192,7 +192,8 @@ def _fake_moe_result(eff: float, lat: float, spec: dict) -> dict:
         r = est.moe_layer(m, spec, est.Assumptions(), shape)
         t = lat + r["bytes"] / (eff * spec["hbm_bandwidth_Bps"])
         rows.append({"m": m, "bytes": r["bytes"], "flops": r["flops"],
-                     "kernel_default": {"median_ms": t * 1e3}, "kernel_default_version": [2], "kernel": {"median_ms": 2 * t * 1e3},
+                     "kernel_default": {"median_ms": t * 1e3}, "kernel_default_version": [2],
+                     "kernel": {"median_ms": 2 * t * 1e3},
                      "baseline_bytes": 4 * r["bytes"], "baseline": {"median_ms": 2 * t * 1e3}})
     return {"rows": rows, "_path": "synthetic"}
 
