@@ -80,6 +80,8 @@ _V5_BN = 64  # keys per tile (BN)
 _V5_ROUNDS = 4  # MAX_ROUNDS: the plan fits the jobs into at most this many rounds of one job per CTA
 _V5_JOB_OVERHEAD = 5  # JOB_OVERHEAD, in tiles
 _V5_PLAN_STRIDE = 8  # PLAN_STRIDE: per request base, chunks, chunk tiles, row blocks, len, rows, tail rows
+_V5_COMBINE_COLS = 128  # COMBINE_COLS: columns of one combine block (its 4 warps' float4 lanes)
+_V5_COMBINE_SLICES = KV_LORA_RANK // _V5_COMBINE_COLS  # COMBINE_SLICES: combine blocks per row
 
 
 @dataclass(frozen=True)
@@ -453,7 +455,7 @@ def _launch_v5(qa, kv, pt, lens, scale, ws, tail=None):
     attend_fn((ws.grid,), (_V5_THREADS,), (qa, kv, pt, tkv, vis, ws.plan, np.int32(bsz), np.int32(width),
                                            np.int32(nq), np.int32(nh), np.float32(scale), ws.parts,
                                            ws.part_lse), shared_mem=_V5_SMEM)
-    combine_fn((bsz * rows,), (_COMBINE_THREADS,),
+    combine_fn((bsz * rows, _V5_COMBINE_SLICES), (_COMBINE_THREADS,),
                (ws.parts, ws.part_lse, ws.plan, np.int32(rows), ws.out, ws.lse))
     return ws.out, ws.lse
 

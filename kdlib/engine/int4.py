@@ -100,14 +100,23 @@ def device_routing(ids: torch.Tensor, weights: torch.Tensor, e0: int, n_local: i
     dev = ids.device
     local = (ids >= e0) & (ids < e0 + n_local)
     key = torch.where(local, ids - e0, torch.full_like(ids, n_local)).reshape(-1)  # [M k]
-    order = torch.argsort(key, stable=True)
-    counts = torch.zeros(n_local + 1, dtype=torch.int64, device=dev).scatter_add_(
-        0, key, torch.ones_like(key)
-    )
+    # a counting sort (no sort kernels: the small ops fuse): slot i goes to the start of its expert's
+    # bucket plus the number of earlier slots of that expert, so order is argsort(key, stable=True)
+    onehot = torch.nn.functional.one_hot(key, n_local + 1)  # [M k, E + 1]
+    counts = onehot.sum(0)  # [E + 1]
+    rank = (onehot.cumsum(0) - onehot).gather(1, key[:, None])[:, 0]  # [M k] earlier slots of the same expert
+    starts = counts.cumsum(0) - counts
+    arange = torch.arange(M * k, device=dev)
+    order = torch.empty_like(arange).scatter_(0, starts[key] + rank, arange)
     counts = counts[:n_local]
     offsets = torch.zeros(n_local + 1, dtype=torch.int64, device=dev)
     offsets[1:] = counts.cumsum(0)
-    active = torch.argsort((counts == 0).to(torch.int8), stable=True)  # [E] non-empty experts first
+    # experts with slots first, then the empty ones, each ascending (argsort(counts == 0, stable=True))
+    busy = counts > 0
+    n_busy = busy.cumsum(0)  # experts with slots up to and including e
+    experts = torch.arange(n_local, device=dev)
+    to = torch.where(busy, n_busy - 1, n_busy[-1] + experts - n_busy)
+    active = torch.empty_like(experts).scatter_(0, to, experts)  # [E]
     ranges = torch.stack([offsets[active], offsets[active + 1]], dim=1)  # [E, 2]
     i32 = torch.int32
     return DeviceRouting(

@@ -7,8 +7,8 @@
 //   tree_verify_v5_attend   persistent, one CTA per SM (grid G = SM count): runs jobs blockIdx.x,
 //                           blockIdx.x + G, ... and writes per job a normalised partial
 //                           out [64, 512] fp32 and natural-log lse [64] at the job's index;
-//   tree_verify_v5_combine  one block per query row: LSE merge of the row's jobs -> out [B*M, 512],
-//                           lse [B*M].
+//   tree_verify_v5_combine  COMBINE_SLICES blocks per query row, 128 columns each: LSE merge of the
+//                           row's jobs -> out [B*M, 512], lse [B*M].
 //
 // Work. Request b has rows_b query rows (row = q * H + h; Q * H rows for the prefix alone,
 // tree_sizes[b] * H in the verify, whose later rows are padding and come out NaN), in row blocks
@@ -683,38 +683,79 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v5_attend(
 
 // LSE merge of each row's jobs. parts / part_lse as the attend kernel wrote them, plan ->
 // out [B*M, 512] fp32, lse [B*M] fp32. Rows at or past a request's rows_b (verify padding) are NaN;
-// a row without jobs (empty prefix, no tail) is out 0, lse -inf. Grid B*M, block 128 (float4 each).
+// a row without jobs (empty prefix, no tail) is out 0, lse -inf. Grid (B*M, COMBINE_SLICES), block
+// 128: block (n, s) merges row n's columns [128 s, 128 s + 128). The block's threads take the max and
+// the sum of exp over the row's jobs (strided, then a fixed-order tree); for the weighted sum warp w
+// takes jobs w, w + 4, ..., lane l the float4 of columns 128 s + 4 l, four loads in flight, and the
+// four warps' sums are added in warp order: bit-for-bit reproducible, many rows' worth of loads in
+// flight where one block per row left a short prefix's few rows waiting on one load each.
+#define COMBINE_COLS 128
+#define COMBINE_SLICES (D_V / COMBINE_COLS)
+
+// Block-wide reduction of 128 threads in a fixed order (max when is_max, else sum); every thread gets it.
+__device__ __forceinline__ float block_reduce128(float v, bool is_max, float* red) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const float o = __shfl_xor_sync(0xffffffffu, v, off);
+        v = is_max ? fmaxf(v, o) : v + o;
+    }
+    const int w = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) == 0) red[w] = v;
+    __syncthreads();
+    v = is_max ? fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3])) : (red[0] + red[1]) + (red[2] + red[3]);
+    __syncthreads();  // red is reused by the next reduction
+    return v;
+}
+
 extern "C" __global__ void __launch_bounds__(128) tree_verify_v5_combine(
     const float* __restrict__ parts, const float* __restrict__ part_lse, const int* __restrict__ plan, int M,
     float* __restrict__ out, float* __restrict__ lse) {
+    __shared__ float red[4];
+    __shared__ float4 wsum[3][32];
     const long long n = blockIdx.x;
     const int b = (int)(n / M), r = (int)(n - (long long)b * M);
-    const int t = threadIdx.x;
+    const int t = threadIdx.x, w = t >> 5, l = t & 31;
+    const int col = blockIdx.y * COMBINE_COLS + 4 * l;
     const int* e = plan + PLAN_HDR + b * PLAN_STRIDE;
-    float4* o = reinterpret_cast<float4*>(out + n * D_V) + t;
+    float4* o = reinterpret_cast<float4*>(out + n * D_V + col);
     if (r >= e[P_ROWS]) {
-        *o = make_float4(QNAN, QNAN, QNAN, QNAN);
-        if (t == 0) lse[n] = QNAN;
+        if (w == 0) *o = make_float4(QNAN, QNAN, QNAN, QNAN);
+        if (t == 0 && blockIdx.y == 0) lse[n] = QNAN;
         return;
     }
     const int nch = e[P_NCHUNK], rbn = e[P_RB];
     const long long first = (long long)e[P_BASE] + r / BM, lr = r % BM;  // job of chunk i: first + i * rbn
     float mx = NEG_INF;
-    for (int i = 0; i < nch; ++i) mx = fmaxf(mx, part_lse[(first + (long long)i * rbn) * BM + lr]);
+    for (int i = t; i < nch; i += 128) mx = fmaxf(mx, part_lse[(first + (long long)i * rbn) * BM + lr]);
+    mx = block_reduce128(mx, true, red);
     const float base = mx == NEG_INF ? 0.f : mx;
     float z = 0.f;
-    for (int i = 0; i < nch; ++i) z += expf(part_lse[(first + (long long)i * rbn) * BM + lr] - base);
+    for (int i = t; i < nch; i += 128) z += expf(part_lse[(first + (long long)i * rbn) * BM + lr] - base);
+    z = block_reduce128(z, false, red);
     const float inv = z > 0.f ? 1.f / z : 0.f;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int i = 0; i < nch; ++i) {
+#pragma unroll 4
+    for (int i = w; i < nch; i += 4) {
         const long long jrow = (first + (long long)i * rbn) * BM + lr;
-        const float w = expf(part_lse[jrow] - base) * inv;
-        const float4 v = reinterpret_cast<const float4*>(parts + jrow * D_V)[t];
-        acc.x = fmaf(w, v.x, acc.x);
-        acc.y = fmaf(w, v.y, acc.y);
-        acc.z = fmaf(w, v.z, acc.z);
-        acc.w = fmaf(w, v.w, acc.w);
+        const float wt = expf(part_lse[jrow] - base) * inv;
+        const float4 v = *reinterpret_cast<const float4*>(parts + jrow * D_V + col);
+        acc.x = fmaf(wt, v.x, acc.x);
+        acc.y = fmaf(wt, v.y, acc.y);
+        acc.z = fmaf(wt, v.z, acc.z);
+        acc.w = fmaf(wt, v.w, acc.w);
     }
-    *o = acc;
-    if (t == 0) lse[n] = z > 0.f ? base + logf(z) : NEG_INF;
+    if (w > 0) wsum[w - 1][l] = acc;
+    __syncthreads();
+    if (w == 0) {
+#pragma unroll
+        for (int k = 0; k < 3; ++k) {
+            const float4 v = wsum[k][l];
+            acc.x += v.x;
+            acc.y += v.y;
+            acc.z += v.z;
+            acc.w += v.w;
+        }
+        *o = acc;
+        if (t == 0 && blockIdx.y == 0) lse[n] = z > 0.f ? base + logf(z) : NEG_INF;
+    }
 }
