@@ -14,7 +14,7 @@ from kdlib.perf import run as entry
 from kdlib.perf.suites import accept, engine_arms, kernels, serve
 
 # Suites still in the `run(args)` form (the lead's, being rewritten); run.py hands them the Namespace.
-LEGACY = {"engine_batch", "k2_rank"}
+LEGACY: set[str] = set()
 
 
 def _suites() -> dict:

@@ -225,13 +225,7 @@ def graph_time(
                 fn()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    graphs = []
-    for fn in fns:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=pool):
-            for _ in range(repeats):
-                fn()
-        graphs.append(g)
+    graphs = [torch_graph(fn, repeats=repeats, pool=pool) for fn in fns]
     state = {"i": 0}
 
     def replay():
@@ -239,6 +233,19 @@ def graph_time(
         state["i"] += 1
 
     return cuda_time(replay, warmup=1 if warmup is None else warmup, iters=iters, backend="torch")
+
+
+def torch_graph(fn: Callable[[], object], *, repeats: int = 1, pool=None):
+    """fn called `repeats` times, captured into a `torch.cuda.CUDAGraph` (in the memory pool `pool` when
+    given) and returned for replay; warm fn up first (capture needs its kernels built and its memory
+    grown). A capture failure raises."""
+    import torch
+
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        for _ in range(repeats):
+            fn()
+    return g
 
 
 def graph_record(launches, **kw) -> dict:

@@ -193,23 +193,27 @@ def _goals(trained: list[dict]) -> dict:
     }
 
 
-def _partial(args, payload) -> None:
+def _partial(out: str | None, payload) -> None:
     """The rows so far, written after each row (a cut run still leaves its measurements)."""
     import json
     from pathlib import Path
 
-    if getattr(args, "out", None):
-        Path(args.out, "engine_batch.partial.json").write_text(json.dumps(payload, default=float))
+    if out:
+        Path(out, "engine_batch.partial.json").write_text(json.dumps(payload, default=float))
 
 
-def run(args) -> dict:
+def run(*, quick: bool = False, out: str | None = None) -> dict:
+    """Every row of the sweep (module docstring).
+
+    quick: streams (1, 4) and the first two methods only, for a smoke run.
+    out: folder for `engine_batch.partial.json`, rewritten after each row (None: not written).
+    """
     import torch
 
     from kdlib.engine.config import ModelConfig
     from kdlib.engine.drafter import DFlashConfig, DFlashDrafter
     from kdlib.engine.model import Model
 
-    quick = bool(getattr(args, "quick", False))
     streams = (1, 4) if quick else STREAMS
     methods = METHODS[:2] if quick else METHODS
     torch.manual_seed(0)
@@ -252,7 +256,7 @@ def run(args) -> dict:
                           "ms, "
                           f"busy {trained[-1]['busy']:.2f}, {trained[-1]['tokens_per_s']:.0f} tok/s, "
                           f"accepted {trained[-1]['mean_accepted']:.2f}", flush=True)
-                    _partial(args, {**payload, "trained": trained})
+                    _partial(out, {**payload, "trained": trained})
         _ratios(trained)
         compiled = []
         if not quick:  # the torch.compile arm: C = 1 and 16, code prompts, AR and DDTree budget 32
@@ -271,7 +275,7 @@ def run(args) -> dict:
                         f"kernels {row.get('kernels_per_step')}, first steps {row['first_steps_s']:.1f} s",
                         flush=True,
                     )
-                    _partial(args, {**payload, "trained": trained, "compiled": compiled})
+                    _partial(out, {**payload, "trained": trained, "compiled": compiled})
         payload["compiled"] = compiled
         p0 = tok.encode(zoo.held_out("code")[0])[:PROMPT]
         payload["baselines"] = {
@@ -297,7 +301,7 @@ def run(args) -> dict:
                 rows.append(run_row(bench, m, b, bd, prompts, 48, {"model": "bench8", "context": ctx}))
                 print(f"[engine_batch] bench ctx={ctx} {m}{b or ''} C={c}: {rows[-1]['step_ms']:.3f} ms, "
                       f"busy {rows[-1]['busy']:.2f}, {rows[-1]['tokens_per_s']:.0f} tok/s", flush=True)
-                _partial(args, {**payload, "trained": trained, "bench": rows})
+                _partial(out, {**payload, "trained": trained, "bench": rows})
     _ratios(rows)
     payload["bench"] = rows
     payload["bench_baselines"] = {

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Sequence
 
 from kdlib import memory
 from kdlib.cuda.moe import layer_bytes_flops
@@ -174,10 +175,8 @@ def _profile(step, gpool) -> dict | None:
     kernels per step, per-class sums, the top 15 kernels; None where the capture fails."""
     import torch
 
-    g = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(g, pool=gpool):
-            step.run()
+        g = timing.torch_graph(step.run, pool=gpool)
     except Exception:  # noqa: BLE001 - the step's own timing already records a capture failure
         torch.cuda.synchronize()
         return None
@@ -202,18 +201,33 @@ def allreduce_fit() -> dict:
             "allreduce_fit", "path": tp["_path"], **fits[w]}
 
 
-def run(args) -> dict:
+def run(*, quick: bool = False, out: str | None = None, budget_s: float | None = None,
+        moe_mode: str | None = None, compile: bool | None = None, contexts: Sequence[int] | None = None,
+        resume: str | None = None) -> dict:
+    """The memory check, then the grid (module docstring), the payload rewritten into `out` after each row.
+
+    quick: contexts 5,500 and 128, C = 1 and 10, AR and budget 16 only.
+    out: folder of the JSON (None: data/results/).
+    budget_s: no new row starts past this many seconds of the grid; None: env K2_RANK_BUDGET_S, else 200.
+    moe_mode: "tp" (experts sliced) or "ep" (whole experts); None: env K2_RANK_MOE, else "tp".
+    compile: torch.compile the pieces between the kernels after PLAIN_ROWS are measured without it;
+        None: env K2_RANK_COMPILE ("0" off), else on.
+    contexts: only these contexts of CONTEXTS; None: env K2_RANK_CONTEXTS (comma list), else all.
+    resume: a k2_rank JSON of an earlier run whose rows are kept and not measured again; None: env
+        K2_RANK_RESUME, else none.
+    """
     import torch
 
     from kdlib.engine.config import ModelConfig
     from kdlib.engine.rank import DFLASH_KIMI, RankDrafter, RankModel, RankShape
 
-    quick = bool(getattr(args, "quick", False))
-    budget_s = float(os.environ.get("K2_RANK_BUDGET_S", "200"))
-    moe_mode = os.environ.get("K2_RANK_MOE", "tp")
-    compile_ = os.environ.get("K2_RANK_COMPILE", "1") != "0"
-    contexts = tuple(int(x) for x in os.environ.get("K2_RANK_CONTEXTS", "").split(",") if x) or None
-    resume = os.environ.get("K2_RANK_RESUME")
+    env = os.environ.get
+    budget_s = float(env("K2_RANK_BUDGET_S", "200") if budget_s is None else budget_s)
+    moe_mode = env("K2_RANK_MOE", "tp") if moe_mode is None else moe_mode
+    compile_ = env("K2_RANK_COMPILE", "1") != "0" if compile is None else bool(compile)
+    if contexts is None:
+        contexts = tuple(int(x) for x in env("K2_RANK_CONTEXTS", "").split(",") if x) or None
+    resume = env("K2_RANK_RESUME") if resume is None else resume
     kept = json.loads(open(resume).read())["rows"] if resume and os.path.exists(resume) else []
     name = "kimi-k2.6"
     cfg_dict = memory.load_config(name)
@@ -230,7 +244,7 @@ def run(args) -> dict:
                "ceilings": ceil, "allreduce": fit, "rows": [], "cut": []}
 
     def save():
-        results.write("k2_rank", payload, out_dir=args.out, command="python3 -m kdlib.perf.run --suite "
+        results.write("k2_rank", payload, out_dir=out, command="python3 -m kdlib.perf.run --suite "
                                                                     "k2_rank")
 
     torch.cuda.synchronize()
