@@ -70,7 +70,8 @@ def test_load_k2_rank_step_parts_and_pieces():
     last = raw["rows"][-1]
     shape = {k: last[k] for k in ("context", "streams", "method", "budget")}
     step = rec.select(variant="", shape=shape)
-    assert [r.median_ms for r in step] == [last["step"]["median_ms"]] and step[0].floor_ms == last["floor_sum_ms"]
+    assert [r.median_ms for r in step] == [last["step"]["median_ms"]]
+    assert step[0].floor_ms == last["floor_sum_ms"]
     moe = rec.select(variant="moe", shape=shape)[0]
     assert moe.p10_ms == last["pieces"]["moe"]["p10_ms"] and moe.floor_ms == last["floors"]["moe"]["floor_ms"]
     assert rec.select(variant="verify", shape=shape)[0].floor_ms is None
@@ -117,6 +118,7 @@ def test_load_kernels_every_kernel_and_the_embedded_sweep():
     shape = {k: b0[k] for k in ("batch", "depth", "budget", "k_prime")}
     b2b = rec.select(op="tree_build", version=b0["version"], variant="back_to_back", shape=shape)
     assert len(b2b) == 1 and b2b[0].median_ms * 1e3 == pytest.approx(b0["kernel_us"], rel=1e-12)
+    assert b2b[0].key == f"tree_build[0].gpu_graph_x{per}"
     assert b2b[0].p90_ms == b0["gpu_graph_x20"]["p90_ms"] / per
     eager = rec.select(op="tree_build", version=b0["version"], mode="eager", shape=shape)
     assert [r.median_ms for r in eager] == [b0["gpu_eager"]["median_ms"]]
@@ -144,8 +146,8 @@ def test_load_accept_sampling_per_draw_and_acceptance_without_rows():
     assert len(rec.rows) == len(raw["sampling"]["points"])
     for row, p in zip(rec.rows, raw["sampling"]["points"], strict=True):
         assert row.median_ms * 1e3 == pytest.approx(p["kernel_us"], rel=1e-12)
-        assert (row.version, row.shape["rows"], row.shape["vocab"], row.bytes) == (p["version"], p["rows"], p["vocab"],
-                                                                                   p["bytes"])
+        got = (row.version, row.shape["rows"], row.shape["vocab"], row.bytes)
+        assert got == (p["version"], p["rows"], p["vocab"], p["bytes"])
     acc = results.load_accept("h200")
     assert acc.rows == () and acc.doc["accept"] == _raw("accept.h200.json")["accept"]
     assert results.load_accept("cpu").path == "data/results/accept.cpu.json"
@@ -159,7 +161,8 @@ def test_load_engine_steps_verify_forward_and_draft():
     assert len(steps) == len(raw["runs"]) + len(raw["runs_kernel_attention"]) + len(raw["trained"]["runs"])
     first = steps[0]
     r0 = raw["runs"][0]
-    assert (first.median_ms, first.p10_ms, first.p90_ms) == (r0["step_ms"], r0["step_ms_p10"], r0["step_ms_p90"])
+    got = (first.median_ms, first.p10_ms, first.p90_ms)
+    assert got == (r0["step_ms"], r0["step_ms_p10"], r0["step_ms_p90"])
     assert first.shape["model"] == "bench" and first.variant == r0["attention"]
     assert {r.shape["kind"] for r in steps if r.shape["model"] == "trained"} == {"code", "prose", "templated"}
     vf = rec.select(op="verify_forward")
@@ -189,10 +192,12 @@ def test_load_engine_batch_wall_steps_and_the_eager_loop():
 
 
 def test_engine_arms_rows_from_a_payload_of_the_suite(results_dir):
-    row = {"model": "trained", "kind": "code", "context": 256, "arm": "overlap", "method": "ddtree", "budget": 32,
-           "streams": 16, "step_ms": 1.5, "step_ms_p10": 1.4, "step_ms_p90": 1.7, "tokens_per_s": 1e4}
-    (results_dir / "engine_arms.h200.json").write_text(json.dumps(
-        {"suite": "engine_arms", "schema": results.SCHEMA, "provenance": {}, "rows": [row], "cut_for_time": []}))
+    row = {"model": "trained", "kind": "code", "context": 256, "arm": "overlap", "method": "ddtree",
+           "budget": 32, "streams": 16, "step_ms": 1.5, "step_ms_p10": 1.4, "step_ms_p90": 1.7,
+           "tokens_per_s": 1e4}
+    doc = {"suite": "engine_arms", "schema": results.SCHEMA, "provenance": {}, "rows": [row],
+           "cut_for_time": []}
+    (results_dir / "engine_arms.h200.json").write_text(json.dumps(doc))
     rec = results.load_engine_arms("h200")
     assert [(r.variant, r.mode, r.median_ms, r.p10_ms, r.shape["streams"]) for r in rec.rows] == [
         ("overlap", "graph", 1.5, 1.4, 16)]
@@ -203,7 +208,8 @@ def test_load_tp_steps_and_allreduce():
     rec = results.load_tp("h200")
     assert len(rec.select(op="engine_step")) == len(raw["runs"])
     r = raw["runs"][-1]
-    step = rec.select(op="engine_step", variant=r["engine"], shape={k: r[k] for k in ("world", "method", "moe_mode")})
+    shape = {k: r[k] for k in ("world", "method", "moe_mode")}
+    step = rec.select(op="engine_step", variant=r["engine"], shape=shape)
     assert [s.median_ms for s in step] == [r["step_ms"]]
     graph = rec.select(op="nccl_allreduce", mode="graph")
     assert len(graph) == sum("median_us" in a for a in raw["allreduce_graph"])
@@ -216,14 +222,14 @@ def test_load_k2_rank_none_for_a_gpu_never_recorded():
     assert results.load_k2_rank("b300") is None
 
 
-# ----------------------------------------------------------------------------- fragmentation, diagnosis, serve
+# ------------------------------------------------------------------------- fragmentation, diagnosis, serve
 def test_load_fragmentation_three_arms_per_layout():
     raw = _raw("fragmentation.h200.json")
     rec = results.load_fragmentation("h200")
     p = raw["points"][0]
     assert len(rec.rows) == 3 * sum(len(q["layouts"]) for q in raw["points"])
-    sim = rec.select(op="prefix_attention", shape={"heads": p["heads"], "queries": p["queries"], "prefix": p["prefix"],
-                                                   "layout": "simulated"})
+    shape = {"heads": p["heads"], "queries": p["queries"], "prefix": p["prefix"], "layout": "simulated"}
+    sim = rec.select(op="prefix_attention", shape=shape)
     assert [r.median_ms for r in sim] == [p["layouts"]["simulated"]["kernel"]["median_ms"]]
     assert sim[0].floor_ms == p["floor_ms"]
     gather = rec.select(op="torch_index_select")
@@ -252,7 +258,8 @@ def test_load_tree_build_cpu_headline_and_sweeps():
     rec = results.load_tree_build_cpu()
     assert len(rec.rows) == 1 + len(raw["vs_batch"]) + len(raw["vs_budget"])
     head = [r for r in rec.rows if r.key == "headline"]
-    assert [(r.median_ms, r.p10_ms) for r in head] == [(raw["headline"]["median_ms"], raw["headline"]["p10_ms"])]
+    h = raw["headline"]
+    assert [(r.median_ms, r.p10_ms) for r in head] == [(h["median_ms"], h["p10_ms"])]
     assert all(_ints(r.shape, ("batch", "depth", "budget", "k_prime")) for r in rec.rows)
 
 
@@ -264,7 +271,8 @@ LOADERS = {
     "engine_batch": results.load_engine_batch, "engine_arms": results.load_engine_arms,
     "accept": results.load_accept, "accept_sampling": results.load_accept_sampling,
     "fragmentation": results.load_fragmentation, "diagnosis": results.load_diagnosis, "tp": results.load_tp,
-    "serve": results.load_serve, "kdtr_io": results.load_kdtr_io, "tree_build_cpu": results.load_tree_build_cpu,
+    "serve": results.load_serve, "kdtr_io": results.load_kdtr_io,
+    "tree_build_cpu": results.load_tree_build_cpu,
 }
 
 
@@ -284,6 +292,7 @@ def results_dir(tmp_path, monkeypatch):
 def test_loader_refuses_another_schema_and_is_none_when_absent(results_dir, suite):
     load = LOADERS[suite]
     assert load(gpu="h200") is None
-    (results_dir / f"{suite}.h200.json").write_text(json.dumps({"suite": suite, "schema": 0, "provenance": {}}))
+    other = {"suite": suite, "schema": 0, "provenance": {}}
+    (results_dir / f"{suite}.h200.json").write_text(json.dumps(other))
     with pytest.raises(results.SchemaError, match=rf"{suite}.h200.json: schema 0"):
         load(gpu="h200")

@@ -287,8 +287,8 @@ def moe_stream_rows(doc: dict) -> tuple[Row, ...]:
     out = []
     for r in doc.get("stream") or []:
         shape = {k: r[k] for k in ("size", "stages", "unit_bytes", "blockwise", "warps_per_sm")}
-        out.append(_timed("stream_read", 1, "graph", f"{r['config']}_w{r['warps_per_sm']}", shape, r["timing"],
-                          r["bytes"], 0.0, "stream"))
+        variant = f"{r['config']}_w{r['warps_per_sm']}"
+        out.append(_timed("stream_read", 1, "graph", variant, shape, r["timing"], r["bytes"], 0.0, "stream"))
     return tuple(out)
 
 
@@ -331,13 +331,14 @@ def _verify_point_rows(p: dict, parameters: dict) -> list[Row]:
     shape = attention_shape(p)
     cost = (p["bytes"], p["flops"])
     out = []
-    kernels = {impl: (v.get("kernel"), f"variants.{impl}.kernel") for impl, v in (p.get("variants") or {}).items()}
+    kernels = {impl: (v.get("kernel"), f"variants.{impl}.kernel")
+               for impl, v in (p.get("variants") or {}).items()}
     if not kernels:  # an older sweep: one kernel, its impl named by the point, else 'auto'
         kernels = {p.get("impl", "auto"): (p.get("kernel"), "kernel")}
     for impl, (t, key) in kernels.items():
         if _is_timing(t):
-            out.append(_timed(VERIFY_OP, attention_version(impl, parameters), "graph", "", shape, t, *cost, key,
-                              p["floor_ms"]))
+            version = attention_version(impl, parameters)
+            out.append(_timed(VERIFY_OP, version, "graph", "", shape, t, *cost, key, p["floor_ms"]))
     for name, b in (p.get("baselines") or {}).items():
         if _is_timing(b):
             out.append(_timed(TORCH_BASELINE_OPS[name], None, b.get("mode", "graph"), "", shape, b, *cost,
@@ -435,9 +436,10 @@ _GRAPH, _EAGER = ("graph_replay", None, "graph", ""), ("eager", None, "eager", "
 # kernels payload section -> (op, shape keys, arms: (timing key, op of another arm or None, mode, variant));
 # "x" stands for the back-to-back graph, gpu_graph_x<repeat_per_graph>
 _KERNEL_SECTIONS = {
-    "tree_build": ("tree_build", TREE_SHAPE, (("gpu_eager", None, "eager", ""), ("gpu_graph_replay", None, "graph", ""),
-                                              "x", ("cpu_ref", "tree_build_ref", "cpu", ""),
-                                              ("cpu_ref_with_copies", "tree_build_ref", "cpu", "with_copies"))),
+    "tree_build": ("tree_build", TREE_SHAPE, (
+        ("gpu_eager", None, "eager", ""), ("gpu_graph_replay", None, "graph", ""), "x",
+        ("cpu_ref", "tree_build_ref", "cpu", ""),
+        ("cpu_ref_with_copies", "tree_build_ref", "cpu", "with_copies"))),
     "tree_build_tied": ("tree_build", ("batch",), ("x",)),
     "accept": ("tree_accept", ("batch",), (_GRAPH, "x", ("cpu_ref", "tree_accept_ref", "cpu", ""))),
     "sample": ("tree_sample_rows", ("batch", "vocab", "dtype"), (_EAGER,)),
@@ -463,6 +465,7 @@ def kernels_rows(doc: dict) -> tuple[Row, ...]:
     checks and the headline are in `Recorded.doc`."""
     params = doc.get("parameters") or {}
     per = int(params.get("repeat_per_graph", 1))
+    back_to_back = (f"gpu_graph_x{per}", None, "graph", "back_to_back")
     out = []
     for section, (op, keys, arms) in _KERNEL_SECTIONS.items():
         for i, r in enumerate(doc.get(section) or []):
@@ -471,11 +474,11 @@ def kernels_rows(doc: dict) -> tuple[Row, ...]:
                 shape = {**shape, **_shape(params, *TREE_SHAPE[1:]), "inputs": "tied"}
             nbytes, flops = (r["bytes"], 0.0) if section == "compact" else (math.nan, math.nan)
             for arm in arms:
-                key, arm_op, mode, variant = (f"gpu_graph_x{per}", None, "graph", "back_to_back") if arm == "x" else arm
+                key, arm_op, mode, variant = back_to_back if arm == "x" else arm
                 if _is_timing(r.get(key)):
-                    out.append(_timed(arm_op or op, None if arm_op else r.get("version"), mode, variant, shape, r[key],
-                                      nbytes, flops, f"{section}[{i}].{key}", r.get("floor_ms"),
-                                      per if variant == "back_to_back" else 1))
+                    version = None if arm_op else r.get("version")
+                    out.append(_timed(arm_op or op, version, mode, variant, shape, r[key], nbytes, flops,
+                                      f"{section}[{i}].{key}", r.get("floor_ms"), per if arm == "x" else 1))
     va = doc.get("verify_attention")
     if isinstance(va, dict) and va.get("points"):
         out += attention_rows(va)
@@ -501,7 +504,8 @@ def accept_rows(doc: dict) -> tuple[Row, ...]:
         if _is_timing(p.get("graph_replay")):
             shape = {"rows": p["rows"], "vocab": p["vocab"], "dtype": dtype}
             out.append(_timed("tree_sample_rows", p.get("version"), "graph", "", shape, p["graph_replay"],
-                              p["bytes"], 0.0, "graph_replay", p["floor_us"] * 1e-3, int(p["draws_per_graph"])))
+                              p["bytes"], 0.0, "graph_replay", p["floor_us"] * 1e-3,
+                              int(p["draws_per_graph"])))
     return tuple(out)
 
 
@@ -537,16 +541,17 @@ def engine_rows(doc: dict) -> tuple[Row, ...]:
     runs += [("trained.runs", "trained", r) for r in (doc.get("trained") or {}).get("runs") or []]
     for key, model, r in runs:
         shape = _shape({"model": model, **r}, *RUN_SHAPE)
-        out.append(_timed(ENGINE_STEP_OP, None, "eager", r.get("attention", ""), shape, _step_timing(r), math.nan,
-                          math.nan, key))
+        out.append(_timed(ENGINE_STEP_OP, None, "eager", r.get("attention", ""), shape, _step_timing(r),
+                          math.nan, math.nan, key))
     vf = [("verify_forward", r) for r in doc.get("verify_forward") or []]
     vf += [("bf16.verify_forward", r) for r in (doc.get("bf16") or {}).get("verify_forward") or []]
     for key, r in vf:
-        out.append(_timed("verify_forward", None, "eager", r["attention"], _shape(r, "dtype", "context", "q", "budget"),
-                          r, r["bytes"], r["flops"], key, r.get("floor_ms")))
+        shape = _shape(r, "dtype", "context", "q", "budget")
+        out.append(_timed("verify_forward", None, "eager", r["attention"], shape, r, r["bytes"], r["flops"],
+                          key, r.get("floor_ms")))
     for r in doc.get("dflash_draft") or []:
-        out.append(_timed("dflash_draft", None, "eager", "", _shape(r, "context", "layers", "block"), r, math.nan,
-                          math.nan, "dflash_draft"))
+        shape = _shape(r, "context", "layers", "block")
+        out.append(_timed("dflash_draft", None, "eager", "", shape, r, math.nan, math.nan, "dflash_draft"))
     return tuple(out)
 
 
@@ -559,8 +564,8 @@ BATCH_SHAPE = ("model", "kind", "context", "method", "budget", "streams")
 
 
 def _batch_rows(rows, key: str, variant) -> list[Row]:
-    return [_timed(BATCH_STEP_OP, None, "graph", variant(r), _shape(r, *BATCH_SHAPE), _step_timing(r), math.nan,
-                   math.nan, key) for r in rows]
+    return [_timed(BATCH_STEP_OP, None, "graph", variant(r), _shape(r, *BATCH_SHAPE), _step_timing(r),
+                   math.nan, math.nan, key) for r in rows]
 
 
 def engine_batch_rows(doc: dict) -> tuple[Row, ...]:
@@ -605,14 +610,16 @@ def tp_rows(doc: dict) -> tuple[Row, ...]:
     logit differences and rank checks are in `Recorded.doc`."""
     out = []
     for r in doc.get("runs") or []:
-        out.append(_timed(ENGINE_STEP_OP, None, "eager", r["engine"], _shape(r, "world", "method", "moe_mode"),
-                          _step_timing(r), math.nan, math.nan, "runs"))
+        shape = _shape(r, "world", "method", "moe_mode")
+        out.append(_timed(ENGINE_STEP_OP, None, "eager", r["engine"], shape, _step_timing(r), math.nan,
+                          math.nan, "runs"))
     for key, mode in (("allreduce", "eager"), ("allreduce_graph", "graph")):
         for r in doc.get(key) or []:
             if "median_us" not in r:
                 continue
             t = {f"{q}_ms": r[f"{q}_us"] * 1e-3 for q in ("median", "p10", "p90") if f"{q}_us" in r}
-            out.append(_timed("nccl_allreduce", None, mode, "", _shape(r, "world", "rows"), t, r["bytes"], 0.0, key))
+            shape = _shape(r, "world", "rows")
+            out.append(_timed("nccl_allreduce", None, mode, "", shape, t, r["bytes"], 0.0, key))
     return tuple(out)
 
 
@@ -631,15 +638,16 @@ def fragmentation_rows(doc: dict) -> tuple[Row, ...]:
     statistics and the slowdowns against contiguous are in `Recorded.doc`."""
     out = []
     for p in doc.get("points") or []:
+        point = ((p["bytes"], p["flops"]), p["floor_ms"])
         for layout, arms in (p.get("layouts") or {}).items():
             shape = {**_shape(p, "heads", "queries", "prefix"), "layout": layout}
-            for key, op, cost, floor in (("kernel", "prefix_attention", (p["bytes"], p["flops"]), p["floor_ms"]),
-                                         ("torch", "torch_matmul_attention", (p["bytes"], p["flops"]), p["floor_ms"]),
-                                         ("gather", "torch_index_select", (math.nan, 0.0), None)):
+            for key, op, (cost, floor) in (("kernel", "prefix_attention", point),
+                                           ("torch", "torch_matmul_attention", point),
+                                           ("gather", "torch_index_select", ((math.nan, 0.0), None))):
                 t = arms.get(key)
                 if _is_timing(t):
-                    out.append(_timed(op, None, t.get("mode", "graph"), "", shape, t, *cost, f"layouts.{layout}.{key}",
-                                      floor))
+                    out.append(_timed(op, None, t.get("mode", "graph"), "", shape, t, *cost,
+                                      f"layouts.{layout}.{key}", floor))
     return tuple(out)
 
 
@@ -729,5 +737,5 @@ def ceilings(gpu: str | None = None) -> Ceilings:
     doc = load("ceilings", gpu)
     if doc and doc.get("copy_bandwidth_Bps") and doc.get("bf16_matmul_flops"):
         return Ceilings(float(doc["copy_bandwidth_Bps"]), float(doc["bf16_matmul_flops"]), doc["_path"], True)
-    return Ceilings(FALLBACK_BW, FALLBACK_FLOPS, "no ceilings file recorded: 4.3 TB/s copy and 790 TFLOP/s bf16, "
-                    "measured on an H200 (design/reference/kernels-perf.md)", False)
+    return Ceilings(FALLBACK_BW, FALLBACK_FLOPS, "no ceilings file recorded: 4.3 TB/s copy and 790 TFLOP/s "
+                    "bf16, measured on an H200 (design/reference/kernels-perf.md)", False)
