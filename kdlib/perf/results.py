@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kdlib import DATA, ROOT
-from kdlib.cuda.attention import IMPLS
 
 RESULTS = DATA / "results"
 SCHEMA = 1  # the layout `write` stamps; tools/migrate_results.py brought the older files to it
@@ -308,6 +307,9 @@ def attention_version(impl: str, parameters: dict) -> int | None:
     """The kernel version a recorded impl name ran: `kdlib.cuda.attention.IMPLS`, with 'mma' read as the
     payload's recorded `mma_default` and 'auto' as its `resolved_impls` (None where the file does not
     say which version those names meant when it was recorded)."""
+    # here, not at the top: kdlib.memory and the estimator read results and import no numpy (test_config)
+    from kdlib.cuda.attention import IMPLS
+
     impl = (parameters.get("resolved_impls") or {}).get(impl, impl)
     if impl == "mma":
         impl = parameters.get("mma_default")
