@@ -344,7 +344,7 @@ def drafter_forward(drafter, target, ids, feats, anchors):
     import torch
     import torch.nn.functional as F
 
-    from kdlib.engine.drafter import _neox_cos_sin
+    from kdlib.engine.drafter import neox_cos_sin
     from kdlib.engine.model import apply_rope
 
     c = drafter.c
@@ -368,7 +368,7 @@ def drafter_forward(drafter, target, ids, feats, anchors):
     for layer in drafter.layers:
         kc, vc = layer.kv(ctx, ctx_pos)  # [B*T, nh, hd]
         a = layer.input_layernorm(x)
-        cos, sin = _neox_cos_sin(qpos, hd, c.rope_theta, x.dtype, dev)
+        cos, sin = neox_cos_sin(qpos, hd, c.rope_theta, x.dtype, dev)
         # [B*Q, nh, hd]
         q = apply_rope(layer.q_norm(layer.q_proj(a).view(-1, nh, hd)), cos, sin, interleave=False)
         kb, vb = layer.kv(a, qpos)  # [B*Q, nh, hd]

@@ -1057,7 +1057,8 @@ def test_version_vocabulary_and_the_deprecated_impl_names():
     assert cu.pick_version(None, None, "f32") == cu.pick_version(1, None, "f32") == 1
     assert cu.pick_version(None, "simple", "f32") == cu.pick_version(None, "auto", "f32") == 1
     assert cu.pick_version(3, None, "bf16") == cu.pick_version(None, "mma", "bf16") == 3
-    assert cu._pick_impl("mma_v4", "bf16") == "mma_v4" and cu._pick_impl("simple", "f32") == "simple"
+    assert cu.LAUNCHES[cu.pick_version(None, "mma_v4", "bf16")].impl == "mma_v4"
+    assert cu.LAUNCHES[cu.pick_version(None, "simple", "f32")].impl == "simple"
     for version, impl, kind, match in ((2, None, "f32", "bfloat16"), (None, "mma", "f32", "bfloat16"),
                                        (6, None, "bf16", "version"), (True, None, "bf16", "version"),
                                        (3, "mma", "bf16", "not both"), (None, "fast", "bf16", "impl")):

@@ -331,12 +331,6 @@ def pick_version(version: int | None = None, impl: str | None = None, kind: str 
     return version
 
 
-def _pick_impl(impl: str, kind: str) -> str:
-    """The recorded name (`LAUNCHES[v].impl`) of the version `impl` picks: kept for kdlib.perf's
-    `_attention` suite, which records it; new code calls `pick_version`."""
-    return LAUNCHES[pick_version(None, impl, kind)].impl
-
-
 def _ceil(a, b):
     return -(-a // b)
 

@@ -203,7 +203,7 @@ class _DFlashLanes:
             vbuf[lanes[:, None], pos] = v.view(C, W, *v.shape[1:]).to(vbuf.dtype)
 
 
-class _OracleLanes:
+class OracleLanes:
     """The noisy oracle, one `NoisyOracleDrafter` per lane (host-side: eager steps only)."""
 
     graph_safe = False
@@ -241,7 +241,7 @@ def _lane_drafter(drafter, target, lanes, cap):
     if isinstance(drafter, DFlashDrafter):
         return _DFlashLanes(drafter, target, lanes, cap)
     if isinstance(drafter, NoisyOracleDrafter):
-        return _OracleLanes(drafter, target, lanes, cap)
+        return OracleLanes(drafter, target, lanes, cap)
     raise ValueError(f"the batched engine drafts with DFlashDrafter or NoisyOracleDrafter, got {type(drafter).__name__}")
 
 
@@ -652,7 +652,7 @@ class BatchEngine:
             self.bonus[lane] = 0
             self.active[lane] = False
             self.temperature[lane] = 0.0
-            if isinstance(self.drafter, _OracleLanes):
+            if isinstance(self.drafter, OracleLanes):
                 self.drafter.lanes[lane] = None
         r.lane = -1
         r.slots = []

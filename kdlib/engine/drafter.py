@@ -31,7 +31,7 @@ from torch import nn
 
 from kdlib import kdtr
 from kdlib.engine.cache import LatentCache
-from kdlib.engine.model import MLP, RMSNorm, _up, apply_rope
+from kdlib.engine.model import MLP, RMSNorm, apply_rope, upcast
 
 
 @runtime_checkable
@@ -205,7 +205,9 @@ class DFlashConfig:
                 raise ValueError(f"target_layer_ids {bad} are not layers of the target")
 
 
-def _neox_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype, device):
+def neox_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype, device):
+    """The NeoX rotary table for `positions` [N]: cos, sin [N, head_dim/2] in `dtype`, angles in float64
+    (position * theta^(-2i/head_dim)), as `apply_rope` takes them."""
     inv = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
     ang = positions.to(device=device, dtype=torch.float64)[:, None] * inv[None]  # [N, hd/2]
     return ang.cos().to(dtype), ang.sin().to(dtype)
@@ -233,7 +235,7 @@ class DraftLayer(nn.Module):
         positions' (cos, sin)."""
         c = self.c
         k = self.k_norm(self.k_proj(h).view(-1, c.num_heads, c.head_dim))
-        cos, sin = cos_sin or _neox_cos_sin(positions, c.head_dim, c.rope_theta, h.dtype, h.device)
+        cos, sin = cos_sin or neox_cos_sin(positions, c.head_dim, c.rope_theta, h.dtype, h.device)
         return apply_rope(k, cos, sin, interleave=False), self.v_proj(h).view(-1, c.num_heads, c.head_dim)
 
     def forward(self, x, positions, ctx_k, ctx_v, mask=None):
@@ -241,14 +243,14 @@ class DraftLayer(nn.Module):
         c = self.c
         a = self.input_layernorm(x)
         q = self.q_norm(self.q_proj(a).view(-1, c.num_heads, c.head_dim))
-        cos, sin = _neox_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype, x.device)
+        cos, sin = neox_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype, x.device)
         q = apply_rope(q, cos, sin, interleave=False)
         bk, bv = self.kv(a, positions)
         k, v = torch.cat([ctx_k, bk]), torch.cat([ctx_v, bv])  # [Nc + Nq, nh, hd]
         s = torch.einsum("qhd,khd->hqk", q, k) * c.head_dim**-0.5
         if mask is not None:
             s = s.masked_fill(~mask[None], float("-inf"))
-        p = torch.softmax(_up(s), dim=-1).to(x.dtype)
+        p = torch.softmax(upcast(s), dim=-1).to(x.dtype)
         o = torch.einsum("hqk,khd->qhd", p, v).reshape(-1, c.num_heads * c.head_dim)
         x = x + self.o_proj(o)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -262,7 +264,7 @@ class DraftLayer(nn.Module):
         a = self.input_layernorm(x).reshape(C * B, H)
         pos = positions.reshape(-1)
         q = self.q_norm(self.q_proj(a).view(-1, c.num_heads, c.head_dim))
-        cos, sin = _neox_cos_sin(pos, c.head_dim, c.rope_theta, x.dtype, x.device)
+        cos, sin = neox_cos_sin(pos, c.head_dim, c.rope_theta, x.dtype, x.device)
         q = apply_rope(q, cos, sin, interleave=False).view(C, B, c.num_heads, c.head_dim)
         bk, bv = self.kv(a, pos, (cos, sin))
         keep = ctx_valid[:, :, None, None]
@@ -272,7 +274,7 @@ class DraftLayer(nn.Module):
         s = torch.einsum("cqhd,ckhd->chqk", q, k) * c.head_dim**-0.5  # [C, nh, B, T+B]
         seen = torch.cat([ctx_valid, torch.ones(C, B, dtype=torch.bool, device=x.device)], dim=1)  # [C, T+B]
         s = s.masked_fill(~seen[:, None, None, :], float("-inf"))
-        p = torch.softmax(_up(s), dim=-1).to(x.dtype)
+        p = torch.softmax(upcast(s), dim=-1).to(x.dtype)
         o = torch.einsum("chqk,ckhd->cqhd", p, v).reshape(C, B, c.num_heads * c.head_dim)
         x = x + self.o_proj(o)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -330,7 +332,7 @@ class DFlashDrafter(nn.Module):
 
     def _logits(self, target, x: torch.Tensor) -> torch.Tensor:
         w = target.model.embed_tokens.weight if target.cfg.tie_word_embeddings else target.lm_head.weight
-        return _up(F.linear(self.norm(x), w))
+        return upcast(F.linear(self.norm(x), w))
 
     def _block_ids(self, first: torch.Tensor) -> torch.Tensor:
         """first [A] -> [A, B] = [first, MASK x (B - 1)]."""

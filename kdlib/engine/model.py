@@ -70,7 +70,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 # ----------------------------------------------------------------------------- layers
-def _up(x: torch.Tensor) -> torch.Tensor:
+def upcast(x: torch.Tensor) -> torch.Tensor:
     """Half types to float32 for norms and softmax (as transformers); float32/float64 stay as they are."""
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
@@ -372,7 +372,7 @@ class MLAttention(nn.Module):
         s = torch.matmul(q, k.transpose(1, 2)) * c.softmax_scale  # [nh, T, T]
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
         s = s.masked_fill(~causal, float("-inf"))
-        p = torch.softmax(_up(s), dim=-1).to(x.dtype)
+        p = torch.softmax(upcast(s), dim=-1).to(x.dtype)
         o = torch.matmul(p, v.transpose(0, 1)).transpose(0, 1).reshape(T, nh * c.v_head_dim)
         return self.o_proj(o), lat
 
@@ -404,7 +404,7 @@ class MLAttention(nn.Module):
         ) * c.softmax_scale
         if mask is not None:
             s = s.masked_fill(~mask[:, None, :], float("-inf"))  # [Q, nh, N]
-        p = torch.softmax(_up(s), dim=-1).to(x.dtype)
+        p = torch.softmax(upcast(s), dim=-1).to(x.dtype)
         return self._out(torch.einsum("qhk,kr->qhr", p, k_c), w_uv)
 
     def forward_batch(self, x, cos, sin, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -420,7 +420,7 @@ class MLAttention(nn.Module):
             torch.einsum("cwhr,ctr->cwht", q_lat, k_c) + torch.einsum("cwhd,ctd->cwht", q_rope, k_r)
         ) * c.softmax_scale
         s = s.masked_fill(~mask[:, :, None, :], float("-inf"))  # [C, W, nh, T]
-        p = torch.softmax(_up(s), dim=-1).to(x.dtype)
+        p = torch.softmax(upcast(s), dim=-1).to(x.dtype)
         o_lat = torch.einsum("cwht,ctr->cwhr", p, k_c).reshape(C * W, c.num_attention_heads, c.kv_lora_rank)
         return self._out(o_lat, w_uv)
 
@@ -555,7 +555,7 @@ class Model(nn.Module):
         """Final norm + LM head: h [T, H] (pre-norm residual stream) -> logits [T, V], float32 or wider."""
         h = self.model.norm(h)
         w = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-        return _up(F.linear(h, w))
+        return upcast(F.linear(h, w))
 
     # ---- decode-loop hooks (kdlib.engine.generate); kdlib.tp.TPModel overrides them vocab-parallel
     def greedy(self, h: torch.Tensor) -> torch.Tensor:

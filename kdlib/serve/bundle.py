@@ -53,7 +53,7 @@ def _lazy_oracle_class():
     import numpy as np
     import torch
 
-    from kdlib.engine.batch import _OracleLanes
+    from kdlib.engine.batch import OracleLanes
     from kdlib.engine.cache import LatentCache
     from kdlib.engine.drafter import NoisyOracleDrafter
 
@@ -98,7 +98,7 @@ def _lazy_oracle_class():
             """The batched engine's per-lane state (`kdlib.engine.batch`'s drafter hook)."""
             return LazyOracleLanes(self, target, lanes, cap)
 
-    class LazyOracleLanes(_OracleLanes):
+    class LazyOracleLanes(OracleLanes):
         """The batched engine's per-lane oracles (host-side drafts: eager steps only), each a LazyOracle."""
 
         def admit(self, lane: int, prompt, feats, max_new: int) -> None:

@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdlib.engine.model import MLP, MLAttention, Model, MoE, RMSNorm, _up
+from kdlib.engine.model import MLP, MLAttention, Model, MoE, RMSNorm, upcast
 
 MOE_MODES = ("ep", "tp")
 BACKENDS = ("gloo", "nccl")
@@ -421,7 +421,7 @@ class TPModel(Model):
 
     def head_local(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + this rank's LM head rows: h [T, H] -> logits [T, v1 - v0], float32 or wider."""
-        return _up(F.linear(self.model.norm(h), self.lm_head.weight))
+        return upcast(F.linear(self.model.norm(h), self.lm_head.weight))
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Dense logits [T, V] gathered from every rank (checks and study drafters; decoding uses

@@ -153,20 +153,6 @@ def measure(total_bytes: int = 256 << 20, repeats: int = 5, n_tensors: int = 8, 
     }
 
 
-def table(result: dict):
-    """A recorded or live result as a pandas DataFrame: one row per (format, operation)."""
-    import pandas as pd
-
-    rows = []
-    for fmt, row in result["formats"].items():
-        for op, v in row.items():
-            if isinstance(v, dict):
-                t = v["timing"]
-                rows.append({"format": fmt, "operation": op, "GB/s": v["GBps"], "median ms": t["median_ms"],
-                             "p10 ms": t["p10_ms"], "p90 ms": t["p90_ms"]})
-    return pd.DataFrame(rows)
-
-
 def run(*, quick: bool = False) -> dict:
     """The suite entry point (kdlib.perf.run): 256 MiB and 5 repeats, or 16 MiB and 2 when quick."""
     return measure(total_bytes=(16 if quick else 256) << 20, repeats=2 if quick else 5)
