@@ -3,11 +3,14 @@
     from kdlib import headlines
     headlines.pro6000_crosscheck_tok_s()   # {1: tok/s, 10: tok/s}: the seeds' stack on the PRO 6000
     headlines.b300_native_tok_s()          # tok/s: the native engine on a B300 at C = 1
+    headlines.k2_rank_figures(doc)         # the seeds' step figures on the measured Kimi-K2.6 rank
 
 The audit (`kdlib.audit`) reads `data/` and calls kdlib; it reads no executed notebook. A figure that a
 notebook computes and the audit also shows is computed here, from `data/` alone, so that notebook 06
 records the same number the audit states, whichever runs first. Both figures use the estimator
-calibrated on the recorded H200 component results, as notebook 06 does (`calibrated`).
+calibrated on the recorded H200 component results, as notebook 06 does (`calibrated`). The rank's
+figures take the recorded k2_rank payload itself (notebook 03b passes the file it shows, the audit what
+its `Sources` read), so both state the same numbers from the same file.
 """
 
 from __future__ import annotations
@@ -45,3 +48,49 @@ def b300_native_tok_s(context: int = CONTEXT) -> float:
     """Aggregate tok/s of the native engine (GPU tree build, calibrated host terms) on a B300 at C = 1
     with the seeds' current drafter: the model's counterpart of their measured 303 tok/s."""
     return est.step_time("b300", _current_drafter(1, context, "gpu"), calibrated())["tok_s"]
+
+
+# ---- one TP8 rank of Kimi-K2.6, measured (suite k2_rank): notebook 03b shows these, the audit states them
+K2_SEED_CONTEXT = 5500  # tokens: the seeds' "144ms at 5.5k tokens" verify step
+K2_SHORT_CONTEXT = 128  # tokens: the grid's shortest context, beside the seeds' "34ms at 13 tokens"
+
+
+def k2_rank_grid(doc: dict) -> dict:
+    """(context, streams, budget) -> row of a k2_rank payload (kdlib/perf/suites/k2_rank.py), the grid's
+    rows only (`compiled`, or every row of a run without torch.compile); budget None is AR."""
+    rows = doc.get("rows") or []
+    compiled = any(r.get("compiled") for r in rows)
+    return {(r["context"], r["streams"], r["budget"]): r for r in rows if bool(r.get("compiled")) == compiled}
+
+
+def k2_rank_figures(doc: dict) -> dict:
+    """The seeds' step figures re-read on the measured rank (a k2_rank payload, `k2_rank_grid` rows). Steps
+    are the graph step plus the modelled all-reduce (`step_with_allreduce_ms`), ms; budget None is AR.
+
+    verify_ms {C: {budget: ms}} at K2_SEED_CONTEXT, C = 1 and 10 (the seeds' two service points);
+    growth {budget: step at K2_SEED_CONTEXT / step at K2_SHORT_CONTEXT} and attention_growth_ms {budget:
+    attention ms at K2_SEED_CONTEXT minus at K2_SHORT_CONTEXT}, C = 1; c10_over_c1 {budget: step at C = 10
+    / step at C = 1} at K2_SEED_CONTEXT; at K2_SEED_CONTEXT, C = 1 and 10, keyed (C, budget): moe_ms the
+    routed-MoE piece, moe_share that piece / the graph step, moe_over_floor that piece / its floor;
+    accepted: the forced accepted length (a parameter of the suite, not a measurement). KeyError where a
+    needed grid row was not recorded."""
+    g = k2_rank_grid(doc)
+    budgets = sorted({b for _, _, b in g if b is not None})
+    methods = [None, *budgets]
+    ctx, short = K2_SEED_CONTEXT, K2_SHORT_CONTEXT
+    step = {k: r["step_with_allreduce_ms"] for k, r in g.items()}
+    piece = {k: r["components_ms"] for k, r in g.items()}
+    return {
+        "accepted": doc["parameters"]["accepted"],
+        "budgets": budgets,
+        "verify_ms": {c: {b: step[ctx, c, b] for b in methods} for c in CROSSCHECK_CONCURRENCY},
+        "growth": {b: step[ctx, 1, b] / step[short, 1, b] for b in methods},
+        "attention_growth_ms": {b: piece[ctx, 1, b]["attention"] - piece[short, 1, b]["attention"]
+                                for b in methods},
+        "c10_over_c1": {b: step[ctx, 10, b] / step[ctx, 1, b] for b in methods},
+        "moe_ms": {(c, b): piece[ctx, c, b]["moe"] for c in CROSSCHECK_CONCURRENCY for b in methods},
+        "moe_share": {(c, b): piece[ctx, c, b]["moe"] / g[ctx, c, b]["step_ms"]
+                      for c in CROSSCHECK_CONCURRENCY for b in methods},
+        "moe_over_floor": {(c, b): piece[ctx, c, b]["moe"] / g[ctx, c, b]["floors"]["moe"]["floor_ms"]
+                           for c in CROSSCHECK_CONCURRENCY for b in methods},
+    }

@@ -1,0 +1,97 @@
+"""kdlib.headlines.k2_rank_figures: the seeds' step figures re-read on a k2_rank payload (notebook 03b and
+the audit both call it), on a synthetic payload whose answers are known and on the recorded file."""
+
+import pytest
+
+from kdlib import audit, headlines, perf
+
+BUDGETS = (None, 8, 16)
+
+
+def _row(ctx, c, b, step, *, ar=1.0, attention=1.0, moe=2.0, moe_floor=1.0, compiled=True):
+    return {"context": ctx, "streams": c, "budget": b, "method": "ddtree" if b else "ar",
+            "compiled": compiled, "step_ms": step, "step_with_allreduce_ms": step + ar,
+            "components_ms": {"moe": moe, "attention": attention, "dense": 1.0},
+            "floors": {"moe": {"floor_ms": moe_floor}}}
+
+
+def synthetic(c10_scale=2.0) -> dict:
+    """Steps of 10 ms + 1 ms per budget node at C = 1 (9 ms + 1 of all-reduce at 128 tokens, so 5.5k is
+    10 / 9 of 128 with attention 1 ms longer); C = 10 costs `c10_scale` x the C = 1 step (all-reduce
+    included); a plain (not compiled) 5.5k C = 1 AR row twice as slow, which the grid must skip."""
+    rows = [_row(5500, 1, None, 40.0, compiled=False)]
+    for b in BUDGETS:
+        n = b or 0
+        rows.append(_row(128, 1, b, 8.0 + n, attention=1.0))
+        rows.append(_row(5500, 1, b, 9.0 + n, attention=2.0, moe=3.0, moe_floor=1.5))
+        rows.append(_row(5500, 10, b, c10_scale * (10.0 + n) - 1.0, moe=6.0, moe_floor=4.0))
+    return {"parameters": {"accepted": 4}, "rows": rows, "_path": "synthetic",
+            "provenance": {"gpu": "NVIDIA H200", "commit": "0" * 10, "date": "d", "command": "c"}}
+
+
+def test_grid_keeps_the_compiled_rows_only():
+    g = headlines.k2_rank_grid(synthetic())
+    assert g[5500, 1, None]["step_ms"] == 9.0 and all(r["compiled"] for r in g.values())
+    plain = {"rows": [_row(5500, 1, None, 40.0, compiled=False)]}
+    assert headlines.k2_rank_grid(plain)[5500, 1, None]["step_ms"] == 40.0  # a run without torch.compile
+
+
+def test_figures_on_a_synthetic_payload():
+    k = headlines.k2_rank_figures(synthetic())
+    assert k["budgets"] == [8, 16] and k["accepted"] == 4
+    assert k["verify_ms"][1] == {None: 10.0, 8: 18.0, 16: 26.0}
+    assert k["verify_ms"][10][16] == pytest.approx(2.0 * 26.0)
+    assert k["growth"][None] == pytest.approx(10.0 / 9.0) and k["growth"][16] == pytest.approx(26.0 / 25.0)
+    assert k["attention_growth_ms"] == {None: 1.0, 8: 1.0, 16: 1.0}
+    assert all(v == pytest.approx(2.0) for v in k["c10_over_c1"].values())
+    assert k["moe_share"][1, 8] == pytest.approx(3.0 / 17.0)
+    assert k["moe_over_floor"][1, None] == 2.0 and k["moe_over_floor"][10, 16] == 1.5
+
+
+def test_a_missing_grid_row_is_a_key_error():
+    doc = synthetic()
+    doc["rows"] = [r for r in doc["rows"] if (r["context"], r["streams"]) != (128, 1)]
+    with pytest.raises(KeyError):
+        headlines.k2_rank_figures(doc)
+
+
+def test_the_per_step_cost_of_c10_decides_the_baseline_verdict():
+    cat = audit.catalogue()
+    c1, c10 = cat.claim("diag_baseline_c1_c10")
+    seed_ratio = 10 * c1 / c10
+    fig = cat["diag_baseline_c1_c10"]
+    for scale, verdict in ((seed_ratio, audit.READING), (seed_ratio * 1.5, audit.OUT_OF_REACH),
+                           (seed_ratio / 1.5, audit.OUT_OF_REACH)):
+        v = audit.run_one(fig, cat, audit.Sources(results={"k2_rank.h200": synthetic(scale)}))
+        assert v.verdict == verdict, scale
+        assert v.values["seed_ratio"] == pytest.approx(seed_ratio)
+        assert "synthetic" in v.sources[-1]
+    assert audit.run_one(fig, cat, audit.Sources(results={})).verdict == audit.OUT_OF_REACH
+
+
+def test_the_rank_adds_its_measurement_to_the_step_and_moe_verdicts():
+    cat = audit.catalogue()
+    src = audit.Sources(results={"k2_rank.h200": synthetic()})
+    step = audit.run_one(cat["diag_step_34_144"], cat, src)
+    assert step.verdict == audit.CONTRADICTED  # the seeds' own figures decide it; the rank adds where from
+    assert step.values["rank_attention_growth_ms"] == 1.0 and "+1.00 ms" in step.ours
+    assert step.values["rank_growth"] == pytest.approx(10.0 / 9.0)
+    moe = audit.run_one(cat["moe_share_step_80_90"], cat, src)
+    assert moe.verdict == audit.CONTRADICTED
+    assert moe.values["rank_moe_share_max"] == pytest.approx(3.0 / 9.0)  # C = 1 AR: 3 of 9 ms
+    assert moe.values["rank_moe_over_floor_tree_c1"] == [2.0, 2.0]
+
+
+def test_figures_on_the_recorded_file():
+    doc = perf.load("k2_rank", "h200")
+    if doc is None:
+        pytest.skip("no data/results/k2_rank.h200.json recorded")
+    k = headlines.k2_rank_figures(doc)
+    g = headlines.k2_rank_grid(doc)
+    assert k["budgets"] == sorted({b for _, _, b in g if b is not None})
+    for c, by_b in k["verify_ms"].items():
+        for b, ms in by_b.items():
+            assert ms == g[headlines.K2_SEED_CONTEXT, c, b]["step_with_allreduce_ms"] > 0
+    # one rank's step costs more at 5.5k than at 128 tokens of context, and more at C = 10 than at C = 1
+    assert all(v > 1 for v in k["growth"].values()) and all(v > 1 for v in k["c10_over_c1"].values())
+    assert all(0 < v < 1 for v in k["moe_share"].values())
