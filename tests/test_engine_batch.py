@@ -53,8 +53,8 @@ def test_greedy_batch_equals_single_stream_ar(streams, method, kind, budget, ove
     prompts = _prompts(streams, seed=streams * 7 + (budget or 0), vocab=m.cfg.vocab_size)
     new = [int(x) for x in np.random.default_rng(streams).integers(4, 14, streams)]
     drafter = _drafter(kind, m) if kind else None
-    eng = BatchEngine(m, max_streams=streams, method=method, drafter=drafter, budget=budget, keep_results=True,
-                      overlap=overlap)
+    eng = BatchEngine(m, max_streams=streams, method=method, drafter=drafter, budget=budget,
+                      keep_results=True, overlap=overlap)
     rids = [eng.add_request(p, n) for p, n in zip(prompts, new, strict=True)]
     while eng.has_work():
         eng.step()
@@ -324,9 +324,11 @@ def test_same_seed_same_tokens_whatever_else_runs():
 
 # ----------------------------------------------------------------------------- INT4 experts
 def _int4_config(hidden: int = 64, inter: int = 32) -> ModelConfig:
-    """tiny-a widened so the INT4 groups (32) fit: hidden and expert intermediate multiples of 32 (of 64 on CUDA)."""
+    """tiny-a widened so the INT4 groups (32) fit: hidden and expert intermediate multiples of 32 (of 64
+    on CUDA)."""
     cfg = ModelConfig.from_json(DATA / "configs" / "tiny-a.json")
-    return dataclasses.replace(cfg, hidden_size=hidden, moe_intermediate_size=inter, intermediate_size=2 * hidden)
+    return dataclasses.replace(cfg, hidden_size=hidden, moe_intermediate_size=inter,
+                               intermediate_size=2 * hidden)
 
 
 def test_int4_experts_match_the_numpy_quantizer_and_reference():
@@ -403,20 +405,23 @@ def test_gpu_int4_engine_runs_moe_w4a16_in_graphs():
     path on the same weights (bf16 tolerance), and the batched engine runs it eagerly and in graphs."""
     from kdlib.engine.int4 import device_routing, routed_dequantized
 
-    m = Model.random(_int4_config(256, 128), seed=5, device="cuda", dtype=torch.bfloat16).quantize_experts_int4()
+    cfg = _int4_config(256, 128)
+    m = Model.random(cfg, seed=5, device="cuda", dtype=torch.bfloat16).quantize_experts_int4()
     layer = next(la.mlp for la in m.model.layers if hasattr(la.mlp, "experts"))
     for rows in (1, 5, 40):  # the decode kernels' regime (<= 8 slots an expert) and version 1's
         x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             w, idx = layer.gate(x)
             got = layer._routed_int4(x, w, idx).float()
-        ref = routed_dequantized(x, layer.int4["q"], device_routing(idx, w, 0, layer.int4["n_experts"])).float()
+        rt = device_routing(idx, w, 0, layer.int4["n_experts"])
+        ref = routed_dequantized(x, layer.int4["q"], rt).float()
         assert float((got - ref).norm() / ref.norm()) < 2e-2, rows
     prompts = _prompts(3, seed=9, vocab=m.cfg.vocab_size, hi=40)
     d = _drafter("dflash", m).to(dtype=torch.bfloat16)
     for graphs in (False, True):
         res = generate_batch(m, prompts, 8, method="ddtree", drafter=d, budget=8, graphs=graphs)
-        assert all(len(r.tokens) == 8 and 0 <= min(r.tokens) and max(r.tokens) < m.cfg.vocab_size for r in res)
+        assert all(len(r.tokens) == 8 and 0 <= min(r.tokens) and max(r.tokens) < m.cfg.vocab_size
+                   for r in res)
 
 
 @pytest.mark.gpu

@@ -225,7 +225,8 @@ def test_cpu_step_runs_every_part(mode):
 
 
 def _saved(st: RankStep) -> dict:
-    return {k: getattr(st, k).float().clone() for k in ("x_saved", "q_saved", "rows_saved", "o_saved", "f_saved")}
+    return {k: getattr(st, k).float().clone()
+            for k in ("x_saved", "q_saved", "rows_saved", "o_saved", "f_saved")}
 
 
 def test_compiled_pieces_trace_whole_and_agree():
@@ -314,8 +315,9 @@ def test_gpu_step_graph_replay_matches_eager(budget):
 @pytest.mark.gpu
 def test_gpu_compiled_step_graph_replay_matches_plain():
     """Inductor-compiled pieces: each piece on the same inputs within a few bf16 roundings of the plain one
-    (the routing's integer outputs exactly, from the same bf16 scores; its fp32 weights to 1e-6); inside the captured step the same
-    accepted lengths and the argmax almost everywhere (60 layers of bf16 differences compound)."""
+    (the routing's integer outputs exactly, from the same bf16 scores; its fp32 weights to 1e-6); inside
+    the captured step the same accepted lengths and the argmax almost everywhere (60 layers of bf16
+    differences compound)."""
     d = small_config(hidden_size=256, moe_intermediate_size=256, n_routed_experts=32, num_experts_per_tok=8)
     m = RankModel(RankShape(ModelConfig.from_dict(d), tp=2, rank=0, moe_mode="tp"), device="cuda")
     dr = RankDrafter(m, DraftShape(2, 4, 2, 64, 256, 8, (0, 2)))
@@ -327,10 +329,12 @@ def test_gpu_compiled_step_graph_replay_matches_plain():
     c, L, M = m.cfg, m.layers[1], st.M
     g = torch.Generator(device="cuda").manual_seed(5)
     h = torch.randn(M, c.hidden_size, device="cuda", generator=g).to(torch.bfloat16)
-    cos, sin = (torch.rand(M, c.qk_rope_head_dim // 2, device="cuda", generator=g).to(torch.bfloat16) for _ in "cs")
+    cos, sin = (torch.rand(M, c.qk_rope_head_dim // 2, device="cuda", generator=g).to(torch.bfloat16)
+                for _ in "cs")
     o_lat = torch.randn(M, m.heads, c.kv_lora_rank, device="cuda", generator=g)
     pre_w, post_w = [L[k] for k in rank_mod._PRE], [L[k] for k in rank_mod._POST]
-    plain = (m._pre(h, cos, sin, *pre_w), m._post(h, o_lat, *post_w), m._route(h, L["router"], L["router_bias"]))
+    plain = (m._pre(h, cos, sin, *pre_w), m._post(h, o_lat, *post_w),
+             m._route(h, L["router"], L["router_bias"]))
     torch._dynamo.reset()
     m.compile_pieces()
     got = (m._pre_fn(h, cos, sin, *pre_w), m._post_fn(h, o_lat, *post_w),

@@ -83,19 +83,24 @@ class SamplingParams:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, numbers.Real) or not 0 < self.top_p <= 1:
+        if (isinstance(self.top_p, bool) or not isinstance(self.top_p, numbers.Real)
+                or not 0 < self.top_p <= 1):
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
         for name, v in (("top_k", self.top_k), ("min_tokens", self.min_tokens)):
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
+        if self.seed is not None and (isinstance(self.seed, bool)
+                                      or not isinstance(self.seed, numbers.Integral)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, numbers.Integral)
+        if self.logprobs is not None and (isinstance(self.logprobs, bool)
+                                          or not isinstance(self.logprobs, numbers.Integral)
                                           or not 0 <= self.logprobs <= TOP_LOGPROBS):
             raise ValueError(f"logprobs must be None or an int in [0, {TOP_LOGPROBS}], got {self.logprobs!r}")
-        bad = [s for s in self.stop_token_ids if not isinstance(s, numbers.Integral) or not 0 <= s < vocab_size]
+        bad = [s for s in self.stop_token_ids
+               if not isinstance(s, numbers.Integral) or not 0 <= s < vocab_size]
         if bad:
-            raise ValueError(f"stop_token_ids {bad[:3]} are not token ids of the vocabulary [0, {vocab_size})")
+            raise ValueError(f"stop_token_ids {bad[:3]} are not token ids of the vocabulary "
+                             f"[0, {vocab_size})")
         return self
 
 
@@ -127,14 +132,16 @@ class _Request:
 
 
 class SlotPool:
-    """The shared latent pool [layers, S + 1, D] and its allocator (host-side free list, lowest slot first)."""
+    """The shared latent pool [layers, S + 1, D] and its allocator (host-side free list, lowest slot
+    first)."""
 
     def __init__(self, cfg, num_slots: int, device, dtype):
         if num_slots <= 0:
             raise ValueError(f"num_slots must be > 0, got {num_slots}")
         self.num_slots = int(num_slots)
         self.null = self.num_slots  # the padding slot: owned by no request
-        self.kv = torch.zeros(cfg.num_hidden_layers, self.num_slots + 1, cfg.latent_dim, device=device, dtype=dtype)
+        self.kv = torch.zeros(cfg.num_hidden_layers, self.num_slots + 1, cfg.latent_dim,
+                              device=device, dtype=dtype)
         self._free = list(range(self.num_slots - 1, -1, -1))
 
     @property
@@ -166,13 +173,14 @@ class _DFlashLanes:
         self.capture = tuple(drafter.target_layer_ids)  # target layers whose outputs feed the context
         c = drafter.c
         w = drafter.fc.weight
-        self.k = [torch.zeros(lanes, cap, c.num_heads, c.head_dim, device=w.device, dtype=w.dtype) for _ in drafter.layers]
+        self.k = [torch.zeros(lanes, cap, c.num_heads, c.head_dim, device=w.device, dtype=w.dtype)
+                  for _ in drafter.layers]
         self.v = [torch.zeros_like(k) for k in self.k]
 
     def admit(self, lane: int, prompt: list[int], feats: torch.Tensor, max_new: int) -> None:
         """The prompt's target features [P, F] become context positions 0..P-1 of `lane`."""
-        self._write(torch.tensor([lane], device=feats.device), torch.zeros(1, dtype=torch.int64, device=feats.device),
-                    feats[None])
+        self._write(torch.tensor([lane], device=feats.device),
+                    torch.zeros(1, dtype=torch.int64, device=feats.device), feats[None])
 
     def draft(self, bonus: torch.Tensor, lens: torch.Tensor, T: int) -> torch.Tensor:
         """bonus, lens [C] -> logits [C, L, V] of depths 1..L (context: each lane's positions < lens)."""
@@ -242,7 +250,8 @@ def _lane_drafter(drafter, target, lanes, cap):
         return _DFlashLanes(drafter, target, lanes, cap)
     if isinstance(drafter, NoisyOracleDrafter):
         return OracleLanes(drafter, target, lanes, cap)
-    raise ValueError(f"the batched engine drafts with DFlashDrafter or NoisyOracleDrafter, got {type(drafter).__name__}")
+    raise ValueError("the batched engine drafts with DFlashDrafter or NoisyOracleDrafter, "
+                     f"got {type(drafter).__name__}")
 
 
 # ----------------------------------------------------------------------------- device-side helpers
@@ -315,10 +324,10 @@ def cupy_on_torch_stream():
 class BatchEngine:
     """Continuous batching of AR or DDTree requests (module docstring). One thread drives it."""
 
-    def __init__(self, model, max_streams: int = 16, method: str = "ar", drafter=None, budget: int | None = None,
-                 top_k: int | None = None, num_slots: int | None = None, max_context: int | None = None,
-                 graphs: bool | None = None, keep_results: bool = False, compile: bool = False,
-                 overlap: bool = False):
+    def __init__(self, model, max_streams: int = 16, method: str = "ar", drafter=None,
+                 budget: int | None = None, top_k: int | None = None, num_slots: int | None = None,
+                 max_context: int | None = None, graphs: bool | None = None, keep_results: bool = False,
+                 compile: bool = False, overlap: bool = False):
         if method not in ("ar", "ddtree"):
             raise ValueError(f"method must be 'ar' or 'ddtree', got {method!r}")
         if isinstance(max_streams, bool) or not isinstance(max_streams, numbers.Integral) or max_streams < 1:
@@ -329,18 +338,22 @@ class BatchEngine:
         self.max_streams = int(max_streams)
         self.max_context = cfg.max_position_embeddings if max_context is None else int(max_context)
         if not 1 <= self.max_context <= cfg.max_position_embeddings:
-            raise ValueError(f"max_context must lie in [1, {cfg.max_position_embeddings}], got {max_context!r}")
+            raise ValueError(f"max_context must lie in [1, {cfg.max_position_embeddings}], "
+                             f"got {max_context!r}")
         if method == "ddtree":
             if drafter is None:
                 raise ValueError("method 'ddtree' needs a drafter")
             if drafter.vocab_size != cfg.vocab_size:
-                raise ValueError(f"drafter vocabulary {drafter.vocab_size} != target vocabulary {cfg.vocab_size}")
+                raise ValueError(f"drafter vocabulary {drafter.vocab_size} != target vocabulary "
+                                 f"{cfg.vocab_size}")
             horizon = drafter.block_size - 1
             budget = horizon if budget is None else budget
-            if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or not 1 <= budget <= MAX_BUDGET:
+            if (isinstance(budget, bool) or not isinstance(budget, numbers.Integral)
+                    or not 1 <= budget <= MAX_BUDGET):
                 raise ValueError(f"budget must be an int in [1, {MAX_BUDGET}], got {budget!r}")
             if min(horizon, budget) > MAX_DEPTH:
-                raise ValueError(f"tree depth min(L={horizon}, budget={budget}) exceeds the tree kernels' limit {MAX_DEPTH}")
+                raise ValueError(f"tree depth min(L={horizon}, budget={budget}) exceeds the tree kernels' "
+                                 f"limit {MAX_DEPTH}")
             self.horizon, self.budget = horizon, int(budget)
             self.k = min(top_k if top_k is not None else budget, budget, cfg.vocab_size)
             self.rows = budget + 1
@@ -348,7 +361,8 @@ class BatchEngine:
             raise ValueError("drafter, budget and top_k apply to method 'ddtree' only")
         else:
             self.horizon, self.budget, self.k, self.rows = 0, 0, 0, 1
-        self.width = min(self.horizon, self.budget) + 1 if method == "ddtree" else 1  # emitted tokens per step, at most
+        # emitted tokens per step, at most
+        self.width = min(self.horizon, self.budget) + 1 if method == "ddtree" else 1
         cap = self.max_context + self.rows  # page-table width: the last step's tree rows past the end
         self.table_cap = cap
         num_slots = self.max_streams * cap if num_slots is None else int(num_slots)
@@ -379,7 +393,8 @@ class BatchEngine:
         self.out_cols = 1 + self.width * (2 + 2 * TOP_LOGPROBS)
         self.out_dev = torch.zeros(n, self.out_cols, dtype=torch.float64, device=dev)  # [lanes, cols]
         pinned = dict(dtype=torch.float64, pin_memory=dev.type == "cuda")
-        self.out_host = (torch.zeros(2, n, self.out_cols, **pinned) if overlap  # [2, lanes, cols]: one per step in flight
+        # [2, lanes, cols] under overlap (one per step in flight), else [lanes, cols]
+        self.out_host = (torch.zeros(2, n, self.out_cols, **pinned) if overlap
                          else torch.zeros(n, self.out_cols, **pinned))
         self.overlap, self._inflight, self._flip = bool(overlap), None, 0
         self._graphs: dict = {}
@@ -394,7 +409,8 @@ class BatchEngine:
         self.spec_stats = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
                            "accepted_per_pos": [0] * max(self.horizon, 1)}
         self.step_ms: list[float] = []  # host wall time of each step
-        self.replay_ms: list[float] | None = None  # a list: each replay's device span is appended (benchmarks)
+        # a list: each replay's device span is appended (benchmarks)
+        self.replay_ms: list[float] | None = None
 
     # ---- public state
     @property
@@ -424,16 +440,17 @@ class BatchEngine:
     def add_request(self, prompt_ids, max_new_tokens: int, params: SamplingParams | None = None) -> int:
         """Queue a request (validated now: a clear ValueError if it could never run); returns its id."""
         prompt = self.model.check_tokens(prompt_ids).tolist()
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
+        if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral)
+                or max_new_tokens < 1):
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         params = (params or SamplingParams()).validate(self.cfg.vocab_size)
         if len(prompt) + max_new_tokens > self.max_context:
-            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds the context limit "
-                             f"{self.max_context}")
+            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds the "
+                             f"context limit {self.max_context}")
         need = self.reserve(len(prompt), max_new_tokens)
         if need > self.pool.num_slots:
-            raise ValueError(f"the request needs {need} KV slots (prompt + max_new_tokens + {self.rows} verify rows); "
-                             f"the pool holds {self.pool.num_slots}")
+            raise ValueError(f"the request needs {need} KV slots (prompt + max_new_tokens + {self.rows} "
+                             f"verify rows); the pool holds {self.pool.num_slots}")
         seed = secrets.randbits(63) if params.seed is None else int(params.seed) & (2**63 - 1)
         r = _Request(self._next_id, prompt, int(max_new_tokens), params, seed)
         self._next_id += 1
@@ -456,16 +473,19 @@ class BatchEngine:
     def prompt_logprobs(self, prompt_ids, top_n: int) -> list[dict | None]:
         """Between steps: per prompt position i the log-probability of prompt[i] given prompt[:i] and the
         top_n alternatives (echo + logprobs); position 0 has no context and gets None."""
-        if isinstance(top_n, bool) or not isinstance(top_n, numbers.Integral) or not 0 <= top_n <= TOP_LOGPROBS:
+        if (isinstance(top_n, bool) or not isinstance(top_n, numbers.Integral)
+                or not 0 <= top_n <= TOP_LOGPROBS):
             raise ValueError(f"top_n must be an int in [0, {TOP_LOGPROBS}], got {top_n!r}")
         ids = self.model.check_tokens(prompt_ids)
         if ids.shape[0] > self.max_context:
             raise ValueError(f"prompt of {ids.shape[0]} tokens exceeds the context limit {self.max_context}")
-        lp = torch.log_softmax(self.model.logits(ids).float(), dim=-1)[:-1]  # [P-1, V] row i predicts prompt[i+1]
+        # [P-1, V]: row i predicts prompt[i+1]
+        lp = torch.log_softmax(self.model.logits(ids).float(), dim=-1)[:-1]
         return [None] + self._logprob_entries(lp, ids[1:].tolist(), int(top_n))
 
     def result(self, rid: int) -> _Request | None:
-        """A request's record (tokens, accepted, steps): running or waiting, or finished under keep_results."""
+        """A request's record (tokens, accepted, steps): running or waiting, or finished under
+        keep_results."""
         return self._requests.get(rid) or self.finished.get(rid)
 
     # ---- admission (eager prefill)
@@ -525,7 +545,8 @@ class BatchEngine:
         temp = self.temperature[lanes]
         probs = filtered_probs(logits, temp, self.top_p[lanes], self.top_kk[lanes], filtered)
         C, W, V = probs.shape
-        drawn = torch.as_tensor(ops.sample_tokens(probs.reshape(C * W, V), u.reshape(-1)), device=logits.device)
+        drawn = torch.as_tensor(ops.sample_tokens(probs.reshape(C * W, V), u.reshape(-1)),
+                                device=logits.device)
         return torch.where((temp > 0)[:, None], drawn.view(C, W), greedy)
 
     # ---- one step
@@ -567,8 +588,8 @@ class BatchEngine:
         T = min(T, self.table_cap)
         reqs = [self._lanes[i] for i in range(C)]
         sampled = any(r is not None and r.params.temperature > 0 for r in reqs)
-        filtered = any(r is not None and r.params.temperature > 0 and (r.params.top_p < 1 or r.params.top_k > 0)
-                       for r in reqs)
+        filtered = any(r is not None and r.params.temperature > 0
+                       and (r.params.top_p < 1 or r.params.top_k > 0) for r in reqs)
         want_lp = any(r is not None and r.params.logprobs is not None for r in reqs)
         key = (C, T, sampled, filtered, want_lp)
         host = self.out_host[self._flip] if self.overlap else self.out_host
@@ -607,7 +628,8 @@ class BatchEngine:
             vals = row[base + w + w * TOP_LOGPROBS : base + w + 2 * w * TOP_LOGPROBS].reshape(w, TOP_LOGPROBS)
             k = r.params.logprobs
             lp = [{"token": toks[i], "logprob": float(chosen[i]),
-                   "top": [(int(a), float(b)) for a, b in zip(ids[i, :k], vals[i, :k], strict=True)]} for i in range(n)]
+                   "top": [(int(a), float(b)) for a, b in zip(ids[i, :k], vals[i, :k], strict=True)]}
+                  for i in range(n)]
         r.steps += 1
         r.accepted.append(n)
         r.tree_sizes.append(self.rows)
@@ -687,7 +709,8 @@ class BatchEngine:
             depth = torch.as_tensor(trees.positions, device=dev).clamp(min=0)  # [C, W]
             vis = torch.as_tensor(trees.visibility, device=dev)  # [C, W, W]
             capture = getattr(self.drafter, "capture", ())
-            logits, feats = self._verify(m, self.pool.kv, table, lens, tokens, depth, vis, tuple(capture))  # [C, W, V]
+            # logits [C, W, V]
+            logits, feats = self._verify(m, self.pool.kv, table, lens, tokens, depth, vis, tuple(capture))
             target = self._pick(logits, u, lanes, sampled, filtered)  # [C, W]
             paths, tau, new_bonus = self._accept(trees, target, C)  # [C, L+1], [C], [C]
             # page-table tail: accepted rows first (path order), then the rest in index order; padded
@@ -700,11 +723,13 @@ class BatchEngine:
             tail = table.gather(1, idx)
             self.table[:C, :T].scatter_(1, idx, tail.gather(1, perm))
             path_tokens = tokens.gather(1, perm)  # [C, W] tokens in committed order
-            f = feats.view(C, W, -1).gather(1, perm[:, :, None].expand(C, W, feats.shape[-1])) if feats is not None else None
+            f = (feats.view(C, W, -1).gather(1, perm[:, :, None].expand(C, W, feats.shape[-1]))
+                 if feats is not None else None)
             self.drafter.commit(lens, path_tokens, f, tau)
             # emitted: accepted nodes' tokens after the root, then the new bonus
             j = torch.arange(self.width, device=dev)[None]  # [1, width]
-            shifted = torch.cat([path_tokens[:, 1 : self.width], torch.zeros(C, 1, dtype=torch.int64, device=dev)], 1)
+            shifted = torch.cat([path_tokens[:, 1 : self.width],
+                                 torch.zeros(C, 1, dtype=torch.int64, device=dev)], 1)
             emitted = torch.where(j == (tau - 1)[:, None], new_bonus[:, None], shifted[:, : self.width])
             rows = paths.clamp(min=0)[:, : self.width]  # [C, width] the row that predicted each emitted token
             nxt = new_bonus[:, None]
@@ -717,7 +742,8 @@ class BatchEngine:
         out[:, 1 : 1 + emitted.shape[1]] = emitted.double()
         if want_lp:
             wd = self.width
-            lp = torch.log_softmax(logits.gather(1, rows[:, :, None].expand(-1, -1, logits.shape[-1])).float(), -1)
+            lp = torch.log_softmax(
+                logits.gather(1, rows[:, :, None].expand(-1, -1, logits.shape[-1])).float(), -1)
             lp = lp[:, :wd]  # [C, width, V]
             base = 1 + wd
             out[:, base : base + emitted.shape[1]] = lp.gather(2, emitted[:, :, None])[..., 0].double()
@@ -731,7 +757,8 @@ class BatchEngine:
         """lp [n, V] log-probabilities of the rows that predicted toks [n]; n_top alternatives each."""
         top = lp.topk(min(n_top, lp.shape[-1]), dim=-1)
         return [{"token": t, "logprob": float(lp[i, t]),
-                 "top": list(zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True))} for i, t in enumerate(toks)]
+                 "top": list(zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True))}
+                for i, t in enumerate(toks)]
 
     def _build(self, ids, lps, C):
         if self.device.type != "cuda":
@@ -768,7 +795,8 @@ class BatchEngine:
             g.replay()
             span[1].record()
         if not self.overlap:
-            torch.cuda.current_stream().synchronize()  # the step's one wait: the packed tokens are on the host
+            # the step's one wait: the packed tokens are on the host
+            torch.cuda.current_stream().synchronize()
         return span  # read once the step is known done (_finish)
 
     def _capture(self, key):
@@ -807,7 +835,8 @@ def _verify(model, kv, table, lens, tokens, depth, vis, capture):
 
 
 class TreeBuffers:
-    """Static torch buffers of C trees and their accept outputs, with CuPy views (zero copy) for the kernels."""
+    """Static torch buffers of C trees and their accept outputs, with CuPy views (zero copy) for the
+    kernels."""
 
     def __init__(self, C: int, budget: int, horizon: int, device):
         import cupy
@@ -830,17 +859,19 @@ class TreeBuffers:
         self.new_bonus = torch.zeros(C, **i64)
 
         def cp(t):
-            return cupy.from_dlpack(t.view(torch.uint8)).view(cupy.bool_) if t.dtype == torch.bool else cupy.from_dlpack(t)
+            if t.dtype == torch.bool:
+                return cupy.from_dlpack(t.view(torch.uint8)).view(cupy.bool_)
+            return cupy.from_dlpack(t)
 
         self.cupy = DDTreeBatch(**{n: cp(getattr(self, n)) for n in BATCH_FIELDS})
         self.accept_cupy = (cp(self.paths), cp(self.lengths), cp(self.new_bonus))
 
 
 # ----------------------------------------------------------------------------- one call for many prompts
-def generate_batch(model, prompts, max_new_tokens: int, method: str = "ar", drafter=None, budget: int | None = None,
-                   temperature: float = 0.0, seed: int | None = None, max_streams: int | None = None,
-                   graphs: bool | None = None, top_k: int | None = None, compile: bool = False,
-                   overlap: bool = False) -> list[GenerateResult]:
+def generate_batch(model, prompts, max_new_tokens: int, method: str = "ar", drafter=None,
+                   budget: int | None = None, temperature: float = 0.0, seed: int | None = None,
+                   max_streams: int | None = None, graphs: bool | None = None, top_k: int | None = None,
+                   compile: bool = False, overlap: bool = False) -> list[GenerateResult]:
     """Generate max_new_tokens after each prompt with the batched engine; results in prompt order.
 
     seed: request i gets seed + i (None: fresh randomness). GenerateResult.phase_ms stays empty
@@ -865,7 +896,8 @@ def generate_batch(model, prompts, max_new_tokens: int, method: str = "ar", draf
     out = []
     for rid, p in zip(rids, prompts, strict=True):
         r = eng.result(rid)
-        out.append(GenerateResult(tokens=r.tokens, method=method, prompt_len=len(p), budget=eng.budget or None,
-                                  top_k=eng.k or None, temperature=float(temperature), target_forwards=1 + r.steps,
+        out.append(GenerateResult(tokens=r.tokens, method=method, prompt_len=len(p),
+                                  budget=eng.budget or None, top_k=eng.k or None,
+                                  temperature=float(temperature), target_forwards=1 + r.steps,
                                   accepted=r.accepted, tree_sizes=r.tree_sizes, total_ms=total))
     return out

@@ -1,16 +1,16 @@
 """INT4 group-32 routed experts for the engine: the torch twins of `kdlib.cuda.moe`'s quantizer and packer,
 routing built on the device, and the MoE call through `moe_w4a16` (CUDA) or the dequantized weights (CPU).
 
-    q, s = quantize_w4_torch(w)                      # w [..., R, C] -> q uint8 0..15, s bf16 bits per 32 columns
-    packed = pack_moe_torch(qg, sg, qu, su, qd, sd)   # the layout kdlib.cuda.moe.pack_moe writes (w1, s1, w2, s2)
-    rt = device_routing(ids, weights, e0, n_local)   # kdlib.cuda.moe.Routing's arrays, no host sync
-    y = routed_kernel(x, packed, rt, topk, inter, bound)    # CUDA: moe_w4a16 with a static slot bound
-    y = routed_dequantized(x, qs, rt)                 # any device: the same maths in torch, float32 sums
+    q, s = quantize_w4_torch(w)      # w [..., R, C] -> q uint8 0..15, s bf16 bits per 32 columns
+    packed = pack_moe_torch(qg, sg, qu, su, qd, sd)       # kdlib.cuda.moe.pack_moe's layout (w1, s1, w2, s2)
+    rt = device_routing(ids, weights, e0, n_local)        # kdlib.cuda.moe.Routing's arrays, no host sync
+    y = routed_kernel(x, packed, rt, topk, inter, bound)  # CUDA: moe_w4a16 with a static slot bound
+    y = routed_dequantized(x, qs, rt)                     # any device: the same maths in torch, float32 sums
 
-Quantization as `kdlib.cuda.moe.quantize_w4`: per group of 32 inputs s = bf16(max|w| / 7), q = round(w / s) + 8
-(round half to even, clamped to 0..15); the kernel multiplies (q - 8) * s in bf16. `kdlib.engine.model.MoE`
-(`Model.quantize_experts_int4`) and `kdlib.engine.rank` (one Kimi-K2.6 rank) run their routed experts through
-this module.
+Quantization as `kdlib.cuda.moe.quantize_w4`: per group of 32 inputs s = bf16(max|w| / 7),
+q = round(w / s) + 8 (round half to even, clamped to 0..15); the kernel multiplies (q - 8) * s in bf16.
+`kdlib.engine.model.MoE` (`Model.quantize_experts_int4`) and `kdlib.engine.rank` (one Kimi-K2.6 rank)
+run their routed experts through this module.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def quantize_w4_torch(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor
 
 
 def pack_rows_torch(q: torch.Tensor) -> torch.Tensor:
-    """`kdlib.cuda.moe.pack_rows` in torch: q [..., R, C] uint8 -> [..., R/16, C/64, 32, 4] int32 (uint32 bits)."""
+    """`kdlib.cuda.moe.pack_rows` in torch: q [..., R, C] uint8 -> [..., R/16, C/64, 32, 4] int32
+    (uint32 bits)."""
     *lead, R, C = q.shape
     n = len(lead)
     v = q.to(torch.int64).reshape(*lead, R // 16, 2, 8, C // 64, 4, 4, 4)  # [.., rt, h, g, kc, t, i, j]
@@ -56,7 +57,8 @@ def _as_int32(w: torch.Tensor) -> torch.Tensor:
 
 
 def pack_scales_torch(s: torch.Tensor) -> torch.Tensor:
-    """`kdlib.cuda.moe.pack_scales` in torch: s [..., R, C/32] int16 (bf16 bits) -> [..., R/16, C/64, 16] int32."""
+    """`kdlib.cuda.moe.pack_scales` in torch: s [..., R, C/32] int16 (bf16 bits) -> [..., R/16, C/64, 16]
+    int32."""
     *lead, R, G = s.shape
     n = len(lead)
     v = (s.to(torch.int64) & 0xFFFF).reshape(*lead, R // 16, 2, 8, G // 2, 2)  # [.., rt, h, g, kc, grp]
@@ -81,7 +83,8 @@ def dequantize_w4_torch(q: torch.Tensor, s: torch.Tensor, group: int = GROUP) ->
 # ----------------------------------------------------------------------------- routing on the device
 @dataclass
 class DeviceRouting:
-    """`kdlib.cuda.moe.Routing`'s device arrays as torch tensors (int32 / float32), made without a host sync."""
+    """`kdlib.cuda.moe.Routing`'s device arrays as torch tensors (int32 / float32), made without a host
+    sync."""
 
     expert_offsets: torch.Tensor  # [E + 1]
     active_experts: torch.Tensor  # [E] experts with >= 1 slot first, ascending
@@ -151,7 +154,8 @@ def routed_kernel(x: torch.Tensor, packed: dict, rt: DeviceRouting, topk: int, i
 
     M, K = x.shape
     E = rt.active_experts.shape[0]
-    views = cupy_packed if cupy_packed is not None else {n: as_cupy(t).view(cupy.uint32) for n, t in packed.items()}
+    views = (cupy_packed if cupy_packed is not None
+             else {n: as_cupy(t).view(cupy.uint32) for n, t in packed.items()})
     routing = moe.Routing(as_cupy(rt.expert_offsets), as_cupy(rt.active_experts), as_cupy(rt.n_active),
                           as_cupy(rt.active_ranges), as_cupy(rt.sorted_token), as_cupy(rt.sorted_weight),
                           m=M, topk=topk, n_experts=E, n_active=min(E, M * topk), max_count=bound)

@@ -1,9 +1,10 @@
-"""One tensor-parallel rank of a DeepSeek-V3 / Kimi-K2 model at real shapes, with random weights made on the device.
+"""One tensor-parallel rank of a DeepSeek-V3 / Kimi-K2 model at real shapes, with random weights made
+on the device.
 
     shape = RankShape(ModelConfig.from_json("data/configs/kimi-k2.6.json"), tp=8, rank=0, moe_mode="tp")
-    model = RankModel(shape, device="cuda", seed=0)              # ~76 GB of weights, generated in seconds
+    model = RankModel(shape, device="cuda", seed=0)   # ~76 GB of weights, generated in seconds
     step = RankStep(model, streams=10, context=5500, budget=16, drafter=RankDrafter(model, DFLASH_KIMI))
-    step.run()                                                   # one verify step, all parts, on static buffers
+    step.run()                                        # one verify step, all parts, on static buffers
 
 What rank `rank` of `tp` holds (the slicing of `kdlib.tp.engine.shard_state_dict`, `partition` ranges):
   * attention (plain TP): its heads of q_b_proj / kv_b_proj / o_proj; q_a_proj, kv_a_proj_with_mqa
@@ -137,7 +138,8 @@ class RankModel:
 
     def __init__(self, shape: RankShape, device="cuda", seed: int = 0, expert_chunk: int = 32,
                  keep_unpacked: bool | None = None):
-        """keep_unpacked: also keep the experts' q / scales (the torch path's input; default on the CPU only)."""
+        """keep_unpacked: also keep the experts' q / scales (the torch path's input; default on the CPU
+        only)."""
         c = shape.cfg
         self.shape, self.cfg, self.device = shape, c, torch.device(device)
         # the slice sizes the traced pieces read, as plain ints (tracing stops at `partition`'s divmod)
@@ -206,7 +208,8 @@ class RankModel:
 
     # ---- accounting
     def weight_bytes(self) -> int:
-        """Bytes of every weight tensor this rank holds (what `kdlib.memory.weight_bytes(...)["per_gpu"]` counts)."""
+        """Bytes of every weight tensor this rank holds (what `kdlib.memory.weight_bytes(...)["per_gpu"]`
+        counts)."""
         tensors = [self.embed, self.lm_head, self.norm]
         for L in self.layers:
             for k, v in L.items():
@@ -223,7 +226,8 @@ class RankModel:
 
     # ---- layer pieces (shapes: M = C x W rows)
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [M] global -> [M, H]: this rank's vocabulary rows, zero elsewhere (the all-reduce sums the shards)."""
+        """ids [M] global -> [M, H]: this rank's vocabulary rows, zero elsewhere (the all-reduce sums the
+        shards)."""
         v0, v1 = self.shape.vocab_range
         inside = (ids >= v0) & (ids < v1)
         rows = F.embedding((ids - v0).clamp(0, v1 - v0 - 1), self.embed)
@@ -235,7 +239,8 @@ class RankModel:
         return F.rms_norm(x, (x.shape[-1],), w.to(x.dtype), eps)
 
     def pre(self, L: dict, h: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The input norm and `attn_pre`: h [M, H] -> normed x [M, H], q [M, nh, 576], latent rows [M, 576]."""
+        """The input norm and `attn_pre`: h [M, H] -> normed x [M, H], q [M, nh, 576], latent rows
+        [M, 576]."""
         return self._pre_fn(h, cos, sin, *(L[k] for k in _PRE))
 
     def post(self, L: dict, h: torch.Tensor, o_lat: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -315,7 +320,8 @@ class RankModel:
         self, L: dict, x: torch.Tensor, bound: int, overflow: torch.Tensor | None = None
     ) -> torch.Tensor:
         """This rank's routed-expert partial sum [M, H] (bf16): `moe_w4a16` on CUDA (graph-safe routing with
-        static launch bound `bound` slots per expert; `overflow` += 1 when an expert had more), torch on the CPU."""
+        static launch bound `bound` slots per expert; `overflow` += 1 when an expert had more), torch on
+        the CPU."""
         rt = DeviceRouting(*self._route_fn(x, L["router"], L["router_bias"]))
         if overflow is not None:
             overflow += (rt.max_count > bound).to(overflow.dtype)
@@ -329,8 +335,8 @@ class RankModel:
         views = L.get("_cupy")
         if views is None:
             views = L["_cupy"] = {n: as_cupy(t).view(cupy.uint32) for n, t in L["experts"].items()}
-        return routed_kernel(x, L["experts"], rt, self.cfg.num_experts_per_tok, self.shape.expert_inter, bound,
-                             cupy_packed=views)
+        return routed_kernel(x, L["experts"], rt, self.cfg.num_experts_per_tok, self.shape.expert_inter,
+                             bound, cupy_packed=views)
 
     def routed_torch(self, L, x, rt: DeviceRouting) -> torch.Tensor:
         """The routed experts from the unpacked q / scales (`keep_unpacked`), float32 sums -> x.dtype."""
@@ -367,7 +373,8 @@ DFLASH_KIMI = DraftShape(6, 64, 8, 128, 18432, 8, (1, 12, 24, 35, 47, 58),
 
 
 class RankDrafter:
-    """A rank's slice of a DFlash drafter (module docstring); context K/V per pool slot [layers, S, kv_r, hd]."""
+    """A rank's slice of a DFlash drafter (module docstring); context K/V per pool slot
+    [layers, S, kv_r, hd]."""
 
     def __init__(self, model: RankModel, ds: DraftShape, seed: int = 1):
         s, c, dev = model.shape, model.cfg, model.device
@@ -424,7 +431,8 @@ class RankDrafter:
         return self._rope(k, pos), F.linear(h, L["v"]).view(-1, self.nkv, hd)
 
     def draft(self, bonus: torch.Tensor, lens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        """bonus, lens [C], table [C, T] (context slots) -> local logits [C, B - 1, V_r] float32 (depths 1..L)."""
+        """bonus, lens [C], table [C, T] (context slots) -> local logits [C, B - 1, V_r] float32
+        (depths 1..L)."""
         m, ds = self.model, self.ds
         C, T = table.shape
         B, hd, eps = ds.block_size, ds.head_dim, m.cfg.rms_norm_eps
@@ -493,7 +501,8 @@ def forced_targets(
 
 # ----------------------------------------------------------------------------- modelled collectives
 def allreduce_ms(nbytes: float, fit: dict, world: int) -> float:
-    """NCCL ring all-reduce time of `nbytes` from a fit {latency_s, bus_bandwidth_Bps}: lat + 2 (W-1)/W bytes / bw."""
+    """NCCL ring all-reduce time of `nbytes` from a fit {latency_s, bus_bandwidth_Bps}:
+    lat + 2 (W-1)/W bytes / bw."""
     return (fit["latency_s"] + 2.0 * (world - 1) / world * nbytes / fit["bus_bandwidth_Bps"]) * 1e3
 
 
