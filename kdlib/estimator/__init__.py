@@ -57,11 +57,12 @@ def seeds_stack(gpu="b300", a: Assumptions | None = None, shape: ModelShape | No
     target = sc.accepted / p["b300_c1_tok_s"]["value"]
     rest = step_time(gpu, sc, a.with_(dispatch_s=(0.0, "zeroed to solve for it")), shape)["total"]
     if target <= rest:
-        raise ValueError(f"the model's non-dispatch terms ({rest * 1e3:.2f} ms) already exceed the seeds' step "
-                         f"({target * 1e3:.2f} ms); no dispatch overhead can reproduce 303 tok/s")
-    return a.with_(dispatch_s=(target - rest, "solved: the seeds' B300 303 tok/s at C = 1, block 8, ~4.4 accepted "
-                                              "(seed article “The Three Acts of Engineering”, lines 45 and 69) "
-                                              "minus this model's other terms"))
+        raise ValueError(f"the model's non-dispatch terms ({rest * 1e3:.2f} ms) already exceed the seeds' "
+                         f"step ({target * 1e3:.2f} ms); no dispatch overhead can reproduce 303 tok/s")
+    return a.with_(dispatch_s=(target - rest,
+                               "solved: the seeds' B300 303 tok/s at C = 1, block 8, ~4.4 accepted "
+                               "(seed article “The Three Acts of Engineering”, lines 45 and 69) "
+                               "minus this model's other terms"))
 
 
 def seed_scenarios(context: int = 2048) -> dict:
@@ -70,7 +71,8 @@ def seed_scenarios(context: int = 2048) -> dict:
     block, acc = int(p["b300_block"]["value"]), p["b300_accepted"]["value"]
     sb, budget = int(p["strong_block"]["value"]), int(p["strong_budget"]["value"])
     lo, hi = p["strong_accepted"]["value"]
-    strong = [Scenario(1, budget + 1, sb, x, context, "cpu", f"strong drafter, {x:g} accepted") for x in (lo, hi)]
+    strong = [Scenario(1, budget + 1, sb, x, context, "cpu", f"strong drafter, {x:g} accepted")
+              for x in (lo, hi)]
     return {
         "current": [Scenario(1, block + 1, block, acc, context, "cpu", "current drafter")],
         "strong": strong,
@@ -83,7 +85,8 @@ def model_seed_rows(gpu: str = "b300") -> list[dict]:
     p = seeds.points()
     a = seeds_stack("b300")
     cut_by = (p["overhead_ms"]["value"] - p["overhead_cut_ms"]["value"]) * 1e-3
-    a_cut = a.with_(dispatch_s=(max(0.0, a.v("dispatch_s") - cut_by), "seeds' stack minus the 12.5 -> 8 ms cut"))
+    a_cut = a.with_(dispatch_s=(max(0.0, a.v("dispatch_s") - cut_by),
+                                "seeds' stack minus the 12.5 -> 8 ms cut"))
     rows = []
     for key, assumptions in (("current", a), ("strong", a), ("overhead_cut", a_cut)):
         scs = seed_scenarios()[key]

@@ -96,9 +96,11 @@ def _calibrate_kernels(a: Assumptions, kernels: dict, spec: dict, notes: list) -
         t = (p.get("kernel") or {}).get("median_ms")
         if not t or "bytes" not in p or "flops" not in p:
             continue
-        (mem if p.get("bound") == "memory" else comp).append((p["bytes"] / (t * 1e-3 * bw), p["flops"] / (t * 1e-3 * fl)))
+        (mem if p.get("bound") == "memory" else comp).append((p["bytes"] / (t * 1e-3 * bw),
+                                                              p["flops"] / (t * 1e-3 * fl)))
     if mem:
-        changes["attn_bw_eff"] = (_median([m[0] for m in mem]), f"median over memory-bound verify-attention points of {src}")
+        changes["attn_bw_eff"] = (_median([m[0] for m in mem]),
+                                  f"median over memory-bound verify-attention points of {src}")
     if comp:
         changes["attn_compute_eff"] = (_median([c[1] for c in comp]),
                                        f"median over compute-bound verify-attention points of {src}")
@@ -110,8 +112,9 @@ def _calibrate_kernels(a: Assumptions, kernels: dict, spec: dict, notes: list) -
             changes["tree_build_gpu_s"] = (small["graph_replay_us"] * 1e-6,
                                            f"GPU builder graph replay at batch {small.get('batch')} ({src})")
         if big.get("cpu_ref_us") and big.get("batch"):
-            changes["tree_build_cpu_s_per_request"] = (big["cpu_ref_us"] * 1e-6 / big["batch"],
-                                                       f"CPU reference build / batch at batch {big['batch']} ({src})")
+            changes["tree_build_cpu_s_per_request"] = (
+                big["cpu_ref_us"] * 1e-6 / big["batch"],
+                f"CPU reference build / batch at batch {big['batch']} ({src})")
     if changes:
         notes.append("kernels: " + ", ".join(f"{k} = {v[0]:.3g}" for k, v in changes.items()))
         return a.with_(**changes)
@@ -165,16 +168,19 @@ def _calibrate_allreduce(a: Assumptions, tp: dict, spec: dict, notes: list) -> A
                     for key in ("allreduce_graph_fit", "allreduce_fit"))
     fits, how = (graph, "in a CUDA graph") if graph else (eager, "eager")
     if not fits or link.get("kind") != "nvlink":
-        notes.append(f"tp: no all-reduce fit over NVLink in {src}; all-reduce assumptions left at their defaults")
+        notes.append(f"tp: no all-reduce fit over NVLink in {src}; all-reduce assumptions left at their "
+                     "defaults")
         return a
     w = max(fits)
     fit = fits[w]
-    changes = {"allreduce_latency_nvlink_s": (fit["latency_s"], f"intercept of the NCCL all-reduce fit ({how}) at "
-                                                                f"{w} GPUs ({src})")}
+    changes = {"allreduce_latency_nvlink_s": (
+        fit["latency_s"], f"intercept of the NCCL all-reduce fit ({how}) at {w} GPUs ({src})")}
     if fit.get("bus_bandwidth_Bps"):
         eff = fit["bus_bandwidth_Bps"] / link["bandwidth_Bps_per_direction"]
-        changes["allreduce_bw_eff"] = (eff, f"fit bus bandwidth {fit['bus_bandwidth_Bps'] / 1e9:.0f} GB/s at {w} GPUs / "
-                                            f"{link['bandwidth_Bps_per_direction'] / 1e9:.0f} GB/s per direction ({src})")
+        changes["allreduce_bw_eff"] = (eff, f"fit bus bandwidth {fit['bus_bandwidth_Bps'] / 1e9:.0f} GB/s "
+                                            f"at {w} GPUs / "
+                                            f"{link['bandwidth_Bps_per_direction'] / 1e9:.0f} GB/s "
+                                            f"per direction ({src})")
     notes.append(f"tp ({w} GPUs, {how}): " + ", ".join(f"{k} = {v[0]:.3g}" for k, v in changes.items()))
     return a.with_(**changes)
 
@@ -196,7 +202,8 @@ def _phases(r: dict) -> dict:
     """Per-step phase ms: a dict of floats, of per-step lists (median taken), or totals / steps."""
     ph = r.get("phase_ms")
     if isinstance(ph, dict):
-        return {k: statistics.median(v) if isinstance(v, list) else float(v) for k, v in ph.items() if v is not None}
+        return {k: statistics.median(v) if isinstance(v, list) else float(v)
+                for k, v in ph.items() if v is not None}
     totals, steps = r.get("phase_totals_ms"), r.get("steps")
     if isinstance(totals, dict) and steps:
         return {k: float(v) / steps for k, v in totals.items()}
@@ -247,7 +254,8 @@ def engine_shape(result: dict) -> ModelShape:
     params = result.get("parameters") or {}
     cfg = result.get("config") or (result.get("params") or {}).get("config") or params.get("config")
     if not isinstance(cfg, dict):
-        raise ValueError("engine result carries no model config (looked for config, params.config, parameters.config)")
+        raise ValueError("engine result carries no model config (looked for config, params.config, "
+                         "parameters.config)")
     dtype = params.get("dtype", "bfloat16")
     if dtype not in _DTYPE_BITS:
         raise ValueError(f"engine result dtype {dtype!r} is not one of {sorted(_DTYPE_BITS)}")
@@ -275,7 +283,8 @@ def calibrate_verify(a: Assumptions, engine: dict, shape: ModelShape, gpu="h200"
             and r.get("attention", "torch") == "torch" and (dtype is None or r.get("dtype", dtype) == dtype)]
     if len(rows) < 3:
         return a, "engine verify_forward: fewer than 3 points; per-kernel latency left to the anchor run"
-    base = a.with_(kernel_latency_s=(0.0, "zeroed to solve"), moe_per_expert_latency_s=(0.0, "zeroed to solve"))
+    base = a.with_(kernel_latency_s=(0.0, "zeroed to solve"),
+                   moe_per_expert_latency_s=(0.0, "zeroed to solve"))
     xs0, xs1, ys = [], [], []
     for r in rows:
         sc = Scenario(1, int(r["q"]), 1, 1.0, int(r["context"]))
@@ -311,7 +320,8 @@ def for_drafter(a: Assumptions, row: dict) -> Assumptions:
     return a
 
 
-def anchor_host_costs(a: Assumptions, row: dict, shape: ModelShape, gpu="h200", *, verify: bool = True) -> Assumptions:
+def anchor_host_costs(a: Assumptions, row: dict, shape: ModelShape, gpu="h200", *,
+                      verify: bool = True) -> Assumptions:
     """Set the host-side terms no component suite measures from one engine run: the per-layer
     launch latency (verify phase minus the modelled device terms), the drafter's host cost, the
     build cost per request, and accept + compaction as dispatch."""
@@ -324,7 +334,8 @@ def anchor_host_costs(a: Assumptions, row: dict, shape: ModelShape, gpu="h200", 
     if verify and "verify" in ph:
         device = st["moe"] + st["dense"] + st["attention"] + st["allreduce"]
         per_kernel = max(0.0, ph["verify"] * 1e-3 - device) / (shape.n_layers * a.v("kernels_per_layer"))
-        changes["kernel_latency_s"] = (per_kernel, f"{src}: (verify - modelled device time) / (layers x kernels)")
+        changes["kernel_latency_s"] = (per_kernel,
+                                       f"{src}: (verify - modelled device time) / (layers x kernels)")
     if "draft" in ph:
         # the drafter's launches pay the per-kernel latency just solved; the rest is host time
         a_k = a.with_(**{k: v for k, v in changes.items() if k == "kernel_latency_s"}) if changes else a
@@ -350,7 +361,8 @@ def validate(a: Assumptions, engine: dict, *, gpu="h200", anchor: int = 0, shape
     measured_ms, predicted_ms, residual (predicted / measured - 1), device_ms (the predicted
     device work: MoE, dense, attention, all-reduce; the rest is launch and host time), role
     ('anchor' / 'held out'), and the prediction from `a` alone (components_only_*)."""
-    rows = sorted(engine_rows(engine), key=lambda r: (r["context"], r["budget"], r["concurrency"], r["accepted"]))
+    rows = sorted(engine_rows(engine),
+                  key=lambda r: (r["context"], r["budget"], r["concurrency"], r["accepted"]))
     if not 0 <= anchor < len(rows):
         raise ValueError(f"anchor {anchor} out of range for {len(rows)} engine runs")
     shape = shape or engine_shape(engine)
@@ -380,7 +392,8 @@ def assumptions_diff(before: Assumptions, after: Assumptions) -> list[dict]:
     for name in before.names():
         b, c = getattr(before, name), getattr(after, name)
         if b != c:
-            rows.append({"name": name, "default": b.value, "calibrated": c.value, "unit": c.unit, "source": c.source})
+            rows.append({"name": name, "default": b.value, "calibrated": c.value, "unit": c.unit,
+                         "source": c.source})
     return rows
 
 

@@ -87,9 +87,11 @@ def step_time(gpu, scenario: Scenario, a: Assumptions | None = None, shape: Mode
     kv = sc.concurrency * (sc.context + sc.q_len) * shape.latent_dim * a.v("kv_bytes_per_elem")
     attn_flops = (2.0 * sc.concurrency * shape.heads_per_gpu * sc.q_len * (sc.context + sc.q_len)
                   * (shape.latent_dim + shape.kv_lora_rank))
-    out["attention"] = shape.n_layers * _roofline(kv, attn_flops, bw, a.v("attn_bw_eff"), fl, a.v("attn_compute_eff"))
+    out["attention"] = shape.n_layers * _roofline(kv, attn_flops, bw, a.v("attn_bw_eff"), fl,
+                                                  a.v("attn_compute_eff"))
 
-    draft_bytes = (a.v("draft_layers") * a.v("draft_layer_params") * 2 + shape.vocab * shape.hidden * 2) / shape.tp
+    draft_bytes = ((a.v("draft_layers") * a.v("draft_layer_params") * 2 + shape.vocab * shape.hidden * 2)
+                   / shape.tp)
     draft_flops = 2.0 * sc.concurrency * sc.block * draft_bytes / 2
     out["draft"] = (_roofline(draft_bytes, draft_flops, bw, a.v("dense_bw_eff"), fl, a.v("dense_compute_eff"))
                     + a.v("draft_layers") * a.v("kernels_per_layer") * a.v("kernel_latency_s")
@@ -103,7 +105,8 @@ def step_time(gpu, scenario: Scenario, a: Assumptions | None = None, shape: Mode
         link = spec["interconnect"]
         lat = link.get("latency_s")
         if lat is None:
-            lat = a.v("allreduce_latency_nvlink_s") if link["kind"] == "nvlink" else a.v("allreduce_latency_pcie_s")
+            lat = (a.v("allreduce_latency_nvlink_s") if link["kind"] == "nvlink"
+                   else a.v("allreduce_latency_pcie_s"))
         ring_bytes = 2.0 * (shape.tp - 1) / shape.tp * m * shape.hidden * 2
         per = lat + ring_bytes / (link["bandwidth_Bps_per_direction"] * a.v("allreduce_bw_eff"))
         out["allreduce"] = shape.n_layers * a.v("allreduces_per_layer") * per
@@ -128,7 +131,8 @@ def project(gpus, scenarios, a: Assumptions | None = None, shape: ModelShape | N
             row = {"gpu": spec.get("slug", spec.get("name", "?")), "scenario": sc.name,
                    "concurrency": sc.concurrency, "q_len": sc.q_len, "block": sc.block,
                    "accepted": sc.accepted, "context": sc.context, "m": sc.m,
-                   "step_ms": st["total"] * 1e3, "tok_s_per_stream": st["tok_s_per_stream"], "tok_s": st["tok_s"]}
+                   "step_ms": st["total"] * 1e3, "tok_s_per_stream": st["tok_s_per_stream"],
+                   "tok_s": st["tok_s"]}
             for c in COMPONENTS:
                 row[f"{c}_ms"] = st[c] * 1e3
             row["dominant"] = max(COMPONENTS, key=lambda c: st[c])

@@ -49,8 +49,9 @@ class Assumptions:
         "reachable on other GPUs [U]")
     moe_compute_eff: Param = _p(
         0.35, "fraction of dense bf16 peak",
-        "W4A16 plateau on mma.sync with in-register dequant: Marlin ~141 TFLOP/s (vllm-project/vllm PR #2497; "
-        "GPU unstated, taken as an A100 of ~312: 45%) and 'not yet optimized for Hopper' (IST-DASLab/marlin README) [U]")
+        "W4A16 plateau on mma.sync with in-register dequant: Marlin ~141 TFLOP/s "
+        "(vllm-project/vllm PR #2497; GPU unstated, taken as an A100 of ~312: 45%) and "
+        "'not yet optimized for Hopper' (IST-DASLab/marlin README) [U]")
     moe_layer_latency_s: Param = _p(
         15e-6, "s per MoE layer",
         "router top-k, sort, two grouped-GEMM launches, combine: ~5 kernels x ~3 us "
@@ -65,8 +66,8 @@ class Assumptions:
         "mem_bw_empirical_scaling_factor 0.8 of AIConfigurator's system YAMLs (ai-dynamo/aiconfigurator)")
     dense_compute_eff: Param = _p(
         0.80, "fraction of dense bf16 peak",
-        "cuBLAS bf16 GEMM ~790 of 989 TFLOP/s on the H200 (bf16_matmul_flops of data/results/ceilings.h200.json "
-        "against data/hw/h200.json)")
+        "cuBLAS bf16 GEMM ~790 of 989 TFLOP/s on the H200 (bf16_matmul_flops of "
+        "data/results/ceilings.h200.json against data/hw/h200.json)")
     attn_bw_eff: Param = _p(
         0.85, "fraction of HBM peak",
         "FlashMLA memory-bound decode 84-90% of peak on H800/H100 (deepseek-ai/FlashMLA README) [U here]")
@@ -76,8 +77,8 @@ class Assumptions:
         "(deepseek-ai/FlashMLA README; FlashInfer's MLA benchmarks) [U here]")
     kernels_per_layer: Param = _p(
         12.0, "kernels per layer",
-        "assumed for a fused serving stack; the batched engine's count per step is recorded as kernels_per_step "
-        "in data/results/engine_batch.h200.json where measured [U]")
+        "assumed for a fused serving stack; the batched engine's count per step is recorded as "
+        "kernels_per_step in data/results/engine_batch.h200.json where measured [U]")
     kernel_latency_s: Param = _p(
         3e-6, "s per kernel",
         "fixed cost of a small kernel inside a CUDA graph: AIConfigurator's 3 us constant latency "
@@ -87,7 +88,8 @@ class Assumptions:
         "TP all-reduce after attention and after the MoE (the split kdlib.tp implements)")
     allreduce_latency_nvlink_s: Param = _p(
         10e-6, "s per collective",
-        "10 us p2p latency of AIConfigurator's system YAMLs (ai-dynamo/aiconfigurator); data/hw gives none [U]")
+        "10 us p2p latency of AIConfigurator's system YAMLs (ai-dynamo/aiconfigurator); "
+        "data/hw gives none [U]")
     allreduce_latency_pcie_s: Param = _p(
         30e-6, "s per collective",
         "PCIe-only 8-GPU all-reduce latency, ~3x NVLink: 'the all-reduce latency term is much larger "
@@ -109,7 +111,8 @@ class Assumptions:
     tree_build_cpu_s_per_request: Param = _p(
         0.27e-3, "s per request",
         "CPU heapq builder: 17.4 ms at batch 64 on a 2-core machine, 14.8 ms on the GPU host "
-        "(before calibration; tree_build of data/results/kernels.h200.json replaces it); seeds: 6-21 ms at batch 64")
+        "(before calibration; tree_build of data/results/kernels.h200.json replaces it); "
+        "seeds: 6-21 ms at batch 64")
     tree_build_gpu_s: Param = _p(
         41e-6, "s per step",
         "GPU DDTree builder inside a CUDA graph: 40.8 us at batch 64, 37.7 us at batch 1 "
@@ -156,7 +159,8 @@ class Assumptions:
 @dataclass(frozen=True)
 class ModelShape:
     """The target model's shapes as one GPU of a TP group sees them. Defaults: Kimi-K2 (K2.x
-    share these; data/configs/kimi-k2.6.json and its _provenance), routed experts INT4 group 32, the rest bf16."""
+    share these; data/configs/kimi-k2.6.json and its _provenance), routed experts INT4 group 32, the
+    rest bf16."""
 
     n_layers: int = 61
     n_dense_layers: int = 1            # first_k_dense_replace

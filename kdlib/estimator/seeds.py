@@ -100,7 +100,8 @@ def reproduce() -> dict:
         "scenarios": [
             {"name": "current drafter (block 8, ~4.4 accepted)", "tok_s": acc / step_now * 1e3,
              "seed_tok_s": _v("proj_current_tok_s"), "free_parameters": 0,
-             "note": "the calibration point itself; the overhead it implies is compared with the seeds' ~12.5 ms"},
+             "note": "the calibration point itself; the overhead it implies is compared with the seeds' "
+                     "~12.5 ms"},
             {"name": "strong drafter (block 16, budget 32, 12-16 accepted)",
              "tok_s_low": lo_acc / step_strong * 1e3, "tok_s_high": hi_acc / step_strong * 1e3,
              "seed_tok_s_low": seed_lo, "seed_tok_s_high": seed_hi, "free_parameters": 1,
@@ -128,8 +129,10 @@ def moe_points() -> list[dict]:
         with_scales = touched * shape.expert_bytes()
         weights_only = touched * params * shape.expert_bits / 8
         out.append({"m": m, "ms_per_layer": t * 1e3, "touched": touched,
-                    "GBps_with_scales": with_scales / t / 1e9, "frac_with_scales": with_scales / t / peak,
-                    "GBps_weights_only": weights_only / t / 1e9, "frac_weights_only": weights_only / t / peak})
+                    "GBps_with_scales": with_scales / t / 1e9,
+                    "frac_with_scales": with_scales / t / peak,
+                    "GBps_weights_only": weights_only / t / 1e9,
+                    "frac_weights_only": weights_only / t / peak})
     return out
 
 
@@ -164,7 +167,8 @@ def contradictions() -> list[dict]:
                        f"/ TP 8 = {moe_tp:.2f} ms if it is the whole (unsharded) layer",
          "verdict": "~7 ms is neither; it matches one unsharded layer at the plateau: "
                     f"384 experts x 24.8 MB = {plateau_bytes / 1e9:.2f} GB at {frac_lo:.0%}-{frac_hi:.0%} of "
-                    f"1.8 TB/s = {plateau_bytes / (frac_hi * 1.8e12) * 1e3:.1f}-{plateau_bytes / (frac_lo * 1.8e12) * 1e3:.1f} ms"},
+                    f"1.8 TB/s = {plateau_bytes / (frac_hi * 1.8e12) * 1e3:.1f}-"
+                    f"{plateau_bytes / (frac_lo * 1.8e12) * 1e3:.1f} ms"},
         {"id": "step80_vs_138",
          "claim_a": "~80-90 ms per verify step at 1-10 streams",
          "claim_b": "138.7 tok/s at C = 1 with ~4.4 accepted per step",
@@ -177,7 +181,8 @@ def contradictions() -> list[dict]:
          "claim_a": "MoE ~80% of the PRO 6000 step",
          "claim_b": "the script's MoE term (1.18 ms x 60 / 8) and the C = 1 step",
          "arithmetic": f"{moe_tp:.2f} / {step_c1:.1f} ms = {moe_tp / step_c1:.0%} at C = 1; "
-                       f"{moe_lit:.1f} / {step_lo:.0f}-{step_hi:.0f} ms = {moe_lit / step_hi:.0%}-{moe_lit / step_lo:.0%} "
+                       f"{moe_lit:.1f} / {step_lo:.0f}-{step_hi:.0f} ms = "
+                       f"{moe_lit / step_hi:.0%}-{moe_lit / step_lo:.0%} "
                        f"only if 1.18 ms is per GPU",
          "verdict": "80% holds only under the per-GPU reading, which 138.7 tok/s and 303 tok/s rule out"},
         {"id": "b300_vs_per_gpu_reading",
@@ -191,7 +196,8 @@ def contradictions() -> list[dict]:
          "claim_b": "12-16 accepted and the same terms as 575-770",
          "arithmetic": f"step = 8 + {rep['terms_ms']['draft8_fitted']:.2f} (draft) + "
                        f"{rep['terms_ms']['moe_step_m32_b300']:.2f} (MoE at M = 32) = "
-                       f"{rep['terms_ms']['step_overhead_cut']:.2f} ms -> {cut['tok_s_low']:.0f}-{cut['tok_s_high']:.0f} tok/s",
+                       f"{rep['terms_ms']['step_overhead_cut']:.2f} ms -> "
+                       f"{cut['tok_s_low']:.0f}-{cut['tok_s_high']:.0f} tok/s",
          "verdict": f"the high end reproduces; 850 needs {cut['accepted_needed_for_seed_low']:.1f} accepted "
                     "tokens, not 12 - the range's ends come from different assumptions"},
     ]
