@@ -224,8 +224,12 @@ def test_attention_wgmma_constants_match_the_source():
         attention._V5_JOB_OVERHEAD,
         attention._V5_PLAN_STRIDE,
     )
-    assert (c["COMBINE_COLS"], c["COMBINE_SLICES"]) == (attention._V5_COMBINE_COLS, attention._V5_COMBINE_SLICES)
-    assert attention._COMBINE_THREADS == 4 * 32 and attention._V5_COMBINE_COLS == 32 * 4  # 4 warps, float4 lanes
+    assert (c["COMBINE_COLS"], c["COMBINE_SLICES"]) == (
+        attention._V5_COMBINE_COLS,
+        attention._V5_COMBINE_SLICES,
+    )
+    # 4 warps, float4 lanes
+    assert attention._COMBINE_THREADS == 4 * 32 and attention._V5_COMBINE_COLS == 32 * 4
     assert loader.launch_bounds(attention._V5) == {
         "tree_verify_v5_plan": (attention._V5_THREADS, 0),
         "tree_verify_v5_attend": (attention._V5_THREADS, 1),

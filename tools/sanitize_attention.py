@@ -60,7 +60,8 @@ def problem(seed: int, nh: int, nq: int, lens: list[int], sizes: list[int]) -> d
     return {
         "q": rng.standard_normal((bsz, nq, nh, cu.D_QK)),  # [B, Q, H, 576]
         "kv_cache": rng.standard_normal((slots, cu.D_QK)),  # [S, 576] latent + rope rows
-        "page_table": np.stack([rng.permutation(slots)[:width] for _ in range(bsz)]).astype(np.int32),  # [B, P]
+        # [B, P]
+        "page_table": np.stack([rng.permutation(slots)[:width] for _ in range(bsz)]).astype(np.int32),
         "prefix_lens": np.array(lens, dtype=np.int32),  # [B]
         "tree_kv": rng.standard_normal((bsz, nq, cu.D_QK)),  # [B, Q, 576]
         "visibility": vis,
@@ -97,26 +98,29 @@ def compare(out, lse, ref_out, ref_lse) -> dict:
     lse_err = float(np.abs(lse[fin] - ref_lse[fin]).max(initial=0.0))
     padding_ok = bool(np.array_equal(np.isnan(lse), pad) and np.isnan(out[pad]).all())
     ok = not e["nan"] and e["norm_rel"] <= RTOL and lse_err <= LSE_ATOL and padding_ok
-    return {"norm_rel": float(e["norm_rel"]), "lse_max_abs": lse_err, "padding_rows_nan": padding_ok, "ok": ok}
+    return {"norm_rel": float(e["norm_rel"]), "lse_max_abs": lse_err, "padding_rows_nan": padding_ok,
+            "ok": ok}
 
 
 def cases() -> list[dict]:
     """What `run` calls: name, problem shape, version, the call ('verify' or 'prefix'), workspace or not."""
     ragged = {"nh": 8, "nq": 65, "lens": [1000, 0, 357], "sizes": [1, 33, 65]}
     return [
-        {"name": "v5 verify 8x9x1000", "shape": {"nh": 8, "nq": 9, "lens": [1000], "sizes": [9]}, "version": 5,
-         "call": "verify", "workspace": False},
-        {"name": "v5 verify 8x65x1000 (workspace)", "shape": {"nh": 8, "nq": 65, "lens": [1000], "sizes": [65]},
+        {"name": "v5 verify 8x9x1000", "shape": {"nh": 8, "nq": 9, "lens": [1000], "sizes": [9]},
+         "version": 5, "call": "verify", "workspace": False},
+        {"name": "v5 verify 8x65x1000 (workspace)",
+         "shape": {"nh": 8, "nq": 65, "lens": [1000], "sizes": [65]},
          "version": 5, "call": "verify", "workspace": True},
-        {"name": "v5 prefix 8x65x1000", "shape": {"nh": 8, "nq": 65, "lens": [1000], "sizes": [65]}, "version": 5,
-         "call": "prefix", "workspace": False},
+        {"name": "v5 prefix 8x65x1000", "shape": {"nh": 8, "nq": 65, "lens": [1000], "sizes": [65]},
+         "version": 5, "call": "prefix", "workspace": False},
         {"name": "v5 verify ragged B3", "shape": ragged, "version": 5, "call": "verify", "workspace": False},
         {"name": "v3 verify ragged B3", "shape": ragged, "version": 3, "call": "verify", "workspace": False},
     ]
 
 
 def run_case(spec: dict, seed: int) -> dict:
-    """One call of `spec` on fresh inputs, its output against the float64 reference, the kernels it fetched."""
+    """One call of `spec` on fresh inputs, its output against the float64 reference, the kernels it
+    fetched."""
     import cupy
 
     sh = spec["shape"]

@@ -1,11 +1,12 @@
-"""Reading a recorded `engine_batch` result (suite kdlib/perf/suites/engine_batch.py) for notebook 03 and tests.
+"""Reading a recorded `engine_batch` result (suite kdlib/perf/suites/engine_batch.py) for notebook 03 and
+tests.
 
     doc = kdlib.perf.load("engine_batch", "h200")
-    df = rows(doc)                  # the trained tiny model's rows; rows(doc, "bench") for the 8-layer model
-    eager_vs_graph(doc)             # the eager loop baseline against the batched engine at C = 1
-    goals_table(doc)                # the issue's goals recomputed from the rows, beside the file's own `goals`
-    goal_mismatches(doc)            # [] when the recomputed values equal the recorded ones
-    kernel_classes(row["top_kernels"])   # device us per step by kernel class (rows recorded with top_kernels)
+    df = rows(doc)              # the trained tiny model's rows; rows(doc, "bench") for the 8-layer model
+    eager_vs_graph(doc)         # the eager loop baseline against the batched engine at C = 1
+    goals_table(doc)            # the issue's goals recomputed from the rows, beside the file's own `goals`
+    goal_mismatches(doc)        # [] when the recomputed values equal the recorded ones
+    kernel_classes(row["top_kernels"])  # device us per step by kernel class (rows recorded with top_kernels)
 
 Rows recorded before the suite counted kernels lack `kernels_per_step` and `top_kernels`: `rows` fills
 both with None. Device time is NaN where the profiled steps could not hold every stream running.
@@ -54,7 +55,8 @@ def eager_vs_graph(doc: dict, kind: str = "code") -> pd.DataFrame:
     eager = (doc.get("baselines") or {}).get("eager_loop") or []
     out = []
     for e in eager:
-        g = df[(df.kind == kind) & (df.streams == 1) & (df.method == e["method"]) & (df.budget == e["budget"])]
+        g = df[(df.kind == kind) & (df.streams == 1) & (df.method == e["method"])
+               & (df.budget == e["budget"])]
         if g.empty:
             continue
         g = g.iloc[0]

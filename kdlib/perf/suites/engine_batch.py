@@ -42,8 +42,9 @@ PROMPT = 256
 def _engine(model, method, budget, drafter, streams, max_context, compile_=False, overlap=False):
     from kdlib.engine.batch import BatchEngine
 
-    return BatchEngine(model, max_streams=streams, method=method, drafter=drafter if method == "ddtree" else None,
-                       budget=budget, max_context=max_context, keep_results=True, compile=compile_, overlap=overlap)
+    return BatchEngine(model, max_streams=streams, method=method,
+                       drafter=drafter if method == "ddtree" else None, budget=budget,
+                       max_context=max_context, keep_results=True, compile=compile_, overlap=overlap)
 
 
 def run_row(model, method, budget, drafter, prompts, max_new, label: dict, compile_: bool = False,
@@ -52,7 +53,8 @@ def run_row(model, method, budget, drafter, prompts, max_new, label: dict, compi
     (compile_: the engine's torch.compile arm; the first steps' wall, compile included, is recorded)."""
 
     C = len(prompts)
-    eng = _engine(model, method, budget, drafter, C, max(len(p) for p in prompts) + max_new + 8, compile_, overlap)
+    context = max(len(p) for p in prompts) + max_new + 8
+    eng = _engine(model, method, budget, drafter, C, context, compile_, overlap)
     rids = [eng.add_request(p, max_new) for p in prompts]
     t_first = time.perf_counter()
     eng.step()  # admissions + first step (captures the first bucket)
@@ -110,7 +112,8 @@ def _hf_state_dict(model, hf_keys: set) -> dict:
 
 
 def _hf_generate(model, prompt, max_new) -> dict:
-    """tokens/s of transformers' DeepseekV3ForCausalLM.generate (greedy, eager attention) on the same weights."""
+    """tokens/s of transformers' DeepseekV3ForCausalLM.generate (greedy, eager attention) on the same
+    weights."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 

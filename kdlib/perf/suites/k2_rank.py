@@ -239,7 +239,8 @@ def run(*, quick: bool = False, out: str | None = None, budget_s: float | None =
     fit = allreduce_fit()
     payload = {"parameters": {"config": name, "tp": 8, "rank": 0, "moe_mode": moe_mode, "accepted": ACCEPTED,
                               "p_top": P_TOP, "quick": quick, "budget_s": budget_s, "iters": 10,
-                              "compile": compile_, "plain_rows": [list(r) for r in PLAIN_ROWS] if compile_ else [],
+                              "compile": compile_,
+                              "plain_rows": [list(r) for r in PLAIN_ROWS] if compile_ else [],
                               "resumed_rows": len(kept)},
                "ceilings": ceil, "allreduce": fit, "rows": [], "cut": []}
 
@@ -309,9 +310,11 @@ def run(*, quick: bool = False, out: str | None = None, budget_s: float | None =
                    "first_attempt_graph_errors": row["graph_errors"]}
         payload["rows"].append(row)
         prof = row["profile"] or {}
-        print(f"[k2_rank] ctx {ctx:>6} C {c:>2} {row['method']:>6} b {b or 0:>2}{' compiled' if comp else '':>9}: "
+        print(f"[k2_rank] ctx {ctx:>6} C {c:>2} {row['method']:>6} b {b or 0:>2}"
+              f"{' compiled' if comp else '':>9}: "
               f"step {row['step_ms']:8.2f} ms (+ar {row['allreduce_modelled_ms']:.2f}) parts sum "
-              f"{row['components_sum_ms']:8.2f} floors {row['floor_sum_ms']:7.2f} tau {row['accepted_mean']:.2f} "
+              f"{row['components_sum_ms']:8.2f} floors {row['floor_sum_ms']:7.2f} "
+              f"tau {row['accepted_mean']:.2f} "
               f"kernels {prof.get('kernels_per_step', 0):.0f} busy {prof.get('busy', 0):.2f} "
               f"({row['wall_s']:.1f} s)", flush=True)
         save()
