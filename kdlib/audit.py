@@ -612,6 +612,13 @@ def _budget(b) -> str:
     return "AR" if b is None else f"budget {b}"
 
 
+def _dropped_note(k: dict) -> str:
+    """The rank's rows left out because their MoE dropped slots (`kdlib.headlines.k2_rank_dropped`)."""
+    n = len(k["dropped"])
+    return (f"{n} grid rows of the rank are left out: their MoE dropped slots beyond the launch's bound "
+            "(moe_bound_overflows > 0), so their times are lower bounds" if n else "")
+
+
 @check
 def diag_baseline_c1_c10(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     c1, c10 = fig.claim
@@ -633,7 +640,13 @@ def diag_baseline_c1_c10(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
                        "a measurement of their 8x RTX PRO 6000 service with Kimi-K2.6 INT4 weights and their "
                        f"drafter (none here). {internal}", sources=sources, values=values)
     doc, k = k2
-    ratios = {b: k["c10_over_c1"][b] for b in k["budgets"]}
+    ratios = {b: r for b, r in k["c10_over_c1"].items() if b is not None}
+    src_doc = sources + [provenance(doc)]
+    if not ratios:
+        return Verdict(fig.id, OUT_OF_REACH, model,
+                       "a measurement of their 8x RTX PRO 6000 service (none here); the measured rank has no "
+                       f"DDTree pair of C = 1 and C = 10 rows at {headlines.K2_SEED_CONTEXT:,} tokens to set "
+                       f"beside it ({_dropped_note(k)}). {internal}", sources=src_doc, values=values)
     below = [b for b, r in ratios.items() if r <= seed_ratio]
     above = [b for b, r in ratios.items() if r >= seed_ratio]
     fits = bool(below) and bool(above)
@@ -641,7 +654,6 @@ def diag_baseline_c1_c10(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     values.update({"rank_c10_over_c1": ratios})
     ours = (f"{model}. The measured Kimi-K2.6 rank (H200, {headlines.K2_SEED_CONTEXT:,} tokens, graph step + "
             f"modelled all-reduce): C = 10 step / C = 1 step = {measured}")
-    src_doc = sources + [provenance(doc)]
     if fits:
         lo, hi = max(below), min(above)
         return Verdict(fig.id, READING, ours,
@@ -777,21 +789,25 @@ def diag_step_34_144(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     if k2 is None:
         return v
     doc, k = k2
+    v.sources.append(provenance(doc))
+    if not k["growth"]:
+        v.reason += f". The measured rank has no C = 1 row pair at 128 and 5.5k tokens ({_dropped_note(k)})"
+        return v
     # the H200's bandwidth over the PRO 6000's: the most a memory-bound attention could slow down there
     bw = hw.load("h200")["hbm_bandwidth_Bps"] / hw.load("rtx-pro-6000")["hbm_bandwidth_Bps"]
-    steps = k["verify_ms"][1]
+    steps = {b: k["verify_ms"][1][b] for b in k["growth"]}
     grow = max(k["growth"].values())
     attn = max(k["attention_growth_ms"].values())
-    v.ours += (f". Measured Kimi-K2.6 rank (H200, C = 1, graph step + modelled all-reduce): "
+    names = ", ".join(_budget(b) for b in steps)
+    v.ours += (f". Measured Kimi-K2.6 rank (H200, C = 1, graph step + modelled all-reduce, {names}): "
                f"{min(steps.values()):.1f}-{max(steps.values()):.1f} ms at {headlines.K2_SEED_CONTEXT:,} "
-               f"tokens over AR and budgets {k['budgets']}, at most {grow - 1:.1%} above "
-               f"{headlines.K2_SHORT_CONTEXT} tokens (attention +{attn:.2f} ms at most)")
+               f"tokens, at most {grow - 1:.1%} above {headlines.K2_SHORT_CONTEXT} tokens (attention "
+               f"+{attn:.2f} ms at most)")
     v.reason += (f". On real shapes the context costs little: from {headlines.K2_SHORT_CONTEXT} to "
                  f"{headlines.K2_SEED_CONTEXT:,} tokens a rank's attention grows by {attn:.2f} ms at most, "
                  f"{attn * bw:.1f} ms even at the PRO 6000's {1 / bw:.0%} of the H200's bandwidth, against "
                  f"the {long_ms - short_ms:.0f} ms between 34 and 144: that growth comes from their stack, "
-                 "not from attending over 5.5k tokens")
-    v.sources.append(provenance(doc))
+                 "not from attending over 5.5k tokens" + (f" ({_dropped_note(k)})" if k["dropped"] else ""))
     v.values.update({"rank_5500_c1_ms": steps, "rank_growth": grow, "rank_attention_growth_ms": attn})
     return v
 
@@ -1097,18 +1113,21 @@ def moe_share_step_80_90(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     if k2 is None:
         return v
     doc, k = k2
-    share, over, ms = k["moe_share"], k["moe_over_floor"], k["moe_ms"].values()
-    tree = [over[1, b_] for b_ in k["budgets"]]
-    top = max(share.values())
-    v.ours += (f". Measured Kimi-K2.6 rank (H200, {headlines.K2_SEED_CONTEXT:,} tokens, C = 1 and 10, AR "
-               f"and budgets {k['budgets']}): the routed MoE is {min(share.values()):.0%}-{top:.0%} of the "
-               f"graph step ({min(ms):.1f}-{max(ms):.1f} ms); at C = 1 it is {min(tree):.1f}-"
-               f"{max(tree):.1f}x its HBM floor on the tree steps, {over[1, None]:.0f}x on the AR step")
-    v.reason += (f". On real shapes one rank's MoE is at most {top:.0%} of the step, not ~80%: HBM-bound on "
-                 "the tree steps as the seeds say, but the rest of the step (dense layers, norms, attention) "
-                 "weighs as much")
     v.sources.append(provenance(doc))
-    v.values.update({"rank_moe_share_max": top, "rank_moe_over_floor_tree_c1": tree})
+    share, over, ms = k["moe_share"], k["moe_over_floor"], k["moe_ms"]
+    if not share:
+        v.reason += f". The measured rank has no row at 5.5k tokens, C = 1 or 10, to add ({_dropped_note(k)})"
+        return v
+    top = max(share.values())
+    rows = ", ".join(f"C = {c} {_budget(b)}" for c, b in share)
+    v.ours += (f". Measured Kimi-K2.6 rank (H200, {headlines.K2_SEED_CONTEXT:,} tokens; {rows}): the routed "
+               f"MoE is {min(share.values()):.0%}-{top:.0%} of the graph step ({min(ms.values()):.1f}-"
+               f"{max(ms.values()):.1f} ms), " + ", ".join(f"{over[x]:.1f}x its HBM floor at C = {x[0]} "
+                                                            f"{_budget(x[1])}" for x in over))
+    v.reason += (f". On real shapes one rank's MoE is {top:.0%} of the step at most in these rows, not ~80%: "
+                 "the rest of the step (dense layers, norms, attention) weighs as much"
+                 + (f" ({_dropped_note(k)})" if k["dropped"] else ""))
+    v.values.update({"rank_moe_share_max": top, "rank_moe_over_floor": dict(over)})
     return v
 
 

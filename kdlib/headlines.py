@@ -63,34 +63,53 @@ def k2_rank_grid(doc: dict) -> dict:
     return {(r["context"], r["streams"], r["budget"]): r for r in rows if bool(r.get("compiled")) == compiled}
 
 
+def k2_rank_dropped(doc: dict) -> list[tuple]:
+    """The grid rows (`k2_rank_grid` keys) whose MoE dropped slots: an expert was routed more tokens than
+    the launch's static bound (`moe_bound_overflows` > 0, which the suite requires to be 0), so the MoE
+    kernels computed fewer slots than routed and the row's MoE piece and step are lower bounds."""
+    return [k for k, r in k2_rank_grid(doc).items() if r["moe_bound_overflows"]]
+
+
 def k2_rank_figures(doc: dict) -> dict:
-    """The seeds' step figures re-read on the measured rank (a k2_rank payload, `k2_rank_grid` rows). Steps
-    are the graph step plus the modelled all-reduce (`step_with_allreduce_ms`), ms; budget None is AR.
+    """The seeds' step figures re-read on the measured rank (a k2_rank payload, `k2_rank_grid` rows), from
+    the rows whose MoE computed every routed slot only (`k2_rank_dropped` lists the others): a figure is
+    given for a method (budget, None = AR) only where every row it needs is such a row. Steps are the graph
+    step plus the modelled all-reduce (`step_with_allreduce_ms`), ms.
 
     verify_ms {C: {budget: ms}} at K2_SEED_CONTEXT, C = 1 and 10 (the seeds' two service points);
     growth {budget: step at K2_SEED_CONTEXT / step at K2_SHORT_CONTEXT} and attention_growth_ms {budget:
     attention ms at K2_SEED_CONTEXT minus at K2_SHORT_CONTEXT}, C = 1; c10_over_c1 {budget: step at C = 10
     / step at C = 1} at K2_SEED_CONTEXT; at K2_SEED_CONTEXT, C = 1 and 10, keyed (C, budget): moe_ms the
     routed-MoE piece, moe_share that piece / the graph step, moe_over_floor that piece / its floor;
-    accepted: the forced accepted length (a parameter of the suite, not a measurement). KeyError where a
-    needed grid row was not recorded."""
+    budgets: the DDTree budgets of the grid; dropped: `k2_rank_dropped`; accepted: the forced accepted
+    length (a parameter of the suite, not a measurement)."""
     g = k2_rank_grid(doc)
+    dropped = k2_rank_dropped(doc)
+    ok = {k: r for k, r in g.items() if k not in dropped}
     budgets = sorted({b for _, _, b in g if b is not None})
     methods = [None, *budgets]
     ctx, short = K2_SEED_CONTEXT, K2_SHORT_CONTEXT
-    step = {k: r["step_with_allreduce_ms"] for k, r in g.items()}
-    piece = {k: r["components_ms"] for k, r in g.items()}
+    step = {k: r["step_with_allreduce_ms"] for k, r in ok.items()}
+    piece = {k: r["components_ms"] for k, r in ok.items()}
+
+    def have(*keys):
+        return all(k in ok for k in keys)
+
+    pairs = [(c, b) for c in CROSSCHECK_CONCURRENCY for b in methods if have((ctx, c, b))]
     return {
         "accepted": doc["parameters"]["accepted"],
         "budgets": budgets,
-        "verify_ms": {c: {b: step[ctx, c, b] for b in methods} for c in CROSSCHECK_CONCURRENCY},
-        "growth": {b: step[ctx, 1, b] / step[short, 1, b] for b in methods},
+        "dropped": dropped,
+        "verify_ms": {c: {b: step[ctx, c, b] for b in methods if have((ctx, c, b))}
+                      for c in CROSSCHECK_CONCURRENCY},
+        "growth": {b: step[ctx, 1, b] / step[short, 1, b] for b in methods
+                   if have((ctx, 1, b), (short, 1, b))},
         "attention_growth_ms": {b: piece[ctx, 1, b]["attention"] - piece[short, 1, b]["attention"]
-                                for b in methods},
-        "c10_over_c1": {b: step[ctx, 10, b] / step[ctx, 1, b] for b in methods},
-        "moe_ms": {(c, b): piece[ctx, c, b]["moe"] for c in CROSSCHECK_CONCURRENCY for b in methods},
-        "moe_share": {(c, b): piece[ctx, c, b]["moe"] / g[ctx, c, b]["step_ms"]
-                      for c in CROSSCHECK_CONCURRENCY for b in methods},
-        "moe_over_floor": {(c, b): piece[ctx, c, b]["moe"] / g[ctx, c, b]["floors"]["moe"]["floor_ms"]
-                           for c in CROSSCHECK_CONCURRENCY for b in methods},
+                                for b in methods if have((ctx, 1, b), (short, 1, b))},
+        "c10_over_c1": {b: step[ctx, 10, b] / step[ctx, 1, b] for b in methods
+                        if have((ctx, 10, b), (ctx, 1, b))},
+        "moe_ms": {(c, b): piece[ctx, c, b]["moe"] for c, b in pairs},
+        "moe_share": {(c, b): piece[ctx, c, b]["moe"] / ok[ctx, c, b]["step_ms"] for c, b in pairs},
+        "moe_over_floor": {(c, b): piece[ctx, c, b]["moe"] / ok[ctx, c, b]["floors"]["moe"]["floor_ms"]
+                           for c, b in pairs},
     }

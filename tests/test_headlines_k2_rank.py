@@ -8,9 +8,10 @@ from kdlib import audit, headlines, perf
 BUDGETS = (None, 8, 16)
 
 
-def _row(ctx, c, b, step, *, ar=1.0, attention=1.0, moe=2.0, moe_floor=1.0, compiled=True):
+def _row(ctx, c, b, step, *, ar=1.0, attention=1.0, moe=2.0, moe_floor=1.0, compiled=True, dropped=0):
     return {"context": ctx, "streams": c, "budget": b, "method": "ddtree" if b else "ar",
-            "compiled": compiled, "step_ms": step, "step_with_allreduce_ms": step + ar,
+            "compiled": compiled, "moe_bound_overflows": dropped, "step_ms": step,
+            "step_with_allreduce_ms": step + ar,
             "components_ms": {"moe": moe, "attention": attention, "dense": 1.0},
             "floors": {"moe": {"floor_ms": moe_floor}}}
 
@@ -48,11 +49,18 @@ def test_figures_on_a_synthetic_payload():
     assert k["moe_over_floor"][1, None] == 2.0 and k["moe_over_floor"][10, 16] == 1.5
 
 
-def test_a_missing_grid_row_is_a_key_error():
+def test_rows_whose_moe_dropped_slots_are_left_out():
     doc = synthetic()
-    doc["rows"] = [r for r in doc["rows"] if (r["context"], r["streams"]) != (128, 1)]
-    with pytest.raises(KeyError):
-        headlines.k2_rank_figures(doc)
+    for r in doc["rows"]:
+        if (r["context"], r["streams"], r["budget"]) in ((128, 1, 16), (5500, 10, 8)):
+            r["moe_bound_overflows"] = 60
+    assert sorted(headlines.k2_rank_dropped(doc)) == [(128, 1, 16), (5500, 10, 8)]
+    k = headlines.k2_rank_figures(doc)
+    assert set(k["growth"]) == set(k["attention_growth_ms"]) == {None, 8}  # 16 lacks its 128-token row
+    assert set(k["verify_ms"][1]) == {None, 8, 16} and set(k["verify_ms"][10]) == {None, 16}
+    assert set(k["c10_over_c1"]) == {None, 16} and (10, 8) not in k["moe_share"]
+    doc["rows"] = [r for r in doc["rows"] if (r["context"], r["streams"]) != (128, 1)]  # not recorded
+    assert headlines.k2_rank_figures(doc)["growth"] == {}
 
 
 def test_the_per_step_cost_of_c10_decides_the_baseline_verdict():
@@ -79,7 +87,16 @@ def test_the_rank_adds_its_measurement_to_the_step_and_moe_verdicts():
     moe = audit.run_one(cat["moe_share_step_80_90"], cat, src)
     assert moe.verdict == audit.CONTRADICTED
     assert moe.values["rank_moe_share_max"] == pytest.approx(3.0 / 9.0)  # C = 1 AR: 3 of 9 ms
-    assert moe.values["rank_moe_over_floor_tree_c1"] == [2.0, 2.0]
+    assert moe.values["rank_moe_over_floor"][1, 8] == 2.0
+    every_row_dropped = synthetic()
+    for r in every_row_dropped["rows"]:
+        r["moe_bound_overflows"] = 1
+    src = audit.Sources(results={"k2_rank.h200": every_row_dropped})
+    expect = {"diag_baseline_c1_c10": audit.OUT_OF_REACH, "diag_step_34_144": audit.CONTRADICTED,
+              "moe_share_step_80_90": audit.CONTRADICTED}
+    for fid, verdict in expect.items():
+        v = audit.run_one(cat[fid], cat, src)
+        assert v.verdict == verdict and "dropped slots" in v.reason and "rank_" not in " ".join(v.values), fid
 
 
 def test_figures_on_the_recorded_file():
@@ -92,6 +109,7 @@ def test_figures_on_the_recorded_file():
     for c, by_b in k["verify_ms"].items():
         for b, ms in by_b.items():
             assert ms == g[headlines.K2_SEED_CONTEXT, c, b]["step_with_allreduce_ms"] > 0
+            assert g[headlines.K2_SEED_CONTEXT, c, b]["moe_bound_overflows"] == 0
     # one rank's step costs more at 5.5k than at 128 tokens of context, and more at C = 10 than at C = 1
     assert all(v > 1 for v in k["growth"].values()) and all(v > 1 for v in k["c10_over_c1"].values())
     assert all(0 < v < 1 for v in k["moe_share"].values())
