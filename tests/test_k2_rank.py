@@ -224,6 +224,26 @@ def test_cpu_step_runs_every_part(mode):
     assert int(st.overflow) == 0
 
 
+def test_uniform_routing_forces_distinct_experts_and_never_overflows():
+    m = RankModel(RankShape(ModelConfig.from_dict(small_config()), tp=2, rank=0, moe_mode="tp"), device="cpu")
+    dr = RankDrafter(m, DraftShape(2, 4, 2, 32, 256, 4, (0, 2)))
+    st = RankStep(m, streams=3, context=20, budget=8, drafter=dr)
+    dr.make_pool(st.pool.shape[1])
+    c = m.cfg
+    assert st.route_ids.shape == (c.num_hidden_layers, st.M, c.num_experts_per_tok)
+    k = c.num_experts_per_tok
+    assert all(len(set(r.tolist())) == k for r in st.route_ids.reshape(-1, k))  # k distinct experts a row
+    assert int(st.route_ids.max()) < c.n_routed_experts
+    st.run(save=True)
+    assert int(st.overflow) == 0
+    f = st.f_saved[1]
+    w, idx = m.route(m.layers[1], f, st.route_ids[1])
+    assert torch.equal(idx, st.route_ids[1]) and w.shape == idx.shape  # the scores' weights at the forced ids
+    assert RankStep(m, streams=1, context=20, routing="router").route_ids is None
+    with pytest.raises(ValueError, match="routing must be one of"):
+        RankStep(m, streams=1, context=20, routing="hash")
+
+
 def _saved(st: RankStep) -> dict:
     return {k: getattr(st, k).float().clone()
             for k in ("x_saved", "q_saved", "rows_saved", "o_saved", "f_saved")}

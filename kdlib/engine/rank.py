@@ -64,6 +64,7 @@ from kdlib.tp.engine import MOE_MODES, partition
 _PRE = ("in_norm", "q_a", "q_a_norm", "q_b", "kv_b", "kv_a", "kv_a_norm")
 _POST = ("kv_b", "o", "post_norm", "mlp_gu", "mlp_down")
 _ROUTING = tuple(f.name for f in fields(DeviceRouting))  # the order DeviceRouting(*...) takes
+ROUTINGS = ("uniform", "router")  # RankStep's expert choice
 
 
 # ----------------------------------------------------------------------------- shapes
@@ -259,8 +260,8 @@ class RankModel:
         f = self.rms(h, L["post_norm"], self.cfg.rms_norm_eps)
         return h, f, self.mlp(L, f)
 
-    def _route(self, x, router, router_bias) -> tuple[torch.Tensor, ...]:
-        w, idx = self.route({"router": router, "router_bias": router_bias}, x)
+    def _route(self, x, router, router_bias, ids=None) -> tuple[torch.Tensor, ...]:
+        w, idx = self.route({"router": router, "router_bias": router_bias}, x, ids)
         rt = device_routing(idx, w, self.e0, self.n_local)
         return tuple(getattr(rt, name) for name in _ROUTING)
 
@@ -306,23 +307,26 @@ class RankModel:
         g, u = gu.chunk(2, dim=-1)
         return F.linear(F.silu(g) * u, L["mlp_down"])
 
-    def route(self, L: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """noaux_tc router (n_group 1 for Kimi-K2): x [M, H] -> weights [M, k] float32, ids [M, k] int64."""
+    def route(self, L: dict, x: torch.Tensor, ids: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """noaux_tc router (n_group 1 for Kimi-K2): x [M, H] -> weights [M, k] float32, ids [M, k] int64.
+        ids: the experts to use instead of the top-k choice (the scores and weights are still computed)."""
         c = self.cfg
         scores = F.linear(x, L["router"]).float().sigmoid()  # [M, E]
-        idx = (scores + L["router_bias"]).topk(c.num_experts_per_tok, dim=-1).indices
+        idx = (scores + L["router_bias"]).topk(c.num_experts_per_tok, dim=-1).indices if ids is None else ids
         w = scores.gather(1, idx)
         if c.norm_topk_prob:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         return w * c.routed_scaling_factor, idx
 
     def routed(
-        self, L: dict, x: torch.Tensor, bound: int, overflow: torch.Tensor | None = None
+        self, L: dict, x: torch.Tensor, bound: int, overflow: torch.Tensor | None = None,
+        ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """This rank's routed-expert partial sum [M, H] (bf16): `moe_w4a16` on CUDA (graph-safe routing with
-        static launch bound `bound` slots per expert; `overflow` += 1 when an expert had more), torch on
-        the CPU."""
-        rt = DeviceRouting(*self._route_fn(x, L["router"], L["router_bias"]))
+        static launch bound `bound` slots per expert; `overflow` += 1 when an expert had more, whose extra
+        slots the kernels skip), torch on the CPU. ids [M, k]: forced experts (`route`)."""
+        rt = DeviceRouting(*self._route_fn(x, L["router"], L["router_bias"], ids))
         if overflow is not None:
             overflow += (rt.max_count > bound).to(overflow.dtype)
         if x.device.type != "cuda":
@@ -541,8 +545,15 @@ class RankStep:
         bound_factor: float = 4.0,
         pool: torch.Tensor | None = None,
         seed: int = 0,
+        routing: str = "uniform",
     ):
+        """routing: "uniform" — each row's experts drawn uniformly (k distinct of the model's, fixed per layer
+        and row; `route_ids`), the routing a trained, balanced router has on average and the one the floors
+        count; "router" — the random router's own top-k (a random network's rows drift together over the
+        layers and crowd a few experts past the launch bound, whose extra slots the kernels skip)."""
         c = model.cfg
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
         self.m, self.d, self.C, self.ctx = model, drafter, int(streams), int(context)
         dev = model.device
         self.ddtree = drafter is not None
@@ -567,6 +578,12 @@ class RankStep:
         self.bonus = torch.randint(0, c.vocab_size, (C,), generator=gen, device=dev)
         self.M = C * W
         self.bound = count_bound(self.M, c.num_experts_per_tok, c.n_routed_experts, bound_factor)
+        self.routing = routing
+        self.route_ids = None  # [layers, M, k] forced experts under "uniform"
+        if routing == "uniform":
+            draw = [torch.rand(self.M, c.n_routed_experts, generator=gen, device=dev)
+                    for _ in range(c.num_hidden_layers)]  # [M, E] each: the top-k of uniforms
+            self.route_ids = torch.stack([u.topk(c.num_experts_per_tok).indices for u in draw])
         self.overflow = torch.zeros((), dtype=torch.int64, device=dev)
         self.tokens = self.bonus[:, None].repeat(1, W).contiguous()  # [C, W]
         self.depth = torch.zeros(C, W, **i64)
@@ -674,7 +691,8 @@ class RankStep:
                 if save:
                     self.f_saved[i].copy_(f)
             if do("moe") and "router" in L:
-                r = m.routed(L, f if full else self.f_saved[i], self.bound, self.overflow)
+                ids = None if self.route_ids is None else self.route_ids[i]
+                r = m.routed(L, f if full else self.f_saved[i], self.bound, self.overflow, ids)
                 y = y + r if full else r
             if do("dense"):
                 h = h + y

@@ -4,7 +4,8 @@
     env: K2_RANK_BUDGET_S (seconds for the grid, default 200), K2_RANK_MOE (tp | ep, default tp),
          K2_RANK_COMPILE (1: torch.compile the pieces between the kernels, after the PLAIN_ROWS are measured
          without it; 0: never; default 1), K2_RANK_CONTEXTS (comma list, default all, in CONTEXTS order),
-         K2_RANK_RESUME (a k2_rank JSON of an earlier run: its rows are kept and not measured again)
+         K2_RANK_RESUME (a k2_rank JSON of an earlier run: its rows are kept and not measured again),
+         K2_RANK_ROUTING (uniform | router, default uniform: `kdlib.engine.rank.RankStep`)
 
 Sections of the payload:
   memory     GPU memory allocated by the rank's weights and by one 200,000-token latent cache against
@@ -121,14 +122,16 @@ def timed(fn, pool, iters: int, warmup: int = 1) -> tuple[dict, str | None]:
     return t.as_dict(), err
 
 
-def measure_row(model, drafter, pool, ctx: int, C: int, budget, ceil: dict, fit: dict, iters: int) -> dict:
+def measure_row(model, drafter, pool, ctx: int, C: int, budget, ceil: dict, fit: dict, iters: int,
+                routing: str = "uniform") -> dict:
     import torch
 
     from kdlib.engine.rank import RankStep, allreduce_ms
 
     t0 = time.perf_counter()
     step = RankStep(
-        model, C, ctx, budget, drafter if budget else None, accepted=ACCEPTED, p_top=P_TOP, pool=pool
+        model, C, ctx, budget, drafter if budget else None, accepted=ACCEPTED, p_top=P_TOP, pool=pool,
+        routing=routing,
     )
     step.run(save=True)  # eager: fills the pieces' inputs, compiles kernels
     torch.cuda.synchronize()
@@ -158,7 +161,8 @@ def measure_row(model, drafter, pool, ctx: int, C: int, budget, ceil: dict, fit:
            "allreduce_modelled_ms": sum(ar), "allreduce_calls": len(ar),
            "step_with_allreduce_ms": whole["median_ms"] + sum(ar),
            "accepted_mean": float(step.tau.float().mean()), "accepted_target": step.accepted,
-           "moe_bound_overflows": int(step.overflow), "compiled": model.compiled, "profile": prof,
+           "moe_bound_overflows": int(step.overflow), "routing": routing, "compiled": model.compiled,
+           "profile": prof,
            "commit": results.git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "wall_s": time.perf_counter() - t0}
     if prof:
@@ -203,7 +207,7 @@ def allreduce_fit() -> dict:
 
 def run(*, quick: bool = False, out: str | None = None, budget_s: float | None = None,
         moe_mode: str | None = None, compile: bool | None = None, contexts: Sequence[int] | None = None,
-        resume: str | None = None) -> dict:
+        resume: str | None = None, routing: str | None = None) -> dict:
     """The memory check, then the grid (module docstring), the payload rewritten into `out` after each row.
 
     quick: contexts 5,500 and 128, C = 1 and 10, AR and budget 16 only.
@@ -215,6 +219,8 @@ def run(*, quick: bool = False, out: str | None = None, budget_s: float | None =
     contexts: only these contexts of CONTEXTS; None: env K2_RANK_CONTEXTS (comma list), else all.
     resume: a k2_rank JSON of an earlier run whose rows are kept and not measured again; None: env
         K2_RANK_RESUME, else none.
+    routing: the experts' choice, "uniform" or "router" (`kdlib.engine.rank.RankStep`); None: env
+        K2_RANK_ROUTING, else "uniform".
     """
     import torch
 
@@ -228,6 +234,7 @@ def run(*, quick: bool = False, out: str | None = None, budget_s: float | None =
     if contexts is None:
         contexts = tuple(int(x) for x in env("K2_RANK_CONTEXTS", "").split(",") if x) or None
     resume = env("K2_RANK_RESUME") if resume is None else resume
+    routing = env("K2_RANK_ROUTING", "uniform") if routing is None else routing
     kept = json.loads(open(resume).read())["rows"] if resume and os.path.exists(resume) else []
     name = "kimi-k2.6"
     cfg_dict = memory.load_config(name)
@@ -239,7 +246,7 @@ def run(*, quick: bool = False, out: str | None = None, budget_s: float | None =
     fit = allreduce_fit()
     payload = {"parameters": {"config": name, "tp": 8, "rank": 0, "moe_mode": moe_mode, "accepted": ACCEPTED,
                               "p_top": P_TOP, "quick": quick, "budget_s": budget_s, "iters": 10,
-                              "compile": compile_,
+                              "compile": compile_, "routing": routing,
                               "plain_rows": [list(r) for r in PLAIN_ROWS] if compile_ else [],
                               "resumed_rows": len(kept)},
                "ceilings": ceil, "allreduce": fit, "rows": [], "cut": []}
@@ -289,6 +296,8 @@ def run(*, quick: bool = False, out: str | None = None, budget_s: float | None =
     }
     payload["cut"] = cut
     payload["rows"] = list(kept)
+    # rows recorded before `routing` was a setting used the router's own choice
+    kept = [r for r in kept if r.get("routing", "router") == routing]
     done = {(r["context"], r["streams"], r["budget"], r.get("compiled", False)) for r in kept}
     # (row, compiled): the plain baseline rows first, then the grid compiled (or plain when compile_ is off)
     todo = [(r, False) for r in PLAIN_ROWS if compile_ and r in rows] + [(r, compile_) for r in rows]
@@ -304,9 +313,9 @@ def run(*, quick: bool = False, out: str | None = None, budget_s: float | None =
             t_c = time.perf_counter()
             model.compile_pieces()
             payload["setup"]["compile_started_s"] = t_c - start
-        row = measure_row(model, drafter, pool, ctx, c, b, ceil, fit, iters=10)
+        row = measure_row(model, drafter, pool, ctx, c, b, ceil, fit, iters=10, routing=routing)
         if not row["graphs"]:  # a part's capture failed (seen once on the first row of a run): once more
-            row = {**measure_row(model, drafter, pool, ctx, c, b, ceil, fit, iters=10),
+            row = {**measure_row(model, drafter, pool, ctx, c, b, ceil, fit, iters=10, routing=routing),
                    "first_attempt_graph_errors": row["graph_errors"]}
         payload["rows"].append(row)
         prof = row["profile"] or {}
