@@ -29,7 +29,10 @@ The drafter (`RankDrafter`) is a DFlash block drafter at a given shape, sharded 
 input features), its context K/V held per slot beside the target's latent. Acceptance is a parameter:
 the tree builder gets the drafter's top-K ids with log-probs of a fixed profile (`draft_profile`),
 and the accept walk gets forced targets (`forced_targets`) that agree with the tree's first-child
-chain up to the chosen accepted length, so the step's work is real while tau is chosen.
+chain up to the chosen accepted length, so the step's work is real while tau is chosen. The experts'
+choice is a parameter too (`RankStep(routing=...)`): uniform draws by default, as a trained, balanced
+router gives on average (a random network's own router crowds a few experts). `RankModel.compile_pieces`
+compiles the torch code between the kernels with torch.compile (fewer, fused kernels).
 On the CPU the same code runs with the numpy references for attention and tree, and the routed
 experts dequantized in torch (the INT4 kernel needs CUDA).
 """
