@@ -32,6 +32,7 @@ import json
 import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from kdlib import memory
 from kdlib.cuda.moe import layer_bytes_flops
@@ -235,7 +236,7 @@ def run(*, quick: bool = False, out: str | None = None, budget_s: float | None =
         contexts = tuple(int(x) for x in env("K2_RANK_CONTEXTS", "").split(",") if x) or None
     resume = env("K2_RANK_RESUME") if resume is None else resume
     routing = env("K2_RANK_ROUTING", "uniform") if routing is None else routing
-    kept = json.loads(open(resume).read())["rows"] if resume and os.path.exists(resume) else []
+    kept = json.loads(Path(resume).read_text())["rows"] if resume and os.path.exists(resume) else []
     name = "kimi-k2.6"
     cfg_dict = memory.load_config(name)
     cfg = ModelConfig.from_dict(cfg_dict)
