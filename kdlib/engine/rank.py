@@ -668,12 +668,9 @@ class RankStep:
         """The target's forward over the C x W rows; save=True (eager, before timing) keeps each layer's
         piece inputs and outputs for the part-only forwards."""
         m, c = self.m, self.m.cfg
-        C, W = self.C, self.W
         full = only is None
         do = (lambda p: True) if full else (lambda p: p in only)
-        pos = (self.lens[:, None] + self.depth).reshape(-1)  # [M]
-        cos, sin = rope_cos_sin(c, pos, torch.bfloat16, m.device, inv=m.rope_inv())
-        slots = self.table.gather(1, self.lens[:, None] + torch.arange(W, device=m.device)[None]).reshape(-1)
+        cos, sin, slots = self.prologue()
         h = m.embed_rows(self.tokens.reshape(-1)) if do("dense") else None
         tap = 0
         for i, L in enumerate(m.layers):
@@ -703,8 +700,21 @@ class RankStep:
                     self.feats[:, tap * c.hidden_size:(tap + 1) * c.hidden_size].copy_(h)
                     tap += 1
         if do("dense"):
-            logits = m.head_local(h).view(C, W, -1)  # [C, W, V_r]; the global argmax is a (max, id) gather
-            self.argmax.copy_(logits.argmax(-1) + m.shape.vocab_range[0])
+            self.head(h)
+
+    def prologue(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What every layer of the verify reads: RoPE cos, sin [M, rope / 2] of the rows' positions and the
+        rows' cache slots [M]."""
+        m, W = self.m, self.W
+        pos = (self.lens[:, None] + self.depth).reshape(-1)  # [M]
+        cos, sin = rope_cos_sin(m.cfg, pos, torch.bfloat16, m.device, inv=m.rope_inv())
+        slots = self.table.gather(1, self.lens[:, None] + torch.arange(W, device=m.device)[None]).reshape(-1)
+        return cos, sin, slots
+
+    def head(self, h: torch.Tensor) -> None:
+        """The last layer's output h [M, H] -> final norm, this rank's LM head rows, `argmax` [C, W]."""
+        logits = self.m.head_local(h).view(self.C, self.W, -1)  # [C, W, V_r]; the global argmax: a gather
+        self.argmax.copy_(logits.argmax(-1) + self.m.shape.vocab_range[0])
 
     def _attention(self, i: int, q, rows, slots) -> torch.Tensor:
         """Latent rows to their slots, then the tree-verify attention -> o_lat [M, nh, kv_lora] float32."""
