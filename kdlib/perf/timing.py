@@ -65,11 +65,14 @@ def host_probe_ms(n: int = 1_000_000) -> float:
 
 
 def cuda_time(
-    fn: Callable[[], object], *, warmup: int = 5, iters: int = 50, backend: str = "torch"
+    fn: Callable[[], object], *, warmup: int = 5, iters: int = 50, backend: str = "torch",
+    between: Callable[[], object] | None = None,
 ) -> Timing:
     """Median device time of `fn()` in ms, each call bracketed by CUDA events on the current stream.
 
     backend: "torch" (torch.cuda.Event) or "cupy" (cupy.cuda.Event); both see the same device.
+    between: called before each timed call, outside its events (e.g. `l2_flush`: every call then starts
+    from a cold L2, as a layer's weights do inside a whole step).
     """
     if backend == "torch":
         import torch
@@ -98,6 +101,8 @@ def cuda_time(
     sync()
     pairs = [(make_event(), make_event()) for _ in range(iters)]
     for start, stop in pairs:
+        if between is not None:
+            between()
         start.record()
         fn()
         stop.record()
@@ -124,6 +129,20 @@ def l2_rotations(set_bytes: float, *, target_bytes: float = 256e6, max_sets: int
     `max_sets`, at most `fit` (the sets that fit the allocated pool), at least 1."""
     n = min(max_sets, math.ceil(target_bytes / set_bytes))
     return max(1, n if fit is None else min(n, fit))
+
+
+def l2_flush(factor: int = 2) -> Callable[[], None]:
+    """A callable that overwrites `factor` x the current GPU's L2 (torch: one memset of a buffer made once),
+    evicting whatever a timed call left there."""
+    import torch
+
+    buf = torch.empty(factor * torch.cuda.get_device_properties(0).L2_cache_size, dtype=torch.uint8,
+                      device="cuda")  # [factor x L2 bytes]
+
+    def flush():
+        buf.zero_()
+
+    return flush
 
 
 def clocks() -> str | None:
@@ -214,6 +233,20 @@ def graph_time(
         return replay_time(graphs, stream, iters=iters, warmup=warmup)
     if backend != "torch":
         raise ValueError(f"backend must be 'cupy' or 'torch', got {backend!r}")
+    graphs = torch_graphs(launches, warm=warm, repeats=repeats, pool=pool)
+    state = {"i": 0}
+
+    def replay():
+        graphs[state["i"] % len(graphs)].replay()
+        state["i"] += 1
+
+    return cuda_time(replay, warmup=1 if warmup is None else warmup, iters=iters, backend="torch")
+
+
+def torch_graphs(launches, *, warm: int = 1, repeats: int = 1, pool=None) -> list:
+    """Each callable of `launches` (one or a sequence) called `warm` times on a side stream (as capture
+    requires: kernels built, memory grown), then captured `repeats` times into its own
+    `torch.cuda.CUDAGraph` (`torch_graph`, in the memory pool `pool` when given). A capture failure raises."""
     import torch
 
     fns = _sequence(launches)
@@ -225,14 +258,7 @@ def graph_time(
                 fn()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    graphs = [torch_graph(fn, repeats=repeats, pool=pool) for fn in fns]
-    state = {"i": 0}
-
-    def replay():
-        graphs[state["i"] % len(graphs)].replay()
-        state["i"] += 1
-
-    return cuda_time(replay, warmup=1 if warmup is None else warmup, iters=iters, backend="torch")
+    return [torch_graph(fn, repeats=repeats, pool=pool) for fn in fns]
 
 
 def torch_graph(fn: Callable[[], object], *, repeats: int = 1, pool=None):

@@ -35,9 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kdlib import memory
-from kdlib.cuda.moe import layer_bytes_flops
-from kdlib.estimator.model import touched_experts
-from kdlib.perf import profile, results, timing
+from kdlib.perf import profile, rank_work, results, timing
 from kdlib.perf.timing import floor_ms
 
 CONTEXTS = (5500, 200000, 128000, 32000, 128)  # the seeds' 5.5k first, then the longest
@@ -79,41 +77,10 @@ def _floor(nbytes: float, flops: float, ceil: dict) -> dict:
 
 
 def floors(step, ceil: dict) -> dict:
-    """Per-component floors of a RankStep (bytes each read once, useful FLOPs)."""
-    m, c, s = step.m, step.m.cfg, step.m.shape
-    L, M, C, W, ctx = c.num_hidden_layers, step.M, step.C, step.W, step.ctx
-    n_moe = L - c.first_k_dense_replace
-    k = c.num_experts_per_tok
-    touched = s.n_experts * (touched_experts(M, c.n_routed_experts, k) / c.n_routed_experts)
-    slots_tokens = M if s.moe_mode == "tp" else M * s.n_experts / c.n_routed_experts
-    moe = layer_bytes_flops(slots_tokens, touched, c.hidden_size, s.expert_inter, k)
-    routed = sum(
-        t.numel() * t.element_size() for L_ in m.layers if "experts" in L_ for t in L_["experts"].values()
-    )
-    dense_bytes = m.weight_bytes() - routed - m.embed.numel() * m.embed.element_size()
-    out = {"moe": _floor(n_moe * moe["bytes"], n_moe * moe["flops"], ceil),
-           "dense": _floor(dense_bytes + 4 * L * M * c.hidden_size * 2, 2.0 * M * dense_bytes / 2, ceil)}
-    kv = C * ctx * c.latent_dim * 2
-    out["attention"] = _floor(L * (kv + 2 * M * c.latent_dim * 2),
-                              L * 2.0 * M * s.heads * (ctx + W) * (c.latent_dim + c.kv_lora_rank), ceil)
-    if step.ddtree:
-        d = step.d
-        B = d.ds.block_size
-        ctx_kv = C * ctx * d.ds.num_layers * 2 * d.nkv * d.ds.head_dim * 2
-        head = m.lm_head.numel() * 2
-        out["draft"] = _floor(
-            d.weight_bytes() + head + ctx_kv, 2.0 * C * B * (d.weight_bytes() + head) / 2, ceil
-        )
-        out["tree"] = _floor(C * (B - 1) * step.k * 12 + C * W * W, 0.0, ceil)
-        out["accept"] = _floor(C * W * 8 * 4, 0.0, ceil)
-        out["commit"] = _floor(
-            d.fc.numel() * 2
-            + sum(L_["k"].numel() * 4 for L_ in d.layers)
-            + M * d.ds.num_layers * 2 * d.nkv * d.ds.head_dim * 2,
-            2.0 * M * d.fc.numel(),
-            ceil,
-        )
-    return out
+    """Per-component floors of a RankStep (bytes each read once, useful FLOPs: `kdlib.perf.rank_work`)."""
+    work = rank_work.piece_work(step.m.shape, step.d.ds if step.ddtree else None, step.C, step.W, step.ctx)
+    return {p: _floor(w["bytes"], w["flops"], ceil)
+            for p, w in rank_work.totals(work, step.m.cfg, step.ddtree).items()}
 
 
 def timed(fn, pool, iters: int, warmup: int = 1) -> tuple[dict, str | None]:
@@ -198,6 +165,13 @@ def _recorded(name: str) -> dict:
     return r
 
 
+def ceilings() -> dict:
+    """The recorded copy bandwidth and bf16 matmul rate the floors divide by, and their file."""
+    doc = _recorded("ceilings")
+    return {"copy_bandwidth_Bps": doc["copy_bandwidth_Bps"], "bf16_matmul_flops": doc["bf16_matmul_flops"],
+            "path": doc["_path"]}
+
+
 def allreduce_fit() -> dict:
     tp = _recorded("tp")
     fits = tp.get("allreduce_graph_fit") or tp["allreduce_fit"]
@@ -241,9 +215,7 @@ def run(*, quick: bool = False, out: str | None = None, budget_s: float | None =
     cfg_dict = memory.load_config(name)
     cfg = ModelConfig.from_dict(cfg_dict)
     shape = RankShape(cfg, tp=8, rank=0, moe_mode=moe_mode)
-    ceil_doc = _recorded("ceilings")
-    ceil = {k: ceil_doc[k] for k in ("copy_bandwidth_Bps", "bf16_matmul_flops")}
-    ceil["path"] = ceil_doc["_path"]
+    ceil = ceilings()
     fit = allreduce_fit()
     payload = {"parameters": {"config": name, "tp": 8, "rank": 0, "moe_mode": moe_mode, "accepted": ACCEPTED,
                               "p_top": P_TOP, "quick": quick, "budget_s": budget_s, "iters": 10,
