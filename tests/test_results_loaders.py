@@ -265,7 +265,8 @@ def test_load_tree_build_cpu_headline_and_sweeps():
 
 # ----------------------------------------------------------------------------- every loader
 LOADERS = {
-    "attention": results.load_attention, "k2_rank": results.load_k2_rank, "kernels": results.load_kernels,
+    "attention": results.load_attention, "k2_rank": results.load_k2_rank, "k2_layer": results.load_k2_layer,
+    "kernels": results.load_kernels,
     "verify_attention_dev": results.load_verify_attention_dev,
     "verify_attention_dev_v2": results.load_verify_attention_dev_v2, "engine": results.load_engine,
     "engine_batch": results.load_engine_batch, "engine_arms": results.load_engine_arms,

@@ -8,6 +8,8 @@
     a = est.calibrate(est.load_results("h200"))  # efficiencies from H200 measurements
     est.validate(a, est.load_results("h200")["engine"])   # against the engine's measured step times
     est.validate_batch(a, kdlib.perf.load("engine_batch", "h200"))   # against the batched graph engine
+    terms = est.calibrate_rank_layer(a, kdlib.perf.load("k2_layer", "h200"))   # one rank layer's pieces
+    est.validate_rank(terms, kdlib.perf.load("k2_rank", "h200"))   # against the measured TP8 rank
 
 CLI: `kdlib estimate [--scenario seeds] [--json]` (the seeds' B300 scenarios, nothing else to set), or
 `kdlib estimate [--gpu b300] [--concurrency 1 4 10] [--context N] [--block-size B] [--accepted-length A]
@@ -24,7 +26,15 @@ import sys
 from kdlib import memory
 from kdlib.cli import Parser, fail, positive_float, positive_int
 from kdlib.estimator import seeds
-from kdlib.estimator.calibration import calibrate, engine_rows, load_results, validate, validate_batch
+from kdlib.estimator.calibration import (
+    calibrate,
+    calibrate_rank_layer,
+    engine_rows,
+    load_results,
+    validate,
+    validate_batch,
+    validate_rank,
+)
 from kdlib.estimator.model import (
     COMPONENTS,
     hardware,
@@ -32,17 +42,19 @@ from kdlib.estimator.model import (
     moe_curve,
     moe_layer,
     project,
+    rank_step_time,
     sensitivity,
     step_time,
     touched_experts,
 )
-from kdlib.estimator.params import SHAPE_CONFIG, Assumptions, ModelShape, Param, Scenario
+from kdlib.estimator.params import SHAPE_CONFIG, Assumptions, ModelShape, Param, RankLayerTerms, Scenario
 
 __all__ = [
-    "COMPONENTS", "SHAPE_CONFIG", "Assumptions", "ModelShape", "Param", "Scenario", "calibrate", "cli",
-    "engine_rows", "hardware", "knee_m", "load_results", "model_seed_rows", "moe_curve", "moe_layer",
-    "project", "seed_scenarios", "seeds", "seeds_stack", "sensitivity", "step_time", "touched_experts",
-    "validate", "validate_batch",
+    "COMPONENTS", "SHAPE_CONFIG", "Assumptions", "ModelShape", "Param", "RankLayerTerms", "Scenario",
+    "calibrate", "calibrate_rank_layer", "cli", "engine_rows", "hardware", "knee_m", "load_results",
+    "model_seed_rows", "moe_curve", "moe_layer", "project", "rank_step_time", "seed_scenarios", "seeds",
+    "seeds_stack", "sensitivity", "step_time", "touched_experts", "validate", "validate_batch",
+    "validate_rank",
 ]
 
 

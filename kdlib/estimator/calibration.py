@@ -18,7 +18,15 @@ from __future__ import annotations
 import statistics
 
 from kdlib.estimator.model import hardware, step_time
-from kdlib.estimator.params import Assumptions, ModelShape, Param, Scenario
+from kdlib.estimator.params import (
+    RANK_PIECES,
+    Assumptions,
+    ModelShape,
+    Param,
+    PieceTerms,
+    RankLayerTerms,
+    Scenario,
+)
 from kdlib.perf.bench_model import BENCH_CONFIG, BLOCK
 from kdlib.perf.results import Recorded, moe_rows
 
@@ -453,5 +461,106 @@ def validate_batch(a: Assumptions, doc: dict, *, gpu="h200") -> list[dict]:
     return out
 
 
+# ----------------------------------------------------------------------------- one rank layer, piece by piece
+def _fit_relative(x0: list[float], x1: list[float], ys: list[float]) -> tuple[float, float]:
+    """(c0, c1) minimising sum(((c0 x0 + c1 x1 - y) / y)^2) with c0 >= 0 and c1 >= 1 (c1 = 1 / eff: no piece
+    beats its floor): the unconstrained normal equations, else each bound in turn with the other refit."""
+    w = [1.0 / y ** 2 for y in ys]
+
+    def dot(a, b):
+        return sum(wi * ai * bi for wi, ai, bi in zip(w, a, b, strict=True))
+
+    s00, s01, s11, b0, b1 = dot(x0, x0), dot(x0, x1), dot(x1, x1), dot(x0, ys), dot(x1, ys)
+    det = s00 * s11 - s01 * s01
+    if det > 0:
+        c0, c1 = (b0 * s11 - b1 * s01) / det, (s00 * b1 - s01 * b0) / det
+        if c0 >= 0 and c1 >= 1:
+            return c0, c1
+    cands = []
+    if s00 > 0:  # c1 at its bound 1, c0 refit
+        cands.append((max(0.0, (b0 - s01) / s00), 1.0))
+    if s11 > 0:  # no per-kernel term, c1 refit
+        cands.append((0.0, max(1.0, b1 / s11)))
+
+    def loss(c):
+        return sum(wi * (c[0] * a + c[1] * b - y) ** 2 for wi, a, b, y in zip(w, x0, x1, ys, strict=True))
+
+    return min(cands, key=loss) if cands else (0.0, 1.0)
+
+
+def rank_piece(row: dict) -> str:
+    """The `RANK_PIECES` name of a k2_layer row: its piece, the AR commit apart ("commit_ar": no drafter)."""
+    return "commit_ar" if row["piece"] == "commit" and row["method"] == "ar" else row["piece"]
+
+
+def calibrate_rank_layer(a: Assumptions, doc: dict, *, gpu="h200") -> RankLayerTerms:
+    """The rank's per-piece terms from a recorded k2_layer suite (kdlib/perf/suites/k2_layer.py: one layer
+    of the rank, each piece timed alone as a CUDA-graph replay at the k2_rank grid's M and contexts).
+
+    Per piece (`rank_piece`), over its rows: time - the suite's graph overhead = kernels x kernel_s + floor /
+    eff, floor = max(bytes / HBM peak, FLOPs / bf16 peak) of `gpu`'s spec (the row's bytes and FLOPs:
+    `kdlib.perf.rank_work`), fit by least squares of the relative residuals (`_fit_relative`: kernel_s >= 0,
+    eff <= 1); the kernels per call at each M are the median of the piece's rows at that M (the profile).
+    `a` (calibrated on the component suites: the all-reduce) is kept for the rest. The rank's step is
+    `kdlib.estimator.model.rank_step_time`."""
+    spec = hardware(gpu)
+    bw, fl = spec["hbm_bandwidth_Bps"], spec["bf16_dense_flops"]
+    src = doc.get("_path", "k2_layer result")
+    over = max(0.0, doc["graph_overhead"]["overhead_ms"] * 1e-3)
+    by_piece: dict[str, list[dict]] = {}
+    for r in doc.get("rows") or []:
+        by_piece.setdefault(rank_piece(r), []).append(r)
+    pieces = {}
+    for p in RANK_PIECES:
+        rows = [r for r in by_piece.get(p, []) if r["median_ms"] * 1e-3 > over * (r["mode"] == "graph")]
+        if not rows:
+            continue
+        ys = [r["median_ms"] * 1e-3 - over * (r["mode"] == "graph") for r in rows]
+        ks = [float(r["kernels"]) for r in rows]
+        floors = [max(r["bytes"] / bw, r["flops"] / fl) for r in rows]
+        c0, c1 = _fit_relative(ks, floors, ys)
+        fit = (f"k2_layer ({src}): least squares of the relative residuals of (time - graph overhead) = "
+               f"kernels x kernel_s + floor / eff over its {len(rows)} '{p}' rows, floor against the "
+               f"{spec.get('slug', gpu)} spec peaks")
+        ms = sorted({int(r["m_rows"]) for r in rows})
+        kernels = tuple((m, statistics.median(k for r, k in zip(rows, ks, strict=True) if r["m_rows"] == m))
+                        for m in ms)
+        pieces[p] = PieceTerms(
+            kernel_s=Param(c0, "s per kernel", fit), eff=Param(1.0 / c1, "fraction of peak", fit),
+            kernels=kernels, kernels_source=f"median kernels per call of the '{p}' rows at each M "
+                                            f"(kdlib.perf.profile) of {src}")
+    return RankLayerTerms(
+        pieces=pieces, moe_mode=doc["parameters"]["moe_mode"], a=a, tp=int(doc["parameters"]["tp"]),
+        graph_overhead_s=Param(over, "s per graph replay",
+                               f"one-kernel graph replay minus its kernel's device time ({src})"))
+
+
+def validate_rank(terms: RankLayerTerms, doc: dict, *, gpu="h200") -> list[dict]:
+    """Predicted (`rank_step_time`, from `terms` alone) vs measured step of every grid row of a k2_rank
+    payload (the rows torch.compile ran; the plain baseline rows left out): context, streams, method,
+    budget, m_rows, measured_ms (graph step + its modelled all-reduce), predicted_ms, residual (predicted /
+    measured - 1), each component predicted / measured (dense, attention, moe over k2_rank's pieces),
+    kernels measured and predicted per step, and moe_bound_overflows (> 0: the measured MoE dropped slots,
+    a lower bound)."""
+    from kdlib.estimator.model import rank_step_time
+
+    out = []
+    for r in doc.get("rows") or []:
+        if not r.get("compiled", True):
+            continue
+        st = rank_step_time(gpu, terms, r["streams"], r["rows_per_stream"], r["context"], bool(r["budget"]))
+        meas = r["step_with_allreduce_ms"]
+        row = {"context": r["context"], "streams": r["streams"], "method": r["method"], "budget": r["budget"],
+               "m_rows": r["m_rows"], "measured_ms": meas, "predicted_ms": st["total"] * 1e3,
+               "residual": st["total"] * 1e3 / meas - 1,
+               "kernels_measured": (r.get("profile") or {}).get("kernels_per_step"),
+               "kernels_predicted": st["kernels"], "moe_bound_overflows": r["moe_bound_overflows"]}
+        for p in ("dense", "attention", "moe"):
+            row[f"{p}_ratio"] = st[p] * 1e3 / r["pieces"][p]["median_ms"]
+        out.append(row)
+    return out
+
+
 __all__ = ["DEVICE_TERMS", "Param", "anchor_host_costs", "assumptions_diff", "calibrate", "calibrate_verify",
-           "engine_rows", "engine_shape", "for_drafter", "load_results", "validate", "validate_batch"]
+           "calibrate_rank_layer", "engine_rows", "engine_shape", "for_drafter", "load_results", "rank_piece",
+           "validate", "validate_batch", "validate_rank"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 
 from kdlib import hw
-from kdlib.estimator.params import Assumptions, ModelShape, Scenario
+from kdlib.estimator.params import SHAPE_CONFIG, Assumptions, ModelShape, RankLayerTerms, Scenario
 
 COMPONENTS = ("moe", "dense", "attention", "draft", "tree", "dispatch", "allreduce", "fixed")
 
@@ -61,6 +61,17 @@ def moe_layer(m: float, gpu, a: Assumptions | None = None, shape: ModelShape | N
         "time_s": max(mem_s, comp_s) + a.v("moe_layer_latency_s") + touched * a.v("moe_per_expert_latency_s"),
         "bound": "memory" if mem_s >= comp_s else "compute",
     }
+
+
+def allreduce_s(nbytes: float, gpu, a: Assumptions, tp: int) -> float:
+    """One ring all-reduce of `nbytes` over `tp` GPUs of `gpu`'s link: latency (the spec's, else the
+    assumed NVLink / PCIe one) + 2 (tp - 1) / tp x bytes / (link bandwidth x allreduce_bw_eff)."""
+    link = hardware(gpu)["interconnect"]
+    lat = link.get("latency_s")
+    if lat is None:
+        lat = a.v("allreduce_latency_nvlink_s" if link["kind"] == "nvlink" else "allreduce_latency_pcie_s")
+    bw = link["bandwidth_Bps_per_direction"] * a.v("allreduce_bw_eff")
+    return lat + 2.0 * (tp - 1) / tp * nbytes / bw
 
 
 def _roofline(nbytes: float, flops: float, bw: float, bw_eff: float, fl: float, fl_eff: float) -> float:
@@ -102,13 +113,7 @@ def step_time(gpu, scenario: Scenario, a: Assumptions | None = None, shape: Mode
     out["dispatch"] = a.v("dispatch_s")
 
     if shape.tp > 1:
-        link = spec["interconnect"]
-        lat = link.get("latency_s")
-        if lat is None:
-            lat = (a.v("allreduce_latency_nvlink_s") if link["kind"] == "nvlink"
-                   else a.v("allreduce_latency_pcie_s"))
-        ring_bytes = 2.0 * (shape.tp - 1) / shape.tp * m * shape.hidden * 2
-        per = lat + ring_bytes / (link["bandwidth_Bps_per_direction"] * a.v("allreduce_bw_eff"))
+        per = allreduce_s(m * shape.hidden * 2, spec, a, shape.tp)
         out["allreduce"] = shape.n_layers * a.v("allreduces_per_layer") * per
     else:
         out["allreduce"] = 0.0
@@ -118,6 +123,55 @@ def step_time(gpu, scenario: Scenario, a: Assumptions | None = None, shape: Mode
     out["total"] = total
     out["tok_s_per_stream"] = sc.accepted / total
     out["tok_s"] = sc.concurrency * sc.accepted / total
+    return out
+
+
+def rank_step_time(gpu, terms: RankLayerTerms, streams: int, rows_per_stream: int, context: int,
+                   ddtree: bool, drafter=None, config: str = SHAPE_CONFIG) -> dict:
+    """Seconds of one step of a TP rank from its per-piece terms (`calibrate_rank_layer`): the layers'
+    pieces (first_k_dense_replace dense layers, the rest MoE: dense + norms, attention, MoE each), the
+    step's head, commit and with `ddtree` the drafter's draft, tree and accept, each kernels(M) x kernel_s +
+    floor / eff (`PieceTerms`, bytes and FLOPs from `kdlib.perf.rank_work` at these shapes), one graph
+    replay's overhead, and the step's all-reduces (`kdlib.engine.rank.step_allreduces`, each `allreduce_s`
+    from `terms.a`).
+
+    drafter: the DDTree rows' `DraftShape` (None: DFLASH_KIMI); config: a shipped config name.
+    Returns {dense, attention, moe (the step's, k2_rank's pieces), head, draft, tree, accept, commit,
+    graph, allreduce, step (all but the all-reduce), total, kernels (predicted per step)}."""
+    from kdlib import memory
+    from kdlib.engine.config import ModelConfig
+    from kdlib.engine.rank import DFLASH_KIMI, RankShape, step_allreduces
+    from kdlib.perf import rank_work
+
+    spec = hardware(gpu)
+    bw, fl = spec["hbm_bandwidth_Bps"], spec["bf16_dense_flops"]
+    cfg = ModelConfig.from_dict(memory.load_config(config))
+    shape = RankShape(cfg, tp=terms.tp, rank=0, moe_mode=terms.moe_mode)
+    ds = (drafter or DFLASH_KIMI) if ddtree else None
+    C, W = streams, rows_per_stream
+    M = C * W
+    work = rank_work.piece_work(shape, ds, C, W, context)
+    t, kern = {}, {}
+    for p, w in work.items():
+        name = "commit_ar" if p == "commit" and not ddtree else p
+        if name not in terms.pieces:
+            raise ValueError(f"the rank's terms have no '{name}' piece (the layer suite measured "
+                             f"{sorted(terms.pieces)})")
+        pt = terms.pieces[name]
+        kern[p] = pt.kernels_at(M)
+        t[p] = kern[p] * pt.kernel_s.value + max(w["bytes"] / bw, w["flops"] / fl) / pt.eff.value
+    L, n_dense = cfg.num_hidden_layers, cfg.first_k_dense_replace
+    n = {"dense_first": n_dense, "dense": L - n_dense, "moe": L - n_dense, "attention": L}
+    out = {"dense": n_dense * t["dense_first"] + (L - n_dense) * t["dense"] + t["head"],
+           "attention": L * t["attention"], "moe": (L - n_dense) * t["moe"]}
+    out.update({p: t[p] for p in ("head", "draft", "tree", "accept", "commit") if p in t})
+    out["graph"] = terms.graph_overhead_s.value
+    out["allreduce"] = sum(allreduce_s(b, spec, terms.a, terms.tp)
+                           for b in step_allreduces(shape, M, C * ds.block_size if ds else 0, M, ds))
+    out["step"] = (out["dense"] + out["attention"] + out["moe"] + out["graph"]
+                   + sum(t[p] for p in ("draft", "tree", "accept", "commit") if p in t))
+    out["total"] = out["step"] + out["allreduce"]
+    out["kernels"] = sum(n.get(p, 1) * k for p, k in kern.items())
     return out
 
 

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from kdlib.config import ModelConfig
@@ -276,3 +277,50 @@ class Scenario:
     def m(self) -> int:
         """Tokens per layer call: concurrency x q_len."""
         return self.concurrency * self.q_len
+
+
+# The pieces of one TP rank's step (`kdlib.perf.rank_work`): per layer, then per step.
+RANK_PIECES = ("dense_first", "dense", "attention", "moe", "head", "draft", "tree", "accept", "commit",
+               "commit_ar")  # commit_ar: an AR step's commit (no drafter)
+
+
+@dataclass(frozen=True)
+class PieceTerms:
+    """One piece of a rank's step: time = kernels(M) x kernel_s + floor / eff, where floor = max(bytes /
+    HBM peak, FLOPs / bf16 peak) of the GPU's spec (`data/hw/`), so that eff is a fraction of peak.
+
+    kernels: (M, kernels per call) measured at each row count M, from the profile; `kernels_at` reads the
+    nearest M (in log M)."""
+
+    kernel_s: Param
+    eff: Param
+    kernels: tuple[tuple[int, float], ...]
+    kernels_source: str
+
+    def __post_init__(self):
+        if not self.kernels:
+            raise ValueError("PieceTerms needs the kernels per call at one M at least")
+
+    def kernels_at(self, m: int) -> float:
+        return min(self.kernels, key=lambda mk: abs(math.log(mk[0]) - math.log(m)))[1]
+
+
+@dataclass(frozen=True)
+class RankLayerTerms:
+    """The rank's step terms from a suite that times one layer's pieces (`calibrate_rank_layer`): a
+    `PieceTerms` per piece of RANK_PIECES the suite measured, the cost of one graph replay beyond its
+    kernels (a whole step pays it once), the rank's MoE mode and TP degree, and `a` for everything else
+    (the all-reduce)."""
+
+    pieces: dict
+    graph_overhead_s: Param
+    moe_mode: str
+    a: Assumptions
+    tp: int = 8
+
+    def table(self) -> list[dict]:
+        """One row per piece: kernel_s, eff, their sources, the kernels per call's range."""
+        return [{"piece": p, "kernel_s": t.kernel_s.value, "eff": t.eff.value,
+                 "kernels_min": min(k for _, k in t.kernels), "kernels_max": max(k for _, k in t.kernels),
+                 "kernel_s_source": t.kernel_s.source, "eff_source": t.eff.source}
+                for p, t in self.pieces.items()]

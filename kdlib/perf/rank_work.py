@@ -7,10 +7,11 @@
 Per layer: "dense_first" (the dense first layer's norms, MLA projections and dense MLP), "dense" (a MoE
 layer's norms, MLA projections, router and shared expert), "attention" (the latent cache of every stream
 read once, the new rows written), "moe" (the touched experts' INT4 weights under uniform routing,
-`kdlib.cuda.moe.layer_bytes_flops`). Per step: "head" (final norm + the rank's LM head rows), and with a
-drafter "draft", "tree", "accept", "commit". Every weight read once, activations counted as in
-`kdlib.perf.suites.k2_rank.floors`, which sums these; the byte counts equal the tensors `RankModel` and
-`RankDrafter` allocate (tests/test_k2_layer.py checks it). No tensor is made: the estimator calls this.
+`kdlib.cuda.moe.layer_bytes_flops`). Per step: "head" (final norm + the rank's LM head rows), "commit", and
+with a drafter "draft", "tree", "accept". Every weight read once, activations counted as in
+`kdlib.perf.suites.k2_rank.floors`, which sums these (`totals`; it has no AR commit); the byte counts equal
+the tensors `RankModel` and `RankDrafter` allocate (tests/test_k2_layer.py checks it). No tensor is made:
+the estimator calls this.
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ def _work(nbytes: float, flops: float) -> dict:
 
 def piece_work(shape, ds, streams: int, rows_per_stream: int, context: int) -> dict:
     """{piece: {"bytes", "flops"}} of one layer's pieces (LAYER_PIECES) and the step's (STEP_PIECES; draft,
-    tree, accept, commit only with a drafter `ds`) for `streams` x `rows_per_stream` rows over `context`
-    cached tokens a stream. shape: a `kdlib.engine.rank.RankShape`; ds: its `DraftShape` or None (AR)."""
+    tree, accept only with a drafter `ds`) for `streams` x `rows_per_stream` rows over `context` cached
+    tokens a stream. shape: a `kdlib.engine.rank.RankShape`; ds: its `DraftShape`, or None (AR)."""
     c = shape.cfg
     C, W, ctx = streams, rows_per_stream, context
     M, H, k, lat = C * W, c.hidden_size, c.num_experts_per_tok, c.latent_dim
@@ -97,6 +98,8 @@ def piece_work(shape, ds, streams: int, rows_per_stream: int, context: int) -> d
         fc = H * d["fc_cols"]
         out["commit"] = _work(fc * BF16 + ds.num_layers * d["kv_heads"] * ds.head_dim * H * 4
                               + M * ds.num_layers * 2 * d["kv_heads"] * ds.head_dim * BF16, 2.0 * M * fc)
+    else:
+        out["commit"] = _work(2 * C * 8, 0.0)  # AR: the lengths read and the next ones written (int64)
     return out
 
 

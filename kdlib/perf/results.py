@@ -409,6 +409,34 @@ def load_k2_rank(gpu: str = "h200") -> Recorded | None:
     return _recorded("k2_rank", gpu, k2_rank_rows)
 
 
+# ---- one layer of that rank, piece by piece (suite k2_layer)
+K2_LAYER_OP = "k2_layer_piece"
+
+
+def k2_layer_rows(doc: dict) -> tuple[Row, ...]:
+    """Tidy rows of a k2_layer payload (kdlib/perf/suites/k2_layer.py): op 'k2_layer_piece', version None,
+    variant the piece ('dense_first', 'dense', 'attention', 'moe', 'head', 'draft', 'tree', 'accept',
+    'commit'), mode 'graph' or 'eager' (a failed capture), shape {piece, layer, context, streams,
+    rows_per_stream, m_rows, budget, method}, the piece's bytes, FLOPs and floor. The kernels per call,
+    the device time and the graph overhead are not timings: read them from the payload rows
+    (`Recorded.doc`)."""
+    out = []
+    for r in doc.get("rows") or []:
+        shape = {"piece": r["piece"], "layer": r["layer"], "context": int(r["context"]),
+                 "streams": int(r["streams"]), "rows_per_stream": int(r["rows_per_stream"]),
+                 "m_rows": int(r["m_rows"]), "budget": None if r["budget"] is None else int(r["budget"]),
+                 "method": r["method"]}
+        if _is_timing(r.get("timing")):
+            out.append(_timed(K2_LAYER_OP, None, r["mode"], r["piece"], shape, r["timing"], r["bytes"],
+                              r["flops"], "timing", r["floor"]["floor_ms"]))
+    return tuple(out)
+
+
+def load_k2_layer(gpu: str = "h200") -> Recorded | None:
+    """The recorded k2_layer suite on `gpu` with its tidy rows (`k2_layer_rows`), or None."""
+    return _recorded("k2_layer", gpu, k2_layer_rows)
+
+
 def verify_attention_rows(doc: dict) -> tuple[Row, ...]:
     """Tidy rows of a verify-attention sweep (kdlib/perf/suites/_attention.py, recorded alone as
     verify_attention_dev / verify_attention_dev_v2, or embedded in the kernels payload): as

@@ -1,0 +1,260 @@
+"""The k2_layer suite and the estimator's rank terms: `kdlib.perf.rank_work`'s byte counts against the
+tensors the rank allocates, the suite's pieces and rows on the CPU at a scaled-down config, its loader,
+`calibrate_rank_layer` recovering known terms from a synthetic layer payload, `rank_step_time` composing
+them into a 61-layer step; on CUDA (marked gpu) one piece captured, replayed and profiled."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_k2_rank import small_config
+
+from kdlib import estimator as est
+from kdlib import memory
+from kdlib.engine.config import ModelConfig
+from kdlib.engine.rank import DFLASH_KIMI, DraftShape, RankDrafter, RankModel, RankShape, RankStep
+from kdlib.estimator.model import allreduce_s, hardware
+from kdlib.perf import rank_work, results
+from kdlib.perf.suites import k2_layer, k2_rank
+from kdlib.perf.timing import floor_ms
+
+CEIL = {"copy_bandwidth_Bps": 3e12, "bf16_matmul_flops": 7e14}
+SMALL_DRAFT = DraftShape(2, 4, 2, 32, 256, 4, (1, 5))
+
+
+def _tensor_bytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+@pytest.mark.parametrize("mode, rank", [("tp", 0), ("ep", 1)])
+def test_rank_work_counts_the_tensors_the_rank_allocates(mode, rank):
+    shape = RankShape(ModelConfig.from_dict(small_config()), tp=2, rank=rank, moe_mode=mode)
+    m = RankModel(shape, device="cpu")
+    dr = RankDrafter(m, SMALL_DRAFT)
+    for i, L in enumerate(m.layers):
+        dense = "router" not in L
+        want = _tensor_bytes(v for k, v in L.items() if k not in ("experts", "experts_q"))
+        assert rank_work.layer_weight_bytes(m.shape, dense) == want, i
+    assert rank_work.head_weight_bytes(m.shape) == _tensor_bytes([m.lm_head, m.norm])
+    assert rank_work.drafter_weight_bytes(m.shape, dr.ds) == dr.weight_bytes()
+    s = rank_work.drafter_slice(m.shape, dr.ds)
+    assert (s["heads"], s["kv_heads"], s["fc_cols"]) == (dr.nh, dr.nkv, dr.fc.shape[1])
+
+
+def test_rank_work_totals_are_the_layers_summed():
+    cfg = ModelConfig.from_dict(memory.load_config("kimi-k2.6"))
+    shape = RankShape(cfg, tp=8)
+    w = rank_work.piece_work(shape, DFLASH_KIMI, 4, 17, 5500)
+    tot = rank_work.totals(w, cfg, ddtree=True)
+    n_moe = cfg.num_hidden_layers - cfg.first_k_dense_replace
+    assert tot["moe"]["bytes"] == n_moe * w["moe"]["bytes"]
+    assert tot["attention"]["flops"] == cfg.num_hidden_layers * w["attention"]["flops"]
+    n_dense = cfg.first_k_dense_replace
+    dense = n_dense * w["dense_first"]["bytes"] + n_moe * w["dense"]["bytes"] + w["head"]["bytes"]
+    assert tot["dense"]["bytes"] == dense
+    assert set(tot) == {"moe", "attention", "dense", "draft", "tree", "accept", "commit"}
+    assert set(rank_work.totals(rank_work.piece_work(shape, None, 4, 1, 5500), cfg, ddtree=False)) == {
+        "moe", "attention", "dense"}
+    assert w["dense_first"]["bytes"] > w["dense"]["bytes"]  # the dense MLP is 9x the shared expert's slice
+
+
+def test_layer_config_keeps_the_dense_first_layer_and_one_moe_layer():
+    d = k2_layer.layer_config(memory.load_config("kimi-k2.6"))
+    cfg = ModelConfig.from_dict(d)
+    assert cfg.num_hidden_layers == cfg.first_k_dense_replace + 1 == 2
+    assert memory.load_config("kimi-k2.6")["text_config"]["num_hidden_layers"] == 61  # not changed in place
+
+
+@pytest.mark.parametrize("budget", [None, 8])
+def test_suite_pieces_and_rows_on_the_cpu(budget):
+    cfg = ModelConfig.from_dict(k2_layer.layer_config(small_config()))
+    m = RankModel(RankShape(cfg, tp=2, rank=0, moe_mode="tp"), device="cpu")
+    dr = RankDrafter(m, SMALL_DRAFT) if budget else None
+    st = RankStep(m, 2, 20, budget, dr)
+    if dr is not None:
+        dr.make_pool(st.pool.shape[1])
+    st.run(save=True)
+    before = st.argmax.clone()
+    fns = k2_layer.piece_fns(st)
+    want = k2_layer.wanted(st, set(), set())
+    assert set(want) <= set(fns)
+    assert ("draft" in want) == ("tree" in want) == bool(budget) and "commit" in want
+    for p in want:
+        fns[p]()
+    v0, v1 = m.shape.vocab_range
+    want_head = m.head_local(m.embed_rows(st.tokens.reshape(-1))).view(2, st.W, -1).argmax(-1) + v0
+    assert torch.equal(st.argmax, want_head) and int(st.overflow) == 0  # the head of the embedded rows
+    st.part("verify")
+    assert torch.equal(st.argmax, before)  # the pieces left the step's inputs as they were
+    # a point whose M and (C, W) were measured before adds attention (and the draft) only
+    again = k2_layer.wanted(st, {st.M}, {(st.C, st.W)})
+    assert again == ["attention"] + (["draft"] if budget else [])
+    timed = {p: {"median_ms": 1.0, "kernels": 3.0} for p in want}
+    rows = k2_layer.piece_rows(st, timed, CEIL)
+    work = rank_work.piece_work(m.shape, dr.ds if dr else None, 2, st.W, 20)
+    for r in rows:
+        w = work[r["piece"]]
+        assert (r["bytes"], r["flops"]) == (w["bytes"], w["flops"])
+        assert r["floor"] == floor_ms(w["bytes"], w["flops"], bandwidth_Bps=CEIL["copy_bandwidth_Bps"],
+                                      flop_rate=CEIL["bf16_matmul_flops"])
+        assert r["layer"] == k2_layer.LAYER_OF.get(r["piece"]) and r["m_rows"] == 2 * st.W
+        assert r["method"] == ("ddtree" if budget else "ar") and r["budget"] == budget
+
+
+# ----------------------------------------------------------------------------- synthetic layer payload
+TRUE = {  # piece -> (kernel_s, eff, kernels at M = 1, kernels at M > 1)
+    "dense_first": (3e-6, 0.6, 20, 24), "dense": (2.5e-6, 0.5, 20, 24), "attention": (5e-6, 0.7, 4, 4),
+    "moe": (4e-6, 0.4, 12, 14), "head": (2e-6, 0.8, 8, 9), "draft": (3e-6, 0.3, 150, 160),
+    "tree": (6e-6, 0.9, 3, 3), "accept": (4e-6, 0.9, 5, 5), "commit": (2e-6, 0.5, 60, 70),
+    "commit_ar": (3e-6, 0.5, 2, 2),
+}
+OVERHEAD_MS = 2.5e-3
+
+
+def _kernels(p: str, m: int) -> float:
+    return TRUE[p][2] if m == 1 else TRUE[p][3]
+
+
+def _synthetic_doc(spec: dict) -> dict:
+    """A k2_layer payload whose times are exactly overhead + kernels x kernel_s + floor / eff (TRUE), at
+    the k2_rank grid's points, bytes and FLOPs from rank_work at the real shapes."""
+    cfg = ModelConfig.from_dict(memory.load_config("kimi-k2.6"))
+    shape = RankShape(cfg, tp=8)
+    points, _ = k2_rank.grid(702_300, quick=False)
+    rows = []
+    for ctx, c, b in points:
+        W = (b or 0) + 1
+        work = rank_work.piece_work(shape, DFLASH_KIMI if b else None, c, W, ctx)
+        for piece, w in work.items():
+            name = "commit_ar" if piece == "commit" and not b else piece
+            ks, eff, _, _ = TRUE[name]
+            floor = max(w["bytes"] / spec["hbm_bandwidth_Bps"], w["flops"] / spec["bf16_dense_flops"])
+            t = OVERHEAD_MS * 1e-3 + _kernels(name, c * W) * ks + floor / eff
+            rows.append({"piece": piece, "layer": k2_layer.LAYER_OF.get(piece), "context": ctx, "streams": c,
+                         "rows_per_stream": W, "m_rows": c * W, "budget": b,
+                         "method": "ddtree" if b else "ar",
+                         "timing": {"median_ms": t * 1e3, "p10_ms": t * 1e3, "p90_ms": t * 1e3},
+                         "median_ms": t * 1e3, "mode": "graph", "kernels": _kernels(name, c * W), **w,
+                         "floor": {"floor_ms": floor * 1e3}})
+    return {"suite": "k2_layer", "schema": results.SCHEMA, "provenance": {}, "_path": "synthetic",
+            "parameters": {"moe_mode": "tp", "tp": 8}, "graph_overhead": {"overhead_ms": OVERHEAD_MS},
+            "rows": rows}
+
+
+def test_calibrate_rank_layer_recovers_known_terms():
+    spec = hardware("h200")
+    terms = est.calibrate_rank_layer(est.Assumptions(), _synthetic_doc(spec))
+    assert set(terms.pieces) == set(TRUE)
+    for p, (ks, eff, k1, kn) in TRUE.items():
+        t = terms.pieces[p]
+        assert t.kernel_s.value == pytest.approx(ks, rel=1e-6), p
+        assert t.eff.value == pytest.approx(eff, rel=1e-6), p
+        on_m1 = p not in ("draft", "tree", "accept", "commit")  # DDTree pieces: M >= 9 only
+        assert t.kernels_at(1) == (k1 if on_m1 else kn) and t.kernels_at(300) == kn, p
+        assert "k2_layer (synthetic)" in t.kernel_s.source and f"'{p}' rows" in t.eff.source
+    assert terms.graph_overhead_s.value == pytest.approx(OVERHEAD_MS * 1e-3)
+    assert [r["piece"] for r in terms.table()] == list(TRUE)
+
+
+def test_calibrate_rank_layer_keeps_the_terms_physical():
+    """A piece timed below its floor gets eff 1 (no piece beats the peak) and a kernel term >= 0."""
+    spec = hardware("h200")
+    doc = _synthetic_doc(spec)
+    for r in doc["rows"]:
+        if r["piece"] == "moe":
+            floor = max(r["bytes"] / spec["hbm_bandwidth_Bps"], r["flops"] / spec["bf16_dense_flops"])
+            r["median_ms"] = (OVERHEAD_MS * 1e-3 + 0.5 * floor) * 1e3
+    t = est.calibrate_rank_layer(est.Assumptions(), doc).pieces["moe"]
+    assert t.eff.value == 1.0 and t.kernel_s.value >= 0
+
+
+def test_rank_step_time_is_61_layers_of_the_pieces():
+    spec = hardware("h200")
+    a = est.Assumptions()
+    terms = est.calibrate_rank_layer(a, _synthetic_doc(spec))
+    cfg = ModelConfig.from_dict(memory.load_config("kimi-k2.6"))
+    shape = RankShape(cfg, tp=8)
+    for C, W, ctx, dd in ((1, 1, 5500, False), (10, 17, 32000, True)):
+        st = est.rank_step_time("h200", terms, C, W, ctx, dd)
+        work = rank_work.piece_work(shape, DFLASH_KIMI if dd else None, C, W, ctx)
+
+        def t(p, name=None, work=work, m=C * W):
+            ks, eff, _, _ = TRUE[name or p]
+            w = work[p]
+            floor = max(w["bytes"] / spec["hbm_bandwidth_Bps"], w["flops"] / spec["bf16_dense_flops"])
+            return _kernels(name or p, m) * ks + floor / eff
+
+        layers = t("dense_first") + 60 * (t("dense") + t("moe")) + 61 * t("attention")
+        parts = t("draft") + t("tree") + t("accept") + t("commit") if dd else t("commit", "commit_ar")
+        want = layers + t("head") + parts + OVERHEAD_MS * 1e-3
+        assert st["step"] == pytest.approx(want, rel=1e-9)
+        n_ar = 1 + 2 * 61 + ((1 + 2 * DFLASH_KIMI.num_layers + 1) if dd else 0)
+        assert st["allreduce"] >= n_ar * allreduce_s(0, spec, a, 8)
+        assert st["total"] == pytest.approx(st["step"] + st["allreduce"], rel=1e-12)
+    with pytest.raises(ValueError, match="no 'draft' piece"):
+        est.rank_step_time("h200", est.calibrate_rank_layer(a, {**_synthetic_doc(spec), "rows": [
+            r for r in _synthetic_doc(spec)["rows"] if r["piece"] != "draft"]}), 1, 9, 128, True)
+
+
+def test_validate_rank_on_a_rank_payload_built_from_the_same_terms():
+    """A k2_rank-shaped payload whose steps are the terms' own prediction: residual 0 on every row; the
+    plain (uncompiled) rows are left out."""
+    spec = hardware("h200")
+    terms = est.calibrate_rank_layer(est.Assumptions(), _synthetic_doc(spec))
+    rows = []
+    for ctx, c, b, comp in ((5500, 1, None, True), (128, 10, 16, True), (5500, 1, None, False)):
+        W = (b or 0) + 1
+        st = est.rank_step_time("h200", terms, c, W, ctx, bool(b))
+        rows.append({"context": ctx, "streams": c, "method": "ddtree" if b else "ar", "budget": b,
+                     "rows_per_stream": W, "m_rows": c * W, "compiled": comp,
+                     "step_with_allreduce_ms": st["total"] * 1e3, "moe_bound_overflows": 0,
+                     "profile": {"kernels_per_step": 1.0},
+                     "pieces": {p: {"median_ms": 2 * st[p] * 1e3} for p in ("dense", "attention", "moe")}})
+    got = est.validate_rank(terms, {"rows": rows})
+    assert len(got) == 2
+    for r in got:
+        assert r["residual"] == pytest.approx(0.0, abs=1e-12) and r["moe_ratio"] == pytest.approx(0.5)
+
+
+# ----------------------------------------------------------------------------- loader
+def test_load_k2_layer_rows(tmp_path, monkeypatch):
+    monkeypatch.setattr(results, "RESULTS", tmp_path)
+    monkeypatch.setattr(results, "ROOT", tmp_path)
+    assert results.load_k2_layer("h200") is None
+    doc = _synthetic_doc(hardware("h200"))
+    doc.pop("_path")
+    doc["rows"][0] = {**doc["rows"][0], "mode": "eager", "graph_error": "RuntimeError: capture"}
+    (tmp_path / "k2_layer.h200.json").write_text(json.dumps(doc))
+    rec = results.load_k2_layer("h200")
+    assert len(rec.rows) == len(doc["rows"])
+    r0, raw = rec.rows[0], doc["rows"][0]
+    assert (r0.op, r0.variant, r0.mode, r0.median_ms, r0.bytes) == (
+        "k2_layer_piece", raw["piece"], "eager", raw["median_ms"], raw["bytes"])
+    assert r0.shape["piece"] == raw["piece"] and r0.floor_ms == raw["floor"]["floor_ms"]
+    att = rec.select(variant="attention")
+    assert len(att) == sum(r["piece"] == "attention" for r in doc["rows"])
+    assert all(type(r.shape["m_rows"]) is int for r in rec.rows)
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_gpu_pieces_capture_replay_and_profile():
+    d = small_config(hidden_size=256, moe_intermediate_size=256, n_routed_experts=32, num_experts_per_tok=8)
+    cfg = ModelConfig.from_dict(k2_layer.layer_config(d))
+    m = RankModel(RankShape(cfg, tp=2, rank=0, moe_mode="tp"), device="cuda")
+    dr = RankDrafter(m, DraftShape(2, 4, 2, 64, 256, 8, (1, 5)))
+    st = RankStep(m, 3, 300, 16, dr)
+    dr.make_pool(st.pool.shape[1])
+    st.run(save=True)
+    torch.cuda.synchronize()
+    fns = k2_layer.piece_fns(st)
+    gpool, flush = torch.cuda.graph_pool_handle(), k2_layer.timing.l2_flush()
+    over = k2_layer.graph_overhead(gpool, flush, iters=5)
+    assert over["kernels"] == 1 and over["replay_ms"] > 0
+    for p in k2_layer.wanted(st, set(), set()):
+        t = k2_layer.measure(fns[p], gpool, flush, iters=5)
+        assert t["mode"] == "graph", (p, t["graph_error"])
+        assert t["median_ms"] > 0 and t["kernels"] >= 1 and t["device_ms"] > 0, p
+    assert int(st.overflow) == 0
