@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kdlib import DATA, KERNELS
+from kdlib import DATA
 from kdlib.ref import attention as ref
 
 FP32_RTOL = 1e-5  # fp32 accumulation against float64 (issue 4)
@@ -131,9 +131,6 @@ def test_attention_suite_shapes_costs_and_goals():
 # The tree_verify_v5 kernels' integer plan, job decode, shared-memory layouts, register fragments and
 # arithmetic, re-done in numpy from the kernel's formulas, against the float64 reference.
 
-V5_SOURCE = KERNELS / "tree_verify" / "wgmma_v5.cu"
-
-
 def _v5_decode(plan, j):
     """Mirror of decode_job: job j -> dict(b, row0, nrows, ntail, utiles, ks, ke, ntiles)."""
     bsz = (len(plan) - 1) // 8
@@ -162,8 +159,9 @@ def _v5_random_shape(rng):
 
 def test_v5_constants_match_the_kernel_source():
     from kdlib.cuda import attention as cu
+    from kdlib.cuda import loader
 
-    src = V5_SOURCE.read_text()
+    src = loader.expanded_source(cu._V5)  # the .cu with its shared header (tree_verify/wgmma_common.cuh)
 
     def define(name):
         return int(re.search(rf"#define {name} (\d+)", src).group(1))
@@ -693,14 +691,14 @@ def _run_random(seed0, n_cases, dtype, impls, rtol, lse_atol, **case_kw):
 
 
 def _mma_impls():
-    """Every tensor-core version the device runs (the mma.sync ones, and "wgmma" on sm_90), or the comma
-    list in $KDLIB_TEST_MMA (e.g. 'mma_v3,wgmma')."""
-    from kdlib.cuda.attention import MMA_VERSIONS, WGMMA, wgmma_available
+    """Every tensor-core version the device runs (the mma.sync ones, and "wgmma", "wgmma_v6" on sm_90), or
+    the comma list in $KDLIB_TEST_MMA (e.g. 'mma_v3,wgmma')."""
+    from kdlib.cuda.attention import LAUNCHES, MMA_VERSIONS, WGMMA_VERSIONS, wgmma_available
 
     chosen = os.environ.get("KDLIB_TEST_MMA")
     if chosen:
         return [m.strip() for m in chosen.split(",")]
-    return list(MMA_VERSIONS) + ([WGMMA] if wgmma_available() else [])
+    return list(MMA_VERSIONS) + ([LAUNCHES[v].impl for v in WGMMA_VERSIONS] if wgmma_available() else [])
 
 
 def _need_wgmma():
@@ -845,9 +843,11 @@ def _torch_reference(q, kv, page, lens, tkv, vis, sizes, scale):
     return torch.stack(outs), torch.stack(lses)
 
 
+LONG_PREFIX_RUNS = [("bfloat16", i) for i in ("mma_v2", "mma_v3", "mma_v4", "wgmma", "wgmma_v6")]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,impl", [("bfloat16", "mma_v2"), ("bfloat16", "mma_v3"),
-                                        ("bfloat16", "mma_v4"), ("bfloat16", "wgmma"), ("float32", "simple")])
+@pytest.mark.parametrize("dtype,impl", LONG_PREFIX_RUNS + [("float32", "simple")])
 @pytest.mark.parametrize("nh,width", [(8, 20_000), (16, 9_000), (64, 2_500)])
 def test_long_prefix_against_float64_torch(dtype, impl, nh, width):
     import torch
@@ -855,7 +855,7 @@ def test_long_prefix_against_float64_torch(dtype, impl, nh, width):
     from kdlib.check import assert_close
     from kdlib.cuda import attention as cu
 
-    if impl == "wgmma":
+    if impl.startswith("wgmma"):
         _need_wgmma()
     g = torch.Generator(device="cuda").manual_seed(nh * 7 + width)
     bsz, nq = 2, 65
@@ -972,7 +972,8 @@ def test_wgmma_plan_kernel_matches_numpy_mirror():
 
 
 @pytest.mark.gpu
-def test_wgmma_bit_reproducible_graph_captured_and_allocation_free():
+@pytest.mark.parametrize("impl", ["wgmma", "wgmma_v6"])
+def test_wgmma_bit_reproducible_graph_captured_and_allocation_free(impl):
     """With a workspace: two eager calls agree bit for bit, a call allocates no memory, and the three
     launches captured in a CUDA graph replay to the same bits (ragged batch, several jobs per row)."""
     _need_wgmma()
@@ -994,17 +995,17 @@ def test_wgmma_bit_reproducible_graph_captured_and_allocation_free():
     sizes = torch.tensor([33, 9, 1, 0, 20], device="cuda", dtype=torch.int32)
     args = (q, kv, page, lens, tkv, vis, sizes, 576**-0.5)
     ws = cu.make_workspace(bsz, nq, nh)
-    first = [a.copy() for a in cu.tree_verify_attention(*args, impl="wgmma", workspace=ws)]
+    first = [a.copy() for a in cu.tree_verify_attention(*args, impl=impl, workspace=ws)]
     pool = cp.get_default_memory_pool()
     used = pool.used_bytes()
-    again = cu.tree_verify_attention(*args, impl="wgmma", workspace=ws, validate=False)
+    again = cu.tree_verify_attention(*args, impl=impl, workspace=ws, validate=False)
     assert pool.used_bytes() == used, "a call with a workspace allocated memory"
     for a, b in zip(first, again, strict=True):
         assert np.array_equal(a.get(), b.get(), equal_nan=True), "two runs differ"
     stream = cp.cuda.Stream(non_blocking=True)
     with stream, torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr)):
         stream.begin_capture()
-        cu.tree_verify_attention(*args, impl="wgmma", workspace=ws, validate=False)
+        cu.tree_verify_attention(*args, impl=impl, workspace=ws, validate=False)
         graph = stream.end_capture()
         ws.out.fill(np.nan)
         graph.launch(stream=stream)
@@ -1015,9 +1016,9 @@ def test_wgmma_bit_reproducible_graph_captured_and_allocation_free():
         q.float().cpu().double().numpy(), kv.float().cpu().double().numpy(), page.cpu().numpy(),
         lens.cpu().numpy(), tkv.float().cpu().double().numpy(), vis.cpu().numpy(), sizes.cpu().numpy(),
         576**-0.5)
-    _compare(*first, r_out, r_lse, rtol=BF16_RTOL, lse_atol=LSE_ATOL_BF16, name="wgmma ragged batch")
+    _compare(*first, r_out, r_lse, rtol=BF16_RTOL, lse_atol=LSE_ATOL_BF16, name=f"{impl} ragged batch")
     with pytest.raises(ValueError):
-        cu.tree_verify_attention(*args, impl="wgmma", workspace=cu.make_workspace(bsz, nq, nh + 1))
+        cu.tree_verify_attention(*args, impl=impl, workspace=cu.make_workspace(bsz, nq, nh + 1))
     with pytest.raises(ValueError):
         cu.tree_verify_attention(*args, impl="mma_v3", workspace=ws)
 
@@ -1029,7 +1030,7 @@ def _sanitize_driver(impls):
     cp = _cp()
     runs = [(1, "float32", "simple"), (3, "bfloat16", "simple")]
     runs += [(2, "bfloat16", m) for m in cu.MMA_VERSIONS]
-    runs += [(4, "bfloat16", cu.WGMMA)] if cu.wgmma_available() else []
+    runs += [(4, "bfloat16", cu.LAUNCHES[v].impl) for v in cu.WGMMA_VERSIONS] if cu.wgmma_available() else []
     runs = [r for r in runs if not impls or r[2] in impls]
     for seed, dtype, impl in runs:
         case = _case(np.random.default_rng(seed), max_p=700, heads=(2, 8))
@@ -1048,7 +1049,7 @@ if __name__ == "__main__" and sys.argv[1:2] == ["sanitize"]:
 def test_version_vocabulary_and_the_deprecated_impl_names():
     from kdlib.cuda import attention as cu
 
-    assert cu.VERSIONS == (1, 2, 3, 4, 5)
+    assert cu.VERSIONS == (1, 2, 3, 4, 5, 6) and cu.WGMMA_VERSIONS == (5, 6)
     assert cu.LAUNCHES[cu.DEFAULT_VERSION].impl == cu.BF16_DEFAULT
     assert cu.IMPLS["mma"] == cu.IMPLS[cu.MMA_DEFAULT] and cu.IMPLS["auto"] is None
     assert {name: cu.LAUNCHES[cu.IMPLS[name]].stem for name in cu.MMA_VERSIONS} == {
@@ -1060,7 +1061,7 @@ def test_version_vocabulary_and_the_deprecated_impl_names():
     assert cu.LAUNCHES[cu.pick_version(None, "mma_v4", "bf16")].impl == "mma_v4"
     assert cu.LAUNCHES[cu.pick_version(None, "simple", "f32")].impl == "simple"
     for version, impl, kind, match in ((2, None, "f32", "bfloat16"), (None, "mma", "f32", "bfloat16"),
-                                       (6, None, "bf16", "version"), (True, None, "bf16", "version"),
+                                       (7, None, "bf16", "version"), (True, None, "bf16", "version"),
                                        (3, "mma", "bf16", "not both"), (None, "fast", "bf16", "impl")):
         with pytest.raises(ValueError, match=match):
             cu.pick_version(version, impl, kind)

@@ -213,10 +213,12 @@ def test_attention_mma_constants_match_the_sources(name):
     assert set(loader.launch_bounds(stem).values()) == {(attention._MMA_THREADS, 1)} and c["NTHREADS"] == 256
 
 
-def test_attention_wgmma_constants_match_the_source():
-    c = consts(attention._V5)
+@pytest.mark.parametrize("version", attention.WGMMA_VERSIONS)
+def test_attention_wgmma_constants_match_the_source(version):
+    stem = attention.LAUNCHES[version].stem
+    c = consts(stem)
     assert (c["D_QK"], c["D_V"]) == (attention.D_QK, attention.KV_LORA_RANK)
-    assert c["SMEM_BYTES"] == attention._V5_SMEM
+    assert c["SMEM_BYTES"] == (attention._V5_SMEM, attention._V6_SMEM)[version - 5] <= 227 * 1024
     assert (c["BM"], c["BN"], c["MAX_ROUNDS"], c["JOB_OVERHEAD"], c["PLAN_STRIDE"]) == (
         attention._V5_BM,
         attention._V5_BN,
@@ -230,9 +232,9 @@ def test_attention_wgmma_constants_match_the_source():
     )
     # 4 warps, float4 lanes
     assert attention._COMBINE_THREADS == 4 * 32 and attention._V5_COMBINE_COLS == 32 * 4
-    assert loader.launch_bounds(attention._V5) == {
+    assert loader.launch_bounds(stem) == {  # the shared plan and combine, the version's attend
         "tree_verify_v5_plan": (attention._V5_THREADS, 0),
-        "tree_verify_v5_attend": (attention._V5_THREADS, 1),
+        f"tree_verify_v{version}_attend": (attention._V5_THREADS, 1),
         "tree_verify_v5_combine": (attention._COMBINE_THREADS, 0),
     }
 
@@ -248,7 +250,7 @@ def test_attention_launches_name_kernels_of_their_sources(version):
             assert bounds[f"tree_verify_v{version}_prefix_{kind}"][0] == settings.threads
         assert not [n for n in bounds if n.endswith("_f32")] or "f32" in settings.dtypes
     else:
-        assert bounds["tree_verify_v5_attend"][0] == settings.threads
+        assert bounds[f"tree_verify_v{version}_attend"][0] == settings.threads
     assert attention.IMPLS[settings.impl] == version
 
 

@@ -26,7 +26,10 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     warpgroup tensor cores in three launches: a one-block plan that cuts the work into equal jobs
     (`plan_v5` is its numpy mirror), a persistent kernel (one CTA per SM) over the prefix with the
     tree tail fused in, and an LSE combine; its buffers can be allocated once (`make_workspace`) so
-    that a call allocates nothing and syncs nothing (CUDA-graph capturable).
+    that a call allocates nothing and syncs nothing (CUDA-graph capturable);
+  * 6 (`tree_verify/wgmma_v6.cu`, sm_90a only): v5's plan, jobs, workspace and combine around another
+    attend kernel, whose two warpgroups take the tiles of a job two at a time so that one's softmax
+    runs under the other's MMAs (the kernel file says how).
 `version=None` (the default) picks by dtype and device: fp32 runs 1 (a dtype path, not a choice);
 bf16 runs `DEFAULT_VERSION` (5, `BF16_DEFAULT`: the faster at every point of
 data/results/attention.h200.json) where the device runs it, else 3 where the device grants its
@@ -69,12 +72,16 @@ _MMA_BN = 32  # keys per pipeline stage (BN)
 _MMA_Q_SMEM = 64 * 1168  # Q tile: BM rows of 576 bf16 + 16 B pad
 _MMA_K_SMEM = 32 * 1168  # one K stage: BN rows
 _MMA_X_SMEM = 2 * 4 * 16 * 32 * 4  # partial-S exchange between the two halves of each row group
-# The wgmma whole-verify kernels (tree_verify/wgmma_v5.cu), built for sm_90a through NVRTC.
+# The wgmma whole-verify kernels (tree_verify/wgmma_v5.cu, wgmma_v6.cu: one plan, one combine, each its
+# own attend kernel), built for sm_90a through NVRTC.
 _V5 = "tree_verify/wgmma_v5"
+_V6 = "tree_verify/wgmma_v6"
 _V5_OPTIONS = ("-arch=sm_90a",)
 _V5_THREADS = 256  # NTHREADS of the plan and attend kernels
 # Q block + two K stages + factors + barriers + alignment (SMEM_BYTES)
 _V5_SMEM = 3 * 73728 + 2 * 512 + 6 * 8 + 1024
+# v6: Q block + two K stages + rows (m, two factors, two sums) + 19 barriers + alignment (SMEM_BYTES)
+_V6_SMEM = 3 * 73728 + 5 * 64 * 4 + 19 * 8 + 1024
 _V5_BM = 64  # rows per job (BM)
 _V5_BN = 64  # keys per tile (BN)
 _V5_ROUNDS = 4  # MAX_ROUNDS: the plan fits the jobs into at most this many rounds of one job per CTA
@@ -111,7 +118,9 @@ LAUNCHES = {
     3: VerifyLaunch(3, "mma_v3", "tree_verify/prefix_v3", _MMA_THREADS, _MMA_K2, _MMA_BM, _MMA_BN),
     4: VerifyLaunch(4, "mma_v4", "tree_verify/prefix_v4", _MMA_THREADS, _MMA_K3, _MMA_BM, _MMA_BN),
     5: VerifyLaunch(5, "wgmma", _V5, _V5_THREADS, _V5_SMEM, _V5_BM, _V5_BN, options=_V5_OPTIONS),
+    6: VerifyLaunch(6, "wgmma_v6", _V6, _V5_THREADS, _V6_SMEM, _V5_BM, _V5_BN, options=_V5_OPTIONS),
 }
+WGMMA_VERSIONS = (5, 6)  # the whole-verify versions: sm_90a, plan + attend + combine, workspaces
 VERSIONS = tuple(LAUNCHES)
 # The tensor-core prefix kernels by name -> (stem, shared memory bytes), as recorded results name them.
 MMA_VERSIONS = {LAUNCHES[v].impl: (LAUNCHES[v].stem, LAUNCHES[v].smem) for v in (2, 3, 4)}
@@ -279,7 +288,7 @@ def wgmma_available() -> bool:
     dev = cupy.cuda.runtime.getDevice()
     props = cupy.cuda.runtime.getDeviceProperties(dev)
     return ((int(props["major"]), int(props["minor"])) == (9, 0)
-            and int(props["sharedMemPerBlockOptin"]) >= _V5_SMEM)
+            and int(props["sharedMemPerBlockOptin"]) >= max(_V5_SMEM, _V6_SMEM))
 
 
 def split_plan(bsz: int, row_blocks: int, width: int, tile: int, slots: int) -> tuple[int, int]:
@@ -325,9 +334,9 @@ def pick_version(version: int | None = None, impl: str | None = None, kind: str 
     if kind not in LAUNCHES[version].dtypes:
         raise ValueError(f"version {version} ({LAUNCHES[version].impl!r}) needs bfloat16 inputs (the fp32 "
                          "path is version 1)")
-    if version == 5 and not wgmma_available():
-        raise ValueError("version 5 ('wgmma') needs an sm_90 device (H100/H200) with 218 KB of shared memory "
-                         "per block")
+    if version in WGMMA_VERSIONS and not wgmma_available():
+        raise ValueError(f"version {version} ({LAUNCHES[version].impl!r}) needs an sm_90 device (H100/H200) "
+                         "with 218 KB of shared memory per block")
     return version
 
 
@@ -395,8 +404,8 @@ def plan_v5(prefix_lens, tree_sizes, width: int, nq: int, nh: int, grid: int) ->
 
 
 class VerifyWorkspace:
-    """Buffers of one version 5 ("wgmma") call shape (B requests, Q queries, H heads): with it a call
-    allocates nothing.
+    """Buffers of one version 5 or 6 ("wgmma", "wgmma_v6") call shape (B requests, Q queries, H heads):
+    with it a call allocates nothing.
 
     plan [1 + 8 B] int32, parts [jobs, 64, 512] fp32 and part_lse [jobs, 64] fp32 (jobs = v5_max_jobs),
     out [B*Q*H, 512] fp32 and lse [B*Q*H] fp32 (the returned arrays are views of these: the next call
@@ -420,13 +429,14 @@ class VerifyWorkspace:
 
 
 def make_workspace(bsz: int, nq: int, nh: int) -> VerifyWorkspace:
-    """Preallocated buffers for version 5 ("wgmma") calls on q of shape [bsz, nq, nh, 576] (see
-    VerifyWorkspace)."""
+    """Preallocated buffers for version 5 and 6 ("wgmma", "wgmma_v6") calls on q of shape [bsz, nq, nh, 576]
+    (see VerifyWorkspace)."""
     return VerifyWorkspace(bsz, nq, nh)
 
 
-def _launch_v5(qa, kv, pt, lens, scale, ws, tail=None):
-    """The three v5 launches -> (out [B*M, 512], lse [B*M]) fp32 views of the workspace.
+def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None):
+    """The three launches of version 5 or 6 (plan, the version's attend, combine) -> (out [B*M, 512],
+    lse [B*M]) fp32 views of the workspace.
 
     tail = (tree_kv [B, Q, 576], visibility [B, Q, Q], tree_sizes [B]) for the whole verify, None
     for the prefix alone.
@@ -439,16 +449,17 @@ def _launch_v5(qa, kv, pt, lens, scale, ws, tail=None):
     rows = nq * nh
     null = np.uintp(0)
     tkv, vis, sizes = tail if tail is not None else (null, null, null)
-    plan_fn = loader.get_function(_V5, "tree_verify_v5_plan", options=_V5_OPTIONS)
-    attend_fn = loader.get_function(_V5, "tree_verify_v5_attend", options=_V5_OPTIONS)
-    combine_fn = loader.get_function(_V5, "tree_verify_v5_combine", options=_V5_OPTIONS)
-    loader.set_max_dynamic_shared(attend_fn, _V5_SMEM)
+    settings = LAUNCHES[version]
+    plan_fn = loader.get_function(settings.stem, "tree_verify_v5_plan", options=settings.options)
+    attend_fn = loader.get_function(settings.stem, f"tree_verify_v{version}_attend", options=settings.options)
+    combine_fn = loader.get_function(settings.stem, "tree_verify_v5_combine", options=settings.options)
+    loader.set_max_dynamic_shared(attend_fn, settings.smem)
     width = pt.shape[1]
     plan_fn((1,), (_V5_THREADS,), (lens, sizes, np.int32(bsz), np.int32(width), np.int32(nq), np.int32(nh),
                            np.int32(ws.grid), ws.plan))
     attend_fn((ws.grid,), (_V5_THREADS,), (qa, kv, pt, tkv, vis, ws.plan, np.int32(bsz), np.int32(width),
                                            np.int32(nq), np.int32(nh), np.float32(scale), ws.parts,
-                                           ws.part_lse), shared_mem=_V5_SMEM)
+                                           ws.part_lse), shared_mem=settings.smem)
     combine_fn((bsz * rows, _V5_COMBINE_SLICES), (_COMBINE_THREADS,),
                (ws.parts, ws.part_lse, ws.plan, np.int32(rows), ws.out, ws.lse))
     return ws.out, ws.lse
@@ -513,8 +524,9 @@ def _launch_combine(parts, plse, rows_per_batch, extra=None, extra_lse=None):
 
 
 def _check_workspace(workspace, version: int):
-    if workspace is not None and version != 5:
-        raise ValueError(f"workspace buffers serve version 5 ('wgmma') only, the call runs version {version}")
+    if workspace is not None and version not in WGMMA_VERSIONS:
+        raise ValueError(f"workspace buffers serve versions {WGMMA_VERSIONS} ('wgmma', 'wgmma_v6') only, the "
+                         f"call runs version {version}")
     if workspace is not None and not isinstance(workspace, VerifyWorkspace):
         raise ValueError(f"workspace must come from make_workspace, got {type(workspace).__name__}")
 
@@ -527,8 +539,8 @@ def prefix_attention(q, kv_cache, page_table, prefix_lens, softmax_scale, kv_lor
     Shape: q [B, Q, H, 576], kv_cache [S, 576], page_table [B, P] int, prefix_lens [B] int
     (or the unbatched form). Returns out [B, Q, H, 512] fp32, lse [B, Q, H] fp32 (CuPy).
     version: one of VERSIONS, None (the default): by dtype and device (fp32: 1; bf16: DEFAULT_VERSION
-    where it runs). impl: deprecated name of a version (IMPLS). workspace (version 5 only): buffers from
-    make_workspace; the results are views of it.
+    where it runs). impl: deprecated name of a version (IMPLS). workspace (versions 5 and 6 only): buffers
+    from make_workspace; the results are views of it.
     """
     _check_rank(kv_lora_rank)
     qa, kind, batched = _check_q(q)
@@ -539,8 +551,8 @@ def prefix_attention(q, kv_cache, page_table, prefix_lens, softmax_scale, kv_lor
     if validate:
         _validate_prefix(kv, pt, lens)
     bsz, nq, nh, _ = qa.shape
-    if version == 5:
-        out, lse = _launch_v5(qa, kv, pt, lens, scale, workspace)
+    if version in WGMMA_VERSIONS:
+        out, lse = _launch_wgmma(version, qa, kv, pt, lens, scale, workspace)
         out, lse = out.reshape(bsz, nq, nh, KV_LORA_RANK), lse.reshape(bsz, nq, nh)
         return (out, lse) if batched else (out[0], lse[0])
     parts, plse = _launch_prefix(qa, kind, kv, pt, lens, scale, version)
@@ -603,8 +615,8 @@ def tree_verify_attention(q, kv_cache, page_table, prefix_lens, tree_kv, visibil
     Shapes as in the two parts (batched or unbatched). Returns out [B, Q, H, 512] fp32 and the
     natural-log lse [B, Q, H] fp32 (CuPy); rows >= tree_sizes[b] are NaN. version: one of VERSIONS,
     None (the default): by dtype and device (fp32: 1; bf16: DEFAULT_VERSION where it runs). impl:
-    deprecated name of a version (IMPLS). workspace (version 5 only): buffers from make_workspace;
-    the results are views of it.
+    deprecated name of a version (IMPLS). workspace (versions 5 and 6 only): buffers from
+    make_workspace; the results are views of it.
     """
     _check_rank(kv_lora_rank)
     qa, kind, batched = _check_q(q)
@@ -617,8 +629,8 @@ def tree_verify_attention(q, kv_cache, page_table, prefix_lens, tree_kv, visibil
         _validate_prefix(kv, pt, lens)
         _validate_tail(sizes, qa.shape[1])
     bsz, nq, nh, _ = qa.shape
-    if version == 5:
-        out, lse = _launch_v5(qa, kv, pt, lens, scale, workspace, tail=(tkv, vis, sizes))
+    if version in WGMMA_VERSIONS:
+        out, lse = _launch_wgmma(version, qa, kv, pt, lens, scale, workspace, tail=(tkv, vis, sizes))
         out, lse = out.reshape(bsz, nq, nh, KV_LORA_RANK), lse.reshape(bsz, nq, nh)
         return (out, lse) if batched else (out[0], lse[0])
     parts, plse = _launch_prefix(qa, kind, kv, pt, lens, scale, version)

@@ -6,9 +6,10 @@ variants) and KDLIB_ATTENTION_BUDGET_S (after which no new point starts; the poi
 order) are those parameters' defaults. Per point
 (heads H, tree queries Q, prefix S, batch B; bf16, page_size 1, scattered slots, random trees):
 
-  * `wgmma` (tree_verify_v5) and the previous bf16 default (`MMA_DEFAULT`): the whole verify
-    (prefix + tail + merge) captured in a CUDA graph and replayed, median of CUDA-event timings
-    after warm-up; `wgmma` runs on a preallocated workspace (nothing allocated in the graph);
+  * `wgmma` (tree_verify_v5), `wgmma_v6` (tree_verify_v6) and the previous bf16 default
+    (`MMA_DEFAULT`): the whole verify (prefix + tail + merge) captured in a CUDA graph and replayed,
+    median of CUDA-event timings after warm-up; the wgmma versions run on a preallocated workspace
+    (nothing allocated in the graph);
   * the PyTorch baselines of `_attention.torch_baselines` (uniform points only);
   * FlashInfer's `BatchMLAPagedAttentionWrapper` (page_size 1, causal=False) over the prefix alone,
     eager, median of CUDA events, when `flashinfer` imports (tools/attention_gpu.sh carries its
@@ -140,7 +141,7 @@ def run_point(p: dict, pool, kv_split, ceil: dict, impls, *, iters: int, baselin
            "rotations": n_rot, "variants": {}}
     outs = {}
     for impl in impls:
-        ws = cu.make_workspace(bsz, nq, h) if impl == cu.WGMMA else None
+        ws = cu.make_workspace(bsz, nq, h) if cu.IMPLS[impl] in cu.WGMMA_VERSIONS else None
 
         def call(pt, impl=impl, ws=ws):
             return cu.tree_verify_attention(q, pool, pt, lens_t, tkv, vis, sizes_t, scale, impl=impl,
@@ -226,9 +227,9 @@ def run(*, quick: bool = False, impls: Sequence[str] | None = None,
               "trees": trees}
     pts = QUICK_POINTS + [ragged] if quick else POINTS[:3] + [ragged] + POINTS[3:]
     if impls is None:
-        chosen = os.environ.get("KDLIB_ATTENTION_IMPLS")  # comma list; else wgmma where it runs + MMA_DEFAULT
-        impls = [m.strip() for m in chosen.split(",")] if chosen else \
-            ([cu.WGMMA] if cu.wgmma_available() else []) + [cu.MMA_DEFAULT]
+        chosen = os.environ.get("KDLIB_ATTENTION_IMPLS")  # comma list; else the wgmma versions + MMA_DEFAULT
+        wgmma = [cu.LAUNCHES[v].impl for v in cu.WGMMA_VERSIONS] if cu.wgmma_available() else []
+        impls = [m.strip() for m in chosen.split(",")] if chosen else wgmma + [cu.MMA_DEFAULT]
     impls = list(impls)
     ceil = results.ceilings().as_dict()
     rows_needed = max(sum(p["lens"]) if "lens" in p else p["prefix"] * p["batch"] for p in pts)

@@ -1,0 +1,387 @@
+// The parts of the wgmma tree-verify kernels (tree_verify/wgmma_v5.cu, wgmma_v6.cu) that they share:
+// the layout constants, the plan kernel that cuts the work into jobs, the job decode, the Hopper
+// primitives (cp.async, mbarriers, wgmma) and the LSE combine kernel. Each version's file describes
+// the whole verify and adds its own attend kernel.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#define D_QK 576
+#define D_V 512
+#define BM 64                           // query rows per job
+#define BN 64                           // keys per tile
+#define NCB 9                           // 64-dim column blocks of a 576-wide row
+#define CB_BYTES (64 * 128)             // one column block of 64 rows: 8 KB
+#define TILE_BYTES (NCB * CB_BYTES)     // 73728: the Q block or one K stage
+#define ROPE_CB 8                       // column block of dims 512..575 (the rope part of a row)
+#define PLAN_HDR 1                      // plan[0] = number of jobs
+#define PLAN_STRIDE 8                   // per request: base job, chunks, chunk tiles, row blocks, len, rows, tail rows
+#define P_BASE 0
+#define P_NCHUNK 1
+#define P_CHUNK 2
+#define P_RB 3
+#define P_LEN 4
+#define P_ROWS 5
+#define P_NTAIL 6
+#define P_PAD 7
+#define MAX_ROUNDS 4                    // jobs <= MAX_ROUNDS * G + B * ceil(M / 64): the partials' bound
+#define JOB_OVERHEAD 5                  // tiles' worth of a job's Q load, pipeline fill and output write
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+#define NEG_INF __int_as_float(0xff800000)
+#define QNAN __int_as_float(0x7fc00000)
+
+// ------------------------------------------------------------------------------------------ plan
+
+// Jobs of request with prefix tiles T and tail tiles U when prefix chunks are at most c tiles.
+__device__ __forceinline__ int chunks_of(int T, int U, int c) { return T > 0 ? (T + c - 1) / c : (U > 0 ? 1 : 0); }
+
+// prefix_lens [B] int32, tree_sizes [B] int32 or null (prefix alone) -> plan [1 + PLAN_STRIDE * B].
+// Grid 1, block 256. Scratch: plan entries of each request hold T and U until thread 0 writes them.
+extern "C" __global__ void __launch_bounds__(256) tree_verify_v5_plan(
+    const int* __restrict__ prefix_lens, const int* __restrict__ tree_sizes, int B, int P, int Q, int H, int G,
+    int* __restrict__ plan) {
+    __shared__ long long cost[MAX_ROUNDS];
+    __shared__ int chunk_of_k[MAX_ROUNDS];
+    __shared__ int tmax_warp[8];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    int tmax = 0;
+    for (int b = tid; b < B; b += blockDim.x) {
+        const int len = min(max(prefix_lens[b], 0), P);
+        const int ts = tree_sizes ? min(max(tree_sizes[b], 0), Q) : Q;
+        const int rows = ts * H, T = (len + BN - 1) / BN, U = tree_sizes ? (ts + BN - 1) / BN : 0;
+        int* e = plan + PLAN_HDR + b * PLAN_STRIDE;
+        e[P_RB] = (rows + BM - 1) / BM;
+        e[P_LEN] = len;
+        e[P_ROWS] = rows;
+        e[P_NTAIL] = tree_sizes ? ts : 0;
+        e[P_PAD] = 0;     // the record's unused eighth int: the plan holds no stale bytes
+        e[P_NCHUNK] = T;  // scratch: prefix tiles
+        e[P_CHUNK] = U;   // scratch: tail tiles
+        tmax = max(tmax, T);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) tmax = max(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
+    if (lane == 0) tmax_warp[warp] = tmax;
+    __syncthreads();
+    tmax = 1;
+    for (int w = 0; w < 8; ++w) tmax = max(tmax, tmax_warp[w]);
+    if (warp < MAX_ROUNDS) {  // warp k-1: the shortest chunk that fits the jobs into k rounds
+        const long long limit = (long long)(warp + 1) * G;
+        auto jobs = [&](int c) {
+            long long n = 0;
+            for (int b = lane; b < B; b += 32) {
+                const int* e = plan + PLAN_HDR + b * PLAN_STRIDE;
+                n += (long long)e[P_RB] * chunks_of(e[P_NCHUNK], e[P_CHUNK], c);
+            }
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) n += __shfl_xor_sync(0xffffffffu, n, off);
+            return n;
+        };
+        int lo = 1, hi = tmax;
+        while (lo < hi) {  // jobs(c) does not grow with c
+            const int mid = (lo + hi) >> 1;
+            if (jobs(mid) <= limit) hi = mid;
+            else lo = mid + 1;
+        }
+        const long long n = jobs(lo);
+        int longest = 0;  // the longest job in tiles
+        for (int b = lane; b < B; b += 32) {
+            const int* e = plan + PLAN_HDR + b * PLAN_STRIDE;
+            const int T = e[P_NCHUNK], U = e[P_CHUNK], nc = chunks_of(T, U, lo);
+            if (e[P_RB] > 0 && nc > 0) longest = max(longest, (T > 0 ? (T + nc - 1) / nc : 0) + U);
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) longest = max(longest, __shfl_xor_sync(0xffffffffu, longest, off));
+        if (lane == 0) {
+            cost[warp] = (n + G - 1) / G * (long long)(longest + JOB_OVERHEAD) * 32 + n;
+            chunk_of_k[warp] = lo;
+        }
+    }
+    __syncthreads();
+    if (tid == 0) {
+        int best = 0;
+        for (int k = 1; k < MAX_ROUNDS; ++k)
+            if (cost[k] < cost[best]) best = k;
+        const int c = chunk_of_k[best];
+        int base = 0;
+        for (int b = 0; b < B; ++b) {
+            int* e = plan + PLAN_HDR + b * PLAN_STRIDE;
+            const int T = e[P_NCHUNK], U = e[P_CHUNK];
+            const int nc = e[P_RB] > 0 ? chunks_of(T, U, c) : 0;
+            e[P_BASE] = base;
+            e[P_NCHUNK] = nc;
+            e[P_CHUNK] = nc > 0 && T > 0 ? (T + nc - 1) / nc : 0;  // equal chunks within the request
+            base += nc * e[P_RB];
+        }
+        plan[0] = base;
+    }
+}
+
+// ------------------------------------------------------------------------------------- job decode
+
+struct Job {
+    int b;       // request
+    int row0;    // first row of the block
+    int nrows;   // valid rows of the block, 1..64
+    int ntail;   // tree rows read as tail keys (0 but in chunk 0 of the verify)
+    int utiles;  // tail tiles, read first
+    int ks, ke;  // prefix keys [ks, ke)
+    int ntiles;  // utiles + prefix tiles
+};
+
+__device__ __forceinline__ Job decode_job(const int* __restrict__ plan, int nreq, int j) {
+    int lo = 0, hi = nreq - 1;  // the last request whose first job is <= j holds j
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (plan[PLAN_HDR + mid * PLAN_STRIDE + P_BASE] <= j) lo = mid;
+        else hi = mid - 1;
+    }
+    const int* e = plan + PLAN_HDR + lo * PLAN_STRIDE;
+    const int local = j - e[P_BASE], chunk = local / e[P_RB], rb = local - chunk * e[P_RB];
+    Job jb;
+    jb.b = lo;
+    jb.row0 = rb * BM;
+    jb.nrows = min(BM, e[P_ROWS] - jb.row0);
+    jb.ntail = chunk == 0 ? e[P_NTAIL] : 0;
+    jb.utiles = (jb.ntail + BN - 1) / BN;
+    jb.ks = chunk * e[P_CHUNK] * BN;
+    jb.ke = min(e[P_LEN], jb.ks + e[P_CHUNK] * BN);
+    jb.ntiles = jb.utiles + (jb.ke > jb.ks ? (jb.ke - jb.ks + BN - 1) / BN : 0);
+    return jb;
+}
+
+// Keys [k0, kend) of tile it of a job; tail tiles index the tree rows, prefix tiles the page table.
+__device__ __forceinline__ void tile_keys(const Job& jb, int it, bool& tail, int& k0, int& kend) {
+    tail = it < jb.utiles;
+    k0 = tail ? it * BN : jb.ks + (it - jb.utiles) * BN;
+    kend = tail ? jb.ntail : jb.ke;
+}
+
+// Next position (j, it) in a CTA's stream of tiles (its jobs' tiles in order); j >= njobs: the end.
+__device__ __forceinline__ void stream_next(const int* plan, int nreq, int njobs, int& j, int& it) {
+    if (j >= njobs) return;
+    if (++it < decode_job(plan, nreq, j).ntiles) return;
+    j += gridDim.x;
+    it = 0;
+}
+
+// ----------------------------------------------------------------------------- Hopper primitives
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* src, unsigned bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void bar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void bar_arrive(unsigned bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+
+// Arrives once every cp.async this thread issued so far has landed (the count must include it).
+__device__ __forceinline__ void bar_arrive_copies(unsigned bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void bar_wait(unsigned bar, unsigned parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nWAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra WAIT;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+
+// Shared memory written through the generic proxy (st.shared, cp.async) is next read by wgmma.
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Pin a register between the wgmma issue / wait points (the compiler does not see the async writes).
+__device__ __forceinline__ void reg_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+__device__ __forceinline__ void reg_fence(unsigned& r) { asm volatile("" : "+r"(r)::"memory"); }
+template <int N>
+__device__ __forceinline__ void reg_fence(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) reg_fence(r[i]);
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle, 8-row groups 1024 B apart; lbo: the
+// leading-dimension offset (unused for K-major; the 64-column block stride for MN-major).
+__device__ __forceinline__ unsigned long long sw128_desc(unsigned addr, unsigned lbo) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
+           ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+#define ACC8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                   "+f"(d[i + 6]), "+f"(d[i + 7])
+#define ACC32(d, i) ACC8(d, i), ACC8(d, i + 8), ACC8(d, i + 16), ACC8(d, i + 24)
+
+// d[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B K-major in shared memory.
+__device__ __forceinline__ void wgmma_s(float (&d)[32], unsigned long long da, unsigned long long db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "%32, %33, p, 1, 1, 0, 0;\n}\n"
+        : ACC32(d, 0)
+        : "l"(da), "l"(db), "r"(acc));
+}
+
+#define WG_N256_D                                                                                    \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                        \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "               \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "               \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "               \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "               \
+    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "               \
+    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "   \
+    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+
+// d[64 x 256] += A[64 x 16] B[16 x 256]: A from registers (the mma.m16n8k16 A fragment per warp),
+// B MN-major in shared memory.
+__device__ __forceinline__ void wgmma_pv_rs(float (&d)[128], const unsigned (&a)[4], unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " WG_N256_D
+        "{%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+        : ACC32(d, 0), ACC32(d, 32), ACC32(d, 64), ACC32(d, 96)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+// d[64 x 256] += A[64 x 16] B[16 x 256]: A K-major, B MN-major, both in shared memory.
+__device__ __forceinline__ void wgmma_pv_ss(float (&d)[128], unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " WG_N256_D
+        "%128, %129, p, 1, 1, 0, 1;\n}\n"
+        : ACC32(d, 0), ACC32(d, 32), ACC32(d, 64), ACC32(d, 96)
+        : "l"(da), "l"(db), "r"(1));
+}
+
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+}
+
+// O rows of this thread *= their factors (rows g: c0, g + 8: c1), skipped when no row of the warp moved.
+__device__ __forceinline__ void rescale(float (&o)[128], float c0, float c1) {
+    if (!__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) return;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+        o[4 * i + 0] *= c0;
+        o[4 * i + 1] *= c0;
+        o[4 * i + 2] *= c1;
+        o[4 * i + 3] *= c1;
+    }
+}
+
+
+
+// An opaque copy: keeps the compiler from hoisting the 36 loop-invariant descriptors of a tile
+// out of the loop into registers (it would otherwise hold them all live).
+__device__ __forceinline__ unsigned opaque(unsigned x) {
+    unsigned y;
+    asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// ----------------------------------------------------------------------------------------- combine
+
+// LSE merge of each row's jobs. parts / part_lse as the attend kernel wrote them, plan ->
+// out [B*M, 512] fp32, lse [B*M] fp32. Rows at or past a request's rows_b (verify padding) are NaN;
+// a row without jobs (empty prefix, no tail) is out 0, lse -inf. Grid (B*M, COMBINE_SLICES), block
+// 128: block (n, s) merges row n's columns [128 s, 128 s + 128). The block's threads take the max and
+// the sum of exp over the row's jobs (strided, then a fixed-order tree); for the weighted sum warp w
+// takes jobs w, w + 4, ..., lane l the float4 of columns 128 s + 4 l, four loads in flight, and the
+// four warps' sums are added in warp order: bit-for-bit reproducible, many rows' worth of loads in
+// flight where one block per row left a short prefix's few rows waiting on one load each.
+#define COMBINE_COLS 128
+#define COMBINE_SLICES (D_V / COMBINE_COLS)
+
+// Block-wide reduction of 128 threads in a fixed order (max when is_max, else sum); every thread gets it.
+__device__ __forceinline__ float block_reduce128(float v, bool is_max, float* red) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const float o = __shfl_xor_sync(0xffffffffu, v, off);
+        v = is_max ? fmaxf(v, o) : v + o;
+    }
+    const int w = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) == 0) red[w] = v;
+    __syncthreads();
+    v = is_max ? fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3])) : (red[0] + red[1]) + (red[2] + red[3]);
+    __syncthreads();  // red is reused by the next reduction
+    return v;
+}
+
+extern "C" __global__ void __launch_bounds__(128) tree_verify_v5_combine(
+    const float* __restrict__ parts, const float* __restrict__ part_lse, const int* __restrict__ plan, int M,
+    float* __restrict__ out, float* __restrict__ lse) {
+    __shared__ float red[4];
+    __shared__ float4 wsum[3][32];
+    const long long n = blockIdx.x;
+    const int b = (int)(n / M), r = (int)(n - (long long)b * M);
+    const int t = threadIdx.x, w = t >> 5, l = t & 31;
+    const int col = blockIdx.y * COMBINE_COLS + 4 * l;
+    const int* e = plan + PLAN_HDR + b * PLAN_STRIDE;
+    float4* o = reinterpret_cast<float4*>(out + n * D_V + col);
+    if (r >= e[P_ROWS]) {
+        if (w == 0) *o = make_float4(QNAN, QNAN, QNAN, QNAN);
+        if (t == 0 && blockIdx.y == 0) lse[n] = QNAN;
+        return;
+    }
+    const int nch = e[P_NCHUNK], rbn = e[P_RB];
+    const long long first = (long long)e[P_BASE] + r / BM, lr = r % BM;  // job of chunk i: first + i * rbn
+    float mx = NEG_INF;
+    for (int i = t; i < nch; i += 128) mx = fmaxf(mx, part_lse[(first + (long long)i * rbn) * BM + lr]);
+    mx = block_reduce128(mx, true, red);
+    const float base = mx == NEG_INF ? 0.f : mx;
+    float z = 0.f;
+    for (int i = t; i < nch; i += 128) z += expf(part_lse[(first + (long long)i * rbn) * BM + lr] - base);
+    z = block_reduce128(z, false, red);
+    const float inv = z > 0.f ? 1.f / z : 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (int i = w; i < nch; i += 4) {
+        const long long jrow = (first + (long long)i * rbn) * BM + lr;
+        const float wt = expf(part_lse[jrow] - base) * inv;
+        const float4 v = *reinterpret_cast<const float4*>(parts + jrow * D_V + col);
+        acc.x = fmaf(wt, v.x, acc.x);
+        acc.y = fmaf(wt, v.y, acc.y);
+        acc.z = fmaf(wt, v.z, acc.z);
+        acc.w = fmaf(wt, v.w, acc.w);
+    }
+    if (w > 0) wsum[w - 1][l] = acc;
+    __syncthreads();
+    if (w == 0) {
+#pragma unroll
+        for (int k = 0; k < 3; ++k) {
+            const float4 v = wsum[k][l];
+            acc.x += v.x;
+            acc.y += v.y;
+            acc.z += v.z;
+            acc.w += v.w;
+        }
+        *o = acc;
+        if (t == 0 && blockIdx.y == 0) lse[n] = z > 0.f ? base + logf(z) : NEG_INF;
+    }
+}
