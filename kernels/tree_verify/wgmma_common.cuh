@@ -265,14 +265,15 @@ __device__ __forceinline__ void wgmma_pv_rs(float (&d)[128], const unsigned (&a)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
 
-// d[64 x 256] += A[64 x 16] B[16 x 256]: A K-major, B MN-major, both in shared memory.
-__device__ __forceinline__ void wgmma_pv_ss(float (&d)[128], unsigned long long da, unsigned long long db) {
+// d[64 x 256] (+)= A[64 x 16] B[16 x 256]: A K-major, B MN-major, both in shared memory; acc 0: d = A B.
+__device__ __forceinline__ void wgmma_pv_ss(float (&d)[128], unsigned long long da, unsigned long long db,
+                                            int acc = 1) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " WG_N256_D
         "%128, %129, p, 1, 1, 0, 1;\n}\n"
         : ACC32(d, 0), ACC32(d, 32), ACC32(d, 64), ACC32(d, 96)
-        : "l"(da), "l"(db), "r"(1));
+        : "l"(da), "l"(db), "r"(acc));
 }
 
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {

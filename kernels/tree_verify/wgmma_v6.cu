@@ -117,7 +117,7 @@ __device__ __forceinline__ void gather_half(unsigned dst, unsigned bars, int s, 
     const char* src[4];
 #pragma unroll
     for (int p = 0; p < 4; ++p) src[p] = (t.tail ? tkb : kvb) + (long long)t.row[p] * (D_QK * 2) + ch * 16;
-#pragma unroll
+#pragma unroll 1
     for (int cb = CB0; cb < CB1; ++cb) {
 #pragma unroll
         for (int p = 0; p < 4; ++p) {
@@ -167,7 +167,7 @@ template <int CB0, int CB1>
 __device__ __forceinline__ void issue_s_blocks(float (&s)[32], unsigned base, unsigned kst, unsigned bars, int st,
                                                unsigned par, bool first) {
     const unsigned long long dq = sw128_desc(opaque(base), 16), dk = sw128_desc(opaque(kst), 16);
-#pragma unroll
+#pragma unroll 1  // a loop, not 36 copies: the kernel's code fits the instruction cache better
     for (int cb = CB0; cb < CB1; ++cb) {
         bar_wait(BAR_FULL(bars, st, cb), par);
         fence_async_smem();
@@ -240,29 +240,6 @@ __device__ __forceinline__ void exp_tile(float (&s)[32], float ms0, float ms1, f
     }
 }
 
-// O rows of this thread *= their factors (rows g: c0, g + 8: c1), skipped when no row of the warp
-// moved; a factor 0 (a job's first tile: no key before) sets the rows to 0, whatever they held.
-__device__ __forceinline__ void rescale_rows(float (&o)[128], float c0, float c1) {
-    if (!__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) return;
-    if (__any_sync(0xffffffffu, c0 == 0.f || c1 == 0.f)) {
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-            o[4 * i + 0] = c0 == 0.f ? 0.f : o[4 * i + 0] * c0;
-            o[4 * i + 1] = c0 == 0.f ? 0.f : o[4 * i + 1] * c0;
-            o[4 * i + 2] = c1 == 0.f ? 0.f : o[4 * i + 2] * c1;
-            o[4 * i + 3] = c1 == 0.f ? 0.f : o[4 * i + 3] * c1;
-        }
-        return;
-    }
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-        o[4 * i + 0] *= c0;
-        o[4 * i + 1] *= c0;
-        o[4 * i + 2] *= c1;
-        o[4 * i + 3] *= c1;
-    }
-}
-
 // P (bf16, fp32 s) into shared memory at dst in a column block's K-major swizzled layout.
 __device__ __forceinline__ void store_p(const float (&s)[32], unsigned dst, int lr0, int lr1, int t4) {
 #pragma unroll
@@ -275,10 +252,11 @@ __device__ __forceinline__ void store_p(const float (&s)[32], unsigned dst, int 
 }
 
 // O[:, half] += P V over the 64 keys of a stage: P (pbuf) and V's half (vhalf) in shared memory.
-__device__ __forceinline__ void issue_pv_ss(float (&o)[128], unsigned pbuf, unsigned vhalf) {
+// fresh: the job's first P V, which overwrites O (whatever the previous job left there) instead of adding.
+__device__ __forceinline__ void issue_pv_ss(float (&o)[128], unsigned pbuf, unsigned vhalf, bool fresh = false) {
     const unsigned long long dp = sw128_desc(pbuf, 16), dv = sw128_desc(vhalf, CB_BYTES);
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_pv_ss(o, dp + ((kk * 32) >> 4), dv + ((kk * 2048) >> 4));
+    for (int kk = 0; kk < 4; ++kk) wgmma_pv_ss(o, dp + ((kk * 32) >> 4), dv + ((kk * 2048) >> 4), kk > 0 || !fresh);
 }
 
 // The job's rows of this warpgroup's O half, normalised, and (warpgroup 0) their lse.
@@ -401,7 +379,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v6_attend(
             l0 *= c0;
             l1 *= c1;
             exp_tile(s, ms0, ms1, l0, l1);
-            rescale_rows(o, c0, c1);
+            rescale(o, c0, c1);
             s_m[lr0] = mn0;  // the quad's four threads store the same values: no branch
             s_m[lr1] = mn1;
             s_ca[lr0] = c0;
@@ -411,7 +389,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v6_attend(
             nb_arrive(NB_SCALE_A);
             reg_fence(o);
             wg_fence();
-            issue_pv_ss(o, pa, k0s);
+            issue_pv_ss(o, pa, k0s, cur.i == 0);
             wg_commit();
             wg_wait<0>();
             reg_fence(o);
@@ -427,7 +405,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v6_attend(
                 load_q(base, BAR_Q(bars), q, decode_job(plan, nreq, nx.j), M, wt);
             l0 *= cb0;
             l1 *= cb1;
-            rescale_rows(o, cb0, cb1);
+            rescale(o, cb0, cb1);
             nb_sync(NB_PB);
             fence_async_smem();
             reg_fence(o);
@@ -450,10 +428,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v6_attend(
             const float ma0 = s_m[lr0], ma1 = s_m[lr1], ca0 = s_ca[lr0], ca1 = s_ca[lr1];
             l0 *= ca0;
             l1 *= ca1;
-            rescale_rows(o, ca0, ca1);
+            rescale(o, ca0, ca1);
             reg_fence(o);
             wg_fence();
-            issue_pv_ss(o, pa, k0s + WG1_CB0 * CB_BYTES);
+            issue_pv_ss(o, pa, k0s + WG1_CB0 * CB_BYTES, cur.i == 0);
             wg_commit();
             // ------------------------------------------------ tile B: softmax, O_R = O_R c_B + P_B V_BR
             const float mn0 = fmaxf(ma0, mx0), mn1 = fmaxf(ma1, mx1);
@@ -474,7 +452,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v6_attend(
             nb_arrive(NB_PB);
             wg_wait<0>();
             reg_fence(o);
-            rescale_rows(o, cb0, cb1);
+            rescale(o, cb0, cb1);
             reg_fence(o);
             wg_fence();
             issue_pv_ss(o, pb, k1s + WG1_CB0 * CB_BYTES);
@@ -502,7 +480,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v6_attend(
             write_out(o, parts, part_lse, cur.j, wg * 256, decode_job(plan, nreq, cur.j).nrows, lr0, lr1, t4, i0, i1,
                       lt0 > 0.f ? (m0 + log2f(lt0)) * LN2 : NEG_INF, lt1 > 0.f ? (m1 + log2f(lt1)) * LN2 : NEG_INF,
                       wg == 0);
-            m0 = m1 = NEG_INF;  // o is zeroed by the next job's first rescale (its factors are 0)
+            m0 = m1 = NEG_INF;  // o is overwritten by the next job's first P V
             l0 = l1 = 0.f;
         }
         if (!more) break;
