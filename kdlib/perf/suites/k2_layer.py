@@ -114,13 +114,15 @@ def wanted(step, done_m: set, done_cw: set) -> list[str]:
     return out
 
 
-def measure(fn, gpool, flush, iters: int) -> dict:
-    """One piece: captured (`timing.torch_graphs`), its replays timed with the L2 flushed before each, then
-    profiled; eager calls where the capture fails (the error kept)."""
+def measure(fn, flush, iters: int) -> dict:
+    """One piece: captured (`timing.torch_graphs`, in a memory pool of its own, freed with the graph: a
+    pool shared with graphs already freed fails the next capture inside torch's allocator), its replays
+    timed with the L2 flushed before each, then profiled; eager calls where the capture fails (the error
+    kept)."""
     import torch
 
     try:
-        (g,) = timing.torch_graphs(fn, pool=gpool)
+        (g,) = timing.torch_graphs(fn)
         run, mode, err = g.replay, "graph", None
     except Exception as e:  # noqa: BLE001 - a capture failure must not lose the point: timed eagerly
         torch.cuda.synchronize()
@@ -146,12 +148,12 @@ def piece_rows(step, timed: dict, ceil: dict) -> list[dict]:
     return out
 
 
-def graph_overhead(gpool, flush, iters: int) -> dict:
+def graph_overhead(flush, iters: int) -> dict:
     """A graph of one one-element add, timed as the pieces are, and its kernel's device time."""
     import torch
 
     x = torch.zeros(1, device="cuda")  # [1]
-    t = measure(lambda: x.add_(1.0), gpool, flush, iters)
+    t = measure(lambda: x.add_(1.0), flush, iters)
     return {"replay_ms": t["median_ms"], "kernel_device_ms": t["device_ms"], "kernels": t["kernels"],
             "overhead_ms": t["median_ms"] - t["device_ms"], "timing": t["timing"]}
 
@@ -200,12 +202,11 @@ def run(*, quick: bool = False, out: str | None = None, budget_s: float | None =
     slots = max(c * (ctx + (b or 0) + 1) for ctx, c, b in points)
     pool = torch.zeros(cfg.num_hidden_layers, slots, cfg.latent_dim, dtype=torch.bfloat16, device="cuda")
     drafter.make_pool(slots)
-    gpool = torch.cuda.graph_pool_handle()
     flush = timing.l2_flush()
     payload["setup"] = {"weight_generation_s": gen_s, "weight_bytes": model.weight_bytes(),
                         "drafter": {**DFLASH_KIMI.__dict__, "weight_bytes_rank": drafter.weight_bytes()},
                         "pool_slots": slots, "pool_tokens_predicted": pool_tokens}
-    payload["graph_overhead"] = graph_overhead(gpool, flush, ITERS)
+    payload["graph_overhead"] = graph_overhead(flush, ITERS)
     payload["cut"] = cut
     save()
     done_m, done_cw, overflow = set(), set(), 0
@@ -223,7 +224,7 @@ def run(*, quick: bool = False, out: str | None = None, budget_s: float | None =
         if "first_compile_s" not in payload["setup"]:
             payload["setup"]["first_compile_s"] = time.perf_counter() - t_p
         fns = piece_fns(step)
-        timed = {p: measure(fns[p], gpool, flush, ITERS) for p in wanted(step, done_m, done_cw)}
+        timed = {p: measure(fns[p], flush, ITERS) for p in wanted(step, done_m, done_cw)}
         overflow += int(step.overflow)
         done_m.add(step.M)
         done_cw.add((step.C, step.W))
