@@ -274,7 +274,7 @@ def test_tree_default_is_the_recorded_headline():
 def test_attention_bf16_default_is_the_faster_at_every_recorded_point():
     rec = _record("attention")
     assert attention.LAUNCHES[attention.DEFAULT_VERSION].impl == attention.BF16_DEFAULT
-    assert set(rec["parameters"]["impls"]) == {attention.BF16_DEFAULT, attention.MMA_DEFAULT}
+    assert {attention.BF16_DEFAULT, attention.MMA_DEFAULT} <= set(rec["parameters"]["impls"])
     assert rec["points"]
     for p in rec["points"]:
         ms = {impl: v["kernel"]["median_ms"] for impl, v in p["variants"].items()}

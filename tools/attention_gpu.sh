@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 19 in one device call on the H200: GPU tests of the attention kernels, the attention suite
-# (wgmma vs the previous default vs PyTorch vs FlashInfer), and an ncu report of tree_verify_v5_attend
+# (the wgmma versions vs the previous default vs PyTorch vs FlashInfer), and an ncu report of
+# tree_verify_v6_attend (the default)
 # at 8 heads x 65 queries x 200k prefix. Each step runs under its own time limit (~5 min in all).
 #
 #   here, once (needs PyPI):  bash tools/attention_gpu.sh fetch-wheels
@@ -8,10 +9,10 @@
 #          than the Hopper MLA one (30 MB of the 62) + apache-tvm-ffi 0.1.15.post2, for Python 3.12
 #   device call (carry [".whl/attention"]):  OUT=$OUT KDLIB_COMMIT=<sha> bash tools/attention_gpu.sh
 #       KDLIB_FLASHINFER=0 skips FlashInfer (its MLA kernel JIT-compiles with nvcc on first use, ~20-35 s);
-#       KDLIB_NCU=0 skips the ncu report.
+#       KDLIB_NCU=0 skips the ncu report; KDLIB_ATTENTION_TESTS=0 the GPU tests of step (a).
 #
 # $OUT gets attention.<gpu>.json (provenance stamped), tests.xml, smoke.log, tests.log, bench.log,
-# ncu_v5.txt, nvidia-smi.txt and summary.txt: 8 files.
+# ncu_v6.txt, nvidia-smi.txt and summary.txt: 8 files.
 set -u
 
 if [ "${1:-}" = fetch-wheels ]; then
@@ -74,7 +75,7 @@ fi
 step smoke 60 python3 -m pytest -m gpu tests/test_cuda_attention.py -x -q -p no:cacheprovider \
   -k "wgmma_bit_reproducible or wgmma_plan_kernel"
 if grep -q " passed" "$OUT/smoke.log" && ! grep -q -E "failed|error" "$OUT/smoke.log"; then
-  TEST_MMA=wgmma
+  TEST_MMA=wgmma_v6,wgmma
 else
   TEST_MMA=mma_v3
   export KDLIB_ATTENTION_IMPLS=mma_v3 KDLIB_NCU=0
@@ -82,13 +83,16 @@ else
 fi
 # (a) the GPU tests of the attention kernels; the tensor-core random sweeps on the new kernel alone
 #     (KDLIB_TEST_MMA), the long-prefix, golden and merge tests on every version
-step tests 150 env KDLIB_TEST_MMA=$TEST_MMA python3 -m pytest -m gpu tests/test_cuda_attention.py -x -q \
-  -p no:cacheprovider --junitxml="$OUT/tests.xml"
+#     (KDLIB_ATTENTION_TESTS=0 skips them, for a call that runs the whole GPU test suite first)
+if [ "${KDLIB_ATTENTION_TESTS:-1}" != 0 ]; then
+  step tests 150 env KDLIB_TEST_MMA=$TEST_MMA python3 -m pytest -m gpu tests/test_cuda_attention.py -x -q \
+    -p no:cacheprovider --junitxml="$OUT/tests.xml"
+fi
 # (b) the attention suite: no new point starts past KDLIB_ATTENTION_BUDGET_S
 step bench 170 env KDLIB_ATTENTION_BUDGET_S=110 python3 -m kdlib.perf.run --suite attention --out "$OUT"
 # (c) ncu of the new kernel at the issue's first row (second call: the first compiles and warms)
 if [ "${KDLIB_NCU:-1}" != 0 ]; then
-  cat >/tmp/ncu_v5.py <<'PY'
+  cat >/tmp/ncu_v6.py <<'PY'
 import torch
 from kdlib.cuda import attention as cu
 g = torch.Generator(device="cuda").manual_seed(0)
@@ -102,15 +106,15 @@ lens = torch.tensor([s], dtype=torch.int32, device="cuda")
 sizes = torch.tensor([nq], dtype=torch.int32, device="cuda")
 ws = cu.make_workspace(1, nq, nh)
 for _ in range(2):
-    cu.tree_verify_attention(q, kv, pt, lens, tkv, vis, sizes, 576**-0.5, impl="wgmma", workspace=ws)
+    cu.tree_verify_attention(q, kv, pt, lens, tkv, vis, sizes, 576**-0.5, impl="wgmma_v6", workspace=ws)
 torch.cuda.synchronize()
 PY
   step ncu 60 env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ncu --clock-control none \
-    --kernel-name tree_verify_v5_attend --launch-skip 1 --launch-count 1 \
+    --kernel-name tree_verify_v6_attend --launch-skip 1 --launch-count 1 \
     --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
     --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats \
-    python3 /tmp/ncu_v5.py
-  mv "$OUT/ncu.log" "$OUT/ncu_v5.txt"
+    python3 /tmp/ncu_v6.py
+  mv "$OUT/ncu.log" "$OUT/ncu_v6.txt"
 fi
 echo "total $(($(date +%s) - T0))s" | tee -a "$OUT/summary.txt"
 ls "$OUT"

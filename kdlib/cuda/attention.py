@@ -22,22 +22,22 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     tensor cores with `mma.sync.m16n8k16`, fp32 accumulators; P rounded to bf16 before P·V, so bf16
     inputs land near 1e-3 of the float64 reference of the same bf16 values; 3 (`MMA_DEFAULT`) was
     the fastest of the three in data/results/verify_attention_dev.h200.json;
-  * 5 (`tree_verify/wgmma_v5.cu`, sm_90a only, `DEFAULT_VERSION`): the whole verify on Hopper's
-    warpgroup tensor cores in three launches: a one-block plan that cuts the work into equal jobs
+  * 5 (`tree_verify/wgmma_v5.cu`, sm_90a only): the whole verify on Hopper's warpgroup tensor cores
+    in three launches: a one-block plan that cuts the work into equal jobs
     (`plan_v5` is its numpy mirror), a persistent kernel (one CTA per SM) over the prefix with the
     tree tail fused in, and an LSE combine; its buffers can be allocated once (`make_workspace`) so
     that a call allocates nothing and syncs nothing (CUDA-graph capturable);
-  * 6 (`tree_verify/wgmma_v6.cu`, sm_90a only): v5's plan, jobs, workspace and combine around another
-    attend kernel, whose two warpgroups take the tiles of a job two at a time so that one's softmax
-    runs under the other's MMAs (the kernel file says how).
+  * 6 (`tree_verify/wgmma_v6.cu`, sm_90a only, `DEFAULT_VERSION`): v5's plan, jobs, workspace and
+    combine around another attend kernel, whose two warpgroups take the tiles of a job two at a time
+    so that one's softmax runs under the other's MMAs (the kernel file says how).
 `version=None` (the default) picks by dtype and device: fp32 runs 1 (a dtype path, not a choice);
-bf16 runs `DEFAULT_VERSION` (5, `BF16_DEFAULT`: the faster at every point of
+bf16 runs `DEFAULT_VERSION` (6, `BF16_DEFAULT`: the fastest at every point of
 data/results/attention.h200.json) where the device runs it, else 3 where the device grants its
 166 KB of shared memory (not on sm_120's 99 KB), else 1.
 
 Deprecated alias: `impl=` names a version as recorded results and kdlib.perf suites do
 (`IMPLS`: "simple" = 1, "mma_v2" / "mma_v3" / "mma_v4" = 2 / 3 / 4, "mma" = `MMA_DEFAULT`,
-"wgmma" = 5, "auto" = None); give `version` or `impl`, not both.
+"wgmma" = 5, "wgmma_v6" = 6, "auto" = None); give `version` or `impl`, not both.
 
 Checks before any launch raise ValueError: shapes, dtypes (float32 or bfloat16, all float inputs
 alike), Q <= 65, widths 576/512, and, with `validate=True` (the default, one device sync), the
@@ -129,9 +129,10 @@ MMA_VERSIONS = {LAUNCHES[v].impl: (LAUNCHES[v].stem, LAUNCHES[v].smem) for v in 
 # stage did not pay).
 MMA_DEFAULT = "mma_v3"
 WGMMA = "wgmma"
-# What version None runs for bf16 where the device has sm_90a: the faster of "wgmma" and MMA_DEFAULT in
-# the recorded attention sweep (data/results/attention.h200.json: "wgmma" at every point of the grid).
-BF16_DEFAULT = "wgmma"
+# What version None runs for bf16 where the device has sm_90a: the fastest of the wgmma versions and
+# MMA_DEFAULT in the recorded attention sweep (data/results/attention.h200.json; checked against the file
+# by tests/test_kernel_constants.py).
+BF16_DEFAULT = "wgmma_v6"
 _BY_IMPL = {launch.impl: v for v, launch in LAUNCHES.items()}
 DEFAULT_VERSION = _BY_IMPL[BF16_DEFAULT]
 # The deprecated impl= names -> versions ("auto": None, the default pick).
@@ -327,7 +328,7 @@ def pick_version(version: int | None = None, impl: str | None = None, kind: str 
     if version is None:
         if kind != "bf16":
             return 1
-        if DEFAULT_VERSION != 5 or wgmma_available():
+        if DEFAULT_VERSION not in WGMMA_VERSIONS or wgmma_available():
             return DEFAULT_VERSION
         mma = IMPLS[MMA_DEFAULT]
         return mma if _device_info()[1] >= LAUNCHES[mma].smem else 1

@@ -228,7 +228,8 @@ def run(*, quick: bool = False, impls: Sequence[str] | None = None,
     pts = QUICK_POINTS + [ragged] if quick else POINTS[:3] + [ragged] + POINTS[3:]
     if impls is None:
         chosen = os.environ.get("KDLIB_ATTENTION_IMPLS")  # comma list; else the wgmma versions + MMA_DEFAULT
-        wgmma = [cu.LAUNCHES[v].impl for v in cu.WGMMA_VERSIONS] if cu.wgmma_available() else []
+        wgmma = sorted((cu.LAUNCHES[v].impl for v in cu.WGMMA_VERSIONS), key=lambda i: i != cu.BF16_DEFAULT)
+        wgmma = wgmma if cu.wgmma_available() else []  # the default first: the headline
         impls = [m.strip() for m in chosen.split(",")] if chosen else wgmma + [cu.MMA_DEFAULT]
     impls = list(impls)
     ceil = results.ceilings().as_dict()
