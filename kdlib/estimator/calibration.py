@@ -462,30 +462,55 @@ def validate_batch(a: Assumptions, doc: dict, *, gpu="h200") -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- one rank layer, piece by piece
-def _fit_relative(x0: list[float], x1: list[float], ys: list[float]) -> tuple[float, float]:
-    """(c0, c1) minimising sum(((c0 x0 + c1 x1 - y) / y)^2) with c0 >= 0 and c1 >= 1 (c1 = 1 / eff: no piece
-    beats its floor): the unconstrained normal equations, else each bound in turn with the other refit."""
-    w = [1.0 / y ** 2 for y in ys]
+def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """m x = v by Gaussian elimination with partial pivoting (a few unknowns); None when m is singular."""
+    n = len(v)
+    a = [row[:] + [v[i]] for i, row in enumerate(m)]
+    for c in range(n):
+        piv = max(range(c, n), key=lambda r: abs(a[r][c]))
+        if abs(a[piv][c]) < 1e-300:
+            return None
+        a[c], a[piv] = a[piv], a[c]
+        for r in range(c + 1, n):
+            f = a[r][c] / a[c][c]
+            for k in range(c, n + 1):
+                a[r][k] -= f * a[c][k]
+    x = [0.0] * n
+    for c in range(n - 1, -1, -1):
+        x[c] = (a[c][n] - sum(a[c][k] * x[k] for k in range(c + 1, n))) / a[c][c]
+    return x
+
+
+def _fit_relative(xs: list[list[float]], ys: list[float], lower: list[float]) -> list[float]:
+    """c minimising sum(((sum_j c_j x_j - y) / y)^2) subject to c_j >= lower_j: the least squares of the
+    relative residuals with lower bounds, solved exactly by trying every set of coefficients held at their
+    bound (a convex problem's optimum is the best feasible one of those reduced fits; a few unknowns).
+    xs[j]: the j-th regressor over the rows. A regressor that is zero on every row stays at its bound."""
+    n, w = len(xs), [1.0 / y ** 2 for y in ys]
 
     def dot(a, b):
         return sum(wi * ai * bi for wi, ai, bi in zip(w, a, b, strict=True))
 
-    s00, s01, s11, b0, b1 = dot(x0, x0), dot(x0, x1), dot(x1, x1), dot(x0, ys), dot(x1, ys)
-    det = s00 * s11 - s01 * s01
-    if det > 0:
-        c0, c1 = (b0 * s11 - b1 * s01) / det, (s00 * b1 - s01 * b0) / det
-        if c0 >= 0 and c1 >= 1:
-            return c0, c1
-    cands = []
-    if s00 > 0:  # c1 at its bound 1, c0 refit
-        cands.append((max(0.0, (b0 - s01) / s00), 1.0))
-    if s11 > 0:  # no per-kernel term, c1 refit
-        cands.append((0.0, max(1.0, b1 / s11)))
-
     def loss(c):
-        return sum(wi * (c[0] * a + c[1] * b - y) ** 2 for wi, a, b, y in zip(w, x0, x1, ys, strict=True))
+        return sum(wi * (sum(cj * x[i] for cj, x in zip(c, xs, strict=True)) - y) ** 2
+                   for i, (wi, y) in enumerate(zip(w, ys, strict=True)))
 
-    return min(cands, key=loss) if cands else (0.0, 1.0)
+    live = [j for j in range(n) if any(v != 0.0 for v in xs[j])]
+    best = None
+    for mask in range(1 << len(live)):
+        free = [j for k, j in enumerate(live) if mask >> k & 1]
+        c = list(lower)
+        if free:
+            held = [j for j in range(n) if j not in free]
+            resid = [y - sum(lower[j] * xs[j][i] for j in held) for i, y in enumerate(ys)]
+            sol = _solve([[dot(xs[j], xs[k]) for k in free] for j in free], [dot(xs[j], resid) for j in free])
+            if sol is None or any(s < lower[j] for s, j in zip(sol, free, strict=True)):
+                continue
+            for s, j in zip(sol, free, strict=True):
+                c[j] = s
+        if best is None or loss(c) < loss(best):
+            best = c
+    return best
 
 
 def rank_piece(row: dict) -> str:
@@ -497,10 +522,11 @@ def calibrate_rank_layer(a: Assumptions, doc: dict, *, gpu="h200") -> RankLayerT
     """The rank's per-piece terms from a recorded k2_layer suite (kdlib/perf/suites/k2_layer.py: one layer
     of the rank, each piece timed alone as a CUDA-graph replay at the k2_rank grid's M and contexts).
 
-    Per piece (`rank_piece`), over its rows: time - the suite's graph overhead = kernels x kernel_s + floor /
-    eff, floor = max(bytes / HBM peak, FLOPs / bf16 peak) of `gpu`'s spec (the row's bytes and FLOPs:
-    `kdlib.perf.rank_work`), fit by least squares of the relative residuals (`_fit_relative`: kernel_s >= 0,
-    eff <= 1); the kernels per call at each M are the median of the piece's rows at that M (the profile).
+    Per piece (`rank_piece`), over its rows: time - the suite's graph overhead = kernels x kernel_s + bytes
+    / (HBM peak x mem_eff) + FLOPs / (bf16 peak x comp_eff), the peaks of `gpu`'s spec (the row's bytes and
+    FLOPs: `kdlib.perf.rank_work`), fit by least squares of the relative residuals (`_fit_relative`:
+    kernel_s >= 0, both efficiencies <= 1: no piece beats a peak); the kernels per call at each M are the
+    median of the piece's rows at that M (the profile).
     `a` (calibrated on the component suites: the all-reduce) is kept for the rest. The rank's step is
     `kdlib.estimator.model.rank_step_time`."""
     spec = hardware(gpu)
@@ -517,16 +543,17 @@ def calibrate_rank_layer(a: Assumptions, doc: dict, *, gpu="h200") -> RankLayerT
             continue
         ys = [r["median_ms"] * 1e-3 - over * (r["mode"] == "graph") for r in rows]
         ks = [float(r["kernels"]) for r in rows]
-        floors = [max(r["bytes"] / bw, r["flops"] / fl) for r in rows]
-        c0, c1 = _fit_relative(ks, floors, ys)
+        c0, c1, c2 = _fit_relative([ks, [r["bytes"] / bw for r in rows], [r["flops"] / fl for r in rows]],
+                                   ys, [0.0, 1.0, 1.0])
         fit = (f"k2_layer ({src}): least squares of the relative residuals of (time - graph overhead) = "
-               f"kernels x kernel_s + floor / eff over its {len(rows)} '{p}' rows, floor against the "
-               f"{spec.get('slug', gpu)} spec peaks")
+               f"kernels x kernel_s + bytes / (peak x mem_eff) + FLOPs / (peak x comp_eff) over its "
+               f"{len(rows)} '{p}' rows, against the {spec.get('slug', gpu)} spec peaks")
         ms = sorted({int(r["m_rows"]) for r in rows})
         kernels = tuple((m, statistics.median(k for r, k in zip(rows, ks, strict=True) if r["m_rows"] == m))
                         for m in ms)
         pieces[p] = PieceTerms(
-            kernel_s=Param(c0, "s per kernel", fit), eff=Param(1.0 / c1, "fraction of peak", fit),
+            kernel_s=Param(c0, "s per kernel", fit), mem_eff=Param(1.0 / c1, "fraction of HBM peak", fit),
+            comp_eff=Param(1.0 / c2, "fraction of bf16 peak", fit),
             kernels=kernels, kernels_source=f"median kernels per call of the '{p}' rows at each M "
                                             f"(kdlib.perf.profile) of {src}")
     return RankLayerTerms(

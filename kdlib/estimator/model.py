@@ -131,7 +131,8 @@ def rank_step_time(gpu, terms: RankLayerTerms, streams: int, rows_per_stream: in
     """Seconds of one step of a TP rank from its per-piece terms (`calibrate_rank_layer`): the layers'
     pieces (first_k_dense_replace dense layers, the rest MoE: dense + norms, attention, MoE each), the
     step's head, commit and with `ddtree` the drafter's draft, tree and accept, each kernels(M) x kernel_s +
-    floor / eff (`PieceTerms`, bytes and FLOPs from `kdlib.perf.rank_work` at these shapes), one graph
+    bytes / (peak x mem_eff) + FLOPs / (peak x comp_eff) (`PieceTerms`, bytes and FLOPs from
+    `kdlib.perf.rank_work` at these shapes), one graph
     replay's overhead, and the step's all-reduces (`kdlib.engine.rank.step_allreduces`, each `allreduce_s`
     from `terms.a`).
 
@@ -159,7 +160,8 @@ def rank_step_time(gpu, terms: RankLayerTerms, streams: int, rows_per_stream: in
                              f"{sorted(terms.pieces)})")
         pt = terms.pieces[name]
         kern[p] = pt.kernels_at(M)
-        t[p] = kern[p] * pt.kernel_s.value + max(w["bytes"] / bw, w["flops"] / fl) / pt.eff.value
+        t[p] = (kern[p] * pt.kernel_s.value + w["bytes"] / (bw * pt.mem_eff.value)
+                + w["flops"] / (fl * pt.comp_eff.value))
     L, n_dense = cfg.num_hidden_layers, cfg.first_k_dense_replace
     n = {"dense_first": n_dense, "dense": L - n_dense, "moe": L - n_dense, "attention": L}
     out = {"dense": n_dense * t["dense_first"] + (L - n_dense) * t["dense"] + t["head"],

@@ -286,14 +286,18 @@ RANK_PIECES = ("dense_first", "dense", "attention", "moe", "head", "draft", "tre
 
 @dataclass(frozen=True)
 class PieceTerms:
-    """One piece of a rank's step: time = kernels(M) x kernel_s + floor / eff, where floor = max(bytes /
-    HBM peak, FLOPs / bf16 peak) of the GPU's spec (`data/hw/`), so that eff is a fraction of peak.
+    """One piece of a rank's step: time = kernels(M) x kernel_s + bytes / (HBM peak x mem_eff) + FLOPs /
+    (bf16 peak x comp_eff), the peaks of the GPU's spec (`data/hw/`), so that each efficiency is a fraction
+    of peak and the terms carry over to another GPU by its peaks. The two byte and FLOP terms add (a piece
+    of several kernels streams some and computes others): a piece memory-bound at small M and compute-bound
+    at large M fits both ends, which one efficiency against max(bytes, FLOPs) cannot.
 
     kernels: (M, kernels per call) measured at each row count M, from the profile; `kernels_at` reads the
     nearest M (in log M)."""
 
     kernel_s: Param
-    eff: Param
+    mem_eff: Param
+    comp_eff: Param
     kernels: tuple[tuple[int, float], ...]
     kernels_source: str
 
@@ -319,8 +323,8 @@ class RankLayerTerms:
     tp: int = 8
 
     def table(self) -> list[dict]:
-        """One row per piece: kernel_s, eff, their sources, the kernels per call's range."""
-        return [{"piece": p, "kernel_s": t.kernel_s.value, "eff": t.eff.value,
-                 "kernels_min": min(k for _, k in t.kernels), "kernels_max": max(k for _, k in t.kernels),
-                 "kernel_s_source": t.kernel_s.source, "eff_source": t.eff.source}
+        """One row per piece: kernel_s, mem_eff, comp_eff, the fit's source, the kernels per call's range."""
+        return [{"piece": p, "kernel_s": t.kernel_s.value, "mem_eff": t.mem_eff.value,
+                 "comp_eff": t.comp_eff.value, "kernels_min": min(k for _, k in t.kernels),
+                 "kernels_max": max(k for _, k in t.kernels), "source": t.kernel_s.source}
                 for p, t in self.pieces.items()]
