@@ -31,9 +31,9 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     combine around another attend kernel, whose two warpgroups take the tiles of a job two at a time
     so that one's softmax runs under the other's MMAs (the kernel file says how).
 `version=None` (the default) picks by dtype and device: fp32 runs 1 (a dtype path, not a choice);
-bf16 runs `DEFAULT_VERSION` (6, `BF16_DEFAULT`: the fastest at every point of
-data/results/attention.h200.json) where the device runs it, else 3 where the device grants its
-166 KB of shared memory (not on sm_120's 99 KB), else 1.
+bf16 runs `DEFAULT_VERSION` (6, `BF16_DEFAULT`: the fastest in data/results/attention.h200.json)
+where the device runs it, else 3 where the device grants its 166 KB of shared memory (not on sm_120's
+99 KB), else 1.
 
 Deprecated alias: `impl=` names a version as recorded results and kdlib.perf suites do
 (`IMPLS`: "simple" = 1, "mma_v2" / "mma_v3" / "mma_v4" = 2 / 3 / 4, "mma" = `MMA_DEFAULT`,
@@ -130,8 +130,8 @@ MMA_VERSIONS = {LAUNCHES[v].impl: (LAUNCHES[v].stem, LAUNCHES[v].smem) for v in 
 MMA_DEFAULT = "mma_v3"
 WGMMA = "wgmma"
 # What version None runs for bf16 where the device has sm_90a: the fastest of the wgmma versions and
-# MMA_DEFAULT in the recorded attention sweep (data/results/attention.h200.json; checked against the file
-# by tests/test_kernel_constants.py).
+# MMA_DEFAULT in the recorded attention sweep (data/results/attention.h200.json: the fastest median at 7 of
+# its 9 points, and at queries 1 and 9 within v5's replay spread; tests/test_kernel_constants.py checks it).
 BF16_DEFAULT = "wgmma_v6"
 _BY_IMPL = {launch.impl: v for v, launch in LAUNCHES.items()}
 DEFAULT_VERSION = _BY_IMPL[BF16_DEFAULT]
