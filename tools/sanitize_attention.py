@@ -4,10 +4,12 @@
     python3 tools/sanitize_attention.py summarize DIR                # DIR/<tool>.log + DIR/<tool>.json
 
 `run` makes bf16 problems (Kimi-K2 rows: 576 wide, page_size 1, scattered slots, random trees) and
-calls `kdlib.cuda.attention` on them: version 5 ("wgmma", the bf16 default) at 8 heads x 9 and x 65
-queries over a 1,000-token prefix, the prefix alone, a call on a preallocated workspace, a ragged
-batch of 3 (prefixes 1,000 / 0 / 357, trees of 1 / 33 / 65 rows), and one version 3 ("mma_v3") call
-on the ragged batch. Each output is compared with `kdlib.ref.attention` on the same bf16 values
+calls `kdlib.cuda.attention` on them: version 5 ("wgmma") at 8 heads x 9 and x 65 queries over a
+1,000-token prefix, the prefix alone, a call on a preallocated workspace, a ragged batch of 3
+(prefixes 1,000 / 0 / 357, trees of 1 / 33 / 65 rows); one version 3 ("mma_v3") call on the ragged
+batch; version 6 ("wgmma_v6", the bf16 default) on the workspace call, the ragged batch and a prefix
+alone at 8 x 9. KDLIB_SANITIZE_CASES (a comma list of name prefixes, e.g. "v6") keeps some of them.
+Each output is compared with `kdlib.ref.attention` on the same bf16 values
 (norm-relative error <= 1e-2, lse within 2e-3, padding rows NaN), so a clean sanitizer run is also a
 correct one. The kernels a case covers are those the wrapper fetched from `kdlib.cuda.loader` while
 it ran (each is fetched right before its launch). CuPy's memory pool is off (`--pool` keeps it), so
@@ -102,9 +104,15 @@ def compare(out, lse, ref_out, ref_lse) -> dict:
             "ok": ok}
 
 
-def cases() -> list[dict]:
-    """What `run` calls: name, problem shape, version, the call ('verify' or 'prefix'), workspace or not."""
+def cases(only: str = "") -> list[dict]:
+    """What `run` calls: name, problem shape, version, the call ('verify' or 'prefix'), workspace or not;
+    only: a comma list of name prefixes to keep (env KDLIB_SANITIZE_CASES, e.g. "v6"), "" all."""
     ragged = {"nh": 8, "nq": 65, "lens": [1000, 0, 357], "sizes": [1, 33, 65]}
+    keep = tuple(s.strip() for s in only.split(",") if s.strip())
+    return [c for c in _all_cases(ragged) if not keep or c["name"].startswith(keep)]
+
+
+def _all_cases(ragged: dict) -> list[dict]:
     return [
         {"name": "v5 verify 8x9x1000", "shape": {"nh": 8, "nq": 9, "lens": [1000], "sizes": [9]},
          "version": 5, "call": "verify", "workspace": False},
@@ -115,6 +123,12 @@ def cases() -> list[dict]:
          "version": 5, "call": "prefix", "workspace": False},
         {"name": "v5 verify ragged B3", "shape": ragged, "version": 5, "call": "verify", "workspace": False},
         {"name": "v3 verify ragged B3", "shape": ragged, "version": 3, "call": "verify", "workspace": False},
+        {"name": "v6 verify 8x65x1000 (workspace)",
+         "shape": {"nh": 8, "nq": 65, "lens": [1000], "sizes": [65]},
+         "version": 6, "call": "verify", "workspace": True},
+        {"name": "v6 verify ragged B3", "shape": ragged, "version": 6, "call": "verify", "workspace": False},
+        {"name": "v6 prefix 8x9x1000", "shape": {"nh": 8, "nq": 9, "lens": [1000], "sizes": [9]},
+         "version": 6, "call": "prefix", "workspace": False},
     ]
 
 
@@ -157,9 +171,10 @@ def run(json_path: Path, pool: bool) -> int:
     if not pool:
         cupy.cuda.set_allocator(None)  # every array its own cudaMalloc: exact bounds for memcheck
     if not cu.wgmma_available():
-        print("version 5 needs an sm_90 device (H100 / H200); nothing run", file=sys.stderr)
+        print("versions 5 and 6 need an sm_90 device (H100 / H200); nothing run", file=sys.stderr)
         return 1
-    done = [run_case(spec, seed) for seed, spec in enumerate(cases())]
+    chosen = cases(os.environ.get("KDLIB_SANITIZE_CASES", ""))
+    done = [run_case(spec, seed) for seed, spec in enumerate(chosen)]
     doc = {"provenance": provenance(), "pool": pool, "rtol": RTOL, "lse_atol": LSE_ATOL, "cases": done,
            "kernels": sorted({k for c in done for k in c["kernels"]}), "ok": all(c["ok"] for c in done)}
     tmp = json_path.with_suffix(".tmp")
