@@ -4,6 +4,7 @@
     headlines.pro6000_crosscheck_tok_s()   # {1: tok/s, 10: tok/s}: the seeds' stack on the PRO 6000
     headlines.b300_native_tok_s()          # tok/s: the native engine on a B300 at C = 1
     headlines.k2_rank_figures(doc)         # the seeds' step figures on the measured Kimi-K2.6 rank
+    headlines.k2_rank_b300(doc)            # the B300 rank's two bounds re-derived from those rows
 
 The audit (`kdlib.audit`) reads `data/` and calls kdlib; it reads no executed notebook. A figure that a
 notebook computes and the audit also shows is computed here, from `data/` alone, so that notebook 06
@@ -16,6 +17,7 @@ its `Sources` read), so both state the same numbers from the same file.
 from __future__ import annotations
 
 from kdlib import estimator as est
+from kdlib import hw
 from kdlib.estimator import seeds
 
 CONTEXT = 4096  # tokens of context per stream: notebook 06's default CONTEXT (tests/test_audit.py compares)
@@ -79,10 +81,14 @@ def k2_rank_figures(doc: dict) -> dict:
     verify_ms {C: {budget: ms}} at K2_SEED_CONTEXT, C = 1 and 10 (the seeds' two service points);
     growth {budget: step at K2_SEED_CONTEXT / step at K2_SHORT_CONTEXT} and attention_growth_ms {budget:
     attention ms at K2_SEED_CONTEXT minus at K2_SHORT_CONTEXT}, C = 1; c10_over_c1 {budget: step at C = 10
-    / step at C = 1} at K2_SEED_CONTEXT; at K2_SEED_CONTEXT, C = 1 and 10, keyed (C, budget): moe_ms the
-    routed-MoE piece, moe_share that piece / the graph step, moe_over_floor that piece / its floor;
-    budgets: the DDTree budgets of the grid; dropped: `k2_rank_dropped`; accepted: the forced accepted
-    length (a parameter of the suite, not a measurement)."""
+    / step at C = 1} at K2_SEED_CONTEXT; c10_over_c1_lower {budget: the same ratio} where only the C = 10
+    row dropped slots (its step a lower bound, so the ratio is one); at K2_SEED_CONTEXT, C = 1 and 10,
+    keyed (C, budget): moe_ms the routed-MoE piece, moe_share that piece / the graph step, moe_over_floor
+    that piece / its floor; service {(C, budget): (tok/s per user, aggregate tok/s)} at K2_SEED_CONTEXT,
+    every C of the grid (the rank's step is a TP8 service's step, all-reduce modelled; DDTree tok/s scale
+    with the forced accepted length); budgets: the DDTree budgets of the grid; dropped:
+    `k2_rank_dropped`; accepted: the forced accepted length (a parameter of the suite, not a
+    measurement)."""
     g = k2_rank_grid(doc)
     dropped = k2_rank_dropped(doc)
     ok = {k: r for k, r in g.items() if k not in dropped}
@@ -108,8 +114,34 @@ def k2_rank_figures(doc: dict) -> dict:
                                 for b in methods if have((ctx, 1, b), (short, 1, b))},
         "c10_over_c1": {b: step[ctx, 10, b] / step[ctx, 1, b] for b in methods
                         if have((ctx, 10, b), (ctx, 1, b))},
+        "c10_over_c1_lower": {b: g[ctx, 10, b]["step_with_allreduce_ms"] / step[ctx, 1, b] for b in methods
+                              if (ctx, 10, b) in dropped and have((ctx, 1, b))},
         "moe_ms": {(c, b): piece[ctx, c, b]["moe"] for c, b in pairs},
         "moe_share": {(c, b): piece[ctx, c, b]["moe"] / ok[ctx, c, b]["step_ms"] for c, b in pairs},
         "moe_over_floor": {(c, b): piece[ctx, c, b]["moe"] / ok[ctx, c, b]["floors"]["moe"]["floor_ms"]
                            for c, b in pairs},
+        "service": {(c, b): (r["tok_s_per_stream"], r["tok_s"]) for (x, c, b), r in ok.items() if x == ctx},
     }
+
+
+def k2_rank_b300(doc: dict, gpu: str = "h200", target: str = "b300") -> dict:
+    """A B300 rank's step re-derived from the measured one (a k2_rank payload recorded on `gpu`), rows of
+    `k2_rank_figures` (MoE computed every slot) at K2_SEED_CONTEXT, C = 1 and 10, keyed (C, budget):
+    two bounds on the step, ms, each plus the row's modelled all-reduce (an H200 NCCL fit, kept as is):
+    'scaled' the graph step over the HBM bandwidth ratio target / gpu (every kernel memory-bound: the
+    optimistic end), 'unscaled' the graph step as measured (bound by its kernels' count and fixed cost:
+    the pessimistic end); 'tok_s_scaled' / 'tok_s_unscaled' the tok/s per user each gives at the forced
+    accepted length (`parameters.accepted`, a parameter: a DDTree figure scales linearly with it);
+    'ratio' the bandwidth ratio."""
+    ratio = hw.load(target)["hbm_bandwidth_Bps"] / hw.load(gpu)["hbm_bandwidth_Bps"]
+    dropped = set(k2_rank_dropped(doc))
+    out = {}
+    for (ctx, c, b), r in k2_rank_grid(doc).items():
+        if ctx != K2_SEED_CONTEXT or c not in CROSSCHECK_CONCURRENCY or (ctx, c, b) in dropped:
+            continue
+        ar = r["allreduce_modelled_ms"]
+        scaled, unscaled = r["step_ms"] / ratio + ar, r["step_ms"] + ar
+        tau = r["accepted_mean"]
+        out[c, b] = {"ratio": ratio, "scaled_ms": scaled, "unscaled_ms": unscaled,
+                     "tok_s_scaled": tau / scaled * 1e3, "tok_s_unscaled": tau / unscaled * 1e3}
+    return out
