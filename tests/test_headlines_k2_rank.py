@@ -3,15 +3,17 @@ the audit both call it), on a synthetic payload whose answers are known and on t
 
 import pytest
 
-from kdlib import audit, headlines, perf
+from kdlib import audit, headlines, hw, perf
 
 BUDGETS = (None, 8, 16)
 
 
 def _row(ctx, c, b, step, *, ar=1.0, attention=1.0, moe=2.0, moe_floor=1.0, compiled=True, dropped=0):
+    tau = 4 if b else 1
     return {"context": ctx, "streams": c, "budget": b, "method": "ddtree" if b else "ar",
             "compiled": compiled, "moe_bound_overflows": dropped, "step_ms": step,
-            "step_with_allreduce_ms": step + ar,
+            "allreduce_modelled_ms": ar, "step_with_allreduce_ms": step + ar, "accepted_mean": tau,
+            "tok_s_per_stream": tau / (step + ar) * 1e3, "tok_s": c * tau / (step + ar) * 1e3,
             "components_ms": {"moe": moe, "attention": attention, "dense": 1.0},
             "floors": {"moe": {"floor_ms": moe_floor}}}
 
@@ -47,6 +49,23 @@ def test_figures_on_a_synthetic_payload():
     assert all(v == pytest.approx(2.0) for v in k["c10_over_c1"].values())
     assert k["moe_share"][1, 8] == pytest.approx(3.0 / 17.0)
     assert k["moe_over_floor"][1, None] == 2.0 and k["moe_over_floor"][10, 16] == 1.5
+    assert k["c10_over_c1_lower"] == {}
+    assert k["service"][10, 16] == (pytest.approx(4 / 52.0 * 1e3), pytest.approx(40 / 52.0 * 1e3))
+    assert set(k["service"]) == {(c, b) for c in (1, 10) for b in BUDGETS}  # 5.5k rows only
+
+
+def test_b300_bounds_on_a_synthetic_payload():
+    ratio = hw.load("b300")["hbm_bandwidth_Bps"] / hw.load("h200")["hbm_bandwidth_Bps"]
+    b = headlines.k2_rank_b300(synthetic())
+    assert set(b) == {(c, x) for c in (1, 10) for x in BUDGETS}
+    one = b[1, 16]  # step 25 ms + 1 ms of all-reduce, tau 4
+    assert one["ratio"] == pytest.approx(ratio) and one["unscaled_ms"] == 26.0
+    assert one["scaled_ms"] == pytest.approx(25.0 / ratio + 1.0)
+    assert one["tok_s_scaled"] == pytest.approx(4e3 / (25.0 / ratio + 1.0)) and one["tok_s_unscaled"] == (
+        pytest.approx(4e3 / 26.0))
+    doc = synthetic()
+    doc["rows"][-1]["moe_bound_overflows"] = 3  # the 5.5k C = 10 budget-16 row
+    assert (10, 16) not in headlines.k2_rank_b300(doc) and (1, 16) in headlines.k2_rank_b300(doc)
 
 
 def test_rows_whose_moe_dropped_slots_are_left_out():
@@ -59,6 +78,8 @@ def test_rows_whose_moe_dropped_slots_are_left_out():
     assert set(k["growth"]) == set(k["attention_growth_ms"]) == {None, 8}  # 16 lacks its 128-token row
     assert set(k["verify_ms"][1]) == {None, 8, 16} and set(k["verify_ms"][10]) == {None, 16}
     assert set(k["c10_over_c1"]) == {None, 16} and (10, 8) not in k["moe_share"]
+    assert k["c10_over_c1_lower"] == {8: pytest.approx((2.0 * 18.0) / 18.0)}  # a lower bound, kept apart
+    assert (10, 8) not in k["service"] and (1, 8) in k["service"]
     doc["rows"] = [r for r in doc["rows"] if (r["context"], r["streams"]) != (128, 1)]  # not recorded
     assert headlines.k2_rank_figures(doc)["growth"] == {}
 
@@ -113,3 +134,52 @@ def test_figures_on_the_recorded_file():
     # one rank's step costs more at 5.5k than at 128 tokens of context, and more at C = 10 than at C = 1
     assert all(v > 1 for v in k["growth"].values()) and all(v > 1 for v in k["c10_over_c1"].values())
     assert all(0 < v < 1 for v in k["moe_share"].values())
+
+
+def _c10_at(doc, budget, ratio, dropped=0):
+    """Set the 5.5k C = 10 row of `budget` to `ratio` x its C = 1 step (all-reduce included)."""
+    g = headlines.k2_rank_grid(doc)
+    row, one = g[5500, 10, budget], g[5500, 1, budget]
+    row["step_ms"] = ratio * one["step_with_allreduce_ms"] - row["allreduce_modelled_ms"]
+    row["step_with_allreduce_ms"] = ratio * one["step_with_allreduce_ms"]
+    row["moe_bound_overflows"] = dropped
+
+
+def test_the_seeds_block_bracketed_when_its_c10_row_dropped_slots():
+    cat = audit.catalogue()
+    c1, c10 = cat.claim("diag_baseline_c1_c10")
+    seed = 10 * c1 / c10
+    fig = cat["diag_baseline_c1_c10"]
+
+    def verdict(ar, lower8, dd16):
+        doc = synthetic()
+        _c10_at(doc, None, ar * seed)
+        _c10_at(doc, 8, lower8 * seed, dropped=42)
+        _c10_at(doc, 16, dd16 * seed)
+        return audit.run_one(fig, cat, audit.Sources(results={"k2_rank.h200": doc}))
+
+    v = verdict(0.6, 0.9, 1.05)  # budget 8 at least 0.9 x, at most budget 16's 1.05 x: the seeds' inside
+    assert v.verdict == audit.READING and "its own lower bound" in v.reason
+    assert v.values["rank_bracket"] == (pytest.approx(0.9 * seed), pytest.approx(1.05 * seed))
+    assert v.values["rank_c10_over_c1_lower"] == {8: pytest.approx(0.9 * seed)}
+    assert verdict(0.6, 0.5, 1.05).values["rank_bracket"][0] == pytest.approx(0.6 * seed)  # AR the tighter
+    assert verdict(0.6, 0.9, 0.95).verdict == audit.OUT_OF_REACH  # the seeds' above budget 16
+    assert verdict(0.6, 1.02, 1.05).verdict == audit.OUT_OF_REACH  # budget 8 costs more than the seeds'
+    flat = verdict(1.2, 0.9, 1.05)  # AR dearer than budget 16: no bracket from a cost that does not grow
+    assert flat.verdict == audit.OUT_OF_REACH and "not growing" in flat.reason
+
+
+def test_the_baseline_verdict_on_the_recorded_file():
+    doc = perf.load("k2_rank", "h200")
+    if doc is None:
+        pytest.skip("no data/results/k2_rank.h200.json recorded")
+    cat = audit.catalogue()
+    v = audit.run_one(cat["diag_baseline_c1_c10"], cat, audit.Sources(results={"k2_rank.h200": doc}))
+    k = headlines.k2_rank_figures(doc)
+    assert v.values["rank_c10_over_c1"] == k["c10_over_c1"]
+    seed = v.values["seed_ratio"]
+    if "rank_at_block" in v.values:
+        assert (v.verdict == audit.READING) == (abs(v.values["rank_at_block"] / seed - 1) <= 0.10)
+    else:
+        lo, hi = v.values["rank_bracket"]
+        assert (v.verdict == audit.READING) == (lo <= seed <= hi)
