@@ -4,6 +4,7 @@ outside the repository), the figures notebook 06 shares with it come from kdlib.
 verdict logic on synthetic inputs."""
 
 import copy
+import json
 import math
 import re
 
@@ -11,7 +12,7 @@ import nbformat
 import pytest
 import yaml
 
-from kdlib import NOTEBOOKS, ROOT, audit, headlines, report
+from kdlib import DATA, NOTEBOOKS, ROOT, audit, headlines, report
 from kdlib.estimator import seeds
 from kdlib.report import AUDIT_PREFIX
 
@@ -396,3 +397,16 @@ def test_a_recorded_diagnosis_result_decides_the_workbook_side(cat):
                          ).verdict == audit.CONTRADICTED
     res["by_kind"]["prose"], res["by_kind"]["code"] = kind(7.0, 80.0, 50.0), kind(6.9, 80.0, 50.0)
     assert "NOT lower" in audit.run_one(cat["diag_accept_by_text"], cat, src).reason
+
+
+def test_b300_303_adds_the_measured_rank_bounds_when_recorded(cat):
+    """With the recorded k2_rank file the B300 verdict carries the rank's per-user range at C = 1 (the step
+    as measured and over the bandwidth ratio, from kdlib.headlines.k2_rank_b300), and says where 303 falls."""
+    v = audit.run_one(cat["b300_303_c1"], cat, audit.Sources())
+    doc = json.loads((DATA / "results" / "k2_rank.h200.json").read_text())
+    b300 = {b: e for (c, b), e in headlines.k2_rank_b300(doc).items() if c == 1 and b is not None}
+    assert v.values["rank_b300_tok_s_low"] == min(e["tok_s_unscaled"] for e in b300.values())
+    assert v.values["rank_b300_tok_s_high"] == max(e["tok_s_scaled"] for e in b300.values())
+    inside = v.values["rank_b300_tok_s_low"] <= 303.0 <= v.values["rank_b300_tok_s_high"]
+    assert ("inside" if inside else "outside") in v.reason and "re-derived" in v.ours
+    assert "re-derived" not in audit.run_one(cat["b300_303_c1"], cat, _nothing()).ours
