@@ -33,13 +33,15 @@ def test_load_attention_every_arm_of_every_point():
     n_variants = sum(len(p["variants"]) for p in raw["points"])
     n_base = sum(_timing(b) for p in raw["points"] for b in p["baselines"].values())
     n_fi = sum(_timing(p["flashinfer"]) for p in raw["points"])
-    assert len(rec.select(op="tree_verify_attention")) == n_variants == 2 * len(raw["points"])
+    impls = raw["parameters"]["impls"]
+    assert len(rec.select(op="tree_verify_attention")) == n_variants == len(impls) * len(raw["points"])
     assert len(rec.rows) == n_variants + n_base + n_fi
-    assert {r.version for r in rec.select(op="tree_verify_attention")} == {5, 3}  # wgmma, mma_v3
+    assert {r.version for r in rec.select(op="tree_verify_attention")} == {6, 5, 3}  # wgmma_v6, wgmma, mma_v3
     p0 = raw["points"][0]
-    wg = rec.select(op="tree_verify_attention", version=5, shape={k: p0[k] for k in
-                                                                  ("heads", "queries", "batch", "prefix")})
-    assert [r.median_ms for r in wg] == [p0["variants"]["wgmma"]["kernel"]["median_ms"]]
+    for impl, version in (("wgmma_v6", 6), ("wgmma", 5)):
+        wg = rec.select(op="tree_verify_attention", version=version,
+                        shape={k: p0[k] for k in ("heads", "queries", "batch", "prefix")})
+        assert [r.median_ms for r in wg] == [p0["variants"][impl]["kernel"]["median_ms"]]
     assert wg[0].floor_ms == p0["floor_ms"] and wg[0].bytes == p0["bytes"] and wg[0].mode == "graph"
     sdpa = rec.select(op="torch_sdpa_attention")[0]
     assert sdpa.p90_ms == p0["baselines"]["sdpa"]["p90_ms"] and sdpa.mode == p0["baselines"]["sdpa"]["mode"]
