@@ -109,11 +109,7 @@ def cases(only: str = "") -> list[dict]:
     only: a comma list of name prefixes to keep (env KDLIB_SANITIZE_CASES, e.g. "v6"), "" all."""
     ragged = {"nh": 8, "nq": 65, "lens": [1000, 0, 357], "sizes": [1, 33, 65]}
     keep = tuple(s.strip() for s in only.split(",") if s.strip())
-    return [c for c in _all_cases(ragged) if not keep or c["name"].startswith(keep)]
-
-
-def _all_cases(ragged: dict) -> list[dict]:
-    return [
+    every = [
         {"name": "v5 verify 8x9x1000", "shape": {"nh": 8, "nq": 9, "lens": [1000], "sizes": [9]},
          "version": 5, "call": "verify", "workspace": False},
         {"name": "v5 verify 8x65x1000 (workspace)",
@@ -130,6 +126,7 @@ def _all_cases(ragged: dict) -> list[dict]:
         {"name": "v6 prefix 8x9x1000", "shape": {"nh": 8, "nq": 9, "lens": [1000], "sizes": [9]},
          "version": 6, "call": "prefix", "workspace": False},
     ]
+    return [c for c in every if not keep or c["name"].startswith(keep)]
 
 
 def run_case(spec: dict, seed: int) -> dict:

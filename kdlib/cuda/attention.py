@@ -130,8 +130,8 @@ MMA_VERSIONS = {LAUNCHES[v].impl: (LAUNCHES[v].stem, LAUNCHES[v].smem) for v in 
 MMA_DEFAULT = "mma_v3"
 WGMMA = "wgmma"
 # What version None runs for bf16 where the device has sm_90a: the fastest of the wgmma versions and
-# MMA_DEFAULT in the recorded attention sweep (data/results/attention.h200.json: the fastest median at 7 of
-# its 9 points, and at queries 1 and 9 within v5's replay spread; tests/test_kernel_constants.py checks it).
+# MMA_DEFAULT in the recorded attention sweep (data/results/attention.h200.json: the fastest median at most
+# points, elsewhere within the other arm's replay spread; tests/test_kernel_constants.py checks it).
 BF16_DEFAULT = "wgmma_v6"
 _BY_IMPL = {launch.impl: v for v, launch in LAUNCHES.items()}
 DEFAULT_VERSION = _BY_IMPL[BF16_DEFAULT]

@@ -4,10 +4,10 @@
 // sync, fixed buffers (CUDA-graph capturable): tree_verify_v5_plan, tree_verify_v6_attend,
 // tree_verify_v5_combine; jobs, partials and their merge as in v5.
 //
-// Why v5 idles (ncu at 8 heads x 65 queries x 200k: tensor pipe 34 % busy, no eligible warp 74 % of
-// cycles): one warpgroup ran all of S = Q K^T and the softmax between its MMAs, and a K stage was
-// refilled only after both halves of P V had read all of it. Here the two warpgroups work in a
-// seesaw over the tiles of a job taken two at a time (tile A in stage 0, tile B in stage 1):
+// Why v5 idles (data/results/ncu/tree_verify_v5_attend.8x65x200k.txt: the tensor pipe mostly idle, no
+// warp eligible in most cycles): one warpgroup ran all of S = Q K^T and the softmax between its MMAs, and
+// a K stage was refilled only after both halves of P V had read all of it. Here the two warpgroups work
+// in a seesaw over the tiles of a job taken two at a time (tile A in stage 0, tile B in stage 1):
 //
 //   warpgroup 0 holds O[:, 0:256] (O_L) and computes S_A = Q K_A^T; warpgroup 1 holds O[:, 256:512]
 //   (O_R) and computes S_B = Q K_B^T. Per pair, with m the rows' running maximum (log2 domain):
