@@ -1,7 +1,7 @@
 // The parts of the wgmma tree-verify kernels (tree_verify/wgmma_v5.cu, wgmma_v6.cu) that they share:
-// the layout constants, the plan kernel that cuts the work into jobs, the job decode, the Hopper
-// primitives (cp.async, mbarriers, wgmma) and the LSE combine kernel. Each version's file describes
-// the whole verify and adds its own attend kernel.
+// the layout constants, the plan kernel that cuts the work into jobs, the job decode, the tile mask,
+// the Hopper primitives (cp.async, mbarriers, wgmma) and the LSE combine kernel. Each version's file
+// describes the whole verify and adds its own attend kernel.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -164,6 +164,44 @@ __device__ __forceinline__ void stream_next(const int* plan, int nreq, int njobs
     if (++it < decode_job(plan, nreq, j).ntiles) return;
     j += gridDim.x;
     it = 0;
+}
+
+// ------------------------------------------------------------------------------------------ mask
+
+// Mask S of one tile (keys past kend; the visibility rows on tail tiles; padding rows see no tail
+// key), scale to the log2 domain, and the two rows' maxima over the quad. s: this thread's part of the
+// m64n64 S fragment, rows lr0 and lr1, keys k0 + 8 jj + 2 t4 + {0, 1}.
+__device__ __forceinline__ void mask_tile(float (&s)[32], float& mx0, float& mx1, bool tail, int k0, int kend,
+                                          const unsigned char* vis, const Job& jb, int Q, int H, int lr0, int lr1,
+                                          int t4, float sl2) {
+    mx0 = NEG_INF;
+    mx1 = NEG_INF;
+    // the visibility rows of this thread's two query rows (vis is null for the prefix alone)
+    const unsigned char* v0 = tail ? vis + ((long long)jb.b * Q + (jb.row0 + lr0) / H) * Q : vis;
+    const unsigned char* v1 = tail ? vis + ((long long)jb.b * Q + (jb.row0 + lr1) / H) * Q : vis;
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+        const int key = k0 + jj * 8 + 2 * t4;
+        bool a0 = key < kend, a1 = key + 1 < kend;
+        bool b0 = a0, b1 = a1;
+        if (tail) {
+            a0 = a0 && lr0 < jb.nrows && v0[key];
+            a1 = a1 && lr0 < jb.nrows && v0[key + 1];
+            b0 = b0 && lr1 < jb.nrows && v1[key];
+            b1 = b1 && lr1 < jb.nrows && v1[key + 1];
+        }
+        s[4 * jj + 0] = a0 ? s[4 * jj + 0] * sl2 : NEG_INF;
+        s[4 * jj + 1] = a1 ? s[4 * jj + 1] * sl2 : NEG_INF;
+        s[4 * jj + 2] = b0 ? s[4 * jj + 2] * sl2 : NEG_INF;
+        s[4 * jj + 3] = b1 ? s[4 * jj + 3] * sl2 : NEG_INF;
+        mx0 = fmaxf(mx0, fmaxf(s[4 * jj + 0], s[4 * jj + 1]));
+        mx1 = fmaxf(mx1, fmaxf(s[4 * jj + 2], s[4 * jj + 3]));
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+    }
 }
 
 // ----------------------------------------------------------------------------- Hopper primitives

@@ -188,33 +188,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v5_attend(
                 bool tail;
                 int k0, kend;
                 tile_keys(jb, it, tail, k0, kend);
-                // mask, scale to the log2 domain, row maxima over the quad
-                float mx0 = NEG_INF, mx1 = NEG_INF;
-#pragma unroll
-                for (int jj = 0; jj < 8; ++jj) {
-                    const int key = k0 + jj * 8 + 2 * t4;
-                    bool a0 = key < kend, a1 = key + 1 < kend;
-                    bool b0 = a0, b1 = a1;
-                    if (tail) {  // visibility rows of this thread's two query rows; padding rows see nothing
-                        const unsigned char* v0 = vis + ((long long)jb.b * Q + (jb.row0 + lr0) / H) * Q;
-                        const unsigned char* v1 = vis + ((long long)jb.b * Q + (jb.row0 + lr1) / H) * Q;
-                        a0 = a0 && lr0 < jb.nrows && v0[key];
-                        a1 = a1 && lr0 < jb.nrows && v0[key + 1];
-                        b0 = b0 && lr1 < jb.nrows && v1[key];
-                        b1 = b1 && lr1 < jb.nrows && v1[key + 1];
-                    }
-                    s[4 * jj + 0] = a0 ? s[4 * jj + 0] * sl2 : NEG_INF;
-                    s[4 * jj + 1] = a1 ? s[4 * jj + 1] * sl2 : NEG_INF;
-                    s[4 * jj + 2] = b0 ? s[4 * jj + 2] * sl2 : NEG_INF;
-                    s[4 * jj + 3] = b1 ? s[4 * jj + 3] * sl2 : NEG_INF;
-                    mx0 = fmaxf(mx0, fmaxf(s[4 * jj + 0], s[4 * jj + 1]));
-                    mx1 = fmaxf(mx1, fmaxf(s[4 * jj + 2], s[4 * jj + 3]));
-                }
-#pragma unroll
-                for (int off = 1; off < 4; off <<= 1) {
-                    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
-                    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
-                }
+                float mx0, mx1;  // mask, scale to the log2 domain, row maxima over the quad
+                mask_tile(s, mx0, mx1, tail, k0, kend, vis, jb, Q, H, lr0, lr1, t4, sl2);
                 const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
                 const float ms0 = mn0 == NEG_INF ? 0.f : mn0, ms1 = mn1 == NEG_INF ? 0.f : mn1;  // no key yet
                 const float c0 = exp2f(m0 - ms0), c1 = exp2f(m1 - ms1);
