@@ -1,9 +1,14 @@
 """Shared pytest set-up: the `gpu` marker skips cleanly without a CUDA device, and modules that need
 the notebook or web stack are left out where that stack is absent (the GPU machine has no nbformat,
 papermill or FastAPI; `python3 -m pytest -m gpu tests` must still collect there). On CPU machines the
-Makefile's venv has all of them, so nothing is left out."""
+Makefile's venv has all of them, so nothing is left out. `host_emulation` builds a kernel source for the
+host (tests/emu)."""
 
 import importlib.util
+import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -57,3 +62,42 @@ def _torch_one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# The kernel's one dynamic shared-memory declaration, which the emulation points at its guarded buffer
+_SMEM_DECL = re.compile(r"extern __shared__ (?:__align__\(16\) )?(unsigned char|int) smem\[\];")
+
+
+@pytest.fixture(scope="session")
+def host_emulation(tmp_path_factory):
+    """build(stem, driver) -> ctypes handle of kernels/<stem>.cu compiled by g++ for the host, with
+    tests/emu/cuda_shim.h in front (one ucontext per CUDA thread of a block, blocks one after another;
+    warp intrinsics exchange through a buffer between two warp barriers, so lanes run in lock step where
+    the kernel relies on it; shared memory ends at a guard page and starts out stale) and
+    tests/emu/<driver>.cpp behind it (the kernel's C entry point)."""
+    import ctypes
+
+    from kdlib.cuda import loader
+
+    def build(stem: str, driver: str):
+        gxx = shutil.which("g++")
+        if gxx is None:
+            pytest.skip("g++ not found")
+        src = loader.expanded_source(stem)  # headers inlined: g++ sees one file
+        decls = _SMEM_DECL.findall(src)
+        assert len(decls) == 1, "the shim replaces the kernel's one dynamic shared-memory declaration"
+        d = tmp_path_factory.mktemp(stem.replace("/", "_"))
+        emu = Path(__file__).parent / "emu"
+        (d / "emu.cpp").write_text(
+            (emu / "cuda_shim.h").read_text()
+            + _SMEM_DECL.sub(lambda m: f"{m.group(1)}* smem = ({m.group(1)}*)emu_smem();", src)
+            + (emu / f"{driver}.cpp").read_text()
+        )
+        run = subprocess.run(
+            [gxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-o", str(d / "emu.so"), str(d / "emu.cpp")],
+            capture_output=True, text=True,
+        )
+        assert run.returncode == 0, run.stderr
+        return ctypes.CDLL(str(d / "emu.so"))
+
+    return build

@@ -13,7 +13,6 @@ frontier-filling cases.
 from __future__ import annotations
 
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -838,43 +837,15 @@ def test_v4_model_matches_reference():
     assert requests >= 1000
 
 
-# The host emulation: kernels/tree_build/v4.cu compiled by g++ with tests/emu/cuda_shim.h in front and
-# tests/emu/tree_build_driver.cpp behind it, one ucontext per CUDA
-# thread of a block, blocks one after another; warp intrinsics exchange through a buffer between two
-# warp barriers, so lanes run in lock step where the kernel relies on it. Shared memory ends at a guard
-# page (an access past its size rounded to 16 bytes faults) and starts out as stale bytes (finite
+# The host emulation (conftest's `host_emulation`): kernels/tree_build/v4.cu with tests/emu/cuda_shim.h
+# in front and tests/emu/tree_build_driver.cpp behind it. Shared memory starts out as stale bytes (finite
 # doubles in even blocks, NaNs in odd ones).
 
 
-SMEM_DECL = "extern __shared__ __align__(16) unsigned char smem[];"
-
-
 @pytest.fixture(scope="module")
-def v4_host(tmp_path_factory):
+def v4_host(host_emulation):
     """ctypes handle of kernels/tree_build/v4.cu built for the host with the emulation shim."""
-    import ctypes
-    import shutil
-    import subprocess
-
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("g++ not found")
-    src = loader.expanded_source("tree_build/v4")  # headers inlined: g++ sees one file
-    assert src.count(SMEM_DECL) == 1, "the shim replaces the kernel's one dynamic shared-memory declaration"
-    d = tmp_path_factory.mktemp("v4_host")
-    emu = Path(__file__).parent / "emu"
-    (d / "emu.cpp").write_text(
-        (emu / "cuda_shim.h").read_text()
-        + src.replace(SMEM_DECL, "unsigned char* smem = emu_smem();")
-        + (emu / "tree_build_driver.cpp").read_text()
-    )
-    run = subprocess.run(
-        [gxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-o", str(d / "emu.so"), str(d / "emu.cpp")],
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 0, run.stderr
-    return ctypes.CDLL(str(d / "emu.so"))
+    return host_emulation("tree_build/v4", "tree_build_driver")
 
 
 def host_build_v4(lib, ids, lp, budget, vis_offset=0, kernel=None):

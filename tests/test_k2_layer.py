@@ -272,4 +272,7 @@ def test_gpu_pieces_capture_replay_and_profile():
         t = k2_layer.measure(fns[p], flush, iters=5)
         assert t["mode"] == "graph", (p, t["graph_error"])
         assert t["median_ms"] > 0 and t["kernels"] >= 1 and t["device_ms"] > 0, p
+    rows = k2_layer.routing_rows(st, k2_layer.compiled_routing_torch(), flush, iters=5)
+    assert [r["impl"] for r in rows] == ["kernel", "torch_compiled"]
+    assert rows[0]["kernels"] == 1 and all(r["mode"] == "graph" and r["median_ms"] > 0 for r in rows)
     assert int(st.overflow) == 0

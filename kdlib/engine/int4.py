@@ -4,6 +4,7 @@ routing built on the device, and the MoE call through `moe_w4a16` (CUDA) or the 
     q, s = quantize_w4_torch(w)      # w [..., R, C] -> q uint8 0..15, s bf16 bits per 32 columns
     packed = pack_moe_torch(qg, sg, qu, su, qd, sd)       # kdlib.cuda.moe.pack_moe's layout (w1, s1, w2, s2)
     rt = device_routing(ids, weights, e0, n_local)        # kdlib.cuda.moe.Routing's arrays, no host sync
+                                                          # (CUDA: one launch of kernels/moe_routing/v1.cu)
     y = routed_kernel(x, packed, rt, topk, inter, bound)  # CUDA: moe_w4a16 with a static slot bound
     y = routed_dequantized(x, qs, rt)                     # any device: the same maths in torch, float32 sums
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -95,10 +97,50 @@ class DeviceRouting:
     max_count: torch.Tensor  # [] the largest slot count of one expert
 
 
+ROUTING_KERNEL = ("moe_routing/v1", "moe_routing_v1")  # (loader stem, kernel name)
+ROUTING_WARPS = 16  # RT_WARPS in moe_routing/v1.cu
+
+
 def device_routing(ids: torch.Tensor, weights: torch.Tensor, e0: int, n_local: int) -> DeviceRouting:
     """ids, weights [M, k] (global expert ids) -> the routing of the local experts [e0, e0 + n_local).
 
-    Slots of other ranks' experts sort after every local one and no expert range covers them."""
+    Slots of other ranks' experts sort after every local one and no expert range covers them. CUDA:
+    `routing_kernel` (one launch of moe_routing_v1, a few microseconds at any M); elsewhere `routing_torch`.
+    Both give the same arrays (the slot order of a stable argsort by expert)."""
+    if ids.device.type == "cuda":
+        return routing_kernel(ids, weights, e0, n_local)
+    return routing_torch(ids, weights, e0, n_local)
+
+
+def routing_kernel(ids: torch.Tensor, weights: torch.Tensor, e0: int, n_local: int) -> DeviceRouting:
+    """`device_routing` on CUDA: one block of `kernels/moe_routing/v1.cu`, outputs in fresh torch tensors
+    (graph-capturable: no host sync, no CuPy allocation)."""
+    from kdlib.cuda import loader
+
+    M, k = ids.shape
+    if n_local < 1 or M * k >= 2**31:
+        raise ValueError(f"routing_kernel: n_local {n_local} must be >= 1 and M k {M * k} < 2^31")
+    dev = ids.device
+    ids = ids.to(torch.int64).contiguous()
+    weights = weights.to(torch.float32).contiguous()
+    i32 = dict(dtype=torch.int32, device=dev)
+    rt = DeviceRouting(
+        torch.empty(n_local + 1, **i32), torch.empty(n_local, **i32), torch.empty(1, **i32),
+        torch.empty(n_local, 2, **i32), torch.empty(M * k, **i32),
+        torch.empty(M * k, dtype=torch.float32, device=dev), torch.empty((), dtype=torch.int64, device=dev))
+    smem = 4 * (ROUTING_WARPS * (n_local + 1) + n_local + 2)
+    fn = loader.get_function(*ROUTING_KERNEL)
+    loader.set_max_dynamic_shared(fn, smem)
+    args = (ids, weights, np.int32(M * k), np.int32(k), np.int64(e0), np.int32(n_local), rt.expert_offsets,
+            rt.active_experts, rt.n_active, rt.active_ranges, rt.sorted_token, rt.sorted_weight, rt.max_count)
+    fn((1,), (32 * ROUTING_WARPS,), tuple(as_cupy(a) if torch.is_tensor(a) else a for a in args),
+       shared_mem=smem)
+    return rt
+
+
+def routing_torch(ids: torch.Tensor, weights: torch.Tensor, e0: int, n_local: int) -> DeviceRouting:
+    """`device_routing` in torch ops (any device; the CPU path and the kernel's reference): a counting
+    sort with no sort kernels and no host sync."""
     M, k = ids.shape
     dev = ids.device
     local = (ids >= e0) & (ids < e0 + n_local)

@@ -40,7 +40,7 @@ experts dequantized in torch (the INT4 kernel needs CUDA).
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -66,7 +66,6 @@ from kdlib.tp.engine import MOE_MODES, partition
 # the layer weights `RankModel.pre` and `RankModel.post` read, in their argument order
 _PRE = ("in_norm", "q_a", "q_a_norm", "q_b", "kv_b", "kv_a", "kv_a_norm")
 _POST = ("kv_b", "o", "post_norm", "mlp_gu", "mlp_down")
-_ROUTING = tuple(f.name for f in fields(DeviceRouting))  # the order DeviceRouting(*...) takes
 ROUTINGS = ("uniform", "router")  # RankStep's expert choice
 
 
@@ -263,18 +262,17 @@ class RankModel:
         f = self.rms(h, L["post_norm"], self.cfg.rms_norm_eps)
         return h, f, self.mlp(L, f)
 
-    def _route(self, x, router, router_bias, ids=None) -> tuple[torch.Tensor, ...]:
-        w, idx = self.route({"router": router, "router_bias": router_bias}, x, ids)
-        rt = device_routing(idx, w, self.e0, self.n_local)
-        return tuple(getattr(rt, name) for name in _ROUTING)
+    def _route(self, x, router, router_bias, ids=None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.route({"router": router, "router_bias": router_bias}, x, ids)
 
     def compile_pieces(self, backend: str = "inductor") -> None:
-        """Compile the torch code between the kernels (`pre`, `post`, the router and its device routing)
-        with torch.compile (Inductor, dynamic row count, whole graphs: a graph break raises), so the norms,
-        RoPE, concatenations and the routing's small ops fuse into a few kernels; the matmuls stay cuBLAS
-        and attention / experts the project's kernels. The first call of each piece per row count 1 / > 1
-        compiles (before any CUDA-graph capture). backend: torch.compile's ("aot_eager" traces without code
-        generation: the CPU test's check that every piece is one graph)."""
+        """Compile the torch code between the kernels (`pre`, `post`, the router's scores and top-k) with
+        torch.compile (Inductor, dynamic row count, whole graphs: a graph break raises), so the norms, RoPE,
+        concatenations and the router's small ops fuse into a few kernels; the matmuls stay cuBLAS,
+        attention / experts / the slot sort the project's kernels (`device_routing`: on CUDA one launch
+        of moe_routing_v1, whose cost does not depend on a compile). The first call of each piece per row
+        count 1 / > 1 compiles (before any CUDA-graph capture). backend: torch.compile's ("aot_eager"
+        traces without code generation: the CPU test's check that every piece is one graph)."""
         self._pre_fn, self._post_fn, self._route_fn = (
             torch.compile(f, dynamic=True, fullgraph=True, backend=backend)
             for f in (self._pre, self._post, self._route))
@@ -329,7 +327,8 @@ class RankModel:
         """This rank's routed-expert partial sum [M, H] (bf16): `moe_w4a16` on CUDA (graph-safe routing with
         static launch bound `bound` slots per expert; `overflow` += 1 when an expert had more, whose extra
         slots the kernels skip), torch on the CPU. ids [M, k]: forced experts (`route`)."""
-        rt = DeviceRouting(*self._route_fn(x, L["router"], L["router_bias"], ids))
+        w, idx = self._route_fn(x, L["router"], L["router_bias"], ids)
+        rt = device_routing(idx, w, self.e0, self.n_local)
         if overflow is not None:
             overflow += (rt.max_count > bound).to(overflow.dtype)
         if x.device.type != "cuda":
@@ -681,7 +680,7 @@ class RankStep:
                     self.q_saved[i].copy_(q)
                     self.rows_saved[i].copy_(rows)
             if do("attention"):
-                o_lat = self._attention(
+                o_lat = self.attention(
                     i, self.q_saved[i] if not full else q, self.rows_saved[i] if not full else rows, slots
                 )
                 if save:
@@ -716,7 +715,7 @@ class RankStep:
         logits = self.m.head_local(h).view(self.C, self.W, -1)  # [C, W, V_r]; the global argmax: a gather
         self.argmax.copy_(logits.argmax(-1) + self.m.shape.vocab_range[0])
 
-    def _attention(self, i: int, q, rows, slots) -> torch.Tensor:
+    def attention(self, i: int, q, rows, slots) -> torch.Tensor:
         """Latent rows to their slots, then the tree-verify attention -> o_lat [M, nh, kv_lora] float32."""
         m, c = self.m, self.m.cfg
         C, W = self.C, self.W

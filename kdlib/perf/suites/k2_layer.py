@@ -28,6 +28,9 @@ Sections of the payload:
                    the capture failed, with graph_error), kernels (per call, `kdlib.perf.profile`), device_ms,
                    bytes, flops (`kdlib.perf.rank_work.piece_work`) and floor (bytes / copy bandwidth, FLOPs /
                    matmul rate)
+  routing          per M: the MoE layer's slot sort alone (`device_routing`: the moe_routing_v1 kernel, one
+                   launch) beside the torch counting sort it replaced (`routing_torch` under torch.compile,
+                   as the rank compiled it until then), timed as the pieces
   moe_bound_overflows   MoE calls (eager and replayed) whose busiest expert exceeded the launch bound (0
                    under uniform routing)
   cut              the k2_rank grid points not measured (time budget; the pool cut of k2_rank.grid)
@@ -68,7 +71,7 @@ def piece_fns(step) -> dict:
 
     def dense(i):
         L, h = m.layers[i], step.x_saved[i]  # h [M, H]: a stand-in for the layer's input rows
-        _, _, _ = m.pre(L, h, cos, sin)
+        m.pre(L, h, cos, sin)
         h2, _, y = m.post(L, h, step.o_saved[i])
         return h2 + y
 
@@ -81,8 +84,8 @@ def piece_fns(step) -> dict:
     fns = {
         "dense_first": lambda: dense(LAYER_OF["dense_first"]),
         "dense": lambda: dense(LAYER_OF["dense"]),
-        "attention": lambda: step._attention(LAYER_OF["attention"], step.q_saved[LAYER_OF["attention"]],
-                                             step.rows_saved[LAYER_OF["attention"]], slots),
+        "attention": lambda: step.attention(LAYER_OF["attention"], step.q_saved[LAYER_OF["attention"]],
+                                            step.rows_saved[LAYER_OF["attention"]], slots),
         "moe": lambda: m.routed(m.layers[i_moe], step.f_saved[i_moe], step.bound, step.overflow, ids),
         "head": head,
     }
@@ -148,6 +151,33 @@ def piece_rows(step, timed: dict, ceil: dict) -> list[dict]:
     return out
 
 
+def routing_rows(step, baseline, flush, iters: int) -> list[dict]:
+    """The MoE layer's slot sort at this point's M (module docstring, "routing"): impl "kernel"
+    (`device_routing` on CUDA) and "torch_compiled" (`baseline`: `compiled_routing_torch`)."""
+    from kdlib.engine.int4 import device_routing
+
+    m, i = step.m, LAYER_OF["moe"]
+    L = m.layers[i]
+    w, idx = m.route(L, step.f_saved[i], None if step.route_ids is None else step.route_ids[i])  # [M, k] each
+    impls = {"kernel": lambda: device_routing(idx, w, m.e0, m.n_local),
+             "torch_compiled": lambda: baseline(idx, w, m.e0, m.n_local)}
+    return [{"impl": name, "m_rows": step.M, "slots": idx.numel(), **measure(_scoped(fn, True), flush, iters)}
+            for name, fn in impls.items()]
+
+
+def compiled_routing_torch():
+    """`routing_torch` compiled as the rank's routing piece was (Inductor, dynamic, whole graph)."""
+    import torch
+
+    from kdlib.engine.int4 import DeviceRouting, routing_torch
+
+    def fn(ids, w, e0, n_local):
+        rt = routing_torch(ids, w, e0, n_local)
+        return tuple(getattr(rt, f) for f in DeviceRouting.__dataclass_fields__)
+
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
 def graph_overhead(flush, iters: int) -> dict:
     """A graph of one one-element add, timed as the pieces are, and its kernel's device time."""
     import torch
@@ -185,7 +215,7 @@ def run(*, quick: bool = False, out: str | None = None, budget_s: float | None =
                               "first_k_dense_replace": cfg.first_k_dense_replace,
                               "accepted": k2_rank.ACCEPTED, "p_top": k2_rank.P_TOP, "iters": ITERS,
                               "quick": quick, "budget_s": budget_s, "routing": "uniform", "compiled": True},
-               "ceilings": ceil, "rows": [], "cut": []}
+               "ceilings": ceil, "rows": [], "routing": [], "cut": []}
 
     def save():
         results.write("k2_layer", payload, out_dir=out, command="python3 -m kdlib.perf.run --suite k2_layer")
@@ -209,6 +239,7 @@ def run(*, quick: bool = False, out: str | None = None, budget_s: float | None =
     payload["graph_overhead"] = graph_overhead(flush, ITERS)
     payload["cut"] = cut
     save()
+    baseline = compiled_routing_torch()
     done_m, done_cw, overflow = set(), set(), 0
     start = time.perf_counter()
     for i, (ctx, c, b) in enumerate(points):
@@ -225,6 +256,10 @@ def run(*, quick: bool = False, out: str | None = None, budget_s: float | None =
             payload["setup"]["first_compile_s"] = time.perf_counter() - t_p
         fns = piece_fns(step)
         timed = {p: measure(fns[p], flush, ITERS) for p in wanted(step, done_m, done_cw)}
+        if step.M not in done_m:
+            payload["routing"] += routing_rows(step, baseline, flush, ITERS)
+            print("[k2_layer] routing M " + f"{step.M}: " + ", ".join(
+                f"{r['impl']} {r['median_ms'] * 1e3:.1f} us" for r in payload["routing"][-2:]), flush=True)
         overflow += int(step.overflow)
         done_m.add(step.M)
         done_cw.add((step.C, step.W))
