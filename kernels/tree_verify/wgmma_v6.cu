@@ -51,83 +51,7 @@
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-#define BAR_FULL(bars, s, c) ((bars) + 8 * ((s) * NCB + (c)))
 #define BAR_Q(bars) ((bars) + 8 * 2 * NCB)
-
-__device__ __forceinline__ void nb_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
-__device__ __forceinline__ void nb_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
-
-// A position in a CTA's stream of tile pairs: job j (-1: the end), pair i of it.
-struct Pos {
-    int j, i;
-};
-
-__device__ __forceinline__ int npairs(const Job& jb) { return (jb.ntiles + 1) >> 1; }
-
-// plan[0] (the number of jobs) read where needed rather than held in a register all along.
-__device__ __forceinline__ int plan_jobs(const int* plan) {
-    int n;
-    asm volatile("ld.global.nc.b32 %0, [%1];\n" : "=r"(n) : "l"(plan));
-    return n;
-}
-
-// The pair after p; sets fresh when it starts another job.
-__device__ __forceinline__ Pos pos_next(const int* plan, int nreq, Pos p, bool& fresh) {
-    fresh = false;
-    if (p.j < 0) return p;
-    if (p.i + 1 < npairs(decode_job(plan, nreq, p.j))) return Pos{p.j, p.i + 1};
-    fresh = true;
-    const int j = p.j + (int)gridDim.x;
-    return Pos{j < plan_jobs(plan) ? j : -1, 0};
-}
-
-// The gather sources of one tile for this thread's rows lrow + 16 p: row indices into the prefix
-// pool (page-table slots) or into tree_kv (b * Q + key); bit p of `valid`: row p is inside the key
-// range; `tail`: the rows are tree rows.
-struct TileRows {
-    int row[4];
-    unsigned char valid;
-    bool tail;
-};
-
-// Tile `it` of job j (past the job's tiles: an empty tile, every key masked and zero-filled).
-__device__ __forceinline__ TileRows tile_rows(const int* plan, int nreq, const int* page_table, int P, int Q, int j,
-                                              int it, int lrow) {
-    TileRows t;
-    const Job jb = decode_job(plan, nreq, j);
-    int k0 = 0, kend = 0;
-    t.tail = false;
-    if (it < jb.ntiles) tile_keys(jb, it, t.tail, k0, kend);
-    t.valid = 0;
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-        const int key = k0 + lrow + 16 * p;
-        const bool ok = key < kend;
-        t.valid |= ok << p;
-        t.row[p] = t.tail ? jb.b * Q + (ok ? key : 0) : (ok ? page_table[(long long)jb.b * P + key] : 0);
-    }
-    return t;
-}
-
-// Column blocks [cb0, cb1) of a tile into the stage at dst, one mbarrier arrive per block once the
-// thread's copies of it (and of every block before) have landed.
-template <int CB0, int CB1>
-__device__ __forceinline__ void gather_half(unsigned dst, unsigned bars, int s, const TileRows& t, const char* kvb,
-                                            const char* tkb, int lrow, int ch) {
-    const char* src[4];
-#pragma unroll
-    for (int p = 0; p < 4; ++p) src[p] = (t.tail ? tkb : kvb) + (long long)t.row[p] * (D_QK * 2) + ch * 16;
-#pragma unroll 1
-    for (int cb = CB0; cb < CB1; ++cb) {
-#pragma unroll
-        for (int p = 0; p < 4; ++p) {
-            const int row = lrow + 16 * p;
-            cp_async16(dst + cb * CB_BYTES + row * 128 + ((ch ^ (row & 7)) << 4), src[p] + cb * 128,
-                       (t.valid >> p) & 1 ? 16 : 0);
-        }
-        bar_arrive_copies(BAR_FULL(bars, s, cb));
-    }
-}
 
 // The tile's prefix rows into L2 (threads of chunk 0, four rows each), predicated rather than branched:
 // it runs while this warpgroup's MMAs are in flight, where a divergent branch would serialise them.
@@ -143,43 +67,6 @@ __device__ __forceinline__ void prefetch_tile(const TileRows& t, bool on_wg, con
     }
 }
 
-// Q of job jb into shared memory (warpgroup 0; rows past the valid ones zero), then the
-// thread's arrive on the Q barrier once they land.
-__device__ __forceinline__ void load_q(unsigned base, unsigned qbar, const __nv_bfloat16* q, const Job& jb, int M,
-                                       int wt) {
-    const char* qg = reinterpret_cast<const char*>(q + ((long long)jb.b * M + jb.row0) * D_QK);
-    const int r = wt >> 3, c = wt & 7;
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-        const int row = r + 16 * p;
-        const bool ok = row < jb.nrows;
-        const char* src = qg + (ok ? (long long)row * D_QK * 2 : 0) + c * 16;
-        const unsigned dst = base + row * 128 + ((c ^ (row & 7)) << 4);
-#pragma unroll
-        for (int cb = 0; cb < NCB; ++cb) cp_async16(dst + cb * CB_BYTES, src + cb * 128, ok ? 16 : 0);
-    }
-    bar_arrive_copies(qbar);
-}
-
-// S (+)= Q K^T over column blocks [CB0, CB1) of the stage at kst, each after its barrier (parity
-// par). first: the first block of this S (it starts the sum).
-template <int CB0, int CB1>
-__device__ __forceinline__ void issue_s_blocks(float (&s)[32], unsigned base, unsigned kst, unsigned bars, int st,
-                                               unsigned par, bool first) {
-    const unsigned long long dq = sw128_desc(opaque(base), 16), dk = sw128_desc(opaque(kst), 16);
-#pragma unroll 1  // a loop, not 36 copies: the kernel's code fits the instruction cache better
-    for (int cb = CB0; cb < CB1; ++cb) {
-        bar_wait(BAR_FULL(bars, st, cb), par);
-        fence_async_smem();
-        wg_fence();
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const unsigned off = cb * CB_BYTES + k * 32;
-            wgmma_s(s, dq + (off >> 4), dk + (off >> 4), !(first && cb == CB0 && k == 0));
-        }
-    }
-}
-
 // S = Q K^T of this warpgroup's tile: warpgroup 0 over stage 0 in block order, warpgroup 1 over stage 1
 // from its own blocks (4..7, refilled first), then 0..3 and 8.
 __device__ __forceinline__ void issue_s(float (&s)[32], unsigned base, unsigned bars, int wg, unsigned par) {
@@ -190,58 +77,6 @@ __device__ __forceinline__ void issue_s(float (&s)[32], unsigned base, unsigned 
         issue_s_blocks<WG1_CB0, ROPE_CB>(s, base, k1s, bars, 1, par, true);
         issue_s_blocks<0, WG1_CB0>(s, base, k1s, bars, 1, par, false);
         issue_s_blocks<ROPE_CB, NCB>(s, base, k1s, bars, 1, par, false);
-    }
-}
-
-// s <- 2^(s - ms) row-wise (s then holds P in fp32); the rows' partial sums added to l0, l1.
-__device__ __forceinline__ void exp_tile(float (&s)[32], float ms0, float ms1, float& l0, float& l1) {
-#pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
-        s[4 * jj + 0] = exp2f(s[4 * jj + 0] - ms0);
-        s[4 * jj + 1] = exp2f(s[4 * jj + 1] - ms0);
-        s[4 * jj + 2] = exp2f(s[4 * jj + 2] - ms1);
-        s[4 * jj + 3] = exp2f(s[4 * jj + 3] - ms1);
-        l0 += s[4 * jj + 0] + s[4 * jj + 1];
-        l1 += s[4 * jj + 2] + s[4 * jj + 3];
-    }
-}
-
-// P (bf16, fp32 s) into shared memory at dst in a column block's K-major swizzled layout.
-__device__ __forceinline__ void store_p(const float (&s)[32], unsigned dst, int lr0, int lr1, int t4) {
-#pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
-        const unsigned a0 = dst + (lr0 >> 3) * 1024 + (lr0 & 7) * 128 + ((jj ^ (lr0 & 7)) << 4) + 4 * t4;
-        const unsigned a1 = dst + (lr1 >> 3) * 1024 + (lr1 & 7) * 128 + ((jj ^ (lr1 & 7)) << 4) + 4 * t4;
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a0), "r"(pack_bf16(s[4 * jj + 0], s[4 * jj + 1])) : "memory");
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a1), "r"(pack_bf16(s[4 * jj + 2], s[4 * jj + 3])) : "memory");
-    }
-}
-
-// O[:, half] += P V over the 64 keys of a stage: P (pbuf) and V's half (vhalf) in shared memory.
-// fresh: the job's first P V, which overwrites O (whatever the previous job left there) instead of adding.
-__device__ __forceinline__ void issue_pv_ss(float (&o)[128], unsigned pbuf, unsigned vhalf, bool fresh = false) {
-    const unsigned long long dp = sw128_desc(pbuf, 16), dv = sw128_desc(vhalf, CB_BYTES);
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_pv_ss(o, dp + ((kk * 32) >> 4), dv + ((kk * 2048) >> 4), kk > 0 || !fresh);
-}
-
-// The job's rows of this warpgroup's O half, normalised, and (warpgroup 0) their lse.
-__device__ __forceinline__ void write_out(const float (&o)[128], float* parts, float* part_lse, int j, int col0,
-                                          int nrows, int lr0, int lr1, int t4, float i0, float i1, float lse0,
-                                          float lse1, bool lse) {
-    const long long orow = (long long)j * BM;
-    if (lr0 < nrows) {
-        float* dst = parts + (orow + lr0) * D_V + col0 + 2 * t4;
-#pragma unroll
-        for (int i = 0; i < 32; ++i) *reinterpret_cast<float2*>(dst + 8 * i) = make_float2(o[4 * i] * i0, o[4 * i + 1] * i0);
-        if (lse && t4 == 0) part_lse[orow + lr0] = lse0;
-    }
-    if (lr1 < nrows) {
-        float* dst = parts + (orow + lr1) * D_V + col0 + 2 * t4;
-#pragma unroll
-        for (int i = 0; i < 32; ++i)
-            *reinterpret_cast<float2*>(dst + 8 * i) = make_float2(o[4 * i + 2] * i1, o[4 * i + 3] * i1);
-        if (lse && t4 == 0) part_lse[orow + lr1] = lse1;
     }
 }
 
