@@ -11,7 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from kdlib.engine.int4 import ROUTING_KERNEL, ROUTING_WARPS, device_routing, routing_kernel, routing_torch
+from kdlib.cuda import loader
+from kdlib.engine.int4 import (
+    ROUTING_KERNEL,
+    ROUTING_MAX_SMEM,
+    ROUTING_WARPS,
+    device_routing,
+    routing_kernel,
+    routing_smem,
+    routing_torch,
+)
 
 FIELDS = ("expert_offsets", "active_experts", "n_active", "active_ranges", "sorted_token", "sorted_weight",
           "max_count")
@@ -44,10 +53,6 @@ def case_id(c):
 CASES = cases()
 
 
-def smem_bytes(n_local: int) -> int:
-    return 4 * (ROUTING_WARPS * (n_local + 1) + n_local + 2)
-
-
 def assert_same(got: dict, want, what: str) -> None:
     for name in FIELDS:
         a, b = got[name], getattr(want, name).cpu().numpy()
@@ -76,7 +81,7 @@ def host_routing(lib, ids: torch.Tensor, w: torch.Tensor, e0: int, n_local: int)
         return a.ctypes.data_as(ctypes.c_void_p)
 
     rc = lib.emu_routing(
-        ctypes.c_int(32 * ROUTING_WARPS), ctypes.c_int(smem_bytes(n_local)), ptr(ids_np), ptr(w_np),
+        ctypes.c_int(32 * ROUTING_WARPS), ctypes.c_int(routing_smem(M * k, n_local)), ptr(ids_np), ptr(w_np),
         ctypes.c_int(M * k), ctypes.c_int(k), ctypes.c_longlong(e0), ctypes.c_int(n_local),
         *(ptr(out[n]) for n in FIELDS))
     assert rc == 0, "the emulated block deadlocked"
@@ -88,6 +93,18 @@ def host_routing(lib, ids: torch.Tensor, w: torch.Tensor, e0: int, n_local: int)
 def test_host_kernel_matches_routing_torch(routing_host, case):
     ids, w, e0, n = case
     assert_same(host_routing(routing_host, ids, w, e0, n), routing_torch(ids, w, e0, n), case_id(case))
+
+
+def test_kernel_shared_memory_is_the_sources_layout():
+    """routing_smem counts the .cu header's layout; the grid's largest routing (M 1,040 x top-8 over 384
+    experts) fits and a routing past the limit is refused with the sizes."""
+    src = loader.source_path(ROUTING_KERNEL[0]).read_text()
+    assert f"#define RT_WARPS {ROUTING_WARPS}" in src
+    assert f"{routing_smem(8320, 384):,} B at n_local = 384 and 8,320 slots" in src
+    assert routing_smem(8320, 384) <= ROUTING_MAX_SMEM
+    too_many = torch.zeros(ROUTING_MAX_SMEM // 4, 1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="shared memory"):
+        routing_kernel(too_many, torch.zeros(too_many.shape), 0, 384)
 
 
 def test_device_routing_dispatch_on_cpu_is_the_torch_path():

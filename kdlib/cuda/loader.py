@@ -26,7 +26,9 @@ arch and NVRTC version, so a fresh process recompiles only what changed.
 Options: NVRTC gets `-I kernels/` and
 `--std=c++17`; CuPy itself appends `-arch=sm_<cc>` for the current device and always adds
 `-ftz=true` (fp32 denormals flush to zero; see design/reference/kernels-perf.md §6). Pass extra
-flags with `options=(...)`, e.g. `("-arch=sm_90a",)` to get `__CUDA_ARCH_FEAT_SM90_ALL` (wgmma);
+flags with `options=(...)`, e.g. `("-arch=sm_90a",)` to get `__CUDA_ARCH_FEAT_SM90_ALL` (wgmma); the
+environment's `KDLIB_NVRTC_OPTIONS` (space-separated) is appended to every compile, e.g. `-lineinfo` so
+that compute-sanitizer and ncu name source lines (of `expanded_source(stem)`);
 name templated kernels with `name_expressions=("k<float, 64>",)` and look them up by the same
 string.
 
@@ -215,7 +217,8 @@ def get_module(stem: str, *, options: tuple[str, ...] = (), name_expressions: tu
     import cupy
 
     device = cupy.cuda.runtime.getDevice()
-    key = (stem, tuple(options), tuple(name_expressions), device)
+    options = tuple(options) + tuple(os.environ.get("KDLIB_NVRTC_OPTIONS", "").split())
+    key = (stem, options, tuple(name_expressions), device)
     mod = _MODULES.get(key)
     if mod is None:
         with _LOCK:

@@ -99,15 +99,22 @@ class DeviceRouting:
 
 ROUTING_KERNEL = ("moe_routing/v1", "moe_routing_v1")  # (loader stem, kernel name)
 ROUTING_WARPS = 16  # RT_WARPS in moe_routing/v1.cu
+ROUTING_MAX_SMEM = 227 * 1024  # the kernel's dynamic shared memory at most (sm_90's opt-in limit)
+
+
+def routing_smem(slots: int, n_local: int) -> int:
+    """Bytes of dynamic shared memory moe_routing_v1 takes for `slots` (M k) slots over n_local experts."""
+    return 4 * (ROUTING_WARPS * (n_local + 1) + n_local + 2 + slots)
 
 
 def device_routing(ids: torch.Tensor, weights: torch.Tensor, e0: int, n_local: int) -> DeviceRouting:
     """ids, weights [M, k] (global expert ids) -> the routing of the local experts [e0, e0 + n_local).
 
     Slots of other ranks' experts sort after every local one and no expert range covers them. CUDA:
-    `routing_kernel` (one launch of moe_routing_v1, a few microseconds at any M); elsewhere `routing_torch`.
-    Both give the same arrays (the slot order of a stable argsort by expert)."""
-    if ids.device.type == "cuda":
+    `routing_kernel` (one launch of moe_routing_v1) where its shared memory fits (`routing_smem`: up to
+    ~51k slots at 384 experts, a 6k-token prefill at top-8); elsewhere, and beyond, `routing_torch`. Both
+    give the same arrays (the slot order of a stable argsort by expert)."""
+    if ids.device.type == "cuda" and routing_smem(ids.numel(), n_local) <= ROUTING_MAX_SMEM:
         return routing_kernel(ids, weights, e0, n_local)
     return routing_torch(ids, weights, e0, n_local)
 
@@ -118,8 +125,10 @@ def routing_kernel(ids: torch.Tensor, weights: torch.Tensor, e0: int, n_local: i
     from kdlib.cuda import loader
 
     M, k = ids.shape
-    if n_local < 1 or M * k >= 2**31:
-        raise ValueError(f"routing_kernel: n_local {n_local} must be >= 1 and M k {M * k} < 2^31")
+    smem = routing_smem(M * k, n_local)
+    if n_local < 1 or smem > ROUTING_MAX_SMEM:
+        raise ValueError(f"routing_kernel: n_local {n_local} must be >= 1 and {M * k} slots over it fit "
+                         f"{ROUTING_MAX_SMEM} B of shared memory (need {smem} B)")
     dev = ids.device
     ids = ids.to(torch.int64).contiguous()
     weights = weights.to(torch.float32).contiguous()
@@ -128,7 +137,6 @@ def routing_kernel(ids: torch.Tensor, weights: torch.Tensor, e0: int, n_local: i
         torch.empty(n_local + 1, **i32), torch.empty(n_local, **i32), torch.empty(1, **i32),
         torch.empty(n_local, 2, **i32), torch.empty(M * k, **i32),
         torch.empty(M * k, dtype=torch.float32, device=dev), torch.empty((), dtype=torch.int64, device=dev))
-    smem = 4 * (ROUTING_WARPS * (n_local + 1) + n_local + 2)
     fn = loader.get_function(*ROUTING_KERNEL)
     loader.set_max_dynamic_shared(fn, smem)
     args = (ids, weights, np.int32(M * k), np.int32(k), np.int64(e0), np.int32(n_local), rt.expert_offsets,

@@ -4,17 +4,20 @@
 //
 // Slot i (token i / topk) has key e = ids[i] - e0 when that is a local expert (0 <= e < n_local), else
 // n_local: other ranks' slots sort after every local one. The slot order is the stable sort by key.
-// Warp w owns the contiguous segment [w seg, (w + 1) seg) of the slots, seg = ceil(n_slots / RT_WARPS):
+//   0. every thread stages keys: skey[i] for all slots (independent loads, all in flight at once);
+// warp w owns the contiguous segment [w seg, (w + 1) seg) of the slots, seg = ceil(n_slots / RT_WARPS):
 //   1. it counts its segment's keys into hist[w][key], 32 slots at a time (__match_any_sync groups the
 //      equal keys of a chunk; the group's lowest lane adds the group's size);
 //   2. per key, hist[w][key] becomes the count of that key in warps before w, and a block scan of the
 //      key totals gives start[key], the key's first position;
 //   3. it walks its segment again in order: position = start[key] + hist[w][key] + the chunk's earlier
-//      lanes of the same key, then the group's lowest lane advances hist[w][key];
+//      lanes of the same key (kept in skey[i]), then the group's lowest lane advances hist[w][key];
+//   4. every thread scatters: sorted_token / sorted_weight at skey[i] (independent, all in flight);
 // then the experts with slots first, then the empty ones, each ascending (a scan of the busy flags),
 // their slot ranges, the number with slots and the largest local count.
 //
-// Dynamic shared memory: 4 (RT_WARPS (n_local + 1) + n_local + 2) bytes, 26,184 B at n_local = 384.
+// Dynamic shared memory: 4 (RT_WARPS (n_local + 1) + n_local + 2 + n_slots) bytes,
+// 59,464 B at n_local = 384 and 8,320 slots (M = 1,040, top-8); the wrapper keeps it within the device's.
 
 #define RT_WARPS 16
 #define RT_THREADS (RT_WARPS * 32)
@@ -66,12 +69,14 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS) moe_routing_v1(
     const int keys = n_local + 1;
     int* hist = smem;                     // [RT_WARPS][keys]
     int* start = hist + RT_WARPS * keys;  // [keys + 1]
+    int* skey = start + keys + 1;         // [n_slots] the slot's key, then its position
     __shared__ int s_warp[RT_WARPS];
     __shared__ int s_max;
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     const unsigned lower = (1u << lane) - 1u;
 
     for (int i = tid; i < RT_WARPS * keys; i += RT_THREADS) hist[i] = 0;
+    for (int i = tid; i < n_slots; i += RT_THREADS) skey[i] = slot_key(ids[i], e0, n_local);  // 0.
     if (tid == 0) s_max = 0;
     __syncthreads();
 
@@ -81,7 +86,7 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS) moe_routing_v1(
     for (int base = lo; base < hi; base += 32) {  // 1. this warp's histogram
         const int i = base + lane;
         const bool ok = i < hi;
-        const int key = ok ? slot_key(ids[i], e0, n_local) : -1;  // -1: past the segment
+        const int key = ok ? skey[i] : -1;  // -1: past the segment
         const unsigned peers = __match_any_sync(0xffffffffu, key);
         if (ok && (peers & lower) == 0) mine[key] += __popc(peers);
         __syncwarp();
@@ -118,19 +123,22 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS) moe_routing_v1(
     for (int base = lo; base < hi; base += 32) {  // 3. stable positions
         const int i = base + lane;
         const bool ok = i < hi;
-        const int key = ok ? slot_key(ids[i], e0, n_local) : -1;
+        const int key = ok ? skey[i] : -1;
         const unsigned peers = __match_any_sync(0xffffffffu, key);
-        if (ok) {
-            const int pos = start[key] + mine[key] + __popc(peers & lower);
-            sorted_token[pos] = (int)((unsigned)i / (unsigned)topk);
-            sorted_weight[pos] = weights[i];
-        }
+        if (ok) skey[i] = start[key] + mine[key] + __popc(peers & lower);
         __syncwarp();
         if (ok && (peers & lower) == 0) mine[key] += __popc(peers);
         __syncwarp();
     }
 
-    // 4. the expert lists: busy experts first, then the empty ones, each ascending
+    __syncthreads();
+    for (int i = tid; i < n_slots; i += RT_THREADS) {  // 4.
+        const int pos = skey[i];
+        sorted_token[pos] = (int)((unsigned)i / (unsigned)topk);
+        sorted_weight[pos] = weights[i];
+    }
+
+    // the expert lists: busy experts first, then the empty ones, each ascending
     int busy_own = 0;
     for (int e = k_lo; e < min(k_hi, n_local); ++e) busy_own += start[e + 1] > start[e];
     const int2 busy_scan = block_exclusive_scan(busy_own, s_warp);
