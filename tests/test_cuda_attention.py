@@ -691,8 +691,8 @@ def _run_random(seed0, n_cases, dtype, impls, rtol, lse_atol, **case_kw):
 
 
 def _mma_impls():
-    """Every tensor-core version the device runs (the mma.sync ones, and "wgmma", "wgmma_v6" on sm_90), or
-    the comma list in $KDLIB_TEST_MMA (e.g. 'mma_v3,wgmma')."""
+    """Every tensor-core version the device runs (the mma.sync ones, and "wgmma", "wgmma_v6", "wgmma_v7" on
+    sm_90), or the comma list in $KDLIB_TEST_MMA (e.g. 'mma_v3,wgmma')."""
     from kdlib.cuda.attention import LAUNCHES, MMA_VERSIONS, WGMMA_VERSIONS, wgmma_available
 
     chosen = os.environ.get("KDLIB_TEST_MMA")
@@ -843,7 +843,7 @@ def _torch_reference(q, kv, page, lens, tkv, vis, sizes, scale):
     return torch.stack(outs), torch.stack(lses)
 
 
-LONG_PREFIX_RUNS = [("bfloat16", i) for i in ("mma_v2", "mma_v3", "mma_v4", "wgmma", "wgmma_v6")]
+LONG_PREFIX_RUNS = [("bfloat16", i) for i in ("mma_v2", "mma_v3", "mma_v4", "wgmma", "wgmma_v6", "wgmma_v7")]
 
 
 @pytest.mark.gpu
@@ -972,7 +972,7 @@ def test_wgmma_plan_kernel_matches_numpy_mirror():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["wgmma", "wgmma_v6"])
+@pytest.mark.parametrize("impl", ["wgmma", "wgmma_v6", "wgmma_v7"])
 def test_wgmma_bit_reproducible_graph_captured_and_allocation_free(impl):
     """With a workspace: two eager calls agree bit for bit, a call allocates no memory, and the three
     launches captured in a CUDA graph replay to the same bits (ragged batch, several jobs per row)."""
@@ -1049,7 +1049,7 @@ if __name__ == "__main__" and sys.argv[1:2] == ["sanitize"]:
 def test_version_vocabulary_and_the_deprecated_impl_names():
     from kdlib.cuda import attention as cu
 
-    assert cu.VERSIONS == (1, 2, 3, 4, 5, 6) and cu.WGMMA_VERSIONS == (5, 6)
+    assert cu.VERSIONS == (1, 2, 3, 4, 5, 6, 7) and cu.WGMMA_VERSIONS == (5, 6, 7)
     assert cu.LAUNCHES[cu.DEFAULT_VERSION].impl == cu.BF16_DEFAULT
     assert cu.IMPLS["mma"] == cu.IMPLS[cu.MMA_DEFAULT] and cu.IMPLS["auto"] is None
     assert {name: cu.LAUNCHES[cu.IMPLS[name]].stem for name in cu.MMA_VERSIONS} == {
@@ -1061,7 +1061,7 @@ def test_version_vocabulary_and_the_deprecated_impl_names():
     assert cu.LAUNCHES[cu.pick_version(None, "mma_v4", "bf16")].impl == "mma_v4"
     assert cu.LAUNCHES[cu.pick_version(None, "simple", "f32")].impl == "simple"
     for version, impl, kind, match in ((2, None, "f32", "bfloat16"), (None, "mma", "f32", "bfloat16"),
-                                       (7, None, "bf16", "version"), (True, None, "bf16", "version"),
+                                       (8, None, "bf16", "version"), (True, None, "bf16", "version"),
                                        (3, "mma", "bf16", "not both"), (None, "fast", "bf16", "impl")):
         with pytest.raises(ValueError, match=match):
             cu.pick_version(version, impl, kind)

@@ -218,7 +218,8 @@ def test_attention_wgmma_constants_match_the_source(version):
     stem = attention.LAUNCHES[version].stem
     c = consts(stem)
     assert (c["D_QK"], c["D_V"]) == (attention.D_QK, attention.KV_LORA_RANK)
-    assert c["SMEM_BYTES"] == (attention._V5_SMEM, attention._V6_SMEM)[version - 5] <= 227 * 1024
+    smem = {5: attention._V5_SMEM, 6: attention._V6_SMEM, 7: attention._V7_SMEM}[version]
+    assert c["SMEM_BYTES"] == smem <= 227 * 1024
     assert (c["BM"], c["BN"], c["MAX_ROUNDS"], c["JOB_OVERHEAD"], c["PLAN_STRIDE"]) == (
         attention._V5_BM,
         attention._V5_BN,
@@ -234,9 +235,22 @@ def test_attention_wgmma_constants_match_the_source(version):
     assert attention._COMBINE_THREADS == 4 * 32 and attention._V5_COMBINE_COLS == 32 * 4
     assert loader.launch_bounds(stem) == {  # the shared plan and combine, the version's attend
         "tree_verify_v5_plan": (attention._V5_THREADS, 0),
-        f"tree_verify_v{version}_attend": (attention._V5_THREADS, 1),
+        f"tree_verify_v{version}_attend": (attention.LAUNCHES[version].threads, 1),
         "tree_verify_v5_combine": (attention._COMBINE_THREADS, 0),
     }
+
+
+def test_attention_v7_warp_roles_fit_the_register_file():
+    """v7: a producer warpgroup and two MMA warpgroups (NTHREADS), whose setmaxnreg counts (multiples of 8
+    in [24, 256]) fit the 65536 registers of an SM; both counts are the ones the kernel passes."""
+    c = consts(attention._V7)
+    assert c["NTHREADS"] == attention._V7_THREADS == 3 * 128
+    producer, consumer = c["PRODUCER_REGS"], c["CONSUMER_REGS"]
+    assert all(r % 8 == 0 and 24 <= r <= 256 for r in (producer, consumer))
+    assert 128 * producer + 256 * consumer <= 65536
+    text = loader.expanded_source(attention._V7)
+    assert re.findall(r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32 %0;\\n\" ::\"n\"\((\w+)\)", text) == [
+        ("dec", "PRODUCER_REGS"), ("inc", "CONSUMER_REGS")]
 
 
 @pytest.mark.parametrize("version", attention.VERSIONS)

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Issue 19 in one device call on the H200: GPU tests of the attention kernels, the attention suite
-# (the wgmma versions vs the previous default vs PyTorch vs FlashInfer), and an ncu report of
-# tree_verify_v6_attend (the default)
-# at 8 heads x 65 queries x 200k prefix. Each step runs under its own time limit (~5 min in all).
+# (the wgmma versions vs the previous default vs PyTorch vs FlashInfer), and ncu reports of
+# tree_verify_v6_attend (the default) and tree_verify_v7_attend (warp-specialised, not yet measured)
+# at 8 heads x 65 queries x 200k prefix. Each step runs under its own time limit (~9 min at most in all).
 #
 #   here, once (needs PyPI):  bash tools/attention_gpu.sh fetch-wheels
 #       -> .whl/attention/ (git-ignored): flashinfer-python 0.7.2.post1 without the sources of kernels other
 #          than the Hopper MLA one (30 MB of the 62) + apache-tvm-ffi 0.1.15.post2, for Python 3.12
 #   device call (carry [".whl/attention"]):  OUT=$OUT KDLIB_COMMIT=<sha> bash tools/attention_gpu.sh
 #       KDLIB_FLASHINFER=0 skips FlashInfer (its MLA kernel JIT-compiles with nvcc on first use, ~20-35 s);
-#       KDLIB_NCU=0 skips the ncu report; KDLIB_ATTENTION_TESTS=0 the GPU tests of step (a).
+#       KDLIB_NCU=0 skips the ncu reports; KDLIB_ATTENTION_TESTS=0 the GPU tests of step (a).
 #
-# $OUT gets attention.<gpu>.json (provenance stamped), tests.xml, smoke.log, tests.log, bench.log,
-# ncu_v6.txt, nvidia-smi.txt and summary.txt: 8 files.
+# $OUT gets attention.<gpu>.json (provenance stamped), tests.xml, smoke.log, smoke_v7.log, tests.log,
+# bench.log, ncu_v6.txt, ncu_v7.txt, nvidia-smi.txt and summary.txt: 11 files.
 set -u
 
 if [ "${1:-}" = fetch-wheels ]; then
@@ -70,15 +70,25 @@ if [ "${KDLIB_FLASHINFER:-1}" != 0 ] && ls .whl/attention/*.whl >/dev/null 2>&1;
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || echo "wheel install failed: no FlashInfer arm" | tee -a "$OUT/summary.txt"
 fi
 
-# (0) smoke: the new kernel compiles, runs, terminates and matches float64 on a ragged batch; if not,
-#     the rest runs without it (no time spent on a broken or hanging kernel)
+# (0) smoke: the wgmma kernels compile, run, terminate and match float64 on a ragged batch, version 7
+#     on its own; what fails is left out of the rest (no time spent on a broken or hanging kernel)
+passed() { grep -q " passed" "$1" && ! grep -q -E "failed|error" "$1"; }
 step smoke 60 python3 -m pytest -m gpu tests/test_cuda_attention.py -x -q -p no:cacheprovider \
-  -k "wgmma_bit_reproducible or wgmma_plan_kernel"
-if grep -q " passed" "$OUT/smoke.log" && ! grep -q -E "failed|error" "$OUT/smoke.log"; then
+  -k "wgmma_plan_kernel or (wgmma_bit_reproducible and not wgmma_v7)"
+step smoke_v7 45 python3 -m pytest -m gpu tests/test_cuda_attention.py -x -q -p no:cacheprovider \
+  -k "wgmma_bit_reproducible and wgmma_v7"
+NCU_IMPLS=""
+if passed "$OUT/smoke.log" && passed "$OUT/smoke_v7.log"; then
+  TEST_MMA=wgmma_v7,wgmma_v6,wgmma
+  NCU_IMPLS="v6 v7"
+elif passed "$OUT/smoke.log"; then
   TEST_MMA=wgmma_v6,wgmma
+  NCU_IMPLS=v6
+  export KDLIB_ATTENTION_IMPLS=${KDLIB_ATTENTION_IMPLS:-wgmma_v6,wgmma,mma_v3}
+  echo "version 7 smoke failed: tests and suite without it" | tee -a "$OUT/summary.txt"
 else
   TEST_MMA=mma_v3
-  export KDLIB_ATTENTION_IMPLS=mma_v3 KDLIB_NCU=0
+  export KDLIB_ATTENTION_IMPLS=mma_v3
   echo "smoke failed: tests and suite without wgmma" | tee -a "$OUT/summary.txt"
 fi
 # (a) the GPU tests of the attention kernels; the tensor-core random sweeps on the new kernel alone
@@ -90,9 +100,10 @@ if [ "${KDLIB_ATTENTION_TESTS:-1}" != 0 ]; then
 fi
 # (b) the attention suite: no new point starts past KDLIB_ATTENTION_BUDGET_S
 step bench 170 env KDLIB_ATTENTION_BUDGET_S=110 python3 -m kdlib.perf.run --suite attention --out "$OUT"
-# (c) ncu of the new kernel at the issue's first row (second call: the first compiles and warms)
-if [ "${KDLIB_NCU:-1}" != 0 ]; then
-  cat >/tmp/ncu_v6.py <<'PY'
+# (c) ncu of the default and of v7 at the issue's first row (second call: the first compiles and warms)
+[ "${KDLIB_NCU:-1}" = 0 ] && NCU_IMPLS=""
+for v in $NCU_IMPLS; do
+  cat >/tmp/ncu_$v.py <<PY
 import torch
 from kdlib.cuda import attention as cu
 g = torch.Generator(device="cuda").manual_seed(0)
@@ -106,15 +117,15 @@ lens = torch.tensor([s], dtype=torch.int32, device="cuda")
 sizes = torch.tensor([nq], dtype=torch.int32, device="cuda")
 ws = cu.make_workspace(1, nq, nh)
 for _ in range(2):
-    cu.tree_verify_attention(q, kv, pt, lens, tkv, vis, sizes, 576**-0.5, impl="wgmma_v6", workspace=ws)
+    cu.tree_verify_attention(q, kv, pt, lens, tkv, vis, sizes, 576**-0.5, impl="wgmma_$v", workspace=ws)
 torch.cuda.synchronize()
 PY
-  step ncu 60 env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ncu --clock-control none \
-    --kernel-name tree_verify_v6_attend --launch-skip 1 --launch-count 1 \
+  step ncu_$v 50 env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ncu --clock-control none \
+    --kernel-name tree_verify_${v}_attend --launch-skip 1 --launch-count 1 \
     --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
     --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats \
-    python3 /tmp/ncu_v6.py
-  mv "$OUT/ncu.log" "$OUT/ncu_v6.txt"
-fi
+    python3 /tmp/ncu_$v.py
+  mv "$OUT/ncu_$v.log" "$OUT/ncu_$v.txt"
+done
 echo "total $(($(date +%s) - T0))s" | tee -a "$OUT/summary.txt"
 ls "$OUT"

@@ -7,14 +7,15 @@
 calls `kdlib.cuda.attention` on them: version 5 ("wgmma") at 8 heads x 9 and x 65 queries over a
 1,000-token prefix, the prefix alone, a call on a preallocated workspace, a ragged batch of 3
 (prefixes 1,000 / 0 / 357, trees of 1 / 33 / 65 rows); one version 3 ("mma_v3") call on the ragged
-batch; version 6 ("wgmma_v6", the bf16 default) on the workspace call, the ragged batch and a prefix
-alone at 8 x 9. KDLIB_SANITIZE_CASES (a comma list of name prefixes, e.g. "v6") keeps some of them.
-Each output is compared with `kdlib.ref.attention` on the same bf16 values
-(norm-relative error <= 1e-2, lse within 2e-3, padding rows NaN), so a clean sanitizer run is also a
-correct one. The kernels a case covers are those the wrapper fetched from `kdlib.cuda.loader` while
-it ran (each is fetched right before its launch). CuPy's memory pool is off (`--pool` keeps it), so
-every array is its own allocation and memcheck sees an out-of-bounds access at its first byte; set
-PYTORCH_NO_CUDA_MEMORY_CACHING=1 for the torch inputs (tools/sanitize_gpu.sh does).
+batch; version 6 ("wgmma_v6", the bf16 default) and version 7 ("wgmma_v7") each on the workspace
+call, the ragged batch and a prefix alone at 8 x 9. KDLIB_SANITIZE_CASES (a comma list of name
+prefixes, e.g. "v7") keeps some of them. Each output is compared with `kdlib.ref.attention` on the
+same bf16 values (norm-relative error <= 1e-2, lse within 2e-3, padding rows NaN), so a clean
+sanitizer run is also a correct one. The kernels a case covers are those the wrapper fetched from
+`kdlib.cuda.loader` while it ran (each is fetched right before its launch). CuPy's memory pool is
+off (`--pool` keeps it), so every array is its own allocation and memcheck sees an out-of-bounds
+access at its first byte; set PYTORCH_NO_CUDA_MEMORY_CACHING=1 for the torch inputs
+(tools/sanitize_gpu.sh does).
 
 `summarize` reads the compute-sanitizer logs and the driver's case files a run of
 tools/sanitize_gpu.sh left in DIR and writes DIR/sanitize.json: per tool its exit code, the
@@ -119,13 +120,17 @@ def cases(only: str = "") -> list[dict]:
          "version": 5, "call": "prefix", "workspace": False},
         {"name": "v5 verify ragged B3", "shape": ragged, "version": 5, "call": "verify", "workspace": False},
         {"name": "v3 verify ragged B3", "shape": ragged, "version": 3, "call": "verify", "workspace": False},
-        {"name": "v6 verify 8x65x1000 (workspace)",
-         "shape": {"nh": 8, "nq": 65, "lens": [1000], "sizes": [65]},
-         "version": 6, "call": "verify", "workspace": True},
-        {"name": "v6 verify ragged B3", "shape": ragged, "version": 6, "call": "verify", "workspace": False},
-        {"name": "v6 prefix 8x9x1000", "shape": {"nh": 8, "nq": 9, "lens": [1000], "sizes": [9]},
-         "version": 6, "call": "prefix", "workspace": False},
     ]
+    for v in (6, 7):  # the seesaw versions: the workspace call, the ragged batch, a prefix alone
+        every += [
+            {"name": f"v{v} verify 8x65x1000 (workspace)",
+             "shape": {"nh": 8, "nq": 65, "lens": [1000], "sizes": [65]},
+             "version": v, "call": "verify", "workspace": True},
+            {"name": f"v{v} verify ragged B3", "shape": ragged, "version": v, "call": "verify",
+             "workspace": False},
+            {"name": f"v{v} prefix 8x9x1000", "shape": {"nh": 8, "nq": 9, "lens": [1000], "sizes": [9]},
+             "version": v, "call": "prefix", "workspace": False},
+        ]
     return [c for c in every if not keep or c["name"].startswith(keep)]
 
 
@@ -168,7 +173,7 @@ def run(json_path: Path, pool: bool) -> int:
     if not pool:
         cupy.cuda.set_allocator(None)  # every array its own cudaMalloc: exact bounds for memcheck
     if not cu.wgmma_available():
-        print("versions 5 and 6 need an sm_90 device (H100 / H200); nothing run", file=sys.stderr)
+        print("versions 5, 6 and 7 need an sm_90 device (H100 / H200); nothing run", file=sys.stderr)
         return 1
     chosen = cases(os.environ.get("KDLIB_SANITIZE_CASES", ""))
     done = [run_case(spec, seed) for seed, spec in enumerate(chosen)]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # compute-sanitizer over the tree-verify attention kernels (issue 19: memcheck and racecheck clean), on
-# the H200: memcheck, racecheck and synccheck, each over tools/sanitize_attention.py (versions 5 and 6,
+# the H200: memcheck, racecheck and synccheck, each over tools/sanitize_attention.py (versions 5, 6 and 7,
 # the wgmma kernels, at 8 heads x 9 and x 65 queries over a 1,000-token prefix, the prefix alone, a
 # workspace call and a ragged batch of 3 with trees of 1 to 65 rows; one version 3 call; every output
 # checked against the float64 reference). Run from the repo root:
@@ -8,7 +8,7 @@
 #   device call:  OUT=$OUT KDLIB_COMMIT=<sha> bash tools/sanitize_gpu.sh
 #       KDLIB_SANITIZE_TOOLS: the tools, in order (default "memcheck racecheck synccheck"; initcheck
 #       is also summarized); KDLIB_SANITIZE_FLAGS: extra compute-sanitizer options for every tool;
-#       KDLIB_SANITIZE_CASES: the driver's cases by name prefix (e.g. "v6"; default all).
+#       KDLIB_SANITIZE_CASES: the driver's cases by name prefix (e.g. "v7" or "v6,v7"; default all).
 #
 # First the driver runs once without a sanitizer (warm: NVRTC compiles the kernels into CuPy's disk
 # cache and the cases are checked), then once under each tool, each step under its own time limit

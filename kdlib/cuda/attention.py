@@ -29,7 +29,11 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     that a call allocates nothing and syncs nothing (CUDA-graph capturable);
   * 6 (`tree_verify/wgmma_v6.cu`, sm_90a only, `DEFAULT_VERSION`): v5's plan, jobs, workspace and
     combine around another attend kernel, whose two warpgroups take the tiles of a job two at a time
-    so that one's softmax runs under the other's MMAs (the kernel file says how).
+    so that one's softmax runs under the other's MMAs (the kernel file says how);
+  * 7 (`tree_verify/wgmma_v7.cu`, sm_90a only): v6's plan, workspace, combine and two MMA warpgroups
+    with warp specialisation: a third, producer warpgroup (384 threads a CTA, registers rebalanced
+    with setmaxnreg) decodes the jobs and gathers every K tile, the MMA warpgroups only wait on its
+    full barriers and release the stage blocks on empty ones (the kernel file says how).
 `version=None` (the default) picks by dtype and device: fp32 runs 1 (a dtype path, not a choice);
 bf16 runs `DEFAULT_VERSION` (6, `BF16_DEFAULT`: the fastest in data/results/attention.h200.json)
 where the device runs it, else 3 where the device grants its 166 KB of shared memory (not on sm_120's
@@ -37,7 +41,7 @@ where the device runs it, else 3 where the device grants its 166 KB of shared me
 
 Deprecated alias: `impl=` names a version as recorded results and kdlib.perf suites do
 (`IMPLS`: "simple" = 1, "mma_v2" / "mma_v3" / "mma_v4" = 2 / 3 / 4, "mma" = `MMA_DEFAULT`,
-"wgmma" = 5, "wgmma_v6" = 6, "auto" = None); give `version` or `impl`, not both.
+"wgmma" = 5, "wgmma_v6" = 6, "wgmma_v7" = 7, "auto" = None); give `version` or `impl`, not both.
 
 Checks before any launch raise ValueError: shapes, dtypes (float32 or bfloat16, all float inputs
 alike), Q <= 65, widths 576/512, and, with `validate=True` (the default, one device sync), the
@@ -72,16 +76,20 @@ _MMA_BN = 32  # keys per pipeline stage (BN)
 _MMA_Q_SMEM = 64 * 1168  # Q tile: BM rows of 576 bf16 + 16 B pad
 _MMA_K_SMEM = 32 * 1168  # one K stage: BN rows
 _MMA_X_SMEM = 2 * 4 * 16 * 32 * 4  # partial-S exchange between the two halves of each row group
-# The wgmma whole-verify kernels (tree_verify/wgmma_v5.cu, wgmma_v6.cu: one plan, one combine, each its
-# own attend kernel), built for sm_90a through NVRTC.
+# The wgmma whole-verify kernels (tree_verify/wgmma_v5.cu, wgmma_v6.cu, wgmma_v7.cu: one plan, one combine,
+# each its own attend kernel), built for sm_90a through NVRTC.
 _V5 = "tree_verify/wgmma_v5"
 _V6 = "tree_verify/wgmma_v6"
+_V7 = "tree_verify/wgmma_v7"
 _V5_OPTIONS = ("-arch=sm_90a",)
-_V5_THREADS = 256  # NTHREADS of the plan and attend kernels
+_V5_THREADS = 256  # NTHREADS of the plan and attend kernels (v5, v6)
+_V7_THREADS = 384  # NTHREADS of v7's attend kernel: a producer and two MMA warpgroups
 # Q block + two K stages + factors + barriers + alignment (SMEM_BYTES)
 _V5_SMEM = 3 * 73728 + 2 * 512 + 6 * 8 + 1024
 # v6: Q block + two K stages + rows (m, two factors, two sums) + 19 barriers + alignment (SMEM_BYTES)
 _V6_SMEM = 3 * 73728 + 5 * 64 * 4 + 19 * 8 + 1024
+# v7: v6's blocks and rows + 4 pair descriptors of 12 ints + 30 barriers + alignment (SMEM_BYTES)
+_V7_SMEM = 3 * 73728 + 5 * 64 * 4 + 4 * 12 * 4 + 30 * 8 + 1024
 _V5_BM = 64  # rows per job (BM)
 _V5_BN = 64  # keys per tile (BN)
 _V5_ROUNDS = 4  # MAX_ROUNDS: the plan fits the jobs into at most this many rounds of one job per CTA
@@ -119,8 +127,9 @@ LAUNCHES = {
     4: VerifyLaunch(4, "mma_v4", "tree_verify/prefix_v4", _MMA_THREADS, _MMA_K3, _MMA_BM, _MMA_BN),
     5: VerifyLaunch(5, "wgmma", _V5, _V5_THREADS, _V5_SMEM, _V5_BM, _V5_BN, options=_V5_OPTIONS),
     6: VerifyLaunch(6, "wgmma_v6", _V6, _V5_THREADS, _V6_SMEM, _V5_BM, _V5_BN, options=_V5_OPTIONS),
+    7: VerifyLaunch(7, "wgmma_v7", _V7, _V7_THREADS, _V7_SMEM, _V5_BM, _V5_BN, options=_V5_OPTIONS),
 }
-WGMMA_VERSIONS = (5, 6)  # the whole-verify versions: sm_90a, plan + attend + combine, workspaces
+WGMMA_VERSIONS = (5, 6, 7)  # the whole-verify versions: sm_90a, plan + attend + combine, workspaces
 VERSIONS = tuple(LAUNCHES)
 # The tensor-core prefix kernels by name -> (stem, shared memory bytes), as recorded results name them.
 MMA_VERSIONS = {LAUNCHES[v].impl: (LAUNCHES[v].stem, LAUNCHES[v].smem) for v in (2, 3, 4)}
@@ -289,7 +298,7 @@ def wgmma_available() -> bool:
     dev = cupy.cuda.runtime.getDevice()
     props = cupy.cuda.runtime.getDeviceProperties(dev)
     return ((int(props["major"]), int(props["minor"])) == (9, 0)
-            and int(props["sharedMemPerBlockOptin"]) >= max(_V5_SMEM, _V6_SMEM))
+            and int(props["sharedMemPerBlockOptin"]) >= max(_V5_SMEM, _V6_SMEM, _V7_SMEM))
 
 
 def split_plan(bsz: int, row_blocks: int, width: int, tile: int, slots: int) -> tuple[int, int]:
@@ -317,7 +326,7 @@ def split_plan(bsz: int, row_blocks: int, width: int, tile: int, slots: int) -> 
 def pick_version(version: int | None = None, impl: str | None = None, kind: str = "bf16") -> int:
     """The version a call on inputs of `kind` ("bf16" or "f32") runs: `version` (or the deprecated `impl`
     name) checked against the dtype and the device, or the default pick for None (see the module
-    docstring). Needs CuPy and a device for the default pick and for version 5."""
+    docstring). Needs CuPy and a device for the default pick and for the WGMMA_VERSIONS."""
     if impl is not None:
         if version is not None:
             raise ValueError(f"give version or the deprecated impl, not both (got {version!r} and {impl!r})")
@@ -405,8 +414,8 @@ def plan_v5(prefix_lens, tree_sizes, width: int, nq: int, nh: int, grid: int) ->
 
 
 class VerifyWorkspace:
-    """Buffers of one version 5 or 6 ("wgmma", "wgmma_v6") call shape (B requests, Q queries, H heads):
-    with it a call allocates nothing.
+    """Buffers of one version 5, 6 or 7 ("wgmma", "wgmma_v6", "wgmma_v7") call shape (B requests, Q queries,
+    H heads): with it a call allocates nothing.
 
     plan [1 + 8 B] int32, parts [jobs, 64, 512] fp32 and part_lse [jobs, 64] fp32 (jobs = v5_max_jobs),
     out [B*Q*H, 512] fp32 and lse [B*Q*H] fp32 (the returned arrays are views of these: the next call
@@ -430,13 +439,13 @@ class VerifyWorkspace:
 
 
 def make_workspace(bsz: int, nq: int, nh: int) -> VerifyWorkspace:
-    """Preallocated buffers for version 5 and 6 ("wgmma", "wgmma_v6") calls on q of shape [bsz, nq, nh, 576]
-    (see VerifyWorkspace)."""
+    """Preallocated buffers for version 5, 6 and 7 ("wgmma", "wgmma_v6", "wgmma_v7") calls on q of shape
+    [bsz, nq, nh, 576] (see VerifyWorkspace)."""
     return VerifyWorkspace(bsz, nq, nh)
 
 
 def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None):
-    """The three launches of version 5 or 6 (plan, the version's attend, combine) -> (out [B*M, 512],
+    """The three launches of version 5, 6 or 7 (plan, the version's attend, combine) -> (out [B*M, 512],
     lse [B*M]) fp32 views of the workspace.
 
     tail = (tree_kv [B, Q, 576], visibility [B, Q, Q], tree_sizes [B]) for the whole verify, None
@@ -458,7 +467,7 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None):
     width = pt.shape[1]
     plan_fn((1,), (_V5_THREADS,), (lens, sizes, np.int32(bsz), np.int32(width), np.int32(nq), np.int32(nh),
                            np.int32(ws.grid), ws.plan))
-    attend_fn((ws.grid,), (_V5_THREADS,), (qa, kv, pt, tkv, vis, ws.plan, np.int32(bsz), np.int32(width),
+    attend_fn((ws.grid,), (settings.threads,), (qa, kv, pt, tkv, vis, ws.plan, np.int32(bsz), np.int32(width),
                                            np.int32(nq), np.int32(nh), np.float32(scale), ws.parts,
                                            ws.part_lse), shared_mem=settings.smem)
     combine_fn((bsz * rows, _V5_COMBINE_SLICES), (_COMBINE_THREADS,),
@@ -526,8 +535,9 @@ def _launch_combine(parts, plse, rows_per_batch, extra=None, extra_lse=None):
 
 def _check_workspace(workspace, version: int):
     if workspace is not None and version not in WGMMA_VERSIONS:
-        raise ValueError(f"workspace buffers serve versions {WGMMA_VERSIONS} ('wgmma', 'wgmma_v6') only, the "
-                         f"call runs version {version}")
+        names = ", ".join(repr(LAUNCHES[v].impl) for v in WGMMA_VERSIONS)
+        raise ValueError(f"workspace buffers serve versions {WGMMA_VERSIONS} ({names}) only, the call runs "
+                         f"version {version}")
     if workspace is not None and not isinstance(workspace, VerifyWorkspace):
         raise ValueError(f"workspace must come from make_workspace, got {type(workspace).__name__}")
 
@@ -540,7 +550,7 @@ def prefix_attention(q, kv_cache, page_table, prefix_lens, softmax_scale, kv_lor
     Shape: q [B, Q, H, 576], kv_cache [S, 576], page_table [B, P] int, prefix_lens [B] int
     (or the unbatched form). Returns out [B, Q, H, 512] fp32, lse [B, Q, H] fp32 (CuPy).
     version: one of VERSIONS, None (the default): by dtype and device (fp32: 1; bf16: DEFAULT_VERSION
-    where it runs). impl: deprecated name of a version (IMPLS). workspace (versions 5 and 6 only): buffers
+    where it runs). impl: deprecated name of a version (IMPLS). workspace (WGMMA_VERSIONS only): buffers
     from make_workspace; the results are views of it.
     """
     _check_rank(kv_lora_rank)
@@ -611,12 +621,12 @@ def tree_verify_attention(q, kv_cache, page_table, prefix_lens, tree_kv, visibil
                           validate: bool = True, workspace: VerifyWorkspace | None = None,
                           impl: str | None = None):
     """The whole verify attention: split-KV prefix + masked tail, merged in one combine launch
-    (version 5: the tail fused into the prefix kernel).
+    (versions 5, 6, 7: the tail fused into the prefix kernel).
 
     Shapes as in the two parts (batched or unbatched). Returns out [B, Q, H, 512] fp32 and the
     natural-log lse [B, Q, H] fp32 (CuPy); rows >= tree_sizes[b] are NaN. version: one of VERSIONS,
     None (the default): by dtype and device (fp32: 1; bf16: DEFAULT_VERSION where it runs). impl:
-    deprecated name of a version (IMPLS). workspace (versions 5 and 6 only): buffers from
+    deprecated name of a version (IMPLS). workspace (WGMMA_VERSIONS only): buffers from
     make_workspace; the results are views of it.
     """
     _check_rank(kv_lora_rank)

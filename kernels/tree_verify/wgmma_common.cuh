@@ -1,7 +1,7 @@
-// The parts of the wgmma tree-verify kernels (tree_verify/wgmma_v5.cu, wgmma_v6.cu) that they share:
-// the layout constants, the plan kernel that cuts the work into jobs, the job decode, the tile mask,
-// the Hopper primitives (cp.async, mbarriers, wgmma) and the LSE combine kernel. Each version's file
-// describes the whole verify and adds its own attend kernel.
+// The parts of the wgmma tree-verify kernels (tree_verify/wgmma_v5.cu, wgmma_v6.cu, wgmma_v7.cu) that
+// they share: the layout constants, the plan kernel that cuts the work into jobs, the job decode, the
+// tile mask, the Hopper primitives (cp.async, mbarriers, wgmma), the seesaw's parts of v6 and v7 and
+// the LSE combine kernel. Each version's file describes the whole verify and adds its own attend kernel.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -473,6 +473,21 @@ __device__ __forceinline__ void exp_tile(float (&s)[32], float ms0, float ms1, f
     }
 }
 
+// The online-softmax step of one tile (log2 domain): from the rows' running maxima mp and the tile's
+// maxima mx, the new maxima mn and the factors c = 2^(mp - mn) of what came before; l = l c + the
+// rows' sums of P; s <- P = 2^(s - mn) (fp32). A row with no key yet keeps mn -inf, c and P 0.
+__device__ __forceinline__ void softmax_step(float (&s)[32], float mp0, float mp1, float mx0, float mx1, float& mn0,
+                                             float& mn1, float& c0, float& c1, float& l0, float& l1) {
+    mn0 = fmaxf(mp0, mx0);
+    mn1 = fmaxf(mp1, mx1);
+    const float ms0 = mn0 == NEG_INF ? 0.f : mn0, ms1 = mn1 == NEG_INF ? 0.f : mn1;  // no key yet
+    c0 = exp2f(mp0 - ms0);
+    c1 = exp2f(mp1 - ms1);
+    l0 *= c0;
+    l1 *= c1;
+    exp_tile(s, ms0, ms1, l0, l1);
+}
+
 // P (bf16, fp32 s) into shared memory at dst in a column block's K-major swizzled layout.
 __device__ __forceinline__ void store_p(const float (&s)[32], unsigned dst, int lr0, int lr1, int t4) {
 #pragma unroll
@@ -510,6 +525,32 @@ __device__ __forceinline__ void write_out(const float (&o)[128], float* parts, f
             *reinterpret_cast<float2*>(dst + 8 * i) = make_float2(o[4 * i + 2] * i1, o[4 * i + 3] * i1);
         if (lse && t4 == 0) part_lse[orow + lr1] = lse1;
     }
+}
+
+// The job's end in MMA warpgroup wg: the job's l = l_0 + l_1 (each warpgroup's sums through s_l [2][64],
+// named barrier lsum), the warpgroup's half of O normalised into parts and (wg 0) the rows' lse; then
+// m -inf and l 0 for the next job, whose first P V overwrites o. nrows() gives the job's valid rows
+// (called only past the barrier: nothing extra held live across it).
+template <class Rows>
+__device__ __forceinline__ void job_end(const float (&o)[128], float& m0, float& m1, float& l0, float& l1, float* s_l,
+                                        int lsum, int wg, float* parts, float* part_lse, int j, Rows nrows, int lr0,
+                                        int lr1, int t4) {
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+        l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+    }
+    if (t4 == 0) {
+        s_l[wg * BM + lr0] = l0;
+        s_l[wg * BM + lr1] = l1;
+    }
+    nb_sync(lsum);
+    const float lt0 = s_l[lr0] + s_l[BM + lr0], lt1 = s_l[lr1] + s_l[BM + lr1];
+    const float i0 = lt0 > 0.f ? 1.f / lt0 : 0.f, i1 = lt1 > 0.f ? 1.f / lt1 : 0.f;
+    write_out(o, parts, part_lse, j, wg * 256, nrows(), lr0, lr1, t4, i0, i1,
+              lt0 > 0.f ? (m0 + log2f(lt0)) * LN2 : NEG_INF, lt1 > 0.f ? (m1 + log2f(lt1)) * LN2 : NEG_INF, wg == 0);
+    m0 = m1 = NEG_INF;
+    l0 = l1 = 0.f;
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

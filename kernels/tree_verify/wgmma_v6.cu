@@ -174,12 +174,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v6_attend(
             const Job jb = decode_job(plan, nreq, cur.j);  // decoded where needed: fewer live registers
             if (2 * cur.i < jb.ntiles) tile_keys(jb, 2 * cur.i, tail, k0, kend);
             mask_tile(s, mx0, mx1, tail, k0, kend, vis, jb, Q, H, lr0, lr1, t4, sl2);
-            const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-            const float ms0 = mn0 == NEG_INF ? 0.f : mn0, ms1 = mn1 == NEG_INF ? 0.f : mn1;  // no key yet
-            const float c0 = exp2f(m0 - ms0), c1 = exp2f(m1 - ms1);
-            l0 *= c0;
-            l1 *= c1;
-            exp_tile(s, ms0, ms1, l0, l1);
+            float mn0, mn1, c0, c1;
+            softmax_step(s, m0, m1, mx0, mx1, mn0, mn1, c0, c1, l0, l1);
             rescale(o, c0, c1);
             s_m[lr0] = mn0;  // the quad's four threads store the same values: no branch
             s_m[lr1] = mn1;
@@ -235,12 +231,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v6_attend(
             issue_pv_ss(o, pa, k0s + WG1_CB0 * CB_BYTES, cur.i == 0);
             wg_commit();
             // ------------------------------------------------ tile B: softmax, O_R = O_R c_B + P_B V_BR
-            const float mn0 = fmaxf(ma0, mx0), mn1 = fmaxf(ma1, mx1);
-            const float ms0 = mn0 == NEG_INF ? 0.f : mn0, ms1 = mn1 == NEG_INF ? 0.f : mn1;
-            const float cb0 = exp2f(ma0 - ms0), cb1 = exp2f(ma1 - ms1);
-            l0 *= cb0;
-            l1 *= cb1;
-            exp_tile(s, ms0, ms1, l0, l1);
+            float mn0, mn1, cb0, cb1;
+            softmax_step(s, ma0, ma1, mx0, mx1, mn0, mn1, cb0, cb1, l0, l1);
             s_m[lr0] = mn0;  // under this warpgroup's MMAs: no branch (see prefetch_tile)
             s_m[lr1] = mn1;
             s_cb[lr0] = cb0;

@@ -6,10 +6,10 @@ variants) and KDLIB_ATTENTION_BUDGET_S (after which no new point starts; the poi
 order) are those parameters' defaults. Per point
 (heads H, tree queries Q, prefix S, batch B; bf16, page_size 1, scattered slots, random trees):
 
-  * `wgmma` (tree_verify_v5), `wgmma_v6` (tree_verify_v6) and the previous bf16 default
-    (`MMA_DEFAULT`): the whole verify (prefix + tail + merge) captured in a CUDA graph and replayed,
-    median of CUDA-event timings after warm-up; the wgmma versions run on a preallocated workspace
-    (nothing allocated in the graph);
+  * `wgmma` (tree_verify_v5), `wgmma_v6` (tree_verify_v6), `wgmma_v7` (tree_verify_v7) and the
+    previous bf16 default (`MMA_DEFAULT`): the whole verify (prefix + tail + merge) captured in a CUDA
+    graph and replayed, median of CUDA-event timings after warm-up; the wgmma versions run on a
+    preallocated workspace (nothing allocated in the graph);
   * the PyTorch baselines of `_attention.torch_baselines` (uniform points only);
   * FlashInfer's `BatchMLAPagedAttentionWrapper` (page_size 1, causal=False) over the prefix alone,
     eager, median of CUDA events, when `flashinfer` imports (tools/attention_gpu.sh carries its
@@ -214,7 +214,8 @@ def run(*, quick: bool = False, impls: Sequence[str] | None = None,
 
     quick: QUICK_POINTS and the ragged point, 10 kernel / 3 baseline replays (else POINTS, 20 / 5).
     impls: kernel variants (`kdlib.cuda.attention.IMPLS` names), the first the headline; None: env
-        `KDLIB_ATTENTION_IMPLS` (a comma list), else wgmma where the device runs it and MMA_DEFAULT.
+        `KDLIB_ATTENTION_IMPLS` (a comma list), else the wgmma versions (BF16_DEFAULT first) where the
+        device runs them and MMA_DEFAULT.
     time_budget_s: past this many seconds no new point starts; None: env `KDLIB_ATTENTION_BUDGET_S`,
         else no limit.
     """
