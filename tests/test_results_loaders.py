@@ -36,9 +36,10 @@ def test_load_attention_every_arm_of_every_point():
     impls = raw["parameters"]["impls"]
     assert len(rec.select(op="tree_verify_attention")) == n_variants == len(impls) * len(raw["points"])
     assert len(rec.rows) == n_variants + n_base + n_fi
-    assert {r.version for r in rec.select(op="tree_verify_attention")} == {6, 5, 3}  # wgmma_v6, wgmma, mma_v3
+    # wgmma_v7, wgmma_v6, wgmma, mma_v3
+    assert {r.version for r in rec.select(op="tree_verify_attention")} == {7, 6, 5, 3}
     p0 = raw["points"][0]
-    for impl, version in (("wgmma_v6", 6), ("wgmma", 5)):
+    for impl, version in (("wgmma_v7", 7), ("wgmma_v6", 6), ("wgmma", 5)):
         wg = rec.select(op="tree_verify_attention", version=version,
                         shape={k: p0[k] for k in ("heads", "queries", "batch", "prefix")})
         assert [r.median_ms for r in wg] == [p0["variants"][impl]["kernel"]["median_ms"]]

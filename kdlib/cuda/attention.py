@@ -27,15 +27,15 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     (`plan_v5` is its numpy mirror), a persistent kernel (one CTA per SM) over the prefix with the
     tree tail fused in, and an LSE combine; its buffers can be allocated once (`make_workspace`) so
     that a call allocates nothing and syncs nothing (CUDA-graph capturable);
-  * 6 (`tree_verify/wgmma_v6.cu`, sm_90a only, `DEFAULT_VERSION`): v5's plan, jobs, workspace and
+  * 6 (`tree_verify/wgmma_v6.cu`, sm_90a only): v5's plan, jobs, workspace and
     combine around another attend kernel, whose two warpgroups take the tiles of a job two at a time
     so that one's softmax runs under the other's MMAs (the kernel file says how);
-  * 7 (`tree_verify/wgmma_v7.cu`, sm_90a only): v6's plan, workspace, combine and two MMA warpgroups
+  * 7 (`tree_verify/wgmma_v7.cu`, sm_90a only, `DEFAULT_VERSION`): v6's plan, workspace, combine and two MMA warpgroups
     with warp specialisation: a third, producer warpgroup (384 threads a CTA, registers rebalanced
     with setmaxnreg) decodes the jobs and gathers every K tile, the MMA warpgroups only wait on its
     full barriers and release the stage blocks on empty ones (the kernel file says how).
 `version=None` (the default) picks by dtype and device: fp32 runs 1 (a dtype path, not a choice);
-bf16 runs `DEFAULT_VERSION` (6, `BF16_DEFAULT`: the fastest in data/results/attention.h200.json)
+bf16 runs `DEFAULT_VERSION` (7, `BF16_DEFAULT`: the fastest in data/results/attention.h200.json)
 where the device runs it, else 3 where the device grants its 166 KB of shared memory (not on sm_120's
 99 KB), else 1.
 
@@ -141,7 +141,7 @@ WGMMA = "wgmma"
 # What version None runs for bf16 where the device has sm_90a: the fastest of the wgmma versions and
 # MMA_DEFAULT in the recorded attention sweep (data/results/attention.h200.json: the fastest median at most
 # points, elsewhere within the other arm's replay spread; tests/test_kernel_constants.py checks it).
-BF16_DEFAULT = "wgmma_v6"
+BF16_DEFAULT = "wgmma_v7"
 _BY_IMPL = {launch.impl: v for v, launch in LAUNCHES.items()}
 DEFAULT_VERSION = _BY_IMPL[BF16_DEFAULT]
 # The deprecated impl= names -> versions ("auto": None, the default pick).
