@@ -423,10 +423,8 @@ __device__ __forceinline__ void gather_half(unsigned dst, unsigned bars, int s, 
     }
 }
 
-// Q of job jb into shared memory (one warpgroup, wt its thread; rows past the valid ones zero), then the
-// thread's arrive on the Q barrier once they land.
-__device__ __forceinline__ void load_q(unsigned base, unsigned qbar, const __nv_bfloat16* q, const Job& jb, int M,
-                                       int wt) {
+// Q of job jb into shared memory by cp.async (one warpgroup, wt its thread; rows past the valid ones zero).
+__device__ __forceinline__ void copy_q(unsigned base, const __nv_bfloat16* q, const Job& jb, int M, int wt) {
     const char* qg = reinterpret_cast<const char*>(q + ((long long)jb.b * M + jb.row0) * D_QK);
     const int r = wt >> 3, c = wt & 7;
 #pragma unroll
@@ -438,6 +436,12 @@ __device__ __forceinline__ void load_q(unsigned base, unsigned qbar, const __nv_
 #pragma unroll
         for (int cb = 0; cb < NCB; ++cb) cp_async16(dst + cb * CB_BYTES, src + cb * 128, ok ? 16 : 0);
     }
+}
+
+// copy_q, then the thread's arrive on the Q barrier once its copies land.
+__device__ __forceinline__ void load_q(unsigned base, unsigned qbar, const __nv_bfloat16* q, const Job& jb, int M,
+                                       int wt) {
+    copy_q(base, q, jb, M, wt);
     bar_arrive_copies(qbar);
 }
 

@@ -155,17 +155,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v5_attend(
         for (int j = blockIdx.x; j < njobs; j += gridDim.x) {
             const Job jb = decode_job(plan, nreq, j);
             {  // Q block, rows past the valid ones zero
-                const char* qg = reinterpret_cast<const char*>(q + ((long long)jb.b * M + jb.row0) * D_QK);
-                const int r = wt >> 3, c = wt & 7;
-#pragma unroll
-                for (int p = 0; p < 4; ++p) {
-                    const int row = r + 16 * p;
-                    const bool ok = row < jb.nrows;
-                    const char* src = qg + (ok ? (long long)row * D_QK * 2 : 0) + c * 16;
-                    const unsigned dst = base + row * 128 + ((c ^ (row & 7)) << 4);
-#pragma unroll
-                    for (int cb = 0; cb < NCB; ++cb) cp_async16(dst + cb * CB_BYTES, src + cb * 128, ok ? 16 : 0);
-                }
+                copy_q(base, q, jb, M, wt);
                 asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
                 asm volatile("bar.sync 1, 128;\n" ::: "memory");
                 fence_async_smem();
