@@ -1,0 +1,154 @@
+// The synchronisation patterns of the wgmma tree-verify kernels (tree_verify/wgmma_v6.cu, wgmma_v7.cu),
+// each on its own and small, for compute-sanitizer racecheck (tools/racecheck_patterns.py): a hazard the
+// tool reports on a pattern that is correct by the PTX memory model is a pattern the tool cannot see, not a
+// race of the kernel. rc_no_barrier is the control, a real race the tool must report. One block; threads
+// 0..127 are "warpgroup 0", 128..255 "warpgroup 1"; a third warpgroup (384 threads, as v7's producer)
+// only waits at the end. out [blockDim] receives what each thread read, so nothing is optimised away.
+#include "tree_verify/wgmma_common.cuh"
+
+#define ROUNDS 8
+#define ROWS 32  // one value per quad of a warpgroup (v7's row arrays: the quad's threads hold one row)
+
+// Control: warpgroup 0 writes, warpgroup 1 reads, nothing orders them.
+extern "C" __global__ void rc_no_barrier(float* out) {
+    __shared__ float s[128];
+    const int t = threadIdx.x, i = t & 127;
+    if (t < 128) s[i] = float(i);
+    if (t >= 128 && t < 256) out[t] = s[i];
+}
+
+// The reference: __syncthreads between the write and the read.
+extern "C" __global__ void rc_syncthreads(float* out) {
+    __shared__ float s[128];
+    const int t = threadIdx.x, i = t & 127;
+    if (t < 128) s[i] = float(i);
+    __syncthreads();
+    if (t >= 128 && t < 256) out[t] = s[i];
+}
+
+// One handoff through a named barrier of the 256 threads: warpgroup 0 writes and arrives, warpgroup 1
+// waits (bar.sync) and reads.
+extern "C" __global__ void rc_named_handoff(float* out) {
+    __shared__ float s[128];
+    const int t = threadIdx.x, i = t & 127;
+    if (t < 128) {
+        s[i] = float(i);
+        nb_arrive(1);
+    } else if (t < 256) {
+        nb_sync(1);
+        out[t] = s[i];
+    }
+    __syncthreads();
+}
+
+// The job end's exchange (job_end's s_l): every thread of the 256 writes its own value, all bar.sync, each
+// reads the other warpgroup's.
+extern "C" __global__ void rc_named_exchange(float* out) {
+    __shared__ float s[256];
+    const int t = threadIdx.x;
+    if (t < 256) {
+        s[t] = float(t);
+        nb_sync(1);
+        out[t] = s[t ^ 128];
+    }
+    __syncthreads();
+}
+
+// The seesaw's row handoff (v7's s_m, s_ca, s_cb and its named barriers), ROUNDS rounds. Warpgroup 0
+// writes the rows, arrives on 1, waits on 2, reads, waits on 3; warpgroup 1 waits on 1, reads, writes,
+// arrives on 2 and on 3 (v7: NB_SCALE_A, NB_SCALE_B, NB_PB). MODE 0: the quad's four threads store the
+// same value (v7); 1: one thread of the quad stores; 2: as 0 with a __syncwarp around each warp's stores.
+template <int MODE>
+__device__ __forceinline__ void seesaw(float* out) {
+    __shared__ float s[ROWS];
+    const int t = threadIdx.x, r = (t & 127) >> 2;
+    const bool store = MODE != 1 || (t & 3) == 0;
+    float acc = 0.f;
+    if (t < 256) {
+        for (int n = 0; n < ROUNDS; ++n) {
+            if (t < 128) {
+                if (MODE == 2) __syncwarp();
+                if (store) s[r] = float(r + n);
+                if (MODE == 2) __syncwarp();
+                nb_arrive(1);
+                nb_sync(2);
+                acc += s[r];
+                nb_sync(3);
+            } else {
+                nb_sync(1);
+                const float v = s[r];
+                acc += v;
+                if (MODE == 2) __syncwarp();
+                if (store) s[r] = v + 1.f;
+                if (MODE == 2) __syncwarp();
+                nb_arrive(2);
+                nb_arrive(3);
+            }
+        }
+        out[t] = acc;
+    }
+    __syncthreads();
+}
+
+extern "C" __global__ void rc_seesaw_quad(float* out) { seesaw<0>(out); }
+extern "C" __global__ void rc_seesaw_one(float* out) { seesaw<1>(out); }
+extern "C" __global__ void rc_seesaw_syncwarp(float* out) { seesaw<2>(out); }
+
+// A full / empty mbarrier ring of one slot, ROUNDS rounds: warpgroup 0 waits "empty", writes, arrives
+// "full"; warpgroup 1 waits "full", reads, arrives "empty" (v7's stage and descriptor barriers).
+extern "C" __global__ void rc_mbarrier(float* out) {
+    __shared__ float s[128];
+    __shared__ alignas(8) unsigned long long bars[2];
+    const int t = threadIdx.x, i = t & 127;
+    const unsigned full = smem_u32(&bars[0]), empty = smem_u32(&bars[1]);
+    if (t == 0) {
+        bar_init(full, 128);
+        bar_init(empty, 128);
+    }
+    __syncthreads();
+    float acc = 0.f;
+    for (int n = 0; n < ROUNDS && t < 256; ++n) {
+        if (t < 128) {
+            bar_wait(empty, (n & 1) ^ 1);  // a fresh barrier passes parity 1 at once
+            s[i] = float(n + i);
+            bar_arrive(full);
+        } else {
+            bar_wait(full, n & 1);
+            acc += s[i];
+            bar_arrive(empty);
+        }
+    }
+    if (t >= 128 && t < 256) out[t] = acc;
+    __syncthreads();
+}
+
+// v7's stage blocks: warpgroup 0 fills the slot with cp.async and arrives "full" when its copies land
+// (cp.async.mbarrier.arrive.noinc); warpgroup 1 waits, reads the slot, overwrites it (v7's P over the rope
+// block) and arrives "empty"; the next fill waits on "empty". src [ROUNDS x 128] float4.
+extern "C" __global__ void rc_cp_async(const float4* src, float* out) {
+    __shared__ alignas(16) float4 s[128];
+    __shared__ alignas(8) unsigned long long bars[2];
+    const int t = threadIdx.x, i = t & 127;
+    const unsigned full = smem_u32(&bars[0]), empty = smem_u32(&bars[1]);
+    if (t == 0) {
+        bar_init(full, 128);
+        bar_init(empty, 128);
+    }
+    __syncthreads();
+    float acc = 0.f;
+    for (int n = 0; n < ROUNDS && t < 256; ++n) {
+        if (t < 128) {
+            bar_wait(empty, (n & 1) ^ 1);
+            cp_async16(smem_u32(&s[i]), src + n * 128 + i, 16);
+            bar_arrive_copies(full);
+        } else {
+            bar_wait(full, n & 1);
+            const float4 v = s[i];
+            acc += v.x + v.y + v.z + v.w;
+            s[i] = make_float4(acc, acc, acc, acc);
+            bar_arrive(empty);
+        }
+    }
+    if (t >= 128 && t < 256) out[t] = acc;
+    __syncthreads();
+}

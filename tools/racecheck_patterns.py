@@ -1,0 +1,104 @@
+"""What compute-sanitizer racecheck reports on the synchronisation patterns of the wgmma tree-verify kernels
+(tools/racecheck_patterns.cu), each alone in a small kernel: which correct patterns the tool sees as
+ordered, and so which of its hazards on the real kernels are races and which are the tool's blind spots.
+
+    python3 tools/racecheck_patterns.py all --out DIR     # each case under racecheck -> DIR/patterns.json
+    python3 tools/racecheck_patterns.py run CASE          # one case, no sanitizer (what `all` runs)
+
+A case is a kernel and a block size (256 threads: two warpgroups; 384: v7's three, the third idle). The
+control, rc_no_barrier, is a real race: a run where racecheck does not report it is not evidence. Every
+other case is ordered by the PTX memory model; `expected` says so. DIR/patterns.json: per case the
+hazards racecheck counted, and `sees_order` (no hazard on a correct pattern, at least one on the control).
+Exit code 0 when the control was caught, 1 otherwise, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from sanitize_attention import parse_log
+
+from kdlib.cuda import loader
+from kdlib.perf.results import provenance
+
+SOURCE = Path(__file__).with_suffix(".cu")
+ROUNDS, THREADS_MAX = 8, 384  # the .cu's ROUNDS; the largest block a case uses
+# name -> (kernel, threads, races): races True for the control only
+CASES = {
+    "no_barrier": ("rc_no_barrier", 256, True),
+    "syncthreads": ("rc_syncthreads", 256, False),
+    "named_handoff": ("rc_named_handoff", 256, False),
+    "named_handoff_384": ("rc_named_handoff", 384, False),
+    "named_exchange": ("rc_named_exchange", 256, False),
+    "named_exchange_384": ("rc_named_exchange", 384, False),
+    "seesaw_quad": ("rc_seesaw_quad", 256, False),
+    "seesaw_quad_384": ("rc_seesaw_quad", 384, False),
+    "seesaw_one_384": ("rc_seesaw_one", 384, False),
+    "seesaw_syncwarp_384": ("rc_seesaw_syncwarp", 384, False),
+    "mbarrier": ("rc_mbarrier", 256, False),
+    "cp_async": ("rc_cp_async", 256, False),
+}
+
+
+def run(names: list[str]) -> int:
+    import cupy
+
+    code = loader.expand_includes(SOURCE, loader.KERNELS)
+    mod = cupy.RawModule(code=code, options=("--std=c++17", "-arch=sm_90a", "-lineinfo"))
+    src = cupy.arange(ROUNDS * 128 * 4, dtype=cupy.float32)  # [ROUNDS * 128] float4
+    for name in names:
+        kernel, threads, _ = CASES[name]
+        out = cupy.zeros(THREADS_MAX, dtype=cupy.float32)
+        args = (src, out) if kernel == "rc_cp_async" else (out,)
+        mod.get_function(kernel)((1,), (threads,), args)
+        cupy.cuda.Device().synchronize()
+        print(f"{name}: ran ({kernel}, {threads} threads)", flush=True)
+    return 0
+
+
+def run_all(out: Path) -> int:
+    sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    out.mkdir(parents=True, exist_ok=True)
+    cases = {}
+    for name, (kernel, threads, races) in CASES.items():
+        cmd = [sanitizer, "--tool", "racecheck", "--error-exitcode", "9", sys.executable, __file__,
+               "run", name]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        log = proc.stdout + proc.stderr
+        (out / f"{name}.log").write_text(log)
+        hazards = parse_log(log, "racecheck")["errors"]
+        cases[name] = {"kernel": kernel, "threads": threads, "expected": "race" if races else "ordered",
+                       "rc": proc.returncode, "hazards": hazards,
+                       "sees_order": None if hazards is None else (hazards > 0) == races}
+        print(f"{name:22s} {cases[name]['expected']:8s} hazards {hazards}", flush=True)
+    control = cases["no_barrier"]["hazards"]
+    doc = {"provenance": provenance(), "sanitizer": sanitizer, "cases": cases,
+           "control_caught": bool(control)}
+    (out / "patterns.json").write_text(json.dumps(doc, indent=1) + "\n")
+    return 0 if doc["control_caught"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run cases without a sanitizer")
+    r.add_argument("case", nargs="+", help=f"one of {sorted(CASES)}")
+    a = sub.add_parser("all", help="every case under racecheck -> OUT/patterns.json")
+    a.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    if args.cmd == "run":
+        bad = [c for c in args.case if c not in CASES]
+        if bad:
+            print(f"unknown case {bad[0]!r}: one of {sorted(CASES)}", file=sys.stderr)
+            return 2
+        return run(args.case)
+    return run_all(args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
