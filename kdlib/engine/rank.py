@@ -6,6 +6,14 @@ on the device.
     step = RankStep(model, streams=10, context=5500, budget=16, drafter=RankDrafter(model, DFLASH_KIMI))
     step.run()                                        # one verify step, all parts, on static buffers
 
+The batched engine runs the rank too (`RankTarget`: vocab-parallel, shard-local token ids; `RankDrafter`
+brings its lanes through `make_lanes`), AR or DDTree, each step one CUDA-graph replay; there the
+trees are accepted as far as the random drafter and target agree (no forced tau):
+
+    target = RankTarget(model, routing="router", prefill="layers", max_rows=16 * 17)
+    eng = BatchEngine(target, max_streams=16, method="ddtree", drafter=RankDrafter(model, DFLASH_KIMI),
+                      budget=16)                      # then add_request / step as in kdlib.engine.batch
+
 What rank `rank` of `tp` holds (the slicing of `kdlib.tp.engine.shard_state_dict`, `partition` ranges):
   * attention (plain TP): its heads of q_b_proj / kv_b_proj / o_proj; q_a_proj, kv_a_proj_with_mqa
     and their norms replicated, so the latent cache [layers, slots, kv_lora + rope] is the whole one;
@@ -17,7 +25,7 @@ Weights: bf16 everywhere but the routed experts, which are INT4 with a bf16 scal
 packed layout of `kdlib.cuda.moe.pack_moe` (`pack_moe_torch` is its torch twin), quantized from
 Gaussians on the device; std 1 / sqrt(fan in) (unit gain), norms 1, router bias 0.
 
-The forward of a step (`RankStep.forward`) is the batched engine's verify (C streams x W rows over a
+The forward of a step (`RankStep.verify`) is the batched engine's verify (C streams x W rows over a
 paged latent pool) with the rank's kernels: the tree-verify MLA kernels (`kdlib.ops`, 576-wide latent)
 and `moe_w4a16` with routing built on the device (`device_routing`: no host sync, launch sizes from
 static bounds), so the whole step is CUDA-graph capturable. What a rank does not do here: the
@@ -40,7 +48,7 @@ experts dequantized in torch (the INT4 kernel needs CUDA).
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -60,13 +68,15 @@ from kdlib.engine.int4 import (
     routed_dequantized,
     routed_kernel,
 )
-from kdlib.engine.model import apply_rope, rope_cos_sin, rope_inv_freq
+from kdlib.engine.model import Model, apply_rope, rope_cos_sin, rope_inv_freq
 from kdlib.tp.engine import MOE_MODES, partition
 
 # the layer weights `RankModel.pre` and `RankModel.post` read, in their argument order
 _PRE = ("in_norm", "q_a", "q_a_norm", "q_b", "kv_b", "kv_a", "kv_a_norm")
 _POST = ("kv_b", "o", "post_norm", "mlp_gu", "mlp_down")
-ROUTINGS = ("uniform", "router")  # RankStep's expert choice
+ROUTINGS = ("uniform", "router")  # RankStep's and RankTarget's expert choice
+PREFILLS = ("layers", "synthetic")  # RankTarget's prefill
+PREFILL_CHUNK = 64  # prompt rows one prefill chunk verifies (the tree-verify kernels take <= 65 a stream)
 
 
 # ----------------------------------------------------------------------------- shapes
@@ -352,6 +362,54 @@ class RankModel:
         """Final norm + this rank's LM head rows: [M, H] -> [M, V_r] float32."""
         return F.linear(self.rms(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
 
+    # ---- the verify forward's loop (RankStep and RankTarget)
+    def prologue(self, table: torch.Tensor, lens: torch.Tensor, depth: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What every layer of a verify reads: RoPE cos, sin [M, rope / 2] of the rows' positions lens + depth
+        and the rows' cache slots [M] (row j of stream c at table[c, lens[c] + j]); table [C, T], lens [C],
+        depth [C, W]."""
+        W = depth.shape[1]
+        pos = (lens[:, None] + depth).reshape(-1)  # [M]
+        cos, sin = rope_cos_sin(self.cfg, pos, torch.bfloat16, self.device, inv=self.rope_inv())
+        slots = table.gather(1, lens[:, None] + torch.arange(W, device=self.device)[None]).reshape(-1)
+        return cos, sin, slots
+
+    def attend(self, kv: torch.Tensor, q, rows, slots, table, lens, vis, sizes) -> torch.Tensor:
+        """One layer's latent rows [M, 576] to their slots [M] of kv [S, 576], then the tree-verify attention
+        of q [M, nh, 576] over each stream's prefix (table [C, T] slots, lens [C]) and its own rows (vis
+        [C, W, W], sizes [C]) -> o_lat [M, nh, kv_lora] float32. On CUDA table, lens and sizes are int32
+        (the kernels' types), unchecked (graph-safe)."""
+        c, nh = self.cfg, self.heads
+        C, W = vis.shape[:2]
+        kv.index_copy_(0, slots, rows)
+        extra = {"validate": False} if self.device.type == "cuda" else {}
+        out, _ = ops.tree_verify_attention(
+            q.view(C, W, nh, c.latent_dim), kv, table, lens, rows.view(C, W, c.latent_dim), vis, sizes,
+            c.softmax_scale, kv_lora_rank=c.kv_lora_rank, **extra)
+        return torch.as_tensor(out, device=self.device).reshape(C * W, nh, c.kv_lora_rank).float()
+
+    def layers_forward(self, h: torch.Tensor, cos, sin, attend, bound: int, overflow: torch.Tensor | None,
+                       route_ids: torch.Tensor | None = None, taps: tuple[int, ...] = (), keep=None
+                       ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The decoder layers over M rows: h [M, H] (embedded) -> (h [M, H] after the last layer, {layer i:
+        h [M, H] after layer i} for i in taps). attend(i, q, rows) -> o_lat: layer i's attention (`attend`
+        over the caller's pool); bound / overflow: `routed`'s; route_ids [layers, >= M, k]: forced experts
+        (rows [:M]), None: the router's; keep(i, x, q, rows, o_lat, f): each layer's piece inputs."""
+        M, out = h.shape[0], {}
+        for i, L in enumerate(self.layers):
+            x, q, rows = self.pre(L, h, cos, sin)
+            o_lat = attend(i, q, rows)
+            h, f, y = self.post(L, h, o_lat)
+            if "router" in L:
+                ids = None if route_ids is None else route_ids[i, :M]
+                y = y + self.routed(L, f, bound, overflow, ids)
+            if keep is not None:
+                keep(i, x, q, rows, o_lat, f)
+            h = h + y
+            if i in taps:
+                out[i] = h
+        return h, out
+
 
 # ----------------------------------------------------------------------------- the DFlash drafter
 @dataclass(frozen=True)
@@ -384,7 +442,7 @@ class RankDrafter:
 
     def __init__(self, model: RankModel, ds: DraftShape, seed: int = 1):
         s, c, dev = model.shape, model.cfg, model.device
-        self.model, self.ds = model, ds
+        self.model, self.ds, self.seed = model, ds, seed
         gen = torch.Generator(device=dev).manual_seed(seed)
         H, hd = c.hidden_size, ds.head_dim
         self.nh = partition(ds.num_heads, s.tp)[s.rank][1] - partition(ds.num_heads, s.tp)[s.rank][0]
@@ -419,10 +477,31 @@ class RankDrafter:
         ts = [self.fc, self.hidden_norm, self.norm] + [t for L in self.layers for t in L.values()]
         return sum(t.numel() * t.element_size() for t in ts)
 
-    def make_pool(self, slots: int) -> None:
+    @property
+    def vocab_size(self) -> int:
+        """V_r: the rank's vocabulary shard (what the engine's target, a `RankTarget`, has)."""
+        v0, v1 = self.model.shape.vocab_range
+        return v1 - v0
+
+    @property
+    def block_size(self) -> int:
+        return self.ds.block_size
+
+    def new_pool(self, slots: int) -> torch.Tensor:
+        """Zeroed context K/V [layers, 2, slots, kv_r, hd] bf16."""
         ds = self.ds
-        self.kv = torch.zeros(ds.num_layers, 2, slots, self.nkv, ds.head_dim, dtype=torch.bfloat16,
-                              device=self.model.device)
+        return torch.zeros(ds.num_layers, 2, slots, self.nkv, ds.head_dim, dtype=torch.bfloat16,
+                           device=self.model.device)
+
+    def make_pool(self, slots: int) -> None:
+        self.kv = self.new_pool(slots)
+
+    def make_lanes(self, target: RankTarget, lanes: int, cap: int) -> RankLanes:
+        """The batched engine's per-lane drafter state (`kdlib.engine.batch._lane_drafter`'s hook)."""
+        if not isinstance(target, RankTarget) or target.m is not self.model:
+            raise ValueError("RankDrafter drafts for the RankTarget of the RankModel it was built on; "
+                             "this target is another")
+        return RankLanes(self, target, lanes, cap)
 
     def _rope(self, x, pos):
         hd = self.ds.head_dim
@@ -436,9 +515,10 @@ class RankDrafter:
         k = self.model.rms(F.linear(h, L["k"]).view(-1, self.nkv, hd), L["k_norm"], 1e-6)
         return self._rope(k, pos), F.linear(h, L["v"]).view(-1, self.nkv, hd)
 
-    def draft(self, bonus: torch.Tensor, lens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        """bonus, lens [C], table [C, T] (context slots) -> local logits [C, B - 1, V_r] float32
-        (depths 1..L)."""
+    def draft(self, bonus: torch.Tensor, lens: torch.Tensor, table: torch.Tensor,
+              pool: torch.Tensor | None = None) -> torch.Tensor:
+        """bonus [C] (global ids), lens [C], table [C, T] (context slots of pool, default the drafter's) ->
+        local logits [C, B - 1, V_r] float32 (depths 1..L)."""
         m, ds = self.model, self.ds
         C, T = table.shape
         B, hd, eps = ds.block_size, ds.head_dim, m.cfg.rms_norm_eps
@@ -450,7 +530,7 @@ class RankDrafter:
         valid = torch.arange(T, device=dev)[None] < lens[:, None]  # [C, T]
         seen = torch.cat([valid, torch.ones(C, B, dtype=torch.bool, device=dev)], 1)  # [C, T + B]
         rep = self.nh // self.nkv
-        for L, kv in zip(self.layers, self.kv, strict=True):
+        for L, kv in zip(self.layers, self.kv if pool is None else pool, strict=True):
             a = m.rms(x, L["in_norm"], eps)
             q = self._rope(m.rms(F.linear(a, L["q"]).view(-1, self.nh, hd), L["q_norm"], 1e-6), pos)
             bk, bv = self._kv(L, a, pos)
@@ -467,13 +547,15 @@ class RankDrafter:
             x = x + F.linear(F.silu(g) * u, L["down"])
         return m.head_local(x.view(C, B, -1)[:, 1:].reshape(C * (B - 1), -1)).view(C, B - 1, -1)
 
-    def commit(self, feats: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> None:
-        """feats [N, taps x H] of committed rows -> their context K/V at `slots` [N] (positions `pos` [N])."""
+    def commit(self, feats: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
+               pool: torch.Tensor | None = None) -> None:
+        """feats [N, taps x H] of committed rows -> their context K/V at `slots` [N] (positions `pos` [N]) of
+        pool (default the drafter's)."""
         m = self.model
         f0, f1 = self.fc_cols
         # [N, H] (partial)
         h = m.rms(F.linear(feats[:, f0:f1], self.fc), self.hidden_norm, m.cfg.rms_norm_eps)
-        for L, kv in zip(self.layers, self.kv, strict=True):
+        for L, kv in zip(self.layers, self.kv if pool is None else pool, strict=True):
             k, v = self._kv(L, h, pos)
             kv[0].index_copy_(0, slots, k)
             kv[1].index_copy_(0, slots, v)
@@ -503,6 +585,14 @@ def forced_targets(
     (first child's slot or -1), argmax [C, W]."""
     child = tokens.gather(1, next_token.clamp(min=0))
     return torch.where((positions >= 0) & (positions < accepted - 1) & (next_token >= 0), child, argmax)
+
+
+def uniform_experts(cfg: ModelConfig, rows: int, gen: torch.Generator) -> torch.Tensor:
+    """[layers, rows, k] int64: per layer and row k distinct experts of cfg's, drawn uniformly (the top-k of
+    uniforms on gen's device)."""
+    draw = [torch.rand(rows, cfg.n_routed_experts, generator=gen, device=gen.device)
+            for _ in range(cfg.num_hidden_layers)]  # [rows, E] each
+    return torch.stack([u.topk(cfg.num_experts_per_tok).indices for u in draw])
 
 
 # ----------------------------------------------------------------------------- modelled collectives
@@ -583,9 +673,7 @@ class RankStep:
         self.routing = routing
         self.route_ids = None  # [layers, M, k] forced experts under "uniform"
         if routing == "uniform":
-            draw = [torch.rand(self.M, c.n_routed_experts, generator=gen, device=dev)
-                    for _ in range(c.num_hidden_layers)]  # [M, E] each: the top-k of uniforms
-            self.route_ids = torch.stack([u.topk(c.num_experts_per_tok).indices for u in draw])
+            self.route_ids = uniform_experts(c, self.M, gen)
         self.overflow = torch.zeros((), dtype=torch.int64, device=dev)
         self.tokens = self.bonus[:, None].repeat(1, W).contiguous()  # [C, W]
         self.depth = torch.zeros(C, W, **i64)
@@ -666,49 +754,48 @@ class RankStep:
     def verify(self, only: tuple[str, ...] | None = None, save: bool = False) -> None:
         """The target's forward over the C x W rows; save=True (eager, before timing) keeps each layer's
         piece inputs and outputs for the part-only forwards."""
-        m, c = self.m, self.m.cfg
-        full = only is None
-        do = (lambda p: True) if full else (lambda p: p in only)
+        m, H = self.m, self.m.cfg.hidden_size
         cos, sin, slots = self.prologue()
+        if only is None:  # the whole forward: the layer loop RankTarget runs too
+            h, taps = m.layers_forward(
+                m.embed_rows(self.tokens.reshape(-1)), cos, sin,
+                lambda i, q, rows: self.attention(i, q, rows, slots), self.bound, self.overflow,
+                self.route_ids, self.taps, self._save if save else None)
+            for t, i in enumerate(self.taps):
+                self.feats[:, t * H:(t + 1) * H].copy_(taps[i])
+            self.head(h)
+            return
+        do = only.__contains__  # the pieces named, on the inputs a saved forward left
         h = m.embed_rows(self.tokens.reshape(-1)) if do("dense") else None
         tap = 0
         for i, L in enumerate(m.layers):
             if do("dense"):
-                x, q, rows = m.pre(L, h, cos, sin)
-                if save:
-                    self.x_saved[i].copy_(x)
-                    self.q_saved[i].copy_(q)
-                    self.rows_saved[i].copy_(rows)
+                m.pre(L, h, cos, sin)
             if do("attention"):
-                o_lat = self.attention(
-                    i, self.q_saved[i] if not full else q, self.rows_saved[i] if not full else rows, slots
-                )
-                if save:
-                    self.o_saved[i].copy_(o_lat)
+                self.attention(i, self.q_saved[i], self.rows_saved[i], slots)
             if do("dense"):
-                h, f, y = m.post(L, h, o_lat if full else self.o_saved[i])
-                if save:
-                    self.f_saved[i].copy_(f)
+                h, _, y = m.post(L, h, self.o_saved[i])
             if do("moe") and "router" in L:
                 ids = None if self.route_ids is None else self.route_ids[i]
-                r = m.routed(L, f if full else self.f_saved[i], self.bound, self.overflow, ids)
-                y = y + r if full else r
+                y = m.routed(L, self.f_saved[i], self.bound, self.overflow, ids)
             if do("dense"):
                 h = h + y
                 if i in self.taps:
-                    self.feats[:, tap * c.hidden_size:(tap + 1) * c.hidden_size].copy_(h)
+                    self.feats[:, tap * H:(tap + 1) * H].copy_(h)
                     tap += 1
         if do("dense"):
             self.head(h)
 
+    def _save(self, i, x, q, rows, o_lat, f) -> None:
+        """Layer i's piece inputs and outputs, kept for the part-only forwards."""
+        for buf, t in ((self.x_saved, x), (self.q_saved, q), (self.rows_saved, rows), (self.o_saved, o_lat),
+                       (self.f_saved, f)):
+            buf[i].copy_(t)
+
     def prologue(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What every layer of the verify reads: RoPE cos, sin [M, rope / 2] of the rows' positions and the
         rows' cache slots [M]."""
-        m, W = self.m, self.W
-        pos = (self.lens[:, None] + self.depth).reshape(-1)  # [M]
-        cos, sin = rope_cos_sin(m.cfg, pos, torch.bfloat16, m.device, inv=m.rope_inv())
-        slots = self.table.gather(1, self.lens[:, None] + torch.arange(W, device=m.device)[None]).reshape(-1)
-        return cos, sin, slots
+        return self.m.prologue(self.table, self.lens, self.depth)
 
     def head(self, h: torch.Tensor) -> None:
         """The last layer's output h [M, H] -> final norm, this rank's LM head rows, `argmax` [C, W]."""
@@ -717,17 +804,10 @@ class RankStep:
 
     def attention(self, i: int, q, rows, slots) -> torch.Tensor:
         """Latent rows to their slots, then the tree-verify attention -> o_lat [M, nh, kv_lora] float32."""
-        m, c = self.m, self.m.cfg
-        C, W = self.C, self.W
-        self.pool[i].index_copy_(0, slots, rows)
-        cuda = m.device.type == "cuda"
-        extra = {"validate": False} if cuda else {}
-        out, _ = ops.tree_verify_attention(
-            q.view(C, W, m.shape.heads, c.latent_dim), self.pool[i],
-            self.prefix32 if cuda else self.table[:, : self.ctx], self.lens32 if cuda else self.lens,
-            rows.view(C, W, c.latent_dim), self.vis, self.sizes32 if cuda else self.sizes32.long(),
-            c.softmax_scale, kv_lora_rank=c.kv_lora_rank, **extra)
-        return torch.as_tensor(out, device=m.device).reshape(C * W, m.shape.heads, c.kv_lora_rank).float()
+        cuda = self.m.device.type == "cuda"
+        table = self.prefix32 if cuda else self.table[:, : self.ctx]
+        return self.m.attend(self.pool[i], q, rows, slots, table, self.lens32 if cuda else self.lens,
+                             self.vis, self.sizes32 if cuda else self.sizes32.long())
 
     def accept(self) -> None:
         dev = self.m.device
@@ -770,6 +850,161 @@ class RankStep:
         ds = self.d.ds if self.ddtree else None
         return step_allreduces(self.m.shape, self.M, self.C * ds.block_size if ds else 0, self.M, ds)
 
+
+
+# ----------------------------------------------------------------------------- the rank behind BatchEngine
+class RankTarget:
+    """A `RankModel` as the batched engine's target (`kdlib.engine.batch.BatchEngine`'s model interface).
+
+    Vocabulary-parallel: the engine sees the rank's shard. `cfg` is the model's with vocab_size = V_r,
+    token ids are shard-local (global id - v0), `head` gives this rank's logits [M, V_r] (`head_local`),
+    so the engine's argmax, top-K and sampling run over the shard. What a real TP service adds, the
+    all-gather of the logits (or an argmax across the ranks), is modelled, like the all-reduces.
+
+    forward_batch is RankStep's verify on the engine's inputs (`RankModel.layers_forward`: the latent rows
+    into the pool at the rows' slots, `ops.tree_verify_attention` over the paged pool, MLP and
+    `moe_w4a16`), graph-capturable on CUDA. The experts' launch bound is `count_bound` of the step's rows
+    M = C x W (static per captured step, RankStep's bound at the same M); `overflow` counts the layers
+    where an expert got more rows than that (whose extra slots the kernels skip).
+
+    routing: "router" — the model's router: the target is a pure function of the tokens (DDTree == AR);
+    "uniform" — per (layer, row index in the step) experts drawn uniformly once into `route_ids`
+    [layers, max_rows, k], rows [:M] used by each forward: balanced experts, as a trained router gives on
+    average. The outputs then depend on a row's index in its step: only the timing means something.
+    prefill: "layers" — the prompt through the layers causally, in chunks of `chunk` rows through
+    forward_batch (one stream, causal visibility, lens = the rows done): the same kernels as a step;
+    "synthetic" — for long contexts: random latent rows at the cache's scale (c_kv at unit RMS as
+    kv_a_norm leaves it, the RoPE part at unit scale), h [1, H] the embedded last token, no features
+    (the drafter fills its context with random K/V) and no layers run (a step's work does not depend on
+    the cached values). max_rows: the most rows a forward takes (steps: max_streams x (budget + 1))."""
+
+    check_tokens = Model.check_tokens  # ids inside [0, cfg.vocab_size = V_r), as int64 on the device
+
+    def __init__(self, model: RankModel, routing: str = "router", prefill: str = "layers",
+                 max_rows: int = 1040, bound_factor: float = 4.0, chunk: int = PREFILL_CHUNK, seed: int = 0):
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+        if prefill not in PREFILLS:
+            raise ValueError(f"prefill must be one of {PREFILLS}, got {prefill!r}")
+        for name, v, hi in (("max_rows", max_rows, None), ("chunk", chunk, PREFILL_CHUNK)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1 or (hi is not None and v > hi):
+                raise ValueError(f"{name} must be an int in [1, {hi or 'inf'}], got {v!r}")
+        if not bound_factor > 0:
+            raise ValueError(f"bound_factor must be > 0, got {bound_factor!r}")
+        self.m, self.routing, self.prefill = model, routing, prefill
+        self.max_rows, self.bound_factor, self.chunk = max_rows, float(bound_factor), min(chunk, max_rows)
+        self.v0, v1 = model.shape.vocab_range
+        self.cfg = replace(model.cfg, vocab_size=v1 - self.v0)
+        self.device, self.dtype = model.device, torch.bfloat16
+        self.gen = torch.Generator(device=model.device).manual_seed(seed)
+        self.route_ids = uniform_experts(model.cfg, max_rows, self.gen) if routing == "uniform" else None
+        self.overflow = torch.zeros((), dtype=torch.int64, device=model.device)
+
+    @torch.no_grad()
+    def forward_plain(self, token_ids, capture: tuple[int, ...] = ()):
+        """The prefill: (h [P, H] ([1, H] under "synthetic"), latents [P, layers, kv_lora + rope],
+        captured [P, F] | None)."""
+        ids = self.check_tokens(token_ids)
+        P, c, dev = ids.shape[0], self.cfg, self.device
+        if self.prefill == "synthetic":
+            r = c.kv_lora_rank
+            lats = torch.empty(P, c.num_hidden_layers, c.latent_dim, dtype=torch.bfloat16, device=dev)
+            for i in range(c.num_hidden_layers):  # one layer's draw at a time: [P, D] float32
+                x = torch.randn(P, c.latent_dim, generator=self.gen, device=dev)
+                x[:, :r] = F.rms_norm(x[:, :r], (r,))
+                lats[:, i] = x
+            return self.m.embed_rows(ids[-1:] + self.v0), lats, None
+        kv = torch.zeros(c.num_hidden_layers, P, c.latent_dim, dtype=torch.bfloat16, device=dev)  # slot = pos
+        table = torch.arange(P, device=dev)[None]  # [1, P]
+        hs, fs = [], []
+        with _cupy_stream() if dev.type == "cuda" else nullcontext():
+            for s in range(0, P, self.chunk):
+                w = min(self.chunk, P - s)
+                vis = torch.ones(w, w, dtype=torch.bool, device=dev).tril()[None]  # [1, w, w] causal
+                h, f = self.forward_batch(kv, table, torch.tensor([s], device=dev), ids[None, s:s + w],
+                                          torch.arange(w, device=dev)[None], vis, capture)
+                hs.append(h)
+                fs.append(f)
+        return torch.cat(hs), kv.transpose(0, 1), torch.cat(fs) if capture else None
+
+    @torch.no_grad()
+    def logits(self, token_ids) -> torch.Tensor:
+        """[P, V_r] float32 logits of the prompt (prefill "layers" only)."""
+        if self.prefill == "synthetic":
+            raise ValueError("RankTarget(prefill='synthetic') runs no layers over the prompt: no logits")
+        return self.head(self.forward_plain(token_ids)[0])
+
+    @torch.no_grad()
+    def forward_batch(self, kv, table, lens, token_ids, depth, visibility, capture: tuple[int, ...] = ()):
+        """`Model.forward_batch`'s contract (C streams x W rows over the paged pool kv [layers, S, 576]):
+        -> (h [C*W, H], captured [C*W, F] | None); token ids shard-local."""
+        C, W = token_ids.shape
+        M, m, c = C * W, self.m, self.m.cfg
+        if M > self.max_rows:
+            raise ValueError(f"a forward of {C} x {W} rows exceeds RankTarget's max_rows {self.max_rows} "
+                             "(make it >= max_streams x (budget + 1))")
+        bad = [i for i in capture if not 0 <= i < c.num_hidden_layers]
+        if bad:
+            raise ValueError(f"capture layers {bad} are not decoder layers of this model")
+        cos, sin, slots = m.prologue(table, lens, depth)
+        i32 = torch.int32 if self.device.type == "cuda" else torch.int64  # the kernels' index type
+        pt, ln = table.to(i32), lens.to(i32)
+        sizes = torch.full((C,), W, dtype=i32, device=self.device)
+        bound = count_bound(M, c.num_experts_per_tok, c.n_routed_experts, self.bound_factor)
+        h, taps = m.layers_forward(
+            m.embed_rows(token_ids.reshape(-1) + self.v0), cos, sin,
+            lambda i, q, rows: m.attend(kv[i], q, rows, slots, pt, ln, visibility, sizes),
+            bound, self.overflow, self.route_ids, tuple(capture))
+        return h, torch.cat([taps[i] for i in capture], dim=-1) if capture else None
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """h [M, H] -> this rank's logits [M, V_r] float32."""
+        return self.m.head_local(h)
+
+
+class RankLanes:
+    """A `RankDrafter`'s per-lane state in the batched engine (the signatures of batch's _DFlashLanes):
+    context K/V of lane l's position t at slot l x cap + t of its own pool [layers, 2, lanes x cap, kv_r,
+    hd]; the draft and commit are `RankDrafter.draft` / `commit` over that pool."""
+
+    graph_safe = True
+
+    def __init__(self, drafter: RankDrafter, target: RankTarget, lanes: int, cap: int):
+        bad = [i for i in drafter.ds.target_layer_ids if not 0 <= i < target.cfg.num_hidden_layers]
+        if bad:
+            raise ValueError(f"the drafter's target layers {bad} are not layers of the target")
+        self.d, self.target, self.cap = drafter, target, cap
+        self.capture = tuple(drafter.ds.target_layer_ids)
+        self.kv = drafter.new_pool(lanes * cap)
+        dev = target.device
+        self.base = torch.arange(lanes, device=dev)[:, None] * cap  # [lanes, 1] each lane's first slot
+        self.gen = torch.Generator(device=dev).manual_seed(drafter.seed)
+
+    def admit(self, lane: int, prompt: list[int], feats: torch.Tensor | None, max_new: int) -> None:
+        """The prompt's features [P, F] become context positions 0..P-1 of `lane`; without features
+        (prefill "synthetic") random K/V at their scale: K at unit RMS a head (k_norm; RoPE keeps the
+        norm), V at unit scale (unit-gain v over the normed hidden state)."""
+        dev, ds, d = self.target.device, self.d.ds, self.d
+        pos = torch.arange(len(prompt), device=dev)
+        slots = lane * self.cap + pos
+        if feats is not None:
+            d.commit(feats, slots, pos, self.kv)
+            return
+        shape = (ds.num_layers, len(prompt), d.nkv, ds.head_dim)
+        k = torch.randn(shape, generator=self.gen, device=dev)
+        self.kv[:, 0, slots] = F.rms_norm(k, (ds.head_dim,)).to(self.kv.dtype)
+        self.kv[:, 1, slots] = torch.randn(shape, generator=self.gen, device=dev).to(self.kv.dtype)
+
+    def draft(self, bonus: torch.Tensor, lens: torch.Tensor, T: int) -> torch.Tensor:
+        """bonus (shard-local), lens [C] -> logits [C, L, V_r] float32 (context: positions < lens)."""
+        table = self.base[: bonus.shape[0]] + torch.arange(T, device=bonus.device)[None]  # [C, T]
+        return self.d.draft(bonus + self.target.v0, lens, table, self.kv)
+
+    def commit(self, lens, tokens, feats, tau) -> None:
+        """feats [C, W, F] of the verify rows in accepted-path order go to positions lens + i."""
+        C, W, F_ = feats.shape
+        pos = lens[:, None] + torch.arange(W, device=feats.device)[None]  # [C, W]
+        self.d.commit(feats.reshape(C * W, F_), (self.base[:C] + pos).reshape(-1), pos.reshape(-1), self.kv)
 
 def _cupy_stream():
     return cupy_on_torch_stream()
