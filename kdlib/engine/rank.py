@@ -761,7 +761,7 @@ class RankStep:
                 m.embed_rows(self.tokens.reshape(-1)), cos, sin,
                 lambda i, q, rows: self.attention(i, q, rows, slots), self.bound, self.overflow,
                 self.route_ids, self.taps, self._save if save else None)
-            for t, i in enumerate(self.taps):
+            for t, i in enumerate(i for i in self.taps if i in taps):  # a cut model lacks the deep taps
                 self.feats[:, t * H:(t + 1) * H].copy_(taps[i])
             self.head(h)
             return
