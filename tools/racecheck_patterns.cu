@@ -26,12 +26,13 @@ extern "C" __global__ void rc_syncthreads(float* out) {
     if (t >= 128 && t < 256) out[t] = s[i];
 }
 
-// One handoff through a named barrier of the 256 threads: warpgroup 0 writes and arrives, warpgroup 1
-// waits (bar.sync) and reads.
-extern "C" __global__ void rc_named_handoff(float* out) {
+// One handoff through a named barrier of the 256 threads: one warpgroup writes and arrives, the other
+// waits (bar.sync) and reads. FROM: the writing warpgroup.
+template <int FROM>
+__device__ __forceinline__ void handoff(float* out) {
     __shared__ float s[128];
-    const int t = threadIdx.x, i = t & 127;
-    if (t < 128) {
+    const int t = threadIdx.x, i = t & 127, wg = t >> 7;
+    if (wg == FROM) {
         s[i] = float(i);
         nb_arrive(1);
     } else if (t < 256) {
@@ -40,6 +41,9 @@ extern "C" __global__ void rc_named_handoff(float* out) {
     }
     __syncthreads();
 }
+
+extern "C" __global__ void rc_named_handoff(float* out) { handoff<0>(out); }
+extern "C" __global__ void rc_named_handoff_back(float* out) { handoff<1>(out); }
 
 // The job end's exchange (job_end's s_l): every thread of the 256 writes its own value, all bar.sync, each
 // reads the other warpgroup's.
@@ -57,32 +61,34 @@ extern "C" __global__ void rc_named_exchange(float* out) {
 // The seesaw's row handoff (v7's s_m, s_ca, s_cb and its named barriers), ROUNDS rounds. Warpgroup 0
 // writes the rows, arrives on 1, waits on 2, reads, waits on 3; warpgroup 1 waits on 1, reads, writes,
 // arrives on 2 and on 3 (v7: NB_SCALE_A, NB_SCALE_B, NB_PB). MODE 0: the quad's four threads store the
-// same value (v7); 1: one thread of the quad stores; 2: as 0 with a __syncwarp around each warp's stores.
+// same value (v7); 1: one thread of the quad stores; 2: as 0 with a __syncwarp around each warp's stores;
+// 3: as 2 without barrier 3; 4: as 3 with warpgroup 1 in bar.sync 2 too (no bar.arrive).
 template <int MODE>
 __device__ __forceinline__ void seesaw(float* out) {
     __shared__ float s[ROWS];
     const int t = threadIdx.x, r = (t & 127) >> 2;
-    const bool store = MODE != 1 || (t & 3) == 0;
+    const bool store = MODE != 1 || (t & 3) == 0, warp_sync = MODE >= 2;
     float acc = 0.f;
     if (t < 256) {
         for (int n = 0; n < ROUNDS; ++n) {
             if (t < 128) {
-                if (MODE == 2) __syncwarp();
+                if (warp_sync) __syncwarp();
                 if (store) s[r] = float(r + n);
-                if (MODE == 2) __syncwarp();
+                if (warp_sync) __syncwarp();
                 nb_arrive(1);
                 nb_sync(2);
                 acc += s[r];
-                nb_sync(3);
+                if (MODE < 3) nb_sync(3);
             } else {
                 nb_sync(1);
                 const float v = s[r];
                 acc += v;
-                if (MODE == 2) __syncwarp();
+                if (warp_sync) __syncwarp();
                 if (store) s[r] = v + 1.f;
-                if (MODE == 2) __syncwarp();
-                nb_arrive(2);
-                nb_arrive(3);
+                if (warp_sync) __syncwarp();
+                if (MODE == 4) nb_sync(2);
+                else nb_arrive(2);
+                if (MODE < 3) nb_arrive(3);
             }
         }
         out[t] = acc;
@@ -93,6 +99,8 @@ __device__ __forceinline__ void seesaw(float* out) {
 extern "C" __global__ void rc_seesaw_quad(float* out) { seesaw<0>(out); }
 extern "C" __global__ void rc_seesaw_one(float* out) { seesaw<1>(out); }
 extern "C" __global__ void rc_seesaw_syncwarp(float* out) { seesaw<2>(out); }
+extern "C" __global__ void rc_seesaw_two_barriers(float* out) { seesaw<3>(out); }
+extern "C" __global__ void rc_seesaw_both_sync(float* out) { seesaw<4>(out); }
 
 // A full / empty mbarrier ring of one slot, ROUNDS rounds: warpgroup 0 waits "empty", writes, arrives
 // "full"; warpgroup 1 waits "full", reads, arrives "empty" (v7's stage and descriptor barriers).
