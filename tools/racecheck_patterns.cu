@@ -62,7 +62,8 @@ extern "C" __global__ void rc_named_exchange(float* out) {
 // writes the rows, arrives on 1, waits on 2, reads, waits on 3; warpgroup 1 waits on 1, reads, writes,
 // arrives on 2 and on 3 (v7: NB_SCALE_A, NB_SCALE_B, NB_PB). MODE 0: the quad's four threads store the
 // same value (v7); 1: one thread of the quad stores; 2: as 0 with a __syncwarp around each warp's stores;
-// 3: as 2 without barrier 3; 4: as 3 with warpgroup 1 in bar.sync 2 too (no bar.arrive).
+// 3: as 2 without barrier 3; 4: as 3 with warpgroup 1 in bar.sync 2 too (no bar.arrive); 5: as 4 with
+// warpgroup 0 in bar.sync 1 too (every barrier a bar.sync of both).
 template <int MODE>
 __device__ __forceinline__ void seesaw(float* out) {
     __shared__ float s[ROWS];
@@ -75,7 +76,8 @@ __device__ __forceinline__ void seesaw(float* out) {
                 if (warp_sync) __syncwarp();
                 if (store) s[r] = float(r + n);
                 if (warp_sync) __syncwarp();
-                nb_arrive(1);
+                if (MODE == 5) nb_sync(1);
+                else nb_arrive(1);
                 nb_sync(2);
                 acc += s[r];
                 if (MODE < 3) nb_sync(3);
@@ -86,7 +88,7 @@ __device__ __forceinline__ void seesaw(float* out) {
                 if (warp_sync) __syncwarp();
                 if (store) s[r] = v + 1.f;
                 if (warp_sync) __syncwarp();
-                if (MODE == 4) nb_sync(2);
+                if (MODE >= 4) nb_sync(2);
                 else nb_arrive(2);
                 if (MODE < 3) nb_arrive(3);
             }
@@ -101,6 +103,7 @@ extern "C" __global__ void rc_seesaw_one(float* out) { seesaw<1>(out); }
 extern "C" __global__ void rc_seesaw_syncwarp(float* out) { seesaw<2>(out); }
 extern "C" __global__ void rc_seesaw_two_barriers(float* out) { seesaw<3>(out); }
 extern "C" __global__ void rc_seesaw_both_sync(float* out) { seesaw<4>(out); }
+extern "C" __global__ void rc_seesaw_all_sync(float* out) { seesaw<5>(out); }
 
 // A full / empty mbarrier ring of one slot, ROUNDS rounds: warpgroup 0 waits "empty", writes, arrives
 // "full"; warpgroup 1 waits "full", reads, arrives "empty" (v7's stage and descriptor barriers).
@@ -159,4 +162,42 @@ extern "C" __global__ void rc_cp_async(const float4* src, float* out) {
     }
     if (t >= 128 && t < 256) out[t] = acc;
     __syncthreads();
+}
+
+// v7's releases of a stage block: every lane of the 4 consumer warps writes the slot (P), then lane 0 of
+// each warp arrives on "empty" (count 4: warp_arrive); the producer waits and refills it with cp.async.
+// SYNC: a __syncwarp before lane 0's arrive (without it the other lanes' stores are not ordered before
+// the arrive's release). src [ROUNDS x 128] float4.
+template <bool SYNC>
+__device__ __forceinline__ void lane0_release(const float4* src, float* out) {
+    __shared__ alignas(16) float4 s[128];
+    __shared__ alignas(8) unsigned long long bars[2];
+    const int t = threadIdx.x, i = t & 127, lane = t & 31;
+    const unsigned full = smem_u32(&bars[0]), empty = smem_u32(&bars[1]);
+    if (t == 0) {
+        bar_init(full, 128);
+        bar_init(empty, 4);
+    }
+    __syncthreads();
+    float acc = 0.f;
+    for (int n = 0; n < ROUNDS && t < 256; ++n) {
+        if (t < 128) {
+            bar_wait(empty, (n & 1) ^ 1);
+            cp_async16(smem_u32(&s[i]), src + n * 128 + i, 16);
+            bar_arrive_copies(full);
+        } else {
+            bar_wait(full, n & 1);
+            acc += s[i].x;
+            s[i] = make_float4(acc, acc, acc, acc);
+            if (SYNC) __syncwarp();
+            if (lane == 0) bar_arrive(empty);
+        }
+    }
+    if (t >= 128 && t < 256) out[t] = acc;
+    __syncthreads();
+}
+
+extern "C" __global__ void rc_lane0_release(const float4* src, float* out) { lane0_release<false>(src, out); }
+extern "C" __global__ void rc_lane0_release_syncwarp(const float4* src, float* out) {
+    lane0_release<true>(src, out);
 }

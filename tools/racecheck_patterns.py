@@ -6,8 +6,9 @@ ordered, and so which of its hazards on the real kernels are races and which are
     python3 tools/racecheck_patterns.py run CASE          # one case, no sanitizer (what `all` runs)
 
 A case is a kernel and a block size (256 threads: two warpgroups; 384: v7's three, the third idle). The
-control, rc_no_barrier, is a real race: a run where racecheck does not report it is not evidence. Every
-other case is ordered by the PTX memory model; `expected` says so. DIR/patterns.json: per case the
+control, rc_no_barrier, is a real race: a run where racecheck does not report it is not evidence. So is
+rc_lane0_release (lane 0 arrives for its warp with no __syncwarp first). Every other case is ordered by
+the PTX memory model; `expected` says which. DIR/patterns.json: per case the
 hazards racecheck counted, and `sees_order` (no hazard on a correct pattern, at least one on the control).
 Exit code 0 when the control was caught, 1 otherwise, 2 for bad arguments.
 """
@@ -28,7 +29,8 @@ from kdlib.perf.results import provenance
 
 SOURCE = Path(__file__).with_suffix(".cu")
 ROUNDS, THREADS_MAX = 8, 384  # the .cu's ROUNDS; the largest block a case uses
-# name -> (kernel, threads, races): races True for the control only
+# name -> (kernel, threads, races): races True where the PTX memory model does not order the accesses (the
+# control; lane 0 releasing the other lanes' stores with no __syncwarp)
 CASES = {
     "no_barrier": ("rc_no_barrier", 256, True),
     "syncthreads": ("rc_syncthreads", 256, False),
@@ -43,8 +45,11 @@ CASES = {
     "seesaw_syncwarp_384": ("rc_seesaw_syncwarp", 384, False),
     "seesaw_two_barriers_384": ("rc_seesaw_two_barriers", 384, False),
     "seesaw_both_sync_384": ("rc_seesaw_both_sync", 384, False),
+    "seesaw_all_sync_384": ("rc_seesaw_all_sync", 384, False),
     "mbarrier": ("rc_mbarrier", 256, False),
     "cp_async": ("rc_cp_async", 256, False),
+    "lane0_release": ("rc_lane0_release", 256, True),
+    "lane0_release_syncwarp": ("rc_lane0_release_syncwarp", 256, False),
 }
 
 
@@ -57,7 +62,8 @@ def run(names: list[str]) -> int:
     for name in names:
         kernel, threads, _ = CASES[name]
         out = cupy.zeros(THREADS_MAX, dtype=cupy.float32)
-        args = (src, out) if kernel == "rc_cp_async" else (out,)
+        args = (src, out) if kernel in ("rc_cp_async", "rc_lane0_release", "rc_lane0_release_syncwarp") \
+            else (out,)
         mod.get_function(kernel)((1,), (threads,), args)
         cupy.cuda.Device().synchronize()
         print(f"{name}: ran ({kernel}, {threads} threads)", flush=True)

@@ -74,8 +74,10 @@
 #define BAR_QEMPTY(bars) ((bars) + 8 * (2 * NCB + 7))
 #define BAR_DESC(bars, d) ((bars) + 8 * (2 * NCB + 8 + (d)))
 
-// An arrive by lane 0 of the warp (predicated, no branch): one arrival per warp.
+// An arrive by lane 0 of the warp (predicated, no branch): one arrival per warp. The __syncwarp first
+// orders the other lanes' shared-memory accesses (their P stores) before lane 0's release.
 __device__ __forceinline__ void warp_arrive(unsigned bar, int lane) {
+    __syncwarp();
     asm volatile(
         "{\n.reg .pred p;\n.reg .b64 st;\nsetp.eq.b32 p, %1, 0;\n"
         "@p mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar),
@@ -302,6 +304,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v7_attend(
                 // ------------------------------------------------ tile B: softmax, O_R = O_R c_B + P_B V_BR
                 float mn0, mn1, cb0, cb1;
                 softmax_step(s, ma0, ma1, mx0, mx1, mn0, mn1, cb0, cb1, l0, l1);
+                __syncwarp();    // the quad's reads of s_m / s_ca above come before its stores
                 s_m[lr0] = mn0;  // under this consumer's MMAs: no branch
                 s_m[lr1] = mn1;
                 s_cb[lr0] = cb0;
