@@ -7,7 +7,9 @@ the timing mode (uniform experts, synthetic 5,000-token contexts) replayed in gr
 
 bf16 everywhere: two computations of the same logits differ by roundings, so token streams are compared
 up to near ties (`_assert_agree`): each emitted token is greedy within TIE of the target's teacher-forced
-logits, and where two streams part, the two tokens' logits lie within TIE of each other."""
+logits, and where two streams part, the two tokens' logits lie within TIE of each other. On the GPU the
+gap allowed is also at least twice the measured gap between two chunkings of the same logits (a rounding
+can flip a near tie of the 384-expert router)."""
 
 from __future__ import annotations
 
@@ -49,9 +51,11 @@ def _prompts(lengths, vocab: int, seed: int = 1) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def _assert_agree(target: RankTarget, prompt: list[int], a: list[int], b: list[int]) -> None:
-    """a and b are greedy continuations of prompt under target, equal up to a near tie (module docstring)."""
-    tie = TIE[target.device.type]
+def _assert_agree(target: RankTarget, prompt: list[int], a: list[int], b: list[int],
+                  tie: float | None = None) -> None:
+    """a and b are greedy continuations of prompt under target, equal up to a near tie (module docstring;
+    tie: the gap allowed, TIE of the device by default)."""
+    tie = TIE[target.device.type] if tie is None else tie
     for seq in (a, b):
         logits = target.logits(prompt + seq)[len(prompt) - 1 : -1]  # [n, V_r] row i predicts seq[i]
         ids = torch.tensor(seq, device=logits.device)[:, None]  # [n, 1]
@@ -204,9 +208,18 @@ def test_gpu_graphs_equal_eager_and_ddtree_equals_ar():
     prompts = _prompts((40, 37), t.cfg.vocab_size, seed=7)
     runs = {g: generate_batch(t, prompts, 16, method="ar", graphs=g) for g in (False, True)}
     dd = generate_batch(t, prompts, 16, method="ddtree", drafter=_k2_drafter(m), budget=16, graphs=True)
+    # at 384 experts a rounding can flip a near tie of the router's top-k, which moves the logits more than
+    # bf16 roundings alone: the gap allowed is twice what two chunkings of the same teacher-forced logits
+    # differ by (other matmul shapes, the same tokens), at least TIE
+    other = RankTarget(m, routing="router", prefill="layers", max_rows=2 * 17, chunk=16,
+                       bound_factor=c.n_routed_experts / c.num_experts_per_tok)
+    noise = max(float((t.logits(p + r.tokens) - other.logits(p + r.tokens)).abs().max())
+                for p, r in zip(prompts, runs[True], strict=True))
+    tie = max(TIE["cuda"], 2 * noise)
     for i, p in enumerate(prompts):
-        _assert_agree(t, p, runs[True][i].tokens, runs[False][i].tokens)
-        _assert_agree(t, p, runs[True][i].tokens, dd[i].tokens)
+        _assert_agree(t, p, runs[True][i].tokens, runs[False][i].tokens, tie)
+        _assert_agree(t, p, runs[True][i].tokens, dd[i].tokens, tie)
+    assert tie < 1.0, noise  # logits ~ N(0, 1): a larger gap is no rounding
     assert int(t.overflow) == 0
 
 
