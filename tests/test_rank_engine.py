@@ -8,8 +8,8 @@ the timing mode (uniform experts, synthetic 5,000-token contexts) replayed in gr
 bf16 everywhere: two computations of the same logits differ by roundings, so token streams are compared
 up to near ties (`_assert_agree`): each emitted token is greedy within TIE of the target's teacher-forced
 logits, and where two streams part, the two tokens' logits lie within TIE of each other. On the GPU the
-gap allowed is also at least twice the measured gap between two chunkings of the same logits (a rounding
-can flip a near tie of the 384-expert router)."""
+router's choice is pinned (a rounding flips near ties of a random 384-expert router) and the gap allowed
+is at least twice the measured gap between two chunkings of the same logits."""
 
 from __future__ import annotations
 
@@ -205,12 +205,28 @@ def test_gpu_graphs_equal_eager_and_ddtree_equals_ar():
     # bound = M (factor E / k): no expert can overflow, so the target is a pure function of the tokens
     t = RankTarget(m, routing="router", prefill="layers", max_rows=2 * 17,
                    bound_factor=c.n_routed_experts / c.num_experts_per_tok)
+    # The random router's top-8 of 384 has near ties that a rounding flips (two chunkings of the same logits
+    # then differ far beyond bf16 roundings): pin each layer's choice with a bias of 2 on 8 experts (sigmoid
+    # scores lie in (0, 1)); the weights still come from the scores. The uniform test forces its ids.
+    saved = [(L, L["router_bias"].clone()) for L in m.layers if "router_bias" in L]
+    g = torch.Generator().manual_seed(3)
+    for L, _ in saved:
+        pick = torch.randperm(c.n_routed_experts, generator=g)[: c.num_experts_per_tok]
+        L["router_bias"].zero_()[pick.to(L["router_bias"].device)] = 2.0
+    try:
+        _graphs_ddtree_agree(m, t)
+    finally:
+        for L, b in saved:
+            L["router_bias"].copy_(b)
+
+
+def _graphs_ddtree_agree(m: RankModel, t: RankTarget) -> None:
+    c = m.cfg
     prompts = _prompts((40, 37), t.cfg.vocab_size, seed=7)
     runs = {g: generate_batch(t, prompts, 16, method="ar", graphs=g) for g in (False, True)}
     dd = generate_batch(t, prompts, 16, method="ddtree", drafter=_k2_drafter(m), budget=16, graphs=True)
-    # at 384 experts a rounding can flip a near tie of the router's top-k, which moves the logits more than
-    # bf16 roundings alone: the gap allowed is twice what two chunkings of the same teacher-forced logits
-    # differ by (other matmul shapes, the same tokens), at least TIE
+    # the gap allowed: twice what two chunkings of the same teacher-forced logits differ by (other matmul
+    # shapes, the same tokens), at least TIE; with the router's choice pinned no rounding flips an expert
     other = RankTarget(m, routing="router", prefill="layers", max_rows=2 * 17, chunk=16,
                        bound_factor=c.n_routed_experts / c.num_experts_per_tok)
     noise = max(float((t.logits(p + r.tokens) - other.logits(p + r.tokens)).abs().max())
@@ -219,7 +235,7 @@ def test_gpu_graphs_equal_eager_and_ddtree_equals_ar():
     for i, p in enumerate(prompts):
         _assert_agree(t, p, runs[True][i].tokens, runs[False][i].tokens, tie)
         _assert_agree(t, p, runs[True][i].tokens, dd[i].tokens, tie)
-    assert tie < 1.0, noise  # logits ~ N(0, 1): a larger gap is no rounding
+    assert noise < 0.25, noise  # logits ~ N(0, 1): bf16 roundings through 4 layers, no flipped expert
     assert int(t.overflow) == 0
 
 
