@@ -224,6 +224,19 @@ def test_cpu_step_runs_every_part(mode):
     assert int(st.overflow) == 0
 
 
+@pytest.mark.parametrize("budget", [None, 4])
+def test_cpu_engine_row(budget):
+    """k2_rank's engine section on the CPU: the rank through BatchEngine (eager), every request served."""
+    m = RankModel(RankShape(ModelConfig.from_dict(small_config()), tp=2, rank=0), device="cpu")
+    dr = RankDrafter(m, DraftShape(2, 4, 2, 32, 256, 4, (0, 2)))
+    e = k2_rank.measure_engine(m, dr, ctx=40, C=2, budget=budget, steps=3)
+    assert e["method"] == ("ddtree" if budget else "ar") and not e["graphs"]
+    assert e["replay_ms"] is None and e["device_share"] is None  # no device spans on the CPU
+    assert e["step_ms"] > 0 and e["overflow"] == 0
+    assert 2 <= e["steps"] <= 4  # admitted together; 4 tokens each: the prefill's and 1..3 steps'
+    assert 1.0 <= e["accepted_mean"] <= (budget or 0) + 1
+
+
 def test_uniform_routing_forces_distinct_experts_and_never_overflows():
     m = RankModel(RankShape(ModelConfig.from_dict(small_config()), tp=2, rank=0, moe_mode="tp"), device="cpu")
     dr = RankDrafter(m, DraftShape(2, 4, 2, 32, 256, 4, (0, 2)))

@@ -23,6 +23,10 @@ Sections of the payload:
              per step, device us and calls per kernel class, the top kernels); the row's commit and date
   cut        the grid rows not measured (time budget, or streams x context beyond the SGLang pool that
              `kdlib.memory` predicts for a TP8 H200 rank)
+  engine     after the grid, ENGINE_ROWS through the batched engine itself (`BatchEngine` over
+             `RankTarget`: uniform experts, synthetic prefill, CUDA graphs; `measure_engine`): per step the
+             replay's device span and the host's wall, the accepted length the random drafter reaches, and
+             the RankStep row of the same point (`rank_step_ms`) beside them
 The JSON is rewritten after every row, so a run cut short keeps what it measured.
 """
 
@@ -44,6 +48,9 @@ PLAIN_ROWS = ((5500, 1, None), (5500, 1, 16), (5500, 10, None), (5500, 10, 16))
 STREAMS = (1, 10, 4, 16)
 BUDGETS = (None, 8, 16, 32, 64)  # None = AR
 ACCEPTED = 4  # the forced accepted length (bonus included) of the DDTree rows: a parameter
+# (context, C, budget) run through BatchEngine after the grid, and the steps measured at each
+ENGINE_ROWS = ((5500, 1, None), (5500, 1, 16), (5500, 10, None), (5500, 10, 16), (128, 16, 16))
+ENGINE_STEPS = 12
 P_TOP = 0.8  # top-1 probability of the draft profile (tree shape)
 
 
@@ -139,6 +146,47 @@ def measure_row(model, drafter, pool, ctx: int, C: int, budget, ceil: dict, fit:
     row["tok_s_per_stream"] = n / row["step_with_allreduce_ms"] * 1e3
     row["tok_s"] = C * row["tok_s_per_stream"]
     torch.cuda.empty_cache()
+    return row
+
+
+def measure_engine(model, drafter, ctx: int, C: int, budget, steps: int = ENGINE_STEPS) -> dict:
+    """C requests of `ctx` prompt tokens through `BatchEngine` over `RankTarget(model, "uniform",
+    "synthetic")` (AR when budget is None, else DDTree with `drafter`), admitted together, each until it
+    has emitted steps + 1 tokens: the steps' host wall (`step_ms`) and, on CUDA, each replay's device span
+    (`replay_ms`; the engine's `replay_ms` list). The first step (prefill, capture) is left out of the
+    medians. Acceptance is the random drafter's (tau ~ 1), not RankStep's forced one."""
+    import statistics
+
+    import torch
+
+    from kdlib.engine.batch import BatchEngine
+    from kdlib.engine.rank import RankTarget
+
+    W = (budget or 0) + 1
+    target = RankTarget(model, routing="uniform", prefill="synthetic", max_rows=C * W)
+    kw = dict(method="ddtree", drafter=drafter, budget=budget) if budget else dict(method="ar")
+    eng = BatchEngine(target, max_streams=C, max_context=ctx + steps + 1, **kw)
+    eng.replay_ms = [] if eng.graphs else None
+    g = torch.Generator().manual_seed(ctx + C)
+    for _ in range(C):
+        eng.add_request(torch.randint(0, target.cfg.vocab_size, (ctx,), generator=g).tolist(), steps + 1)
+    t0 = time.perf_counter()
+    while eng.has_work():
+        eng.step()
+    wall = time.perf_counter() - t0
+    host = eng.step_ms[1:] or eng.step_ms
+    replay = eng.replay_ms[1:] if eng.graphs else []
+    st = eng.spec_stats
+    row = {"context": ctx, "streams": C, "method": "ddtree" if budget else "ar", "budget": budget,
+           "steps": len(eng.step_ms), "step_ms": statistics.median(host),
+           "replay_ms": statistics.median(replay) if replay else None,
+           "accepted_mean": (1 + st["accepted_tokens"] / st["drafts"]) if st["drafts"] else 1.0,
+           "graphs": eng.graphs, "overflow": int(target.overflow), "compiled": model.compiled,
+           "commit": results.git_commit(), "wall_s": wall}
+    row["device_share"] = row["replay_ms"] / row["step_ms"] if replay else None
+    del eng
+    if model.device.type == "cuda":
+        torch.cuda.empty_cache()
     return row
 
 
@@ -299,6 +347,25 @@ def run(*, quick: bool = False, out: str | None = None, budget_s: float | None =
               f"tau {row['accepted_mean']:.2f} "
               f"kernels {prof.get('kernels_per_step', 0):.0f} busy {prof.get('busy', 0):.2f} "
               f"({row['wall_s']:.1f} s)", flush=True)
+        save()
+    kept_engine = json.loads(Path(resume).read_text()).get("engine", []) if kept else []
+    payload["engine"] = list(kept_engine)
+    done_e = {(r["context"], r["streams"], r["budget"]) for r in kept_engine}
+    for ctx, c, b in ENGINE_ROWS:
+        if (ctx, c, b) in done_e or (ctx, c, b) not in rows:
+            continue
+        if time.perf_counter() - start > budget_s:
+            payload["cut"].append({"context": ctx, "streams": c, "budget": b, "engine": True,
+                                   "why": "time budget"})
+            continue
+        e = measure_engine(model, drafter, ctx, c, b)
+        same = [r for r in payload["rows"] if (r["context"], r["streams"], r["budget"]) == (ctx, c, b)
+                and r.get("compiled", False) == model.compiled]
+        e["rank_step_ms"] = same[-1]["step_ms"] if same else None
+        payload["engine"].append(e)
+        print(f"[k2_rank] engine ctx {ctx:>6} C {c:>2} {e['method']:>6} b {b or 0:>2}: replay "
+              f"{e['replay_ms'] or 0:8.2f} ms, host step {e['step_ms']:8.2f} ms, RankStep "
+              f"{e['rank_step_ms'] or 0:8.2f} ms, tau {e['accepted_mean']:.2f}", flush=True)
         save()
     return payload
 
