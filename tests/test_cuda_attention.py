@@ -1023,6 +1023,50 @@ def test_wgmma_bit_reproducible_graph_captured_and_allocation_free(impl):
         cu.tree_verify_attention(*args, impl="mma_v3", workspace=ws)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["wgmma", "wgmma_v7"])
+def test_wgmma_plan_ready_reads_the_previous_calls_plan(impl):
+    """plan_ready=True (the later layers of one verify step): a call with new q, latent rows and cache on a
+    workspace whose plan an earlier call of the same lens, sizes and width made gives the bits of a fresh
+    call; a plan poisoned in between shows the plan launch is really skipped; no workspace: ValueError."""
+    _need_wgmma()
+    import torch
+
+    from kdlib.cuda import attention as cu
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    bsz, nq, nh, width = 3, 17, 8, 3000
+
+    def problem():
+        q = torch.randn(bsz, nq, nh, 576, device="cuda", generator=g).bfloat16()
+        kv = torch.randn(2 * width, 576, device="cuda", generator=g).bfloat16()
+        tkv = torch.randn(bsz, nq, 576, device="cuda", generator=g).bfloat16()
+        return q, kv, tkv
+
+    page = torch.stack([torch.randperm(2 * width, device="cuda", generator=g)[:width]
+                        for _ in range(bsz)]).int()
+    lens = torch.tensor([width, 700, 0], device="cuda", dtype=torch.int32)
+    sizes = torch.tensor([17, 5, 9], device="cuda", dtype=torch.int32)
+    vis = torch.from_numpy(np.stack([_random_tree(np.random.default_rng(b), nq) for b in range(bsz)])).cuda()
+    (q0, kv0, t0), (q1, kv1, t1) = problem(), problem()
+    ws = cu.make_workspace(bsz, nq, nh)
+    cu.tree_verify_attention(q0, kv0, page, lens, t0, vis, sizes, 576**-0.5, impl=impl, workspace=ws)
+    plan = ws.plan.copy()
+    reused = [a.copy() for a in cu.tree_verify_attention(q1, kv1, page, lens, t1, vis, sizes, 576**-0.5,
+                                                          impl=impl, workspace=ws, plan_ready=True)]
+    fresh = cu.tree_verify_attention(q1, kv1, page, lens, t1, vis, sizes, 576**-0.5, impl=impl,
+                                     workspace=cu.make_workspace(bsz, nq, nh))
+    for a, b in zip(reused, fresh, strict=True):
+        assert np.array_equal(a.get(), b.get(), equal_nan=True), "a reused plan changed the result"
+    ws.plan[0] = 0  # no jobs: a skipped plan launch leaves every row without its prefix and tail
+    out, _ = cu.tree_verify_attention(q1, kv1, page, lens, t1, vis, sizes, 576**-0.5, impl=impl,
+                                      workspace=ws, plan_ready=True, validate=False)
+    assert not np.array_equal(out.get(), reused[0].get(), equal_nan=True), "plan_ready still ran the plan"
+    ws.plan[...] = plan
+    with pytest.raises(ValueError, match="plan_ready"):
+        cu.tree_verify_attention(q1, kv1, page, lens, t1, vis, sizes, 576**-0.5, impl=impl, plan_ready=True)
+
+
 def _sanitize_driver(impls):
     """Small cases of every kernel (or of `impls` only), for compute-sanitizer memcheck / racecheck."""
     from kdlib.cuda import attention as cu

@@ -30,10 +30,10 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
   * 6 (`tree_verify/wgmma_v6.cu`, sm_90a only): v5's plan, jobs, workspace and
     combine around another attend kernel, whose two warpgroups take the tiles of a job two at a time
     so that one's softmax runs under the other's MMAs (the kernel file says how);
-  * 7 (`tree_verify/wgmma_v7.cu`, sm_90a only, `DEFAULT_VERSION`): v6's plan, workspace, combine and two MMA warpgroups
-    with warp specialisation: a third, producer warpgroup (384 threads a CTA, registers rebalanced
-    with setmaxnreg) decodes the jobs and gathers every K tile, the MMA warpgroups only wait on its
-    full barriers and release the stage blocks on empty ones (the kernel file says how).
+  * 7 (`tree_verify/wgmma_v7.cu`, sm_90a only, `DEFAULT_VERSION`): v6's plan, workspace, combine and
+    two MMA warpgroups with warp specialisation: a third, producer warpgroup (384 threads a CTA,
+    registers rebalanced with setmaxnreg) decodes the jobs and gathers every K tile, the MMA warpgroups
+    only wait on its full barriers and release the stage blocks on empty ones (the kernel file says how).
 `version=None` (the default) picks by dtype and device: fp32 runs 1 (a dtype path, not a choice);
 bf16 runs `DEFAULT_VERSION` (7, `BF16_DEFAULT`: the fastest in data/results/attention.h200.json)
 where the device runs it, else 3 where the device grants its 166 KB of shared memory (not on sm_120's
@@ -444,12 +444,12 @@ def make_workspace(bsz: int, nq: int, nh: int) -> VerifyWorkspace:
     return VerifyWorkspace(bsz, nq, nh)
 
 
-def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None):
+def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=False):
     """The three launches of version 5, 6 or 7 (plan, the version's attend, combine) -> (out [B*M, 512],
     lse [B*M]) fp32 views of the workspace.
 
     tail = (tree_kv [B, Q, 576], visibility [B, Q, Q], tree_sizes [B]) for the whole verify, None
-    for the prefix alone.
+    for the prefix alone. plan_ready: the plan launch is skipped, ws.plan is read as it is.
     """
     bsz, nq, nh, _ = qa.shape
     if ws is None:
@@ -465,8 +465,9 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None):
     combine_fn = loader.get_function(settings.stem, "tree_verify_v5_combine", options=settings.options)
     loader.set_max_dynamic_shared(attend_fn, settings.smem)
     width = pt.shape[1]
-    plan_fn((1,), (_V5_THREADS,), (lens, sizes, np.int32(bsz), np.int32(width), np.int32(nq), np.int32(nh),
-                           np.int32(ws.grid), ws.plan))
+    if not plan_ready:
+        plan_fn((1,), (_V5_THREADS,), (lens, sizes, np.int32(bsz), np.int32(width), np.int32(nq),
+                                       np.int32(nh), np.int32(ws.grid), ws.plan))
     attend_fn((ws.grid,), (settings.threads,), (qa, kv, pt, tkv, vis, ws.plan, np.int32(bsz), np.int32(width),
                                            np.int32(nq), np.int32(nh), np.float32(scale), ws.parts,
                                            ws.part_lse), shared_mem=settings.smem)
@@ -533,7 +534,9 @@ def _launch_combine(parts, plse, rows_per_batch, extra=None, extra_lse=None):
     return out, lse
 
 
-def _check_workspace(workspace, version: int):
+def _check_workspace(workspace, version: int, plan_ready: bool = False):
+    if plan_ready and workspace is None:
+        raise ValueError("plan_ready=True reads the plan of an earlier call on the same workspace: pass it")
     if workspace is not None and version not in WGMMA_VERSIONS:
         names = ", ".join(repr(LAUNCHES[v].impl) for v in WGMMA_VERSIONS)
         raise ValueError(f"workspace buffers serve versions {WGMMA_VERSIONS} ({names}) only, the call runs "
@@ -619,7 +622,7 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
 def tree_verify_attention(q, kv_cache, page_table, prefix_lens, tree_kv, visibility, tree_sizes,
                           softmax_scale, kv_lora_rank: int = KV_LORA_RANK, *, version: int | None = None,
                           validate: bool = True, workspace: VerifyWorkspace | None = None,
-                          impl: str | None = None):
+                          impl: str | None = None, plan_ready: bool = False):
     """The whole verify attention: split-KV prefix + masked tail, merged in one combine launch
     (versions 5, 6, 7: the tail fused into the prefix kernel).
 
@@ -627,7 +630,9 @@ def tree_verify_attention(q, kv_cache, page_table, prefix_lens, tree_kv, visibil
     natural-log lse [B, Q, H] fp32 (CuPy); rows >= tree_sizes[b] are NaN. version: one of VERSIONS,
     None (the default): by dtype and device (fp32: 1; bf16: DEFAULT_VERSION where it runs). impl:
     deprecated name of a version (IMPLS). workspace (WGMMA_VERSIONS only): buffers from
-    make_workspace; the results are views of it.
+    make_workspace; the results are views of it. plan_ready (with a workspace): its plan is the one the
+    previous call on it made for the same prefix_lens, tree_sizes and page-table width, and the plan
+    launch is skipped (the layers of one verify step share a plan); the caller vouches for the sameness.
     """
     _check_rank(kv_lora_rank)
     qa, kind, batched = _check_q(q)
@@ -635,13 +640,14 @@ def tree_verify_attention(q, kv_cache, page_table, prefix_lens, tree_kv, visibil
     tkv, vis, sizes = _check_tail(qa, kind, tree_kv, visibility, tree_sizes, batched, validate)
     scale = _scale(softmax_scale)
     version = pick_version(version, impl, kind)
-    _check_workspace(workspace, version)
+    _check_workspace(workspace, version, plan_ready)
     if validate:
         _validate_prefix(kv, pt, lens)
         _validate_tail(sizes, qa.shape[1])
     bsz, nq, nh, _ = qa.shape
     if version in WGMMA_VERSIONS:
-        out, lse = _launch_wgmma(version, qa, kv, pt, lens, scale, workspace, tail=(tkv, vis, sizes))
+        out, lse = _launch_wgmma(version, qa, kv, pt, lens, scale, workspace, tail=(tkv, vis, sizes),
+                                 plan_ready=plan_ready)
         out, lse = out.reshape(bsz, nq, nh, KV_LORA_RANK), lse.reshape(bsz, nq, nh)
         return (out, lse) if batched else (out[0], lse[0])
     parts, plse = _launch_prefix(qa, kind, kv, pt, lens, scale, version)

@@ -374,19 +374,33 @@ class RankModel:
         slots = table.gather(1, lens[:, None] + torch.arange(W, device=self.device)[None]).reshape(-1)
         return cos, sin, slots
 
-    def attend(self, kv: torch.Tensor, q, rows, slots, table, lens, vis, sizes) -> torch.Tensor:
+    def attend(self, kv: torch.Tensor, q, rows, slots, table, lens, vis, sizes, ws=None,
+               plan_ready: bool = False) -> torch.Tensor:
         """One layer's latent rows [M, 576] to their slots [M] of kv [S, 576], then the tree-verify attention
         of q [M, nh, 576] over each stream's prefix (table [C, T] slots, lens [C]) and its own rows (vis
         [C, W, W], sizes [C]) -> o_lat [M, nh, kv_lora] float32. On CUDA table, lens and sizes are int32
-        (the kernels' types), unchecked (graph-safe)."""
+        (the kernels' types), unchecked (graph-safe); ws: the call's workspace (`verify_workspace`), its
+        plan reused with plan_ready (the layers after the first of one forward: the same lens and sizes).
+        The result is a view of ws's output, valid until the next call on ws."""
         c, nh = self.cfg, self.heads
         C, W = vis.shape[:2]
         kv.index_copy_(0, slots, rows)
-        extra = {"validate": False} if self.device.type == "cuda" else {}
+        extra = {"validate": False, "workspace": ws, "plan_ready": plan_ready} if self.device.type == "cuda" \
+            else {}
         out, _ = ops.tree_verify_attention(
             q.view(C, W, nh, c.latent_dim), kv, table, lens, rows.view(C, W, c.latent_dim), vis, sizes,
             c.softmax_scale, kv_lora_rank=c.kv_lora_rank, **extra)
         return torch.as_tensor(out, device=self.device).reshape(C * W, nh, c.kv_lora_rank).float()
+
+    def verify_workspace(self, streams: int, rows_per_stream: int):
+        """The tree-verify attention's buffers for C x W rows (`kdlib.cuda.attention.make_workspace`, in
+        torch's allocator as the calls' own were), None on the CPU (the numpy reference allocates its own)."""
+        if self.device.type != "cuda":
+            return None
+        from kdlib.cuda import attention
+
+        with _cupy_stream():
+            return attention.make_workspace(streams, rows_per_stream, self.heads)
 
     def layers_forward(self, h: torch.Tensor, cos, sin, attend, bound: int, overflow: torch.Tensor | None,
                        route_ids: torch.Tensor | None = None, taps: tuple[int, ...] = (), keep=None
@@ -680,6 +694,7 @@ class RankStep:
         self.vis = torch.ones(C, W, W, dtype=torch.bool, device=dev) if W == 1 else \
             torch.eye(W, dtype=torch.bool, device=dev).expand(C, W, W).contiguous()
         self.sizes32 = torch.full((C,), W, dtype=torch.int32, device=dev)
+        self.ws = model.verify_workspace(C, W)  # the attention's buffers, one plan a step
         H = c.hidden_size
         self.taps = tuple(drafter.ds.target_layer_ids) if self.ddtree else ()
         self.feats = (
@@ -803,11 +818,12 @@ class RankStep:
         self.argmax.copy_(logits.argmax(-1) + self.m.shape.vocab_range[0])
 
     def attention(self, i: int, q, rows, slots) -> torch.Tensor:
-        """Latent rows to their slots, then the tree-verify attention -> o_lat [M, nh, kv_lora] float32."""
+        """Latent rows to their slots, then the tree-verify attention -> o_lat [M, nh, kv_lora] float32; the
+        attention's plan is made at layer 0 and read by the others (one step: the same lens and sizes)."""
         cuda = self.m.device.type == "cuda"
         table = self.prefix32 if cuda else self.table[:, : self.ctx]
         return self.m.attend(self.pool[i], q, rows, slots, table, self.lens32 if cuda else self.lens,
-                             self.vis, self.sizes32 if cuda else self.sizes32.long())
+                             self.vis, self.sizes32 if cuda else self.sizes32.long(), self.ws, i > 0)
 
     def accept(self) -> None:
         dev = self.m.device
@@ -849,7 +865,6 @@ class RankStep:
     def allreduce_bytes(self) -> list[int]:
         ds = self.d.ds if self.ddtree else None
         return step_allreduces(self.m.shape, self.M, self.C * ds.block_size if ds else 0, self.M, ds)
-
 
 
 # ----------------------------------------------------------------------------- the rank behind BatchEngine
@@ -899,6 +914,7 @@ class RankTarget:
         self.gen = torch.Generator(device=model.device).manual_seed(seed)
         self.route_ids = uniform_experts(model.cfg, max_rows, self.gen) if routing == "uniform" else None
         self.overflow = torch.zeros((), dtype=torch.int64, device=model.device)
+        self._ws: dict = {}  # (C, W) -> the attention's workspace (`RankModel.verify_workspace`)
 
     @torch.no_grad()
     def forward_plain(self, token_ids, capture: tuple[int, ...] = ()):
@@ -922,7 +938,8 @@ class RankTarget:
                 w = min(self.chunk, P - s)
                 vis = torch.ones(w, w, dtype=torch.bool, device=dev).tril()[None]  # [1, w, w] causal
                 h, f = self.forward_batch(kv, table, torch.tensor([s], device=dev), ids[None, s:s + w],
-                                          torch.arange(w, device=dev)[None], vis, capture)
+                                          torch.arange(w, device=dev)[None], vis, capture,
+                                          keep_workspace=False)
                 hs.append(h)
                 fs.append(f)
         return torch.cat(hs), kv.transpose(0, 1), torch.cat(fs) if capture else None
@@ -935,9 +952,12 @@ class RankTarget:
         return self.head(self.forward_plain(token_ids)[0])
 
     @torch.no_grad()
-    def forward_batch(self, kv, table, lens, token_ids, depth, visibility, capture: tuple[int, ...] = ()):
+    def forward_batch(self, kv, table, lens, token_ids, depth, visibility, capture: tuple[int, ...] = (), *,
+                      keep_workspace: bool = True):
         """`Model.forward_batch`'s contract (C streams x W rows over the paged pool kv [layers, S, 576]):
-        -> (h [C*W, H], captured [C*W, F] | None); token ids shard-local."""
+        -> (h [C*W, H], captured [C*W, F] | None); token ids shard-local. keep_workspace: the attention's
+        workspace of this (C, W) is kept for the next forwards (the steps' graph-safe buffers); False:
+        one for this forward alone (the prefill's chunks, whose W vary)."""
         C, W = token_ids.shape
         M, m, c = C * W, self.m, self.m.cfg
         if M > self.max_rows:
@@ -951,9 +971,12 @@ class RankTarget:
         pt, ln = table.to(i32), lens.to(i32)
         sizes = torch.full((C,), W, dtype=i32, device=self.device)
         bound = count_bound(M, c.num_experts_per_tok, c.n_routed_experts, self.bound_factor)
+        if keep_workspace and (C, W) not in self._ws:  # the first (eager) forward of a shape, before capture
+            self._ws[C, W] = m.verify_workspace(C, W)
+        ws = self._ws[C, W] if keep_workspace else m.verify_workspace(C, W)
         h, taps = m.layers_forward(
             m.embed_rows(token_ids.reshape(-1) + self.v0), cos, sin,
-            lambda i, q, rows: m.attend(kv[i], q, rows, slots, pt, ln, visibility, sizes),
+            lambda i, q, rows: m.attend(kv[i], q, rows, slots, pt, ln, visibility, sizes, ws, i > 0),
             bound, self.overflow, self.route_ids, tuple(capture))
         return h, torch.cat([taps[i] for i in capture], dim=-1) if capture else None
 
@@ -1005,6 +1028,7 @@ class RankLanes:
         C, W, F_ = feats.shape
         pos = lens[:, None] + torch.arange(W, device=feats.device)[None]  # [C, W]
         self.d.commit(feats.reshape(C * W, F_), (self.base[:C] + pos).reshape(-1), pos.reshape(-1), self.kv)
+
 
 def _cupy_stream():
     return cupy_on_torch_stream()
