@@ -16,7 +16,8 @@ trees are accepted as far as the random drafter and target agree (no forced tau)
 
 What rank `rank` of `tp` holds (the slicing of `kdlib.tp.engine.shard_state_dict`, `partition` ranges):
   * attention (plain TP): its heads of q_b_proj / kv_b_proj / o_proj; q_a_proj, kv_a_proj_with_mqa
-    and their norms replicated, so the latent cache [layers, slots, kv_lora + rope] is the whole one;
+    and their norms replicated (the two projections stacked in one matrix, `qkv_a`: one GEMM over the
+    normed rows), so the latent cache [layers, slots, kv_lora + rope] is the whole one;
   * FFN: the dense first layer and the shared expert sliced along the intermediate axis; the routed
     experts sliced the same way (`moe_mode="tp"`, all 384 with N = 2048 / tp each) or whole (`"ep"`,
     384 / tp experts of N = 2048); the router replicated;
@@ -72,7 +73,7 @@ from kdlib.engine.model import Model, apply_rope, rope_cos_sin, rope_inv_freq
 from kdlib.tp.engine import MOE_MODES, partition
 
 # the layer weights `RankModel.pre` and `RankModel.post` read, in their argument order
-_PRE = ("in_norm", "q_a", "q_a_norm", "q_b", "kv_b", "kv_a", "kv_a_norm")
+_PRE = ("in_norm", "qkv_a", "q_a_norm", "q_b", "kv_b", "kv_a_norm")
 _POST = ("kv_b", "o", "post_norm", "mlp_gu", "mlp_down")
 ROUTINGS = ("uniform", "router")  # RankStep's and RankTarget's expert choice
 PREFILLS = ("layers", "synthetic")  # RankTarget's prefill
@@ -170,10 +171,10 @@ class RankModel:
             L = {
                 "in_norm": ones(H, dtype=bf, device=dev),
                 "post_norm": ones(H, dtype=bf, device=dev),
-                "q_a": _randn((c.q_lora_rank, H), H**-0.5, dev, gen),
+                # [q_a | kv_a, H]: q_a_proj's q_lora rows over kv_a_proj_with_mqa's kv_lora + rope rows
+                "qkv_a": _randn((c.q_lora_rank + r + rope, H), H**-0.5, dev, gen),
                 "q_a_norm": ones(c.q_lora_rank, dtype=bf, device=dev),
                 "q_b": _randn((nh * c.qk_head_dim, c.q_lora_rank), c.q_lora_rank**-0.5, dev, gen),
-                "kv_a": _randn((r + rope, H), H**-0.5, dev, gen),
                 "kv_a_norm": ones(r, dtype=bf, device=dev),
                 "kv_b": _randn((nh * (c.qk_nope_head_dim + c.v_head_dim), r), r**-0.5, dev, gen),
                 "o": _randn((H, nh * c.v_head_dim), (nh * c.v_head_dim * shape.tp) ** -0.5, dev, gen),
@@ -291,14 +292,12 @@ class RankModel:
     def attn_pre(self, L: dict, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """x [M, H] (normed) -> q [M, nh, kv_lora + rope] (absorbed), latent rows [M, kv_lora + rope]."""
         c, nh = self.cfg, self.heads
-        q = F.linear(self.rms(F.linear(x, L["q_a"]), L["q_a_norm"], 1e-6), L["q_b"]).view(
-            -1, nh, c.qk_head_dim
-        )
+        qa, kv = F.linear(x, L["qkv_a"]).split([c.q_lora_rank, c.latent_dim], dim=-1)  # one GEMM
+        q = F.linear(self.rms(qa, L["q_a_norm"], 1e-6), L["q_b"]).view(-1, nh, c.qk_head_dim)
         q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         w = L["kv_b"].view(nh, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         q_lat = torch.einsum("mhn,hnr->mhr", q_nope, w[:, : c.qk_nope_head_dim])  # [M, nh, r]
         q = torch.cat([q_lat, apply_rope(q_rope, cos, sin, c.rope_interleave)], dim=-1)
-        kv = F.linear(x, L["kv_a"])
         c_kv, k_rope = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         rows = torch.cat(
             [self.rms(c_kv, L["kv_a_norm"], 1e-6), apply_rope(k_rope, cos, sin, c.rope_interleave)], -1
