@@ -35,7 +35,7 @@ def test_rank_work_counts_the_tensors_the_rank_allocates(mode, rank):
     m = RankModel(shape, device="cpu")
     dr = RankDrafter(m, SMALL_DRAFT)
     for i, L in enumerate(m.layers):
-        dense = "router" not in L
+        dense = "router_bias" not in L
         want = _tensor_bytes(v for k, v in L.items() if k not in ("experts", "experts_q"))
         assert rank_work.layer_weight_bytes(m.shape, dense) == want, i
     assert rank_work.head_weight_bytes(m.shape) == _tensor_bytes([m.lm_head, m.norm])

@@ -249,8 +249,7 @@ def test_uniform_routing_forces_distinct_experts_and_never_overflows():
     assert int(st.route_ids.max()) < c.n_routed_experts
     st.run(save=True)
     assert int(st.overflow) == 0
-    f = st.f_saved[1]
-    w, idx = m.route(m.layers[1], f, st.route_ids[1])
+    w, idx = m.route(m.layers[1], st.logits_saved[1], st.route_ids[1])
     assert torch.equal(idx, st.route_ids[1]) and w.shape == idx.shape  # the scores' weights at the forced ids
     assert RankStep(m, streams=1, context=20, routing="router").route_ids is None
     with pytest.raises(ValueError, match="routing must be one of"):
@@ -259,7 +258,7 @@ def test_uniform_routing_forces_distinct_experts_and_never_overflows():
 
 def _saved(st: RankStep) -> dict:
     return {k: getattr(st, k).float().clone()
-            for k in ("x_saved", "q_saved", "rows_saved", "o_saved", "f_saved")}
+            for k in ("x_saved", "q_saved", "rows_saved", "o_saved", "f_saved", "logits_saved")}
 
 
 def test_compiled_pieces_trace_whole_and_agree():
@@ -293,7 +292,7 @@ def test_gpu_packer_and_moe_kernel_with_device_routing():
 
     for M in (1, 4, 8, 33, 200):
         x = torch.randn(M, cfg.hidden_size, device="cuda").to(torch.bfloat16)
-        w, idx = m.route(L, x)
+        w, idx = m.route(L, m.mlp(L, x)[1])  # the router's logits come with the shared expert's GEMM
         rt = device_routing(idx, w, 0, m.shape.n_experts)
         bound = max(count_bound(M, cfg.num_experts_per_tok, cfg.n_routed_experts, 4.0), int(rt.max_count))
         with _cupy_stream():

@@ -184,10 +184,10 @@ class RankModel:
                 L["mlp_gu"] = _randn((2 * n, H), H**-0.5, dev, gen)  # [gate | up, H]
                 L["mlp_down"] = _randn((H, n), c.intermediate_size**-0.5, dev, gen)
             else:
-                L["router"] = _randn((c.n_routed_experts, H), H**-0.5, dev, gen)
                 L["router_bias"] = torch.zeros(c.n_routed_experts, dtype=torch.float32, device=dev)
                 n = shape.shared_inter
-                L["mlp_gu"] = _randn((2 * n, H), H**-0.5, dev, gen)
+                # [gate | up | router, H]: the shared expert's rows and the router's, one GEMM over the rows
+                L["mlp_gu"] = _randn((2 * n + c.n_routed_experts, H), H**-0.5, dev, gen)
                 L["mlp_down"] = _randn(
                     (H, n), (c.moe_intermediate_size * c.n_shared_experts) ** -0.5, dev, gen
                 )
@@ -259,7 +259,8 @@ class RankModel:
 
     def post(self, L: dict, h: torch.Tensor, o_lat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """`attn_post`, the residual, the FFN norm and the dense MLP (the shared expert where routed):
-        -> h [M, H] (after attention), normed f [M, H], y [M, H] (the MLP's output)."""
+        -> h [M, H] (after attention), normed f [M, H], y [M, H] (the MLP's output), the router's logits
+        [M, E] in a MoE layer (None in a dense one)."""
         return self._post_fn(h, o_lat, *(L[k] for k in _POST))
 
     def _pre(self, h, cos, sin, *w):
@@ -271,10 +272,10 @@ class RankModel:
         L = dict(zip(_POST, w, strict=True))
         h = h + self.attn_post(L, o_lat)
         f = self.rms(h, L["post_norm"], self.cfg.rms_norm_eps)
-        return h, f, self.mlp(L, f)
+        return h, f, *self.mlp(L, f)
 
-    def _route(self, x, router, router_bias, ids=None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.route({"router": router, "router_bias": router_bias}, x, ids)
+    def _route(self, logits, router_bias, ids=None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.route({"router_bias": router_bias}, logits, ids)
 
     def compile_pieces(self, backend: str = "inductor") -> None:
         """Compile the torch code between the kernels (`pre`, `post`, the router's scores and top-k) with
@@ -311,18 +312,21 @@ class RankModel:
         o = torch.einsum("mhr,hvr->mhv", o_lat.to(w_uv.dtype), w_uv)
         return F.linear(o.reshape(o.shape[0], -1), L["o"])
 
-    def mlp(self, L: dict, x: torch.Tensor) -> torch.Tensor:
-        """The dense layer's or the shared expert's slice: SwiGLU [M, H] -> [M, H]."""
-        gu = F.linear(x, L["mlp_gu"])
-        g, u = gu.chunk(2, dim=-1)
-        return F.linear(F.silu(g) * u, L["mlp_down"])
+    def mlp(self, L: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The dense layer's or the shared expert's slice: SwiGLU [M, H] -> [M, H]; in a MoE layer also the
+        router's logits [M, E], from the same GEMM (the router's rows follow gate and up in `mlp_gu`)."""
+        n = L["mlp_down"].shape[1]
+        gu = F.linear(x, L["mlp_gu"])  # [M, 2n (+ E)]
+        g, u, logits = gu[:, :n], gu[:, n : 2 * n], gu[:, 2 * n :]
+        return F.linear(F.silu(g) * u, L["mlp_down"]), logits if logits.shape[1] else None
 
-    def route(self, L: dict, x: torch.Tensor, ids: torch.Tensor | None = None
+    def route(self, L: dict, logits: torch.Tensor, ids: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """noaux_tc router (n_group 1 for Kimi-K2): x [M, H] -> weights [M, k] float32, ids [M, k] int64.
-        ids: the experts to use instead of the top-k choice (the scores and weights are still computed)."""
+        """noaux_tc router (n_group 1 for Kimi-K2): the router's logits [M, E] (`post`) -> weights [M, k]
+        float32, ids [M, k] int64. ids: the experts to use instead of the top-k choice (the scores and
+        weights are still computed)."""
         c = self.cfg
-        scores = F.linear(x, L["router"]).float().sigmoid()  # [M, E]
+        scores = logits.float().sigmoid()  # [M, E]
         idx = (scores + L["router_bias"]).topk(c.num_experts_per_tok, dim=-1).indices if ids is None else ids
         w = scores.gather(1, idx)
         if c.norm_topk_prob:
@@ -330,13 +334,14 @@ class RankModel:
         return w * c.routed_scaling_factor, idx
 
     def routed(
-        self, L: dict, x: torch.Tensor, bound: int, overflow: torch.Tensor | None = None,
-        ids: torch.Tensor | None = None,
+        self, L: dict, x: torch.Tensor, logits: torch.Tensor, bound: int,
+        overflow: torch.Tensor | None = None, ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """This rank's routed-expert partial sum [M, H] (bf16): `moe_w4a16` on CUDA (graph-safe routing with
-        static launch bound `bound` slots per expert; `overflow` += 1 when an expert had more, whose extra
-        slots the kernels skip), torch on the CPU. ids [M, k]: forced experts (`route`)."""
-        w, idx = self._route_fn(x, L["router"], L["router_bias"], ids)
+        """This rank's routed-expert partial sum [M, H] (bf16) of the normed rows x [M, H] with the router's
+        logits [M, E] (`post`): `moe_w4a16` on CUDA (graph-safe routing with static launch bound `bound`
+        slots per expert; `overflow` += 1 when an expert had more, whose extra slots the kernels skip),
+        torch on the CPU. ids [M, k]: forced experts (`route`)."""
+        w, idx = self._route_fn(logits, L["router_bias"], ids)
         rt = device_routing(idx, w, self.e0, self.n_local)
         if overflow is not None:
             overflow += (rt.max_count > bound).to(overflow.dtype)
@@ -407,17 +412,17 @@ class RankModel:
         """The decoder layers over M rows: h [M, H] (embedded) -> (h [M, H] after the last layer, {layer i:
         h [M, H] after layer i} for i in taps). attend(i, q, rows) -> o_lat: layer i's attention (`attend`
         over the caller's pool); bound / overflow: `routed`'s; route_ids [layers, >= M, k]: forced experts
-        (rows [:M]), None: the router's; keep(i, x, q, rows, o_lat, f): each layer's piece inputs."""
+        (rows [:M]), None: the router's; keep(i, x, q, rows, o_lat, f, logits): each layer's piece inputs."""
         M, out = h.shape[0], {}
         for i, L in enumerate(self.layers):
             x, q, rows = self.pre(L, h, cos, sin)
             o_lat = attend(i, q, rows)
-            h, f, y = self.post(L, h, o_lat)
-            if "router" in L:
+            h, f, y, logits = self.post(L, h, o_lat)
+            if logits is not None:
                 ids = None if route_ids is None else route_ids[i, :M]
-                y = y + self.routed(L, f, bound, overflow, ids)
+                y = y + self.routed(L, f, logits, bound, overflow, ids)
             if keep is not None:
-                keep(i, x, q, rows, o_lat, f)
+                keep(i, x, q, rows, o_lat, f, logits)
             h = h + y
             if i in taps:
                 out[i] = h
@@ -710,6 +715,8 @@ class RankStep:
             L, self.M, model.shape.heads, c.kv_lora_rank, dtype=torch.float32, device=dev
         )
         self.f_saved = torch.zeros(L, self.M, H, dtype=torch.bfloat16, device=dev)  # normed FFN input
+        # [layers, M, E] the router's logits (MoE layers), the MoE piece's other input
+        self.logits_saved = torch.zeros(L, self.M, c.n_routed_experts, dtype=torch.bfloat16, device=dev)
         self.argmax = torch.zeros(C, W, **i64)
         self.target = torch.zeros(C, W, **i64)
         self.tau = torch.ones(C, **i64)
@@ -788,10 +795,10 @@ class RankStep:
             if do("attention"):
                 self.attention(i, self.q_saved[i], self.rows_saved[i], slots)
             if do("dense"):
-                h, _, y = m.post(L, h, self.o_saved[i])
-            if do("moe") and "router" in L:
+                h, _, y, _ = m.post(L, h, self.o_saved[i])
+            if do("moe") and "router_bias" in L:
                 ids = None if self.route_ids is None else self.route_ids[i]
-                y = m.routed(L, self.f_saved[i], self.bound, self.overflow, ids)
+                y = m.routed(L, self.f_saved[i], self.logits_saved[i], self.bound, self.overflow, ids)
             if do("dense"):
                 h = h + y
                 if i in self.taps:
@@ -800,11 +807,12 @@ class RankStep:
         if do("dense"):
             self.head(h)
 
-    def _save(self, i, x, q, rows, o_lat, f) -> None:
+    def _save(self, i, x, q, rows, o_lat, f, logits) -> None:
         """Layer i's piece inputs and outputs, kept for the part-only forwards."""
         for buf, t in ((self.x_saved, x), (self.q_saved, q), (self.rows_saved, rows), (self.o_saved, o_lat),
-                       (self.f_saved, f)):
-            buf[i].copy_(t)
+                       (self.f_saved, f), (self.logits_saved, logits)):
+            if t is not None:  # logits: MoE layers only
+                buf[i].copy_(t)
 
     def prologue(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What every layer of the verify reads: RoPE cos, sin [M, rope / 2] of the rows' positions and the

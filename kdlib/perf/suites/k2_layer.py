@@ -72,7 +72,7 @@ def piece_fns(step) -> dict:
     def dense(i):
         L, h = m.layers[i], step.x_saved[i]  # h [M, H]: a stand-in for the layer's input rows
         m.pre(L, h, cos, sin)
-        h2, _, y = m.post(L, h, step.o_saved[i])
+        h2, _, y, _ = m.post(L, h, step.o_saved[i])
         return h2 + y
 
     def head():
@@ -86,7 +86,8 @@ def piece_fns(step) -> dict:
         "dense": lambda: dense(LAYER_OF["dense"]),
         "attention": lambda: step.attention(LAYER_OF["attention"], step.q_saved[LAYER_OF["attention"]],
                                             step.rows_saved[LAYER_OF["attention"]], slots),
-        "moe": lambda: m.routed(m.layers[i_moe], step.f_saved[i_moe], step.bound, step.overflow, ids),
+        "moe": lambda: m.routed(m.layers[i_moe], step.f_saved[i_moe], step.logits_saved[i_moe], step.bound,
+                                step.overflow, ids),
         "head": head,
     }
     for p in step.parts():
@@ -158,7 +159,8 @@ def routing_rows(step, baseline, flush, iters: int) -> list[dict]:
 
     m, i = step.m, LAYER_OF["moe"]
     L = m.layers[i]
-    w, idx = m.route(L, step.f_saved[i], None if step.route_ids is None else step.route_ids[i])  # [M, k] each
+    ids = None if step.route_ids is None else step.route_ids[i]
+    w, idx = m.route(L, step.logits_saved[i], ids)  # [M, k] each
     impls = {"kernel": lambda: device_routing(idx, w, m.e0, m.n_local),
              "torch_compiled": lambda: baseline(idx, w, m.e0, m.n_local)}
     return [{"impl": name, "m_rows": step.M, "slots": idx.numel(), **measure(_scoped(fn, True), flush, iters)}
