@@ -20,7 +20,8 @@ What rank `rank` of `tp` holds (the slicing of `kdlib.tp.engine.shard_state_dict
     normed rows), so the latent cache [layers, slots, kv_lora + rope] is the whole one;
   * FFN: the dense first layer and the shared expert sliced along the intermediate axis; the routed
     experts sliced the same way (`moe_mode="tp"`, all 384 with N = 2048 / tp each) or whole (`"ep"`,
-    384 / tp experts of N = 2048); the router replicated;
+    384 / tp experts of N = 2048); the router replicated (its rows stacked under the shared expert's
+    gate and up in `mlp_gu`: one GEMM gives both);
   * embedding and LM head: its vocabulary rows (vocab-parallel, as `kdlib.memory` counts them).
 Weights: bf16 everywhere but the routed experts, which are INT4 with a bf16 scale per 32 inputs in the
 packed layout of `kdlib.cuda.moe.pack_moe` (`pack_moe_torch` is its torch twin), quantized from
