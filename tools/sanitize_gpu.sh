@@ -9,6 +9,8 @@
 #       KDLIB_SANITIZE_TOOLS: the tools, in order (default "memcheck racecheck synccheck"; initcheck
 #       is also summarized); KDLIB_SANITIZE_FLAGS: extra compute-sanitizer options for every tool;
 #       KDLIB_SANITIZE_CASES: the driver's cases by name prefix (e.g. "v7" or "v6,v7"; default all).
+#       v7's checking build (bar.sync handoffs, every lane arriving: the forms racecheck follows,
+#       tools/racecheck_patterns.py): KDLIB_NVRTC_OPTIONS="-DTV7_RACECHECK=1 -lineinfo" KDLIB_SANITIZE_CASES=v7.
 #
 # First the driver runs once without a sanitizer (warm: NVRTC compiles the kernels into CuPy's disk
 # cache and the cases are checked), then once under each tool, each step under its own time limit

@@ -67,6 +67,15 @@
 #define NB_PB 3       // consumer 1: P_B written
 #define NB_LSUM 4     // both: their l of the job written
 
+// TV7_RACECHECK=1 (-DTV7_RACECHECK=1): a checking build for compute-sanitizer racecheck. Every consumer
+// handoff is a bar.sync of both consumers, and every lane of a releasing warp arrives on the empty
+// barriers (their counts x 32): the forms racecheck sees as ordered (tools/racecheck_patterns.py). Slower,
+// never the default, which keeps bar.arrive and one arrival a warp.
+#ifndef TV7_RACECHECK
+#define TV7_RACECHECK 0
+#endif
+#define WARP_ARRIVALS (TV7_RACECHECK ? 32 : 1)  // arrivals one releasing warp makes
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 #define BAR_EMPTY(bars, s, g) ((bars) + 8 * (2 * NCB + 3 * (s) + (g)))
@@ -75,14 +84,25 @@
 #define BAR_DESC(bars, d) ((bars) + 8 * (2 * NCB + 8 + (d)))
 
 // An arrive by lane 0 of the warp (predicated, no branch): one arrival per warp. The __syncwarp first
-// orders the other lanes' shared-memory accesses (their P stores) before lane 0's release.
+// orders the other lanes' shared-memory accesses (their P stores) before lane 0's release. The checking
+// build: every lane arrives.
 __device__ __forceinline__ void warp_arrive(unsigned bar, int lane) {
     __syncwarp();
+    if (TV7_RACECHECK) {
+        bar_arrive(bar);
+        return;
+    }
     asm volatile(
         "{\n.reg .pred p;\n.reg .b64 st;\nsetp.eq.b32 p, %1, 0;\n"
         "@p mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar),
         "r"(lane)
         : "memory");
+}
+
+// A consumer's handoff to the other on named barrier id: bar.arrive (bar.sync in the checking build).
+__device__ __forceinline__ void handoff(int id) {
+    if (TV7_RACECHECK) nb_sync(id);
+    else nb_arrive(id);
 }
 
 // Stage s's fill for pair n: each group of blocks (V_L, V_R, rope) once its readers of pair n - 1 are
@@ -146,12 +166,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v7_attend(
     if (tid == 0) {
         for (int s = 0; s < 2; ++s) {
             for (int c = 0; c < NCB; ++c) bar_init(BAR_CBFULL(bars, s, c), 128);
-            bar_init(BAR_EMPTY(bars, s, 0), 4);
-            bar_init(BAR_EMPTY(bars, s, 1), 4);
-            bar_init(BAR_EMPTY(bars, s, 2), 8);
+            bar_init(BAR_EMPTY(bars, s, 0), 4 * WARP_ARRIVALS);
+            bar_init(BAR_EMPTY(bars, s, 1), 4 * WARP_ARRIVALS);
+            bar_init(BAR_EMPTY(bars, s, 2), 8 * WARP_ARRIVALS);
         }
         bar_init(BAR_QFULL(bars), 128);
-        bar_init(BAR_QEMPTY(bars), 8);
+        bar_init(BAR_QEMPTY(bars), 8 * WARP_ARRIVALS);
         for (int d = 0; d < NDESC; ++d) bar_init(BAR_DESC(bars, d), 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -261,7 +281,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v7_attend(
                 s_ca[lr1] = c1;
                 store_p(s, pa, lr0, lr1, t4);
                 fence_async_smem();
-                nb_arrive(NB_SCALE_A);
+                handoff(NB_SCALE_A);
                 reg_fence(o);
                 wg_fence();
                 issue_pv_ss(o, pa, k0s, first);
@@ -311,10 +331,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v7_attend(
                 s_cb[lr1] = cb1;
                 m0 = mn0;
                 m1 = mn1;
-                nb_arrive(NB_SCALE_B);
+                handoff(NB_SCALE_B);
                 store_p(s, pb, lr0, lr1, t4);
                 fence_async_smem();
-                nb_arrive(NB_PB);
+                handoff(NB_PB);
                 wg_wait<0>();
                 reg_fence(o);
                 warp_arrive(BAR_EMPTY(bars, 0, 1), lane);  // stage 0: V_AR read, P_A read on this side
