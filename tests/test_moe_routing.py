@@ -66,8 +66,10 @@ def routing_host(host_emulation):
     return host_emulation(ROUTING_KERNEL[0], "moe_routing_driver")
 
 
-def host_routing(lib, ids: torch.Tensor, w: torch.Tensor, e0: int, n_local: int) -> dict:
-    """moe_routing_v1 on the host emulation, outputs poisoned first -> the DeviceRouting arrays (numpy)."""
+def host_routing(lib, ids: torch.Tensor, w: torch.Tensor, e0: int, n_local: int, bound: int = 0,
+                 overflow: np.ndarray | None = None) -> dict:
+    """moe_routing_v1 on the host emulation, outputs poisoned first -> the DeviceRouting arrays (numpy);
+    overflow: the [1] int64 counter the kernel increments past `bound` (None: the null pointer)."""
     M, k = ids.shape
     out = {"expert_offsets": np.full(n_local + 1, POISON, np.int32),
            "active_experts": np.full(n_local, POISON, np.int32), "n_active": np.full(1, POISON, np.int32),
@@ -83,7 +85,7 @@ def host_routing(lib, ids: torch.Tensor, w: torch.Tensor, e0: int, n_local: int)
     rc = lib.emu_routing(
         ctypes.c_int(32 * ROUTING_WARPS), ctypes.c_int(routing_smem(M * k, n_local)), ptr(ids_np), ptr(w_np),
         ctypes.c_int(M * k), ctypes.c_int(k), ctypes.c_longlong(e0), ctypes.c_int(n_local),
-        *(ptr(out[n]) for n in FIELDS))
+        *(ptr(out[n]) for n in FIELDS), ctypes.c_int(bound), ptr(overflow) if overflow is not None else None)
     assert rc == 0, "the emulated block deadlocked"
     out["max_count"] = out["max_count"].reshape(())
     return out
@@ -93,6 +95,21 @@ def host_routing(lib, ids: torch.Tensor, w: torch.Tensor, e0: int, n_local: int)
 def test_host_kernel_matches_routing_torch(routing_host, case):
     ids, w, e0, n = case
     assert_same(host_routing(routing_host, ids, w, e0, n), routing_torch(ids, w, e0, n), case_id(case))
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=case_id)
+def test_host_kernel_counts_an_expert_past_the_bound(routing_host, case):
+    """With a counter the kernel adds 1 when the largest local count passes `bound` and 0 at the bound;
+    the torch path counts the same."""
+    ids, w, e0, n = case
+    top = int(routing_torch(ids, w, e0, n).max_count)
+    counter = np.zeros(1, np.int64)
+    for bound, want in ((top, 0), (top - 1, 1), (0, 1 + (top > 0))):
+        host_routing(routing_host, ids, w, e0, n, bound, counter)
+        assert int(counter[0]) == want, (bound, top)
+    mine = torch.zeros((), dtype=torch.int64)
+    device_routing(ids, w, e0, n, top - 1, mine)
+    assert int(mine) == 1
 
 
 def test_kernel_shared_memory_is_the_sources_layout():
@@ -118,9 +135,11 @@ def test_device_routing_dispatch_on_cpu_is_the_torch_path():
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_gpu_kernel_matches_routing_torch(case):
     ids, w, e0, n = case
-    got = routing_kernel(ids.cuda(), w.cuda(), e0, n)
     want = routing_torch(ids, w, e0, n)
+    counter = torch.zeros((), dtype=torch.int64, device="cuda")
+    got = routing_kernel(ids.cuda(), w.cuda(), e0, n, int(want.max_count) - 1, counter)
     assert_same({f: getattr(got, f).cpu().numpy() for f in FIELDS}, want, case_id(case))
+    assert int(counter) == 1  # the largest count passes a bound one below it
 
 
 @pytest.mark.gpu

@@ -107,21 +107,28 @@ def routing_smem(slots: int, n_local: int) -> int:
     return 4 * (ROUTING_WARPS * (n_local + 1) + n_local + 2 + slots)
 
 
-def device_routing(ids: torch.Tensor, weights: torch.Tensor, e0: int, n_local: int) -> DeviceRouting:
+def device_routing(ids: torch.Tensor, weights: torch.Tensor, e0: int, n_local: int, bound: int = 0,
+                   overflow: torch.Tensor | None = None) -> DeviceRouting:
     """ids, weights [M, k] (global expert ids) -> the routing of the local experts [e0, e0 + n_local).
 
     Slots of other ranks' experts sort after every local one and no expert range covers them. CUDA:
     `routing_kernel` (one launch of moe_routing_v1) where its shared memory fits (`routing_smem`: up to
     ~51k slots at 384 experts, a 6k-token prefill at top-8); elsewhere, and beyond, `routing_torch`. Both
-    give the same arrays (the slot order of a stable argsort by expert)."""
+    give the same arrays (the slot order of a stable argsort by expert). overflow (a [] int64 tensor):
+    += 1 when an expert has more than `bound` slots (the kernel counts it in the same launch)."""
     if ids.device.type == "cuda" and routing_smem(ids.numel(), n_local) <= ROUTING_MAX_SMEM:
-        return routing_kernel(ids, weights, e0, n_local)
-    return routing_torch(ids, weights, e0, n_local)
+        return routing_kernel(ids, weights, e0, n_local, bound, overflow)
+    rt = routing_torch(ids, weights, e0, n_local)
+    if overflow is not None:
+        overflow += (rt.max_count > bound).to(overflow.dtype)
+    return rt
 
 
-def routing_kernel(ids: torch.Tensor, weights: torch.Tensor, e0: int, n_local: int) -> DeviceRouting:
+def routing_kernel(ids: torch.Tensor, weights: torch.Tensor, e0: int, n_local: int, bound: int = 0,
+                   overflow: torch.Tensor | None = None) -> DeviceRouting:
     """`device_routing` on CUDA: one block of `kernels/moe_routing/v1.cu`, outputs in fresh torch tensors
-    (graph-capturable: no host sync, no CuPy allocation)."""
+    (graph-capturable: no host sync, no CuPy allocation); overflow += 1 in the kernel when an expert has
+    more than `bound` slots."""
     from kdlib.cuda import loader
 
     M, k = ids.shape
@@ -130,6 +137,10 @@ def routing_kernel(ids: torch.Tensor, weights: torch.Tensor, e0: int, n_local: i
         raise ValueError(f"routing_kernel: n_local {n_local} must be >= 1 and {M * k} slots over it fit "
                          f"{ROUTING_MAX_SMEM} B of shared memory (need {smem} B)")
     dev = ids.device
+    if overflow is not None and (overflow.dtype != torch.int64 or overflow.numel() != 1
+                                 or overflow.device != dev):
+        raise ValueError(f"overflow must be one int64 on {dev}, got {overflow.dtype} {tuple(overflow.shape)} "
+                         f"on {overflow.device}")
     ids = ids.to(torch.int64).contiguous()
     weights = weights.to(torch.float32).contiguous()
     i32 = dict(dtype=torch.int32, device=dev)
@@ -140,7 +151,8 @@ def routing_kernel(ids: torch.Tensor, weights: torch.Tensor, e0: int, n_local: i
     fn = loader.get_function(*ROUTING_KERNEL)
     loader.set_max_dynamic_shared(fn, smem)
     args = (ids, weights, np.int32(M * k), np.int32(k), np.int64(e0), np.int32(n_local), rt.expert_offsets,
-            rt.active_experts, rt.n_active, rt.active_ranges, rt.sorted_token, rt.sorted_weight, rt.max_count)
+            rt.active_experts, rt.n_active, rt.active_ranges, rt.sorted_token, rt.sorted_weight, rt.max_count,
+            np.int32(bound), overflow if overflow is not None else np.uintp(0))
     fn((1,), (32 * ROUTING_WARPS,), tuple(as_cupy(a) if torch.is_tensor(a) else a for a in args),
        shared_mem=smem)
     return rt

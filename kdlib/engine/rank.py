@@ -343,9 +343,7 @@ class RankModel:
         slots per expert; `overflow` += 1 when an expert had more, whose extra slots the kernels skip),
         torch on the CPU. ids [M, k]: forced experts (`route`)."""
         w, idx = self._route_fn(logits, L["router_bias"], ids)
-        rt = device_routing(idx, w, self.e0, self.n_local)
-        if overflow is not None:
-            overflow += (rt.max_count > bound).to(overflow.dtype)
+        rt = device_routing(idx, w, self.e0, self.n_local, bound, overflow)
         if x.device.type != "cuda":
             return self.routed_torch(L, x, rt)
         return self._routed_kernel(L, x, rt, bound)

@@ -14,7 +14,8 @@
 //      lanes of the same key (kept in skey[i]), then the group's lowest lane advances hist[w][key];
 //   4. every thread scatters: sorted_token / sorted_weight at skey[i] (independent, all in flight);
 // then the experts with slots first, then the empty ones, each ascending (a scan of the busy flags),
-// their slot ranges, the number with slots and the largest local count.
+// their slot ranges, the number with slots and the largest local count; with `overflow`, one more when that
+// count passes `bound` (the caller's check that no expert kernel dropped slots, counted with no extra launch).
 //
 // Dynamic shared memory: 4 (RT_WARPS (n_local + 1) + n_local + 2 + n_slots) bytes,
 // 59,464 B at n_local = 384 and 8,320 slots (M = 1,040, top-8); the wrapper keeps it within the device's.
@@ -63,7 +64,9 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS) moe_routing_v1(
     int* __restrict__ ranges,             // [n_local, 2]
     int* __restrict__ sorted_token,       // [n_slots]
     float* __restrict__ sorted_weight,    // [n_slots]
-    long long* __restrict__ max_count)    // [1]
+    long long* __restrict__ max_count,    // [1]
+    int bound,                            // the launch bound of the expert kernels (slots per expert)
+    long long* __restrict__ overflow)     // [1] or null: += 1 when an expert has more than `bound` slots
 {
     extern __shared__ int smem[];
     const int keys = n_local + 1;
@@ -156,5 +159,6 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS) moe_routing_v1(
     if (tid == 0) {
         n_active[0] = n_busy;
         max_count[0] = s_max;
+        if (overflow != nullptr && s_max > bound) ++overflow[0];  // one block, one writer: no atomic
     }
 }
