@@ -121,7 +121,8 @@ def _kernels(p: str, m: int) -> float:
 def _synthetic_doc(spec: dict) -> dict:
     """A k2_layer payload whose times are exactly overhead + kernels x kernel_s + bytes / (peak x mem_eff) +
     FLOPs / (peak x comp_eff) (TRUE), at the k2_rank grid's points, bytes and FLOPs from rank_work at the real
-    shapes."""
+    shapes (`estimator_work`'s: the attention's as executed; the rows record piece_work's, as the suite
+    does)."""
     cfg = ModelConfig.from_dict(memory.load_config("kimi-k2.6"))
     shape = RankShape(cfg, tp=8)
     points, _ = k2_rank.grid(702_300, quick=False)
@@ -129,13 +130,14 @@ def _synthetic_doc(spec: dict) -> dict:
     for ctx, c, b in points:
         W = (b or 0) + 1
         work = rank_work.piece_work(shape, DFLASH_KIMI if b else None, c, W, ctx)
+        done = rank_work.estimator_work(shape, DFLASH_KIMI if b else None, c, W, ctx)  # what the time follows
         for piece, w in work.items():
             name = "commit_ar" if piece == "commit" and not b else piece
             ks, mem, comp, _, _ = TRUE[name]
             floor = max(w["bytes"] / spec["hbm_bandwidth_Bps"], w["flops"] / spec["bf16_dense_flops"])
             bw, fl = spec["hbm_bandwidth_Bps"], spec["bf16_dense_flops"]
-            t = (OVERHEAD_MS * 1e-3 + _kernels(name, c * W) * ks + w["bytes"] / (bw * mem)
-                 + w["flops"] / (fl * comp))
+            t = (OVERHEAD_MS * 1e-3 + _kernels(name, c * W) * ks + done[piece]["bytes"] / (bw * mem)
+                 + done[piece]["flops"] / (fl * comp))
             rows.append({"piece": piece, "layer": k2_layer.LAYER_OF.get(piece), "context": ctx, "streams": c,
                          "rows_per_stream": W, "m_rows": c * W, "budget": b,
                          "method": "ddtree" if b else "ar",
@@ -164,10 +166,13 @@ def test_calibrate_rank_layer_recovers_known_terms():
         assert t.kernels_at(1) == (k1 if on_m1 else kn) and t.kernels_at(300) == kn, p
         assert "k2_layer (synthetic)" in t.kernel_s.source and f"'{p}' rows" in t.mem_eff.source
     bw, fl = spec["hbm_bandwidth_Bps"], spec["bf16_dense_flops"]
+    shape = RankShape(ModelConfig.from_dict(memory.load_config("kimi-k2.6")), tp=8)
     for r in doc["rows"]:
         t = terms.pieces[calibration.rank_piece(r)]
-        fit = (OVERHEAD_MS * 1e-3 + r["kernels"] * t.kernel_s.value + r["bytes"] / (bw * t.mem_eff.value)
-               + r["flops"] / (fl * t.comp_eff.value))
+        w = (rank_work.attention_executed(shape, r["streams"], r["rows_per_stream"], r["context"])
+             if r["piece"] == "attention" else r)
+        fit = (OVERHEAD_MS * 1e-3 + r["kernels"] * t.kernel_s.value + w["bytes"] / (bw * t.mem_eff.value)
+               + w["flops"] / (fl * t.comp_eff.value))
         assert fit == pytest.approx(r["median_ms"] * 1e-3, rel=1e-4), (r["piece"], r["m_rows"], r["context"])
     assert terms.graph_overhead_s.value == pytest.approx(OVERHEAD_MS * 1e-3)
     assert [r["piece"] for r in terms.table()] == list(TRUE)
@@ -185,6 +190,22 @@ def test_calibrate_rank_layer_keeps_the_terms_physical():
     assert t.mem_eff.value == 1.0 and t.comp_eff.value == 1.0 and t.kernel_s.value >= 0
 
 
+def test_attention_executed_counts_the_plans_padded_jobs_and_tiles():
+    """8 heads a rank: an AR row is 8 query rows, one job padded to 64; 65 rows are 520, 9 jobs. Keys are
+    context + rows in tiles of 64. Padding makes the executed FLOPs exceed the useful ones, most for AR."""
+    shape = RankShape(ModelConfig.from_dict(memory.load_config("kimi-k2.6")), tp=8)
+    c = shape.cfg
+    per_tile = 2.0 * 64 * 64 * (c.latent_dim + c.kv_lora_rank)
+    per_job = 64 * (c.latent_dim * 2 + c.kv_lora_rank * 4)
+    for C, W, ctx, jobs, tiles in ((1, 1, 5500, 1, 86), (4, 65, 128, 36, 36 * 4), (10, 17, 0, 30, 30)):
+        w = rank_work.attention_executed(shape, C, W, ctx)
+        assert (w["bytes"], w["flops"]) == (jobs * per_job, tiles * per_tile), (C, W, ctx)
+    useful = rank_work.piece_work(shape, None, 1, 1, 5500)["attention"]["flops"]
+    assert rank_work.attention_executed(shape, 1, 1, 5500)["flops"] > 7 * useful
+    assert rank_work.estimator_work(shape, None, 1, 1, 5500)["attention"] == rank_work.attention_executed(
+        shape, 1, 1, 5500)
+
+
 def test_rank_step_time_is_61_layers_of_the_pieces():
     spec = hardware("h200")
     a = est.Assumptions()
@@ -193,7 +214,7 @@ def test_rank_step_time_is_61_layers_of_the_pieces():
     shape = RankShape(cfg, tp=8)
     for C, W, ctx, dd in ((1, 1, 5500, False), (10, 17, 32000, True)):
         st = est.rank_step_time("h200", terms, C, W, ctx, dd)
-        work = rank_work.piece_work(shape, DFLASH_KIMI if dd else None, C, W, ctx)
+        work = rank_work.estimator_work(shape, DFLASH_KIMI if dd else None, C, W, ctx)
 
         def t(p, name=None, work=work, m=C * W):  # one piece from the fitted terms
             pt, w = terms.pieces[name or p], work[p]

@@ -20,6 +20,7 @@ import statistics
 from kdlib.estimator.model import hardware, step_time
 from kdlib.estimator.params import (
     RANK_PIECES,
+    SHAPE_CONFIG,
     Assumptions,
     ModelShape,
     Param,
@@ -524,11 +525,27 @@ def calibrate_rank_layer(a: Assumptions, doc: dict, *, gpu="h200") -> RankLayerT
 
     Per piece (`rank_piece`), over its rows: time - the suite's graph overhead = kernels x kernel_s + bytes
     / (HBM peak x mem_eff) + FLOPs / (bf16 peak x comp_eff), the peaks of `gpu`'s spec (the row's bytes and
-    FLOPs: `kdlib.perf.rank_work`), fit by least squares of the relative residuals (`_fit_relative`:
-    kernel_s >= 0, both efficiencies <= 1: no piece beats a peak); the kernels per call at each M are the
-    median of the piece's rows at that M (the profile).
-    `a` (calibrated on the component suites: the all-reduce) is kept for the rest. The rank's step is
-    `kdlib.estimator.model.rank_step_time`."""
+    FLOPs, `kdlib.perf.rank_work.piece_work`'s, but the attention's: what its kernels execute,
+    `rank_work.attention_executed` at the row's shape, as `rank_step_time` evaluates it), fit by least
+    squares of the relative residuals (`_fit_relative`: kernel_s >= 0, both efficiencies <= 1: no piece
+    beats a peak); the kernels per call at each M are the median of the piece's rows at that M (the
+    profile). `a` (calibrated on the component suites: the all-reduce) is kept for the rest. The rank's
+    step is `kdlib.estimator.model.rank_step_time`."""
+    from kdlib import memory
+    from kdlib.engine.config import ModelConfig
+    from kdlib.engine.rank import RankShape
+    from kdlib.perf import rank_work
+
+    par = doc["parameters"]
+    shape = RankShape(ModelConfig.from_dict(memory.load_config(par.get("config", SHAPE_CONFIG))),
+                      tp=int(par["tp"]), rank=0, moe_mode=par["moe_mode"])
+
+    def work(r):
+        if r["piece"] != "attention":
+            return r["bytes"], r["flops"]
+        w = rank_work.attention_executed(shape, r["streams"], r["rows_per_stream"], r["context"])
+        return w["bytes"], w["flops"]
+
     spec = hardware(gpu)
     bw, fl = spec["hbm_bandwidth_Bps"], spec["bf16_dense_flops"]
     src = doc.get("_path", "k2_layer result")
@@ -543,8 +560,9 @@ def calibrate_rank_layer(a: Assumptions, doc: dict, *, gpu="h200") -> RankLayerT
             continue
         ys = [r["median_ms"] * 1e-3 - over * (r["mode"] == "graph") for r in rows]
         ks = [float(r["kernels"]) for r in rows]
-        c0, c1, c2 = _fit_relative([ks, [r["bytes"] / bw for r in rows], [r["flops"] / fl for r in rows]],
-                                   ys, [0.0, 1.0, 1.0])
+        bf = [work(r) for r in rows]
+        c0, c1, c2 = _fit_relative([ks, [b / bw for b, _ in bf], [f / fl for _, f in bf]], ys,
+                                   [0.0, 1.0, 1.0])
         fit = (f"k2_layer ({src}): least squares of the relative residuals of (time - graph overhead) = "
                f"kernels x kernel_s + bytes / (peak x mem_eff) + FLOPs / (peak x comp_eff) over its "
                f"{len(rows)} '{p}' rows, against the {spec.get('slug', gpu)} spec peaks")

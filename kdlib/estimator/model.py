@@ -132,7 +132,7 @@ def rank_step_time(gpu, terms: RankLayerTerms, streams: int, rows_per_stream: in
     pieces (first_k_dense_replace dense layers, the rest MoE: dense + norms, attention, MoE each), the
     step's head, commit and with `ddtree` the drafter's draft, tree and accept, each kernels(M) x kernel_s +
     bytes / (peak x mem_eff) + FLOPs / (peak x comp_eff) (`PieceTerms`, bytes and FLOPs from
-    `kdlib.perf.rank_work` at these shapes), one graph
+    `kdlib.perf.rank_work.estimator_work` at these shapes: the attention's as its plan executes it), one graph
     replay's overhead, and the step's all-reduces (`kdlib.engine.rank.step_allreduces`, each `allreduce_s`
     from `terms.a`).
 
@@ -151,7 +151,7 @@ def rank_step_time(gpu, terms: RankLayerTerms, streams: int, rows_per_stream: in
     ds = (drafter or DFLASH_KIMI) if ddtree else None
     C, W = streams, rows_per_stream
     M = C * W
-    work = rank_work.piece_work(shape, ds, C, W, context)
+    work = rank_work.estimator_work(shape, ds, C, W, context)
     t, kern = {}, {}
     for p, w in work.items():
         name = "commit_ar" if p == "commit" and not ddtree else p

@@ -11,7 +11,9 @@ read once, the new rows written), "moe" (the touched experts' INT4 weights under
 with a drafter "draft", "tree", "accept". Every weight read once, activations counted as in
 `kdlib.perf.suites.k2_rank.floors`, which sums these (`totals`; it has no AR commit); the byte counts equal
 the tensors `RankModel` and `RankDrafter` allocate (tests/test_k2_layer.py checks it). No tensor is made:
-the estimator calls this.
+the estimator calls this. `estimator_work` is the same but for the attention, whose work there is what its
+kernels execute (`attention_executed`: the plan's padded jobs and tiles) rather than the useful work the
+floors count.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from kdlib.tp.engine import partition
 LAYER_PIECES = ("dense_first", "dense", "attention", "moe")
 STEP_PIECES = ("head", "draft", "tree", "accept", "commit")
 BF16 = 2
+ROW_BLOCK = KEY_TILE = 64  # the tree-verify plan's query rows a job and keys a tile (kdlib.cuda.attention)
 
 
 def _span(n: int, tp: int, rank: int) -> int:
@@ -100,6 +103,26 @@ def piece_work(shape, ds, streams: int, rows_per_stream: int, context: int) -> d
                               + M * ds.num_layers * 2 * d["kv_heads"] * ds.head_dim * BF16, 2.0 * M * fc)
     else:
         out["commit"] = _work(2 * C * 8, 0.0)  # AR: the lengths read and the next ones written (int64)
+    return out
+
+
+def attention_executed(shape, streams: int, rows_per_stream: int, context: int) -> dict:
+    """One layer's tree-verify attention as its kernels execute it: each stream's heads x rows query rows
+    in jobs of ROW_BLOCK (padded), each job over its stream's context + rows keys in tiles of KEY_TILE
+    (padded). bytes: every job's Q block in and its fp32 partial out (the keys stream through L2 and are
+    the tiles' cost); FLOPs: S and P V of every tile, padding included."""
+    c = shape.cfg
+    jobs = streams * -(-shape.heads * rows_per_stream // ROW_BLOCK)
+    tiles = jobs * -(-(context + rows_per_stream) // KEY_TILE)
+    return _work(jobs * ROW_BLOCK * (c.latent_dim * BF16 + c.kv_lora_rank * 4),
+                 2.0 * tiles * ROW_BLOCK * KEY_TILE * (c.latent_dim + c.kv_lora_rank))
+
+
+def estimator_work(shape, ds, streams: int, rows_per_stream: int, context: int) -> dict:
+    """`piece_work` with the attention's executed work (`attention_executed`) in place of its useful work:
+    what `kdlib.estimator`'s rank terms are fitted on and evaluated with (the floors keep the useful work)."""
+    out = piece_work(shape, ds, streams, rows_per_stream, context)
+    out["attention"] = attention_executed(shape, streams, rows_per_stream, context)
     return out
 
 
