@@ -107,7 +107,8 @@ def test_suite_pieces_and_rows_on_the_cpu(budget):
 # ----------------------------------------------------------------------------- synthetic layer payload
 TRUE = {  # piece -> (kernel_s, mem_eff, comp_eff, kernels at M = 1, kernels at M > 1)
     "dense_first": (3e-6, 0.6, 0.7, 20, 24), "dense": (2.5e-6, 0.5, 0.6, 20, 24),
-    "attention": (5e-6, 0.7, 0.3, 4, 4), "moe": (4e-6, 0.4, 0.2, 12, 14), "head": (2e-6, 0.8, 0.9, 8, 9),
+    "attention": (5e-6, 0.7, 0.3, 4, 4), "moe": (4e-6, 0.4, 0.2, 12, 14),
+    "moe_wide": (3e-6, 0.5, 0.3, 14, 14), "head": (2e-6, 0.8, 0.9, 8, 9),
     "draft": (3e-6, 0.3, 0.5, 150, 160), "tree": (6e-6, 0.9, 0.9, 3, 3), "accept": (4e-6, 0.9, 0.9, 5, 5),
     "commit": (2e-6, 0.5, 0.8, 60, 70), "commit_ar": (3e-6, 0.5, 0.8, 2, 2),
 }
@@ -132,7 +133,8 @@ def _synthetic_doc(spec: dict) -> dict:
         work = rank_work.piece_work(shape, DFLASH_KIMI if b else None, c, W, ctx)
         done = rank_work.estimator_work(shape, DFLASH_KIMI if b else None, c, W, ctx)  # what the time follows
         for piece, w in work.items():
-            name = "commit_ar" if piece == "commit" and not b else piece
+            row = {"piece": piece, "method": "ddtree" if b else "ar", "m_rows": c * W}
+            name = calibration.rank_piece(row, cfg)
             ks, mem, comp, _, _ = TRUE[name]
             floor = max(w["bytes"] / spec["hbm_bandwidth_Bps"], w["flops"] / spec["bf16_dense_flops"])
             bw, fl = spec["hbm_bandwidth_Bps"], spec["bf16_dense_flops"]
@@ -159,7 +161,7 @@ def test_calibrate_rank_layer_recovers_known_terms():
     assert set(terms.pieces) == set(TRUE)
     for p, (ks, mem, comp, k1, kn) in TRUE.items():
         t = terms.pieces[p]
-        if p in ("dense_first", "dense", "attention", "moe", "head", "draft"):
+        if p in ("dense_first", "dense", "attention", "moe", "moe_wide", "head", "draft"):
             assert (t.kernel_s.value, t.mem_eff.value, t.comp_eff.value) == pytest.approx((ks, mem, comp),
                                                                                         rel=1e-6), p
         on_m1 = p not in ("draft", "tree", "accept", "commit")  # DDTree pieces: M >= 9 only
@@ -168,7 +170,7 @@ def test_calibrate_rank_layer_recovers_known_terms():
     bw, fl = spec["hbm_bandwidth_Bps"], spec["bf16_dense_flops"]
     shape = RankShape(ModelConfig.from_dict(memory.load_config("kimi-k2.6")), tp=8)
     for r in doc["rows"]:
-        t = terms.pieces[calibration.rank_piece(r)]
+        t = terms.pieces[calibration.rank_piece(r, shape.cfg)]
         w = (rank_work.attention_executed(shape, r["streams"], r["rows_per_stream"], r["context"])
              if r["piece"] == "attention" else r)
         fit = (OVERHEAD_MS * 1e-3 + r["kernels"] * t.kernel_s.value + w["bytes"] / (bw * t.mem_eff.value)
@@ -222,7 +224,9 @@ def test_rank_step_time_is_61_layers_of_the_pieces():
                     + w["bytes"] / (spec["hbm_bandwidth_Bps"] * pt.mem_eff.value)
                     + w["flops"] / (spec["bf16_dense_flops"] * pt.comp_eff.value))
 
-        layers = t("dense_first") + 60 * (t("dense") + t("moe")) + 61 * t("attention")
+        moe = calibration.moe_piece(cfg, C * W)  # "moe" at M = 1, "moe_wide" at M = 170
+        assert moe == ("moe" if C * W == 1 else "moe_wide")
+        layers = t("dense_first") + 60 * (t("dense") + t("moe", moe)) + 61 * t("attention")
         parts = t("draft") + t("tree") + t("accept") + t("commit") if dd else t("commit", "commit_ar")
         want = layers + t("head") + parts + OVERHEAD_MS * 1e-3
         assert st["step"] == pytest.approx(want, rel=1e-9)

@@ -99,6 +99,9 @@ class DeviceRouting:
 
 ROUTING_KERNEL = ("moe_routing/v1", "moe_routing_v1")  # (loader stem, kernel name)
 ROUTING_WARPS = 16  # RT_WARPS in moe_routing/v1.cu
+# the largest launch bound (slots per expert) that `routed_kernel` runs on moe_w4a16's decode-regime pick;
+# above it, version 1 (the estimator fits the two launches apart: kdlib.estimator.calibration.moe_piece)
+MOE_NARROW_BOUND = 8
 ROUTING_MAX_SMEM = 227 * 1024  # the kernel's dynamic shared memory at most (sm_90's opt-in limit)
 
 
@@ -224,7 +227,7 @@ def routed_kernel(x: torch.Tensor, packed: dict, rt: DeviceRouting, topk: int, i
     out = torch.empty(M, K, dtype=torch.float32, device=x.device)  # [M, H]
     h = torch.empty(M * topk, inter, dtype=torch.int16, device=x.device)  # [M k, N] bf16 bits
     moe.moe_w4a16(x.contiguous(), views, routing, out=as_cupy(out), h=as_cupy(h).view(cupy.uint16),
-                  version=None if bound <= 8 else 1)
+                  version=None if bound <= MOE_NARROW_BOUND else 1)
     return out.to(x.dtype)
 
 

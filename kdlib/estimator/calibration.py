@@ -514,8 +514,20 @@ def _fit_relative(xs: list[list[float]], ys: list[float], lower: list[float]) ->
     return best
 
 
-def rank_piece(row: dict) -> str:
-    """The `RANK_PIECES` name of a k2_layer row: its piece, the AR commit apart ("commit_ar": no drafter)."""
+def moe_piece(cfg, m: int, bound_factor: float = 4.0) -> str:
+    """The MoE layer's `RANK_PIECES` name at m rows: "moe", or "moe_wide" where the expert launch bound
+    (`count_bound` at the rank's default factor) passes MOE_NARROW_BOUND and moe_w4a16 runs version 1."""
+    from kdlib.engine.int4 import MOE_NARROW_BOUND, count_bound
+
+    bound = count_bound(m, cfg.num_experts_per_tok, cfg.n_routed_experts, bound_factor)
+    return "moe_wide" if bound > MOE_NARROW_BOUND else "moe"
+
+
+def rank_piece(row: dict, cfg) -> str:
+    """The `RANK_PIECES` name of a k2_layer row (cfg: the rank's model config): its piece, the AR commit
+    apart ("commit_ar": no drafter), the MoE by its launch (`moe_piece`)."""
+    if row["piece"] == "moe":
+        return moe_piece(cfg, row["m_rows"])
     return "commit_ar" if row["piece"] == "commit" and row["method"] == "ar" else row["piece"]
 
 
@@ -552,7 +564,7 @@ def calibrate_rank_layer(a: Assumptions, doc: dict, *, gpu="h200") -> RankLayerT
     over = max(0.0, doc["graph_overhead"]["overhead_ms"] * 1e-3)
     by_piece: dict[str, list[dict]] = {}
     for r in doc.get("rows") or []:
-        by_piece.setdefault(rank_piece(r), []).append(r)
+        by_piece.setdefault(rank_piece(r, shape.cfg), []).append(r)
     pieces = {}
     for p in RANK_PIECES:
         rows = [r for r in by_piece.get(p, []) if r["median_ms"] * 1e-3 > over * (r["mode"] == "graph")]

@@ -142,6 +142,7 @@ def rank_step_time(gpu, terms: RankLayerTerms, streams: int, rows_per_stream: in
     from kdlib import memory
     from kdlib.engine.config import ModelConfig
     from kdlib.engine.rank import DFLASH_KIMI, RankShape, step_allreduces
+    from kdlib.estimator.calibration import moe_piece
     from kdlib.perf import rank_work
 
     spec = hardware(gpu)
@@ -154,7 +155,7 @@ def rank_step_time(gpu, terms: RankLayerTerms, streams: int, rows_per_stream: in
     work = rank_work.estimator_work(shape, ds, C, W, context)
     t, kern = {}, {}
     for p, w in work.items():
-        name = "commit_ar" if p == "commit" and not ddtree else p
+        name = "commit_ar" if p == "commit" and not ddtree else moe_piece(cfg, M) if p == "moe" else p
         if name not in terms.pieces:
             raise ValueError(f"the rank's terms have no '{name}' piece (the layer suite measured "
                              f"{sorted(terms.pieces)})")

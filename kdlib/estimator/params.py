@@ -280,8 +280,10 @@ class Scenario:
 
 
 # The pieces of one TP rank's step (`kdlib.perf.rank_work`): per layer, then per step.
-RANK_PIECES = ("dense_first", "dense", "attention", "moe", "head", "draft", "tree", "accept", "commit",
-               "commit_ar")  # commit_ar: an AR step's commit (no drafter)
+# commit_ar: an AR step's commit (no drafter); moe_wide: the MoE layer where its launch bound passes
+# MOE_NARROW_BOUND (another moe_w4a16 version: `calibration.moe_piece`)
+RANK_PIECES = ("dense_first", "dense", "attention", "moe", "moe_wide", "head", "draft", "tree", "accept",
+               "commit", "commit_ar")
 
 
 @dataclass(frozen=True)
