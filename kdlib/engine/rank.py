@@ -388,8 +388,8 @@ class RankModel:
         c, nh = self.cfg, self.heads
         C, W = vis.shape[:2]
         kv.index_copy_(0, slots, rows)
-        extra = {"validate": False, "workspace": ws, "plan_ready": plan_ready} if self.device.type == "cuda" \
-            else {}
+        extra = {"validate": False, "workspace": ws, "plan_ready": plan_ready and ws is not None} \
+            if self.device.type == "cuda" else {}
         out, _ = ops.tree_verify_attention(
             q.view(C, W, nh, c.latent_dim), kv, table, lens, rows.view(C, W, c.latent_dim), vis, sizes,
             c.softmax_scale, kv_lora_rank=c.kv_lora_rank, **extra)
@@ -397,11 +397,14 @@ class RankModel:
 
     def verify_workspace(self, streams: int, rows_per_stream: int):
         """The tree-verify attention's buffers for C x W rows (`kdlib.cuda.attention.make_workspace`, in
-        torch's allocator as the calls' own were), None on the CPU (the numpy reference allocates its own)."""
+        torch's allocator as the calls' own were); None on the CPU (the numpy reference allocates its own)
+        and where the device's bf16 pick is not a workspace version (no sm_90a: no plan to share)."""
         if self.device.type != "cuda":
             return None
         from kdlib.cuda import attention
 
+        if attention.pick_version(None, None, "bf16") not in attention.WGMMA_VERSIONS:
+            return None
         with _cupy_stream():
             return attention.make_workspace(streams, rows_per_stream, self.heads)
 
