@@ -135,15 +135,19 @@ extern "C" __global__ void rc_mbarrier(float* out) {
 
 // v7's stage blocks: warpgroup 0 fills the slot with cp.async and arrives "full" when its copies land
 // (cp.async.mbarrier.arrive.noinc); warpgroup 1 waits, reads the slot, overwrites it (v7's P over the rope
-// block) and arrives "empty"; the next fill waits on "empty". src [ROUNDS x 128] float4.
-extern "C" __global__ void rc_cp_async(const float4* src, float* out) {
+// block) and releases it on "empty"; the next fill waits on "empty". RELEASE 0: every consumer thread
+// arrives (count 128); 1: lane 0 of each of the 4 warps (count 4: warp_arrive), with no __syncwarp first
+// (the other lanes' stores are then not ordered before the arrive's release); 2: lane 0 after a __syncwarp.
+// src [ROUNDS x 128] float4.
+template <int RELEASE>
+__device__ __forceinline__ void cp_async_ring(const float4* src, float* out) {
     __shared__ alignas(16) float4 s[128];
     __shared__ alignas(8) unsigned long long bars[2];
-    const int t = threadIdx.x, i = t & 127;
+    const int t = threadIdx.x, i = t & 127, lane = t & 31;
     const unsigned full = smem_u32(&bars[0]), empty = smem_u32(&bars[1]);
     if (t == 0) {
         bar_init(full, 128);
-        bar_init(empty, 128);
+        bar_init(empty, RELEASE == 0 ? 128 : 4);
     }
     __syncthreads();
     float acc = 0.f;
@@ -157,47 +161,16 @@ extern "C" __global__ void rc_cp_async(const float4* src, float* out) {
             const float4 v = s[i];
             acc += v.x + v.y + v.z + v.w;
             s[i] = make_float4(acc, acc, acc, acc);
-            bar_arrive(empty);
+            if (RELEASE == 2) __syncwarp();
+            if (RELEASE == 0 || lane == 0) bar_arrive(empty);
         }
     }
     if (t >= 128 && t < 256) out[t] = acc;
     __syncthreads();
 }
 
-// v7's releases of a stage block: every lane of the 4 consumer warps writes the slot (P), then lane 0 of
-// each warp arrives on "empty" (count 4: warp_arrive); the producer waits and refills it with cp.async.
-// SYNC: a __syncwarp before lane 0's arrive (without it the other lanes' stores are not ordered before
-// the arrive's release). src [ROUNDS x 128] float4.
-template <bool SYNC>
-__device__ __forceinline__ void lane0_release(const float4* src, float* out) {
-    __shared__ alignas(16) float4 s[128];
-    __shared__ alignas(8) unsigned long long bars[2];
-    const int t = threadIdx.x, i = t & 127, lane = t & 31;
-    const unsigned full = smem_u32(&bars[0]), empty = smem_u32(&bars[1]);
-    if (t == 0) {
-        bar_init(full, 128);
-        bar_init(empty, 4);
-    }
-    __syncthreads();
-    float acc = 0.f;
-    for (int n = 0; n < ROUNDS && t < 256; ++n) {
-        if (t < 128) {
-            bar_wait(empty, (n & 1) ^ 1);
-            cp_async16(smem_u32(&s[i]), src + n * 128 + i, 16);
-            bar_arrive_copies(full);
-        } else {
-            bar_wait(full, n & 1);
-            acc += s[i].x;
-            s[i] = make_float4(acc, acc, acc, acc);
-            if (SYNC) __syncwarp();
-            if (lane == 0) bar_arrive(empty);
-        }
-    }
-    if (t >= 128 && t < 256) out[t] = acc;
-    __syncthreads();
-}
-
-extern "C" __global__ void rc_lane0_release(const float4* src, float* out) { lane0_release<false>(src, out); }
+extern "C" __global__ void rc_cp_async(const float4* src, float* out) { cp_async_ring<0>(src, out); }
+extern "C" __global__ void rc_lane0_release(const float4* src, float* out) { cp_async_ring<1>(src, out); }
 extern "C" __global__ void rc_lane0_release_syncwarp(const float4* src, float* out) {
-    lane0_release<true>(src, out);
+    cp_async_ring<2>(src, out);
 }
