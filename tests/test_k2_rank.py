@@ -365,12 +365,12 @@ def test_gpu_compiled_step_graph_replay_matches_plain():
                 for _ in "cs")
     o_lat = torch.randn(M, m.heads, c.kv_lora_rank, device="cuda", generator=g)
     pre_w, post_w = [L[k] for k in rank_mod._PRE], [L[k] for k in rank_mod._POST]
-    plain = (m._pre(h, cos, sin, *pre_w), m._post(h, o_lat, *post_w),
-             m._route(h, L["router"], L["router_bias"]))
+    plain_post = m._post(h, o_lat, *post_w)
+    logits = plain_post[3]  # the router's logits, from the shared expert's GEMM: both routes read these
+    plain = (m._pre(h, cos, sin, *pre_w), plain_post, m._route(logits, L["router_bias"]))
     torch._dynamo.reset()
     m.compile_pieces()
-    got = (m._pre_fn(h, cos, sin, *pre_w), m._post_fn(h, o_lat, *post_w),
-           m._route_fn(h, L["router"], L["router_bias"]))
+    got = (m._pre_fn(h, cos, sin, *pre_w), m._post_fn(h, o_lat, *post_w), m._route_fn(logits, L["router_bias"]))
     for name, a, b in zip(("pre", "post"), got[:2], plain[:2], strict=True):
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
             err = float((x.float() - y.float()).norm() / y.float().norm())

@@ -225,7 +225,8 @@ def summarize(folder: Path) -> int:
     if not tools:
         print(f"no <tool>.log in {folder}: nothing to summarize", file=sys.stderr)
         return 2
-    doc = {"provenance": provenance(), "tools": tools, "clean": all(t["clean"] for t in tools.values())}
+    doc = {"provenance": provenance(), "nvrtc_options": os.environ.get("KDLIB_NVRTC_OPTIONS", ""),
+           "tools": tools, "clean": all(t["clean"] for t in tools.values())}
     (folder / "sanitize.json").write_text(json.dumps(doc, indent=1) + "\n")
     for tool, t in tools.items():
         print(f"{tool:10s} rc {t['rc']}  findings {t['errors']}  cases {t['cases_passed']}/{t['cases']}  "
