@@ -370,7 +370,8 @@ def test_gpu_compiled_step_graph_replay_matches_plain():
     plain = (m._pre(h, cos, sin, *pre_w), plain_post, m._route(logits, L["router_bias"]))
     torch._dynamo.reset()
     m.compile_pieces()
-    got = (m._pre_fn(h, cos, sin, *pre_w), m._post_fn(h, o_lat, *post_w), m._route_fn(logits, L["router_bias"]))
+    got = (m._pre_fn(h, cos, sin, *pre_w), m._post_fn(h, o_lat, *post_w),
+           m._route_fn(logits, L["router_bias"]))
     for name, a, b in zip(("pre", "post"), got[:2], plain[:2], strict=True):
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
             err = float((x.float() - y.float()).norm() / y.float().norm())
