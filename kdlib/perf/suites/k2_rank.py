@@ -25,8 +25,9 @@ Sections of the payload:
              `kdlib.memory` predicts for a TP8 H200 rank)
   engine     after the grid, ENGINE_ROWS through the batched engine itself (`BatchEngine` over
              `RankTarget`: uniform experts, synthetic prefill, CUDA graphs; `measure_engine`): per step the
-             replay's device span and the host's wall, the accepted length the random drafter reaches, and
-             the RankStep row of the same point (`rank_step_ms`) beside them
+             replay's device span and the host's wall, the accepted length the random drafter reaches, a
+             profile of a few more steps (kernels per step and per class), and the RankStep row of the same
+             point (`rank_step_ms`) beside them
 The JSON is rewritten after every row, so a run cut short keeps what it measured.
 """
 
@@ -51,6 +52,7 @@ ACCEPTED = 4  # the forced accepted length (bonus included) of the DDTree rows: 
 # (context, C, budget) run through BatchEngine after the grid, and the steps measured at each
 ENGINE_ROWS = ((5500, 1, None), (5500, 1, 16), (5500, 10, None), (5500, 10, 16), (128, 16, 16))
 ENGINE_STEPS = 12
+ENGINE_PROFILED = 3  # engine steps profiled after the timed ones
 P_TOP = 0.8  # top-1 probability of the draft profile (tree shape)
 
 
@@ -149,12 +151,15 @@ def measure_row(model, drafter, pool, ctx: int, C: int, budget, ceil: dict, fit:
     return row
 
 
-def measure_engine(model, drafter, ctx: int, C: int, budget, steps: int = ENGINE_STEPS) -> dict:
+def measure_engine(model, drafter, ctx: int, C: int, budget, steps: int = ENGINE_STEPS,
+                   profiled: int = ENGINE_PROFILED) -> dict:
     """C requests of `ctx` prompt tokens through `BatchEngine` over `RankTarget(model, "uniform",
-    "synthetic")` (AR when budget is None, else DDTree with `drafter`), admitted together, each until it
-    has emitted steps + 1 tokens: the steps' host wall (`step_ms`) and, on CUDA, each replay's device span
-    (`replay_ms`; the engine's `replay_ms` list). The first step (prefill, capture) is left out of the
-    medians. Acceptance is the random drafter's (tau ~ 1), not RankStep's forced one."""
+    "synthetic")` (AR when budget is None, else DDTree with `drafter`), admitted together: steps + 1 engine
+    steps timed (the first, prefill and capture, left out of the medians): the host wall (`step_ms`) and, on
+    CUDA, each replay's device span (`replay_ms`; the engine's `replay_ms` list); then, on CUDA, `profiled`
+    more steps under the profiler (`profile`: kernels per step, device ms, per-class sums, the top kernels;
+    the requests are long enough that every profiled step has all C lanes at work). Acceptance is the random
+    drafter's (tau ~ 1), not RankStep's forced one."""
     import statistics
 
     import torch
@@ -163,15 +168,19 @@ def measure_engine(model, drafter, ctx: int, C: int, budget, steps: int = ENGINE
     from kdlib.engine.rank import RankTarget
 
     W = (budget or 0) + 1
+    cuda = model.device.type == "cuda"
+    profiled = profiled if cuda else 0
+    # the prefill's token and at most W a step: every lane still at work in the last step
+    new_tokens = (steps + 2 + profiled) * W
     target = RankTarget(model, routing="uniform", prefill="synthetic", max_rows=C * W)
     kw = dict(method="ddtree", drafter=drafter, budget=budget) if budget else dict(method="ar")
-    eng = BatchEngine(target, max_streams=C, max_context=ctx + steps + 1, **kw)
+    eng = BatchEngine(target, max_streams=C, max_context=ctx + new_tokens, **kw)
     eng.replay_ms = [] if eng.graphs else None
     g = torch.Generator().manual_seed(ctx + C)
     for _ in range(C):
-        eng.add_request(torch.randint(0, target.cfg.vocab_size, (ctx,), generator=g).tolist(), steps + 1)
+        eng.add_request(torch.randint(0, target.cfg.vocab_size, (ctx,), generator=g).tolist(), new_tokens)
     t0 = time.perf_counter()
-    while eng.has_work():
+    for _ in range(steps + 1):
         eng.step()
     wall = time.perf_counter() - t0
     host = eng.step_ms[1:] or eng.step_ms
@@ -184,8 +193,13 @@ def measure_engine(model, drafter, ctx: int, C: int, budget, steps: int = ENGINE
            "graphs": eng.graphs, "overflow": int(target.overflow), "compiled": model.compiled,
            "commit": results.git_commit(), "wall_s": wall}
     row["device_share"] = row["replay_ms"] / row["step_ms"] if replay else None
+    row["profile"] = None
+    if profiled:
+        p = profile.device_profile(eng.step, steps=profiled, top=15)
+        p["classes"] = profile.kernel_classes(p.pop("kernels"))
+        row["profile"] = p
     del eng
-    if model.device.type == "cuda":
+    if cuda:
         torch.cuda.empty_cache()
     return row
 
@@ -348,6 +362,8 @@ def run(*, quick: bool = False, out: str | None = None, budget_s: float | None =
               f"kernels {prof.get('kernels_per_step', 0):.0f} busy {prof.get('busy', 0):.2f} "
               f"({row['wall_s']:.1f} s)", flush=True)
         save()
+    if compile_ and not model.compiled:  # every grid row resumed: the engine runs the grid's compiled pieces
+        model.compile_pieces()
     kept_engine = json.loads(Path(resume).read_text()).get("engine", []) if kept else []
     payload["engine"] = list(kept_engine)
     done_e = {(r["context"], r["streams"], r["budget"]) for r in kept_engine}
