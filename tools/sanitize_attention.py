@@ -45,7 +45,7 @@ LSE_ATOL = 2e-3  # lse of fp32 S on bf16 inputs: only the summation order differ
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")  # what `summarize` looks for in DIR
 SCALE = 576**-0.5
 PREFIX_KEYS = ("q", "kv_cache", "page_table", "prefix_lens", "softmax_scale")  # prefix_attention's inputs
-_ERRORS = re.compile(r"ERROR SUMMARY: (\d+) errors?$", re.M)  # not "... errors were not printed"
+_ERRORS = re.compile(r"ERROR SUMMARY: (\d+) errors?\s*$", re.M)  # not "... errors were not printed"
 _HAZARDS = re.compile(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)")
 
 
