@@ -5,6 +5,7 @@
     headlines.b300_native_tok_s()          # tok/s: the native engine on a B300 at C = 1
     headlines.k2_rank_figures(doc)         # the seeds' step figures on the measured Kimi-K2.6 rank
     headlines.k2_rank_b300(doc)            # the B300 rank's two bounds re-derived from those rows
+    headlines.k2_rank_sustained_gap(doc, frag, ...)   # the seeds' 2x two-point / sustained gap on those rows
 
 The audit (`kdlib.audit`) reads `data/` and calls kdlib; it reads no executed notebook. A figure that a
 notebook computes and the audit also shows is computed here, from `data/` alone, so that notebook 06
@@ -145,3 +146,55 @@ def k2_rank_b300(doc: dict, gpu: str = "h200", target: str = "b300") -> dict:
         out[c, b] = {"ratio": ratio, "scaled_ms": scaled, "unscaled_ms": unscaled,
                      "tok_s_scaled": tau / scaled * 1e3, "tok_s_unscaled": tau / unscaled * 1e3}
     return out
+
+
+# the seeds' two-point probe: two requests of max_tokens 8 and 264 on one prompt, decode rate = 256 tokens
+# over the time between them (seeds/000_104759eda2e62f25.txt:59), 66.8 t/s at 5,120 tokens of context (:61)
+TWO_POINT_TOKENS = (8, 264)
+TWO_POINT_CONTEXT = 5120
+
+
+def k2_rank_sustained_gap(doc: dict, frag: dict | None, *, two_point_context: int, sustained_prompt: int,
+                          sustained_generated: int, gap: float) -> dict:
+    """How much of the seeds' two-point / sustained gap (`gap`: their two-point tok/s at
+    `two_point_context` over their sustained tok/s, a `sustained_prompt`-token prompt generating
+    `sustained_generated`) the measured rank's step time can carry, per method (budget, None = AR) with
+    C = 1 rows at K2_SHORT_CONTEXT and K2_SEED_CONTEXT whose MoE computed every slot (`k2_rank_figures`).
+
+    The step at a context is the line through those two rows (the attention reads the context once per
+    layer: linear in it); each probe's step is the step at its mean context (the two-point probe over its
+    TWO_POINT_TOKENS window, the sustained run over its generation). Fragmentation: the recorded
+    fragmentation payload's worst kernel slowdown over a contiguous page table (`frag`, None: not
+    recorded, taken as 1), applied to the attention's share of the C = 1 step at K2_SEED_CONTEXT: the most
+    a fragmented cache can add. Per method: two_point_ms, sustained_ms, context_ratio (sustained step /
+    two-point step), frag_factor, step_ratio (their product: the step-time part of the gap) and
+    accept_ratio (gap / step_ratio: the two-point probe's accepted tokens per step over the sustained run's,
+    which the rest of the gap needs); frag_slowdown and frag_source beside them."""
+    g = k2_rank_grid(doc)
+    dropped = set(k2_rank_dropped(doc))
+    lo, hi = K2_SHORT_CONTEXT, K2_SEED_CONTEXT
+    two_point_mean = two_point_context + sum(TWO_POINT_TOKENS) / 2
+    sustained_mean = sustained_prompt + sustained_generated / 2
+    slow, src = 1.0, "no fragmentation result recorded: taken as 1"
+    if frag is not None:
+        slow = max(lay["kernel_slowdown_vs_contiguous"]
+                   for p in frag["points"] for lay in p["layouts"].values())
+        src = f"fragmentation suite, commit {frag['provenance']['commit'][:7]}"
+    out = {"frag_slowdown": slow, "frag_source": src, "gap": gap, "methods": {}}
+    for b in sorted({k[2] for k in g}, key=lambda x: -1 if x is None else x):
+        keys = [(lo, 1, b), (hi, 1, b)]
+        if any(k not in g or k in dropped for k in keys):
+            continue
+        (x0, r0), (x1, r1) = ((k[0], g[k]) for k in keys)
+        y0, y1 = r0["step_with_allreduce_ms"], r1["step_with_allreduce_ms"]
+
+        def step(x, x0=x0, x1=x1, y0=y0, y1=y1):
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+        tp, su = step(two_point_mean), step(sustained_mean)
+        frag_factor = 1 + (slow - 1) * r1["components_ms"]["attention"] / r1["step_ms"]
+        ratio = su / tp * frag_factor
+        out["methods"][b] = {"two_point_ms": tp, "sustained_ms": su, "context_ratio": su / tp,
+                             "frag_factor": frag_factor, "step_ratio": ratio, "accept_ratio": gap / ratio}
+    return out
+

@@ -183,3 +183,50 @@ def test_the_baseline_verdict_on_the_recorded_file():
     else:
         lo, hi = v.values["rank_bracket"]
         assert (v.verdict == audit.READING) == (lo <= seed <= hi)
+
+
+def _frag(slowdown):
+    return {"points": [{"layouts": {"contiguous": {"kernel_slowdown_vs_contiguous": 1.0},
+                                    "random": {"kernel_slowdown_vs_contiguous": slowdown}}}],
+            "provenance": {"commit": "f" * 40}}
+
+
+def test_sustained_gap_on_a_synthetic_payload():
+    """C = 1 steps with all-reduce: 9 + n ms at 128 tokens, 10 + n at 5.5k; the probes' steps lie on that
+    line at their mean contexts; fragmentation scales the attention's share (2 of 9 + n ms at 5.5k)."""
+    kw = dict(two_point_context=5120, sustained_prompt=3200, sustained_generated=1500, gap=2.0)
+    out = headlines.k2_rank_sustained_gap(synthetic(), None, **kw)
+    assert out["frag_slowdown"] == 1.0 and "no fragmentation result" in out["frag_source"]
+    assert set(out["methods"]) == set(BUDGETS)
+    m = out["methods"][8]
+    line = 5500 - 128  # ms per token of context: 1 / line
+
+    def at(x):
+        return 17.0 + (x - 128) / line
+
+    assert m["two_point_ms"] == pytest.approx(at(5120 + 136)) and m["sustained_ms"] == pytest.approx(at(3950))
+    assert m["frag_factor"] == 1.0 and m["step_ratio"] == pytest.approx(at(3950) / at(5256))
+    assert m["accept_ratio"] == pytest.approx(2.0 / m["step_ratio"])
+    f = headlines.k2_rank_sustained_gap(synthetic(), _frag(1.5), **kw)
+    assert f["frag_slowdown"] == 1.5 and "fffffff" in f["frag_source"]
+    assert f["methods"][None]["frag_factor"] == pytest.approx(1 + 0.5 * 2.0 / 9.0)
+    assert f["methods"][None]["step_ratio"] == pytest.approx(
+        out["methods"][None]["step_ratio"] * (1 + 0.5 * 2.0 / 9.0))
+    doc = synthetic()
+    for r in doc["rows"]:
+        if (r["context"], r["streams"], r["budget"]) == (128, 1, 16):
+            r["moe_bound_overflows"] = 5
+    assert set(headlines.k2_rank_sustained_gap(doc, None, **kw)["methods"]) == {None, 8}
+
+
+def test_the_rank_adds_the_step_part_of_the_two_point_gap():
+    cat = audit.catalogue()
+    fig = cat["diag_overestimate_2x"]
+    bare = audit.run_one(fig, cat, audit.Sources(results={}))
+    v = audit.run_one(fig, cat, audit.Sources(results={"k2_rank.h200": synthetic(),
+                                                       "fragmentation.h200": _frag(1.01)}))
+    assert v.verdict == bare.verdict  # the seeds' figures and the engine's diagnosis decide it
+    steps, accept = v.values["rank_step_ratio"], v.values["rank_accept_ratio"]
+    assert set(steps) == set(BUDGETS) and all(s < 1 for s in steps.values())  # shorter context, faster
+    assert accept[16] == pytest.approx(v.values["ratio"] / steps[16])
+    assert "carries none of the gap" in v.reason and len(v.sources) == len(bare.sources) + 2
