@@ -18,6 +18,9 @@ KV cache per token, whole model (`tp=1`):
   GQA/MHA  layers x num_key_value_heads x (head_dim + v_head_dim) x dtype bytes (K and V).
   fp4_e2m1 (MLA only) half a byte per element plus one 1-byte scale per 16 elements
            (SGLang `MLATokenToKVPoolFP4`).
+  fp8_ds_mla (MLA only) DeepSeek-V3.2's FP8 layout (FlashMLA "FP8 with scale", vLLM `fp8_ds_mla`): the
+           latent in e4m3 with one float32 scale per 128 dims, the RoPE key in bf16: 656 B per layer at
+           512 + 64 (`kdlib.ref.fp8.layout_bytes`, the reference of that layout).
 Per GPU under tensor parallelism (`tp`), by `kv_split` (models-hardware.md §2.2):
   "replicated"        plain TP, the default of SGLang and vLLM. MLA: every rank stores the full latent
                       of every token (the latent has no head axis to shard: SGLang docs, "Duplicated KV
@@ -70,6 +73,7 @@ from kdlib.config import (
     shipped,
     text_config,
 )
+from kdlib.ref.fp8 import layout_bytes
 
 GiB = 2**30
 KV_SPLITS = ("replicated", "dp_attention", "context_parallel")
@@ -78,6 +82,7 @@ DTYPE_BYTES = {
     "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
     "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
     "fp4_e2m1": 0.5,
+    "fp8_ds_mla": 1,  # the latent's e4m3 bytes; kv_bytes_per_token adds the scales and the bf16 RoPE key
 }
 WEIGHT_FORMATS = ("auto", "bf16", "fp8_block", "int4_g32")
 # SGLang's free-memory assumption before weights load: CUDA context + NCCL buffers. An assumption
@@ -171,6 +176,10 @@ def kv_bytes_per_token(config, dtype: str = "bfloat16", tp: int = 1, kv_split: s
         if g.attention != "mla":
             raise ValueError(f"{g.name}: fp4 KV is only modelled for MLA (SGLang MLATokenToKVPoolFP4)")
         full = g.num_layers * (per_layer // 2 + per_layer // FP4_SCALE_BLOCK)
+    elif dtype == "fp8_ds_mla":
+        if g.attention != "mla":
+            raise ValueError(f"{g.name}: fp8_ds_mla is an MLA latent layout (FlashMLA's FP8 KV cache)")
+        full = g.num_layers * layout_bytes(g.kv_lora_rank, g.qk_rope_head_dim)
     else:
         full = g.num_layers * per_layer * elt
     return _exact(full / tp if kv_split == "context_parallel" else full)
