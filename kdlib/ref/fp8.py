@@ -15,9 +15,9 @@ goes through float32 first, so it rounds twice for a float64 within 2^-24 (relat
 float16 and bf16 inputs the two agree. The conversion saturates by default: finite values past 448 and
 ±inf become ±448, and NaN stays NaN (NVIDIA's `cvt ... .satfinite`). The format has no infinity, so the
 non-saturating form (`saturate=False`: overflow gives NaN) would turn one large cache entry into a NaN that
-poisons every softmax row reading it. KV-cache writers therefore clamp (vLLM clamps to ±448 before its fp8
-cast; torch 2.13's CPU cast also saturates). Inside `quantize_latent` the tile scale keeps |x / s| <= 448
-anyway.
+poisons every softmax row reading it. FP8 quantization kernels therefore clamp to ±448 before the cast, and
+torch 2.13's CPU cast saturates too (tests/test_fp8_latent.py compares against it). Inside `quantize_latent`
+the tile scale keeps |x / s| <= 448 anyway.
 
 The layout is DeepSeek-V3.2's FP8 MLA cache, "FP8 with scale", as read from deepseek-ai/FlashMLA
 (https://github.com/deepseek-ai/FlashMLA, commit 9241ae3, 2026-04-29):
