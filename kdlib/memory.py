@@ -73,7 +73,6 @@ from kdlib.config import (
     shipped,
     text_config,
 )
-from kdlib.ref.fp8 import layout_bytes
 
 GiB = 2**30
 KV_SPLITS = ("replicated", "dp_attention", "context_parallel")
@@ -177,6 +176,8 @@ def kv_bytes_per_token(config, dtype: str = "bfloat16", tp: int = 1, kv_split: s
             raise ValueError(f"{g.name}: fp4 KV is only modelled for MLA (SGLang MLATokenToKVPoolFP4)")
         full = g.num_layers * (per_layer // 2 + per_layer // FP4_SCALE_BLOCK)
     elif dtype == "fp8_ds_mla":
+        from kdlib.ref.fp8 import layout_bytes  # numpy: kdlib.memory itself imports pure Python only
+
         if g.attention != "mla":
             raise ValueError(f"{g.name}: fp8_ds_mla is an MLA latent layout (FlashMLA's FP8 KV cache)")
         full = g.num_layers * layout_bytes(g.kv_lora_rank, g.qk_rope_head_dim)

@@ -8,9 +8,9 @@ Every function here has a CUDA twin in `kdlib.cuda` with the same name and signa
   attention  prefix_attention, tree_tail_attention, merge_attention,
              tree_verify_attention (MLA absorb form, natural-log LSE)  (§3)
   compact    compact_kv, compact_kv_batch, remap_slots               (§5.1)
-  fp8        to_e4m3_bits, from_e4m3_bits, quantize_latent, dequantize_latent, pack_latent,
-             unpack_latent: the FP8 MLA latent-cache layout (no CUDA twin yet: an FP8 verify
-             kernel is checked against it, issue 19)
+
+`kdlib.ref.fp8` (the FP8 MLA latent-cache layout an FP8 verify kernel is checked against, issue 19) has no
+CUDA twin yet, so it is not re-exported here: import it as a module.
 
 Padding conventions (batched forms, `budget + 1` slots, slot 0 = root): -1 in int arrays,
 False in visibility, NaN in float arrays; per-request sizes are explicit (`sizes`, n + 1).
@@ -31,14 +31,6 @@ from kdlib.ref.attention import (
     tree_verify_attention,
 )
 from kdlib.ref.compact import compact_kv, compact_kv_batch, remap_slots
-from kdlib.ref.fp8 import (
-    dequantize_latent,
-    from_e4m3_bits,
-    pack_latent,
-    quantize_latent,
-    to_e4m3_bits,
-    unpack_latent,
-)
 from kdlib.ref.tree import PAD, DDTree, DDTreeBatch, build_tree, build_tree_batch
 
 __all__ = [
@@ -60,10 +52,4 @@ __all__ = [
     "compact_kv",
     "compact_kv_batch",
     "remap_slots",
-    "to_e4m3_bits",
-    "from_e4m3_bits",
-    "quantize_latent",
-    "dequantize_latent",
-    "pack_latent",
-    "unpack_latent",
 ]
