@@ -127,6 +127,26 @@ def test_attention_suite_shapes_costs_and_goals():
     assert g["H8xQ9xS200000xB1"]["met"] and not g["ragged"]["met"]
 
 
+def test_attention_point_inputs_are_seeded_and_each_table_permutes_its_requests_slots():
+    import torch
+
+    from kdlib.perf.suites import attention as suite
+
+    p = {"heads": 8, "queries": 9, "batch": 3, "lens": [5, 70, 33], "trees": [9, 4, 1]}
+    pool = torch.zeros(4 * 108, suite.D_QK, dtype=torch.bfloat16)  # room for 4 rotations of 108 rows
+    x, y = suite.point_inputs(p, pool), suite.point_inputs(p, pool)
+    assert x["q"].shape == (3, 9, 8, 576) and x["tkv"].shape == (3, 9, 576) and x["vis"].shape == (3, 9, 9)
+    assert torch.equal(x["q"], y["q"]) and all(torch.equal(a, b) for a, b in zip(x["tables"], y["tables"]))
+    assert x["ragged"] and x["cost"] == suite.ragged_cost(8, [5, 70, 33], [9, 4, 1])
+    starts = [0, 5, 75]
+    for r, pt in enumerate(x["tables"]):
+        assert pt.shape == (3, 70) and pt.dtype == torch.int32
+        for b, n in enumerate(p["lens"]):
+            got = sorted(pt[b, :n].tolist())
+            assert got == list(range(r * 108 + starts[b], r * 108 + starts[b] + n))
+            assert not pt[b, n:].any()
+
+
 # ----------------------------------------------------------------------------- v5 (wgmma) emulated on the CPU
 # The tree_verify_v5 kernels' integer plan, job decode, shared-memory layouts, register fragments and
 # arithmetic, re-done in numpy from the kernel's formulas, against the float64 reference.

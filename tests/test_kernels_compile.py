@@ -127,6 +127,26 @@ def test_editing_a_header_changes_the_compile_cache_key(tmp_path, monkeypatch):
     assert len(list(cache.iterdir())) == 2, "a header edit must give a new cache entry"
 
 
+def test_use_kernels_compiles_from_another_tree_until_reset(tmp_path):
+    """tools/kernel_ab.py's arms: use_kernels(root) makes every later compile read root's sources (its
+    headers too); use_kernels(None) goes back to kernels/."""
+    _tiny_tree(tmp_path, 5)
+    stem = loader.sources()[0]
+    mine = loader._source(stem)
+    try:
+        loader.use_kernels(tmp_path)
+        assert "return g() + 5;" in loader._source("fam/v1")
+        _tiny_tree(tmp_path, 7)
+        assert "return g() + 5;" in loader._source("fam/v1"), "a loaded source is kept until the next reset"
+        loader.use_kernels(tmp_path)
+        assert "return g() + 7;" in loader._source("fam/v1")
+    finally:
+        loader.use_kernels(None)
+    assert loader._source(stem) == mine
+    with pytest.raises(ValueError, match="no kernel source"):
+        loader._source("fam/v1")
+
+
 @pytest.mark.parametrize("source", SOURCES, ids=IDS)
 def test_kernel_names_are_versioned(source):
     names = loader.KERNEL_DECL.findall(source.read_text())

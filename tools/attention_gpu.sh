@@ -9,7 +9,7 @@
 #          than the Hopper MLA one (30 MB of the 62) + apache-tvm-ffi 0.1.15.post2, for Python 3.12
 #   device call (carry [".whl/attention"]):  OUT=$OUT KDLIB_COMMIT=<sha> bash tools/attention_gpu.sh
 #       KDLIB_FLASHINFER=0 skips FlashInfer (its MLA kernel JIT-compiles with nvcc on first use, ~20-35 s);
-#       KDLIB_NCU=0 skips the ncu reports; KDLIB_ATTENTION_TESTS=0 the GPU tests of step (a).
+#       KDLIB_NCU=0 skips the ncu reports, KDLIB_NCU_IMPLS=v7 keeps one; KDLIB_ATTENTION_TESTS=0 the GPU tests of step (a).
 #
 # $OUT gets attention.<gpu>.json (provenance stamped), tests.xml, smoke.log, smoke_v7.log, tests.log,
 # bench.log, ncu_v6.txt, ncu_v7.txt, nvidia-smi.txt and summary.txt: 11 files.
@@ -102,6 +102,9 @@ fi
 step bench 170 env KDLIB_ATTENTION_BUDGET_S=110 python3 -m kdlib.perf.run --suite attention --out "$OUT"
 # (c) ncu of the default and of v7 at the issue's first row (second call: the first compiles and warms)
 [ "${KDLIB_NCU:-1}" = 0 ] && NCU_IMPLS=""
+if [ -n "${KDLIB_NCU_IMPLS:-}" ]; then  # e.g. "v7": those of them that passed the smoke
+  NCU_IMPLS=$(for v in $NCU_IMPLS; do case " $KDLIB_NCU_IMPLS " in *" $v "*) echo "$v" ;; esac; done)
+fi
 for v in $NCU_IMPLS; do
   cat >/tmp/ncu_$v.py <<PY
 import torch

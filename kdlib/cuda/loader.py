@@ -120,8 +120,19 @@ def expanded_source(stem: str) -> str:
 
 def _source(stem: str) -> str:
     if stem not in _SOURCES:
-        _SOURCES[stem] = expanded_source(stem)
+        root = _ROOT[0]
+        _SOURCES[stem] = expanded_source(stem) if root is None else expand_includes(root / f"{stem}.cu", root)
     return _SOURCES[stem]
+
+
+_ROOT: list[Path | None] = [None]  # the kernels tree compiles read; None: KERNELS
+
+
+def use_kernels(root: Path | None = None) -> None:
+    """Compile from the kernels tree at `root` from now on (another revision's, as tools/kernel_ab.py
+    exports it; its includes resolved there); None: this package's kernels/. Forgets every loaded module."""
+    clear_cache()
+    _ROOT[0] = None if root is None else Path(root)
 
 
 _DEFINE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_]\w*)[ \t]+([^\n]*?)[ \t]*(?://[^\n]*)?$",

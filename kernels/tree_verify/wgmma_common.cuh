@@ -365,14 +365,23 @@ __device__ __forceinline__ int plan_jobs(const int* plan) {
     return n;
 }
 
-// The pair after p; sets fresh when it starts another job.
-__device__ __forceinline__ Pos pos_next(const int* plan, int nreq, Pos p, bool& fresh) {
+// The pair after p, whose job is jb; sets fresh when it starts another job.
+__device__ __forceinline__ Pos pos_next(const int* plan, const Job& jb, Pos p, bool& fresh) {
     fresh = false;
     if (p.j < 0) return p;
-    if (p.i + 1 < npairs(decode_job(plan, nreq, p.j))) return Pos{p.j, p.i + 1};
+    if (p.i + 1 < npairs(jb)) return Pos{p.j, p.i + 1};
     fresh = true;
     const int j = p.j + (int)gridDim.x;
     return Pos{j < plan_jobs(plan) ? j : -1, 0};
+}
+
+// pos_next with p's job decoded from the plan.
+__device__ __forceinline__ Pos pos_next(const int* plan, int nreq, Pos p, bool& fresh) {
+    if (p.j < 0) {
+        fresh = false;
+        return p;
+    }
+    return pos_next(plan, decode_job(plan, nreq, p.j), p, fresh);
 }
 
 // The gather sources of one tile for this thread's rows lrow + 16 p: row indices into the prefix
@@ -384,11 +393,9 @@ struct TileRows {
     bool tail;
 };
 
-// Tile `it` of job j (past the job's tiles: an empty tile, every key masked and zero-filled).
-__device__ __forceinline__ TileRows tile_rows(const int* plan, int nreq, const int* page_table, int P, int Q, int j,
-                                              int it, int lrow) {
+// Tile `it` of job jb (past the job's tiles: an empty tile, every key masked and zero-filled).
+__device__ __forceinline__ TileRows tile_rows(const Job& jb, const int* page_table, int P, int Q, int it, int lrow) {
     TileRows t;
-    const Job jb = decode_job(plan, nreq, j);
     int k0 = 0, kend = 0;
     t.tail = false;
     if (it < jb.ntiles) tile_keys(jb, it, t.tail, k0, kend);
@@ -401,6 +408,12 @@ __device__ __forceinline__ TileRows tile_rows(const int* plan, int nreq, const i
         t.row[p] = t.tail ? jb.b * Q + (ok ? key : 0) : (ok ? page_table[(long long)jb.b * P + key] : 0);
     }
     return t;
+}
+
+// tile_rows of job j, decoded from the plan.
+__device__ __forceinline__ TileRows tile_rows(const int* plan, int nreq, const int* page_table, int P, int Q, int j,
+                                              int it, int lrow) {
+    return tile_rows(decode_job(plan, nreq, j), page_table, P, Q, it, lrow);
 }
 
 // Column blocks [cb0, cb1) of a tile into the stage at dst, one mbarrier arrive per block once the

@@ -129,10 +129,11 @@ __device__ __forceinline__ void pair_tile(const Job& jb, int it, int* d) {
 }
 
 // One row of the pair at p into L2: thread pt takes row pt % 64 of the pair's tile pt / 64 (prefix rows only).
+// p's job: cur (the job of the pair before p), or decoded from the plan where p is fresh (starts another).
 __device__ __forceinline__ void prefetch_pair(const int* plan, int nreq, const int* page_table, const char* kvb,
-                                              int P, Pos p, int pt) {
+                                              int P, Pos p, bool fresh, const Job& cur, int pt) {
     if (p.j < 0) return;
-    const Job jb = decode_job(plan, nreq, p.j);
+    const Job jb = fresh ? decode_job(plan, nreq, p.j) : cur;
     const int it = 2 * p.i + (pt >> 6);
     if (it >= jb.ntiles) return;
     bool tail;
@@ -186,15 +187,17 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v7_attend(
         const char* kvb = reinterpret_cast<const char*>(kv);
         const char* tkb = reinterpret_cast<const char*>(tree_kv);
         const int lrow = wt >> 3, ch = wt & 7;  // gather: rows lrow + 16p, 16-byte chunk ch of each block
+        // Each job is decoded from the plan twice (its first pair's prefetch, then as cur), not per pair:
+        // decode_job is a binary search over the requests, a chain of dependent loads in the producer's path.
         Pos cur{(int)blockIdx.x, 0};
-        TileRows ra = tile_rows(plan, nreq, page_table, P, Q, cur.j, 0, lrow);  // the pair's tiles A and B
-        TileRows rb = tile_rows(plan, nreq, page_table, P, Q, cur.j, 1, lrow);
-        bool fresh;
-        prefetch_pair(plan, nreq, page_table, kvb, P, pos_next(plan, nreq, cur, fresh), wt);
+        Job jb = decode_job(plan, nreq, cur.j);  // cur's job
+        TileRows ra = tile_rows(jb, page_table, P, Q, 0, lrow);  // the pair's tiles A and B
+        TileRows rb = tile_rows(jb, page_table, P, Q, 1, lrow);
+        bool fresh;  // nx starts another job
+        Pos nx = pos_next(plan, jb, cur, fresh);
+        prefetch_pair(plan, nreq, page_table, kvb, P, nx, fresh, jb, wt);
         int jobs = 0;  // Q loads so far
         for (int n = 0;; ++n) {
-            const Job jb = decode_job(plan, nreq, cur.j);
-            const Pos nx = pos_next(plan, nreq, cur, fresh);
             if (cur.i == 0) {  // a new job: its Q once both consumers' S of the last job are done
                 bar_wait(BAR_QEMPTY(bars), (jobs & 1) ^ 1);
                 load_q(base, BAR_QFULL(bars), q, jb, Q * H, wt);
@@ -214,10 +217,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v7_attend(
             fill_stage(k0s, bars, 0, n, ra, kvb, tkb, lrow, ch);  // stage 0 is released first
             fill_stage(k1s, bars, 1, n, rb, kvb, tkb, lrow, ch);
             if (nx.j < 0) break;
+            if (fresh) jb = decode_job(plan, nreq, nx.j);
             cur = nx;  // the next pair's slots now, the rows of the one after it into L2
-            ra = tile_rows(plan, nreq, page_table, P, Q, cur.j, 2 * cur.i, lrow);
-            rb = tile_rows(plan, nreq, page_table, P, Q, cur.j, 2 * cur.i + 1, lrow);
-            prefetch_pair(plan, nreq, page_table, kvb, P, pos_next(plan, nreq, cur, fresh), wt);
+            ra = tile_rows(jb, page_table, P, Q, 2 * cur.i, lrow);
+            rb = tile_rows(jb, page_table, P, Q, 2 * cur.i + 1, lrow);
+            nx = pos_next(plan, jb, cur, fresh);
+            prefetch_pair(plan, nreq, page_table, kvb, P, nx, fresh, jb, wt);
         }
         asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its thread
     } else {

@@ -104,12 +104,12 @@ def _flashinfer_prefix(fi, q, ckv, kpe, pt, lens, scale, iters):
     return t.as_dict(), out.reshape(bsz, nq, nh, D_V), plan_s
 
 
-def run_point(p: dict, pool, kv_split, ceil: dict, impls, *, iters: int, baseline_iters: int, fi) -> dict:
-    """Every arm at one point. p: heads, queries, batch and either prefix (uniform) or lens + trees."""
-    import cupy
+def point_inputs(p: dict, pool) -> dict:
+    """The inputs of one point, seeded by its shape. p: heads, queries, batch and either prefix (uniform) or
+    lens + trees; pool [N, 576] bf16 KV rows. -> q [B, Q, H, 576], tkv [B, Q, 576], vis [B, Q, Q], lens_t and
+    sizes_t [B] int32, tables (one [B, max lens] int32 page table per L2 rotation: request b's rows scattered
+    over its own slot range), lens, trees, ragged, scale, cost (bytes and FLOPs)."""
     import torch
-
-    from kdlib.cuda import attention as cu
 
     h, nq, bsz = p["heads"], p["queries"], p["batch"]
     ragged = "lens" in p
@@ -118,22 +118,38 @@ def run_point(p: dict, pool, kv_split, ceil: dict, impls, *, iters: int, baselin
     width = max(lens)
     dev = pool.device
     gen = torch.Generator().manual_seed(h * 1_000_003 + nq * 10_007 + width + bsz)
-    q = torch.randn(bsz, nq, h, D_QK, generator=gen).to(dev, torch.bfloat16)  # [B, Q, H, 576]
-    tkv = torch.randn(bsz, nq, D_QK, generator=gen).to(dev, torch.bfloat16)  # [B, Q, 576]
-    vis = base.random_tree_visibility(torch, bsz, nq, gen).to(dev)  # [B, Q, Q]
-    lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
-    sizes_t = torch.tensor(trees, dtype=torch.int32, device=dev)
-    scale = D_QK**-0.5
-    c = ragged_cost(h, lens, trees) if ragged else base.cost(h, nq, width, bsz)
     total = sum(lens)
     n_rot = timing.l2_rotations(total * D_QK * 2, fit=pool.shape[0] // total)
     starts = [sum(lens[:b]) for b in range(bsz)]
-    tables = []  # [B, width] int32 each: request b's rows scattered over its own slot range, per rotation
+    tables = []
     for r in range(n_rot):
         pt = torch.zeros(bsz, width, dtype=torch.int32, device=dev)
         for b, n in enumerate(lens):
-            pt[b, :n] = torch.randperm(n, device=dev, dtype=torch.int32) + r * total + starts[b]
+            pt[b, :n] = torch.randperm(n, generator=gen).to(dev, torch.int32) + r * total + starts[b]
         tables.append(pt)
+    return {
+        "q": torch.randn(bsz, nq, h, D_QK, generator=gen).to(dev, torch.bfloat16),  # [B, Q, H, 576]
+        "tkv": torch.randn(bsz, nq, D_QK, generator=gen).to(dev, torch.bfloat16),  # [B, Q, 576]
+        "vis": base.random_tree_visibility(torch, bsz, nq, gen).to(dev),  # [B, Q, Q]
+        "lens_t": torch.tensor(lens, dtype=torch.int32, device=dev),
+        "sizes_t": torch.tensor(trees, dtype=torch.int32, device=dev),
+        "tables": tables, "lens": lens, "trees": trees, "ragged": ragged, "scale": D_QK**-0.5,
+        "cost": ragged_cost(h, lens, trees) if ragged else base.cost(h, nq, width, bsz),
+    }
+
+
+def run_point(p: dict, pool, kv_split, ceil: dict, impls, *, iters: int, baseline_iters: int, fi) -> dict:
+    """Every arm at one point. p: heads, queries, batch and either prefix (uniform) or lens + trees."""
+    import cupy
+    import torch
+
+    from kdlib.cuda import attention as cu
+
+    h, nq, bsz = p["heads"], p["queries"], p["batch"]
+    x = point_inputs(p, pool)
+    q, tkv, vis, lens_t, sizes_t, tables = x["q"], x["tkv"], x["vis"], x["lens_t"], x["sizes_t"], x["tables"]
+    lens, trees, ragged, scale, c = x["lens"], x["trees"], x["ragged"], x["scale"], x["cost"]
+    width, n_rot = max(lens), len(tables)
     fl = perf.floor_ms(c["bytes"], c["flops"], bandwidth_Bps=ceil["bandwidth_Bps"],
                        flop_rate=ceil["flop_rate"])
     row = {"heads": h, "queries": nq, "batch": bsz, "prefix": None if ragged else width, "ragged": ragged,

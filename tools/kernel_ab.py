@@ -1,0 +1,121 @@
+"""One kernel source against another revision's, in one process, on the same inputs: the tree-verify
+attention (version 7 by default), whole verify replayed from CUDA graphs, arms alternating new, old,
+new, old at every point so that clocks and heat fall on both; each arm's output compared bit for bit.
+
+Here (git; the old tree lands in build/, which is git-ignored, so carry it):
+    python3 tools/kernel_ab.py export <rev>            -> build/ab/<rev>/kernels
+On the GPU machine (carry ["build/ab"]):
+    python3 tools/kernel_ab.py run build/ab/<rev>/kernels --out $OUT/kernel_ab.h200.json
+
+Points: the attention suite's (`kdlib.perf.suites.attention`: POINTS and the ragged one) and one TP8
+Kimi-K2.6 rank's verify at C = 1, 4, 10, 16 streams of 9 or 65 tree rows over 5,500 or 32,000 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RANK_POINTS = [{"heads": 8, "queries": w, "prefix": s, "batch": c}
+               for s in (5500, 32_000) for c in (1, 4, 10, 16) for w in (9, 65)]
+
+
+def export(rev: str) -> Path:
+    """`git archive` of rev's kernels/ into build/ab/<rev>/."""
+    dest = ROOT / "build" / "ab" / rev
+    dest.mkdir(parents=True, exist_ok=True)
+    git = ["git", "-C", str(ROOT), "archive", rev, "kernels"]
+    tar = subprocess.run(git, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=tar, check=True)
+    return dest / "kernels"
+
+
+def run(old_kernels: Path, out: Path, version: int, iters: int) -> dict:
+    import cupy
+    import torch
+
+    from kdlib import perf
+    from kdlib.cuda import attention as cu
+    from kdlib.cuda import loader
+    from kdlib.perf import results
+    from kdlib.perf.suites import _attention as base
+    from kdlib.perf.suites import attention as suite
+
+    lens, trees = suite.ragged_shape()
+    ragged = {"heads": suite.RAGGED["heads"], "queries": suite.RAGGED["queries"],
+              "batch": suite.RAGGED["batch"], "lens": lens, "trees": trees}
+    pts = suite.POINTS + [ragged] + RANK_POINTS
+    need = max(sum(p["lens"]) if "lens" in p else p["prefix"] * p["batch"] for p in pts)
+    pool = torch.randn(need, suite.D_QK, device="cuda", dtype=torch.bfloat16)  # [N, 576] KV rows
+    ceil = results.ceilings().as_dict()
+    arms = [("new", None), ("old", old_kernels), ("new", None), ("old", old_kernels)]
+    inputs = [suite.point_inputs(p, pool) for p in pts]
+    times = [{"new": [], "old": []} for _ in pts]
+    outs = [{} for _ in pts]
+    for name, src in arms:  # arm-major: one compile per arm; the arms alternate over the whole grid
+        loader.use_kernels(src)
+        for p, x, t, o in zip(pts, inputs, times, outs, strict=True):
+            ws = cu.make_workspace(p["batch"], p["queries"], p["heads"])
+
+            def call(pt, x=x, ws=ws):
+                return cu.tree_verify_attention(x["q"], pool, pt, x["lens_t"], x["tkv"], x["vis"],
+                                                x["sizes_t"], x["scale"], version=version, validate=False,
+                                                workspace=ws)
+
+            o.setdefault(name, call(x["tables"][0])[0].copy())
+            t[name].append(base.graph_time([lambda pt=pt, call=call: call(pt) for pt in x["tables"]],
+                                           iters).median_ms)
+        print(f"[ab] arm {name} ({src or 'this tree'}) done", flush=True)
+    loader.use_kernels(None)
+    rows = []
+    for p, x, t, o in zip(pts, inputs, times, outs, strict=True):
+        fl = perf.floor_ms(x["cost"]["bytes"], x["cost"]["flops"], bandwidth_Bps=ceil["bandwidth_Bps"],
+                           flop_rate=ceil["flop_rate"])
+        med = {k: statistics.median(v) for k, v in t.items()}
+        row = {**{k: p[k] for k in ("heads", "queries", "batch")}, "prefix": p.get("prefix"),
+               "ragged": "lens" in p, "floor_ms": fl["floor_ms"], "new_ms": med["new"], "old_ms": med["old"],
+               "arm_medians_ms": t, "old_over_new": med["old"] / med["new"],
+               "new_fraction_of_floor": fl["floor_ms"] / med["new"],
+               "bitwise_equal": bool(cupy.array_equal(o["new"], o["old"], equal_nan=True))}
+        rows.append(row)
+        print(f"[ab] H{p['heads']} Q{p['queries']} S{p.get('prefix') or 'ragged'} B{p['batch']}: new "
+              f"{med['new']:.4f} old {med['old']:.4f} ms, old/new {row['old_over_new']:.3f}, "
+              f"bitwise {row['bitwise_equal']}", flush=True)
+    doc = {"suite": "kernel_ab", "provenance": results.provenance(" ".join(["python3"] + sys.argv)),
+           "parameters": {"version": version, "old_kernels": str(old_kernels), "iters": iters,
+                          "arms": [a for a, _ in arms], "points": pts},
+           "ceilings": ceil, "rows": rows,
+           "verdict": {"bitwise_equal_everywhere": all(r["bitwise_equal"] for r in rows),
+                       "old_over_new_min": min(r["old_over_new"] for r in rows),
+                       "old_over_new_max": max(r["old_over_new"] for r in rows)}}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    print(json.dumps(doc["verdict"]))
+    return doc
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("export", help="kernels/ of a git revision into build/ab/<rev>")
+    e.add_argument("rev")
+    r = sub.add_parser("run", help="time this tree's kernel against the exported one (GPU)")
+    r.add_argument("old_kernels", type=Path)
+    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--version", type=int, default=7)
+    r.add_argument("--iters", type=int, default=20)
+    a = ap.parse_args(argv)
+    if a.cmd == "export":
+        print(export(a.rev))
+    else:
+        run(a.old_kernels, a.out, a.version, a.iters)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
