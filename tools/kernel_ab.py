@@ -6,6 +6,8 @@ Here (git; the old tree lands in build/, which is git-ignored, so carry it):
     python3 tools/kernel_ab.py export <rev>            -> build/ab/<rev>/kernels
 On the GPU machine (carry ["build/ab"]):
     python3 tools/kernel_ab.py run build/ab/<rev>/kernels --out $OUT/kernel_ab.h200.json
+    python3 tools/kernel_ab.py repeat build/ab/<rev>/kernels --prefix 32000 --batch 16 \
+        --out $OUT/kernel_ab_repeat.h200.json   # each arm n times at one point, against float64
 
 Points: the attention suite's (`kdlib.perf.suites.attention`: POINTS and the ragged one) and one TP8
 Kimi-K2.6 rank's verify at C = 1, 4, 10, 16 streams of 9 or 65 tree rows over 5,500 or 32,000 tokens.
@@ -99,6 +101,64 @@ def run(old_kernels: Path, out: Path, version: int, iters: int) -> dict:
     return doc
 
 
+def reference(x: dict, pool, b: int):
+    """Request b's verify in float64 (on pool's device): [Q*H, 512], rows past its tree size NaN."""
+    import torch
+
+    from kdlib.perf.suites import attention as suite
+
+    q = x["q"][b]  # [Q, H, 576]
+    nq, nh = q.shape[:2]
+    n, t = x["lens"][b], x["trees"][b]
+    keys = torch.cat([pool[x["tables"][0][b, :n].long()], x["tkv"][b, :t]]).double()  # [n + t, 576]
+    s = q.reshape(nq * nh, -1).double() @ keys.T * x["scale"]  # [Q*H, n + t], row = q * H + h
+    vis = x["vis"][b, :, :t].repeat_interleave(nh, 0)  # [Q*H, t]
+    s[:, n:] = s[:, n:].masked_fill(~vis, float("-inf"))
+    out = torch.softmax(s, -1) @ keys[:, : suite.D_V]
+    out[t * nh:] = float("nan")
+    return out
+
+
+def repeat(old_kernels: Path, out: Path, point: dict, n: int, version: int) -> dict:
+    """Each arm n times at one point (fresh workspace each call, the same inputs): how many distinct outputs
+    each gives, the largest difference between any two, and each run's error against float64."""
+    import torch
+
+    from kdlib.cuda import attention as cu
+    from kdlib.cuda import loader
+    from kdlib.perf import results
+    from kdlib.perf.suites import attention as suite
+
+    pool = torch.randn(point["prefix"] * point["batch"], suite.D_QK, device="cuda", dtype=torch.bfloat16)
+    x = suite.point_inputs(point, pool)
+    ref = torch.cat([reference(x, pool, b) for b in range(point["batch"])])  # [B*Q*H, 512] float64
+    keep = ~torch.isnan(ref[:, 0])
+    arms = {}
+    for name, src in (("new", None), ("old", old_kernels)):
+        loader.use_kernels(src)
+        runs = []
+        for _ in range(n):
+            o = cu.tree_verify_attention(x["q"], pool, x["tables"][0], x["lens_t"], x["tkv"], x["vis"],
+                                         x["sizes_t"], x["scale"], version=version, validate=False,
+                                         workspace=cu.make_workspace(point["batch"], point["queries"],
+                                                                     point["heads"]))[0]
+            runs.append(torch.from_dlpack(o).clone())
+        err = [float((r[keep].double() - ref[keep]).abs().max() / ref[keep].abs().max()) for r in runs]
+        spread = max(float((r[keep] - runs[0][keep]).abs().max()) for r in runs)
+        distinct = len({r[keep].cpu().numpy().tobytes() for r in runs})
+        arms[name] = {"distinct_outputs": distinct, "max_abs_diff_between_runs": spread,
+                      "max_rel_err_vs_float64": max(err), "min_rel_err_vs_float64": min(err)}
+        print(f"[ab repeat] {name}: {distinct} distinct of {n}, spread {spread:.3g}, err vs float64 "
+              f"{min(err):.3g}..{max(err):.3g}", flush=True)
+    loader.use_kernels(None)
+    doc = {"suite": "kernel_ab_repeat", "provenance": results.provenance(" ".join(["python3"] + sys.argv)),
+           "parameters": {"version": version, "old_kernels": str(old_kernels), "point": point, "n": n},
+           "arms": arms}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    return doc
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -109,9 +169,17 @@ def main(argv=None) -> int:
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--version", type=int, default=7)
     r.add_argument("--iters", type=int, default=20)
+    p = sub.add_parser("repeat", help="each arm n times at one point, against float64 (GPU)")
+    p.add_argument("old_kernels", type=Path)
+    for k, v in (("heads", 8), ("queries", 65), ("prefix", 32_000), ("batch", 16), ("n", 8), ("version", 7)):
+        p.add_argument(f"--{k}", type=int, default=v)
+    p.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     if a.cmd == "export":
         print(export(a.rev))
+    elif a.cmd == "repeat":
+        repeat(a.old_kernels, a.out, {k: getattr(a, k) for k in ("heads", "queries", "prefix", "batch")}, a.n,
+               a.version)
     else:
         run(a.old_kernels, a.out, a.version, a.iters)
     return 0
