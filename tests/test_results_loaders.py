@@ -239,7 +239,8 @@ def test_load_fragmentation_three_arms_per_layout():
     assert all(r.floor_ms is None and math.isnan(r.bytes) for r in gather)
 
 
-@pytest.mark.parametrize("suite, key", [("diagnosis", "by_kind"), ("serve", "scaling")])
+@pytest.mark.parametrize("suite, key",
+                         [("diagnosis", "by_kind"), ("serve", "scaling"), ("kernel_ab", "rows")])
 def test_request_level_suites_have_no_rows(suite, key):
     rec = getattr(results, f"load_{suite}")("h200")
     assert rec.rows == () and rec.doc[key] == _raw(f"{suite}.h200.json")[key]
@@ -275,7 +276,7 @@ LOADERS = {
     "engine_batch": results.load_engine_batch, "engine_arms": results.load_engine_arms,
     "accept": results.load_accept, "accept_sampling": results.load_accept_sampling,
     "fragmentation": results.load_fragmentation, "diagnosis": results.load_diagnosis, "tp": results.load_tp,
-    "serve": results.load_serve, "kdtr_io": results.load_kdtr_io,
+    "serve": results.load_serve, "kdtr_io": results.load_kdtr_io, "kernel_ab": results.load_kernel_ab,
     "tree_build_cpu": results.load_tree_build_cpu,
 }
 

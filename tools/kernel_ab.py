@@ -5,9 +5,9 @@ new, old at every point so that clocks and heat fall on both; each arm's output 
 Here (git; the old tree lands in build/, which is git-ignored, so carry it):
     python3 tools/kernel_ab.py export <rev>            -> build/ab/<rev>/kernels
 On the GPU machine (carry ["build/ab"]):
-    python3 tools/kernel_ab.py run build/ab/<rev>/kernels --out $OUT/kernel_ab.h200.json
+    python3 tools/kernel_ab.py run build/ab/<rev>/kernels --out $OUT
     python3 tools/kernel_ab.py repeat build/ab/<rev>/kernels --prefix 32000 --batch 16 \
-        --out $OUT/kernel_ab_repeat.h200.json   # each arm n times at one point, against float64
+        --out $OUT   # each arm n times at one point, against float64
 
 Points: the attention suite's (`kdlib.perf.suites.attention`: POINTS and the ragged one) and one TP8
 Kimi-K2.6 rank's verify at C = 1, 4, 10, 16 streams of 9 or 65 tree rows over 5,500 or 32,000 tokens.
@@ -37,7 +37,8 @@ def export(rev: str) -> Path:
     return dest / "kernels"
 
 
-def run(old_kernels: Path, out: Path, version: int, iters: int) -> dict:
+def run(old_kernels: Path, out: Path, version: int, iters: int) -> Path:
+    """Both arms at every point into <out>/kernel_ab.<gpu>.json."""
     import cupy
     import torch
 
@@ -88,17 +89,14 @@ def run(old_kernels: Path, out: Path, version: int, iters: int) -> dict:
         print(f"[ab] H{p['heads']} Q{p['queries']} S{p.get('prefix') or 'ragged'} B{p['batch']}: new "
               f"{med['new']:.4f} old {med['old']:.4f} ms, old/new {row['old_over_new']:.3f}, "
               f"bitwise {row['bitwise_equal']}", flush=True)
-    doc = {"suite": "kernel_ab", "provenance": results.provenance(" ".join(["python3"] + sys.argv)),
-           "parameters": {"version": version, "old_kernels": str(old_kernels), "iters": iters,
+    doc = {"parameters": {"version": version, "old_kernels": str(old_kernels), "iters": iters,
                           "arms": [a for a, _ in arms], "points": pts},
            "ceilings": ceil, "rows": rows,
            "verdict": {"bitwise_equal_everywhere": all(r["bitwise_equal"] for r in rows),
                        "old_over_new_min": min(r["old_over_new"] for r in rows),
                        "old_over_new_max": max(r["old_over_new"] for r in rows)}}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
     print(json.dumps(doc["verdict"]))
-    return doc
+    return results.write("kernel_ab", doc, out_dir=out, command=" ".join(["python3"] + sys.argv))
 
 
 def reference(x: dict, pool, b: int):
@@ -119,9 +117,10 @@ def reference(x: dict, pool, b: int):
     return out
 
 
-def repeat(old_kernels: Path, out: Path, point: dict, n: int, version: int) -> dict:
+def repeat(old_kernels: Path, out: Path, point: dict, n: int, version: int) -> Path:
     """Each arm n times at one point (fresh workspace each call, the same inputs): how many distinct outputs
-    each gives, the largest difference between any two, and each run's error against float64."""
+    each gives, the largest difference between any two, and each run's error against float64, into
+    <out>/kernel_ab_repeat.<gpu>.json."""
     import torch
 
     from kdlib.cuda import attention as cu
@@ -151,12 +150,9 @@ def repeat(old_kernels: Path, out: Path, point: dict, n: int, version: int) -> d
         print(f"[ab repeat] {name}: {distinct} distinct of {n}, spread {spread:.3g}, err vs float64 "
               f"{min(err):.3g}..{max(err):.3g}", flush=True)
     loader.use_kernels(None)
-    doc = {"suite": "kernel_ab_repeat", "provenance": results.provenance(" ".join(["python3"] + sys.argv)),
-           "parameters": {"version": version, "old_kernels": str(old_kernels), "point": point, "n": n},
+    doc = {"parameters": {"version": version, "old_kernels": str(old_kernels), "point": point, "n": n},
            "arms": arms}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
-    return doc
+    return results.write("kernel_ab_repeat", doc, out_dir=out, command=" ".join(["python3"] + sys.argv))
 
 
 def main(argv=None) -> int:
@@ -166,14 +162,14 @@ def main(argv=None) -> int:
     e.add_argument("rev")
     r = sub.add_parser("run", help="time this tree's kernel against the exported one (GPU)")
     r.add_argument("old_kernels", type=Path)
-    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--out", type=Path, required=True, help="folder")
     r.add_argument("--version", type=int, default=7)
     r.add_argument("--iters", type=int, default=20)
     p = sub.add_parser("repeat", help="each arm n times at one point, against float64 (GPU)")
     p.add_argument("old_kernels", type=Path)
     for k, v in (("heads", 8), ("queries", 65), ("prefix", 32_000), ("batch", 16), ("n", 8), ("version", 7)):
         p.add_argument(f"--{k}", type=int, default=v)
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True, help="folder")
     a = ap.parse_args(argv)
     if a.cmd == "export":
         print(export(a.rev))

@@ -697,6 +697,13 @@ def load_diagnosis(gpu: str = "h200") -> Recorded | None:
     return _recorded("diagnosis", gpu, _no_rows)
 
 
+def load_kernel_ab(gpu: str = "h200") -> Recorded | None:
+    """The recorded tools/kernel_ab.py run on `gpu` (a kernel tree against another revision's, arms
+    alternating in one process), or None. No rows: each point holds both arms' medians (`new_ms`,
+    `old_ms`, `arm_medians_ms`), `old_over_new` and `bitwise_equal`; read `Recorded.doc["rows"]`."""
+    return _recorded("kernel_ab", gpu, _no_rows)
+
+
 def load_serve(gpu: str = "h200") -> Recorded | None:
     """The recorded serve suite on `gpu`, or None. It has no rows: its figures are a client's request
     latencies (TTFT / TPOT / ITL / end-to-end percentiles over requests), throughputs and goodput per
