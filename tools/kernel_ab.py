@@ -141,7 +141,7 @@ def repeat(old_kernels: Path, out: Path, point: dict, n: int, version: int) -> P
                                          x["sizes_t"], x["scale"], version=version, validate=False,
                                          workspace=cu.make_workspace(point["batch"], point["queries"],
                                                                      point["heads"]))[0]
-            runs.append(torch.from_dlpack(o).clone())
+            runs.append(torch.from_dlpack(o).reshape(-1, suite.D_V).clone())  # [B*Q*H, 512]
         err = [float((r[keep].double() - ref[keep]).abs().max() / ref[keep].abs().max()) for r in runs]
         spread = max(float((r[keep] - runs[0][keep]).abs().max()) for r in runs)
         distinct = len({r[keep].cpu().numpy().tobytes() for r in runs})
