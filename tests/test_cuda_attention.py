@@ -136,7 +136,8 @@ def test_attention_point_inputs_are_seeded_and_each_table_permutes_its_requests_
     pool = torch.zeros(4 * 108, suite.D_QK, dtype=torch.bfloat16)  # room for 4 rotations of 108 rows
     x, y = suite.point_inputs(p, pool), suite.point_inputs(p, pool)
     assert x["q"].shape == (3, 9, 8, 576) and x["tkv"].shape == (3, 9, 576) and x["vis"].shape == (3, 9, 9)
-    assert torch.equal(x["q"], y["q"]) and all(torch.equal(a, b) for a, b in zip(x["tables"], y["tables"]))
+    assert torch.equal(x["q"], y["q"])
+    assert all(torch.equal(a, b) for a, b in zip(x["tables"], y["tables"], strict=True))
     assert x["ragged"] and x["cost"] == suite.ragged_cost(8, [5, 70, 33], [9, 4, 1])
     starts = [0, 5, 75]
     for r, pt in enumerate(x["tables"]):

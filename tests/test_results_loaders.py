@@ -240,7 +240,8 @@ def test_load_fragmentation_three_arms_per_layout():
 
 
 @pytest.mark.parametrize("suite, key",
-                         [("diagnosis", "by_kind"), ("serve", "scaling"), ("kernel_ab", "rows")])
+                         [("diagnosis", "by_kind"), ("serve", "scaling"), ("kernel_ab", "rows"),
+                          ("kernel_ab_repeat", "arms")])
 def test_request_level_suites_have_no_rows(suite, key):
     rec = getattr(results, f"load_{suite}")("h200")
     assert rec.rows == () and rec.doc[key] == _raw(f"{suite}.h200.json")[key]
@@ -277,6 +278,7 @@ LOADERS = {
     "accept": results.load_accept, "accept_sampling": results.load_accept_sampling,
     "fragmentation": results.load_fragmentation, "diagnosis": results.load_diagnosis, "tp": results.load_tp,
     "serve": results.load_serve, "kdtr_io": results.load_kdtr_io, "kernel_ab": results.load_kernel_ab,
+    "kernel_ab_repeat": results.load_kernel_ab_repeat,
     "tree_build_cpu": results.load_tree_build_cpu,
 }
 

@@ -704,6 +704,12 @@ def load_kernel_ab(gpu: str = "h200") -> Recorded | None:
     return _recorded("kernel_ab", gpu, _no_rows)
 
 
+def load_kernel_ab_repeat(gpu: str = "h200") -> Recorded | None:
+    """The recorded `tools/kernel_ab.py repeat` run on `gpu` (each arm n times at one point against a float64
+    verify), or None. No rows: read `Recorded.doc["arms"]` (distinct outputs, spread, error per arm)."""
+    return _recorded("kernel_ab_repeat", gpu, _no_rows)
+
+
 def load_serve(gpu: str = "h200") -> Recorded | None:
     """The recorded serve suite on `gpu`, or None. It has no rows: its figures are a client's request
     latencies (TTFT / TPOT / ITL / end-to-end percentiles over requests), throughputs and goodput per
