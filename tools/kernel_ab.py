@@ -119,7 +119,8 @@ def reference(x: dict, pool, b: int):
 
 def repeat(old_kernels: Path, out: Path, point: dict, n: int, version: int) -> Path:
     """Each arm n times at one point (fresh workspace each call, the same inputs): how many distinct outputs
-    each gives, the largest difference between any two, and each run's error against float64, into
+    each gives, the largest difference between any two, each run's error against float64, and the two arms'
+    first outputs against each other (`new_vs_old`: bit-equal, largest difference, rows that differ), into
     <out>/kernel_ab_repeat.<gpu>.json."""
     import torch
 
@@ -132,7 +133,7 @@ def repeat(old_kernels: Path, out: Path, point: dict, n: int, version: int) -> P
     x = suite.point_inputs(point, pool)
     ref = torch.cat([reference(x, pool, b) for b in range(point["batch"])])  # [B*Q*H, 512] float64
     keep = ~torch.isnan(ref[:, 0])
-    arms = {}
+    arms, first = {}, {}
     for name, src in (("new", None), ("old", old_kernels)):
         loader.use_kernels(src)
         runs = []
@@ -145,13 +146,19 @@ def repeat(old_kernels: Path, out: Path, point: dict, n: int, version: int) -> P
         err = [float((r[keep].double() - ref[keep]).abs().max() / ref[keep].abs().max()) for r in runs]
         spread = max(float((r[keep] - runs[0][keep]).abs().max()) for r in runs)
         distinct = len({r[keep].cpu().numpy().tobytes() for r in runs})
+        first[name] = runs[0][keep]
         arms[name] = {"distinct_outputs": distinct, "max_abs_diff_between_runs": spread,
                       "max_rel_err_vs_float64": max(err), "min_rel_err_vs_float64": min(err)}
         print(f"[ab repeat] {name}: {distinct} distinct of {n}, spread {spread:.3g}, err vs float64 "
               f"{min(err):.3g}..{max(err):.3g}", flush=True)
     loader.use_kernels(None)
+    gap = (first["new"] - first["old"]).abs()
+    across = {"bitwise_equal": bool(torch.equal(first["new"], first["old"])),
+              "max_abs_diff": float(gap.max()), "rows_differing": int((gap > 0).any(1).sum()),
+              "rows": int(gap.shape[0])}
+    print(f"[ab repeat] new against old: {across}", flush=True)
     doc = {"parameters": {"version": version, "old_kernels": str(old_kernels), "point": point, "n": n},
-           "arms": arms}
+           "arms": arms, "new_vs_old": across}
     return results.write("kernel_ab_repeat", doc, out_dir=out, command=" ".join(["python3"] + sys.argv))
 
 
