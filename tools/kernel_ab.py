@@ -1,6 +1,7 @@
 """One kernel source against another revision's, in one process, on the same inputs: the tree-verify
-attention (version 7 by default), whole verify replayed from CUDA graphs, arms alternating new, old,
-new, old at every point so that clocks and heat fall on both; each arm's output compared bit for bit.
+attention (version 7 by default), whole verify replayed from CUDA graphs, the arms alternating new, old,
+new, old over the whole grid (one compile each) so that clocks and heat fall on both; the arms' outputs
+compared bit for bit.
 
 Here (git; the old tree lands in build/, which is git-ignored, so carry it):
     python3 tools/kernel_ab.py export <rev>            -> build/ab/<rev>/kernels
