@@ -109,6 +109,7 @@ def test_attention_suite_shapes_costs_and_goals():
     assert len(lens) == len(trees) == 16 and (min(lens), max(lens)) == (1024, 65_536)
     assert (min(trees), max(trees)) == (9, 65) and len(set(trees)) == 16
     assert suite.ragged_cost(8, [200_000], [65]) == base.cost(8, 65, 200_000, 1)
+    assert suite.ragged_point() == {"heads": 8, "queries": 65, "batch": 16, "lens": lens, "trees": trees}
 
     def row(key, ms, floor_ms, mem_ms, bound, fi_ms=None, ragged=False):
         t = {"median_ms": ms}

@@ -50,10 +50,7 @@ def run(old_kernels: Path, out: Path, version: int, iters: int) -> Path:
     from kdlib.perf.suites import _attention as base
     from kdlib.perf.suites import attention as suite
 
-    lens, trees = suite.ragged_shape()
-    ragged = {"heads": suite.RAGGED["heads"], "queries": suite.RAGGED["queries"],
-              "batch": suite.RAGGED["batch"], "lens": lens, "trees": trees}
-    pts = suite.POINTS + [ragged] + RANK_POINTS
+    pts = suite.POINTS + [suite.ragged_point()] + RANK_POINTS
     need = max(sum(p["lens"]) if "lens" in p else p["prefix"] * p["batch"] for p in pts)
     pool = torch.randn(need, suite.D_QK, device="cuda", dtype=torch.bfloat16)  # [N, 576] KV rows
     ceil = results.ceilings().as_dict()

@@ -59,6 +59,7 @@ _LOCK = threading.Lock()
 _MODULES: dict[tuple, object] = {}
 _FUNCTIONS: dict[tuple, object] = {}
 _SOURCES: dict[str, str] = {}
+_ROOT: Path | None = None  # the kernels tree compiles read (`use_kernels`); None: KERNELS
 _BASE_OPTIONS = ("--std=c++17", f"-I{KERNELS}")
 
 
@@ -120,19 +121,17 @@ def expanded_source(stem: str) -> str:
 
 def _source(stem: str) -> str:
     if stem not in _SOURCES:
-        root = _ROOT[0]
+        root = _ROOT
         _SOURCES[stem] = expanded_source(stem) if root is None else expand_includes(root / f"{stem}.cu", root)
     return _SOURCES[stem]
-
-
-_ROOT: list[Path | None] = [None]  # the kernels tree compiles read; None: KERNELS
 
 
 def use_kernels(root: Path | None = None) -> None:
     """Compile from the kernels tree at `root` from now on (another revision's, as tools/kernel_ab.py
     exports it; its includes resolved there); None: this package's kernels/. Forgets every loaded module."""
+    global _ROOT
     clear_cache()
-    _ROOT[0] = None if root is None else Path(root)
+    _ROOT = None if root is None else Path(root)
 
 
 _DEFINE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_]\w*)[ \t]+([^\n]*?)[ \t]*(?://[^\n]*)?$",

@@ -57,6 +57,13 @@ def ragged_shape(batch: int = RAGGED["batch"]) -> tuple[list[int], list[int]]:
     return lens, trees
 
 
+def ragged_point() -> dict:
+    """The ragged point as `run_point` takes it: heads, queries, batch, lens and trees (`ragged_shape`)."""
+    lens, trees = ragged_shape()
+    return {"heads": RAGGED["heads"], "queries": RAGGED["queries"], "batch": RAGGED["batch"], "lens": lens,
+            "trees": trees}
+
+
 def ragged_cost(nh: int, lens: list[int], trees: list[int]) -> dict:
     """Bytes and FLOPs of a ragged verify: each request's prefix, tree rows, queries and outputs once."""
     nbytes = sum(s * (D_QK * 2 + 4) + t * D_QK * 2 + t * t + t * nh * D_QK * 2 + t * nh * (D_V * 4 + 4)
@@ -121,7 +128,7 @@ def point_inputs(p: dict, pool) -> dict:
     total = sum(lens)
     n_rot = timing.l2_rotations(total * D_QK * 2, fit=pool.shape[0] // total)
     starts = [sum(lens[:b]) for b in range(bsz)]
-    tables = []
+    tables = []  # [B, width] int32 each: request b's rows scattered over its own slot range, per rotation
     for r in range(n_rot):
         pt = torch.zeros(bsz, width, dtype=torch.int32, device=dev)
         for b, n in enumerate(lens):
@@ -239,9 +246,7 @@ def run(*, quick: bool = False, impls: Sequence[str] | None = None,
 
     from kdlib.cuda import attention as cu
 
-    lens, trees = ragged_shape()
-    ragged = {"heads": RAGGED["heads"], "queries": RAGGED["queries"], "batch": RAGGED["batch"], "lens": lens,
-              "trees": trees}
+    ragged = ragged_point()
     pts = QUICK_POINTS + [ragged] if quick else POINTS[:3] + [ragged] + POINTS[3:]
     if impls is None:
         chosen = os.environ.get("KDLIB_ATTENTION_IMPLS")  # comma list; else the wgmma versions + MMA_DEFAULT
