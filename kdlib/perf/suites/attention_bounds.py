@@ -1,0 +1,208 @@
+"""What bounds the tree verify at its memory-bound points (issue 19): the gathers, the padding, or the kernel.
+
+`python3 -m kdlib.perf.run --suite attention_bounds [--quick]`. Per point of `POINTS` (the attention
+suite's memory-bound points, queries 1 and 9, and the 8 x 65 x 200k point for contrast; the attention
+suite's inputs, `attention.point_inputs`, whose page tables scatter each request's rows over its slots):
+
+  * `verify`: the whole verify of `kdlib.cuda.attention`'s default version, replayed from CUDA graphs, on
+    the scattered page tables and on sequential ones (slot = key: the same bytes, contiguous);
+  * `kernels`: the replay profiled (`kdlib.perf.profile.device_profile`): device us per kernel (plan,
+    attend, combine), so the attend kernel's share is measured rather than assumed;
+  * `gather`: `kernels/gather_read/v1.cu` over the same rows through the same page tables (scattered and
+    sequential), for R = 2, 4, 8 rows in flight per warp: the bandwidth page_size-1 row gathers reach with
+    no math at all, checked exact against a CPU XOR of the rows;
+  * `padded`: the FLOPs the wgmma kernels execute (each request's H x Q rows rounded up to jobs of 64,
+    every key of the prefix) over the recorded bf16 matmul rate: the floor of a kernel that pads its rows.
+The copy bandwidth is measured in the same run (`timing.copy_bandwidth`); each point's floors are its
+bytes (`attention.point_inputs`' cost) over that and over the best gather rate.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kdlib.cuda.loader import get_function
+from kdlib.perf import profile, results, timing
+from kdlib.perf.suites import _attention as base
+from kdlib.perf.suites import attention
+
+SOURCE = "gather_read/v1"  # kernels/gather_read/v1.cu
+ROWS_IN_FLIGHT = (2, 4, 8)  # its kernels gather_read_v1_r<R>
+BLOCK = 256  # threads per block of the probe (its __launch_bounds__)
+BLOCKS_PER_SM = 8
+ROW_BYTES = attention.D_QK * 2
+BM = 64  # query rows per job of the wgmma kernels (kernels/tree_verify/wgmma_common.cuh)
+POINTS = [
+    {"heads": 8, "queries": 1, "prefix": 200_000, "batch": 1},
+    {"heads": 8, "queries": 9, "prefix": 200_000, "batch": 1},
+    {"heads": 8, "queries": 9, "prefix": 32_768, "batch": 8},
+    {"heads": 8, "queries": 65, "prefix": 200_000, "batch": 1},
+]
+
+
+def sequential_tables(tables: list, lens: list[int]) -> list:
+    """Tables of the same shape as `tables` whose request b reads its slots in key order: the slot set of
+    each rotation and request is the scattered table's own (its smallest slot onwards), so only the
+    order differs."""
+    import torch
+
+    out = []
+    for pt in tables:
+        seq = torch.zeros_like(pt)  # [B, width] int32
+        for b, n in enumerate(lens):
+            seq[b, :n] = torch.arange(n, dtype=torch.int32, device=pt.device) + pt[b, :n].min()
+        out.append(seq)
+    return out
+
+
+def gather_rows(tables: list, lens: list[int]) -> list:
+    """Each table's prefix rows as one flat int32 slot list (request by request): what the probe reads."""
+    import torch
+
+    return [torch.cat([pt[b, :n] for b, n in enumerate(lens)]).contiguous() for pt in tables]
+
+
+def xor_rows(pool_words: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The probe's exact result on the host: the XOR of every 32-bit word of the rows, word-position by word
+    position modulo 4 (a uint4's x, y, z, w). pool_words [slots, 288] uint32, rows [n] int."""
+    return np.bitwise_xor.reduce(pool_words[rows].reshape(-1, 4), axis=0)
+
+
+def gather(pool, rows, r: int, out=None):
+    """Launch the probe with R = r rows in flight per warp over `rows` ([n] int32) of `pool` ([slots, 576]
+    bf16), both torch CUDA tensors; -> out [4] uint32 (CuPy; zeroed first when made here)."""
+    import cupy
+    import torch
+
+    from kdlib.cuda.loader import as_cupy
+
+    pw = as_cupy(pool.view(torch.int32)).view(cupy.uint32)  # [slots, 288] words
+    rw = as_cupy(rows)
+    if out is None:
+        out = cupy.zeros(4, dtype=cupy.uint32)
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    fn = get_function(SOURCE, f"gather_read_v1_r{r}")
+    fn((sms * BLOCKS_PER_SM,), (BLOCK,), (pw, rw, np.int64(rw.size), out))
+    return out
+
+
+def _verify_launch(x: dict, pool, h: int, tables: list):
+    """One callable per table: the whole default-version verify of point inputs x on a workspace."""
+    from kdlib.cuda import attention as cu
+
+    ws = cu.make_workspace(len(x["lens"]), x["q"].shape[1], h)
+
+    def call(pt):
+        return cu.tree_verify_attention(x["q"], pool, pt, x["lens_t"], x["tkv"], x["vis"], x["sizes_t"],
+                                        x["scale"], validate=False, workspace=ws)
+
+    call(tables[0])
+    return [lambda pt=pt: call(pt) for pt in tables]
+
+
+def _profiled(launches, iters: int) -> dict:
+    """Graph replays of `launches` timed, then one profiled: median ms and device us per kernel."""
+    graphs, stream = timing.cupy_graphs(launches, torch_stream=True)
+    t = timing.replay_time(graphs, stream, iters=iters)
+    with stream:
+        prof = profile.device_profile(lambda: graphs[0].launch(stream=stream), steps=3)
+    return {"timing": t.as_dict(),
+            "kernels": [{"name": n, "calls": c, "us": us} for n, c, us in prof["kernels"]]}
+
+
+def padded_flops(heads: int, queries: int, lens: list[int]) -> float:
+    """FLOPs of the prefix as the wgmma kernels execute it: H x Q rows rounded up to jobs of BM rows."""
+    rows = math.ceil(heads * queries / BM) * BM
+    return sum(2.0 * rows * s * (attention.D_QK + attention.D_V) for s in lens)
+
+
+def run_point(p: dict, pool, ceil: dict, copy_Bps: float, iters: int) -> dict:
+    import cupy
+    import torch
+
+    h, nq = p["heads"], p["queries"]
+    x = attention.point_inputs(p, pool)
+    lens, c = x["lens"], x["cost"]
+    scattered = x["tables"]
+    seq = sequential_tables(scattered, lens)
+    row = {**p, "bytes": c["bytes"], "flops": c["flops"], "rotations": len(scattered),
+           "gathered_bytes": sum(lens) * ROW_BYTES}
+    row["verify"] = {"scattered": _profiled(_verify_launch(x, pool, h, scattered), iters),
+                     "sequential": _profiled(_verify_launch(x, pool, h, seq), iters)}
+    pool_words = None
+    row["gather"] = {}
+    for kind, tabs in (("scattered", scattered), ("sequential", seq)):
+        flat = gather_rows(tabs, lens)
+        want = None
+        arms = {}
+        for r in ROWS_IN_FLIGHT:
+            got = gather(pool, flat[0], r)
+            if want is None:  # the exact XOR of the rows, once per table kind
+                if pool_words is None:  # [slots, 288] uint32
+                    pool_words = pool.view(torch.int32).cpu().numpy().view(np.uint32)
+                want = xor_rows(pool_words, flat[0].cpu().numpy())
+            exact = bool(np.array_equal(cupy.asnumpy(got), want))
+            sink = cupy.zeros(4, dtype=cupy.uint32)
+            t = base.graph_time([lambda f=f, r=r, sink=sink: gather(pool, f, r, sink) for f in flat], iters)
+            nbytes = flat[0].numel() * (ROW_BYTES + 4)  # rows + their slot indices
+            arms[f"r{r}"] = {"timing": t.as_dict(), "bytes": nbytes, "exact": exact,
+                             "Bps": nbytes / (t.median_ms * 1e-3),
+                             "fraction_of_copy": nbytes / (t.median_ms * 1e-3) / copy_Bps}
+        best = max(arms, key=lambda k: arms[k]["Bps"])
+        row["gather"][kind] = {"arms": arms, "best": best, "best_Bps": arms[best]["Bps"]}
+    v_ms = row["verify"]["scattered"]["timing"]["median_ms"]
+    gather_Bps = row["gather"]["scattered"]["best_Bps"]
+    executed = padded_flops(h, nq, lens)
+    row["floors_ms"] = {
+        "copy": c["bytes"] / copy_Bps * 1e3,
+        "gather": c["bytes"] / gather_Bps * 1e3,
+        "flops": c["flops"] / ceil["flop_rate"] * 1e3,
+        "padded_flops": executed / ceil["flop_rate"] * 1e3,
+    }
+    row["padded_flops"] = executed
+    row["fraction_of_copy"] = row["floors_ms"]["copy"] / v_ms
+    row["fraction_of_gather"] = row["floors_ms"]["gather"] / v_ms
+    att = [k for k in row["verify"]["scattered"]["kernels"] if "attend" in k["name"]]
+    row["attend_us"] = sum(k["us"] for k in att)
+    print(f"[attention_bounds] H{h} Q{nq} S{p['prefix']} B{p['batch']}: verify {v_ms:.4f} ms (sequential "
+          f"{row['verify']['sequential']['timing']['median_ms']:.4f}), attend {row['attend_us']:.1f} us | "
+          f"floors copy {row['floors_ms']['copy']:.4f} gather {row['floors_ms']['gather']:.4f} padded "
+          f"{row['floors_ms']['padded_flops']:.4f} | gather {gather_Bps / 1e12:.2f} TB/s "
+          f"({gather_Bps / copy_Bps:.0%} of copy), sequential "
+          f"{row['gather']['sequential']['best_Bps'] / 1e12:.2f}", flush=True)
+    return row
+
+
+def run(*, quick: bool = False) -> dict:
+    """The suite (see the module docstring); quick: the first two points, 10 replays (else 20)."""
+    import torch
+
+    from kdlib.cuda import attention as cu
+
+    pts = POINTS[:2] if quick else POINTS
+    iters = 10 if quick else 20
+    ceil = results.ceilings().as_dict()
+    copy = timing.copy_bandwidth()
+    rows_needed = max(p["prefix"] * p["batch"] for p in pts)
+    pool = torch.randn(rows_needed, attention.D_QK, device="cuda", dtype=torch.bfloat16)  # [N, 576] KV rows
+    clocks_before = timing.clocks()
+    rows = [run_point(p, pool, ceil, copy["Bps"], iters) for p in pts]
+    return {
+        "parameters": {"quick": quick, "points": pts, "iters": iters, "version": cu.DEFAULT_VERSION,
+                       "rows_in_flight": list(ROWS_IN_FLIGHT), "block": BLOCK, "blocks_per_sm": BLOCKS_PER_SM,
+                       "dtype": "bfloat16", "page_size": 1},
+        "ceilings": ceil,
+        "copy": copy,
+        "clocks_before": clocks_before,
+        "clocks_after": timing.clocks(),
+        "points": rows,
+        "notes": [
+            "verify: the whole verify (plan, attend, combine) of the default version, CUDA-graph replays",
+            "gather: bytes = the prefix rows (1152 B) + their int32 slots, read once; exact = the probe's "
+            "XOR equals the host's",
+            "floors_ms: the point's bytes (attention suite's cost) over the copy rate and over the best "
+            "scattered gather rate; its FLOPs and the padded FLOPs over the recorded bf16 matmul rate",
+        ],
+    }

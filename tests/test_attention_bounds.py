@@ -1,0 +1,68 @@
+"""The attention_bounds suite's parts: sequential tables, the probe's host XOR and the padded FLOPs on the
+CPU; the gather probe against that XOR on the GPU (every R, a ragged slot list, a row count no warp
+multiple divides)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kdlib.perf.suites import attention as suite
+from kdlib.perf.suites import attention_bounds as bounds
+
+
+def _point(pool):
+    p = {"heads": 4, "queries": 9, "batch": 3, "lens": [5, 70, 33], "trees": [9, 4, 1]}
+    return suite.point_inputs(p, pool)
+
+
+def test_sequential_tables_keep_each_requests_slots_in_key_order():
+    pool = torch.randn(108, suite.D_QK, generator=torch.Generator().manual_seed(1)).bfloat16()  # [N, 576]
+    x = _point(pool)
+    seq = bounds.sequential_tables(x["tables"], x["lens"])
+    assert len(seq) == len(x["tables"])
+    for pt, sq in zip(x["tables"], seq, strict=True):
+        assert sq.shape == pt.shape and sq.dtype == torch.int32
+        for b, n in enumerate(x["lens"]):
+            assert sorted(pt[b, :n].tolist()) == sq[b, :n].tolist(), "same slots, key order"
+            assert (sq[b, n:] == 0).all()
+
+
+def test_gather_rows_flattens_the_prefix_rows_request_by_request():
+    pool = torch.randn(108, suite.D_QK, generator=torch.Generator().manual_seed(2)).bfloat16()  # [N, 576]
+    x = _point(pool)
+    flat = bounds.gather_rows(x["tables"], x["lens"])[0]
+    pt = x["tables"][0]
+    assert flat.tolist() == pt[0, :5].tolist() + pt[1, :70].tolist() + pt[2, :33].tolist()
+
+
+def test_xor_rows_is_the_xor_of_every_word_by_lane():
+    rng = np.random.default_rng(0)
+    words = rng.integers(0, 2**32, size=(10, 288), dtype=np.uint32)  # [slots, 288]
+    rows = np.array([3, 3, 7, 0])
+    want = np.zeros(4, dtype=np.uint32)
+    for r in rows:
+        for i in range(288):
+            want[i % 4] ^= words[r, i]
+    np.testing.assert_array_equal(bounds.xor_rows(words, rows), want)
+    assert not bounds.xor_rows(words, np.array([5, 5])).any(), "a row read twice cancels"
+
+
+def test_padded_flops_round_rows_up_to_jobs_of_64():
+    per_key = 2.0 * (suite.D_QK + suite.D_V)
+    assert bounds.padded_flops(8, 1, [100]) == 64 * 100 * per_key
+    assert bounds.padded_flops(8, 9, [100, 10]) == 128 * 110 * per_key
+    assert bounds.padded_flops(64, 65, [1]) == 4160 * per_key  # 4160 rows are 65 jobs exactly
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("r", bounds.ROWS_IN_FLIGHT)
+def test_gather_probe_reads_every_row_exactly(r):
+    g = torch.Generator(device="cuda").manual_seed(r)
+    pool = torch.randn(5000, suite.D_QK, device="cuda", generator=g).bfloat16()  # [N, 576]
+    for n in (1, 31, 4099):
+        rows = torch.randint(0, 5000, (n,), device="cuda", generator=g, dtype=torch.int32)  # [n]
+        got = bounds.gather(pool, rows, r).get()
+        want = bounds.xor_rows(pool.view(torch.int32).cpu().numpy().view(np.uint32), rows.cpu().numpy())
+        np.testing.assert_array_equal(got, want)
