@@ -1,6 +1,6 @@
-"""The attention_bounds suite's parts: sequential tables, the probe's host XOR and the padded FLOPs on the
-CPU; the gather probe against that XOR on the GPU (every R, a ragged slot list, a row count no warp
-multiple divides)."""
+"""The attention_bounds suite's parts: sequential tables, the probe's host XOR, the padded FLOPs and the
+blocks an SM holds on the CPU; the gather probe against that XOR on the GPU (every arm, row counts from one
+to one no warp multiple divides)."""
 
 from __future__ import annotations
 
@@ -56,13 +56,20 @@ def test_padded_flops_round_rows_up_to_jobs_of_64():
     assert bounds.padded_flops(64, 65, [1]) == 4160 * per_key  # 4160 rows are 65 jobs exactly
 
 
+def test_blocks_per_sm_by_registers_threads_and_shared_memory():
+    assert bounds.blocks_per_sm(32, 256, 0) == 8  # threads bind
+    assert bounds.blocks_per_sm(120, 256, 0) == 2  # 120 -> 128 registers a thread: 32k a block
+    assert bounds.blocks_per_sm(56, 128, bounds.BULK_SMEM) == 3  # shared memory binds
+    assert bounds.blocks_per_sm(255, 1024, 0) == 1
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("r", bounds.ROWS_IN_FLIGHT)
-def test_gather_probe_reads_every_row_exactly(r):
-    g = torch.Generator(device="cuda").manual_seed(r)
+@pytest.mark.parametrize("arm", bounds.ARMS)
+def test_gather_probe_reads_every_row_exactly(arm):
+    g = torch.Generator(device="cuda").manual_seed(bounds.ARMS.index(arm))
     pool = torch.randn(5000, suite.D_QK, device="cuda", generator=g).bfloat16()  # [N, 576]
     for n in (1, 31, 4099):
         rows = torch.randint(0, 5000, (n,), device="cuda", generator=g, dtype=torch.int32)  # [n]
-        got = bounds.gather(pool, rows, r).get()
+        got = bounds.gather(pool, rows, arm).get()
         want = bounds.xor_rows(pool.view(torch.int32).cpu().numpy().view(np.uint32), rows.cpu().numpy())
         np.testing.assert_array_equal(got, want)

@@ -9,8 +9,9 @@ suite's inputs, `attention.point_inputs`, whose page tables scatter each request
   * `kernels`: the replay profiled (`kdlib.perf.profile.device_profile`): device us per kernel (plan,
     attend, combine), so the attend kernel's share is measured rather than assumed;
   * `gather`: `kernels/gather_read/v1.cu` over the same rows through the same page tables (scattered and
-    sequential), for R = 2, 4, 8 rows in flight per warp: the bandwidth page_size-1 row gathers reach with
-    no math at all, checked exact against a CPU XOR of the rows;
+    sequential): 16-byte loads into registers with R = 2, 4, 8 rows in flight per warp, and one copy-engine
+    bulk copy per row into a shared-memory ring (`bulk`), each on a grid of the blocks an SM holds at once:
+    the bandwidth page_size-1 row gathers reach with no math at all, checked exact against a CPU XOR;
   * `padded`: the FLOPs the wgmma kernels execute (each request's H x Q rows rounded up to jobs of 64,
     every key of the prefix) over the recorded bf16 matmul rate: the floor of a kernel that pads its rows.
 The copy bandwidth is measured in the same run (`timing.copy_bandwidth`); each point's floors are its
@@ -23,15 +24,18 @@ import math
 
 import numpy as np
 
-from kdlib.cuda.loader import get_function
+from kdlib.cuda import loader
 from kdlib.perf import profile, results, timing
 from kdlib.perf.suites import _attention as base
 from kdlib.perf.suites import attention
 
 SOURCE = "gather_read/v1"  # kernels/gather_read/v1.cu
-ROWS_IN_FLIGHT = (2, 4, 8)  # its kernels gather_read_v1_r<R>
-BLOCK = 256  # threads per block of the probe (its __launch_bounds__)
-BLOCKS_PER_SM = 8
+# its kernels gather_read_v1_<arm>: R = 2, 4, 8 rows in flight per warp into registers, or the copy engine
+ARMS = ("r2", "r4", "r8", "bulk")
+# threads per block: each kernel's __launch_bounds__; the bulk ring's shared memory: its BULK_SMEM
+BLOCK = {arm: loader.launch_bounds(SOURCE)[f"gather_read_v1_{arm}"][0] for arm in ARMS}
+BULK_SMEM = loader.source_constants(SOURCE)["BULK_SMEM"]
+SM_REGS, SM_THREADS, SM_SMEM = 65536, 2048, 227 * 1024  # per SM on sm_90 (the H200)
 ROW_BYTES = attention.D_QK * 2
 BM = 64  # query rows per job of the wgmma kernels (kernels/tree_verify/wgmma_common.cuh)
 POINTS = [
@@ -70,21 +74,33 @@ def xor_rows(pool_words: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return np.bitwise_xor.reduce(pool_words[rows].reshape(-1, 4), axis=0)
 
 
-def gather(pool, rows, r: int, out=None):
-    """Launch the probe with R = r rows in flight per warp over `rows` ([n] int32) of `pool` ([slots, 576]
-    bf16), both torch CUDA tensors; -> out [4] uint32 (CuPy; zeroed first when made here)."""
+def blocks_per_sm(num_regs: int, threads: int, smem: int) -> int:
+    """Blocks of `threads` threads, `num_regs` registers each and `smem` bytes an SM holds at once (registers
+    are allocated per warp in units of 256)."""
+    per_warp = -(-num_regs * 32 // 256) * 256
+    fit = [SM_THREADS // threads, SM_REGS // (per_warp * (threads // 32))]
+    if smem:
+        fit.append(SM_SMEM // (smem + 1024))  # + the 1 KB the runtime reserves per block
+    return max(1, min(fit))
+
+
+def gather(pool, rows, arm: str, out=None):
+    """Launch the probe's `arm` (`ARMS`) over `rows` ([n] int32) of `pool` ([slots, 576] bf16), both torch
+    CUDA tensors, on as many blocks as the SMs hold at once; -> out [4] uint32 (CuPy; zeroed first when
+    made here)."""
     import cupy
     import torch
 
-    from kdlib.cuda.loader import as_cupy
-
-    pw = as_cupy(pool.view(torch.int32)).view(cupy.uint32)  # [slots, 288] words
-    rw = as_cupy(rows)
+    pw = loader.as_cupy(pool.view(torch.int32)).view(cupy.uint32)  # [slots, 288] words
+    rw = loader.as_cupy(rows)
     if out is None:
         out = cupy.zeros(4, dtype=cupy.uint32)
+    fn = loader.get_function(SOURCE, f"gather_read_v1_{arm}")
+    smem = BULK_SMEM if arm == "bulk" else 0
+    loader.set_max_dynamic_shared(fn, smem)
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    fn = get_function(SOURCE, f"gather_read_v1_r{r}")
-    fn((sms * BLOCKS_PER_SM,), (BLOCK,), (pw, rw, np.int64(rw.size), out))
+    grid = sms * blocks_per_sm(fn.num_regs, BLOCK[arm], smem)
+    fn((grid,), (BLOCK[arm],), (pw, rw, np.int64(rw.size), out), shared_mem=smem)
     return out
 
 
@@ -137,17 +153,17 @@ def run_point(p: dict, pool, ceil: dict, copy_Bps: float, iters: int) -> dict:
         flat = gather_rows(tabs, lens)
         want = None
         arms = {}
-        for r in ROWS_IN_FLIGHT:
-            got = gather(pool, flat[0], r)
+        for arm in ARMS:
+            got = gather(pool, flat[0], arm)
             if want is None:  # the exact XOR of the rows, once per table kind
                 if pool_words is None:  # [slots, 288] uint32
                     pool_words = pool.view(torch.int32).cpu().numpy().view(np.uint32)
                 want = xor_rows(pool_words, flat[0].cpu().numpy())
             exact = bool(np.array_equal(cupy.asnumpy(got), want))
             sink = cupy.zeros(4, dtype=cupy.uint32)
-            t = base.graph_time([lambda f=f, r=r, sink=sink: gather(pool, f, r, sink) for f in flat], iters)
+            t = base.graph_time([lambda f=f, a=arm, o=sink: gather(pool, f, a, o) for f in flat], iters)
             nbytes = flat[0].numel() * (ROW_BYTES + 4)  # rows + their slot indices
-            arms[f"r{r}"] = {"timing": t.as_dict(), "bytes": nbytes, "exact": exact,
+            arms[arm] = {"timing": t.as_dict(), "bytes": nbytes, "exact": exact,
                              "Bps": nbytes / (t.median_ms * 1e-3),
                              "fraction_of_copy": nbytes / (t.median_ms * 1e-3) / copy_Bps}
         best = max(arms, key=lambda k: arms[k]["Bps"])
@@ -191,7 +207,7 @@ def run(*, quick: bool = False) -> dict:
     rows = [run_point(p, pool, ceil, copy["Bps"], iters) for p in pts]
     return {
         "parameters": {"quick": quick, "points": pts, "iters": iters, "version": cu.DEFAULT_VERSION,
-                       "rows_in_flight": list(ROWS_IN_FLIGHT), "block": BLOCK, "blocks_per_sm": BLOCKS_PER_SM,
+                       "gather_arms": list(ARMS), "block": BLOCK, "bulk_smem": BULK_SMEM,
                        "dtype": "bfloat16", "page_size": 1},
         "ceilings": ceil,
         "copy": copy,
