@@ -255,6 +255,24 @@ def test_v5_plan_balances_the_issue_shapes():
     assert load.max() <= 1.25 * even + 2 * cu._V5_JOB_OVERHEAD
 
 
+def test_v8_combine_warps_cover_a_rows_jobs_at_the_plans_shapes():
+    """The warps of v8's combine against the chunks plan_v5 gives a row: at most _V8_JOBS_PER_WARP jobs a
+    warp wherever 32 warps suffice. The host knows no prefix length (the plan is made on the device), so the
+    count follows the plan's bound (its jobs fill at most _V5_ROUNDS rounds) and may exceed what the plan
+    then picks: 4 warps at 64 x 65 x 32k, 32 at 8 x 1 x 200k (whose row has more jobs than 32 warps take
+    four at a time)."""
+    from kdlib.cuda import attention as cu
+
+    for bsz, nq, nh, s in ((1, 65, 8, 200_000), (1, 65, 64, 32_768), (1, 1, 8, 200_000), (8, 9, 8, 32_768),
+                           (16, 65, 8, 65_536), (1, 1, 8, 128), (10, 17, 8, 5500)):
+        plan = cu.plan_v5([s] * bsz, [nq] * bsz, s, nq, nh, 132)
+        chunks = int(plan[1 + 1])  # key chunks of request 0, every row of which has that many jobs
+        w = cu.v8_combine_warps(bsz, nq * nh, s, 132)
+        assert w in cu._V8_COMBINE_WARPS
+        assert -(-chunks // w) <= cu._V8_JOBS_PER_WARP or w == 32, (bsz, nq, nh, s, chunks, w)
+    assert cu.v8_combine_warps(1, 65 * 64, 32_768, 132) == 4 and cu.v8_combine_warps(1, 8, 200_000, 132) == 32
+
+
 def _sw128(addr):
     """The 128-byte swizzle wgmma and the copy engine apply to shared-memory byte addresses."""
     return addr ^ (((addr >> 7) & 7) << 4)
@@ -713,8 +731,8 @@ def _run_random(seed0, n_cases, dtype, impls, rtol, lse_atol, **case_kw):
 
 
 def _mma_impls():
-    """Every tensor-core version the device runs (the mma.sync ones, and "wgmma", "wgmma_v6", "wgmma_v7" on
-    sm_90), or the comma list in $KDLIB_TEST_MMA (e.g. 'mma_v3,wgmma')."""
+    """Every tensor-core version the device runs (the mma.sync ones, and "wgmma" ... "wgmma_v8" on sm_90), or
+    the comma list in $KDLIB_TEST_MMA (e.g. 'mma_v3,wgmma')."""
     from kdlib.cuda.attention import LAUNCHES, MMA_VERSIONS, WGMMA_VERSIONS, wgmma_available
 
     chosen = os.environ.get("KDLIB_TEST_MMA")
@@ -865,7 +883,8 @@ def _torch_reference(q, kv, page, lens, tkv, vis, sizes, scale):
     return torch.stack(outs), torch.stack(lses)
 
 
-LONG_PREFIX_RUNS = [("bfloat16", i) for i in ("mma_v2", "mma_v3", "mma_v4", "wgmma", "wgmma_v6", "wgmma_v7")]
+LONG_PREFIX_RUNS = [("bfloat16", i)
+                    for i in ("mma_v2", "mma_v3", "mma_v4", "wgmma", "wgmma_v6", "wgmma_v7", "wgmma_v8")]
 
 
 @pytest.mark.gpu
@@ -994,7 +1013,7 @@ def test_wgmma_plan_kernel_matches_numpy_mirror():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["wgmma", "wgmma_v6", "wgmma_v7"])
+@pytest.mark.parametrize("impl", ["wgmma", "wgmma_v6", "wgmma_v7", "wgmma_v8"])
 def test_wgmma_bit_reproducible_graph_captured_and_allocation_free(impl):
     """With a workspace: two eager calls agree bit for bit, a call allocates no memory, and the three
     launches captured in a CUDA graph replay to the same bits (ragged batch, several jobs per row)."""
@@ -1046,7 +1065,55 @@ def test_wgmma_bit_reproducible_graph_captured_and_allocation_free(impl):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["wgmma", "wgmma_v7"])
+def test_v8_combine_of_every_width_merges_v5s_partials_alike():
+    """v8's combine (each warp count W) over the partials and plan one v7 call left in its workspace: the rows
+    v5's combine made from them, to float rounding (fixed sum orders, so not the same bits), NaN on the same
+    rows, each W bit-reproducible; 8 heads x 1 query over a long prefix (a row of ~130 jobs) and a ragged
+    batch with empty requests."""
+    _need_wgmma()
+    import torch
+
+    from kdlib.cuda import attention as cu
+    from kdlib.cuda import loader
+
+    cp = _cp()
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for bsz, nq, nh, width, lens_l, sizes_l in ((1, 1, 8, 60_000, [60_000], [1]),
+                                                 (4, 17, 8, 5000, [5000, 0, 1, 3001], [17, 0, 5, 9])):
+        q = torch.randn(bsz, nq, nh, 576, device="cuda", generator=g).bfloat16()  # [B, Q, H, 576]
+        kv = torch.randn(2 * width, 576, device="cuda", generator=g).bfloat16()  # [S, 576]
+        page = torch.stack([torch.randperm(2 * width, device="cuda", generator=g)[:width]
+                            for _ in range(bsz)]).int()  # [B, width]
+        lens = torch.tensor(lens_l, device="cuda", dtype=torch.int32)
+        tkv = torch.randn(bsz, nq, 576, device="cuda", generator=g).bfloat16()  # [B, Q, 576]
+        rng = np.random.default_rng(bsz)
+        vis = torch.from_numpy(np.stack([_random_tree(rng, nq) for _ in range(bsz)])).cuda()  # [B, Q, Q]
+        sizes = torch.tensor(sizes_l, device="cuda", dtype=torch.int32)
+        ws = cu.make_workspace(bsz, nq, nh)
+        want_out, want_lse = (a.copy() for a in cu.tree_verify_attention(
+            q, kv, page, lens, tkv, vis, sizes, 576**-0.5, impl="wgmma_v7", workspace=ws))
+        rows = nq * nh
+        for w in cu._V8_COMBINE_WARPS:
+            fn = loader.get_function(cu._V8, f"tree_verify_v8_combine_w{w}", options=cu._V5_OPTIONS)
+            got = []
+            for _ in range(2):
+                out = cp.full((bsz * rows, 512), 7.0, dtype=cp.float32)  # [B*M, 512] poisoned
+                lse = cp.full((bsz * rows,), 7.0, dtype=cp.float32)  # [B*M]
+                fn((bsz * rows, cu._V5_COMBINE_SLICES), (32 * w,),
+                   (ws.parts, ws.part_lse, ws.plan, np.int32(rows), out, lse))
+                got.append((out.get().reshape(want_out.shape), lse.get().reshape(want_lse.shape)))
+            same = all(np.array_equal(a, b, equal_nan=True) for a, b in zip(*got, strict=True))
+            assert same, f"two runs of W {w} differ"
+            out, lse = got[0]
+            np.testing.assert_array_equal(np.isnan(out), np.isnan(want_out.get()))
+            np.testing.assert_allclose(out, want_out.get(), rtol=1e-5, atol=1e-6, equal_nan=True,
+                                       err_msg=f"W {w}, B {bsz}")
+            np.testing.assert_allclose(lse, want_lse.get(), rtol=0, atol=1e-5, equal_nan=True,
+                                       err_msg=f"lse W {w}, B {bsz}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["wgmma", "wgmma_v7", "wgmma_v8"])
 def test_wgmma_plan_ready_reads_the_previous_calls_plan(impl):
     """plan_ready=True (the later layers of one verify step): a call with new q, latent rows and cache on a
     workspace whose plan an earlier call of the same lens, sizes and width made gives the bits of a fresh
@@ -1116,7 +1183,7 @@ if __name__ == "__main__" and sys.argv[1:2] == ["sanitize"]:
 def test_version_vocabulary_and_the_deprecated_impl_names():
     from kdlib.cuda import attention as cu
 
-    assert cu.VERSIONS == (1, 2, 3, 4, 5, 6, 7) and cu.WGMMA_VERSIONS == (5, 6, 7)
+    assert cu.VERSIONS == (1, 2, 3, 4, 5, 6, 7, 8) and cu.WGMMA_VERSIONS == (5, 6, 7, 8)
     assert cu.LAUNCHES[cu.DEFAULT_VERSION].impl == cu.BF16_DEFAULT
     assert cu.IMPLS["mma"] == cu.IMPLS[cu.MMA_DEFAULT] and cu.IMPLS["auto"] is None
     assert {name: cu.LAUNCHES[cu.IMPLS[name]].stem for name in cu.MMA_VERSIONS} == {
@@ -1128,7 +1195,7 @@ def test_version_vocabulary_and_the_deprecated_impl_names():
     assert cu.LAUNCHES[cu.pick_version(None, "mma_v4", "bf16")].impl == "mma_v4"
     assert cu.LAUNCHES[cu.pick_version(None, "simple", "f32")].impl == "simple"
     for version, impl, kind, match in ((2, None, "f32", "bfloat16"), (None, "mma", "f32", "bfloat16"),
-                                       (8, None, "bf16", "version"), (True, None, "bf16", "version"),
+                                       (9, None, "bf16", "version"), (True, None, "bf16", "version"),
                                        (3, "mma", "bf16", "not both"), (None, "fast", "bf16", "impl")):
         with pytest.raises(ValueError, match=match):
             cu.pick_version(version, impl, kind)

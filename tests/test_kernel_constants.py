@@ -218,7 +218,8 @@ def test_attention_wgmma_constants_match_the_source(version):
     stem = attention.LAUNCHES[version].stem
     c = consts(stem)
     assert (c["D_QK"], c["D_V"]) == (attention.D_QK, attention.KV_LORA_RANK)
-    smem = {5: attention._V5_SMEM, 6: attention._V6_SMEM, 7: attention._V7_SMEM}[version]
+    smem = {5: attention._V5_SMEM, 6: attention._V6_SMEM, 7: attention._V7_SMEM, 8: attention._V7_SMEM}
+    smem = smem[version]
     assert c["SMEM_BYTES"] == smem <= 227 * 1024
     assert (c["BM"], c["BN"], c["MAX_ROUNDS"], c["JOB_OVERHEAD"], c["PLAN_STRIDE"]) == (
         attention._V5_BM,
@@ -233,11 +234,22 @@ def test_attention_wgmma_constants_match_the_source(version):
     )
     # 4 warps, float4 lanes
     assert attention._COMBINE_THREADS == 4 * 32 and attention._V5_COMBINE_COLS == 32 * 4
+    attend = 7 if version == 8 else version  # v8 runs v7's attend kernel, with combines of its own
+    own_combines = {f"tree_verify_v8_combine_w{w}": (32 * w, 0) for w in attention._V8_COMBINE_WARPS}
     assert loader.launch_bounds(stem) == {  # the shared plan and combine, the version's attend
         "tree_verify_v5_plan": (attention._V5_THREADS, 0),
-        f"tree_verify_v{version}_attend": (attention.LAUNCHES[version].threads, 1),
+        f"tree_verify_v{attend}_attend": (attention.LAUNCHES[version].threads, 1),
         "tree_verify_v5_combine": (attention._COMBINE_THREADS, 0),
+        **(own_combines if version == 8 else {}),
     }
+
+
+def test_attention_v8_combine_warps_and_jobs_in_flight_match_the_source():
+    c = consts(attention._V8)
+    assert c["V8_UNROLL"] == attention._V8_JOBS_PER_WARP
+    bounds = loader.launch_bounds(attention._V8)
+    combines = sorted(b[0] // 32 for n, b in bounds.items() if "_v8_combine_w" in n)
+    assert tuple(combines) == attention._V8_COMBINE_WARPS
 
 
 def test_attention_v7_warp_roles_fit_the_register_file():
@@ -264,7 +276,7 @@ def test_attention_launches_name_kernels_of_their_sources(version):
             assert bounds[f"tree_verify_v{version}_prefix_{kind}"][0] == settings.threads
         assert not [n for n in bounds if n.endswith("_f32")] or "f32" in settings.dtypes
     else:
-        assert bounds[f"tree_verify_v{version}_attend"][0] == settings.threads
+        assert bounds[f"tree_verify_v{7 if version == 8 else version}_attend"][0] == settings.threads
     assert attention.IMPLS[settings.impl] == version
 
 

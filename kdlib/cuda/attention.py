@@ -30,18 +30,22 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
   * 6 (`tree_verify/wgmma_v6.cu`, sm_90a only): v5's plan, jobs, workspace and
     combine around another attend kernel, whose two warpgroups take the tiles of a job two at a time
     so that one's softmax runs under the other's MMAs (the kernel file says how);
-  * 7 (`tree_verify/wgmma_v7.cu`, sm_90a only, `DEFAULT_VERSION`): v6's plan, workspace, combine and
+  * 7 (`tree_verify/wgmma_v7.cu`, sm_90a only): v6's plan, workspace, combine and
     two MMA warpgroups with warp specialisation: a third, producer warpgroup (384 threads a CTA,
     registers rebalanced with setmaxnreg) decodes the jobs and gathers every K tile, the MMA warpgroups
-    only wait on its full barriers and release the stage blocks on empty ones (the kernel file says how).
+    only wait on its full barriers and release the stage blocks on empty ones (the kernel file says how);
+  * 8 (`tree_verify/wgmma_v8.cu`, sm_90a only, `DEFAULT_VERSION`): v7's plan, workspace and attend kernel
+    with a combine of 4 to 32 warps per row block (`v8_combine_warps`), so that a row's many jobs (a long
+    prefix over few rows) are merged with their loads in flight at once rather than four at a time.
 `version=None` (the default) picks by dtype and device: fp32 runs 1 (a dtype path, not a choice);
-bf16 runs `DEFAULT_VERSION` (7, `BF16_DEFAULT`: the fastest in data/results/attention.h200.json)
+bf16 runs `DEFAULT_VERSION` (8, `BF16_DEFAULT`: the fastest in data/results/attention.h200.json)
 where the device runs it, else 3 where the device grants its 166 KB of shared memory (not on sm_120's
 99 KB), else 1.
 
 Deprecated alias: `impl=` names a version as recorded results and kdlib.perf suites do
 (`IMPLS`: "simple" = 1, "mma_v2" / "mma_v3" / "mma_v4" = 2 / 3 / 4, "mma" = `MMA_DEFAULT`,
-"wgmma" = 5, "wgmma_v6" = 6, "wgmma_v7" = 7, "auto" = None); give `version` or `impl`, not both.
+"wgmma" = 5, "wgmma_v6" = 6, "wgmma_v7" = 7, "wgmma_v8" = 8, "auto" = None); give `version` or `impl`,
+not both.
 
 Checks before any launch raise ValueError: shapes, dtypes (float32 or bfloat16, all float inputs
 alike), Q <= 65, widths 576/512, and, with `validate=True` (the default, one device sync), the
@@ -77,10 +81,12 @@ _MMA_Q_SMEM = 64 * 1168  # Q tile: BM rows of 576 bf16 + 16 B pad
 _MMA_K_SMEM = 32 * 1168  # one K stage: BN rows
 _MMA_X_SMEM = 2 * 4 * 16 * 32 * 4  # partial-S exchange between the two halves of each row group
 # The wgmma whole-verify kernels (tree_verify/wgmma_v5.cu, wgmma_v6.cu, wgmma_v7.cu: one plan, one combine,
-# each its own attend kernel), built for sm_90a through NVRTC.
+# each its own attend kernel; wgmma_v8.cu: v7's plan and attend kernel, its own combine), built for sm_90a
+# through NVRTC.
 _V5 = "tree_verify/wgmma_v5"
 _V6 = "tree_verify/wgmma_v6"
 _V7 = "tree_verify/wgmma_v7"
+_V8 = "tree_verify/wgmma_v8"
 _V5_OPTIONS = ("-arch=sm_90a",)
 _V5_THREADS = 256  # NTHREADS of the plan and attend kernels (v5, v6)
 _V7_THREADS = 384  # NTHREADS of v7's attend kernel: a producer and two MMA warpgroups
@@ -97,6 +103,8 @@ _V5_JOB_OVERHEAD = 5  # JOB_OVERHEAD, in tiles
 _V5_PLAN_STRIDE = 8  # PLAN_STRIDE: per request base, chunks, chunk tiles, row blocks, len, rows, tail rows
 _V5_COMBINE_COLS = 128  # COMBINE_COLS: columns of one combine block (its 4 warps' float4 lanes)
 _V5_COMBINE_SLICES = KV_LORA_RANK // _V5_COMBINE_COLS  # COMBINE_SLICES: combine blocks per row
+_V8_COMBINE_WARPS = (4, 8, 16, 32)  # tree_verify_v8_combine_w<W>: warps per combine block
+_V8_JOBS_PER_WARP = 4  # V8_UNROLL: the jobs one warp of v8's combine has in flight
 
 
 @dataclass(frozen=True)
@@ -128,8 +136,9 @@ LAUNCHES = {
     5: VerifyLaunch(5, "wgmma", _V5, _V5_THREADS, _V5_SMEM, _V5_BM, _V5_BN, options=_V5_OPTIONS),
     6: VerifyLaunch(6, "wgmma_v6", _V6, _V5_THREADS, _V6_SMEM, _V5_BM, _V5_BN, options=_V5_OPTIONS),
     7: VerifyLaunch(7, "wgmma_v7", _V7, _V7_THREADS, _V7_SMEM, _V5_BM, _V5_BN, options=_V5_OPTIONS),
+    8: VerifyLaunch(8, "wgmma_v8", _V8, _V7_THREADS, _V7_SMEM, _V5_BM, _V5_BN, options=_V5_OPTIONS),
 }
-WGMMA_VERSIONS = (5, 6, 7)  # the whole-verify versions: sm_90a, plan + attend + combine, workspaces
+WGMMA_VERSIONS = (5, 6, 7, 8)  # the whole-verify versions: sm_90a, plan + attend + combine, workspaces
 VERSIONS = tuple(LAUNCHES)
 # The tensor-core prefix kernels by name -> (stem, shared memory bytes), as recorded results name them.
 MMA_VERSIONS = {LAUNCHES[v].impl: (LAUNCHES[v].stem, LAUNCHES[v].smem) for v in (2, 3, 4)}
@@ -141,7 +150,7 @@ WGMMA = "wgmma"
 # What version None runs for bf16 where the device has sm_90a: the fastest of the wgmma versions and
 # MMA_DEFAULT in the recorded attention sweep (data/results/attention.h200.json: the fastest median at most
 # points, elsewhere within the other arm's replay spread; tests/test_kernel_constants.py checks it).
-BF16_DEFAULT = "wgmma_v7"
+BF16_DEFAULT = "wgmma_v8"
 _BY_IMPL = {launch.impl: v for v, launch in LAUNCHES.items()}
 DEFAULT_VERSION = _BY_IMPL[BF16_DEFAULT]
 # The deprecated impl= names -> versions ("auto": None, the default pick).
@@ -413,9 +422,19 @@ def plan_v5(prefix_lens, tree_sizes, width: int, nq: int, nh: int, grid: int) ->
     return plan
 
 
+def v8_combine_warps(bsz: int, rows: int, width: int, grid: int) -> int:
+    """Warps per block of version 8's combine (`_V8_COMBINE_WARPS`): enough that a row's jobs are at most
+    `_V8_JOBS_PER_WARP` a warp when every request has `rows` query rows, the plan's jobs fill its
+    `_V5_ROUNDS` rounds of `grid` CTAs and a request's key chunks are at most its tiles (`width` keys).
+    Any choice merges every job; this one only sets how many are in flight at once."""
+    chunks = max(1, min(_ceil(width, _V5_BN), _ceil(_V5_ROUNDS * grid, bsz * _ceil(rows, _V5_BM))))
+    want = _ceil(chunks, _V8_JOBS_PER_WARP)
+    return next((w for w in _V8_COMBINE_WARPS if w >= want), _V8_COMBINE_WARPS[-1])
+
+
 class VerifyWorkspace:
-    """Buffers of one version 5, 6 or 7 ("wgmma", "wgmma_v6", "wgmma_v7") call shape (B requests, Q queries,
-    H heads): with it a call allocates nothing.
+    """Buffers of one version 5, 6, 7 or 8 ("wgmma" ... "wgmma_v8") call shape (B requests, Q queries, H
+    heads): with it a call allocates nothing.
 
     plan [1 + 8 B] int32, parts [jobs, 64, 512] fp32 and part_lse [jobs, 64] fp32 (jobs = v5_max_jobs),
     out [B*Q*H, 512] fp32 and lse [B*Q*H] fp32 (the returned arrays are views of these: the next call
@@ -439,14 +458,14 @@ class VerifyWorkspace:
 
 
 def make_workspace(bsz: int, nq: int, nh: int) -> VerifyWorkspace:
-    """Preallocated buffers for version 5, 6 and 7 ("wgmma", "wgmma_v6", "wgmma_v7") calls on q of shape
+    """Preallocated buffers for version 5, 6, 7 and 8 ("wgmma" ... "wgmma_v8") calls on q of shape
     [bsz, nq, nh, 576] (see VerifyWorkspace)."""
     return VerifyWorkspace(bsz, nq, nh)
 
 
 def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=False):
-    """The three launches of version 5, 6 or 7 (plan, the version's attend, combine) -> (out [B*M, 512],
-    lse [B*M]) fp32 views of the workspace.
+    """The three launches of version 5, 6, 7 or 8 (plan, the version's attend, its combine) -> (out [B*M,
+    512], lse [B*M]) fp32 views of the workspace.
 
     tail = (tree_kv [B, Q, 576], visibility [B, Q, Q], tree_sizes [B]) for the whole verify, None
     for the prefix alone. plan_ready: the plan launch is skipped, ws.plan is read as it is.
@@ -460,18 +479,24 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
     null = np.uintp(0)
     tkv, vis, sizes = tail if tail is not None else (null, null, null)
     settings = LAUNCHES[version]
-    plan_fn = loader.get_function(settings.stem, "tree_verify_v5_plan", options=settings.options)
-    attend_fn = loader.get_function(settings.stem, f"tree_verify_v{version}_attend", options=settings.options)
-    combine_fn = loader.get_function(settings.stem, "tree_verify_v5_combine", options=settings.options)
-    loader.set_max_dynamic_shared(attend_fn, settings.smem)
     width = pt.shape[1]
+    plan_fn = loader.get_function(settings.stem, "tree_verify_v5_plan", options=settings.options)
+    attend = f"tree_verify_v{7 if version == 8 else version}_attend"  # v8 runs v7's attend kernel
+    attend_fn = loader.get_function(settings.stem, attend, options=settings.options)
+    if version == 8:
+        warps = v8_combine_warps(bsz, rows, width, ws.grid)
+        combine, combine_threads = f"tree_verify_v8_combine_w{warps}", 32 * warps
+    else:
+        combine, combine_threads = "tree_verify_v5_combine", _COMBINE_THREADS
+    combine_fn = loader.get_function(settings.stem, combine, options=settings.options)
+    loader.set_max_dynamic_shared(attend_fn, settings.smem)
     if not plan_ready:
         plan_fn((1,), (_V5_THREADS,), (lens, sizes, np.int32(bsz), np.int32(width), np.int32(nq),
                                        np.int32(nh), np.int32(ws.grid), ws.plan))
     attend_fn((ws.grid,), (settings.threads,), (qa, kv, pt, tkv, vis, ws.plan, np.int32(bsz), np.int32(width),
                                            np.int32(nq), np.int32(nh), np.float32(scale), ws.parts,
                                            ws.part_lse), shared_mem=settings.smem)
-    combine_fn((bsz * rows, _V5_COMBINE_SLICES), (_COMBINE_THREADS,),
+    combine_fn((bsz * rows, _V5_COMBINE_SLICES), (combine_threads,),
                (ws.parts, ws.part_lse, ws.plan, np.int32(rows), ws.out, ws.lse))
     return ws.out, ws.lse
 

@@ -6,10 +6,10 @@ variants) and KDLIB_ATTENTION_BUDGET_S (after which no new point starts; the poi
 order) are those parameters' defaults. Per point
 (heads H, tree queries Q, prefix S, batch B; bf16, page_size 1, scattered slots, random trees):
 
-  * `wgmma` (tree_verify_v5), `wgmma_v6` (tree_verify_v6), `wgmma_v7` (tree_verify_v7) and the
-    previous bf16 default (`MMA_DEFAULT`): the whole verify (prefix + tail + merge) captured in a CUDA
-    graph and replayed, median of CUDA-event timings after warm-up; the wgmma versions run on a
-    preallocated workspace (nothing allocated in the graph);
+  * `wgmma` (tree_verify_v5), `wgmma_v6` (tree_verify_v6), `wgmma_v7` (tree_verify_v7), `wgmma_v8`
+    (v7's attend kernel, its own combine) and the previous bf16 default (`MMA_DEFAULT`): the whole verify
+    (prefix + tail + merge) captured in a CUDA graph and replayed, median of CUDA-event timings after
+    warm-up; the wgmma versions run on a preallocated workspace (nothing allocated in the graph);
   * the PyTorch baselines of `_attention.torch_baselines` (uniform points only);
   * FlashInfer's `BatchMLAPagedAttentionWrapper` (page_size 1, causal=False) over the prefix alone,
     eager, median of CUDA events, when `flashinfer` imports (tools/attention_gpu.sh carries its

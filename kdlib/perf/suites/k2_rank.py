@@ -329,7 +329,7 @@ def run(*, quick: bool = False, out: str | None = None, budget_s: float | None =
         "pool_slots": slots,
         "pool_tokens_predicted": pool_tokens,
     }
-    payload["cut"] = cut if contexts is None else grid(pool_tokens, quick)[1]  # beyond the pool: every context
+    payload["cut"] = cut if contexts is None else grid(pool_tokens, quick)[1]  # beyond the pool: all contexts
     payload["rows"] = list(kept)
     # rows recorded before `routing` was a setting used the router's own choice
     kept = [r for r in kept if r.get("routing", "router") == routing]
