@@ -255,22 +255,27 @@ def test_v5_plan_balances_the_issue_shapes():
     assert load.max() <= 1.25 * even + 2 * cu._V5_JOB_OVERHEAD
 
 
-def test_v8_combine_warps_cover_a_rows_jobs_at_the_plans_shapes():
-    """The warps of v8's combine against the chunks plan_v5 gives a row: at most _V8_JOBS_PER_WARP jobs a
-    warp wherever 32 warps suffice. The host knows no prefix length (the plan is made on the device), so the
-    count follows the plan's bound (its jobs fill at most _V5_ROUNDS rounds) and may exceed what the plan
-    then picks: 4 warps at 64 x 65 x 32k, 32 at 8 x 1 x 200k (whose row has more jobs than 32 warps take
-    four at a time)."""
+def test_v8_combine_warps_follow_a_rows_jobs_and_fit_one_wave():
+    """The warps of v8's combine against the chunks plan_v5 gives a row (its jobs): never more blocks x
+    warps than 132 SMs hold at once; at most _V8_JOBS_PER_WARP jobs a warp wherever that allows it with
+    one-round plans; 4 warps (v5's combine block) where a row has a few jobs. The host knows no prefix
+    length, so the count follows an estimate of the plan (one round of jobs)."""
     from kdlib.cuda import attention as cu
 
-    for bsz, nq, nh, s in ((1, 65, 8, 200_000), (1, 65, 64, 32_768), (1, 1, 8, 200_000), (8, 9, 8, 32_768),
-                           (16, 65, 8, 65_536), (1, 1, 8, 128), (10, 17, 8, 5500)):
+    shapes = ((1, 65, 8, 200_000), (1, 65, 64, 32_768), (1, 9, 8, 200_000), (1, 1, 8, 200_000),
+              (8, 9, 8, 32_768), (1, 33, 8, 200_000), (10, 1, 8, 5500), (10, 17, 8, 5500), (16, 1, 8, 128))
+    got = {}
+    for bsz, nq, nh, s in shapes:
         plan = cu.plan_v5([s] * bsz, [nq] * bsz, s, nq, nh, 132)
-        chunks = int(plan[1 + 1])  # key chunks of request 0, every row of which has that many jobs
-        w = cu.v8_combine_warps(bsz, nq * nh, s, 132)
-        assert w in cu._V8_COMBINE_WARPS
-        assert -(-chunks // w) <= cu._V8_JOBS_PER_WARP or w == 32, (bsz, nq, nh, s, chunks, w)
-    assert cu.v8_combine_warps(1, 65 * 64, 32_768, 132) == 4 and cu.v8_combine_warps(1, 8, 200_000, 132) == 32
+        chunks = int(plan[1 + 1])  # key chunks of request 0: every row of it has that many jobs
+        w = got[(bsz, nq, nh, s)] = cu.v8_combine_warps(bsz, nq * nh, s, 132)
+        assert w in cu._V8_COMBINE_WARPS and bsz * nq * nh * 4 * w * 32 <= 132 * 2048 or w == 4
+        rounds = int(plan[0]) > 132  # a plan of more than one round has more chunks than estimated
+        assert rounds or -(-chunks // w) <= cu._V8_JOBS_PER_WARP or w == 32 \
+            or bsz * nq * nh * 4 * 2 * w * 32 > 132 * 2048, (bsz, nq, nh, s, chunks, w)
+    assert got[(1, 1, 8, 200_000)] == 32  # 131 jobs a row, 32 blocks
+    assert got[(1, 9, 8, 200_000)] == 16  # 66 jobs a row; 32 warps would need a second wave of 288 blocks
+    assert got[(1, 65, 64, 32_768)] == got[(1, 65, 8, 200_000)] == got[(16, 1, 8, 128)] == 4
 
 
 def _sw128(addr):

@@ -35,8 +35,8 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     registers rebalanced with setmaxnreg) decodes the jobs and gathers every K tile, the MMA warpgroups
     only wait on its full barriers and release the stage blocks on empty ones (the kernel file says how);
   * 8 (`tree_verify/wgmma_v8.cu`, sm_90a only, `DEFAULT_VERSION`): v7's plan, workspace and attend kernel
-    with a combine of 4 to 32 warps per row block (`v8_combine_warps`), so that a row's many jobs (a long
-    prefix over few rows) are merged with their loads in flight at once rather than four at a time.
+    with a combine of 4 to 32 warps per row (`v8_combine_warps`), so that a row's many jobs (a long prefix
+    over few rows) are merged with their loads in flight at once rather than four at a time.
 `version=None` (the default) picks by dtype and device: fp32 runs 1 (a dtype path, not a choice);
 bf16 runs `DEFAULT_VERSION` (8, `BF16_DEFAULT`: the fastest in data/results/attention.h200.json)
 where the device runs it, else 3 where the device grants its 166 KB of shared memory (not on sm_120's
@@ -423,13 +423,18 @@ def plan_v5(prefix_lens, tree_sizes, width: int, nq: int, nh: int, grid: int) ->
 
 
 def v8_combine_warps(bsz: int, rows: int, width: int, grid: int) -> int:
-    """Warps per block of version 8's combine (`_V8_COMBINE_WARPS`): enough that a row's jobs are at most
-    `_V8_JOBS_PER_WARP` a warp when every request has `rows` query rows, the plan's jobs fill its
-    `_V5_ROUNDS` rounds of `grid` CTAs and a request's key chunks are at most its tiles (`width` keys).
-    Any choice merges every job; this one only sets how many are in flight at once."""
-    chunks = max(1, min(_ceil(width, _V5_BN), _ceil(_V5_ROUNDS * grid, bsz * _ceil(rows, _V5_BM))))
-    want = _ceil(chunks, _V8_JOBS_PER_WARP)
-    return next((w for w in _V8_COMBINE_WARPS if w >= want), _V8_COMBINE_WARPS[-1])
+    """Warps per block of version 8's combine (`_V8_COMBINE_WARPS`): the fewest that leave a row at most
+    `_V8_JOBS_PER_WARP` jobs a warp, then fewer while the B x rows x 4 blocks would not all be resident at
+    once (2048 threads an SM on `grid` SMs): a second wave of blocks costs more than slower warps.
+
+    A row's jobs are estimated as the plan makes them in one round (its usual choice: about `grid` jobs
+    over the B x ceil(rows / 64) row blocks, at most the tiles of `width` keys); the host knows no prefix
+    length (the plan is made on the device). Any choice merges every job; this one only sets how many
+    loads are in flight at once."""
+    blocks = bsz * rows * _V5_COMBINE_SLICES
+    chunks = max(1, min(_ceil(width, _V5_BN), _ceil(grid, bsz * _ceil(rows, _V5_BM))))
+    fit = [w for w in _V8_COMBINE_WARPS if blocks * w * 32 <= grid * 2048] or [_V8_COMBINE_WARPS[0]]
+    return next((w for w in fit if _ceil(chunks, w) <= _V8_JOBS_PER_WARP), fit[-1])
 
 
 class VerifyWorkspace:
