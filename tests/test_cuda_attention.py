@@ -274,7 +274,8 @@ def test_v8_combine_warps_follow_a_rows_jobs_and_fit_one_wave():
         assert rounds or -(-chunks // w) <= cu._V8_JOBS_PER_WARP or w == 32 \
             or bsz * nq * nh * 4 * 2 * w * 32 > 132 * 2048, (bsz, nq, nh, s, chunks, w)
     assert got[(1, 1, 8, 200_000)] == 32  # 131 jobs a row, 32 blocks
-    assert got[(1, 9, 8, 200_000)] == 16  # 66 jobs a row; 32 warps would need a second wave of 288 blocks
+    assert got[(1, 9, 8, 200_000)] == 16  # 66 jobs a row
+    assert got[(1, 33, 8, 200_000)] == 4  # 26 jobs a row
     assert got[(1, 65, 64, 32_768)] == got[(1, 65, 8, 200_000)] == got[(16, 1, 8, 128)] == 4
 
 

@@ -246,7 +246,7 @@ def test_attention_wgmma_constants_match_the_source(version):
 
 def test_attention_v8_combine_warps_and_jobs_in_flight_match_the_source():
     c = consts(attention._V8)
-    assert c["V8_UNROLL"] == attention._V8_JOBS_PER_WARP
+    assert c["V8_UNROLL"] == attention._V8_UNROLL
     bounds = loader.launch_bounds(attention._V8)
     combines = sorted(b[0] // 32 for n, b in bounds.items() if "_v8_combine_w" in n)
     assert tuple(combines) == attention._V8_COMBINE_WARPS

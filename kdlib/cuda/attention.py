@@ -30,15 +30,16 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
   * 6 (`tree_verify/wgmma_v6.cu`, sm_90a only): v5's plan, jobs, workspace and
     combine around another attend kernel, whose two warpgroups take the tiles of a job two at a time
     so that one's softmax runs under the other's MMAs (the kernel file says how);
-  * 7 (`tree_verify/wgmma_v7.cu`, sm_90a only): v6's plan, workspace, combine and
+  * 7 (`tree_verify/wgmma_v7.cu`, sm_90a only, `DEFAULT_VERSION`): v6's plan, workspace, combine and
     two MMA warpgroups with warp specialisation: a third, producer warpgroup (384 threads a CTA,
     registers rebalanced with setmaxnreg) decodes the jobs and gathers every K tile, the MMA warpgroups
     only wait on its full barriers and release the stage blocks on empty ones (the kernel file says how);
-  * 8 (`tree_verify/wgmma_v8.cu`, sm_90a only, `DEFAULT_VERSION`): v7's plan, workspace and attend kernel
-    with a combine of 4 to 32 warps per row (`v8_combine_warps`), so that a row's many jobs (a long prefix
-    over few rows) are merged with their loads in flight at once rather than four at a time.
+  * 8 (`tree_verify/wgmma_v8.cu`, sm_90a only): v7's plan, workspace and attend kernel with a combine of
+    4 to 32 warps per row (`v8_combine_warps`), so that a row's many jobs (a long prefix over few rows)
+    are merged with their loads in flight at once rather than four at a time; faster than 7 where a row
+    has many jobs (8 heads x 1 query x 200k), the same elsewhere (data/results/attention.h200.json).
 `version=None` (the default) picks by dtype and device: fp32 runs 1 (a dtype path, not a choice);
-bf16 runs `DEFAULT_VERSION` (8, `BF16_DEFAULT`: the fastest in data/results/attention.h200.json)
+bf16 runs `DEFAULT_VERSION` (7, `BF16_DEFAULT`: the fastest in data/results/attention.h200.json)
 where the device runs it, else 3 where the device grants its 166 KB of shared memory (not on sm_120's
 99 KB), else 1.
 
@@ -104,7 +105,8 @@ _V5_PLAN_STRIDE = 8  # PLAN_STRIDE: per request base, chunks, chunk tiles, row b
 _V5_COMBINE_COLS = 128  # COMBINE_COLS: columns of one combine block (its 4 warps' float4 lanes)
 _V5_COMBINE_SLICES = KV_LORA_RANK // _V5_COMBINE_COLS  # COMBINE_SLICES: combine blocks per row
 _V8_COMBINE_WARPS = (4, 8, 16, 32)  # tree_verify_v8_combine_w<W>: warps per combine block
-_V8_JOBS_PER_WARP = 4  # V8_UNROLL: the jobs one warp of v8's combine has in flight
+_V8_UNROLL = 4  # V8_UNROLL: the jobs one warp of v8's combine has in flight
+_V8_JOBS_PER_WARP = 2 * _V8_UNROLL  # two rounds of loads a warp: fewer warps where a row has few jobs
 
 
 @dataclass(frozen=True)
@@ -150,7 +152,7 @@ WGMMA = "wgmma"
 # What version None runs for bf16 where the device has sm_90a: the fastest of the wgmma versions and
 # MMA_DEFAULT in the recorded attention sweep (data/results/attention.h200.json: the fastest median at most
 # points, elsewhere within the other arm's replay spread; tests/test_kernel_constants.py checks it).
-BF16_DEFAULT = "wgmma_v8"
+BF16_DEFAULT = "wgmma_v7"
 _BY_IMPL = {launch.impl: v for v, launch in LAUNCHES.items()}
 DEFAULT_VERSION = _BY_IMPL[BF16_DEFAULT]
 # The deprecated impl= names -> versions ("auto": None, the default pick).
@@ -424,8 +426,10 @@ def plan_v5(prefix_lens, tree_sizes, width: int, nq: int, nh: int, grid: int) ->
 
 def v8_combine_warps(bsz: int, rows: int, width: int, grid: int) -> int:
     """Warps per block of version 8's combine (`_V8_COMBINE_WARPS`): the fewest that leave a row at most
-    `_V8_JOBS_PER_WARP` jobs a warp, then fewer while the B x rows x 4 blocks would not all be resident at
-    once (2048 threads an SM on `grid` SMs): a second wave of blocks costs more than slower warps.
+    `_V8_JOBS_PER_WARP` jobs a warp (two rounds of its loads in flight), then fewer while the B x rows x 4
+    blocks would not all be resident at once (2048 threads an SM on `grid` SMs): a second wave of blocks
+    costs more than slower warps, and at 8 heads x 33 queries x 200k (26 jobs a row, 1056 blocks) 8 warps
+    measured 0.6 % slower than 4 (data/results/history/attention.v8_four_jobs_a_warp.500404d.h200.json).
 
     A row's jobs are estimated as the plan makes them in one round (its usual choice: about `grid` jobs
     over the B x ceil(rows / 64) row blocks, at most the tiles of `width` keys); the host knows no prefix
