@@ -36,10 +36,10 @@ def test_load_attention_every_arm_of_every_point():
     impls = raw["parameters"]["impls"]
     assert len(rec.select(op="tree_verify_attention")) == n_variants == len(impls) * len(raw["points"])
     assert len(rec.rows) == n_variants + n_base + n_fi
-    # wgmma_v7, wgmma_v6, wgmma, mma_v3
-    assert {r.version for r in rec.select(op="tree_verify_attention")} == {7, 6, 5, 3}
+    # wgmma_v8, wgmma_v7, wgmma_v6, wgmma, mma_v3
+    assert {r.version for r in rec.select(op="tree_verify_attention")} == {8, 7, 6, 5, 3}
     p0 = raw["points"][0]
-    for impl, version in (("wgmma_v7", 7), ("wgmma_v6", 6), ("wgmma", 5)):
+    for impl, version in (("wgmma_v8", 8), ("wgmma_v7", 7), ("wgmma_v6", 6), ("wgmma", 5)):
         wg = rec.select(op="tree_verify_attention", version=version,
                         shape={k: p0[k] for k in ("heads", "queries", "batch", "prefix")})
         assert [r.median_ms for r in wg] == [p0["variants"][impl]["kernel"]["median_ms"]]
@@ -55,6 +55,23 @@ def test_load_attention_every_arm_of_every_point():
     assert ragged and all(len(r.shape["lens"]) == r.shape["batch"] == len(r.shape["trees"]) for r in ragged)
     assert not [r for r in ragged if r.op.startswith("torch_")]  # the baselines skip the ragged batch
     assert rec.doc["goals"] == raw["goals"]
+
+
+def test_load_attention_bounds_verify_and_gather_rows_of_every_point():
+    raw = _raw("attention_bounds.h200.json")
+    rec = results.load_attention_bounds("h200")
+    version = raw["parameters"]["version"]
+    for p in raw["points"]:
+        shape = {k: p[k] for k in ("heads", "queries", "prefix", "batch")}
+        verify = rec.select(op="tree_verify_attention", shape=shape)
+        assert {r.variant for r in verify} == {"scattered", "sequential"}
+        assert {r.version for r in verify} == {version}
+        assert all(r.bytes == p["bytes"] and r.floor_ms == p["floors_ms"]["copy"] for r in verify)
+        gather = rec.select(op="gather_read", shape=shape)
+        arms = {f"{t}_{a}": v for t, g in p["gather"].items() for a, v in g["arms"].items()}
+        want = {k: v["timing"]["median_ms"] for k, v in arms.items()}
+        assert {r.variant: r.median_ms for r in gather} == want
+        assert all(v["exact"] for v in arms.values()) and all(r.flops == 0 for r in gather)
 
 
 def test_attention_version_reads_the_recorded_names():
@@ -271,6 +288,7 @@ def test_load_tree_build_cpu_headline_and_sweeps():
 # ----------------------------------------------------------------------------- every loader
 LOADERS = {
     "attention": results.load_attention, "k2_rank": results.load_k2_rank, "k2_layer": results.load_k2_layer,
+    "attention_bounds": results.load_attention_bounds,
     "kernels": results.load_kernels,
     "verify_attention_dev": results.load_verify_attention_dev,
     "verify_attention_dev_v2": results.load_verify_attention_dev_v2, "engine": results.load_engine,

@@ -370,6 +370,35 @@ def load_attention(gpu: str = "h200") -> Recorded | None:
     return _recorded("attention", gpu, attention_rows)
 
 
+GATHER_OP = "gather_read"
+
+
+def attention_bounds_rows(doc: dict) -> tuple[Row, ...]:
+    """Tidy rows of an attention_bounds payload (kdlib/perf/suites/attention_bounds.py), at each (heads,
+    queries, prefix, batch) point: op 'tree_verify_attention' (the payload's `version`, graph replay) with
+    variant 'scattered' or 'sequential' (the page tables), the point's bytes, FLOPs and copy floor; op
+    'gather_read' (version 1, graph) with variant '<tables>_<arm>' (e.g. 'scattered_bulk'), the rows and
+    slots it read as bytes, no FLOPs, no floor. The kernels' device times per verify (`verify.*.kernels`),
+    the floors (copy, gather, FLOPs, padded FLOPs) and the probe's exactness are in `Recorded.doc`."""
+    version = (doc.get("parameters") or {}).get("version")
+    out = []
+    for p in doc.get("points") or []:
+        shape = {k: p[k] for k in ("heads", "queries", "prefix", "batch")}
+        for tables, v in (p.get("verify") or {}).items():
+            out.append(_timed(VERIFY_OP, version, "graph", tables, shape, v["timing"], p["bytes"], p["flops"],
+                              f"verify.{tables}.timing", p["floors_ms"]["copy"]))
+        for tables, g in (p.get("gather") or {}).items():
+            for arm, a in g["arms"].items():
+                out.append(_timed(GATHER_OP, 1, "graph", f"{tables}_{arm}", shape, a["timing"], a["bytes"],
+                                  0.0, f"gather.{tables}.arms.{arm}.timing"))
+    return tuple(out)
+
+
+def load_attention_bounds(gpu: str = "h200") -> Recorded | None:
+    """The recorded attention_bounds suite on `gpu` with its tidy rows (`attention_bounds_rows`), or None."""
+    return _recorded("attention_bounds", gpu, attention_bounds_rows)
+
+
 # ---- one TP8 rank of Kimi-K2.6 (suite k2_rank)
 K2_RANK_OP = "k2_rank_step"
 
