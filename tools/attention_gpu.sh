@@ -6,8 +6,10 @@
 #
 #   here, once (needs PyPI):  bash tools/attention_gpu.sh fetch-wheels
 #       -> .whl/attention/ (git-ignored): flashinfer-python 0.7.2.post1 without the sources of kernels other
-#          than the Hopper MLA one (30 MB of the 62) + apache-tvm-ffi 0.1.15.post2, for Python 3.12
-#   device call (carry [".whl/attention"]):  OUT=$OUT KDLIB_COMMIT=<sha> bash tools/attention_gpu.sh
+#          than the Hopper MLA one (30 MB of the 62) + apache-tvm-ffi 0.1.15.post2, for Python 3.12, and the
+#          two unpacked as .carry/attention_site.tar.xz (git-ignored, ~15 MB: the wheels and the tree together
+#          pass the 64 MiB a device call carries)
+#   device call (carry [".carry"]):  OUT=$OUT KDLIB_COMMIT=<sha> bash tools/attention_gpu.sh
 #       KDLIB_FLASHINFER=0 skips FlashInfer (its MLA kernel JIT-compiles with nvcc on first use, ~20-35 s);
 #       KDLIB_NCU=0 skips the ncu reports, KDLIB_NCU_IMPLS=v7 keeps one; KDLIB_ATTENTION_TESTS=0 the GPU tests of step (a).
 #
@@ -45,7 +47,12 @@ with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zout:
 print(f"{out}: {len(kept)} of {len(zin.infolist())} files, {os.path.getsize(out) / 1e6:.1f} MB")
 PY
   rm -rf $W/dl
-  du -sh $W
+  site=$(mktemp -d)
+  for w in $W/*.whl; do python3 -m zipfile -e "$w" "$site"; done
+  mkdir -p .carry
+  tar -C "$site" -cf - . | xz -9 -T0 >.carry/attention_site.tar.xz
+  rm -rf "$site"
+  du -sh $W .carry/attention_site.tar.xz
   exit 0
 fi
 
@@ -64,28 +71,32 @@ step() {  # step NAME SECONDS COMMAND...: its output in $OUT/NAME.log
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv \
   >"$OUT/nvidia-smi.txt" 2>&1
-if [ "${KDLIB_FLASHINFER:-1}" != 0 ] && ls .whl/attention/*.whl >/dev/null 2>&1; then
+if [ "${KDLIB_FLASHINFER:-1}" != 0 ] && [ -f .carry/attention_site.tar.xz ]; then
+  mkdir -p /tmp/site && tar -xJf .carry/attention_site.tar.xz -C /tmp/site \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || echo "unpack failed: no FlashInfer arm" | tee -a "$OUT/summary.txt"
+elif [ "${KDLIB_FLASHINFER:-1}" != 0 ] && ls .whl/attention/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/attention/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || echo "wheel install failed: no FlashInfer arm" | tee -a "$OUT/summary.txt"
 fi
 
-# (0) smoke: the wgmma kernels compile, run, terminate and match float64 on a ragged batch, version 7
-#     on its own; what fails is left out of the rest (no time spent on a broken or hanging kernel)
+# (0) smoke: the wgmma kernels compile, run, terminate and match float64 on a ragged batch, versions 7
+#     and 8 (v7's attend kernel) on their own; what fails is left out of the rest (no time spent on a
+#     broken or hanging kernel)
 passed() { grep -q " passed" "$1" && ! grep -q -E "failed|error" "$1"; }
 step smoke 60 python3 -m pytest -m gpu tests/test_cuda_attention.py -x -q -p no:cacheprovider \
-  -k "wgmma_plan_kernel or (wgmma_bit_reproducible and not wgmma_v7)"
-step smoke_v7 45 python3 -m pytest -m gpu tests/test_cuda_attention.py -x -q -p no:cacheprovider \
-  -k "wgmma_bit_reproducible and wgmma_v7"
+  -k "wgmma_plan_kernel or (wgmma_bit_reproducible and not wgmma_v7 and not wgmma_v8)"
+step smoke_v7 60 python3 -m pytest -m gpu tests/test_cuda_attention.py -x -q -p no:cacheprovider \
+  -k "(wgmma_bit_reproducible and (wgmma_v7 or wgmma_v8)) or v8_combine_of_every_width"
 NCU_IMPLS=""
 if passed "$OUT/smoke.log" && passed "$OUT/smoke_v7.log"; then
-  TEST_MMA=wgmma_v7,wgmma_v6,wgmma
+  TEST_MMA=wgmma_v8,wgmma_v7,wgmma_v6,wgmma
   NCU_IMPLS="v6 v7"
 elif passed "$OUT/smoke.log"; then
   TEST_MMA=wgmma_v6,wgmma
   NCU_IMPLS=v6
   export KDLIB_ATTENTION_IMPLS=${KDLIB_ATTENTION_IMPLS:-wgmma_v6,wgmma,mma_v3}
-  echo "version 7 smoke failed: tests and suite without it" | tee -a "$OUT/summary.txt"
+  echo "version 7 / 8 smoke failed: tests and suite without them" | tee -a "$OUT/summary.txt"
 else
   TEST_MMA=mma_v3
   export KDLIB_ATTENTION_IMPLS=mma_v3
