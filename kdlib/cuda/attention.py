@@ -158,8 +158,9 @@ BF16_DEFAULT = "wgmma_v8"
 # (heads, queries, prefix, batch) -> why: the recorded points where another arm is faster than the default
 # beyond that arm's replay spread, the price of its gains elsewhere.
 BF16_DEFAULT_TRADES = {
-    (64, 65, 32_768, 1): "v7 0.7 % faster (in two runs, 500404d and c49c344): v8's 4-warp combine over the "
-                         "16,640 blocks of 4,160 rows against v5's, the same work in a few more registers",
+    (64, 65, 32_768, 1): "v7 0.7 % faster (in two runs, 500404d and c49c344): there v8 runs its own 4-warp "
+                         "combine over 16,640 blocks where v7 runs v5's, the same split of the work; why it "
+                         "is slower is not measured",
 }
 _BY_IMPL = {launch.impl: v for v, launch in LAUNCHES.items()}
 DEFAULT_VERSION = _BY_IMPL[BF16_DEFAULT]

@@ -6,8 +6,9 @@
 // Why (data/results/attention_bounds.h200.json): v5's combine is a block of 4 warps per (row, 128
 // columns); at 8 heads x 1 query x 200k keys a row has ~130 jobs, so each warp walks ~33 of them four
 // loads at a time behind two block-wide reductions: 10 us for 2 MB of partials, a tenth of the verify.
-// Here a block has W warps (W = 4, 8, 16 or 32, chosen by the host from the most jobs a row can have),
-// so a row's jobs are spread over W warps and the loads of most of them are in flight at once.
+// Here a block has W warps (W = 4, 8, 16 or 32, chosen by the host from the jobs a one-round plan gives a
+// row, with every block resident at once: kdlib.cuda.attention.v8_combine_warps), so a row's jobs are spread
+// over W warps and the loads of most of them are in flight at once.
 //
 // Block (n, s) merges row n's columns [128 s, 128 s + 128) over its nch jobs (job first + i rbn, i < nch):
 // the max of their lse (thread t takes jobs t, t + 32 W, ...; a fixed-order block reduction), then
