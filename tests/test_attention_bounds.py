@@ -37,6 +37,26 @@ def test_gather_rows_flattens_the_prefix_rows_request_by_request():
     assert flat.tolist() == pt[0, :5].tolist() + pt[1, :70].tolist() + pt[2, :33].tolist()
 
 
+def test_verify_call_passes_the_point_inputs_and_the_version(monkeypatch):
+    """attention.verify_call (the suites' and tools/kernel_ab.py's verify of one point): every input of the
+    point, the page table given, validation off unless asked, the workspace and the version pick."""
+    from kdlib.cuda import attention as cu
+
+    seen = []
+    monkeypatch.setattr(cu, "tree_verify_attention", lambda *a, **kw: seen.append((a, kw)) or ("out", "lse"))
+    pool = torch.randn(108, suite.D_QK, generator=torch.Generator().manual_seed(4)).bfloat16()  # [N, 576]
+    x = _point(pool)
+    call = suite.verify_call(x, pool, "ws", version=8)
+    assert call(x["tables"][0]) == ("out", "lse")
+    call("pt", validate=True)
+    suite.verify_call(x, pool, None, impl="wgmma_v7")("pt")
+    (a, kw), (a2, kw2), (_, kw3) = seen
+    assert a[0] is x["q"] and a[1] is pool and a[2] is x["tables"][0]
+    assert a[3:] == (x["lens_t"], x["tkv"], x["vis"], x["sizes_t"], x["scale"]) and a2[2] == "pt"
+    assert kw == {"validate": False, "workspace": "ws", "version": 8} and kw2["validate"] is True
+    assert kw3 == {"validate": False, "workspace": None, "impl": "wgmma_v7"}
+
+
 def test_xor_rows_is_the_xor_of_every_word_by_lane():
     rng = np.random.default_rng(0)
     words = rng.integers(0, 2**32, size=(10, 288), dtype=np.uint32)  # [slots, 288]

@@ -269,7 +269,8 @@ def test_v8_combine_warps_follow_a_rows_jobs_and_fit_one_wave():
         plan = cu.plan_v5([s] * bsz, [nq] * bsz, s, nq, nh, 132)
         chunks = int(plan[1 + 1])  # key chunks of request 0: every row of it has that many jobs
         w = got[(bsz, nq, nh, s)] = cu.v8_combine_warps(bsz, nq * nh, s, 132)
-        assert w in cu._V8_COMBINE_WARPS and bsz * nq * nh * 4 * w * 32 <= 132 * 2048 or w == 4
+        assert w in cu._V8_COMBINE_WARPS
+        assert bsz * nq * nh * 4 * w * 32 <= 132 * 2048 or w == 4  # one wave, or the fewest warps
         rounds = int(plan[0]) > 132  # a plan of more than one round has more chunks than estimated
         assert rounds or -(-chunks // w) <= cu._V8_JOBS_PER_WARP or w == 32 \
             or bsz * nq * nh * 4 * 2 * w * 32 > 132 * 2048, (bsz, nq, nh, s, chunks, w)

@@ -61,13 +61,8 @@ def run(old_kernels: Path, out: Path, version: int, iters: int) -> Path:
     for name, src in arms:  # arm-major: one compile per arm; the arms alternate over the whole grid
         loader.use_kernels(src)
         for p, x, t, o in zip(pts, inputs, times, outs, strict=True):
-            ws = cu.make_workspace(p["batch"], p["queries"], p["heads"])
-
-            def call(pt, x=x, ws=ws):
-                return cu.tree_verify_attention(x["q"], pool, pt, x["lens_t"], x["tkv"], x["vis"],
-                                                x["sizes_t"], x["scale"], version=version, validate=False,
-                                                workspace=ws)
-
+            call = suite.verify_call(x, pool, cu.make_workspace(p["batch"], p["queries"], p["heads"]),
+                                     version=version)
             o.setdefault(name, call(x["tables"][0])[0].copy())
             t[name].append(base.graph_time([lambda pt=pt, call=call: call(pt) for pt in x["tables"]],
                                            iters).median_ms)
@@ -136,10 +131,8 @@ def repeat(old_kernels: Path, out: Path, point: dict, n: int, version: int) -> P
         loader.use_kernels(src)
         runs = []
         for _ in range(n):
-            o = cu.tree_verify_attention(x["q"], pool, x["tables"][0], x["lens_t"], x["tkv"], x["vis"],
-                                         x["sizes_t"], x["scale"], version=version, validate=False,
-                                         workspace=cu.make_workspace(point["batch"], point["queries"],
-                                                                     point["heads"]))[0]
+            ws = cu.make_workspace(point["batch"], point["queries"], point["heads"])
+            o = suite.verify_call(x, pool, ws, version=version)(x["tables"][0])[0]
             runs.append(torch.from_dlpack(o).reshape(-1, suite.D_V).clone())  # [B*Q*H, 512]
         err = [float((r[keep].double() - ref[keep]).abs().max() / ref[keep].abs().max()) for r in runs]
         spread = max(float((r[keep] - runs[0][keep]).abs().max()) for r in runs)

@@ -158,9 +158,9 @@ BF16_DEFAULT = "wgmma_v8"
 # (heads, queries, prefix, batch) -> why: the recorded points where another arm is faster than the default
 # beyond that arm's replay spread, the price of its gains elsewhere.
 BF16_DEFAULT_TRADES = {
-    (64, 65, 32_768, 1): "v7 0.7 % faster (in two runs, 500404d and c49c344): there v8 runs its own 4-warp "
-                         "combine over 16,640 blocks where v7 runs v5's, the same split of the work; why it "
-                         "is slower is not measured",
+    (64, 65, 32_768, 1): "v7 faster beyond its spread in two runs (500404d and c49c344): there v8 runs its "
+                         "own 4-warp combine over 16,640 blocks where v7 runs v5's, the same split of the "
+                         "work; why it is slower is not measured",
 }
 _BY_IMPL = {launch.impl: v for v, launch in LAUNCHES.items()}
 DEFAULT_VERSION = _BY_IMPL[BF16_DEFAULT]
@@ -438,7 +438,7 @@ def v8_combine_warps(bsz: int, rows: int, width: int, grid: int) -> int:
     `_V8_JOBS_PER_WARP` jobs a warp (two rounds of its loads in flight), then fewer while the B x rows x 4
     blocks would not all be resident at once (2048 threads an SM on `grid` SMs): a second wave of blocks
     costs more than slower warps, and at 8 heads x 33 queries x 200k (26 jobs a row, 1056 blocks) 8 warps
-    measured 0.6 % slower than 4 (data/results/history/attention.v8_four_jobs_a_warp.500404d.h200.json).
+    measured slower than 4 (data/results/history/attention.v8_four_jobs_a_warp.500404d.h200.json).
 
     A row's jobs are estimated as the plan makes them in one round (its usual choice: about `grid` jobs
     over the B x ceil(rows / 64) row blocks, at most the tiles of `width` keys); the host knows no prefix

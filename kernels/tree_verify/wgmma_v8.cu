@@ -3,9 +3,10 @@
 // fixed buffers (CUDA-graph capturable): tree_verify_v5_plan, tree_verify_v7_attend,
 // tree_verify_v8_combine_w<W>.
 //
-// Why (data/results/attention_bounds.h200.json): v5's combine is a block of 4 warps per (row, 128
-// columns); at 8 heads x 1 query x 200k keys a row has ~130 jobs, so each warp walks ~33 of them four
-// loads at a time behind two block-wide reductions: 10 us for 2 MB of partials, a tenth of the verify.
+// Why (data/results/history/attention_bounds.v7.95e9f6a.h200.json): v5's combine is a block of 4 warps per
+// (row, 128 columns); at 8 heads x 1 query x 200k keys a row has about one job per SM, so each warp walks a
+// quarter of them four loads at a time behind two block-wide reductions, a tenth of the verify there for a
+// few MB of partials.
 // Here a block has W warps (W = 4, 8, 16 or 32, chosen by the host from the jobs a one-round plan gives a
 // row, with every block resident at once: kdlib.cuda.attention.v8_combine_warps), so a row's jobs are spread
 // over W warps and the loads of most of them are in flight at once.

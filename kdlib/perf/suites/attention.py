@@ -145,6 +145,19 @@ def point_inputs(p: dict, pool) -> dict:
     }
 
 
+def verify_call(x: dict, pool, ws, **pick):
+    """The whole verify of point inputs x (`point_inputs`) over pool on workspace ws (None: none), as a
+    function of the page table: call(pt, validate=False) -> (out, lse). pick: `version=` or `impl=` of
+    `kdlib.cuda.attention.tree_verify_attention` (neither: its default)."""
+    from kdlib.cuda import attention as cu
+
+    def call(pt, validate: bool = False):
+        return cu.tree_verify_attention(x["q"], pool, pt, x["lens_t"], x["tkv"], x["vis"], x["sizes_t"],
+                                        x["scale"], validate=validate, workspace=ws, **pick)
+
+    return call
+
+
 def run_point(p: dict, pool, kv_split, ceil: dict, impls, *, iters: int, baseline_iters: int, fi) -> dict:
     """Every arm at one point. p: heads, queries, batch and either prefix (uniform) or lens + trees."""
     import cupy
@@ -154,7 +167,7 @@ def run_point(p: dict, pool, kv_split, ceil: dict, impls, *, iters: int, baselin
 
     h, nq, bsz = p["heads"], p["queries"], p["batch"]
     x = point_inputs(p, pool)
-    q, tkv, vis, lens_t, sizes_t, tables = x["q"], x["tkv"], x["vis"], x["lens_t"], x["sizes_t"], x["tables"]
+    q, tkv, vis, lens_t, tables = x["q"], x["tkv"], x["vis"], x["lens_t"], x["tables"]
     lens, trees, ragged, scale, c = x["lens"], x["trees"], x["ragged"], x["scale"], x["cost"]
     width, n_rot = max(lens), len(tables)
     fl = perf.floor_ms(c["bytes"], c["flops"], bandwidth_Bps=ceil["bandwidth_Bps"],
@@ -166,12 +179,8 @@ def run_point(p: dict, pool, kv_split, ceil: dict, impls, *, iters: int, baselin
     for impl in impls:
         ws = cu.make_workspace(bsz, nq, h) if cu.IMPLS[impl] in cu.WGMMA_VERSIONS else None
 
-        def call(pt, impl=impl, ws=ws):
-            return cu.tree_verify_attention(q, pool, pt, lens_t, tkv, vis, sizes_t, scale, impl=impl,
-                                            validate=False, workspace=ws)
-
-        cu.tree_verify_attention(q, pool, tables[0], lens_t, tkv, vis, sizes_t, scale, impl=impl,
-                                 workspace=ws)
+        call = verify_call(x, pool, ws, impl=impl)
+        call(tables[0], validate=True)
         t = base.graph_time([lambda pt=pt, call=call: call(pt) for pt in tables], iters)
         row["variants"][impl] = {"kernel": t.as_dict(), "fraction_of_floor": fl["floor_ms"] / t.median_ms,
                                  "achieved_TBps": c["bytes"] / (t.median_ms * 1e-3) / 1e12,

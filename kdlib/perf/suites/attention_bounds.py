@@ -26,6 +26,7 @@ import numpy as np
 
 from kdlib.cuda import loader
 from kdlib.perf import profile, results, timing
+from kdlib.perf.rank_work import ROW_BLOCK
 from kdlib.perf.suites import _attention as base
 from kdlib.perf.suites import attention
 
@@ -37,7 +38,6 @@ BLOCK = {arm: loader.launch_bounds(SOURCE)[f"gather_read_v1_{arm}"][0] for arm i
 BULK_SMEM = loader.source_constants(SOURCE)["BULK_SMEM"]
 SM_REGS, SM_THREADS, SM_SMEM = 65536, 2048, 227 * 1024  # per SM on sm_90 (the H200)
 ROW_BYTES = attention.D_QK * 2
-BM = 64  # query rows per job of the wgmma kernels (kernels/tree_verify/wgmma_common.cuh)
 POINTS = [
     {"heads": 8, "queries": 1, "prefix": 200_000, "batch": 1},
     {"heads": 8, "queries": 9, "prefix": 200_000, "batch": 1},
@@ -108,12 +108,7 @@ def _verify_launch(x: dict, pool, h: int, tables: list):
     """One callable per table: the whole default-version verify of point inputs x on a workspace."""
     from kdlib.cuda import attention as cu
 
-    ws = cu.make_workspace(len(x["lens"]), x["q"].shape[1], h)
-
-    def call(pt):
-        return cu.tree_verify_attention(x["q"], pool, pt, x["lens_t"], x["tkv"], x["vis"], x["sizes_t"],
-                                        x["scale"], validate=False, workspace=ws)
-
+    call = attention.verify_call(x, pool, cu.make_workspace(len(x["lens"]), x["q"].shape[1], h))
     call(tables[0])
     return [lambda pt=pt: call(pt) for pt in tables]
 
@@ -129,8 +124,8 @@ def _profiled(launches, iters: int) -> dict:
 
 
 def padded_flops(heads: int, queries: int, lens: list[int]) -> float:
-    """FLOPs of the prefix as the wgmma kernels execute it: H x Q rows rounded up to jobs of BM rows."""
-    rows = math.ceil(heads * queries / BM) * BM
+    """FLOPs of the prefix as the wgmma kernels execute it: H x Q rows rounded up to jobs of ROW_BLOCK."""
+    rows = math.ceil(heads * queries / ROW_BLOCK) * ROW_BLOCK
     return sum(2.0 * rows * s * (attention.D_QK + attention.D_V) for s in lens)
 
 
