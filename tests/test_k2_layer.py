@@ -61,11 +61,16 @@ def test_rank_work_totals_are_the_layers_summed():
     assert w["dense_first"]["bytes"] > w["dense"]["bytes"]  # the dense MLP is 9x the shared expert's slice
 
 
-def test_layer_config_keeps_the_dense_first_layer_and_one_moe_layer():
+def test_layer_config_keeps_the_dense_first_layer_and_the_moe_layers_each_piece_runs():
     d = k2_layer.layer_config(memory.load_config("kimi-k2.6"))
     cfg = ModelConfig.from_dict(d)
-    assert cfg.num_hidden_layers == cfg.first_k_dense_replace + 1 == 2
+    assert cfg.num_hidden_layers == cfg.first_k_dense_replace + k2_layer.LAYERS == 9
     assert memory.load_config("kimi-k2.6")["text_config"]["num_hidden_layers"] == 61  # not changed in place
+    ls = k2_layer.layers_of(cfg)
+    moe = tuple(range(1, 9))
+    assert ls == {"dense_first": (0,) * 8, "dense": moe, "attention": moe, "moe": moe}
+    assert [k2_layer.calls(ls.get(p)) for p in ("dense_first", "moe", "head", "draft")] == [8, 8, 1, 1]
+    assert ModelConfig.from_dict(k2_layer.layer_config(d, moe_layers=1)).num_hidden_layers == 2
 
 
 @pytest.mark.parametrize("budget", [None, 8])
@@ -82,8 +87,15 @@ def test_suite_pieces_and_rows_on_the_cpu(budget):
     want = k2_layer.wanted(st, set(), set())
     assert set(want) <= set(fns)
     assert ("draft" in want) == ("tree" in want) == bool(budget) and "commit" in want
+    layers = k2_layer.layers_of(cfg)
+    pool0 = st.pool.clone()
     for p in want:
         fns[p]()
+    assert torch.equal(st.pool, pool0)  # the attention piece rewrote the rows the step wrote, no others
+    seen, attend = [], st.attention
+    st.attention = lambda i, *a: (seen.append(i), attend(i, *a))[1]
+    fns["attention"]()
+    assert seen == list(layers["attention"]) == list(range(1, cfg.num_hidden_layers))  # every MoE layer's
     v0, v1 = m.shape.vocab_range
     want_head = m.head_local(m.embed_rows(st.tokens.reshape(-1))).view(2, st.W, -1).argmax(-1) + v0
     assert torch.equal(st.argmax, want_head) and int(st.overflow) == 0  # the head of the embedded rows
@@ -100,7 +112,9 @@ def test_suite_pieces_and_rows_on_the_cpu(budget):
         assert (r["bytes"], r["flops"]) == (w["bytes"], w["flops"])
         assert r["floor"] == floor_ms(w["bytes"], w["flops"], bandwidth_Bps=CEIL["copy_bandwidth_Bps"],
                                       flop_rate=CEIL["bf16_matmul_flops"])
-        assert r["layer"] == k2_layer.LAYER_OF.get(r["piece"]) and r["m_rows"] == 2 * st.W
+        ls = layers.get(r["piece"])
+        assert r["layers"] == (None if ls is None else list(ls)) and r["m_rows"] == 2 * st.W
+        assert r["layers_per_graph"] == (k2_layer.LAYERS if r["piece"] in layers else 1)
         assert r["method"] == ("ddtree" if budget else "ar") and r["budget"] == budget
 
 
@@ -119,12 +133,15 @@ def _kernels(p: str, m: int) -> float:
     return TRUE[p][3] if m == 1 else TRUE[p][4]
 
 
-def _synthetic_doc(spec: dict) -> dict:
-    """A k2_layer payload whose times are exactly overhead + kernels x kernel_s + bytes / (peak x mem_eff) +
-    FLOPs / (peak x comp_eff) (TRUE), at the k2_rank grid's points, bytes and FLOPs from rank_work at the real
-    shapes (`estimator_work`'s: the attention's as executed; the rows record piece_work's, as the suite
-    does)."""
-    cfg = ModelConfig.from_dict(memory.load_config("kimi-k2.6"))
+def _synthetic_doc(spec: dict, calls: int = k2_layer.LAYERS) -> dict:
+    """A k2_layer payload whose times per call are exactly overhead / calls in the graph + kernels x
+    kernel_s + bytes / (peak x mem_eff) + FLOPs / (peak x comp_eff) (TRUE), at the k2_rank grid's points,
+    bytes and FLOPs from rank_work at the real shapes (`estimator_work`'s: the attention's as executed; the
+    rows record piece_work's, as the suite does). calls: a layer's piece's calls in its graph; 1 writes the
+    rows of one layer a graph without `layers_per_graph`, as the files before it."""
+    full = memory.load_config("kimi-k2.6")
+    cfg = ModelConfig.from_dict(full)
+    per_layer = k2_layer.layers_of(ModelConfig.from_dict(k2_layer.layer_config(full)))
     shape = RankShape(cfg, tp=8)
     points, _ = k2_rank.grid(702_300, quick=False)
     rows = []
@@ -138,25 +155,28 @@ def _synthetic_doc(spec: dict) -> dict:
             ks, mem, comp, _, _ = TRUE[name]
             floor = max(w["bytes"] / spec["hbm_bandwidth_Bps"], w["flops"] / spec["bf16_dense_flops"])
             bw, fl = spec["hbm_bandwidth_Bps"], spec["bf16_dense_flops"]
-            t = (OVERHEAD_MS * 1e-3 + _kernels(name, c * W) * ks + done[piece]["bytes"] / (bw * mem)
+            n = calls if piece in per_layer else 1
+            t = (OVERHEAD_MS * 1e-3 / n + _kernels(name, c * W) * ks + done[piece]["bytes"] / (bw * mem)
                  + done[piece]["flops"] / (fl * comp))
-            rows.append({"piece": piece, "layer": k2_layer.LAYER_OF.get(piece), "context": ctx, "streams": c,
+            rows.append({"piece": piece, "context": ctx, "streams": c,
                          "rows_per_stream": W, "m_rows": c * W, "budget": b,
                          "method": "ddtree" if b else "ar",
                          "timing": {"median_ms": t * 1e3, "p10_ms": t * 1e3, "p90_ms": t * 1e3},
                          "median_ms": t * 1e3, "mode": "graph", "kernels": _kernels(name, c * W), **w,
-                         "floor": {"floor_ms": floor * 1e3}})
+                         "floor": {"floor_ms": floor * 1e3}} | ({"layers_per_graph": n} if calls > 1 else {}))
     return {"suite": "k2_layer", "schema": results.SCHEMA, "provenance": {}, "_path": "synthetic",
             "parameters": {"moe_mode": "tp", "tp": 8}, "graph_overhead": {"overhead_ms": OVERHEAD_MS},
             "rows": rows}
 
 
-def test_calibrate_rank_layer_recovers_known_terms():
+@pytest.mark.parametrize("calls", [k2_layer.LAYERS, 1])
+def test_calibrate_rank_layer_recovers_known_terms(calls):
     """Where a piece's kernels, bytes and FLOPs vary independently over the grid, the fit recovers the
     three terms; where they do not (the commit's bytes and FLOPs both grow with M, the tree's FLOPs are too
-    few to weigh), it still reproduces every row's time."""
+    few to weigh), it still reproduces every row's time. A layer's piece carries 1 / calls of the graph
+    overhead; files of one layer a graph (no layers_per_graph) the whole of it."""
     spec = hardware("h200")
-    doc = _synthetic_doc(spec)
+    doc = _synthetic_doc(spec, calls)
     terms = est.calibrate_rank_layer(est.Assumptions(), doc)
     assert set(terms.pieces) == set(TRUE)
     for p, (ks, mem, comp, k1, kn) in TRUE.items():
@@ -173,8 +193,8 @@ def test_calibrate_rank_layer_recovers_known_terms():
         t = terms.pieces[calibration.rank_piece(r, shape.cfg)]
         w = (rank_work.attention_executed(shape, r["streams"], r["rows_per_stream"], r["context"])
              if r["piece"] == "attention" else r)
-        fit = (OVERHEAD_MS * 1e-3 + r["kernels"] * t.kernel_s.value + w["bytes"] / (bw * t.mem_eff.value)
-               + w["flops"] / (fl * t.comp_eff.value))
+        fit = (OVERHEAD_MS * 1e-3 / r.get("layers_per_graph", 1) + r["kernels"] * t.kernel_s.value
+               + w["bytes"] / (bw * t.mem_eff.value) + w["flops"] / (fl * t.comp_eff.value))
         assert fit == pytest.approx(r["median_ms"] * 1e-3, rel=1e-4), (r["piece"], r["m_rows"], r["context"])
     assert terms.graph_overhead_s.value == pytest.approx(OVERHEAD_MS * 1e-3)
     assert [r["piece"] for r in terms.table()] == list(TRUE)
@@ -187,7 +207,7 @@ def test_calibrate_rank_layer_keeps_the_terms_physical():
     for r in doc["rows"]:
         if r["piece"] == "moe":
             floor = max(r["bytes"] / spec["hbm_bandwidth_Bps"], r["flops"] / spec["bf16_dense_flops"])
-            r["median_ms"] = (OVERHEAD_MS * 1e-3 + 0.5 * floor) * 1e3
+            r["median_ms"] = (OVERHEAD_MS * 1e-3 / r["layers_per_graph"] + 0.5 * floor) * 1e3
     t = est.calibrate_rank_layer(est.Assumptions(), doc).pieces["moe"]
     assert t.mem_eff.value == 1.0 and t.comp_eff.value == 1.0 and t.kernel_s.value >= 0
 
@@ -293,10 +313,13 @@ def test_gpu_pieces_capture_replay_and_profile():
     flush = k2_layer.timing.l2_flush()
     over = k2_layer.graph_overhead(flush, iters=5)
     assert over["kernels"] == 1 and over["replay_ms"] > 0
+    layers = k2_layer.layers_of(cfg)
     for p in k2_layer.wanted(st, set(), set()):
-        t = k2_layer.measure(fns[p], flush, iters=5)
+        n = k2_layer.calls(layers.get(p))
+        t = k2_layer.measure(fns[p], flush, iters=5, calls=n)
         assert t["mode"] == "graph", (p, t["graph_error"])
         assert t["median_ms"] > 0 and t["kernels"] >= 1 and t["device_ms"] > 0, p
+        assert t["replay_ms"] == pytest.approx(t["median_ms"] * n) == t["timing"]["median_ms"] * n
     rows = k2_layer.routing_rows(st, k2_layer.compiled_routing_torch(), flush, iters=5)
     assert [r["impl"] for r in rows] == ["kernel", "torch_compiled"]
     assert rows[0]["kernels"] == 1 and all(r["mode"] == "graph" and r["median_ms"] > 0 for r in rows)

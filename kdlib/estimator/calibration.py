@@ -532,10 +532,12 @@ def rank_piece(row: dict, cfg) -> str:
 
 
 def calibrate_rank_layer(a: Assumptions, doc: dict, *, gpu="h200") -> RankLayerTerms:
-    """The rank's per-piece terms from a recorded k2_layer suite (kdlib/perf/suites/k2_layer.py: one layer
-    of the rank, each piece timed alone as a CUDA-graph replay at the k2_rank grid's M and contexts).
+    """The rank's per-piece terms from a recorded k2_layer suite (kdlib/perf/suites/k2_layer.py: the rank's
+    layers, each piece timed alone as a CUDA-graph replay at the k2_rank grid's M and contexts, a layer's
+    piece over several layers in one graph, its rows per call).
 
-    Per piece (`rank_piece`), over its rows: time - the suite's graph overhead = kernels x kernel_s + bytes
+    Per piece (`rank_piece`), over its rows: time - the suite's graph overhead over the row's calls in its
+    graph (`layers_per_graph`; 1 where a file has none, the one-layer form) = kernels x kernel_s + bytes
     / (HBM peak x mem_eff) + FLOPs / (bf16 peak x comp_eff), the peaks of `gpu`'s spec (the row's bytes and
     FLOPs, `kdlib.perf.rank_work.piece_work`'s, but the attention's: what its kernels execute,
     `rank_work.attention_executed` at the row's shape, as `rank_step_time` evaluates it), fit by least
@@ -566,18 +568,21 @@ def calibrate_rank_layer(a: Assumptions, doc: dict, *, gpu="h200") -> RankLayerT
     for r in doc.get("rows") or []:
         by_piece.setdefault(rank_piece(r, shape.cfg), []).append(r)
     pieces = {}
+    def over_of(r):  # a row's share of its graph's replay overhead (none eager)
+        return over * (r["mode"] == "graph") / r.get("layers_per_graph", 1)
+
     for p in RANK_PIECES:
-        rows = [r for r in by_piece.get(p, []) if r["median_ms"] * 1e-3 > over * (r["mode"] == "graph")]
+        rows = [r for r in by_piece.get(p, []) if r["median_ms"] * 1e-3 > over_of(r)]
         if not rows:
             continue
-        ys = [r["median_ms"] * 1e-3 - over * (r["mode"] == "graph") for r in rows]
+        ys = [r["median_ms"] * 1e-3 - over_of(r) for r in rows]
         ks = [float(r["kernels"]) for r in rows]
         bf = [work(r) for r in rows]
         c0, c1, c2 = _fit_relative([ks, [b / bw for b, _ in bf], [f / fl for _, f in bf]], ys,
                                    [0.0, 1.0, 1.0])
-        fit = (f"k2_layer ({src}): least squares of the relative residuals of (time - graph overhead) = "
-               f"kernels x kernel_s + bytes / (peak x mem_eff) + FLOPs / (peak x comp_eff) over its "
-               f"{len(rows)} '{p}' rows, against the {spec.get('slug', gpu)} spec peaks")
+        fit = (f"k2_layer ({src}): least squares of the relative residuals of (time - its share of the "
+               f"graph overhead) = kernels x kernel_s + bytes / (peak x mem_eff) + FLOPs / (peak x comp_eff) "
+               f"over its {len(rows)} '{p}' rows, against the {spec.get('slug', gpu)} spec peaks")
         ms = sorted({int(r["m_rows"]) for r in rows})
         kernels = tuple((m, statistics.median(k for r, k in zip(rows, ks, strict=True) if r["m_rows"] == m))
                         for m in ms)

@@ -445,13 +445,14 @@ K2_LAYER_OP = "k2_layer_piece"
 def k2_layer_rows(doc: dict) -> tuple[Row, ...]:
     """Tidy rows of a k2_layer payload (kdlib/perf/suites/k2_layer.py): op 'k2_layer_piece', version None,
     variant the piece ('dense_first', 'dense', 'attention', 'moe', 'head', 'draft', 'tree', 'accept',
-    'commit'), mode 'graph' or 'eager' (a failed capture), shape {piece, layer, context, streams,
-    rows_per_stream, m_rows, budget, method}, the piece's bytes, FLOPs and floor. The kernels per call,
-    the device time and the graph overhead are not timings: read them from the payload rows
-    (`Recorded.doc`)."""
+    'commit'), mode 'graph' or 'eager' (a failed capture), shape {piece, layers_per_graph, context,
+    streams, rows_per_stream, m_rows, budget, method}, the piece's time, bytes, FLOPs and floor per call
+    (layers_per_graph 1 in files of one layer a graph). The kernels per call, the device time and the
+    graph overhead are not timings: read them from the payload rows (`Recorded.doc`)."""
     out = []
     for r in doc.get("rows") or []:
-        shape = {"piece": r["piece"], "layer": r["layer"], "context": int(r["context"]),
+        shape = {"piece": r["piece"], "layers_per_graph": int(r.get("layers_per_graph", 1)),
+                 "context": int(r["context"]),
                  "streams": int(r["streams"]), "rows_per_stream": int(r["rows_per_stream"]),
                  "m_rows": int(r["m_rows"]), "budget": None if r["budget"] is None else int(r["budget"]),
                  "method": r["method"]}

@@ -1,36 +1,43 @@
-"""GPU suite `k2_layer`: one layer of the Kimi-K2.6 TP8 rank (`kdlib.engine.rank`), each piece timed alone.
+"""GPU suite `k2_layer`: the layers of the Kimi-K2.6 TP8 rank (`kdlib.engine.rank`), each piece timed alone.
 
     python3 -m kdlib.perf.run --suite k2_layer --out $OUT [--quick]
     env: K2_LAYER_BUDGET_S (seconds for the points, default 150), K2_LAYER_MOE (tp | ep, default tp)
 
-The rank of the k2_rank suite cut to the dense first layer and one MoE layer (random weights on the
+The rank of the k2_rank suite cut to the dense first layer and LAYERS MoE layers (random weights on the
 device, `RankModel.compile_pieces` as the k2_rank grid, uniform routing: no slot is dropped). At every
 (context, streams C, budget) point of `kdlib.perf.suites.k2_rank.grid` (M = C x rows per stream, rows per
 stream 1 for AR, budget + 1 for DDTree) each piece is captured into its own CUDA graph and replayed, CUDA
 events around each replay, the L2 overwritten before each (`timing.l2_flush`: a layer's weights come cold
-inside a whole step), the median kept:
-  per layer  "dense_first" (layer 0: norms, MLA projections, dense MLP), "dense" (layer 1: norms, MLA
-             projections, shared expert), "attention" (layer 1: latent rows written, tree-verify MLA over
-             the context), "moe" (layer 1: router, device routing, `moe_w4a16`)
+inside a whole step), the median kept. A layer's piece runs in its graph once for each of LAYERS layers
+(`LAYERS_OF`: the MoE layers' own weights and latent cache; the dense first layer, the only one of its
+kind, LAYERS times), as the step runs it layer after layer, so that the replay's fixed cost and the flushed
+L2's write-back are shared by LAYERS calls as the step shares them by 61 (one layer a graph, the earlier
+form, over-predicted the steps at 128 tokens: notebook 03b section 8b sets the two side by side); a row is
+per call (replay / LAYERS):
+  per layer  "dense_first" (layer 0: norms, MLA projections, dense MLP), "dense" (norms, MLA projections,
+             shared expert), "attention" (latent rows written, tree-verify MLA over the context), "moe"
+             (router, device routing, `moe_w4a16`)
   per step   "head" (`RankStep.prologue` + embedding rows + `RankStep.head`), and the step's other parts
-             (`RankStep.parts`): "draft", "tree", "accept" (DDTree), "commit"
+             (`RankStep.parts`): "draft", "tree", "accept" (DDTree), "commit"; one call a graph
 A piece that depends only on M (dense_first, dense, moe, head) is timed at the first point of each M, tree /
 accept / commit at the first of each (C, rows per stream), attention and draft at every point.
 
 Sections of the payload:
-  parameters       config, tp, moe_mode, layers kept, accepted, p_top, iters, quick, budget_s, routing
+  parameters       config, tp, moe_mode, layers kept, layers_per_graph (LAYERS), accepted, p_top, iters,
+                   quick, budget_s, routing
   ceilings         the recorded copy bandwidth and bf16 matmul rate the floors use (k2_rank's)
   setup            weight generation and first-compile seconds, the drafter, pool slots
   graph_overhead   a one-kernel graph's replay (same timing) and its kernel's device time: what each
                    piece's timing carries beyond its kernels, once per replayed graph
-  rows             per piece and point: piece, layer (None for the step's), context, streams,
-                   rows_per_stream, m_rows, budget, method, timing, median_ms, mode ('graph' or 'eager' where
-                   the capture failed, with graph_error), kernels (per call, `kdlib.perf.profile`), device_ms,
-                   bytes, flops (`kdlib.perf.rank_work.piece_work`) and floor (bytes / copy bandwidth, FLOPs /
-                   matmul rate)
+  rows             per piece and point: piece, layers (the model layers its graph ran), layers_per_graph,
+                   context, streams, rows_per_stream, m_rows, budget, method, timing and median_ms (per
+                   call), replay_ms (the whole graph), mode ('graph' or 'eager' where the capture failed,
+                   with graph_error), kernels and device_ms (per call, `kdlib.perf.profile`), top_kernels
+                   (per replay), bytes, flops (per call, `kdlib.perf.rank_work.piece_work`) and floor
+                   (bytes / copy bandwidth, FLOPs / matmul rate)
   routing          per M: the MoE layer's slot sort alone (`device_routing`: the moe_routing_v1 kernel, one
                    launch) beside the torch counting sort it replaced (`routing_torch` under torch.compile,
-                   as the rank compiled it until then), timed as the pieces
+                   as the rank compiled it until then), timed as the pieces (one call a graph)
   moe_bound_overflows   MoE calls (eager and replayed) whose busiest expert exceeded the launch bound (0
                    under uniform routing)
   cut              the k2_rank grid points not measured (time budget; the pool cut of k2_rank.grid)
@@ -51,21 +58,34 @@ from kdlib.perf.timing import floor_ms
 
 M_PIECES = ("dense_first", "dense", "moe", "head")  # depend on M alone
 CW_PIECES = ("tree", "accept", "commit")  # depend on (C, rows per stream) alone
-LAYER_OF = {"dense_first": 0, "dense": 1, "attention": 1, "moe": 1}  # the piece's layer in the cut model
+LAYERS = 8  # MoE layers of the cut model: a layer's piece runs once for each in its graph
 ITERS = 20
 
 
-def layer_config(cfg_dict: dict) -> dict:
-    """The config with its layers cut to the dense first ones and one MoE layer."""
+def layer_config(cfg_dict: dict, moe_layers: int = LAYERS) -> dict:
+    """The config with its layers cut to the dense first ones and `moe_layers` MoE layers."""
     d = copy.deepcopy(cfg_dict)
     t = d.get("text_config", d)
-    t["num_hidden_layers"] = t["first_k_dense_replace"] + 1
+    t["num_hidden_layers"] = t["first_k_dense_replace"] + moe_layers
     return d
+
+
+def layers_of(cfg) -> dict[str, tuple[int, ...]]:
+    """{per-layer piece: the model layers its graph runs, in order} of a cut model (`layer_config`): the MoE
+    layers' pieces over every MoE layer, the first dense layer's as many times."""
+    moe = tuple(range(cfg.first_k_dense_replace, cfg.num_hidden_layers))
+    return {"dense_first": (0,) * len(moe), "dense": moe, "attention": moe, "moe": moe}
+
+
+def calls(layers: tuple[int, ...] | None) -> int:
+    """A piece's calls in its graph: its layers (`layers_of`), or one for a step's piece (None)."""
+    return 1 if layers is None else len(layers)
 
 
 def piece_fns(step) -> dict:
     """{piece: callable} of one RankStep of the cut model after `step.run(save=True)` (the saved per-layer
-    inputs feed the pieces, as in k2_rank's part-only forwards): LAYER_OF's layers, the head, the parts."""
+    inputs feed the pieces, as in k2_rank's part-only forwards): each per-layer piece over its layers
+    (`layers_of`), the head, the parts."""
     m = step.m
     cos, sin, slots = step.prologue()
 
@@ -79,17 +99,16 @@ def piece_fns(step) -> dict:
         step.prologue()
         step.head(m.embed_rows(step.tokens.reshape(-1)))
 
-    i_moe = LAYER_OF["moe"]
-    ids = None if step.route_ids is None else step.route_ids[i_moe]
-    fns = {
-        "dense_first": lambda: dense(LAYER_OF["dense_first"]),
-        "dense": lambda: dense(LAYER_OF["dense"]),
-        "attention": lambda: step.attention(LAYER_OF["attention"], step.q_saved[LAYER_OF["attention"]],
-                                            step.rows_saved[LAYER_OF["attention"]], slots),
-        "moe": lambda: m.routed(m.layers[i_moe], step.f_saved[i_moe], step.logits_saved[i_moe], step.bound,
-                                step.overflow, ids),
-        "head": head,
-    }
+    def attention(i):
+        step.attention(i, step.q_saved[i], step.rows_saved[i], slots)
+
+    def moe(i):
+        ids = None if step.route_ids is None else step.route_ids[i]
+        m.routed(m.layers[i], step.f_saved[i], step.logits_saved[i], step.bound, step.overflow, ids)
+
+    per_layer = {"dense_first": dense, "dense": dense, "attention": attention, "moe": moe}
+    fns = {p: lambda f=per_layer[p], ls=ls: [f(i) for i in ls] for p, ls in layers_of(m.shape.cfg).items()}
+    fns["head"] = head
     for p in step.parts():
         if p != "verify":
             fns[p] = lambda p=p: step.part(p)
@@ -118,11 +137,12 @@ def wanted(step, done_m: set, done_cw: set) -> list[str]:
     return out
 
 
-def measure(fn, flush, iters: int) -> dict:
+def measure(fn, flush, iters: int, calls: int = 1) -> dict:
     """One piece: captured (`timing.torch_graphs`, in a memory pool of its own, freed with the graph: a
     pool shared with graphs already freed fails the next capture inside torch's allocator), its replays
     timed with the L2 flushed before each, then profiled; eager calls where the capture fails (the error
-    kept)."""
+    kept). fn makes `calls` calls of the piece: the timing, median_ms, kernels and device_ms are per call,
+    replay_ms the whole of fn."""
     import torch
 
     try:
@@ -133,20 +153,24 @@ def measure(fn, flush, iters: int) -> dict:
         run, mode, err = fn, "eager", f"{type(e).__name__}: {e}"[:300]
     t = timing.cuda_time(run, warmup=2, iters=iters, between=flush)
     prof = profile.device_profile(run, steps=2, top=5)
-    return {"timing": t.as_dict(), "median_ms": t.median_ms, "mode": mode, "graph_error": err,
-            "kernels": prof["kernels_per_step"], "device_ms": prof["device_ms"],
-            "top_kernels": prof["top_kernels"]}
+    per_call = {k: v / calls if k.endswith("_ms") else v for k, v in t.as_dict().items()}
+    return {"timing": per_call, "median_ms": per_call["median_ms"], "replay_ms": t.median_ms, "mode": mode,
+            "graph_error": err, "kernels": prof["kernels_per_step"] / calls,
+            "device_ms": prof["device_ms"] / calls, "top_kernels": prof["top_kernels"]}
 
 
 def piece_rows(step, timed: dict, ceil: dict) -> list[dict]:
-    """The payload rows of one point: each timed piece with its work and floor (`rank_work.piece_work`)."""
+    """The payload rows of one point: each timed piece with its layers (`layers_of`; None for the step's
+    pieces), its work and floor per call (`rank_work.piece_work`)."""
     work = rank_work.piece_work(step.m.shape, step.d.ds if step.ddtree else None, step.C, step.W, step.ctx)
+    layers = layers_of(step.m.shape.cfg)
     out = []
     for p, t in timed.items():
         w = work[p]
-        out.append({"piece": p, "layer": LAYER_OF.get(p), "context": step.ctx, "streams": step.C,
-                    "rows_per_stream": step.W, "m_rows": step.M, "budget": step.budget or None,
-                    "method": "ddtree" if step.ddtree else "ar", **t, **w,
+        ls = layers.get(p)
+        out.append({"piece": p, "layers": None if ls is None else list(ls), "layers_per_graph": calls(ls),
+                    "context": step.ctx, "streams": step.C, "rows_per_stream": step.W, "m_rows": step.M,
+                    "budget": step.budget or None, "method": "ddtree" if step.ddtree else "ar", **t, **w,
                     "floor": floor_ms(w["bytes"], w["flops"], bandwidth_Bps=ceil["copy_bandwidth_Bps"],
                                       flop_rate=ceil["bf16_matmul_flops"])})
     return out
@@ -157,7 +181,7 @@ def routing_rows(step, baseline, flush, iters: int) -> list[dict]:
     (`device_routing` on CUDA) and "torch_compiled" (`baseline`: `compiled_routing_torch`)."""
     from kdlib.engine.int4 import device_routing
 
-    m, i = step.m, LAYER_OF["moe"]
+    m, i = step.m, layers_of(step.m.shape.cfg)["moe"][0]
     L = m.layers[i]
     ids = None if step.route_ids is None else step.route_ids[i]
     w, idx = m.route(L, step.logits_saved[i], ids)  # [M, k] each
@@ -213,7 +237,7 @@ def run(*, quick: bool = False, out: str | None = None, budget_s: float | None =
     shape = RankShape(cfg, tp=8, rank=0, moe_mode=moe_mode)
     ceil = k2_rank.ceilings()
     payload = {"parameters": {"config": name, "tp": 8, "rank": 0, "moe_mode": moe_mode,
-                              "layers": cfg.num_hidden_layers,
+                              "layers": cfg.num_hidden_layers, "layers_per_graph": LAYERS,
                               "first_k_dense_replace": cfg.first_k_dense_replace,
                               "accepted": k2_rank.ACCEPTED, "p_top": k2_rank.P_TOP, "iters": ITERS,
                               "quick": quick, "budget_s": budget_s, "routing": "uniform", "compiled": True},
@@ -242,6 +266,7 @@ def run(*, quick: bool = False, out: str | None = None, budget_s: float | None =
     payload["cut"] = cut
     save()
     baseline = compiled_routing_torch()
+    layers = layers_of(cfg)
     done_m, done_cw, overflow = set(), set(), 0
     start = time.perf_counter()
     for i, (ctx, c, b) in enumerate(points):
@@ -257,7 +282,8 @@ def run(*, quick: bool = False, out: str | None = None, budget_s: float | None =
         if "first_compile_s" not in payload["setup"]:
             payload["setup"]["first_compile_s"] = time.perf_counter() - t_p
         fns = piece_fns(step)
-        timed = {p: measure(fns[p], flush, ITERS) for p in wanted(step, done_m, done_cw)}
+        timed = {p: measure(fns[p], flush, ITERS, calls(layers.get(p)))
+                 for p in wanted(step, done_m, done_cw)}
         if step.M not in done_m:
             payload["routing"] += routing_rows(step, baseline, flush, ITERS)
             print("[k2_layer] routing M " + f"{step.M}: " + ", ".join(
