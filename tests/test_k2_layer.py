@@ -13,10 +13,12 @@ from test_k2_rank import small_config
 
 from kdlib import estimator as est
 from kdlib import memory
+from kdlib.cuda.attention import plan_v5
 from kdlib.engine.config import ModelConfig
 from kdlib.engine.rank import DFLASH_KIMI, DraftShape, RankDrafter, RankModel, RankShape, RankStep
 from kdlib.estimator import calibration
 from kdlib.estimator.model import allreduce_s, hardware
+from kdlib.estimator.params import ATTENTION_PLAN_TERMS
 from kdlib.perf import rank_work, results
 from kdlib.perf.suites import k2_layer, k2_rank
 from kdlib.perf.timing import floor_ms
@@ -226,6 +228,66 @@ def test_attention_executed_counts_the_plans_padded_jobs_and_tiles():
     assert rank_work.attention_executed(shape, 1, 1, 5500)["flops"] > 7 * useful
     assert rank_work.estimator_work(shape, None, 1, 1, 5500)["attention"] == rank_work.attention_executed(
         shape, 1, 1, 5500)
+
+
+def test_attention_plan_lays_the_jobs_over_the_ctas():
+    """The plan's jobs dealt to the CTAs round-robin: their tiles sum to the executed tiles, the busiest CTA
+    holds at least the mean and at most one round more; one long AR stream's chunks spread over every CTA;
+    tiny work leaves most CTAs idle."""
+    shape = RankShape(ModelConfig.from_dict(memory.load_config("kimi-k2.6")), tp=8)
+    for C, W, ctx in ((1, 1, 200_000), (4, 65, 128_000), (16, 9, 5_500), (10, 1, 128)):
+        pl = rank_work.attention_plan(shape, C, W, ctx, 132)
+        plan = plan_v5([ctx] * C, [W] * C, ctx, W, shape.heads, 132)
+        e = plan[1:].reshape(C, -1)
+        tiles = sum(int(r[3]) * (-(-ctx // 64) + (-(-W // 64))) for r in e)  # every row block over every key
+        assert pl["jobs"] == plan[0] and pl["rows"] == C * W * 8
+        assert pl["latent_bytes"] == C * (ctx + W) * 576 * 2
+        longest = int(e[:, 2].max()) + 1  # a job's most tiles: a chunk and the tail
+        assert tiles / 132 <= pl["busiest_tiles"] <= tiles / 132 + pl["busiest_jobs"] * longest
+        assert pl["busiest_jobs"] <= -(-pl["jobs"] // 132)
+    one = rank_work.attention_plan(shape, 1, 1, 200_000, 132)
+    assert one["jobs"] > 100 and one["busiest_jobs"] == -(-one["jobs"] // 132)  # its chunks on ~every CTA
+    assert rank_work.attention_plan(shape, 1, 1, 128, 132)["jobs"] < 132
+
+
+def _plan_terms(fixed=8e-6, per=(2e-6, 3e-6, 1e-13, 4e-9, 5e-8)) -> est.AttentionPlanTerms:
+    src = "test"
+    return est.AttentionPlanTerms(gpu="h200", grid=132, fixed_s=est.Param(fixed, "s", src),
+                                  per={t: est.Param(v, "s", src) for t, v in zip(ATTENTION_PLAN_TERMS, per,
+                                                                                  strict=True)})
+
+
+def test_calibrate_rank_layer_fits_the_attention_plan_and_the_step_uses_it_on_that_gpu_only():
+    """Attention rows timed exactly as known plan terms (plus the overhead share): the fit recovers them;
+    rank_step_time takes 61 x the plan form on the H200 the rows came from, the peak-scaled piece on a B300;
+    a file without the SM count gets no plan terms."""
+    spec = hardware("h200")
+    shape = RankShape(ModelConfig.from_dict(memory.load_config("kimi-k2.6")), tp=8)
+    true = _plan_terms()
+    doc = _synthetic_doc(spec)
+    for r in doc["rows"]:
+        if r["piece"] == "attention":
+            pl = rank_work.attention_plan(shape, r["streams"], r["rows_per_stream"], r["context"], 132)
+            t = true.time(pl)
+            r["median_ms"] = (t + OVERHEAD_MS * 1e-3 / r["layers_per_graph"]) * 1e3
+    assert est.calibrate_rank_layer(est.Assumptions(), doc).attention_plan is None  # no sm_count
+    doc["provenance"] = {"sm_count": 132}
+    terms = est.calibrate_rank_layer(est.Assumptions(), doc)
+    fit = terms.attention_plan
+    assert (fit.gpu, fit.grid) == ("h200", 132)
+    assert fit.fixed_s.value == pytest.approx(true.fixed_s.value, rel=1e-4)
+    for k in ATTENTION_PLAN_TERMS:
+        assert fit.per[k].value == pytest.approx(true.per[k].value, rel=1e-4), k
+    for C, W, ctx in ((1, 1, 5500), (16, 65, 32_000)):
+        att = est.rank_step_time("h200", terms, C, W, ctx, W > 1)["attention"]
+        assert att == pytest.approx(61 * true.time(rank_work.attention_plan(shape, C, W, ctx, 132)), rel=1e-4)
+        pt, w = terms.pieces["attention"], rank_work.attention_executed(shape, C, W, ctx)
+        b3 = hardware("b300")
+        want = 61 * (pt.kernels_at(C * W) * pt.kernel_s.value
+                     + w["bytes"] / (b3["hbm_bandwidth_Bps"] * pt.mem_eff.value)
+                     + w["flops"] / (b3["bf16_dense_flops"] * pt.comp_eff.value))
+        b300 = est.rank_step_time("b300", terms, C, W, ctx, W > 1)["attention"]
+        assert b300 == pytest.approx(want, rel=1e-12)
 
 
 def test_rank_step_time_is_61_layers_of_the_pieces():

@@ -47,10 +47,19 @@ from kdlib.estimator.model import (
     step_time,
     touched_experts,
 )
-from kdlib.estimator.params import SHAPE_CONFIG, Assumptions, ModelShape, Param, RankLayerTerms, Scenario
+from kdlib.estimator.params import (
+    SHAPE_CONFIG,
+    Assumptions,
+    AttentionPlanTerms,
+    ModelShape,
+    Param,
+    RankLayerTerms,
+    Scenario,
+)
 
 __all__ = [
-    "COMPONENTS", "SHAPE_CONFIG", "Assumptions", "ModelShape", "Param", "RankLayerTerms", "Scenario",
+    "COMPONENTS", "SHAPE_CONFIG", "AttentionPlanTerms", "Assumptions", "ModelShape", "Param",
+    "RankLayerTerms", "Scenario",
     "calibrate", "calibrate_rank_layer", "cli", "engine_rows", "hardware", "knee_m", "load_results",
     "model_seed_rows", "moe_curve", "moe_layer", "project", "rank_step_time", "seed_scenarios", "seeds",
     "seeds_stack", "sensitivity", "step_time", "touched_experts", "validate", "validate_batch",

@@ -19,9 +19,11 @@ import statistics
 
 from kdlib.estimator.model import hardware, step_time
 from kdlib.estimator.params import (
+    ATTENTION_PLAN_TERMS,
     RANK_PIECES,
     SHAPE_CONFIG,
     Assumptions,
+    AttentionPlanTerms,
     ModelShape,
     Param,
     PieceTerms,
@@ -543,8 +545,10 @@ def calibrate_rank_layer(a: Assumptions, doc: dict, *, gpu="h200") -> RankLayerT
     `rank_work.attention_executed` at the row's shape, as `rank_step_time` evaluates it), fit by least
     squares of the relative residuals (`_fit_relative`: kernel_s >= 0, both efficiencies <= 1: no piece
     beats a peak); the kernels per call at each M are the median of the piece's rows at that M (the
-    profile). `a` (calibrated on the component suites: the all-reduce) is kept for the rest. The rank's
-    step is `kdlib.estimator.model.rank_step_time`."""
+    profile). `a` (calibrated on the component suites: the all-reduce) is kept for the rest. The attention
+    also gets its plan-form terms on this GPU (`AttentionPlanTerms`, `_fit_attention_plan`): one set of
+    efficiencies cannot follow a plan whose jobs fill the SMs at one shape and a few of them at another. The
+    rank's step is `kdlib.estimator.model.rank_step_time`."""
     from kdlib import memory
     from kdlib.engine.config import ModelConfig
     from kdlib.engine.rank import RankShape
@@ -594,7 +598,31 @@ def calibrate_rank_layer(a: Assumptions, doc: dict, *, gpu="h200") -> RankLayerT
     return RankLayerTerms(
         pieces=pieces, moe_mode=doc["parameters"]["moe_mode"], a=a, tp=int(doc["parameters"]["tp"]),
         graph_overhead_s=Param(over, "s per graph replay",
-                               f"one-kernel graph replay minus its kernel's device time ({src})"))
+                               f"one-kernel graph replay minus its kernel's device time ({src})"),
+        attention_plan=_fit_attention_plan(
+            shape, [(r, r["median_ms"] * 1e-3 - over_of(r)) for r in by_piece.get("attention", [])],
+            doc.get("provenance", {}).get("sm_count"), spec.get("slug", gpu), src))
+
+
+def _fit_attention_plan(shape, rows: list[tuple[dict, float]], grid, gpu: str, src: str):
+    """`AttentionPlanTerms` from k2_layer's attention rows (row, seconds less its share of the graph
+    overhead), by least squares of the relative residuals, every term >= 0; None without the SM count the
+    plan needs or with fewer rows than terms."""
+    from kdlib.perf import rank_work
+
+    rows = [(r, y) for r, y in rows if y > 0]
+    if not grid or len(rows) <= len(ATTENTION_PLAN_TERMS) + 1:
+        return None
+    plans = [rank_work.attention_plan(shape, r["streams"], r["rows_per_stream"], r["context"], int(grid))
+             for r, _ in rows]
+    xs = [[1.0] * len(plans)] + [[float(pl[t]) for pl in plans] for t in ATTENTION_PLAN_TERMS]
+    c = _fit_relative(xs, [y for _, y in rows], [0.0] * len(xs))
+    fit = (f"k2_layer ({src}): least squares of the relative residuals of its {len(rows)} attention rows "
+           f"(time - its share of the graph overhead) against the plan's work at {grid} CTAs "
+           f"(rank_work.attention_plan), every term >= 0")
+    return AttentionPlanTerms(gpu=gpu, grid=int(grid), fixed_s=Param(c[0], "s per layer", fit),
+                              per={t: Param(v, f"s per {t}", fit)
+                                   for t, v in zip(ATTENTION_PLAN_TERMS, c[1:], strict=True)})
 
 
 def validate_rank(terms: RankLayerTerms, doc: dict, *, gpu="h200") -> list[dict]:

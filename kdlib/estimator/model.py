@@ -134,7 +134,8 @@ def rank_step_time(gpu, terms: RankLayerTerms, streams: int, rows_per_stream: in
     bytes / (peak x mem_eff) + FLOPs / (peak x comp_eff) (`PieceTerms`, bytes and FLOPs from
     `kdlib.perf.rank_work.estimator_work` at these shapes: the attention's as its plan executes it), one graph
     replay's overhead, and the step's all-reduces (`kdlib.engine.rank.step_allreduces`, each `allreduce_s`
-    from `terms.a`).
+    from `terms.a`). On the GPU the terms were timed on, the attention follows its plan instead
+    (`terms.attention_plan`, `AttentionPlanTerms`).
 
     drafter: the DDTree rows' `DraftShape` (None: DFLASH_KIMI); config: a shipped config name.
     Returns {dense, attention, moe (the step's, k2_rank's pieces), head, draft, tree, accept, commit,
@@ -154,6 +155,7 @@ def rank_step_time(gpu, terms: RankLayerTerms, streams: int, rows_per_stream: in
     M = C * W
     work = rank_work.estimator_work(shape, ds, C, W, context)
     t, kern = {}, {}
+    plan = terms.attention_plan
     for p, w in work.items():
         name = "commit_ar" if p == "commit" and not ddtree else moe_piece(cfg, M) if p == "moe" else p
         if name not in terms.pieces:
@@ -161,6 +163,9 @@ def rank_step_time(gpu, terms: RankLayerTerms, streams: int, rows_per_stream: in
                              f"{sorted(terms.pieces)})")
         pt = terms.pieces[name]
         kern[p] = pt.kernels_at(M)
+        if p == "attention" and plan is not None and plan.gpu == spec.get("slug", gpu):
+            t[p] = plan.time(rank_work.attention_plan(shape, C, W, context, plan.grid))
+            continue
         t[p] = (kern[p] * pt.kernel_s.value + w["bytes"] / (bw * pt.mem_eff.value)
                 + w["flops"] / (fl * pt.comp_eff.value))
     L, n_dense = cfg.num_hidden_layers, cfg.first_k_dense_replace

@@ -311,18 +311,41 @@ class PieceTerms:
         return min(self.kernels, key=lambda mk: abs(math.log(mk[0]) - math.log(m)))[1]
 
 
+# AttentionPlanTerms' regressors (`kdlib.perf.rank_work.attention_plan`'s keys), a Param of seconds each
+ATTENTION_PLAN_TERMS = ("busiest_tiles", "busiest_jobs", "latent_bytes", "rows", "jobs")
+
+
+@dataclass(frozen=True)
+class AttentionPlanTerms:
+    """The rank's tree-verify attention on the GPU it was timed on, from the work its plan lays out over the
+    CTAs (`kdlib.perf.rank_work.attention_plan` at `grid` CTAs): time = fixed_s + per[t] x plan[t] summed over
+    ATTENTION_PLAN_TERMS: the busiest CTA's key tiles and jobs (the attend kernel's critical path), the latent
+    bytes read, the query rows (the combine's) and all jobs. Seconds of that GPU (`gpu`): on another one the
+    rank's step takes the peak-scaled `PieceTerms` of the attention instead."""
+
+    gpu: str
+    grid: int
+    fixed_s: Param
+    per: dict  # {ATTENTION_PLAN_TERMS name: Param, seconds per unit}
+
+    def time(self, plan: dict) -> float:
+        return self.fixed_s.value + sum(self.per[t].value * plan[t] for t in ATTENTION_PLAN_TERMS)
+
+
 @dataclass(frozen=True)
 class RankLayerTerms:
     """The rank's step terms from a suite that times one layer's pieces (`calibrate_rank_layer`): a
     `PieceTerms` per piece of RANK_PIECES the suite measured, the cost of one graph replay beyond its
-    kernels (a whole step pays it once), the rank's MoE mode and TP degree, and `a` for everything else
-    (the all-reduce)."""
+    kernels (a whole step pays it once), the rank's MoE mode and TP degree, `a` for everything else
+    (the all-reduce), and the attention's plan-form terms on the timed GPU (`AttentionPlanTerms`; None:
+    the attention's `PieceTerms` everywhere)."""
 
     pieces: dict
     graph_overhead_s: Param
     moe_mode: str
     a: Assumptions
     tp: int = 8
+    attention_plan: AttentionPlanTerms | None = None
 
     def table(self) -> list[dict]:
         """One row per piece: kernel_s, mem_eff, comp_eff, the fit's source, the kernels per call's range."""

@@ -13,11 +13,14 @@ with a drafter "draft", "tree", "accept". Every weight read once, activations co
 the tensors `RankModel` and `RankDrafter` allocate (tests/test_k2_layer.py checks it). No tensor is made:
 the estimator calls this. `estimator_work` is the same but for the attention, whose work there is what its
 kernels execute (`attention_executed`: the plan's padded jobs and tiles) rather than the useful work the
-floors count.
+floors count; `attention_plan` is that work as the plan lays it out over the GPU's CTAs.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
+from kdlib.cuda.attention import plan_v5
 from kdlib.cuda.moe import layer_bytes_flops
 from kdlib.estimator.model import touched_experts
 from kdlib.tp.engine import partition
@@ -116,6 +119,28 @@ def attention_executed(shape, streams: int, rows_per_stream: int, context: int) 
     tiles = jobs * -(-(context + rows_per_stream) // KEY_TILE)
     return _work(jobs * ROW_BLOCK * (c.latent_dim * BF16 + c.kv_lora_rank * 4),
                  2.0 * tiles * ROW_BLOCK * KEY_TILE * (c.latent_dim + c.kv_lora_rank))
+
+
+def attention_plan(shape, streams: int, rows_per_stream: int, context: int, grid: int) -> dict:
+    """One layer's tree-verify attention as its plan (`kdlib.cuda.attention.plan_v5`, the default version's)
+    lays it out over `grid` CTAs, each CTA taking jobs cta, cta + grid, ...: jobs (all), busiest_tiles and
+    busiest_jobs (the key tiles and jobs of the CTA with the most tiles, ties to the most jobs: the attend
+    kernel's critical path), latent_bytes (every stream's context and tree rows read once) and rows (query
+    rows: the combine's). Each stream: `context` prefix keys, `rows_per_stream` tree rows."""
+    C, W, ctx = streams, rows_per_stream, context
+    plan = plan_v5([ctx] * C, [W] * C, max(ctx, 1), W, shape.heads, grid)
+    tiles, jobs = np.zeros(grid, dtype=np.int64), np.zeros(grid, dtype=np.int64)  # [grid] each
+    for e in plan[1:].reshape(C, -1):
+        base, chunks, chunk_tiles, blocks, length = (int(v) for v in e[:5])
+        prefix = -(-length // KEY_TILE)
+        for ch in range(chunks):
+            n = max(0, min(chunk_tiles, prefix - ch * chunk_tiles)) + (-(-W // KEY_TILE) if ch == 0 else 0)
+            cta = (base + ch * blocks + np.arange(blocks)) % grid  # [blocks]
+            np.add.at(tiles, cta, n)
+            np.add.at(jobs, cta, 1)
+    busiest = max(range(grid), key=lambda i: (tiles[i], jobs[i]))
+    return {"jobs": int(plan[0]), "busiest_tiles": int(tiles[busiest]), "busiest_jobs": int(jobs[busiest]),
+            "latent_bytes": C * (ctx + W) * shape.cfg.latent_dim * BF16, "rows": C * W * shape.heads}
 
 
 def estimator_work(shape, ds, streams: int, rows_per_stream: int, context: int) -> dict:
