@@ -3,19 +3,19 @@
     python3 tools/sanitize_attention.py run --json CASES.json        # the driver (under a sanitizer)
     python3 tools/sanitize_attention.py summarize DIR                # DIR/<tool>.log + DIR/<tool>.json
 
-`run` makes bf16 problems (Kimi-K2 rows: 576 wide, page_size 1, scattered slots, random trees) and
-calls `kdlib.cuda.attention` on them: version 5 ("wgmma") at 8 heads x 9 and x 65 queries over a
-1,000-token prefix, the prefix alone, a call on a preallocated workspace, a ragged batch of 3
-(prefixes 1,000 / 0 / 357, trees of 1 / 33 / 65 rows); one version 3 ("mma_v3") call on the ragged
-batch; version 6 ("wgmma_v6", the bf16 default) and version 7 ("wgmma_v7") each on the workspace
-call, the ragged batch and a prefix alone at 8 x 9. KDLIB_SANITIZE_CASES (a comma list of name
-prefixes, e.g. "v7") keeps some of them. Each output is compared with `kdlib.ref.attention` on the
-same bf16 values (norm-relative error <= 1e-2, lse within 2e-3, padding rows NaN), so a clean
-sanitizer run is also a correct one. The kernels a case covers are those the wrapper fetched from
-`kdlib.cuda.loader` while it ran (each is fetched right before its launch). CuPy's memory pool is
-off (`--pool` keeps it), so every array is its own allocation and memcheck sees an out-of-bounds
-access at its first byte; set PYTORCH_NO_CUDA_MEMORY_CACHING=1 for the torch inputs
-(tools/sanitize_gpu.sh does).
+`run` makes bf16 problems (Kimi-K2 rows: 576 wide, page_size 1, scattered slots, random trees) and calls
+`kdlib.cuda.attention` on them: version 5 ("wgmma") at 8 heads x 9 and x 65 queries over a 1,000-token
+prefix, the prefix alone, a call on a preallocated workspace, a ragged batch of 3 (prefixes 1,000 / 0 /
+357, trees of 1 / 33 / 65 rows); one version 3 ("mma_v3") call on the ragged batch; versions 6
+("wgmma_v6"), 7 ("wgmma_v7") and 8 ("wgmma_v8", the bf16 default) each on the workspace call, the ragged
+batch and a prefix alone at 8 x 9; version 8 also where its combine takes 8 and 32 warps a row (8 x 1
+over 5,000 keys for 3 requests, over 20,000 for one). KDLIB_SANITIZE_CASES (a comma list of name
+prefixes, e.g. "v7") keeps some of them. Each output is compared with `kdlib.ref.attention` on the same
+bf16 values (norm-relative error <= 1e-2, lse within 2e-3, padding rows NaN), so a clean sanitizer run is
+also a correct one. The kernels a case covers are those the wrapper fetched from `kdlib.cuda.loader`
+while it ran (each is fetched right before its launch). CuPy's memory pool is off (`--pool` keeps it), so
+every array is its own allocation and memcheck sees an out-of-bounds access at its first byte; set
+PYTORCH_NO_CUDA_MEMORY_CACHING=1 for the torch inputs (tools/sanitize_gpu.sh does).
 
 `summarize` reads the compute-sanitizer logs and the driver's case files a run of
 tools/sanitize_gpu.sh left in DIR and writes DIR/sanitize.json: per tool its exit code, the
@@ -121,7 +121,7 @@ def cases(only: str = "") -> list[dict]:
         {"name": "v5 verify ragged B3", "shape": ragged, "version": 5, "call": "verify", "workspace": False},
         {"name": "v3 verify ragged B3", "shape": ragged, "version": 3, "call": "verify", "workspace": False},
     ]
-    for v in (6, 7):  # the seesaw versions: the workspace call, the ragged batch, a prefix alone
+    for v in (6, 7, 8):  # the seesaw versions: the workspace call, the ragged batch, a prefix alone
         every += [
             {"name": f"v{v} verify 8x65x1000 (workspace)",
              "shape": {"nh": 8, "nq": 65, "lens": [1000], "sizes": [65]},
@@ -131,6 +131,16 @@ def cases(only: str = "") -> list[dict]:
             {"name": f"v{v} prefix 8x9x1000", "shape": {"nh": 8, "nq": 9, "lens": [1000], "sizes": [9]},
              "version": v, "call": "prefix", "workspace": False},
         ]
+    # version 8's wider combines (`v8_combine_warps`; the calls above take 4 warps): 8 warps where 3 requests
+    # of one query share the SMs' jobs, 32 where one request has them all
+    every += [
+        {"name": "v8 verify 8x1x5000 B3 (combine 8 warps)",
+         "shape": {"nh": 8, "nq": 1, "lens": [5000, 5000, 5000], "sizes": [1, 1, 1]},
+         "version": 8, "call": "verify", "workspace": False},
+        {"name": "v8 verify 8x1x20000 (combine 32 warps)",
+         "shape": {"nh": 8, "nq": 1, "lens": [20000], "sizes": [1]},
+         "version": 8, "call": "verify", "workspace": False},
+    ]
     return [c for c in every if not keep or c["name"].startswith(keep)]
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # compute-sanitizer over the tree-verify attention kernels (issue 19: memcheck and racecheck clean), on
-# the H200: memcheck, racecheck and synccheck, each over tools/sanitize_attention.py (versions 5, 6 and 7,
+# the H200: memcheck, racecheck and synccheck, each over tools/sanitize_attention.py (versions 5 to 8,
 # the wgmma kernels, at 8 heads x 9 and x 65 queries over a 1,000-token prefix, the prefix alone, a
 # workspace call and a ragged batch of 3 with trees of 1 to 65 rows; one version 3 call; every output
 # checked against the float64 reference). Run from the repo root:
