@@ -375,6 +375,67 @@ def test_v5_register_fragments():
                     assert (rows[tid, 4 * jj + 2 * e + h], cols[tid, 4 * jj + 2 * e + h]) == want
 
 
+def test_v9_options_follow_the_last_row_block():
+    """Version 9's build per call shape: TV9_NR = the last row block's rows rounded up to 8, TV9_FULL =
+    whether full 64-row blocks come before it; None (version 8 runs) where NR would pass the spill bound."""
+    from kdlib.cuda import attention as cu
+
+    def nr_full(rows):
+        opts = cu.v9_options(rows)
+        return None if opts is None else (int(opts[0].split("=")[1]), int(opts[1].split("=")[1]))
+
+    assert nr_full(8) == (8, 0) and nr_full(1) == (8, 0) and nr_full(56) == (56, 0)  # 8 x 1, 1 x 1, 8 x 7
+    assert nr_full(57) is None and nr_full(64) is None  # one whole block: v8's
+    assert nr_full(72) == nr_full(520) == (8, 1) and nr_full(1040) == (16, 1)  # 8 x 9, 8 x 65; 16 x 65
+    assert nr_full(88) is None and nr_full(4160) is None  # 8 x 11: a last block of 24; 64 x 65: whole blocks
+    for rows in range(1, 700):
+        got = nr_full(rows)
+        last = rows - 64 * ((rows - 1) // 64)
+        if got is not None:
+            assert got[0] % 8 == 0 and last <= got[0] < last + 8 and got[1] == (rows > 64)
+
+
+def test_v9_shared_memory_layouts_give_the_transposed_products_their_operands():
+    """v9 for N = 8 .. 56 rows: Q as S^T's B operand (K-major, N rows), P^T stored from the S^T accumulator
+    (thread tid, s[i]: key 16 w + 8 h + g, row 8 jj + 2 t4 + e) by store_pt's addresses into the rope block,
+    read back as the K-major B operand of O^T += V^T P^T (every byte once), V^T as the MN-major A operand
+    (one 64-dim block, 16 keys a step), and the job's output writes (dim 64 mb + 16 w + g + 8 h) covering
+    O^T once."""
+    rng = np.random.default_rng(9)
+    q = rng.integers(0, 2**16, size=(64, 576), dtype=np.uint16)
+    k = rng.integers(0, 2**16, size=(64, 576), dtype=np.uint16)
+    qs, ks = 0, 73728
+    smem = np.zeros(3 * 73728 // 2, dtype=np.uint16)
+    _v5_write_tile(smem, qs, q)
+    _v5_write_tile(smem, ks, k)
+    rope = ks + 8 * 8192
+    for n in range(8, 64, 8):
+        for step in range(36):  # S^T = K Q^T: A = K (64 keys), B = Q (n rows), off as v7's
+            off = (step >> 2) * 8192 + (step & 3) * 32
+            np.testing.assert_array_equal(_kmajor(smem, qs + off, n), q[:n, 16 * step:16 * step + 16])
+        keys, rows = _acc_layout(n)  # s[i] of thread tid is S^T[keys, rows]
+        pt = rng.integers(0, 2**16, size=(n, 64), dtype=np.uint16)  # P^T [rows, keys]
+        stored = np.zeros(n * 128, dtype=np.int32)
+        written = np.zeros((512, n), dtype=np.int32)
+        for tid in range(128):
+            warp, g, t4 = tid // 32, (tid % 32) // 4, tid % 4
+            for i in range(n // 2):
+                jj, h, ln = i >> 2, (i >> 1) & 1, 2 * t4 + (i & 1)
+                assert (keys[tid, i], rows[tid, i]) == (16 * warp + 8 * h + g, 8 * jj + ln)
+                a = rope + jj * 1024 + ln * 128 + (((2 * warp + h) ^ ln) << 4) + 2 * g
+                smem[a // 2] = pt[rows[tid, i], keys[tid, i]]
+                stored[a - rope:a - rope + 2] += 1
+                for c in range(2):
+                    for mb in range(4):  # consumer c, o[mb n / 2 + i]: dim 256 c + 64 mb + 16 w + g + 8 h
+                        written[256 * c + 64 * mb + 16 * warp + g + 8 * h, rows[tid, i]] += 1
+        assert (stored == 1).all() and (written == 1).all()
+        for step in range(4):  # O^T += V^T P^T: B = P^T (K-major), A = V^T (MN-major, one 64-dim block)
+            np.testing.assert_array_equal(_kmajor(smem, rope + step * 32, n), pt[:, 16 * step:16 * step + 16])
+            for cb in range(8):
+                v = _mnmajor(smem, ks + cb * 8192 + step * 2048, 8192, 64)
+                np.testing.assert_array_equal(v, k[16 * step:16 * step + 16, 64 * cb:64 * cb + 64])
+
+
 class _Bar:
     """An mbarrier: `count` arrivals complete a phase; wait(parity) passes once (phases & 1) != parity."""
 
@@ -738,7 +799,7 @@ def _run_random(seed0, n_cases, dtype, impls, rtol, lse_atol, **case_kw):
 
 
 def _mma_impls():
-    """Every tensor-core version the device runs (the mma.sync ones, and "wgmma" ... "wgmma_v8" on sm_90), or
+    """Every tensor-core version the device runs (the mma.sync ones, and "wgmma" ... "wgmma_v9" on sm_90), or
     the comma list in $KDLIB_TEST_MMA (e.g. 'mma_v3,wgmma')."""
     from kdlib.cuda.attention import LAUNCHES, MMA_VERSIONS, WGMMA_VERSIONS, wgmma_available
 
@@ -890,8 +951,8 @@ def _torch_reference(q, kv, page, lens, tkv, vis, sizes, scale):
     return torch.stack(outs), torch.stack(lses)
 
 
-LONG_PREFIX_RUNS = [("bfloat16", i)
-                    for i in ("mma_v2", "mma_v3", "mma_v4", "wgmma", "wgmma_v6", "wgmma_v7", "wgmma_v8")]
+LONG_PREFIX_RUNS = [("bfloat16", i) for i in ("mma_v2", "mma_v3", "mma_v4", "wgmma", "wgmma_v6", "wgmma_v7",
+                                               "wgmma_v8", "wgmma_v9")]
 
 
 @pytest.mark.gpu
@@ -1020,7 +1081,7 @@ def test_wgmma_plan_kernel_matches_numpy_mirror():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["wgmma", "wgmma_v6", "wgmma_v7", "wgmma_v8"])
+@pytest.mark.parametrize("impl", ["wgmma", "wgmma_v6", "wgmma_v7", "wgmma_v8", "wgmma_v9"])
 def test_wgmma_bit_reproducible_graph_captured_and_allocation_free(impl):
     """With a workspace: two eager calls agree bit for bit, a call allocates no memory, and the three
     launches captured in a CUDA graph replay to the same bits (ragged batch, several jobs per row)."""
@@ -1120,7 +1181,7 @@ def test_v8_combine_of_every_width_merges_v5s_partials_alike():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["wgmma", "wgmma_v7", "wgmma_v8"])
+@pytest.mark.parametrize("impl", ["wgmma", "wgmma_v7", "wgmma_v8", "wgmma_v9"])
 def test_wgmma_plan_ready_reads_the_previous_calls_plan(impl):
     """plan_ready=True (the later layers of one verify step): a call with new q, latent rows and cache on a
     workspace whose plan an earlier call of the same lens, sizes and width made gives the bits of a fresh
@@ -1190,7 +1251,7 @@ if __name__ == "__main__" and sys.argv[1:2] == ["sanitize"]:
 def test_version_vocabulary_and_the_deprecated_impl_names():
     from kdlib.cuda import attention as cu
 
-    assert cu.VERSIONS == (1, 2, 3, 4, 5, 6, 7, 8) and cu.WGMMA_VERSIONS == (5, 6, 7, 8)
+    assert cu.VERSIONS == (1, 2, 3, 4, 5, 6, 7, 8, 9) and cu.WGMMA_VERSIONS == (5, 6, 7, 8, 9)
     assert cu.LAUNCHES[cu.DEFAULT_VERSION].impl == cu.BF16_DEFAULT
     assert cu.IMPLS["mma"] == cu.IMPLS[cu.MMA_DEFAULT] and cu.IMPLS["auto"] is None
     assert {name: cu.LAUNCHES[cu.IMPLS[name]].stem for name in cu.MMA_VERSIONS} == {
@@ -1202,7 +1263,7 @@ def test_version_vocabulary_and_the_deprecated_impl_names():
     assert cu.LAUNCHES[cu.pick_version(None, "mma_v4", "bf16")].impl == "mma_v4"
     assert cu.LAUNCHES[cu.pick_version(None, "simple", "f32")].impl == "simple"
     for version, impl, kind, match in ((2, None, "f32", "bfloat16"), (None, "mma", "f32", "bfloat16"),
-                                       (9, None, "bf16", "version"), (True, None, "bf16", "version"),
+                                       (10, None, "bf16", "version"), (True, None, "bf16", "version"),
                                        (3, "mma", "bf16", "not both"), (None, "fast", "bf16", "impl")):
         with pytest.raises(ValueError, match=match):
             cu.pick_version(version, impl, kind)

@@ -296,3 +296,34 @@ def test_v7_racecheck_build_compiles_and_only_syncs(tmp_path):
         assert proc.returncode == 0, proc.stderr
         ptx[name] = out.read_text()
     assert "bar.arrive" in ptx["default"] and "bar.arrive" not in ptx["racecheck"]
+
+
+def _v9_option_sets() -> list[tuple[str, ...]]:
+    """Every (TV9_NR, TV9_FULL) the host asks for (kdlib.cuda.attention.v9_options over 1 .. 128 rows)."""
+    from kdlib.cuda import attention
+
+    return sorted({attention.v9_options(rows) for rows in range(1, 129)} - {None})
+
+
+@pytest.mark.skipif(_NVRTC is None, reason="nvidia-cuda-nvrtc is not installed (requirements.lock pins it)")
+def test_v9_every_row_count_compiles_without_spills_or_serialised_wgmma():
+    """tree_verify v9's attend kernel is built per call shape (-DTV9_NR, -DTV9_FULL): each instantiation the
+    host can load builds with NVRTC as the wrappers load it, with no spill, no stack frame and no wgmma
+    serialised by ptxas (its 'Potential Performance Loss' notes)."""
+    source = KERNELS / "tree_verify" / "wgmma_v9.cu"
+    sets = _v9_option_sets()
+    assert [o[0] for o in sets if o[1] == "-DTV9_FULL=1"] == ["-DTV9_NR=16", "-DTV9_NR=8"]
+    assert len(sets) == 2 + 7  # with full blocks NR 8, 16; without, 8 .. 56
+
+    def build(opts):
+        return _nvrtc_compile(source, [b"-arch=sm_90a", b"-arch=sm_90", b"--ptxas-options=-v",
+                                       *(o.encode() for o in opts)])
+
+    with cf.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        for opts, (rc, text) in zip(sets, pool.map(build, sets), strict=True):
+            assert rc == 0, f"{opts}: {text}"
+            assert "Potential Performance Loss" not in text, f"{opts}: {text}"
+            info = loader.parse_ptxas(text.replace("ptxas         .", "ptxas info    :"))
+            v9 = info["tree_verify_v9_attend"]
+            assert v9["spill_stores"] == 0 and v9["spill_loads"] == 0 and v9["stack"] == 0, (opts, v9)
+

@@ -38,7 +38,12 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     with a combine of 4 to 32 warps per row (`v8_combine_warps`), so that a row's many jobs (a long prefix
     over few rows) are merged with their loads in flight at once rather than four at a time; faster than 7
     where a row has many jobs (8 heads x 1 query x 200k), the same or within 1 % elsewhere
-    (data/results/attention.h200.json; `BF16_DEFAULT_TRADES`).
+    (data/results/attention.h200.json; `BF16_DEFAULT_TRADES`);
+  * 9 (`tree_verify/wgmma_v9.cu`, sm_90a only): v8's plan, workspace and combine around an attend kernel
+    that computes the transposed products ("swap-AB": the job's rows are the wgmma N, 8 to 56 of them, not
+    padded to its M of 64) for the jobs of few rows, v7's code for full 64-row blocks in the same kernel;
+    the rows are a compile-time constant per call shape (`v9_options`; where they would spill registers,
+    version 9 runs version 8's kernels).
 `version=None` (the default) picks by dtype and device: fp32 runs 1 (a dtype path, not a choice);
 bf16 runs `DEFAULT_VERSION` (8, `BF16_DEFAULT`: the fastest in data/results/attention.h200.json)
 where the device runs it, else 3 where the device grants its 166 KB of shared memory (not on sm_120's
@@ -46,7 +51,8 @@ where the device runs it, else 3 where the device grants its 166 KB of shared me
 
 Deprecated alias: `impl=` names a version as recorded results and kdlib.perf suites do
 (`IMPLS`: "simple" = 1, "mma_v2" / "mma_v3" / "mma_v4" = 2 / 3 / 4, "mma" = `MMA_DEFAULT`,
-"wgmma" = 5, "wgmma_v6" = 6, "wgmma_v7" = 7, "wgmma_v8" = 8, "auto" = None); give `version` or `impl`,
+"wgmma" = 5, "wgmma_v6" = 6, "wgmma_v7" = 7, "wgmma_v8" = 8, "wgmma_v9" = 9,
+"auto" = None); give `version` or `impl`,
 not both.
 
 Checks before any launch raise ValueError: shapes, dtypes (float32 or bfloat16, all float inputs
@@ -83,12 +89,13 @@ _MMA_Q_SMEM = 64 * 1168  # Q tile: BM rows of 576 bf16 + 16 B pad
 _MMA_K_SMEM = 32 * 1168  # one K stage: BN rows
 _MMA_X_SMEM = 2 * 4 * 16 * 32 * 4  # partial-S exchange between the two halves of each row group
 # The wgmma whole-verify kernels (tree_verify/wgmma_v5.cu, wgmma_v6.cu, wgmma_v7.cu: one plan, one combine,
-# each its own attend kernel; wgmma_v8.cu: v7's plan and attend kernel, its own combine), built for sm_90a
-# through NVRTC.
+# each its own attend kernel; wgmma_v8.cu: v7's plan and attend kernel, its own combine; wgmma_v9.cu: v8's
+# kernels and its own attend kernel), built for sm_90a through NVRTC.
 _V5 = "tree_verify/wgmma_v5"
 _V6 = "tree_verify/wgmma_v6"
 _V7 = "tree_verify/wgmma_v7"
 _V8 = "tree_verify/wgmma_v8"
+_V9 = "tree_verify/wgmma_v9"
 _V5_OPTIONS = ("-arch=sm_90a",)
 _V5_THREADS = 256  # NTHREADS of the plan and attend kernels (v5, v6)
 _V7_THREADS = 384  # NTHREADS of v7's attend kernel: a producer and two MMA warpgroups
@@ -98,6 +105,10 @@ _V5_SMEM = 3 * 73728 + 2 * 512 + 6 * 8 + 1024
 _V6_SMEM = 3 * 73728 + 5 * 64 * 4 + 19 * 8 + 1024
 # v7: v6's blocks and rows + 4 pair descriptors of 12 ints + 30 barriers + alignment (SMEM_BYTES)
 _V7_SMEM = 3 * 73728 + 5 * 64 * 4 + 4 * 12 * 4 + 30 * 8 + 1024
+# v9: v7's + its own rows (maxima and factors of tiles A and B, per-warp maxima and sums) (V9_SMEM)
+_V9_SMEM = _V7_SMEM + 20 * 64 * 4
+# V9_MAX_NR: TV9_NR's bound with v7's pair code built in (TV9_FULL 1) and without; more rows spill
+_V9_MAX_NR = {True: 16, False: 56}
 _V5_BM = 64  # rows per job (BM)
 _V5_BN = 64  # keys per tile (BN)
 _V5_ROUNDS = 4  # MAX_ROUNDS: the plan fits the jobs into at most this many rounds of one job per CTA
@@ -140,8 +151,9 @@ LAUNCHES = {
     6: VerifyLaunch(6, "wgmma_v6", _V6, _V5_THREADS, _V6_SMEM, _V5_BM, _V5_BN, options=_V5_OPTIONS),
     7: VerifyLaunch(7, "wgmma_v7", _V7, _V7_THREADS, _V7_SMEM, _V5_BM, _V5_BN, options=_V5_OPTIONS),
     8: VerifyLaunch(8, "wgmma_v8", _V8, _V7_THREADS, _V7_SMEM, _V5_BM, _V5_BN, options=_V5_OPTIONS),
+    9: VerifyLaunch(9, "wgmma_v9", _V9, _V7_THREADS, _V9_SMEM, _V5_BM, _V5_BN, options=_V5_OPTIONS),
 }
-WGMMA_VERSIONS = (5, 6, 7, 8)  # the whole-verify versions: sm_90a, plan + attend + combine, workspaces
+WGMMA_VERSIONS = (5, 6, 7, 8, 9)  # the whole-verify versions: sm_90a, plan + attend + combine, workspaces
 VERSIONS = tuple(LAUNCHES)
 # The tensor-core prefix kernels by name -> (stem, shared memory bytes), as recorded results name them.
 MMA_VERSIONS = {LAUNCHES[v].impl: (LAUNCHES[v].stem, LAUNCHES[v].smem) for v in (2, 3, 4)}
@@ -318,7 +330,7 @@ def wgmma_available() -> bool:
     dev = cupy.cuda.runtime.getDevice()
     props = cupy.cuda.runtime.getDeviceProperties(dev)
     return ((int(props["major"]), int(props["minor"])) == (9, 0)
-            and int(props["sharedMemPerBlockOptin"]) >= max(_V5_SMEM, _V6_SMEM, _V7_SMEM))
+            and int(props["sharedMemPerBlockOptin"]) >= max(_V5_SMEM, _V6_SMEM, _V7_SMEM, _V9_SMEM))
 
 
 def split_plan(bsz: int, row_blocks: int, width: int, tile: int, slots: int) -> tuple[int, int]:
@@ -450,8 +462,18 @@ def v8_combine_warps(bsz: int, rows: int, width: int, grid: int) -> int:
     return next((w for w in fit if _ceil(chunks, w) <= _V8_JOBS_PER_WARP), fit[-1])
 
 
+def v9_options(rows: int) -> tuple[str, ...] | None:
+    """Version 9's NVRTC options at Q*H = `rows` a request: TV9_NR, the rows its transposed pair code is
+    built for (the request's last row block's rows rounded up to 8; ragged trees only shrink jobs), and
+    TV9_FULL, whether there are full 64-row blocks (they run v7's pair code); None where TV9_NR would pass
+    `_V9_MAX_NR` (there version 9 runs version 8's kernels)."""
+    full = rows > _V5_BM
+    nr = 8 * _ceil(rows - _V5_BM * ((rows - 1) // _V5_BM), 8)
+    return (f"-DTV9_NR={nr}", f"-DTV9_FULL={int(full)}") if nr <= _V9_MAX_NR[full] else None
+
+
 class VerifyWorkspace:
-    """Buffers of one version 5, 6, 7 or 8 ("wgmma" ... "wgmma_v8") call shape (B requests, Q queries, H
+    """Buffers of one version 5, 6, 7, 8 or 9 ("wgmma" ... "wgmma_v9") call shape (B requests, Q queries, H
     heads): with it a call allocates nothing.
 
     plan [1 + 8 B] int32, parts [jobs, 64, 512] fp32 and part_lse [jobs, 64] fp32 (jobs = v5_max_jobs),
@@ -476,13 +498,13 @@ class VerifyWorkspace:
 
 
 def make_workspace(bsz: int, nq: int, nh: int) -> VerifyWorkspace:
-    """Preallocated buffers for version 5, 6, 7 and 8 ("wgmma" ... "wgmma_v8") calls on q of shape
+    """Preallocated buffers for version 5, 6, 7, 8 and 9 ("wgmma" ... "wgmma_v9") calls on q of shape
     [bsz, nq, nh, 576] (see VerifyWorkspace)."""
     return VerifyWorkspace(bsz, nq, nh)
 
 
 def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=False):
-    """The three launches of version 5, 6, 7 or 8 (plan, the version's attend, its combine) -> (out [B*M,
+    """The three launches of version 5, 6, 7, 8 or 9 (plan, the version's attend, its combine) -> (out [B*M,
     512], lse [B*M]) fp32 views of the workspace.
 
     tail = (tree_kv [B, Q, 576], visibility [B, Q, Q], tree_sizes [B]) for the whole verify, None
@@ -496,17 +518,21 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
     rows = nq * nh
     null = np.uintp(0)
     tkv, vis, sizes = tail if tail is not None else (null, null, null)
+    v9 = v9_options(rows) if version == 9 else None
+    if version == 9 and v9 is None:
+        version = 8
     settings = LAUNCHES[version]
+    options = settings.options + (v9 or ())
     width = pt.shape[1]
-    plan_fn = loader.get_function(settings.stem, "tree_verify_v5_plan", options=settings.options)
+    plan_fn = loader.get_function(settings.stem, "tree_verify_v5_plan", options=options)
     attend = f"tree_verify_v{7 if version == 8 else version}_attend"  # v8 runs v7's attend kernel
-    attend_fn = loader.get_function(settings.stem, attend, options=settings.options)
-    if version == 8:
+    attend_fn = loader.get_function(settings.stem, attend, options=options)
+    if version in (8, 9):  # v9 runs v8's combine
         warps = v8_combine_warps(bsz, rows, width, ws.grid)
         combine, combine_threads = f"tree_verify_v8_combine_w{warps}", 32 * warps
     else:
         combine, combine_threads = "tree_verify_v5_combine", _COMBINE_THREADS
-    combine_fn = loader.get_function(settings.stem, combine, options=settings.options)
+    combine_fn = loader.get_function(settings.stem, combine, options=options)
     loader.set_max_dynamic_shared(attend_fn, settings.smem)
     if not plan_ready:
         plan_fn((1,), (_V5_THREADS,), (lens, sizes, np.int32(bsz), np.int32(width), np.int32(nq),

@@ -1,0 +1,486 @@
+// tree_verify_v9: v8's whole verify (tree_verify_v5_plan, v8's combine: tree_verify/wgmma_v8.cu) around an
+// attend kernel that computes the transposed products ("swap-AB"), so that a job's rows are the wgmma N
+// (NR, a multiple of 8) instead of being padded to its M of 64. Three launches, no host sync, fixed buffers
+// (CUDA-graph capturable): tree_verify_v5_plan, tree_verify_v9_attend, tree_verify_v8_combine_w<W>.
+//
+// Why (data/results/attention_bounds.h200.json): at 8 heads x 1 query a job has 8 rows, but v7's consumers
+// compute S = Q K^T and O += P V over 64 rows (wgmma m64), so the tensor time of a 64-key tile is about its
+// gather time, and at 9 queries (rows 64 + 8) the padded FLOPs exceed the memory-bound budget.
+//
+// Here v7's CTA, producer, barriers, stages and descriptor ring are kept (tree_verify/wgmma_ws.cuh: the
+// producer warpgroup is the same code) and the consumers compute, for a job of nrows <= NR rows:
+//   S^T [64 keys x NR rows] = K Q^T: wgmma m64nNRk16, A = the K tile (the stage, K-major), B = Q (the Q block,
+//     K-major, rows past nrows zero); thread (warp w, g = lane / 4, t4 = lane % 4) holds keys 16 w + g (+8),
+//     rows 8 jj + 2 t4 (+1): s[4 jj + 2 h + e] is key 16 w + g + 8 h, row 8 jj + 2 t4 + e;
+//   each row's tile max over its 64 keys: shuffles over g, then the 4 warps through shared memory (red);
+//   the seesaw's online softmax as v7, per row (the maxima and factors of tiles A and B handed over by rows);
+//   P^T (bf16) into the stage's rope block, K-major (per row its 64 keys, 128-B swizzle);
+//   O^T [512 dims x NR rows] += V^T P^T: wgmma m64nNRk16, A = V^T straight from the stage (MN-major: the
+//     transpose bit), B = P^T; each consumer owns 256 dims (4 M blocks of 64) over both tiles of the pair.
+// The job's end sums l over lanes, warps and both consumers in a fixed order (bit-for-bit reproducible)
+// and writes the valid rows into parts [j, row, dim] and part_lse, the layout v7 writes.
+//
+// NR (TV9_NR, a multiple of 8) and TV9_FULL are the host's -D options, compile-time constants: a job of at
+// most NR rows runs the transposed pair code above with N = NR; with TV9_FULL (requests of more than 64
+// rows) a job of more rows (a full 64-row block) runs v7's pair code (consume_pair_v7), the same FLOPs as
+// N = 64 would have. Ragged trees only shrink jobs. NR is at most 16 with TV9_FULL, 56 without (more:
+// the consumers' registers spill); the host runs version 8 at the other shapes.
+//
+// Shared memory: v7's layout (Q, two K stages, rows, descriptors, barriers) + v9's rows after the barriers
+// (m_A, c_A, m_B, c_B [4][64], the tile maxima red [2][4][64] and the job's sums lsum [2][4][64]).
+//
+// The attend kernel needs sm_90a (wgmma, setmaxnreg); built for another target its body traps.
+// kdlib-arch: sm_90a wgmma=tree_verify_v7_attend,tree_verify_v9_attend (tests/test_kernels_compile.py builds it so, checks the SASS)
+
+#include "tree_verify/wgmma_v8.cu"
+
+#ifndef TV9_NR
+#define TV9_NR 8                           // rows of the jobs that run the transposed products
+#endif
+#ifndef TV9_FULL
+#define TV9_FULL 1                         // 1: there are jobs of more rows (v7's pair code is built in)
+#endif
+#define V9_MAX_NR (TV9_FULL ? 16 : 56)     // beyond these, the consumers' registers spill
+static_assert(TV9_NR % 8 == 0 && TV9_NR >= 8 && TV9_NR <= V9_MAX_NR, "TV9_NR: a multiple of 8 in [8, V9_MAX_NR]");
+
+#define OFF_V9 (OFF_BARS + NBARS * 8)      // float: m_A, c_A, m_B, c_B [4][64], red [2][4][64], lsum [2][4][64]
+#define V9_SMEM (OFF_V9 + 20 * BM * 4 + 1024)  // + slack to align the base to 1024 B: 229040
+#define NB_WG 5                            // named barriers 5, 6: the 128 threads of consumer 0, 1
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+#define ACC4(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define ACC16(d, i) ACC8(d, i), ACC8(d, i + 8)
+
+// d[64 x N] (+)= A[64 x 16] B[16 x N], both in shared memory; B K-major, A K-major (TA 0) or MN-major
+// (TA 1); acc 0: d = A B. d: the N / 2 accumulators of this thread.
+template <int N, int TA>
+__device__ __forceinline__ void wgmma_n(float* d, unsigned long long da, unsigned long long db, int acc) {
+    if constexpr (N == 8)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {"
+                     "%0, %1, %2, %3}, "
+                     "%4, %5, p, 1, 1, %7, 0;\n}\n"
+                     : ACC4(d, 0)
+                     : "l"(da), "l"(db), "r"(acc), "n"(TA));
+    if constexpr (N == 16)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7}, "
+                     "%8, %9, p, 1, 1, %11, 0;\n}\n"
+                     : ACC8(d, 0)
+                     : "l"(da), "l"(db), "r"(acc), "n"(TA));
+    if constexpr (N == 24)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %14, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n24k16.f32.bf16.bf16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, "
+                     "%12, %13, p, 1, 1, %15, 0;\n}\n"
+                     : ACC8(d, 0), ACC4(d, 8)
+                     : "l"(da), "l"(db), "r"(acc), "n"(TA));
+    if constexpr (N == 32)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+                     "%16, %17, p, 1, 1, %19, 0;\n}\n"
+                     : ACC16(d, 0)
+                     : "l"(da), "l"(db), "r"(acc), "n"(TA));
+    if constexpr (N == 40)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %22, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n40k16.f32.bf16.bf16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19}, "
+                     "%20, %21, p, 1, 1, %23, 0;\n}\n"
+                     : ACC16(d, 0), ACC4(d, 16)
+                     : "l"(da), "l"(db), "r"(acc), "n"(TA));
+    if constexpr (N == 48)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23}, "
+                     "%24, %25, p, 1, 1, %27, 0;\n}\n"
+                     : ACC16(d, 0), ACC8(d, 16)
+                     : "l"(da), "l"(db), "r"(acc), "n"(TA));
+    if constexpr (N == 56)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %30, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n56k16.f32.bf16.bf16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27}, "
+                     "%28, %29, p, 1, 1, %31, 0;\n}\n"
+                     : ACC16(d, 0), ACC8(d, 16), ACC4(d, 24)
+                     : "l"(da), "l"(db), "r"(acc), "n"(TA));
+    if constexpr (N == 64)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                     "%32, %33, p, 1, 1, %35, 0;\n}\n"
+                     : ACC32(d, 0)
+                     : "l"(da), "l"(db), "r"(acc), "n"(TA));
+}
+
+// reg_fence of K registers held through a pointer.
+template <int K>
+__device__ __forceinline__ void reg_fence_n(float* r) {
+#pragma unroll
+    for (int i = 0; i < K; ++i) reg_fence(r[i]);
+}
+
+// Named barrier id of one consumer warpgroup's 128 threads.
+__device__ __forceinline__ void wg_sync(int id) { asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory"); }
+
+// What a consumer thread needs across the pair code: its place, the shared rows, the outputs.
+struct V9Ctx {
+    unsigned base, k0s, k1s, bars;
+    float *s_ma, *s_ca, *s_mb, *s_cb;  // [64] each: the maxima and factors of tiles A and B
+    float* red;                        // [2][4][64]: each consumer's per-warp tile maxima
+    float* lsum;                       // [2][4][64]: each consumer's per-warp sums at the job's end
+    int c, warp, lane, g, t4;
+    float sl2;
+};
+
+// Row n of this thread's r-th row (r = 2 jj + e < N / 4).
+__device__ __forceinline__ int row_of(int r, int t4) { return 8 * (r >> 1) + 2 * t4 + (r & 1); }
+
+// S^T (+)= K Q^T over the nine column blocks of the stage at kst, each after its barrier (parity par).
+template <int N>
+__device__ __forceinline__ void issue_st(float* s, unsigned base, unsigned kst, unsigned bars, int st,
+                                         unsigned par) {
+    const unsigned long long dk = sw128_desc(opaque(kst), 16), dq = sw128_desc(opaque(base), 16);
+#pragma unroll 1
+    for (int cb = 0; cb < NCB; ++cb) {
+        bar_wait(BAR_CBFULL(bars, st, cb), par);
+        fence_async_smem();
+        wg_fence();
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const unsigned off = cb * CB_BYTES + k * 32;
+            wgmma_n<N, 0>(s, dk + (off >> 4), dq + (off >> 4), cb > 0 || k > 0);
+        }
+    }
+}
+
+// O^T[dims of vst's 4 blocks] (+)= V^T P^T over the 64 keys of a stage; fresh: the job's first (overwrites).
+template <int N>
+__device__ __forceinline__ void issue_pv_t(float* o, unsigned pbuf, unsigned vst, bool fresh) {
+    const unsigned long long dp = sw128_desc(pbuf, 16), dv = sw128_desc(vst, CB_BYTES);
+#pragma unroll
+    for (int mb = 0; mb < 4; ++mb)
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            wgmma_n<N, 1>(o + mb * (N / 2), dv + ((mb * CB_BYTES + kk * 2048) >> 4), dp + ((kk * 32) >> 4),
+                          kk > 0 || !fresh);
+}
+
+// Mask S^T (keys past kend; tail tiles: the visibility row of each row's query, rows past nrows see no
+// tail key), scale to the log2 domain, and each row's max over the tile's 64 keys (fixed order: the quad's
+// g lanes, then warps 0..3 through red).
+template <int N>
+__device__ __forceinline__ void mask_max_t(float* s, float* mx, bool tail, int k0, int kend,
+                                           const unsigned char* vis, const Job& jb, int Q, int H, const V9Ctx& x) {
+    const int key = k0 + 16 * x.warp + x.g;
+#pragma unroll
+    for (int r = 0; r < N / 4; ++r) {
+        const int n = row_of(r, x.t4);
+        const unsigned char* v = tail && n < jb.nrows ? vis + ((long long)jb.b * Q + (jb.row0 + n) / H) * Q : nullptr;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int i = 4 * (r >> 1) + 2 * h + (r & 1), kh = key + 8 * h;
+            const bool ok = kh < kend && (!tail || (v != nullptr && v[kh]));
+            s[i] = ok ? s[i] * x.sl2 : NEG_INF;
+        }
+        float m = fmaxf(s[4 * (r >> 1) + (r & 1)], s[4 * (r >> 1) + 2 + (r & 1)]);
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+        mx[r] = m;
+    }
+    float* red = x.red + x.c * 4 * BM;
+    if (x.g == 0)
+#pragma unroll
+        for (int r = 0; r < N / 4; ++r) red[x.warp * BM + row_of(r, x.t4)] = mx[r];
+    wg_sync(NB_WG + x.c);
+#pragma unroll
+    for (int r = 0; r < N / 4; ++r) {
+        const int n = row_of(r, x.t4);
+        mx[r] = fmaxf(fmaxf(red[n], red[BM + n]), fmaxf(red[2 * BM + n], red[3 * BM + n]));
+    }
+}
+
+// The online-softmax step of one tile per row (log2 domain, as v7's softmax_step): mn = max(mp, mx),
+// c = 2^(mp - mn), l = l c + the row's sum of P, s <- P = 2^(s - mn) (fp32).
+template <int N>
+__device__ __forceinline__ void softmax_t(float* s, const float* mp, const float* mx, float* mn, float* cf,
+                                          float* l) {
+#pragma unroll
+    for (int r = 0; r < N / 4; ++r) {
+        mn[r] = fmaxf(mp[r], mx[r]);
+        const float ms = mn[r] == NEG_INF ? 0.f : mn[r];  // no key yet
+        cf[r] = exp2f(mp[r] - ms);
+        const int i0 = 4 * (r >> 1) + (r & 1), i1 = i0 + 2;
+        s[i0] = exp2f(s[i0] - ms);
+        s[i1] = exp2f(s[i1] - ms);
+        l[r] = l[r] * cf[r] + (s[i0] + s[i1]);
+    }
+}
+
+// O^T columns (rows) of this thread *= their factors, skipped when no row of the warp moved.
+template <int N>
+__device__ __forceinline__ void rescale_t(float* o, const float* cf) {
+    bool moved = false;
+#pragma unroll
+    for (int r = 0; r < N / 4; ++r) moved |= cf[r] != 1.f;
+    if (!__any_sync(0xffffffffu, moved)) return;
+#pragma unroll
+    for (int i = 0; i < 2 * N; ++i) o[i] *= cf[2 * ((i % (N / 2)) >> 2) + (i & 1)];
+}
+
+// P^T (bf16) into pbuf, K-major: row n's 64 keys on line n (8-row groups 1024 B apart), 128-B swizzle.
+template <int N>
+__device__ __forceinline__ void store_pt(const float* s, unsigned pbuf, const V9Ctx& x) {
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+        const int jj = i >> 2, h = (i >> 1) & 1, ln = 2 * x.t4 + (i & 1);  // row 8 jj + ln, key 16 w + 8 h + g
+        const unsigned a = pbuf + jj * 1024 + ln * 128 + (((2 * x.warp + h) ^ ln) << 4) + 2 * x.g;
+        const __nv_bfloat16 p = __float2bfloat16_rn(s[i]);
+        asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(a), "h"(*reinterpret_cast<const unsigned short*>(&p))
+                     : "memory");
+    }
+}
+
+// Rows of this thread into a row array (warp 0's g = 0 lanes hold every row once).
+template <int N>
+__device__ __forceinline__ void put_rows(float* dst, const float* v, const V9Ctx& x) {
+    if (x.warp == 0 && x.g == 0)
+#pragma unroll
+        for (int r = 0; r < N / 4; ++r) dst[row_of(r, x.t4)] = v[r];
+}
+
+template <int N>
+__device__ __forceinline__ void get_rows(float* v, const float* src, const V9Ctx& x) {
+#pragma unroll
+    for (int r = 0; r < N / 4; ++r) v[r] = src[row_of(r, x.t4)];
+}
+
+// One pair of tiles in consumer x.c (v7's seesaw with the transposed products; v7's barriers and releases).
+// o [2 N]: O^T of the consumer's 4 dim blocks, m, l [N / 4]: its rows' running max and sum.
+template <int N>
+__device__ __forceinline__ void pair_t(float* o, float* s, float* m, float* l, const Job& jb, bool tail, int k0,
+                                       int kend, bool first, bool last, unsigned par, const unsigned char* vis,
+                                       int Q, int H, const V9Ctx& x) {
+    const unsigned pa = x.k0s + ROPE_CB * CB_BYTES, pb = x.k1s + ROPE_CB * CB_BYTES;  // P_A^T, P_B^T
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) s[i] = 0.f;  // the accumulator starts afresh (its old value is dead)
+    reg_fence_n<N / 2>(s);
+    wg_fence();
+    issue_st<N>(s, x.base, x.c == 0 ? x.k0s : x.k1s, x.bars, x.c, par);
+    wg_commit();
+    wg_wait<0>();
+    reg_fence_n<N / 2>(s);
+    if (last) warp_arrive(BAR_QEMPTY(x.bars), x.lane);  // the job's Q is read
+
+    float mx[N / 4], mn[N / 4], cf[N / 4];
+    mask_max_t<N>(s, mx, tail, k0, kend, vis, jb, Q, H, x);
+    if (x.c == 0) {
+        // ---------------------------------------------------- tile A: softmax, O_L += V_AL^T P_A^T
+        softmax_t<N>(s, m, mx, mn, cf, l);
+        rescale_t<N>(o, cf);
+        put_rows<N>(x.s_ma, mn, x);
+        put_rows<N>(x.s_ca, cf, x);
+        store_pt<N>(s, pa, x);
+        fence_async_smem();
+        wg_sync(NB_WG);  // P_A^T whole for this consumer's MMAs; red free again
+        handoff(NB_SCALE_A);
+        reg_fence_n<2 * N>(o);
+        wg_fence();
+        issue_pv_t<N>(o, pa, x.k0s, first);
+        wg_commit();
+        wg_wait<0>();
+        reg_fence_n<2 * N>(o);
+        warp_arrive(BAR_EMPTY(x.bars, 0, 0), x.lane);  // stage 0: V_AL read, P_A read on this side
+        warp_arrive(BAR_EMPTY(x.bars, 0, 2), x.lane);
+
+        // ---------------------------------------------------- tile B: O_L = O_L c_B + V_BL^T P_B^T
+        nb_sync(NB_SCALE_B);
+        get_rows<N>(cf, x.s_cb, x);
+        get_rows<N>(m, x.s_mb, x);
+#pragma unroll
+        for (int r = 0; r < N / 4; ++r) l[r] *= cf[r];
+        rescale_t<N>(o, cf);
+        nb_sync(NB_PB);
+        fence_async_smem();
+        reg_fence_n<2 * N>(o);
+        wg_fence();
+        issue_pv_t<N>(o, pb, x.k1s, false);
+        wg_commit();
+        wg_wait<0>();
+        reg_fence_n<2 * N>(o);
+        warp_arrive(BAR_EMPTY(x.bars, 1, 0), x.lane);  // stage 1: V_BL read, P_B read on this side
+        warp_arrive(BAR_EMPTY(x.bars, 1, 2), x.lane);
+    } else {
+        // ---------------------------------------------------- tile A: O_R = O_R c_A + V_AR^T P_A^T
+        nb_sync(NB_SCALE_A);
+        fence_async_smem();
+        float ma[N / 4];
+        get_rows<N>(ma, x.s_ma, x);
+        get_rows<N>(cf, x.s_ca, x);
+#pragma unroll
+        for (int r = 0; r < N / 4; ++r) l[r] *= cf[r];
+        rescale_t<N>(o, cf);
+        reg_fence_n<2 * N>(o);
+        wg_fence();
+        issue_pv_t<N>(o, pa, x.k0s + V_R0 * CB_BYTES, first);
+        wg_commit();
+        // ---------------------------------------------------- tile B: softmax, O_R = O_R c_B + V_BR^T P_B^T
+        softmax_t<N>(s, ma, mx, mn, cf, l);
+        put_rows<N>(x.s_mb, mn, x);  // under this consumer's MMAs
+        put_rows<N>(x.s_cb, cf, x);
+#pragma unroll
+        for (int r = 0; r < N / 4; ++r) m[r] = mn[r];
+        handoff(NB_SCALE_B);
+        store_pt<N>(s, pb, x);
+        fence_async_smem();
+        wg_sync(NB_WG + 1);  // P_B^T whole for this consumer's MMAs; red free again
+        handoff(NB_PB);
+        wg_wait<0>();
+        reg_fence_n<2 * N>(o);
+        warp_arrive(BAR_EMPTY(x.bars, 0, 1), x.lane);  // stage 0: V_AR read, P_A read on this side
+        warp_arrive(BAR_EMPTY(x.bars, 0, 2), x.lane);
+        rescale_t<N>(o, cf);
+        reg_fence_n<2 * N>(o);
+        wg_fence();
+        issue_pv_t<N>(o, pb, x.k1s + V_R0 * CB_BYTES, false);
+        wg_commit();
+        wg_wait<0>();
+        reg_fence_n<2 * N>(o);
+        warp_arrive(BAR_EMPTY(x.bars, 1, 1), x.lane);  // stage 1: V_BR read, P_B read on this side
+        warp_arrive(BAR_EMPTY(x.bars, 1, 2), x.lane);
+    }
+}
+
+// The job's end in consumer x.c: each row's l summed over the g lanes, then (through lsum, named barrier
+// NB_LSUM) over consumers 0, 1 and warps 0..3 in that order; the consumer's 256 dims of the valid rows
+// normalised into parts [j, row, dim], (consumer 0) the rows' lse; then m -inf and l 0 for the next job.
+template <int N>
+__device__ __forceinline__ void job_end_t(const float* o, float* m, float* l, int j, int nrows, float* parts,
+                                          float* part_lse, const V9Ctx& x) {
+#pragma unroll
+    for (int r = 0; r < N / 4; ++r)
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) l[r] += __shfl_xor_sync(0xffffffffu, l[r], off);
+    if (x.g == 0)
+#pragma unroll
+        for (int r = 0; r < N / 4; ++r) x.lsum[(x.c * 4 + x.warp) * BM + row_of(r, x.t4)] = l[r];
+    nb_sync(NB_LSUM);
+    const long long orow = (long long)j * BM;
+#pragma unroll
+    for (int r = 0; r < N / 4; ++r) {
+        const int n = row_of(r, x.t4);
+        float lt = 0.f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) lt += x.lsum[k * BM + n];
+        const float inv = lt > 0.f ? 1.f / lt : 0.f;
+        if (n < nrows) {
+            float* dst = parts + (orow + n) * D_V + 256 * x.c + 16 * x.warp + x.g;
+#pragma unroll
+            for (int mb = 0; mb < 4; ++mb)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    dst[64 * mb + 8 * h] = o[mb * (N / 2) + 4 * (r >> 1) + 2 * h + (r & 1)] * inv;
+            if (x.c == 0 && x.warp == 0 && x.g == 0) part_lse[orow + n] = lt > 0.f ? (m[r] + log2f(lt)) * LN2 : NEG_INF;
+        }
+        m[r] = NEG_INF;
+        l[r] = 0.f;
+    }
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// ------------------------------------------------------------------------------------------ attend
+
+// Arguments and outputs as tree_verify_v7_attend. Grid G (one per SM), block 384, dynamic shared memory
+// V9_SMEM.
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v9_attend(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv, const int* __restrict__ page_table,
+    const __nv_bfloat16* __restrict__ tree_kv, const unsigned char* __restrict__ vis, const int* __restrict__ plan,
+    int nreq, int P, int Q, int H, float scale, float* __restrict__ parts, float* __restrict__ part_lse) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ unsigned char smem_raw[];
+    if ((int)blockIdx.x >= plan_jobs(plan)) return;
+    const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    unsigned char* gbase = smem_raw + (base - smem_u32(smem_raw));
+    int* desc = reinterpret_cast<int*>(gbase + OFF_DESC);  // [NDESC][DESC_INTS]
+    const unsigned bars = base + OFF_BARS;
+    const int tid = threadIdx.x;
+    if (tid == 0) init_bars(bars);
+    __syncthreads();
+
+    const int wg = tid >> 7, wt = tid & 127;
+    if (wg == 0) {
+        produce(base, desc, bars, q, kv, page_table, tree_kv, plan, nreq, P, Q, H, wt);
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
+    float* rows = reinterpret_cast<float*>(gbase + OFF_V9);
+    V9Ctx x;
+    x.base = base;
+    x.k0s = base + OFF_K0;
+    x.k1s = base + OFF_K1;
+    x.bars = bars;
+    x.s_ma = rows;
+    x.s_ca = rows + BM;
+    x.s_mb = rows + 2 * BM;
+    x.s_cb = rows + 3 * BM;
+    x.red = rows + 4 * BM;
+    x.lsum = rows + 12 * BM;
+    x.c = wg - 1;
+    x.warp = wt >> 5;
+    x.lane = tid & 31;
+    x.g = x.lane >> 2;
+    x.t4 = x.lane & 3;
+    x.sl2 = scale * LOG2E;
+
+    float o[2 * TV9_NR];  // O^T of the consumer's 4 dim blocks (v9's pairs)
+    float o7[128];        // O of its 256 dims (v7's pairs; TV9_FULL only)
+    float s[32];          // S^T (its first TV9_NR / 2), S
+#pragma unroll
+    for (int i = 0; i < 2 * TV9_NR; ++i) o[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o7[i] = 0.f;
+    float m[TV9_NR / 4], l[TV9_NR / 4];  // v9's rows' running max and sum
+#pragma unroll
+    for (int r = 0; r < TV9_NR / 4; ++r) {
+        m[r] = NEG_INF;
+        l[r] = 0.f;
+    }
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;  // v7's
+    const int lr0 = x.warp * 16 + x.g, lr1 = lr0 + 8;     // v7's O rows of this thread
+    float* rows7 = reinterpret_cast<float*>(gbase + OFF_ROWS);
+    int jobs = 0;  // jobs started: the Q barrier's phase
+    for (int n = 0;; ++n) {
+        // the pair's descriptor, all of it into registers (the producer reuses the slot NDESC pairs on)
+        bar_wait(BAR_DESC(bars, n % NDESC), (n / NDESC) & 1);
+        const int* d = desc + (n % NDESC) * DESC_INTS;
+        const int j = d[0], flags = d[1];
+        Job jb;  // the fields the masks read
+        jb.b = d[2];
+        jb.row0 = d[3];
+        jb.nrows = d[4];
+        const bool tail = d[5 + 3 * x.c] != 0;
+        const int k0 = d[6 + 3 * x.c], kend = d[7 + 3 * x.c];
+        const bool first = flags & D_FIRST, last = flags & D_LAST;
+        if (first) {  // the job's Q
+            bar_wait(BAR_QFULL(bars), jobs & 1);
+            ++jobs;
+        }
+        if (!TV9_FULL || __all_sync(0xffffffffu, jb.nrows <= TV9_NR)) {  // a vote: warp-uniform for ptxas
+            pair_t<TV9_NR>(o, s, m, l, jb, tail, k0, kend, first, last, n & 1, vis, Q, H, x);
+            if (last) job_end_t<TV9_NR>(o, m, l, j, jb.nrows, parts, part_lse, x);
+        } else {
+            consume_pair_v7(o7, s, m0, m1, l0, l1, jb, j, tail, k0, kend, first, last, n, base, bars, rows7, x.c,
+                            x.lane, lr0, lr1, x.t4, x.sl2, vis, Q, H, parts, part_lse);
+        }
+        if (flags & D_END) break;
+    }
+#else
+    __trap();  // built without sm_90a: no wgmma
+#endif
+}

@@ -1,0 +1,288 @@
+// The warp-specialised skeleton of the wgmma tree-verify kernels (tree_verify/wgmma_v7.cu, wgmma_v9.cu):
+// the CTA of a producer and two consumer warpgroups, its shared-memory layout, barriers and pair
+// descriptors, and the producer warpgroup's loop. wgmma_v7.cu describes the protocol; each attend kernel
+// adds its consumers.
+#pragma once
+
+#include "tree_verify/wgmma_common.cuh"
+
+#define NTHREADS 384                           // producer + two consumer warpgroups
+#define PRODUCER_REGS 40                       // setmaxnreg: 128 x 40 + 256 x 232 = 64512 <= 65536
+#define CONSUMER_REGS 232
+#define OFF_K0 TILE_BYTES
+#define OFF_K1 (2 * TILE_BYTES)
+#define OFF_ROWS (3 * TILE_BYTES)              // float [5][64]: m, c_A, c_B, l_0, l_1
+#define NDESC 4                                // pair descriptors in the ring
+#define DESC_INTS 12                           // job, flags, request, row0, rows, (tail, k0, kend) x 2, pad
+#define OFF_DESC (OFF_ROWS + 5 * BM * 4)       // int [NDESC][DESC_INTS]
+#define OFF_BARS (OFF_DESC + NDESC * DESC_INTS * 4)  // full[2][9], empty[2][3], Q full, Q empty, desc[4]
+#define NBARS (2 * NCB + 6 + 2 + NDESC)
+#define SMEM_BYTES (OFF_BARS + NBARS * 8 + 1024)  // + slack to align the base to 1024 B: 223920
+#define V_R0 4                                 // consumer 1's V half: column blocks 4..7
+#define D_FIRST 1                              // descriptor flags: the job's first pair,
+#define D_LAST 2                               // its last pair,
+#define D_END 4                                // the stream's last pair
+// named barriers (0 is __syncthreads), the 256 consumer threads: one consumer arrives, the other waits
+#define NB_SCALE_A 1  // consumer 0: m_A, c_A and P_A written
+#define NB_SCALE_B 2  // consumer 1: m_B, c_B written
+#define NB_PB 3       // consumer 1: P_B written
+#define NB_LSUM 4     // both: their l of the job written
+
+// TV7_RACECHECK=1 (-DTV7_RACECHECK=1): a checking build for compute-sanitizer racecheck. Every consumer
+// handoff is a bar.sync of both consumers, and every lane of a releasing warp arrives on the empty
+// barriers (their counts x 32): the forms racecheck sees as ordered (tools/racecheck_patterns.py). Slower,
+// never the default, which keeps bar.arrive and one arrival a warp.
+#ifndef TV7_RACECHECK
+#define TV7_RACECHECK 0
+#endif
+#define WARP_ARRIVALS (TV7_RACECHECK ? 32 : 1)  // arrivals one releasing warp makes
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+#define BAR_EMPTY(bars, s, g) ((bars) + 8 * (2 * NCB + 3 * (s) + (g)))
+#define BAR_QFULL(bars) ((bars) + 8 * (2 * NCB + 6))
+#define BAR_QEMPTY(bars) ((bars) + 8 * (2 * NCB + 7))
+#define BAR_DESC(bars, d) ((bars) + 8 * (2 * NCB + 8 + (d)))
+
+// An arrive by lane 0 of the warp (predicated, no branch): one arrival per warp. The __syncwarp first
+// orders the other lanes' shared-memory accesses (their P stores) before lane 0's release. The checking
+// build: every lane arrives.
+__device__ __forceinline__ void warp_arrive(unsigned bar, int lane) {
+    __syncwarp();
+    if (TV7_RACECHECK) {
+        bar_arrive(bar);
+        return;
+    }
+    asm volatile(
+        "{\n.reg .pred p;\n.reg .b64 st;\nsetp.eq.b32 p, %1, 0;\n"
+        "@p mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar),
+        "r"(lane)
+        : "memory");
+}
+
+// A consumer's handoff to the other on named barrier id: bar.arrive (bar.sync in the checking build).
+__device__ __forceinline__ void handoff(int id) {
+    if (TV7_RACECHECK) nb_sync(id);
+    else nb_arrive(id);
+}
+
+// Stage s's fill for pair n: each group of blocks (V_L, V_R, rope) once its readers of pair n - 1 are
+// done (their release n - 1 has parity (n & 1) ^ 1: a fresh barrier passes it at once), in release order.
+__device__ __forceinline__ void fill_stage(unsigned kst, unsigned bars, int s, int n, const TileRows& t,
+                                           const char* kvb, const char* tkb, int lrow, int ch) {
+    const unsigned ep = (n & 1) ^ 1;
+    bar_wait(BAR_EMPTY(bars, s, 0), ep);
+    gather_half<0, V_R0>(kst, bars, s, t, kvb, tkb, lrow, ch);
+    bar_wait(BAR_EMPTY(bars, s, 1), ep);
+    gather_half<V_R0, ROPE_CB>(kst, bars, s, t, kvb, tkb, lrow, ch);
+    bar_wait(BAR_EMPTY(bars, s, 2), ep);
+    gather_half<ROPE_CB, NCB>(kst, bars, s, t, kvb, tkb, lrow, ch);
+}
+
+// Keys [k0, kend) and tail flag of tile `it` of jb; past the job's tiles: an empty tile.
+__device__ __forceinline__ void pair_tile(const Job& jb, int it, int* d) {
+    bool tail = false;
+    int k0 = 0, kend = 0;
+    if (it < jb.ntiles) tile_keys(jb, it, tail, k0, kend);
+    d[0] = tail;
+    d[1] = k0;
+    d[2] = kend;
+}
+
+// One row of the pair at p into L2: thread pt takes row pt % 64 of the pair's tile pt / 64 (prefix rows only).
+// p's job: cur (the job of the pair before p), or decoded from the plan where p is fresh (starts another).
+__device__ __forceinline__ void prefetch_pair(const int* plan, int nreq, const int* page_table, const char* kvb,
+                                              int P, Pos p, bool fresh, const Job& cur, int pt) {
+    if (p.j < 0) return;
+    const Job jb = fresh ? decode_job(plan, nreq, p.j) : cur;
+    const int it = 2 * p.i + (pt >> 6);
+    if (it >= jb.ntiles) return;
+    bool tail;
+    int k0, kend;
+    tile_keys(jb, it, tail, k0, kend);
+    const int key = k0 + (pt & 63);
+    if (tail || key >= kend) return;
+    prefetch_l2(kvb + (long long)page_table[(long long)jb.b * P + key] * (D_QK * 2), D_QK * 2);
+}
+
+// The barriers at bars (tid 0 of the CTA; a __syncthreads must follow).
+__device__ __forceinline__ void init_bars(unsigned bars) {
+    for (int s = 0; s < 2; ++s) {
+        for (int c = 0; c < NCB; ++c) bar_init(BAR_CBFULL(bars, s, c), 128);
+        bar_init(BAR_EMPTY(bars, s, 0), 4 * WARP_ARRIVALS);
+        bar_init(BAR_EMPTY(bars, s, 1), 4 * WARP_ARRIVALS);
+        bar_init(BAR_EMPTY(bars, s, 2), 8 * WARP_ARRIVALS);
+    }
+    bar_init(BAR_QFULL(bars), 128);
+    bar_init(BAR_QEMPTY(bars), 8 * WARP_ARRIVALS);
+    for (int d = 0; d < NDESC; ++d) bar_init(BAR_DESC(bars, d), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// The producer warpgroup (wt: its thread) over the CTA's stream of tile pairs: Q of each job, the pair
+// descriptors (ring at desc), the K tiles into the stages at base + OFF_K0 and base + OFF_K1.
+__device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars, const __nv_bfloat16* q,
+                                       const __nv_bfloat16* kv, const int* page_table,
+                                       const __nv_bfloat16* tree_kv, const int* plan, int nreq, int P, int Q,
+                                       int H, int wt) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
+    const unsigned k0s = base + OFF_K0, k1s = base + OFF_K1;
+    const char* kvb = reinterpret_cast<const char*>(kv);
+    const char* tkb = reinterpret_cast<const char*>(tree_kv);
+    const int lrow = wt >> 3, ch = wt & 7;  // gather: rows lrow + 16p, 16-byte chunk ch of each block
+    // Each job is decoded from the plan twice (its first pair's prefetch, then as cur), not per pair:
+    // decode_job is a binary search over the requests, a chain of dependent loads in the producer's path.
+    Pos cur{(int)blockIdx.x, 0};
+    Job jb = decode_job(plan, nreq, cur.j);  // cur's job
+    TileRows ra = tile_rows(jb, page_table, P, Q, 0, lrow);  // the pair's tiles A and B
+    TileRows rb = tile_rows(jb, page_table, P, Q, 1, lrow);
+    bool fresh;  // nx starts another job
+    Pos nx = pos_next(plan, jb, cur, fresh);
+    prefetch_pair(plan, nreq, page_table, kvb, P, nx, fresh, jb, wt);
+    int jobs = 0;  // Q loads so far
+    for (int n = 0;; ++n) {
+        if (cur.i == 0) {  // a new job: its Q once both consumers' S of the last job are done
+            bar_wait(BAR_QEMPTY(bars), (jobs & 1) ^ 1);
+            load_q(base, BAR_QFULL(bars), q, jb, Q * H, wt);
+            ++jobs;
+        }
+        if (wt == 0) {
+            int* d = desc + (n % NDESC) * DESC_INTS;
+            d[0] = cur.j;
+            d[1] = (cur.i == 0 ? D_FIRST : 0) | (nx.j < 0 || fresh ? D_LAST : 0) | (nx.j < 0 ? D_END : 0);
+            d[2] = jb.b;
+            d[3] = jb.row0;
+            d[4] = jb.nrows;
+            pair_tile(jb, 2 * cur.i, d + 5);
+            pair_tile(jb, 2 * cur.i + 1, d + 8);
+            bar_arrive(BAR_DESC(bars, n % NDESC));
+        }
+        fill_stage(k0s, bars, 0, n, ra, kvb, tkb, lrow, ch);  // stage 0 is released first
+        fill_stage(k1s, bars, 1, n, rb, kvb, tkb, lrow, ch);
+        if (nx.j < 0) break;
+        if (fresh) jb = decode_job(plan, nreq, nx.j);
+        cur = nx;  // the next pair's slots now, the rows of the one after it into L2
+        ra = tile_rows(jb, page_table, P, Q, 2 * cur.i, lrow);
+        rb = tile_rows(jb, page_table, P, Q, 2 * cur.i + 1, lrow);
+        nx = pos_next(plan, jb, cur, fresh);
+        prefetch_pair(plan, nreq, page_table, kvb, P, nx, fresh, jb, wt);
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its thread
+}
+
+// One pair of tiles in consumer c of v7 (c = 0: tile A in stage 0, c = 1: tile B in stage 1; the kernel
+// file's seesaw), then the job's end where it is the job's last pair. o: the consumer's half of O, s: S's
+// accumulator, m0, m1, l0, l1: its rows' running max and sum; rows: v7's row array (OFF_ROWS); lr0, lr1:
+// the thread's O rows. jb by value: as a reference it changes v7's PTX (register numbering).
+__device__ __forceinline__ void consume_pair_v7(float (&o)[128], float (&s)[32], float& m0, float& m1,
+                                                float& l0, float& l1, Job jb, int j, bool tail, int k0,
+                                                int kend, bool first, bool last, int n, unsigned base,
+                                                unsigned bars, float* rows, int c, int lane, int lr0, int lr1,
+                                                int t4, float sl2, const unsigned char* vis, int Q, int H,
+                                                float* parts, float* part_lse) {
+    float* s_m = rows;            // running max after the last consumer's update
+    float* s_ca = rows + BM;      // c_A
+    float* s_cb = rows + 2 * BM;  // c_B
+    float* s_l = rows + 3 * BM;   // [2][64]: l of each consumer at the job's end
+    const unsigned k0s = base + OFF_K0, k1s = base + OFF_K1;
+    const unsigned pa = k0s + ROPE_CB * CB_BYTES, pb = k1s + ROPE_CB * CB_BYTES;  // P_A, P_B
+    const unsigned kst = c == 0 ? k0s : k1s;  // this consumer's tile: A (stage 0) or B (stage 1)
+    // S of this consumer's tile (s: its accumulator), block by block as they land
+#pragma unroll
+    for (int i = 0; i < 32; ++i) s[i] = 0.f;  // the accumulator starts afresh (its old value is dead)
+    reg_fence(s);
+    wg_fence();
+    issue_s_blocks<0, NCB>(s, base, kst, bars, c, n & 1, true);
+    wg_commit();
+    wg_wait<0>();
+    reg_fence(s);
+    if (last) warp_arrive(BAR_QEMPTY(bars), lane);  // the job's Q is read
+
+    float mx0, mx1;
+    mask_tile(s, mx0, mx1, tail, k0, kend, vis, jb, Q, H, lr0, lr1, t4, sl2);
+    if (c == 0) {
+        // ------------------------------------------------ tile A: softmax, O_L += P_A V_AL
+        float mn0, mn1, c0, c1;
+        softmax_step(s, m0, m1, mx0, mx1, mn0, mn1, c0, c1, l0, l1);
+        rescale(o, c0, c1);
+        s_m[lr0] = mn0;  // the quad's four threads store the same values: no branch
+        s_m[lr1] = mn1;
+        s_ca[lr0] = c0;
+        s_ca[lr1] = c1;
+        store_p(s, pa, lr0, lr1, t4);
+        fence_async_smem();
+        handoff(NB_SCALE_A);
+        reg_fence(o);
+        wg_fence();
+        issue_pv_ss(o, pa, k0s, first);
+        wg_commit();
+        wg_wait<0>();
+        reg_fence(o);
+        warp_arrive(BAR_EMPTY(bars, 0, 0), lane);  // stage 0: V_AL read, P_A read on this side
+        warp_arrive(BAR_EMPTY(bars, 0, 2), lane);
+
+        // ------------------------------------------------ tile B: O_L = O_L c_B + P_B V_BL
+        nb_sync(NB_SCALE_B);
+        const float cb0 = s_cb[lr0], cb1 = s_cb[lr1];
+        m0 = s_m[lr0];
+        m1 = s_m[lr1];
+        l0 *= cb0;
+        l1 *= cb1;
+        rescale(o, cb0, cb1);
+        nb_sync(NB_PB);
+        fence_async_smem();
+        reg_fence(o);
+        wg_fence();
+        issue_pv_ss(o, pb, k1s);
+        wg_commit();
+        wg_wait<0>();
+        reg_fence(o);
+        warp_arrive(BAR_EMPTY(bars, 1, 0), lane);  // stage 1: V_BL read, P_B read on this side
+        warp_arrive(BAR_EMPTY(bars, 1, 2), lane);
+    } else {
+        // ------------------------------------------------ tile A: O_R = O_R c_A + P_A V_AR
+        nb_sync(NB_SCALE_A);
+        fence_async_smem();
+        const float ma0 = s_m[lr0], ma1 = s_m[lr1], ca0 = s_ca[lr0], ca1 = s_ca[lr1];
+        l0 *= ca0;
+        l1 *= ca1;
+        rescale(o, ca0, ca1);
+        reg_fence(o);
+        wg_fence();
+        issue_pv_ss(o, pa, k0s + V_R0 * CB_BYTES, first);
+        wg_commit();
+        // ------------------------------------------------ tile B: softmax, O_R = O_R c_B + P_B V_BR
+        float mn0, mn1, cb0, cb1;
+        softmax_step(s, ma0, ma1, mx0, mx1, mn0, mn1, cb0, cb1, l0, l1);
+        __syncwarp();    // the quad's reads of s_m / s_ca above come before its stores
+        s_m[lr0] = mn0;  // under this consumer's MMAs: no branch
+        s_m[lr1] = mn1;
+        s_cb[lr0] = cb0;
+        s_cb[lr1] = cb1;
+        m0 = mn0;
+        m1 = mn1;
+        handoff(NB_SCALE_B);
+        store_p(s, pb, lr0, lr1, t4);
+        fence_async_smem();
+        handoff(NB_PB);
+        wg_wait<0>();
+        reg_fence(o);
+        warp_arrive(BAR_EMPTY(bars, 0, 1), lane);  // stage 0: V_AR read, P_A read on this side
+        warp_arrive(BAR_EMPTY(bars, 0, 2), lane);
+        rescale(o, cb0, cb1);
+        reg_fence(o);
+        wg_fence();
+        issue_pv_ss(o, pb, k1s + V_R0 * CB_BYTES);
+        wg_commit();
+        wg_wait<0>();
+        reg_fence(o);
+        warp_arrive(BAR_EMPTY(bars, 1, 1), lane);  // stage 1: V_BR read, P_B read on this side
+        warp_arrive(BAR_EMPTY(bars, 1, 2), lane);
+    }
+
+    if (last)  // the job's rows normalised; then a fresh accumulator
+        job_end(o, m0, m1, l0, l1, s_l, NB_LSUM, c, parts, part_lse, j, [&] { return jb.nrows; }, lr0, lr1,
+                t4);
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
