@@ -375,24 +375,16 @@ def test_v5_register_fragments():
                     assert (rows[tid, 4 * jj + 2 * e + h], cols[tid, 4 * jj + 2 * e + h]) == want
 
 
-def test_v9_options_follow_the_last_row_block():
-    """Version 9's build per call shape: TV9_NR = the last row block's rows rounded up to 8, TV9_FULL =
-    whether full 64-row blocks come before it; None (version 8 runs) where NR would pass the spill bound."""
+def test_v9_options_follow_the_rows():
+    """Version 9's attend kernel is built for TV9_NR = Q*H rounded up to 8 where Q*H <= 16 (where it measured
+    faster than v8's), within the rows it builds for; past that, None: version 9 runs version 8's kernels."""
     from kdlib.cuda import attention as cu
+    from kdlib.cuda import loader
 
-    def nr_full(rows):
-        opts = cu.v9_options(rows)
-        return None if opts is None else (int(opts[0].split("=")[1]), int(opts[1].split("=")[1]))
-
-    assert nr_full(8) == (8, 0) and nr_full(1) == (8, 0) and nr_full(56) == (56, 0)  # 8 x 1, 1 x 1, 8 x 7
-    assert nr_full(57) is None and nr_full(64) is None  # one whole block: v8's
-    assert nr_full(72) == nr_full(520) == (8, 1) and nr_full(1040) == (16, 1)  # 8 x 9, 8 x 65; 16 x 65
-    assert nr_full(88) is None and nr_full(4160) is None  # 8 x 11: a last block of 24; 64 x 65: whole blocks
-    for rows in range(1, 700):
-        got = nr_full(rows)
-        last = rows - 64 * ((rows - 1) // 64)
-        if got is not None:
-            assert got[0] % 8 == 0 and last <= got[0] < last + 8 and got[1] == (rows > 64)
+    assert cu.v9_options(1) == cu.v9_options(8) == ("-DTV9_NR=8",)  # 1 x 1, 8 x 1
+    assert cu.v9_options(9) == cu.v9_options(16) == ("-DTV9_NR=16",)  # 8 x 2
+    assert cu.v9_options(17) is None and cu.v9_options(72) is None  # 8 x 9: v8's
+    assert cu._V9_MAX_ROWS <= cu._V9_MAX_NR == loader.source_constants(cu._V9)["V9_MAX_NR"]
 
 
 def test_v9_shared_memory_layouts_give_the_transposed_products_their_operands():
@@ -1081,8 +1073,9 @@ def test_wgmma_plan_kernel_matches_numpy_mirror():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["wgmma", "wgmma_v6", "wgmma_v7", "wgmma_v8", "wgmma_v9"])
-def test_wgmma_bit_reproducible_graph_captured_and_allocation_free(impl):
+@pytest.mark.parametrize("impl,nq", [("wgmma", 33), ("wgmma_v6", 33), ("wgmma_v7", 33), ("wgmma_v8", 33),
+                                     ("wgmma_v9", 2)])  # v9's own kernel: Q*H <= 16
+def test_wgmma_bit_reproducible_graph_captured_and_allocation_free(impl, nq):
     """With a workspace: two eager calls agree bit for bit, a call allocates no memory, and the three
     launches captured in a CUDA graph replay to the same bits (ragged batch, several jobs per row)."""
     _need_wgmma()
@@ -1092,7 +1085,7 @@ def test_wgmma_bit_reproducible_graph_captured_and_allocation_free(impl):
 
     cp = _cp()
     g = torch.Generator(device="cuda").manual_seed(5)
-    bsz, nq, nh, width = 5, 33, 8, 6000
+    bsz, nh, width = 5, 8, 6000
     q = torch.randn(bsz, nq, nh, 576, device="cuda", generator=g).bfloat16()
     kv = torch.randn(2 * width, 576, device="cuda", generator=g).bfloat16()
     page = torch.stack([torch.randperm(2 * width, device="cuda", generator=g)[:width]
@@ -1101,7 +1094,7 @@ def test_wgmma_bit_reproducible_graph_captured_and_allocation_free(impl):
     tkv = torch.randn(bsz, nq, 576, device="cuda", generator=g).bfloat16()
     rng = np.random.default_rng(1)
     vis = torch.from_numpy(np.stack([_random_tree(rng, nq) for _ in range(bsz)])).cuda()
-    sizes = torch.tensor([33, 9, 1, 0, 20], device="cuda", dtype=torch.int32)
+    sizes = torch.tensor([min(s, nq) for s in (33, 9, 1, 0, 20)], device="cuda", dtype=torch.int32)
     args = (q, kv, page, lens, tkv, vis, sizes, 576**-0.5)
     ws = cu.make_workspace(bsz, nq, nh)
     first = [a.copy() for a in cu.tree_verify_attention(*args, impl=impl, workspace=ws)]
@@ -1181,8 +1174,8 @@ def test_v8_combine_of_every_width_merges_v5s_partials_alike():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["wgmma", "wgmma_v7", "wgmma_v8", "wgmma_v9"])
-def test_wgmma_plan_ready_reads_the_previous_calls_plan(impl):
+@pytest.mark.parametrize("impl,nq", [("wgmma", 17), ("wgmma_v7", 17), ("wgmma_v8", 17), ("wgmma_v9", 1)])
+def test_wgmma_plan_ready_reads_the_previous_calls_plan(impl, nq):
     """plan_ready=True (the later layers of one verify step): a call with new q, latent rows and cache on a
     workspace whose plan an earlier call of the same lens, sizes and width made gives the bits of a fresh
     call; a plan poisoned in between shows the plan launch is really skipped; no workspace: ValueError."""
@@ -1192,7 +1185,7 @@ def test_wgmma_plan_ready_reads_the_previous_calls_plan(impl):
     from kdlib.cuda import attention as cu
 
     g = torch.Generator(device="cuda").manual_seed(9)
-    bsz, nq, nh, width = 3, 17, 8, 3000
+    bsz, nh, width = 3, 8, 3000
 
     def problem():
         q = torch.randn(bsz, nq, nh, 576, device="cuda", generator=g).bfloat16()
@@ -1203,7 +1196,7 @@ def test_wgmma_plan_ready_reads_the_previous_calls_plan(impl):
     page = torch.stack([torch.randperm(2 * width, device="cuda", generator=g)[:width]
                         for _ in range(bsz)]).int()
     lens = torch.tensor([width, 700, 0], device="cuda", dtype=torch.int32)
-    sizes = torch.tensor([17, 5, 9], device="cuda", dtype=torch.int32)
+    sizes = torch.tensor([min(s, nq) for s in (17, 5, 9)], device="cuda", dtype=torch.int32)
     vis = torch.from_numpy(np.stack([_random_tree(np.random.default_rng(b), nq) for b in range(bsz)])).cuda()
     (q0, kv0, t0), (q1, kv1, t1) = problem(), problem()
     ws = cu.make_workspace(bsz, nq, nh)

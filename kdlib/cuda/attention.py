@@ -40,10 +40,10 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     where a row has many jobs (8 heads x 1 query x 200k), the same or within 1 % elsewhere
     (data/results/attention.h200.json; `BF16_DEFAULT_TRADES`);
   * 9 (`tree_verify/wgmma_v9.cu`, sm_90a only): v8's plan, workspace and combine around an attend kernel
-    that computes the transposed products ("swap-AB": the job's rows are the wgmma N, 8 to 56 of them, not
-    padded to its M of 64) for the jobs of few rows, v7's code for full 64-row blocks in the same kernel;
-    the rows are a compile-time constant per call shape (`v9_options`; where they would spill registers,
-    version 9 runs version 8's kernels).
+    that computes the transposed products ("swap-AB": the job's rows are the wgmma N, not padded to its M
+    of 64), built per call shape; it runs where Q*H <= 16 (`v9_options`: there it measured faster than
+    v8, data/results/history/attention.v9_dev.4d83aab.h200.json), elsewhere version 9 runs version 8's
+    kernels.
 `version=None` (the default) picks by dtype and device: fp32 runs 1 (a dtype path, not a choice);
 bf16 runs `DEFAULT_VERSION` (8, `BF16_DEFAULT`: the fastest in data/results/attention.h200.json)
 where the device runs it, else 3 where the device grants its 166 KB of shared memory (not on sm_120's
@@ -107,8 +107,10 @@ _V6_SMEM = 3 * 73728 + 5 * 64 * 4 + 19 * 8 + 1024
 _V7_SMEM = 3 * 73728 + 5 * 64 * 4 + 4 * 12 * 4 + 30 * 8 + 1024
 # v9: v7's + its own rows (maxima and factors of tiles A and B, per-warp maxima and sums) (V9_SMEM)
 _V9_SMEM = _V7_SMEM + 20 * 64 * 4
-# V9_MAX_NR: TV9_NR's bound with v7's pair code built in (TV9_FULL 1) and without; more rows spill
-_V9_MAX_NR = {True: 16, False: 56}
+_V9_MAX_NR = 56  # V9_MAX_NR: the rows v9's attend kernel builds for without spills
+# Q*H up to which version 9 runs its own attend kernel: where it measured faster than v8's (8 and 16 rows;
+# slower at 32 and 48) in data/results/history/attention.v9_dev.4d83aab.h200.json
+_V9_MAX_ROWS = 16
 _V5_BM = 64  # rows per job (BM)
 _V5_BN = 64  # keys per tile (BN)
 _V5_ROUNDS = 4  # MAX_ROUNDS: the plan fits the jobs into at most this many rounds of one job per CTA
@@ -463,13 +465,10 @@ def v8_combine_warps(bsz: int, rows: int, width: int, grid: int) -> int:
 
 
 def v9_options(rows: int) -> tuple[str, ...] | None:
-    """Version 9's NVRTC options at Q*H = `rows` a request: TV9_NR, the rows its transposed pair code is
-    built for (the request's last row block's rows rounded up to 8; ragged trees only shrink jobs), and
-    TV9_FULL, whether there are full 64-row blocks (they run v7's pair code); None where TV9_NR would pass
-    `_V9_MAX_NR` (there version 9 runs version 8's kernels)."""
-    full = rows > _V5_BM
-    nr = 8 * _ceil(rows - _V5_BM * ((rows - 1) // _V5_BM), 8)
-    return (f"-DTV9_NR={nr}", f"-DTV9_FULL={int(full)}") if nr <= _V9_MAX_NR[full] else None
+    """Version 9's NVRTC options at Q*H = `rows` a request: TV9_NR, the rows its attend kernel is built for
+    (rows rounded up to 8: one row block, whose jobs ragged trees only shrink); None past `_V9_MAX_ROWS`
+    (there version 9 runs version 8's kernels)."""
+    return (f"-DTV9_NR={8 * _ceil(rows, 8)}",) if rows <= _V9_MAX_ROWS else None
 
 
 class VerifyWorkspace:

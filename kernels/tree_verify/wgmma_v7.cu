@@ -2,7 +2,8 @@
 // warpgroup tensor cores, bf16 in, fp32 out: v5's plan and combine and v6's seesaw (both in
 // tree_verify/wgmma_common.cuh) around an attend kernel with warp specialisation. Three launches, no
 // host sync, fixed buffers (CUDA-graph capturable): tree_verify_v5_plan, tree_verify_v7_attend,
-// tree_verify_v5_combine; jobs, partials and their merge as in v5.
+// tree_verify_v5_combine; jobs, partials and their merge as in v5. The producer's loop, the CTA's
+// shared-memory layout and its barriers: tree_verify/wgmma_ws.cuh (version 9 runs the same producer).
 //
 // Why (data/results/ncu/tree_verify_v6_attend.8x65x200k.txt: issue slots mostly idle, few eligible
 // warps): in v6 the two MMA warpgroups also gathered the K tiles, so a large share of their
@@ -67,6 +68,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v7_attend(
     __syncthreads();
 
     const int wg = tid >> 7, wt = tid & 127;
+    const unsigned k0s = base + OFF_K0, k1s = base + OFF_K1;
 
     if (wg == 0) {
         // ------------------------------------------------------------------------------ producer
@@ -75,9 +77,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v7_attend(
         // ----------------------------------------------------------------------------- consumers
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
         float* rows = reinterpret_cast<float*>(gbase + OFF_ROWS);
+        float* s_m = rows;            // running max after the last consumer's update
+        float* s_ca = rows + BM;      // c_A
+        float* s_cb = rows + 2 * BM;  // c_B
+        float* s_l = rows + 3 * BM;   // [2][64]: l of each consumer at the job's end
         const int c = wg - 1, warp = wt >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
         const int lr0 = warp * 16 + g, lr1 = lr0 + 8;  // this thread's accumulator rows in the block
         const float sl2 = scale * LOG2E;
+        const unsigned pa = k0s + ROPE_CB * CB_BYTES, pb = k1s + ROPE_CB * CB_BYTES;  // P_A, P_B
+        const unsigned kst = c == 0 ? k0s : k1s;  // this consumer's tile: A (stage 0) or B (stage 1)
 
         float o[128];
         float s[32];
@@ -98,12 +106,106 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v7_attend(
             const int k0 = d[6 + 3 * c], kend = d[7 + 3 * c];
             const bool first = flags & D_FIRST, last = flags & D_LAST;
 
-            if (first) {  // the job's Q
+            // S of this consumer's tile, block by block as they land
+            if (first) {
                 bar_wait(BAR_QFULL(bars), jobs & 1);
                 ++jobs;
             }
-            consume_pair_v7(o, s, m0, m1, l0, l1, jb, j, tail, k0, kend, first, last, n, base, bars, rows, c, lane,
-                            lr0, lr1, t4, sl2, vis, Q, H, parts, part_lse);
+#pragma unroll
+            for (int i = 0; i < 32; ++i) s[i] = 0.f;  // the accumulator starts afresh (its old value is dead)
+            reg_fence(s);
+            wg_fence();
+            issue_s_blocks<0, NCB>(s, base, kst, bars, c, n & 1, true);
+            wg_commit();
+            wg_wait<0>();
+            reg_fence(s);
+            if (last) warp_arrive(BAR_QEMPTY(bars), lane);  // the job's Q is read
+
+            float mx0, mx1;
+            mask_tile(s, mx0, mx1, tail, k0, kend, vis, jb, Q, H, lr0, lr1, t4, sl2);
+            if (c == 0) {
+                // ------------------------------------------------ tile A: softmax, O_L += P_A V_AL
+                float mn0, mn1, c0, c1;
+                softmax_step(s, m0, m1, mx0, mx1, mn0, mn1, c0, c1, l0, l1);
+                rescale(o, c0, c1);
+                s_m[lr0] = mn0;  // the quad's four threads store the same values: no branch
+                s_m[lr1] = mn1;
+                s_ca[lr0] = c0;
+                s_ca[lr1] = c1;
+                store_p(s, pa, lr0, lr1, t4);
+                fence_async_smem();
+                handoff(NB_SCALE_A);
+                reg_fence(o);
+                wg_fence();
+                issue_pv_ss(o, pa, k0s, first);
+                wg_commit();
+                wg_wait<0>();
+                reg_fence(o);
+                warp_arrive(BAR_EMPTY(bars, 0, 0), lane);  // stage 0: V_AL read, P_A read on this side
+                warp_arrive(BAR_EMPTY(bars, 0, 2), lane);
+
+                // ------------------------------------------------ tile B: O_L = O_L c_B + P_B V_BL
+                nb_sync(NB_SCALE_B);
+                const float cb0 = s_cb[lr0], cb1 = s_cb[lr1];
+                m0 = s_m[lr0];
+                m1 = s_m[lr1];
+                l0 *= cb0;
+                l1 *= cb1;
+                rescale(o, cb0, cb1);
+                nb_sync(NB_PB);
+                fence_async_smem();
+                reg_fence(o);
+                wg_fence();
+                issue_pv_ss(o, pb, k1s);
+                wg_commit();
+                wg_wait<0>();
+                reg_fence(o);
+                warp_arrive(BAR_EMPTY(bars, 1, 0), lane);  // stage 1: V_BL read, P_B read on this side
+                warp_arrive(BAR_EMPTY(bars, 1, 2), lane);
+            } else {
+                // ------------------------------------------------ tile A: O_R = O_R c_A + P_A V_AR
+                nb_sync(NB_SCALE_A);
+                fence_async_smem();
+                const float ma0 = s_m[lr0], ma1 = s_m[lr1], ca0 = s_ca[lr0], ca1 = s_ca[lr1];
+                l0 *= ca0;
+                l1 *= ca1;
+                rescale(o, ca0, ca1);
+                reg_fence(o);
+                wg_fence();
+                issue_pv_ss(o, pa, k0s + V_R0 * CB_BYTES, first);
+                wg_commit();
+                // ------------------------------------------------ tile B: softmax, O_R = O_R c_B + P_B V_BR
+                float mn0, mn1, cb0, cb1;
+                softmax_step(s, ma0, ma1, mx0, mx1, mn0, mn1, cb0, cb1, l0, l1);
+                __syncwarp();    // the quad's reads of s_m / s_ca above come before its stores
+                s_m[lr0] = mn0;  // under this consumer's MMAs: no branch
+                s_m[lr1] = mn1;
+                s_cb[lr0] = cb0;
+                s_cb[lr1] = cb1;
+                m0 = mn0;
+                m1 = mn1;
+                handoff(NB_SCALE_B);
+                store_p(s, pb, lr0, lr1, t4);
+                fence_async_smem();
+                handoff(NB_PB);
+                wg_wait<0>();
+                reg_fence(o);
+                warp_arrive(BAR_EMPTY(bars, 0, 1), lane);  // stage 0: V_AR read, P_A read on this side
+                warp_arrive(BAR_EMPTY(bars, 0, 2), lane);
+                rescale(o, cb0, cb1);
+                reg_fence(o);
+                wg_fence();
+                issue_pv_ss(o, pb, k1s + V_R0 * CB_BYTES);
+                wg_commit();
+                wg_wait<0>();
+                reg_fence(o);
+                warp_arrive(BAR_EMPTY(bars, 1, 1), lane);  // stage 1: V_BR read, P_B read on this side
+                warp_arrive(BAR_EMPTY(bars, 1, 2), lane);
+            }
+
+            if (last)  // the job's rows normalised; then a fresh accumulator
+                job_end(o, m0, m1, l0, l1, s_l, NB_LSUM, c, parts, part_lse, j, [&] { return jb.nrows; }, lr0, lr1,
+                        t4);
             if (flags & D_END) break;
         }
     }

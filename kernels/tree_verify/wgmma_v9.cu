@@ -5,7 +5,7 @@
 //
 // Why (data/results/attention_bounds.h200.json): at 8 heads x 1 query a job has 8 rows, but v7's consumers
 // compute S = Q K^T and O += P V over 64 rows (wgmma m64), so the tensor time of a 64-key tile is about its
-// gather time, and at 9 queries (rows 64 + 8) the padded FLOPs exceed the memory-bound budget.
+// gather time.
 //
 // Here v7's CTA, producer, barriers, stages and descriptor ring are kept (tree_verify/wgmma_ws.cuh: the
 // producer warpgroup is the same code) and the consumers compute, for a job of nrows <= NR rows:
@@ -20,11 +20,12 @@
 // The job's end sums l over lanes, warps and both consumers in a fixed order (bit-for-bit reproducible)
 // and writes the valid rows into parts [j, row, dim] and part_lse, the layout v7 writes.
 //
-// NR (TV9_NR, a multiple of 8) and TV9_FULL are the host's -D options, compile-time constants: a job of at
-// most NR rows runs the transposed pair code above with N = NR; with TV9_FULL (requests of more than 64
-// rows) a job of more rows (a full 64-row block) runs v7's pair code (consume_pair_v7), the same FLOPs as
-// N = 64 would have. Ragged trees only shrink jobs. NR is at most 16 with TV9_FULL, 56 without (more:
-// the consumers' registers spill); the host runs version 8 at the other shapes.
+// NR (TV9_NR, the host's -D option) is a compile-time constant: the request's rows (Q*H) rounded up to 8,
+// every job of it at most NR rows (ragged trees only shrink jobs). It builds without spills up to 56; the
+// host runs this kernel only where it measured faster than v7's (kdlib.cuda.attention.v9_options; the dev
+// record data/results/history/attention.v9_dev.4d83aab.h200.json: faster at 8 and 16 rows, slower at 32 and
+// 48 rows and where a request also has full 64-row blocks, there run by v7's pair code in the same kernel,
+// a build since taken out), elsewhere version 8's kernels.
 //
 // Shared memory: v7's layout (Q, two K stages, rows, descriptors, barriers) + v9's rows after the barriers
 // (m_A, c_A, m_B, c_B [4][64], the tile maxima red [2][4][64] and the job's sums lsum [2][4][64]).
@@ -37,10 +38,7 @@
 #ifndef TV9_NR
 #define TV9_NR 8                           // rows of the jobs that run the transposed products
 #endif
-#ifndef TV9_FULL
-#define TV9_FULL 1                         // 1: there are jobs of more rows (v7's pair code is built in)
-#endif
-#define V9_MAX_NR (TV9_FULL ? 16 : 56)     // beyond these, the consumers' registers spill
+#define V9_MAX_NR 56                       // beyond, the consumers' registers spill
 static_assert(TV9_NR % 8 == 0 && TV9_NR >= 8 && TV9_NR <= V9_MAX_NR, "TV9_NR: a multiple of 8 in [8, V9_MAX_NR]");
 
 #define OFF_V9 (OFF_BARS + NBARS * 8)      // float: m_A, c_A, m_B, c_B [4][64], red [2][4][64], lsum [2][4][64]
@@ -438,22 +436,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v9_attend(
     x.t4 = x.lane & 3;
     x.sl2 = scale * LOG2E;
 
-    float o[2 * TV9_NR];  // O^T of the consumer's 4 dim blocks (v9's pairs)
-    float o7[128];        // O of its 256 dims (v7's pairs; TV9_FULL only)
-    float s[32];          // S^T (its first TV9_NR / 2), S
+    float o[2 * TV9_NR];  // O^T of the consumer's 4 dim blocks
+    float s[32];          // S^T (its first TV9_NR / 2)
 #pragma unroll
     for (int i = 0; i < 2 * TV9_NR; ++i) o[i] = 0.f;
-#pragma unroll
-    for (int i = 0; i < 128; ++i) o7[i] = 0.f;
-    float m[TV9_NR / 4], l[TV9_NR / 4];  // v9's rows' running max and sum
+    float m[TV9_NR / 4], l[TV9_NR / 4];  // the rows' running max and sum
 #pragma unroll
     for (int r = 0; r < TV9_NR / 4; ++r) {
         m[r] = NEG_INF;
         l[r] = 0.f;
     }
-    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;  // v7's
-    const int lr0 = x.warp * 16 + x.g, lr1 = lr0 + 8;     // v7's O rows of this thread
-    float* rows7 = reinterpret_cast<float*>(gbase + OFF_ROWS);
     int jobs = 0;  // jobs started: the Q barrier's phase
     for (int n = 0;; ++n) {
         // the pair's descriptor, all of it into registers (the producer reuses the slot NDESC pairs on)
@@ -471,13 +463,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v9_attend(
             bar_wait(BAR_QFULL(bars), jobs & 1);
             ++jobs;
         }
-        if (!TV9_FULL || __all_sync(0xffffffffu, jb.nrows <= TV9_NR)) {  // a vote: warp-uniform for ptxas
-            pair_t<TV9_NR>(o, s, m, l, jb, tail, k0, kend, first, last, n & 1, vis, Q, H, x);
-            if (last) job_end_t<TV9_NR>(o, m, l, j, jb.nrows, parts, part_lse, x);
-        } else {
-            consume_pair_v7(o7, s, m0, m1, l0, l1, jb, j, tail, k0, kend, first, last, n, base, bars, rows7, x.c,
-                            x.lane, lr0, lr1, x.t4, x.sl2, vis, Q, H, parts, part_lse);
-        }
+        pair_t<TV9_NR>(o, s, m, l, jb, tail, k0, kend, first, last, n & 1, vis, Q, H, x);
+        if (last) job_end_t<TV9_NR>(o, m, l, j, jb.nrows, parts, part_lse, x);
         if (flags & D_END) break;
     }
 #else
