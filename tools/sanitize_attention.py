@@ -9,13 +9,15 @@ prefix, the prefix alone, a call on a preallocated workspace, a ragged batch of 
 357, trees of 1 / 33 / 65 rows); one version 3 ("mma_v3") call on the ragged batch; versions 6
 ("wgmma_v6"), 7 ("wgmma_v7") and 8 ("wgmma_v8", the bf16 default) each on the workspace call, the ragged
 batch and a prefix alone at 8 x 9; version 8 also where its combine takes 8 and 32 warps a row (8 x 1
-over 5,000 keys for 3 requests, over 20,000 for one). KDLIB_SANITIZE_CASES (a comma list of name
-prefixes, e.g. "v7") keeps some of them. Each output is compared with `kdlib.ref.attention` on the same
-bf16 values (norm-relative error <= 1e-2, lse within 2e-3, padding rows NaN), so a clean sanitizer run is
-also a correct one. The kernels a case covers are those the wrapper fetched from `kdlib.cuda.loader`
-while it ran (each is fetched right before its launch). CuPy's memory pool is off (`--pool` keeps it), so
-every array is its own allocation and memcheck sees an out-of-bounds access at its first byte; set
-PYTORCH_NO_CUDA_MEMORY_CACHING=1 for the torch inputs (tools/sanitize_gpu.sh does).
+over 5,000 keys for 3 requests, over 20,000 for one); version 9 ("wgmma_v9") where it runs its own attend
+kernel (8 heads x 1 and x 2 queries: the workspace call, a ragged batch, a prefix alone).
+KDLIB_SANITIZE_CASES (a comma list of name prefixes, e.g. "v7") keeps some of them. Each output is
+compared with `kdlib.ref.attention` on the same bf16 values (norm-relative error <= 1e-2, lse within
+2e-3, padding rows NaN), so a clean sanitizer run is also a correct one. The kernels a case covers are
+those the wrapper fetched from `kdlib.cuda.loader` while it ran (each is fetched right before its
+launch). CuPy's memory pool is off (`--pool` keeps it), so every array is its own allocation and memcheck
+sees an out-of-bounds access at its first byte; set PYTORCH_NO_CUDA_MEMORY_CACHING=1 for the torch inputs
+(tools/sanitize_gpu.sh does).
 
 `summarize` reads the compute-sanitizer logs and the driver's case files a run of
 tools/sanitize_gpu.sh left in DIR and writes DIR/sanitize.json: per tool its exit code, the
@@ -140,6 +142,16 @@ def cases(only: str = "") -> list[dict]:
         {"name": "v8 verify 8x1x20000 (combine 32 warps)",
          "shape": {"nh": 8, "nq": 1, "lens": [20000], "sizes": [1]},
          "version": 8, "call": "verify", "workspace": False},
+    ]
+    # version 9's own attend kernel (Q * H <= 16): one query and two, the workspace call, a ragged batch
+    small = {"nh": 8, "nq": 2, "lens": [1000, 0, 357], "sizes": [1, 2, 2]}
+    every += [
+        {"name": "v9 verify 8x1x1000 (workspace)", "shape": {"nh": 8, "nq": 1, "lens": [1000], "sizes": [1]},
+         "version": 9, "call": "verify", "workspace": True},
+        {"name": "v9 verify 8x2 ragged B3", "shape": small, "version": 9, "call": "verify",
+         "workspace": False},
+        {"name": "v9 prefix 8x2x1000", "shape": {"nh": 8, "nq": 2, "lens": [1000], "sizes": [2]},
+         "version": 9, "call": "prefix", "workspace": False},
     ]
     return [c for c in every if not keep or c["name"].startswith(keep)]
 

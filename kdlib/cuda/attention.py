@@ -34,26 +34,25 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     two MMA warpgroups with warp specialisation: a third, producer warpgroup (384 threads a CTA,
     registers rebalanced with setmaxnreg) decodes the jobs and gathers every K tile, the MMA warpgroups
     only wait on its full barriers and release the stage blocks on empty ones (the kernel file says how);
-  * 8 (`tree_verify/wgmma_v8.cu`, sm_90a only, `DEFAULT_VERSION`): v7's plan, workspace and attend kernel
+  * 8 (`tree_verify/wgmma_v8.cu`, sm_90a only): v7's plan, workspace and attend kernel
     with a combine of 4 to 32 warps per row (`v8_combine_warps`), so that a row's many jobs (a long prefix
     over few rows) are merged with their loads in flight at once rather than four at a time; faster than 7
     where a row has many jobs (8 heads x 1 query x 200k), the same or within 1 % elsewhere
     (data/results/attention.h200.json; `BF16_DEFAULT_TRADES`);
-  * 9 (`tree_verify/wgmma_v9.cu`, sm_90a only): v8's plan, workspace and combine around an attend kernel
-    that computes the transposed products ("swap-AB": the job's rows are the wgmma N, not padded to its M
-    of 64), built per call shape; it runs where Q*H <= 16 (`v9_options`: there it measured faster than
-    v8, data/results/history/attention.v9_dev.4d83aab.h200.json), elsewhere version 9 runs version 8's
-    kernels.
+  * 9 (`tree_verify/wgmma_v9.cu`, sm_90a only, `DEFAULT_VERSION`): v8's plan, workspace and combine around
+    an attend kernel that computes the transposed products ("swap-AB": the job's rows are the wgmma N, not
+    padded to its M of 64), built per call shape; it runs where Q*H <= 16 (`v9_options`: there it measured
+    faster than v8, data/results/history/attention.v9_dev.4d83aab.h200.json), elsewhere version 9 runs
+    version 8's kernels.
 `version=None` (the default) picks by dtype and device: fp32 runs 1 (a dtype path, not a choice);
-bf16 runs `DEFAULT_VERSION` (8, `BF16_DEFAULT`: the fastest in data/results/attention.h200.json)
+bf16 runs `DEFAULT_VERSION` (9, `BF16_DEFAULT`: the fastest in data/results/attention.h200.json)
 where the device runs it, else 3 where the device grants its 166 KB of shared memory (not on sm_120's
 99 KB), else 1.
 
 Deprecated alias: `impl=` names a version as recorded results and kdlib.perf suites do
 (`IMPLS`: "simple" = 1, "mma_v2" / "mma_v3" / "mma_v4" = 2 / 3 / 4, "mma" = `MMA_DEFAULT`,
-"wgmma" = 5, "wgmma_v6" = 6, "wgmma_v7" = 7, "wgmma_v8" = 8, "wgmma_v9" = 9,
-"auto" = None); give `version` or `impl`,
-not both.
+"wgmma" = 5, "wgmma_v6" = 6, "wgmma_v7" = 7, "wgmma_v8" = 8, "wgmma_v9" = 9, "auto" = None); give
+`version` or `impl`, not both.
 
 Checks before any launch raise ValueError: shapes, dtypes (float32 or bfloat16, all float inputs
 alike), Q <= 65, widths 576/512, and, with `validate=True` (the default, one device sync), the
@@ -168,13 +167,13 @@ WGMMA = "wgmma"
 # MMA_DEFAULT in the recorded attention sweep (data/results/attention.h200.json: the fastest median at most
 # points, elsewhere within the other arm's replay spread but at the points of BF16_DEFAULT_TRADES;
 # tests/test_kernel_constants.py checks both against the record).
-BF16_DEFAULT = "wgmma_v8"
+BF16_DEFAULT = "wgmma_v9"
 # (heads, queries, prefix, batch) -> why: the recorded points where another arm is faster than the default
 # beyond that arm's replay spread, the price of its gains elsewhere.
 BF16_DEFAULT_TRADES = {
-    (64, 65, 32_768, 1): "v7 faster beyond its spread in two runs (500404d and c49c344): there v8 runs its "
-                         "own 4-warp combine over 16,640 blocks where v7 runs v5's, the same split of the "
-                         "work; why it is slower is not measured",
+    (64, 65, 32_768, 1): "v7 faster beyond its spread in the runs of 500404d and c49c344 (v8 the default): "
+                         "there v9 runs v8's kernels, v8 its own 4-warp combine over 16,640 blocks where v7 "
+                         "runs v5's, the same split of the work; why it is slower is not measured",
 }
 _BY_IMPL = {launch.impl: v for v, launch in LAUNCHES.items()}
 DEFAULT_VERSION = _BY_IMPL[BF16_DEFAULT]
