@@ -300,9 +300,11 @@ def test_tree_default_is_the_recorded_headline():
 
 
 def test_attention_bf16_default_is_the_fastest_recorded_arm():
-    """BF16_DEFAULT against every other arm of attention.h200.json: the fastest median at most points, and
-    at every point no other arm faster beyond that arm's own replay spread (its p90) but at exactly the
-    points BF16_DEFAULT_TRADES declares (a trade the record must still show, each with its reason)."""
+    """BF16_DEFAULT against every other arm of attention.h200.json: the fastest at most points (its median
+    at or under the fastest arm's p90: arms that run the same kernels at a point, as v9 runs v8's where
+    Q*H > 16, tie there and their medians order at random), and at every point no other arm faster beyond
+    that arm's own replay spread (its p90) but at exactly the points BF16_DEFAULT_TRADES declares (a trade
+    the record must still show, each with its reason)."""
     rec = _record("attention")
     assert attention.LAUNCHES[attention.DEFAULT_VERSION].impl == attention.BF16_DEFAULT
     assert {attention.BF16_DEFAULT, attention.MMA_DEFAULT} <= set(rec["parameters"]["impls"])
@@ -310,7 +312,8 @@ def test_attention_bf16_default_is_the_fastest_recorded_arm():
     fastest, beaten = 0, set()
     for p in rec["points"]:
         ms = {impl: v["kernel"]["median_ms"] for impl, v in p["variants"].items()}
-        fastest += min(ms, key=ms.get) == attention.BF16_DEFAULT
+        best = p["variants"][min(ms, key=ms.get)]["kernel"]
+        fastest += ms[attention.BF16_DEFAULT] <= best["p90_ms"]
         if any(ms[attention.BF16_DEFAULT] > v["kernel"]["p90_ms"] for v in p["variants"].values()):
             beaten.add((p["heads"], p["queries"], p["prefix"], p["batch"]))
     assert fastest > len(rec["points"]) / 2

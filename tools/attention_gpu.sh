@@ -117,28 +117,11 @@ if [ -n "${KDLIB_NCU_IMPLS:-}" ]; then  # e.g. "v7": those of them that passed t
   NCU_IMPLS=$(for v in $NCU_IMPLS; do case " $KDLIB_NCU_IMPLS " in *" $v "*) echo "$v" ;; esac; done)
 fi
 for v in $NCU_IMPLS; do
-  cat >/tmp/ncu_$v.py <<PY
-import torch
-from kdlib.cuda import attention as cu
-g = torch.Generator(device="cuda").manual_seed(0)
-nq, nh, s = 65, 8, 200_000
-q = torch.randn(1, nq, nh, 576, device="cuda", generator=g).bfloat16()
-kv = torch.randn(s, 576, device="cuda", generator=g).bfloat16()
-pt = torch.randperm(s, device="cuda", generator=g).int()[None]
-tkv = torch.randn(1, nq, 576, device="cuda", generator=g).bfloat16()
-vis = torch.tril(torch.ones(nq, nq, dtype=torch.bool, device="cuda"))[None]
-lens = torch.tensor([s], dtype=torch.int32, device="cuda")
-sizes = torch.tensor([nq], dtype=torch.int32, device="cuda")
-ws = cu.make_workspace(1, nq, nh)
-for _ in range(2):
-    cu.tree_verify_attention(q, kv, pt, lens, tkv, vis, sizes, 576**-0.5, impl="wgmma_$v", workspace=ws)
-torch.cuda.synchronize()
-PY
   step ncu_$v 50 env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ncu --clock-control none \
     --kernel-name tree_verify_${v}_attend --launch-skip 1 --launch-count 1 \
     --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
     --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats \
-    python3 /tmp/ncu_$v.py
+    python3 tools/ncu_verify.py --impl wgmma_$v
   mv "$OUT/ncu_$v.log" "$OUT/ncu_$v.txt"
 done
 echo "total $(($(date +%s) - T0))s" | tee -a "$OUT/summary.txt"

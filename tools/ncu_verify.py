@@ -1,0 +1,40 @@
+"""One whole tree-verify call, run twice on random bf16 inputs: the program Nsight Compute profiles (the
+second call: the first compiles and warms). Run from the repo root on the GPU machine:
+
+    ncu --kernel-name tree_verify_v9_attend --launch-skip 1 --launch-count 1 ... \
+        python3 tools/ncu_verify.py --impl wgmma_v9 --queries 1 --heads 8 --prefix 200000
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from kdlib.cuda import attention as cu
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--impl", required=True, help="the version by name, e.g. wgmma_v9")
+    ap.add_argument("--queries", type=int, default=65)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--prefix", type=int, default=200_000)
+    a = ap.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    nq, nh, s = a.queries, a.heads, a.prefix
+    q = torch.randn(1, nq, nh, cu.D_QK, device="cuda", generator=g).bfloat16()  # [1, Q, H, 576]
+    kv = torch.randn(s, cu.D_QK, device="cuda", generator=g).bfloat16()  # [S, 576]
+    pt = torch.randperm(s, device="cuda", generator=g).int()[None]  # [1, S] scattered slots
+    tkv = torch.randn(1, nq, cu.D_QK, device="cuda", generator=g).bfloat16()  # [1, Q, 576]
+    vis = torch.tril(torch.ones(nq, nq, dtype=torch.bool, device="cuda"))[None]  # [1, Q, Q]
+    lens = torch.tensor([s], dtype=torch.int32, device="cuda")  # [1]
+    sizes = torch.tensor([nq], dtype=torch.int32, device="cuda")  # [1]
+    ws = cu.make_workspace(1, nq, nh)
+    for _ in range(2):
+        cu.tree_verify_attention(q, kv, pt, lens, tkv, vis, sizes, cu.D_QK ** -0.5, impl=a.impl, workspace=ws)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
