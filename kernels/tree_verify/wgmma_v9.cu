@@ -106,14 +106,6 @@ __device__ __forceinline__ void wgmma_n(float* d, unsigned long long da, unsigne
                      "%28, %29, p, 1, 1, %31, 0;\n}\n"
                      : ACC16(d, 0), ACC8(d, 16), ACC4(d, 24)
                      : "l"(da), "l"(db), "r"(acc), "n"(TA));
-    if constexpr (N == 64)
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-                     "%32, %33, p, 1, 1, %35, 0;\n}\n"
-                     : ACC32(d, 0)
-                     : "l"(da), "l"(db), "r"(acc), "n"(TA));
 }
 
 // reg_fence of K registers held through a pointer.
