@@ -255,6 +255,59 @@ def test_v5_plan_balances_the_issue_shapes():
     assert load.max() <= 1.25 * even + 2 * cu._V5_JOB_OVERHEAD
 
 
+def test_v10_order_ranks_the_jobs_and_the_deal_runs_each_once():
+    """plan_order (the v10 plan's order): where G < jobs <= ORDER_CAP a permutation of the jobs by
+    non-increasing key tiles (job_tiles: decode_job's), ties by index, else None; v10_deal gives every job to
+    one CTA once, round 0 the G largest in CTA order, the static round-robin where there is no order (past
+    ORDER_CAP too)."""
+    from kdlib.cuda import attention as cu
+
+    rng = np.random.default_rng(61)
+    shapes = [_v5_random_shape(rng) for _ in range(300)]
+    shapes.append((rng.integers(1, 301, size=64), None, 300, 65, 16, 132))  # 64 x 17 row blocks: past the cap
+    ordered = 0
+    for lens, sizes, width, nq, nh, grid in shapes:
+        plan = cu.plan_v5(lens, sizes, width, nq, nh, grid)
+        n = int(plan[0])
+        tiles = cu.job_tiles(plan)
+        assert tiles.tolist() == [_v5_decode(plan, j)["ntiles"] for j in range(n)]
+        order, deal = cu.plan_order(plan, grid), cu.v10_deal(plan, grid)
+        assert sorted(j for jobs in deal for j in jobs) == list(range(n))
+        if order is None:
+            assert not grid < n <= cu._V10_ORDER_CAP
+            assert deal == [list(range(c, n, grid)) for c in range(grid)]
+            continue
+        ordered += 1
+        assert sorted(order.tolist()) == list(range(n))
+        t = tiles[order]
+        assert (t[1:] <= t[:-1]).all()
+        assert all(order[k] < order[k + 1] for k in range(n - 1) if t[k] == t[k + 1])  # ties: by index
+        assert [jobs[0] for jobs in deal] == order[:grid].tolist()
+        assert all(len(jobs) < 2 or jobs[1] == order[2 * grid - 1 - c] for c, jobs in enumerate(deal))
+    assert ordered >= 30 and int(cu.plan_v5(*shapes[-1])[0]) > cu._V10_ORDER_CAP
+
+
+def test_v10_snake_deal_balances_the_ragged_point():
+    """The busiest CTA of the suite's ragged point (132 CTAs; cta_loads: tiles + JOB_OVERHEAD a job) carries
+    less under v10's deal than under the static round-robin, the same total; at every other suite point no
+    more."""
+    from kdlib.cuda import attention as cu
+    from kdlib.perf.suites import attention as suite
+
+    grid = 132
+    lens, trees = suite.ragged_shape()
+    pts = [(lens, trees, suite.RAGGED["queries"], suite.RAGGED["heads"])]
+    pts += [([p["prefix"]] * p["batch"], [p["queries"]] * p["batch"], p["queries"], p["heads"])
+            for p in suite.POINTS]
+    for i, (ls, ts, nq, nh) in enumerate(pts):
+        plan = cu.plan_v5(ls, ts, max(ls), nq, nh, grid)
+        static = cu.cta_loads(plan, [list(range(c, int(plan[0]), grid)) for c in range(grid)])
+        dealt = cu.cta_loads(plan, cu.v10_deal(plan, grid))
+        assert dealt.sum() == static.sum() and dealt.max() <= static.max()
+        if i == 0:
+            assert int(plan[0]) > grid and dealt.max() < static.max()
+
+
 def test_v8_combine_warps_follow_a_rows_jobs_and_fit_one_wave():
     """The warps of v8's combine against the chunks plan_v5 gives a row (its jobs): never more blocks x
     warps than 132 SMs hold at once; at most _V8_JOBS_PER_WARP jobs a warp wherever that allows it with
@@ -791,7 +844,7 @@ def _run_random(seed0, n_cases, dtype, impls, rtol, lse_atol, **case_kw):
 
 
 def _mma_impls():
-    """Every tensor-core version the device runs (the mma.sync ones, and "wgmma" ... "wgmma_v9" on sm_90), or
+    """Every tensor-core version the device runs (the mma.sync ones, and "wgmma" ... "wgmma_v10" on sm_90), or
     the comma list in $KDLIB_TEST_MMA (e.g. 'mma_v3,wgmma')."""
     from kdlib.cuda.attention import LAUNCHES, MMA_VERSIONS, WGMMA_VERSIONS, wgmma_available
 
@@ -944,7 +997,7 @@ def _torch_reference(q, kv, page, lens, tkv, vis, sizes, scale):
 
 
 LONG_PREFIX_RUNS = [("bfloat16", i) for i in ("mma_v2", "mma_v3", "mma_v4", "wgmma", "wgmma_v6", "wgmma_v7",
-                                               "wgmma_v8", "wgmma_v9")]
+                                               "wgmma_v8", "wgmma_v9", "wgmma_v10")]
 
 
 @pytest.mark.gpu
@@ -1073,8 +1126,82 @@ def test_wgmma_plan_kernel_matches_numpy_mirror():
 
 
 @pytest.mark.gpu
+def test_v10_plan_kernel_writes_the_mirrors_plan_and_order():
+    """tree_verify_v10_plan: plan_v5's plan and, where G < jobs <= ORDER_CAP, plan_order's order integer for
+    integer; elsewhere (one round, or past ORDER_CAP) the order buffer untouched."""
+    _need_wgmma()
+    from kdlib.cuda import attention as cu
+    from kdlib.cuda import loader
+
+    cp = _cp()
+    rng = np.random.default_rng(78)
+    fn = loader.get_function(cu._V10, "tree_verify_v10_plan", options=cu._V5_OPTIONS)
+    shapes = [_v5_random_shape(rng) for _ in range(200)]
+    shapes.append((rng.integers(1, 301, size=64), None, 300, 65, 16, 132))  # 64 x 17 row blocks: past the cap
+    ordered = 0
+    for lens, sizes, width, nq, nh, grid in shapes:
+        want = cu.plan_v5(lens, sizes, width, nq, nh, grid)
+        want_order = cu.plan_order(want, grid)
+        plan = cp.full(want.shape, -7, dtype=cp.int32)  # [1 + 8B]
+        order = cp.full(cu.v5_max_jobs(len(lens), nq * nh, grid), -7, dtype=cp.int32)  # [jobs bound]
+        d_sizes = cp.asarray(sizes, dtype=cp.int32) if sizes is not None else np.uintp(0)
+        fn((1,), (256,), (cp.asarray(lens, dtype=cp.int32), d_sizes, np.int32(len(lens)), np.int32(width),
+                          np.int32(nq), np.int32(nh), np.int32(grid), plan, order))
+        np.testing.assert_array_equal(plan.get(), want)
+        got = order.get()
+        n = 0 if want_order is None else want_order.shape[0]
+        ordered += n > 0
+        np.testing.assert_array_equal(got[:n], want_order if n else got[:0])
+        assert (got[n:] == -7).all()
+    assert ordered >= 20 and want[0] > cu._V10_ORDER_CAP
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bsz,nq,nh,width", [(16, 65, 8, 40_000),  # v7's consumers
+                                             (160, 2, 8, 3000)])  # v9's (Q*H <= 16)
+def test_v10_ordered_batch_matches_float64_and_version_9_bit_for_bit(bsz, nq, nh, width):
+    """A ragged batch whose plan passes G jobs (the snake deal runs): the order in the workspace is
+    plan_order's, the output version 9's bit for bit (the same jobs, combine and merge order) and within the
+    bf16 tolerance of a float64 torch reference (rows under each request's tree size)."""
+    _need_wgmma()
+    import torch
+
+    from kdlib.check import assert_close
+    from kdlib.cuda import attention as cu
+
+    g = torch.Generator(device="cuda").manual_seed(bsz)
+    rng = np.random.default_rng(bsz)
+    n_slots = 2 * width
+    q = torch.randn(bsz, nq, nh, 576, device="cuda", generator=g).bfloat16()  # [B, Q, H, 576]
+    kv = torch.randn(n_slots, 576, device="cuda", generator=g).bfloat16()  # [S, 576]
+    page = torch.stack([torch.randperm(n_slots, device="cuda", generator=g)[:width]
+                        for _ in range(bsz)]).int()  # [B, width]
+    lens_np = rng.permutation(np.linspace(width // 40, width, bsz).astype(np.int32))  # prefixes spread out
+    sizes_np = rng.integers(1, nq + 1, size=bsz).astype(np.int32)  # ragged trees
+    lens, sizes = torch.from_numpy(lens_np).cuda(), torch.from_numpy(sizes_np).cuda()
+    tkv = torch.randn(bsz, nq, 576, device="cuda", generator=g).bfloat16()  # [B, Q, 576]
+    vis = torch.from_numpy(np.stack([_random_tree(rng, nq) for _ in range(bsz)])).cuda()  # [B, Q, Q]
+    args = (q, kv, page, lens, tkv, vis, sizes, 576**-0.5)
+    ws = cu.make_workspace(bsz, nq, nh)
+    out, lse = cu.tree_verify_attention(*args, impl="wgmma_v10", workspace=ws)
+    plan = ws.plan.get()
+    assert plan[0] > ws.grid, "the plan fits one round: no order to test"
+    np.testing.assert_array_equal(ws.order.get()[:plan[0]], cu.plan_order(plan, ws.grid))
+    out9, lse9 = cu.tree_verify_attention(*args, impl="wgmma_v9")
+    assert np.array_equal(out.get(), out9.get(), equal_nan=True), "v10's out differs from v9's"
+    assert np.array_equal(lse.get(), lse9.get(), equal_nan=True), "v10's lse differs from v9's"
+    for b in range(bsz):
+        ts = int(sizes_np[b])
+        r_out, r_lse = _torch_reference(q[b:b + 1, :ts], kv, page[b:b + 1], lens[b:b + 1], tkv[b:b + 1, :ts],
+                                        vis[b:b + 1, :ts, :ts], sizes[b:b + 1], 576**-0.5)
+        assert_close(out[b, :ts], r_out[0], rtol=BF16_RTOL, name=f"v10 request {b}", quiet=True)
+        assert_close(lse[b, :ts], r_lse[0], rtol=1e-4, name=f"v10 lse request {b}", quiet=True)
+        assert np.isnan(out[b, ts:].get()).all(), f"request {b}: rows past its tree not NaN"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("impl,nq", [("wgmma", 33), ("wgmma_v6", 33), ("wgmma_v7", 33), ("wgmma_v8", 33),
-                                     ("wgmma_v9", 2)])  # v9's own kernel: Q*H <= 16
+                                     ("wgmma_v9", 2), ("wgmma_v10", 33), ("wgmma_v10", 2)])  # nq 2: Q*H <= 16
 def test_wgmma_bit_reproducible_graph_captured_and_allocation_free(impl, nq):
     """With a workspace: two eager calls agree bit for bit, a call allocates no memory, and the three
     launches captured in a CUDA graph replay to the same bits (ragged batch, several jobs per row)."""
@@ -1174,7 +1301,8 @@ def test_v8_combine_of_every_width_merges_v5s_partials_alike():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl,nq", [("wgmma", 17), ("wgmma_v7", 17), ("wgmma_v8", 17), ("wgmma_v9", 1)])
+@pytest.mark.parametrize("impl,nq", [("wgmma", 17), ("wgmma_v7", 17), ("wgmma_v8", 17), ("wgmma_v9", 1),
+                                     ("wgmma_v10", 17), ("wgmma_v10", 1)])
 def test_wgmma_plan_ready_reads_the_previous_calls_plan(impl, nq):
     """plan_ready=True (the later layers of one verify step): a call with new q, latent rows and cache on a
     workspace whose plan an earlier call of the same lens, sizes and width made gives the bits of a fresh
@@ -1244,7 +1372,7 @@ if __name__ == "__main__" and sys.argv[1:2] == ["sanitize"]:
 def test_version_vocabulary_and_the_deprecated_impl_names():
     from kdlib.cuda import attention as cu
 
-    assert cu.VERSIONS == (1, 2, 3, 4, 5, 6, 7, 8, 9) and cu.WGMMA_VERSIONS == (5, 6, 7, 8, 9)
+    assert cu.VERSIONS == (1, 2, 3, 4, 5, 6, 7, 8, 9, 10) and cu.WGMMA_VERSIONS == (5, 6, 7, 8, 9, 10)
     assert cu.LAUNCHES[cu.DEFAULT_VERSION].impl == cu.BF16_DEFAULT
     assert cu.IMPLS["mma"] == cu.IMPLS[cu.MMA_DEFAULT] and cu.IMPLS["auto"] is None
     assert {name: cu.LAUNCHES[cu.IMPLS[name]].stem for name in cu.MMA_VERSIONS} == {
@@ -1256,7 +1384,7 @@ def test_version_vocabulary_and_the_deprecated_impl_names():
     assert cu.LAUNCHES[cu.pick_version(None, "mma_v4", "bf16")].impl == "mma_v4"
     assert cu.LAUNCHES[cu.pick_version(None, "simple", "f32")].impl == "simple"
     for version, impl, kind, match in ((2, None, "f32", "bfloat16"), (None, "mma", "f32", "bfloat16"),
-                                       (10, None, "bf16", "version"), (True, None, "bf16", "version"),
+                                       (11, None, "bf16", "version"), (True, None, "bf16", "version"),
                                        (3, "mma", "bf16", "not both"), (None, "fast", "bf16", "impl")):
         with pytest.raises(ValueError, match=match):
             cu.pick_version(version, impl, kind)

@@ -219,9 +219,11 @@ def test_attention_wgmma_constants_match_the_source(version):
     c = consts(stem)
     assert (c["D_QK"], c["D_V"]) == (attention.D_QK, attention.KV_LORA_RANK)
     smem = {5: attention._V5_SMEM, 6: attention._V6_SMEM, 7: attention._V7_SMEM, 8: attention._V7_SMEM,
-            9: attention._V9_SMEM}
+            9: attention._V9_SMEM, 10: attention._V9_SMEM}
     smem = smem[version]
-    assert c["V9_SMEM" if version == 9 else "SMEM_BYTES"] == smem <= 227 * 1024
+    assert c["V9_SMEM" if version >= 9 else "SMEM_BYTES"] == smem <= 227 * 1024
+    if version == 10:  # its kernel with v7's consumers launches with v7's
+        assert c["SMEM_BYTES"] == attention._V7_SMEM
     assert (c["BM"], c["BN"], c["MAX_ROUNDS"], c["JOB_OVERHEAD"], c["PLAN_STRIDE"]) == (
         attention._V5_BM,
         attention._V5_BN,
@@ -235,15 +237,19 @@ def test_attention_wgmma_constants_match_the_source(version):
     )
     # 4 warps, float4 lanes
     assert attention._COMBINE_THREADS == 4 * 32 and attention._V5_COMBINE_COLS == 32 * 4
-    # v8 runs v7's attend kernel, with combines of its own; v9's file holds v8's kernels and its own attend
-    attends = {8: (7,), 9: (7, 9)}.get(version, (version,))
+    # v8 runs v7's attend kernel, with combines of its own; v9's file holds v8's kernels and its own attend;
+    # v10's holds v9's, its plan and its two ordered attend kernels
+    attends = {8: (7,), 9: (7, 9), 10: (7, 9, 10)}.get(version, (version,))
+    attends = [f"tree_verify_v{a}_attend" for a in attends] + ["tree_verify_v10_attend_t"] * (version == 10)
     own_combines = {f"tree_verify_v8_combine_w{w}": (32 * w, 0) for w in attention._V8_COMBINE_WARPS}
     assert loader.launch_bounds(stem) == {  # the shared plan and combine, the version's attend
         "tree_verify_v5_plan": (attention._V5_THREADS, 0),
-        **{f"tree_verify_v{a}_attend": (attention.LAUNCHES[version].threads, 1) for a in attends},
+        **({"tree_verify_v10_plan": (attention._V5_THREADS, 0)} if version == 10 else {}),
+        **{a: (attention.LAUNCHES[version].threads, 1) for a in attends},
         "tree_verify_v5_combine": (attention._COMBINE_THREADS, 0),
         **(own_combines if version >= 8 else {}),
     }
+    assert c["ORDER_CAP"] == attention._V10_ORDER_CAP
 
 
 def test_attention_v8_combine_warps_and_jobs_in_flight_match_the_source():
@@ -271,7 +277,7 @@ def test_attention_v7_warp_roles_fit_the_register_file():
 def test_attention_launches_name_kernels_of_their_sources(version):
     settings = attention.LAUNCHES[version]
     c, bounds = consts(settings.stem), loader.launch_bounds(settings.stem)
-    assert settings.smem == c.get("V9_SMEM" if version == 9 else "SMEM_BYTES", 0)
+    assert settings.smem == c.get("V9_SMEM" if version >= 9 else "SMEM_BYTES", 0)
     assert (settings.rows, settings.keys) == ((c["BM"], c["BN"]) if version > 1 else (c["ROWS"], c["KCHUNK"]))
     if version < 5:
         for kind in settings.dtypes:  # the name _launch_prefix composes

@@ -320,3 +320,27 @@ def test_v9_every_row_count_compiles_without_spills_or_serialised_wgmma():
             info = loader.parse_ptxas(text.replace("ptxas         .", "ptxas info    :"))
             v9 = info["tree_verify_v9_attend"]
             assert v9["spill_stores"] == 0 and v9["spill_loads"] == 0 and v9["stack"] == 0, (opts, v9)
+
+
+@pytest.mark.skipif(_NVRTC is None, reason="nvidia-cuda-nvrtc is not installed (requirements.lock pins it)")
+def test_v10_builds_of_the_host_compile_without_spills_or_serialised_wgmma():
+    """tree_verify v10's file as the host builds it (no option: its kernel with v7's consumers; each -DTV9_NR
+    v9_options gives: its kernel with v9's) builds with NVRTC without spills, stack frames or serialised
+    wgmma, every kernel of the file."""
+    from kdlib.cuda import attention
+
+    source = KERNELS / "tree_verify" / "wgmma_v10.cu"
+    sets = [()] + sorted({attention.v9_options(rows) for rows in range(1, 129)} - {None})
+
+    def build(opts):
+        return _nvrtc_compile(source, [b"-arch=sm_90a", b"-arch=sm_90", b"--ptxas-options=-v",
+                                       *(o.encode() for o in opts)])
+
+    with cf.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        for opts, (rc, text) in zip(sets, pool.map(build, sets), strict=True):
+            assert rc == 0, f"{opts}: {text}"
+            assert "Potential Performance Loss" not in text, f"{opts}: {text}"
+            info = loader.parse_ptxas(text.replace("ptxas         .", "ptxas info    :"))
+            assert {"tree_verify_v10_plan", "tree_verify_v10_attend", "tree_verify_v10_attend_t"} <= set(info)
+            for name, k in info.items():
+                assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["stack"] == 0, (opts, name, k)

@@ -43,7 +43,12 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     an attend kernel that computes the transposed products ("swap-AB": the job's rows are the wgmma N, not
     padded to its M of 64), built per call shape; it runs where Q*H <= 16 (`v9_options`: there it measured
     faster than v8, data/results/history/attention.v9_dev.4d83aab.h200.json), elsewhere version 9 runs
-    version 8's kernels.
+    version 8's kernels;
+  * 10 (`tree_verify/wgmma_v10.cu`, sm_90a only): version 9 with the jobs dealt to the CTAs in decreasing
+    size: its plan also writes the jobs' order by key tiles (`plan_order` is its numpy mirror) and the
+    attend kernels (v9's consumers where version 9 runs its own kernel, else v7's) take them in snake order
+    (`v10_deal`) instead of the static round-robin, which leaves the busiest CTA of a ragged batch above
+    the mean (`cta_loads`); the same jobs and combine: version 9's output bit for bit.
 `version=None` (the default) picks by dtype and device: fp32 runs 1 (a dtype path, not a choice);
 bf16 runs `DEFAULT_VERSION` (9, `BF16_DEFAULT`: the fastest in data/results/attention.h200.json)
 where the device runs it, else 3 where the device grants its 166 KB of shared memory (not on sm_120's
@@ -51,8 +56,8 @@ where the device runs it, else 3 where the device grants its 166 KB of shared me
 
 Deprecated alias: `impl=` names a version as recorded results and kdlib.perf suites do
 (`IMPLS`: "simple" = 1, "mma_v2" / "mma_v3" / "mma_v4" = 2 / 3 / 4, "mma" = `MMA_DEFAULT`,
-"wgmma" = 5, "wgmma_v6" = 6, "wgmma_v7" = 7, "wgmma_v8" = 8, "wgmma_v9" = 9, "auto" = None); give
-`version` or `impl`, not both.
+"wgmma" = 5, "wgmma_v6" = 6, "wgmma_v7" = 7, "wgmma_v8" = 8, "wgmma_v9" = 9, "wgmma_v10" = 10,
+"auto" = None); give `version` or `impl`, not both.
 
 Checks before any launch raise ValueError: shapes, dtypes (float32 or bfloat16, all float inputs
 alike), Q <= 65, widths 576/512, and, with `validate=True` (the default, one device sync), the
@@ -89,12 +94,14 @@ _MMA_K_SMEM = 32 * 1168  # one K stage: BN rows
 _MMA_X_SMEM = 2 * 4 * 16 * 32 * 4  # partial-S exchange between the two halves of each row group
 # The wgmma whole-verify kernels (tree_verify/wgmma_v5.cu, wgmma_v6.cu, wgmma_v7.cu: one plan, one combine,
 # each its own attend kernel; wgmma_v8.cu: v7's plan and attend kernel, its own combine; wgmma_v9.cu: v8's
-# kernels and its own attend kernel), built for sm_90a through NVRTC.
+# kernels and its own attend kernel; wgmma_v10.cu: v9's with its own plan and ordered attend kernels), built
+# for sm_90a through NVRTC.
 _V5 = "tree_verify/wgmma_v5"
 _V6 = "tree_verify/wgmma_v6"
 _V7 = "tree_verify/wgmma_v7"
 _V8 = "tree_verify/wgmma_v8"
 _V9 = "tree_verify/wgmma_v9"
+_V10 = "tree_verify/wgmma_v10"
 _V5_OPTIONS = ("-arch=sm_90a",)
 _V5_THREADS = 256  # NTHREADS of the plan and attend kernels (v5, v6)
 _V7_THREADS = 384  # NTHREADS of v7's attend kernel: a producer and two MMA warpgroups
@@ -114,6 +121,7 @@ _V5_BM = 64  # rows per job (BM)
 _V5_BN = 64  # keys per tile (BN)
 _V5_ROUNDS = 4  # MAX_ROUNDS: the plan fits the jobs into at most this many rounds of one job per CTA
 _V5_JOB_OVERHEAD = 5  # JOB_OVERHEAD, in tiles
+_V10_ORDER_CAP = 1024  # ORDER_CAP: the most jobs the v10 plan orders (beyond, the static round-robin)
 _V5_PLAN_STRIDE = 8  # PLAN_STRIDE: per request base, chunks, chunk tiles, row blocks, len, rows, tail rows
 _V5_COMBINE_COLS = 128  # COMBINE_COLS: columns of one combine block (its 4 warps' float4 lanes)
 _V5_COMBINE_SLICES = KV_LORA_RANK // _V5_COMBINE_COLS  # COMBINE_SLICES: combine blocks per row
@@ -153,8 +161,10 @@ LAUNCHES = {
     7: VerifyLaunch(7, "wgmma_v7", _V7, _V7_THREADS, _V7_SMEM, _V5_BM, _V5_BN, options=_V5_OPTIONS),
     8: VerifyLaunch(8, "wgmma_v8", _V8, _V7_THREADS, _V7_SMEM, _V5_BM, _V5_BN, options=_V5_OPTIONS),
     9: VerifyLaunch(9, "wgmma_v9", _V9, _V7_THREADS, _V9_SMEM, _V5_BM, _V5_BN, options=_V5_OPTIONS),
+    # smem: the most its two attend kernels take (v9's layout; v7's kernel launches with _V7_SMEM)
+    10: VerifyLaunch(10, "wgmma_v10", _V10, _V7_THREADS, _V9_SMEM, _V5_BM, _V5_BN, options=_V5_OPTIONS),
 }
-WGMMA_VERSIONS = (5, 6, 7, 8, 9)  # the whole-verify versions: sm_90a, plan + attend + combine, workspaces
+WGMMA_VERSIONS = (5, 6, 7, 8, 9, 10)  # the whole-verify versions: sm_90a, plan + attend + combine, workspaces
 VERSIONS = tuple(LAUNCHES)
 # The tensor-core prefix kernels by name -> (stem, shared memory bytes), as recorded results name them.
 MMA_VERSIONS = {LAUNCHES[v].impl: (LAUNCHES[v].stem, LAUNCHES[v].smem) for v in (2, 3, 4)}
@@ -446,6 +456,52 @@ def plan_v5(prefix_lens, tree_sizes, width: int, nq: int, nh: int, grid: int) ->
     return plan
 
 
+def job_tiles(plan: np.ndarray) -> np.ndarray:
+    """Key tiles of each job of a v5 plan (`plan_v5`) -> [jobs] int64, as the attend kernels decode them
+    (decode_job): the prefix tiles of the job's chunk, plus the tail tiles in chunk 0."""
+    plan = np.asarray(plan, dtype=np.int64)
+    tiles = np.zeros(int(plan[0]), dtype=np.int64)  # [jobs]
+    for b in range((plan.shape[0] - 1) // _V5_PLAN_STRIDE):
+        base, nc, chunk, rb, ln, _, ntail = plan[1 + _V5_PLAN_STRIDE * b:][:7]
+        for c in range(nc):
+            ks = c * chunk * _V5_BN
+            ke = min(ln, ks + chunk * _V5_BN)
+            tiles[base + c * rb:base + (c + 1) * rb] = (_ceil(ke - ks, _V5_BN) if ke > ks else 0) + (
+                _ceil(ntail, _V5_BN) if c == 0 else 0)
+    return tiles
+
+
+def plan_order(plan: np.ndarray, grid: int) -> np.ndarray | None:
+    """numpy mirror of `tree_verify_v10_plan`'s order: the jobs of a v5 plan by decreasing key tiles
+    (`job_tiles`; ties: the smaller index first) -> [jobs] int64; None where the plan writes none (at most
+    `grid` jobs, or more than `_V10_ORDER_CAP`: the static round-robin)."""
+    tiles = job_tiles(plan)
+    if not grid < tiles.shape[0] <= _V10_ORDER_CAP:
+        return None
+    return np.argsort(-tiles, kind="stable")
+
+
+def v10_deal(plan: np.ndarray, grid: int) -> list[list[int]]:
+    """The jobs each of `grid` CTAs of version 10's attend kernels runs, in order (dealt_job in
+    tree_verify/wgmma_ws.cuh): in round r CTA c takes the k-th of `plan_order`, k = r G + c in even rounds,
+    r G + G - 1 - c in odd ones; without an order job r G + c (the static round-robin of versions 5-9)."""
+    n, order = int(plan[0]), plan_order(plan, grid)
+    deal = [[] for _ in range(grid)]
+    for r in range(_ceil(n, grid)):
+        for c in range(grid):
+            k = r * grid + (grid - 1 - c if order is not None and r % 2 else c)
+            if k < n:
+                deal[c].append(int(order[k]) if order is not None else k)
+    return deal
+
+
+def cta_loads(plan: np.ndarray, deal: list[list[int]]) -> np.ndarray:
+    """Each CTA's work under `deal` (lists of job indices, as `v10_deal` gives) -> [len(deal)] int64: its
+    jobs' key tiles (`job_tiles`) plus JOB_OVERHEAD a job, the cost the plan weighs jobs by."""
+    tiles = job_tiles(plan)
+    return np.array([sum(int(tiles[j]) + _V5_JOB_OVERHEAD for j in jobs) for jobs in deal], dtype=np.int64)
+
+
 def v8_combine_warps(bsz: int, rows: int, width: int, grid: int) -> int:
     """Warps per block of version 8's combine (`_V8_COMBINE_WARPS`): the fewest that leave a row at most
     `_V8_JOBS_PER_WARP` jobs a warp (two rounds of its loads in flight), then fewer while the B x rows x 4
@@ -471,12 +527,12 @@ def v9_options(rows: int) -> tuple[str, ...] | None:
 
 
 class VerifyWorkspace:
-    """Buffers of one version 5, 6, 7, 8 or 9 ("wgmma" ... "wgmma_v9") call shape (B requests, Q queries, H
-    heads): with it a call allocates nothing.
+    """Buffers of one version 5 ... 10 ("wgmma" ... "wgmma_v10") call shape (B requests, Q queries, H heads):
+    with it a call allocates nothing.
 
-    plan [1 + 8 B] int32, parts [jobs, 64, 512] fp32 and part_lse [jobs, 64] fp32 (jobs = v5_max_jobs),
-    out [B*Q*H, 512] fp32 and lse [B*Q*H] fp32 (the returned arrays are views of these: the next call
-    with the same workspace overwrites them).
+    plan [1 + 8 B] int32, order [jobs] int32 (version 10's order of the jobs), parts [jobs, 64, 512] fp32 and
+    part_lse [jobs, 64] fp32 (jobs = v5_max_jobs), out [B*Q*H, 512] fp32 and lse [B*Q*H] fp32 (the returned
+    arrays are views of these: the next call with the same workspace overwrites them).
     """
 
     def __init__(self, bsz: int, nq: int, nh: int):
@@ -489,6 +545,7 @@ class VerifyWorkspace:
         rows = nq * nh
         jobs = v5_max_jobs(bsz, rows, self.grid)
         self.plan = cupy.zeros(1 + _V5_PLAN_STRIDE * bsz, dtype=cupy.int32)  # [1 + 8B]
+        self.order = cupy.zeros(jobs, dtype=cupy.int32)  # [jobs]
         self.parts = cupy.empty((jobs, _V5_BM, KV_LORA_RANK), dtype=cupy.float32)  # [jobs, 64, 512]
         self.part_lse = cupy.empty((jobs, _V5_BM), dtype=cupy.float32)  # [jobs, 64]
         self.out = cupy.empty((bsz * rows, KV_LORA_RANK), dtype=cupy.float32)  # [B*Q*H, 512]
@@ -496,14 +553,14 @@ class VerifyWorkspace:
 
 
 def make_workspace(bsz: int, nq: int, nh: int) -> VerifyWorkspace:
-    """Preallocated buffers for version 5, 6, 7, 8 and 9 ("wgmma" ... "wgmma_v9") calls on q of shape
+    """Preallocated buffers for version 5 ... 10 ("wgmma" ... "wgmma_v10") calls on q of shape
     [bsz, nq, nh, 576] (see VerifyWorkspace)."""
     return VerifyWorkspace(bsz, nq, nh)
 
 
 def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=False):
-    """The three launches of version 5, 6, 7, 8 or 9 (plan, the version's attend, its combine) -> (out [B*M,
-    512], lse [B*M]) fp32 views of the workspace.
+    """The three launches of version 5 ... 10 (plan, the version's attend, its combine) -> (out [B*M, 512],
+    lse [B*M]) fp32 views of the workspace.
 
     tail = (tree_kv [B, Q, 576], visibility [B, Q, Q], tree_sizes [B]) for the whole verify, None
     for the prefix alone. plan_ready: the plan launch is skipped, ws.plan is read as it is.
@@ -516,28 +573,35 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
     rows = nq * nh
     null = np.uintp(0)
     tkv, vis, sizes = tail if tail is not None else (null, null, null)
-    v9 = v9_options(rows) if version == 9 else None
+    v9 = v9_options(rows) if version in (9, 10) else None
     if version == 9 and v9 is None:
         version = 8
     settings = LAUNCHES[version]
     options = settings.options + (v9 or ())
     width = pt.shape[1]
-    plan_fn = loader.get_function(settings.stem, "tree_verify_v5_plan", options=options)
-    attend = f"tree_verify_v{7 if version == 8 else version}_attend"  # v8 runs v7's attend kernel
+    ordered = version == 10  # v10's plan also writes ws.order, its attend kernels read it
+    plan_fn = loader.get_function(settings.stem, "tree_verify_v10_plan" if ordered else "tree_verify_v5_plan",
+                                  options=options)
+    smem = settings.smem
+    if ordered:  # v9's consumers where version 9 runs its own kernel, else v7's
+        attend, smem = ("tree_verify_v10_attend_t", _V9_SMEM) if v9 else ("tree_verify_v10_attend", _V7_SMEM)
+    else:
+        attend = f"tree_verify_v{7 if version == 8 else version}_attend"  # v8 runs v7's attend kernel
     attend_fn = loader.get_function(settings.stem, attend, options=options)
-    if version in (8, 9):  # v9 runs v8's combine
+    order = (ws.order,) if ordered else ()
+    if version >= 8:  # v9 and v10 run v8's combine
         warps = v8_combine_warps(bsz, rows, width, ws.grid)
         combine, combine_threads = f"tree_verify_v8_combine_w{warps}", 32 * warps
     else:
         combine, combine_threads = "tree_verify_v5_combine", _COMBINE_THREADS
     combine_fn = loader.get_function(settings.stem, combine, options=options)
-    loader.set_max_dynamic_shared(attend_fn, settings.smem)
+    loader.set_max_dynamic_shared(attend_fn, smem)
     if not plan_ready:
         plan_fn((1,), (_V5_THREADS,), (lens, sizes, np.int32(bsz), np.int32(width), np.int32(nq),
-                                       np.int32(nh), np.int32(ws.grid), ws.plan))
-    attend_fn((ws.grid,), (settings.threads,), (qa, kv, pt, tkv, vis, ws.plan, np.int32(bsz), np.int32(width),
-                                           np.int32(nq), np.int32(nh), np.float32(scale), ws.parts,
-                                           ws.part_lse), shared_mem=settings.smem)
+                                       np.int32(nh), np.int32(ws.grid), ws.plan, *order))
+    attend_fn((ws.grid,), (settings.threads,), (qa, kv, pt, tkv, vis, ws.plan, *order, np.int32(bsz),
+                                           np.int32(width), np.int32(nq), np.int32(nh), np.float32(scale),
+                                           ws.parts, ws.part_lse), shared_mem=smem)
     combine_fn((bsz * rows, _V5_COMBINE_SLICES), (combine_threads,),
                (ws.parts, ws.part_lse, ws.plan, np.int32(rows), ws.out, ws.lse))
     return ws.out, ws.lse

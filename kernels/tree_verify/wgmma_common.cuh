@@ -26,6 +26,7 @@
 #define P_PAD 7
 #define MAX_ROUNDS 4                    // jobs <= MAX_ROUNDS * G + B * ceil(M / 64): the partials' bound
 #define JOB_OVERHEAD 5                  // tiles' worth of a job's Q load, pipeline fill and output write
+#define ORDER_CAP 1024                  // the most jobs the v10 plan orders (wgmma_v10.cu)
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 #define NEG_INF __int_as_float(0xff800000)
@@ -36,14 +37,11 @@
 // Jobs of request with prefix tiles T and tail tiles U when prefix chunks are at most c tiles.
 __device__ __forceinline__ int chunks_of(int T, int U, int c) { return T > 0 ? (T + c - 1) / c : (U > 0 ? 1 : 0); }
 
-// prefix_lens [B] int32, tree_sizes [B] int32 or null (prefix alone) -> plan [1 + PLAN_STRIDE * B].
-// Grid 1, block 256. Scratch: plan entries of each request hold T and U until thread 0 writes them.
-extern "C" __global__ void __launch_bounds__(256) tree_verify_v5_plan(
-    const int* __restrict__ prefix_lens, const int* __restrict__ tree_sizes, int B, int P, int Q, int H, int G,
-    int* __restrict__ plan) {
-    __shared__ long long cost[MAX_ROUNDS];
-    __shared__ int chunk_of_k[MAX_ROUNDS];
-    __shared__ int tmax_warp[8];
+// The plan of tree_verify_v5_plan, shared with the v10 plan (tree_verify/wgmma_v10.cu, which then orders the
+// jobs). cost [MAX_ROUNDS], chunk_of_k [MAX_ROUNDS], tmax_warp [8]: the kernel's shared memory.
+__device__ __forceinline__ void plan_v5(const int* __restrict__ prefix_lens, const int* __restrict__ tree_sizes,
+                                        int B, int P, int Q, int H, int G, int* __restrict__ plan, long long* cost,
+                                        int* chunk_of_k, int* tmax_warp) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     int tmax = 0;
     for (int b = tid; b < B; b += blockDim.x) {
@@ -116,6 +114,17 @@ extern "C" __global__ void __launch_bounds__(256) tree_verify_v5_plan(
         }
         plan[0] = base;
     }
+}
+
+// prefix_lens [B] int32, tree_sizes [B] int32 or null (prefix alone) -> plan [1 + PLAN_STRIDE * B].
+// Grid 1, block 256. Scratch: plan entries of each request hold T and U until thread 0 writes them.
+extern "C" __global__ void __launch_bounds__(256) tree_verify_v5_plan(
+    const int* __restrict__ prefix_lens, const int* __restrict__ tree_sizes, int B, int P, int Q, int H, int G,
+    int* __restrict__ plan) {
+    __shared__ long long cost[MAX_ROUNDS];
+    __shared__ int chunk_of_k[MAX_ROUNDS];
+    __shared__ int tmax_warp[8];
+    plan_v5(prefix_lens, tree_sizes, B, P, Q, H, G, plan, cost, chunk_of_k, tmax_warp);
 }
 
 // ------------------------------------------------------------------------------------- job decode
@@ -365,14 +374,22 @@ __device__ __forceinline__ int plan_jobs(const int* plan) {
     return n;
 }
 
-// The pair after p, whose job is jb; sets fresh when it starts another job.
-__device__ __forceinline__ Pos pos_next(const int* plan, const Job& jb, Pos p, bool& fresh) {
+// The pair after p, whose job is jb; sets fresh when it starts another job, whose index next() gives (-1: the end).
+template <class Next>
+__device__ __forceinline__ Pos pos_after(const Job& jb, Pos p, bool& fresh, Next next) {
     fresh = false;
     if (p.j < 0) return p;
     if (p.i + 1 < npairs(jb)) return Pos{p.j, p.i + 1};
     fresh = true;
-    const int j = p.j + (int)gridDim.x;
-    return Pos{j < plan_jobs(plan) ? j : -1, 0};
+    return Pos{next(), 0};
+}
+
+// pos_after in the static round-robin: CTA c's jobs c, c + G, c + 2G, ...
+__device__ __forceinline__ Pos pos_next(const int* plan, const Job& jb, Pos p, bool& fresh) {
+    return pos_after(jb, p, fresh, [&] {
+        const int j = p.j + (int)gridDim.x;
+        return j < plan_jobs(plan) ? j : -1;
+    });
 }
 
 // pos_next with p's job decoded from the plan.

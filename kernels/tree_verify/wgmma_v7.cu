@@ -48,16 +48,16 @@
 
 // ------------------------------------------------------------------------------------------ attend
 
-// q [B, M, 576] bf16 (M = Q*H, row = q*H + h), kv [S, 576] bf16, page_table [B, P] int32,
-// tree_kv [B, Q, 576] bf16 and vis [B, Q, Q] uint8 (both null for the prefix alone), plan ->
-// parts [jobs, 64, 512] fp32, part_lse [jobs, 64] fp32 (rows past a job's valid rows unwritten).
-// Grid G (one per SM), block 384, dynamic shared memory SMEM_BYTES.
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v7_attend(
-    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv, const int* __restrict__ page_table,
-    const __nv_bfloat16* __restrict__ tree_kv, const unsigned char* __restrict__ vis, const int* __restrict__ plan,
-    int nreq, int P, int Q, int H, float scale, float* __restrict__ parts, float* __restrict__ part_lse) {
+// The attend kernel's body: the producer (its jobs dealt from order where ORDERED: produce) and v7's consumers.
+// Shared with version 10's ordered kernel (tree_verify/wgmma_v10.cu).
+template <bool ORDERED>
+__device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv,
+                                          const int* __restrict__ page_table,
+                                          const __nv_bfloat16* __restrict__ tree_kv,
+                                          const unsigned char* __restrict__ vis, const int* __restrict__ plan,
+                                          const int* __restrict__ order, int nreq, int P, int Q, int H,
+                                          float scale, float* __restrict__ parts, float* __restrict__ part_lse) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    extern __shared__ unsigned char smem_raw[];
     if ((int)blockIdx.x >= plan_jobs(plan)) return;
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     unsigned char* gbase = smem_raw + (base - smem_u32(smem_raw));
@@ -72,7 +72,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v7_attend(
 
     if (wg == 0) {
         // ------------------------------------------------------------------------------ producer
-        produce(base, desc, bars, q, kv, page_table, tree_kv, plan, nreq, P, Q, H, wt);
+        produce<ORDERED>(base, desc, bars, q, kv, page_table, tree_kv, plan, order, nreq, P, Q, H, wt);
     } else {
         // ----------------------------------------------------------------------------- consumers
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
@@ -212,4 +212,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v7_attend(
 #else
     __trap();  // built without sm_90a: no wgmma
 #endif
+}
+
+// q [B, M, 576] bf16 (M = Q*H, row = q*H + h), kv [S, 576] bf16, page_table [B, P] int32,
+// tree_kv [B, Q, 576] bf16 and vis [B, Q, Q] uint8 (both null for the prefix alone), plan ->
+// parts [jobs, 64, 512] fp32, part_lse [jobs, 64] fp32 (rows past a job's valid rows unwritten).
+// Grid G (one per SM), block 384, dynamic shared memory SMEM_BYTES.
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v7_attend(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv, const int* __restrict__ page_table,
+    const __nv_bfloat16* __restrict__ tree_kv, const unsigned char* __restrict__ vis, const int* __restrict__ plan,
+    int nreq, int P, int Q, int H, float scale, float* __restrict__ parts, float* __restrict__ part_lse) {
+    attend_v7<false>(q, kv, page_table, tree_kv, vis, plan, nullptr, nreq, P, Q, H, scale, parts, part_lse);
 }

@@ -386,28 +386,15 @@ __device__ __forceinline__ void job_end_t(const float* o, float* m, float* l, in
 
 // ------------------------------------------------------------------------------------------ attend
 
-// Arguments and outputs as tree_verify_v7_attend. Grid G (one per SM), block 384, dynamic shared memory
-// V9_SMEM.
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v9_attend(
-    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv, const int* __restrict__ page_table,
-    const __nv_bfloat16* __restrict__ tree_kv, const unsigned char* __restrict__ vis, const int* __restrict__ plan,
-    int nreq, int P, int Q, int H, float scale, float* __restrict__ parts, float* __restrict__ part_lse) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    extern __shared__ unsigned char smem_raw[];
-    if ((int)blockIdx.x >= plan_jobs(plan)) return;
-    const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-    unsigned char* gbase = smem_raw + (base - smem_u32(smem_raw));
-    int* desc = reinterpret_cast<int*>(gbase + OFF_DESC);  // [NDESC][DESC_INTS]
-    const unsigned bars = base + OFF_BARS;
-    const int tid = threadIdx.x;
-    if (tid == 0) init_bars(bars);
-    __syncthreads();
 
-    const int wg = tid >> 7, wt = tid & 127;
-    if (wg == 0) {
-        produce(base, desc, bars, q, kv, page_table, tree_kv, plan, nreq, P, Q, H, wt);
-        return;
-    }
+// Consumer warpgroup wg (1 or 2; tid, wt: its thread in the CTA, in the warpgroup) of v9's attend kernel and
+// of version 10's ordered one (tree_verify/wgmma_v10.cu): the CTA's shared memory at base (gbase), the pair
+// descriptors at desc, the barriers at bars.
+__device__ __forceinline__ void consume_v9(unsigned base, unsigned char* gbase, const int* desc, unsigned bars,
+                                           int tid, int wg, int wt, const unsigned char* __restrict__ vis, int Q,
+                                           int H, float scale, float* __restrict__ parts,
+                                           float* __restrict__ part_lse) {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
     float* rows = reinterpret_cast<float*>(gbase + OFF_V9);
     V9Ctx x;
@@ -459,6 +446,32 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v9_attend(
         if (last) job_end_t<TV9_NR>(o, m, l, j, jb.nrows, parts, part_lse, x);
         if (flags & D_END) break;
     }
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// Arguments and outputs as tree_verify_v7_attend. Grid G (one per SM), block 384, dynamic shared memory
+// V9_SMEM.
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v9_attend(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv, const int* __restrict__ page_table,
+    const __nv_bfloat16* __restrict__ tree_kv, const unsigned char* __restrict__ vis, const int* __restrict__ plan,
+    int nreq, int P, int Q, int H, float scale, float* __restrict__ parts, float* __restrict__ part_lse) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if ((int)blockIdx.x >= plan_jobs(plan)) return;
+    const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    unsigned char* gbase = smem_raw + (base - smem_u32(smem_raw));
+    int* desc = reinterpret_cast<int*>(gbase + OFF_DESC);  // [NDESC][DESC_INTS]
+    const unsigned bars = base + OFF_BARS;
+    const int tid = threadIdx.x;
+    if (tid == 0) init_bars(bars);
+    __syncthreads();
+
+    const int wg = tid >> 7, wt = tid & 127;
+    if (wg == 0) {
+        produce<false>(base, desc, bars, q, kv, page_table, tree_kv, plan, nullptr, nreq, P, Q, H, wt);
+        return;
+    }
+    consume_v9(base, gbase, desc, bars, tid, wg, wt, vis, Q, H, scale, parts, part_lse);
 #else
     __trap();  // built without sm_90a: no wgmma
 #endif

@@ -1,6 +1,6 @@
-// The warp-specialised skeleton of the wgmma tree-verify kernels (tree_verify/wgmma_v7.cu, wgmma_v9.cu):
-// the CTA of a producer and two consumer warpgroups, its shared-memory layout, barriers and pair
-// descriptors, and the producer warpgroup's loop. wgmma_v7.cu describes the protocol; each attend kernel
+// The warp-specialised skeleton of the wgmma tree-verify kernels (tree_verify/wgmma_v7.cu, wgmma_v9.cu,
+// wgmma_v10.cu): the CTA of a producer and two consumer warpgroups, its shared-memory layout, barriers and
+// pair descriptors, and the producer warpgroup's loop. wgmma_v7.cu describes the protocol; each attend kernel
 // adds its consumers.
 #pragma once
 
@@ -38,6 +38,8 @@
 #define WARP_ARRIVALS (TV7_RACECHECK ? 32 : 1)  // arrivals one releasing warp makes
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+extern __shared__ unsigned char smem_raw[];  // the attend kernels' dynamic shared memory
 
 #define BAR_EMPTY(bars, s, g) ((bars) + 8 * (2 * NCB + 3 * (s) + (g)))
 #define BAR_QFULL(bars) ((bars) + 8 * (2 * NCB + 6))
@@ -119,12 +121,24 @@ __device__ __forceinline__ void init_bars(unsigned bars) {
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 
+// CTA blockIdx.x's job of round r in the snake deal of the v10 plan's order (order [jobs]: the jobs by
+// decreasing tiles): the (r G + c)-th largest in even rounds, the (r G + G - 1 - c)-th in odd ones; -1 past
+// the jobs. A plan of at most G or more than ORDER_CAP jobs has no order: the static round-robin, c + r G.
+__device__ __forceinline__ int dealt_job(const int* plan, const int* order, int r) {
+    const int n = plan_jobs(plan), G = gridDim.x, c = blockIdx.x;
+    if (n <= G || n > ORDER_CAP) return c + r * G < n ? c + r * G : -1;
+    const int k = r * G + (r & 1 ? G - 1 - c : c);
+    return k < n ? order[k] : -1;
+}
+
 // The producer warpgroup (wt: its thread) over the CTA's stream of tile pairs: Q of each job, the pair
-// descriptors (ring at desc), the K tiles into the stages at base + OFF_K0 and base + OFF_K1.
+// descriptors (ring at desc), the K tiles into the stages at base + OFF_K0 and base + OFF_K1. The CTA's jobs:
+// ORDERED, the snake deal of order (dealt_job); else the static round-robin (order unread).
+template <bool ORDERED>
 __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars, const __nv_bfloat16* q,
                                        const __nv_bfloat16* kv, const int* page_table,
-                                       const __nv_bfloat16* tree_kv, const int* plan, int nreq, int P, int Q,
-                                       int H, int wt) {
+                                       const __nv_bfloat16* tree_kv, const int* plan, const int* order, int nreq,
+                                       int P, int Q, int H, int wt) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
     const unsigned k0s = base + OFF_K0, k1s = base + OFF_K1;
     const char* kvb = reinterpret_cast<const char*>(kv);
@@ -132,12 +146,17 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
     const int lrow = wt >> 3, ch = wt & 7;  // gather: rows lrow + 16p, 16-byte chunk ch of each block
     // Each job is decoded from the plan twice (its first pair's prefetch, then as cur), not per pair:
     // decode_job is a binary search over the requests, a chain of dependent loads in the producer's path.
-    Pos cur{(int)blockIdx.x, 0};
+    int round = 0;  // ORDERED: the round of the last job dealt
+    auto next = [&](const Job& jb, Pos p, bool& fresh) {
+        if constexpr (ORDERED) return pos_after(jb, p, fresh, [&] { return dealt_job(plan, order, ++round); });
+        else return pos_next(plan, jb, p, fresh);
+    };
+    Pos cur{ORDERED ? dealt_job(plan, order, 0) : (int)blockIdx.x, 0};
     Job jb = decode_job(plan, nreq, cur.j);  // cur's job
     TileRows ra = tile_rows(jb, page_table, P, Q, 0, lrow);  // the pair's tiles A and B
     TileRows rb = tile_rows(jb, page_table, P, Q, 1, lrow);
     bool fresh;  // nx starts another job
-    Pos nx = pos_next(plan, jb, cur, fresh);
+    Pos nx = next(jb, cur, fresh);
     prefetch_pair(plan, nreq, page_table, kvb, P, nx, fresh, jb, wt);
     int jobs = 0;  // Q loads so far
     for (int n = 0;; ++n) {
@@ -164,7 +183,7 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
         cur = nx;  // the next pair's slots now, the rows of the one after it into L2
         ra = tile_rows(jb, page_table, P, Q, 2 * cur.i, lrow);
         rb = tile_rows(jb, page_table, P, Q, 2 * cur.i + 1, lrow);
-        nx = pos_next(plan, jb, cur, fresh);
+        nx = next(jb, cur, fresh);
         prefetch_pair(plan, nreq, page_table, kvb, P, nx, fresh, jb, wt);
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its thread
