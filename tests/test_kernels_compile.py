@@ -326,21 +326,17 @@ def test_v9_every_row_count_compiles_without_spills_or_serialised_wgmma():
 def test_v10_builds_of_the_host_compile_without_spills_or_serialised_wgmma():
     """tree_verify v10's file as the host builds it (no option: its kernel with v7's consumers; each -DTV9_NR
     v9_options gives: its kernel with v9's) builds with NVRTC without spills, stack frames or serialised
-    wgmma, every kernel of the file."""
+    wgmma, every kernel of the file. One build at a time (three at once in threads, on the H200 at 249208b,
+    gave a log from which no kernel's ptxas lines parsed; not diagnosed)."""
     from kdlib.cuda import attention
 
     source = KERNELS / "tree_verify" / "wgmma_v10.cu"
-    sets = [()] + sorted({attention.v9_options(rows) for rows in range(1, 129)} - {None})
-
-    def build(opts):
-        return _nvrtc_compile(source, [b"-arch=sm_90a", b"-arch=sm_90", b"--ptxas-options=-v",
-                                       *(o.encode() for o in opts)])
-
-    with cf.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        for opts, (rc, text) in zip(sets, pool.map(build, sets), strict=True):
-            assert rc == 0, f"{opts}: {text}"
-            assert "Potential Performance Loss" not in text, f"{opts}: {text}"
-            info = loader.parse_ptxas(text.replace("ptxas         .", "ptxas info    :"))
-            assert {"tree_verify_v10_plan", "tree_verify_v10_attend", "tree_verify_v10_attend_t"} <= set(info)
-            for name, k in info.items():
-                assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["stack"] == 0, (opts, name, k)
+    for opts in [()] + sorted({attention.v9_options(rows) for rows in range(1, 129)} - {None}):
+        rc, text = _nvrtc_compile(source, [b"-arch=sm_90a", b"-arch=sm_90", b"--ptxas-options=-v",
+                                           *(o.encode() for o in opts)])
+        assert rc == 0, f"{opts}: {text}"
+        assert "Potential Performance Loss" not in text, f"{opts}: {text}"
+        info = loader.parse_ptxas(text.replace("ptxas         .", "ptxas info    :"))
+        assert set(loader.KERNEL_DECL.findall(source.read_text())) <= set(info), f"{opts}: {text}"
+        for name, k in info.items():
+            assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["stack"] == 0, (opts, name, k)

@@ -25,10 +25,11 @@
 // ------------------------------------------------------------------------------------------ plan
 
 // Arguments as tree_verify_v5_plan -> plan [1 + PLAN_STRIDE * B] and, where G < jobs <= ORDER_CAP,
-// order [jobs] int32 (else unwritten). Grid 1, block 256.
+// order [jobs] int32 (else unwritten). Grid 1, block 256. plan is not __restrict__: every thread reads back
+// past the barrier what thread 0 wrote (restrict let the compiler forward thread 0's plan[0] to the others).
 extern "C" __global__ void __launch_bounds__(256) tree_verify_v10_plan(
     const int* __restrict__ prefix_lens, const int* __restrict__ tree_sizes, int B, int P, int Q, int H, int G,
-    int* __restrict__ plan, int* __restrict__ order) {
+    int* plan, int* __restrict__ order) {
     __shared__ long long cost[MAX_ROUNDS];
     __shared__ int chunk_of_k[MAX_ROUNDS];
     __shared__ int tmax_warp[8];
