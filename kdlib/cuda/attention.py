@@ -48,7 +48,10 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     size: its plan also writes the jobs' order by key tiles (`plan_order` is its numpy mirror) and the
     attend kernels (v9's consumers where version 9 runs its own kernel, else v7's) take them in snake order
     (`v10_deal`) instead of the static round-robin, which leaves the busiest CTA of a ragged batch above
-    the mean (`cta_loads`); the same jobs and combine: version 9's output bit for bit.
+    the mean (`cta_loads`); the same jobs and combine: version 9's output bit for bit. Not the default:
+    in data/results/history/attention.v10.8371cbb.h200.json it is faster than 9 at the ragged batch and
+    slower where a batch's jobs are of one size over more than one round (a guess, not measured: there the
+    deal parts the row blocks that read the same keys at once).
 `version=None` (the default) picks by dtype and device: fp32 runs 1 (a dtype path, not a choice);
 bf16 runs `DEFAULT_VERSION` (9, `BF16_DEFAULT`: the fastest in data/results/attention.h200.json)
 where the device runs it, else 3 where the device grants its 166 KB of shared memory (not on sm_120's
