@@ -50,8 +50,9 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     (`v10_deal`) instead of the static round-robin, which leaves the busiest CTA of a ragged batch above
     the mean (`cta_loads`); the same jobs and combine: version 9's output bit for bit. Not the default:
     in data/results/history/attention.v10.8371cbb.h200.json it is faster than 9 at the ragged batch and
-    slower where a batch's jobs are of one size over more than one round (a guess, not measured: there the
-    deal parts the row blocks that read the same keys at once).
+    slower beyond 9's spread at five of the other eight points: most where a batch's jobs are of one size
+    over two rounds (a guess, not measured: the deal parts the row blocks that read the same keys at once),
+    less where nothing is ordered (the same work through the ordered producer's build).
 `version=None` (the default) picks by dtype and device: fp32 runs 1 (a dtype path, not a choice);
 bf16 runs `DEFAULT_VERSION` (9, `BF16_DEFAULT`: the fastest in data/results/attention.h200.json)
 where the device runs it, else 3 where the device grants its 166 KB of shared memory (not on sm_120's
