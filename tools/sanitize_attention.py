@@ -7,10 +7,11 @@
 `kdlib.cuda.attention` on them: version 5 ("wgmma") at 8 heads x 9 and x 65 queries over a 1,000-token
 prefix, the prefix alone, a call on a preallocated workspace, a ragged batch of 3 (prefixes 1,000 / 0 /
 357, trees of 1 / 33 / 65 rows); one version 3 ("mma_v3") call on the ragged batch; versions 6
-("wgmma_v6"), 7 ("wgmma_v7") and 8 ("wgmma_v8", the bf16 default) each on the workspace call, the ragged
-batch and a prefix alone at 8 x 9; version 8 also where its combine takes 8 and 32 warps a row (8 x 1
-over 5,000 keys for 3 requests, over 20,000 for one); version 9 ("wgmma_v9") where it runs its own attend
-kernel (8 heads x 1 and x 2 queries: the workspace call, a ragged batch, a prefix alone).
+("wgmma_v6"), 7 ("wgmma_v7") and 8 ("wgmma_v8") each on the workspace call, the ragged batch and a prefix
+alone at 8 x 9; version 8 also where its combine takes 8 and 32 warps a row (8 x 1 over 5,000 keys for 3
+requests, over 20,000 for one); version 9 ("wgmma_v9", the bf16 default) where it runs its own attend
+kernel (8 heads x 1 and x 2 queries: the workspace call, a ragged batch, a prefix alone); version 10
+("wgmma_v10") on a batch whose jobs it orders (16 requests of 8 x 65 rows) and at 8 x 1.
 KDLIB_SANITIZE_CASES (a comma list of name prefixes, e.g. "v7") keeps some of them. Each output is
 compared with `kdlib.ref.attention` on the same bf16 values (norm-relative error <= 1e-2, lse within
 2e-3, padding rows NaN), so a clean sanitizer run is also a correct one. The kernels a case covers are
@@ -152,6 +153,15 @@ def cases(only: str = "") -> list[dict]:
          "workspace": False},
         {"name": "v9 prefix 8x2x1000", "shape": {"nh": 8, "nq": 2, "lens": [1000], "sizes": [2]},
          "version": 9, "call": "prefix", "workspace": False},
+    ]
+    # version 10: a batch whose plan has more jobs than SMs (16 requests of 520 rows: the jobs ordered and
+    # dealt by size), and its kernel with v9's consumers
+    every += [
+        {"name": "v10 verify 8x65 B16 (ordered)",
+         "shape": {"nh": 8, "nq": 65, "lens": list(range(100, 1700, 100)), "sizes": [65] * 16},
+         "version": 10, "call": "verify", "workspace": True},
+        {"name": "v10 verify 8x1x1000", "shape": {"nh": 8, "nq": 1, "lens": [1000], "sizes": [1]},
+         "version": 10, "call": "verify", "workspace": False},
     ]
     return [c for c in every if not keep or c["name"].startswith(keep)]
 
