@@ -71,7 +71,7 @@ def test_layer_config_keeps_the_dense_first_layer_and_the_moe_layers_each_piece_
     ls = k2_layer.layers_of(cfg)
     moe = tuple(range(1, 9))
     assert ls == {"dense_first": (0,) * 8, "dense": moe, "attention": moe, "moe": moe}
-    assert [k2_layer.calls(ls.get(p)) for p in ("dense_first", "moe", "head", "draft")] == [8, 8, 1, 1]
+    assert [k2_layer.graph_calls(ls.get(p)) for p in ("dense_first", "moe", "head", "draft")] == [8, 8, 1, 1]
     assert ModelConfig.from_dict(k2_layer.layer_config(d, moe_layers=1)).num_hidden_layers == 2
 
 
@@ -377,7 +377,7 @@ def test_gpu_pieces_capture_replay_and_profile():
     assert over["kernels"] == 1 and over["replay_ms"] > 0
     layers = k2_layer.layers_of(cfg)
     for p in k2_layer.wanted(st, set(), set()):
-        n = k2_layer.calls(layers.get(p))
+        n = k2_layer.graph_calls(layers.get(p))
         t = k2_layer.measure(fns[p], flush, iters=5, calls=n)
         assert t["mode"] == "graph", (p, t["graph_error"])
         assert t["median_ms"] > 0 and t["kernels"] >= 1 and t["device_ms"] > 0, p

@@ -166,8 +166,7 @@ def rank_step_time(gpu, terms: RankLayerTerms, streams: int, rows_per_stream: in
         if p == "attention" and plan is not None and plan.gpu == spec.get("slug", gpu):
             t[p] = plan.time(rank_work.attention_plan(shape, C, W, context, plan.grid))
             continue
-        t[p] = (kern[p] * pt.kernel_s.value + w["bytes"] / (bw * pt.mem_eff.value)
-                + w["flops"] / (fl * pt.comp_eff.value))
+        t[p] = pt.seconds(kern[p], w["bytes"], w["flops"], bw, fl)
     L, n_dense = cfg.num_hidden_layers, cfg.first_k_dense_replace
     n = {"dense_first": n_dense, "dense": L - n_dense, "moe": L - n_dense, "attention": L}
     out = {"dense": n_dense * t["dense_first"] + (L - n_dense) * t["dense"] + t["head"],

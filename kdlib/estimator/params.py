@@ -310,6 +310,13 @@ class PieceTerms:
     def kernels_at(self, m: int) -> float:
         return min(self.kernels, key=lambda mk: abs(math.log(mk[0]) - math.log(m)))[1]
 
+    def seconds(self, kernels: float, nbytes: float, flops: float, bandwidth: float,
+                flop_rate: float) -> float:
+        """The piece's time: kernels x kernel_s + bytes / (bandwidth x mem_eff) + FLOPs / (flop_rate x
+        comp_eff), bandwidth and flop_rate a GPU's peaks."""
+        return (kernels * self.kernel_s.value + nbytes / (bandwidth * self.mem_eff.value)
+                + flops / (flop_rate * self.comp_eff.value))
+
 
 # AttentionPlanTerms' regressors (`kdlib.perf.rank_work.attention_plan`'s keys), a Param of seconds each
 ATTENTION_PLAN_TERMS = ("busiest_tiles", "busiest_jobs", "latent_bytes", "rows", "jobs")

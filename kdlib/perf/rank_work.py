@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kdlib.cuda.attention import plan_v5
+from kdlib.cuda.attention import job_tiles, plan_v5
 from kdlib.cuda.moe import layer_bytes_flops
 from kdlib.estimator.model import touched_experts
 from kdlib.tp.engine import partition
@@ -126,18 +126,13 @@ def attention_plan(shape, streams: int, rows_per_stream: int, context: int, grid
     lays it out over `grid` CTAs, each CTA taking jobs cta, cta + grid, ...: jobs (all), busiest_tiles and
     busiest_jobs (the key tiles and jobs of the CTA with the most tiles, ties to the most jobs: the attend
     kernel's critical path), latent_bytes (every stream's context and tree rows read once) and rows (query
-    rows: the combine's). Each stream: `context` prefix keys, `rows_per_stream` tree rows."""
+    rows: the combine's). Each stream: `context` prefix keys, `rows_per_stream` tree rows; each job's key
+    tiles as `kdlib.cuda.attention.job_tiles` counts them."""
     C, W, ctx = streams, rows_per_stream, context
     plan = plan_v5([ctx] * C, [W] * C, max(ctx, 1), W, shape.heads, grid)
-    tiles, jobs = np.zeros(grid, dtype=np.int64), np.zeros(grid, dtype=np.int64)  # [grid] each
-    for e in plan[1:].reshape(C, -1):
-        base, chunks, chunk_tiles, blocks, length = (int(v) for v in e[:5])
-        prefix = -(-length // KEY_TILE)
-        for ch in range(chunks):
-            n = max(0, min(chunk_tiles, prefix - ch * chunk_tiles)) + (-(-W // KEY_TILE) if ch == 0 else 0)
-            cta = (base + ch * blocks + np.arange(blocks)) % grid  # [blocks]
-            np.add.at(tiles, cta, n)
-            np.add.at(jobs, cta, 1)
+    cta = np.arange(int(plan[0])) % grid  # [jobs] each job's CTA
+    tiles = np.bincount(cta, weights=job_tiles(plan), minlength=grid)  # [grid]
+    jobs = np.bincount(cta, minlength=grid)  # [grid]
     busiest = max(range(grid), key=lambda i: (tiles[i], jobs[i]))
     return {"jobs": int(plan[0]), "busiest_tiles": int(tiles[busiest]), "busiest_jobs": int(jobs[busiest]),
             "latent_bytes": C * (ctx + W) * shape.cfg.latent_dim * BF16, "rows": C * W * shape.heads}

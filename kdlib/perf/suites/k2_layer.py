@@ -9,7 +9,7 @@ device, `RankModel.compile_pieces` as the k2_rank grid, uniform routing: no slot
 stream 1 for AR, budget + 1 for DDTree) each piece is captured into its own CUDA graph and replayed, CUDA
 events around each replay, the L2 overwritten before each (`timing.l2_flush`: a layer's weights come cold
 inside a whole step), the median kept. A layer's piece runs in its graph once for each of LAYERS layers
-(`LAYERS_OF`: the MoE layers' own weights and latent cache; the dense first layer, the only one of its
+(`layers_of`: the MoE layers' own weights and latent cache; the dense first layer, the only one of its
 kind, LAYERS times), as the step runs it layer after layer, so that the replay's fixed cost and the flushed
 L2's write-back are shared by LAYERS calls as the step shares them by 61 (one layer a graph, the earlier
 form, over-predicted the steps at 128 tokens: notebook 03b section 8b sets the two side by side); a row is
@@ -77,7 +77,7 @@ def layers_of(cfg) -> dict[str, tuple[int, ...]]:
     return {"dense_first": (0,) * len(moe), "dense": moe, "attention": moe, "moe": moe}
 
 
-def calls(layers: tuple[int, ...] | None) -> int:
+def graph_calls(layers: tuple[int, ...] | None) -> int:
     """A piece's calls in its graph: its layers (`layers_of`), or one for a step's piece (None)."""
     return 1 if layers is None else len(layers)
 
@@ -168,8 +168,9 @@ def piece_rows(step, timed: dict, ceil: dict) -> list[dict]:
     for p, t in timed.items():
         w = work[p]
         ls = layers.get(p)
-        out.append({"piece": p, "layers": None if ls is None else list(ls), "layers_per_graph": calls(ls),
-                    "context": step.ctx, "streams": step.C, "rows_per_stream": step.W, "m_rows": step.M,
+        out.append({"piece": p, "layers": None if ls is None else list(ls),
+                    "layers_per_graph": graph_calls(ls), "context": step.ctx, "streams": step.C,
+                    "rows_per_stream": step.W, "m_rows": step.M,
                     "budget": step.budget or None, "method": "ddtree" if step.ddtree else "ar", **t, **w,
                     "floor": floor_ms(w["bytes"], w["flops"], bandwidth_Bps=ceil["copy_bandwidth_Bps"],
                                       flop_rate=ceil["bf16_matmul_flops"])})
@@ -282,7 +283,7 @@ def run(*, quick: bool = False, out: str | None = None, budget_s: float | None =
         if "first_compile_s" not in payload["setup"]:
             payload["setup"]["first_compile_s"] = time.perf_counter() - t_p
         fns = piece_fns(step)
-        timed = {p: measure(fns[p], flush, ITERS, calls(layers.get(p)))
+        timed = {p: measure(fns[p], flush, ITERS, graph_calls(layers.get(p)))
                  for p in wanted(step, done_m, done_cw)}
         if step.M not in done_m:
             payload["routing"] += routing_rows(step, baseline, flush, ITERS)
