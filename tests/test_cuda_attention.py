@@ -179,6 +179,13 @@ def _v5_random_shape(rng):
     return lens, sizes, width, nq, nh, int(rng.choice([1, 3, 132]))
 
 
+def _v10_ragged_shape(rng):
+    """A ragged batch on 132 CTAs (prefixes and trees spread out): the plans version 10 may order."""
+    bsz = int(rng.integers(2, 41))
+    nq, nh, width = int(rng.choice([9, 17, 33, 65])), int(rng.choice([8, 16])), int(rng.choice([4096, 70_000]))
+    return rng.integers(1, width + 1, size=bsz), rng.integers(1, nq + 1, size=bsz), width, nq, nh, 132
+
+
 def test_v5_constants_match_the_kernel_source():
     from kdlib.cuda import attention as cu
     from kdlib.cuda import loader
@@ -256,16 +263,17 @@ def test_v5_plan_balances_the_issue_shapes():
 
 
 def test_v10_order_ranks_the_jobs_and_the_deal_runs_each_once():
-    """plan_order (the v10 plan's order): where G < jobs <= ORDER_CAP a permutation of the jobs by
-    non-increasing key tiles (job_tiles: decode_job's), ties by index, else None; v10_deal gives every job to
-    one CTA once, round 0 the G largest in CTA order, the static round-robin where there is no order (past
-    ORDER_CAP too)."""
+    """plan_order (the v10 plan's order): where G < jobs <= ORDER_CAP and the snake deal's busiest CTA is
+    lighter than the static deal's by more than ORDER_GAIN / 32, a permutation of the jobs by non-increasing
+    key tiles (job_tiles: decode_job's), ties by index, else None; v10_deal gives every job to one CTA once,
+    round 0 the G largest in CTA order, the static round-robin where there is no order (past ORDER_CAP
+    too)."""
     from kdlib.cuda import attention as cu
 
     rng = np.random.default_rng(61)
-    shapes = [_v5_random_shape(rng) for _ in range(300)]
+    shapes = [_v5_random_shape(rng) for _ in range(300)] + [_v10_ragged_shape(rng) for _ in range(100)]
     shapes.append((rng.integers(1, 301, size=64), None, 300, 65, 16, 132))  # 64 x 17 row blocks: past the cap
-    ordered = 0
+    ordered = declined = 0
     for lens, sizes, width, nq, nh, grid in shapes:
         plan = cu.plan_v5(lens, sizes, width, nq, nh, grid)
         n = int(plan[0])
@@ -273,24 +281,31 @@ def test_v10_order_ranks_the_jobs_and_the_deal_runs_each_once():
         assert tiles.tolist() == [_v5_decode(plan, j)["ntiles"] for j in range(n)]
         order, deal = cu.plan_order(plan, grid), cu.v10_deal(plan, grid)
         assert sorted(j for jobs in deal for j in jobs) == list(range(n))
+        by_size = np.argsort(-tiles, kind="stable")
+        static = cu.cta_loads(plan, [list(range(c, n, grid)) for c in range(grid)]).max(initial=0)
         if order is None:
-            assert not grid < n <= cu._V10_ORDER_CAP
             assert deal == [list(range(c, n, grid)) for c in range(grid)]
+            if grid < n <= cu._V10_ORDER_CAP:  # declined: the deal by size gains too little
+                declined += 1
+                dealt = cu.cta_loads(plan, cu.snake_deal(by_size, grid)).max()
+                assert static * 32 <= dealt * (32 + cu._V10_ORDER_GAIN)
             continue
         ordered += 1
-        assert sorted(order.tolist()) == list(range(n))
+        assert grid < n <= cu._V10_ORDER_CAP
+        assert sorted(order.tolist()) == list(range(n)) and order.tolist() == by_size.tolist()
         t = tiles[order]
         assert (t[1:] <= t[:-1]).all()
         assert all(order[k] < order[k + 1] for k in range(n - 1) if t[k] == t[k + 1])  # ties: by index
         assert [jobs[0] for jobs in deal] == order[:grid].tolist()
         assert all(len(jobs) < 2 or jobs[1] == order[2 * grid - 1 - c] for c, jobs in enumerate(deal))
-    assert ordered >= 30 and int(cu.plan_v5(*shapes[-1])[0]) > cu._V10_ORDER_CAP
+        assert static * 32 > cu.cta_loads(plan, deal).max() * (32 + cu._V10_ORDER_GAIN)
+    assert ordered >= 30 and declined >= 5 and int(cu.plan_v5(*shapes[-1])[0]) > cu._V10_ORDER_CAP
 
 
 def test_v10_snake_deal_balances_the_ragged_point():
     """The busiest CTA of the suite's ragged point (132 CTAs; cta_loads: tiles + JOB_OVERHEAD a job) carries
     less under v10's deal than under the static round-robin, the same total; at every other suite point no
-    more."""
+    more, and none of them is ordered (their two-round points measured slower dealt by size: the gate)."""
     from kdlib.cuda import attention as cu
     from kdlib.perf.suites import attention as suite
 
@@ -306,6 +321,8 @@ def test_v10_snake_deal_balances_the_ragged_point():
         assert dealt.sum() == static.sum() and dealt.max() <= static.max()
         if i == 0:
             assert int(plan[0]) > grid and dealt.max() < static.max()
+        elif int(plan[0]) > grid:  # a uniform batch over two rounds: the deal by size gains too little
+            assert cu.plan_order(plan, grid) is None
 
 
 def test_v8_combine_warps_follow_a_rows_jobs_and_fit_one_wave():
@@ -1127,8 +1144,8 @@ def test_wgmma_plan_kernel_matches_numpy_mirror():
 
 @pytest.mark.gpu
 def test_v10_plan_kernel_writes_the_mirrors_plan_and_order():
-    """tree_verify_v10_plan: plan_v5's plan and, where G < jobs <= ORDER_CAP, plan_order's order integer for
-    integer; elsewhere (one round, or past ORDER_CAP) the order buffer untouched."""
+    """tree_verify_v10_plan: plan_v5's plan and plan_order's order integer for integer where it writes one;
+    elsewhere order [0] = -1 (the static deal; nothing without jobs) and the rest of the buffer untouched."""
     _need_wgmma()
     from kdlib.cuda import attention as cu
     from kdlib.cuda import loader
@@ -1136,9 +1153,9 @@ def test_v10_plan_kernel_writes_the_mirrors_plan_and_order():
     cp = _cp()
     rng = np.random.default_rng(78)
     fn = loader.get_function(cu._V10, "tree_verify_v10_plan", options=cu._V5_OPTIONS)
-    shapes = [_v5_random_shape(rng) for _ in range(200)]
+    shapes = [_v5_random_shape(rng) for _ in range(200)] + [_v10_ragged_shape(rng) for _ in range(100)]
     shapes.append((rng.integers(1, 301, size=64), None, 300, 65, 16, 132))  # 64 x 17 row blocks: past the cap
-    ordered = 0
+    ordered = declined = 0
     for lens, sizes, width, nq, nh, grid in shapes:
         want = cu.plan_v5(lens, sizes, width, nq, nh, grid)
         want_order = cu.plan_order(want, grid)
@@ -1149,20 +1166,28 @@ def test_v10_plan_kernel_writes_the_mirrors_plan_and_order():
                           np.int32(nq), np.int32(nh), np.int32(grid), plan, order))
         np.testing.assert_array_equal(plan.get(), want)
         got = order.get()
-        n = 0 if want_order is None else want_order.shape[0]
-        ordered += n > 0
-        np.testing.assert_array_equal(got[:n], want_order if n else got[:0])
+        if want_order is None:
+            n = int(want[0] > 0)
+            assert got[:n].tolist() == [-1] * n
+            declined += grid < int(want[0]) <= cu._V10_ORDER_CAP
+        else:
+            n = want_order.shape[0]
+            ordered += 1
+            np.testing.assert_array_equal(got[:n], want_order)
         assert (got[n:] == -7).all()
-    assert ordered >= 20 and want[0] > cu._V10_ORDER_CAP
+    assert ordered >= 20 and declined >= 3 and want[0] > cu._V10_ORDER_CAP
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bsz,nq,nh,width", [(16, 65, 8, 40_000),  # v7's consumers
-                                             (160, 2, 8, 3000)])  # v9's (Q*H <= 16)
-def test_v10_ordered_batch_matches_float64_and_version_9_bit_for_bit(bsz, nq, nh, width):
-    """A ragged batch whose plan passes G jobs (the snake deal runs): the order in the workspace is
-    plan_order's, the output version 9's bit for bit (the same jobs, combine and merge order) and within the
-    bf16 tolerance of a float64 torch reference (rows under each request's tree size)."""
+@pytest.mark.parametrize("bsz,nq,nh,width,ragged", [(16, 65, 8, 40_000, True),  # v7's consumers
+                                                    (160, 2, 8, 3000, True),  # v9's (Q*H <= 16)
+                                                    (4, 65, 16, 6000, False)])  # declined: 204 jobs
+def test_v10_batch_matches_float64_and_version_9_bit_for_bit(bsz, nq, nh, width, ragged):
+    """A batch whose plan passes G jobs: ragged, the snake deal runs and the order in the workspace is
+    plan_order's; uniform (4 x 65 x 16 heads at 6000), the plan declines to order it (order [0] = -1) and the
+    static deal runs. Either way the output is version 9's bit for bit (the same jobs, combine and merge
+    order) and within the bf16 tolerance of a float64 torch reference (rows under each request's tree
+    size)."""
     _need_wgmma()
     import torch
 
@@ -1176,8 +1201,11 @@ def test_v10_ordered_batch_matches_float64_and_version_9_bit_for_bit(bsz, nq, nh
     kv = torch.randn(n_slots, 576, device="cuda", generator=g).bfloat16()  # [S, 576]
     page = torch.stack([torch.randperm(n_slots, device="cuda", generator=g)[:width]
                         for _ in range(bsz)]).int()  # [B, width]
-    lens_np = rng.permutation(np.linspace(width // 40, width, bsz).astype(np.int32))  # prefixes spread out
-    sizes_np = rng.integers(1, nq + 1, size=bsz).astype(np.int32)  # ragged trees
+    if ragged:
+        lens_np = rng.permutation(np.linspace(width // 40, width, bsz).astype(np.int32))  # prefixes spread out
+        sizes_np = rng.integers(1, nq + 1, size=bsz).astype(np.int32)  # ragged trees
+    else:
+        lens_np, sizes_np = np.full(bsz, width, dtype=np.int32), np.full(bsz, nq, dtype=np.int32)
     lens, sizes = torch.from_numpy(lens_np).cuda(), torch.from_numpy(sizes_np).cuda()
     tkv = torch.randn(bsz, nq, 576, device="cuda", generator=g).bfloat16()  # [B, Q, 576]
     vis = torch.from_numpy(np.stack([_random_tree(rng, nq) for _ in range(bsz)])).cuda()  # [B, Q, Q]
@@ -1186,7 +1214,12 @@ def test_v10_ordered_batch_matches_float64_and_version_9_bit_for_bit(bsz, nq, nh
     out, lse = cu.tree_verify_attention(*args, impl="wgmma_v10", workspace=ws)
     plan = ws.plan.get()
     assert plan[0] > ws.grid, "the plan fits one round: no order to test"
-    np.testing.assert_array_equal(ws.order.get()[:plan[0]], cu.plan_order(plan, ws.grid))
+    want = cu.plan_order(plan, ws.grid)
+    assert (want is not None) == ragged
+    if ragged:
+        np.testing.assert_array_equal(ws.order.get()[:plan[0]], want)
+    else:
+        assert int(ws.order[0].get()) == -1
     out9, lse9 = cu.tree_verify_attention(*args, impl="wgmma_v9")
     assert np.array_equal(out.get(), out9.get(), equal_nan=True), "v10's out differs from v9's"
     assert np.array_equal(lse.get(), lse9.get(), equal_nan=True), "v10's lse differs from v9's"

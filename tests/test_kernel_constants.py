@@ -249,7 +249,7 @@ def test_attention_wgmma_constants_match_the_source(version):
         "tree_verify_v5_combine": (attention._COMBINE_THREADS, 0),
         **(own_combines if version >= 8 else {}),
     }
-    assert c["ORDER_CAP"] == attention._V10_ORDER_CAP
+    assert (c["ORDER_CAP"], c["ORDER_GAIN"]) == (attention._V10_ORDER_CAP, attention._V10_ORDER_GAIN)
 
 
 def test_attention_v8_combine_warps_and_jobs_in_flight_match_the_source():

@@ -126,6 +126,7 @@ _V5_BN = 64  # keys per tile (BN)
 _V5_ROUNDS = 4  # MAX_ROUNDS: the plan fits the jobs into at most this many rounds of one job per CTA
 _V5_JOB_OVERHEAD = 5  # JOB_OVERHEAD, in tiles
 _V10_ORDER_CAP = 1024  # ORDER_CAP: the most jobs the v10 plan orders (beyond, the static round-robin)
+_V10_ORDER_GAIN = 1  # ORDER_GAIN: it orders them where the busiest CTA gains more than ORDER_GAIN / 32
 _V5_PLAN_STRIDE = 8  # PLAN_STRIDE: per request base, chunks, chunk tiles, row blocks, len, rows, tail rows
 _V5_COMBINE_COLS = 128  # COMBINE_COLS: columns of one combine block (its 4 warps' float4 lanes)
 _V5_COMBINE_SLICES = KV_LORA_RANK // _V5_COMBINE_COLS  # COMBINE_SLICES: combine blocks per row
@@ -475,33 +476,49 @@ def job_tiles(plan: np.ndarray) -> np.ndarray:
     return tiles
 
 
-def plan_order(plan: np.ndarray, grid: int) -> np.ndarray | None:
-    """numpy mirror of `tree_verify_v10_plan`'s order: the jobs of a v5 plan by decreasing key tiles
-    (`job_tiles`; ties: the smaller index first) -> [jobs] int64; None where the plan writes none (at most
-    `grid` jobs, or more than `_V10_ORDER_CAP`: the static round-robin)."""
-    tiles = job_tiles(plan)
-    if not grid < tiles.shape[0] <= _V10_ORDER_CAP:
-        return None
-    return np.argsort(-tiles, kind="stable")
+def static_deal(jobs: int, grid: int) -> list[list[int]]:
+    """The jobs each of `grid` CTAs runs in the static round-robin of versions 5-9: c, c + G, c + 2G, ..."""
+    return [list(range(c, jobs, grid)) for c in range(grid)]
 
 
-def v10_deal(plan: np.ndarray, grid: int) -> list[list[int]]:
-    """The jobs each of `grid` CTAs of version 10's attend kernels runs, in order (dealt_job in
-    tree_verify/wgmma_ws.cuh): in round r CTA c takes the k-th of `plan_order`, k = r G + c in even rounds,
-    r G + G - 1 - c in odd ones; without an order job r G + c (the static round-robin of versions 5-9)."""
-    n, order = int(plan[0]), plan_order(plan, grid)
+def snake_deal(order: np.ndarray, grid: int) -> list[list[int]]:
+    """The jobs each of `grid` CTAs runs in version 10's snake deal of `order` (dealt_job in
+    tree_verify/wgmma_ws.cuh): in round r CTA c takes order [k], k = r G + c in even rounds, r G + G - 1 - c
+    in odd ones."""
+    n = len(order)
     deal = [[] for _ in range(grid)]
     for r in range(_ceil(n, grid)):
         for c in range(grid):
-            k = r * grid + (grid - 1 - c if order is not None and r % 2 else c)
+            k = r * grid + (grid - 1 - c if r % 2 else c)
             if k < n:
-                deal[c].append(int(order[k]) if order is not None else k)
+                deal[c].append(int(order[k]))
     return deal
+
+
+def plan_order(plan: np.ndarray, grid: int) -> np.ndarray | None:
+    """numpy mirror of `tree_verify_v10_plan`'s order: the jobs of a v5 plan by decreasing key tiles
+    (`job_tiles`; ties: the smaller index first) -> [jobs] int64, where their `snake_deal` leaves the
+    busiest CTA lighter than the `static_deal` does by more than _V10_ORDER_GAIN / 32 (`cta_loads`); None
+    where the plan writes none (order [0] = -1): no such gain, at most `grid` jobs, or more than
+    `_V10_ORDER_CAP`."""
+    n = int(plan[0])
+    if not grid < n <= _V10_ORDER_CAP:
+        return None
+    order = np.argsort(-job_tiles(plan), kind="stable")
+    static, dealt = cta_loads(plan, static_deal(n, grid)), cta_loads(plan, snake_deal(order, grid))
+    return order if int(static.max()) * 32 > int(dealt.max()) * (32 + _V10_ORDER_GAIN) else None
+
+
+def v10_deal(plan: np.ndarray, grid: int) -> list[list[int]]:
+    """The jobs each of `grid` CTAs of version 10's attend kernels runs, in order: the `snake_deal` of
+    `plan_order` where the plan writes one, else the `static_deal`."""
+    order = plan_order(plan, grid)
+    return static_deal(int(plan[0]), grid) if order is None else snake_deal(order, grid)
 
 
 def cta_loads(plan: np.ndarray, deal: list[list[int]]) -> np.ndarray:
     """Each CTA's work under `deal` (lists of job indices, as `v10_deal` gives) -> [len(deal)] int64: its
-    jobs' key tiles (`job_tiles`) plus JOB_OVERHEAD a job, the cost the plan weighs jobs by."""
+    jobs' key tiles (`job_tiles`) plus JOB_OVERHEAD a job, the cost the plans weigh jobs by."""
     tiles = job_tiles(plan)
     return np.array([sum(int(tiles[j]) + _V5_JOB_OVERHEAD for j in jobs) for jobs in deal], dtype=np.int64)
 
@@ -549,7 +566,7 @@ class VerifyWorkspace:
         rows = nq * nh
         jobs = v5_max_jobs(bsz, rows, self.grid)
         self.plan = cupy.zeros(1 + _V5_PLAN_STRIDE * bsz, dtype=cupy.int32)  # [1 + 8B]
-        self.order = cupy.zeros(jobs, dtype=cupy.int32)  # [jobs]
+        self.order = cupy.full(jobs, -1, dtype=cupy.int32)  # [jobs]; order [0] = -1: the static deal
         self.parts = cupy.empty((jobs, _V5_BM, KV_LORA_RANK), dtype=cupy.float32)  # [jobs, 64, 512]
         self.part_lse = cupy.empty((jobs, _V5_BM), dtype=cupy.float32)  # [jobs, 64]
         self.out = cupy.empty((bsz * rows, KV_LORA_RANK), dtype=cupy.float32)  # [B*Q*H, 512]

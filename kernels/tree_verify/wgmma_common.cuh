@@ -27,6 +27,7 @@
 #define MAX_ROUNDS 4                    // jobs <= MAX_ROUNDS * G + B * ceil(M / 64): the partials' bound
 #define JOB_OVERHEAD 5                  // tiles' worth of a job's Q load, pipeline fill and output write
 #define ORDER_CAP 1024                  // the most jobs the v10 plan orders (wgmma_v10.cu)
+#define ORDER_GAIN 1                    // it orders them where the busiest CTA gains > ORDER_GAIN / 32
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 #define NEG_INF __int_as_float(0xff800000)

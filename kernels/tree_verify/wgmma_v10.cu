@@ -7,14 +7,18 @@
 // Where the jobs differ in size (a ragged batch: requests of different prefixes and trees) the busiest CTA
 // carries well above the mean (kdlib.cuda.attention.cta_loads: each CTA's tiles under a deal).
 //
-// Here the plan (v5's, then the order) writes order [jobs]: the job indices by decreasing key tiles (ties:
-// the smaller index first), each thread ranking its jobs by counting over their tiles in shared memory
-// (O(jobs^2 / 256)). The producer deals them in snake order: in round r CTA c takes the k-th largest job, k =
-// r G + c in even rounds, r G + G - 1 - c in odd ones (dealt_job, tree_verify/wgmma_ws.cuh), until k passes
-// the jobs. With at most G jobs (one round) the plan writes no order and the deal is the static one; past
-// ORDER_CAP jobs (its shared memory) neither: the static round-robin. The consumers take the job index from
-// the pair descriptors and write parts [j] of the real job j, so the combine is v8's and the result is
-// version 9's bit for bit (the same jobs, each computed alike, merged in the same fixed order).
+// Here the plan (v5's, then the order) ranks the jobs by decreasing key tiles (ties: the smaller index first)
+// and costs two deals of them (tiles + JOB_OVERHEAD a job, kdlib.cuda.attention.cta_loads): the static one,
+// and the snake deal, in which round r CTA c takes the k-th largest job, k = r G + c in even rounds,
+// r G + G - 1 - c in odd ones (dealt_job, tree_verify/wgmma_ws.cuh). Where the snake deal's busiest CTA is
+// lighter than the static deal's by more than ORDER_GAIN / 32, it writes order [jobs], the jobs by size;
+// else order [0] = -1 and the attend kernels run the static round-robin, version 9's producer. With at most
+// G jobs (one round) or past ORDER_CAP (its shared memory) nothing is ranked: the static one. Jobs of one
+// size over two rounds (a uniform batch) gain less than that (1.007x and 1.013x at the attention suite's
+// two such points) and measured slower dealt by size (data/results/history/attention.v10.8371cbb.h200.json).
+// The consumers take the job index from the pair descriptors and write parts [j] of the real job j, so the
+// combine is v8's and the result is version 9's bit for bit (the same jobs, each computed alike, merged in
+// the same fixed order).
 //
 // The attend kernels need sm_90a (wgmma, setmaxnreg); built for another target their bodies trap.
 // kdlib-arch: sm_90a wgmma=tree_verify_v7_attend,tree_verify_v9_attend,tree_verify_v10_attend,tree_verify_v10_attend_t
@@ -24,28 +28,60 @@
 
 // ------------------------------------------------------------------------------------------ plan
 
-// Arguments as tree_verify_v5_plan -> plan [1 + PLAN_STRIDE * B] and, where G < jobs <= ORDER_CAP,
-// order [jobs] int32 (else unwritten). Grid 1, block 256. plan is not __restrict__: every thread reads back
-// past the barrier what thread 0 wrote (restrict let the compiler forward thread 0's plan[0] to the others).
+// Arguments as tree_verify_v5_plan -> plan [1 + PLAN_STRIDE * B] and order [jobs] int32: the jobs by size
+// where that deal gains (see above), else order [0] = -1 (nothing written without jobs). Grid 1, block 256.
+// plan is not __restrict__: every thread reads back past the barrier what thread 0 wrote (restrict let the
+// compiler forward thread 0's plan[0] to the others). A job's sort key is tiles << 10 | (1023 - j): distinct,
+// larger for more tiles, then for the smaller index (jobs of at most 2^22 tiles, 268M keys).
 extern "C" __global__ void __launch_bounds__(256) tree_verify_v10_plan(
     const int* __restrict__ prefix_lens, const int* __restrict__ tree_sizes, int B, int P, int Q, int H, int G,
     int* plan, int* __restrict__ order) {
+    static_assert(ORDER_CAP == 1 << 10, "the sort key's 10 index bits");
+    constexpr int PER = ORDER_CAP / 256;  // jobs each thread ranks
     __shared__ long long cost[MAX_ROUNDS];
     __shared__ int chunk_of_k[MAX_ROUNDS];
     __shared__ int tmax_warp[8];
-    __shared__ int tiles[ORDER_CAP];  // each job's key tiles
+    __shared__ __align__(16) unsigned key[ORDER_CAP];  // [job] its sort key; 0 past the jobs
+    __shared__ int sorted[ORDER_CAP];                  // [rank] the job
+    __shared__ int busiest[2];                         // the busiest CTA's cost: static deal, snake deal
     plan_v5(prefix_lens, tree_sizes, B, P, Q, H, G, plan, cost, chunk_of_k, tmax_warp);
     __syncthreads();  // the plan whole (thread 0 wrote it)
-    const int n = plan[0];
-    if (n <= G || n > ORDER_CAP) return;  // no order: the static round-robin
-    for (int j = threadIdx.x; j < n; j += blockDim.x) tiles[j] = decode_job(plan, B, j).ntiles;
+    const int n = plan[0], tid = threadIdx.x;
+    if (n <= G || n > ORDER_CAP) {  // the static round-robin
+        if (tid == 0 && n > 0) order[0] = -1;
+        return;
+    }
+    for (int j = tid; j < ORDER_CAP; j += 256)
+        key[j] = j < n ? (unsigned)decode_job(plan, B, j).ntiles << 10 | (ORDER_CAP - 1 - j) : 0u;
+    if (tid < 2) busiest[tid] = 0;
     __syncthreads();
-    for (int j = threadIdx.x; j < n; j += blockDim.x) {  // j's rank: the larger jobs and the equal ones before it
-        const int t = tiles[j];
-        int rank = 0;
-        for (int k = 0; k < j; ++k) rank += tiles[k] >= t;
-        for (int k = j + 1; k < n; ++k) rank += tiles[k] > t;
-        order[rank] = j;
+    unsigned mine[PER];
+    int rank[PER];
+    for (int i = 0; i < PER; ++i) mine[i] = key[tid + 256 * i], rank[i] = 0;
+    const uint4* key4 = reinterpret_cast<const uint4*>(key);
+    for (int k = 0; k < (n + 3) / 4; ++k) {  // a job's rank: the keys above its own
+        const uint4 v = key4[k];
+        for (int i = 0; i < PER; ++i) rank[i] += (v.x > mine[i]) + (v.y > mine[i]) + (v.z > mine[i]) + (v.w > mine[i]);
+    }
+    for (int i = 0; i < PER; ++i)
+        if (tid + 256 * i < n) sorted[rank[i]] = tid + 256 * i;
+    __syncthreads();
+    const int rounds = (n + G - 1) / G;
+    for (int c = tid; c < G; c += 256) {  // CTA c's cost under each deal
+        int dealt_static = 0, dealt_snake = 0;
+        for (int r = 0; r < rounds; ++r) {
+            const int ks = r * G + c, k = r * G + (r & 1 ? G - 1 - c : c);
+            if (ks < n) dealt_static += (int)(key[ks] >> 10) + JOB_OVERHEAD;
+            if (k < n) dealt_snake += (int)(key[sorted[k]] >> 10) + JOB_OVERHEAD;
+        }
+        atomicMax(&busiest[0], dealt_static);
+        atomicMax(&busiest[1], dealt_snake);
+    }
+    __syncthreads();
+    if ((long long)busiest[0] * 32 > (long long)busiest[1] * (32 + ORDER_GAIN)) {
+        for (int k = tid; k < n; k += 256) order[k] = sorted[k];
+    } else if (tid == 0) {
+        order[0] = -1;
     }
 }
 
@@ -79,7 +115,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v10_attend
 
     const int wg = tid >> 7, wt = tid & 127;
     if (wg == 0) {
-        produce<true>(base, desc, bars, q, kv, page_table, tree_kv, plan, order, nreq, P, Q, H, wt);
+        produce_v10(base, desc, bars, q, kv, page_table, tree_kv, plan, order, nreq, P, Q, H, wt);
         return;
     }
     consume_v9(base, gbase, desc, bars, tid, wg, wt, vis, Q, H, scale, parts, part_lse);

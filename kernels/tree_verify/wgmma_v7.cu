@@ -48,7 +48,8 @@
 
 // ------------------------------------------------------------------------------------------ attend
 
-// The attend kernel's body: the producer (its jobs dealt from order where ORDERED: produce) and v7's consumers.
+// The attend kernel's body: the producer (ORDERED: version 10's, produce_v10; else the static round-robin) and
+// v7's consumers.
 // Shared with version 10's ordered kernel (tree_verify/wgmma_v10.cu).
 template <bool ORDERED>
 __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv,
@@ -72,7 +73,10 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
 
     if (wg == 0) {
         // ------------------------------------------------------------------------------ producer
-        produce<ORDERED>(base, desc, bars, q, kv, page_table, tree_kv, plan, order, nreq, P, Q, H, wt);
+        if constexpr (ORDERED)
+            produce_v10(base, desc, bars, q, kv, page_table, tree_kv, plan, order, nreq, P, Q, H, wt);
+        else
+            produce<false>(base, desc, bars, q, kv, page_table, tree_kv, plan, order, nreq, P, Q, H, wt);
     } else {
         // ----------------------------------------------------------------------------- consumers
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));

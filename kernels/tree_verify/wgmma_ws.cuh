@@ -123,17 +123,16 @@ __device__ __forceinline__ void init_bars(unsigned bars) {
 
 // CTA blockIdx.x's job of round r in the snake deal of the v10 plan's order (order [jobs]: the jobs by
 // decreasing tiles): the (r G + c)-th largest in even rounds, the (r G + G - 1 - c)-th in odd ones; -1 past
-// the jobs. A plan of at most G or more than ORDER_CAP jobs has no order: the static round-robin, c + r G.
+// the jobs. Only where the plan wrote an order (order [0] >= 0).
 __device__ __forceinline__ int dealt_job(const int* plan, const int* order, int r) {
-    const int n = plan_jobs(plan), G = gridDim.x, c = blockIdx.x;
-    if (n <= G || n > ORDER_CAP) return c + r * G < n ? c + r * G : -1;
+    const int G = gridDim.x, c = blockIdx.x;
     const int k = r * G + (r & 1 ? G - 1 - c : c);
-    return k < n ? order[k] : -1;
+    return k < plan_jobs(plan) ? order[k] : -1;
 }
 
 // The producer warpgroup (wt: its thread) over the CTA's stream of tile pairs: Q of each job, the pair
 // descriptors (ring at desc), the K tiles into the stages at base + OFF_K0 and base + OFF_K1. The CTA's jobs:
-// ORDERED, the snake deal of order (dealt_job); else the static round-robin (order unread).
+// ORDERED, the snake deal of order (dealt_job); else the static round-robin (order unread; produce_v10 picks).
 template <bool ORDERED>
 __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars, const __nv_bfloat16* q,
                                        const __nv_bfloat16* kv, const int* page_table,
@@ -187,6 +186,18 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
         prefetch_pair(plan, nreq, page_table, kvb, P, nx, fresh, jb, wt);
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its thread
+}
+
+// Version 10's producer: the snake deal where its plan wrote an order (order [0] >= 0), else version 9's
+// (the static round-robin); one branch for the whole warpgroup, before either path's setmaxnreg.
+__device__ __forceinline__ void produce_v10(unsigned base, int* desc, unsigned bars, const __nv_bfloat16* q,
+                                           const __nv_bfloat16* kv, const int* page_table,
+                                           const __nv_bfloat16* tree_kv, const int* plan, const int* order,
+                                           int nreq, int P, int Q, int H, int wt) {
+    if (order[0] >= 0)
+        produce<true>(base, desc, bars, q, kv, page_table, tree_kv, plan, order, nreq, P, Q, H, wt);
+    else
+        produce<false>(base, desc, bars, q, kv, page_table, tree_kv, plan, order, nreq, P, Q, H, wt);
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
