@@ -31,48 +31,60 @@
 // Arguments as tree_verify_v5_plan -> plan [1 + PLAN_STRIDE * B] and order [jobs] int32: the jobs by size
 // where that deal gains (see above), else order [0] = -1 (nothing written without jobs). Grid 1, block 256.
 // plan is not __restrict__: every thread reads back past the barrier what thread 0 wrote (restrict let the
-// compiler forward thread 0's plan[0] to the others). A job's sort key is tiles << 10 | (1023 - j): distinct,
-// larger for more tiles, then for the smaller index (jobs of at most 2^22 tiles, 268M keys).
+// compiler forward thread 0's plan[0] to the others).
+//
+// The ranking goes by groups, the row blocks of one request's key chunk: jobs first .. first + rb - 1, all of
+// one size, so their ranks run on from the group's. A group's sort key, tiles << 10 | (1023 - first), is
+// distinct, larger for more tiles, then for the smaller first job (jobs of at most 2^22 tiles, 268M keys);
+// its first rank counts the jobs of the groups above it: O(groups^2 / 256) with groups = jobs / rb, where
+// ranking each job against every other cost O(jobs^2 / 256) (1.1 % of the verify at 8 x 65 x 32k B8,
+// data/results/history/attention.v10_job_rank.33c8360.h200.json, then 0.7 % at 16 x 65 x 131k).
 extern "C" __global__ void __launch_bounds__(256) tree_verify_v10_plan(
     const int* __restrict__ prefix_lens, const int* __restrict__ tree_sizes, int B, int P, int Q, int H, int G,
     int* plan, int* __restrict__ order) {
     static_assert(ORDER_CAP == 1 << 10, "the sort key's 10 index bits");
-    constexpr int PER = ORDER_CAP / 256;  // jobs each thread ranks
     __shared__ long long cost[MAX_ROUNDS];
     __shared__ int chunk_of_k[MAX_ROUNDS];
     __shared__ int tmax_warp[8];
-    __shared__ __align__(16) unsigned key[ORDER_CAP];  // [job] its sort key; 0 past the jobs
-    __shared__ int sorted[ORDER_CAP];                  // [rank] the job
-    __shared__ int busiest[2];                         // the busiest CTA's cost: static deal, snake deal
+    __shared__ int tiles[ORDER_CAP];   // [job] its key tiles
+    __shared__ uint2 group[ORDER_CAP];  // [group, in no set order] its sort key, its jobs
+    __shared__ int sorted[ORDER_CAP];  // [rank] the job
+    __shared__ int ngroups, busiest[2];  // busiest: the busiest CTA's cost, static deal and snake deal
     plan_v5(prefix_lens, tree_sizes, B, P, Q, H, G, plan, cost, chunk_of_k, tmax_warp);
+    if (threadIdx.x == 0) ngroups = 0, busiest[0] = 0, busiest[1] = 0;
     __syncthreads();  // the plan whole (thread 0 wrote it)
     const int n = plan[0], tid = threadIdx.x;
     if (n <= G || n > ORDER_CAP) {  // the static round-robin
         if (tid == 0 && n > 0) order[0] = -1;
         return;
     }
-    for (int j = tid; j < ORDER_CAP; j += 256)
-        key[j] = j < n ? (unsigned)decode_job(plan, B, j).ntiles << 10 | (ORDER_CAP - 1 - j) : 0u;
-    if (tid < 2) busiest[tid] = 0;
-    __syncthreads();
-    unsigned mine[PER];
-    int rank[PER];
-    for (int i = 0; i < PER; ++i) mine[i] = key[tid + 256 * i], rank[i] = 0;
-    const uint4* key4 = reinterpret_cast<const uint4*>(key);
-    for (int k = 0; k < (n + 3) / 4; ++k) {  // a job's rank: the keys above its own
-        const uint4 v = key4[k];
-        for (int i = 0; i < PER; ++i) rank[i] += (v.x > mine[i]) + (v.y > mine[i]) + (v.z > mine[i]) + (v.w > mine[i]);
+    for (int j = tid; j < n; j += 256) {
+        const Job jb = decode_job(plan, B, j);
+        tiles[j] = jb.ntiles;
+        if (jb.row0 == 0)  // the first row block: a group's first job
+            group[atomicAdd(&ngroups, 1)] = make_uint2((unsigned)jb.ntiles << 10 | (ORDER_CAP - 1 - j),
+                                                       plan[PLAN_HDR + jb.b * PLAN_STRIDE + P_RB]);
     }
-    for (int i = 0; i < PER; ++i)
-        if (tid + 256 * i < n) sorted[rank[i]] = tid + 256 * i;
+    __syncthreads();
+    const int ng = ngroups;
+    for (int g = tid; g < ng; g += 256) {  // the sum is the same in any order of the groups
+        const uint2 mine = group[g];
+        int rank = 0;
+        for (int h = 0; h < ng; ++h) {
+            const uint2 o = group[h];
+            rank += o.x > mine.x ? (int)o.y : 0;
+        }
+        const int first = ORDER_CAP - 1 - (int)(mine.x & (ORDER_CAP - 1));
+        for (int i = 0; i < (int)mine.y; ++i) sorted[rank + i] = first + i;
+    }
     __syncthreads();
     const int rounds = (n + G - 1) / G;
     for (int c = tid; c < G; c += 256) {  // CTA c's cost under each deal
         int dealt_static = 0, dealt_snake = 0;
         for (int r = 0; r < rounds; ++r) {
             const int ks = r * G + c, k = r * G + (r & 1 ? G - 1 - c : c);
-            if (ks < n) dealt_static += (int)(key[ks] >> 10) + JOB_OVERHEAD;
-            if (k < n) dealt_snake += (int)(key[sorted[k]] >> 10) + JOB_OVERHEAD;
+            if (ks < n) dealt_static += tiles[ks] + JOB_OVERHEAD;
+            if (k < n) dealt_snake += tiles[sorted[k]] + JOB_OVERHEAD;
         }
         atomicMax(&busiest[0], dealt_static);
         atomicMax(&busiest[1], dealt_snake);
