@@ -38,23 +38,26 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     with a combine of 4 to 32 warps per row (`v8_combine_warps`), so that a row's many jobs (a long prefix
     over few rows) are merged with their loads in flight at once rather than four at a time; faster than 7
     where a row has many jobs (8 heads x 1 query x 200k), the same or within 1 % elsewhere
-    (data/results/attention.h200.json; `BF16_DEFAULT_TRADES`);
-  * 9 (`tree_verify/wgmma_v9.cu`, sm_90a only, `DEFAULT_VERSION`): v8's plan, workspace and combine around
+    (data/results/history/attention.v8_default.c49c344.h200.json);
+  * 9 (`tree_verify/wgmma_v9.cu`, sm_90a only): v8's plan, workspace and combine around
     an attend kernel that computes the transposed products ("swap-AB": the job's rows are the wgmma N, not
     padded to its M of 64), built per call shape; it runs where Q*H <= 16 (`v9_options`: there it measured
     faster than v8, data/results/history/attention.v9_dev.4d83aab.h200.json), elsewhere version 9 runs
     version 8's kernels;
-  * 10 (`tree_verify/wgmma_v10.cu`, sm_90a only): version 9 with the jobs dealt to the CTAs in decreasing
-    size: its plan also writes the jobs' order by key tiles (`plan_order` is its numpy mirror) and the
-    attend kernels (v9's consumers where version 9 runs its own kernel, else v7's) take them in snake order
-    (`v10_deal`) instead of the static round-robin, which leaves the busiest CTA of a ragged batch above
-    the mean (`cta_loads`); the same jobs and combine: version 9's output bit for bit. Not the default:
-    in data/results/history/attention.v10.8371cbb.h200.json it is faster than 9 at the ragged batch and
-    slower beyond 9's spread at five of the other eight points: most where a batch's jobs are of one size
-    over two rounds (a guess, not measured: the deal parts the row blocks that read the same keys at once),
-    less where nothing is ordered (the same work through the ordered producer's build).
+  * 10 (`tree_verify/wgmma_v10.cu`, sm_90a only, `DEFAULT_VERSION`): version 9 with the jobs dealt to the
+    CTAs by size where that pays: where the jobs pass one round its plan ranks them by key tiles and costs
+    two deals (`cta_loads`), the static round-robin of versions 5-9 (`static_deal`), which leaves the
+    busiest CTA of a ragged batch above the mean, and the snake deal of the jobs by size (`snake_deal`);
+    where the snake deal's busiest CTA is lighter by more than 1/32 it writes the order and the attend
+    kernels (v9's consumers where version 9 runs its own kernel, else v7's) take it, else they run
+    version 9's producer (`plan_order` and `v10_deal` mirror the choice). The same jobs and combine:
+    version 9's output bit for bit. In data/results/attention.h200.json (036efc4) 0.95x version 9's time
+    at the ragged batch, within 9's replay spread at the other eight points. Ungated, the order measured
+    1.1-1.3 % slower than 9 at the suite's two uniform batches over two rounds (gains the plan's cost put
+    at 1.007x and 1.013x, data/results/history/attention.v10.8371cbb.h200.json), and ranking job by job
+    cost 0.7-1.1 % there (history/attention.v10_job_rank.33c8360.h200.json).
 `version=None` (the default) picks by dtype and device: fp32 runs 1 (a dtype path, not a choice);
-bf16 runs `DEFAULT_VERSION` (9, `BF16_DEFAULT`: the fastest in data/results/attention.h200.json)
+bf16 runs `DEFAULT_VERSION` (10, `BF16_DEFAULT`: the fastest in data/results/attention.h200.json)
 where the device runs it, else 3 where the device grants its 166 KB of shared memory (not on sm_120's
 99 KB), else 1.
 
@@ -182,14 +185,10 @@ WGMMA = "wgmma"
 # MMA_DEFAULT in the recorded attention sweep (data/results/attention.h200.json: the fastest median at most
 # points, elsewhere within the other arm's replay spread but at the points of BF16_DEFAULT_TRADES;
 # tests/test_kernel_constants.py checks both against the record).
-BF16_DEFAULT = "wgmma_v9"
+BF16_DEFAULT = "wgmma_v10"
 # (heads, queries, prefix, batch) -> why: the recorded points where another arm is faster than the default
-# beyond that arm's replay spread, the price of its gains elsewhere.
-BF16_DEFAULT_TRADES = {
-    (64, 65, 32_768, 1): "v7 faster beyond its spread in the runs of 500404d and c49c344 (v8 the default): "
-                         "there v9 runs v8's kernels, v8 its own 4-warp combine over 16,640 blocks where v7 "
-                         "runs v5's, the same split of the work; why it is slower is not measured",
-}
+# beyond that arm's replay spread, the price of its gains elsewhere (none in the 036efc4 run).
+BF16_DEFAULT_TRADES: dict[tuple[int, int, int, int], str] = {}
 _BY_IMPL = {launch.impl: v for v, launch in LAUNCHES.items()}
 DEFAULT_VERSION = _BY_IMPL[BF16_DEFAULT]
 # The deprecated impl= names -> versions ("auto": None, the default pick).
