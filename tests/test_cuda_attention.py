@@ -182,7 +182,8 @@ def _v5_random_shape(rng):
 def _v10_ragged_shape(rng):
     """A ragged batch on 132 CTAs (prefixes and trees spread out): the plans version 10 may order."""
     bsz = int(rng.integers(2, 41))
-    nq, nh, width = int(rng.choice([9, 17, 33, 65])), int(rng.choice([8, 16])), int(rng.choice([4096, 70_000]))
+    nq, nh = int(rng.choice([9, 17, 33, 65])), int(rng.choice([8, 16]))
+    width = int(rng.choice([4096, 70_000]))
     return rng.integers(1, width + 1, size=bsz), rng.integers(1, nq + 1, size=bsz), width, nq, nh, 132
 
 
@@ -1202,7 +1203,7 @@ def test_v10_batch_matches_float64_and_version_9_bit_for_bit(bsz, nq, nh, width,
     page = torch.stack([torch.randperm(n_slots, device="cuda", generator=g)[:width]
                         for _ in range(bsz)]).int()  # [B, width]
     if ragged:
-        lens_np = rng.permutation(np.linspace(width // 40, width, bsz).astype(np.int32))  # prefixes spread out
+        lens_np = rng.permutation(np.linspace(width // 40, width, bsz).astype(np.int32))  # spread out
         sizes_np = rng.integers(1, nq + 1, size=bsz).astype(np.int32)  # ragged trees
     else:
         lens_np, sizes_np = np.full(bsz, width, dtype=np.int32), np.full(bsz, nq, dtype=np.int32)
