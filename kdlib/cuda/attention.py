@@ -784,6 +784,8 @@ def tree_verify_attention(q, kv_cache, page_table, prefix_lens, tree_kv, visibil
     make_workspace; the results are views of it. plan_ready (with a workspace): its plan is the one the
     previous call on it made for the same prefix_lens, tree_sizes and page-table width, and the plan
     launch is skipped (the layers of one verify step share a plan); the caller vouches for the sameness.
+    Version 10 also reads the order its own plan wrote there: after another version's plan on the
+    workspace, run version 10's plan before a plan_ready call of version 10.
     """
     _check_rank(kv_lora_rank)
     qa, kind, batched = _check_q(q)
