@@ -38,7 +38,7 @@
 // distinct, larger for more tiles, then for the smaller first job (jobs of at most 2^22 tiles, 268M keys);
 // its first rank counts the jobs of the groups above it: O(groups^2 / 256) with groups = jobs / rb, where
 // ranking each job against every other cost O(jobs^2 / 256) (1.1 % of the verify at 8 x 65 x 32k B8,
-// data/results/history/attention.v10_job_rank.33c8360.h200.json, then 0.7 % at 16 x 65 x 131k).
+// data/results/history/attention.v10_job_rank.33c8360.h200.json, and 0.7 % at 16 x 65 x 131k).
 extern "C" __global__ void __launch_bounds__(256) tree_verify_v10_plan(
     const int* __restrict__ prefix_lens, const int* __restrict__ tree_sizes, int B, int P, int Q, int H, int G,
     int* plan, int* __restrict__ order) {
