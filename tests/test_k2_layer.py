@@ -250,6 +250,23 @@ def test_attention_plan_lays_the_jobs_over_the_ctas():
     assert rank_work.attention_plan(shape, 1, 1, 128, 132)["jobs"] < 132
 
 
+def test_attention_plan_follows_the_default_versions_deal():
+    """Where version 10's plan orders a uniform batch's jobs (8 streams x 65 rows at 4k: chunks of unequal
+    tiles over two rounds), attention_plan's busiest CTA is the one of that deal (v10_deal), lighter than the
+    round-robin's; where it orders none (every K2 grid shape), the round-robin's."""
+    from kdlib.cuda.attention import job_tiles, plan_order, static_deal, v10_deal
+
+    shape = RankShape(ModelConfig.from_dict(memory.load_config("kimi-k2.6")), tp=8)
+    for C, W, ctx, ordered in ((8, 65, 4096, True), (4, 65, 128_000, False), (16, 17, 5500, False)):
+        plan = plan_v5([ctx] * C, [W] * C, ctx, W, shape.heads, 132)
+        assert (plan_order(plan, 132) is not None) == ordered
+        tiles = job_tiles(plan)
+        dealt = [int(tiles[d].sum()) for d in v10_deal(plan, 132)]
+        static = [int(tiles[d].sum()) for d in static_deal(int(plan[0]), 132)]
+        assert rank_work.attention_plan(shape, C, W, ctx, 132)["busiest_tiles"] == max(dealt)
+        assert (max(dealt) < max(static)) == ordered
+
+
 def _plan_terms(fixed=8e-6, per=(2e-6, 3e-6, 1e-13, 4e-9, 5e-8)) -> est.AttentionPlanTerms:
     src = "test"
     return est.AttentionPlanTerms(gpu="h200", grid=132, fixed_s=est.Param(fixed, "s", src),
