@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 19 in one device call on the H200: GPU tests of the attention kernels, the attention suite
 # (the wgmma versions vs the previous default vs PyTorch vs FlashInfer), and ncu reports of
-# tree_verify_v6_attend (the default) and tree_verify_v7_attend (warp-specialised, not yet measured)
-# at 8 heads x 65 queries x 200k prefix. Each step runs under its own time limit (~9 min at most in all).
+# tree_verify_v6_attend and tree_verify_v7_attend (the default and its successor when this script was
+# written; tools/attention_record_gpu.sh records today's default) at 8 heads x 65 queries x 200k prefix. Each step runs under its own time limit (~9 min at most in all).
 #
 #   here, once (needs PyPI):  bash tools/attention_gpu.sh fetch-wheels
 #       -> .whl/attention/ (git-ignored): flashinfer-python 0.7.2.post1 without the sources of kernels other

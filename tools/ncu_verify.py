@@ -1,8 +1,8 @@
 """One whole tree-verify call, run twice on random bf16 inputs: the program Nsight Compute profiles (the
 second call: the first compiles and warms). Run from the repo root on the GPU machine:
 
-    ncu --kernel-name tree_verify_v9_attend --launch-skip 1 --launch-count 1 ... \
-        python3 tools/ncu_verify.py --impl wgmma_v9 --queries 1 --heads 8 --prefix 200000
+    ncu --kernel-name tree_verify_v10_attend_t --launch-skip 1 --launch-count 1 ... \
+        python3 tools/ncu_verify.py --impl wgmma_v10 --queries 1 --heads 8 --prefix 200000
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from kdlib.cuda import attention as cu
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--impl", required=True, help="the version by name, e.g. wgmma_v9")
+    ap.add_argument("--impl", required=True, help="the version by name, e.g. wgmma_v10")
     ap.add_argument("--queries", type=int, default=65)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--prefix", type=int, default=200_000)

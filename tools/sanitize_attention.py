@@ -9,9 +9,10 @@ prefix, the prefix alone, a call on a preallocated workspace, a ragged batch of 
 357, trees of 1 / 33 / 65 rows); one version 3 ("mma_v3") call on the ragged batch; versions 6
 ("wgmma_v6"), 7 ("wgmma_v7") and 8 ("wgmma_v8") each on the workspace call, the ragged batch and a prefix
 alone at 8 x 9; version 8 also where its combine takes 8 and 32 warps a row (8 x 1 over 5,000 keys for 3
-requests, over 20,000 for one); version 9 ("wgmma_v9", the bf16 default) where it runs its own attend
+requests, over 20,000 for one); version 9 ("wgmma_v9") where it runs its own attend
 kernel (8 heads x 1 and x 2 queries: the workspace call, a ragged batch, a prefix alone); version 10
-("wgmma_v10") on a batch whose jobs it orders (16 requests of 8 x 65 rows) and at 8 x 1.
+("wgmma_v10", the bf16 default) on a batch whose jobs its plan orders (16 requests of 8 x 65 rows) and at
+8 x 1 (one round: the static deal).
 KDLIB_SANITIZE_CASES (a comma list of name prefixes, e.g. "v7") keeps some of them. Each output is
 compared with `kdlib.ref.attention` on the same bf16 values (norm-relative error <= 1e-2, lse within
 2e-3, padding rows NaN), so a clean sanitizer run is also a correct one. The kernels a case covers are
