@@ -1123,9 +1123,24 @@ def test_bad_inputs_raise_value_error_before_launch():
                            cp.zeros((4, 512), cp.float32), cp.zeros(4, cp.float32))
 
 
+def _v5_many_requests(rng):
+    """Batches about PLAN_SMEM_REQS requests: the plan built in shared memory, at the cap, and past it (in
+    place in global memory); one or two row blocks a request, so that the v10 plan may rank 257-600 jobs."""
+    from kdlib.cuda import attention as cu
+
+    cap = cu._V5_PLAN_SMEM_REQS
+    shapes = []
+    for bsz in (cap - 1, cap, cap + 1, 300):
+        width, nq = int(rng.choice([64, 5000, 70_000])), int(rng.choice([2, 9]))
+        lens, sizes = rng.integers(0, width + 1, size=bsz), rng.integers(0, nq + 1, size=bsz)
+        shapes.append((lens, sizes, width, nq, 8, 132))
+    return shapes
+
+
 @pytest.mark.gpu
 def test_wgmma_plan_kernel_matches_numpy_mirror():
-    """The device plan equals plan_v5 integer for integer (ragged, empty, prefix-only and huge requests)."""
+    """The device plan equals plan_v5 integer for integer (ragged, empty, prefix-only and huge requests, and
+    batches built in shared memory and past it)."""
     _need_wgmma()
     from kdlib.cuda import attention as cu
     from kdlib.cuda import loader
@@ -1133,8 +1148,8 @@ def test_wgmma_plan_kernel_matches_numpy_mirror():
     cp = _cp()
     rng = np.random.default_rng(77)
     fn = loader.get_function(cu._V5, "tree_verify_v5_plan", options=cu._V5_OPTIONS)
-    for _ in range(200):
-        lens, sizes, width, nq, nh, grid = _v5_random_shape(rng)
+    shapes = [_v5_random_shape(rng) for _ in range(200)] + _v5_many_requests(rng)
+    for lens, sizes, width, nq, nh, grid in shapes:
         want = cu.plan_v5(lens, sizes, width, nq, nh, grid)
         plan = cp.full(want.shape, -7, dtype=cp.int32)
         d_sizes = cp.asarray(sizes, dtype=cp.int32) if sizes is not None else np.uintp(0)
@@ -1155,6 +1170,7 @@ def test_v10_plan_kernel_writes_the_mirrors_plan_and_order():
     rng = np.random.default_rng(78)
     fn = loader.get_function(cu._V10, "tree_verify_v10_plan", options=cu._V5_OPTIONS)
     shapes = [_v5_random_shape(rng) for _ in range(200)] + [_v10_ragged_shape(rng) for _ in range(100)]
+    shapes += _v5_many_requests(rng)
     shapes.append((rng.integers(1, 301, size=64), None, 300, 65, 16, 132))  # 64 x 17 row blocks: past the cap
     ordered = declined = 0
     for lens, sizes, width, nq, nh, grid in shapes:

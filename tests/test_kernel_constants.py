@@ -250,6 +250,7 @@ def test_attention_wgmma_constants_match_the_source(version):
         **(own_combines if version >= 8 else {}),
     }
     assert (c["ORDER_CAP"], c["ORDER_GAIN"]) == (attention._V10_ORDER_CAP, attention._V10_ORDER_GAIN)
+    assert c["PLAN_SMEM_REQS"] == attention._V5_PLAN_SMEM_REQS
 
 
 def test_attention_v8_combine_warps_and_jobs_in_flight_match_the_source():

@@ -7,6 +7,7 @@ Here (git; the old tree lands in build/, which is git-ignored, so carry it):
     python3 tools/kernel_ab.py export <rev>            -> build/ab/<rev>/kernels
 On the GPU machine (carry ["build/ab"]):
     python3 tools/kernel_ab.py run build/ab/<rev>/kernels --out $OUT
+    python3 tools/kernel_ab.py run build/ab/<rev>/kernels --version 10 --suite kernel_ab_plan --out $OUT
     python3 tools/kernel_ab.py repeat build/ab/<rev>/kernels --prefix 32000 --batch 16 \
         --out $OUT   # each arm n times at one point, against float64
 
@@ -38,8 +39,8 @@ def export(rev: str) -> Path:
     return dest / "kernels"
 
 
-def run(old_kernels: Path, out: Path, version: int, iters: int) -> Path:
-    """Both arms at every point into <out>/kernel_ab.<gpu>.json."""
+def run(old_kernels: Path, out: Path, version: int, iters: int, name: str = "kernel_ab") -> Path:
+    """Both arms at every point into <out>/<name>.<gpu>.json."""
     import cupy
     import torch
 
@@ -89,7 +90,7 @@ def run(old_kernels: Path, out: Path, version: int, iters: int) -> Path:
                        "old_over_new_min": min(r["old_over_new"] for r in rows),
                        "old_over_new_max": max(r["old_over_new"] for r in rows)}}
     print(json.dumps(doc["verdict"]))
-    return results.write("kernel_ab", doc, out_dir=out, command=" ".join(["python3"] + sys.argv))
+    return results.write(name, doc, out_dir=out, command=" ".join(["python3"] + sys.argv))
 
 
 def reference(x: dict, pool, b: int):
@@ -163,6 +164,7 @@ def main(argv=None) -> int:
     r.add_argument("--out", type=Path, required=True, help="folder")
     r.add_argument("--version", type=int, default=7)
     r.add_argument("--iters", type=int, default=20)
+    r.add_argument("--suite", default="kernel_ab", help="the result's name: <suite>.<gpu>.json")
     p = sub.add_parser("repeat", help="each arm n times at one point, against float64 (GPU)")
     p.add_argument("old_kernels", type=Path)
     for k, v in (("heads", 8), ("queries", 65), ("prefix", 32_000), ("batch", 16), ("n", 8), ("version", 7)):
@@ -175,7 +177,7 @@ def main(argv=None) -> int:
         repeat(a.old_kernels, a.out, {k: getattr(a, k) for k in ("heads", "queries", "prefix", "batch")}, a.n,
                a.version)
     else:
-        run(a.old_kernels, a.out, a.version, a.iters)
+        run(a.old_kernels, a.out, a.version, a.iters, a.suite)
     return 0
 
 

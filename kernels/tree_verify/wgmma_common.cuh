@@ -24,6 +24,7 @@
 #define P_ROWS 5
 #define P_NTAIL 6
 #define P_PAD 7
+#define PLAN_SMEM_REQS 256              // requests whose plan the plan kernels build in shared memory
 #define MAX_ROUNDS 4                    // jobs <= MAX_ROUNDS * G + B * ceil(M / 64): the partials' bound
 #define JOB_OVERHEAD 5                  // tiles' worth of a job's Q load, pipeline fill and output write
 #define ORDER_CAP 1024                  // the most jobs the v10 plan orders (wgmma_v10.cu)
@@ -39,17 +40,22 @@
 __device__ __forceinline__ int chunks_of(int T, int U, int c) { return T > 0 ? (T + c - 1) / c : (U > 0 ? 1 : 0); }
 
 // The plan of tree_verify_v5_plan, shared with the v10 plan (tree_verify/wgmma_v10.cu, which then orders the
-// jobs). cost [MAX_ROUNDS], chunk_of_k [MAX_ROUNDS], tmax_warp [8]: the kernel's shared memory.
-__device__ __forceinline__ void plan_v5(const int* __restrict__ prefix_lens, const int* __restrict__ tree_sizes,
-                                        int B, int P, int Q, int H, int G, int* __restrict__ plan, long long* cost,
-                                        int* chunk_of_k, int* tmax_warp) {
+// jobs). cost [MAX_ROUNDS], chunk_of_k [MAX_ROUNDS], tmax_warp [8], splan [PLAN_HDR + PLAN_SMEM_REQS *
+// PLAN_STRIDE]: the kernel's shared memory. Up to PLAN_SMEM_REQS requests the plan is built in splan and copied
+// out at the end: the chunk search reads it back a dozen times, and in global memory every read waited on L2
+// (6.5-7 us a plan, data/results/history/attention_bounds.v10_plan.1b0d029.h200.json). Past it, in place.
+// Returns the plan built (splan or plan), whole and readable by every thread.
+__device__ __forceinline__ const int* plan_v5(const int* __restrict__ prefix_lens, const int* __restrict__ tree_sizes,
+                                              int B, int P, int Q, int H, int G, int* plan, int* splan,
+                                              long long* cost, int* chunk_of_k, int* tmax_warp) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    int* const p = B <= PLAN_SMEM_REQS ? splan : plan;  // generic: shared or global
     int tmax = 0;
     for (int b = tid; b < B; b += blockDim.x) {
         const int len = min(max(prefix_lens[b], 0), P);
         const int ts = tree_sizes ? min(max(tree_sizes[b], 0), Q) : Q;
         const int rows = ts * H, T = (len + BN - 1) / BN, U = tree_sizes ? (ts + BN - 1) / BN : 0;
-        int* e = plan + PLAN_HDR + b * PLAN_STRIDE;
+        int* e = p + PLAN_HDR + b * PLAN_STRIDE;
         e[P_RB] = (rows + BM - 1) / BM;
         e[P_LEN] = len;
         e[P_ROWS] = rows;
@@ -70,7 +76,7 @@ __device__ __forceinline__ void plan_v5(const int* __restrict__ prefix_lens, con
         auto jobs = [&](int c) {
             long long n = 0;
             for (int b = lane; b < B; b += 32) {
-                const int* e = plan + PLAN_HDR + b * PLAN_STRIDE;
+                const int* e = p + PLAN_HDR + b * PLAN_STRIDE;
                 n += (long long)e[P_RB] * chunks_of(e[P_NCHUNK], e[P_CHUNK], c);
             }
 #pragma unroll
@@ -86,7 +92,7 @@ __device__ __forceinline__ void plan_v5(const int* __restrict__ prefix_lens, con
         const long long n = jobs(lo);
         int longest = 0;  // the longest job in tiles
         for (int b = lane; b < B; b += 32) {
-            const int* e = plan + PLAN_HDR + b * PLAN_STRIDE;
+            const int* e = p + PLAN_HDR + b * PLAN_STRIDE;
             const int T = e[P_NCHUNK], U = e[P_CHUNK], nc = chunks_of(T, U, lo);
             if (e[P_RB] > 0 && nc > 0) longest = max(longest, (T > 0 ? (T + nc - 1) / nc : 0) + U);
         }
@@ -98,23 +104,37 @@ __device__ __forceinline__ void plan_v5(const int* __restrict__ prefix_lens, con
         }
     }
     __syncthreads();
-    if (tid == 0) {
+    if (warp == 0) {  // each request's chunks and first job: a scan over the requests, 32 at a time
         int best = 0;
         for (int k = 1; k < MAX_ROUNDS; ++k)
             if (cost[k] < cost[best]) best = k;
         const int c = chunk_of_k[best];
         int base = 0;
-        for (int b = 0; b < B; ++b) {
-            int* e = plan + PLAN_HDR + b * PLAN_STRIDE;
-            const int T = e[P_NCHUNK], U = e[P_CHUNK];
-            const int nc = e[P_RB] > 0 ? chunks_of(T, U, c) : 0;
-            e[P_BASE] = base;
-            e[P_NCHUNK] = nc;
-            e[P_CHUNK] = nc > 0 && T > 0 ? (T + nc - 1) / nc : 0;  // equal chunks within the request
-            base += nc * e[P_RB];
+        for (int b0 = 0; b0 < B; b0 += 32) {
+            const int b = b0 + lane;
+            int* e = p + PLAN_HDR + b * PLAN_STRIDE;
+            int T = 0, U = 0, rb = 0;
+            if (b < B) T = e[P_NCHUNK], U = e[P_CHUNK], rb = e[P_RB];
+            const int nc = rb > 0 ? chunks_of(T, U, c) : 0;
+            int upto = nc * rb;  // the jobs of requests b0 .. b
+#pragma unroll
+            for (int off = 1; off < 32; off <<= 1) {
+                const int o = __shfl_up_sync(0xffffffffu, upto, off);
+                if (lane >= off) upto += o;
+            }
+            if (b < B) {
+                e[P_BASE] = base + upto - nc * rb;
+                e[P_NCHUNK] = nc;
+                e[P_CHUNK] = nc > 0 && T > 0 ? (T + nc - 1) / nc : 0;  // equal chunks within the request
+            }
+            base += __shfl_sync(0xffffffffu, upto, 31);
         }
-        plan[0] = base;
+        if (lane == 0) p[0] = base;
     }
+    __syncthreads();
+    if (p != plan)
+        for (int i = tid; i < PLAN_HDR + B * PLAN_STRIDE; i += blockDim.x) plan[i] = p[i];
+    return p;
 }
 
 // prefix_lens [B] int32, tree_sizes [B] int32 or null (prefix alone) -> plan [1 + PLAN_STRIDE * B].
@@ -125,7 +145,8 @@ extern "C" __global__ void __launch_bounds__(256) tree_verify_v5_plan(
     __shared__ long long cost[MAX_ROUNDS];
     __shared__ int chunk_of_k[MAX_ROUNDS];
     __shared__ int tmax_warp[8];
-    plan_v5(prefix_lens, tree_sizes, B, P, Q, H, G, plan, cost, chunk_of_k, tmax_warp);
+    __shared__ int splan[PLAN_HDR + PLAN_SMEM_REQS * PLAN_STRIDE];
+    plan_v5(prefix_lens, tree_sizes, B, P, Q, H, G, plan, splan, cost, chunk_of_k, tmax_warp);
 }
 
 // ------------------------------------------------------------------------------------- job decode

@@ -30,8 +30,7 @@
 
 // Arguments as tree_verify_v5_plan -> plan [1 + PLAN_STRIDE * B] and order [jobs] int32: the jobs by size
 // where that deal gains (see above), else order [0] = -1 (nothing written without jobs). Grid 1, block 256.
-// plan is not __restrict__: every thread reads back past the barrier what thread 0 wrote (restrict let the
-// compiler forward thread 0's plan[0] to the others).
+// The ranking reads the plan where plan_v5 built it (shared memory up to PLAN_SMEM_REQS requests).
 //
 // The ranking goes by groups, the row blocks of one request's key chunk: jobs first .. first + rb - 1, all of
 // one size, so their ranks run on from the group's. A group's sort key, tiles << 10 | (1023 - first), is
@@ -50,20 +49,21 @@ extern "C" __global__ void __launch_bounds__(256) tree_verify_v10_plan(
     __shared__ uint2 group[ORDER_CAP];  // [group, in no set order] its sort key, its jobs
     __shared__ int sorted[ORDER_CAP];  // [rank] the job
     __shared__ int ngroups, busiest[2];  // busiest: the busiest CTA's cost, static deal and snake deal
-    plan_v5(prefix_lens, tree_sizes, B, P, Q, H, G, plan, cost, chunk_of_k, tmax_warp);
+    __shared__ int splan[PLAN_HDR + PLAN_SMEM_REQS * PLAN_STRIDE];
+    const int* pl = plan_v5(prefix_lens, tree_sizes, B, P, Q, H, G, plan, splan, cost, chunk_of_k, tmax_warp);
     if (threadIdx.x == 0) ngroups = 0, busiest[0] = 0, busiest[1] = 0;
-    __syncthreads();  // the plan whole (thread 0 wrote it)
-    const int n = plan[0], tid = threadIdx.x;
+    __syncthreads();
+    const int n = pl[0], tid = threadIdx.x;
     if (n <= G || n > ORDER_CAP) {  // the static round-robin
         if (tid == 0 && n > 0) order[0] = -1;
         return;
     }
     for (int j = tid; j < n; j += 256) {
-        const Job jb = decode_job(plan, B, j);
+        const Job jb = decode_job(pl, B, j);
         tiles[j] = jb.ntiles;
         if (jb.row0 == 0)  // the first row block: a group's first job
             group[atomicAdd(&ngroups, 1)] = make_uint2((unsigned)jb.ntiles << 10 | (ORDER_CAP - 1 - j),
-                                                       plan[PLAN_HDR + jb.b * PLAN_STRIDE + P_RB]);
+                                                       pl[PLAN_HDR + jb.b * PLAN_STRIDE + P_RB]);
     }
     __syncthreads();
     const int ng = ngroups;
