@@ -43,7 +43,7 @@ __device__ __forceinline__ int chunks_of(int T, int U, int c) { return T > 0 ? (
 // jobs). cost [MAX_ROUNDS], chunk_of_k [MAX_ROUNDS], tmax_warp [8], splan [PLAN_HDR + PLAN_SMEM_REQS *
 // PLAN_STRIDE]: the kernel's shared memory. Up to PLAN_SMEM_REQS requests the plan is built in splan and copied
 // out at the end: the chunk search reads it back a dozen times, and in global memory every read waited on L2
-// (6.5-7 us a plan, data/results/history/attention_bounds.v10_plan.1b0d029.h200.json). Past it, in place.
+// (6.5-7 us a plan, data/results/history/attention_bounds.v10.1b0d029.h200.json). Past it, in place.
 // Returns the plan built (splan or plan), whole and readable by every thread.
 __device__ __forceinline__ const int* plan_v5(const int* __restrict__ prefix_lens, const int* __restrict__ tree_sizes,
                                               int B, int P, int Q, int H, int G, int* plan, int* splan,
