@@ -39,8 +39,8 @@ def export(rev: str) -> Path:
     return dest / "kernels"
 
 
-def run(old_kernels: Path, out: Path, version: int, iters: int, name: str = "kernel_ab") -> Path:
-    """Both arms at every point into <out>/<name>.<gpu>.json."""
+def run(old_kernels: Path, out: Path, version: int, iters: int, suite_name: str = "kernel_ab") -> Path:
+    """Both arms at every point into <out>/<suite_name>.<gpu>.json."""
     import cupy
     import torch
 
@@ -90,7 +90,7 @@ def run(old_kernels: Path, out: Path, version: int, iters: int, name: str = "ker
                        "old_over_new_min": min(r["old_over_new"] for r in rows),
                        "old_over_new_max": max(r["old_over_new"] for r in rows)}}
     print(json.dumps(doc["verdict"]))
-    return results.write(name, doc, out_dir=out, command=" ".join(["python3"] + sys.argv))
+    return results.write(suite_name, doc, out_dir=out, command=" ".join(["python3"] + sys.argv))
 
 
 def reference(x: dict, pool, b: int):

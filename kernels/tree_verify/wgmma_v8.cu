@@ -14,9 +14,8 @@
 // Block (n, s) merges row n's columns [128 s, 128 s + 128) over its nch jobs (job first + i rbn, i < nch):
 // the max of their lse (thread t takes jobs t, t + 32 W, ...; a fixed-order block reduction), then
 // z = sum_i exp(lse_i - max) the same way; warp w sums wt_i parts_i (wt_i = exp(lse_i - max) / z) over jobs
-// w, w + W, ... (lane l: the float4 of columns 128 s + 4 l, V8_UNROLL loads in flight; the first V8_UNROLL
-// loaded before the two reductions, which they would otherwise wait behind) and warp 0 adds the W warps' sums
-// in warp order: bit-for-bit reproducible. Output conventions as v5's combine: rows at or
+// w, w + W, ... (lane l: the float4 of columns 128 s + 4 l, V8_UNROLL loads in flight) and warp 0 adds the
+// W warps' sums in warp order: bit-for-bit reproducible. Output conventions as v5's combine: rows at or
 // past a request's rows are NaN, a row without jobs is out 0, lse -inf.
 //
 // kdlib-arch: sm_90a wgmma=tree_verify_v7_attend (tests/test_kernels_compile.py builds it so, checks the SASS)
@@ -54,21 +53,14 @@ __device__ __forceinline__ void combine_w(const float* __restrict__ parts, const
     const int t = threadIdx.x, w = t >> 5, l = t & 31;
     const int col = blockIdx.y * COMBINE_COLS + 4 * l;
     const int* e = plan + PLAN_HDR + b * PLAN_STRIDE;
-    const int rows = e[P_ROWS], nch = e[P_NCHUNK], rbn = e[P_RB], job0 = e[P_BASE];  // one round trip
     float4* o = reinterpret_cast<float4*>(out + n * D_V + col);
-    if (r >= rows) {
+    if (r >= e[P_ROWS]) {
         if (w == 0) *o = make_float4(QNAN, QNAN, QNAN, QNAN);
         if (t == 0 && blockIdx.y == 0) lse[n] = QNAN;
         return;
     }
-    const long long first = (long long)job0 + r / BM, lr = r % BM;  // job of chunk i: first + i * rbn
-    auto part = [&](int i) {  // lane l's float4 of job i's part
-        return *reinterpret_cast<const float4*>(parts + ((first + (long long)i * rbn) * BM + lr) * D_V + col);
-    };
-    float4 ahead[V8_UNROLL];  // the warp's first parts, loaded under the two reductions
-#pragma unroll
-    for (int k = 0; k < V8_UNROLL; ++k)
-        if (w + k * W < nch) ahead[k] = part(w + k * W);
+    const int nch = e[P_NCHUNK], rbn = e[P_RB];
+    const long long first = (long long)e[P_BASE] + r / BM, lr = r % BM;  // job of chunk i: first + i * rbn
     float mx = NEG_INF;
     for (int i = t; i < nch; i += 32 * W) mx = fmaxf(mx, part_lse[(first + (long long)i * rbn) * BM + lr]);
     mx = block_reduce_w<W>(mx, true, red);
@@ -78,18 +70,16 @@ __device__ __forceinline__ void combine_w(const float* __restrict__ parts, const
     z = block_reduce_w<W>(z, false, red);
     const float inv = z > 0.f ? 1.f / z : 0.f;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    auto add = [&](int i, const float4 v) {  // job i's weighted part, in job order
-        const float wt = expf(part_lse[(first + (long long)i * rbn) * BM + lr] - base) * inv;
+#pragma unroll V8_UNROLL
+    for (int i = w; i < nch; i += W) {
+        const long long jrow = (first + (long long)i * rbn) * BM + lr;
+        const float wt = expf(part_lse[jrow] - base) * inv;
+        const float4 v = *reinterpret_cast<const float4*>(parts + jrow * D_V + col);
         acc.x = fmaf(wt, v.x, acc.x);
         acc.y = fmaf(wt, v.y, acc.y);
         acc.z = fmaf(wt, v.z, acc.z);
         acc.w = fmaf(wt, v.w, acc.w);
-    };
-#pragma unroll
-    for (int k = 0; k < V8_UNROLL; ++k)
-        if (w + k * W < nch) add(w + k * W, ahead[k]);
-#pragma unroll V8_UNROLL
-    for (int i = w + V8_UNROLL * W; i < nch; i += W) add(i, part(i));
+    }
     wsum[w][l] = acc;
     __syncthreads();
     if (w == 0) {
