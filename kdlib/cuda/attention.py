@@ -504,9 +504,17 @@ def plan_order(plan: np.ndarray, grid: int) -> np.ndarray | None:
     n = int(plan[0])
     if not grid < n <= _V10_ORDER_CAP:
         return None
+    static, snake, order = deal_busiest(plan, grid)
+    return order if static * 32 > snake * (32 + _V10_ORDER_GAIN) else None
+
+
+def deal_busiest(plan: np.ndarray, grid: int) -> tuple[int, int, np.ndarray]:
+    """What version 10's plan weighs: the busiest CTA's load (`cta_loads`) under the `static_deal` and under
+    the `snake_deal` of the jobs by decreasing key tiles (ties: the smaller index first), and that order
+    [jobs] int64. static / snake is the gain the plan predicts for dealing by size."""
     order = np.argsort(-job_tiles(plan), kind="stable")
-    static, dealt = cta_loads(plan, static_deal(n, grid)), cta_loads(plan, snake_deal(order, grid))
-    return order if int(static.max()) * 32 > int(dealt.max()) * (32 + _V10_ORDER_GAIN) else None
+    static = cta_loads(plan, static_deal(int(plan[0]), grid))
+    return int(static.max()), int(cta_loads(plan, snake_deal(order, grid)).max()), order
 
 
 def v10_deal(plan: np.ndarray, grid: int) -> list[list[int]]:

@@ -736,6 +736,13 @@ def load_kernel_ab(gpu: str = "h200", suite: str = "kernel_ab") -> Recorded | No
     return _recorded(suite, gpu, _no_rows)
 
 
+def load_attention_gate(gpu: str = "h200") -> Recorded | None:
+    """The recorded attention_gate suite on `gpu` (version 10's gate: the static and the snake deal timed at
+    points of spread predicted gains), or None. No rows: read `Recorded.doc["rows"]` (predicted_gain,
+    measured_gain, static_ms, snake_ms, bitwise_equal) and `doc["verdict"]` (the best threshold)."""
+    return _recorded("attention_gate", gpu, _no_rows)
+
+
 def load_kernel_ab_repeat(gpu: str = "h200") -> Recorded | None:
     """The recorded `tools/kernel_ab.py repeat` run on `gpu` (each arm n times at one point against a float64
     verify), or None. No rows: read `Recorded.doc["arms"]` (distinct outputs, spread, error per arm)."""

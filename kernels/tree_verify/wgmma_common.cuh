@@ -28,7 +28,9 @@
 #define MAX_ROUNDS 4                    // jobs <= MAX_ROUNDS * G + B * ceil(M / 64): the partials' bound
 #define JOB_OVERHEAD 5                  // tiles' worth of a job's Q load, pipeline fill and output write
 #define ORDER_CAP 1024                  // the most jobs the v10 plan orders (wgmma_v10.cu)
+#ifndef ORDER_GAIN                      // -DORDER_GAIN=-32 orders every plan past one round (attention_gate)
 #define ORDER_GAIN 1                    // it orders them where the busiest CTA gains > ORDER_GAIN / 32
+#endif
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 #define NEG_INF __int_as_float(0xff800000)
