@@ -55,3 +55,31 @@ def test_best_threshold_takes_the_snake_deal_only_where_it_measured_faster():
     assert v["static_total_ms"] == 5.0
     assert v["built_threshold"] == 1 + cu._V10_ORDER_GAIN / 32
     assert v["built_total_ms"] == pytest.approx(1.0 + 1.0 + 1.0 + 0.97 + 0.93)
+
+
+def test_time_arm_keeps_the_first_output_and_appends_one_median_a_point(monkeypatch):
+    """suite.time_arm (this suite's and tools/kernel_ab.py's arms): a fresh workspace and a verify per point,
+    the arm's first output kept across its repeats, one graph-replay median appended a call."""
+    from types import SimpleNamespace
+
+    from kdlib.perf.suites import _attention as base
+    from kdlib.perf.suites import attention as suite
+
+    made, seen = [], []
+    monkeypatch.setattr(cu, "make_workspace", lambda b, q, h: made.append((b, q, h)) or len(made))
+
+    def verify_call(x, pool, ws, **pick):
+        seen.append((x["id"], ws, pick))
+        return lambda pt: (np.full(2, 10.0 * x["id"] + len(seen)),)
+
+    monkeypatch.setattr(suite, "verify_call", verify_call)
+    monkeypatch.setattr(base, "graph_time", lambda rep, iters: SimpleNamespace(median_ms=len(rep) + iters))
+    pts = [{"batch": 2, "queries": 9, "heads": 8}, {"batch": 1, "queries": 65, "heads": 16}]
+    inputs = [{"id": 1, "tables": ["t0"]}, {"id": 2, "tables": ["t0", "t1"]}]
+    times, outs = [{"a": []} for _ in pts], [{} for _ in pts]
+    for _ in range(2):
+        suite.time_arm("a", pts, inputs, None, times, outs, 20, version=10)
+    assert made == [(2, 9, 8), (1, 65, 16)] * 2
+    assert [s[0] for s in seen] == [1, 2, 1, 2] and all(s[2] == {"version": 10} for s in seen)
+    assert [t["a"] for t in times] == [[21, 21], [22, 22]]
+    assert outs[0]["a"].tolist() == [11.0, 11.0] and outs[1]["a"].tolist() == [22.0, 22.0], "the first kept"

@@ -45,10 +45,8 @@ def run(old_kernels: Path, out: Path, version: int, iters: int, suite_name: str 
     import torch
 
     from kdlib import perf
-    from kdlib.cuda import attention as cu
     from kdlib.cuda import loader
     from kdlib.perf import results
-    from kdlib.perf.suites import _attention as base
     from kdlib.perf.suites import attention as suite
 
     pts = suite.POINTS + [suite.ragged_point()] + RANK_POINTS
@@ -61,12 +59,7 @@ def run(old_kernels: Path, out: Path, version: int, iters: int, suite_name: str 
     outs = [{} for _ in pts]
     for name, src in arms:  # arm-major: one compile per arm; the arms alternate over the whole grid
         loader.use_kernels(src)
-        for p, x, t, o in zip(pts, inputs, times, outs, strict=True):
-            call = suite.verify_call(x, pool, cu.make_workspace(p["batch"], p["queries"], p["heads"]),
-                                     version=version)
-            o.setdefault(name, call(x["tables"][0])[0].copy())
-            t[name].append(base.graph_time([lambda pt=pt, call=call: call(pt) for pt in x["tables"]],
-                                           iters).median_ms)
+        suite.time_arm(name, pts, inputs, pool, times, outs, iters, version=version)
         print(f"[ab] arm {name} ({src or 'this tree'}) done", flush=True)
     loader.use_kernels(None)
     rows = []

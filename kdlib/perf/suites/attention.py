@@ -158,6 +158,21 @@ def verify_call(x: dict, pool, ws, **pick):
     return call
 
 
+def time_arm(arm: str, pts: list[dict], inputs: list[dict], pool, times: list[dict], outs: list[dict],
+             iters: int, **pick) -> None:
+    """One arm of an A/B over points (tools/kernel_ab.py, the attention_gate suite): at each point p with
+    inputs x, the whole verify (`verify_call`, pick as there) on a fresh workspace, its first output kept in
+    outs [i][arm] (once: the arm's first set) and the median of graph replays over x's tables appended to
+    times [i][arm]."""
+    from kdlib.cuda import attention as cu
+
+    for p, x, t, o in zip(pts, inputs, times, outs, strict=True):
+        call = verify_call(x, pool, cu.make_workspace(p["batch"], p["queries"], p["heads"]), **pick)
+        o.setdefault(arm, call(x["tables"][0])[0].copy())
+        replays = [lambda pt=pt, call=call: call(pt) for pt in x["tables"]]
+        t[arm].append(base.graph_time(replays, iters).median_ms)
+
+
 def run_point(p: dict, pool, kv_split, ceil: dict, impls, *, iters: int, baseline_iters: int, fi) -> dict:
     """Every arm at one point. p: heads, queries, batch and either prefix (uniform) or lens + trees."""
     import cupy

@@ -28,7 +28,6 @@ import statistics
 import numpy as np
 
 from kdlib.cuda import attention as cu
-from kdlib.perf.suites import _attention as base
 from kdlib.perf.suites import attention as suite
 
 FORCE_ORDER = "-DORDER_GAIN=-32"  # 32 + ORDER_GAIN = 0: the plan orders whenever the jobs pass one round
@@ -103,12 +102,7 @@ def run(*, quick: bool = False) -> dict:
         for name, version, opts in arms:  # arm-major: one compile each; the arms alternate over the grid
             os.environ["KDLIB_NVRTC_OPTIONS"] = " ".join(filter(None, [saved, opts]))
             loader.clear_cache()
-            for p, x, t, o in zip(pts, inputs, times, outs, strict=True):
-                call = suite.verify_call(x, pool, cu.make_workspace(p["batch"], p["queries"], p["heads"]),
-                                         version=version)
-                o.setdefault(name, call(x["tables"][0])[0].copy())
-                t[name].append(base.graph_time([lambda pt=pt, call=call: call(pt) for pt in x["tables"]],
-                                               iters).median_ms)
+            suite.time_arm(name, pts, inputs, pool, times, outs, iters, version=version)
             print(f"[attention_gate] arm {name} (version {version} {opts}) done", flush=True)
     finally:
         if saved is None:
@@ -128,7 +122,8 @@ def run(*, quick: bool = False) -> dict:
         print(f"[attention_gate] H{p['heads']} Q{p['queries']} B{p['batch']} "
               f"{'seed ' + str(p['seed']) if 'seed' in p else p.get('prefix') or 'ragged'}: predicted "
               f"{row['predicted_gain']:.3f}, measured {row['measured_gain']:.3f} (static "
-              f"{med['static']:.4f}, snake {med['snake']:.4f} ms), bitwise {row['bitwise_equal']}", flush=True)
+              f"{med['static']:.4f}, snake {med['snake']:.4f} ms), bitwise {row['bitwise_equal']}",
+              flush=True)
     return {
         "parameters": {"quick": quick, "iters": iters, "grid": grid, "arms": [a for a, _, _ in arms],
                        "force_order": FORCE_ORDER, "order_gain": cu._V10_ORDER_GAIN,
