@@ -38,7 +38,8 @@ def test_load_attention_every_arm_of_every_point():
     assert len(rec.select(op="tree_verify_attention")) == n_variants == len(impls) * len(raw["points"])
     assert len(rec.rows) == n_variants + n_base + n_fi
     versions = {impl: attention.IMPLS[impl] for impl in impls}  # the record's arms by version
-    assert {r.version for r in rec.select(op="tree_verify_attention")} == set(versions.values()) >= {9, 8, 3}
+    assert {r.version for r in rec.select(op="tree_verify_attention")} == set(versions.values()) >= {
+        attention.DEFAULT_VERSION, 9, 8, 3}  # the bf16 default (02b's headline arm) and three before it
     p0 = raw["points"][0]
     for impl, version in versions.items():
         wg = rec.select(op="tree_verify_attention", version=version,
