@@ -508,6 +508,12 @@ def plan_order(plan: np.ndarray, grid: int) -> np.ndarray | None:
     return order if static * 32 > snake * (32 + _V10_ORDER_GAIN) else None
 
 
+def order_threshold() -> float:
+    """The predicted gain (`deal_busiest`: static over snake) past which version 10's plan orders the jobs:
+    1 + ORDER_GAIN / 32."""
+    return 1 + _V10_ORDER_GAIN / 32
+
+
 def deal_busiest(plan: np.ndarray, grid: int) -> tuple[int, int, np.ndarray]:
     """What version 10's plan weighs: the busiest CTA's load (`cta_loads`) under the `static_deal` and under
     the `snake_deal` of the jobs by decreasing key tiles (ties: the smaller index first), and that order

@@ -70,13 +70,13 @@ def predicted(p: dict, grid: int) -> dict:
 def best_threshold(rows: list[dict]) -> dict:
     """The gate threshold on the predicted gain that gives the least total time over the rows (each point
     takes the snake deal where its predicted gain exceeds the threshold), against always-static and the
-    threshold as built (ORDER_GAIN / 32)."""
+    threshold as built (`kdlib.cuda.attention.order_threshold`)."""
     def total(thr: float) -> float:
         return sum(r["snake_ms"] if r["predicted_gain"] > thr else r["static_ms"] for r in rows)
 
     cuts = sorted({1.0} | {r["predicted_gain"] for r in rows})
     best = min(cuts, key=total)
-    built = 1 + cu._V10_ORDER_GAIN / 32
+    built = cu.order_threshold()
     return {"threshold": best, "total_ms": total(best), "static_total_ms": total(float("inf")),
             "built_threshold": built, "built_total_ms": total(built)}
 
@@ -126,8 +126,7 @@ def run(*, quick: bool = False) -> dict:
               flush=True)
     return {
         "parameters": {"quick": quick, "iters": iters, "grid": grid, "arms": [a for a, _, _ in arms],
-                       "force_order": FORCE_ORDER, "order_gain": cu._V10_ORDER_GAIN,
-                       "job_overhead": cu._V5_JOB_OVERHEAD, "points": pts},
+                       "force_order": FORCE_ORDER, "order_threshold": cu.order_threshold(), "points": pts},
         "rows": rows,
         "verdict": {"bitwise_equal_everywhere": all(r["bitwise_equal"] for r in rows),
                     **best_threshold(rows)},
