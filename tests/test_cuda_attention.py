@@ -265,7 +265,7 @@ def test_v5_plan_balances_the_issue_shapes():
 
 def test_v10_order_ranks_the_jobs_and_the_deal_runs_each_once():
     """plan_order (the v10 plan's order): where G < jobs <= ORDER_CAP and the snake deal's busiest CTA is
-    lighter than the static deal's by more than ORDER_GAIN / 32, a permutation of the jobs by non-increasing
+    lighter than the static deal's by more than ORDER_GAIN / 64, a permutation of the jobs by non-increasing
     key tiles (job_tiles: decode_job's), ties by index, else None; v10_deal gives every job to one CTA once,
     round 0 the G largest in CTA order, the static round-robin where there is no order (past ORDER_CAP
     too)."""
@@ -289,7 +289,7 @@ def test_v10_order_ranks_the_jobs_and_the_deal_runs_each_once():
             if grid < n <= cu._V10_ORDER_CAP:  # declined: the deal by size gains too little
                 declined += 1
                 dealt = cu.cta_loads(plan, cu.snake_deal(by_size, grid)).max()
-                assert static * 32 <= dealt * (32 + cu._V10_ORDER_GAIN)
+                assert static * cu._V10_ORDER_UNIT <= dealt * (cu._V10_ORDER_UNIT + cu._V10_ORDER_GAIN)
             continue
         ordered += 1
         assert grid < n <= cu._V10_ORDER_CAP
@@ -299,7 +299,7 @@ def test_v10_order_ranks_the_jobs_and_the_deal_runs_each_once():
         assert all(order[k] < order[k + 1] for k in range(n - 1) if t[k] == t[k + 1])  # ties: by index
         assert [jobs[0] for jobs in deal] == order[:grid].tolist()
         assert all(len(jobs) < 2 or jobs[1] == order[2 * grid - 1 - c] for c, jobs in enumerate(deal))
-        assert static * 32 > cu.cta_loads(plan, deal).max() * (32 + cu._V10_ORDER_GAIN)
+        assert static * cu._V10_ORDER_UNIT > cu.cta_loads(plan, deal).max() * (cu._V10_ORDER_UNIT + cu._V10_ORDER_GAIN)
     assert ordered >= 30 and declined >= 5 and int(cu.plan_v5(*shapes[-1])[0]) > cu._V10_ORDER_CAP
 
 

@@ -249,7 +249,8 @@ def test_attention_wgmma_constants_match_the_source(version):
         "tree_verify_v5_combine": (attention._COMBINE_THREADS, 0),
         **(own_combines if version >= 8 else {}),
     }
-    assert (c["ORDER_CAP"], c["ORDER_GAIN"]) == (attention._V10_ORDER_CAP, attention._V10_ORDER_GAIN)
+    assert (c["ORDER_CAP"], c["ORDER_GAIN"], c["ORDER_UNIT"]) == (
+        attention._V10_ORDER_CAP, attention._V10_ORDER_GAIN, attention._V10_ORDER_UNIT)
     assert c["PLAN_SMEM_REQS"] == attention._V5_PLAN_SMEM_REQS
 
 

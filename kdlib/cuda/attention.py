@@ -48,7 +48,7 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     CTAs by size where that pays: where the jobs pass one round its plan ranks them by key tiles and costs
     two deals (`cta_loads`), the static round-robin of versions 5-9 (`static_deal`), which leaves the
     busiest CTA of a ragged batch above the mean, and the snake deal of the jobs by size (`snake_deal`);
-    where the snake deal's busiest CTA is lighter by more than 1/32 it writes the order and the attend
+    where the snake deal's busiest CTA is lighter by more than 1/64 it writes the order and the attend
     kernels (v9's consumers where version 9 runs its own kernel, else v7's) take it, else they run
     version 9's producer (`plan_order` and `v10_deal` mirror the choice). The same jobs and combine:
     version 9's output bit for bit. In data/results/attention.h200.json (036efc4) 0.95x version 9's time
@@ -129,7 +129,8 @@ _V5_BN = 64  # keys per tile (BN)
 _V5_ROUNDS = 4  # MAX_ROUNDS: the plan fits the jobs into at most this many rounds of one job per CTA
 _V5_JOB_OVERHEAD = 5  # JOB_OVERHEAD, in tiles
 _V10_ORDER_CAP = 1024  # ORDER_CAP: the most jobs the v10 plan orders (beyond, the static round-robin)
-_V10_ORDER_GAIN = 1  # ORDER_GAIN: it orders them where the busiest CTA gains more than ORDER_GAIN / 32
+_V10_ORDER_GAIN = 1  # ORDER_GAIN: it orders them where the busiest CTA gains more than ORDER_GAIN / ORDER_UNIT
+_V10_ORDER_UNIT = 64  # ORDER_UNIT: the gate's unit (data/results/attention_gate.h200.json set it)
 _V5_PLAN_STRIDE = 8  # PLAN_STRIDE: per request base, chunks, chunk tiles, row blocks, len, rows, tail rows
 _V5_PLAN_SMEM_REQS = 256  # PLAN_SMEM_REQS: the plan kernels build plans of this many requests in smem
 _V5_COMBINE_COLS = 128  # COMBINE_COLS: columns of one combine block (its 4 warps' float4 lanes)
@@ -498,20 +499,20 @@ def snake_deal(order: np.ndarray, grid: int) -> list[list[int]]:
 def plan_order(plan: np.ndarray, grid: int) -> np.ndarray | None:
     """numpy mirror of `tree_verify_v10_plan`'s order: the jobs of a v5 plan by decreasing key tiles
     (`job_tiles`; ties: the smaller index first) -> [jobs] int64, where their `snake_deal` leaves the
-    busiest CTA lighter than the `static_deal` does by more than _V10_ORDER_GAIN / 32 (`cta_loads`); None
+    busiest CTA lighter than the `static_deal` does by more than _V10_ORDER_GAIN / 64 (`cta_loads`); None
     where the plan writes none (order [0] = -1): no such gain, at most `grid` jobs, or more than
     `_V10_ORDER_CAP`."""
     n = int(plan[0])
     if not grid < n <= _V10_ORDER_CAP:
         return None
     static, snake, order = deal_busiest(plan, grid)
-    return order if static * 32 > snake * (32 + _V10_ORDER_GAIN) else None
+    return order if static * _V10_ORDER_UNIT > snake * (_V10_ORDER_UNIT + _V10_ORDER_GAIN) else None
 
 
 def order_threshold() -> float:
     """The predicted gain (`deal_busiest`: static over snake) past which version 10's plan orders the jobs:
-    1 + ORDER_GAIN / 32."""
-    return 1 + _V10_ORDER_GAIN / 32
+    1 + ORDER_GAIN / ORDER_UNIT."""
+    return 1 + _V10_ORDER_GAIN / _V10_ORDER_UNIT
 
 
 def deal_busiest(plan: np.ndarray, grid: int) -> tuple[int, int, np.ndarray]:

@@ -28,8 +28,9 @@
 #define MAX_ROUNDS 4                    // jobs <= MAX_ROUNDS * G + B * ceil(M / 64): the partials' bound
 #define JOB_OVERHEAD 5                  // tiles' worth of a job's Q load, pipeline fill and output write
 #define ORDER_CAP 1024                  // the most jobs the v10 plan orders (wgmma_v10.cu)
-#ifndef ORDER_GAIN                      // -DORDER_GAIN=-32 orders every plan past one round (attention_gate)
-#define ORDER_GAIN 1                    // it orders them where the busiest CTA gains > ORDER_GAIN / 32
+#define ORDER_UNIT 64                   // the gate's unit: the busiest CTA's gain in 64ths
+#ifndef ORDER_GAIN                      // -DORDER_GAIN=-64 orders every plan past one round (attention_gate)
+#define ORDER_GAIN 1                    // it orders them where the busiest CTA gains > ORDER_GAIN / ORDER_UNIT
 #endif
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f

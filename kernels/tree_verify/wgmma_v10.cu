@@ -11,11 +11,12 @@
 // and costs two deals of them (tiles + JOB_OVERHEAD a job, kdlib.cuda.attention.cta_loads): the static one,
 // and the snake deal, in which round r CTA c takes the k-th largest job, k = r G + c in even rounds,
 // r G + G - 1 - c in odd ones (dealt_job, tree_verify/wgmma_ws.cuh). Where the snake deal's busiest CTA is
-// lighter than the static deal's by more than ORDER_GAIN / 32, it writes order [jobs], the jobs by size;
-// else order [0] = -1 and the attend kernels run the static round-robin, version 9's producer. With at most
-// G jobs (one round) or past ORDER_CAP (its shared memory) nothing is ranked: the static one. Jobs of one
-// size over two rounds (a uniform batch) gain less than that (1.007x and 1.013x at the attention suite's
-// two such points) and measured slower dealt by size (data/results/history/attention.v10.8371cbb.h200.json).
+// lighter than the static deal's by more than ORDER_GAIN / ORDER_UNIT (1/64), it writes order [jobs], the jobs
+// by size; else order [0] = -1 and the attend kernels run the static round-robin, version 9's producer. With at
+// most G jobs (one round) or past ORDER_CAP (its shared memory) nothing is ranked: the static one. The
+// threshold is measured (data/results/attention_gate.h200.json, 25 batches): predicted gains of 1.007-1.013
+// measured 0.990-1.011x dealt by size, those of 1.021-1.031 1.008-1.032x (1/32, the threshold before, left
+// these unordered).
 // The consumers take the job index from the pair descriptors and write parts [j] of the real job j, so the
 // combine is v8's and the result is version 9's bit for bit (the same jobs, each computed alike, merged in
 // the same fixed order).
@@ -90,7 +91,7 @@ extern "C" __global__ void __launch_bounds__(256) tree_verify_v10_plan(
         atomicMax(&busiest[1], dealt_snake);
     }
     __syncthreads();
-    if ((long long)busiest[0] * 32 > (long long)busiest[1] * (32 + ORDER_GAIN)) {
+    if ((long long)busiest[0] * ORDER_UNIT > (long long)busiest[1] * (ORDER_UNIT + ORDER_GAIN)) {
         for (int k = tid; k < n; k += 256) order[k] = sorted[k];
     } else if (tid == 0) {
         order[0] = -1;
