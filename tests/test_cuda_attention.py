@@ -299,7 +299,8 @@ def test_v10_order_ranks_the_jobs_and_the_deal_runs_each_once():
         assert all(order[k] < order[k + 1] for k in range(n - 1) if t[k] == t[k + 1])  # ties: by index
         assert [jobs[0] for jobs in deal] == order[:grid].tolist()
         assert all(len(jobs) < 2 or jobs[1] == order[2 * grid - 1 - c] for c, jobs in enumerate(deal))
-        assert static * cu._V10_ORDER_UNIT > cu.cta_loads(plan, deal).max() * (cu._V10_ORDER_UNIT + cu._V10_ORDER_GAIN)
+        unit, gain = cu._V10_ORDER_UNIT, cu._V10_ORDER_GAIN
+        assert static * unit > cu.cta_loads(plan, deal).max() * (unit + gain)
     assert ordered >= 30 and declined >= 5 and int(cu.plan_v5(*shapes[-1])[0]) > cu._V10_ORDER_CAP
 
 
