@@ -45,8 +45,10 @@ __device__ __forceinline__ int chunks_of(int T, int U, int c) { return T > 0 ? (
 // The plan of tree_verify_v5_plan, shared with the v10 plan (tree_verify/wgmma_v10.cu, which then orders the
 // jobs). cost [MAX_ROUNDS], chunk_of_k [MAX_ROUNDS], tmax_warp [8], splan [PLAN_HDR + PLAN_SMEM_REQS *
 // PLAN_STRIDE]: the kernel's shared memory. Up to PLAN_SMEM_REQS requests the plan is built in splan and copied
-// out at the end: the chunk search reads it back a dozen times, and in global memory every read waited on L2
-// (6.5-7 us a plan, data/results/history/attention_bounds.v10.1b0d029.h200.json). Past it, in place.
+// out at the end (past it, in place), and warp 0 scans the requests' first jobs where thread 0 walked them with
+// the plan in global memory: 5.8 us against 7.0 at 8 requests, alike at one (7.1 against 6.6), where the kernel's
+// time is not the plan's reads (data/results/attention_bounds.h200.json against
+// history/attention_bounds.v10.1b0d029.h200.json; data/results/kernel_ab_plan.h200.json, the whole verify).
 // Returns the plan built (splan or plan), whole and readable by every thread.
 __device__ __forceinline__ const int* plan_v5(const int* __restrict__ prefix_lens, const int* __restrict__ tree_sizes,
                                               int B, int P, int Q, int H, int G, int* plan, int* splan,
@@ -141,7 +143,7 @@ __device__ __forceinline__ const int* plan_v5(const int* __restrict__ prefix_len
 }
 
 // prefix_lens [B] int32, tree_sizes [B] int32 or null (prefix alone) -> plan [1 + PLAN_STRIDE * B].
-// Grid 1, block 256. Scratch: plan entries of each request hold T and U until thread 0 writes them.
+// Grid 1, block 256. Scratch: plan entries of each request hold T and U until warp 0 writes them.
 extern "C" __global__ void __launch_bounds__(256) tree_verify_v5_plan(
     const int* __restrict__ prefix_lens, const int* __restrict__ tree_sizes, int B, int P, int Q, int H, int G,
     int* __restrict__ plan) {

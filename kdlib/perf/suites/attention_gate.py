@@ -67,18 +67,21 @@ def predicted(p: dict, grid: int) -> dict:
             "predicted_gain": static / snake, "ordered_as_built": cu.plan_order(plan, grid) is not None}
 
 
-def best_threshold(rows: list[dict]) -> dict:
-    """The gate threshold on the predicted gain that gives the least total time over the rows (each point
-    takes the snake deal where its predicted gain exceeds the threshold), against always-static and the
-    threshold as built (`kdlib.cuda.attention.order_threshold`)."""
-    def total(thr: float) -> float:
-        return sum(r["snake_ms"] if r["predicted_gain"] > thr else r["static_ms"] for r in rows)
+def total_ms(rows: list[dict], threshold: float) -> float:
+    """The rows' total time under a gate at `threshold`: each point's snake time where its predicted gain
+    exceeds it, else its static time."""
+    return sum(r["snake_ms"] if r["predicted_gain"] > threshold else r["static_ms"] for r in rows)
 
+
+def best_threshold(rows: list[dict]) -> dict:
+    """The gate threshold on the predicted gain that gives the least total time over the rows (`total_ms`),
+    against always-static and the threshold as built (`kdlib.cuda.attention.order_threshold`)."""
     cuts = sorted({1.0} | {r["predicted_gain"] for r in rows})
-    best = min(cuts, key=total)
+    best = min(cuts, key=lambda t: total_ms(rows, t))
     built = cu.order_threshold()
-    return {"threshold": best, "total_ms": total(best), "static_total_ms": total(float("inf")),
-            "built_threshold": built, "built_total_ms": total(built)}
+    return {"threshold": best, "total_ms": total_ms(rows, best),
+            "static_total_ms": total_ms(rows, float("inf")), "built_threshold": built,
+            "built_total_ms": total_ms(rows, built)}
 
 
 def run(*, quick: bool = False) -> dict:
