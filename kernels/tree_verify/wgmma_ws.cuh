@@ -37,6 +37,11 @@
 #endif
 #define WARP_ARRIVALS (TV7_RACECHECK ? 32 : 1)  // arrivals one releasing warp makes
 
+// TV_L2_PREFETCH=0 (-DTV_L2_PREFETCH=0): the producer prefetches no rows into L2 (prefetch_pair returns).
+#ifndef TV_L2_PREFETCH
+#define TV_L2_PREFETCH 1
+#endif
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 extern __shared__ unsigned char smem_raw[];  // the attend kernels' dynamic shared memory
@@ -95,7 +100,7 @@ __device__ __forceinline__ void pair_tile(const Job& jb, int it, int* d) {
 // p's job: cur (the job of the pair before p), or decoded from the plan where p is fresh (starts another).
 __device__ __forceinline__ void prefetch_pair(const int* plan, int nreq, const int* page_table, const char* kvb,
                                               int P, Pos p, bool fresh, const Job& cur, int pt) {
-    if (p.j < 0) return;
+    if (!TV_L2_PREFETCH || p.j < 0) return;
     const Job jb = fresh ? decode_job(plan, nreq, p.j) : cur;
     const int it = 2 * p.i + (pt >> 6);
     if (it >= jb.ntiles) return;
