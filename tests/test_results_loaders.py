@@ -293,6 +293,7 @@ LOADERS = {
     "attention": results.load_attention, "k2_rank": results.load_k2_rank, "k2_layer": results.load_k2_layer,
     "attention_bounds": results.load_attention_bounds, "attention_gate": results.load_attention_gate,
     "kernel_ab_plan": functools.partial(results.load_kernel_ab, suite="kernel_ab_plan"),
+    "kernel_ab_prefetch": functools.partial(results.load_kernel_ab, suite="kernel_ab_prefetch"),
     "kernels": results.load_kernels,
     "verify_attention_dev": results.load_verify_attention_dev,
     "verify_attention_dev_v2": results.load_verify_attention_dev_v2, "engine": results.load_engine,

@@ -11,10 +11,12 @@
 // decode, and a stage was refilled only when its gathering warpgroup came to it in its own stream. Here a CTA is three warpgroups (384 threads):
 //
 //   warpgroup 0, the producer (setmaxnreg 40): walks the CTA's stream of tile pairs, decodes the jobs,
-//     looks up the rows' page-table slots a pair ahead, prefetches the rows of the pair after next into
-//     L2, loads each job's Q, and gathers every K tile (cp.async, 16 B pieces, keys past the end
-//     zero-filled) into the stage blocks as soon as their readers release them. Per pair it writes a
-//     descriptor (job, first / last pair, request, rows, each tile's keys) that the consumers read.
+//     looks up the rows' page-table slots a pair ahead, loads each job's Q, and gathers every K tile
+//     (cp.async, 16 B pieces, keys past the end zero-filled) into the stage blocks as soon as their
+//     readers release them. Per pair it writes a descriptor (job, first / last pair, request, rows, each
+//     tile's keys) that the consumers read. It prefetches nothing into L2: its prefetch of the pair after
+//     next made the whole verify 2-18 % slower at every point measured, and at 8 heads x 1 query its attend
+//     read 299 MB from DRAM for 231 MB of rows (data/results/kernel_ab_prefetch.h200.json).
 //   warpgroups 1 and 2, the consumers (setmaxnreg 232): v6's warpgroups 0 and 1, the seesaw over
 //     the pair (tile A in stage 0, tile B in stage 1: S, softmax, P V; P through the stage's rope
 //     block, the maxima and factors through a row array, named barriers of the 256 consumer threads

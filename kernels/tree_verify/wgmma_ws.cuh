@@ -37,11 +37,6 @@
 #endif
 #define WARP_ARRIVALS (TV7_RACECHECK ? 32 : 1)  // arrivals one releasing warp makes
 
-// TV_L2_PREFETCH=0 (-DTV_L2_PREFETCH=0): the producer prefetches no rows into L2 (prefetch_pair returns).
-#ifndef TV_L2_PREFETCH
-#define TV_L2_PREFETCH 1
-#endif
-
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 extern __shared__ unsigned char smem_raw[];  // the attend kernels' dynamic shared memory
@@ -96,22 +91,6 @@ __device__ __forceinline__ void pair_tile(const Job& jb, int it, int* d) {
     d[2] = kend;
 }
 
-// One row of the pair at p into L2: thread pt takes row pt % 64 of the pair's tile pt / 64 (prefix rows only).
-// p's job: cur (the job of the pair before p), or decoded from the plan where p is fresh (starts another).
-__device__ __forceinline__ void prefetch_pair(const int* plan, int nreq, const int* page_table, const char* kvb,
-                                              int P, Pos p, bool fresh, const Job& cur, int pt) {
-    if (!TV_L2_PREFETCH || p.j < 0) return;
-    const Job jb = fresh ? decode_job(plan, nreq, p.j) : cur;
-    const int it = 2 * p.i + (pt >> 6);
-    if (it >= jb.ntiles) return;
-    bool tail;
-    int k0, kend;
-    tile_keys(jb, it, tail, k0, kend);
-    const int key = k0 + (pt & 63);
-    if (tail || key >= kend) return;
-    prefetch_l2(kvb + (long long)page_table[(long long)jb.b * P + key] * (D_QK * 2), D_QK * 2);
-}
-
 // The barriers at bars (tid 0 of the CTA; a __syncthreads must follow).
 __device__ __forceinline__ void init_bars(unsigned bars) {
     for (int s = 0; s < 2; ++s) {
@@ -148,8 +127,8 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
     const char* kvb = reinterpret_cast<const char*>(kv);
     const char* tkb = reinterpret_cast<const char*>(tree_kv);
     const int lrow = wt >> 3, ch = wt & 7;  // gather: rows lrow + 16p, 16-byte chunk ch of each block
-    // Each job is decoded from the plan twice (its first pair's prefetch, then as cur), not per pair:
-    // decode_job is a binary search over the requests, a chain of dependent loads in the producer's path.
+    // Each job is decoded from the plan once, not per pair: decode_job is a binary search over the requests,
+    // a chain of dependent loads in the producer's path.
     int round = 0;  // ORDERED: the round of the last job dealt
     auto next = [&](const Job& jb, Pos p, bool& fresh) {
         if constexpr (ORDERED) return pos_after(jb, p, fresh, [&] { return dealt_job(plan, order, ++round); });
@@ -161,7 +140,6 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
     TileRows rb = tile_rows(jb, page_table, P, Q, 1, lrow);
     bool fresh;  // nx starts another job
     Pos nx = next(jb, cur, fresh);
-    prefetch_pair(plan, nreq, page_table, kvb, P, nx, fresh, jb, wt);
     int jobs = 0;  // Q loads so far
     for (int n = 0;; ++n) {
         if (cur.i == 0) {  // a new job: its Q once both consumers' S of the last job are done
@@ -184,11 +162,10 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
         fill_stage(k1s, bars, 1, n, rb, kvb, tkb, lrow, ch);
         if (nx.j < 0) break;
         if (fresh) jb = decode_job(plan, nreq, nx.j);
-        cur = nx;  // the next pair's slots now, the rows of the one after it into L2
+        cur = nx;  // the next pair's slots now
         ra = tile_rows(jb, page_table, P, Q, 2 * cur.i, lrow);
         rb = tile_rows(jb, page_table, P, Q, 2 * cur.i + 1, lrow);
         nx = next(jb, cur, fresh);
-        prefetch_pair(plan, nreq, page_table, kvb, P, nx, fresh, jb, wt);
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its thread
 }
