@@ -8,6 +8,7 @@ Here (git; the old tree lands in build/, which is git-ignored, so carry it):
 On the GPU machine (carry ["build/ab"]):
     python3 tools/kernel_ab.py run build/ab/<rev>/kernels --out $OUT
     python3 tools/kernel_ab.py run build/ab/<rev>/kernels --version 10 --suite kernel_ab_plan --out $OUT
+    python3 tools/kernel_ab.py run --version 10 --suite kernel_ab_pdl --out $OUT   # PDL on / off
     python3 tools/kernel_ab.py repeat build/ab/<rev>/kernels --prefix 32000 --batch 16 \
         --out $OUT   # each arm n times at one point, against float64
 
@@ -39,12 +40,14 @@ def export(rev: str) -> Path:
     return dest / "kernels"
 
 
-def run(old_kernels: Path, out: Path, version: int, iters: int, suite_name: str = "kernel_ab") -> Path:
-    """Both arms at every point into <out>/<suite_name>.<gpu>.json."""
+def run(old_kernels: Path | None, out: Path, version: int, iters: int, suite_name: str = "kernel_ab") -> Path:
+    """Both arms at every point into <out>/<suite_name>.<gpu>.json. old_kernels None: the arms are this
+    tree's kernels launched with programmatic dependent launch ("new", attention.PDL) and without ("old")."""
     import cupy
     import torch
 
     from kdlib import perf
+    from kdlib.cuda import attention as cu
     from kdlib.cuda import loader
     from kdlib.perf import results
     from kdlib.perf.suites import attention as suite
@@ -57,11 +60,14 @@ def run(old_kernels: Path, out: Path, version: int, iters: int, suite_name: str 
     inputs = [suite.point_inputs(p, pool) for p in pts]
     times = [{"new": [], "old": []} for _ in pts]
     outs = [{} for _ in pts]
+    pdl = cu.PDL
     for name, src in arms:  # arm-major: one compile per arm; the arms alternate over the whole grid
         loader.use_kernels(src)
+        cu.PDL = pdl if old_kernels is not None else name == "new"
         suite.time_arm(name, pts, inputs, pool, times, outs, iters, version=version)
-        print(f"[ab] arm {name} ({src or 'this tree'}) done", flush=True)
+        print(f"[ab] arm {name} ({src or 'this tree'}, PDL {cu.PDL}) done", flush=True)
     loader.use_kernels(None)
+    cu.PDL = pdl
     rows = []
     for p, x, t, o in zip(pts, inputs, times, outs, strict=True):
         fl = perf.floor_ms(x["cost"]["bytes"], x["cost"]["flops"], bandwidth_Bps=ceil["bandwidth_Bps"],
@@ -76,7 +82,8 @@ def run(old_kernels: Path, out: Path, version: int, iters: int, suite_name: str 
         print(f"[ab] H{p['heads']} Q{p['queries']} S{p.get('prefix') or 'ragged'} B{p['batch']}: new "
               f"{med['new']:.4f} old {med['old']:.4f} ms, old/new {row['old_over_new']:.3f}, "
               f"bitwise {row['bitwise_equal']}", flush=True)
-    doc = {"parameters": {"version": version, "old_kernels": str(old_kernels), "iters": iters,
+    doc = {"parameters": {"version": version, "old_kernels": str(old_kernels) if old_kernels else None,
+                          "pdl_arms": old_kernels is None, "iters": iters,
                           "arms": [a for a, _ in arms], "points": pts},
            "ceilings": ceil, "rows": rows,
            "verdict": {"bitwise_equal_everywhere": all(r["bitwise_equal"] for r in rows),
@@ -153,7 +160,9 @@ def main(argv=None) -> int:
     e = sub.add_parser("export", help="kernels/ of a git revision into build/ab/<rev>")
     e.add_argument("rev")
     r = sub.add_parser("run", help="time this tree's kernel against the exported one (GPU)")
-    r.add_argument("old_kernels", type=Path)
+    r.add_argument("old_kernels", type=Path, nargs="?",
+                   help="the exported kernels; left out: version 10 with programmatic dependent launch "
+                        "(new) against without (old), this tree's kernels in both")
     r.add_argument("--out", type=Path, required=True, help="folder")
     r.add_argument("--version", type=int, default=7)
     r.add_argument("--iters", type=int, default=20)

@@ -131,6 +131,9 @@ _V5_JOB_OVERHEAD = 5  # JOB_OVERHEAD, in tiles
 _V10_ORDER_CAP = 1024  # ORDER_CAP: the most jobs the v10 plan orders (beyond, the static round-robin)
 _V10_ORDER_GAIN = 1  # ORDER_GAIN: it orders where the busiest CTA gains more than ORDER_GAIN / ORDER_UNIT
 _V10_ORDER_UNIT = 64  # ORDER_UNIT: the gate's unit (data/results/attention_gate.h200.json set it)
+# Version 10 launches its attend and combine kernels with programmatic dependent launch (loader.launch, pdl):
+# each may start while the kernel ahead of it runs and waits in-kernel for its writes (pdl_wait).
+PDL = True
 _V5_PLAN_STRIDE = 8  # PLAN_STRIDE: per request base, chunks, chunk tiles, row blocks, len, rows, tail rows
 _V5_PLAN_SMEM_REQS = 256  # PLAN_SMEM_REQS: the plan kernels build plans of this many requests in smem
 _V5_COMBINE_COLS = 128  # COMBINE_COLS: columns of one combine block (its 4 warps' float4 lanes)
@@ -641,11 +644,12 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
     if not plan_ready:
         plan_fn((1,), (_V5_THREADS,), (lens, sizes, np.int32(bsz), np.int32(width), np.int32(nq),
                                        np.int32(nh), np.int32(ws.grid), ws.plan, *order))
-    attend_fn((ws.grid,), (settings.threads,), (qa, kv, pt, tkv, vis, ws.plan, *order, np.int32(bsz),
-                                           np.int32(width), np.int32(nq), np.int32(nh), np.float32(scale),
-                                           ws.parts, ws.part_lse), shared_mem=smem)
-    combine_fn((bsz * rows, _V5_COMBINE_SLICES), (combine_threads,),
-               (ws.parts, ws.part_lse, ws.plan, np.int32(rows), ws.out, ws.lse))
+    pdl = ordered and PDL
+    loader.launch(attend_fn, (ws.grid,), (settings.threads,),
+                  (qa, kv, pt, tkv, vis, ws.plan, *order, np.int32(bsz), np.int32(width), np.int32(nq),
+                   np.int32(nh), np.float32(scale), ws.parts, ws.part_lse), shared_mem=smem, pdl=pdl)
+    loader.launch(combine_fn, (bsz * rows, _V5_COMBINE_SLICES), (combine_threads,),
+                  (ws.parts, ws.part_lse, ws.plan, np.int32(rows), ws.out, ws.lse), pdl=pdl)
     return ws.out, ws.lse
 
 

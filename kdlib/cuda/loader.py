@@ -35,6 +35,12 @@ string.
 More than 48 KB of dynamic shared memory needs `set_max_dynamic_shared(fn, nbytes)` once
 before the launch.
 
+`launch(fn, grid, block, args, shared_mem=..., pdl=True)` launches through the driver's `cuLaunchKernelEx`
+with programmatic stream serialization (programmatic dependent launch, sm_90 on), which a CuPy call cannot
+ask for: the kernel may start while the one ahead of it in the stream runs, and must `griddepcontrol.wait`
+(`pdl_wait`, tree_verify/wgmma_common.cuh) before it reads that kernel's writes. Stream capture records it as
+a programmatic edge of the graph.
+
 Torch CUDA tensors enter through DLPack without a copy: `as_cupy(t)`.
 
 cupy is imported inside the functions, so importing this module works on machines without it.
@@ -43,6 +49,8 @@ cupy is imported inside the functions, so importing this module works on machine
 from __future__ import annotations
 
 import ast
+import ctypes
+import functools
 import hashlib
 import operator
 import os
@@ -262,6 +270,68 @@ def set_max_dynamic_shared(fn, nbytes: int) -> None:
     """Allow `fn` to launch with `nbytes` of dynamic shared memory (needed above 48 KB)."""
     if nbytes > 48 * 1024 and fn.max_dynamic_shared_size_bytes < nbytes:
         fn.max_dynamic_shared_size_bytes = nbytes
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: the id, padding to 8 B, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)),
+                ("num_attrs", ctypes.c_uint)]
+
+
+_SCALARS = {"int32": ctypes.c_int32, "uint32": ctypes.c_uint32, "int64": ctypes.c_int64,
+            "uint64": ctypes.c_uint64, "float32": ctypes.c_float}
+
+
+def _kernel_arg(a):
+    """ctypes storage of one kernel argument: a device array's address, or a numpy scalar of the C type."""
+    if hasattr(a, "__cuda_array_interface__"):
+        return ctypes.c_uint64(a.__cuda_array_interface__["data"][0])
+    ctype = _SCALARS.get(getattr(getattr(a, "dtype", None), "name", None))
+    if ctype is None:
+        raise TypeError(f"a kernel argument must be a device array or a numpy scalar of "
+                        f"{sorted(_SCALARS)}, got {type(a).__name__}")
+    return ctype(a.item())
+
+
+def _dim3(d) -> tuple[int, int, int]:
+    d = tuple(d) if isinstance(d, tuple | list) else (d,)
+    return (tuple(int(x) for x in d) + (1, 1))[:3]
+
+
+def launch(fn, grid, block, args, *, shared_mem: int = 0, pdl: bool = False) -> None:
+    """`fn(grid, block, args, shared_mem=shared_mem)` on CuPy's current stream; pdl: through
+    `cuLaunchKernelEx` with programmatic stream serialization (see the module's docstring), the same
+    arguments as the CuPy call (device arrays and numpy scalars)."""
+    if not pdl:
+        fn(grid, block, args, shared_mem=shared_mem)
+        return
+    import cupy
+
+    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    cfg = _LaunchConfig((ctypes.c_uint * 3)(*_dim3(grid)), (ctypes.c_uint * 3)(*_dim3(block)), shared_mem,
+                        cupy.cuda.get_current_stream().ptr, ctypes.pointer(attr), 1)
+    store = [_kernel_arg(a) for a in args]
+    params = (ctypes.c_void_p * len(store))(*(ctypes.addressof(v) for v in store))
+    driver = _driver()
+    rc = driver.cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(fn.kernel.ptr), params, None)
+    if rc != 0:
+        name = ctypes.c_char_p()
+        driver.cuGetErrorName(rc, ctypes.byref(name))
+        raise RuntimeError(f"cuLaunchKernelEx of {fn.name} failed: {(name.value or b'?').decode()} ({rc})")
+
+
+@functools.cache
+def _driver():
+    """libcuda, the driver API."""
+    return ctypes.CDLL("libcuda.so.1")
 
 
 def clear_cache() -> None:

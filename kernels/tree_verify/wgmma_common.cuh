@@ -240,6 +240,24 @@ __device__ __forceinline__ void mask_tile(float (&s)[32], float& mx0, float& mx1
     }
 }
 
+// ------------------------------------------------------------------ programmatic dependent launch
+
+// Where the host launches a kernel with programmatic stream serialization (kdlib.cuda.loader.launch, pdl=True),
+// it may start while the kernel ahead of it in the stream runs: pdl_wait blocks until that kernel has completed
+// and its writes are visible, so a kernel calls it before its first read of them. pdl_trigger lets the kernel
+// behind this one start launching. Both are no-ops in a kernel launched without the attribute (sm_90 on).
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // ----------------------------------------------------------------------------- Hopper primitives
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

@@ -43,6 +43,7 @@ extern "C" __global__ void __launch_bounds__(256) tree_verify_v10_plan(
     const int* __restrict__ prefix_lens, const int* __restrict__ tree_sizes, int B, int P, int Q, int H, int G,
     int* plan, int* __restrict__ order) {
     static_assert(ORDER_CAP == 1 << 10, "the sort key's 10 index bits");
+    pdl_trigger();  // the attend kernel may launch (it waits for this plan before reading it)
     __shared__ long long cost[MAX_ROUNDS];
     __shared__ int chunk_of_k[MAX_ROUNDS];
     __shared__ int tmax_warp[8];
@@ -117,6 +118,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v10_attend
     const int* __restrict__ order, int nreq, int P, int Q, int H, float scale, float* __restrict__ parts,
     float* __restrict__ part_lse) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    pdl_wait();
+    pdl_trigger();
     if ((int)blockIdx.x >= plan_jobs(plan)) return;
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     unsigned char* gbase = smem_raw + (base - smem_u32(smem_raw));

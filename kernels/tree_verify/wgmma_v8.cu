@@ -48,6 +48,7 @@ __device__ __forceinline__ void combine_w(const float* __restrict__ parts, const
                                           float* __restrict__ lse) {
     __shared__ float red[W];
     __shared__ float4 wsum[W][32];
+    pdl_wait();  // the attend kernel's parts (a launch with programmatic serialization)
     const long long n = blockIdx.x;
     const int b = (int)(n / M), r = (int)(n - (long long)b * M);
     const int t = threadIdx.x, w = t >> 5, l = t & 31;
