@@ -62,7 +62,6 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                                           float scale, float* __restrict__ parts, float* __restrict__ part_lse) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     pdl_wait();  // the plan kernel's writes (a launch with programmatic serialization)
-    pdl_trigger();
     if ((int)blockIdx.x >= plan_jobs(plan)) return;
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     unsigned char* gbase = smem_raw + (base - smem_u32(smem_raw));
