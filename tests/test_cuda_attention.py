@@ -1204,8 +1204,9 @@ def test_v10_batch_matches_float64_and_version_9_bit_for_bit(bsz, nq, nh, width,
     """A batch whose plan passes G jobs: ragged, the snake deal runs and the order in the workspace is
     plan_order's; uniform (4 x 65 x 16 heads at 8192), the plan declines to order it (order [0] = -1) and the
     static deal runs. Either way the output is version 9's bit for bit (the same jobs, combine and merge
-    order) and within the bf16 tolerance of a float64 torch reference (rows under each request's tree
-    size)."""
+    order; version 10 launches its attend and combine kernels with programmatic dependent launch, version 9
+    as CuPy calls) and within the bf16 tolerance of a float64 torch reference (rows under each request's
+    tree size)."""
     _need_wgmma()
     import torch
 

@@ -290,8 +290,10 @@ _SCALARS = {"int32": ctypes.c_int32, "uint32": ctypes.c_uint32, "int64": ctypes.
             "uint64": ctypes.c_uint64, "float32": ctypes.c_float}
 
 
-def _kernel_arg(a):
-    """ctypes storage of one kernel argument: a device array's address, or a numpy scalar of the C type."""
+def kernel_arg(a):
+    """ctypes storage of one argument of `launch` (pdl): a device array's address (anything with
+    `__cuda_array_interface__`), or a numpy scalar of the parameter's C type (int32, uint32, int64, uint64,
+    float32; numpy.uintp for a null pointer). A Python number is refused: its C type is unknown."""
     if hasattr(a, "__cuda_array_interface__"):
         return ctypes.c_uint64(a.__cuda_array_interface__["data"][0])
     ctype = _SCALARS.get(getattr(getattr(a, "dtype", None), "name", None))
@@ -318,7 +320,7 @@ def launch(fn, grid, block, args, *, shared_mem: int = 0, pdl: bool = False) -> 
     attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
     cfg = _LaunchConfig((ctypes.c_uint * 3)(*_dim3(grid)), (ctypes.c_uint * 3)(*_dim3(block)), shared_mem,
                         cupy.cuda.get_current_stream().ptr, ctypes.pointer(attr), 1)
-    store = [_kernel_arg(a) for a in args]
+    store = [kernel_arg(a) for a in args]
     params = (ctypes.c_void_p * len(store))(*(ctypes.addressof(v) for v in store))
     driver = _driver()
     rc = driver.cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(fn.kernel.ptr), params, None)

@@ -245,7 +245,12 @@ __device__ __forceinline__ void mask_tile(float (&s)[32], float& mx0, float& mx1
 // Where the host launches a kernel with programmatic stream serialization (kdlib.cuda.loader.launch, pdl=True),
 // it may start while the kernel ahead of it in the stream runs: pdl_wait blocks until that kernel has completed
 // and its writes are visible, so a kernel calls it before its first read of them. pdl_trigger lets the kernel
-// behind this one start launching. Both are no-ops in a kernel launched without the attribute (sm_90 on).
+// behind this one start launching; without it that launch begins as this kernel's CTAs exit. Both are no-ops
+// in a kernel launched without the attribute (sm_90 on). Version 10 (tree_verify/wgmma_v10.cu) launches its
+// attend and combine kernels so: launched without, the whole verify took 0.996-1.047x the time at 25 points,
+// the most where it is short (data/results/kernel_ab_pdl.h200.json). Its plan kernel triggers at once; the
+// attend kernels do not: with a trigger at their start it took 0.998-1.027x the time
+// (data/results/kernel_ab_trigger.h200.json).
 __device__ __forceinline__ void pdl_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");

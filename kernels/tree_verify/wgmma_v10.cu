@@ -1,7 +1,8 @@
 // tree_verify_v10: version 9's verify (tree_verify/wgmma_v9.cu) with the jobs dealt to the CTAs in decreasing
 // size. Three launches, no host sync, fixed buffers (CUDA-graph capturable): tree_verify_v10_plan, the ordered
 // attend kernel (tree_verify_v10_attend_t, v9's consumers, where v9 runs its own kernel: Q*H <= 16, built per
-// shape with -DTV9_NR; else tree_verify_v10_attend, v7's consumers), tree_verify_v8_combine_w<W>.
+// shape with -DTV9_NR; else tree_verify_v10_attend, v7's consumers), tree_verify_v8_combine_w<W>. The host
+// launches the attend and combine kernels with programmatic dependent launch (pdl_wait, wgmma_common.cuh).
 //
 // Why: the attend kernels are persistent, CTA c running jobs c, c + G, c + 2G, ... (the static round-robin).
 // Where the jobs differ in size (a ragged batch: requests of different prefixes and trees) the busiest CTA
