@@ -1,10 +1,11 @@
-"""tools/kernel_ab.py on the CPU: its float64 reference against kdlib.ref's, on a ragged batch."""
+"""tools/kernel_ab.py on the CPU: its float64 reference against kdlib.ref's, on a ragged batch; its arguments."""
 
 from __future__ import annotations
 
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 from kdlib import ROOT
@@ -26,3 +27,9 @@ def test_reference_matches_kdlib_ref_on_a_ragged_batch():
         got = kernel_ab.reference(x, pool, b).numpy().reshape(9, 4, 512)
         np.testing.assert_allclose(got, want[b], rtol=1e-12, atol=1e-12, equal_nan=True)
         assert np.isnan(got[p["trees"][b]:]).all() and not np.isnan(got[: p["trees"][b]]).any()
+
+
+def test_run_without_old_kernels_needs_version_10(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        kernel_ab.main(["run", "--out", "/tmp/unused", "--version", "7"])
+    assert exit_.value.code == 2 and "only version 10" in capsys.readouterr().err

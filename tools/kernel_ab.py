@@ -179,6 +179,9 @@ def main(argv=None) -> int:
         repeat(a.old_kernels, a.out, {k: getattr(a, k) for k in ("heads", "queries", "prefix", "batch")}, a.n,
                a.version)
     else:
+        if a.old_kernels is None and a.version != 10:
+            ap.error("without old kernels the arms are PDL on / off, which only version 10 launches: "
+                     "--version 10")
         run(a.old_kernels, a.out, a.version, a.iters, a.suite)
     return 0
 
