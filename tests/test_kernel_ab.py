@@ -1,4 +1,4 @@
-"""tools/kernel_ab.py on the CPU: its float64 reference against kdlib.ref's (a ragged batch), its arguments."""
+"""tools/kernel_ab.py on the CPU: its float64 reference against kdlib.ref's on a ragged batch; its CLI."""
 
 from __future__ import annotations
 
