@@ -51,8 +51,11 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     where the snake deal's busiest CTA is lighter by more than 1/64 it writes the order and the attend
     kernels (v9's consumers where version 9 runs its own kernel, else v7's) take it, else they run
     version 9's producer (`plan_order` and `v10_deal` mirror the choice). The same jobs and combine:
-    version 9's output bit for bit. In data/results/attention.h200.json (036efc4) 0.95x version 9's time
-    at the ragged batch, within 9's replay spread at the other eight points. Ungated, the order measured
+    version 9's output bit for bit. In the 036efc4 run
+    (data/results/history/attention.prefetch.036efc4.h200.json) 0.95x version 9's time at the ragged batch,
+    within 9's replay spread at the other eight points; 0.93x there in d919b95's
+    (data/results/attention.h200.json). It launches its attend and combine kernels with
+    programmatic dependent launch (`PDL`; data/results/kernel_ab_pdl.h200.json). Ungated, the order measured
     1.1-1.3 % slower than 9 at the suite's two uniform batches over two rounds (gains the plan's cost put
     at 1.007x and 1.013x, data/results/history/attention.v10.8371cbb.h200.json), and ranking job by job
     cost 0.7-1.1 % there (history/attention.v10_job_rank.33c8360.h200.json).
