@@ -47,7 +47,7 @@ __device__ __forceinline__ int chunks_of(int T, int U, int c) { return T > 0 ? (
 // PLAN_STRIDE]: the kernel's shared memory. Up to PLAN_SMEM_REQS requests the plan is built in splan and copied
 // out at the end (past it, in place), and warp 0 scans the requests' first jobs where thread 0 walked them with
 // the plan in global memory: 5.8 us against 7.0 at 8 requests, alike at one (7.1 against 6.6), where the kernel's
-// time is not the plan's reads (data/results/attention_bounds.h200.json against
+// time is not the plan's reads (data/results/history/attention_bounds.prefetch.72c0c91.h200.json against
 // history/attention_bounds.v10.1b0d029.h200.json; data/results/kernel_ab_plan.h200.json, the whole verify).
 // Returns the plan built (splan or plan), whole and readable by every thread.
 __device__ __forceinline__ const int* plan_v5(const int* __restrict__ prefix_lens, const int* __restrict__ tree_sizes,
