@@ -149,6 +149,16 @@ def test_attention_point_inputs_are_seeded_and_each_table_permutes_its_requests_
             assert not pt[b, n:].any()
 
 
+def test_point_requests_and_the_pool_they_need():
+    from kdlib.perf.suites import attention as suite
+
+    uniform = {"heads": 8, "queries": 9, "prefix": 300, "batch": 4}
+    ragged = {"heads": 8, "queries": 9, "batch": 3, "lens": [5, 70, 33], "trees": [9, 4, 1]}
+    assert suite.point_requests(uniform) == ([300] * 4, [9] * 4)
+    assert suite.point_requests(ragged) == ([5, 70, 33], [9, 4, 1])
+    assert suite.pool_rows([uniform, ragged]) == 1200 and suite.pool_rows([ragged]) == 108
+
+
 # ----------------------------------------------------------------------------- v5 (wgmma) emulated on the CPU
 # The tree_verify_v5 kernels' integer plan, job decode, shared-memory layouts, register fragments and
 # arithmetic, re-done in numpy from the kernel's formulas, against the float64 reference.

@@ -53,8 +53,8 @@ def run(old_kernels: Path | None, out: Path, version: int, iters: int, suite_nam
     from kdlib.perf.suites import attention as suite
 
     pts = suite.POINTS + [suite.ragged_point()] + RANK_POINTS
-    need = max(sum(p["lens"]) if "lens" in p else p["prefix"] * p["batch"] for p in pts)
-    pool = torch.randn(need, suite.D_QK, device="cuda", dtype=torch.bfloat16)  # [N, 576] KV rows
+    pool = torch.randn(suite.pool_rows(pts), suite.D_QK, device="cuda",
+                       dtype=torch.bfloat16)  # [N, 576] KV rows
     ceil = results.ceilings().as_dict()
     arms = [("new", None), ("old", old_kernels), ("new", None), ("old", old_kernels)]
     inputs = [suite.point_inputs(p, pool) for p in pts]

@@ -64,6 +64,19 @@ def ragged_point() -> dict:
             "trees": trees}
 
 
+def point_requests(p: dict) -> tuple[list[int], list[int]]:
+    """(prefix lens, tree sizes) of a point's requests: its lens and trees (ragged), else its prefix and
+    queries for each of its batch."""
+    if "lens" in p:
+        return list(p["lens"]), list(p["trees"])
+    return [p["prefix"]] * p["batch"], [p["queries"]] * p["batch"]
+
+
+def pool_rows(pts: list[dict]) -> int:
+    """KV rows of a pool that holds any one of `pts` (`point_inputs` gives each request its own rows)."""
+    return max(sum(point_requests(p)[0]) for p in pts)
+
+
 def ragged_cost(nh: int, lens: list[int], trees: list[int]) -> dict:
     """Bytes and FLOPs of a ragged verify: each request's prefix, tree rows, queries and outputs once."""
     nbytes = sum(s * (D_QK * 2 + 4) + t * D_QK * 2 + t * t + t * nh * D_QK * 2 + t * nh * (D_V * 4 + 4)
@@ -120,8 +133,7 @@ def point_inputs(p: dict, pool) -> dict:
 
     h, nq, bsz = p["heads"], p["queries"], p["batch"]
     ragged = "lens" in p
-    lens = p["lens"] if ragged else [p["prefix"]] * bsz
-    trees = p["trees"] if ragged else [nq] * bsz
+    lens, trees = point_requests(p)
     width = max(lens)
     dev = pool.device
     gen = torch.Generator().manual_seed(h * 1_000_003 + nq * 10_007 + width + bsz)
@@ -279,8 +291,7 @@ def run(*, quick: bool = False, impls: Sequence[str] | None = None,
         impls = [m.strip() for m in chosen.split(",")] if chosen else wgmma + [cu.MMA_DEFAULT]
     impls = list(impls)
     ceil = results.ceilings().as_dict()
-    rows_needed = max(sum(p["lens"]) if "lens" in p else p["prefix"] * p["batch"] for p in pts)
-    pool = torch.randn(rows_needed, D_QK, device="cuda", dtype=torch.bfloat16)  # [N, 576] KV rows
+    pool = torch.randn(pool_rows(pts), D_QK, device="cuda", dtype=torch.bfloat16)  # [N, 576] KV rows
     fi, fi_why = _flashinfer()
     kv_split = None
     if fi is not None:  # FlashInfer's page_size-1 caches: [N, 1, 512] latent and [N, 1, 64] rope

@@ -196,8 +196,8 @@ def run(*, quick: bool = False) -> dict:
     iters = 10 if quick else 20
     ceil = results.ceilings().as_dict()
     copy = timing.copy_bandwidth()
-    rows_needed = max(p["prefix"] * p["batch"] for p in pts)
-    pool = torch.randn(rows_needed, attention.D_QK, device="cuda", dtype=torch.bfloat16)  # [N, 576] KV rows
+    pool = torch.randn(attention.pool_rows(pts), attention.D_QK, device="cuda",
+                       dtype=torch.bfloat16)  # [N, 576] KV rows
     clocks_before = timing.clocks()
     rows = [run_point(p, pool, ceil, copy["Bps"], iters) for p in pts]
     return {

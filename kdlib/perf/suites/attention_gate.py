@@ -59,8 +59,7 @@ def points() -> list[dict]:
 def predicted(p: dict, grid: int) -> dict:
     """The v10 plan's view of point p on `grid` CTAs: jobs, the busiest CTA under each deal, their ratio,
     and whether the plan as built (ORDER_GAIN) orders it."""
-    lens = p["lens"] if "lens" in p else [p["prefix"]] * p["batch"]
-    trees = p["trees"] if "trees" in p else [p["queries"]] * p["batch"]
+    lens, trees = suite.point_requests(p)
     plan = cu.plan_v5(np.array(lens), np.array(trees), max(lens), p["queries"], p["heads"], grid)
     static, snake, _ = cu.deal_busiest(plan, grid)
     return {"jobs": int(plan[0]), "static_busiest": static, "snake_busiest": snake,
@@ -94,8 +93,8 @@ def run(*, quick: bool = False) -> dict:
     pts = points()[:4] if quick else points()
     iters = 10 if quick else 20
     grid = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    need = max(sum(p["lens"]) if "lens" in p else p["prefix"] * p["batch"] for p in pts)
-    pool = torch.randn(need, suite.D_QK, device="cuda", dtype=torch.bfloat16)  # [N, 576] KV rows
+    pool = torch.randn(suite.pool_rows(pts), suite.D_QK, device="cuda",
+                       dtype=torch.bfloat16)  # [N, 576] KV rows
     inputs = [suite.point_inputs(p, pool) for p in pts]
     arms = [("static", 9, ""), ("snake", 10, FORCE_ORDER)] * 2
     times = [{"static": [], "snake": []} for _ in pts]
