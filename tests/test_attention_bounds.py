@@ -1,13 +1,17 @@
-"""The attention_bounds suite's parts: sequential tables, the probe's host XOR, the padded FLOPs and the
-blocks an SM holds on the CPU; the gather probe against that XOR on the GPU (every arm, row counts from one
-to one no warp multiple divides)."""
+"""The attention_bounds suite's parts: sequential tables, the probe's host XOR, the padded FLOPs, the staged
+bytes, the blocks an SM holds and the loader's extra options on the CPU; the gather probe against that XOR on
+the GPU (every arm, row counts from one to one no warp multiple divides) and the attend kernel's probe builds
+(loaded inside the block, the default after it)."""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
 import torch
 
+from kdlib.cuda import loader
 from kdlib.perf.suites import attention as suite
 from kdlib.perf.suites import attention_bounds as bounds
 
@@ -76,6 +80,33 @@ def test_padded_flops_round_rows_up_to_jobs_of_64():
     assert bounds.padded_flops(64, 65, [1]) == 4160 * per_key  # 4160 rows are 65 jobs exactly
 
 
+def test_staged_bytes_read_each_row_once_per_row_block_and_attend_us_sums_the_attend_kernels():
+    assert bounds.staged_bytes(8, 1, [100]) == 100 * bounds.ROW_BYTES
+    assert bounds.staged_bytes(8, 65, [100, 7]) == 9 * 107 * bounds.ROW_BYTES  # 520 rows: 9 row blocks
+    assert bounds.staged_bytes(64, 65, [5]) == 65 * 5 * bounds.ROW_BYTES
+    kernels = [{"name": "tree_verify_v10_plan", "us": 5.0}, {"name": "tree_verify_v10_attend", "us": 40.0},
+               {"name": "tree_verify_v10_attend_t", "us": 2.5},
+               {"name": "tree_verify_v8_combine_w8", "us": 3.0}]
+    assert bounds.attend_us(kernels) == 42.5
+
+
+@pytest.mark.parametrize("before", [None, "-lineinfo"])
+def test_extra_options_reach_every_compile_inside_the_block_and_leave_nothing_behind(monkeypatch, before):
+    if before is None:
+        monkeypatch.delenv("KDLIB_NVRTC_OPTIONS", raising=False)
+    else:
+        monkeypatch.setenv("KDLIB_NVRTC_OPTIONS", before)
+    loader._MODULES["stale"] = loader._FUNCTIONS["stale"] = object()
+    with pytest.raises(RuntimeError, match="inside"):
+        with loader.extra_options("-DTV7_PROBE=1"):
+            assert os.environ["KDLIB_NVRTC_OPTIONS"] == " ".join(filter(None, [before, "-DTV7_PROBE=1"]))
+            assert "stale" not in loader._MODULES and "stale" not in loader._FUNCTIONS
+            loader._MODULES["probe"] = object()
+            raise RuntimeError("inside")
+    assert os.environ.get("KDLIB_NVRTC_OPTIONS") == before
+    assert "probe" not in loader._MODULES, "a probe build outlived its block"
+
+
 def test_blocks_per_sm_by_registers_threads_and_shared_memory():
     assert bounds.blocks_per_sm(32, 256, 0) == 8  # threads bind
     assert bounds.blocks_per_sm(120, 256, 0) == 2  # 120 -> 128 registers a thread: 32k a block
@@ -93,3 +124,31 @@ def test_gather_probe_reads_every_row_exactly(arm):
         got = bounds.gather(pool, rows, arm).get()
         want = bounds.xor_rows(pool.view(torch.int32).cpu().numpy().view(np.uint32), rows.cpu().numpy())
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.gpu
+def test_attend_probe_builds_load_inside_the_block_and_the_default_after():
+    """The probes the suite times are the builds it asks for: probe 2's consumers read stale stage rows (the
+    output moves), probe 1's write no partials (the combine reads the NaN left in them), and after the blocks
+    the default build gives the first output bit for bit. Long prefixes: every CTA runs several pairs."""
+    import cupy
+
+    from kdlib.cuda import attention as cu
+
+    p = {"heads": 8, "queries": 9, "batch": 2, "lens": [40_000, 60_000], "trees": [9, 5]}
+    pool = torch.randn(suite.pool_rows([p]), suite.D_QK, device="cuda",
+                       generator=torch.Generator(device="cuda").manual_seed(11)).bfloat16()  # [N, 576]
+    x = suite.point_inputs(p, pool)
+    assert cu.v9_options(p["heads"] * p["queries"]) is None, "v7's consumers, the ones the probes build"
+    ws = cu.make_workspace(p["batch"], p["queries"], p["heads"])
+    call, pt = suite.verify_call(x, pool, ws), x["tables"][0]
+    want = call(pt)[0].copy()
+    with loader.extra_options(bounds.PROBES["consumers"]):
+        stale = call(pt)[0].copy()
+    ws.parts.fill(float("nan"))
+    with loader.extra_options(bounds.PROBES["gathers"]):
+        unwritten = call(pt)[0].copy()
+    again = call(pt)[0]
+    assert bool(cupy.isfinite(want).all()) and not bool(cupy.array_equal(stale, want))
+    assert bool(cupy.isnan(unwritten).all())
+    assert bool(cupy.array_equal(again, want))

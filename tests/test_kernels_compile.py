@@ -299,6 +299,30 @@ def test_v7_racecheck_build_compiles_and_only_syncs(tmp_path):
 
 
 @pytest.mark.skipif(_NVRTC is None, reason="nvidia-cuda-nvrtc is not installed (requirements.lock pins it)")
+@pytest.mark.parametrize("probe", [1, 2])
+def test_v10_probe_builds_compile_and_probe_1_issues_no_mma_in_v7s_consumers(tmp_path, probe):
+    """The attention_bounds probes (-DTV7_PROBE=1, 2: version 10's file as the suite loads it) build with
+    NVRTC without spills; in probe 1's PTX (nvcc) the kernel of v7's consumers has no wgmma left (they only
+    wait and release) while the one of v9's keeps its own, and probe 2 keeps both kernels' wgmma."""
+    import subprocess
+
+    source = KERNELS / "tree_verify" / "wgmma_v10.cu"
+    rc, text = _nvrtc_compile(source, [b"-arch=sm_90a", b"-arch=sm_90", b"--ptxas-options=-v",
+                                       f"-DTV7_PROBE={probe}".encode()])
+    assert rc == 0, text
+    for name, info in loader.parse_ptxas(text.replace("ptxas         .", "ptxas info    :")).items():
+        assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, (name, info)
+    out = tmp_path / "probe.ptx"
+    proc = subprocess.run([loader.nvcc_path(), "-std=c++17", "-ptx", "-arch=sm_90a", f"-I{KERNELS}",
+                           f"-DTV7_PROBE={probe}", "-o", str(out), str(source)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    bodies = {b.split("(")[0]: b for b in out.read_text().split(".entry ")[1:]}  # each kernel to the next
+    assert "wgmma.mma_async" in bodies["tree_verify_v10_attend_t"]
+    assert ("wgmma.mma_async" in bodies["tree_verify_v10_attend"]) == (probe == 2)
+
+
+@pytest.mark.skipif(_NVRTC is None, reason="nvidia-cuda-nvrtc is not installed (requirements.lock pins it)")
 def test_v9_every_row_count_compiles_without_spills_or_serialised_wgmma():
     """tree_verify v9's attend kernel is built per call shape (-DTV9_NR): each row count it takes (8 .. its
     V9_MAX_NR, the host's among them) builds with NVRTC as the wrappers load it, with no spill, no stack

@@ -28,7 +28,8 @@ Options: NVRTC gets `-I kernels/` and
 `-ftz=true` (fp32 denormals flush to zero; see design/reference/kernels-perf.md §6). Pass extra
 flags with `options=(...)`, e.g. `("-arch=sm_90a",)` to get `__CUDA_ARCH_FEAT_SM90_ALL` (wgmma); the
 environment's `KDLIB_NVRTC_OPTIONS` (space-separated) is appended to every compile, e.g. `-lineinfo` so
-that compute-sanitizer and ncu name source lines (of `expanded_source(stem)`);
+that compute-sanitizer and ncu name source lines (of `expanded_source(stem)`), and `with
+extra_options("-DX=1"):` adds options to every compile inside the block;
 name templated kernels with `name_expressions=("k<float, 64>",)` and look them up by the same
 string.
 
@@ -49,6 +50,7 @@ cupy is imported inside the functions, so importing this module works on machine
 from __future__ import annotations
 
 import ast
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -342,6 +344,25 @@ def clear_cache() -> None:
         _MODULES.clear()
         _FUNCTIONS.clear()
         _SOURCES.clear()
+
+
+@contextlib.contextmanager
+def extra_options(options: str):
+    """Within the block every compile also gets `options` (space-separated NVRTC options, after the
+    environment's `KDLIB_NVRTC_OPTIONS`): a build with a -D switch, loaded by code that knows nothing of it.
+    The caches are cleared on entry and on exit, so what loads inside is that build and none of it outlives
+    the block; the environment is restored."""
+    saved = os.environ.get("KDLIB_NVRTC_OPTIONS")
+    os.environ["KDLIB_NVRTC_OPTIONS"] = " ".join(filter(None, [saved, options]))
+    clear_cache()
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("KDLIB_NVRTC_OPTIONS", None)
+        else:
+            os.environ["KDLIB_NVRTC_OPTIONS"] = saved
+        clear_cache()
 
 
 def is_torch(x) -> bool:

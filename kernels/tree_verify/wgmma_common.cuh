@@ -484,21 +484,23 @@ __device__ __forceinline__ TileRows tile_rows(const int* plan, int nreq, const i
 }
 
 // Column blocks [cb0, cb1) of a tile into the stage at dst, one mbarrier arrive per block once the
-// thread's copies of it (and of every block before) have landed.
+// thread's copies of it (and of every block before) have landed; copy false: the arrives alone (the
+// stage keeps what it holds: tree_verify/wgmma_ws.cuh's TV7_PROBE 2).
 template <int CB0, int CB1>
 __device__ __forceinline__ void gather_half(unsigned dst, unsigned bars, int s, const TileRows& t, const char* kvb,
-                                            const char* tkb, int lrow, int ch) {
+                                            const char* tkb, int lrow, int ch, bool copy = true) {
     const char* src[4];
 #pragma unroll
     for (int p = 0; p < 4; ++p) src[p] = (t.tail ? tkb : kvb) + (long long)t.row[p] * (D_QK * 2) + ch * 16;
 #pragma unroll 1
     for (int cb = CB0; cb < CB1; ++cb) {
+        if (copy)
 #pragma unroll
-        for (int p = 0; p < 4; ++p) {
-            const int row = lrow + 16 * p;
-            cp_async16(dst + cb * CB_BYTES + row * 128 + ((ch ^ (row & 7)) << 4), src[p] + cb * 128,
-                       (t.valid >> p) & 1 ? 16 : 0);
-        }
+            for (int p = 0; p < 4; ++p) {
+                const int row = lrow + 16 * p;
+                cp_async16(dst + cb * CB_BYTES + row * 128 + ((ch ^ (row & 7)) << 4), src[p] + cb * 128,
+                           (t.valid >> p) & 1 ? 16 : 0);
+            }
         bar_arrive_copies(BAR_CBFULL(bars, s, cb));
     }
 }

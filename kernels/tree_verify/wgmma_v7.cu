@@ -118,6 +118,19 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 bar_wait(BAR_QFULL(bars), jobs & 1);
                 ++jobs;
             }
+            if (TV7_PROBE == 1) {  // the probe: both stages waited for, then released as the pair code does
+                for (int cb = 0; cb < NCB; ++cb) {
+                    bar_wait(BAR_CBFULL(bars, 0, cb), n & 1);
+                    bar_wait(BAR_CBFULL(bars, 1, cb), n & 1);
+                }
+                if (last) warp_arrive(BAR_QEMPTY(bars), lane);
+                for (int st = 0; st < 2; ++st) {
+                    warp_arrive(BAR_EMPTY(bars, st, c), lane);
+                    warp_arrive(BAR_EMPTY(bars, st, 2), lane);
+                }
+                if (flags & D_END) break;
+                continue;
+            }
 #pragma unroll
             for (int i = 0; i < 32; ++i) s[i] = 0.f;  // the accumulator starts afresh (its old value is dead)
             reg_fence(s);

@@ -13,7 +13,13 @@ suite's inputs, `attention.point_inputs`, whose page tables scatter each request
     bulk copy per row into a shared-memory ring (`bulk`), each on a grid of the blocks an SM holds at once:
     the bandwidth page_size-1 row gathers reach with no math at all, checked exact against a CPU XOR;
   * `padded`: the FLOPs the wgmma kernels execute (each request's H x Q rows rounded up to jobs of 64,
-    every key of the prefix) over the recorded bf16 matmul rate: the floor of a kernel that pads its rows.
+    every key of the prefix) over the recorded bf16 matmul rate: the floor of a kernel that pads its rows;
+  * `probes` (the points run by v7's consumers, more than 16 rows a request): the same verify with the attend
+    kernel built as a probe (`TV7_PROBE`, tree_verify/wgmma_ws.cuh; `PROBES`): its gathers alone (the
+    consumers only wait for the stages and release them) and its MMA warpgroups' work alone (the producer
+    gathers each stage once, then only arrives), each attend kernel's device us beside the default's from
+    the same run; `staged_bytes`: the rows the producer gathers, every job's row block reading its keys
+    (the L2 traffic; each row is read once per row block of its request).
 The copy bandwidth is measured in the same run (`timing.copy_bandwidth`); each point's floors are its
 bytes (`attention.point_inputs`' cost) over that and over the best gather rate.
 """
@@ -43,7 +49,10 @@ POINTS = [
     {"heads": 8, "queries": 9, "prefix": 200_000, "batch": 1},
     {"heads": 8, "queries": 9, "prefix": 32_768, "batch": 8},
     {"heads": 8, "queries": 65, "prefix": 200_000, "batch": 1},
+    {"heads": 64, "queries": 65, "prefix": 32_768, "batch": 1},
 ]
+# the probe builds of v7's consumers (TV7_PROBE): the producer's gathers alone, the consumers' work alone
+PROBES = {"gathers": "-DTV7_PROBE=1", "consumers": "-DTV7_PROBE=2"}
 
 
 def sequential_tables(tables: list, lens: list[int]) -> list:
@@ -123,6 +132,24 @@ def _profiled(launches, iters: int) -> dict:
             "kernels": [{"name": n, "calls": c, "us": us} for n, c, us in prof["kernels"]]}
 
 
+def attend_us(kernels: list[dict]) -> float:
+    """Device us of the attend kernels in a `_profiled` kernel list."""
+    return sum(k["us"] for k in kernels if "attend" in k["name"])
+
+
+def probe(x: dict, pool, h: int, tables: list, options: str, iters: int) -> dict:
+    """`_profiled` of the verify with its kernels built with `options` (a TV7_PROBE build: only the attend
+    kernel changes; its outputs are not the verify's)."""
+    with loader.extra_options(options):
+        got = _profiled(_verify_launch(x, pool, h, tables), iters)
+    return {**got, "options": options, "attend_us": attend_us(got["kernels"])}
+
+
+def staged_bytes(heads: int, queries: int, lens: list[int]) -> int:
+    """Bytes the attend kernel's producer gathers: every prefix row once per row block of its request."""
+    return math.ceil(heads * queries / ROW_BLOCK) * sum(lens) * ROW_BYTES
+
+
 def padded_flops(heads: int, queries: int, lens: list[int]) -> float:
     """FLOPs of the prefix as the wgmma kernels execute it: H x Q rows rounded up to jobs of ROW_BLOCK."""
     rows = math.ceil(heads * queries / ROW_BLOCK) * ROW_BLOCK
@@ -132,6 +159,8 @@ def padded_flops(heads: int, queries: int, lens: list[int]) -> float:
 def run_point(p: dict, pool, ceil: dict, copy_Bps: float, iters: int) -> dict:
     import cupy
     import torch
+
+    from kdlib.cuda import attention as cu
 
     h, nq = p["heads"], p["queries"]
     x = attention.point_inputs(p, pool)
@@ -175,8 +204,15 @@ def run_point(p: dict, pool, ceil: dict, copy_Bps: float, iters: int) -> dict:
     row["padded_flops"] = executed
     row["fraction_of_copy"] = row["floors_ms"]["copy"] / v_ms
     row["fraction_of_gather"] = row["floors_ms"]["gather"] / v_ms
-    att = [k for k in row["verify"]["scattered"]["kernels"] if "attend" in k["name"]]
-    row["attend_us"] = sum(k["us"] for k in att)
+    row["attend_us"] = attend_us(row["verify"]["scattered"]["kernels"])
+    if cu.v9_options(h * nq) is None:  # v7's consumers, the ones the probes build
+        row["probes"] = {name: probe(x, pool, h, scattered, opts, iters) for name, opts in PROBES.items()}
+        row["staged_bytes"] = staged_bytes(h, nq, lens)
+        g_us, c_us = (row["probes"][k]["attend_us"] for k in PROBES)
+        staged_tbs = row["staged_bytes"] / (g_us * 1e-6) / 1e12
+        print(f"[attention_bounds] H{h} Q{nq} S{p['prefix']} B{p['batch']} probes: attend "
+              f"{row['attend_us']:.1f} us, gathers alone {g_us:.1f} us ({staged_tbs:.2f} TB/s staged), "
+              f"consumers alone {c_us:.1f} us", flush=True)
     print(f"[attention_bounds] H{h} Q{nq} S{p['prefix']} B{p['batch']}: verify {v_ms:.4f} ms (sequential "
           f"{row['verify']['sequential']['timing']['median_ms']:.4f}), attend {row['attend_us']:.1f} us | "
           f"floors copy {row['floors_ms']['copy']:.4f} gather {row['floors_ms']['gather']:.4f} padded "
@@ -215,5 +251,9 @@ def run(*, quick: bool = False) -> dict:
             "XOR equals the host's",
             "floors_ms: the point's bytes (attention suite's cost) over the copy rate and over the best "
             "scattered gather rate; its FLOPs and the padded FLOPs over the recorded bf16 matmul rate",
+            "probes: the verify with the attend kernel built -DTV7_PROBE=1 (gathers alone) and =2 (consumers "
+            "alone, over the rows of each stage's first fill), profiled as verify; attend_us: its attend "
+            "kernel's device us; staged_bytes: the rows gathered into the stages (each row once per row "
+            "block of its request)",
         ],
     }

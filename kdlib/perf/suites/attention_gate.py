@@ -24,7 +24,6 @@ the predicted gain, and the gate threshold that would have given the least total
 
 from __future__ import annotations
 
-import os
 import statistics
 
 import numpy as np
@@ -101,21 +100,15 @@ def run(*, quick: bool = False) -> dict:
     arms = [("static", 9, ""), ("snake", 10, FORCE_ORDER)] * 2
     times = [{"static": [], "snake": []} for _ in pts]
     outs = [{} for _ in pts]
-    saved, pdl = os.environ.get("KDLIB_NVRTC_OPTIONS"), cu.PDL
+    pdl = cu.PDL
     cu.PDL = False  # version 9 has no PDL launches: the arms differ in the deal alone
     try:
         for name, version, opts in arms:  # arm-major: one compile each; the arms alternate over the grid
-            os.environ["KDLIB_NVRTC_OPTIONS"] = " ".join(filter(None, [saved, opts]))
-            loader.clear_cache()
-            suite.time_arm(name, pts, inputs, pool, times, outs, iters, version=version)
+            with loader.extra_options(opts):
+                suite.time_arm(name, pts, inputs, pool, times, outs, iters, version=version)
             print(f"[attention_gate] arm {name} (version {version} {opts}) done", flush=True)
     finally:
         cu.PDL = pdl
-        if saved is None:
-            os.environ.pop("KDLIB_NVRTC_OPTIONS", None)
-        else:
-            os.environ["KDLIB_NVRTC_OPTIONS"] = saved
-        loader.clear_cache()
     rows = []
     for p, t, o in zip(pts, times, outs, strict=True):
         med = {k: statistics.median(v) for k, v in t.items()}
