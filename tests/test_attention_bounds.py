@@ -135,7 +135,7 @@ def test_attend_probe_builds_load_inside_the_block_and_the_default_after():
 
     from kdlib.cuda import attention as cu
 
-    p = {"heads": 8, "queries": 9, "batch": 2, "lens": [40_000, 60_000], "trees": [9, 5]}
+    p = {"heads": 8, "queries": 9, "batch": 2, "lens": [40_000, 60_000], "trees": [9, 9]}  # no padding row
     pool = torch.randn(suite.pool_rows([p]), suite.D_QK, device="cuda",
                        generator=torch.Generator(device="cuda").manual_seed(11)).bfloat16()  # [N, 576]
     x = suite.point_inputs(p, pool)
