@@ -134,13 +134,11 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
 #pragma unroll
             for (int i = 0; i < 32; ++i) s[i] = 0.f;  // the accumulator starts afresh (its old value is dead)
             reg_fence(s);
-            if (c == 1) nb_sync(NB_SA);  // S_B after S_A: it runs under consumer 0's softmax of tile A
             wg_fence();
             issue_s_blocks<0, NCB>(s, base, kst, bars, c, n & 1, true);
             wg_commit();
             wg_wait<0>();
             reg_fence(s);
-            if (c == 0) handoff(NB_SA);
             if (last) warp_arrive(BAR_QEMPTY(bars), lane);  // the job's Q is read
 
             float mx0, mx1;

@@ -27,7 +27,6 @@
 #define NB_SCALE_B 2  // consumer 1: m_B, c_B written
 #define NB_PB 3       // consumer 1: P_B written
 #define NB_LSUM 4     // both: their l of the job written
-#define NB_SA 7       // consumer 0: S_A done (consumer 1 then issues S_B: tile B's S runs under tile A's softmax)
 
 // TV7_RACECHECK=1 (-DTV7_RACECHECK=1): a checking build for compute-sanitizer racecheck. Every consumer
 // handoff is a bar.sync of both consumers, and every lane of a releasing warp arrives on the empty
