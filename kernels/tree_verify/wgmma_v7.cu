@@ -135,7 +135,10 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
             for (int i = 0; i < 32; ++i) s[i] = 0.f;  // the accumulator starts afresh (its old value is dead)
             reg_fence(s);
             wg_fence();
-            issue_s_blocks<0, NCB>(s, base, kst, bars, c, n & 1, true);
+            if (TV7_PROBE == 4)
+                for (int cb = 0; cb < NCB; ++cb) bar_wait(BAR_CBFULL(bars, c, cb), n & 1);
+            else
+                issue_s_blocks<0, NCB>(s, base, kst, bars, c, n & 1, true);
             wg_commit();
             wg_wait<0>();
             reg_fence(s);
@@ -157,7 +160,7 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 handoff(NB_SCALE_A);
                 reg_fence(o);
                 wg_fence();
-                issue_pv_ss(o, pa, k0s, first);
+                if (TV7_PROBE != 3) issue_pv_ss(o, pa, k0s, first);
                 wg_commit();
                 wg_wait<0>();
                 reg_fence(o);
@@ -176,7 +179,7 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 fence_async_smem();
                 reg_fence(o);
                 wg_fence();
-                issue_pv_ss(o, pb, k1s);
+                if (TV7_PROBE != 3) issue_pv_ss(o, pb, k1s);
                 wg_commit();
                 wg_wait<0>();
                 reg_fence(o);
@@ -192,7 +195,7 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 rescale(o, ca0, ca1);
                 reg_fence(o);
                 wg_fence();
-                issue_pv_ss(o, pa, k0s + V_R0 * CB_BYTES, first);
+                if (TV7_PROBE != 3) issue_pv_ss(o, pa, k0s + V_R0 * CB_BYTES, first);
                 wg_commit();
                 // ------------------------------------------------ tile B: softmax, O_R = O_R c_B + P_B V_BR
                 float mn0, mn1, cb0, cb1;
@@ -215,7 +218,7 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 rescale(o, cb0, cb1);
                 reg_fence(o);
                 wg_fence();
-                issue_pv_ss(o, pb, k1s + V_R0 * CB_BYTES);
+                if (TV7_PROBE != 3) issue_pv_ss(o, pb, k1s + V_R0 * CB_BYTES);
                 wg_commit();
                 wg_wait<0>();
                 reg_fence(o);

@@ -40,8 +40,9 @@
 // TV7_PROBE (-DTV7_PROBE=n): a timing probe of v7's consumers (tree_verify_v7_attend, tree_verify_v10_attend),
 // never the default; its outputs are wrong. 1: the consumers wait for both stages of each pair and release
 // them, no MMA (the producer's gathers alone); 2: the producer gathers each stage once, for the first pair,
-// then only arrives on its barriers (the consumers' work over rows already in shared memory, no gather).
-// kdlib.perf.suites.attention_bounds times both beside the default build.
+// then only arrives on its barriers (the consumers' work over rows already in shared memory, no gather);
+// 3: 2 without the P V MMAs; 4: 2 without the S MMAs (each consumer only waits for its stage's blocks).
+// kdlib.perf.suites.attention_bounds times them beside the default build.
 #ifndef TV7_PROBE
 #define TV7_PROBE 0
 #endif
@@ -82,7 +83,7 @@ __device__ __forceinline__ void handoff(int id) {
 __device__ __forceinline__ void fill_stage(unsigned kst, unsigned bars, int s, int n, const TileRows& t,
                                            const char* kvb, const char* tkb, int lrow, int ch) {
     const unsigned ep = (n & 1) ^ 1;
-    const bool copy = TV7_PROBE != 2 || n == 0;
+    const bool copy = TV7_PROBE < 2 || n == 0;
     bar_wait(BAR_EMPTY(bars, s, 0), ep);
     gather_half<0, V_R0>(kst, bars, s, t, kvb, tkb, lrow, ch, copy);
     bar_wait(BAR_EMPTY(bars, s, 1), ep);

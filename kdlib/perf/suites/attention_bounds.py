@@ -16,10 +16,10 @@ suite's inputs, `attention.point_inputs`, whose page tables scatter each request
     every key of the prefix) over the recorded bf16 matmul rate: the floor of a kernel that pads its rows;
   * `probes` (the points run by v7's consumers, more than 16 rows a request): the same verify with the attend
     kernel built as a probe (`TV7_PROBE`, tree_verify/wgmma_ws.cuh; `PROBES`): its gathers alone (the
-    consumers only wait for the stages and release them) and its MMA warpgroups' work alone (the producer
-    gathers each stage once, then only arrives), each attend kernel's device us beside the default's from
-    the same run; `staged_bytes`: the rows the producer gathers, every job's row block reading its keys
-    (the L2 traffic; each row is read once per row block of its request).
+    consumers only wait for the stages and release them), its MMA warpgroups' work alone (the producer
+    gathers each stage once, then only arrives), and that work without the P V MMAs or without the S ones,
+    each attend kernel's device us beside the default's from the same run; `staged_bytes`: the rows the
+    producer gathers, every job's row block reading its keys (each row once per row block of its request).
 The copy bandwidth is measured in the same run (`timing.copy_bandwidth`); each point's floors are its
 bytes (`attention.point_inputs`' cost) over that and over the best gather rate.
 """
@@ -51,8 +51,10 @@ POINTS = [
     {"heads": 8, "queries": 65, "prefix": 200_000, "batch": 1},
     {"heads": 64, "queries": 65, "prefix": 32_768, "batch": 1},
 ]
-# the probe builds of v7's consumers (TV7_PROBE): the producer's gathers alone, the consumers' work alone
-PROBES = {"gathers": "-DTV7_PROBE=1", "consumers": "-DTV7_PROBE=2"}
+# the probe builds of v7's consumers (TV7_PROBE): the producer's gathers alone, the consumers' work alone,
+# and that work without the P V MMAs, without the S MMAs
+PROBES = {"gathers": "-DTV7_PROBE=1", "consumers": "-DTV7_PROBE=2", "consumers_no_pv": "-DTV7_PROBE=3",
+          "consumers_no_s": "-DTV7_PROBE=4"}
 
 
 def sequential_tables(tables: list, lens: list[int]) -> list:
@@ -208,11 +210,11 @@ def run_point(p: dict, pool, ceil: dict, copy_Bps: float, iters: int) -> dict:
     if cu.v9_options(h * nq) is None:  # v7's consumers, the ones the probes build
         row["probes"] = {name: probe(x, pool, h, scattered, opts, iters) for name, opts in PROBES.items()}
         row["staged_bytes"] = staged_bytes(h, nq, lens)
-        g_us, c_us = (row["probes"][k]["attend_us"] for k in PROBES)
+        g_us, c_us, no_pv, no_s = (row["probes"][k]["attend_us"] for k in PROBES)
         staged_tbs = row["staged_bytes"] / (g_us * 1e-6) / 1e12
         print(f"[attention_bounds] H{h} Q{nq} S{p['prefix']} B{p['batch']} probes: attend "
               f"{row['attend_us']:.1f} us, gathers alone {g_us:.1f} us ({staged_tbs:.2f} TB/s staged), "
-              f"consumers alone {c_us:.1f} us", flush=True)
+              f"consumers alone {c_us:.1f} us (without P V {no_pv:.1f}, without S {no_s:.1f})", flush=True)
     print(f"[attention_bounds] H{h} Q{nq} S{p['prefix']} B{p['batch']}: verify {v_ms:.4f} ms (sequential "
           f"{row['verify']['sequential']['timing']['median_ms']:.4f}), attend {row['attend_us']:.1f} us | "
           f"floors copy {row['floors_ms']['copy']:.4f} gather {row['floors_ms']['gather']:.4f} padded "
@@ -251,9 +253,9 @@ def run(*, quick: bool = False) -> dict:
             "XOR equals the host's",
             "floors_ms: the point's bytes (attention suite's cost) over the copy rate and over the best "
             "scattered gather rate; its FLOPs and the padded FLOPs over the recorded bf16 matmul rate",
-            "probes: the verify with the attend kernel built -DTV7_PROBE=1 (gathers alone) and =2 (consumers "
-            "alone, over the rows of each stage's first fill), profiled as verify; attend_us: its attend "
-            "kernel's device us; staged_bytes: the rows gathered into the stages (each row once per row "
-            "block of its request)",
+            "probes: the verify with the attend kernel built -DTV7_PROBE=1 (gathers alone), =2 (consumers "
+            "alone, over the rows of each stage's first fill), =3 (2 without the P V MMAs), =4 (2 without "
+            "the S MMAs), profiled as verify; attend_us: its attend kernel's device us; staged_bytes: the "
+            "rows gathered into the stages (each row once per row block of its request)",
         ],
     }
