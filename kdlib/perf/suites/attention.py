@@ -316,8 +316,8 @@ def run(*, quick: bool = False, impls: Sequence[str] | None = None,
               + f" | flashinfer {r['flashinfer'].get('median_ms')}", flush=True)
     return {
         "parameters": {"quick": quick, "impls": impls, "mma_default": cu.MMA_DEFAULT, "iters": iters,
-                       "baseline_iters": b_iters, "points": pts, "dtype": "bfloat16", "page_size": 1,
-                       "softmax_scale": "576**-0.5",
+                       "pdl": cu.PDL, "baseline_iters": b_iters, "points": pts, "dtype": "bfloat16",
+                       "page_size": 1, "softmax_scale": "576**-0.5",
                        "tree": "random trees; uniform points: full trees (tree_sizes = Q)",
                        "flashinfer": getattr(fi, "__version__", None) if fi is not None else fi_why},
         "ceilings": ceil,
@@ -333,5 +333,6 @@ def run(*, quick: bool = False, impls: Sequence[str] | None = None,
             "flashinfer: BatchMLAPagedAttentionWrapper(page_size 1, causal=False) over the prefix alone, "
             "eager",
             "FLOPs count the prefix only: 2 H Q S (576 + 512) (ragged: each request's own S and tree rows)",
+            "pdl: version 10 launched its attend and combine kernels with programmatic dependent launch",
         ],
     }

@@ -240,7 +240,7 @@ def run(*, quick: bool = False) -> dict:
     rows = [run_point(p, pool, ceil, copy["Bps"], iters) for p in pts]
     return {
         "parameters": {"quick": quick, "points": pts, "iters": iters, "version": cu.DEFAULT_VERSION,
-                       "gather_arms": list(ARMS), "block": BLOCK, "bulk_smem": BULK_SMEM,
+                       "pdl": cu.PDL, "gather_arms": list(ARMS), "block": BLOCK, "bulk_smem": BULK_SMEM,
                        "dtype": "bfloat16", "page_size": 1},
         "ceilings": ceil,
         "copy": copy,
@@ -257,5 +257,7 @@ def run(*, quick: bool = False) -> dict:
             "alone, over the rows of each stage's first fill), =3 (2 without the P V MMAs), =4 (2 without "
             "the S MMAs), profiled as verify; attend_us: its attend kernel's device us; staged_bytes: the "
             "rows gathered into the stages (each row once per row block of its request)",
+            "pdl: version 10 launched its attend and combine kernels with programmatic dependent launch; "
+            "each then starts while the kernel ahead runs; its device us include its wait for that kernel",
         ],
     }
