@@ -195,14 +195,10 @@ WGMMA = "wgmma"
 # tests/test_kernel_constants.py checks both against the record).
 BF16_DEFAULT = "wgmma_v10"
 # (heads, queries, prefix, batch) -> why: the recorded points where another arm is faster than the default
-# beyond that arm's replay spread, the price of its gains elsewhere (none in the 036efc4 run; one in
-# d919b95's).
-BF16_DEFAULT_TRADES: dict[tuple[int, int, int, int], str] = {
-    (8, 9, 32_768, 8): "a uniform batch: version 10 runs its own plan, which ranks the jobs and then leaves "
-                       "them unordered, and a producer that reads the order first; version 8 runs neither. "
-                       "In the d919b95 record, whose verify the producer without its L2 prefetch made "
-                       "shorter, that put version 10 just past version 8's replay spread",
-}
+# beyond that arm's replay spread, the price of its gains elsewhere. None in the d609d1b record (version 10
+# launched with PDL); d919b95's, without PDL, had one: 8 x 9 x 32k B8, where version 10 runs its own plan
+# and a producer that reads the order first, and version 8 runs neither.
+BF16_DEFAULT_TRADES: dict[tuple[int, int, int, int], str] = {}
 _BY_IMPL = {launch.impl: v for v, launch in LAUNCHES.items()}
 DEFAULT_VERSION = _BY_IMPL[BF16_DEFAULT]
 # The deprecated impl= names -> versions ("auto": None, the default pick).
