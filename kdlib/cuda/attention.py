@@ -54,8 +54,9 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     version 9's output bit for bit. In the 036efc4 run
     (data/results/history/attention.prefetch.036efc4.h200.json) 0.95x version 9's time at the ragged batch,
     within 9's replay spread at the other eight points; 0.93x there in d919b95's
-    (data/results/attention.h200.json). It launches its attend and combine kernels with
-    programmatic dependent launch (`PDL`; data/results/kernel_ab_pdl.h200.json). Ungated, the order measured
+    (history/attention.no_pdl.d919b95.h200.json) and in d609d1b's, with PDL
+    (data/results/attention.h200.json). It launches its attend and combine kernels with programmatic
+    dependent launch (`PDL`; data/results/kernel_ab_pdl.h200.json). Ungated, the order measured
     1.1-1.3 % slower than 9 at the suite's two uniform batches over two rounds (gains the plan's cost put
     at 1.007x and 1.013x, data/results/history/attention.v10.8371cbb.h200.json), and ranking job by job
     cost 0.7-1.1 % there (history/attention.v10_job_rank.33c8360.h200.json).
