@@ -7,6 +7,8 @@ Here (git; the old tree lands in build/, which is git-ignored, so carry it):
     python3 tools/kernel_ab.py export <rev>            -> build/ab/<rev>/kernels
 On the GPU machine (carry ["build/ab"]):
     python3 tools/kernel_ab.py run build/ab/<rev>/kernels --out $OUT
+    python3 tools/kernel_ab.py run build/ab/<old>/kernels --new build/ab/<new>/kernels --version 10 \
+        --suite kernel_ab_x --out $OUT   # two exported trees, neither this one
     python3 tools/kernel_ab.py run build/ab/<rev>/kernels --version 10 --suite kernel_ab_plan --out $OUT
     python3 tools/kernel_ab.py run --version 10 --suite kernel_ab_pdl --out $OUT   # PDL on / off
     python3 tools/kernel_ab.py repeat build/ab/<rev>/kernels --prefix 32000 --batch 16 \
@@ -40,9 +42,11 @@ def export(rev: str) -> Path:
     return dest / "kernels"
 
 
-def run(old_kernels: Path | None, out: Path, version: int, iters: int, suite_name: str = "kernel_ab") -> Path:
-    """Both arms at every point into <out>/<suite_name>.<gpu>.json. old_kernels None: the arms are this
-    tree's kernels launched with programmatic dependent launch ("new", attention.PDL) and without ("old")."""
+def run(old_kernels: Path | None, out: Path, version: int, iters: int, suite_name: str = "kernel_ab",
+        new_kernels: Path | None = None) -> Path:
+    """Both arms at every point into <out>/<suite_name>.<gpu>.json; the new arm runs new_kernels (None: this
+    tree's). old_kernels None: the arms are this tree's kernels launched with programmatic dependent launch
+    ("new", attention.PDL) and without ("old")."""
     import cupy
     import torch
 
@@ -56,7 +60,7 @@ def run(old_kernels: Path | None, out: Path, version: int, iters: int, suite_nam
     pool = torch.randn(suite.pool_rows(pts), suite.D_QK, device="cuda",
                        dtype=torch.bfloat16)  # [N, 576] KV rows
     ceil = results.ceilings().as_dict()
-    arms = [("new", None), ("old", old_kernels), ("new", None), ("old", old_kernels)]
+    arms = [("new", new_kernels), ("old", old_kernels), ("new", new_kernels), ("old", old_kernels)]
     inputs = [suite.point_inputs(p, pool) for p in pts]
     times = [{"new": [], "old": []} for _ in pts]
     outs = [{} for _ in pts]
@@ -83,6 +87,7 @@ def run(old_kernels: Path | None, out: Path, version: int, iters: int, suite_nam
               f"{med['new']:.4f} old {med['old']:.4f} ms, old/new {row['old_over_new']:.3f}, "
               f"bitwise {row['bitwise_equal']}", flush=True)
     doc = {"parameters": {"version": version, "old_kernels": str(old_kernels) if old_kernels else None,
+                          "new_kernels": str(new_kernels) if new_kernels else None,
                           "pdl_arms": old_kernels is None, "iters": iters,
                           "arms": [a for a, _ in arms], "points": pts},
            "ceilings": ceil, "rows": rows,
@@ -163,6 +168,8 @@ def main(argv=None) -> int:
     r.add_argument("old_kernels", type=Path, nargs="?",
                    help="the exported kernels; left out: version 10 with programmatic dependent launch "
                         "(new) against without (old), this tree's kernels in both")
+    r.add_argument("--new", type=Path, dest="new_kernels",
+                   help="the new arm's exported kernels (left out: this tree's)")
     r.add_argument("--out", type=Path, required=True, help="folder")
     r.add_argument("--version", type=int, default=7)
     r.add_argument("--iters", type=int, default=20)
@@ -179,10 +186,12 @@ def main(argv=None) -> int:
         repeat(a.old_kernels, a.out, {k: getattr(a, k) for k in ("heads", "queries", "prefix", "batch")}, a.n,
                a.version)
     else:
+        if a.old_kernels is None and a.new_kernels is not None:
+            ap.error("--new needs the old arm's kernels")
         if a.old_kernels is None and a.version != 10:
             ap.error("without old kernels the arms are PDL on / off, which only version 10 launches: "
                      "--version 10")
-        run(a.old_kernels, a.out, a.version, a.iters, a.suite)
+        run(a.old_kernels, a.out, a.version, a.iters, a.suite, a.new_kernels)
     return 0
 
 
