@@ -527,22 +527,30 @@ __device__ __forceinline__ void load_q(unsigned base, unsigned qbar, const __nv_
     bar_arrive_copies(qbar);
 }
 
-// S (+)= Q K^T over column blocks [CB0, CB1) of the stage at kst, each after its barrier (parity
-// par). first: the first block of this S (it starts the sum).
+// S (+)= Q K^T over column blocks [CB0, CB1) of the stage at kst, S_GROUP blocks at a time: the group's
+// barriers (parity par), one proxy fence, the group's MMAs. first: the first block of this S (it starts the sum).
+// The proxy fence is a MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S in SASS, and a fence per block (9 a tile) cost more than
+// the finer wait gains: three blocks a fence made the whole verify 1.000-1.056x as fast, bit for bit the same, at
+// the 25 points of data/results/history/kernel_ab_fence3.05e751f.h200.json. One wgmma.fence before them all: the
+// blocks chain on the accumulator (same shape: ordered without one); a fence per group made ptxas serialise every
+// wgmma (a WARPGROUP.DEPBAR after each: kernel_ab_sgroup3.ab20b66, 0.71-0.75x).
+#define S_GROUP 3
 template <int CB0, int CB1>
 __device__ __forceinline__ void issue_s_blocks(float (&s)[32], unsigned base, unsigned kst, unsigned bars, int st,
                                                unsigned par, bool first) {
     const unsigned long long dq = sw128_desc(opaque(base), 16), dk = sw128_desc(opaque(kst), 16);
+    wg_fence();
 #pragma unroll 1  // a loop, not 36 copies: the kernel's code fits the instruction cache better
-    for (int cb = CB0; cb < CB1; ++cb) {
-        bar_wait(BAR_CBFULL(bars, st, cb), par);
+    for (int g0 = CB0; g0 < CB1; g0 += S_GROUP) {
+        const int g1 = g0 + S_GROUP < CB1 ? g0 + S_GROUP : CB1;
+        for (int cb = g0; cb < g1; ++cb) bar_wait(BAR_CBFULL(bars, st, cb), par);
         fence_async_smem();
-        wg_fence();
+        for (int cb = g0; cb < g1; ++cb)
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const unsigned off = cb * CB_BYTES + k * 32;
-            wgmma_s(s, dq + (off >> 4), dk + (off >> 4), !(first && cb == CB0 && k == 0));
-        }
+            for (int k = 0; k < 4; ++k) {
+                const unsigned off = cb * CB_BYTES + k * 32;
+                wgmma_s(s, dq + (off >> 4), dk + (off >> 4), !(first && cb == CB0 && k == 0));
+            }
     }
 }
 
