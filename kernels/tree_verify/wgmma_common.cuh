@@ -527,31 +527,43 @@ __device__ __forceinline__ void load_q(unsigned base, unsigned qbar, const __nv_
     bar_arrive_copies(qbar);
 }
 
-// S (+)= Q K^T over column blocks [CB0, CB1) of the stage at kst, S_GROUP blocks at a time: the group's
-// barriers (parity par), one proxy fence, the group's MMAs. first: the first block of this S (it starts the sum).
-// The proxy fence is a MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S in SASS, and a fence per block (9 a tile) cost more than
-// the finer wait gains: three blocks a fence made the whole verify 1.000-1.056x as fast, bit for bit the same, at
-// the 25 points of data/results/history/kernel_ab_fence3.05e751f.h200.json. One wgmma.fence before them all: the
-// blocks chain on the accumulator (same shape: ordered without one); a fence per group made ptxas serialise every
-// wgmma (a WARPGROUP.DEPBAR after each: kernel_ab_sgroup3.ab20b66, 0.71-0.75x).
-#define S_GROUP 3
+// S (+)= Q K^T over column blocks [CB0, CB1) of the stage at kst, S_GROUP blocks at a time (issue_s_group): the
+// group's barriers (parity par), one proxy fence, the group's MMAs. first: the first block of this S (it starts
+// the sum). The proxy fence is a MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S in SASS; a fence per block (9 a tile) cost
+// more than the finer waits gain. Measured on the whole verify, bit for bit the same output at 25 points
+// (data/results/history/kernel_ab_*.h200.json): three blocks a fence 1.000-1.056x one a block (fence3.05e751f);
+// against that, unrolled groups of 2, 3 and 4 blocks 0.996-1.016x, 0.998-1.015x and 1.005-1.032x (sgroup2u,
+// sgroup3u, sgroup4u).
+#define S_GROUP 4
+
+// Blocks [g0, g0 + NB) of issue_s_blocks: their barriers, one proxy fence, their MMAs, unrolled (a loop of a
+// run-time count around the wgmmas, or a wgmma.fence before the group's waits, and ptxas puts a WARPGROUP.DEPBAR
+// after every wgmma: kernel_ab_sgroup3.ab20b66, 0.71-0.75x). acc0: the group's first MMA adds to s.
+template <int NB>
+__device__ __forceinline__ void issue_s_group(float (&s)[32], unsigned long long dq, unsigned long long dk,
+                                              unsigned bars, int st, unsigned par, int g0, bool acc0) {
+#pragma unroll
+    for (int j = 0; j < NB; ++j) bar_wait(BAR_CBFULL(bars, st, g0 + j), par);
+    fence_async_smem();
+    wg_fence();
+#pragma unroll
+    for (int j = 0; j < NB; ++j)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const unsigned off = (g0 + j) * CB_BYTES + k * 32;
+            wgmma_s(s, dq + (off >> 4), dk + (off >> 4), acc0 || j > 0 || k > 0);
+        }
+}
+
 template <int CB0, int CB1>
 __device__ __forceinline__ void issue_s_blocks(float (&s)[32], unsigned base, unsigned kst, unsigned bars, int st,
                                                unsigned par, bool first) {
+    constexpr int NG = (CB1 - CB0) / S_GROUP, TAIL = (CB1 - CB0) % S_GROUP;
     const unsigned long long dq = sw128_desc(opaque(base), 16), dk = sw128_desc(opaque(kst), 16);
-    wg_fence();
-#pragma unroll 1  // a loop, not 36 copies: the kernel's code fits the instruction cache better
-    for (int g0 = CB0; g0 < CB1; g0 += S_GROUP) {
-        const int g1 = g0 + S_GROUP < CB1 ? g0 + S_GROUP : CB1;
-        for (int cb = g0; cb < g1; ++cb) bar_wait(BAR_CBFULL(bars, st, cb), par);
-        fence_async_smem();
-        for (int cb = g0; cb < g1; ++cb)
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const unsigned off = cb * CB_BYTES + k * 32;
-                wgmma_s(s, dq + (off >> 4), dk + (off >> 4), !(first && cb == CB0 && k == 0));
-            }
-    }
+#pragma unroll 1  // a loop over the groups: the kernel's code fits the instruction cache better
+    for (int g = 0; g < NG; ++g)
+        issue_s_group<S_GROUP>(s, dq, dk, bars, st, par, CB0 + g * S_GROUP, !first || g > 0);
+    if constexpr (TAIL > 0) issue_s_group<TAIL>(s, dq, dk, bars, st, par, CB1 - TAIL, !first || NG > 0);
 }
 
 // s <- 2^(s - ms) row-wise (s then holds P in fp32); the rows' partial sums added to l0, l1.
