@@ -226,9 +226,33 @@ SOURCES_90A = [s for s in SOURCES if ARCH_A.search(s.read_text())]
 
 
 def _cuobjdump() -> str | None:
+    """cuobjdump on PATH, else the one of the nvidia-cuda-cuobjdump wheel (requirements.lock pins it and
+    nvidia-cuda-nvdisasm, which it runs: the wheels' bin folder is put on PATH for it), else None."""
     import shutil
 
-    return shutil.which("cuobjdump")
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for root in nvidia.__path__:
+        exe = os.path.join(root, "cu13", "bin", "cuobjdump")
+        if os.access(exe, os.X_OK) and os.access(os.path.join(root, "cu13", "bin", "nvdisasm"), os.X_OK):
+            return exe
+    return None
+
+
+def _sass(cubin) -> dict[str, str]:
+    """cuobjdump -sass of a cubin -> {kernel: its SASS}."""
+    import subprocess
+
+    exe = _cuobjdump()
+    env = {**os.environ, "PATH": os.pathsep.join([os.path.dirname(exe), os.environ.get("PATH", "")])}
+    sass = subprocess.run([exe, "-sass", str(cubin)], capture_output=True, text=True, timeout=120, env=env,
+                          check=True).stdout
+    return {f.split()[0]: f for f in sass.split("Function : ")[1:]}
 
 
 @pytest.mark.parametrize("source", SOURCES_90A, ids=[s.relative_to(KERNELS).as_posix() for s in SOURCES_90A])
@@ -250,12 +274,14 @@ def test_sm90a_kernels_compile_without_spills_and_use_wgmma(source, tmp_path):
         assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, \
             f"{name}: {info}"
     if _cuobjdump() is None:
-        pytest.skip("cuobjdump not on PATH: the SASS check did not run")
-    sass = subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True,
-                          timeout=120).stdout
-    by_name = {f.split()[0]: f for f in sass.split("Function : ")[1:]}
+        pytest.skip("no cuobjdump (PATH or the nvidia-cuda-cuobjdump wheel): the SASS check did not run")
+    by_name = _sass(cubin)
     for name in ARCH_A.search(source.read_text()).group(1).split(","):  # the kernels the marker names
-        assert "HGMMA" in by_name[name], f"{name}: no HGMMA in its SASS"
+        hgmma = [ln for ln in by_name[name].splitlines() if "HGMMA" in ln]
+        assert hgmma, f"{name}: no HGMMA in its SASS"
+        # each wgmma group ends with the one HGMMA that carries gsb0 and is waited for once; where ptxas
+        # serialises the wgmmas (its notes C7510-C7520), every HGMMA carries it and a WARPGROUP.DEPBAR follows
+        assert sum("gsb0" in ln for ln in hgmma) < len(hgmma), f"{name}: every wgmma serialised"
 
 
 @pytest.mark.skipif(_NVRTC is None, reason="nvidia-cuda-nvrtc is not installed (requirements.lock pins it)")
