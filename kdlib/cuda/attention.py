@@ -55,7 +55,9 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     (data/results/history/attention.prefetch.036efc4.h200.json) 0.95x version 9's time at the ragged batch,
     within 9's replay spread at the other eight points; 0.93x there in d919b95's
     (history/attention.no_pdl.d919b95.h200.json) and in d609d1b's, with PDL
-    (data/results/attention.h200.json). It launches its attend and combine kernels with programmatic
+    (history/attention.before_sgroup.d609d1b.h200.json); 0.94x in 01f1fd5's, the S loop's fewer proxy fences
+    (data/results/attention.h200.json), which has it behind 9 at one uniform batch (`BF16_DEFAULT_TRADES`). It
+    launches its attend and combine kernels with programmatic
     dependent launch (`PDL`; data/results/kernel_ab_pdl.h200.json). Ungated, the order measured
     1.1-1.3 % slower than 9 at the suite's two uniform batches over two rounds (gains the plan's cost put
     at 1.007x and 1.013x, data/results/history/attention.v10.8371cbb.h200.json), and ranking job by job
@@ -197,9 +199,14 @@ WGMMA = "wgmma"
 BF16_DEFAULT = "wgmma_v10"
 # (heads, queries, prefix, batch) -> why: the recorded points where another arm is faster than the default
 # beyond that arm's replay spread, the price of its gains elsewhere. None in the d609d1b record (version 10
-# launched with PDL); d919b95's, without PDL, had one: 8 x 9 x 32k B8, where version 10 runs its own plan
-# and a producer that reads the order first, and version 8 runs neither.
-BF16_DEFAULT_TRADES: dict[tuple[int, int, int, int], str] = {}
+# launched with PDL; now history/attention.before_sgroup.d609d1b); d919b95's, without PDL, had one:
+# 8 x 9 x 32k B8, for the reason the one below gives.
+BF16_DEFAULT_TRADES: dict[tuple[int, int, int, int], str] = {
+    (8, 65, 32_768, 8): "its plan predicts too small a gain to deal the jobs by size (plan_order: None), so "
+                        "version 10 runs the static round-robin as versions 8 and 9 do, plus its own plan's "
+                        "ranking and a producer that reads the order first (the 01f1fd5 record, with the S "
+                        "loop's fewer proxy fences: a little behind them there)",
+}
 _BY_IMPL = {launch.impl: v for v, launch in LAUNCHES.items()}
 DEFAULT_VERSION = _BY_IMPL[BF16_DEFAULT]
 # The deprecated impl= names -> versions ("auto": None, the default pick).
