@@ -536,9 +536,10 @@ __device__ __forceinline__ void load_q(unsigned base, unsigned qbar, const __nv_
 // sgroup3u, sgroup4u).
 #define S_GROUP 4
 
-// Blocks [g0, g0 + NB) of issue_s_blocks: their barriers, one proxy fence, their MMAs, unrolled (a loop of a
-// run-time count around the wgmmas, or a wgmma.fence before the group's waits, and ptxas puts a WARPGROUP.DEPBAR
-// after every wgmma: kernel_ab_sgroup3.ab20b66, 0.71-0.75x). acc0: the group's first MMA adds to s.
+// Blocks [g0, g0 + NB) of issue_s_blocks: their barriers, one proxy fence, their MMAs, unrolled. With a loop of
+// a run-time count around the wgmmas ptxas put a WARPGROUP.DEPBAR after every wgmma (kernel_ab_sgroup3.ab20b66,
+// 0.71-0.75x); so it did in version 6's SASS with one wgmma.fence ahead of the waits of each of its three calls.
+// acc0: the group's first MMA adds to s.
 template <int NB>
 __device__ __forceinline__ void issue_s_group(float (&s)[32], unsigned long long dq, unsigned long long dk,
                                               unsigned bars, int st, unsigned par, int g0, bool acc0) {
