@@ -56,7 +56,8 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     within 9's replay spread at the other eight points; 0.93x there in d919b95's
     (history/attention.no_pdl.d919b95.h200.json) and in d609d1b's, with PDL
     (history/attention.before_sgroup.d609d1b.h200.json); 0.94x in 01f1fd5's, the S loop's fewer proxy fences
-    (data/results/attention.h200.json), which has it behind 9 at one uniform batch (`BF16_DEFAULT_TRADES`). It
+    (history/attention.before_g5.01f1fd5.h200.json), which had it behind 9 at one uniform batch, and in
+    c8ac886's, fewer still (data/results/attention.h200.json), which has it behind no arm. It
     launches its attend and combine kernels with programmatic
     dependent launch (`PDL`; data/results/kernel_ab_pdl.h200.json). Ungated, the order measured
     1.1-1.3 % slower than 9 at the suite's two uniform batches over two rounds (gains the plan's cost put
@@ -198,15 +199,12 @@ WGMMA = "wgmma"
 # tests/test_kernel_constants.py checks both against the record).
 BF16_DEFAULT = "wgmma_v10"
 # (heads, queries, prefix, batch) -> why: the recorded points where another arm is faster than the default
-# beyond that arm's replay spread, the price of its gains elsewhere. None in the d609d1b record (version 10
-# launched with PDL; now history/attention.before_sgroup.d609d1b); d919b95's, without PDL, had one:
-# 8 x 9 x 32k B8, for the reason the one below gives.
-BF16_DEFAULT_TRADES: dict[tuple[int, int, int, int], str] = {
-    (8, 65, 32_768, 8): "its plan predicts too small a gain to deal the jobs by size (plan_order: None), so "
-                        "version 10 runs the static round-robin as versions 8 and 9 do, plus its own plan's "
-                        "ranking and a producer that reads the order first (the 01f1fd5 record, with the S "
-                        "loop's fewer proxy fences: a little behind them there)",
-}
+# beyond that arm's replay spread, the price of its gains elsewhere. None in the c8ac886 record. Earlier
+# records had one each: 8 x 9 x 32k B8 in d919b95's (version 10 without PDL) and 8 x 65 x 32k B8 in
+# 01f1fd5's (history/attention.before_g5.01f1fd5), where its plan predicts too small a gain to deal the
+# jobs by size, so version 10 runs the static round-robin as 8 and 9 do, plus its own plan's ranking and
+# a producer that reads the order first.
+BF16_DEFAULT_TRADES: dict[tuple[int, int, int, int], str] = {}
 _BY_IMPL = {launch.impl: v for v, launch in LAUNCHES.items()}
 DEFAULT_VERSION = _BY_IMPL[BF16_DEFAULT]
 # The deprecated impl= names -> versions ("auto": None, the default pick).

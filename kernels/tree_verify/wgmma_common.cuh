@@ -533,10 +533,10 @@ __device__ __forceinline__ void load_q(unsigned base, unsigned qbar, const __nv_
 // more than the finer waits gain. Measured on the whole verify, bit for bit the same output at 25 points
 // (data/results/history/kernel_ab_*.h200.json): three blocks a fence 1.000-1.056x one a block (fence3.05e751f);
 // against that, unrolled groups of 2, 3 and 4 blocks 0.996-1.016x, 0.998-1.015x and 1.005-1.032x (sgroup2u,
-// sgroup3u, sgroup4u); on an H100, groups of 5 (two fences a tile) 0.991-1.038x groups of 4, median 1.019
-// (kernel_ab_g5.2e6f7e6.h100-80gb-hbm3.json), as fast as no reader fence at all (the bound, not a valid kernel:
-// median 1.019, kernel_ab_nf.2e6f7e6). The producer fencing its own landed copies before it arrives, readers
-// unfenced, measured 0.78-0.98x (kernel_ab_pf*.2e6f7e6): its fences stall its gathers.
+// sgroup3u, sgroup4u); on an H100, against groups of 4 at 2e6f7e6, groups of 5 (two fences a tile) 0.991-1.038x,
+// median 1.019 (kernel_ab_g5.1d4189b.h100-80gb-hbm3.json), as fast as no reader fence at all (the bound, not a
+// valid kernel: median 1.019, kernel_ab_nf.b16aeef). The producer fencing its own landed copies before it
+// arrives, readers unfenced, measured 0.78-0.98x (kernel_ab_pf*.h100-80gb-hbm3.json): its fences stall its gathers.
 #define S_GROUP 5
 
 // Blocks [g0, g0 + NB) of issue_s_blocks: their barriers, one proxy fence, their MMAs, unrolled. With a loop of
