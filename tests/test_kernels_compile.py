@@ -337,6 +337,42 @@ def test_v10_probe_builds_compile_without_spills(probe):
         assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, (name, info)
 
 
+@pytest.mark.skipif(_NVRTC is None, reason="nvidia-cuda-nvrtc is not installed (requirements.lock pins it)")
+def test_v10_trace_build_compiles_without_spills():
+    """The attention_timeline build (-DTV_TRACE=1: version 10's file as the suite loads it) builds with NVRTC
+    without spills or stack frames, every kernel of the file."""
+    source = KERNELS / "tree_verify" / "wgmma_v10.cu"
+    rc, text = _nvrtc_compile(source, [b"-arch=sm_90a", b"-arch=sm_90", b"--ptxas-options=-v", b"-DTV_TRACE=1"])
+    assert rc == 0, text
+    for name, info in loader.parse_ptxas(text.replace("ptxas         .", "ptxas info    :")).items():
+        assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, (name, info)
+
+
+@pytest.mark.skipif(loader.nvcc_path() is None, reason="nvcc not found on PATH")
+def test_v10_trace_stamps_only_the_traced_build_of_v7s_consumers(tmp_path):
+    """In the PTX (nvcc) of -DTV_TRACE=1 the kernels of v7's consumers read the clock once per trace_mark of
+    wgmma_v7.cu and hold the tv_trace buffer; the shipped build reads no clock, nor does v9's kernel traced."""
+    import subprocess
+
+    source = KERNELS / "tree_verify" / "wgmma_v10.cu"
+    marks = (KERNELS / "tree_verify" / "wgmma_v7.cu").read_text().count("trace_mark(c, n, ")
+
+    def clocks(extra):
+        out = tmp_path / f"trace{len(extra)}.ptx"
+        proc = subprocess.run([loader.nvcc_path(), "-std=c++17", "-ptx", "-arch=sm_90a", f"-I{KERNELS}", *extra,
+                               "-o", str(out), str(source)], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        ptx = out.read_text()
+        bodies = {b.split("(")[0]: b for b in ptx.split(".entry ")[1:]}
+        return ".global .align 8 .b8 tv_trace[" in ptx, {k: b.count("%clock64") for k, b in bodies.items()}
+
+    with cf.ThreadPoolExecutor(max_workers=2) as pool:
+        (held0, shipped), (held1, traced) = pool.map(clocks, ([], ["-DTV_TRACE=1"]))
+    assert not held0 and held1 and not any(shipped.values())
+    assert traced["tree_verify_v10_attend"] == traced["tree_verify_v7_attend"] == marks > 0
+    assert traced["tree_verify_v10_attend_t"] == 0
+
+
 @pytest.mark.skipif(loader.nvcc_path() is None, reason="nvcc not found on PATH")
 def test_v10_probes_drop_the_mmas_they_name_from_v7s_consumers_only(tmp_path):
     """In the probes' PTX (nvcc) the kernel of v7's consumers keeps the default's wgmma where the consumers'

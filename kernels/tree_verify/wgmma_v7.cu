@@ -101,6 +101,7 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
         float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
         int jobs = 0;  // jobs started: the Q barrier's phase
         for (int n = 0;; ++n) {
+            trace_mark(c, n, 0, wt);
             // the pair's descriptor, all of it into registers (the producer reuses the slot NDESC pairs on)
             bar_wait(BAR_DESC(bars, n % NDESC), (n / NDESC) & 1);
             const int* d = desc + (n % NDESC) * DESC_INTS;
@@ -112,6 +113,8 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
             const bool tail = d[5 + 3 * c] != 0;
             const int k0 = d[6 + 3 * c], kend = d[7 + 3 * c];
             const bool first = flags & D_FIRST, last = flags & D_LAST;
+            trace_put(c, n, TRACE_EVENTS, wt, j);
+            trace_put(c, n, TRACE_EVENTS + 1, wt, flags);
 
             // S of this consumer's tile, block by block as they land
             if (first) {
@@ -139,9 +142,11 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 for (int cb = 0; cb < NCB; ++cb) bar_wait(BAR_CBFULL(bars, c, cb), n & 1);
             else
                 issue_s_blocks<0, NCB>(s, base, kst, bars, c, n & 1, true);
+            trace_mark(c, n, 1, wt);
             wg_commit();
             wg_wait<0>();
             reg_fence(s);
+            trace_mark(c, n, 2, wt);
             if (last) warp_arrive(BAR_QEMPTY(bars), lane);  // the job's Q is read
 
             float mx0, mx1;
@@ -158,17 +163,20 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 store_p(s, pa, lr0, lr1, t4);
                 fence_async_smem();
                 handoff(NB_SCALE_A);
+                trace_mark(c, n, 3, wt);
                 reg_fence(o);
                 wg_fence();
                 if (TV7_PROBE != 3) issue_pv_ss(o, pa, k0s, first);
                 wg_commit();
                 wg_wait<0>();
                 reg_fence(o);
+                trace_mark(c, n, 4, wt);
                 warp_arrive(BAR_EMPTY(bars, 0, 0), lane);  // stage 0: V_AL read, P_A read on this side
                 warp_arrive(BAR_EMPTY(bars, 0, 2), lane);
 
                 // ------------------------------------------------ tile B: O_L = O_L c_B + P_B V_BL
                 nb_sync(NB_SCALE_B);
+                trace_mark(c, n, 5, wt);
                 const float cb0 = s_cb[lr0], cb1 = s_cb[lr1];
                 m0 = s_m[lr0];
                 m1 = s_m[lr1];
@@ -176,6 +184,7 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 l1 *= cb1;
                 rescale(o, cb0, cb1);
                 nb_sync(NB_PB);
+                trace_mark(c, n, 6, wt);
                 fence_async_smem();
                 reg_fence(o);
                 wg_fence();
@@ -183,11 +192,13 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 wg_commit();
                 wg_wait<0>();
                 reg_fence(o);
+                trace_mark(c, n, 7, wt);
                 warp_arrive(BAR_EMPTY(bars, 1, 0), lane);  // stage 1: V_BL read, P_B read on this side
                 warp_arrive(BAR_EMPTY(bars, 1, 2), lane);
             } else {
                 // ------------------------------------------------ tile A: O_R = O_R c_A + P_A V_AR
                 nb_sync(NB_SCALE_A);
+                trace_mark(c, n, 3, wt);
                 fence_async_smem();
                 const float ma0 = s_m[lr0], ma1 = s_m[lr1], ca0 = s_ca[lr0], ca1 = s_ca[lr1];
                 l0 *= ca0;
@@ -208,11 +219,14 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 m0 = mn0;
                 m1 = mn1;
                 handoff(NB_SCALE_B);
+                trace_mark(c, n, 4, wt);
                 store_p(s, pb, lr0, lr1, t4);
                 fence_async_smem();
                 handoff(NB_PB);
+                trace_mark(c, n, 5, wt);
                 wg_wait<0>();
                 reg_fence(o);
+                trace_mark(c, n, 6, wt);
                 warp_arrive(BAR_EMPTY(bars, 0, 1), lane);  // stage 0: V_AR read, P_A read on this side
                 warp_arrive(BAR_EMPTY(bars, 0, 2), lane);
                 rescale(o, cb0, cb1);
@@ -222,6 +236,7 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 wg_commit();
                 wg_wait<0>();
                 reg_fence(o);
+                trace_mark(c, n, 7, wt);
                 warp_arrive(BAR_EMPTY(bars, 1, 1), lane);  // stage 1: V_BR read, P_B read on this side
                 warp_arrive(BAR_EMPTY(bars, 1, 2), lane);
             }
@@ -229,6 +244,7 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
             if (last)  // the job's rows normalised; then a fresh accumulator
                 job_end(o, m0, m1, l0, l1, s_l, NB_LSUM, c, parts, part_lse, j, [&] { return jb.nrows; }, lr0, lr1,
                         t4);
+            trace_mark(c, n, 8, wt);
             if (flags & D_END) break;
         }
     }
