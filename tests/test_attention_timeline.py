@@ -37,7 +37,7 @@ def synthetic(ctas: int = 3, pairs: int = 11, job_pairs: int = 4, first_gap: int
 def test_steady_pairs_skip_each_ctas_first_two_job_edges_and_the_last_stamped_pair():
     t = synthetic()
     keep = tl.steady(t)
-    # pairs 0..10 in jobs of 4: the middle ones 1, 2, 5, 6, 9, 10; 1 is among the first two; 10 has no next top
+    # pairs 0..10, jobs of 4: the middle ones 1, 2, 5, 6, 9, 10; 1 is among the first two; 10 has no next top
     assert [int(n) for n in np.flatnonzero(keep[0, 0])] == [2, 5, 6, 9]
     assert not keep[3:].any(), "CTAs that stamped nothing"
 
@@ -73,6 +73,7 @@ def test_segments_tile_each_consumers_loop_and_name_its_events():
         assert edges[0][0] == 0 and edges[-1][1] is None
         assert all(a[1] == b[0] for a, b in zip(edges, edges[1:], strict=False))
         assert [a for a, _ in edges] == list(range(tl.NEVENTS)) == list(range(len(tl.EVENTS[c])))
+        assert set(tl.SEGMENTS[c]) <= set(tl.KIND)
 
 
 def test_the_kernel_marks_every_event_once_per_consumer_path():

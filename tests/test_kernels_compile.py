@@ -342,7 +342,8 @@ def test_v10_trace_build_compiles_without_spills():
     """The attention_timeline build (-DTV_TRACE=1: version 10's file as the suite loads it) builds with NVRTC
     without spills or stack frames, every kernel of the file."""
     source = KERNELS / "tree_verify" / "wgmma_v10.cu"
-    rc, text = _nvrtc_compile(source, [b"-arch=sm_90a", b"-arch=sm_90", b"--ptxas-options=-v", b"-DTV_TRACE=1"])
+    rc, text = _nvrtc_compile(source, [b"-arch=sm_90a", b"-arch=sm_90", b"--ptxas-options=-v",
+                                       b"-DTV_TRACE=1"])
     assert rc == 0, text
     for name, info in loader.parse_ptxas(text.replace("ptxas         .", "ptxas info    :")).items():
         assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, (name, info)
@@ -350,8 +351,9 @@ def test_v10_trace_build_compiles_without_spills():
 
 @pytest.mark.skipif(loader.nvcc_path() is None, reason="nvcc not found on PATH")
 def test_v10_trace_stamps_only_the_traced_build_of_v7s_consumers(tmp_path):
-    """In the PTX (nvcc) of -DTV_TRACE=1 the kernels of v7's consumers read the clock once per trace_mark of
-    wgmma_v7.cu and hold the tv_trace buffer; the shipped build reads no clock, nor does v9's kernel traced."""
+    """In the PTX (nvcc) of -DTV_TRACE=1 the kernels of v7's consumers read the clock once per trace_mark
+    of wgmma_v7.cu and hold the tv_trace buffer; the shipped build reads no clock, nor does v9's kernel
+    traced."""
     import subprocess
 
     source = KERNELS / "tree_verify" / "wgmma_v10.cu"
@@ -359,8 +361,9 @@ def test_v10_trace_stamps_only_the_traced_build_of_v7s_consumers(tmp_path):
 
     def clocks(extra):
         out = tmp_path / f"trace{len(extra)}.ptx"
-        proc = subprocess.run([loader.nvcc_path(), "-std=c++17", "-ptx", "-arch=sm_90a", f"-I{KERNELS}", *extra,
-                               "-o", str(out), str(source)], capture_output=True, text=True, timeout=300)
+        cmd = [loader.nvcc_path(), "-std=c++17", "-ptx", "-arch=sm_90a", f"-I{KERNELS}", *extra,
+               "-o", str(out), str(source)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr
         ptx = out.read_text()
         bodies = {b.split("(")[0]: b for b in ptx.split(".entry ")[1:]}

@@ -745,6 +745,13 @@ def load_attention_gate(gpu: str = "h200") -> Recorded | None:
     return _recorded("attention_gate", gpu, _no_rows)
 
 
+def load_attention_timeline(gpu: str = "h200") -> Recorded | None:
+    """The recorded attention_timeline suite on `gpu` (the attend kernel's consumers stamped in cycles at each
+    pair), or None. No rows: read `Recorded.doc["rows"]` (per point `segments`, `period`, `floor_cycles`,
+    `sample`, `timing` of both builds, `bitwise_equal`)."""
+    return _recorded("attention_timeline", gpu, _no_rows)
+
+
 def load_kernel_ab_repeat(gpu: str = "h200") -> Recorded | None:
     """The recorded `tools/kernel_ab.py repeat` run on `gpu` (each arm n times at one point against a float64
     verify), or None. No rows: read `Recorded.doc["arms"]` (distinct outputs, spread, error per arm)."""

@@ -1,4 +1,4 @@
-"""Where a pair of tiles spends its cycles in the tree verify's attend kernel (issue 19), measured in the kernel.
+"""Where a pair of tiles spends its cycles in the tree verify's attend kernel (issue 19), in SM clocks.
 
 `python3 -m kdlib.perf.run --suite attention_timeline [--quick]`. At each point of `POINTS` (the attention
 suite's two goal points, both run by v7's consumers) the default version's verify runs twice from the same
@@ -6,11 +6,11 @@ inputs, built as it ships and built with `-DTV_TRACE=1` (tree_verify/wgmma_ws.cu
 consumer warpgroup stamps its SM's clock at nine points of each of its first pairs (`EVENTS`), into the
 module's `tv_trace`. Recorded per point:
 
-  * `bitwise_equal`: the traced build's output and lse against the shipped build's (the stamps change no math);
+  * `bitwise_equal`: the traced build's output and lse against the shipped build's (stamps change no math);
   * `timing`: both builds' whole verify, CUDA-graph replays, so that what the stamps cost is on record;
-  * `segments`: per consumer, the median cycles of each stretch between two of its stamps (`SEGMENTS`) over the
-    steady pairs (`steady`: past each CTA's first two, neither a job's first pair nor its last), which tile the
-    consumer's loop from one pair's top to the next;
+  * `segments`: per consumer, the median cycles of each stretch between two of its stamps (`SEGMENTS`) over
+    the steady pairs (`steady`: past each CTA's first two, neither a job's first pair nor its last), which
+    tile the consumer's loop from one pair's top to the next;
   * `period`: consumer 0's cycles from one pair's top to the next (median, p10, p90), against `floor_cycles`,
     the pair's MMAs at the tensor cores' dense bf16 rate per SM clock (`TENSOR_FLOPS_PER_CLOCK`);
   * `sample`: CTA 0's first `SAMPLE_PAIRS` pairs, every stamp in cycles from the first: the plot's timeline.
@@ -50,8 +50,15 @@ SEGMENTS = {
         "rescale, P_A V_R issue, softmax B": (3, 4), "P_B out": (4, 5), "P_A V_R wait": (5, 6),
         "rescale, P_B V_R": (6, 7), "job end": (7, 8), "to the next pair": (8, None)},
 }
+# what each stretch is, for the plots: the S MMAs (with the waits for their stage), softmax work, P V MMAs, a
+# wait on the other consumer, the loop's own end
+KIND = {"stage wait + S issue": "S", "S MMAs": "S", "mask, softmax A, P_A out": "softmax", "P_A V_L": "P V",
+        "wait for c_B": "wait", "rescale, wait for P_B": "wait", "P_B V_L": "P V", "job end": "loop",
+        "to the next pair": "loop", "mask, wait for c_A": "wait",
+        "rescale, P_A V_R issue, softmax B": "softmax", "P_B out": "softmax", "P_A V_R wait": "P V",
+        "rescale, P_B V_R": "P V"}
 # dense bf16 tensor-core FLOPs per SM clock on sm_90: 989.4 TFLOP/s at 1,830 MHz over 132 SMs (NVIDIA H100
-# SXM datasheet; the H200 has the same SMs); FlashMLA's deep-dive puts ~865 TFLOP/s at ~1,600 MHz, the same rate
+# SXM datasheet; the H200 has the same SMs); FlashMLA's deep-dive puts ~865 TFLOP/s at ~1,600 MHz: the same
 TENSOR_FLOPS_PER_CLOCK = 4096
 SAMPLE_PAIRS = 6
 
@@ -92,8 +99,8 @@ def stretches(trace: np.ndarray, c: int) -> dict[str, np.ndarray]:
 
 
 def summarize(trace: np.ndarray) -> dict:
-    """The `segments` and `period` of one traced run (trace [CTAS, 2, PAIRS, SLOTS] uint64, zero where unstamped);
-    ValueError where no CTA has a steady pair in both consumers."""
+    """The `segments` and `period` of one traced run (trace [CTAS, 2, PAIRS, SLOTS] uint64, zero where
+    unstamped); ValueError where no CTA has a steady pair in both consumers."""
     keep = steady(trace)
     both = keep[:, 0] & keep[:, 1]
     if not both.any():
@@ -113,14 +120,14 @@ def summarize(trace: np.ndarray) -> dict:
 
 
 def sample(trace: np.ndarray, cta: int = 0) -> dict:
-    """CTA `cta`'s first SAMPLE_PAIRS pairs: per consumer, per pair, its stamps in cycles from the CTA's first."""
-    t = trace[cta, :, :SAMPLE_PAIRS, :NEVENTS].astype(np.int64)
-    origin = int(t[:, 0, 0].min())
-    return {f"consumer {c}": [[int(v) - origin for v in t[c, n]] for n in range(SAMPLE_PAIRS)] for c in (0, 1)}
+    """CTA `cta`'s first SAMPLE_PAIRS pairs: per consumer, per pair, its stamps in cycles from the CTA's
+    first."""
+    t = trace[cta, :, :SAMPLE_PAIRS, :NEVENTS].astype(np.int64) - int(trace[cta, :, 0, 0].min())
+    return {f"consumer {c}": [[int(v) for v in t[c, n]] for n in range(SAMPLE_PAIRS)] for c in (0, 1)}
 
 
 def read_trace(options: tuple[str, ...]):
-    """The traced module's `tv_trace` as a CuPy array [CTAS, 2, PAIRS, SLOTS] uint64 (a view: zero it to reset)."""
+    """The traced module's `tv_trace`, a CuPy view [CTAS, 2, PAIRS, SLOTS] uint64 (zero it to reset)."""
     import cupy
 
     mod = loader.get_module(STEM, options=options)
@@ -146,7 +153,7 @@ def run_point(p: dict, pool, iters: int) -> dict:
             out, lse = call(x["tables"][0])
             outs[build] = (out.copy(), lse.copy())
             row["timing"][build] = base.graph_time(
-                [lambda pt=pt: call(pt) for pt in x["tables"]], iters).as_dict()
+                [lambda pt=pt, call=call: call(pt) for pt in x["tables"]], iters).as_dict()
             if extra:
                 trace = read_trace(launch.options)
                 trace.fill(0)
@@ -178,7 +185,8 @@ def run(*, quick: bool = False) -> dict:
     return {
         "parameters": {"quick": quick, "points": pts, "iters": iters, "trace": TRACE,
                        "trace_pairs": PAIRS, "tensor_flops_per_clock": TENSOR_FLOPS_PER_CLOCK,
-                       "pair_flops": pair_flops(), "events": {f"consumer {c}": list(e) for c, e in EVENTS.items()},
+                       "pair_flops": pair_flops(),
+                       "events": {f"consumer {c}": list(e) for c, e in EVENTS.items()},
                        "segments": {f"consumer {c}": {k: list(v) for k, v in s.items()}
                                     for c, s in SEGMENTS.items()},
                        "dtype": "bfloat16", "page_size": 1},
@@ -186,8 +194,8 @@ def run(*, quick: bool = False) -> dict:
         "clocks_after": timing.clocks(),
         "rows": rows,
         "notes": [
-            "cycles: the SM clock (%clock64) as thread 0 of each consumer warpgroup read it; both consumers of "
-            "a CTA read the same counter",
+            "cycles: the SM clock (%clock64) as thread 0 of each consumer warpgroup read it; both consumers "
+            "of a CTA read the same counter",
             "segments: median over the steady pairs of CTAs where both consumers have one (past the CTA's "
             "first two pairs, neither a job's first nor its last); they tile one pair's loop, top to top",
             "floor_cycles: a pair's MMA FLOPs (pair_flops) over tensor_flops_per_clock",
