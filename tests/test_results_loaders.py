@@ -292,6 +292,7 @@ def test_load_tree_build_cpu_headline_and_sweeps():
 LOADERS = {
     "attention": results.load_attention, "k2_rank": results.load_k2_rank, "k2_layer": results.load_k2_layer,
     "attention_bounds": results.load_attention_bounds, "attention_gate": results.load_attention_gate,
+    "attention_timeline": results.load_attention_timeline,
     "kernel_ab_plan": functools.partial(results.load_kernel_ab, suite="kernel_ab_plan"),
     "kernel_ab_prefetch": functools.partial(results.load_kernel_ab, suite="kernel_ab_prefetch"),
     "kernel_ab_pdl": functools.partial(results.load_kernel_ab, suite="kernel_ab_pdl"),
