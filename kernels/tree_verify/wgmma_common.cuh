@@ -204,34 +204,53 @@ __device__ __forceinline__ void stream_next(const int* plan, int nreq, int njobs
 
 // ------------------------------------------------------------------------------------------ mask
 
+// The maximum of eight, as a tree (fmaxf is exact: any order gives the same bits).
+__device__ __forceinline__ float max8(const float (&r)[8]) {
+    return fmaxf(fmaxf(fmaxf(r[0], r[1]), fmaxf(r[2], r[3])), fmaxf(fmaxf(r[4], r[5]), fmaxf(r[6], r[7])));
+}
+
 // Mask S of one tile (keys past kend; the visibility rows on tail tiles; padding rows see no tail
 // key), scale to the log2 domain, and the two rows' maxima over the quad. s: this thread's part of the
-// m64n64 S fragment, rows lr0 and lr1, keys k0 + 8 jj + 2 t4 + {0, 1}.
+// m64n64 S fragment, rows lr0 and lr1, keys k0 + 8 jj + 2 t4 + {0, 1}. A prefix tile of BN keys in range has
+// nothing to mask: it is scaled alone (the same bits), its maxima taken as a tree.
 __device__ __forceinline__ void mask_tile(float (&s)[32], float& mx0, float& mx1, bool tail, int k0, int kend,
                                           const unsigned char* vis, const Job& jb, int Q, int H, int lr0, int lr1,
                                           int t4, float sl2) {
-    mx0 = NEG_INF;
-    mx1 = NEG_INF;
-    // the visibility rows of this thread's two query rows (vis is null for the prefix alone)
-    const unsigned char* v0 = tail ? vis + ((long long)jb.b * Q + (jb.row0 + lr0) / H) * Q : vis;
-    const unsigned char* v1 = tail ? vis + ((long long)jb.b * Q + (jb.row0 + lr1) / H) * Q : vis;
+    if (!tail && kend - k0 >= BN) {
+        float r0[8], r1[8];  // each row's maximum of the pair of keys jj
 #pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
-        const int key = k0 + jj * 8 + 2 * t4;
-        bool a0 = key < kend, a1 = key + 1 < kend;
-        bool b0 = a0, b1 = a1;
-        if (tail) {
-            a0 = a0 && lr0 < jb.nrows && v0[key];
-            a1 = a1 && lr0 < jb.nrows && v0[key + 1];
-            b0 = b0 && lr1 < jb.nrows && v1[key];
-            b1 = b1 && lr1 < jb.nrows && v1[key + 1];
+        for (int jj = 0; jj < 8; ++jj) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s[4 * jj + i] *= sl2;
+            r0[jj] = fmaxf(s[4 * jj + 0], s[4 * jj + 1]);
+            r1[jj] = fmaxf(s[4 * jj + 2], s[4 * jj + 3]);
         }
-        s[4 * jj + 0] = a0 ? s[4 * jj + 0] * sl2 : NEG_INF;
-        s[4 * jj + 1] = a1 ? s[4 * jj + 1] * sl2 : NEG_INF;
-        s[4 * jj + 2] = b0 ? s[4 * jj + 2] * sl2 : NEG_INF;
-        s[4 * jj + 3] = b1 ? s[4 * jj + 3] * sl2 : NEG_INF;
-        mx0 = fmaxf(mx0, fmaxf(s[4 * jj + 0], s[4 * jj + 1]));
-        mx1 = fmaxf(mx1, fmaxf(s[4 * jj + 2], s[4 * jj + 3]));
+        mx0 = max8(r0);
+        mx1 = max8(r1);
+    } else {
+        mx0 = NEG_INF;
+        mx1 = NEG_INF;
+        // the visibility rows of this thread's two query rows (vis is null for the prefix alone)
+        const unsigned char* v0 = tail ? vis + ((long long)jb.b * Q + (jb.row0 + lr0) / H) * Q : vis;
+        const unsigned char* v1 = tail ? vis + ((long long)jb.b * Q + (jb.row0 + lr1) / H) * Q : vis;
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+            const int key = k0 + jj * 8 + 2 * t4;
+            bool a0 = key < kend, a1 = key + 1 < kend;
+            bool b0 = a0, b1 = a1;
+            if (tail) {
+                a0 = a0 && lr0 < jb.nrows && v0[key];
+                a1 = a1 && lr0 < jb.nrows && v0[key + 1];
+                b0 = b0 && lr1 < jb.nrows && v1[key];
+                b1 = b1 && lr1 < jb.nrows && v1[key + 1];
+            }
+            s[4 * jj + 0] = a0 ? s[4 * jj + 0] * sl2 : NEG_INF;
+            s[4 * jj + 1] = a1 ? s[4 * jj + 1] * sl2 : NEG_INF;
+            s[4 * jj + 2] = b0 ? s[4 * jj + 2] * sl2 : NEG_INF;
+            s[4 * jj + 3] = b1 ? s[4 * jj + 3] * sl2 : NEG_INF;
+            mx0 = fmaxf(mx0, fmaxf(s[4 * jj + 0], s[4 * jj + 1]));
+            mx1 = fmaxf(mx1, fmaxf(s[4 * jj + 2], s[4 * jj + 3]));
+        }
     }
 #pragma unroll
     for (int off = 1; off < 4; off <<= 1) {
