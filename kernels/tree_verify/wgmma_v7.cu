@@ -155,7 +155,6 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 // ------------------------------------------------ tile A: softmax, O_L += P_A V_AL
                 float mn0, mn1, c0, c1;
                 softmax_step(s, m0, m1, mx0, mx1, mn0, mn1, c0, c1, l0, l1);
-                rescale(o, c0, c1);
                 s_m[lr0] = mn0;  // the quad's four threads store the same values: no branch
                 s_m[lr1] = mn1;
                 s_ca[lr0] = c0;
@@ -164,6 +163,8 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 fence_async_smem();
                 handoff(NB_SCALE_A);
                 trace_mark(c, n, 3, wt);
+                reg_fence(o);  // O's rescale after the handoff: consumer 1 goes on meanwhile
+                rescale(o, c0, c1);
                 reg_fence(o);
                 wg_fence();
                 if (TV7_PROBE != 3) issue_pv_ss(o, pa, k0s, first);
