@@ -197,19 +197,23 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 warp_arrive(BAR_EMPTY(bars, 1, 0), lane);  // stage 1: V_BL read, P_B read on this side
                 warp_arrive(BAR_EMPTY(bars, 1, 2), lane);
             } else {
-                // ------------------------------------------------ tile A: m_A and c_A from consumer 0
+                // ------------------------------------------------ tile A: O_R = O_R c_A + P_A V_AR
                 nb_sync(NB_SCALE_A);
                 trace_mark(c, n, 3, wt);
                 fence_async_smem();
                 const float ma0 = s_m[lr0], ma1 = s_m[lr1], ca0 = s_ca[lr0], ca1 = s_ca[lr1];
                 l0 *= ca0;
                 l1 *= ca1;
-                // ------------------------------------------------ tile B: softmax, P_B out; then
-                // O_R = (O_R c_A + P_A V_AR) c_B + P_B V_BR
+                rescale(o, ca0, ca1);
+                reg_fence(o);
+                wg_fence();
+                if (TV7_PROBE != 3) issue_pv_ss(o, pa, k0s + V_R0 * CB_BYTES, first);
+                wg_commit();
+                // ------------------------------------------------ tile B: softmax, O_R = O_R c_B + P_B V_BR
                 float mn0, mn1, cb0, cb1;
                 softmax_step(s, ma0, ma1, mx0, mx1, mn0, mn1, cb0, cb1, l0, l1);
                 __syncwarp();    // the quad's reads of s_m / s_ca above come before its stores
-                s_m[lr0] = mn0;  // the quad's four threads store the same values: no branch
+                s_m[lr0] = mn0;  // under this consumer's MMAs: no branch
                 s_m[lr1] = mn1;
                 s_cb[lr0] = cb0;
                 s_cb[lr1] = cb1;
@@ -221,12 +225,6 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 fence_async_smem();
                 handoff(NB_PB);
                 trace_mark(c, n, 5, wt);
-                reg_fence(o);  // P_A V_R only once P_B is out: consumer 0's P_B V_L waits on P_B
-                rescale(o, ca0, ca1);
-                reg_fence(o);
-                wg_fence();
-                if (TV7_PROBE != 3) issue_pv_ss(o, pa, k0s + V_R0 * CB_BYTES, first);
-                wg_commit();
                 wg_wait<0>();
                 reg_fence(o);
                 trace_mark(c, n, 6, wt);
