@@ -591,14 +591,22 @@ __device__ __forceinline__ void issue_s_blocks(float (&s)[32], unsigned base, un
     if constexpr (TAIL > 0) issue_s_group<TAIL>(s, dq, dk, bars, st, par, CB1 - TAIL, !first || NG > 0);
 }
 
+// 2^x on the SFU alone (MUFU.EX2, results below 2^-126 flushed to 0): exp2f adds a compare and two
+// predicated multiplies a value to keep those results denormal.
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // s <- 2^(s - ms) row-wise (s then holds P in fp32); the rows' partial sums added to l0, l1.
 __device__ __forceinline__ void exp_tile(float (&s)[32], float ms0, float ms1, float& l0, float& l1) {
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
-        s[4 * jj + 0] = exp2f(s[4 * jj + 0] - ms0);
-        s[4 * jj + 1] = exp2f(s[4 * jj + 1] - ms0);
-        s[4 * jj + 2] = exp2f(s[4 * jj + 2] - ms1);
-        s[4 * jj + 3] = exp2f(s[4 * jj + 3] - ms1);
+        s[4 * jj + 0] = ex2(s[4 * jj + 0] - ms0);
+        s[4 * jj + 1] = ex2(s[4 * jj + 1] - ms0);
+        s[4 * jj + 2] = ex2(s[4 * jj + 2] - ms1);
+        s[4 * jj + 3] = ex2(s[4 * jj + 3] - ms1);
         l0 += s[4 * jj + 0] + s[4 * jj + 1];
         l1 += s[4 * jj + 2] + s[4 * jj + 3];
     }
@@ -612,8 +620,8 @@ __device__ __forceinline__ void softmax_step(float (&s)[32], float mp0, float mp
     mn0 = fmaxf(mp0, mx0);
     mn1 = fmaxf(mp1, mx1);
     const float ms0 = mn0 == NEG_INF ? 0.f : mn0, ms1 = mn1 == NEG_INF ? 0.f : mn1;  // no key yet
-    c0 = exp2f(mp0 - ms0);
-    c1 = exp2f(mp1 - ms1);
+    c0 = ex2(mp0 - ms0);
+    c1 = ex2(mp1 - ms1);
     l0 *= c0;
     l1 *= c1;
     exp_tile(s, ms0, ms1, l0, l1);

@@ -204,10 +204,10 @@ __device__ __forceinline__ void softmax_t(float* s, const float* mp, const float
     for (int r = 0; r < N / 4; ++r) {
         mn[r] = fmaxf(mp[r], mx[r]);
         const float ms = mn[r] == NEG_INF ? 0.f : mn[r];  // no key yet
-        cf[r] = exp2f(mp[r] - ms);
+        cf[r] = ex2(mp[r] - ms);
         const int i0 = 4 * (r >> 1) + (r & 1), i1 = i0 + 2;
-        s[i0] = exp2f(s[i0] - ms);
-        s[i1] = exp2f(s[i1] - ms);
+        s[i0] = ex2(s[i0] - ms);
+        s[i1] = ex2(s[i1] - ms);
         l[r] = l[r] * cf[r] + (s[i0] + s[i1]);
     }
 }
