@@ -222,8 +222,6 @@ __device__ __forceinline__ void mask_tile(float (&s)[32], float& mx0, float& mx1
         float r0[8], r1[8];  // each row's maximum of the pair of keys jj
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) s[4 * jj + i] *= sl2;
             r0[jj] = fmaxf(s[4 * jj + 0], s[4 * jj + 1]);
             r1[jj] = fmaxf(s[4 * jj + 2], s[4 * jj + 3]);
         }
@@ -246,10 +244,10 @@ __device__ __forceinline__ void mask_tile(float (&s)[32], float& mx0, float& mx1
                 b0 = b0 && lr1 < jb.nrows && v1[key];
                 b1 = b1 && lr1 < jb.nrows && v1[key + 1];
             }
-            s[4 * jj + 0] = a0 ? s[4 * jj + 0] * sl2 : NEG_INF;
-            s[4 * jj + 1] = a1 ? s[4 * jj + 1] * sl2 : NEG_INF;
-            s[4 * jj + 2] = b0 ? s[4 * jj + 2] * sl2 : NEG_INF;
-            s[4 * jj + 3] = b1 ? s[4 * jj + 3] * sl2 : NEG_INF;
+            s[4 * jj + 0] = a0 ? s[4 * jj + 0] : NEG_INF;
+            s[4 * jj + 1] = a1 ? s[4 * jj + 1] : NEG_INF;
+            s[4 * jj + 2] = b0 ? s[4 * jj + 2] : NEG_INF;
+            s[4 * jj + 3] = b1 ? s[4 * jj + 3] : NEG_INF;
             mx0 = fmaxf(mx0, fmaxf(s[4 * jj + 0], s[4 * jj + 1]));
             mx1 = fmaxf(mx1, fmaxf(s[4 * jj + 2], s[4 * jj + 3]));
         }
@@ -259,6 +257,8 @@ __device__ __forceinline__ void mask_tile(float (&s)[32], float& mx0, float& mx1
         mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
     }
+    mx0 *= sl2;  // the maxima scaled (the same bits as the maxima of the scaled s: rounding keeps order)
+    mx1 *= sl2;
 }
 
 // ------------------------------------------------------------------ programmatic dependent launch
@@ -600,13 +600,13 @@ __device__ __forceinline__ float ex2(float x) {
 }
 
 // s <- 2^(s - ms) row-wise (s then holds P in fp32); the rows' partial sums added to l0, l1.
-__device__ __forceinline__ void exp_tile(float (&s)[32], float ms0, float ms1, float& l0, float& l1) {
+__device__ __forceinline__ void exp_tile(float (&s)[32], float sl2, float ms0, float ms1, float& l0, float& l1) {
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
-        s[4 * jj + 0] = ex2(s[4 * jj + 0] - ms0);
-        s[4 * jj + 1] = ex2(s[4 * jj + 1] - ms0);
-        s[4 * jj + 2] = ex2(s[4 * jj + 2] - ms1);
-        s[4 * jj + 3] = ex2(s[4 * jj + 3] - ms1);
+        s[4 * jj + 0] = ex2(fmaf(s[4 * jj + 0], sl2, -ms0));
+        s[4 * jj + 1] = ex2(fmaf(s[4 * jj + 1], sl2, -ms0));
+        s[4 * jj + 2] = ex2(fmaf(s[4 * jj + 2], sl2, -ms1));
+        s[4 * jj + 3] = ex2(fmaf(s[4 * jj + 3], sl2, -ms1));
         l0 += s[4 * jj + 0] + s[4 * jj + 1];
         l1 += s[4 * jj + 2] + s[4 * jj + 3];
     }
@@ -615,8 +615,8 @@ __device__ __forceinline__ void exp_tile(float (&s)[32], float ms0, float ms1, f
 // The online-softmax step of one tile (log2 domain): from the rows' running maxima mp and the tile's
 // maxima mx, the new maxima mn and the factors c = 2^(mp - mn) of what came before; l = l c + the
 // rows' sums of P; s <- P = 2^(s - mn) (fp32). A row with no key yet keeps mn -inf, c and P 0.
-__device__ __forceinline__ void softmax_step(float (&s)[32], float mp0, float mp1, float mx0, float mx1, float& mn0,
-                                             float& mn1, float& c0, float& c1, float& l0, float& l1) {
+__device__ __forceinline__ void softmax_step(float (&s)[32], float sl2, float mp0, float mp1, float mx0, float mx1,
+                                             float& mn0, float& mn1, float& c0, float& c1, float& l0, float& l1) {
     mn0 = fmaxf(mp0, mx0);
     mn1 = fmaxf(mp1, mx1);
     const float ms0 = mn0 == NEG_INF ? 0.f : mn0, ms1 = mn1 == NEG_INF ? 0.f : mn1;  // no key yet
@@ -624,7 +624,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[32], float mp0, float mp
     c1 = ex2(mp1 - ms1);
     l0 *= c0;
     l1 *= c1;
-    exp_tile(s, ms0, ms1, l0, l1);
+    exp_tile(s, sl2, ms0, ms1, l0, l1);
 }
 
 // P (bf16, fp32 s) into shared memory at dst in a column block's K-major swizzled layout.

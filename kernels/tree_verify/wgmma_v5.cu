@@ -192,8 +192,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v5_attend(
                 const unsigned rope = KST(base, st) + ROPE_CB * CB_BYTES;
 #pragma unroll
                 for (int jj = 0; jj < 8; ++jj) {
-                    const float p0 = exp2f(s[4 * jj + 0] - ms0), p1 = exp2f(s[4 * jj + 1] - ms0);
-                    const float p2 = exp2f(s[4 * jj + 2] - ms1), p3 = exp2f(s[4 * jj + 3] - ms1);
+                    const float p0 = ex2(fmaf(s[4 * jj + 0], sl2, -ms0)), p1 = ex2(fmaf(s[4 * jj + 1], sl2, -ms0));
+                    const float p2 = ex2(fmaf(s[4 * jj + 2], sl2, -ms1)), p3 = ex2(fmaf(s[4 * jj + 3], sl2, -ms1));
                     l0 += p0 + p1;
                     l1 += p2 + p3;
                     const unsigned u0 = pack_bf16(p0, p1), u1 = pack_bf16(p2, p3);

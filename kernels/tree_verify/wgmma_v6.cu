@@ -175,7 +175,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v6_attend(
             if (2 * cur.i < jb.ntiles) tile_keys(jb, 2 * cur.i, tail, k0, kend);
             mask_tile(s, mx0, mx1, tail, k0, kend, vis, jb, Q, H, lr0, lr1, t4, sl2);
             float mn0, mn1, c0, c1;
-            softmax_step(s, m0, m1, mx0, mx1, mn0, mn1, c0, c1, l0, l1);
+            softmax_step(s, sl2, m0, m1, mx0, mx1, mn0, mn1, c0, c1, l0, l1);
             rescale(o, c0, c1);
             s_m[lr0] = mn0;  // the quad's four threads store the same values: no branch
             s_m[lr1] = mn1;
@@ -232,7 +232,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v6_attend(
             wg_commit();
             // ------------------------------------------------ tile B: softmax, O_R = O_R c_B + P_B V_BR
             float mn0, mn1, cb0, cb1;
-            softmax_step(s, ma0, ma1, mx0, mx1, mn0, mn1, cb0, cb1, l0, l1);
+            softmax_step(s, sl2, ma0, ma1, mx0, mx1, mn0, mn1, cb0, cb1, l0, l1);
             s_m[lr0] = mn0;  // under this warpgroup's MMAs: no branch (see prefetch_tile)
             s_m[lr1] = mn1;
             s_cb[lr0] = cb0;

@@ -154,7 +154,7 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
             if (c == 0) {
                 // ------------------------------------------------ tile A: softmax, O_L += P_A V_AL
                 float mn0, mn1, c0, c1;
-                softmax_step(s, m0, m1, mx0, mx1, mn0, mn1, c0, c1, l0, l1);
+                softmax_step(s, sl2, m0, m1, mx0, mx1, mn0, mn1, c0, c1, l0, l1);
                 s_m[lr0] = mn0;  // the quad's four threads store the same values: no branch
                 s_m[lr1] = mn1;
                 s_ca[lr0] = c0;
@@ -214,7 +214,7 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 wg_commit();
                 // ------------------------------------------------ tile B: softmax, O_R = O_R c_B + P_B V_BR
                 float mn0, mn1, cb0, cb1;
-                softmax_step(s, ma0, ma1, mx0, mx1, mn0, mn1, cb0, cb1, l0, l1);
+                softmax_step(s, sl2, ma0, ma1, mx0, mx1, mn0, mn1, cb0, cb1, l0, l1);
                 __syncwarp();    // the quad's reads of s_m / s_ca above come before its stores
                 s_m[lr0] = mn0;  // under this consumer's MMAs: no branch
                 s_m[lr1] = mn1;

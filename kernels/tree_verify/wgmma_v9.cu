@@ -176,7 +176,7 @@ __device__ __forceinline__ void mask_max_t(float* s, float* mx, bool tail, int k
         for (int h = 0; h < 2; ++h) {
             const int i = 4 * (r >> 1) + 2 * h + (r & 1), kh = key + 8 * h;
             const bool ok = kh < kend && (!tail || (v != nullptr && v[kh]));
-            s[i] = ok ? s[i] * x.sl2 : NEG_INF;
+            s[i] = ok ? s[i] : NEG_INF;
         }
         float m = fmaxf(s[4 * (r >> 1) + (r & 1)], s[4 * (r >> 1) + 2 + (r & 1)]);
 #pragma unroll
@@ -191,23 +191,23 @@ __device__ __forceinline__ void mask_max_t(float* s, float* mx, bool tail, int k
 #pragma unroll
     for (int r = 0; r < N / 4; ++r) {
         const int n = row_of(r, x.t4);
-        mx[r] = fmaxf(fmaxf(red[n], red[BM + n]), fmaxf(red[2 * BM + n], red[3 * BM + n]));
+        mx[r] = fmaxf(fmaxf(red[n], red[BM + n]), fmaxf(red[2 * BM + n], red[3 * BM + n])) * x.sl2;
     }
 }
 
 // The online-softmax step of one tile per row (log2 domain, as v7's softmax_step): mn = max(mp, mx),
 // c = 2^(mp - mn), l = l c + the row's sum of P, s <- P = 2^(s - mn) (fp32).
 template <int N>
-__device__ __forceinline__ void softmax_t(float* s, const float* mp, const float* mx, float* mn, float* cf,
-                                          float* l) {
+__device__ __forceinline__ void softmax_t(float* s, float sl2, const float* mp, const float* mx, float* mn,
+                                          float* cf, float* l) {
 #pragma unroll
     for (int r = 0; r < N / 4; ++r) {
         mn[r] = fmaxf(mp[r], mx[r]);
         const float ms = mn[r] == NEG_INF ? 0.f : mn[r];  // no key yet
         cf[r] = ex2(mp[r] - ms);
         const int i0 = 4 * (r >> 1) + (r & 1), i1 = i0 + 2;
-        s[i0] = ex2(s[i0] - ms);
-        s[i1] = ex2(s[i1] - ms);
+        s[i0] = ex2(fmaf(s[i0], sl2, -ms));
+        s[i1] = ex2(fmaf(s[i1], sl2, -ms));
         l[r] = l[r] * cf[r] + (s[i0] + s[i1]);
     }
 }
@@ -271,7 +271,7 @@ __device__ __forceinline__ void pair_t(float* o, float* s, float* m, float* l, c
     mask_max_t<N>(s, mx, tail, k0, kend, vis, jb, Q, H, x);
     if (x.c == 0) {
         // ---------------------------------------------------- tile A: softmax, O_L += V_AL^T P_A^T
-        softmax_t<N>(s, m, mx, mn, cf, l);
+        softmax_t<N>(s, x.sl2, m, mx, mn, cf, l);
         rescale_t<N>(o, cf);
         put_rows<N>(x.s_ma, mn, x);
         put_rows<N>(x.s_ca, cf, x);
@@ -320,7 +320,7 @@ __device__ __forceinline__ void pair_t(float* o, float* s, float* m, float* l, c
         issue_pv_t<N>(o, pa, x.k0s + V_R0 * CB_BYTES, first);
         wg_commit();
         // ---------------------------------------------------- tile B: softmax, O_R = O_R c_B + V_BR^T P_B^T
-        softmax_t<N>(s, ma, mx, mn, cf, l);
+        softmax_t<N>(s, x.sl2, ma, mx, mn, cf, l);
         put_rows<N>(x.s_mb, mn, x);  // under this consumer's MMAs
         put_rows<N>(x.s_cb, cf, x);
 #pragma unroll
