@@ -600,7 +600,7 @@ __device__ __forceinline__ float ex2(float x) {
 }
 
 #ifndef POLY_JJ
-#define POLY_JJ(jj) (((jj) & 3) == 1)
+#define POLY_JJ(jj) (((jj) & 1) == 1)
 #endif
 
 // 2^x on the FMA pipe, for x <= 0 (below -125: 0): x = n + f, n = rint(x), |f| <= 1/2, 2^f by a cubic
