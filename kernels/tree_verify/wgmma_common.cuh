@@ -599,29 +599,14 @@ __device__ __forceinline__ float ex2(float x) {
     return y;
 }
 
-#ifndef POLY_JJ
-#define POLY_JJ(jj) (((jj) & 1) == 1)
-#endif
-
-// 2^x on the FMA pipe, for x <= 0 (below -125: 0): x = n + f, n = rint(x), |f| <= 1/2, 2^f by a cubic
-// (relative error under 7.5e-5), n added to its exponent bits. The SFU takes 16 results a clock per SM.
-__device__ __forceinline__ float ex2_poly(float x) {
-    const float xc = fmaxf(x, -125.f);
-    const float j = xc + 12582912.f;  // 1.5 * 2^23: rint(xc) in the low bits of j
-    const float f = xc - (j - 12582912.f);
-    const float p = fmaf(fmaf(fmaf(0.0551716685f, f, 0.2426111251f), f, 0.6932609677f), f, 0.9999280572f);
-    return x < -125.f ? 0.f : __int_as_float(__float_as_int(p) + (__float_as_int(j) << 23));
-}
-
 // s <- 2^(s - ms) row-wise (s then holds P in fp32); the rows' partial sums added to l0, l1.
 __device__ __forceinline__ void exp_tile(float (&s)[32], float sl2, float ms0, float ms1, float& l0, float& l1) {
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
-        const bool poly = POLY_JJ(jj);  // a share of the exponentials off the SFU
-        s[4 * jj + 0] = (poly ? ex2_poly : ex2)(fmaf(s[4 * jj + 0], sl2, -ms0));
-        s[4 * jj + 1] = (poly ? ex2_poly : ex2)(fmaf(s[4 * jj + 1], sl2, -ms0));
-        s[4 * jj + 2] = (poly ? ex2_poly : ex2)(fmaf(s[4 * jj + 2], sl2, -ms1));
-        s[4 * jj + 3] = (poly ? ex2_poly : ex2)(fmaf(s[4 * jj + 3], sl2, -ms1));
+        s[4 * jj + 0] = ex2(fmaf(s[4 * jj + 0], sl2, -ms0));
+        s[4 * jj + 1] = ex2(fmaf(s[4 * jj + 1], sl2, -ms0));
+        s[4 * jj + 2] = ex2(fmaf(s[4 * jj + 2], sl2, -ms1));
+        s[4 * jj + 3] = ex2(fmaf(s[4 * jj + 3], sl2, -ms1));
         l0 += s[4 * jj + 0] + s[4 * jj + 1];
         l1 += s[4 * jj + 2] + s[4 * jj + 3];
     }
