@@ -210,11 +210,12 @@ __device__ __forceinline__ float max8(const float (&r)[8]) {
 }
 
 // Mask S of one tile (keys past kend; the visibility rows on tail tiles; padding rows see no tail
-// key), scale to the log2 domain, and the two rows' maxima over the quad. s: this thread's part of the
-// m64n64 S fragment, rows lr0 and lr1, keys k0 + 8 jj + 2 t4 + {0, 1}. A prefix tile of BN keys in range has
-// nothing to mask: it is scaled alone (the same bits), its maxima taken as a tree. The masked path, which
-// every tile took before, is about 500 SASS instructions on consumer 0's way from S to P_A; the whole verify
-// went 0.968-1.097x, median 1.060, bit for bit the same (data/results/history/kernel_ab_m.cd9f93c.h200.json).
+// key: -inf) and the two rows' maxima over the quad, scaled to the log2 domain (mx = max(s) sl2: the same
+// bits as the maximum of the scaled s, rounding keeps order); s itself stays unscaled, exp_tile scales it.
+// s: this thread's part of the m64n64 S fragment, rows lr0 and lr1, keys k0 + 8 jj + 2 t4 + {0, 1}. A prefix
+// tile of BN keys in range has nothing to mask: its maxima taken as a tree. The masked path, which every tile
+// took before, is about 500 SASS instructions on consumer 0's way from S to P_A; the whole verify went
+// 0.968-1.097x, median 1.060, bit for bit the same (data/results/history/kernel_ab_m.cd9f93c.h200.json).
 __device__ __forceinline__ void mask_tile(float (&s)[32], float& mx0, float& mx1, bool tail, int k0, int kend,
                                           const unsigned char* vis, const Job& jb, int Q, int H, int lr0, int lr1,
                                           int t4, float sl2) {
@@ -592,14 +593,20 @@ __device__ __forceinline__ void issue_s_blocks(float (&s)[32], unsigned base, un
 }
 
 // 2^x on the SFU alone (MUFU.EX2, results below 2^-126 flushed to 0): exp2f adds a compare and two
-// predicated multiplies a value to keep those results denormal.
+// predicated multiplies a value to keep those results denormal. Alone it kept the bits at 25 points and timed
+// 0.986-1.006x, median 0.996 (data/results/history/kernel_ab_e.66734e6.h200.json): what it saves is issue
+// slots, and the softmax stretch is not bound by them (a cubic for a quarter or half of the exponentials, off
+// the SFU, measured 0.975-1.006x and 0.950-0.998x: kernel_ab_p8.ca7ba10, kernel_ab_p16.91f0544).
 __device__ __forceinline__ float ex2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
 }
 
-// s <- 2^(s - ms) row-wise (s then holds P in fp32); the rows' partial sums added to l0, l1.
+// s <- 2^(s sl2 - ms) row-wise, the scale and the shift one FFMA (one rounding, where a multiply in
+// mask_tile and a subtract here made two: other bits than before, 0.996-1.014x the whole verify, median 1.007,
+// data/results/history/kernel_ab_f.e645edf.h200.json); s then holds P in fp32; the rows' partial sums added
+// to l0, l1.
 __device__ __forceinline__ void exp_tile(float (&s)[32], float sl2, float ms0, float ms1, float& l0, float& l1) {
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
@@ -613,8 +620,9 @@ __device__ __forceinline__ void exp_tile(float (&s)[32], float sl2, float ms0, f
 }
 
 // The online-softmax step of one tile (log2 domain): from the rows' running maxima mp and the tile's
-// maxima mx, the new maxima mn and the factors c = 2^(mp - mn) of what came before; l = l c + the
-// rows' sums of P; s <- P = 2^(s - mn) (fp32). A row with no key yet keeps mn -inf, c and P 0.
+// maxima mx (mask_tile's), the new maxima mn and the factors c = 2^(mp - mn) of what came before; l = l c +
+// the rows' sums of P; s (unscaled) <- P = 2^(s sl2 - mn) (fp32). A row with no key yet keeps mn -inf, c and
+// P 0.
 __device__ __forceinline__ void softmax_step(float (&s)[32], float sl2, float mp0, float mp1, float mx0, float mx1,
                                              float& mn0, float& mn1, float& c0, float& c1, float& l0, float& l1) {
     mn0 = fmaxf(mp0, mx0);

@@ -178,11 +178,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v5_attend(
                 bool tail;
                 int k0, kend;
                 tile_keys(jb, it, tail, k0, kend);
-                float mx0, mx1;  // mask, scale to the log2 domain, row maxima over the quad
+                float mx0, mx1;  // mask, the row maxima over the quad in the log2 domain (s stays unscaled)
                 mask_tile(s, mx0, mx1, tail, k0, kend, vis, jb, Q, H, lr0, lr1, t4, sl2);
                 const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
                 const float ms0 = mn0 == NEG_INF ? 0.f : mn0, ms1 = mn1 == NEG_INF ? 0.f : mn1;  // no key yet
-                const float c0 = exp2f(m0 - ms0), c1 = exp2f(m1 - ms1);
+                const float c0 = ex2(m0 - ms0), c1 = ex2(m1 - ms1);
                 m0 = mn0;
                 m1 = mn1;
                 l0 *= c0;

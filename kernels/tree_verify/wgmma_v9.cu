@@ -162,8 +162,8 @@ __device__ __forceinline__ void issue_pv_t(float* o, unsigned pbuf, unsigned vst
 }
 
 // Mask S^T (keys past kend; tail tiles: the visibility row of each row's query, rows past nrows see no
-// tail key), scale to the log2 domain, and each row's max over the tile's 64 keys (fixed order: the quad's
-// g lanes, then warps 0..3 through red).
+// tail key: -inf) and each row's max over the tile's 64 keys (fixed order: the quad's g lanes, then warps
+// 0..3 through red), scaled to the log2 domain as v7's mask_tile does; s stays unscaled.
 template <int N>
 __device__ __forceinline__ void mask_max_t(float* s, float* mx, bool tail, int k0, int kend,
                                            const unsigned char* vis, const Job& jb, int Q, int H, const V9Ctx& x) {
@@ -196,7 +196,7 @@ __device__ __forceinline__ void mask_max_t(float* s, float* mx, bool tail, int k
 }
 
 // The online-softmax step of one tile per row (log2 domain, as v7's softmax_step): mn = max(mp, mx),
-// c = 2^(mp - mn), l = l c + the row's sum of P, s <- P = 2^(s - mn) (fp32).
+// c = 2^(mp - mn), l = l c + the row's sum of P, s <- P = 2^(s sl2 - mn) (fp32, one FFMA).
 template <int N>
 __device__ __forceinline__ void softmax_t(float* s, float sl2, const float* mp, const float* mx, float* mn,
                                           float* cf, float* l) {
