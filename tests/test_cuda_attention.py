@@ -362,6 +362,24 @@ def test_v8_combine_warps_follow_a_rows_jobs_and_fit_one_wave():
     assert got[(1, 65, 64, 32_768)] == got[(1, 65, 8, 200_000)] == got[(16, 1, 8, 128)] == 4
 
 
+def test_v8_combine_rows_where_even_four_warps_take_waves():
+    """A warp per row (`tree_verify_v8_combine_rows`) exactly where the 4-warp combine's blocks (4 a row, 128
+    threads) are more than 132 SMs hold at once; there v8_combine_warps gives 4 warps, whose bits the row
+    kernel keeps."""
+    from kdlib.cuda import attention as cu
+
+    shapes = ((1, 65, 64, 32_768), (1, 65, 8, 200_000), (8, 9, 8, 32_768), (1, 1, 8, 200_000),
+              (16, 65, 8, 5500), (1, 33, 16, 8192), (1, 34, 16, 8192))
+    rows = {sh: cu.v8_combine_rows(sh[0], sh[1] * sh[2], 132) for sh in shapes}
+    for (bsz, nq, nh, s), r in rows.items():
+        assert r == (bsz * nq * nh * 4 * 128 > 132 * 2048), (bsz, nq, nh)
+        if r:
+            assert cu.v8_combine_warps(bsz, nq * nh, s, 132) == 4, (bsz, nq, nh, s)
+    assert rows[(1, 65, 64, 32_768)] and rows[(8, 9, 8, 32_768)] and rows[(16, 65, 8, 5500)]
+    assert rows[(1, 34, 16, 8192)] and not rows[(1, 33, 16, 8192)]  # 544 rows past 132 x 4, 528 not
+    assert not rows[(1, 65, 8, 200_000)] and not rows[(1, 1, 8, 200_000)]
+
+
 def _sw128(addr):
     """The 128-byte swizzle wgmma and the copy engine apply to shared-memory byte addresses."""
     return addr ^ (((addr >> 7) & 7) << 4)
@@ -1318,8 +1336,8 @@ def test_wgmma_bit_reproducible_graph_captured_and_allocation_free(impl, nq):
 def test_v8_combine_of_every_width_merges_v5s_partials_alike():
     """v8's combine (each warp count W) over the partials and plan one v7 call left in its workspace: the rows
     v5's combine made from them, to float rounding (fixed sum orders, so not the same bits), NaN on the same
-    rows, each W bit-reproducible; 8 heads x 1 query over a long prefix (a row of ~130 jobs) and a ragged
-    batch with empty requests."""
+    rows, each W bit-reproducible; the warp-per-row combine W = 4's bits; 8 heads x 1 query over a long prefix
+    (a row of ~130 jobs) and a ragged batch with empty requests."""
     _need_wgmma()
     import torch
 
@@ -1343,6 +1361,7 @@ def test_v8_combine_of_every_width_merges_v5s_partials_alike():
         want_out, want_lse = (a.copy() for a in cu.tree_verify_attention(
             q, kv, page, lens, tkv, vis, sizes, 576**-0.5, impl="wgmma_v7", workspace=ws))
         rows = nq * nh
+        by_w = {}  # W -> (out, lse)
         for w in cu._V8_COMBINE_WARPS:
             fn = loader.get_function(cu._V8, f"tree_verify_v8_combine_w{w}", options=cu._V5_OPTIONS)
             got = []
@@ -1360,6 +1379,16 @@ def test_v8_combine_of_every_width_merges_v5s_partials_alike():
                                        err_msg=f"W {w}, B {bsz}")
             np.testing.assert_allclose(lse, want_lse.get(), rtol=0, atol=1e-5, equal_nan=True,
                                        err_msg=f"lse W {w}, B {bsz}")
+            by_w[w] = out, lse
+        # a warp per row: W = 4's bits (a row of ~130 jobs takes all four of z's partial sums a lane)
+        fn = loader.get_function(cu._V8, "tree_verify_v8_combine_rows", options=cu._V5_OPTIONS)
+        out = cp.full((bsz * rows, 512), 7.0, dtype=cp.float32)  # [B*M, 512] poisoned
+        lse = cp.full((bsz * rows,), 7.0, dtype=cp.float32)  # [B*M]
+        fn((-(-bsz * rows // cu._V8_ROWS_WARPS),), (32 * cu._V8_ROWS_WARPS,),
+           (ws.parts, ws.part_lse, ws.plan, np.int32(rows), np.int32(bsz * rows), out, lse))
+        got_rows = out.get().reshape(want_out.shape), lse.get().reshape(want_lse.shape)
+        assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(got_rows, by_w[4], strict=True)), \
+            f"the row combine differs from W = 4's, B {bsz}"
 
 
 @pytest.mark.gpu

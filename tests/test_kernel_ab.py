@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kdlib import ROOT
+from kdlib.cuda import attention
 from kdlib.perf.suites import attention as suite
 from kdlib.ref import attention as ref
 
@@ -33,3 +34,13 @@ def test_run_without_old_kernels_needs_version_10(capsys):
     with pytest.raises(SystemExit) as exit_:
         kernel_ab.main(["run", "--out", "/tmp/unused", "--version", "7"])
     assert exit_.value.code == 2 and "only version 10" in capsys.readouterr().err
+
+
+def test_run_toggles_are_the_attention_modules_switches(capsys):
+    assert all(isinstance(getattr(attention, t), bool) for t in kernel_ab.TOGGLES)
+    with pytest.raises(SystemExit) as exit_:
+        kernel_ab.main(["run", "--out", "/tmp/unused", "--version", "9", "--toggle", "COMBINE_ROWS"])
+    assert exit_.value.code == 2 and "COMBINE_ROWS on / off" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        kernel_ab.main(["run", "--out", "/tmp/unused", "--version", "10", "--toggle", "NOT_A_SWITCH"])
+    assert exit_.value.code == 2 and "invalid choice" in capsys.readouterr().err

@@ -242,6 +242,7 @@ def test_attention_wgmma_constants_match_the_source(version):
     attends = {8: (7,), 9: (7, 9), 10: (7, 9, 10)}.get(version, (version,))
     attends = [f"tree_verify_v{a}_attend" for a in attends] + ["tree_verify_v10_attend_t"] * (version == 10)
     own_combines = {f"tree_verify_v8_combine_w{w}": (32 * w, 0) for w in attention._V8_COMBINE_WARPS}
+    own_combines["tree_verify_v8_combine_rows"] = (32 * attention._V8_ROWS_WARPS, 0)
     assert loader.launch_bounds(stem) == {  # the shared plan and combine, the version's attend
         "tree_verify_v5_plan": (attention._V5_THREADS, 0),
         **({"tree_verify_v10_plan": (attention._V5_THREADS, 0)} if version == 10 else {}),
@@ -257,6 +258,7 @@ def test_attention_wgmma_constants_match_the_source(version):
 def test_attention_v8_combine_warps_and_jobs_in_flight_match_the_source():
     c = consts(attention._V8)
     assert c["V8_UNROLL"] == attention._V8_UNROLL
+    assert c["ROWS_WARPS"] == attention._V8_ROWS_WARPS
     bounds = loader.launch_bounds(attention._V8)
     combines = sorted(b[0] // 32 for n, b in bounds.items() if "_v8_combine_w" in n)
     assert tuple(combines) == attention._V8_COMBINE_WARPS

@@ -11,6 +11,7 @@ On the GPU machine (carry ["build/ab"]):
         --suite kernel_ab_x --out $OUT   # two exported trees, neither this one
     python3 tools/kernel_ab.py run build/ab/<rev>/kernels --version 10 --suite kernel_ab_plan --out $OUT
     python3 tools/kernel_ab.py run --version 10 --suite kernel_ab_pdl --out $OUT   # PDL on / off
+    python3 tools/kernel_ab.py run --version 10 --toggle COMBINE_ROWS --suite kernel_ab_rows --out $OUT
     python3 tools/kernel_ab.py repeat build/ab/<rev>/kernels --prefix 32000 --batch 16 \
         --out $OUT   # each arm n times at one point, against float64
 
@@ -28,6 +29,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+TOGGLES = ("PDL", "COMBINE_ROWS")  # kdlib.cuda.attention's switches the arms of `run` can set on and off
 RANK_POINTS = [{"heads": 8, "queries": w, "prefix": s, "batch": c}
                for s in (5500, 32_000) for c in (1, 4, 10, 16) for w in (9, 65)]
 
@@ -43,10 +45,11 @@ def export(rev: str) -> Path:
 
 
 def run(old_kernels: Path | None, out: Path, version: int, iters: int, suite_name: str = "kernel_ab",
-        new_kernels: Path | None = None) -> Path:
+        new_kernels: Path | None = None, toggle: str = "PDL") -> Path:
     """Both arms at every point into <out>/<suite_name>.<gpu>.json; the new arm runs new_kernels (None: this
-    tree's). old_kernels None: the arms are this tree's kernels launched with programmatic dependent launch
-    ("new", attention.PDL) and without ("old")."""
+    tree's). old_kernels None: the arms are this tree's kernels with the switch `toggle` of
+    kdlib.cuda.attention on ("new") and off ("old"): PDL, programmatic dependent launch; COMBINE_ROWS, the
+    combine with a warp per row where the rows are many."""
     import cupy
     import torch
 
@@ -64,14 +67,14 @@ def run(old_kernels: Path | None, out: Path, version: int, iters: int, suite_nam
     inputs = [suite.point_inputs(p, pool) for p in pts]
     times = [{"new": [], "old": []} for _ in pts]
     outs = [{} for _ in pts]
-    pdl = cu.PDL
+    saved = getattr(cu, toggle)
     for name, src in arms:  # arm-major: one compile per arm; the arms alternate over the whole grid
         loader.use_kernels(src)
-        cu.PDL = pdl if old_kernels is not None else name == "new"
+        setattr(cu, toggle, saved if old_kernels is not None else name == "new")
         suite.time_arm(name, pts, inputs, pool, times, outs, iters, version=version)
-        print(f"[ab] arm {name} ({src or 'this tree'}, PDL {cu.PDL}) done", flush=True)
+        print(f"[ab] arm {name} ({src or 'this tree'}, {toggle} {getattr(cu, toggle)}) done", flush=True)
     loader.use_kernels(None)
-    cu.PDL = pdl
+    setattr(cu, toggle, saved)
     rows = []
     for p, x, t, o in zip(pts, inputs, times, outs, strict=True):
         fl = perf.floor_ms(x["cost"]["bytes"], x["cost"]["flops"], bandwidth_Bps=ceil["bandwidth_Bps"],
@@ -88,7 +91,8 @@ def run(old_kernels: Path | None, out: Path, version: int, iters: int, suite_nam
               f"bitwise {row['bitwise_equal']}", flush=True)
     doc = {"parameters": {"version": version, "old_kernels": str(old_kernels) if old_kernels else None,
                           "new_kernels": str(new_kernels) if new_kernels else None,
-                          "pdl_arms": old_kernels is None, "iters": iters,
+                          "pdl_arms": old_kernels is None and toggle == "PDL",
+                          "toggle_arms": toggle if old_kernels is None else None, "iters": iters,
                           "arms": [a for a, _ in arms], "points": pts},
            "ceilings": ceil, "rows": rows,
            "verdict": {"bitwise_equal_everywhere": all(r["bitwise_equal"] for r in rows),
@@ -174,6 +178,9 @@ def main(argv=None) -> int:
     r.add_argument("--version", type=int, default=7)
     r.add_argument("--iters", type=int, default=20)
     r.add_argument("--suite", default="kernel_ab", help="the result's name: <suite>.<gpu>.json")
+    r.add_argument("--toggle", choices=TOGGLES, default="PDL",
+                   help="without old kernels: the kdlib.cuda.attention switch the arms set on (new) and off "
+                        "(old)")
     p = sub.add_parser("repeat", help="each arm n times at one point, against float64 (GPU)")
     p.add_argument("old_kernels", type=Path)
     for k, v in (("heads", 8), ("queries", 65), ("prefix", 32_000), ("batch", 16), ("n", 8), ("version", 7)):
@@ -189,9 +196,9 @@ def main(argv=None) -> int:
         if a.old_kernels is None and a.new_kernels is not None:
             ap.error("--new needs the old arm's kernels")
         if a.old_kernels is None and a.version != 10:
-            ap.error("without old kernels the arms are PDL on / off, which only version 10 launches: "
-                     "--version 10")
-        run(a.old_kernels, a.out, a.version, a.iters, a.suite, a.new_kernels)
+            ap.error(f"without old kernels the arms are {a.toggle} on / off, which only version 10 follows "
+                     "here: --version 10")
+        run(a.old_kernels, a.out, a.version, a.iters, a.suite, a.new_kernels, a.toggle)
     return 0
 
 

@@ -156,12 +156,15 @@ def cases(only: str = "") -> list[dict]:
          "version": 9, "call": "prefix", "workspace": False},
     ]
     # version 10: a batch whose plan has more jobs than SMs (16 requests of 520 rows: the jobs ordered and
-    # dealt by size), and its kernel with v9's consumers
+    # dealt by size), its kernel with v9's consumers, and 1,040 rows (v8's combine a warp per row)
     every += [
         {"name": "v10 verify 8x65 B16 (ordered)",
          "shape": {"nh": 8, "nq": 65, "lens": list(range(100, 1700, 100)), "sizes": [65] * 16},
          "version": 10, "call": "verify", "workspace": True},
         {"name": "v10 verify 8x1x1000", "shape": {"nh": 8, "nq": 1, "lens": [1000], "sizes": [1]},
+         "version": 10, "call": "verify", "workspace": False},
+        {"name": "v10 verify 16x65x1000 (combine a warp per row)",
+         "shape": {"nh": 16, "nq": 65, "lens": [1000], "sizes": [65]},
          "version": 10, "call": "verify", "workspace": False},
     ]
     return [c for c in every if not keep or c["name"].startswith(keep)]

@@ -35,7 +35,8 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     registers rebalanced with setmaxnreg) decodes the jobs and gathers every K tile, the MMA warpgroups
     only wait on its full barriers and release the stage blocks on empty ones (the kernel file says how);
   * 8 (`tree_verify/wgmma_v8.cu`, sm_90a only): v7's plan, workspace and attend kernel
-    with a combine of 4 to 32 warps per row (`v8_combine_warps`), so that a row's many jobs (a long prefix
+    with a combine of 4 to 32 warps per row (`v8_combine_warps`; a warp per row where the rows are many,
+    `v8_combine_rows`), so that a row's many jobs (a long prefix
     over few rows) are merged with their loads in flight at once rather than four at a time; faster than 7
     where a row has many jobs (8 heads x 1 query x 200k), the same or within 1 % elsewhere
     (data/results/history/attention.v8_default.c49c344.h200.json);
@@ -143,6 +144,9 @@ _V10_ORDER_UNIT = 64  # ORDER_UNIT: the gate's unit (data/results/attention_gate
 # Version 10 launches its attend and combine kernels with programmatic dependent launch (loader.launch, pdl):
 # each may start while the kernel ahead of it runs and waits in-kernel for its writes (pdl_wait).
 PDL = True
+# Versions 8-10 merge with a warp per row where `v8_combine_rows` says (the 4-warp combine's bits); False:
+# always `v8_combine_warps`'s combine (tools/kernel_ab.py run --toggle COMBINE_ROWS times the two).
+COMBINE_ROWS = True
 _V5_PLAN_STRIDE = 8  # PLAN_STRIDE: per request base, chunks, chunk tiles, row blocks, len, rows, tail rows
 _V5_PLAN_SMEM_REQS = 256  # PLAN_SMEM_REQS: the plan kernels build plans of this many requests in smem
 _V5_COMBINE_COLS = 128  # COMBINE_COLS: columns of one combine block (its 4 warps' float4 lanes)
@@ -150,6 +154,7 @@ _V5_COMBINE_SLICES = KV_LORA_RANK // _V5_COMBINE_COLS  # COMBINE_SLICES: combine
 _V8_COMBINE_WARPS = (4, 8, 16, 32)  # tree_verify_v8_combine_w<W>: warps per combine block
 _V8_UNROLL = 4  # V8_UNROLL: the jobs one warp of v8's combine has in flight
 _V8_JOBS_PER_WARP = 2 * _V8_UNROLL  # two rounds of loads a warp: fewer warps where a row has few jobs
+_V8_ROWS_WARPS = 4  # ROWS_WARPS: rows (a warp each) of a tree_verify_v8_combine_rows block
 
 
 @dataclass(frozen=True)
@@ -571,6 +576,14 @@ def v8_combine_warps(bsz: int, rows: int, width: int, grid: int) -> int:
     return next((w for w in fit if _ceil(chunks, w) <= _V8_JOBS_PER_WARP), fit[-1])
 
 
+def v8_combine_rows(bsz: int, rows: int, grid: int) -> bool:
+    """Whether version 8's merge runs `tree_verify_v8_combine_rows` (a warp per row, the bits of the 4-warp
+    combine): where even the 4-warp combine's B x rows x 4 blocks are more than `grid` SMs hold at once
+    (2048 threads an SM), as at 64 heads x 65 queries (4,160 rows, 16,640 blocks, eight waves of them, each
+    block waiting on a row's few jobs behind its barriers). There `v8_combine_warps` gives 4 warps."""
+    return bsz * rows * _V5_COMBINE_SLICES * 32 * _V8_COMBINE_WARPS[0] > grid * 2048
+
+
 def v9_options(rows: int) -> tuple[str, ...] | None:
     """Version 9's NVRTC options at Q*H = `rows` a request: TV9_NR, the rows its attend kernel is built for
     (rows rounded up to 8: one row block, whose jobs ragged trees only shrink); None past `_V9_MAX_ROWS`
@@ -641,11 +654,15 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
         attend = f"tree_verify_v{7 if version == 8 else version}_attend"  # v8 runs v7's attend kernel
     attend_fn = loader.get_function(settings.stem, attend, options=options)
     order = (ws.order,) if ordered else ()
-    if version >= 8:  # v9 and v10 run v8's combine
+    # the combine: its kernel, grid, block and the arguments between plan and out (v9 and v10 run v8's)
+    combine, cblock = "tree_verify_v5_combine", _COMBINE_THREADS
+    cgrid, cargs = (bsz * rows, _V5_COMBINE_SLICES), (np.int32(rows),)
+    if version >= 8 and COMBINE_ROWS and v8_combine_rows(bsz, rows, ws.grid):
+        combine, cblock = "tree_verify_v8_combine_rows", 32 * _V8_ROWS_WARPS
+        cgrid, cargs = (_ceil(bsz * rows, _V8_ROWS_WARPS),), (np.int32(rows), np.int32(bsz * rows))
+    elif version >= 8:
         warps = v8_combine_warps(bsz, rows, width, ws.grid)
-        combine, combine_threads = f"tree_verify_v8_combine_w{warps}", 32 * warps
-    else:
-        combine, combine_threads = "tree_verify_v5_combine", _COMBINE_THREADS
+        combine, cblock = f"tree_verify_v8_combine_w{warps}", 32 * warps
     combine_fn = loader.get_function(settings.stem, combine, options=options)
     loader.set_max_dynamic_shared(attend_fn, smem)
     if not plan_ready:
@@ -655,8 +672,8 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
     loader.launch(attend_fn, (ws.grid,), (settings.threads,),
                   (qa, kv, pt, tkv, vis, ws.plan, *order, np.int32(bsz), np.int32(width), np.int32(nq),
                    np.int32(nh), np.float32(scale), ws.parts, ws.part_lse), shared_mem=smem, pdl=pdl)
-    loader.launch(combine_fn, (bsz * rows, _V5_COMBINE_SLICES), (combine_threads,),
-                  (ws.parts, ws.part_lse, ws.plan, np.int32(rows), ws.out, ws.lse), pdl=pdl)
+    loader.launch(combine_fn, cgrid, (cblock,), (ws.parts, ws.part_lse, ws.plan, *cargs, ws.out, ws.lse),
+                  pdl=pdl)
     return ws.out, ws.lse
 
 

@@ -98,12 +98,109 @@ __device__ __forceinline__ void combine_w(const float* __restrict__ parts, const
     }
 }
 
+// The butterfly sum of v over the warp's 32 lanes (xor 16, 8, 4, 2, 1): block_reduce_w's first step, which
+// leaves the same bits in every lane (each step adds the same two values on both sides).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
+constexpr int ROWS_WARPS = 4;  // rows (warps) of a block of combine_rows
+
+// combine_w<4>'s merge with a warp per row: lane l takes the float4 of columns 128 s + 4 l for s = 0..3 (a
+// row's four blocks there), and does the arithmetic of all four of that block's warps in their order: the
+// max; z as thread l + 32 k (k = 0..3) sums jobs l + 32 k, l + 32 k + 128, ..., each k's butterfly, then k in
+// order; warp w's fma chain over jobs w, w + 4, ..., then w in order. The same bits as combine_w<4>, with no
+// shared memory and no block barrier. Why: where a row has a few jobs and there are many rows (64 heads x 65
+// queries: 4,160 rows, two jobs each), combine_w<4>'s four blocks a row (16,640 blocks of 128 threads, eight
+// times what the SMs hold at once) each wait on two loads behind four barriers; here 4,160 warps run at once,
+// each with its row's loads in flight.
+__device__ __forceinline__ void combine_rows(const float* __restrict__ parts, const float* __restrict__ part_lse,
+                                             const int* __restrict__ plan, int M, int N, float* __restrict__ out,
+                                             float* __restrict__ lse) {
+    pdl_wait();  // the attend kernel's parts (a launch with programmatic serialization)
+    const long long n = (long long)blockIdx.x * ROWS_WARPS + (threadIdx.x >> 5);
+    if (n >= N) return;
+    const int b = (int)(n / M), r = (int)(n - (long long)b * M), l = threadIdx.x & 31;
+    const int* e = plan + PLAN_HDR + b * PLAN_STRIDE;
+    float4* o = reinterpret_cast<float4*>(out + n * D_V + 4 * l);
+    if (r >= e[P_ROWS]) {
+#pragma unroll
+        for (int s = 0; s < COMBINE_SLICES; ++s) o[s * COMBINE_COLS / 4] = make_float4(QNAN, QNAN, QNAN, QNAN);
+        if (l == 0) lse[n] = QNAN;
+        return;
+    }
+    const int nch = e[P_NCHUNK], rbn = e[P_RB];
+    const long long first = (long long)e[P_BASE] + r / BM, lr = r % BM;  // job of chunk i: first + i * rbn
+    auto job_lse = [&](int i) { return part_lse[(first + (long long)i * rbn) * BM + lr]; };
+    float mx = NEG_INF;
+    for (int i = l; i < nch; i += 32) mx = fmaxf(mx, job_lse(i));
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    const float base = mx == NEG_INF ? 0.f : mx;
+    float z = 0.f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        float zk = 0.f;
+        for (int i = l + 32 * k; i < nch; i += 128) zk += expf(job_lse(i) - base);
+        const float red = warp_sum(zk);
+        z = k == 0 ? red : z + red;
+    }
+    const float inv = z > 0.f ? 1.f / z : 0.f;
+    float4 acc[4][COMBINE_SLICES];  // [warp w of combine_w<4>][slice]
+#pragma unroll
+    for (int w = 0; w < 4; ++w)
+#pragma unroll
+        for (int s = 0; s < COMBINE_SLICES; ++s) acc[w][s] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int i0 = 0; i0 < nch; i0 += 4) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            const int i = i0 + w;
+            if (i < nch) {
+                const long long jrow = (first + (long long)i * rbn) * BM + lr;
+                const float wt = expf(part_lse[jrow] - base) * inv;
+                const float4* v = reinterpret_cast<const float4*>(parts + jrow * D_V + 4 * l);
+#pragma unroll
+                for (int s = 0; s < COMBINE_SLICES; ++s) {
+                    const float4 x = v[s * COMBINE_COLS / 4];
+                    acc[w][s].x = fmaf(wt, x.x, acc[w][s].x);
+                    acc[w][s].y = fmaf(wt, x.y, acc[w][s].y);
+                    acc[w][s].z = fmaf(wt, x.z, acc[w][s].z);
+                    acc[w][s].w = fmaf(wt, x.w, acc[w][s].w);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int s = 0; s < COMBINE_SLICES; ++s) {
+        float4 a = acc[0][s];
+#pragma unroll
+        for (int w = 1; w < 4; ++w) {
+            a.x += acc[w][s].x;
+            a.y += acc[w][s].y;
+            a.z += acc[w][s].z;
+            a.w += acc[w][s].w;
+        }
+        o[s * COMBINE_COLS / 4] = a;
+    }
+    if (l == 0) lse[n] = z > 0.f ? base + logf(z) : NEG_INF;
+}
+
 // parts [jobs, 64, 512] fp32 and part_lse [jobs, 64] fp32 as the attend kernel wrote them, plan, M = Q*H ->
 // out [B*M, 512] fp32, lse [B*M] fp32. Grid (B*M, COMBINE_SLICES), block 32 W: tree_verify_v8_combine_w<W>.
 extern "C" __global__ void __launch_bounds__(128) tree_verify_v8_combine_w4(
     const float* __restrict__ parts, const float* __restrict__ part_lse, const int* __restrict__ plan, int M,
     float* __restrict__ out, float* __restrict__ lse) {
     combine_w<4>(parts, part_lse, plan, M, out, lse);
+}
+
+// As tree_verify_v8_combine_w4 (the same bits), a warp per row: N = B*M rows. Grid ceil(N / 4), block 128:
+// tree_verify_v8_combine_rows.
+extern "C" __global__ void __launch_bounds__(32 * ROWS_WARPS) tree_verify_v8_combine_rows(
+    const float* __restrict__ parts, const float* __restrict__ part_lse, const int* __restrict__ plan, int M, int N,
+    float* __restrict__ out, float* __restrict__ lse) {
+    combine_rows(parts, part_lse, plan, M, N, out, lse);
 }
 
 extern "C" __global__ void __launch_bounds__(256) tree_verify_v8_combine_w8(
