@@ -732,8 +732,9 @@ def load_kernel_ab(gpu: str = "h200", suite: str = "kernel_ab") -> Recorded | No
     alternating in one process), or None; `suite` names the run (its --suite: "kernel_ab", version 7's job
     decode, "kernel_ab_plan", the plan in shared memory and the combine's loads ahead, "kernel_ab_prefetch",
     the producer's L2 prefetch against none, "kernel_ab_pdl", version 10 with programmatic dependent launch
-    against without, or "kernel_ab_trigger", its attend kernels triggering their dependents at their start
-    or not). No rows: each point holds both arms' medians (`new_ms`, `old_ms`, `arm_medians_ms`),
+    against without, "kernel_ab_trigger", its attend kernels triggering their dependents at their start
+    or not, or "kernel_ab_rows", the combine with a warp per row against the 4-warp one). No rows: each
+    point holds both arms' medians (`new_ms`, `old_ms`, `arm_medians_ms`),
     `old_over_new` and `bitwise_equal`; read `Recorded.doc["rows"]`."""
     return _recorded(suite, gpu, _no_rows)
 

@@ -213,6 +213,11 @@ def run_point(p: dict, pool, kv_split, ceil: dict, impls, *, iters: int, baselin
                                  "achieved_TBps": c["bytes"] / (t.median_ms * 1e-3) / 1e12,
                                  "achieved_TFLOPs": c["flops"] / (t.median_ms * 1e-3) / 1e12}
         outs[impl] = call(tables[0])[0].copy()
+        if impl == impls[0] and ws is not None:  # its plan reused, as a step's layers after the first run it
+            reuse = verify_call(x, pool, ws, impl=impl, plan_ready=True)
+            t = base.graph_time([lambda pt=pt, reuse=reuse: reuse(pt) for pt in tables], iters)
+            same = bool(cupy.array_equal(reuse(tables[0])[0], outs[impl], equal_nan=True))
+            row["variants"][impl]["plan_reused"] = {"kernel": t.as_dict(), "bitwise_equal": same}
     if len(outs) > 1:  # the arms agree (bf16 operands: ~1e-3)
         first = next(iter(outs.values()))
         keep = ~cupy.isnan(first)
@@ -236,7 +241,8 @@ def run_point(p: dict, pool, kv_split, ceil: dict, impls, *, iters: int, baselin
         except Exception as e:  # noqa: BLE001 - a FlashInfer failure is recorded, the sweep goes on
             row["flashinfer"] = {"skipped": f"{type(e).__name__}: {str(e)[:300]}"}
     fi_ms = row["flashinfer"].get("median_ms")
-    for v in row["variants"].values():
+    reused = [v["plan_reused"] for v in row["variants"].values() if "plan_reused" in v]
+    for v in [*row["variants"].values(), *reused]:
         v["speedup_vs_flashinfer_prefix"] = fi_ms / v["kernel"]["median_ms"] if fi_ms else None
     torch.cuda.empty_cache()
     return row
@@ -313,6 +319,8 @@ def run(*, quick: bool = False, impls: Sequence[str] | None = None,
               f"floor {r['floor_ms']:.4f} | " + "  ".join(
                   f"{k} {v['kernel']['median_ms']:.4f} ({v['fraction_of_floor']:.2f})"
                   for k, v in r["variants"].items())
+              + "".join(f" | {k} plan reused {v['plan_reused']['kernel']['median_ms']:.4f}"
+                        for k, v in r["variants"].items() if "plan_reused" in v)
               + f" | flashinfer {r['flashinfer'].get('median_ms')}", flush=True)
     return {
         "parameters": {"quick": quick, "impls": impls, "mma_default": cu.MMA_DEFAULT, "iters": iters,
