@@ -59,8 +59,11 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     (history/attention.before_sgroup.d609d1b.h200.json); 0.94x in 01f1fd5's, the S loop's fewer proxy fences
     (history/attention.before_g5.01f1fd5.h200.json), which had it behind 9 at one uniform batch, and in
     c8ac886's, fewer still (history/attention.before_mask.c8ac886.h200.json), which has it behind no arm,
-    as 4b198bb's (the consumers' mask and rescale, history/attention.before_fold.4b198bb.h200.json) and
-    81fcb3e's (the softmax's scale folded into its FFMA, data/results/attention.h200.json) do. It
+    as 4b198bb's (the consumers' mask and rescale, history/attention.before_fold.4b198bb.h200.json),
+    81fcb3e's (the softmax's scale folded into its FFMA, history/attention.fold.81fcb3e.h200.json) and
+    89ffb6c's (the combine a warp per row, history/attention.rows.89ffb6c.h200.json) do; e8c3878's
+    (data/results/attention.h200.json) has it behind 9, 8 and 7 at 16 x 65 x 131k by about the spread between
+    runs (`BF16_DEFAULT_TRADES`). It
     launches its attend and combine kernels with programmatic
     dependent launch (`PDL`; data/results/kernel_ab_pdl.h200.json). Ungated, the order measured
     1.1-1.3 % slower than 9 at the suite's two uniform batches over two rounds (gains the plan's cost put
@@ -206,12 +209,17 @@ WGMMA = "wgmma"
 # tests/test_kernel_constants.py checks both against the record).
 BF16_DEFAULT = "wgmma_v10"
 # (heads, queries, prefix, batch) -> why: the recorded points where another arm is faster than the default
-# beyond that arm's replay spread, the price of its gains elsewhere. None in the 81fcb3e record, nor in
-# 4b198bb's. Earlier records had one each: 8 x 9 x 32k B8 in d919b95's (version 10 without PDL) and 8 x 65 x
-# 32k B8 in 01f1fd5's (history/attention.before_g5.01f1fd5), where its plan predicts too small a gain to
-# deal the jobs by size, so version 10 runs the static round-robin as 8 and 9 do, plus its own plan's ranking
-# and a producer that reads the order first.
-BF16_DEFAULT_TRADES: dict[tuple[int, int, int, int], str] = {}
+# beyond that arm's replay spread, the price of its gains elsewhere. One in the e8c3878 record (below); none
+# in 89ffb6c's, 81fcb3e's or 4b198bb's. Earlier records had one each: 8 x 9 x 32k B8 in d919b95's (version 10
+# without PDL) and 8 x 65 x 32k B8 in 01f1fd5's (history/attention.before_g5.01f1fd5), where its plan
+# predicts too small a gain to deal the jobs by size, so version 10 runs the static round-robin as 8 and 9
+# do, plus its own plan's ranking and a producer that reads the order first.
+BF16_DEFAULT_TRADES: dict[tuple[int, int, int, int], str] = {
+    (16, 65, 131072, 1): "versions 8 and 7 ahead of 10 beyond their p90 in the e8c3878 run, where the run "
+                         "before (history/attention.rows.89ffb6c) had 10 ahead of both: the same consumers "
+                         "and jobs (one round, left in the static deal), 10 adding its plan's ranking; the "
+                         "spread between runs is as wide as the gap",
+}
 _BY_IMPL = {launch.impl: v for v, launch in LAUNCHES.items()}
 DEFAULT_VERSION = _BY_IMPL[BF16_DEFAULT]
 # The deprecated impl= names -> versions ("auto": None, the default pick).

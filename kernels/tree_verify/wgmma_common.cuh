@@ -605,8 +605,9 @@ __device__ __forceinline__ float ex2(float x) {
 
 // s <- 2^(s sl2 - ms) row-wise, the scale and the shift one FFMA (one rounding, where a multiply in
 // mask_tile and a subtract here made two: other bits than before, 0.996-1.014x the whole verify, median 1.007,
-// data/results/history/kernel_ab_f.e645edf.h200.json); s then holds P in fp32; the rows' partial sums added
-// to l0, l1.
+// data/results/history/kernel_ab_f.e645edf.h200.json, and one device call later 0.976-1.012x, median 1.004,
+// kernel_ab_fold.81fcb3e: a gain within the spread between calls); s then holds P in fp32; the rows' partial
+// sums added to l0, l1.
 __device__ __forceinline__ void exp_tile(float (&s)[32], float sl2, float ms0, float ms1, float& l0, float& l1) {
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
