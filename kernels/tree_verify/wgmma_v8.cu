@@ -1,7 +1,8 @@
 // tree_verify_v8: v7's whole verify (tree_verify_v5_plan, tree_verify_v7_attend: tree_verify/wgmma_v7.cu)
 // with a combine that keeps enough loads in flight when a row has many jobs. Three launches, no host sync,
 // fixed buffers (CUDA-graph capturable): tree_verify_v5_plan, tree_verify_v7_attend,
-// tree_verify_v8_combine_w<W>.
+// tree_verify_v8_combine_w<W> (tree_verify_v8_combine_rows, a warp per row with combine_w<4>'s bits, where the
+// rows are too many for even 4-warp blocks to be resident at once: kdlib.cuda.attention.v8_combine_rows).
 //
 // Why (data/results/history/attention_bounds.v7.95e9f6a.h200.json): v5's combine is a block of 4 warps per
 // (row, 128 columns); at 8 heads x 1 query x 200k keys a row has about one job per SM, so each warp walks a
@@ -115,7 +116,9 @@ constexpr int ROWS_WARPS = 4;  // rows (warps) of a block of combine_rows
 // shared memory and no block barrier. Why: where a row has a few jobs and there are many rows (64 heads x 65
 // queries: 4,160 rows, two jobs each), combine_w<4>'s four blocks a row (16,640 blocks of 128 threads, eight
 // times what the SMs hold at once) each wait on two loads behind four barriers; here 4,160 warps run at once,
-// each with its row's loads in flight.
+// each with its row's loads in flight. There the combine took 8.2 us against 19.0 (data/results/
+// attention_bounds.h200.json, history/attention_bounds.fold.81fcb3e.h200.json) and the whole verify ran 1.024x
+// faster, 1.050-1.066x at the rank's 65-row batches of 4-16 over 5,500 tokens (data/results/kernel_ab_rows.h200.json).
 __device__ __forceinline__ void combine_rows(const float* __restrict__ parts, const float* __restrict__ part_lse,
                                              const int* __restrict__ plan, int M, int N, float* __restrict__ out,
                                              float* __restrict__ lse) {
