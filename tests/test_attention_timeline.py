@@ -55,6 +55,16 @@ def test_summarize_recovers_the_stretches_and_the_period():
     assert got["floor_fraction"] == pytest.approx(4352 / PERIOD)
 
 
+def test_pair_smem_model_counts_each_operand_once():
+    """The shared-memory model of a pair, by hand: S 2 consumers x 36 wgmmas x (Q 64 x 16 + K 64 x 16) bf16;
+    P V 2 tiles x 2 halves x 4 wgmmas x (P 64 x 16 + V 16 x 256) bf16; two 64-key tiles of 576 dims gathered;
+    two 64 x 64 P tiles stored."""
+    got = tl.pair_smem_bytes()
+    assert got == {"S operands": 2 * 36 * 4096, "P V operands": 2 * 2 * 4 * 10_240, "gathers": 2 * 64 * 1152,
+                   "P stores": 2 * 8192}
+    assert sum(got.values()) == 622_592 and tl.smem_cycles() == 622_592 / 128 == 4864
+
+
 def test_summarize_refuses_a_trace_without_steady_pairs():
     with pytest.raises(ValueError, match="no steady pair"):
         tl.summarize(synthetic(job_pairs=2))  # every pair a job's first or last

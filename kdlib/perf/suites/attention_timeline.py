@@ -60,6 +60,8 @@ KIND = {"stage wait + S issue": "S", "S MMAs": "S", "mask, softmax A, P_A out": 
 # dense bf16 tensor-core FLOPs per SM clock on sm_90: 989.4 TFLOP/s at 1,830 MHz over 132 SMs (NVIDIA H100
 # SXM datasheet; the H200 has the same SMs); FlashMLA's deep-dive puts ~865 TFLOP/s at ~1,600 MHz: the same
 TENSOR_FLOPS_PER_CLOCK = 4096
+# shared memory's bytes per SM clock: 32 banks of 4 bytes, one access each a clock
+SMEM_BYTES_PER_CLOCK = 32 * 4
 SAMPLE_PAIRS = 6
 
 
@@ -71,6 +73,24 @@ def pair_flops() -> int:
 def floor_cycles() -> float:
     """SM clocks of one pair's MMAs at the tensor cores' dense rate (`TENSOR_FLOPS_PER_CLOCK`)."""
     return pair_flops() / TENSOR_FLOPS_PER_CLOCK
+
+
+def pair_smem_bytes() -> dict[str, int]:
+    """A model, not a measurement: the shared-memory bytes one pair of tiles moves if each wgmma reads each
+    of its shared-memory operands once. S: per consumer D_QK / 16 m64n64k16 wgmmas, Q's and its tile's 16
+    columns each; P V: per tile and V half BN / 16 m64n256k16 wgmmas, P's 16 keys and V's 16 rows of 256
+    columns; the producer's gathers of both tiles; both consumers' P stores in bf16."""
+    bm, bn, dqk, dv = _C["BM"], _C["BN"], _C["D_QK"], _C["D_V"]
+    return {"S operands": 2 * (dqk // 16) * (bm * 16 + bn * 16) * 2,
+            "P V operands": 2 * 2 * (bn // 16) * (bm * 16 + 16 * dv // 2) * 2,
+            "gathers": 2 * bn * dqk * 2,
+            "P stores": 2 * bm * bn * 2}
+
+
+def smem_cycles() -> float:
+    """SM clocks of `pair_smem_bytes` at `SMEM_BYTES_PER_CLOCK`: the pair's floor where shared memory, not
+    the tensor cores, is what runs out (the model's, as pair_smem_bytes says)."""
+    return sum(pair_smem_bytes().values()) / SMEM_BYTES_PER_CLOCK
 
 
 def pair_mask(trace: np.ndarray) -> np.ndarray:
