@@ -716,13 +716,20 @@ __device__ __forceinline__ void job_end(const float (&o)[128], float& m0, float&
 #define COMBINE_COLS 128
 #define COMBINE_SLICES (D_V / COMBINE_COLS)
 
-// Block-wide reduction of 128 threads in a fixed order (max when is_max, else sum); every thread gets it.
-__device__ __forceinline__ float block_reduce128(float v, bool is_max, float* red) {
+// The warp's 32 lanes reduced by a butterfly (xor 16, 8, 4, 2, 1; max when is_max, else sum): each step adds
+// or compares the same two values on both sides, so every lane gets the same bits.
+__device__ __forceinline__ float warp_reduce(float v, bool is_max) {
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
         const float o = __shfl_xor_sync(0xffffffffu, v, off);
         v = is_max ? fmaxf(v, o) : v + o;
     }
+    return v;
+}
+
+// Block-wide reduction of 128 threads in a fixed order (max when is_max, else sum); every thread gets it.
+__device__ __forceinline__ float block_reduce128(float v, bool is_max, float* red) {
+    v = warp_reduce(v, is_max);
     const int w = threadIdx.x >> 5;
     if ((threadIdx.x & 31) == 0) red[w] = v;
     __syncthreads();

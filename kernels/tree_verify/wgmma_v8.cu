@@ -28,11 +28,7 @@ constexpr int V8_UNROLL = 4;  // loads of parts in flight per warp (a constant: 
 // Block-wide reduction of W warps in a fixed order (max when is_max, else sum); every thread gets it.
 template <int W>
 __device__ __forceinline__ float block_reduce_w(float v, bool is_max, float* red) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        const float o = __shfl_xor_sync(0xffffffffu, v, off);
-        v = is_max ? fmaxf(v, o) : v + o;
-    }
+    v = warp_reduce(v, is_max);
     const int w = threadIdx.x >> 5;
     if ((threadIdx.x & 31) == 0) red[w] = v;
     __syncthreads();
@@ -99,14 +95,6 @@ __device__ __forceinline__ void combine_w(const float* __restrict__ parts, const
     }
 }
 
-// The butterfly sum of v over the warp's 32 lanes (xor 16, 8, 4, 2, 1): block_reduce_w's first step, which
-// leaves the same bits in every lane (each step adds the same two values on both sides).
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    return v;
-}
-
 constexpr int ROWS_WARPS = 4;  // rows (warps) of a block of combine_rows
 
 // combine_w<4>'s merge with a warp per row: lane l takes the float4 of columns 128 s + 4 l for s = 0..3 (a
@@ -139,15 +127,14 @@ __device__ __forceinline__ void combine_rows(const float* __restrict__ parts, co
     auto job_lse = [&](int i) { return part_lse[(first + (long long)i * rbn) * BM + lr]; };
     float mx = NEG_INF;
     for (int i = l; i < nch; i += 32) mx = fmaxf(mx, job_lse(i));
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    mx = warp_reduce(mx, true);
     const float base = mx == NEG_INF ? 0.f : mx;
     float z = 0.f;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
         float zk = 0.f;
         for (int i = l + 32 * k; i < nch; i += 128) zk += expf(job_lse(i) - base);
-        const float red = warp_sum(zk);
+        const float red = warp_reduce(zk, false);  // block_reduce_w's first step for k's warp
         z = k == 0 ? red : z + red;
     }
     const float inv = z > 0.f ? 1.f / z : 0.f;
