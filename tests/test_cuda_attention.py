@@ -128,6 +128,41 @@ def test_attention_suite_shapes_costs_and_goals():
     assert g["H8xQ9xS200000xB1"]["met"] and not g["ragged"]["met"]
 
 
+def test_attention_duel_rotates_the_arms_and_judges_faster_on_every_round():
+    from kdlib.perf.suites import attention as suite
+
+    order = []
+
+    class Timer:
+        def __init__(self, name, ms):
+            self.name, self.ms = name, iter(ms)
+
+        def __call__(self, *, iters):
+            order.append(self.name)
+            return type("T", (), {"median_ms": next(self.ms)})
+
+    d = suite.duel({"verify": Timer("verify", [1.0, 2.0, 3.0]),
+                    "plan_reused": Timer("plan_reused", [0.9] * 3),
+                    "flashinfer": Timer("flashinfer", [1.1, 2.1, 2.9])},
+                   3, 5)
+    assert order == ["verify", "plan_reused", "flashinfer", "plan_reused", "flashinfer", "verify",
+                     "flashinfer", "verify", "plan_reused"]  # each round starts one arm later
+    assert d["ms"] == {"verify": [1.0, 2.0, 3.0], "plan_reused": [0.9] * 3, "flashinfer": [1.1, 2.1, 2.9]}
+    assert (d["rounds"], d["iters"], d["arms"]) == (3, 5, ["verify", "plan_reused", "flashinfer"])
+
+    def row(duel):  # 64 x 65 x 32k, its medians faster than FlashInfer's: the duel decides
+        return {"heads": 64, "queries": 65, "prefix": 32_768, "batch": 1, "ragged": False, "bound": "compute",
+                "mem_ms": 0.01, "flashinfer": {"median_ms": 0.5}, "duel": {"ms": duel},
+                "variants": {"wgmma": {"kernel": {"median_ms": 0.48}, "fraction_of_floor": 0.9}}}
+
+    lost = suite.goals([row(d["ms"])], "wgmma")["H64xQ65xS32768"]
+    assert lost["met"] and not lost["faster_than_flashinfer"] and lost["judged_on"] == "duel"
+    assert (lost["rounds_faster"], lost["rounds"]) == (2, 3)
+    assert lost["ratio_to_flashinfer"]["max"] == pytest.approx(3.0 / 2.9)
+    won = suite.goals([row({"verify": [1.0, 2.0], "flashinfer": [1.1, 2.1]})], "wgmma")["H64xQ65xS32768"]
+    assert won["faster_than_flashinfer"] and won["rounds_faster"] == 2
+
+
 def test_attention_point_inputs_are_seeded_and_each_table_permutes_its_requests_slots():
     import torch
 

@@ -115,6 +115,27 @@ def test_cupy_graph_replay_times_the_captured_launches():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cupy", "torch"])
+def test_graph_timer_captures_once_and_replays_the_same_graphs_each_time(backend):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("cupy")
+    x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)  # [1M]
+    y = torch.zeros_like(x)
+    calls = []
+
+    def launch():  # Python runs only while warming and capturing; a replay adds 1 on the device
+        calls.append(1)
+        y.add_(1.0)
+
+    timer = timing.graph_timer(launch, backend=backend, torch_stream=backend == "cupy")
+    ran = len(calls)  # the warm call and the capture
+    a, b = timer(iters=5, warmup=1), timer(iters=7, warmup=2)
+    torch.cuda.synchronize()
+    assert len(calls) == ran == 2 and (a.n, b.n) == (5, 7)
+    assert torch.equal(y, torch.full_like(x, 1 + 5 + 1 + 7 + 2))  # the warm call, then every replay
+
+
+@pytest.mark.gpu
 def test_torch_graph_time_and_the_eager_fallback():
     torch = pytest.importorskip("torch")
     x = torch.randn(1 << 20, device="cuda")  # [1M]

@@ -346,8 +346,8 @@ def _verify_point_rows(p: dict, parameters: dict) -> list[Row]:
             out.append(_timed(TORCH_BASELINE_OPS[name], None, b.get("mode", "graph"), "", shape, b, *cost,
                               f"baselines.{name}", p["floor_ms"]))
     if _is_timing(p.get("flashinfer")):
-        out.append(_timed(FLASHINFER_OP, None, "eager", "prefix_only", shape, p["flashinfer"], *cost,
-                          "flashinfer", p["floor_ms"]))
+        out.append(_timed(FLASHINFER_OP, None, p["flashinfer"].get("mode", "eager"), "prefix_only", shape,
+                          p["flashinfer"], *cost, "flashinfer", p["floor_ms"]))
     return out
 
 
@@ -357,7 +357,8 @@ def attention_rows(doc: dict) -> tuple[Row, ...]:
     op 'tree_verify_attention' for each kernel variant (the whole verify replayed from a CUDA graph;
     version from `attention_version`: wgmma 5, mma_v3 3), 'torch_matmul_attention' / 'torch_sdpa_attention'
     for the PyTorch baselines (uniform points only; mode as recorded, graph where capture worked) and
-    'flashinfer_mla_prefix' (variant 'prefix_only': FlashInfer over the prefix alone, eager). Every row
+    'flashinfer_mla_prefix' (variant 'prefix_only': FlashInfer over the prefix alone; mode as recorded:
+    graph since 2026-12-03, eager before, where the field is absent). Every row
     carries its point's bytes, FLOPs and floor (those of the whole verify: FlashInfer's prefix-only run
     moves slightly less). Issue 19's goal table (`goals`) and the variants' agreement
     (`rel_diff_between_variants`) are not timings: read them from `Recorded.doc`."""

@@ -2,7 +2,8 @@
 
 GPU work is timed with CUDA events (torch or CuPy, whichever array module the callable uses):
 `cuda_time` brackets eager calls, `graph_time` replays what a callable launches from CUDA graphs
-(no Python launch cost: the device time), `replay_time` replays graphs captured elsewhere,
+(no Python launch cost: the device time; `graph_timer` keeps the graphs for timing again),
+`replay_time` replays graphs captured elsewhere,
 `graph_or_eager` falls back to eager calls where a torch capture fails. CPU work is timed with
 `time.perf_counter`. A benchmark reports the median; p10/p90 show the spread.
 
@@ -228,19 +229,35 @@ def graph_time(
     `torch.cuda.CUDAGraph` capture after `warm` calls on a side stream (as capture requires), in the
     memory pool `pool` when given. warmup: untimed replays (default as `replay_time`; 1 for torch).
     """
+    return graph_timer(launches, repeats=repeats, warm=warm, backend=backend, torch_stream=torch_stream,
+                       pool=pool)(iters=iters, warmup=warmup)
+
+
+def graph_timer(launches, *, repeats: int = 1, warm: int = 1, backend: str = "cupy",
+                torch_stream: bool = False, pool=None) -> Callable[..., Timing]:
+    """`graph_time`'s capture done once: returns time(iters=, warmup=None) -> Timing, which replays the
+    same graphs each call (interleaved A/B rounds time several arms in turn without capturing again).
+    Arguments as `graph_time`."""
     if backend == "cupy":
         graphs, stream = cupy_graphs(launches, repeats=repeats, warm=warm, torch_stream=torch_stream)
-        return replay_time(graphs, stream, iters=iters, warmup=warmup)
+
+        def time_cupy(*, iters: int, warmup: int | None = None) -> Timing:
+            return replay_time(graphs, stream, iters=iters, warmup=warmup)
+
+        return time_cupy
     if backend != "torch":
         raise ValueError(f"backend must be 'cupy' or 'torch', got {backend!r}")
-    graphs = torch_graphs(launches, warm=warm, repeats=repeats, pool=pool)
+    tgraphs = torch_graphs(launches, warm=warm, repeats=repeats, pool=pool)
     state = {"i": 0}
 
     def replay():
-        graphs[state["i"] % len(graphs)].replay()
+        tgraphs[state["i"] % len(tgraphs)].replay()
         state["i"] += 1
 
-    return cuda_time(replay, warmup=1 if warmup is None else warmup, iters=iters, backend="torch")
+    def time_torch(*, iters: int, warmup: int | None = None) -> Timing:
+        return cuda_time(replay, warmup=1 if warmup is None else warmup, iters=iters, backend="torch")
+
+    return time_torch
 
 
 def torch_graphs(launches, *, warm: int = 1, repeats: int = 1, pool=None) -> list:

@@ -78,7 +78,12 @@ def graph_time(launches, iters: int):
     """Device time of CUDA-graph replays of `launches` (CuPy launches on torch inputs, one callable per
     rotated input set), torch's current stream set to the capture stream (the DLPack hand-over of torch
     inputs needs no cross-stream event inside the capture)."""
-    return timing.graph_time(launches, iters=iters, warmup=3, torch_stream=True)
+    return graph_timer(launches)(iters=iters, warmup=3)
+
+
+def graph_timer(launches):
+    """`graph_time`'s graphs captured once: time(iters=, warmup=None) replays them (`timing.graph_timer`)."""
+    return timing.graph_timer(launches, torch_stream=True)
 
 
 def torch_baselines(q, pool, pt, tkv, vis, scale: float, outs: dict, fl: dict, iters: int, *,
