@@ -357,8 +357,8 @@ def attention_rows(doc: dict) -> tuple[Row, ...]:
     op 'tree_verify_attention' for each kernel variant (the whole verify replayed from a CUDA graph;
     version from `attention_version`: wgmma 5, mma_v3 3), 'torch_matmul_attention' / 'torch_sdpa_attention'
     for the PyTorch baselines (uniform points only; mode as recorded, graph where capture worked) and
-    'flashinfer_mla_prefix' (variant 'prefix_only': FlashInfer over the prefix alone; mode as recorded:
-    graph since 2026-12-03, eager before, where the field is absent). Every row
+    'flashinfer_mla_prefix' (variant 'prefix_only': FlashInfer over the prefix alone, eager; since
+    2026-12-03 over the point's rotated tables, before over one). Every row
     carries its point's bytes, FLOPs and floor (those of the whole verify: FlashInfer's prefix-only run
     moves slightly less). Issue 19's goal table (`goals`) and the variants' agreement
     (`rel_diff_between_variants`) are not timings: read them from `Recorded.doc`."""

@@ -13,9 +13,9 @@ order) are those parameters' defaults. Per point
   * the PyTorch baselines of `_attention.torch_baselines` (uniform points only);
   * FlashInfer's `BatchMLAPagedAttentionWrapper` (page_size 1, causal=False) over the prefix alone,
     when `flashinfer` imports (tools/attention_gpu.sh carries its wheels): one planned wrapper per
-    rotated page table, CUDA-graph replays timed as the arms above (its eager calls over one table beside
-    them, as the records before 2026-12-03 timed it); it has no tree mask, so its time is a lower bound of
-    a verify built on it;
+    rotated page table, eager runs over the tables in turn, median of CUDA events (its runs over one
+    table beside them, as the records before 2026-12-03 timed it); it has no tree mask, so its time is
+    a lower bound of a verify built on it;
   * at the GOAL_MS points, a duel: DUEL_ROUNDS interleaved rounds of the headline's whole verify, its
     plan reused and FlashInfer (`duel`); the goal "faster than FlashInfer" asks for every round;
   * floor = max(bytes / copy bandwidth, FLOPs / bf16 matmul rate) of `_attention.cost` (FLOPs: the
@@ -25,6 +25,8 @@ The ragged point is C = 16 requests with prefixes spread from 1k to 64k and tree
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 import statistics
 import time
@@ -103,11 +105,12 @@ def _flashinfer():
 
 def _flashinfer_prefix(fi, q, ckv, kpe, tables, lens, scale, iters):
     """FlashInfer MLA over the prefix alone, one planned wrapper per page table of the point's L2 rotation.
-    -> (record, out [B, Q, H, 512] bf16 over tables[0], timer or None). The record times the runs as the
-    suite times its own arms: CUDA-graph replays over the rotated tables (torch capture, mode "graph";
-    `timer(iters=)` replays those graphs again); beside it the eager calls over tables[0] that the records
-    before 2026-12-03 hold (`eager`: FlashInfer's inputs then stayed in L2 where they fit). A failed
-    capture is recorded and the eager timing is the headline (mode "eager", timer None)."""
+    -> (record, out [B, Q, H, 512] bf16 over tables[0], timer): timer(iters=, warmup=None) times eager runs
+    that take the rotated tables in turn (each run reads rows that the previous runs did not leave in L2,
+    as the suite's graph replays of its own arms do). The record: that timing (mode "eager",
+    rotated_tables), and `one_table`, the eager runs over tables[0] alone that the records before
+    2026-12-03 hold (FlashInfer's rows then stayed in L2 where they fit). Not graph-replayed: captured
+    after the suite's own graphs in one process, its replays faulted (an illegal address; stop 39's note)."""
     import torch
 
     bsz, nq, nh, _ = q.shape
@@ -126,30 +129,31 @@ def _flashinfer_prefix(fi, q, ckv, kpe, tables, lens, scale, iters):
         wrapper = fi.mla.BatchMLAPagedAttentionWrapper(workspace)
         wrapper.plan(qo_indptr, kv_indptr, kv_indices, lens_t, nh, D_V, D_QK - D_V, 1, False, scale,
                      torch.bfloat16, torch.bfloat16)
-        out = torch.empty(bsz * nq, nh, D_V, dtype=torch.bfloat16, device=dev)  # [B*Q, H, 512]
-
-        def run(wrapper=wrapper, out=out):
-            return wrapper.run(q_nope, q_pe, ckv, kpe, out=out)
-
-        runs.append(run)
-    first = runs[0]().clone()
+        runs.append(functools.partial(wrapper.run, q_nope, q_pe, ckv, kpe))
+    first = runs[0]()
     torch.cuda.synchronize()
     plan_s = time.monotonic() - t0  # the first call JIT-compiles the kernel
-    eager = perf.cuda_time(runs[0], warmup=3, iters=iters, backend="torch").as_dict()
-    try:
-        timer = timing.graph_timer(runs, backend="torch")
-        rec = {**timer(iters=iters, warmup=3).as_dict(), "mode": "graph"}
-    except Exception as e:  # noqa: BLE001 - a capture failure is recorded; the eager timing stands
-        torch.cuda.synchronize()
-        timer, rec = None, {**eager, "mode": "eager", "graph_error": f"{type(e).__name__}: {str(e)[:300]}"}
-    return {**rec, "eager": eager, "first_call_s": plan_s}, first.reshape(bsz, nq, nh, D_V), timer
+    turn = itertools.count()
+
+    def rotated():
+        return runs[next(turn) % len(runs)]()
+
+    def timer(*, iters: int, warmup: int | None = None):
+        return perf.cuda_time(rotated, warmup=max(3, len(runs)) if warmup is None else warmup, iters=iters,
+                              backend="torch")
+
+    rec = {**timer(iters=iters).as_dict(), "mode": "eager", "rotated_tables": len(runs),
+           "one_table": perf.cuda_time(runs[0], warmup=3, iters=iters, backend="torch").as_dict(),
+           "first_call_s": plan_s}
+    return rec, first.reshape(bsz, nq, nh, D_V), timer
 
 
 def duel(timers: dict, rounds: int, iters: int) -> dict:
-    """Interleaved rounds of graph-replayed arms: in round r each arm's `timer` (`timing.graph_timer`'s)
-    takes `iters` replays, the arms in turn starting from the r-th (no arm always first). -> {"arms",
-    "rounds", "iters", "ms": {arm: [its median in each round]}}: the ratio of two arms in one round shares
-    the clocks and the neighbours of that round."""
+    """Interleaved rounds of timed arms: in round r each arm's timer (time(iters=) -> Timing: graph replays
+    from `timing.graph_timer`, or `_flashinfer_prefix`'s eager runs) takes `iters` calls, the arms in turn
+    starting from the r-th (no arm always first). -> {"arms", "rounds", "iters", "ms": {arm: [its median
+    in each round]}}: the ratio of two arms in one round shares the clocks and the neighbours of that
+    round (the H200's clocks fall over a sustained load: every arm's times rise from round to round)."""
     names = list(timers)
     ms = {k: [] for k in names}
     for r in range(rounds):
@@ -277,7 +281,7 @@ def run_point(p: dict, pool, kv_split, ceil: dict, impls, *, iters: int, baselin
             row["flashinfer"] = {**rec, "scope": "prefix only (no tree tail, no merge)",
                                  "rel_diff_vs_prefix_" + impls[0]: diff}
             key = (h, nq, row["prefix"], bsz)
-            if key in GOAL_MS and fi_timer is not None and "verify" in timers:
+            if key in GOAL_MS and "verify" in timers:
                 row["duel"] = duel({**timers, "flashinfer": fi_timer}, DUEL_ROUNDS, iters)
         except Exception as e:  # noqa: BLE001 - a FlashInfer failure is recorded, the sweep goes on
             row["flashinfer"] = {"skipped": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -387,7 +391,7 @@ def run(*, quick: bool = False, impls: Sequence[str] | None = None,
             "variants: the whole verify (prefix + tail + merge) replayed from CUDA graphs; wgmma on a "
             "workspace",
             "flashinfer: BatchMLAPagedAttentionWrapper(page_size 1, causal=False) over the prefix alone, "
-            "a wrapper per rotated table, graph replays (mode); eager: its eager calls over the first table",
+            "a wrapper per rotated table, eager runs over the tables in turn; one_table: the first alone",
             f"duel: {DUEL_ROUNDS} interleaved rounds at the goal points; faster_than_flashinfer there means "
             "faster in every round",
             "FLOPs count the prefix only: 2 H Q S (576 + 512) (ragged: each request's own S and tree rows)",
