@@ -17,7 +17,8 @@ order) are those parameters' defaults. Per point
     table beside them, as the records before 2026-12-03 timed it); it has no tree mask, so its time is
     a lower bound of a verify built on it;
   * at the GOAL_MS points, a duel: DUEL_ROUNDS interleaved rounds of the headline's whole verify, its
-    plan reused and FlashInfer (`duel`); the goal "faster than FlashInfer" asks for every round;
+    plan reused and FlashInfer (`duel`), after every point's arms; the goal "faster than FlashInfer" asks
+    for every round;
   * floor = max(bytes / copy bandwidth, FLOPs / bf16 matmul rate) of `_attention.cost` (FLOPs: the
     prefix, 2 H Q S (576 + 512)); the ragged point counts each request's own prefix and tree rows.
 The ragged point is C = 16 requests with prefixes spread from 1k to 64k and trees of 9 to 65 rows.
@@ -223,8 +224,11 @@ def time_arm(arm: str, pts: list[dict], inputs: list[dict], pool, times: list[di
         t[arm].append(base.graph_time(replays, iters).median_ms)
 
 
-def run_point(p: dict, pool, kv_split, ceil: dict, impls, *, iters: int, baseline_iters: int, fi) -> dict:
-    """Every arm at one point. p: heads, queries, batch and either prefix (uniform) or lens + trees."""
+def run_point(p: dict, pool, kv_split, ceil: dict, impls, *, iters: int, baseline_iters: int, fi,
+              duels: list | None = None) -> dict:
+    """Every arm at one point. p: heads, queries, batch and either prefix (uniform) or lens + trees. At a
+    GOAL_MS point with FlashInfer, (row, timers) for `duel` is appended to `duels` (when given): the caller
+    runs the duel after every point's arms."""
     import cupy
     import torch
 
@@ -280,9 +284,8 @@ def run_point(p: dict, pool, kv_split, ceil: dict, impls, *, iters: int, baselin
             diff = float(torch.linalg.vector_norm(fo.float() - ours_t) / torch.linalg.vector_norm(ours_t))
             row["flashinfer"] = {**rec, "scope": "prefix only (no tree tail, no merge)",
                                  "rel_diff_vs_prefix_" + impls[0]: diff}
-            key = (h, nq, row["prefix"], bsz)
-            if key in GOAL_MS and "verify" in timers:
-                row["duel"] = duel({**timers, "flashinfer": fi_timer}, DUEL_ROUNDS, iters)
+            if (h, nq, row["prefix"], bsz) in GOAL_MS and "verify" in timers and duels is not None:
+                duels.append((row, {**timers, "flashinfer": fi_timer}))
         except Exception as e:  # noqa: BLE001 - a FlashInfer failure is recorded, the sweep goes on
             row["flashinfer"] = {"skipped": f"{type(e).__name__}: {str(e)[:300]}"}
     fi_ms = row["flashinfer"].get("median_ms")
@@ -360,12 +363,13 @@ def run(*, quick: bool = False, impls: Sequence[str] | None = None,
     budget = float(budget) if budget else None
     clocks_before = timing.clocks()
     t0 = time.monotonic()
-    rows, left_out = [], []
+    rows, left_out, duels = [], [], []
     for p in pts:
         if budget is not None and time.monotonic() - t0 > budget:
             left_out.append(p)
             continue
-        rows.append(run_point(p, pool, kv_split, ceil, impls, iters=iters, baseline_iters=b_iters, fi=fi))
+        rows.append(run_point(p, pool, kv_split, ceil, impls, iters=iters, baseline_iters=b_iters, fi=fi,
+                              duels=duels))
         r = rows[-1]
         print(f"[attention] H{r['heads']} Q{r['queries']} S{r['prefix'] or 'ragged'} B{r['batch']} "
               f"floor {r['floor_ms']:.4f} | " + "  ".join(
@@ -374,6 +378,10 @@ def run(*, quick: bool = False, impls: Sequence[str] | None = None,
               + "".join(f" | {k} plan reused {v['plan_reused']['kernel']['median_ms']:.4f}"
                         for k, v in r["variants"].items() if "plan_reused" in v)
               + f" | flashinfer {r['flashinfer'].get('median_ms')}", flush=True)
+    # The duels after every point's arms: run inside its point, a duel (its rounds back to back) slowed the
+    # arm timed next, the next point's first (data/results/history/attention.duel_in_point.de0380a.h200.json).
+    for row, timers in duels:
+        row["duel"] = duel(timers, DUEL_ROUNDS, iters)
     return {
         "parameters": {"quick": quick, "impls": impls, "mma_default": cu.MMA_DEFAULT, "iters": iters,
                        "pdl": cu.PDL, "baseline_iters": b_iters, "points": pts, "dtype": "bfloat16",
