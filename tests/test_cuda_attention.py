@@ -163,6 +163,47 @@ def test_attention_duel_rotates_the_arms_and_judges_faster_on_every_round():
     assert won["faster_than_flashinfer"] and won["rounds_faster"] == 2
 
 
+def test_attention_suite_runs_the_duels_after_every_points_arms(monkeypatch):
+    """run() with its GPU parts faked: each GOAL_MS point hands its timers over, and their duels run only once
+    every point's arms are timed (a duel inside its point slowed the next point's first arm), then decide the
+    goal."""
+    torch = pytest.importorskip("torch")
+    from kdlib.perf.suites import attention as suite
+
+    events = []
+    randn = torch.randn
+    monkeypatch.setattr(torch, "randn", lambda *shape, device=None, dtype=None: randn(2, 576).to(dtype))
+    monkeypatch.setattr(suite, "_flashinfer", lambda: (type("FI", (), {"__version__": "x"}), None))
+
+    def timer(name, ms):
+        def time_it(*, iters):
+            events.append(("duel", name))
+            return type("T", (), {"median_ms": ms})
+        return time_it
+
+    def run_point(p, pool, kv_split, ceil, impls, *, iters, baseline_iters, fi, duels):
+        events.append(("point", p["heads"], p["queries"]))
+        row = {"heads": p["heads"], "queries": p["queries"], "prefix": p.get("prefix"), "batch": p["batch"],
+               "ragged": "lens" in p, "bound": "compute", "mem_ms": 0.01, "floor_ms": 0.3,
+               "flashinfer": {"median_ms": 0.5}, "variants": {"wgmma_v10": {
+                   "kernel": {"median_ms": 0.45}, "fraction_of_floor": 0.3 / 0.45}}}
+        key = (p["heads"], p["queries"], p.get("prefix"), p["batch"])
+        if key in suite.GOAL_MS:
+            duels.append((row, {"verify": timer("verify", 0.45), "flashinfer": timer("flashinfer", 0.44)}))
+        return row
+
+    monkeypatch.setattr(suite, "run_point", run_point)
+    out = suite.run(quick=True, impls=["wgmma_v10"])
+    points = [e for e in events if e[0] == "point"]
+    assert len(points) == len(suite.QUICK_POINTS) + 1  # and the ragged batch
+    assert events[:len(points)] == points, "every point's arms before any duel"
+    assert len(events) - len(points) == 2 * 2 * suite.DUEL_ROUNDS  # two goal points, two arms, every round
+    g = out["goals"]["H64xQ65xS32768"]
+    assert g["judged_on"] == "duel" and g["rounds_faster"] == 0 and not g["faster_than_flashinfer"]
+    assert all("duel" in r for r in out["points"] if (r["heads"], r["queries"], r["prefix"], r["batch"])
+               in suite.GOAL_MS)
+
+
 def test_attention_point_inputs_are_seeded_and_each_table_permutes_its_requests_slots():
     import torch
 
