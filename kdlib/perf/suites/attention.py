@@ -111,7 +111,8 @@ def _flashinfer_prefix(fi, q, ckv, kpe, tables, lens, scale, iters):
     as the suite's graph replays of its own arms do). The record: that timing (mode "eager",
     rotated_tables), and `one_table`, the eager runs over tables[0] alone that the records before
     2026-12-03 hold (FlashInfer's rows then stayed in L2 where they fit). Not graph-replayed: captured
-    after the suite's own graphs in one process, its replays faulted (an illegal address; stop 39's note)."""
+    after the suite's own graphs in one process, its replays faulted with an illegal address
+    (data/results/gpu_tests.h200.json, the calls of 2026-12-03)."""
     import torch
 
     bsz, nq, nh, _ = q.shape
@@ -153,8 +154,8 @@ def duel(timers: dict, rounds: int, iters: int) -> dict:
     """Interleaved rounds of timed arms: in round r each arm's timer (time(iters=) -> Timing: graph replays
     from `timing.graph_timer`, or `_flashinfer_prefix`'s eager runs) takes `iters` calls, the arms in turn
     starting from the r-th (no arm always first). -> {"arms", "rounds", "iters", "ms": {arm: [its median
-    in each round]}}: the ratio of two arms in one round shares the clocks and the neighbours of that
-    round (the H200's clocks fall over a sustained load: every arm's times rise from round to round)."""
+    in each round]}}: the ratio of two arms in one round shares the GPU's state of that round (under the
+    sustained load every arm's times rose round over round: history/attention.duel_in_point.de0380a)."""
     names = list(timers)
     ms = {k: [] for k in names}
     for r in range(rounds):
