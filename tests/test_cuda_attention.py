@@ -413,6 +413,31 @@ def test_v10_snake_deal_balances_the_ragged_point():
             assert cu.plan_order(plan, grid) is None
 
 
+def test_deal_balance_counts_the_busiest_cta_against_every_ctas_mean():
+    """deal_balance: at 64 heads x 65 queries x 32k on 132 CTAs the plan cuts 65 row blocks' keys in two
+    (130 jobs of 256 prefix tiles, chunk 0's also the 2 tail tiles): the busiest CTA carries 258 +
+    JOB_OVERHEAD, the mean over all 132 CTAs is the 130 jobs' work / 132 and 2 CTAs idle; with one job a CTA
+    and none idle the ratio is the jobs' own spread; on random plans busiest >= mean, and the loads add up to
+    the jobs' work."""
+    from kdlib.cuda import attention as cu
+
+    ov = cu._V5_JOB_OVERHEAD
+    plan = cu.plan_v5([32768], [65], 32768, 65, 64, 132)
+    busiest, mean, idle = cu.deal_balance(plan, 132)
+    assert int(plan[0]) == 130 and idle == 2 and busiest == 258 + ov
+    assert mean == pytest.approx((65 * (258 + ov) + 65 * (256 + ov)) / 132)
+    plan = cu.plan_v5([64 * 10] * 4, None, 640, 1, 64, 4)  # 4 requests of one row block, 10 tiles: 4 jobs
+    assert int(plan[0]) == 4 and cu.deal_balance(plan, 4) == (10 + ov, 10.0 + ov, 0)
+    rng = np.random.default_rng(5)
+    for _ in range(100):
+        lens, sizes, width, nq, nh, grid = _v5_random_shape(rng)
+        plan = cu.plan_v5(lens, sizes, width, nq, nh, grid)
+        busiest, mean, idle = cu.deal_balance(plan, grid)
+        work = int(cu.job_tiles(plan).sum()) + ov * int(plan[0])
+        assert mean == pytest.approx(work / grid) and busiest >= mean - 1e-9
+        assert idle == max(0, grid - int(plan[0]))  # past one round every CTA has a job of round 0
+
+
 def test_v8_combine_warps_follow_a_rows_jobs_and_fit_one_wave():
     """The warps of v8's combine against the chunks plan_v5 gives a row (its jobs): never more blocks x
     warps than 132 SMs hold at once; at most _V8_JOBS_PER_WARP jobs a warp wherever that allows it with

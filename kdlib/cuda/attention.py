@@ -567,6 +567,16 @@ def cta_loads(plan: np.ndarray, deal: list[list[int]]) -> np.ndarray:
     return np.array([sum(int(tiles[j]) + _V5_JOB_OVERHEAD for j in jobs) for jobs in deal], dtype=np.int64)
 
 
+def deal_balance(plan: np.ndarray, grid: int) -> tuple[int, float, int]:
+    """How evenly version 10 spreads a plan's work over `grid` CTAs: the busiest CTA's load under `v10_deal`
+    (`cta_loads`), the mean load over all `grid` CTAs (idle ones included) and the CTAs without a job.
+    busiest / mean is the most the attend kernel could gain from a plan that cut the same work into equal
+    shares for every CTA (the split jobs' own overhead not counted), where its time follows the busiest
+    CTA."""
+    loads = cta_loads(plan, v10_deal(plan, grid))
+    return int(loads.max(initial=0)), float(loads.sum()) / grid, int((loads == 0).sum())
+
+
 def v8_combine_warps(bsz: int, rows: int, width: int, grid: int) -> int:
     """Warps per block of version 8's combine (`_V8_COMBINE_WARPS`): the fewest that leave a row at most
     `_V8_JOBS_PER_WARP` jobs a warp (two rounds of its loads in flight), then fewer while the B x rows x 4
