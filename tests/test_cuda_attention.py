@@ -413,28 +413,38 @@ def test_v10_snake_deal_balances_the_ragged_point():
             assert cu.plan_order(plan, grid) is None
 
 
-def test_deal_balance_counts_the_busiest_cta_against_every_ctas_mean():
-    """deal_balance: at 64 heads x 65 queries x 32k on 132 CTAs the plan cuts 65 row blocks' keys in two
-    (130 jobs of 256 prefix tiles, chunk 0's also the 2 tail tiles): the busiest CTA carries 258 +
-    JOB_OVERHEAD, the mean over all 132 CTAs is the 130 jobs' work / 132 and 2 CTAs idle; with one job a CTA
-    and none idle the ratio is the jobs' own spread; on random plans busiest >= mean, and the loads add up to
-    the jobs' work."""
+def test_deal_balance_weighs_the_deal_against_an_even_split():
+    """deal_balance / even_split_loads (tiles + JOB_OVERHEAD a job). 64 heads x 65 queries x 32k on 132 CTAs:
+    the plan cuts 65 row blocks' keys in two (130 jobs of 256 prefix tiles, chunk 0's also the 2 tail tiles),
+    so the busiest CTA carries 258 + JOB_OVERHEAD and 2 CTAs idle; cut evenly, the 65 x 514 tiles make shares
+    of 253 or 254 and the 64 shares across a row block's end run two jobs: 254 + 2 JOB_OVERHEAD at most. One
+    row block of 1,320 tiles on 132 CTAs: 10 tiles a CTA either way. On random plans the even split's tiles
+    add up to the plan's, its shares differ by at most one tile, and each runs a job for each row block it
+    touches."""
     from kdlib.cuda import attention as cu
 
     ov = cu._V5_JOB_OVERHEAD
     plan = cu.plan_v5([32768], [65], 32768, 65, 64, 132)
-    busiest, mean, idle = cu.deal_balance(plan, 132)
-    assert int(plan[0]) == 130 and idle == 2 and busiest == 258 + ov
-    assert mean == pytest.approx((65 * (258 + ov) + 65 * (256 + ov)) / 132)
-    plan = cu.plan_v5([64 * 10] * 4, None, 640, 1, 64, 4)  # 4 requests of one row block, 10 tiles: 4 jobs
-    assert int(plan[0]) == 4 and cu.deal_balance(plan, 4) == (10 + ov, 10.0 + ov, 0)
+    assert int(plan[0]) == 130 and cu.deal_balance(plan, 132) == (258 + ov, 254 + 2 * ov, 2)
+    even = cu.even_split_loads(plan, 132)
+    assert int((even > 254 + ov).sum()) == 64  # the shares of two jobs
+    plan = cu.plan_v5([64 * 1320], None, 64 * 1320, 1, 64, 132)  # one row block
+    assert cu.deal_balance(plan, 132) == (10 + ov, 10 + ov, 0)
     rng = np.random.default_rng(5)
     for _ in range(100):
         lens, sizes, width, nq, nh, grid = _v5_random_shape(rng)
         plan = cu.plan_v5(lens, sizes, width, nq, nh, grid)
-        busiest, mean, idle = cu.deal_balance(plan, grid)
-        work = int(cu.job_tiles(plan).sum()) + ov * int(plan[0])
-        assert mean == pytest.approx(work / grid) and busiest >= mean - 1e-9
+        tiles = cu.job_tiles(plan)  # [jobs]; request b's jobs first + chunk * row blocks + block
+        line = []  # each key tile's (request, row block), the row blocks end to end
+        for b in range((len(plan) - 1) // 8):
+            first, nc, rb = int(plan[1 + 8 * b]), int(plan[2 + 8 * b]), int(plan[4 + 8 * b])
+            for blk in range(rb if nc else 0):
+                line += [(b, blk)] * int(tiles[first + blk:first + nc * rb:rb].sum())
+        cuts = [c * len(line) // grid for c in range(grid + 1)]
+        want = [cuts[c + 1] - cuts[c] + ov * len(set(line[cuts[c]:cuts[c + 1]])) for c in range(grid)]
+        assert cu.even_split_loads(plan, grid).tolist() == want and len(line) == int(tiles.sum())
+        busiest, _, idle = cu.deal_balance(plan, grid)
+        assert busiest == int(cu.cta_loads(plan, cu.v10_deal(plan, grid)).max())
         assert idle == max(0, grid - int(plan[0]))  # past one round every CTA has a job of round 0
 
 

@@ -567,14 +567,35 @@ def cta_loads(plan: np.ndarray, deal: list[list[int]]) -> np.ndarray:
     return np.array([sum(int(tiles[j]) + _V5_JOB_OVERHEAD for j in jobs) for jobs in deal], dtype=np.int64)
 
 
-def deal_balance(plan: np.ndarray, grid: int) -> tuple[int, float, int]:
-    """How evenly version 10 spreads a plan's work over `grid` CTAs: the busiest CTA's load under `v10_deal`
-    (`cta_loads`), the mean load over all `grid` CTAs (idle ones included) and the CTAs without a job.
-    busiest / mean is the most the attend kernel could gain from a plan that cut the same work into equal
-    shares for every CTA (the split jobs' own overhead not counted), where its time follows the busiest
-    CTA."""
+def deal_balance(plan: np.ndarray, grid: int) -> tuple[int, int, int]:
+    """How evenly version 10 spreads a plan's work over `grid` CTAs -> (the busiest CTA's load under
+    `v10_deal`, the busiest under `even_split_loads`, the CTAs without a job under `v10_deal`); loads as
+    `cta_loads` weighs them. The ratio of the first two is the most the attend kernel could gain from cutting
+    the same work into equal shares, where its time follows the busiest CTA."""
     loads = cta_loads(plan, v10_deal(plan, grid))
-    return int(loads.max(initial=0)), float(loads.sum()) / grid, int((loads == 0).sum())
+    even = even_split_loads(plan, grid)
+    return int(loads.max(initial=0)), int(even.max(initial=0)), int((loads == 0).sum())
+
+
+def even_split_loads(plan: np.ndarray, grid: int) -> np.ndarray:
+    """Each CTA's load (`cta_loads`' weights: tiles + JOB_OVERHEAD a job) where a plan's work is cut into
+    `grid` equal shares of key tiles ("stream-K"): the row blocks' tiles (their tail tiles, then their
+    prefix tiles) laid end to end, CTA c taking tiles [c W / G, (c + 1) W / G) of the W, one job for each
+    row block its share touches (none for a share of no tiles) -> [grid] int64. A model: no kernel here
+    runs such a plan."""
+    plan = np.asarray(plan, dtype=np.int64)
+    per_rb = []  # [row blocks] each one's key tiles
+    for b in range((plan.shape[0] - 1) // _V5_PLAN_STRIDE):
+        _, nc, _, rb, ln, _, ntail = plan[1 + _V5_PLAN_STRIDE * b:][:7]
+        if nc > 0:
+            per_rb += [_ceil(int(ln), _V5_BN) + _ceil(int(ntail), _V5_BN)] * int(rb)
+    ends = np.cumsum(np.asarray(per_rb, dtype=np.int64))  # [row blocks] where each one's tiles end
+    starts = ends - np.asarray(per_rb, dtype=np.int64)
+    total = int(ends[-1]) if per_rb else 0
+    cuts = np.array([c * total // grid for c in range(grid + 1)], dtype=np.int64)  # [grid + 1]
+    jobs = [int(((starts < hi) & (ends > lo)).sum()) if hi > lo else 0
+            for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)]
+    return np.diff(cuts) + _V5_JOB_OVERHEAD * np.array(jobs, dtype=np.int64)
 
 
 def v8_combine_warps(bsz: int, rows: int, width: int, grid: int) -> int:
