@@ -3,6 +3,8 @@ replay, the eager fallback and the copy rate on the GPU (`python3 -m pytest -m g
 tests/test_perf_timing.py`)."""
 
 import ast
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -133,6 +135,28 @@ def test_graph_timer_captures_once_and_replays_the_same_graphs_each_time(backend
     torch.cuda.synchronize()
     assert len(calls) == ran == 2 and (a.n, b.n) == (5, 7)
     assert torch.equal(y, torch.full_like(x, 1 + 5 + 1 + 7 + 2))  # the warm call, then every replay
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cupy", "torch"])
+def test_graph_timer_keeps_the_buffers_its_graphs_use(backend):
+    """A timer built where its inputs are local (the attention suite's points) still replays into them once
+    every other reference is gone and the caching allocators were asked to give memory back."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("cupy")
+
+    def build():
+        y = torch.zeros(1 << 20, device="cuda", dtype=torch.float32)  # [1M]
+        return timing.graph_timer(lambda: y.add_(1.0), backend=backend, torch_stream=backend == "cupy"), \
+            weakref.ref(y)
+
+    timer, y_ref = build()
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert y_ref() is not None, "the timer let its graph's buffer go"
+    timer(iters=5, warmup=1)
+    torch.cuda.synchronize()
+    assert torch.equal(y_ref(), torch.full((1 << 20,), 1.0 + 5 + 1, device="cuda"))  # warm call, replays
 
 
 @pytest.mark.gpu

@@ -237,13 +237,16 @@ def graph_timer(launches, *, repeats: int = 1, warm: int = 1, backend: str = "cu
                 torch_stream: bool = False, pool=None) -> Callable[..., Timing]:
     """`graph_time`'s capture done once: returns time(iters=, warmup=None) -> Timing, which replays the
     same graphs each call (interleaved A/B rounds time several arms in turn without capturing again).
-    Arguments as `graph_time`."""
+    Arguments as `graph_time`. The timer holds `launches`, and so whatever their closures hold: a graph
+    replays fixed addresses, and the buffers behind them, freed and reused, would be read and written
+    (the attention suite's duels, timed after their point's inputs were dropped, hit an illegal address)."""
     if backend == "cupy":
         graphs, stream = cupy_graphs(launches, repeats=repeats, warm=warm, torch_stream=torch_stream)
 
         def time_cupy(*, iters: int, warmup: int | None = None) -> Timing:
             return replay_time(graphs, stream, iters=iters, warmup=warmup)
 
+        time_cupy.launches = launches
         return time_cupy
     if backend != "torch":
         raise ValueError(f"backend must be 'cupy' or 'torch', got {backend!r}")
@@ -257,6 +260,7 @@ def graph_timer(launches, *, repeats: int = 1, warm: int = 1, backend: str = "cu
     def time_torch(*, iters: int, warmup: int | None = None) -> Timing:
         return cuda_time(replay, warmup=1 if warmup is None else warmup, iters=iters, backend="torch")
 
+    time_torch.launches = launches
     return time_torch
 
 
