@@ -418,9 +418,9 @@ def test_deal_balance_weighs_the_deal_against_an_even_split():
     the plan cuts 65 row blocks' keys in two (130 jobs of 256 prefix tiles, chunk 0's also the 2 tail tiles),
     so the busiest CTA carries 258 + JOB_OVERHEAD and 2 CTAs idle; cut evenly, the 65 x 514 tiles make shares
     of 253 or 254 and the 64 shares across a row block's end run two jobs: 254 + 2 JOB_OVERHEAD at most. One
-    row block of 1,320 tiles on 132 CTAs: 10 tiles a CTA either way. On random plans the even split's tiles
-    add up to the plan's, its shares differ by at most one tile, and each runs a job for each row block it
-    touches."""
+    row block of 1,320 tiles on 132 CTAs: 10 tiles a CTA either way. On random plans the even split matches a
+    tile-by-tile walk of the row blocks (each share a job for each row block it touches), whose tiles are
+    the jobs' (job_tiles)."""
     from kdlib.cuda import attention as cu
 
     ov = cu._V5_JOB_OVERHEAD
