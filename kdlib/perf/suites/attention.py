@@ -155,7 +155,7 @@ def duel(timers: dict, rounds: int, iters: int) -> dict:
     from `timing.graph_timer`, or `_flashinfer_prefix`'s eager runs) takes `iters` calls, the arms in turn
     starting from the r-th (no arm always first). -> {"arms", "rounds", "iters", "ms": {arm: [its median
     in each round]}}: the ratio of two arms in one round shares the GPU's state of that round (under the
-    sustained load every arm's times rose round over round: history/attention.duel_in_point.de0380a)."""
+    sustained load the arms' times move between rounds together: data/results/attention.h200.json)."""
     names = list(timers)
     ms = {k: [] for k in names}
     for r in range(rounds):
