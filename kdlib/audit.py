@@ -664,11 +664,13 @@ def diag_baseline_c1_c10(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
                        f"budget {block} (their block-{block} tree): {'within' if ok else 'outside'} ±10% "
                        f"({rank_only}); consistent only if both points accept alike. {internal}",
                        sources=src_doc, values=values)
-    # the cost of C = 10 grows with the tree (AR, then each budget): their budget lies between its
-    # neighbours, or at least at its own lower bound where only its C = 10 row dropped slots
-    grows = [ratios[b] for b in order] == sorted(ratios[b] for b in order)
+    # where the cost of C = 10 grows with the tree (AR, then each budget) up to the first budget above
+    # theirs, their budget lies between its neighbours, or at least at its own lower bound where only its
+    # C = 10 row dropped slots (the larger trees' order does not bear on it)
     below = [b for b in order if b is None or b < block]  # AR and the smaller trees
     above = [b for b in order if b is not None and b > block]
+    near = [ratios[b] for b in below + above[:1]]
+    grows = near == sorted(near)
     lo, lo_what = -math.inf, "no measured bound"
     if below:
         lo, lo_what = ratios[below[-1]], f"the rank's {ratios[below[-1]]:.2f}x at {_budget(below[-1])}"
@@ -686,7 +688,7 @@ def diag_baseline_c1_c10(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
                        sources=src_doc, values=values)
     return Verdict(fig.id, OUT_OF_REACH, ours,
                    f"their service's own measurement; at budget {block} the rank's C = 10 cost lies {span}"
-                   + ("" if grows else " (not growing with the tree here, so no bracket holds)")
+                   + ("" if grows else " (not growing with the tree up to there, so no bracket holds)")
                    + f", and the seeds' {seed_ratio:.2f}x does not: their two points need different "
                    f"acceptances or a stack cost the rank does not have. {internal}",
                    sources=src_doc, values=values)

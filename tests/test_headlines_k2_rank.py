@@ -151,11 +151,15 @@ def test_the_seeds_block_bracketed_when_its_c10_row_dropped_slots():
     seed = 10 * c1 / c10
     fig = cat["diag_baseline_c1_c10"]
 
-    def verdict(ar, lower8, dd16):
+    def verdict(ar, lower8, dd16, dd32=None):
         doc = synthetic()
         _c10_at(doc, None, ar * seed)
         _c10_at(doc, 8, lower8 * seed, dropped=42)
         _c10_at(doc, 16, dd16 * seed)
+        if dd32 is not None:  # a budget-32 tree at the three points the figures read
+            doc["rows"] += [_row(128, 1, 32, 40.0), _row(5500, 1, 32, 41.0, attention=2.0),
+                            _row(5500, 10, 32, 1.0)]
+            _c10_at(doc, 32, dd32 * seed)
         return audit.run_one(fig, cat, audit.Sources(results={"k2_rank.h200": doc}))
 
     v = verdict(0.6, 0.9, 1.05)  # budget 8 at least 0.9 x, at most budget 16's 1.05 x: the seeds' inside
@@ -167,6 +171,8 @@ def test_the_seeds_block_bracketed_when_its_c10_row_dropped_slots():
     assert verdict(0.6, 1.02, 1.05).verdict == audit.OUT_OF_REACH  # budget 8 costs more than the seeds'
     flat = verdict(1.2, 0.9, 1.05)  # AR dearer than budget 16: no bracket from a cost that does not grow
     assert flat.verdict == audit.OUT_OF_REACH and "not growing" in flat.reason
+    beyond = verdict(0.6, 0.9, 1.05, dd32=1.0)  # a larger tree cheaper than 16 does not bear on budget 8
+    assert beyond.verdict == audit.READING and beyond.values["rank_bracket"] == v.values["rank_bracket"]
 
 
 def test_the_baseline_verdict_on_the_recorded_file():
