@@ -161,6 +161,21 @@ def test_attention_duel_rotates_the_arms_and_judges_faster_on_every_round():
     assert lost["ratio_to_flashinfer"]["max"] == pytest.approx(3.0 / 2.9)
     won = suite.goals([row({"verify": [1.0, 2.0], "flashinfer": [1.1, 2.1]})], "wgmma")["H64xQ65xS32768"]
     assert won["faster_than_flashinfer"] and won["rounds_faster"] == 2
+    # FlashInfer graph-replayed too: each round is judged against its faster arm
+    both = row({"verify": [1.0, 2.0], "flashinfer": [1.1, 2.1], "flashinfer_graph": [1.2, 1.9]})
+    both = suite.goals([both], "wgmma")["H64xQ65xS32768"]
+    assert not both["faster_than_flashinfer"] and both["rounds_faster"] == 1
+    assert both["flashinfer_arms"] == ["flashinfer", "flashinfer_graph"]
+    assert both["ratio_to_flashinfer"]["min"] == pytest.approx(1.0 / 1.1)
+    assert both["ratio_to_flashinfer"]["max"] == pytest.approx(2.0 / 1.9)
+
+
+def test_flashinfer_best_ms_takes_the_faster_mode():
+    from kdlib.perf.suites import attention as suite
+
+    assert suite.flashinfer_best_ms({"median_ms": 0.5, "graph": {"median_ms": 0.45}}) == 0.45
+    assert suite.flashinfer_best_ms({"median_ms": 0.5, "graph": {"skipped": "capture failed"}}) == 0.5
+    assert suite.flashinfer_best_ms({"skipped": "flashinfer not importable"}) is None
 
 
 def test_attention_suite_runs_the_duels_after_every_points_arms(monkeypatch):
