@@ -170,10 +170,11 @@ def flashinfer_best_ms(rec: dict) -> float | None:
 
 def duel(timers: dict, rounds: int, iters: int) -> dict:
     """Interleaved rounds of timed arms: in round r each arm's timer (time(iters=) -> Timing: graph replays
-    from `timing.graph_timer`, or `_flashinfer_prefix`'s eager runs) takes `iters` calls, the arms in turn
-    starting from the r-th (no arm always first). -> {"arms", "rounds", "iters", "ms": {arm: [its median
-    in each round]}}: the ratio of two arms in one round shares the GPU's state of that round (under the
-    sustained load the arms' times move between rounds together: data/results/attention.h200.json)."""
+    from `timing.graph_timer`, or `_flashinfer_prefix`'s eager runs and graph replays) takes `iters` calls,
+    the arms in turn starting from the r-th (no arm always first). -> {"arms", "rounds", "iters", "ms":
+    {arm: [its median in each round]}}: the ratio of two arms in one round shares most of the GPU's state
+    of that round (under the sustained load the clocks fall and the arms' times step up between rounds,
+    not all in the same one: data/results/attention.h200.json, notebook 02b section 13n)."""
     names = list(timers)
     ms = {k: [] for k in names}
     for r in range(rounds):
