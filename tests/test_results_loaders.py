@@ -49,8 +49,10 @@ def test_load_attention_every_arm_of_every_point():
     assert wg[0].floor_ms == p0["floor_ms"] and wg[0].bytes == p0["bytes"] and wg[0].mode == "graph"
     sdpa = rec.select(op="torch_sdpa_attention")[0]
     assert sdpa.p90_ms == p0["baselines"]["sdpa"]["p90_ms"] and sdpa.mode == p0["baselines"]["sdpa"]["mode"]
-    fi = rec.select(op="flashinfer_mla_prefix")[0]
-    assert fi.median_ms == p0["flashinfer"]["median_ms"] and fi.mode == p0["flashinfer"].get("mode", "eager")
+    fi = rec.select(op="flashinfer_mla_prefix")[0]  # its faster mode: eager, or graph-replayed where recorded
+    modes = [t for t in (p0["flashinfer"], p0["flashinfer"].get("graph", {})) if _timing(t)]
+    fastest = min(modes, key=lambda t: t["median_ms"])
+    assert fi.median_ms == fastest["median_ms"] and fi.mode == fastest.get("mode", "eager")
     for r in rec.rows:
         assert _ints(r.shape, ("heads", "queries", "batch"))
         assert r.shape["prefix"] is None or type(r.shape["prefix"]) is int

@@ -163,9 +163,10 @@ def _flashinfer_prefix(fi, q, ckv, kpe, tables, lens, scale, iters, *, graph: bo
 
 
 def flashinfer_best_ms(rec: dict) -> float | None:
-    """FlashInfer's faster median of a point's record (`_flashinfer_prefix`): eager or graph-replayed."""
-    ms = [r["median_ms"] for r in (rec, rec.get("graph", {})) if "median_ms" in r]
-    return min(ms) if ms else None
+    """FlashInfer's faster median of a point's record (`_flashinfer_prefix`): eager or graph-replayed
+    (`results.flashinfer_best`)."""
+    best = results.flashinfer_best(rec)
+    return None if best is None else best[0]["median_ms"]
 
 
 def duel(timers: dict, rounds: int, iters: int) -> dict:
