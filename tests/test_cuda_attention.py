@@ -1293,6 +1293,85 @@ def _v5_many_requests(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bsz,nq,nh,width,ragged", [(16, 65, 8, 40_000, True),  # v7's consumers, ordered
+                                                    (160, 2, 8, 3000, True),  # v9's (Q*H <= 16)
+                                                    (3, 9, 8, 20_000, False),  # 72 rows: two row blocks
+                                                    (5, 33, 4, 700, True)])  # short, partial tiles, empty
+def test_v10_fp8_pool_is_the_bf16_build_on_its_dequantized_rows_bit_for_bit(bsz, nq, nh, width, ragged):
+    """Version 10's FP8 build (-DTV_FP8=1) over a pool in the FP8 layout (fp8_pool: power-of-two scales, the
+    rows spread over 9 orders of magnitude so that the scales differ row to row and tile to tile) gives the
+    bf16 build's output and lse over the dequantized pool bit for bit, whole verify and prefix alone, and the
+    float64 reference's within the bf16 tolerance; its error against the bf16 pool is the layout's."""
+    _need_wgmma()
+    import torch
+
+    from kdlib.check import assert_close
+    from kdlib.cuda import attention as cu
+
+    g = torch.Generator(device="cuda").manual_seed(bsz * 7 + nq)
+    rng = np.random.default_rng(bsz + nq)
+    n_slots = 2 * width
+    gain = torch.logspace(-4, 5, n_slots, base=2.0, device="cuda")[torch.randperm(n_slots, device="cuda",
+                                                                                   generator=g)]
+    kv = (torch.randn(n_slots, 576, device="cuda", generator=g) * gain[:, None]).bfloat16()  # [S, 576]
+    pool8 = cu.fp8_pool(kv)  # [S, 656] uint8
+    deq = cu.fp8_dequantized(pool8)  # [S, 576] bf16
+    q = torch.randn(bsz, nq, nh, 576, device="cuda", generator=g).bfloat16()  # [B, Q, H, 576]
+    page = torch.stack([torch.randperm(n_slots, device="cuda", generator=g)[:width]
+                        for _ in range(bsz)]).int()  # [B, width]
+    if ragged:
+        lens_np = rng.permutation(np.linspace(0, width, bsz).astype(np.int32))  # one request with no prefix
+        sizes_np = rng.integers(1, nq + 1, size=bsz).astype(np.int32)
+    else:
+        lens_np, sizes_np = np.full(bsz, width, dtype=np.int32), np.full(bsz, nq, dtype=np.int32)
+    lens, sizes = torch.from_numpy(lens_np).cuda(), torch.from_numpy(sizes_np).cuda()
+    tkv = torch.randn(bsz, nq, 576, device="cuda", generator=g).bfloat16()  # [B, Q, 576]
+    vis = torch.from_numpy(np.stack([_random_tree(rng, nq) for _ in range(bsz)])).cuda()  # [B, Q, Q]
+    scale = 576**-0.5
+    out8, lse8 = cu.tree_verify_attention(q, pool8, page, lens, tkv, vis, sizes, scale)
+    outd, lsed = cu.tree_verify_attention(q, deq, page, lens, tkv, vis, sizes, scale, version=10)
+    assert np.array_equal(out8.get(), outd.get(), equal_nan=True), "fp8 out differs from bf16 on its rows"
+    assert np.array_equal(lse8.get(), lsed.get(), equal_nan=True), "fp8 lse differs from bf16 on its rows"
+    p8, pl8 = cu.prefix_attention(q, pool8, page, lens, scale, workspace=cu.make_workspace(bsz, nq, nh))
+    pd, pld = cu.prefix_attention(q, deq, page, lens, scale, version=10)
+    assert np.array_equal(p8.get(), pd.get(), equal_nan=True) and np.array_equal(pl8.get(), pld.get())
+    out16 = cu.tree_verify_attention(q, kv, page, lens, tkv, vis, sizes, scale, version=10)[0]
+    for b in range(bsz):
+        ts = int(sizes_np[b])
+        r_out, r_lse = _torch_reference(q[b:b + 1, :ts], deq, page[b:b + 1], lens[b:b + 1], tkv[b:b + 1, :ts],
+                                        vis[b:b + 1, :ts, :ts], sizes[b:b + 1], scale)
+        assert_close(out8[b, :ts], r_out[0], rtol=BF16_RTOL, name=f"fp8 request {b}", quiet=True)
+        assert_close(lse8[b, :ts], r_lse[0], rtol=1e-4, name=f"fp8 lse request {b}", quiet=True)
+        assert np.isnan(out8[b, ts:].get()).all(), f"request {b}: rows past its tree not NaN"
+        # e4m3 keeps 3 mantissa bits: the output moves by a few percent of its norm, not more
+        assert_close(out8[b, :ts], out16[b, :ts], rtol=0.1, name=f"fp8 against bf16, request {b}", quiet=True)
+
+
+@pytest.mark.gpu
+def test_v10_fp8_pool_bad_inputs_raise_value_error():
+    """The FP8 pool: 656-byte rows, bf16 q, version 10 alone; the packing helpers check their inputs."""
+    _need_wgmma()
+    import torch
+
+    from kdlib.cuda import attention as cu
+
+    kv = torch.randn(64, 576, device="cuda").bfloat16()
+    pool8 = cu.fp8_pool(kv)
+    q = torch.randn(1, 2, 4, 576, device="cuda").bfloat16()
+    page = torch.arange(32, device="cuda", dtype=torch.int32)[None]
+    lens = torch.tensor([32], device="cuda", dtype=torch.int32)
+    cu.prefix_attention(q, pool8, page, lens, 0.1)  # runs
+    shifted = pool8.view(-1)[8:8 + 63 * 656].view(63, 656)  # 8 bytes past a 16-byte boundary
+    for call in (lambda: cu.prefix_attention(q, pool8[:, :576], page, lens, 0.1),  # not 656 wide
+                 lambda: cu.prefix_attention(q.float(), pool8, page, lens, 0.1),  # fp32 q
+                 lambda: cu.prefix_attention(q, pool8, page, lens, 0.1, version=9),  # no FP8 build
+                 lambda: cu.prefix_attention(q, shifted, page, lens, 0.1),
+                 lambda: cu.fp8_pool(kv.float()), lambda: cu.fp8_dequantized(kv)):
+        with pytest.raises(ValueError):
+            call()
+
+
+@pytest.mark.gpu
 def test_wgmma_plan_kernel_matches_numpy_mirror():
     """The device plan equals plan_v5 integer for integer (ragged, empty, prefix-only and huge requests, and
     batches built in shared memory and past it)."""

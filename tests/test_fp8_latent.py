@@ -287,3 +287,31 @@ def test_study_separates_fp8_from_bf16():
         for k in ("fp8", "fp8_amax"):  # e4m3: 4 significant bits, 16x coarser
             assert 2 * r["bf16_out"] < r[f"{k}_out"] < 0.2 and 0 < r[f"{k}_lse"] < 0.5
         assert 0.5 < r["logit_std"] < 3
+
+
+def test_torch_packing_of_a_bf16_pool_is_the_references_layout():
+    """kdlib.cuda.attention.fp8_pool (torch, here on the CPU; the GPU suite and tests run it on the device)
+    writes the bytes of pack_latent(quantize_latent(rows)) for bf16 rows over 12 orders of magnitude, an
+    all-zero tile and tiles whose max |x| / 448 is a power of two; fp8_dequantized gives dequantize_latent's
+    values."""
+    import torch
+
+    from kdlib.cuda import attention
+
+    g = torch.Generator().manual_seed(0)
+    kv = (torch.randn(400, 576, generator=g) * torch.logspace(-6, 6, 400, base=10.0)[:, None]).bfloat16()
+    kv[5, :128] = 0  # the MIN_SCALE floor
+    kv[7] = 448 * 2.0**-3  # amax / 448 a power of two: no rounding up
+    kv[9, 128:256] = -448 * 2.0**4
+    rows = kv.double().numpy()
+    want = fp8.pack_latent(*fp8.quantize_latent(rows))
+    got = attention.fp8_pool(kv)
+    assert got.dtype == torch.uint8 and tuple(got.shape) == (400, attention.FP8_ROW_BYTES)
+    np.testing.assert_array_equal(got.numpy(), want)
+    back = attention.fp8_dequantized(got)
+    assert back.dtype == torch.bfloat16
+    np.testing.assert_array_equal(back.double().numpy(), fp8.dequantize_latent(*fp8.unpack_latent(want)))
+    with pytest.raises(ValueError):
+        attention.fp8_pool(kv.float())
+    with pytest.raises(ValueError):
+        attention.fp8_dequantized(got[:, :600])

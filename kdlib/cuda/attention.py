@@ -71,6 +71,14 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     1.1-1.3 % slower than 9 at the suite's two uniform batches over two rounds (gains the plan's cost put
     at 1.007x and 1.013x, data/results/history/attention.v10.8371cbb.h200.json), and ranking job by job
     cost 0.7-1.1 % there (history/attention.v10_job_rank.33c8360.h200.json).
+FP8 latent cache (issue 19's stretch goal): a kv_cache of dtype uint8 and shape [S, 656] holds each token in
+the layout of `kdlib.ref.fp8` (DeepSeek-V3.2's, FlashMLA's "FP8 with scale", vLLM's `fp8_ds_mla`: 512 e4m3
+latent values, 4 float32 scales, one per 128 of them, 64 bf16 rope values; `kdlib.ref.fp8.pack_latent` writes
+it). Version 10 alone runs it, built with `FP8_OPTIONS` (-DTV_FP8=1): its producer warpgroup stages each
+prefix tile's e4m3 bytes in the stage and dequantizes them to bf16 in place (e4m3 times the tile's scale,
+in fp32, rounded to bf16: exact for the layout's power-of-two scales), and the consumers are the bf16 build's.
+q and tree_kv stay bf16. On a pool of power-of-two scales the output is the bf16 build's on the dequantized
+pool, bit for bit. A prefix row is 656 bytes where bf16's is 1,152: 57 % of the bytes.
 `version=None` (the default) picks by dtype and device: fp32 runs 1 (a dtype path, not a choice);
 bf16 runs `DEFAULT_VERSION` (10, `BF16_DEFAULT`: the fastest in data/results/attention.h200.json)
 where the device runs it, else 3 where the device grants its 166 KB of shared memory (not on sm_120's
@@ -135,6 +143,10 @@ _V6_SMEM = 3 * 73728 + 5 * 64 * 4 + 19 * 8 + 1024
 _V7_SMEM = 3 * 73728 + 5 * 64 * 4 + 4 * 12 * 4 + 30 * 8 + 1024
 # v9: v7's + its own rows (maxima and factors of tiles A and B, per-warp maxima and sums) (V9_SMEM)
 _V9_SMEM = _V7_SMEM + 20 * 64 * 4
+# the FP8 build of version 10 (-DTV_FP8=1): v9's layout + each stage's 64 rows of 4 float32 scales (FP8_SMEM)
+_FP8_SMEM = _V9_SMEM + 2 * 64 * 16
+FP8_OPTIONS = ("-DTV_FP8=1",)
+FP8_ROW_BYTES = 656  # kdlib.ref.fp8.layout_bytes(): 512 e4m3 + 4 float32 scales + 64 bf16 rope (FP8_ROW)
 _V9_MAX_NR = 56  # V9_MAX_NR: the rows v9's attend kernel builds for without spills
 # Q*H up to which version 9 runs its own attend kernel: where it measured faster than v8's (8 and 16 rows;
 # slower at 32 and 48) in data/results/history/attention.v9_dev.4d83aab.h200.json
@@ -194,7 +206,8 @@ LAUNCHES = {
     8: VerifyLaunch(8, "wgmma_v8", _V8, _V7_THREADS, _V7_SMEM, _V5_BM, _V5_BN, options=_V5_OPTIONS),
     9: VerifyLaunch(9, "wgmma_v9", _V9, _V7_THREADS, _V9_SMEM, _V5_BM, _V5_BN, options=_V5_OPTIONS),
     # smem: the most its two attend kernels take (v9's layout; v7's kernel launches with _V7_SMEM)
-    10: VerifyLaunch(10, "wgmma_v10", _V10, _V7_THREADS, _V9_SMEM, _V5_BM, _V5_BN, options=_V5_OPTIONS),
+    10: VerifyLaunch(10, "wgmma_v10", _V10, _V7_THREADS, _V9_SMEM, _V5_BM, _V5_BN, ("bf16", "fp8"),
+                     _V5_OPTIONS),
 }
 WGMMA_VERSIONS = (5, 6, 7, 8, 9, 10)  # the whole-verify versions: sm_90a, plan + attend + combine, workspaces
 VERSIONS = tuple(LAUNCHES)
@@ -310,15 +323,88 @@ def _check_rank(kv_lora_rank):
         raise ValueError(f"the CUDA kernels are built for kv_lora_rank {KV_LORA_RANK}, got {kv_lora_rank}")
 
 
+def _fp8_pool(kv_cache, kind):
+    """A uint8 kv_cache [S, 656] (the FP8 layout, kdlib.ref.fp8.pack_latent's rows) -> its CuPy view; None for
+    any other dtype."""
+    import cupy
+
+    if loader.is_torch(kv_cache):
+        import torch
+
+        if kv_cache.dtype != torch.uint8:
+            return None
+    elif getattr(kv_cache, "dtype", None) != np.uint8:
+        return None
+    kv = cupy.ascontiguousarray(loader.as_cupy(kv_cache))
+    if kv.shape[1] != FP8_ROW_BYTES:
+        raise ValueError(f"a uint8 kv_cache holds the FP8 latent layout, {FP8_ROW_BYTES} bytes a row "
+                         f"(kdlib.ref.fp8.pack_latent), got rows of {kv.shape[1]}")
+    if kind != "bf16":
+        raise ValueError(f"the FP8 kv_cache takes bfloat16 q and tree_kv, got {kind}")
+    if kv.data.ptr % 16:
+        raise ValueError("the FP8 kv_cache must start on a 16-byte boundary (the kernel copies 16-byte "
+                         "pieces)")
+    return kv
+
+
+def fp8_pool(kv):
+    """A bf16 latent pool -> the FP8 layout the FP8 build reads: torch [S, 576] bfloat16 (any device) ->
+    [S, 656] uint8 on the same device, the rows of `kdlib.ref.fp8.pack_latent(*quantize_latent(rows))` (the
+    "pow2" scale rule: each 128-dim tile's max |x| / 448, floored at MIN_SCALE, rounded up to a power of two,
+    computed in float64 as the reference does; x / scale is exact in float32 and cast to e4m3 once)."""
+    import torch
+
+    from kdlib.ref import fp8
+
+    if not (loader.is_torch(kv) and kv.dtype == torch.bfloat16 and kv.ndim == 2 and kv.shape[1] == D_QK):
+        raise ValueError(f"fp8_pool takes a torch bfloat16 pool [S, {D_QK}], got "
+                         f"{type(kv).__name__} {getattr(kv, 'dtype', '')} {tuple(getattr(kv, 'shape', ()))}")
+    n = kv.shape[0]
+    lat = kv[:, :KV_LORA_RANK].float().view(n, fp8.TILES, fp8.TILE)  # [S, 4, 128]
+    amax = lat.abs().amax(dim=-1).double()  # [S, 4]
+    if not bool(torch.isfinite(amax).all()):
+        raise ValueError("the pool holds NaN or inf")
+    mant, exp = torch.frexp(torch.clamp(amax / fp8.E4M3_MAX, min=fp8.MIN_SCALE))
+    scales = torch.ldexp(torch.ones_like(mant), torch.where(mant == 0.5, exp - 1, exp)).float()  # [S, 4]
+    bits = (lat / scales[..., None]).to(torch.float8_e4m3fn).view(torch.uint8).view(n, KV_LORA_RANK)
+    rope = kv[:, KV_LORA_RANK:].contiguous().view(torch.uint8)  # [S, 128]: little-endian bf16
+    return torch.cat([bits, scales.view(torch.uint8), rope], dim=1)  # [S, 656]
+
+
+def fp8_dequantized(pool8):
+    """The FP8 layout's rows as a bf16 pool: torch [S, 656] uint8 -> [S, 576] bfloat16, e4m3 value times its
+    tile's scale rounded to bf16 (exact for power-of-two scales), then the rope. What the FP8 build's producer
+    puts in shared memory."""
+    import torch
+
+    from kdlib.ref import fp8
+
+    if not (loader.is_torch(pool8) and pool8.dtype == torch.uint8 and pool8.ndim == 2
+            and pool8.shape[1] == FP8_ROW_BYTES):
+        raise ValueError(f"fp8_dequantized takes a torch uint8 pool [S, {FP8_ROW_BYTES}], got "
+                         f"{type(pool8).__name__} {getattr(pool8, 'dtype', '')}")
+    n, o = pool8.shape[0], KV_LORA_RANK + 4 * fp8.TILES
+    vals = pool8[:, :KV_LORA_RANK].contiguous().view(torch.float8_e4m3fn).float().view(n, fp8.TILES, fp8.TILE)
+    scales = pool8[:, KV_LORA_RANK:o].contiguous().view(torch.float32)  # [S, 4]
+    lat = (vals * scales[..., None]).view(n, KV_LORA_RANK).bfloat16()
+    return torch.cat([lat, pool8[:, o:].contiguous().view(torch.bfloat16)], dim=1)  # [S, 576]
+
+
 def _check_prefix(qa, kind, kv_cache, page_table, prefix_lens, batched, validate):
+    """-> (kv, page table, prefix lengths, the pool's kind: kind, or "fp8" for the FP8 layout)."""
     bsz = qa.shape[0]
     if len(getattr(kv_cache, "shape", ())) != 2:
-        raise ValueError(f"kv_cache must be [S, {D_QK}], got shape {getattr(kv_cache, 'shape', None)}")
-    kv, kv_kind = _float_kind(kv_cache, "kv_cache")
-    if kv.shape[1] != D_QK:
-        raise ValueError(f"kv_cache rows are {kv.shape[1]} wide but q is {D_QK} wide")
-    if kv_kind != kind:
-        raise ValueError(f"kv_cache is {kv_kind} but q is {kind}: give both the same dtype")
+        raise ValueError(f"kv_cache must be [S, {D_QK}] (or [S, {FP8_ROW_BYTES}] uint8, the FP8 layout), got "
+                         f"shape {getattr(kv_cache, 'shape', None)}")
+    kv = _fp8_pool(kv_cache, kind)
+    if kv is not None:
+        kv_kind = "fp8"
+    else:
+        kv, kv_kind = _float_kind(kv_cache, "kv_cache")
+        if kv.shape[1] != D_QK:
+            raise ValueError(f"kv_cache rows are {kv.shape[1]} wide but q is {D_QK} wide")
+        if kv_kind != kind:
+            raise ValueError(f"kv_cache is {kv_kind} but q is {kind}: give both the same dtype")
     if kv.shape[0] >= 2**31:
         raise ValueError("kv_cache has more than 2**31 - 1 slots (int32 page table)")
     pt_shape = getattr(page_table, "shape", None)
@@ -327,7 +413,7 @@ def _check_prefix(qa, kind, kv_cache, page_table, prefix_lens, batched, validate
     pt = loader.int_array(page_table if batched else loader.as_cupy(page_table)[None], "page_table", "int32",
                           shape=(bsz, pt_shape[-1]), check_range=validate)
     lens = _lengths(prefix_lens, "prefix_lens", batched, bsz, validate)
-    return kv, pt, lens
+    return kv, pt, lens, kv_kind
 
 
 def _check_tail(qa, kind, tree_kv, visibility, tree_sizes, batched, validate):
@@ -381,7 +467,8 @@ def wgmma_available() -> bool:
     dev = cupy.cuda.runtime.getDevice()
     props = cupy.cuda.runtime.getDeviceProperties(dev)
     return ((int(props["major"]), int(props["minor"])) == (9, 0)
-            and int(props["sharedMemPerBlockOptin"]) >= max(_V5_SMEM, _V6_SMEM, _V7_SMEM, _V9_SMEM))
+            and int(props["sharedMemPerBlockOptin"]) >= max(_V5_SMEM, _V6_SMEM, _V7_SMEM, _V9_SMEM,
+                                                                _FP8_SMEM))
 
 
 def split_plan(bsz: int, row_blocks: int, width: int, tile: int, slots: int) -> tuple[int, int]:
@@ -417,6 +504,8 @@ def pick_version(version: int | None = None, impl: str | None = None, kind: str 
             raise ValueError(f"impl must be one of {tuple(IMPLS)}, got {impl!r}")
         version = IMPLS[impl]
     version = loader.check_version(version, VERSIONS, None)
+    if kind == "fp8" and version is None:
+        version = IMPLS[BF16_DEFAULT]  # the one version with an FP8 build; checked against the device below
     if version is None:
         if kind != "bf16":
             return 1
@@ -425,6 +514,9 @@ def pick_version(version: int | None = None, impl: str | None = None, kind: str 
         mma = IMPLS[MMA_DEFAULT]
         return mma if _device_info()[1] >= LAUNCHES[mma].smem else 1
     if kind not in LAUNCHES[version].dtypes:
+        if kind == "fp8":
+            raise ValueError(f"the FP8 kv_cache runs version 10 alone, not version {version} "
+                             f"({LAUNCHES[version].impl!r})")
         raise ValueError(f"version {version} ({LAUNCHES[version].impl!r}) needs bfloat16 inputs (the fp32 "
                          "path is version 1)")
     if version in WGMMA_VERSIONS and not wgmma_available():
@@ -667,12 +759,13 @@ def make_workspace(bsz: int, nq: int, nh: int) -> VerifyWorkspace:
     return VerifyWorkspace(bsz, nq, nh)
 
 
-def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=False):
+def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=False, fp8=False):
     """The three launches of version 5 ... 10 (plan, the version's attend, its combine) -> (out [B*M, 512],
     lse [B*M]) fp32 views of the workspace.
 
     tail = (tree_kv [B, Q, 576], visibility [B, Q, Q], tree_sizes [B]) for the whole verify, None
-    for the prefix alone. plan_ready: the plan launch is skipped, ws.plan is read as it is.
+    for the prefix alone. plan_ready: the plan launch is skipped, ws.plan is read as it is. fp8 (version 10):
+    kv is the FP8 pool [S, 656] uint8, run by the FP8 build.
     """
     bsz, nq, nh, _ = qa.shape
     if ws is None:
@@ -686,7 +779,7 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
     if version == 9 and v9 is None:
         version = 8
     settings = LAUNCHES[version]
-    options = settings.options + (v9 or ())
+    options = settings.options + (v9 or ()) + (FP8_OPTIONS if fp8 else ())
     width = pt.shape[1]
     ordered = version == 10  # v10's plan also writes ws.order, its attend kernels read it
     plan_fn = loader.get_function(settings.stem, "tree_verify_v10_plan" if ordered else "tree_verify_v5_plan",
@@ -694,6 +787,7 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
     smem = settings.smem
     if ordered:  # v9's consumers where version 9 runs its own kernel, else v7's
         attend, smem = ("tree_verify_v10_attend_t", _V9_SMEM) if v9 else ("tree_verify_v10_attend", _V7_SMEM)
+        smem = _FP8_SMEM if fp8 else smem
     else:
         attend = f"tree_verify_v{7 if version == 8 else version}_attend"  # v8 runs v7's attend kernel
     attend_fn = loader.get_function(settings.stem, attend, options=options)
@@ -795,23 +889,24 @@ def prefix_attention(q, kv_cache, page_table, prefix_lens, softmax_scale, kv_lor
                      workspace: VerifyWorkspace | None = None, impl: str | None = None):
     """Attention of every query over its request's paged latent prefix (page_size 1), split-KV.
 
-    Shape: q [B, Q, H, 576], kv_cache [S, 576], page_table [B, P] int, prefix_lens [B] int
-    (or the unbatched form). Returns out [B, Q, H, 512] fp32, lse [B, Q, H] fp32 (CuPy).
+    Shape: q [B, Q, H, 576], kv_cache [S, 576] (or [S, 656] uint8, the FP8 layout: module docstring),
+    page_table [B, P] int, prefix_lens [B] int (or the unbatched form). Returns out [B, Q, H, 512] fp32,
+    lse [B, Q, H] fp32 (CuPy).
     version: one of VERSIONS, None (the default): by dtype and device (fp32: 1; bf16: DEFAULT_VERSION
     where it runs). impl: deprecated name of a version (IMPLS). workspace (WGMMA_VERSIONS only): buffers
     from make_workspace; the results are views of it.
     """
     _check_rank(kv_lora_rank)
     qa, kind, batched = _check_q(q)
-    kv, pt, lens = _check_prefix(qa, kind, kv_cache, page_table, prefix_lens, batched, validate)
+    kv, pt, lens, kv_kind = _check_prefix(qa, kind, kv_cache, page_table, prefix_lens, batched, validate)
     scale = _scale(softmax_scale)
-    version = pick_version(version, impl, kind)
+    version = pick_version(version, impl, kv_kind)
     _check_workspace(workspace, version)
     if validate:
         _validate_prefix(kv, pt, lens)
     bsz, nq, nh, _ = qa.shape
     if version in WGMMA_VERSIONS:
-        out, lse = _launch_wgmma(version, qa, kv, pt, lens, scale, workspace)
+        out, lse = _launch_wgmma(version, qa, kv, pt, lens, scale, workspace, fp8=kv_kind == "fp8")
         out, lse = out.reshape(bsz, nq, nh, KV_LORA_RANK), lse.reshape(bsz, nq, nh)
         return (out, lse) if batched else (out[0], lse[0])
     parts, plse = _launch_prefix(qa, kind, kv, pt, lens, scale, version)
@@ -871,7 +966,8 @@ def tree_verify_attention(q, kv_cache, page_table, prefix_lens, tree_kv, visibil
     """The whole verify attention: split-KV prefix + masked tail, merged in one combine launch
     (versions 5, 6, 7: the tail fused into the prefix kernel).
 
-    Shapes as in the two parts (batched or unbatched). Returns out [B, Q, H, 512] fp32 and the
+    Shapes as in the two parts (batched or unbatched); kv_cache may be the FP8 layout, [S, 656] uint8 (module
+    docstring; version 10 runs it, bf16 q and tree_kv). Returns out [B, Q, H, 512] fp32 and the
     natural-log lse [B, Q, H] fp32 (CuPy); rows >= tree_sizes[b] are NaN. version: one of VERSIONS,
     None (the default): by dtype and device (fp32: 1; bf16: DEFAULT_VERSION where it runs). impl:
     deprecated name of a version (IMPLS). workspace (WGMMA_VERSIONS only): buffers from
@@ -883,10 +979,10 @@ def tree_verify_attention(q, kv_cache, page_table, prefix_lens, tree_kv, visibil
     """
     _check_rank(kv_lora_rank)
     qa, kind, batched = _check_q(q)
-    kv, pt, lens = _check_prefix(qa, kind, kv_cache, page_table, prefix_lens, batched, validate)
+    kv, pt, lens, kv_kind = _check_prefix(qa, kind, kv_cache, page_table, prefix_lens, batched, validate)
     tkv, vis, sizes = _check_tail(qa, kind, tree_kv, visibility, tree_sizes, batched, validate)
     scale = _scale(softmax_scale)
-    version = pick_version(version, impl, kind)
+    version = pick_version(version, impl, kv_kind)
     _check_workspace(workspace, version, plan_ready)
     if validate:
         _validate_prefix(kv, pt, lens)
@@ -894,7 +990,7 @@ def tree_verify_attention(q, kv_cache, page_table, prefix_lens, tree_kv, visibil
     bsz, nq, nh, _ = qa.shape
     if version in WGMMA_VERSIONS:
         out, lse = _launch_wgmma(version, qa, kv, pt, lens, scale, workspace, tail=(tkv, vis, sizes),
-                                 plan_ready=plan_ready)
+                                 plan_ready=plan_ready, fp8=kv_kind == "fp8")
         out, lse = out.reshape(bsz, nq, nh, KV_LORA_RANK), lse.reshape(bsz, nq, nh)
         return (out, lse) if batched else (out[0], lse[0])
     parts, plse = _launch_prefix(qa, kind, kv, pt, lens, scale, version)

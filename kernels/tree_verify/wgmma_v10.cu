@@ -22,6 +22,10 @@
 // combine is v8's and the result is version 9's bit for bit (the same jobs, each computed alike, merged in
 // the same fixed order).
 //
+// Built with -DTV_FP8=1 (kdlib.cuda.attention.FP8_OPTIONS) the attend kernels read the prefix pool in the FP8
+// layout (656-byte rows: e4m3 latent, float32 scales, bf16 rope), dequantized by the producer into the bf16
+// stages (tree_verify/wgmma_ws.cuh, fill_stage); both attend kernels then take FP8_SMEM of shared memory.
+//
 // The attend kernels need sm_90a (wgmma, setmaxnreg); built for another target their bodies trap.
 // kdlib-arch: sm_90a wgmma=tree_verify_v7_attend,tree_verify_v9_attend,tree_verify_v10_attend,tree_verify_v10_attend_t
 // (tests/test_kernels_compile.py builds it so, checks the SASS)

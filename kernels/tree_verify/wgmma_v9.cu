@@ -43,6 +43,7 @@ static_assert(TV9_NR % 8 == 0 && TV9_NR >= 8 && TV9_NR <= V9_MAX_NR, "TV9_NR: a 
 
 #define OFF_V9 (OFF_BARS + NBARS * 8)      // float: m_A, c_A, m_B, c_B [4][64], red [2][4][64], lsum [2][4][64]
 #define V9_SMEM (OFF_V9 + 20 * BM * 4 + 1024)  // + slack to align the base to 1024 B: 229040
+static_assert(OFF_V9 + 20 * BM * 4 == OFF_SCALES, "the FP8 build's scales follow v9's rows (wgmma_ws.cuh)");
 #define NB_WG 5                            // named barriers 5, 6: the 128 threads of consumer 0, 1
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

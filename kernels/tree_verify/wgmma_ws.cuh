@@ -7,8 +7,13 @@
 #include "tree_verify/wgmma_common.cuh"
 
 #define NTHREADS 384                           // producer + two consumer warpgroups
-#define PRODUCER_REGS 40                       // setmaxnreg: 128 x 40 + 256 x 232 = 64512 <= 65536
-#define CONSUMER_REGS 232
+#ifndef TV_FP8
+#define TV_FP8 0                               // 1: the prefix pool in FP8 (below, before fill_stage)
+#endif
+// setmaxnreg: 128 x 40 + 256 x 232 = 64512 <= 65536; the FP8 build's producer dequantizes (48: no spill in any
+// kernel of the build, where 40 spilled), 128 x 48 + 256 x 224 = 63488
+#define PRODUCER_REGS (TV_FP8 ? 48 : 40)
+#define CONSUMER_REGS (TV_FP8 ? 224 : 232)
 #define OFF_K0 TILE_BYTES
 #define OFF_K1 (2 * TILE_BYTES)
 #define OFF_ROWS (3 * TILE_BYTES)              // float [5][64]: m, c_A, c_B, l_0, l_1
@@ -59,6 +64,20 @@
 #define TRACE_PAIRS 96
 #define TRACE_EVENTS 9
 #define TRACE_SLOTS (TRACE_EVENTS + 2)
+
+// TV_FP8 (-DTV_FP8=1): the prefix pool in the FP8 MLA latent layout of kdlib.ref.fp8 (DeepSeek-V3.2's, FlashMLA's
+// "FP8 with scale"): 656-byte rows, the 512 latent values in e4m3, then 4 float32 scales (one per 128 latent
+// dims), then the 64 rope values in bf16. The tree rows (tree_kv) stay bf16. The producer dequantizes each
+// prefix tile into the stage's bf16 blocks (fill_stage_fp8), so the consumers and their bits are the bf16
+// build's: on the dequantized pool the two builds give the same output bit for bit where the scales are powers
+// of two (the layout's rule: e4m3 times the scale is then exact in bf16; other scales are rounded to bf16 once).
+static_assert(!(TV_FP8 && TV7_PROBE), "the timing probes are bf16 builds");
+#define FP8_ROW 656                            // bytes per cached token
+#define FP8_SCALES 512                         // offset of its 4 float32 scales
+#define FP8_ROPE 528                           // offset of its 64 bf16 rope values
+#define NB_PRODUCER 7                          // named barrier of the producer's 128 threads (fp8 builds)
+#define OFF_SCALES (OFF_BARS + NBARS * 8 + 20 * BM * 4)  // fp8 builds: float [2][64][4], past v9's rows
+#define FP8_SMEM (OFF_SCALES + 2 * BN * 16 + 1024)       // 231088 with the alignment slack
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -114,11 +133,127 @@ __device__ __forceinline__ void handoff(int id) {
     else nb_arrive(id);
 }
 
+// The FP8 path of fill_stage (TV_FP8 builds, prefix tiles). A V half (group g: blocks 4g .. 4g + 3, the latent
+// dims of scale tiles 2g and 2g + 1) is staged in its own last two blocks: tile 2g + u's e4m3 bytes, 128 a row,
+// in block 4g + 2 + u with the bf16 blocks' 128-B swizzle; thread (lrow, ch) copies chunk ch of its four rows,
+// and the ch = 0 threads each row's 4 scales (into sc, float [64][4], with group 0). Rope: cp.async into block
+// 8 as in the bf16 build. Three cp.async groups: V_L, V_R, rope.
+__device__ __forceinline__ void stage_fp8(unsigned kst, int g, const TileRows& t, const char* kvb, unsigned sc,
+                                          int lrow, int ch) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        const int row = lrow + 16 * p, bytes = (t.valid >> p) & 1 ? 16 : 0;
+        const char* src = kvb + (long long)t.row[p] * FP8_ROW;
+        const unsigned dst = kst + (4 * g + 2) * CB_BYTES + row * 128 + ((ch ^ (row & 7)) << 4);
+        cp_async16(dst, src + 256 * g + 16 * ch, bytes);
+        cp_async16(dst + CB_BYTES, src + 256 * g + 128 + 16 * ch, bytes);
+        if (g == 0 && ch == 0) cp_async16(sc + row * 16, src + FP8_SCALES, bytes);
+    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// Two e4m3 values (the low 16 bits of v: the lower byte the first) times a scale -> two bf16 (the first in the
+// low half): e4m3 -> f16 exactly, f32 product (exact for a power-of-two scale), rounded to bf16.
+__device__ __forceinline__ unsigned e4m3x2_scaled(unsigned v, float sc) {
+    unsigned r;
+    asm("{\n.reg .b32 h;\n.reg .b16 l, u, w;\n.reg .f32 a, b;\n"
+        "cvt.u16.u32 w, %1;\n"
+        "cvt.rn.f16x2.e4m3x2 h, w;\n"
+        "mov.b32 {l, u}, h;\n"
+        "cvt.f32.f16 a, l;\ncvt.f32.f16 b, u;\n"
+        "mul.rn.f32 a, a, %2;\nmul.rn.f32 b, b, %2;\n"
+        "cvt.rn.bf16x2.f32 %0, b, a;\n}\n"
+        : "=r"(r)
+        : "r"(v), "f"(sc));
+    return r;
+}
+
+// 16 staged e4m3 values (chunk ch of a row's scale tile 2g + u) -> their 16 bf16 values in the stage: block
+// 4g + 2u + ch / 4, chunks 2 (ch % 4) and the next (128-B swizzle).
+__device__ __forceinline__ void put_fp8_chunk(unsigned kst, int g, int u, int row, int ch, uint4 x, float sc) {
+    const unsigned blk = kst + (4 * g + 2 * u + (ch >> 2)) * CB_BYTES + row * 128;
+    const int c0 = 2 * (ch & 3);
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(blk + ((c0 ^ (row & 7)) << 4)),
+                 "r"(e4m3x2_scaled(x.x, sc)), "r"(e4m3x2_scaled(x.x >> 16, sc)), "r"(e4m3x2_scaled(x.y, sc)),
+                 "r"(e4m3x2_scaled(x.y >> 16, sc))
+                 : "memory");
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(blk + (((c0 + 1) ^ (row & 7)) << 4)),
+                 "r"(e4m3x2_scaled(x.z, sc)), "r"(e4m3x2_scaled(x.z >> 16, sc)), "r"(e4m3x2_scaled(x.w, sc)),
+                 "r"(e4m3x2_scaled(x.w >> 16, sc))
+                 : "memory");
+}
+
+__device__ __forceinline__ uint4 ld_shared_v4(unsigned a) {
+    uint4 x;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w) : "r"(a)
+                 : "memory");
+    return x;
+}
+
+__device__ __forceinline__ float ld_shared_f32(unsigned a) {
+    float x;
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(x) : "r"(a) : "memory");
+    return x;
+}
+
+// Group g's dequantization once its copies land (PENDING: the cp.async groups committed after it): every
+// producer thread's copies landed (NB_PRODUCER), tile 2g into blocks 4g, 4g + 1 (clear of the staging), tile
+// 2g + 1's staged bytes read by every thread (NB_PRODUCER) before they go to blocks 4g + 2, 4g + 3 (the staging),
+// then the proxy fence (st.shared, read by wgmma) and the thread's arrive on the four blocks' full barriers.
+template <int PENDING>
+__device__ __forceinline__ void dequant_fp8(unsigned kst, unsigned bars, int s, int g, unsigned sc, int lrow,
+                                            int ch) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+    asm volatile("bar.sync %0, 128;\n" ::"n"(NB_PRODUCER) : "memory");
+    const unsigned stg = kst + (4 * g + 2) * CB_BYTES;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        const int row = lrow + 16 * p;
+        const unsigned a = stg + row * 128 + ((ch ^ (row & 7)) << 4);
+        put_fp8_chunk(kst, g, 0, row, ch, ld_shared_v4(a), ld_shared_f32(sc + row * 16 + 8 * g));
+    }
+    uint4 x[4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        const int row = lrow + 16 * p;
+        x[p] = ld_shared_v4(stg + CB_BYTES + row * 128 + ((ch ^ (row & 7)) << 4));
+    }
+    asm volatile("bar.sync %0, 128;\n" ::"n"(NB_PRODUCER) : "memory");
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        const int row = lrow + 16 * p;
+        put_fp8_chunk(kst, g, 1, row, ch, x[p], ld_shared_f32(sc + row * 16 + 8 * g + 4));
+    }
+    fence_async_smem();
+#pragma unroll
+    for (int cb = 4 * g; cb < 4 * g + 4; ++cb) bar_arrive(BAR_CBFULL(bars, s, cb));
+}
+
 // Stage s's fill for pair n: each group of blocks (V_L, V_R, rope) once its readers of pair n - 1 are
 // done (their release n - 1 has parity (n & 1) ^ 1: a fresh barrier passes it at once), in release order.
+// TV_FP8 builds: prefix tiles staged and dequantized (stage_fp8, dequant_fp8; sc: the stage's scales), the
+// stage whole before the producer moves on to the next (so stage 1's copies of a pair wait for stage 0's).
 __device__ __forceinline__ void fill_stage(unsigned kst, unsigned bars, int s, int n, const TileRows& t,
-                                           const char* kvb, const char* tkb, int lrow, int ch) {
+                                           const char* kvb, const char* tkb, int lrow, int ch, unsigned sc) {
     const unsigned ep = (n & 1) ^ 1;
+    if (TV_FP8 && !t.tail) {
+        bar_wait(BAR_EMPTY(bars, s, 0), ep);
+        stage_fp8(kst, 0, t, kvb, sc, lrow, ch);
+        bar_wait(BAR_EMPTY(bars, s, 1), ep);
+        stage_fp8(kst, 1, t, kvb, sc, lrow, ch);
+        bar_wait(BAR_EMPTY(bars, s, 2), ep);
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            const int row = lrow + 16 * p;
+            cp_async16(kst + ROPE_CB * CB_BYTES + row * 128 + ((ch ^ (row & 7)) << 4),
+                       kvb + (long long)t.row[p] * FP8_ROW + FP8_ROPE + 16 * ch, (t.valid >> p) & 1 ? 16 : 0);
+        }
+        bar_arrive_copies(BAR_CBFULL(bars, s, ROPE_CB));
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+        dequant_fp8<2>(kst, bars, s, 0, sc, lrow, ch);
+        dequant_fp8<1>(kst, bars, s, 1, sc, lrow, ch);
+        return;
+    }
     const bool copy = TV7_PROBE < 2 || n == 0;
     bar_wait(BAR_EMPTY(bars, s, 0), ep);
     gather_half<0, V_R0>(kst, bars, s, t, kvb, tkb, lrow, ch, copy);
@@ -205,8 +340,8 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
             pair_tile(jb, 2 * cur.i + 1, d + 8);
             bar_arrive(BAR_DESC(bars, n % NDESC));
         }
-        fill_stage(k0s, bars, 0, n, ra, kvb, tkb, lrow, ch);  // stage 0 is released first
-        fill_stage(k1s, bars, 1, n, rb, kvb, tkb, lrow, ch);
+        fill_stage(k0s, bars, 0, n, ra, kvb, tkb, lrow, ch, base + OFF_SCALES);  // stage 0 is released first
+        fill_stage(k1s, bars, 1, n, rb, kvb, tkb, lrow, ch, base + OFF_SCALES + BN * 16);
         if (nx.j < 0) break;
         if (fresh) jb = decode_job(plan, nreq, nx.j);
         cur = nx;  // the next pair's slots now
