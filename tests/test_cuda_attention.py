@@ -1301,7 +1301,9 @@ def test_v10_fp8_pool_is_the_bf16_build_on_its_dequantized_rows_bit_for_bit(bsz,
     """Version 10's FP8 build (-DTV_FP8=1) over a pool in the FP8 layout (fp8_pool: power-of-two scales, the
     rows spread over 9 orders of magnitude so that the scales differ row to row and tile to tile) gives the
     bf16 build's output and lse over the dequantized pool bit for bit, whole verify and prefix alone, and the
-    float64 reference's within the bf16 tolerance; its error against the bf16 pool is the layout's."""
+    float64 reference's on those rows within the bf16 tolerance. (What the layout costs against the bf16 pool
+    is data, not a kernel property: the attention_fp8 suite records it, kdlib.ref.fp8.fp8_verify_error studies
+    it.)"""
     _need_wgmma()
     import torch
 
@@ -1335,7 +1337,6 @@ def test_v10_fp8_pool_is_the_bf16_build_on_its_dequantized_rows_bit_for_bit(bsz,
     p8, pl8 = cu.prefix_attention(q, pool8, page, lens, scale, workspace=cu.make_workspace(bsz, nq, nh))
     pd, pld = cu.prefix_attention(q, deq, page, lens, scale, version=10)
     assert np.array_equal(p8.get(), pd.get(), equal_nan=True) and np.array_equal(pl8.get(), pld.get())
-    out16 = cu.tree_verify_attention(q, kv, page, lens, tkv, vis, sizes, scale, version=10)[0]
     for b in range(bsz):
         ts = int(sizes_np[b])
         r_out, r_lse = _torch_reference(q[b:b + 1, :ts], deq, page[b:b + 1], lens[b:b + 1], tkv[b:b + 1, :ts],
@@ -1343,8 +1344,6 @@ def test_v10_fp8_pool_is_the_bf16_build_on_its_dequantized_rows_bit_for_bit(bsz,
         assert_close(out8[b, :ts], r_out[0], rtol=BF16_RTOL, name=f"fp8 request {b}", quiet=True)
         assert_close(lse8[b, :ts], r_lse[0], rtol=1e-4, name=f"fp8 lse request {b}", quiet=True)
         assert np.isnan(out8[b, ts:].get()).all(), f"request {b}: rows past its tree not NaN"
-        # e4m3 keeps 3 mantissa bits: the output moves by a few percent of its norm, not more
-        assert_close(out8[b, :ts], out16[b, :ts], rtol=0.1, name=f"fp8 against bf16, request {b}", quiet=True)
 
 
 @pytest.mark.gpu
