@@ -507,8 +507,9 @@ __device__ __forceinline__ TileRows tile_rows(const int* plan, int nreq, const i
 
 // Column blocks [cb0, cb1) of a tile into the stage at dst, one mbarrier arrive per block once the
 // thread's copies of it (and of every block before) have landed; copy false: the arrives alone (the
-// stage keeps what it holds: tree_verify/wgmma_ws.cuh's TV7_PROBE 2).
-template <int CB0, int CB1>
+// stage keeps what it holds: tree_verify/wgmma_ws.cuh's TV7_PROBE 2). NCH: 16-byte chunks a thread copies of
+// each 128-byte row piece, ch and ch + 8 / NCH ... (2: the FP8 build's 64-thread fillers).
+template <int CB0, int CB1, int NCH = 1>
 __device__ __forceinline__ void gather_half(unsigned dst, unsigned bars, int s, const TileRows& t, const char* kvb,
                                             const char* tkb, int lrow, int ch, bool copy = true) {
     const char* src[4];
@@ -520,8 +521,12 @@ __device__ __forceinline__ void gather_half(unsigned dst, unsigned bars, int s, 
 #pragma unroll
             for (int p = 0; p < 4; ++p) {
                 const int row = lrow + 16 * p;
-                cp_async16(dst + cb * CB_BYTES + row * 128 + ((ch ^ (row & 7)) << 4), src[p] + cb * 128,
-                           (t.valid >> p) & 1 ? 16 : 0);
+#pragma unroll
+                for (int k = 0; k < NCH; ++k) {
+                    const int c = ch + 8 / NCH * k;
+                    cp_async16(dst + cb * CB_BYTES + row * 128 + ((c ^ (row & 7)) << 4),
+                               src[p] + cb * 128 + 8 / NCH * k * 16, (t.valid >> p) & 1 ? 16 : 0);
+                }
             }
         bar_arrive_copies(BAR_CBFULL(bars, s, cb));
     }

@@ -10,10 +10,10 @@
 #ifndef TV_FP8
 #define TV_FP8 0                               // 1: the prefix pool in FP8 (below, before fill_stage)
 #endif
-// setmaxnreg: 128 x 40 + 256 x 232 = 64512 <= 65536; the FP8 build's producer dequantizes (48: no spill in any
-// kernel of the build, where 40 spilled), 128 x 48 + 256 x 224 = 63488
-#define PRODUCER_REGS (TV_FP8 ? 48 : 40)
-#define CONSUMER_REGS (TV_FP8 ? 224 : 232)
+// setmaxnreg: 128 x 40 + 256 x 232 = 64512 <= 65536; the FP8 build's producer dequantizes, two chunks a row a
+// thread (64: no spill in any kernel of the build, where 56 spilled), 128 x 64 + 256 x 216 = 63488
+#define PRODUCER_REGS (TV_FP8 ? 64 : 40)
+#define CONSUMER_REGS (TV_FP8 ? 216 : 232)
 #define OFF_K0 TILE_BYTES
 #define OFF_K1 (2 * TILE_BYTES)
 #define OFF_ROWS (3 * TILE_BYTES)              // float [5][64]: m, c_A, c_B, l_0, l_1
@@ -68,14 +68,14 @@
 // TV_FP8 (-DTV_FP8=1): the prefix pool in the FP8 MLA latent layout of kdlib.ref.fp8 (DeepSeek-V3.2's, FlashMLA's
 // "FP8 with scale"): 656-byte rows, the 512 latent values in e4m3, then 4 float32 scales (one per 128 latent
 // dims), then the 64 rope values in bf16. The tree rows (tree_kv) stay bf16. The producer dequantizes each
-// prefix tile into the stage's bf16 blocks (fill_stage_fp8), so the consumers and their bits are the bf16
+// prefix tile into the stage's bf16 blocks (fill_stage), so the consumers and their bits are the bf16
 // build's: on the dequantized pool the two builds give the same output bit for bit where the scales are powers
 // of two (the layout's rule: e4m3 times the scale is then exact in bf16; other scales are rounded to bf16 once).
 static_assert(!(TV_FP8 && TV7_PROBE), "the timing probes are bf16 builds");
 #define FP8_ROW 656                            // bytes per cached token
 #define FP8_SCALES 512                         // offset of its 4 float32 scales
 #define FP8_ROPE 528                           // offset of its 64 bf16 rope values
-#define NB_PRODUCER 7                          // named barrier of the producer's 128 threads (fp8 builds)
+#define FILLER (TV_FP8 ? 64 : 128)             // threads filling one stage (FP8: a half of the producer each)
 #define OFF_SCALES (OFF_BARS + NBARS * 8 + 20 * BM * 4)  // fp8 builds: float [2][64][4], past v9's rows
 #define FP8_SMEM (OFF_SCALES + 2 * BN * 16 + 1024)       // 231088 with the alignment slack
 
@@ -133,20 +133,23 @@ __device__ __forceinline__ void handoff(int id) {
     else nb_arrive(id);
 }
 
-// The FP8 path of fill_stage (TV_FP8 builds, prefix tiles). A V half (group g: blocks 4g .. 4g + 3, the latent
-// dims of scale tiles 2g and 2g + 1) is staged in its own last two blocks: tile 2g + u's e4m3 bytes, 128 a row,
-// in block 4g + 2 + u with the bf16 blocks' 128-B swizzle; thread (lrow, ch) copies chunk ch of its four rows,
-// and the ch = 0 threads each row's 4 scales (into sc, float [64][4], with group 0). Rope: cp.async into block
-// 8 as in the bf16 build. Three cp.async groups: V_L, V_R, rope.
+// The FP8 path of fill_stage (TV_FP8 builds, prefix tiles), by the stage's filler: 64 threads, thread (lrow, ch)
+// with ch < 4 taking rows lrow + 16 p and 16-byte chunks ch and ch + 4 of each 128-byte row piece. A V half
+// (group g: blocks 4g .. 4g + 3, the latent dims of scale tiles 2g and 2g + 1) is staged in its own last two
+// blocks: tile 2g + u's e4m3 bytes, 128 a row, in block 4g + 2 + u with the bf16 blocks' 128-B swizzle; the
+// ch = 0 threads copy each row's 4 scales (into sc, float [64][4], with group 0). One cp.async group each.
 __device__ __forceinline__ void stage_fp8(unsigned kst, int g, const TileRows& t, const char* kvb, unsigned sc,
                                           int lrow, int ch) {
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
         const int row = lrow + 16 * p, bytes = (t.valid >> p) & 1 ? 16 : 0;
-        const char* src = kvb + (long long)t.row[p] * FP8_ROW;
-        const unsigned dst = kst + (4 * g + 2) * CB_BYTES + row * 128 + ((ch ^ (row & 7)) << 4);
-        cp_async16(dst, src + 256 * g + 16 * ch, bytes);
-        cp_async16(dst + CB_BYTES, src + 256 * g + 128 + 16 * ch, bytes);
+        const char* src = kvb + (long long)t.row[p] * FP8_ROW + 256 * g;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {  // tile u = k / 2, chunk c = ch + 4 (k % 2)
+            const int u = k >> 1, c = ch + 4 * (k & 1);
+            cp_async16(kst + (4 * g + 2 + u) * CB_BYTES + row * 128 + ((c ^ (row & 7)) << 4),
+                       src + 128 * u + 16 * c, bytes);
+        }
         if (g == 0 && ch == 0) cp_async16(sc + row * 16, src + FP8_SCALES, bytes);
     }
     asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -168,11 +171,11 @@ __device__ __forceinline__ unsigned e4m3x2_scaled(unsigned v, float sc) {
     return r;
 }
 
-// 16 staged e4m3 values (chunk ch of a row's scale tile 2g + u) -> their 16 bf16 values in the stage: block
-// 4g + 2u + ch / 4, chunks 2 (ch % 4) and the next (128-B swizzle).
-__device__ __forceinline__ void put_fp8_chunk(unsigned kst, int g, int u, int row, int ch, uint4 x, float sc) {
-    const unsigned blk = kst + (4 * g + 2 * u + (ch >> 2)) * CB_BYTES + row * 128;
-    const int c0 = 2 * (ch & 3);
+// 16 staged e4m3 values (chunk c of a row's scale tile 2g + u) -> their 16 bf16 values in the stage: block
+// 4g + 2u + c / 4, chunks 2 (c % 4) and the next (128-B swizzle).
+__device__ __forceinline__ void put_fp8_chunk(unsigned kst, int g, int u, int row, int c, uint4 x, float sc) {
+    const unsigned blk = kst + (4 * g + 2 * u + (c >> 2)) * CB_BYTES + row * 128;
+    const int c0 = 2 * (c & 3);
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(blk + ((c0 ^ (row & 7)) << 4)),
                  "r"(e4m3x2_scaled(x.x, sc)), "r"(e4m3x2_scaled(x.x >> 16, sc)), "r"(e4m3x2_scaled(x.y, sc)),
                  "r"(e4m3x2_scaled(x.y >> 16, sc))
@@ -196,33 +199,37 @@ __device__ __forceinline__ float ld_shared_f32(unsigned a) {
     return x;
 }
 
-// Group g's dequantization once its copies land (PENDING: the cp.async groups committed after it): every
-// producer thread's copies landed (NB_PRODUCER), tile 2g into blocks 4g, 4g + 1 (clear of the staging), tile
-// 2g + 1's staged bytes read by every thread (NB_PRODUCER) before they go to blocks 4g + 2, 4g + 3 (the staging),
-// then the proxy fence (st.shared, read by wgmma) and the thread's arrive on the four blocks' full barriers.
+// Group g's dequantization once its copies land (PENDING: the cp.async groups committed after it). A thread
+// reads only the staged chunks it copied, but a row's scales come from its ch = 0 thread and a row's tile
+// 2g + 1 goes where the row's staged bytes are: the row's four threads are lanes of one warp, so __syncwarp
+// orders both (after the landing, and between each row's reads and its writes). Tile 2g goes to blocks 4g,
+// 4g + 1 (clear of the staging), tile 2g + 1 to 4g + 2, 4g + 3 row by row; then the proxy fence (st.shared,
+// read by wgmma) and the thread's arrive on the four blocks' full barriers.
 template <int PENDING>
 __device__ __forceinline__ void dequant_fp8(unsigned kst, unsigned bars, int s, int g, unsigned sc, int lrow,
                                             int ch) {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
-    asm volatile("bar.sync %0, 128;\n" ::"n"(NB_PRODUCER) : "memory");
+    __syncwarp();
     const unsigned stg = kst + (4 * g + 2) * CB_BYTES;
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
         const int row = lrow + 16 * p;
-        const unsigned a = stg + row * 128 + ((ch ^ (row & 7)) << 4);
-        put_fp8_chunk(kst, g, 0, row, ch, ld_shared_v4(a), ld_shared_f32(sc + row * 16 + 8 * g));
+        const float s0 = ld_shared_f32(sc + row * 16 + 8 * g);
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const int c = ch + 4 * k;
+            put_fp8_chunk(kst, g, 0, row, c, ld_shared_v4(stg + row * 128 + ((c ^ (row & 7)) << 4)), s0);
+        }
     }
-    uint4 x[4];
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
         const int row = lrow + 16 * p;
-        x[p] = ld_shared_v4(stg + CB_BYTES + row * 128 + ((ch ^ (row & 7)) << 4));
-    }
-    asm volatile("bar.sync %0, 128;\n" ::"n"(NB_PRODUCER) : "memory");
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-        const int row = lrow + 16 * p;
-        put_fp8_chunk(kst, g, 1, row, ch, x[p], ld_shared_f32(sc + row * 16 + 8 * g + 4));
+        const unsigned a = stg + CB_BYTES + row * 128;
+        const uint4 x0 = ld_shared_v4(a + ((ch ^ (row & 7)) << 4)), x1 = ld_shared_v4(a + (((ch + 4) ^ (row & 7)) << 4));
+        const float s1 = ld_shared_f32(sc + row * 16 + 8 * g + 4);
+        __syncwarp();  // the row's staged bytes read by its four threads
+        put_fp8_chunk(kst, g, 1, row, ch, x0, s1);
+        put_fp8_chunk(kst, g, 1, row, ch + 4, x1, s1);
     }
     fence_async_smem();
 #pragma unroll
@@ -231,8 +238,8 @@ __device__ __forceinline__ void dequant_fp8(unsigned kst, unsigned bars, int s, 
 
 // Stage s's fill for pair n: each group of blocks (V_L, V_R, rope) once its readers of pair n - 1 are
 // done (their release n - 1 has parity (n & 1) ^ 1: a fresh barrier passes it at once), in release order.
-// TV_FP8 builds: prefix tiles staged and dequantized (stage_fp8, dequant_fp8; sc: the stage's scales), the
-// stage whole before the producer moves on to the next (so stage 1's copies of a pair wait for stage 0's).
+// TV_FP8 builds, by the stage's 64-thread filler (NCH = 2 chunks a thread): prefix tiles staged and dequantized
+// (stage_fp8, dequant_fp8; sc: the stage's scales) once the stage's three groups are issued.
 __device__ __forceinline__ void fill_stage(unsigned kst, unsigned bars, int s, int n, const TileRows& t,
                                            const char* kvb, const char* tkb, int lrow, int ch, unsigned sc) {
     const unsigned ep = (n & 1) ^ 1;
@@ -245,8 +252,12 @@ __device__ __forceinline__ void fill_stage(unsigned kst, unsigned bars, int s, i
 #pragma unroll
         for (int p = 0; p < 4; ++p) {
             const int row = lrow + 16 * p;
-            cp_async16(kst + ROPE_CB * CB_BYTES + row * 128 + ((ch ^ (row & 7)) << 4),
-                       kvb + (long long)t.row[p] * FP8_ROW + FP8_ROPE + 16 * ch, (t.valid >> p) & 1 ? 16 : 0);
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+                const int c = ch + 4 * k;
+                cp_async16(kst + ROPE_CB * CB_BYTES + row * 128 + ((c ^ (row & 7)) << 4),
+                           kvb + (long long)t.row[p] * FP8_ROW + FP8_ROPE + 16 * c, (t.valid >> p) & 1 ? 16 : 0);
+            }
         }
         bar_arrive_copies(BAR_CBFULL(bars, s, ROPE_CB));
         asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -255,12 +266,13 @@ __device__ __forceinline__ void fill_stage(unsigned kst, unsigned bars, int s, i
         return;
     }
     const bool copy = TV7_PROBE < 2 || n == 0;
+    constexpr int NCH = 128 / FILLER;
     bar_wait(BAR_EMPTY(bars, s, 0), ep);
-    gather_half<0, V_R0>(kst, bars, s, t, kvb, tkb, lrow, ch, copy);
+    gather_half<0, V_R0, NCH>(kst, bars, s, t, kvb, tkb, lrow, ch, copy);
     bar_wait(BAR_EMPTY(bars, s, 1), ep);
-    gather_half<V_R0, ROPE_CB>(kst, bars, s, t, kvb, tkb, lrow, ch, copy);
+    gather_half<V_R0, ROPE_CB, NCH>(kst, bars, s, t, kvb, tkb, lrow, ch, copy);
     bar_wait(BAR_EMPTY(bars, s, 2), ep);
-    gather_half<ROPE_CB, NCB>(kst, bars, s, t, kvb, tkb, lrow, ch, copy);
+    gather_half<ROPE_CB, NCB, NCH>(kst, bars, s, t, kvb, tkb, lrow, ch, copy);
 }
 
 // Keys [k0, kend) and tail flag of tile `it` of jb; past the job's tiles: an empty tile.
@@ -276,7 +288,7 @@ __device__ __forceinline__ void pair_tile(const Job& jb, int it, int* d) {
 // The barriers at bars (tid 0 of the CTA; a __syncthreads must follow).
 __device__ __forceinline__ void init_bars(unsigned bars) {
     for (int s = 0; s < 2; ++s) {
-        for (int c = 0; c < NCB; ++c) bar_init(BAR_CBFULL(bars, s, c), 128);
+        for (int c = 0; c < NCB; ++c) bar_init(BAR_CBFULL(bars, s, c), FILLER);
         bar_init(BAR_EMPTY(bars, s, 0), 4 * WARP_ARRIVALS);
         bar_init(BAR_EMPTY(bars, s, 1), 4 * WARP_ARRIVALS);
         bar_init(BAR_EMPTY(bars, s, 2), 8 * WARP_ARRIVALS);
@@ -308,7 +320,12 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
     const unsigned k0s = base + OFF_K0, k1s = base + OFF_K1;
     const char* kvb = reinterpret_cast<const char*>(kv);
     const char* tkb = reinterpret_cast<const char*>(tree_kv);
-    const int lrow = wt >> 3, ch = wt & 7;  // gather: rows lrow + 16p, 16-byte chunk ch of each block
+    // FP8 builds: two fillers of FILLER = 64 threads, filler f (wt / 64) filling stage f alone (tile 2i + f of
+    // pair i) at its own pace, so that one stage's landing and dequantization overlap the other's copies;
+    // filler 0 also loads each job's Q (its 64 threads twice) and writes the descriptors. bf16: one filler.
+    const int fl = TV_FP8 ? wt / FILLER : 0, ft = wt % FILLER;  // the thread's filler, its thread in it
+    // gather: rows lrow + 16p, 16-byte chunk ch of each block (FP8: chunks ch and ch + 4)
+    const int lrow = ft >> (TV_FP8 ? 2 : 3), ch = ft & (TV_FP8 ? 3 : 7);
     // Each job is decoded from the plan once, not per pair: decode_job is a binary search over the requests,
     // a chain of dependent loads in the producer's path.
     int round = 0;  // ORDERED: the round of the last job dealt
@@ -318,15 +335,16 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
     };
     Pos cur{ORDERED ? dealt_job(plan, order, 0) : (int)blockIdx.x, 0};
     Job jb = decode_job(plan, nreq, cur.j);  // cur's job
-    TileRows ra = tile_rows(jb, page_table, P, Q, 0, lrow);  // the pair's tiles A and B
+    TileRows ra = tile_rows(jb, page_table, P, Q, fl, lrow);  // the pair's tiles A and B (FP8: the filler's)
     TileRows rb = tile_rows(jb, page_table, P, Q, 1, lrow);
     bool fresh;  // nx starts another job
     Pos nx = next(jb, cur, fresh);
     int jobs = 0;  // Q loads so far
     for (int n = 0;; ++n) {
-        if (cur.i == 0) {  // a new job: its Q once both consumers' S of the last job are done
+        if (cur.i == 0 && fl == 0) {  // a new job: its Q once both consumers' S of the last job are done
             bar_wait(BAR_QEMPTY(bars), (jobs & 1) ^ 1);
-            load_q(base, BAR_QFULL(bars), q, jb, Q * H, wt);
+            load_q(base, BAR_QFULL(bars), q, jb, Q * H, ft);
+            if (TV_FP8) load_q(base, BAR_QFULL(bars), q, jb, Q * H, ft + FILLER);
             ++jobs;
         }
         if (wt == 0) {
@@ -340,13 +358,17 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
             pair_tile(jb, 2 * cur.i + 1, d + 8);
             bar_arrive(BAR_DESC(bars, n % NDESC));
         }
-        fill_stage(k0s, bars, 0, n, ra, kvb, tkb, lrow, ch, base + OFF_SCALES);  // stage 0 is released first
-        fill_stage(k1s, bars, 1, n, rb, kvb, tkb, lrow, ch, base + OFF_SCALES + BN * 16);
+        if (TV_FP8) {
+            fill_stage(fl ? k1s : k0s, bars, fl, n, ra, kvb, tkb, lrow, ch, base + OFF_SCALES + fl * BN * 16);
+        } else {
+            fill_stage(k0s, bars, 0, n, ra, kvb, tkb, lrow, ch, 0);  // stage 0 is released first
+            fill_stage(k1s, bars, 1, n, rb, kvb, tkb, lrow, ch, 0);
+        }
         if (nx.j < 0) break;
         if (fresh) jb = decode_job(plan, nreq, nx.j);
         cur = nx;  // the next pair's slots now
-        ra = tile_rows(jb, page_table, P, Q, 2 * cur.i, lrow);
-        rb = tile_rows(jb, page_table, P, Q, 2 * cur.i + 1, lrow);
+        ra = tile_rows(jb, page_table, P, Q, 2 * cur.i + fl, lrow);
+        if (!TV_FP8) rb = tile_rows(jb, page_table, P, Q, 2 * cur.i + 1, lrow);
         nx = next(jb, cur, fresh);
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its thread
