@@ -171,19 +171,58 @@ __device__ __forceinline__ unsigned e4m3x2_scaled(unsigned v, float sc) {
     return r;
 }
 
+#ifndef TV_FP8_CVT
+#define TV_FP8_CVT 0
+#endif
+
+// Four e4m3 (a word, the lowest byte the first) times the scale -> four bf16 (two words) by integer ops and
+// FMUL alone: a byte's 7 magnitude bits at bit 20 of an f32 are its value times 2^-120 (e4m3's subnormals land
+// on f32 subnormals, which FMUL takes as they are); times m1 = scale 2^120 (BIG: 2^64, then m2 = scale 2^56,
+// where scale 2^120 would pass float's range) the product is exact for a power-of-two scale, so its upper half
+// is its bf16; the signs are OR'ed in after.
+template <bool BIG>
+__device__ __forceinline__ uint2 e4m3x4_bits(unsigned w, float m1, float m2) {
+    float f[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const unsigned mag = (k < 3 ? w << (20 - 8 * k) : w >> 4) & 0x07f00000u;
+        f[k] = __fmul_rn(__uint_as_float(mag), m1);
+        if (BIG) f[k] = __fmul_rn(f[k], m2);
+    }
+    uint2 r;
+    r.x = __byte_perm(__float_as_uint(f[0]), __float_as_uint(f[1]), 0x7632) | (__byte_perm(w, 0, 0x1404) & 0x80008000u);
+    r.y = __byte_perm(__float_as_uint(f[2]), __float_as_uint(f[3]), 0x7632) | (__byte_perm(w, 0, 0x3424) & 0x80008000u);
+    return r;
+}
+
+__device__ __forceinline__ void st_shared_v4(unsigned a, unsigned x, unsigned y, unsigned z, unsigned w) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
+}
+
 // 16 staged e4m3 values (chunk c of a row's scale tile 2g + u) -> their 16 bf16 values in the stage: block
 // 4g + 2u + c / 4, chunks 2 (c % 4) and the next (128-B swizzle).
 __device__ __forceinline__ void put_fp8_chunk(unsigned kst, int g, int u, int row, int c, uint4 x, float sc) {
     const unsigned blk = kst + (4 * g + 2 * u + (c >> 2)) * CB_BYTES + row * 128;
     const int c0 = 2 * (c & 3);
-    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(blk + ((c0 ^ (row & 7)) << 4)),
-                 "r"(e4m3x2_scaled(x.x, sc)), "r"(e4m3x2_scaled(x.x >> 16, sc)), "r"(e4m3x2_scaled(x.y, sc)),
-                 "r"(e4m3x2_scaled(x.y >> 16, sc))
-                 : "memory");
-    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(blk + (((c0 + 1) ^ (row & 7)) << 4)),
-                 "r"(e4m3x2_scaled(x.z, sc)), "r"(e4m3x2_scaled(x.z >> 16, sc)), "r"(e4m3x2_scaled(x.w, sc)),
-                 "r"(e4m3x2_scaled(x.w >> 16, sc))
-                 : "memory");
+    const unsigned a0 = blk + ((c0 ^ (row & 7)) << 4), a1 = blk + (((c0 + 1) ^ (row & 7)) << 4);
+    if (TV_FP8_CVT == 0) {
+        st_shared_v4(a0, e4m3x2_scaled(x.x, sc), e4m3x2_scaled(x.x >> 16, sc), e4m3x2_scaled(x.y, sc),
+                     e4m3x2_scaled(x.y >> 16, sc));
+        st_shared_v4(a1, e4m3x2_scaled(x.z, sc), e4m3x2_scaled(x.z >> 16, sc), e4m3x2_scaled(x.w, sc),
+                     e4m3x2_scaled(x.w >> 16, sc));
+    } else if (sc <= 128.f) {
+        const float m1 = sc * 0x1p120f;
+        const uint2 p = e4m3x4_bits<false>(x.x, m1, 1.f), q = e4m3x4_bits<false>(x.y, m1, 1.f);
+        st_shared_v4(a0, p.x, p.y, q.x, q.y);
+        const uint2 r = e4m3x4_bits<false>(x.z, m1, 1.f), t = e4m3x4_bits<false>(x.w, m1, 1.f);
+        st_shared_v4(a1, r.x, r.y, t.x, t.y);
+    } else {
+        const float m2 = sc * 0x1p56f;
+        const uint2 p = e4m3x4_bits<true>(x.x, 0x1p64f, m2), q = e4m3x4_bits<true>(x.y, 0x1p64f, m2);
+        st_shared_v4(a0, p.x, p.y, q.x, q.y);
+        const uint2 r = e4m3x4_bits<true>(x.z, 0x1p64f, m2), t = e4m3x4_bits<true>(x.w, 0x1p64f, m2);
+        st_shared_v4(a1, r.x, r.y, t.x, t.y);
+    }
 }
 
 __device__ __forceinline__ uint4 ld_shared_v4(unsigned a) {
