@@ -12,7 +12,8 @@ alone at 8 x 9; version 8 also where its combine takes 8 and 32 warps a row (8 x
 requests, over 20,000 for one); version 9 ("wgmma_v9") where it runs its own attend
 kernel (8 heads x 1 and x 2 queries: the workspace call, a ragged batch, a prefix alone); version 10
 ("wgmma_v10", the bf16 default) on a batch whose jobs its plan orders (16 requests of 8 x 65 rows) and at
-8 x 1 (one round: the static deal).
+8 x 1 (one round: the static deal); its FP8 build ("v10 fp8": the pool packed by `fp8_pool`, the reference on
+its dequantized rows) on the ordered batch, at 8 x 1, on the ragged batch of 3 and for a prefix alone.
 KDLIB_SANITIZE_CASES (a comma list of name prefixes, e.g. "v7") keeps some of them. Each output is
 compared with `kdlib.ref.attention` on the same bf16 values (norm-relative error <= 1e-2, lse within
 2e-3, padding rows NaN), so a clean sanitizer run is also a correct one. The kernels a case covers are
@@ -167,6 +168,15 @@ def cases(only: str = "") -> list[dict]:
          "shape": {"nh": 16, "nq": 65, "lens": [1000], "sizes": [65]},
          "version": 10, "call": "verify", "workspace": False},
     ]
+    # version 10's FP8 build (the pool in kdlib.ref.fp8's layout): the ordered batch, v9's consumers, the ragged
+    # batch (an empty prefix among them), a prefix alone
+    every += [{**c, "name": c["name"].replace("v10", "v10 fp8", 1), "fp8": True} for c in every[-3:-1]]
+    every += [
+        {"name": "v10 fp8 verify ragged B3", "shape": ragged, "version": 10, "call": "verify", "workspace": False,
+         "fp8": True},
+        {"name": "v10 fp8 prefix 8x9x1000", "shape": {"nh": 8, "nq": 9, "lens": [1000], "sizes": [9]},
+         "version": 10, "call": "prefix", "workspace": False, "fp8": True},
+    ]
     return [c for c in every if not keep or c["name"].startswith(keep)]
 
 
@@ -177,6 +187,9 @@ def run_case(spec: dict, seed: int) -> dict:
 
     sh = spec["shape"]
     dev, seen = to_device(problem(seed, sh["nh"], sh["nq"], sh["lens"], sh["sizes"]))
+    if spec.get("fp8"):  # the pool in the FP8 layout; the reference on the rows the kernel dequantizes
+        dev["kv_cache"] = cu.fp8_pool(dev["kv_cache"])
+        seen["kv_cache"] = cu.fp8_dequantized(dev["kv_cache"]).double().cpu().numpy()
     fetched = []
     fetch = loader.get_function
 
