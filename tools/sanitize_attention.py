@@ -168,12 +168,12 @@ def cases(only: str = "") -> list[dict]:
          "shape": {"nh": 16, "nq": 65, "lens": [1000], "sizes": [65]},
          "version": 10, "call": "verify", "workspace": False},
     ]
-    # version 10's FP8 build (the pool in kdlib.ref.fp8's layout): the ordered batch, v9's consumers, the ragged
-    # batch (an empty prefix among them), a prefix alone
+    # version 10's FP8 build (the pool in kdlib.ref.fp8's layout): the ordered batch, v9's consumers, the
+    # ragged batch (an empty prefix among them), a prefix alone
     every += [{**c, "name": c["name"].replace("v10", "v10 fp8", 1), "fp8": True} for c in every[-3:-1]]
     every += [
-        {"name": "v10 fp8 verify ragged B3", "shape": ragged, "version": 10, "call": "verify", "workspace": False,
-         "fp8": True},
+        {"name": "v10 fp8 verify ragged B3", "shape": ragged, "version": 10, "call": "verify",
+         "workspace": False, "fp8": True},
         {"name": "v10 fp8 prefix 8x9x1000", "shape": {"nh": 8, "nq": 9, "lens": [1000], "sizes": [9]},
          "version": 10, "call": "prefix", "workspace": False, "fp8": True},
     ]
