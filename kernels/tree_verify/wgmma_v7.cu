@@ -82,7 +82,7 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
             produce<false>(base, desc, bars, q, kv, page_table, tree_kv, plan, order, nreq, P, Q, H, wt);
     } else {
         // ----------------------------------------------------------------------------- consumers
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_NREG));
         float* rows = reinterpret_cast<float*>(gbase + OFF_ROWS);
         float* s_m = rows;            // running max after the last consumer's update
         float* s_ca = rows + BM;      // c_A

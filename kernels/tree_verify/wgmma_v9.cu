@@ -396,7 +396,7 @@ __device__ __forceinline__ void consume_v9(unsigned base, unsigned char* gbase, 
                                            int tid, int wg, int wt, const unsigned char* __restrict__ vis, int Q,
                                            int H, float scale, float* __restrict__ parts,
                                            float* __restrict__ part_lse) {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_NREG));
     float* rows = reinterpret_cast<float*>(gbase + OFF_V9);
     V9Ctx x;
     x.base = base;

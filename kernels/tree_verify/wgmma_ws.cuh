@@ -10,10 +10,14 @@
 #ifndef TV_FP8
 #define TV_FP8 0                               // 1: the prefix pool in FP8 (below, before fill_stage)
 #endif
-// setmaxnreg: 128 x 40 + 256 x 232 = 64512 <= 65536; the FP8 build's producer dequantizes, two chunks a row a
-// thread (64: no spill in any kernel of the build, where 56 spilled), 128 x 64 + 256 x 216 = 63488
-#define PRODUCER_REGS (TV_FP8 ? 64 : 40)
-#define CONSUMER_REGS (TV_FP8 ? 216 : 232)
+#define PRODUCER_REGS 40                       // setmaxnreg: 128 x 40 + 256 x 232 = 64512 <= 65536
+#define CONSUMER_REGS 232
+// the FP8 build's producer dequantizes, two chunks a row a thread (64: no spill in any kernel of the build,
+// where 56 spilled): 128 x 64 + 256 x 216 = 63488
+#define FP8_PRODUCER_REGS 64
+#define FP8_CONSUMER_REGS 216
+#define PRODUCER_NREG (TV_FP8 ? FP8_PRODUCER_REGS : PRODUCER_REGS)  // what the build's setmaxnreg passes
+#define CONSUMER_NREG (TV_FP8 ? FP8_CONSUMER_REGS : CONSUMER_REGS)
 #define OFF_K0 TILE_BYTES
 #define OFF_K1 (2 * TILE_BYTES)
 #define OFF_ROWS (3 * TILE_BYTES)              // float [5][64]: m, c_A, c_B, l_0, l_1
@@ -335,7 +339,7 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
                                        const __nv_bfloat16* kv, const int* page_table,
                                        const __nv_bfloat16* tree_kv, const int* plan, const int* order, int nreq,
                                        int P, int Q, int H, int wt) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_NREG));
     const unsigned k0s = base + OFF_K0, k1s = base + OFF_K1;
     const char* kvb = reinterpret_cast<const char*>(kv);
     const char* tkb = reinterpret_cast<const char*>(tree_kv);
