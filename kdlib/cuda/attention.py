@@ -75,9 +75,9 @@ FP8 latent cache (issue 19's stretch goal): a kv_cache of dtype uint8 and shape 
 the layout of `kdlib.ref.fp8` (DeepSeek-V3.2's, FlashMLA's "FP8 with scale", vLLM's `fp8_ds_mla`: 512 e4m3
 latent values, 4 float32 scales, one per 128 of them, 64 bf16 rope values; `kdlib.ref.fp8.pack_latent` writes
 it). Version 10 alone runs it, built with `FP8_OPTIONS` (-DTV_FP8=1): its producer warpgroup stages each
-prefix tile's e4m3 bytes in the stage and dequantizes them to bf16 in place (e4m3 times the tile's scale by
-integer ops and an fp32 multiply: exact for the layout's power-of-two scales, other scales truncated to bf16),
-and the consumers are the bf16 build's. q and tree_kv stay bf16. On a pool of power-of-two scales the output
+prefix tile's e4m3 bytes in the stage and dequantizes them to bf16 in place (e4m3 -> f16 -> f32 times the
+tile's scale, rounded to bf16: exact for the layout's power-of-two scales), and the consumers are the bf16
+build's. q and tree_kv stay bf16. On a pool of power-of-two scales the output
 is the bf16 build's on the dequantized pool, bit for bit. A prefix row is 656 bytes where bf16's is 1,152:
 57 % of the bytes.
 `version=None` (the default) picks by dtype and device: fp32 runs 1 (a dtype path, not a choice);

@@ -257,7 +257,6 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
 #endif
 }
 
-#if !TV_FP8  // the FP8 build is version 10's (tree_verify/wgmma_ws.cuh)
 // q [B, M, 576] bf16 (M = Q*H, row = q*H + h), kv [S, 576] bf16, page_table [B, P] int32,
 // tree_kv [B, Q, 576] bf16 and vis [B, Q, Q] uint8 (both null for the prefix alone), plan ->
 // parts [jobs, 64, 512] fp32, part_lse [jobs, 64] fp32 (rows past a job's valid rows unwritten).
@@ -268,4 +267,3 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v7_attend(
     int nreq, int P, int Q, int H, float scale, float* __restrict__ parts, float* __restrict__ part_lse) {
     attend_v7<false>(q, kv, page_table, tree_kv, vis, plan, nullptr, nreq, P, Q, H, scale, parts, part_lse);
 }
-#endif

@@ -451,7 +451,6 @@ __device__ __forceinline__ void consume_v9(unsigned base, unsigned char* gbase, 
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
-#if !TV_FP8  // the FP8 build is version 10's (tree_verify/wgmma_ws.cuh)
 // Arguments and outputs as tree_verify_v7_attend. Grid G (one per SM), block 384, dynamic shared memory
 // V9_SMEM.
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v9_attend(
@@ -478,4 +477,3 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v9_attend(
     __trap();  // built without sm_90a: no wgmma
 #endif
 }
-#endif

@@ -74,8 +74,7 @@
 // dims), then the 64 rope values in bf16. The tree rows (tree_kv) stay bf16. The producer dequantizes each
 // prefix tile into the stage's bf16 blocks (fill_stage), so the consumers and their bits are the bf16
 // build's: on the dequantized pool the two builds give the same output bit for bit where the scales are powers
-// of two (the layout's rule: e4m3 times the scale is then exact in bf16; other scales are truncated to bf16).
-// Only version 10's kernels are built so (wgmma_v7.cu's and wgmma_v9.cu's own attend kernels are left out).
+// of two (the layout's rule: e4m3 times the scale is then exact in bf16; other scales are rounded to bf16 once).
 static_assert(!(TV_FP8 && TV7_PROBE), "the timing probes are bf16 builds");
 #define FP8_ROW 656                            // bytes per cached token
 #define FP8_SCALES 512                         // offset of its 4 float32 scales
@@ -160,32 +159,24 @@ __device__ __forceinline__ void stage_fp8(unsigned kst, int g, const TileRows& t
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
 
-// Four e4m3 (a word, the lowest byte the first) times the scale -> four bf16 (two words) by integer ops and
-// FMUL alone: a byte's 7 magnitude bits at bit 20 of an f32 are its value times 2^-120 (e4m3's subnormals land
-// on f32 subnormals, which FMUL takes as they are); times m1 = scale 2^120 (BIG: 2^64, then m2 = scale 2^56,
-// where scale 2^120 would pass float's range) the product is exact for a power-of-two scale, so its upper half
-// is its bf16 (for other scales, the product truncated); the signs are OR'ed in after. A NaN byte (0x7f) reads
-// as 480 times the scale. No conversion instruction: on the H200 the cvt path (e4m3x2 -> f16x2 -> f32, times
-// the scale, -> bf16x2: four conversions a pair) made the FP8 build 0.54-0.77x the bf16 build's speed
-// (data/results/history/attention_fp8.cvt.785bdcd.h200.json).
-template <bool BIG>
-__device__ __forceinline__ uint2 e4m3x4_bits(unsigned w, float m1, float m2) {
-    float f[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const unsigned mag = (k < 3 ? w << (20 - 8 * k) : w >> 4) & 0x07f00000u;
-        f[k] = __fmul_rn(__uint_as_float(mag), m1);
-        if (BIG) f[k] = __fmul_rn(f[k], m2);
-    }
-    uint2 r;
-    const unsigned signs = 0x80008000u;  // bytes 0, 1 (2, 3) of w to bytes 1, 3: their sign bits to 15, 31
-    r.x = __byte_perm(__float_as_uint(f[0]), __float_as_uint(f[1]), 0x7632) | (__byte_perm(w, 0, 0x1404) & signs);
-    r.y = __byte_perm(__float_as_uint(f[2]), __float_as_uint(f[3]), 0x7632) | (__byte_perm(w, 0, 0x3424) & signs);
+// Two e4m3 values (the low 16 bits of v: the lower byte the first) times a scale -> two bf16 (the first in the
+// low half): e4m3 -> f16 exactly, f32 product (exact for a power-of-two scale), rounded to bf16. Inline PTX, so
+// no flush of subnormals under the loader's -ftz=true. Four conversions a pair: the producer's instructions
+// bound the FP8 build (0.54-0.77x the bf16 build's speed, data/results/attention_fp8.h200.json). An integer
+// path (a byte's magnitude bits at bit 20 of an f32, one FMUL) had more of them, 0.39-0.51x, and was not
+// exact: compiled -ftz=true, its f32 subnormals flushed (history/attention_fp8.int_fmul.c651a90.h200.json).
+__device__ __forceinline__ unsigned e4m3x2_scaled(unsigned v, float sc) {
+    unsigned r;
+    asm("{\n.reg .b32 h;\n.reg .b16 l, u, w;\n.reg .f32 a, b;\n"
+        "cvt.u16.u32 w, %1;\n"
+        "cvt.rn.f16x2.e4m3x2 h, w;\n"
+        "mov.b32 {l, u}, h;\n"
+        "cvt.f32.f16 a, l;\ncvt.f32.f16 b, u;\n"
+        "mul.rn.f32 a, a, %2;\nmul.rn.f32 b, b, %2;\n"
+        "cvt.rn.bf16x2.f32 %0, b, a;\n}\n"
+        : "=r"(r)
+        : "r"(v), "f"(sc));
     return r;
-}
-
-__device__ __forceinline__ void st_shared_v4(unsigned a, unsigned x, unsigned y, unsigned z, unsigned w) {
-    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
 }
 
 // 16 staged e4m3 values (chunk c of a row's scale tile 2g + u) -> their 16 bf16 values in the stage: block
@@ -193,20 +184,14 @@ __device__ __forceinline__ void st_shared_v4(unsigned a, unsigned x, unsigned y,
 __device__ __forceinline__ void put_fp8_chunk(unsigned kst, int g, int u, int row, int c, uint4 x, float sc) {
     const unsigned blk = kst + (4 * g + 2 * u + (c >> 2)) * CB_BYTES + row * 128;
     const int c0 = 2 * (c & 3);
-    const unsigned a0 = blk + ((c0 ^ (row & 7)) << 4), a1 = blk + (((c0 + 1) ^ (row & 7)) << 4);
-    if (sc <= 128.f) {
-        const float m1 = sc * 0x1p120f;
-        const uint2 p = e4m3x4_bits<false>(x.x, m1, 1.f), q = e4m3x4_bits<false>(x.y, m1, 1.f);
-        st_shared_v4(a0, p.x, p.y, q.x, q.y);
-        const uint2 r = e4m3x4_bits<false>(x.z, m1, 1.f), t = e4m3x4_bits<false>(x.w, m1, 1.f);
-        st_shared_v4(a1, r.x, r.y, t.x, t.y);
-    } else {
-        const float m2 = sc * 0x1p56f;
-        const uint2 p = e4m3x4_bits<true>(x.x, 0x1p64f, m2), q = e4m3x4_bits<true>(x.y, 0x1p64f, m2);
-        st_shared_v4(a0, p.x, p.y, q.x, q.y);
-        const uint2 r = e4m3x4_bits<true>(x.z, 0x1p64f, m2), t = e4m3x4_bits<true>(x.w, 0x1p64f, m2);
-        st_shared_v4(a1, r.x, r.y, t.x, t.y);
-    }
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(blk + ((c0 ^ (row & 7)) << 4)),
+                 "r"(e4m3x2_scaled(x.x, sc)), "r"(e4m3x2_scaled(x.x >> 16, sc)), "r"(e4m3x2_scaled(x.y, sc)),
+                 "r"(e4m3x2_scaled(x.y >> 16, sc))
+                 : "memory");
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(blk + (((c0 + 1) ^ (row & 7)) << 4)),
+                 "r"(e4m3x2_scaled(x.z, sc)), "r"(e4m3x2_scaled(x.z >> 16, sc)), "r"(e4m3x2_scaled(x.w, sc)),
+                 "r"(e4m3x2_scaled(x.w >> 16, sc))
+                 : "memory");
 }
 
 __device__ __forceinline__ uint4 ld_shared_v4(unsigned a) {
