@@ -62,6 +62,23 @@ def test_load_attention_every_arm_of_every_point():
     assert rec.doc["goals"] == raw["goals"]
 
 
+def test_load_attention_fp8_rows_of_both_pools_at_every_point():
+    raw = _raw("attention_fp8.h200.json")
+    rec = results.load_attention_fp8("h200")
+    assert len(rec.rows) == 2 * len(raw["points"])
+    for p in raw["points"]:
+        shape = {k: p[k] for k in ("heads", "queries", "prefix", "batch")}
+        rows = {r.variant: r for r in rec.select(op="tree_verify_attention", shape=shape)}
+        assert set(rows) == {"bf16", "fp8"} and {r.version for r in rows.values()} == {10}
+        for arm, r in rows.items():
+            a = p["arms"][arm]
+            want = (a["ms"], a["bytes"], p["flops"], a["floor_ms"])
+            assert (r.median_ms, r.bytes, r.flops, r.floor_ms) == want
+            assert math.isnan(r.p10_ms) and math.isnan(r.p90_ms)
+        assert rows["fp8"].bytes < rows["bf16"].bytes  # 656 bytes a prefix row against 1,152
+        assert rows["bf16"].median_ms / rows["fp8"].median_ms == pytest.approx(p["speedup_fp8"])
+
+
 def test_load_attention_bounds_verify_and_gather_rows_of_every_point():
     raw = _raw("attention_bounds.h200.json")
     rec = results.load_attention_bounds("h200")
@@ -294,6 +311,7 @@ def test_load_tree_build_cpu_headline_and_sweeps():
 LOADERS = {
     "attention": results.load_attention, "k2_rank": results.load_k2_rank, "k2_layer": results.load_k2_layer,
     "attention_bounds": results.load_attention_bounds, "attention_gate": results.load_attention_gate,
+    "attention_fp8": results.load_attention_fp8,
     "attention_timeline": results.load_attention_timeline,
     "kernel_ab_plan": functools.partial(results.load_kernel_ab, suite="kernel_ab_plan"),
     "kernel_ab_prefetch": functools.partial(results.load_kernel_ab, suite="kernel_ab_prefetch"),

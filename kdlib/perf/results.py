@@ -413,6 +413,27 @@ def load_attention_bounds(gpu: str = "h200") -> Recorded | None:
     return _recorded("attention_bounds", gpu, attention_bounds_rows)
 
 
+def attention_fp8_rows(doc: dict) -> tuple[Row, ...]:
+    """Tidy rows of an attention_fp8 payload (kdlib/perf/suites/attention_fp8.py), at each (heads, queries,
+    prefix, batch) point: op 'tree_verify_attention' (version 10, graph replay) with variant 'bf16' (the bf16
+    pool) or 'fp8' (the FP8 layout, the -DTV_FP8=1 build), the median of its rounds' medians (no quantiles:
+    NaN), that pool's bytes, the FLOPs and the floor. The rounds, the bit-for-bit check against the bf16
+    build on the dequantized pool and the error are in `Recorded.doc`."""
+    version = (doc.get("parameters") or {}).get("version")
+    out = []
+    for p in doc.get("points") or []:
+        shape = {k: p[k] for k in ("heads", "queries", "prefix", "batch")}
+        for arm, a in p["arms"].items():
+            out.append(_timed(VERIFY_OP, version, "graph", arm, shape, {"median_ms": a["ms"]}, a["bytes"],
+                              p["flops"], f"arms.{arm}.ms", a["floor_ms"]))
+    return tuple(out)
+
+
+def load_attention_fp8(gpu: str = "h200") -> Recorded | None:
+    """The recorded attention_fp8 suite on `gpu` with its tidy rows (`attention_fp8_rows`), or None."""
+    return _recorded("attention_fp8", gpu, attention_fp8_rows)
+
+
 # ---- one TP8 rank of Kimi-K2.6 (suite k2_rank)
 K2_RANK_OP = "k2_rank_step"
 
