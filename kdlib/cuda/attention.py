@@ -77,9 +77,10 @@ latent values, 4 float32 scales, one per 128 of them, 64 bf16 rope values; `kdli
 it). Version 10 alone runs it, built with `FP8_OPTIONS` (-DTV_FP8=1): its producer warpgroup stages each
 prefix tile's e4m3 bytes in the stage and dequantizes them to bf16 in place (e4m3 -> f16 -> f32 times the
 tile's scale, rounded to bf16: exact for the layout's power-of-two scales), and the consumers are the bf16
-build's. q and tree_kv stay bf16. On a pool of power-of-two scales the output
-is the bf16 build's on the dequantized pool, bit for bit. A prefix row is 656 bytes where bf16's is 1,152:
-57 % of the bytes.
+build's. q and tree_kv stay bf16. On a pool of power-of-two scales the output is the bf16 build's on the
+dequantized pool, bit for bit. A prefix row is 656 bytes where bf16's is 1,152: 57 % of the bytes; yet the
+build is slower than bf16's, 0.54-0.77x its speed at the attention_bounds points on the H200
+(data/results/attention_fp8.h200.json): the producer's dequantization bounds it (notebook 02b, 15b).
 `version=None` (the default) picks by dtype and device: fp32 runs 1 (a dtype path, not a choice);
 bf16 runs `DEFAULT_VERSION` (10, `BF16_DEFAULT`: the fastest in data/results/attention.h200.json)
 where the device runs it, else 3 where the device grants its 166 KB of shared memory (not on sm_120's
