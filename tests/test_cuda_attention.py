@@ -1299,7 +1299,7 @@ def _v5_many_requests(rng):
                                                     (5, 33, 4, 700, True)])  # short, partial tiles, empty
 def test_v10_fp8_pool_is_the_bf16_build_on_its_dequantized_rows_bit_for_bit(bsz, nq, nh, width, ragged):
     """Version 10's FP8 build (-DTV_FP8=1) over a pool in the FP8 layout (fp8_pool: power-of-two scales, the
-    rows spread over 9 orders of magnitude so that the scales differ row to row and tile to tile) gives the
+    rows' gains spread over 9 octaves so that the scales differ row to row and tile to tile) gives the
     bf16 build's output and lse over the dequantized pool bit for bit, whole verify and prefix alone, and the
     float64 reference's on those rows within the bf16 tolerance. (What the layout costs against the bf16 pool
     is data, not a kernel property: the attention_fp8 suite records it, kdlib.ref.fp8.fp8_verify_error studies

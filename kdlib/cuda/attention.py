@@ -107,6 +107,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kdlib.cuda import loader
+from kdlib.ref import fp8 as fp8_ref
 
 D_QK = 576  # MLA absorb width: kv_lora_rank 512 + rope 64 (DeepSeek-V3 / Kimi-K2)
 KV_LORA_RANK = 512  # value width: the latent part of each cached row
@@ -148,7 +149,7 @@ _V9_SMEM = _V7_SMEM + 20 * 64 * 4
 # the FP8 build of version 10 (-DTV_FP8=1): v9's layout + each stage's 64 rows of 4 float32 scales (FP8_SMEM)
 _FP8_SMEM = _V9_SMEM + 2 * 64 * 16
 FP8_OPTIONS = ("-DTV_FP8=1",)
-FP8_ROW_BYTES = 656  # kdlib.ref.fp8.layout_bytes(): 512 e4m3 + 4 float32 scales + 64 bf16 rope (FP8_ROW)
+FP8_ROW_BYTES = fp8_ref.layout_bytes()  # 656: 512 e4m3 + 4 float32 scales + 64 bf16 rope (FP8_ROW)
 _V9_MAX_NR = 56  # V9_MAX_NR: the rows v9's attend kernel builds for without spills
 # Q*H up to which version 9 runs its own attend kernel: where it measured faster than v8's (8 and 16 rows;
 # slower at 32 and 48) in data/results/history/attention.v9_dev.4d83aab.h200.json
@@ -356,17 +357,15 @@ def fp8_pool(kv):
     computed in float64 as the reference does; x / scale is exact in float32 and cast to e4m3 once)."""
     import torch
 
-    from kdlib.ref import fp8
-
     if not (loader.is_torch(kv) and kv.dtype == torch.bfloat16 and kv.ndim == 2 and kv.shape[1] == D_QK):
         raise ValueError(f"fp8_pool takes a torch bfloat16 pool [S, {D_QK}], got "
                          f"{type(kv).__name__} {getattr(kv, 'dtype', '')} {tuple(getattr(kv, 'shape', ()))}")
     n = kv.shape[0]
-    lat = kv[:, :KV_LORA_RANK].float().view(n, fp8.TILES, fp8.TILE)  # [S, 4, 128]
+    lat = kv[:, :KV_LORA_RANK].float().view(n, fp8_ref.TILES, fp8_ref.TILE)  # [S, 4, 128]
     amax = lat.abs().amax(dim=-1).double()  # [S, 4]
     if not bool(torch.isfinite(amax).all()):
         raise ValueError("the pool holds NaN or inf")
-    mant, exp = torch.frexp(torch.clamp(amax / fp8.E4M3_MAX, min=fp8.MIN_SCALE))
+    mant, exp = torch.frexp(torch.clamp(amax / fp8_ref.E4M3_MAX, min=fp8_ref.MIN_SCALE))
     scales = torch.ldexp(torch.ones_like(mant), torch.where(mant == 0.5, exp - 1, exp)).float()  # [S, 4]
     bits = (lat / scales[..., None]).to(torch.float8_e4m3fn).view(torch.uint8).view(n, KV_LORA_RANK)
     rope = kv[:, KV_LORA_RANK:].contiguous().view(torch.uint8)  # [S, 128]: little-endian bf16
@@ -379,14 +378,13 @@ def fp8_dequantized(pool8):
     puts in shared memory."""
     import torch
 
-    from kdlib.ref import fp8
-
     if not (loader.is_torch(pool8) and pool8.dtype == torch.uint8 and pool8.ndim == 2
             and pool8.shape[1] == FP8_ROW_BYTES):
         raise ValueError(f"fp8_dequantized takes a torch uint8 pool [S, {FP8_ROW_BYTES}], got "
                          f"{type(pool8).__name__} {getattr(pool8, 'dtype', '')}")
-    n, o = pool8.shape[0], KV_LORA_RANK + 4 * fp8.TILES
-    vals = pool8[:, :KV_LORA_RANK].contiguous().view(torch.float8_e4m3fn).float().view(n, fp8.TILES, fp8.TILE)
+    n, o = pool8.shape[0], KV_LORA_RANK + 4 * fp8_ref.TILES
+    vals = pool8[:, :KV_LORA_RANK].contiguous().view(torch.float8_e4m3fn).float().view(n, fp8_ref.TILES,
+                                                                                        fp8_ref.TILE)
     scales = pool8[:, KV_LORA_RANK:o].contiguous().view(torch.float32)  # [S, 4]
     lat = (vals * scales[..., None]).view(n, KV_LORA_RANK).bfloat16()
     return torch.cat([lat, pool8[:, o:].contiguous().view(torch.bfloat16)], dim=1)  # [S, 576]
@@ -506,8 +504,8 @@ def pick_version(version: int | None = None, impl: str | None = None, kind: str 
             raise ValueError(f"impl must be one of {tuple(IMPLS)}, got {impl!r}")
         version = IMPLS[impl]
     version = loader.check_version(version, VERSIONS, None)
-    if kind == "fp8" and version is None:
-        version = IMPLS[BF16_DEFAULT]  # the one version with an FP8 build; checked against the device below
+    if kind == "fp8" and version is None:  # the one version with an FP8 build (the device checked below)
+        version = next(v for v, launch in LAUNCHES.items() if "fp8" in launch.dtypes)
     if version is None:
         if kind != "bf16":
             return 1

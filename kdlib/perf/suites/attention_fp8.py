@@ -27,16 +27,16 @@ from kdlib import perf
 from kdlib.perf import results, timing
 from kdlib.perf.suites import _attention as base
 from kdlib.perf.suites import attention, attention_bounds
+from kdlib.ref import fp8
 
 POINTS = attention_bounds.POINTS  # the memory-bound points, then the two goal points
 QUICK_POINTS = POINTS[:2]
 ROUNDS = 3
-ROW_BYTES_FP8 = 656  # kdlib.ref.fp8.layout_bytes()
 
 
 def fp8_bytes(cost: dict, lens: list[int]) -> float:
     """A point's bytes with its prefix rows in the FP8 layout: the bf16 cost less 1,152 - 656 a prefix row."""
-    return cost["bytes"] - sum(lens) * (attention.D_QK * 2 - ROW_BYTES_FP8)
+    return cost["bytes"] - sum(lens) * (attention.D_QK * 2 - fp8.layout_bytes())
 
 
 def run_point(p: dict, pool, pool8, deq, ceil: dict, *, iters: int) -> dict:
@@ -109,7 +109,8 @@ def run(*, quick: bool = False) -> dict:
     return {
         "parameters": {"quick": quick, "points": pts, "iters": iters, "rounds": ROUNDS, "version": 10,
                        "options": list(cu.FP8_OPTIONS), "pool_rows": int(pool.shape[0]), "page_size": 1,
-                       "scale_rule": "pow2", "row_bytes": {"bf16": attention.D_QK * 2, "fp8": ROW_BYTES_FP8}},
+                       "scale_rule": "pow2",
+                       "row_bytes": {"bf16": attention.D_QK * 2, "fp8": fp8.layout_bytes()}},
         "ceilings": ceil,
         "clocks_before": clocks_before,
         "clocks_after": timing.clocks(),
