@@ -38,7 +38,7 @@
 #ifndef TV9_NR
 #define TV9_NR 8                           // rows of the jobs that run the transposed products
 #endif
-#define V9_MAX_NR 56                       // beyond, the consumers' registers spill
+#define V9_MAX_NR (TV_FP8 ? 48 : 56)      // beyond, the consumers' registers spill (FP8 builds: 208 of them)
 static_assert(TV9_NR % 8 == 0 && TV9_NR >= 8 && TV9_NR <= V9_MAX_NR, "TV9_NR: a multiple of 8 in [8, V9_MAX_NR]");
 
 #define OFF_V9 (OFF_BARS + NBARS * 8)      // float: m_A, c_A, m_B, c_B [4][64], red [2][4][64], lsum [2][4][64]
