@@ -13,9 +13,13 @@
 #define PRODUCER_REGS 40                       // setmaxnreg: 128 x 40 + 256 x 232 = 64512 <= 65536
 #define CONSUMER_REGS 232
 // the FP8 build's producer dequantizes, two chunks a row a thread (72: no spill in any kernel of the build,
-// where 64 spilled; the consumers at 208 build v9 up to 48 rows): 128 x 72 + 256 x 208 = 62464
+// where 64 spilled): 128 x 72 + 256 x 208 = 62464
 #define FP8_PRODUCER_REGS 72
 #define FP8_CONSUMER_REGS 208
+// FP8 builds' kernels with v9's consumers (at most 16 rows): the producer's register path holds a tile's share,
+// 144 registers a thread: 128 x 232 + 256 x 136 = 64512
+#define FP8_PF_PRODUCER_REGS 232
+#define FP8_PF_CONSUMER_REGS 136
 #define PRODUCER_NREG (TV_FP8 ? FP8_PRODUCER_REGS : PRODUCER_REGS)  // what the build's setmaxnreg passes
 #define CONSUMER_NREG (TV_FP8 ? FP8_CONSUMER_REGS : CONSUMER_REGS)
 #define OFF_K0 TILE_BYTES
@@ -209,12 +213,18 @@ __device__ __forceinline__ uint4 ld_shared_v4(unsigned a) {
     return x;
 }
 
-// The float32 scale at a, rounded to bf16 once, in both halves of the result.
-__device__ __forceinline__ unsigned ld_scale_bf16x2(unsigned a) {
+// A float32 scale (its bits), rounded to bf16 once, in both halves of the result.
+__device__ __forceinline__ unsigned scale_bf16x2(unsigned f) {
     unsigned r;
-    asm volatile("{\n.reg .f32 f;\nld.shared.f32 f, [%1];\ncvt.rn.bf16x2.f32 %0, f, f;\n}\n" : "=r"(r) : "r"(a)
-                 : "memory");
+    asm("cvt.rn.bf16x2.f32 %0, %1, %1;\n" : "=r"(r) : "f"(__uint_as_float(f)));
     return r;
+}
+
+// The float32 scale at a, as scale_bf16x2.
+__device__ __forceinline__ unsigned ld_scale_bf16x2(unsigned a) {
+    unsigned f;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(f) : "r"(a) : "memory");
+    return scale_bf16x2(f);
 }
 
 // Group g's dequantization once its copies land (PENDING: the cp.async groups committed after it). A thread
@@ -254,31 +264,100 @@ __device__ __forceinline__ void dequant_fp8(unsigned kst, unsigned bars, int s, 
     for (int cb = 4 * g; cb < 4 * g + 4; ++cb) bar_arrive(BAR_CBFULL(bars, s, cb));
 }
 
+// A prefix tile's rope (bf16 in the FP8 layout) into the stage's rope block by cp.async, its full barrier's
+// arrive once the thread's copies land; one cp.async group.
+__device__ __forceinline__ void copy_fp8_rope(unsigned kst, unsigned bars, int s, const TileRows& t, const char* kvb,
+                                              int lrow, int ch) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        const int row = lrow + 16 * p;
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const int c = ch + 4 * k;
+            cp_async16(kst + ROPE_CB * CB_BYTES + row * 128 + ((c ^ (row & 7)) << 4),
+                       kvb + (long long)t.row[p] * FP8_ROW + FP8_ROPE + 16 * c, (t.valid >> p) & 1 ? 16 : 0);
+        }
+    }
+    bar_arrive_copies(BAR_CBFULL(bars, s, ROPE_CB));
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// The FP8 register path (PF: the kernels with v9's consumers, whose few rows leave the producer the launch's 168
+// registers): a filler thread holds its share of the next tile's e4m3 bytes and scales (Fp8Regs: rows lrow + 16p,
+// chunks ch and ch + 4 of each scale tile's 128 bytes, 144 registers), loaded as soon as the tile is known
+// (load_fp8_regs), so that the loads run under the consumers' work on both stages and a stage's fill, once it is
+// released, is the dequantization alone (fill_fp8_regs). The staged path (stage_fp8 above) waits for the stage
+// to be free before it can load: the copy's latency and the dequantization followed each other in every
+// stage's turn.
+struct Fp8Regs {
+    uint4 v[4][4][2];  // [p][scale tile][k]: 16 e4m3 values, row lrow + 16 p, chunk ch + 4 k
+    uint4 sc[4];       // [p]: the row's 4 float32 scales
+};
+
+__device__ __forceinline__ uint4 ldg_nc_v4(const char* src) {
+    uint4 x;
+    asm volatile("ld.global.nc.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+                 : "l"(src));
+    return x;
+}
+
+// Tile t's bytes into r (rows past the tile's keys: zeros, as the staged path's zero-filled copies).
+__device__ __forceinline__ void load_fp8_regs(Fp8Regs& r, const TileRows& t, const char* kvb, int ch) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        const char* src = kvb + (long long)t.row[p] * FP8_ROW;
+        const bool ok = (t.valid >> p) & 1;
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+#pragma unroll
+            for (int k = 0; k < 2; ++k) r.v[p][u][k] = ok ? ldg_nc_v4(src + 128 * u + 16 * (ch + 4 * k)) : uint4{};
+        r.sc[p] = ok ? ldg_nc_v4(src + FP8_SCALES) : uint4{};
+    }
+}
+
+// Group g's blocks (scale tiles 2g, 2g + 1) of the stage from r, then the proxy fence and the thread's arrives.
+__device__ __forceinline__ void put_fp8_regs(unsigned kst, unsigned bars, int s, int g, const Fp8Regs& r, int lrow,
+                                             int ch) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        const unsigned sc[4] = {r.sc[p].x, r.sc[p].y, r.sc[p].z, r.sc[p].w};
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const unsigned s2 = scale_bf16x2(sc[2 * g + u]);
+#pragma unroll
+            for (int k = 0; k < 2; ++k) put_fp8_chunk(kst, g, u, lrow + 16 * p, ch + 4 * k, r.v[p][2 * g + u][k], s2);
+        }
+    }
+    fence_async_smem();
+#pragma unroll
+    for (int cb = 4 * g; cb < 4 * g + 4; ++cb) bar_arrive(BAR_CBFULL(bars, s, cb));
+}
+
 // Stage s's fill for pair n: each group of blocks (V_L, V_R, rope) once its readers of pair n - 1 are
 // done (their release n - 1 has parity (n & 1) ^ 1: a fresh barrier passes it at once), in release order.
 // TV_FP8 builds, by the stage's 64-thread filler (NCH = 2 chunks a thread): prefix tiles staged and dequantized
 // (stage_fp8, dequant_fp8; sc: the stage's scales) once the stage's three groups are issued.
+template <bool PF>
 __device__ __forceinline__ void fill_stage(unsigned kst, unsigned bars, int s, int n, const TileRows& t,
-                                           const char* kvb, const char* tkb, int lrow, int ch, unsigned sc) {
+                                           const char* kvb, const char* tkb, int lrow, int ch, unsigned sc,
+                                           const Fp8Regs& r) {
     const unsigned ep = (n & 1) ^ 1;
+    if (TV_FP8 && PF && !t.tail) {  // the register path: group 0, the rope (copied), group 1, in release order
+        bar_wait(BAR_EMPTY(bars, s, 0), ep);
+        put_fp8_regs(kst, bars, s, 0, r, lrow, ch);
+        bar_wait(BAR_EMPTY(bars, s, 2), ep);
+        copy_fp8_rope(kst, bars, s, t, kvb, lrow, ch);
+        bar_wait(BAR_EMPTY(bars, s, 1), ep);
+        put_fp8_regs(kst, bars, s, 1, r, lrow, ch);
+        return;
+    }
     if (TV_FP8 && !t.tail) {
         bar_wait(BAR_EMPTY(bars, s, 0), ep);
         stage_fp8(kst, 0, t, kvb, sc, lrow, ch);
         bar_wait(BAR_EMPTY(bars, s, 1), ep);
         stage_fp8(kst, 1, t, kvb, sc, lrow, ch);
         bar_wait(BAR_EMPTY(bars, s, 2), ep);
-#pragma unroll
-        for (int p = 0; p < 4; ++p) {
-            const int row = lrow + 16 * p;
-#pragma unroll
-            for (int k = 0; k < 2; ++k) {
-                const int c = ch + 4 * k;
-                cp_async16(kst + ROPE_CB * CB_BYTES + row * 128 + ((c ^ (row & 7)) << 4),
-                           kvb + (long long)t.row[p] * FP8_ROW + FP8_ROPE + 16 * c, (t.valid >> p) & 1 ? 16 : 0);
-            }
-        }
-        bar_arrive_copies(BAR_CBFULL(bars, s, ROPE_CB));
-        asm volatile("cp.async.commit_group;\n" ::: "memory");
+        copy_fp8_rope(kst, bars, s, t, kvb, lrow, ch);
         dequant_fp8<2>(kst, bars, s, 0, sc, lrow, ch);
         dequant_fp8<1>(kst, bars, s, 1, sc, lrow, ch);
         return;
@@ -329,12 +408,13 @@ __device__ __forceinline__ int dealt_job(const int* plan, const int* order, int 
 // The producer warpgroup (wt: its thread) over the CTA's stream of tile pairs: Q of each job, the pair
 // descriptors (ring at desc), the K tiles into the stages at base + OFF_K0 and base + OFF_K1. The CTA's jobs:
 // ORDERED, the snake deal of order (dealt_job); else the static round-robin (order unread; produce_v10 picks).
-template <bool ORDERED>
+template <bool ORDERED, bool PF = false>
 __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars, const __nv_bfloat16* q,
                                        const __nv_bfloat16* kv, const int* page_table,
                                        const __nv_bfloat16* tree_kv, const int* plan, const int* order, int nreq,
                                        int P, int Q, int H, int wt) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_NREG));
+    if (TV_FP8 && PF) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(FP8_PF_PRODUCER_REGS));
+    else asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_NREG));
     const unsigned k0s = base + OFF_K0, k1s = base + OFF_K1;
     const char* kvb = reinterpret_cast<const char*>(kv);
     const char* tkb = reinterpret_cast<const char*>(tree_kv);
@@ -356,6 +436,8 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
     Job jb = decode_job(plan, nreq, cur.j);  // cur's job
     TileRows ra = tile_rows(jb, page_table, P, Q, fl, lrow);  // the pair's tiles A and B (FP8: the filler's)
     TileRows rb = tile_rows(jb, page_table, P, Q, 1, lrow);
+    Fp8Regs r8;  // PF: tile ra's bytes
+    if (TV_FP8 && PF && !ra.tail) load_fp8_regs(r8, ra, kvb, ch);
     bool fresh;  // nx starts another job
     Pos nx = next(jb, cur, fresh);
     int jobs = 0;  // Q loads so far
@@ -378,15 +460,17 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
             bar_arrive(BAR_DESC(bars, n % NDESC));
         }
         if (TV_FP8) {
-            fill_stage(fl ? k1s : k0s, bars, fl, n, ra, kvb, tkb, lrow, ch, base + OFF_SCALES + fl * BN * 16);
+            fill_stage<PF>(fl ? k1s : k0s, bars, fl, n, ra, kvb, tkb, lrow, ch, base + OFF_SCALES + fl * BN * 16,
+                           r8);
         } else {
-            fill_stage(k0s, bars, 0, n, ra, kvb, tkb, lrow, ch, 0);  // stage 0 is released first
-            fill_stage(k1s, bars, 1, n, rb, kvb, tkb, lrow, ch, 0);
+            fill_stage<false>(k0s, bars, 0, n, ra, kvb, tkb, lrow, ch, 0, r8);  // stage 0 is released first
+            fill_stage<false>(k1s, bars, 1, n, rb, kvb, tkb, lrow, ch, 0, r8);
         }
         if (nx.j < 0) break;
         if (fresh) jb = decode_job(plan, nreq, nx.j);
         cur = nx;  // the next pair's slots now
         ra = tile_rows(jb, page_table, P, Q, 2 * cur.i + fl, lrow);
+        if (TV_FP8 && PF && !ra.tail) load_fp8_regs(r8, ra, kvb, ch);
         if (!TV_FP8) rb = tile_rows(jb, page_table, P, Q, 2 * cur.i + 1, lrow);
         nx = next(jb, cur, fresh);
     }
@@ -395,14 +479,15 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
 
 // Version 10's producer: the snake deal where its plan wrote an order (order [0] >= 0), else version 9's
 // (the static round-robin); one branch for the whole warpgroup, before either path's setmaxnreg.
+template <bool PF = false>
 __device__ __forceinline__ void produce_v10(unsigned base, int* desc, unsigned bars, const __nv_bfloat16* q,
                                            const __nv_bfloat16* kv, const int* page_table,
                                            const __nv_bfloat16* tree_kv, const int* plan, const int* order,
                                            int nreq, int P, int Q, int H, int wt) {
     if (order[0] >= 0)
-        produce<true>(base, desc, bars, q, kv, page_table, tree_kv, plan, order, nreq, P, Q, H, wt);
+        produce<true, PF>(base, desc, bars, q, kv, page_table, tree_kv, plan, order, nreq, P, Q, H, wt);
     else
-        produce<false>(base, desc, bars, q, kv, page_table, tree_kv, plan, order, nreq, P, Q, H, wt);
+        produce<false, PF>(base, desc, bars, q, kv, page_table, tree_kv, plan, order, nreq, P, Q, H, wt);
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
