@@ -2,7 +2,9 @@
 second call: the first compiles and warms). Run from the repo root on the GPU machine:
 
     ncu --kernel-name tree_verify_v10_attend_t --launch-skip 1 --launch-count 1 ... \
-        python3 tools/ncu_verify.py --impl wgmma_v10 --queries 1 --heads 8 --prefix 200000
+        python3 tools/ncu_verify.py --impl wgmma_v10 --queries 1 --heads 8 --prefix 200000 [--fp8]
+
+--fp8: the prefix pool in the FP8 layout (`kdlib.cuda.attention.fp8_pool` of the same rows; version 10 only).
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=65)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--prefix", type=int, default=200_000)
+    ap.add_argument("--fp8", action="store_true", help="the prefix pool in the FP8 layout (version 10)")
     a = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     nq, nh, s = a.queries, a.heads, a.prefix
     q = torch.randn(1, nq, nh, cu.D_QK, device="cuda", generator=g).bfloat16()  # [1, Q, H, 576]
     kv = torch.randn(s, cu.D_QK, device="cuda", generator=g).bfloat16()  # [S, 576]
+    if a.fp8:
+        kv = cu.fp8_pool(kv)  # [S, 656] uint8
     pt = torch.randperm(s, device="cuda", generator=g).int()[None]  # [1, S] scattered slots
     tkv = torch.randn(1, nq, cu.D_QK, device="cuda", generator=g).bfloat16()  # [1, Q, 576]
     vis = torch.tril(torch.ones(nq, nq, dtype=torch.bool, device="cuda"))[None]  # [1, Q, Q]
