@@ -467,7 +467,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v9_attend(
     int* desc = reinterpret_cast<int*>(gbase + OFF_DESC);  // [NDESC][DESC_INTS]
     const unsigned bars = base + OFF_BARS;
     const int tid = threadIdx.x;
-    if (tid == 0) init_bars(bars);
+    if (tid == 0) init_bars(bars, 128);
     __syncthreads();
 
     const int wg = tid >> 7, wt = tid & 127;

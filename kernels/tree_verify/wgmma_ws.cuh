@@ -16,8 +16,8 @@
 // where 64 spilled): 128 x 72 + 256 x 208 = 62464
 #define FP8_PRODUCER_REGS 72
 #define FP8_CONSUMER_REGS 208
-// FP8 builds' kernels with v9's consumers (at most 16 rows): the producer's register path holds a tile's share,
-// 144 registers a thread: 128 x 232 + 256 x 136 = 64512
+// FP8 builds' kernels with v9's consumers (at most 16 rows): the producer's register path holds its share of a
+// pair of tiles, 160 registers a thread: 128 x 232 + 256 x 136 = 64512
 #define FP8_PF_PRODUCER_REGS 232
 #define FP8_PF_CONSUMER_REGS 136
 #define PRODUCER_NREG (TV_FP8 ? FP8_PRODUCER_REGS : PRODUCER_REGS)  // what the build's setmaxnreg passes
@@ -265,15 +265,17 @@ __device__ __forceinline__ void dequant_fp8(unsigned kst, unsigned bars, int s, 
 }
 
 // A prefix tile's rope (bf16 in the FP8 layout) into the stage's rope block by cp.async, its full barrier's
-// arrive once the thread's copies land; one cp.async group.
+// arrive once the thread's copies land; one cp.async group. NCH: 16-byte chunks ch + 8 / NCH k a row (2: a
+// 64-thread filler, 1: 128 threads).
+template <int NCH>
 __device__ __forceinline__ void copy_fp8_rope(unsigned kst, unsigned bars, int s, const TileRows& t, const char* kvb,
                                               int lrow, int ch) {
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
         const int row = lrow + 16 * p;
 #pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            const int c = ch + 4 * k;
+        for (int k = 0; k < NCH; ++k) {
+            const int c = ch + 8 / NCH * k;
             cp_async16(kst + ROPE_CB * CB_BYTES + row * 128 + ((c ^ (row & 7)) << 4),
                        kvb + (long long)t.row[p] * FP8_ROW + FP8_ROPE + 16 * c, (t.valid >> p) & 1 ? 16 : 0);
         }
@@ -282,16 +284,15 @@ __device__ __forceinline__ void copy_fp8_rope(unsigned kst, unsigned bars, int s
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
 
-// The FP8 register path (PF: the kernels with v9's consumers, whose few rows leave the producer the launch's 168
-// registers): a filler thread holds its share of the next tile's e4m3 bytes and scales (Fp8Regs: rows lrow + 16p,
-// chunks ch and ch + 4 of each scale tile's 128 bytes, 144 registers), loaded as soon as the tile is known
-// (load_fp8_regs), so that the loads run under the consumers' work on both stages and a stage's fill, once it is
-// released, is the dequantization alone (fill_fp8_regs). The staged path (stage_fp8 above) waits for the stage
-// to be free before it can load: the copy's latency and the dequantization followed each other in every
-// stage's turn.
+// The FP8 register path (PF: the kernels with v9's consumers, whose few rows leave the producer registers to
+// spare): the whole producer warpgroup fills both stages, one after the other as the bf16 build does, each thread
+// (lrow, ch) holding its share of the pair's two tiles: rows lrow + 16p, chunk ch of each scale tile's 128 bytes,
+// and the rows' scales (Fp8Regs, 80 registers a tile). They are loaded as soon as the pair is known
+// (load_fp8_regs), so that the loads run under the consumers' work, and a stage's fill, once it is released, is
+// its dequantization by 128 threads (put_fp8_regs).
 struct Fp8Regs {
-    uint4 v[4][4][2];  // [p][scale tile][k]: 16 e4m3 values, row lrow + 16 p, chunk ch + 4 k
-    uint4 sc[4];       // [p]: the row's 4 float32 scales
+    uint4 v[4][4];  // [p][scale tile]: 16 e4m3 values of row lrow + 16 p, chunk ch
+    uint4 sc[4];    // [p]: the row's 4 float32 scales
 };
 
 __device__ __forceinline__ uint4 ldg_nc_v4(const char* src) {
@@ -308,9 +309,7 @@ __device__ __forceinline__ void load_fp8_regs(Fp8Regs& r, const TileRows& t, con
         const char* src = kvb + (long long)t.row[p] * FP8_ROW;
         const bool ok = (t.valid >> p) & 1;
 #pragma unroll
-        for (int u = 0; u < 4; ++u)
-#pragma unroll
-            for (int k = 0; k < 2; ++k) r.v[p][u][k] = ok ? ldg_nc_v4(src + 128 * u + 16 * (ch + 4 * k)) : uint4{};
+        for (int u = 0; u < 4; ++u) r.v[p][u] = ok ? ldg_nc_v4(src + 128 * u + 16 * ch) : uint4{};
         r.sc[p] = ok ? ldg_nc_v4(src + FP8_SCALES) : uint4{};
     }
 }
@@ -322,11 +321,8 @@ __device__ __forceinline__ void put_fp8_regs(unsigned kst, unsigned bars, int s,
     for (int p = 0; p < 4; ++p) {
         const unsigned sc[4] = {r.sc[p].x, r.sc[p].y, r.sc[p].z, r.sc[p].w};
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            const unsigned s2 = scale_bf16x2(sc[2 * g + u]);
-#pragma unroll
-            for (int k = 0; k < 2; ++k) put_fp8_chunk(kst, g, u, lrow + 16 * p, ch + 4 * k, r.v[p][2 * g + u][k], s2);
-        }
+        for (int u = 0; u < 2; ++u)
+            put_fp8_chunk(kst, g, u, lrow + 16 * p, ch, r.v[p][2 * g + u], scale_bf16x2(sc[2 * g + u]));
     }
     fence_async_smem();
 #pragma unroll
@@ -346,7 +342,7 @@ __device__ __forceinline__ void fill_stage(unsigned kst, unsigned bars, int s, i
         bar_wait(BAR_EMPTY(bars, s, 0), ep);
         put_fp8_regs(kst, bars, s, 0, r, lrow, ch);
         bar_wait(BAR_EMPTY(bars, s, 2), ep);
-        copy_fp8_rope(kst, bars, s, t, kvb, lrow, ch);
+        copy_fp8_rope<1>(kst, bars, s, t, kvb, lrow, ch);
         bar_wait(BAR_EMPTY(bars, s, 1), ep);
         put_fp8_regs(kst, bars, s, 1, r, lrow, ch);
         return;
@@ -357,13 +353,13 @@ __device__ __forceinline__ void fill_stage(unsigned kst, unsigned bars, int s, i
         bar_wait(BAR_EMPTY(bars, s, 1), ep);
         stage_fp8(kst, 1, t, kvb, sc, lrow, ch);
         bar_wait(BAR_EMPTY(bars, s, 2), ep);
-        copy_fp8_rope(kst, bars, s, t, kvb, lrow, ch);
+        copy_fp8_rope<2>(kst, bars, s, t, kvb, lrow, ch);
         dequant_fp8<2>(kst, bars, s, 0, sc, lrow, ch);
         dequant_fp8<1>(kst, bars, s, 1, sc, lrow, ch);
         return;
     }
     const bool copy = TV7_PROBE < 2 || n == 0;
-    constexpr int NCH = 128 / FILLER;
+    constexpr int NCH = TV_FP8 && !PF ? 2 : 1;
     bar_wait(BAR_EMPTY(bars, s, 0), ep);
     gather_half<0, V_R0, NCH>(kst, bars, s, t, kvb, tkb, lrow, ch, copy);
     bar_wait(BAR_EMPTY(bars, s, 1), ep);
@@ -382,10 +378,11 @@ __device__ __forceinline__ void pair_tile(const Job& jb, int it, int* d) {
     d[2] = kend;
 }
 
-// The barriers at bars (tid 0 of the CTA; a __syncthreads must follow).
-__device__ __forceinline__ void init_bars(unsigned bars) {
+// The barriers at bars (tid 0 of the CTA; a __syncthreads must follow); filler: the threads filling a stage
+// (FILLER; 128 where the producer runs the FP8 register path).
+__device__ __forceinline__ void init_bars(unsigned bars, int filler) {
     for (int s = 0; s < 2; ++s) {
-        for (int c = 0; c < NCB; ++c) bar_init(BAR_CBFULL(bars, s, c), FILLER);
+        for (int c = 0; c < NCB; ++c) bar_init(BAR_CBFULL(bars, s, c), filler);
         bar_init(BAR_EMPTY(bars, s, 0), 4 * WARP_ARRIVALS);
         bar_init(BAR_EMPTY(bars, s, 1), 4 * WARP_ARRIVALS);
         bar_init(BAR_EMPTY(bars, s, 2), 8 * WARP_ARRIVALS);
@@ -418,13 +415,15 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
     const unsigned k0s = base + OFF_K0, k1s = base + OFF_K1;
     const char* kvb = reinterpret_cast<const char*>(kv);
     const char* tkb = reinterpret_cast<const char*>(tree_kv);
-    // FP8 builds: two fillers of FILLER = 64 threads, filler f (wt / 64) filling stage f alone (tile 2i + f of
-    // pair i) at its own pace, so that one stage's landing and dequantization overlap the other's copies (it
-    // measured about as fast as one 128-thread filler for both: notebook 02b, 15b);
-    // filler 0 also loads each job's Q (its 64 threads twice) and writes the descriptors. bf16: one filler.
-    const int fl = TV_FP8 ? wt / FILLER : 0, ft = wt % FILLER;  // the thread's filler, its thread in it
-    // gather: rows lrow + 16p, 16-byte chunk ch of each block (FP8: chunks ch and ch + 4)
-    const int lrow = ft >> (TV_FP8 ? 2 : 3), ch = ft & (TV_FP8 ? 3 : 7);
+    // FP8 builds' staged path: two fillers of FILLER = 64 threads, filler f (wt / 64) filling stage f alone
+    // (tile 2i + f of pair i) at its own pace, so that one stage's landing and dequantization overlap the other's
+    // copies (it measured about as fast as one 128-thread filler for both: notebook 02b, 15b);
+    // filler 0 also loads each job's Q (its 64 threads twice) and writes the descriptors. bf16 and the FP8
+    // register path (PF): one filler, both stages in turn.
+    constexpr bool TWO = TV_FP8 && !PF;  // two fillers
+    const int fl = TWO ? wt / FILLER : 0, ft = TWO ? wt % FILLER : wt;  // the thread's filler, its thread in it
+    // gather: rows lrow + 16p, 16-byte chunk ch of each block (two fillers: chunks ch and ch + 4)
+    const int lrow = ft >> (TWO ? 2 : 3), ch = ft & (TWO ? 3 : 7);
     // Each job is decoded from the plan once, not per pair: decode_job is a binary search over the requests,
     // a chain of dependent loads in the producer's path.
     int round = 0;  // ORDERED: the round of the last job dealt
@@ -436,8 +435,9 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
     Job jb = decode_job(plan, nreq, cur.j);  // cur's job
     TileRows ra = tile_rows(jb, page_table, P, Q, fl, lrow);  // the pair's tiles A and B (FP8: the filler's)
     TileRows rb = tile_rows(jb, page_table, P, Q, 1, lrow);
-    Fp8Regs r8;  // PF: tile ra's bytes
-    if (TV_FP8 && PF && !ra.tail) load_fp8_regs(r8, ra, kvb, ch);
+    Fp8Regs r8a, r8b;  // the FP8 register path: tiles A's and B's bytes
+    if (TV_FP8 && PF && !ra.tail) load_fp8_regs(r8a, ra, kvb, ch);
+    if (TV_FP8 && PF && !rb.tail) load_fp8_regs(r8b, rb, kvb, ch);
     bool fresh;  // nx starts another job
     Pos nx = next(jb, cur, fresh);
     int jobs = 0;  // Q loads so far
@@ -445,7 +445,7 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
         if (cur.i == 0 && fl == 0) {  // a new job: its Q once both consumers' S of the last job are done
             bar_wait(BAR_QEMPTY(bars), (jobs & 1) ^ 1);
             load_q(base, BAR_QFULL(bars), q, jb, Q * H, ft);
-            if (TV_FP8) load_q(base, BAR_QFULL(bars), q, jb, Q * H, ft + FILLER);
+            if (TWO) load_q(base, BAR_QFULL(bars), q, jb, Q * H, ft + FILLER);
             ++jobs;
         }
         if (wt == 0) {
@@ -459,19 +459,20 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
             pair_tile(jb, 2 * cur.i + 1, d + 8);
             bar_arrive(BAR_DESC(bars, n % NDESC));
         }
-        if (TV_FP8) {
+        if (TWO) {
             fill_stage<PF>(fl ? k1s : k0s, bars, fl, n, ra, kvb, tkb, lrow, ch, base + OFF_SCALES + fl * BN * 16,
-                           r8);
+                           r8a);
         } else {
-            fill_stage<false>(k0s, bars, 0, n, ra, kvb, tkb, lrow, ch, 0, r8);  // stage 0 is released first
-            fill_stage<false>(k1s, bars, 1, n, rb, kvb, tkb, lrow, ch, 0, r8);
+            fill_stage<PF>(k0s, bars, 0, n, ra, kvb, tkb, lrow, ch, 0, r8a);  // stage 0 is released first
+            fill_stage<PF>(k1s, bars, 1, n, rb, kvb, tkb, lrow, ch, 0, r8b);
         }
         if (nx.j < 0) break;
         if (fresh) jb = decode_job(plan, nreq, nx.j);
         cur = nx;  // the next pair's slots now
         ra = tile_rows(jb, page_table, P, Q, 2 * cur.i + fl, lrow);
-        if (TV_FP8 && PF && !ra.tail) load_fp8_regs(r8, ra, kvb, ch);
-        if (!TV_FP8) rb = tile_rows(jb, page_table, P, Q, 2 * cur.i + 1, lrow);
+        if (!TWO) rb = tile_rows(jb, page_table, P, Q, 2 * cur.i + 1, lrow);
+        if (TV_FP8 && PF && !ra.tail) load_fp8_regs(r8a, ra, kvb, ch);
+        if (TV_FP8 && PF && !rb.tail) load_fp8_regs(r8b, rb, kvb, ch);
         nx = next(jb, cur, fresh);
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its thread
