@@ -266,22 +266,17 @@ def test_attention_v8_combine_warps_and_jobs_in_flight_match_the_source():
 
 def test_attention_v7_warp_roles_fit_the_register_file():
     """v7: a producer warpgroup and two MMA warpgroups (NTHREADS), whose setmaxnreg counts (multiples of 8
-    in [24, 256]) fit the 65536 registers of an SM, the bf16 build's, the FP8 build's and the FP8 build's
-    register path (v9's consumers); the kernels pass the build's pair (PRODUCER_NREG, CONSUMER_NREG), or the
-    register path's (FP8_PF_*)."""
+    in [24, 256]) fit the 65536 registers of an SM, the bf16 build's and the FP8 build's; the kernel passes
+    the build's pair (PRODUCER_NREG, CONSUMER_NREG)."""
     c = consts(attention._V7)
     assert c["NTHREADS"] == attention._V7_THREADS == 3 * 128
     for producer, consumer in ((c["PRODUCER_REGS"], c["CONSUMER_REGS"]),
-                               (c["FP8_PRODUCER_REGS"], c["FP8_CONSUMER_REGS"]),
-                               (c["FP8_PF_PRODUCER_REGS"], c["FP8_PF_CONSUMER_REGS"])):
+                               (c["FP8_PRODUCER_REGS"], c["FP8_CONSUMER_REGS"])):
         assert all(r % 8 == 0 and 24 <= r <= 256 for r in (producer, consumer))
         assert 128 * producer + 256 * consumer <= 65536
-    setmax = r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32 %0;\\n\" ::\"n\"\((\w+)\)"
     text = loader.expanded_source(attention._V7)
-    assert re.findall(setmax, text) == [
-        ("inc", "FP8_PF_PRODUCER_REGS"), ("dec", "PRODUCER_NREG"), ("inc", "CONSUMER_NREG")]
-    assert re.findall(setmax, loader.expanded_source(attention._V9))[-2:] == [
-        ("dec", "FP8_PF_CONSUMER_REGS"), ("inc", "CONSUMER_NREG")]
+    assert re.findall(r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32 %0;\\n\" ::\"n\"\((\w+)\)", text) == [
+        ("dec", "PRODUCER_NREG"), ("inc", "CONSUMER_NREG")]
     assert re.search(r"#define PRODUCER_NREG \(TV_FP8 \? FP8_PRODUCER_REGS : PRODUCER_REGS\)", text)
     assert re.search(r"#define CONSUMER_NREG \(TV_FP8 \? FP8_CONSUMER_REGS : CONSUMER_REGS\)", text)
 

@@ -68,7 +68,7 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
     int* desc = reinterpret_cast<int*>(gbase + OFF_DESC);  // [NDESC][DESC_INTS]
     const unsigned bars = base + OFF_BARS;
     const int tid = threadIdx.x;
-    if (tid == 0) init_bars(bars, FILLER);
+    if (tid == 0) init_bars(bars);
     __syncthreads();
 
     const int wg = tid >> 7, wt = tid & 127;

@@ -38,7 +38,7 @@
 #ifndef TV9_NR
 #define TV9_NR 8                           // rows of the jobs that run the transposed products
 #endif
-#define V9_MAX_NR (TV_FP8 ? 32 : 56)      // beyond, the consumers' registers spill (FP8 builds: 136 of them)
+#define V9_MAX_NR 56                       // beyond, the consumers' registers spill
 static_assert(TV9_NR % 8 == 0 && TV9_NR >= 8 && TV9_NR <= V9_MAX_NR, "TV9_NR: a multiple of 8 in [8, V9_MAX_NR]");
 
 #define OFF_V9 (OFF_BARS + NBARS * 8)      // float: m_A, c_A, m_B, c_B [4][64], red [2][4][64], lsum [2][4][64]
@@ -396,10 +396,7 @@ __device__ __forceinline__ void consume_v9(unsigned base, unsigned char* gbase, 
                                            int tid, int wg, int wt, const unsigned char* __restrict__ vis, int Q,
                                            int H, float scale, float* __restrict__ parts,
                                            float* __restrict__ part_lse) {
-    if (TV_FP8)  // the producer's register path (PF) takes registers from the consumers
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(FP8_PF_CONSUMER_REGS));
-    else
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_NREG));
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_NREG));
     float* rows = reinterpret_cast<float*>(gbase + OFF_V9);
     V9Ctx x;
     x.base = base;
@@ -467,12 +464,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v9_attend(
     int* desc = reinterpret_cast<int*>(gbase + OFF_DESC);  // [NDESC][DESC_INTS]
     const unsigned bars = base + OFF_BARS;
     const int tid = threadIdx.x;
-    if (tid == 0) init_bars(bars, 128);
+    if (tid == 0) init_bars(bars);
     __syncthreads();
 
     const int wg = tid >> 7, wt = tid & 127;
     if (wg == 0) {
-        produce<false, true>(base, desc, bars, q, kv, page_table, tree_kv, plan, nullptr, nreq, P, Q, H, wt);
+        produce<false>(base, desc, bars, q, kv, page_table, tree_kv, plan, nullptr, nreq, P, Q, H, wt);
         return;
     }
     consume_v9(base, gbase, desc, bars, tid, wg, wt, vis, Q, H, scale, parts, part_lse);

@@ -12,14 +12,10 @@
 #endif
 #define PRODUCER_REGS 40                       // setmaxnreg: 128 x 40 + 256 x 232 = 64512 <= 65536
 #define CONSUMER_REGS 232
-// the FP8 build's producer dequantizes, two chunks a row a thread (72: no spill in any kernel of the build,
-// where 64 spilled): 128 x 72 + 256 x 208 = 62464
-#define FP8_PRODUCER_REGS 72
-#define FP8_CONSUMER_REGS 208
-// FP8 builds' kernels with v9's consumers (at most 16 rows): the producer's register path holds its share of a
-// pair of tiles, 160 registers a thread: 128 x 232 + 256 x 136 = 64512
-#define FP8_PF_PRODUCER_REGS 232
-#define FP8_PF_CONSUMER_REGS 136
+// the FP8 build's producer dequantizes, two chunks a row a thread (64: no spill in any kernel of the build,
+// where 56 spilled): 128 x 64 + 256 x 216 = 63488
+#define FP8_PRODUCER_REGS 64
+#define FP8_CONSUMER_REGS 216
 #define PRODUCER_NREG (TV_FP8 ? FP8_PRODUCER_REGS : PRODUCER_REGS)  // what the build's setmaxnreg passes
 #define CONSUMER_NREG (TV_FP8 ? FP8_CONSUMER_REGS : CONSUMER_REGS)
 #define OFF_K0 TILE_BYTES
@@ -163,47 +159,42 @@ __device__ __forceinline__ void stage_fp8(unsigned kst, int g, const TileRows& t
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
 
-// Two e4m3 bytes -> two bf16 times 2^-120, no conversion instruction: w holds byte b of each in the high byte of
-// its 16-bit half (PRMT); b's magnitude bits, shifted down 4, land on the low 4 bits of the bf16 exponent and the
-// top 3 of its mantissa, its sign bit stays. Exponent field e > 0 is then 2^(e - 127) (1 + m / 8) against e4m3's
-// 2^(e - 7) (1 + m / 8), and e = 0 the bf16 subnormal m / 8 2^-126 against m / 8 2^-6: 2^-120 either way.
-// The NaN pattern S.1111.111 reads as 480 (the layout's writers saturate at 448 and never store it).
-__device__ __forceinline__ unsigned e4m3x2_bf16_lo(unsigned w) {
-    return ((w >> 4) & 0x07F007F0u) | (w & 0x80008000u);
-}
-
-// Four e4m3 values (the bytes of v, the lowest first) times the scale -> bf16 pairs lo (values 0, 1) and hi
-// (2, 3), the first of each in its low half: two bf16x2 products a pair, by 2^120 (exact: a subnormal in, a
-// normal out) and by the scale (s2: the tile's float32 scale rounded to bf16, in both halves), rounded once.
-// For the layout's power-of-two scales that is exact, as FlashMLA's kernel computes it; inline PTX, and bf16
-// products keep their subnormals. It replaced e4m3 -> f16 -> f32 -> times the scale -> bf16, whose float32
-// to bf16 conversions (16 a clock on an SM) bound the FP8 build at 0.54-0.77x the bf16 build's speed
-// (history/attention_fp8.cvt.785bdcd.h200.json).
-__device__ __forceinline__ void e4m3x4_scaled(unsigned v, unsigned s2, unsigned& lo, unsigned& hi) {
-    const unsigned two120 = 0x7B807B80u;  // bf16 2^120 in both halves
-    unsigned wl, wh;
-    asm("prmt.b32 %0, %2, 0, 0x1404;\nprmt.b32 %1, %2, 0, 0x3424;\n" : "=r"(wl), "=r"(wh) : "r"(v));
-    asm("{\n.reg .b32 a, b;\n"
-        "mul.rn.bf16x2 a, %2, %4;\nmul.rn.bf16x2 b, %3, %4;\n"
-        "mul.rn.bf16x2 %0, a, %5;\nmul.rn.bf16x2 %1, b, %5;\n}\n"
-        : "=r"(lo), "=r"(hi)
-        : "r"(e4m3x2_bf16_lo(wl)), "r"(e4m3x2_bf16_lo(wh)), "r"(two120), "r"(s2));
+// Two e4m3 values (the low 16 bits of v: the lower byte the first) times a scale -> two bf16 (the first in the
+// low half): e4m3 -> f16 exactly, f32 product (exact for a power-of-two scale), rounded to bf16. Inline PTX, so
+// no flush of subnormals under the loader's -ftz=true. Four conversions a pair; the FP8 build runs at 0.54-0.77x
+// the bf16 build's speed (data/results/attention_fp8.h200.json). Other designs, in data/results/history/: an
+// integer path (a byte's magnitude bits at bit 20 of an f32, one FMUL) 0.39-0.51x, and not exact: compiled
+// -ftz=true, its f32 subnormals flushed (attention_fp8.int_fmul.c651a90); integer ops and bf16 products, no
+// conversion instruction, as fast as this (bf16_products.4444c89); each tile loaded into the producer's
+// registers a pair ahead, dequantized by 64 or 128 threads, no faster (regs_two_fillers.f4453ed,
+// regs_one_filler.210b307). What is left in each stage's turn is the dequantization itself (notebook 02b, 15b).
+__device__ __forceinline__ unsigned e4m3x2_scaled(unsigned v, float sc) {
+    unsigned r;
+    asm("{\n.reg .b32 h;\n.reg .b16 l, u, w;\n.reg .f32 a, b;\n"
+        "cvt.u16.u32 w, %1;\n"
+        "cvt.rn.f16x2.e4m3x2 h, w;\n"
+        "mov.b32 {l, u}, h;\n"
+        "cvt.f32.f16 a, l;\ncvt.f32.f16 b, u;\n"
+        "mul.rn.f32 a, a, %2;\nmul.rn.f32 b, b, %2;\n"
+        "cvt.rn.bf16x2.f32 %0, b, a;\n}\n"
+        : "=r"(r)
+        : "r"(v), "f"(sc));
+    return r;
 }
 
 // 16 staged e4m3 values (chunk c of a row's scale tile 2g + u) -> their 16 bf16 values in the stage: block
 // 4g + 2u + c / 4, chunks 2 (c % 4) and the next (128-B swizzle).
-__device__ __forceinline__ void put_fp8_chunk(unsigned kst, int g, int u, int row, int c, uint4 x, unsigned s2) {
+__device__ __forceinline__ void put_fp8_chunk(unsigned kst, int g, int u, int row, int c, uint4 x, float sc) {
     const unsigned blk = kst + (4 * g + 2 * u + (c >> 2)) * CB_BYTES + row * 128;
     const int c0 = 2 * (c & 3);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {  // 8 values a store
-        unsigned r[4];
-        e4m3x4_scaled(h ? x.z : x.x, s2, r[0], r[1]);
-        e4m3x4_scaled(h ? x.w : x.y, s2, r[2], r[3]);
-        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(blk + (((c0 + h) ^ (row & 7)) << 4)),
-                     "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
-                     : "memory");
-    }
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(blk + ((c0 ^ (row & 7)) << 4)),
+                 "r"(e4m3x2_scaled(x.x, sc)), "r"(e4m3x2_scaled(x.x >> 16, sc)), "r"(e4m3x2_scaled(x.y, sc)),
+                 "r"(e4m3x2_scaled(x.y >> 16, sc))
+                 : "memory");
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(blk + (((c0 + 1) ^ (row & 7)) << 4)),
+                 "r"(e4m3x2_scaled(x.z, sc)), "r"(e4m3x2_scaled(x.z >> 16, sc)), "r"(e4m3x2_scaled(x.w, sc)),
+                 "r"(e4m3x2_scaled(x.w >> 16, sc))
+                 : "memory");
 }
 
 __device__ __forceinline__ uint4 ld_shared_v4(unsigned a) {
@@ -213,18 +204,10 @@ __device__ __forceinline__ uint4 ld_shared_v4(unsigned a) {
     return x;
 }
 
-// A float32 scale (its bits), rounded to bf16 once, in both halves of the result.
-__device__ __forceinline__ unsigned scale_bf16x2(unsigned f) {
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %1;\n" : "=r"(r) : "f"(__uint_as_float(f)));
-    return r;
-}
-
-// The float32 scale at a, as scale_bf16x2.
-__device__ __forceinline__ unsigned ld_scale_bf16x2(unsigned a) {
-    unsigned f;
-    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(f) : "r"(a) : "memory");
-    return scale_bf16x2(f);
+__device__ __forceinline__ float ld_shared_f32(unsigned a) {
+    float x;
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(x) : "r"(a) : "memory");
+    return x;
 }
 
 // Group g's dequantization once its copies land (PENDING: the cp.async groups committed after it). A thread
@@ -242,7 +225,7 @@ __device__ __forceinline__ void dequant_fp8(unsigned kst, unsigned bars, int s, 
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
         const int row = lrow + 16 * p;
-        const unsigned s0 = ld_scale_bf16x2(sc + row * 16 + 8 * g);
+        const float s0 = ld_shared_f32(sc + row * 16 + 8 * g);
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
             const int c = ch + 4 * k;
@@ -254,75 +237,10 @@ __device__ __forceinline__ void dequant_fp8(unsigned kst, unsigned bars, int s, 
         const int row = lrow + 16 * p;
         const unsigned a = stg + CB_BYTES + row * 128;
         const uint4 x0 = ld_shared_v4(a + ((ch ^ (row & 7)) << 4)), x1 = ld_shared_v4(a + (((ch + 4) ^ (row & 7)) << 4));
-        const unsigned s1 = ld_scale_bf16x2(sc + row * 16 + 8 * g + 4);
+        const float s1 = ld_shared_f32(sc + row * 16 + 8 * g + 4);
         __syncwarp();  // the row's staged bytes read by its four threads
         put_fp8_chunk(kst, g, 1, row, ch, x0, s1);
         put_fp8_chunk(kst, g, 1, row, ch + 4, x1, s1);
-    }
-    fence_async_smem();
-#pragma unroll
-    for (int cb = 4 * g; cb < 4 * g + 4; ++cb) bar_arrive(BAR_CBFULL(bars, s, cb));
-}
-
-// A prefix tile's rope (bf16 in the FP8 layout) into the stage's rope block by cp.async, its full barrier's
-// arrive once the thread's copies land; one cp.async group. NCH: 16-byte chunks ch + 8 / NCH k a row (2: a
-// 64-thread filler, 1: 128 threads).
-template <int NCH>
-__device__ __forceinline__ void copy_fp8_rope(unsigned kst, unsigned bars, int s, const TileRows& t, const char* kvb,
-                                              int lrow, int ch) {
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-        const int row = lrow + 16 * p;
-#pragma unroll
-        for (int k = 0; k < NCH; ++k) {
-            const int c = ch + 8 / NCH * k;
-            cp_async16(kst + ROPE_CB * CB_BYTES + row * 128 + ((c ^ (row & 7)) << 4),
-                       kvb + (long long)t.row[p] * FP8_ROW + FP8_ROPE + 16 * c, (t.valid >> p) & 1 ? 16 : 0);
-        }
-    }
-    bar_arrive_copies(BAR_CBFULL(bars, s, ROPE_CB));
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-// The FP8 register path (PF: the kernels with v9's consumers, whose few rows leave the producer registers to
-// spare): the whole producer warpgroup fills both stages, one after the other as the bf16 build does, each thread
-// (lrow, ch) holding its share of the pair's two tiles: rows lrow + 16p, chunk ch of each scale tile's 128 bytes,
-// and the rows' scales (Fp8Regs, 80 registers a tile). They are loaded as soon as the pair is known
-// (load_fp8_regs), so that the loads run under the consumers' work, and a stage's fill, once it is released, is
-// its dequantization by 128 threads (put_fp8_regs).
-struct Fp8Regs {
-    uint4 v[4][4];  // [p][scale tile]: 16 e4m3 values of row lrow + 16 p, chunk ch
-    uint4 sc[4];    // [p]: the row's 4 float32 scales
-};
-
-__device__ __forceinline__ uint4 ldg_nc_v4(const char* src) {
-    uint4 x;
-    asm volatile("ld.global.nc.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
-                 : "l"(src));
-    return x;
-}
-
-// Tile t's bytes into r (rows past the tile's keys: zeros, as the staged path's zero-filled copies).
-__device__ __forceinline__ void load_fp8_regs(Fp8Regs& r, const TileRows& t, const char* kvb, int ch) {
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-        const char* src = kvb + (long long)t.row[p] * FP8_ROW;
-        const bool ok = (t.valid >> p) & 1;
-#pragma unroll
-        for (int u = 0; u < 4; ++u) r.v[p][u] = ok ? ldg_nc_v4(src + 128 * u + 16 * ch) : uint4{};
-        r.sc[p] = ok ? ldg_nc_v4(src + FP8_SCALES) : uint4{};
-    }
-}
-
-// Group g's blocks (scale tiles 2g, 2g + 1) of the stage from r, then the proxy fence and the thread's arrives.
-__device__ __forceinline__ void put_fp8_regs(unsigned kst, unsigned bars, int s, int g, const Fp8Regs& r, int lrow,
-                                             int ch) {
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-        const unsigned sc[4] = {r.sc[p].x, r.sc[p].y, r.sc[p].z, r.sc[p].w};
-#pragma unroll
-        for (int u = 0; u < 2; ++u)
-            put_fp8_chunk(kst, g, u, lrow + 16 * p, ch, r.v[p][2 * g + u], scale_bf16x2(sc[2 * g + u]));
     }
     fence_async_smem();
 #pragma unroll
@@ -333,33 +251,33 @@ __device__ __forceinline__ void put_fp8_regs(unsigned kst, unsigned bars, int s,
 // done (their release n - 1 has parity (n & 1) ^ 1: a fresh barrier passes it at once), in release order.
 // TV_FP8 builds, by the stage's 64-thread filler (NCH = 2 chunks a thread): prefix tiles staged and dequantized
 // (stage_fp8, dequant_fp8; sc: the stage's scales) once the stage's three groups are issued.
-template <bool PF>
 __device__ __forceinline__ void fill_stage(unsigned kst, unsigned bars, int s, int n, const TileRows& t,
-                                           const char* kvb, const char* tkb, int lrow, int ch, unsigned sc,
-                                           const Fp8Regs& r) {
+                                           const char* kvb, const char* tkb, int lrow, int ch, unsigned sc) {
     const unsigned ep = (n & 1) ^ 1;
-    if (TV_FP8 && PF && !t.tail) {  // the register path: group 0, the rope (copied), group 1, in release order
-        bar_wait(BAR_EMPTY(bars, s, 0), ep);
-        put_fp8_regs(kst, bars, s, 0, r, lrow, ch);
-        bar_wait(BAR_EMPTY(bars, s, 2), ep);
-        copy_fp8_rope<1>(kst, bars, s, t, kvb, lrow, ch);
-        bar_wait(BAR_EMPTY(bars, s, 1), ep);
-        put_fp8_regs(kst, bars, s, 1, r, lrow, ch);
-        return;
-    }
     if (TV_FP8 && !t.tail) {
         bar_wait(BAR_EMPTY(bars, s, 0), ep);
         stage_fp8(kst, 0, t, kvb, sc, lrow, ch);
         bar_wait(BAR_EMPTY(bars, s, 1), ep);
         stage_fp8(kst, 1, t, kvb, sc, lrow, ch);
         bar_wait(BAR_EMPTY(bars, s, 2), ep);
-        copy_fp8_rope<2>(kst, bars, s, t, kvb, lrow, ch);
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            const int row = lrow + 16 * p;
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+                const int c = ch + 4 * k;
+                cp_async16(kst + ROPE_CB * CB_BYTES + row * 128 + ((c ^ (row & 7)) << 4),
+                           kvb + (long long)t.row[p] * FP8_ROW + FP8_ROPE + 16 * c, (t.valid >> p) & 1 ? 16 : 0);
+            }
+        }
+        bar_arrive_copies(BAR_CBFULL(bars, s, ROPE_CB));
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
         dequant_fp8<2>(kst, bars, s, 0, sc, lrow, ch);
         dequant_fp8<1>(kst, bars, s, 1, sc, lrow, ch);
         return;
     }
     const bool copy = TV7_PROBE < 2 || n == 0;
-    constexpr int NCH = TV_FP8 && !PF ? 2 : 1;
+    constexpr int NCH = 128 / FILLER;
     bar_wait(BAR_EMPTY(bars, s, 0), ep);
     gather_half<0, V_R0, NCH>(kst, bars, s, t, kvb, tkb, lrow, ch, copy);
     bar_wait(BAR_EMPTY(bars, s, 1), ep);
@@ -378,11 +296,10 @@ __device__ __forceinline__ void pair_tile(const Job& jb, int it, int* d) {
     d[2] = kend;
 }
 
-// The barriers at bars (tid 0 of the CTA; a __syncthreads must follow); filler: the threads filling a stage
-// (FILLER; 128 where the producer runs the FP8 register path).
-__device__ __forceinline__ void init_bars(unsigned bars, int filler) {
+// The barriers at bars (tid 0 of the CTA; a __syncthreads must follow).
+__device__ __forceinline__ void init_bars(unsigned bars) {
     for (int s = 0; s < 2; ++s) {
-        for (int c = 0; c < NCB; ++c) bar_init(BAR_CBFULL(bars, s, c), filler);
+        for (int c = 0; c < NCB; ++c) bar_init(BAR_CBFULL(bars, s, c), FILLER);
         bar_init(BAR_EMPTY(bars, s, 0), 4 * WARP_ARRIVALS);
         bar_init(BAR_EMPTY(bars, s, 1), 4 * WARP_ARRIVALS);
         bar_init(BAR_EMPTY(bars, s, 2), 8 * WARP_ARRIVALS);
@@ -405,25 +322,22 @@ __device__ __forceinline__ int dealt_job(const int* plan, const int* order, int 
 // The producer warpgroup (wt: its thread) over the CTA's stream of tile pairs: Q of each job, the pair
 // descriptors (ring at desc), the K tiles into the stages at base + OFF_K0 and base + OFF_K1. The CTA's jobs:
 // ORDERED, the snake deal of order (dealt_job); else the static round-robin (order unread; produce_v10 picks).
-template <bool ORDERED, bool PF = false>
+template <bool ORDERED>
 __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars, const __nv_bfloat16* q,
                                        const __nv_bfloat16* kv, const int* page_table,
                                        const __nv_bfloat16* tree_kv, const int* plan, const int* order, int nreq,
                                        int P, int Q, int H, int wt) {
-    if (TV_FP8 && PF) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(FP8_PF_PRODUCER_REGS));
-    else asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_NREG));
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_NREG));
     const unsigned k0s = base + OFF_K0, k1s = base + OFF_K1;
     const char* kvb = reinterpret_cast<const char*>(kv);
     const char* tkb = reinterpret_cast<const char*>(tree_kv);
-    // FP8 builds' staged path: two fillers of FILLER = 64 threads, filler f (wt / 64) filling stage f alone
-    // (tile 2i + f of pair i) at its own pace, so that one stage's landing and dequantization overlap the other's
-    // copies (it measured about as fast as one 128-thread filler for both: notebook 02b, 15b);
-    // filler 0 also loads each job's Q (its 64 threads twice) and writes the descriptors. bf16 and the FP8
-    // register path (PF): one filler, both stages in turn.
-    constexpr bool TWO = TV_FP8 && !PF;  // two fillers
-    const int fl = TWO ? wt / FILLER : 0, ft = TWO ? wt % FILLER : wt;  // the thread's filler, its thread in it
-    // gather: rows lrow + 16p, 16-byte chunk ch of each block (two fillers: chunks ch and ch + 4)
-    const int lrow = ft >> (TWO ? 2 : 3), ch = ft & (TWO ? 3 : 7);
+    // FP8 builds: two fillers of FILLER = 64 threads, filler f (wt / 64) filling stage f alone (tile 2i + f of
+    // pair i) at its own pace, so that one stage's landing and dequantization overlap the other's copies (it
+    // measured about as fast as one 128-thread filler for both: notebook 02b, 15b);
+    // filler 0 also loads each job's Q (its 64 threads twice) and writes the descriptors. bf16: one filler.
+    const int fl = TV_FP8 ? wt / FILLER : 0, ft = wt % FILLER;  // the thread's filler, its thread in it
+    // gather: rows lrow + 16p, 16-byte chunk ch of each block (FP8: chunks ch and ch + 4)
+    const int lrow = ft >> (TV_FP8 ? 2 : 3), ch = ft & (TV_FP8 ? 3 : 7);
     // Each job is decoded from the plan once, not per pair: decode_job is a binary search over the requests,
     // a chain of dependent loads in the producer's path.
     int round = 0;  // ORDERED: the round of the last job dealt
@@ -435,9 +349,6 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
     Job jb = decode_job(plan, nreq, cur.j);  // cur's job
     TileRows ra = tile_rows(jb, page_table, P, Q, fl, lrow);  // the pair's tiles A and B (FP8: the filler's)
     TileRows rb = tile_rows(jb, page_table, P, Q, 1, lrow);
-    Fp8Regs r8a, r8b;  // the FP8 register path: tiles A's and B's bytes
-    if (TV_FP8 && PF && !ra.tail) load_fp8_regs(r8a, ra, kvb, ch);
-    if (TV_FP8 && PF && !rb.tail) load_fp8_regs(r8b, rb, kvb, ch);
     bool fresh;  // nx starts another job
     Pos nx = next(jb, cur, fresh);
     int jobs = 0;  // Q loads so far
@@ -445,7 +356,7 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
         if (cur.i == 0 && fl == 0) {  // a new job: its Q once both consumers' S of the last job are done
             bar_wait(BAR_QEMPTY(bars), (jobs & 1) ^ 1);
             load_q(base, BAR_QFULL(bars), q, jb, Q * H, ft);
-            if (TWO) load_q(base, BAR_QFULL(bars), q, jb, Q * H, ft + FILLER);
+            if (TV_FP8) load_q(base, BAR_QFULL(bars), q, jb, Q * H, ft + FILLER);
             ++jobs;
         }
         if (wt == 0) {
@@ -459,20 +370,17 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
             pair_tile(jb, 2 * cur.i + 1, d + 8);
             bar_arrive(BAR_DESC(bars, n % NDESC));
         }
-        if (TWO) {
-            fill_stage<PF>(fl ? k1s : k0s, bars, fl, n, ra, kvb, tkb, lrow, ch, base + OFF_SCALES + fl * BN * 16,
-                           r8a);
+        if (TV_FP8) {
+            fill_stage(fl ? k1s : k0s, bars, fl, n, ra, kvb, tkb, lrow, ch, base + OFF_SCALES + fl * BN * 16);
         } else {
-            fill_stage<PF>(k0s, bars, 0, n, ra, kvb, tkb, lrow, ch, 0, r8a);  // stage 0 is released first
-            fill_stage<PF>(k1s, bars, 1, n, rb, kvb, tkb, lrow, ch, 0, r8b);
+            fill_stage(k0s, bars, 0, n, ra, kvb, tkb, lrow, ch, 0);  // stage 0 is released first
+            fill_stage(k1s, bars, 1, n, rb, kvb, tkb, lrow, ch, 0);
         }
         if (nx.j < 0) break;
         if (fresh) jb = decode_job(plan, nreq, nx.j);
         cur = nx;  // the next pair's slots now
         ra = tile_rows(jb, page_table, P, Q, 2 * cur.i + fl, lrow);
-        if (!TWO) rb = tile_rows(jb, page_table, P, Q, 2 * cur.i + 1, lrow);
-        if (TV_FP8 && PF && !ra.tail) load_fp8_regs(r8a, ra, kvb, ch);
-        if (TV_FP8 && PF && !rb.tail) load_fp8_regs(r8b, rb, kvb, ch);
+        if (!TV_FP8) rb = tile_rows(jb, page_table, P, Q, 2 * cur.i + 1, lrow);
         nx = next(jb, cur, fresh);
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its thread
@@ -480,15 +388,14 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
 
 // Version 10's producer: the snake deal where its plan wrote an order (order [0] >= 0), else version 9's
 // (the static round-robin); one branch for the whole warpgroup, before either path's setmaxnreg.
-template <bool PF = false>
 __device__ __forceinline__ void produce_v10(unsigned base, int* desc, unsigned bars, const __nv_bfloat16* q,
                                            const __nv_bfloat16* kv, const int* page_table,
                                            const __nv_bfloat16* tree_kv, const int* plan, const int* order,
                                            int nreq, int P, int Q, int H, int wt) {
     if (order[0] >= 0)
-        produce<true, PF>(base, desc, bars, q, kv, page_table, tree_kv, plan, order, nreq, P, Q, H, wt);
+        produce<true>(base, desc, bars, q, kv, page_table, tree_kv, plan, order, nreq, P, Q, H, wt);
     else
-        produce<false, PF>(base, desc, bars, q, kv, page_table, tree_kv, plan, order, nreq, P, Q, H, wt);
+        produce<false>(base, desc, bars, q, kv, page_table, tree_kv, plan, order, nreq, P, Q, H, wt);
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
