@@ -164,8 +164,8 @@ __device__ __forceinline__ void stage_fp8(unsigned kst, int g, const TileRows& t
 // no flush of subnormals under the loader's -ftz=true. Four conversions a pair; the FP8 build runs at 0.54-0.77x
 // the bf16 build's speed (data/results/attention_fp8.h200.json). Other designs, in data/results/history/: an
 // integer path (a byte's magnitude bits at bit 20 of an f32, one FMUL) 0.39-0.51x, and not exact: compiled
-// -ftz=true, its f32 subnormals flushed (attention_fp8.int_fmul.c651a90); integer ops and bf16 products, no
-// conversion instruction, as fast as this (bf16_products.4444c89); each tile loaded into the producer's
+// -ftz=true, its f32 subnormals flushed (attention_fp8.int_fmul.c651a90); integer ops and bf16 products (no
+// conversion instruction a value) as fast as this (bf16_products.4444c89); each tile loaded into the producer's
 // registers a pair ahead, dequantized by 64 or 128 threads, no faster (regs_two_fillers.f4453ed,
 // regs_one_filler.210b307). What is left in each stage's turn is the dequantization itself (notebook 02b, 15b).
 __device__ __forceinline__ unsigned e4m3x2_scaled(unsigned v, float sc) {
