@@ -373,9 +373,9 @@ def fp8_pool(kv):
 
 
 def fp8_dequantized(pool8):
-    """The FP8 layout's rows as a bf16 pool: torch [S, 656] uint8 -> [S, 576] bfloat16, e4m3 value times its
-    tile's scale rounded to bf16 (exact for power-of-two scales), then the rope. What the FP8 build's producer
-    puts in shared memory."""
+    """The FP8 layout's rows as a bf16 pool: torch [S, 656] uint8 -> [S, 576] bfloat16, each e4m3 value times
+    its tile's scale rounded to bf16 (the product rounded once: exact for the layout's power-of-two scales),
+    then the rope. What the FP8 build's producer puts in shared memory, FlashMLA's dequantization."""
     import torch
 
     if not (loader.is_torch(pool8) and pool8.dtype == torch.uint8 and pool8.ndim == 2
@@ -386,7 +386,8 @@ def fp8_dequantized(pool8):
     vals = pool8[:, :KV_LORA_RANK].contiguous().view(torch.float8_e4m3fn).float().view(n, fp8_ref.TILES,
                                                                                         fp8_ref.TILE)
     scales = pool8[:, KV_LORA_RANK:o].contiguous().view(torch.float32)  # [S, 4]
-    lat = (vals * scales[..., None]).view(n, KV_LORA_RANK).bfloat16()
+    # e4m3 (4 significant bits) times a bf16 (8) is exact in float32: one rounding, to bf16
+    lat = (vals * scales.bfloat16().float()[..., None]).view(n, KV_LORA_RANK).bfloat16()
     return torch.cat([lat, pool8[:, o:].contiguous().view(torch.bfloat16)], dim=1)  # [S, 576]
 
 

@@ -135,10 +135,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v10_attend
 
     const int wg = tid >> 7, wt = tid & 127;
     if (wg == 0) {
-        produce_v10(base, desc, bars, q, kv, page_table, tree_kv, plan, order, nreq, P, Q, H, wt);
+        produce_v10<TV_FP8 != 0>(base, desc, bars, q, kv, page_table, tree_kv, plan, order, nreq, P, Q, H, wt);
         return;
     }
-    consume_v9(base, gbase, desc, bars, tid, wg, wt, vis, Q, H, scale, parts, part_lse);
+    consume_v9<TV_FP8 != 0>(base, gbase, desc, bars, tid, wg, wt, vis, Q, H, scale, parts, part_lse);
 #else
     __trap();  // built without sm_90a: no wgmma
 #endif
