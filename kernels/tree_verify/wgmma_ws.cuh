@@ -71,10 +71,12 @@
 
 // TV_FP8 (-DTV_FP8=1): the prefix pool in the FP8 MLA latent layout of kdlib.ref.fp8 (DeepSeek-V3.2's, FlashMLA's
 // "FP8 with scale"): 656-byte rows, the 512 latent values in e4m3, then 4 float32 scales (one per 128 latent
-// dims), then the 64 rope values in bf16. The tree rows (tree_kv) stay bf16. The producer dequantizes each
-// prefix tile into the stage's bf16 blocks (fill_stage), so the consumers and their bits are the bf16
-// build's: on the dequantized pool the two builds give the same output bit for bit where the scales are powers
-// of two (the layout's rule: e4m3 times the scale is then exact in bf16; other scales are rounded to bf16 once).
+// dims), then the 64 rope values in bf16. The tree rows (tree_kv) stay bf16. Each prefix tile is dequantized
+// into the stage's bf16 blocks, by the producer (fill_stage) or, in the kernel with v9's consumers, by the
+// consumer that owns the stage (dequant_own), so the MMAs and their bits are the bf16 build's: on the
+// dequantized pool the two builds give the same output bit for bit where the scales are powers of two (the
+// layout's rule: e4m3 times the scale is then exact in bf16; other scales are rounded to bf16 first, FlashMLA's
+// rule, kdlib.cuda.attention.fp8_dequantized).
 static_assert(!(TV_FP8 && TV7_PROBE), "the timing probes are bf16 builds");
 #define FP8_ROW 656                            // bytes per cached token
 #define FP8_SCALES 512                         // offset of its 4 float32 scales
