@@ -9,7 +9,7 @@ the attention suite's memory-bound points, queries 1 and 9, then its two goal po
   * `fp8`: the same verify over the pool in the FP8 layout (`kdlib.cuda.attention.fp8_pool`: the bf16 rows
     with power-of-two scales, 656 bytes a row where bf16's take 1,152), replayed alike;
   * `bitwise_equal_dequantized`: the FP8 build's output and lse against version 10's bf16 build over the
-    dequantized pool (`fp8_dequantized`, what the build stages): equal bit for bit, or the build is wrong;
+    dequantized pool (`fp8_dequantized`, what the producer stages): equal bit for bit, or the build is wrong;
   * `error`: the FP8 output against the bf16 pool's, norm-relative over the rows inside the trees, and the
     lse's largest absolute difference: what the layout costs the verify on these inputs (random rows);
   * floors: each pool's bytes (`attention` suite's cost; the FP8 pool's prefix rows at 656 bytes) over the
