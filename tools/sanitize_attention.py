@@ -13,7 +13,8 @@ requests, over 20,000 for one); version 9 ("wgmma_v9") where it runs its own att
 kernel (8 heads x 1 and x 2 queries: the workspace call, a ragged batch, a prefix alone); version 10
 ("wgmma_v10", the bf16 default) on a batch whose jobs its plan orders (16 requests of 8 x 65 rows) and at
 8 x 1 (one round: the static deal); its FP8 build ("v10 fp8": the pool packed by `fp8_pool`, the reference on
-its dequantized rows) on the ordered batch, at 8 x 1, on the ragged batch of 3 and for a prefix alone.
+its dequantized rows) on the ordered batch, at 8 x 1, on the ragged batch of 3, for a prefix alone and on 160
+ragged requests at 8 x 2 (more jobs than SMs, so a CTA meets tree tails after other jobs' pairs).
 KDLIB_SANITIZE_CASES (a comma list of name prefixes, e.g. "v7") keeps some of them. Each output is
 compared with `kdlib.ref.attention` on the same bf16 values (norm-relative error <= 1e-2, lse within
 2e-3, padding rows NaN), so a clean sanitizer run is also a correct one. The kernels a case covers are
@@ -176,6 +177,11 @@ def cases(only: str = "") -> list[dict]:
          "workspace": False, "fp8": True},
         {"name": "v10 fp8 prefix 8x9x1000", "shape": {"nh": 8, "nq": 9, "lens": [1000], "sizes": [9]},
          "version": 10, "call": "prefix", "workspace": False, "fp8": True},
+        # v9's consumers over more jobs than SMs: a CTA meets tree tails after other jobs' pairs
+        {"name": "v10 fp8 verify 8x2 ragged B160",
+         "shape": {"nh": 8, "nq": 2, "lens": [613 * b % 3001 for b in range(160)],
+                   "sizes": [1 + b % 2 for b in range(160)]},
+         "version": 10, "call": "verify", "workspace": False, "fp8": True},
     ]
     return [c for c in every if not keep or c["name"].startswith(keep)]
 
