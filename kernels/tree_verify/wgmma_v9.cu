@@ -131,14 +131,14 @@ struct V9Ctx {
 // Row n of this thread's r-th row (r = 2 jj + e < N / 4).
 __device__ __forceinline__ int row_of(int r, int t4) { return 8 * (r >> 1) + 2 * t4 + (r & 1); }
 
-// S^T (+)= K Q^T over the nine column blocks of the stage at kst, each after its barrier (parity par; wait
-// false: the stage is whole already, dequant_own).
+// S^T (+)= K Q^T over column blocks [cb0, cb1) of the stage at kst, each after its barrier (parity par; wait
+// false: they are whole already, dequant_half).
 template <int N>
 __device__ __forceinline__ void issue_st(float* s, unsigned base, unsigned kst, unsigned bars, int st,
-                                         unsigned par, bool wait) {
+                                         unsigned par, bool wait, int cb0, int cb1) {
     const unsigned long long dk = sw128_desc(opaque(kst), 16), dq = sw128_desc(opaque(base), 16);
 #pragma unroll 1
-    for (int cb = 0; cb < NCB; ++cb) {
+    for (int cb = cb0; cb < cb1; ++cb) {
         if (wait) {
             bar_wait(BAR_CBFULL(bars, st, cb), par);
             fence_async_smem();
@@ -254,21 +254,29 @@ __device__ __forceinline__ void get_rows(float* v, const float* src, const V9Ctx
 }
 
 // One pair of tiles in consumer x.c (v7's seesaw with the transposed products; v7's barriers and releases).
-// o [2 N]: O^T of the consumer's 4 dim blocks, m, l [N / 4]: its rows' running max and sum. dq: the consumer
-// dequantizes its stage first (FP8 builds' prefix tiles, dequant_own); the other consumer reads that stage's V
-// half only after a handoff that follows it (NB_SCALE_A, NB_PB).
-template <int N>
-__device__ __forceinline__ void pair_t(float* o, float* s, float* m, float* l, const Job& jb, bool tail, bool dq,
-                                       int k0, int kend, bool first, bool last, unsigned par,
-                                       const unsigned char* vis, int Q, int H, const V9Ctx& x) {
+// o [2 N]: O^T of the consumer's 4 dim blocks, m, l [N / 4]: its rows' running max and sum. CDQ: the consumer
+// dequantizes its stage's prefix tiles (FP8 builds, dequant_half); the other consumer reads that stage's V half
+// only after a handoff that follows it (NB_SCALE_A, NB_PB).
+template <int N, bool CDQ>
+__device__ __forceinline__ void pair_t(float* o, float* s, float* m, float* l, const Job& jb, bool tail, int k0,
+                                       int kend, bool first, bool last, unsigned par, const unsigned char* vis,
+                                       int Q, int H, const V9Ctx& x) {
     const unsigned pa = x.k0s + ROPE_CB * CB_BYTES, pb = x.k1s + ROPE_CB * CB_BYTES;  // P_A^T, P_B^T
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) s[i] = 0.f;  // the accumulator starts afresh (its old value is dead)
     reg_fence_n<N / 2>(s);
     wg_fence();
     const unsigned kst = x.c == 0 ? x.k0s : x.k1s;
-    if (dq) dequant_own(kst, x.bars, x.c, par, x.base + OFF_SCALES + x.c * BN * 16, x.wt, NB_WG + x.c);
-    issue_st<N>(s, x.base, kst, x.bars, x.c, par, !dq);
+    if constexpr (CDQ) {  // a prefix tile: each V half's S^T MMAs run under the next half's dequantization
+        const bool dq = !tail;
+        const unsigned sc = x.base + OFF_SCALES + x.c * BN * 16;
+        if (dq) dequant_half(kst, x.bars, x.c, par, sc, x.wt, 0, NB_WG + x.c);
+        issue_st<N>(s, x.base, kst, x.bars, x.c, par, !dq, 0, V_R0);
+        if (dq) dequant_half(kst, x.bars, x.c, par, sc, x.wt, 1, NB_WG + x.c);
+        issue_st<N>(s, x.base, kst, x.bars, x.c, par, !dq, V_R0, NCB);
+    } else {
+        issue_st<N>(s, x.base, kst, x.bars, x.c, par, true, 0, NCB);
+    }
     wg_commit();
     wg_wait<0>();
     reg_fence_n<N / 2>(s);
@@ -451,7 +459,7 @@ __device__ __forceinline__ void consume_v9(unsigned base, unsigned char* gbase, 
             bar_wait(BAR_QFULL(bars), jobs & 1);
             ++jobs;
         }
-        pair_t<TV9_NR>(o, s, m, l, jb, tail, CDQ && !tail, k0, kend, first, last, n & 1, vis, Q, H, x);
+        pair_t<TV9_NR, CDQ>(o, s, m, l, jb, tail, k0, kend, first, last, n & 1, vis, Q, H, x);
         if (last) job_end_t<TV9_NR>(o, m, l, j, jb.nrows, parts, part_lse, x);
         if (flags & D_END) break;
     }
