@@ -132,14 +132,15 @@ struct V9Ctx {
 __device__ __forceinline__ int row_of(int r, int t4) { return 8 * (r >> 1) + 2 * t4 + (r & 1); }
 
 // S^T (+)= K Q^T over column blocks [cb0, cb1) of the stage at kst, each after its barrier (parity par; wait
-// false: they are whole already, dequant_half).
-template <int N>
+// false: they are whole already, dequant_half). GROUPS (CDQ): a barrier for each group of blocks alone (V_L,
+// V_R, rope: blocks 0, V_R0, ROPE_CB), waited on before the group's first block.
+template <int N, bool GROUPS = false>
 __device__ __forceinline__ void issue_st(float* s, unsigned base, unsigned kst, unsigned bars, int st,
                                          unsigned par, bool wait, int cb0, int cb1) {
     const unsigned long long dk = sw128_desc(opaque(kst), 16), dq = sw128_desc(opaque(base), 16);
 #pragma unroll 1
     for (int cb = cb0; cb < cb1; ++cb) {
-        if (wait) {
+        if (wait && (!GROUPS || cb == 0 || cb == V_R0 || cb == ROPE_CB)) {
             bar_wait(BAR_CBFULL(bars, st, cb), par);
             fence_async_smem();
         }
@@ -271,9 +272,9 @@ __device__ __forceinline__ void pair_t(float* o, float* s, float* m, float* l, c
         const bool dq = !tail;
         const unsigned sc = x.base + OFF_SCALES + x.c * BN * 16;
         if (dq) dequant_half(kst, x.bars, x.c, par, sc, x.wt, 0, NB_WG + x.c);
-        issue_st<N>(s, x.base, kst, x.bars, x.c, par, !dq, 0, V_R0);
+        issue_st<N, true>(s, x.base, kst, x.bars, x.c, par, !dq, 0, V_R0);
         if (dq) dequant_half(kst, x.bars, x.c, par, sc, x.wt, 1, NB_WG + x.c);
-        issue_st<N>(s, x.base, kst, x.bars, x.c, par, !dq, V_R0, NCB);
+        issue_st<N, true>(s, x.base, kst, x.bars, x.c, par, !dq, V_R0, NCB);
     } else {
         issue_st<N>(s, x.base, kst, x.bars, x.c, par, true, 0, NCB);
     }

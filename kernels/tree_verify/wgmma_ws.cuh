@@ -289,21 +289,14 @@ __device__ __forceinline__ void dequant_half(unsigned kst, unsigned bars, int st
     wg_sync(nb);
 }
 
-// CDQ fills: the filler thread's copies of V half cb0 / 4 arrive on block cb0's full barrier as they land, and
-// it arrives on the half's three other blocks at once. Every full barrier of a stage then completes once a pair,
-// so a tail tile's consumer (which waits on all nine, issue_st) reads them at the pair's parity.
-__device__ __forceinline__ void arrive_half(unsigned bars, int s, int cb0) {
-    bar_arrive_copies(BAR_CBFULL(bars, s, cb0));
-#pragma unroll
-    for (int cb = cb0 + 1; cb < cb0 + 4; ++cb) bar_arrive(BAR_CBFULL(bars, s, cb));
-}
-
 // Stage s's fill for pair n: each group of blocks (V_L, V_R, rope) once its readers of pair n - 1 are
 // done (their release n - 1 has parity (n & 1) ^ 1: a fresh barrier passes it at once), in release order.
 // TV_FP8 builds, by the stage's 64-thread filler (NCH = 2 chunks a thread): prefix tiles staged (stage_fp8; sc:
 // the stage's scales), then dequantized by the filler (dequant_fp8) once the stage's three groups are issued;
 // CDQ, by the consumer that owns the stage (dequant_half): the filler's copies of group g arrive on the full
-// barrier of block 4g, the rope's on its own, as they land (arrive_half).
+// barrier of block 4g, the rope's on its own, as they land; tail tiles' copies too (gather_half's ONE). The
+// kernel uses these three full barriers of a stage alone, each completed once a pair and waited on once a
+// pair (its consumer's issue_st, GROUPS).
 template <bool CDQ = false>
 __device__ __forceinline__ void fill_stage(unsigned kst, unsigned bars, int s, int n, const TileRows& t,
                                            const char* kvb, const char* tkb, int lrow, int ch, unsigned sc) {
@@ -311,10 +304,10 @@ __device__ __forceinline__ void fill_stage(unsigned kst, unsigned bars, int s, i
     if (TV_FP8 && !t.tail) {
         bar_wait(BAR_EMPTY(bars, s, 0), ep);
         stage_fp8(kst, 0, t, kvb, sc, lrow, ch);
-        if (CDQ) arrive_half(bars, s, 0);
+        if (CDQ) bar_arrive_copies(BAR_CBFULL(bars, s, 0));
         bar_wait(BAR_EMPTY(bars, s, 1), ep);
         stage_fp8(kst, 1, t, kvb, sc, lrow, ch);
-        if (CDQ) arrive_half(bars, s, V_R0);
+        if (CDQ) bar_arrive_copies(BAR_CBFULL(bars, s, V_R0));
         bar_wait(BAR_EMPTY(bars, s, 2), ep);
 #pragma unroll
         for (int p = 0; p < 4; ++p) {
@@ -336,9 +329,9 @@ __device__ __forceinline__ void fill_stage(unsigned kst, unsigned bars, int s, i
     const bool copy = TV7_PROBE < 2 || n == 0;
     constexpr int NCH = 128 / FILLER;
     bar_wait(BAR_EMPTY(bars, s, 0), ep);
-    gather_half<0, V_R0, NCH>(kst, bars, s, t, kvb, tkb, lrow, ch, copy);
+    gather_half<0, V_R0, NCH, CDQ>(kst, bars, s, t, kvb, tkb, lrow, ch, copy);
     bar_wait(BAR_EMPTY(bars, s, 1), ep);
-    gather_half<V_R0, ROPE_CB, NCH>(kst, bars, s, t, kvb, tkb, lrow, ch, copy);
+    gather_half<V_R0, ROPE_CB, NCH, CDQ>(kst, bars, s, t, kvb, tkb, lrow, ch, copy);
     bar_wait(BAR_EMPTY(bars, s, 2), ep);
     gather_half<ROPE_CB, NCB, NCH>(kst, bars, s, t, kvb, tkb, lrow, ch, copy);
 }
