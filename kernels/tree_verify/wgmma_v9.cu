@@ -281,6 +281,7 @@ __device__ __forceinline__ void pair_t(float* o, float* s, float* m, float* l, c
     wg_commit();
     wg_wait<0>();
     reg_fence_n<N / 2>(s);
+    if (CDQ) warp_arrive(BAR_EMPTY(x.bars, x.c, 1 - x.c), x.lane);  // the other's V half: written, read (init_bars)
     if (last) warp_arrive(BAR_QEMPTY(x.bars), x.lane);  // the job's Q is read
 
     float mx[N / 4], mn[N / 4], cf[N / 4];
