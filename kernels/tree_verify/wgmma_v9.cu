@@ -132,7 +132,7 @@ struct V9Ctx {
 __device__ __forceinline__ int row_of(int r, int t4) { return 8 * (r >> 1) + 2 * t4 + (r & 1); }
 
 // S^T (+)= K Q^T over column blocks [cb0, cb1) of the stage at kst, each after its barrier (parity par; wait
-// false: they are whole already, dequant_half). GROUPS (CDQ): a barrier for each group of blocks alone (V_L,
+// false: they are whole already, dequant_own). GROUPS (CDQ): a barrier for each group of blocks alone (V_L,
 // V_R, rope: blocks 0, V_R0, ROPE_CB), waited on before the group's first block.
 template <int N, bool GROUPS = false>
 __device__ __forceinline__ void issue_st(float* s, unsigned base, unsigned kst, unsigned bars, int st,
@@ -256,7 +256,7 @@ __device__ __forceinline__ void get_rows(float* v, const float* src, const V9Ctx
 
 // One pair of tiles in consumer x.c (v7's seesaw with the transposed products; v7's barriers and releases).
 // o [2 N]: O^T of the consumer's 4 dim blocks, m, l [N / 4]: its rows' running max and sum. CDQ: the consumer
-// dequantizes its stage's prefix tiles (FP8 builds, dequant_half); the other consumer reads that stage's V half
+// dequantizes its stage's prefix tiles (FP8 builds, dequant_own); the other consumer reads that stage's V half
 // only after a handoff that follows it (NB_SCALE_A, NB_PB).
 template <int N, bool CDQ>
 __device__ __forceinline__ void pair_t(float* o, float* s, float* m, float* l, const Job& jb, bool tail, int k0,
@@ -268,13 +268,10 @@ __device__ __forceinline__ void pair_t(float* o, float* s, float* m, float* l, c
     reg_fence_n<N / 2>(s);
     wg_fence();
     const unsigned kst = x.c == 0 ? x.k0s : x.k1s;
-    if constexpr (CDQ) {  // a prefix tile: each V half's S^T MMAs run under the next half's dequantization
+    if constexpr (CDQ) {  // a prefix tile: dequantized whole, then its S^T
         const bool dq = !tail;
-        const unsigned sc = x.base + OFF_SCALES + x.c * BN * 16;
-        if (dq) dequant_half(kst, x.bars, x.c, par, sc, x.wt, 0, NB_WG + x.c);
-        issue_st<N, true>(s, x.base, kst, x.bars, x.c, par, !dq, 0, V_R0);
-        if (dq) dequant_half(kst, x.bars, x.c, par, sc, x.wt, 1, NB_WG + x.c);
-        issue_st<N, true>(s, x.base, kst, x.bars, x.c, par, !dq, V_R0, NCB);
+        if (dq) dequant_own(kst, x.bars, x.c, par, x.base + OFF_SCALES + x.c * BN * 16, x.wt, NB_WG + x.c);
+        issue_st<N, true>(s, x.base, kst, x.bars, x.c, par, !dq, 0, NCB);
     } else {
         issue_st<N>(s, x.base, kst, x.bars, x.c, par, true, 0, NCB);
     }
