@@ -58,12 +58,16 @@ extern "C" __global__ void rc_named_exchange(float* out) {
     __syncthreads();
 }
 
+// The 128 threads of warpgroup id - 5 at named barrier id (v9's wg_sync).
+__device__ __forceinline__ void wg_bar(int id) { asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory"); }
+
 // The seesaw's row handoff (v7's s_m, s_ca, s_cb and its named barriers), ROUNDS rounds. Warpgroup 0
 // writes the rows, arrives on 1, waits on 2, reads, waits on 3; warpgroup 1 waits on 1, reads, writes,
 // arrives on 2 and on 3 (v7: NB_SCALE_A, NB_SCALE_B, NB_PB). MODE 0: the quad's four threads store the
 // same value (v7); 1: one thread of the quad stores; 2: as 0 with a __syncwarp around each warp's stores;
 // 3: as 2 without barrier 3; 4: as 3 with warpgroup 1 in bar.sync 2 too (no bar.arrive); 5: as 4 with
-// warpgroup 0 in bar.sync 1 too (every barrier a bar.sync of both).
+// warpgroup 0 in bar.sync 1 too (every barrier a bar.sync of both); 6: as 5 with each warpgroup's own
+// 128-thread bar.sync (ids 5, 6: v9's wg_sync) first in each round.
 template <int MODE>
 __device__ __forceinline__ void seesaw(float* out) {
     __shared__ float s[ROWS];
@@ -72,11 +76,12 @@ __device__ __forceinline__ void seesaw(float* out) {
     float acc = 0.f;
     if (t < 256) {
         for (int n = 0; n < ROUNDS; ++n) {
+            if (MODE == 6) wg_bar(5 + (t >> 7));
             if (t < 128) {
                 if (warp_sync) __syncwarp();
                 if (store) s[r] = float(r + n);
                 if (warp_sync) __syncwarp();
-                if (MODE == 5) nb_sync(1);
+                if (MODE >= 5) nb_sync(1);
                 else nb_arrive(1);
                 nb_sync(2);
                 acc += s[r];
@@ -104,6 +109,7 @@ extern "C" __global__ void rc_seesaw_syncwarp(float* out) { seesaw<2>(out); }
 extern "C" __global__ void rc_seesaw_two_barriers(float* out) { seesaw<3>(out); }
 extern "C" __global__ void rc_seesaw_both_sync(float* out) { seesaw<4>(out); }
 extern "C" __global__ void rc_seesaw_all_sync(float* out) { seesaw<5>(out); }
+extern "C" __global__ void rc_seesaw_wg_sync(float* out) { seesaw<6>(out); }
 
 // A full / empty mbarrier ring of one slot, ROUNDS rounds: warpgroup 0 waits "empty", writes, arrives
 // "full"; warpgroup 1 waits "full", reads, arrives "empty" (v7's stage and descriptor barriers).
@@ -174,3 +180,63 @@ extern "C" __global__ void rc_lane0_release(const float4* src, float* out) { cp_
 extern "C" __global__ void rc_lane0_release_syncwarp(const float4* src, float* out) {
     cp_async_ring<2>(src, out);
 }
+
+// The FP8 build's consumer dequantization in small (tree_verify/wgmma_ws.cuh, consume_v9 with CDQ), ROUNDS
+// rounds, with the seesaw's rows (MODE 5) beside it: warpgroup 2 fills a slot by cp.async and arrives "full"
+// as its copies land (ASYNC; the consumer-dequant fills) or after waiting for them, by a plain arrive (main's
+// producer, which dequantizes before it arrives). Warpgroup 0, the slot's owner, waits, rewrites the slot in
+// place, syncs its 128 threads, then hands the rows to warpgroup 1, which reads the slot only after that
+// handoff. Every lane of both releases "empty" (the owner's release); the next fill waits on it. src
+// [ROUNDS x 128] float4.
+template <bool ASYNC>
+__device__ __forceinline__ void cdq_ring(const float4* src, float* out) {
+    __shared__ alignas(16) float4 slot[128];
+    __shared__ float s[ROWS];
+    __shared__ alignas(8) unsigned long long bars[2];
+    const int t = threadIdx.x, i = t & 127, wg = t >> 7, r = i >> 2;
+    const unsigned full = smem_u32(&bars[0]), empty = smem_u32(&bars[1]);
+    if (t == 0) {
+        bar_init(full, 128);
+        bar_init(empty, 256);
+    }
+    __syncthreads();
+    float acc = 0.f;
+    for (int n = 0; n < ROUNDS; ++n) {
+        if (wg == 2) {
+            bar_wait(empty, (n & 1) ^ 1);
+            cp_async16(smem_u32(&slot[i]), src + n * 128 + i, 16);
+            if (ASYNC) {
+                bar_arrive_copies(full);
+            } else {
+                asm volatile("cp.async.wait_all;\n" ::: "memory");
+                bar_arrive(full);
+            }
+        } else if (wg == 0) {
+            bar_wait(full, n & 1);
+            slot[i].x += 1.f;  // the owner's dequantization, in place
+            wg_bar(5);
+            __syncwarp();
+            s[r] = float(r + n);
+            __syncwarp();
+            nb_sync(1);
+            nb_sync(2);
+            acc += s[r] + slot[i].x;
+            bar_arrive(empty);
+        } else {
+            nb_sync(1);
+            const float v = s[r];
+            acc += v + slot[i].x;
+            __syncwarp();
+            s[r] = v + 1.f;
+            __syncwarp();
+            nb_sync(2);
+            bar_arrive(empty);
+        }
+    }
+    if (wg == 2) asm volatile("cp.async.wait_all;\n" ::: "memory");
+    else out[t] = acc;
+    __syncthreads();
+}
+
+extern "C" __global__ void rc_cdq_ring_async(const float4* src, float* out) { cdq_ring<true>(src, out); }
+extern "C" __global__ void rc_cdq_ring_plain(const float4* src, float* out) { cdq_ring<false>(src, out); }

@@ -46,11 +46,16 @@ CASES = {
     "seesaw_two_barriers_384": ("rc_seesaw_two_barriers", 384, False),
     "seesaw_both_sync_384": ("rc_seesaw_both_sync", 384, False),
     "seesaw_all_sync_384": ("rc_seesaw_all_sync", 384, False),
+    "seesaw_wg_sync_384": ("rc_seesaw_wg_sync", 384, False),
     "mbarrier": ("rc_mbarrier", 256, False),
     "cp_async": ("rc_cp_async", 256, False),
     "lane0_release": ("rc_lane0_release", 256, True),
     "lane0_release_syncwarp": ("rc_lane0_release_syncwarp", 256, False),
+    "cdq_ring_async_384": ("rc_cdq_ring_async", 384, False),
+    "cdq_ring_plain_384": ("rc_cdq_ring_plain", 384, False),
 }
+SRC_KERNELS = {"rc_cp_async", "rc_lane0_release", "rc_lane0_release_syncwarp", "rc_cdq_ring_async",
+               "rc_cdq_ring_plain"}  # the kernels that read src
 
 
 def run(names: list[str]) -> int:
@@ -62,8 +67,7 @@ def run(names: list[str]) -> int:
     for name in names:
         kernel, threads, _ = CASES[name]
         out = cupy.zeros(THREADS_MAX, dtype=cupy.float32)
-        args = (src, out) if kernel in ("rc_cp_async", "rc_lane0_release", "rc_lane0_release_syncwarp") \
-            else (out,)
+        args = (src, out) if kernel in SRC_KERNELS else (out,)
         mod.get_function(kernel)((1,), (threads,), args)
         cupy.cuda.Device().synchronize()
         print(f"{name}: ran ({kernel}, {threads} threads)", flush=True)
