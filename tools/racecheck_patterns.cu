@@ -58,9 +58,6 @@ extern "C" __global__ void rc_named_exchange(float* out) {
     __syncthreads();
 }
 
-// The 128 threads of warpgroup id - 5 at named barrier id (v9's wg_sync).
-__device__ __forceinline__ void wg_bar(int id) { asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory"); }
-
 // The seesaw's row handoff (v7's s_m, s_ca, s_cb and its named barriers), ROUNDS rounds. Warpgroup 0
 // writes the rows, arrives on 1, waits on 2, reads, waits on 3; warpgroup 1 waits on 1, reads, writes,
 // arrives on 2 and on 3 (v7: NB_SCALE_A, NB_SCALE_B, NB_PB). MODE 0: the quad's four threads store the
@@ -76,7 +73,7 @@ __device__ __forceinline__ void seesaw(float* out) {
     float acc = 0.f;
     if (t < 256) {
         for (int n = 0; n < ROUNDS; ++n) {
-            if (MODE == 6) wg_bar(5 + (t >> 7));
+            if (MODE == 6) wg_sync(5 + (t >> 7));
             if (t < 128) {
                 if (warp_sync) __syncwarp();
                 if (store) s[r] = float(r + n);
@@ -214,7 +211,7 @@ __device__ __forceinline__ void cdq_ring(const float4* src, float* out) {
         } else if (wg == 0) {
             bar_wait(full, n & 1);
             slot[i].x += 1.f;  // the owner's dequantization, in place
-            wg_bar(5);
+            wg_sync(5);
             __syncwarp();
             s[r] = float(r + n);
             __syncwarp();

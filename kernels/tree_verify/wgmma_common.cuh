@@ -431,6 +431,8 @@ __device__ __forceinline__ unsigned opaque(unsigned x) {
 // Named barriers of the two MMA warpgroups (256 threads): one arrives, the other waits.
 __device__ __forceinline__ void nb_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void nb_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
+// Named barrier id of one MMA warpgroup's 128 threads.
+__device__ __forceinline__ void wg_sync(int id) { asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory"); }
 
 // A position in a CTA's stream of tile pairs: job j (-1: the end), pair i of it.
 struct Pos {

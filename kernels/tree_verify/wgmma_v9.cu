@@ -116,9 +116,6 @@ __device__ __forceinline__ void reg_fence_n(float* r) {
     for (int i = 0; i < K; ++i) reg_fence(r[i]);
 }
 
-// Named barrier id of one consumer warpgroup's 128 threads.
-__device__ __forceinline__ void wg_sync(int id) { asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory"); }
-
 // What a consumer thread needs across the pair code: its place, the shared rows, the outputs.
 struct V9Ctx {
     unsigned base, k0s, k1s, bars;
