@@ -237,3 +237,80 @@ __device__ __forceinline__ void cdq_ring(const float4* src, float* out) {
 
 extern "C" __global__ void rc_cdq_ring_async(const float4* src, float* out) { cdq_ring<true>(src, out); }
 extern "C" __global__ void rc_cdq_ring_plain(const float4* src, float* out) { cdq_ring<false>(src, out); }
+
+// Both consumers of the FP8 build's consume_v9 with CDQ, one round a pair of tiles, ROUNDS rounds: slot c is
+// stage c, filled by 64 producer threads (wg 2) by cp.async that arrive "full c" as the copies land (ASYNC)
+// or by a plain arrive after them. Consumer c (wg c) waits "full c", rewrites its slot in place (DQ; the
+// dequantization) and syncs its 128 threads (wg_sync 5 + c), reads its slot (S^T), exchanges a per-thread
+// value through red (mask_max_t), then the seesaw's rows as pair_t hands them over: lanes 0..3 of warp 0
+// write a row array (put_rows), the other consumer's every thread reads it (get_rows) after a 256-thread
+// bar.sync (1: consumer 0's rows and slot 0, 2: consumer 1's rows, 3: consumer 1's slot 1). Consumer 0
+// reads slot 1 after 3, consumer 1 slot 0 after 1; every lane of both releases both slots ("empty c").
+// Every second round a job's end: each thread's sum into lsum, bar.sync 4, the other consumer's read.
+template <bool ASYNC, bool DQ>
+__device__ __forceinline__ void cdq_pair(const float4* src, float* out) {
+    __shared__ alignas(16) float4 slot[2][128];
+    __shared__ float rows[2][ROWS], red[2][128], lsum[256];
+    __shared__ alignas(8) unsigned long long bars[4];  // full 0, full 1, empty 0, empty 1
+    const int t = threadIdx.x, i = t & 127, wg = t >> 7, c = wg, lane = t & 31;
+    const unsigned bar0 = smem_u32(&bars[0]);
+    if (t == 0)
+        for (int b = 0; b < 4; ++b) bar_init(bar0 + 8 * b, b < 2 ? 64 : 256);
+    __syncthreads();
+    float acc = 0.f;
+    for (int n = 0; n < ROUNDS; ++n) {
+        if (wg == 2) {
+            const int s = i >> 6, k = i & 63;
+            bar_wait(bar0 + 8 * (2 + s), (n & 1) ^ 1);
+            for (int h = 0; h < 2; ++h) cp_async16(smem_u32(&slot[s][k + 64 * h]), src + n * 128 + k + 64 * h, 16);
+            if (ASYNC) {
+                bar_arrive_copies(bar0 + 8 * s);
+            } else {
+                asm volatile("cp.async.wait_all;\n" ::: "memory");
+                bar_arrive(bar0 + 8 * s);
+            }
+            continue;
+        }
+        bar_wait(bar0 + 8 * c, n & 1);
+        if (DQ) {
+            slot[c][i].x += 1.f;
+            wg_sync(5 + c);
+        }
+        acc += slot[c][i ^ 1].y;
+        red[c][i] = acc;
+        wg_sync(5 + c);
+        acc += red[c][i ^ 32];
+        if (c == 0) {
+            if (lane < 4 && i < 32)
+                for (int r = lane; r < ROWS; r += 4) rows[0][r] = acc + float(r);
+            wg_sync(5);
+            nb_sync(1);
+            nb_sync(2);
+            acc += rows[1][(i >> 2) & (ROWS - 1)];
+            nb_sync(3);
+            acc += slot[1][i].x;
+        } else {
+            nb_sync(1);
+            acc += rows[0][(i >> 2) & (ROWS - 1)] + slot[0][i].x;
+            if (lane < 4 && i < 32)
+                for (int r = lane; r < ROWS; r += 4) rows[1][r] = acc + float(r);
+            nb_sync(2);
+            wg_sync(6);
+            nb_sync(3);
+        }
+        bar_arrive(bar0 + 16);
+        bar_arrive(bar0 + 24);
+        if (n & 1) {
+            lsum[t] = acc;
+            nb_sync(4);
+            acc += lsum[t ^ 128];
+        }
+    }
+    if (wg == 2) asm volatile("cp.async.wait_all;\n" ::: "memory");
+    else out[t] = acc;
+    __syncthreads();
+}
+
+extern "C" __global__ void rc_cdq_pair_async(const float4* src, float* out) { cdq_pair<true, true>(src, out); }
+extern "C" __global__ void rc_cdq_pair_plain(const float4* src, float* out) { cdq_pair<false, true>(src, out); }
+extern "C" __global__ void rc_cdq_pair_nodq(const float4* src, float* out) { cdq_pair<true, false>(src, out); }

@@ -53,9 +53,13 @@ CASES = {
     "lane0_release_syncwarp": ("rc_lane0_release_syncwarp", 256, False),
     "cdq_ring_async_384": ("rc_cdq_ring_async", 384, False),
     "cdq_ring_plain_384": ("rc_cdq_ring_plain", 384, False),
+    "cdq_pair_async_384": ("rc_cdq_pair_async", 384, False),
+    "cdq_pair_plain_384": ("rc_cdq_pair_plain", 384, False),
+    "cdq_pair_nodq_384": ("rc_cdq_pair_nodq", 384, False),
 }
-SRC_KERNELS = {"rc_cp_async", "rc_lane0_release", "rc_lane0_release_syncwarp", "rc_cdq_ring_async",
-               "rc_cdq_ring_plain"}  # the kernels that read src
+SRC_KERNELS = {  # the kernels that read src
+    "rc_cp_async", "rc_lane0_release", "rc_lane0_release_syncwarp", "rc_cdq_ring_async",
+    "rc_cdq_ring_plain", "rc_cdq_pair_async", "rc_cdq_pair_plain", "rc_cdq_pair_nodq"}
 
 
 def run(names: list[str]) -> int:

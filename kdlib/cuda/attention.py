@@ -75,12 +75,14 @@ FP8 latent cache (issue 19's stretch goal): a kv_cache of dtype uint8 and shape 
 the layout of `kdlib.ref.fp8` (DeepSeek-V3.2's, FlashMLA's "FP8 with scale", vLLM's `fp8_ds_mla`: 512 e4m3
 latent values, 4 float32 scales, one per 128 of them, 64 bf16 rope values; `kdlib.ref.fp8.pack_latent` writes
 it). Version 10 alone runs it, built with `FP8_OPTIONS` (-DTV_FP8=1): its producer warpgroup stages each
-prefix tile's e4m3 bytes in the stage and dequantizes them to bf16 in place (e4m3 -> f16 -> f32 times the
-tile's scale, rounded to bf16: exact for the layout's power-of-two scales), and the consumers are the bf16
-build's. q and tree_kv stay bf16. On a pool of power-of-two scales the output is the bf16 build's on the
-dequantized pool, bit for bit. A prefix row is 656 bytes where bf16's is 1,152: 57 % of the bytes; yet the
-build is slower than bf16's, 0.54-0.77x its speed at the attention_bounds points on the H200
-(data/results/attention_fp8.h200.json): the producer's dequantization bounds it (notebook 02b, 15b).
+prefix tile's e4m3 bytes in the stage, and they are dequantized to bf16 in place (each e4m3 value times the
+tile's scale rounded to bf16, one rounding: exact for the layout's power-of-two scales; `fp8_dequantized`)
+by the producer, or, in the kernel of at most 16 rows a request (8 x 1, 8 x 2), by the consumer that owns the
+stage; the MMAs are the bf16 build's. q and tree_kv stay bf16. On a pool of power-of-two scales the output is
+the bf16 build's on the dequantized pool, bit for bit. A prefix row is 656 bytes where bf16's is 1,152: 57 %
+of the bytes; yet the build is slower than bf16's, 0.53-0.81x its speed at the attention_bounds points on the
+H200 (data/results/attention_fp8.h200.json): the dequantization in each stage's turn bounds it (notebook
+02b, 15b).
 `version=None` (the default) picks by dtype and device: fp32 runs 1 (a dtype path, not a choice);
 bf16 runs `DEFAULT_VERSION` (10, `BF16_DEFAULT`: the fastest in data/results/attention.h200.json)
 where the device runs it, else 3 where the device grants its 166 KB of shared memory (not on sm_120's
@@ -373,9 +375,9 @@ def fp8_pool(kv):
 
 
 def fp8_dequantized(pool8):
-    """The FP8 layout's rows as a bf16 pool: torch [S, 656] uint8 -> [S, 576] bfloat16, e4m3 value times its
-    tile's scale rounded to bf16 (exact for power-of-two scales), then the rope. What the FP8 build's producer
-    puts in shared memory."""
+    """The FP8 layout's rows as a bf16 pool: torch [S, 656] uint8 -> [S, 576] bfloat16, each e4m3 value times
+    its tile's scale rounded to bf16 (the product rounded once: exact for the layout's power-of-two scales),
+    then the rope: what the FP8 build puts in its stages, FlashMLA's dequantization."""
     import torch
 
     if not (loader.is_torch(pool8) and pool8.dtype == torch.uint8 and pool8.ndim == 2
@@ -386,7 +388,8 @@ def fp8_dequantized(pool8):
     vals = pool8[:, :KV_LORA_RANK].contiguous().view(torch.float8_e4m3fn).float().view(n, fp8_ref.TILES,
                                                                                         fp8_ref.TILE)
     scales = pool8[:, KV_LORA_RANK:o].contiguous().view(torch.float32)  # [S, 4]
-    lat = (vals * scales[..., None]).view(n, KV_LORA_RANK).bfloat16()
+    # e4m3 (4 significant bits) times a bf16 (8) is exact in float32: one rounding, to bf16
+    lat = (vals * scales.bfloat16().float()[..., None]).view(n, KV_LORA_RANK).bfloat16()
     return torch.cat([lat, pool8[:, o:].contiguous().view(torch.bfloat16)], dim=1)  # [S, 576]
 
 

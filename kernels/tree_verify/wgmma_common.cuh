@@ -510,8 +510,9 @@ __device__ __forceinline__ TileRows tile_rows(const int* plan, int nreq, const i
 // Column blocks [cb0, cb1) of a tile into the stage at dst, one mbarrier arrive per block once the
 // thread's copies of it (and of every block before) have landed; copy false: the arrives alone (the
 // stage keeps what it holds: tree_verify/wgmma_ws.cuh's TV7_PROBE 2). NCH: 16-byte chunks a thread copies of
-// each 128-byte row piece, ch and ch + 8 / NCH ... (2: the FP8 build's 64-thread fillers).
-template <int CB0, int CB1, int NCH = 1>
+// each 128-byte row piece, ch and ch + 8 / NCH ... (2: the FP8 build's 64-thread fillers). ONE: a single
+// arrive, on block CB0's barrier, once the copies of every block have landed.
+template <int CB0, int CB1, int NCH = 1, bool ONE = false>
 __device__ __forceinline__ void gather_half(unsigned dst, unsigned bars, int s, const TileRows& t, const char* kvb,
                                             const char* tkb, int lrow, int ch, bool copy = true) {
     const char* src[4];
@@ -530,8 +531,9 @@ __device__ __forceinline__ void gather_half(unsigned dst, unsigned bars, int s, 
                                src[p] + cb * 128 + 8 / NCH * k * 16, (t.valid >> p) & 1 ? 16 : 0);
                 }
             }
-        bar_arrive_copies(BAR_CBFULL(bars, s, cb));
+        if (!ONE) bar_arrive_copies(BAR_CBFULL(bars, s, cb));
     }
+    if (ONE) bar_arrive_copies(BAR_CBFULL(bars, s, CB0));
 }
 
 // Q of job jb into shared memory by cp.async (one warpgroup, wt its thread; rows past the valid ones zero).

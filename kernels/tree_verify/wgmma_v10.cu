@@ -23,8 +23,10 @@
 // the same fixed order).
 //
 // Built with -DTV_FP8=1 (kdlib.cuda.attention.FP8_OPTIONS) the attend kernels read the prefix pool in the FP8
-// layout (656-byte rows: e4m3 latent, float32 scales, bf16 rope), dequantized by the producer into the bf16
-// stages (tree_verify/wgmma_ws.cuh, fill_stage); both attend kernels then take FP8_SMEM of shared memory.
+// layout (656-byte rows: e4m3 latent, float32 scales, bf16 rope), dequantized into the bf16 stages
+// (tree_verify/wgmma_ws.cuh): in tree_verify_v10_attend by the producer (fill_stage), in tree_verify_v10_attend_t
+// by each consumer, its own stage's tile before its S^T (dequant_half, one V half at a time; the producer only stages the bytes); both
+// attend kernels then take FP8_SMEM of shared memory.
 //
 // The attend kernels need sm_90a (wgmma, setmaxnreg); built for another target their bodies trap.
 // kdlib-arch: sm_90a wgmma=tree_verify_v7_attend,tree_verify_v9_attend,tree_verify_v10_attend,tree_verify_v10_attend_t
@@ -130,15 +132,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v10_attend
     int* desc = reinterpret_cast<int*>(gbase + OFF_DESC);  // [NDESC][DESC_INTS]
     const unsigned bars = base + OFF_BARS;
     const int tid = threadIdx.x;
-    if (tid == 0) init_bars(bars);
+    if (tid == 0) init_bars<TV_FP8 != 0>(bars);
     __syncthreads();
 
     const int wg = tid >> 7, wt = tid & 127;
     if (wg == 0) {
-        produce_v10(base, desc, bars, q, kv, page_table, tree_kv, plan, order, nreq, P, Q, H, wt);
+        produce_v10<TV_FP8 != 0>(base, desc, bars, q, kv, page_table, tree_kv, plan, order, nreq, P, Q, H, wt);
         return;
     }
-    consume_v9(base, gbase, desc, bars, tid, wg, wt, vis, Q, H, scale, parts, part_lse);
+    consume_v9<TV_FP8 != 0>(base, gbase, desc, bars, tid, wg, wt, vis, Q, H, scale, parts, part_lse);
 #else
     __trap();  // built without sm_90a: no wgmma
 #endif

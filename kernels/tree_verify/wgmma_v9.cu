@@ -39,7 +39,9 @@
 #define TV9_NR 8                           // rows of the jobs that run the transposed products
 #endif
 #define V9_MAX_NR 56                       // beyond, the consumers' registers spill
+#define V9_FP8_MAX_NR 32                   // the FP8 build's (consumers of 208 registers that dequantize)
 static_assert(TV9_NR % 8 == 0 && TV9_NR >= 8 && TV9_NR <= V9_MAX_NR, "TV9_NR: a multiple of 8 in [8, V9_MAX_NR]");
+static_assert(!TV_FP8 || TV9_NR <= V9_FP8_MAX_NR, "TV9_NR: at most V9_FP8_MAX_NR in FP8 builds");
 
 #define OFF_V9 (OFF_BARS + NBARS * 8)      // float: m_A, c_A, m_B, c_B [4][64], red [2][4][64], lsum [2][4][64]
 #define V9_SMEM (OFF_V9 + 20 * BM * 4 + 1024)  // + slack to align the base to 1024 B: 229040
@@ -122,22 +124,26 @@ struct V9Ctx {
     float *s_ma, *s_ca, *s_mb, *s_cb;  // [64] each: the maxima and factors of tiles A and B
     float* red;                        // [2][4][64]: each consumer's per-warp tile maxima
     float* lsum;                       // [2][4][64]: each consumer's per-warp sums at the job's end
-    int c, warp, lane, g, t4;
+    int c, warp, lane, g, t4, wt;
     float sl2;
 };
 
 // Row n of this thread's r-th row (r = 2 jj + e < N / 4).
 __device__ __forceinline__ int row_of(int r, int t4) { return 8 * (r >> 1) + 2 * t4 + (r & 1); }
 
-// S^T (+)= K Q^T over the nine column blocks of the stage at kst, each after its barrier (parity par).
-template <int N>
+// S^T (+)= K Q^T over column blocks [cb0, cb1) of the stage at kst, each after its barrier (parity par; wait
+// false: they are whole already, dequant_half). GROUPS (CDQ): a barrier for each group of blocks alone (V_L,
+// V_R, rope: blocks 0, V_R0, ROPE_CB), waited on before the group's first block.
+template <int N, bool GROUPS = false>
 __device__ __forceinline__ void issue_st(float* s, unsigned base, unsigned kst, unsigned bars, int st,
-                                         unsigned par) {
+                                         unsigned par, bool wait, int cb0, int cb1) {
     const unsigned long long dk = sw128_desc(opaque(kst), 16), dq = sw128_desc(opaque(base), 16);
 #pragma unroll 1
-    for (int cb = 0; cb < NCB; ++cb) {
-        bar_wait(BAR_CBFULL(bars, st, cb), par);
-        fence_async_smem();
+    for (int cb = cb0; cb < cb1; ++cb) {
+        if (wait && (!GROUPS || cb == 0 || cb == V_R0 || cb == ROPE_CB)) {
+            bar_wait(BAR_CBFULL(bars, st, cb), par);
+            fence_async_smem();
+        }
         wg_fence();
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
@@ -249,8 +255,10 @@ __device__ __forceinline__ void get_rows(float* v, const float* src, const V9Ctx
 }
 
 // One pair of tiles in consumer x.c (v7's seesaw with the transposed products; v7's barriers and releases).
-// o [2 N]: O^T of the consumer's 4 dim blocks, m, l [N / 4]: its rows' running max and sum.
-template <int N>
+// o [2 N]: O^T of the consumer's 4 dim blocks, m, l [N / 4]: its rows' running max and sum. CDQ: the consumer
+// dequantizes its stage's prefix tiles (FP8 builds, dequant_half); the other consumer reads that stage's V half
+// only after a handoff that follows it (NB_SCALE_A, NB_PB).
+template <int N, bool CDQ>
 __device__ __forceinline__ void pair_t(float* o, float* s, float* m, float* l, const Job& jb, bool tail, int k0,
                                        int kend, bool first, bool last, unsigned par, const unsigned char* vis,
                                        int Q, int H, const V9Ctx& x) {
@@ -259,10 +267,21 @@ __device__ __forceinline__ void pair_t(float* o, float* s, float* m, float* l, c
     for (int i = 0; i < N / 2; ++i) s[i] = 0.f;  // the accumulator starts afresh (its old value is dead)
     reg_fence_n<N / 2>(s);
     wg_fence();
-    issue_st<N>(s, x.base, x.c == 0 ? x.k0s : x.k1s, x.bars, x.c, par);
+    const unsigned kst = x.c == 0 ? x.k0s : x.k1s;
+    if constexpr (CDQ) {  // a prefix tile: each V half's S^T MMAs run under the next half's dequantization
+        const bool dq = !tail;
+        const unsigned sc = x.base + OFF_SCALES + x.c * BN * 16;
+        if (dq) dequant_half(kst, x.bars, x.c, par, sc, x.wt, 0, NB_WG + x.c);
+        issue_st<N, true>(s, x.base, kst, x.bars, x.c, par, !dq, 0, V_R0);
+        if (dq) dequant_half(kst, x.bars, x.c, par, sc, x.wt, 1, NB_WG + x.c);
+        issue_st<N, true>(s, x.base, kst, x.bars, x.c, par, !dq, V_R0, NCB);
+    } else {
+        issue_st<N>(s, x.base, kst, x.bars, x.c, par, true, 0, NCB);
+    }
     wg_commit();
     wg_wait<0>();
     reg_fence_n<N / 2>(s);
+    if (CDQ) warp_arrive(BAR_EMPTY(x.bars, x.c, 1 - x.c), x.lane);  // the other's V half: written, read (init_bars)
     if (last) warp_arrive(BAR_QEMPTY(x.bars), x.lane);  // the job's Q is read
 
     float mx[N / 4], mn[N / 4], cf[N / 4];
@@ -388,7 +407,8 @@ __device__ __forceinline__ void job_end_t(const float* o, float* m, float* l, in
 
 // Consumer warpgroup wg (1 or 2; tid, wt: its thread in the CTA, in the warpgroup) of v9's attend kernel and
 // of version 10's ordered one (tree_verify/wgmma_v10.cu): the CTA's shared memory at base (gbase), the pair
-// descriptors at desc, the barriers at bars.
+// descriptors at desc, the barriers at bars. CDQ (FP8 builds): each consumer dequantizes its prefix tiles.
+template <bool CDQ = false>
 __device__ __forceinline__ void consume_v9(unsigned base, unsigned char* gbase, const int* desc, unsigned bars,
                                            int tid, int wg, int wt, const unsigned char* __restrict__ vis, int Q,
                                            int H, float scale, float* __restrict__ parts,
@@ -411,6 +431,7 @@ __device__ __forceinline__ void consume_v9(unsigned base, unsigned char* gbase, 
     x.lane = tid & 31;
     x.g = x.lane >> 2;
     x.t4 = x.lane & 3;
+    x.wt = wt;
     x.sl2 = scale * LOG2E;
 
     float o[2 * TV9_NR];  // O^T of the consumer's 4 dim blocks
@@ -440,7 +461,7 @@ __device__ __forceinline__ void consume_v9(unsigned base, unsigned char* gbase, 
             bar_wait(BAR_QFULL(bars), jobs & 1);
             ++jobs;
         }
-        pair_t<TV9_NR>(o, s, m, l, jb, tail, k0, kend, first, last, n & 1, vis, Q, H, x);
+        pair_t<TV9_NR, CDQ>(o, s, m, l, jb, tail, k0, kend, first, last, n & 1, vis, Q, H, x);
         if (last) job_end_t<TV9_NR>(o, m, l, j, jb.nrows, parts, part_lse, x);
         if (flags & D_END) break;
     }

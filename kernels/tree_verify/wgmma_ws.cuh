@@ -12,10 +12,10 @@
 #endif
 #define PRODUCER_REGS 40                       // setmaxnreg: 128 x 40 + 256 x 232 = 64512 <= 65536
 #define CONSUMER_REGS 232
-// the FP8 build's producer dequantizes, two chunks a row a thread (64: no spill in any kernel of the build,
-// where 56 spilled): 128 x 64 + 256 x 216 = 63488
-#define FP8_PRODUCER_REGS 64
-#define FP8_CONSUMER_REGS 216
+// the FP8 build's producer dequantizes, two chunks a row a thread (72: no spill in any kernel of the build,
+// where 64 spilled; the consumers at 208 build v9 up to 48 rows): 128 x 72 + 256 x 208 = 62464
+#define FP8_PRODUCER_REGS 72
+#define FP8_CONSUMER_REGS 208
 #define PRODUCER_NREG (TV_FP8 ? FP8_PRODUCER_REGS : PRODUCER_REGS)  // what the build's setmaxnreg passes
 #define CONSUMER_NREG (TV_FP8 ? FP8_CONSUMER_REGS : CONSUMER_REGS)
 #define OFF_K0 TILE_BYTES
@@ -71,10 +71,12 @@
 
 // TV_FP8 (-DTV_FP8=1): the prefix pool in the FP8 MLA latent layout of kdlib.ref.fp8 (DeepSeek-V3.2's, FlashMLA's
 // "FP8 with scale"): 656-byte rows, the 512 latent values in e4m3, then 4 float32 scales (one per 128 latent
-// dims), then the 64 rope values in bf16. The tree rows (tree_kv) stay bf16. The producer dequantizes each
-// prefix tile into the stage's bf16 blocks (fill_stage), so the consumers and their bits are the bf16
-// build's: on the dequantized pool the two builds give the same output bit for bit where the scales are powers
-// of two (the layout's rule: e4m3 times the scale is then exact in bf16; other scales are rounded to bf16 once).
+// dims), then the 64 rope values in bf16. The tree rows (tree_kv) stay bf16. Each prefix tile is dequantized
+// into the stage's bf16 blocks, by the producer (fill_stage) or, in the kernel with v9's consumers, by the
+// consumer that owns the stage (dequant_half), so the MMAs and their bits are the bf16 build's: on the
+// dequantized pool the two builds give the same output bit for bit where the scales are powers of two (the
+// layout's rule: e4m3 times the scale is then exact in bf16; other scales are rounded to bf16 first, FlashMLA's
+// rule, kdlib.cuda.attention.fp8_dequantized).
 static_assert(!(TV_FP8 && TV7_PROBE), "the timing probes are bf16 builds");
 #define FP8_ROW 656                            // bytes per cached token
 #define FP8_SCALES 512                         // offset of its 4 float32 scales
@@ -159,49 +161,46 @@ __device__ __forceinline__ void stage_fp8(unsigned kst, int g, const TileRows& t
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
 
-// Two e4m3 values (the low 16 bits of v: the lower byte the first) times a scale -> two bf16 (the first in the
-// low half): e4m3 -> f16 exactly, f32 product (exact for a power-of-two scale), rounded to bf16. Inline PTX, so
-// no flush of subnormals under the loader's -ftz=true. Four conversions a pair; the FP8 build runs at 0.54-0.77x
-// the bf16 build's speed (data/results/attention_fp8.h200.json). Other designs, in data/results/history/: an
-// integer path (a byte's magnitude bits at bit 20 of an f32, one FMUL) 0.39-0.51x, and not exact: compiled
-// -ftz=true, its f32 subnormals flushed (attention_fp8.int_fmul.c651a90); integer ops and bf16 products (no
-// conversion instruction a value) as fast as this (bf16_products.4444c89); each tile loaded into the producer's
-// registers a pair ahead, dequantized by 64 or 128 threads, no faster (regs_two_fillers.f4453ed,
-// regs_one_filler.210b307). What is left in each stage's turn is the dequantization itself (notebook 02b, 15b).
-// Each consumer dequantizing its own stage (v9's consumers: 8 x 1) measured faster at 8 x 1, and faster again
-// with each V half's S^T issued before the next half's dequantization (consumer_dequant.3c55c1e,
-// consumer_dequant_halves.5f0f292). Fixed (three full barriers a stage, each completed and waited on once a
-// pair, 830561a; the stage's owner releasing the V half it dequantizes for the other consumer, 3dd1f8f), the
-// split build passes the FP8 GPU tests, memcheck and synccheck (consumer_dequant_release.3dd1f8f), but
-// racecheck on its checking build reports hazards in the consumers' row exchanges that this build does not
-// show, so it is not landed (notebook 02b, 15b).
-__device__ __forceinline__ unsigned e4m3x2_scaled(unsigned v, float sc) {
-    unsigned r;
-    asm("{\n.reg .b32 h;\n.reg .b16 l, u, w;\n.reg .f32 a, b;\n"
-        "cvt.u16.u32 w, %1;\n"
-        "cvt.rn.f16x2.e4m3x2 h, w;\n"
-        "mov.b32 {l, u}, h;\n"
-        "cvt.f32.f16 a, l;\ncvt.f32.f16 b, u;\n"
-        "mul.rn.f32 a, a, %2;\nmul.rn.f32 b, b, %2;\n"
-        "cvt.rn.bf16x2.f32 %0, b, a;\n}\n"
-        : "=r"(r)
-        : "r"(v), "f"(sc));
-    return r;
+// Two e4m3 bytes -> two bf16 times 2^-120, no conversion instruction: w holds byte b of each in the high byte of
+// its 16-bit half (PRMT); b's magnitude bits, shifted down 4, land on the low 4 bits of the bf16 exponent and the
+// top 3 of its mantissa, its sign bit stays. Exponent field e > 0 is then 2^(e - 127) (1 + m / 8) against e4m3's
+// 2^(e - 7) (1 + m / 8), and e = 0 the bf16 subnormal m / 8 2^-126 against m / 8 2^-6: 2^-120 either way.
+// The NaN pattern S.1111.111 reads as 480 (the layout's writers saturate at 448 and never store it).
+__device__ __forceinline__ unsigned e4m3x2_bf16_lo(unsigned w) {
+    return ((w >> 4) & 0x07F007F0u) | (w & 0x80008000u);
+}
+
+// Four e4m3 values (the bytes of v, the lowest first) times the scale -> bf16 pairs lo (values 0, 1) and hi
+// (2, 3), the first of each in its low half: two bf16x2 products a pair, by 2^120 (exact: a subnormal in, a
+// normal out) and by the scale (s2: the tile's float32 scale rounded to bf16, in both halves), rounded once.
+// For the layout's power-of-two scales that is exact, as FlashMLA's kernel computes it; inline PTX, and bf16
+// products keep their subnormals. No conversion instruction a value (the cvt path, e4m3 -> f16 -> f32 ->
+// times the scale -> bf16, had four a pair, at 16 a clock on an SM): the consumers can afford it (consume_v9).
+__device__ __forceinline__ void e4m3x4_scaled(unsigned v, unsigned s2, unsigned& lo, unsigned& hi) {
+    const unsigned two120 = 0x7B807B80u;  // bf16 2^120 in both halves
+    unsigned wl, wh;
+    asm("prmt.b32 %0, %2, 0, 0x1404;\nprmt.b32 %1, %2, 0, 0x3424;\n" : "=r"(wl), "=r"(wh) : "r"(v));
+    asm("{\n.reg .b32 a, b;\n"
+        "mul.rn.bf16x2 a, %2, %4;\nmul.rn.bf16x2 b, %3, %4;\n"
+        "mul.rn.bf16x2 %0, a, %5;\nmul.rn.bf16x2 %1, b, %5;\n}\n"
+        : "=r"(lo), "=r"(hi)
+        : "r"(e4m3x2_bf16_lo(wl)), "r"(e4m3x2_bf16_lo(wh)), "r"(two120), "r"(s2));
 }
 
 // 16 staged e4m3 values (chunk c of a row's scale tile 2g + u) -> their 16 bf16 values in the stage: block
 // 4g + 2u + c / 4, chunks 2 (c % 4) and the next (128-B swizzle).
-__device__ __forceinline__ void put_fp8_chunk(unsigned kst, int g, int u, int row, int c, uint4 x, float sc) {
+__device__ __forceinline__ void put_fp8_chunk(unsigned kst, int g, int u, int row, int c, uint4 x, unsigned s2) {
     const unsigned blk = kst + (4 * g + 2 * u + (c >> 2)) * CB_BYTES + row * 128;
     const int c0 = 2 * (c & 3);
-    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(blk + ((c0 ^ (row & 7)) << 4)),
-                 "r"(e4m3x2_scaled(x.x, sc)), "r"(e4m3x2_scaled(x.x >> 16, sc)), "r"(e4m3x2_scaled(x.y, sc)),
-                 "r"(e4m3x2_scaled(x.y >> 16, sc))
-                 : "memory");
-    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(blk + (((c0 + 1) ^ (row & 7)) << 4)),
-                 "r"(e4m3x2_scaled(x.z, sc)), "r"(e4m3x2_scaled(x.z >> 16, sc)), "r"(e4m3x2_scaled(x.w, sc)),
-                 "r"(e4m3x2_scaled(x.w >> 16, sc))
-                 : "memory");
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // 8 values a store
+        unsigned r[4];
+        e4m3x4_scaled(h ? x.z : x.x, s2, r[0], r[1]);
+        e4m3x4_scaled(h ? x.w : x.y, s2, r[2], r[3]);
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(blk + (((c0 + h) ^ (row & 7)) << 4)),
+                     "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                     : "memory");
+    }
 }
 
 __device__ __forceinline__ uint4 ld_shared_v4(unsigned a) {
@@ -211,10 +210,12 @@ __device__ __forceinline__ uint4 ld_shared_v4(unsigned a) {
     return x;
 }
 
-__device__ __forceinline__ float ld_shared_f32(unsigned a) {
-    float x;
-    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(x) : "r"(a) : "memory");
-    return x;
+// The float32 scale at a, rounded to bf16 once, in both halves of the result.
+__device__ __forceinline__ unsigned ld_scale_bf16x2(unsigned a) {
+    unsigned r;
+    asm volatile("{\n.reg .f32 f;\nld.shared.f32 f, [%1];\ncvt.rn.bf16x2.f32 %0, f, f;\n}\n" : "=r"(r) : "r"(a)
+                 : "memory");
+    return r;
 }
 
 // Group g's dequantization once its copies land (PENDING: the cp.async groups committed after it). A thread
@@ -232,7 +233,7 @@ __device__ __forceinline__ void dequant_fp8(unsigned kst, unsigned bars, int s, 
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
         const int row = lrow + 16 * p;
-        const float s0 = ld_shared_f32(sc + row * 16 + 8 * g);
+        const unsigned s0 = ld_scale_bf16x2(sc + row * 16 + 8 * g);
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
             const int c = ch + 4 * k;
@@ -244,7 +245,7 @@ __device__ __forceinline__ void dequant_fp8(unsigned kst, unsigned bars, int s, 
         const int row = lrow + 16 * p;
         const unsigned a = stg + CB_BYTES + row * 128;
         const uint4 x0 = ld_shared_v4(a + ((ch ^ (row & 7)) << 4)), x1 = ld_shared_v4(a + (((ch + 4) ^ (row & 7)) << 4));
-        const float s1 = ld_shared_f32(sc + row * 16 + 8 * g + 4);
+        const unsigned s1 = ld_scale_bf16x2(sc + row * 16 + 8 * g + 4);
         __syncwarp();  // the row's staged bytes read by its four threads
         put_fp8_chunk(kst, g, 1, row, ch, x0, s1);
         put_fp8_chunk(kst, g, 1, row, ch + 4, x1, s1);
@@ -254,18 +255,56 @@ __device__ __forceinline__ void dequant_fp8(unsigned kst, unsigned bars, int s, 
     for (int cb = 4 * g; cb < 4 * g + 4; ++cb) bar_arrive(BAR_CBFULL(bars, s, cb));
 }
 
+// V half g of a consumer's own stage st (FP8 builds, CDQ: a prefix tile of pair parity par, staged as stage_fp8
+// puts it; sc: the stage's scales), dequantized by its 128 threads (wt) once the half's copies land (g = 1: the
+// rope's too): thread (row wt / 2, h = wt % 2) takes chunks 4h .. 4h + 3 of the row's tiles 2g and 2g + 1, so
+// it writes blocks 4g + h and 4g + 2 + h. Tile 2g + 1 goes where the row's staged bytes are: the row's two
+// threads are lanes of one warp, and each loads all its bytes of the half before the __syncwarp. Its chunks in
+// the order k ^ 2h, so that a store's eight threads (four rows, both h) hit eight bank groups. Then the proxy
+// fence and the warpgroup's barrier (nb): the half is whole for every warp's wgmma.
+__device__ __forceinline__ void dequant_half(unsigned kst, unsigned bars, int st, unsigned par, unsigned sc, int wt,
+                                             int g, int nb) {
+    const int row = wt >> 1, h = wt & 1;
+    bar_wait(BAR_CBFULL(bars, st, 4 * g), par);
+    if (g == 1) bar_wait(BAR_CBFULL(bars, st, ROPE_CB), par);
+    uint4 x[2][4];  // [u][k]: chunk 4h + (k ^ 2h) of the row's tile 2g + u
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int c = 4 * h + (k ^ 2 * h);
+            x[u][k] = ld_shared_v4(kst + (4 * g + 2 + u) * CB_BYTES + row * 128 + ((c ^ (row & 7)) << 4));
+        }
+    __syncwarp();  // the row's staged bytes of this half read by both its threads
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        const unsigned s2 = ld_scale_bf16x2(sc + row * 16 + 4 * (2 * g + u));
+#pragma unroll
+        for (int k = 0; k < 4; ++k) put_fp8_chunk(kst, g, u, row, 4 * h + (k ^ 2 * h), x[u][k], s2);
+    }
+    fence_async_smem();
+    wg_sync(nb);
+}
+
 // Stage s's fill for pair n: each group of blocks (V_L, V_R, rope) once its readers of pair n - 1 are
 // done (their release n - 1 has parity (n & 1) ^ 1: a fresh barrier passes it at once), in release order.
-// TV_FP8 builds, by the stage's 64-thread filler (NCH = 2 chunks a thread): prefix tiles staged and dequantized
-// (stage_fp8, dequant_fp8; sc: the stage's scales) once the stage's three groups are issued.
+// TV_FP8 builds, by the stage's 64-thread filler (NCH = 2 chunks a thread): prefix tiles staged (stage_fp8; sc:
+// the stage's scales), then dequantized by the filler (dequant_fp8) once the stage's three groups are issued;
+// CDQ, by the consumer that owns the stage (dequant_half): the filler's copies of group g arrive on the full
+// barrier of block 4g, the rope's on its own, as they land; tail tiles' copies too (gather_half's ONE). The
+// kernel uses these three full barriers of a stage alone, each completed once a pair and waited on once a
+// pair (its consumer's issue_st, GROUPS).
+template <bool CDQ = false>
 __device__ __forceinline__ void fill_stage(unsigned kst, unsigned bars, int s, int n, const TileRows& t,
                                            const char* kvb, const char* tkb, int lrow, int ch, unsigned sc) {
     const unsigned ep = (n & 1) ^ 1;
     if (TV_FP8 && !t.tail) {
         bar_wait(BAR_EMPTY(bars, s, 0), ep);
         stage_fp8(kst, 0, t, kvb, sc, lrow, ch);
+        if (CDQ) bar_arrive_copies(BAR_CBFULL(bars, s, 0));
         bar_wait(BAR_EMPTY(bars, s, 1), ep);
         stage_fp8(kst, 1, t, kvb, sc, lrow, ch);
+        if (CDQ) bar_arrive_copies(BAR_CBFULL(bars, s, V_R0));
         bar_wait(BAR_EMPTY(bars, s, 2), ep);
 #pragma unroll
         for (int p = 0; p < 4; ++p) {
@@ -279,6 +318,7 @@ __device__ __forceinline__ void fill_stage(unsigned kst, unsigned bars, int s, i
         }
         bar_arrive_copies(BAR_CBFULL(bars, s, ROPE_CB));
         asm volatile("cp.async.commit_group;\n" ::: "memory");
+        if (CDQ) return;
         dequant_fp8<2>(kst, bars, s, 0, sc, lrow, ch);
         dequant_fp8<1>(kst, bars, s, 1, sc, lrow, ch);
         return;
@@ -286,9 +326,9 @@ __device__ __forceinline__ void fill_stage(unsigned kst, unsigned bars, int s, i
     const bool copy = TV7_PROBE < 2 || n == 0;
     constexpr int NCH = 128 / FILLER;
     bar_wait(BAR_EMPTY(bars, s, 0), ep);
-    gather_half<0, V_R0, NCH>(kst, bars, s, t, kvb, tkb, lrow, ch, copy);
+    gather_half<0, V_R0, NCH, CDQ>(kst, bars, s, t, kvb, tkb, lrow, ch, copy);
     bar_wait(BAR_EMPTY(bars, s, 1), ep);
-    gather_half<V_R0, ROPE_CB, NCH>(kst, bars, s, t, kvb, tkb, lrow, ch, copy);
+    gather_half<V_R0, ROPE_CB, NCH, CDQ>(kst, bars, s, t, kvb, tkb, lrow, ch, copy);
     bar_wait(BAR_EMPTY(bars, s, 2), ep);
     gather_half<ROPE_CB, NCB, NCH>(kst, bars, s, t, kvb, tkb, lrow, ch, copy);
 }
@@ -303,12 +343,15 @@ __device__ __forceinline__ void pair_tile(const Job& jb, int it, int* d) {
     d[2] = kend;
 }
 
-// The barriers at bars (tid 0 of the CTA; a __syncthreads must follow).
+// The barriers at bars (tid 0 of the CTA; a __syncthreads must follow). CDQ: the empty barrier of the V half
+// that the stage's owner dequantizes for the other consumer (EMPTY(0, 1), EMPTY(1, 0)) takes the owner's 4
+// warps too, so that its refill waits on every thread that wrote or read that half (consume_v9's pair_t).
+template <bool CDQ = false>
 __device__ __forceinline__ void init_bars(unsigned bars) {
     for (int s = 0; s < 2; ++s) {
         for (int c = 0; c < NCB; ++c) bar_init(BAR_CBFULL(bars, s, c), FILLER);
-        bar_init(BAR_EMPTY(bars, s, 0), 4 * WARP_ARRIVALS);
-        bar_init(BAR_EMPTY(bars, s, 1), 4 * WARP_ARRIVALS);
+        bar_init(BAR_EMPTY(bars, s, 0), (CDQ && s == 1 ? 8 : 4) * WARP_ARRIVALS);
+        bar_init(BAR_EMPTY(bars, s, 1), (CDQ && s == 0 ? 8 : 4) * WARP_ARRIVALS);
         bar_init(BAR_EMPTY(bars, s, 2), 8 * WARP_ARRIVALS);
     }
     bar_init(BAR_QFULL(bars), 128);
@@ -329,7 +372,8 @@ __device__ __forceinline__ int dealt_job(const int* plan, const int* order, int 
 // The producer warpgroup (wt: its thread) over the CTA's stream of tile pairs: Q of each job, the pair
 // descriptors (ring at desc), the K tiles into the stages at base + OFF_K0 and base + OFF_K1. The CTA's jobs:
 // ORDERED, the snake deal of order (dealt_job); else the static round-robin (order unread; produce_v10 picks).
-template <bool ORDERED>
+// CDQ (FP8 builds): the consumers dequantize the prefix tiles (fill_stage).
+template <bool ORDERED, bool CDQ = false>
 __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars, const __nv_bfloat16* q,
                                        const __nv_bfloat16* kv, const int* page_table,
                                        const __nv_bfloat16* tree_kv, const int* plan, const int* order, int nreq,
@@ -378,7 +422,7 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
             bar_arrive(BAR_DESC(bars, n % NDESC));
         }
         if (TV_FP8) {
-            fill_stage(fl ? k1s : k0s, bars, fl, n, ra, kvb, tkb, lrow, ch, base + OFF_SCALES + fl * BN * 16);
+            fill_stage<CDQ>(fl ? k1s : k0s, bars, fl, n, ra, kvb, tkb, lrow, ch, base + OFF_SCALES + fl * BN * 16);
         } else {
             fill_stage(k0s, bars, 0, n, ra, kvb, tkb, lrow, ch, 0);  // stage 0 is released first
             fill_stage(k1s, bars, 1, n, rb, kvb, tkb, lrow, ch, 0);
@@ -395,14 +439,15 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
 
 // Version 10's producer: the snake deal where its plan wrote an order (order [0] >= 0), else version 9's
 // (the static round-robin); one branch for the whole warpgroup, before either path's setmaxnreg.
+template <bool CDQ = false>
 __device__ __forceinline__ void produce_v10(unsigned base, int* desc, unsigned bars, const __nv_bfloat16* q,
                                            const __nv_bfloat16* kv, const int* page_table,
                                            const __nv_bfloat16* tree_kv, const int* plan, const int* order,
                                            int nreq, int P, int Q, int H, int wt) {
     if (order[0] >= 0)
-        produce<true>(base, desc, bars, q, kv, page_table, tree_kv, plan, order, nreq, P, Q, H, wt);
+        produce<true, CDQ>(base, desc, bars, q, kv, page_table, tree_kv, plan, order, nreq, P, Q, H, wt);
     else
-        produce<false>(base, desc, bars, q, kv, page_table, tree_kv, plan, order, nreq, P, Q, H, wt);
+        produce<false, CDQ>(base, desc, bars, q, kv, page_table, tree_kv, plan, order, nreq, P, Q, H, wt);
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
