@@ -64,7 +64,8 @@ extern "C" __global__ void rc_named_exchange(float* out) {
 // same value (v7); 1: one thread of the quad stores; 2: as 0 with a __syncwarp around each warp's stores;
 // 3: as 2 without barrier 3; 4: as 3 with warpgroup 1 in bar.sync 2 too (no bar.arrive); 5: as 4 with
 // warpgroup 0 in bar.sync 1 too (every barrier a bar.sync of both); 6: as 5 with each warpgroup's own
-// 128-thread bar.sync (ids 5, 6: v9's wg_sync) first in each round.
+// 128-thread bar.sync (ids 5, 6: v9's wg_sync) first in each round; 7: as 6 with three of them; 8: as 6 with
+// warpgroup 0's alone.
 template <int MODE>
 __device__ __forceinline__ void seesaw(float* out) {
     __shared__ float s[ROWS];
@@ -73,7 +74,7 @@ __device__ __forceinline__ void seesaw(float* out) {
     float acc = 0.f;
     if (t < 256) {
         for (int n = 0; n < ROUNDS; ++n) {
-            if (MODE == 6) wg_sync(5 + (t >> 7));
+            for (int k = 0; k < (MODE == 7 ? 3 : MODE == 6 || (MODE == 8 && t < 128)); ++k) wg_sync(5 + (t >> 7));
             if (t < 128) {
                 if (warp_sync) __syncwarp();
                 if (store) s[r] = float(r + n);
@@ -107,6 +108,8 @@ extern "C" __global__ void rc_seesaw_two_barriers(float* out) { seesaw<3>(out); 
 extern "C" __global__ void rc_seesaw_both_sync(float* out) { seesaw<4>(out); }
 extern "C" __global__ void rc_seesaw_all_sync(float* out) { seesaw<5>(out); }
 extern "C" __global__ void rc_seesaw_wg_sync(float* out) { seesaw<6>(out); }
+extern "C" __global__ void rc_seesaw_wg_sync3(float* out) { seesaw<7>(out); }
+extern "C" __global__ void rc_seesaw_wg0_sync(float* out) { seesaw<8>(out); }
 
 // A full / empty mbarrier ring of one slot, ROUNDS rounds: warpgroup 0 waits "empty", writes, arrives
 // "full"; warpgroup 1 waits "full", reads, arrives "empty" (v7's stage and descriptor barriers).
@@ -180,17 +183,28 @@ extern "C" __global__ void rc_lane0_release_syncwarp(const float4* src, float* o
 
 // The FP8 build's consumer dequantization in small (tree_verify/wgmma_ws.cuh, consume_v9 with CDQ), ROUNDS
 // rounds, with the seesaw's rows (MODE 5) beside it: warpgroup 2 fills a slot by cp.async and arrives "full"
-// as its copies land (ASYNC; the consumer-dequant fills) or after waiting for them, by a plain arrive (main's
-// producer, which dequantizes before it arrives). Warpgroup 0, the slot's owner, waits, rewrites the slot in
-// place, syncs its 128 threads, then hands the rows to warpgroup 1, which reads the slot only after that
-// handoff. Every lane of both releases "empty" (the owner's release); the next fill waits on it. src
+// as its copies land (F & RING_ASYNC; the consumer-dequant fills) or after waiting for them, by a plain arrive
+// (main's producer, which dequantizes before it arrives). Warpgroup 0, the slot's owner, waits, rewrites the
+// slot in place, syncs its 128 threads, then hands the rows to warpgroup 1, which reads the slot only after
+// that handoff. Every lane of both releases "empty" (the owner's release); the next fill waits on it. The
+// other flags take one part away or add one, to find which one racecheck does not follow: RING_WG1_SYNC
+// warpgroup 1 syncs its own 128 threads first in each round; RING_NO_DQ no rewrite and no 128-thread sync;
+// RING_NO_RING no producer and no mbarriers (the slot unread); RING_WG1_WAIT warpgroup 1 waits "full" too;
+// RING_ONE_WRITER lanes 0..3 of warp 0 write the rows (put_rows) instead of each quad its own. src
 // [ROUNDS x 128] float4.
-template <bool ASYNC>
+#define RING_ASYNC 1
+#define RING_WG1_SYNC 2
+#define RING_NO_DQ 4
+#define RING_NO_RING 8
+#define RING_WG1_WAIT 16
+#define RING_ONE_WRITER 32
+template <int F>
 __device__ __forceinline__ void cdq_ring(const float4* src, float* out) {
     __shared__ alignas(16) float4 slot[128];
     __shared__ float s[ROWS];
     __shared__ alignas(8) unsigned long long bars[2];
-    const int t = threadIdx.x, i = t & 127, wg = t >> 7, r = i >> 2;
+    const int t = threadIdx.x, i = t & 127, wg = t >> 7, r = i >> 2, lane = t & 31;
+    const bool ring = !(F & RING_NO_RING), one = F & RING_ONE_WRITER;
     const unsigned full = smem_u32(&bars[0]), empty = smem_u32(&bars[1]);
     if (t == 0) {
         bar_init(full, 128);
@@ -200,34 +214,43 @@ __device__ __forceinline__ void cdq_ring(const float4* src, float* out) {
     float acc = 0.f;
     for (int n = 0; n < ROUNDS; ++n) {
         if (wg == 2) {
+            if (!ring) continue;
             bar_wait(empty, (n & 1) ^ 1);
             cp_async16(smem_u32(&slot[i]), src + n * 128 + i, 16);
-            if (ASYNC) {
+            if (F & RING_ASYNC) {
                 bar_arrive_copies(full);
             } else {
                 asm volatile("cp.async.wait_all;\n" ::: "memory");
                 bar_arrive(full);
             }
         } else if (wg == 0) {
-            bar_wait(full, n & 1);
-            slot[i].x += 1.f;  // the owner's dequantization, in place
-            wg_sync(5);
+            if (ring) bar_wait(full, n & 1);
+            if (!(F & RING_NO_DQ)) {
+                slot[i].x += 1.f;  // the owner's dequantization, in place
+                wg_sync(5);
+            }
             __syncwarp();
-            s[r] = float(r + n);
+            if (!one) s[r] = float(r + n);
+            else if (i < 4)
+                for (int k = i; k < ROWS; k += 4) s[k] = float(k + n);
             __syncwarp();
             nb_sync(1);
             nb_sync(2);
-            acc += s[r] + slot[i].x;
-            bar_arrive(empty);
+            acc += s[r] + (ring ? slot[i].x : 0.f);
+            if (ring) bar_arrive(empty);
         } else {
+            if (F & RING_WG1_SYNC) wg_sync(6);
+            if (ring && (F & RING_WG1_WAIT)) bar_wait(full, n & 1);
             nb_sync(1);
             const float v = s[r];
-            acc += v + slot[i].x;
+            acc += v + (ring ? slot[i].x : 0.f);
             __syncwarp();
-            s[r] = v + 1.f;
+            if (!one) s[r] = v + 1.f;
+            else if (lane < 4 && i < 32)
+                for (int k = lane; k < ROWS; k += 4) s[k] = acc + float(k);
             __syncwarp();
             nb_sync(2);
-            bar_arrive(empty);
+            if (ring) bar_arrive(empty);
         }
     }
     if (wg == 2) asm volatile("cp.async.wait_all;\n" ::: "memory");
@@ -235,8 +258,19 @@ __device__ __forceinline__ void cdq_ring(const float4* src, float* out) {
     __syncthreads();
 }
 
-extern "C" __global__ void rc_cdq_ring_async(const float4* src, float* out) { cdq_ring<true>(src, out); }
-extern "C" __global__ void rc_cdq_ring_plain(const float4* src, float* out) { cdq_ring<false>(src, out); }
+extern "C" __global__ void rc_cdq_ring_async(const float4* src, float* out) { cdq_ring<RING_ASYNC>(src, out); }
+extern "C" __global__ void rc_cdq_ring_plain(const float4* src, float* out) { cdq_ring<0>(src, out); }
+extern "C" __global__ void rc_cdq_ring_wg1_sync(const float4* src, float* out) {
+    cdq_ring<RING_ASYNC | RING_WG1_SYNC>(src, out);
+}
+extern "C" __global__ void rc_cdq_ring_no_dq(const float4* src, float* out) { cdq_ring<RING_ASYNC | RING_NO_DQ>(src, out); }
+extern "C" __global__ void rc_cdq_ring_no_ring(const float4* src, float* out) { cdq_ring<RING_NO_RING>(src, out); }
+extern "C" __global__ void rc_cdq_ring_wg1_wait(const float4* src, float* out) {
+    cdq_ring<RING_ASYNC | RING_WG1_WAIT>(src, out);
+}
+extern "C" __global__ void rc_cdq_ring_one_writer(const float4* src, float* out) {
+    cdq_ring<RING_ASYNC | RING_ONE_WRITER>(src, out);
+}
 
 // Both consumers of the FP8 build's consume_v9 with CDQ, one round a pair of tiles, ROUNDS rounds: slot c is
 // stage c, filled by 64 producer threads (wg 2) by cp.async that arrive "full c" as the copies land (ASYNC)

@@ -47,19 +47,26 @@ CASES = {
     "seesaw_both_sync_384": ("rc_seesaw_both_sync", 384, False),
     "seesaw_all_sync_384": ("rc_seesaw_all_sync", 384, False),
     "seesaw_wg_sync_384": ("rc_seesaw_wg_sync", 384, False),
+    "seesaw_wg_sync3_384": ("rc_seesaw_wg_sync3", 384, False),
+    "seesaw_wg0_sync_384": ("rc_seesaw_wg0_sync", 384, False),
     "mbarrier": ("rc_mbarrier", 256, False),
     "cp_async": ("rc_cp_async", 256, False),
     "lane0_release": ("rc_lane0_release", 256, True),
     "lane0_release_syncwarp": ("rc_lane0_release_syncwarp", 256, False),
     "cdq_ring_async_384": ("rc_cdq_ring_async", 384, False),
     "cdq_ring_plain_384": ("rc_cdq_ring_plain", 384, False),
+    "cdq_ring_wg1_sync_384": ("rc_cdq_ring_wg1_sync", 384, False),
+    "cdq_ring_no_dq_384": ("rc_cdq_ring_no_dq", 384, False),
+    "cdq_ring_no_ring_384": ("rc_cdq_ring_no_ring", 384, False),
+    "cdq_ring_wg1_wait_384": ("rc_cdq_ring_wg1_wait", 384, False),
+    "cdq_ring_one_writer_384": ("rc_cdq_ring_one_writer", 384, False),
     "cdq_pair_async_384": ("rc_cdq_pair_async", 384, False),
     "cdq_pair_plain_384": ("rc_cdq_pair_plain", 384, False),
     "cdq_pair_nodq_384": ("rc_cdq_pair_nodq", 384, False),
 }
-SRC_KERNELS = {  # the kernels that read src
-    "rc_cp_async", "rc_lane0_release", "rc_lane0_release_syncwarp", "rc_cdq_ring_async",
-    "rc_cdq_ring_plain", "rc_cdq_pair_async", "rc_cdq_pair_plain", "rc_cdq_pair_nodq"}
+# the kernels that read src
+SRC_KERNELS = {"rc_cp_async", "rc_lane0_release", "rc_lane0_release_syncwarp"} | {
+    k for k, _, _ in CASES.values() if k.startswith("rc_cdq_")}
 
 
 def run(names: list[str]) -> int:

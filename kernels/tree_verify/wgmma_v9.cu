@@ -272,8 +272,10 @@ __device__ __forceinline__ void pair_t(float* o, float* s, float* m, float* l, c
         const bool dq = !tail;
         const unsigned sc = x.base + OFF_SCALES + x.c * BN * 16;
         if (dq) dequant_half(kst, x.bars, x.c, par, sc, x.wt, 0, NB_WG + x.c);
+        else if (TV7_RACECHECK) wg_sync(NB_WG + x.c);  // dequant_half's barrier (see below)
         issue_st<N, true>(s, x.base, kst, x.bars, x.c, par, !dq, 0, V_R0);
         if (dq) dequant_half(kst, x.bars, x.c, par, sc, x.wt, 1, NB_WG + x.c);
+        else if (TV7_RACECHECK) wg_sync(NB_WG + x.c);
         issue_st<N, true>(s, x.base, kst, x.bars, x.c, par, !dq, V_R0, NCB);
     } else {
         issue_st<N>(s, x.base, kst, x.bars, x.c, par, true, 0, NCB);
