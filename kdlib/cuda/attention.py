@@ -80,9 +80,9 @@ tile's scale rounded to bf16, one rounding: exact for the layout's power-of-two 
 by the producer, or, in the kernel of at most 16 rows a request (8 x 1, 8 x 2), by the consumer that owns the
 stage; the MMAs are the bf16 build's. q and tree_kv stay bf16. On a pool of power-of-two scales the output is
 the bf16 build's on the dequantized pool, bit for bit. A prefix row is 656 bytes where bf16's is 1,152: 57 %
-of the bytes; yet the build is slower than bf16's, 0.53-0.81x its speed at the attention_bounds points on the
-H200 (data/results/attention_fp8.h200.json): the dequantization in each stage's turn bounds it (notebook
-02b, 15b).
+of the bytes; yet the build is slower than bf16's at every point of the attention_fp8 suite on the H200
+(data/results/attention_fp8.h200.json): the dequantization in each stage's turn bounds it (notebook 02b,
+15b).
 `version=None` (the default) picks by dtype and device: fp32 runs 1 (a dtype path, not a choice);
 bf16 runs `DEFAULT_VERSION` (10, `BF16_DEFAULT`: the fastest in data/results/attention.h200.json)
 where the device runs it, else 3 where the device grants its 166 KB of shared memory (not on sm_120's

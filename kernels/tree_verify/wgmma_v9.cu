@@ -257,7 +257,10 @@ __device__ __forceinline__ void get_rows(float* v, const float* src, const V9Ctx
 // One pair of tiles in consumer x.c (v7's seesaw with the transposed products; v7's barriers and releases).
 // o [2 N]: O^T of the consumer's 4 dim blocks, m, l [N / 4]: its rows' running max and sum. CDQ: the consumer
 // dequantizes its stage's prefix tiles (FP8 builds, dequant_half); the other consumer reads that stage's V half
-// only after a handoff that follows it (NB_SCALE_A, NB_PB).
+// only after a handoff that follows it (NB_SCALE_A, NB_PB). In the checking build (TV7_RACECHECK) a consumer
+// whose tile is a tree tail passes dequant_half's two barriers anyway: racecheck flags the row exchanges of two
+// warpgroups that pass unequal numbers of their own barriers between them, ordered or not
+// (tools/racecheck_patterns.py: seesaw_wg0_sync_384, cdq_ring_*).
 template <int N, bool CDQ>
 __device__ __forceinline__ void pair_t(float* o, float* s, float* m, float* l, const Job& jb, bool tail, int k0,
                                        int kend, bool first, bool last, unsigned par, const unsigned char* vis,
@@ -272,7 +275,7 @@ __device__ __forceinline__ void pair_t(float* o, float* s, float* m, float* l, c
         const bool dq = !tail;
         const unsigned sc = x.base + OFF_SCALES + x.c * BN * 16;
         if (dq) dequant_half(kst, x.bars, x.c, par, sc, x.wt, 0, NB_WG + x.c);
-        else if (TV7_RACECHECK) wg_sync(NB_WG + x.c);  // dequant_half's barrier (see below)
+        else if (TV7_RACECHECK) wg_sync(NB_WG + x.c);  // the checking build's equal count (above)
         issue_st<N, true>(s, x.base, kst, x.bars, x.c, par, !dq, 0, V_R0);
         if (dq) dequant_half(kst, x.bars, x.c, par, sc, x.wt, 1, NB_WG + x.c);
         else if (TV7_RACECHECK) wg_sync(NB_WG + x.c);

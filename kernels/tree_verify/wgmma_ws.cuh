@@ -38,9 +38,10 @@
 #define NB_LSUM 4     // both: their l of the job written
 
 // TV7_RACECHECK=1 (-DTV7_RACECHECK=1): a checking build for compute-sanitizer racecheck. Every consumer
-// handoff is a bar.sync of both consumers, and every lane of a releasing warp arrives on the empty
-// barriers (their counts x 32): the forms racecheck sees as ordered (tools/racecheck_patterns.py). Slower,
-// never the default, which keeps bar.arrive and one arrival a warp.
+// handoff is a bar.sync of both consumers, every lane of a releasing warp arrives on the empty barriers
+// (their counts x 32), and both consumers pass as many of their own 128-thread barriers between handoffs
+// (consume_v9's pair_t): the forms racecheck sees as ordered (tools/racecheck_patterns.py). Slower, never the
+// default, which keeps bar.arrive and one arrival a warp.
 #ifndef TV7_RACECHECK
 #define TV7_RACECHECK 0
 #endif
