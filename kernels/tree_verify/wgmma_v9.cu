@@ -132,7 +132,7 @@ struct V9Ctx {
 __device__ __forceinline__ int row_of(int r, int t4) { return 8 * (r >> 1) + 2 * t4 + (r & 1); }
 
 // S^T (+)= K Q^T over column blocks [cb0, cb1) of the stage at kst, each after its barrier (parity par; wait
-// false: they are whole already, dequant_tile). GROUPS (CDQ): a barrier for each group of blocks alone (V_L,
+// false: they are whole already, dequant_half). GROUPS (CDQ): a barrier for each group of blocks alone (V_L,
 // V_R, rope: blocks 0, V_R0, ROPE_CB), waited on before the group's first block.
 template <int N, bool GROUPS = false>
 __device__ __forceinline__ void issue_st(float* s, unsigned base, unsigned kst, unsigned bars, int st,
@@ -256,9 +256,9 @@ __device__ __forceinline__ void get_rows(float* v, const float* src, const V9Ctx
 
 // One pair of tiles in consumer x.c (v7's seesaw with the transposed products; v7's barriers and releases).
 // o [2 N]: O^T of the consumer's 4 dim blocks, m, l [N / 4]: its rows' running max and sum. CDQ: the consumer
-// dequantizes its stage's prefix tiles (FP8 builds, dequant_load, dequant_tile); the other consumer reads that stage's V half
+// dequantizes its stage's prefix tiles (FP8 builds, dequant_half); the other consumer reads that stage's V half
 // only after a handoff that follows it (NB_SCALE_A, NB_PB). In the checking build (TV7_RACECHECK) a consumer
-// whose tile is a tree tail passes dequant_tile's four barriers anyway: racecheck flags the row exchanges of two
+// whose tile is a tree tail passes dequant_half's two barriers anyway: racecheck flags the row exchanges of two
 // warpgroups that pass unequal numbers of their own barriers between them, ordered or not
 // (tools/racecheck_patterns.py: seesaw_wg0_sync_384, cdq_ring_*).
 template <int N, bool CDQ>
@@ -271,21 +271,15 @@ __device__ __forceinline__ void pair_t(float* o, float* s, float* m, float* l, c
     reg_fence_n<N / 2>(s);
     wg_fence();
     const unsigned kst = x.c == 0 ? x.k0s : x.k1s;
-    if constexpr (CDQ) {  // a prefix tile: each quarter's S^T MMAs run under the next quarter's dequantization
+    if constexpr (CDQ) {  // a prefix tile: each V half's S^T MMAs run under the next half's dequantization
         const bool dq = !tail;
         const unsigned sc = x.base + OFF_SCALES + x.c * BN * 16;
-        uint4 raw[2][4];  // the staged bytes of the V half in turn
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {  // blocks [2q, 2q + 2), the last quarter with the rope block
-            const int g = q >> 1, u = q & 1;
-            if (dq) {
-                if (u == 0) dequant_load(kst, x.bars, x.c, par, x.wt, g, raw);
-                dequant_tile(kst, sc, x.wt, g, u, raw, NB_WG + x.c);
-            } else if (TV7_RACECHECK) {
-                wg_sync(NB_WG + x.c);  // the checking build's equal count (above)
-            }
-            issue_st<N, true>(s, x.base, kst, x.bars, x.c, par, !dq, 2 * q, q == 3 ? NCB : 2 * q + 2);
-        }
+        if (dq) dequant_half(kst, x.bars, x.c, par, sc, x.wt, 0, NB_WG + x.c);
+        else if (TV7_RACECHECK) wg_sync(NB_WG + x.c);  // the checking build's equal count (above)
+        issue_st<N, true>(s, x.base, kst, x.bars, x.c, par, !dq, 0, V_R0);
+        if (dq) dequant_half(kst, x.bars, x.c, par, sc, x.wt, 1, NB_WG + x.c);
+        else if (TV7_RACECHECK) wg_sync(NB_WG + x.c);
+        issue_st<N, true>(s, x.base, kst, x.bars, x.c, par, !dq, V_R0, NCB);
     } else {
         issue_st<N>(s, x.base, kst, x.bars, x.c, par, true, 0, NCB);
     }

@@ -13,7 +13,8 @@
 #define PRODUCER_REGS 40                       // setmaxnreg: 128 x 40 + 256 x 232 = 64512 <= 65536
 #define CONSUMER_REGS 232
 // the FP8 build's producer dequantizes, two chunks a row a thread (72: no spill in any kernel of the build,
-// where 64 spilled; the consumers at 208 build v9 up to 48 rows): 128 x 72 + 256 x 208 = 62464
+// where 64 spilled; the consumers at 208 build v9's kernels without a spill up to 32 rows, tree_verify/wgmma_v9.cu's
+// V9_FP8_MAX_NR: at 40 v9's own spills): 128 x 72 + 256 x 208 = 62464
 #define FP8_PRODUCER_REGS 72
 #define FP8_CONSUMER_REGS 208
 #define PRODUCER_NREG (TV_FP8 ? FP8_PRODUCER_REGS : PRODUCER_REGS)  // what the build's setmaxnreg passes
@@ -74,7 +75,7 @@
 // "FP8 with scale"): 656-byte rows, the 512 latent values in e4m3, then 4 float32 scales (one per 128 latent
 // dims), then the 64 rope values in bf16. The tree rows (tree_kv) stay bf16. Each prefix tile is dequantized
 // into the stage's bf16 blocks, by the producer (fill_stage) or, in the kernel with v9's consumers, by the
-// consumer that owns the stage (dequant_tile), so the MMAs and their bits are the bf16 build's: on the
+// consumer that owns the stage (dequant_half), so the MMAs and their bits are the bf16 build's: on the
 // dequantized pool the two builds give the same output bit for bit where the scales are powers of two (the
 // layout's rule: e4m3 times the scale is then exact in bf16; other scales are rounded to bf16 first, FlashMLA's
 // rule, kdlib.cuda.attention.fp8_dequantized).
@@ -257,16 +258,18 @@ __device__ __forceinline__ void dequant_fp8(unsigned kst, unsigned bars, int s, 
 }
 
 // V half g of a consumer's own stage st (FP8 builds, CDQ: a prefix tile of pair parity par, staged as stage_fp8
-// puts it), in two steps by its 128 threads (wt). dequant_load: once the half's copies land (g = 1: the rope's
-// too), thread (row wt / 2, h = wt % 2) loads chunks 4h .. 4h + 3 of the row's tiles 2g and 2g + 1 into x (the
-// row's staged bytes, in blocks 4g + 2 and 4g + 3; its two threads are lanes of one warp, so the __syncwarp
-// after the loads lets either overwrite them); its chunks in the order k ^ 2h, so that a store's eight threads
-// (four rows, both h) hit eight bank groups.
-__device__ __forceinline__ void dequant_load(unsigned kst, unsigned bars, int st, unsigned par, int wt, int g,
-                                             uint4 (&x)[2][4]) {
+// puts it; sc: the stage's scales), dequantized by its 128 threads (wt) once the half's copies land (g = 1: the
+// rope's too): thread (row wt / 2, h = wt % 2) takes chunks 4h .. 4h + 3 of the row's tiles 2g and 2g + 1, so
+// it writes blocks 4g + h and 4g + 2 + h. Tile 2g + 1 goes where the row's staged bytes are: the row's two
+// threads are lanes of one warp, and each loads all its bytes of the half before the __syncwarp. Its chunks in
+// the order k ^ 2h, so that a store's eight threads (four rows, both h) hit eight bank groups. Then the proxy
+// fence and the warpgroup's barrier (nb): the half is whole for every warp's wgmma.
+__device__ __forceinline__ void dequant_half(unsigned kst, unsigned bars, int st, unsigned par, unsigned sc, int wt,
+                                             int g, int nb) {
     const int row = wt >> 1, h = wt & 1;
     bar_wait(BAR_CBFULL(bars, st, 4 * g), par);
     if (g == 1) bar_wait(BAR_CBFULL(bars, st, ROPE_CB), par);
+    uint4 x[2][4];  // [u][k]: chunk 4h + (k ^ 2h) of the row's tile 2g + u
 #pragma unroll
     for (int u = 0; u < 2; ++u)
 #pragma unroll
@@ -275,17 +278,12 @@ __device__ __forceinline__ void dequant_load(unsigned kst, unsigned bars, int st
             x[u][k] = ld_shared_v4(kst + (4 * g + 2 + u) * CB_BYTES + row * 128 + ((c ^ (row & 7)) << 4));
         }
     __syncwarp();  // the row's staged bytes of this half read by both its threads
-}
-
-// dequant_tile: tile 2g + u of x times its scale (sc: the stage's scales) into blocks 4g + 2u and 4g + 2u + 1
-// (u = 1: where the staged bytes were), then the proxy fence and the warpgroup's barrier (nb): the quarter is
-// whole for every warp's wgmma.
-__device__ __forceinline__ void dequant_tile(unsigned kst, unsigned sc, int wt, int g, int u, const uint4 (&x)[2][4],
-                                             int nb) {
-    const int row = wt >> 1, h = wt & 1;
-    const unsigned s2 = ld_scale_bf16x2(sc + row * 16 + 4 * (2 * g + u));
 #pragma unroll
-    for (int k = 0; k < 4; ++k) put_fp8_chunk(kst, g, u, row, 4 * h + (k ^ 2 * h), x[u][k], s2);
+    for (int u = 0; u < 2; ++u) {
+        const unsigned s2 = ld_scale_bf16x2(sc + row * 16 + 4 * (2 * g + u));
+#pragma unroll
+        for (int k = 0; k < 4; ++k) put_fp8_chunk(kst, g, u, row, 4 * h + (k ^ 2 * h), x[u][k], s2);
+    }
     fence_async_smem();
     wg_sync(nb);
 }
@@ -294,7 +292,7 @@ __device__ __forceinline__ void dequant_tile(unsigned kst, unsigned sc, int wt, 
 // done (their release n - 1 has parity (n & 1) ^ 1: a fresh barrier passes it at once), in release order.
 // TV_FP8 builds, by the stage's 64-thread filler (NCH = 2 chunks a thread): prefix tiles staged (stage_fp8; sc:
 // the stage's scales), then dequantized by the filler (dequant_fp8) once the stage's three groups are issued;
-// CDQ, by the consumer that owns the stage (dequant_tile): the filler's copies of group g arrive on the full
+// CDQ, by the consumer that owns the stage (dequant_half): the filler's copies of group g arrive on the full
 // barrier of block 4g, the rope's on its own, as they land; tail tiles' copies too (gather_half's ONE). The
 // kernel uses these three full barriers of a stage alone, each completed once a pair and waited on once a
 // pair (its consumer's issue_st, GROUPS).
