@@ -25,8 +25,8 @@
 // Built with -DTV_FP8=1 (kdlib.cuda.attention.FP8_OPTIONS) the attend kernels read the prefix pool in the FP8
 // layout (656-byte rows: e4m3 latent, float32 scales, bf16 rope), dequantized into the bf16 stages
 // (tree_verify/wgmma_ws.cuh): in tree_verify_v10_attend by the producer (fill_stage), in tree_verify_v10_attend_t
-// by each consumer, its own stage's tile before its S^T (dequant_half, one V half at a time; the producer only stages the bytes); both
-// attend kernels then take FP8_SMEM of shared memory.
+// by each consumer, its own stage's tile before its S^T (dequant_half, one V half at a time; the producer only
+// stages the bytes); both attend kernels then take FP8_SMEM of shared memory.
 //
 // The attend kernels need sm_90a (wgmma, setmaxnreg); built for another target their bodies trap.
 // kdlib-arch: sm_90a wgmma=tree_verify_v7_attend,tree_verify_v9_attend,tree_verify_v10_attend,tree_verify_v10_attend_t
