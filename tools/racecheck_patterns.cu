@@ -71,10 +71,11 @@ __device__ __forceinline__ void seesaw(float* out) {
     __shared__ float s[ROWS];
     const int t = threadIdx.x, r = (t & 127) >> 2;
     const bool store = MODE != 1 || (t & 3) == 0, warp_sync = MODE >= 2;
+    const int own = MODE == 7 ? 3 : MODE == 6 || (MODE == 8 && t < 128);  // this warpgroup's 128-thread barriers
     float acc = 0.f;
     if (t < 256) {
         for (int n = 0; n < ROUNDS; ++n) {
-            for (int k = 0; k < (MODE == 7 ? 3 : MODE == 6 || (MODE == 8 && t < 128)); ++k) wg_sync(5 + (t >> 7));
+            for (int k = 0; k < own; ++k) wg_sync(5 + (t >> 7));
             if (t < 128) {
                 if (warp_sync) __syncwarp();
                 if (store) s[r] = float(r + n);
