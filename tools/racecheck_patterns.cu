@@ -190,9 +190,9 @@ extern "C" __global__ void rc_lane0_release_syncwarp(const float4* src, float* o
 // that handoff. Every lane of both releases "empty" (the owner's release); the next fill waits on it. The
 // other flags take one part away or add one, to find which one racecheck does not follow: RING_WG1_SYNC
 // warpgroup 1 syncs its own 128 threads first in each round; RING_NO_DQ no rewrite and no 128-thread sync;
-// RING_NO_RING no producer and no mbarriers (the slot unread); RING_WG1_WAIT warpgroup 1 waits "full" too;
-// RING_ONE_WRITER lanes 0..3 of warp 0 write the rows (put_rows) instead of each quad its own. src
-// [ROUNDS x 128] float4.
+// RING_NO_RING no producer and no mbarriers (the slot never filled, only its owner touches it); RING_WG1_WAIT
+// warpgroup 1 waits "full" too; RING_ONE_WRITER lanes 0..3 of warp 0 write the rows (put_rows) instead of each
+// quad its own. src [ROUNDS x 128] float4.
 #define RING_ASYNC 1
 #define RING_WG1_SYNC 2
 #define RING_NO_DQ 4
