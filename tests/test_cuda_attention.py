@@ -601,6 +601,23 @@ def test_v5_register_fragments():
                     assert (rows[tid, 4 * jj + 2 * e + h], cols[tid, 4 * jj + 2 * e + h]) == want
 
 
+def test_fp8_path_rule_and_its_checks():
+    """fp8_path None: "dequant_first" past FP8_DEQUANT_FIRST_ROWS query rows a request, else "fused"; a named
+    path is kept; anything else is a ValueError, as is a path given with a float pool."""
+    from kdlib.cuda import attention as cu
+
+    cut = cu.FP8_DEQUANT_FIRST_ROWS
+    assert cu.fp8_path_for(cut) == "fused" and cu.fp8_path_for(cut + 1) == "dequant_first"
+    assert cu.fp8_path_for(8) == "fused" and cu.fp8_path_for(64 * 65) == "dequant_first"
+    assert all(cu.fp8_path_for(1, p) == p for p in cu.FP8_PATHS)
+    for bad in ("first", "", 1):
+        with pytest.raises(ValueError):
+            cu.fp8_path_for(8, bad)
+    assert cu._pool_path("fp8", 8, None) == "fused" and cu._pool_path("bf16", 8, None) is None
+    with pytest.raises(ValueError):
+        cu._pool_path("bf16", 8, "fused")
+
+
 def test_v9_options_follow_the_rows():
     """Version 9's attend kernel is built for TV9_NR = Q*H rounded up to 8 where Q*H <= 16 (where it measured
     faster than v8's), within the rows it builds for; past that, None: version 9 runs version 8's kernels."""
@@ -1301,9 +1318,10 @@ def test_v10_fp8_pool_is_the_bf16_build_on_its_dequantized_rows_bit_for_bit(bsz,
     """Version 10's FP8 build (-DTV_FP8=1) over a pool in the FP8 layout (fp8_pool: power-of-two scales, the
     rows' gains spread over 9 octaves so that the scales differ row to row and tile to tile) gives the
     bf16 build's output and lse over the dequantized pool bit for bit, whole verify and prefix alone, and the
-    float64 reference's on those rows within the bf16 tolerance. (What the layout costs against the bf16 pool
-    is data, not a kernel property: the attention_fp8 suite records it, kdlib.ref.fp8.fp8_verify_error studies
-    it.)"""
+    float64 reference's on those rows within the bf16 tolerance; so does the dequant-first path (the gather
+    into the workspace's bf16 pool, then the bf16 build), whichever path fp8_path=None picks. (What the layout
+    costs against the bf16 pool is data, not a kernel property: the attention_fp8 suite records it,
+    kdlib.ref.fp8.fp8_verify_error studies it.)"""
     _need_wgmma()
     import torch
 
@@ -1330,13 +1348,16 @@ def test_v10_fp8_pool_is_the_bf16_build_on_its_dequantized_rows_bit_for_bit(bsz,
     tkv = torch.randn(bsz, nq, 576, device="cuda", generator=g).bfloat16()  # [B, Q, 576]
     vis = torch.from_numpy(np.stack([_random_tree(rng, nq) for _ in range(bsz)])).cuda()  # [B, Q, Q]
     scale = 576**-0.5
-    out8, lse8 = cu.tree_verify_attention(q, pool8, page, lens, tkv, vis, sizes, scale)
     outd, lsed = cu.tree_verify_attention(q, deq, page, lens, tkv, vis, sizes, scale, version=10)
-    assert np.array_equal(out8.get(), outd.get(), equal_nan=True), "fp8 out differs from bf16 on its rows"
-    assert np.array_equal(lse8.get(), lsed.get(), equal_nan=True), "fp8 lse differs from bf16 on its rows"
-    p8, pl8 = cu.prefix_attention(q, pool8, page, lens, scale, workspace=cu.make_workspace(bsz, nq, nh))
     pd, pld = cu.prefix_attention(q, deq, page, lens, scale, version=10)
-    assert np.array_equal(p8.get(), pd.get(), equal_nan=True) and np.array_equal(pl8.get(), pld.get())
+    for path in (*cu.FP8_PATHS, None):
+        out8, lse8 = cu.tree_verify_attention(q, pool8, page, lens, tkv, vis, sizes, scale, fp8_path=path)
+        assert np.array_equal(out8.get(), outd.get(), equal_nan=True), f"{path}: out differs from bf16's"
+        assert np.array_equal(lse8.get(), lsed.get(), equal_nan=True), f"{path}: lse differs from bf16's"
+        p8, pl8 = cu.prefix_attention(q, pool8, page, lens, scale, workspace=cu.make_workspace(bsz, nq, nh),
+                                      fp8_path=path)
+        assert np.array_equal(p8.get(), pd.get(), equal_nan=True), path
+        assert np.array_equal(pl8.get(), pld.get()), path
     for b in range(bsz):
         ts = int(sizes_np[b])
         r_out, r_lse = _torch_reference(q[b:b + 1, :ts], deq, page[b:b + 1], lens[b:b + 1], tkv[b:b + 1, :ts],
@@ -1344,6 +1365,93 @@ def test_v10_fp8_pool_is_the_bf16_build_on_its_dequantized_rows_bit_for_bit(bsz,
         assert_close(out8[b, :ts], r_out[0], rtol=BF16_RTOL, name=f"fp8 request {b}", quiet=True)
         assert_close(lse8[b, :ts], r_lse[0], rtol=1e-4, name=f"fp8 lse request {b}", quiet=True)
         assert np.isnan(out8[b, ts:].get()).all(), f"request {b}: rows past its tree not NaN"
+
+
+@pytest.mark.gpu
+def test_fp8_gather_writes_each_prefix_row_dequantized_and_nothing_else():
+    """tree_verify_fp8_gather_v1 (the dequant-first path's first launch): row b P + k of the workspace's bf16
+    pool is fp8_dequantized's row page_table [b, k] bit for bit for every k < prefix_lens [b] (lengths past
+    P clamped, negative ones none); every other row keeps what was there. Its page table is row b P + k."""
+    _need_wgmma()
+    import torch
+
+    from kdlib.cuda import attention as cu
+
+    cp = _cp()
+    g = torch.Generator(device="cuda").manual_seed(11)
+    bsz, width, n_slots = 4, 1000, 3000
+    kv = (torch.randn(n_slots, 576, device="cuda", generator=g)
+          * torch.logspace(-6, 6, n_slots, base=2.0, device="cuda")[:, None]).bfloat16()  # [S, 576]
+    pool8 = cu.fp8_pool(kv)  # [S, 656] uint8
+    deq = cu.fp8_dequantized(pool8).view(torch.int16)  # [S, 576] bf16 bits
+    page = torch.stack([torch.randperm(n_slots, device="cuda", generator=g)[:width]
+                        for _ in range(bsz)]).int()  # [B, P]
+    lens = [width, 1, 0, 613]
+    ws = cu.make_workspace(bsz, 1, 8, fp8_width=width)
+    kv16, table = ws.fp8_staging(width)
+    kv16.fill(0xFFFF)  # a NaN pattern no dequantized row has
+    cu._dequant_prefix(cp.asarray(pool8), cp.asarray(page), cp.asarray(lens, dtype=cp.int32), ws)
+    got = torch.as_tensor(kv16.view(cp.int16), device="cuda").view(bsz, width, 576)
+    for b, n in enumerate(lens):
+        want = deq[page[b, :n].long()]
+        assert torch.equal(got[b, :n], want), f"request {b}: a gathered row differs from fp8_dequantized"
+        assert bool((got[b, n:] == -1).all()), f"request {b}: a row past the prefix was written"
+    assert np.array_equal(table.get(), np.arange(bsz * width, dtype=np.int32).reshape(bsz, width))
+    kv16.fill(0xFFFF)
+    odd = cp.asarray([width + 5, -3, 2, 0], dtype=cp.int32)  # past P, negative, short, none
+    cu._dequant_prefix(cp.asarray(pool8), cp.asarray(page), odd, ws)
+    assert torch.equal(got[0], deq[page[0].long()]) and bool((got[1] == -1).all())
+    assert torch.equal(got[2, :2], deq[page[2, :2].long()]) and bool((got[2, 2:] == -1).all())
+    assert ws.fp8_staging(width)[0] is kv16, "the same width reuses the buffers"
+    assert ws.fp8_staging(width + 1)[0].shape == (bsz * (width + 1), 576)
+    for bad in (-1, 2.5):
+        with pytest.raises(ValueError):
+            ws.fp8_staging(bad)
+
+
+@pytest.mark.gpu
+def test_fp8_dequant_first_graph_captured_and_allocation_free():
+    """The dequant-first path on a workspace made with fp8_width: a call allocates nothing, and its four
+    launches (gather, plan, attend, combine) captured in a CUDA graph replay to the eager call's bits, after
+    the workspace's bf16 pool and outputs are poisoned; the fused path gives the same bits."""
+    _need_wgmma()
+    import torch
+
+    from kdlib.cuda import attention as cu
+
+    cp = _cp()
+    g = torch.Generator(device="cuda").manual_seed(6)
+    bsz, nq, nh, width = 3, 33, 8, 5000
+    q = torch.randn(bsz, nq, nh, 576, device="cuda", generator=g).bfloat16()  # [B, Q, H, 576]
+    pool8 = cu.fp8_pool(torch.randn(2 * width, 576, device="cuda", generator=g).bfloat16())  # [S, 656]
+    page = torch.stack([torch.randperm(2 * width, device="cuda", generator=g)[:width]
+                        for _ in range(bsz)]).int()  # [B, P]
+    lens = torch.tensor([width, 0, 3001], device="cuda", dtype=torch.int32)
+    tkv = torch.randn(bsz, nq, 576, device="cuda", generator=g).bfloat16()  # [B, Q, 576]
+    rng = np.random.default_rng(2)
+    vis = torch.from_numpy(np.stack([_random_tree(rng, nq) for _ in range(bsz)])).cuda()  # [B, Q, Q]
+    sizes = torch.tensor([nq, 5, 17], device="cuda", dtype=torch.int32)
+    args = (q, pool8, page, lens, tkv, vis, sizes, 576**-0.5)
+    ws = cu.make_workspace(bsz, nq, nh, fp8_width=width)
+    first = [a.copy() for a in cu.tree_verify_attention(*args, workspace=ws, fp8_path="dequant_first")]
+    pool = cp.get_default_memory_pool()
+    used = pool.used_bytes()
+    cu.tree_verify_attention(*args, workspace=ws, fp8_path="dequant_first", validate=False)
+    assert pool.used_bytes() == used, "a dequant-first call with a workspace allocated memory"
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream, torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr)):
+        stream.begin_capture()
+        cu.tree_verify_attention(*args, workspace=ws, fp8_path="dequant_first", validate=False)
+        graph = stream.end_capture()
+        ws.fp8_staging(width)[0].fill(0xFFFF)
+        ws.out.fill(np.nan)
+        graph.launch(stream=stream)
+        stream.synchronize()
+    for a, b in zip(first, (ws.out.reshape(first[0].shape), ws.lse.reshape(first[1].shape)), strict=True):
+        assert np.array_equal(a.get(), b.get(), equal_nan=True), "graph replay differs from the eager call"
+    fused = cu.tree_verify_attention(*args, fp8_path="fused")
+    for a, b in zip(first, fused, strict=True):
+        assert np.array_equal(a.get(), b.get(), equal_nan=True), "the two FP8 paths differ"
 
 
 @pytest.mark.gpu
@@ -1365,6 +1473,8 @@ def test_v10_fp8_pool_bad_inputs_raise_value_error():
                  lambda: cu.prefix_attention(q.float(), pool8, page, lens, 0.1),  # fp32 q
                  lambda: cu.prefix_attention(q, pool8, page, lens, 0.1, version=9),  # no FP8 build
                  lambda: cu.prefix_attention(q, shifted, page, lens, 0.1),
+                 lambda: cu.prefix_attention(q, pool8, page, lens, 0.1, fp8_path="first"),  # no such path
+                 lambda: cu.prefix_attention(q, kv, page, lens, 0.1, fp8_path="fused"),  # a bf16 pool
                  lambda: cu.fp8_pool(kv.float()), lambda: cu.fp8_dequantized(kv)):
         with pytest.raises(ValueError):
             call()

@@ -62,14 +62,14 @@ def test_load_attention_every_arm_of_every_point():
     assert rec.doc["goals"] == raw["goals"]
 
 
-def test_load_attention_fp8_rows_of_both_pools_at_every_point():
+def test_load_attention_fp8_rows_of_every_arm_at_every_point():
     raw = _raw("attention_fp8.h200.json")
     rec = results.load_attention_fp8("h200")
-    assert len(rec.rows) == 2 * len(raw["points"])
+    assert len(rec.rows) == sum(len(p["arms"]) for p in raw["points"])
     for p in raw["points"]:
         shape = {k: p[k] for k in ("heads", "queries", "prefix", "batch")}
         rows = {r.variant: r for r in rec.select(op="tree_verify_attention", shape=shape)}
-        assert set(rows) == {"bf16", "fp8"} and {r.version for r in rows.values()} == {10}
+        assert set(rows) == set(p["arms"]) >= {"bf16", "fp8"} and {r.version for r in rows.values()} == {10}
         for arm, r in rows.items():
             a = p["arms"][arm]
             want = (a["ms"], a["bytes"], p["flops"], a["floor_ms"])
@@ -77,6 +77,10 @@ def test_load_attention_fp8_rows_of_both_pools_at_every_point():
             assert math.isnan(r.p10_ms) and math.isnan(r.p90_ms)
         assert rows["fp8"].bytes < rows["bf16"].bytes  # 656 bytes a prefix row against 1,152
         assert rows["bf16"].median_ms / rows["fp8"].median_ms == pytest.approx(p["speedup_fp8"])
+        if "fp8_dequant_first" in rows:  # the other path reads the same FP8 bytes
+            assert rows["fp8_dequant_first"].bytes == rows["fp8"].bytes
+            assert rows["bf16"].median_ms / rows["fp8_dequant_first"].median_ms == pytest.approx(
+                p["speedup_fp8_dequant_first"])
 
 
 def test_load_attention_bounds_verify_and_gather_rows_of_every_point():

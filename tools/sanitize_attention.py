@@ -14,7 +14,9 @@ kernel (8 heads x 1 and x 2 queries: the workspace call, a ragged batch, a prefi
 ("wgmma_v10", the bf16 default) on a batch whose jobs its plan orders (16 requests of 8 x 65 rows) and at
 8 x 1 (one round: the static deal); its FP8 build ("v10 fp8": the pool packed by `fp8_pool`, the reference on
 its dequantized rows) on the ordered batch, at 8 x 1, on the ragged batch of 3, for a prefix alone and on 160
-ragged requests at 8 x 2 (more jobs than SMs, so a CTA meets tree tails after other jobs' pairs).
+ragged requests at 8 x 2 (more jobs than SMs, so a CTA meets tree tails after other jobs' pairs); the FP8
+pool's other path ("v10 fp8 dequant-first": the gather into a bf16 pool, then the bf16 build) on the ragged
+batch of 3 and the ordered batch.
 KDLIB_SANITIZE_CASES (a comma list of name prefixes, e.g. "v7") keeps some of them. Each output is
 compared with `kdlib.ref.attention` on the same bf16 values (norm-relative error <= 1e-2, lse within
 2e-3, padding rows NaN), so a clean sanitizer run is also a correct one. The kernels a case covers are
@@ -171,17 +173,23 @@ def cases(only: str = "") -> list[dict]:
     ]
     # version 10's FP8 build (the pool in kdlib.ref.fp8's layout): the ordered batch, v9's consumers, the
     # ragged batch (an empty prefix among them), a prefix alone
-    every += [{**c, "name": c["name"].replace("v10", "v10 fp8", 1), "fp8": True} for c in every[-3:-1]]
+    # (fp8: the path, fp8_path; "fused", the FP8 build, whatever fp8_path=None would pick)
+    every += [{**c, "name": c["name"].replace("v10", "v10 fp8", 1), "fp8": "fused"} for c in every[-3:-1]]
     every += [
         {"name": "v10 fp8 verify ragged B3", "shape": ragged, "version": 10, "call": "verify",
-         "workspace": False, "fp8": True},
+         "workspace": False, "fp8": "fused"},
         {"name": "v10 fp8 prefix 8x9x1000", "shape": {"nh": 8, "nq": 9, "lens": [1000], "sizes": [9]},
-         "version": 10, "call": "prefix", "workspace": False, "fp8": True},
+         "version": 10, "call": "prefix", "workspace": False, "fp8": "fused"},
         # v9's consumers over more jobs than SMs: a CTA meets tree tails after other jobs' pairs
         {"name": "v10 fp8 verify 8x2 ragged B160",
          "shape": {"nh": 8, "nq": 2, "lens": [613 * b % 3001 for b in range(160)],
                    "sizes": [1 + b % 2 for b in range(160)]},
-         "version": 10, "call": "verify", "workspace": False, "fp8": True},
+         "version": 10, "call": "verify", "workspace": False, "fp8": "fused"},
+        # the other path: the gather (an empty prefix among the requests), then the bf16 build
+        {"name": "v10 fp8 dequant-first verify ragged B3", "shape": ragged, "version": 10, "call": "verify",
+         "workspace": True, "fp8": "dequant_first"},
+        {**next(c for c in every if c["name"] == "v10 verify 8x65 B16 (ordered)"),
+         "name": "v10 fp8 dequant-first verify 8x65 B16 (ordered)", "fp8": "dequant_first"},
     ]
     return [c for c in every if not keep or c["name"].startswith(keep)]
 
@@ -193,7 +201,8 @@ def run_case(spec: dict, seed: int) -> dict:
 
     sh = spec["shape"]
     dev, seen = to_device(problem(seed, sh["nh"], sh["nq"], sh["lens"], sh["sizes"]))
-    if spec.get("fp8"):  # the pool in the FP8 layout; the reference on the rows the kernel dequantizes
+    path = spec.get("fp8")
+    if path:  # the pool in the FP8 layout; the reference on the rows the kernel dequantizes
         dev["kv_cache"] = cu.fp8_pool(dev["kv_cache"])
         seen["kv_cache"] = cu.fp8_dequantized(dev["kv_cache"]).double().cpu().numpy()
     fetched = []
@@ -207,11 +216,11 @@ def run_case(spec: dict, seed: int) -> dict:
     try:
         if spec["call"] == "prefix":
             args = {k: dev[k] for k in PREFIX_KEYS}
-            got = cu.prefix_attention(**args, version=spec["version"])
+            got = cu.prefix_attention(**args, version=spec["version"], fp8_path=path)
             want = ref.prefix_attention(**{k: seen[k] for k in PREFIX_KEYS})
         else:
             ws = cu.make_workspace(len(sh["lens"]), sh["nq"], sh["nh"]) if spec["workspace"] else None
-            got = cu.tree_verify_attention(**dev, version=spec["version"], workspace=ws)
+            got = cu.tree_verify_attention(**dev, version=spec["version"], workspace=ws, fp8_path=path)
             want = ref.tree_verify_attention(**seen)
         cupy.cuda.runtime.deviceSynchronize()
     finally:

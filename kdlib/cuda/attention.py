@@ -152,6 +152,14 @@ _V9_SMEM = _V7_SMEM + 20 * 64 * 4
 _FP8_SMEM = _V9_SMEM + 2 * 64 * 16
 FP8_OPTIONS = ("-DTV_FP8=1",)
 FP8_ROW_BYTES = fp8_ref.layout_bytes()  # 656: 512 e4m3 + 4 float32 scales + 64 bf16 rope (FP8_ROW)
+# An FP8 pool's two paths (fp8_path): "fused", the FP8 build, each tile dequantized in the attend kernel;
+# "dequant_first", tree_verify/fp8_gather_v1.cu dequantizing the prefix rows into the workspace's bf16 pool,
+# then the bf16 build over it. Both give the same output bit for bit.
+FP8_PATHS = ("fused", "dequant_first")
+_FP8_GATHER = "tree_verify/fp8_gather_v1"
+_FP8_GATHER_KEYS = 8  # FG_KEYS: keys (a warp each) a block of the gather
+# fp8_path None: "dequant_first" past this many query rows (Q x H) a request, else "fused"
+FP8_DEQUANT_FIRST_ROWS = 128
 _V9_MAX_NR = 56  # V9_MAX_NR: the rows v9's attend kernel builds for without spills
 # Q*H up to which version 9 runs its own attend kernel: where it measured faster than v8's (8 and 16 rows;
 # slower at 32 and 48) in data/results/history/attention.v9_dev.4d83aab.h200.json
@@ -723,6 +731,27 @@ def v8_combine_rows(bsz: int, rows: int, grid: int) -> bool:
     return bsz * rows * _V5_COMBINE_SLICES * 32 * _V8_COMBINE_WARPS[0] > grid * 2048
 
 
+def fp8_path_for(rows: int, fp8_path: str | None = None) -> str:
+    """The path a verify over an FP8 pool runs at `rows` = Q x H query rows a request: `fp8_path` checked
+    against FP8_PATHS, or for None "dequant_first" past FP8_DEQUANT_FIRST_ROWS rows, else "fused"."""
+    if fp8_path is None:
+        return "dequant_first" if rows > FP8_DEQUANT_FIRST_ROWS else "fused"
+    if fp8_path not in FP8_PATHS:
+        raise ValueError(f"fp8_path must be one of {FP8_PATHS} or None, got {fp8_path!r}")
+    return fp8_path
+
+
+def _pool_path(kv_kind: str, rows: int, fp8_path: str | None) -> str | None:
+    """_launch_wgmma's fp8: the FP8 pool's path (`fp8_path_for`); None for a float pool, where fp8_path must
+    be None."""
+    if kv_kind == "fp8":
+        return fp8_path_for(rows, fp8_path)
+    if fp8_path is not None:
+        raise ValueError(f"fp8_path applies to an FP8 kv_cache ([S, {FP8_ROW_BYTES}] uint8), the call's is "
+                         f"{kv_kind}")
+    return None
+
+
 def v9_options(rows: int) -> tuple[str, ...] | None:
     """Version 9's NVRTC options at Q*H = `rows` a request: TV9_NR, the rows its attend kernel is built for
     (rows rounded up to 8: one row block, whose jobs ragged trees only shrink); None past `_V9_MAX_ROWS`
@@ -736,10 +765,11 @@ class VerifyWorkspace:
 
     plan [1 + 8 B] int32, order [jobs] int32 (version 10's order of the jobs), parts [jobs, 64, 512] fp32 and
     part_lse [jobs, 64] fp32 (jobs = v5_max_jobs), out [B*Q*H, 512] fp32 and lse [B*Q*H] fp32 (the returned
-    arrays are views of these: the next call with the same workspace overwrites them).
+    arrays are views of these: the next call with the same workspace overwrites them). An FP8 pool's
+    dequant-first path adds a bf16 pool and its page table (`fp8_staging`).
     """
 
-    def __init__(self, bsz: int, nq: int, nh: int):
+    def __init__(self, bsz: int, nq: int, nh: int, fp8_width: int | None = None):
         import cupy
 
         if bsz < 1 or not 1 <= nq <= MAX_Q or nh < 1:
@@ -754,21 +784,55 @@ class VerifyWorkspace:
         self.part_lse = cupy.empty((jobs, _V5_BM), dtype=cupy.float32)  # [jobs, 64]
         self.out = cupy.empty((bsz * rows, KV_LORA_RANK), dtype=cupy.float32)  # [B*Q*H, 512]
         self.lse = cupy.empty((bsz * rows,), dtype=cupy.float32)  # [B*Q*H]
+        self._staging = None  # (P, bf16 pool, page table): fp8_staging's buffers
+        if fp8_width is not None:
+            self.fp8_staging(fp8_width)
+
+    def fp8_staging(self, width: int):
+        """The dequant-first path's buffers for page tables `width` = P keys wide -> (a bf16 pool [B*P, 576]
+        as uint16 bits, B x P x 1,152 bytes, request b's key k at row b P + k; its page table [B, P] int32).
+        Made by the first call of a width, reused by the next ones (so a call under CUDA-graph capture must
+        find them made: make_workspace's fp8_width)."""
+        import cupy
+
+        if not isinstance(width, numbers.Integral) or width < 0:
+            raise ValueError(f"fp8_width must be an int >= 0, got {width!r}")
+        if self._staging is None or self._staging[0] != width:
+            bsz = self.shape[0]
+            self._staging = None  # the old pool freed before the new one is made
+            pool = cupy.empty((bsz * width, D_QK), dtype=cupy.uint16)  # [B*P, 576] bf16 bits
+            table = cupy.arange(bsz * width, dtype=cupy.int32).reshape(bsz, width)  # [B, P]
+            self._staging = (int(width), pool, table)
+        return self._staging[1:]
 
 
-def make_workspace(bsz: int, nq: int, nh: int) -> VerifyWorkspace:
+def make_workspace(bsz: int, nq: int, nh: int, *, fp8_width: int | None = None) -> VerifyWorkspace:
     """Preallocated buffers for version 5 ... 10 ("wgmma" ... "wgmma_v10") calls on q of shape
-    [bsz, nq, nh, 576] (see VerifyWorkspace)."""
-    return VerifyWorkspace(bsz, nq, nh)
+    [bsz, nq, nh, 576] (see VerifyWorkspace). fp8_width: also the dequant-first path's buffers for page
+    tables that wide (VerifyWorkspace.fp8_staging), as a call made under CUDA-graph capture needs them."""
+    return VerifyWorkspace(bsz, nq, nh, fp8_width)
 
 
-def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=False, fp8=False):
+def _dequant_prefix(pool8, pt, lens, ws: VerifyWorkspace):
+    """The dequant-first path's gather (tree_verify_fp8_gather_v1): each request's prefix rows of the FP8 pool
+    [S, 656] uint8, dequantized into ws's bf16 pool -> (that pool [B*P, 576], its page table [B, P])."""
+    bsz, width = pt.shape
+    kv16, table = ws.fp8_staging(width)
+    if width:
+        fn = loader.get_function(_FP8_GATHER, "tree_verify_fp8_gather_v1")
+        fn((_ceil(width, _FP8_GATHER_KEYS), bsz), (32 * _FP8_GATHER_KEYS,),
+           (pool8, pt, lens, np.int32(width), kv16))
+    return kv16, table
+
+
+def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=False, fp8=None):
     """The three launches of version 5 ... 10 (plan, the version's attend, its combine) -> (out [B*M, 512],
     lse [B*M]) fp32 views of the workspace.
 
     tail = (tree_kv [B, Q, 576], visibility [B, Q, Q], tree_sizes [B]) for the whole verify, None
     for the prefix alone. plan_ready: the plan launch is skipped, ws.plan is read as it is. fp8 (version 10):
-    kv is the FP8 pool [S, 656] uint8, run by the FP8 build.
+    kv is the FP8 pool [S, 656] uint8 and fp8 its path (FP8_PATHS): "fused", the FP8 build; "dequant_first",
+    the gather into the workspace's bf16 pool (`_dequant_prefix`) launched first, then the bf16 build.
     """
     bsz, nq, nh, _ = qa.shape
     if ws is None:
@@ -778,6 +842,9 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
     rows = nq * nh
     null = np.uintp(0)
     tkv, vis, sizes = tail if tail is not None else (null, null, null)
+    if fp8 == "dequant_first":
+        kv, pt = _dequant_prefix(kv, pt, lens, ws)
+        fp8 = None
     v9 = v9_options(rows) if version in (9, 10) else None
     if version == 9 and v9 is None:
         version = 8
@@ -889,7 +956,8 @@ def _check_workspace(workspace, version: int, plan_ready: bool = False):
 
 def prefix_attention(q, kv_cache, page_table, prefix_lens, softmax_scale, kv_lora_rank: int = KV_LORA_RANK, *,
                      version: int | None = None, validate: bool = True,
-                     workspace: VerifyWorkspace | None = None, impl: str | None = None):
+                     workspace: VerifyWorkspace | None = None, impl: str | None = None,
+                     fp8_path: str | None = None):
     """Attention of every query over its request's paged latent prefix (page_size 1), split-KV.
 
     Shape: q [B, Q, H, 576], kv_cache [S, 576] (or [S, 656] uint8, the FP8 layout: module docstring),
@@ -897,19 +965,21 @@ def prefix_attention(q, kv_cache, page_table, prefix_lens, softmax_scale, kv_lor
     lse [B, Q, H] fp32 (CuPy).
     version: one of VERSIONS, None (the default): by dtype and device (fp32: 1; bf16: DEFAULT_VERSION
     where it runs). impl: deprecated name of a version (IMPLS). workspace (WGMMA_VERSIONS only): buffers
-    from make_workspace; the results are views of it.
+    from make_workspace; the results are views of it. fp8_path (an FP8 kv_cache only): one of FP8_PATHS,
+    None: `fp8_path_for` picks by Q x H (module docstring).
     """
     _check_rank(kv_lora_rank)
     qa, kind, batched = _check_q(q)
     kv, pt, lens, kv_kind = _check_prefix(qa, kind, kv_cache, page_table, prefix_lens, batched, validate)
+    bsz, nq, nh, _ = qa.shape
+    path = _pool_path(kv_kind, nq * nh, fp8_path)
     scale = _scale(softmax_scale)
     version = pick_version(version, impl, kv_kind)
     _check_workspace(workspace, version)
     if validate:
         _validate_prefix(kv, pt, lens)
-    bsz, nq, nh, _ = qa.shape
     if version in WGMMA_VERSIONS:
-        out, lse = _launch_wgmma(version, qa, kv, pt, lens, scale, workspace, fp8=kv_kind == "fp8")
+        out, lse = _launch_wgmma(version, qa, kv, pt, lens, scale, workspace, fp8=path)
         out, lse = out.reshape(bsz, nq, nh, KV_LORA_RANK), lse.reshape(bsz, nq, nh)
         return (out, lse) if batched else (out[0], lse[0])
     parts, plse = _launch_prefix(qa, kind, kv, pt, lens, scale, version)
@@ -965,7 +1035,7 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
 def tree_verify_attention(q, kv_cache, page_table, prefix_lens, tree_kv, visibility, tree_sizes,
                           softmax_scale, kv_lora_rank: int = KV_LORA_RANK, *, version: int | None = None,
                           validate: bool = True, workspace: VerifyWorkspace | None = None,
-                          impl: str | None = None, plan_ready: bool = False):
+                          impl: str | None = None, plan_ready: bool = False, fp8_path: str | None = None):
     """The whole verify attention: split-KV prefix + masked tail, merged in one combine launch
     (versions 5, 6, 7: the tail fused into the prefix kernel).
 
@@ -978,22 +1048,24 @@ def tree_verify_attention(q, kv_cache, page_table, prefix_lens, tree_kv, visibil
     previous call on it made for the same prefix_lens, tree_sizes and page-table width, and the plan
     launch is skipped (the layers of one verify step share a plan); the caller vouches for the sameness.
     Version 10 also reads the order its own plan wrote there: after another version's plan on the
-    workspace, run version 10's plan before a plan_ready call of version 10.
+    workspace, run version 10's plan before a plan_ready call of version 10. fp8_path (an FP8 kv_cache
+    only): one of FP8_PATHS, None: `fp8_path_for` picks by Q x H (module docstring).
     """
     _check_rank(kv_lora_rank)
     qa, kind, batched = _check_q(q)
     kv, pt, lens, kv_kind = _check_prefix(qa, kind, kv_cache, page_table, prefix_lens, batched, validate)
     tkv, vis, sizes = _check_tail(qa, kind, tree_kv, visibility, tree_sizes, batched, validate)
+    bsz, nq, nh, _ = qa.shape
+    path = _pool_path(kv_kind, nq * nh, fp8_path)
     scale = _scale(softmax_scale)
     version = pick_version(version, impl, kv_kind)
     _check_workspace(workspace, version, plan_ready)
     if validate:
         _validate_prefix(kv, pt, lens)
         _validate_tail(sizes, qa.shape[1])
-    bsz, nq, nh, _ = qa.shape
     if version in WGMMA_VERSIONS:
         out, lse = _launch_wgmma(version, qa, kv, pt, lens, scale, workspace, tail=(tkv, vis, sizes),
-                                 plan_ready=plan_ready, fp8=kv_kind == "fp8")
+                                 plan_ready=plan_ready, fp8=path)
         out, lse = out.reshape(bsz, nq, nh, KV_LORA_RANK), lse.reshape(bsz, nq, nh)
         return (out, lse) if batched else (out[0], lse[0])
     parts, plse = _launch_prefix(qa, kind, kv, pt, lens, scale, version)
