@@ -335,6 +335,24 @@ def test_attention_bf16_default_is_the_fastest_recorded_arm():
     assert all(why.strip() for why in attention.BF16_DEFAULT_TRADES.values())
 
 
+def test_attention_fp8_gather_and_path_rule_match_the_source_and_the_record():
+    """The gather's launch constants are its source's; the FP8 layout's offsets are kdlib.ref.fp8's; and
+    fp8_path=None (FP8_DEQUANT_FIRST_ROWS) takes, at every point of attention_fp8.h200.json, the path faster
+    there, as recorded with the rule the code has."""
+    c = consts(attention._FP8_GATHER)
+    assert c["FG_KEYS"] == attention._FP8_GATHER_KEYS and c["FG_OUT_U4"] * 8 == attention.D_QK
+    assert loader.launch_bounds(attention._FP8_GATHER) == {
+        "tree_verify_fp8_gather_v1": (32 * attention._FP8_GATHER_KEYS, 0)}
+    assert (c["FP8_ROW"], c["FP8_SCALES"], c["FP8_ROPE"]) == (
+        attention.FP8_ROW_BYTES, attention.KV_LORA_RANK, attention.KV_LORA_RANK + 16)
+    rec = _record("attention_fp8")
+    assert rec["parameters"]["fp8_dequant_first_rows"] == attention.FP8_DEQUANT_FIRST_ROWS
+    for p in rec["points"]:
+        arms = p["arms"]
+        faster = "dequant_first" if arms["fp8_dequant_first"]["ms"] < arms["fp8"]["ms"] else "fused"
+        assert attention.fp8_path_for(p["heads"] * p["queries"]) == p["fp8_path_default"] == faster, p
+
+
 def test_attention_mma_default_is_the_faster_mma_in_the_recorded_sweep():
     """MMA_DEFAULT (v3) against v4 in verify_attention_dev.h200.json: faster at the median point ratio."""
     rec, mma = _record("verify_attention_dev"), attention.MMA_DEFAULT

@@ -82,7 +82,15 @@ stage; the MMAs are the bf16 build's. q and tree_kv stay bf16. On a pool of powe
 the bf16 build's on the dequantized pool, bit for bit. A prefix row is 656 bytes where bf16's is 1,152: 57 %
 of the bytes; yet the build is slower than bf16's at every point of the attention_fp8 suite on the H200
 (data/results/attention_fp8.h200.json): the dequantization in each stage's turn bounds it (notebook 02b,
-15b).
+15b), and where a request has many row blocks the producer dequantizes each tile once for each of them.
+That build is the "fused" path (`fp8_path`, FP8_PATHS). The other, "dequant_first", dequantizes each prefix
+row once: tree_verify_fp8_gather_v1 gathers the requests' rows through the page table into a bf16 pool of
+the workspace (B x P x 1,152 bytes, `VerifyWorkspace.fp8_staging`) with the same conversion, and the bf16
+build reads that; the output is the fused path's, bit for bit. vLLM's MLA backends gather a prefill's
+context into a bf16 workspace so (vllm-project/vllm, vllm/v1/attention/backends/mla/common.py). It costs one
+pass over the rows (656 bytes read, 1,152 written a row) and pays where the MMAs bound the verify:
+fp8_path=None takes it past FP8_DEQUANT_FIRST_ROWS query rows (Q x H) a request, where it measured faster at
+every point of that record, else the fused path (notebook 02b, 15c).
 `version=None` (the default) picks by dtype and device: fp32 runs 1 (a dtype path, not a choice);
 bf16 runs `DEFAULT_VERSION` (10, `BF16_DEFAULT`: the fastest in data/results/attention.h200.json)
 where the device runs it, else 3 where the device grants its 166 KB of shared memory (not on sm_120's
@@ -158,7 +166,9 @@ FP8_ROW_BYTES = fp8_ref.layout_bytes()  # 656: 512 e4m3 + 4 float32 scales + 64 
 FP8_PATHS = ("fused", "dequant_first")
 _FP8_GATHER = "tree_verify/fp8_gather_v1"
 _FP8_GATHER_KEYS = 8  # FG_KEYS: keys (a warp each) a block of the gather
-# fp8_path None: "dequant_first" past this many query rows (Q x H) a request, else "fused"
+# fp8_path None: "dequant_first" past this many query rows (Q x H) a request, else "fused". In
+# data/results/attention_fp8.h200.json the fused path is faster at 72 rows (8 x 9, batch 1 and 8) and below,
+# dequant first from 264 (8 x 33) up; the cut between is not measured.
 FP8_DEQUANT_FIRST_ROWS = 128
 _V9_MAX_NR = 56  # V9_MAX_NR: the rows v9's attend kernel builds for without spills
 # Q*H up to which version 9 runs its own attend kernel: where it measured faster than v8's (8 and 16 rows;
