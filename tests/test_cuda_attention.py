@@ -1390,7 +1390,7 @@ def test_fp8_gather_writes_each_prefix_row_dequantized_and_nothing_else():
     ws = cu.make_workspace(bsz, 1, 8, fp8_width=width)
     kv16, table = ws.fp8_staging(width)
     kv16.fill(0xFFFF)  # a NaN pattern no dequantized row has
-    cu._dequant_prefix(cp.asarray(pool8), cp.asarray(page), cp.asarray(lens, dtype=cp.int32), ws)
+    cu.dequant_prefix(pool8, page, cp.asarray(lens, dtype=cp.int32), ws)
     got = torch.as_tensor(kv16.view(cp.int16), device="cuda").view(bsz, width, 576)
     for b, n in enumerate(lens):
         want = deq[page[b, :n].long()]
@@ -1399,7 +1399,7 @@ def test_fp8_gather_writes_each_prefix_row_dequantized_and_nothing_else():
     assert np.array_equal(table.get(), np.arange(bsz * width, dtype=np.int32).reshape(bsz, width))
     kv16.fill(0xFFFF)
     odd = cp.asarray([width + 5, -3, 2, 0], dtype=cp.int32)  # past P, negative, short, none
-    cu._dequant_prefix(cp.asarray(pool8), cp.asarray(page), odd, ws)
+    cu.dequant_prefix(pool8, page, odd, ws, validate=False)  # the kernel clamps them
     assert torch.equal(got[0], deq[page[0].long()]) and bool((got[1] == -1).all())
     assert torch.equal(got[2, :2], deq[page[2, :2].long()]) and bool((got[2, 2:] == -1).all())
     assert ws.fp8_staging(width)[0] is kv16, "the same width reuses the buffers"
@@ -1407,6 +1407,14 @@ def test_fp8_gather_writes_each_prefix_row_dequantized_and_nothing_else():
     for bad in (-1, 2.5):
         with pytest.raises(ValueError):
             ws.fp8_staging(bad)
+    good = cp.asarray(lens, dtype=cp.int32)
+    for call in (lambda: cu.dequant_prefix(kv, page, good, ws),  # a bf16 pool
+                 lambda: cu.dequant_prefix(pool8, page[:2], good[:2], ws),  # B is not the workspace's
+                 lambda: cu.dequant_prefix(pool8, page, odd, ws),  # lengths past P, negative (validate)
+                 lambda: cu.dequant_prefix(pool8, page + n_slots, good, ws),  # slots past the pool
+                 lambda: cu.dequant_prefix(pool8, page, good, None)):
+        with pytest.raises(ValueError):
+            call()
 
 
 @pytest.mark.gpu

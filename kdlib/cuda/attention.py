@@ -823,6 +823,29 @@ def make_workspace(bsz: int, nq: int, nh: int, *, fp8_width: int | None = None) 
     return VerifyWorkspace(bsz, nq, nh, fp8_width)
 
 
+def dequant_prefix(kv_cache, page_table, prefix_lens, workspace: VerifyWorkspace, *, validate: bool = True):
+    """The dequant-first path's first launch alone (tree_verify_fp8_gather_v1, `fp8_path`): each request's
+    prefix rows of an FP8 pool dequantized into the workspace's bf16 pool -> (that pool [B*P, 576] as uint16
+    bits, its page table [B, P] int32): the workspace's buffers (`VerifyWorkspace.fp8_staging`), whose rows
+    past a request's prefix keep what they held. Shapes: kv_cache [S, 656] uint8 (the FP8 layout),
+    page_table [B, P] int, prefix_lens [B] int, B the workspace's. validate (one device sync): as the
+    verify's, prefix_lens in [0, P] and every read slot in [0, S)."""
+    kv = _fp8_pool(kv_cache, "bf16")
+    if kv is None:
+        raise ValueError(f"dequant_prefix takes an FP8 kv_cache ([S, {FP8_ROW_BYTES}] uint8), got "
+                         f"{getattr(kv_cache, 'dtype', type(kv_cache).__name__)}")
+    if not isinstance(workspace, VerifyWorkspace):
+        raise ValueError(f"workspace must come from make_workspace, got {type(workspace).__name__}")
+    bsz = workspace.shape[0]
+    pt = loader.int_array(page_table, "page_table", "int32", ndim=2, check_range=validate)
+    if pt.shape[0] != bsz:
+        raise ValueError(f"page_table has {pt.shape[0]} rows, the workspace was made for B = {bsz}")
+    lens = _lengths(prefix_lens, "prefix_lens", True, bsz, validate)
+    if validate:
+        _validate_prefix(kv, pt, lens)
+    return _dequant_prefix(kv, pt, lens, workspace)
+
+
 def _dequant_prefix(pool8, pt, lens, ws: VerifyWorkspace):
     """The dequant-first path's gather (tree_verify_fp8_gather_v1): each request's prefix rows of the FP8 pool
     [S, 656] uint8, dequantized into ws's bf16 pool -> (that pool [B*P, 576], its page table [B, P])."""
