@@ -802,7 +802,8 @@ class VerifyWorkspace:
         """The dequant-first path's buffers for page tables `width` = P keys wide -> (a bf16 pool [B*P, 576]
         as uint16 bits, B x P x 1,152 bytes, request b's key k at row b P + k; its page table [B, P] int32).
         Made by the first call of a width, reused by the next ones (so a call under CUDA-graph capture must
-        find them made: make_workspace's fp8_width)."""
+        find them made: make_workspace's fp8_width); a call of another width replaces them, after which a
+        graph captured on the old ones must not replay."""
         import cupy
 
         if not isinstance(width, numbers.Integral) or width < 0:
@@ -828,8 +829,8 @@ def dequant_prefix(kv_cache, page_table, prefix_lens, workspace: VerifyWorkspace
     prefix rows of an FP8 pool dequantized into the workspace's bf16 pool -> (that pool [B*P, 576] as uint16
     bits, its page table [B, P] int32): the workspace's buffers (`VerifyWorkspace.fp8_staging`), whose rows
     past a request's prefix keep what they held. Shapes: kv_cache [S, 656] uint8 (the FP8 layout),
-    page_table [B, P] int, prefix_lens [B] int, B the workspace's. validate (one device sync): as the
-    verify's, prefix_lens in [0, P] and every read slot in [0, S)."""
+    page_table [B, P] int, prefix_lens [B] int, B the workspace's. validate (device syncs): as the verify's,
+    prefix_lens in [0, P] and every read slot in [0, S)."""
     kv = _fp8_pool(kv_cache, "bf16")
     if kv is None:
         raise ValueError(f"dequant_prefix takes an FP8 kv_cache ([S, {FP8_ROW_BYTES}] uint8), got "

@@ -74,7 +74,8 @@
 
 // TV_FP8 (-DTV_FP8=1): the prefix pool in the FP8 MLA latent layout of kdlib.ref.fp8 (DeepSeek-V3.2's, FlashMLA's
 // "FP8 with scale"): 656-byte rows, the 512 latent values in e4m3, then 4 float32 scales (one per 128 latent
-// dims), then the 64 rope values in bf16. The tree rows (tree_kv) stay bf16. Each prefix tile is dequantized
+// dims), then the 64 rope values in bf16 (tree_verify/fp8_e4m3.cuh: the offsets and the conversion, which the
+// dequant-first gather shares). The tree rows (tree_kv) stay bf16. Each prefix tile is dequantized
 // into the stage's bf16 blocks, by the producer (fill_stage) or, in the kernel with v9's consumers, by the
 // consumer that owns the stage (dequant_half), so the MMAs and their bits are the bf16 build's: on the
 // dequantized pool the two builds give the same output bit for bit where the scales are powers of two (the
