@@ -55,13 +55,6 @@
 // then only arrives on its barriers (the consumers' work over rows already in shared memory, no gather);
 // 3: 2 without the P V MMAs; 4: 2 without the S MMAs (each consumer only waits for its stage's blocks).
 // kdlib.perf.suites.attention_bounds times them beside the default build.
-// TV_FP8_PREFETCH (-DTV_FP8_PREFETCH=1): in the FP8 build whose consumers dequantize (CDQ), each filler asks
-// for its next tile's rows into L2 (cp.async.bulk.prefetch.L2) as soon as it has issued this pair's copies,
-// a pair before it may copy them (an A/B, not the default).
-#ifndef TV_FP8_PREFETCH
-#define TV_FP8_PREFETCH 0
-#endif
-
 #ifndef TV7_PROBE
 #define TV7_PROBE 0
 #endif
@@ -413,10 +406,6 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
         if (fresh) jb = decode_job(plan, nreq, nx.j);
         cur = nx;  // the next pair's slots now
         ra = tile_rows(jb, page_table, P, Q, 2 * cur.i + fl, lrow);
-        if (TV_FP8_PREFETCH && CDQ && !ra.tail && ch == 0)  // the next pair's FP8 rows into L2 now
-#pragma unroll
-            for (int p = 0; p < 4; ++p)
-                if ((ra.valid >> p) & 1) prefetch_l2(kvb + (long long)ra.row[p] * FP8_ROW, FP8_ROW);
         if (!TV_FP8) rb = tile_rows(jb, page_table, P, Q, 2 * cur.i + 1, lrow);
         nx = next(jb, cur, fresh);
     }
