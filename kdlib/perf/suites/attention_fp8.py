@@ -61,8 +61,8 @@ def default_arm(row: dict) -> str:
 
 
 def run_point(p: dict, pool, pool8, deq, ceil: dict, *, iters: int) -> dict:
-    """Both arms, the bit-for-bit check and the error at one point (pool: bf16 [N, 576], pool8 its FP8 layout
-    [N, 656] uint8, deq the FP8 rows in bf16 [N, 576])."""
+    """Every arm (ARMS), the gather alone, the bit-for-bit checks and the error at one point (pool: bf16
+    [N, 576], pool8 its FP8 layout [N, 656] uint8, deq the FP8 rows in bf16 [N, 576])."""
     import cupy
 
     from kdlib.cuda import attention as cu
