@@ -67,7 +67,7 @@ def test_load_attention_fp8_rows_of_every_arm_at_every_point():
     rec = results.load_attention_fp8("h200")
     assert len(rec.rows) == sum(len(p["arms"]) for p in raw["points"])
     for p in raw["points"]:
-        shape = {k: p[k] for k in ("heads", "queries", "prefix", "batch")}
+        shape = results.attention_shape(p)
         rows = {r.variant: r for r in rec.select(op="tree_verify_attention", shape=shape)}
         assert set(rows) == set(p["arms"]) >= {"bf16", "fp8"} and {r.version for r in rows.values()} == {10}
         for arm, r in rows.items():

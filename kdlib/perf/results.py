@@ -414,16 +414,16 @@ def load_attention_bounds(gpu: str = "h200") -> Recorded | None:
 
 
 def attention_fp8_rows(doc: dict) -> tuple[Row, ...]:
-    """Tidy rows of an attention_fp8 payload (kdlib/perf/suites/attention_fp8.py), at each (heads, queries,
-    prefix, batch) point: op 'tree_verify_attention' (version 10, graph replay) with variant 'bf16' (the bf16
-    pool), 'fp8' (the FP8 layout, the -DTV_FP8=1 build) or, where recorded, 'fp8_dequant_first' (the FP8
-    layout gathered into a bf16 pool first), the median of its rounds' medians (no quantiles: NaN), that
-    pool's bytes, the FLOPs and the floor. The rounds, the gather alone, the bit-for-bit checks and the error
-    are in `Recorded.doc`."""
+    """Tidy rows of an attention_fp8 payload (kdlib/perf/suites/attention_fp8.py), at each point
+    (`attention_shape`: heads, queries, prefix, batch; a ragged batch's lens and trees): op
+    'tree_verify_attention' (version 10, graph replay) with variant 'bf16' (the bf16 pool), 'fp8' (the FP8
+    layout, the -DTV_FP8=1 build) or, where recorded, 'fp8_dequant_first' (the FP8 layout gathered into a
+    bf16 pool first), the median of its rounds' medians (no quantiles: NaN), that pool's bytes, the FLOPs and
+    the floor. The rounds, the gather alone, the bit-for-bit checks and the error are in `Recorded.doc`."""
     version = (doc.get("parameters") or {}).get("version")
     out = []
     for p in doc.get("points") or []:
-        shape = {k: p[k] for k in ("heads", "queries", "prefix", "batch")}
+        shape = attention_shape(p)
         for arm, a in p["arms"].items():
             out.append(_timed(VERIFY_OP, version, "graph", arm, shape, {"median_ms": a["ms"]}, a["bytes"],
                               p["flops"], f"arms.{arm}.ms", a["floor_ms"]))

@@ -2,8 +2,8 @@
 its paths, beside its bf16 build.
 
 `python3 -m kdlib.perf.run --suite attention_fp8 [--quick]`. Per point of `POINTS` (attention_bounds' points:
-the attention suite's memory-bound points, queries 1 and 9, then 8 x 33 x 200k and its two goal points; its
-inputs, `attention.point_inputs`, and the same page tables for every pool):
+the attention suite's memory-bound points, queries 1 and 9, then 8 x 33 x 200k, its two goal points and its
+ragged batch; its inputs, `attention.point_inputs`, and the same page tables for every pool):
 
   * `bf16`: the whole verify of version 10 over the bf16 pool, replayed from CUDA graphs over the point's
     rotated tables (as the attention suite times its arms);
@@ -37,9 +37,10 @@ from kdlib.perf.suites import _attention as base
 from kdlib.perf.suites import attention, attention_bounds
 from kdlib.ref import fp8
 
-# the memory-bound points, 8 x 33 x 200k (between them and the goal points in rows a request), the goal points
+# the memory-bound points, 8 x 33 x 200k (between them and the goal points in rows a request), the goal
+# points, the ragged batch (C = 16, prefixes 1k-64k, trees 9-65)
 POINTS = [*attention_bounds.POINTS[:3], {"heads": 8, "queries": 33, "prefix": 200_000, "batch": 1},
-          *attention_bounds.POINTS[3:]]
+          *attention_bounds.POINTS[3:], attention.ragged_point()]
 QUICK_POINTS = POINTS[:2]
 ROUNDS = 3
 ARMS = {"bf16": None, "fp8": "fused", "fp8_dequant_first": "dequant_first"}  # arm: its fp8_path
@@ -90,7 +91,8 @@ def run_point(p: dict, pool, pool8, deq, ceil: dict, *, iters: int) -> dict:
     out8, lse8 = outs["fp8"]
     out16, lse16 = outs["bf16"]
     keep = ~cupy.isnan(out16)
-    row = {**p, "lens": None, "rotations": len(x["tables"]), "flops": x["cost"]["flops"], "arms": {},
+    row = {**p, "lens": lens if x["ragged"] else None, "rotations": len(x["tables"]),
+           "flops": x["cost"]["flops"], "arms": {},
            "bitwise_equal_dequantized": bool(cupy.array_equal(out8, deq_out, equal_nan=True)
                                              and cupy.array_equal(lse8, deq_lse, equal_nan=True)),
            "bitwise_equal_paths": all(bool(cupy.array_equal(a, b, equal_nan=True))
@@ -135,7 +137,7 @@ def run(*, quick: bool = False) -> dict:
     for p in pts:
         rows.append(run_point(p, pool, pool8, deq, ceil, iters=iters))
         r = rows[-1]
-        print(f"[attention_fp8] H{r['heads']} Q{r['queries']} S{r['prefix']} B{r['batch']} | "
+        print(f"[attention_fp8] H{r['heads']} Q{r['queries']} S{r.get('prefix', 'ragged')} B{r['batch']} | "
               + "  ".join(f"{k} {a['ms']:.4f} ms ({a['fraction_of_copy']:.2f} of copy)"
                           for k, a in r["arms"].items())
               + f" | gather {r['gather']['ms']:.4f} ms ({r['gather']['fraction_of_copy']:.2f} of copy)"
