@@ -1368,6 +1368,40 @@ def test_v10_fp8_pool_is_the_bf16_build_on_its_dequantized_rows_bit_for_bit(bsz,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("nq", [1, 9])  # the consumers dequantize (8 rows), the producer does (72)
+def test_v10_fp8_scales_past_two_to_the_eight_keep_the_bits(nq):
+    """Rows whose FP8 scales reach past 2^8 (gains up to 2^16; a build that folds the two bf16 products of the
+    conversion into one falls back to two there, where s2 x 2^120 overflows): the FP8 build's output and lse
+    are still the bf16 build's over the dequantized pool, bit for bit, and so is every row fp8_dequantized
+    makes against the gather's."""
+    _need_wgmma()
+    import torch
+
+    from kdlib.cuda import attention as cu
+
+    g = torch.Generator(device="cuda").manual_seed(21 + nq)
+    bsz, nh, width, n_slots = 2, 8, 3000, 6000
+    gain = torch.logspace(-8, 16, n_slots, base=2.0, device="cuda")[torch.randperm(n_slots, device="cuda",
+                                                                                   generator=g)]
+    kv = (torch.randn(n_slots, 576, device="cuda", generator=g) * gain[:, None]).bfloat16()  # [S, 576]
+    pool8 = cu.fp8_pool(kv)  # [S, 656] uint8
+    scales = pool8[:, 512:528].contiguous().view(torch.float32)  # [S, 4]
+    assert bool((scales >= 2.0**8).any()) and bool((scales < 1).any()), "the scales span the fold's limit"
+    deq = cu.fp8_dequantized(pool8)  # [S, 576] bf16
+    q = torch.randn(bsz, nq, nh, 576, device="cuda", generator=g).bfloat16()  # [B, Q, H, 576]
+    page = torch.stack([torch.randperm(n_slots, device="cuda", generator=g)[:width]
+                        for _ in range(bsz)]).int()  # [B, P]
+    lens = torch.tensor([width, 1777], device="cuda", dtype=torch.int32)
+    out8, lse8 = cu.prefix_attention(q, pool8, page, lens, 576**-0.5, fp8_path="fused")
+    outd, lsed = cu.prefix_attention(q, deq, page, lens, 576**-0.5, version=10)
+    assert np.array_equal(out8.get(), outd.get(), equal_nan=True) and np.array_equal(lse8.get(), lsed.get())
+    ws = cu.make_workspace(bsz, nq, nh, fp8_width=width)
+    kv16, _ = cu.dequant_prefix(pool8, page, lens, ws)
+    got = torch.as_tensor(kv16.view(_cp().int16), device="cuda").view(bsz, width, 576)
+    assert torch.equal(got[0], deq.view(torch.int16)[page[0].long()])
+
+
+@pytest.mark.gpu
 def test_fp8_gather_writes_each_prefix_row_dequantized_and_nothing_else():
     """tree_verify_fp8_gather_v1 (the dequant-first path's first launch): row b P + k of the workspace's bf16
     pool is fp8_dequantized's row page_table [b, k] bit for bit for every k < prefix_lens [b] (lengths past
