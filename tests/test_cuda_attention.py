@@ -1370,10 +1370,9 @@ def test_v10_fp8_pool_is_the_bf16_build_on_its_dequantized_rows_bit_for_bit(bsz,
 @pytest.mark.gpu
 @pytest.mark.parametrize("nq", [1, 9])  # the consumers dequantize (8 rows), the producer does (72)
 def test_v10_fp8_scales_past_two_to_the_eight_keep_the_bits(nq):
-    """Rows whose FP8 scales reach past 2^8 (gains up to 2^16; a build that folds the two bf16 products of the
-    conversion into one falls back to two there, where s2 x 2^120 overflows): the FP8 build's output and lse
-    are still the bf16 build's over the dequantized pool, bit for bit, and so is every row fp8_dequantized
-    makes against the gather's."""
+    """Rows whose FP8 scales reach past 2^8 (gains up to 2^16), where the conversion's factor 2^120 times the
+    scale would overflow bf16 (its two products must stay two): the FP8 build's output and lse are still the
+    bf16 build's over the dequantized pool, bit for bit, and the gather's rows are fp8_dequantized's."""
     _need_wgmma()
     import torch
 

@@ -33,24 +33,6 @@ __device__ __forceinline__ void e4m3x4_scaled(unsigned v, unsigned s2, unsigned&
         : "r"(e4m3x2_bf16_lo(wl)), "r"(e4m3x2_bf16_lo(wh)), "r"(two120), "r"(s2));
 }
 
-// e4m3x4_scaled with the two products folded into one: c2 = s2 times 2^120 (`scale_2p120`). The exact product
-// of the value times 2^-120 and c2 is the exact product of the value and s2, so its one rounding gives
-// e4m3x4_scaled's bits wherever c2 is finite (s2 < 2^8: c2 is then exact).
-__device__ __forceinline__ void e4m3x4_folded(unsigned v, unsigned c2, unsigned& lo, unsigned& hi) {
-    unsigned wl, wh;
-    asm("prmt.b32 %0, %2, 0, 0x1404;\nprmt.b32 %1, %2, 0, 0x3424;\n" : "=r"(wl), "=r"(wh) : "r"(v));
-    asm("mul.rn.bf16x2 %0, %2, %4;\nmul.rn.bf16x2 %1, %3, %4;\n"
-        : "=r"(lo), "=r"(hi)
-        : "r"(e4m3x2_bf16_lo(wl)), "r"(e4m3x2_bf16_lo(wh)), "r"(c2));
-}
-
-// s2 (a scale in bf16, both halves) times 2^120: e4m3x4_folded's c2; not finite where that overflows.
-__device__ __forceinline__ unsigned scale_2p120(unsigned s2) {
-    unsigned c;
-    asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(c) : "r"(s2), "r"(0x7B807B80u));
-    return c;
-}
-
 // A tile's float32 scale rounded to bf16 once, in both halves: e4m3x4_scaled's s2.
 __device__ __forceinline__ unsigned scale_bf16x2(float s) {
     unsigned r;

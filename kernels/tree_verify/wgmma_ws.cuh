@@ -55,12 +55,6 @@
 // then only arrives on its barriers (the consumers' work over rows already in shared memory, no gather);
 // 3: 2 without the P V MMAs; 4: 2 without the S MMAs (each consumer only waits for its stage's blocks).
 // kdlib.perf.suites.attention_bounds times them beside the default build.
-// TV_FP8_FOLD (-DTV_FP8_FOLD=1): the FP8 build's dequantization with one bf16x2 product a pair of values
-// (e4m3x4_folded) wherever the scale allows it, an A/B against two (e4m3x4_scaled); the same bits.
-#ifndef TV_FP8_FOLD
-#define TV_FP8_FOLD 0
-#endif
-
 #ifndef TV7_PROBE
 #define TV7_PROBE 0
 #endif
@@ -173,18 +167,11 @@ __device__ __forceinline__ void stage_fp8(unsigned kst, int g, const TileRows& t
 __device__ __forceinline__ void put_fp8_chunk(unsigned kst, int g, int u, int row, int c, uint4 x, unsigned s2) {
     const unsigned blk = kst + (4 * g + 2 * u + (c >> 2)) * CB_BYTES + row * 128;
     const int c0 = 2 * (c & 3);
-    const unsigned c2 = scale_2p120(s2);
-    const bool fold = TV_FP8_FOLD && (c2 & 0x7F80u) != 0x7F80u;  // c2 finite: one product a pair
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // 8 values a store
         unsigned r[4];
-        if (fold) {
-            e4m3x4_folded(h ? x.z : x.x, c2, r[0], r[1]);
-            e4m3x4_folded(h ? x.w : x.y, c2, r[2], r[3]);
-        } else {
-            e4m3x4_scaled(h ? x.z : x.x, s2, r[0], r[1]);
-            e4m3x4_scaled(h ? x.w : x.y, s2, r[2], r[3]);
-        }
+        e4m3x4_scaled(h ? x.z : x.x, s2, r[0], r[1]);
+        e4m3x4_scaled(h ? x.w : x.y, s2, r[2], r[3]);
         asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(blk + (((c0 + h) ^ (row & 7)) << 4)),
                      "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
                      : "memory");
