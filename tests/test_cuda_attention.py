@@ -1385,7 +1385,7 @@ def test_v10_fp8_scales_past_two_to_the_eight_keep_the_bits(nq):
     kv = (torch.randn(n_slots, 576, device="cuda", generator=g) * gain[:, None]).bfloat16()  # [S, 576]
     pool8 = cu.fp8_pool(kv)  # [S, 656] uint8
     scales = pool8[:, 512:528].contiguous().view(torch.float32)  # [S, 4]
-    assert bool((scales >= 2.0**8).any()) and bool((scales < 1).any()), "the scales span the fold's limit"
+    assert bool((scales >= 2.0**8).any()) and bool((scales < 1).any()), "scales past 2^8 and below 1"
     deq = cu.fp8_dequantized(pool8)  # [S, 576] bf16
     q = torch.randn(bsz, nq, nh, 576, device="cuda", generator=g).bfloat16()  # [B, Q, H, 576]
     page = torch.stack([torch.randperm(n_slots, device="cuda", generator=g)[:width]

@@ -411,9 +411,9 @@ def fp8_dequantized(pool8):
     return torch.cat([lat, pool8[:, o:].contiguous().view(torch.bfloat16)], dim=1)  # [S, 576]
 
 
-def _check_prefix(qa, kind, kv_cache, page_table, prefix_lens, batched, validate):
-    """-> (kv, page table, prefix lengths, the pool's kind: kind, or "fp8" for the FP8 layout)."""
-    bsz = qa.shape[0]
+def _check_prefix(bsz, kind, kv_cache, page_table, prefix_lens, batched, validate):
+    """The prefix inputs of B = bsz requests whose q is of `kind` -> (kv, page table, prefix lengths, the
+    pool's kind: kind, or "fp8" for the FP8 layout)."""
     if len(getattr(kv_cache, "shape", ())) != 2:
         raise ValueError(f"kv_cache must be [S, {D_QK}] (or [S, {FP8_ROW_BYTES}] uint8, the FP8 layout), got "
                          f"shape {getattr(kv_cache, 'shape', None)}")
@@ -831,17 +831,12 @@ def dequant_prefix(kv_cache, page_table, prefix_lens, workspace: VerifyWorkspace
     past a request's prefix keep what they held. Shapes: kv_cache [S, 656] uint8 (the FP8 layout),
     page_table [B, P] int, prefix_lens [B] int, B the workspace's. validate (device syncs): as the verify's,
     prefix_lens in [0, P] and every read slot in [0, S)."""
-    kv = _fp8_pool(kv_cache, "bf16")
-    if kv is None:
-        raise ValueError(f"dequant_prefix takes an FP8 kv_cache ([S, {FP8_ROW_BYTES}] uint8), got "
-                         f"{getattr(kv_cache, 'dtype', type(kv_cache).__name__)}")
     if not isinstance(workspace, VerifyWorkspace):
         raise ValueError(f"workspace must come from make_workspace, got {type(workspace).__name__}")
-    bsz = workspace.shape[0]
-    pt = loader.int_array(page_table, "page_table", "int32", ndim=2, check_range=validate)
-    if pt.shape[0] != bsz:
-        raise ValueError(f"page_table has {pt.shape[0]} rows, the workspace was made for B = {bsz}")
-    lens = _lengths(prefix_lens, "prefix_lens", True, bsz, validate)
+    kv, pt, lens, kv_kind = _check_prefix(workspace.shape[0], "bf16", kv_cache, page_table, prefix_lens, True,
+                                          validate)
+    if kv_kind != "fp8":
+        raise ValueError(f"dequant_prefix takes an FP8 kv_cache ([S, {FP8_ROW_BYTES}] uint8), got {kv_kind}")
     if validate:
         _validate_prefix(kv, pt, lens)
     return _dequant_prefix(kv, pt, lens, workspace)
@@ -1004,8 +999,8 @@ def prefix_attention(q, kv_cache, page_table, prefix_lens, softmax_scale, kv_lor
     """
     _check_rank(kv_lora_rank)
     qa, kind, batched = _check_q(q)
-    kv, pt, lens, kv_kind = _check_prefix(qa, kind, kv_cache, page_table, prefix_lens, batched, validate)
     bsz, nq, nh, _ = qa.shape
+    kv, pt, lens, kv_kind = _check_prefix(bsz, kind, kv_cache, page_table, prefix_lens, batched, validate)
     path = _pool_path(kv_kind, nq * nh, fp8_path)
     scale = _scale(softmax_scale)
     version = pick_version(version, impl, kv_kind)
@@ -1087,9 +1082,9 @@ def tree_verify_attention(q, kv_cache, page_table, prefix_lens, tree_kv, visibil
     """
     _check_rank(kv_lora_rank)
     qa, kind, batched = _check_q(q)
-    kv, pt, lens, kv_kind = _check_prefix(qa, kind, kv_cache, page_table, prefix_lens, batched, validate)
-    tkv, vis, sizes = _check_tail(qa, kind, tree_kv, visibility, tree_sizes, batched, validate)
     bsz, nq, nh, _ = qa.shape
+    kv, pt, lens, kv_kind = _check_prefix(bsz, kind, kv_cache, page_table, prefix_lens, batched, validate)
+    tkv, vis, sizes = _check_tail(qa, kind, tree_kv, visibility, tree_sizes, batched, validate)
     path = _pool_path(kv_kind, nq * nh, fp8_path)
     scale = _scale(softmax_scale)
     version = pick_version(version, impl, kv_kind)
