@@ -18,8 +18,11 @@
 // V9_FP8_MAX_NR: at 40 v9's own spills): 128 x 72 + 256 x 208 = 62464
 #define FP8_PRODUCER_REGS 72
 #define FP8_CONSUMER_REGS 208
-#define PRODUCER_NREG (TV_FP8 ? FP8_PRODUCER_REGS : PRODUCER_REGS)  // what the build's setmaxnreg passes
-#define CONSUMER_NREG (TV_FP8 ? FP8_CONSUMER_REGS : CONSUMER_REGS)
+// TV_XRING (below): its producer spilled a register at 72, its consumers (8 rows) need few: 128 x 80 + 256 x 200
+#define XR_PRODUCER_REGS 80
+#define XR_CONSUMER_REGS 200
+#define PRODUCER_NREG (TV_XRING ? XR_PRODUCER_REGS : TV_FP8 ? FP8_PRODUCER_REGS : PRODUCER_REGS)  // setmaxnreg's
+#define CONSUMER_NREG (TV_XRING ? XR_CONSUMER_REGS : TV_FP8 ? FP8_CONSUMER_REGS : CONSUMER_REGS)
 #define OFF_K0 TILE_BYTES
 #define OFF_K1 (2 * TILE_BYTES)
 #define OFF_ROWS (3 * TILE_BYTES)              // float [5][64]: m, c_A, c_B, l_0, l_1
@@ -27,7 +30,10 @@
 #define DESC_INTS 12                           // job, flags, request, row0, rows, (tail, k0, kend) x 2, pad
 #define OFF_DESC (OFF_ROWS + 5 * BM * 4)       // int [NDESC][DESC_INTS]
 #define OFF_BARS (OFF_DESC + NDESC * DESC_INTS * 4)  // full[2][9], empty[2][3], Q full, Q empty, desc[4]
-#define NBARS (2 * NCB + 6 + 2 + NDESC)
+#ifndef TV_XRING
+#define TV_XRING 0                             // 1: the raw ring of v9's FP8 consumers at 8 rows (below)
+#endif
+#define NBARS (2 * NCB + 6 + 2 + NDESC + 4 * TV_XRING)  // + the ring's full[2], empty[2]
 #define SMEM_BYTES (OFF_BARS + NBARS * 8 + 1024)  // + slack to align the base to 1024 B: 223920
 #define V_R0 4                                 // consumer 1's V half: column blocks 4..7
 #define D_FIRST 1                              // descriptor flags: the job's first pair,
@@ -82,6 +88,24 @@
 // layout's rule: e4m3 times the scale is then exact in bf16; other scales are rounded to bf16 first, FlashMLA's
 // rule, kdlib.cuda.attention.fp8_dequantized).
 static_assert(!(TV_FP8 && TV7_PROBE), "the timing probes are bf16 builds");
+
+// TV_XRING (-DTV_XRING=1, the host's option for FP8 builds at TV9_NR = 8: tree_verify/wgmma_v9.cu checks): the
+// kernel with v9's consumers (CDQ) stages each prefix tile's e4m3 latent bytes and scales in a ring slot of its
+// own, X_s (its stage s's: 4 blocks of 64 rows x 128 B, stage_fp8's layout), not in the stage's blocks. The
+// filler refills X_s as soon as the owner has dequantized the last tile out of it (empty barrier XEMPTY), not once
+// both consumers have done their P V over the stage: the next tile's bytes land while the stage is in use. The
+// owner waits for the stage's V halves to be released (EMPTY) before it writes them. The rope block is the
+// owner's S^T alone (P^T moves to buffers of its own), so it is released after that S^T and refilled under the
+// P V. Room: Q takes 8 rows a column block (1 KB, where 64 took 8 KB), so X_0, X_1, P_A^T, P_B^T and Q's first
+// six blocks fill what was Q's; its blocks 6-8 take v7's rows (unread by v9's consumers) and two 1 KB slots
+// past v9's rows, which hold 8 rows (V9_RS). The kernel with v7's consumers in the same build keeps the layout.
+#define XR_X 0                                 // X_0, X_1 (X_s at XR_X + 4 s CB_BYTES)
+#define XR_PT (8 * CB_BYTES)                   // P_A^T, P_B^T: 8 rows x 64 keys bf16, 1 KB each
+#define XR_Q (XR_PT + 2048)                    // Q's blocks 0..5
+#define XR_ROWS_END (OFF_BARS + NBARS * 8 + 20 * 8 * 4)  // v9's rows at 8 rows (wgmma_v9.cu's OFF_V9)
+#define XR_Q7 ((XR_ROWS_END + 1023) / 1024 * 1024)      // Q's blocks 7, 8; block 6 at OFF_ROWS
+#define BAR_XFULL(bars, s) ((bars) + 8 * (2 * NCB + 8 + NDESC + (s)))
+#define BAR_XEMPTY(bars, s) ((bars) + 8 * (2 * NCB + 10 + NDESC + (s)))
 #define FILLER (TV_FP8 ? 64 : 128)             // threads filling one stage (FP8: a half of the producer each)
 #define OFF_SCALES (OFF_BARS + NBARS * 8 + 20 * BM * 4)  // fp8 builds: float [2][64][4], past v9's rows
 #define FP8_SMEM (OFF_SCALES + 2 * BN * 16 + 1024)       // 231088 with the alignment slack
@@ -142,10 +166,11 @@ __device__ __forceinline__ void handoff(int id) {
 
 // The FP8 path of fill_stage (TV_FP8 builds, prefix tiles), by the stage's filler: 64 threads, thread (lrow, ch)
 // with ch < 4 taking rows lrow + 16 p and 16-byte chunks ch and ch + 4 of each 128-byte row piece. A V half
-// (group g: blocks 4g .. 4g + 3, the latent dims of scale tiles 2g and 2g + 1) is staged in its own last two
-// blocks: tile 2g + u's e4m3 bytes, 128 a row, in block 4g + 2 + u with the bf16 blocks' 128-B swizzle; the
-// ch = 0 threads copy each row's 4 scales (into sc, float [64][4], with group 0). One cp.async group each.
-__device__ __forceinline__ void stage_fp8(unsigned kst, int g, const TileRows& t, const char* kvb, unsigned sc,
+// (group g: blocks 4g .. 4g + 3, the latent dims of scale tiles 2g and 2g + 1) is staged in two blocks from raw:
+// tile 2g + u's e4m3 bytes, 128 a row, in block raw + u CB_BYTES with the bf16 blocks' 128-B swizzle (the
+// half's own last two blocks, 4g + 2 and 4g + 3, or TV_XRING's X_s); the ch = 0 threads copy each row's 4 scales
+// (into sc, float [64][4], with group 0). One cp.async group each.
+__device__ __forceinline__ void stage_fp8(unsigned raw, int g, const TileRows& t, const char* kvb, unsigned sc,
                                           int lrow, int ch) {
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
@@ -154,8 +179,7 @@ __device__ __forceinline__ void stage_fp8(unsigned kst, int g, const TileRows& t
 #pragma unroll
         for (int k = 0; k < 4; ++k) {  // tile u = k / 2, chunk c = ch + 4 (k % 2)
             const int u = k >> 1, c = ch + 4 * (k & 1);
-            cp_async16(kst + (4 * g + 2 + u) * CB_BYTES + row * 128 + ((c ^ (row & 7)) << 4),
-                       src + 128 * u + 16 * c, bytes);
+            cp_async16(raw + u * CB_BYTES + row * 128 + ((c ^ (row & 7)) << 4), src + 128 * u + 16 * c, bytes);
         }
         if (g == 0 && ch == 0) cp_async16(sc + row * 16, src + FP8_SCALES, bytes);
     }
@@ -236,11 +260,14 @@ __device__ __forceinline__ void dequant_fp8(unsigned kst, unsigned bars, int s, 
 // it writes blocks 4g + h and 4g + 2 + h. Tile 2g + 1 goes where the row's staged bytes are: the row's two
 // threads are lanes of one warp, and each loads all its bytes of the half before the __syncwarp. Its chunks in
 // the order k ^ 2h, so that a store's eight threads (four rows, both h) hit eight bank groups. Then the proxy
-// fence and the warpgroup's barrier (nb): the half is whole for every warp's wgmma.
+// fence and the warpgroup's barrier (nb): the half is whole for every warp's wgmma. XR (TV_XRING): the staged
+// bytes are X_s's blocks 2g, 2g + 1 at xs, whose landing the caller waited for (g = 1 still waits the rope's).
+template <bool XR = false>
 __device__ __forceinline__ void dequant_half(unsigned kst, unsigned bars, int st, unsigned par, unsigned sc, int wt,
-                                             int g, int nb) {
+                                             int g, int nb, unsigned xs = 0) {
     const int row = wt >> 1, h = wt & 1;
-    bar_wait(BAR_CBFULL(bars, st, 4 * g), par);
+    const unsigned raw = XR ? xs + 2 * g * CB_BYTES : kst + (4 * g + 2) * CB_BYTES;
+    if (!XR) bar_wait(BAR_CBFULL(bars, st, 4 * g), par);
     if (g == 1) bar_wait(BAR_CBFULL(bars, st, ROPE_CB), par);
     uint4 x[2][4];  // [u][k]: chunk 4h + (k ^ 2h) of the row's tile 2g + u
 #pragma unroll
@@ -248,7 +275,7 @@ __device__ __forceinline__ void dequant_half(unsigned kst, unsigned bars, int st
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const int c = 4 * h + (k ^ 2 * h);
-            x[u][k] = ld_shared_v4(kst + (4 * g + 2 + u) * CB_BYTES + row * 128 + ((c ^ (row & 7)) << 4));
+            x[u][k] = ld_shared_v4(raw + u * CB_BYTES + row * 128 + ((c ^ (row & 7)) << 4));
         }
     __syncwarp();  // the row's staged bytes of this half read by both its threads
 #pragma unroll
@@ -268,18 +295,29 @@ __device__ __forceinline__ void dequant_half(unsigned kst, unsigned bars, int st
 // CDQ, by the consumer that owns the stage (dequant_half): the filler's copies of group g arrive on the full
 // barrier of block 4g, the rope's on its own, as they land; tail tiles' copies too (gather_half's ONE). The
 // kernel uses these three full barriers of a stage alone, each completed once a pair and waited on once a
-// pair (its consumer's issue_st, GROUPS).
+// pair (its consumer's issue_st, GROUPS). CDQ with TV_XRING: a prefix tile's latent bytes and scales go to X_s
+// (xs) once its owner has dequantized the slot's last tile (XEMPTY, the slot's xu-th fill: xu counts them),
+// both groups on one full barrier (XFULL), and only its rope waits for the stage's release.
 template <bool CDQ = false>
 __device__ __forceinline__ void fill_stage(unsigned kst, unsigned bars, int s, int n, const TileRows& t,
-                                           const char* kvb, const char* tkb, int lrow, int ch, unsigned sc) {
+                                           const char* kvb, const char* tkb, int lrow, int ch, unsigned sc,
+                                           unsigned xs, int& xu) {
     const unsigned ep = (n & 1) ^ 1;
     if (TV_FP8 && !t.tail) {
-        bar_wait(BAR_EMPTY(bars, s, 0), ep);
-        stage_fp8(kst, 0, t, kvb, sc, lrow, ch);
-        if (CDQ) bar_arrive_copies(BAR_CBFULL(bars, s, 0));
-        bar_wait(BAR_EMPTY(bars, s, 1), ep);
-        stage_fp8(kst, 1, t, kvb, sc, lrow, ch);
-        if (CDQ) bar_arrive_copies(BAR_CBFULL(bars, s, V_R0));
+        if (CDQ && TV_XRING) {
+            bar_wait(BAR_XEMPTY(bars, s), (xu & 1) ^ 1);
+            stage_fp8(xs, 0, t, kvb, sc, lrow, ch);
+            stage_fp8(xs + 2 * CB_BYTES, 1, t, kvb, sc, lrow, ch);
+            bar_arrive_copies(BAR_XFULL(bars, s));
+            ++xu;
+        } else {
+            bar_wait(BAR_EMPTY(bars, s, 0), ep);
+            stage_fp8(kst + 2 * CB_BYTES, 0, t, kvb, sc, lrow, ch);
+            if (CDQ) bar_arrive_copies(BAR_CBFULL(bars, s, 0));
+            bar_wait(BAR_EMPTY(bars, s, 1), ep);
+            stage_fp8(kst + 6 * CB_BYTES, 1, t, kvb, sc, lrow, ch);
+            if (CDQ) bar_arrive_copies(BAR_CBFULL(bars, s, V_R0));
+        }
         bar_wait(BAR_EMPTY(bars, s, 2), ep);
 #pragma unroll
         for (int p = 0; p < 4; ++p) {
@@ -323,16 +361,42 @@ __device__ __forceinline__ void pair_tile(const Job& jb, int it, int* d) {
 // warps too, so that its refill waits on every thread that wrote or read that half (consume_v9's pair_t).
 template <bool CDQ = false>
 __device__ __forceinline__ void init_bars(unsigned bars) {
+    constexpr bool XR = CDQ && TV_XRING;  // the ring (fill_stage): the rope block is its owner's alone
     for (int s = 0; s < 2; ++s) {
         for (int c = 0; c < NCB; ++c) bar_init(BAR_CBFULL(bars, s, c), FILLER);
         bar_init(BAR_EMPTY(bars, s, 0), (CDQ && s == 1 ? 8 : 4) * WARP_ARRIVALS);
         bar_init(BAR_EMPTY(bars, s, 1), (CDQ && s == 0 ? 8 : 4) * WARP_ARRIVALS);
-        bar_init(BAR_EMPTY(bars, s, 2), 8 * WARP_ARRIVALS);
+        bar_init(BAR_EMPTY(bars, s, 2), (XR ? 4 : 8) * WARP_ARRIVALS);
+        if (XR) {
+            bar_init(BAR_XFULL(bars, s), FILLER);
+            bar_init(BAR_XEMPTY(bars, s), 4 * WARP_ARRIVALS);
+        }
     }
     bar_init(BAR_QFULL(bars), 128);
     bar_init(BAR_QEMPTY(bars), 8 * WARP_ARRIVALS);
     for (int d = 0; d < NDESC; ++d) bar_init(BAR_DESC(bars, d), 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// Q's column block cb in TV_XRING's layout (1 KB: 8 rows), base the CTA's.
+__device__ __forceinline__ unsigned xr_qblk(unsigned base, int cb) {
+    return base + (cb < 6 ? XR_Q + cb * 1024 : cb == 6 ? OFF_ROWS : XR_Q7 + (cb - 7) * 1024);
+}
+
+// load_q in TV_XRING's layout: Q's first 8 rows (rows past the valid ones zero), thread wt = 8 r + c < 64 taking
+// row r's 16-byte chunk c of each block; every thread arrives on the Q barrier once its copies land.
+__device__ __forceinline__ void load_q8(unsigned base, unsigned qbar, const __nv_bfloat16* q, const Job& jb, int M,
+                                        int wt) {
+    const int r = wt >> 3, c = wt & 7;
+    if (r < 8) {
+        const bool ok = r < jb.nrows;
+        const char* src = reinterpret_cast<const char*>(q + ((long long)jb.b * M + jb.row0 + (ok ? r : 0)) * D_QK)
+                          + c * 16;
+#pragma unroll
+        for (int cb = 0; cb < NCB; ++cb)
+            cp_async16(xr_qblk(base, cb) + r * 128 + ((c ^ r) << 4), src + cb * 128, ok ? 16 : 0);
+    }
+    bar_arrive_copies(qbar);
 }
 
 // CTA blockIdx.x's job of round r in the snake deal of the v10 plan's order (order [jobs]: the jobs by
@@ -378,11 +442,17 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
     bool fresh;  // nx starts another job
     Pos nx = next(jb, cur, fresh);
     int jobs = 0;  // Q loads so far
+    int xu = 0;    // TV_XRING: the filler's fills of its ring slot so far
     for (int n = 0;; ++n) {
         if (cur.i == 0 && fl == 0) {  // a new job: its Q once both consumers' S of the last job are done
             bar_wait(BAR_QEMPTY(bars), (jobs & 1) ^ 1);
-            load_q(base, BAR_QFULL(bars), q, jb, Q * H, ft);
-            if (TV_FP8) load_q(base, BAR_QFULL(bars), q, jb, Q * H, ft + FILLER);
+            if (CDQ && TV_XRING) {
+                load_q8(base, BAR_QFULL(bars), q, jb, Q * H, ft);
+                load_q8(base, BAR_QFULL(bars), q, jb, Q * H, ft + FILLER);
+            } else {
+                load_q(base, BAR_QFULL(bars), q, jb, Q * H, ft);
+                if (TV_FP8) load_q(base, BAR_QFULL(bars), q, jb, Q * H, ft + FILLER);
+            }
             ++jobs;
         }
         if (wt == 0) {
@@ -397,10 +467,11 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
             bar_arrive(BAR_DESC(bars, n % NDESC));
         }
         if (TV_FP8) {
-            fill_stage<CDQ>(fl ? k1s : k0s, bars, fl, n, ra, kvb, tkb, lrow, ch, base + OFF_SCALES + fl * BN * 16);
+            fill_stage<CDQ>(fl ? k1s : k0s, bars, fl, n, ra, kvb, tkb, lrow, ch, base + OFF_SCALES + fl * BN * 16,
+                            base + XR_X + 4 * fl * CB_BYTES, xu);
         } else {
-            fill_stage(k0s, bars, 0, n, ra, kvb, tkb, lrow, ch, 0);  // stage 0 is released first
-            fill_stage(k1s, bars, 1, n, rb, kvb, tkb, lrow, ch, 0);
+            fill_stage(k0s, bars, 0, n, ra, kvb, tkb, lrow, ch, 0, 0, xu);  // stage 0 is released first
+            fill_stage(k1s, bars, 1, n, rb, kvb, tkb, lrow, ch, 0, 0, xu);
         }
         if (nx.j < 0) break;
         if (fresh) jb = decode_job(plan, nreq, nx.j);
