@@ -1312,7 +1312,7 @@ def _v5_many_requests(rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("bsz,nq,nh,width,ragged", [(16, 65, 8, 40_000, True),  # v7's consumers, ordered
                                                     (160, 2, 8, 3000, True),  # v9's (Q*H <= 16)
-                                                    (6, 1, 8, 9000, True),  # 8 rows: the raw ring
+                                                    (160, 1, 8, 3000, True),  # 8 rows: the raw ring
                                                     (4, 2, 4, 700, True),  # the ring, short prefixes
                                                     (3, 9, 8, 20_000, False),  # 72 rows: two row blocks
                                                     (5, 33, 4, 700, True)])  # short, partial tiles, empty

@@ -284,18 +284,15 @@ def test_attention_v7_warp_roles_fit_the_register_file():
 
 
 def test_attention_fp8_raw_ring_layout_fits():
-    """The FP8 build's raw ring (-DTV_XRING=1, at 8 rows): its dynamic shared memory is the FP8 build's plus
-    its 4 barriers, within the 227 KB a block; X_0, X_1, the two P^T buffers and Q's first six 1 KB blocks fit
-    where Q's 9 blocks of 64 rows were, Q's last two 1 KB-aligned past v9's rows at 8 rows and before the
-    scales (the offsets as the build computes them: NBARS with the ring's barriers)."""
+    """The FP8 build's raw ring (-DTV_XRING=1, at 8 rows) in the FP8 build's shared memory: X_0, X_1, the two
+    P^T buffers and Q's first six 1 KB blocks fit where Q's 9 blocks of 64 rows were, Q's last two 1 KB
+    aligned past v9's rows at 8 rows and before the scales, Q's block 6 in v7's rows (1,280 B)."""
     c = consts(attention._V10)
-    assert attention._XRING_SMEM == c["FP8_SMEM"] + 4 * 8 <= 227 * 1024
     assert attention._XRING_OPTIONS == ("-DTV_XRING=1",) and c["TV_XRING"] == 0
     assert c["XR_X"] == 0 and c["XR_PT"] == 8 * c["CB_BYTES"] and c["XR_Q"] + 6 * 1024 <= c["TILE_BYTES"]
-    nbars = c["NBARS"] + 4
-    off_v9 = c["OFF_BARS"] + nbars * 8
-    q7 = -(-(off_v9 + 20 * 8 * 4) // 1024) * 1024
-    assert q7 + 2 * 1024 <= off_v9 + 20 * c["BM"] * 4 and c["OFF_ROWS"] % 1024 == 0
+    assert c["XR_ROWS_END"] == c["OFF_BARS"] + c["NBARS"] * 8 + 20 * 8 * 4
+    assert c["XR_Q7"] % 1024 == 0 and c["XR_Q7"] + 2 * 1024 <= c["OFF_SCALES"] < c["FP8_SMEM"]
+    assert c["OFF_ROWS"] % 1024 == 0 and 5 * c["BM"] * 4 >= 1024
 
 
 @pytest.mark.parametrize("version", attention.VERSIONS)

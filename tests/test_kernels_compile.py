@@ -434,7 +434,7 @@ def test_v10_builds_of_the_host_compile_without_spills_or_serialised_wgmma():
     test_sm90a_kernels_compile_with_nvrtc_as_the_wrappers_load_them), and the FP8 build (FP8_OPTIONS) of each
     and of the bare one, and at 8 rows its raw ring's (-DTV_XRING=1), builds with NVRTC without spills, stack
     frames or serialised wgmma, every kernel of the file (the FP8 producer's 64 registers: at 56 it spilled;
-    the ring's at 72 spilled one). One build of each: on the H200 (e157e38) NVRTC gave the bare build's twin,
+    the ring's at 72-96). One build of each: on the H200 (e157e38) NVRTC gave the bare build's twin,
     -DTV9_NR=8 after it in one process, rc 0 and an empty log."""
     from kdlib.cuda import attention
 

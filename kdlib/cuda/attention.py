@@ -159,12 +159,11 @@ _V9_SMEM = _V7_SMEM + 20 * 64 * 4
 # the FP8 build of version 10 (-DTV_FP8=1): v9's layout + each stage's 64 rows of 4 float32 scales (FP8_SMEM)
 _FP8_SMEM = _V9_SMEM + 2 * 64 * 16
 FP8_OPTIONS = ("-DTV_FP8=1",)
-# The FP8 build at 8 query rows a request (TV9_NR = 8) stages each tile's raw bytes in a ring slot of their
-# own (-DTV_XRING=1, tree_verify/wgmma_ws.cuh), refilled once the tile is dequantized, not once the stage is
-# free; its layout takes the ring's 4 barriers more (NBARS). False: that build without the ring.
+# The FP8 build at 8 query rows a request (TV9_NR = 8): its fillers stage each tile's raw bytes in a ring slot
+# of their own a pair ahead and dequantize them, where without it (False) the consumers dequantize each tile
+# in their turn (-DTV_XRING=1, tree_verify/wgmma_ws.cuh); the same shared memory, laid out otherwise.
 FP8_RAW_RING = True
 _XRING_OPTIONS = ("-DTV_XRING=1",)
-_XRING_SMEM = _FP8_SMEM + 4 * 8
 FP8_ROW_BYTES = fp8_ref.layout_bytes()  # 656: 512 e4m3 + 4 float32 scales + 64 bf16 rope (FP8_ROW)
 # An FP8 pool's two paths (fp8_path): "fused", the FP8 build, each tile dequantized in the attend kernel;
 # "dequant_first", tree_verify/fp8_gather_v1.cu dequantizing the prefix rows into the workspace's bf16 pool,
@@ -495,7 +494,7 @@ def wgmma_available() -> bool:
     props = cupy.cuda.runtime.getDeviceProperties(dev)
     return ((int(props["major"]), int(props["minor"])) == (9, 0)
             and int(props["sharedMemPerBlockOptin"]) >= max(_V5_SMEM, _V6_SMEM, _V7_SMEM, _V9_SMEM,
-                                                                _FP8_SMEM, _XRING_SMEM))
+                                                                _FP8_SMEM))
 
 
 def split_plan(bsz: int, row_blocks: int, width: int, tile: int, slots: int) -> tuple[int, int]:
@@ -893,7 +892,7 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
     smem = settings.smem
     if ordered:  # v9's consumers where version 9 runs its own kernel, else v7's
         attend, smem = ("tree_verify_v10_attend_t", _V9_SMEM) if v9 else ("tree_verify_v10_attend", _V7_SMEM)
-        smem = _XRING_SMEM if xring else _FP8_SMEM if fp8 else smem
+        smem = _FP8_SMEM if fp8 else smem
     else:
         attend = f"tree_verify_v{7 if version == 8 else version}_attend"  # v8 runs v7's attend kernel
     attend_fn = loader.get_function(settings.stem, attend, options=options)

@@ -270,14 +270,13 @@ __device__ __forceinline__ void get_rows(float* v, const float* src, const V9Ctx
 // warpgroups that pass unequal numbers of their own barriers between them, ordered or not
 // (tools/racecheck_patterns.py: seesaw_wg0_sync_384, cdq_ring_*).
 //
-// TV_XRING (CDQ, wgmma_ws.cuh): a prefix tile's raw bytes come from the ring slot X_c once they land (XFULL, the
-// slot's xu-th fill: xu counts them) and once both V halves of the stage are released (EMPTY, pair n - 1: the
-// owner writes them, and its P^T buffer, which the other consumer read); X_c is released after the
-// dequantization, the rope block (read by this S^T alone, P^T having its own buffers) after the S^T.
+// TV_XRING (CDQ, wgmma_ws.cuh): the filler dequantizes, so every tile is waited on as a tree tile is; the
+// consumer waits for the stage's V halves of pair n - 1 to be released before it writes its P^T buffer (which
+// the other consumer read), and releases the rope block (read by this S^T alone) after the S^T.
 template <int N, bool CDQ>
 __device__ __forceinline__ void pair_t(float* o, float* s, float* m, float* l, const Job& jb, bool tail, int k0,
                                        int kend, bool first, bool last, unsigned par, const unsigned char* vis,
-                                       int Q, int H, const V9Ctx& x, int& xu) {
+                                       int Q, int H, const V9Ctx& x) {
     constexpr bool XR = CDQ && TV_XRING;
     const unsigned pa = XR ? x.base + XR_PT : x.k0s + ROPE_CB * CB_BYTES;  // P_A^T,
     const unsigned pb = XR ? x.base + XR_PT + 1024 : x.k1s + ROPE_CB * CB_BYTES;  // P_B^T
@@ -286,23 +285,18 @@ __device__ __forceinline__ void pair_t(float* o, float* s, float* m, float* l, c
     reg_fence_n<N / 2>(s);
     wg_fence();
     const unsigned kst = x.c == 0 ? x.k0s : x.k1s;
-    if constexpr (CDQ) {  // a prefix tile: each V half's S^T MMAs run under the next half's dequantization
+    if constexpr (XR) {
+        bar_wait(BAR_EMPTY(x.bars, x.c, 0), par ^ 1);  // the P^T buffer's readers of pair n - 1 are done
+        bar_wait(BAR_EMPTY(x.bars, x.c, 1), par ^ 1);
+        issue_st<N, true>(s, x.base, kst, x.bars, x.c, par, true, 0, NCB);
+    } else if constexpr (CDQ) {  // a prefix tile: each V half's S^T MMAs run under the next half's dequantization
         const bool dq = !tail;
-        const unsigned sc = x.base + OFF_SCALES + x.c * BN * 16, xs = x.base + XR_X + 4 * x.c * CB_BYTES;
-        if (XR) {  // a tree tile too: its P^T overwrites the last pair's, which both consumers read
-            if (dq) bar_wait(BAR_XFULL(x.bars, x.c), xu & 1);
-            bar_wait(BAR_EMPTY(x.bars, x.c, 0), par ^ 1);
-            bar_wait(BAR_EMPTY(x.bars, x.c, 1), par ^ 1);
-        }
-        if (dq) dequant_half<XR>(kst, x.bars, x.c, par, sc, x.wt, 0, NB_WG + x.c, xs);
+        const unsigned sc = x.base + OFF_SCALES + x.c * BN * 16;
+        if (dq) dequant_half(kst, x.bars, x.c, par, sc, x.wt, 0, NB_WG + x.c);
         else if (TV7_RACECHECK) wg_sync(NB_WG + x.c);  // the checking build's equal count (above)
         issue_st<N, true>(s, x.base, kst, x.bars, x.c, par, !dq, 0, V_R0);
-        if (dq) dequant_half<XR>(kst, x.bars, x.c, par, sc, x.wt, 1, NB_WG + x.c, xs);
+        if (dq) dequant_half(kst, x.bars, x.c, par, sc, x.wt, 1, NB_WG + x.c);
         else if (TV7_RACECHECK) wg_sync(NB_WG + x.c);
-        if (XR && dq) {
-            warp_arrive(BAR_XEMPTY(x.bars, x.c), x.lane);  // X_c read by this warp (the half's barrier above)
-            ++xu;
-        }
         issue_st<N, true>(s, x.base, kst, x.bars, x.c, par, !dq, V_R0, NCB);
     } else {
         issue_st<N>(s, x.base, kst, x.bars, x.c, par, true, 0, NCB);
@@ -310,7 +304,7 @@ __device__ __forceinline__ void pair_t(float* o, float* s, float* m, float* l, c
     wg_commit();
     wg_wait<0>();
     reg_fence_n<N / 2>(s);
-    if (CDQ) warp_arrive(BAR_EMPTY(x.bars, x.c, 1 - x.c), x.lane);  // the other's V half: written, read (init_bars)
+    if (CDQ && !XR) warp_arrive(BAR_EMPTY(x.bars, x.c, 1 - x.c), x.lane);  // the other's V half: written, read
     if (XR) warp_arrive(BAR_EMPTY(x.bars, x.c, 2), x.lane);  // the rope block: read
     if (last) warp_arrive(BAR_QEMPTY(x.bars), x.lane);  // the job's Q is read
 
@@ -475,7 +469,6 @@ __device__ __forceinline__ void consume_v9(unsigned base, unsigned char* gbase, 
         l[r] = 0.f;
     }
     int jobs = 0;  // jobs started: the Q barrier's phase
-    int xu = 0;    // TV_XRING: the prefix tiles dequantized out of the consumer's ring slot
     for (int n = 0;; ++n) {
         // the pair's descriptor, all of it into registers (the producer reuses the slot NDESC pairs on)
         bar_wait(BAR_DESC(bars, n % NDESC), (n / NDESC) & 1);
@@ -492,7 +485,7 @@ __device__ __forceinline__ void consume_v9(unsigned base, unsigned char* gbase, 
             bar_wait(BAR_QFULL(bars), jobs & 1);
             ++jobs;
         }
-        pair_t<TV9_NR, CDQ>(o, s, m, l, jb, tail, k0, kend, first, last, n & 1, vis, Q, H, x, xu);
+        pair_t<TV9_NR, CDQ>(o, s, m, l, jb, tail, k0, kend, first, last, n & 1, vis, Q, H, x);
         if (last) job_end_t<TV9_NR>(o, m, l, j, jb.nrows, parts, part_lse, x);
         if (flags & D_END) break;
     }
