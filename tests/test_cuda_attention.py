@@ -1312,18 +1312,14 @@ def _v5_many_requests(rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("bsz,nq,nh,width,ragged", [(16, 65, 8, 40_000, True),  # v7's consumers, ordered
                                                     (160, 2, 8, 3000, True),  # v9's (Q*H <= 16)
-                                                    (160, 1, 8, 3000, True),  # 8 rows: the raw ring
-                                                    (4, 2, 4, 700, True),  # the ring, short prefixes
                                                     (3, 9, 8, 20_000, False),  # 72 rows: two row blocks
                                                     (5, 33, 4, 700, True)])  # short, partial tiles, empty
-def test_v10_fp8_pool_is_the_bf16_build_on_its_dequantized_rows_bit_for_bit(bsz, nq, nh, width, ragged,
-                                                                           monkeypatch):
+def test_v10_fp8_pool_is_the_bf16_build_on_its_dequantized_rows_bit_for_bit(bsz, nq, nh, width, ragged):
     """Version 10's FP8 build (-DTV_FP8=1) over a pool in the FP8 layout (fp8_pool: power-of-two scales, the
     rows' gains spread over 9 octaves so that the scales differ row to row and tile to tile) gives the
     bf16 build's output and lse over the dequantized pool bit for bit, whole verify and prefix alone, and the
     float64 reference's on those rows within the bf16 tolerance; so does the dequant-first path (the gather
-    into the workspace's bf16 pool, then the bf16 build), whichever path fp8_path=None picks. At 8 rows a
-    request the fused build runs with its raw ring (FP8_RAW_RING) and without. (What the layout
+    into the workspace's bf16 pool, then the bf16 build), whichever path fp8_path=None picks. (What the layout
     costs against the bf16 pool is data, not a kernel property: the attention_fp8 suite records it,
     kdlib.ref.fp8.fp8_verify_error studies it.)"""
     _need_wgmma()
@@ -1354,18 +1350,14 @@ def test_v10_fp8_pool_is_the_bf16_build_on_its_dequantized_rows_bit_for_bit(bsz,
     scale = 576**-0.5
     outd, lsed = cu.tree_verify_attention(q, deq, page, lens, tkv, vis, sizes, scale, version=10)
     pd, pld = cu.prefix_attention(q, deq, page, lens, scale, version=10)
-    rings = (True, False) if nq * nh <= 8 else (True,)
-    for path, ring in [(p, True) for p in (*cu.FP8_PATHS, None)] + [("fused", r) for r in rings[1:]]:
-        monkeypatch.setattr(cu, "FP8_RAW_RING", ring)
+    for path in (*cu.FP8_PATHS, None):
         out8, lse8 = cu.tree_verify_attention(q, pool8, page, lens, tkv, vis, sizes, scale, fp8_path=path)
-        assert np.array_equal(out8.get(), outd.get(), equal_nan=True), f"{path} {ring}: out differs"
-        assert np.array_equal(lse8.get(), lsed.get(), equal_nan=True), f"{path} {ring}: lse differs"
+        assert np.array_equal(out8.get(), outd.get(), equal_nan=True), f"{path}: out differs from bf16's"
+        assert np.array_equal(lse8.get(), lsed.get(), equal_nan=True), f"{path}: lse differs from bf16's"
         p8, pl8 = cu.prefix_attention(q, pool8, page, lens, scale, workspace=cu.make_workspace(bsz, nq, nh),
                                       fp8_path=path)
-        assert np.array_equal(p8.get(), pd.get(), equal_nan=True), (path, ring)
-        assert np.array_equal(pl8.get(), pld.get()), (path, ring)
-    monkeypatch.setattr(cu, "FP8_RAW_RING", True)
-    out8, lse8 = cu.tree_verify_attention(q, pool8, page, lens, tkv, vis, sizes, scale)  # the reference check
+        assert np.array_equal(p8.get(), pd.get(), equal_nan=True), path
+        assert np.array_equal(pl8.get(), pld.get()), path
     for b in range(bsz):
         ts = int(sizes_np[b])
         r_out, r_lse = _torch_reference(q[b:b + 1, :ts], deq, page[b:b + 1], lens[b:b + 1], tkv[b:b + 1, :ts],

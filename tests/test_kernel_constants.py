@@ -266,33 +266,19 @@ def test_attention_v8_combine_warps_and_jobs_in_flight_match_the_source():
 
 def test_attention_v7_warp_roles_fit_the_register_file():
     """v7: a producer warpgroup and two MMA warpgroups (NTHREADS), whose setmaxnreg counts (multiples of 8
-    in [24, 256]) fit the 65536 registers of an SM, the bf16 build's, the FP8 build's and its raw ring's; the
-    kernel passes the build's pair (PRODUCER_NREG, CONSUMER_NREG)."""
+    in [24, 256]) fit the 65536 registers of an SM, the bf16 build's and the FP8 build's; the kernel passes
+    the build's pair (PRODUCER_NREG, CONSUMER_NREG)."""
     c = consts(attention._V7)
     assert c["NTHREADS"] == attention._V7_THREADS == 3 * 128
     for producer, consumer in ((c["PRODUCER_REGS"], c["CONSUMER_REGS"]),
-                               (c["FP8_PRODUCER_REGS"], c["FP8_CONSUMER_REGS"]),
-                               (c["XR_PRODUCER_REGS"], c["XR_CONSUMER_REGS"])):
+                               (c["FP8_PRODUCER_REGS"], c["FP8_CONSUMER_REGS"])):
         assert all(r % 8 == 0 and 24 <= r <= 256 for r in (producer, consumer))
         assert 128 * producer + 256 * consumer <= 65536
     text = loader.expanded_source(attention._V7)
     assert re.findall(r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32 %0;\\n\" ::\"n\"\((\w+)\)", text) == [
         ("dec", "PRODUCER_NREG"), ("inc", "CONSUMER_NREG")]
-    for role in ("PRODUCER", "CONSUMER"):
-        assert re.search(rf"#define {role}_NREG \(TV_XRING \? XR_{role}_REGS : TV_FP8 \? FP8_{role}_REGS : "
-                         rf"{role}_REGS\)", text)
-
-
-def test_attention_fp8_raw_ring_layout_fits():
-    """The FP8 build's raw ring (-DTV_XRING=1, at 8 rows) in the FP8 build's shared memory: X_0, X_1, the two
-    P^T buffers and Q's first six 1 KB blocks fit where Q's 9 blocks of 64 rows were, Q's last two 1 KB
-    aligned past v9's rows at 8 rows and before the scales, Q's block 6 in v7's rows (1,280 B)."""
-    c = consts(attention._V10)
-    assert attention._XRING_OPTIONS == ("-DTV_XRING=1",) and c["TV_XRING"] == 0
-    assert c["XR_X"] == 0 and c["XR_PT"] == 8 * c["CB_BYTES"] and c["XR_Q"] + 6 * 1024 <= c["TILE_BYTES"]
-    assert c["XR_ROWS_END"] == c["OFF_BARS"] + c["NBARS"] * 8 + 20 * 8 * 4
-    assert c["XR_Q7"] % 1024 == 0 and c["XR_Q7"] + 2 * 1024 <= c["OFF_SCALES"] < c["FP8_SMEM"]
-    assert c["OFF_ROWS"] % 1024 == 0 and 5 * c["BM"] * 4 >= 1024
+    assert re.search(r"#define PRODUCER_NREG \(TV_FP8 \? FP8_PRODUCER_REGS : PRODUCER_REGS\)", text)
+    assert re.search(r"#define CONSUMER_NREG \(TV_FP8 \? FP8_CONSUMER_REGS : CONSUMER_REGS\)", text)
 
 
 @pytest.mark.parametrize("version", attention.VERSIONS)

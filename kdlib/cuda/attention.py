@@ -159,11 +159,6 @@ _V9_SMEM = _V7_SMEM + 20 * 64 * 4
 # the FP8 build of version 10 (-DTV_FP8=1): v9's layout + each stage's 64 rows of 4 float32 scales (FP8_SMEM)
 _FP8_SMEM = _V9_SMEM + 2 * 64 * 16
 FP8_OPTIONS = ("-DTV_FP8=1",)
-# The FP8 build at 8 query rows a request (TV9_NR = 8): its fillers stage each tile's raw bytes in a ring slot
-# of their own a pair ahead and dequantize them, where without it (False) the consumers dequantize each tile
-# in their turn (-DTV_XRING=1, tree_verify/wgmma_ws.cuh); the same shared memory, laid out otherwise.
-FP8_RAW_RING = True
-_XRING_OPTIONS = ("-DTV_XRING=1",)
 FP8_ROW_BYTES = fp8_ref.layout_bytes()  # 656: 512 e4m3 + 4 float32 scales + 64 bf16 rope (FP8_ROW)
 # An FP8 pool's two paths (fp8_path): "fused", the FP8 build, each tile dequantized in the attend kernel;
 # "dequant_first", tree_verify/fp8_gather_v1.cu dequantizing the prefix rows into the workspace's bf16 pool,
@@ -883,8 +878,7 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
     if version == 9 and v9 is None:
         version = 8
     settings = LAUNCHES[version]
-    xring = bool(fp8) and FP8_RAW_RING and v9 is not None and rows <= 8  # v9's FP8 consumers at TV9_NR = 8
-    options = settings.options + (v9 or ()) + (FP8_OPTIONS if fp8 else ()) + (_XRING_OPTIONS if xring else ())
+    options = settings.options + (v9 or ()) + (FP8_OPTIONS if fp8 else ())
     width = pt.shape[1]
     ordered = version == 10  # v10's plan also writes ws.order, its attend kernels read it
     plan_fn = loader.get_function(settings.stem, "tree_verify_v10_plan" if ordered else "tree_verify_v5_plan",

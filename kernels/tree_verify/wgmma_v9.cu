@@ -46,11 +46,6 @@ static_assert(!TV_FP8 || TV9_NR <= V9_FP8_MAX_NR, "TV9_NR: at most V9_FP8_MAX_NR
 #define OFF_V9 (OFF_BARS + NBARS * 8)      // float: m_A, c_A, m_B, c_B [4][64], red [2][4][64], lsum [2][4][64]
 #define V9_SMEM (OFF_V9 + 20 * BM * 4 + 1024)  // + slack to align the base to 1024 B: 229040
 static_assert(OFF_V9 + 20 * BM * 4 == OFF_SCALES, "the FP8 build's scales follow v9's rows (wgmma_ws.cuh)");
-// TV_XRING's layout (wgmma_ws.cuh): the FP8 consumers at 8 rows, whose rows arrays then have 8 rows (V9_RS)
-static_assert(!TV_XRING || (TV_FP8 && TV9_NR == 8), "TV_XRING: FP8 builds at TV9_NR = 8");
-static_assert(XR_Q + 6 * 1024 <= TILE_BYTES && XR_Q7 + 2 * 1024 <= OFF_SCALES && OFF_ROWS % 1024 == 0,
-              "TV_XRING's layout: X_0, X_1, P^T and Q's first blocks in Q's old room, Q's last two past the rows");
-#define V9_RS (TV_XRING ? 8 : BM)          // the rows arrays' stride (TV_XRING: 8 rows, below its Q blocks)
 #define NB_WG 5                            // named barriers 5, 6: the 128 threads of consumer 0, 1
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -142,7 +137,6 @@ __device__ __forceinline__ int row_of(int r, int t4) { return 8 * (r >> 1) + 2 *
 template <int N, bool GROUPS = false>
 __device__ __forceinline__ void issue_st(float* s, unsigned base, unsigned kst, unsigned bars, int st,
                                          unsigned par, bool wait, int cb0, int cb1) {
-    constexpr bool XR = GROUPS && TV_XRING;  // Q's blocks at xr_qblk
     const unsigned long long dk = sw128_desc(opaque(kst), 16), dq = sw128_desc(opaque(base), 16);
 #pragma unroll 1
     for (int cb = cb0; cb < cb1; ++cb) {
@@ -150,13 +144,11 @@ __device__ __forceinline__ void issue_st(float* s, unsigned base, unsigned kst, 
             bar_wait(BAR_CBFULL(bars, st, cb), par);
             fence_async_smem();
         }
-        unsigned long long dqb = 0;  // XR: Q's block cb
-        if constexpr (XR) dqb = sw128_desc(opaque(xr_qblk(base, cb)), 16);
         wg_fence();
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const unsigned off = cb * CB_BYTES + k * 32;
-            wgmma_n<N, 0>(s, dk + (off >> 4), XR ? dqb + ((k * 32) >> 4) : dq + (off >> 4), cb > 0 || k > 0);
+            wgmma_n<N, 0>(s, dk + (off >> 4), dq + (off >> 4), cb > 0 || k > 0);
         }
     }
 }
@@ -195,15 +187,15 @@ __device__ __forceinline__ void mask_max_t(float* s, float* mx, bool tail, int k
         for (int off = 4; off < 32; off <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
         mx[r] = m;
     }
-    float* red = x.red + x.c * 4 * V9_RS;
+    float* red = x.red + x.c * 4 * BM;
     if (x.g == 0)
 #pragma unroll
-        for (int r = 0; r < N / 4; ++r) red[x.warp * V9_RS + row_of(r, x.t4)] = mx[r];
+        for (int r = 0; r < N / 4; ++r) red[x.warp * BM + row_of(r, x.t4)] = mx[r];
     wg_sync(NB_WG + x.c);
 #pragma unroll
     for (int r = 0; r < N / 4; ++r) {
         const int n = row_of(r, x.t4);
-        mx[r] = fmaxf(fmaxf(red[n], red[V9_RS + n]), fmaxf(red[2 * V9_RS + n], red[3 * V9_RS + n])) * x.sl2;
+        mx[r] = fmaxf(fmaxf(red[n], red[BM + n]), fmaxf(red[2 * BM + n], red[3 * BM + n])) * x.sl2;
     }
 }
 
@@ -269,27 +261,17 @@ __device__ __forceinline__ void get_rows(float* v, const float* src, const V9Ctx
 // whose tile is a tree tail passes dequant_half's two barriers anyway: racecheck flags the row exchanges of two
 // warpgroups that pass unequal numbers of their own barriers between them, ordered or not
 // (tools/racecheck_patterns.py: seesaw_wg0_sync_384, cdq_ring_*).
-//
-// TV_XRING (CDQ, wgmma_ws.cuh): the filler dequantizes, so every tile is waited on as a tree tile is; the
-// consumer waits for the stage's V halves of pair n - 1 to be released before it writes its P^T buffer (which
-// the other consumer read), and releases the rope block (read by this S^T alone) after the S^T.
 template <int N, bool CDQ>
 __device__ __forceinline__ void pair_t(float* o, float* s, float* m, float* l, const Job& jb, bool tail, int k0,
                                        int kend, bool first, bool last, unsigned par, const unsigned char* vis,
                                        int Q, int H, const V9Ctx& x) {
-    constexpr bool XR = CDQ && TV_XRING;
-    const unsigned pa = XR ? x.base + XR_PT : x.k0s + ROPE_CB * CB_BYTES;  // P_A^T,
-    const unsigned pb = XR ? x.base + XR_PT + 1024 : x.k1s + ROPE_CB * CB_BYTES;  // P_B^T
+    const unsigned pa = x.k0s + ROPE_CB * CB_BYTES, pb = x.k1s + ROPE_CB * CB_BYTES;  // P_A^T, P_B^T
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) s[i] = 0.f;  // the accumulator starts afresh (its old value is dead)
     reg_fence_n<N / 2>(s);
     wg_fence();
     const unsigned kst = x.c == 0 ? x.k0s : x.k1s;
-    if constexpr (XR) {
-        bar_wait(BAR_EMPTY(x.bars, x.c, 0), par ^ 1);  // the P^T buffer's readers of pair n - 1 are done
-        bar_wait(BAR_EMPTY(x.bars, x.c, 1), par ^ 1);
-        issue_st<N, true>(s, x.base, kst, x.bars, x.c, par, true, 0, NCB);
-    } else if constexpr (CDQ) {  // a prefix tile: each V half's S^T MMAs run under the next half's dequantization
+    if constexpr (CDQ) {  // a prefix tile: each V half's S^T MMAs run under the next half's dequantization
         const bool dq = !tail;
         const unsigned sc = x.base + OFF_SCALES + x.c * BN * 16;
         if (dq) dequant_half(kst, x.bars, x.c, par, sc, x.wt, 0, NB_WG + x.c);
@@ -304,8 +286,7 @@ __device__ __forceinline__ void pair_t(float* o, float* s, float* m, float* l, c
     wg_commit();
     wg_wait<0>();
     reg_fence_n<N / 2>(s);
-    if (CDQ && !XR) warp_arrive(BAR_EMPTY(x.bars, x.c, 1 - x.c), x.lane);  // the other's V half: written, read
-    if (XR) warp_arrive(BAR_EMPTY(x.bars, x.c, 2), x.lane);  // the rope block: read
+    if (CDQ) warp_arrive(BAR_EMPTY(x.bars, x.c, 1 - x.c), x.lane);  // the other's V half: written, read (init_bars)
     if (last) warp_arrive(BAR_QEMPTY(x.bars), x.lane);  // the job's Q is read
 
     float mx[N / 4], mn[N / 4], cf[N / 4];
@@ -327,7 +308,7 @@ __device__ __forceinline__ void pair_t(float* o, float* s, float* m, float* l, c
         wg_wait<0>();
         reg_fence_n<2 * N>(o);
         warp_arrive(BAR_EMPTY(x.bars, 0, 0), x.lane);  // stage 0: V_AL read, P_A read on this side
-        if (!XR) warp_arrive(BAR_EMPTY(x.bars, 0, 2), x.lane);
+        warp_arrive(BAR_EMPTY(x.bars, 0, 2), x.lane);
 
         // ---------------------------------------------------- tile B: O_L = O_L c_B + V_BL^T P_B^T
         nb_sync(NB_SCALE_B);
@@ -345,7 +326,7 @@ __device__ __forceinline__ void pair_t(float* o, float* s, float* m, float* l, c
         wg_wait<0>();
         reg_fence_n<2 * N>(o);
         warp_arrive(BAR_EMPTY(x.bars, 1, 0), x.lane);  // stage 1: V_BL read, P_B read on this side
-        if (!XR) warp_arrive(BAR_EMPTY(x.bars, 1, 2), x.lane);
+        warp_arrive(BAR_EMPTY(x.bars, 1, 2), x.lane);
     } else {
         // ---------------------------------------------------- tile A: O_R = O_R c_A + V_AR^T P_A^T
         nb_sync(NB_SCALE_A);
@@ -374,7 +355,7 @@ __device__ __forceinline__ void pair_t(float* o, float* s, float* m, float* l, c
         wg_wait<0>();
         reg_fence_n<2 * N>(o);
         warp_arrive(BAR_EMPTY(x.bars, 0, 1), x.lane);  // stage 0: V_AR read, P_A read on this side
-        if (!XR) warp_arrive(BAR_EMPTY(x.bars, 0, 2), x.lane);
+        warp_arrive(BAR_EMPTY(x.bars, 0, 2), x.lane);
         rescale_t<N>(o, cf);
         reg_fence_n<2 * N>(o);
         wg_fence();
@@ -383,7 +364,7 @@ __device__ __forceinline__ void pair_t(float* o, float* s, float* m, float* l, c
         wg_wait<0>();
         reg_fence_n<2 * N>(o);
         warp_arrive(BAR_EMPTY(x.bars, 1, 1), x.lane);  // stage 1: V_BR read, P_B read on this side
-        if (!XR) warp_arrive(BAR_EMPTY(x.bars, 1, 2), x.lane);
+        warp_arrive(BAR_EMPTY(x.bars, 1, 2), x.lane);
     }
 }
 
@@ -399,7 +380,7 @@ __device__ __forceinline__ void job_end_t(const float* o, float* m, float* l, in
         for (int off = 4; off < 32; off <<= 1) l[r] += __shfl_xor_sync(0xffffffffu, l[r], off);
     if (x.g == 0)
 #pragma unroll
-        for (int r = 0; r < N / 4; ++r) x.lsum[(x.c * 4 + x.warp) * V9_RS + row_of(r, x.t4)] = l[r];
+        for (int r = 0; r < N / 4; ++r) x.lsum[(x.c * 4 + x.warp) * BM + row_of(r, x.t4)] = l[r];
     nb_sync(NB_LSUM);
     const long long orow = (long long)j * BM;
 #pragma unroll
@@ -407,7 +388,7 @@ __device__ __forceinline__ void job_end_t(const float* o, float* m, float* l, in
         const int n = row_of(r, x.t4);
         float lt = 0.f;
 #pragma unroll
-        for (int k = 0; k < 8; ++k) lt += x.lsum[k * V9_RS + n];
+        for (int k = 0; k < 8; ++k) lt += x.lsum[k * BM + n];
         const float inv = lt > 0.f ? 1.f / lt : 0.f;
         if (n < nrows) {
             float* dst = parts + (orow + n) * D_V + 256 * x.c + 16 * x.warp + x.g;
@@ -445,11 +426,11 @@ __device__ __forceinline__ void consume_v9(unsigned base, unsigned char* gbase, 
     x.k1s = base + OFF_K1;
     x.bars = bars;
     x.s_ma = rows;
-    x.s_ca = rows + V9_RS;
-    x.s_mb = rows + 2 * V9_RS;
-    x.s_cb = rows + 3 * V9_RS;
-    x.red = rows + 4 * V9_RS;
-    x.lsum = rows + 12 * V9_RS;
+    x.s_ca = rows + BM;
+    x.s_mb = rows + 2 * BM;
+    x.s_cb = rows + 3 * BM;
+    x.red = rows + 4 * BM;
+    x.lsum = rows + 12 * BM;
     x.c = wg - 1;
     x.warp = wt >> 5;
     x.lane = tid & 31;

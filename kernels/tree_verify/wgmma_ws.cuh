@@ -18,12 +18,8 @@
 // V9_FP8_MAX_NR: at 40 v9's own spills): 128 x 72 + 256 x 208 = 62464
 #define FP8_PRODUCER_REGS 72
 #define FP8_CONSUMER_REGS 208
-// TV_XRING (below): its producer dequantizes and copies a pair ahead (no spill in the build at 104, where 72, 80,
-// 88 and 96 spilled in one kernel or another): 128 x 104 + 256 x 200 = 64512
-#define XR_PRODUCER_REGS 104
-#define XR_CONSUMER_REGS 200
-#define PRODUCER_NREG (TV_XRING ? XR_PRODUCER_REGS : TV_FP8 ? FP8_PRODUCER_REGS : PRODUCER_REGS)  // setmaxnreg's
-#define CONSUMER_NREG (TV_XRING ? XR_CONSUMER_REGS : TV_FP8 ? FP8_CONSUMER_REGS : CONSUMER_REGS)
+#define PRODUCER_NREG (TV_FP8 ? FP8_PRODUCER_REGS : PRODUCER_REGS)  // what the build's setmaxnreg passes
+#define CONSUMER_NREG (TV_FP8 ? FP8_CONSUMER_REGS : CONSUMER_REGS)
 #define OFF_K0 TILE_BYTES
 #define OFF_K1 (2 * TILE_BYTES)
 #define OFF_ROWS (3 * TILE_BYTES)              // float [5][64]: m, c_A, c_B, l_0, l_1
@@ -31,9 +27,6 @@
 #define DESC_INTS 12                           // job, flags, request, row0, rows, (tail, k0, kend) x 2, pad
 #define OFF_DESC (OFF_ROWS + 5 * BM * 4)       // int [NDESC][DESC_INTS]
 #define OFF_BARS (OFF_DESC + NDESC * DESC_INTS * 4)  // full[2][9], empty[2][3], Q full, Q empty, desc[4]
-#ifndef TV_XRING
-#define TV_XRING 0                             // 1: the raw ring of v9's FP8 consumers at 8 rows (below)
-#endif
 #define NBARS (2 * NCB + 6 + 2 + NDESC)
 #define SMEM_BYTES (OFF_BARS + NBARS * 8 + 1024)  // + slack to align the base to 1024 B: 223920
 #define V_R0 4                                 // consumer 1's V half: column blocks 4..7
@@ -89,23 +82,6 @@
 // layout's rule: e4m3 times the scale is then exact in bf16; other scales are rounded to bf16 first, FlashMLA's
 // rule, kdlib.cuda.attention.fp8_dequantized).
 static_assert(!(TV_FP8 && TV7_PROBE), "the timing probes are bf16 builds");
-
-// TV_XRING (-DTV_XRING=1, the host's option for FP8 builds at TV9_NR = 8: tree_verify/wgmma_v9.cu checks): in
-// the kernel with v9's consumers (CDQ) the filler, not the consumer, dequantizes each prefix tile, from a ring
-// slot of its own, X_s (stage s's: 4 blocks of 64 rows x 128 B, stage_fp8's layout), into which it copies the
-// stage's next tile (latent bytes and scales; the rope straight into the stage's rope block) as soon as it has
-// dequantized the last one (prefetch_x): the copies land while the consumers work on the stage, and the
-// consumers' turn has no dequantization. The filler waits for the stage's V halves to be released (EMPTY) before
-// it writes them. The rope block is the owner's S^T alone (P^T moves to buffers of its own), so it is released
-// after that S^T. Room: Q takes 8 rows a column block (1 KB, where 64 took 8 KB), so X_0, X_1, P_A^T, P_B^T and
-// Q's first six blocks fill what was Q's; its blocks 6-8 take v7's rows (unread by v9's consumers) and two 1 KB
-// slots past v9's rows, which hold 8 rows (V9_RS). The kernel with v7's consumers in the same build keeps the
-// layout.
-#define XR_X 0                                 // X_0, X_1 (X_s at XR_X + 4 s CB_BYTES)
-#define XR_PT (8 * CB_BYTES)                   // P_A^T, P_B^T: 8 rows x 64 keys bf16, 1 KB each
-#define XR_Q (XR_PT + 2048)                    // Q's blocks 0..5
-#define XR_ROWS_END (OFF_BARS + NBARS * 8 + 20 * 8 * 4)  // v9's rows at 8 rows (wgmma_v9.cu's OFF_V9)
-#define XR_Q7 ((XR_ROWS_END + 1023) / 1024 * 1024)      // Q's blocks 7, 8; block 6 at OFF_ROWS
 #define FILLER (TV_FP8 ? 64 : 128)             // threads filling one stage (FP8: a half of the producer each)
 #define OFF_SCALES (OFF_BARS + NBARS * 8 + 20 * BM * 4)  // fp8 builds: float [2][64][4], past v9's rows
 #define FP8_SMEM (OFF_SCALES + 2 * BN * 16 + 1024)       // 231088 with the alignment slack
@@ -166,11 +142,10 @@ __device__ __forceinline__ void handoff(int id) {
 
 // The FP8 path of fill_stage (TV_FP8 builds, prefix tiles), by the stage's filler: 64 threads, thread (lrow, ch)
 // with ch < 4 taking rows lrow + 16 p and 16-byte chunks ch and ch + 4 of each 128-byte row piece. A V half
-// (group g: blocks 4g .. 4g + 3, the latent dims of scale tiles 2g and 2g + 1) is staged in two blocks from raw:
-// tile 2g + u's e4m3 bytes, 128 a row, in block raw + u CB_BYTES with the bf16 blocks' 128-B swizzle (the
-// half's own last two blocks, 4g + 2 and 4g + 3, or TV_XRING's X_s); the ch = 0 threads copy each row's 4 scales
-// (into sc, float [64][4], with group 0). One cp.async group each.
-__device__ __forceinline__ void stage_fp8(unsigned raw, int g, const TileRows& t, const char* kvb, unsigned sc,
+// (group g: blocks 4g .. 4g + 3, the latent dims of scale tiles 2g and 2g + 1) is staged in its own last two
+// blocks: tile 2g + u's e4m3 bytes, 128 a row, in block 4g + 2 + u with the bf16 blocks' 128-B swizzle; the
+// ch = 0 threads copy each row's 4 scales (into sc, float [64][4], with group 0). One cp.async group each.
+__device__ __forceinline__ void stage_fp8(unsigned kst, int g, const TileRows& t, const char* kvb, unsigned sc,
                                           int lrow, int ch) {
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
@@ -179,7 +154,8 @@ __device__ __forceinline__ void stage_fp8(unsigned raw, int g, const TileRows& t
 #pragma unroll
         for (int k = 0; k < 4; ++k) {  // tile u = k / 2, chunk c = ch + 4 (k % 2)
             const int u = k >> 1, c = ch + 4 * (k & 1);
-            cp_async16(raw + u * CB_BYTES + row * 128 + ((c ^ (row & 7)) << 4), src + 128 * u + 16 * c, bytes);
+            cp_async16(kst + (4 * g + 2 + u) * CB_BYTES + row * 128 + ((c ^ (row & 7)) << 4),
+                       src + 128 * u + 16 * c, bytes);
         }
         if (g == 0 && ch == 0) cp_async16(sc + row * 16, src + FP8_SCALES, bytes);
     }
@@ -222,14 +198,13 @@ __device__ __forceinline__ unsigned ld_scale_bf16x2(unsigned a) {
 // 2g + 1 goes where the row's staged bytes are: the row's four threads are lanes of one warp, so __syncwarp
 // orders both (after the landing, and between each row's reads and its writes). Tile 2g goes to blocks 4g,
 // 4g + 1 (clear of the staging), tile 2g + 1 to 4g + 2, 4g + 3 row by row; then the proxy fence (st.shared,
-// read by wgmma) and the thread's arrive on the four blocks' full barriers. XR (TV_XRING): the staged bytes are
-// X_s's blocks 2g, 2g + 1 at xs, landed already (fill_stage waited).
-template <int PENDING, bool XR = false>
+// read by wgmma) and the thread's arrive on the four blocks' full barriers.
+template <int PENDING>
 __device__ __forceinline__ void dequant_fp8(unsigned kst, unsigned bars, int s, int g, unsigned sc, int lrow,
-                                            int ch, unsigned xs = 0) {
-    if (!XR) asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+                                            int ch) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
     __syncwarp();
-    const unsigned stg = XR ? xs + 2 * g * CB_BYTES : kst + (4 * g + 2) * CB_BYTES;
+    const unsigned stg = kst + (4 * g + 2) * CB_BYTES;
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
         const int row = lrow + 16 * p;
@@ -286,36 +261,6 @@ __device__ __forceinline__ void dequant_half(unsigned kst, unsigned bars, int st
     wg_sync(nb);
 }
 
-// An FP8 prefix tile's rope (bf16, 128 bytes a row) into the stage's rope block by its filler (stage_fp8's
-// threads), the filler's arrive on its full barrier once the copies land; one cp.async group.
-__device__ __forceinline__ void rope_fp8(unsigned kst, unsigned bars, int s, const TileRows& t, const char* kvb,
-                                         int lrow, int ch) {
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-        const int row = lrow + 16 * p;
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            const int c = ch + 4 * k;
-            cp_async16(kst + ROPE_CB * CB_BYTES + row * 128 + ((c ^ (row & 7)) << 4),
-                       kvb + (long long)t.row[p] * FP8_ROW + FP8_ROPE + 16 * c, (t.valid >> p) & 1 ? 16 : 0);
-        }
-    }
-    bar_arrive_copies(BAR_CBFULL(bars, s, ROPE_CB));
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-// TV_XRING's copies of stage s's tile of pair n (a prefix tile t), issued by its filler once it has dequantized
-// the stage's last tile out of X_s (the __syncwarp: each warp's rows were read by that warp alone): latent bytes
-// and scales into X_s (xs; sc), the rope into the stage once the owner's S^T of pair n - 1 released it.
-__device__ __forceinline__ void prefetch_x(unsigned kst, unsigned xs, unsigned bars, int s, int n, const TileRows& t,
-                                           const char* kvb, unsigned sc, int lrow, int ch) {
-    __syncwarp();
-    stage_fp8(xs, 0, t, kvb, sc, lrow, ch);
-    stage_fp8(xs + 2 * CB_BYTES, 1, t, kvb, sc, lrow, ch);
-    bar_wait(BAR_EMPTY(bars, s, 2), (n & 1) ^ 1);
-    rope_fp8(kst, bars, s, t, kvb, lrow, ch);
-}
-
 // Stage s's fill for pair n: each group of blocks (V_L, V_R, rope) once its readers of pair n - 1 are
 // done (their release n - 1 has parity (n & 1) ^ 1: a fresh barrier passes it at once), in release order.
 // TV_FP8 builds, by the stage's 64-thread filler (NCH = 2 chunks a thread): prefix tiles staged (stage_fp8; sc:
@@ -323,31 +268,31 @@ __device__ __forceinline__ void prefetch_x(unsigned kst, unsigned xs, unsigned b
 // CDQ, by the consumer that owns the stage (dequant_half): the filler's copies of group g arrive on the full
 // barrier of block 4g, the rope's on its own, as they land; tail tiles' copies too (gather_half's ONE). The
 // kernel uses these three full barriers of a stage alone, each completed once a pair and waited on once a
-// pair (its consumer's issue_st, GROUPS). CDQ with TV_XRING: a prefix tile's bytes are in X_s and its rope in
-// the stage (prefetch_x, issued a pair ahead): once they land and the V halves are released, the filler
-// dequantizes the tile into them, as the filler does without CDQ.
+// pair (its consumer's issue_st, GROUPS).
 template <bool CDQ = false>
 __device__ __forceinline__ void fill_stage(unsigned kst, unsigned bars, int s, int n, const TileRows& t,
-                                           const char* kvb, const char* tkb, int lrow, int ch, unsigned sc,
-                                           unsigned xs = 0) {
+                                           const char* kvb, const char* tkb, int lrow, int ch, unsigned sc) {
     const unsigned ep = (n & 1) ^ 1;
-    if (CDQ && TV_XRING && !t.tail) {
-        asm volatile("cp.async.wait_all;\n" ::: "memory");  // X_s and the rope: this thread's copies
-        bar_wait(BAR_EMPTY(bars, s, 0), ep);
-        bar_wait(BAR_EMPTY(bars, s, 1), ep);
-        dequant_fp8<0, true>(kst, bars, s, 0, sc, lrow, ch, xs);
-        dequant_fp8<0, true>(kst, bars, s, 1, sc, lrow, ch, xs);
-        return;
-    }
     if (TV_FP8 && !t.tail) {
         bar_wait(BAR_EMPTY(bars, s, 0), ep);
-        stage_fp8(kst + 2 * CB_BYTES, 0, t, kvb, sc, lrow, ch);
+        stage_fp8(kst, 0, t, kvb, sc, lrow, ch);
         if (CDQ) bar_arrive_copies(BAR_CBFULL(bars, s, 0));
         bar_wait(BAR_EMPTY(bars, s, 1), ep);
-        stage_fp8(kst + 6 * CB_BYTES, 1, t, kvb, sc, lrow, ch);
+        stage_fp8(kst, 1, t, kvb, sc, lrow, ch);
         if (CDQ) bar_arrive_copies(BAR_CBFULL(bars, s, V_R0));
         bar_wait(BAR_EMPTY(bars, s, 2), ep);
-        rope_fp8(kst, bars, s, t, kvb, lrow, ch);
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            const int row = lrow + 16 * p;
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+                const int c = ch + 4 * k;
+                cp_async16(kst + ROPE_CB * CB_BYTES + row * 128 + ((c ^ (row & 7)) << 4),
+                           kvb + (long long)t.row[p] * FP8_ROW + FP8_ROPE + 16 * c, (t.valid >> p) & 1 ? 16 : 0);
+            }
+        }
+        bar_arrive_copies(BAR_CBFULL(bars, s, ROPE_CB));
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
         if (CDQ) return;
         dequant_fp8<2>(kst, bars, s, 0, sc, lrow, ch);
         dequant_fp8<1>(kst, bars, s, 1, sc, lrow, ch);
@@ -378,38 +323,16 @@ __device__ __forceinline__ void pair_tile(const Job& jb, int it, int* d) {
 // warps too, so that its refill waits on every thread that wrote or read that half (consume_v9's pair_t).
 template <bool CDQ = false>
 __device__ __forceinline__ void init_bars(unsigned bars) {
-    constexpr bool XR = CDQ && TV_XRING;  // the ring (fill_stage): the filler writes the V halves, the rope
-    for (int s = 0; s < 2; ++s) {         // block is its owner's alone
+    for (int s = 0; s < 2; ++s) {
         for (int c = 0; c < NCB; ++c) bar_init(BAR_CBFULL(bars, s, c), FILLER);
-        bar_init(BAR_EMPTY(bars, s, 0), (CDQ && !XR && s == 1 ? 8 : 4) * WARP_ARRIVALS);
-        bar_init(BAR_EMPTY(bars, s, 1), (CDQ && !XR && s == 0 ? 8 : 4) * WARP_ARRIVALS);
-        bar_init(BAR_EMPTY(bars, s, 2), (XR ? 4 : 8) * WARP_ARRIVALS);
+        bar_init(BAR_EMPTY(bars, s, 0), (CDQ && s == 1 ? 8 : 4) * WARP_ARRIVALS);
+        bar_init(BAR_EMPTY(bars, s, 1), (CDQ && s == 0 ? 8 : 4) * WARP_ARRIVALS);
+        bar_init(BAR_EMPTY(bars, s, 2), 8 * WARP_ARRIVALS);
     }
     bar_init(BAR_QFULL(bars), 128);
     bar_init(BAR_QEMPTY(bars), 8 * WARP_ARRIVALS);
     for (int d = 0; d < NDESC; ++d) bar_init(BAR_DESC(bars, d), 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-
-// Q's column block cb in TV_XRING's layout (1 KB: 8 rows), base the CTA's.
-__device__ __forceinline__ unsigned xr_qblk(unsigned base, int cb) {
-    return base + (cb < 6 ? XR_Q + cb * 1024 : cb == 6 ? OFF_ROWS : XR_Q7 + (cb - 7) * 1024);
-}
-
-// load_q in TV_XRING's layout: Q's first 8 rows (rows past the valid ones zero), thread wt = 8 r + c < 64 taking
-// row r's 16-byte chunk c of each block; every thread arrives on the Q barrier once its copies land.
-__device__ __forceinline__ void load_q8(unsigned base, unsigned qbar, const __nv_bfloat16* q, const Job& jb, int M,
-                                        int wt) {
-    const int r = wt >> 3, c = wt & 7;
-    if (r < 8) {
-        const bool ok = r < jb.nrows;
-        const char* src = reinterpret_cast<const char*>(q + ((long long)jb.b * M + jb.row0 + (ok ? r : 0)) * D_QK)
-                          + c * 16;
-#pragma unroll
-        for (int cb = 0; cb < NCB; ++cb)
-            cp_async16(xr_qblk(base, cb) + r * 128 + ((c ^ r) << 4), src + cb * 128, ok ? 16 : 0);
-    }
-    bar_arrive_copies(qbar);
 }
 
 // CTA blockIdx.x's job of round r in the snake deal of the v10 plan's order (order [jobs]: the jobs by
@@ -455,19 +378,11 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
     bool fresh;  // nx starts another job
     Pos nx = next(jb, cur, fresh);
     int jobs = 0;  // Q loads so far
-    constexpr bool XR = CDQ && TV_XRING;  // each filler's prefix tiles through its ring slot, a pair ahead
-    const unsigned xs = base + XR_X + 4 * fl * CB_BYTES, sc = base + OFF_SCALES + fl * BN * 16;
-    if (XR && !ra.tail) prefetch_x(fl ? k1s : k0s, xs, bars, fl, 0, ra, kvb, sc, lrow, ch);
     for (int n = 0;; ++n) {
         if (cur.i == 0 && fl == 0) {  // a new job: its Q once both consumers' S of the last job are done
             bar_wait(BAR_QEMPTY(bars), (jobs & 1) ^ 1);
-            if (XR) {
-                load_q8(base, BAR_QFULL(bars), q, jb, Q * H, ft);
-                load_q8(base, BAR_QFULL(bars), q, jb, Q * H, ft + FILLER);
-            } else {
-                load_q(base, BAR_QFULL(bars), q, jb, Q * H, ft);
-                if (TV_FP8) load_q(base, BAR_QFULL(bars), q, jb, Q * H, ft + FILLER);
-            }
+            load_q(base, BAR_QFULL(bars), q, jb, Q * H, ft);
+            if (TV_FP8) load_q(base, BAR_QFULL(bars), q, jb, Q * H, ft + FILLER);
             ++jobs;
         }
         if (wt == 0) {
@@ -482,7 +397,7 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
             bar_arrive(BAR_DESC(bars, n % NDESC));
         }
         if (TV_FP8) {
-            fill_stage<CDQ>(fl ? k1s : k0s, bars, fl, n, ra, kvb, tkb, lrow, ch, sc, xs);
+            fill_stage<CDQ>(fl ? k1s : k0s, bars, fl, n, ra, kvb, tkb, lrow, ch, base + OFF_SCALES + fl * BN * 16);
         } else {
             fill_stage(k0s, bars, 0, n, ra, kvb, tkb, lrow, ch, 0);  // stage 0 is released first
             fill_stage(k1s, bars, 1, n, rb, kvb, tkb, lrow, ch, 0);
@@ -492,7 +407,6 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
         cur = nx;  // the next pair's slots now
         ra = tile_rows(jb, page_table, P, Q, 2 * cur.i + fl, lrow);
         if (!TV_FP8) rb = tile_rows(jb, page_table, P, Q, 2 * cur.i + 1, lrow);
-        if (XR && !ra.tail) prefetch_x(fl ? k1s : k0s, xs, bars, fl, n + 1, ra, kvb, sc, lrow, ch);
         nx = next(jb, cur, fresh);
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its thread
