@@ -1312,6 +1312,8 @@ def _v5_many_requests(rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("bsz,nq,nh,width,ragged", [(16, 65, 8, 40_000, True),  # v7's consumers, ordered
                                                     (160, 2, 8, 3000, True),  # v9's (Q*H <= 16)
+                                                    (160, 1, 8, 3000, True),  # 8 rows (TV9_NR = 8)
+                                                    (4, 2, 4, 700, True),  # 8 rows, short prefixes
                                                     (3, 9, 8, 20_000, False),  # 72 rows: two row blocks
                                                     (5, 33, 4, 700, True)])  # short, partial tiles, empty
 def test_v10_fp8_pool_is_the_bf16_build_on_its_dequantized_rows_bit_for_bit(bsz, nq, nh, width, ragged):
