@@ -338,7 +338,8 @@ def test_attention_bf16_default_is_the_fastest_recorded_arm():
 def test_attention_fp8_gather_and_path_rule_match_the_source_and_the_record():
     """The gather's launch constants are its source's; the FP8 layout's offsets are kdlib.ref.fp8's; and
     fp8_path=None (FP8_DEQUANT_FIRST_ROWS) takes, at every point of attention_fp8.h200.json, the path faster
-    there, as recorded with the rule the code has."""
+    there, as recorded with the rule the code has; and so at the rows between its points
+    (history/attention_fp8.path_cut.5ec8398: 104 rows fused, 136 and up dequant first)."""
     c = consts(attention._FP8_GATHER)
     assert c["FG_KEYS"] == attention._FP8_GATHER_KEYS and c["FG_OUT_U4"] * 8 == attention.D_QK
     assert loader.launch_bounds(attention._FP8_GATHER) == {
@@ -351,6 +352,12 @@ def test_attention_fp8_gather_and_path_rule_match_the_source_and_the_record():
         arms = p["arms"]
         faster = "dequant_first" if arms["fp8_dequant_first"]["ms"] < arms["fp8"]["ms"] else "fused"
         assert attention.fp8_path_for(p["heads"] * p["queries"]) == p["fp8_path_default"] == faster, p
+    cut = json.loads((DATA / "results" / "history" / "attention_fp8.path_cut.5ec8398.h200.json").read_text())
+    assert cut["parameters"]["fp8_dequant_first_rows"] == attention.FP8_DEQUANT_FIRST_ROWS
+    assert {r["rows"] for r in cut["rows"]} >= {104, 136}  # the two sides of the cut at 128
+    for r in cut["rows"]:
+        faster = "dequant_first" if r["ms"]["dequant_first"] < r["ms"]["fused"] else "fused"
+        assert attention.fp8_path_for(r["rows"]) == r["rule"] == faster, r
 
 
 def test_attention_mma_default_is_the_faster_mma_in_the_recorded_sweep():

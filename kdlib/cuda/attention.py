@@ -168,7 +168,9 @@ _FP8_GATHER = "tree_verify/fp8_gather_v1"
 _FP8_GATHER_KEYS = 8  # FG_KEYS: keys (a warp each) a block of the gather
 # fp8_path None: "dequant_first" past this many query rows (Q x H) a request, else "fused". In
 # data/results/attention_fp8.h200.json the fused path is faster at 72 rows (8 x 9, batch 1 and 8) and below,
-# dequant first from 264 (8 x 33) up; the cut between is not measured.
+# dequant first from 264 (8 x 33) up; between, history/attention_fp8.path_cut.5ec8398.h200.json has the
+# fused path faster at 104 rows (two 64-row jobs a request, each dequantizing its tiles) and dequant first at
+# 136 and 144 (three jobs), at batch 1 and 8: the cut lies between 104 and 136 rows.
 FP8_DEQUANT_FIRST_ROWS = 128
 _V9_MAX_NR = 56  # V9_MAX_NR: the rows v9's attend kernel builds for without spills
 # Q*H up to which version 9 runs its own attend kernel: where it measured faster than v8's (8 and 16 rows;
