@@ -455,8 +455,8 @@ __device__ __forceinline__ void pair_solo(float* o, float* s, float* m, float* l
 
 // TV9_SOLO's job end: each consumer's l summed over its g lanes and 4 warps (lsum); consumer c writes its O^T of
 // the other's 256 dims and its rows' m and l into job j's own partial rows past the 16 a v9 job can have
-// (scratch: parts [j, 32 + n], part_lse [j, 32 + 16 c + n] and [j, 48 + 16 c + n]; the combine reads rows below
-// nrows alone); after the consumers' barrier each merges its 256 dims, consumer 0's terms first (bit-for-bit
+// (scratch: parts [j, 32 + n] its O^T, part_lse [j, 32 + 16 c + n] its m, parts [j, 48 + n, c] its l; the combine
+// reads rows below nrows alone); after the consumers' barrier each merges its 256 dims, consumer 0's terms first (bit-for-bit
 // reproducible), and writes parts [j, n, its dims] and (consumer 0) part_lse [j, n]; m -inf, l 0 for the next.
 template <int N>
 __device__ __forceinline__ void job_end_solo(const float* o, float* m, float* l, int j, int nrows, float* parts,
@@ -486,14 +486,14 @@ __device__ __forceinline__ void job_end_solo(const float* o, float* m, float* l,
             for (int h = 0; h < 2; ++h) dst[64 * mb + 8 * h] = o[(4 * oc + mb) * (N / 2) + 4 * (r >> 1) + 2 * h + (r & 1)];
         if (x.warp == 0 && x.g == 0) {
             part_lse[orow + 32 + 16 * x.c + n] = m[r];
-            part_lse[orow + 48 + 16 * x.c + n] = lc[r];
+            parts[(orow + 48 + n) * D_V + x.c] = lc[r];
         }
     }
     nb_sync(NB_LSUM);  // both consumers' scratch written (bar.sync orders their global stores too)
 #pragma unroll
     for (int r = 0; r < N / 4; ++r) {
         const int n = row_of(r, x.t4);
-        const float mo = part_lse[orow + 32 + 16 * oc + n], lo = part_lse[orow + 48 + 16 * oc + n];
+        const float mo = part_lse[orow + 32 + 16 * oc + n], lo = parts[(orow + 48 + n) * D_V + oc];
         const float mt = fmaxf(m[r], mo), ms = mt == NEG_INF ? 0.f : mt;  // no key: both terms 0
         const float sc = ex2(m[r] - ms), so = ex2(mo - ms);
         const float s0 = x.c == 0 ? sc : so, s1 = x.c == 0 ? so : sc;  // consumer 0's term first
