@@ -132,7 +132,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v10_attend
     int* desc = reinterpret_cast<int*>(gbase + OFF_DESC);  // [NDESC][DESC_INTS]
     const unsigned bars = base + OFF_BARS;
     const int tid = threadIdx.x;
-    if (tid == 0) init_bars<TV_FP8 != 0, TV9_SOLO != 0>(bars);
+    if (tid == 0) init_bars<TV_FP8 != 0>(bars);
     __syncthreads();
 
     const int wg = tid >> 7, wt = tid & 127;

@@ -38,9 +38,6 @@
 #ifndef TV9_NR
 #define TV9_NR 8                           // rows of the jobs that run the transposed products
 #endif
-#ifndef TV9_SOLO
-#define TV9_SOLO 0                         // 1: each consumer alone over its own tiles (pair_solo, below)
-#endif
 #define V9_MAX_NR 56                       // beyond, the consumers' registers spill
 #define V9_FP8_MAX_NR 32                   // the FP8 build's (consumers of 208 registers that dequantize)
 static_assert(TV9_NR % 8 == 0 && TV9_NR >= 8 && TV9_NR <= V9_MAX_NR, "TV9_NR: a multiple of 8 in [8, V9_MAX_NR]");
@@ -219,15 +216,15 @@ __device__ __forceinline__ void softmax_t(float* s, float sl2, const float* mp, 
     }
 }
 
-// O^T columns (rows) of this thread *= their factors, skipped when no row of the warp moved; MB dim blocks.
-template <int N, int MB = 4>
+// O^T columns (rows) of this thread *= their factors, skipped when no row of the warp moved.
+template <int N>
 __device__ __forceinline__ void rescale_t(float* o, const float* cf) {
     bool moved = false;
 #pragma unroll
     for (int r = 0; r < N / 4; ++r) moved |= cf[r] != 1.f;
     if (!__any_sync(0xffffffffu, moved)) return;
 #pragma unroll
-    for (int i = 0; i < MB * N / 2; ++i) o[i] *= cf[2 * ((i % (N / 2)) >> 2) + (i & 1)];
+    for (int i = 0; i < 2 * N; ++i) o[i] *= cf[2 * ((i % (N / 2)) >> 2) + (i & 1)];
 }
 
 // P^T (bf16) into pbuf, K-major: row n's 64 keys on line n (8-row groups 1024 B apart), 128-B swizzle.
@@ -407,116 +404,6 @@ __device__ __forceinline__ void job_end_t(const float* o, float* m, float* l, in
     }
 }
 
-// TV9_SOLO: consumer x.c alone over its own tile of each pair (stage x.c), all 512 dims (o [4 N]: O^T of the 8
-// dim blocks), with its own running max and sum (m, l); no handoff between the consumers until the job's end
-// (job_end_solo). CDQ: it dequantizes the tile as pair_t does. Then it releases the stage's three groups.
-template <int N, bool CDQ>
-__device__ __forceinline__ void pair_solo(float* o, float* s, float* m, float* l, const Job& jb, bool tail, int k0,
-                                          int kend, bool first, bool last, unsigned par, const unsigned char* vis,
-                                          int Q, int H, const V9Ctx& x) {
-    const unsigned kst = x.c == 0 ? x.k0s : x.k1s, pbuf = kst + ROPE_CB * CB_BYTES;  // P^T: the rope block
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i) s[i] = 0.f;
-    reg_fence_n<N / 2>(s);
-    wg_fence();
-    if constexpr (CDQ) {
-        const bool dq = !tail;
-        const unsigned sc = x.base + OFF_SCALES + x.c * BN * 16;
-        if (dq) dequant_half(kst, x.bars, x.c, par, sc, x.wt, 0, NB_WG + x.c);
-        issue_st<N, true>(s, x.base, kst, x.bars, x.c, par, !dq, 0, V_R0);
-        if (dq) dequant_half(kst, x.bars, x.c, par, sc, x.wt, 1, NB_WG + x.c);
-        issue_st<N, true>(s, x.base, kst, x.bars, x.c, par, !dq, V_R0, NCB);
-    } else {
-        issue_st<N>(s, x.base, kst, x.bars, x.c, par, true, 0, NCB);
-    }
-    wg_commit();
-    wg_wait<0>();
-    reg_fence_n<N / 2>(s);
-    if (last) warp_arrive(BAR_QEMPTY(x.bars), x.lane);  // the job's Q is read
-    float mx[N / 4], mn[N / 4], cf[N / 4];
-    mask_max_t<N>(s, mx, tail, k0, kend, vis, jb, Q, H, x);
-    softmax_t<N>(s, x.sl2, m, mx, mn, cf, l);
-#pragma unroll
-    for (int r = 0; r < N / 4; ++r) m[r] = mn[r];
-    rescale_t<N, 8>(o, cf);
-    store_pt<N>(s, pbuf, x);
-    fence_async_smem();
-    wg_sync(NB_WG + x.c);  // P^T whole for every warp's MMAs; red free again
-    reg_fence_n<4 * N>(o);
-    wg_fence();
-    issue_pv_t<N>(o, pbuf, kst, first);
-    issue_pv_t<N>(o + 2 * N, pbuf, kst + V_R0 * CB_BYTES, first);
-    wg_commit();
-    wg_wait<0>();
-    reg_fence_n<4 * N>(o);
-#pragma unroll
-    for (int g = 0; g < 3; ++g) warp_arrive(BAR_EMPTY(x.bars, x.c, g), x.lane);  // V_L, V_R, rope and P^T read
-}
-
-// TV9_SOLO's job end: each consumer's l summed over its g lanes and 4 warps (lsum); consumer c writes its O^T of
-// the other's 256 dims and its rows' m and l into job j's own partial rows past the 16 a v9 job can have
-// (scratch: parts [j, 32 + n] its O^T, part_lse [j, 32 + 16 c + n] its m, parts [j, 48 + n, c] its l; the combine
-// reads rows below nrows alone); after the consumers' barrier each merges its 256 dims, consumer 0's terms first (bit-for-bit
-// reproducible), and writes parts [j, n, its dims] and (consumer 0) part_lse [j, n]; m -inf, l 0 for the next.
-template <int N>
-__device__ __forceinline__ void job_end_solo(const float* o, float* m, float* l, int j, int nrows, float* parts,
-                                             float* part_lse, const V9Ctx& x) {
-    static_assert(N <= 16, "the scratch rows: 32 + 16 c + n < 64");
-#pragma unroll
-    for (int r = 0; r < N / 4; ++r)
-#pragma unroll
-        for (int off = 4; off < 32; off <<= 1) l[r] += __shfl_xor_sync(0xffffffffu, l[r], off);
-    if (x.g == 0)
-#pragma unroll
-        for (int r = 0; r < N / 4; ++r) x.lsum[(x.c * 4 + x.warp) * BM + row_of(r, x.t4)] = l[r];
-    wg_sync(NB_WG + x.c);
-    const long long orow = (long long)j * BM;
-    const int oc = 1 - x.c;
-    float lc[N / 4];
-#pragma unroll
-    for (int r = 0; r < N / 4; ++r) {
-        const int n = row_of(r, x.t4);
-        lc[r] = 0.f;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) lc[r] += x.lsum[(x.c * 4 + k) * BM + n];
-        float* dst = parts + (orow + 32 + n) * D_V + 256 * oc + 16 * x.warp + x.g;
-#pragma unroll
-        for (int mb = 0; mb < 4; ++mb)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) dst[64 * mb + 8 * h] = o[(4 * oc + mb) * (N / 2) + 4 * (r >> 1) + 2 * h + (r & 1)];
-        if (x.warp == 0 && x.g == 0) {
-            part_lse[orow + 32 + 16 * x.c + n] = m[r];
-            parts[(orow + 48 + n) * D_V + x.c] = lc[r];
-        }
-    }
-    nb_sync(NB_LSUM);  // both consumers' scratch written (bar.sync orders their global stores too)
-#pragma unroll
-    for (int r = 0; r < N / 4; ++r) {
-        const int n = row_of(r, x.t4);
-        const float mo = part_lse[orow + 32 + 16 * oc + n], lo = parts[(orow + 48 + n) * D_V + oc];
-        const float mt = fmaxf(m[r], mo), ms = mt == NEG_INF ? 0.f : mt;  // no key: both terms 0
-        const float sc = ex2(m[r] - ms), so = ex2(mo - ms);
-        const float s0 = x.c == 0 ? sc : so, s1 = x.c == 0 ? so : sc;  // consumer 0's term first
-        const float lt = (x.c == 0 ? lc[r] : lo) * s0 + (x.c == 0 ? lo : lc[r]) * s1;
-        const float inv = lt > 0.f ? 1.f / lt : 0.f;
-        if (n < nrows) {
-            const float* src = parts + (orow + 32 + n) * D_V + 256 * x.c + 16 * x.warp + x.g;
-            float* dst = parts + (orow + n) * D_V + 256 * x.c + 16 * x.warp + x.g;
-#pragma unroll
-            for (int mb = 0; mb < 4; ++mb)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const float mine = o[(4 * x.c + mb) * (N / 2) + 4 * (r >> 1) + 2 * h + (r & 1)];
-                    const float other = src[64 * mb + 8 * h];
-                    dst[64 * mb + 8 * h] = ((x.c == 0 ? mine : other) * s0 + (x.c == 0 ? other : mine) * s1) * inv;
-                }
-            if (x.c == 0 && x.warp == 0 && x.g == 0) part_lse[orow + n] = lt > 0.f ? (mt + log2f(lt)) * LN2 : NEG_INF;
-        }
-        m[r] = NEG_INF;
-        l[r] = 0.f;
-    }
-}
-
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // ------------------------------------------------------------------------------------------ attend
@@ -552,11 +439,10 @@ __device__ __forceinline__ void consume_v9(unsigned base, unsigned char* gbase, 
     x.wt = wt;
     x.sl2 = scale * LOG2E;
 
-    constexpr int OB = TV9_SOLO ? 8 : 4;  // the dim blocks of O^T a consumer holds
-    float o[OB * TV9_NR / 2];  // O^T of the consumer's dim blocks
-    float s[32];               // S^T (its first TV9_NR / 2)
+    float o[2 * TV9_NR];  // O^T of the consumer's 4 dim blocks
+    float s[32];          // S^T (its first TV9_NR / 2)
 #pragma unroll
-    for (int i = 0; i < OB * TV9_NR / 2; ++i) o[i] = 0.f;
+    for (int i = 0; i < 2 * TV9_NR; ++i) o[i] = 0.f;
     float m[TV9_NR / 4], l[TV9_NR / 4];  // the rows' running max and sum
 #pragma unroll
     for (int r = 0; r < TV9_NR / 4; ++r) {
@@ -580,13 +466,8 @@ __device__ __forceinline__ void consume_v9(unsigned base, unsigned char* gbase, 
             bar_wait(BAR_QFULL(bars), jobs & 1);
             ++jobs;
         }
-        if (TV9_SOLO) {
-            pair_solo<TV9_NR, CDQ>(o, s, m, l, jb, tail, k0, kend, first, last, n & 1, vis, Q, H, x);
-            if (last) job_end_solo<TV9_NR>(o, m, l, j, jb.nrows, parts, part_lse, x);
-        } else {
-            pair_t<TV9_NR, CDQ>(o, s, m, l, jb, tail, k0, kend, first, last, n & 1, vis, Q, H, x);
-            if (last) job_end_t<TV9_NR>(o, m, l, j, jb.nrows, parts, part_lse, x);
-        }
+        pair_t<TV9_NR, CDQ>(o, s, m, l, jb, tail, k0, kend, first, last, n & 1, vis, Q, H, x);
+        if (last) job_end_t<TV9_NR>(o, m, l, j, jb.nrows, parts, part_lse, x);
         if (flags & D_END) break;
     }
 }
@@ -606,7 +487,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v9_attend(
     int* desc = reinterpret_cast<int*>(gbase + OFF_DESC);  // [NDESC][DESC_INTS]
     const unsigned bars = base + OFF_BARS;
     const int tid = threadIdx.x;
-    if (tid == 0) init_bars<false, TV9_SOLO != 0>(bars);
+    if (tid == 0) init_bars(bars);
     __syncthreads();
 
     const int wg = tid >> 7, wt = tid & 127;

@@ -321,14 +321,13 @@ __device__ __forceinline__ void pair_tile(const Job& jb, int it, int* d) {
 // The barriers at bars (tid 0 of the CTA; a __syncthreads must follow). CDQ: the empty barrier of the V half
 // that the stage's owner dequantizes for the other consumer (EMPTY(0, 1), EMPTY(1, 0)) takes the owner's 4
 // warps too, so that its refill waits on every thread that wrote or read that half (consume_v9's pair_t).
-// SOLO (tree_verify/wgmma_v9.cu's TV9_SOLO): stage s's only reader is consumer s, 4 warps on each of its three.
-template <bool CDQ = false, bool SOLO = false>
+template <bool CDQ = false>
 __device__ __forceinline__ void init_bars(unsigned bars) {
     for (int s = 0; s < 2; ++s) {
         for (int c = 0; c < NCB; ++c) bar_init(BAR_CBFULL(bars, s, c), FILLER);
-        bar_init(BAR_EMPTY(bars, s, 0), (CDQ && !SOLO && s == 1 ? 8 : 4) * WARP_ARRIVALS);
-        bar_init(BAR_EMPTY(bars, s, 1), (CDQ && !SOLO && s == 0 ? 8 : 4) * WARP_ARRIVALS);
-        bar_init(BAR_EMPTY(bars, s, 2), (SOLO ? 4 : 8) * WARP_ARRIVALS);
+        bar_init(BAR_EMPTY(bars, s, 0), (CDQ && s == 1 ? 8 : 4) * WARP_ARRIVALS);
+        bar_init(BAR_EMPTY(bars, s, 1), (CDQ && s == 0 ? 8 : 4) * WARP_ARRIVALS);
+        bar_init(BAR_EMPTY(bars, s, 2), 8 * WARP_ARRIVALS);
     }
     bar_init(BAR_QFULL(bars), 128);
     bar_init(BAR_QEMPTY(bars), 8 * WARP_ARRIVALS);
