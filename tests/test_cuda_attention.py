@@ -10,6 +10,7 @@ against a float64 torch reference, torch tensors through DLPack, and ValueError 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -620,9 +621,15 @@ def test_fp8_path_rule_and_its_checks():
 
 def test_v9_options_follow_the_rows():
     """Version 9's attend kernel is built for TV9_NR = Q*H rounded up to 8 where Q*H <= 16 (where it measured
-    faster than v8's), within the rows it builds for; past that, None: version 9 runs version 8's kernels."""
+    faster than v8's, and on version 10's kernels slower than v7's consumers at every row count past it:
+    history/attention_v9_rows.335f51b), within the rows it builds for; past that, None: version 9 runs
+    version 8's kernels."""
     from kdlib.cuda import attention as cu
     from kdlib.cuda import loader
+
+    rec = json.loads((DATA / "results" / "history" / "attention_v9_rows.335f51b.h200.json").read_text())
+    past = [r for r in rec["rows"] if r["rows"] > cu._V9_MAX_ROWS]
+    assert len(past) >= 8 and all(r["v7_over_v9"] < 1 for r in past)  # v7's consumers faster past the cut
 
     assert cu.v9_options(1) == cu.v9_options(8) == ("-DTV9_NR=8",)  # 1 x 1, 8 x 1
     assert cu.v9_options(9) == cu.v9_options(16) == ("-DTV9_NR=16",)  # 8 x 2

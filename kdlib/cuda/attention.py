@@ -174,7 +174,8 @@ _FP8_GATHER_KEYS = 8  # FG_KEYS: keys (a warp each) a block of the gather
 FP8_DEQUANT_FIRST_ROWS = 128
 _V9_MAX_NR = 56  # V9_MAX_NR: the rows v9's attend kernel builds for without spills
 # Q*H up to which version 9 runs its own attend kernel: where it measured faster than v8's (8 and 16 rows;
-# slower at 32 and 48) in data/results/history/attention.v9_dev.4d83aab.h200.json
+# slower at 32 and 48) in data/results/history/attention.v9_dev.4d83aab.h200.json; on version 10's kernels
+# v7's consumers are faster at 24-56 rows too (history/attention_v9_rows.335f51b.h200.json)
 _V9_MAX_ROWS = 16
 _V5_BM = 64  # rows per job (BM)
 _V5_BN = 64  # keys per tile (BN)
