@@ -339,6 +339,10 @@ __device__ __forceinline__ void reg_fence(float (&r)[N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) reg_fence(r[i]);
 }
+__device__ __forceinline__ void reg_fence(unsigned (&r)[4][4]) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) reg_fence(r[i / 4][i % 4]);
+}
 
 // Shared-memory matrix descriptor, 128-byte swizzle, 8-row groups 1024 B apart; lbo: the
 // leading-dimension offset (unused for K-major; the 64-column block stride for MN-major).
@@ -373,15 +377,16 @@ __device__ __forceinline__ void wgmma_s(float (&d)[32], unsigned long long da, u
     "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "   \
     "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
 
-// d[64 x 256] += A[64 x 16] B[16 x 256]: A from registers (the mma.m16n8k16 A fragment per warp),
-// B MN-major in shared memory.
-__device__ __forceinline__ void wgmma_pv_rs(float (&d)[128], const unsigned (&a)[4], unsigned long long db) {
+// d[64 x 256] (+)= A[64 x 16] B[16 x 256]: A from registers (the mma.m16n8k16 A fragment per warp),
+// B MN-major in shared memory; acc 0: d = A B.
+__device__ __forceinline__ void wgmma_pv_rs(float (&d)[128], const unsigned (&a)[4], unsigned long long db,
+                                            int acc = 1) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " WG_N256_D
         "{%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
         : ACC32(d, 0), ACC32(d, 32), ACC32(d, 64), ACC32(d, 96)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
 }
 
 // d[64 x 256] (+)= A[64 x 16] B[16 x 256]: A K-major, B MN-major, both in shared memory; acc 0: d = A B.
@@ -645,14 +650,39 @@ __device__ __forceinline__ void softmax_step(float (&s)[32], float sl2, float mp
     exp_tile(s, sl2, ms0, ms1, l0, l1);
 }
 
+// P (bf16, fp32 s) as the A fragments of P V's four k16 steps: the S accumulator's layout is the m16n8k16 A
+// fragment's, so step kk takes keys 16 kk .. 16 kk + 15 of the thread's rows (rows g: [kk][0], [kk][2]; g + 8:
+// [kk][1], [kk][3]).
+__device__ __forceinline__ void p_frags(const float (&s)[32], unsigned (&pf)[4][4]) {
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+        pf[jj >> 1][(jj & 1) * 2 + 0] = pack_bf16(s[4 * jj + 0], s[4 * jj + 1]);
+        pf[jj >> 1][(jj & 1) * 2 + 1] = pack_bf16(s[4 * jj + 2], s[4 * jj + 3]);
+    }
+}
+
+// Where P's bf16 pair (row lr, keys 8 jj + 2 t4 and the next) goes in a column block's K-major swizzled layout.
+__device__ __forceinline__ unsigned p_addr(unsigned dst, int lr, int jj, int t4) {
+    return dst + (lr >> 3) * 1024 + (lr & 7) * 128 + ((jj ^ (lr & 7)) << 4) + 4 * t4;
+}
+
 // P (bf16, fp32 s) into shared memory at dst in a column block's K-major swizzled layout.
 __device__ __forceinline__ void store_p(const float (&s)[32], unsigned dst, int lr0, int lr1, int t4) {
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
-        const unsigned a0 = dst + (lr0 >> 3) * 1024 + (lr0 & 7) * 128 + ((jj ^ (lr0 & 7)) << 4) + 4 * t4;
-        const unsigned a1 = dst + (lr1 >> 3) * 1024 + (lr1 & 7) * 128 + ((jj ^ (lr1 & 7)) << 4) + 4 * t4;
+        const unsigned a0 = p_addr(dst, lr0, jj, t4), a1 = p_addr(dst, lr1, jj, t4);
         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a0), "r"(pack_bf16(s[4 * jj + 0], s[4 * jj + 1])) : "memory");
         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a1), "r"(pack_bf16(s[4 * jj + 2], s[4 * jj + 3])) : "memory");
+    }
+}
+
+// store_p from P's fragments (p_frags).
+__device__ __forceinline__ void store_p(const unsigned (&pf)[4][4], unsigned dst, int lr0, int lr1, int t4) {
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+        const unsigned a0 = p_addr(dst, lr0, jj, t4), a1 = p_addr(dst, lr1, jj, t4);
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a0), "r"(pf[jj >> 1][(jj & 1) * 2 + 0]) : "memory");
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a1), "r"(pf[jj >> 1][(jj & 1) * 2 + 1]) : "memory");
     }
 }
 
@@ -662,6 +692,14 @@ __device__ __forceinline__ void issue_pv_ss(float (&o)[128], unsigned pbuf, unsi
     const unsigned long long dp = sw128_desc(pbuf, 16), dv = sw128_desc(vhalf, CB_BYTES);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) wgmma_pv_ss(o, dp + ((kk * 32) >> 4), dv + ((kk * 2048) >> 4), kk > 0 || !fresh);
+}
+
+// O[:, half] += P V over the 64 keys of a stage, P from registers (p_frags), V's half (vhalf) in shared memory.
+__device__ __forceinline__ void issue_pv_rs(float (&o)[128], const unsigned (&pf)[4][4], unsigned vhalf,
+                                            bool fresh = false) {
+    const unsigned long long dv = sw128_desc(vhalf, CB_BYTES);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_pv_rs(o, pf[kk], dv + ((kk * 2048) >> 4), kk > 0 || !fresh);
 }
 
 // The job's rows of this warpgroup's O half, normalised, and (warpgroup 0) their lse.

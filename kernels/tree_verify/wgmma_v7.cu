@@ -159,7 +159,9 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 s_m[lr1] = mn1;
                 s_ca[lr0] = c0;
                 s_ca[lr1] = c1;
-                store_p(s, pa, lr0, lr1, t4);
+                unsigned pf[4][4];  // P_A: consumer 1 reads it from shared memory, this side from registers
+                p_frags(s, pf);
+                store_p(pf, pa, lr0, lr1, t4);
                 fence_async_smem();
                 handoff(NB_SCALE_A);
                 trace_mark(c, n, 3, wt);
@@ -169,13 +171,15 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 reg_fence(o);
                 rescale(o, c0, c1);
                 reg_fence(o);
+                reg_fence(pf);
                 wg_fence();
-                if (TV7_PROBE != 3) issue_pv_ss(o, pa, k0s, first);
+                if (TV7_PROBE != 3) issue_pv_rs(o, pf, k0s, first);
                 wg_commit();
                 wg_wait<0>();
                 reg_fence(o);
+                reg_fence(pf);  // held to here: the wgmma read them until its wait
                 trace_mark(c, n, 4, wt);
-                warp_arrive(BAR_EMPTY(bars, 0, 0), lane);  // stage 0: V_AL read, P_A read on this side
+                warp_arrive(BAR_EMPTY(bars, 0, 0), lane);  // stage 0: V_AL read, the rope block's S_A and P_A done
                 warp_arrive(BAR_EMPTY(bars, 0, 2), lane);
 
                 // ------------------------------------------------ tile B: O_L = O_L c_B + P_B V_BL
@@ -224,7 +228,9 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 m1 = mn1;
                 handoff(NB_SCALE_B);
                 trace_mark(c, n, 4, wt);
-                store_p(s, pb, lr0, lr1, t4);
+                unsigned pf[4][4];  // P_B: consumer 0 reads it from shared memory, this side from registers
+                p_frags(s, pf);
+                store_p(pf, pb, lr0, lr1, t4);
                 fence_async_smem();
                 handoff(NB_PB);
                 trace_mark(c, n, 5, wt);
@@ -235,13 +241,15 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 warp_arrive(BAR_EMPTY(bars, 0, 2), lane);
                 rescale(o, cb0, cb1);
                 reg_fence(o);
+                reg_fence(pf);
                 wg_fence();
-                if (TV7_PROBE != 3) issue_pv_ss(o, pb, k1s + V_R0 * CB_BYTES);
+                if (TV7_PROBE != 3) issue_pv_rs(o, pf, k1s + V_R0 * CB_BYTES);
                 wg_commit();
                 wg_wait<0>();
                 reg_fence(o);
+                reg_fence(pf);  // held to here: the wgmma read them until its wait
                 trace_mark(c, n, 7, wt);
-                warp_arrive(BAR_EMPTY(bars, 1, 1), lane);  // stage 1: V_BR read, P_B read on this side
+                warp_arrive(BAR_EMPTY(bars, 1, 1), lane);  // stage 1: V_BR read, the rope block's S_B and P_B done
                 warp_arrive(BAR_EMPTY(bars, 1, 2), lane);
             }
 
