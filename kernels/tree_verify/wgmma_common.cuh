@@ -367,6 +367,19 @@ __device__ __forceinline__ void wgmma_s(float (&d)[32], unsigned long long da, u
         : "l"(da), "l"(db), "r"(acc));
 }
 
+// d[64 x 64] (+)= A[64 x 16] B[16 x 64]: A from registers (the mma.m16n8k16 A fragment per warp), B K-major
+// in shared memory.
+__device__ __forceinline__ void wgmma_s_rs(float (&d)[32], const unsigned (&a)[4], unsigned long long db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : ACC32(d, 0)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
+}
+
 #define WG_N256_D                                                                                    \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                        \
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "               \
@@ -578,10 +591,12 @@ __device__ __forceinline__ void load_q(unsigned base, unsigned qbar, const __nv_
 // Blocks [g0, g0 + NB) of issue_s_blocks: their barriers, one proxy fence, their MMAs, unrolled. With a loop of
 // a run-time count around the wgmmas ptxas put a WARPGROUP.DEPBAR after every wgmma (kernel_ab_sgroup3.ab20b66,
 // 0.71-0.75x); so it did in version 6's SASS with one wgmma.fence ahead of the waits of each of its three calls.
-// acc0: the group's first MMA adds to s.
+// acc0: the group's first MMA adds to s. qf (non-null): Q's rope block as A fragments (q_rope_frags), its MMAs
+// with A from registers.
 template <int NB>
 __device__ __forceinline__ void issue_s_group(float (&s)[32], unsigned long long dq, unsigned long long dk,
-                                              unsigned bars, int st, unsigned par, int g0, bool acc0) {
+                                              unsigned bars, int st, unsigned par, int g0, bool acc0,
+                                              const unsigned (*qf)[4] = nullptr) {
 #pragma unroll
     for (int j = 0; j < NB; ++j) bar_wait(BAR_CBFULL(bars, st, g0 + j), par);
     fence_async_smem();
@@ -591,19 +606,20 @@ __device__ __forceinline__ void issue_s_group(float (&s)[32], unsigned long long
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const unsigned off = (g0 + j) * CB_BYTES + k * 32;
-            wgmma_s(s, dq + (off >> 4), dk + (off >> 4), acc0 || j > 0 || k > 0);
+            if (qf != nullptr && g0 + j == ROPE_CB) wgmma_s_rs(s, qf[k], dk + (off >> 4), acc0 || j > 0 || k > 0);
+            else wgmma_s(s, dq + (off >> 4), dk + (off >> 4), acc0 || j > 0 || k > 0);
         }
 }
 
 template <int CB0, int CB1>
 __device__ __forceinline__ void issue_s_blocks(float (&s)[32], unsigned base, unsigned kst, unsigned bars, int st,
-                                               unsigned par, bool first) {
+                                               unsigned par, bool first, const unsigned (*qf)[4] = nullptr) {
     constexpr int NG = (CB1 - CB0) / S_GROUP, TAIL = (CB1 - CB0) % S_GROUP;
     const unsigned long long dq = sw128_desc(opaque(base), 16), dk = sw128_desc(opaque(kst), 16);
 #pragma unroll 1  // a loop over the groups: the kernel's code fits the instruction cache better
     for (int g = 0; g < NG; ++g)
-        issue_s_group<S_GROUP>(s, dq, dk, bars, st, par, CB0 + g * S_GROUP, !first || g > 0);
-    if constexpr (TAIL > 0) issue_s_group<TAIL>(s, dq, dk, bars, st, par, CB1 - TAIL, !first || NG > 0);
+        issue_s_group<S_GROUP>(s, dq, dk, bars, st, par, CB0 + g * S_GROUP, !first || g > 0, qf);
+    if constexpr (TAIL > 0) issue_s_group<TAIL>(s, dq, dk, bars, st, par, CB1 - TAIL, !first || NG > 0, qf);
 }
 
 // 2^x on the SFU alone (MUFU.EX2, results below 2^-126 flushed to 0): exp2f adds a compare and two
@@ -683,6 +699,17 @@ __device__ __forceinline__ void store_p(const unsigned (&pf)[4][4], unsigned dst
         const unsigned a0 = p_addr(dst, lr0, jj, t4), a1 = p_addr(dst, lr1, jj, t4);
         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a0), "r"(pf[jj >> 1][(jj & 1) * 2 + 0]) : "memory");
         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a1), "r"(pf[jj >> 1][(jj & 1) * 2 + 1]) : "memory");
+    }
+}
+
+// Q's rope block (column block ROPE_CB of Q at base) as the A fragments of S's four k16 steps over it, as
+// p_frags lays P's: the same K-major swizzled layout, read where store_p writes.
+__device__ __forceinline__ void q_rope_frags(unsigned base, unsigned (&qf)[4][4], int lr0, int lr1, int t4) {
+    const unsigned rope = base + ROPE_CB * CB_BYTES;
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(qf[jj >> 1][(jj & 1) * 2 + 0]) : "r"(p_addr(rope, lr0, jj, t4)));
+        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(qf[jj >> 1][(jj & 1) * 2 + 1]) : "r"(p_addr(rope, lr1, jj, t4)));
     }
 }
 

@@ -99,6 +99,7 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
 #pragma unroll
         for (int i = 0; i < 128; ++i) o[i] = 0.f;
         float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+        unsigned qf[4][4];  // the job's Q rope block, S's A operand over it from registers (q_rope_frags)
         int jobs = 0;  // jobs started: the Q barrier's phase
         for (int n = 0;; ++n) {
             trace_mark(c, n, 0, wt);
@@ -120,6 +121,7 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
             if (first) {
                 bar_wait(BAR_QFULL(bars), jobs & 1);
                 ++jobs;
+                q_rope_frags(base, qf, lr0, lr1, t4);
             }
             if (TV7_PROBE == 1) {  // the probe: both stages waited for, then released as the pair code does
                 for (int cb = 0; cb < NCB; ++cb) {
@@ -141,11 +143,12 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
             if (TV7_PROBE == 4)
                 for (int cb = 0; cb < NCB; ++cb) bar_wait(BAR_CBFULL(bars, c, cb), n & 1);
             else
-                issue_s_blocks<0, NCB>(s, base, kst, bars, c, n & 1, true);
+                issue_s_blocks<0, NCB>(s, base, kst, bars, c, n & 1, true, qf);
             trace_mark(c, n, 1, wt);
             wg_commit();
             wg_wait<0>();
             reg_fence(s);
+            reg_fence(qf);  // held to here: the rope block's wgmmas read them until the wait
             trace_mark(c, n, 2, wt);
             if (last) warp_arrive(BAR_QEMPTY(bars), lane);  // the job's Q is read
 
