@@ -21,7 +21,13 @@
 //     the pair (tile A in stage 0, tile B in stage 1: S, softmax, P V; P through the stage's rope
 //     block, the maxima and factors through a row array, named barriers of the 256 consumer threads
 //     for those handoffs), with no copies of their own: they wait on "full" mbarriers and arrive on
-//     "empty" ones.
+//     "empty" ones. Two operands come from registers (wgmma RS), not shared memory: P in each consumer's
+//     P V of its own tile (the other's P from the rope block), and Q's rope block in S (bf16 builds). The
+//     two together: 1.000-1.028x the whole verify at the five compute-bound points, 0.995-1.028x over
+//     all 25, the same bits (two alternating runs, data/results/history/kernel_ab_regs{1,2}.f15a48b.h200.json;
+//     the rope block alone 0.999-1.020x, no more than 8 x 1, whose kernel it leaves alone, moved in those
+//     runs: kernel_ab_qonly*). Cutting shared-memory reads by 32 KB a pair (of the 608 KB that
+//     attention_timeline.pair_smem_bytes models) bought about 1 %.
 //
 // Barriers. full (stage, column block) [18], 128 producer arrivals (cp.async, once the thread's copies
 // land), completing once per pair: a consumer waits on pair n with parity n & 1. empty (stage, group)
@@ -99,7 +105,10 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
 #pragma unroll
         for (int i = 0; i < 128; ++i) o[i] = 0.f;
         float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
-        unsigned qf[4][4];  // the job's Q rope block, S's A operand over it from registers (q_rope_frags)
+        // the job's Q rope block, S's A operand over it from registers (q_rope_frags); not in the FP8 build, whose
+        // consumers (FP8_CONSUMER_REGS) spilled 36 B with it
+        constexpr bool QRS = !TV_FP8;
+        unsigned qf[4][4];
         int jobs = 0;  // jobs started: the Q barrier's phase
         for (int n = 0;; ++n) {
             trace_mark(c, n, 0, wt);
@@ -121,7 +130,7 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
             if (first) {
                 bar_wait(BAR_QFULL(bars), jobs & 1);
                 ++jobs;
-                q_rope_frags(base, qf, lr0, lr1, t4);
+                if constexpr (QRS) q_rope_frags(base, qf, lr0, lr1, t4);
             }
             if (TV7_PROBE == 1) {  // the probe: both stages waited for, then released as the pair code does
                 for (int cb = 0; cb < NCB; ++cb) {
@@ -143,12 +152,12 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
             if (TV7_PROBE == 4)
                 for (int cb = 0; cb < NCB; ++cb) bar_wait(BAR_CBFULL(bars, c, cb), n & 1);
             else
-                issue_s_blocks<0, NCB>(s, base, kst, bars, c, n & 1, true, qf);
+                issue_s_blocks<0, NCB>(s, base, kst, bars, c, n & 1, true, QRS ? qf : nullptr);
             trace_mark(c, n, 1, wt);
             wg_commit();
             wg_wait<0>();
             reg_fence(s);
-            reg_fence(qf);  // held to here: the rope block's wgmmas read them until the wait
+            if constexpr (QRS) reg_fence(qf);  // held to here: the rope block's wgmmas read them until the wait
             trace_mark(c, n, 2, wt);
             if (last) warp_arrive(BAR_QEMPTY(bars), lane);  // the job's Q is read
 
