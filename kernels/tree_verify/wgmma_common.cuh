@@ -650,31 +650,20 @@ __device__ __forceinline__ void exp_tile(float (&s)[32], float sl2, float ms0, f
     }
 }
 
-// The online-softmax step's maxima (log2 domain): from the rows' running maxima mp and the tile's maxima mx
-// (mask_tile's), the new maxima mn and the factors c = 2^(mp - mn) of what came before. A row with no key yet
-// keeps mn -inf and c 0.
-__device__ __forceinline__ void softmax_max(float mp0, float mp1, float mx0, float mx1, float& mn0, float& mn1,
-                                            float& c0, float& c1) {
-    mn0 = fmaxf(mp0, mx0);
-    mn1 = fmaxf(mp1, mx1);
-    c0 = ex2(mp0 - (mn0 == NEG_INF ? 0.f : mn0));
-    c1 = ex2(mp1 - (mn1 == NEG_INF ? 0.f : mn1));
-}
-
-// The step's exponentials, from softmax_max's mn and c: l = l c + the rows' sums of P; s (unscaled) <- P =
-// 2^(s sl2 - mn) (fp32), 0 in a row with no key yet.
-__device__ __forceinline__ void softmax_exp(float (&s)[32], float sl2, float mn0, float mn1, float c0, float c1,
-                                            float& l0, float& l1) {
-    l0 *= c0;
-    l1 *= c1;
-    exp_tile(s, sl2, mn0 == NEG_INF ? 0.f : mn0, mn1 == NEG_INF ? 0.f : mn1, l0, l1);
-}
-
-// The online-softmax step of one tile: softmax_max, then softmax_exp.
+// The online-softmax step of one tile (log2 domain): from the rows' running maxima mp and the tile's
+// maxima mx (mask_tile's), the new maxima mn and the factors c = 2^(mp - mn) of what came before; l = l c +
+// the rows' sums of P; s (unscaled) <- P = 2^(s sl2 - mn) (fp32). A row with no key yet keeps mn -inf, c and
+// P 0.
 __device__ __forceinline__ void softmax_step(float (&s)[32], float sl2, float mp0, float mp1, float mx0, float mx1,
                                              float& mn0, float& mn1, float& c0, float& c1, float& l0, float& l1) {
-    softmax_max(mp0, mp1, mx0, mx1, mn0, mn1, c0, c1);
-    softmax_exp(s, sl2, mn0, mn1, c0, c1, l0, l1);
+    mn0 = fmaxf(mp0, mx0);
+    mn1 = fmaxf(mp1, mx1);
+    const float ms0 = mn0 == NEG_INF ? 0.f : mn0, ms1 = mn1 == NEG_INF ? 0.f : mn1;  // no key yet
+    c0 = ex2(mp0 - ms0);
+    c1 = ex2(mp1 - ms1);
+    l0 *= c0;
+    l1 *= c1;
+    exp_tile(s, sl2, ms0, ms1, l0, l1);
 }
 
 // P (bf16, fp32 s) as the A fragments of P V's four k16 steps: the S accumulator's layout is the m16n8k16 A

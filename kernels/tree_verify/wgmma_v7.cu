@@ -166,13 +166,11 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
             if (c == 0) {
                 // ------------------------------------------------ tile A: softmax, O_L += P_A V_AL
                 float mn0, mn1, c0, c1;
-                softmax_max(m0, m1, mx0, mx1, mn0, mn1, c0, c1);
+                softmax_step(s, sl2, m0, m1, mx0, mx1, mn0, mn1, c0, c1, l0, l1);
                 s_m[lr0] = mn0;  // the quad's four threads store the same values: no branch
                 s_m[lr1] = mn1;
                 s_ca[lr0] = c0;
                 s_ca[lr1] = c1;
-                handoff(NB_MAX_A);  // consumer 1's softmax of tile B needs these, not P_A's exponentials
-                softmax_exp(s, sl2, mn0, mn1, c0, c1, l0, l1);
                 unsigned pf[4][4];  // P_A: consumer 1 reads it from shared memory, this side from registers
                 p_frags(s, pf);
                 store_p(pf, pa, lr0, lr1, t4);
@@ -218,17 +216,23 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 warp_arrive(BAR_EMPTY(bars, 1, 0), lane);  // stage 1: V_BL read, P_B read on this side
                 warp_arrive(BAR_EMPTY(bars, 1, 2), lane);
             } else {
-                // ------------------------------------------------ tile B: O_R = O_R c_A, softmax (m_A, not P_A)
-                nb_sync(NB_MAX_A);
+                // ------------------------------------------------ tile A: O_R = O_R c_A + P_A V_AR
+                nb_sync(NB_SCALE_A);
                 trace_mark(c, n, 3, wt);
+                fence_async_smem();
                 const float ma0 = s_m[lr0], ma1 = s_m[lr1], ca0 = s_ca[lr0], ca1 = s_ca[lr1];
                 l0 *= ca0;
                 l1 *= ca1;
                 rescale(o, ca0, ca1);
+                reg_fence(o);
+                wg_fence();
+                if (TV7_PROBE != 3) issue_pv_ss(o, pa, k0s + V_R0 * CB_BYTES, first);
+                wg_commit();
+                // ------------------------------------------------ tile B: softmax, O_R = O_R c_B + P_B V_BR
                 float mn0, mn1, cb0, cb1;
                 softmax_step(s, sl2, ma0, ma1, mx0, mx1, mn0, mn1, cb0, cb1, l0, l1);
                 __syncwarp();    // the quad's reads of s_m / s_ca above come before its stores
-                s_m[lr0] = mn0;  // no branch
+                s_m[lr0] = mn0;  // under this consumer's MMAs: no branch
                 s_m[lr1] = mn1;
                 s_cb[lr0] = cb0;
                 s_cb[lr1] = cb1;
@@ -242,13 +246,6 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 fence_async_smem();
                 handoff(NB_PB);
                 trace_mark(c, n, 5, wt);
-                // ------------------------------------------------ tile A: O_R += P_A V_AR, then O_R c_B + P_B V_BR
-                nb_sync(NB_SCALE_A);
-                fence_async_smem();
-                reg_fence(o);
-                wg_fence();
-                if (TV7_PROBE != 3) issue_pv_ss(o, pa, k0s + V_R0 * CB_BYTES, first);
-                wg_commit();
                 wg_wait<0>();
                 reg_fence(o);
                 trace_mark(c, n, 6, wt);

@@ -34,11 +34,10 @@
 #define D_LAST 2                               // its last pair,
 #define D_END 4                                // the stream's last pair
 // named barriers (0 is __syncthreads), the 256 consumer threads: one consumer arrives, the other waits
-#define NB_SCALE_A 1  // consumer 0: m_A, c_A and P_A written (v7's consumers: P_A; m_A, c_A by NB_MAX_A)
+#define NB_SCALE_A 1  // consumer 0: m_A, c_A and P_A written
 #define NB_SCALE_B 2  // consumer 1: m_B, c_B written
 #define NB_PB 3       // consumer 1: P_B written
 #define NB_LSUM 4     // both: their l of the job written
-#define NB_MAX_A 7    // v7's consumer 0: m_A, c_A written (5 and 6: version 9's, tree_verify/wgmma_v9.cu)
 
 // TV7_RACECHECK=1 (-DTV7_RACECHECK=1): a checking build for compute-sanitizer racecheck. Every consumer
 // handoff is a bar.sync of both consumers, every lane of a releasing warp arrives on the empty barriers
