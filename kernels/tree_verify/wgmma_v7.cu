@@ -23,11 +23,12 @@
 //     for those handoffs), with no copies of their own: they wait on "full" mbarriers and arrive on
 //     "empty" ones. Two operands come from registers (wgmma RS), not shared memory: P in each consumer's
 //     P V of its own tile (the other's P from the rope block), and Q's rope block in S (bf16 builds). The
-//     two together: 1.000-1.028x the whole verify at the five compute-bound points, 0.995-1.028x over
-//     all 25, the same bits (two alternating runs, data/results/history/kernel_ab_regs{1,2}.f15a48b.h200.json;
-//     the rope block alone 0.999-1.020x, no more than 8 x 1, whose kernel it leaves alone, moved in those
-//     runs: kernel_ab_qonly*). Cutting shared-memory reads by 32 KB a pair (of the 608 KB that
-//     attention_timeline.pair_smem_bytes models) bought about 1 %.
+//     two together against the tree before them, two alternating runs, the same bits at all 25 points
+//     (data/results/history/kernel_ab_regs{1,2}.f15a48b.h200.json): 0.9998-1.028x the whole verify at the
+//     attention suite's six compute-bound points, median 1.012 and 1.015; the rope block alone
+//     (kernel_ab_qonly*) moved those points no more than 8 x 1, whose kernel it leaves alone. Cutting 32 KB
+//     of the 608 KB of shared-memory reads a pair that attention_timeline.pair_smem_bytes models bought
+//     about 1 %: shared memory's bandwidth is not what bounds the pair (notebook 02b, 13k).
 //
 // Barriers. full (stage, column block) [18], 128 producer arrivals (cp.async, once the thread's copies
 // land), completing once per pair: a consumer waits on pair n with parity n & 1. empty (stage, group)
