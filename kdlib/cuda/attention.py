@@ -64,8 +64,9 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     89ffb6c's (the combine a warp per row, history/attention.rows.89ffb6c.h200.json) do; e8c3878's
     (history/attention.plan_reused.e8c3878.h200.json) has it behind 9, 8 and 7 at 16 x 65 x 131k by about
     the spread between runs, bbc3f6e's (history/attention.fi_eager.bbc3f6e.h200.json) there and behind 9
-    and 8 at 8 x 65 x 32k B8, and a36feef's (data/results/attention.h200.json) behind 7 at 16 x 65 x 131k
-    alone (`BF16_DEFAULT_TRADES`). It
+    and 8 at 8 x 65 x 32k B8, a36feef's (history/attention.before_regs.a36feef.h200.json) behind 7 at
+    16 x 65 x 131k alone, and 108e8c5's (the consumers' register operands, data/results/attention.h200.json)
+    behind 8 and 7 there alone (`BF16_DEFAULT_TRADES`). It
     launches its attend and combine kernels with programmatic
     dependent launch (`PDL`; data/results/kernel_ab_pdl.h200.json). Ungated, the order measured
     1.1-1.3 % slower than 9 at the suite's two uniform batches over two rounds (gains the plan's cost put
@@ -250,10 +251,11 @@ WGMMA = "wgmma"
 # tests/test_kernel_constants.py checks both against the record).
 BF16_DEFAULT = "wgmma_v10"
 # (heads, queries, prefix, batch) -> why: the recorded points where another arm is faster than the default
-# beyond that arm's replay spread, the price of its gains elsewhere. One in the a36feef record (below), as in
-# e8c3878's; none in 89ffb6c's, 81fcb3e's or 4b198bb's. Earlier records had one more each: 8 x 65 x 32k B8 in
-# bbc3f6e's (history/attention.fi_eager.bbc3f6e; 9 and 8 just beyond their p90, 10's median about the same
-# as in the records before and after it, theirs moving by more than the gap), 8 x 9 x 32k B8 in d919b95's
+# beyond that arm's replay spread, the price of its gains elsewhere. One in the 108e8c5 record (below), as
+# in a36feef's and e8c3878's; none in 89ffb6c's, 81fcb3e's or 4b198bb's. Earlier records had one more each:
+# 8 x 65 x 32k B8 in bbc3f6e's (history/attention.fi_eager.bbc3f6e; 9 and 8 just beyond their p90, 10's
+# median about the same as in the records before and after it, theirs moving by more than the gap), 8 x 9 x
+# 32k B8 in d919b95's
 # (version 10 without PDL) and 8 x 65 x 32k B8 in 01f1fd5's (history/attention.before_g5.01f1fd5), where its
 # plan predicts too small a gain to deal the jobs by size, so version 10 runs the static round-robin as 8 and
 # 9 do, plus its own plan's ranking and a producer that reads the order first.
@@ -262,7 +264,7 @@ BF16_DEFAULT_TRADES: dict[tuple[int, int, int, int], str] = {
                          "before (history/attention.rows.89ffb6c) had 10 ahead of both: the same consumers "
                          "and jobs (one round, left in the static deal), 10 adding its plan's ranking; the "
                          "spread between runs is as wide as the gap (behind 9 too in the bbc3f6e run, behind "
-                         "7 alone in a36feef's)",
+                         "7 alone in a36feef's, 8 and 7 in 108e8c5's)",
 }
 _BY_IMPL = {launch.impl: v for v, launch in LAUNCHES.items()}
 DEFAULT_VERSION = _BY_IMPL[BF16_DEFAULT]
