@@ -801,6 +801,86 @@ __device__ __forceinline__ float warp_reduce(float v, bool is_max) {
     return v;
 }
 
+// Whether the attend kernel merged request entry e's rows itself (version 10's fold, tree_verify/wgmma_v7.cu:
+// a request of 1 .. fold_max jobs a row; fold_max 0, no fold): the combines leave those rows alone.
+__device__ __forceinline__ bool folded(const int* e, int fold_max) {
+    return e[P_NCHUNK] >= 1 && e[P_NCHUNK] <= fold_max;
+}
+
+// Row n (row r of request entry e's rows) merged over its jobs by one warp (lane l), as
+// tree_verify_v8_combine_rows merges it (tree_verify/wgmma_v8.cu says how: combine_w<4>'s bits). CG: the jobs'
+// rows read through L2 only (ld.global.cg), for a reader that other CTAs' stores of this launch reach by a
+// fence and a counter rather than by a kernel boundary (version 10's fold, tree_verify/wgmma_v7.cu).
+template <bool CG>
+__device__ __forceinline__ void merge_row(const float* __restrict__ parts, const float* __restrict__ part_lse,
+                                          const int* e, long long n, int r, int l, float* __restrict__ out,
+                                          float* __restrict__ lse) {
+    const int nch = e[P_NCHUNK], rbn = e[P_RB];
+    const long long first = (long long)e[P_BASE] + r / BM, lr = r % BM;  // job of chunk i: first + i * rbn
+    auto job_lse = [&](int i) {
+        const float* a = part_lse + (first + (long long)i * rbn) * BM + lr;
+        return CG ? __ldcg(a) : *a;
+    };
+    float mx = NEG_INF;
+    for (int i = l; i < nch; i += 32) mx = fmaxf(mx, job_lse(i));
+    mx = warp_reduce(mx, true);
+    const float base = mx == NEG_INF ? 0.f : mx;
+    float z = 0.f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        float zk = 0.f;
+        for (int i = l + 32 * k; i < nch; i += 128) zk += expf(job_lse(i) - base);
+        const float red = warp_reduce(zk, false);  // block_reduce_w's first step for k's warp
+        z = k == 0 ? red : z + red;
+    }
+    const float inv = z > 0.f ? 1.f / z : 0.f;
+    float4* o = reinterpret_cast<float4*>(out + n * D_V + 4 * l);
+    // CG (in the attend kernel, beside its consumers' live accumulators): a slice at a time, 16 sums live
+    // where all four slices' 64 spilled; each sum takes the same operations in the same order either way
+    constexpr int SL = CG ? 1 : COMBINE_SLICES;  // slices a pass
+#pragma unroll 1
+    for (int s0 = 0; s0 < COMBINE_SLICES; s0 += SL) {
+        float4 acc[4][SL];  // [warp w of combine_w<4>][slice s0 + s]
+#pragma unroll
+        for (int w = 0; w < 4; ++w)
+#pragma unroll
+            for (int s = 0; s < SL; ++s) acc[w][s] = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int i0 = 0; i0 < nch; i0 += 4) {
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                const int i = i0 + w;
+                if (i < nch) {
+                    const long long jrow = (first + (long long)i * rbn) * BM + lr;
+                    const float wt = expf((CG ? __ldcg(part_lse + jrow) : part_lse[jrow]) - base) * inv;
+                    const float4* v = reinterpret_cast<const float4*>(parts + jrow * D_V + 4 * l);
+#pragma unroll
+                    for (int s = 0; s < SL; ++s) {
+                        const float4* a = v + (s0 + s) * COMBINE_COLS / 4;
+                        const float4 x = CG ? __ldcg(a) : *a;
+                        acc[w][s].x = fmaf(wt, x.x, acc[w][s].x);
+                        acc[w][s].y = fmaf(wt, x.y, acc[w][s].y);
+                        acc[w][s].z = fmaf(wt, x.z, acc[w][s].z);
+                        acc[w][s].w = fmaf(wt, x.w, acc[w][s].w);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int s = 0; s < SL; ++s) {
+            float4 a = acc[0][s];
+#pragma unroll
+            for (int w = 1; w < 4; ++w) {
+                a.x += acc[w][s].x;
+                a.y += acc[w][s].y;
+                a.z += acc[w][s].z;
+                a.w += acc[w][s].w;
+            }
+            o[(s0 + s) * COMBINE_COLS / 4] = a;
+        }
+    }
+    if (l == 0) lse[n] = z > 0.f ? base + logf(z) : NEG_INF;
+}
+
 // Block-wide reduction of 128 threads in a fixed order (max when is_max, else sum); every thread gets it.
 __device__ __forceinline__ float block_reduce128(float v, bool is_max, float* red) {
     v = warp_reduce(v, is_max);
