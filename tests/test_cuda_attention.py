@@ -1644,47 +1644,6 @@ def test_v10_batch_matches_float64_and_version_9_bit_for_bit(bsz, nq, nh, width,
 
 
 @pytest.mark.gpu
-def test_v10_fold_is_the_combine_bit_for_bit_and_leaves_its_counters_at_zero():
-    """Version 10's fold (its attend kernel with v7's consumers merges the rows of a request of 1 .. FOLD_MAX
-    jobs a row, the combine the rest): one batch with a request past FOLD_MAX jobs a row (a long prefix), two
-    within it (a short prefix; a tree alone) and one of zero rows; the output is version 9's bit for bit (no
-    fold there), a second call and a call on the reused plan give the same bits, and every counter is back to
-    0 after each call."""
-    _need_wgmma()
-    import torch
-
-    from kdlib.cuda import attention as cu
-
-    bsz, nq, nh, width = 4, 65, 8, 160_000
-    g = torch.Generator(device="cuda").manual_seed(7)
-    rng = np.random.default_rng(7)
-    q = torch.randn(bsz, nq, nh, 576, device="cuda", generator=g).bfloat16()  # [B, Q, H, 576]
-    kv = torch.randn(width + 4096, 576, device="cuda", generator=g).bfloat16()  # [S, 576]
-    page = torch.stack([torch.randperm(width + 4096, device="cuda", generator=g)[:width]
-                        for _ in range(bsz)]).int()  # [B, width]
-    lens = torch.tensor([width, 3000, 0, 5000], device="cuda", dtype=torch.int32)
-    sizes = torch.tensor([65, 40, 9, 0], device="cuda", dtype=torch.int32)
-    tkv = torch.randn(bsz, nq, 576, device="cuda", generator=g).bfloat16()  # [B, Q, 576]
-    vis = torch.from_numpy(np.stack([_random_tree(rng, nq) for _ in range(bsz)])).cuda()  # [B, Q, Q]
-    args = (q, kv, page, lens, tkv, vis, sizes, 576**-0.5)
-    ws = cu.make_workspace(bsz, nq, nh)
-    runs = [[a.copy() for a in cu.tree_verify_attention(*args, impl="wgmma_v10", workspace=ws)]]
-    plan = ws.plan.get()
-    nch = [int(plan[1 + cu._V5_PLAN_STRIDE * b + 1]) for b in range(bsz)]  # P_NCHUNK: jobs a row
-    assert nch[0] > cu._FOLD_MAX and all(1 <= n <= cu._FOLD_MAX for n in nch[1:3]), nch
-    assert not ws.fold_cnt.any(), "counters left set"
-    runs.append([a.copy() for a in cu.tree_verify_attention(*args, impl="wgmma_v10", workspace=ws)])
-    assert not ws.fold_cnt.any(), "counters left set by the second call"
-    runs.append([a.copy() for a in cu.tree_verify_attention(*args, impl="wgmma_v10", workspace=ws,
-                                                           plan_ready=True)])
-    out9, lse9 = cu.tree_verify_attention(*args, impl="wgmma_v9")
-    for k, (out, lse) in enumerate(runs):
-        assert np.array_equal(out.get(), out9.get(), equal_nan=True), f"call {k}: out differs from v9's"
-        assert np.array_equal(lse.get(), lse9.get(), equal_nan=True), f"call {k}: lse differs from v9's"
-    assert np.isnan(runs[0][0][3].get()).all() and not np.isnan(runs[0][0][2, :9].get()).any()
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("impl,nq", [("wgmma", 33), ("wgmma_v6", 33), ("wgmma_v7", 33), ("wgmma_v8", 33),
                                      ("wgmma_v9", 2), ("wgmma_v10", 33), ("wgmma_v10", 2)])  # nq 2: Q*H <= 16
 def test_wgmma_bit_reproducible_graph_captured_and_allocation_free(impl, nq):
@@ -1774,7 +1733,7 @@ def test_v8_combine_of_every_width_merges_v5s_partials_alike():
                 out = cp.full((bsz * rows, 512), 7.0, dtype=cp.float32)  # [B*M, 512] poisoned
                 lse = cp.full((bsz * rows,), 7.0, dtype=cp.float32)  # [B*M]
                 fn((bsz * rows, cu._V5_COMBINE_SLICES), (32 * w,),
-                   (ws.parts, ws.part_lse, ws.plan, np.int32(rows), out, lse, np.int32(0)))  # fold_max 0
+                   (ws.parts, ws.part_lse, ws.plan, np.int32(rows), out, lse))
                 got.append((out.get().reshape(want_out.shape), lse.get().reshape(want_lse.shape)))
             same = all(np.array_equal(a, b, equal_nan=True) for a, b in zip(*got, strict=True))
             assert same, f"two runs of W {w} differ"
@@ -1790,7 +1749,7 @@ def test_v8_combine_of_every_width_merges_v5s_partials_alike():
         out = cp.full((bsz * rows, 512), 7.0, dtype=cp.float32)  # [B*M, 512] poisoned
         lse = cp.full((bsz * rows,), 7.0, dtype=cp.float32)  # [B*M]
         fn((-(-bsz * rows // cu._V8_ROWS_WARPS),), (32 * cu._V8_ROWS_WARPS,),
-           (ws.parts, ws.part_lse, ws.plan, np.int32(rows), np.int32(bsz * rows), out, lse, np.int32(0)))
+           (ws.parts, ws.part_lse, ws.plan, np.int32(rows), np.int32(bsz * rows), out, lse))
         got_rows = out.get().reshape(want_out.shape), lse.get().reshape(want_lse.shape)
         assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(got_rows, by_w[4], strict=True)), \
             f"the row combine differs from W = 4's, B {bsz}"

@@ -51,11 +51,8 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     busiest CTA of a ragged batch above the mean, and the snake deal of the jobs by size (`snake_deal`);
     where the snake deal's busiest CTA is lighter by more than 1/64 it writes the order and the attend
     kernels (v9's consumers where version 9 runs its own kernel, else v7's) take it, else they run
-    version 9's producer (`plan_order` and `v10_deal` mirror the choice). Its kernel with v7's consumers also
-    folds: a request of 1 .. `_FOLD_MAX` jobs a row has its rows merged by the CTA that ends the row block's
-    last job (a counter a row block in the workspace, `fold_cnt`), as the combine would merge them (the same
-    function), and the combine leaves those rows. The same jobs and merge: version 9's output bit for bit.
-    In the 036efc4 run
+    version 9's producer (`plan_order` and `v10_deal` mirror the choice). The same jobs and combine:
+    version 9's output bit for bit. In the 036efc4 run
     (data/results/history/attention.prefetch.036efc4.h200.json) 0.95x version 9's time at the ragged batch,
     within 9's replay spread at the other eight points; 0.93x there in d919b95's
     (history/attention.no_pdl.d919b95.h200.json) and in d609d1b's, with PDL
@@ -202,9 +199,6 @@ _V8_COMBINE_WARPS = (4, 8, 16, 32)  # tree_verify_v8_combine_w<W>: warps per com
 _V8_UNROLL = 4  # V8_UNROLL: the jobs one warp of v8's combine has in flight
 _V8_JOBS_PER_WARP = 2 * _V8_UNROLL  # two rounds of loads a warp: fewer warps where a row has few jobs
 _V8_ROWS_WARPS = 4  # ROWS_WARPS: rows (a warp each) of a tree_verify_v8_combine_rows block
-# FOLD_MAX (tree_verify/wgmma_v7.cu): version 10's attend kernel with v7's consumers merges the rows of a
-# request of at most this many jobs a row itself, and the combine leaves them (its fold_max argument)
-_FOLD_MAX = 4
 
 
 @dataclass(frozen=True)
@@ -784,9 +778,8 @@ class VerifyWorkspace:
     """Buffers of one version 5 ... 10 ("wgmma" ... "wgmma_v10") call shape (B requests, Q queries, H heads):
     with it a call allocates nothing.
 
-    plan [1 + 8 B] int32, order [jobs] int32 (version 10's order of the jobs), parts [jobs, 64, 512] fp32,
-    part_lse [jobs, 64] fp32 and fold_cnt [jobs] int32 (version 10's fold: each row block's jobs counted, back
-    to 0 by the call's end; jobs = v5_max_jobs), out [B*Q*H, 512] fp32 and lse [B*Q*H] fp32 (the returned
+    plan [1 + 8 B] int32, order [jobs] int32 (version 10's order of the jobs), parts [jobs, 64, 512] fp32 and
+    part_lse [jobs, 64] fp32 (jobs = v5_max_jobs), out [B*Q*H, 512] fp32 and lse [B*Q*H] fp32 (the returned
     arrays are views of these: the next call with the same workspace overwrites them). An FP8 pool's
     dequant-first path adds a bf16 pool and its page table (`fp8_staging`).
     """
@@ -804,7 +797,6 @@ class VerifyWorkspace:
         self.order = cupy.full(jobs, -1, dtype=cupy.int32)  # [jobs]; order [0] = -1: the static deal
         self.parts = cupy.empty((jobs, _V5_BM, KV_LORA_RANK), dtype=cupy.float32)  # [jobs, 64, 512]
         self.part_lse = cupy.empty((jobs, _V5_BM), dtype=cupy.float32)  # [jobs, 64]
-        self.fold_cnt = cupy.zeros(jobs, dtype=cupy.int32)  # [jobs]: v10's fold counters, 0 between calls
         self.out = cupy.empty((bsz * rows, KV_LORA_RANK), dtype=cupy.float32)  # [B*Q*H, 512]
         self.lse = cupy.empty((bsz * rows,), dtype=cupy.float32)  # [B*Q*H]
         self._staging = None  # (P, bf16 pool, page table): fp8_staging's buffers
@@ -913,11 +905,6 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
     elif version >= 8:
         warps = v8_combine_warps(bsz, rows, width, ws.grid)
         combine, cblock = f"tree_verify_v8_combine_w{warps}", 32 * warps
-    # v10 with v7's consumers folds (its attend kernel merges the rows of requests of at most _FOLD_MAX jobs a
-    # row); v8's combines take fold_max after lse, 0 where nothing was folded
-    folds = ordered and not v9
-    fold = (ws.fold_cnt, ws.out, ws.lse) if folds else ()
-    ctail = (np.int32(_FOLD_MAX if folds else 0),) if version >= 8 else ()
     combine_fn = loader.get_function(settings.stem, combine, options=options)
     loader.set_max_dynamic_shared(attend_fn, smem)
     if not plan_ready:
@@ -926,9 +913,9 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
     pdl = ordered and PDL
     loader.launch(attend_fn, (ws.grid,), (settings.threads,),
                   (qa, kv, pt, tkv, vis, ws.plan, *order, np.int32(bsz), np.int32(width), np.int32(nq),
-                   np.int32(nh), np.float32(scale), ws.parts, ws.part_lse, *fold), shared_mem=smem, pdl=pdl)
-    loader.launch(combine_fn, cgrid, (cblock,),
-                  (ws.parts, ws.part_lse, ws.plan, *cargs, ws.out, ws.lse, *ctail), pdl=pdl)
+                   np.int32(nh), np.float32(scale), ws.parts, ws.part_lse), shared_mem=smem, pdl=pdl)
+    loader.launch(combine_fn, cgrid, (cblock,), (ws.parts, ws.part_lse, ws.plan, *cargs, ws.out, ws.lse),
+                  pdl=pdl)
     return ws.out, ws.lse
 
 

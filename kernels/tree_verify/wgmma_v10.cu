@@ -108,17 +108,14 @@ extern "C" __global__ void __launch_bounds__(256) tree_verify_v10_plan(
 
 // ------------------------------------------------------------------------------------------ attend
 
-// Arguments and outputs as tree_verify_v7_attend, plus order [jobs] from tree_verify_v10_plan, and the fold's
-// (tree_verify/wgmma_v7.cu, fold_rows): fold_cnt [jobs] int32 (zero before the first launch; each launch
-// leaves it so), out [B*Q*H, 512] fp32 and lse [B*Q*H] fp32, the combine's outputs, whose rows of the requests
-// of 1 .. FOLD_MAX jobs a row it writes. Grid G (one per SM), block 384, dynamic shared memory SMEM_BYTES.
+// Arguments and outputs as tree_verify_v7_attend, plus order [jobs] from tree_verify_v10_plan. Grid G (one
+// per SM), block 384, dynamic shared memory SMEM_BYTES.
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v10_attend(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv, const int* __restrict__ page_table,
     const __nv_bfloat16* __restrict__ tree_kv, const unsigned char* __restrict__ vis, const int* __restrict__ plan,
     const int* __restrict__ order, int nreq, int P, int Q, int H, float scale, float* __restrict__ parts,
-    float* __restrict__ part_lse, int* fold_cnt, float* out, float* lse) {
-    attend_v7<true>(q, kv, page_table, tree_kv, vis, plan, order, nreq, P, Q, H, scale, parts, part_lse, fold_cnt,
-                    out, lse);
+    float* __restrict__ part_lse) {
+    attend_v7<true>(q, kv, page_table, tree_kv, vis, plan, order, nreq, P, Q, H, scale, parts, part_lse);
 }
 
 // As tree_verify_v10_attend with v9's consumers (jobs of at most TV9_NR rows). Dynamic shared memory V9_SMEM.

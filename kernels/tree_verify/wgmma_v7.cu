@@ -55,49 +55,10 @@
 
 #include "tree_verify/wgmma_ws.cuh"
 
-// ------------------------------------------------------------------------------------------ fold
-
-#define FOLD_MAX 4  // version 10 merges a row block of at most this many jobs in the attend kernel (fold_rows)
-#define NB_FOLD 7   // named barrier of the 256 consumer threads around the fold's counter (5, 6: version 9's)
-
-// Version 10's fold, by the CTA's consumers once both have written job j's rows (request b, rows row0 ..
-// row0 + nrows): where the request has 1 .. FOLD_MAX jobs a row (its key chunks), each job's CTA counts itself
-// on the row block's counter (fold_cnt [its chunk-0 job], zero between launches), and the CTA that counts last
-// merges the row block's jobs into out and lse as the combine would (merge_row: the same bits, its rows read
-// through L2) and sets the counter back to 0; the combine then leaves those rows alone (folded). The order:
-// every consumer thread's stores of the job, the barrier, thread 0's fence, its atomic; the last counter's
-// fence before any merge thread reads. s_flag: a shared word free at a job's end. Why: the combine is a
-// launch of its own that reads every job's rows back and waits on the whole attend grid (PDL); where a row has
-// few jobs the last job's CTA reads the others' from L2 while its SM would otherwise idle.
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ __forceinline__ void fold_rows(int b, int row0, int nrows, const int* plan, int M, const float* parts,
-                                          const float* part_lse, int* fold_cnt, float* out, float* lse,
-                                          float* s_flag, int c, int wt) {
-    const int* e = plan + PLAN_HDR + b * PLAN_STRIDE;
-    if (!folded(e, FOLD_MAX)) return;
-    const int cnt = e[P_BASE] + row0 / BM;  // the row block's chunk-0 job
-    nb_sync(NB_FOLD);  // both consumers' rows of the job stored
-    if (c == 0 && wt == 0) {
-        __threadfence();
-        const bool last = atomicAdd(fold_cnt + cnt, 1) == e[P_NCHUNK] - 1;
-        if (last) {
-            fold_cnt[cnt] = 0;  // every job of the row block has counted: ready for the next launch
-            __threadfence();
-        }
-        *s_flag = last ? 1.f : 0.f;
-    }
-    nb_sync(NB_FOLD);
-    if (*s_flag == 0.f) return;
-    const int w = 4 * c + (wt >> 5), l = wt & 31;  // the 8 consumer warps, 8 rows each
-    for (int lr = w; lr < nrows; lr += 8)
-        merge_row<true>(parts, part_lse, e, (long long)b * M + row0 + lr, row0 + lr, l, out, lse);
-}
-#endif
-
 // ------------------------------------------------------------------------------------------ attend
 
 // The attend kernel's body: the producer (ORDERED: version 10's, produce_v10; else the static round-robin) and
-// v7's consumers. ORDERED also folds (fold_rows; fold_cnt, out and lse, version 10's), else those are unread.
+// v7's consumers.
 // Shared with version 10's ordered kernel (tree_verify/wgmma_v10.cu).
 template <bool ORDERED>
 __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv,
@@ -105,8 +66,7 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                                           const __nv_bfloat16* __restrict__ tree_kv,
                                           const unsigned char* __restrict__ vis, const int* __restrict__ plan,
                                           const int* __restrict__ order, int nreq, int P, int Q, int H,
-                                          float scale, float* __restrict__ parts, float* __restrict__ part_lse,
-                                          int* fold_cnt, float* out, float* lse) {
+                                          float scale, float* __restrict__ parts, float* __restrict__ part_lse) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     pdl_wait();  // the plan kernel's writes (a launch with programmatic serialization)
     if ((int)blockIdx.x >= plan_jobs(plan)) return;
@@ -306,12 +266,9 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 warp_arrive(BAR_EMPTY(bars, 1, 2), lane);
             }
 
-            if (last) {  // the job's rows normalised; then a fresh accumulator
+            if (last)  // the job's rows normalised; then a fresh accumulator
                 job_end(o, m0, m1, l0, l1, s_l, NB_LSUM, c, parts, part_lse, j, [&] { return jb.nrows; }, lr0, lr1,
                         t4);
-                if constexpr (ORDERED)
-                    fold_rows(jb.b, jb.row0, jb.nrows, plan, Q * H, parts, part_lse, fold_cnt, out, lse, s_l, c, wt);
-            }
             trace_mark(c, n, 8, wt);
             if (flags & D_END) break;
         }
@@ -329,6 +286,5 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v7_attend(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv, const int* __restrict__ page_table,
     const __nv_bfloat16* __restrict__ tree_kv, const unsigned char* __restrict__ vis, const int* __restrict__ plan,
     int nreq, int P, int Q, int H, float scale, float* __restrict__ parts, float* __restrict__ part_lse) {
-    attend_v7<false>(q, kv, page_table, tree_kv, vis, plan, nullptr, nreq, P, Q, H, scale, parts, part_lse, nullptr,
-                     nullptr, nullptr);
+    attend_v7<false>(q, kv, page_table, tree_kv, vis, plan, nullptr, nreq, P, Q, H, scale, parts, part_lse);
 }

@@ -17,9 +17,7 @@
 // z = sum_i exp(lse_i - max) the same way; warp w sums wt_i parts_i (wt_i = exp(lse_i - max) / z) over jobs
 // w, w + W, ... (lane l: the float4 of columns 128 s + 4 l, V8_UNROLL loads in flight) and warp 0 adds the
 // W warps' sums in warp order: bit-for-bit reproducible. Output conventions as v5's combine: rows at or
-// past a request's rows are NaN, a row without jobs is out 0, lse -inf. fold_max > 0 (version 10's attend kernel
-// with v7's consumers, which merges a request of at most fold_max jobs a row itself: tree_verify/wgmma_v7.cu):
-// those rows are left as it wrote them.
+// past a request's rows are NaN, a row without jobs is out 0, lse -inf.
 //
 // kdlib-arch: sm_90a wgmma=tree_verify_v7_attend (tests/test_kernels_compile.py builds it so, checks the SASS)
 
@@ -44,7 +42,7 @@ __device__ __forceinline__ float block_reduce_w(float v, bool is_max, float* red
 template <int W>
 __device__ __forceinline__ void combine_w(const float* __restrict__ parts, const float* __restrict__ part_lse,
                                           const int* __restrict__ plan, int M, float* __restrict__ out,
-                                          float* __restrict__ lse, int fold_max) {
+                                          float* __restrict__ lse) {
     __shared__ float red[W];
     __shared__ float4 wsum[W][32];
     pdl_wait();  // the attend kernel's parts (a launch with programmatic serialization)
@@ -59,7 +57,6 @@ __device__ __forceinline__ void combine_w(const float* __restrict__ parts, const
         if (t == 0 && blockIdx.y == 0) lse[n] = QNAN;
         return;
     }
-    if (folded(e, fold_max)) return;  // the whole block: no barrier is reached
     const int nch = e[P_NCHUNK], rbn = e[P_RB];
     const long long first = (long long)e[P_BASE] + r / BM, lr = r % BM;  // job of chunk i: first + i * rbn
     float mx = NEG_INF;
@@ -112,53 +109,104 @@ constexpr int ROWS_WARPS = 4;  // rows (warps) of a block of combine_rows
 // faster, 1.050-1.066x at the rank's 65-row batches of 4-16 over 5,500 tokens (data/results/kernel_ab_rows.h200.json).
 __device__ __forceinline__ void combine_rows(const float* __restrict__ parts, const float* __restrict__ part_lse,
                                              const int* __restrict__ plan, int M, int N, float* __restrict__ out,
-                                             float* __restrict__ lse, int fold_max) {
+                                             float* __restrict__ lse) {
     pdl_wait();  // the attend kernel's parts (a launch with programmatic serialization)
     const long long n = (long long)blockIdx.x * ROWS_WARPS + (threadIdx.x >> 5);
     if (n >= N) return;
     const int b = (int)(n / M), r = (int)(n - (long long)b * M), l = threadIdx.x & 31;
     const int* e = plan + PLAN_HDR + b * PLAN_STRIDE;
+    float4* o = reinterpret_cast<float4*>(out + n * D_V + 4 * l);
     if (r >= e[P_ROWS]) {
-        float4* o = reinterpret_cast<float4*>(out + n * D_V + 4 * l);
 #pragma unroll
         for (int s = 0; s < COMBINE_SLICES; ++s) o[s * COMBINE_COLS / 4] = make_float4(QNAN, QNAN, QNAN, QNAN);
         if (l == 0) lse[n] = QNAN;
         return;
     }
-    if (folded(e, fold_max)) return;
-    merge_row<false>(parts, part_lse, e, n, r, l, out, lse);
+    const int nch = e[P_NCHUNK], rbn = e[P_RB];
+    const long long first = (long long)e[P_BASE] + r / BM, lr = r % BM;  // job of chunk i: first + i * rbn
+    auto job_lse = [&](int i) { return part_lse[(first + (long long)i * rbn) * BM + lr]; };
+    float mx = NEG_INF;
+    for (int i = l; i < nch; i += 32) mx = fmaxf(mx, job_lse(i));
+    mx = warp_reduce(mx, true);
+    const float base = mx == NEG_INF ? 0.f : mx;
+    float z = 0.f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        float zk = 0.f;
+        for (int i = l + 32 * k; i < nch; i += 128) zk += expf(job_lse(i) - base);
+        const float red = warp_reduce(zk, false);  // block_reduce_w's first step for k's warp
+        z = k == 0 ? red : z + red;
+    }
+    const float inv = z > 0.f ? 1.f / z : 0.f;
+    float4 acc[4][COMBINE_SLICES];  // [warp w of combine_w<4>][slice]
+#pragma unroll
+    for (int w = 0; w < 4; ++w)
+#pragma unroll
+        for (int s = 0; s < COMBINE_SLICES; ++s) acc[w][s] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int i0 = 0; i0 < nch; i0 += 4) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            const int i = i0 + w;
+            if (i < nch) {
+                const long long jrow = (first + (long long)i * rbn) * BM + lr;
+                const float wt = expf(part_lse[jrow] - base) * inv;
+                const float4* v = reinterpret_cast<const float4*>(parts + jrow * D_V + 4 * l);
+#pragma unroll
+                for (int s = 0; s < COMBINE_SLICES; ++s) {
+                    const float4 x = v[s * COMBINE_COLS / 4];
+                    acc[w][s].x = fmaf(wt, x.x, acc[w][s].x);
+                    acc[w][s].y = fmaf(wt, x.y, acc[w][s].y);
+                    acc[w][s].z = fmaf(wt, x.z, acc[w][s].z);
+                    acc[w][s].w = fmaf(wt, x.w, acc[w][s].w);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int s = 0; s < COMBINE_SLICES; ++s) {
+        float4 a = acc[0][s];
+#pragma unroll
+        for (int w = 1; w < 4; ++w) {
+            a.x += acc[w][s].x;
+            a.y += acc[w][s].y;
+            a.z += acc[w][s].z;
+            a.w += acc[w][s].w;
+        }
+        o[s * COMBINE_COLS / 4] = a;
+    }
+    if (l == 0) lse[n] = z > 0.f ? base + logf(z) : NEG_INF;
 }
 
 // parts [jobs, 64, 512] fp32 and part_lse [jobs, 64] fp32 as the attend kernel wrote them, plan, M = Q*H ->
 // out [B*M, 512] fp32, lse [B*M] fp32. Grid (B*M, COMBINE_SLICES), block 32 W: tree_verify_v8_combine_w<W>.
 extern "C" __global__ void __launch_bounds__(128) tree_verify_v8_combine_w4(
     const float* __restrict__ parts, const float* __restrict__ part_lse, const int* __restrict__ plan, int M,
-    float* __restrict__ out, float* __restrict__ lse, int fold_max) {
-    combine_w<4>(parts, part_lse, plan, M, out, lse, fold_max);
+    float* __restrict__ out, float* __restrict__ lse) {
+    combine_w<4>(parts, part_lse, plan, M, out, lse);
 }
 
 // As tree_verify_v8_combine_w4 (the same bits), a warp per row: N = B*M rows. Grid ceil(N / 4), block 128:
 // tree_verify_v8_combine_rows.
 extern "C" __global__ void __launch_bounds__(32 * ROWS_WARPS) tree_verify_v8_combine_rows(
     const float* __restrict__ parts, const float* __restrict__ part_lse, const int* __restrict__ plan, int M, int N,
-    float* __restrict__ out, float* __restrict__ lse, int fold_max) {
-    combine_rows(parts, part_lse, plan, M, N, out, lse, fold_max);
+    float* __restrict__ out, float* __restrict__ lse) {
+    combine_rows(parts, part_lse, plan, M, N, out, lse);
 }
 
 extern "C" __global__ void __launch_bounds__(256) tree_verify_v8_combine_w8(
     const float* __restrict__ parts, const float* __restrict__ part_lse, const int* __restrict__ plan, int M,
-    float* __restrict__ out, float* __restrict__ lse, int fold_max) {
-    combine_w<8>(parts, part_lse, plan, M, out, lse, fold_max);
+    float* __restrict__ out, float* __restrict__ lse) {
+    combine_w<8>(parts, part_lse, plan, M, out, lse);
 }
 
 extern "C" __global__ void __launch_bounds__(512) tree_verify_v8_combine_w16(
     const float* __restrict__ parts, const float* __restrict__ part_lse, const int* __restrict__ plan, int M,
-    float* __restrict__ out, float* __restrict__ lse, int fold_max) {
-    combine_w<16>(parts, part_lse, plan, M, out, lse, fold_max);
+    float* __restrict__ out, float* __restrict__ lse) {
+    combine_w<16>(parts, part_lse, plan, M, out, lse);
 }
 
 extern "C" __global__ void __launch_bounds__(1024) tree_verify_v8_combine_w32(
     const float* __restrict__ parts, const float* __restrict__ part_lse, const int* __restrict__ plan, int M,
-    float* __restrict__ out, float* __restrict__ lse, int fold_max) {
-    combine_w<32>(parts, part_lse, plan, M, out, lse, fold_max);
+    float* __restrict__ out, float* __restrict__ lse) {
+    combine_w<32>(parts, part_lse, plan, M, out, lse);
 }
