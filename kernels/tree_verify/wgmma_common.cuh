@@ -89,6 +89,26 @@ __device__ __forceinline__ const int* plan_v5(const int* __restrict__ prefix_len
             return n;
         };
         int lo = 1, hi = tmax;
+        if (B <= 32) {  // each lane weighs its own candidate over every request: log32 steps, a ballot each
+            for (;;) {
+                const int step = (hi - lo + 32) >> 5;  // 32 candidates split [lo, hi], the last one hi
+                const int c = min(lo + (lane + 1) * step - 1, hi);
+                long long n = 0;
+                for (int b = 0; b < B; ++b) {
+                    const int* e = p + PLAN_HDR + b * PLAN_STRIDE;
+                    n += (long long)e[P_RB] * chunks_of(e[P_NCHUNK], e[P_CHUNK], c);
+                }
+                const unsigned fit = __ballot_sync(0xffffffffu, n <= limit);
+                if (!fit) {  // not even tmax (the first step's hi): tmax, as the binary search ends
+                    lo = hi;
+                    break;
+                }
+                const int first = __ffs(fit) - 1;  // candidate first - 1 does not fit, so it is not hi
+                hi = min(lo + (first + 1) * step - 1, hi);
+                lo += first * step;
+                if (step == 1) break;  // every c in [lo, hi] was weighed: lo = hi
+            }
+        }
         while (lo < hi) {  // jobs(c) does not grow with c
             const int mid = (lo + hi) >> 1;
             if (jobs(mid) <= limit) hi = mid;
