@@ -42,6 +42,73 @@
 // Jobs of request with prefix tiles T and tail tiles U when prefix chunks are at most c tiles.
 __device__ __forceinline__ int chunks_of(int T, int U, int c) { return T > 0 ? (T + c - 1) / c : (U > 0 ? 1 : 0); }
 
+// plan_v5 of at most 32 requests, in warp 0 alone: lane b holds request b in registers, lanes 8k .. 8k + 7
+// search the shortest chunk for k + 1 rounds as eight candidates a step (a ballot each), and the scan is one
+// pass: no shared-memory round trips and one __syncthreads, where plan_v5's four warps took three. Writes plan
+// and splan (the same ints as plan_v5's); the other warps only wait at the end.
+__device__ __forceinline__ void plan_small(const int* __restrict__ prefix_lens, const int* __restrict__ tree_sizes,
+                                           int B, int P, int Q, int H, int G, int* plan, int* splan) {
+    const unsigned all = 0xffffffffu;
+    const int lane = threadIdx.x & 31, k = lane >> 3, i = lane & 7;
+    int len = 0, ts = 0, rows = 0, rb = 0, T = 0, U = 0;
+    if (lane < B) {
+        len = min(max(prefix_lens[lane], 0), P);
+        ts = tree_sizes ? min(max(tree_sizes[lane], 0), Q) : Q;
+        rows = ts * H, rb = (rows + BM - 1) / BM;
+        T = (len + BN - 1) / BN, U = tree_sizes ? (ts + BN - 1) / BN : 0;
+    }
+    auto jobs = [&](int c) {  // every lane: the jobs of all B requests at chunk c
+        long long n = 0;
+        for (int b = 0; b < B; ++b)
+            n += (long long)__shfl_sync(all, rb, b) * chunks_of(__shfl_sync(all, T, b), __shfl_sync(all, U, b), c);
+        return n;
+    };
+    const long long limit = (long long)(k + 1) * G;
+    int lo = 1, hi = max(1, __reduce_max_sync(all, T));  // tmax
+    long long n;
+    for (;;) {  // group k: the shortest c in [lo, hi] with jobs(c) <= limit, hi where none is
+        const int step = (hi - lo + 8) >> 3;  // 8 candidates split [lo, hi], the last one hi
+        n = jobs(min(lo + (i + 1) * step - 1, hi));
+        const unsigned fit = __ballot_sync(all, n <= limit) >> (8 * k) & 0xffu;
+        const int first = fit ? __ffs(fit) - 1 : 7;  // none: hi (only ever tmax), weighed by lane 7
+        n = __shfl_sync(all, n, 8 * k + first);  // jobs at the group's new hi
+        hi = min(lo + (first + 1) * step - 1, hi);
+        lo = fit ? lo + first * step : hi;  // candidate first - 1 does not fit, so it is not hi
+        if (__all_sync(all, lo == hi)) break;
+    }
+    int longest = 0;  // group k: the longest job in tiles at chunk lo
+    for (int b0 = 0; b0 < B; b0 += 8) {
+        const int b = min(b0 + i, 31);
+        const int rb_b = __shfl_sync(all, rb, b), T_b = __shfl_sync(all, T, b), U_b = __shfl_sync(all, U, b);
+        const int nc = chunks_of(T_b, U_b, lo);
+        if (b0 + i < B && rb_b > 0 && nc > 0) longest = max(longest, (T_b > 0 ? (T_b + nc - 1) / nc : 0) + U_b);
+    }
+#pragma unroll
+    for (int off = 4; off > 0; off >>= 1) longest = max(longest, __shfl_xor_sync(all, longest, off));
+    const long long cost = (n + G - 1) / G * (long long)(longest + JOB_OVERHEAD) * 32 + n;
+    int best = 0;  // the fewest rounds among the cheapest
+    for (int g = 1; g < MAX_ROUNDS; ++g)
+        if (__shfl_sync(all, cost, 8 * g) < __shfl_sync(all, cost, 8 * best)) best = g;
+    const int c = __shfl_sync(all, lo, 8 * best);
+    const int nc = rb > 0 ? chunks_of(T, U, c) : 0;
+    int upto = nc * rb;  // the jobs of requests 0 .. lane
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const int o = __shfl_up_sync(all, upto, off);
+        if (lane >= off) upto += o;
+    }
+    if (lane < B) {
+        const int e[PLAN_STRIDE] = {upto - nc * rb, nc, nc > 0 && T > 0 ? (T + nc - 1) / nc : 0, rb, len, rows,
+                                    tree_sizes ? ts : 0, 0};
+#pragma unroll
+        for (int f = 0; f < PLAN_STRIDE; ++f) {
+            plan[PLAN_HDR + lane * PLAN_STRIDE + f] = e[f];
+            splan[PLAN_HDR + lane * PLAN_STRIDE + f] = e[f];
+        }
+    }
+    if (lane == 31) plan[0] = upto, splan[0] = upto;
+}
+
 // The plan of tree_verify_v5_plan, shared with the v10 plan (tree_verify/wgmma_v10.cu, which then orders the
 // jobs). cost [MAX_ROUNDS], chunk_of_k [MAX_ROUNDS], tmax_warp [8], splan [PLAN_HDR + PLAN_SMEM_REQS *
 // PLAN_STRIDE]: the kernel's shared memory. Up to PLAN_SMEM_REQS requests the plan is built in splan and copied
@@ -54,6 +121,11 @@ __device__ __forceinline__ const int* plan_v5(const int* __restrict__ prefix_len
                                               int B, int P, int Q, int H, int G, int* plan, int* splan,
                                               long long* cost, int* chunk_of_k, int* tmax_warp) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    if (B <= 32) {
+        if (warp == 0) plan_small(prefix_lens, tree_sizes, B, P, Q, H, G, plan, splan);
+        __syncthreads();
+        return splan;
+    }
     int* const p = B <= PLAN_SMEM_REQS ? splan : plan;  // generic: shared or global
     int tmax = 0;
     for (int b = tid; b < B; b += blockDim.x) {
@@ -89,26 +161,6 @@ __device__ __forceinline__ const int* plan_v5(const int* __restrict__ prefix_len
             return n;
         };
         int lo = 1, hi = tmax;
-        if (B <= 32) {  // each lane weighs its own candidate over every request: log32 steps, a ballot each
-            for (;;) {
-                const int step = (hi - lo + 32) >> 5;  // 32 candidates split [lo, hi], the last one hi
-                const int c = min(lo + (lane + 1) * step - 1, hi);
-                long long n = 0;
-                for (int b = 0; b < B; ++b) {
-                    const int* e = p + PLAN_HDR + b * PLAN_STRIDE;
-                    n += (long long)e[P_RB] * chunks_of(e[P_NCHUNK], e[P_CHUNK], c);
-                }
-                const unsigned fit = __ballot_sync(0xffffffffu, n <= limit);
-                if (!fit) {  // not even tmax (the first step's hi): tmax, as the binary search ends
-                    lo = hi;
-                    break;
-                }
-                const int first = __ffs(fit) - 1;  // candidate first - 1 does not fit, so it is not hi
-                hi = min(lo + (first + 1) * step - 1, hi);
-                lo += first * step;
-                if (step == 1) break;  // every c in [lo, hi] was weighed: lo = hi
-            }
-        }
         while (lo < hi) {  // jobs(c) does not grow with c
             const int mid = (lo + hi) >> 1;
             if (jobs(mid) <= limit) hi = mid;
