@@ -27,6 +27,9 @@
 #define PLAN_SMEM_REQS 256              // requests whose plan the plan kernels build in shared memory
 #define MAX_ROUNDS 4                    // jobs <= MAX_ROUNDS * G + B * ceil(M / 64): the partials' bound
 #define JOB_OVERHEAD 5                  // tiles' worth of a job's Q load, pipeline fill and output write
+#ifndef PLAN_SMALL_REQS                 // -DPLAN_SMALL_REQS=0: every plan by plan_v5's four warps
+#define PLAN_SMALL_REQS 32              // up to this many requests warp 0 makes the plan alone (plan_small)
+#endif
 #define ORDER_CAP 1024                  // the most jobs the v10 plan orders (wgmma_v10.cu)
 #define ORDER_UNIT 64                   // the gate's unit: the busiest CTA's gain in 64ths
 #ifndef ORDER_GAIN                      // -DORDER_GAIN=-64 orders every plan past one round (attention_gate)
@@ -59,6 +62,7 @@ __device__ __forceinline__ void plan_small(const int* __restrict__ prefix_lens, 
     }
     auto jobs = [&](int c) {  // every lane: the jobs of all B requests at chunk c
         long long n = 0;
+#pragma unroll 4
         for (int b = 0; b < B; ++b)
             n += (long long)__shfl_sync(all, rb, b) * chunks_of(__shfl_sync(all, T, b), __shfl_sync(all, U, b), c);
         return n;
@@ -121,7 +125,8 @@ __device__ __forceinline__ const int* plan_v5(const int* __restrict__ prefix_len
                                               int B, int P, int Q, int H, int G, int* plan, int* splan,
                                               long long* cost, int* chunk_of_k, int* tmax_warp) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    if (B <= 32) {
+    static_assert(PLAN_SMALL_REQS <= 32, "plan_small: a lane a request");
+    if (B <= PLAN_SMALL_REQS) {
         if (warp == 0) plan_small(prefix_lens, tree_sizes, B, P, Q, H, G, plan, splan);
         __syncthreads();
         return splan;
@@ -150,20 +155,24 @@ __device__ __forceinline__ const int* plan_v5(const int* __restrict__ prefix_len
     for (int w = 0; w < 8; ++w) tmax = max(tmax, tmax_warp[w]);
     if (warp < MAX_ROUNDS) {  // warp k-1: the shortest chunk that fits the jobs into k rounds
         const long long limit = (long long)(warp + 1) * G;
-        auto jobs = [&](int c) {
+        auto lane_jobs = [&](int c) {  // this lane's requests' jobs at chunk c
             long long n = 0;
             for (int b = lane; b < B; b += 32) {
                 const int* e = p + PLAN_HDR + b * PLAN_STRIDE;
                 n += (long long)e[P_RB] * chunks_of(e[P_NCHUNK], e[P_CHUNK], c);
             }
+            return n;
+        };
+        auto jobs = [&](int c) {
+            long long n = lane_jobs(c);
 #pragma unroll
             for (int off = 16; off > 0; off >>= 1) n += __shfl_xor_sync(0xffffffffu, n, off);
             return n;
         };
         int lo = 1, hi = tmax;
-        while (lo < hi) {  // jobs(c) does not grow with c
-            const int mid = (lo + hi) >> 1;
-            if (jobs(mid) <= limit) hi = mid;
+        while (lo < hi) {  // jobs(c) does not grow with c; a lane's share capped at limit + 1 keeps the test
+            const int mid = (lo + hi) >> 1;  // exact in one 32-bit warp sum (at most 32 (4 G + 1))
+            if (__reduce_add_sync(0xffffffffu, (unsigned)min(lane_jobs(mid), limit + 1)) <= limit) hi = mid;
             else lo = mid + 1;
         }
         const long long n = jobs(lo);
