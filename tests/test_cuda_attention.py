@@ -1531,16 +1531,19 @@ def test_v10_fp8_pool_bad_inputs_raise_value_error():
 
 
 @pytest.mark.gpu
-def test_wgmma_plan_kernel_matches_numpy_mirror():
+@pytest.mark.parametrize("small", [None, 0])
+def test_wgmma_plan_kernel_matches_numpy_mirror(small):
     """The device plan equals plan_v5 integer for integer (ragged, empty, prefix-only and huge requests, and
-    batches built in shared memory and past it)."""
+    batches built in shared memory and past it), made by warp 0 alone up to PLAN_SMALL_REQS requests (the
+    default build) and by the four warps' search at every size (PLAN_SMALL_REQS=0)."""
     _need_wgmma()
     from kdlib.cuda import attention as cu
     from kdlib.cuda import loader
 
     cp = _cp()
     rng = np.random.default_rng(77)
-    fn = loader.get_function(cu._V5, "tree_verify_v5_plan", options=cu._V5_OPTIONS)
+    options = cu._V5_OPTIONS + (() if small is None else (f"-DPLAN_SMALL_REQS={small}",))
+    fn = loader.get_function(cu._V5, "tree_verify_v5_plan", options=options)
     shapes = [_v5_random_shape(rng) for _ in range(200)] + _v5_many_requests(rng)
     for lens, sizes, width, nq, nh, grid in shapes:
         want = cu.plan_v5(lens, sizes, width, nq, nh, grid)
