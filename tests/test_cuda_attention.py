@@ -1531,11 +1531,11 @@ def test_v10_fp8_pool_bad_inputs_raise_value_error():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("small", [None, 0])
+@pytest.mark.parametrize("small", [None, 0, 32])
 def test_wgmma_plan_kernel_matches_numpy_mirror(small):
     """The device plan equals plan_v5 integer for integer (ragged, empty, prefix-only and huge requests, and
     batches built in shared memory and past it), made by warp 0 alone up to PLAN_SMALL_REQS requests (the
-    default build) and by the four warps' search at every size (PLAN_SMALL_REQS=0)."""
+    default build, and the most it may be set to) and by the four warps' search at every size (0)."""
     _need_wgmma()
     from kdlib.cuda import attention as cu
     from kdlib.cuda import loader

@@ -28,7 +28,7 @@
 #define MAX_ROUNDS 4                    // jobs <= MAX_ROUNDS * G + B * ceil(M / 64): the partials' bound
 #define JOB_OVERHEAD 5                  // tiles' worth of a job's Q load, pipeline fill and output write
 #ifndef PLAN_SMALL_REQS                 // -DPLAN_SMALL_REQS=0: every plan by plan_v5's four warps
-#define PLAN_SMALL_REQS 32              // up to this many requests warp 0 makes the plan alone (plan_small)
+#define PLAN_SMALL_REQS 8               // up to this many requests warp 0 makes the plan alone (plan_small)
 #endif
 #define ORDER_CAP 1024                  // the most jobs the v10 plan orders (wgmma_v10.cu)
 #define ORDER_UNIT 64                   // the gate's unit: the busiest CTA's gain in 64ths
@@ -45,10 +45,11 @@
 // Jobs of request with prefix tiles T and tail tiles U when prefix chunks are at most c tiles.
 __device__ __forceinline__ int chunks_of(int T, int U, int c) { return T > 0 ? (T + c - 1) / c : (U > 0 ? 1 : 0); }
 
-// plan_v5 of at most 32 requests, in warp 0 alone: lane b holds request b in registers, lanes 8k .. 8k + 7
-// search the shortest chunk for k + 1 rounds as eight candidates a step (a ballot each), and the scan is one
-// pass: no shared-memory round trips and one __syncthreads, where plan_v5's four warps took three. Writes plan
-// and splan (the same ints as plan_v5's); the other warps only wait at the end.
+// plan_v5 of at most PLAN_SMALL_REQS (<= 32) requests, in warp 0 alone: lane b holds request b in registers,
+// lanes 8k .. 8k + 7 search the shortest chunk for k + 1 rounds as eight candidates a step (a ballot each), and
+// the scan is one pass: no shared-memory round trips and one __syncthreads, where plan_v5's four warps took
+// three. Writes plan and splan (the same ints as plan_v5's); the other warps only wait at the end. Each lane
+// walks every request a step, so past a few requests the four warps' search (a request a lane) is faster.
 __device__ __forceinline__ void plan_small(const int* __restrict__ prefix_lens, const int* __restrict__ tree_sizes,
                                            int B, int P, int Q, int H, int G, int* plan, int* splan) {
     const unsigned all = 0xffffffffu;
@@ -62,7 +63,6 @@ __device__ __forceinline__ void plan_small(const int* __restrict__ prefix_lens, 
     }
     auto jobs = [&](int c) {  // every lane: the jobs of all B requests at chunk c
         long long n = 0;
-#pragma unroll 4
         for (int b = 0; b < B; ++b)
             n += (long long)__shfl_sync(all, rb, b) * chunks_of(__shfl_sync(all, T, b), __shfl_sync(all, U, b), c);
         return n;
@@ -155,24 +155,20 @@ __device__ __forceinline__ const int* plan_v5(const int* __restrict__ prefix_len
     for (int w = 0; w < 8; ++w) tmax = max(tmax, tmax_warp[w]);
     if (warp < MAX_ROUNDS) {  // warp k-1: the shortest chunk that fits the jobs into k rounds
         const long long limit = (long long)(warp + 1) * G;
-        auto lane_jobs = [&](int c) {  // this lane's requests' jobs at chunk c
+        auto jobs = [&](int c) {
             long long n = 0;
             for (int b = lane; b < B; b += 32) {
                 const int* e = p + PLAN_HDR + b * PLAN_STRIDE;
                 n += (long long)e[P_RB] * chunks_of(e[P_NCHUNK], e[P_CHUNK], c);
             }
-            return n;
-        };
-        auto jobs = [&](int c) {
-            long long n = lane_jobs(c);
 #pragma unroll
             for (int off = 16; off > 0; off >>= 1) n += __shfl_xor_sync(0xffffffffu, n, off);
             return n;
         };
         int lo = 1, hi = tmax;
-        while (lo < hi) {  // jobs(c) does not grow with c; a lane's share capped at limit + 1 keeps the test
-            const int mid = (lo + hi) >> 1;  // exact in one 32-bit warp sum (at most 32 (4 G + 1))
-            if (__reduce_add_sync(0xffffffffu, (unsigned)min(lane_jobs(mid), limit + 1)) <= limit) hi = mid;
+        while (lo < hi) {  // jobs(c) does not grow with c
+            const int mid = (lo + hi) >> 1;
+            if (jobs(mid) <= limit) hi = mid;
             else lo = mid + 1;
         }
         const long long n = jobs(lo);
