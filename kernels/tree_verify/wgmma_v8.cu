@@ -107,8 +107,6 @@ constexpr int ROWS_WARPS = 4;  // rows (warps) of a block of combine_rows
 // each with its row's loads in flight. There the combine took 8.2 us against 19.0 (data/results/
 // attention_bounds.h200.json, history/attention_bounds.fold.81fcb3e.h200.json) and the whole verify ran 1.024x
 // faster, 1.050-1.066x at the rank's 65-row batches of 4-16 over 5,500 tokens (data/results/kernel_ab_rows.h200.json).
-// A row's first four jobs' parts are loaded beside their lse, and lane l keeps job l's lse for the weights, so
-// that a row of up to four jobs waits on one round of L2 loads after the plan, where it waited on three.
 __device__ __forceinline__ void combine_rows(const float* __restrict__ parts, const float* __restrict__ part_lse,
                                              const int* __restrict__ plan, int M, int N, float* __restrict__ out,
                                              float* __restrict__ lse) {
@@ -126,59 +124,41 @@ __device__ __forceinline__ void combine_rows(const float* __restrict__ parts, co
     }
     const int nch = e[P_NCHUNK], rbn = e[P_RB];
     const long long first = (long long)e[P_BASE] + r / BM, lr = r % BM;  // job of chunk i: first + i * rbn
-    auto job_row = [&](int i) { return (first + (long long)i * rbn) * BM + lr; };
-    float4 head[4][COMBINE_SLICES];  // the first four jobs' parts, loaded beside their lse (below)
-#pragma unroll
-    for (int w = 0; w < 4; ++w)
-        if (w < nch) {
-            const float4* v = reinterpret_cast<const float4*>(parts + job_row(w) * D_V + 4 * l);
-#pragma unroll
-            for (int s = 0; s < COMBINE_SLICES; ++s) head[w][s] = v[s * COMBINE_COLS / 4];
-        }
-    const float lse0 = l < nch ? part_lse[job_row(l)] : NEG_INF;  // lane l: job l's lse, read once
-    float mx = fmaxf(NEG_INF, lse0);
-    for (int i = l + 32; i < nch; i += 32) mx = fmaxf(mx, part_lse[job_row(i)]);
+    auto job_lse = [&](int i) { return part_lse[(first + (long long)i * rbn) * BM + lr]; };
+    float mx = NEG_INF;
+    for (int i = l; i < nch; i += 32) mx = fmaxf(mx, job_lse(i));
     mx = warp_reduce(mx, true);
     const float base = mx == NEG_INF ? 0.f : mx;
     float z = 0.f;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-        if (k > 0 && 32 * k >= nch) break;  // no lane has a job: that sum is 0, and z + 0 is z
         float zk = 0.f;
-        for (int i = l + 32 * k; i < nch; i += 128) zk += expf((i < 32 ? lse0 : part_lse[job_row(i)]) - base);
+        for (int i = l + 32 * k; i < nch; i += 128) zk += expf(job_lse(i) - base);
         const float red = warp_reduce(zk, false);  // block_reduce_w's first step for k's warp
         z = k == 0 ? red : z + red;
     }
     const float inv = z > 0.f ? 1.f / z : 0.f;
-    auto weight = [&](int i) {  // wt_i (a warp-uniform i)
-        return expf((i < 32 ? __shfl_sync(0xffffffffu, lse0, i) : part_lse[job_row(i)]) - base) * inv;
-    };
-    auto add = [](float4& acc, float wt, float4 x) {
-        acc.x = fmaf(wt, x.x, acc.x);
-        acc.y = fmaf(wt, x.y, acc.y);
-        acc.z = fmaf(wt, x.z, acc.z);
-        acc.w = fmaf(wt, x.w, acc.w);
-    };
     float4 acc[4][COMBINE_SLICES];  // [warp w of combine_w<4>][slice]
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {
+    for (int w = 0; w < 4; ++w)
 #pragma unroll
         for (int s = 0; s < COMBINE_SLICES; ++s) acc[w][s] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (w < nch) {
-            const float wt = weight(w);
-#pragma unroll
-            for (int s = 0; s < COMBINE_SLICES; ++s) add(acc[w][s], wt, head[w][s]);
-        }
-    }
-    for (int i0 = 4; i0 < nch; i0 += 4) {
+    for (int i0 = 0; i0 < nch; i0 += 4) {
 #pragma unroll
         for (int w = 0; w < 4; ++w) {
             const int i = i0 + w;
             if (i < nch) {
-                const float wt = weight(i);
-                const float4* v = reinterpret_cast<const float4*>(parts + job_row(i) * D_V + 4 * l);
+                const long long jrow = (first + (long long)i * rbn) * BM + lr;
+                const float wt = expf(part_lse[jrow] - base) * inv;
+                const float4* v = reinterpret_cast<const float4*>(parts + jrow * D_V + 4 * l);
 #pragma unroll
-                for (int s = 0; s < COMBINE_SLICES; ++s) add(acc[w][s], wt, v[s * COMBINE_COLS / 4]);
+                for (int s = 0; s < COMBINE_SLICES; ++s) {
+                    const float4 x = v[s * COMBINE_COLS / 4];
+                    acc[w][s].x = fmaf(wt, x.x, acc[w][s].x);
+                    acc[w][s].y = fmaf(wt, x.y, acc[w][s].y);
+                    acc[w][s].z = fmaf(wt, x.z, acc[w][s].z);
+                    acc[w][s].w = fmaf(wt, x.w, acc[w][s].w);
+                }
             }
         }
     }
