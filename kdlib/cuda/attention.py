@@ -65,8 +65,10 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     (history/attention.plan_reused.e8c3878.h200.json) has it behind 9, 8 and 7 at 16 x 65 x 131k by about
     the spread between runs, bbc3f6e's (history/attention.fi_eager.bbc3f6e.h200.json) there and behind 9
     and 8 at 8 x 65 x 32k B8, a36feef's (history/attention.before_regs.a36feef.h200.json) behind 7 at
-    16 x 65 x 131k alone, and 108e8c5's (the consumers' register operands, data/results/attention.h200.json)
-    behind 8 and 7 there alone (`BF16_DEFAULT_TRADES`). It
+    16 x 65 x 131k alone, 108e8c5's (the consumers' register operands,
+    history/attention.before_plan_small.108e8c5.h200.json) behind 8 and 7 there alone, and 5f90f18's (the plan
+    of up to 8 requests made by one warp, data/results/attention.h200.json) behind 9 and 8 at 8 x 9 x 32k B8
+    alone (`BF16_DEFAULT_TRADES`). It
     launches its attend and combine kernels with programmatic
     dependent launch (`PDL`; data/results/kernel_ab_pdl.h200.json). Ungated, the order measured
     1.1-1.3 % slower than 9 at the suite's two uniform batches over two rounds (gains the plan's cost put
@@ -251,20 +253,19 @@ WGMMA = "wgmma"
 # tests/test_kernel_constants.py checks both against the record).
 BF16_DEFAULT = "wgmma_v10"
 # (heads, queries, prefix, batch) -> why: the recorded points where another arm is faster than the default
-# beyond that arm's replay spread, the price of its gains elsewhere. One in the 108e8c5 record (below), as
-# in a36feef's and e8c3878's; none in 89ffb6c's, 81fcb3e's or 4b198bb's. Earlier records had one more each:
-# 8 x 65 x 32k B8 in bbc3f6e's (history/attention.fi_eager.bbc3f6e; 9 and 8 just beyond their p90, 10's
-# median about the same as in the records before and after it, theirs moving by more than the gap), 8 x 9 x
-# 32k B8 in d919b95's
-# (version 10 without PDL) and 8 x 65 x 32k B8 in 01f1fd5's (history/attention.before_g5.01f1fd5), where its
-# plan predicts too small a gain to deal the jobs by size, so version 10 runs the static round-robin as 8 and
-# 9 do, plus its own plan's ranking and a producer that reads the order first.
+# beyond that arm's replay spread, the price of its gains elsewhere. One in the 5f90f18 record (below); in the
+# records before it one other each: 16 x 65 x 131k in 108e8c5's (history/attention.before_plan_small.108e8c5),
+# a36feef's and e8c3878's (versions 8 and 7 ahead, where other runs had 10 ahead of both: the same consumers and
+# jobs, one round in the static deal, the spread between runs as wide as the gap), none in 89ffb6c's, 81fcb3e's
+# or 4b198bb's, 8 x 65 x 32k B8 in bbc3f6e's and 01f1fd5's, and 8 x 9 x 32k B8 in d919b95's (version 10 without
+# PDL).
 BF16_DEFAULT_TRADES: dict[tuple[int, int, int, int], str] = {
-    (16, 65, 131072, 1): "versions 8 and 7 ahead of 10 beyond their p90 in the e8c3878 run, where the run "
-                         "before (history/attention.rows.89ffb6c) had 10 ahead of both: the same consumers "
-                         "and jobs (one round, left in the static deal), 10 adding its plan's ranking; the "
-                         "spread between runs is as wide as the gap (behind 9 too in the bbc3f6e run, behind "
-                         "7 alone in a36feef's, 8 and 7 in 108e8c5's)",
+    (8, 9, 32768, 8): "versions 9 and 8 ahead of 10 beyond their p90 in the 5f90f18 run by about 1 %, 1.5 us of "
+                      "0.154 ms: the same consumers and jobs (one round, left in the static deal), 10 adding "
+                      "PDL and its plan's order check; there its plan kernel measured faster than before "
+                      "(plan_phases.h200.json) and the A/B against a9c7992 0.987 "
+                      "(history/kernel_ab_plan_small.5f90f18), where that run's points whose plan path it left "
+                      "alone (batches of 10 and 16) moved 0.982-1.001",
 }
 _BY_IMPL = {launch.impl: v for v, launch in LAUNCHES.items()}
 DEFAULT_VERSION = _BY_IMPL[BF16_DEFAULT]
