@@ -71,20 +71,20 @@ V10 = [
 ]
 
 
-def stamped_tree() -> Path:
-    """kernels/ copied to build/plan_phases/kernels with the stamps in place -> that folder."""
-    shutil.rmtree(STAMPED, ignore_errors=True)
-    shutil.copytree(ROOT / "kernels", STAMPED)
+def stamped_tree(dest: Path = STAMPED) -> Path:
+    """kernels/ copied to dest (build/plan_phases/kernels) with the stamps in place -> dest."""
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(ROOT / "kernels", dest)
     for name, edits in (("wgmma_common.cuh", COMMON), ("wgmma_v10.cu", V10)):
-        path = STAMPED / "tree_verify" / name
+        path = dest / "tree_verify" / name
         text = path.read_text()
         for old, new in edits:
             if text.count(old) != 1:
                 raise SystemExit(f"{name}: the anchor {old.strip()[:60]!r} is not there once; "
-                                 f"update {__file__}")
+                                 f"update {Path(__file__).name}")
             text = text.replace(old, new)
         path.write_text(text)
-    return STAMPED
+    return dest
 
 
 def shapes() -> dict:

@@ -50,6 +50,10 @@ __device__ __forceinline__ int chunks_of(int T, int U, int c) { return T > 0 ? (
 // the scan is one pass: no shared-memory round trips and one __syncthreads, where plan_v5's four warps took
 // three. Writes plan and splan (the same ints as plan_v5's); the other warps only wait at the end. Each lane
 // walks every request a step, so past a few requests the four warps' search (a request a lane) is faster.
+// Measured with clock64 stamps (tools/plan_phases.py, data/results/plan_phases.h200.json): at one request 4,407
+// cycles to the v10 plan's end against 10,333 by the four warps (their searches 73 % of those), faster up to 8
+// requests, slower from 10 built for 32 (hence PLAN_SMALL_REQS); the whole verify 1.033-1.083x faster at the
+// memory-bound points of one request, 0.998 at 64 x 65 x 32k (history/kernel_ab_plan_small.5f90f18.h200.json).
 __device__ __forceinline__ void plan_small(const int* __restrict__ prefix_lens, const int* __restrict__ tree_sizes,
                                            int B, int P, int Q, int H, int G, int* plan, int* splan) {
     const unsigned all = 0xffffffffu;
@@ -120,7 +124,8 @@ __device__ __forceinline__ void plan_small(const int* __restrict__ prefix_lens, 
 // the plan in global memory: 5.8 us against 7.0 at 8 requests, alike at one (7.1 against 6.6), where the kernel's
 // time is not the plan's reads (data/results/history/attention_bounds.prefetch.72c0c91.h200.json against
 // history/attention_bounds.v10.1b0d029.h200.json; data/results/kernel_ab_plan.h200.json, the whole verify).
-// Returns the plan built (splan or plan), whole and readable by every thread.
+// Up to PLAN_SMALL_REQS requests warp 0 makes the plan alone (plan_small). Returns the plan built (splan or
+// plan), whole and readable by every thread.
 __device__ __forceinline__ const int* plan_v5(const int* __restrict__ prefix_lens, const int* __restrict__ tree_sizes,
                                               int B, int P, int Q, int H, int G, int* plan, int* splan,
                                               long long* cost, int* chunk_of_k, int* tmax_warp) {
