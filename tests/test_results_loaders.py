@@ -331,6 +331,7 @@ LOADERS = {
     "serve": results.load_serve, "kdtr_io": results.load_kdtr_io, "kernel_ab": results.load_kernel_ab,
     "kernel_ab_repeat": results.load_kernel_ab_repeat,
     "tree_build_cpu": results.load_tree_build_cpu,
+    "plan_phases": results.load_plan_phases, "plan_cost": results.load_plan_cost,
 }
 
 

@@ -253,19 +253,19 @@ WGMMA = "wgmma"
 # tests/test_kernel_constants.py checks both against the record).
 BF16_DEFAULT = "wgmma_v10"
 # (heads, queries, prefix, batch) -> why: the recorded points where another arm is faster than the default
-# beyond that arm's replay spread, the price of its gains elsewhere. One in the 5f90f18 record (below); in the
-# records before it one other each: 16 x 65 x 131k in 108e8c5's (history/attention.before_plan_small.108e8c5),
-# a36feef's and e8c3878's (versions 8 and 7 ahead, where other runs had 10 ahead of both: the same consumers and
-# jobs, one round in the static deal, the spread between runs as wide as the gap), none in 89ffb6c's, 81fcb3e's
-# or 4b198bb's, 8 x 65 x 32k B8 in bbc3f6e's and 01f1fd5's, and 8 x 9 x 32k B8 in d919b95's (version 10 without
-# PDL).
+# beyond that arm's replay spread, the price of its gains elsewhere. One in the 5f90f18 record (below); in
+# the records before it one other each: 16 x 65 x 131k in 108e8c5's
+# (history/attention.before_plan_small.108e8c5), a36feef's and e8c3878's (versions 8 and 7 ahead, where
+# other runs had 10 ahead of both: the same consumers and jobs, one round in the static deal, the spread
+# between runs as wide as the gap), none in 89ffb6c's, 81fcb3e's or 4b198bb's, 8 x 65 x 32k B8 in bbc3f6e's
+# and 01f1fd5's, and 8 x 9 x 32k B8 in d919b95's (version 10 without PDL).
 BF16_DEFAULT_TRADES: dict[tuple[int, int, int, int], str] = {
-    (8, 9, 32768, 8): "versions 9 and 8 ahead of 10 beyond their p90 in the 5f90f18 run by about 1 %, 1.5 us of "
-                      "0.154 ms: the same consumers and jobs (one round, left in the static deal), 10 adding "
-                      "PDL and its plan's order check; there its plan kernel measured faster than before "
-                      "(plan_phases.h200.json) and the A/B against a9c7992 0.987 "
-                      "(history/kernel_ab_plan_small.5f90f18), where that run's points whose plan path it left "
-                      "alone (batches of 10 and 16) moved 0.982-1.001",
+    (8, 9, 32768, 8): "versions 9 and 8 ahead of 10 beyond their p90 in the 5f90f18 run by about 1 %, 1.5 us "
+                      "of 0.154 ms: the same consumers and jobs (one round, left in the static deal), 10 "
+                      "adding PDL and its plan's order check; there its plan kernel measured faster than "
+                      "before (plan_phases.h200.json) and the A/B against a9c7992 0.987 "
+                      "(history/kernel_ab_plan_small.5f90f18), where that run's points whose plan path it "
+                      "left alone (batches of 10 and 16) moved 0.982-1.001",
 }
 _BY_IMPL = {launch.impl: v for v, launch in LAUNCHES.items()}
 DEFAULT_VERSION = _BY_IMPL[BF16_DEFAULT]

@@ -782,6 +782,22 @@ def load_attention_gate(gpu: str = "h200") -> Recorded | None:
     return _recorded("attention_gate", gpu, _no_rows)
 
 
+def load_plan_phases(gpu: str = "h200") -> Recorded | None:
+    """The recorded `tools/plan_phases.py phases` run on `gpu` (the tree verify's version 10 plan kernel
+    alone, clock64 stamps at its phases, three builds of PLAN_SMALL_REQS), or None. No rows: `doc["runs"]`
+    maps "<build>_<shape>_<warm|cold>" to `phases_cycles` (16 medians, cycles after stamp 0; None where the
+    build's path passes no such stamp), `doc["parameters"]` names the stamps, shapes and builds."""
+    return _recorded("plan_phases", gpu, _no_rows)
+
+
+def load_plan_cost(gpu: str = "h200") -> Recorded | None:
+    """The recorded `tools/plan_phases.py cost` run on `gpu` (the whole verify with its plan kernel, with the
+    plan reused, and with a do-nothing kernel before a reused plan, interleaved rounds), or None. No rows:
+    `doc["points"]` hold each arm's `medians_ms` and `rounds_ms` and the profiled kernels, aligned with
+    `doc["parameters"]["points"]`."""
+    return _recorded("plan_cost", gpu, _no_rows)
+
+
 def load_attention_timeline(gpu: str = "h200") -> Recorded | None:
     """The recorded attention_timeline suite on `gpu` (the attend kernel's consumers stamped in cycles at each
     pair), or None. No rows: read `Recorded.doc["rows"]` (per point `segments`, `period`, `floor_cycles`,
