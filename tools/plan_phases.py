@@ -167,32 +167,30 @@ def cost(out: Path, rounds: int = 5, iters: int = 60) -> Path:
            {"heads": 8, "queries": 9, "prefix": 200000, "batch": 1},
            {"heads": 8, "queries": 9, "prefix": 32768, "batch": 8}, suite.ragged_point()]
     pool = torch.randn(suite.pool_rows(pts), suite.D_QK, device="cuda", dtype=torch.bfloat16)  # [N, 576]
-    arms = {"whole": {}, "ready": {"ready": True}, "noop": {"ready": True, "noop": True}}
+    arms = {"whole": "the verify, plan kernel first", "ready": "plan_ready=True (no plan launch)",
+            "noop": "a 1-CTA kernel that only triggers the attend's launch, then plan_ready"}
     doc = {"parameters": {"points": pts, "rounds": rounds, "iters": iters, "version": 10}, "points": [],
-           "arms": {"whole": "the verify, plan kernel first", "ready": "plan_ready=True (no plan launch)",
-                    "noop": "a 1-CTA kernel that only triggers the attend's launch, then plan_ready"}}
+           "arms": arms}
     for p in pts:
         x = suite.point_inputs(p, pool)
         ws = cu.make_workspace(p["batch"], p["queries"], p["heads"])
+        reused = suite.verify_call(x, pool, ws, plan_ready=True)
 
-        def call(pt, ready=False, noop_first=False, x=x, ws=ws):
-            if noop_first:
-                noop((1,), (256,), (ws.plan,))
-            return cu.tree_verify_attention(x["q"], pool, pt, x["lens_t"], x["tkv"], x["vis"], x["sizes_t"],
-                                            x["scale"], validate=False, workspace=ws, plan_ready=ready)
+        def after_noop(pt, reused=reused, ws=ws):
+            noop((1,), (256,), (ws.plan,))
+            return reused(pt)
 
-        call(x["tables"][0])
-        kws = {a: {"ready": kw.get("ready", False), "noop_first": kw.get("noop", False)}
-               for a, kw in arms.items()}
-        timers = {a: base.graph_timer([lambda pt=pt, kw=kw: call(pt, **kw) for pt in x["tables"]])
-                  for a, kw in kws.items()}
+        calls = {"whole": suite.verify_call(x, pool, ws), "ready": reused, "noop": after_noop}
+        calls["whole"](x["tables"][0])  # the plan the reused arms read
+        timers = {a: base.graph_timer([lambda pt=pt, f=f: f(pt) for pt in x["tables"]])
+                  for a, f in calls.items()}
         t = {a: [] for a in arms}
         for _ in range(rounds):
             for a in arms:
                 t[a].append(timers[a](iters=iters, warmup=3).median_ms)
         first = x["tables"][0]
-        prof = {a: profile.device_profile(lambda kw=kw, pt=first: call(pt, **kw), steps=30)["kernels"]
-                for a, kw in kws.items()}
+        prof = {a: profile.device_profile(lambda f=f, pt=first: f(pt), steps=30)["kernels"]
+                for a, f in calls.items()}
         med = {a: statistics.median(v) for a, v in t.items()}
         doc["points"].append({**{k: p[k] for k in ("heads", "queries", "batch")}, "prefix": p.get("prefix"),
                               "medians_ms": med, "rounds_ms": t, "kernels_us": prof})

@@ -220,7 +220,8 @@ def point_inputs(p: dict, pool) -> dict:
 def verify_call(x: dict, pool, ws, **pick):
     """The whole verify of point inputs x (`point_inputs`) over pool on workspace ws (None: none), as a
     function of the page table: call(pt, validate=False) -> (out, lse). pick: `version=` or `impl=` of
-    `kdlib.cuda.attention.tree_verify_attention` (neither: its default)."""
+    `kdlib.cuda.attention.tree_verify_attention` (neither: its default), and `plan_ready=` (ws's plan
+    reused)."""
     from kdlib.cuda import attention as cu
 
     def call(pt, validate: bool = False):
