@@ -29,7 +29,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TOGGLES = ("PDL", "COMBINE_ROWS")  # kdlib.cuda.attention's switches the arms of `run` can set on and off
+# kdlib.cuda.attention's switches the arms of `run` can set on and off
+TOGGLES = ("PDL", "COMBINE_ROWS", "OWN_PLAN")
 RANK_POINTS = [{"heads": 8, "queries": w, "prefix": s, "batch": c}
                for s in (5500, 32_000) for c in (1, 4, 10, 16) for w in (9, 65)]
 

@@ -193,6 +193,11 @@ PDL = True
 # Versions 8-10 merge with a warp per row where `v8_combine_rows` says (the 4-warp combine's bits); False:
 # always `v8_combine_warps`'s combine (tools/kernel_ab.py run --toggle COMBINE_ROWS times the two).
 COMBINE_ROWS = True
+# Version 10 makes the plan of up to _V5_PLAN_SMALL_REQS requests in its attend kernels
+# (tree_verify_v10_attend_own, _t_own: no plan launch); False: the plan kernel first (tools/kernel_ab.py run
+# --toggle OWN_PLAN times the two).
+OWN_PLAN = True
+_V5_PLAN_SMALL_REQS = 8  # PLAN_SMALL_REQS: up to this many requests warp 0 makes the plan alone
 _V5_PLAN_STRIDE = 8  # PLAN_STRIDE: per request base, chunks, chunk tiles, row blocks, len, rows, tail rows
 _V5_PLAN_SMEM_REQS = 256  # PLAN_SMEM_REQS: the plan kernels build plans of this many requests in smem
 _V5_COMBINE_COLS = 128  # COMBINE_COLS: columns of one combine block (its 4 warps' float4 lanes)
@@ -895,7 +900,8 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
         smem = _FP8_SMEM if fp8 else smem
     else:
         attend = f"tree_verify_v{7 if version == 8 else version}_attend"  # v8 runs v7's attend kernel
-    attend_fn = loader.get_function(settings.stem, attend, options=options)
+    own = ordered and OWN_PLAN and not plan_ready and bsz <= _V5_PLAN_SMALL_REQS  # no plan kernel
+    attend_fn = loader.get_function(settings.stem, attend + ("_own" if own else ""), options=options)
     order = (ws.order,) if ordered else ()
     # the combine: its kernel, grid, block and the arguments between plan and out (v9 and v10 run v8's)
     combine, cblock = "tree_verify_v5_combine", _COMBINE_THREADS
@@ -908,13 +914,14 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
         combine, cblock = f"tree_verify_v8_combine_w{warps}", 32 * warps
     combine_fn = loader.get_function(settings.stem, combine, options=options)
     loader.set_max_dynamic_shared(attend_fn, smem)
-    if not plan_ready:
+    if not plan_ready and not own:
         plan_fn((1,), (_V5_THREADS,), (lens, sizes, np.int32(bsz), np.int32(width), np.int32(nq),
                                        np.int32(nh), np.int32(ws.grid), ws.plan, *order))
     pdl = ordered and PDL
     loader.launch(attend_fn, (ws.grid,), (settings.threads,),
                   (qa, kv, pt, tkv, vis, ws.plan, *order, np.int32(bsz), np.int32(width), np.int32(nq),
-                   np.int32(nh), np.float32(scale), ws.parts, ws.part_lse), shared_mem=smem, pdl=pdl)
+                   np.int32(nh), np.float32(scale), ws.parts, ws.part_lse, *((lens, sizes) if own else ())),
+                  shared_mem=smem, pdl=pdl)
     loader.launch(combine_fn, cgrid, (cblock,), (ws.parts, ws.part_lse, ws.plan, *cargs, ws.out, ws.lse),
                   pdl=pdl)
     return ws.out, ws.lse

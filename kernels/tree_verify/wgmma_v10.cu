@@ -29,7 +29,7 @@
 // stages the bytes); both attend kernels then take FP8_SMEM of shared memory.
 //
 // The attend kernels need sm_90a (wgmma, setmaxnreg); built for another target their bodies trap.
-// kdlib-arch: sm_90a wgmma=tree_verify_v7_attend,tree_verify_v9_attend,tree_verify_v10_attend,tree_verify_v10_attend_t
+// kdlib-arch: sm_90a wgmma=tree_verify_v7_attend,tree_verify_v9_attend,tree_verify_v10_attend,tree_verify_v10_attend_t,tree_verify_v10_attend_own,tree_verify_v10_attend_t_own
 // (tests/test_kernels_compile.py builds it so, checks the SASS)
 
 #include "tree_verify/wgmma_v9.cu"
@@ -108,6 +108,23 @@ extern "C" __global__ void __launch_bounds__(256) tree_verify_v10_plan(
 
 // ------------------------------------------------------------------------------------------ attend
 
+#define OWN_PLAN_INTS (PLAN_HDR + PLAN_SMALL_REQS * PLAN_STRIDE + 1)  // a plan of PLAN_SMALL_REQS, then order [0]
+
+// The plan made by the attend kernel itself (the _own kernels, launched with no plan kernel ahead: up to
+// PLAN_SMALL_REQS requests): warp 0 of every CTA makes plan_small's plan into fplan [OWN_PLAN_INTS] (shared;
+// its last int order [0] = -1, the static deal), CTA 0 also into plan and order [0], which the combine and
+// later calls with plan_ready read. The CTA reads its fplan. A plan of more than G jobs is dealt statically
+// here, where the plan kernel may order it.
+__device__ __forceinline__ void own_plan(const int* __restrict__ prefix_lens, const int* __restrict__ tree_sizes,
+                                         int B, int P, int Q, int H, int* plan, int* order, int* fplan) {
+    pdl_wait();  // the lengths, and the previous call's reads of plan and order, are done
+    if (threadIdx.x < 32)
+        plan_small(prefix_lens, tree_sizes, B, P, Q, H, gridDim.x, blockIdx.x == 0 ? plan : fplan, fplan);
+    if (threadIdx.x == 0) fplan[PLAN_HDR + B * PLAN_STRIDE] = -1;
+    __syncthreads();
+    if (threadIdx.x == 0 && blockIdx.x == 0 && fplan[0] > 0) order[0] = -1;
+}
+
 // Arguments and outputs as tree_verify_v7_attend, plus order [jobs] from tree_verify_v10_plan. Grid G (one
 // per SM), block 384, dynamic shared memory SMEM_BYTES.
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v10_attend(
@@ -118,12 +135,26 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v10_attend
     attend_v7<true>(q, kv, page_table, tree_kv, vis, plan, order, nreq, P, Q, H, scale, parts, part_lse);
 }
 
-// As tree_verify_v10_attend with v9's consumers (jobs of at most TV9_NR rows). Dynamic shared memory V9_SMEM.
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v10_attend_t(
+// As tree_verify_v10_attend, its plan made by itself (own_plan) from prefix_lens [B] and tree_sizes [B] (or
+// null), B <= PLAN_SMALL_REQS; plan and order are only written (CTA 0).
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v10_attend_own(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv, const int* __restrict__ page_table,
-    const __nv_bfloat16* __restrict__ tree_kv, const unsigned char* __restrict__ vis, const int* __restrict__ plan,
-    const int* __restrict__ order, int nreq, int P, int Q, int H, float scale, float* __restrict__ parts,
-    float* __restrict__ part_lse) {
+    const __nv_bfloat16* __restrict__ tree_kv, const unsigned char* __restrict__ vis, int* __restrict__ plan,
+    int* __restrict__ order, int nreq, int P, int Q, int H, float scale, float* __restrict__ parts,
+    float* __restrict__ part_lse, const int* __restrict__ prefix_lens, const int* __restrict__ tree_sizes) {
+    __shared__ int fplan[OWN_PLAN_INTS];
+    own_plan(prefix_lens, tree_sizes, nreq, P, Q, H, plan, order, fplan);
+    attend_v7<true>(q, kv, page_table, tree_kv, vis, fplan, fplan + PLAN_HDR + nreq * PLAN_STRIDE, nreq, P, Q, H,
+                    scale, parts, part_lse);
+}
+
+// The body of the kernels with v9's consumers (ORDERED's producer, produce_v10).
+__device__ __forceinline__ void attend_v10_t(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv,
+                                             const int* __restrict__ page_table,
+                                             const __nv_bfloat16* __restrict__ tree_kv,
+                                             const unsigned char* __restrict__ vis, const int* __restrict__ plan,
+                                             const int* __restrict__ order, int nreq, int P, int Q, int H,
+                                             float scale, float* __restrict__ parts, float* __restrict__ part_lse) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     pdl_wait();
     if ((int)blockIdx.x >= plan_jobs(plan)) return;
@@ -144,4 +175,25 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v10_attend
 #else
     __trap();  // built without sm_90a: no wgmma
 #endif
+}
+
+// As tree_verify_v10_attend with v9's consumers (jobs of at most TV9_NR rows). Dynamic shared memory V9_SMEM.
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v10_attend_t(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv, const int* __restrict__ page_table,
+    const __nv_bfloat16* __restrict__ tree_kv, const unsigned char* __restrict__ vis, const int* __restrict__ plan,
+    const int* __restrict__ order, int nreq, int P, int Q, int H, float scale, float* __restrict__ parts,
+    float* __restrict__ part_lse) {
+    attend_v10_t(q, kv, page_table, tree_kv, vis, plan, order, nreq, P, Q, H, scale, parts, part_lse);
+}
+
+// As tree_verify_v10_attend_t, its plan made by itself, as tree_verify_v10_attend_own's.
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v10_attend_t_own(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv, const int* __restrict__ page_table,
+    const __nv_bfloat16* __restrict__ tree_kv, const unsigned char* __restrict__ vis, int* __restrict__ plan,
+    int* __restrict__ order, int nreq, int P, int Q, int H, float scale, float* __restrict__ parts,
+    float* __restrict__ part_lse, const int* __restrict__ prefix_lens, const int* __restrict__ tree_sizes) {
+    __shared__ int fplan[OWN_PLAN_INTS];
+    own_plan(prefix_lens, tree_sizes, nreq, P, Q, H, plan, order, fplan);
+    attend_v10_t(q, kv, page_table, tree_kv, vis, fplan, fplan + PLAN_HDR + nreq * PLAN_STRIDE, nreq, P, Q, H,
+                 scale, parts, part_lse);
 }
