@@ -541,10 +541,15 @@ struct Pos {
 
 __device__ __forceinline__ int npairs(const Job& jb) { return (jb.ntiles + 1) >> 1; }
 
-// plan[0] (the number of jobs) read where needed rather than held in a register all along.
+// plan[0] (the number of jobs) read where needed rather than held in a register all along. The plan is in
+// global memory (a kernel argument: the space is known at compile time) or, in the attend kernels that make
+// their own (tree_verify_v10_attend_own), in shared memory.
 __device__ __forceinline__ int plan_jobs(const int* plan) {
     int n;
-    asm volatile("ld.global.nc.b32 %0, [%1];\n" : "=r"(n) : "l"(plan));
+    if (__isShared(plan))
+        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(n) : "r"((unsigned)__cvta_generic_to_shared(plan)));
+    else
+        asm volatile("ld.global.nc.b32 %0, [%1];\n" : "=r"(n) : "l"(plan));
     return n;
 }
 
