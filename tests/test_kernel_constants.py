@@ -224,6 +224,7 @@ def test_attention_wgmma_constants_match_the_source(version):
     assert c["V9_SMEM" if version >= 9 else "SMEM_BYTES"] == smem <= 227 * 1024
     if version == 10:  # its kernel with v7's consumers launches with v7's
         assert c["SMEM_BYTES"] == attention._V7_SMEM
+    assert c["PLAN_SMALL_REQS"] == attention._V5_PLAN_SMALL_REQS  # the host's cut for the own-plan kernels
     assert (c["BM"], c["BN"], c["MAX_ROUNDS"], c["JOB_OVERHEAD"], c["PLAN_STRIDE"]) == (
         attention._V5_BM,
         attention._V5_BN,
@@ -238,9 +239,10 @@ def test_attention_wgmma_constants_match_the_source(version):
     # 4 warps, float4 lanes
     assert attention._COMBINE_THREADS == 4 * 32 and attention._V5_COMBINE_COLS == 32 * 4
     # v8 runs v7's attend kernel, with combines of its own; v9's file holds v8's kernels and its own attend;
-    # v10's holds v9's, its plan and its two ordered attend kernels
+    # v10's holds v9's, its plan and its four ordered attend kernels (two of them make their own plan)
     attends = {8: (7,), 9: (7, 9), 10: (7, 9, 10)}.get(version, (version,))
-    attends = [f"tree_verify_v{a}_attend" for a in attends] + ["tree_verify_v10_attend_t"] * (version == 10)
+    attends = [f"tree_verify_v{a}_attend" for a in attends] + [
+        f"tree_verify_v10_attend{k}" for k in ("_t", "_own", "_t_own")] * (version == 10)
     own_combines = {f"tree_verify_v8_combine_w{w}": (32 * w, 0) for w in attention._V8_COMBINE_WARPS}
     own_combines["tree_verify_v8_combine_rows"] = (32 * attention._V8_ROWS_WARPS, 0)
     assert loader.launch_bounds(stem) == {  # the shared plan and combine, the version's attend

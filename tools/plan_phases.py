@@ -12,7 +12,10 @@ cycles after stamp 0, the kernel's first instruction (None where a build's path 
 `cost`: the whole verify of version 10 at five points of the attention suite, CUDA-graph replays over its L2
 rotation, five interleaved rounds of three arms: `whole` (its plan kernel first), `ready` (plan_ready=True:
 no plan launch) and `noop` (a one-CTA kernel that only releases the attend kernel's programmatic launch, then
-plan_ready): the plan's share and the launch boundary's alone; each arm's kernels profiled (device us).
+plan_ready): the plan's share and the launch boundary's alone; each arm's kernels profiled (device us). It
+sets `kdlib.cuda.attention.OWN_PLAN` off, so that `whole` runs the plan kernel at every point, as when the
+record was made (since then the attend kernels make the plan of up to 8 requests themselves;
+`tools/kernel_ab.py run --version 10 --toggle OWN_PLAN` times the two).
 """
 
 from __future__ import annotations
@@ -161,6 +164,7 @@ def cost(out: Path, rounds: int = 5, iters: int = 60) -> Path:
     from kdlib.perf.suites import _attention as base
     from kdlib.perf.suites import attention as suite
 
+    cu.OWN_PLAN = False  # the plan kernel first at every point (the module docstring)
     noop = cupy.RawKernel(NOOP, "noop_plan")
     pts = [{"heads": 64, "queries": 65, "prefix": 32768, "batch": 1},
            {"heads": 8, "queries": 1, "prefix": 200000, "batch": 1},

@@ -66,14 +66,16 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     the spread between runs, bbc3f6e's (history/attention.fi_eager.bbc3f6e.h200.json) there and behind 9
     and 8 at 8 x 65 x 32k B8, a36feef's (history/attention.before_regs.a36feef.h200.json) behind 7 at
     16 x 65 x 131k alone, 108e8c5's (the consumers' register operands,
-    history/attention.before_plan_small.108e8c5.h200.json) behind 8 and 7 there alone, and 5f90f18's (the plan
-    of up to 8 requests made by one warp, data/results/attention.h200.json) behind 9 and 8 at 8 x 9 x 32k B8
-    alone (`BF16_DEFAULT_TRADES`). It
-    launches its attend and combine kernels with programmatic
-    dependent launch (`PDL`; data/results/kernel_ab_pdl.h200.json). Ungated, the order measured
-    1.1-1.3 % slower than 9 at the suite's two uniform batches over two rounds (gains the plan's cost put
-    at 1.007x and 1.013x, data/results/history/attention.v10.8371cbb.h200.json), and ranking job by job
-    cost 0.7-1.1 % there (history/attention.v10_job_rank.33c8360.h200.json).
+    history/attention.before_plan_small.108e8c5.h200.json) behind 8 and 7 there alone, 5f90f18's (the plan
+    of up to 8 requests made by one warp, history/attention.before_own_plan.5f90f18.h200.json) behind 9 and 8
+    at 8 x 9 x 32k B8 alone, and c96c1f9's (the plan made by the attend kernels,
+    data/results/attention.h200.json) behind no arm (`BF16_DEFAULT_TRADES`). It launches its attend and
+    combine kernels with programmatic dependent launch (`PDL`; data/results/kernel_ab_pdl.h200.json). Up to
+    8 requests (`OWN_PLAN`) there is no plan kernel: the attend kernels make the plan themselves
+    (tree_verify_v10_attend_own, _t_own) and deal it statically. Ungated, the order measured 1.1-1.3 % slower
+    than 9 at the suite's two uniform batches over two rounds (gains the plan's cost put at 1.007x and
+    1.013x, data/results/history/attention.v10.8371cbb.h200.json), and ranking job by job cost 0.7-1.1 %
+    there (history/attention.v10_job_rank.33c8360.h200.json).
 FP8 latent cache (issue 19's stretch goal): a kv_cache of dtype uint8 and shape [S, 656] holds each token in
 the layout of `kdlib.ref.fp8` (DeepSeek-V3.2's, FlashMLA's "FP8 with scale", vLLM's `fp8_ds_mla`: 512 e4m3
 latent values, 4 float32 scales, one per 128 of them, 64 bf16 rope values; `kdlib.ref.fp8.pack_latent` writes
@@ -194,8 +196,11 @@ PDL = True
 # always `v8_combine_warps`'s combine (tools/kernel_ab.py run --toggle COMBINE_ROWS times the two).
 COMBINE_ROWS = True
 # Version 10 makes the plan of up to _V5_PLAN_SMALL_REQS requests in its attend kernels
-# (tree_verify_v10_attend_own, _t_own: no plan launch); False: the plan kernel first (tools/kernel_ab.py run
-# --toggle OWN_PLAN times the two).
+# (tree_verify_v10_attend_own, _t_own: no plan launch, the static deal); False: the plan kernel first.
+# `tools/kernel_ab.py run --version 10 --toggle OWN_PLAN` (history/kernel_ab_own_plan.c96c1f9.h200.json, bit
+# for bit): 1.005-1.053x at the points of 1 to 8 requests but one, 0.980 at 4 requests of 8 x 65 over 32k,
+# where the plan kernel orders the jobs and these kernels deal them statically; batches of 10 and 16 take the
+# plan kernel in both arms (0.988-1.003: the A/B's spread).
 OWN_PLAN = True
 _V5_PLAN_SMALL_REQS = 8  # PLAN_SMALL_REQS: up to this many requests warp 0 makes the plan alone
 _V5_PLAN_STRIDE = 8  # PLAN_STRIDE: per request base, chunks, chunk tiles, row blocks, len, rows, tail rows
@@ -258,20 +263,14 @@ WGMMA = "wgmma"
 # tests/test_kernel_constants.py checks both against the record).
 BF16_DEFAULT = "wgmma_v10"
 # (heads, queries, prefix, batch) -> why: the recorded points where another arm is faster than the default
-# beyond that arm's replay spread, the price of its gains elsewhere. One in the 5f90f18 record (below); in
-# the records before it one other each: 16 x 65 x 131k in 108e8c5's
+# beyond that arm's replay spread, the price of its gains elsewhere. None in the c96c1f9 record; in the
+# records before it one each: 8 x 9 x 32k B8 in 5f90f18's (history/attention.before_own_plan.5f90f18,
+# versions 9 and 8 ahead by about 1 %, the same consumers and jobs), 16 x 65 x 131k in 108e8c5's
 # (history/attention.before_plan_small.108e8c5), a36feef's and e8c3878's (versions 8 and 7 ahead, where
 # other runs had 10 ahead of both: the same consumers and jobs, one round in the static deal, the spread
 # between runs as wide as the gap), none in 89ffb6c's, 81fcb3e's or 4b198bb's, 8 x 65 x 32k B8 in bbc3f6e's
 # and 01f1fd5's, and 8 x 9 x 32k B8 in d919b95's (version 10 without PDL).
-BF16_DEFAULT_TRADES: dict[tuple[int, int, int, int], str] = {
-    (8, 9, 32768, 8): "versions 9 and 8 ahead of 10 beyond their p90 in the 5f90f18 run by about 1 %, 1.5 us "
-                      "of 0.154 ms: the same consumers and jobs (one round, left in the static deal), 10 "
-                      "adding PDL and its plan's order check; there its plan kernel measured faster than "
-                      "before (plan_phases.h200.json) and the A/B against a9c7992 0.987 "
-                      "(history/kernel_ab_plan_small.5f90f18), where that run's points whose plan path it "
-                      "left alone (batches of 10 and 16) moved 0.982-1.001",
-}
+BF16_DEFAULT_TRADES: dict[tuple[int, int, int, int], str] = {}
 _BY_IMPL = {launch.impl: v for v, launch in LAUNCHES.items()}
 DEFAULT_VERSION = _BY_IMPL[BF16_DEFAULT]
 # The deprecated impl= names -> versions ("auto": None, the default pick).
@@ -682,10 +681,17 @@ def deal_busiest(plan: np.ndarray, grid: int) -> tuple[int, int, np.ndarray]:
     return int(static.max()), int(cta_loads(plan, snake_deal(order, grid)).max()), order
 
 
+def own_plan(bsz: int) -> bool:
+    """Whether version 10's verify of `bsz` requests runs no plan kernel (`OWN_PLAN`): its attend kernels
+    make the plan themselves and deal the jobs statically."""
+    return OWN_PLAN and bsz <= _V5_PLAN_SMALL_REQS
+
+
 def v10_deal(plan: np.ndarray, grid: int) -> list[list[int]]:
     """The jobs each of `grid` CTAs of version 10's attend kernels runs, in order: the `snake_deal` of
-    `plan_order` where the plan writes one, else the `static_deal`."""
-    order = plan_order(plan, grid)
+    `plan_order` where the plan kernel writes one, else (or where the attend kernels make the plan,
+    `own_plan`) the `static_deal`."""
+    order = None if own_plan((len(plan) - 1) // _V5_PLAN_STRIDE) else plan_order(plan, grid)
     return static_deal(int(plan[0]), grid) if order is None else snake_deal(order, grid)
 
 
@@ -900,7 +906,7 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
         smem = _FP8_SMEM if fp8 else smem
     else:
         attend = f"tree_verify_v{7 if version == 8 else version}_attend"  # v8 runs v7's attend kernel
-    own = ordered and OWN_PLAN and not plan_ready and bsz <= _V5_PLAN_SMALL_REQS  # no plan kernel
+    own = ordered and not plan_ready and own_plan(bsz)  # no plan kernel
     attend_fn = loader.get_function(settings.stem, attend + ("_own" if own else ""), options=options)
     order = (ws.order,) if ordered else ()
     # the combine: its kernel, grid, block and the arguments between plan and out (v9 and v10 run v8's)

@@ -3,6 +3,10 @@
 // attend kernel (tree_verify_v10_attend_t, v9's consumers, where v9 runs its own kernel: Q*H <= 16, built per
 // shape with -DTV9_NR; else tree_verify_v10_attend, v7's consumers), tree_verify_v8_combine_w<W>. The host
 // launches the attend and combine kernels with programmatic dependent launch (pdl_wait, wgmma_common.cuh).
+// Up to PLAN_SMALL_REQS requests it launches no plan kernel: tree_verify_v10_attend_own and _t_own make the
+// plan themselves (own_plan, below) and deal it statically (kdlib.cuda.attention.OWN_PLAN; the whole verify
+// 1.005-1.053x faster at the A/B's points of 1 to 8 requests the plan kernel leaves unordered, 0.980 at the one
+// it orders, bit for bit: data/results/history/kernel_ab_own_plan.c96c1f9.h200.json).
 //
 // Why: the attend kernels are persistent, CTA c running jobs c, c + G, c + 2G, ... (the static round-robin).
 // Where the jobs differ in size (a ragged batch: requests of different prefixes and trees) the busiest CTA
