@@ -10,9 +10,10 @@ runs from 1.00 to 1.10, both deals are timed in one process:
 
 Both compute the same jobs and merge them in the same order, so their outputs must be equal bit for bit
 (checked). Both launch as CuPy calls: version 10's programmatic dependent launch (`attention.PDL`) is off
-for the run, so that the arms differ in the deal alone. Whole verify replayed from CUDA graphs, the arms
-alternating static, snake, static, snake over the whole grid (one compile each), each point's time the
-median of its arm's two replay sets.
+for the run, so that the arms differ in the deal alone, and so is its plan made by the attend kernels
+(`attention.OWN_PLAN`, which deals statically): version 10 runs its plan kernel at every batch. Whole
+verify replayed from CUDA graphs, the arms alternating static, snake, static, snake over the whole grid
+(one compile each), each point's time the median of its arm's two replay sets.
 
 Points: the attention suite's three that pass one round (its ragged batch, 16 x 65 x 131k, 8 x 65 x 32k B8),
 uniform batches and ragged ones (`ragged_batch`: 8 heads, a seeded draw of requests, prefixes and trees),
@@ -100,15 +101,16 @@ def run(*, quick: bool = False) -> dict:
     arms = [("static", 9, ""), ("snake", 10, FORCE_ORDER)] * 2
     times = [{"static": [], "snake": []} for _ in pts]
     outs = [{} for _ in pts]
-    pdl = cu.PDL
+    pdl, own = cu.PDL, cu.OWN_PLAN
     cu.PDL = False  # version 9 has no PDL launches: the arms differ in the deal alone
+    cu.OWN_PLAN = False  # the plan kernel orders; the attend kernels' own plan would deal statically
     try:
         for name, version, opts in arms:  # arm-major: one compile each; the arms alternate over the grid
             with loader.extra_options(opts):
                 suite.time_arm(name, pts, inputs, pool, times, outs, iters, version=version)
             print(f"[attention_gate] arm {name} (version {version} {opts}) done", flush=True)
     finally:
-        cu.PDL = pdl
+        cu.PDL, cu.OWN_PLAN = pdl, own
     rows = []
     for p, t, o in zip(pts, times, outs, strict=True):
         med = {k: statistics.median(v) for k, v in t.items()}
