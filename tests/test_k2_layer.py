@@ -251,25 +251,26 @@ def test_attention_plan_lays_the_jobs_over_the_ctas():
 
 
 def test_attention_plan_follows_the_default_versions_deal():
-    """Where version 10's plan kernel orders a uniform batch's jobs (16 streams x 65 rows at 5,500: chunks of
-    unequal tiles over several rounds), attention_plan's busiest CTA is the one of that deal (v10_deal),
-    lighter than the round-robin's; where it orders none (every K2 grid shape), or where the attend kernels
-    make the plan themselves (at most 8 streams: 8 x 65 at 4k, which the plan kernel would order), the
-    round-robin's."""
+    """Where version 10's plan kernel orders a uniform batch's jobs (8 streams x 65 rows at 4k, 16 at 5,500:
+    chunks of unequal tiles over two rounds or more), attention_plan's busiest CTA is the one of that deal
+    (v10_deal of the engine's step, whose first layer makes the plan with reuse_plan), lighter than the
+    round-robin's; where it orders none (every K2 grid shape), the round-robin's. A call of at most 8 streams
+    that no later call reuses deals statically (its attend kernels make the plan: own_plan)."""
     from kdlib.cuda.attention import job_tiles, own_plan, plan_order, static_deal, v10_deal
 
     shape = RankShape(ModelConfig.from_dict(memory.load_config("kimi-k2.6")), tp=8)
-    cases = ((16, 65, 5500, True, True), (8, 65, 4096, True, False), (4, 65, 128_000, False, False),
-             (16, 17, 5500, False, False))
-    for C, W, ctx, kernel_orders, dealt_by_size in cases:
+    for C, W, ctx, ordered in ((8, 65, 4096, True), (16, 65, 5500, True), (4, 65, 128_000, False),
+                               (16, 17, 5500, False)):
         plan = plan_v5([ctx] * C, [W] * C, ctx, W, shape.heads, 132)
-        assert (plan_order(plan, 132) is not None) == kernel_orders
-        assert own_plan(C) == (C <= 8)
+        assert (plan_order(plan, 132) is not None) == ordered
         tiles = job_tiles(plan)
-        dealt = [int(tiles[d].sum()) for d in v10_deal(plan, 132)]
+        dealt = [int(tiles[d].sum()) for d in v10_deal(plan, 132, reuse_plan=True)]
         static = [int(tiles[d].sum()) for d in static_deal(int(plan[0]), 132)]
         assert rank_work.attention_plan(shape, C, W, ctx, 132)["busiest_tiles"] == max(dealt)
-        assert (max(dealt) < max(static)) == dealt_by_size
+        assert (max(dealt) < max(static)) == ordered
+        assert own_plan(C) == (C <= 8) and not own_plan(C, reuse_plan=True)
+        alone = [int(tiles[d].sum()) for d in v10_deal(plan, 132)]
+        assert alone == (static if C <= 8 else dealt)
 
 
 def _plan_terms(fixed=8e-6, per=(2e-6, 3e-6, 1e-13, 4e-9, 5e-8)) -> est.AttentionPlanTerms:

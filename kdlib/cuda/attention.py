@@ -681,17 +681,20 @@ def deal_busiest(plan: np.ndarray, grid: int) -> tuple[int, int, np.ndarray]:
     return int(static.max()), int(cta_loads(plan, snake_deal(order, grid)).max()), order
 
 
-def own_plan(bsz: int) -> bool:
+def own_plan(bsz: int, reuse_plan: bool = False) -> bool:
     """Whether version 10's verify of `bsz` requests runs no plan kernel (`OWN_PLAN`): its attend kernels
-    make the plan themselves and deal the jobs statically."""
-    return OWN_PLAN and bsz <= _V5_PLAN_SMALL_REQS
+    make the plan themselves and deal the jobs statically. Not where later calls reuse the plan
+    (`reuse_plan`, tree_verify_attention's): there the plan kernel makes it, and its order stays for them."""
+    return OWN_PLAN and not reuse_plan and bsz <= _V5_PLAN_SMALL_REQS
 
 
-def v10_deal(plan: np.ndarray, grid: int) -> list[list[int]]:
-    """The jobs each of `grid` CTAs of version 10's attend kernels runs, in order: the `snake_deal` of
+def v10_deal(plan: np.ndarray, grid: int, reuse_plan: bool = False) -> list[list[int]]:
+    """The jobs each of `grid` CTAs of version 10's attend kernels runs, in order, in a call with
+    `reuse_plan` (tree_verify_attention's) or one that reuses such a call's plan: the `snake_deal` of
     `plan_order` where the plan kernel writes one, else (or where the attend kernels make the plan,
     `own_plan`) the `static_deal`."""
-    order = None if own_plan((len(plan) - 1) // _V5_PLAN_STRIDE) else plan_order(plan, grid)
+    own = own_plan((len(plan) - 1) // _V5_PLAN_STRIDE, reuse_plan)
+    order = None if own else plan_order(plan, grid)
     return static_deal(int(plan[0]), grid) if order is None else snake_deal(order, grid)
 
 
@@ -871,12 +874,14 @@ def _dequant_prefix(pool8, pt, lens, ws: VerifyWorkspace):
     return kv16, table
 
 
-def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=False, fp8=None):
+def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=False, fp8=None,
+                  reuse_plan=False):
     """The three launches of version 5 ... 10 (plan, the version's attend, its combine) -> (out [B*M, 512],
     lse [B*M]) fp32 views of the workspace.
 
     tail = (tree_kv [B, Q, 576], visibility [B, Q, Q], tree_sizes [B]) for the whole verify, None
-    for the prefix alone. plan_ready: the plan launch is skipped, ws.plan is read as it is. fp8 (version 10):
+    for the prefix alone. plan_ready: the plan launch is skipped, ws.plan is read as it is; reuse_plan: later
+    calls will (version 10 runs its plan kernel, `own_plan`). fp8 (version 10):
     kv is the FP8 pool [S, 656] uint8 and fp8 its path (FP8_PATHS): "fused", the FP8 build; "dequant_first",
     the gather into the workspace's bf16 pool (`_dequant_prefix`) launched first, then the bf16 build.
     """
@@ -906,7 +911,7 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
         smem = _FP8_SMEM if fp8 else smem
     else:
         attend = f"tree_verify_v{7 if version == 8 else version}_attend"  # v8 runs v7's attend kernel
-    own = ordered and not plan_ready and own_plan(bsz)  # no plan kernel
+    own = ordered and not plan_ready and own_plan(bsz, reuse_plan)  # no plan kernel
     attend_fn = loader.get_function(settings.stem, attend + ("_own" if own else ""), options=options)
     order = (ws.order,) if ordered else ()
     # the combine: its kernel, grid, block and the arguments between plan and out (v9 and v10 run v8's)
@@ -1083,7 +1088,8 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
 def tree_verify_attention(q, kv_cache, page_table, prefix_lens, tree_kv, visibility, tree_sizes,
                           softmax_scale, kv_lora_rank: int = KV_LORA_RANK, *, version: int | None = None,
                           validate: bool = True, workspace: VerifyWorkspace | None = None,
-                          impl: str | None = None, plan_ready: bool = False, fp8_path: str | None = None):
+                          impl: str | None = None, plan_ready: bool = False, reuse_plan: bool = False,
+                          fp8_path: str | None = None):
     """The whole verify attention: split-KV prefix + masked tail, merged in one combine launch
     (versions 5, 6, 7: the tail fused into the prefix kernel).
 
@@ -1096,7 +1102,10 @@ def tree_verify_attention(q, kv_cache, page_table, prefix_lens, tree_kv, visibil
     previous call on it made for the same prefix_lens, tree_sizes and page-table width, and the plan
     launch is skipped (the layers of one verify step share a plan); the caller vouches for the sameness.
     Version 10 also reads the order its own plan wrote there: after another version's plan on the
-    workspace, run version 10's plan before a plan_ready call of version 10. fp8_path (an FP8 kv_cache
+    workspace, run version 10's plan before a plan_ready call of version 10. reuse_plan: later calls will
+    reuse this call's plan (the first layer of a step); version 10 then makes it with its plan kernel, whose
+    order by size (where its gate takes one) those calls keep, not in its attend kernels (`OWN_PLAN`, up to
+    8 requests), which deal the jobs statically. fp8_path (an FP8 kv_cache
     only): one of FP8_PATHS, None: `fp8_path_for` picks by Q x H (module docstring).
     """
     _check_rank(kv_lora_rank)
@@ -1113,7 +1122,7 @@ def tree_verify_attention(q, kv_cache, page_table, prefix_lens, tree_kv, visibil
         _validate_tail(sizes, qa.shape[1])
     if version in WGMMA_VERSIONS:
         out, lse = _launch_wgmma(version, qa, kv, pt, lens, scale, workspace, tail=(tkv, vis, sizes),
-                                 plan_ready=plan_ready, fp8=path)
+                                 plan_ready=plan_ready, fp8=path, reuse_plan=reuse_plan)
         out, lse = out.reshape(bsz, nq, nh, KV_LORA_RANK), lse.reshape(bsz, nq, nh)
         return (out, lse) if batched else (out[0], lse[0])
     parts, plse = _launch_prefix(qa, kind, kv, pt, lens, scale, version)

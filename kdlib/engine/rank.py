@@ -383,13 +383,15 @@ class RankModel:
         of q [M, nh, 576] over each stream's prefix (table [C, T] slots, lens [C]) and its own rows (vis
         [C, W, W], sizes [C]) -> o_lat [M, nh, kv_lora] float32. On CUDA table, lens and sizes are int32
         (the kernels' types), unchecked (graph-safe); ws: the call's workspace (`verify_workspace`), its
-        plan reused with plan_ready (the layers after the first of one forward: the same lens and sizes).
+        plan reused with plan_ready (the layers after the first of one forward: the same lens and sizes),
+        made by the first layer's call with reuse_plan (`kdlib.cuda.attention.tree_verify_attention`).
         The result is a view of ws's output, valid until the next call on ws."""
         c, nh = self.cfg, self.heads
         C, W = vis.shape[:2]
         kv.index_copy_(0, slots, rows)
-        extra = {"validate": False, "workspace": ws, "plan_ready": plan_ready and ws is not None} \
-            if self.device.type == "cuda" else {}
+        shared = ws is not None  # the first layer's plan is the later layers' (version 10: its plan kernel's)
+        extra = {"validate": False, "workspace": ws, "plan_ready": plan_ready and shared,
+                 "reuse_plan": shared and not plan_ready} if self.device.type == "cuda" else {}
         out, _ = ops.tree_verify_attention(
             q.view(C, W, nh, c.latent_dim), kv, table, lens, rows.view(C, W, c.latent_dim), vis, sizes,
             c.softmax_scale, kv_lora_rank=c.kv_lora_rank, **extra)
