@@ -1649,6 +1649,51 @@ def test_v10_batch_matches_float64_and_version_9_bit_for_bit(bsz, nq, nh, width,
 
 
 @pytest.mark.gpu
+def test_v10_own_plan_and_reuse_plan_deal_the_same_jobs_to_the_same_bits():
+    """A uniform batch of 8 x 65 rows over 4,096 keys, which the plan kernel's gate orders: alone (at most 8
+    requests: the attend kernels make the plan, no order, order [0] = -1), with reuse_plan (the plan kernel:
+    plan_order's order in the workspace, kept by a plan_ready call) and with the plan reused, the same plan
+    and the same bits (the deal moves jobs between CTAs, not their arithmetic)."""
+    _need_wgmma()
+    import torch
+
+    from kdlib.cuda import attention as cu
+
+    bsz, nq, nh, width = 8, 65, 8, 4096
+    g = torch.Generator(device="cuda").manual_seed(8)
+    q = torch.randn(bsz, nq, nh, 576, device="cuda", generator=g).bfloat16()  # [B, Q, H, 576]
+    kv = torch.randn(2 * width, 576, device="cuda", generator=g).bfloat16()  # [S, 576]
+    page = torch.stack([torch.randperm(2 * width, device="cuda", generator=g)[:width]
+                        for _ in range(bsz)]).int()  # [B, width]
+    lens = torch.full((bsz,), width, device="cuda", dtype=torch.int32)
+    sizes = torch.full((bsz,), nq, device="cuda", dtype=torch.int32)
+    tkv = torch.randn(bsz, nq, 576, device="cuda", generator=g).bfloat16()  # [B, Q, 576]
+    rng = np.random.default_rng(8)
+    vis = torch.from_numpy(np.stack([_random_tree(rng, nq) for _ in range(bsz)])).cuda()  # [B, Q, Q]
+    args = (q, kv, page, lens, tkv, vis, sizes, 576**-0.5)
+    want_plan = cu.plan_v5([width] * bsz, [nq] * bsz, width, nq, nh, cu.make_workspace(bsz, nq, nh).grid)
+    assert cu.own_plan(bsz) and not cu.own_plan(bsz, reuse_plan=True)
+    outs = {}
+    for arm, kw in (("alone", {}), ("reuse_plan", {"reuse_plan": True})):
+        ws = cu.make_workspace(bsz, nq, nh)
+        assert cu.plan_order(want_plan, ws.grid) is not None, "the gate orders this batch"
+        out, lse = cu.tree_verify_attention(*args, impl="wgmma_v10", workspace=ws, **kw)
+        outs[arm] = (out.get(), lse.get())
+        np.testing.assert_array_equal(ws.plan.get(), want_plan)
+        order = ws.order.get()[:want_plan[0]]
+        if arm == "alone":
+            assert order[0] == -1, "the attend kernels' own plan deals statically"
+        else:
+            np.testing.assert_array_equal(order, cu.plan_order(want_plan, ws.grid))
+            out, lse = cu.tree_verify_attention(*args, impl="wgmma_v10", workspace=ws, plan_ready=True)
+            outs["plan_ready"] = (out.get(), lse.get())
+            np.testing.assert_array_equal(ws.order.get()[:want_plan[0]], order)
+    for arm in ("reuse_plan", "plan_ready"):
+        same = [np.array_equal(a, b, equal_nan=True) for a, b in zip(outs[arm], outs["alone"], strict=True)]
+        assert all(same), f"{arm}: out, lse bit-equal to the own plan's: {same}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("impl,nq", [("wgmma", 33), ("wgmma_v6", 33), ("wgmma_v7", 33), ("wgmma_v8", 33),
                                      ("wgmma_v9", 2), ("wgmma_v10", 33), ("wgmma_v10", 2)])  # nq 2: Q*H <= 16
 def test_wgmma_bit_reproducible_graph_captured_and_allocation_free(impl, nq):
