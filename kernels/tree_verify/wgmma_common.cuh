@@ -104,9 +104,11 @@ __device__ __forceinline__ void plan_small(const int* __restrict__ prefix_lens, 
         };
         while (!__all_sync(all, lo == hi)) {  // group k: plan_v5's binary search, the groups in step
             const int mid = (lo + hi) >> 1;
-            const bool fits = group_jobs(mid) <= limit;
-            if (lo < hi && fits) hi = mid;
-            else if (lo < hi) lo = mid + 1;
+            const bool fits = group_jobs(mid) <= limit;  // every lane: its shuffles take the whole warp
+            if (lo < hi) {
+                if (fits) hi = mid;
+                else lo = mid + 1;
+            }
         }
         n = group_jobs(lo);
     }
