@@ -36,9 +36,10 @@ test: $(STAMP) chromium
 lab: $(STAMP)
 	$(BIN)/jupyter lab notebooks $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
-## gpu-test: on a CUDA machine (no venv there): every kernel against its reference, the engine on GPU
+## gpu-test: on a CUDA machine (no venv there): every kernel against its reference, the engine on GPU;
+## SHARD=K/N runs the K-th of N shares (tests/conftest.py's --shard)
 gpu-test:
-	python3 -m pytest -m gpu tests
+	python3 -m pytest -m gpu tests $(if $(SHARD),--shard $(SHARD))
 
 lint: $(STAMP)
 	$(BIN)/ruff check kdlib tests

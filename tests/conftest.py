@@ -1,7 +1,8 @@
 """Shared pytest set-up: the `gpu` marker skips cleanly without a CUDA device, and modules that need
 the notebook or web stack are left out where that stack is absent (the GPU machine has no nbformat,
 papermill or FastAPI; `python3 -m pytest -m gpu tests` must still collect there). On CPU machines the
-Makefile's venv has all of them, so nothing is left out. `host_emulation` builds a kernel source for the
+Makefile's venv has all of them, so nothing is left out. `--shard K/N` runs the K-th of N shares of the
+selected tests (the GPU suite outlasts one device call). `host_emulation` builds a kernel source for the
 host (tests/emu)."""
 
 import importlib.util
@@ -38,7 +39,29 @@ def _cuda_available() -> bool:
         return False
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="K/N",
+                     help="run the K-th of N shares of the selected tests, their files dealt round-robin in "
+                          "path order (after -m and -k): a suite longer than one device call over N calls")
+
+
+def _shard(spec: str) -> tuple[int, int]:
+    """'K/N' -> (K, N) with 1 <= K <= N; anything else is a usage error."""
+    m = re.fullmatch(r"(\d+)/(\d+)", spec)
+    if m is None or not 1 <= int(m[1]) <= int(m[2]):
+        raise pytest.UsageError(f"--shard wants K/N with 1 <= K <= N, got {spec!r}")
+    return int(m[1]), int(m[2])
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k have deselected: the shares deal the files that remain
 def pytest_collection_modifyitems(config, items):
+    spec = config.getoption("--shard")
+    if spec is not None:
+        k, n = _shard(spec)
+        files = sorted({item.path for item in items})
+        mine = {f for i, f in enumerate(files) if i % n == k - 1}
+        config.hook.pytest_deselected(items=[item for item in items if item.path not in mine])
+        items[:] = [item for item in items if item.path in mine]
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run with python3 -m pytest -m gpu on the GPU "
