@@ -224,7 +224,9 @@ def test_attention_wgmma_constants_match_the_source(version):
     assert c["V9_SMEM" if version >= 9 else "SMEM_BYTES"] == smem <= 227 * 1024
     if version == 10:  # its kernel with v7's consumers launches with v7's
         assert c["SMEM_BYTES"] == attention._V7_SMEM
-    assert c["PLAN_SMALL_REQS"] == attention._V5_PLAN_SMALL_REQS  # the host's cut for the own-plan kernels
+    assert c["PLAN_SMALL_REQS"] == attention._V5_PLAN_SMALL_REQS
+    if version == 10:  # the host's cut for the kernels that make their own plan
+        assert c["OWN_PLAN_REQS"] == attention._V10_OWN_PLAN_REQS
     assert (c["BM"], c["BN"], c["MAX_ROUNDS"], c["JOB_OVERHEAD"], c["PLAN_STRIDE"]) == (
         attention._V5_BM,
         attention._V5_BN,

@@ -195,7 +195,7 @@ PDL = True
 # Versions 8-10 merge with a warp per row where `v8_combine_rows` says (the 4-warp combine's bits); False:
 # always `v8_combine_warps`'s combine (tools/kernel_ab.py run --toggle COMBINE_ROWS times the two).
 COMBINE_ROWS = True
-# Version 10 makes the plan of up to _V5_PLAN_SMALL_REQS requests in its attend kernels
+# Version 10 makes the plan of up to _V10_OWN_PLAN_REQS requests in its attend kernels
 # (tree_verify_v10_attend_own, _t_own: no plan launch, the static deal); False: the plan kernel first.
 # `tools/kernel_ab.py run --version 10 --toggle OWN_PLAN` (history/kernel_ab_own_plan.c96c1f9.h200.json, bit
 # for bit): 1.005-1.053x at the points of 1 to 8 requests but one, 0.980 at 4 requests of 8 x 65 over 32k,
@@ -203,6 +203,7 @@ COMBINE_ROWS = True
 # plan kernel in both arms (0.988-1.003: the A/B's spread).
 OWN_PLAN = True
 _V5_PLAN_SMALL_REQS = 8  # PLAN_SMALL_REQS: up to this many requests warp 0 makes the plan alone
+_V10_OWN_PLAN_REQS = 8  # OWN_PLAN_REQS: up to this many requests the attend kernels make it (`own_plan`)
 _V5_PLAN_STRIDE = 8  # PLAN_STRIDE: per request base, chunks, chunk tiles, row blocks, len, rows, tail rows
 _V5_PLAN_SMEM_REQS = 256  # PLAN_SMEM_REQS: the plan kernels build plans of this many requests in smem
 _V5_COMBINE_COLS = 128  # COMBINE_COLS: columns of one combine block (its 4 warps' float4 lanes)
@@ -685,7 +686,7 @@ def own_plan(bsz: int, reuse_plan: bool = False) -> bool:
     """Whether version 10's verify of `bsz` requests runs no plan kernel (`OWN_PLAN`): its attend kernels
     make the plan themselves and deal the jobs statically. Not where later calls reuse the plan
     (`reuse_plan`, tree_verify_attention's): there the plan kernel makes it, and its order stays for them."""
-    return OWN_PLAN and not reuse_plan and bsz <= _V5_PLAN_SMALL_REQS
+    return OWN_PLAN and not reuse_plan and bsz <= _V10_OWN_PLAN_REQS
 
 
 def v10_deal(plan: np.ndarray, grid: int, reuse_plan: bool = False) -> list[list[int]]:

@@ -3,7 +3,7 @@
 // attend kernel (tree_verify_v10_attend_t, v9's consumers, where v9 runs its own kernel: Q*H <= 16, built per
 // shape with -DTV9_NR; else tree_verify_v10_attend, v7's consumers), tree_verify_v8_combine_w<W>. The host
 // launches the attend and combine kernels with programmatic dependent launch (pdl_wait, wgmma_common.cuh).
-// Up to PLAN_SMALL_REQS requests it launches no plan kernel: tree_verify_v10_attend_own and _t_own make the
+// Up to OWN_PLAN_REQS requests it launches no plan kernel: tree_verify_v10_attend_own and _t_own make the
 // plan themselves (own_plan, below) and deal it statically (kdlib.cuda.attention.OWN_PLAN; the whole verify
 // 1.005-1.053x faster at the A/B's points of 1 to 8 requests the plan kernel leaves unordered, 0.980 at the one
 // it orders, bit for bit: data/results/history/kernel_ab_own_plan.c96c1f9.h200.json).
@@ -112,10 +112,14 @@ extern "C" __global__ void __launch_bounds__(256) tree_verify_v10_plan(
 
 // ------------------------------------------------------------------------------------------ attend
 
-#define OWN_PLAN_INTS (PLAN_HDR + PLAN_SMALL_REQS * PLAN_STRIDE + 1)  // a plan of PLAN_SMALL_REQS, then order [0]
+#ifndef OWN_PLAN_REQS
+#define OWN_PLAN_REQS 8  // the most requests the _own kernels plan for (kdlib.cuda.attention.own_plan's cut)
+#endif
+static_assert(OWN_PLAN_REQS >= 1 && OWN_PLAN_REQS <= 8, "OWN_PLAN_REQS: plan_small's search of up to 8 requests");
+#define OWN_PLAN_INTS (PLAN_HDR + OWN_PLAN_REQS * PLAN_STRIDE + 1)  // a plan of OWN_PLAN_REQS, then order [0]
 
 // The plan made by the attend kernel itself (the _own kernels, launched with no plan kernel ahead: up to
-// PLAN_SMALL_REQS requests): warp 0 of every CTA makes plan_small's plan into fplan [OWN_PLAN_INTS] (shared;
+// OWN_PLAN_REQS requests): warp 0 of every CTA makes plan_small's plan into fplan [OWN_PLAN_INTS] (shared;
 // its last int order [0] = -1, the static deal), CTA 0 also into plan and order [0], which the combine and
 // later calls with plan_ready read. The CTA reads its fplan. A plan of more than G jobs is dealt statically
 // here, where the plan kernel may order it.
@@ -140,7 +144,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v10_attend
 }
 
 // As tree_verify_v10_attend, its plan made by itself (own_plan) from prefix_lens [B] and tree_sizes [B] (or
-// null), B <= PLAN_SMALL_REQS; plan and order are only written (CTA 0).
+// null), B <= OWN_PLAN_REQS; plan and order are only written (CTA 0).
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1) tree_verify_v10_attend_own(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv, const int* __restrict__ page_table,
     const __nv_bfloat16* __restrict__ tree_kv, const unsigned char* __restrict__ vis, int* __restrict__ plan,
