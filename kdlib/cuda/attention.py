@@ -690,10 +690,10 @@ def own_plan(bsz: int, reuse_plan: bool = False) -> bool:
 
 
 def v10_deal(plan: np.ndarray, grid: int, reuse_plan: bool = False) -> list[list[int]]:
-    """The jobs each of `grid` CTAs of version 10's attend kernels runs, in order, in a call with
-    `reuse_plan` (tree_verify_attention's) or one that reuses such a call's plan: the `snake_deal` of
-    `plan_order` where the plan kernel writes one, else (or where the attend kernels make the plan,
-    `own_plan`) the `static_deal`."""
+    """The jobs each of `grid` CTAs of version 10's attend kernels runs, in order: the `snake_deal` of
+    `plan_order` where the plan kernel makes the plan and writes an order, else the `static_deal` (also
+    where the attend kernels make the plan, `own_plan`). reuse_plan: the call's, tree_verify_attention's
+    (True for the first layer of a step and, through its plan, the plan_ready calls after it)."""
     own = own_plan((len(plan) - 1) // _V5_PLAN_STRIDE, reuse_plan)
     order = None if own else plan_order(plan, grid)
     return static_deal(int(plan[0]), grid) if order is None else snake_deal(order, grid)
