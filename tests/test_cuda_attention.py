@@ -1605,10 +1605,31 @@ def test_v10_batch_matches_float64_and_version_9_bit_for_bit(bsz, nq, nh, width,
     as CuPy calls) and within the bf16 tolerance of a float64 torch reference (rows under each request's
     tree size)."""
     _need_wgmma()
-    import torch
-
-    from kdlib.check import assert_close
     from kdlib.cuda import attention as cu
+
+    args, sizes_np = _verify_batch(bsz, nq, nh, width, ragged)
+    ws = cu.make_workspace(bsz, nq, nh)
+    out, lse = cu.tree_verify_attention(*args, impl="wgmma_v10", workspace=ws)
+    plan = ws.plan.get()
+    assert plan[0] > ws.grid, "the plan fits one round: no order to test"
+    want = cu.plan_order(plan, ws.grid)
+    assert (want is not None) == ragged
+    if ragged:
+        np.testing.assert_array_equal(ws.order.get()[:plan[0]], want)
+    else:
+        assert int(ws.order[0].get()) == -1
+    out9, lse9 = cu.tree_verify_attention(*args, impl="wgmma_v9")
+    assert np.array_equal(out.get(), out9.get(), equal_nan=True), "v10's out differs from v9's"
+    assert np.array_equal(lse.get(), lse9.get(), equal_nan=True), "v10's lse differs from v9's"
+    _check_batch(out, lse, args, sizes_np, "v10")
+
+
+def _verify_batch(bsz: int, nq: int, nh: int, width: int, ragged: bool):
+    """A verify batch on the GPU -> (tree_verify_attention's arguments, tree sizes [B] numpy): q [B, Q, H,
+    576], a pool of 2 x width rows, each request's page table a random draw of width slots; ragged: prefixes
+    spread from width / 40 to width and random tree sizes, else every prefix width and every tree Q; random
+    trees."""
+    import torch
 
     g = torch.Generator(device="cuda").manual_seed(bsz)
     rng = np.random.default_rng(bsz)
@@ -1625,27 +1646,43 @@ def test_v10_batch_matches_float64_and_version_9_bit_for_bit(bsz, nq, nh, width,
     lens, sizes = torch.from_numpy(lens_np).cuda(), torch.from_numpy(sizes_np).cuda()
     tkv = torch.randn(bsz, nq, 576, device="cuda", generator=g).bfloat16()  # [B, Q, 576]
     vis = torch.from_numpy(np.stack([_random_tree(rng, nq) for _ in range(bsz)])).cuda()  # [B, Q, Q]
-    args = (q, kv, page, lens, tkv, vis, sizes, 576**-0.5)
-    ws = cu.make_workspace(bsz, nq, nh)
-    out, lse = cu.tree_verify_attention(*args, impl="wgmma_v10", workspace=ws)
-    plan = ws.plan.get()
-    assert plan[0] > ws.grid, "the plan fits one round: no order to test"
-    want = cu.plan_order(plan, ws.grid)
-    assert (want is not None) == ragged
-    if ragged:
-        np.testing.assert_array_equal(ws.order.get()[:plan[0]], want)
-    else:
-        assert int(ws.order[0].get()) == -1
-    out9, lse9 = cu.tree_verify_attention(*args, impl="wgmma_v9")
-    assert np.array_equal(out.get(), out9.get(), equal_nan=True), "v10's out differs from v9's"
-    assert np.array_equal(lse.get(), lse9.get(), equal_nan=True), "v10's lse differs from v9's"
-    for b in range(bsz):
-        ts = int(sizes_np[b])
+    return (q, kv, page, lens, tkv, vis, sizes, 576**-0.5), sizes_np
+
+
+def _check_batch(out, lse, args, sizes_np, name: str):
+    """out, lse of a _verify_batch against the float64 torch reference, request by request: within the bf16
+    tolerance under each tree size, NaN past it."""
+    from kdlib.check import assert_close
+
+    q, kv, page, lens, tkv, vis, sizes, scale = args
+    for b, ts in enumerate(int(t) for t in sizes_np):
         r_out, r_lse = _torch_reference(q[b:b + 1, :ts], kv, page[b:b + 1], lens[b:b + 1], tkv[b:b + 1, :ts],
-                                        vis[b:b + 1, :ts, :ts], sizes[b:b + 1], 576**-0.5)
-        assert_close(out[b, :ts], r_out[0], rtol=BF16_RTOL, name=f"v10 request {b}", quiet=True)
-        assert_close(lse[b, :ts], r_lse[0], rtol=1e-4, name=f"v10 lse request {b}", quiet=True)
-        assert np.isnan(out[b, ts:].get()).all(), f"request {b}: rows past its tree not NaN"
+                                        vis[b:b + 1, :ts, :ts], sizes[b:b + 1], scale)
+        assert_close(out[b, :ts], r_out[0], rtol=BF16_RTOL, name=f"{name} request {b}", quiet=True)
+        assert_close(lse[b, :ts], r_lse[0], rtol=1e-4, name=f"{name} lse request {b}", quiet=True)
+        assert np.isnan(out[b, ts:].get()).all(), f"{name} request {b}: rows past its tree not NaN"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bsz,nq,nh,width,ragged", [(16, 65, 8, 40_000, True), (1, 65, 64, 8192, False),
+                                                    (2, 9, 8, 30_000, False)])
+def test_v10_ownfirst_build_matches_float64_and_repeats_its_bits(bsz, nq, nh, width, ragged):
+    """Built -DTV7_OWNFIRST=1 (v7's consumers in FlashMLA's order; kdlib.cuda.seesaw mirrors it), version 10's
+    verify of a ragged batch, of 64 heads and of 72 rows a request is within the bf16 tolerance of the float64
+    reference, and a second call gives the same bits."""
+    _need_wgmma()
+    from kdlib.cuda import attention as cu
+    from kdlib.cuda import loader
+
+    args, sizes_np = _verify_batch(bsz, nq, nh, width, ragged)
+    ws = cu.make_workspace(bsz, nq, nh)
+    with loader.extra_options("-DTV7_OWNFIRST=1"):
+        out, lse = cu.tree_verify_attention(*args, impl="wgmma_v10", workspace=ws)
+        out, lse = out.copy(), lse.copy()
+        again = cu.tree_verify_attention(*args, impl="wgmma_v10", workspace=ws)
+    same = [np.array_equal(a.get(), b.get(), equal_nan=True) for a, b in zip((out, lse), again, strict=True)]
+    assert all(same), f"out, lse of two calls bit-equal: {same}"
+    _check_batch(out, lse, args, sizes_np, "v10 ownfirst")
 
 
 @pytest.mark.gpu

@@ -12,6 +12,8 @@ On the GPU machine (carry ["build/ab"]):
     python3 tools/kernel_ab.py run build/ab/<rev>/kernels --version 10 --suite kernel_ab_plan --out $OUT
     python3 tools/kernel_ab.py run --version 10 --suite kernel_ab_pdl --out $OUT   # PDL on / off
     python3 tools/kernel_ab.py run --version 10 --toggle COMBINE_ROWS --suite kernel_ab_rows --out $OUT
+    python3 tools/kernel_ab.py run --version 10 --define TV7_OWNFIRST=1 --suite kernel_ab_ownfirst \
+        --out $OUT   # this tree built with -DTV7_OWNFIRST=1 (new) against its default build (old)
     python3 tools/kernel_ab.py repeat build/ab/<rev>/kernels --prefix 32000 --batch 16 \
         --out $OUT   # each arm n times at one point, against float64
 
@@ -22,7 +24,9 @@ Kimi-K2.6 rank's verify at C = 1, 4, 10, 16 streams of 9 or 65 tree rows over 5,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -46,11 +50,12 @@ def export(rev: str) -> Path:
 
 
 def run(old_kernels: Path | None, out: Path, version: int, iters: int, suite_name: str = "kernel_ab",
-        new_kernels: Path | None = None, toggle: str = "PDL") -> Path:
+        new_kernels: Path | None = None, toggle: str = "PDL", define: str | None = None) -> Path:
     """Both arms at every point into <out>/<suite_name>.<gpu>.json; the new arm runs new_kernels (None: this
     tree's). old_kernels None: the arms are this tree's kernels with the switch `toggle` of
     kdlib.cuda.attention on ("new") and off ("old"): PDL, programmatic dependent launch; COMBINE_ROWS, the
-    combine with a warp per row where the rows are many."""
+    combine with a warp per row where the rows are many. define ('NAME=VALUE', no old kernels): instead, this
+    tree's kernels built with -DNAME=VALUE (new) and without (old), the host's switches as they are."""
     import cupy
     import torch
 
@@ -71,9 +76,12 @@ def run(old_kernels: Path | None, out: Path, version: int, iters: int, suite_nam
     saved = getattr(cu, toggle)
     for name, src in arms:  # arm-major: one compile per arm; the arms alternate over the whole grid
         loader.use_kernels(src)
-        setattr(cu, toggle, saved if old_kernels is not None else name == "new")
-        suite.time_arm(name, pts, inputs, pool, times, outs, iters, version=version)
-        print(f"[ab] arm {name} ({src or 'this tree'}, {toggle} {getattr(cu, toggle)}) done", flush=True)
+        setattr(cu, toggle, saved if old_kernels is not None or define else name == "new")
+        new_build = define and name == "new"
+        with loader.extra_options(f"-D{define}") if new_build else contextlib.nullcontext():
+            suite.time_arm(name, pts, inputs, pool, times, outs, iters, version=version)
+        print(f"[ab] arm {name} ({src or 'this tree'}, {toggle} {getattr(cu, toggle)}"
+              f"{f', -D{define}' if new_build else ''}) done", flush=True)
     loader.use_kernels(None)
     setattr(cu, toggle, saved)
     rows = []
@@ -92,8 +100,9 @@ def run(old_kernels: Path | None, out: Path, version: int, iters: int, suite_nam
               f"bitwise {row['bitwise_equal']}", flush=True)
     doc = {"parameters": {"version": version, "old_kernels": str(old_kernels) if old_kernels else None,
                           "new_kernels": str(new_kernels) if new_kernels else None,
-                          "pdl_arms": old_kernels is None and toggle == "PDL",
-                          "toggle_arms": toggle if old_kernels is None else None, "iters": iters,
+                          "pdl_arms": old_kernels is None and not define and toggle == "PDL",
+                          "toggle_arms": toggle if old_kernels is None and not define else None,
+                          "define_arms": define, "iters": iters,
                           "arms": [a for a, _ in arms], "points": pts},
            "ceilings": ceil, "rows": rows,
            "verdict": {"bitwise_equal_everywhere": all(r["bitwise_equal"] for r in rows),
@@ -182,6 +191,9 @@ def main(argv=None) -> int:
     r.add_argument("--toggle", choices=TOGGLES, default="PDL",
                    help="without old kernels: the kdlib.cuda.attention switch the arms set on (new) and off "
                         "(old)")
+    r.add_argument("--define", metavar="NAME=VALUE",
+                   help="without old kernels: this tree's kernels built with -DNAME=VALUE (new) and without "
+                        "(old), instead of a --toggle")
     p = sub.add_parser("repeat", help="each arm n times at one point, against float64 (GPU)")
     p.add_argument("old_kernels", type=Path)
     for k, v in (("heads", 8), ("queries", 65), ("prefix", 32_000), ("batch", 16), ("n", 8), ("version", 7)):
@@ -196,10 +208,15 @@ def main(argv=None) -> int:
     else:
         if a.old_kernels is None and a.new_kernels is not None:
             ap.error("--new needs the old arm's kernels")
-        if a.old_kernels is None and a.version != 10:
+        if a.define is not None:
+            if a.old_kernels is not None:
+                ap.error("--define sets the new arm's build of this tree: no old kernels with it")
+            if not re.fullmatch(r"[A-Za-z_]\w*=\S+", a.define):
+                ap.error(f"--define takes NAME=VALUE, got {a.define!r}")
+        elif a.old_kernels is None and a.version != 10:
             ap.error(f"without old kernels the arms are {a.toggle} on / off, which only version 10 follows "
                      "here: --version 10")
-        run(a.old_kernels, a.out, a.version, a.iters, a.suite, a.new_kernels, a.toggle)
+        run(a.old_kernels, a.out, a.version, a.iters, a.suite, a.new_kernels, a.toggle, a.define)
     return 0
 
 

@@ -528,16 +528,23 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     return *reinterpret_cast<unsigned*>(&v);
 }
 
+// An accumulator's rows of this thread (its m64 fragment: rows g at 4i, 4i + 1, g + 8 at 4i + 2, 4i + 3)
+// *= their factors c0, c1.
+template <int N>
+__device__ __forceinline__ void scale_rows(float (&x)[N], float c0, float c1) {
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+        x[4 * i + 0] *= c0;
+        x[4 * i + 1] *= c0;
+        x[4 * i + 2] *= c1;
+        x[4 * i + 3] *= c1;
+    }
+}
+
 // O rows of this thread *= their factors (rows g: c0, g + 8: c1), skipped when no row of the warp moved.
 __device__ __forceinline__ void rescale(float (&o)[128], float c0, float c1) {
     if (!__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) return;
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-        o[4 * i + 0] *= c0;
-        o[4 * i + 1] *= c0;
-        o[4 * i + 2] *= c1;
-        o[4 * i + 3] *= c1;
-    }
+    scale_rows(o, c0, c1);
 }
 
 // An opaque copy: keeps the compiler from hoisting the 36 loop-invariant descriptors of a tile
@@ -765,15 +772,23 @@ __device__ __forceinline__ void exp_tile(float (&s)[32], float sl2, float ms0, f
     }
 }
 
+// The rows' new running maxima: the last ones mp and the tile's mx (mask_tile's).
+__device__ __forceinline__ void new_maxima(float mp0, float mp1, float mx0, float mx1, float& mn0, float& mn1) {
+    mn0 = fmaxf(mp0, mx0);
+    mn1 = fmaxf(mp1, mx1);
+}
+
+// The shift a row's exponentials take from its running maximum m: 0 for a row with no key yet (m -inf).
+__device__ __forceinline__ float shift_of(float m) { return m == NEG_INF ? 0.f : m; }
+
 // The online-softmax step of one tile (log2 domain): from the rows' running maxima mp and the tile's
 // maxima mx (mask_tile's), the new maxima mn and the factors c = 2^(mp - mn) of what came before; l = l c +
 // the rows' sums of P; s (unscaled) <- P = 2^(s sl2 - mn) (fp32). A row with no key yet keeps mn -inf, c and
 // P 0.
 __device__ __forceinline__ void softmax_step(float (&s)[32], float sl2, float mp0, float mp1, float mx0, float mx1,
                                              float& mn0, float& mn1, float& c0, float& c1, float& l0, float& l1) {
-    mn0 = fmaxf(mp0, mx0);
-    mn1 = fmaxf(mp1, mx1);
-    const float ms0 = mn0 == NEG_INF ? 0.f : mn0, ms1 = mn1 == NEG_INF ? 0.f : mn1;  // no key yet
+    new_maxima(mp0, mp1, mx0, mx1, mn0, mn1);
+    const float ms0 = shift_of(mn0), ms1 = shift_of(mn1);
     c0 = ex2(mp0 - ms0);
     c1 = ex2(mp1 - ms1);
     l0 *= c0;

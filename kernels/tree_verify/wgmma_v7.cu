@@ -43,6 +43,13 @@
 // waited on the release of pair n - 2 by both consumers, who read descriptor n - 4 (the slot's
 // previous one) into registers before that.
 //
+// Built -DTV7_OWNFIRST=1 (not the default; tree_verify/wgmma_ws.cuh) the consumers take FlashMLA's order:
+// NB_SCALE_A hands off m_A alone, before consumer 0's exponentials; NB_SCALE_B m_B and c_B; NB_PB P_B; NB_PA
+// P_A c_B, which consumer 0 writes into stage 0's rope block. Consumer 1 brings O_R and its l from the last
+// pair's maxima to m_B in one factor and adds (P_A c_B) V_AR, then P_B V_BR. Releases: stage 0 V_L by consumer
+// 0 after P_A V_AL, V_R by consumer 1 after (P_A c_B) V_AR, the rope block by consumer 0 once P_A c_B is
+// written and by consumer 1 after V_AR; stage 1 as above. kdlib.cuda.seesaw mirrors both orders in numpy.
+//
 // Shared memory (1024-aligned base): v6's Q (9 blocks) | K stage 0 (9 blocks) | K stage 1 | rows (m,
 // c_A, c_B, the two l of a job) | descriptors | mbarriers: 223,920 bytes with the alignment slack.
 // No third stage fits (227 KB a block); the producer runs ahead by the column blocks released early.
@@ -164,7 +171,112 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
 
             float mx0, mx1;
             mask_tile(s, mx0, mx1, tail, k0, kend, vis, jb, Q, H, lr0, lr1, t4, sl2);
-            if (c == 0) {
+            if (TV7_OWNFIRST && c == 0) {
+                // ------------------------------------------------ tile A: m_A out, softmax, O_L += P_A V_AL
+                float mn0, mn1;
+                new_maxima(m0, m1, mx0, mx1, mn0, mn1);
+                s_m[lr0] = mn0;  // the quad's four threads store the same values: no branch
+                s_m[lr1] = mn1;
+                handoff(NB_SCALE_A);
+                trace_mark(c, n, 3, wt);
+                const float ms0 = shift_of(mn0), ms1 = shift_of(mn1);
+                const float ca0 = ex2(m0 - ms0), ca1 = ex2(m1 - ms1);
+                l0 *= ca0;
+                l1 *= ca1;
+                exp_tile(s, sl2, ms0, ms1, l0, l1);
+                unsigned pf[4][4];  // P_A from registers on this side
+                p_frags(s, pf);
+                reg_fence(o);
+                rescale(o, ca0, ca1);
+                reg_fence(o);
+                reg_fence(pf);
+                wg_fence();
+                if (TV7_PROBE != 3) issue_pv_rs(o, pf, k0s, first);
+                wg_commit();
+                // ------------------------------------------------ P_A c_B for consumer 1's V_AR
+                nb_sync(NB_SCALE_B);
+                trace_mark(c, n, 4, wt);
+                const float cb0 = s_cb[lr0], cb1 = s_cb[lr1];
+                m0 = s_m[lr0];
+                m1 = s_m[lr1];
+                scale_rows(s, cb0, cb1);
+                store_p(s, pa, lr0, lr1, t4);
+                fence_async_smem();
+                handoff(NB_PA);
+                warp_arrive(BAR_EMPTY(bars, 0, 2), lane);  // stage 0's rope block: S_A read, P_A c_B written
+                wg_wait<0>();
+                reg_fence(o);
+                reg_fence(pf);  // held to here: the wgmma read them until its wait
+                trace_mark(c, n, 5, wt);
+                warp_arrive(BAR_EMPTY(bars, 0, 0), lane);  // stage 0: V_AL read
+                // ------------------------------------------------ tile B: O_L = O_L c_B + P_B V_BL
+                l0 *= cb0;
+                l1 *= cb1;
+                rescale(o, cb0, cb1);
+                nb_sync(NB_PB);
+                trace_mark(c, n, 6, wt);
+                fence_async_smem();
+                reg_fence(o);
+                wg_fence();
+                if (TV7_PROBE != 3) issue_pv_ss(o, pb, k1s);
+                wg_commit();
+                wg_wait<0>();
+                reg_fence(o);
+                trace_mark(c, n, 7, wt);
+                warp_arrive(BAR_EMPTY(bars, 1, 0), lane);  // stage 1: V_BL read, P_B read on this side
+                warp_arrive(BAR_EMPTY(bars, 1, 2), lane);
+            } else if (TV7_OWNFIRST) {
+                // ------------------------------------------------ tile B: m_B from m_A, softmax, P_B out
+                nb_sync(NB_SCALE_A);
+                trace_mark(c, n, 3, wt);
+                const float ma0 = s_m[lr0], ma1 = s_m[lr1];
+                float mn0, mn1;
+                new_maxima(ma0, ma1, mx0, mx1, mn0, mn1);
+                const float ms0 = shift_of(mn0), ms1 = shift_of(mn1);
+                const float cb0 = ex2(ma0 - ms0), cb1 = ex2(ma1 - ms1);
+                __syncwarp();    // the quad's reads of s_m above come before its stores
+                s_m[lr0] = mn0;
+                s_m[lr1] = mn1;
+                s_cb[lr0] = cb0;
+                s_cb[lr1] = cb1;
+                handoff(NB_SCALE_B);
+                trace_mark(c, n, 4, wt);
+                // O_R and l from the last pair's maxima to m_B in one factor
+                const float cab0 = ex2(m0 - ms0), cab1 = ex2(m1 - ms1);
+                m0 = mn0;
+                m1 = mn1;
+                l0 *= cab0;
+                l1 *= cab1;
+                exp_tile(s, sl2, ms0, ms1, l0, l1);
+                unsigned pf[4][4];  // P_B: consumer 0 reads it from shared memory, this side from registers
+                p_frags(s, pf);
+                store_p(pf, pb, lr0, lr1, t4);
+                fence_async_smem();
+                handoff(NB_PB);
+                trace_mark(c, n, 5, wt);
+                reg_fence(o);
+                rescale(o, cab0, cab1);
+                // ------------------------------------------------ O_R += (P_A c_B) V_AR + P_B V_BR
+                nb_sync(NB_PA);
+                fence_async_smem();
+                reg_fence(o);
+                reg_fence(pf);
+                wg_fence();
+                if (TV7_PROBE != 3) issue_pv_ss(o, pa, k0s + V_R0 * CB_BYTES, first);
+                wg_commit();
+                if (TV7_PROBE != 3) issue_pv_rs(o, pf, k1s + V_R0 * CB_BYTES);
+                wg_commit();
+                wg_wait<1>();
+                trace_mark(c, n, 6, wt);
+                warp_arrive(BAR_EMPTY(bars, 0, 1), lane);  // stage 0: V_AR read, P_A c_B read on this side
+                warp_arrive(BAR_EMPTY(bars, 0, 2), lane);
+                wg_wait<0>();
+                reg_fence(o);
+                reg_fence(pf);  // held to here: the wgmma read them until its wait
+                trace_mark(c, n, 7, wt);
+                warp_arrive(BAR_EMPTY(bars, 1, 1), lane);  // stage 1: V_BR read, the rope block's S_B and P_B done
+                warp_arrive(BAR_EMPTY(bars, 1, 2), lane);
+            } else if (c == 0) {
                 // ------------------------------------------------ tile A: softmax, O_L += P_A V_AL
                 float mn0, mn1, c0, c1;
                 softmax_step(s, sl2, m0, m1, mx0, mx1, mn0, mn1, c0, c1, l0, l1);
