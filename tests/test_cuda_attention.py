@@ -1666,8 +1666,8 @@ def _check_batch(out, lse, args, sizes_np, name: str):
 @pytest.mark.gpu
 @pytest.mark.parametrize("bsz,nq,nh,width,ragged", [(16, 65, 8, 40_000, True), (1, 65, 64, 8192, False),
                                                     (2, 9, 8, 30_000, False)])
-def test_v10_ownfirst_build_matches_float64_and_repeats_its_bits(bsz, nq, nh, width, ragged):
-    """Built -DTV7_OWNFIRST=1 (v7's consumers in FlashMLA's order; kdlib.cuda.seesaw mirrors it), version 10's
+def test_v10_maxfirst_build_matches_float64_and_repeats_its_bits(bsz, nq, nh, width, ragged):
+    """Built -DTV7_MAXFIRST=1 (v7's consumers in FlashMLA's order; kdlib.cuda.seesaw mirrors it), version 10's
     verify of a ragged batch, of 64 heads and of 72 rows a request is within the bf16 tolerance of the float64
     reference, and a second call gives the same bits."""
     _need_wgmma()
@@ -1676,13 +1676,13 @@ def test_v10_ownfirst_build_matches_float64_and_repeats_its_bits(bsz, nq, nh, wi
 
     args, sizes_np = _verify_batch(bsz, nq, nh, width, ragged)
     ws = cu.make_workspace(bsz, nq, nh)
-    with loader.extra_options("-DTV7_OWNFIRST=1"):
+    with loader.extra_options("-DTV7_MAXFIRST=1"):
         out, lse = cu.tree_verify_attention(*args, impl="wgmma_v10", workspace=ws)
         out, lse = out.copy(), lse.copy()
         again = cu.tree_verify_attention(*args, impl="wgmma_v10", workspace=ws)
     same = [np.array_equal(a.get(), b.get(), equal_nan=True) for a, b in zip((out, lse), again, strict=True)]
     assert all(same), f"out, lse of two calls bit-equal: {same}"
-    _check_batch(out, lse, args, sizes_np, "v10 ownfirst")
+    _check_batch(out, lse, args, sizes_np, "v10 maxfirst")
 
 
 @pytest.mark.gpu

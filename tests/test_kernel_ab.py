@@ -48,9 +48,9 @@ def test_run_toggles_are_the_attention_modules_switches(capsys):
 
 def test_run_define_builds_this_tree_alone_and_takes_name_value(capsys):
     with pytest.raises(SystemExit) as exit_:
-        kernel_ab.main(["run", "build/ab/x/kernels", "--out", "/tmp/unused", "--define", "TV7_OWNFIRST=1"])
+        kernel_ab.main(["run", "build/ab/x/kernels", "--out", "/tmp/unused", "--define", "TV7_MAXFIRST=1"])
     assert exit_.value.code == 2 and "no old kernels" in capsys.readouterr().err
-    for bad in ("TV7_OWNFIRST", "=1", "1X=2", "A=1 -DB=2"):
+    for bad in ("TV7_MAXFIRST", "=1", "1X=2", "A=1 -DB=2"):
         with pytest.raises(SystemExit) as exit_:
             kernel_ab.main(["run", "--out", "/tmp/unused", "--define", bad])
         assert exit_.value.code == 2 and "NAME=VALUE" in capsys.readouterr().err

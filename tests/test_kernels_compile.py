@@ -352,15 +352,15 @@ def test_v10_trace_build_compiles_without_spills():
 @pytest.mark.skipif(loader.nvcc_path() is None, reason="nvcc not found on PATH")
 def test_v10_trace_stamps_only_the_traced_build_of_v7s_consumers(tmp_path):
     """In the PTX (nvcc) of -DTV_TRACE=1 the kernels of v7's consumers read the clock once per trace_mark
-    of wgmma_v7.cu that the build compiles (all but those of the TV7_OWNFIRST order's branches; built with
-    -DTV7_OWNFIRST=1, as many) and hold the tv_trace buffer; the shipped build reads no clock, nor does v9's
+    of wgmma_v7.cu that the build compiles (all but those of the TV7_MAXFIRST order's branches; built with
+    -DTV7_MAXFIRST=1, as many) and hold the tv_trace buffer; the shipped build reads no clock, nor does v9's
     kernel traced."""
     import subprocess
 
     source = KERNELS / "tree_verify" / "wgmma_v10.cu"
     v7 = (KERNELS / "tree_verify" / "wgmma_v7.cu").read_text()
-    ownfirst = v7[v7.index("if (TV7_OWNFIRST && c == 0) {"):v7.index("} else if (c == 0) {")]
-    marks = v7.count("trace_mark(c, n, ") - ownfirst.count("trace_mark(c, n, ")
+    maxfirst = v7[v7.index("if (TV7_MAXFIRST && c == 0) {"):v7.index("} else if (c == 0) {")]
+    marks = v7.count("trace_mark(c, n, ") - maxfirst.count("trace_mark(c, n, ")
 
     def clocks(extra):
         out = tmp_path / f"trace{len(extra)}.ptx"  # each build its own file: 0, 1, 2 options
@@ -374,7 +374,7 @@ def test_v10_trace_stamps_only_the_traced_build_of_v7s_consumers(tmp_path):
 
     with cf.ThreadPoolExecutor(max_workers=3) as pool:
         (held0, shipped), (held1, traced), (held2, traced_own) = pool.map(
-            clocks, ([], ["-DTV_TRACE=1"], ["-DTV_TRACE=1", "-DTV7_OWNFIRST=1"]))
+            clocks, ([], ["-DTV_TRACE=1"], ["-DTV_TRACE=1", "-DTV7_MAXFIRST=1"]))
     assert not held0 and held1 and held2 and not any(shipped.values())
     assert traced["tree_verify_v10_attend"] == traced["tree_verify_v7_attend"] == marks > 0
     assert traced_own["tree_verify_v10_attend"] == traced_own["tree_verify_v7_attend"] == marks
@@ -383,21 +383,21 @@ def test_v10_trace_stamps_only_the_traced_build_of_v7s_consumers(tmp_path):
 
 @pytest.mark.skipif(_NVRTC is None, reason="nvidia-cuda-nvrtc is not installed (requirements.lock pins it)")
 @pytest.mark.parametrize("extra", [[], ["-DTV7_RACECHECK=1"], ["-DTV_FP8=1"]])
-def test_v10_ownfirst_build_compiles_without_spills(extra):
-    """The build in FlashMLA's order (-DTV7_OWNFIRST=1: version 10's file as kernel_ab.py --define loads it),
+def test_v10_maxfirst_build_compiles_without_spills(extra):
+    """The build in FlashMLA's order (-DTV7_MAXFIRST=1: version 10's file as kernel_ab.py --define loads it),
     alone, in the racecheck checking build and in the FP8 build, builds with NVRTC without spills or stack
     frames, every kernel of the file."""
     source = KERNELS / "tree_verify" / "wgmma_v10.cu"
     rc, text = _nvrtc_compile(source, [b"-arch=sm_90a", b"-arch=sm_90", b"--ptxas-options=-v",
-                                       b"-DTV7_OWNFIRST=1", *(e.encode() for e in extra)])
+                                       b"-DTV7_MAXFIRST=1", *(e.encode() for e in extra)])
     assert rc == 0, text
     for name, info in loader.parse_ptxas(text.replace("ptxas         .", "ptxas info    :")).items():
         assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, (name, info)
 
 
 @pytest.mark.skipif(loader.nvcc_path() is None, reason="nvcc not found on PATH")
-def test_v10_ownfirst_reorders_v7s_consumers_alone(tmp_path):
-    """In the PTX (nvcc) of -DTV7_OWNFIRST=1 every kernel but those of v7's consumers is the default build's,
+def test_v10_maxfirst_reorders_v7s_consumers_alone(tmp_path):
+    """In the PTX (nvcc) of -DTV7_MAXFIRST=1 every kernel but those of v7's consumers is the default build's,
     and those issue as many wgmma as the default's (the same products in another order) and more named-barrier
     operations (NB_PA's handoff and wait)."""
     import subprocess
@@ -415,7 +415,7 @@ def test_v10_ownfirst_reorders_v7s_consumers_alone(tmp_path):
         return {b.split("(")[0]: b for b in "\n".join(keep).split(".entry ")[1:]}
 
     with cf.ThreadPoolExecutor(max_workers=2) as pool:
-        default, own = pool.map(bodies, ([], ["-DTV7_OWNFIRST=1"]))
+        default, own = pool.map(bodies, ([], ["-DTV7_MAXFIRST=1"]))
     v7s = {"tree_verify_v7_attend", "tree_verify_v10_attend", "tree_verify_v10_attend_own"}
     assert set(default) == set(own) and v7s <= set(default)
     assert all(own[k] == default[k] for k in set(default) - v7s)

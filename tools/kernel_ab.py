@@ -12,8 +12,8 @@ On the GPU machine (carry ["build/ab"]):
     python3 tools/kernel_ab.py run build/ab/<rev>/kernels --version 10 --suite kernel_ab_plan --out $OUT
     python3 tools/kernel_ab.py run --version 10 --suite kernel_ab_pdl --out $OUT   # PDL on / off
     python3 tools/kernel_ab.py run --version 10 --toggle COMBINE_ROWS --suite kernel_ab_rows --out $OUT
-    python3 tools/kernel_ab.py run --version 10 --define TV7_OWNFIRST=1 --suite kernel_ab_ownfirst \
-        --out $OUT   # this tree built with -DTV7_OWNFIRST=1 (new) against its default build (old)
+    python3 tools/kernel_ab.py run --version 10 --define TV7_MAXFIRST=1 --suite kernel_ab_maxfirst \
+        --out $OUT   # this tree built with -DTV7_MAXFIRST=1 (new) against its default build (old)
     python3 tools/kernel_ab.py repeat build/ab/<rev>/kernels --prefix 32000 --batch 16 \
         --out $OUT   # each arm n times at one point, against float64
 

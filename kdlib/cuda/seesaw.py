@@ -1,5 +1,5 @@
 """numpy mirror of the arithmetic of version 7's consumers (`kernels/tree_verify/wgmma_v7.cu`): the online
-softmax over pairs of 64-key tiles, in the default order and in the order of the `-DTV7_OWNFIRST=1` build
+softmax over pairs of 64-key tiles, in the default order and in the order of the `-DTV7_MAXFIRST=1` build
 (FlashMLA's: tile A's maxima handed off before its exponentials, P_A c_B for the other half of O).
 
 Consumer 0 holds O's dims 0..255 (O_L) and consumer 1 dims 256..511 (O_R); consumer 0 takes tile A of a pair,
@@ -8,7 +8,7 @@ chosen (P rounded to bf16 before P V, maxima in the log2 domain, a row with no k
 order in which the tensor cores add a product's terms: it shows what each order computes, not the kernels'
 bits.
 
-    out, lse = seesaw(q, keys, scale, order="ownfirst")  # q [rows, 576], keys [n, 576] -> [rows, 512], [rows]
+    out, lse = seesaw(q, keys, scale, order="maxfirst")  # q [rows, 576], keys [n, 576] -> [rows, 512], [rows]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from kdlib.ref.fp8 import round_to_bf16
 
 BN = 64  # keys a tile
 D_V = 512  # O's dims (the latent), split in halves between the consumers
-ORDERS = ("v7", "ownfirst")
+ORDERS = ("v7", "maxfirst")
 _LOG2E = np.float32(1.4426950408889634)
 _LN2 = np.float32(0.6931471805599453)
 
@@ -49,7 +49,7 @@ def _p(s: np.ndarray, sl2: np.float32, ms: np.ndarray) -> np.ndarray:
 
 def seesaw(q, keys, scale: float, order: str = "v7", bf16_p: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """One job's attention as v7's two consumers compute it over tile pairs, in `order` ('v7', the default
-    build's, or 'ownfirst', TV7_OWNFIRST's) -> out [rows, 512] float32, lse [rows] float32 (natural log).
+    build's, or 'maxfirst', TV7_MAXFIRST's) -> out [rows, 512] float32, lse [rows] float32 (natural log).
 
     q [rows, 576] and keys [n, 576] (V: keys [:, :512]), float32; bf16_p False keeps P in fp32 before P V (the
     factors' algebra alone, without the rounding)."""

@@ -43,7 +43,7 @@
 // waited on the release of pair n - 2 by both consumers, who read descriptor n - 4 (the slot's
 // previous one) into registers before that.
 //
-// Built -DTV7_OWNFIRST=1 (not the default; tree_verify/wgmma_ws.cuh) the consumers take FlashMLA's order:
+// Built -DTV7_MAXFIRST=1 (not the default; tree_verify/wgmma_ws.cuh) the consumers take FlashMLA's order:
 // NB_SCALE_A hands off m_A alone, before consumer 0's exponentials; NB_SCALE_B m_B and c_B; NB_PB P_B; NB_PA
 // P_A c_B, which consumer 0 writes into stage 0's rope block. Consumer 1 brings O_R and its l from the last
 // pair's maxima to m_B in one factor and adds (P_A c_B) V_AR, then P_B V_BR. Releases: stage 0 V_L by consumer
@@ -171,7 +171,7 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
 
             float mx0, mx1;
             mask_tile(s, mx0, mx1, tail, k0, kend, vis, jb, Q, H, lr0, lr1, t4, sl2);
-            if (TV7_OWNFIRST && c == 0) {
+            if (TV7_MAXFIRST && c == 0) {
                 // ------------------------------------------------ tile A: m_A out, softmax, O_L += P_A V_AL
                 float mn0, mn1;
                 new_maxima(m0, m1, mx0, mx1, mn0, mn1);
@@ -225,7 +225,7 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 trace_mark(c, n, 7, wt);
                 warp_arrive(BAR_EMPTY(bars, 1, 0), lane);  // stage 1: V_BL read, P_B read on this side
                 warp_arrive(BAR_EMPTY(bars, 1, 2), lane);
-            } else if (TV7_OWNFIRST) {
+            } else if (TV7_MAXFIRST) {
                 // ------------------------------------------------ tile B: m_B from m_A, softmax, P_B out
                 nb_sync(NB_SCALE_A);
                 trace_mark(c, n, 3, wt);

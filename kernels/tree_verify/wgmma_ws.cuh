@@ -38,7 +38,7 @@
 #define NB_SCALE_B 2  // consumer 1: m_B, c_B written
 #define NB_PB 3       // consumer 1: P_B written
 #define NB_LSUM 4     // both: their l of the job written
-#define NB_PA 7       // TV7_OWNFIRST: consumer 0: P_A c_B written (5 and 6: version 9's NB_WG)
+#define NB_PA 7       // TV7_MAXFIRST: consumer 0: P_A c_B written (5 and 6: version 9's NB_WG)
 
 // TV7_RACECHECK=1 (-DTV7_RACECHECK=1): a checking build for compute-sanitizer racecheck. Every consumer
 // handoff is a bar.sync of both consumers, every lane of a releasing warp arrives on the empty barriers
@@ -50,13 +50,13 @@
 #endif
 #define WARP_ARRIVALS (TV7_RACECHECK ? 32 : 1)  // arrivals one releasing warp makes
 
-// TV7_OWNFIRST (-DTV7_OWNFIRST=1): v7's consumers in an order after FlashMLA's (deepseek-ai/FlashMLA,
+// TV7_MAXFIRST (-DTV7_MAXFIRST=1): v7's consumers in an order after FlashMLA's (deepseek-ai/FlashMLA,
 // docs/20250422-new-kernel-deep-dive.md): consumer 0 hands off tile A's new maxima m_A before its exponentials,
 // so that consumer 1's softmax of tile B runs beside consumer 0's of tile A; consumer 0 then writes P_A c_B
 // (NB_PA), which consumer 1 multiplies by V_AR with O_R already at m_B (one factor 2^(m - m_B) from the last
 // pair's maxima). Other bits than the default's (P_A c_B rounded to bf16 on consumer 1's side). Not the default.
-#ifndef TV7_OWNFIRST
-#define TV7_OWNFIRST 0
+#ifndef TV7_MAXFIRST
+#define TV7_MAXFIRST 0
 #endif
 
 // TV7_PROBE (-DTV7_PROBE=n): a timing probe of v7's consumers (tree_verify_v7_attend, tree_verify_v10_attend),
