@@ -43,12 +43,13 @@
 // waited on the release of pair n - 2 by both consumers, who read descriptor n - 4 (the slot's
 // previous one) into registers before that.
 //
-// Built -DTV7_MAXFIRST=1 (not the default; tree_verify/wgmma_ws.cuh) the consumers take FlashMLA's order:
-// NB_SCALE_A hands off m_A alone, before consumer 0's exponentials; NB_SCALE_B m_B and c_B; NB_PB P_B; NB_PA
-// P_A c_B, which consumer 0 writes into stage 0's rope block. Consumer 1 brings O_R and its l from the last
-// pair's maxima to m_B in one factor and adds (P_A c_B) V_AR, then P_B V_BR. Releases: stage 0 V_L by consumer
-// 0 after P_A V_AL, V_R by consumer 1 after (P_A c_B) V_AR, the rope block by consumer 0 once P_A c_B is
-// written and by consumer 1 after V_AR; stage 1 as above. kdlib.cuda.seesaw mirrors both orders in numpy.
+// Built -DTV7_MAXFIRST=1 (not the default, not yet timed; tree_verify/wgmma_ws.cuh) the consumers take an
+// order after FlashMLA's: NB_SCALE_A hands off m_A alone, before consumer 0's exponentials; NB_SCALE_B m_B and
+// c_B; NB_PB P_B; NB_PA P_A c_B, which consumer 0 writes into stage 0's rope block. Consumer 1 brings O_R and
+// its l from the last pair's maxima to m_B in one factor and adds (P_A c_B) V_AR, then P_B V_BR. Releases:
+// stage 0 V_L by consumer 0 after P_A V_AL, V_R by consumer 1 after (P_A c_B) V_AR, the rope block by consumer
+// 0 once P_A c_B is written and by consumer 1 after V_AR; stage 1 as above. kdlib.cuda.seesaw mirrors both
+// orders in numpy.
 //
 // Shared memory (1024-aligned base): v6's Q (9 blocks) | K stage 0 (9 blocks) | K stage 1 | rows (m,
 // c_A, c_B, the two l of a job) | descriptors | mbarriers: 223,920 bytes with the alignment slack.
