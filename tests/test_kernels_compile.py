@@ -351,16 +351,15 @@ def test_v10_trace_build_compiles_without_spills():
 
 @pytest.mark.skipif(loader.nvcc_path() is None, reason="nvcc not found on PATH")
 def test_v10_trace_stamps_only_the_traced_build_of_v7s_consumers(tmp_path):
-    """In the PTX (nvcc) of -DTV_TRACE=1 the kernels of v7's consumers read the clock once per trace_mark
-    of wgmma_v7.cu that the build compiles (all but those of the TV7_MAXFIRST order's branches; built with
-    -DTV7_MAXFIRST=1, as many) and hold the tv_trace buffer; the shipped build reads no clock, nor does v9's
-    kernel traced."""
+    """In the PTX (nvcc) of -DTV_TRACE=1 the kernels of v7's consumers read the clock once per event on each
+    consumer's path: events 0-2 and the last once (the loop's shared path), the others once in each
+    consumer's branch, in the default order and built with -DTV7_MAXFIRST=1 alike; they hold the tv_trace
+    buffer. The shipped build reads no clock, nor does v9's kernel traced."""
     import subprocess
 
     source = KERNELS / "tree_verify" / "wgmma_v10.cu"
-    v7 = (KERNELS / "tree_verify" / "wgmma_v7.cu").read_text()
-    maxfirst = v7[v7.index("if (TV7_MAXFIRST && c == 0) {"):v7.index("} else if (c == 0) {")]
-    marks = v7.count("trace_mark(c, n, ") - maxfirst.count("trace_mark(c, n, ")
+    nevents = loader.source_constants("tree_verify/wgmma_v10")["TRACE_EVENTS"]
+    marks = 4 + 2 * (nevents - 4)  # 0-2 and the last: the shared path; the rest: each consumer's branch
 
     def clocks(extra):
         out = tmp_path / f"trace{len(extra)}.ptx"  # each build its own file: 0, 1, 2 options

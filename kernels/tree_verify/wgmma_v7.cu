@@ -172,44 +172,82 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
 
             float mx0, mx1;
             mask_tile(s, mx0, mx1, tail, k0, kend, vis, jb, Q, H, lr0, lr1, t4, sl2);
-            if (TV7_MAXFIRST && c == 0) {
-                // ------------------------------------------------ tile A: m_A out, softmax, O_L += P_A V_AL
-                float mn0, mn1;
-                new_maxima(m0, m1, mx0, mx1, mn0, mn1);
-                s_m[lr0] = mn0;  // the quad's four threads store the same values: no branch
-                s_m[lr1] = mn1;
-                handoff(NB_SCALE_A);
-                trace_mark(c, n, 3, wt);
-                const float ms0 = shift_of(mn0), ms1 = shift_of(mn1);
-                const float ca0 = ex2(m0 - ms0), ca1 = ex2(m1 - ms1);
-                l0 *= ca0;
-                l1 *= ca1;
-                exp_tile(s, sl2, ms0, ms1, l0, l1);
-                unsigned pf[4][4];  // P_A from registers on this side
-                p_frags(s, pf);
-                reg_fence(o);
-                rescale(o, ca0, ca1);
-                reg_fence(o);
-                reg_fence(pf);
-                wg_fence();
-                if (TV7_PROBE != 3) issue_pv_rs(o, pf, k0s, first);
-                wg_commit();
-                // ------------------------------------------------ P_A c_B for consumer 1's V_AR
-                nb_sync(NB_SCALE_B);
-                trace_mark(c, n, 4, wt);
-                const float cb0 = s_cb[lr0], cb1 = s_cb[lr1];
-                m0 = s_m[lr0];
-                m1 = s_m[lr1];
-                scale_rows(s, cb0, cb1);
-                store_p(s, pa, lr0, lr1, t4);
-                fence_async_smem();
-                handoff(NB_PA);
-                warp_arrive(BAR_EMPTY(bars, 0, 2), lane);  // stage 0's rope block: S_A read, P_A c_B written
-                wg_wait<0>();
-                reg_fence(o);
-                reg_fence(pf);  // held to here: the wgmma read them until its wait
-                trace_mark(c, n, 5, wt);
-                warp_arrive(BAR_EMPTY(bars, 0, 0), lane);  // stage 0: V_AL read
+            if (c == 0) {
+                float cb0, cb1;  // c_B, from consumer 1
+                if (TV7_MAXFIRST) {
+                    // ------------------------------------------------ tile A: m_A out, softmax, O_L += P_A V_AL
+                    float mn0, mn1;
+                    new_maxima(m0, m1, mx0, mx1, mn0, mn1);
+                    s_m[lr0] = mn0;  // the quad's four threads store the same values: no branch
+                    s_m[lr1] = mn1;
+                    handoff(NB_SCALE_A);
+                    trace_mark(c, n, 3, wt);
+                    const float ms0 = shift_of(mn0), ms1 = shift_of(mn1);
+                    const float ca0 = ex2(m0 - ms0), ca1 = ex2(m1 - ms1);
+                    l0 *= ca0;
+                    l1 *= ca1;
+                    exp_tile(s, sl2, ms0, ms1, l0, l1);
+                    unsigned pf[4][4];  // P_A from registers on this side
+                    p_frags(s, pf);
+                    reg_fence(o);
+                    rescale(o, ca0, ca1);
+                    reg_fence(o);
+                    reg_fence(pf);
+                    wg_fence();
+                    if (TV7_PROBE != 3) issue_pv_rs(o, pf, k0s, first);
+                    wg_commit();
+                    // ------------------------------------------------ P_A c_B for consumer 1's V_AR
+                    nb_sync(NB_SCALE_B);
+                    trace_mark(c, n, 4, wt);
+                    cb0 = s_cb[lr0];
+                    cb1 = s_cb[lr1];
+                    m0 = s_m[lr0];
+                    m1 = s_m[lr1];
+                    scale_rows(s, cb0, cb1);
+                    store_p(s, pa, lr0, lr1, t4);
+                    fence_async_smem();
+                    handoff(NB_PA);
+                    warp_arrive(BAR_EMPTY(bars, 0, 2), lane);  // stage 0's rope block: S_A read, P_A c_B written
+                    wg_wait<0>();
+                    reg_fence(o);
+                    reg_fence(pf);  // held to here: the wgmma read them until its wait
+                    trace_mark(c, n, 5, wt);
+                    warp_arrive(BAR_EMPTY(bars, 0, 0), lane);  // stage 0: V_AL read
+                } else {
+                    // ------------------------------------------------ tile A: softmax, O_L += P_A V_AL
+                    float mn0, mn1, c0, c1;
+                    softmax_step(s, sl2, m0, m1, mx0, mx1, mn0, mn1, c0, c1, l0, l1);
+                    s_m[lr0] = mn0;  // the quad's four threads store the same values: no branch
+                    s_m[lr1] = mn1;
+                    s_ca[lr0] = c0;
+                    s_ca[lr1] = c1;
+                    unsigned pf[4][4];  // P_A: consumer 1 reads it from shared memory, this side from registers
+                    publish_p(s, pf, pa, NB_SCALE_A, lr0, lr1, t4);
+                    trace_mark(c, n, 3, wt);
+                    // O's rescale after the handoff, so consumer 1 goes on meanwhile: with the mask's fast path,
+                    // 1.096x and 1.112x 8e563a8 at 8 x 65 x 200k and 64 x 65 x 32k, the fast path alone 1.086x and
+                    // 1.097x (data/results/history/kernel_ab_mr.4b198bb.h200.json, kernel_ab_m.cd9f93c)
+                    reg_fence(o);
+                    rescale(o, c0, c1);
+                    reg_fence(o);
+                    reg_fence(pf);
+                    wg_fence();
+                    if (TV7_PROBE != 3) issue_pv_rs(o, pf, k0s, first);
+                    wg_commit();
+                    wg_wait<0>();
+                    reg_fence(o);
+                    reg_fence(pf);  // held to here: the wgmma read them until its wait
+                    trace_mark(c, n, 4, wt);
+                    warp_arrive(BAR_EMPTY(bars, 0, 0), lane);  // stage 0: V_AL read, the rope block's S_A and P_A done
+                    warp_arrive(BAR_EMPTY(bars, 0, 2), lane);
+
+                    nb_sync(NB_SCALE_B);
+                    trace_mark(c, n, 5, wt);
+                    cb0 = s_cb[lr0];
+                    cb1 = s_cb[lr1];
+                    m0 = s_m[lr0];
+                    m1 = s_m[lr1];
+                }
                 // ------------------------------------------------ tile B: O_L = O_L c_B + P_B V_BL
                 l0 *= cb0;
                 l1 *= cb1;
@@ -250,10 +288,7 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 l1 *= cab1;
                 exp_tile(s, sl2, ms0, ms1, l0, l1);
                 unsigned pf[4][4];  // P_B: consumer 0 reads it from shared memory, this side from registers
-                p_frags(s, pf);
-                store_p(pf, pb, lr0, lr1, t4);
-                fence_async_smem();
-                handoff(NB_PB);
+                publish_p(s, pf, pb, NB_PB, lr0, lr1, t4);
                 trace_mark(c, n, 5, wt);
                 reg_fence(o);
                 rescale(o, cab0, cab1);
@@ -276,58 +311,6 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 reg_fence(pf);  // held to here: the wgmma read them until its wait
                 trace_mark(c, n, 7, wt);
                 warp_arrive(BAR_EMPTY(bars, 1, 1), lane);  // stage 1: V_BR read, the rope block's S_B and P_B done
-                warp_arrive(BAR_EMPTY(bars, 1, 2), lane);
-            } else if (c == 0) {
-                // ------------------------------------------------ tile A: softmax, O_L += P_A V_AL
-                float mn0, mn1, c0, c1;
-                softmax_step(s, sl2, m0, m1, mx0, mx1, mn0, mn1, c0, c1, l0, l1);
-                s_m[lr0] = mn0;  // the quad's four threads store the same values: no branch
-                s_m[lr1] = mn1;
-                s_ca[lr0] = c0;
-                s_ca[lr1] = c1;
-                unsigned pf[4][4];  // P_A: consumer 1 reads it from shared memory, this side from registers
-                p_frags(s, pf);
-                store_p(pf, pa, lr0, lr1, t4);
-                fence_async_smem();
-                handoff(NB_SCALE_A);
-                trace_mark(c, n, 3, wt);
-                // O's rescale after the handoff, so consumer 1 goes on meanwhile: with the mask's fast path,
-                // 1.096x and 1.112x 8e563a8 at 8 x 65 x 200k and 64 x 65 x 32k, the fast path alone 1.086x and
-                // 1.097x (data/results/history/kernel_ab_mr.4b198bb.h200.json, kernel_ab_m.cd9f93c)
-                reg_fence(o);
-                rescale(o, c0, c1);
-                reg_fence(o);
-                reg_fence(pf);
-                wg_fence();
-                if (TV7_PROBE != 3) issue_pv_rs(o, pf, k0s, first);
-                wg_commit();
-                wg_wait<0>();
-                reg_fence(o);
-                reg_fence(pf);  // held to here: the wgmma read them until its wait
-                trace_mark(c, n, 4, wt);
-                warp_arrive(BAR_EMPTY(bars, 0, 0), lane);  // stage 0: V_AL read, the rope block's S_A and P_A done
-                warp_arrive(BAR_EMPTY(bars, 0, 2), lane);
-
-                // ------------------------------------------------ tile B: O_L = O_L c_B + P_B V_BL
-                nb_sync(NB_SCALE_B);
-                trace_mark(c, n, 5, wt);
-                const float cb0 = s_cb[lr0], cb1 = s_cb[lr1];
-                m0 = s_m[lr0];
-                m1 = s_m[lr1];
-                l0 *= cb0;
-                l1 *= cb1;
-                rescale(o, cb0, cb1);
-                nb_sync(NB_PB);
-                trace_mark(c, n, 6, wt);
-                fence_async_smem();
-                reg_fence(o);
-                wg_fence();
-                if (TV7_PROBE != 3) issue_pv_ss(o, pb, k1s);
-                wg_commit();
-                wg_wait<0>();
-                reg_fence(o);
-                trace_mark(c, n, 7, wt);
-                warp_arrive(BAR_EMPTY(bars, 1, 0), lane);  // stage 1: V_BL read, P_B read on this side
                 warp_arrive(BAR_EMPTY(bars, 1, 2), lane);
             } else {
                 // ------------------------------------------------ tile A: O_R = O_R c_A + P_A V_AR
@@ -355,10 +338,7 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 handoff(NB_SCALE_B);
                 trace_mark(c, n, 4, wt);
                 unsigned pf[4][4];  // P_B: consumer 0 reads it from shared memory, this side from registers
-                p_frags(s, pf);
-                store_p(pf, pb, lr0, lr1, t4);
-                fence_async_smem();
-                handoff(NB_PB);
+                publish_p(s, pf, pb, NB_PB, lr0, lr1, t4);
                 trace_mark(c, n, 5, wt);
                 wg_wait<0>();
                 reg_fence(o);

@@ -150,6 +150,16 @@ __device__ __forceinline__ void handoff(int id) {
     else nb_arrive(id);
 }
 
+// P (fp32 s) out to the other consumer: its bf16 fragments into pf (this side's P V operand from registers),
+// stored at dst (store_p's layout), fenced for the async proxy's reads, then the handoff on named barrier nb.
+__device__ __forceinline__ void publish_p(const float (&s)[32], unsigned (&pf)[4][4], unsigned dst, int nb, int lr0,
+                                          int lr1, int t4) {
+    p_frags(s, pf);
+    store_p(pf, dst, lr0, lr1, t4);
+    fence_async_smem();
+    handoff(nb);
+}
+
 // The FP8 path of fill_stage (TV_FP8 builds, prefix tiles), by the stage's filler: 64 threads, thread (lrow, ch)
 // with ch < 4 taking rows lrow + 16 p and 16-byte chunks ch and ch + 4 of each 128-byte row piece. A V half
 // (group g: blocks 4g .. 4g + 3, the latent dims of scale tiles 2g and 2g + 1) is staged in its own last two
