@@ -54,3 +54,13 @@ def test_run_define_builds_this_tree_alone_and_takes_name_value(capsys):
         with pytest.raises(SystemExit) as exit_:
             kernel_ab.main(["run", "--out", "/tmp/unused", "--define", bad])
         assert exit_.value.code == 2 and "NAME=VALUE" in capsys.readouterr().err
+
+
+def test_repeat_takes_old_kernels_or_a_define(capsys):
+    for args in ([], ["build/ab/x/kernels", "--define", "TV7_MAXFIRST=1"]):
+        with pytest.raises(SystemExit) as exit_:
+            kernel_ab.main(["repeat", *args, "--out", "/tmp/unused"])
+        assert exit_.value.code == 2 and "one of the two" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        kernel_ab.main(["repeat", "--define", "TV7_MAXFIRST", "--out", "/tmp/unused"])
+    assert exit_.value.code == 2 and "NAME=VALUE" in capsys.readouterr().err

@@ -16,6 +16,7 @@ On the GPU machine (carry ["build/ab"]):
         --out $OUT   # this tree built with -DTV7_MAXFIRST=1 (new) against its default build (old)
     python3 tools/kernel_ab.py repeat build/ab/<rev>/kernels --prefix 32000 --batch 16 \
         --out $OUT   # each arm n times at one point, against float64
+    python3 tools/kernel_ab.py repeat --define TV7_MAXFIRST=1 --version 10 --out $OUT  # a build switch's arms
 
 Points: the attention suite's (`kdlib.perf.suites.attention`: POINTS and the ragged one) and one TP8
 Kimi-K2.6 rank's verify at C = 1, 4, 10, 16 streams of 9 or 65 tree rows over 5,500 or 32,000 tokens.
@@ -130,11 +131,13 @@ def reference(x: dict, pool, b: int):
     return out
 
 
-def repeat(old_kernels: Path, out: Path, point: dict, n: int, version: int) -> Path:
+def repeat(old_kernels: Path | None, out: Path, point: dict, n: int, version: int,
+           define: str | None = None) -> Path:
     """Each arm n times at one point (fresh workspace each call, the same inputs): how many distinct outputs
     each gives, the largest difference between any two, each run's error against float64, and the two arms'
     first outputs against each other (`new_vs_old`: bit-equal, largest difference, rows that differ), into
-    <out>/kernel_ab_repeat.<gpu>.json."""
+    <out>/kernel_ab_repeat.<gpu>.json. The arms: this tree (new) and old_kernels (old), or with define
+    ('NAME=VALUE') this tree built with -DNAME=VALUE (new) and without (old)."""
     import torch
 
     from kdlib.cuda import attention as cu
@@ -150,10 +153,11 @@ def repeat(old_kernels: Path, out: Path, point: dict, n: int, version: int) -> P
     for name, src in (("new", None), ("old", old_kernels)):
         loader.use_kernels(src)
         runs = []
-        for _ in range(n):
-            ws = cu.make_workspace(point["batch"], point["queries"], point["heads"])
-            o = suite.verify_call(x, pool, ws, version=version)(x["tables"][0])[0]
-            runs.append(torch.from_dlpack(o).reshape(-1, suite.D_V).clone())  # [B*Q*H, 512]
+        with loader.extra_options(f"-D{define}") if define and name == "new" else contextlib.nullcontext():
+            for _ in range(n):
+                ws = cu.make_workspace(point["batch"], point["queries"], point["heads"])
+                o = suite.verify_call(x, pool, ws, version=version)(x["tables"][0])[0]
+                runs.append(torch.from_dlpack(o).reshape(-1, suite.D_V).clone())  # [B*Q*H, 512]
         err = [float((r[keep].double() - ref[keep]).abs().max() / ref[keep].abs().max()) for r in runs]
         spread = max(float((r[keep] - runs[0][keep]).abs().max()) for r in runs)
         distinct = len({r[keep].cpu().numpy().tobytes() for r in runs})
@@ -168,9 +172,20 @@ def repeat(old_kernels: Path, out: Path, point: dict, n: int, version: int) -> P
               "max_abs_diff": float(gap.max()), "rows_differing": int((gap > 0).any(1).sum()),
               "rows": int(gap.shape[0])}
     print(f"[ab repeat] new against old: {across}", flush=True)
-    doc = {"parameters": {"version": version, "old_kernels": str(old_kernels), "point": point, "n": n},
+    doc = {"parameters": {"version": version, "old_kernels": str(old_kernels) if old_kernels else None,
+                          "define_arms": define, "point": point, "n": n},
            "arms": arms, "new_vs_old": across}
     return results.write("kernel_ab_repeat", doc, out_dir=out, command=" ".join(["python3"] + sys.argv))
+
+
+def _check_define(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """--define: NAME=VALUE, and no old kernels beside it (it sets the new arm's build of this tree)."""
+    if a.define is None:
+        return
+    if a.old_kernels is not None:
+        ap.error("--define sets the new arm's build of this tree: no old kernels with it")
+    if not re.fullmatch(r"[A-Za-z_]\w*=\S+", a.define):
+        ap.error(f"--define takes NAME=VALUE, got {a.define!r}")
 
 
 def main(argv=None) -> int:
@@ -195,7 +210,9 @@ def main(argv=None) -> int:
                    help="without old kernels: this tree's kernels built with -DNAME=VALUE (new) and without "
                         "(old), instead of a --toggle")
     p = sub.add_parser("repeat", help="each arm n times at one point, against float64 (GPU)")
-    p.add_argument("old_kernels", type=Path)
+    p.add_argument("old_kernels", type=Path, nargs="?", help="the exported kernels (or --define)")
+    p.add_argument("--define", metavar="NAME=VALUE",
+                   help="instead of old kernels: this tree built with -DNAME=VALUE (new) and without (old)")
     for k, v in (("heads", 8), ("queries", 65), ("prefix", 32_000), ("batch", 16), ("n", 8), ("version", 7)):
         p.add_argument(f"--{k}", type=int, default=v)
     p.add_argument("--out", type=Path, required=True, help="folder")
@@ -203,16 +220,16 @@ def main(argv=None) -> int:
     if a.cmd == "export":
         print(export(a.rev))
     elif a.cmd == "repeat":
+        if (a.old_kernels is None) == (a.define is None):
+            ap.error("repeat takes old kernels or --define, one of the two")
+        _check_define(ap, a)
         repeat(a.old_kernels, a.out, {k: getattr(a, k) for k in ("heads", "queries", "prefix", "batch")}, a.n,
-               a.version)
+               a.version, a.define)
     else:
         if a.old_kernels is None and a.new_kernels is not None:
             ap.error("--new needs the old arm's kernels")
         if a.define is not None:
-            if a.old_kernels is not None:
-                ap.error("--define sets the new arm's build of this tree: no old kernels with it")
-            if not re.fullmatch(r"[A-Za-z_]\w*=\S+", a.define):
-                ap.error(f"--define takes NAME=VALUE, got {a.define!r}")
+            _check_define(ap, a)
         elif a.old_kernels is None and a.version != 10:
             ap.error(f"without old kernels the arms are {a.toggle} on / off, which only version 10 follows "
                      "here: --version 10")
