@@ -425,6 +425,33 @@ def test_v10_maxfirst_reorders_v7s_consumers_alone(tmp_path):
             default[k].count("bar.sync") + default[k].count("bar.arrive"), k
 
 
+@pytest.mark.skipif(loader.nvcc_path() is None or _cuobjdump() is None, reason="needs nvcc and cuobjdump")
+def test_v10_maxfirst_hands_the_maxima_off_before_the_exponentials(tmp_path):
+    """The point of -DTV7_MAXFIRST=1, in its SASS (nvcc for sm_90a): consumer 0's handoff of m_A (BAR.ARV on
+    NB_SCALE_A) comes before any exponential of its path since the last HGMMA (ptxas hoisted all of them
+    above it while they depended on registers alone), and consumer 1's handoff of m_B (BAR.ARV on NB_SCALE_B)
+    follows its wait for m_A with at most its two factors c_B computed between."""
+    import subprocess
+
+    cubin = tmp_path / "maxfirst.cubin"
+    proc = subprocess.run([loader.nvcc_path(), *loader.NVCC_FLAGS, f"-I{KERNELS}", "-DTV7_MAXFIRST=1",
+                           "-gencode=arch=compute_90a,code=sm_90a", "-o", str(cubin),
+                           str(KERNELS / "tree_verify" / "wgmma_v10.cu")], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    nb = loader.source_constants("tree_verify/wgmma_v10")
+    for name in ("tree_verify_v10_attend", "tree_verify_v10_attend_own"):
+        sass = [ln for ln in _sass(cubin)[name].splitlines() if re.search(r"HGMMA|BAR\.|MUFU\.EX2", ln)]
+        arv_a = [i for i, ln in enumerate(sass) if re.search(rf"BAR\.ARV {nb['NB_SCALE_A']:#x},", ln)]
+        sync_a = [i for i, ln in enumerate(sass) if re.search(rf"BAR\.SYNC\S* {nb['NB_SCALE_A']:#x},", ln)]
+        arv_b = [i for i, ln in enumerate(sass) if re.search(rf"BAR\.ARV {nb['NB_SCALE_B']:#x},", ln)]
+        assert len(arv_a) == len(sync_a) == len(arv_b) == 1, (name, arv_a, sync_a, arv_b)
+        last_mma = max(i for i in range(arv_a[0]) if "HGMMA" in sass[i])
+        assert not any("MUFU.EX2" in ln for ln in sass[last_mma:arv_a[0]]), f"{name}: P_A's before m_A out"
+        assert sync_a[0] < arv_b[0], name
+        assert sum("MUFU.EX2" in ln for ln in sass[sync_a[0]:arv_b[0]]) <= 2, f"{name}: P_B's before m_B out"
+
+
 @pytest.mark.skipif(loader.nvcc_path() is None, reason="nvcc not found on PATH")
 def test_v10_probes_drop_the_mmas_they_name_from_v7s_consumers_only(tmp_path):
     """In the probes' PTX (nvcc) the kernel of v7's consumers keeps the default's wgmma where the consumers'

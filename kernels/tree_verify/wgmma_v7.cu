@@ -180,9 +180,13 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                     new_maxima(m0, m1, mx0, mx1, mn0, mn1);
                     s_m[lr0] = mn0;  // the quad's four threads store the same values: no branch
                     s_m[lr1] = mn1;
+                    s_ca[lr0] = shift_of(mn0);  // this order's own slot (consumer 1 reads no c_A)
+                    s_ca[lr1] = shift_of(mn1);
                     handoff(NB_SCALE_A);
                     trace_mark(c, n, 3, wt);
-                    const float ms0 = shift_of(mn0), ms1 = shift_of(mn1);
+                    // the shifts loaded back past the handoff: the exponentials depend on a load after the
+                    // barrier, so ptxas keeps them after it (register-only, it hoisted all 32 above the bar.arrive)
+                    const float ms0 = s_ca[lr0], ms1 = s_ca[lr1];
                     const float ca0 = ex2(m0 - ms0), ca1 = ex2(m1 - ms1);
                     l0 *= ca0;
                     l1 *= ca1;
@@ -280,13 +284,15 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 s_cb[lr1] = cb1;
                 handoff(NB_SCALE_B);
                 trace_mark(c, n, 4, wt);
-                // O_R and l from the last pair's maxima to m_B in one factor
-                const float cab0 = ex2(m0 - ms0), cab1 = ex2(m1 - ms1);
+                // m_B loaded back past the handoff, as consumer 0's shifts (consumer 0 writes s_m again only
+                // after NB_PB); O_R and l from the last pair's maxima to m_B in one factor
+                const float mb0 = shift_of(s_m[lr0]), mb1 = shift_of(s_m[lr1]);
+                const float cab0 = ex2(m0 - mb0), cab1 = ex2(m1 - mb1);
                 m0 = mn0;
                 m1 = mn1;
                 l0 *= cab0;
                 l1 *= cab1;
-                exp_tile(s, sl2, ms0, ms1, l0, l1);
+                exp_tile(s, sl2, mb0, mb1, l0, l1);
                 unsigned pf[4][4];  // P_B: consumer 0 reads it from shared memory, this side from registers
                 publish_p(s, pf, pb, NB_PB, lr0, lr1, t4);
                 trace_mark(c, n, 5, wt);
