@@ -1686,6 +1686,25 @@ def test_v10_maxfirst_build_matches_float64_and_repeats_its_bits(bsz, nq, nh, wi
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bsz,nq,nh,width,ragged", [(16, 65, 8, 40_000, True), (2, 9, 8, 30_000, False)])
+def test_v10_mbfirst_build_gives_the_default_builds_bits(bsz, nq, nh, width, ragged):
+    """Built -DTV7_MBFIRST=1 (consumer 1 hands m_B and c_B off before its exponentials, the same arithmetic),
+    version 10's verify of a ragged batch and of 72 rows a request gives the default build's out and lse bit
+    for bit."""
+    _need_wgmma()
+    from kdlib.cuda import attention as cu
+    from kdlib.cuda import loader
+
+    args, _ = _verify_batch(bsz, nq, nh, width, ragged)
+    ws = cu.make_workspace(bsz, nq, nh)
+    want = [a.copy() for a in cu.tree_verify_attention(*args, impl="wgmma_v10", workspace=ws)]
+    with loader.extra_options("-DTV7_MBFIRST=1"):
+        got = cu.tree_verify_attention(*args, impl="wgmma_v10", workspace=ws)
+        same = [np.array_equal(a.get(), b.get(), equal_nan=True) for a, b in zip(got, want, strict=True)]
+    assert all(same), f"out, lse bit-equal to the default build's: {same}"
+
+
+@pytest.mark.gpu
 def test_v10_own_plan_and_reuse_plan_deal_the_same_jobs_to_the_same_bits():
     """A uniform batch of 8 x 65 rows over 4,096 keys, which the plan kernel's gate orders: alone (at most 8
     requests: the attend kernels make the plan, no order, order [0] = -1), with reuse_plan (the plan kernel:

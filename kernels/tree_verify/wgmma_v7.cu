@@ -49,7 +49,8 @@
 // its l from the last pair's maxima to m_B in one factor and adds (P_A c_B) V_AR, then P_B V_BR. Releases:
 // stage 0 V_L by consumer 0 after P_A V_AL, V_R by consumer 1 after (P_A c_B) V_AR, the rope block by consumer
 // 0 once P_A c_B is written and by consumer 1 after V_AR; stage 1 as above. kdlib.cuda.seesaw mirrors both
-// orders in numpy.
+// orders in numpy. Built -DTV7_MBFIRST=1 (not the default, not yet timed) the default order hands m_B and c_B
+// off (NB_SCALE_B) before consumer 1's exponentials of tile B: the same arithmetic and bits.
 //
 // Shared memory (1024-aligned base): v6's Q (9 blocks) | K stage 0 (9 blocks) | K stage 1 | rows (m,
 // c_A, c_B, the two l of a job) | descriptors | mbarriers: 223,920 bytes with the alignment slack.
@@ -273,20 +274,10 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 nb_sync(NB_SCALE_A);
                 trace_mark(c, n, 3, wt);
                 const float ma0 = s_m[lr0], ma1 = s_m[lr1];
-                float mn0, mn1;
-                new_maxima(ma0, ma1, mx0, mx1, mn0, mn1);
-                const float ms0 = shift_of(mn0), ms1 = shift_of(mn1);
-                const float cb0 = ex2(ma0 - ms0), cb1 = ex2(ma1 - ms1);
-                __syncwarp();    // the quad's reads of s_m above come before its stores
-                s_m[lr0] = mn0;
-                s_m[lr1] = mn1;
-                s_cb[lr0] = cb0;
-                s_cb[lr1] = cb1;
-                handoff(NB_SCALE_B);
+                float mn0, mn1, cb0, cb1, mb0, mb1;
+                hand_off_m_b(ma0, ma1, mx0, mx1, s_m, s_cb, lr0, lr1, mn0, mn1, cb0, cb1, mb0, mb1);
                 trace_mark(c, n, 4, wt);
-                // m_B loaded back past the handoff, as consumer 0's shifts (consumer 0 writes s_m again only
-                // after NB_PB); O_R and l from the last pair's maxima to m_B in one factor
-                const float mb0 = shift_of(s_m[lr0]), mb1 = shift_of(s_m[lr1]);
+                // O_R and l from the last pair's maxima to m_B in one factor
                 const float cab0 = ex2(m0 - mb0), cab1 = ex2(m1 - mb1);
                 m0 = mn0;
                 m1 = mn1;
@@ -333,16 +324,27 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 wg_commit();
                 // ------------------------------------------------ tile B: softmax, O_R = O_R c_B + P_B V_BR
                 float mn0, mn1, cb0, cb1;
-                softmax_step(s, sl2, ma0, ma1, mx0, mx1, mn0, mn1, cb0, cb1, l0, l1);
-                __syncwarp();    // the quad's reads of s_m / s_ca above come before its stores
-                s_m[lr0] = mn0;  // under this consumer's MMAs: no branch
-                s_m[lr1] = mn1;
-                s_cb[lr0] = cb0;
-                s_cb[lr1] = cb1;
-                m0 = mn0;
-                m1 = mn1;
-                handoff(NB_SCALE_B);
-                trace_mark(c, n, 4, wt);
+                if (TV7_MBFIRST) {  // m_B and c_B out before the exponentials: the same values
+                    float ms0, ms1;
+                    hand_off_m_b(ma0, ma1, mx0, mx1, s_m, s_cb, lr0, lr1, mn0, mn1, cb0, cb1, ms0, ms1);
+                    m0 = mn0;
+                    m1 = mn1;
+                    trace_mark(c, n, 4, wt);
+                    l0 *= cb0;
+                    l1 *= cb1;
+                    exp_tile(s, sl2, ms0, ms1, l0, l1);
+                } else {
+                    softmax_step(s, sl2, ma0, ma1, mx0, mx1, mn0, mn1, cb0, cb1, l0, l1);
+                    __syncwarp();    // the quad's reads of s_m / s_ca above come before its stores
+                    s_m[lr0] = mn0;  // under this consumer's MMAs: no branch
+                    s_m[lr1] = mn1;
+                    s_cb[lr0] = cb0;
+                    s_cb[lr1] = cb1;
+                    m0 = mn0;
+                    m1 = mn1;
+                    handoff(NB_SCALE_B);
+                    trace_mark(c, n, 4, wt);
+                }
                 unsigned pf[4][4];  // P_B: consumer 0 reads it from shared memory, this side from registers
                 publish_p(s, pf, pb, NB_PB, lr0, lr1, t4);
                 trace_mark(c, n, 5, wt);

@@ -59,6 +59,14 @@
 #define TV7_MAXFIRST 0
 #endif
 
+// TV7_MBFIRST (-DTV7_MBFIRST=1): the default order, but consumer 1 hands off m_B and c_B (NB_SCALE_B) before its
+// exponentials of tile B rather than after them (hand_off_m_b), so that consumer 0 rescales O_L meanwhile. The
+// same arithmetic: the default's bits. Not the default, not yet timed.
+#ifndef TV7_MBFIRST
+#define TV7_MBFIRST 0
+#endif
+static_assert(!(TV7_MAXFIRST && TV7_MBFIRST), "TV7_MAXFIRST hands m_B off first already");
+
 // TV7_PROBE (-DTV7_PROBE=n): a timing probe of v7's consumers (tree_verify_v7_attend, tree_verify_v10_attend),
 // never the default; its outputs are wrong. 1: the consumers wait for both stages of each pair and release
 // them, no MMA (the producer's gathers alone); 2: the producer gathers each stage once, for the first pair,
@@ -148,6 +156,26 @@ __device__ __forceinline__ void warp_arrive(unsigned bar, int lane) {
 __device__ __forceinline__ void handoff(int id) {
     if (TV7_RACECHECK) nb_sync(id);
     else nb_arrive(id);
+}
+
+// Consumer 1's m_B = max(m_A, tile B's maxima mx) and c_B = 2^(m_A - m_B) into s_m, s_cb and handed off
+// (NB_SCALE_B) before its exponentials; returns in ms the shifts of m_B loaded back from s_m past the handoff,
+// so that the exponentials depend on a load after the barrier and ptxas keeps them after it (it moves
+// register-only arithmetic across a named barrier). Consumer 0 writes s_m again only after NB_PB.
+__device__ __forceinline__ void hand_off_m_b(float ma0, float ma1, float mx0, float mx1, float* s_m, float* s_cb,
+                                             int lr0, int lr1, float& mn0, float& mn1, float& cb0, float& cb1,
+                                             float& ms0, float& ms1) {
+    new_maxima(ma0, ma1, mx0, mx1, mn0, mn1);
+    cb0 = ex2(ma0 - shift_of(mn0));
+    cb1 = ex2(ma1 - shift_of(mn1));
+    __syncwarp();  // the quad's reads of s_m (m_A) come before its stores
+    s_m[lr0] = mn0;
+    s_m[lr1] = mn1;
+    s_cb[lr0] = cb0;
+    s_cb[lr1] = cb1;
+    handoff(NB_SCALE_B);
+    ms0 = shift_of(s_m[lr0]);
+    ms1 = shift_of(s_m[lr1]);
 }
 
 // P (fp32 s) out to the other consumer: its bf16 fragments into pf (this side's P V operand from registers),
