@@ -50,6 +50,14 @@ def export(rev: str) -> Path:
     return dest / "kernels"
 
 
+def _arm_build(define: str | None, arm: str):
+    """The build an arm's calls compile: with -D<define> for the new arm where a define is given, else as
+    the tree (or the exported kernels) has it."""
+    from kdlib.cuda import loader
+
+    return loader.extra_options(f"-D{define}") if define and arm == "new" else contextlib.nullcontext()
+
+
 def run(old_kernels: Path | None, out: Path, version: int, iters: int, suite_name: str = "kernel_ab",
         new_kernels: Path | None = None, toggle: str = "PDL", define: str | None = None) -> Path:
     """Both arms at every point into <out>/<suite_name>.<gpu>.json; the new arm runs new_kernels (None: this
@@ -78,11 +86,10 @@ def run(old_kernels: Path | None, out: Path, version: int, iters: int, suite_nam
     for name, src in arms:  # arm-major: one compile per arm; the arms alternate over the whole grid
         loader.use_kernels(src)
         setattr(cu, toggle, saved if old_kernels is not None or define else name == "new")
-        new_build = define and name == "new"
-        with loader.extra_options(f"-D{define}") if new_build else contextlib.nullcontext():
+        with _arm_build(define, name):
             suite.time_arm(name, pts, inputs, pool, times, outs, iters, version=version)
         print(f"[ab] arm {name} ({src or 'this tree'}, {toggle} {getattr(cu, toggle)}"
-              f"{f', -D{define}' if new_build else ''}) done", flush=True)
+              f"{f', -D{define}' if define and name == 'new' else ''}) done", flush=True)
     loader.use_kernels(None)
     setattr(cu, toggle, saved)
     rows = []
@@ -153,7 +160,7 @@ def repeat(old_kernels: Path | None, out: Path, point: dict, n: int, version: in
     for name, src in (("new", None), ("old", old_kernels)):
         loader.use_kernels(src)
         runs = []
-        with loader.extra_options(f"-D{define}") if define and name == "new" else contextlib.nullcontext():
+        with _arm_build(define, name):
             for _ in range(n):
                 ws = cu.make_workspace(point["batch"], point["queries"], point["heads"])
                 o = suite.verify_call(x, pool, ws, version=version)(x["tables"][0])[0]
