@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The verify attention's levers that are built and not yet timed (issue 19), measured in device calls on the
+# H200, each step under its own time limit. Run from the repo root:
+#
+#   OUT=$OUT KDLIB_COMMIT=<sha> bash tools/attention_levers_gpu.sh [STEP ...]     (no STEP: all of them)
+#
+#   tests      the GPU tests of the switched builds and of the plan's host paths (tests/test_cuda_attention.py:
+#              maxfirst, mbfirst, the plan kernel, own_plan, reuse_plan)
+#   ab         each switch of KDLIB_AB (SUITE:NAME=VALUE, space-separated; default below) against this tree's
+#              default build: tools/kernel_ab.py run --define, one process, arms alternating, outputs compared
+#              bit for bit -> r/<SUITE>.<gpu>.json
+#   repeat     TV7_MAXFIRST's error against float64 beside the default's, each arm 4 times (kernel_ab.py repeat)
+#              at 8 x 65 x 32k B16 and at 64 x 65 x 32k -> r/repeat_8x65/, r/repeat_64x65/
+#   phases     the plan kernel's phases (tools/plan_phases.py phases)
+#   ncu        Nsight Compute's source counters (PC sampling: the warps' stall reasons per SASS instruction) of the
+#              default's attend kernel (v7's consumers) built with -lineinfo, at 8 x 65 x 200k and 8 x 9 x 200k: the report and
+#              its source page (SASS, CSV) -> r/ncu_src.<point>.{ncu-rep,csv}
+#
+# About 450 s for tests, ab and repeat; about 250 s for phases and ncu: two calls of 600 s. Everything lands in
+# $OUT/r, packed into $OUT/r.tgz after each step (a device call returns at most 8 files); r/summary.txt has a
+# line per step (its exit code and seconds).
+set -u
+: "${OUT:?set OUT to the output folder}"
+R="$OUT/r"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+AB=${KDLIB_AB:-"kernel_ab_maxfirst:TV7_MAXFIRST=1 kernel_ab_mbfirst:TV7_MBFIRST=1 kernel_ab_small32:PLAN_SMALL_REQS=32"}
+STEPS=${*:-tests ab repeat phases ncu}
+for step in $STEPS; do
+  case $step in tests | ab | repeat | phases | ncu) ;; *) echo "unknown step $step (tests ab repeat phases ncu)" >&2; exit 2 ;; esac
+done
+mkdir -p "$R"
+T0=$(date +%s)
+
+pack() { tar czf "$OUT/r.tgz.tmp" -C "$OUT" r && mv "$OUT/r.tgz.tmp" "$OUT/r.tgz"; }
+run() {  # run NAME SECONDS COMMAND...: output in r/NAME.log; a line in r/summary.txt; r.tgz repacked
+  local name=$1 secs=$2 start rc
+  shift 2
+  start=$(date +%s)
+  timeout --kill-after=5 "$secs" "$@" >"$R/$name.log" 2>&1
+  rc=$?
+  printf '%-22s rc=%-3s %4ss (at +%ss)  %s\n' "$name" "$rc" "$(($(date +%s) - start))" "$((start - T0))" "$*" \
+    | tee -a "$R/summary.txt"
+  tail -n 4 "$R/$name.log"
+  pack
+}
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv \
+  >"$R/nvidia-smi.txt" 2>&1
+git rev-parse --short HEAD >"$R/commit.txt" 2>/dev/null || echo "${KDLIB_COMMIT:-unknown}" >"$R/commit.txt"
+for step in $STEPS; do
+  case $step in
+    tests)
+      run tests 200 python3 -m pytest -m gpu tests/test_cuda_attention.py -q -p no:cacheprovider \
+        -k "maxfirst or mbfirst or plan_kernel or own_plan or reuse" --junitxml="$R/tests.xml" ;;
+    ab)
+      for pair in $AB; do
+        run "${pair%%:*}" 150 python3 tools/kernel_ab.py run --version 10 --define "${pair#*:}" \
+          --suite "${pair%%:*}" --out "$R"
+      done ;;
+    repeat)
+      run repeat_8x65 90 python3 tools/kernel_ab.py repeat --define TV7_MAXFIRST=1 --version 10 --n 4 \
+        --out "$R/repeat_8x65"
+      run repeat_64x65 90 python3 tools/kernel_ab.py repeat --define TV7_MAXFIRST=1 --version 10 --n 4 \
+        --heads 64 --queries 65 --prefix 32768 --batch 1 --out "$R/repeat_64x65" ;;
+    phases)
+      run phases 90 python3 tools/plan_phases.py phases --out "$R" ;;
+    ncu)  # up to 8 requests the attend kernel makes its own plan: tree_verify_v10_attend_own
+      for pt in "8 65" "8 9"; do
+        set -- $pt
+        name=ncu_src.${1}x${2}x200k
+        run "$name" 120 env KDLIB_NVRTC_OPTIONS=-lineinfo ncu --clock-control none \
+          --kernel-name "regex:^tree_verify_v10_attend(_own)?$" --launch-skip 1 --launch-count 1 \
+          --section SourceCounters --section WarpStateStats --import-source yes -f -o "$R/$name" \
+          python3 tools/ncu_verify.py --impl wgmma_v10 --heads "$1" --queries "$2" --prefix 200000
+        run "$name.export" 60 ncu --import "$R/$name.ncu-rep" --page source --csv --print-source sass
+        mv "$R/$name.export.log" "$R/$name.csv"
+      done ;;
+  esac
+done
+echo "total $(($(date +%s) - T0))s" | tee -a "$R/summary.txt"
+pack
