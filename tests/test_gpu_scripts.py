@@ -43,6 +43,7 @@ def test_levers_script_runs_every_step_and_packs_what_it_made(tmp_path, stand_in
                           ("kernel_ab_small32", "PLAN_SMALL_REQS=32")):
         assert any(f"kernel_ab.py run --version 10 --define {define} --suite {suite}" in c for c in py), suite
     assert sum("kernel_ab.py repeat --define TV7_MAXFIRST=1" in c for c in py) == 2
+    assert any("kdlib.perf.run --suite attention_timeline" in c for c in py)
     assert any("plan_phases.py phases" in c for c in py)
     profiled = [c for c in calls if c.startswith("ncu ") and "--import " not in c]
     assert [c.split("--queries ")[1].split()[0] for c in profiled] == ["65", "9"]
@@ -53,7 +54,7 @@ def test_levers_script_runs_every_step_and_packs_what_it_made(tmp_path, stand_in
     summary = (r / "summary.txt").read_text().splitlines()
     steps = [s.split()[0] for s in summary if " rc=" in s]
     assert steps == ["tests", "kernel_ab_maxfirst", "kernel_ab_mbfirst", "kernel_ab_small32", "repeat_8x65",
-                     "repeat_64x65", "phases", "ncu_src.8x65x200k", "ncu_src.8x65x200k.export",
+                     "repeat_64x65", "timeline", "phases", "ncu_src.8x65x200k", "ncu_src.8x65x200k.export",
                      "ncu_src.8x9x200k", "ncu_src.8x9x200k.export"]
     assert all(" rc=0 " in s for s in summary if " rc=" in s) and summary[-1].startswith("total ")
     with tarfile.open(out / "r.tgz") as t:

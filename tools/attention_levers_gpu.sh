@@ -11,12 +11,13 @@
 #              bit for bit -> r/<SUITE>.<gpu>.json
 #   repeat     TV7_MAXFIRST's error against float64 beside the default's, each arm 4 times (kernel_ab.py repeat)
 #              at 8 x 65 x 32k B16 and at 64 x 65 x 32k -> r/repeat_8x65/, r/repeat_64x65/
+#   timeline   the attention_timeline suite (the consumers' pair in SM clocks), now also at the two 8 x 9 points
 #   phases     the plan kernel's phases (tools/plan_phases.py phases)
 #   ncu        Nsight Compute's source counters (PC sampling: the warps' stall reasons per SASS instruction) of the
 #              default's attend kernel (v7's consumers) built with -lineinfo, at 8 x 65 x 200k and 8 x 9 x 200k: the report and
 #              its source page (SASS, CSV) -> r/ncu_src.<point>.{ncu-rep,csv}
 #
-# About 450 s for tests, ab and repeat; about 250 s for phases and ncu: two calls of 600 s. Everything lands in
+# Two calls of 600 s: tests, ab and repeat (about 450 s), then timeline, phases and ncu (about 400 s). Everything lands in
 # $OUT/r, packed into $OUT/r.tgz after each step (a device call returns at most 8 files); r/summary.txt has a
 # line per step (its exit code and seconds).
 set -u
@@ -24,9 +25,12 @@ set -u
 R="$OUT/r"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 AB=${KDLIB_AB:-"kernel_ab_maxfirst:TV7_MAXFIRST=1 kernel_ab_mbfirst:TV7_MBFIRST=1 kernel_ab_small32:PLAN_SMALL_REQS=32"}
-STEPS=${*:-tests ab repeat phases ncu}
+STEPS=${*:-tests ab repeat timeline phases ncu}
 for step in $STEPS; do
-  case $step in tests | ab | repeat | phases | ncu) ;; *) echo "unknown step $step (tests ab repeat phases ncu)" >&2; exit 2 ;; esac
+  case $step in
+    tests | ab | repeat | timeline | phases | ncu) ;;
+    *) echo "unknown step $step (tests ab repeat timeline phases ncu)" >&2; exit 2 ;;
+  esac
 done
 mkdir -p "$R"
 T0=$(date +%s)
@@ -62,17 +66,19 @@ for step in $STEPS; do
         --out "$R/repeat_8x65"
       run repeat_64x65 90 python3 tools/kernel_ab.py repeat --define TV7_MAXFIRST=1 --version 10 --n 4 \
         --heads 64 --queries 65 --prefix 32768 --batch 1 --out "$R/repeat_64x65" ;;
+    timeline)
+      run timeline 240 python3 -m kdlib.perf.run --suite attention_timeline --out "$R" ;;
     phases)
       run phases 90 python3 tools/plan_phases.py phases --out "$R" ;;
     ncu)  # up to 8 requests the attend kernel makes its own plan: tree_verify_v10_attend_own
       for pt in "8 65" "8 9"; do
         set -- $pt
         name=ncu_src.${1}x${2}x200k
-        run "$name" 120 env KDLIB_NVRTC_OPTIONS=-lineinfo ncu --clock-control none \
+        run "$name" 100 env KDLIB_NVRTC_OPTIONS=-lineinfo ncu --clock-control none \
           --kernel-name "regex:^tree_verify_v10_attend(_own)?$" --launch-skip 1 --launch-count 1 \
           --section SourceCounters --section WarpStateStats --import-source yes -f -o "$R/$name" \
           python3 tools/ncu_verify.py --impl wgmma_v10 --heads "$1" --queries "$2" --prefix 200000
-        run "$name.export" 60 ncu --import "$R/$name.ncu-rep" --page source --csv --print-source sass
+        run "$name.export" 40 ncu --import "$R/$name.ncu-rep" --page source --csv --print-source sass
         mv "$R/$name.export.log" "$R/$name.csv"
       done ;;
   esac

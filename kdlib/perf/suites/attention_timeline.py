@@ -1,10 +1,10 @@
 """Where a pair of tiles spends its cycles in the tree verify's attend kernel (issue 19), in SM clocks.
 
 `python3 -m kdlib.perf.run --suite attention_timeline [--quick]`. At each point of `POINTS` (the attention
-suite's two goal points, both run by v7's consumers) the default version's verify runs twice from the same
-inputs, built as it ships and built with `-DTV_TRACE=1` (tree_verify/wgmma_ws.cuh): there thread 0 of each
-consumer warpgroup stamps its SM's clock at nine points of each of its first pairs (`EVENTS`), into the
-module's `tv_trace`. Recorded per point:
+suite's goal points run by v7's consumers: the two compute-bound ones, then the two of 8 heads x 9 queries)
+the default version's verify runs twice from the same inputs, built as it ships and built with `-DTV_TRACE=1`
+(tree_verify/wgmma_ws.cuh): there thread 0 of each consumer warpgroup stamps its SM's clock at nine points of
+each of its first pairs (`EVENTS`), into the module's `tv_trace`. Recorded per point:
 
   * `bitwise_equal`: the traced build's output and lse against the shipped build's (stamps change no math);
   * `timing`: both builds' whole verify, CUDA-graph replays, so that what the stamps cost is on record;
@@ -28,6 +28,9 @@ from kdlib.perf.suites import attention
 POINTS = [
     {"heads": 8, "queries": 65, "prefix": 200_000, "batch": 1},
     {"heads": 64, "queries": 65, "prefix": 32_768, "batch": 1},
+    # the memory goal's points run by v7's consumers: how long the consumers wait there for the gathers
+    {"heads": 8, "queries": 9, "prefix": 200_000, "batch": 1},
+    {"heads": 8, "queries": 9, "prefix": 32_768, "batch": 8},
 ]
 TRACE = "-DTV_TRACE=1"
 STEM = "tree_verify/wgmma_v10"  # the file the default version's kernels come from
