@@ -441,6 +441,11 @@ def nvcc_path() -> str | None:
     return os.environ.get("NVCC") or shutil.which("nvcc")
 
 
+def nvcc_version() -> str:
+    """`nvcc --version`'s output (the compile cache's key and the CPU records' provenance)."""
+    return subprocess.run([nvcc_path(), "--version"], capture_output=True, text=True, check=True).stdout
+
+
 def parse_ptxas(text: str) -> dict[str, dict]:
     """ptxas -v output -> {entry: {registers, stack, spill_stores, spill_loads, static_smem}}."""
     entries: dict[str, dict] = {}
@@ -470,11 +475,12 @@ def parse_ptxas(text: str) -> dict[str, dict]:
     return entries
 
 
-def compile_report(stem: str, arch: str, *, cache_dir: Path | None = None) -> tuple[int, str]:
+def compile_report(stem: str, arch: str, *, cache_dir: Path | None = None,
+                   defines: tuple[str, ...] = ()) -> tuple[int, str]:
     """(nvcc return code, nvcc + ptxas -v output) for `kernels/<stem>.cu` compiled to a cubin
-    (stem "<family>/<file stem>").
+    (stem "<family>/<file stem>"), with a -D option per `defines` entry ("NAME=VALUE").
 
-    Cached by content (source with its headers expanded, arch, flags, nvcc version) under
+    Cached by content (source with its headers expanded, arch, flags, defines, nvcc version) under
     cache_dir (default build/ptxas-cache/), so an unchanged file costs nothing the second time
     and editing a header recompiles every file that includes it.
     """
@@ -482,9 +488,10 @@ def compile_report(stem: str, arch: str, *, cache_dir: Path | None = None) -> tu
     if nvcc is None:
         raise ValueError("nvcc not found (PATH or $NVCC)")
     source = source_path(stem)
-    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    version = nvcc_version()
     text = expanded_source(stem)
-    key = hashlib.sha256("\0".join([text, arch, *NVCC_FLAGS, version]).encode()).hexdigest()[:24]
+    dflags = [f"-D{d}" for d in defines]
+    key = hashlib.sha256("\0".join([text, arch, *NVCC_FLAGS, *dflags, version]).encode()).hexdigest()[:24]
     cache_dir = cache_dir or (KERNELS.parent / "build" / "ptxas-cache")
     cached = cache_dir / f"{stem.replace('/', '+')}.{arch}.{key}.log"
     if cached.exists():
@@ -494,6 +501,7 @@ def compile_report(stem: str, arch: str, *, cache_dir: Path | None = None) -> tu
             [
                 nvcc,
                 *NVCC_FLAGS,
+                *dflags,
                 f"-I{KERNELS}",
                 f"-arch={arch}",
                 "-o",

@@ -805,6 +805,13 @@ def load_attention_timeline(gpu: str = "h200") -> Recorded | None:
     return _recorded("attention_timeline", gpu, _no_rows)
 
 
+def load_register_budget(gpu: str = "cpu") -> Recorded | None:
+    """The recorded `tools/register_budget.py` run (a CPU record: ptxas's report of version 10's attend
+    kernels built with setmaxnreg's producer and consumer counts moved one at a time), or None. No rows:
+    read `Recorded.doc["builds"]` (per build `producer`, `consumer`, each kernel's ptxas report)."""
+    return _recorded("register_budget", gpu, _no_rows)
+
+
 def load_kernel_ab_repeat(gpu: str = "h200") -> Recorded | None:
     """The recorded `tools/kernel_ab.py repeat` run on `gpu` (each arm n times at one point against a float64
     verify), or None. No rows: read `Recorded.doc["arms"]` (distinct outputs, spread, error per arm)."""

@@ -11,8 +11,13 @@
 #ifndef TV_FP8
 #define TV_FP8 0                               // 1: the prefix pool in FP8 (below, before fill_stage)
 #endif
-#define PRODUCER_REGS 40                       // setmaxnreg: 128 x 40 + 256 x 232 = 64512 <= 65536
+// setmaxnreg: 128 x 40 + 256 x 232 = 64512 <= 65536 (-D either to probe the split: tools/register_budget.py)
+#ifndef PRODUCER_REGS
+#define PRODUCER_REGS 40
+#endif
+#ifndef CONSUMER_REGS
 #define CONSUMER_REGS 232
+#endif
 // the FP8 build's producer dequantizes, two chunks a row a thread (72: no spill in any kernel of the build,
 // where 64 spilled; the consumers at 208 build v9's kernels without a spill up to 32 rows, tree_verify/wgmma_v9.cu's
 // V9_FP8_MAX_NR: at 40 v9's own spills): 128 x 72 + 256 x 208 = 62464

@@ -1,0 +1,52 @@
+"""tools/register_budget.py: its builds move one of setmaxnreg's two counts at a time, and the committed
+record is what ptxas reports now for the builds it checks (where this nvcc is the record's)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from kdlib.cuda import loader
+from kdlib.perf import results
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import register_budget as rb  # noqa: E402
+
+
+def test_builds_move_one_count_at_a_time_from_the_defaults():
+    c = loader.source_constants(rb.STEM)
+    p0, c0 = c["PRODUCER_REGS"], c["CONSUMER_REGS"]
+    got = rb.builds()
+    assert (p0, c0) in got and len(got) == len(set(got))
+    assert {p for p, r in got if r == c0} == set(rb.PRODUCERS) | {p0}
+    assert {r for p, r in got if p == p0} == set(rb.CONSUMERS) | {c0}
+    assert all(p == p0 or r == c0 for p, r in got)
+
+
+def test_the_record_has_every_build_and_kernel():
+    rec = results.load_register_budget()
+    assert rec is not None, "no register_budget.cpu.json: python3 tools/register_budget.py --out data/results"
+    got = [(b["producer"], b["consumer"]) for b in rec.doc["builds"]]
+    assert got == rb.builds()
+    names = set(loader.KERNEL_DECL.findall(loader.expanded_source(rb.STEM)))
+    assert all(names <= set(b["kernels"]) for b in rec.doc["builds"])
+
+
+@pytest.mark.skipif(loader.nvcc_path() is None, reason="needs nvcc")
+def test_the_record_is_what_ptxas_reports_now():
+    """The default build, the producer at 32 (it spills) and the consumers at 208 (v7's spill, v9's do not),
+    compiled here with the -D options, against the record; skipped where this nvcc is not the record's."""
+    rec = results.load_register_budget()
+    if loader.nvcc_version().strip().splitlines()[-1] != rec.doc["parameters"]["nvcc"]:
+        pytest.skip(f"this nvcc is not the record's ({rec.doc['parameters']['nvcc']})")
+    recorded = {(b["producer"], b["consumer"]): b["kernels"] for b in rec.doc["builds"]}
+    d = rec.doc["parameters"]["default"]
+    for build in ((d["producer"], d["consumer"]), (32, d["consumer"]), (d["producer"], 208)):
+        assert rb.report(*build) == recorded[build], build
+    spills = {b: {k: v["spill_stores"] for k, v in recorded[b].items() if "attend" in k}
+              for b in ((32, d["consumer"]), (d["producer"], 208))}
+    assert all(spills[(32, d["consumer"])].values()), "the producer at 32 spills in every attend kernel"
+    assert spills[(d["producer"], 208)]["tree_verify_v10_attend"] > 0
+    assert spills[(d["producer"], 208)]["tree_verify_v10_attend_t"] == 0
