@@ -77,13 +77,38 @@ def test_sample_counts_cycles_from_the_ctas_first_stamp():
     assert len(s["consumer 0"]) == tl.SAMPLE_PAIRS
 
 
-def test_segments_tile_each_consumers_loop_and_name_its_events():
+@pytest.mark.parametrize("order", sorted(tl.ORDER_SEGMENTS))
+def test_segments_tile_each_consumers_loop_and_name_its_events(order):
     for c in (0, 1):
-        edges = list(tl.SEGMENTS[c].values())
+        edges = list(tl.ORDER_SEGMENTS[order][c].values())
         assert edges[0][0] == 0 and edges[-1][1] is None
         assert all(a[1] == b[0] for a, b in zip(edges, edges[1:], strict=False))
-        assert [a for a, _ in edges] == list(range(tl.NEVENTS)) == list(range(len(tl.EVENTS[c])))
-        assert set(tl.SEGMENTS[c]) <= set(tl.KIND)
+        assert [a for a, _ in edges] == list(range(tl.NEVENTS)) == list(range(len(tl.ORDER_EVENTS[order][c])))
+        assert set(tl.ORDER_SEGMENTS[order][c]) <= set(tl.KIND)
+    assert tl.ORDER_SEGMENTS["default"] is tl.SEGMENTS and tl.ORDER_EVENTS["default"] is tl.EVENTS
+
+
+def test_build_order_reads_the_switches_of_the_options():
+    assert tl.build_order("") == "default" == tl.build_order("-lineinfo -DTV7_MAXFIRSTX=1")
+    assert tl.build_order("-DTV7_MAXFIRST=1") == "maxfirst" == tl.build_order("-lineinfo -DTV7_MAXFIRST")
+    assert tl.build_order("-DTV_TRACE=1 -DTV7_MBFIRST=1 -lineinfo") == "mbfirst"
+    with pytest.raises(ValueError, match="together"):
+        tl.build_order("-DTV7_MAXFIRST=1 -DTV7_MBFIRST=1")
+
+
+def test_current_order_follows_kdlib_nvrtc_options(monkeypatch):
+    monkeypatch.setenv("KDLIB_NVRTC_OPTIONS", "-DTV7_MAXFIRST=1")
+    assert tl.current_order() == "maxfirst"
+    monkeypatch.delenv("KDLIB_NVRTC_OPTIONS")
+    assert tl.current_order() == "default"
+
+
+def test_summarize_names_the_stretches_of_the_order():
+    got = tl.summarize(synthetic(), "maxfirst")
+    for c in (0, 1):
+        seg = got["segments"][f"consumer {c}"]
+        assert list(seg) == list(tl.ORDER_SEGMENTS["maxfirst"][c])
+        assert list(seg.values()) == np.diff(OFFSETS[c] + [PERIOD + OFFSETS[c][0]]).tolist()
 
 
 def test_the_kernel_marks_every_event_once_per_consumer_path():

@@ -16,13 +16,14 @@ LEVERS = ROOT / "tools" / "attention_levers_gpu.sh"
 
 @pytest.fixture
 def stand_ins(tmp_path):
-    """A PATH whose python3, ncu and nvidia-smi append their arguments to calls.log and exit 0."""
+    """A PATH whose python3, ncu and nvidia-smi append their arguments (and KDLIB_NVRTC_OPTIONS) to calls.log
+    and exit 0."""
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     log = tmp_path / "calls.log"
     for exe in ("python3", "ncu", "nvidia-smi"):
         p = bin_ / exe
-        p.write_text(f'#!/bin/sh\necho "{exe} $*" >>"{log}"\necho "{exe} ran"\n')
+        p.write_text(f'#!/bin/sh\necho "{exe} $* #opts=$KDLIB_NVRTC_OPTIONS" >>"{log}"\necho "{exe} ran"\n')
         p.chmod(0o755)
     return {"PATH": f"{bin_}:{os.environ['PATH']}", "log": log}
 
@@ -43,19 +44,22 @@ def test_levers_script_runs_every_step_and_packs_what_it_made(tmp_path, stand_in
                           ("kernel_ab_small32", "PLAN_SMALL_REQS=32")):
         assert any(f"kernel_ab.py run --version 10 --define {define} --suite {suite}" in c for c in py), suite
     assert sum("kernel_ab.py repeat --define TV7_MAXFIRST=1" in c for c in py) == 2
-    assert any("kdlib.perf.run --suite attention_timeline" in c for c in py)
+    timeline = [c for c in py if "--suite attention_timeline" in c]
+    assert [c.endswith("#opts=") for c in timeline] == [True, False]
+    assert "--quick" in timeline[1] and "/r/maxfirst #opts=-DTV7_MAXFIRST=1" in timeline[1]
     assert any("plan_phases.py phases" in c for c in py)
     profiled = [c for c in calls if c.startswith("ncu ") and "--import " not in c]
     assert [c.split("--queries ")[1].split()[0] for c in profiled] == ["65", "9"]
-    assert all("regex:^tree_verify_v10_attend(_own)?$" in c and "SourceCounters" in c for c in profiled)
+    assert all("regex:^tree_verify_v10_attend(_own)?$" in c and "SourceCounters" in c
+               and c.endswith("#opts=-lineinfo") for c in profiled)
     r = out / "r"
     for name in ("ncu_src.8x65x200k.csv", "ncu_src.8x9x200k.csv"):
         assert (r / name).read_text().startswith("ncu ran")  # the export's output, renamed
     summary = (r / "summary.txt").read_text().splitlines()
     steps = [s.split()[0] for s in summary if " rc=" in s]
     assert steps == ["tests", "kernel_ab_maxfirst", "kernel_ab_mbfirst", "kernel_ab_small32", "repeat_8x65",
-                     "repeat_64x65", "timeline", "phases", "ncu_src.8x65x200k", "ncu_src.8x65x200k.export",
-                     "ncu_src.8x9x200k", "ncu_src.8x9x200k.export"]
+                     "repeat_64x65", "timeline", "timeline_maxfirst", "phases", "ncu_src.8x65x200k",
+                     "ncu_src.8x65x200k.export", "ncu_src.8x9x200k", "ncu_src.8x9x200k.export"]
     assert all(" rc=0 " in s for s in summary if " rc=" in s) and summary[-1].startswith("total ")
     with tarfile.open(out / "r.tgz") as t:
         assert "r/summary.txt" in t.getnames() and "r/ncu_src.8x9x200k.csv" in t.getnames()
@@ -67,7 +71,8 @@ def test_levers_script_runs_the_steps_named_and_the_switches_given(tmp_path, sta
     assert res.returncode == 0, res.stderr
     calls = stand_ins["log"].read_text().splitlines()
     assert [c for c in calls if c.startswith("python3 ")] == [
-        f"python3 tools/kernel_ab.py run --version 10 --define FOO=2 --suite kernel_ab_x --out {out}/r"]
+        f"python3 tools/kernel_ab.py run --version 10 --define FOO=2 --suite kernel_ab_x --out {out}/r"
+        " #opts="]
 
 
 def test_levers_script_refuses_an_unknown_step_before_running_anything(tmp_path, stand_ins):

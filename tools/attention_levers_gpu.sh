@@ -4,27 +4,29 @@
 #
 #   OUT=$OUT KDLIB_COMMIT=<sha> bash tools/attention_levers_gpu.sh [STEP ...]     (no STEP: all of them)
 #
-#   tests      the GPU tests of the switched builds and of the plan's host paths (tests/test_cuda_attention.py:
-#              maxfirst, mbfirst, the plan kernel, own_plan, reuse_plan)
+#   tests      the GPU tests of the switched builds and of the plan's host paths
+#              (tests/test_cuda_attention.py: maxfirst, mbfirst, the plan kernel, own_plan, reuse_plan)
 #   ab         each switch of KDLIB_AB (SUITE:NAME=VALUE, space-separated; default below) against this tree's
-#              default build: tools/kernel_ab.py run --define, one process, arms alternating, outputs compared
-#              bit for bit -> r/<SUITE>.<gpu>.json
-#   repeat     TV7_MAXFIRST's error against float64 beside the default's, each arm 4 times (kernel_ab.py repeat)
-#              at 8 x 65 x 32k B16 and at 64 x 65 x 32k -> r/repeat_8x65/, r/repeat_64x65/
-#   timeline   the attention_timeline suite (the consumers' pair in SM clocks), now also at the two 8 x 9 points
+#              default build: tools/kernel_ab.py run --define, one process, arms alternating, outputs
+#              compared bit for bit -> r/<SUITE>.<gpu>.json
+#   repeat     TV7_MAXFIRST's error against float64 beside the default's, each arm 4 times (kernel_ab.py
+#              repeat) at 8 x 65 x 32k B16 and at 64 x 65 x 32k -> r/repeat_8x65/, r/repeat_64x65/
+#   timeline   the attention_timeline suite (the consumers' pair in SM clocks), now also at the two 8 x 9
+#              points, then its first point with TV7_MAXFIRST's consumers (--quick) -> r/maxfirst/
 #   phases     the plan kernel's phases (tools/plan_phases.py phases)
-#   ncu        Nsight Compute's source counters (PC sampling: the warps' stall reasons per SASS instruction) of the
-#              default's attend kernel (v7's consumers) built with -lineinfo, at 8 x 65 x 200k and 8 x 9 x 200k: the report and
-#              its source page (SASS, CSV) -> r/ncu_src.<point>.{ncu-rep,csv}
+#   ncu        Nsight Compute's source counters (PC sampling: the warps' stall reasons per SASS instruction)
+#              of the default's attend kernel (v7's consumers) built with -lineinfo, at 8 x 65 x 200k and
+#              8 x 9 x 200k: the report and its source page (SASS, CSV) -> r/ncu_src.<point>.{ncu-rep,csv}
 #
-# Two calls of 600 s: tests, ab and repeat (about 450 s), then timeline, phases and ncu (about 400 s). Everything lands in
-# $OUT/r, packed into $OUT/r.tgz after each step (a device call returns at most 8 files); r/summary.txt has a
-# line per step (its exit code and seconds).
+# Two calls of 600 s: tests, ab and repeat (about 450 s), then timeline, phases and ncu (about 450 s).
+# Everything lands in $OUT/r, packed into $OUT/r.tgz after each step (a device call returns at most 8 files);
+# r/summary.txt has a line per step (its exit code and seconds).
 set -u
 : "${OUT:?set OUT to the output folder}"
 R="$OUT/r"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-AB=${KDLIB_AB:-"kernel_ab_maxfirst:TV7_MAXFIRST=1 kernel_ab_mbfirst:TV7_MBFIRST=1 kernel_ab_small32:PLAN_SMALL_REQS=32"}
+AB=${KDLIB_AB:-"kernel_ab_maxfirst:TV7_MAXFIRST=1 kernel_ab_mbfirst:TV7_MBFIRST=1
+  kernel_ab_small32:PLAN_SMALL_REQS=32"}
 STEPS=${*:-tests ab repeat timeline phases ncu}
 for step in $STEPS; do
   case $step in
@@ -42,8 +44,8 @@ run() {  # run NAME SECONDS COMMAND...: output in r/NAME.log; a line in r/summar
   start=$(date +%s)
   timeout --kill-after=5 "$secs" "$@" >"$R/$name.log" 2>&1
   rc=$?
-  printf '%-22s rc=%-3s %4ss (at +%ss)  %s\n' "$name" "$rc" "$(($(date +%s) - start))" "$((start - T0))" "$*" \
-    | tee -a "$R/summary.txt"
+  printf '%-22s rc=%-3s %4ss (at +%ss)  %s\n' "$name" "$rc" "$(($(date +%s) - start))" "$((start - T0))" \
+    "$*" | tee -a "$R/summary.txt"
   tail -n 4 "$R/$name.log"
   pack
 }
@@ -67,7 +69,9 @@ for step in $STEPS; do
       run repeat_64x65 90 python3 tools/kernel_ab.py repeat --define TV7_MAXFIRST=1 --version 10 --n 4 \
         --heads 64 --queries 65 --prefix 32768 --batch 1 --out "$R/repeat_64x65" ;;
     timeline)
-      run timeline 240 python3 -m kdlib.perf.run --suite attention_timeline --out "$R" ;;
+      run timeline 240 python3 -m kdlib.perf.run --suite attention_timeline --out "$R"
+      run timeline_maxfirst 90 env KDLIB_NVRTC_OPTIONS=-DTV7_MAXFIRST=1 \
+        python3 -m kdlib.perf.run --suite attention_timeline --quick --out "$R/maxfirst" ;;
     phases)
       run phases 90 python3 tools/plan_phases.py phases --out "$R" ;;
     ncu)  # up to 8 requests the attend kernel makes its own plan: tree_verify_v10_attend_own
