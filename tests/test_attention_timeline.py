@@ -122,15 +122,23 @@ def test_the_kernel_marks_every_event_once_per_consumer_path():
 
 
 @pytest.mark.gpu
-def test_traced_build_keeps_the_bits_and_stamps_in_program_order():
+@pytest.mark.parametrize("options", ["", "-DTV7_MAXFIRST=1"], ids=["default", "maxfirst"])
+def test_traced_build_keeps_the_bits_and_stamps_in_program_order(options):
+    """Each order's traced build against its shipped build (the default's, and TV7_MAXFIRST's, whose stamps
+    the suite names after its own order)."""
     import torch
 
+    from kdlib.cuda import loader
     from kdlib.perf.suites import attention
 
     p = {"heads": 8, "queries": 65, "prefix": 16_384, "batch": 1}
     pool = torch.randn(attention.pool_rows([p]), attention.D_QK, device="cuda",
                        dtype=torch.bfloat16)  # [N, 576]
-    row = tl.run_point(p, pool, iters=3)
+    with loader.extra_options(options):
+        row = tl.run_point(p, pool, iters=3)
+        order = tl.current_order()
+    assert order == tl.build_order(options)
+    assert all(list(row["segments"][f"consumer {c}"]) == list(tl.ORDER_SEGMENTS[order][c]) for c in (0, 1))
     assert row["bitwise_equal"]
     assert row["steady_pairs"] > 0 and row["period"]["median"] > row["floor_cycles"] * 0.5
     assert all(v >= 0 for c in row["segments"].values() for v in c.values())

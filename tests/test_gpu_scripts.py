@@ -39,7 +39,8 @@ def test_levers_script_runs_every_step_and_packs_what_it_made(tmp_path, stand_in
     assert res.returncode == 0, res.stderr
     calls = stand_ins["log"].read_text().splitlines()
     py = [c for c in calls if c.startswith("python3 ")]
-    assert any("pytest -m gpu tests/test_cuda_attention.py" in c and "maxfirst or mbfirst" in c for c in py)
+    assert any("pytest -m gpu tests/test_cuda_attention.py tests/test_attention_timeline.py" in c
+               and "maxfirst or mbfirst" in c for c in py)
     for suite, define in (("kernel_ab_maxfirst", "TV7_MAXFIRST=1"), ("kernel_ab_mbfirst", "TV7_MBFIRST=1"),
                           ("kernel_ab_small32", "PLAN_SMALL_REQS=32")):
         assert any(f"kernel_ab.py run --version 10 --define {define} --suite {suite}" in c for c in py), suite

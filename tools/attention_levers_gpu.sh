@@ -4,8 +4,8 @@
 #
 #   OUT=$OUT KDLIB_COMMIT=<sha> bash tools/attention_levers_gpu.sh [STEP ...]     (no STEP: all of them)
 #
-#   tests      the GPU tests of the switched builds and of the plan's host paths
-#              (tests/test_cuda_attention.py: maxfirst, mbfirst, the plan kernel, own_plan, reuse_plan)
+#   tests      the GPU tests of the switched builds and of the plan's host paths (tests/test_cuda_attention.py
+#              and test_attention_timeline.py: maxfirst, mbfirst, the plan kernel, own_plan, reuse_plan)
 #   ab         each switch of KDLIB_AB (SUITE:NAME=VALUE, space-separated; default below) against this tree's
 #              default build: tools/kernel_ab.py run --define, one process, arms alternating, outputs
 #              compared bit for bit -> r/<SUITE>.<gpu>.json
@@ -56,8 +56,9 @@ git rev-parse --short HEAD >"$R/commit.txt" 2>/dev/null || echo "${KDLIB_COMMIT:
 for step in $STEPS; do
   case $step in
     tests)
-      run tests 200 python3 -m pytest -m gpu tests/test_cuda_attention.py -q -p no:cacheprovider \
-        -k "maxfirst or mbfirst or plan_kernel or own_plan or reuse" --junitxml="$R/tests.xml" ;;
+      run tests 240 python3 -m pytest -m gpu tests/test_cuda_attention.py tests/test_attention_timeline.py \
+        -q -p no:cacheprovider -k "maxfirst or mbfirst or plan_kernel or own_plan or reuse" \
+        --junitxml="$R/tests.xml" ;;
     ab)
       for pair in $AB; do
         run "${pair%%:*}" 150 python3 tools/kernel_ab.py run --version 10 --define "${pair#*:}" \
