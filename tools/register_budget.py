@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kdlib.cuda import loader  # noqa: E402
 from kdlib.perf import results  # noqa: E402
+from kdlib.perf.suites.attention_bounds import SM_REGS  # noqa: E402
 
 STEM = "tree_verify/wgmma_v10"
 ARCH = "sm_90a"
@@ -55,7 +56,7 @@ def measure() -> dict:
         "parameters": {"stem": STEM, "arch": ARCH, "producers": list(PRODUCERS), "consumers": list(CONSUMERS),
                        "default": {"producer": c["PRODUCER_REGS"], "consumer": c["CONSUMER_REGS"]},
                        "threads": {"producer": 128, "consumers": c["NTHREADS"] - 128},
-                       "register_file": 65536, "nvcc": loader.nvcc_version().strip().splitlines()[-1]},
+                       "register_file": SM_REGS, "nvcc": loader.nvcc_version().strip().splitlines()[-1]},
         "builds": [{"producer": p, "consumer": r, "kernels": k}
                    for (p, r), k in zip(grid, reports, strict=True)],
         "notes": ["a build per (producer, consumer): setmaxnreg's values as -DPRODUCER_REGS, -DCONSUMER_REGS "
