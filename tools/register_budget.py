@@ -17,6 +17,8 @@ import os
 import sys
 from pathlib import Path
 
+from tqdm import tqdm
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kdlib.cuda import loader  # noqa: E402
@@ -50,7 +52,8 @@ def measure() -> dict:
     """The record's payload: parameters and one row per build."""
     grid = builds()
     with cf.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        reports = list(pool.map(lambda b: report(*b), grid))
+        done = pool.map(lambda b: report(*b), grid)
+        reports = list(tqdm(done, total=len(grid), desc="ptxas", unit="build"))
     c = loader.source_constants(STEM)
     return {
         "parameters": {"stem": STEM, "arch": ARCH, "producers": list(PRODUCERS), "consumers": list(CONSUMERS),
