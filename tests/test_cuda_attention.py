@@ -1686,11 +1686,12 @@ def test_v10_maxfirst_build_matches_float64_and_repeats_its_bits(bsz, nq, nh, wi
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("switch", ["-DTV7_MBFIRST=1", "-DTV7_STMATRIX=1"], ids=["mbfirst", "stmatrix"])
 @pytest.mark.parametrize("bsz,nq,nh,width,ragged", [(16, 65, 8, 40_000, True), (2, 9, 8, 30_000, False)])
-def test_v10_mbfirst_build_gives_the_default_builds_bits(bsz, nq, nh, width, ragged):
-    """Built -DTV7_MBFIRST=1 (consumer 1 hands m_B and c_B off before its exponentials, the same arithmetic),
-    version 10's verify of a ragged batch and of 72 rows a request gives the default build's out and lse bit
-    for bit."""
+def test_v10_switch_builds_give_the_default_builds_bits(bsz, nq, nh, width, ragged, switch):
+    """Built -DTV7_MBFIRST=1 (consumer 1 hands m_B and c_B off before its exponentials, the same arithmetic)
+    or -DTV7_STMATRIX=1 (P handed over by stmatrix, the same bytes), version 10's verify of a ragged batch and
+    of 72 rows a request gives the default build's out and lse bit for bit."""
     _need_wgmma()
     from kdlib.cuda import attention as cu
     from kdlib.cuda import loader
@@ -1698,7 +1699,7 @@ def test_v10_mbfirst_build_gives_the_default_builds_bits(bsz, nq, nh, width, rag
     args, _ = _verify_batch(bsz, nq, nh, width, ragged)
     ws = cu.make_workspace(bsz, nq, nh)
     want = [a.copy() for a in cu.tree_verify_attention(*args, impl="wgmma_v10", workspace=ws)]
-    with loader.extra_options("-DTV7_MBFIRST=1"):
+    with loader.extra_options(switch):
         got = cu.tree_verify_attention(*args, impl="wgmma_v10", workspace=ws)
         same = [np.array_equal(a.get(), b.get(), equal_nan=True) for a, b in zip(got, want, strict=True)]
     assert all(same), f"out, lse bit-equal to the default build's: {same}"

@@ -351,6 +351,8 @@ def test_v10_trace_build_compiles_without_spills():
 
 # the consumers' order switches (tree_verify/wgmma_ws.cuh), not the default, A/B'd by kernel_ab.py --define
 ORDER_SWITCHES = ("-DTV7_MAXFIRST=1", "-DTV7_MBFIRST=1")
+# every switch of v7's consumers: their orders, and the P handover by stmatrix (tree_verify/wgmma_ws.cuh)
+CONSUMER_SWITCHES = (*ORDER_SWITCHES, "-DTV7_STMATRIX=1")
 
 
 @pytest.mark.skipif(loader.nvcc_path() is None, reason="nvcc not found on PATH")
@@ -385,12 +387,12 @@ def test_v10_trace_stamps_only_the_traced_build_of_v7s_consumers(tmp_path):
 
 
 @pytest.mark.skipif(_NVRTC is None, reason="nvidia-cuda-nvrtc is not installed (requirements.lock pins it)")
-@pytest.mark.parametrize("switch,extra", [(o, e) for o in ORDER_SWITCHES
+@pytest.mark.parametrize("switch,extra", [(o, e) for o in CONSUMER_SWITCHES
                                           for e in ([], ["-DTV7_RACECHECK=1"], ["-DTV_FP8=1"])])
-def test_v10_order_switch_builds_compile_without_spills(switch, extra):
-    """The builds of the consumers' other orders (-DTV7_MAXFIRST=1, -DTV7_MBFIRST=1: version 10's file as
-    kernel_ab.py --define loads it), alone, in the racecheck checking build and in the FP8 build, build with
-    NVRTC without spills or stack frames, every kernel of the file."""
+def test_v10_consumer_switch_builds_compile_without_spills(switch, extra):
+    """The builds of the consumers' switches (-DTV7_MAXFIRST=1, -DTV7_MBFIRST=1, -DTV7_STMATRIX=1: version
+    10's file as kernel_ab.py --define loads it), alone, in the racecheck checking build and in the FP8 build,
+    build with NVRTC without spills or stack frames, every kernel of the file."""
     source = KERNELS / "tree_verify" / "wgmma_v10.cu"
     opts = [b"-arch=sm_90a", b"-arch=sm_90", b"--ptxas-options=-v", *(e.encode() for e in (switch, *extra))]
     rc, text = _nvrtc_compile(source, opts)
@@ -400,11 +402,12 @@ def test_v10_order_switch_builds_compile_without_spills(switch, extra):
 
 
 @pytest.mark.skipif(loader.nvcc_path() is None, reason="nvcc not found on PATH")
-@pytest.mark.parametrize("switch", ORDER_SWITCHES)
-def test_v10_order_switches_change_v7s_consumers_alone(switch, tmp_path):
-    """In the PTX (nvcc) of each order switch every kernel but those of v7's consumers is the default build's,
-    and those issue as many wgmma as the default's (the same products); -DTV7_MAXFIRST=1 adds named-barrier
-    operations (NB_PA's handoff and wait), -DTV7_MBFIRST=1 only moves one (NB_SCALE_B's)."""
+@pytest.mark.parametrize("switch", CONSUMER_SWITCHES)
+def test_v10_consumer_switches_change_v7s_consumers_alone(switch, tmp_path):
+    """In the PTX (nvcc) of each switch of the consumers every kernel but those of v7's consumers is the
+    default build's, and those issue as many wgmma as the default's (the same products); -DTV7_MAXFIRST=1 adds
+    named-barrier operations (NB_PA's handoff and wait), -DTV7_MBFIRST=1 only moves one (NB_SCALE_B's),
+    -DTV7_STMATRIX=1 none."""
     import subprocess
 
     source = KERNELS / "tree_verify" / "wgmma_v10.cu"
@@ -462,6 +465,35 @@ def test_v10_order_switches_hand_the_maxima_off_before_the_exponentials(switch, 
         if "MAXFIRST" in switch:
             last_mma = max(i for i in range(arv_a[0]) if "HGMMA" in sass[i])
             assert not any("MUFU.EX2" in ln for ln in sass[last_mma:arv_a[0]]), f"{name}: P_A's first"
+
+
+@pytest.mark.skipif(loader.nvcc_path() is None or _cuobjdump() is None, reason="needs nvcc and cuobjdump")
+def test_v10_stmatrix_build_hands_p_over_in_four_stores_a_warp(tmp_path):
+    """-DTV7_STMATRIX=1's SASS (nvcc for sm_90a): in each kernel of v7's consumers the two handovers of P
+    (publish_p: P_A by consumer 0, P_B by consumer 1) are four STSM each where the default build stores P in
+    sixteen STS each; nothing else is stored differently, and the kernels of v9's consumers are untouched."""
+    import subprocess
+
+    def sass(extra):
+        cubin = tmp_path / f"sm{len(extra)}.cubin"
+        proc = subprocess.run([loader.nvcc_path(), *loader.NVCC_FLAGS, f"-I{KERNELS}", *extra,
+                               "-gencode=arch=compute_90a,code=sm_90a", "-o", str(cubin),
+                               str(KERNELS / "tree_verify" / "wgmma_v10.cu")], capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return _sass(cubin)
+
+    with cf.ThreadPoolExecutor(max_workers=2) as pool:
+        default, switched = pool.map(sass, ([], ["-DTV7_STMATRIX=1"]))
+
+    def stores(text, op):
+        return len(re.findall(rf"\b{op}\b", text))
+
+    for name in ("tree_verify_v7_attend", "tree_verify_v10_attend", "tree_verify_v10_attend_own"):
+        assert stores(default[name], "STSM") == 0 and stores(switched[name], "STSM") == 2 * 4, name
+        assert stores(default[name], "STS") - stores(switched[name], "STS") == 2 * 16, name
+    for name in ("tree_verify_v10_attend_t", "tree_verify_v10_attend_t_own"):
+        assert default[name] == switched[name], name
 
 
 @pytest.mark.skipif(loader.nvcc_path() is None, reason="nvcc not found on PATH")

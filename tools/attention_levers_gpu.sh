@@ -2,10 +2,10 @@
 # The verify attention's levers that are built and not yet timed (issue 19), measured in device calls on the
 # H200, each step under its own time limit. Run from the repo root:
 #
-#   OUT=$OUT KDLIB_COMMIT=<sha> bash tools/attention_levers_gpu.sh [STEP ...]     (no STEP: all of them)
+#   OUT=$OUT KDLIB_COMMIT=<sha> bash tools/attention_levers_gpu.sh [STEP ...]     (no STEP: all but ncu)
 #
-#   tests      the GPU tests of the switched builds and of the plan's host paths (tests/test_cuda_attention.py
-#              and test_attention_timeline.py: maxfirst, mbfirst, the plan kernel, own_plan, reuse_plan)
+#   tests      the GPU tests of the switched builds and of the plan's host paths (test_cuda_attention.py and
+#              test_attention_timeline.py: maxfirst, mbfirst, stmatrix, the plan kernel, own_plan, reuse_plan)
 #   ab         each switch of KDLIB_AB (SUITE:NAME=VALUE, space-separated; default below) against this tree's
 #              default build: tools/kernel_ab.py run --define, one process, arms alternating, outputs
 #              compared bit for bit -> r/<SUITE>.<gpu>.json
@@ -18,7 +18,8 @@
 #              of the default's attend kernel (v7's consumers) built with -lineinfo, at 8 x 65 x 200k and
 #              8 x 9 x 200k: the report and its source page (SASS, CSV) -> r/ncu_src.<point>.{ncu-rep,csv}
 #
-# Two calls of 600 s: tests, ab and repeat (about 450 s), then timeline, phases and ncu (about 450 s).
+# Two calls of 600 s: tests and ab (about 500 s), then repeat, timeline and phases (about 450 s); ncu alone
+# where device time is left.
 # Everything lands in $OUT/r, packed into $OUT/r.tgz after each step (a device call returns at most 8 files);
 # r/summary.txt has a line per step (its exit code and seconds).
 set -u
@@ -26,8 +27,8 @@ set -u
 R="$OUT/r"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 AB=${KDLIB_AB:-"kernel_ab_maxfirst:TV7_MAXFIRST=1 kernel_ab_mbfirst:TV7_MBFIRST=1
-  kernel_ab_small32:PLAN_SMALL_REQS=32"}
-STEPS=${*:-tests ab repeat timeline phases ncu}
+  kernel_ab_stmatrix:TV7_STMATRIX=1 kernel_ab_small32:PLAN_SMALL_REQS=32"}
+STEPS=${*:-tests ab repeat timeline phases}
 for step in $STEPS; do
   case $step in
     tests | ab | repeat | timeline | phases | ncu) ;;
@@ -57,7 +58,7 @@ for step in $STEPS; do
   case $step in
     tests)
       run tests 240 python3 -m pytest -m gpu tests/test_cuda_attention.py tests/test_attention_timeline.py \
-        -q -p no:cacheprovider -k "maxfirst or mbfirst or plan_kernel or own_plan or reuse" \
+        -q -p no:cacheprovider -k "maxfirst or mbfirst or stmatrix or plan_kernel or own_plan or reuse" \
         --junitxml="$R/tests.xml" ;;
     ab)
       for pair in $AB; do

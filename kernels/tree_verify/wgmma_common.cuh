@@ -832,6 +832,22 @@ __device__ __forceinline__ void store_p(const unsigned (&pf)[4][4], unsigned dst
     }
 }
 
+// store_p from P's fragments by stmatrix (sm_90): the warp's 16 rows x 64 keys as four m8n8.x4 stores, the same
+// bytes at the same places as store_p's sixteen 4-byte ones. pf[k] holds four 8 x 8 matrices in the layout
+// stmatrix takes (a thread: row lane / 4, keys 2 (lane % 4) and the next): rows g and g + 8 of keys 16 k ..
+// 16 k + 7, then of keys 16 k + 8 .. 16 k + 15; lane L gives the address of row L % 8 of matrix L / 8.
+__device__ __forceinline__ void store_p_sm(const unsigned (&pf)[4][4], unsigned dst, int lr0, int t4) {
+    const int lane = 4 * (lr0 & 7) + t4, r = lane & 7;
+    // the lane's row: 16 w + 8 ((L / 8) % 2) + r of the warp w = lr0 / 16, in rows of 128 B, groups of 8 a KB
+    const unsigned row = dst + ((lr0 >> 4) * 2 + ((lane >> 3) & 1)) * 1024 + r * 128;
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                         row + (((2 * k + (lane >> 4)) ^ r) << 4)),
+                     "r"(pf[k][0]), "r"(pf[k][1]), "r"(pf[k][2]), "r"(pf[k][3])
+                     : "memory");
+}
+
 // Q's rope block (column block ROPE_CB of Q at base) as the A fragments of S's four k16 steps over it, as
 // p_frags lays P's: the same K-major swizzled layout, read where store_p writes.
 __device__ __forceinline__ void q_rope_frags(unsigned base, unsigned (&qf)[4][4], int lr0, int lr1, int t4) {

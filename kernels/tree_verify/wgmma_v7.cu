@@ -50,7 +50,9 @@
 // stage 0 V_L by consumer 0 after P_A V_AL, V_R by consumer 1 after (P_A c_B) V_AR, the rope block by consumer
 // 0 once P_A c_B is written and by consumer 1 after V_AR; stage 1 as above. kdlib.cuda.seesaw mirrors both
 // orders in numpy. Built -DTV7_MBFIRST=1 (not the default, not yet timed) the default order hands m_B and c_B
-// off (NB_SCALE_B) before consumer 1's exponentials of tile B: the same arithmetic and bits.
+// off (NB_SCALE_B) before consumer 1's exponentials of tile B: the same arithmetic and bits. Built
+// -DTV7_STMATRIX=1 (not the default, not yet timed) each consumer stores the P it hands over with stmatrix
+// (publish_p, store_p_sm): the same bytes at the same places, the same bits.
 //
 // Shared memory (1024-aligned base): v6's Q (9 blocks) | K stage 0 (9 blocks) | K stage 1 | rows (m,
 // c_A, c_B, the two l of a job) | descriptors | mbarriers: 223,920 bytes with the alignment slack.

@@ -72,6 +72,14 @@
 #endif
 static_assert(!(TV7_MAXFIRST && TV7_MBFIRST), "TV7_MAXFIRST hands m_B off first already");
 
+// TV7_STMATRIX (-DTV7_STMATRIX=1): v7's consumers store the P they hand over (publish_p) with stmatrix, four
+// m8n8.x4 stores a warp (store_p_sm) where store_p issues sixteen 4-byte ones and their addresses, on the pair's
+// critical path (the other consumer waits for that P). The same bytes at the same places: the default's bits.
+// Not the default, not yet timed.
+#ifndef TV7_STMATRIX
+#define TV7_STMATRIX 0
+#endif
+
 // TV7_PROBE (-DTV7_PROBE=n): a timing probe of v7's consumers (tree_verify_v7_attend, tree_verify_v10_attend),
 // never the default; its outputs are wrong. 1: the consumers wait for both stages of each pair and release
 // them, no MMA (the producer's gathers alone); 2: the producer gathers each stage once, for the first pair,
@@ -184,11 +192,15 @@ __device__ __forceinline__ void hand_off_m_b(float ma0, float ma1, float mx0, fl
 }
 
 // P (fp32 s) out to the other consumer: its bf16 fragments into pf (this side's P V operand from registers),
-// stored at dst (store_p's layout), fenced for the async proxy's reads, then the handoff on named barrier nb.
+// stored at dst (store_p's layout; stmatrix's stores in TV7_STMATRIX builds), fenced for the async proxy's reads,
+// then the handoff on named barrier nb.
 __device__ __forceinline__ void publish_p(const float (&s)[32], unsigned (&pf)[4][4], unsigned dst, int nb, int lr0,
                                           int lr1, int t4) {
     p_frags(s, pf);
-    store_p(pf, dst, lr0, lr1, t4);
+    if (TV7_STMATRIX)
+        store_p_sm(pf, dst, lr0, t4);
+    else
+        store_p(pf, dst, lr0, lr1, t4);
     fence_async_smem();
     handoff(nb);
 }
