@@ -79,12 +79,13 @@ def test_levers_script_runs_all_but_ncu_by_default(tmp_path, stand_ins):
 
 def test_levers_script_runs_the_steps_named_and_the_switches_given(tmp_path, stand_ins):
     out = tmp_path / "out"
-    res = _levers(out, stand_ins, "ab", extra={"KDLIB_AB": "kernel_ab_x:FOO=2"})
+    res = _levers(out, stand_ins, "ab", extra={"KDLIB_AB": "kernel_ab_x:FOO=2 kernel_ab_xy:FOO=2,BAR=1"})
     assert res.returncode == 0, res.stderr
     calls = stand_ins["log"].read_text().splitlines()
+    ab = "python3 tools/kernel_ab.py run --version 10"
     assert [c for c in calls if c.startswith("python3 ")] == [
-        f"python3 tools/kernel_ab.py run --version 10 --define FOO=2 --suite kernel_ab_x --out {out}/r"
-        " #opts="]
+        f"{ab} --define FOO=2 --suite kernel_ab_x --out {out}/r #opts=",
+        f"{ab} --define FOO=2 --define BAR=1 --suite kernel_ab_xy --out {out}/r #opts="]
 
 
 def test_levers_script_refuses_an_unknown_step_before_running_anything(tmp_path, stand_ins):

@@ -64,3 +64,21 @@ def test_repeat_takes_old_kernels_or_a_define(capsys):
     with pytest.raises(SystemExit) as exit_:
         kernel_ab.main(["repeat", "--define", "TV7_MAXFIRST", "--out", "/tmp/unused"])
     assert exit_.value.code == 2 and "NAME=VALUE" in capsys.readouterr().err
+
+
+def test_define_repeats_for_switches_together_each_name_once(capsys, monkeypatch):
+    """Two --define give the new arm both -D options (run and repeat get the list, the arm's build joins it);
+    one switch named twice is a usage error."""
+    got = {}
+    monkeypatch.setattr(kernel_ab, "run", lambda *a: got.setdefault("run", a))
+    monkeypatch.setattr(kernel_ab, "repeat", lambda *a: got.setdefault("repeat", a))
+    kernel_ab.main(["run", "--out", "/tmp/unused", "--version", "10", "--define", "TV7_MAXFIRST=1",
+                    "--define", "TV7_STMATRIX=1"])
+    kernel_ab.main(["repeat", "--define", "TV7_MAXFIRST=1", "--define", "TV7_STMATRIX=1",
+                    "--out", "/tmp/unused"])
+    assert got["run"][-1] == got["repeat"][-1] == ["TV7_MAXFIRST=1", "TV7_STMATRIX=1"]
+    assert kernel_ab._flags(got["run"][-1]) == "-DTV7_MAXFIRST=1 -DTV7_STMATRIX=1"
+    with pytest.raises(SystemExit) as exit_:
+        kernel_ab.main(["run", "--out", "/tmp/unused", "--define", "TV7_MAXFIRST=1",
+                        "--define", "TV7_MAXFIRST=0"])
+    assert exit_.value.code == 2 and "twice" in capsys.readouterr().err

@@ -6,9 +6,10 @@
 #
 #   tests      the GPU tests of the switched builds and of the plan's host paths (test_cuda_attention.py and
 #              test_attention_timeline.py: maxfirst, mbfirst, stmatrix, the plan kernel, own_plan, reuse_plan)
-#   ab         each switch of KDLIB_AB (SUITE:NAME=VALUE, space-separated; default below) against this tree's
-#              default build: tools/kernel_ab.py run --define, one process, arms alternating, outputs
-#              compared bit for bit -> r/<SUITE>.<gpu>.json
+#   ab         each switch of KDLIB_AB (SUITE:NAME=VALUE[,NAME=VALUE...], space-separated; default below)
+#              against this tree's default build: tools/kernel_ab.py run --define (one per NAME=VALUE, the
+#              switches together), one process, arms alternating, outputs compared bit for bit
+#              -> r/<SUITE>.<gpu>.json
 #   repeat     TV7_MAXFIRST's error against float64 beside the default's, each arm 4 times (kernel_ab.py
 #              repeat) at 8 x 65 x 32k B16 and at 64 x 65 x 32k -> r/repeat_8x65/, r/repeat_64x65/
 #   timeline   the attention_timeline suite (the consumers' pair in SM clocks), now also at the two 8 x 9
@@ -62,8 +63,11 @@ for step in $STEPS; do
         --junitxml="$R/tests.xml" ;;
     ab)
       for pair in $AB; do
-        run "${pair%%:*}" 150 python3 tools/kernel_ab.py run --version 10 --define "${pair#*:}" \
-          --suite "${pair%%:*}" --out "$R"
+        IFS=, read -r -a parts <<<"${pair#*:}"
+        defs=()
+        for d in "${parts[@]}"; do defs+=(--define "$d"); done
+        run "${pair%%:*}" 150 python3 tools/kernel_ab.py run --version 10 "${defs[@]}" --suite "${pair%%:*}" \
+          --out "$R"
       done ;;
     repeat)
       run repeat_8x65 90 python3 tools/kernel_ab.py repeat --define TV7_MAXFIRST=1 --version 10 --n 4 \

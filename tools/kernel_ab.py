@@ -14,6 +14,8 @@ On the GPU machine (carry ["build/ab"]):
     python3 tools/kernel_ab.py run --version 10 --toggle COMBINE_ROWS --suite kernel_ab_rows --out $OUT
     python3 tools/kernel_ab.py run --version 10 --define TV7_MAXFIRST=1 --suite kernel_ab_maxfirst \
         --out $OUT   # this tree built with -DTV7_MAXFIRST=1 (new) against its default build (old)
+    python3 tools/kernel_ab.py run --version 10 --define TV7_MAXFIRST=1 --define TV7_STMATRIX=1 \
+        --suite kernel_ab_maxfirst_stmatrix --out $OUT   # two switches together in the new arm
     python3 tools/kernel_ab.py repeat build/ab/<rev>/kernels --prefix 32000 --batch 16 \
         --out $OUT   # each arm n times at one point, against float64
     python3 tools/kernel_ab.py repeat --define TV7_MAXFIRST=1 --version 10 --out $OUT  # a build switch's arms
@@ -50,21 +52,27 @@ def export(rev: str) -> Path:
     return dest / "kernels"
 
 
-def _arm_build(define: str | None, arm: str):
-    """The build an arm's calls compile: with -D<define> for the new arm where a define is given, else as
-    the tree (or the exported kernels) has it."""
+def _flags(defines: list[str]) -> str:
+    """The -D options of defines ('NAME=VALUE' each)."""
+    return " ".join(f"-D{d}" for d in defines)
+
+
+def _arm_build(defines: list[str] | None, arm: str):
+    """The build an arm's calls compile: with a -D option per define for the new arm where defines are given,
+    else as the tree (or the exported kernels) has it."""
     from kdlib.cuda import loader
 
-    return loader.extra_options(f"-D{define}") if define and arm == "new" else contextlib.nullcontext()
+    return loader.extra_options(_flags(defines)) if defines and arm == "new" else contextlib.nullcontext()
 
 
 def run(old_kernels: Path | None, out: Path, version: int, iters: int, suite_name: str = "kernel_ab",
-        new_kernels: Path | None = None, toggle: str = "PDL", define: str | None = None) -> Path:
+        new_kernels: Path | None = None, toggle: str = "PDL", defines: list[str] | None = None) -> Path:
     """Both arms at every point into <out>/<suite_name>.<gpu>.json; the new arm runs new_kernels (None: this
     tree's). old_kernels None: the arms are this tree's kernels with the switch `toggle` of
     kdlib.cuda.attention on ("new") and off ("old"): PDL, programmatic dependent launch; COMBINE_ROWS, the
-    combine with a warp per row where the rows are many. define ('NAME=VALUE', no old kernels): instead, this
-    tree's kernels built with -DNAME=VALUE (new) and without (old), the host's switches as they are."""
+    combine with a warp per row where the rows are many. defines ('NAME=VALUE' each, no old kernels): instead,
+    this tree's kernels built with a -DNAME=VALUE per define (new) and without (old), the host's switches as
+    they are."""
     import cupy
     import torch
 
@@ -85,11 +93,11 @@ def run(old_kernels: Path | None, out: Path, version: int, iters: int, suite_nam
     saved = getattr(cu, toggle)
     for name, src in arms:  # arm-major: one compile per arm; the arms alternate over the whole grid
         loader.use_kernels(src)
-        setattr(cu, toggle, saved if old_kernels is not None or define else name == "new")
-        with _arm_build(define, name):
+        setattr(cu, toggle, saved if old_kernels is not None or defines else name == "new")
+        with _arm_build(defines, name):
             suite.time_arm(name, pts, inputs, pool, times, outs, iters, version=version)
         print(f"[ab] arm {name} ({src or 'this tree'}, {toggle} {getattr(cu, toggle)}"
-              f"{f', -D{define}' if define and name == 'new' else ''}) done", flush=True)
+              f"{f', {_flags(defines)}' if defines and name == 'new' else ''}) done", flush=True)
     loader.use_kernels(None)
     setattr(cu, toggle, saved)
     rows = []
@@ -108,9 +116,9 @@ def run(old_kernels: Path | None, out: Path, version: int, iters: int, suite_nam
               f"bitwise {row['bitwise_equal']}", flush=True)
     doc = {"parameters": {"version": version, "old_kernels": str(old_kernels) if old_kernels else None,
                           "new_kernels": str(new_kernels) if new_kernels else None,
-                          "pdl_arms": old_kernels is None and not define and toggle == "PDL",
-                          "toggle_arms": toggle if old_kernels is None and not define else None,
-                          "define_arms": define, "iters": iters,
+                          "pdl_arms": old_kernels is None and not defines and toggle == "PDL",
+                          "toggle_arms": toggle if old_kernels is None and not defines else None,
+                          "define_arms": defines, "iters": iters,
                           "arms": [a for a, _ in arms], "points": pts},
            "ceilings": ceil, "rows": rows,
            "verdict": {"bitwise_equal_everywhere": all(r["bitwise_equal"] for r in rows),
@@ -139,12 +147,12 @@ def reference(x: dict, pool, b: int):
 
 
 def repeat(old_kernels: Path | None, out: Path, point: dict, n: int, version: int,
-           define: str | None = None) -> Path:
+           defines: list[str] | None = None) -> Path:
     """Each arm n times at one point (fresh workspace each call, the same inputs): how many distinct outputs
     each gives, the largest difference between any two, each run's error against float64, and the two arms'
     first outputs against each other (`new_vs_old`: bit-equal, largest difference, rows that differ), into
-    <out>/kernel_ab_repeat.<gpu>.json. The arms: this tree (new) and old_kernels (old), or with define
-    ('NAME=VALUE') this tree built with -DNAME=VALUE (new) and without (old)."""
+    <out>/kernel_ab_repeat.<gpu>.json. The arms: this tree (new) and old_kernels (old), or with defines
+    ('NAME=VALUE' each) this tree built with a -DNAME=VALUE per define (new) and without (old)."""
     import torch
 
     from kdlib.cuda import attention as cu
@@ -160,7 +168,7 @@ def repeat(old_kernels: Path | None, out: Path, point: dict, n: int, version: in
     for name, src in (("new", None), ("old", old_kernels)):
         loader.use_kernels(src)
         runs = []
-        with _arm_build(define, name):
+        with _arm_build(defines, name):
             for _ in range(n):
                 ws = cu.make_workspace(point["batch"], point["queries"], point["heads"])
                 o = suite.verify_call(x, pool, ws, version=version)(x["tables"][0])[0]
@@ -180,19 +188,24 @@ def repeat(old_kernels: Path | None, out: Path, point: dict, n: int, version: in
               "rows": int(gap.shape[0])}
     print(f"[ab repeat] new against old: {across}", flush=True)
     doc = {"parameters": {"version": version, "old_kernels": str(old_kernels) if old_kernels else None,
-                          "define_arms": define, "point": point, "n": n},
+                          "define_arms": defines, "point": point, "n": n},
            "arms": arms, "new_vs_old": across}
     return results.write("kernel_ab_repeat", doc, out_dir=out, command=" ".join(["python3"] + sys.argv))
 
 
 def _check_define(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    """--define: NAME=VALUE, and no old kernels beside it (it sets the new arm's build of this tree)."""
+    """--define (repeatable): NAME=VALUE each, each NAME once, and no old kernels beside them (they set the
+    new arm's build of this tree)."""
     if a.define is None:
         return
     if a.old_kernels is not None:
         ap.error("--define sets the new arm's build of this tree: no old kernels with it")
-    if not re.fullmatch(r"[A-Za-z_]\w*=\S+", a.define):
-        ap.error(f"--define takes NAME=VALUE, got {a.define!r}")
+    for d in a.define:
+        if not re.fullmatch(r"[A-Za-z_]\w*=\S+", d):
+            ap.error(f"--define takes NAME=VALUE, got {d!r}")
+    names = [d.split("=")[0] for d in a.define]
+    if len(set(names)) < len(names):
+        ap.error(f"--define names a switch twice: {' '.join(a.define)}")
 
 
 def main(argv=None) -> int:
@@ -213,13 +226,14 @@ def main(argv=None) -> int:
     r.add_argument("--toggle", choices=TOGGLES, default="PDL",
                    help="without old kernels: the kdlib.cuda.attention switch the arms set on (new) and off "
                         "(old)")
-    r.add_argument("--define", metavar="NAME=VALUE",
+    r.add_argument("--define", metavar="NAME=VALUE", action="append",
                    help="without old kernels: this tree's kernels built with -DNAME=VALUE (new) and without "
-                        "(old), instead of a --toggle")
+                        "(old), instead of a --toggle; repeat it for switches together")
     p = sub.add_parser("repeat", help="each arm n times at one point, against float64 (GPU)")
     p.add_argument("old_kernels", type=Path, nargs="?", help="the exported kernels (or --define)")
-    p.add_argument("--define", metavar="NAME=VALUE",
-                   help="instead of old kernels: this tree built with -DNAME=VALUE (new) and without (old)")
+    p.add_argument("--define", metavar="NAME=VALUE", action="append",
+                   help="instead of old kernels: this tree built with -DNAME=VALUE (new) and without (old); "
+                        "repeatable")
     for k, v in (("heads", 8), ("queries", 65), ("prefix", 32_000), ("batch", 16), ("n", 8), ("version", 7)):
         p.add_argument(f"--{k}", type=int, default=v)
     p.add_argument("--out", type=Path, required=True, help="folder")
