@@ -388,7 +388,8 @@ def test_v10_trace_stamps_only_the_traced_build_of_v7s_consumers(tmp_path):
 
 @pytest.mark.skipif(_NVRTC is None, reason="nvidia-cuda-nvrtc is not installed (requirements.lock pins it)")
 @pytest.mark.parametrize("switch,extra", [(o, e) for o in CONSUMER_SWITCHES
-                                          for e in ([], ["-DTV7_RACECHECK=1"], ["-DTV_FP8=1"])])
+                                          for e in ([], ["-DTV7_RACECHECK=1"], ["-DTV_FP8=1"])]
+                         + [("-DTV7_STMATRIX=1", ["-DTV7_MAXFIRST=1"])])
 def test_v10_consumer_switch_builds_compile_without_spills(switch, extra):
     """The builds of the consumers' switches (-DTV7_MAXFIRST=1, -DTV7_MBFIRST=1, -DTV7_STMATRIX=1: version
     10's file as kernel_ab.py --define loads it), alone, in the racecheck checking build and in the FP8 build,
@@ -471,7 +472,8 @@ def test_v10_order_switches_hand_the_maxima_off_before_the_exponentials(switch, 
 def test_v10_stmatrix_build_hands_p_over_in_four_stores_a_warp(tmp_path):
     """-DTV7_STMATRIX=1's SASS (nvcc for sm_90a): in each kernel of v7's consumers the two handovers of P
     (publish_p: P_A by consumer 0, P_B by consumer 1) are four STSM each where the default build stores P in
-    sixteen STS each; nothing else is stored differently, and the kernels of v9's consumers are untouched."""
+    sixteen STS each; nothing else is stored differently, and the kernels of v9's consumers are untouched.
+    With -DTV7_MAXFIRST=1 too, consumer 0's P_A c_B and consumer 1's P_B are the two."""
     import subprocess
 
     def sass(extra):
@@ -484,7 +486,8 @@ def test_v10_stmatrix_build_hands_p_over_in_four_stores_a_warp(tmp_path):
         return _sass(cubin)
 
     with cf.ThreadPoolExecutor(max_workers=2) as pool:
-        default, switched = pool.map(sass, ([], ["-DTV7_STMATRIX=1"]))
+        default, switched, maxfirst = pool.map(sass, ([], ["-DTV7_STMATRIX=1"],
+                                                      ["-DTV7_STMATRIX=1", "-DTV7_MAXFIRST=1"]))
 
     def stores(text, op):
         return len(re.findall(rf"\b{op}\b", text))
@@ -492,6 +495,7 @@ def test_v10_stmatrix_build_hands_p_over_in_four_stores_a_warp(tmp_path):
     for name in ("tree_verify_v7_attend", "tree_verify_v10_attend", "tree_verify_v10_attend_own"):
         assert stores(default[name], "STSM") == 0 and stores(switched[name], "STSM") == 2 * 4, name
         assert stores(default[name], "STS") - stores(switched[name], "STS") == 2 * 16, name
+        assert stores(maxfirst[name], "STSM") == 2 * 4, name
     for name in ("tree_verify_v10_attend_t", "tree_verify_v10_attend_t_own"):
         assert default[name] == switched[name], name
 

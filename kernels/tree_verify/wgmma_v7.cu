@@ -52,7 +52,7 @@
 // orders in numpy. Built -DTV7_MBFIRST=1 (not the default, not yet timed) the default order hands m_B and c_B
 // off (NB_SCALE_B) before consumer 1's exponentials of tile B: the same arithmetic and bits. Built
 // -DTV7_STMATRIX=1 (not the default, not yet timed) each consumer stores the P it hands over with stmatrix
-// (publish_p, store_p_sm): the same bytes at the same places, the same bits.
+// (publish_p, and TV7_MAXFIRST's P_A c_B: store_p_sm): the same bytes at the same places, the same bits.
 //
 // Shared memory (1024-aligned base): v6's Q (9 blocks) | K stage 0 (9 blocks) | K stage 1 | rows (m,
 // c_A, c_B, the two l of a job) | descriptors | mbarriers: 223,920 bytes with the alignment slack.
@@ -211,7 +211,13 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                     m0 = s_m[lr0];
                     m1 = s_m[lr1];
                     scale_rows(s, cb0, cb1);
-                    store_p(s, pa, lr0, lr1, t4);
+                    if (TV7_STMATRIX) {
+                        unsigned pc[4][4];  // P_A c_B in bf16
+                        p_frags(s, pc);
+                        store_p_sm(pc, pa, lr0, t4);
+                    } else {
+                        store_p(s, pa, lr0, lr1, t4);
+                    }
                     fence_async_smem();
                     handoff(NB_PA);
                     warp_arrive(BAR_EMPTY(bars, 0, 2), lane);  // stage 0's rope block: S_A read, P_A c_B written
