@@ -211,15 +211,8 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                     m0 = s_m[lr0];
                     m1 = s_m[lr1];
                     scale_rows(s, cb0, cb1);
-                    if (TV7_STMATRIX) {
-                        unsigned pc[4][4];  // P_A c_B in bf16
-                        p_frags(s, pc);
-                        store_p_sm(pc, pa, lr0, t4);
-                    } else {
-                        store_p(s, pa, lr0, lr1, t4);
-                    }
-                    fence_async_smem();
-                    handoff(NB_PA);
+                    unsigned pc[4][4];  // P_A c_B in bf16, for consumer 1 alone
+                    publish_p(s, pc, pa, NB_PA, lr0, lr1, t4);
                     warp_arrive(BAR_EMPTY(bars, 0, 2), lane);  // stage 0's rope block: S_A read, P_A c_B written
                     wg_wait<0>();
                     reg_fence(o);

@@ -73,10 +73,9 @@
 static_assert(!(TV7_MAXFIRST && TV7_MBFIRST), "TV7_MAXFIRST hands m_B off first already");
 
 // TV7_STMATRIX (-DTV7_STMATRIX=1): v7's consumers store the P they hand over (publish_p; with TV7_MAXFIRST also
-// consumer 0's P_A c_B) with stmatrix, four
-// m8n8.x4 stores a warp (store_p_sm) where store_p issues sixteen 4-byte ones and their addresses, on the pair's
-// critical path (the other consumer waits for that P). The same bytes at the same places: the default's bits.
-// Not the default, not yet timed.
+// consumer 0's P_A c_B) with stmatrix, four m8n8.x4 stores a warp (store_p_sm) where store_p issues sixteen
+// 4-byte ones and their addresses, on the pair's critical path (the other consumer waits for that P). The same
+// bytes at the same places: the default's bits. Not the default, not yet timed.
 #ifndef TV7_STMATRIX
 #define TV7_STMATRIX 0
 #endif
