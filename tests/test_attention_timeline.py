@@ -77,68 +77,35 @@ def test_sample_counts_cycles_from_the_ctas_first_stamp():
     assert len(s["consumer 0"]) == tl.SAMPLE_PAIRS
 
 
-@pytest.mark.parametrize("order", sorted(tl.ORDER_SEGMENTS))
-def test_segments_tile_each_consumers_loop_and_name_its_events(order):
+def test_segments_tile_each_consumers_loop_and_name_its_events():
     for c in (0, 1):
-        edges = list(tl.ORDER_SEGMENTS[order][c].values())
+        edges = list(tl.SEGMENTS[c].values())
         assert edges[0][0] == 0 and edges[-1][1] is None
         assert all(a[1] == b[0] for a, b in zip(edges, edges[1:], strict=False))
-        assert [a for a, _ in edges] == list(range(tl.NEVENTS)) == list(range(len(tl.ORDER_EVENTS[order][c])))
-        assert set(tl.ORDER_SEGMENTS[order][c]) <= set(tl.KIND)
-    assert tl.ORDER_SEGMENTS["default"] is tl.SEGMENTS and tl.ORDER_EVENTS["default"] is tl.EVENTS
-
-
-def test_build_order_reads_the_switches_of_the_options():
-    assert tl.build_order("") == "default" == tl.build_order("-lineinfo -DTV7_MAXFIRSTX=1")
-    assert tl.build_order("-DTV7_MAXFIRST=1") == "maxfirst" == tl.build_order("-lineinfo -DTV7_MAXFIRST")
-    assert tl.build_order("-DTV_TRACE=1 -DTV7_MBFIRST=1 -lineinfo") == "mbfirst"
-    with pytest.raises(ValueError, match="together"):
-        tl.build_order("-DTV7_MAXFIRST=1 -DTV7_MBFIRST=1")
-
-
-def test_current_order_follows_kdlib_nvrtc_options(monkeypatch):
-    monkeypatch.setenv("KDLIB_NVRTC_OPTIONS", "-DTV7_MAXFIRST=1")
-    assert tl.current_order() == "maxfirst"
-    monkeypatch.delenv("KDLIB_NVRTC_OPTIONS")
-    assert tl.current_order() == "default"
-
-
-def test_summarize_names_the_stretches_of_the_order():
-    got = tl.summarize(synthetic(), "maxfirst")
-    for c in (0, 1):
-        seg = got["segments"][f"consumer {c}"]
-        assert list(seg) == list(tl.ORDER_SEGMENTS["maxfirst"][c])
-        assert list(seg.values()) == np.diff(OFFSETS[c] + [PERIOD + OFFSETS[c][0]]).tolist()
+        assert [a for a, _ in edges] == list(range(tl.NEVENTS)) == list(range(len(tl.EVENTS[c])))
+        assert set(tl.SEGMENTS[c]) <= set(tl.KIND)
 
 
 def test_the_kernel_marks_every_event_once_per_consumer_path():
-    """wgmma_v7.cu's consumers: events 0-2 and 8 once, in the loop's shared path; 3-7 in each consumer's
-    branches (the default order's and TV7_MAXFIRST's share consumer 0's last two; the nvcc test of the traced
-    builds in test_kernels_compile.py counts what each build compiles)."""
+    """wgmma_v7.cu's consumers: events 0-2 and 8 once, in the loop's shared path; 3-7 once in each consumer's
+    branch (the nvcc test of the traced builds in test_kernels_compile.py counts what each build compiles)."""
     src = (ROOT / "kernels" / "tree_verify" / "wgmma_v7.cu").read_text()
-    marks = [int(e) for e in re.findall(r"trace_mark\(c, n, (\d+), wt\)", src)]
+    # trace_mark's calls, and pv_own_tile's (its stamp between the wait and the releases)
+    marks = [int(e) for e in re.findall(r"(?:trace_mark|pv_own_tile)\([^;]*?\bc, n, (\d+), wt\)", src)]
     assert sorted(set(marks)) == list(range(tl.NEVENTS))
-    assert all(marks.count(e) == 1 for e in (0, 1, 2, 8)) and all(marks.count(e) >= 2 for e in range(3, 8))
+    assert all(marks.count(e) == 1 for e in (0, 1, 2, 8)) and all(marks.count(e) == 2 for e in range(3, 8))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("options", ["", "-DTV7_MAXFIRST=1"], ids=["default", "maxfirst"])
-def test_traced_build_keeps_the_bits_and_stamps_in_program_order(options):
-    """Each order's traced build against its shipped build (the default's, and TV7_MAXFIRST's, whose stamps
-    the suite names after its own order)."""
+def test_traced_build_keeps_the_bits_and_stamps_in_program_order():
     import torch
 
-    from kdlib.cuda import loader
     from kdlib.perf.suites import attention
 
     p = {"heads": 8, "queries": 65, "prefix": 16_384, "batch": 1}
     pool = torch.randn(attention.pool_rows([p]), attention.D_QK, device="cuda",
                        dtype=torch.bfloat16)  # [N, 576]
-    with loader.extra_options(options):
-        row = tl.run_point(p, pool, iters=3)
-        order = tl.current_order()
-    assert order == tl.build_order(options)
-    assert all(list(row["segments"][f"consumer {c}"]) == list(tl.ORDER_SEGMENTS[order][c]) for c in (0, 1))
+    row = tl.run_point(p, pool, iters=3)
     assert row["bitwise_equal"]
     assert row["steady_pairs"] > 0 and row["period"]["median"] > row["floor_cycles"] * 0.5
     assert all(v >= 0 for c in row["segments"].values() for v in c.values())

@@ -1664,48 +1664,6 @@ def _check_batch(out, lse, args, sizes_np, name: str):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bsz,nq,nh,width,ragged", [(16, 65, 8, 40_000, True), (1, 65, 64, 8192, False),
-                                                    (2, 9, 8, 30_000, False)])
-def test_v10_maxfirst_build_matches_float64_and_repeats_its_bits(bsz, nq, nh, width, ragged):
-    """Built -DTV7_MAXFIRST=1 (v7's consumers in FlashMLA's order; kdlib.cuda.seesaw mirrors it), version 10's
-    verify of a ragged batch, of 64 heads and of 72 rows a request is within the bf16 tolerance of the float64
-    reference, and a second call gives the same bits."""
-    _need_wgmma()
-    from kdlib.cuda import attention as cu
-    from kdlib.cuda import loader
-
-    args, sizes_np = _verify_batch(bsz, nq, nh, width, ragged)
-    ws = cu.make_workspace(bsz, nq, nh)
-    with loader.extra_options("-DTV7_MAXFIRST=1"):
-        out, lse = cu.tree_verify_attention(*args, impl="wgmma_v10", workspace=ws)
-        out, lse = out.copy(), lse.copy()
-        again = cu.tree_verify_attention(*args, impl="wgmma_v10", workspace=ws)
-    same = [np.array_equal(a.get(), b.get(), equal_nan=True) for a, b in zip((out, lse), again, strict=True)]
-    assert all(same), f"out, lse of two calls bit-equal: {same}"
-    _check_batch(out, lse, args, sizes_np, "v10 maxfirst")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("switch", ["-DTV7_MBFIRST=1", "-DTV7_STMATRIX=1"], ids=["mbfirst", "stmatrix"])
-@pytest.mark.parametrize("bsz,nq,nh,width,ragged", [(16, 65, 8, 40_000, True), (2, 9, 8, 30_000, False)])
-def test_v10_switch_builds_give_the_default_builds_bits(bsz, nq, nh, width, ragged, switch):
-    """Built -DTV7_MBFIRST=1 (consumer 1 hands m_B and c_B off before its exponentials, the same arithmetic)
-    or -DTV7_STMATRIX=1 (P handed over by stmatrix, the same bytes), version 10's verify of a ragged batch and
-    of 72 rows a request gives the default build's out and lse bit for bit."""
-    _need_wgmma()
-    from kdlib.cuda import attention as cu
-    from kdlib.cuda import loader
-
-    args, _ = _verify_batch(bsz, nq, nh, width, ragged)
-    ws = cu.make_workspace(bsz, nq, nh)
-    want = [a.copy() for a in cu.tree_verify_attention(*args, impl="wgmma_v10", workspace=ws)]
-    with loader.extra_options(switch):
-        got = cu.tree_verify_attention(*args, impl="wgmma_v10", workspace=ws)
-        same = [np.array_equal(a.get(), b.get(), equal_nan=True) for a, b in zip(got, want, strict=True)]
-    assert all(same), f"out, lse bit-equal to the default build's: {same}"
-
-
-@pytest.mark.gpu
 def test_v10_own_plan_and_reuse_plan_deal_the_same_jobs_to_the_same_bits():
     """A uniform batch of 8 x 65 rows over 4,096 keys, which the plan kernel's gate orders: alone (at most 8
     requests: the attend kernels make the plan, no order, order [0] = -1), with reuse_plan (the plan kernel:

@@ -35,20 +35,17 @@ def _levers(out, env, *steps, extra=None):
 
 def test_levers_script_runs_every_step_and_packs_what_it_made(tmp_path, stand_ins):
     out = tmp_path / "out"
-    res = _levers(out, stand_ins, "tests", "ab", "repeat", "timeline", "phases", "ncu")
+    res = _levers(out, stand_ins, "tests", "ab", "timeline", "phases", "ncu",
+                  extra={"KDLIB_AB": "kernel_ab_four_warps:PLAN_SMALL_REQS=0"})
     assert res.returncode == 0, res.stderr
     calls = stand_ins["log"].read_text().splitlines()
     py = [c for c in calls if c.startswith("python3 ")]
     assert any("pytest -m gpu tests/test_cuda_attention.py tests/test_attention_timeline.py" in c
-               and "maxfirst or mbfirst or stmatrix" in c for c in py)
-    for suite, define in (("kernel_ab_maxfirst", "TV7_MAXFIRST=1"), ("kernel_ab_mbfirst", "TV7_MBFIRST=1"),
-                          ("kernel_ab_stmatrix", "TV7_STMATRIX=1"),
-                          ("kernel_ab_small32", "PLAN_SMALL_REQS=32")):
-        assert any(f"kernel_ab.py run --version 10 --define {define} --suite {suite}" in c for c in py), suite
-    assert sum("kernel_ab.py repeat --define TV7_MAXFIRST=1" in c for c in py) == 2
+               and "plan_kernel or own_plan or reuse or traced_build" in c for c in py)
+    assert any("kernel_ab.py run --version 10 --define PLAN_SMALL_REQS=0 --suite kernel_ab_four_warps" in c
+               for c in py)
     timeline = [c for c in py if "--suite attention_timeline" in c]
-    assert [c.endswith("#opts=") for c in timeline] == [True, False]
-    assert "--quick" in timeline[1] and "/r/maxfirst #opts=-DTV7_MAXFIRST=1" in timeline[1]
+    assert len(timeline) == 1 and timeline[0].endswith("#opts=")
     assert any("plan_phases.py phases" in c for c in py)
     profiled = [c for c in calls if c.startswith("ncu ") and "--import " not in c]
     assert [c.split("--queries ")[1].split()[0] for c in profiled] == ["65", "9"]
@@ -59,21 +56,18 @@ def test_levers_script_runs_every_step_and_packs_what_it_made(tmp_path, stand_in
         assert (r / name).read_text().startswith("ncu ran")  # the export's output, renamed
     summary = (r / "summary.txt").read_text().splitlines()
     steps = [s.split()[0] for s in summary if " rc=" in s]
-    assert steps == ["tests", "kernel_ab_maxfirst", "kernel_ab_mbfirst", "kernel_ab_stmatrix",
-                     "kernel_ab_small32", "repeat_8x65", "repeat_64x65", "timeline", "timeline_maxfirst",
-                     "phases", "ncu_src.8x65x200k", "ncu_src.8x65x200k.export", "ncu_src.8x9x200k",
-                     "ncu_src.8x9x200k.export"]
+    assert steps == ["tests", "kernel_ab_four_warps", "timeline", "phases", "ncu_src.8x65x200k",
+                     "ncu_src.8x65x200k.export", "ncu_src.8x9x200k", "ncu_src.8x9x200k.export"]
     assert all(" rc=0 " in s for s in summary if " rc=" in s) and summary[-1].startswith("total ")
     with tarfile.open(out / "r.tgz") as t:
         assert "r/summary.txt" in t.getnames() and "r/ncu_src.8x9x200k.csv" in t.getnames()
 
 
-def test_levers_script_runs_all_but_ncu_by_default(tmp_path, stand_ins):
+def test_levers_script_runs_tests_timeline_and_phases_by_default(tmp_path, stand_ins):
     res = _levers(tmp_path / "out", stand_ins)
     assert res.returncode == 0, res.stderr
     summary = (tmp_path / "out" / "r" / "summary.txt").read_text().splitlines()
-    steps = [s.split()[0] for s in summary if " rc=" in s]
-    assert steps[0] == "tests" and steps[-1] == "phases" and not any(s.startswith("ncu") for s in steps)
+    assert [s.split()[0] for s in summary if " rc=" in s] == ["tests", "timeline", "phases"]
     assert not any(c.startswith("ncu ") for c in stand_ins["log"].read_text().splitlines())
 
 
@@ -88,8 +82,11 @@ def test_levers_script_runs_the_steps_named_and_the_switches_given(tmp_path, sta
         f"{ab} --define FOO=2 --define BAR=1 --suite kernel_ab_xy --out {out}/r #opts="]
 
 
-def test_levers_script_refuses_an_unknown_step_before_running_anything(tmp_path, stand_ins):
+def test_levers_script_refuses_an_unknown_step_or_ab_without_switches_before_running_anything(tmp_path,
+                                                                                              stand_ins):
     out = tmp_path / "out"
     res = _levers(out, stand_ins, "tests", "bench")
     assert res.returncode == 2 and "unknown step bench" in res.stderr
+    res = _levers(out, stand_ins, "tests", "ab", extra={"KDLIB_AB": ""})
+    assert res.returncode == 2 and "step ab needs KDLIB_AB" in res.stderr
     assert not out.exists() and not stand_ins["log"].exists()

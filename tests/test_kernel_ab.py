@@ -48,21 +48,21 @@ def test_run_toggles_are_the_attention_modules_switches(capsys):
 
 def test_run_define_builds_this_tree_alone_and_takes_name_value(capsys):
     with pytest.raises(SystemExit) as exit_:
-        kernel_ab.main(["run", "build/ab/x/kernels", "--out", "/tmp/unused", "--define", "TV7_MAXFIRST=1"])
+        kernel_ab.main(["run", "build/ab/x/kernels", "--out", "/tmp/unused", "--define", "PLAN_SMALL_REQS=0"])
     assert exit_.value.code == 2 and "no old kernels" in capsys.readouterr().err
-    for bad in ("TV7_MAXFIRST", "=1", "1X=2", "A=1 -DB=2"):
+    for bad in ("PLAN_SMALL_REQS", "=1", "1X=2", "A=1 -DB=2"):
         with pytest.raises(SystemExit) as exit_:
             kernel_ab.main(["run", "--out", "/tmp/unused", "--define", bad])
         assert exit_.value.code == 2 and "NAME=VALUE" in capsys.readouterr().err
 
 
 def test_repeat_takes_old_kernels_or_a_define(capsys):
-    for args in ([], ["build/ab/x/kernels", "--define", "TV7_MAXFIRST=1"]):
+    for args in ([], ["build/ab/x/kernels", "--define", "PLAN_SMALL_REQS=0"]):
         with pytest.raises(SystemExit) as exit_:
             kernel_ab.main(["repeat", *args, "--out", "/tmp/unused"])
         assert exit_.value.code == 2 and "one of the two" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
-        kernel_ab.main(["repeat", "--define", "TV7_MAXFIRST", "--out", "/tmp/unused"])
+        kernel_ab.main(["repeat", "--define", "PLAN_SMALL_REQS", "--out", "/tmp/unused"])
     assert exit_.value.code == 2 and "NAME=VALUE" in capsys.readouterr().err
 
 
@@ -72,13 +72,13 @@ def test_define_repeats_for_switches_together_each_name_once(capsys, monkeypatch
     got = {}
     monkeypatch.setattr(kernel_ab, "run", lambda *a: got.setdefault("run", a))
     monkeypatch.setattr(kernel_ab, "repeat", lambda *a: got.setdefault("repeat", a))
-    kernel_ab.main(["run", "--out", "/tmp/unused", "--version", "10", "--define", "TV7_MAXFIRST=1",
-                    "--define", "TV7_STMATRIX=1"])
-    kernel_ab.main(["repeat", "--define", "TV7_MAXFIRST=1", "--define", "TV7_STMATRIX=1",
+    kernel_ab.main(["run", "--out", "/tmp/unused", "--version", "10", "--define", "PLAN_SMALL_REQS=0",
+                    "--define", "ORDER_GAIN=-64"])
+    kernel_ab.main(["repeat", "--define", "PLAN_SMALL_REQS=0", "--define", "ORDER_GAIN=-64",
                     "--out", "/tmp/unused"])
-    assert got["run"][-1] == got["repeat"][-1] == ["TV7_MAXFIRST=1", "TV7_STMATRIX=1"]
-    assert kernel_ab._flags(got["run"][-1]) == "-DTV7_MAXFIRST=1 -DTV7_STMATRIX=1"
+    assert got["run"][-1] == got["repeat"][-1] == ["PLAN_SMALL_REQS=0", "ORDER_GAIN=-64"]
+    assert kernel_ab._flags(got["run"][-1]) == "-DPLAN_SMALL_REQS=0 -DORDER_GAIN=-64"
     with pytest.raises(SystemExit) as exit_:
-        kernel_ab.main(["run", "--out", "/tmp/unused", "--define", "TV7_MAXFIRST=1",
-                        "--define", "TV7_MAXFIRST=0"])
+        kernel_ab.main(["run", "--out", "/tmp/unused", "--define", "PLAN_SMALL_REQS=0",
+                        "--define", "PLAN_SMALL_REQS=8"])
     assert exit_.value.code == 2 and "twice" in capsys.readouterr().err

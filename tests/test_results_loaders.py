@@ -322,6 +322,8 @@ LOADERS = {
     "kernel_ab_pdl": functools.partial(results.load_kernel_ab, suite="kernel_ab_pdl"),
     "kernel_ab_trigger": functools.partial(results.load_kernel_ab, suite="kernel_ab_trigger"),
     "kernel_ab_rows": functools.partial(results.load_kernel_ab, suite="kernel_ab_rows"),
+    **{f"kernel_ab_{s}": functools.partial(results.load_kernel_ab, suite=f"kernel_ab_{s}")
+       for s in ("maxfirst", "mbfirst", "stmatrix", "small32")},
     "kernels": results.load_kernels,
     "verify_attention_dev": results.load_verify_attention_dev,
     "verify_attention_dev_v2": results.load_verify_attention_dev_v2, "engine": results.load_engine,

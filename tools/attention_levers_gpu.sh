@@ -1,39 +1,37 @@
 #!/usr/bin/env bash
-# The verify attention's levers that are built and not yet timed (issue 19), measured in device calls on the
-# H200, each step under its own time limit. Run from the repo root:
+# The verify attention's levers (issue 19) measured in device calls on the H200, each step under its own time
+# limit. Run from the repo root:
 #
-#   OUT=$OUT KDLIB_COMMIT=<sha> bash tools/attention_levers_gpu.sh [STEP ...]     (no STEP: all but ncu)
+#   OUT=$OUT KDLIB_COMMIT=<sha> [KDLIB_AB=...] bash tools/attention_levers_gpu.sh [STEP ...]
+#                                                              (no STEP: tests timeline phases)
 #
-#   tests      the GPU tests of the switched builds and of the plan's host paths (test_cuda_attention.py and
-#              test_attention_timeline.py: maxfirst, mbfirst, stmatrix, the plan kernel, own_plan, reuse_plan)
-#   ab         each switch of KDLIB_AB (SUITE:NAME=VALUE[,NAME=VALUE...], space-separated; default below)
-#              against this tree's default build: tools/kernel_ab.py run --define (one per NAME=VALUE, the
-#              switches together), one process, arms alternating, outputs compared bit for bit
+#   tests      the GPU tests of the plan's kernel and host paths (test_cuda_attention.py: plan_kernel, own_plan,
+#              reuse_plan) and of the traced build (test_attention_timeline.py)
+#   ab         each switch of KDLIB_AB (SUITE:NAME=VALUE[,NAME=VALUE...], space-separated; required for this
+#              step) against this tree's default build: tools/kernel_ab.py run --define (one per NAME=VALUE,
+#              the switches together), one process, arms alternating, outputs compared bit for bit
 #              -> r/<SUITE>.<gpu>.json
-#   repeat     TV7_MAXFIRST's error against float64 beside the default's, each arm 4 times (kernel_ab.py
-#              repeat) at 8 x 65 x 32k B16 and at 64 x 65 x 32k -> r/repeat_8x65/, r/repeat_64x65/
-#   timeline   the attention_timeline suite (the consumers' pair in SM clocks), now also at the two 8 x 9
-#              points, then its first point with TV7_MAXFIRST's consumers (--quick) -> r/maxfirst/
+#   timeline   the attention_timeline suite (the consumers' pair in SM clocks at the 8 x 65 and 8 x 9 points)
 #   phases     the plan kernel's phases (tools/plan_phases.py phases)
 #   ncu        Nsight Compute's source counters (PC sampling: the warps' stall reasons per SASS instruction)
 #              of the default's attend kernel (v7's consumers) built with -lineinfo, at 8 x 65 x 200k and
-#              8 x 9 x 200k: the report and its source page (SASS, CSV) -> r/ncu_src.<point>.{ncu-rep,csv}
+#              8 x 9 x 200k: the report and its source page (SASS, CSV) -> r/ncu_src.<point>.{ncu-rep,csv},
+#              which tools/ncu_source.py maps to source lines here
 #
-# Two calls of 600 s: tests and ab (about 500 s), then repeat, timeline and phases (about 450 s); ncu alone
-# where device time is left.
+# Each step's time limit is below a device call's 600 s; r/summary.txt records the seconds each took.
 # Everything lands in $OUT/r, packed into $OUT/r.tgz after each step (a device call returns at most 8 files);
 # r/summary.txt has a line per step (its exit code and seconds).
 set -u
 : "${OUT:?set OUT to the output folder}"
 R="$OUT/r"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-AB=${KDLIB_AB:-"kernel_ab_maxfirst:TV7_MAXFIRST=1 kernel_ab_mbfirst:TV7_MBFIRST=1
-  kernel_ab_stmatrix:TV7_STMATRIX=1 kernel_ab_small32:PLAN_SMALL_REQS=32"}
-STEPS=${*:-tests ab repeat timeline phases}
+AB=${KDLIB_AB:-}
+STEPS=${*:-tests timeline phases}
 for step in $STEPS; do
   case $step in
-    tests | ab | repeat | timeline | phases | ncu) ;;
-    *) echo "unknown step $step (tests ab repeat timeline phases ncu)" >&2; exit 2 ;;
+    tests | timeline | phases | ncu) ;;
+    ab) [ -n "$AB" ] || { echo "step ab needs KDLIB_AB (SUITE:NAME=VALUE[,NAME=VALUE...] ...)" >&2; exit 2; } ;;
+    *) echo "unknown step $step (tests ab timeline phases ncu)" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$R"
@@ -59,7 +57,7 @@ for step in $STEPS; do
   case $step in
     tests)
       run tests 240 python3 -m pytest -m gpu tests/test_cuda_attention.py tests/test_attention_timeline.py \
-        -q -p no:cacheprovider -k "maxfirst or mbfirst or stmatrix or plan_kernel or own_plan or reuse" \
+        -q -p no:cacheprovider -k "plan_kernel or own_plan or reuse or traced_build" \
         --junitxml="$R/tests.xml" ;;
     ab)
       for pair in $AB; do
@@ -69,15 +67,8 @@ for step in $STEPS; do
         run "${pair%%:*}" 150 python3 tools/kernel_ab.py run --version 10 "${defs[@]}" --suite "${pair%%:*}" \
           --out "$R"
       done ;;
-    repeat)
-      run repeat_8x65 90 python3 tools/kernel_ab.py repeat --define TV7_MAXFIRST=1 --version 10 --n 4 \
-        --out "$R/repeat_8x65"
-      run repeat_64x65 90 python3 tools/kernel_ab.py repeat --define TV7_MAXFIRST=1 --version 10 --n 4 \
-        --heads 64 --queries 65 --prefix 32768 --batch 1 --out "$R/repeat_64x65" ;;
     timeline)
-      run timeline 240 python3 -m kdlib.perf.run --suite attention_timeline --out "$R"
-      run timeline_maxfirst 90 env KDLIB_NVRTC_OPTIONS=-DTV7_MAXFIRST=1 \
-        python3 -m kdlib.perf.run --suite attention_timeline --quick --out "$R/maxfirst" ;;
+      run timeline 240 python3 -m kdlib.perf.run --suite attention_timeline --out "$R" ;;
     phases)
       run phases 90 python3 tools/plan_phases.py phases --out "$R" ;;
     ncu)  # up to 8 requests the attend kernel makes its own plan: tree_verify_v10_attend_own

@@ -12,13 +12,13 @@ On the GPU machine (carry ["build/ab"]):
     python3 tools/kernel_ab.py run build/ab/<rev>/kernels --version 10 --suite kernel_ab_plan --out $OUT
     python3 tools/kernel_ab.py run --version 10 --suite kernel_ab_pdl --out $OUT   # PDL on / off
     python3 tools/kernel_ab.py run --version 10 --toggle COMBINE_ROWS --suite kernel_ab_rows --out $OUT
-    python3 tools/kernel_ab.py run --version 10 --define TV7_MAXFIRST=1 --suite kernel_ab_maxfirst \
-        --out $OUT   # this tree built with -DTV7_MAXFIRST=1 (new) against its default build (old)
-    python3 tools/kernel_ab.py run --version 10 --define TV7_MAXFIRST=1 --define TV7_STMATRIX=1 \
-        --suite kernel_ab_maxfirst_stmatrix --out $OUT   # two switches together in the new arm
+    python3 tools/kernel_ab.py run --version 10 --define PLAN_SMALL_REQS=0 --suite kernel_ab_four_warps \
+        --out $OUT   # this tree built with -DPLAN_SMALL_REQS=0 (new) against its default build (old)
+    python3 tools/kernel_ab.py run --version 10 --define PLAN_SMALL_REQS=0 --define ORDER_GAIN=-64 \
+        --suite kernel_ab_x --out $OUT   # two switches together in the new arm
     python3 tools/kernel_ab.py repeat build/ab/<rev>/kernels --prefix 32000 --batch 16 \
         --out $OUT   # each arm n times at one point, against float64
-    python3 tools/kernel_ab.py repeat --define TV7_MAXFIRST=1 --version 10 --out $OUT  # a build switch's arms
+    python3 tools/kernel_ab.py repeat --define ORDER_GAIN=-64 --version 10 --out $OUT  # a build switch's arms
 
 Points: the attention suite's (`kdlib.perf.suites.attention`: POINTS and the ragged one) and one TP8
 Kimi-K2.6 rank's verify at C = 1, 4, 10, 16 streams of 9 or 65 tree rows over 5,500 or 32,000 tokens.

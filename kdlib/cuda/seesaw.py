@@ -1,6 +1,7 @@
 """numpy mirror of the arithmetic of version 7's consumers (`kernels/tree_verify/wgmma_v7.cu`): the online
 softmax over pairs of 64-key tiles, in the default order and in the order of the `-DTV7_MAXFIRST=1` build
-(after FlashMLA's: tile A's maxima handed off before its exponentials, P_A c_B for the other half of O).
+(after FlashMLA's: tile A's maxima handed off before its exponentials, P_A c_B for the other half of O), which
+measured slower than the default and was taken out after a470e0b (data/results/kernel_ab_maxfirst.h200.json).
 
 Consumer 0 holds O's dims 0..255 (O_L) and consumer 1 dims 256..511 (O_R); consumer 0 takes tile A of a pair,
 consumer 1 tile B; each keeps its own l. The mirror follows the kernels' factors and roundings where they are

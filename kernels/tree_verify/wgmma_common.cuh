@@ -46,16 +46,18 @@
 __device__ __forceinline__ int chunks_of(int T, int U, int c) { return T > 0 ? (T + c - 1) / c : (U > 0 ? 1 : 0); }
 
 // plan_v5 of at most PLAN_SMALL_REQS (<= 32) requests, in warp 0 alone: lane b holds request b in registers,
-// lanes 8k .. 8k + 7 search the shortest chunk for k + 1 rounds, and the scan is one pass: no shared-memory
-// round trips and one __syncthreads, where plan_v5's four warps took three. Writes plan and splan (the same
-// ints as plan_v5's); the other warps only wait at the end. Up to 8 requests a group weighs eight candidates a
-// step (a ballot each), each lane walking every request; past 8 (walking them made the search slower than the
-// four warps' from 10 requests on, below) the group's lanes share the requests and weigh one candidate a step,
-// plan_v5's binary search (built, not yet timed on a GPU: PLAN_SMALL_REQS stays 8).
-// Measured with clock64 stamps (tools/plan_phases.py, data/results/plan_phases.h200.json): at one request 4,407
-// cycles to the v10 plan's end against 10,333 by the four warps (their searches 73 % of those), faster up to 8
-// requests, slower from 10 built for 32 (hence PLAN_SMALL_REQS); the whole verify 1.033-1.083x faster at the
-// memory-bound points of one request, 0.998 at 64 x 65 x 32k (history/kernel_ab_plan_small.5f90f18.h200.json).
+// lanes 8k .. 8k + 7 search the shortest chunk for k + 1 rounds, eight candidates a step (a ballot each, each
+// lane walking every request), and the scan is one pass: no shared-memory round trips and one __syncthreads,
+// where plan_v5's four warps took three. Writes plan and splan (the same ints as plan_v5's); the other warps
+// only wait at the end.
+// Measured with clock64 stamps (tools/plan_phases.py, data/results/history/plan_phases.091caad.h200.json): at
+// one request 4,407 cycles to the v10 plan's end against 10,333 by the four warps (their searches 73 % of
+// those), faster up to 8 requests, slower from 10 built for 32 (hence PLAN_SMALL_REQS); the whole verify
+// 1.033-1.083x faster at the memory-bound points of one request, 0.998 at 64 x 65 x 32k
+// (history/kernel_ab_plan_small.5f90f18.h200.json). A search past 8 requests whose group lanes shared the
+// requests (plan_v5's binary search) reached the plan's end sooner at 10 and 16 requests, later at 32, and left
+// the whole verify as it was (data/results/plan_phases.h200.json's small32 runs, kernel_ab_small32.h200.json,
+// a470e0b): taken out.
 __device__ __forceinline__ void plan_small(const int* __restrict__ prefix_lens, const int* __restrict__ tree_sizes,
                                            int B, int P, int Q, int H, int G, int* plan, int* splan) {
     const unsigned all = 0xffffffffu;
@@ -76,41 +78,15 @@ __device__ __forceinline__ void plan_small(const int* __restrict__ prefix_lens, 
     const long long limit = (long long)(k + 1) * G;
     int lo = 1, hi = max(1, __reduce_max_sync(all, T));  // tmax
     long long n;
-    if (PLAN_SMALL_REQS <= 8 || B <= 8) {  // (a build of PLAN_SMALL_REQS 8 has no other branch)
-        for (;;) {  // group k: the shortest c in [lo, hi] with jobs(c) <= limit, hi where none is
-            const int step = (hi - lo + 8) >> 3;  // 8 candidates split [lo, hi], the last one hi
-            n = jobs(min(lo + (i + 1) * step - 1, hi));
-            const unsigned fit = __ballot_sync(all, n <= limit) >> (8 * k) & 0xffu;
-            const int first = fit ? __ffs(fit) - 1 : 7;  // none: hi (only ever tmax), weighed by lane 7
-            n = __shfl_sync(all, n, 8 * k + first);  // jobs at the group's new hi
-            hi = min(lo + (first + 1) * step - 1, hi);
-            lo = fit ? lo + first * step : hi;  // candidate first - 1 does not fit, so it is not hi
-            if (__all_sync(all, lo == hi)) break;
-        }
-    } else {  // group k's 8 lanes share the requests (lane i: i, i + 8, i + 16, i + 24), one candidate a step
-        int Tq[4], Uq[4], rbq[4];
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const int b = i + 8 * r;
-            Tq[r] = __shfl_sync(all, T, b), Uq[r] = __shfl_sync(all, U, b), rbq[r] = __shfl_sync(all, rb, b);
-        }
-        auto group_jobs = [&](int c) {  // every lane: its group's jobs of all B requests at chunk c
-            long long m = 0;
-#pragma unroll
-            for (int r = 0; r < 4; ++r) m += (long long)rbq[r] * chunks_of(Tq[r], Uq[r], c);  // rb 0 past B
-#pragma unroll
-            for (int off = 4; off > 0; off >>= 1) m += __shfl_xor_sync(all, m, off);  // within the group
-            return m;
-        };
-        while (!__all_sync(all, lo == hi)) {  // group k: plan_v5's binary search, the groups in step
-            const int mid = (lo + hi) >> 1;
-            const bool fits = group_jobs(mid) <= limit;  // every lane: its shuffles take the whole warp
-            if (lo < hi) {
-                if (fits) hi = mid;
-                else lo = mid + 1;
-            }
-        }
-        n = group_jobs(lo);
+    for (;;) {  // group k: the shortest c in [lo, hi] with jobs(c) <= limit, hi where none is
+        const int step = (hi - lo + 8) >> 3;  // 8 candidates split [lo, hi], the last one hi
+        n = jobs(min(lo + (i + 1) * step - 1, hi));
+        const unsigned fit = __ballot_sync(all, n <= limit) >> (8 * k) & 0xffu;
+        const int first = fit ? __ffs(fit) - 1 : 7;  // none: hi (only ever tmax), weighed by lane 7
+        n = __shfl_sync(all, n, 8 * k + first);  // jobs at the group's new hi
+        hi = min(lo + (first + 1) * step - 1, hi);
+        lo = fit ? lo + first * step : hi;  // candidate first - 1 does not fit, so it is not hi
+        if (__all_sync(all, lo == hi)) break;
     }
     int longest = 0;  // group k: the longest job in tiles at chunk lo
     for (int b0 = 0; b0 < B; b0 += 8) {
@@ -830,22 +806,6 @@ __device__ __forceinline__ void store_p(const unsigned (&pf)[4][4], unsigned dst
         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a0), "r"(pf[jj >> 1][(jj & 1) * 2 + 0]) : "memory");
         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a1), "r"(pf[jj >> 1][(jj & 1) * 2 + 1]) : "memory");
     }
-}
-
-// store_p from P's fragments by stmatrix (sm_90): the warp's 16 rows x 64 keys as four m8n8.x4 stores, the same
-// bytes at the same places as store_p's sixteen 4-byte ones. pf[k] holds four 8 x 8 matrices in the layout
-// stmatrix takes (a thread: row lane / 4, keys 2 (lane % 4) and the next): rows g and g + 8 of keys 16 k ..
-// 16 k + 7, then of keys 16 k + 8 .. 16 k + 15; lane L gives the address of row L % 8 of matrix L / 8.
-__device__ __forceinline__ void store_p_sm(const unsigned (&pf)[4][4], unsigned dst, int lr0, int t4) {
-    const int lane = 4 * (lr0 & 7) + t4, r = lane & 7;
-    // the lane's row: 16 w + 8 ((L / 8) % 2) + r of the warp w = lr0 / 16, in rows of 128 B, groups of 8 a KB
-    const unsigned row = dst + ((lr0 >> 4) * 2 + ((lane >> 3) & 1)) * 1024 + r * 128;
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
-                         row + (((2 * k + (lane >> 4)) ^ r) << 4)),
-                     "r"(pf[k][0]), "r"(pf[k][1]), "r"(pf[k][2]), "r"(pf[k][3])
-                     : "memory");
 }
 
 // Q's rope block (column block ROPE_CB of Q at base) as the A fragments of S's four k16 steps over it, as

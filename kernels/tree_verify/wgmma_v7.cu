@@ -43,17 +43,6 @@
 // waited on the release of pair n - 2 by both consumers, who read descriptor n - 4 (the slot's
 // previous one) into registers before that.
 //
-// Built -DTV7_MAXFIRST=1 (not the default, not yet timed; tree_verify/wgmma_ws.cuh) the consumers take an
-// order after FlashMLA's: NB_SCALE_A hands off m_A alone, before consumer 0's exponentials; NB_SCALE_B m_B and
-// c_B; NB_PB P_B; NB_PA P_A c_B, which consumer 0 writes into stage 0's rope block. Consumer 1 brings O_R and
-// its l from the last pair's maxima to m_B in one factor and adds (P_A c_B) V_AR, then P_B V_BR. Releases:
-// stage 0 V_L by consumer 0 after P_A V_AL, V_R by consumer 1 after (P_A c_B) V_AR, the rope block by consumer
-// 0 once P_A c_B is written and by consumer 1 after V_AR; stage 1 as above. kdlib.cuda.seesaw mirrors both
-// orders in numpy. Built -DTV7_MBFIRST=1 (not the default, not yet timed) the default order hands m_B and c_B
-// off (NB_SCALE_B) before consumer 1's exponentials of tile B: the same arithmetic and bits. Built
-// -DTV7_STMATRIX=1 (not the default, not yet timed) each consumer stores the P it hands over with stmatrix
-// (publish_p, and TV7_MAXFIRST's P_A c_B: store_p_sm): the same bytes at the same places, the same bits.
-//
 // Shared memory (1024-aligned base): v6's Q (9 blocks) | K stage 0 (9 blocks) | K stage 1 | rows (m,
 // c_A, c_B, the two l of a job) | descriptors | mbarriers: 223,920 bytes with the alignment slack.
 // No third stage fits (227 KB a block); the producer runs ahead by the column blocks released early.
@@ -176,84 +165,29 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
             float mx0, mx1;
             mask_tile(s, mx0, mx1, tail, k0, kend, vis, jb, Q, H, lr0, lr1, t4, sl2);
             if (c == 0) {
-                float cb0, cb1;  // c_B, from consumer 1
-                if (TV7_MAXFIRST) {
-                    // ------------------------------------------------ tile A: m_A out, softmax, O_L += P_A V_AL
-                    float mn0, mn1;
-                    new_maxima(m0, m1, mx0, mx1, mn0, mn1);
-                    s_m[lr0] = mn0;  // the quad's four threads store the same values: no branch
-                    s_m[lr1] = mn1;
-                    s_ca[lr0] = shift_of(mn0);  // this order's own slot (consumer 1 reads no c_A)
-                    s_ca[lr1] = shift_of(mn1);
-                    handoff(NB_SCALE_A);
-                    trace_mark(c, n, 3, wt);
-                    // the shifts loaded back past the handoff: the exponentials depend on a load after the
-                    // barrier, so ptxas keeps them after it (register-only, it hoisted all 32 above the bar.arrive)
-                    const float ms0 = s_ca[lr0], ms1 = s_ca[lr1];
-                    const float ca0 = ex2(m0 - ms0), ca1 = ex2(m1 - ms1);
-                    l0 *= ca0;
-                    l1 *= ca1;
-                    exp_tile(s, sl2, ms0, ms1, l0, l1);
-                    unsigned pf[4][4];  // P_A from registers on this side
-                    p_frags(s, pf);
-                    reg_fence(o);
-                    rescale(o, ca0, ca1);
-                    reg_fence(o);
-                    reg_fence(pf);
-                    wg_fence();
-                    if (TV7_PROBE != 3) issue_pv_rs(o, pf, k0s, first);
-                    wg_commit();
-                    // ------------------------------------------------ P_A c_B for consumer 1's V_AR
-                    nb_sync(NB_SCALE_B);
-                    trace_mark(c, n, 4, wt);
-                    cb0 = s_cb[lr0];
-                    cb1 = s_cb[lr1];
-                    m0 = s_m[lr0];
-                    m1 = s_m[lr1];
-                    scale_rows(s, cb0, cb1);
-                    unsigned pc[4][4];  // P_A c_B in bf16, for consumer 1 alone
-                    publish_p(s, pc, pa, NB_PA, lr0, lr1, t4);
-                    warp_arrive(BAR_EMPTY(bars, 0, 2), lane);  // stage 0's rope block: S_A read, P_A c_B written
-                    wg_wait<0>();
-                    reg_fence(o);
-                    reg_fence(pf);  // held to here: the wgmma read them until its wait
-                    trace_mark(c, n, 5, wt);
-                    warp_arrive(BAR_EMPTY(bars, 0, 0), lane);  // stage 0: V_AL read
-                } else {
-                    // ------------------------------------------------ tile A: softmax, O_L += P_A V_AL
-                    float mn0, mn1, c0, c1;
-                    softmax_step(s, sl2, m0, m1, mx0, mx1, mn0, mn1, c0, c1, l0, l1);
-                    s_m[lr0] = mn0;  // the quad's four threads store the same values: no branch
-                    s_m[lr1] = mn1;
-                    s_ca[lr0] = c0;
-                    s_ca[lr1] = c1;
-                    unsigned pf[4][4];  // P_A: consumer 1 reads it from shared memory, this side from registers
-                    publish_p(s, pf, pa, NB_SCALE_A, lr0, lr1, t4);
-                    trace_mark(c, n, 3, wt);
-                    // O's rescale after the handoff, so consumer 1 goes on meanwhile: with the mask's fast path,
-                    // 1.096x and 1.112x 8e563a8 at 8 x 65 x 200k and 64 x 65 x 32k, the fast path alone 1.086x and
-                    // 1.097x (data/results/history/kernel_ab_mr.4b198bb.h200.json, kernel_ab_m.cd9f93c)
-                    reg_fence(o);
-                    rescale(o, c0, c1);
-                    reg_fence(o);
-                    reg_fence(pf);
-                    wg_fence();
-                    if (TV7_PROBE != 3) issue_pv_rs(o, pf, k0s, first);
-                    wg_commit();
-                    wg_wait<0>();
-                    reg_fence(o);
-                    reg_fence(pf);  // held to here: the wgmma read them until its wait
-                    trace_mark(c, n, 4, wt);
-                    warp_arrive(BAR_EMPTY(bars, 0, 0), lane);  // stage 0: V_AL read, the rope block's S_A and P_A done
-                    warp_arrive(BAR_EMPTY(bars, 0, 2), lane);
+                // ------------------------------------------------ tile A: softmax, O_L += P_A V_AL
+                float mn0, mn1, c0, c1;
+                softmax_step(s, sl2, m0, m1, mx0, mx1, mn0, mn1, c0, c1, l0, l1);
+                s_m[lr0] = mn0;  // the quad's four threads store the same values: no branch
+                s_m[lr1] = mn1;
+                s_ca[lr0] = c0;
+                s_ca[lr1] = c1;
+                unsigned pf[4][4];  // P_A: consumer 1 reads it from shared memory, this side from registers
+                publish_p(s, pf, pa, NB_SCALE_A, lr0, lr1, t4);
+                trace_mark(c, n, 3, wt);
+                // O's rescale after the handoff, so consumer 1 goes on meanwhile: with the mask's fast path,
+                // 1.096x and 1.112x 8e563a8 at 8 x 65 x 200k and 64 x 65 x 32k, the fast path alone 1.086x and
+                // 1.097x (data/results/history/kernel_ab_mr.4b198bb.h200.json, kernel_ab_m.cd9f93c)
+                reg_fence(o);
+                rescale(o, c0, c1);
+                // stage 0: V_AL read, the rope block's S_A and P_A done
+                pv_own_tile(o, pf, k0s, first, bars, 0, 0, lane, c, n, 4, wt);
 
-                    nb_sync(NB_SCALE_B);
-                    trace_mark(c, n, 5, wt);
-                    cb0 = s_cb[lr0];
-                    cb1 = s_cb[lr1];
-                    m0 = s_m[lr0];
-                    m1 = s_m[lr1];
-                }
+                nb_sync(NB_SCALE_B);
+                trace_mark(c, n, 5, wt);
+                const float cb0 = s_cb[lr0], cb1 = s_cb[lr1];  // c_B, from consumer 1
+                m0 = s_m[lr0];
+                m1 = s_m[lr1];
                 // ------------------------------------------------ tile B: O_L = O_L c_B + P_B V_BL
                 l0 *= cb0;
                 l1 *= cb1;
@@ -270,46 +204,6 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 trace_mark(c, n, 7, wt);
                 warp_arrive(BAR_EMPTY(bars, 1, 0), lane);  // stage 1: V_BL read, P_B read on this side
                 warp_arrive(BAR_EMPTY(bars, 1, 2), lane);
-            } else if (TV7_MAXFIRST) {
-                // ------------------------------------------------ tile B: m_B from m_A, softmax, P_B out
-                nb_sync(NB_SCALE_A);
-                trace_mark(c, n, 3, wt);
-                const float ma0 = s_m[lr0], ma1 = s_m[lr1];
-                float mn0, mn1, cb0, cb1, mb0, mb1;
-                hand_off_m_b(ma0, ma1, mx0, mx1, s_m, s_cb, lr0, lr1, mn0, mn1, cb0, cb1, mb0, mb1);
-                trace_mark(c, n, 4, wt);
-                // O_R and l from the last pair's maxima to m_B in one factor
-                const float cab0 = ex2(m0 - mb0), cab1 = ex2(m1 - mb1);
-                m0 = mn0;
-                m1 = mn1;
-                l0 *= cab0;
-                l1 *= cab1;
-                exp_tile(s, sl2, mb0, mb1, l0, l1);
-                unsigned pf[4][4];  // P_B: consumer 0 reads it from shared memory, this side from registers
-                publish_p(s, pf, pb, NB_PB, lr0, lr1, t4);
-                trace_mark(c, n, 5, wt);
-                reg_fence(o);
-                rescale(o, cab0, cab1);
-                // ------------------------------------------------ O_R += (P_A c_B) V_AR + P_B V_BR
-                nb_sync(NB_PA);
-                fence_async_smem();
-                reg_fence(o);
-                reg_fence(pf);
-                wg_fence();
-                if (TV7_PROBE != 3) issue_pv_ss(o, pa, k0s + V_R0 * CB_BYTES, first);
-                wg_commit();
-                if (TV7_PROBE != 3) issue_pv_rs(o, pf, k1s + V_R0 * CB_BYTES);
-                wg_commit();
-                wg_wait<1>();
-                trace_mark(c, n, 6, wt);
-                warp_arrive(BAR_EMPTY(bars, 0, 1), lane);  // stage 0: V_AR read, P_A c_B read on this side
-                warp_arrive(BAR_EMPTY(bars, 0, 2), lane);
-                wg_wait<0>();
-                reg_fence(o);
-                reg_fence(pf);  // held to here: the wgmma read them until its wait
-                trace_mark(c, n, 7, wt);
-                warp_arrive(BAR_EMPTY(bars, 1, 1), lane);  // stage 1: V_BR read, the rope block's S_B and P_B done
-                warp_arrive(BAR_EMPTY(bars, 1, 2), lane);
             } else {
                 // ------------------------------------------------ tile A: O_R = O_R c_A + P_A V_AR
                 nb_sync(NB_SCALE_A);
@@ -325,27 +219,16 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 wg_commit();
                 // ------------------------------------------------ tile B: softmax, O_R = O_R c_B + P_B V_BR
                 float mn0, mn1, cb0, cb1;
-                if (TV7_MBFIRST) {  // m_B and c_B out before the exponentials: the same values
-                    float ms0, ms1;
-                    hand_off_m_b(ma0, ma1, mx0, mx1, s_m, s_cb, lr0, lr1, mn0, mn1, cb0, cb1, ms0, ms1);
-                    m0 = mn0;
-                    m1 = mn1;
-                    trace_mark(c, n, 4, wt);
-                    l0 *= cb0;
-                    l1 *= cb1;
-                    exp_tile(s, sl2, ms0, ms1, l0, l1);
-                } else {
-                    softmax_step(s, sl2, ma0, ma1, mx0, mx1, mn0, mn1, cb0, cb1, l0, l1);
-                    __syncwarp();    // the quad's reads of s_m / s_ca above come before its stores
-                    s_m[lr0] = mn0;  // under this consumer's MMAs: no branch
-                    s_m[lr1] = mn1;
-                    s_cb[lr0] = cb0;
-                    s_cb[lr1] = cb1;
-                    m0 = mn0;
-                    m1 = mn1;
-                    handoff(NB_SCALE_B);
-                    trace_mark(c, n, 4, wt);
-                }
+                softmax_step(s, sl2, ma0, ma1, mx0, mx1, mn0, mn1, cb0, cb1, l0, l1);
+                __syncwarp();    // the quad's reads of s_m / s_ca above come before its stores
+                s_m[lr0] = mn0;  // under this consumer's MMAs: no branch
+                s_m[lr1] = mn1;
+                s_cb[lr0] = cb0;
+                s_cb[lr1] = cb1;
+                m0 = mn0;
+                m1 = mn1;
+                handoff(NB_SCALE_B);
+                trace_mark(c, n, 4, wt);
                 unsigned pf[4][4];  // P_B: consumer 0 reads it from shared memory, this side from registers
                 publish_p(s, pf, pb, NB_PB, lr0, lr1, t4);
                 trace_mark(c, n, 5, wt);
@@ -355,17 +238,8 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 warp_arrive(BAR_EMPTY(bars, 0, 1), lane);  // stage 0: V_AR read, P_A read on this side
                 warp_arrive(BAR_EMPTY(bars, 0, 2), lane);
                 rescale(o, cb0, cb1);
-                reg_fence(o);
-                reg_fence(pf);
-                wg_fence();
-                if (TV7_PROBE != 3) issue_pv_rs(o, pf, k1s + V_R0 * CB_BYTES);
-                wg_commit();
-                wg_wait<0>();
-                reg_fence(o);
-                reg_fence(pf);  // held to here: the wgmma read them until its wait
-                trace_mark(c, n, 7, wt);
-                warp_arrive(BAR_EMPTY(bars, 1, 1), lane);  // stage 1: V_BR read, the rope block's S_B and P_B done
-                warp_arrive(BAR_EMPTY(bars, 1, 2), lane);
+                // stage 1: V_BR read, the rope block's S_B and P_B done
+                pv_own_tile(o, pf, k1s + V_R0 * CB_BYTES, false, bars, 1, 1, lane, c, n, 7, wt);
             }
 
             if (last)  // the job's rows normalised; then a fresh accumulator

@@ -43,7 +43,6 @@
 #define NB_SCALE_B 2  // consumer 1: m_B, c_B written
 #define NB_PB 3       // consumer 1: P_B written
 #define NB_LSUM 4     // both: their l of the job written
-#define NB_PA 7       // TV7_MAXFIRST: consumer 0: P_A c_B written (5 and 6: version 9's NB_WG)
 
 // TV7_RACECHECK=1 (-DTV7_RACECHECK=1): a checking build for compute-sanitizer racecheck. Every consumer
 // handoff is a bar.sync of both consumers, every lane of a releasing warp arrives on the empty barriers
@@ -54,31 +53,6 @@
 #define TV7_RACECHECK 0
 #endif
 #define WARP_ARRIVALS (TV7_RACECHECK ? 32 : 1)  // arrivals one releasing warp makes
-
-// TV7_MAXFIRST (-DTV7_MAXFIRST=1): v7's consumers in an order after FlashMLA's (deepseek-ai/FlashMLA,
-// docs/20250422-new-kernel-deep-dive.md): consumer 0 hands off tile A's new maxima m_A before its exponentials,
-// so that consumer 1's softmax of tile B runs beside consumer 0's of tile A; consumer 0 then writes P_A c_B
-// (NB_PA), which consumer 1 multiplies by V_AR with O_R already at m_B (one factor 2^(m - m_B) from the last
-// pair's maxima). Other bits than the default's (P_A c_B rounded to bf16 on consumer 1's side). Not the default.
-#ifndef TV7_MAXFIRST
-#define TV7_MAXFIRST 0
-#endif
-
-// TV7_MBFIRST (-DTV7_MBFIRST=1): the default order, but consumer 1 hands off m_B and c_B (NB_SCALE_B) before its
-// exponentials of tile B rather than after them (hand_off_m_b), so that consumer 0 rescales O_L meanwhile. The
-// same arithmetic: the default's bits. Not the default, not yet timed.
-#ifndef TV7_MBFIRST
-#define TV7_MBFIRST 0
-#endif
-static_assert(!(TV7_MAXFIRST && TV7_MBFIRST), "TV7_MAXFIRST hands m_B off first already");
-
-// TV7_STMATRIX (-DTV7_STMATRIX=1): v7's consumers store the P they hand over (publish_p; with TV7_MAXFIRST also
-// consumer 0's P_A c_B) with stmatrix, four m8n8.x4 stores a warp (store_p_sm) where store_p issues sixteen
-// 4-byte ones and their addresses, on the pair's critical path (the other consumer waits for that P). The same
-// bytes at the same places: the default's bits. Not the default, not yet timed.
-#ifndef TV7_STMATRIX
-#define TV7_STMATRIX 0
-#endif
 
 // TV7_PROBE (-DTV7_PROBE=n): a timing probe of v7's consumers (tree_verify_v7_attend, tree_verify_v10_attend),
 // never the default; its outputs are wrong. 1: the consumers wait for both stages of each pair and release
@@ -171,38 +145,32 @@ __device__ __forceinline__ void handoff(int id) {
     else nb_arrive(id);
 }
 
-// Consumer 1's m_B = max(m_A, tile B's maxima mx) and c_B = 2^(m_A - m_B) into s_m, s_cb and handed off
-// (NB_SCALE_B) before its exponentials; returns in ms the shifts of m_B loaded back from s_m past the handoff,
-// so that the exponentials depend on a load after the barrier and ptxas keeps them after it (it moves
-// register-only arithmetic across a named barrier). Consumer 0 writes s_m again only after NB_PB.
-__device__ __forceinline__ void hand_off_m_b(float ma0, float ma1, float mx0, float mx1, float* s_m, float* s_cb,
-                                             int lr0, int lr1, float& mn0, float& mn1, float& cb0, float& cb1,
-                                             float& ms0, float& ms1) {
-    new_maxima(ma0, ma1, mx0, mx1, mn0, mn1);
-    cb0 = ex2(ma0 - shift_of(mn0));
-    cb1 = ex2(ma1 - shift_of(mn1));
-    __syncwarp();  // the quad's reads of s_m (m_A) come before its stores
-    s_m[lr0] = mn0;
-    s_m[lr1] = mn1;
-    s_cb[lr0] = cb0;
-    s_cb[lr1] = cb1;
-    handoff(NB_SCALE_B);
-    ms0 = shift_of(s_m[lr0]);
-    ms1 = shift_of(s_m[lr1]);
-}
-
 // P (fp32 s) out to the other consumer: its bf16 fragments into pf (this side's P V operand from registers),
-// stored at dst (store_p's layout; stmatrix's stores in TV7_STMATRIX builds), fenced for the async proxy's reads,
-// then the handoff on named barrier nb.
+// stored at dst (store_p's layout), fenced for the async proxy's reads, then the handoff on named barrier nb.
+// (Stored by stmatrix instead, the same bytes, it measured no faster: data/results/kernel_ab_stmatrix.h200.json.)
 __device__ __forceinline__ void publish_p(const float (&s)[32], unsigned (&pf)[4][4], unsigned dst, int nb, int lr0,
                                           int lr1, int t4) {
     p_frags(s, pf);
-    if (TV7_STMATRIX)
-        store_p_sm(pf, dst, lr0, t4);
-    else
-        store_p(pf, dst, lr0, lr1, t4);
+    store_p(pf, dst, lr0, lr1, t4);
     fence_async_smem();
     handoff(nb);
+}
+
+// A consumer's P V over its own tile (P from registers, pf; V's half at vhalf) issued and waited for, stamped
+// (event e), then stage st's V block group g and its rope block released to the producer.
+__device__ __forceinline__ void pv_own_tile(float (&o)[128], unsigned (&pf)[4][4], unsigned vhalf, bool fresh,
+                                            unsigned bars, int st, int g, int lane, int c, int n, int e, int wt) {
+    reg_fence(o);
+    reg_fence(pf);
+    wg_fence();
+    if (TV7_PROBE != 3) issue_pv_rs(o, pf, vhalf, fresh);
+    wg_commit();
+    wg_wait<0>();
+    reg_fence(o);
+    reg_fence(pf);  // held to here: the wgmma read them until its wait
+    trace_mark(c, n, e, wt);
+    warp_arrive(BAR_EMPTY(bars, st, g), lane);
+    warp_arrive(BAR_EMPTY(bars, st, 2), lane);
 }
 
 // The FP8 path of fill_stage (TV_FP8 builds, prefix tiles), by the stage's filler: 64 threads, thread (lrow, ch)

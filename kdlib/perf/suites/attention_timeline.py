@@ -4,24 +4,19 @@
 suite's goal points run by v7's consumers: the two compute-bound ones, then the two of 8 heads x 9 queries)
 the default version's verify runs twice from the same inputs, built as it ships and built with `-DTV_TRACE=1`
 (tree_verify/wgmma_ws.cuh): there thread 0 of each consumer warpgroup stamps its SM's clock at nine points of
-each of its first pairs (`ORDER_EVENTS`), into the module's `tv_trace`. The consumers' order is the build's:
-the default, or the one `KDLIB_NVRTC_OPTIONS` selects (-DTV7_MAXFIRST=1 or -DTV7_MBFIRST=1; `current_order`,
-recorded as `parameters.order`), whose stamps and stretches have their own names. Recorded per point:
+each of its first pairs (`EVENTS`), into the module's `tv_trace`. Recorded per point:
 
   * `bitwise_equal`: the traced build's output and lse against the shipped build's (stamps change no math);
   * `timing`: both builds' whole verify, CUDA-graph replays, so that what the stamps cost is on record;
-  * `segments`: per consumer, the median cycles of each stretch between two of its stamps (`ORDER_SEGMENTS`)
-    over the steady pairs (`steady`: past each CTA's first two, neither a job's first pair nor its last),
-    which tile the consumer's loop from one pair's top to the next;
+  * `segments`: per consumer, the median cycles of each stretch between two of its stamps (`SEGMENTS`) over
+    the steady pairs (`steady`: past each CTA's first two, neither a job's first pair nor its last), which
+    tile the consumer's loop from one pair's top to the next;
   * `period`: consumer 0's cycles from one pair's top to the next (median, p10, p90), against `floor_cycles`,
     the pair's MMAs at the tensor cores' dense bf16 rate per SM clock (`TENSOR_FLOPS_PER_CLOCK`);
   * `sample`: CTA 0's first `SAMPLE_PAIRS` pairs, every stamp in cycles from the first: the plot's timeline.
 """
 
 from __future__ import annotations
-
-import os
-import re
 
 import numpy as np
 
@@ -42,70 +37,29 @@ STEM = "tree_verify/wgmma_v10"  # the file the default version's kernels come fr
 _C = loader.source_constants(STEM)
 CTAS, PAIRS, NEVENTS, SLOTS = (_C[k] for k in ("TRACE_CTAS", "TRACE_PAIRS", "TRACE_EVENTS", "TRACE_SLOTS"))
 D_FIRST, D_LAST = _C["D_FIRST"], _C["D_LAST"]
-# the stamps of each consumer, in the order tree_verify/wgmma_v7.cu makes them (trace_mark's event index), and
-# the stretches between them (name -> (from event, to event; None: the next pair's top)), per order of v7's
-# consumers: the default, -DTV7_MAXFIRST=1 and -DTV7_MBFIRST=1 (tree_verify/wgmma_ws.cuh; `build_order`)
-ORDER_EVENTS = {
-    "default": {
-        0: ("top", "S issued", "S done", "P_A handed off", "P_A V_L done", "c_B read", "P_B read",
-            "P_B V_L done", "job end done"),
-        1: ("top", "S issued", "S done", "c_A read", "c_B handed off", "P_B handed off", "P_A V_R done",
-            "P_B V_R done", "job end done")},
-    "maxfirst": {
-        0: ("top", "S issued", "S done", "m_A handed off", "c_B read", "P_A V_L done", "P_B read",
-            "P_B V_L done", "job end done"),
-        1: ("top", "S issued", "S done", "m_A read", "c_B handed off", "P_B handed off", "P_A V_R done",
-            "P_B V_R done", "job end done")},
+# the stamps of each consumer, in the order tree_verify/wgmma_v7.cu makes them (trace_mark's event index)
+EVENTS = {
+    0: ("top", "S issued", "S done", "P_A handed off", "P_A V_L done", "c_B read", "P_B read", "P_B V_L done",
+        "job end done"),
+    1: ("top", "S issued", "S done", "c_A read", "c_B handed off", "P_B handed off", "P_A V_R done",
+        "P_B V_R done", "job end done"),
 }
-ORDER_EVENTS["mbfirst"] = ORDER_EVENTS["default"]  # the same stamps; consumer 1's stretches 3-5 hold more
-_HEAD = {"stage wait + S issue": (0, 1), "S MMAs": (1, 2)}
-_TAIL = {"job end": (7, 8), "to the next pair": (8, None)}
-ORDER_SEGMENTS = {
-    "default": {
-        0: _HEAD | {"mask, softmax A, P_A out": (2, 3), "P_A V_L": (3, 4), "wait for c_B": (4, 5),
-                    "rescale, wait for P_B": (5, 6), "P_B V_L": (6, 7)} | _TAIL,
-        1: _HEAD | {"mask, wait for c_A": (2, 3), "rescale, P_A V_R issue, softmax B": (3, 4),
-                    "P_B out": (4, 5), "P_A V_R wait": (5, 6), "rescale, P_B V_R": (6, 7)} | _TAIL},
-    "maxfirst": {
-        0: _HEAD | {"mask, m_A out": (2, 3), "softmax A, P_A V_L issue, wait for c_B": (3, 4),
-                    "P_A c_B out, P_A V_L wait": (4, 5), "rescale, wait for P_B": (5, 6),
-                    "P_B V_L": (6, 7)} | _TAIL,
-        1: _HEAD | {"mask, wait for m_A": (2, 3), "m_B, c_B out": (3, 4), "softmax B, P_B out": (4, 5),
-                    "rescale, wait for P_A c_B, P_A V_R": (5, 6), "P_B V_R": (6, 7)} | _TAIL},
+# stretch name -> (from event, to event; None: the next pair's top), per consumer
+SEGMENTS = {
+    0: {"stage wait + S issue": (0, 1), "S MMAs": (1, 2), "mask, softmax A, P_A out": (2, 3),
+        "P_A V_L": (3, 4), "wait for c_B": (4, 5), "rescale, wait for P_B": (5, 6), "P_B V_L": (6, 7),
+        "job end": (7, 8), "to the next pair": (8, None)},
+    1: {"stage wait + S issue": (0, 1), "S MMAs": (1, 2), "mask, wait for c_A": (2, 3),
+        "rescale, P_A V_R issue, softmax B": (3, 4), "P_B out": (4, 5), "P_A V_R wait": (5, 6),
+        "rescale, P_B V_R": (6, 7), "job end": (7, 8), "to the next pair": (8, None)},
 }
-ORDER_SEGMENTS["mbfirst"] = {
-    0: ORDER_SEGMENTS["default"][0],
-    1: _HEAD | {"mask, wait for c_A": (2, 3), "rescale, P_A V_R issue, m_B, c_B out": (3, 4),
-                "softmax B, P_B out": (4, 5), "P_A V_R wait": (5, 6), "rescale, P_B V_R": (6, 7)} | _TAIL}
-EVENTS, SEGMENTS = ORDER_EVENTS["default"], ORDER_SEGMENTS["default"]  # the default order's
 # what each stretch is, for the plots: the S MMAs (with the waits for their stage), softmax work, P V MMAs, a
 # wait on the other consumer, the loop's own end
 KIND = {"stage wait + S issue": "S", "S MMAs": "S", "mask, softmax A, P_A out": "softmax", "P_A V_L": "P V",
         "wait for c_B": "wait", "rescale, wait for P_B": "wait", "P_B V_L": "P V", "job end": "loop",
         "to the next pair": "loop", "mask, wait for c_A": "wait",
         "rescale, P_A V_R issue, softmax B": "softmax", "P_B out": "softmax", "P_A V_R wait": "P V",
-        "rescale, P_B V_R": "P V", "mask, m_A out": "softmax",
-        "softmax A, P_A V_L issue, wait for c_B": "softmax", "P_A c_B out, P_A V_L wait": "P V",
-        "mask, wait for m_A": "wait", "m_B, c_B out": "softmax", "softmax B, P_B out": "softmax",
-        "rescale, wait for P_A c_B, P_A V_R": "P V", "P_B V_R": "P V",
-        "rescale, P_A V_R issue, m_B, c_B out": "softmax"}
-_ORDER_SWITCH = re.compile(r"-DTV7_(MAXFIRST|MBFIRST)(?:=1)?(?:\s|$)")
-
-
-def build_order(options: str) -> str:
-    """The order of v7's consumers that NVRTC options select: 'maxfirst', 'mbfirst' or 'default'."""
-    found = {m.group(1).lower() for m in _ORDER_SWITCH.finditer(options)}
-    if len(found) > 1:
-        raise ValueError(f"{options!r}: TV7_MAXFIRST and TV7_MBFIRST together (the kernel refuses the build)")
-    return found.pop() if found else "default"
-
-
-def current_order() -> str:
-    """The order this process builds v7's consumers in: `build_order` of KDLIB_NVRTC_OPTIONS (which
-    kdlib.cuda.loader appends to every compile)."""
-    return build_order(os.environ.get("KDLIB_NVRTC_OPTIONS", ""))
-
-
+        "rescale, P_B V_R": "P V"}
 # dense bf16 tensor-core FLOPs per SM clock on sm_90: 989.4 TFLOP/s at 1,830 MHz over 132 SMs (NVIDIA H100
 # SXM datasheet; the H200 has the same SMs); FlashMLA's deep-dive puts ~865 TFLOP/s at ~1,600 MHz: the same
 TENSOR_FLOPS_PER_CLOCK = 4096
@@ -158,27 +112,25 @@ def steady(trace: np.ndarray) -> np.ndarray:
     return keep
 
 
-def stretches(trace: np.ndarray, c: int, order: str = "default") -> dict[str, np.ndarray]:
-    """Consumer c's cycles in each stretch of `ORDER_SEGMENTS[order][c]`, [CTAS, PAIRS] int64 each (garbage
-    where no pair ran: mask with `steady`)."""
+def stretches(trace: np.ndarray, c: int) -> dict[str, np.ndarray]:
+    """Consumer c's cycles in each stretch of `SEGMENTS[c]`, [CTAS, PAIRS] int64 each (garbage where no
+    pair ran: mask with `steady`)."""
     t = trace[:, c].astype(np.int64)  # [CTAS, PAIRS, SLOTS]
     nxt_top = np.zeros_like(t[..., 0])
     nxt_top[:, :-1] = t[:, 1:, 0]
-    return {name: (nxt_top if b is None else t[..., b]) - t[..., a]
-            for name, (a, b) in ORDER_SEGMENTS[order][c].items()}
+    return {name: (nxt_top if b is None else t[..., b]) - t[..., a] for name, (a, b) in SEGMENTS[c].items()}
 
 
-def summarize(trace: np.ndarray, order: str = "default") -> dict:
+def summarize(trace: np.ndarray) -> dict:
     """The `segments` and `period` of one traced run (trace [CTAS, 2, PAIRS, SLOTS] uint64, zero where
-    unstamped) of a build of v7's consumers in `order`; ValueError where no CTA has a steady pair in both
-    consumers."""
+    unstamped); ValueError where no CTA has a steady pair in both consumers."""
     keep = steady(trace)
     both = keep[:, 0] & keep[:, 1]
     if not both.any():
         raise ValueError("no steady pair in the trace: a point of too few pairs a job")
     segs = {}
     for c in (0, 1):
-        parts = stretches(trace, c, order)
+        parts = stretches(trace, c)
         segs[f"consumer {c}"] = {name: float(np.median(v[both])) for name, v in parts.items()}
     t0 = trace[:, 0, :, 0].astype(np.int64)
     period = np.zeros_like(t0)
@@ -233,7 +185,7 @@ def run_point(p: dict, pool, iters: int) -> dict:
                 host = cupy.asnumpy(trace)
     row["bitwise_equal"] = all(bool(cupy.array_equal(a, b)) for a, b in zip(*outs.values(), strict=True))
     row["trace_cost"] = row["timing"]["traced"]["median_ms"] / row["timing"]["shipped"]["median_ms"]
-    row |= summarize(host, current_order())
+    row |= summarize(host)
     row["sample"] = sample(host)
     c0 = row["segments"]["consumer 0"]
     print(f"[attention_timeline] H{h} Q{nq} S{p['prefix']} B{p['batch']}: pair {row['period']['median']:.0f} "
@@ -251,16 +203,15 @@ def run(*, quick: bool = False) -> dict:
     iters = 10 if quick else 20
     pool = torch.randn(attention.pool_rows(pts), attention.D_QK, device="cuda",
                        dtype=torch.bfloat16)  # [N, 576] KV rows
-    order = current_order()
     clocks_before = timing.clocks()
     rows = [run_point(p, pool, iters) for p in pts]
     return {
         "parameters": {"quick": quick, "points": pts, "iters": iters, "trace": TRACE,
                        "trace_pairs": PAIRS, "tensor_flops_per_clock": TENSOR_FLOPS_PER_CLOCK,
-                       "pair_flops": pair_flops(), "order": order,
-                       "events": {f"consumer {c}": list(e) for c, e in ORDER_EVENTS[order].items()},
+                       "pair_flops": pair_flops(),
+                       "events": {f"consumer {c}": list(e) for c, e in EVENTS.items()},
                        "segments": {f"consumer {c}": {k: list(v) for k, v in s.items()}
-                                    for c, s in ORDER_SEGMENTS[order].items()},
+                                    for c, s in SEGMENTS.items()},
                        "dtype": "bfloat16", "page_size": 1},
         "clocks_before": clocks_before,
         "clocks_after": timing.clocks(),
