@@ -154,40 +154,15 @@ def test_kernel_names_are_versioned(source):
     assert not bad, f"{_stem(source)}.cu: kernel names must carry a version (<op>_v<N>[_variant]): {bad}"
 
 
-def _libnvrtc():
-    """libnvrtc from the nvidia-cuda-nvrtc wheel (the compiler CuPy uses at run time), or None."""
-    import ctypes
-    import glob
-
-    try:
-        import nvidia
-    except ImportError:
-        return None
-    for root in nvidia.__path__:
-        lib = os.path.join(root, "cu13", "lib")
-        main = sorted(glob.glob(os.path.join(lib, "libnvrtc.so.*")))
-        if main:
-            # NVRTC dlopens its builtins by soname; load them first so the lookup finds them.
-            for builtins in sorted(glob.glob(os.path.join(lib, "libnvrtc-builtins.so.*"))):
-                ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
-            return ctypes.CDLL(main[0])
-    return None
-
-
-_NVRTC = _libnvrtc()
+_NVRTC = loader.libnvrtc()
 
 
 def _cuda_include() -> str:
     """The CUDA toolkit's include folder (cuda_bf16.h and friends), as CuPy finds it at run time."""
-    import glob
-
-    nvcc = os.path.realpath(loader.nvcc_path() or "")
-    candidates = [os.environ.get("CUDA_HOME", ""), os.path.dirname(os.path.dirname(nvcc)), "/usr/local/cuda"]
-    candidates += sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
-    for root in candidates:
-        if root and os.path.isfile(os.path.join(root, "include", "cuda_bf16.h")):
-            return os.path.join(root, "include")
-    pytest.fail(f"no CUDA include folder with cuda_bf16.h among {candidates}")
+    found = loader.cuda_include()
+    if found is None:
+        pytest.fail("no CUDA include folder with cuda_bf16.h (CUDA_HOME, nvcc's, /usr/local/cuda*)")
+    return found
 
 
 @pytest.mark.skipif(_NVRTC is None, reason="nvidia-cuda-nvrtc is not installed (requirements.lock pins it)")
@@ -205,7 +180,7 @@ def _nvrtc_compile(source, extra: list[bytes]) -> tuple[int, str]:
     the default execution space, the kernel and CUDA include folders) plus `extra`."""
     import ctypes
 
-    options = [b"--std=c++17", *extra, b"-ftz=true", b"--device-as-default-execution-space",
+    options = [b"--std=c++17", *extra, *(o.encode() for o in loader.CUPY_NVRTC_OPTIONS),
                f"-I{KERNELS}".encode(), f"-I{_cuda_include()}".encode()]
     prog = ctypes.c_void_p()
     text = loader.expand_includes(source, KERNELS).encode()  # what kdlib.cuda.loader hands NVRTC
@@ -226,22 +201,9 @@ SOURCES_90A = [s for s in SOURCES if ARCH_A.search(s.read_text())]
 
 
 def _cuobjdump() -> str | None:
-    """cuobjdump on PATH, else the one of the nvidia-cuda-cuobjdump wheel (requirements.lock pins it and
-    nvidia-cuda-nvdisasm, which it runs: the wheels' bin folder is put on PATH for it), else None."""
-    import shutil
-
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    try:
-        import nvidia
-    except ImportError:
-        return None
-    for root in nvidia.__path__:
-        exe = os.path.join(root, "cu13", "bin", "cuobjdump")
-        if os.access(exe, os.X_OK) and os.access(os.path.join(root, "cu13", "bin", "nvdisasm"), os.X_OK):
-            return exe
-    return None
+    """cuobjdump (on PATH, else the nvidia-cuda-cuobjdump wheel's) where nvdisasm, which it runs, is found
+    too (requirements.lock pins both; the wheels' bin folder is put on PATH for it), else None."""
+    return loader.wheel_tool("cuobjdump") if loader.wheel_tool("nvdisasm") else None
 
 
 def _sass(cubin) -> dict[str, str]:

@@ -44,6 +44,10 @@ a programmatic edge of the graph.
 
 Torch CUDA tensors enter through DLPack without a copy: `as_cupy(t)`.
 
+Without a GPU, `libnvrtc()`, `cuda_include()`, `CUPY_NVRTC_OPTIONS` and `wheel_tool("cuobjdump")` (or
+`"nvdisasm"`) compile and read a kernel as NVRTC builds it on the GPU (tests/test_kernels_compile.py,
+tools/ncu_source.py).
+
 cupy is imported inside the functions, so importing this module works on machines without it.
 """
 
@@ -53,6 +57,7 @@ import ast
 import contextlib
 import ctypes
 import functools
+import glob
 import hashlib
 import operator
 import os
@@ -444,6 +449,51 @@ def nvcc_path() -> str | None:
 def nvcc_version() -> str:
     """`nvcc --version`'s output (the compile cache's key and the CPU records' provenance)."""
     return subprocess.run([nvcc_path(), "--version"], capture_output=True, text=True, check=True).stdout
+
+
+# what CuPy's RawModule adds to a compile's options (NVRTC, on the GPU), beside -arch for the device
+CUPY_NVRTC_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
+
+
+def _wheel_dirs(sub: str) -> list[str]:
+    """The nvidia wheels' cu13/<sub> folders (requirements.lock pins nvidia-cuda-nvrtc, -cuobjdump and
+    -nvdisasm)."""
+    try:
+        import nvidia
+    except ImportError:
+        return []
+    return [os.path.join(root, "cu13", sub) for root in nvidia.__path__]
+
+
+def wheel_tool(name: str) -> str | None:
+    """A CUDA binary tool (cuobjdump, nvdisasm) on PATH, else the nvidia wheels', else None."""
+    found = shutil.which(name)
+    if found:
+        return found
+    exes = (os.path.join(b, name) for b in _wheel_dirs("bin"))
+    return next((e for e in exes if os.access(e, os.X_OK)), None)
+
+
+@functools.cache
+def libnvrtc():
+    """NVRTC of the nvidia-cuda-nvrtc wheel (the compiler CuPy runs on the GPU), a ctypes library, or None."""
+    for lib in _wheel_dirs("lib"):
+        main = sorted(glob.glob(os.path.join(lib, "libnvrtc.so.*")))
+        if main:
+            # NVRTC dlopens its builtins by soname; load them first so the lookup finds them
+            for builtins in sorted(glob.glob(os.path.join(lib, "libnvrtc-builtins.so.*"))):
+                ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+            return ctypes.CDLL(main[0])
+    return None
+
+
+def cuda_include() -> str | None:
+    """The CUDA toolkit's include folder (cuda_bf16.h and friends) as CuPy finds it, or None."""
+    nvcc = os.path.realpath(nvcc_path() or "")
+    roots = [os.environ.get("CUDA_HOME", ""), os.path.dirname(os.path.dirname(nvcc)), "/usr/local/cuda"]
+    roots += sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
+    return next((os.path.join(r, "include") for r in roots
+                 if r and os.path.isfile(os.path.join(r, "include", "cuda_bf16.h"))), None)
 
 
 def parse_ptxas(text: str) -> dict[str, dict]:
