@@ -334,7 +334,7 @@ LOADERS = {
     "kernel_ab_repeat": results.load_kernel_ab_repeat,
     "tree_build_cpu": results.load_tree_build_cpu,
     "plan_phases": results.load_plan_phases, "plan_cost": results.load_plan_cost,
-    "register_budget": results.load_register_budget,
+    "register_budget": results.load_register_budget, "cluster_exchange": results.load_cluster_exchange,
 }
 
 

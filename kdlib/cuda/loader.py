@@ -213,7 +213,9 @@ def source_constants(stem: str) -> dict[str, int]:
     return {k: v for k, v in found.items() if k not in clashes}
 
 
-_BOUNDS = re.compile(r'extern\s+"C"\s+__global__\s+void\s+__launch_bounds__\s*\(([^)]*)\)\s*(\w+)\s*\(')
+_CLUSTER = r"(?:__cluster_dims__\s*\([^)]*\)\s*)?"  # a compile-time cluster, before or after the bounds
+_BOUNDS = re.compile(rf'extern\s+"C"\s+__global__\s+void\s+{_CLUSTER}__launch_bounds__\s*\(([^)]*)\)\s*'
+                     rf"{_CLUSTER}(\w+)\s*\(")
 
 
 def launch_bounds(stem: str) -> dict[str, tuple[int, int]]:
@@ -435,8 +437,10 @@ _PROPS = re.compile(r"Function properties for (\S+)")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
 _SMEM = re.compile(r"(\d+) bytes smem")
+# an extern "C" kernel's name, past its attributes (__launch_bounds__, __cluster_dims__) in either order
 KERNEL_DECL = re.compile(
-    r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\('
+    r'extern\s+"C"\s+__global__\s+void\s+(?:(?:__launch_bounds__|__cluster_dims__)\s*\([^)]*\)\s*)*'
+    r"(\w+)\s*\("
 )
 ALLOW_STACK = re.compile(r"//\s*kdlib-allow-stack:\s*(\S+)\s+(\d+)\s+\S")
 

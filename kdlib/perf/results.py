@@ -812,6 +812,13 @@ def load_register_budget(gpu: str = "cpu") -> Recorded | None:
     return _recorded("register_budget", gpu, _no_rows)
 
 
+def load_cluster_exchange(gpu: str = "h200") -> Recorded | None:
+    """The recorded cluster_exchange suite on `gpu` (two CTAs of a cluster swapping a tile's partial S^T
+    through distributed shared memory, against local stores and the barrier alone), or None. No rows: read
+    `Recorded.doc["rows"]` (per mode `us_per_tile`, `cycles_per_tile`, `timing`, `exact`)."""
+    return _recorded("cluster_exchange", gpu, _no_rows)
+
+
 def load_kernel_ab_repeat(gpu: str = "h200") -> Recorded | None:
     """The recorded `tools/kernel_ab.py repeat` run on `gpu` (each arm n times at one point against a float64
     verify), or None. No rows: read `Recorded.doc["arms"]` (distinct outputs, spread, error per arm)."""

@@ -1,0 +1,118 @@
+// Cluster exchange probe (issue 19, notebook 02b 13t): what it costs the two CTAs of a cluster to swap one key
+// tile's partial S^T (64 keys x 72 rows, fp32: 18,432 B) through distributed shared memory, a cluster barrier a
+// tile, with nothing else running. The 8 x 9 points' next lever (13t) splits each row's dims over two CTAs, and
+// each would send its partial S^T of every tile to the other this way before its softmax.
+//
+// cluster_exchange_v1_<mode>: a grid of CTA pairs (__cluster_dims__(2, 1, 1)), EX_THREADS threads, dynamic
+// shared memory of at least EX_BUF_BYTES (the launch asks for more, so that one CTA fills an SM as the attend
+// kernel does). For tile t < tiles each thread makes its float4s k = tid, tid + EX_THREADS, ... < EX_VEC of the
+// CTA's partial, element e of it part(t, rank, e) = (7 t + 3 rank + e) % 13 (small integers: every sum exact),
+//   peer:  stores them into the other CTA's buffer t % 2 (mapa + st.shared::cluster),
+//   local: into its own buffer t % 2 (the same barrier, no remote store),
+//   none:  nowhere (the barrier alone),
+// passes the cluster barrier, and adds its part and (peer, local) the buffer's float4 k into its accumulators.
+// Two buffers and one barrier a tile suffice: a CTA writes buffer t % 2 again at tile t + 2, after the barrier
+// of tile t + 1, which the other CTA reaches only once it has read that buffer at tile t.
+// out [grid, EX_VEC] float4: the accumulators; cycles [grid] int64: thread 0's clock64 from before the first
+// tile to after the last.
+#define EX_THREADS 256
+#define EX_KEYS 64
+#define EX_ROWS 72
+#define EX_VEC (EX_KEYS * EX_ROWS / 4)         // 1152 float4s: one tile's partial S^T
+#define EX_PER_THREAD ((EX_VEC + EX_THREADS - 1) / EX_THREADS)
+#define EX_BUF_BYTES (2 * EX_VEC * 16)        // two buffers: 36,864 B
+#define EX_PEER 0
+#define EX_LOCAL 1
+#define EX_NONE 2
+
+namespace {
+
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+
+// Both CTAs of the cluster: this one's shared-memory stores before the barrier are seen after it.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// The address of local shared address a in CTA `rank` of the cluster.
+__device__ __forceinline__ unsigned peer_addr(unsigned a, unsigned rank) {
+    unsigned r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(rank));
+    return r;
+}
+
+__device__ __forceinline__ void store_cluster(unsigned a, float4 v) {
+    asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "f"(v.x), "f"(v.y), "f"(v.z),
+                 "f"(v.w)
+                 : "memory");
+}
+
+__device__ __forceinline__ float4 part(int t, unsigned rank, int k) {
+    const int e = 4 * k + 7 * t + 3 * (int)rank;
+    return make_float4((float)(e % 13), (float)((e + 1) % 13), (float)((e + 2) % 13), (float)((e + 3) % 13));
+}
+
+template <int MODE>
+__device__ __forceinline__ void exchange(int tiles, float4* __restrict__ out, long long* __restrict__ cycles) {
+    extern __shared__ __align__(16) float4 buf[];  // [2][EX_VEC]
+    const int tid = threadIdx.x;
+    const unsigned rank = cluster_rank(), other = rank ^ 1u;
+    float4 acc[EX_PER_THREAD];
+#pragma unroll
+    for (int i = 0; i < EX_PER_THREAD; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    cluster_sync();  // the other CTA runs before its shared memory is written
+    const long long t0 = clock64();
+    for (int t = 0; t < tiles; ++t) {
+        float4* b = buf + (t & 1) * EX_VEC;
+#pragma unroll
+        for (int i = 0; i < EX_PER_THREAD; ++i) {
+            const int k = tid + i * EX_THREADS;
+            if (k < EX_VEC) {
+                const float4 p = part(t, rank, k);
+                if (MODE == EX_PEER) store_cluster(peer_addr((unsigned)__cvta_generic_to_shared(b + k), other), p);
+                if (MODE == EX_LOCAL) b[k] = p;
+                acc[i].x += p.x, acc[i].y += p.y, acc[i].z += p.z, acc[i].w += p.w;
+            }
+        }
+        cluster_sync();
+        if (MODE != EX_NONE) {
+#pragma unroll
+            for (int i = 0; i < EX_PER_THREAD; ++i) {
+                const int k = tid + i * EX_THREADS;
+                if (k < EX_VEC) {
+                    const float4 p = b[k];
+                    acc[i].x += p.x, acc[i].y += p.y, acc[i].z += p.z, acc[i].w += p.w;
+                }
+            }
+        }
+    }
+    const long long t1 = clock64();
+    cluster_sync();  // no CTA leaves while the other may still read its shared memory
+    if (tid == 0) cycles[blockIdx.x] = t1 - t0;
+#pragma unroll
+    for (int i = 0; i < EX_PER_THREAD; ++i) {
+        const int k = tid + i * EX_THREADS;
+        if (k < EX_VEC) out[(long long)blockIdx.x * EX_VEC + k] = acc[i];
+    }
+}
+
+}  // namespace
+
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(EX_THREADS)
+    cluster_exchange_v1_peer(int tiles, float4* __restrict__ out, long long* __restrict__ cycles) {
+    exchange<EX_PEER>(tiles, out, cycles);
+}
+
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(EX_THREADS)
+    cluster_exchange_v1_local(int tiles, float4* __restrict__ out, long long* __restrict__ cycles) {
+    exchange<EX_LOCAL>(tiles, out, cycles);
+}
+
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(EX_THREADS)
+    cluster_exchange_v1_none(int tiles, float4* __restrict__ out, long long* __restrict__ cycles) {
+    exchange<EX_NONE>(tiles, out, cycles);
+}
