@@ -18,7 +18,7 @@ def test_expected_is_the_sum_of_the_parts_over_the_tiles():
             for t in range(tiles):
                 for e in range(4 * ce.VEC):
                     own, other = (e + 7 * t + 3 * rank) % 13, (e + 7 * t + 3 * (1 - rank)) % 13
-                    want[e] += own + {"peer": other, "local": own, "none": 0}[mode]
+                    want[e] += own + {"peer": other, "async": other, "local": own, "none": 0}[mode]
             np.testing.assert_array_equal(ce.expected(mode, tiles, rank), want)
     with pytest.raises(ValueError, match="mode"):
         ce.expected("remote", 1, 0)
@@ -27,7 +27,7 @@ def test_expected_is_the_sum_of_the_parts_over_the_tiles():
 def test_constants_size_one_tile_of_72_rows_and_two_buffers():
     c = loader.source_constants(ce.SOURCE)
     assert c["EX_KEYS"] * c["EX_ROWS"] * 4 == ce.VEC * 16 == 18_432
-    assert ce.BUF_BYTES == 2 * ce.VEC * 16 <= ce.SMEM
+    assert ce.BUF_BYTES == 2 * ce.VEC * 16 + 4 * 8 <= ce.SMEM  # two buffers, four mbarriers
     assert c["EX_PER_THREAD"] * ce.THREADS >= ce.VEC
 
 

@@ -13,6 +13,10 @@
 // passes the cluster barrier, and adds its part and (peer, local) the buffer's float4 k into its accumulators.
 // Two buffers and one barrier a tile suffice: a CTA writes buffer t % 2 again at tile t + 2, after the barrier
 // of tile t + 1, which the other CTA reaches only once it has read that buffer at tile t.
+//   async: no cluster barrier: st.async stores into the other CTA's buffer t % 2, each completing its bytes on
+//     that CTA's full[t % 2] mbarrier (armed by the receiver's thread 0 for EX_VEC * 16 bytes a tile); the
+//     receiver waits on it, reads the buffer, and each of its warps then arrives on the sender's empty[t % 2],
+//     which the sender waits on before it writes that buffer again (tile t + 2).
 // out [grid, EX_VEC] float4: the accumulators; cycles [grid] int64: thread 0's clock64 from before the first
 // tile to after the last.
 #define EX_THREADS 256
@@ -20,10 +24,12 @@
 #define EX_ROWS 72
 #define EX_VEC (EX_KEYS * EX_ROWS / 4)         // 1152 float4s: one tile's partial S^T
 #define EX_PER_THREAD ((EX_VEC + EX_THREADS - 1) / EX_THREADS)
-#define EX_BUF_BYTES (2 * EX_VEC * 16)        // two buffers: 36,864 B
+#define EX_BUF_BYTES (2 * EX_VEC * 16 + 32)   // two buffers: 36,864 B, and (async) four mbarriers
 #define EX_PEER 0
 #define EX_LOCAL 1
 #define EX_NONE 2
+#define EX_ASYNC 3
+#define EX_WARPS (EX_THREADS / 32)
 
 namespace {
 
@@ -51,6 +57,36 @@ __device__ __forceinline__ void store_cluster(unsigned a, float4 v) {
                  : "memory");
 }
 
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+// This CTA's thread: one arrival on local bar, which then also waits for `bytes` of asynchronous stores.
+__device__ __forceinline__ void mbar_expect(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// Wait until local bar's phase of parity `parity` completes (acquire at cluster scope: the other CTA's stores).
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nwait_%=:\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra wait_%=;\n}\n" ::"r"(bar), "r"(parity)
+        : "memory");
+}
+
+// One arrival on the mbarrier at cluster address bar (the other CTA's), releasing this thread's reads.
+__device__ __forceinline__ void mbar_arrive_remote(unsigned bar) {
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// v into the other CTA's shared memory at cluster address a, its 16 bytes completed on its mbarrier bar.
+__device__ __forceinline__ void store_async(unsigned a, float4 v, unsigned bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n"
+                 ::"r"(a), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(bar)
+                 : "memory");
+}
+
 __device__ __forceinline__ float4 part(int t, unsigned rank, int k) {
     const int e = 4 * k + 7 * t + 3 * (int)rank;
     return make_float4((float)(e % 13), (float)((e + 1) % 13), (float)((e + 2) % 13), (float)((e + 3) % 13));
@@ -58,15 +94,54 @@ __device__ __forceinline__ float4 part(int t, unsigned rank, int k) {
 
 template <int MODE>
 __device__ __forceinline__ void exchange(int tiles, float4* __restrict__ out, long long* __restrict__ cycles) {
-    extern __shared__ __align__(16) float4 buf[];  // [2][EX_VEC]
+    extern __shared__ __align__(16) float4 buf[];  // [2][EX_VEC], then (async) full [2], empty [2] mbarriers
     const int tid = threadIdx.x;
     const unsigned rank = cluster_rank(), other = rank ^ 1u;
+    // async: full s at bars + 8 s, empty s at bars + 16 + 8 s
+    const unsigned bars = (unsigned)__cvta_generic_to_shared(buf + 2 * EX_VEC);
     float4 acc[EX_PER_THREAD];
 #pragma unroll
     for (int i = 0; i < EX_PER_THREAD; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-    cluster_sync();  // the other CTA runs before its shared memory is written
+    if (MODE == EX_ASYNC && tid == 0) {
+        for (int s = 0; s < 2; ++s) {
+            mbar_init(bars + 8 * s, 1);
+            mbar_init(bars + 16 + 8 * s, EX_WARPS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    cluster_sync();  // the other CTA runs (and its mbarriers are set) before its shared memory is written
     const long long t0 = clock64();
-    for (int t = 0; t < tiles; ++t) {
+    if (MODE == EX_ASYNC) {
+        for (int t = 0; t < tiles; ++t) {
+            const int s = t & 1;
+            const unsigned parity = (t >> 1) & 1;
+            float4* b = buf + s * EX_VEC;
+            if (t >= 2) mbar_wait(bars + 16 + 8 * s, parity ^ 1u);  // the other CTA read tile t - 2's
+            const unsigned full_there = peer_addr(bars + 8 * s, other);
+#pragma unroll
+            for (int i = 0; i < EX_PER_THREAD; ++i) {
+                const int k = tid + i * EX_THREADS;
+                if (k < EX_VEC) {
+                    const float4 p = part(t, rank, k);
+                    store_async(peer_addr((unsigned)__cvta_generic_to_shared(b + k), other), p, full_there);
+                    acc[i].x += p.x, acc[i].y += p.y, acc[i].z += p.z, acc[i].w += p.w;
+                }
+            }
+            if (tid == 0) mbar_expect(bars + 8 * s, EX_VEC * 16);
+            mbar_wait(bars + 8 * s, parity);  // the other CTA's tile t is here
+#pragma unroll
+            for (int i = 0; i < EX_PER_THREAD; ++i) {
+                const int k = tid + i * EX_THREADS;
+                if (k < EX_VEC) {
+                    const float4 p = b[k];
+                    acc[i].x += p.x, acc[i].y += p.y, acc[i].z += p.z, acc[i].w += p.w;
+                }
+            }
+            __syncwarp();
+            if ((tid & 31) == 0) mbar_arrive_remote(peer_addr(bars + 16 + 8 * s, other));
+        }
+    }
+    for (int t = 0; MODE != EX_ASYNC && t < tiles; ++t) {
         float4* b = buf + (t & 1) * EX_VEC;
 #pragma unroll
         for (int i = 0; i < EX_PER_THREAD; ++i) {
@@ -115,4 +190,9 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(EX_THREAD
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(EX_THREADS)
     cluster_exchange_v1_none(int tiles, float4* __restrict__ out, long long* __restrict__ cycles) {
     exchange<EX_NONE>(tiles, out, cycles);
+}
+
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(EX_THREADS)
+    cluster_exchange_v1_async(int tiles, float4* __restrict__ out, long long* __restrict__ cycles) {
+    exchange<EX_ASYNC>(tiles, out, cycles);
 }

@@ -4,7 +4,9 @@ memory (issue 19; notebook 02b, 13t: the 8 x 9 points' next lever splits each ro
 `python3 -m kdlib.perf.run --suite cluster_exchange [--quick]`. `kernels/cluster_exchange/v1.cu`'s three
 modes, each on one CTA pair per two SMs (a CTA asks for `SMEM` bytes, so that one fills an SM as the attend
 kernel does) over `TILES` tiles: `peer` stores each tile's 18,432-B partial into the other CTA's shared
-memory, `local` into its own, `none` nowhere; all pass one cluster barrier a tile. Recorded per mode:
+memory, `local` into its own, `none` nowhere, all passing one cluster barrier a tile; `async` stores into the
+other CTA's memory with `st.async`, each tile's bytes completing on the receiver's mbarrier, and no cluster
+barrier (the receiver's warps hand each buffer back on the sender's mbarrier). Recorded per mode:
 
   * `timing`: the kernel's CUDA-event time (eager launches; a launch is milliseconds long);
   * `us_per_tile`: the median over the tiles, all CTA pairs running at once;
@@ -12,7 +14,7 @@ memory, `local` into its own, `none` nowhere; all pass one cluster barrier a til
   * `exact`: every accumulator equals `expected` (the partials are small integers, so every sum is exact).
 
 `peer` less `none` is what the remote stores cost beside the barrier; `local` less `none` what the same stores
-cost into a CTA's own shared memory.
+cost into a CTA's own shared memory; `async` what the exchange costs without a barrier a tile.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from kdlib.cuda import loader
 from kdlib.perf import timing
 
 SOURCE = "cluster_exchange/v1"
-MODES = ("peer", "local", "none")
+MODES = ("peer", "async", "local", "none")
 _C = loader.source_constants(SOURCE)
 THREADS, VEC, BUF_BYTES = _C["EX_THREADS"], _C["EX_VEC"], _C["EX_BUF_BYTES"]
 TILES, QUICK_TILES = 4096, 256
@@ -33,7 +35,7 @@ SMEM = 200 * 1024  # dynamic shared memory a CTA asks for: one CTA an SM (the bu
 def expected(mode: str, tiles: int, rank: int) -> np.ndarray:
     """The accumulators of a CTA of cluster rank `rank` after `tiles` tiles of `mode` -> [VEC * 4] float32:
     element e sums part(t, r, e) = (e + 7 t + 3 r) % 13 over the tiles, of its own rank, then (peer) the
-    other's or (local) its own again."""
+    other's (peer, async) or its own again (local)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     e = np.arange(4 * VEC, dtype=np.int64)[:, None]  # [elements, 1]
@@ -42,7 +44,7 @@ def expected(mode: str, tiles: int, rank: int) -> np.ndarray:
     def own(r: int) -> np.ndarray:
         return ((e + 7 * t + 3 * r) % 13).sum(axis=1)
 
-    extra = {"peer": own(1 - rank), "local": own(rank), "none": 0}[mode]
+    extra = {"peer": own(1 - rank), "async": own(1 - rank), "local": own(rank), "none": 0}[mode]
     return (own(rank) + extra).astype(np.float32)
 
 
@@ -91,8 +93,9 @@ def run(*, quick: bool = False) -> dict:
         "rows": rows,
         "notes": [
             "peer: each CTA stores its tile's partial into the other's shared memory (st.shared::cluster); "
-            "local: into its own; none: no store. All: one cluster barrier a tile, then (peer, local) the "
-            "buffer read back and added",
+            "local: into its own; none: no store. These three: one cluster barrier a tile, then (peer, "
+            "local) the buffer read back and added. async: st.async into the other's memory, completing on "
+            "its mbarrier; no cluster barrier",
             "us_per_tile: the kernel's median time / tiles, every CTA pair running at once; cycles_per_tile: "
             "thread 0's clock64 span / tiles over the CTAs",
         ],
