@@ -27,6 +27,7 @@ from kdlib.perf.suites.attention_bounds import SM_REGS  # noqa: E402
 
 STEM = "tree_verify/wgmma_v10"
 ARCH = "sm_90a"
+WARPGROUP = 128  # threads of a warpgroup (4 warps): the producer's, and each consumer's
 PRODUCERS = (24, 32, 40)
 CONSUMERS = (160, 168, 176, 200, 208, 216, 224, 232)  # past where v9's consumers (attend_t) spill, and v7's
 
@@ -58,7 +59,7 @@ def measure() -> dict:
     return {
         "parameters": {"stem": STEM, "arch": ARCH, "producers": list(PRODUCERS), "consumers": list(CONSUMERS),
                        "default": {"producer": c["PRODUCER_REGS"], "consumer": c["CONSUMER_REGS"]},
-                       "threads": {"producer": 128, "consumers": c["NTHREADS"] - 128},
+                       "threads": {"producer": WARPGROUP, "consumers": c["NTHREADS"] - WARPGROUP},
                        "register_file": SM_REGS, "nvcc": loader.nvcc_version().strip().splitlines()[-1]},
         "builds": [{"producer": p, "consumer": r, "kernels": k}
                    for (p, r), k in zip(grid, reports, strict=True)],
