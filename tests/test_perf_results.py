@@ -181,3 +181,13 @@ def test_ceilings_recorded_or_stated_fallback(results_dir):
          "copy_bandwidth_Bps": 4.2e12, "bf16_matmul_flops": 6.9e14}))
     got = results.ceilings("h200")
     assert got == results.Ceilings(4.2e12, 6.9e14, "ceilings.h200.json", True)
+
+
+def test_write_names_the_file_by_suite_and_gpu_or_as_asked(tmp_path):
+    default = results.write("s", {"value": 1}, out_dir=tmp_path, command="c")
+    named = results.write("s", {"value": 2}, out_dir=tmp_path, command="c", name="k.src.8x9.abc1234")
+    assert default.name == f"s.{results.gpu_slug(results.provenance()['gpu'])}.json"
+    assert named == tmp_path / "k.src.8x9.abc1234.json"
+    doc = json.loads(named.read_text())
+    assert doc["suite"] == "s" and doc["value"] == 2 and doc["provenance"]["command"] == "c"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([default.name, named.name])  # no .tmp left

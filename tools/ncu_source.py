@@ -29,7 +29,6 @@ import argparse
 import csv
 import ctypes
 import gzip
-import json
 import os
 import re
 import shlex
@@ -479,7 +478,7 @@ def build(page: SourcePage, rev: str, stem: str, options: tuple[str, ...], work:
 
 def record(page: SourcePage, csv_path: Path, point: str, built: dict, stem: str, top: int,
            ncu_command: str | None, device: str | None) -> dict:
-    """The record's payload (results.write's layout, written under its own name by `write`)."""
+    """The record's payload (results.write writes it under its own name: <kernel>.src.<point>.<commit7>)."""
     return {
         "kernel": page.kernel,
         "point": point,
@@ -503,17 +502,6 @@ def record(page: SourcePage, csv_path: Path, point: str, built: dict, stem: str,
             "inlined; the match of the two listings shows it is the same code",
         ],
     }
-
-
-def write(doc: dict, out_dir: Path, command: str) -> Path:
-    """`{suite, schema, provenance, **doc}` to <out_dir>/<kernel>.src.<point>.<commit7>.json, atomically."""
-    full = {"suite": SUITE, "schema": results.SCHEMA, "provenance": results.provenance(command), **doc}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{doc['kernel']}.src.{doc['point']}.{doc['source']['commit'][:7]}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(full, indent=1) + "\n")
-    os.replace(tmp, path)
-    return path
 
 
 def show(doc: dict, n: int = 15) -> str:
@@ -566,7 +554,8 @@ def main(argv=None) -> int:
         except SourceError as e:
             print(f"ncu_source: {e}", file=sys.stderr)
             return 1
-    path = write(doc, a.out, command)
+    path = results.write(SUITE, doc, out_dir=a.out, command=command,
+                         name=f"{doc['kernel']}.src.{doc['point']}.{doc['source']['commit'][:7]}")
     print(show(doc))
     print(path)
     return 0

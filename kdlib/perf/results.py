@@ -92,14 +92,16 @@ def provenance(command: str | None = None) -> dict:
 
 
 def write(
-    suite: str, payload: dict, *, out_dir: str | os.PathLike | None = None, command: str | None = None
+    suite: str, payload: dict, *, out_dir: str | os.PathLike | None = None, command: str | None = None,
+    name: str | None = None,
 ) -> Path:
-    """Write `{suite, schema, provenance, **payload}` atomically to `<out_dir>/<suite>.<gpu>.json`."""
+    """Write `{suite, schema, provenance, **payload}` atomically to `<out_dir>/<name>.json`, by default
+    `<suite>.<gpu>.json` (a record of its own name, such as tools/ncu_source.py's per kernel and point)."""
     prov = provenance(command)
     doc = {"suite": suite, "schema": SCHEMA, "provenance": prov, **payload}
     out = Path(out_dir) if out_dir else RESULTS
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{suite}.{gpu_slug(prov['gpu'])}.json"
+    path = out / f"{name or suite + '.' + gpu_slug(prov['gpu'])}.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=1, sort_keys=False, default=float) + "\n")
     os.replace(tmp, path)
