@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from kdlib import ROOT
-from kdlib.cuda import attention
+from kdlib.cuda import attention, loader
 from kdlib.perf.suites import attention as suite
 from kdlib.ref import attention as ref
 
@@ -82,3 +83,17 @@ def test_define_repeats_for_switches_together_each_name_once(capsys, monkeypatch
         kernel_ab.main(["run", "--out", "/tmp/unused", "--define", "PLAN_SMALL_REQS=0",
                         "--define", "PLAN_SMALL_REQS=8"])
     assert exit_.value.code == 2 and "twice" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="not a git checkout")
+def test_export_kernels_unpacks_a_revisions_kernels_and_refuses_no_commit(tmp_path):
+    """kdlib.cuda.loader.export_kernels (kernel_ab.py export, ncu_source.py's build): the revision's files as
+    committed, under <dest>/kernels; a name that is no commit is a ValueError before anything is written."""
+    got = loader.export_kernels("HEAD", tmp_path / "head")
+    path = "kernels/tree_verify/wgmma_common.cuh"
+    committed = subprocess.run(["git", "-C", str(ROOT), "show", f"HEAD:{path}"], capture_output=True,
+                               check=True).stdout
+    assert got == tmp_path / "head" / "kernels" and (got.parent / path).read_bytes() == committed
+    with pytest.raises(ValueError, match="no commit"):
+        loader.export_kernels("no-such-revision", tmp_path / "none")
+    assert not (tmp_path / "none").exists()

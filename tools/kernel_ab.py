@@ -31,7 +31,6 @@ import contextlib
 import json
 import re
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -44,12 +43,9 @@ RANK_POINTS = [{"heads": 8, "queries": w, "prefix": s, "batch": c}
 
 def export(rev: str) -> Path:
     """`git archive` of rev's kernels/ into build/ab/<rev>/."""
-    dest = ROOT / "build" / "ab" / rev
-    dest.mkdir(parents=True, exist_ok=True)
-    git = ["git", "-C", str(ROOT), "archive", rev, "kernels"]
-    tar = subprocess.run(git, check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=tar, check=True)
-    return dest / "kernels"
+    from kdlib.cuda import loader
+
+    return loader.export_kernels(rev, ROOT / "build" / "ab" / rev)
 
 
 def _flags(defines: list[str]) -> str:

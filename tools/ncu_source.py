@@ -143,16 +143,14 @@ def read_csv(path: Path) -> SourcePage:
 
 # ----------------------------------------------------------------------------- the local build
 def export(rev: str, dest: Path) -> tuple[str, Path]:
-    """(full commit, dest/kernels): `git archive` of rev's kernels/."""
-    git = ["git", "-C", str(ROOT)]
-    proc = subprocess.run([*git, "rev-parse", "--verify", f"{rev}^{{commit}}"], capture_output=True,
-                          text=True)
-    if proc.returncode != 0:
-        raise SourceError(f"no commit {rev!r} in {ROOT}: {proc.stderr.strip()}")
-    sha = proc.stdout.strip()
-    tar = subprocess.run([*git, "archive", sha, "kernels"], check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=tar, check=True)
-    return sha, dest / "kernels"
+    """(full commit, dest/kernels): rev's kernels/ (`kdlib.cuda.loader.export_kernels`)."""
+    try:
+        kernels = loader.export_kernels(rev, dest)
+    except ValueError as e:
+        raise SourceError(str(e)) from e
+    sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", f"{rev}^{{commit}}"], capture_output=True,
+                         text=True, check=True).stdout.strip()
+    return sha, kernels
 
 
 def missing_tools() -> list[str]:

@@ -149,6 +149,19 @@ def use_kernels(root: Path | None = None) -> None:
     _ROOT = None if root is None else Path(root)
 
 
+def export_kernels(rev: str, dest: Path) -> Path:
+    """`git archive` of revision rev's kernels/ unpacked under dest -> dest/kernels (for `use_kernels`, or to
+    build that revision's kernels here); ValueError where rev names no commit of this repository."""
+    git = ["git", "-C", str(KERNELS.parent)]
+    if subprocess.run([*git, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+                      capture_output=True).returncode != 0:
+        raise ValueError(f"no commit {rev!r} in {KERNELS.parent}")
+    Path(dest).mkdir(parents=True, exist_ok=True)
+    tar = subprocess.run([*git, "archive", rev, "kernels"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=tar, check=True)
+    return Path(dest) / "kernels"
+
+
 _DEFINE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_]\w*)[ \t]+([^\n]*?)[ \t]*(?://[^\n]*)?$",
                      re.MULTILINE)
 _CONSTEXPR = re.compile(

@@ -92,6 +92,18 @@ __device__ __forceinline__ float4 part(int t, unsigned rank, int k) {
     return make_float4((float)(e % 13), (float)((e + 1) % 13), (float)((e + 2) % 13), (float)((e + 3) % 13));
 }
 
+// a += p, by component.
+__device__ __forceinline__ void add(float4& a, float4 p) { a.x += p.x, a.y += p.y, a.z += p.z, a.w += p.w; }
+
+// The thread's float4s of buffer b into its accumulators.
+__device__ __forceinline__ void add_buffer(float4 (&acc)[EX_PER_THREAD], const float4* b, int tid) {
+#pragma unroll
+    for (int i = 0; i < EX_PER_THREAD; ++i) {
+        const int k = tid + i * EX_THREADS;
+        if (k < EX_VEC) add(acc[i], b[k]);
+    }
+}
+
 template <int MODE>
 __device__ __forceinline__ void exchange(int tiles, float4* __restrict__ out, long long* __restrict__ cycles) {
     extern __shared__ __align__(16) float4 buf[];  // [2][EX_VEC], then (async) full [2], empty [2] mbarriers
@@ -124,19 +136,12 @@ __device__ __forceinline__ void exchange(int tiles, float4* __restrict__ out, lo
                 if (k < EX_VEC) {
                     const float4 p = part(t, rank, k);
                     store_async(peer_addr((unsigned)__cvta_generic_to_shared(b + k), other), p, full_there);
-                    acc[i].x += p.x, acc[i].y += p.y, acc[i].z += p.z, acc[i].w += p.w;
+                    add(acc[i], p);
                 }
             }
             if (tid == 0) mbar_expect(bars + 8 * s, EX_VEC * 16);
             mbar_wait(bars + 8 * s, parity);  // the other CTA's tile t is here
-#pragma unroll
-            for (int i = 0; i < EX_PER_THREAD; ++i) {
-                const int k = tid + i * EX_THREADS;
-                if (k < EX_VEC) {
-                    const float4 p = b[k];
-                    acc[i].x += p.x, acc[i].y += p.y, acc[i].z += p.z, acc[i].w += p.w;
-                }
-            }
+            add_buffer(acc, b, tid);
             __syncwarp();
             if ((tid & 31) == 0) mbar_arrive_remote(peer_addr(bars + 16 + 8 * s, other));
         }
@@ -150,20 +155,11 @@ __device__ __forceinline__ void exchange(int tiles, float4* __restrict__ out, lo
                 const float4 p = part(t, rank, k);
                 if (MODE == EX_PEER) store_cluster(peer_addr((unsigned)__cvta_generic_to_shared(b + k), other), p);
                 if (MODE == EX_LOCAL) b[k] = p;
-                acc[i].x += p.x, acc[i].y += p.y, acc[i].z += p.z, acc[i].w += p.w;
+                add(acc[i], p);
             }
         }
         cluster_sync();
-        if (MODE != EX_NONE) {
-#pragma unroll
-            for (int i = 0; i < EX_PER_THREAD; ++i) {
-                const int k = tid + i * EX_THREADS;
-                if (k < EX_VEC) {
-                    const float4 p = b[k];
-                    acc[i].x += p.x, acc[i].y += p.y, acc[i].z += p.z, acc[i].w += p.w;
-                }
-            }
-        }
+        if (MODE != EX_NONE) add_buffer(acc, b, tid);
     }
     const long long t1 = clock64();
     cluster_sync();  // no CTA leaves while the other may still read its shared memory

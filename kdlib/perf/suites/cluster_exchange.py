@@ -1,7 +1,7 @@
 """What it costs the two CTAs of a cluster to swap one key tile's partial S^T through distributed shared
 memory (issue 19; notebook 02b, 13t: the 8 x 9 points' next lever splits each row's dims over two CTAs).
 
-`python3 -m kdlib.perf.run --suite cluster_exchange [--quick]`. `kernels/cluster_exchange/v1.cu`'s three
+`python3 -m kdlib.perf.run --suite cluster_exchange [--quick]`. `kernels/cluster_exchange/v1.cu`'s four
 modes, each on one CTA pair per two SMs (a CTA asks for `SMEM` bytes, so that one fills an SM as the attend
 kernel does) over `TILES` tiles: `peer` stores each tile's 18,432-B partial into the other CTA's shared
 memory, `local` into its own, `none` nowhere, all passing one cluster barrier a tile; `async` stores into the
@@ -34,8 +34,8 @@ SMEM = 200 * 1024  # dynamic shared memory a CTA asks for: one CTA an SM (the bu
 
 def expected(mode: str, tiles: int, rank: int) -> np.ndarray:
     """The accumulators of a CTA of cluster rank `rank` after `tiles` tiles of `mode` -> [VEC * 4] float32:
-    element e sums part(t, r, e) = (e + 7 t + 3 r) % 13 over the tiles, of its own rank, then (peer) the
-    other's (peer, async) or its own again (local)."""
+    element e sums part(t, r, e) = (e + 7 t + 3 r) % 13 over the tiles, of its own rank, then the other's
+    (peer, async) or its own again (local)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     e = np.arange(4 * VEC, dtype=np.int64)[:, None]  # [elements, 1]
