@@ -62,3 +62,18 @@ def test_the_quick_suite_is_exact_in_every_mode():
     doc = ce.run(quick=True)
     assert [r["mode"] for r in doc["rows"]] == list(ce.MODES)
     assert all(r["exact"] and r["us_per_tile"] > 0 and r["cycles_per_tile"]["min"] > 0 for r in doc["rows"])
+
+
+@pytest.mark.gpu
+def test_max_active_clusters_counts_pairs_the_device_holds():
+    """loader.max_active_clusters of the probe's kernel: at most one pair per two SMs where a CTA fills an
+    SM's shared memory (SMEM), at least one; with a quarter of that memory a CTA, more pairs than SMs / 2
+    are resident (several CTAs an SM): the count follows the launch's shared memory."""
+    import cupy
+
+    fn = loader.get_function(ce.SOURCE, "cluster_exchange_v1_peer")
+    loader.set_max_dynamic_shared(fn, ce.SMEM)
+    sms = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["multiProcessorCount"]
+    full = loader.max_active_clusters(fn, 2, ce.THREADS, ce.SMEM)
+    assert 1 <= full <= sms // 2
+    assert loader.max_active_clusters(fn, 2, ce.THREADS, ce.SMEM // 4) > full

@@ -1624,6 +1624,30 @@ def test_v10_batch_matches_float64_and_version_9_bit_for_bit(bsz, nq, nh, width,
     _check_batch(out, lse, args, sizes_np, "v10")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("bsz,nq,nh,width,ragged", [(1, 9, 8, 20_000, False),  # 8 x 9: one request
+                                                    (8, 9, 8, 4096, True),  # trees of 1-9: 8-72 rows
+                                                    (3, 3, 24, 3000, False)])  # 72 rows of 24 heads
+def test_v11_cluster_kernel_matches_float64_and_is_reproducible(bsz, nq, nh, width, ragged):
+    """Version 11 at 72 rows a request runs its cluster kernel (two CTAs split the dims and swap partial
+    S^T): within the bf16 tolerance of a float64 torch reference under each tree size, NaN past it, and
+    the same bits on a second call; ragged trees give groups of one row-block job (<= 64 rows) beside groups
+    of two. Version 10 on the same inputs agrees to the same tolerance (other sum orders: not its bits)."""
+    _need_wgmma()
+    from kdlib.cuda import attention as cu
+
+    assert cu.v11_rows(nq * nh)
+    args, sizes_np = _verify_batch(bsz, nq, nh, width, ragged)
+    ws = cu.make_workspace(bsz, nq, nh)
+    out, lse = (a.copy() for a in cu.tree_verify_attention(*args, impl="wgmma_v11", workspace=ws))
+    again = cu.tree_verify_attention(*args, impl="wgmma_v11", workspace=ws)
+    for a, b in zip((out, lse), again, strict=True):
+        assert np.array_equal(a.get(), b.get(), equal_nan=True), "two runs differ"
+    _check_batch(out, lse, args, sizes_np, "v11")
+    out10, _ = cu.tree_verify_attention(*args, impl="wgmma_v10")
+    assert not np.array_equal(out.get(), out10.get(), equal_nan=True), "v11 ran version 10's kernels"
+
+
 def _verify_batch(bsz: int, nq: int, nh: int, width: int, ragged: bool):
     """A verify batch on the GPU -> (tree_verify_attention's arguments, tree sizes [B] numpy): q [B, Q, H,
     576], a pool of 2 x width rows, each request's page table a random draw of width slots; ragged: prefixes
@@ -1710,7 +1734,8 @@ def test_v10_own_plan_and_reuse_plan_deal_the_same_jobs_to_the_same_bits():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl,nq", [("wgmma", 33), ("wgmma_v6", 33), ("wgmma_v7", 33), ("wgmma_v8", 33),
-                                     ("wgmma_v9", 2), ("wgmma_v10", 33), ("wgmma_v10", 2)])  # nq 2: Q*H <= 16
+                                     ("wgmma_v9", 2), ("wgmma_v10", 33), ("wgmma_v10", 2),  # nq 2: Q*H <= 16
+                                     ("wgmma_v11", 9)])  # 72 rows: the cluster kernel
 def test_wgmma_bit_reproducible_graph_captured_and_allocation_free(impl, nq):
     """With a workspace: two eager calls agree bit for bit, a call allocates no memory, and the three
     launches captured in a CUDA graph replay to the same bits (ragged batch, several jobs per row)."""
@@ -1822,7 +1847,7 @@ def test_v8_combine_of_every_width_merges_v5s_partials_alike():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl,nq", [("wgmma", 17), ("wgmma_v7", 17), ("wgmma_v8", 17), ("wgmma_v9", 1),
-                                     ("wgmma_v10", 17), ("wgmma_v10", 1)])
+                                     ("wgmma_v10", 17), ("wgmma_v10", 1), ("wgmma_v11", 9)])
 def test_wgmma_plan_ready_reads_the_previous_calls_plan(impl, nq):
     """plan_ready=True (the later layers of one verify step): a call with new q, latent rows and cache on a
     workspace whose plan an earlier call of the same lens, sizes and width made gives the bits of a fresh
@@ -1892,7 +1917,7 @@ if __name__ == "__main__" and sys.argv[1:2] == ["sanitize"]:
 def test_version_vocabulary_and_the_deprecated_impl_names():
     from kdlib.cuda import attention as cu
 
-    assert cu.VERSIONS == (1, 2, 3, 4, 5, 6, 7, 8, 9, 10) and cu.WGMMA_VERSIONS == (5, 6, 7, 8, 9, 10)
+    assert cu.VERSIONS == tuple(range(1, 12)) and cu.WGMMA_VERSIONS == tuple(range(5, 12))
     assert cu.LAUNCHES[cu.DEFAULT_VERSION].impl == cu.BF16_DEFAULT
     assert cu.IMPLS["mma"] == cu.IMPLS[cu.MMA_DEFAULT] and cu.IMPLS["auto"] is None
     assert {name: cu.LAUNCHES[cu.IMPLS[name]].stem for name in cu.MMA_VERSIONS} == {
@@ -1904,7 +1929,7 @@ def test_version_vocabulary_and_the_deprecated_impl_names():
     assert cu.LAUNCHES[cu.pick_version(None, "mma_v4", "bf16")].impl == "mma_v4"
     assert cu.LAUNCHES[cu.pick_version(None, "simple", "f32")].impl == "simple"
     for version, impl, kind, match in ((2, None, "f32", "bfloat16"), (None, "mma", "f32", "bfloat16"),
-                                       (11, None, "bf16", "version"), (True, None, "bf16", "version"),
+                                       (12, None, "bf16", "version"), (True, None, "bf16", "version"),
                                        (3, "mma", "bf16", "not both"), (None, "fast", "bf16", "impl")):
         with pytest.raises(ValueError, match=match):
             cu.pick_version(version, impl, kind)

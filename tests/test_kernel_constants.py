@@ -219,9 +219,14 @@ def test_attention_wgmma_constants_match_the_source(version):
     c = consts(stem)
     assert (c["D_QK"], c["D_V"]) == (attention.D_QK, attention.KV_LORA_RANK)
     smem = {5: attention._V5_SMEM, 6: attention._V6_SMEM, 7: attention._V7_SMEM, 8: attention._V7_SMEM,
-            9: attention._V9_SMEM, 10: attention._V9_SMEM}
+            9: attention._V9_SMEM, 10: attention._V9_SMEM, 11: attention._V11_SMEM}
     smem = smem[version]
-    assert c["V9_SMEM" if version >= 9 else "SMEM_BYTES"] == smem <= 227 * 1024
+    name = "V11_SMEM" if version == 11 else "V9_SMEM" if version >= 9 else "SMEM_BYTES"
+    assert c[name] == smem <= 227 * 1024
+    if version == 11:  # its one pass of a request's rows, and the setmaxnreg counts fit the register file
+        assert c["V11_NR"] == attention._V11_NR and c["V11_OFF_BARS"] + c["V11_NBARS"] * 8 + 1024 == smem
+        assert c["NTHREADS"] == 3 * 128
+        assert 128 * (c["V11_PRODUCER_REGS"] + 2 * c["V11_CONSUMER_REGS"]) <= 65536
     if version == 10:  # its kernel with v7's consumers launches with v7's
         assert c["SMEM_BYTES"] == attention._V7_SMEM
     assert c["PLAN_SMALL_REQS"] == attention._V5_PLAN_SMALL_REQS
@@ -242,7 +247,7 @@ def test_attention_wgmma_constants_match_the_source(version):
     assert attention._COMBINE_THREADS == 4 * 32 and attention._V5_COMBINE_COLS == 32 * 4
     # v8 runs v7's attend kernel, with combines of its own; v9's file holds v8's kernels and its own attend;
     # v10's holds v9's, its plan and its four ordered attend kernels (two of them make their own plan)
-    attends = {8: (7,), 9: (7, 9), 10: (7, 9, 10)}.get(version, (version,))
+    attends = {8: (7,), 9: (7, 9), 10: (7, 9, 10), 11: (7, 9, 11)}.get(version, (version,))
     attends = [f"tree_verify_v{a}_attend" for a in attends] + [
         f"tree_verify_v10_attend{k}" for k in ("_t", "_own", "_t_own")] * (version == 10)
     own_combines = {f"tree_verify_v8_combine_w{w}": (32 * w, 0) for w in attention._V8_COMBINE_WARPS}
@@ -289,7 +294,8 @@ def test_attention_v7_warp_roles_fit_the_register_file():
 def test_attention_launches_name_kernels_of_their_sources(version):
     settings = attention.LAUNCHES[version]
     c, bounds = consts(settings.stem), loader.launch_bounds(settings.stem)
-    assert settings.smem == c.get("V9_SMEM" if version >= 9 else "SMEM_BYTES", 0)
+    name = "V11_SMEM" if version == 11 else "V9_SMEM" if version >= 9 else "SMEM_BYTES"
+    assert settings.smem == c.get(name, 0)
     assert (settings.rows, settings.keys) == ((c["BM"], c["BN"]) if version > 1 else (c["ROWS"], c["KCHUNK"]))
     if version < 5:
         for kind in settings.dtypes:  # the name _launch_prefix composes

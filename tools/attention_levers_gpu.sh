@@ -13,6 +13,12 @@
 #              -> r/<SUITE>.<gpu>.json
 #   timeline   the attention_timeline suite (the consumers' pair in SM clocks at the 8 x 65 and 8 x 9 points)
 #   phases     the plan kernel's phases (tools/plan_phases.py phases)
+#   v11        the GPU tests of version 11 (its cluster kernel: test_cuda_attention.py -k v11, the constants) and of
+#              the cluster primitives it shares (test_cluster_exchange.py)
+#   suite      the attention suite over KDLIB_ATTENTION_IMPLS (default wgmma_v10,wgmma_v11: the default first, as
+#              the headline), no FlashInfer -> r/attention.<gpu>.json
+#   sanitize   compute-sanitizer memcheck and synccheck over the driver's v11 cases (tools/sanitize_gpu.sh), then
+#              racecheck over the same cases in the checking build (-DTV7_RACECHECK=1) -> r/san, r/san_check
 #   ncu        Nsight Compute's source counters (PC sampling: the warps' stall reasons per SASS instruction)
 #              of the default's attend kernel (v7's consumers) built with -lineinfo, at 8 x 65 x 200k and
 #              8 x 9 x 200k: the report and its source page (SASS, CSV) -> r/ncu_src.<point>.{ncu-rep,csv},
@@ -29,9 +35,9 @@ AB=${KDLIB_AB:-}
 STEPS=${*:-tests timeline phases}
 for step in $STEPS; do
   case $step in
-    tests | timeline | phases | ncu) ;;
+    tests | v11 | suite | sanitize | timeline | phases | ncu) ;;
     ab) [ -n "$AB" ] || { echo "step ab needs KDLIB_AB (SUITE:NAME=VALUE[,NAME=VALUE...] ...)" >&2; exit 2; } ;;
-    *) echo "unknown step $step (tests ab timeline phases ncu)" >&2; exit 2 ;;
+    *) echo "unknown step $step (tests v11 suite sanitize ab timeline phases ncu)" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$R"
@@ -59,6 +65,18 @@ for step in $STEPS; do
       run tests 240 python3 -m pytest -m gpu tests/test_cuda_attention.py tests/test_attention_timeline.py \
         -q -p no:cacheprovider -k "plan_kernel or own_plan or reuse or traced_build" \
         --junitxml="$R/tests.xml" ;;
+    v11)
+      run v11 240 python3 -m pytest -m gpu tests/test_cuda_attention.py tests/test_kernel_constants.py \
+        tests/test_cluster_exchange.py -q -p no:cacheprovider -k "v11 or cluster or wgmma_constants" \
+        --junitxml="$R/v11.xml" ;;
+    suite)
+      run suite 300 env KDLIB_ATTENTION_IMPLS="${KDLIB_ATTENTION_IMPLS:-wgmma_v10,wgmma_v11}" \
+        python3 -m kdlib.perf.run --suite attention --out "$R" ;;
+    sanitize)
+      run sanitize 280 env OUT="$R/san" KDLIB_SANITIZE_CASES=v11 KDLIB_SANITIZE_TOOLS="memcheck synccheck" \
+        bash tools/sanitize_gpu.sh
+      run sanitize_check 260 env OUT="$R/san_check" KDLIB_SANITIZE_CASES=v11 KDLIB_SANITIZE_TOOLS=racecheck \
+        KDLIB_NVRTC_OPTIONS="-DTV7_RACECHECK=1 -lineinfo" bash tools/sanitize_gpu.sh ;;
     ab)
       for pair in $AB; do
         IFS=, read -r -a parts <<<"${pair#*:}"

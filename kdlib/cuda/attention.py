@@ -76,6 +76,14 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     than 9 at the suite's two uniform batches over two rounds (gains the plan's cost put at 1.007x and
     1.013x, data/results/history/attention.v10.8371cbb.h200.json), and ranking job by job cost 0.7-1.1 %
     there (history/attention.v10_job_rank.33c8360.h200.json).
+  * 11 (`tree_verify/wgmma_v11.cu`, sm_90a only): version 10, but where a request has 65 to 72 query rows
+    (`v11_rows`: 8 heads x 9 queries), which versions 5-10 run as two 64-row jobs a key chunk (every key tile
+    multiplied twice, the rows padded to 128), it runs v5's plan, an attend kernel of two-CTA clusters and
+    v8's combine: the CTAs of a cluster split each row's dims (rank 0: dims 0-255 and the rope, rank 1: dims
+    256-511), each computes its partial S^T of a tile over all 72 rows (version 9's transposed products), the
+    two swap the partials through distributed shared memory and add them (the same bits in both), and each
+    accumulates the output over its own 256 dims (the kernel file says how). bf16 only; an FP8 pool runs
+    version 10.
 FP8 latent cache (issue 19's stretch goal): a kv_cache of dtype uint8 and shape [S, 656] holds each token in
 the layout of `kdlib.ref.fp8` (DeepSeek-V3.2's, FlashMLA's "FP8 with scale", vLLM's `fp8_ds_mla`: 512 e4m3
 latent values, 4 float32 scales, one per 128 of them, 64 bf16 rope values; `kdlib.ref.fp8.pack_latent` writes
@@ -104,7 +112,7 @@ where the device runs it, else 3 where the device grants its 166 KB of shared me
 Deprecated alias: `impl=` names a version as recorded results and kdlib.perf suites do
 (`IMPLS`: "simple" = 1, "mma_v2" / "mma_v3" / "mma_v4" = 2 / 3 / 4, "mma" = `MMA_DEFAULT`,
 "wgmma" = 5, "wgmma_v6" = 6, "wgmma_v7" = 7, "wgmma_v8" = 8, "wgmma_v9" = 9, "wgmma_v10" = 10,
-"auto" = None); give `version` or `impl`, not both.
+"wgmma_v11" = 11, "auto" = None); give `version` or `impl`, not both.
 
 Checks before any launch raise ValueError: shapes, dtypes (float32 or bfloat16, all float inputs
 alike), Q <= 65, widths 576/512, and, with `validate=True` (the default, one device sync), the
@@ -115,6 +123,7 @@ Timed loops pass `validate=False`.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -142,14 +151,16 @@ _MMA_K_SMEM = 32 * 1168  # one K stage: BN rows
 _MMA_X_SMEM = 2 * 4 * 16 * 32 * 4  # partial-S exchange between the two halves of each row group
 # The wgmma whole-verify kernels (tree_verify/wgmma_v5.cu, wgmma_v6.cu, wgmma_v7.cu: one plan, one combine,
 # each its own attend kernel; wgmma_v8.cu: v7's plan and attend kernel, its own combine; wgmma_v9.cu: v8's
-# kernels and its own attend kernel; wgmma_v10.cu: v9's with its own plan and ordered attend kernels), built
-# for sm_90a through NVRTC.
+# kernels and its own attend kernel; wgmma_v10.cu: v9's with its own plan and ordered attend kernels;
+# wgmma_v11.cu: v9's plan and combine, its own attend kernel of two-CTA clusters), built for sm_90a through
+# NVRTC.
 _V5 = "tree_verify/wgmma_v5"
 _V6 = "tree_verify/wgmma_v6"
 _V7 = "tree_verify/wgmma_v7"
 _V8 = "tree_verify/wgmma_v8"
 _V9 = "tree_verify/wgmma_v9"
 _V10 = "tree_verify/wgmma_v10"
+_V11 = "tree_verify/wgmma_v11"
 _V5_OPTIONS = ("-arch=sm_90a",)
 _V5_THREADS = 256  # NTHREADS of the plan and attend kernels (v5, v6)
 _V7_THREADS = 384  # NTHREADS of v7's attend kernel: a producer and two MMA warpgroups
@@ -163,6 +174,12 @@ _V7_SMEM = 3 * 73728 + 5 * 64 * 4 + 4 * 12 * 4 + 30 * 8 + 1024
 _V9_SMEM = _V7_SMEM + 20 * 64 * 4
 # the FP8 build of version 10 (-DTV_FP8=1): v9's layout + each stage's 64 rows of 4 float32 scales (FP8_SMEM)
 _FP8_SMEM = _V9_SMEM + 2 * 64 * 16
+# v11 (V11_SMEM): Q [5 blocks][72 rows], two stages [5][64 keys], P_A^T and P_B^T [72 rows], the partial-S^T
+# buffers [2 consumers][2 parities][64 x 72] fp32, rows [20][72] fp32, 4 descriptors, 34 barriers, alignment
+_V11_NR = 72  # V11_NR: the rows of a request version 11's attend kernel takes in one pass
+_V11_CLUSTER = 2  # its __cluster_dims__: the CTAs of a cluster
+_V11_SMEM = (5 * 72 * 128 + 2 * 5 * 8192 + 2 * 72 * 128 + 4 * 64 * 72 * 4 + 20 * 72 * 4 + 4 * 12 * 4 + 34 * 8
+             + 1024)
 FP8_OPTIONS = ("-DTV_FP8=1",)
 FP8_ROW_BYTES = fp8_ref.layout_bytes()  # 656: 512 e4m3 + 4 float32 scales + 64 bf16 rope (FP8_ROW)
 # An FP8 pool's two paths (fp8_path): "fused", the FP8 build, each tile dequantized in the attend kernel;
@@ -248,8 +265,10 @@ LAUNCHES = {
     # smem: the most its two attend kernels take (v9's layout; v7's kernel launches with _V7_SMEM)
     10: VerifyLaunch(10, "wgmma_v10", _V10, _V7_THREADS, _V9_SMEM, _V5_BM, _V5_BN, ("bf16", "fp8"),
                      _V5_OPTIONS),
+    # version 10 but where a request has 65-72 rows (v11_rows): there clusters of two CTAs of _V11_SMEM
+    11: VerifyLaunch(11, "wgmma_v11", _V11, _V7_THREADS, _V11_SMEM, _V5_BM, _V5_BN, options=_V5_OPTIONS),
 }
-WGMMA_VERSIONS = (5, 6, 7, 8, 9, 10)  # the whole-verify versions: sm_90a, plan + attend + combine, workspaces
+WGMMA_VERSIONS = (5, 6, 7, 8, 9, 10, 11)  # the whole-verify versions: sm_90a, plan + attend + combine
 VERSIONS = tuple(LAUNCHES)
 # The tensor-core prefix kernels by name -> (stem, shared memory bytes), as recorded results name them.
 MMA_VERSIONS = {LAUNCHES[v].impl: (LAUNCHES[v].stem, LAUNCHES[v].smem) for v in (2, 3, 4)}
@@ -500,7 +519,7 @@ def wgmma_available() -> bool:
     props = cupy.cuda.runtime.getDeviceProperties(dev)
     return ((int(props["major"]), int(props["minor"])) == (9, 0)
             and int(props["sharedMemPerBlockOptin"]) >= max(_V5_SMEM, _V6_SMEM, _V7_SMEM, _V9_SMEM,
-                                                                _FP8_SMEM))
+                                                                _FP8_SMEM, _V11_SMEM))
 
 
 def split_plan(bsz: int, row_blocks: int, width: int, tile: int, slots: int) -> tuple[int, int]:
@@ -783,6 +802,19 @@ def _pool_path(kv_kind: str, rows: int, fp8_path: str | None) -> str | None:
     return None
 
 
+@functools.cache
+def _resident_clusters(fn, threads: int, smem: int) -> int:
+    """The two-CTA clusters of version 11's attend kernel the device holds at once (its persistent grid; a
+    GPC of an odd number of free SMs leaves one idle)."""
+    return loader.max_active_clusters(fn, _V11_CLUSTER, threads, smem)
+
+
+def v11_rows(rows: int) -> bool:
+    """Whether version 11 runs its cluster kernel at Q*H = `rows` a request: two 64-row jobs a key chunk
+    whose rows fit its one pass (64 < rows <= 72); elsewhere version 11 runs version 10."""
+    return _V5_BM < rows <= _V11_NR
+
+
 def v9_options(rows: int) -> tuple[str, ...] | None:
     """Version 9's NVRTC options at Q*H = `rows` a request: TV9_NR, the rows its attend kernel is built for
     (rows rounded up to 8: one row block, whose jobs ragged trees only shrink); None past `_V9_MAX_ROWS`
@@ -791,7 +823,7 @@ def v9_options(rows: int) -> tuple[str, ...] | None:
 
 
 class VerifyWorkspace:
-    """Buffers of one version 5 ... 10 ("wgmma" ... "wgmma_v10") call shape (B requests, Q queries, H heads):
+    """Buffers of one version 5 ... 11 ("wgmma" ... "wgmma_v11") call shape (B requests, Q queries, H heads):
     with it a call allocates nothing.
 
     plan [1 + 8 B] int32, order [jobs] int32 (version 10's order of the jobs), parts [jobs, 64, 512] fp32 and
@@ -839,7 +871,7 @@ class VerifyWorkspace:
 
 
 def make_workspace(bsz: int, nq: int, nh: int, *, fp8_width: int | None = None) -> VerifyWorkspace:
-    """Preallocated buffers for version 5 ... 10 ("wgmma" ... "wgmma_v10") calls on q of shape
+    """Preallocated buffers for version 5 ... 11 ("wgmma" ... "wgmma_v11") calls on q of shape
     [bsz, nq, nh, 576] (see VerifyWorkspace). fp8_width: also the dequant-first path's buffers for page
     tables that wide (VerifyWorkspace.fp8_staging), as a call made under CUDA-graph capture needs them."""
     return VerifyWorkspace(bsz, nq, nh, fp8_width)
@@ -877,7 +909,7 @@ def _dequant_prefix(pool8, pt, lens, ws: VerifyWorkspace):
 
 def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=False, fp8=None,
                   reuse_plan=False):
-    """The three launches of version 5 ... 10 (plan, the version's attend, its combine) -> (out [B*M, 512],
+    """The three launches of version 5 ... 11 (plan, the version's attend, its combine) -> (out [B*M, 512],
     lse [B*M]) fp32 views of the workspace.
 
     tail = (tree_kv [B, Q, 576], visibility [B, Q, Q], tree_sizes [B]) for the whole verify, None
@@ -897,6 +929,8 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
     if fp8 == "dequant_first":
         kv, pt = _dequant_prefix(kv, pt, lens, ws)
         fp8 = None
+    if version == 11 and (fp8 or not v11_rows(rows)):
+        version = 10
     v9 = v9_options(rows) if version in (9, 10) else None
     if version == 9 and v9 is None:
         version = 8
@@ -906,10 +940,12 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
     ordered = version == 10  # v10's plan also writes ws.order, its attend kernels read it
     plan_fn = loader.get_function(settings.stem, "tree_verify_v10_plan" if ordered else "tree_verify_v5_plan",
                                   options=options)
-    smem = settings.smem
+    smem, grid = settings.smem, ws.grid
     if ordered:  # v9's consumers where version 9 runs its own kernel, else v7's
         attend, smem = ("tree_verify_v10_attend_t", _V9_SMEM) if v9 else ("tree_verify_v10_attend", _V7_SMEM)
         smem = _FP8_SMEM if fp8 else smem
+    elif version == 11:  # clusters of two CTAs, as many as the device holds at once
+        attend = "tree_verify_v11_attend"
     else:
         attend = f"tree_verify_v{7 if version == 8 else version}_attend"  # v8 runs v7's attend kernel
     own = ordered and not plan_ready and own_plan(bsz, reuse_plan)  # no plan kernel
@@ -926,11 +962,14 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
         combine, cblock = f"tree_verify_v8_combine_w{warps}", 32 * warps
     combine_fn = loader.get_function(settings.stem, combine, options=options)
     loader.set_max_dynamic_shared(attend_fn, smem)
+    if version == 11:
+        clusters = _resident_clusters(attend_fn, settings.threads, smem)
+        grid = _V11_CLUSTER * min(ws.grid // _V11_CLUSTER, clusters)
     if not plan_ready and not own:
         plan_fn((1,), (_V5_THREADS,), (lens, sizes, np.int32(bsz), np.int32(width), np.int32(nq),
-                                       np.int32(nh), np.int32(ws.grid), ws.plan, *order))
-    pdl = ordered and PDL
-    loader.launch(attend_fn, (ws.grid,), (settings.threads,),
+                                       np.int32(nh), np.int32(grid), ws.plan, *order))
+    pdl = version >= 10 and PDL
+    loader.launch(attend_fn, (grid,), (settings.threads,),
                   (qa, kv, pt, tkv, vis, ws.plan, *order, np.int32(bsz), np.int32(width), np.int32(nq),
                    np.int32(nh), np.float32(scale), ws.parts, ws.part_lse, *((lens, sizes) if own else ())),
                   shared_mem=smem, pdl=pdl)

@@ -352,6 +352,25 @@ def launch(fn, grid, block, args, *, shared_mem: int = 0, pdl: bool = False) -> 
         raise RuntimeError(f"cuLaunchKernelEx of {fn.name} failed: {(name.value or b'?').decode()} ({rc})")
 
 
+def max_active_clusters(fn, cluster: int, block, shared_mem: int) -> int:
+    """The clusters of `fn` (a kernel of compile-time cluster dims, `cluster` CTAs each) the device holds at
+    once with `block` threads and `shared_mem` bytes of dynamic shared memory a CTA
+    (cuOccupancyMaxActiveClusters): a persistent grid past cluster times that many waits for a second wave.
+    Set `set_max_dynamic_shared` first."""
+    cfg = _LaunchConfig((ctypes.c_uint * 3)(*_dim3(cluster)), (ctypes.c_uint * 3)(*_dim3(block)), shared_mem,
+                        None, None, 0)
+    n = ctypes.c_int()
+    driver = _driver()
+    rc = driver.cuOccupancyMaxActiveClusters(ctypes.byref(n), ctypes.c_void_p(fn.kernel.ptr),
+                                             ctypes.byref(cfg))
+    if rc != 0:
+        name = ctypes.c_char_p()
+        driver.cuGetErrorName(rc, ctypes.byref(name))
+        raise RuntimeError(f"cuOccupancyMaxActiveClusters of {fn.name} failed: "
+                           f"{(name.value or b'?').decode()} ({rc})")
+    return n.value
+
+
 @functools.cache
 def _driver():
     """libcuda, the driver API."""

@@ -109,6 +109,15 @@ __device__ __forceinline__ void wgmma_n(float* d, unsigned long long da, unsigne
                      "%28, %29, p, 1, 1, %31, 0;\n}\n"
                      : ACC16(d, 0), ACC8(d, 16), ACC4(d, 24)
                      : "l"(da), "l"(db), "r"(acc), "n"(TA));
+    if constexpr (N == 72)  // version 11's 72 rows (tree_verify/wgmma_v11.cu)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n72k16.f32.bf16.bf16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35}, "
+                     "%36, %37, p, 1, 1, %39, 0;\n}\n"
+                     : ACC32(d, 0), ACC4(d, 32)
+                     : "l"(da), "l"(db), "r"(acc), "n"(TA));
 }
 
 // reg_fence of K registers held through a pointer.
@@ -153,12 +162,12 @@ __device__ __forceinline__ void issue_st(float* s, unsigned base, unsigned kst, 
     }
 }
 
-// O^T[dims of vst's 4 blocks] (+)= V^T P^T over the 64 keys of a stage; fresh: the job's first (overwrites).
-template <int N>
+// O^T[dims of vst's MB blocks] (+)= V^T P^T over the 64 keys of a stage; fresh: the job's first (overwrites).
+template <int N, int MB = 4>
 __device__ __forceinline__ void issue_pv_t(float* o, unsigned pbuf, unsigned vst, bool fresh) {
     const unsigned long long dp = sw128_desc(pbuf, 16), dv = sw128_desc(vst, CB_BYTES);
 #pragma unroll
-    for (int mb = 0; mb < 4; ++mb)
+    for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
             wgmma_n<N, 1>(o + mb * (N / 2), dv + ((mb * CB_BYTES + kk * 2048) >> 4), dp + ((kk * 32) >> 4),
@@ -167,8 +176,8 @@ __device__ __forceinline__ void issue_pv_t(float* o, unsigned pbuf, unsigned vst
 
 // Mask S^T (keys past kend; tail tiles: the visibility row of each row's query, rows past nrows see no
 // tail key: -inf) and each row's max over the tile's 64 keys (fixed order: the quad's g lanes, then warps
-// 0..3 through red), scaled to the log2 domain as v7's mask_tile does; s stays unscaled.
-template <int N>
+// 0..3 through red, RS floats a warp), scaled to the log2 domain as v7's mask_tile does; s stays unscaled.
+template <int N, int RS = BM>
 __device__ __forceinline__ void mask_max_t(float* s, float* mx, bool tail, int k0, int kend,
                                            const unsigned char* vis, const Job& jb, int Q, int H, const V9Ctx& x) {
     const int key = k0 + 16 * x.warp + x.g;
@@ -187,15 +196,15 @@ __device__ __forceinline__ void mask_max_t(float* s, float* mx, bool tail, int k
         for (int off = 4; off < 32; off <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
         mx[r] = m;
     }
-    float* red = x.red + x.c * 4 * BM;
+    float* red = x.red + x.c * 4 * RS;
     if (x.g == 0)
 #pragma unroll
-        for (int r = 0; r < N / 4; ++r) red[x.warp * BM + row_of(r, x.t4)] = mx[r];
+        for (int r = 0; r < N / 4; ++r) red[x.warp * RS + row_of(r, x.t4)] = mx[r];
     wg_sync(NB_WG + x.c);
 #pragma unroll
     for (int r = 0; r < N / 4; ++r) {
         const int n = row_of(r, x.t4);
-        mx[r] = fmaxf(fmaxf(red[n], red[BM + n]), fmaxf(red[2 * BM + n], red[3 * BM + n])) * x.sl2;
+        mx[r] = fmaxf(fmaxf(red[n], red[RS + n]), fmaxf(red[2 * RS + n], red[3 * RS + n])) * x.sl2;
     }
 }
 
@@ -216,15 +225,15 @@ __device__ __forceinline__ void softmax_t(float* s, float sl2, const float* mp, 
     }
 }
 
-// O^T columns (rows) of this thread *= their factors, skipped when no row of the warp moved.
-template <int N>
+// O^T columns (rows) of this thread (MB dim blocks) *= their factors, skipped when no row of the warp moved.
+template <int N, int MB = 4>
 __device__ __forceinline__ void rescale_t(float* o, const float* cf) {
     bool moved = false;
 #pragma unroll
     for (int r = 0; r < N / 4; ++r) moved |= cf[r] != 1.f;
     if (!__any_sync(0xffffffffu, moved)) return;
 #pragma unroll
-    for (int i = 0; i < 2 * N; ++i) o[i] *= cf[2 * ((i % (N / 2)) >> 2) + (i & 1)];
+    for (int i = 0; i < MB * N / 2; ++i) o[i] *= cf[2 * ((i % (N / 2)) >> 2) + (i & 1)];
 }
 
 // P^T (bf16) into pbuf, K-major: row n's 64 keys on line n (8-row groups 1024 B apart), 128-B swizzle.
@@ -252,6 +261,93 @@ template <int N>
 __device__ __forceinline__ void get_rows(float* v, const float* src, const V9Ctx& x) {
 #pragma unroll
     for (int r = 0; r < N / 4; ++r) v[r] = src[row_of(r, x.t4)];
+}
+
+// The pair after S^T (s, the tile's whole S^T in consumer x.c): the masks, the softmax of tile A (consumer 0)
+// or B (1), the handoffs and the consumer's P V of both tiles over its MB V blocks (from x.k0s, x.k1s +
+// c MB blocks), P_A^T and P_B^T at pa, pb; each V group's release once read (ROPE: and the rope group's, which
+// holds P^T in v9). RS: the row arrays' stride.
+template <int N, int RS = BM, int MB = 4, bool ROPE = true>
+__device__ __forceinline__ void pair_rest_t(float* o, float* s, float* m, float* l, const Job& jb, bool tail, int k0,
+                                            int kend, bool first, const unsigned char* vis, int Q, int H,
+                                            const V9Ctx& x, unsigned pa, unsigned pb) {
+    float mx[N / 4], mn[N / 4], cf[N / 4];
+    mask_max_t<N, RS>(s, mx, tail, k0, kend, vis, jb, Q, H, x);
+    if (x.c == 0) {
+        // ---------------------------------------------------- tile A: softmax, O_L += V_AL^T P_A^T
+        softmax_t<N>(s, x.sl2, m, mx, mn, cf, l);
+        rescale_t<N, MB>(o, cf);
+        put_rows<N>(x.s_ma, mn, x);
+        put_rows<N>(x.s_ca, cf, x);
+        store_pt<N>(s, pa, x);
+        fence_async_smem();
+        wg_sync(NB_WG);  // P_A^T whole for this consumer's MMAs; red free again
+        handoff(NB_SCALE_A);
+        reg_fence_n<MB * N / 2>(o);
+        wg_fence();
+        issue_pv_t<N, MB>(o, pa, x.k0s, first);
+        wg_commit();
+        wg_wait<0>();
+        reg_fence_n<MB * N / 2>(o);
+        warp_arrive(BAR_EMPTY(x.bars, 0, 0), x.lane);  // stage 0: V_AL read, P_A read on this side
+        if (ROPE) warp_arrive(BAR_EMPTY(x.bars, 0, 2), x.lane);
+
+        // ---------------------------------------------------- tile B: O_L = O_L c_B + V_BL^T P_B^T
+        nb_sync(NB_SCALE_B);
+        get_rows<N>(cf, x.s_cb, x);
+        get_rows<N>(m, x.s_mb, x);
+#pragma unroll
+        for (int r = 0; r < N / 4; ++r) l[r] *= cf[r];
+        rescale_t<N, MB>(o, cf);
+        nb_sync(NB_PB);
+        fence_async_smem();
+        reg_fence_n<MB * N / 2>(o);
+        wg_fence();
+        issue_pv_t<N, MB>(o, pb, x.k1s, false);
+        wg_commit();
+        wg_wait<0>();
+        reg_fence_n<MB * N / 2>(o);
+        warp_arrive(BAR_EMPTY(x.bars, 1, 0), x.lane);  // stage 1: V_BL read, P_B read on this side
+        if (ROPE) warp_arrive(BAR_EMPTY(x.bars, 1, 2), x.lane);
+    } else {
+        // ---------------------------------------------------- tile A: O_R = O_R c_A + V_AR^T P_A^T
+        nb_sync(NB_SCALE_A);
+        fence_async_smem();
+        float ma[N / 4];
+        get_rows<N>(ma, x.s_ma, x);
+        get_rows<N>(cf, x.s_ca, x);
+#pragma unroll
+        for (int r = 0; r < N / 4; ++r) l[r] *= cf[r];
+        rescale_t<N, MB>(o, cf);
+        reg_fence_n<MB * N / 2>(o);
+        wg_fence();
+        issue_pv_t<N, MB>(o, pa, x.k0s + MB * CB_BYTES, first);
+        wg_commit();
+        // ---------------------------------------------------- tile B: softmax, O_R = O_R c_B + V_BR^T P_B^T
+        softmax_t<N>(s, x.sl2, ma, mx, mn, cf, l);
+        put_rows<N>(x.s_mb, mn, x);  // under this consumer's MMAs
+        put_rows<N>(x.s_cb, cf, x);
+#pragma unroll
+        for (int r = 0; r < N / 4; ++r) m[r] = mn[r];
+        handoff(NB_SCALE_B);
+        store_pt<N>(s, pb, x);
+        fence_async_smem();
+        wg_sync(NB_WG + 1);  // P_B^T whole for this consumer's MMAs; red free again
+        handoff(NB_PB);
+        wg_wait<0>();
+        reg_fence_n<MB * N / 2>(o);
+        warp_arrive(BAR_EMPTY(x.bars, 0, 1), x.lane);  // stage 0: V_AR read, P_A read on this side
+        if (ROPE) warp_arrive(BAR_EMPTY(x.bars, 0, 2), x.lane);
+        rescale_t<N, MB>(o, cf);
+        reg_fence_n<MB * N / 2>(o);
+        wg_fence();
+        issue_pv_t<N, MB>(o, pb, x.k1s + MB * CB_BYTES, false);
+        wg_commit();
+        wg_wait<0>();
+        reg_fence_n<MB * N / 2>(o);
+        warp_arrive(BAR_EMPTY(x.bars, 1, 1), x.lane);  // stage 1: V_BR read, P_B read on this side
+        if (ROPE) warp_arrive(BAR_EMPTY(x.bars, 1, 2), x.lane);
+    }
 }
 
 // One pair of tiles in consumer x.c (v7's seesaw with the transposed products; v7's barriers and releases).
@@ -288,99 +384,23 @@ __device__ __forceinline__ void pair_t(float* o, float* s, float* m, float* l, c
     reg_fence_n<N / 2>(s);
     if (CDQ) warp_arrive(BAR_EMPTY(x.bars, x.c, 1 - x.c), x.lane);  // the other's V half: written, read (init_bars)
     if (last) warp_arrive(BAR_QEMPTY(x.bars), x.lane);  // the job's Q is read
-
-    float mx[N / 4], mn[N / 4], cf[N / 4];
-    mask_max_t<N>(s, mx, tail, k0, kend, vis, jb, Q, H, x);
-    if (x.c == 0) {
-        // ---------------------------------------------------- tile A: softmax, O_L += V_AL^T P_A^T
-        softmax_t<N>(s, x.sl2, m, mx, mn, cf, l);
-        rescale_t<N>(o, cf);
-        put_rows<N>(x.s_ma, mn, x);
-        put_rows<N>(x.s_ca, cf, x);
-        store_pt<N>(s, pa, x);
-        fence_async_smem();
-        wg_sync(NB_WG);  // P_A^T whole for this consumer's MMAs; red free again
-        handoff(NB_SCALE_A);
-        reg_fence_n<2 * N>(o);
-        wg_fence();
-        issue_pv_t<N>(o, pa, x.k0s, first);
-        wg_commit();
-        wg_wait<0>();
-        reg_fence_n<2 * N>(o);
-        warp_arrive(BAR_EMPTY(x.bars, 0, 0), x.lane);  // stage 0: V_AL read, P_A read on this side
-        warp_arrive(BAR_EMPTY(x.bars, 0, 2), x.lane);
-
-        // ---------------------------------------------------- tile B: O_L = O_L c_B + V_BL^T P_B^T
-        nb_sync(NB_SCALE_B);
-        get_rows<N>(cf, x.s_cb, x);
-        get_rows<N>(m, x.s_mb, x);
-#pragma unroll
-        for (int r = 0; r < N / 4; ++r) l[r] *= cf[r];
-        rescale_t<N>(o, cf);
-        nb_sync(NB_PB);
-        fence_async_smem();
-        reg_fence_n<2 * N>(o);
-        wg_fence();
-        issue_pv_t<N>(o, pb, x.k1s, false);
-        wg_commit();
-        wg_wait<0>();
-        reg_fence_n<2 * N>(o);
-        warp_arrive(BAR_EMPTY(x.bars, 1, 0), x.lane);  // stage 1: V_BL read, P_B read on this side
-        warp_arrive(BAR_EMPTY(x.bars, 1, 2), x.lane);
-    } else {
-        // ---------------------------------------------------- tile A: O_R = O_R c_A + V_AR^T P_A^T
-        nb_sync(NB_SCALE_A);
-        fence_async_smem();
-        float ma[N / 4];
-        get_rows<N>(ma, x.s_ma, x);
-        get_rows<N>(cf, x.s_ca, x);
-#pragma unroll
-        for (int r = 0; r < N / 4; ++r) l[r] *= cf[r];
-        rescale_t<N>(o, cf);
-        reg_fence_n<2 * N>(o);
-        wg_fence();
-        issue_pv_t<N>(o, pa, x.k0s + V_R0 * CB_BYTES, first);
-        wg_commit();
-        // ---------------------------------------------------- tile B: softmax, O_R = O_R c_B + V_BR^T P_B^T
-        softmax_t<N>(s, x.sl2, ma, mx, mn, cf, l);
-        put_rows<N>(x.s_mb, mn, x);  // under this consumer's MMAs
-        put_rows<N>(x.s_cb, cf, x);
-#pragma unroll
-        for (int r = 0; r < N / 4; ++r) m[r] = mn[r];
-        handoff(NB_SCALE_B);
-        store_pt<N>(s, pb, x);
-        fence_async_smem();
-        wg_sync(NB_WG + 1);  // P_B^T whole for this consumer's MMAs; red free again
-        handoff(NB_PB);
-        wg_wait<0>();
-        reg_fence_n<2 * N>(o);
-        warp_arrive(BAR_EMPTY(x.bars, 0, 1), x.lane);  // stage 0: V_AR read, P_A read on this side
-        warp_arrive(BAR_EMPTY(x.bars, 0, 2), x.lane);
-        rescale_t<N>(o, cf);
-        reg_fence_n<2 * N>(o);
-        wg_fence();
-        issue_pv_t<N>(o, pb, x.k1s + V_R0 * CB_BYTES, false);
-        wg_commit();
-        wg_wait<0>();
-        reg_fence_n<2 * N>(o);
-        warp_arrive(BAR_EMPTY(x.bars, 1, 1), x.lane);  // stage 1: V_BR read, P_B read on this side
-        warp_arrive(BAR_EMPTY(x.bars, 1, 2), x.lane);
-    }
+    pair_rest_t<N>(o, s, m, l, jb, tail, k0, kend, first, vis, Q, H, x, pa, pb);
 }
 
-// The job's end in consumer x.c: each row's l summed over the g lanes, then (through lsum, named barrier
-// NB_LSUM) over consumers 0, 1 and warps 0..3 in that order; the consumer's 256 dims of the valid rows
-// normalised into parts [j, row, dim], (consumer 0) the rows' lse; then m -inf and l 0 for the next job.
-template <int N>
+// The job's end in consumer x.c: each row's l summed over the g lanes, then (through lsum, RS floats a warp,
+// named barrier NB_LSUM) over consumers 0, 1 and warps 0..3 in that order; the consumer's MB blocks of dims
+// from col0 (v9: its 256) of the valid rows normalised into parts [j, row, dim] (rows past 63 run on into job
+// j + 1's: version 11's 72-row jobs), where lse the rows' lse; then m -inf and l 0 for the next job.
+template <int N, int RS = BM, int MB = 4>
 __device__ __forceinline__ void job_end_t(const float* o, float* m, float* l, int j, int nrows, float* parts,
-                                          float* part_lse, const V9Ctx& x) {
+                                          float* part_lse, const V9Ctx& x, int col0, bool lse) {
 #pragma unroll
     for (int r = 0; r < N / 4; ++r)
 #pragma unroll
         for (int off = 4; off < 32; off <<= 1) l[r] += __shfl_xor_sync(0xffffffffu, l[r], off);
     if (x.g == 0)
 #pragma unroll
-        for (int r = 0; r < N / 4; ++r) x.lsum[(x.c * 4 + x.warp) * BM + row_of(r, x.t4)] = l[r];
+        for (int r = 0; r < N / 4; ++r) x.lsum[(x.c * 4 + x.warp) * RS + row_of(r, x.t4)] = l[r];
     nb_sync(NB_LSUM);
     const long long orow = (long long)j * BM;
 #pragma unroll
@@ -388,16 +408,16 @@ __device__ __forceinline__ void job_end_t(const float* o, float* m, float* l, in
         const int n = row_of(r, x.t4);
         float lt = 0.f;
 #pragma unroll
-        for (int k = 0; k < 8; ++k) lt += x.lsum[k * BM + n];
+        for (int k = 0; k < 8; ++k) lt += x.lsum[k * RS + n];
         const float inv = lt > 0.f ? 1.f / lt : 0.f;
         if (n < nrows) {
-            float* dst = parts + (orow + n) * D_V + 256 * x.c + 16 * x.warp + x.g;
+            float* dst = parts + (orow + n) * D_V + col0 + 16 * x.warp + x.g;
 #pragma unroll
-            for (int mb = 0; mb < 4; ++mb)
+            for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
                 for (int h = 0; h < 2; ++h)
                     dst[64 * mb + 8 * h] = o[mb * (N / 2) + 4 * (r >> 1) + 2 * h + (r & 1)] * inv;
-            if (x.c == 0 && x.warp == 0 && x.g == 0) part_lse[orow + n] = lt > 0.f ? (m[r] + log2f(lt)) * LN2 : NEG_INF;
+            if (lse && x.warp == 0 && x.g == 0) part_lse[orow + n] = lt > 0.f ? (m[r] + log2f(lt)) * LN2 : NEG_INF;
         }
         m[r] = NEG_INF;
         l[r] = 0.f;
@@ -467,7 +487,7 @@ __device__ __forceinline__ void consume_v9(unsigned base, unsigned char* gbase, 
             ++jobs;
         }
         pair_t<TV9_NR, CDQ>(o, s, m, l, jb, tail, k0, kend, first, last, n & 1, vis, Q, H, x);
-        if (last) job_end_t<TV9_NR>(o, m, l, j, jb.nrows, parts, part_lse, x);
+        if (last) job_end_t<TV9_NR>(o, m, l, j, jb.nrows, parts, part_lse, x, 256 * x.c, x.c == 0);
         if (flags & D_END) break;
     }
 }
