@@ -167,17 +167,7 @@ __device__ __forceinline__ void produce_v11(unsigned base, int* desc, unsigned b
             load_q_v11(base, BAR_QFULL(bars), q, jb, Q * H, wt, rank);
             ++jobs;
         }
-        if (wt == 0) {
-            int* d = desc + (n % NDESC) * DESC_INTS;
-            d[0] = cur.j;
-            d[1] = (cur.i == 0 ? D_FIRST : 0) | (nx.j < 0 || fresh ? D_LAST : 0) | (nx.j < 0 ? D_END : 0);
-            d[2] = jb.b;
-            d[3] = jb.row0;
-            d[4] = jb.nrows;
-            pair_tile(jb, 2 * cur.i, d + 5);
-            pair_tile(jb, 2 * cur.i + 1, d + 8);
-            bar_arrive(BAR_DESC(bars, n % NDESC));
-        }
+        if (wt == 0) put_desc(desc, bars, n, jb, cur, nx, fresh);
         fill_v11(k0s, bars, 0, n, ra, vkb, vtb, kvb, tkb, lrow, ch, rank);
         fill_v11(k1s, bars, 1, n, rb, vkb, vtb, kvb, tkb, lrow, ch, rank);
         if (nx.j < 0) break;
@@ -247,25 +237,9 @@ __device__ __forceinline__ void consume_v11(unsigned base, unsigned char* gbase,
                                             unsigned rank, int tid, int wg, int wt, const unsigned char* vis, int Q,
                                             int H, float scale, float* parts, float* part_lse) {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(V11_CONSUMER_REGS));
-    float* rows = reinterpret_cast<float*>(gbase + V11_OFF_ROWS);
     V9Ctx x;
-    x.base = base;
-    x.k0s = base + V11_OFF_S0;
-    x.k1s = base + V11_OFF_S1;
-    x.bars = bars;
-    x.s_ma = rows;
-    x.s_ca = rows + V11_NR;
-    x.s_mb = rows + 2 * V11_NR;
-    x.s_cb = rows + 3 * V11_NR;
-    x.red = rows + 4 * V11_NR;
-    x.lsum = rows + 12 * V11_NR;
-    x.c = wg - 1;
-    x.warp = wt >> 5;
-    x.lane = tid & 31;
-    x.g = x.lane >> 2;
-    x.t4 = x.lane & 3;
-    x.wt = wt;
-    x.sl2 = scale * LOG2E;
+    init_ctx<V11_NR>(x, base, base + V11_OFF_S0, base + V11_OFF_S1, bars,
+                     reinterpret_cast<float*>(gbase + V11_OFF_ROWS), tid, wg, wt, scale);
 
     float o[V11_NR];      // O^T of the consumer's 2 dim blocks
     float s[V11_NR / 2];  // S^T
@@ -279,15 +253,10 @@ __device__ __forceinline__ void consume_v11(unsigned base, unsigned char* gbase,
     }
     int jobs = 0;
     for (int n = 0;; ++n) {
-        bar_wait(BAR_DESC(bars, n % NDESC), (n / NDESC) & 1);
-        const int* d = desc + (n % NDESC) * DESC_INTS;
-        const int j = d[0], flags = d[1];
+        int j, flags, k0, kend;
         Job jb;
-        jb.b = d[2];
-        jb.row0 = d[3];
-        jb.nrows = d[4];
-        const bool tail = d[5 + 3 * x.c] != 0;
-        const int k0 = d[6 + 3 * x.c], kend = d[7 + 3 * x.c];
+        bool tail;
+        get_desc(desc, bars, n, x.c, j, flags, jb, tail, k0, kend);
         const bool first = flags & D_FIRST, last = flags & D_LAST;
         if (first) {
             bar_wait(BAR_QFULL(bars), jobs & 1);

@@ -137,6 +137,29 @@ struct V9Ctx {
     float sl2;
 };
 
+// A consumer's context: stages at k0s, k1s, the row arrays from rows (RS floats each), its thread (tid, wg, wt).
+template <int RS>
+__device__ __forceinline__ void init_ctx(V9Ctx& x, unsigned base, unsigned k0s, unsigned k1s, unsigned bars,
+                                         float* rows, int tid, int wg, int wt, float scale) {
+    x.base = base;
+    x.k0s = k0s;
+    x.k1s = k1s;
+    x.bars = bars;
+    x.s_ma = rows;
+    x.s_ca = rows + RS;
+    x.s_mb = rows + 2 * RS;
+    x.s_cb = rows + 3 * RS;
+    x.red = rows + 4 * RS;
+    x.lsum = rows + 12 * RS;
+    x.c = wg - 1;
+    x.warp = wt >> 5;
+    x.lane = tid & 31;
+    x.g = x.lane >> 2;
+    x.t4 = x.lane & 3;
+    x.wt = wt;
+    x.sl2 = scale * LOG2E;
+}
+
 // Row n of this thread's r-th row (r = 2 jj + e < N / 4).
 __device__ __forceinline__ int row_of(int r, int t4) { return 8 * (r >> 1) + 2 * t4 + (r & 1); }
 
@@ -441,23 +464,7 @@ __device__ __forceinline__ void consume_v9(unsigned base, unsigned char* gbase, 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_NREG));
     float* rows = reinterpret_cast<float*>(gbase + OFF_V9);
     V9Ctx x;
-    x.base = base;
-    x.k0s = base + OFF_K0;
-    x.k1s = base + OFF_K1;
-    x.bars = bars;
-    x.s_ma = rows;
-    x.s_ca = rows + BM;
-    x.s_mb = rows + 2 * BM;
-    x.s_cb = rows + 3 * BM;
-    x.red = rows + 4 * BM;
-    x.lsum = rows + 12 * BM;
-    x.c = wg - 1;
-    x.warp = wt >> 5;
-    x.lane = tid & 31;
-    x.g = x.lane >> 2;
-    x.t4 = x.lane & 3;
-    x.wt = wt;
-    x.sl2 = scale * LOG2E;
+    init_ctx<BM>(x, base, base + OFF_K0, base + OFF_K1, bars, rows, tid, wg, wt, scale);
 
     float o[2 * TV9_NR];  // O^T of the consumer's 4 dim blocks
     float s[32];          // S^T (its first TV9_NR / 2)
@@ -472,15 +479,10 @@ __device__ __forceinline__ void consume_v9(unsigned base, unsigned char* gbase, 
     int jobs = 0;  // jobs started: the Q barrier's phase
     for (int n = 0;; ++n) {
         // the pair's descriptor, all of it into registers (the producer reuses the slot NDESC pairs on)
-        bar_wait(BAR_DESC(bars, n % NDESC), (n / NDESC) & 1);
-        const int* d = desc + (n % NDESC) * DESC_INTS;
-        const int j = d[0], flags = d[1];
-        Job jb;  // the fields the masks read
-        jb.b = d[2];
-        jb.row0 = d[3];
-        jb.nrows = d[4];
-        const bool tail = d[5 + 3 * x.c] != 0;
-        const int k0 = d[6 + 3 * x.c], kend = d[7 + 3 * x.c];
+        int j, flags, k0, kend;
+        Job jb;
+        bool tail;
+        get_desc(desc, bars, n, x.c, j, flags, jb, tail, k0, kend);
         const bool first = flags & D_FIRST, last = flags & D_LAST;
         if (first) {  // the job's Q
             bar_wait(BAR_QFULL(bars), jobs & 1);

@@ -351,6 +351,37 @@ __device__ __forceinline__ void pair_tile(const Job& jb, int it, int* d) {
     d[2] = kend;
 }
 
+// Pair n's descriptor (job jb at position cur, nx the next; fresh: nx starts another job) into its ring slot,
+// then the slot's arrive (the producer's thread 0).
+__device__ __forceinline__ void put_desc(int* desc, unsigned bars, int n, const Job& jb, const Pos& cur, const Pos& nx,
+                                         bool fresh) {
+    int* d = desc + (n % NDESC) * DESC_INTS;
+    d[0] = cur.j;
+    d[1] = (cur.i == 0 ? D_FIRST : 0) | (nx.j < 0 || fresh ? D_LAST : 0) | (nx.j < 0 ? D_END : 0);
+    d[2] = jb.b;
+    d[3] = jb.row0;
+    d[4] = jb.nrows;
+    pair_tile(jb, 2 * cur.i, d + 5);
+    pair_tile(jb, 2 * cur.i + 1, d + 8);
+    bar_arrive(BAR_DESC(bars, n % NDESC));
+}
+
+// Pair n's descriptor, waited for, into registers (the producer reuses the slot NDESC pairs on): its job j,
+// flags, the job's fields the masks read (jb), and consumer c's tile: tail, keys [k0, kend).
+__device__ __forceinline__ void get_desc(const int* desc, unsigned bars, int n, int c, int& j, int& flags, Job& jb,
+                                         bool& tail, int& k0, int& kend) {
+    bar_wait(BAR_DESC(bars, n % NDESC), (n / NDESC) & 1);
+    const int* d = desc + (n % NDESC) * DESC_INTS;
+    j = d[0];
+    flags = d[1];
+    jb.b = d[2];
+    jb.row0 = d[3];
+    jb.nrows = d[4];
+    tail = d[5 + 3 * c] != 0;
+    k0 = d[6 + 3 * c];
+    kend = d[7 + 3 * c];
+}
+
 // The barriers at bars (tid 0 of the CTA; a __syncthreads must follow). CDQ: the empty barrier of the V half
 // that the stage's owner dequantizes for the other consumer (EMPTY(0, 1), EMPTY(1, 0)) takes the owner's 4
 // warps too, so that its refill waits on every thread that wrote or read that half (consume_v9's pair_t).
@@ -418,17 +449,7 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
             if (TV_FP8) load_q(base, BAR_QFULL(bars), q, jb, Q * H, ft + FILLER);
             ++jobs;
         }
-        if (wt == 0) {
-            int* d = desc + (n % NDESC) * DESC_INTS;
-            d[0] = cur.j;
-            d[1] = (cur.i == 0 ? D_FIRST : 0) | (nx.j < 0 || fresh ? D_LAST : 0) | (nx.j < 0 ? D_END : 0);
-            d[2] = jb.b;
-            d[3] = jb.row0;
-            d[4] = jb.nrows;
-            pair_tile(jb, 2 * cur.i, d + 5);
-            pair_tile(jb, 2 * cur.i + 1, d + 8);
-            bar_arrive(BAR_DESC(bars, n % NDESC));
-        }
+        if (wt == 0) put_desc(desc, bars, n, jb, cur, nx, fresh);
         if (TV_FP8) {
             fill_stage<CDQ>(fl ? k1s : k0s, bars, fl, n, ra, kvb, tkb, lrow, ch, base + OFF_SCALES + fl * BN * 16);
         } else {
