@@ -345,6 +345,31 @@ def test_v5_plan_runs_every_row_over_every_key_once():
         assert not runs
 
 
+def test_v11_groups_take_every_job_once_with_its_chunks_rows():
+    """At 72 rows a request or fewer (8 x 9, 24 x 3, ragged trees), version 11's groups hold every job of the
+    v5 plan exactly once, each group one request's key chunk: its row-block jobs first, first + 1 (the rows
+    of the one pass, at most 72)."""
+    from kdlib.cuda import attention as cu
+
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        nq, nh = (9, 8) if rng.random() < 0.5 else (3, 24)
+        bsz, width = int(rng.integers(1, 40)), int(rng.choice([0, 64, 1000, 70_000]))
+        lens = rng.integers(0, width + 1, size=bsz)
+        sizes = rng.integers(0, nq + 1, size=bsz) if rng.random() < 0.7 else None
+        clusters = int(rng.choice([1, 3, 66]))
+        plan = cu.plan_v5(lens, sizes, width, nq, nh, 2 * clusters)
+        groups = cu.v11_groups(plan)
+        assert sorted(j for g in groups for j in g) == list(range(int(plan[0])))
+        for g in groups:
+            first = _v5_decode(plan, g[0])
+            assert first["row0"] == 0 and g == list(range(g[0], g[0] + len(g)))
+            assert all(_v5_decode(plan, j)["ks"] == first["ks"] for j in g), "one key chunk"
+            rows = sum(_v5_decode(plan, j)["nrows"] for j in g)
+            assert rows == int(plan[1 + 8 * first["b"] + 5]) <= cu._V11_NR
+    assert cu.v11_groups(np.zeros(1 + 8 * 2, dtype=np.int32)) == []
+
+
 def test_v5_plan_balances_the_issue_shapes():
     """One round of nearly G equal jobs at 8 x 65 x 200k and 64 x 65 x 32k; the ragged batch within 25% of
     an even split of its tiles."""

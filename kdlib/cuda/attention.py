@@ -701,6 +701,21 @@ def deal_busiest(plan: np.ndarray, grid: int) -> tuple[int, int, np.ndarray]:
     return int(static.max()), int(cta_loads(plan, snake_deal(order, grid)).max()), order
 
 
+def v11_groups(plan: np.ndarray) -> list[list[int]]:
+    """The groups version 11's attend kernel runs a v5 plan as (plan_groups, group_job in
+    tree_verify/wgmma_v11.cu), in its order: each request's key chunks, each the chunk's row-block jobs
+    (one or two where a request has at most 72 rows); none where the plan has no jobs. Cluster k of C runs
+    groups k, k + C, ... (`static_deal` of the groups)."""
+    plan = np.asarray(plan, dtype=np.int64)
+    if plan[0] == 0:
+        return []
+    groups = []
+    for b in range((plan.shape[0] - 1) // _V5_PLAN_STRIDE):
+        base, nc, _, rb = (int(v) for v in plan[1 + _V5_PLAN_STRIDE * b:][:4])
+        groups += [list(range(base + c * rb, base + (c + 1) * rb)) for c in range(nc if rb > 0 else 0)]
+    return groups
+
+
 def own_plan(bsz: int, reuse_plan: bool = False) -> bool:
     """Whether version 10's verify of `bsz` requests runs no plan kernel (`OWN_PLAN`): its attend kernels
     make the plan themselves and deal the jobs statically. Not where later calls reuse the plan
