@@ -8,7 +8,7 @@
   kernel's device time per verify (torch profiler, `--reps` eager calls on a workspace after warm-up) and
   the eager call's wall time (CUDA events over the same calls);
 * version 11 with its grid forced to other cluster counts (`--clusters`: its plan made for that grid too),
-  and each build switch of `--define` (NAME=VALUE, e.g. V11_XASYNC=1) at the device's count.
+  and each build switch of `--define` (NAME=VALUE: -DNAME=VALUE on the wrapper's build) at the device's count.
 """
 
 from __future__ import annotations

@@ -53,12 +53,6 @@
 // setmaxnreg: 128 x 48 + 256 x 224 = 63488 <= 65536 (the producer's group walk spills at version 9's 40)
 #define V11_PRODUCER_REGS 48
 #define V11_CONSUMER_REGS 224
-// V11_XASYNC (-DV11_XASYNC=1): the partials sent by st.async, each store completing its bytes on the receiver's
-// XFULL (armed by the receiver's thread 0 for a partial's bytes), with no release fence and no arrivals; the
-// default's arrive.release.cluster costs each thread a MEMBAR.ALL.GPU a tile (SASS).
-#ifndef V11_XASYNC
-#define V11_XASYNC 0
-#endif
 #define BAR_XFULL(bars, c, p) ((bars) + 8 * (NBARS + 2 * (c) + (p)))
 static_assert(V11_OFF_S0 % 1024 == 0 && V11_OFF_PT % 1024 == 0, "128-B swizzled operands on 1024-B atoms");
 static_assert(!TV_FP8 && !TV7_PROBE && !TV_TRACE, "version 11: the bf16 default build only");
@@ -122,8 +116,7 @@ __device__ __forceinline__ void init_bars_v11(unsigned bars) {
     bar_init(BAR_QFULL(bars), 128);
     bar_init(BAR_QEMPTY(bars), 8 * WARP_ARRIVALS);
     for (int d = 0; d < NDESC; ++d) bar_init(BAR_DESC(bars, d), 1);
-    for (int x = 0; x < 4; ++x)  // the other CTA's consumer (V11_XASYNC: the receiver's thread 0 and the bytes)
-        bar_init(BAR_XFULL(bars, x >> 1, x & 1), V11_XASYNC ? 1 : 128);
+    for (int x = 0; x < 4; ++x) bar_init(BAR_XFULL(bars, x >> 1, x & 1), 128);  // the other CTA's consumer
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 
@@ -192,18 +185,10 @@ __device__ __forceinline__ void produce_v11(unsigned base, int* desc, unsigned b
 __device__ __forceinline__ void exchange_st(float* s, const V9Ctx& x, int n, unsigned other) {
     const unsigned xb = x.base + V11_OFF_X + (2 * x.c + (n & 1)) * V11_XF * 4 + x.wt * 16;
     const unsigned xbar = BAR_XFULL(x.bars, x.c, n & 1), xr = peer_addr(xb, other);
-    if (V11_XASYNC) {
-        const unsigned xbr = peer_addr(xbar, other);
 #pragma unroll
-        for (int i = 0; i < V11_NR / 8; ++i)
-            store_async(xr + i * 128 * 16, make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]), xbr);
-        if (x.wt == 0) mbar_expect(xbar, V11_XF * 4);
-    } else {
-#pragma unroll
-        for (int i = 0; i < V11_NR / 8; ++i)
-            store_cluster(xr + i * 128 * 16, make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]));
-        mbar_arrive_remote(peer_addr(xbar, other));
-    }
+    for (int i = 0; i < V11_NR / 8; ++i)
+        store_cluster(xr + i * 128 * 16, make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]));
+    mbar_arrive_remote(peer_addr(xbar, other));  // (st.async completing on XFULL instead: no faster, 13u)
     mbar_wait(xbar, (n >> 1) & 1);
 #pragma unroll
     for (int i = 0; i < V11_NR / 8; ++i) {
@@ -242,7 +227,7 @@ __device__ __forceinline__ void pair_v11(float* o, float* s, float* m, float* l,
     if (LB == V11_LB) warp_arrive(BAR_EMPTY(x.bars, x.c, 2), x.lane);  // the rope block: read by this S alone
     if (last) warp_arrive(BAR_QEMPTY(x.bars), x.lane);
     exchange_st(s, x, n, other);
-    pair_rest_t<N, V11_NR, 2, false>(o, s, m, l, jb, tail, k0, kend, first, vis, Q, H, x, x.base + V11_OFF_PT,
+    pair_rest_t<N, V11_NR, 2, false, true>(o, s, m, l, jb, tail, k0, kend, first, vis, Q, H, x, x.base + V11_OFF_PT,
                                      x.base + V11_OFF_PT + V11_QB);
 }
 

@@ -197,21 +197,20 @@ __device__ __forceinline__ void issue_pv_t(float* o, unsigned pbuf, unsigned vst
                           kk > 0 || !fresh);
 }
 
-// Mask S^T (keys past kend; tail tiles: the visibility row of each row's query, rows past nrows see no
-// tail key: -inf) and each row's max over the tile's 64 keys (fixed order: the quad's g lanes, then warps
-// 0..3 through red, RS floats a warp), scaled to the log2 domain as v7's mask_tile does; s stays unscaled.
-template <int N, int RS = BM>
-__device__ __forceinline__ void mask_max_t(float* s, float* mx, bool tail, int k0, int kend,
-                                           const unsigned char* vis, const Job& jb, int Q, int H, const V9Ctx& x) {
-    const int key = k0 + 16 * x.warp + x.g;
+// mask_max_t's masks and each row's max over the quad's g lanes. ANY: tail tiles too (where tail, the
+// visibility rows, found by a division a row); else a prefix tile, keys past kend alone.
+template <int N, bool ANY>
+__device__ __forceinline__ void mask_rows_t(float* s, float* mx, bool tail, int key, int kend,
+                                            const unsigned char* vis, const Job& jb, int Q, int H, const V9Ctx& x) {
 #pragma unroll
     for (int r = 0; r < N / 4; ++r) {
         const int n = row_of(r, x.t4);
-        const unsigned char* v = tail && n < jb.nrows ? vis + ((long long)jb.b * Q + (jb.row0 + n) / H) * Q : nullptr;
+        const unsigned char* v =
+            ANY && tail && n < jb.nrows ? vis + ((long long)jb.b * Q + (jb.row0 + n) / H) * Q : nullptr;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int i = 4 * (r >> 1) + 2 * h + (r & 1), kh = key + 8 * h;
-            const bool ok = kh < kend && (!tail || (v != nullptr && v[kh]));
+            const bool ok = kh < kend && (!ANY || !tail || (v != nullptr && v[kh]));
             s[i] = ok ? s[i] : NEG_INF;
         }
         float m = fmaxf(s[4 * (r >> 1) + (r & 1)], s[4 * (r >> 1) + 2 + (r & 1)]);
@@ -219,6 +218,19 @@ __device__ __forceinline__ void mask_max_t(float* s, float* mx, bool tail, int k
         for (int off = 4; off < 32; off <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
         mx[r] = m;
     }
+}
+
+// Mask S^T (keys past kend; tail tiles: the visibility row of each row's query, rows past nrows see no
+// tail key: -inf) and each row's max over the tile's 64 keys (fixed order: the quad's g lanes, then warps
+// 0..3 through red, RS floats a warp), scaled to the log2 domain as v7's mask_tile does; s stays unscaled.
+// SPLIT: prefix tiles take a branch of their own (mask_rows_t without the tail's code: version 11's 18 rows
+// a thread made the one body the largest part of its consumers' loop, ncu: mostly instruction-fetch stalls).
+template <int N, int RS = BM, bool SPLIT = false>
+__device__ __forceinline__ void mask_max_t(float* s, float* mx, bool tail, int k0, int kend,
+                                           const unsigned char* vis, const Job& jb, int Q, int H, const V9Ctx& x) {
+    const int key = k0 + 16 * x.warp + x.g;
+    if (SPLIT && !tail) mask_rows_t<N, false>(s, mx, tail, key, kend, vis, jb, Q, H, x);
+    else mask_rows_t<N, true>(s, mx, tail, key, kend, vis, jb, Q, H, x);
     float* red = x.red + x.c * 4 * RS;
     if (x.g == 0)
 #pragma unroll
@@ -289,13 +301,13 @@ __device__ __forceinline__ void get_rows(float* v, const float* src, const V9Ctx
 // The pair after S^T (s, the tile's whole S^T in consumer x.c): the masks, the softmax of tile A (consumer 0)
 // or B (1), the handoffs and the consumer's P V of both tiles over its MB V blocks (from x.k0s, x.k1s +
 // c MB blocks), P_A^T and P_B^T at pa, pb; each V group's release once read (ROPE: and the rope group's, which
-// holds P^T in v9). RS: the row arrays' stride.
-template <int N, int RS = BM, int MB = 4, bool ROPE = true>
+// holds P^T in v9). RS: the row arrays' stride; SPLIT: mask_max_t's.
+template <int N, int RS = BM, int MB = 4, bool ROPE = true, bool SPLIT = false>
 __device__ __forceinline__ void pair_rest_t(float* o, float* s, float* m, float* l, const Job& jb, bool tail, int k0,
                                             int kend, bool first, const unsigned char* vis, int Q, int H,
                                             const V9Ctx& x, unsigned pa, unsigned pb) {
     float mx[N / 4], mn[N / 4], cf[N / 4];
-    mask_max_t<N, RS>(s, mx, tail, k0, kend, vis, jb, Q, H, x);
+    mask_max_t<N, RS, SPLIT>(s, mx, tail, k0, kend, vis, jb, Q, H, x);
     if (x.c == 0) {
         // ---------------------------------------------------- tile A: softmax, O_L += V_AL^T P_A^T
         softmax_t<N>(s, x.sl2, m, mx, mn, cf, l);
