@@ -74,7 +74,7 @@ def main() -> None:
     a = ap.parse_args()
     fn = loader.get_function(cu._V11, "tree_verify_v11_attend", options=cu.LAUNCHES[11].options)
     loader.set_max_dynamic_shared(fn, cu._V11_SMEM)
-    resident = loader.max_active_clusters(fn, cu._V11_CLUSTER, cu._V7_THREADS, cu._V11_SMEM)
+    resident = cu._resident_clusters(fn, cu._V7_THREADS, cu._V11_SMEM)  # the wrapper's grid
     doc = {"parameters": {"points": POINTS, "reps": a.reps, "heads": 8, "queries": 9, "smem": cu._V11_SMEM,
                           "clusters_forced": a.clusters, "defines": a.define},
            "resident_clusters": resident, "points": {}}

@@ -344,12 +344,8 @@ def launch(fn, grid, block, args, *, shared_mem: int = 0, pdl: bool = False) -> 
                         cupy.cuda.get_current_stream().ptr, ctypes.pointer(attr), 1)
     store = [kernel_arg(a) for a in args]
     params = (ctypes.c_void_p * len(store))(*(ctypes.addressof(v) for v in store))
-    driver = _driver()
-    rc = driver.cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(fn.kernel.ptr), params, None)
-    if rc != 0:
-        name = ctypes.c_char_p()
-        driver.cuGetErrorName(rc, ctypes.byref(name))
-        raise RuntimeError(f"cuLaunchKernelEx of {fn.name} failed: {(name.value or b'?').decode()} ({rc})")
+    _checked(_driver().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(fn.kernel.ptr), params, None),
+             f"cuLaunchKernelEx of {fn.name}")
 
 
 def max_active_clusters(fn, cluster: int, block, shared_mem: int) -> int:
@@ -360,15 +356,18 @@ def max_active_clusters(fn, cluster: int, block, shared_mem: int) -> int:
     cfg = _LaunchConfig((ctypes.c_uint * 3)(*_dim3(cluster)), (ctypes.c_uint * 3)(*_dim3(block)), shared_mem,
                         None, None, 0)
     n = ctypes.c_int()
-    driver = _driver()
-    rc = driver.cuOccupancyMaxActiveClusters(ctypes.byref(n), ctypes.c_void_p(fn.kernel.ptr),
-                                             ctypes.byref(cfg))
+    rc = _driver().cuOccupancyMaxActiveClusters(ctypes.byref(n), ctypes.c_void_p(fn.kernel.ptr),
+                                                ctypes.byref(cfg))
+    _checked(rc, f"cuOccupancyMaxActiveClusters of {fn.name}")
+    return n.value
+
+
+def _checked(rc: int, what: str) -> None:
+    """RuntimeError naming the driver's error where a driver call returned rc != 0."""
     if rc != 0:
         name = ctypes.c_char_p()
-        driver.cuGetErrorName(rc, ctypes.byref(name))
-        raise RuntimeError(f"cuOccupancyMaxActiveClusters of {fn.name} failed: "
-                           f"{(name.value or b'?').decode()} ({rc})")
-    return n.value
+        _driver().cuGetErrorName(rc, ctypes.byref(name))
+        raise RuntimeError(f"{what} failed: {(name.value or b'?').decode()} ({rc})")
 
 
 @functools.cache
