@@ -135,6 +135,38 @@ def test_canon_compares_operands_not_addresses_or_their_order():
     assert ns.canon("@P0 BRA 0x10") != ns.canon("@!P0 BRA 0x10")
 
 
+def test_roles_follow_the_innermost_frame_that_names_one(tmp_path):
+    """attend_v7's branch, or a function named produce* / consume*; a helper of the role file outside the
+    branch decides nothing (its caller's frame does)."""
+    (tmp_path / "kernels" / "tree_verify").mkdir(parents=True)
+    (tmp_path / ns.ROLE_FILE).write_text(
+        "__device__ void helper() {\n    x();\n}\n"                    # lines 1-3
+        "__device__ void attend_v7() {\n    if (wg == 0) {\n        a();\n"  # 4-6
+        "    } else {\n        b();\n    }\n}\n")                          # 7-10
+    (tmp_path / "kernels" / "k.cu").write_text(
+        "__device__ void produce_k() {\n    p();\n}\n__device__ void consume_k() {\n    c();\n}\n"
+        "__device__ void other() {\n    o();\n}\n")
+    src = ns.Sources(tmp_path / "kernels")
+    v7, k = ns.ROLE_FILE, "kernels/k.cu"
+    assert src.role(((v7, 6),)) == "producer" and src.role(((v7, 8),)) == "consumers"
+    assert src.role(((v7, 2), (v7, 8))) == "consumers"  # the helper, inlined in the else
+    assert src.role(((k, 2), (k, 8))) == "producer" and src.role(((k, 8), (k, 5))) == "consumers"
+    assert src.role(((k, 8), (v7, 2))) == "setup" and src.role(((k, 8),)) == "unattributed"
+    assert src.role(()) == "no_line"
+
+
+def test_the_cluster_kernels_record_splits_its_samples_by_role():
+    """Version 11's kernel (produce_v11, consume_v11): the roles hold nearly all samples and instructions,
+    the consumers' code is the larger part (13u reads both)."""
+    rec = json.loads((NCU / "tree_verify_v11_attend.src.8x9x200k.42d5651.json").read_text())
+    roles = rec["roles"]
+    assert sum(r["samples"] for r in roles.values()) == rec["totals"]["samples"]
+    assert roles["producer"]["samples"] + roles["consumers"]["samples"] > 0.95 * rec["totals"]["samples"]
+    assert roles["consumers"]["instructions"] > 4 * roles["producer"]["instructions"]
+    bar = next(f for f in rec["functions"] if f["function"] == "bar_wait")
+    assert bar["roles"]["producer"] > 0.9 * bar["samples"]
+
+
 def _at_commit(path: str) -> str:
     git = ["git", "-C", str(ROOT), "show", f"{COMMIT}:{path}"]
     return subprocess.run(git, capture_output=True, text=True, check=True).stdout

@@ -17,10 +17,12 @@ never mapped onto a build that is not the device's.
     python3 tools/ncu_source.py CSV --commit REV --point 8x65x200k [--ncu-command ...] [--device ...]
         -> data/results/ncu/<kernel>.src.<point>.<rev>.json
 
-Roles: an instruction inlined through attend_v7's `if (wg == 0)` branch (kernels/tree_verify/wgmma_v7.cu) is
-the producer's, through its `else` the consumers'; the rest of attend_v7 and of the kernel is `setup`
-(own_plan, barriers); `unattributed` has line info naming only the kernel's own lines, `no_line` none
-(compiler runtime subroutines such as __cuda_sm20_div_s64).
+Roles: an instruction's inline chain, innermost frame first, is searched for the first frame that names one:
+a line of attend_v7's `if (wg == 0)` branch (kernels/tree_verify/wgmma_v7.cu) is the producer's, of its
+`else` the consumers'; a line of a function named produce* (produce_v10, produce_v11) the producer's, of one
+named consume* (consume_v9, consume_v11) the consumers'. An instruction no frame names is `setup` (own_plan,
+barriers, the kernel's own lines); `unattributed` has line info naming only the kernel's own lines, `no_line`
+none (compiler runtime subroutines such as __cuda_sm20_div_s64).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ NOT_ISSUED = "Warp Stall Sampling (Not-issued Samples)"
 OTHER = "other"  # samples the CSV's reason columns leave out (its HGMMA rows: a reason it has no column for)
 ROLE_FILE = "kernels/tree_verify/wgmma_v7.cu"  # attend_v7: the producer's branch and the consumers'
 ROLE_BRANCH = re.compile(r"\bif\s*\(\s*wg\s*==\s*0\s*\)\s*\{")
+ROLE_FUNCS = {"produce": "producer", "consume": "consumers"}  # a function's name prefix -> its role
 
 
 class SourceError(ValueError):
@@ -374,8 +377,11 @@ class Sources:
         if not chain:
             return "no_line"
         for f, n in chain:
-            if f == ROLE_FILE:
-                return next((r for r, (a, b) in self.roles.items() if a <= n <= b), "setup")
+            if f == ROLE_FILE and (r := next((r for r, (a, b) in self.roles.items() if a <= n <= b), None)):
+                return r
+            fn = self.function(f, n) or ""
+            if r := next((r for prefix, r in ROLE_FUNCS.items() if fn.startswith(prefix)), None):
+                return r
         return "setup" if len(chain) > 1 else "unattributed"
 
 
@@ -489,7 +495,8 @@ def record(page: SourcePage, csv_path: Path, point: str, built: dict, stem: str,
         "notes": [
             "samples: ncu's warp-stall sampling of one launch; share: of all the kernel's samples",
             f"reasons: the CSV's stall_* columns; '{OTHER}': samples none of them holds (HGMMA rows only)",
-            f"roles: through {ROLE_FILE}'s `if (wg == 0)` branch (producer), its else (consumers); setup: "
+            f"roles: the innermost inline frame in {ROLE_FILE}'s `if (wg == 0)` branch (producer) or its "
+            "else (consumers), or in a function named produce* (producer) or consume* (consumers); setup: "
             "the rest of the kernel with inline info; unattributed: line info of the kernel's own lines "
             "only; no_line: compiler runtime subroutines",
             "lines: the innermost source line nvdisasm -gi gives; statement: with the lines of its statement "
