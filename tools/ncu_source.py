@@ -176,6 +176,11 @@ def nvrtc_version(lib) -> str:
     return f"{major.value}.{minor.value}"
 
 
+def nvdisasm_version() -> str:
+    text = subprocess.run([loader.wheel_tool("nvdisasm"), "--version"], capture_output=True, text=True).stdout
+    return text.strip().splitlines()[-1]
+
+
 def compile_cubin(lib, source: Path, opts: list[str]) -> bytes:
     """NVRTC's cubin of `source` (its own path as the program's name, its includes found on disk, so the
     line info names the real files); SourceError with the log when it fails."""
@@ -472,9 +477,7 @@ def build(page: SourcePage, rev: str, stem: str, options: tuple[str, ...], work:
     local = disassemble(compile_cubin(lib, kernels / f"{stem}.cu", opts), page.kernel, kernels)
     check_same(device_canon(page), [canon(x.sass) for x in local], [i.sass for i in page.instrs],
                [x.sass for x in local])
-    disasm = subprocess.run([loader.wheel_tool("nvdisasm"), "--version"], capture_output=True,
-                            text=True).stdout
-    return {"commit": sha, "nvrtc": nvrtc_version(lib), "nvdisasm": disasm.strip().splitlines()[-1],
+    return {"commit": sha, "nvrtc": nvrtc_version(lib), "nvdisasm": nvdisasm_version(),
             "options": [o.replace(str(kernels), "kernels").replace(loader.cuda_include(), "<cuda>/include")
                         for o in opts],
             "local": local, "sources": Sources(kernels)}

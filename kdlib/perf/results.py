@@ -814,6 +814,13 @@ def load_register_budget(gpu: str = "cpu") -> Recorded | None:
     return _recorded("register_budget", gpu, _no_rows)
 
 
+def load_code_size(gpu: str = "cpu") -> Recorded | None:
+    """The recorded `tools/code_size.py` run (a CPU record: the SASS instructions of the verify's attend
+    kernels by role, NVRTC and nvdisasm, no GPU), or None. No rows: read `Recorded.doc["rows"]` (per build
+    `name`, `commit`, `kernel`, `rows_a_thread`, `instructions`, `roles`, `consumer_code`)."""
+    return _recorded("code_size", gpu, _no_rows)
+
+
 def load_cluster_exchange(gpu: str = "h200") -> Recorded | None:
     """The recorded cluster_exchange suite on `gpu` (two CTAs of a cluster swapping a tile's partial S^T
     through distributed shared memory, against local stores and the barrier alone), or None. No rows: read
