@@ -23,9 +23,13 @@ def _ids(run: subprocess.CompletedProcess) -> list[str]:
     return [line for line in run.stdout.splitlines() if "::" in line]
 
 
+@pytest.fixture(scope="module")
+def whole() -> list[str]:
+    return _ids(_collect())
+
+
 @pytest.mark.parametrize("n", [2, 3])
-def test_shards_cut_the_selection_into_runs_of_equal_counts(n):
-    whole = _ids(_collect())
+def test_shards_cut_the_selection_into_runs_of_equal_counts(whole, n):
     shares = [_ids(_collect("--shard", f"{k}/{n}")) for k in range(1, n + 1)]
     assert len(whole) >= 2 * n and all(shares)
     assert [i for share in shares for i in share] == whole  # in order, each test once

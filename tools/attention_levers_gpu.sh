@@ -19,6 +19,9 @@
 #              the headline), no FlashInfer -> r/attention.<gpu>.json
 #   sanitize   compute-sanitizer memcheck and synccheck over the driver's v11 cases (tools/sanitize_gpu.sh), then
 #              racecheck over the same cases in the checking build (-DTV7_RACECHECK=1) -> r/san, r/san_check
+#   shard1, shard2
+#              the whole GPU suite in two shares of equal test counts (tests/conftest.py's --shard), each test's
+#              seconds in r/shardK.xml (what a split by time would read)
 #   ncu        Nsight Compute's source counters (PC sampling: the warps' stall reasons per SASS instruction)
 #              of the default's attend kernel (v7's consumers) built with -lineinfo, at 8 x 65 x 200k and
 #              8 x 9 x 200k: the report and its source page (SASS, CSV) -> r/ncu_src.<point>.{ncu-rep,csv},
@@ -35,9 +38,9 @@ AB=${KDLIB_AB:-}
 STEPS=${*:-tests timeline phases}
 for step in $STEPS; do
   case $step in
-    tests | v11 | suite | sanitize | timeline | phases | ncu) ;;
+    tests | v11 | suite | sanitize | shard1 | shard2 | timeline | phases | ncu) ;;
     ab) [ -n "$AB" ] || { echo "step ab needs KDLIB_AB (SUITE:NAME=VALUE[,NAME=VALUE...] ...)" >&2; exit 2; } ;;
-    *) echo "unknown step $step (tests v11 suite sanitize ab timeline phases ncu)" >&2; exit 2 ;;
+    *) echo "unknown step $step (tests v11 suite sanitize shard1 shard2 ab timeline phases ncu)" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$R"
@@ -77,6 +80,9 @@ for step in $STEPS; do
         bash tools/sanitize_gpu.sh
       run sanitize_check 260 env OUT="$R/san_check" KDLIB_SANITIZE_CASES=v11 KDLIB_SANITIZE_TOOLS=racecheck \
         KDLIB_NVRTC_OPTIONS="-DTV7_RACECHECK=1 -lineinfo" bash tools/sanitize_gpu.sh ;;
+    shard1 | shard2)
+      run "$step" 540 python3 -m pytest -m gpu tests --shard "${step#shard}/2" -q -p no:cacheprovider \
+        --junitxml="$R/$step.xml" ;;
     ab)
       for pair in $AB; do
         IFS=, read -r -a parts <<<"${pair#*:}"
