@@ -42,7 +42,8 @@ def test_the_record_has_every_build_and_its_roles_add_up():
     for r, b in zip(doc["rows"], want, strict=True):
         assert (r["kernel"], r["stem"], r["options"]) == (b.kernel, b.stem, list(b.options)), b.name
         assert sum(r["roles"].values()) == r["instructions"]
-        assert r["consumer_code"] == r["roles"][b.consumers_in]
+        assert r["consumer_code"] == r["roles"][b.consumers_in] == sum(r["consumer_functions"].values())
+        assert r["consumer_loop"] + r["job_end"] == r["consumer_code"] and r["job_end"] > 0
         assert r["consumer_code"] > 0, b.name
     v11 = next(r for r in doc["rows"] if r["name"] == "v11 (42d5651)")
     ncu = results.RESULTS / "ncu" / "tree_verify_v11_attend.src.8x9x200k.42d5651.json"
@@ -69,5 +70,5 @@ def test_a_recount_is_the_record():
         for b in todo:
             _, kernels = ns.export(b.rev, Path(work) / b.rev)
             got = cs.count(b, kernels, lib)
-            assert {k: got[k] for k in ("instructions", "roles", "consumer_code")} == \
-                {k: rows[b.name][k] for k in ("instructions", "roles", "consumer_code")}, b.name
+            keys = ("instructions", "roles", "consumer_code", "consumer_loop", "consumer_functions")
+            assert {k: got[k] for k in keys} == {k: rows[b.name][k] for k in keys}, b.name

@@ -35,6 +35,7 @@ from kdlib.cuda import loader  # noqa: E402
 from kdlib.perf import results  # noqa: E402
 
 ROLES = ("producer", "consumers", "setup", "unattributed", "no_line")
+JOB_END = ("job_end", "write_out")  # the consumers' functions run once a job (its partials' write)
 
 
 @dataclass(frozen=True)
@@ -69,16 +70,24 @@ def builds(head: str) -> list[Build]:
 
 
 def count(b: Build, kernels: Path, lib) -> dict:
-    """The kernel's instructions, in all and by role."""
+    """The kernel's instructions, in all and by role; the consumers' by the function each lies in (the
+    innermost), and those of the job's end apart from the loop's."""
     opts = ns.nvrtc_options(kernels, ("-arch=sm_90a", *b.options))
     local = ns.disassemble(ns.compile_cubin(lib, kernels / f"{b.stem}.cu", opts), b.kernel, kernels)
     src = ns.Sources(kernels)
-    roles = dict.fromkeys(ROLES, 0)
+    roles, funcs = dict.fromkeys(ROLES, 0), {}
     for x in local:
-        roles[src.role(x.chain)] += 1
+        role = src.role(x.chain)
+        roles[role] += 1
+        if role == b.consumers_in and x.chain:
+            fn = str(src.function(*x.chain[0]))
+            funcs[fn] = funcs.get(fn, 0) + 1
+    end = sum(v for fn, v in funcs.items() if fn.startswith(JOB_END))
     return {"name": b.name, "commit": b.rev, "stem": b.stem, "kernel": b.kernel, "options": list(b.options),
             "rows_a_thread": b.rows_a_thread, "instructions": len(local), "roles": roles,
-            "consumers_in": b.consumers_in, "consumer_code": roles[b.consumers_in]}
+            "consumers_in": b.consumers_in, "consumer_code": roles[b.consumers_in], "job_end": end,
+            "consumer_loop": roles[b.consumers_in] - end,
+            "consumer_functions": dict(sorted(funcs.items(), key=lambda kv: (-kv[1], kv[0])))}
 
 
 def measure(head: str) -> dict:
@@ -100,6 +109,9 @@ def measure(head: str) -> dict:
                   "roles: tools/ncu_source.py's (Sources.role) on each instruction's inline chain",
                   "consumer_code: the instructions of the role consumers_in names (setup for version 9 at "
                   "4d83aab, whose consumers were the kernel's own body); both ranks' for version 11",
+                  "consumer_functions: consumer_code by the innermost function of each instruction's line; "
+                  "job_end: those of functions named job_end* or write_out* (once a job); consumer_loop: the "
+                  "rest, the code the job's tiles run through",
                   "rows_a_thread: the query rows one consumer thread holds products of (its wgmma layout)"],
     }
 
