@@ -82,9 +82,9 @@ def test_levers_script_runs_the_steps_named_and_the_switches_given(tmp_path, sta
         f"{ab} --define FOO=2 --define BAR=1 --suite kernel_ab_xy --out {out}/r #opts="]
 
 
-def test_levers_script_runs_version_11s_tests_the_suite_and_the_gpu_suite_in_two_shares(tmp_path, stand_ins):
+def test_levers_script_runs_version_11s_tests_the_suites_and_the_gpu_suite_in_two_shares(tmp_path, stand_ins):
     out = tmp_path / "out"
-    res = _levers(out, stand_ins, "v11", "suite", "shard1", "shard2")
+    res = _levers(out, stand_ins, "v11", "suite", "rate", "shard1", "shard2")
     assert res.returncode == 0, res.stderr
     py = [c for c in stand_ins["log"].read_text().splitlines() if c.startswith("python3 ")]
     assert py == [
@@ -92,6 +92,7 @@ def test_levers_script_runs_version_11s_tests_the_suite_and_the_gpu_suite_in_two
         "tests/test_cluster_exchange.py -q -p no:cacheprovider -k v11 or cluster or wgmma_constants "
         f"--junitxml={out}/r/v11.xml #opts=",
         f"python3 -m kdlib.perf.run --suite attention --out {out}/r #opts=",
+        f"python3 -m kdlib.perf.run --suite wgmma_rate --out {out}/r #opts=",
         *(f"python3 -m pytest -m gpu tests --shard {k}/2 -q -p no:cacheprovider "
           f"--junitxml={out}/r/shard{k}.xml #opts=" for k in (1, 2))]
 

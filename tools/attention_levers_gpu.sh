@@ -19,6 +19,8 @@
 #              the headline), no FlashInfer -> r/attention.<gpu>.json
 #   sanitize   compute-sanitizer memcheck and synccheck over the driver's v11 cases (tools/sanitize_gpu.sh), then
 #              racecheck over the same cases in the checking build (-DTV7_RACECHECK=1) -> r/san, r/san_check
+#   rate       the wgmma_rate suite (each warpgroup MMA shape of the attend kernels alone on every SM)
+#              -> r/wgmma_rate.<gpu>.json
 #   shard1, shard2
 #              the whole GPU suite in two shares of equal test counts (tests/conftest.py's --shard), each test's
 #              seconds in r/shardK.xml (what a split by time would read)
@@ -38,9 +40,9 @@ AB=${KDLIB_AB:-}
 STEPS=${*:-tests timeline phases}
 for step in $STEPS; do
   case $step in
-    tests | v11 | suite | sanitize | shard1 | shard2 | timeline | phases | ncu) ;;
+    tests | v11 | suite | sanitize | rate | shard1 | shard2 | timeline | phases | ncu) ;;
     ab) [ -n "$AB" ] || { echo "step ab needs KDLIB_AB (SUITE:NAME=VALUE[,NAME=VALUE...] ...)" >&2; exit 2; } ;;
-    *) echo "unknown step $step (tests v11 suite sanitize shard1 shard2 ab timeline phases ncu)" >&2; exit 2 ;;
+    *) echo "unknown step $step (tests v11 suite sanitize rate shard1 shard2 ab timeline phases ncu)" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$R"
@@ -80,6 +82,8 @@ for step in $STEPS; do
         bash tools/sanitize_gpu.sh
       run sanitize_check 260 env OUT="$R/san_check" KDLIB_SANITIZE_CASES=v11 KDLIB_SANITIZE_TOOLS=racecheck \
         KDLIB_NVRTC_OPTIONS="-DTV7_RACECHECK=1 -lineinfo" bash tools/sanitize_gpu.sh ;;
+    rate)
+      run rate 150 python3 -m kdlib.perf.run --suite wgmma_rate --out "$R" ;;
     shard1 | shard2)
       run "$step" 540 python3 -m pytest -m gpu tests --shard "${step#shard}/2" -q -p no:cacheprovider \
         --junitxml="$R/$step.xml" ;;

@@ -375,7 +375,7 @@ __device__ __forceinline__ void pdl_trigger() {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+#include "common/wgmma.cuh"
 
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
@@ -405,52 +405,6 @@ __device__ __forceinline__ void bar_wait(unsigned bar, unsigned parity) {
         "@!p bra WAIT;\n}\n" ::"r"(bar),
         "r"(parity)
         : "memory");
-}
-
-// Shared memory written through the generic proxy (st.shared, cp.async) is next read by wgmma.
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wg_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-
-// Pin a register between the wgmma issue / wait points (the compiler does not see the async writes).
-__device__ __forceinline__ void reg_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
-__device__ __forceinline__ void reg_fence(unsigned& r) { asm volatile("" : "+r"(r)::"memory"); }
-template <int N>
-__device__ __forceinline__ void reg_fence(float (&r)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) reg_fence(r[i]);
-}
-__device__ __forceinline__ void reg_fence(unsigned (&r)[4][4]) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) reg_fence(r[i / 4][i % 4]);
-}
-
-// Shared-memory matrix descriptor, 128-byte swizzle, 8-row groups 1024 B apart; lbo: the
-// leading-dimension offset (unused for K-major; the 64-column block stride for MN-major).
-__device__ __forceinline__ unsigned long long sw128_desc(unsigned addr, unsigned lbo) {
-    return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
-           ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
-}
-
-#define ACC8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
-                   "+f"(d[i + 6]), "+f"(d[i + 7])
-#define ACC32(d, i) ACC8(d, i), ACC8(d, i + 8), ACC8(d, i + 16), ACC8(d, i + 24)
-
-// d[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B K-major in shared memory.
-__device__ __forceinline__ void wgmma_s(float (&d)[32], unsigned long long da, unsigned long long db, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "%32, %33, p, 1, 1, 0, 0;\n}\n"
-        : ACC32(d, 0)
-        : "l"(da), "l"(db), "r"(acc));
 }
 
 // d[64 x 64] (+)= A[64 x 16] B[16 x 64]: A from registers (the mma.m16n8k16 A fragment per warp), B K-major
