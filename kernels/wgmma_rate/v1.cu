@@ -90,9 +90,10 @@ __device__ __forceinline__ void rounds(unsigned a, unsigned b, int reps, float* 
     if (t == 0) cycles[blockIdx.x * (blockDim.x >> 7) + wg] = t1 - t0;
 }
 
-// The CTA's operands into shared memory, then each warpgroup's rounds of shape (pv, n).
-__device__ __forceinline__ void rate(bool pv, int n, const __nv_bfloat16* a, const __nv_bfloat16* b, int reps,
-                                     float* out, long long* cycles) {
+// The CTA's operands into shared memory, then each warpgroup's rounds of shape (PV, n).
+template <bool PV>
+__device__ __forceinline__ void rate(int n, const __nv_bfloat16* a, const __nv_bfloat16* b, int reps, float* out,
+                                     long long* cycles) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u, bb = base + RATE_B_OFF;
     put_swizzled(base, a, 64);
@@ -100,24 +101,19 @@ __device__ __forceinline__ void rate(bool pv, int n, const __nv_bfloat16* a, con
     fence_async_smem();
     __syncthreads();
     const int wg = threadIdx.x >> 7, t = threadIdx.x & 127;
-    switch (pv ? -n : n) {
-        case 8: rounds<8, false>(base, bb, reps, out, cycles, wg, t); break;
-        case 16: rounds<16, false>(base, bb, reps, out, cycles, wg, t); break;
-        case 24: rounds<24, false>(base, bb, reps, out, cycles, wg, t); break;
-        case 32: rounds<32, false>(base, bb, reps, out, cycles, wg, t); break;
-        case 40: rounds<40, false>(base, bb, reps, out, cycles, wg, t); break;
-        case 48: rounds<48, false>(base, bb, reps, out, cycles, wg, t); break;
-        case 56: rounds<56, false>(base, bb, reps, out, cycles, wg, t); break;
-        case 64: rounds<64, false>(base, bb, reps, out, cycles, wg, t); break;
-        case 72: rounds<72, false>(base, bb, reps, out, cycles, wg, t); break;
-        case -8: rounds<8, true>(base, bb, reps, out, cycles, wg, t); break;
-        case -16: rounds<16, true>(base, bb, reps, out, cycles, wg, t); break;
-        case -24: rounds<24, true>(base, bb, reps, out, cycles, wg, t); break;
-        case -32: rounds<32, true>(base, bb, reps, out, cycles, wg, t); break;
-        case -40: rounds<40, true>(base, bb, reps, out, cycles, wg, t); break;
-        case -48: rounds<48, true>(base, bb, reps, out, cycles, wg, t); break;
-        case -56: rounds<56, true>(base, bb, reps, out, cycles, wg, t); break;
-        case -72: rounds<72, true>(base, bb, reps, out, cycles, wg, t); break;
+    switch (n) {
+        case 8: rounds<8, PV>(base, bb, reps, out, cycles, wg, t); break;
+        case 16: rounds<16, PV>(base, bb, reps, out, cycles, wg, t); break;
+        case 24: rounds<24, PV>(base, bb, reps, out, cycles, wg, t); break;
+        case 32: rounds<32, PV>(base, bb, reps, out, cycles, wg, t); break;
+        case 40: rounds<40, PV>(base, bb, reps, out, cycles, wg, t); break;
+        case 48: rounds<48, PV>(base, bb, reps, out, cycles, wg, t); break;
+        case 56: rounds<56, PV>(base, bb, reps, out, cycles, wg, t); break;
+        case 64:  // version 7's S alone (wgmma_n has no N = 64)
+            if constexpr (PV) __trap();
+            else rounds<64, false>(base, bb, reps, out, cycles, wg, t);
+            break;
+        case 72: rounds<72, PV>(base, bb, reps, out, cycles, wg, t); break;
         default: __trap();  // the host checks the shape
     }
 }
@@ -130,7 +126,7 @@ extern "C" __global__ void __launch_bounds__(RATE_MAX_WG * 128, 1) wgmma_rate_v1
     const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b, int n, int reps, float* __restrict__ out,
     long long* __restrict__ cycles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    rate(false, n, a, b, reps, out, cycles);
+    rate<false>(n, a, b, reps, out, cycles);
 #else
     __trap();  // built without sm_90a: no wgmma
 #endif
@@ -141,7 +137,7 @@ extern "C" __global__ void __launch_bounds__(RATE_MAX_WG * 128, 1) wgmma_rate_v1
     const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b, int n, int reps, float* __restrict__ out,
     long long* __restrict__ cycles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    rate(true, n, a, b, reps, out, cycles);
+    rate<true>(n, a, b, reps, out, cycles);
 #else
     __trap();
 #endif
