@@ -1,7 +1,7 @@
 """The static code of the verify's attend kernels, by role (issue 19), from the compiler alone (no GPU).
 
-Nsight Compute put a quarter of version 11's warp samples on instruction fetch (`stall_no_inst`, notebook 02b,
-13u), where version 10's had almost none. This tool counts what the warps fetch: each kernel's SASS
+Nsight Compute put a fifth and more of version 11's warp samples on instruction fetch (`stall_no_inst`,
+notebook 02b, 13u), where version 10's had few. This tool counts what the warps fetch: each kernel's SASS
 instructions, split by role as `tools/ncu_source.py` splits samples (the producer's code, the consumers', the
 rest), for the builds whose attend kernels the records time: version 9's transposed products at each row count
 of its dev run beside version 7's consumers (commit 4d83aab), version 11 before and after its mask branch
