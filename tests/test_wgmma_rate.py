@@ -82,3 +82,17 @@ def test_the_quick_suite_is_exact_at_every_shape():
     doc = wr.run(quick=True)
     assert len(doc["rows"]) == sum(len(v) for v in wr.SHAPES.values()) * wr.MAX_WG
     assert all(r["exact"] and r["cycles_per_wgmma"]["min"] > 0 for r in doc["rows"])
+
+
+def test_launch_builds_for_sm_90a(monkeypatch):
+    """The kernels' bodies exist only where __CUDA_ARCH_FEAT_SM90_ALL is defined (else they trap): the launch
+    asks the loader for the sm_90a build, with the shared memory it needs."""
+    seen = {}
+    monkeypatch.setattr(loader, "get_function",
+                        lambda stem, name, options=(): seen.update(stem=stem, name=name, options=options)
+                        or (lambda *a, **k: seen.update(grid=a[0], block=a[1], smem=k["shared_mem"])))
+    monkeypatch.setattr(loader, "set_max_dynamic_shared", lambda fn, n: seen.update(max_smem=n))
+    a, b = np.zeros((64, wr.D)), np.zeros((72, wr.D))
+    wr.launch("pv", 72, 2, 3, 5, a, b, np.zeros((5, 2, 128, wr.ACC)), np.zeros((5, 2)))
+    assert seen == {"stem": wr.SOURCE, "name": "wgmma_rate_v1_pv", "options": loader.SM90A_OPTIONS,
+                    "max_smem": wr.SMEM, "grid": (5,), "block": (256,), "smem": wr.SMEM}

@@ -161,7 +161,7 @@ _V8 = "tree_verify/wgmma_v8"
 _V9 = "tree_verify/wgmma_v9"
 _V10 = "tree_verify/wgmma_v10"
 _V11 = "tree_verify/wgmma_v11"
-_V5_OPTIONS = ("-arch=sm_90a",)
+_V5_OPTIONS = loader.SM90A_OPTIONS
 _V5_THREADS = 256  # NTHREADS of the plan and attend kernels (v5, v6)
 _V7_THREADS = 384  # NTHREADS of v7's attend kernel: a producer and two MMA warpgroups
 # Q block + two K stages + factors + barriers + alignment (SMEM_BYTES)

@@ -76,6 +76,7 @@ _FUNCTIONS: dict[tuple, object] = {}
 _SOURCES: dict[str, str] = {}
 _ROOT: Path | None = None  # the kernels tree compiles read (`use_kernels`); None: KERNELS
 _BASE_OPTIONS = ("--std=c++17", f"-I{KERNELS}")
+SM90A_OPTIONS = ("-arch=sm_90a",)  # NVRTC options of the wgmma kernels: __CUDA_ARCH_FEAT_SM90_ALL defined
 
 
 _STEM = re.compile(r"[a-z0-9_]+/[a-z0-9_]+")

@@ -84,6 +84,7 @@ __device__ __forceinline__ void rounds(unsigned a, unsigned b, int reps, float* 
         wg_wait<0>();
     }
     const long long t1 = clock64();
+    reg_fence(d);  // the last wait's accumulators, pinned before they are stored
     float* o = out + (((long long)blockIdx.x * (blockDim.x >> 7) + wg) * 128 + t) * RATE_ACC;
 #pragma unroll
     for (int i = 0; i < NACC; ++i) o[i] = d[i];

@@ -95,7 +95,7 @@ def launch(kind: str, n: int, warpgroups: int, reps: int, grid: int, a, b, out, 
     if out.shape != (grid, warpgroups, 128, ACC) or cycles.shape != (grid, warpgroups):
         raise ValueError(f"out [{grid}, {warpgroups}, 128, {ACC}] and cycles [{grid}, {warpgroups}], got "
                          f"{out.shape} and {cycles.shape}")
-    fn = loader.get_function(SOURCE, f"wgmma_rate_v1_{kind}")
+    fn = loader.get_function(SOURCE, f"wgmma_rate_v1_{kind}", options=loader.SM90A_OPTIONS)
     loader.set_max_dynamic_shared(fn, SMEM)
     fn((grid,), (128 * warpgroups,), (a, b, np.int32(n), np.int32(reps), out, cycles), shared_mem=SMEM)
 
