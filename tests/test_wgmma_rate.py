@@ -88,9 +88,15 @@ def test_launch_builds_for_sm_90a(monkeypatch):
     """The kernels' bodies exist only where __CUDA_ARCH_FEAT_SM90_ALL is defined (else they trap): the launch
     asks the loader for the sm_90a build, with the shared memory it needs."""
     seen = {}
-    monkeypatch.setattr(loader, "get_function",
-                        lambda stem, name, options=(): seen.update(stem=stem, name=name, options=options)
-                        or (lambda *a, **k: seen.update(grid=a[0], block=a[1], smem=k["shared_mem"])))
+
+    def kernel(grid, block, args, shared_mem):
+        seen.update(grid=grid, block=block, smem=shared_mem)
+
+    def get_function(stem, name, options=()):
+        seen.update(stem=stem, name=name, options=options)
+        return kernel
+
+    monkeypatch.setattr(loader, "get_function", get_function)
     monkeypatch.setattr(loader, "set_max_dynamic_shared", lambda fn, n: seen.update(max_smem=n))
     a, b = np.zeros((64, wr.D)), np.zeros((72, wr.D))
     wr.launch("pv", 72, 2, 3, 5, a, b, np.zeros((5, 2, 128, wr.ACC)), np.zeros((5, 2)))
