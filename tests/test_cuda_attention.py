@@ -370,6 +370,21 @@ def test_v11_groups_take_every_job_once_with_its_chunks_rows():
     assert cu.v11_groups(np.zeros(1 + 8 * 2, dtype=np.int32)) == []
 
 
+@pytest.mark.parametrize("bsz,width", [(1, 200_000), (8, 32_768), (16, 65_536)])
+def test_v12_plan_grid_deals_about_a_group_a_cta(bsz, width):
+    """Version 12 runs a group (a key chunk of a 72-row request) a CTA; its v5 plan over v12_plan_grid(G)
+    CTAs makes between 9/10 G and G groups at 8 x 9 on the H200's 132 SMs, where a plan over G makes half
+    as many; the plan's jobs fit the workspace's parts (v5_max_jobs over the same CTAs)."""
+    from kdlib.cuda import attention as cu
+
+    grid, lens, sizes = 132, [width] * bsz, [9] * bsz
+    plan = cu.plan_v5(lens, sizes, width, 9, 8, cu.v12_plan_grid(grid))
+    groups = len(cu.v11_groups(plan))
+    assert 0.9 * grid < groups <= grid
+    assert 2 * len(cu.v11_groups(cu.plan_v5(lens, sizes, width, 9, 8, grid))) <= groups + 2
+    assert int(plan[0]) <= cu.v5_max_jobs(bsz, 72, cu.v12_plan_grid(grid))
+
+
 def test_v5_plan_balances_the_issue_shapes():
     """One round of nearly G equal jobs at 8 x 65 x 200k and 64 x 65 x 32k; the ragged batch within 25% of
     an even split of its tiles."""
@@ -1650,27 +1665,29 @@ def test_v10_batch_matches_float64_and_version_9_bit_for_bit(bsz, nq, nh, width,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["wgmma_v11", "wgmma_v12"])
 @pytest.mark.parametrize("bsz,nq,nh,width,ragged", [(1, 9, 8, 20_000, False),  # 8 x 9: one request
                                                     (8, 9, 8, 4096, True),  # trees of 1-9: 8-72 rows
                                                     (3, 3, 24, 3000, False)])  # 72 rows of 24 heads
-def test_v11_cluster_kernel_matches_float64_and_is_reproducible(bsz, nq, nh, width, ragged):
-    """Version 11 at 72 rows a request runs its cluster kernel (two CTAs split the dims and swap partial
-    S^T): within the bf16 tolerance of a float64 torch reference under each tree size, NaN past it, and
-    the same bits on a second call; ragged trees give groups of one row-block job (<= 64 rows) beside groups
-    of two. Version 10 on the same inputs agrees to the same tolerance (other sum orders: not its bits)."""
+def test_v11_v12_one_pass_kernels_match_float64_and_are_reproducible(impl, bsz, nq, nh, width, ragged):
+    """Versions 11 and 12 at 72 rows a request run their one-pass kernels (11: two CTAs split the dims and
+    swap partial S^T; 12: v7's consumers take rows 0-63 and the producer the rest): within the bf16
+    tolerance of a float64 torch reference under each tree size, NaN past it, and the same bits on a second
+    call; ragged trees give groups of one row-block job (<= 64 rows) beside groups of two. Version 10 on the
+    same inputs agrees to the same tolerance (other sum orders: not its bits)."""
     _need_wgmma()
     from kdlib.cuda import attention as cu
 
     assert cu.v11_rows(nq * nh)
     args, sizes_np = _verify_batch(bsz, nq, nh, width, ragged)
     ws = cu.make_workspace(bsz, nq, nh)
-    out, lse = (a.copy() for a in cu.tree_verify_attention(*args, impl="wgmma_v11", workspace=ws))
-    again = cu.tree_verify_attention(*args, impl="wgmma_v11", workspace=ws)
+    out, lse = (a.copy() for a in cu.tree_verify_attention(*args, impl=impl, workspace=ws))
+    again = cu.tree_verify_attention(*args, impl=impl, workspace=ws)
     for a, b in zip((out, lse), again, strict=True):
         assert np.array_equal(a.get(), b.get(), equal_nan=True), "two runs differ"
-    _check_batch(out, lse, args, sizes_np, "v11")
+    _check_batch(out, lse, args, sizes_np, impl)
     out10, _ = cu.tree_verify_attention(*args, impl="wgmma_v10")
-    assert not np.array_equal(out.get(), out10.get(), equal_nan=True), "v11 ran version 10's kernels"
+    assert not np.array_equal(out.get(), out10.get(), equal_nan=True), f"{impl} ran version 10's kernels"
 
 
 def _verify_batch(bsz: int, nq: int, nh: int, width: int, ragged: bool):
@@ -1760,7 +1777,7 @@ def test_v10_own_plan_and_reuse_plan_deal_the_same_jobs_to_the_same_bits():
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl,nq", [("wgmma", 33), ("wgmma_v6", 33), ("wgmma_v7", 33), ("wgmma_v8", 33),
                                      ("wgmma_v9", 2), ("wgmma_v10", 33), ("wgmma_v10", 2),  # nq 2: Q*H <= 16
-                                     ("wgmma_v11", 9)])  # 72 rows: the cluster kernel
+                                     ("wgmma_v11", 9), ("wgmma_v12", 9)])  # 72 rows: the one-pass kernels
 def test_wgmma_bit_reproducible_graph_captured_and_allocation_free(impl, nq):
     """With a workspace: two eager calls agree bit for bit, a call allocates no memory, and the three
     launches captured in a CUDA graph replay to the same bits (ragged batch, several jobs per row)."""
@@ -1872,7 +1889,7 @@ def test_v8_combine_of_every_width_merges_v5s_partials_alike():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl,nq", [("wgmma", 17), ("wgmma_v7", 17), ("wgmma_v8", 17), ("wgmma_v9", 1),
-                                     ("wgmma_v10", 17), ("wgmma_v10", 1), ("wgmma_v11", 9)])
+                                     ("wgmma_v10", 17), ("wgmma_v10", 1), ("wgmma_v11", 9), ("wgmma_v12", 9)])
 def test_wgmma_plan_ready_reads_the_previous_calls_plan(impl, nq):
     """plan_ready=True (the later layers of one verify step): a call with new q, latent rows and cache on a
     workspace whose plan an earlier call of the same lens, sizes and width made gives the bits of a fresh
@@ -1942,7 +1959,7 @@ if __name__ == "__main__" and sys.argv[1:2] == ["sanitize"]:
 def test_version_vocabulary_and_the_deprecated_impl_names():
     from kdlib.cuda import attention as cu
 
-    assert cu.VERSIONS == tuple(range(1, 12)) and cu.WGMMA_VERSIONS == tuple(range(5, 12))
+    assert cu.VERSIONS == tuple(range(1, 13)) and cu.WGMMA_VERSIONS == tuple(range(5, 13))
     assert cu.LAUNCHES[cu.DEFAULT_VERSION].impl == cu.BF16_DEFAULT
     assert cu.IMPLS["mma"] == cu.IMPLS[cu.MMA_DEFAULT] and cu.IMPLS["auto"] is None
     assert {name: cu.LAUNCHES[cu.IMPLS[name]].stem for name in cu.MMA_VERSIONS} == {
@@ -1954,7 +1971,7 @@ def test_version_vocabulary_and_the_deprecated_impl_names():
     assert cu.LAUNCHES[cu.pick_version(None, "mma_v4", "bf16")].impl == "mma_v4"
     assert cu.LAUNCHES[cu.pick_version(None, "simple", "f32")].impl == "simple"
     for version, impl, kind, match in ((2, None, "f32", "bfloat16"), (None, "mma", "f32", "bfloat16"),
-                                       (12, None, "bf16", "version"), (True, None, "bf16", "version"),
+                                       (13, None, "bf16", "version"), (True, None, "bf16", "version"),
                                        (3, "mma", "bf16", "not both"), (None, "fast", "bf16", "impl")):
         with pytest.raises(ValueError, match=match):
             cu.pick_version(version, impl, kind)

@@ -15,6 +15,9 @@ from kdlib import DATA, KERNELS
 from kdlib.cuda import accept, attention, compact, loader, moe, tree
 from kdlib.ref import accept as ref_accept
 
+# the source's name of a version's LAUNCHES smem where it is not v9's (9, 10) or SMEM_BYTES (5-8)
+_SMEM_NAME = {11: "V11_SMEM", 12: "V12_SMEM"}
+
 
 def consts(stem: str) -> dict[str, int]:
     return loader.source_constants(stem)
@@ -219,9 +222,9 @@ def test_attention_wgmma_constants_match_the_source(version):
     c = consts(stem)
     assert (c["D_QK"], c["D_V"]) == (attention.D_QK, attention.KV_LORA_RANK)
     smem = {5: attention._V5_SMEM, 6: attention._V6_SMEM, 7: attention._V7_SMEM, 8: attention._V7_SMEM,
-            9: attention._V9_SMEM, 10: attention._V9_SMEM, 11: attention._V11_SMEM}
+            9: attention._V9_SMEM, 10: attention._V9_SMEM, 11: attention._V11_SMEM, 12: attention._V12_SMEM}
     smem = smem[version]
-    name = "V11_SMEM" if version == 11 else "V9_SMEM" if version >= 9 else "SMEM_BYTES"
+    name = _SMEM_NAME.get(version, "V9_SMEM" if version >= 9 else "SMEM_BYTES")
     assert c[name] == smem <= 227 * 1024
     if version == 11:  # its one pass of a request's rows, and the setmaxnreg counts fit the register file
         assert c["V11_NR"] == attention._V11_NR and c["V11_OFF_BARS"] + c["V11_NBARS"] * 8 + 1024 == smem
@@ -229,6 +232,9 @@ def test_attention_wgmma_constants_match_the_source(version):
         assert 128 * (c["V11_PRODUCER_REGS"] + 2 * c["V11_CONSUMER_REGS"]) <= 65536
     if version == 10:  # its kernel with v7's consumers launches with v7's
         assert c["SMEM_BYTES"] == attention._V7_SMEM
+    if version == 12:  # v7's layout, version 12's barriers past its own, then Q8's eight latent blocks
+        assert c["V12_OFF_Q8"] == -(-(c["OFF_BARS"] + (c["NBARS"] + 3) * 8) // 1024) * 1024
+        assert smem == c["V12_OFF_Q8"] + 8 * c["V12_QB"] + 1024 and c["V11_NR"] == attention._V11_NR
     assert c["PLAN_SMALL_REQS"] == attention._V5_PLAN_SMALL_REQS
     if version == 10:  # the host's cut for the kernels that make their own plan
         assert c["OWN_PLAN_REQS"] == attention._V10_OWN_PLAN_REQS
@@ -246,8 +252,10 @@ def test_attention_wgmma_constants_match_the_source(version):
     # 4 warps, float4 lanes
     assert attention._COMBINE_THREADS == 4 * 32 and attention._V5_COMBINE_COLS == 32 * 4
     # v8 runs v7's attend kernel, with combines of its own; v9's file holds v8's kernels and its own attend;
-    # v10's holds v9's, its plan and its four ordered attend kernels (two of them make their own plan)
-    attends = {8: (7,), 9: (7, 9), 10: (7, 9, 10), 11: (7, 9, 11)}.get(version, (version,))
+    # v10's holds v9's, its plan and its four ordered attend kernels (two of them make their own plan); v12's
+    # holds v11's
+    attends = {8: (7,), 9: (7, 9), 10: (7, 9, 10), 11: (7, 9, 11), 12: (7, 9, 11, 12)}
+    attends = attends.get(version, (version,))
     attends = [f"tree_verify_v{a}_attend" for a in attends] + [
         f"tree_verify_v10_attend{k}" for k in ("_t", "_own", "_t_own")] * (version == 10)
     own_combines = {f"tree_verify_v8_combine_w{w}": (32 * w, 0) for w in attention._V8_COMBINE_WARPS}
@@ -275,17 +283,21 @@ def test_attention_v8_combine_warps_and_jobs_in_flight_match_the_source():
 
 def test_attention_v7_warp_roles_fit_the_register_file():
     """v7: a producer warpgroup and two MMA warpgroups (NTHREADS), whose setmaxnreg counts (multiples of 8
-    in [24, 256]) fit the 65536 registers of an SM, the bf16 build's and the FP8 build's; the kernel passes
-    the build's pair (PRODUCER_NREG, CONSUMER_NREG)."""
+    in [24, 256]) fit the 65536 registers of an SM, the bf16 build's, the FP8 build's and version 12's; the
+    kernel passes the build's pair (PRODUCER_NREG, CONSUMER_NREG), version 12's its own (V12_*_REGS)."""
     c = consts(attention._V7)
     assert c["NTHREADS"] == attention._V7_THREADS == 3 * 128
     for producer, consumer in ((c["PRODUCER_REGS"], c["CONSUMER_REGS"]),
-                               (c["FP8_PRODUCER_REGS"], c["FP8_CONSUMER_REGS"])):
+                               (c["FP8_PRODUCER_REGS"], c["FP8_CONSUMER_REGS"]),
+                               (c["V12_PRODUCER_REGS"], c["V12_CONSUMER_REGS"])):
         assert all(r % 8 == 0 and 24 <= r <= 256 for r in (producer, consumer))
         assert 128 * producer + 256 * consumer <= 65536
     text = loader.expanded_source(attention._V7)
     assert re.findall(r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32 %0;\\n\" ::\"n\"\((\w+)\)", text) == [
-        ("dec", "PRODUCER_NREG"), ("inc", "CONSUMER_NREG")]
+        ("dec", "PRODUCER_NREG"), ("inc", "NREG")]
+    assert re.search(r"constexpr int NREG = Mix::on \? V12_CONSUMER_REGS : CONSUMER_NREG;", text)
+    v12 = loader.expanded_source(attention._V12)
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32 %0;\\n\" ::\"n\"\(V12_PRODUCER_REGS\)", v12)
     assert re.search(r"#define PRODUCER_NREG \(TV_FP8 \? FP8_PRODUCER_REGS : PRODUCER_REGS\)", text)
     assert re.search(r"#define CONSUMER_NREG \(TV_FP8 \? FP8_CONSUMER_REGS : CONSUMER_REGS\)", text)
 
@@ -294,7 +306,7 @@ def test_attention_v7_warp_roles_fit_the_register_file():
 def test_attention_launches_name_kernels_of_their_sources(version):
     settings = attention.LAUNCHES[version]
     c, bounds = consts(settings.stem), loader.launch_bounds(settings.stem)
-    name = "V11_SMEM" if version == 11 else "V9_SMEM" if version >= 9 else "SMEM_BYTES"
+    name = _SMEM_NAME.get(version, "V9_SMEM" if version >= 9 else "SMEM_BYTES")
     assert settings.smem == c.get(name, 0)
     assert (settings.rows, settings.keys) == ((c["BM"], c["BN"]) if version > 1 else (c["ROWS"], c["KCHUNK"]))
     if version < 5:

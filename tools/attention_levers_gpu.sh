@@ -15,10 +15,13 @@
 #   phases     the plan kernel's phases (tools/plan_phases.py phases)
 #   v11        the GPU tests of version 11 (its cluster kernel: test_cuda_attention.py -k v11, the constants) and of
 #              the cluster primitives it shares (test_cluster_exchange.py)
-#   suite      the attention suite over KDLIB_ATTENTION_IMPLS (default wgmma_v10,wgmma_v11: the default first, as
+#   v12        the GPU tests of version 12 (v7's consumers, the rows past 64 in the producer: test_cuda_attention.py
+#              -k v12, the constants)
+#   suite      the attention suite over KDLIB_ATTENTION_IMPLS (default wgmma_v10,wgmma_v12: the default first, as
 #              the headline), no FlashInfer -> r/attention.<gpu>.json
-#   sanitize   compute-sanitizer memcheck and synccheck over the driver's v11 cases (tools/sanitize_gpu.sh), then
-#              racecheck over the same cases in the checking build (-DTV7_RACECHECK=1) -> r/san, r/san_check
+#   sanitize   compute-sanitizer memcheck and synccheck over the driver's cases of KDLIB_SANITIZE_CASES (default
+#              v11,v12: the one-pass kernels; tools/sanitize_gpu.sh), then racecheck over the same cases in the
+#              checking build (-DTV7_RACECHECK=1) -> r/san, r/san_check
 #   rate       the wgmma_rate suite (each warpgroup MMA shape of the attend kernels alone on every SM)
 #              -> r/wgmma_rate.<gpu>.json
 #   shard1, shard2
@@ -40,9 +43,9 @@ AB=${KDLIB_AB:-}
 STEPS=${*:-tests timeline phases}
 for step in $STEPS; do
   case $step in
-    tests | v11 | suite | sanitize | rate | shard1 | shard2 | timeline | phases | ncu) ;;
+    tests | v11 | v12 | suite | sanitize | rate | shard1 | shard2 | timeline | phases | ncu) ;;
     ab) [ -n "$AB" ] || { echo "step ab needs KDLIB_AB (SUITE:NAME=VALUE[,NAME=VALUE...] ...)" >&2; exit 2; } ;;
-    *) echo "unknown step $step (tests v11 suite sanitize rate shard1 shard2 ab timeline phases ncu)" >&2; exit 2 ;;
+    *) echo "unknown step $step (tests v11 v12 suite sanitize rate shard1 shard2 ab timeline phases ncu)" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$R"
@@ -74,13 +77,17 @@ for step in $STEPS; do
       run v11 240 python3 -m pytest -m gpu tests/test_cuda_attention.py tests/test_kernel_constants.py \
         tests/test_cluster_exchange.py -q -p no:cacheprovider -k "v11 or cluster or wgmma_constants" \
         --junitxml="$R/v11.xml" ;;
+    v12)
+      run v12 240 python3 -m pytest -m gpu tests/test_cuda_attention.py tests/test_kernel_constants.py \
+        -q -p no:cacheprovider -k "v12 or wgmma_constants" --junitxml="$R/v12.xml" ;;
     suite)
-      run suite 300 env KDLIB_ATTENTION_IMPLS="${KDLIB_ATTENTION_IMPLS:-wgmma_v10,wgmma_v11}" \
+      run suite 300 env KDLIB_ATTENTION_IMPLS="${KDLIB_ATTENTION_IMPLS:-wgmma_v10,wgmma_v12}" \
         python3 -m kdlib.perf.run --suite attention --out "$R" ;;
     sanitize)
-      run sanitize 280 env OUT="$R/san" KDLIB_SANITIZE_CASES=v11 KDLIB_SANITIZE_TOOLS="memcheck synccheck" \
+      cases=${KDLIB_SANITIZE_CASES:-v11,v12}
+      run sanitize 280 env OUT="$R/san" KDLIB_SANITIZE_CASES="$cases" KDLIB_SANITIZE_TOOLS="memcheck synccheck" \
         bash tools/sanitize_gpu.sh
-      run sanitize_check 260 env OUT="$R/san_check" KDLIB_SANITIZE_CASES=v11 KDLIB_SANITIZE_TOOLS=racecheck \
+      run sanitize_check 260 env OUT="$R/san_check" KDLIB_SANITIZE_CASES="$cases" KDLIB_SANITIZE_TOOLS=racecheck \
         KDLIB_NVRTC_OPTIONS="-DTV7_RACECHECK=1 -lineinfo" bash tools/sanitize_gpu.sh ;;
     rate)
       run rate 150 python3 -m kdlib.perf.run --suite wgmma_rate --out "$R" ;;

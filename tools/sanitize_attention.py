@@ -16,7 +16,8 @@ kernel (8 heads x 1 and x 2 queries: the workspace call, a ragged batch, a prefi
 its dequantized rows) on the ordered batch, at 8 x 1, on the ragged batch of 3, for a prefix alone and on 160
 ragged requests at 8 x 2 (more jobs than SMs, so a CTA meets tree tails after other jobs' pairs); the FP8
 pool's other path ("v10 fp8 dequant-first": the gather into a bf16 pool, then the bf16 build) on the ragged
-batch of 3 and the ordered batch; version 11 ("wgmma_v11": its cluster kernel) at 8 x 9 on a workspace call, a
+batch of 3 and the ordered batch; version 11 ("wgmma_v11": its cluster kernel) and version 12
+("wgmma_v12": v7's consumers with the rows past 64 in the producer) each at 8 x 9 on a workspace call, a
 ragged batch of 3, the prefix alone and 80 requests.
 KDLIB_SANITIZE_CASES (a comma list of name prefixes, e.g. "v7") keeps some of them. Each output is
 compared with `kdlib.ref.attention` on the same bf16 values (norm-relative error <= 1e-2, lse within
@@ -194,18 +195,20 @@ def cases(only: str = "") -> list[dict]:
     ]
     # version 11's cluster kernel (72 rows a request): one request, a ragged batch of trees of 9, 5 and 8
     # (groups of two jobs and of one, an empty prefix), the prefix alone, and more groups than clusters
-    every += [
-        {"name": "v11 verify 8x9x1000 (workspace)", "shape": {"nh": 8, "nq": 9, "lens": [1000], "sizes": [9]},
-         "version": 11, "call": "verify", "workspace": True},
-        {"name": "v11 verify 8x9 ragged B3",
+    one_pass = [
+        {"name": "verify 8x9x1000 (workspace)", "shape": {"nh": 8, "nq": 9, "lens": [1000], "sizes": [9]},
+         "call": "verify", "workspace": True},
+        {"name": "verify 8x9 ragged B3",
          "shape": {"nh": 8, "nq": 9, "lens": [1000, 0, 357], "sizes": [9, 5, 8]},
-         "version": 11, "call": "verify", "workspace": False},
-        {"name": "v11 prefix 8x9x1000", "shape": {"nh": 8, "nq": 9, "lens": [1000], "sizes": [9]},
-         "version": 11, "call": "prefix", "workspace": False},
-        {"name": "v11 verify 8x9 B80",
+         "call": "verify", "workspace": False},
+        {"name": "prefix 8x9x1000", "shape": {"nh": 8, "nq": 9, "lens": [1000], "sizes": [9]},
+         "call": "prefix", "workspace": False},
+        {"name": "verify 8x9 B80",
          "shape": {"nh": 8, "nq": 9, "lens": [613 * b % 3001 for b in range(80)], "sizes": [9] * 80},
-         "version": 11, "call": "verify", "workspace": False},
+         "call": "verify", "workspace": False},
     ]
+    # and version 12's one-CTA kernel (v7's consumers, the rows past 64 in the producer) on the same four
+    every += [{**c, "name": f"v{v} {c['name']}", "version": v} for v in (11, 12) for c in one_pass]
     return [c for c in every if not keep or c["name"].startswith(keep)]
 
 

@@ -84,6 +84,12 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     two swap the partials through distributed shared memory and add them (the same bits in both), and each
     accumulates the output over its own 256 dims (the kernel file says how). bf16 only; an FP8 pool runs
     version 10.
+  * 12 (`tree_verify/wgmma_v12.cu`, sm_90a only): version 10, but where a request has 65 to 72 query rows
+    (`v11_rows`) one CTA takes a key chunk's rows in one pass: rows 0-63 in version 7's consumers, the rest
+    (at most 8) in the producer warpgroup, which gathers as before and, once a pair has landed, computes
+    those rows' transposed products (version 9's, `wgmma m64n8k16`), their softmax and their output over all
+    512 dims. Its plan is v5's over `v12_plan_grid` CTAs (about one key chunk a CTA); v8's combine. bf16 only;
+    an FP8 pool runs version 10. Built and checked here (ptxas, no spill); not yet run on a GPU.
 FP8 latent cache (issue 19's stretch goal): a kv_cache of dtype uint8 and shape [S, 656] holds each token in
 the layout of `kdlib.ref.fp8` (DeepSeek-V3.2's, FlashMLA's "FP8 with scale", vLLM's `fp8_ds_mla`: 512 e4m3
 latent values, 4 float32 scales, one per 128 of them, 64 bf16 rope values; `kdlib.ref.fp8.pack_latent` writes
@@ -112,7 +118,7 @@ where the device runs it, else 3 where the device grants its 166 KB of shared me
 Deprecated alias: `impl=` names a version as recorded results and kdlib.perf suites do
 (`IMPLS`: "simple" = 1, "mma_v2" / "mma_v3" / "mma_v4" = 2 / 3 / 4, "mma" = `MMA_DEFAULT`,
 "wgmma" = 5, "wgmma_v6" = 6, "wgmma_v7" = 7, "wgmma_v8" = 8, "wgmma_v9" = 9, "wgmma_v10" = 10,
-"wgmma_v11" = 11, "auto" = None); give `version` or `impl`, not both.
+"wgmma_v11" = 11, "wgmma_v12" = 12, "auto" = None); give `version` or `impl`, not both.
 
 Checks before any launch raise ValueError: shapes, dtypes (float32 or bfloat16, all float inputs
 alike), Q <= 65, widths 576/512, and, with `validate=True` (the default, one device sync), the
@@ -152,8 +158,9 @@ _MMA_X_SMEM = 2 * 4 * 16 * 32 * 4  # partial-S exchange between the two halves o
 # The wgmma whole-verify kernels (tree_verify/wgmma_v5.cu, wgmma_v6.cu, wgmma_v7.cu: one plan, one combine,
 # each its own attend kernel; wgmma_v8.cu: v7's plan and attend kernel, its own combine; wgmma_v9.cu: v8's
 # kernels and its own attend kernel; wgmma_v10.cu: v9's with its own plan and ordered attend kernels;
-# wgmma_v11.cu: v9's plan and combine, its own attend kernel of two-CTA clusters), built for sm_90a through
-# NVRTC.
+# wgmma_v11.cu: v9's plan and combine, its own attend kernel of two-CTA clusters; wgmma_v12.cu: the same with
+# an attend kernel of v7's consumers and a producer that also computes the rows past 64), built for sm_90a
+# through NVRTC.
 _V5 = "tree_verify/wgmma_v5"
 _V6 = "tree_verify/wgmma_v6"
 _V7 = "tree_verify/wgmma_v7"
@@ -161,6 +168,7 @@ _V8 = "tree_verify/wgmma_v8"
 _V9 = "tree_verify/wgmma_v9"
 _V10 = "tree_verify/wgmma_v10"
 _V11 = "tree_verify/wgmma_v11"
+_V12 = "tree_verify/wgmma_v12"
 _V5_OPTIONS = loader.SM90A_OPTIONS
 _V5_THREADS = 256  # NTHREADS of the plan and attend kernels (v5, v6)
 _V7_THREADS = 384  # NTHREADS of v7's attend kernel: a producer and two MMA warpgroups
@@ -180,6 +188,9 @@ _V11_NR = 72  # V11_NR: the rows of a request version 11's attend kernel takes i
 _V11_CLUSTER = 2  # its __cluster_dims__: the CTAs of a cluster
 _V11_SMEM = (5 * 72 * 128 + 2 * 5 * 8192 + 2 * 72 * 128 + 4 * 64 * 72 * 4 + 20 * 72 * 4 + 4 * 12 * 4 + 34 * 8
              + 1024)
+# v12 (V12_SMEM): v7's layout and barriers, 3 barriers more, to a 1024-B boundary, then the 8 latent blocks of
+# its producer's rows (8 rows x 128 B each), alignment: 227 KB, the most a block may take
+_V12_SMEM = -(-(3 * 73728 + 5 * 64 * 4 + 4 * 12 * 4 + 33 * 8) // 1024) * 1024 + 8 * 8 * 128 + 1024
 FP8_OPTIONS = ("-DTV_FP8=1",)
 FP8_ROW_BYTES = fp8_ref.layout_bytes()  # 656: 512 e4m3 + 4 float32 scales + 64 bf16 rope (FP8_ROW)
 # An FP8 pool's two paths (fp8_path): "fused", the FP8 build, each tile dequantized in the attend kernel;
@@ -267,8 +278,10 @@ LAUNCHES = {
                      _V5_OPTIONS),
     # version 10 but where a request has 65-72 rows (v11_rows): there clusters of two CTAs of _V11_SMEM
     11: VerifyLaunch(11, "wgmma_v11", _V11, _V7_THREADS, _V11_SMEM, _V5_BM, _V5_BN, options=_V5_OPTIONS),
+    # version 10 but where a request has 65-72 rows (v11_rows): there one CTA a key chunk of _V12_SMEM
+    12: VerifyLaunch(12, "wgmma_v12", _V12, _V7_THREADS, _V12_SMEM, _V5_BM, _V5_BN, options=_V5_OPTIONS),
 }
-WGMMA_VERSIONS = (5, 6, 7, 8, 9, 10, 11)  # the whole-verify versions: sm_90a, plan + attend + combine
+WGMMA_VERSIONS = (5, 6, 7, 8, 9, 10, 11, 12)  # the whole-verify versions: sm_90a, plan + attend + combine
 VERSIONS = tuple(LAUNCHES)
 # The tensor-core prefix kernels by name -> (stem, shared memory bytes), as recorded results name them.
 MMA_VERSIONS = {LAUNCHES[v].impl: (LAUNCHES[v].stem, LAUNCHES[v].smem) for v in (2, 3, 4)}
@@ -519,7 +532,7 @@ def wgmma_available() -> bool:
     props = cupy.cuda.runtime.getDeviceProperties(dev)
     return ((int(props["major"]), int(props["minor"])) == (9, 0)
             and int(props["sharedMemPerBlockOptin"]) >= max(_V5_SMEM, _V6_SMEM, _V7_SMEM, _V9_SMEM,
-                                                                _FP8_SMEM, _V11_SMEM))
+                                                                _FP8_SMEM, _V11_SMEM, _V12_SMEM))
 
 
 def split_plan(bsz: int, row_blocks: int, width: int, tile: int, slots: int) -> tuple[int, int]:
@@ -825,9 +838,15 @@ def _resident_clusters(fn, threads: int, smem: int) -> int:
 
 
 def v11_rows(rows: int) -> bool:
-    """Whether version 11 runs its cluster kernel at Q*H = `rows` a request: two 64-row jobs a key chunk
-    whose rows fit its one pass (64 < rows <= 72); elsewhere version 11 runs version 10."""
+    """Whether versions 11 and 12 run their own attend kernels at Q*H = `rows` a request: two 64-row jobs a
+    key chunk whose rows fit their one pass (64 < rows <= 72); elsewhere they run version 10."""
     return _V5_BM < rows <= _V11_NR
+
+
+def v12_plan_grid(grid: int) -> int:
+    """The CTA count version 12 makes its v5 plan for on `grid` SMs: twice them, so that the plan's jobs, two
+    a key chunk at 65-72 rows, come to about one chunk (a group) a CTA in its first round."""
+    return 2 * grid
 
 
 def v9_options(rows: int) -> tuple[str, ...] | None:
@@ -838,13 +857,14 @@ def v9_options(rows: int) -> tuple[str, ...] | None:
 
 
 class VerifyWorkspace:
-    """Buffers of one version 5 ... 11 ("wgmma" ... "wgmma_v11") call shape (B requests, Q queries, H heads):
+    """Buffers of one version 5 ... 12 ("wgmma" ... "wgmma_v12") call shape (B requests, Q queries, H heads):
     with it a call allocates nothing.
 
     plan [1 + 8 B] int32, order [jobs] int32 (version 10's order of the jobs), parts [jobs, 64, 512] fp32 and
-    part_lse [jobs, 64] fp32 (jobs = v5_max_jobs), out [B*Q*H, 512] fp32 and lse [B*Q*H] fp32 (the returned
-    arrays are views of these: the next call with the same workspace overwrites them). An FP8 pool's
-    dequant-first path adds a bf16 pool and its page table (`fp8_staging`).
+    part_lse [jobs, 64] fp32 (jobs = v5_max_jobs, over `v12_plan_grid` CTAs where `v11_rows`), out [B*Q*H,
+    512] fp32 and lse [B*Q*H] fp32 (the returned arrays are views of these: the next call with the same
+    workspace overwrites them). An FP8 pool's dequant-first path adds a bf16 pool and its page table
+    (`fp8_staging`).
     """
 
     def __init__(self, bsz: int, nq: int, nh: int, fp8_width: int | None = None):
@@ -855,7 +875,7 @@ class VerifyWorkspace:
         self.shape = (bsz, nq, nh)
         self.grid = _device_info()[0]
         rows = nq * nh
-        jobs = v5_max_jobs(bsz, rows, self.grid)
+        jobs = v5_max_jobs(bsz, rows, v12_plan_grid(self.grid) if v11_rows(rows) else self.grid)
         self.plan = cupy.zeros(1 + _V5_PLAN_STRIDE * bsz, dtype=cupy.int32)  # [1 + 8B]
         self.order = cupy.full(jobs, -1, dtype=cupy.int32)  # [jobs]; order [0] = -1: the static deal
         self.parts = cupy.empty((jobs, _V5_BM, KV_LORA_RANK), dtype=cupy.float32)  # [jobs, 64, 512]
@@ -886,7 +906,7 @@ class VerifyWorkspace:
 
 
 def make_workspace(bsz: int, nq: int, nh: int, *, fp8_width: int | None = None) -> VerifyWorkspace:
-    """Preallocated buffers for version 5 ... 11 ("wgmma" ... "wgmma_v11") calls on q of shape
+    """Preallocated buffers for version 5 ... 12 ("wgmma" ... "wgmma_v12") calls on q of shape
     [bsz, nq, nh, 576] (see VerifyWorkspace). fp8_width: also the dequant-first path's buffers for page
     tables that wide (VerifyWorkspace.fp8_staging), as a call made under CUDA-graph capture needs them."""
     return VerifyWorkspace(bsz, nq, nh, fp8_width)
@@ -924,7 +944,7 @@ def _dequant_prefix(pool8, pt, lens, ws: VerifyWorkspace):
 
 def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=False, fp8=None,
                   reuse_plan=False):
-    """The three launches of version 5 ... 11 (plan, the version's attend, its combine) -> (out [B*M, 512],
+    """The three launches of version 5 ... 12 (plan, the version's attend, its combine) -> (out [B*M, 512],
     lse [B*M]) fp32 views of the workspace.
 
     tail = (tree_kv [B, Q, 576], visibility [B, Q, Q], tree_sizes [B]) for the whole verify, None
@@ -944,7 +964,7 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
     if fp8 == "dequant_first":
         kv, pt = _dequant_prefix(kv, pt, lens, ws)
         fp8 = None
-    if version == 11 and (fp8 or not v11_rows(rows)):
+    if version in (11, 12) and (fp8 or not v11_rows(rows)):
         version = 10
     v9 = v9_options(rows) if version in (9, 10) else None
     if version == 9 and v9 is None:
@@ -959,8 +979,8 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
     if ordered:  # v9's consumers where version 9 runs its own kernel, else v7's
         attend, smem = ("tree_verify_v10_attend_t", _V9_SMEM) if v9 else ("tree_verify_v10_attend", _V7_SMEM)
         smem = _FP8_SMEM if fp8 else smem
-    elif version == 11:  # clusters of two CTAs, as many as the device holds at once
-        attend = "tree_verify_v11_attend"
+    elif version in (11, 12):  # 11: clusters of two CTAs, as many as the device holds at once
+        attend = f"tree_verify_v{version}_attend"
     else:
         attend = f"tree_verify_v{7 if version == 8 else version}_attend"  # v8 runs v7's attend kernel
     own = ordered and not plan_ready and own_plan(bsz, reuse_plan)  # no plan kernel
@@ -981,8 +1001,9 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
         clusters = _resident_clusters(attend_fn, settings.threads, smem)
         grid = _V11_CLUSTER * min(ws.grid // _V11_CLUSTER, clusters)
     if not plan_ready and not own:
+        plan_grid = v12_plan_grid(grid) if version == 12 else grid
         plan_fn((1,), (_V5_THREADS,), (lens, sizes, np.int32(bsz), np.int32(width), np.int32(nq),
-                                       np.int32(nh), np.int32(grid), ws.plan, *order))
+                                       np.int32(nh), np.int32(plan_grid), ws.plan, *order))
     pdl = version >= 10 and PDL
     loader.launch(attend_fn, (grid,), (settings.threads,),
                   (qa, kv, pt, tkv, vis, ws.plan, *order, np.int32(bsz), np.int32(width), np.int32(nq),

@@ -57,10 +57,17 @@
 
 // ------------------------------------------------------------------------------------------ attend
 
+// Version 7's attend kernel as it is (version 12's, tree_verify/wgmma_v12.cu, names its own policy).
+struct NoMix {
+    static constexpr bool on = false;
+};
+
 // The attend kernel's body: the producer (ORDERED: version 10's, produce_v10; else the static round-robin) and
-// v7's consumers.
+// v7's consumers. Mix (version 12's): its producer (Mix::produce), the CTAs with work (Mix::ctas), its barriers
+// (Mix::init); the consumers then wait, before they write P into a stage's rope block, until the producer has read
+// it (ROPE8), and arrive on QROPE once they hold a job's Q rope block in registers (the producer reuses it).
 // Shared with version 10's ordered kernel (tree_verify/wgmma_v10.cu).
-template <bool ORDERED>
+template <bool ORDERED, class Mix = NoMix>
 __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv,
                                           const int* __restrict__ page_table,
                                           const __nv_bfloat16* __restrict__ tree_kv,
@@ -69,13 +76,20 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                                           float scale, float* __restrict__ parts, float* __restrict__ part_lse) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     pdl_wait();  // the plan kernel's writes (a launch with programmatic serialization)
-    if ((int)blockIdx.x >= plan_jobs(plan)) return;
+    if constexpr (Mix::on) {
+        if ((int)blockIdx.x >= Mix::ctas(plan, nreq)) return;
+    } else if ((int)blockIdx.x >= plan_jobs(plan)) {
+        return;
+    }
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     unsigned char* gbase = smem_raw + (base - smem_u32(smem_raw));
     int* desc = reinterpret_cast<int*>(gbase + OFF_DESC);  // [NDESC][DESC_INTS]
     const unsigned bars = base + OFF_BARS;
     const int tid = threadIdx.x;
-    if (tid == 0) init_bars(bars);
+    if (tid == 0) {
+        if constexpr (Mix::on) Mix::init(bars);
+        init_bars(bars);
+    }
     __syncthreads();
 
     const int wg = tid >> 7, wt = tid & 127;
@@ -83,13 +97,17 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
 
     if (wg == 0) {
         // ------------------------------------------------------------------------------ producer
-        if constexpr (ORDERED)
+        if constexpr (Mix::on)
+            Mix::produce(base, desc, bars, q, kv, page_table, tree_kv, plan, nreq, P, Q, H, scale, vis, parts,
+                         part_lse, wt);
+        else if constexpr (ORDERED)
             produce_v10(base, desc, bars, q, kv, page_table, tree_kv, plan, order, nreq, P, Q, H, wt);
         else
             produce<false>(base, desc, bars, q, kv, page_table, tree_kv, plan, order, nreq, P, Q, H, wt);
     } else {
         // ----------------------------------------------------------------------------- consumers
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_NREG));
+        constexpr int NREG = Mix::on ? V12_CONSUMER_REGS : CONSUMER_NREG;
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(NREG));
         float* rows = reinterpret_cast<float*>(gbase + OFF_ROWS);
         float* s_m = rows;            // running max after the last consumer's update
         float* s_ca = rows + BM;      // c_A
@@ -132,6 +150,7 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 bar_wait(BAR_QFULL(bars), jobs & 1);
                 ++jobs;
                 if constexpr (QRS) q_rope_frags(base, qf, lr0, lr1, t4);
+                if constexpr (Mix::on) warp_arrive(BAR_QROPE(bars), lane);
             }
             if (TV7_PROBE == 1) {  // the probe: both stages waited for, then released as the pair code does
                 for (int cb = 0; cb < NCB; ++cb) {
@@ -173,6 +192,7 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 s_ca[lr0] = c0;
                 s_ca[lr1] = c1;
                 unsigned pf[4][4];  // P_A: consumer 1 reads it from shared memory, this side from registers
+                if constexpr (Mix::on) bar_wait(BAR_ROPE8(bars, 0), n & 1);  // the producer's S^T read the rope
                 publish_p(s, pf, pa, NB_SCALE_A, lr0, lr1, t4);
                 trace_mark(c, n, 3, wt);
                 // O's rescale after the handoff, so consumer 1 goes on meanwhile: with the mask's fast path,
@@ -230,6 +250,7 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 handoff(NB_SCALE_B);
                 trace_mark(c, n, 4, wt);
                 unsigned pf[4][4];  // P_B: consumer 0 reads it from shared memory, this side from registers
+                if constexpr (Mix::on) bar_wait(BAR_ROPE8(bars, 1), n & 1);
                 publish_p(s, pf, pb, NB_PB, lr0, lr1, t4);
                 trace_mark(c, n, 5, wt);
                 wg_wait<0>();

@@ -355,8 +355,9 @@ __device__ __forceinline__ void pair_t(float* o, float* s, float* m, float* l, c
 // The job's end in consumer x.c: each row's l summed over the g lanes, then (through lsum, RS floats a warp,
 // named barrier NB_LSUM) over consumers 0, 1 and warps 0..3 in that order; the consumer's MB blocks of dims
 // from col0 (v9: its 256) of the valid rows normalised into parts [j, row, dim] (rows past 63 run on into job
-// j + 1's: version 11's 72-row jobs), where lse the rows' lse; then m -inf and l 0 for the next job.
-template <int N, int RS = BM, int MB = 4>
+// j + 1's: version 11's 72-row jobs), where lse the rows' lse; then m -inf and l 0 for the next job. WARPS 4:
+// one warpgroup's rows (version 12's producer, x.c 0), its warps 0..3 through its own barrier NB_WG.
+template <int N, int RS = BM, int MB = 4, int WARPS = 8>
 __device__ __forceinline__ void job_end_t(const float* o, float* m, float* l, int j, int nrows, float* parts,
                                           float* part_lse, const V9Ctx& x, int col0, bool lse) {
 #pragma unroll
@@ -366,14 +367,15 @@ __device__ __forceinline__ void job_end_t(const float* o, float* m, float* l, in
     if (x.g == 0)
 #pragma unroll
         for (int r = 0; r < N / 4; ++r) x.lsum[(x.c * 4 + x.warp) * RS + row_of(r, x.t4)] = l[r];
-    nb_sync(NB_LSUM);
+    if constexpr (WARPS == 8) nb_sync(NB_LSUM);
+    else wg_sync(NB_WG + x.c);
     const long long orow = (long long)j * BM;
 #pragma unroll
     for (int r = 0; r < N / 4; ++r) {
         const int n = row_of(r, x.t4);
         float lt = 0.f;
 #pragma unroll
-        for (int k = 0; k < 8; ++k) lt += x.lsum[k * RS + n];
+        for (int k = 0; k < WARPS; ++k) lt += x.lsum[k * RS + n];
         const float inv = lt > 0.f ? 1.f / lt : 0.f;
         if (n < nrows) {
             float* dst = parts + (orow + n) * D_V + col0 + 16 * x.warp + x.g;

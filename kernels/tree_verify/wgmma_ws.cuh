@@ -21,6 +21,10 @@
 // the FP8 build's producer dequantizes, two chunks a row a thread (72: no spill in any kernel of the build,
 // where 64 spilled; the consumers at 208 build v9's kernels without a spill up to 32 rows, tree_verify/wgmma_v9.cu's
 // V9_FP8_MAX_NR: at 40 v9's own spills): 128 x 72 + 256 x 208 = 62464
+// version 12 (tree_verify/wgmma_v12.cu): the producer also computes 8 rows (their O^T: 32 registers);
+// 128 x 80 + 256 x 216 = 65536 (v7's consumers build without spills from 216: data/results/register_budget.cpu.json)
+#define V12_PRODUCER_REGS 80
+#define V12_CONSUMER_REGS 216
 #define FP8_PRODUCER_REGS 72
 #define FP8_CONSUMER_REGS 208
 #define PRODUCER_NREG (TV_FP8 ? FP8_PRODUCER_REGS : PRODUCER_REGS)  // what the build's setmaxnreg passes
@@ -122,6 +126,10 @@ __device__ __forceinline__ void trace_mark(int c, int n, int e, int wt) {
 #define BAR_QFULL(bars) ((bars) + 8 * (2 * NCB + 6))
 #define BAR_QEMPTY(bars) ((bars) + 8 * (2 * NCB + 7))
 #define BAR_DESC(bars, d) ((bars) + 8 * (2 * NCB + 8 + (d)))
+// version 12's, past version 7's: Q rope read (8 consumer warps, once a job), the rope block of stage s read by the
+// producer (its 4 warps, once a pair)
+#define BAR_QROPE(bars) ((bars) + 8 * NBARS)
+#define BAR_ROPE8(bars, s) ((bars) + 8 * (NBARS + 1 + (s)))
 
 // An arrive by lane 0 of the warp (predicated, no branch): one arrival per warp. The __syncwarp first
 // orders the other lanes' shared-memory accesses (their P stores) before lane 0's release. The checking
