@@ -8,7 +8,8 @@
   kernel's device time per verify (torch profiler, `--reps` eager calls on a workspace after warm-up) and
   the eager call's wall time (CUDA events over the same calls);
 * version 11 with its grid forced to other cluster counts (`--clusters`: its plan made for that grid too),
-  and each build switch of `--define` (NAME=VALUE: -DNAME=VALUE on the wrapper's build) at the device's count.
+  and each build switch of `--define` (NAME=VALUE: -DNAME=VALUE on the wrapper's build) at the device's count;
+* each impl of `--also` timed the same way beside them (e.g. `--also wgmma_v12`: version 12's one-CTA kernel).
 """
 
 from __future__ import annotations
@@ -71,17 +72,19 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--clusters", type=int, nargs="*", default=[33, 66], help="forced cluster counts")
     ap.add_argument("--define", action="append", default=[], help="NAME=VALUE: a build switch's arm")
+    ap.add_argument("--also", action="append", default=[], help="another impl timed beside (e.g. wgmma_v12)")
     a = ap.parse_args()
     fn = loader.get_function(cu._V11, "tree_verify_v11_attend", options=cu.LAUNCHES[11].options)
     loader.set_max_dynamic_shared(fn, cu._V11_SMEM)
     resident = cu._resident_clusters(fn, cu._V7_THREADS, cu._V11_SMEM)  # the wrapper's grid
     doc = {"parameters": {"points": POINTS, "reps": a.reps, "heads": 8, "queries": 9, "smem": cu._V11_SMEM,
-                          "clusters_forced": a.clusters, "defines": a.define},
+                          "clusters_forced": a.clusters, "defines": a.define, "also": a.also},
            "resident_clusters": resident, "points": {}}
     device_count = cu._resident_clusters
     for name, (bsz, width) in POINTS.items():
         args = problem(bsz, width)
         row = {"v10": timed(args, "wgmma_v10", a.reps), "v11": timed(args, "wgmma_v11", a.reps)}
+        row.update({impl.removeprefix("wgmma_"): timed(args, impl, a.reps) for impl in a.also})
         for k in a.clusters:
             cu._resident_clusters = lambda *_, k=k: k  # the grid the wrapper launches and plans for
             row[f"v11 clusters {k}"] = timed(args, "wgmma_v11", a.reps)
