@@ -5,7 +5,8 @@ notebook 02b, 13u), where version 10's had few. This tool counts what the warps 
 instructions, split by role as `tools/ncu_source.py` splits samples (the producer's code, the consumers', the
 rest), for the builds whose attend kernels the records time: version 9's transposed products at each row count
 of its dev run beside version 7's consumers (commit 4d83aab), version 11 before and after its mask branch
-beside version 10 (42d5651, 6b8ab3c), and this tree's version 10 with version 9's consumers at every NR.
+beside version 10 (42d5651, 6b8ab3c), this tree's version 12 (version 7's consumers, the 8 rows past 64 in
+its producer), and this tree's version 10 with version 9's consumers at every NR.
 
 Each build is NVRTC's, as the loader builds it on the GPU (`tools/ncu_source.py`: the commit's kernels/ by
 `git archive`, -lineinfo for the roles; nvdisasm -gi). A role's count is its instructions wherever they
@@ -63,7 +64,8 @@ def builds(head: str) -> list[Build]:
     for rev, what in (("42d5651", "v11"), ("6b8ab3c", "v11 prefix branch")):
         out += [Build(f"v10 ({rev})", rev, "tree_verify/wgmma_v10", "tree_verify_v10_attend_own", (), 2),
                 Build(f"{what} ({rev})", rev, "tree_verify/wgmma_v11", "tree_verify_v11_attend", (), 18)]
-    out += [Build("v10 (head)", head, "tree_verify/wgmma_v10", "tree_verify_v10_attend_own", (), 2)]
+    out += [Build("v10 (head)", head, "tree_verify/wgmma_v10", "tree_verify_v10_attend_own", (), 2),
+            Build("v12 (head)", head, "tree_verify/wgmma_v12", "tree_verify_v12_attend", (), 2)]
     out += [Build(f"v10 v9 consumers NR={nr} (head)", head, "tree_verify/wgmma_v10",
                   "tree_verify_v10_attend_t_own", (f"-DTV9_NR={nr}",), nr // 4) for nr in range(8, 57, 8)]
     return out
