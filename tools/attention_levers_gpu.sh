@@ -17,6 +17,8 @@
 #              the cluster primitives it shares (test_cluster_exchange.py)
 #   v12        the GPU tests of version 12 (v7's consumers, the rows past 64 in the producer: test_cuda_attention.py
 #              -k v12, the constants)
+#   probe      tools/v11_probe.py at the two 8 x 9 points: each kernel's device time a verify for versions 10, 11
+#              and 12 (--also wgmma_v12), no forced cluster counts -> r/attention_v11_probe.<gpu>.json
 #   suite      the attention suite over KDLIB_ATTENTION_IMPLS (default wgmma_v10,wgmma_v12: the default first, as
 #              the headline), no FlashInfer -> r/attention.<gpu>.json
 #   sanitize   compute-sanitizer memcheck and synccheck over the driver's cases of KDLIB_SANITIZE_CASES (default
@@ -43,9 +45,9 @@ AB=${KDLIB_AB:-}
 STEPS=${*:-tests timeline phases}
 for step in $STEPS; do
   case $step in
-    tests | v11 | v12 | suite | sanitize | rate | shard1 | shard2 | timeline | phases | ncu) ;;
+    tests | v11 | v12 | probe | suite | sanitize | rate | shard1 | shard2 | timeline | phases | ncu) ;;
     ab) [ -n "$AB" ] || { echo "step ab needs KDLIB_AB (SUITE:NAME=VALUE[,NAME=VALUE...] ...)" >&2; exit 2; } ;;
-    *) echo "unknown step $step (tests v11 v12 suite sanitize rate shard1 shard2 ab timeline phases ncu)" >&2; exit 2 ;;
+    *) echo "unknown step $step (tests v11 v12 probe suite sanitize rate shard1 shard2 ab timeline phases ncu)" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$R"
@@ -80,6 +82,8 @@ for step in $STEPS; do
     v12)
       run v12 240 python3 -m pytest -m gpu tests/test_cuda_attention.py tests/test_kernel_constants.py \
         -q -p no:cacheprovider -k "v12 or wgmma_constants" --junitxml="$R/v12.xml" ;;
+    probe)
+      run probe 150 python3 tools/v11_probe.py --out "$R" --also wgmma_v12 --clusters ;;
     suite)
       run suite 300 env KDLIB_ATTENTION_IMPLS="${KDLIB_ATTENTION_IMPLS:-wgmma_v10,wgmma_v12}" \
         python3 -m kdlib.perf.run --suite attention --out "$R" ;;
