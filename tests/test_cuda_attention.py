@@ -1668,7 +1668,8 @@ def test_v10_batch_matches_float64_and_version_9_bit_for_bit(bsz, nq, nh, width,
 @pytest.mark.parametrize("impl", ["wgmma_v11", "wgmma_v12"])
 @pytest.mark.parametrize("bsz,nq,nh,width,ragged", [(1, 9, 8, 20_000, False),  # 8 x 9: one request
                                                     (8, 9, 8, 4096, True),  # trees of 1-9: 8-72 rows
-                                                    (3, 3, 24, 3000, False)])  # 72 rows of 24 heads
+                                                    (3, 3, 24, 3000, False),  # 72 rows of 24 heads
+                                                    (2, 2, 35, 3000, False)])  # 70 rows: 6 past 64
 def test_v11_v12_one_pass_kernels_match_float64_and_are_reproducible(impl, bsz, nq, nh, width, ragged):
     """Versions 11 and 12 at 72 rows a request run their one-pass kernels (11: two CTAs split the dims and
     swap partial S^T; 12: v7's consumers take rows 0-63 and the producer the rest): within the bf16
