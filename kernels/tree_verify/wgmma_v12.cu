@@ -33,6 +33,9 @@
 // registers once read (q_rope_frags; they arrive on QROPE), then holds Q8's rope block, P8^T and the rows'
 // arrays: the producer writes there only after QROPE, and its next load of Q comes after its own last reads.
 //
+// tools/barrier_model.py runs this protocol (version 7's and these barriers) as a model under random schedules:
+// no deadlock, no wait two phases behind its barrier.
+//
 // The attend kernel needs sm_90a (wgmma, setmaxnreg); built for another target its body traps.
 // kdlib-arch: sm_90a wgmma=tree_verify_v7_attend,tree_verify_v9_attend,tree_verify_v11_attend,tree_verify_v12_attend
 

@@ -1,0 +1,85 @@
+"""tools/barrier_model.py: the attend kernels' synchronisation (versions 7-10 and 12) under random schedules,
+and mutants of it that the model must refuse (a deadlock, an aliased phase, a named barrier passed twice)."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import barrier_model as bm  # noqa: E402
+
+STREAMS = [[(1, True)], [(1, False)], [(3, True)], [(2, False), (1, True), (1, True), (3, False)],
+           [(1, True)] * 4, [(5, True), (1, False)]]
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["v7", "v12"])
+def test_every_schedule_finishes_and_keeps_the_rules(mixed):
+    rng = random.Random(7)
+    for groups in STREAMS:
+        for _ in range(100):
+            bm.run(bm.stream(groups), mixed, rng)
+    for _ in range(300):
+        bm.run(bm.random_stream(rng), mixed, rng)
+
+
+def _roles(pairs, producer=None, consumer=None):
+    producer = producer or (lambda: bm.producer(pairs, True))
+    consumer = consumer or (lambda c: bm.consumer(c, pairs, True))
+    return {0: producer, 1: lambda: consumer(0), 2: lambda: consumer(1)}
+
+
+def _refused(pairs, roles, match):
+    rng = random.Random(3)
+    with pytest.raises(bm.ProtocolError, match=match):
+        for _ in range(200):  # some schedule shows it
+            bm.run(pairs, True, rng, roles)
+
+
+def test_a_producer_that_arrives_on_rope8_only_with_rows_of_its_own_deadlocks():
+    pairs = bm.stream([(1, True), (2, False)])
+
+    def producer():  # the mutant: no ROPE8 arrival in a group without rows past 64
+        n = -1
+        for op in bm.producer(pairs, True):
+            n += op[0] == "write_desc"
+            if op[0] == "arrive" and op[1] in (("rope8", 0), ("rope8", 1)) and not pairs[n].r8:
+                continue
+            yield op
+
+    _refused(pairs, _roles(pairs, producer=producer), "deadlock")
+
+
+def test_consumers_that_never_arrive_on_qrope_deadlock_the_producer():
+    pairs = bm.stream([(2, True)])
+
+    def consumer(c):
+        yield from (op for op in bm.consumer(c, pairs, True) if op != ("arrive", "qrope"))
+
+    _refused(pairs, _roles(pairs, consumer=consumer), "deadlock")
+
+
+def test_a_producer_that_fills_without_the_releases_runs_two_phases_ahead():
+    pairs = bm.stream([(3, False)])
+
+    def producer():
+        yield from (op for op in bm.producer(pairs, True) if not (op[0] == "wait" and op[1][0] == "empty"))
+
+    _refused(pairs, _roles(pairs, producer=producer), "phases on")
+
+
+def test_a_consumer_without_its_syncs_passes_a_named_barrier_twice():
+    pairs = bm.stream([(3, False)])
+
+    def consumer(c):
+        yield from (op for op in bm.consumer(c, pairs, True) if c == 1 or op[0] != "nb_sync" or op[1] == 4)
+
+    _refused(pairs, _roles(pairs, consumer=consumer), "twice")
+
+
+def test_the_tool_exits_0_when_every_schedule_holds(capsys):
+    assert bm.main(["--runs", "50"]) == 0
+    assert "version 12: 50 random schedules finished" in capsys.readouterr().out

@@ -1,0 +1,219 @@
+"""A model of the warp-specialised attend kernels' synchronisation, run under random schedules (no GPU).
+
+    python3 tools/barrier_model.py [--runs N] [--seed S]       exit 0: every schedule finished cleanly
+
+Versions 7-10's attend kernel (`kernels/tree_verify/wgmma_v7.cu`'s protocol) and version 12's
+(`wgmma_v12.cu`: the producer also computes the rows past 64, with its barriers QROPE and ROPE8) are written
+here as what each warpgroup does to the CTA's barriers, pair by pair: the producer and the two consumers, each
+a sequence of mbarrier arrivals and parity waits and of named-barrier arrivals and syncs, with the kernel's
+counts (one unit a warpgroup: a consumer's four warps' arrivals count one). A schedule runs any warpgroup
+whose next operation can go; it must end with all three done. Checked on the way:
+
+* no deadlock: some warpgroup can always go until all are done;
+* no aliased phase: a parity wait means one phase of its barrier (pair n's fill, job j's Q, ...), and the
+  barrier is never two phases past it when the wait looks (the parity would then read as not yet done);
+* each named barrier's generation is passed by the two consumers, one each (a consumer arriving twice in one
+  would release the other's sync with the wrong pair);
+* the pair-descriptor ring: the producer writes descriptor n only once both consumers read descriptor n - 4.
+
+It models order, not time or data: copies land at once, MMAs take no time. What each kernel's code does
+between the operations is in its file; this model must change with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from dataclasses import dataclass, field
+
+NDESC = 4  # the descriptor ring (NDESC in wgmma_ws.cuh)
+
+
+@dataclass(frozen=True)
+class Pair:
+    """Pair i of a group of `pairs` pairs; r8: the group has rows past 64 (version 12's producer rows)."""
+
+    i: int
+    pairs: int
+    r8: bool
+
+    @property
+    def first(self) -> bool:
+        return self.i == 0
+
+    @property
+    def last(self) -> bool:
+        return self.i == self.pairs - 1
+
+
+def stream(groups: list[tuple[int, bool]]) -> list[Pair]:
+    """A CTA's pairs: each group (pairs, r8) in turn."""
+    return [Pair(i, n, r8) for n, r8 in groups for i in range(n)]
+
+
+# mbarriers and their arrivals a phase (wgmma_ws.cuh's init_bars, V12Mix::init)
+COUNTS = {**{("full", s, g): 1 for s in (0, 1) for g in (0, 1, 2)},  # the producer's fill of a group
+          **{("empty", s, g): 2 if g == 2 else 1 for s in (0, 1) for g in (0, 1, 2)},  # V_L, V_R, rope
+          "qfull": 1, "qempty": 2, "qrope": 2, ("rope8", 0): 1, ("rope8", 1): 1,
+          **{("desc", d): 1 for d in range(NDESC)}}
+
+
+def producer(pairs: list[Pair], mixed: bool):
+    """The producer warpgroup (produce / produce_v12)."""
+    loads = 0
+    for n, p in enumerate(pairs):
+        if p.first:  # a new job (group): its Q once both consumers' S of the last one are done
+            yield ("wait", "qempty", loads - 1)
+            yield ("arrive", "qfull")
+            loads += 1
+        yield ("write_desc", n)
+        yield ("arrive", ("desc", n % NDESC))
+        for s in (0, 1):
+            for g in (0, 1, 2):  # each group once its readers of pair n - 1 released it
+                yield ("wait", ("empty", s, g), n - 1)
+                yield ("arrive", ("full", s, g))
+        if not mixed:
+            continue
+        if p.r8:
+            if p.first:  # Q's rope block in the consumers' registers
+                yield ("wait", "qrope", loads - 1)
+            for s in (0, 1):  # issue_s8: the stage landed, its rope products done
+                for g in (0, 1, 2):
+                    yield ("wait", ("full", s, g), n)
+                yield ("arrive", ("rope8", s))
+        else:
+            yield ("arrive", ("rope8", 0))
+            yield ("arrive", ("rope8", 1))
+
+
+def consumer(c: int, pairs: list[Pair], mixed: bool):
+    """Consumer warpgroup c (attend_v7's branch; Mix::on for version 12)."""
+    jobs = 0
+    for n, p in enumerate(pairs):
+        yield ("wait", ("desc", n % NDESC), n // NDESC)
+        yield ("read_desc", n)
+        if p.first:
+            yield ("wait", "qfull", jobs)
+            jobs += 1
+            if mixed:
+                yield ("arrive", "qrope")
+        for g in (0, 1, 2):  # its S over its own stage c
+            yield ("wait", ("full", c, g), n)
+        if p.last:
+            yield ("arrive", "qempty")
+        if c == 0:
+            if mixed:
+                yield ("wait", ("rope8", 0), n)
+            yield ("nb_arrive", 1)  # publish_p: NB_SCALE_A
+            yield ("arrive", ("empty", 0, 0))  # pv_own_tile: V_AL, the rope block
+            yield ("arrive", ("empty", 0, 2))
+            yield ("nb_sync", 2)  # NB_SCALE_B
+            yield ("nb_sync", 3)  # NB_PB
+            yield ("arrive", ("empty", 1, 0))  # P_B V_BL done
+            yield ("arrive", ("empty", 1, 2))
+        else:
+            yield ("nb_sync", 1)
+            yield ("nb_arrive", 2)  # handoff(NB_SCALE_B)
+            if mixed:
+                yield ("wait", ("rope8", 1), n)
+            yield ("nb_arrive", 3)  # publish_p: NB_PB
+            yield ("arrive", ("empty", 0, 1))  # P_A V_AR done
+            yield ("arrive", ("empty", 0, 2))
+            yield ("arrive", ("empty", 1, 1))  # pv_own_tile: V_BR, the rope block
+            yield ("arrive", ("empty", 1, 2))
+        if p.last:
+            yield ("nb_sync", 4)  # job_end: NB_LSUM
+
+
+class ProtocolError(AssertionError):
+    pass
+
+
+@dataclass
+class Cta:
+    phase: dict = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
+    pending: dict = field(default_factory=lambda: dict(COUNTS))
+    named: dict = field(default_factory=dict)  # id -> (generations ended, actors arrived in the current one)
+    read: dict = field(default_factory=lambda: {1: -1, 2: -1})  # consumer actor -> last descriptor read
+
+    def can(self, actor: int, op: tuple, joined: dict) -> bool:
+        kind = op[0]
+        if kind == "wait":
+            _, bar, k = op
+            if self.phase[bar] > k + 1:
+                raise ProtocolError(f"{bar} is {self.phase[bar]} phases on, past the phase {k} waited for")
+            return self.phase[bar] > k
+        if kind == "nb_sync" and actor in joined:  # arrived already: waiting for the generation to end
+            return self.named[op[1]][0] > joined[actor]
+        if kind == "write_desc" and op[1] >= NDESC:
+            return min(self.read.values()) >= op[1] - NDESC
+        return True
+
+    def do(self, actor: int, op: tuple, joined: dict) -> bool:
+        """Carry op out; False where the actor stays on it (a sync it has joined)."""
+        kind = op[0]
+        if kind == "arrive":
+            self.pending[op[1]] -= 1
+            if self.pending[op[1]] == 0:
+                self.phase[op[1]] += 1
+                self.pending[op[1]] = COUNTS[op[1]]
+        elif kind in ("nb_arrive", "nb_sync"):
+            if actor in joined:  # its sync's generation has ended: on
+                del joined[actor]
+                return True
+            gen, who = self.named.get(op[1], (0, ()))
+            if actor in who:
+                raise ProtocolError(f"named barrier {op[1]}: actor {actor} arrived twice in one generation")
+            who = (*who, actor)
+            done = len(who) == 2  # 256 threads: both consumers
+            self.named[op[1]] = (gen + 1, ()) if done else (gen, who)
+            if kind == "nb_sync" and not done:
+                joined[actor] = gen  # it waits for this generation's end
+                return False
+        elif kind == "read_desc":
+            self.read[actor] = op[1]
+        return True
+
+
+def run(pairs: list[Pair], mixed: bool, rng: random.Random, roles=None) -> None:
+    """One random schedule of a CTA over `pairs`; ProtocolError on a deadlock or a broken rule."""
+    make = roles or {0: lambda: producer(pairs, mixed), 1: lambda: consumer(0, pairs, mixed),
+                     2: lambda: consumer(1, pairs, mixed)}
+    gens = {a: f() for a, f in make.items()}
+    nxt = {a: next(g, None) for a, g in gens.items()}
+    cta, joined = Cta(), {}
+    while any(op is not None for op in nxt.values()):
+        ready = [a for a, op in nxt.items() if op is not None and cta.can(a, op, joined)]
+        if not ready:
+            raise ProtocolError("deadlock: " + ", ".join(f"{a}: {op}" for a, op in nxt.items() if op))
+        a = rng.choice(ready)
+        if cta.do(a, nxt[a], joined):
+            nxt[a] = next(gens[a], None)
+
+
+def random_stream(rng: random.Random) -> list[Pair]:
+    """1-4 groups of 1-3 pairs, each with rows past 64 or not."""
+    return stream([(rng.randint(1, 3), rng.random() < 0.6) for _ in range(rng.randint(1, 4))])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=2000, help="random schedules of each kernel")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    rng = random.Random(a.seed)
+    for name, mixed in (("versions 7-10", False), ("version 12", True)):
+        for _ in range(a.runs):
+            pairs = random_stream(rng)
+            try:
+                run(pairs, mixed, rng)
+            except ProtocolError as e:
+                print(f"{name}: {e} (groups {[(p.pairs, p.r8) for p in pairs if p.first]})")
+                return 1
+        print(f"{name}: {a.runs} random schedules finished, every rule held")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
