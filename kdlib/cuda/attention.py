@@ -188,9 +188,9 @@ _V11_NR = 72  # V11_NR: the rows of a request version 11's attend kernel takes i
 _V11_CLUSTER = 2  # its __cluster_dims__: the CTAs of a cluster
 _V11_SMEM = (5 * 72 * 128 + 2 * 5 * 8192 + 2 * 72 * 128 + 4 * 64 * 72 * 4 + 20 * 72 * 4 + 4 * 12 * 4 + 34 * 8
              + 1024)
-# v12 (V12_SMEM): v7's layout and barriers, 3 barriers more, to a 1024-B boundary, then the 8 latent blocks of
-# its producer's rows (8 rows x 128 B each), alignment: 227 KB, the most a block may take
-_V12_SMEM = -(-(3 * 73728 + 5 * 64 * 4 + 4 * 12 * 4 + 33 * 8) // 1024) * 1024 + 8 * 8 * 128 + 1024
+# v12 (V12_SMEM): v7's layout and barriers with 3 barriers more (no alignment), to a 1024-B boundary, then
+# the 8 latent blocks of its producer's rows (8 rows x 128 B each), alignment: 227 KB, a block's most
+_V12_SMEM = -(-(_V7_SMEM - 1024 + 3 * 8) // 1024) * 1024 + 8 * 8 * 128 + 1024
 FP8_OPTIONS = ("-DTV_FP8=1",)
 FP8_ROW_BYTES = fp8_ref.layout_bytes()  # 656: 512 e4m3 + 4 float32 scales + 64 bf16 rope (FP8_ROW)
 # An FP8 pool's two paths (fp8_path): "fused", the FP8 build, each tile dequantized in the attend kernel;

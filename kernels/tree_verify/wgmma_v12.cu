@@ -151,8 +151,8 @@ __device__ __forceinline__ void pair8(float (&o)[V12_MB * V12_NR / 2], float (&m
 
 // The producer warpgroup (wt: its thread) over the CTA's groups: version 7's gathers, Q and descriptors (the
 // consumers' job: the group's first), then the group's rows past 64 (pair8), written at the group's end.
-__device__ __forceinline__ void produce_v12(unsigned base, int* desc, unsigned bars, const __nv_bfloat16* q,
-                                            const __nv_bfloat16* kv, const int* page_table,
+__device__ __forceinline__ void produce_v12(unsigned base, unsigned char* gbase, int* desc, unsigned bars,
+                                            const __nv_bfloat16* q, const __nv_bfloat16* kv, const int* page_table,
                                             const __nv_bfloat16* tree_kv, const int* plan, int nreq, int P, int Q,
                                             int H, float scale, const unsigned char* vis, float* parts,
                                             float* part_lse, int wt) {
@@ -162,9 +162,7 @@ __device__ __forceinline__ void produce_v12(unsigned base, int* desc, unsigned b
     const char* tkb = reinterpret_cast<const char*>(tree_kv);
     const int lrow = wt >> 3, ch = wt & 7, M = Q * H;
     V9Ctx x;
-    init_ctx<V12_NR>(x, base, k0s, k1s, bars,
-                     reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(desc) - OFF_DESC + V12_OFF_ROWS8), wt,
-                     1, wt, scale);
+    init_ctx<V12_NR>(x, base, k0s, k1s, bars, reinterpret_cast<float*>(gbase + V12_OFF_ROWS8), wt, 1, wt, scale);
     const int ngroups = plan_groups(plan, nreq);
     int g = (int)blockIdx.x;
     auto next = [&] {
@@ -230,13 +228,13 @@ struct V12Mix {
         bar_init(BAR_ROPE8(bars, 0), 4 * WARP_ARRIVALS);
         bar_init(BAR_ROPE8(bars, 1), 4 * WARP_ARRIVALS);
     }
-    static __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars, const __nv_bfloat16* q,
-                                                   const __nv_bfloat16* kv, const int* page_table,
-                                                   const __nv_bfloat16* tree_kv, const int* plan, int nreq, int P,
-                                                   int Q, int H, float scale, const unsigned char* vis,
-                                                   float* parts, float* part_lse, int wt) {
-        produce_v12(base, desc, bars, q, kv, page_table, tree_kv, plan, nreq, P, Q, H, scale, vis, parts, part_lse,
-                    wt);
+    static __device__ __forceinline__ void produce(unsigned base, unsigned char* gbase, int* desc, unsigned bars,
+                                                   const __nv_bfloat16* q, const __nv_bfloat16* kv,
+                                                   const int* page_table, const __nv_bfloat16* tree_kv,
+                                                   const int* plan, int nreq, int P, int Q, int H, float scale,
+                                                   const unsigned char* vis, float* parts, float* part_lse, int wt) {
+        produce_v12(base, gbase, desc, bars, q, kv, page_table, tree_kv, plan, nreq, P, Q, H, scale, vis, parts,
+                    part_lse, wt);
     }
 };
 

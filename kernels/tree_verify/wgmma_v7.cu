@@ -98,8 +98,8 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
     if (wg == 0) {
         // ------------------------------------------------------------------------------ producer
         if constexpr (Mix::on)
-            Mix::produce(base, desc, bars, q, kv, page_table, tree_kv, plan, nreq, P, Q, H, scale, vis, parts,
-                         part_lse, wt);
+            Mix::produce(base, gbase, desc, bars, q, kv, page_table, tree_kv, plan, nreq, P, Q, H, scale, vis,
+                         parts, part_lse, wt);
         else if constexpr (ORDERED)
             produce_v10(base, desc, bars, q, kv, page_table, tree_kv, plan, order, nreq, P, Q, H, wt);
         else
