@@ -16,14 +16,15 @@ STREAMS = [[(1, True)], [(1, False)], [(3, True)], [(2, False), (1, True), (1, T
            [(1, True)] * 4, [(5, True), (1, False)]]
 
 
-@pytest.mark.parametrize("mixed", [False, True], ids=["v7", "v12"])
-def test_every_schedule_finishes_and_keeps_the_rules(mixed):
+@pytest.mark.parametrize("mixed, early", [(False, False), (True, False), (True, True)],
+                         ids=["v7", "v12", "v12_early_refill"])
+def test_every_schedule_finishes_and_keeps_the_rules(mixed, early):
     rng = random.Random(7)
     for groups in STREAMS:
         for _ in range(100):
-            bm.run(bm.stream(groups), mixed, rng)
+            bm.run(bm.stream(groups), mixed, rng, early=early)
     for _ in range(300):
-        bm.run(bm.random_stream(rng), mixed, rng)
+        bm.run(bm.random_stream(rng), mixed, rng, early=early)
 
 
 def _roles(pairs, producer=None, consumer=None):
@@ -32,10 +33,10 @@ def _roles(pairs, producer=None, consumer=None):
     return {0: producer, 1: lambda: consumer(0), 2: lambda: consumer(1)}
 
 
-def _refused(pairs, roles, match):
+def _refused(pairs, roles, match, runs=200):
     rng = random.Random(3)
     with pytest.raises(bm.ProtocolError, match=match):
-        for _ in range(200):  # some schedule shows it
+        for _ in range(runs):  # some schedule shows it
             bm.run(pairs, True, rng, roles)
 
 
@@ -80,6 +81,23 @@ def test_a_consumer_without_its_syncs_passes_a_named_barrier_twice():
     _refused(pairs, _roles(pairs, consumer=consumer), "twice")
 
 
+def test_an_early_refill_that_skips_the_releases_of_its_pair_runs_two_phases_ahead():
+    pairs = bm.stream([(8, True)])
+
+    def producer():  # the mutant: stage 0's early fill without waiting for pair n's releases
+        n = -1
+        for op in bm.producer(pairs, True, early=True):
+            n += op[0] == "write_desc"
+            if op[0] == "wait" and op[1][:2] == ("empty", 0) and op[2] == n:
+                continue
+            yield op
+
+    # about one schedule in 40 shows it
+    _refused(pairs, _roles(pairs, producer=producer), "phases on", runs=1000)
+
+
 def test_the_tool_exits_0_when_every_schedule_holds(capsys):
     assert bm.main(["--runs", "50"]) == 0
-    assert "version 12: 50 random schedules finished" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "version 12: 50 random schedules finished" in out
+    assert "version 12, V12_EARLY_REFILL=1: 50 random schedules finished" in out

@@ -80,6 +80,11 @@ def test_levers_script_runs_the_steps_named_and_the_switches_given(tmp_path, sta
     assert [c for c in calls if c.startswith("python3 ")] == [
         f"{ab} --define FOO=2 --suite kernel_ab_x --out {out}/r #opts=",
         f"{ab} --define FOO=2 --define BAR=1 --suite kernel_ab_xy --out {out}/r #opts="]
+    res = _levers(out, stand_ins, "ab", extra={"KDLIB_AB": "kernel_ab_y:FOO=1", "KDLIB_AB_VERSION": "12"})
+    assert res.returncode == 0, res.stderr
+    calls = stand_ins["log"].read_text().splitlines()
+    assert calls[-1] == ("python3 tools/kernel_ab.py run --version 12 --define FOO=1 --suite kernel_ab_y "
+                         f"--out {out}/r #opts=")
 
 
 def test_levers_script_runs_the_one_pass_kernels_tests_the_suites_and_the_gpu_suite_in_two_shares(tmp_path,

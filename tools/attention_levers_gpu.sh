@@ -2,14 +2,15 @@
 # The verify attention's levers (issue 19) measured in device calls on the H200, each step under its own time
 # limit. Run from the repo root:
 #
-#   OUT=$OUT KDLIB_COMMIT=<sha> [KDLIB_AB=...] bash tools/attention_levers_gpu.sh [STEP ...]
+#   OUT=$OUT KDLIB_COMMIT=<sha> [KDLIB_AB=... [KDLIB_AB_VERSION=N]] bash tools/attention_levers_gpu.sh [STEP ...]
 #                                                              (no STEP: tests timeline phases)
 #
 #   tests      the GPU tests of the plan's kernel and host paths (test_cuda_attention.py: plan_kernel, own_plan,
 #              reuse_plan) and of the traced build (test_attention_timeline.py)
 #   ab         each switch of KDLIB_AB (SUITE:NAME=VALUE[,NAME=VALUE...], space-separated; required for this
-#              step) against this tree's default build: tools/kernel_ab.py run --define (one per NAME=VALUE,
-#              the switches together), one process, arms alternating, outputs compared bit for bit
+#              step) against this tree's default build: tools/kernel_ab.py run --version KDLIB_AB_VERSION
+#              (default 10) --define (one per NAME=VALUE, the switches together), one process, arms
+#              alternating, outputs compared bit for bit
 #              -> r/<SUITE>.<gpu>.json
 #   timeline   the attention_timeline suite (the consumers' pair in SM clocks at the 8 x 65 and 8 x 9 points)
 #   phases     the plan kernel's phases (tools/plan_phases.py phases)
@@ -42,6 +43,7 @@ set -u
 R="$OUT/r"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 AB=${KDLIB_AB:-}
+AB_VERSION=${KDLIB_AB_VERSION:-10}
 STEPS=${*:-tests timeline phases}
 for step in $STEPS; do
   case $step in
@@ -103,7 +105,7 @@ for step in $STEPS; do
         IFS=, read -r -a parts <<<"${pair#*:}"
         defs=()
         for d in "${parts[@]}"; do defs+=(--define "$d"); done
-        run "${pair%%:*}" 150 python3 tools/kernel_ab.py run --version 10 "${defs[@]}" --suite "${pair%%:*}" \
+        run "${pair%%:*}" 150 python3 tools/kernel_ab.py run --version "$AB_VERSION" "${defs[@]}" --suite "${pair%%:*}" \
           --out "$R"
       done ;;
     timeline)

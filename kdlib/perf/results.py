@@ -828,6 +828,13 @@ def load_cluster_exchange(gpu: str = "h200") -> Recorded | None:
     return _recorded("cluster_exchange", gpu, _no_rows)
 
 
+def load_wgmma_rate(gpu: str = "h200") -> Recorded | None:
+    """The recorded wgmma_rate suite on `gpu` (each warpgroup MMA shape of the attend kernels alone on every
+    SM), or None. No rows: read `Recorded.doc["rows"]` (per kind, n and warpgroups `cycles_per_wgmma`,
+    `macs_per_clock`, `timing`, `exact`)."""
+    return _recorded("wgmma_rate", gpu, _no_rows)
+
+
 def load_kernel_ab_repeat(gpu: str = "h200") -> Recorded | None:
     """The recorded `tools/kernel_ab.py repeat` run on `gpu` (each arm n times at one point against a float64
     verify), or None. No rows: read `Recorded.doc["arms"]` (distinct outputs, spread, error per arm)."""

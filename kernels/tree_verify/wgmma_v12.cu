@@ -50,6 +50,9 @@
 #define V12_OFF_PT8 (V12_OFF_R8 + V12_QB)               // P8^T,
 #define V12_OFF_ROWS8 (V12_OFF_PT8 + V12_QB)            // the rows' arrays (init_ctx's, RS = V12_NR)
 #define NB_P8 NB_WG                                     // the producer's 128 threads (v7's consumers use 1-4)
+#ifndef V12_EARLY_REFILL
+#define V12_EARLY_REFILL 0  // 1: the producer refills stage 0 for the next pair between its tiles A and B (else after B)
+#endif
 static_assert(V12_SMEM <= 227 * 1024, "the most shared memory a block may take");
 static_assert(V12_OFF_ROWS8 + 20 * V12_NR * 4 <= OFF_K0, "the producer's rows within Q's rope block");
 static_assert(V11_NR == BM + V12_NR, "a group's rows: one block of 64 and the producer's");
@@ -132,9 +135,12 @@ __device__ __forceinline__ void issue_s8(float (&s)[V12_NR / 2], unsigned kst, i
 
 // The producer's rows over pair n, pair i of the group (tiles 2i, 2i + 1 in stages 0, 1): S8^T of both tiles
 // (issue_s8, stage 0's first: consumer 0 waits for its ROPE8 while stage 1 may still be landing), then tile8
-// of each. The group's first pair (i 0) first waits for Q8's copies (with all of this warpgroup's).
+// of each, mid() between them (stage 0 read to the end). The group's first pair (i 0) first waits for Q8's
+// copies (with all of this warpgroup's).
+template <class Mid>
 __device__ __forceinline__ void pair8(float (&o)[V12_MB * V12_NR / 2], float (&m)[2], float (&l)[2], const Job& jb8,
-                                      int n, int i, const unsigned char* vis, int Q, int H, const V9Ctx& x) {
+                                      int n, int i, const unsigned char* vis, int Q, int H, const V9Ctx& x,
+                                      Mid&& mid) {
     if (i == 0) {
         asm volatile("cp.async.wait_all;\n" ::: "memory");
         wg_sync(NB_P8);  // every producer thread's copies landed
@@ -146,6 +152,7 @@ __device__ __forceinline__ void pair8(float (&o)[V12_MB * V12_NR / 2], float (&m
     reg_fence_n<V12_NR / 2>(sa);
     reg_fence_n<V12_NR / 2>(sb);
     tile8(o, sa, m, l, jb8, 2 * i, x.k0s, i == 0, vis, Q, H, x);
+    mid();
     tile8(o, sb, m, l, jb8, 2 * i + 1, x.k1s, false, vis, Q, H, x);
 }
 
@@ -179,7 +186,8 @@ __device__ __forceinline__ void produce_v12(unsigned base, unsigned char* gbase,
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < V12_MB * V12_NR / 2; ++i) o[i] = 0.f;
-    int groups = 0;  // Q loads so far
+    int groups = 0;        // Q loads so far
+    bool filled0 = false;  // stage 0 of pair n filled already (V12_EARLY_REFILL: during pair n - 1)
     for (int n = 0;; ++n) {
         if (cur.i == 0) {  // a new group: its Q once both consumers' S of the last one are done
             bar_wait(BAR_QEMPTY(bars), (groups & 1) ^ 1);
@@ -188,14 +196,22 @@ __device__ __forceinline__ void produce_v12(unsigned base, unsigned char* gbase,
             ++groups;
         }
         if (wt == 0) put_desc(desc, bars, n, jb, cur, nx, fresh);
-        fill_stage(k0s, bars, 0, n, ra, kvb, tkb, lrow, ch, 0);
+        if (!filled0) fill_stage(k0s, bars, 0, n, ra, kvb, tkb, lrow, ch, 0);
         fill_stage(k1s, bars, 1, n, rb, kvb, tkb, lrow, ch, 0);
+        filled0 = false;
         if (r8 > 0) {
             if (cur.i == 0) {  // Q's rope block in the consumers' registers: Q8's rope block there
                 bar_wait(BAR_QROPE(bars), (groups - 1) & 1);
                 copy_q8(base + V12_OFF_R8, q, job8(jb, r8), M, wt, ROPE_CB, 1);
             }
-            pair8(o, m, l, job8(jb, r8), n, cur.i, vis, Q, H, x);
+            pair8(o, m, l, job8(jb, r8), n, cur.i, vis, Q, H, x, [&] {
+                if (V12_EARLY_REFILL && nx.j >= 0) {  // the next pair's stage 0, once its readers of pair n are done
+                    const Job jn = fresh ? decode_job(plan, nreq, nx.j) : jb;
+                    fill_stage(k0s, bars, 0, n + 1, tile_rows(jn, page_table, P, Q, 2 * nx.i, lrow), kvb, tkb, lrow,
+                               ch, 0);
+                    filled0 = true;
+                }
+            });
             if (nx.j < 0 || fresh) {
                 job_end_t<V12_NR, V12_NR, V12_MB, 4>(o, m, l, cur.j + 1, r8, parts, part_lse, x, 0, true);
                 wg_sync(NB_P8);  // every thread's reads of the rows' sums done: the next Q lands on them
@@ -210,7 +226,7 @@ __device__ __forceinline__ void produce_v12(unsigned base, unsigned char* gbase,
             r8 = rows8_of(plan, jb);
         }
         cur = nx;
-        ra = tile_rows(jb, page_table, P, Q, 2 * cur.i, lrow);
+        if (!filled0) ra = tile_rows(jb, page_table, P, Q, 2 * cur.i, lrow);
         rb = tile_rows(jb, page_table, P, Q, 2 * cur.i + 1, lrow);
         nx = pos_after(jb, cur, fresh, next);
     }
