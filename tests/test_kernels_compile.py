@@ -220,7 +220,10 @@ def _sass(cubin) -> dict[str, str]:
 @pytest.mark.parametrize("source", SOURCES_90A, ids=[s.relative_to(KERNELS).as_posix() for s in SOURCES_90A])
 def test_sm90a_kernels_compile_without_spills_and_use_wgmma(source, tmp_path):
     """Files marked '// kdlib-arch: sm_90a wgmma=<kernels>' also build for sm_90a with nvcc: no warning, no
-    spill, no stack frame, and (where cuobjdump is on PATH) HGMMA in the SASS of each kernel named."""
+    spill, no stack frame, and (where cuobjdump is on PATH) HGMMA in the SASS of each kernel named. Where a
+    kernel moves registers between its warpgroups (setmaxnreg: one producer warpgroup releases, the others
+    take), what they take fits the CTA's pool, the registers it launched with: setmaxnreg.inc waits until the
+    pool has them, so a split past it hangs the kernel (version 12's first build did)."""
     import subprocess
 
     cubin = tmp_path / "k.cubin"
@@ -244,6 +247,13 @@ def test_sm90a_kernels_compile_without_spills_and_use_wgmma(source, tmp_path):
         # each wgmma group ends with the one HGMMA that carries gsb0 and is waited for once; where ptxas
         # serialises the wgmmas (its notes C7510-C7520), every HGMMA carries it and a WARPGROUP.DEPBAR follows
         assert sum("gsb0" in ln for ln in hgmma) < len(hgmma), f"{name}: every wgmma serialised"
+        dec, inc = ({int(v, 16) for v in re.findall(rf"USETMAXREG\.{op}\.CTAPOOL (?:\w+, )?(0x[0-9a-f]+)",
+                                                       by_name[name])} for op in ("DEALLOC", "TRY_ALLOC"))
+        if dec or inc:
+            threads = loader.launch_bounds(source.relative_to(KERNELS).with_suffix("").as_posix())[name][0]
+            assert len(dec) == len(inc) == 1, f"{name}: setmaxnreg counts {dec}, {inc}"
+            pool = entries[name]["registers"] * threads
+            assert 128 * dec.pop() + (threads - 128) * inc.pop() <= pool, f"{name}: past the CTA's {pool}"
 
 
 @pytest.mark.skipif(_NVRTC is None, reason="nvidia-cuda-nvrtc is not installed (requirements.lock pins it)")

@@ -167,7 +167,7 @@ __device__ __forceinline__ void produce_v12(unsigned base, unsigned char* gbase,
     const unsigned k0s = base + OFF_K0, k1s = base + OFF_K1;
     const char* kvb = reinterpret_cast<const char*>(kv);
     const char* tkb = reinterpret_cast<const char*>(tree_kv);
-    const int lrow = wt >> 3, ch = wt & 7, M = Q * H;
+    const int lrow = wt >> 3, ch = wt & 7;
     V9Ctx x;
     init_ctx<V12_NR>(x, base, k0s, k1s, bars, reinterpret_cast<float*>(gbase + V12_OFF_ROWS8), wt, 1, wt, scale);
     const int ngroups = plan_groups(plan, nreq);
@@ -179,7 +179,6 @@ __device__ __forceinline__ void produce_v12(unsigned base, unsigned char* gbase,
     Pos cur{group_job(plan, nreq, g), 0};
     Job jb = decode_job(plan, nreq, cur.j);
     int r8 = rows8_of(plan, jb);
-    TileRows ra = tile_rows(jb, page_table, P, Q, 0, lrow), rb = tile_rows(jb, page_table, P, Q, 1, lrow);
     bool fresh;
     Pos nx = pos_after(jb, cur, fresh, next);
     float o[V12_MB * V12_NR / 2];  // O8^T: dims 64 mb + 16 warp + g (+8), rows 2 t4 (+1)
@@ -191,18 +190,19 @@ __device__ __forceinline__ void produce_v12(unsigned base, unsigned char* gbase,
     for (int n = 0;; ++n) {
         if (cur.i == 0) {  // a new group: its Q once both consumers' S of the last one are done
             bar_wait(BAR_QEMPTY(bars), (groups & 1) ^ 1);
-            load_q(base, BAR_QFULL(bars), q, jb, M, wt);
-            if (r8 > 0) copy_q8(opaque(base + V12_OFF_Q8), q, job8(jb, r8), M, wt, 0, ROPE_CB);
+            load_q(base, BAR_QFULL(bars), q, jb, Q * H, opaque(wt));
+            if (r8 > 0) copy_q8(opaque(base + V12_OFF_Q8), q, job8(jb, r8), Q * H, opaque(wt), 0, ROPE_CB);
             ++groups;
         }
         if (wt == 0) put_desc(desc, bars, n, jb, cur, nx, fresh);
-        if (!filled0) fill_stage(k0s, bars, 0, n, ra, kvb, tkb, lrow, ch, 0);
-        fill_stage(k1s, bars, 1, n, rb, kvb, tkb, lrow, ch, 0);
+        // each stage's rows as it is filled (fewer registers live across the pair than version 7's producer)
+        if (!filled0) fill_stage(k0s, bars, 0, n, tile_rows(jb, page_table, P, Q, 2 * cur.i, lrow), kvb, tkb, lrow, ch, 0);
+        fill_stage(k1s, bars, 1, n, tile_rows(jb, page_table, P, Q, 2 * cur.i + 1, lrow), kvb, tkb, lrow, ch, 0);
         filled0 = false;
         if (r8 > 0) {
             if (cur.i == 0) {  // Q's rope block in the consumers' registers: Q8's rope block there
                 bar_wait(BAR_QROPE(bars), (groups - 1) & 1);
-                copy_q8(base + V12_OFF_R8, q, job8(jb, r8), M, wt, ROPE_CB, 1);
+                copy_q8(base + V12_OFF_R8, q, job8(jb, r8), Q * H, opaque(wt), ROPE_CB, 1);
             }
             pair8(o, m, l, job8(jb, r8), n, cur.i, vis, Q, H, x, [&] {
                 if (V12_EARLY_REFILL && nx.j >= 0) {  // the next pair's stage 0, once its readers of pair n are done
@@ -226,8 +226,6 @@ __device__ __forceinline__ void produce_v12(unsigned base, unsigned char* gbase,
             r8 = rows8_of(plan, jb);
         }
         cur = nx;
-        if (!filled0) ra = tile_rows(jb, page_table, P, Q, 2 * cur.i, lrow);
-        rb = tile_rows(jb, page_table, P, Q, 2 * cur.i + 1, lrow);
         nx = pos_after(jb, cur, fresh, next);
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its thread

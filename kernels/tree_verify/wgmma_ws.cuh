@@ -11,7 +11,9 @@
 #ifndef TV_FP8
 #define TV_FP8 0                               // 1: the prefix pool in FP8 (below, before fill_stage)
 #endif
-// setmaxnreg: 128 x 40 + 256 x 232 = 64512 <= 65536 (-D either to probe the split: tools/register_budget.py)
+// setmaxnreg: 128 x 40 + 256 x 232 = 64512, the CTA's pool: the registers it launched with, 384 x 168 under
+// __launch_bounds__(NTHREADS, 1), from which setmaxnreg.inc draws what .dec released, waiting until they are
+// there (-D either to probe the split: tools/register_budget.py)
 #ifndef PRODUCER_REGS
 #define PRODUCER_REGS 40
 #endif
@@ -22,8 +24,10 @@
 // where 64 spilled; the consumers at 208 build v9's kernels without a spill up to 32 rows, tree_verify/wgmma_v9.cu's
 // V9_FP8_MAX_NR: at 40 v9's own spills): 128 x 72 + 256 x 208 = 62464
 // version 12 (tree_verify/wgmma_v12.cu): the producer also computes 8 rows (their O^T: 32 registers);
-// 128 x 80 + 256 x 216 = 65536 (v7's consumers build without spills from 216: data/results/register_budget.cpu.json)
-#define V12_PRODUCER_REGS 80
+// 128 x 72 + 256 x 216 = 64512, the whole pool (v7's consumers build without spills from 216:
+// data/results/register_budget.cpu.json). The first build's 128 x 80 + 256 x 216 = 65536, the SM's register file,
+// is past the pool: its consumers' setmaxnreg.inc waited for ever (the GPU test hung, 742d34c).
+#define V12_PRODUCER_REGS 72
 #define V12_CONSUMER_REGS 216
 #define FP8_PRODUCER_REGS 72
 #define FP8_CONSUMER_REGS 208
