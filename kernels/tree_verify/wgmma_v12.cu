@@ -51,7 +51,7 @@
 #define V12_OFF_ROWS8 (V12_OFF_PT8 + V12_QB)            // the rows' arrays (init_ctx's, RS = V12_NR)
 #define NB_P8 NB_WG                                     // the producer's 128 threads (v7's consumers use 1-4)
 #ifndef V12_EARLY_REFILL
-#define V12_EARLY_REFILL 0  // 1: the producer refills stage 0 for the next pair between its tiles A and B (else after B)
+#define V12_EARLY_REFILL 0  // 1: the producer refills stage 0 for the next pair between its tiles A and B (0: after B)
 #endif
 static_assert(V12_SMEM <= 227 * 1024, "the most shared memory a block may take");
 static_assert(V12_OFF_ROWS8 + 20 * V12_NR * 4 <= OFF_K0, "the producer's rows within Q's rope block");
@@ -196,7 +196,8 @@ __device__ __forceinline__ void produce_v12(unsigned base, unsigned char* gbase,
         }
         if (wt == 0) put_desc(desc, bars, n, jb, cur, nx, fresh);
         // each stage's rows as it is filled (fewer registers live across the pair than version 7's producer)
-        if (!filled0) fill_stage(k0s, bars, 0, n, tile_rows(jb, page_table, P, Q, 2 * cur.i, lrow), kvb, tkb, lrow, ch, 0);
+        if (!filled0)
+            fill_stage(k0s, bars, 0, n, tile_rows(jb, page_table, P, Q, 2 * cur.i, lrow), kvb, tkb, lrow, ch, 0);
         fill_stage(k1s, bars, 1, n, tile_rows(jb, page_table, P, Q, 2 * cur.i + 1, lrow), kvb, tkb, lrow, ch, 0);
         filled0 = false;
         if (r8 > 0) {
