@@ -99,7 +99,8 @@ def test_levers_script_runs_the_one_pass_kernels_tests_the_suites_and_the_gpu_su
         f"--junitxml={out}/r/v11.xml #opts=",
         "python3 -m pytest -m gpu tests/test_cuda_attention.py tests/test_kernel_constants.py "
         f"-q -p no:cacheprovider -k v12 or wgmma_constants --junitxml={out}/r/v12.xml #opts=",
-        f"python3 tools/v11_probe.py --out {out}/r --also wgmma_v12 --clusters #opts=",
+        f"python3 tools/v11_probe.py --out {out}/r --also wgmma_v12 --define wgmma_v12:V12_EARLY_REFILL=1 "
+        "--clusters #opts=",
         f"python3 -m kdlib.perf.run --suite attention --out {out}/r #opts=",
         f"python3 -m kdlib.perf.run --suite wgmma_rate --out {out}/r #opts=",
         *(f"python3 -m pytest -m gpu tests --shard {k}/2 -q -p no:cacheprovider "

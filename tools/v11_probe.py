@@ -9,7 +9,9 @@
   the eager call's wall time (CUDA events over the same calls);
 * version 11 with its grid forced to other cluster counts (`--clusters`: its plan made for that grid too),
   and each build switch of `--define` (NAME=VALUE: -DNAME=VALUE on the wrapper's build) at the device's count;
-* each impl of `--also` timed the same way beside them (e.g. `--also wgmma_v12`: version 12's one-CTA kernel).
+* each impl of `--also` timed the same way beside them (e.g. `--also wgmma_v12`: version 12's one-CTA kernel);
+  `--define IMPL:NAME=VALUE` times that impl built with the switch instead of version 11 (e.g.
+  `--define wgmma_v12:V12_EARLY_REFILL=1`).
 """
 
 from __future__ import annotations
@@ -66,14 +68,29 @@ def timed(args: tuple, impl: str, reps: int) -> dict:
             "jobs": int(ws.plan[0].get())}
 
 
+def define_arm(define: str) -> tuple[str, str]:
+    """A --define's (impl, NAME=VALUE): 'NAME=VALUE' is version 11's, 'IMPL:NAME=VALUE' that impl's."""
+    impl, _, switch = define.rpartition(":")
+    impl = impl or "wgmma_v11"
+    if cu.IMPLS.get(impl) is None or "=" not in switch or not switch.partition("=")[0].isidentifier():
+        raise ValueError(f"--define takes NAME=VALUE or IMPL:NAME=VALUE (IMPL a kdlib.cuda.attention impl, "
+                         f"e.g. wgmma_v12), got {define!r}")
+    return impl, switch
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="folder of the record")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--clusters", type=int, nargs="*", default=[33, 66], help="forced cluster counts")
-    ap.add_argument("--define", action="append", default=[], help="NAME=VALUE: a build switch's arm")
+    ap.add_argument("--define", action="append", default=[],
+                    help="NAME=VALUE (version 11's) or IMPL:NAME=VALUE: a build switch's arm")
     ap.add_argument("--also", action="append", default=[], help="another impl timed beside (e.g. wgmma_v12)")
     a = ap.parse_args()
+    try:
+        arms = [define_arm(d) for d in a.define]
+    except ValueError as e:
+        ap.error(str(e))
     fn = loader.get_function(cu._V11, "tree_verify_v11_attend", options=cu.LAUNCHES[11].options)
     loader.set_max_dynamic_shared(fn, cu._V11_SMEM)
     resident = cu._resident_clusters(fn, cu._V7_THREADS, cu._V11_SMEM)  # the wrapper's grid
@@ -89,9 +106,9 @@ def main() -> None:
             cu._resident_clusters = lambda *_, k=k: k  # the grid the wrapper launches and plans for
             row[f"v11 clusters {k}"] = timed(args, "wgmma_v11", a.reps)
         cu._resident_clusters = device_count
-        for d in a.define:  # KDLIB_NVRTC_OPTIONS joins the module's cache key: a build of its own
+        for impl, d in arms:  # KDLIB_NVRTC_OPTIONS joins the module's cache key: a build of its own
             os.environ["KDLIB_NVRTC_OPTIONS"] = f"-D{d}"
-            row[f"v11 -D{d}"] = timed(args, "wgmma_v11", a.reps)
+            row[f"{impl.removeprefix('wgmma_')} -D{d}"] = timed(args, impl, a.reps)
             del os.environ["KDLIB_NVRTC_OPTIONS"]
         doc["points"][name] = row
         print(name, {k: round(v["eager_us"], 1) for k, v in row.items()}, flush=True)

@@ -1,0 +1,23 @@
+"""tools/v11_probe.py's build-switch arms (--define): version 11's by default, another impl's when named, and
+a clear refusal of anything else (no GPU)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import v11_probe  # noqa: E402
+
+
+def test_a_define_is_version_11s_unless_it_names_an_impl():
+    assert v11_probe.define_arm("PLAN_SMALL_REQS=0") == ("wgmma_v11", "PLAN_SMALL_REQS=0")
+    assert v11_probe.define_arm("wgmma_v12:V12_EARLY_REFILL=1") == ("wgmma_v12", "V12_EARLY_REFILL=1")
+
+
+@pytest.mark.parametrize("bad", ["wgmma_v99:X=1", "auto:X=1", "X", "wgmma_v12:=1", "wgmma_v12:1X=2"])
+def test_a_define_of_no_impl_or_no_switch_is_refused(bad):
+    with pytest.raises(ValueError, match="NAME=VALUE or IMPL:NAME=VALUE"):
+        v11_probe.define_arm(bad)
