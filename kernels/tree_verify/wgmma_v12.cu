@@ -12,8 +12,9 @@
 // shortest loop, in the warpgroup that has time to spare: the producer (13t: a third of its samples wait for
 // the consumers' releases).
 //
-// The producer (setmaxnreg V12_PRODUCER_REGS) gathers each pair as version 7's does, then, once the pair has
-// landed (its own copies), over the request's rows 64 .. 64 + r8 - 1 (Q8, their 576 dims, zero past r8):
+// The producer (setmaxnreg V12_PRODUCER_REGS) gathers each pair as version 7's does (but reading each tile's
+// page-table slots as it fills it, prefetched a pair ahead: prefetch_slots), then, once the pair has landed (its
+// own copies), over the request's rows 64 .. 64 + r8 - 1 (Q8, their 576 dims, zero past r8):
 //   S8^T [64 keys x 8 rows] = K Q8^T for both tiles (wgmma m64n8k16, A the stage, B Q8), the rope blocks'
 //     products first: once they are done it arrives on ROPE8 of both stages, and consumer c waits on ROPE8 [c]
 //     before it writes its P into its stage's rope block (the producer arrives on it every pair, also where a
@@ -75,6 +76,19 @@ __device__ __forceinline__ void copy_q8(unsigned dst, const __nv_bfloat16* q, co
 // (<= 0: none).
 __device__ __forceinline__ int rows8_of(const int* plan, const Job& jb) {
     return plan[PLAN_HDR + jb.b * PLAN_STRIDE + P_ROWS] - BM;
+}
+
+// Tiles it, it + 1 of job jb (a pair): their page-table slots towards L1, threads wt < 5 a 128-B line each (the
+// pair's 128 slots, 512 B, at any alignment), no registers held past it. Version 7's producer looks the slots up a
+// pair ahead and holds them; this producer holds the 8 rows' O^T instead (its rows spill there), so it reads
+// them as it fills and prefetches them a pair ahead. Tree-key tiles read no slots.
+__device__ __forceinline__ void prefetch_slots(const Job& jb, const int* page_table, int P, int it, int wt) {
+    bool tail = true;
+    int k0 = 0, kend = 0;
+    if (it < jb.ntiles) tile_keys(jb, it, tail, k0, kend);
+    if (wt >= 5 || tail) return;
+    const int* a = page_table + (long long)jb.b * P + min(k0 + 32 * wt, kend - 1);
+    asm volatile("prefetch.global.L1 [%0];\n" ::"l"(a));
 }
 
 // Job jb's tiles over rows 64 .. 64 + r8 - 1.
@@ -200,6 +214,7 @@ __device__ __forceinline__ void produce_v12(unsigned base, unsigned char* gbase,
             fill_stage(k0s, bars, 0, n, tile_rows(jb, page_table, P, Q, 2 * cur.i, lrow), kvb, tkb, lrow, ch, 0);
         fill_stage(k1s, bars, 1, n, tile_rows(jb, page_table, P, Q, 2 * cur.i + 1, lrow), kvb, tkb, lrow, ch, 0);
         filled0 = false;
+        if (nx.j >= 0 && !fresh) prefetch_slots(jb, page_table, P, 2 * nx.i, wt);  // the next pair's, this job's
         if (r8 > 0) {
             if (cur.i == 0) {  // Q's rope block in the consumers' registers: Q8's rope block there
                 bar_wait(BAR_QROPE(bars), (groups - 1) & 1);
