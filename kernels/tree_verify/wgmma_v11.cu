@@ -50,8 +50,8 @@
 #define V11_OFF_BARS (V11_OFF_DESC + NDESC * DESC_INTS * 4)
 #define V11_NBARS (NBARS + 4)                         // version 7's, then XFULL [consumer][parity]
 #define V11_SMEM (V11_OFF_BARS + V11_NBARS * 8 + 1024)  // + slack to align the base to 1024 B: 227408
-// setmaxnreg: 128 x 48 + 256 x 224 = 63488 <= 64512, the CTA's pool (wgmma_ws.cuh; the producer's group walk spills at
-// version 9's 40)
+// setmaxnreg: 128 x 48 + 256 x 224 = 63488 <= 64512, the CTA's pool (wgmma_ws.cuh; the producer's group walk
+// spills at version 9's 40)
 #define V11_PRODUCER_REGS 48
 #define V11_CONSUMER_REGS 224
 #define BAR_XFULL(bars, c, p) ((bars) + 8 * (NBARS + 2 * (c) + (p)))

@@ -80,8 +80,8 @@ __device__ __forceinline__ int rows8_of(const int* plan, const Job& jb) {
 
 // Tiles it, it + 1 of job jb (a pair): their page-table slots towards L1, threads wt < 5 a 128-B line each (the
 // pair's 128 slots, 512 B, at any alignment), no registers held past it. Version 7's producer looks the slots up a
-// pair ahead and holds them; this producer holds the 8 rows' O^T instead (its rows spill there), so it reads
-// them as it fills and prefetches them a pair ahead. Tree-key tiles read no slots.
+// pair ahead and holds them; this one holds the 8 rows' O^T (with the slots too it spills), so it reads them as
+// it fills and prefetches them a pair ahead. Tree-key tiles read no slots.
 __device__ __forceinline__ void prefetch_slots(const Job& jb, const int* page_table, int P, int it, int wt) {
     bool tail = true;
     int k0 = 0, kend = 0;
