@@ -13,6 +13,7 @@ import pytest
 
 from kdlib import DATA, KERNELS
 from kdlib.cuda import accept, attention, compact, loader, moe, tree
+from kdlib.perf.suites.attention_bounds import cta_register_pool
 from kdlib.ref import accept as ref_accept
 
 # the source's name of a version's LAUNCHES smem where it is not v9's (9, 10) or SMEM_BYTES (5-8)
@@ -229,7 +230,7 @@ def test_attention_wgmma_constants_match_the_source(version):
     if version == 11:  # its one pass of a request's rows, and the setmaxnreg counts fit the register file
         assert c["V11_NR"] == attention._V11_NR and c["V11_OFF_BARS"] + c["V11_NBARS"] * 8 + 1024 == smem
         assert c["NTHREADS"] == 3 * 128
-        assert 128 * (c["V11_PRODUCER_REGS"] + 2 * c["V11_CONSUMER_REGS"]) <= _cta_pool(c["NTHREADS"])
+        assert 128 * (c["V11_PRODUCER_REGS"] + 2 * c["V11_CONSUMER_REGS"]) <= cta_register_pool(c["NTHREADS"])
     if version == 10:  # its kernel with v7's consumers launches with v7's
         assert c["SMEM_BYTES"] == attention._V7_SMEM
     if version == 12:  # v7's layout, version 12's barriers past its own, then Q8's eight latent blocks
@@ -281,12 +282,6 @@ def test_attention_v8_combine_warps_and_jobs_in_flight_match_the_source():
     assert tuple(combines) == attention._V8_COMBINE_WARPS
 
 
-def _cta_pool(threads: int) -> int:
-    """The registers a CTA of `threads` launches with at one CTA an SM (__launch_bounds__(threads, 1): a
-    thread's count rounded down to a multiple of 8), the pool setmaxnreg moves registers in: 384 -> 64512."""
-    return threads * (65536 // threads // 8 * 8)
-
-
 def test_attention_v7_warp_roles_fit_the_register_file():
     """v7: a producer warpgroup and two MMA warpgroups (NTHREADS), whose setmaxnreg counts (multiples of 8
     in [24, 256]) fit the CTA's pool (the registers it launched with, not the SM's 65536: an .inc past it
@@ -298,7 +293,7 @@ def test_attention_v7_warp_roles_fit_the_register_file():
                                (c["FP8_PRODUCER_REGS"], c["FP8_CONSUMER_REGS"]),
                                (c["V12_PRODUCER_REGS"], c["V12_CONSUMER_REGS"])):
         assert all(r % 8 == 0 and 24 <= r <= 256 for r in (producer, consumer))
-        assert 128 * producer + 256 * consumer <= _cta_pool(c["NTHREADS"]) == 64512
+        assert 128 * producer + 256 * consumer <= cta_register_pool(c["NTHREADS"]) == 64512
     text = loader.expanded_source(attention._V7)
     assert re.findall(r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32 %0;\\n\" ::\"n\"\((\w+)\)", text) == [
         ("dec", "PRODUCER_NREG"), ("inc", "NREG")]

@@ -107,8 +107,8 @@ for step in $STEPS; do
         IFS=, read -r -a parts <<<"${pair#*:}"
         defs=()
         for d in "${parts[@]}"; do defs+=(--define "$d"); done
-        run "${pair%%:*}" 150 python3 tools/kernel_ab.py run --version "$AB_VERSION" "${defs[@]}" --suite "${pair%%:*}" \
-          --out "$R"
+        run "${pair%%:*}" 150 python3 tools/kernel_ab.py run --version "$AB_VERSION" "${defs[@]}" \
+          --suite "${pair%%:*}" --out "$R"
       done ;;
     timeline)
       run timeline 240 python3 -m kdlib.perf.run --suite attention_timeline --out "$R" ;;

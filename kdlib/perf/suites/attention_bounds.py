@@ -85,6 +85,13 @@ def xor_rows(pool_words: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return np.bitwise_xor.reduce(pool_words[rows].reshape(-1, 4), axis=0)
 
 
+def cta_register_pool(threads: int) -> int:
+    """The registers a block of `threads` threads launches with at one block an SM (__launch_bounds__(threads,
+    1): a thread's share of SM_REGS rounded down to a multiple of 8): the pool setmaxnreg moves registers
+    within, an .inc past it waiting for ever. 384 threads -> 64512, 512 -> all 65536."""
+    return threads * (SM_REGS // threads // 8 * 8)
+
+
 def blocks_per_sm(num_regs: int, threads: int, smem: int) -> int:
     """Blocks of `threads` threads, `num_regs` registers each and `smem` bytes an SM holds at once (registers
     are allocated per warp in units of 256)."""
