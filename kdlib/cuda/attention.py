@@ -89,8 +89,9 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     (at most 8) in the producer warpgroup, which gathers as before and, once a pair has landed, computes
     those rows' transposed products (version 9's, `wgmma m64n8k16`), their softmax and their output over all
     512 dims. Its plan is v5's over `v12_plan_grid` CTAs (about one key chunk a CTA); v8's combine. bf16 only;
-    an FP8 pool runs version 10. Compile-checked (no spill). Its first GPU run hung (a setmaxnreg split past
-    the CTA's register pool, since fixed); the fixed build has not run on a GPU yet.
+    an FP8 pool runs version 10. Its first GPU run hung (a setmaxnreg split past the CTA's register pool,
+    since fixed). Fixed, it passes its GPU tests and compute-sanitizer, but is not the default: it measured
+    slower than version 10 at both 8 x 9 points (notebook 02b, 13w-13x).
 FP8 latent cache (issue 19's stretch goal): a kv_cache of dtype uint8 and shape [S, 656] holds each token in
 the layout of `kdlib.ref.fp8` (DeepSeek-V3.2's, FlashMLA's "FP8 with scale", vLLM's `fp8_ds_mla`: 512 e4m3
 latent values, 4 float32 scales, one per 128 of them, 64 bf16 rope values; `kdlib.ref.fp8.pack_latent` writes
