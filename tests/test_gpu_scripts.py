@@ -52,15 +52,28 @@ def test_levers_script_runs_every_step_and_packs_what_it_made(tmp_path, stand_in
     assert all("regex:^tree_verify_v10_attend(_own)?$" in c and "SourceCounters" in c
                and c.endswith("#opts=-lineinfo") for c in profiled)
     r = out / "r"
-    for name in ("ncu_src.8x65x200k.csv", "ncu_src.8x9x200k.csv"):
+    for name in ("ncu_src.8x65x200k.csv", "ncu_src.8x9x200k.csv", "ncu_src.8x9x200k.details.csv"):
         assert (r / name).read_text().startswith("ncu ran")  # the export's output, renamed
     summary = (r / "summary.txt").read_text().splitlines()
     steps = [s.split()[0] for s in summary if " rc=" in s]
-    assert steps == ["tests", "kernel_ab_four_warps", "timeline", "phases", "ncu_src.8x65x200k",
-                     "ncu_src.8x65x200k.export", "ncu_src.8x9x200k", "ncu_src.8x9x200k.export"]
+    assert steps == ["tests", "kernel_ab_four_warps", "timeline", "phases",
+                     *(f"ncu_src.{p}{e}" for p in ("8x65x200k", "8x9x200k") for e in ("", ".export", ".details"))]
     assert all(" rc=0 " in s for s in summary if " rc=" in s) and summary[-1].startswith("total ")
     with tarfile.open(out / "r.tgz") as t:
         assert "r/summary.txt" in t.getnames() and "r/ncu_src.8x9x200k.csv" in t.getnames()
+
+
+def test_levers_script_profiles_another_impl_at_the_queries_given(tmp_path, stand_ins):
+    out = tmp_path / "out"
+    res = _levers(out, stand_ins, "ncu", extra={"KDLIB_NCU_IMPL": "wgmma_v12", "KDLIB_NCU_QUERIES": "9"})
+    assert res.returncode == 0, res.stderr
+    profiled = [c for c in stand_ins["log"].read_text().splitlines()
+                if c.startswith("ncu ") and "--import " not in c]
+    assert len(profiled) == 1 and "regex:^tree_verify_v12_attend(_own)?$" in profiled[0]
+    assert "--impl wgmma_v12 --heads 8 --queries 9 --prefix 200000" in profiled[0]
+    assert "--section SpeedOfLight" in profiled[0] and "--section MemoryWorkloadAnalysis" in profiled[0]
+    r = out / "r"
+    assert (r / "ncu_src.v12.8x9x200k.csv").exists() and (r / "ncu_src.v12.8x9x200k.details.csv").exists()
 
 
 def test_levers_script_runs_tests_timeline_and_phases_by_default(tmp_path, stand_ins):

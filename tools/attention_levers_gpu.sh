@@ -32,8 +32,10 @@
 #              the whole GPU suite in two shares of equal test counts (tests/conftest.py's --shard), each test's
 #              seconds in r/shardK.xml (what a split by time would read)
 #   ncu        Nsight Compute's source counters (PC sampling: the warps' stall reasons per SASS instruction)
-#              of the default's attend kernel (v7's consumers) built with -lineinfo, at 8 x 65 x 200k and
-#              8 x 9 x 200k: the report and its source page (SASS, CSV) -> r/ncu_src.<point>.{ncu-rep,csv},
+#              and speed-of-light and memory sections of KDLIB_NCU_IMPL's attend kernel (default wgmma_v10: v7's
+#              consumers) built with -lineinfo, at 8 x Q x 200k for each Q of KDLIB_NCU_QUERIES (default
+#              "65 9"): the report, its source page (SASS, CSV) and its details page (CSV)
+#              -> r/ncu_src.[vN.]<point>.{ncu-rep,csv,details.csv} (vN. for an impl other than wgmma_v10),
 #              which tools/ncu_source.py maps to source lines here
 #
 # Each step's time limit is below a device call's 600 s; r/summary.txt records the seconds each took.
@@ -45,6 +47,8 @@ R="$OUT/r"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 AB=${KDLIB_AB:-}
 AB_VERSION=${KDLIB_AB_VERSION:-10}
+NCU_IMPL=${KDLIB_NCU_IMPL:-wgmma_v10}
+NCU_QUERIES=${KDLIB_NCU_QUERIES:-65 9}
 STEPS=${*:-tests timeline phases}
 for step in $STEPS; do
   case $step in
@@ -114,16 +118,21 @@ for step in $STEPS; do
       run timeline 240 python3 -m kdlib.perf.run --suite attention_timeline --out "$R" ;;
     phases)
       run phases 90 python3 tools/plan_phases.py phases --out "$R" ;;
-    ncu)  # up to 8 requests the attend kernel makes its own plan: tree_verify_v10_attend_own
-      for pt in "8 65" "8 9"; do
-        set -- $pt
-        name=ncu_src.${1}x${2}x200k
+    ncu)  # up to 8 requests version 10's attend kernel makes its own plan: tree_verify_v10_attend_own
+      v=${NCU_IMPL#wgmma_v}
+      tag=v$v.
+      [ "$v" = 10 ] && tag=
+      for nq in $NCU_QUERIES; do
+        name=ncu_src.${tag}8x${nq}x200k
         run "$name" 100 env KDLIB_NVRTC_OPTIONS=-lineinfo ncu --clock-control none \
-          --kernel-name "regex:^tree_verify_v10_attend(_own)?$" --launch-skip 1 --launch-count 1 \
-          --section SourceCounters --section WarpStateStats --import-source yes -f -o "$R/$name" \
-          python3 tools/ncu_verify.py --impl wgmma_v10 --heads "$1" --queries "$2" --prefix 200000
+          --kernel-name "regex:^tree_verify_v${v}_attend(_own)?$" --launch-skip 1 --launch-count 1 \
+          --section SourceCounters --section WarpStateStats --section SpeedOfLight \
+          --section MemoryWorkloadAnalysis --import-source yes -f -o "$R/$name" \
+          python3 tools/ncu_verify.py --impl "$NCU_IMPL" --heads 8 --queries "$nq" --prefix 200000
         run "$name.export" 40 ncu --import "$R/$name.ncu-rep" --page source --csv --print-source sass
         mv "$R/$name.export.log" "$R/$name.csv"
+        run "$name.details" 40 ncu --import "$R/$name.ncu-rep" --page details --csv
+        mv "$R/$name.details.log" "$R/$name.details.csv"
       done ;;
   esac
 done
