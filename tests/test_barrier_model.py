@@ -84,16 +84,27 @@ def test_a_consumer_without_its_syncs_passes_a_named_barrier_twice():
 def test_an_early_refill_that_skips_the_releases_of_its_pair_runs_two_phases_ahead():
     pairs = bm.stream([(8, True)])
 
-    def producer():  # the mutant: stage 0's early fill without waiting for pair n's releases
-        n = -1
+    def producer():  # the mutant: stage 0's early fill (after the ROPE8 arrivals) without pair n's releases
+        early = False
         for op in bm.producer(pairs, True, early=True):
-            n += op[0] == "write_desc"
-            if op[0] == "wait" and op[1][:2] == ("empty", 0) and op[2] == n:
+            early = (early or op == ("arrive", ("rope8", 1))) and op != ("arrive", ("full", 0, 2))
+            if early and op[0] == "wait" and op[1][:2] == ("empty", 0):
                 continue
             yield op
 
     # about one schedule in 40 shows it
     _refused(pairs, _roles(pairs, producer=producer), "phases on", runs=1000)
+
+
+def test_a_producer_that_writes_its_descriptors_ahead_of_its_fills_overwrites_an_unread_one():
+    pairs = bm.stream([(8, True)])
+
+    def producer():  # the mutant: every descriptor written first, then the fills
+        ops = list(bm.producer(pairs, True, early=True))
+        yield from (op for op in ops if op[0] == "write_desc" or op[1][0] == "desc")
+        yield from (op for op in ops if op[0] != "write_desc" and op[1][0] != "desc")
+
+    _refused(pairs, _roles(pairs, producer=producer), "not read")
 
 
 def test_the_tool_exits_0_when_every_schedule_holds(capsys):

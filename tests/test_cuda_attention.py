@@ -1677,10 +1677,10 @@ def test_v11_v12_one_pass_kernels_match_float64_and_are_reproducible(impl, optio
                                                                      ragged):
     """Versions 11 and 12 at 72 rows a request run their one-pass kernels (11: two CTAs split the dims and
     swap partial S^T; 12: v7's consumers take rows 0-63 and the producer the rest; also built with
-    V12_EARLY_REFILL, the producer's refill of stage 0 between its tiles): within the bf16 tolerance of a
-    float64 torch reference under each tree size, NaN past it, and the same bits on a second call; ragged
-    trees give groups of one row-block job (<= 64 rows) beside groups of two. Version 10 on the same inputs
-    agrees to the same tolerance (other sum orders: not its bits)."""
+    V12_EARLY_REFILL, the next pair's descriptor and stage 0 between the producer's tiles): within the bf16
+    tolerance of a float64 torch reference under each tree size, NaN past it, and the same bits on a second
+    call; ragged trees give groups of one row-block job (<= 64 rows) beside groups of two. Version 10 on the
+    same inputs agrees to the same tolerance (other sum orders: not its bits)."""
     _need_wgmma()
     from kdlib.cuda import attention as cu
     from kdlib.cuda import loader

@@ -56,8 +56,8 @@ def test_levers_script_runs_every_step_and_packs_what_it_made(tmp_path, stand_in
         assert (r / name).read_text().startswith("ncu ran")  # the export's output, renamed
     summary = (r / "summary.txt").read_text().splitlines()
     steps = [s.split()[0] for s in summary if " rc=" in s]
-    assert steps == ["tests", "kernel_ab_four_warps", "timeline", "phases",
-                     *(f"ncu_src.{p}{e}" for p in ("8x65x200k", "8x9x200k") for e in ("", ".export", ".details"))]
+    ncu = [f"ncu_src.{p}{e}" for p in ("8x65x200k", "8x9x200k") for e in ("", ".export", ".details")]
+    assert steps == ["tests", "kernel_ab_four_warps", "timeline", "phases", *ncu]
     assert all(" rc=0 " in s for s in summary if " rc=" in s) and summary[-1].startswith("total ")
     with tarfile.open(out / "r.tgz") as t:
         assert "r/summary.txt" in t.getnames() and "r/ncu_src.8x9x200k.csv" in t.getnames()

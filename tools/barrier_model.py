@@ -4,7 +4,7 @@
 
 Versions 7-10's attend kernel (`kernels/tree_verify/wgmma_v7.cu`'s protocol) and version 12's
 (`wgmma_v12.cu`: the producer also computes the rows past 64, with its barriers QROPE and ROPE8; with
-V12_EARLY_REFILL it fills the next pair's stage 0 between its two tiles) are written
+V12_EARLY_REFILL it writes the next pair's descriptor and fills its stage 0 between its two tiles) are written
 here as what each warpgroup does to the CTA's barriers, pair by pair: the producer and the two consumers, each
 a sequence of mbarrier arrivals and parity waits and of named-barrier arrivals and syncs, with the kernel's
 counts (one unit a warpgroup: a consumer's four warps' arrivals count one). A schedule runs any warpgroup
@@ -62,14 +62,15 @@ COUNTS = {**{("full", s, g): 1 for s in (0, 1) for g in (0, 1, 2)},  # the produ
 
 def producer(pairs: list[Pair], mixed: bool, early: bool = False):
     """The producer warpgroup (produce / produce_v12; early: V12_EARLY_REFILL=1)."""
-    loads, filled0 = 0, False
+    loads, filled0 = 0, False  # filled0: pair n's descriptor written and stage 0 filled during pair n - 1
     for n, p in enumerate(pairs):
         if p.first:  # a new job (group): its Q once both consumers' S of the last one are done
             yield ("wait", "qempty", loads - 1)
             yield ("arrive", "qfull")
             loads += 1
-        yield ("write_desc", n)
-        yield ("arrive", ("desc", n % NDESC))
+        if not filled0:
+            yield ("write_desc", n)
+            yield ("arrive", ("desc", n % NDESC))
         for s in (1,) if filled0 else (0, 1):
             for g in (0, 1, 2):  # each group once its readers of pair n - 1 released it
                 yield ("wait", ("empty", s, g), n - 1)
@@ -84,7 +85,9 @@ def producer(pairs: list[Pair], mixed: bool, early: bool = False):
                 for g in (0, 1, 2):
                     yield ("wait", ("full", s, g), n)
                 yield ("arrive", ("rope8", s))
-            if early and n + 1 < len(pairs):  # tile A's reads done: stage 0 of pair n + 1
+            if early and n + 1 < len(pairs):  # tile A's reads done: pair n + 1's descriptor and stage 0
+                yield ("write_desc", n + 1)
+                yield ("arrive", ("desc", (n + 1) % NDESC))
                 for g in (0, 1, 2):
                     yield ("wait", ("empty", 0, g), n)
                     yield ("arrive", ("full", 0, g))
@@ -153,8 +156,10 @@ class Cta:
             return self.phase[bar] > k
         if kind == "nb_sync" and actor in joined:  # arrived already: waiting for the generation to end
             return self.named[op[1]][0] > joined[actor]
-        if kind == "write_desc" and op[1] >= NDESC:
-            return min(self.read.values()) >= op[1] - NDESC
+        if kind == "write_desc" and op[1] >= NDESC and min(self.read.values()) < op[1] - NDESC:
+            # the kernel does not wait here: the producer's other waits must already order it
+            raise ProtocolError(f"descriptor {op[1]} written over {op[1] - NDESC}, which a consumer has "
+                                "not read")
         return True
 
     def do(self, actor: int, op: tuple, joined: dict) -> bool:
