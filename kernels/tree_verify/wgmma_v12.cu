@@ -51,6 +51,10 @@
 #define V12_OFF_PT8 (V12_OFF_R8 + V12_QB)               // P8^T,
 #define V12_OFF_ROWS8 (V12_OFF_PT8 + V12_QB)            // the rows' arrays (init_ctx's, RS = V12_NR)
 #define NB_P8 NB_WG                                     // the producer's 128 threads (v7's consumers use 1-4)
+#ifndef V12_EARLY_REFILL
+#define V12_EARLY_REFILL 0  // 1: between its tiles A and B the producer publishes the next pair's descriptor and
+                            // refills stage 0 for it (0: both after B)
+#endif
 static_assert(V12_SMEM <= 227 * 1024, "the most shared memory a block may take");
 static_assert(V12_OFF_ROWS8 + 20 * V12_NR * 4 <= OFF_K0, "the producer's rows within Q's rope block");
 static_assert(V11_NR == BM + V12_NR, "a group's rows: one block of 64 and the producer's");
@@ -146,9 +150,12 @@ __device__ __forceinline__ void issue_s8(float (&s)[V12_NR / 2], unsigned kst, i
 
 // The producer's rows over pair n, pair i of the group (tiles 2i, 2i + 1 in stages 0, 1): S8^T of both tiles
 // (issue_s8, stage 0's first: consumer 0 waits for its ROPE8 while stage 1 may still be landing), then tile8
-// of each. The group's first pair (i 0) first waits for Q8's copies (with all of this warpgroup's).
+// of each, mid() between them (stage 0 read to the end). The group's first pair (i 0) first waits for Q8's
+// copies (with all of this warpgroup's).
+template <class Mid>
 __device__ __forceinline__ void pair8(float (&o)[V12_MB * V12_NR / 2], float (&m)[2], float (&l)[2], const Job& jb8,
-                                      int n, int i, const unsigned char* vis, int Q, int H, const V9Ctx& x) {
+                                      int n, int i, const unsigned char* vis, int Q, int H, const V9Ctx& x,
+                                      Mid&& mid) {
     if (i == 0) {
         asm volatile("cp.async.wait_all;\n" ::: "memory");
         wg_sync(NB_P8);  // every producer thread's copies landed
@@ -160,6 +167,7 @@ __device__ __forceinline__ void pair8(float (&o)[V12_MB * V12_NR / 2], float (&m
     reg_fence_n<V12_NR / 2>(sa);
     reg_fence_n<V12_NR / 2>(sb);
     tile8(o, sa, m, l, jb8, 2 * i, x.k0s, i == 0, vis, Q, H, x);
+    mid();
     tile8(o, sb, m, l, jb8, 2 * i + 1, x.k1s, false, vis, Q, H, x);
 }
 
@@ -193,6 +201,10 @@ __device__ __forceinline__ void produce_v12(unsigned base, unsigned char* gbase,
 #pragma unroll
     for (int i = 0; i < V12_MB * V12_NR / 2; ++i) o[i] = 0.f;
     int groups = 0;        // Q loads so far
+    bool filled0 = false;  // stage 0 of pair n filled already (V12_EARLY_REFILL: during pair n - 1)
+    bool ahead = false;    // V12_EARLY_REFILL: pair n's descriptor and nx2 made during pair n - 1
+    Pos nx2{-1, 0};        // the position after pair n + 1, made early
+    bool fresh2 = false;
     for (int n = 0;; ++n) {
         if (cur.i == 0) {  // a new group: its Q once both consumers' S of the last one are done
             bar_wait(BAR_QEMPTY(bars), (groups & 1) ^ 1);
@@ -200,17 +212,29 @@ __device__ __forceinline__ void produce_v12(unsigned base, unsigned char* gbase,
             if (r8 > 0) copy_q8(opaque(base + V12_OFF_Q8), q, job8(jb, r8), Q * H, opaque(wt), 0, ROPE_CB);
             ++groups;
         }
-        if (wt == 0) put_desc(desc, bars, n, jb, cur, nx, fresh);
+        if (wt == 0 && !ahead) put_desc(desc, bars, n, jb, cur, nx, fresh);
         // each stage's rows as it is filled (fewer registers live across the pair than version 7's producer)
-        fill_stage(k0s, bars, 0, n, tile_rows(jb, page_table, P, Q, 2 * cur.i, lrow), kvb, tkb, lrow, ch, 0);
+        if (!filled0)
+            fill_stage(k0s, bars, 0, n, tile_rows(jb, page_table, P, Q, 2 * cur.i, lrow), kvb, tkb, lrow, ch, 0);
         fill_stage(k1s, bars, 1, n, tile_rows(jb, page_table, P, Q, 2 * cur.i + 1, lrow), kvb, tkb, lrow, ch, 0);
+        filled0 = false;
+        ahead = false;
         if (nx.j >= 0 && !fresh) prefetch_slots(jb, page_table, P, 2 * nx.i, wt);  // the next pair's, this job's
         if (r8 > 0) {
             if (cur.i == 0) {  // Q's rope block in the consumers' registers: Q8's rope block there
                 bar_wait(BAR_QROPE(bars), (groups - 1) & 1);
                 copy_q8(base + V12_OFF_R8, q, job8(jb, r8), Q * H, opaque(wt), ROPE_CB, 1);
             }
-            pair8(o, m, l, job8(jb, r8), n, cur.i, vis, Q, H, x);
+            pair8(o, m, l, job8(jb, r8), n, cur.i, vis, Q, H, x, [&] {
+                if (V12_EARLY_REFILL && nx.j >= 0) {  // the next pair's descriptor (the consumers start it sooner)
+                    const Job jn = fresh ? decode_job(plan, nreq, nx.j) : jb;  // and stage 0, once pair n's reads end
+                    nx2 = pos_after(jn, nx, fresh2, next);
+                    if (wt == 0) put_desc(desc, bars, n + 1, jn, nx, nx2, fresh2);
+                    fill_stage(k0s, bars, 0, n + 1, tile_rows(jn, page_table, P, Q, 2 * nx.i, lrow), kvb, tkb, lrow,
+                               ch, 0);
+                    filled0 = ahead = true;
+                }
+            });
             if (nx.j < 0 || fresh) {
                 job_end_t<V12_NR, V12_NR, V12_MB, 4>(o, m, l, cur.j + 1, r8, parts, part_lse, x, 0, true);
                 wg_sync(NB_P8);  // every thread's reads of the rows' sums done: the next Q lands on them
@@ -225,7 +249,12 @@ __device__ __forceinline__ void produce_v12(unsigned base, unsigned char* gbase,
             r8 = rows8_of(plan, jb);
         }
         cur = nx;
-        nx = pos_after(jb, cur, fresh, next);
+        if (ahead) {
+            nx = nx2;
+            fresh = fresh2;
+        } else {
+            nx = pos_after(jb, cur, fresh, next);
+        }
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its thread
 }
