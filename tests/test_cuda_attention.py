@@ -1667,8 +1667,9 @@ def test_v10_batch_matches_float64_and_version_9_bit_for_bit(bsz, nq, nh, width,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl,options", [("wgmma_v11", ""), ("wgmma_v12", ""),
-                                          ("wgmma_v12", "-DV12_EARLY_REFILL=1")],
-                         ids=["v11", "v12", "v12_early_refill"])
+                                          ("wgmma_v12", "-DV12_EARLY_REFILL=1"),
+                                          ("wgmma_v12", "-DV12_STAGED_SLOTS=1")],
+                         ids=["v11", "v12", "v12_early_refill", "v12_staged_slots"])
 @pytest.mark.parametrize("bsz,nq,nh,width,ragged", [(1, 9, 8, 20_000, False),  # 8 x 9: one request
                                                     (8, 9, 8, 4096, True),  # trees of 1-9: 8-72 rows
                                                     (3, 3, 24, 3000, False),  # 72 rows of 24 heads
@@ -1677,10 +1678,11 @@ def test_v11_v12_one_pass_kernels_match_float64_and_are_reproducible(impl, optio
                                                                      ragged):
     """Versions 11 and 12 at 72 rows a request run their one-pass kernels (11: two CTAs split the dims and
     swap partial S^T; 12: v7's consumers take rows 0-63 and the producer the rest; also built with
-    V12_EARLY_REFILL, the next pair's descriptor and stage 0 between the producer's tiles): within the bf16
-    tolerance of a float64 torch reference under each tree size, NaN past it, and the same bits on a second
-    call; ragged trees give groups of one row-block job (<= 64 rows) beside groups of two. Version 10 on the
-    same inputs agrees to the same tolerance (other sum orders: not its bits)."""
+    V12_EARLY_REFILL, the next pair's descriptor and stage 0 between the producer's tiles, and with
+    V12_STAGED_SLOTS, the next pair's page-table slots copied into shared memory): within the bf16 tolerance
+    of a float64 torch reference under each tree size, NaN past it, and the same bits on a second call;
+    ragged trees give groups of one row-block job (<= 64 rows) beside groups of two. Version 10 on the same
+    inputs agrees to the same tolerance (other sum orders: not its bits)."""
     _need_wgmma()
     from kdlib.cuda import attention as cu
     from kdlib.cuda import loader
