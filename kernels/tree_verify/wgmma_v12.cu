@@ -113,7 +113,9 @@ __device__ __forceinline__ void stage_slots(unsigned slots, const Job& jb, const
                      : "memory");
 }
 
-// tile_rows of tile it (stage s of its pair) with the prefix keys' slots from stage_slots' copies.
+// tile_rows of tile it (stage s of its pair) with the prefix keys' slots from stage_slots' copies. Its loop is
+// tile_rows' own: sharing it (a template over the slots' source) changed version 10's SASS, and tile_rows rebased
+// onto these slots spilled 8 B here under NVRTC.
 __device__ __forceinline__ TileRows stage_rows(const Job& jb, const int* slots, int Q, int it, int s, int lrow) {
     TileRows t;
     int k0 = 0, kend = 0;
