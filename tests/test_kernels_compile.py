@@ -310,20 +310,6 @@ def test_v10_probe_builds_compile_without_spills(probe):
 
 
 @pytest.mark.skipif(_NVRTC is None, reason="nvidia-cuda-nvrtc is not installed (requirements.lock pins it)")
-@pytest.mark.parametrize("switch", [b"-DV12_EARLY_REFILL=1", b"-DV12_STAGED_SLOTS=1"])
-def test_v12_switch_builds_compile_without_spills(switch):
-    """Version 12's A/B switches (its file as the wrapper loads it, the switch given as KDLIB_NVRTC_OPTIONS
-    gives it) build with NVRTC without spills or stack frames, every kernel of the file."""
-    source = KERNELS / "tree_verify" / "wgmma_v12.cu"
-    rc, text = _nvrtc_compile(source, [b"-arch=sm_90a", b"--ptxas-options=-v", switch])
-    assert rc == 0, text
-    infos = loader.parse_ptxas(text.replace("ptxas         .", "ptxas info    :"))
-    assert "tree_verify_v12_attend" in infos
-    for name, info in infos.items():
-        assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, (name, info)
-
-
-@pytest.mark.skipif(_NVRTC is None, reason="nvidia-cuda-nvrtc is not installed (requirements.lock pins it)")
 def test_v10_trace_build_compiles_without_spills():
     """The attention_timeline build (-DTV_TRACE=1: version 10's file as the suite loads it) builds with NVRTC
     without spills or stack frames, every kernel of the file."""

@@ -14,7 +14,7 @@ import v11_probe  # noqa: E402
 
 def test_a_define_is_version_11s_unless_it_names_an_impl():
     assert v11_probe.define_arm("PLAN_SMALL_REQS=0") == ("wgmma_v11", "PLAN_SMALL_REQS=0")
-    assert v11_probe.define_arm("wgmma_v12:V12_EARLY_REFILL=1") == ("wgmma_v12", "V12_EARLY_REFILL=1")
+    assert v11_probe.define_arm("wgmma_v12:PLAN_SMALL_REQS=0") == ("wgmma_v12", "PLAN_SMALL_REQS=0")
 
 
 @pytest.mark.parametrize("bad", ["wgmma_v99:X=1", "auto:X=1", "X", "wgmma_v12:=1", "wgmma_v12:1X=2"])

@@ -20,7 +20,7 @@
 #              -k v12, the constants)
 #   probe      tools/v11_probe.py at the two 8 x 9 points: each kernel's device time a verify for versions 10, 11
 #              and 12 (--also wgmma_v12), and each build of KDLIB_PROBE_DEFINES (IMPL:NAME=VALUE, space-separated;
-#              default wgmma_v12:V12_STAGED_SLOTS=1); no forced cluster counts -> r/attention_v11_probe.<gpu>.json
+#              none by default); no forced cluster counts -> r/attention_v11_probe.<gpu>.json
 #   suite      the attention suite over KDLIB_ATTENTION_IMPLS (default wgmma_v10,wgmma_v12: the default first, as
 #              the headline), no FlashInfer -> r/attention.<gpu>.json
 #   sanitize   compute-sanitizer memcheck and synccheck over the driver's cases of KDLIB_SANITIZE_CASES (default
@@ -91,7 +91,7 @@ for step in $STEPS; do
         -q -p no:cacheprovider -k "v12 or wgmma_constants" --junitxml="$R/v12.xml" ;;
     probe)
       defs=()
-      for d in ${KDLIB_PROBE_DEFINES-wgmma_v12:V12_STAGED_SLOTS=1}; do defs+=(--define "$d"); done
+      for d in ${KDLIB_PROBE_DEFINES:-}; do defs+=(--define "$d"); done
       run probe 200 python3 tools/v11_probe.py --out "$R" --also wgmma_v12 "${defs[@]}" --clusters ;;
     suite)
       run suite 300 env KDLIB_ATTENTION_IMPLS="${KDLIB_ATTENTION_IMPLS:-wgmma_v10,wgmma_v12}" \

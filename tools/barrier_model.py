@@ -3,8 +3,7 @@
     python3 tools/barrier_model.py [--runs N] [--seed S]       exit 0: every schedule finished cleanly
 
 Versions 7-10's attend kernel (`kernels/tree_verify/wgmma_v7.cu`'s protocol) and version 12's
-(`wgmma_v12.cu`: the producer also computes the rows past 64, with its barriers QROPE and ROPE8; with
-V12_EARLY_REFILL it writes the next pair's descriptor and fills its stage 0 between its two tiles) are written
+(`wgmma_v12.cu`: the producer also computes the rows past 64, with its barriers QROPE and ROPE8) are written
 here as what each warpgroup does to the CTA's barriers, pair by pair: the producer and the two consumers, each
 a sequence of mbarrier arrivals and parity waits and of named-barrier arrivals and syncs, with the kernel's
 counts (one unit a warpgroup: a consumer's four warps' arrivals count one). A schedule runs any warpgroup
@@ -60,22 +59,20 @@ COUNTS = {**{("full", s, g): 1 for s in (0, 1) for g in (0, 1, 2)},  # the produ
           **{("desc", d): 1 for d in range(NDESC)}}
 
 
-def producer(pairs: list[Pair], mixed: bool, early: bool = False):
-    """The producer warpgroup (produce / produce_v12; early: V12_EARLY_REFILL=1)."""
-    loads, filled0 = 0, False  # filled0: pair n's descriptor written and stage 0 filled during pair n - 1
+def producer(pairs: list[Pair], mixed: bool):
+    """The producer warpgroup (produce / produce_v12)."""
+    loads = 0
     for n, p in enumerate(pairs):
         if p.first:  # a new job (group): its Q once both consumers' S of the last one are done
             yield ("wait", "qempty", loads - 1)
             yield ("arrive", "qfull")
             loads += 1
-        if not filled0:
-            yield ("write_desc", n)
-            yield ("arrive", ("desc", n % NDESC))
-        for s in (1,) if filled0 else (0, 1):
+        yield ("write_desc", n)
+        yield ("arrive", ("desc", n % NDESC))
+        for s in (0, 1):
             for g in (0, 1, 2):  # each group once its readers of pair n - 1 released it
                 yield ("wait", ("empty", s, g), n - 1)
                 yield ("arrive", ("full", s, g))
-        filled0 = False
         if not mixed:
             continue
         if p.r8:
@@ -85,13 +82,6 @@ def producer(pairs: list[Pair], mixed: bool, early: bool = False):
                 for g in (0, 1, 2):
                     yield ("wait", ("full", s, g), n)
                 yield ("arrive", ("rope8", s))
-            if early and n + 1 < len(pairs):  # tile A's reads done: pair n + 1's descriptor and stage 0
-                yield ("write_desc", n + 1)
-                yield ("arrive", ("desc", (n + 1) % NDESC))
-                for g in (0, 1, 2):
-                    yield ("wait", ("empty", 0, g), n)
-                    yield ("arrive", ("full", 0, g))
-                filled0 = True
         else:
             yield ("arrive", ("rope8", 0))
             yield ("arrive", ("rope8", 1))
@@ -188,9 +178,9 @@ class Cta:
         return True
 
 
-def run(pairs: list[Pair], mixed: bool, rng: random.Random, roles=None, early: bool = False) -> None:
+def run(pairs: list[Pair], mixed: bool, rng: random.Random, roles=None) -> None:
     """One random schedule of a CTA over `pairs`; ProtocolError on a deadlock or a broken rule."""
-    make = roles or {0: lambda: producer(pairs, mixed, early), 1: lambda: consumer(0, pairs, mixed),
+    make = roles or {0: lambda: producer(pairs, mixed), 1: lambda: consumer(0, pairs, mixed),
                      2: lambda: consumer(1, pairs, mixed)}
     gens = {a: f() for a, f in make.items()}
     nxt = {a: next(g, None) for a, g in gens.items()}
@@ -215,12 +205,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     rng = random.Random(a.seed)
-    for name, mixed, early in (("versions 7-10", False, False), ("version 12", True, False),
-                               ("version 12, V12_EARLY_REFILL=1", True, True)):
+    for name, mixed in (("versions 7-10", False), ("version 12", True)):
         for _ in range(a.runs):
             pairs = random_stream(rng)
             try:
-                run(pairs, mixed, rng, early=early)
+                run(pairs, mixed, rng)
             except ProtocolError as e:
                 print(f"{name}: {e} (groups {[(p.pairs, p.r8) for p in pairs if p.first]})")
                 return 1

@@ -11,7 +11,7 @@
   and each build switch of `--define` (NAME=VALUE: -DNAME=VALUE on the wrapper's build) at the device's count;
 * each impl of `--also` timed the same way beside them (e.g. `--also wgmma_v12`: version 12's one-CTA kernel);
   `--define IMPL:NAME=VALUE` times that impl built with the switch instead of version 11 (e.g.
-  `--define wgmma_v12:V12_EARLY_REFILL=1`).
+  `--define wgmma_v12:PLAN_SMALL_REQS=0`).
 """
 
 from __future__ import annotations

@@ -32,8 +32,7 @@
 // Shared memory: version 7's layout, its barriers then QROPE and ROPE8 [2]; Q8's eight latent blocks (8 rows x
 // 128 B each, 128-B swizzle) past them, to 227 KB. Q's rope block, which the bf16 build's consumers hold in
 // registers once read (q_rope_frags; they arrive on QROPE), then holds Q8's rope block, P8^T and the rows'
-// arrays (and, with V12_STAGED_SLOTS, the next pair's page-table slots, staged only within a job): the producer
-// writes there only after QROPE, and its next load of Q comes after its own last reads.
+// arrays: the producer writes there only after QROPE, and its next load of Q comes after its own last reads.
 //
 // tools/barrier_model.py runs this protocol (version 7's and these barriers) as a model under random schedules:
 // no deadlock, no wait two phases behind its barrier.
@@ -51,18 +50,9 @@
 #define V12_OFF_R8 (ROPE_CB * CB_BYTES)                 // in Q's rope block: Q8's rope block,
 #define V12_OFF_PT8 (V12_OFF_R8 + V12_QB)               // P8^T,
 #define V12_OFF_ROWS8 (V12_OFF_PT8 + V12_QB)            // the rows' arrays (init_ctx's, RS = V12_NR)
-#define V12_OFF_SLOTS8 (V12_OFF_ROWS8 + 20 * V12_NR * 4)  // V12_STAGED_SLOTS: the next pair's slots [2][BM] int
 #define NB_P8 NB_WG                                     // the producer's 128 threads (v7's consumers use 1-4)
-#ifndef V12_EARLY_REFILL
-#define V12_EARLY_REFILL 0  // 1: between its tiles A and B the producer publishes the next pair's descriptor and
-                            // refills stage 0 for it (0: both after B)
-#endif
 static_assert(V12_SMEM <= 227 * 1024, "the most shared memory a block may take");
-#ifndef V12_STAGED_SLOTS
-#define V12_STAGED_SLOTS 0  // 1: the producer copies the next pair's page-table slots into Q's rope block before its
-                            // rows' pass, and its next fills read them there (0: from global memory as it fills)
-#endif
-static_assert(V12_OFF_SLOTS8 + 2 * BM * 4 <= OFF_K0, "the producer's rows and slots within Q's rope block");
+static_assert(V12_OFF_ROWS8 + 20 * V12_NR * 4 <= OFF_K0, "the producer's rows within Q's rope block");
 static_assert(V11_NR == BM + V12_NR, "a group's rows: one block of 64 and the producer's");
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -96,40 +86,6 @@ __device__ __forceinline__ void prefetch_slots(const Job& jb, const int* page_ta
     if (wt >= 5 || tail) return;
     const int* a = page_table + (long long)jb.b * P + min(k0 + 32 * wt, kend - 1);
     asm volatile("prefetch.global.L1 [%0];\n" ::"l"(a));
-}
-
-// V12_STAGED_SLOTS: the page-table slots of tiles it, it + 1 of job jb (a pair) into slots [2][BM] in shared
-// memory, thread wt the slot of row wt % 64 of tile it + wt / 64 (cp.async, 4 B; none past the keys or in a
-// tree-key tile). Read by stage_rows once every producer thread's copies are waited for and a barrier passed.
-__device__ __forceinline__ void stage_slots(unsigned slots, const Job& jb, const int* page_table, int P, int it,
-                                            int wt) {
-    bool tail = true;
-    int k0 = 0, kend = 0;
-    if (it + wt / BM < jb.ntiles) tile_keys(jb, it + wt / BM, tail, k0, kend);
-    const int key = k0 + wt % BM;
-    if (!tail && key < kend)
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(slots + wt * 4),
-                     "l"(page_table + (long long)jb.b * P + key)
-                     : "memory");
-}
-
-// tile_rows of tile it (stage s of its pair) with the prefix keys' slots from stage_slots' copies. Its loop is
-// tile_rows' own: sharing it (a template over the slots' source) changed version 10's SASS, and tile_rows rebased
-// onto these slots spilled 8 B here under NVRTC.
-__device__ __forceinline__ TileRows stage_rows(const Job& jb, const int* slots, int Q, int it, int s, int lrow) {
-    TileRows t;
-    int k0 = 0, kend = 0;
-    t.tail = false;
-    if (it < jb.ntiles) tile_keys(jb, it, t.tail, k0, kend);
-    t.valid = 0;
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-        const int key = k0 + lrow + 16 * p;
-        const bool ok = key < kend;
-        t.valid |= ok << p;
-        t.row[p] = t.tail ? jb.b * Q + (ok ? key : 0) : (ok ? slots[s * BM + lrow + 16 * p] : 0);
-    }
-    return t;
 }
 
 // Job jb's tiles over rows 64 .. 64 + r8 - 1.
@@ -190,12 +146,9 @@ __device__ __forceinline__ void issue_s8(float (&s)[V12_NR / 2], unsigned kst, i
 
 // The producer's rows over pair n, pair i of the group (tiles 2i, 2i + 1 in stages 0, 1): S8^T of both tiles
 // (issue_s8, stage 0's first: consumer 0 waits for its ROPE8 while stage 1 may still be landing), then tile8
-// of each, mid() between them (stage 0 read to the end). The group's first pair (i 0) first waits for Q8's
-// copies (with all of this warpgroup's).
-template <class Mid>
+// of each. The group's first pair (i 0) first waits for Q8's copies (with all of this warpgroup's).
 __device__ __forceinline__ void pair8(float (&o)[V12_MB * V12_NR / 2], float (&m)[2], float (&l)[2], const Job& jb8,
-                                      int n, int i, const unsigned char* vis, int Q, int H, const V9Ctx& x,
-                                      Mid&& mid) {
+                                      int n, int i, const unsigned char* vis, int Q, int H, const V9Ctx& x) {
     if (i == 0) {
         asm volatile("cp.async.wait_all;\n" ::: "memory");
         wg_sync(NB_P8);  // every producer thread's copies landed
@@ -207,7 +160,6 @@ __device__ __forceinline__ void pair8(float (&o)[V12_MB * V12_NR / 2], float (&m
     reg_fence_n<V12_NR / 2>(sa);
     reg_fence_n<V12_NR / 2>(sb);
     tile8(o, sa, m, l, jb8, 2 * i, x.k0s, i == 0, vis, Q, H, x);
-    mid();
     tile8(o, sb, m, l, jb8, 2 * i + 1, x.k1s, false, vis, Q, H, x);
 }
 
@@ -241,12 +193,6 @@ __device__ __forceinline__ void produce_v12(unsigned base, unsigned char* gbase,
 #pragma unroll
     for (int i = 0; i < V12_MB * V12_NR / 2; ++i) o[i] = 0.f;
     int groups = 0;        // Q loads so far
-    bool filled0 = false;  // stage 0 of pair n filled already (V12_EARLY_REFILL: during pair n - 1)
-    bool ahead = false;    // V12_EARLY_REFILL: pair n's descriptor and nx2 made during pair n - 1
-    Pos nx2{-1, 0};        // the position after pair n + 1, made early
-    bool fresh2 = false;
-    bool staged = false;  // V12_STAGED_SLOTS: pair n's slots copied during pair n - 1
-    const int* slots = reinterpret_cast<const int*>(gbase + V12_OFF_SLOTS8);
     for (int n = 0;; ++n) {
         if (cur.i == 0) {  // a new group: its Q once both consumers' S of the last one are done
             bar_wait(BAR_QEMPTY(bars), (groups & 1) ^ 1);
@@ -254,45 +200,17 @@ __device__ __forceinline__ void produce_v12(unsigned base, unsigned char* gbase,
             if (r8 > 0) copy_q8(opaque(base + V12_OFF_Q8), q, job8(jb, r8), Q * H, opaque(wt), 0, ROPE_CB);
             ++groups;
         }
-        if (wt == 0 && !ahead) put_desc(desc, bars, n, jb, cur, nx, fresh);
+        if (wt == 0) put_desc(desc, bars, n, jb, cur, nx, fresh);
         // each stage's rows as it is filled (fewer registers live across the pair than version 7's producer)
-        if (V12_STAGED_SLOTS && staged) {
-            asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's slot copies (pair n - 1 landed)
-            wg_sync(NB_P8);                                       // and every producer thread's
-            if (!filled0)
-                fill_stage(k0s, bars, 0, n, stage_rows(jb, slots, Q, 2 * cur.i, 0, lrow), kvb, tkb, lrow, ch, 0);
-            fill_stage(k1s, bars, 1, n, stage_rows(jb, slots, Q, 2 * cur.i + 1, 1, lrow), kvb, tkb, lrow, ch, 0);
-        } else {
-            if (!filled0)
-                fill_stage(k0s, bars, 0, n, tile_rows(jb, page_table, P, Q, 2 * cur.i, lrow), kvb, tkb, lrow, ch,
-                           0);
-            fill_stage(k1s, bars, 1, n, tile_rows(jb, page_table, P, Q, 2 * cur.i + 1, lrow), kvb, tkb, lrow, ch,
-                       0);
-        }
-        filled0 = false;
-        ahead = false;
-        staged = false;
-        if (!V12_STAGED_SLOTS && nx.j >= 0 && !fresh)
-            prefetch_slots(jb, page_table, P, 2 * nx.i, wt);  // the next pair's, this job's
+        fill_stage(k0s, bars, 0, n, tile_rows(jb, page_table, P, Q, 2 * cur.i, lrow), kvb, tkb, lrow, ch, 0);
+        fill_stage(k1s, bars, 1, n, tile_rows(jb, page_table, P, Q, 2 * cur.i + 1, lrow), kvb, tkb, lrow, ch, 0);
+        if (nx.j >= 0 && !fresh) prefetch_slots(jb, page_table, P, 2 * nx.i, wt);  // the next pair's, this job's
         if (r8 > 0) {
             if (cur.i == 0) {  // Q's rope block in the consumers' registers: Q8's rope block there
                 bar_wait(BAR_QROPE(bars), (groups - 1) & 1);
                 copy_q8(base + V12_OFF_R8, q, job8(jb, r8), Q * H, opaque(wt), ROPE_CB, 1);
             }
-            if (V12_STAGED_SLOTS && nx.j >= 0 && !fresh) {  // the next pair's slots, this job's, into Q's rope
-                stage_slots(base + V12_OFF_SLOTS8, jb, page_table, P, 2 * nx.i, wt);  // block (the producer's now)
-                staged = true;
-            }
-            pair8(o, m, l, job8(jb, r8), n, cur.i, vis, Q, H, x, [&] {
-                if (V12_EARLY_REFILL && nx.j >= 0) {  // the next pair's descriptor (the consumers start it sooner)
-                    const Job jn = fresh ? decode_job(plan, nreq, nx.j) : jb;  // and stage 0, once pair n's reads end
-                    nx2 = pos_after(jn, nx, fresh2, next);
-                    if (wt == 0) put_desc(desc, bars, n + 1, jn, nx, nx2, fresh2);
-                    fill_stage(k0s, bars, 0, n + 1, tile_rows(jn, page_table, P, Q, 2 * nx.i, lrow), kvb, tkb, lrow,
-                               ch, 0);
-                    filled0 = ahead = true;
-                }
-            });
+            pair8(o, m, l, job8(jb, r8), n, cur.i, vis, Q, H, x);
             if (nx.j < 0 || fresh) {
                 job_end_t<V12_NR, V12_NR, V12_MB, 4>(o, m, l, cur.j + 1, r8, parts, part_lse, x, 0, true);
                 wg_sync(NB_P8);  // every thread's reads of the rows' sums done: the next Q lands on them
@@ -307,12 +225,7 @@ __device__ __forceinline__ void produce_v12(unsigned base, unsigned char* gbase,
             r8 = rows8_of(plan, jb);
         }
         cur = nx;
-        if (ahead) {
-            nx = nx2;
-            fresh = fresh2;
-        } else {
-            nx = pos_after(jb, cur, fresh, next);
-        }
+        nx = pos_after(jb, cur, fresh, next);
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its thread
 }
