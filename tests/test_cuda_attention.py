@@ -1691,6 +1691,52 @@ def test_v11_v12_one_pass_kernels_match_float64_and_are_reproducible(impl, bsz, 
     assert not np.array_equal(out.get(), out10.get(), equal_nan=True), f"{impl} ran version 10's kernels"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("bsz,nq,nh,width,ragged,merged", [
+    (1, 65, 64, 3000, False, True),  # 65 row blocks of two jobs
+    (1, 65, 48, 3000, False, True),  # the last of 48 rows
+    (1, 65, 64, 3000, True, False),  # a tree of fewer rows
+    (2, 65, 64, 3000, False, False),  # two requests
+    (1, 9, 8, 20_000, False, False)])  # one request of 72 rows: many chunks
+def test_v13_pairs_merge_to_version_10s_bits(bsz, nq, nh, width, ragged, merged):
+    """Version 13 merges a row block's two jobs in the cluster pair that ran them where its own plan gives one
+    request's full rows two key chunks a row block (order [0] -2: the combine returns at once), else runs as
+    version 10 (order [0] -1; 8 x 9 takes version 10's kernel of v9's consumers). Either way: version 10's
+    bits (the same jobs, merged with v8's combine's arithmetic) where it runs on as many CTAs, within the bf16
+    tolerance of the float64 reference, the same bits on a second call and from a CUDA graph."""
+    _need_wgmma()
+    import torch
+
+    from kdlib.cuda import attention as cu
+    from kdlib.cuda import loader
+
+    cp = _cp()
+    args, sizes_np = _verify_batch(bsz, nq, nh, width, ragged)
+    ws = cu.make_workspace(bsz, nq, nh)
+    out, lse = (a.copy() for a in cu.tree_verify_attention(*args, impl="wgmma_v13", workspace=ws))
+    assert int(ws.order[0].get()) == (-2 if merged else -1), "the pairs merged where the plan has them"
+    again = cu.tree_verify_attention(*args, impl="wgmma_v13", workspace=ws)
+    for a, b in zip((out, lse), again, strict=True):
+        assert np.array_equal(a.get(), b.get(), equal_nan=True), "two runs differ"
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream, torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr)):
+        stream.begin_capture()
+        cu.tree_verify_attention(*args, impl="wgmma_v13", workspace=ws, validate=False)
+        graph = stream.end_capture()
+        ws.out.fill(np.nan)
+        ws.lse.fill(np.nan)
+        graph.launch(stream=stream)
+        stream.synchronize()
+    assert np.array_equal(out.reshape(-1, 512).get(), ws.out.get(), equal_nan=True), "graph replay differs"
+    assert np.array_equal(lse.reshape(-1).get(), ws.lse.get(), equal_nan=True), "graph replay's lse differs"
+    _check_batch(out, lse, args, sizes_np, "v13")
+    fn = loader.get_function(cu._V13, "tree_verify_v13_attend_own", options=cu._V5_OPTIONS)
+    if 2 * cu._resident_clusters(fn, cu._V7_THREADS, cu._V7_SMEM) == ws.grid:  # the plan version 10 makes
+        out10, lse10 = cu.tree_verify_attention(*args, impl="wgmma_v10")
+        assert np.array_equal(out.get(), out10.get(), equal_nan=True), "v13's out differs from v10's"
+        assert np.array_equal(lse.get(), lse10.get(), equal_nan=True), "v13's lse differs from v10's"
+
+
 def _verify_batch(bsz: int, nq: int, nh: int, width: int, ragged: bool):
     """A verify batch on the GPU -> (tree_verify_attention's arguments, tree sizes [B] numpy): q [B, Q, H,
     576], a pool of 2 x width rows, each request's page table a random draw of width slots; ragged: prefixes
@@ -1778,7 +1824,8 @@ def test_v10_own_plan_and_reuse_plan_deal_the_same_jobs_to_the_same_bits():
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl,nq", [("wgmma", 33), ("wgmma_v6", 33), ("wgmma_v7", 33), ("wgmma_v8", 33),
                                      ("wgmma_v9", 2), ("wgmma_v10", 33), ("wgmma_v10", 2),  # nq 2: Q*H <= 16
-                                     ("wgmma_v11", 9), ("wgmma_v12", 9)])  # 72 rows: the one-pass kernels
+                                     ("wgmma_v11", 9), ("wgmma_v12", 9),  # 72 rows: the one-pass kernels
+                                     ("wgmma_v13", 33)])
 def test_wgmma_bit_reproducible_graph_captured_and_allocation_free(impl, nq):
     """With a workspace: two eager calls agree bit for bit, a call allocates no memory, and the three
     launches captured in a CUDA graph replay to the same bits (ragged batch, several jobs per row)."""
@@ -1960,7 +2007,7 @@ if __name__ == "__main__" and sys.argv[1:2] == ["sanitize"]:
 def test_version_vocabulary_and_the_deprecated_impl_names():
     from kdlib.cuda import attention as cu
 
-    assert cu.VERSIONS == tuple(range(1, 13)) and cu.WGMMA_VERSIONS == tuple(range(5, 13))
+    assert cu.VERSIONS == tuple(range(1, 14)) and cu.WGMMA_VERSIONS == tuple(range(5, 14))
     assert cu.LAUNCHES[cu.DEFAULT_VERSION].impl == cu.BF16_DEFAULT
     assert cu.IMPLS["mma"] == cu.IMPLS[cu.MMA_DEFAULT] and cu.IMPLS["auto"] is None
     assert {name: cu.LAUNCHES[cu.IMPLS[name]].stem for name in cu.MMA_VERSIONS} == {
@@ -1972,7 +2019,7 @@ def test_version_vocabulary_and_the_deprecated_impl_names():
     assert cu.LAUNCHES[cu.pick_version(None, "mma_v4", "bf16")].impl == "mma_v4"
     assert cu.LAUNCHES[cu.pick_version(None, "simple", "f32")].impl == "simple"
     for version, impl, kind, match in ((2, None, "f32", "bfloat16"), (None, "mma", "f32", "bfloat16"),
-                                       (13, None, "bf16", "version"), (True, None, "bf16", "version"),
+                                       (14, None, "bf16", "version"), (True, None, "bf16", "version"),
                                        (3, "mma", "bf16", "not both"), (None, "fast", "bf16", "impl")):
         with pytest.raises(ValueError, match=match):
             cu.pick_version(version, impl, kind)

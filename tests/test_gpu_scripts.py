@@ -119,6 +119,19 @@ def test_levers_script_runs_the_one_pass_kernels_tests_the_suites_and_the_gpu_su
           f"--junitxml={out}/r/shard{k}.xml #opts=" for k in (1, 2))]
 
 
+def test_levers_script_tests_version_13_and_duels_it_beside_flashinfer(tmp_path, stand_ins):
+    out = tmp_path / "out"
+    res = _levers(out, stand_ins, "v13", "duel")
+    assert res.returncode == 0, res.stderr
+    py = [c for c in stand_ins["log"].read_text().splitlines() if c.startswith("python3 ")]
+    assert py == [
+        "python3 -m pytest -m gpu tests/test_cuda_attention.py tests/test_kernel_constants.py "
+        f"-q -p no:cacheprovider -k v13 or wgmma_constants --junitxml={out}/r/v13.xml #opts=",
+        f"python3 -m kdlib.perf.run --suite attention --out {out}/r/duel #opts="]
+    summary = (out / "r" / "summary.txt").read_text()
+    assert "KDLIB_ATTENTION_IMPLS=wgmma_v13,wgmma_v10" in summary and "PYTHONPATH=/tmp/site:" in summary
+
+
 def test_levers_script_probes_the_builds_named(tmp_path, stand_ins):
     out = tmp_path / "out"
     res = _levers(out, stand_ins, "probe", extra={"KDLIB_PROBE_DEFINES": "wgmma_v12:A=1 B=2"})

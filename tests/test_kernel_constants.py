@@ -223,7 +223,8 @@ def test_attention_wgmma_constants_match_the_source(version):
     c = consts(stem)
     assert (c["D_QK"], c["D_V"]) == (attention.D_QK, attention.KV_LORA_RANK)
     smem = {5: attention._V5_SMEM, 6: attention._V6_SMEM, 7: attention._V7_SMEM, 8: attention._V7_SMEM,
-            9: attention._V9_SMEM, 10: attention._V9_SMEM, 11: attention._V11_SMEM, 12: attention._V12_SMEM}
+            9: attention._V9_SMEM, 10: attention._V9_SMEM, 11: attention._V11_SMEM, 12: attention._V12_SMEM,
+            13: attention._V9_SMEM}
     smem = smem[version]
     name = _SMEM_NAME.get(version, "V9_SMEM" if version >= 9 else "SMEM_BYTES")
     assert c[name] == smem <= 227 * 1024
@@ -231,13 +232,13 @@ def test_attention_wgmma_constants_match_the_source(version):
         assert c["V11_NR"] == attention._V11_NR and c["V11_OFF_BARS"] + c["V11_NBARS"] * 8 + 1024 == smem
         assert c["NTHREADS"] == 3 * 128
         assert 128 * (c["V11_PRODUCER_REGS"] + 2 * c["V11_CONSUMER_REGS"]) <= cta_register_pool(c["NTHREADS"])
-    if version == 10:  # its kernel with v7's consumers launches with v7's
+    if version in (10, 13):  # its kernel with v7's consumers launches with v7's
         assert c["SMEM_BYTES"] == attention._V7_SMEM
     if version == 12:  # v7's layout, version 12's barriers past its own, then Q8's eight latent blocks
         assert c["V12_OFF_Q8"] == -(-(c["OFF_BARS"] + (c["NBARS"] + 3) * 8) // 1024) * 1024
         assert smem == c["V12_OFF_Q8"] + 8 * c["V12_QB"] + 1024 and c["V11_NR"] == attention._V11_NR
     assert c["PLAN_SMALL_REQS"] == attention._V5_PLAN_SMALL_REQS
-    if version == 10:  # the host's cut for the kernels that make their own plan
+    if version in (10, 13):  # the host's cut for the kernels that make their own plan
         assert c["OWN_PLAN_REQS"] == attention._V10_OWN_PLAN_REQS
     assert (c["BM"], c["BN"], c["MAX_ROUNDS"], c["JOB_OVERHEAD"], c["PLAN_STRIDE"]) == (
         attention._V5_BM,
@@ -254,16 +255,19 @@ def test_attention_wgmma_constants_match_the_source(version):
     assert attention._COMBINE_THREADS == 4 * 32 and attention._V5_COMBINE_COLS == 32 * 4
     # v8 runs v7's attend kernel, with combines of its own; v9's file holds v8's kernels and its own attend;
     # v10's holds v9's, its plan and its four ordered attend kernels (two of them make their own plan); v12's
-    # holds v11's
-    attends = {8: (7,), 9: (7, 9), 10: (7, 9, 10), 11: (7, 9, 11), 12: (7, 9, 11, 12)}
+    # holds v11's; v13's holds v10's and its own attend kernel (it makes its own plan) and combine
+    attends = {8: (7,), 9: (7, 9), 10: (7, 9, 10), 11: (7, 9, 11), 12: (7, 9, 11, 12), 13: (7, 9, 10)}
     attends = attends.get(version, (version,))
     attends = [f"tree_verify_v{a}_attend" for a in attends] + [
-        f"tree_verify_v10_attend{k}" for k in ("_t", "_own", "_t_own")] * (version == 10)
+        f"tree_verify_v10_attend{k}" for k in ("_t", "_own", "_t_own")] * (version in (10, 13)) + [
+        "tree_verify_v13_attend_own"] * (version == 13)
     own_combines = {f"tree_verify_v8_combine_w{w}": (32 * w, 0) for w in attention._V8_COMBINE_WARPS}
     own_combines["tree_verify_v8_combine_rows"] = (32 * attention._V8_ROWS_WARPS, 0)
+    if version == 13:
+        own_combines["tree_verify_v13_combine_rows"] = (32 * attention._V8_ROWS_WARPS, 0)
     assert loader.launch_bounds(stem) == {  # the shared plan and combine, the version's attend
         "tree_verify_v5_plan": (attention._V5_THREADS, 0),
-        **({"tree_verify_v10_plan": (attention._V5_THREADS, 0)} if version == 10 else {}),
+        **({"tree_verify_v10_plan": (attention._V5_THREADS, 0)} if version in (10, 13) else {}),
         **{a: (attention.LAUNCHES[version].threads, 1) for a in attends},
         "tree_verify_v5_combine": (attention._COMBINE_THREADS, 0),
         **(own_combines if version >= 8 else {}),
@@ -316,7 +320,9 @@ def test_attention_launches_name_kernels_of_their_sources(version):
             assert bounds[f"tree_verify_v{version}_prefix_{kind}"][0] == settings.threads
         assert not [n for n in bounds if n.endswith("_f32")] or "f32" in settings.dtypes
     else:
-        assert bounds[f"tree_verify_v{7 if version == 8 else version}_attend"][0] == settings.threads
+        attend = {8: "tree_verify_v7_attend", 13: "tree_verify_v13_attend_own"}.get(version,
+                                                                                  f"tree_verify_v{version}_attend")
+        assert bounds[attend][0] == settings.threads
     assert attention.IMPLS[settings.impl] == version
 
 

@@ -18,6 +18,11 @@
 #              the cluster primitives it shares (test_cluster_exchange.py)
 #   v12        the GPU tests of version 12 (v7's consumers, the rows past 64 in the producer: test_cuda_attention.py
 #              -k v12, the constants)
+#   v13        the GPU tests of version 13 (its cluster pairs that merge a row block's two jobs: test_cuda_attention.py
+#              -k v13, the constants)
+#   duel       the attention suite over KDLIB_ATTENTION_IMPLS (default wgmma_v13,wgmma_v10: the first is the one
+#              the duels time) with FlashInfer, from .carry/attention_site.tar.xz (carry [".carry"]; made here by
+#              `bash tools/attention_gpu.sh fetch-wheels`) -> r/duel/attention.<gpu>.json
 #   probe      tools/v11_probe.py at the two 8 x 9 points: each kernel's device time a verify for versions 10, 11
 #              and 12 (--also wgmma_v12), and each build of KDLIB_PROBE_DEFINES (IMPL:NAME=VALUE, space-separated;
 #              none by default); no forced cluster counts -> r/attention_v11_probe.<gpu>.json
@@ -52,9 +57,11 @@ NCU_QUERIES=${KDLIB_NCU_QUERIES:-65 9}
 STEPS=${*:-tests timeline phases}
 for step in $STEPS; do
   case $step in
-    tests | v11 | v12 | probe | suite | sanitize | rate | shard1 | shard2 | timeline | phases | ncu) ;;
+    tests | v11 | v12 | v13 | duel | probe | suite | sanitize | rate | shard1 | shard2 | timeline | phases | ncu) ;;
     ab) [ -n "$AB" ] || { echo "step ab needs KDLIB_AB (SUITE:NAME=VALUE[,NAME=VALUE...] ...)" >&2; exit 2; } ;;
-    *) echo "unknown step $step (tests v11 v12 probe suite sanitize rate shard1 shard2 ab timeline phases ncu)" >&2; exit 2 ;;
+    *) echo "unknown step $step (tests v11 v12 v13 duel probe suite sanitize rate shard1 shard2 ab timeline phases" \
+         "ncu)" >&2
+       exit 2 ;;
   esac
 done
 mkdir -p "$R"
@@ -89,6 +96,18 @@ for step in $STEPS; do
     v12)
       run v12 240 python3 -m pytest -m gpu tests/test_cuda_attention.py tests/test_kernel_constants.py \
         -q -p no:cacheprovider -k "v12 or wgmma_constants" --junitxml="$R/v12.xml" ;;
+    v13)
+      run v13 240 python3 -m pytest -m gpu tests/test_cuda_attention.py tests/test_kernel_constants.py \
+        -q -p no:cacheprovider -k "v13 or wgmma_constants" --junitxml="$R/v13.xml" ;;
+    duel)
+      if [ -f .carry/attention_site.tar.xz ]; then
+        mkdir -p /tmp/site && tar -xJf .carry/attention_site.tar.xz -C /tmp/site
+      else
+        echo "duel: no .carry/attention_site.tar.xz, no FlashInfer arm" | tee -a "$R/summary.txt"
+      fi
+      run duel 300 env PYTHONPATH="/tmp/site:$PYTHONPATH" \
+        KDLIB_ATTENTION_IMPLS="${KDLIB_ATTENTION_IMPLS:-wgmma_v13,wgmma_v10}" \
+        python3 -m kdlib.perf.run --suite attention --out "$R/duel" ;;
     probe)
       defs=()
       for d in ${KDLIB_PROBE_DEFINES:-}; do defs+=(--define "$d"); done

@@ -209,6 +209,19 @@ def cases(only: str = "") -> list[dict]:
     ]
     # and version 12's one-CTA kernel (v7's consumers, the rows past 64 in the producer) on the same four
     every += [{**c, "name": f"v{v} {c['name']}", "version": v} for v in (11, 12) for c in one_pass]
+    # version 13: 64 x 65 over 1,000 keys (130 jobs, two a row block: the cluster pairs merge), 48 x 65 (a
+    # last row block of 48 rows), and a tree of fewer rows (version 10's path in the cluster kernel)
+    every += [
+        {"name": "v13 verify 64x65x1000 (pairs, workspace)",
+         "shape": {"nh": 64, "nq": 65, "lens": [1000], "sizes": [65]},
+         "version": 13, "call": "verify", "workspace": True},
+        {"name": "v13 verify 48x65x1000 (pairs)",
+         "shape": {"nh": 48, "nq": 65, "lens": [1000], "sizes": [65]},
+         "version": 13, "call": "verify", "workspace": False},
+        {"name": "v13 verify 64x65x1000 tree 31 (unpaired)",
+         "shape": {"nh": 64, "nq": 65, "lens": [1000], "sizes": [31]},
+         "version": 13, "call": "verify", "workspace": False},
+    ]
     return [c for c in every if not keep or c["name"].startswith(keep)]
 
 

@@ -92,6 +92,13 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     an FP8 pool runs version 10. Its first GPU run hung (a setmaxnreg split past the CTA's register pool,
     since fixed). Fixed, it passes its GPU tests and compute-sanitizer, but is not the default: it measured
     slower than version 10 at both 8 x 9 points (notebook 02b, 13w-13x).
+  * 13 (`tree_verify/wgmma_v13.cu`, sm_90a only): version 10, but where version 10 launches its own-plan
+    attend kernel with v7's consumers and the combine a warp per row, its attend kernel runs in clusters of
+    two CTAs, and where the plan it makes gives one request's full rows two key chunks a row block, one job a
+    CTA (64 heads x 65 queries), the two jobs of a row block run on a cluster's two CTAs and merge there: each
+    sends the other the half of its normalised output the other merges, through distributed shared memory, and
+    each writes its half of the rows with v8's combine's arithmetic (version 10's bits); the combine kernel
+    then returns at once. Elsewhere its kernels are version 10's. bf16 only; an FP8 pool runs version 10.
 FP8 latent cache (issue 19's stretch goal): a kv_cache of dtype uint8 and shape [S, 656] holds each token in
 the layout of `kdlib.ref.fp8` (DeepSeek-V3.2's, FlashMLA's "FP8 with scale", vLLM's `fp8_ds_mla`: 512 e4m3
 latent values, 4 float32 scales, one per 128 of them, 64 bf16 rope values; `kdlib.ref.fp8.pack_latent` writes
@@ -120,7 +127,7 @@ where the device runs it, else 3 where the device grants its 166 KB of shared me
 Deprecated alias: `impl=` names a version as recorded results and kdlib.perf suites do
 (`IMPLS`: "simple" = 1, "mma_v2" / "mma_v3" / "mma_v4" = 2 / 3 / 4, "mma" = `MMA_DEFAULT`,
 "wgmma" = 5, "wgmma_v6" = 6, "wgmma_v7" = 7, "wgmma_v8" = 8, "wgmma_v9" = 9, "wgmma_v10" = 10,
-"wgmma_v11" = 11, "wgmma_v12" = 12, "auto" = None); give `version` or `impl`, not both.
+"wgmma_v11" = 11, "wgmma_v12" = 12, "wgmma_v13" = 13, "auto" = None); give `version` or `impl`, not both.
 
 Checks before any launch raise ValueError: shapes, dtypes (float32 or bfloat16, all float inputs
 alike), Q <= 65, widths 576/512, and, with `validate=True` (the default, one device sync), the
@@ -161,8 +168,9 @@ _MMA_X_SMEM = 2 * 4 * 16 * 32 * 4  # partial-S exchange between the two halves o
 # each its own attend kernel; wgmma_v8.cu: v7's plan and attend kernel, its own combine; wgmma_v9.cu: v8's
 # kernels and its own attend kernel; wgmma_v10.cu: v9's with its own plan and ordered attend kernels;
 # wgmma_v11.cu: v9's plan and combine, its own attend kernel of two-CTA clusters; wgmma_v12.cu: the same with
-# an attend kernel of v7's consumers and a producer that also computes the rows past 64), built for sm_90a
-# through NVRTC.
+# an attend kernel of v7's consumers and a producer that also computes the rows past 64; wgmma_v13.cu: v10's
+# kernels and an own-plan attend kernel of two-CTA clusters that merges a row block's two jobs, with its
+# combine), built for sm_90a through NVRTC.
 _V5 = "tree_verify/wgmma_v5"
 _V6 = "tree_verify/wgmma_v6"
 _V7 = "tree_verify/wgmma_v7"
@@ -171,6 +179,7 @@ _V9 = "tree_verify/wgmma_v9"
 _V10 = "tree_verify/wgmma_v10"
 _V11 = "tree_verify/wgmma_v11"
 _V12 = "tree_verify/wgmma_v12"
+_V13 = "tree_verify/wgmma_v13"
 _V5_OPTIONS = loader.SM90A_OPTIONS
 _V5_THREADS = 256  # NTHREADS of the plan and attend kernels (v5, v6)
 _V7_THREADS = 384  # NTHREADS of v7's attend kernel: a producer and two MMA warpgroups
@@ -282,8 +291,10 @@ LAUNCHES = {
     11: VerifyLaunch(11, "wgmma_v11", _V11, _V7_THREADS, _V11_SMEM, _V5_BM, _V5_BN, options=_V5_OPTIONS),
     # version 10 but where a request has 65-72 rows (v11_rows): there one CTA a key chunk of _V12_SMEM
     12: VerifyLaunch(12, "wgmma_v12", _V12, _V7_THREADS, _V12_SMEM, _V5_BM, _V5_BN, options=_V5_OPTIONS),
+    # version 10, its own-plan attend kernel (v7's consumers) in two-CTA clusters (v7's smem + 1,328 static)
+    13: VerifyLaunch(13, "wgmma_v13", _V13, _V7_THREADS, _V9_SMEM, _V5_BM, _V5_BN, options=_V5_OPTIONS),
 }
-WGMMA_VERSIONS = (5, 6, 7, 8, 9, 10, 11, 12)  # the whole-verify versions: sm_90a, plan + attend + combine
+WGMMA_VERSIONS = (5, 6, 7, 8, 9, 10, 11, 12, 13)  # the whole-verify versions: sm_90a, plan + attend + combine
 VERSIONS = tuple(LAUNCHES)
 # The tensor-core prefix kernels by name -> (stem, shared memory bytes), as recorded results name them.
 MMA_VERSIONS = {LAUNCHES[v].impl: (LAUNCHES[v].stem, LAUNCHES[v].smem) for v in (2, 3, 4)}
@@ -834,8 +845,8 @@ def _pool_path(kv_kind: str, rows: int, fp8_path: str | None) -> str | None:
 
 @functools.cache
 def _resident_clusters(fn, threads: int, smem: int) -> int:
-    """The two-CTA clusters of version 11's attend kernel the device holds at once (its persistent grid; a
-    GPC of an odd number of free SMs leaves one idle)."""
+    """The two-CTA clusters of version 11's or 13's attend kernel the device holds at once (its persistent
+    grid; a GPC of an odd number of free SMs leaves one idle)."""
     return loader.max_active_clusters(fn, _V11_CLUSTER, threads, smem)
 
 
@@ -859,7 +870,7 @@ def v9_options(rows: int) -> tuple[str, ...] | None:
 
 
 class VerifyWorkspace:
-    """Buffers of one version 5 ... 12 ("wgmma" ... "wgmma_v12") call shape (B requests, Q queries, H heads):
+    """Buffers of one version 5 ... 13 ("wgmma" ... "wgmma_v13") call shape (B requests, Q queries, H heads):
     with it a call allocates nothing.
 
     plan [1 + 8 B] int32, order [jobs] int32 (version 10's order of the jobs), parts [jobs, 64, 512] fp32 and
@@ -908,7 +919,7 @@ class VerifyWorkspace:
 
 
 def make_workspace(bsz: int, nq: int, nh: int, *, fp8_width: int | None = None) -> VerifyWorkspace:
-    """Preallocated buffers for version 5 ... 12 ("wgmma" ... "wgmma_v12") calls on q of shape
+    """Preallocated buffers for version 5 ... 13 ("wgmma" ... "wgmma_v13") calls on q of shape
     [bsz, nq, nh, 576] (see VerifyWorkspace). fp8_width: also the dequant-first path's buffers for page
     tables that wide (VerifyWorkspace.fp8_staging), as a call made under CUDA-graph capture needs them."""
     return VerifyWorkspace(bsz, nq, nh, fp8_width)
@@ -946,7 +957,7 @@ def _dequant_prefix(pool8, pt, lens, ws: VerifyWorkspace):
 
 def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=False, fp8=None,
                   reuse_plan=False):
-    """The three launches of version 5 ... 12 (plan, the version's attend, its combine) -> (out [B*M, 512],
+    """The three launches of version 5 ... 13 (plan, the version's attend, its combine) -> (out [B*M, 512],
     lse [B*M]) fp32 views of the workspace.
 
     tail = (tree_kv [B, Q, 576], visibility [B, Q, Q], tree_sizes [B]) for the whole verify, None
@@ -966,15 +977,15 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
     if fp8 == "dequant_first":
         kv, pt = _dequant_prefix(kv, pt, lens, ws)
         fp8 = None
-    if version in (11, 12) and (fp8 or not v11_rows(rows)):
+    if version in (11, 12) and (fp8 or not v11_rows(rows)) or version == 13 and fp8:
         version = 10
-    v9 = v9_options(rows) if version in (9, 10) else None
+    v9 = v9_options(rows) if version in (9, 10, 13) else None
     if version == 9 and v9 is None:
         version = 8
     settings = LAUNCHES[version]
     options = settings.options + (v9 or ()) + (FP8_OPTIONS if fp8 else ())
     width = pt.shape[1]
-    ordered = version == 10  # v10's plan also writes ws.order, its attend kernels read it
+    ordered = version in (10, 13)  # v10's plan also writes ws.order, its attend kernels read it
     plan_fn = loader.get_function(settings.stem, "tree_verify_v10_plan" if ordered else "tree_verify_v5_plan",
                                   options=options)
     smem, grid = settings.smem, ws.grid
@@ -986,7 +997,6 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
     else:
         attend = f"tree_verify_v{7 if version == 8 else version}_attend"  # v8 runs v7's attend kernel
     own = ordered and not plan_ready and own_plan(bsz, reuse_plan)  # no plan kernel
-    attend_fn = loader.get_function(settings.stem, attend + ("_own" if own else ""), options=options)
     order = (ws.order,) if ordered else ()
     # the combine: its kernel, grid, block and the arguments between plan and out (v9 and v10 run v8's)
     combine, cblock = "tree_verify_v5_combine", _COMBINE_THREADS
@@ -997,9 +1007,14 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
     elif version >= 8:
         warps = v8_combine_warps(bsz, rows, width, ws.grid)
         combine, cblock = f"tree_verify_v8_combine_w{warps}", 32 * warps
+    # 13: the row blocks of two jobs merged in the attend kernel where its plan has them; its combine the rest
+    pairs = version == 13 and own and not v9 and combine == "tree_verify_v8_combine_rows"
+    if pairs:
+        attend, combine, cargs = "tree_verify_v13_attend", "tree_verify_v13_combine_rows", (ws.order, *cargs)
+    attend_fn = loader.get_function(settings.stem, attend + ("_own" if own else ""), options=options)
     combine_fn = loader.get_function(settings.stem, combine, options=options)
     loader.set_max_dynamic_shared(attend_fn, smem)
-    if version == 11:
+    if version == 11 or pairs:
         clusters = _resident_clusters(attend_fn, settings.threads, smem)
         grid = _V11_CLUSTER * min(ws.grid // _V11_CLUSTER, clusters)
     if not plan_ready and not own:
@@ -1009,7 +1024,8 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
     pdl = version >= 10 and PDL
     loader.launch(attend_fn, (grid,), (settings.threads,),
                   (qa, kv, pt, tkv, vis, ws.plan, *order, np.int32(bsz), np.int32(width), np.int32(nq),
-                   np.int32(nh), np.float32(scale), ws.parts, ws.part_lse, *((lens, sizes) if own else ())),
+                   np.int32(nh), np.float32(scale), ws.parts, ws.part_lse, *((lens, sizes) if own else ()),
+                   *((ws.out, ws.lse) if pairs else ())),
                   shared_mem=smem, pdl=pdl)
     loader.launch(combine_fn, cgrid, (cblock,), (ws.parts, ws.part_lse, ws.plan, *cargs, ws.out, ws.lse),
                   pdl=pdl)

@@ -809,14 +809,10 @@ __device__ __forceinline__ void write_out(const float (&o)[128], float* parts, f
     }
 }
 
-// The job's end in MMA warpgroup wg: the job's l = l_0 + l_1 (each warpgroup's sums through s_l [2][64],
-// named barrier lsum), the warpgroup's half of O normalised into parts and (wg 0) the rows' lse; then
-// m -inf and l 0 for the next job, whose first P V overwrites o. nrows() gives the job's valid rows
-// (called only past the barrier: nothing extra held live across it).
-template <class Rows>
-__device__ __forceinline__ void job_end(const float (&o)[128], float& m0, float& m1, float& l0, float& l1, float* s_l,
-                                        int lsum, int wg, float* parts, float* part_lse, int j, Rows nrows, int lr0,
-                                        int lr1, int t4) {
+// The job's l = l_0 + l_1 in MMA warpgroup wg (each warpgroup's sums through s_l [2][64], named barrier lsum)
+// -> its rows' factors i0, i1 (1 / l) and lse0, lse1 (natural log).
+__device__ __forceinline__ void job_sums(float m0, float m1, float l0, float l1, float* s_l, int lsum, int wg,
+                                         int lr0, int lr1, int t4, float& i0, float& i1, float& lse0, float& lse1) {
 #pragma unroll
     for (int off = 1; off < 4; off <<= 1) {
         l0 += __shfl_xor_sync(0xffffffffu, l0, off);
@@ -828,9 +824,22 @@ __device__ __forceinline__ void job_end(const float (&o)[128], float& m0, float&
     }
     nb_sync(lsum);
     const float lt0 = s_l[lr0] + s_l[BM + lr0], lt1 = s_l[lr1] + s_l[BM + lr1];
-    const float i0 = lt0 > 0.f ? 1.f / lt0 : 0.f, i1 = lt1 > 0.f ? 1.f / lt1 : 0.f;
-    write_out(o, parts, part_lse, j, wg * 256, nrows(), lr0, lr1, t4, i0, i1,
-              lt0 > 0.f ? (m0 + log2f(lt0)) * LN2 : NEG_INF, lt1 > 0.f ? (m1 + log2f(lt1)) * LN2 : NEG_INF, wg == 0);
+    i0 = lt0 > 0.f ? 1.f / lt0 : 0.f;
+    i1 = lt1 > 0.f ? 1.f / lt1 : 0.f;
+    lse0 = lt0 > 0.f ? (m0 + log2f(lt0)) * LN2 : NEG_INF;
+    lse1 = lt1 > 0.f ? (m1 + log2f(lt1)) * LN2 : NEG_INF;
+}
+
+// The job's end in MMA warpgroup wg: job_sums, the warpgroup's half of O normalised into parts and (wg 0) the
+// rows' lse; then m -inf and l 0 for the next job, whose first P V overwrites o. nrows() gives the job's valid
+// rows (called only past the barrier: nothing extra held live across it).
+template <class Rows>
+__device__ __forceinline__ void job_end(const float (&o)[128], float& m0, float& m1, float& l0, float& l1, float* s_l,
+                                        int lsum, int wg, float* parts, float* part_lse, int j, Rows nrows, int lr0,
+                                        int lr1, int t4) {
+    float i0, i1, lse0, lse1;
+    job_sums(m0, m1, l0, l1, s_l, lsum, wg, lr0, lr1, t4, i0, i1, lse0, lse1);
+    write_out(o, parts, part_lse, j, wg * 256, nrows(), lr0, lr1, t4, i0, i1, lse0, lse1, wg == 0);
     m0 = m1 = NEG_INF;
     l0 = l1 = 0.f;
 }

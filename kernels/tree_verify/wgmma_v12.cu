@@ -233,6 +233,7 @@ __device__ __forceinline__ void produce_v12(unsigned base, unsigned char* gbase,
 // attend_v7's policy for version 12 (tree_verify/wgmma_v7.cu): this producer, a CTA per group, the barriers.
 struct V12Mix {
     static constexpr bool on = true;
+    static constexpr bool pairs = false;
     static __device__ __forceinline__ int ctas(const int* plan, int nreq) {
         return plan_jobs(plan) > 0 ? plan_groups(plan, nreq) : 0;  // (a plan of no jobs: none)
     }

@@ -60,6 +60,7 @@
 // Version 7's attend kernel as it is (version 12's, tree_verify/wgmma_v12.cu, names its own policy).
 struct NoMix {
     static constexpr bool on = false;
+    static constexpr bool pairs = false;  // version 13's (tree_verify/wgmma_v13.cu): Mix::pair_end ends each job
 };
 
 // The attend kernel's body: the producer (ORDERED: version 10's, produce_v10; else the static round-robin) and
@@ -263,9 +264,13 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 pv_own_tile(o, pf, k1s + V_R0 * CB_BYTES, false, bars, 1, 1, lane, c, n, 7, wt);
             }
 
-            if (last)  // the job's rows normalised; then a fresh accumulator
-                job_end(o, m0, m1, l0, l1, s_l, NB_LSUM, c, parts, part_lse, j, [&] { return jb.nrows; }, lr0, lr1,
-                        t4);
+            if (last) {  // the job's rows normalised; then a fresh accumulator
+                if constexpr (Mix::pairs)
+                    Mix::pair_end(o, m0, m1, l0, l1, s_l, c, parts, part_lse, j, jb, lr0, lr1, t4, lane, gbase);
+                else
+                    job_end(o, m0, m1, l0, l1, s_l, NB_LSUM, c, parts, part_lse, j, [&] { return jb.nrows; }, lr0,
+                            lr1, t4);
+            }
             trace_mark(c, n, 8, wt);
             if (flags & D_END) break;
         }
