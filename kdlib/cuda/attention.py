@@ -977,7 +977,7 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
     if fp8 == "dequant_first":
         kv, pt = _dequant_prefix(kv, pt, lens, ws)
         fp8 = None
-    if version in (11, 12) and (fp8 or not v11_rows(rows)) or version == 13 and fp8:
+    if version in (11, 12) and (fp8 or not v11_rows(rows)):
         version = 10
     v9 = v9_options(rows) if version in (9, 10, 13) else None
     if version == 9 and v9 is None:
