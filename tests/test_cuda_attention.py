@@ -1701,9 +1701,10 @@ def test_v11_v12_one_pass_kernels_match_float64_and_are_reproducible(impl, bsz, 
 def test_v13_pairs_merge_to_version_10s_bits(bsz, nq, nh, width, ragged, merged):
     """Version 13 merges a row block's two jobs in the cluster pair that ran them where its own plan gives one
     request's full rows two key chunks a row block (order [0] -2: the combine returns at once), else runs as
-    version 10 (order [0] -1; 8 x 9 takes version 10's kernel of v9's consumers). Either way: version 10's
-    bits (the same jobs, merged with v8's combine's arithmetic) where it runs on as many CTAs, within the bf16
-    tolerance of the float64 reference, the same bits on a second call and from a CUDA graph."""
+    version 10 (order [0] -1; 8 x 9, whose rows take many key chunks, launches version 10's kernels). Either
+    way: version 10's bits (the same jobs, merged with v8's combine's arithmetic) where it runs on as many
+    CTAs, within the bf16 tolerance of the float64 reference, the same bits on a second call and from a CUDA
+    graph."""
     _need_wgmma()
     import torch
 

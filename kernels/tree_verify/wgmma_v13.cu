@@ -7,8 +7,8 @@
 // consumers and the combine a warp per row.
 //
 // Why (notebook 02b, 13o): at 64 heads x 65 queries x 32k the plan makes 130 jobs, two a row block, one a CTA,
-// and the combine kernel took 1.7 % of the whole verify, where the verify ran at par with FlashInfer's prefix
-// alone. cluster_exchange (data/results/cluster_exchange.h200.json) measured the stores between a cluster's two
+// and the combine kernel took 1.7 % of the whole verify (data/results/attention_bounds.h200.json), where the
+// verify ran at par with FlashInfer's prefix alone. cluster_exchange (data/results/cluster_exchange.h200.json) measured the stores between a cluster's two
 // CTAs: swapping the half of a row block's O each merges (64 rows x 256 dims, fp32) costs a sixth of that.
 //
 // The pairs: where the plan (made in every CTA, own_plan) has one request, two chunks, the request's full rows
