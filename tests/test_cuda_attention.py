@@ -385,6 +385,28 @@ def test_v12_plan_grid_deals_about_a_group_a_cta(bsz, width):
     assert int(plan[0]) <= cu.v5_max_jobs(bsz, 72, cu.v12_plan_grid(grid))
 
 
+def test_v13_pairs_admits_every_plan_with_pairs():
+    """v13_pairs, the host's gate for version 13's cluster kernel, admits every one-request shape whose v5
+    plan on the clusters' grid, over a prefix of many key tiles, gives the full rows two key chunks a row
+    block, one job a CTA (the pairs the kernel merges), and rules out 16 x 65, 8 x 9 and two requests on 132
+    SMs."""
+    from kdlib.cuda import attention as cu
+
+    seen = set()
+    for grid in (66, 114, 130, 132):
+        for nq, nh in ((65, 64), (65, 48), (65, 16), (9, 8), (33, 64), (65, 32), (17, 128)):
+            for width in (3000, 32_768, 200_000):
+                plan = cu.plan_v5([width], [nq], width, nq, nh, grid)
+                jobs, nc, rb = int(plan[0]), int(plan[2]), int(plan[4])
+                pairs, gate = nc == 2 and jobs == 2 * rb <= grid, cu.v13_pairs(1, nq * nh, grid)
+                seen.add((pairs, gate))
+                assert gate or not pairs, (grid, nq, nh, width)
+    assert seen == {(True, True), (False, True), (False, False)}
+    assert cu.v13_pairs(1, 65 * 64, 132) and cu.v13_pairs(1, 65 * 48, 132)
+    ruled_out = ((1, 65 * 16, 132), (1, 72, 132), (8, 72, 132), (2, 65 * 64, 132))
+    assert not any(cu.v13_pairs(*a) for a in ruled_out)
+
+
 def test_v5_plan_balances_the_issue_shapes():
     """One round of nearly G equal jobs at 8 x 65 x 200k and 64 x 65 x 32k; the ragged batch within 25% of
     an even split of its tiles."""
@@ -1701,10 +1723,10 @@ def test_v11_v12_one_pass_kernels_match_float64_and_are_reproducible(impl, bsz, 
 def test_v13_pairs_merge_to_version_10s_bits(bsz, nq, nh, width, ragged, merged):
     """Version 13 merges a row block's two jobs in the cluster pair that ran them where its own plan gives one
     request's full rows two key chunks a row block (order [0] -2: the combine returns at once), else runs as
-    version 10 (order [0] -1; 8 x 9, whose rows take many key chunks, launches version 10's kernels). Either
-    way: version 10's bits (the same jobs, merged with v8's combine's arithmetic) where it runs on as many
-    CTAs, within the bf16 tolerance of the float64 reference, the same bits on a second call and from a CUDA
-    graph."""
+    version 10 (order [0] -1: its cluster kernel on the ragged tree, whose plan has no pairs; version 10's
+    kernels for two requests and for 8 x 9, which v13_pairs rules out). Either way: version 10's bits (the
+    same jobs, merged with v8's combine's arithmetic) where it runs on as many CTAs, within the bf16 tolerance
+    of the float64 reference, the same bits on a second call and from a CUDA graph."""
     _need_wgmma()
     import torch
 
@@ -1732,7 +1754,8 @@ def test_v13_pairs_merge_to_version_10s_bits(bsz, nq, nh, width, ragged, merged)
     assert np.array_equal(lse.reshape(-1).get(), ws.lse.get(), equal_nan=True), "graph replay's lse differs"
     _check_batch(out, lse, args, sizes_np, "v13")
     fn = loader.get_function(cu._V13, "tree_verify_v13_attend_own", options=cu._V5_OPTIONS)
-    if 2 * cu._resident_clusters(fn, cu._V7_THREADS, cu._V7_SMEM) == ws.grid:  # the plan version 10 makes
+    grid = 2 * min(ws.grid // 2, cu._resident_clusters(fn, cu._V7_THREADS, cu._V7_SMEM))  # the clusters'
+    if not cu.v13_pairs(bsz, nq * nh, grid) or grid == ws.grid:  # version 10's grid and plan
         out10, lse10 = cu.tree_verify_attention(*args, impl="wgmma_v10")
         assert np.array_equal(out.get(), out10.get(), equal_nan=True), "v13's out differs from v10's"
         assert np.array_equal(lse.get(), lse10.get(), equal_nan=True), "v13's lse differs from v10's"

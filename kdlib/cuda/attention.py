@@ -93,9 +93,10 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     since fixed). Fixed, it passes its GPU tests and compute-sanitizer, but is not the default: it measured
     slower than version 10 at both 8 x 9 points (notebook 02b, 13w-13x).
   * 13 (`tree_verify/wgmma_v13.cu`, sm_90a only): version 10, but where version 10 launches its own-plan
-    attend kernel with v7's consumers and the combine a warp per row, its attend kernel runs in clusters of
-    two CTAs, and where the plan it makes gives one request's full rows two key chunks a row block, one job a
-    CTA (64 heads x 65 queries), the two jobs of a row block run on a cluster's two CTAs and merge there: each
+    attend kernel with v7's consumers and the combine a warp per row, and one request's row blocks fit two
+    key chunks each on the clusters' grid (`v13_pairs`), its attend kernel runs in clusters of two CTAs, and
+    where the plan it makes gives one request's full rows two key chunks a row block, one job a CTA (64 heads
+    x 65 queries), the two jobs of a row block run on a cluster's two CTAs and merge there: each
     sends the other the half of its normalised output the other merges, through distributed shared memory, and
     each writes its half of the rows with v8's combine's arithmetic (version 10's bits); the combine kernel
     then returns at once. Elsewhere its kernels are version 10's. bf16 only; an FP8 pool runs version 10.
@@ -856,6 +857,19 @@ def v11_rows(rows: int) -> bool:
     return _V5_BM < rows <= _V11_NR
 
 
+def v13_pairs(bsz: int, rows: int, grid: int) -> bool:
+    """Whether version 13 launches its cluster kernel for B = `bsz` requests of Q*H = `rows` on `grid` CTAs
+    (its clusters'): one request whose rb row blocks of 64 rows take 2 rb <= grid < 3 rb, the only shapes
+    where its plan can give the full rows two key chunks a row block, one job a CTA (the pairs), at a prefix
+    of more than a few key tiles. From 3 rb CTAs on, the plan's first round holds three chunks a row block;
+    within the range, its cost model can still choose more chunks in more rounds (48 x 65 x 32k on 132
+    CTAs), and there the cluster kernel runs version 10's path. Elsewhere version 13 launches version 10's
+    kernels: its cluster kernel measured 1-2 % slower than them where it ran version 10's path (notebook 02b,
+    13y)."""
+    rb = _ceil(rows, _V5_BM)
+    return bsz == 1 and 2 * rb <= grid < 3 * rb
+
+
 def v12_plan_grid(grid: int) -> int:
     """The CTA count version 12 makes its v5 plan for on `grid` SMs: twice them, so that the plan's jobs, two
     a key chunk at 65-72 rows, come to about one chunk (a group) a CTA in its first round."""
@@ -1007,14 +1021,22 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
     elif version >= 8:
         warps = v8_combine_warps(bsz, rows, width, ws.grid)
         combine, cblock = f"tree_verify_v8_combine_w{warps}", 32 * warps
-    # 13: the row blocks of two jobs merged in the attend kernel where its plan has them; its combine the rest
-    pairs = version == 13 and own and not v9 and combine == "tree_verify_v8_combine_rows"
+    # 13: the row blocks of two jobs merged in the attend kernel where its plan can have them (v13_pairs, on
+    # its clusters' grid); its combine the rest. Elsewhere version 10's kernels.
+    pairs = False
+    if version == 13 and own and not v9 and combine == "tree_verify_v8_combine_rows":
+        fn = loader.get_function(settings.stem, "tree_verify_v13_attend_own", options=options)
+        loader.set_max_dynamic_shared(fn, smem)
+        clusters = _resident_clusters(fn, settings.threads, smem)
+        pairs_grid = _V11_CLUSTER * min(ws.grid // _V11_CLUSTER, clusters)
+        pairs = v13_pairs(bsz, rows, pairs_grid)
     if pairs:
         attend, combine, cargs = "tree_verify_v13_attend", "tree_verify_v13_combine_rows", (ws.order, *cargs)
+        grid = pairs_grid
     attend_fn = loader.get_function(settings.stem, attend + ("_own" if own else ""), options=options)
     combine_fn = loader.get_function(settings.stem, combine, options=options)
     loader.set_max_dynamic_shared(attend_fn, smem)
-    if version == 11 or pairs:
+    if version == 11:
         clusters = _resident_clusters(attend_fn, settings.threads, smem)
         grid = _V11_CLUSTER * min(ws.grid // _V11_CLUSTER, clusters)
     if not plan_ready and not own:

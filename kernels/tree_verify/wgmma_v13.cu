@@ -4,7 +4,7 @@
 // fixed buffers (CUDA-graph capturable): tree_verify_v13_attend_own (clusters of two CTAs), then
 // tree_verify_v13_combine_rows (v8's combine_rows, which returns at once where the attend kernel merged).
 // kdlib.cuda.attention runs version 10's kernels wherever version 10 would not launch its _own kernel with v7's
-// consumers and the combine a warp per row.
+// consumers and the combine a warp per row, and wherever the host's shapes rule the pairs out (v13_pairs).
 //
 // Why (notebook 02b, 13o): at 64 heads x 65 queries x 32k the plan makes 130 jobs, two a row block, one a CTA,
 // and the combine kernel took 1.7 % of the whole verify (data/results/attention_bounds.h200.json), where the
