@@ -173,14 +173,25 @@ def test_typed_loader_refuses_another_schema(results_dir):
     assert results.load_moe("b300") is None
 
 
-def test_ceilings_recorded_or_stated_fallback(results_dir):
+def test_ceilings_recorded_or_stated_fallback(results_dir, monkeypatch):
+    """A suite divides by its own GPU's ceilings, the CPU (a notebook) and a GPU with none recorded by the
+    H200's, an asked GPU with none by the stated fallback."""
     fb = results.ceilings()
     assert not fb.recorded and fb.bandwidth_Bps == results.FALLBACK_BW and "no ceilings file" in fb.source
-    (results_dir / "ceilings.h200.json").write_text(json.dumps(
-        {"suite": "ceilings", "schema": 1, "provenance": {"date": "2026-11-29T00:00:00Z"},
-         "copy_bandwidth_Bps": 4.2e12, "bf16_matmul_flops": 6.9e14}))
-    got = results.ceilings("h200")
-    assert got == results.Ceilings(4.2e12, 6.9e14, "ceilings.h200.json", True)
+    for slug, bw, date in (("h200", 4.2e12, "2026-11-29"), ("h100-80gb-hbm3", 3.0e12, "2026-12-05")):
+        (results_dir / f"ceilings.{slug}.json").write_text(json.dumps(
+            {"suite": "ceilings", "schema": 1, "provenance": {"date": f"{date}T00:00:00Z"},
+             "copy_bandwidth_Bps": bw, "bf16_matmul_flops": 6.9e14}))
+    h200 = results.Ceilings(4.2e12, 6.9e14, "ceilings.h200.json", True)
+    assert results.ceilings("h200") == h200
+    running = {"gpu": "cpu"}
+    monkeypatch.setattr(results, "provenance", lambda command=None: running)
+    assert results.ceilings() == h200
+    running["gpu"] = "NVIDIA H100 80GB HBM3"
+    assert results.ceilings() == results.Ceilings(3.0e12, 6.9e14, "ceilings.h100-80gb-hbm3.json", True)
+    running["gpu"] = "NVIDIA B300"
+    assert results.ceilings() == h200
+    assert not results.ceilings("b300").recorded
 
 
 def test_write_names_the_file_by_suite_and_gpu_or_as_asked(tmp_path):

@@ -907,8 +907,13 @@ FALLBACK_BW, FALLBACK_FLOPS = 4.3e12, 790e12
 
 
 def ceilings(gpu: str | None = None) -> Ceilings:
-    """The recorded ceilings (`data/results/ceilings.<gpu>.json`, any GPU when None), else the fallback."""
-    doc = load("ceilings", gpu)
+    """The recorded ceilings of `gpu` (`data/results/ceilings.<gpu>.json`, a slug), else the stated fallback.
+    None: those of the GPU this process runs on (a suite's), else the H200's, the workbook's reference GPU
+    (on the CPU, or a GPU with no ceilings recorded; the source names the file)."""
+    if gpu:
+        doc = load("ceilings", gpu)
+    else:
+        doc = load("ceilings", gpu_slug(provenance()["gpu"])) or load("ceilings", "h200")
     if doc and doc.get("copy_bandwidth_Bps") and doc.get("bf16_matmul_flops"):
         return Ceilings(float(doc["copy_bandwidth_Bps"]), float(doc["bf16_matmul_flops"]), doc["_path"], True)
     return Ceilings(FALLBACK_BW, FALLBACK_FLOPS, "no ceilings file recorded: 4.3 TB/s copy and 790 TFLOP/s "

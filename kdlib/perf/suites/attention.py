@@ -18,7 +18,8 @@ order) are those parameters' defaults. Per point
     graphs and replayed in turn (`graph`; env KDLIB_ATTENTION_FI_GRAPH=0 leaves them out); it has no tree
     mask, so its time is a lower bound of a verify built on it;
   * at the GOAL_MS points, a duel: DUEL_ROUNDS interleaved rounds of the headline's whole verify, its
-    plan reused and FlashInfer, eager and graph-replayed (`duel`), after every point's arms; the goal
+    plan reused, the other impls' whole verify (arms named by impl: an A/B round by round) and FlashInfer,
+    eager and graph-replayed (`duel`), after every point's arms; the goal
     "faster than FlashInfer" asks for every round, against FlashInfer's faster arm of that round;
   * floor = max(bytes / copy bandwidth, FLOPs / bf16 matmul rate) of `_attention.cost` (FLOPs: the
     prefix, 2 H Q S (576 + 512)); the ragged point counts each request's own prefix and tree rows.
@@ -266,7 +267,7 @@ def run_point(p: dict, pool, kv_split, ceil: dict, impls, *, iters: int, baselin
     row = {"heads": h, "queries": nq, "batch": bsz, "prefix": None if ragged else width, "ragged": ragged,
            "lens": lens if ragged else None, "trees": trees if ragged else None, **c, **fl,
            "rotations": n_rot, "variants": {}}
-    outs, timers = {}, {}  # timers: the headline's whole verify and plan-reused arms, for the duel
+    outs, timers = {}, {}  # timers: the whole verify of each impl (the headline's "verify") and plan reused
     for impl in impls:
         ws = cu.make_workspace(bsz, nq, h) if cu.IMPLS[impl] in cu.WGMMA_VERSIONS else None
 
@@ -274,8 +275,7 @@ def run_point(p: dict, pool, kv_split, ceil: dict, impls, *, iters: int, baselin
         call(tables[0], validate=True)
         timer = base.graph_timer([lambda pt=pt, call=call: call(pt) for pt in tables])
         t = timer(iters=iters, warmup=3)
-        if impl == impls[0]:
-            timers["verify"] = timer
+        timers["verify" if impl == impls[0] else impl] = timer
         row["variants"][impl] = {"kernel": t.as_dict(), "fraction_of_floor": fl["floor_ms"] / t.median_ms,
                                  "achieved_TBps": c["bytes"] / (t.median_ms * 1e-3) / 1e12,
                                  "achieved_TFLOPs": c["flops"] / (t.median_ms * 1e-3) / 1e12}

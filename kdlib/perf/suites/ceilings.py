@@ -2,9 +2,9 @@
 
     python3 -m kdlib.perf.run --suite ceilings [--quick]   ->  data/results/ceilings.<gpu>.json
 
-Later benchmarks divide by these two numbers (`kdlib.perf.load("ceilings")`, keys
-`copy_bandwidth_Bps` and `bf16_matmul_flops`) to state their fraction of what the chip really does,
-next to the datasheet figures.
+Later benchmarks divide by these two numbers of the GPU they run on (`kdlib.perf.results.ceilings()`,
+keys `copy_bandwidth_Bps` and `bf16_matmul_flops` of the file) to state their fraction of what the chip
+really does, next to the datasheet figures.
 
 Copy: `dst.copy_(src)` on contiguous uint8 buffers of the same device (torch issues a
 device-to-device cudaMemcpyAsync); each copy moves 2 x size bytes (read src + write dst). The

@@ -23,9 +23,9 @@ Data are L2-resident (a few MB at most): these kernels are launch/latency-bound 
 are L2-warm, which is what a decode step sees for them.
 
 Floors: compaction moves bytes (read + write of each moved row): floor = bytes / copy bandwidth
-from `data/results/ceilings.h200.json` (`kdlib.perf.results.ceilings()`) when recorded, else the
-fallback 4.3e12 B/s (kernels-perf.md §0); the other kernels have no meaningful byte/FLOP floor
-(dependent latency chains), so only their times are recorded.
+from the running GPU's `data/results/ceilings.<gpu>.json` (`kdlib.perf.results.ceilings()`; the H200's
+where that GPU has none) when recorded, else the fallback 4.3e12 B/s (kernels-perf.md §0); the other
+kernels have no meaningful byte/FLOP floor (dependent latency chains), so only their times are recorded.
 
 The verify-attention sweep of `kdlib.perf.suites._attention` (written by the attention
 engineer) is embedded under `verify_attention` when that module exists. `sweep(attention=...)` or env
