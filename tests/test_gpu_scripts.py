@@ -103,7 +103,7 @@ def test_levers_script_runs_the_steps_named_and_the_switches_given(tmp_path, sta
 def test_levers_script_runs_the_one_pass_kernels_tests_the_suites_and_the_gpu_suite_in_two_shares(tmp_path,
                                                                                                    stand_ins):
     out = tmp_path / "out"
-    res = _levers(out, stand_ins, "v11", "v12", "probe", "suite", "rate", "shard1", "shard2")
+    res = _levers(out, stand_ins, "v11", "v12", "probe", "suite", "rows", "rate", "shard1", "shard2")
     assert res.returncode == 0, res.stderr
     py = [c for c in stand_ins["log"].read_text().splitlines() if c.startswith("python3 ")]
     assert py == [
@@ -114,6 +114,7 @@ def test_levers_script_runs_the_one_pass_kernels_tests_the_suites_and_the_gpu_su
         f"-q -p no:cacheprovider -k v12 or wgmma_constants --junitxml={out}/r/v12.xml #opts=",
         f"python3 tools/v11_probe.py --out {out}/r --also wgmma_v12 --clusters #opts=",
         f"python3 -m kdlib.perf.run --suite attention --out {out}/r #opts=",
+        f"python3 tools/rows_sweep.py --out {out}/r #opts=",
         f"python3 -m kdlib.perf.run --suite wgmma_rate --out {out}/r #opts=",
         *(f"python3 -m pytest -m gpu tests --shard {k}/2 -q -p no:cacheprovider "
           f"--junitxml={out}/r/shard{k}.xml #opts=" for k in (1, 2))]

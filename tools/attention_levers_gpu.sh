@@ -31,6 +31,9 @@
 #   sanitize   compute-sanitizer memcheck and synccheck over the driver's cases of KDLIB_SANITIZE_CASES (default
 #              v11,v12: the one-pass kernels; tools/sanitize_gpu.sh), then racecheck over the same cases in the
 #              checking build (-DTV7_RACECHECK=1) -> r/san, r/san_check
+#   rows       tools/rows_sweep.py: the default verify at 8 heads and 1 to 9 queries over 200k and over 8 x 32k,
+#              with the gathers-alone and consumers-alone probes where version 7's consumers run
+#              -> r/attention_rows.<gpu>.json
 #   rate       the wgmma_rate suite (each warpgroup MMA shape of the attend kernels alone on every SM)
 #              -> r/wgmma_rate.<gpu>.json
 #   shard1, shard2
@@ -57,10 +60,11 @@ NCU_QUERIES=${KDLIB_NCU_QUERIES:-65 9}
 STEPS=${*:-tests timeline phases}
 for step in $STEPS; do
   case $step in
-    tests | v11 | v12 | v13 | duel | probe | suite | sanitize | rate | shard1 | shard2 | timeline | phases | ncu) ;;
+    tests | v11 | v12 | v13 | duel | probe | suite | sanitize | rows | rate | shard1 | shard2 | timeline | phases \
+      | ncu) ;;
     ab) [ -n "$AB" ] || { echo "step ab needs KDLIB_AB (SUITE:NAME=VALUE[,NAME=VALUE...] ...)" >&2; exit 2; } ;;
-    *) echo "unknown step $step (tests v11 v12 v13 duel probe suite sanitize rate shard1 shard2 ab timeline phases" \
-         "ncu)" >&2
+    *) echo "unknown step $step (tests v11 v12 v13 duel probe suite sanitize rows rate shard1 shard2 ab timeline" \
+         "phases ncu)" >&2
        exit 2 ;;
   esac
 done
@@ -121,6 +125,8 @@ for step in $STEPS; do
         bash tools/sanitize_gpu.sh
       run sanitize_check 260 env OUT="$R/san_check" KDLIB_SANITIZE_CASES="$cases" KDLIB_SANITIZE_TOOLS=racecheck \
         KDLIB_NVRTC_OPTIONS="-DTV7_RACECHECK=1 -lineinfo" bash tools/sanitize_gpu.sh ;;
+    rows)
+      run rows 420 python3 tools/rows_sweep.py --out "$R" ;;
     rate)
       run rate 150 python3 -m kdlib.perf.run --suite wgmma_rate --out "$R" ;;
     shard1 | shard2)
