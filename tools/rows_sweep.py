@@ -22,7 +22,7 @@ from kdlib.perf import results
 from kdlib.perf.suites import attention
 from kdlib.perf.suites import attention_bounds as bounds
 
-GRIDS = {"200k_B1": (200_000, 1), "32k_B8": (32_768, 8)}  # name -> (prefix a request, requests)
+GRIDS = ((200_000, 1), (32_768, 8))  # (prefix a request, requests)
 HEADS = 8
 QUERIES = tuple(range(1, 10))
 PROBES = {k: bounds.PROBES[k] for k in ("gathers", "consumers")}
@@ -31,7 +31,7 @@ PROBES = {k: bounds.PROBES[k] for k in ("gathers", "consumers")}
 def points() -> list[dict]:
     """The sweep: every tree size of QUERIES over each grid of GRIDS, at HEADS heads."""
     return [{"heads": HEADS, "queries": nq, "prefix": s, "batch": b}
-            for s, b in GRIDS.values() for nq in QUERIES]
+            for s, b in GRIDS for nq in QUERIES]
 
 
 def consumers(rows: int) -> str:
