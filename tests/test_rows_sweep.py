@@ -24,4 +24,6 @@ def test_version_9s_consumers_up_to_16_rows_then_version_7s():
     got = {q: rows_sweep.consumers(8 * q) for q in rows_sweep.QUERIES}
     assert {q for q, c in got.items() if c == "version 9's"} == {1, 2}
     assert {got[q] for q in range(3, 10)} == {"version 7's"}
-    assert set(rows_sweep.PROBES) == {"gathers", "consumers"}
+    both = {"gathers", "consumers"}
+    assert [set(rows_sweep.probes(8 * q)) for q in (1, 2, 3, 9)] == [{"consumers"}] * 2 + [both] * 2
+    assert [p["queries"] for p in rows_sweep.points((1, 8))] == [1, 8, 1, 8]

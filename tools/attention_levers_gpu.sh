@@ -32,7 +32,7 @@
 #              v11,v12: the one-pass kernels; tools/sanitize_gpu.sh), then racecheck over the same cases in the
 #              checking build (-DTV7_RACECHECK=1) -> r/san, r/san_check
 #   rows       tools/rows_sweep.py: the default verify at 8 heads and 1 to 9 queries over 200k and over 8 x 32k,
-#              with the gathers-alone and consumers-alone probes where version 7's consumers run
+#              with the consumers-alone probe and, where version 7's consumers run, the gathers-alone
 #              -> r/attention_rows.<gpu>.json
 #   rate       the wgmma_rate suite (each warpgroup MMA shape of the attend kernels alone on every SM)
 #              -> r/wgmma_rate.<gpu>.json

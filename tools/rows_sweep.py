@@ -8,8 +8,12 @@ On the GPU machine:
 Each point: the whole verify replayed from CUDA graphs and one replay profiled (`attention_bounds`' timing:
 the median ms, each kernel's device us), its bytes at the GPU's copy bandwidth (the ceilings recorded for it)
 and the fraction of copy that makes, the consumers the attend kernel runs (version 9's, the rows as the MMAs'
-N, up to 16 rows; else version 7's, jobs of 64 rows) and the row blocks; where version 7's consumers run, the
-gathers alone and the consumers alone (`attention_bounds.PROBES`' first two builds).
+N, up to 16 rows; else version 7's, jobs of 64 rows) and the row blocks; the attend kernel built as the
+consumers alone (`attention_bounds.PROBES`' second build, TV7_PROBE 2: the producer, which both consumer forms
+share, fills each stage once) and, where version 7's consumers run, as the gathers alone (its first build: its
+wait-and-release is in version 7's consumers' code).
+
+    --queries 1 2 8      only those tree sizes
 """
 
 from __future__ import annotations
@@ -28,10 +32,16 @@ QUERIES = tuple(range(1, 10))
 PROBES = {k: bounds.PROBES[k] for k in ("gathers", "consumers")}
 
 
-def points() -> list[dict]:
-    """The sweep: every tree size of QUERIES over each grid of GRIDS, at HEADS heads."""
+def probes(rows: int) -> dict:
+    """The probe builds that hold at `rows` query rows a request: both under version 7's consumers, the
+    consumers alone under version 9's."""
+    return PROBES if cu.v9_options(rows) is None else {"consumers": PROBES["consumers"]}
+
+
+def points(queries=QUERIES) -> list[dict]:
+    """The sweep: every tree size of `queries` over each grid of GRIDS, at HEADS heads."""
     return [{"heads": HEADS, "queries": nq, "prefix": s, "batch": b}
-            for s, b in GRIDS for nq in QUERIES]
+            for s, b in GRIDS for nq in queries]
 
 
 def consumers(rows: int) -> str:
@@ -40,7 +50,7 @@ def consumers(rows: int) -> str:
 
 
 def run_point(p: dict, pool, copy_Bps: float, iters: int) -> dict:
-    """One point's whole verify (and, under version 7's consumers, its two probes) -> its record row."""
+    """One point's whole verify and its probes (`probes`) -> its record row."""
     x = attention.point_inputs(p, pool)
     h, rows = p["heads"], p["heads"] * p["queries"]
     got = bounds._profiled(bounds._verify_launch(x, pool, h, x["tables"]), iters)
@@ -49,8 +59,8 @@ def run_point(p: dict, pool, copy_Bps: float, iters: int) -> dict:
     row = {**p, "rows": rows, "row_blocks": math.ceil(rows / bounds.ROW_BLOCK), "consumers": consumers(rows),
            "bytes": x["cost"]["bytes"], "verify": got, "attend_us": bounds.attend_us(got["kernels"]),
            "mem_ms": mem_ms, "fraction_of_copy": mem_ms / ms}
-    if cu.v9_options(rows) is None:
-        row["probes"] = {k: bounds.probe(x, pool, h, x["tables"], opts, iters) for k, opts in PROBES.items()}
+    row["probes"] = {k: bounds.probe(x, pool, h, x["tables"], opts, iters)
+                     for k, opts in probes(rows).items()}
     print(f"[rows] H{h} Q{p['queries']} S{p['prefix']} B{p['batch']} ({rows} rows, {row['consumers']} "
           f"consumers): {ms:.4f} ms, {row['fraction_of_copy']:.0%} of copy, attend {row['attend_us']:.1f} us"
           + "".join(f", {k} alone {v['attend_us']:.1f} us" for k, v in row.get("probes", {}).items()),
@@ -64,9 +74,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="folder of the record")
     ap.add_argument("--iters", type=int, default=20, help="graph replays a timing")
+    ap.add_argument("--queries", type=int, nargs="+", default=QUERIES, choices=QUERIES, help="tree sizes")
     a = ap.parse_args()
     ceil = results.ceilings()
-    pts = points()
+    pts = points(a.queries)
     pool = torch.randn(attention.pool_rows(pts), attention.D_QK, device="cuda",
                        dtype=torch.bfloat16)  # [N, 576] KV rows
     rows = []
@@ -77,8 +88,8 @@ def main() -> None:
                      "kernels: one replay profiled",
                      "mem_ms: the point's bytes (the attention suite's cost) at the copy bandwidth; "
                      "fraction_of_copy = mem_ms / the verify's median",
-                     "probes: the verify with the attend kernel built -DTV7_PROBE=1 (gathers alone) and =2 "
-                     "(consumers alone), where version 7's consumers run",
+                     "probes: the verify with the attend kernel built -DTV7_PROBE=2 (consumers alone) and, "
+                     "where version 7's consumers run, =1 (gathers alone)",
                      "written after every point: a run cut short keeps the points it timed"]}
     for p in pts:
         rows.append(run_point(p, pool, ceil.bandwidth_Bps, a.iters))

@@ -65,7 +65,8 @@
 // TV7_PROBE (-DTV7_PROBE=n): a timing probe of v7's consumers (tree_verify_v7_attend, tree_verify_v10_attend),
 // never the default; its outputs are wrong. 1: the consumers wait for both stages of each pair and release
 // them, no MMA (the producer's gathers alone); 2: the producer gathers each stage once, for the first pair,
-// then only arrives on its barriers (the consumers' work over rows already in shared memory, no gather);
+// then only arrives on its barriers (the consumers' work over rows already in shared memory, no gather; it
+// holds for version 9's consumers too, whose producer this is);
 // 3: 2 without the P V MMAs; 4: 2 without the S MMAs (each consumer only waits for its stage's blocks).
 // kdlib.perf.suites.attention_bounds times them beside the default build.
 #ifndef TV7_PROBE
