@@ -1,5 +1,6 @@
-"""tools/barrier_model.py: the attend kernels' synchronisation (versions 7-10 and 12) under random schedules,
-and mutants of it that the model must refuse (a deadlock, an aliased phase, a named barrier passed twice)."""
+"""tools/barrier_model.py: the attend kernels' synchronisation (versions 7-10 and 12, version 13's cluster
+pair) under random schedules, and mutants of it that the model must refuse (a deadlock, an aliased phase, a
+named barrier passed twice, a swap stored or read out of turn)."""
 
 from __future__ import annotations
 
@@ -91,7 +92,60 @@ def test_a_producer_that_writes_its_descriptors_ahead_of_its_fills_overwrites_an
     _refused(pairs, _roles(pairs, producer=producer), "not read")
 
 
+PAIR_STREAMS = [(1, 1), (1, 3), (3, 1), (2, 2), (4, 3)]  # each CTA's pairs
+
+
+def _pair(n0, n1):
+    return bm.stream([(n0, False)]), bm.stream([(n1, False)])
+
+
+def test_version_13s_pair_finishes_and_keeps_the_rules():
+    rng = random.Random(11)
+    for n in PAIR_STREAMS:
+        for _ in range(200):
+            bm.run_pair(_pair(*n), rng)
+
+
+def _pair_refused(consumer, match, runs=300):
+    rng = random.Random(5)
+    with pytest.raises(bm.ProtocolError, match=match):
+        for _ in range(runs):  # some schedule shows it
+            for n in PAIR_STREAMS:
+                pairs = _pair(*n)
+                bm.run_pair(pairs, rng, bm.pair_roles(pairs, consumer))
+
+
+def test_a_sender_that_does_not_wait_on_free_stores_over_the_peers_reads():
+    def consumer(c, pairs, r):
+        yield from (op for op in bm.consumer(c, pairs, False, r) if op != ("wait", "free", 0))
+
+    _pair_refused(consumer, "while its consumers read it")
+
+
+def test_consumers_that_arrive_on_their_own_free_let_the_sender_store_too_early():
+    def consumer(c, pairs, r):
+        for op in bm.consumer(c, pairs, False, r):
+            yield ("arrive", "free") if op == ("arrive_peer", "free") else op
+
+    _pair_refused(consumer, "while its consumers read it")
+
+
+def test_a_receiver_that_does_not_wait_on_full_reads_the_swap_early():
+    def consumer(c, pairs, r):
+        yield from (op for op in bm.consumer(c, pairs, False, r) if op != ("wait", "full", 0))
+
+    _pair_refused(consumer, "before the peer's stores landed")
+
+
+def test_a_receiver_that_never_arms_full_deadlocks():
+    def consumer(c, pairs, r):
+        yield from (op for op in bm.consumer(c, pairs, False, r) if op != ("arrive", "full"))
+
+    _pair_refused(consumer, "deadlock")
+
+
 def test_the_tool_exits_0_when_every_schedule_holds(capsys):
     assert bm.main(["--runs", "50"]) == 0
     out = capsys.readouterr().out
     assert "version 12: 50 random schedules finished" in out
+    assert "version 13's pair: 50 random schedules finished" in out

@@ -2,19 +2,24 @@
 
     python3 tools/barrier_model.py [--runs N] [--seed S]       exit 0: every schedule finished cleanly
 
-Versions 7-10's attend kernel (`kernels/tree_verify/wgmma_v7.cu`'s protocol) and version 12's
-(`wgmma_v12.cu`: the producer also computes the rows past 64, with its barriers QROPE and ROPE8) are written
-here as what each warpgroup does to the CTA's barriers, pair by pair: the producer and the two consumers, each
-a sequence of mbarrier arrivals and parity waits and of named-barrier arrivals and syncs, with the kernel's
-counts (one unit a warpgroup: a consumer's four warps' arrivals count one). A schedule runs any warpgroup
-whose next operation can go; it must end with all three done. Checked on the way:
+Versions 7-10's attend kernel (`kernels/tree_verify/wgmma_v7.cu`'s protocol), version 12's (`wgmma_v12.cu`:
+the producer also computes the rows past 64, with its barriers QROPE and ROPE8) and version 13's cluster pair
+(`wgmma_v13.cu`: two CTAs, each one job, whose ends swap half of O through the other's stage 0 on the
+mbarriers FREE and FULL) are written here as what each warpgroup does to the CTA's barriers, pair by pair: the
+producer and the two consumers, each a sequence of mbarrier arrivals and parity waits and of named-barrier
+arrivals and syncs, with the kernel's counts (one unit a warpgroup: a consumer's four warps' arrivals count
+one). A schedule runs any warpgroup whose next operation can go; it must end with all of them done. Checked on
+the way:
 
 * no deadlock: some warpgroup can always go until all are done;
 * no aliased phase: a parity wait means one phase of its barrier (pair n's fill, job j's Q, ...), and the
   barrier is never two phases past it when the wait looks (the parity would then read as not yet done);
 * each named barrier's generation is passed by the two consumers, one each (a consumer arriving twice in one
   would release the other's sync with the wrong pair);
-* the pair-descriptor ring: the producer writes descriptor n only once both consumers read descriptor n - 4.
+* the pair-descriptor ring: the producer writes descriptor n only once both consumers read descriptor n - 4;
+* version 13's swap: a sender stores into the other CTA's stage 0 only once both of that CTA's consumers are
+  done reading it, no producer fills a stage 0 that holds a swap, and a receiver reads the swap only once the
+  stores have landed.
 
 It models order, not time or data: copies land at once, MMAs take no time. What each kernel's code does
 between the operations is in its file; this model must change with it.
@@ -56,7 +61,9 @@ def stream(groups: list[tuple[int, bool]]) -> list[Pair]:
 COUNTS = {**{("full", s, g): 1 for s in (0, 1) for g in (0, 1, 2)},  # the producer's fill of a group
           **{("empty", s, g): 2 if g == 2 else 1 for s in (0, 1) for g in (0, 1, 2)},  # V_L, V_R, rope
           "qfull": 1, "qempty": 2, "qrope": 2, ("rope8", 0): 1, ("rope8", 1): 1,
-          **{("desc", d): 1 for d in range(NDESC)}}
+          **{("desc", d): 1 for d in range(NDESC)},
+          "free": 2,  # version 13: the peer's two consumers, done reading this CTA's stage 0
+          "full": 2}  # version 13: this receiver's expect_tx and the peer's stores landing
 
 
 def producer(pairs: list[Pair], mixed: bool):
@@ -87,8 +94,9 @@ def producer(pairs: list[Pair], mixed: bool):
             yield ("arrive", ("rope8", 1))
 
 
-def consumer(c: int, pairs: list[Pair], mixed: bool):
-    """Consumer warpgroup c (attend_v7's branch; Mix::on for version 12)."""
+def consumer(c: int, pairs: list[Pair], mixed: bool, rank: int | None = None):
+    """Consumer warpgroup c (attend_v7's branch; Mix::on for version 12); rank: version 13's CTA in its pair,
+    whose one job ends in pair_merge."""
     jobs = 0
     for n, p in enumerate(pairs):
         yield ("wait", ("desc", n % NDESC), n // NDESC)
@@ -108,6 +116,8 @@ def consumer(c: int, pairs: list[Pair], mixed: bool):
             yield ("nb_arrive", 1)  # publish_p: NB_SCALE_A
             yield ("arrive", ("empty", 0, 0))  # pv_own_tile: V_AL, the rope block
             yield ("arrive", ("empty", 0, 2))
+            if p.last and rank is not None:
+                yield ("stage0_read",)  # its last read of stage 0
             yield ("nb_sync", 2)  # NB_SCALE_B
             yield ("nb_sync", 3)  # NB_PB
             yield ("arrive", ("empty", 1, 0))  # P_B V_BL done
@@ -120,10 +130,22 @@ def consumer(c: int, pairs: list[Pair], mixed: bool):
             yield ("nb_arrive", 3)  # publish_p: NB_PB
             yield ("arrive", ("empty", 0, 1))  # P_A V_AR done
             yield ("arrive", ("empty", 0, 2))
+            if p.last and rank is not None:
+                yield ("stage0_read",)
             yield ("arrive", ("empty", 1, 1))  # pv_own_tile: V_BR, the rope block
             yield ("arrive", ("empty", 1, 2))
-        if p.last:
+        if p.last and rank is None:
             yield ("nb_sync", 4)  # job_end: NB_LSUM
+        elif p.last:  # pair_merge
+            yield ("arrive_peer", "free")  # this CTA's stage 0 read: the peer may store into it
+            yield ("nb_sync", 4)  # job_sums: NB_LSUM
+            if c != rank:  # the sender: its dims are the peer's to merge
+                yield ("wait", "free", 0)
+                yield ("store_peer",)  # st.async into the peer's stage 0, completing on its FULL
+            else:
+                yield ("arrive", "full")  # mbar_expect
+                yield ("wait", "full", 0)
+                yield ("read_swap",)
 
 
 class ProtocolError(AssertionError):
@@ -136,6 +158,15 @@ class Cta:
     pending: dict = field(default_factory=lambda: dict(COUNTS))
     named: dict = field(default_factory=dict)  # id -> (generations ended, actors arrived in the current one)
     read: dict = field(default_factory=lambda: {1: -1, 2: -1})  # consumer actor -> last descriptor read
+    peer: Cta | None = None  # version 13: the other CTA of the cluster
+    done0: set = field(default_factory=set)  # version 13: consumers done reading stage 0
+    swapped: bool = False  # version 13: the peer's stores have landed in stage 0
+
+    def arrive(self, bar) -> None:
+        self.pending[bar] -= 1
+        if self.pending[bar] == 0:
+            self.phase[bar] += 1
+            self.pending[bar] = COUNTS[bar]
 
     def can(self, actor: int, op: tuple, joined: dict) -> bool:
         kind = op[0]
@@ -156,10 +187,21 @@ class Cta:
         """Carry op out; False where the actor stays on it (a sync it has joined)."""
         kind = op[0]
         if kind == "arrive":
-            self.pending[op[1]] -= 1
-            if self.pending[op[1]] == 0:
-                self.phase[op[1]] += 1
-                self.pending[op[1]] = COUNTS[op[1]]
+            if self.swapped and op[1][:2] == ("full", 0):
+                raise ProtocolError("the producer filled stage 0 over the swap")
+            self.arrive(op[1])
+        elif kind == "arrive_peer":
+            self.peer.arrive(op[1])
+        elif kind == "stage0_read":
+            self.done0.add(actor)
+        elif kind == "store_peer":
+            if len(self.peer.done0) < 2:
+                raise ProtocolError("stored into the peer's stage 0 while its consumers read it")
+            self.peer.swapped = True
+            self.peer.arrive("full")
+        elif kind == "read_swap":
+            if not self.swapped:
+                raise ProtocolError("read the swap before the peer's stores landed")
         elif kind in ("nb_arrive", "nb_sync"):
             if actor in joined:  # its sync's generation has ended: on
                 del joined[actor]
@@ -194,6 +236,32 @@ def run(pairs: list[Pair], mixed: bool, rng: random.Random, roles=None) -> None:
             nxt[a] = next(gens[a], None)
 
 
+def pair_roles(pairs: tuple[list[Pair], list[Pair]], make_consumer=None) -> dict:
+    """Version 13's warpgroups, (CTA rank, actor) -> generator maker: CTA r's producer and consumers over
+    pairs[r]; make_consumer(c, pairs, rank) makes the consumers (a mutant's), else `consumer`."""
+    cons = make_consumer or (lambda c, p, r: consumer(c, p, False, r))
+    return {key: f for r in (0, 1) for key, f in (
+        ((r, 0), lambda r=r: producer(pairs[r], False)),
+        ((r, 1), lambda r=r: cons(0, pairs[r], r)),
+        ((r, 2), lambda r=r: cons(1, pairs[r], r)))}
+
+
+def run_pair(pairs: tuple[list[Pair], list[Pair]], rng: random.Random, roles=None) -> None:
+    """One random schedule of version 13's cluster pair: CTA r over pairs[r], one job of version 7's
+    consumers ending in pair_merge; ProtocolError on a deadlock or a broken rule. roles: `pair_roles`'."""
+    gens = {a: f() for a, f in (roles or pair_roles(pairs)).items()}
+    nxt = {a: next(g, None) for a, g in gens.items()}
+    ctas, joined = (Cta(), Cta()), ({}, {})
+    ctas[0].peer, ctas[1].peer = ctas[1], ctas[0]
+    while any(op is not None for op in nxt.values()):
+        ready = [a for a, op in nxt.items() if op is not None and ctas[a[0]].can(a[1], op, joined[a[0]])]
+        if not ready:
+            raise ProtocolError("deadlock: " + ", ".join(f"{a}: {op}" for a, op in nxt.items() if op))
+        a = rng.choice(ready)
+        if ctas[a[0]].do(a[1], nxt[a], joined[a[0]]):
+            nxt[a] = next(gens[a], None)
+
+
 def random_stream(rng: random.Random) -> list[Pair]:
     """1-4 groups of 1-3 pairs, each with rows past 64 or not."""
     return stream([(rng.randint(1, 3), rng.random() < 0.6) for _ in range(rng.randint(1, 4))])
@@ -214,6 +282,14 @@ def main(argv=None) -> int:
                 print(f"{name}: {e} (groups {[(p.pairs, p.r8) for p in pairs if p.first]})")
                 return 1
         print(f"{name}: {a.runs} random schedules finished, every rule held")
+    for _ in range(a.runs):  # version 13: each CTA one job of 1-4 pairs
+        pairs = tuple(stream([(rng.randint(1, 4), False)]) for _ in range(2))
+        try:
+            run_pair(pairs, rng)
+        except ProtocolError as e:
+            print(f"version 13's pair: {e} (pairs {[len(p) for p in pairs]})")
+            return 1
+    print(f"version 13's pair: {a.runs} random schedules finished, every rule held")
     return 0
 
 

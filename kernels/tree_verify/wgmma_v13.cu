@@ -25,7 +25,7 @@
 //     256 r .. 256 r + 255 of its rows, and (r 0) their lse.
 // A CTA's shared memory outlives every access of the other's: its sender waits for the other's arrivals on its
 // FREE, its receiver for the other's stores on its FULL. CTA 0 writes order [0] = V13_MERGED (else -1), which
-// the combine reads.
+// the combine reads. tools/barrier_model.py runs this protocol (run_pair) as a model under random schedules.
 //
 // The attend kernel needs sm_90a (wgmma, setmaxnreg, clusters); built for another target its body traps.
 // kdlib-arch: sm_90a wgmma=tree_verify_v7_attend,tree_verify_v9_attend,tree_verify_v10_attend,tree_verify_v10_attend_t,tree_verify_v10_attend_own,tree_verify_v10_attend_t_own,tree_verify_v13_attend_own
