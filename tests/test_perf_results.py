@@ -184,12 +184,12 @@ def test_ceilings_recorded_or_stated_fallback(results_dir, monkeypatch):
              "copy_bandwidth_Bps": bw, "bf16_matmul_flops": 6.9e14}))
     h200 = results.Ceilings(4.2e12, 6.9e14, "ceilings.h200.json", True)
     assert results.ceilings("h200") == h200
-    running = {"gpu": "cpu"}
-    monkeypatch.setattr(results, "provenance", lambda command=None: running)
+    running = ["cpu"]
+    monkeypatch.setattr(results, "gpu_name", lambda: running[0])
     assert results.ceilings() == h200
-    running["gpu"] = "NVIDIA H100 80GB HBM3"
+    running[0] = "NVIDIA H100 80GB HBM3"
     assert results.ceilings() == results.Ceilings(3.0e12, 6.9e14, "ceilings.h100-80gb-hbm3.json", True)
-    running["gpu"] = "NVIDIA B300"
+    running[0] = "NVIDIA B300"
     assert results.ceilings() == h200
     assert not results.ceilings("b300").recorded
 

@@ -44,6 +44,25 @@ def gpu_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", s).strip("-") or "cpu"
 
 
+def gpu_name() -> str:
+    """The name of the GPU this process runs on (device 0, through torch else CuPy); "cpu" where none is."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            return cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    except Exception:
+        pass
+    return "cpu"
+
+
 def provenance(command: str | None = None) -> dict:
     """What produced a measurement: hardware, software versions, commit, date, command."""
     info = {
@@ -52,7 +71,7 @@ def provenance(command: str | None = None) -> dict:
         "command": command or " ".join([os.path.basename(sys.executable)] + sys.argv),
         "python": platform.python_version(),
         "host_cpu": platform.processor() or platform.machine(),
-        "gpu": "cpu",
+        "gpu": gpu_name(),
         "driver": None,
         "cuda": None,
         "cupy": None,
@@ -63,7 +82,6 @@ def provenance(command: str | None = None) -> dict:
 
         info["torch"] = torch.__version__
         if torch.cuda.is_available():
-            info["gpu"] = torch.cuda.get_device_name(0)
             info["cuda"] = torch.version.cuda
             props = torch.cuda.get_device_properties(0)
             info["sm_count"] = props.multi_processor_count
@@ -74,8 +92,6 @@ def provenance(command: str | None = None) -> dict:
         import cupy
 
         info["cupy"] = cupy.__version__
-        if info["gpu"] == "cpu" and cupy.cuda.runtime.getDeviceCount() > 0:
-            info["gpu"] = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     except Exception:
         pass
     try:
@@ -913,7 +929,7 @@ def ceilings(gpu: str | None = None) -> Ceilings:
     if gpu:
         doc = load("ceilings", gpu)
     else:
-        doc = load("ceilings", gpu_slug(provenance()["gpu"])) or load("ceilings", "h200")
+        doc = load("ceilings", gpu_slug(gpu_name())) or load("ceilings", "h200")
     if doc and doc.get("copy_bandwidth_Bps") and doc.get("bf16_matmul_flops"):
         return Ceilings(float(doc["copy_bandwidth_Bps"]), float(doc["bf16_matmul_flops"]), doc["_path"], True)
     return Ceilings(FALLBACK_BW, FALLBACK_FLOPS, "no ceilings file recorded: 4.3 TB/s copy and 790 TFLOP/s "
