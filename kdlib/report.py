@@ -466,6 +466,8 @@ def run_one(job: dict, out_dir: Path, *, timeout_s: float, kernel_name: str = KE
     import logging
 
     import papermill
+    import zmq
+    from traitlets.config import Config
 
     for name in ("papermill", "papermill.translators"):  # filters act only on the logger that emits
         logger = logging.getLogger(name)
@@ -475,6 +477,9 @@ def run_one(job: dict, out_dir: Path, *, timeout_s: float, kernel_name: str = KE
     stem = path.stem
     executed, html_path = out_dir / f"{stem}.ipynb", out_dir / f"{stem}.html"
     partial = out_dir / f".{stem}.running.ipynb"
+    # CurveZMQ keys for the kernel's sockets where pyzmq has curve (the kernelspec declares them; without,
+    # ipykernel warns of plain-text TCP)
+    kernel_config = Config({"KernelManager": {"transport_encryption": "auto"}} if zmq.has("curve") else {})
     deadline = time.monotonic() + timeout_s
     error = None
     t0 = time.perf_counter()
@@ -484,6 +489,7 @@ def run_one(job: dict, out_dir: Path, *, timeout_s: float, kernel_name: str = KE
             cwd=str(path.parent), progress_bar=progress_bar, log_output=log_output,
             # nbclient asks per cell: each cell may use what is left of the notebook's budget.
             timeout_func=lambda cell: max(1, int(deadline - time.monotonic())),
+            config=kernel_config,
         )
     except Exception as exc:  # a failing notebook is reported, not raised: the batch goes on
         error = _error_of(exc)

@@ -5,6 +5,7 @@ import json
 
 import nbformat
 import pytest
+import zmq
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 from kdlib import NOTEBOOKS, audit, report
@@ -188,6 +189,8 @@ def test_console_script_shows_progress_and_exit_code(tmp_path):
         and "RuntimeError: boom 1" in proc.stdout
     )
     assert "0 passed, 1 failed" in proc.stdout
+    if zmq.has("curve"):  # the kernel got CurveZMQ keys: ipykernel's warning of plain-text TCP is not printed
+        assert "without encryption" not in proc.stderr, proc.stderr
 
 
 def test_index_is_self_contained(batch):
