@@ -32,9 +32,11 @@ test: $(STAMP) chromium
 	$(BIN)/python -m pytest -n 2 --dist loadfile --nbval-lax --nbval-current-env notebooks
 
 ## lab: JupyterLab on the notebooks; options in LAB_ARGS (e.g. "--no-browser --ip 127.0.0.1 --port 8888"),
-## --allow-root added when run as root
+## --allow-root added when run as root; the kernels' sockets get CurveZMQ keys where pyzmq has curve
+CURVE = $(shell $(BIN)/python -c "import zmq; print(int(zmq.has('curve')))" 2>/dev/null)
 lab: $(STAMP)
-	$(BIN)/jupyter lab notebooks $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
+	$(BIN)/jupyter lab notebooks $(if $(filter 0,$(shell id -u)),--allow-root) \
+	  $(if $(filter 1,$(CURVE)),--KernelManager.transport_encryption=auto) $(LAB_ARGS)
 
 ## gpu-test: on a CUDA machine (no venv there): every kernel against its reference, the engine on GPU;
 ## SHARD=K/N runs the K-th of N shares (tests/conftest.py's --shard)
