@@ -63,8 +63,10 @@ def lab(tmp_path):
     """`make lab` on a free loopback port with a fixed token, Jupyter's config, data and runtime folders in
     tmp_path: (port, the server's log file)."""
     port, log = _free_port(), tmp_path / "lab.log"
-    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
-           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"), "JUPYTER_DATA_DIR": str(tmp_path / "data")}
+    # a make of its own, not one under the make that runs the tests (make test)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    env |= {"JUPYTER_CONFIG_DIR": str(tmp_path / "config"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+            "JUPYTER_DATA_DIR": str(tmp_path / "data")}
     args = f"--no-browser --ip 127.0.0.1 --port {port} --IdentityProvider.token={TOKEN}"
     with open(log, "w") as out:
         proc = subprocess.Popen(["make", "-s", "lab", f"LAB_ARGS={args}"], cwd=ROOT, env=env, stdout=out,
