@@ -349,3 +349,50 @@ def test_cli_help_runs():
     with pytest.raises(SystemExit) as e:
         serve.cli(["--help"])
     assert e.value.code == 0
+
+
+def test_async_scheduling_serves_what_the_plain_loop_serves(server, bundle):
+    """`--async-scheduling` (the engine's overlap): concurrent greedy completions, a stop string and logprobs
+    come out as the plain loop's (the module's server), and the model card says the lever is on."""
+    prompts = [f"Request number {i}: " for i in range(8)]
+
+    def body(p):
+        return {"prompt": p, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+
+    def texts(url):
+        def one(p):
+            r = httpx.post(url + "/v1/completions", json=body(p), timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            return list(ex.map(one, prompts))
+
+    def stop_and_logprobs(url):
+        stop = httpx.post(url + "/v1/completions", json={**body("def add(a, b):"), "stop": ["\n"]},
+                          timeout=120).json()["choices"][0]
+        lp = httpx.post(url + "/v1/completions", json={**body("x = 1\n"), "max_tokens": 8, "logprobs": 2},
+                        timeout=120).json()["choices"][0]["logprobs"]
+        return stop["text"], stop["finish_reason"], lp
+
+    engine = serve.Engine(bundle, max_num_seqs=8, max_model_len=CONTEXT, overlap=True)
+    assert engine.core.overlap
+    with serve.EmbeddedServer(engine) as lagged:
+        card = httpx.get(lagged.url + "/v1/models/kdtree-tiny", timeout=30).json()
+        assert card["kdlib"]["async_scheduling"] is True and card["kdlib"]["torch_compile"] is False
+        assert texts(lagged.url) == texts(server.url)
+        (s_text, s_reason, s_lp), (p_text, p_reason, p_lp) = stop_and_logprobs(lagged.url), \
+            stop_and_logprobs(server.url)
+        assert (s_text, s_reason) == (p_text, p_reason) and "\n" not in s_text
+        assert s_lp["tokens"] == p_lp["tokens"] and [sorted(t) for t in s_lp["top_logprobs"]] == \
+            [sorted(t) for t in p_lp["top_logprobs"]]
+        assert s_lp["token_logprobs"] == pytest.approx(p_lp["token_logprobs"], abs=1e-5)
+        assert engine.state()["running"] == 0
+    engine.close()
+
+
+def test_torch_compile_needs_a_cuda_model(bundle, capsys):
+    with pytest.raises(ValueError, match="torch.compile needs a CUDA model"):
+        serve.Engine(bundle, compile=True, warm_up=False)
+    assert serve.cli(["--port", "0", "--enable-torch-compile"]) == 2
+    assert "kdlib serve: torch.compile needs a CUDA model" in capsys.readouterr().err

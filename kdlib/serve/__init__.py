@@ -18,7 +18,10 @@ Routes:
 
 Continuous batching: one engine thread drives `kdlib.engine.batch.BatchEngine` (kdlib.serve.engine);
 requests join the running batch between steps and leave when done, each with its own sampling
-settings; greedy outputs under any concurrency equal the sequential ones. A client that
+settings; greedy outputs under any concurrency equal the sequential ones. The engine's two step-time
+levers are opt-in flags: `--async-scheduling` (vLLM's name: step k+1 runs on the device while the loop
+reads step k's tokens) and `--enable-torch-compile` (SGLang's name; CUDA only); notebook 03, 7e, measures
+both on the engine. A client that
 disconnects is cancelled before the next step and its KV slots freed. Admission: a bounded
 waiting queue (429 with Retry-After), a body-size limit (413, from Content-Length before reading),
 tokenisation in a worker thread (kdlib.serve.app). Request fields: kdlib.serve.protocol (pydantic;

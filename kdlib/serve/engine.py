@@ -127,16 +127,18 @@ def _deliver(items) -> None:
 
 
 def make_core(bundle: Bundle, *, max_num_seqs: int, max_model_len: int | None, method: str,
-              budget: int | None):
+              budget: int | None, overlap: bool = False, compile: bool = False):
     """The batched engine over the bundle's model (and drafter for DDTree; the fallback's oracle
-    drafts on the host, so its steps run eagerly instead of as CUDA graphs)."""
+    drafts on the host, so its steps run eagerly instead of as CUDA graphs); overlap and compile as
+    `BatchEngine` takes them."""
     from kdlib.engine.batch import BatchEngine
     from kdlib.engine.drafter import NoisyOracleDrafter
 
     ddtree = method == "ddtree"
     return BatchEngine(bundle.model, max_streams=max_num_seqs, method=method,
                        drafter=bundle.drafter if ddtree else None, budget=budget, max_context=max_model_len,
-                       graphs=False if ddtree and isinstance(bundle.drafter, NoisyOracleDrafter) else None)
+                       graphs=False if ddtree and isinstance(bundle.drafter, NoisyOracleDrafter) else None,
+                       overlap=overlap, compile=compile)
 
 
 class Engine:
@@ -144,13 +146,16 @@ class Engine:
 
     core: a BatchEngine-compatible object (default `make_core`); max_waiting: the bound of the
     waiting queue (429 beyond); threads: torch CPU threads (default 1 on CPU, where a tiny model's
-    ops are far too small to split and torch's workers contend with other processes).
+    ops are far too small to split and torch's workers contend with other processes); overlap: the
+    device runs step k+1 while the loop reads step k's tokens (`kdlib serve --async-scheduling`);
+    compile: torch.compile inside the CUDA graphs (`--enable-torch-compile`; a CUDA model only).
+    Both go to `make_core`, so a `core` given here is taken as it is.
     """
 
     def __init__(self, bundle: Bundle | None = None, *, method: str = "ddtree", budget: int | None = None,
                  max_num_seqs: int = 16, max_model_len: int | None = None, max_waiting: int = MAX_WAITING,
                  threads: int | None = None, core=None, served_names: tuple[str, ...] | None = None,
-                 warm_up: bool = True):
+                 warm_up: bool = True, overlap: bool = False, compile: bool = False):
         self.bundle = bundle or load_bundle()
         limit = int(self.bundle.model.cfg.max_position_embeddings)
         if max_model_len is not None and not 1 <= max_model_len <= limit:
@@ -158,8 +163,13 @@ class Engine:
                              f"got {max_model_len}")
         if not 1 <= max_num_seqs:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        device = getattr(self.bundle.model, "device", None)
+        if compile and core is None and (device is None or device.type != "cuda"):
+            raise ValueError("torch.compile needs a CUDA model (it fuses kernels inside the step's CUDA "
+                             "graphs; the CPU runs the step eagerly)")
         self.max_model_len = max_model_len or limit
         self.method, self.budget = method, budget
+        self.overlap, self.compile = bool(overlap), bool(compile)
         self.max_num_seqs, self.max_waiting = max_num_seqs, max_waiting
         self.names = tuple(served_names or (self.bundle.name,))
         self.stop_token_ids = frozenset(self.bundle.stop_token_ids)
@@ -172,7 +182,7 @@ class Engine:
             torch.set_num_threads(threads)  # process-wide
         self.core = core if core is not None else make_core(self.bundle, max_num_seqs=max_num_seqs,
                                                             max_model_len=self.max_model_len, method=method,
-                                                            budget=budget)
+                                                            budget=budget, overlap=overlap, compile=compile)
         self._cv = threading.Condition()
         self._inbox: list[tuple[str, Sequence]] = []
         self._adds = 0  # "add" commands in the inbox (they count as waiting)
@@ -203,7 +213,8 @@ class Engine:
         b = self.bundle
         return {**b.info, "method": self.method, "budget": getattr(self.core, "budget", self.budget) or None,
                 "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
-                "device": str(b.model.device), "stop_token_ids": sorted(self.stop_token_ids)}
+                "device": str(b.model.device), "stop_token_ids": sorted(self.stop_token_ids),
+                "async_scheduling": self.overlap, "torch_compile": self.compile}
 
     def state(self) -> dict:
         """The latest snapshot: running, waiting (incl. the inbox), pool_slots, pool_free, spec."""

@@ -208,6 +208,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--config", default=FALLBACK_CONFIG, help="fallback model config under data/configs/")
     ap.add_argument("--models", default=None, help="folder of the trained models (default data/models/)")
     ap.add_argument("--threads", type=_positive, default=None, help="torch CPU threads (default: 1 on CPU)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="run step k+1 on the device while the host reads step k's tokens (the engine's "
+                    "overlap; a finished request runs one step more, its tokens dropped)")
+    ap.add_argument("--enable-torch-compile", action="store_true",
+                    help="torch.compile the verify forward and the drafter inside the CUDA graphs (cuda "
+                    "only; each new step shape compiles on its first step)")
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return ap
 
@@ -227,7 +233,8 @@ def cli(argv: list[str]) -> int:
                              folder=args.models, dtype=args.dtype)
         engine = Engine(bundle, method=args.method, budget=args.budget, max_num_seqs=args.max_num_seqs,
                         max_model_len=args.max_model_len, max_waiting=args.max_waiting, threads=args.threads,
-                        served_names=tuple(args.served_model_name) if args.served_model_name else None)
+                        served_names=tuple(args.served_model_name) if args.served_model_name else None,
+                        overlap=args.async_scheduling, compile=args.enable_torch_compile)
     except (ValueError, FileNotFoundError) as e:
         sock.close()
         print(f"kdlib serve: {e}", file=sys.stderr)
@@ -236,9 +243,12 @@ def cli(argv: list[str]) -> int:
         engine.wait_ready()
         app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
         server = _uvicorn(app, args.log_level)
-        print(f"kdlib serve: {', '.join(engine.names)} ({bundle.info['weights']}; {args.dtype}, "
-              f"{args.method}, {args.max_num_seqs} streams, context {engine.max_model_len}) "
-              f"on http://{args.host}:{sock.getsockname()[1]}", flush=True)
+        levers = [name for name, on in (("async scheduling", args.async_scheduling),
+                                         ("torch.compile", args.enable_torch_compile)) if on]
+        print(f"kdlib serve: {', '.join(engine.names)} ({bundle.info['weights']}; "
+              + ", ".join([args.dtype, args.method, f"{args.max_num_seqs} streams",
+                           f"context {engine.max_model_len}", *levers])
+              + f") on http://{args.host}:{sock.getsockname()[1]}", flush=True)
         server.run(sockets=[sock])
     finally:
         engine.close()
