@@ -38,3 +38,18 @@ def test_serve_suite_core_on_gpu():
     sc = _check(res, (1, 4))
     assert res["model_info"]["kdlib"]["device"].startswith("cuda")
     assert sc["aggregate_tok_s"][4] > sc["aggregate_tok_s"][1]  # four streams batch
+
+
+@pytest.mark.gpu
+def test_serve_suite_with_the_step_levers_on_gpu():
+    """--async-scheduling and --enable-torch-compile on CUDA: greedy outputs under load equal the sequential
+    ones, and the model card says both levers are on."""
+    pytest.importorskip("fastapi")
+    arm = "ddtree_bf16_async_compile"
+    res = suite.measure("cuda", concurrency=(1, 4), repeats=1, input_len=32, output_len=32, distinct=4,
+                        arms=(arm,))
+    sc = res["scaling"][arm]
+    info = res["model_info"]["kdlib"]
+    assert info["async_scheduling"] is True and info["torch_compile"] is True and info["dtype"] == "bfloat16"
+    assert sc["goal"]["greedy_mismatches"] == 0
+    assert all(r["completed"] == r["requests"] for lv in res["by_arm"][arm]["levels"] for r in lv["runs"])

@@ -4,9 +4,10 @@
 
 `kdlib serve` runs as a child process (the trained tiny models, continuous batching over the
 batched engine, --max-num-seqs 16) and `kdlib.diagnose.load_test` drives it through the official
-openai client at fixed concurrency C = 1, 2, 4, 8, 16, once per arm (ARMS: method and dtype;
-DDTree in float32, AR in float32 as the lever's baseline, DDTree in bfloat16 as the engine_batch
-suite runs it): TTFT / TPOT / ITL / end-to-end percentiles, aggregate (output) and per-stream
+openai client at fixed concurrency C = 1, 2, 4, 8, 16, once per arm (ARMS: method, dtype and the
+server's flags; DDTree in float32, AR in float32 as the lever's baseline, DDTree in bfloat16 as the
+engine_batch suite runs it, and that with the engine's step-time levers, --async-scheduling and then
+--enable-torch-compile too): TTFT / TPOT / ITL / end-to-end percentiles, aggregate (output) and per-stream
 tok/s, goodput under SLO, the accepted-length x step-time decomposition per level, the greedy
 check (outputs under load against the sequential ones of the same server) and every figure's
 spread over repeats. `scaling[arm]` sums it up: aggregate and per-stream tok/s by C, aggregate
@@ -24,7 +25,10 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-ARMS = {"ddtree": ("ddtree", "float32"), "ar": ("ar", "float32"), "ddtree_bf16": ("ddtree", "bfloat16")}
+# arm -> (method, dtype, *the server's flags)
+ARMS = {"ddtree": ("ddtree", "float32"), "ar": ("ar", "float32"), "ddtree_bf16": ("ddtree", "bfloat16"),
+        "ddtree_bf16_async": ("ddtree", "bfloat16", "--async-scheduling"),
+        "ddtree_bf16_async_compile": ("ddtree", "bfloat16", "--async-scheduling", "--enable-torch-compile")}
 FULL = {"concurrency": (1, 2, 4, 8, 16), "repeats": 3, "input_len": 128, "output_len": 256, "distinct": 16,
         "arms": tuple(ARMS)}
 QUICK = {"concurrency": (1, 4, 16), "repeats": 1, "input_len": 64, "output_len": 64, "distinct": 8,
@@ -62,9 +66,9 @@ def measure(device: str = "cpu", *, concurrency, repeats: int, input_len: int, o
                           "slo": slo, "max_num_seqs": MAX_NUM_SEQS, "serve_args": list(serve_args)},
            "by_arm": {}, "scaling": {}}
     for arm in arms:
-        method, dtype = ARMS[arm]
+        method, dtype, *flags = ARMS[arm]
         args = ["--device", device, "--method", method, "--dtype", dtype, "--max-num-seqs", str(MAX_NUM_SEQS),
-                "--log-level", "warning", *serve_args]
+                "--log-level", "warning", *flags, *serve_args]
         with ServerProcess(args, startup_s=900) as srv:
             client = diagnose.OpenAIClient(srv.url)
             try:
@@ -75,7 +79,7 @@ def measure(device: str = "cpu", *, concurrency, repeats: int, input_len: int, o
                 client.close()
         out["by_arm"][arm] = res
         out["scaling"][arm] = scaling(res)
-        print(f"[serve] {arm} ({method}, {dtype}):\n{diagnose.load_table(res)}\n"
+        print(f"[serve] {arm} ({', '.join([method, dtype, *flags])}):\n{diagnose.load_table(res)}\n"
               f"goal: {out['scaling'][arm]['goal']}", flush=True)
     first = out["by_arm"][arms[0]]
     out["model"], out["model_info"] = first["model"], first["model_info"]
