@@ -213,7 +213,8 @@ def parser() -> argparse.ArgumentParser:
                     "overlap; a finished request runs one step more, its tokens dropped)")
     ap.add_argument("--enable-torch-compile", action="store_true",
                     help="torch.compile the verify forward and the drafter inside the CUDA graphs (cuda "
-                    "only; each new step shape compiles on its first step)")
+                    "only; each new step shape compiles on its first step). Greedy outputs under load may "
+                    "then differ from sequential ones: the fused kernels change with the batch's shape")
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return ap
 
