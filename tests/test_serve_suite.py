@@ -55,3 +55,10 @@ def test_serve_suite_with_the_step_levers_on_gpu():
         info = res["by_arm"][arm]["model_info"]["kdlib"]
         assert info["async_scheduling"] is True and info["torch_compile"] is (arm == arms[1])
         assert all(r["completed"] == r["requests"] for lv in res["by_arm"][arm]["levels"] for r in lv["runs"])
+
+
+def test_full_profile_leaves_out_the_cuda_only_arm_and_a_cpu_run_refuses_it(monkeypatch):
+    assert "ddtree_bf16_async" in suite.FULL["arms"] and "ddtree_bf16_async_compile" not in suite.FULL["arms"]
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"ddtree_bf16_async_compile.*needs a CUDA device"):
+        suite.run(arms=["ddtree_bf16_async_compile"])

@@ -2,15 +2,15 @@
 
     python3 -m kdlib.perf.run --suite serve [--quick] --out DIR
 
-`kdlib serve` runs as a child process (the trained tiny models, continuous batching over the
-batched engine, --max-num-seqs 16) and `kdlib.diagnose.load_test` drives it through the official
-openai client at fixed concurrency C = 1, 2, 4, 8, 16, once per arm (ARMS: method, dtype and the
-server's flags; DDTree in float32, AR in float32 as the lever's baseline, DDTree in bfloat16 as the
-engine_batch suite runs it, and that with the engine's step-time levers, --async-scheduling and then
---enable-torch-compile too): TTFT / TPOT / ITL / end-to-end percentiles, aggregate (output) and per-stream
-tok/s, goodput under SLO, the accepted-length x step-time decomposition per level, the greedy
-check (outputs under load against the sequential ones of the same server) and every figure's
-spread over repeats. `scaling[arm]` sums it up: aggregate and per-stream tok/s by C, aggregate
+`kdlib serve` runs as a child process (the trained tiny models, continuous batching over the batched
+engine, --max-num-seqs 16) and `kdlib.diagnose.load_test` drives it through the official openai client at
+fixed concurrency C = 1, 2, 4, 8, 16, once per arm (ARMS: method, dtype and the server's flags; DDTree in
+float32, AR in float32 as the lever's baseline, DDTree in bfloat16 as the engine_batch suite runs it, and
+that with the engine's step-time levers, --async-scheduling and then --enable-torch-compile too, an arm
+that runs only on CUDA and only when asked for by name): TTFT / TPOT / ITL / end-to-end percentiles,
+aggregate (output) and per-stream tok/s, goodput under SLO, the accepted-length x step-time decomposition
+per level, the greedy check (outputs under load against the sequential ones of the same server) and every
+figure's spread over repeats. `scaling[arm]` sums it up: aggregate and per-stream tok/s by C, aggregate
 over C = 1, and the issue's goal (aggregate at C = 16 >= GOAL x C = 1, with no greedy mismatch).
 
 The GPU machine has no FastAPI, uvicorn, pydantic or openai: carry the wheels of
@@ -29,8 +29,9 @@ from collections.abc import Sequence
 ARMS = {"ddtree": ("ddtree", "float32"), "ar": ("ar", "float32"), "ddtree_bf16": ("ddtree", "bfloat16"),
         "ddtree_bf16_async": ("ddtree", "bfloat16", "--async-scheduling"),
         "ddtree_bf16_async_compile": ("ddtree", "bfloat16", "--async-scheduling", "--enable-torch-compile")}
+CUDA_ONLY = "--enable-torch-compile"  # an arm with this flag runs only when asked for by name, on CUDA
 FULL = {"concurrency": (1, 2, 4, 8, 16), "repeats": 3, "input_len": 128, "output_len": 256, "distinct": 16,
-        "arms": tuple(ARMS)}
+        "arms": tuple(a for a, spec in ARMS.items() if CUDA_ONLY not in spec)}
 QUICK = {"concurrency": (1, 4, 16), "repeats": 1, "input_len": 64, "output_len": 64, "distinct": 8,
          "arms": ("ddtree",)}
 GOAL = 8.0  # aggregate tok/s at C = 16 over C = 1
@@ -105,6 +106,9 @@ def run(*, quick: bool = False, arms: Sequence[str] | None = None) -> dict:
         unknown = [a for a in p["arms"] if a not in ARMS]
         if unknown:
             raise ValueError(f"{source}: unknown arms {unknown}; the arms are {list(ARMS)}")
+        cuda_only = [a for a in p["arms"] if CUDA_ONLY in ARMS[a]]
+        if cuda_only and device != "cuda":
+            raise ValueError(f"{source}: arms {cuda_only} pass {CUDA_ONLY}, which needs a CUDA device")
     res = measure(device, **p)
     res["parameters"].update({"device": device, "profile": "quick" if quick else "full"})
     return res
