@@ -22,8 +22,8 @@ settings; greedy outputs under any concurrency equal the sequential ones. The en
 levers are opt-in flags: `--async-scheduling` (vLLM's name: step k+1 runs on the device while the loop
 reads step k's tokens) and `--enable-torch-compile` (SGLang's name; CUDA only); notebook 03, 7e, measures
 both on the engine. With compile, greedy outputs under load are no longer held to the sequential ones:
-inductor's fused kernels change with the batch's shape, and the serve suite counts the tokens that moved
-(notebook 04). A client that
+inductor's fused kernels change with the batch's shape, and the serve suite counts the outputs that
+moved (notebook 04). A client that
 disconnects is cancelled before the next step and its KV slots freed. Admission: a bounded
 waiting queue (429 with Retry-After), a body-size limit (413, from Content-Length before reading),
 tokenisation in a worker thread (kdlib.serve.app). Request fields: kdlib.serve.protocol (pydantic;
