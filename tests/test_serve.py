@@ -396,3 +396,25 @@ def test_torch_compile_needs_a_cuda_model(bundle, capsys):
         serve.Engine(bundle, compile=True, warm_up=False)
     assert serve.cli(["--port", "0", "--enable-torch-compile"]) == 2
     assert "kdlib serve: torch.compile needs a CUDA model" in capsys.readouterr().err
+
+
+def test_a_given_core_reports_its_own_levers(bundle):
+    """A core built outside Engine carries its levers: the model card reports the core's, and flags passed
+    beside a core (which Engine could not apply) are refused."""
+    core = serve.make_core(bundle, max_num_seqs=2, max_model_len=64, method="ddtree", budget=None,
+                           overlap=True)
+    with pytest.raises(ValueError, match="a core given to Engine carries its own"):
+        serve.Engine(bundle, core=core, overlap=True, warm_up=False)
+    engine = serve.Engine(bundle, core=core, max_num_seqs=2, max_model_len=64, warm_up=False)
+    try:
+        info = engine.info()
+        assert info["async_scheduling"] is True and info["torch_compile"] is False
+    finally:
+        engine.close()
+    plain = serve.Engine(bundle, core=serve.make_core(bundle, max_num_seqs=2, max_model_len=64, method="ar",
+                                                       budget=None), max_num_seqs=2, max_model_len=64,
+                         warm_up=False)
+    try:
+        assert plain.info()["async_scheduling"] is False and plain.info()["method"] == "ar"
+    finally:
+        plain.close()

@@ -371,6 +371,7 @@ class BatchEngine:
         self.graphs = (self.device.type == "cuda") if graphs is None else bool(graphs)
         # torch.compile (inductor, dynamic shapes) fuses the verify forward's and the drafter block's
         # elementwise chains into fewer kernels; compiled on the first step of a shape (outside the graph)
+        self.compile = bool(compile)
         self._verify = torch.compile(_verify, dynamic=True) if compile else _verify
         if compile and isinstance(self.drafter, _DFlashLanes):
             self.drafter.draft = torch.compile(self.drafter.draft, dynamic=True)

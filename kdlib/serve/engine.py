@@ -149,7 +149,8 @@ class Engine:
     ops are far too small to split and torch's workers contend with other processes); overlap: the
     device runs step k+1 while the loop reads step k's tokens (`kdlib serve --async-scheduling`);
     compile: torch.compile inside the CUDA graphs (`--enable-torch-compile`; a CUDA model only).
-    Both go to `make_core`, so a `core` given here is taken as it is.
+    Both go to `make_core`; a `core` given here carries its own (passing them beside it is an error),
+    and `info()` reports the core's method and levers.
     """
 
     def __init__(self, bundle: Bundle | None = None, *, method: str = "ddtree", budget: int | None = None,
@@ -163,13 +164,15 @@ class Engine:
                              f"got {max_model_len}")
         if not 1 <= max_num_seqs:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if core is not None and (overlap or compile):
+            raise ValueError("overlap and compile configure the core that Engine builds; a core given "
+                             "to Engine carries its own (build it with them: make_core(..., overlap=True))")
         device = getattr(self.bundle.model, "device", None)
         if compile and core is None and (device is None or device.type != "cuda"):
             raise ValueError("torch.compile needs a CUDA model (it fuses kernels inside the step's CUDA "
                              "graphs; the CPU runs the step eagerly)")
         self.max_model_len = max_model_len or limit
-        self.method, self.budget = method, budget
-        self.overlap, self.compile = bool(overlap), bool(compile)
+        self.budget = budget
         self.max_num_seqs, self.max_waiting = max_num_seqs, max_waiting
         self.names = tuple(served_names or (self.bundle.name,))
         self.stop_token_ids = frozenset(self.bundle.stop_token_ids)
@@ -183,6 +186,9 @@ class Engine:
         self.core = core if core is not None else make_core(self.bundle, max_num_seqs=max_num_seqs,
                                                             max_model_len=self.max_model_len, method=method,
                                                             budget=budget, overlap=overlap, compile=compile)
+        self.method = getattr(self.core, "method", method)
+        self.overlap = bool(getattr(self.core, "overlap", False))
+        self.compile = bool(getattr(self.core, "compile", False))
         self._cv = threading.Condition()
         self._inbox: list[tuple[str, Sequence]] = []
         self._adds = 0  # "add" commands in the inbox (they count as waiting)
