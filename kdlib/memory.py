@@ -668,7 +668,8 @@ def plan(config, gpu: str, tp: int, context: int, *, kv_dtype: str = "bfloat16",
     group_tokens = tokens * tp if kv_split == "dp_attention" else tokens * c
     one_request_tokens = tokens * c  # under DP-attention a request lives on one rank
     derived = sglang_context_length(config)
-    longest = max(0, min(derived, one_request_tokens) - 1)  # SGLang max_req_input_len
+    # SGLang's max_req_len (prompt + output); its prompts stop 5 short of it (max_req_input_len)
+    longest = max(0, min(derived, one_request_tokens) - 1)
     if kv_split == "dp_attention":
         concurrent = tp * (tokens // context)
     else:
@@ -773,7 +774,7 @@ def plan(config, gpu: str, tp: int, context: int, *, kv_dtype: str = "bfloat16",
             "term": "longest single request",
             "value": longest,
             "unit": "tokens",
-            "note": "min(context_len, pool) - 1",
+            "note": "SGLang max_req_len = min(context_len, pool) - 1; prompts up to 5 fewer",
         },
         {
             "key": "request_kv",
@@ -818,11 +819,13 @@ def plan(config, gpu: str, tp: int, context: int, *, kv_dtype: str = "bfloat16",
             f"mem_fraction_static >= {need_mfs:.3f}" + (" (impossible)" if need_mfs >= 1 else "") + "."
         )
         fits = False
-    elif context > derived:
-        verdict = (f"DOES NOT FIT the model: {context:,} tokens exceed the derived context length "
-                   f"{derived:,} "
-                   "(SGLang refuses it unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1, and the YaRN "
-                   "range ends there).")
+    elif context >= derived:  # max_req_len is context_len - 1 whatever the pool holds
+        verdict = (f"DOES NOT FIT the model: {context:,} tokens "
+                   + (f"exceed the derived context length {derived:,}" if context > derived
+                      else "are the whole derived context length")
+                   + f"; SGLang serves at most context_len - 1 = {derived - 1:,} tokens a request "
+                   "(max_req_len), whatever the pool holds. A longer context_len needs "
+                   "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1, past the end of the YaRN range.")
         fits = False
     elif context > longest:
         pool_needed = kv_bytes(config, context + 1, kv_dtype, tp, kv_split)
@@ -985,7 +988,7 @@ def seeds_200k_recheck(seeds: dict | None = None, overhead_bytes: int = DEFAULT_
             recomputed=deployed.value("longest_request"),
             unit="tokens",
             status="wrong",
-            reason="SGLang max_req_input_len = min(context_len - 1, max_total_num_tokens - 1): "
+            reason="SGLang max_req_len = min(context_len - 1, max_total_num_tokens - 1): "
             "--context-length "
             "200000 passes start-up (<= the derived 262,144) but longer requests than this are "
             "refused",

@@ -4,6 +4,7 @@ limits), calibration recovering known parameters, validation, the CLI."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -324,6 +325,7 @@ def test_engine_shape_takes_the_weight_width_from_the_run_dtype():
     bf16 = cal.engine_shape(payload)  # payloads from before the dtype field: bfloat16
     fp32 = cal.engine_shape({**payload, "parameters": {"dtype": "float32"}})
     assert fp32.dense_bytes_per_gpu() == 2 * bf16.dense_bytes_per_gpu()
+    assert fp32.dense_params_per_gpu() == bf16.dense_params_per_gpu()  # the FLOPs do not follow the width
     assert fp32.expert_bytes() == 2 * bf16.expert_bytes()
     with pytest.raises(ValueError, match="dtype"):
         cal.engine_shape({**payload, "parameters": {"dtype": "int8"}})
@@ -466,3 +468,20 @@ def test_validate_batch_on_the_recording():
         pytest.skip("no data/results/engine_batch.h200.json recorded")
     rows = est.validate_batch(est.Assumptions(), doc)
     assert len(rows) == len(doc["bench"]) and all(r["predicted_ms"] > 0 for r in rows)
+
+
+def test_dense_bytes_are_the_non_expert_weights_kdlib_memory_places_on_a_gpu():
+    """The dense term streams what plain TP puts on a GPU: q_a / kv_a projections and the router whole,
+    the rest split (`kdlib.memory.weight_bytes`); the norms' vectors and the embedding (a row lookup) are
+    not streamed. Under DP-attention-free TP8 that is 4.54 GB of Kimi-K2.6, not the 2.60 GB of all / tp."""
+    from kdlib import memory
+
+    shape = est.ModelShape()
+    per_gpu = memory.weight_bytes(est.SHAPE_CONFIG, tp=8)["per_gpu_by_part"]
+    streamed = sum(v for k, v in per_gpu.items() if k not in ("routed_experts", "embed", "norms"))
+    norms_in_attention = 61 * (1536 + 512) * 2 + 60 * 384 * 4  # q_a / kv_a layernorms, router bias (fp32)
+    assert shape.dense_bytes_per_gpu() == streamed - norms_in_attention
+    assert shape.dense_bytes_per_gpu() > 1.7 * dataclasses.replace(shape, tp=1).dense_bytes_per_gpu() / 8
+    no_q_lora = dataclasses.replace(shape, q_lora=False)  # the query projection is split then
+    assert no_q_lora.dense_params_per_gpu() == pytest.approx(
+        shape.dense_params_per_gpu() - 61 * 7168 * 1536 * (1 - 1 / 8))

@@ -288,6 +288,18 @@ def test_plan_terms_add_up():
     assert human.loc["request_kv", "shown"] == "13.09 GiB (14.05 GB)"
 
 
+def test_a_request_of_the_whole_context_length_is_refused_by_the_model_not_the_pool():
+    """SGLang's max_req_len is min(context_len - 1, pool - 1): on an H200 TP8 the pool holds more than
+    262,144 tokens, so a 262,144-token request fails on the context length, with no memory remedy."""
+    derived = m.plan("kimi-k2.6", "h200", 8, 1).value("derived_context")  # 262,144
+    whole, under = m.plan("kimi-k2.6", "h200", 8, derived), m.plan("kimi-k2.6", "h200", 8, derived - 1)
+    assert whole.value("pool_tokens") > derived
+    assert not whole.fits and whole.verdict.startswith("DOES NOT FIT the model")
+    assert f"context_len - 1 = {derived - 1:,}" in whole.verdict
+    assert "mem_fraction_static" not in whole.verdict
+    assert under.fits and under.value("longest_request") == derived - 1
+
+
 def test_plan_modes_for_200k_on_rtx_pro_6000():
     # a hand-set fraction near the seeds' (their logged pool implies 0.824)
     base = dict(config="kimi-k2.6", gpu="rtx-pro-6000", tp=8, context=200_000, mem_fraction_static=0.83)

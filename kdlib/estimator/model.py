@@ -6,8 +6,8 @@
   per-layer latency, with M = concurrency x q_len tokens and touched experts
   E(M) = E (1 - (1 - k/E)^M) (uniform routing): weight streaming below M ~ 256, a plateau of all
   experts above it, compute only at M in the thousands (kernels-perf.md §5).
-- dense: the bf16 weights every step streams besides the routed experts (MLA projections,
-  shared experts, dense layer, lm_head), TP-sharded.
+- dense: the weights every step streams besides the routed experts (MLA projections, router,
+  shared experts, dense layer, lm_head), as plain TP places them (`ModelShape.dense_params_per_gpu`).
 - attention: MLA latent cache of every request read once per layer (replicated under TP), or the
   tree queries' FLOPs if those bind (kernels-perf.md §7).
 - draft: the block drafter's weights (+ the shared lm_head) for `block` tokens per stream.
@@ -91,8 +91,7 @@ def step_time(gpu, scenario: Scenario, a: Assumptions | None = None, shape: Mode
 
     out["moe"] = shape.n_moe_layers * moe_layer(m, spec, a, shape)["time_s"]
 
-    dense_params = shape.dense_bytes_per_gpu() / 2
-    out["dense"] = _roofline(shape.dense_bytes_per_gpu(), 2.0 * m * dense_params,
+    out["dense"] = _roofline(shape.dense_bytes_per_gpu(), 2.0 * m * shape.dense_params_per_gpu(),
                              bw, a.v("dense_bw_eff"), fl, a.v("dense_compute_eff"))
 
     kv = sc.concurrency * (sc.context + sc.q_len) * shape.latent_dim * a.v("kv_bytes_per_elem")

@@ -78,6 +78,7 @@ class Assumptions:
         "(deepseek-ai/FlashMLA README; FlashInfer's MLA benchmarks) [U here]")
     kernels_per_layer: Param = _p(
         12.0, "kernels per layer",
+        "a layer's kernels besides its MoE's (whose launches moe_layer_latency_s carries), "
         "assumed for a fused serving stack; the batched engine's count per step is recorded as "
         "kernels_per_step in data/results/engine_batch.h200.json where measured [U]")
     kernel_latency_s: Param = _p(
@@ -182,6 +183,7 @@ class ModelShape:
     dense_bits: int = 16               # everything but the routed experts (bf16 in the INT4 checkpoints)
     group: int = 32
     tp: int = 8
+    q_lora: bool = True                # the config has a q_lora_rank (q_a_proj, whole on every GPU)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -215,14 +217,24 @@ class ModelShape:
                 + h * self.latent_dim + self.kv_lora_rank * H * (self.qk_nope_dim + self.v_head_dim)
                 + H * self.v_head_dim * h)
 
+    def dense_params_per_gpu(self) -> float:
+        """Parameters one GPU multiplies every step besides the routed experts, placed as plain TP places
+        them (`kdlib.memory`, `kdlib.engine.rank`): q_a_proj, kv_a_proj_with_mqa and the router whole on
+        every GPU; q_b, kv_b, o_proj, the shared experts, the dense MLP layers and lm_head split over tp.
+        Without a q_lora_rank in the config the query projection is split too."""
+        h = self.hidden
+        whole_attn = h * ((self.q_lora_rank if self.q_lora else 0) + self.latent_dim)
+        whole = self.n_layers * whole_attn + self.n_moe_layers * self.n_experts * h
+        split = (self.n_layers * (self.attn_params() - whole_attn)
+                 + self.n_moe_layers * self.n_shared * 3 * h * self.moe_inter
+                 + self.n_dense_layers * 3 * h * self.dense_inter
+                 + self.vocab * h)
+        return whole + split / self.tp
+
     def dense_bytes_per_gpu(self) -> float:
-        """Weights (dense_bits each) streamed every step besides the routed experts, per GPU (TP-sharded):
-        attention projections of every layer, shared experts, the dense MLP layers, lm_head."""
-        per = (self.n_layers * self.attn_params()
-               + self.n_moe_layers * self.n_shared * 3 * self.hidden * self.moe_inter
-               + self.n_dense_layers * 3 * self.hidden * self.dense_inter
-               + self.vocab * self.hidden)
-        return per * self.dense_bits / 8 / self.tp
+        """Bytes of `dense_params_per_gpu` at dense_bits each: what every step streams besides the routed
+        experts."""
+        return self.dense_params_per_gpu() * self.dense_bits / 8
 
     @classmethod
     def from_config(cls, config, tp: int = 1, expert_bits: int = 4, dense_bits: int = 16) -> ModelShape:
@@ -241,6 +253,7 @@ class ModelShape:
             n_shared=c.n_shared_experts,
             n_heads=c.num_attention_heads,
             q_lora_rank=c.q_lora_rank or c.hidden_size,
+            q_lora=bool(c.q_lora_rank),
             kv_lora_rank=c.kv_lora_rank,
             qk_rope_dim=c.qk_rope_head_dim,
             qk_nope_dim=c.qk_nope_head_dim,
