@@ -65,9 +65,11 @@ file in full without keeping it.
 
 Writing is deterministic (same tensors and metadata, in the same order -> the same bytes; no
 timestamps) and atomic: `save` writes a temporary file `.<name>.<random>.kdtr-tmp` in the same
-folder, fsyncs it, renames it over the target with `os.replace` and fsyncs the folder, so the
-target is either the old file or the complete new one. An exception removes the temporary
-file; a killed process can leave one behind (recognisable by that suffix), never a broken target.
+folder (<name> cut to its first 100 bytes), fsyncs it, renames it over the target with `os.replace`
+and fsyncs the folder, so the target is either the old file or the complete new one. An exception
+removes the temporary file; a killed process can leave one behind (recognisable by that suffix),
+never a broken target. A target that is a symbolic link is written through; a new file gets the
+permissions open() would give it (0o666 less the umask), a replaced one keeps its own.
 
     kdtr.save("golden.kdtr", {"q": q, "lse": lse}, metadata={"generator": "ref.tree_verify", "seed": "0"})
     t = kdtr.load("golden.kdtr")              # dict name -> read-only numpy view into a memory map
@@ -78,7 +80,6 @@ file; a killed process can leave one behind (recognisable by that suffix), never
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -95,6 +96,7 @@ from pathlib import Path
 import numpy as np
 
 from kdlib.check import errors
+from kdlib.cli import Parser, fail
 
 try:
     import ml_dtypes
@@ -109,6 +111,7 @@ ENTRY = struct.Struct("<HBBIQQ")  # 24 bytes: name_len, dtype, ndim, crc32, offs
 META = struct.Struct("<II")  # key_len, value_len
 MAX_NDIM = 64  # numpy 2's NPY_MAXDIMS
 MAX_NAME = 0xFFFF  # u16 name_len
+TMP_NAME_BYTES = 100  # of the target's name in the temp file's: within 255-byte names with the rest
 INDEX_MAX = 2**63 - 1  # numpy's npy_intp: the largest byte size of an array it will describe
 SUFFIXES = {".kdtr": "kdtr", ".safetensors": "safetensors", ".npz": "npz"}
 
@@ -449,7 +452,8 @@ def _describe(name, x) -> tuple[int, tuple[int, ...], object]:
 
 
 def _host(x) -> np.ndarray:
-    """A C-contiguous little-endian host numpy array holding x's values (bfloat16: see DTYPES)."""
+    """A C-contiguous little-endian host numpy array holding x's values (bfloat16: see DTYPES; bool as
+    bytes 0 and 1)."""
     kind = _kind(x)
     if kind == "torch":
         import torch
@@ -466,6 +470,8 @@ def _host(x) -> np.ndarray:
     big = a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and sys.byteorder == "big")
     if big and a.dtype.itemsize > 1:
         a = a.astype(a.dtype.newbyteorder("<"))
+    if a.dtype == np.bool_:  # a bool made by a view may hold any nonzero byte for True: written as 1
+        a = a.view(np.uint8) != 0
     return a if a.flags.c_contiguous else a.copy(order="C")  # ascontiguousarray would make 0-d 1-d
 
 
@@ -494,13 +500,22 @@ def _write_array(f, a: np.ndarray) -> int:
 
 
 def _atomic_write(path, write) -> None:
-    """Call write(file) on a temp file beside `path`, fsync, rename over `path`, fsync the folder."""
-    path = Path(path)
+    """Call write(file) on a temp file beside `path`, fsync, rename over `path`, fsync the folder.
+
+    A symbolic link is written through (the file it names is replaced, the link stays). The new file
+    keeps the old one's permissions, or gets 0o666 less the umask, as open() would give it."""
+    path = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise ValueError(f"folder {folder} does not exist")
-    mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".kdtr-tmp")
+    if path.exists():
+        mode = path.stat().st_mode & 0o777
+    else:
+        umask = os.umask(0)  # read it: os has no getter
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    stem = path.name.encode("utf-8", "surrogateescape")[:TMP_NAME_BYTES].decode("utf-8", "ignore")
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{stem}.", suffix=".kdtr-tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -514,11 +529,12 @@ def _atomic_write(path, write) -> None:
         except FileNotFoundError:
             pass
         raise
-    dir_fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    if os.name == "posix":  # the rename is durable once the folder is synced (not possible on Windows)
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
 
 def save(path, tensors: Mapping, metadata: Mapping[str, str] | None = None) -> None:
@@ -546,6 +562,8 @@ def save(path, tensors: Mapping, metadata: Mapping[str, str] | None = None) -> N
         specs.append([name_b, code, shape, cursor if nbytes else 0, nbytes, 0])
         sources.append(source)
         cursor = _align(cursor + nbytes)
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise ValueError(f"metadata must be a mapping str -> str, got {type(metadata).__name__}")
     metadata_items = []
     for k, v in (metadata or {}).items():
         if not isinstance(k, str) or not k or not isinstance(v, str):
@@ -696,9 +714,11 @@ def differences(actual, expected, close: Mapping[str, float] | None = None) -> l
     close = dict(close or {})
     ha, hb = verify(actual), verify(expected)
     entries = {e.name: e for e in hb.tensors}
-    missing = sorted(set(close) - set(entries))
-    if missing:
-        return [f"{expected}: no tensors named {missing} (asked to compare them at a tolerance)"]
+    problems = [f"{path}: no tensors named {missing} (asked to compare them at a tolerance)"
+                for path, names in ((expected, entries), (actual, {e.name for e in ha.tensors}))
+                if (missing := sorted(set(close) - set(names)))]
+    if problems:
+        return problems
     ra, rb = Path(actual).read_bytes(), Path(expected).read_bytes()
     if len(ra) != len(rb):
         return [f"sizes differ: {len(ra)} vs {len(rb)} bytes"]
@@ -776,12 +796,25 @@ def _read_any(path) -> tuple[dict, dict]:
         return arrays, {}
     try:
         info = json.loads(str(side))
-        for k, dt in info.get("dtypes", {}).items():
-            if k in arrays:
-                arrays[k] = arrays[k].view(_ml_dtype(path, k, CODES[dt]))
-        return arrays, dict(info.get("metadata", {}))
-    except (ValueError, TypeError, AttributeError, KeyError) as e:
+        dtypes, metadata = dict(info.get("dtypes", {})), dict(info.get("metadata", {}))
+    except (ValueError, TypeError, AttributeError) as e:
         raise KdtrError(f"{path}: malformed {NPZ_SIDECAR} member: {e}") from e
+    for k, v in metadata.items():
+        if not isinstance(v, str):
+            raise KdtrError(f"{path}: {NPZ_SIDECAR} metadata {k!r} is {type(v).__name__}, not a string")
+    for k, dt in dtypes.items():  # the types npz cannot name, each stored as unsigned bits of its width
+        code = CODES.get(dt) if isinstance(dt, str) else None
+        if code not in ML_DTYPES:
+            raise KdtrError(f"{path}: {NPZ_SIDECAR} gives {k!r} the dtype {dt!r}; it names only "
+                            f"{sorted(NAMES[c] for c in ML_DTYPES)}")
+        if k not in arrays:
+            raise KdtrError(f"{path}: {NPZ_SIDECAR} names a tensor {k!r} the archive lacks")
+        bits = np.dtype(f"<u{DTYPES[code].itemsize}")
+        if arrays[k].dtype != bits:
+            raise KdtrError(f"{path}: tensor {k!r} is stored as {arrays[k].dtype}, not as the {bits} bits of "
+                            f"{dt}")
+        arrays[k] = arrays[k].view(_ml_dtype(path, k, code))
+    return arrays, metadata
 
 
 def _ml_dtype(path, name: str, code: int) -> np.dtype:
@@ -799,7 +832,11 @@ def _read_safetensors(path) -> tuple[dict, dict]:
     The library's own numpy loader cannot make float8 arrays (numpy has no such dtype), so the raw
     bytes it hands out are viewed here through ST_DTYPES.
     """
-    from safetensors import deserialize, safe_open
+    try:
+        from safetensors import deserialize, safe_open
+    except ImportError:
+        raise ValueError(f"{path}: reading .safetensors needs the safetensors package "
+                         "(pip install safetensors)") from None
 
     raw = Path(path).read_bytes()
     try:
@@ -871,6 +908,9 @@ def _write_any(path, tensors: dict, metadata: dict) -> None:
         return
     if NPZ_SIDECAR in arrays:
         raise ValueError(f"tensor name {NPZ_SIDECAR!r} is reserved in .npz files")
+    for k in arrays:
+        if "\0" in k:  # zip cuts a member name at its first NUL
+            raise ValueError(f"tensor name {k!r} holds a NUL character, which an .npz member name cannot")
     ml = {k: _code_of(a.dtype) for k, a in arrays.items() if _code_of(a.dtype) in ML_DTYPES}
     side = {"dtypes": {k: NAMES[ml[k]] for k in sorted(ml)}, "metadata": metadata}
     arrays = {k: (a.view(f"u{a.dtype.itemsize}") if k in ml else a) for k, a in arrays.items()}
@@ -922,8 +962,7 @@ def from_npz(src, dst) -> None:
 
 def cli(argv: list[str]) -> int:
     """Exit codes: 0 success, 2 bad input (usage, missing or malformed file, unsupported type)."""
-    ap = argparse.ArgumentParser(prog="kdlib kdtr", description="Inspect, check and convert KDTR tensor "
-                                                                "files.")
+    ap = Parser(prog="kdlib kdtr", description="Inspect, check and convert KDTR tensor files.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("info", help="print the tensor table and metadata (.kdtr, .safetensors, .npz)")
     p.add_argument("file")
@@ -946,6 +985,5 @@ def cli(argv: list[str]) -> int:
             h = verify(args.file)
             print(f"{args.file}: OK ({len(h.tensors)} tensors, {h.file_size} bytes, all checksums match)")
     except (OSError, ValueError) as e:
-        print(f"kdlib kdtr {args.cmd}: error: {e}", file=sys.stderr)
-        return 2
+        return fail(f"kdlib kdtr {args.cmd}", e)
     return 0

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -472,6 +474,7 @@ def test_bool_bytes_other_than_0_1(tmp_path):
         ({"x": np.zeros(2)}, {"": "v"}, "metadata must map"),
         ({"\ud800": np.zeros(2)}, None, "surrogate"),
         ([np.zeros(2)], None, "must be a mapping"),
+        ({"x": np.zeros(2)}, [("k", "v")], "metadata must be a mapping"),
     ],
 )
 def test_save_rejects_bad_arguments_before_any_work(tmp_path, tensors, metadata, message):
@@ -535,6 +538,41 @@ def test_save_keeps_permissions_of_replaced_file(small):
     os.chmod(small, 0o640)
     kdtr.save(small, {"x": np.zeros(1)})
     assert small.stat().st_mode & 0o777 == 0o640
+
+
+def test_new_file_takes_the_umask_as_open_does(tmp_path):
+    old = os.umask(0o077)
+    try:
+        kdtr.save(tmp_path / "private.kdtr", {"x": np.zeros(1)})
+        (tmp_path / "plain").write_bytes(b"")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "private.kdtr").stat().st_mode & 0o777 == (tmp_path / "plain").stat().st_mode & 0o777
+    assert (tmp_path / "private.kdtr").stat().st_mode & 0o777 == 0o600
+
+
+def test_long_target_names_and_symlinks(tmp_path):
+    """A 245-byte name (under the 255 a name may have) saves; a link is written through, not replaced."""
+    long = tmp_path / ("g" * 240 + ".kdtr")
+    kdtr.save(long, {"x": np.arange(3)})
+    assert np.array_equal(kdtr.load(long)["x"], np.arange(3))
+    target, link = tmp_path / "real.kdtr", tmp_path / "link.kdtr"
+    kdtr.save(target, {"x": np.zeros(1)})
+    link.symlink_to(target.name)
+    kdtr.save(link, {"x": np.ones(1)})
+    assert link.is_symlink() and kdtr.load(target)["x"][0] == 1.0
+
+
+def test_bool_views_are_written_as_0_and_1(tmp_path):
+    """numpy takes any nonzero byte of a bool as True; a bool made by a view is saved as 0 / 1 bytes."""
+    m = np.array([0, 1, 2, 255], np.uint8).view(np.bool_)
+    p = tmp_path / "b.kdtr"
+    kdtr.save(p, {"m": m, "scalar": np.array(7, np.uint8).view(np.bool_)})
+    kdtr.verify(p)
+    got = kdtr.load(p, mmap=False)
+    assert got["m"].view(np.uint8).tolist() == [0, 1, 1, 1] and got["scalar"].view(np.uint8) == 1
+    kdtr.save(tmp_path / "b2.kdtr", {"m": m.copy()})  # the caller's array is left as it was
+    assert m.view(np.uint8).tolist() == [0, 1, 2, 255]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -700,6 +738,64 @@ def test_cli_in_process(small, tmp_path, capsys):
     assert "unknown file type" in capsys.readouterr().err
     assert kdcli.main(["kdtr"]) == 2
     assert kdcli.main(["kdtr", "frobnicate"]) == 2
+
+
+def test_differences_names_a_tolerance_tensor_the_actual_file_lacks(tmp_path):
+    x = np.linspace(0, 1, 8)
+    kdtr.save(tmp_path / "exp.kdtr", {"q": x, "out": 2 * x})
+    kdtr.save(tmp_path / "act.kdtr", {"q": x, "ouu": 2 * x})  # renamed, the same layout
+    problems = kdtr.differences(tmp_path / "act.kdtr", tmp_path / "exp.kdtr", close={"out": 1e-12})
+    assert problems == [f"{tmp_path / 'act.kdtr'}: no tensors named ['out'] (asked to compare them at a "
+                        "tolerance)"]
+
+
+@pytest.mark.parametrize(
+    "sidecar, message",
+    [
+        ({"metadata": {"n": 3}}, "metadata 'n' is int, not a string"),
+        ({"dtypes": {"x": "float32"}}, "gives 'x' the dtype 'float32'"),
+        ({"dtypes": {"y": "float8_e4m3fn"}}, "stored as int32, not as the uint8 bits"),
+        ({"dtypes": {"z": "bfloat16"}}, "names a tensor 'z' the archive lacks"),
+    ],
+)
+def test_npz_sidecar_is_checked_not_applied_blindly(tmp_path, sidecar, message):
+    """The sidecar may only name the types npz cannot (stored as unsigned bits of their width) and
+    string metadata; anything else would reinterpret data or write an unreadable .safetensors."""
+    src = tmp_path / "m.npz"
+    np.savez(src, x=np.zeros(2, np.float32), y=np.arange(3, dtype=np.int32),
+             __kdtr__=np.array(json.dumps(sidecar)))
+    with pytest.raises(KdtrError, match=re.escape(message)):
+        kdtr.convert(src, tmp_path / "m.safetensors")
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_npz_refuses_names_zip_would_cut(tmp_path):
+    src = tmp_path / "n.kdtr"
+    kdtr.save(src, {"x\0a": np.zeros(2), "x\0b": np.ones(2)})  # KDTR holds such names
+    with pytest.raises(ValueError, match="NUL character"):
+        kdtr.convert(src, tmp_path / "n.npz")
+    assert not (tmp_path / "n.npz").exists()
+
+
+def test_cli_usage_errors_and_a_missing_safetensors_are_one_line(small, tmp_path, capsys):
+    assert kdtr.cli(["frobnicate"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kdlib kdtr: error: ") and err.endswith("(see kdlib kdtr --help)")
+    assert "\n" not in err
+    st = tmp_path / "s.safetensors"
+    kdtr.convert(small, st)
+    code = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["safetensors"] = None  # import safetensors now raises ImportError
+        from kdlib import kdtr
+        sys.exit(kdtr.cli(["info", {str(st)!r}]))
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [f"kdlib kdtr info: error: {st}: reading .safetensors needs the "
+                                             "safetensors package (pip install safetensors)"]
 
 
 def test_cli_subprocess(small, tmp_path):
