@@ -88,6 +88,34 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token i stands for: a piece of a UTF-8 character keeps its own bytes, which its
+        decoded text (U+FFFD) loses. Byte-level BPE spells each byte as one symbol (BYTE_OF); a token
+        spelled otherwise (none here) counts as the UTF-8 of its text."""
+        tok = self._tok.id_to_token(int(i))
+        if tok is None:
+            return b""
+        if all(c in BYTE_OF for c in tok):
+            return bytes(BYTE_OF[c] for c in tok)
+        return tok.encode("utf-8")
+
+
+def _byte_symbols() -> dict[str, int]:
+    """Byte-level BPE's symbol -> byte: printable Latin-1 bytes stand for themselves, the 68 others
+    take the code points 256, 257, ... in byte order (the GPT-2 convention of `tokenizers`' ByteLevel)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)}
+    out, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[chr(b)] = b
+        else:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
+
+
+BYTE_OF = _byte_symbols()
+
 
 def load_tokenizer(folder: str | Path | None = None) -> Tokenizer:
     from tokenizers import Tokenizer as _Tok

@@ -3,6 +3,7 @@
 
 import json
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,6 +14,7 @@ import torch
 
 from kdlib import serve, zoo
 from kdlib.diagnose import parse_metrics
+from kdlib.engine.batch import SamplingParams, StepOutput
 from kdlib.engine.generate import generate
 
 CONTEXT = 128
@@ -148,14 +150,40 @@ def test_logprobs_in_completion_and_chat_shapes(oa):
     lp = r.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
     assert "".join(lp.tokens) == r.text and lp.text_offset[0] == 0
-    assert all(v <= 0 for v in lp.token_logprobs) and all(len(t) <= 2 for t in lp.top_logprobs)
+    assert all(v <= 0 for v in lp.token_logprobs) and all(len(t) <= 3 for t in lp.top_logprobs)  # 2 + chosen
+    assert all(t[s] == v for s, t, v in zip(lp.tokens, lp.top_logprobs, lp.token_logprobs, strict=True))
     assert all(max(t.values()) >= v - 1e-6 for t, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True))
+    sampled = oa.completions.create(model="kdtree-tiny", prompt="x = 1\n", max_tokens=8, temperature=1.5,
+                                    seed=3, logprobs=0).choices[0].logprobs  # OpenAI: the chosen token always
+    assert [list(t) for t in sampled.top_logprobs] == [[s] for s in sampled.tokens]
     chat = oa.chat.completions.create(model="kdtree-tiny", messages=[{"role": "user", "content": "hi"}],
                                       max_tokens=6, temperature=0, logprobs=True, top_logprobs=3,
                                       extra_body={"ignore_eos": True}).choices[0]
     content = chat.logprobs.content
     assert len(content) == 6 and all(len(e.top_logprobs) == 3 and e.logprob <= 0 for e in content)
     assert "".join(e.token for e in content) == chat.message.content
+    assert bytes(x for e in content for x in e.bytes).decode() == chat.message.content
+
+
+def test_streamed_text_offsets_are_the_unstreamed_ones(oa):
+    """A stop string held back over several tokens delays the text a stream sends, not the offsets."""
+    kw = dict(model="kdtree-tiny", prompt="def add(a, b):\n", max_tokens=12, temperature=0, logprobs=1)
+    whole = oa.completions.create(**kw).choices[0]
+    assert len(whole.text) >= 8
+    kw["stop"] = [whole.text[2:8] + "\x00"]  # matches for 6 characters, then fails: held back, then sent
+    whole = oa.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in oa.completions.create(stream=True, **kw)]
+    offsets = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+    assert offsets == whole.logprobs.text_offset and "".join(c.text for c in chunks) == whole.text
+
+
+def test_a_body_sent_without_a_json_content_type_is_named_so(http):
+    """`curl -d` sends a form's content type; FastAPI then hands over bytes: the error says what to send."""
+    r = http.post("/v1/completions", content=b'{"prompt": "x"}',
+                  headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
+    r = http.post("/v1/completions", json=[1, 2])
+    assert r.status_code == 400 and r.json()["error"]["message"] == "the request body must be a JSON object"
 
 
 def test_echo_and_max_tokens_null(oa, http):
@@ -252,8 +280,26 @@ def test_a_disconnected_client_is_cancelled(server, http):
     assert parse_metrics(http.get("/metrics").text)["kdlib_generation_tokens_total"] > 0
 
 
+class _GatedCore:
+    """The real core whose steps wait for `go`: the sequences it holds stay until the test lets them run."""
+
+    def __init__(self, core):
+        self.core, self.go = core, threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.core, name)
+
+    def step(self):
+        self.go.wait(60)
+        return self.core.step()
+
+
 def test_api_key_body_limit_and_full_queue(bundle):
-    engine = serve.Engine(bundle, max_num_seqs=2, max_model_len=64, max_waiting=0)
+    """max_waiting=0: free streams still take requests; a full server answers 429 (retry), a request of
+    more sequences than it ever holds 400."""
+    gated = _GatedCore(serve.make_core(bundle, max_num_seqs=2, max_model_len=64, method="ddtree",
+                                       budget=None))
+    engine = serve.Engine(bundle, core=gated, max_num_seqs=2, max_model_len=64, max_waiting=0, warm_up=False)
     with serve.EmbeddedServer(engine, api_key="sesame", max_body_bytes=10_000) as srv:
         with openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0) as bad:
             with pytest.raises(openai.AuthenticationError):
@@ -267,9 +313,22 @@ def test_api_key_body_limit_and_full_queue(bundle):
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         chunked = httpx.post(srv.url + "/v1/completions", content=iter([big[:8000], big[8000:]]), headers=key)
         assert chunked.status_code == 413
-        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=key)
-        assert r.status_code == 429 and r.headers["retry-after"] == "1"
-        assert r.json()["error"]["code"] == "queue_full"
+        one = {"prompt": "x", "max_tokens": 2}
+        r = httpx.post(srv.url + "/v1/completions", json={**one, "n": 3}, headers=key)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+        with ThreadPoolExecutor(1) as ex:
+            pair = ex.submit(httpx.post, srv.url + "/v1/completions", json={**one, "n": 2}, headers=key,
+                             timeout=60)
+            deadline = time.monotonic() + 30
+            while sum(engine.state()[k] for k in ("running", "waiting")) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            r = httpx.post(srv.url + "/v1/completions", json=one, headers=key)
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "queue_full"
+            gated.go.set()
+            assert pair.result().status_code == 200 and len(pair.result().json()["choices"]) == 2
+        assert httpx.post(srv.url + "/v1/completions", json={**one, "n": 2}, headers=key,
+                          timeout=60).status_code == 200  # an idle server takes as many as it has streams
     engine.close()
 
 
@@ -321,6 +380,35 @@ def test_port_in_use_is_a_clear_error(capsys):
     assert "cannot listen on 127.0.0.1" in capsys.readouterr().err
 
 
+def test_a_stop_string_past_a_hidden_end_of_text_keeps_one_logprob_a_token(bundle):
+    """ignore_eos: an end-of-text token is kept (counted, not shown); a stop string completed after it in
+    the same step cuts the tokens and their logprobs at the same place."""
+    engine = serve.Engine(bundle, max_num_seqs=2, max_model_len=64, warm_up=False)
+    x, b, y = (bundle.tokenizer.encode(s)[0] for s in ("x", "B", "y"))
+    eos = bundle.tokenizer.eos_token_id
+    rids, real_add = [], engine.core.add_request
+
+    def add(*args):
+        rids.append(real_add(*args))
+        return rids[-1]
+
+    def step():  # one step of four tokens: x, end of text, B (the stop string), y
+        toks = [x, eos, b, y]
+        return [StepOutput(rids[-1], toks, False, None, len(toks),
+                           [{"token": t, "logprob": -1.0 - k, "top": []} for k, t in enumerate(toks)])]
+
+    engine.core.add_request, engine.core.step = add, step
+    deltas = []
+    try:
+        params = SamplingParams(ignore_eos=True, logprobs=0, stop_token_ids=(eos,))
+        out = engine.run([5, 6, 7], 8, params, stops=("B",),
+                         listener=lambda ev: ev[0] == "delta" and deltas.append(ev[1]))
+    finally:
+        engine.close()
+    assert out["tokens"] == [x, eos, b] and out["text"] == "x" and out["finish_reason"] == "stop"
+    assert [e["token"] for d in deltas for e in d.logprobs] == [x, eos, b]
+
+
 def test_engine_in_process_reports_bad_requests_and_keeps_serving(bundle):
     engine = serve.Engine(bundle, max_num_seqs=2, max_model_len=64)
     try:
@@ -339,16 +427,30 @@ def test_server_process_serves_and_stops():
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 6, "temperature": 0},
                        timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
+        weights = httpx.get(srv.url + "/v1/models", timeout=30).json()["data"][0]["kdlib"]["weights"]
+        assert weights.startswith("random") and "no trained models" not in weights  # asked for, not missing
         url, proc = srv.url, srv._proc
     assert proc.poll() is not None
     with pytest.raises(httpx.HTTPError):
         httpx.get(url + "/health", timeout=2)
 
 
-def test_cli_help_runs():
+def test_base_url_brackets_ipv6_hosts():
+    assert serve.server.base_url("::1", 8000) == "http://[::1]:8000"
+    assert serve.server.base_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
+    assert serve.EmbeddedServer(engine=object(), host="::1", port=9).url == "http://[::1]:9"
+
+
+def test_cli_help_runs_and_counts_are_checked(capsys):
     with pytest.raises(SystemExit) as e:
         serve.cli(["--help"])
     assert e.value.code == 0
+    for flag, value, message in (("--max-waiting", "-1", "must be >= 0, got -1"),
+                                 ("--max-num-seqs", "0", "must be >= 1, got 0"),
+                                 ("--max-waiting", "x", "invalid integer value: 'x'")):
+        with pytest.raises(SystemExit) as e:
+            serve.cli([flag, value])
+        assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_async_scheduling_serves_what_the_plain_loop_serves(server, bundle):

@@ -46,6 +46,19 @@ def test_tokenizer_round_trips_any_text(text):
     assert tok.decode(tok.encode(text)) == text
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.text(max_size=100))
+def test_token_bytes_join_into_the_text(text):
+    """Each token's own bytes (a piece of a character included, which decodes to U+FFFD alone) join into
+    the text's UTF-8; the byte symbols are the ones `tokenizers`' ByteLevel uses."""
+    from tokenizers import pre_tokenizers
+
+    tok = _models()[0]
+    assert set(zoo.BYTE_OF) == set(pre_tokenizers.ByteLevel.alphabet()) and sorted(zoo.BYTE_OF.values()) == \
+        list(range(256))
+    assert b"".join(tok.token_bytes(i) for i in tok.encode(text)) == text.encode("utf-8", "surrogatepass")
+
+
 def test_tokenizer_round_trips_held_out_text():
     tok = _models()[0]
     assert tok.vocab_size == zoo.training_record()["tokenizer"]["vocab_size"]

@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP server around the batched engine: the workbook's embedded default endpoint.
 
     kdlib serve --port 8000 --max-num-seqs 16          # FastAPI + uvicorn, as vLLM and SGLang serve
-    curl localhost:8000/v1/completions -d '{"prompt": "def f(", "max_tokens": 32}'
+    curl localhost:8000/v1/completions -H 'Content-Type: application/json' -d '{"prompt": "def f("}'
 
     with EmbeddedServer() as srv:                      # in-process (a thread), on 127.0.0.1 and a free port
         openai.OpenAI(base_url=srv.url + "/v1", api_key="-").completions.create(...)

@@ -185,20 +185,24 @@ class _Logprobs:
     def chat_content(self, entries) -> list[dict]:
         def one(i, lp):
             s = self.piece(i)
-            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+            raw = self.tok.token_bytes(i) if hasattr(self.tok, "token_bytes") else s.encode()
+            return {"token": s, "logprob": lp, "bytes": list(raw)}  # a character's share of its bytes
 
         return [{**one(e["token"], e["logprob"]), "top_logprobs": [one(i, lp) for i, lp in e["top"]]}
                 for e in entries]
 
     def completion(self, entries, offset: int) -> dict:
-        """offset: characters of text before the first token. An entry's "top" None: no alternatives."""
+        """offset: characters of text before the first token. An entry's "top" None: no alternatives.
+        top_logprobs holds the sampled token beside the top ones (OpenAI: up to logprobs + 1 of them)."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for e in entries:
             s = self.piece(e["token"])
             out["tokens"].append(s)
             out["token_logprobs"].append(e["logprob"])
-            out["top_logprobs"].append(None if e["top"] is None
-                                       else {self.piece(i): lp for i, lp in e["top"]})
+            top = None if e["top"] is None else {self.piece(i): lp for i, lp in e["top"]}
+            if top is not None:
+                top.setdefault(s, e["logprob"])
+            out["top_logprobs"].append(top)
             out["text_offset"].append(offset)
             offset += len(s)
         return out
@@ -405,7 +409,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_body_bytes: in
                         if d.logprobs is not None:
                             logprobs = (lp.chat_content(d.logprobs) if chat
                                         else lp.completion(d.logprobs, offsets[d.index]))
-                        offsets[d.index] += len(d.text)
+                        if logprobs is not None and not chat:  # by the tokens' pieces, as unstreamed
+                            offsets[d.index] += sum(len(t) for t in logprobs["tokens"])
                         yield sse(chunk(d.index, d.text, logprobs))
                     elif kind == "done":
                         counts[d.index] = len(d.token_ids)

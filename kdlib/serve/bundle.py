@@ -172,6 +172,7 @@ def load_bundle(device: str = "cpu", *, prefer_trained: bool = True, config: str
     drafter = _lazy_oracle_class()(cfg.vocab_size, p_wrong, block_size=8, seed=seed)
     return Bundle(model, drafter, ByteTokenizer(cfg.vocab_size), f"kdtree-random-{config}",
                   {"source": "random",
-                   "weights": f"random (data/configs/{config}.json, seed {seed}): no trained models found",
+                   "weights": f"random (data/configs/{config}.json, seed {seed})"
+                              + ("" if not prefer_trained else ": no trained models found"),
                    "drafter": f"noisy oracle (lazy script), p_wrong {p_wrong}",
                    "tokenizer": "printable ASCII (ByteTokenizer)", "dtype": dtype})

@@ -27,7 +27,7 @@ from kdlib.serve.bundle import Bundle, load_bundle
 from kdlib.serve.metrics import Metrics
 from kdlib.serve.text import TextStream
 
-MAX_WAITING = 256  # sequences waiting to join the batch beyond this are refused with 429
+MAX_WAITING = 256  # sequences waiting for a stream beyond this are refused with 429
 RETRY_AFTER_S = 1  # the Retry-After of a 429: the batch frees a stream every few steps
 # Running totals an Engine keeps (also without prometheus_client, as on the GPU machine; the same
 # series as kdlib_spec_accept_length_{sum,count}, kdlib_step_seconds_{sum,count}, ...).
@@ -144,13 +144,13 @@ def make_core(bundle: Bundle, *, max_num_seqs: int, max_model_len: int | None, m
 class Engine:
     """The served model behind the engine loop (module docstring); Prometheus metrics when installed.
 
-    core: a BatchEngine-compatible object (default `make_core`); max_waiting: the bound of the
-    waiting queue (429 beyond); threads: torch CPU threads (default 1 on CPU, where a tiny model's
-    ops are far too small to split and torch's workers contend with other processes); overlap: the
-    device runs step k+1 while the loop reads step k's tokens (`kdlib serve --async-scheduling`);
-    compile: torch.compile inside the CUDA graphs (`--enable-torch-compile`; a CUDA model only).
-    Both go to `make_core`; a `core` given here carries its own (passing them beside it is an error),
-    and `info()` reports the core's method and levers.
+    core: a BatchEngine-compatible object (default `make_core`); max_waiting: sequences that may wait for
+    one of the max_num_seqs streams (429 beyond; 0: only free streams take requests); threads: torch CPU
+    threads (default 1 on CPU, where a tiny model's ops are far too small to split and torch's workers
+    contend with other processes); overlap: the device runs step k+1 while the loop reads step k's tokens
+    (`kdlib serve --async-scheduling`); compile: torch.compile inside the CUDA graphs
+    (`--enable-torch-compile`; a CUDA model only). Both go to `make_core`; a `core` given here carries its
+    own (passing them beside it is an error), and `info()` reports the core's method and levers.
     """
 
     def __init__(self, bundle: Bundle | None = None, *, method: str = "ddtree", budget: int | None = None,
@@ -164,6 +164,8 @@ class Engine:
                              f"got {max_model_len}")
         if not 1 <= max_num_seqs:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
         if core is not None and (overlap or compile):
             raise ValueError("overlap and compile configure the core that Engine builds; a core given "
                              "to Engine carries its own (build it with them: make_core(..., overlap=True))")
@@ -242,14 +244,23 @@ class Engine:
         return self._ready.wait(timeout)
 
     def check_capacity(self, n: int = 1) -> None:
-        """RequestError 429 (with Retry-After) when n more sequences would overflow the waiting queue."""
-        self._refuse_if_busy(self.state()["waiting"], n)
+        """RequestError 429 (with Retry-After) when n more sequences would overflow the waiting queue;
+        400 when n alone exceeds what the server holds."""
+        s = self.state()
+        self._refuse_if_busy(s["running"], s["waiting"], n)
 
-    def _refuse_if_busy(self, waiting: int, n: int) -> None:
-        if waiting + n > self.max_waiting:
-            raise RequestError(f"the server is busy: {waiting} sequences wait for {self.max_num_seqs} "
-                               f"streams (limit {self.max_waiting} waiting); retry later", status=429,
-                               type="rate_limit_error", code="queue_full",
+    def _refuse_if_busy(self, running: int, waiting: int, n: int) -> None:
+        """The server holds max_num_seqs running sequences and max_waiting more waiting for a stream:
+        n that never fit is a bad request; n that fit once others finish is a 429 (retry later)."""
+        room = self.max_num_seqs + self.max_waiting
+        if n > room:
+            raise RequestError(f"n = {n} sequences is more than this server holds at once: "
+                               f"{self.max_num_seqs} streams + {self.max_waiting} waiting", param="n",
+                               code="invalid_value")
+        if running + waiting + n > room:
+            raise RequestError(f"the server is busy: {running} sequences run and {waiting} wait for "
+                               f"{self.max_num_seqs} streams (at most {self.max_waiting} waiting); retry "
+                               "later", status=429, type="rate_limit_error", code="queue_full",
                                headers={"Retry-After": str(RETRY_AFTER_S)})
 
     def submit(self, seqs: list[Sequence]) -> None:
@@ -258,7 +269,7 @@ class Engine:
             if self._closing:
                 raise RequestError("the server is shutting down", status=503, type="server_error",
                                    code="shutdown")
-            self._refuse_if_busy(self._state["waiting"] + self._adds, len(seqs))
+            self._refuse_if_busy(self._state["running"], self._state["waiting"] + self._adds, len(seqs))
             for s in seqs:
                 s.submitted = time.perf_counter()
                 self._inbox.append(("add", s))
@@ -475,7 +486,7 @@ class Engine:
         used = seq.text.push([toks[j] for j in shown], check_from=first_checked)
         if used is not None:  # a stop string: keep the tokens up to the one completing it
             toks = toks[: shown[used - 1] + 1]
-            lps = lps[:used] if lps is not None else None
+            lps = lps[: len(toks)] if lps is not None else None  # one a token, shown or not
             if not finished:
                 self.core.abort(seq.rid)
             finished, reason = True, "stop"

@@ -233,6 +233,10 @@ def error_from_validation(errors: list[dict]) -> RequestError:
         if kind == "json_invalid":
             why = (e.get("ctx") or {}).get("error", e.get("msg"))
             problems.append(f"the request body is not valid JSON: {why}")
+        elif not loc and kind in _NOT_AN_OBJECT and isinstance(e.get("input"), bytes | str):
+            # FastAPI parses a body as JSON only under a JSON content type (curl -d sends a form's)
+            problems.append("the request body was not read as JSON: send it with the header "
+                            "Content-Type: application/json")
         elif not loc:
             problems.append("the request body must be a JSON object" if kind in _NOT_AN_OBJECT else
                             "the request body is empty" if kind == "missing" else

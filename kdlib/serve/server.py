@@ -25,6 +25,11 @@ from kdlib.serve.engine import MAX_WAITING, Engine
 SWITCH_INTERVAL_S = 0.0005  # the `kdlib serve` process's GIL switch interval: see cli()
 
 
+def base_url(host: str, port: int) -> str:
+    """http://host:port, an IPv6 address in brackets (RFC 3986)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A listening-ready socket on host:port (port 0: a free one); OSError when it is taken."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -68,7 +73,7 @@ class EmbeddedServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return base_url(self.host, self.port)
 
     def start(self) -> EmbeddedServer:
         sock = bind(self.host, self.port)
@@ -115,7 +120,7 @@ class ServerProcess:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return base_url(self.host, self.port)
 
     def start(self) -> ServerProcess:
         import subprocess
@@ -174,11 +179,20 @@ class ServerProcess:
         self.stop()
 
 
-def _positive(v: str) -> int:
-    n = int(v)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
+def _at_least(lo: int):
+    """argparse type: an integer >= lo."""
+
+    def check(v: str) -> int:
+        n = int(v)
+        if n < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {n}")
+        return n
+
+    check.__name__ = "integer"  # argparse's "invalid integer value: ..."
+    return check
+
+
+_positive, _count = _at_least(1), _at_least(0)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -194,8 +208,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-model-len", type=_positive, default=None,
                     help="context limit per request, prompt + completion (default: the model's)")
     ap.add_argument("--max-num-seqs", type=_positive, default=16, help="streams the engine runs at once")
-    ap.add_argument("--max-waiting", type=int, default=MAX_WAITING,
-                    help="sequences allowed to wait (429 beyond)")
+    ap.add_argument("--max-waiting", type=_count, default=MAX_WAITING,
+                    help="sequences allowed to wait for a stream (429 beyond; 0: none wait)")
     ap.add_argument("--max-body-bytes", type=_positive, default=MAX_BODY_BYTES,
                     help="request body limit (413)")
     ap.add_argument("--method", choices=["ddtree", "ar"], default="ddtree")
@@ -249,7 +263,7 @@ def cli(argv: list[str]) -> int:
         print(f"kdlib serve: {', '.join(engine.names)} ({bundle.info['weights']}; "
               + ", ".join([args.dtype, args.method, f"{args.max_num_seqs} streams",
                            f"context {engine.max_model_len}", *levers])
-              + f") on http://{args.host}:{sock.getsockname()[1]}", flush=True)
+              + f") on {base_url(args.host, sock.getsockname()[1])}", flush=True)
         server.run(sockets=[sock])
     finally:
         engine.close()
