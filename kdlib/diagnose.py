@@ -51,7 +51,6 @@ anything else: no decomposition (reported as unavailable).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
@@ -65,6 +64,8 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+
+from kdlib.cli import Parser
 
 SHORT, LONG = 8, 264  # the seeds' two points: 256 decode tokens apart
 SUSTAINED_TOKENS = 1500  # the seeds' reproduction: a 1,500-token continuous generation
@@ -1038,7 +1039,7 @@ def _slo(items: list[str]) -> dict:
 
 
 def cli(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="kdlib diagnose", description=__doc__.splitlines()[0])
+    ap = Parser(prog="kdlib diagnose", description=__doc__.splitlines()[0])
     ap.add_argument("--endpoint", help="base URL of an OpenAI-compatible server, with or without /v1 "
                     "(default: start the embedded one)")
     ap.add_argument("--serve-args", default="", help="arguments of the embedded `kdlib serve` (one string)")

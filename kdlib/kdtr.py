@@ -984,6 +984,8 @@ def cli(argv: list[str]) -> int:
         else:
             h = verify(args.file)
             print(f"{args.file}: OK ({len(h.tensors)} tensors, {h.file_size} bytes, all checksums match)")
+    except BrokenPipeError:
+        raise  # the reader went away: `kdlib` ends quietly (kdlib.cli)
     except (OSError, ValueError) as e:
         return fail(f"kdlib kdtr {args.cmd}", e)
     return 0

@@ -32,12 +32,14 @@ from __future__ import annotations
 import ast
 import datetime as _dt
 import html
+import io
 import json
 import math
 import os
 import re
 import sys
 import time
+import tokenize
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -84,10 +86,10 @@ def discover(notebooks_dir: Path, names: list[str] | None = None) -> list[Path]:
     return list(dict.fromkeys(chosen))
 
 
-def _trailing_comment(lines: list[str], lineno: int) -> str:
-    line = lines[lineno - 1]
-    # A '#' inside a string literal would be cut here too; parameters cells hold short literals.
-    return line.split("#", 1)[1].strip() if "#" in line else ""
+def _comments(source: str) -> dict[int, str]:
+    """line number -> the comment on that line (by tokens: a '#' inside a string is no comment)."""
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    return {t.start[0]: t.string[1:].strip() for t in tokens if t.type == tokenize.COMMENT}
 
 
 def parse_parameters_cell(source: str) -> dict[str, dict]:
@@ -96,7 +98,7 @@ def parse_parameters_cell(source: str) -> dict[str, dict]:
         tree = ast.parse(source)
     except SyntaxError as e:
         raise ValueError(f"parameters cell is not valid Python: {e}") from e
-    lines = source.splitlines()
+    comments = _comments(source)
     params = {}
     for node in tree.body:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
@@ -109,7 +111,9 @@ def parse_parameters_cell(source: str) -> dict[str, dict]:
             literal = ast.literal_eval(value)
         except ValueError:
             literal = ast.get_source_segment(source, value)
-        params[target] = {"value": literal, "help": _trailing_comment(lines, node.lineno)}
+        # the comment of a wrapped assignment may sit on any of its lines
+        said = [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
+        params[target] = {"value": literal, "help": " ".join(said)}
     return params
 
 

@@ -104,7 +104,7 @@ def test_good_runs_still_print():
 
 
 @pytest.mark.parametrize("argv", [[*MEMORY, "--tp", "8", "--json"], ["estimate", "--scenario", "seeds"],
-                                  ["--help"]])
+                                  ["--help"], ["kdtr", "info", "data/golden/accept_sample.kdtr"]])
 def test_a_reader_that_left_ends_the_command_quietly(argv):
     # stdout is a pipe whose read end is already closed: the first write meets EPIPE, as after `| head` exits
     read, write = os.pipe()

@@ -435,6 +435,13 @@ def test_parse_parameters_cell():
     assert set(p) == {"A", "B", "C", "D"}
     with pytest.raises(ValueError, match="not valid Python"):
         report.parse_parameters_cell("A = (")
+    wrapped = ('E = [\n    8,\n    16,\n]  # list of int >= 1: wrapped by the formatter\n'
+               'F = "a#b"  # str: "a#b" or "c"\n')
+    w = report.parse_parameters_cell(wrapped)
+    assert w["E"] == {"value": [8, 16], "help": "list of int >= 1: wrapped by the formatter"}
+    assert w["F"] == {"value": "a#b", "help": 'str: "a#b" or "c"'}
+    spec = report.parameter_spec(w["E"]["value"], w["E"]["help"])
+    assert report.check_parameter([8], spec) is None and ">= 1" in report.check_parameter([0], spec)
 
 
 def test_parse_overrides_is_yaml():

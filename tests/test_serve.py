@@ -447,10 +447,12 @@ def test_cli_help_runs_and_counts_are_checked(capsys):
     assert e.value.code == 0
     for flag, value, message in (("--max-waiting", "-1", "must be >= 0, got -1"),
                                  ("--max-num-seqs", "0", "must be >= 1, got 0"),
-                                 ("--max-waiting", "x", "invalid integer value: 'x'")):
+                                 ("--max-waiting", "x", "invalid integer value: 'x'"),
+                                 ("--device", "cdua", "must be cpu, cuda or cuda:N, got 'cdua'")):
         with pytest.raises(SystemExit) as e:
             serve.cli([flag, value])
-        assert e.value.code == 2 and message in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err and err.count("\n") == 1  # one line, no usage block
 
 
 def test_async_scheduling_serves_what_the_plain_loop_serves(server, bundle):
@@ -497,7 +499,7 @@ def test_torch_compile_needs_a_cuda_model(bundle, capsys):
     with pytest.raises(ValueError, match="torch.compile needs a CUDA model"):
         serve.Engine(bundle, compile=True, warm_up=False)
     assert serve.cli(["--port", "0", "--enable-torch-compile"]) == 2
-    assert "kdlib serve: torch.compile needs a CUDA model" in capsys.readouterr().err
+    assert "kdlib serve: error: torch.compile needs a CUDA model" in capsys.readouterr().err
 
 
 def test_a_given_core_reports_its_own_levers(bundle):

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 
+from kdlib.cli import Parser, fail
 from kdlib.serve.app import MAX_BODY_BYTES, create_app
 from kdlib.serve.bundle import DTYPES, FALLBACK_CONFIG, load_bundle
 from kdlib.serve.engine import MAX_WAITING, Engine
@@ -195,9 +196,24 @@ def _at_least(lo: int):
 _positive, _count = _at_least(1), _at_least(0)
 
 
+def _device(v: str) -> str:
+    """argparse type: cpu, cuda or cuda:N, on a machine that has it."""
+    import torch
+
+    try:
+        d = torch.device(v)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {v!r}") from None
+    if d.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {v!r}")
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{v}: this machine has no CUDA device that torch can use")
+    return v
+
+
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kdlib serve", description="OpenAI-compatible HTTP server around the "
-                                 "batched engine (continuous batching)")
+    ap = Parser(prog="kdlib serve", description="OpenAI-compatible HTTP server around the batched engine "
+                "(continuous batching)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--served-model-name", nargs="+", default=None,
@@ -215,7 +231,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--method", choices=["ddtree", "ar"], default="ddtree")
     ap.add_argument("--budget", type=_positive, default=None,
                     help="DDTree budget (default: the drafter's horizon)")
-    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and activations")
     ap.add_argument("--random", action="store_true",
                     help="serve the random fallback even when trained models exist")
@@ -252,8 +268,7 @@ def cli(argv: list[str]) -> int:
                         overlap=args.async_scheduling, compile=args.enable_torch_compile)
     except (ValueError, FileNotFoundError) as e:
         sock.close()
-        print(f"kdlib serve: {e}", file=sys.stderr)
-        return 2
+        return fail("kdlib serve", e)
     try:
         engine.wait_ready()
         app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
