@@ -879,6 +879,12 @@ SEEDS_200K = {
 }
 
 
+def _agrees(ours: float, theirs: float, rel: float = 0.05) -> str:
+    """A recheck row's status: "reproduced" when the seeds' figure lies within rel of ours (same sign),
+    else "wrong"."""
+    return "reproduced" if ours * theirs > 0 and abs(theirs - ours) <= rel * abs(ours) else "wrong"
+
+
 def seeds_200k_recheck(seeds: dict | None = None, overhead_bytes: int = DEFAULT_OVERHEAD_BYTES) -> list[dict]:
     """Each memory figure of the seeds' 200k decision, recomputed: rows {key, claim, seeds, recomputed,
     unit, status, reason}; status is "reproduced", "consistent", "wrong" or "not checkable"."""
@@ -911,7 +917,7 @@ def seeds_200k_recheck(seeds: dict | None = None, overhead_bytes: int = DEFAULT_
             seeds=s["kv_per_token_per_gpu_bytes"],
             recomputed=full,
             unit="B/token",
-            status="wrong",
+            status=_agrees(full, s["kv_per_token_per_gpu_bytes"]),
             reason=f"SGLang plain TP replicates the MLA latent on every rank: {g.num_layers} x "
             f"{g.kv_elements_per_layer} x 2 B "
             f"= {full:,} B. Their 8.6 'KB' is {dcp:,} B = {dcp / 1024:.2f} KiB, the figure only "
@@ -924,7 +930,7 @@ def seeds_200k_recheck(seeds: dict | None = None, overhead_bytes: int = DEFAULT_
             seeds=s["kv_200k_per_gpu_bytes"],
             recomputed=ctx * full,
             unit="B",
-            status="wrong",
+            status=_agrees(ctx * full, s["kv_200k_per_gpu_bytes"]),
             reason=f"{ctx:,} x {full:,} B = {ctx * full / 1e9:.2f} GB ({ctx * full / GiB:.2f} GiB). Two "
             "slips: the /8, "
             f"and 8.6 KiB taken as 8,600 B (even under DCP8 it is {ctx * dcp / 1e9:.3f} GB)",
@@ -965,7 +971,7 @@ def seeds_200k_recheck(seeds: dict | None = None, overhead_bytes: int = DEFAULT_
             seeds=s["free_per_gpu_bytes"] - s["kv_200k_per_gpu_bytes"],
             recomputed=pool_b - ctx * full,
             unit="B",
-            status="wrong",
+            status=_agrees(pool_b - ctx * full, s["free_per_gpu_bytes"] - s["kv_200k_per_gpu_bytes"]),
             reason=f"their budget was free memory (10 GB) and their need 1.72 GB; the budget is the pool, "
             f"{pool_b / 1e9:.2f} GB, and the need {ctx * full / 1e9:.2f} GB: one 200k request needs "
             f"{ctx / s['pool_tokens']:.2f}x the pool",
@@ -987,7 +993,7 @@ def seeds_200k_recheck(seeds: dict | None = None, overhead_bytes: int = DEFAULT_
             seeds=ctx,
             recomputed=deployed.value("longest_request"),
             unit="tokens",
-            status="wrong",
+            status="reproduced" if deployed.value("longest_request") >= ctx else "wrong",
             reason="SGLang max_req_len = min(context_len - 1, max_total_num_tokens - 1): "
             "--context-length "
             "200000 passes start-up (<= the derived 262,144) but longer requests than this are "

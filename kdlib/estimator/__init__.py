@@ -101,10 +101,11 @@ def seed_scenarios(context: int = 2048) -> dict:
     }
 
 
-def model_seed_rows(gpu: str = "b300") -> list[dict]:
-    """This model's own projection of the seeds' scenarios (dispatch solved on the B300 point)."""
+def model_seed_rows(gpu: str = "b300", a: Assumptions | None = None) -> list[dict]:
+    """This model's own projection of the seeds' scenarios: assumptions `a` (default: the uncalibrated
+    ones) with the dispatch solved on the B300 point (`seeds_stack`)."""
     p = seeds.points()
-    a = seeds_stack("b300")
+    a = seeds_stack("b300", a)
     cut_by = (p["overhead_ms"]["value"] - p["overhead_cut_ms"]["value"]) * 1e-3
     a_cut = a.with_(dispatch_s=(max(0.0, a.v("dispatch_s") - cut_by),
                                 "seeds' stack minus the 12.5 -> 8 ms cut"))
