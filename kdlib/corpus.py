@@ -33,11 +33,12 @@ import json
 import os
 import sys
 import sysconfig
-import tempfile
 import warnings
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from kdlib.files import atomic_write_text
 
 KINDS = ("code", "prose", "templated")
 SPLITS = ("train", "held_out")
@@ -166,17 +167,6 @@ def extract(root: Path | None = None) -> list[Doc]:
     return sorted(docs, key=lambda d: (KINDS.index(d.kind), d.id))
 
 
-def _atomic_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write(docs: list[Doc], out: str | Path) -> dict:
     """Write `<kind>.<split>.jsonl` (one {"id", "text"} per line) and manifest.json; returns the manifest."""
     out = Path(out)
@@ -187,10 +177,10 @@ def write(docs: list[Doc], out: str | Path) -> dict:
             sel = [d for d in docs if d.kind == kind and d.split == split]
             text = "".join(json.dumps({"id": d.id, "text": d.text}, ensure_ascii=False) + "\n" for d in sel)
             name = f"{kind}.{split}.jsonl"
-            _atomic_text(out / name, text)
+            atomic_write_text(out / name, text)
             manifest["files"][name] = {"docs": len(sel), "chars": sum(len(d.text) for d in sel),
                                        "sha256": hashlib.sha256(text.encode()).hexdigest()}
-    _atomic_text(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")
+    atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")
     return manifest
 
 

@@ -55,18 +55,21 @@ import asyncio
 import json
 import math
 import os
+import secrets
 import shlex
 import socket
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from kdlib.cli import Parser
+from kdlib import __version__
+from kdlib.cli import Parser, fail
+from kdlib.files import atomic_write_text
 
+NONCE_DIGITS = 8  # the fresh first line of a prompt a prefix cache must not hold (make_prompt)
 SHORT, LONG = 8, 264  # the seeds' two points: 256 decode tokens apart
 SUSTAINED_TOKENS = 1500  # the seeds' reproduction: a 1,500-token continuous generation
 SWEEP_START = 64  # the seeds' sweep started at 64 tokens of context
@@ -247,7 +250,8 @@ class OpenAIClient:
         except openai.APIConnectionError as e:
             raise DiagnoseError(f"cannot reach {self.base_url}: {e.__cause__ or e}") from None
         except openai.APIStatusError as e:
-            raise DiagnoseError(f"GET /v1/models: HTTP {e.status_code}: {str(e)[:200]}") from None
+            hint = " (pass --api-key, or set OPENAI_API_KEY)" if e.status_code == 401 else ""
+            raise DiagnoseError(f"GET /v1/models: HTTP {e.status_code}: {str(e)[:200]}{hint}") from None
         if not data:
             raise DiagnoseError("GET /v1/models lists no model")
         if model is None:
@@ -374,39 +378,53 @@ def source_text(kind: str | None = None, folder=None) -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
-def make_prompt(client, tokens: int, text: str | None = None) -> tuple[str, int]:
+def make_prompt(client, tokens: int, text: str | None = None, *, fresh: bool = False) -> tuple[str, int]:
     """A prefix of `text` of about `tokens` prompt tokens on this endpoint: (prompt, its token count).
 
     Calibrates characters per token with the endpoint's own count (usage.prompt_tokens of a
-    1-token request, or the in-process tokenizer), up to three rounds.
+    1-token request, or the in-process tokenizer), up to three rounds; a candidate the endpoint refuses
+    (HTTP 400: longer than its context) shrinks by a tenth. fresh: the prompt opens with a line of
+    NONCE_DIGITS random digits that no calibration request sent (they send others of the same length),
+    so a prefix cache (vLLM's, SGLang's radix cache) holds none of it: its prefill is measured.
     """
     if tokens < 1:
         raise ValueError(f"tokens must be >= 1, got {tokens}")
     text = text if text is not None else source_text()
 
+    def head() -> str:
+        return "".join(secrets.choice("123456789") for _ in range(NONCE_DIGITS)) + "\n" if fresh else ""
+
     def count(p):
-        if hasattr(client, "prompt_tokens"):
-            return client.prompt_tokens(p)
-        return client.complete(p, 1).prompt_tokens
+        """The tokens of p; None when the endpoint refuses p as too long."""
+        try:
+            if hasattr(client, "prompt_tokens"):
+                return client.prompt_tokens(head() + p)
+            return client.complete(head() + p, 1).prompt_tokens
+        except DiagnoseError as e:
+            if getattr(e, "status", None) == 400 and len(p) > probe:
+                return None
+            raise
 
     probe = 256  # characters: a short first probe (fits any context) measures characters per token
     while len(text) < probe:
         text = text + "\n\n" + text
     chars = max(1, int(tokens * probe / max(1, count(text[:probe]))))
-    n = 0
-    for _ in range(3):
+    n, rounds = None, 0
+    while rounds < 3:
         while len(text) < chars:
             text = text + "\n\n" + text
-        prompt = text[:chars]
-        n = count(prompt)
+        got = count(text[:chars])
+        if got is None:  # over the context: shrink, not a round
+            chars = max(1, int(chars * 0.9))
+            continue
+        n, rounds = got, rounds + 1
         if n == tokens or n == 0:
             break
         chars = max(1, int(chars * tokens / n))
-    while n > tokens and chars > 1:  # never over: the caller sized prompt + max_tokens to the context
+    while (n is None or n > tokens) and chars > 1:  # never over: the caller sized prompt + max_tokens
         chars = max(1, int(chars * 0.97))
-        prompt = text[:chars]
-        n = count(prompt)
-    return prompt, n
+        n = count(text[:chars])
+    return head() + text[:chars], n
 
 
 # ----------------------------------------------------------------------------- measurements
@@ -590,12 +608,23 @@ def sustained(client, prompt: str, max_tokens: int = SUSTAINED_TOKENS, *, progre
 def diagnose(client, *, sweep: bool = True, sustained_tokens: int = SUSTAINED_TOKENS,
              sustained_prompt: int = 512, max_context: int | None = None, repeats: int = 2,
              text: str | None = None, progress: bool = True) -> dict:
-    """Everything: two-point at 64 tokens, the sweep, and the sustained run. A JSON-ready dict."""
+    """Everything: two-point at 64 tokens, the sweep, and the sustained run (its prompt fresh to any
+    prefix cache, so its TTFT holds the prefill). A JSON-ready dict with the parameters it ran with."""
     text = text if text is not None else source_text()
     limit = max_context or client.max_context
+    if sweep and not limit:
+        raise ValueError("the endpoint reports no max_model_len: give the context limit "
+                         "(max_context; kdlib diagnose --max-context)")
+    if limit and SWEEP_START + LONG + 8 > limit:
+        raise ValueError(f"a context of {limit} tokens is too short for the two-point method "
+                         f"({SWEEP_START} prompt + {LONG} generated + 8 tokens)")
     out = {"endpoint": getattr(client, "base_url", "in-process engine"), "model": client.model,
            "model_info": client.info, "max_context": limit,
-           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "kdlib": __version__,
+           "parameters": {"sweep": sweep, "sustained_tokens": sustained_tokens,
+                          "sustained_prompt": sustained_prompt, "repeats": repeats,
+                          "metric_set": getattr(client, "metric_set", None)}}
     prompt, _ = make_prompt(client, SWEEP_START, text)
     out["two_point"] = two_point(client, prompt, repeats=repeats)
     if sweep:
@@ -605,7 +634,7 @@ def diagnose(client, *, sweep: bool = True, sustained_tokens: int = SUSTAINED_TO
             # leave a prompt of >= 16 tokens inside the context
             sustained_tokens = min(sustained_tokens, limit - 16)
             sustained_prompt = max(8, min(sustained_prompt, limit - sustained_tokens - 8))
-        p, _ = make_prompt(client, sustained_prompt, text)
+        p, _ = make_prompt(client, sustained_prompt, text, fresh=True)
         out["sustained"] = sustained(client, p, sustained_tokens, progress=progress)
     return out
 
@@ -738,31 +767,21 @@ def table(result: dict) -> str:
 
 
 def write_json(result: dict, path) -> None:
-    """Atomic write (temp file + os.replace)."""
-    path = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(result, f, indent=1, default=float)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """Atomic write (`kdlib.files.atomic_write_text`)."""
+    atomic_write_text(path, json.dumps(result, indent=1, default=float) + "\n")
 
 
 # ----------------------------------------------------------------------------- load mode
 def prompt_pool(client, n: int, tokens: int, text: str | None = None) -> list[str]:
-    """n distinct prompts of about `tokens` tokens each: evenly spaced slices of `text` of the
-    character length that gives `tokens` on this endpoint for the first slice."""
+    """n distinct prompts of at most `tokens` tokens each (about as many): each a `make_prompt` over its
+    own evenly spaced part of `text`, so a denser part gets a shorter slice, not one past the context."""
     text = text if text is not None else source_text()
     first, _ = make_prompt(client, tokens, text)
     chars = len(first)
     while len(text) < chars * (n + 1):
         text = text + "\n\n" + text
     stride = (len(text) - chars) // n
-    return [text[i * stride: i * stride + chars] for i in range(n)]
+    return [first] + [make_prompt(client, tokens, text[i * stride:])[0] for i in range(1, n)]
 
 
 def _spread(values: list[float]) -> dict:
@@ -982,13 +1001,14 @@ def load_curve(result: dict) -> list[dict]:
 
 
 def load_table(result: dict) -> str:
-    """A plain-text table of a `load_test` result: means over repeats (± std where it matters)."""
+    """A plain-text table of a `load_test` result: means over repeats (± std where it matters); failed:
+    the most requests of one run of the level that failed."""
     p = result["parameters"]
     lines = [f"endpoint {result['endpoint']}  model {result['model']}  input {p['input_len']} "
              f"output {p['output_len']} tokens, {p['repeats']} repeats", ""]
     lines.append(f"{'level':<10}{'req/s':>7}{'out tok/s':>16}{'tok/s/strm':>11}{'TTFT p50/p99':>15}"
                  f"{'TPOT p50/p99':>15}{'ITL p50/p99':>14}{'e2e p99':>9}{'goodput':>8}{'acc':>6}"
-                 f"{'step ms':>8}{'batch':>6}{'meas/pred':>10}{'greedy':>7}")
+                 f"{'step ms':>8}{'batch':>6}{'meas/pred':>10}{'greedy':>7}{'failed':>7}")
 
     def m(s, k, spec=".1f"):
         v = s.get(k, {}).get("mean")
@@ -1008,7 +1028,8 @@ def load_table(result: dict) -> str:
                      f"{m(s, 'e2e_ms.p99', '.0f'):>9}"
                      f"{m(s, 'goodput', '.2f'):>8}{m(s, 'decomposition.accepted_length', '.2f'):>6}"
                      f"{m(s, 'decomposition.step_ms', '.2f'):>8}{m(s, 'decomposition.batch', '.1f'):>6}"
-                     f"{_fmt(ratio, '.3f'):>10}{'-' if mism is None else int(mism):>7}")
+                     f"{_fmt(ratio, '.3f'):>10}{'-' if mism is None else int(mism):>7}"
+                     f"{int(s.get('failed', {}).get('max') or 0):>7}")
     return "\n".join(lines)
 
 
@@ -1078,16 +1099,25 @@ def cli(argv: list[str]) -> int:
         slo = _slo(args.goodput)
     except ValueError as e:
         ap.error(str(e))
-    server = None
+    if args.json and not os.access(os.path.dirname(os.path.abspath(args.json)), os.W_OK):
+        ap.error(f"--json {args.json}: its folder does not exist or is not writable")
+    if args.endpoint is not None and args.serve_args:
+        ap.error("--serve-args configures the embedded server, which --endpoint replaces")
+    try:
+        serve_args = shlex.split(args.serve_args)
+    except ValueError as e:
+        ap.error(f"--serve-args: {e}")
+    server, api_key = None, args.api_key
     try:
         url = args.endpoint
         if url is None:
             from kdlib.serve import ServerProcess
 
-            server = ServerProcess(shlex.split(args.serve_args)).start()  # `kdlib serve` in its own process
+            server = ServerProcess(serve_args).start()  # `kdlib serve` in its own process
             url = server.url
+            api_key = api_key or os.environ.get("KDLIB_API_KEY")  # the key that server took from the env
             print(f"kdlib diagnose: started the embedded server at {url}", file=sys.stderr)
-        client = OpenAIClient(url, args.model, api_key=args.api_key, metric_set=args.metrics)
+        client = OpenAIClient(url, args.model, api_key=api_key, metric_set=args.metrics)
         if args.max_context:
             client.max_context = args.max_context
         try:
@@ -1103,13 +1133,19 @@ def cli(argv: list[str]) -> int:
                                   repeats=args.repeats)
         finally:
             client.close()
-    except (DiagnoseError, ValueError) as e:
-        print(f"kdlib diagnose: {e}", file=sys.stderr)
+    except ValueError as e:  # a request this endpoint cannot take (context, prompt lengths)
+        return fail("kdlib diagnose", e)
+    except (DiagnoseError, RuntimeError) as e:  # the endpoint failed, or the embedded server did not start
+        print(f"kdlib diagnose: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
     finally:
         if server is not None:
             server.stop()
     print(load_table(result) if args.load else table(result))
+    failed = sum(lv["summary"].get("failed", {}).get("max") or 0 for lv in result.get("levels", []))
+    if failed:
+        print(f"kdlib diagnose: warning: requests failed under load (up to {failed:g} in a run of a level; "
+              "the 'failed' column, errors in the JSON)", file=sys.stderr)
     if args.json:
         write_json(result, args.json)
         print(f"wrote {args.json}")

@@ -85,7 +85,6 @@ import math
 import os
 import struct
 import sys
-import tempfile
 import warnings
 import zipfile
 import zlib
@@ -97,6 +96,7 @@ import numpy as np
 
 from kdlib.check import errors
 from kdlib.cli import Parser, fail
+from kdlib.files import atomic_write
 
 try:
     import ml_dtypes
@@ -111,7 +111,6 @@ ENTRY = struct.Struct("<HBBIQQ")  # 24 bytes: name_len, dtype, ndim, crc32, offs
 META = struct.Struct("<II")  # key_len, value_len
 MAX_NDIM = 64  # numpy 2's NPY_MAXDIMS
 MAX_NAME = 0xFFFF  # u16 name_len
-TMP_NAME_BYTES = 100  # of the target's name in the temp file's: within 255-byte names with the rest
 INDEX_MAX = 2**63 - 1  # numpy's npy_intp: the largest byte size of an array it will describe
 SUFFIXES = {".kdtr": "kdtr", ".safetensors": "safetensors", ".npz": "npz"}
 
@@ -499,44 +498,6 @@ def _write_array(f, a: np.ndarray) -> int:
     return zlib.crc32(flat)
 
 
-def _atomic_write(path, write) -> None:
-    """Call write(file) on a temp file beside `path`, fsync, rename over `path`, fsync the folder.
-
-    A symbolic link is written through (the file it names is replaced, the link stays). The new file
-    keeps the old one's permissions, or gets 0o666 less the umask, as open() would give it."""
-    path = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise ValueError(f"folder {folder} does not exist")
-    if path.exists():
-        mode = path.stat().st_mode & 0o777
-    else:
-        umask = os.umask(0)  # read it: os has no getter
-        os.umask(umask)
-        mode = 0o666 & ~umask
-    stem = path.name.encode("utf-8", "surrogateescape")[:TMP_NAME_BYTES].decode("utf-8", "ignore")
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{stem}.", suffix=".kdtr-tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    if os.name == "posix":  # the rename is durable once the folder is synced (not possible on Windows)
-        dir_fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-
-
 def save(path, tensors: Mapping, metadata: Mapping[str, str] | None = None) -> None:
     """Write `tensors` (name -> numpy / torch (CPU or CUDA) / CuPy array) and string metadata.
 
@@ -589,7 +550,7 @@ def save(path, tensors: Mapping, metadata: Mapping[str, str] | None = None) -> N
         f.seek(0)
         f.write(_encode_header(specs, metadata_items, data_offset, file_size))
 
-    _atomic_write(path, write)
+    atomic_write(path, write, suffix=".kdtr-tmp")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -904,7 +865,7 @@ def _write_any(path, tensors: dict, metadata: dict) -> None:
     for k, v in tensors.items():
         arrays[k] = _host(_describe(k, v)[2])
     if fmt == "safetensors":
-        _atomic_write(path, lambda f: _write_safetensors(f, arrays, metadata))
+        atomic_write(path, lambda f: _write_safetensors(f, arrays, metadata), suffix=".kdtr-tmp")
         return
     if NPZ_SIDECAR in arrays:
         raise ValueError(f"tensor name {NPZ_SIDECAR!r} is reserved in .npz files")
@@ -915,7 +876,7 @@ def _write_any(path, tensors: dict, metadata: dict) -> None:
     side = {"dtypes": {k: NAMES[ml[k]] for k in sorted(ml)}, "metadata": metadata}
     arrays = {k: (a.view(f"u{a.dtype.itemsize}") if k in ml else a) for k, a in arrays.items()}
     arrays[NPZ_SIDECAR] = np.array(json.dumps(side, sort_keys=True))
-    _atomic_write(path, lambda f: _write_npz(f, arrays))
+    atomic_write(path, lambda f: _write_npz(f, arrays), suffix=".kdtr-tmp")
 
 
 def convert(src, dst) -> None:

@@ -47,6 +47,7 @@ import yaml
 
 from kdlib import NOTEBOOKS, REPORTS, audit
 from kdlib.cli import Parser, fail
+from kdlib.files import atomic_write_text
 from kdlib.nb import read_records
 from kdlib.perf.results import git_commit
 
@@ -352,16 +353,6 @@ def plan(paths: list[Path], profile: str, overrides: dict, params_dir: Path) -> 
 # --------------------------------------------------------------------------- running
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    """Write to a temporary file beside `path`, then rename: `path` is always old or new, never half."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def check_kernel(kernel_name: str = KERNEL) -> str:
     """The interpreter that kernel `kernel_name` starts; it must be this one (the venv's)."""
     from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
@@ -432,7 +423,7 @@ def render_html(executed: Path, html_path: Path, *, title: str) -> None:
     if at >= 0:
         end = body.find(">", at) + 1
         body = body[:end] + nav + body[end:]
-    _atomic_write_text(html_path, body)
+    atomic_write_text(html_path, body)
 
 
 def stderr_outputs(executed: Path) -> list[dict]:
@@ -848,8 +839,8 @@ def write_index(out_dir: Path, entries: list[dict], *, profile: str) -> dict:
         "summary": {status: sum(e["status"] == status for e in notebooks) for status in ("passed", "failed")},
         "notebooks": notebooks,
     }
-    _atomic_write_text(out_dir / "index.json", json.dumps(doc, indent=1, default=str) + "\n")
-    _atomic_write_text(out_dir / "index.html", index_html(doc))
+    atomic_write_text(out_dir / "index.json", json.dumps(doc, indent=1, default=str) + "\n")
+    atomic_write_text(out_dir / "index.html", index_html(doc))
     return doc
 
 

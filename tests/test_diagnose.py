@@ -102,6 +102,39 @@ def test_make_prompt_hits_the_length():
         dg.make_prompt(c, 0)
 
 
+class DenseTailClient(FakeClient):
+    """An endpoint whose text gets denser past its first 256 characters (a first guess of characters per
+    token runs long) and that refuses, as vLLM does, a prompt past its context with an HTTP 400. It
+    records every prompt it counted."""
+
+    def __init__(self, limit):
+        super().__init__()
+        self.max_context, self.counted = limit, []
+
+    def prompt_tokens(self, prompt):
+        self.counted.append(prompt)
+        n = min(len(prompt), 256) // 3 + max(0, len(prompt) - 256) * 2 // 5  # 1/3, then 2/5 a character
+        if n + 1 > self.max_context:
+            err = dg.DiagnoseError(f"HTTP 400: maximum context length is {self.max_context} tokens")
+            err.status = 400
+            raise err
+        return n
+
+
+def test_make_prompt_stays_inside_the_context_and_fresh_prompts_are_unseen():
+    c = DenseTailClient(limit=32_768)
+    p, n = dg.make_prompt(c, 32_768 - 264 - 8, "abcdefghij" * 100)  # the sweep's last point
+    assert n <= 32_768 - 264 - 8 and n > 0.98 * (32_768 - 264 - 8)
+    c.counted.clear()
+    p, n = dg.make_prompt(c, 500, "abcdefghij" * 100, fresh=True)
+    q, _ = dg.make_prompt(c, 500, "abcdefghij" * 100, fresh=True)
+    nonce = p.split("\n", 1)[0]
+    assert len(nonce) == dg.NONCE_DIGITS and nonce.isdigit() and nonce != q.split("\n", 1)[0]
+    assert not any(sent.startswith(nonce) for sent in c.counted)  # no calibration request primed a cache
+    with pytest.raises(ValueError, match="--max-context"):
+        dg.diagnose(type("NoLimit", (FakeClient,), {"max_context": None})(), progress=False)
+
+
 def test_context_sweep_lengths_double_up_to_the_limit():
     rows = dg.context_sweep(FakeClient(), max_context=1024, text="t" * 50, repeats=1, progress=False)
     assert [r["target_prompt_tokens"] for r in rows] == [64, 128, 256, 512, 1024 - 264 - 8]
@@ -182,9 +215,22 @@ def test_cli_load_mode_writes_json(server, tmp_path, capsys):
     res = json.loads(out.read_text())
     run = res["levels"][0]["runs"][0]
     assert run["completed"] == 2 and run["goodput"] == 0.0  # nobody gets a first token within 1 microsecond
-    assert "C=2" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "C=2" in printed.out and "failed" in printed.out.splitlines()[2] and "warning" not in printed.err
     with pytest.raises(SystemExit):
         dg.cli(["--load", "--goodput", "latency:5"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--json", "/nonexistent/folder/x.json"], "its folder does not exist"),
+    (["--endpoint", "http://127.0.0.1:9", "--serve-args=--random"], "--serve-args configures"),
+    (["--serve-args", '"'], "--serve-args: No closing quotation"),
+])
+def test_cli_refuses_bad_arguments_before_any_request(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        dg.cli(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.count("\n") == 1
 
 
 def test_unknown_model_and_dead_endpoint(server):

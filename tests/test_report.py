@@ -8,7 +8,7 @@ import pytest
 import zmq
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from kdlib import NOTEBOOKS, audit, report
+from kdlib import NOTEBOOKS, audit, files, report
 
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
 
@@ -144,21 +144,22 @@ def test_pages_exist_and_nothing_half_written(batch):
     assert json.loads((out / "index.json").read_text())["summary"] == {"passed": 1, "failed": 1}
 
 
-def test_atomic_write_keeps_old_file_on_failure(tmp_path, monkeypatch):
+def test_atomic_write_keeps_old_file_on_failure(tmp_path):
+    """The writer every kdlib file goes through (reports, results, KDTR): a write that fails part way
+    leaves the old file and no temporary one."""
     target = tmp_path / "index.html"
     target.write_text("old")
 
-    def broken_write(self, text, encoding=None):
-        with open(self, "w", encoding=encoding) as f:
-            f.write(text[:3])  # part of the data reaches the disk, then the write fails
+    def broken_write(f):
+        f.write(b"new")  # part of the data reaches the temporary file, then the write fails
         raise OSError("disk full")
 
-    monkeypatch.setattr(type(target), "write_text", broken_write)
     with pytest.raises(OSError, match="disk full"):
-        report._atomic_write_text(target, "new content")
-    monkeypatch.undo()
+        files.atomic_write(target, broken_write)
     assert target.read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["index.html"]
+    files.atomic_write_text(target, "new content")
+    assert target.read_text() == "new content"
 
 
 def test_console_script_shows_progress_and_exit_code(tmp_path):

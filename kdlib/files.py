@@ -1,0 +1,54 @@
+"""Files written whole or not at all: the one atomic writer of kdlib (KDTR files, reports, JSON results)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+TMP_NAME_BYTES = 100  # of the target's name in the temp file's: within 255-byte names with the rest
+
+
+def atomic_write(path, write, *, suffix: str = ".tmp") -> None:
+    """Call write(file) (a binary file) on a temp file `.<name>.<random><suffix>` beside `path`, fsync,
+    rename over `path`, fsync the folder: `path` is the old file or the whole new one, never a part.
+    An exception removes the temp file (a killed process may leave one, never a broken target).
+
+    A symbolic link is written through (the file it names is replaced, the link stays). The new file
+    keeps the old one's permissions, or gets 0o666 less the umask, as open() would give it."""
+    path = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise ValueError(f"folder {folder} does not exist")
+    if path.exists():
+        mode = path.stat().st_mode & 0o777
+    else:
+        umask = os.umask(0)  # read it: os has no getter
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    stem = path.name.encode("utf-8", "surrogateescape")[:TMP_NAME_BYTES].decode("utf-8", "ignore")
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{stem}.", suffix=suffix)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    if os.name == "posix":  # the rename is durable once the folder is synced (not possible on Windows)
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def atomic_write_text(path, text: str, *, suffix: str = ".tmp") -> None:
+    """`atomic_write` of `text` in UTF-8."""
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")), suffix=suffix)
