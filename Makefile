@@ -10,9 +10,11 @@ PROFILE ?= cpu
 
 all: reports
 
+# A venv without a working pip (`python -m venv` stopped part way, e.g. without Debian's python3.11-venv)
+# is made again rather than taken as built.
 $(STAMP): requirements.lock pyproject.toml
-	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
+	@$(BIN)/python -m pip --version >/dev/null 2>&1 || { rm -rf $(VENV) && $(PY) -m venv $(VENV); }
+	$(BIN)/python -m pip install -q pip==26.3
 	$(BIN)/python -m pip install -q -r requirements.lock
 	$(BIN)/python -m pip install -q --no-deps -e .
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (kdlib)" >/dev/null

@@ -12,7 +12,11 @@ then the profile file, then `-p` overrides), its status and duration, the error 
 stderr output its page shows, and its recorded headline values with their provenance
 (`kdlib.nb.record`, read back with `kdlib.nb.read_records`; a provenance naming a report page is a
 link). The audit's table, one row per seed figure with the claim in words, comes last, folded. A
-failing notebook does not stop the batch; the exit code is 1 when any notebook failed.
+failing notebook does not stop the batch; the exit code is 1 when any notebook failed. Pages of an
+earlier run into the same folder stay listed, marked and counted apart from this run's; a Ctrl-C
+ends the batch with status 130 and an index that names the notebooks it did not finish. The header
+names the commit, and says so when uncommitted changes ran with it. The pages load nothing from the
+network (nbconvert's CDN scripts are left out).
 
 Parameters: profile `cpu` uses `notebooks/params/<stem>.cpu.yaml` when present, else the notebook's
 own defaults (which are the CPU profile by convention). Any other profile requires its file. Before
@@ -49,7 +53,7 @@ from kdlib import NOTEBOOKS, REPORTS, audit
 from kdlib.cli import Parser, fail
 from kdlib.files import atomic_write_text
 from kdlib.nb import read_records
-from kdlib.perf.results import git_commit
+from kdlib.perf.results import git_commit, tree_modified
 
 KERNEL = "python3"
 DEFAULT_TIMEOUT_S = 1800  # per notebook; CPU defaults run in well under a minute, GPU profiles in minutes
@@ -406,12 +410,19 @@ def render_html(executed: Path, html_path: Path, *, title: str) -> None:
     Cells tagged `remove-cell` are left out and cells tagged `remove-input` show only their outputs,
     for boilerplate that would distract a reader (nbconvert's TagRemovePreprocessor).
     """
+    import jinja2
     import nbformat
     from nbconvert import HTMLExporter
     from nbconvert.preprocessors import TagRemovePreprocessor
 
     nb = nbformat.read(str(executed), as_version=4)
-    exporter = HTMLExporter(embed_images=True)
+    # the lab template less its CDN scripts (require.js, MathJax, mermaid): no page here needs them, and
+    # a page must open offline without waiting on a network that drops its requests
+    offline = jinja2.DictLoader({"offline.html.j2": (
+        "{%- extends 'lab/index.html.j2' -%}"
+        + "".join(f"{{%- block {b} -%}}{{%- endblock {b} -%}}"
+                  for b in ("html_head_js_requirejs", "html_head_js_mathjax", "html_head_js_mermaidjs")))})
+    exporter = HTMLExporter(embed_images=True, extra_loaders=[offline], template_file="offline.html.j2")
     exporter.register_preprocessor(
         TagRemovePreprocessor(remove_cell_tags={"remove-cell"}, remove_input_tags={"remove-input"}),
         enabled=True,
@@ -788,9 +799,13 @@ def index_html(doc: dict) -> str:
     count, the notebooks (each with its abstract, recorded values and parameters), then the audit table."""
     entries = doc["notebooks"]
     pages = {e["html"] for e in entries if e.get("html")}
-    n_fail = sum(e["status"] == "failed" for e in entries)
-    summary = (f'<span class="badge passed">{len(entries) - n_fail} passed</span> '
-               + (f'<span class="badge failed">{n_fail} failed</span>' if n_fail else ""))
+    n_pass, n_fail = doc["summary"]["passed"], doc["summary"]["failed"]
+    summary = (f'<span class="badge passed">{n_pass} passed</span> '
+               + (f'<span class="badge failed">{n_fail} failed</span>' if n_fail else "")
+               + (f' · {doc["carried_over"]} more from an earlier run' if doc.get("carried_over") else "")
+               + (' · <span class="badge failed">interrupted</span> before '
+                  f'{", ".join(map(_esc, doc["interrupted"]))} finished' if doc.get("interrupted") else ""))
+    dirty = " with uncommitted changes" if doc.get("tree_modified") else ""
     toc = "".join(
         f'<li><a href="#{_esc(e["stem"])}">{_esc(e["title"])}</a> '
         f'<span class="badge {e["status"]}">{e["status"]}</span></li>' for e in entries
@@ -801,7 +816,7 @@ def index_html(doc: dict) -> str:
         f"<title>kdtree workbook: reports</title><style>{_CSS}</style></head><body><main>"
         "<h1>kdtree workbook: reports</h1>"
         f'<p class="meta">Generated {_esc(doc["generated"])} · commit '
-        f'<code>{_esc(doc["commit"][:12])}</code> · '
+        f'<code>{_esc(doc["commit"][:12])}</code>{dirty} · '
         f'profile <code>{_esc(doc["profile"])}</code> · {_esc(doc["python"])}</p>'
         f'<p class="summary">{summary}</p>'
         f"{audit_counts_html(entries)}"
@@ -812,9 +827,11 @@ def index_html(doc: dict) -> str:
     )
 
 
-def write_index(out_dir: Path, entries: list[dict], *, profile: str) -> dict:
+def write_index(out_dir: Path, entries: list[dict], *, profile: str,
+                interrupted: tuple[str, ...] = ()) -> dict:
     """Write index.json and index.html (atomically); entries of notebooks not run this time are kept
-    from the previous index.json when their pages are still there."""
+    from the previous index.json when their pages are still there (counted apart from this run's).
+    interrupted: the notebooks of this run that a Ctrl-C stopped or kept from running."""
     previous = []
     try:
         previous = json.loads((out_dir / "index.json").read_text()).get("notebooks", [])
@@ -834,9 +851,13 @@ def write_index(out_dir: Path, entries: list[dict], *, profile: str) -> dict:
     doc = {
         "generated": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": git_commit(),
+        "tree_modified": tree_modified(),  # uncommitted changes ran too: the commit alone does not name them
         "profile": profile,
         "python": f"Python {sys.version.split()[0]}",
-        "summary": {status: sum(e["status"] == status for e in notebooks) for status in ("passed", "failed")},
+        # this run's notebooks; those kept from an earlier run are counted apart
+        "summary": {status: sum(e["status"] == status for e in entries) for status in ("passed", "failed")},
+        "carried_over": len(kept),
+        **({"interrupted": list(interrupted)} if interrupted else {}),
         "notebooks": notebooks,
     }
     atomic_write_text(out_dir / "index.json", json.dumps(doc, indent=1, default=str) + "\n")
@@ -864,8 +885,8 @@ def run_reports(
     files, unknown parameter names, or a kernel that is not this interpreter's.
     """
     notebooks_dir = Path(notebooks_dir)
-    if timeout_s <= 0:
-        raise ValueError(f"timeout must be positive, got {timeout_s}")
+    if not (timeout_s > 0 and math.isfinite(timeout_s)):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout_s}")
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out {out_dir} exists and is not a folder")
@@ -875,13 +896,23 @@ def run_reports(
     commit = git_commit()
     for job in jobs:
         job["commit"] = commit
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {out_dir}: cannot create it ({e.strerror or e})") from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out_dir}: this user cannot write there")
     entries = []
     width = max(len(p.stem) for p in paths)
     for i, job in enumerate(jobs, 1):
         print(f"[{i}/{len(jobs)}] {job['path'].stem:<{width}} running ...", flush=True)
-        entry = run_one(job, out_dir, timeout_s=timeout_s, kernel_name=kernel_name, log_output=log_output,
-                        progress_bar=sys.stderr.isatty())
+        try:
+            entry = run_one(job, out_dir, timeout_s=timeout_s, kernel_name=kernel_name, log_output=log_output,
+                            progress_bar=sys.stderr.isatty())
+        except KeyboardInterrupt:  # the index says which notebooks this run did not finish
+            left = tuple(j["path"].stem for j in jobs[i - 1:])
+            write_index(out_dir, entries, profile=profile, interrupted=left)
+            raise
         entries.append(entry)
         # after each notebook: an interrupted batch still has one
         write_index(out_dir, entries, profile=profile)
@@ -920,6 +951,10 @@ def cli(argv: list[str]) -> int:
         )
     except ValueError as e:
         return fail("kdlib report", e)
+    except KeyboardInterrupt:
+        print(f"kdlib report: interrupted; {Path(args.out) / 'index.html'} names the notebooks that did not "
+              "finish", file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports it
     failed = [e["stem"] for e in entries if e["status"] == "failed"]
     index = Path(args.out) / "index.html"
     print(f"{len(entries) - len(failed)} passed, {len(failed)} failed in {time.perf_counter() - t0:.1f} s"

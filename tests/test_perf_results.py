@@ -202,3 +202,20 @@ def test_write_names_the_file_by_suite_and_gpu_or_as_asked(tmp_path):
     doc = json.loads(named.read_text())
     assert doc["suite"] == "s" and doc["value"] == 2 and doc["provenance"]["command"] == "c"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([default.name, named.name])  # no .tmp left
+
+
+def test_tree_modified_tells_a_clean_checkout_from_an_edited_one(tmp_path, monkeypatch):
+    """A report names its commit; `tree_modified` says when tracked files differ from it."""
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "a.txt").write_text("one\n")
+    subprocess.run([*git, "add", "a.txt"], check=True)
+    subprocess.run([*git, "commit", "-qm", "a"], check=True)
+    monkeypatch.setattr(results, "ROOT", tmp_path)
+    monkeypatch.delenv("KDLIB_COMMIT", raising=False)
+    (tmp_path / "untracked.txt").write_text("x\n")
+    assert results.tree_modified() is False  # untracked files are not the commit's
+    (tmp_path / "a.txt").write_text("two\n")
+    assert results.tree_modified() is True
+    monkeypatch.setenv("KDLIB_COMMIT", "0" * 40)  # a copied tree without .git: unknown
+    assert results.tree_modified() is None

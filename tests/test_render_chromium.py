@@ -182,6 +182,16 @@ def test_figure_is_embedded_and_drawn(out, tmp_path):
     assert magenta > 30_000, f"the figure is not drawn on the page ({magenta} magenta pixels)"
 
 
+def test_pages_load_nothing_from_the_network(out):
+    """The pages open offline: no script, style sheet or image is fetched from another host (nbconvert's
+    template would pull require.js, MathJax and mermaid from a CDN)."""
+    for page in sorted(out.glob("*.html")):
+        html = page.read_text()
+        remote = re.findall(r'<(?:script|link|img)\b[^>]*\b(?:src|href)="(?:https?:)?//[^"]*"', html)
+        assert not remote, f"{page.name} loads {remote}"
+        assert "import(" not in html or "cdnjs" not in html, page.name
+
+
 def test_failed_notebook_page_renders(out, tmp_path):
     dom = dump_dom(tmp_path, out / "20_fail.html")
     assert "deliberate failure" in dom and "ValueError" in dom

@@ -265,6 +265,34 @@ def test_smoke_profile_reads_params_file(tmp_path, caplog):
     assert report.cli(["20_fail", "--notebooks-dir", str(nbs), "--out", str(out), "--profile", "smoke"]) == 1
     entries, _ = _index(out)
     assert entries["10_pass"]["carried_over"] and entries["20_fail"]["status"] == "failed"
+    doc = json.loads((out / "index.json").read_text())  # this run's count; the kept page counted apart
+    assert doc["summary"] == {"passed": 0, "failed": 1} and doc["carried_over"] == 1
+    assert "1 more from an earlier run" in (out / "index.html").read_text()
+
+
+def test_an_interrupted_batch_says_so_in_its_index(tmp_path, monkeypatch, capsys):
+    nbs = make_notebooks(tmp_path / "notebooks")
+    out = tmp_path / "out"
+    real = report.run_one
+
+    def interrupt_the_second(job, *args, **kw):
+        if job["path"].stem == "20_fail":
+            raise KeyboardInterrupt
+        return real(job, *args, **kw)
+
+    monkeypatch.setattr(report, "run_one", interrupt_the_second)
+    assert report.cli(["--notebooks-dir", str(nbs), "--out", str(out)]) == 130
+    doc = json.loads((out / "index.json").read_text())
+    assert doc["interrupted"] == ["20_fail"] and doc["summary"] == {"passed": 1, "failed": 0}
+    assert "interrupted" in (out / "index.html").read_text() and "did not finish" in capsys.readouterr().err
+
+
+def test_an_output_folder_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    nbs = make_notebooks(tmp_path / "notebooks")
+    (tmp_path / "file").write_text("x")
+    assert report.cli(["--notebooks-dir", str(nbs), "--out", str(tmp_path / "file" / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kdlib report: error: --out") and "cannot create it" in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -277,7 +305,9 @@ def test_smoke_profile_reads_params_file(tmp_path, caplog):
     (["-p", "N", "[1"], "not a YAML value"),
     (["--profile", "h200"], "10_pass.h200.yaml"),
     (["99_missing"], "matches no notebook"),
-    (["--timeout", "0"], "timeout must be positive"),
+    (["--timeout", "0"], "timeout must be a positive number of seconds"),
+    (["--timeout", "inf"], "timeout must be a positive number of seconds, got inf"),
+    (["--timeout", "nan"], "timeout must be a positive number of seconds, got nan"),
 ])
 def test_bad_input_fails_before_running(tmp_path, capsys, argv, message):
     nbs = make_notebooks(tmp_path / "notebooks")

@@ -38,6 +38,18 @@ def git_commit() -> str:
         return "unknown"
 
 
+def tree_modified() -> bool | None:
+    """Whether tracked files differ from HEAD (uncommitted changes); None where git cannot tell."""
+    if os.environ.get("KDLIB_COMMIT"):
+        return None
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                             capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(out.stdout.strip()) if out.returncode == 0 else None
+
+
 def gpu_slug(name: str) -> str:
     """'NVIDIA H200' -> 'h200'; 'NVIDIA RTX PRO 6000 Blackwell ...' -> 'rtx-pro-6000-blackwell-...'."""
     s = re.sub(r"^nvidia\s+", "", name.strip().lower())
