@@ -920,7 +920,8 @@ def run_reports(
         note = (
             ""
             if not err
-            else f"  {err['ename']}: {err['evalue'][:200]}" + (f"  at: {err['line']}" if err["line"] else "")
+            else f"  {err['ename']}: {' '.join(err['evalue'].split())[:200]}"  # one line, however long
+            + (f"  at: {err['line']}" if err["line"] else "")
         )
         print(f"[{i}/{len(jobs)}] {entry['stem']:<{width}} {entry['status']} in {entry['duration_s']:.1f} "
               f"s{note}",
