@@ -66,7 +66,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kdlib import __version__
-from kdlib.cli import Parser, fail
+from kdlib.cli import Parser, fail, positive_float
 from kdlib.files import atomic_write_text
 
 NONCE_DIGITS = 8  # the fresh first line of a prompt a prefix cache must not hold (make_prompt)
@@ -1067,6 +1067,8 @@ def cli(argv: list[str]) -> int:
     ap.add_argument("--model", help="model id (default: the first /v1/models lists)")
     ap.add_argument("--json", help="write the result here")
     ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    ap.add_argument("--timeout", type=positive_float, default=900.0,
+                    help="seconds one request may take before it counts as failed (default 900)")
     ap.add_argument("--max-context", type=int, help="context limit when /v1/models reports none")
     ap.add_argument("--sustained-tokens", type=int, default=SUSTAINED_TOKENS)
     ap.add_argument("--sustained-prompt", type=int, default=512, help="prompt tokens of the sustained run")
@@ -1117,7 +1119,7 @@ def cli(argv: list[str]) -> int:
             url = server.url
             api_key = api_key or os.environ.get("KDLIB_API_KEY")  # the key that server took from the env
             print(f"kdlib diagnose: started the embedded server at {url}", file=sys.stderr)
-        client = OpenAIClient(url, args.model, api_key=api_key, metric_set=args.metrics)
+        client = OpenAIClient(url, args.model, api_key=api_key, metric_set=args.metrics, timeout=args.timeout)
         if args.max_context:
             client.max_context = args.max_context
         try:

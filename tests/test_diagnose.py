@@ -225,6 +225,7 @@ def test_cli_load_mode_writes_json(server, tmp_path, capsys):
     (["--json", "/nonexistent/folder/x.json"], "its folder does not exist"),
     (["--endpoint", "http://127.0.0.1:9", "--serve-args=--random"], "--serve-args configures"),
     (["--serve-args", '"'], "--serve-args: No closing quotation"),
+    (["--timeout", "inf"], "--timeout: must be a positive number"),
 ])
 def test_cli_refuses_bad_arguments_before_any_request(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -303,3 +304,18 @@ def test_diagnosis_suite_core_on_gpu():
     assert r["model_info"]["kdlib"]["device"].startswith("cuda")
     for row in r["by_kind"].values():
         assert row["sustained"]["completion_tokens"] == 48 and row["sustained"]["decomposition"]["available"]
+
+
+def test_a_server_that_never_answers_fails_within_the_timeout(capsys):
+    """A port that takes connections and never replies (a hung server): --timeout bounds the wait."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)  # connections complete in the backlog; nobody reads them
+        t0 = time.monotonic()
+        rc = dg.cli(["--endpoint", f"http://127.0.0.1:{s.getsockname()[1]}", "--timeout", "1", "--no-sweep"])
+        waited = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert rc == 1 and err.startswith("kdlib diagnose: error: cannot reach") and waited < 30
