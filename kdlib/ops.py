@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
+import numpy as np
+
 from kdlib import ref
 from kdlib.ref.tree import DDTree, DDTreeBatch
 
@@ -30,8 +32,8 @@ RETURNS_FIRST_ARG = ("compact_kv", "compact_kv_batch")  # in place: they return 
 def _kind(x) -> str | None:
     """'numpy', 'cupy', 'torch-cpu', 'torch-cuda' or None (not an array)."""
     mod = type(x).__module__
-    if mod.startswith("numpy"):
-        return "numpy" if hasattr(x, "shape") else None
+    if mod.startswith("numpy"):  # a numpy scalar (np.float64(0.1), np.int64(64)) is a number, not an array
+        return "numpy" if hasattr(x, "shape") and not isinstance(x, np.generic) else None
     if mod.startswith("cupy"):
         return "cupy"
     if mod.startswith("torch") and hasattr(x, "device"):

@@ -88,6 +88,18 @@ def test_verify_equals_dense_masked_attention(seed):
         assert np.isnan(out[b, m:]).all() and np.isnan(lse[b, m:]).all()  # poisoned rows
 
 
+def test_bad_tail_arguments_fail_before_the_prefix_work(monkeypatch):
+    """The whole verify checks the tree's arguments before it attends over the (long) prefix."""
+    q, kv, pt, lens, tkv, vis, sizes = make_case(4)
+
+    def prefix_ran(*args, **kwargs):
+        raise AssertionError("the prefix ran before the tail's arguments were checked")
+
+    monkeypatch.setattr(attn, "prefix_attention", prefix_ran)
+    with pytest.raises(ValueError, match="visibility must be a bool array"):
+        attn.tree_verify_attention(q, kv, pt, lens, tkv, vis.astype(np.int64), sizes, SCALE)
+
+
 def test_empty_prefix_and_verify_equals_tail():
     q, kv, pt, lens, tkv, vis, sizes = make_case(5)
     out_p, lse_p = prefix_attention(q, kv, pt, lens, SCALE)

@@ -64,6 +64,19 @@ def test_errors_pass_through():
         ops.build_tree_batch(torch.from_numpy(ids), torch.from_numpy(lp[..., ::-1].copy()), 5)
 
 
+def test_numpy_scalars_are_numbers_not_a_device():
+    """softmax_scale=1 / np.sqrt(192) or budget=np.int64(64) beside device arrays: the arrays pick the
+    device. (A stand-in for a CuPy array: the dispatcher reads only its type's module.)"""
+    device_array = type("ndarray", (), {"__module__": "cupy._core.core", "shape": (2,)})()
+    assert ops._backend((device_array, np.float64(0.07)), {"budget": np.int64(64)}) == ("cupy", False)
+    assert ops._backend((np.zeros(2), np.float32(1.0)), {}) == ("numpy", False)
+    with pytest.raises(ValueError, match="different devices"):  # a numpy array beside it still is one
+        ops._backend((device_array, np.zeros(2)), {})
+    ids, lp = example()
+    tree = ops.build_tree_batch(torch.from_numpy(ids), torch.from_numpy(lp), np.int64(5))
+    assert isinstance(tree.node_token_ids, torch.Tensor)
+
+
 def test_signatures_match_ref():
     import inspect
 

@@ -227,6 +227,7 @@ def tree_verify_attention(
     Shapes as in the two parts (batched or unbatched). Returns out [B, Q, H, kv_lora_rank]
     float64 and the natural-log lse [B, Q, H]; rows >= tree_sizes[b] are NaN.
     """
-    out_p, lse_p = prefix_attention(q, kv_cache, page_table, prefix_lens, softmax_scale, kv_lora_rank)
+    # the small tail first: its arguments are checked before the prefix's work, as the CUDA twin checks all
     out_t, lse_t = tree_tail_attention(q, tree_kv, visibility, tree_sizes, softmax_scale, kv_lora_rank)
+    out_p, lse_p = prefix_attention(q, kv_cache, page_table, prefix_lens, softmax_scale, kv_lora_rank)
     return merge_attention(out_p, lse_p, out_t, lse_t)
