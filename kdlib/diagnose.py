@@ -65,7 +65,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kdlib import __version__
+import kdlib
 from kdlib.cli import Parser, fail, positive_float
 from kdlib.files import atomic_write_text
 
@@ -621,7 +621,7 @@ def diagnose(client, *, sweep: bool = True, sustained_tokens: int = SUSTAINED_TO
     out = {"endpoint": getattr(client, "base_url", "in-process engine"), "model": client.model,
            "model_info": client.info, "max_context": limit,
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "kdlib": __version__,
+           "kdlib": kdlib.__version__,
            "parameters": {"sweep": sweep, "sustained_tokens": sustained_tokens,
                           "sustained_prompt": sustained_prompt, "repeats": repeats,
                           "metric_set": getattr(client, "metric_set", None)}}

@@ -63,6 +63,21 @@ def test_greedy_batch_equals_single_stream_ar(streams, method, kind, budget, ove
     assert eng.pool_free_slots == eng.pool_slots and eng.num_running == 0
 
 
+def test_overlap_runs_past_a_request_that_fills_its_context():
+    """Under overlap the step after a request's last one runs before the host sees it finish: with
+    accepted drafts it starts up to a tree's width past the end, and a request that fills max_context
+    (generate_batch sets it to the longest request) must still find its page-table columns."""
+    from kdlib import zoo
+
+    target = zoo.load_target()
+    drafter, tok = zoo.load_drafter(target), zoo.load_tokenizer()
+    prompt = tok.encode("def foo(x):\n    return")
+    runs = [generate_batch(target, [prompt], 40, method="ddtree", drafter=drafter, budget=8, overlap=overlap,
+                           graphs=False)[0] for overlap in (True, False)]
+    assert runs[0].tokens == runs[1].tokens == generate(target, prompt, 40).tokens
+    assert max(runs[0].accepted) > 2  # the drafts were accepted: the step in flight ran past the end
+
+
 def test_generate_batch_matches_ar_and_reports_acceptance():
     m = _model()
     prompts = _prompts(4, seed=3, vocab=m.cfg.vocab_size, hi=40)
@@ -143,8 +158,13 @@ def test_errors_are_clear_and_before_any_work():
         eng.add_request([1], 4, SamplingParams(temperature=-1.0))
     with pytest.raises(ValueError, match="top_p"):
         eng.add_request([1], 4, SamplingParams(top_p=0.0))
+    with pytest.raises(ValueError, match="or >= 1e-05"):  # logits / 1e-40 overflows: refused, not NaN
+        eng.add_request([1], 4, SamplingParams(temperature=1e-40))
     with pytest.raises(ValueError, match="needs a drafter"):
         BatchEngine(m, method="ddtree")
+    for top_k in (0, -1, 2.5):  # 0 would draft nothing, -1 fail inside torch at the first step
+        with pytest.raises(ValueError, match="top_k must be an int >= 1"):
+            BatchEngine(m, method="ddtree", drafter=_drafter("oracle", m), budget=4, top_k=top_k)
     assert not eng.has_work() and eng.pool_free_slots == 100
 
 

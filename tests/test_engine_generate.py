@@ -252,6 +252,7 @@ def test_sampling_distribution_equals_ar_cuda():
         (dict(method="ddtree", drafter=None), "needs a drafter"),
         (dict(method="beam"), "method"),
         (dict(temperature=-0.5), "temperature"),
+        (dict(temperature=1e-40), "temperature must be 0 \\(greedy\\) or >= 1e-05"),
         (dict(budget=4), "apply to method 'ddtree' only"),
         (dict(method="ddtree", top_k=0), "top_k"),
     ],

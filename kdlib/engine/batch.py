@@ -59,7 +59,7 @@ import torch
 
 from kdlib import ops
 from kdlib.engine.drafter import DFlashDrafter, NoisyOracleDrafter
-from kdlib.engine.generate import MAX_BUDGET, MAX_DEPTH, GenerateResult
+from kdlib.engine.generate import MAX_BUDGET, MAX_DEPTH, MIN_TEMPERATURE, GenerateResult
 
 MIN_TABLE = 64  # the narrowest page-table width a step reads (positions); buckets double from here
 TOP_LOGPROBS = 20  # alternatives computed when a request asks for logprobs (OpenAI's maximum)
@@ -83,6 +83,9 @@ class SamplingParams:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if 0 < t < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g} (logits / T "
+                             f"overflows below), got {t!r}")
         if (isinstance(self.top_p, bool) or not isinstance(self.top_p, numbers.Real)
                 or not 0 < self.top_p <= 1):
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
@@ -354,6 +357,9 @@ class BatchEngine:
             if min(horizon, budget) > MAX_DEPTH:
                 raise ValueError(f"tree depth min(L={horizon}, budget={budget}) exceeds the tree kernels' "
                                  f"limit {MAX_DEPTH}")
+            if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral)
+                                      or top_k < 1):
+                raise ValueError(f"top_k must be an int >= 1 (drafts per depth), got {top_k!r}")
             self.horizon, self.budget = horizon, int(budget)
             self.k = min(top_k if top_k is not None else budget, budget, cfg.vocab_size)
             self.rows = budget + 1
@@ -363,7 +369,9 @@ class BatchEngine:
             self.horizon, self.budget, self.k, self.rows = 0, 0, 0, 1
         # emitted tokens per step, at most
         self.width = min(self.horizon, self.budget) + 1 if method == "ddtree" else 1
-        cap = self.max_context + self.rows  # page-table width: the last step's tree rows past the end
+        # page-table width: the last step's tree rows past the end, and under overlap the step that runs
+        # on while the host reads the previous one (a request it finished has committed up to width more)
+        cap = self.max_context + self.rows + (self.width if overlap else 0)
         self.table_cap = cap
         num_slots = self.max_streams * cap if num_slots is None else int(num_slots)
         self.pool = SlotPool(cfg, num_slots, self.device, self.dtype)

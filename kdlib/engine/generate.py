@@ -50,6 +50,7 @@ METHODS = ("ar", "ddtree")
 # The engine enforces them on every device so that a run means the same thing on CPU and GPU.
 MAX_BUDGET = 256
 MAX_DEPTH = 16
+MIN_TEMPERATURE = 1e-5  # a smaller T > 0 overflows logits / T in float32 (vLLM samples greedily below it)
 # With Model.attention == "ops" the verify runs through the tree-verify kernels: at most 65 rows
 # (kdlib/cuda/attention.py MAX_Q), i.e. budget <= 64, and the 576-wide MLA latent on CUDA.
 MAX_OPS_BUDGET = 64
@@ -135,6 +136,9 @@ def validate(model, prompt_ids, max_new_tokens, method, drafter, budget, top_k, 
         or temperature < 0
     ):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g} (logits / T overflows "
+                         f"below), got {temperature!r}")
     k = None
     if method == "ddtree":
         if drafter is None:

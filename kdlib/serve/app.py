@@ -26,10 +26,11 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from kdlib.engine.generate import MIN_TEMPERATURE
 from kdlib.serve.engine import Engine, RequestError, Sequence
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: ~100x the longest prompt the tiny models' 2,048-token context takes
-GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (vLLM's rule: 1 / T would overflow)
+GREEDY_BELOW = MIN_TEMPERATURE  # a temperature below this samples greedily (vLLM's rule: 1 / T overflows)
 
 
 def _error_response(err: RequestError):
