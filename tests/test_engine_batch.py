@@ -249,6 +249,17 @@ def test_filtered_probs_top_k_and_top_p():
                           torch.tensor([0.5, 0.3, 0.15, 0.05]))
 
 
+def test_top_p_one_keeps_every_token_beside_a_filtered_lane():
+    """top_p 1 means all tokens, also when a neighbour's top_p makes the batch filter: a float32 cumsum of
+    4096 probabilities reaches 1 before its tail, which must not be cut."""
+    logits = torch.randn(2, 1, 4096, generator=torch.Generator().manual_seed(0)) * 5  # [C, W, V]
+    one = torch.ones(2)
+    p = filtered_probs(logits, one, torch.tensor([1.0, 0.5]), torch.zeros(2, dtype=torch.long), True)
+    assert (p[0, 0] > 0).all()  # every token keeps its (tiny) probability
+    assert torch.allclose(p[0, 0], torch.softmax(logits[0, 0], -1), rtol=1e-5, atol=0)
+    assert (p[1, 0] == 0).any()  # the neighbour's top_p still cuts
+
+
 def _exact_joint(model, prompt, temperature, n=3) -> dict:
     """P(t1..tn) of AR sampling at `temperature`, enumerated over a small vocabulary."""
     V = model.cfg.vocab_size

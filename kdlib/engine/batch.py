@@ -25,8 +25,9 @@ One step, over lanes 0..C-1 (C = the smallest power of two holding every running
            positions lens .. lens + W - 1 of each lane's table, every row attends to its own
            lane's prefix and tree ancestors, the MoE runs on the C x W rows at once;
   accept   the target token per row (argmax, or at T > 0 a draw from the tempered, top-k / top-p
-           filtered distribution with a uniform hashed from (seed, lens, row): the same seed gives
-           the same tokens whatever else is in the batch), then the greedy tree walk;
+           filtered distribution with a uniform hashed from (seed, lens, row): the same seed draws
+           the same uniforms whatever else is in the batch, and the same tokens wherever the batch's
+           shape leaves the logits' rounding alone), then the greedy tree walk;
   commit   the page-table tail is permuted so the accepted rows sit at positions lens .. lens+tau-1
            (page_size 1: no KV bytes move); the drafter writes the accepted rows' context K/V;
            lens += tau; the emitted tokens (accepted + new bonus) are packed into one buffer and
@@ -299,7 +300,8 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch
     zs = zs.masked_fill((k > 0) & (rank >= k), float("-inf"))
     ps = torch.softmax(zs, dim=-1)
     before = ps.cumsum(-1) - ps  # mass of the better tokens
-    ps = ps.masked_fill(before >= top_p[:, None, None], 0.0)
+    p = top_p[:, None, None]
+    ps = ps.masked_fill((before >= p) & (p < 1), 0.0)  # top_p 1: all (a float32 cumsum reaches 1 early)
     ps = ps / ps.sum(-1, keepdim=True)
     return torch.zeros_like(ps).scatter_(-1, order, ps)
 
