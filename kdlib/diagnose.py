@@ -921,6 +921,10 @@ def load_test(client, *, concurrency=CONCURRENCY, rates=(), max_concurrency: int
     `summary` gives every figure's spread over the repeats. check_greedy: a sequential pass over
     the prompts first gives each one's reference text; every later output is compared with it
     (`greedy_mismatches`: differing outputs; 0 means concurrency changed no greedy output).
+    The prompts repeat (the reference pass, the warm-up, every level): an endpoint with a prefix cache
+    (vLLM's default, SGLang's radix cache) serves their prefill from it, so TTFT here is a cached
+    prefill's; run the server with the cache off (vLLM --no-enable-prefix-caching, SGLang
+    --disable-radix-cache) to measure prefill under load. The decode figures do not depend on it.
     """
     if client.max_context and input_len + output_len + 16 > client.max_context:
         raise ValueError(f"input_len {input_len} + output_len {output_len} (+16) exceeds the context "
