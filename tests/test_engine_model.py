@@ -292,14 +292,61 @@ def test_mtp_layers_skipped_quantized_refused(tmp_path):
     m = Model.random(cfg, seed=0)
     save_pretrained(m, tmp_path)
     w = load_file(str(tmp_path / "model.safetensors"))
-    # an MTP layer (DeepSeek-V3 layout)
+    # an MTP layer (DeepSeek-V3 layout: num_nextn_predict_layers past the last decoder layer)
     w[f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight"] = torch.zeros(2, 2)
     save_file(w, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="unexpected.*eh_proj"):  # the config declares no MTP layer
+        Model.from_pretrained(tmp_path)
+    conf = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**conf, "num_nextn_predict_layers": 1}))
     ids = torch.arange(9)
     check.assert_equal(Model.from_pretrained(tmp_path).logits(ids), m.logits(ids), name="MTP layer ignored")
+    # a config that names fewer decoder layers than the checkpoint holds is a mismatch, not a truncation
+    fewer = {**conf, "num_hidden_layers": cfg.num_hidden_layers - 1}
+    (tmp_path / "config.json").write_text(json.dumps(fewer))
+    with pytest.raises(ValueError, match="unexpected"):
+        Model.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**conf, "num_nextn_predict_layers": 1}))
     w["model.layers.0.self_attn.o_proj.weight_scale_inv"] = torch.ones(1, 1)
     save_file(w, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="quantized"):
+        Model.from_pretrained(tmp_path)
+
+
+def test_sharded_checkpoints_read_the_shards_their_index_names(tmp_path):
+    """model.safetensors.index.json decides the files: a stale file beside the shards is not read, a
+    missing shard is named, a name in two files and a non-float tensor are refused."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = ModelConfig.from_json(DATA / "configs" / "tiny-a.json")
+    m = Model.random(cfg, seed=1)
+    save_pretrained(m, tmp_path)
+    w = load_file(str(tmp_path / "model.safetensors"))
+    (tmp_path / "model.safetensors").unlink()
+    names = sorted(w)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, keys in halves.items():
+        save_file({k: w[k] for k in keys}, str(tmp_path / shard))
+    index = {"metadata": {}, "weight_map": {k: shard for shard, keys in halves.items() for k in keys}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    save_file({k: torch.zeros_like(v) for k, v in w.items()}, str(tmp_path / "zz-stale.safetensors"))
+    ids = torch.arange(9)
+    check.assert_equal(Model.from_pretrained(tmp_path).logits(ids), m.logits(ids), name="sharded load")
+    (tmp_path / "model-00002-of-00002.safetensors").rename(tmp_path / "moved.safetensors")
+    with pytest.raises(ValueError, match="model-00002-of-00002.safetensors \\(named in model.safetensors"):
+        Model.from_pretrained(tmp_path)
+    (tmp_path / "moved.safetensors").rename(tmp_path / "model-00002-of-00002.safetensors")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="empty: no config.json"):
+        Model.from_pretrained(tmp_path / "empty")
+    (tmp_path / "model.safetensors.index.json").unlink()  # without an index: every file, so the stale one
+    with pytest.raises(ValueError, match="is in both"):
+        Model.from_pretrained(tmp_path)
+    (tmp_path / "zz-stale.safetensors").unlink()
+    first = halves["model-00001-of-00002.safetensors"]
+    save_file({**{k: w[k] for k in first}, first[0]: w[first[0]].to(torch.int8)},
+              str(tmp_path / "model-00001-of-00002.safetensors"))
+    with pytest.raises(ValueError, match="torch.int8; the engine loads dense float checkpoints"):
         Model.from_pretrained(tmp_path)
 
 

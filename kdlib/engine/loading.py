@@ -126,23 +126,54 @@ def check_keys(expected: set, got: set) -> None:
         )
 
 
+INDEX = "model.safetensors.index.json"  # a sharded checkpoint's map: weight name -> shard file
+# what the engine loads; fp8 (and integer) tensors are quantized checkpoints' and would be cast blindly
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder: the shards its index names when it has one (a stale
+    file beside them is not read), else every *.safetensors. ValueError naming a missing shard."""
+    index = path / INDEX
+    if not index.is_file():
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{path}: no *.safetensors files")
+        return files
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+    missing = [s for s in shards if not (path / s).is_file()]
+    if missing:
+        raise ValueError(f"{path}: {missing[0]} (named in {INDEX}) not found" +
+                         (f", nor {len(missing) - 1} more shards" if len(missing) > 1 else ""))
+    return [path / s for s in shards]
+
+
 def read_safetensors_dir(path: Path, cfg: ModelConfig) -> dict:
-    """name -> torch tensor from every *.safetensors in `path`, MTP layers and buffers dropped."""
+    """name -> torch tensor from the checkpoint's safetensors files (`checkpoint_files`), the multi-token
+    prediction layers (num_nextn_predict_layers past the last decoder layer) and buffers dropped.
+    ValueError for a quantized or non-float tensor and for a name two files both hold."""
     from safetensors.torch import load_file
 
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{path}: no *.safetensors files")
-    weights = {}
-    for f in files:
+    last = cfg.num_hidden_layers
+    mtp = range(last, last + int(cfg.extra.get("num_nextn_predict_layers") or 0))
+    weights, where = {}, {}
+    for f in checkpoint_files(path):
         for k, v in load_file(str(f)).items():
             if any(s in k for s in _QUANT):
                 raise ValueError(f"{f.name}: quantized weight {k!r}; the engine loads dense float "
                                  "checkpoints only")
+            if str(v.dtype).removeprefix("torch.") not in FLOAT_DTYPES:
+                raise ValueError(f"{f.name}: {k!r} is {v.dtype}; the engine loads dense float checkpoints "
+                                 f"({', '.join(FLOAT_DTYPES)})")
             m = _MTP.match(k)
-            if (m and int(m.group(1)) >= cfg.num_hidden_layers) or k.endswith("rotary_emb.inv_freq"):
+            if (m and int(m.group(1)) in mtp) or k.endswith("rotary_emb.inv_freq"):
                 continue
-            weights[k] = v
+            if k in weights:
+                raise ValueError(f"{k!r} is in both {where[k]} and {f.name}")
+            weights[k], where[k] = v, f.name
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     return weights

@@ -503,10 +503,13 @@ class Model(nn.Module):
     # ---- construction
     @classmethod
     def from_pretrained(cls, path, dtype=None, device=None) -> Model:
-        """Load config.json + *.safetensors (HF DeepseekV3 names) from a folder."""
+        """Load config.json + the safetensors files (HF DeepseekV3 names) from a folder: the shards that
+        model.safetensors.index.json names, else every *.safetensors (`loading.checkpoint_files`)."""
         path = Path(path)
         if not path.is_dir():
             raise ValueError(f"{path}: not a folder")
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path}: no config.json (a Hugging Face checkpoint folder holds one)")
         cfg = ModelConfig.from_json(path / "config.json")
         m = cls(cfg)
         m.load_weights(read_safetensors_dir(path, cfg))
