@@ -219,3 +219,21 @@ def test_tree_modified_tells_a_clean_checkout_from_an_edited_one(tmp_path, monke
     assert results.tree_modified() is True
     monkeypatch.setenv("KDLIB_COMMIT", "0" * 40)  # a copied tree without .git: unknown
     assert results.tree_modified() is None
+
+
+def test_a_damaged_result_file_is_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(results, "RESULTS", tmp_path)
+    monkeypatch.setattr(results, "ROOT", tmp_path)
+    (tmp_path / "toy.h200.json").write_text('{"provenance": {"date": "2026')  # cut short
+    with pytest.raises(ValueError, match="toy.h200.json: not valid JSON"):
+        results.load("toy", "h200")
+    (tmp_path / "toy.h200.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="toy.h200.json: a result file holds a JSON object, not list"):
+        results.load("toy")
+
+
+def test_no_samples_is_a_clear_error():
+    from kdlib.perf import timing
+
+    with pytest.raises(ValueError, match="no timed samples"):
+        timing.cpu_time(lambda: None, warmup=0, iters=0)

@@ -136,10 +136,21 @@ def write(
     return path
 
 
+def read_result(path: Path) -> dict:
+    """A result file's JSON object; ValueError naming the file when it is not one (damaged, truncated)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: a result file holds a JSON object, not {type(doc).__name__}")
+    return doc
+
+
 def _recorded_order(path: Path) -> tuple[str, str]:
     """Sort key of a result file: its provenance date (ISO 8601 UTC, so it sorts as text; '' when the
     file records none), then its name."""
-    date = (json.loads(path.read_text()).get("provenance") or {}).get("date") or ""
+    date = (read_result(path).get("provenance") or {}).get("date") or ""
     return date, path.name
 
 
@@ -152,7 +163,7 @@ def load(suite: str, gpu: str | None = None) -> dict | None:
     paths = sorted(RESULTS.glob(pattern), key=_recorded_order)
     if not paths:
         return None
-    doc = json.loads(paths[-1].read_text())
+    doc = read_result(paths[-1])
     doc["_path"] = str(paths[-1].relative_to(ROOT))
     return doc
 

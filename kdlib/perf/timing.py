@@ -36,6 +36,8 @@ class Timing:
 
 
 def _summarise(samples_ms: list[float]) -> Timing:
+    if not samples_ms:
+        raise ValueError("no timed samples (iters must be >= 1)")
     s = sorted(samples_ms)
     q = statistics.quantiles(s, n=10, method="inclusive") if len(s) > 1 else [s[0]] * 9
     return Timing(median_ms=statistics.median(s), p10_ms=q[0], p90_ms=q[-1], min_ms=s[0], n=len(s))
