@@ -441,6 +441,9 @@ class ModelConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
+        for name in ("n_shared_experts", "first_k_dense_replace"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.q_lora_rank is not None and self.q_lora_rank <= 0:
             raise ConfigError(f"q_lora_rank: must be > 0 or null, got {self.q_lora_rank}")
         if self.qk_rope_head_dim % 2:
@@ -552,6 +555,8 @@ def parse_rope(d: dict) -> tuple[float, YarnScaling | None]:
     kind = block.get("rope_type", block.get("type", "default"))
     if kind in ("default", None) and "factor" not in block:
         return theta, None
+    if kind in ("default", None):
+        raise ConfigError(f"{src}.factor: a 'default' RoPE is not scaled; scaling needs rope_type 'yarn'")
     if kind not in ("yarn", "deepseek_yarn"):
         raise ConfigError(f"{src}.rope_type: {kind!r} is not supported (only 'default' and 'yarn')")
     factor = block.get("factor")
@@ -560,7 +565,7 @@ def parse_rope(d: dict) -> tuple[float, YarnScaling | None]:
         raise ConfigError(f"{src}.original_max_position_embeddings: required for YaRN")
     orig = _typed(f"{src}.original_max_position_embeddings", orig, int)
     if factor is None:  # transformers derives it from the two lengths when absent
-        factor = d.get("max_position_embeddings", 0) / orig
+        factor = _typed("max_position_embeddings", d.get("max_position_embeddings", 0), int) / orig
     # transformers treats beta 0 / missing as its default 32 / 1 (`or` in _compute_yarn_parameters).
     beta_fast = block.get("beta_fast") or 32.0
     beta_slow = block.get("beta_slow") or 1.0
@@ -569,8 +574,11 @@ def parse_rope(d: dict) -> tuple[float, YarnScaling | None]:
     truncate = block.get("truncate", True)
     if not isinstance(truncate, bool):
         raise ConfigError(f"{src}.truncate: expected true/false, got {truncate!r}")
+    factor = _typed(f"{src}.factor", factor, float)
+    if factor < 1:
+        raise ConfigError(f"{src}.factor: YaRN extends the context, so it must be >= 1, got {factor}")
     return theta, YarnScaling(
-        factor=_typed(f"{src}.factor", factor, float),
+        factor=factor,
         original_max_position_embeddings=orig,
         beta_fast=_typed(f"{src}.beta_fast", beta_fast, float),
         beta_slow=_typed(f"{src}.beta_slow", beta_slow, float),

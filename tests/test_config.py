@@ -89,6 +89,23 @@ def test_plain_rope_has_no_yarn():
     check.assert_close(rope_inv_freq(c), 1e4 ** (-np.arange(4) / 4), rtol=1e-14, name="plain RoPE")
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"n_shared_experts": -1}, "n_shared_experts: must be >= 0, got -1"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "factor": 2.0}},
+     "a 'default' RoPE is not scaled"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 0.5,
+                          "original_max_position_embeddings": 64}}, "must be >= 1, got 0.5"),
+    ({"max_position_embeddings": "4096", "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4,
+                                                             "original_max_position_embeddings": 64}},
+     "max_position_embeddings"),
+])
+def test_config_values_that_cannot_run_are_named(change, message):
+    """Each of these used to pass and fail later (a negative tensor size, a str / int), or said the opposite
+    of itself ('default' is not supported (only 'default' ...))."""
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_dict({**ModelConfig.load("tiny-a").to_hf_dict(), **change})
+
+
 def test_yarn_magnitudes_follow_transformers():
     assert yarn_mscale(1.0, 5.0) == 1.0 and yarn_mscale(math.e, 2.0) == pytest.approx(1.2)
     both = YarnScaling(factor=16.0, original_max_position_embeddings=64, mscale=0.5, mscale_all_dim=1.0)
