@@ -420,6 +420,44 @@ def test_sample_v3_constants_come_from_the_reference():
         accept.sample_kernel(np.float32, 4)
 
 
+def test_order_picks_the_draw_version():
+    """The reference's order= on the CUDA twins: each order runs a version of that order, a version
+    of the other order is refused, no order leaves the version alone."""
+    assert accept.version_for_order(None, None) is None and accept.version_for_order(None, 1) == 1
+    for order in ref_accept.SAMPLE_ORDERS:
+        assert accept.SAMPLE_ORDER[accept.version_for_order(order)] == order
+        for version in SAMPLE_VERSIONS:
+            if accept.SAMPLE_ORDER[version] == order:
+                assert accept.version_for_order(order, version) == version
+            else:
+                with pytest.raises(ValueError, match="order"):
+                    accept.version_for_order(order, version)
+    with pytest.raises(ValueError, match="order must be one of"):
+        accept.version_for_order("random")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("order", ["blocked", "sequential"])
+def test_ops_order_on_the_gpu(order):
+    """kdlib.ops advertises the reference's signature: order= on CuPy arrays draws in that order."""
+    cp = _cp()
+    from kdlib import ops
+
+    rng = np.random.default_rng(11)
+    probs, u = _probs(rng, 256, 1000, np.float32), _uniforms(rng, 256)
+    want = ref.sample_tokens(probs, u, order=order)
+    assert (ops.sample_tokens(cp.asarray(probs), cp.asarray(u), order=order).get() == want).all()
+    other = "sequential" if order == "blocked" else "blocked"
+    assert (want != ref.sample_tokens(probs, u, order=other)).any()  # the orders are told apart
+    ids, lp = pipeline.random_topk(rng, 1, 4, 4, 1000)
+    tree = ref.build_tree(ids[0], lp[0], 12)
+    p1, u1 = _probs(rng, tree.n + 1, 1000, np.float32), _uniforms(rng, tree.n + 1)
+    path, bonus = ref.accept_sample(tree, p1, u1, order=order)
+    d_tree = ops.build_tree(cp.asarray(ids[0]), cp.asarray(lp[0]), 12)
+    got_path, got_bonus = ops.accept_sample(d_tree, cp.asarray(p1), cp.asarray(u1), order=order)
+    assert (got_path.get() == path).all() and got_bonus == bonus
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("version", SAMPLE_VERSIONS)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -211,6 +211,22 @@ def test_logprobs_match_the_target_distribution():
         assert [t for t, _ in e["top"]] == lp[i].topk(3).indices.tolist()
 
 
+@pytest.mark.parametrize("method", ["ar", "ddtree"])
+def test_logprobs_on_a_vocabulary_under_twenty(method):
+    """A vocabulary smaller than TOP_LOGPROBS: every token is an alternative, each once, best first."""
+    m = _model(vocab=12)
+    prompt = _prompts(1, seed=9, vocab=12, hi=10)[0]
+    spec = {"drafter": _drafter("oracle", m), "budget": 4} if method == "ddtree" else {}
+    eng = BatchEngine(m, max_streams=1, method=method, **spec)
+    eng.add_request(prompt, 5, SamplingParams(logprobs=20))
+    entries = [e for _ in range(20) if eng.has_work() for o in eng.step() for e in o.logprobs]
+    assert len(entries) == 5
+    for e in entries:
+        ids, vals = [t for t, _ in e["top"]], [v for _, v in e["top"]]
+        assert sorted(ids) == list(range(12)) and vals == sorted(vals, reverse=True)
+        assert dict(e["top"])[e["token"]] == pytest.approx(e["logprob"], abs=1e-6)
+
+
 def test_prompt_logprobs_match_a_full_forward():
     m = _model()
     prompt = _prompts(1, seed=6, vocab=m.cfg.vocab_size, lo=8, hi=20)[0]

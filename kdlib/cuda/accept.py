@@ -69,6 +69,26 @@ def sample_kernel(dtype, version: int | None = None) -> tuple[str, str]:
     return settings.stem, f"tree_sample_rows_v{settings.version}_{suffix}"
 
 
+def version_for_order(order: str | None, version: int | None = None) -> int | None:
+    """The draw version that runs for the reference's `order=` and/or `version=`.
+
+    order None leaves version as given; otherwise the default version of that order: "blocked" -> 3,
+    "sequential" -> 2 (v1 and v2 give the same bits; v2 pipelines its loads). A version whose order is
+    not `order` is a ValueError.
+    """
+    if order is None:
+        return version
+    if order not in ref_accept.SAMPLE_ORDERS:
+        raise ValueError(f"order must be one of {ref_accept.SAMPLE_ORDERS}, got {order!r}")
+    if version is None:
+        return 3 if order == "blocked" else 2
+    version = loader.check_version(version, VERSIONS, DEFAULT_VERSION)
+    if SAMPLE_ORDER[version] != order:
+        raise ValueError(f"sampling version {version} draws in the {SAMPLE_ORDER[version]!r} order, "
+                         f"not {order!r}")
+    return version
+
+
 def sample_options(version: int | None = None) -> tuple[str, ...]:
     """Compiler options of the draw (`sample_launch(version).options`)."""
     return sample_launch(version).options
@@ -203,9 +223,11 @@ def _check_uniforms(uniforms, shape):
     return cupy.ascontiguousarray(uniforms)
 
 
-def sample_tokens(probs, uniforms, *, check_values: bool = False, out=None, version: int | None = None):
+def sample_tokens(probs, uniforms, *, order: str | None = None, check_values: bool = False, out=None,
+                  version: int | None = None):
     """Inverse-CDF draw per row, bit-exact with `kdlib.ref.accept.sample_tokens(probs, uniforms,
-    order=SAMPLE_ORDER[version])` (version None: DEFAULT_VERSION, v3, the reference's default order).
+    order=SAMPLE_ORDER[version])` (version None: DEFAULT_VERSION, v3, the reference's default order;
+    order given: `version_for_order(order, version)`).
 
     Shape: probs [N, V] float32/float64, uniforms [N] float64 in [0, 1). Returns tokens [N] int64
     (out: an int64 [N] buffer to write into). Without check_values, a row with no positive entry
@@ -220,7 +242,7 @@ def sample_tokens(probs, uniforms, *, check_values: bool = False, out=None, vers
     tokens = cupy.empty(probs.shape[0], dtype=cupy.int64) if out is None else out  # [N]
     if tokens.shape != probs.shape[:1] or tokens.dtype != np.int64 or not tokens.flags.c_contiguous:
         raise ValueError(f"out must be a C-contiguous int64 array of shape {probs.shape[:1]}")
-    _sample_launch(probs, uniforms, None, 1, tokens, version)
+    _sample_launch(probs, uniforms, None, 1, tokens, version_for_order(order, version))
     return tokens
 
 
@@ -230,13 +252,15 @@ def accept_sample_batch(
     uniforms,
     max_depth: int | None = None,
     *,
+    order: str | None = None,
     check_values: bool = False,
     out=None,
     targets=None,
     version: int | None = None,
 ):
     """Sample-and-walk over a batch on the GPU (see `kdlib.ref.accept.accept_sample_batch`, whose
-    `order=SAMPLE_ORDER[version]` it matches bit for bit; version None: DEFAULT_VERSION).
+    `order=SAMPLE_ORDER[version]` it matches bit for bit; version None: DEFAULT_VERSION; order given:
+    `version_for_order(order, version)`).
 
     Shape: probs [B, budget+1, V] float32/float64, uniforms [B, budget+1] float64; rows >= sizes[b]
     are never read. Returns paths [B, max_depth+1] int64 padded -1, lengths [B], bonus [B].
@@ -246,6 +270,7 @@ def accept_sample_batch(
     """
     import cupy
 
+    version = version_for_order(order, version)
     bsz, budget, f = _batch(trees)
     probs = _check_probs(probs, 3)
     if probs.shape[:2] != (bsz, budget + 1):
@@ -292,8 +317,9 @@ def accept_greedy(tree, target_tokens):
     return paths[0, : int(lengths[0])], int(bonus[0])
 
 
-def accept_sample(tree, probs, uniforms):
-    """Sample-and-walk of one tree (see `kdlib.ref.accept.accept_sample`).
+def accept_sample(tree, probs, uniforms, *, order: str | None = None):
+    """Sample-and-walk of one tree (see `kdlib.ref.accept.accept_sample`; order as there, None: the
+    default version's).
 
     Shape: probs [n+1, V] float32/float64, uniforms [n+1] float64. Returns (path [tau], bonus int).
     """
@@ -301,5 +327,5 @@ def accept_sample(tree, probs, uniforms):
     probs, uniforms = loader.as_cupy(probs), loader.as_cupy(uniforms)
     if probs.ndim != 2 or probs.shape[0] != batch.budget + 1:
         raise ValueError(f"probs must have shape [{batch.budget + 1}, V], got {probs.shape}")
-    paths, lengths, bonus = accept_sample_batch(batch, probs[None], uniforms.reshape(1, -1))
+    paths, lengths, bonus = accept_sample_batch(batch, probs[None], uniforms.reshape(1, -1), order=order)
     return paths[0, : int(lengths[0])], int(bonus[0])

@@ -637,7 +637,7 @@ class BatchEngine:
             chosen = row[base : base + w]
             ids = row[base + w : base + w + w * TOP_LOGPROBS].reshape(w, TOP_LOGPROBS).astype(np.int64)
             vals = row[base + w + w * TOP_LOGPROBS : base + w + 2 * w * TOP_LOGPROBS].reshape(w, TOP_LOGPROBS)
-            k = r.params.logprobs
+            k = min(r.params.logprobs, self.cfg.vocab_size)
             lp = [{"token": toks[i], "logprob": float(chosen[i]),
                    "top": [(int(a), float(b)) for a, b in zip(ids[i, :k], vals[i, :k], strict=True)]}
                   for i in range(n)]
@@ -758,11 +758,12 @@ class BatchEngine:
             lp = lp[:, :wd]  # [C, width, V]
             base = 1 + wd
             out[:, base : base + emitted.shape[1]] = lp.gather(2, emitted[:, :, None])[..., 0].double()
-            top = lp.topk(TOP_LOGPROBS, dim=-1)
+            kt = min(TOP_LOGPROBS, lp.shape[-1])  # a vocabulary under TOP_LOGPROBS has fewer alternatives
+            top = lp.topk(kt, dim=-1)
             n = emitted.shape[1]
-            out[:, base + wd : base + wd + n * TOP_LOGPROBS] = top.indices[:, :n].reshape(C, -1).double()
-            out[:, base + wd + wd * TOP_LOGPROBS : base + wd + wd * TOP_LOGPROBS + n * TOP_LOGPROBS] = \
-                top.values[:, :n].reshape(C, -1).double()
+            alts = out[:, base + wd :].view(C, 2, wd, TOP_LOGPROBS)  # [C, ids | values, width, TOP_LOGPROBS]
+            alts[:, 0, :n, :kt] = top.indices[:, :n].double()
+            alts[:, 1, :n, :kt] = top.values[:, :n].double()
 
     def _logprob_entries(self, lp: torch.Tensor, toks: list[int], n_top: int) -> list[dict]:
         """lp [n, V] log-probabilities of the rows that predicted toks [n]; n_top alternatives each."""
