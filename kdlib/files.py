@@ -16,6 +16,18 @@ def atomic_write(path, write, *, suffix: str = ".tmp") -> None:
 
     A symbolic link is written through (the file it names is replaced, the link stays). The new file
     keeps the old one's permissions, or gets 0o666 less the umask, as open() would give it."""
+
+    def fill(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            write(f)
+
+    atomic_write_path(path, fill, suffix=suffix)
+
+
+def atomic_write_path(path, write, *, suffix: str = ".tmp") -> None:
+    """`atomic_write` for writers that take a path: write(tmp) fills the temp file by its name (a
+    library that opens the file itself, such as safetensors' save_file); the same fsync, rename and
+    clean-up follow."""
     path = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
@@ -28,11 +40,14 @@ def atomic_write(path, write, *, suffix: str = ".tmp") -> None:
         mode = 0o666 & ~umask
     stem = path.name.encode("utf-8", "surrogateescape")[:TMP_NAME_BYTES].decode("utf-8", "ignore")
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{stem}.", suffix=suffix)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)  # the writer's file may be closed: sync it by name
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:

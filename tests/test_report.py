@@ -2,6 +2,7 @@
 fails, one sleeps past its budget. Real papermill runs on the venv's kernel, real files."""
 
 import json
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -160,6 +161,26 @@ def test_atomic_write_keeps_old_file_on_failure(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["index.html"]
     files.atomic_write_text(target, "new content")
     assert target.read_text() == "new content"
+
+
+def test_atomic_write_path_hands_a_name_and_keeps_old_file_on_failure(tmp_path):
+    """The path-taking writer (safetensors opens the file itself): a failure keeps the old file and
+    leaves no temporary one; success replaces it with the old file's permissions."""
+    target = tmp_path / "model.safetensors"
+    target.write_bytes(b"old")
+    target.chmod(0o640)
+
+    def broken_write(name):
+        Path(name).write_bytes(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        files.atomic_write_path(target, broken_write)
+    assert target.read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    files.atomic_write_path(target, lambda name: Path(name).write_bytes(b"new"))
+    assert target.read_bytes() == b"new" and target.stat().st_mode & 0o777 == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
 
 
 def test_console_script_shows_progress_and_exit_code(tmp_path):

@@ -15,14 +15,13 @@ dense float weights only.
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from kdlib.engine.config import ModelConfig
+from kdlib.files import atomic_write_path, atomic_write_text
 
 
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -186,17 +185,8 @@ def save_pretrained(model, path) -> None:
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-    _atomic(out / "model.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
-    text = json.dumps(model.cfg.to_hf_dict(), indent=2) + "\n"
-    _atomic(out / "config.json", lambda tmp: Path(tmp).write_text(text))
+    atomic_write_path(out / "model.safetensors",
+                      lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    atomic_write_text(out / "config.json", json.dumps(model.cfg.to_hf_dict(), indent=2) + "\n")
 
 
-def _atomic(dst: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, dst)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
