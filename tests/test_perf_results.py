@@ -204,6 +204,24 @@ def test_write_names_the_file_by_suite_and_gpu_or_as_asked(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([default.name, named.name])  # no .tmp left
 
 
+def test_write_keeps_numpy_kinds_and_its_own_stamp(tmp_path):
+    """numpy values keep their JSON kind (an int stays an int, an array a list), an object without a
+    JSON form is refused, and a payload cannot replace the provenance stamp."""
+    import numpy as np
+
+    path = results.write("s", {"n": np.int64(7), "x": np.float32(0.5), "ok": np.bool_(True),
+                               "v": np.arange(3)}, out_dir=tmp_path, command="c")
+    doc = json.loads(path.read_text())
+    assert doc["n"] == 7 and isinstance(doc["n"], int) and doc["x"] == 0.5 and doc["ok"] is True
+    assert doc["v"] == [0, 1, 2] and "tree_modified" in doc["provenance"]
+    for bad in ({"provenance": {"gpu": "H200"}}, {"suite": "other"}, {"schema": 0}):
+        with pytest.raises(ValueError, match="may not set"):
+            results.write("s", {"value": 1, **bad}, out_dir=tmp_path, command="c", name="bad")
+    with pytest.raises(TypeError, match="object"):
+        results.write("s", {"value": object()}, out_dir=tmp_path, command="c", name="bad")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # nothing half-written
+
+
 def test_tree_modified_tells_a_clean_checkout_from_an_edited_one(tmp_path, monkeypatch):
     """A report names its commit; `tree_modified` says when tracked files differ from it."""
     git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]

@@ -17,7 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kdlib.perf.results import RESULTS, SCHEMA  # noqa: E402
+from kdlib.files import atomic_write_text  # noqa: E402
+from kdlib.perf.results import RESULTS, SCHEMA, dumps  # noqa: E402
 
 # the commit whose data/results/ the migration was run on (tests/test_perf_results.py reads it back)
 MIGRATED_FROM = "fd61de1"
@@ -49,11 +50,6 @@ def migrate(doc: dict) -> dict:
     return out
 
 
-def dumps(doc: dict) -> str:
-    """The text `results.write` gives a payload."""
-    return json.dumps(doc, indent=1, sort_keys=False, default=float) + "\n"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 tools/migrate_results.py", description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=str(RESULTS), help="folder of result files (default data/results/)")
@@ -69,9 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         if new != text:
             changed.append(path.name)
             if not args.check:
-                tmp = path.with_suffix(".json.tmp")
-                tmp.write_text(new)
-                tmp.replace(path)
+                atomic_write_text(path, new)
     print(f"{'would change' if args.check else 'migrated'} {len(changed)} file(s): "
           f"{', '.join(changed) or '-'}")
     return 1 if args.check and changed else 0

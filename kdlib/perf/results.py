@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kdlib import DATA, ROOT
+from kdlib.files import atomic_write_text
 
 RESULTS = DATA / "results"
 SCHEMA = 1  # the layout `write` stamps; tools/migrate_results.py brought the older files to it
@@ -81,6 +82,7 @@ def provenance(command: str | None = None) -> dict:
         "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "commit": git_commit(),
         "command": command or " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "tree_modified": tree_modified(),
         "python": platform.python_version(),
         "host_cpu": platform.processor() or platform.machine(),
         "gpu": gpu_name(),
@@ -119,20 +121,37 @@ def provenance(command: str | None = None) -> dict:
     return info
 
 
+def _json_value(o):
+    """JSON for the values suites hand over beside plain ones: numpy / CuPy / torch scalars and arrays
+    keep their kind (an int stays an int); anything else is a TypeError naming its type."""
+    if hasattr(o, "tolist"):  # numpy scalars and arrays, CuPy arrays, torch tensors
+        return o.tolist()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"a result payload holds a {type(o).__name__}, which has no JSON form")
+
+
+def dumps(doc: dict) -> str:
+    """The text of a result file (what `write` writes; tools/migrate_results.py rewrites files with it)."""
+    return json.dumps(doc, indent=1, sort_keys=False, default=_json_value) + "\n"
+
+
 def write(
     suite: str, payload: dict, *, out_dir: str | os.PathLike | None = None, command: str | None = None,
     name: str | None = None,
 ) -> Path:
     """Write `{suite, schema, provenance, **payload}` atomically to `<out_dir>/<name>.json`, by default
-    `<suite>.<gpu>.json` (a record of its own name, such as tools/ncu_source.py's per kernel and point)."""
+    `<suite>.<gpu>.json` (a record of its own name, such as tools/ncu_source.py's per kernel and point).
+    A payload may not carry the stamp's own keys (ValueError), so the stamp is always this run's."""
+    stamped = sorted({"suite", "schema", "provenance"} & set(payload))
+    if stamped:
+        raise ValueError(f"a result payload may not set {stamped}: write stamps them")
     prov = provenance(command)
-    doc = {"suite": suite, "schema": SCHEMA, "provenance": prov, **payload}
+    text = dumps({"suite": suite, "schema": SCHEMA, "provenance": prov, **payload})
     out = Path(out_dir) if out_dir else RESULTS
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name or suite + '.' + gpu_slug(prov['gpu'])}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=1, sort_keys=False, default=float) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, text)
     return path
 
 
