@@ -216,6 +216,8 @@ def test_build_limits_and_check_values():
     bad[0, 0, :2] = [-2, -1]
     with pytest.raises(ValueError, match="sorted"):
         tree.build_tree_batch(cp.asarray(ids), cp.asarray(bad), 8, check_values=True)
+    with pytest.raises(ValueError, match="log-probabilities"):
+        tree.build_tree_batch(cp.asarray(ids), cp.asarray(lp + np.float32(3)), 8, check_values=True)
 
 
 @pytest.mark.gpu

@@ -322,6 +322,7 @@ def _bad_cases():
     dup[1, 1] = dup[1, 0]
     neg = ids.copy()
     neg[0, 0] = -3
+    logits = lp + np.float32(3)  # sorted and finite, but not log-probabilities
     return [
         ((ids.astype(np.int32), lp, 5), {}, "int64"),
         ((ids, lp.astype(np.float64), 5), {}, "float32"),
@@ -331,6 +332,7 @@ def _bad_cases():
         ((ids, unsorted, 5), {}, "sorted"),
         ((ids, nan, 5), {}, "NaN"),
         ((ids, inf, 5), {}, "finite"),
+        ((ids, logits, 5), {}, "log-probabilities"),
         ((ids, lp, -1), {}, "budget"),
         ((ids, lp, 2.5), {}, "budget"),
         ((ids, lp, 5), {"vocab_size": 31}, "outside"),

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kdlib.cuda import loader
-from kdlib.ref.tree import BATCH_FIELDS, DDTreeBatch
+from kdlib.ref.tree import BATCH_FIELDS, POSITIVE_LOG_PROB, DDTreeBatch
 
 MAX_BUDGET = 256  # rank bytes are 8 bits (ranks < K <= budget) and the meta word holds parents < 2**16
 MAX_DEPTH = 16  # 16 rank bytes in the 128-bit rank-tuple key
@@ -121,6 +121,7 @@ def _check_values(ids, lp, k: int, vocab_size) -> None:
         cupy.isnan(lp).any(),
         ~cupy.isfinite(lp).all(),
         (lp[..., 1:] > lp[..., :-1]).any() if k > 1 else cupy.zeros((), bool),
+        (lp[..., :1] > 0).any(),
         (ids < 0).any(),
         (ids >= vocab_size).any() if vocab_size is not None else cupy.zeros((), bool),
     ]
@@ -129,13 +130,15 @@ def _check_values(ids, lp, k: int, vocab_size) -> None:
         flags.append((s[..., 1:] == s[..., :-1]).any())
     else:
         flags.append(cupy.zeros((), bool))
-    nan, nonfinite, unsorted, negative, oov, repeated = cupy.stack(flags).get().tolist()
+    nan, nonfinite, unsorted, positive, negative, oov, repeated = cupy.stack(flags).get().tolist()
     if nan:
         raise ValueError("top_log_probs contains NaN")
     if nonfinite:
         raise ValueError("top_log_probs must be finite (±inf makes sibling scores NaN)")
     if unsorted:
         raise ValueError("top_log_probs rows are not sorted in descending order")
+    if positive:
+        raise ValueError(POSITIVE_LOG_PROB)
     if negative:
         raise ValueError("top_token_ids contains negative token ids")
     if oov:

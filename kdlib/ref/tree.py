@@ -125,6 +125,9 @@ def _check_budget(budget) -> int:
     return int(budget)
 
 
+POSITIVE_LOG_PROB = "top_log_probs must be log-probabilities (<= 0); a positive one (logits?) was given"
+
+
 def _check_topk(top_token_ids, top_log_probs, budget, vocab_size, ndim: int) -> tuple[int, int]:
     """Validate the top-k inputs (only the K = min(budget, K') columns the builder reads).
 
@@ -158,6 +161,8 @@ def _check_topk(top_token_ids, top_log_probs, budget, vocab_size, ndim: int) -> 
         raise ValueError("top_log_probs must be finite (±inf makes sibling scores NaN)")
     if k > 1 and (lp[..., 1:] > lp[..., :-1]).any():
         raise ValueError("top_log_probs rows are not sorted in descending order")
+    if k and (lp[..., 0] > 0).any():  # rows are sorted: the first column holds each row's largest
+        raise ValueError(POSITIVE_LOG_PROB)
     if (ids < 0).any():
         raise ValueError("top_token_ids contains negative token ids")
     if vocab_size is not None and (ids >= vocab_size).any():
@@ -244,8 +249,8 @@ def build_tree(
     Only the first K = min(budget, K') columns are read and validated.
     Returns a DDTree with n = min(budget, sum_{d=1..L} K^d) nodes. Budget 0, L = 0 or K' = 0
     give the root-only tree (visibility [[True]], next_token = next_sibling = [-1]).
-    Raises ValueError (before any work) on wrong shapes/dtypes, unsorted rows, NaN or infinite
-    log-probs, negative budget, negative or out-of-vocabulary token ids, a token repeated in a row.
+    Raises ValueError (before any work) on wrong shapes/dtypes, unsorted rows, NaN, infinite or
+    positive log-probs, negative budget, negative or out-of-vocabulary token ids, a token repeated in a row.
     """
     budget, k = _check_topk(top_token_ids, top_log_probs, budget, vocab_size, ndim=2)
     batch = _build(top_token_ids[None], top_log_probs[None], budget, k)
