@@ -83,6 +83,17 @@ def test_remap_slots():
     )
 
 
+def test_remap_slots_refuses_a_slot_the_table_cannot_hold():
+    """int64 slots past 2**31 into an int32 table would wrap: refused, the table untouched."""
+    req_to_token = np.full((1, 8), -7, dtype=np.int32)
+    tree_slots = np.array([[5, 2**31, 6]], dtype=np.int64)
+    with pytest.raises(ValueError, match="wrap"):
+        remap_slots(req_to_token, np.array([0]), tree_slots, np.array([[0, 1]]), np.array([2]))
+    assert (req_to_token == -7).all()
+    freed = remap_slots(req_to_token, np.array([0]), tree_slots, np.array([[0, 2]]), np.array([2]))
+    assert freed.tolist() == [2**31] and req_to_token[0, :2].tolist() == [5, 6]  # a freed one may be big
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(path_case(), min_size=1, max_size=4))
 def test_remap_partitions_slots(cases):

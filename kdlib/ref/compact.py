@@ -134,6 +134,9 @@ def remap_slots(
             raise ValueError(f"paths[{b}] indexes past tree_slots (width {width})")
         if path.size and (tree_slots[b, path] < 0).any():
             raise ValueError(f"paths[{b}] accepts a node with no allocated slot")
+        if path.size and tree_slots[b, path].max() > np.iinfo(req_to_token.dtype).max:
+            raise ValueError(f"paths[{b}] accepts a slot past req_to_token's {req_to_token.dtype} range "
+                             "(it would wrap)")
         s = int(starts[b])
         if s < 0 or s + path.size > req_to_token.shape[1]:
             raise ValueError(f"request {b}: start {s} + {path.size} accepted tokens exceed max_ctx "
