@@ -350,7 +350,10 @@ class ModelConfig:
             d = json.loads(p.read_text())
         except json.JSONDecodeError as e:
             raise ConfigError(f"{p}: not valid JSON ({e})") from e
-        return cls.from_dict(d)
+        try:
+            return cls.from_dict(d)
+        except ConfigError as e:
+            raise ConfigError(f"{p}: {e}") from None
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
@@ -368,6 +371,13 @@ class ModelConfig:
                                   "there)")
             inner = dict(text)
             inner.setdefault("model_type", "kimi_k2")
+            # a composite model's output head follows the wrapper's tie_word_embeddings (transformers)
+            if "tie_word_embeddings" in d:
+                tie = d["tie_word_embeddings"]
+                if inner.get("tie_word_embeddings", tie) != tie:
+                    raise ConfigError(f"tie_word_embeddings: the wrapper says {d['tie_word_embeddings']!r}, "
+                                      f"text_config says {inner['tie_word_embeddings']!r}")
+                inner["tie_word_embeddings"] = d["tie_word_embeddings"]
             if inner["model_type"] not in ("deepseek_v3", "kimi_k2"):
                 raise ConfigError(f"text_config.model_type: {inner['model_type']!r} is not supported")
             cfg = cls.from_dict(inner)
@@ -518,6 +528,7 @@ class ModelConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": False,
             "num_nextn_predict_layers": 0,
+            **{k: self.extra[k] for k in ("bos_token_id", "eos_token_id") if k in self.extra},
         }
         return d
 
@@ -540,10 +551,29 @@ def _typed(name, value, kind):
     return float(value)
 
 
+def _rope_differences(a, b) -> list[str]:
+    """The fields on which two RoPE blocks disagree: the type ('default' where none is named), then
+    every field both set."""
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return [] if a == b else ["the block itself"]
+
+    def kind(block):
+        k = block.get("rope_type", block.get("type")) or "default"
+        return "yarn" if k == "deepseek_yarn" else k
+
+    named = {"type", "rope_type"}
+    return (["rope_type"] if kind(a) != kind(b) else []) + sorted(
+        k for k in (set(a) & set(b)) - named if a[k] != b[k])
+
+
 def parse_rope(d: dict) -> tuple[float, YarnScaling | None]:
     """(rope_theta, YaRN or None) from `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta`."""
     params = d.get("rope_parameters")
     scaling = d.get("rope_scaling")
+    if params and scaling:
+        differ = _rope_differences(params, scaling)
+        if differ:
+            raise ConfigError(f"rope_parameters and rope_scaling disagree on {differ}; keep one")
     src = "rope_parameters" if params else "rope_scaling"
     block = params or scaling or {}
     if not isinstance(block, dict):

@@ -106,6 +106,32 @@ def test_config_values_that_cannot_run_are_named(change, message):
         ModelConfig.from_dict({**ModelConfig.load("tiny-a").to_hf_dict(), **change})
 
 
+def test_config_file_errors_name_the_file_and_hf_fields_round_trip(tmp_path):
+    """A field error read from a file names the file; bos / eos ids survive to_hf_dict; a kimi_k25
+    wrapper's tie_word_embeddings reaches the LM (and a contradiction is named); rope_parameters
+    and a rope_scaling that disagree are refused instead of one silently winning."""
+    d = ModelConfig.load("tiny-a").to_hf_dict()
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**d, "n_shared_experts": -1}))
+    with pytest.raises(ConfigError, match=f"^{path}: n_shared_experts"):
+        ModelConfig.from_json(tmp_path)
+    back = ModelConfig.from_dict({**d, "bos_token_id": 7, "eos_token_id": 9}).to_hf_dict()
+    assert (back["bos_token_id"], back["eos_token_id"]) == (7, 9)
+    lm = {k: v for k, v in d.items() if k != "tie_word_embeddings"}
+    wrapped = {"model_type": "kimi_k25", "tie_word_embeddings": True, "text_config": lm}
+    assert ModelConfig.from_dict(wrapped).tie_word_embeddings
+    with pytest.raises(ConfigError, match="tie_word_embeddings: the wrapper says True"):
+        ModelConfig.from_dict({**wrapped, "text_config": {**lm, "tie_word_embeddings": False}})
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    same = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64}
+    assert ModelConfig.from_dict({**d, "rope_parameters": same, "rope_scaling": yarn}).rope.factor == 4.0
+    with pytest.raises(ConfigError, match=r"disagree on \['factor'\]"):
+        ModelConfig.from_dict({**d, "rope_parameters": {**same, "factor": 2.0}, "rope_scaling": yarn})
+    with pytest.raises(ConfigError, match=r"disagree on \['rope_type'\]"):
+        ModelConfig.from_dict({**d, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+                               "rope_scaling": yarn})
+
+
 def test_yarn_magnitudes_follow_transformers():
     assert yarn_mscale(1.0, 5.0) == 1.0 and yarn_mscale(math.e, 2.0) == pytest.approx(1.2)
     both = YarnScaling(factor=16.0, original_max_position_embeddings=64, mscale=0.5, mscale_all_dim=1.0)
