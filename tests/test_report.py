@@ -2,6 +2,7 @@
 fails, one sleeps past its budget. Real papermill runs on the venv's kernel, real files."""
 
 import json
+import time
 from pathlib import Path
 
 import nbformat
@@ -474,6 +475,34 @@ def test_notebook_budget_stops_a_slow_notebook(tmp_path):
     entries = report.run_reports(notebooks_dir=nbs, out_dir=tmp_path / "out", timeout_s=4)
     assert entries[0]["status"] == "failed"
     assert "Timeout" in entries[0]["error"]["ename"] and entries[0]["duration_s"] < 60
+
+
+def test_sigterm_stops_a_batch_cleanly(tmp_path):
+    """kill (SIGTERM) on `kdlib report` mid-notebook: exit 143, no temporary notebook left, and the index
+    names the notebook that did not finish."""
+    import signal
+    import subprocess
+    import sys
+
+    nbs = tmp_path / "notebooks"
+    nbs.mkdir()
+    _write_nb(nbs / "30_slow.ipynb",
+              [new_markdown_cell("# 30 · Slow"), new_code_cell("import time\ntime.sleep(120)")])
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kdlib", "report", "--notebooks-dir", str(nbs), "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    partial = out / ".30_slow.running.ipynb"
+    deadline = time.monotonic() + 90
+    while not partial.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert partial.exists(), "the notebook never started"
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "terminated" in err and not partial.exists()
+    assert json.loads((out / "index.json").read_text())["interrupted"] == ["30_slow"]
 
 
 def test_parse_parameters_cell():
