@@ -727,6 +727,22 @@ def test_remap_slots_exact():
     assert got_freed.dtype == want_freed.dtype and (got_freed.get() == want_freed).all()
 
 
+@pytest.mark.gpu
+def test_remap_checks_refuse_a_wrapping_slot_and_a_strided_freed():
+    """check_values refuses an accepted slot an int32 table would wrap (as the reference does), and a
+    strided freed buffer is refused (the kernel writes it as contiguous)."""
+    cp = _cp()
+    r2t = cp.full((1, 8), -7, dtype=cp.int32)
+    args = (cp.asarray([0]), cp.asarray([[5, 2**31 + 7, 9]]), cp.asarray([[0, 1]]), cp.asarray([2]))
+    with pytest.raises(ValueError, match="wrap"):
+        compact.remap_slots(r2t, *args, check_values=True)
+    assert (r2t.get() == -7).all()
+    backing = cp.zeros((1, 6), dtype=cp.bool_)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        compact.remap_slots_masked(cp.zeros((1, 8), cp.int64), *args, freed=backing[:, ::2])
+    assert not backing.get().any()
+
+
 # ----------------------------------------------------------------------------- the graph-captured step
 
 

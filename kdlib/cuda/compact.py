@@ -95,11 +95,12 @@ def remap_slots_masked(
         raise ValueError("req_to_token, starts, tree_slots, paths and lengths disagree on B")
     width = slots.shape[1]
     if check_values:
-        ref.remap_slots(np.zeros(r2t.shape, np.int64), starts.get(), slots.get(), paths.get(), lengths.get())
+        # a stand-in table of the caller's dtype: the reference refuses slots that dtype would wrap
+        ref.remap_slots(np.zeros(r2t.shape, r2t.dtype), starts.get(), slots.get(), paths.get(), lengths.get())
     if freed is None:
         freed = cupy.empty((bsz, width), dtype=cupy.bool_)  # [B, budget+1]
-    elif freed.shape != (bsz, width) or freed.dtype != np.bool_:
-        raise ValueError(f"freed must be a bool array of shape {(bsz, width)}")
+    elif freed.shape != (bsz, width) or freed.dtype != np.bool_ or not freed.flags.c_contiguous:
+        raise ValueError(f"freed must be a C-contiguous bool array of shape {(bsz, width)}")
     if bsz == 0:
         return freed
     fn = loader.get_function(*REMAP[r2t.dtype])
