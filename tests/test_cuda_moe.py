@@ -252,6 +252,10 @@ def test_kernel_accepts_torch_bf16_and_rejects_bad_input(version):
         moe.moe_w4a16(x, packed, routing, version=version, gate_up_warps=16, k_interleave=True)
     with pytest.raises(ValueError, match="topk_ids must lie"):
         moe.prepare_routing(cp.asarray(ids + E), cp.asarray(wts), E)
+    with pytest.raises(ValueError, match="topk_ids must lie"):  # the int32 cast would make it a valid id
+        moe.prepare_routing(cp.asarray(ids.astype(np.int64) + 2**32), cp.asarray(wts), E)
+    with pytest.raises(ValueError, match="integers"):
+        moe.prepare_routing(cp.asarray(ids.astype(np.float32)), cp.asarray(wts), E)
 
 
 # ----------------------------------------------------------------------------- CPU: kernel emulation
@@ -1009,3 +1013,8 @@ def test_launch_settings_name_versions_and_keep_the_old_keywords():
     ):
         with pytest.raises(ValueError, match=match):
             moe.launch_settings(**kwargs)
+    for bad in ({"parts": 0}, {"down_batch": 0}, {"parts": 2.0}, {"down_batch": True}):
+        with pytest.raises(ValueError, match="must be an int >= 1 or None"):  # not a modulo by zero later
+            V3(**bad)
+        with pytest.raises(ValueError, match="must be an int >= 1 or None"):
+            moe.launch_settings(**bad)

@@ -221,6 +221,40 @@ def test_build_limits_and_check_values():
 
 
 @pytest.mark.gpu
+def test_torch_output_buffers_are_written_in_place():
+    """Torch CUDA tensors as out / targets buffers (the wrappers take torch CUDA tensors): accepted, and
+    the kernels write the caller's memory."""
+    cp = _cp()
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    rng = np.random.default_rng(3)
+    bsz, budget, vocab = 4, 12, 50
+    ids, lp = pipeline.random_topk(rng, bsz, 5, 4, vocab)
+    want = ref.build_tree_batch(ids, lp, budget)
+    empty = tree.empty_batch(bsz, budget)
+    dtypes = {np.dtype(np.int64): torch.int64, np.dtype(np.float64): torch.float64,
+              np.dtype(np.bool_): torch.bool}
+    out = ref.DDTreeBatch(**{f: torch.empty(getattr(empty, f).shape, dtype=dtypes[getattr(empty, f).dtype],
+                                            device="cuda") for f in FIELDS})
+    tree.build_tree_batch(cp.asarray(ids), cp.asarray(lp), budget, out=out)
+    got = ref.DDTreeBatch(**{f: getattr(out, f).cpu().numpy() for f in FIELDS})
+    assert_trees_equal(got, want, "torch out")
+    tgt = _targets(rng, want, vocab)
+    w_paths, w_lengths, w_bonus = ref.accept_greedy_batch(want, tgt)
+    bufs = tuple(torch.full(shape, -9, dtype=torch.int64, device="cuda")
+                 for shape in (w_paths.shape, w_lengths.shape, w_bonus.shape))
+    d_trees = ref.DDTreeBatch(**{f: cp.asarray(getattr(want, f)) for f in FIELDS})
+    accept.accept_greedy_batch(d_trees, cp.asarray(tgt), out=bufs)
+    for got, w in zip(bufs, (w_paths, w_lengths, w_bonus), strict=True):
+        assert (got.cpu().numpy() == w).all()
+    probs, u = _probs(rng, 64, vocab, np.float32), _uniforms(rng, 64)
+    tokens = torch.full((64,), -9, dtype=torch.int64, device="cuda")
+    accept.sample_tokens(cp.asarray(probs), cp.asarray(u), out=tokens)
+    assert (tokens.cpu().numpy() == ref.sample_tokens(probs, u)).all()
+
+
+@pytest.mark.gpu
 def test_build_torch_dlpack_zero_copy():
     cp = _cp()
     torch = pytest.importorskip("torch")

@@ -128,15 +128,16 @@ def _out_arrays(out, bsz, width):
         return (cupy.empty((bsz, width), dtype=cupy.int64),  # paths [B, max_depth+1]
                 cupy.empty(bsz, dtype=cupy.int64),  # lengths [B]
                 cupy.empty(bsz, dtype=cupy.int64))  # bonus [B]
-    paths, lengths, bonus = out
-    for name, a, shape in (
-        ("paths", paths, (bsz, width)),
-        ("lengths", lengths, (bsz,)),
-        ("bonus", bonus, (bsz,)),
-    ):
+    if not isinstance(out, (tuple, list)) or len(out) != 3:
+        raise ValueError("out must be a (paths, lengths, bonus) tuple")
+    checked = []
+    shapes = ((bsz, width), (bsz,), (bsz,))
+    for name, a, shape in zip(("paths", "lengths", "bonus"), out, shapes, strict=True):
+        a = loader.as_cupy(a)  # torch CUDA tensors by DLPack: the kernel writes the caller's memory
         if a.shape != shape or a.dtype != np.int64 or not a.flags.c_contiguous:
             raise ValueError(f"out {name} must be a C-contiguous int64 array of shape {shape}")
-    return paths, lengths, bonus
+        checked.append(a)
+    return tuple(checked)
 
 
 def accept_greedy_batch(trees, target_tokens, max_depth: int | None = None, *, out=None):
@@ -239,7 +240,7 @@ def sample_tokens(probs, uniforms, *, order: str | None = None, check_values: bo
     uniforms = _check_uniforms(uniforms, probs.shape[:1])
     if check_values:
         _check_sample_values(probs, uniforms)
-    tokens = cupy.empty(probs.shape[0], dtype=cupy.int64) if out is None else out  # [N]
+    tokens = cupy.empty(probs.shape[0], dtype=cupy.int64) if out is None else loader.as_cupy(out)  # [N]
     if tokens.shape != probs.shape[:1] or tokens.dtype != np.int64 or not tokens.flags.c_contiguous:
         raise ValueError(f"out must be a C-contiguous int64 array of shape {probs.shape[:1]}")
     _sample_launch(probs, uniforms, None, 1, tokens, version_for_order(order, version))
@@ -283,7 +284,8 @@ def accept_sample_batch(
         _check_sample_values(probs[mask], uniforms[mask])
     if targets is None:
         targets = cupy.empty((bsz, budget + 1), dtype=cupy.int64)  # [B, budget+1]
-    elif targets.shape != (bsz, budget + 1) or targets.dtype != np.int64 or not targets.flags.c_contiguous:
+    elif ((targets := loader.as_cupy(targets)).shape != (bsz, budget + 1) or targets.dtype != np.int64
+          or not targets.flags.c_contiguous):
         raise ValueError(f"targets must be a C-contiguous int64 array of shape {(bsz, budget + 1)}")
     _sample_launch(probs, uniforms, cupy.ascontiguousarray(f["sizes"]), budget + 1, targets, version)
     return accept_greedy_batch(trees, targets, max_depth=max_depth, out=out)

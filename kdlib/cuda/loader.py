@@ -422,6 +422,10 @@ def as_cupy(x):
     if is_torch(x):
         if not x.is_cuda:
             raise ValueError(f"expected a CUDA tensor, got a torch tensor on {x.device}")
+        import torch
+
+        if x.dtype == torch.bool:  # bool crosses DLPack as bytes (kdlib.ops does the same the other way)
+            return cupy.from_dlpack(x.view(torch.uint8)).view(cupy.bool_)
         return cupy.from_dlpack(x)
     raise ValueError(f"expected a cupy.ndarray or a torch CUDA tensor, got {type(x).__name__}")
 

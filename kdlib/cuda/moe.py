@@ -265,10 +265,12 @@ def prepare_routing(topk_ids, topk_weights, n_experts: int) -> Routing:
     m, topk = ids.shape
     if m == 0:
         raise ValueError("prepare_routing: M must be >= 1")
-    flat = ids.reshape(-1).astype(cp.int32)
-    lo, hi = int(flat.min()), int(flat.max())
+    if ids.dtype.kind not in "iu":
+        raise ValueError(f"topk_ids must hold integers, got {ids.dtype}")
+    lo, hi = int(ids.min()), int(ids.max())  # before the int32 cast, which would wrap 2**32 + 3 to 3
     if lo < 0 or hi >= n_experts:
         raise ValueError(f"topk_ids must lie in [0, {n_experts}), got [{lo}, {hi}]")
+    flat = ids.reshape(-1).astype(cp.int32)
     order = cp.argsort(flat)                      # slots grouped by expert
     counts = cp.bincount(flat, minlength=n_experts).astype(cp.int32)
     offsets = cp.zeros(n_experts + 1, dtype=cp.int32)
@@ -490,6 +492,12 @@ class V3Settings:
     version: ClassVar[int] = 3
     parts: int | None = None
     down_batch: int | None = None
+
+    def __post_init__(self):
+        for name in ("parts", "down_batch"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {v!r}")
 
 
 VERSIONS = (1, 2, 3)

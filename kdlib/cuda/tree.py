@@ -165,14 +165,21 @@ def empty_batch(bsz: int, budget: int) -> DDTreeBatch:
     )
 
 
-def _check_out(out, bsz: int, budget: int) -> None:
+def _check_out(out, bsz: int, budget: int) -> DDTreeBatch:
+    """`out`'s fields as CuPy arrays (torch CUDA tensors by DLPack, no copy), checked against
+    `empty_batch(bsz, budget)`'s."""
+    if not isinstance(out, DDTreeBatch):
+        raise ValueError(f"out must be a DDTreeBatch, got {type(out).__name__}")
     ref = empty_batch(0, budget)
+    fields = {}
     for name in BATCH_FIELDS:
-        a, r = getattr(out, name), getattr(ref, name)
+        a, r = loader.as_cupy(getattr(out, name)), getattr(ref, name)
         want = (bsz,) + r.shape[1:]
         if a.shape != want or a.dtype != r.dtype or not a.flags.c_contiguous:
             raise ValueError(f"out.{name} must be a C-contiguous {r.dtype} array of shape {want}, got "
                              f"{a.dtype} {a.shape}")
+        fields[name] = a
+    return DDTreeBatch(**fields)
 
 
 def build_tree_batch(
@@ -223,7 +230,7 @@ def build_tree_batch(
     if out is None:
         out = empty_batch(bsz, budget)
     else:
-        _check_out(out, bsz, budget)
+        out = _check_out(out, bsz, budget)
     if bsz == 0:
         return out
     import cupy
