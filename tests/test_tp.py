@@ -142,6 +142,7 @@ def test_tp_moe_partial_sums_add_up_to_the_engine_moe_on_every_path(moe_mode, to
 # the engine's kdlib.ops verify attention (numpy reference on CPU) where the engine offers it
 _OPS = "ops" if "ops" in getattr(Model, "ATTENTION", ()) else "torch"
 CASES = [
+    (1, {"config": "tiny-a", "moe_mode": "ep", "max_new": 8, "drafters": ("oracle",)}),  # a shard of all ids
     (2, {"config": "tiny-a", "moe_mode": "ep", "attention": _OPS, "max_new": 12, "drafters": ("oracle",)}),
     (2, {"config": "tiny-b", "moe_mode": "tp"}),  # 3 heads: an uneven 2 + 1 split; untied, no q_lora
     (4, {"config": "tiny-a", "moe_mode": "tp", "max_new": 16, "drafters": ("oracle",)}),
@@ -234,6 +235,15 @@ def test_debug_assert_names_the_tensor_that_differs_across_ranks():
                 assert_replicated(comm, **{name: tensors[name]})
         else:
             assert_replicated(comm, **{name: tensors[name]})
+
+
+def test_debug_assert_takes_empty_and_scalar_tensors():
+    """An empty tree (budget 0: numpy arrays of shape [1, 0]) and 0-d values compare like the rest."""
+    comm = _TwoRanks({"scalar"})
+    assert_replicated(comm, empty=np.zeros((1, 0), dtype=np.int64)[:, ::1], flag=torch.tensor(True))
+    comm.current = "scalar"
+    with pytest.raises(RuntimeError, match="scalar differs"):
+        assert_replicated(comm, scalar=torch.tensor(3))
 
 
 def test_vocab_shards_of_dense_logits_are_consistent():

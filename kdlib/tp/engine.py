@@ -488,10 +488,12 @@ def vocab_parallel_topk(
     L, width = local.shape
     x = local.float()
     kl = min(k, width)
-    top = x.topk(kl, dim=-1)
+    # a stable sort, not topk: which of equal logits topk keeps is unspecified, and a tie across the
+    # k-th place must keep the lower ids for the merge below to give them
+    top = torch.sort(x, dim=-1, descending=True, stable=True)
     vals = torch.full((L, k), float("-inf"), device=x.device)  # [L, k]
     ids = torch.full((L, k), -1, dtype=torch.int64, device=x.device)  # [L, k]
-    vals[:, :kl], ids[:, :kl] = top.values, top.indices + v0
+    vals[:, :kl], ids[:, :kl] = top.values[:, :kl], top.indices[:, :kl] + v0
     g_vals, g_ids = comm.all_gather(vals), comm.all_gather(ids)  # [W, L, k]
     lse = torch.logsumexp(comm.all_gather(torch.logsumexp(x, dim=-1)), dim=0)  # [L]
     cand_vals = g_vals.permute(1, 0, 2).reshape(L, -1)  # [L, W*k]
@@ -506,8 +508,9 @@ def assert_replicated(comm: Comm, **tensors) -> None:
     """RuntimeError naming the first tensor whose bits differ between rank 0 and another rank."""
     for name, t in tensors.items():
         t = torch.as_tensor(t).to(comm.device)
-        raw = t.contiguous().view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
-        got = comm.all_gather(raw.reshape(-1))  # [W, bytes]
+        flat = t.contiguous().reshape(-1)  # 1-D with unit stride: empty and 0-d tensors included
+        raw = flat.view(torch.uint8) if t.dtype != torch.bool else flat.to(torch.uint8)
+        got = comm.all_gather(raw)  # [W, bytes]
         bad = [r for r in range(comm.world) if not torch.equal(got[r], got[0])]
         if bad:
             raise RuntimeError(f"{name} differs between rank 0 and rank(s) {bad}")

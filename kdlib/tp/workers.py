@@ -81,10 +81,13 @@ def _models(spec: dict, device):
 
 def synthetic_logits(spec: dict, vocab_size: int) -> torch.Tensor:
     """[rows, V] float32 draft logits for the top-K check: N(0, 3^2) rows, the last one rounded to
-    multiples of 0.5 so that it holds many ties (the tie rule is checked too)."""
+    multiples of 0.5 so that it holds many ties, the one before zero but for id 5 (a tie that crosses
+    every shard's k-th place: the lower ids must win it)."""
     g = torch.Generator().manual_seed(spec["seed"] + 7)
     x = 3.0 * torch.randn(spec["topk_rows"], vocab_size, generator=g)  # 3: spread like real draft logits
     x[-1] = (x[-1] * 2).round() / 2
+    x[-2] = 0.0
+    x[-2, 5 % vocab_size] = 1.0
     return x
 
 
