@@ -294,3 +294,22 @@ def test_tp_nccl_equals_single_gpu(moe_mode):
     for world in [w for w in (2, 4) if w <= n]:
         lines = run_check(world, check_spec(moe_mode=moe_mode, device="cuda"), backend="nccl")
         assert not [x for x in lines if x.startswith("FAIL")], "\n".join(lines)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world-size", "0"], "--world-size must be >= 1"),
+    (["--world-size", "5"], "cannot be split over 5 ranks"),
+    (["--config", "nope"], "no config 'nope'"),
+    (["--quick"], "apply to --bench only"),
+])
+def test_tp_run_refuses_bad_arguments_before_spawning(argv, message):
+    """tools/tp_run.py: one line on stderr and exit 2, before any rank starts (they were tracebacks)."""
+    import subprocess
+    import sys
+
+    from kdlib import ROOT
+
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "tp_run.py"), *argv], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+

@@ -20,10 +20,12 @@ Every process sets NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHM
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
 
+from kdlib.engine import ModelConfig
 from kdlib.perf import write
 from kdlib.perf.suites.tp import run
 
@@ -69,12 +71,50 @@ def _torchrun(args) -> int:
     return 1 if any(x.startswith("FAIL") for x in lines) else 0
 
 
+def _check_args(ap: argparse.ArgumentParser, args) -> None:
+    """One-line errors (exit 2) for arguments the run would fail on, before any rank is spawned."""
+    if args.bench:
+        for flag, given in (("--config", args.config is not None), ("--zoo", args.zoo),
+                            ("--world-size", args.world_size != 2)):
+            if given:
+                ap.error(f"{flag} applies to the check, not to --bench (which sweeps its own GPU counts)")
+        return
+    if args.quick or args.out is not None:
+        ap.error("--quick and --out apply to --bench only")
+    if args.zoo and args.config is not None:
+        ap.error("--zoo uses the trained models: --config does not apply")
+    args.config = args.config or "tiny-a"
+    world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else args.world_size  # torchrun sets it
+    for flag, value, low in (("--world-size", args.world_size, 1), ("--max-new", args.max_new, 1),
+                             ("--budget", args.budget, 0), ("--block", args.block, 2)):
+        if value < low:
+            ap.error(f"{flag} must be >= {low}, got {value}")
+    if args.backend == "nccl":
+        import torch
+
+        if torch.cuda.device_count() < world:
+            ap.error(f"--backend nccl needs one GPU per rank: {world} ranks, "
+                     f"{torch.cuda.device_count()} GPUs visible")
+    from kdlib import zoo
+    from kdlib.config import ConfigError
+    from kdlib.tp import check_tp_config
+
+    if args.zoo and not zoo.available():
+        ap.error(f"--zoo: the trained models are not in {zoo.MODELS}")
+    try:
+        cfg = (ModelConfig.from_json(zoo.MODELS / "target.config.json") if args.zoo
+               else ModelConfig.load(args.config))
+        check_tp_config(cfg, world, args.moe_mode)
+    except (ConfigError, ValueError, OSError) as e:
+        ap.error(str(e))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-size", type=int, default=2, help="ranks to spawn for a check (default 2)")
     ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
-    ap.add_argument("--config", default="tiny-a", help="a data/configs/<name>.json tiny config (default "
-                                                       "tiny-a)")
+    ap.add_argument("--config", default=None, help="a data/configs/<name>.json tiny config (default "
+                                                   "tiny-a)")
     ap.add_argument("--zoo", action="store_true", help="use the trained kdlib.zoo models instead of --config")
     ap.add_argument("--moe-mode", choices=("ep", "tp"), default="ep", help="experts whole per rank or sliced")
     ap.add_argument("--max-new", type=int, default=24)
@@ -87,6 +127,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="with --bench: folder of the result JSON (default "
                                                 "data/results/)")
     args = ap.parse_args(argv)
+    _check_args(ap, args)
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if args.bench:
@@ -98,8 +139,10 @@ def main(argv=None) -> int:
             "tp", run(quick=args.quick), out_dir=args.out,
             command="python3 tools/tp_run.py " + " ".join(sys.argv[1:]),
         )
-        print(f"[tp_run] wrote {path}", flush=True)
-        return 0
+        passed = json.loads(path.read_text()).get("checks_pass", True)
+        print(f"[tp_run] wrote {path}" + ("" if passed else "; its checks FAILED (checks_pass false)"),
+              flush=True)
+        return 0 if passed else 1
     from kdlib.tp.workers import run_check
 
     lines = run_check(args.world_size, _spec(args), backend=args.backend)
