@@ -284,13 +284,25 @@ def test_train_tiny_smoke_run_writes_everything(tmp_path, capsys):
     assert generate(target, prompt, 16, method="ddtree", drafter=drafter, budget=8).tokens == ar.tokens
 
 
-def test_train_tiny_bad_arguments(capsys):
+def test_train_tiny_bad_arguments(capsys, tmp_path):
+    """Exit 2 with one line before anything is written; the shipped models are never a default target."""
     tt = _train_tiny()
-    for argv in (["--target-s", "0"], ["--drafter-s", "-1"], ["--device", "tpu"]):
+    (tmp_path / "file").write_text("x")
+    out = ["--out", str(tmp_path / "run")]
+    for argv, message in (
+        (["--target-s", "0", *out], "--target-s must be > 0"),
+        (["--drafter-s", "-1", *out], "--drafter-s must be > 0"),
+        (["--device", "tpu", *out], "--device must be cpu or cuda"),
+        (["--smoke"], "required: --out"),
+        (["--out", str(zoo.MODELS)], "--replace-shipped"),
+        (["--out", str(tmp_path / "file")], "is a file"),
+        (["--seed", "-1", *out], "--seed must be >= 0"),
+        (["--corpus", str(tmp_path / "no" / "corpus"), *out], "parent folder does not exist"),
+    ):
         with pytest.raises(SystemExit) as e:
             tt.main(argv)
-        assert e.value.code == 2
-    assert "--target-s must be > 0" in capsys.readouterr().err
+        assert e.value.code == 2 and message in capsys.readouterr().err, argv
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
 def test_bad_input():

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 import time
 import traceback
@@ -38,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ba
 
 from kdlib import corpus, perf, zoo  # noqa: E402
 from kdlib import training as T  # noqa: E402
+from kdlib.files import atomic_write_text  # noqa: E402
 from kdlib.perf.suites import accept  # noqa: E402
 
 VOCAB = 4096  # special tokens included
@@ -95,9 +95,7 @@ def excerpt(text: str) -> str:
 
 
 def _write_json(path: Path, obj) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(obj, indent=1) + "\n")
 
 
 def _spec(spec) -> dict:
@@ -110,7 +108,11 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", help="cpu | cuda")
     ap.add_argument("--corpus", default=".carry/corpus", help="corpus folder (built when missing)")
-    ap.add_argument("--out", default=str(zoo.MODELS), help="output folder")
+    ap.add_argument("--out", required=True,
+                    help=f"output folder (required; the workbook's own models are {zoo.MODELS}: writing "
+                         "there replaces them, so it takes --replace-shipped)")
+    ap.add_argument("--replace-shipped", action="store_true",
+                    help="allow --out to be the shipped models' folder")
     ap.add_argument("--target-s", type=float, default=90.0, help="training seconds of the target")
     ap.add_argument("--drafter-s", type=float, default=110.0, help="training seconds of the drafter")
     ap.add_argument("--accept-s", type=float, default=80.0,
@@ -123,6 +125,17 @@ def parse_args(argv):
             ap.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if args.device not in ("cpu", "cuda"):
         ap.error(f"--device must be cpu or cuda, got {args.device!r}")
+    if args.seed < 0:
+        ap.error(f"--seed must be >= 0, got {args.seed}")
+    out, cdir = Path(args.out), Path(args.corpus)
+    if out.exists() and not out.is_dir():
+        ap.error(f"--out {out} is a file, not a folder")
+    if out.resolve() == zoo.MODELS.resolve() and not args.replace_shipped:
+        ap.error(f"--out {out} holds the workbook's trained models; pass --replace-shipped to overwrite them")
+    if cdir.exists() and not cdir.is_dir():
+        ap.error(f"--corpus {cdir} is a file, not a folder")
+    if not cdir.exists() and not cdir.parent.is_dir():
+        ap.error(f"--corpus {cdir}: its parent folder does not exist (the corpus is built only inside one)")
     return args
 
 
@@ -186,7 +199,7 @@ def train(args, out: Path, log, t_start: float) -> None:
 
     # tokenizer
     tok = T.train_tokenizer((d.text for d in docs if d.split == "train"), VOCAB)
-    tok.save(str(out / "tokenizer.json"))
+    atomic_write_text(out / "tokenizer.json", tok.to_str(pretty=True))
     streams = T.token_streams(tok, docs)
     sizes = {f"{k}.{s}": int(len(v)) for (k, s), v in sorted(streams.items())}
     log(f"tokenizer: {tok.get_vocab_size()} tokens ({zoo.EOS_TOKEN} {T.EOS_ID}, {zoo.MASK_TOKEN} "
