@@ -52,8 +52,8 @@ def _require(folder, *names: str) -> Path:
     missing = [f for f in names if not (root / f).is_file()]
     if missing:
         raise FileNotFoundError(
-            f"{root}: trained models missing ({', '.join(missing)}); run `python tools/train_tiny.py` to "
-            "train them"
+            f"{root}: trained models missing ({', '.join(missing)}); run `python tools/train_tiny.py --out "
+            f"{root}{' --replace-shipped' if root.resolve() == MODELS.resolve() else ''}` to train them"
         )
     return root
 
@@ -74,6 +74,8 @@ class Tokenizer:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+            raise ValueError("encode_batch takes a list of str (a lone str would be split into characters)")
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 
     @property
@@ -82,8 +84,13 @@ class Tokenizer:
         return self._tok.token_to_id(EOS_TOKEN)
 
     def decode(self, ids) -> str:
-        """Special tokens decode to their text (EOS_TOKEN included)."""
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+        """Special tokens decode to their text (EOS_TOKEN included); an id outside the vocabulary is a
+        ValueError (the library would drop it silently)."""
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:3]} lie outside the vocabulary [0, {self.vocab_size})")
+        return self._tok.decode(ids, skip_special_tokens=False)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
@@ -156,7 +163,10 @@ def load_drafter(target, device: str | None = None, folder: str | Path | None = 
 
 
 def held_out(kind: str, folder: str | Path | None = None) -> list[str]:
-    """Held-out excerpts of one text kind (KINDS): text never seen in training."""
+    """Held-out excerpts of one text kind (KINDS): documents of the held-out split, none of which the
+    models trained on. The 'templated' ones are calendar year pages, and a year's calendar repeats one
+    of the training years' (the Gregorian cycle): only the year in the header is new, so they measure
+    predictable, near-memorised text; 'code' and 'prose' are new text."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     return list(json.loads((_require(folder, "held_out.json") / "held_out.json").read_text())[kind])

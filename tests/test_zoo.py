@@ -140,6 +140,14 @@ def test_ddtree_with_the_trained_drafter_equals_ar():
 def test_bad_input(tmp_path):
     with pytest.raises(ValueError, match="kind"):
         zoo.held_out("poetry")
+    if zoo.available():
+        tok = zoo.load_tokenizer()
+        for ids in ([300, tok.vocab_size, 301], [-1]):  # dropped silently / OverflowError before
+            with pytest.raises(ValueError, match="outside the vocabulary"):
+                tok.decode(ids)
+        with pytest.raises(ValueError, match="list of str"):
+            tok.encode_batch("hi")
+        assert tok.encode_batch(["hi"]) == [tok.encode("hi")]
     assert not zoo.available(tmp_path)
     with pytest.raises(FileNotFoundError, match="train_tiny"):
         zoo.load_target(folder=tmp_path)
