@@ -147,3 +147,11 @@ def test_the_tool_exits_0_when_every_schedule_holds(capsys):
     out = capsys.readouterr().out
     assert "version 12: 50 random schedules finished" in out
     assert "version 13's pair: 50 random schedules finished" in out
+
+
+@pytest.mark.parametrize("runs", ["0", "-5"])
+def test_no_schedule_is_refused(runs, capsys):
+    """--runs below 1 checked nothing and said every rule held."""
+    with pytest.raises(SystemExit) as e:
+        bm.main(["--runs", runs])
+    assert e.value.code == 2 and "--runs must be >= 1" in capsys.readouterr().err

@@ -272,6 +272,8 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=2000, help="random schedules of each kernel")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
+    if a.runs < 1:
+        ap.error(f"--runs must be >= 1 (no schedule checks nothing), got {a.runs}")
     rng = random.Random(a.seed)
     for name, mixed in (("versions 7-10", False), ("version 12", True)):
         for _ in range(a.runs):
