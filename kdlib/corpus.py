@@ -208,7 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kdlib.corpus", description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="output folder (e.g. .carry/corpus)")
     args = ap.parse_args(argv)
-    m = write(extract(), args.out)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        ap.error(f"--out {out} is a file, not a folder")
+    m = write(extract(), out)
     for name, info in m["files"].items():
         print(f"{name:28s} {info['docs']:5d} docs {info['chars'] / 1e6:7.2f} M chars")
     return 0

@@ -83,3 +83,12 @@ def test_bad_input():
         corpus.split_of("poetry", "x")
     with pytest.raises(ValueError, match="manifest"):
         corpus.read("/nonexistent/corpus")
+
+
+def test_cli_refuses_a_file_as_its_folder(tmp_path, capsys):
+    """`python -m kdlib.corpus --out FILE`: one line and exit 2 before extracting (a FileExistsError
+    traceback before)."""
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(SystemExit) as e:
+        corpus.main(["--out", str(tmp_path / "f")])
+    assert e.value.code == 2 and "is a file, not a folder" in capsys.readouterr().err
