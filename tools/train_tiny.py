@@ -1,7 +1,7 @@
 """Re-train the workbook's tiny models from scratch: corpus -> tokenizer -> target -> drafter -> acceptance.
 
     python tools/train_tiny.py --device cuda --corpus .carry/corpus --out $OUT --target-s 90 --drafter-s 110
-    python tools/train_tiny.py --smoke --out /tmp/tiny        # a minute on a CPU: micro sizes, 3 steps each
+    python tools/train_tiny.py --smoke --out /tmp/tiny   # minutes on a CPU: micro sizes, 3 steps each
 
 Writes into --out, in this order, each file atomically (the files `kdlib.zoo` reads, then the run's
 own): held_out.json, tokenizer.json, target.config.json, target.kdtr, drafter.kdtr,
