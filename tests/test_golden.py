@@ -162,3 +162,12 @@ def test_compact_file():
     freed = ref.remap_slots(req, t["remap_starts"], t["tree_slots"], t["paths"], t["lengths"])
     _int_exact(req, t["req_to_token_out"], "req_to_token_out")
     _int_exact(freed, t["freed_slots"], "freed_slots")
+
+
+@pytest.mark.parametrize("tool", ["make_golden.py", "make_golden_model.py"])
+def test_golden_tools_refuse_a_file_as_their_folder(tool, tmp_path):
+    """--out naming a file: one line and exit 2 (a FileExistsError traceback before)."""
+    (tmp_path / "f").write_text("x")
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / tool), "--out", str(tmp_path / "f")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "is a file, not a folder" in run.stderr and "Traceback" not in run.stderr

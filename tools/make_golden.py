@@ -376,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true",
                     help="regenerate into a temporary folder and compare with --out instead of writing it")
     args = ap.parse_args(argv)
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        ap.error(f"--out {args.out} is a file, not a folder")
     if args.check:
         with tempfile.TemporaryDirectory() as tmp:
             problems = check(generate(Path(tmp)), args.out)
