@@ -154,6 +154,10 @@ def test_load_moe_rows_carry_the_recorded_figures():
     for row in rec.select(variant="default"):
         picked = raw[row.shape["m"]]["kernel_default_version"]
         assert row.version == (picked[0] if len(picked) == 1 else None)
+    for row in rec.rows:
+        if row.version in (2, 3) and row.variant in ("", "v1_kernels"):  # v3 shares v2's regime
+            outside = raw[row.shape["m"]].get("kernel_v2_path", "v2") != "v2"
+            assert (row.variant == "v1_kernels") == outside, (row.key, row.shape)
     stage = rec.select(variant="gate_up_only")[0]
     assert stage.bytes == pytest.approx(raw[stage.shape["m"]]["weight_bytes"] * 2 / 3)
 
@@ -192,6 +196,12 @@ def test_ceilings_recorded_or_stated_fallback(results_dir, monkeypatch):
     running[0] = "NVIDIA B300"
     assert results.ceilings() == h200
     assert not results.ceilings("b300").recorded
+    assert results.ceilings("h100").source == "ceilings.h100-80gb-hbm3.json"  # a prefix, as kdlib.hw takes
+    (results_dir / "ceilings.b200.json").write_text(json.dumps(
+        {"suite": "ceilings", "schema": 1, "provenance": {}, "copy_bandwidth_Bps": 7e12,
+         "bf16_matmul_flops": None}))
+    with pytest.raises(ValueError, match="ceilings.b200.json: copy_bandwidth_Bps and bf16_matmul_flops"):
+        results.ceilings("b200")  # a damaged file is not "none recorded"
 
 
 def test_write_names_the_file_by_suite_and_gpu_or_as_asked(tmp_path):

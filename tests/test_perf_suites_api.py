@@ -91,6 +91,16 @@ def test_the_entry_point_refuses_an_unknown_suite(capsys):
     assert e.value.code == 2 and "unknown suite(s) ['nope']" in capsys.readouterr().err
 
 
+def test_the_entry_point_refuses_a_file_as_out_before_measuring(tmp_path, capsys, monkeypatch):
+    """--out naming a file is refused before the suite runs (it failed at the write, the run lost)."""
+    (tmp_path / "f").write_text("x")
+    ran = []
+    monkeypatch.setattr(entry, "call_suite", lambda module, args: ran.append(module) or {})
+    with pytest.raises(SystemExit) as e:
+        entry.main(["--suite", "kdtr_io", "--out", str(tmp_path / "f")])
+    assert e.value.code == 2 and "cannot use it as a folder" in capsys.readouterr().err and not ran
+
+
 def test_parameters_come_before_their_environment_defaults(monkeypatch):
     monkeypatch.setenv("KDLIB_TREE_VERSIONS", "3,4")
     monkeypatch.setenv("KDLIB_ACCEPT_PARTS", "sampling")

@@ -310,8 +310,9 @@ def moe_rows(doc: dict) -> tuple[Row, ...]:
     the bf16 baseline (op 'moe_bf16_grouped_mm') at every M that timed it.
 
     The payload's arm `kernel` is version 1; `kernel_default` is the library's default choice, its
-    version the one `kernel_default_version` names (None where the routings picked several); a v2 arm
-    at an M where an expert has > 8 slots ran v1's kernels (variant 'v1_kernels')."""
+    version the one `kernel_default_version` names (None where the routings picked several); a v2 or v3
+    arm at an M where an expert has > 8 slots (outside their shared regime) ran v1's kernels (variant
+    'v1_kernels')."""
     out = []
     for r in doc.get("rows") or []:
         shape = {"m": int(r["m"])}
@@ -322,7 +323,7 @@ def moe_rows(doc: dict) -> tuple[Row, ...]:
             if variant == "default":
                 picked = r.get("kernel_default_version") or []
                 version = picked[0] if len(picked) == 1 else None
-            elif version == 2 and r.get("kernel_v2_path", "v2") != "v2":
+            elif version in (2, 3) and r.get("kernel_v2_path", "v2") != "v2":  # v3 has v2's regime
                 variant = variant or "v1_kernels"
             nbytes, flops = ((r["bytes"], r["flops"]) if share is None
                              else (r["weight_bytes"] * share, r["flops"] * share))
@@ -965,14 +966,19 @@ FALLBACK_BW, FALLBACK_FLOPS = 4.3e12, 790e12
 
 
 def ceilings(gpu: str | None = None) -> Ceilings:
-    """The recorded ceilings of `gpu` (`data/results/ceilings.<gpu>.json`, a slug), else the stated fallback.
+    """The recorded ceilings of `gpu` (`data/results/ceilings.<gpu>.json`, a slug or its prefix such as
+    'h100'), else the stated fallback; a recorded file without both figures is a ValueError naming it.
     None: those of the GPU this process runs on (a suite's), else the H200's, the workbook's reference GPU
     (on the CPU, or a GPU with no ceilings recorded; the source names the file)."""
-    if gpu:
-        doc = load("ceilings", gpu)
-    else:
-        doc = load("ceilings", gpu_slug(gpu_name())) or load("ceilings", "h200")
-    if doc and doc.get("copy_bandwidth_Bps") and doc.get("bf16_matmul_flops"):
-        return Ceilings(float(doc["copy_bandwidth_Bps"]), float(doc["bf16_matmul_flops"]), doc["_path"], True)
+    def find(slug: str) -> dict | None:  # 'h100' finds ceilings.h100-80gb-hbm3.json, as kdlib.hw does
+        return load("ceilings", slug) or load("ceilings", f"{slug}-*")
+
+    doc = find(gpu) if gpu else find(gpu_slug(gpu_name())) or find("h200")
+    if doc is not None:
+        values = (doc.get("copy_bandwidth_Bps"), doc.get("bf16_matmul_flops"))
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values):
+            raise ValueError(f"{doc['_path']}: copy_bandwidth_Bps and bf16_matmul_flops must be positive "
+                             f"numbers, got {values}")
+        return Ceilings(float(values[0]), float(values[1]), doc["_path"], True)
     return Ceilings(FALLBACK_BW, FALLBACK_FLOPS, "no ceilings file recorded: 4.3 TB/s copy and 790 TFLOP/s "
                     "bf16, measured on an H200 (design/reference/kernels-perf.md)", False)

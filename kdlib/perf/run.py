@@ -15,6 +15,7 @@ import importlib
 import inspect
 import pkgutil
 import sys
+from pathlib import Path
 
 from kdlib.perf import results, suites
 
@@ -57,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in args.suite if s not in available()]
     if unknown:
         ap.error(f"unknown suite(s) {unknown}; available: {available()}")
+    if args.out is not None:  # checked before any suite runs: a measurement must not be lost at the write
+        try:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            ap.error(f"--out {args.out}: cannot use it as a folder ({e.strerror or e})")
     command = "python3 -m kdlib.perf.run " + " ".join(sys.argv[1:] if argv is None else argv)
     for name in args.suite:
         module = importlib.import_module(f"kdlib.perf.suites.{name}")
