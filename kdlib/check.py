@@ -3,8 +3,9 @@
     err = assert_close(out, ref, rtol=1e-5, name="tree_verify fp32")   # prints 'PASS tree_verify fp32: ...'
     assert_equal(gpu_tree.parents, ref_tree.parents, name="parents")     # bit-exact, dtype and shape too
 
-Errors are relative to the reference's norm (‖a − b‖ / ‖b‖) and element-wise (max |a − b|);
-NaN anywhere fails.
+Errors are relative to the reference's norm (‖a − b‖ / ‖b‖; the absolute norm ‖a − b‖ where the
+reference is all zero) and element-wise (max |a − b|); NaN anywhere fails. Real values only (torch
+bfloat16 / float8 are widened to float32 first); complex input is a ValueError.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import numpy as np
 
 
 def _to_numpy(x) -> np.ndarray:
-    if hasattr(x, "detach"):  # torch
-        x = x.detach().cpu().numpy()
+    if hasattr(x, "detach"):  # torch; numpy has no bfloat16 / float8, so those widen to float32 first
+        x = x.detach().cpu()
+        numpy_float = str(x.dtype) in ("torch.float16", "torch.float32", "torch.float64")
+        x = (x.float() if x.is_floating_point() and not numpy_float else x).numpy()
     elif hasattr(x, "get") and type(x).__module__.startswith("cupy"):
         x = x.get()
     return np.asarray(x)
@@ -22,8 +25,10 @@ def _to_numpy(x) -> np.ndarray:
 
 def errors(actual, expected) -> dict:
     """max abs error, max relative element error, and norm-relative error, computed in float64."""
-    a = _to_numpy(actual).astype(np.float64)
-    b = _to_numpy(expected).astype(np.float64)
+    a, b = _to_numpy(actual), _to_numpy(expected)
+    if np.iscomplexobj(a) or np.iscomplexobj(b):  # astype(float64) would drop the imaginary part
+        raise ValueError("errors compares real arrays; compare the real and imaginary parts apart")
+    a, b = a.astype(np.float64), b.astype(np.float64)
     if a.shape != b.shape:
         raise AssertionError(f"shape mismatch: {a.shape} vs {b.shape}")
     diff = np.abs(a - b)

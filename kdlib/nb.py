@@ -12,6 +12,7 @@ and tests read them back to assert on headline values.
 from __future__ import annotations
 
 import math
+import numbers
 import random
 from types import SimpleNamespace
 
@@ -51,17 +52,30 @@ def record(name: str, value, *, unit: str = "", source: str = "", note: str = ""
     """Record a headline value for the report index (and for tests that read the executed notebook)."""
     from IPython.display import display
 
-    if isinstance(value, float) and not math.isfinite(value):
+    if not _finite(value):
         raise ValueError(f"recorded value {name!r} is not finite: {value}")
     payload = {"name": name, "value": value, "unit": unit, "source": source, "note": note}
     text = f"{name} = {value}{(' ' + unit) if unit else ''}" + (f"  [{source}]" if source else "")
     display({RECORD_MIME: payload, "text/plain": text}, raw=True)
 
 
+def _finite(value) -> bool:
+    """No NaN or infinity anywhere in a recorded value: numpy scalars, lists, tuples and dict values too."""
+    if isinstance(value, (list, tuple)):
+        return all(_finite(v) for v in value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
+        return math.isfinite(float(value))
+    return True
+
+
 def findings(lines: list[str]) -> None:
     """Render the Findings list as Markdown (each bullet built from recorded values)."""
     from IPython.display import Markdown, display
 
+    if isinstance(lines, str):
+        raise ValueError("findings takes a list of lines (a str would give a bullet per character)")
     display(Markdown("\n".join(f"- {line}" for line in lines)))
 
 

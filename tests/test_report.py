@@ -544,3 +544,17 @@ def test_kernel_is_this_interpreters(batch):
     assert Path(report.check_kernel("python3")).parent == Path(sys.executable).parent
     with pytest.raises(ValueError, match="no Jupyter kernel"):
         report.check_kernel("no_such_kernel_kdlib")
+
+
+def test_record_refuses_non_finite_values_anywhere_and_findings_a_lone_str():
+    """NaN / inf in numpy scalars, lists and dicts is refused as plain floats are (they reached the index
+    as JSON NaN); findings("text") is refused (a bullet per character)."""
+    import numpy as np
+
+    from kdlib import nb
+
+    for bad in (float("nan"), np.float32("nan"), np.float16("inf"), [1.0, float("nan")], {"a": float("inf")}):
+        with pytest.raises(ValueError, match="not finite"):
+            nb.record("x", bad)
+    with pytest.raises(ValueError, match="list of lines"):
+        nb.findings("some text")

@@ -1,0 +1,28 @@
+"""kdlib.check: the verdict printers every comparison ends in."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kdlib import check
+
+
+def test_torch_bfloat16_compares_and_complex_is_refused():
+    """bfloat16 tensors (numpy has no such dtype: a TypeError before) compare as float32; complex input is
+    refused (the imaginary part was dropped, so 1+5j passed as 1)."""
+    e = check.assert_close(torch.tensor([1.0, 2.0], dtype=torch.bfloat16), np.array([1.0, 2.0]), rtol=0,
+                           quiet=True)
+    assert e["max_abs"] == 0
+    with pytest.raises(AssertionError, match="FAIL"):
+        check.assert_close(torch.tensor([1.0, 3.0], dtype=torch.bfloat16), [1.0, 2.0], rtol=1e-3, quiet=True)
+    with pytest.raises(ValueError, match="real arrays"):
+        check.assert_close(np.array([1 + 5j]), np.array([1 + 0j]), rtol=1e-9, quiet=True)
+
+
+def test_nan_never_passes_and_a_zero_reference_is_absolute():
+    with pytest.raises(AssertionError, match="NaN"):
+        check.assert_close([np.nan], [np.nan], rtol=1.0, quiet=True)
+    e = check.errors([1e-6, 0.0], [0.0, 0.0])
+    assert e["norm_rel"] == e["max_abs"] == pytest.approx(1e-6)
