@@ -87,8 +87,9 @@ def legend_outside(target, below: bool = False, **kwargs):
 
 
 def plain(v: float, _pos=None) -> str:
-    """A tick label as a plain number: 0.01, 4, 200000 (powers beyond a million as 1e+06)."""
-    return f"{v:g}" if 1e-3 <= abs(v) < 1e6 or v == 0 else f"{v:.0e}"
+    """A tick label as a plain number: 0.01, 4, 200000; from a million up and below 0.001 in exponent
+    form with the digits it needs (1e+06, 2.5e+06), never rounded to another tick's value."""
+    return f"{v:g}" if 1e-3 <= abs(v) < 1e6 or v == 0 else f"{v:.6g}"
 
 
 def kilo(v: float, _pos=None) -> str:

@@ -26,3 +26,4 @@ def test_nan_never_passes_and_a_zero_reference_is_absolute():
         check.assert_close([np.nan], [np.nan], rtol=1.0, quiet=True)
     e = check.errors([1e-6, 0.0], [0.0, 0.0])
     assert e["norm_rel"] == e["max_abs"] == pytest.approx(1e-6)
+

@@ -73,3 +73,11 @@ def test_stacked_bars_tell_every_segment_apart():
     plot.stacked_bars(ax, ["a", "b"], parts, "ms", "eight parts")
     styles = {(tuple(c.patches[0].get_facecolor()), c.patches[0].get_hatch()) for c in ax.containers}
     assert len(styles) == 8
+
+
+def test_tick_labels_keep_their_values():
+    """Exponent-form tick labels keep the digits they need: a tick at 2.5e6 read 2e+06 before."""
+    from kdlib.plot import plain
+
+    assert [plain(v) for v in (0.01, 4, 200000, 1e6, 2.5e6, 1.2e7, 2.5e-5)] == [
+        "0.01", "4", "200000", "1e+06", "2.5e+06", "1.2e+07", "2.5e-05"]
