@@ -75,21 +75,31 @@ class Allocator:
         self.size, self.policy = size, policy
         self._free = deque(range(1, size + 1))
         self._release: list[int] = []
+        self._held: set[int] = set()  # handed out and not freed: a double or stray free is an error
 
     def available(self) -> int:
         return len(self._free) + len(self._release)
 
     def alloc(self, n: int) -> np.ndarray:
         """n slots (int64), or raise MemoryError when the pool cannot hold them."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"n must be an int >= 0, got {n!r}")
         if self.policy == "sorted" and n > len(self._free) and self._release:
             merged = sorted(list(self._free) + self._release)
             self._free, self._release = deque(merged), []
         if n > len(self._free):
             raise MemoryError(f"KV pool exhausted: {n} slots wanted, {self.available()} free of {self.size}")
-        return np.array([self._free.popleft() for _ in range(n)], dtype=np.int64)
+        out = np.array([self._free.popleft() for _ in range(n)], dtype=np.int64)
+        self._held.update(out.tolist())
+        return out
 
     def free(self, slots) -> None:
+        """Give slots back (each one this allocator handed out and not yet freed; else ValueError)."""
         slots = [int(s) for s in np.asarray(slots).ravel()]
+        stray = [s for s in slots if s not in self._held]
+        if stray or len(set(slots)) != len(slots):
+            raise ValueError(f"free of slots not held: {sorted(set(stray))[:5] or 'a slot given twice'}")
+        self._held.difference_update(slots)
         if self.policy == "fifo":
             self._free.extend(slots)
         elif self.policy == "sorted":
@@ -168,8 +178,12 @@ def simulate(
         raise ValueError(f"accept_mean must be >= 1 (tau counts the root), got {accept_mean}")
     sample = None
     if accepted is not None:
-        sample = np.asarray(accepted, dtype=np.int64)
-        if sample.size == 0 or (sample < 1).any():
+        raw = np.asarray(accepted)
+        if raw.ndim != 1 or raw.size == 0 or raw.dtype.kind not in "iuf" or (raw != np.round(raw)).any():
+            raise ValueError("accepted must be a non-empty 1-D sample of whole tau values >= 1 "
+                             f"(got {raw.dtype} of shape {raw.shape})")
+        sample = raw.astype(np.int64)
+        if (sample < 1).any():
             raise ValueError("accepted must be a non-empty sample of tau values >= 1")
     total = 2 * requests if total is None else total
     if total < requests:

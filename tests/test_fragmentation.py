@@ -144,3 +144,22 @@ def test_suite_runs_on_gpu(tmp_path):
         for name in suite.LAYOUTS:
             assert p["layouts"][name]["kernel"]["median_ms"] > 0
             assert p["layouts"][name]["rel_diff_vs_contiguous"] < 1e-2  # same keys, other slots: same output
+
+
+def test_bad_samples_and_frees_are_refused():
+    """Float or 2-D tau samples (floats were truncated: mean 2.55 for [2.9, 3.7]), a negative alloc (an
+    empty array before) and a stray or double free (it grew the pool past its size) are ValueErrors."""
+    for bad in ([2.9, 3.7], [[2, 3]], []):
+        with pytest.raises(ValueError, match="accepted must be"):
+            fr.simulate(requests=2, prompt_len=4, new_tokens=8, budget=4, depth=3, accepted=bad)
+    fr.simulate(requests=2, prompt_len=4, new_tokens=8, budget=4, depth=3, accepted=[2.0, 3.0])
+    a = fr.Allocator(10)
+    with pytest.raises(ValueError, match="n must be"):
+        a.alloc(-3)
+    got = a.alloc(3)
+    with pytest.raises(ValueError, match="not held"):
+        a.free([9])
+    a.free(got)
+    with pytest.raises(ValueError, match="not held"):
+        a.free(got[:1])
+    assert a.available() == 10
