@@ -338,7 +338,7 @@ def fp32_attention_error(configs=None, scale: float = 1.0, seed: int = 0) -> lis
     """Max |fp32 - fp64| of MLA-absorb attention outputs (scores over 576 dims, values the first 512)
     on N(0, scale^2) inputs: the float32 rounding floor a correct fp32 kernel sits on.
 
-    configs: [(heads, queries, keys)]; default six shapes in the seeds' range (q_len <= 64).
+    configs: [(heads, queries, keys)]; default six shapes in the seeds' range (q_len <= 65).
     Returns [{heads, queries, keys, scale, max_abs, mean_abs_out}].
     """
     import numpy as np
@@ -386,8 +386,8 @@ def kern_verify_max_abs_err(fig: Figure, cat: Catalogue, src: Sources) -> Verdic
         READING if ok else CONTRADICTED,
         "float32 rounding of the same attention, 6 MLA shapes (q_len <= 65), max abs error by "
         "input std: " + ", ".join(f"{s:g}: {e:.1g}" for s, e in worst.items()),
-        "absolute error grows like the cube of the input scale (scores ~ std^2, outputs ~ std), "
-        "and the "
+        "absolute error grows with the input scale, steeply near unit std (the scores grow like std^2 "
+        "and sharpen the softmax) and about in proportion below 0.3, and the "
         f"seeds do not give theirs: ~2e-8 is float32 rounding for inputs of std ~{best:g} (within "
         f"{factor:g}x: {ok}), not for unit-normal inputs ({worst[1.0]:.1g}). Their kernel is not "
         "here; the "
@@ -408,8 +408,9 @@ def kern_tree_speedup_b64(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     replay = res["headline"].get("speedup_vs_cpu_graph_replay")
     extra = f"; {float(replay):.0f}x counting one graph replay per build" if replay is not None else ""
     lo, hi = _span(fig.claim)
-    # a ratio of two machines' speeds: ±25% counts as the same result
-    verdict = REPRODUCED if within(ours, fig.claim, rel=0.25) else READING
+    # a ratio of two machines' speeds: ±25% counts as the same result; a GPU build no faster than the CPU
+    # one contradicts the claim on any pair of machines
+    verdict = REPRODUCED if within(ours, fig.claim, rel=0.25) else READING if ours > 1 else CONTRADICTED
     return Verdict(fig.id, verdict, f"{ours:.0f}x at batch 64 ({gpu} kernel time vs the workbook's heapq "
                                     "reference "
                                     f"on the same host{extra})",
@@ -590,7 +591,7 @@ def eng_fewer_forwards(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     reasoning = cat.claim("diag_accept_by_text")["reasoning"]
     return Verdict(
         fig.id,
-        READING,
+        READING if decode > 1 else CONTRADICTED,  # no fewer forwards even with a perfect drafter
         f"{r['tokens']} tokens with a perfect block-{eng['block']} drafter (chain, "
         f"{r['mean_accepted']:.1f} "
         f"committed per step): AR {r['forwards_ar']} forwards "
@@ -1276,9 +1277,12 @@ def run_one(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     """One figure's verdict; a check that raises is reported as MISSING with the error (never raised)."""
     try:
         v = CHECKS[fig.check](fig, cat, src)
-    except (FileNotFoundError, KeyError, ValueError, ImportError) as e:
+    except (FileNotFoundError, KeyError, ValueError, ImportError, TypeError) as e:
         return Verdict(fig.id, MISSING, f"the check could not run: {type(e).__name__}: {e}",
                        "an input it needs is absent or malformed", expected=list(fig.expects))
+    except Exception as e:  # a fault in the check itself: the figure shows it, the other verdicts stand
+        return Verdict(fig.id, MISSING, f"the check failed: {type(e).__name__}: {e}",
+                       "a fault in the check, not in its inputs", expected=list(fig.expects))
     if v.id != fig.id:
         raise AssertionError(f"check {fig.check} answered for {v.id}, not {fig.id}")
     return v

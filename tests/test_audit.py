@@ -277,6 +277,7 @@ def _cpu(ms_b64: float) -> dict:
 @pytest.mark.parametrize("bit_exact, speedup, cpu_ms, expect", [
     (True, 420.0, 9.0, (audit.REPRODUCED, audit.REPRODUCED, audit.REPRODUCED)),
     (False, 2000.0, 100.0, (audit.CONTRADICTED, audit.READING, audit.CONTRADICTED)),
+    (True, 0.01, 9.0, (audit.REPRODUCED, audit.CONTRADICTED, audit.REPRODUCED)),  # the GPU build is slower
 ])
 def test_synthetic_results_decide_the_kernel_verdicts(cat, bit_exact, speedup, cpu_ms, expect):
     src = audit.Sources(
@@ -328,6 +329,22 @@ def test_a_failing_input_becomes_missing_not_an_exception(cat):
     )
     v = audit.run_one(cat["kern_tree_bit_exact"], cat, broken)
     assert v.verdict == audit.MISSING and "KeyError" in v.ours
+
+
+def test_a_null_input_or_a_faulty_check_is_missing_not_an_exception(cat, monkeypatch):
+    """A null in a result file (TypeError) and a fault inside a check each mark their figure MISSING and
+    leave the other verdicts standing (they escaped run_all before, failing notebook 07)."""
+    null = audit.Sources(results={"kernels.h200": {**_kernels(True, 420.0), "headline": {
+        "speedup_vs_cpu_kernel": None}}})
+    v = audit.run_one(cat["kern_tree_speedup_b64"], cat, null)
+    assert v.verdict == audit.MISSING and "TypeError" in v.ours
+
+    def broken(fig, cat, src):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setitem(audit.CHECKS, cat["kern_tree_speedup_b64"].check, broken)
+    v = audit.run_one(cat["kern_tree_speedup_b64"], cat, null)
+    assert v.verdict == audit.MISSING and "the check failed: ZeroDivisionError" in v.ours
 
 
 def test_bad_catalogues_are_refused(tmp_path):
