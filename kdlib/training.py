@@ -104,9 +104,12 @@ def sample_windows(
     p = np.array([weights[k] for k in kinds], dtype=np.float64)
     rows = rng.choice(len(kinds), size=batch, p=p / p.sum())
     out = np.empty((batch, seq), dtype=np.int64)
+    short = {k: len(streams[(k, "train")]) for k in kinds if len(streams[(k, "train")]) < seq}
+    if short:
+        raise ValueError(f"train streams shorter than the window ({seq} tokens): {short}")
     for r, ki in enumerate(rows):
         s = streams[(kinds[ki], "train")]
-        start = int(rng.integers(0, len(s) - seq))
+        start = int(rng.integers(0, len(s) - seq + 1))  # every start whose window fits, the last one included
         out[r] = s[start : start + seq]
     return out
 
@@ -388,6 +391,8 @@ def sample_anchors(batch: int, seq: int, block_size: int, per_seq: int, gen, dev
     from 1..seq - block_size (every block stays inside the window) with the torch generator `gen`."""
     import torch
 
+    if isinstance(per_seq, bool) or not isinstance(per_seq, int) or per_seq < 1:
+        raise ValueError(f"per_seq must be an int >= 1, got {per_seq!r}")
     hi = seq - block_size  # the last anchor whose block stays inside the window
     if hi < 1:
         raise ValueError(f"sequence length {seq} leaves no anchor for block size {block_size}")
@@ -642,7 +647,9 @@ def evaluate_drafter(drafter, target, stream, seq: int, batch: int, windows: int
 
     rng = np.random.Generator(np.random.PCG64(seed))
     gen = torch.Generator().manual_seed(seed)
-    starts = rng.integers(0, len(stream) - seq, windows)
+    if len(stream) < seq:
+        raise ValueError(f"the held-out stream ({len(stream)} tokens) is shorter than the window ({seq})")
+    starts = rng.integers(0, len(stream) - seq + 1, windows)
     wins = np.stack([stream[s : s + seq] for s in starts]).astype(np.int64)  # [windows, seq]
     losses, accs = [], []
     with torch.no_grad(), _autocast(target.device):

@@ -319,3 +319,20 @@ def test_bad_input():
         T.drafter_config(target.cfg, 1, target_layer_ids=(5,))
     with pytest.raises(ValueError, match="anchor"):
         T.sample_anchors(2, 10, 16, 4, torch.Generator())
+
+
+def test_windows_reach_the_stream_end_and_bad_sizes_are_named():
+    """Every start whose window fits is drawn, the last one included (the final token, an EOS, was never a
+    target); a stream shorter than the window and per_seq below 1 are named errors (a bare 'high <= 0',
+    and a NaN loss from an empty anchor set, before)."""
+    rng = np.random.default_rng(0)
+    streams = {("code", "train"): np.arange(10)}
+    starts = {int(T.sample_windows(streams, {"code": 1.0}, 1, 5, rng)[0, 0]) for _ in range(400)}
+    assert starts == set(range(6))
+    assert T.sample_windows({("code", "train"): np.arange(5)}, {"code": 1.0}, 2, 5, rng).tolist() == [
+        list(range(5))] * 2  # a stream of exactly one window
+    with pytest.raises(ValueError, match="shorter than the window"):
+        T.sample_windows({("code", "train"): np.arange(4)}, {"code": 1.0}, 1, 5, rng)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="per_seq must be"):
+            T.sample_anchors(2, 48, 8, bad, torch.Generator())
