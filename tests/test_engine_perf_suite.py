@@ -31,6 +31,15 @@ def test_verify_cost_counts_every_weight_once():
     b1, f1 = suite.verify_cost(cfg, 4096, 1, 2)
     b2, f2 = suite.verify_cost(cfg, 8192, 1, 2)
     assert b2 - b1 == cfg.num_hidden_layers * 4096 * cfg.latent_dim * 2 and f2 > f1
+    # FLOPs: 2 per active weight per row (the absorb projections are kv_b_proj's weights, counted once)
+    # plus scores and values over the keys; at no context and one row, the keys are the row itself
+    _, f0 = suite.verify_cost(cfg, 0, 1, 2)
+    att = cfg.num_hidden_layers * 2 * cfg.num_attention_heads * (cfg.latent_dim + cfg.kv_lora_rank)
+    H, expert = cfg.hidden_size, 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    idle = (cfg.n_routed_experts - cfg.num_experts_per_tok) * expert + cfg.n_routed_experts * H  # and router
+    own_head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * H
+    active = n - own_head - (cfg.num_hidden_layers - cfg.first_k_dense_replace) * idle + cfg.vocab_size * H
+    assert f0 == pytest.approx(2 * active + att, rel=1e-9)
 
 
 def test_rows_feed_the_estimator():

@@ -55,8 +55,9 @@ def verify_cost(cfg, context: int, q: int, elem_bytes: int) -> tuple[float, floa
 
     Bytes: every weight read once (routed experts: at most min(E, q * top-k) distinct ones per
     layer), the latent cache rows read once per layer. FLOPs: 2 per weight per row for the active
-    parameters, plus the absorbed attention: per layer and head, q x keys x (kv_lora + rope) for
-    the scores, q x keys x kv_lora for the values, and the two absorb projections.
+    parameters (kv_b_proj among them: in the absorbed form its two halves are the absorb projections
+    W_UK and W_UV, applied once per row), plus the absorbed attention: per layer and head, q x keys x
+    (kv_lora + rope) for the scores and q x keys x kv_lora for the values.
     """
     H, nh = cfg.hidden_size, cfg.num_attention_heads
     attn = (
@@ -86,8 +87,7 @@ def verify_cost(cfg, context: int, q: int, elem_bytes: int) -> tuple[float, floa
         + n_moe * (cfg.num_experts_per_tok * expert + shared)
         + head
     )
-    absorb = nh * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank
-    att_flops = cfg.num_hidden_layers * 2 * q * (nh * keys * (cfg.latent_dim + cfg.kv_lora_rank) + absorb)
+    att_flops = cfg.num_hidden_layers * 2 * q * nh * keys * (cfg.latent_dim + cfg.kv_lora_rank)
     return float((weights + kv) * elem_bytes), float(2 * q * active + att_flops)
 
 
