@@ -124,3 +124,31 @@ def test_serve_arms_parameter_is_checked_before_any_server_starts(monkeypatch):
     monkeypatch.setenv("KDLIB_SERVE_ARMS", "ddtree,fast")
     with pytest.raises(ValueError, match=r"KDLIB_SERVE_ARMS: unknown arms \['fast'\]"):
         serve.run(quick=True)
+
+
+def test_environment_switches_refuse_misspelt_values(monkeypatch):
+    """A typo in a suite's switch is an error naming the variable (KDLIB_KERNELS_ATTENTION=skpi ran the
+    whole verify-attention sweep; only "0" turned the graph switches off)."""
+    from kdlib.perf.suites import env_choice, env_flag
+
+    for raw, want in (("0", False), ("off", False), ("False", False), ("1", True), ("yes", True), ("", True)):
+        monkeypatch.setenv("KDLIB_T_FLAG", raw)
+        assert env_flag("KDLIB_T_FLAG", True) is want
+    monkeypatch.setenv("KDLIB_T_FLAG", "nope")
+    with pytest.raises(ValueError, match="KDLIB_T_FLAG='nope'"):
+        env_flag("KDLIB_T_FLAG", True)
+    monkeypatch.setenv("KDLIB_KERNELS_ATTENTION", "skpi")
+    with pytest.raises(ValueError, match="KDLIB_KERNELS_ATTENTION='skpi'"):
+        kernels._attention(quick=True, attention=None, budget_s=None)
+    monkeypatch.setenv("KDLIB_KERNELS_ATTENTION", "skip")
+    assert "skipped" in kernels._attention(quick=True, attention=None, budget_s=None)["absent"]
+    assert env_choice("KDLIB_T_UNSET", ("a", "b"), "b") == "b"
+
+
+
+def test_k2_rank_refuses_a_resume_file_that_is_not_there():
+    """A mistyped K2_RANK_RESUME started the grid over and overwrote the record with its first rows."""
+    from kdlib.perf.suites import k2_rank
+
+    with pytest.raises(ValueError, match="does not exist"):
+        k2_rank.run(resume="/nonexistent/k2_rank.h200.json")

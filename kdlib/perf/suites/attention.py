@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from kdlib import perf
 from kdlib.perf import results, timing
 from kdlib.perf.suites import _attention as base
+from kdlib.perf.suites import env_flag
 
 D_QK, D_V = base.D_QK, base.D_V
 # Priority order: the three rows first, then the rest of its grid.
@@ -301,7 +302,7 @@ def run_point(p: dict, pool, kv_split, ceil: dict, impls, *, iters: int, baselin
     else:
         try:
             rec, fo, fi_timers = _flashinfer_prefix(fi, q, *kv_split, tables, lens, scale, iters,
-                                                    graph=os.environ.get("KDLIB_ATTENTION_FI_GRAPH") != "0")
+                                                    graph=env_flag("KDLIB_ATTENTION_FI_GRAPH", True))
             ours = cu.prefix_attention(q, pool, tables[0], lens_t, scale, impl=impls[0], validate=False)[0]
             ours_t = torch.from_dlpack(ours)
             diff = float(torch.linalg.vector_norm(fo.float() - ours_t) / torch.linalg.vector_norm(ours_t))
@@ -414,7 +415,7 @@ def run(*, quick: bool = False, impls: Sequence[str] | None = None,
                        "page_size": 1, "softmax_scale": "576**-0.5",
                        "tree": "random trees; uniform points: full trees (tree_sizes = Q)",
                        "flashinfer": getattr(fi, "__version__", None) if fi is not None else fi_why,
-                       "flashinfer_graph": os.environ.get("KDLIB_ATTENTION_FI_GRAPH") != "0"},
+                       "flashinfer_graph": env_flag("KDLIB_ATTENTION_FI_GRAPH", True)},
         "ceilings": ceil,
         "clocks_before": clocks_before,
         "clocks_after": timing.clocks(),

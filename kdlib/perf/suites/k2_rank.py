@@ -41,6 +41,7 @@ from pathlib import Path
 
 from kdlib import memory
 from kdlib.perf import profile, rank_work, results, timing
+from kdlib.perf.suites import env_flag
 from kdlib.perf.timing import floor_ms
 
 CONTEXTS = (5500, 200000, 128000, 32000, 128)  # the seeds' 5.5k first, then the longest
@@ -267,12 +268,15 @@ def run(*, quick: bool = False, out: str | None = None, budget_s: float | None =
     env = os.environ.get
     budget_s = float(env("K2_RANK_BUDGET_S", "200") if budget_s is None else budget_s)
     moe_mode = env("K2_RANK_MOE", "tp") if moe_mode is None else moe_mode
-    compile_ = env("K2_RANK_COMPILE", "1") != "0" if compile is None else bool(compile)
+    compile_ = env_flag("K2_RANK_COMPILE", True) if compile is None else bool(compile)
     if contexts is None:
         contexts = tuple(int(x) for x in env("K2_RANK_CONTEXTS", "").split(",") if x) or None
     resume = env("K2_RANK_RESUME") if resume is None else resume
     routing = env("K2_RANK_ROUTING", "uniform") if routing is None else routing
-    kept = json.loads(Path(resume).read_text())["rows"] if resume and os.path.exists(resume) else []
+    if resume and not os.path.exists(resume):
+        raise ValueError(f"K2_RANK_RESUME / resume: {resume} does not exist (the grid would start over and "
+                         "overwrite the record)")
+    kept = json.loads(Path(resume).read_text())["rows"] if resume else []
     name = "kimi-k2.6"
     cfg_dict = memory.load_config(name)
     cfg = ModelConfig.from_dict(cfg_dict)

@@ -46,6 +46,7 @@ import numpy as np
 from kdlib import perf, ref
 from kdlib.cuda import accept, compact, pipeline, tree
 from kdlib.perf import results, timing
+from kdlib.perf.suites import env_choice
 from kdlib.ref.tree import BATCH_FIELDS, synthetic_topk
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -329,8 +330,13 @@ def bench_rest(inputs: dict, iters: int, bw: float) -> dict:
     return out
 
 
+ATTENTION_MODES = ("skip", "quick", "full")  # of the verify-attention part (KDLIB_KERNELS_ATTENTION)
+
+
 def _attention(*, quick: bool, attention: str | None, budget_s: float | None) -> dict:
-    mode = attention or os.environ.get("KDLIB_KERNELS_ATTENTION", "quick" if quick else "full")
+    mode = attention or env_choice("KDLIB_KERNELS_ATTENTION", ATTENTION_MODES, "quick" if quick else "full")
+    if mode not in ATTENTION_MODES:
+        raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {mode!r}")
     if mode == "skip":
         return {"absent": "skipped (KDLIB_KERNELS_ATTENTION=skip)"}
     try:
