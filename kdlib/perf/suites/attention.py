@@ -15,7 +15,7 @@ order) are those parameters' defaults. Per point
     when `flashinfer` imports (tools/attention_gpu.sh carries its wheels): one planned wrapper per
     rotated page table, eager runs over the tables in turn, median of CUDA events (its runs over one
     table beside them, as the records before 2026-12-03 timed it), and the same runs captured into CUDA
-    graphs and replayed in turn (`graph`; env KDLIB_ATTENTION_FI_GRAPH=0 leaves them out); it has no tree
+    graphs and replayed in turn (`graph`; env KDLIB_ATTENTION_FI_GRAPH=off leaves them out); it has no tree
     mask, so its time is a lower bound of a verify built on it;
   * at the GOAL_MS points, a duel: DUEL_ROUNDS interleaved rounds of the headline's whole verify, its
     plan reused, the other impls' whole verify (arms named by impl: an A/B round by round) and FlashInfer,

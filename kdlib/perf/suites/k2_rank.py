@@ -253,7 +253,7 @@ def run(*, quick: bool = False, out: str | None = None, budget_s: float | None =
     budget_s: no new row starts past this many seconds of the grid; None: env K2_RANK_BUDGET_S, else 200.
     moe_mode: "tp" (experts sliced) or "ep" (whole experts); None: env K2_RANK_MOE, else "tp".
     compile: torch.compile the pieces between the kernels after PLAIN_ROWS are measured without it;
-        None: env K2_RANK_COMPILE ("0" off), else on.
+        None: env K2_RANK_COMPILE (0 / false / no / off: off), else on.
     contexts: only these contexts of CONTEXTS; None: env K2_RANK_CONTEXTS (comma list), else all.
     resume: a k2_rank JSON of an earlier run whose rows are kept and not measured again; None: env
         K2_RANK_RESUME, else none.
