@@ -152,3 +152,15 @@ def test_k2_rank_refuses_a_resume_file_that_is_not_there():
 
     with pytest.raises(ValueError, match="does not exist"):
         k2_rank.run(resume="/nonexistent/k2_rank.h200.json")
+
+
+def test_host_only_suites_are_named_cpu_on_a_gpu_machine(tmp_path, monkeypatch):
+    """kdtr_io and tree_build_cpu time the host: their files are <suite>.cpu.json, the name their loaders
+    read, on a GPU machine too (they were named after the GPU there)."""
+    monkeypatch.setattr(entry.results, "gpu_name", lambda: "NVIDIA H200")
+    monkeypatch.setattr(entry, "call_suite", lambda module, args: {"value": 1})
+    assert entry.main(["--suite", "kdtr_io", "--suite", "tree_build_cpu", "--suite", "ceilings",
+                       "--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ceilings.h200.json", "kdtr_io.cpu.json",
+                                                          "tree_build_cpu.cpu.json"]
+

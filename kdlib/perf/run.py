@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.suite:
         module = importlib.import_module(f"kdlib.perf.suites.{name}")
         payload = call_suite(module, args)
-        path = results.write(name, payload, out_dir=args.out, command=command)
+        # a host-only suite's file is <suite>.cpu.json on any machine (its loader reads that name)
+        file = f"{name}.cpu" if getattr(module, "CPU_ONLY", False) else None
+        path = results.write(name, payload, out_dir=args.out, command=command, name=file)
         print(f"[perf] {name}: wrote {path}", flush=True)
     return 0
 

@@ -29,6 +29,7 @@ import numpy as np
 from kdlib import kdtr
 from kdlib.perf import cpu_time
 
+CPU_ONLY = True  # host-only: `kdlib.perf.run` names its file <suite>.cpu.json on any machine
 SUITE = "kdtr_io"
 
 

@@ -1,6 +1,6 @@
 """Suite `tree_build_cpu` (CPU): the numpy reference tree builder's time, the GPU builder's baseline.
 
-    python -m kdlib.perf.run --suite tree_build_cpu     # -> data/results/tree_build_cpu.<host>.json
+    python -m kdlib.perf.run --suite tree_build_cpu     # -> data/results/tree_build_cpu.cpu.json
     measure(batches=(1, 4), budgets=(8, 16), iters=3)   # the same from Python (notebook 01)
 """
 
@@ -10,6 +10,7 @@ from kdlib.perf import cpu_time
 from kdlib.ref.tree import build_tree_batch, synthetic_topk
 
 # issue 3: the seeds' SGLang comparison point
+CPU_ONLY = True  # host-only: `kdlib.perf.run` names its file <suite>.cpu.json on any machine
 BASELINE_POINT = {"batch": 64, "depth": 15, "budget": 64, "k_prime": 64}
 
 
