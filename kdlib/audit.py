@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from decimal import Decimal
 from functools import cache
 from pathlib import Path
 from urllib.parse import quote as _urlquote
@@ -258,8 +259,9 @@ def compare(fid: str, ours: float, claim, *, rel: float, what: str, source: str,
 
 
 def _rounds_to(exact: float, shown: float) -> bool:
-    """Is `shown` the value `exact` rounds to at the precision `shown` is written with?"""
-    digits = len(repr(float(shown)).split(".")[1].rstrip("0"))
+    """Is `shown` the value `exact` rounds to at the precision `shown` is written with (1.5e-05 and 2e-05
+    included: the decimal digits are read from the exact decimal form, not from repr's exponent form)?"""
+    digits = max(0, -Decimal(repr(float(shown))).normalize().as_tuple().exponent)
     return round(exact, digits) == shown
 
 
@@ -707,7 +709,12 @@ def diag_baseline_c1_c10(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
 def diag_two_point_255(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     exact, shown = fig.claim
     rounded = _rounds_to(exact, shown)
-    return Verdict(fig.id, READING if not rounded else REPRODUCED,
+    if rounded:
+        return Verdict(fig.id, REPRODUCED, f"{exact:g} rounds to {shown:g}",
+                       f"the two seeds state the same measurement as {exact:g} and {shown:g}, the second "
+                       "rounded from the first", sources=["seed 000 / seed 002 text"],
+                       values={"rounded": rounded})
+    return Verdict(fig.id, READING,
                    f"{exact:g} rounds to {round(exact):.0f}, not {shown:g}",
                    f"the two seeds state the same measurement as {exact:g} and {shown:g}: {shown:g} is "
                    f"{exact:g} "

@@ -258,6 +258,9 @@ def test_compare_and_rounding():
     assert ok.verdict == audit.REPRODUCED and bad.verdict == audit.CONTRADICTED and "outside" in bad.reason
     assert audit._rounds_to(66.8, 67.0) and not audit._rounds_to(255.7, 255.0)
     assert audit._rounds_to(3.83, 3.8) and not audit._rounds_to(3.86, 3.8)
+    # values repr writes in exponent form (a wrong digit count, and an IndexError, before)
+    assert audit._rounds_to(1.5e-5, 1.5e-5) and audit._rounds_to(2.04e-5, 2e-5)
+    assert not audit._rounds_to(2.6e-5, 2e-5)
     with pytest.raises(ValueError):
         audit.Verdict("x", "plausible", "", "")
 
