@@ -20,7 +20,6 @@ Every process sets NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHM
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -96,7 +95,6 @@ def _check_args(ap: argparse.ArgumentParser, args) -> None:
             ap.error(f"--backend nccl needs one GPU per rank: {world} ranks, "
                      f"{torch.cuda.device_count()} GPUs visible")
     from kdlib import zoo
-    from kdlib.config import ConfigError
     from kdlib.tp import check_tp_config
 
     if args.zoo and not zoo.available():
@@ -105,7 +103,7 @@ def _check_args(ap: argparse.ArgumentParser, args) -> None:
         cfg = (ModelConfig.from_json(zoo.MODELS / "target.config.json") if args.zoo
                else ModelConfig.load(args.config))
         check_tp_config(cfg, world, args.moe_mode)
-    except (ConfigError, ValueError, OSError) as e:
+    except (ValueError, OSError) as e:  # ConfigError is a ValueError
         ap.error(str(e))
 
 
@@ -135,11 +133,10 @@ def main(argv=None) -> int:
                      "torchrun")
         return _torchrun(args)
     if args.bench:
-        path = write(
-            "tp", run(quick=args.quick), out_dir=args.out,
-            command="python3 tools/tp_run.py " + " ".join(sys.argv[1:]),
-        )
-        passed = json.loads(path.read_text()).get("checks_pass", True)
+        payload = run(quick=args.quick)
+        path = write("tp", payload, out_dir=args.out,
+                     command="python3 tools/tp_run.py " + " ".join(sys.argv[1:]))
+        passed = payload.get("checks_pass", True)
         print(f"[tp_run] wrote {path}" + ("" if passed else "; its checks FAILED (checks_pass false)"),
               flush=True)
         return 0 if passed else 1

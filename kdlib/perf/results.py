@@ -973,7 +973,7 @@ def ceilings(gpu: str | None = None) -> Ceilings:
     def find(slug: str) -> dict | None:  # 'h100' finds ceilings.h100-80gb-hbm3.json, as kdlib.hw does
         return load("ceilings", slug) or load("ceilings", f"{slug}-*")
 
-    doc = find(gpu) if gpu else find(gpu_slug(gpu_name())) or find("h200")
+    doc = find(gpu) if gpu else (find(gpu_slug(gpu_name())) or find("h200"))
     if doc is not None:
         values = (doc.get("copy_bandwidth_Bps"), doc.get("bf16_matmul_flops"))
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values):

@@ -380,6 +380,7 @@ def run(*, quick: bool = False, impls: Sequence[str] | None = None,
     ceil = results.ceilings().as_dict()
     pool = torch.randn(pool_rows(pts), D_QK, device="cuda", dtype=torch.bfloat16)  # [N, 576] KV rows
     fi, fi_why = _flashinfer()
+    fi_graph = env_flag("KDLIB_ATTENTION_FI_GRAPH", True)  # checked before measuring (run_point hides errors)
     kv_split = None
     if fi is not None:  # FlashInfer's page_size-1 caches: [N, 1, 512] latent and [N, 1, 64] rope
         kv_split = (pool[:, :D_V].contiguous().view(-1, 1, D_V),
@@ -415,7 +416,7 @@ def run(*, quick: bool = False, impls: Sequence[str] | None = None,
                        "page_size": 1, "softmax_scale": "576**-0.5",
                        "tree": "random trees; uniform points: full trees (tree_sizes = Q)",
                        "flashinfer": getattr(fi, "__version__", None) if fi is not None else fi_why,
-                       "flashinfer_graph": env_flag("KDLIB_ATTENTION_FI_GRAPH", True)},
+                       "flashinfer_graph": fi_graph},
         "ceilings": ceil,
         "clocks_before": clocks_before,
         "clocks_after": timing.clocks(),
