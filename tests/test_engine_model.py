@@ -262,6 +262,26 @@ def test_checkpoint_mismatch_is_named(tmp_path):
         Model.from_pretrained(tmp_path)
 
 
+def test_checkpoint_checked_from_headers_before_the_model_is_built(tmp_path, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    cfg = ModelConfig.from_json(DATA / "configs" / "tiny-b.json")
+    save_pretrained(Model.random(cfg, seed=0), tmp_path)
+    w = load_file(str(tmp_path / "model.safetensors"))
+    name = "model.layers.1.self_attn.o_proj.weight"
+    w[name] = w[name][:, :-1].contiguous()
+    save_file(w, str(tmp_path / "model.safetensors"))
+
+    def built(*args, **kwargs):
+        raise AssertionError("the model was built before the checkpoint was checked")
+
+    monkeypatch.setattr(Model, "__init__", built)
+    shape = tuple(w[name].shape)
+    with pytest.raises(ValueError, match=rf"model.safetensors: {name}: shape \({shape[0]}, {shape[1]}\) "
+                                         r"does not match the config's"):
+        Model.from_pretrained(tmp_path)
+
+
 @pytest.mark.parametrize(
     "name, scale",
     # softmax scales from models-hardware.md §3 (1/sqrt(192) x mscale(factor, mscale_all_dim)^2)
@@ -346,7 +366,7 @@ def test_sharded_checkpoints_read_the_shards_their_index_names(tmp_path):
     first = halves["model-00001-of-00002.safetensors"]
     save_file({**{k: w[k] for k in first}, first[0]: w[first[0]].to(torch.int8)},
               str(tmp_path / "model-00001-of-00002.safetensors"))
-    with pytest.raises(ValueError, match="torch.int8; the engine loads dense float checkpoints"):
+    with pytest.raises(ValueError, match="is I8; the engine loads dense float checkpoints"):
         Model.from_pretrained(tmp_path)
 
 

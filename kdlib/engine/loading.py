@@ -1,6 +1,6 @@
 """Weights: Hugging Face checkpoint loading, deterministic random weights, KDTR round trips.
 
-    w = read_safetensors_dir(Path("hf_dir"), cfg)      # name -> tensor (HF names): Model.from_pretrained
+    layout = checkpoint_layout(Path("hf_dir"), cfg)    # name -> file, headers checked: Model.from_pretrained
     w = random_weights(cfg, seed=0)                    # name -> float32 numpy array (same seed, same bytes)
     random_weights_on_device(model, seed=0)            # the same scales drawn by torch on the model's device
     save_pretrained(model, "out_dir")                  # config.json + model.safetensors (HF layout)
@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+from safetensors import safe_open
 
 from kdlib.engine.config import ModelConfig
 from kdlib.files import atomic_write_path, atomic_write_text
@@ -126,8 +127,6 @@ def check_keys(expected: set, got: set) -> None:
 
 
 INDEX = "model.safetensors.index.json"  # a sharded checkpoint's map: weight name -> shard file
-# what the engine loads; fp8 (and integer) tensors are quantized checkpoints' and would be cast blindly
-FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -150,32 +149,43 @@ def checkpoint_files(path: Path) -> list[Path]:
     return [path / s for s in shards]
 
 
-def read_safetensors_dir(path: Path, cfg: ModelConfig) -> dict:
-    """name -> torch tensor from the checkpoint's safetensors files (`checkpoint_files`), the multi-token
-    prediction layers (num_nextn_predict_layers past the last decoder layer) and buffers dropped.
-    ValueError for a quantized or non-float tensor and for a name two files both hold."""
-    from safetensors.torch import load_file
+# a safetensors header's float dtypes: what the engine loads (fp8 and integer tensors are quantized
+# checkpoints' and would be cast blindly)
+FLOAT_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
 
+
+def checkpoint_layout(path: Path, cfg: ModelConfig) -> dict[str, Path]:
+    """name -> file of every weight the model takes, from the safetensors headers of `checkpoint_files`
+    alone: no tensor is read and nothing allocated, so a mismatch costs nothing. Multi-token-prediction
+    layers (num_nextn_predict_layers past the last decoder layer), buffers, and `lm_head.weight` under a
+    tied config are dropped. ValueError for a quantized or non-float tensor, a name two files both hold,
+    missing or unexpected names (`check_keys`) and a shape that is not the config's."""
     last = cfg.num_hidden_layers
     mtp = range(last, last + int(cfg.extra.get("num_nextn_predict_layers") or 0))
-    weights, where = {}, {}
+    where, shapes = {}, {}
     for f in checkpoint_files(path):
-        for k, v in load_file(str(f)).items():
-            if any(s in k for s in _QUANT):
-                raise ValueError(f"{f.name}: quantized weight {k!r}; the engine loads dense float "
-                                 "checkpoints only")
-            if str(v.dtype).removeprefix("torch.") not in FLOAT_DTYPES:
-                raise ValueError(f"{f.name}: {k!r} is {v.dtype}; the engine loads dense float checkpoints "
-                                 f"({', '.join(FLOAT_DTYPES)})")
-            m = _MTP.match(k)
-            if (m and int(m.group(1)) in mtp) or k.endswith("rotary_emb.inv_freq"):
-                continue
-            if k in weights:
-                raise ValueError(f"{k!r} is in both {where[k]} and {f.name}")
-            weights[k], where[k] = v, f.name
-    if cfg.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
-    return weights
+        with safe_open(str(f), framework="pt") as header:
+            for k in header.keys():
+                if any(s in k for s in _QUANT):
+                    raise ValueError(f"{f.name}: quantized weight {k!r}; the engine loads dense float "
+                                     "checkpoints only")
+                part = header.get_slice(k)
+                if part.get_dtype() not in FLOAT_DTYPES:
+                    raise ValueError(f"{f.name}: {k!r} is {part.get_dtype()}; the engine loads dense float "
+                                     f"checkpoints ({', '.join(FLOAT_DTYPES)})")
+                m = _MTP.match(k)
+                if (m and int(m.group(1)) in mtp) or k.endswith("rotary_emb.inv_freq") \
+                        or (cfg.tie_word_embeddings and k == "lm_head.weight"):
+                    continue
+                if k in where:
+                    raise ValueError(f"{k!r} is in both {where[k].name} and {f.name}")
+                where[k], shapes[k] = f, tuple(part.get_shape())
+    expected = parameter_shapes(cfg)
+    check_keys(set(expected), set(where))
+    for k, shape in expected.items():
+        if shapes[k] != shape:
+            raise ValueError(f"{where[k].name}: {k}: shape {shapes[k]} does not match the config's {shape}")
+    return where
 
 
 def save_pretrained(model, path) -> None:

@@ -34,11 +34,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from torch import nn
 
 from kdlib import ops
 from kdlib.config import ModelConfig, rope_inv_freq
-from kdlib.engine.loading import check_keys, random_weights, read_safetensors_dir
+from kdlib.engine.loading import check_keys, checkpoint_layout, random_weights
 
 # torch's grouped GEMM (one launch for all experts, offsets on the device: no host sync); CUDA bf16 only
 GROUPED_MM = hasattr(torch, "_grouped_mm")
@@ -504,15 +505,25 @@ class Model(nn.Module):
     @classmethod
     def from_pretrained(cls, path, dtype=None, device=None) -> Model:
         """Load config.json + the safetensors files (HF DeepseekV3 names) from a folder: the shards that
-        model.safetensors.index.json names, else every *.safetensors (`loading.checkpoint_files`)."""
+        model.safetensors.index.json names, else every *.safetensors (`loading.checkpoint_files`).
+        The names, dtypes and shapes are checked from the files' headers before the model is built
+        (`loading.checkpoint_layout`); then one tensor at a time is read beside the model."""
         path = Path(path)
         if not path.is_dir():
             raise ValueError(f"{path}: not a folder")
         if not (path / "config.json").is_file():
             raise ValueError(f"{path}: no config.json (a Hugging Face checkpoint folder holds one)")
         cfg = ModelConfig.from_json(path / "config.json")
+        by_file: dict[Path, list[str]] = {}
+        for k, f in checkpoint_layout(path, cfg).items():
+            by_file.setdefault(f, []).append(k)
         m = cls(cfg)
-        m.load_weights(read_safetensors_dir(path, cfg))
+        own = m.state_dict()
+        with torch.no_grad():
+            for f, names in by_file.items():
+                with safe_open(str(f), framework="pt") as tensors:
+                    for k in names:
+                        own[k].copy_(tensors.get_tensor(k).to(own[k].dtype))
         return m.to(device=device or "cpu", dtype=dtype or torch.float32).eval()
 
     @classmethod
