@@ -25,6 +25,7 @@ import math
 import os
 import signal
 import sys
+from pathlib import Path
 
 COMMANDS = {
     "kdtr": ("kdlib.kdtr", "inspect and convert KDTR tensor files"),
@@ -95,6 +96,25 @@ def fraction(text: str) -> float:
     if not 0 < value < 1:
         raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1), got {text!r}")
     return value
+
+
+def folder(text: str) -> Path:
+    """argparse type: a folder, or a path where none exists yet (made when written)."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a folder")
+    return path
+
+
+def output_folder(text: str) -> Path:
+    """argparse type: a folder to write results into, made now (parents too), so that a bad path fails
+    before the work whose result it would hold."""
+    path = folder(text)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot use {text} as a folder ({e.strerror or e})") from None
+    return path
 
 
 def _usage() -> str:

@@ -38,6 +38,7 @@ import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kdlib.cli import output_folder
 from kdlib.files import atomic_write_text
 
 KINDS = ("code", "prose", "templated")
@@ -206,12 +207,9 @@ def asdicts(docs: list[Doc]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kdlib.corpus", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="output folder (e.g. .carry/corpus)")
+    ap.add_argument("--out", required=True, type=output_folder, help="output folder (e.g. .carry/corpus)")
     args = ap.parse_args(argv)
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        ap.error(f"--out {out} is a file, not a folder")
-    m = write(extract(), out)
+    m = write(extract(), args.out)
     for name, info in m["files"].items():
         print(f"{name:28s} {info['docs']:5d} docs {info['chars'] / 1e6:7.2f} M chars")
     return 0

@@ -129,3 +129,19 @@ def test_argument_types(kind, good, bad):
     for text in bad:
         with pytest.raises(argparse.ArgumentTypeError, match="must be"):
             kind(text)
+
+
+def test_folder_types(tmp_path):
+    """`folder` takes a folder or a free path and makes nothing; `output_folder` makes it, parents too;
+    both refuse a file, and `output_folder` a path it cannot make."""
+    (tmp_path / "f").write_text("x")
+    assert cli.folder(str(tmp_path)) == tmp_path
+    assert cli.folder(str(tmp_path / "new")) == tmp_path / "new" and not (tmp_path / "new").exists()
+    assert cli.output_folder(str(tmp_path / "a" / "b")) == tmp_path / "a" / "b"
+    assert (tmp_path / "a" / "b").is_dir()
+    for kind in (cli.folder, cli.output_folder):
+        with pytest.raises(argparse.ArgumentTypeError, match="is a file, not a folder"):
+            kind(str(tmp_path / "f"))
+    with pytest.raises(argparse.ArgumentTypeError, match=r"cannot use .*sub as a folder \(Not a directory\)"):
+        cli.output_folder(str(tmp_path / "f" / "sub"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "f"]

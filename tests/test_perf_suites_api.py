@@ -96,9 +96,12 @@ def test_the_entry_point_refuses_a_file_as_out_before_measuring(tmp_path, capsys
     (tmp_path / "f").write_text("x")
     ran = []
     monkeypatch.setattr(entry, "call_suite", lambda module, args: ran.append(module) or {})
-    with pytest.raises(SystemExit) as e:
-        entry.main(["--suite", "kdtr_io", "--out", str(tmp_path / "f")])
-    assert e.value.code == 2 and "cannot use it as a folder" in capsys.readouterr().err and not ran
+    for out, message in ((tmp_path / "f", "is a file, not a folder"),
+                         (tmp_path / "f" / "sub", "as a folder (Not a directory)")):
+        with pytest.raises(SystemExit) as e:
+            entry.main(["--suite", "kdtr_io", "--out", str(out)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "argument --out: " in err and message in err and not ran, err
 
 
 def test_parameters_come_before_their_environment_defaults(monkeypatch):

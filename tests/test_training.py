@@ -290,12 +290,14 @@ def test_train_tiny_bad_arguments(capsys, tmp_path):
     (tmp_path / "file").write_text("x")
     out = ["--out", str(tmp_path / "run")]
     for argv, message in (
-        (["--target-s", "0", *out], "--target-s must be > 0"),
-        (["--drafter-s", "-1", *out], "--drafter-s must be > 0"),
-        (["--device", "tpu", *out], "--device must be cpu or cuda"),
+        (["--target-s", "0", *out], "argument --target-s: must be a positive number, got '0'"),
+        (["--drafter-s", "-1", *out], "argument --drafter-s: must be a positive number, got '-1'"),
+        (["--accept-s", "nan", *out], "argument --accept-s: must be a positive number, got 'nan'"),
+        (["--device", "tpu", *out], "argument --device: invalid choice: 'tpu'"),
         (["--smoke"], "required: --out"),
         (["--out", str(zoo.MODELS)], "--replace-shipped"),
-        (["--out", str(tmp_path / "file")], "is a file"),
+        (["--out", str(tmp_path / "file")], "is a file, not a folder"),
+        (["--corpus", str(tmp_path / "file"), *out], "argument --corpus: " + str(tmp_path / "file")),
         (["--seed", "-1", *out], "--seed must be >= 0"),
         (["--corpus", str(tmp_path / "no" / "corpus"), *out], "parent folder does not exist"),
     ):

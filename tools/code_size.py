@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ncu_source as ns  # noqa: E402
 
 from kdlib import ROOT  # noqa: E402
+from kdlib.cli import output_folder  # noqa: E402
 from kdlib.cuda import loader  # noqa: E402
 from kdlib.perf import results  # noqa: E402
 
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.splitlines()[1:]))
-    ap.add_argument("--out", required=True, type=Path, help="folder for code_size.cpu.json")
+    ap.add_argument("--out", required=True, type=output_folder, help="folder for code_size.cpu.json")
     a = ap.parse_args(argv)
     lacking = ns.missing_tools()
     if lacking:

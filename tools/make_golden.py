@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from kdlib import DATA, kdtr, ref
+from kdlib.cli import folder
 from kdlib.ref.tree import BATCH_FIELDS, synthetic_topk
 
 GENERATOR = "tools/make_golden.py"
@@ -372,12 +373,10 @@ def generate(out: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=DATA / "golden", help="output folder (default data/golden)")
+    ap.add_argument("--out", type=folder, default=DATA / "golden", help="output folder (default data/golden)")
     ap.add_argument("--check", action="store_true",
                     help="regenerate into a temporary folder and compare with --out instead of writing it")
     args = ap.parse_args(argv)
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        ap.error(f"--out {args.out} is a file, not a folder")
     if args.check:
         with tempfile.TemporaryDirectory() as tmp:
             problems = check(generate(Path(tmp)), args.out)

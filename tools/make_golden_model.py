@@ -28,6 +28,7 @@ import numpy as np
 from make_golden import check  # tools/ is sys.path[0] when this file runs as a script
 
 from kdlib import DATA, kdtr
+from kdlib.cli import folder
 from kdlib.engine.config import ModelConfig
 from kdlib.engine.loading import random_weights
 from kdlib.ref.model import forward
@@ -67,12 +68,10 @@ def write(out: Path) -> list[Path]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(DATA / "golden"), help="output folder (default data/golden)")
+    ap.add_argument("--out", type=folder, default=DATA / "golden", help="output folder (default data/golden)")
     ap.add_argument("--check", action="store_true",
                     help="regenerate into a temporary folder and compare with --out instead of writing it")
     args = ap.parse_args(argv)
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        ap.error(f"--out {args.out} is a file, not a folder")
     if args.check:
         with tempfile.TemporaryDirectory() as tmp:
             problems = check(write(Path(tmp)), Path(args.out), lambda _: {"logits": RTOL_REGEN})

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kdlib.cli import output_folder  # noqa: E402
 from kdlib.cuda import loader  # noqa: E402
 from kdlib.perf import results  # noqa: E402
 from kdlib.perf.suites.attention_bounds import SM_REGS  # noqa: E402
@@ -71,7 +72,7 @@ def measure() -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="folder for register_budget.cpu.json")
+    ap.add_argument("--out", required=True, type=output_folder, help="folder for register_budget.cpu.json")
     a = ap.parse_args(argv)
     if loader.nvcc_path() is None:
         ap.error("nvcc not found (PATH or $NVCC)")

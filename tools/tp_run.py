@@ -24,6 +24,7 @@ import os
 import sys
 import tempfile
 
+from kdlib.cli import folder
 from kdlib.engine import ModelConfig
 from kdlib.perf import write
 from kdlib.perf.suites.tp import run
@@ -122,8 +123,8 @@ def main(argv=None) -> int:
         "--bench", action="store_true", help="GPU benchmark over 1, 2, 4, 8 GPUs -> tp.<gpu>.json"
     )
     ap.add_argument("--quick", action="store_true", help="with --bench: a reduced sweep")
-    ap.add_argument("--out", default=None, help="with --bench: folder of the result JSON (default "
-                                                "data/results/)")
+    ap.add_argument("--out", default=None, type=folder,
+                    help="with --bench: folder of the result JSON (default data/results/)")
     args = ap.parse_args(argv)
     _check_args(ap, args)
 

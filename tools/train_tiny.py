@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ba
 
 from kdlib import corpus, perf, zoo  # noqa: E402
 from kdlib import training as T  # noqa: E402
+from kdlib.cli import folder, positive_float  # noqa: E402
 from kdlib.files import atomic_write_text  # noqa: E402
 from kdlib.perf.suites import accept  # noqa: E402
 
@@ -106,34 +107,26 @@ def _spec(spec) -> dict:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cpu", help="cpu | cuda")
-    ap.add_argument("--corpus", default=".carry/corpus", help="corpus folder (built when missing)")
-    ap.add_argument("--out", required=True,
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--corpus", default=Path(".carry/corpus"), type=folder,
+                    help="corpus folder (built when missing)")
+    ap.add_argument("--out", required=True, type=folder,
                     help=f"output folder (required; the workbook's own models are {zoo.MODELS}: writing "
                          "there replaces them, so it takes --replace-shipped)")
     ap.add_argument("--replace-shipped", action="store_true",
                     help="allow --out to be the shipped models' folder")
-    ap.add_argument("--target-s", type=float, default=90.0, help="training seconds of the target")
-    ap.add_argument("--drafter-s", type=float, default=110.0, help="training seconds of the drafter")
-    ap.add_argument("--accept-s", type=float, default=80.0,
+    ap.add_argument("--target-s", type=positive_float, default=90.0, help="training seconds of the target")
+    ap.add_argument("--drafter-s", type=positive_float, default=110.0, help="training seconds of the drafter")
+    ap.add_argument("--accept-s", type=positive_float, default=80.0,
                     help="the acceptance run takes no new prompt after this many seconds")
     ap.add_argument("--smoke", action="store_true", help="micro sizes and 3 steps each: checks the pipeline")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    for name in ("target_s", "drafter_s", "accept_s"):
-        if not getattr(args, name) > 0:
-            ap.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-    if args.device not in ("cpu", "cuda"):
-        ap.error(f"--device must be cpu or cuda, got {args.device!r}")
     if args.seed < 0:
         ap.error(f"--seed must be >= 0, got {args.seed}")
-    out, cdir = Path(args.out), Path(args.corpus)
-    if out.exists() and not out.is_dir():
-        ap.error(f"--out {out} is a file, not a folder")
+    out, cdir = args.out, args.corpus
     if out.resolve() == zoo.MODELS.resolve() and not args.replace_shipped:
         ap.error(f"--out {out} holds the workbook's trained models; pass --replace-shipped to overwrite them")
-    if cdir.exists() and not cdir.is_dir():
-        ap.error(f"--corpus {cdir} is a file, not a folder")
     if not cdir.exists() and not cdir.parent.is_dir():
         ap.error(f"--corpus {cdir}: its parent folder does not exist (the corpus is built only inside one)")
     return args
@@ -146,7 +139,7 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("train_tiny: --device cuda but torch sees no CUDA device", file=sys.stderr, flush=True)
         return 2
-    out = Path(args.out)
+    out = args.out
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     with open(out / LOG_NAME, "w", encoding="utf-8", buffering=1) as log_file:
@@ -184,7 +177,7 @@ def train(args, out: Path, log, t_start: float) -> None:
         f"acceptance {args.accept_s:g} s, out {out.resolve()}")
 
     # corpus
-    cdir = Path(args.corpus)
+    cdir = args.corpus
     if not (cdir / "manifest.json").is_file():
         log(f"building the corpus into {cdir}")
         corpus.write(corpus.extract(), cdir)

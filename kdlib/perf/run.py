@@ -15,8 +15,8 @@ import importlib
 import inspect
 import pkgutil
 import sys
-from pathlib import Path
 
+from kdlib.cli import output_folder
 from kdlib.perf import results, suites
 
 # The entry point's options a suite may take as keywords: `quick` (a reduced sweep) and `out` (the
@@ -52,17 +52,13 @@ def call_suite(module, args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m kdlib.perf.run", description=__doc__.splitlines()[0])
     ap.add_argument("--suite", required=True, action="append", help=f"one of {available()} (repeatable)")
-    ap.add_argument("--out", default=None, help="folder for the result JSON (default data/results/)")
+    ap.add_argument("--out", default=None, type=output_folder,  # made before any suite runs
+                    help="folder for the result JSON (default data/results/)")
     ap.add_argument("--quick", action="store_true", help="a reduced sweep, for a smoke run")
     args = ap.parse_args(argv)
     unknown = [s for s in args.suite if s not in available()]
     if unknown:
         ap.error(f"unknown suite(s) {unknown}; available: {available()}")
-    if args.out is not None:  # checked before any suite runs: a measurement must not be lost at the write
-        try:
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            ap.error(f"--out {args.out}: cannot use it as a folder ({e.strerror or e})")
     command = "python3 -m kdlib.perf.run " + " ".join(sys.argv[1:] if argv is None else argv)
     for name in args.suite:
         module = importlib.import_module(f"kdlib.perf.suites.{name}")
