@@ -160,6 +160,9 @@ def test_errors_are_clear_and_before_any_work():
         eng.add_request([1], 4, SamplingParams(top_p=0.0))
     with pytest.raises(ValueError, match="or >= 1e-05"):  # logits / 1e-40 overflows: refused, not NaN
         eng.add_request([1], 4, SamplingParams(temperature=1e-40))
+    for t in (1e39, float("inf"), float("nan")):  # past float32: the lane's tensor write had raised mid-step
+        with pytest.raises(ValueError, match=r"temperature must be a number in \[0, 3.403e\+38\]"):
+            eng.add_request([1], 4, SamplingParams(temperature=t))
     with pytest.raises(ValueError, match="needs a drafter"):
         BatchEngine(m, method="ddtree")
     for top_k in (0, -1, 2.5):  # 0 would draft nothing, -1 fail inside torch at the first step
@@ -263,6 +266,9 @@ def test_filtered_probs_top_k_and_top_p():
     assert torch.allclose(p, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
     assert torch.allclose(filtered_probs(logits, one, one, torch.tensor([0]), False)[0, 0],
                           torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    for tiny in (1e-30, 1e-46):  # 1e-46 is 0 in float32: the most likely token stays (it had left a 0 / 0)
+        p = filtered_probs(logits, one, torch.tensor([tiny]), torch.tensor([0]), True)[0, 0]
+        assert torch.equal(p, torch.tensor([1.0, 0.0, 0.0, 0.0]))
 
 
 def test_top_p_one_keeps_every_token_beside_a_filtered_lane():

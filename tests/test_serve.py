@@ -94,10 +94,20 @@ def test_streaming_equals_plain_with_usage_chunks(oa):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30
 
 
+def test_include_usage_chunks_carry_a_null_usage(http):
+    """With include_usage every chunk before the usage chunk has "usage": null (OpenAI's stream format)."""
+    body = {"prompt": "Streaming test:", "max_tokens": 6, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1]) and len(chunks) > 2
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+
+
 def test_chat_with_developer_role_and_text_parts(oa, server):
     msgs = [{"role": "developer",
              "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
-            {"role": "user", "content": "Hi"}]
+            {"role": "user", "content": "Hi", "name": "ada"}]  # OpenAI's participant name: not templated
     plain = oa.chat.completions.create(model="kdtree-tiny", messages=msgs, max_completion_tokens=16,
                                        temperature=0)
     assert plain.object == "chat.completion" and plain.choices[0].message.role == "assistant"
@@ -194,6 +204,19 @@ def test_echo_and_max_tokens_null(oa, http):
                                               "ignore_eos": True}).json()
     assert rest["usage"]["completion_tokens"] == CONTEXT - len(ids)  # null = the rest of the context
     assert rest["choices"][0]["finish_reason"] == "length"
+
+
+def test_default_max_tokens_follow_openai(http):
+    """/v1/completions without max_tokens: 16 tokens (OpenAI's and vLLM's default), cut to the context;
+    chat without it: the rest of the context."""
+    body = {"temperature": 0, "ignore_eos": True}
+    r = http.post("/v1/completions", json={"prompt": "x = ", **body}).json()
+    assert r["usage"]["completion_tokens"] == 16 and r["choices"][0]["finish_reason"] == "length"
+    long = list(range(1, CONTEXT - 5))
+    r = http.post("/v1/completions", json={"prompt": long, **body}).json()
+    assert r["usage"]["completion_tokens"] == CONTEXT - len(long) < 16
+    chat = {"messages": [{"role": "user", "content": "hi"}], **body}
+    assert http.post("/v1/chat/completions", json=chat).json()["usage"]["total_tokens"] == CONTEXT
 
 
 def test_echo_with_logprobs_scores_the_prompt(oa, bundle):

@@ -182,7 +182,7 @@ WRONG_TYPE = {
     "presence_penalty": [[], "0"], "logit_bias": ["x", {"1": "a"}, []], "repetition_penalty": ["1"],
 }
 OUT_OF_RANGE = {
-    "max_tokens": [0, -1, 10**30, CONTEXT], "temperature": [-0.1, -1e308], "top_p": [0, 1.5, -1],
+    "max_tokens": [0, -1, 10**30, CONTEXT], "temperature": [-0.1, -1e308, 1e39], "top_p": [0, 1.5, -1],
     "top_k": [-2, -(10**30)], "n": [0, 17, 10**30], "seed": [2**64, -(2**63) - 1, 10**40],
     "min_tokens": [-1, 10**9], "logprobs": [-1, 21, 10**9], "best_of": [0, 3],
     "stop": [["a"] * 5, [""], ["x" * 10_000]], "prompt": [[-1], [10**9], [2**70], "", []],
@@ -193,7 +193,7 @@ CHAT_BAD = [{"messages": m} for m in (None, [], {}, "hi", [{"role": "robot", "co
                                       [{"role": "user"}], [{"role": "user", "content": 3}],
                                       [{"role": "user", "content": [{"type": "x"}]}],
                                       [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
-                                      [{"role": "user", "content": "x", "name": "n"}], [[]])] + [
+                                      [{"role": "user", "content": "x", "name": 3}], [[]])] + [
     {"messages": [{"role": "user", "content": "x"}], **extra} for extra in (
         {"logprobs": True, "top_logprobs": 21}, {"top_logprobs": 2}, {"tools": [{"type": "function"}]},
         {"response_format": {"type": "json_object"}}, {"max_completion_tokens": 0}, {"echo": True},

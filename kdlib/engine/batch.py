@@ -47,7 +47,6 @@ the tree-verify kernels' paged path is what `kdlib.engine.rank` uses at real sha
 
 from __future__ import annotations
 
-import math
 import numbers
 import secrets
 import time
@@ -60,7 +59,7 @@ import torch
 
 from kdlib import ops
 from kdlib.engine.drafter import DFlashDrafter, NoisyOracleDrafter
-from kdlib.engine.generate import MAX_BUDGET, MAX_DEPTH, MIN_TEMPERATURE, GenerateResult
+from kdlib.engine.generate import MAX_BUDGET, MAX_DEPTH, GenerateResult, check_temperature
 
 MIN_TABLE = 64  # the narrowest page-table width a step reads (positions); buckets double from here
 TOP_LOGPROBS = 20  # alternatives computed when a request asks for logprobs (OpenAI's maximum)
@@ -81,12 +80,7 @@ class SamplingParams:
     logprobs: int | None = None
 
     def validate(self, vocab_size: int) -> SamplingParams:
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
-        if 0 < t < MIN_TEMPERATURE:
-            raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g} (logits / T "
-                             f"overflows below), got {t!r}")
+        check_temperature(self.temperature)
         if (isinstance(self.top_p, bool) or not isinstance(self.top_p, numbers.Real)
                 or not 0 < self.top_p <= 1):
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
@@ -301,7 +295,9 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch
     ps = torch.softmax(zs, dim=-1)
     before = ps.cumsum(-1) - ps  # mass of the better tokens
     p = top_p[:, None, None]
-    ps = ps.masked_fill((before >= p) & (p < 1), 0.0)  # top_p 1: all (a float32 cumsum reaches 1 early)
+    # top_p 1: all (a float32 cumsum reaches 1 early); the most likely token always stays (a top_p that
+    # rounds to 0 in float32 would leave none)
+    ps = ps.masked_fill((before >= p) & (p < 1) & (rank > 0), 0.0)
     ps = ps / ps.sum(-1, keepdim=True)
     return torch.zeros_like(ps).scatter_(-1, order, ps)
 

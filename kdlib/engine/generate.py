@@ -32,7 +32,6 @@ collective counters, `assert_replicated` compares ranks), and every rank gets th
 
 from __future__ import annotations
 
-import math
 import numbers
 import time
 from dataclasses import dataclass, field
@@ -51,6 +50,17 @@ METHODS = ("ar", "ddtree")
 MAX_BUDGET = 256
 MAX_DEPTH = 16
 MIN_TEMPERATURE = 1e-5  # a smaller T > 0 overflows logits / T in float32 (vLLM samples greedily below it)
+MAX_TEMPERATURE = float(np.finfo(np.float32).max)  # the batched engine holds T per lane in float32
+
+
+def check_temperature(t) -> None:
+    """ValueError unless t is 0 (greedy) or a number in [MIN_TEMPERATURE, MAX_TEMPERATURE]."""
+    if isinstance(t, bool) or not isinstance(t, numbers.Real) or not 0 <= t <= MAX_TEMPERATURE:
+        raise ValueError(f"temperature must be a number in [0, {MAX_TEMPERATURE:.4g}] (float32's range), "
+                         f"got {t!r}")
+    if 0 < t < MIN_TEMPERATURE:
+        raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g} (logits / T overflows "
+                         f"below), got {t!r}")
 # With Model.attention == "ops" the verify runs through the tree-verify kernels: at most 65 rows
 # (kdlib/cuda/attention.py MAX_Q), i.e. budget <= 64, and the 576-wide MLA latent on CUDA.
 MAX_OPS_BUDGET = 64
@@ -129,16 +139,7 @@ def validate(model, prompt_ids, max_new_tokens, method, drafter, budget, top_k, 
             f"prompt ({prompt.shape[0]}) + max_new_tokens ({max_new_tokens}) exceeds the context limit "
             f"{limit}"
         )
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, numbers.Real)
-        or not math.isfinite(temperature)
-        or temperature < 0
-    ):
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if 0 < temperature < MIN_TEMPERATURE:
-        raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g} (logits / T overflows "
-                         f"below), got {temperature!r}")
+    check_temperature(temperature)
     k = None
     if method == "ddtree":
         if drafter is None:

@@ -30,6 +30,7 @@ from kdlib.engine.generate import MIN_TEMPERATURE
 from kdlib.serve.engine import Engine, RequestError, Sequence
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: ~100x the longest prompt the tiny models' 2,048-token context takes
+COMPLETIONS_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's and vLLM's default)
 GREEDY_BELOW = MIN_TEMPERATURE  # a temperature below this samples greedily (vLLM's rule: 1 / T overflows)
 
 
@@ -143,8 +144,10 @@ def plan_request(req, engine: Engine, chat: bool) -> Plan:
                            f"{len(ids)}", param=where, code="context_length_exceeded")
     key = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
     max_tokens = getattr(req, key)
+    if not chat and key not in req.model_fields_set:  # OpenAI's legacy default, cut to the context
+        max_tokens = min(COMPLETIONS_MAX_TOKENS, limit - len(ids))
     if max_tokens is None:
-        max_tokens = limit - len(ids)  # the rest of the context (OpenAI's and vLLM's default)
+        max_tokens = limit - len(ids)  # chat without it, or an explicit null: the rest of the context (vLLM)
     elif len(ids) + max_tokens > limit:
         raise RequestError(f"this model's maximum context length is {limit} tokens; the request asks for "
                            f"{len(ids)} prompt + {max_tokens} completion tokens", param=key,
@@ -393,6 +396,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_body_bytes: in
                      "choices": [{**choice, "finish_reason": finish, **extra}]}
                 if plan.continuous_usage:
                     d["usage"] = usage(sum(counts))
+                elif plan.include_usage:  # OpenAI's: null in every chunk before the usage chunk
+                    d["usage"] = None
                 return d
 
             try:
