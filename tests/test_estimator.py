@@ -18,6 +18,7 @@ from kdlib import estimator as est
 from kdlib.config import ConfigError, ModelConfig
 from kdlib.estimator import calibration as cal
 from kdlib.estimator import seeds
+from kdlib.perf.bench_model import BENCH_CONFIG
 
 SHARED = ROOT.parent / "shared"
 
@@ -184,28 +185,39 @@ def test_seeds_stack_hits_the_b300_point():
 # ----------------------------------------------------------------------------- calibration
 
 
-def _fake_moe_result(eff: float, lat: float, spec: dict) -> dict:
+def _fake_moe_result(eff: float, lat: float, spec: dict, graph_lat: float | None = None) -> dict:
     """moe suite rows generated from known streaming efficiency and latency: the default arm
-    (`kernel_default`, v2) at `eff`, v1 (`kernel`) twice as slow."""
+    (`kernel_default`, v2) at `eff`, v1 (`kernel`) twice as slow; with graph_lat, the default arm's graph
+    replays (`kernel_default_graph`) at the same efficiency and that latency."""
     shape = est.ModelShape()
     rows = []
     for m in (1, 4, 9, 16, 32, 64, 256, 4096):
         r = est.moe_layer(m, spec, est.Assumptions(), shape)
-        t = lat + r["bytes"] / (eff * spec["hbm_bandwidth_Bps"])
+        stream = r["bytes"] / (eff * spec["hbm_bandwidth_Bps"])
+        t = lat + stream
         rows.append({"m": m, "bytes": r["bytes"], "flops": r["flops"],
                      "kernel_default": {"median_ms": t * 1e3}, "kernel_default_version": [2],
                      "kernel": {"median_ms": 2 * t * 1e3},
                      "baseline_bytes": 4 * r["bytes"], "baseline": {"median_ms": 2 * t * 1e3}})
+        if graph_lat is not None:
+            rows[-1]["kernel_default_graph"] = {"median_ms": (graph_lat + stream) * 1e3}
     return {"rows": rows, "_path": "synthetic"}
 
 
 def test_calibrate_recovers_moe_efficiency_and_latency():
+    """The fit reads the graph replays where recorded, else the eager calls (and says so); the per-layer
+    latency adds the routing kernels the suite leaves out of its timing."""
     spec = hw.load("h200")
-    a, notes = est.calibrate({"moe": _fake_moe_result(0.62, 20e-6, spec)}, report=True)
+    routing = cal.ROUTING_KERNELS * est.Assumptions().v("kernel_latency_s")
+    a, notes = est.calibrate({"moe": _fake_moe_result(0.62, 20e-6, spec, graph_lat=8e-6)}, report=True)
     assert a.v("moe_bw_eff") == pytest.approx(0.62, rel=1e-6)
-    assert a.v("moe_layer_latency_s") == pytest.approx(20e-6, rel=1e-6)
+    assert a.v("moe_layer_latency_s") == pytest.approx(8e-6 + routing, rel=1e-6)
     assert "synthetic" in a.moe_bw_eff.source and any("kernels: not recorded" in n for n in notes)
-    assert any(n.startswith("moe (kernel (default: v2))") for n in notes)
+    assert any(n.startswith("moe (kernel (default: v2), graph replays)") for n in notes)
+    a, notes = est.calibrate({"moe": _fake_moe_result(0.62, 20e-6, spec)}, report=True)
+    assert a.v("moe_layer_latency_s") == pytest.approx(20e-6 + routing, rel=1e-6)
+    assert any(n.startswith("moe (kernel (default: v2), eager calls (the host's launches included))")
+               for n in notes)
     with pytest.raises(ValueError, match="moe_arm"):
         est.calibrate({}, moe_arm="marlin")
 
@@ -231,11 +243,12 @@ def test_calibrate_reads_kernels_attention_and_tree_build():
     kernels = {"_path": "synthetic", "verify_attention": {"points": [
         {"bytes": 1e9, "flops": 1e9, "bound": "memory",
          "kernel": {"median_ms": 1e3 / (0.5 * spec["hbm_bandwidth_Bps"] / 1e9) * 1e-3 * 1e3}},
-    ]}, "tree_build": [{"batch": 1, "graph_replay_us": 30.0, "cpu_ref_us": 300.0},
-                       {"batch": 64, "graph_replay_us": 45.0, "cpu_ref_us": 12800.0}]}
+    ]}, "tree_build": [{"batch": 1, "version": 3, "graph_replay_us": 50.0, "cpu_ref_us": 300.0},
+                       {"batch": 1, "version": 4, "graph_replay_us": 30.0, "cpu_ref_us": 300.0},
+                       {"batch": 64, "version": 4, "graph_replay_us": 45.0, "cpu_ref_us": 12800.0}]}
     a = est.calibrate({"kernels": kernels})
     assert a.v("attn_bw_eff") == pytest.approx(0.5, rel=1e-6)
-    assert a.v("tree_build_gpu_s") == pytest.approx(30e-6)
+    assert a.v("tree_build_gpu_s") == pytest.approx(30e-6)  # the default builder's (version 4) row
     assert a.v("tree_build_cpu_s_per_request") == pytest.approx(200e-6)
 
 
@@ -447,13 +460,17 @@ def test_validate_batch_terms_and_residuals():
     doc = {"bench": [_bench_row("ar", 0, 1, 256, 3.0, 2.0), _bench_row("ddtree", 16, 1, 256, 4.0, 3.0),
                      _bench_row("ddtree", 16, 4, 4096, 8.0, float("nan"), kernels_per_step=500.0)]}
     ar, dd, dd4 = cal.validate_batch(a, doc)
+    bench_shape = est.ModelShape.from_config(BENCH_CONFIG, tp=1, expert_bits=16, dense_bits=16)
     for r in (ar, dd, dd4):
         assert r["predicted_ms"] - r["predicted_device_ms"] == pytest.approx(a.v("dispatch_s") * 1e3)
         assert r["residual"] == pytest.approx(r["predicted_ms"] / r["measured_ms"] - 1)
         assert r["fixed_ms"] == pytest.approx(8 * a.v("kernels_per_layer") * a.v("kernel_latency_s") * 1e3)
     assert ar["device_residual"] == pytest.approx(ar["predicted_device_ms"] / 2.0 - 1)
     assert dd["predicted_device_ms"] > ar["predicted_device_ms"]      # draft + tree + 17 verify rows
-    assert ar["unexplained_device_ms"] == pytest.approx(2.0 - (ar["predicted_device_ms"] - ar["fixed_ms"]))
+    # unexplained: beyond the bytes/FLOP terms, so the MoE's per-layer latency counts in it as `fixed` does
+    moe_latency_ms = bench_shape.n_moe_layers * a.v("moe_layer_latency_s") * 1e3
+    assert ar["unexplained_device_ms"] == pytest.approx(
+        2.0 - (ar["predicted_device_ms"] - ar["fixed_ms"] - moe_latency_ms))
     assert ar["unexplained_us_per_kernel"] is None and math.isnan(dd4["device_residual"])
     assert math.isnan(dd4["unexplained_us_per_kernel"])
     with pytest.raises(ValueError, match="no bench rows"):
@@ -485,3 +502,66 @@ def test_dense_bytes_are_the_non_expert_weights_kdlib_memory_places_on_a_gpu():
     no_q_lora = dataclasses.replace(shape, q_lora=False)  # the query projection is split then
     assert no_q_lora.dense_params_per_gpu() == pytest.approx(
         shape.dense_params_per_gpu() - 61 * 7168 * 1536 * (1 - 1 / 8))
+
+
+def test_step_allreduces_are_the_rank_engines():
+    """step_time's collectives are those kdlib.engine.rank.step_allreduces issues (the embedding's, two per
+    layer, and the drafter's embedding, layers and fc), counted on a link whose bandwidth term vanishes."""
+    from kdlib.engine.rank import DFLASH_KIMI, RankShape, step_allreduces
+
+    spec = {**hw.load("h200"), "interconnect": {"kind": "nvlink", "bandwidth_Bps_per_direction": 1e30,
+                                                "latency_s": 1e-6}}
+    a = est.Assumptions().with_(draft_layers=(DFLASH_KIMI.num_layers, "DFLASH_KIMI"))
+    sc = est.Scenario(concurrency=4, q_len=17, block=DFLASH_KIMI.block_size, accepted=4.0)
+    rank = RankShape(ModelConfig.load(est.SHAPE_CONFIG), tp=8)
+    collectives = step_allreduces(rank, sc.m, sc.concurrency * sc.block, sc.m, DFLASH_KIMI)
+    assert est.step_time(spec, sc, a)["allreduce"] == pytest.approx(len(collectives) * 1e-6)
+
+
+def test_inputs_that_would_give_nonsense_are_refused():
+    """Each of these gave a silent figure (negative tok/s, NaN, an MoE term that fell back to compute)."""
+    a, spec = est.Assumptions(), hw.load("h200")
+    for name, value, message in (("moe_bw_eff", -0.7, "moe_bw_eff must be > 0"),
+                                 ("attn_bw_eff", 0.0, "attn_bw_eff must be > 0"),
+                                 ("dispatch_s", -0.01, "dispatch_s must be >= 0"),
+                                 ("kernel_latency_s", -3e-6, "kernel_latency_s must be >= 0"),
+                                 ("moe_bw_eff", float("inf"), "finite number")):
+        with pytest.raises(ValueError, match=message):
+            a.with_(**{name: (value, "test")})
+    with pytest.raises(ValueError, match="finite number"):
+        est.Param(True, "x", "test")
+    for kw in ({"concurrency": float("nan")}, {"context": float("nan")}, {"context": float("inf")}):
+        with pytest.raises(ValueError, match="Scenario needs"):
+            est.Scenario(**kw)
+    with pytest.raises(ValueError, match="n_dense_layers 5 exceeds n_layers 2"):
+        est.ModelShape(n_layers=2, n_dense_layers=5)
+    with pytest.raises(ValueError, match="ModelShape.hidden must be a finite number"):
+        est.ModelShape(hidden=float("nan"))
+    bad_specs = (({"hbm_bandwidth_Bps": -8e12}, "hbm_bandwidth_Bps must be a positive finite number"),
+                 ({"bf16_dense_flops": float("nan")}, "bf16_dense_flops must be"),
+                 ({"interconnect": {**spec["interconnect"], "kind": "ib"}}, "interconnect kind 'ib'"))
+    for change, message in bad_specs:
+        with pytest.raises(ValueError, match=message):
+            est.step_time({**spec, **change}, est.Scenario())
+
+
+def test_calibrate_reads_the_attention_suites_default_kernel():
+    """The attention suite's first kernel (its default) sets the attention efficiencies, over the kernels
+    suite's early sweep; a later kernel of the same file is not read."""
+    spec = hw.load("h200")
+    bw, fl = spec["hbm_bandwidth_Bps"], spec["bf16_dense_flops"]
+
+    def point(queries, nbytes, flops, seconds):
+        variants = {"wgmma_v10": {"kernel": {"median_ms": seconds * 1e3}},
+                    "wgmma_v9": {"kernel": {"median_ms": 2 * seconds * 1e3}}}
+        return {"heads": 8, "queries": queries, "batch": 1, "prefix": 200_000, "bytes": nbytes,
+                "flops": flops, "floor_ms": 0.0, "variants": variants}
+
+    attention = {"_path": "synthetic attention", "parameters": {"impls": ["wgmma_v10", "wgmma_v9"]},
+                 "points": [point(9, 2e8, 1e10, 2e8 / (0.6 * bw)), point(65, 2e8, 2e11, 2e11 / (0.5 * fl))]}
+    kernels = {"_path": "synthetic kernels", "verify_attention": {"points": [
+        {"bytes": 1e9, "flops": 1e9, "bound": "memory", "kernel": {"median_ms": 1e9 / (0.1 * bw) * 1e3}}]}}
+    a, notes = est.calibrate({"kernels": kernels, "attention": attention}, report=True)
+    assert a.v("attn_bw_eff") == pytest.approx(0.6) and a.v("attn_compute_eff") == pytest.approx(0.5)
+    assert "version 10" in a.attn_bw_eff.source and any(n.startswith("attention (version 10)") for n in notes)
+    assert est.calibrate({"kernels": kernels}).v("attn_bw_eff") == pytest.approx(0.1)

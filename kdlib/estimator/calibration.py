@@ -1,12 +1,13 @@
 """Calibration on recorded H200 component measurements, and validation against the engine.
 
-    results = load_results("h200")             # {suite: payload} for ceilings, moe, kernels, engine
+    results = load_results("h200")             # {suite: payload} for ceilings, moe, kernels, attention, ...
     a, notes = calibrate(results, report=True)  # Assumptions with measured efficiencies and latencies
     table = validate(a, results["engine"])      # predicted vs measured step time per engine run
 
 `calibrate` reads only component suites: `moe` (the W4A16 kernel's or the bf16 baseline's curve ->
-MoE bandwidth efficiency, per-layer latency, plateau compute efficiency), `kernels` (verify
-attention -> attention efficiencies; tree build -> CPU / GPU build costs), `tp` (the NCCL
+MoE bandwidth efficiency, per-layer latency, plateau compute efficiency), `kernels` (tree build ->
+CPU / GPU build costs; its early verify-attention sweep -> attention efficiencies where `attention`,
+the default kernel's sweep, is not recorded), `attention`, `tp` (the NCCL
 all-reduce sweep -> all-reduce latency and bus efficiency). The engine's runs are
 kept out of it; `validate` then anchors the engine's host-side costs (per-layer launch latency,
 drafter and accept/compaction overheads, which no component suite measures) on ONE engine run and
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import statistics
 
+from kdlib.cuda.tree import DEFAULT_VERSION as TREE_DEFAULT_VERSION
 from kdlib.estimator.model import hardware, step_time
 from kdlib.estimator.params import (
     ATTENTION_PLAN_TERMS,
@@ -31,9 +33,9 @@ from kdlib.estimator.params import (
     Scenario,
 )
 from kdlib.perf.bench_model import BENCH_CONFIG, BLOCK
-from kdlib.perf.results import Recorded, moe_rows
+from kdlib.perf.results import VERIFY_OP, Recorded, attention_rows, attention_version, moe_rows
 
-SUITES = ("ceilings", "moe", "kernels", "engine", "tp")
+SUITES = ("ceilings", "moe", "kernels", "attention", "engine", "tp")
 MOE_ARMS = ("kernel", "kernel_v1", "baseline")
 
 
@@ -62,12 +64,23 @@ def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
     return my - b * mx, b
 
 
+# The kernels of a MoE layer that the moe suite makes outside its timing (router top-k, the sort by expert and
+# its offsets: kdlib/perf/suites/moe.py); the calibrated per-layer latency adds them at kernel_latency_s each.
+ROUTING_KERNELS = 3
+
+
 def _calibrate_moe(a: Assumptions, moe: dict, spec: dict, arm: str, notes: list) -> Assumptions:
+    """The MoE's streaming fit on the arm's CUDA-graph replays where recorded (a step replays a graph), else
+    on its eager calls, whose intercept then holds the host's launches too (the bf16 baseline has only
+    those)."""
     src = moe.get("_path", "moe result")
-    pick = {"kernel": {"op": "moe_w4a16", "mode": "eager", "variant": "default"},
-            "kernel_v1": {"op": "moe_w4a16", "mode": "eager", "variant": "", "version": 1},
-            "baseline": {"op": "moe_bf16_grouped_mm", "mode": "eager"}}[arm]
-    rows = Recorded(moe, moe_rows(moe)).select(**pick)
+    pick = {"kernel": {"op": "moe_w4a16", "variant": "default"},
+            "kernel_v1": {"op": "moe_w4a16", "variant": "", "version": 1},
+            "baseline": {"op": "moe_bf16_grouped_mm"}}[arm]
+    recorded = Recorded(moe, moe_rows(moe))
+    rows, how = recorded.select(**pick, mode="graph"), "graph replays"
+    if not rows:
+        rows, how = recorded.select(**pick, mode="eager"), "eager calls (the host's launches included)"
     if arm == "kernel" and rows:
         versions = sorted({r.version for r in rows}, key=lambda v: (v is None, v or 0))
         arm = "kernel (default: " + ", ".join("mixed" if v is None else f"v{v}" for v in versions) + ")"
@@ -82,14 +95,18 @@ def _calibrate_moe(a: Assumptions, moe: dict, spec: dict, arm: str, notes: list)
     if fit and fit[1] > 0:
         lat, slope = fit
         eff = 1.0 / (slope * bw)
-        changes["moe_bw_eff"] = (eff, f"fit t = lat + bytes / (eff x {bw / 1e12:.2f} TB/s) on the {arm} rows "
-                                      f"with M <= 64 of {src}")
-        changes["moe_layer_latency_s"] = (max(0.0, lat), f"intercept of the same fit ({src})")
+        changes["moe_bw_eff"] = (eff, f"fit t = lat + bytes / (eff x {bw / 1e12:.2f} TB/s) on the {arm} "
+                                      f"{how} with M <= 64 of {src}")
+        routing = ROUTING_KERNELS * a.v("kernel_latency_s")
+        changes["moe_layer_latency_s"] = (
+            max(0.0, lat) + routing,
+            f"intercept of the same fit ({how}, {src}) + {ROUTING_KERNELS} routing kernels outside the "
+            f"suite's timing x kernel_latency_s ({routing * 1e6:.3g} us)")
     else:
-        notes.append(f"moe: the {arm} rows with M <= 64 do not determine a streaming fit")
+        notes.append(f"moe: the {arm} {how} with M <= 64 do not determine a streaming fit")
     comp = max(p[3] / (p[2] * fl) for p in pts)
-    changes["moe_compute_eff"] = (comp, f"largest useful FLOP rate / bf16 peak over the {arm} rows of {src}")
-    notes.append(f"moe ({arm}): " + ", ".join(f"{k} = {v[0]:.3g}" for k, v in changes.items()))
+    changes["moe_compute_eff"] = (comp, f"largest useful FLOP rate / bf16 peak over the {arm} {how} of {src}")
+    notes.append(f"moe ({arm}, {how}): " + ", ".join(f"{k} = {v[0]:.3g}" for k, v in changes.items()))
     return a.with_(**changes)
 
 
@@ -97,31 +114,62 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
-def _calibrate_kernels(a: Assumptions, kernels: dict, spec: dict, notes: list) -> Assumptions:
-    src = kernels.get("_path", "kernels result")
-    changes = {}
-    att = (kernels.get("verify_attention") or {}).get("points") or []
+def _attention_changes(points: list[tuple], spec: dict, src: str) -> dict:
+    """attn_bw_eff and attn_compute_eff: the medians of bytes / (s x peak) over the memory-bound points and of
+    FLOPs / (s x peak) over the compute-bound ones; points: (bytes, FLOPs, seconds, bound)."""
     bw, fl = spec["hbm_bandwidth_Bps"], spec["bf16_dense_flops"]
-    mem, comp = [], []
-    for p in att:
-        t = (p.get("kernel") or {}).get("median_ms")
-        if not t or "bytes" not in p or "flops" not in p:
-            continue
-        (mem if p.get("bound") == "memory" else comp).append((p["bytes"] / (t * 1e-3 * bw),
-                                                              p["flops"] / (t * 1e-3 * fl)))
+    mem = [b / (t * bw) for b, f, t, bound in points if bound == "memory"]
+    comp = [f / (t * fl) for b, f, t, bound in points if bound != "memory"]
+    changes = {}
     if mem:
-        changes["attn_bw_eff"] = (_median([m[0] for m in mem]),
-                                  f"median over memory-bound verify-attention points of {src}")
+        changes["attn_bw_eff"] = (_median(mem), f"median over memory-bound verify-attention points of {src}")
     if comp:
-        changes["attn_compute_eff"] = (_median([c[1] for c in comp]),
+        changes["attn_compute_eff"] = (_median(comp),
                                        f"median over compute-bound verify-attention points of {src}")
-    builds = kernels.get("tree_build") or []
+    return changes
+
+
+def _calibrate_attention(a: Assumptions, doc: dict, spec: dict, notes: list) -> Assumptions:
+    """Attention efficiencies from the attention suite: the whole verify (prefix + tail + merge) of its first
+    kernel, the default it records as its headline, at every point; bound by the spec's ridge point."""
+    src = doc.get("_path", "attention result")
+    params = doc.get("parameters") or {}
+    impls = params.get("impls") or [None]
+    version = attention_version(impls[0], params) if impls[0] else None
+    bw, fl = spec["hbm_bandwidth_Bps"], spec["bf16_dense_flops"]
+    rows = [r for r in attention_rows(doc)
+            if version is not None and (r.op, r.version) == (VERIFY_OP, version)]
+    points = [(r.bytes, r.flops, r.median_ms * 1e-3, "memory" if r.bytes / bw >= r.flops / fl else "compute")
+              for r in rows]
+    changes = _attention_changes(points, spec, f"{src} (the default kernel, version {version}, whole verify)")
+    if not changes:
+        notes.append(f"attention: no timed point of its default kernel in {src}; attention assumptions left "
+                     "as they were")
+        return a
+    notes.append(f"attention (version {version}): "
+                 + ", ".join(f"{k} = {v[0]:.3g}" for k, v in changes.items()))
+    return a.with_(**changes)
+
+
+def _calibrate_kernels(a: Assumptions, kernels: dict, spec: dict, notes: list,
+                       attention: bool = True) -> Assumptions:
+    """Tree-build costs, and with `attention` the attention efficiencies of its verify_attention sweep (the
+    kernel the suite ran, an early one: the attention suite's default kernel replaces it where recorded)."""
+    src = kernels.get("_path", "kernels result")
+    att = ((kernels.get("verify_attention") or {}).get("points") or []) if attention else []
+    changes = _attention_changes(
+        [(p["bytes"], p["flops"], p["kernel"]["median_ms"] * 1e-3, p.get("bound")) for p in att
+         if (p.get("kernel") or {}).get("median_ms") and "bytes" in p and "flops" in p], spec, src)
+    # the default builder's rows (rows without a version predate the others)
+    builds = [b for b in kernels.get("tree_build") or [] if b.get("version", TREE_DEFAULT_VERSION)
+              == TREE_DEFAULT_VERSION]
     if builds:
         small = min(builds, key=lambda b: b.get("batch", 1e9))
         big = max(builds, key=lambda b: b.get("batch", 0))
         if small.get("graph_replay_us"):
             changes["tree_build_gpu_s"] = (small["graph_replay_us"] * 1e-6,
-                                           f"GPU builder graph replay at batch {small.get('batch')} ({src})")
+                                           f"GPU builder (version {TREE_DEFAULT_VERSION}) graph replay at "
+                                           f"batch {small.get('batch')} ({src})")
         if big.get("cpu_ref_us") and big.get("batch"):
             changes["tree_build_cpu_s_per_request"] = (
                 big["cpu_ref_us"] * 1e-6 / big["batch"],
@@ -158,9 +206,13 @@ def calibrate(results: dict, *, gpu: str = "h200", moe_arm: str = "kernel", a: A
     else:
         notes.append("moe: not recorded; MoE assumptions left at their defaults")
     if "kernels" in results:
-        a = _calibrate_kernels(a, results["kernels"], spec, notes)
+        a = _calibrate_kernels(a, results["kernels"], spec, notes, attention="attention" not in results)
     else:
-        notes.append("kernels: not recorded; attention and tree-build assumptions left at their defaults")
+        notes.append("kernels: not recorded; tree-build assumptions left at their defaults")
+    if "attention" in results:
+        a = _calibrate_attention(a, results["attention"], spec, notes)
+    elif "kernels" not in results:
+        notes.append("attention: not recorded; attention assumptions left at their defaults")
     if "tp" in results:
         a = _calibrate_allreduce(a, results["tp"], spec, notes)
     else:
@@ -423,6 +475,8 @@ def _bench_shape_and_drafter(a: Assumptions) -> tuple[ModelShape, Assumptions, i
 
 
 DEVICE_TERMS = ("moe", "dense", "attention", "draft", "tree", "fixed")
+# the per-kernel and per-layer latencies of the step model (the MoE's, the drafter's kernels, `fixed`)
+LATENCY_TERMS = ("moe_layer_latency_s", "moe_per_expert_latency_s", "kernel_latency_s")
 
 
 def validate_batch(a: Assumptions, doc: dict, *, gpu="h200") -> list[dict]:
@@ -434,10 +488,12 @@ def validate_batch(a: Assumptions, doc: dict, *, gpu="h200") -> list[dict]:
     streams, accepted, measured_ms / measured_device_ms (wall step and profiler device time),
     predicted_ms / predicted_device_ms, residual and device_residual (predicted / measured - 1), fixed_ms
     (the per-kernel term, layers x kernels_per_layer x kernel_latency_s), the measured device time the
-    model leaves unexplained beyond its bytes/FLOP terms (unexplained_device_ms = measured device -
-    (predicted device - fixed)), and, where the row counts its kernels, that time per kernel."""
+    model leaves unexplained beyond its bytes/FLOP terms and the tree build's measured time
+    (unexplained_device_ms: every latency term, `LATENCY_TERMS`, counted as unexplained: what per-kernel
+    costs would have to cover), and, where the row counts its kernels, that time per kernel."""
     shape, a, block = _bench_shape_and_drafter(a)
     a = a.with_(draft_host_s=(0.0, "inside the CUDA graph: no host work per drafter call"))
+    lean = a.with_(**{n: (0.0, "left out of the bytes/FLOP terms") for n in LATENCY_TERMS})
     out = []
     for r in doc.get("bench") or []:
         dd = r["method"] == "ddtree"
@@ -450,7 +506,7 @@ def validate_batch(a: Assumptions, doc: dict, *, gpu="h200") -> list[dict]:
         total = device + st["dispatch"] * 1e3
         dev = float(r["device_ms"]) if r.get("device_ms") is not None else float("nan")
         kern = r.get("kernels_per_step")
-        unexplained = dev - (device - terms["fixed"] * 1e3)
+        unexplained = dev - sum(step_time(gpu, sc, lean, shape)[c] for c in terms) * 1e3
         out.append({
             "context": r["context"], "method": r["method"], "budget": r["budget"], "streams": r["streams"],
             "accepted": r["mean_accepted"], "measured_ms": r["step_ms"], "measured_device_ms": dev,

@@ -12,7 +12,8 @@
   tree queries' FLOPs if those bind (kernels-perf.md §7).
 - draft: the block drafter's weights (+ the shared lm_head) for `block` tokens per stream.
 - tree: CPU heapq per request, or one GPU kernel per step.
-- dispatch: host cost per step; allreduce: ~2 per layer, latency + ring bytes / link bandwidth;
+- dispatch: host cost per step; allreduce: ~2 per layer, the embedding's, and the drafter's (its
+  embedding, ~2 per draft layer, its input fc), each latency + ring bytes / link bandwidth;
   fixed: kernels per layer x a per-kernel latency.
 Throughput = accepted / t_step per stream; x concurrency in aggregate.
 """
@@ -28,13 +29,23 @@ COMPONENTS = ("moe", "dense", "attention", "draft", "tree", "dispatch", "allredu
 
 
 def hardware(gpu) -> dict:
-    """A spec dict from `data/hw/` (by slug), or the dict itself when one is given."""
-    if isinstance(gpu, dict):
-        for key in ("hbm_bandwidth_Bps", "bf16_dense_flops", "interconnect"):
-            if key not in gpu:
-                raise ValueError(f"hardware spec lacks {key!r}")
-        return gpu
-    return hw.load(gpu)
+    """A spec dict from `data/hw/` (by slug), or the dict itself when one is given (its rates positive and
+    finite, its interconnect of a kind `kdlib.hw` knows)."""
+    if not isinstance(gpu, dict):
+        return hw.load(gpu)
+    for key in ("hbm_bandwidth_Bps", "bf16_dense_flops", "interconnect"):
+        if key not in gpu:
+            raise ValueError(f"hardware spec lacks {key!r}")
+    link = gpu["interconnect"]
+    rates = {"hbm_bandwidth_Bps": gpu["hbm_bandwidth_Bps"], "bf16_dense_flops": gpu["bf16_dense_flops"],
+             "interconnect.bandwidth_Bps_per_direction": link.get("bandwidth_Bps_per_direction")}
+    for key, v in rates.items():
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < math.inf:
+            raise ValueError(f"hardware spec {key} must be a positive finite number, got {v!r}")
+    if link.get("kind") not in hw.INTERCONNECT_KINDS:
+        raise ValueError(f"hardware spec interconnect kind {link.get('kind')!r} not in "
+                         f"{hw.INTERCONNECT_KINDS}")
+    return gpu
 
 
 def touched_experts(m: float, n_experts: int, top_k: int) -> float:
@@ -111,9 +122,14 @@ def step_time(gpu, scenario: Scenario, a: Assumptions | None = None, shape: Mode
                    else a.v("tree_build_gpu_s"))
     out["dispatch"] = a.v("dispatch_s")
 
-    if shape.tp > 1:
-        per = allreduce_s(m * shape.hidden * 2, spec, a, shape.tp)
-        out["allreduce"] = shape.n_layers * a.v("allreduces_per_layer") * per
+    if shape.tp > 1:  # as kdlib.engine.rank.step_allreduces: the embedding's and each layer's on the m rows;
+        # the drafter's embedding and layers on its concurrency x block rows, its fc on the m rows
+        def rows(n: float) -> float:
+            return allreduce_s(n * shape.hidden * 2, spec, a, shape.tp)
+
+        per_layer = a.v("allreduces_per_layer")
+        out["allreduce"] = ((2 + shape.n_layers * per_layer) * rows(m)
+                            + (1 + a.v("draft_layers") * per_layer) * rows(sc.concurrency * sc.block))
     else:
         out["allreduce"] = 0.0
 

@@ -28,8 +28,9 @@ class Param:
     source: str
 
     def __post_init__(self):
-        if not isinstance(self.value, int | float) or self.value != self.value:
-            raise ValueError(f"Param value must be a number, got {self.value!r}")
+        if isinstance(self.value, bool) or not isinstance(self.value, int | float) \
+                or not math.isfinite(self.value):
+            raise ValueError(f"Param value must be a finite number, got {self.value!r}")
         if not self.source:
             raise ValueError("every Param needs a source")
 
@@ -129,6 +130,13 @@ class Assumptions:
         "bf16 MLA latent cache: 61 layers x (kv_lora_rank 512 + qk_rope_head_dim 64) x 2 B = 70,272 B/token "
         "(data/configs/kimi-k2.6.json; kdlib.memory)")
 
+    def __post_init__(self):
+        for name in self.names():
+            v = self.v(name)
+            if v < 0 or (name.endswith("_eff") and v == 0):
+                raise ValueError(f"assumption {name} must be {'> 0' if name.endswith('_eff') else '>= 0'}, "
+                                 f"got {v!r}")
+
     def names(self) -> list[str]:
         return [f.name for f in dataclasses.fields(self)]
 
@@ -187,10 +195,14 @@ class ModelShape:
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
-            if getattr(self, f.name) < 0:
-                raise ValueError(f"ModelShape.{f.name} must be >= 0")
+            v = getattr(self, f.name)
+            if not math.isfinite(v) or v < 0:
+                raise ValueError(f"ModelShape.{f.name} must be a finite number >= 0, got {v!r}")
         if self.tp < 1 or self.top_k > self.n_experts:
             raise ValueError("ModelShape: tp >= 1 and top_k <= n_experts required")
+        if self.n_dense_layers > self.n_layers:
+            raise ValueError(f"ModelShape: n_dense_layers {self.n_dense_layers} exceeds n_layers "
+                             f"{self.n_layers}")
 
     @property
     def n_moe_layers(self) -> int:
@@ -279,7 +291,8 @@ class Scenario:
     name: str = ""
 
     def __post_init__(self):
-        if self.concurrency < 1 or self.q_len < 1 or self.block < 1 or self.context < 0:
+        if not all(math.isfinite(v) for v in (self.concurrency, self.q_len, self.block, self.context)) \
+                or self.concurrency < 1 or self.q_len < 1 or self.block < 1 or self.context < 0:
             raise ValueError(f"Scenario needs concurrency, q_len, block >= 1 and context >= 0: {self}")
         if not 0 < self.accepted <= self.q_len:
             raise ValueError(f"accepted {self.accepted} must lie in (0, q_len = {self.q_len}]")

@@ -5,9 +5,10 @@ shapes at the TP8 shard.
 Shapes: 384 experts, hidden K = 7168, expert intermediate N = 2048 / 8 = 256 (TP8 shard), top-8
 routing of M tokens (uniformly random experts, Dirichlet-like random weights), M = 1 ... 4096.
 
-Arm names: `kernel` is version 1 (it was the default when this suite was written, and the
-estimator's calibration and notebook 06 read it); version 2, the default of `moe_w4a16` since the
-H200 run that first measured it, is `kernel_v2`.
+Arm names: `kernel` is version 1 (the default when this suite was written; the estimator's
+`kernel_v1` calibration arm reads it); version 2 is `kernel_v2`; `kernel_default` is what `moe_w4a16`
+runs without a version (below), whose graph replays the estimator's default `kernel` arm reads (its
+fit over M <= 64 spans versions 2 and 3).
 
 What is timed (CUDA events around each call, median of `iters` after warm-up):
 - kernel: version 1, y.fill(0) + gate/up+SwiGLU launch + down+combine launch
