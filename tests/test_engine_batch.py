@@ -190,8 +190,40 @@ def test_stop_tokens_min_tokens_and_ignore_eos(overlap):
                 reasons[o.request_id] = o.finish_reason
     assert eng.result(a).tokens == ref[: first + 1] and reasons[a] == "stop"
     assert eng.result(b).tokens == ref and reasons[b] == "length"
-    later = ref.index(stop, first + 1) + 1 if stop in ref[first + 1 :] else 12
-    assert eng.result(c).tokens == ref[:later]
+    # min_tokens masks the stop token where it led (vLLM's rule): the best other token comes instead
+    got = eng.result(c).tokens
+    with torch.no_grad():
+        masked = m.logits(prompt + ref[:first])[-1].clone()
+    masked[stop] = float("-inf")
+    assert got[:first] == ref[:first] and got[first] == int(masked.argmax()) != stop
+    assert (reasons[c], got[-1]) == ("stop", stop) if stop in got else reasons[c] == "length"
+    ar = BatchEngine(m, max_streams=1, keep_results=True, overlap=overlap)  # AR under the same masking
+    rid = ar.add_request(prompt, 12, SamplingParams(stop_token_ids=(stop,), min_tokens=first + 1))
+    while ar.has_work():
+        ar.step()
+    assert ar.result(rid).tokens == got
+
+
+def test_sampled_lanes_draw_no_stop_token_before_min_tokens():
+    """At a flat temperature half the vocabulary as stop tokens ends an unmasked request within a few tokens
+    (all three surviving 10 draws: ~1e-9); masked until min_tokens, none of them is drawn there, in AR or
+    DDTree, beside the unmasked lanes."""
+    m = _model()
+    V = m.cfg.vocab_size
+    stops = tuple(range(0, V, 2))
+    prompt = _prompts(1, seed=5, vocab=V, hi=20)[0]
+    for method, kw in (("ar", {}), ("ddtree", {"drafter": _drafter("oracle", m), "budget": 8})):
+        eng = BatchEngine(m, max_streams=8, method=method, keep_results=True, **kw)
+        masked = [eng.add_request(prompt, 12, SamplingParams(temperature=5.0, seed=s, stop_token_ids=stops,
+                                                              min_tokens=10)) for s in range(6)]
+        free = [eng.add_request(prompt, 12, SamplingParams(temperature=5.0, seed=s, stop_token_ids=stops))
+                for s in range(3)]
+        while eng.has_work():
+            eng.step()
+        for rid in masked:
+            toks = eng.result(rid).tokens
+            assert len(toks) >= 10 and not set(toks[:10]) & set(stops), (method, toks)
+        assert min(len(eng.result(r).tokens) for r in free) < 10
 
 
 def test_logprobs_match_the_target_distribution():

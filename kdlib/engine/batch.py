@@ -27,13 +27,15 @@ One step, over lanes 0..C-1 (C = the smallest power of two holding every running
   accept   the target token per row (argmax, or at T > 0 a draw from the tempered, top-k / top-p
            filtered distribution with a uniform hashed from (seed, lens, row): the same seed draws
            the same uniforms whatever else is in the batch, and the same tokens wherever the batch's
-           shape leaves the logits' rounding alone), then the greedy tree walk;
+           shape leaves the logits' rounding alone; a lane's stop tokens are masked on the rows whose
+           token comes before its min_tokens, as vLLM's min_tokens), then the greedy tree walk;
   commit   the page-table tail is permuted so the accepted rows sit at positions lens .. lens+tau-1
            (page_size 1: no KV bytes move); the drafter writes the accepted rows' context K/V;
            lens += tau; the emitted tokens (accepted + new bonus) are packed into one buffer and
            copied to pinned host memory: the step's one device-to-host copy.
 
-AR steps are the same with W = 1 and no draft/build. On CUDA each (C, T, sampling) bucket is captured
+AR steps are the same with W = 1 and no draft/build. On CUDA each (C, T, sampling, min_tokens masking)
+bucket is captured
 once into a CUDA graph over static buffers (T = the page-table width a step reads, rounded up to a
 power of two) and replayed; the host's work between replays is reading the packed tokens, finishing
 requests and admitting new ones (prefill is eager, one request at a time). `graphs=False` runs the
@@ -99,7 +101,14 @@ class SamplingParams:
         if bad:
             raise ValueError(f"stop_token_ids {bad[:3]} are not token ids of the vocabulary "
                              f"[0, {vocab_size})")
+        if masks_stops(self) and len(set(self.stop_token_ids)) >= vocab_size:
+            raise ValueError("min_tokens masks the stop tokens, and they are the whole vocabulary")
         return self
+
+
+def masks_stops(p: SamplingParams) -> bool:
+    """Whether p's stop tokens are masked until its min_tokens (vLLM's min_tokens: unless ignore_eos)."""
+    return p.min_tokens > 0 and not p.ignore_eos and bool(p.stop_token_ids)
 
 
 @dataclass
@@ -396,6 +405,10 @@ class BatchEngine:
         self.temperature = torch.zeros(n, dtype=torch.float32, device=dev)  # [lanes]
         self.top_p = torch.ones(n, dtype=torch.float32, device=dev)  # [lanes]
         self.top_kk = torch.zeros(n, **i64)  # [lanes]
+        # min_tokens, as vLLM: a lane's stop tokens get no probability at a row whose token would come
+        # before its min_tokens-th, i.e. whose KV position (lens + depth + 1) is below prompt + min_tokens
+        self.min_until = torch.zeros(n, **i64)  # [lanes] prompt + min_tokens (0: nothing masked)
+        self.stop_mask = torch.zeros(n, self.cfg.vocab_size, dtype=torch.bool, device=dev)  # [lanes, V]
         # packed step result: [emitted count, tokens x width, (logprob, top ids, top logprobs) x width]
         self.out_cols = 1 + self.width * (2 + 2 * TOP_LOGPROBS)
         self.out_dev = torch.zeros(n, self.out_cols, dtype=torch.float64, device=dev)  # [lanes, cols]
@@ -526,11 +539,17 @@ class BatchEngine:
         self.temperature[lane] = float(p.temperature)
         self.top_p[lane] = float(p.top_p)
         self.top_kk[lane] = int(p.top_k)
+        self.stop_mask[lane] = False
+        if masks_stops(p):
+            self.stop_mask[lane, list(p.stop_token_ids)] = True
+        self.min_until[lane] = P + p.min_tokens if masks_stops(p) else 0
         logits = m.head(h[-1:])[None]  # [1, 1, V]
         lane_t = torch.tensor([lane], device=dev)
         u = hashed_uniforms(self.seeds[lane_t], torch.tensor([P - 1], device=dev), 1)  # [1, 1]
         sampled = p.temperature > 0
-        tok = self._pick(logits, u, lane_t, sampled, sampled and (p.top_p < 1 or p.top_k > 0))[0, 0]
+        # the first token comes before any min_tokens >= 1
+        pick = logits.masked_fill(self.stop_mask[lane], float("-inf")) if masks_stops(p) else logits
+        tok = self._pick(pick, u, lane_t, sampled, sampled and (p.top_p < 1 or p.top_k > 0))[0, 0]
         self.lens[lane] = P
         self.bonus[lane] = tok
         self.active[lane] = True
@@ -541,6 +560,12 @@ class BatchEngine:
         if p.logprobs is not None:
             lp = self._logprob_entries(torch.log_softmax(logits[0].float(), -1), [t], p.logprobs)
         return self._emit(r, [t], 1, lp)
+
+    def _mask_stops(self, logits: torch.Tensor, pos: torch.Tensor, C: int) -> torch.Tensor:
+        """logits [C, W, V] with each lane's stop tokens at -inf on the rows at KV position pos [C, W] whose
+        token (at pos + 1) comes before the lane's min_tokens-th."""
+        early = pos + 1 < self.min_until[:C, None]  # [C, W]
+        return logits.masked_fill(early[:, :, None] & self.stop_mask[:C, None, :], float("-inf"))
 
     def _pick(self, logits, u, lanes, sampled: bool, filtered: bool) -> torch.Tensor:
         """Target token per row: logits [C, W, V], u [C, W] -> [C, W] int64; argmax on lanes at T = 0,
@@ -598,7 +623,10 @@ class BatchEngine:
         filtered = any(r is not None and r.params.temperature > 0
                        and (r.params.top_p < 1 or r.params.top_k > 0) for r in reqs)
         want_lp = any(r is not None and r.params.logprobs is not None for r in reqs)
-        key = (C, T, sampled, filtered, want_lp)
+        # some lane may still be short of its min_tokens (the host's count lags a step in flight: harmless)
+        masking = any(r is not None and masks_stops(r.params) and len(r.tokens) < r.params.min_tokens
+                      for r in reqs)
+        key = (C, T, sampled, filtered, want_lp, masking)
         host = self.out_host[self._flip] if self.overlap else self.out_host
         self._flip ^= 1
         event = span = None
@@ -681,20 +709,23 @@ class BatchEngine:
             self.bonus[lane] = 0
             self.active[lane] = False
             self.temperature[lane] = 0.0
+            self.min_until[lane] = 0
             if isinstance(self.drafter, OracleLanes):
                 self.drafter.lanes[lane] = None
         r.lane = -1
         r.slots = []
 
     # ---- the device step (eager, or captured into a graph)
-    def _device_step(self, C: int, T: int, sampled: bool, filtered: bool, want_lp: bool) -> None:
+    def _device_step(self, *key) -> None:
+        """One step's device work; key: (C, T, sampled, filtered, want_lp, masking), as `_launch` makes it."""
         if self.device.type == "cuda":
             with cupy_on_torch_stream():
-                self._device_step_body(C, T, sampled, filtered, want_lp)
+                self._device_step_body(*key)
         else:
-            self._device_step_body(C, T, sampled, filtered, want_lp)
+            self._device_step_body(*key)
 
-    def _device_step_body(self, C: int, T: int, sampled: bool, filtered: bool, want_lp: bool) -> None:
+    def _device_step_body(self, C: int, T: int, sampled: bool, filtered: bool, want_lp: bool,
+                          masking: bool) -> None:
         m, dev, W = self.model, self.device, self.rows
         lanes = torch.arange(C, device=dev)
         lens, bonus, table = self.lens[:C], self.bonus[:C], self.table[:C, :T]
@@ -704,7 +735,8 @@ class BatchEngine:
             depth = torch.zeros(C, 1, dtype=torch.int64, device=dev)
             vis = torch.ones(C, 1, 1, dtype=torch.bool, device=dev)
             logits, _ = self._verify(m, self.pool.kv, table, lens, tokens, depth, vis, ())  # [C, 1, V]
-            nxt = self._pick(logits, u, lanes, sampled, filtered)  # [C, 1]
+            pick = self._mask_stops(logits, lens[:, None] + depth, C) if masking else logits
+            nxt = self._pick(pick, u, lanes, sampled, filtered)  # [C, 1]
             tau = torch.ones(C, dtype=torch.int64, device=dev)
             emitted, rows = nxt, torch.zeros(C, 1, dtype=torch.int64, device=dev)
         else:
@@ -718,7 +750,8 @@ class BatchEngine:
             capture = getattr(self.drafter, "capture", ())
             # logits [C, W, V]
             logits, feats = self._verify(m, self.pool.kv, table, lens, tokens, depth, vis, tuple(capture))
-            target = self._pick(logits, u, lanes, sampled, filtered)  # [C, W]
+            pick = self._mask_stops(logits, lens[:, None] + depth, C) if masking else logits
+            target = self._pick(pick, u, lanes, sampled, filtered)  # [C, W]
             paths, tau, new_bonus = self._accept(trees, target, C)  # [C, L+1], [C], [C]
             # page-table tail: accepted rows first (path order), then the rest in index order; padded
             # path entries (-1) write into a spare column W
@@ -808,7 +841,7 @@ class BatchEngine:
         return span  # read once the step is known done (_finish)
 
     def _capture(self, key):
-        C, T, sampled, filtered, want_lp = key
+        C, T, sampled, filtered, want_lp, masking = key
         state = (self.lens, self.bonus, self.table)  # what a step advances (the rest it rewrites)
         saved = [t.clone() for t in state]
 

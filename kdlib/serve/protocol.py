@@ -10,19 +10,17 @@ declared with their neutral value only (frequency_penalty 0, logit_bias {}, tool
 value is accepted, any other one gets a 400 naming the field. null is the same as absent
 everywhere except for `prompt` and `messages`, which are required, and completions' max_tokens.
 
-Sampling fields: max_tokens (chat: max_completion_tokens first; absent: completions 16, as OpenAI
-and vLLM, cut to the context; chat the rest of the context; null the rest of the context as in vLLM);
-temperature (default 1.0 as OpenAI; below 1e-5 = greedy; at most float32's 3.4e38), top_p (0, 1],
-top_k (0 or -1 = off, as is the vocabulary size or more), seed (absent = fresh randomness; choice i of n uses
-seed + i), n 1..16, stop (a string or up to 4, each 1..MAX_STOP_CHARS characters; not included in
-the output), ignore_eos, min_tokens (<= max_tokens; stop tokens and stop strings count only from
-there: a stop token before it is generated, counted and left out of the text, and the text goes on
-after it, where vLLM masks stop tokens until min_tokens, so the two continue differently), user
-(accepted, not used). Completions: logprobs 0..MAX_LOGPROBS (top alternatives per
-token), echo (with logprobs only where the engine has `prompt_logprobs`; else a 400). Chat:
-logprobs (bool), top_logprobs 0..MAX_LOGPROBS; messages with role system | developer | user |
-assistant, content a string or a list of text parts ({"type": "text", "text": ...}), and an optional
-name (accepted; the template leaves it out).
+Sampling fields: max_tokens (chat: max_completion_tokens first; absent: completions 16, as OpenAI and
+vLLM, cut to the context; chat the rest of the context; null the rest of the context as in vLLM);
+temperature (default 1.0 as OpenAI; below 1e-5 = greedy; at most float32's 3.4e38), top_p (0, 1], top_k
+(0 or -1 = off, as is the vocabulary size or more), seed (absent = fresh randomness; choice i of n uses
+seed + i), n 1..16, stop (a string or up to 4, each 1..MAX_STOP_CHARS characters; not included in the
+output), ignore_eos, min_tokens (<= max_tokens; as vLLM, the stop tokens get no probability before it,
+and stop strings count only from there), user (accepted, not used). Completions: logprobs
+0..MAX_LOGPROBS (top alternatives per token), echo (with logprobs only where the engine has
+`prompt_logprobs`; else a 400). Chat: logprobs (bool), top_logprobs 0..MAX_LOGPROBS; messages with role
+system | developer | user | assistant, content a string or a list of text parts ({"type": "text",
+"text": ...}), and an optional name (accepted; the template leaves it out).
 """
 
 from __future__ import annotations
