@@ -90,6 +90,10 @@ class DiagnoseError(RuntimeError):
     """The endpoint answered something the diagnosis cannot use (an HTTP error, a missing field)."""
 
 
+# what parsing a reply the endpoint malformed raises (json.JSONDecodeError is a ValueError)
+MALFORMED = (ValueError, TypeError, AttributeError, KeyError)
+
+
 @dataclass
 class Completion:
     """One request as the client saw it. Times in seconds (perf_counter differences).
@@ -268,7 +272,12 @@ class OpenAIClient:
             r = self._http.get(self.root + "/metrics")
         except Exception:  # noqa: BLE001 - no metrics endpoint is a normal case
             return None
-        return parse_metrics(r.text) if r.status_code == 200 else None
+        if r.status_code != 200:
+            return None
+        try:
+            return parse_metrics(r.text)
+        except ValueError:  # a 200 that is not Prometheus text (a gateway's page): no metrics either
+            return None
 
     def request_kwargs(self, prompt: str, max_tokens: int, stream: bool) -> dict:
         """The arguments of one greedy completion (shared with the load mode's async client)."""
@@ -312,12 +321,18 @@ class OpenAIClient:
                                   finish_reason=ch.finish_reason)
             acc = _Chunks(t0, on_tokens)
             for chunk in r:
-                acc.add(chunk, time.perf_counter())
+                now = time.perf_counter()
+                if now - t0 > self.timeout:  # httpx's timeout bounds each read, not the whole stream
+                    r.close()
+                    raise DiagnoseError(f"POST /v1/completions: no complete reply within {self.timeout:g} s")
+                acc.add(chunk, now)
             return acc.result(max_tokens, time.perf_counter() - t0)
         except openai.APIStatusError as e:
             raise _status_error(e) from None
         except openai.APIError as e:  # connection errors, and an error event inside the stream
             raise DiagnoseError(f"POST /v1/completions failed: {type(e).__name__}: {e}") from None
+        except MALFORMED as e:  # a reply the client could not parse (a bad stream event, say)
+            raise DiagnoseError(f"POST /v1/completions: a malformed reply: {type(e).__name__}: {e}") from None
 
 
 class EngineClient:
@@ -502,7 +517,8 @@ def two_point(client, prompt: str, *, short: int = SHORT, long: int = LONG, repe
         raise ValueError(f"need 1 <= short < long, got short={short}, long={long}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    client.complete(prompt, short, stream=stream)
+    client.complete(prompt, short, stream=stream)  # the untimed warm-up pair
+    client.complete(prompt, long, stream=stream)
     ts, tl, ns, nl, pt = [], [], [], [], None
     before = client.metrics()
     for _ in range(repeats):
@@ -766,9 +782,21 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _strict(o):
+    """o with every non-finite float as JSON has none: NaN -> null, +-inf -> "inf" / "-inf" (a request rate
+    of inf: all at once)."""
+    if isinstance(o, dict):
+        return {k: _strict(v) for k, v in o.items()}
+    if isinstance(o, list | tuple):
+        return [_strict(v) for v in o]
+    if isinstance(o, float | np.floating) and not math.isfinite(o):
+        return None if math.isnan(o) else ("inf" if o > 0 else "-inf")
+    return o
+
+
 def write_json(result: dict, path) -> None:
-    """Atomic write (`kdlib.files.atomic_write_text`)."""
-    atomic_write_text(path, json.dumps(result, indent=1, default=float) + "\n")
+    """Atomic write (`kdlib.files.atomic_write_text`) of strict JSON (`_strict`)."""
+    atomic_write_text(path, json.dumps(_strict(result), indent=1, default=float, allow_nan=False) + "\n")
 
 
 # ----------------------------------------------------------------------------- load mode
@@ -811,18 +839,26 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, float]:
     return out
 
 
-async def _one_request(aoa, kw: dict, rec: dict) -> None:
+async def _one_request(aoa, kw: dict, rec: dict, timeout: float) -> None:
     """One streamed completion into `rec` (its start time already set): ok, ttft_s, itl_s, e2e_s,
-    output/prompt tokens and text, or ok False with the error."""
+    output/prompt tokens and text, or ok False with the error (also a malformed reply, or none complete
+    within `timeout` seconds)."""
     import openai
 
     acc = _Chunks(rec["start"])
-    try:
+
+    async def read():
         stream = await aoa.completions.create(**kw)
         async for chunk in stream:
             acc.add(chunk, time.perf_counter())
+
+    try:
+        await asyncio.wait_for(read(), timeout)
         c = acc.result(kw["max_tokens"], time.perf_counter() - rec["start"])
-    except (openai.APIError, DiagnoseError) as e:
+    except TimeoutError:
+        rec.update(ok=False, end=time.perf_counter(), error=f"no complete reply within {timeout:g} s")
+        return
+    except (openai.APIError, DiagnoseError, *MALFORMED) as e:
         rec.update(ok=False, end=time.perf_counter(), error=f"{type(e).__name__}: {e}"[:300])
         return
     rec.update(ok=True, end=rec["start"] + c.elapsed_s, ttft_s=c.ttft_s, e2e_s=c.elapsed_s,
@@ -844,13 +880,13 @@ async def _load_run(client, prompts: list[str], order: list[int], output_len: in
             else None)
 
     async def run(rec):
-        prompt = prompts[rec["prompt"]]
+        kw = client.request_kwargs(prompts[rec["prompt"]], output_len, True)
         if gate is None:
             rec["start"] = time.perf_counter()
-            return await _one_request(aoa, client.request_kwargs(prompt, output_len, True), rec)
+            return await _one_request(aoa, kw, rec, client.timeout)
         async with gate:
             rec["start"] = time.perf_counter()
-            await _one_request(aoa, client.request_kwargs(prompt, output_len, True), rec)
+            await _one_request(aoa, kw, rec, client.timeout)
 
     try:
         tasks = []
@@ -1072,7 +1108,8 @@ def cli(argv: list[str]) -> int:
     ap.add_argument("--json", help="write the result here")
     ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     ap.add_argument("--timeout", type=positive_float, default=900.0,
-                    help="seconds one request may take before it counts as failed (default 900)")
+                    help="seconds one request may take, whole (a stream too), before it counts as failed "
+                         "(default 900)")
     ap.add_argument("--max-context", type=int, help="context limit when /v1/models reports none")
     ap.add_argument("--sustained-tokens", type=int, default=SUSTAINED_TOKENS)
     ap.add_argument("--sustained-prompt", type=int, default=512, help="prompt tokens of the sustained run")

@@ -48,7 +48,7 @@ pass the value your server logs when you know it, or recover it from a logged po
 `implied_mem_fraction`.
 
 Not modelled: a speculative draft model's own KV pool and weights (pass `draft_weight_bytes`;
-`speculative=True` only adds SGLang's +2 GiB reserve), the req_to_token pool (int32 indices, ~1 GB
+`speculative=True` only adds SGLang's +2 GiB reserve), the req_to_token pool (int32 indices, ~0.27 GB
 at 256 requests x 262k), activation peaks beyond the (1 - mem_fraction_static) reserve, and the
 vision tower of multimodal checkpoints.
 """
@@ -672,8 +672,8 @@ def plan(config, gpu: str, tp: int, context: int, *, kv_dtype: str = "bfloat16",
     longest = max(0, min(derived, one_request_tokens) - 1)
     if kv_split == "dp_attention":
         concurrent = tp * (tokens // context)
-    else:
-        concurrent = group_tokens // context
+    else:  # under DCP a request takes ceil(context / c) slots of the busiest rank's pool
+        concurrent = tokens // math.ceil(context / c)
     need = kv_bytes(config, context, kv_dtype, tp, kv_split)
     mode_note = {
         "replicated": "plain TP: every rank holds every token" if g.attention == "mla"
@@ -810,7 +810,8 @@ def plan(config, gpu: str, tp: int, context: int, *, kv_dtype: str = "bfloat16",
                    f"{_fmt_bytes(mem)} a {spec['name']} has; use more GPUs or a smaller weight format.")
         fits = False
     elif rest <= 0:
-        need_mfs = mem_fraction_for_pool(mem, weights, cell * context, overhead_bytes)
+        need_mfs = mem_fraction_for_pool(mem, weights, kv_bytes(config, context + 1, kv_dtype, tp, kv_split),
+                                         overhead_bytes)
         verdict = (
             f"DOES NOT FIT at mem_fraction_static={mfs:g}: the weights ({_fmt_bytes(weights)} per "
             "GPU) leave no "

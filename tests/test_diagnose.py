@@ -1,6 +1,11 @@
 """The throughput diagnosis (kdlib.diagnose): arithmetic on fakes, then against a real loopback server."""
 
+import asyncio
+import http.server
 import json
+import math
+import threading
+import time
 
 import pytest
 
@@ -33,7 +38,7 @@ def test_two_point_cancels_prefill():
     c = FakeClient(rate=80.0, prefill=3.0)
     r = dg.two_point(c, "p" * 300, repeats=2)
     assert r["tokens_per_s"] == pytest.approx(80.0) and not r["early_stop"]
-    assert c.calls == [8, 8, 264, 8, 264]  # warm-up, then alternating pairs
+    assert c.calls == [8, 264, 8, 264, 8, 264]  # the warm-up pair, then the timed pairs
     assert r["decomposition"]["available"] is False
 
 
@@ -319,3 +324,86 @@ def test_a_server_that_never_answers_fails_within_the_timeout(capsys):
         waited = time.monotonic() - t0
     err = capsys.readouterr().err
     assert rc == 1 and err.startswith("kdlib diagnose: error: cannot reach") and waited < 30
+
+
+class _Endpoint(http.server.BaseHTTPRequestHandler):
+    """A misbehaving OpenAI-style endpoint: /v1/models lists "m", /metrics is an HTML page, a streamed
+    completion sends `mode`'s stream: "garbage" (a malformed event after two chunks) or "trickle" (a chunk
+    every 0.3 s, never silent for a read timeout)."""
+
+    mode = "garbage"
+    protocol_version = "HTTP/1.0"  # close-delimited bodies
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, status: int, kind: str, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("content-type", kind)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        if self.path.startswith("/v1/models"):
+            models = {"object": "list", "data": [{"id": "m", "object": "model", "created": 0, "owned_by": "t",
+                                                  "max_model_len": 4096}]}
+            return self._send(200, "application/json", json.dumps(models).encode())
+        return self._send(200, "text/html", b"<html>not metrics</html>")
+
+    def do_POST(self):
+        n = json.loads(self.rfile.read(int(self.headers["content-length"])))["max_tokens"]
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.end_headers()
+        for i in range(n):
+            chunk = {"id": "x", "object": "text_completion", "created": 0, "model": "m",
+                     "choices": [{"index": 0, "text": "a", "finish_reason": None, "logprobs": None}],
+                     "usage": {"prompt_tokens": 4, "completion_tokens": i + 1, "total_tokens": 5 + i}}
+            self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            self.wfile.flush()
+            if self.mode == "garbage" and i == 1:
+                self.wfile.write(b"data: {not json\n\n")
+            if self.mode == "trickle":
+                time.sleep(0.3)
+        self.wfile.write(b"data: [DONE]\n\n")
+
+
+@pytest.fixture(params=["garbage", "trickle"])
+def bad_endpoint(request):
+    handler = type("Handler", (_Endpoint,), {"mode": request.param})
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield request.param, f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_a_malformed_or_endless_stream_fails_its_request_only(bad_endpoint):
+    """A malformed event, or a stream that outlasts --timeout while never silent: the request fails with
+    a DiagnoseError (one request) or is counted failed (the load mode), the run goes on; an HTML /metrics
+    page is no metrics."""
+    mode, url = bad_endpoint
+    client = dg.OpenAIClient(url, timeout=1.0)
+    try:
+        assert client.metrics() is None
+        t0 = time.monotonic()
+        with pytest.raises(dg.DiagnoseError, match="malformed reply" if mode == "garbage" else "within 1 s"):
+            client.complete("hello", 8, stream=True)
+        assert time.monotonic() - t0 < 2.5
+        recs = asyncio.run(dg._load_run(client, ["hello"], [0, 0, 0], 8, concurrency=2, rate=None, seed=0))
+        reason = "JSONDecodeError" if mode == "garbage" else "no complete reply within 1 s"
+        assert all(not r["ok"] and reason in r["error"] for r in recs), recs
+    finally:
+        client.close()
+
+
+def test_json_results_are_strict(tmp_path):
+    """A request rate of inf ("all at once") and a NaN are written as JSON has them: "inf" and null."""
+    dg.write_json({"request_rate": math.inf, "levels": [{"x": float("nan"), "y": -math.inf, "z": 1.5}]},
+                  tmp_path / "r.json")
+
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    got = json.loads((tmp_path / "r.json").read_text(), parse_constant=refuse)
+    assert got == {"request_rate": "inf", "levels": [{"x": None, "y": "-inf", "z": 1.5}]}

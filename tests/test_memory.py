@@ -320,6 +320,20 @@ def test_plan_modes_for_200k_on_rtx_pro_6000():
     assert not m.plan(**base).fits
 
 
+def test_context_parallel_counts_the_busiest_ranks_slots():
+    """Under DCP a request takes ceil(context / c) slots of each rank's pool: the concurrent count and the
+    fraction a too-small pool would need are those of the striped request, not of a whole one."""
+    cp = m.plan("kimi-k2.6", "h200", 8, 100, kv_split="context_parallel")
+    assert cp.value("concurrent_at_context") == cp.value("pool_tokens") // 13  # ceil(100 / 8)
+    base = dict(config="kimi-k2.6", gpu="rtx-pro-6000", tp=8, context=200_000, kv_split="context_parallel")
+    short = m.plan(**base, mem_fraction_static=0.7)  # the weights leave no pool at this fraction
+    need = m.mem_fraction_for_pool(short.value("gpu_memory"), short.value("weights_per_gpu"),
+                                   m.kv_bytes("kimi-k2.6", 200_001, tp=8, kv_split="context_parallel"),
+                                   short.value("overhead"))
+    assert not short.fits and f"mem_fraction_static >= {need:.3f}" in short.verdict
+    assert m.plan(**base, mem_fraction_static=need + 0.001).fits
+
+
 def test_vlm_cut_of_the_default_fraction():
     # SGLang multiplies its default by 0.95 (x a ViT-size factor) for multimodal checkpoints
     assert m.vlm_mem_fraction_factor("kimi-k2.6") == 0.95
