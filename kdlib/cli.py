@@ -117,6 +117,19 @@ def output_folder(text: str) -> Path:
     return path
 
 
+def require_gpu(ap: argparse.ArgumentParser) -> None:
+    """The GPU-only tools' first check: `ap.error` (one line, exit 2) where torch sees no CUDA device or
+    CuPy is not installed, instead of a traceback from the first kernel."""
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        ap.error("this tool runs CUDA kernels, and torch sees no CUDA device here")
+    if importlib.util.find_spec("cupy") is None:
+        ap.error("this tool runs CUDA kernels through CuPy, which is not installed here")
+
+
 def _usage() -> str:
     lines = ["usage: kdlib [--version] [--help] COMMAND [ARGS ...]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]

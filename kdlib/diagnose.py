@@ -1110,7 +1110,9 @@ def cli(argv: list[str]) -> int:
     ap.add_argument("--timeout", type=positive_float, default=900.0,
                     help="seconds one request may take, whole (a stream too), before it counts as failed "
                          "(default 900)")
-    ap.add_argument("--max-context", type=int, help="context limit when /v1/models reports none")
+    ap.add_argument("--max-context", type=int,
+                    help="context limit, in place of the max_model_len /v1/models reports (needed where it "
+                         "reports none)")
     ap.add_argument("--sustained-tokens", type=int, default=SUSTAINED_TOKENS)
     ap.add_argument("--sustained-prompt", type=int, default=512, help="prompt tokens of the sustained run")
     ap.add_argument("--repeats", type=int, default=2)
@@ -1131,8 +1133,8 @@ def cli(argv: list[str]) -> int:
     g.add_argument("--no-greedy-check", action="store_true", help="skip the sequential reference pass")
     g.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
     args = ap.parse_args(argv)
-    for name in ("sustained_tokens", "repeats", "max_context", "num_prompts", "max_concurrency",
-                 "distinct_prompts", "input_len", "output_len"):
+    for name in ("sustained_tokens", "sustained_prompt", "repeats", "max_context", "num_prompts",
+                 "max_concurrency", "distinct_prompts", "input_len", "output_len"):
         v = getattr(args, name)
         if v is not None and v < (0 if name == "sustained_tokens" else 1):
             ap.error(f"--{name.replace('_', '-')} must be positive")
@@ -1142,6 +1144,8 @@ def cli(argv: list[str]) -> int:
         slo = _slo(args.goodput)
     except ValueError as e:
         ap.error(str(e))
+    if args.json and os.path.isdir(args.json):  # checked before measuring: the write comes last
+        ap.error(f"--json {args.json} is a folder, not a file")
     if args.json and not os.access(os.path.dirname(os.path.abspath(args.json)), os.W_OK):
         ap.error(f"--json {args.json}: its folder does not exist or is not writable")
     if args.endpoint is not None and args.serve_args:

@@ -72,7 +72,8 @@ def discover(notebooks_dir: Path, names: list[str] | None = None) -> list[Path]:
     """
     notebooks_dir = Path(notebooks_dir)
     if not notebooks_dir.is_dir():
-        raise ValueError(f"notebook folder {notebooks_dir} does not exist")
+        raise ValueError(f"notebook folder {notebooks_dir} "
+                         + ("is a file" if notebooks_dir.exists() else "does not exist"))
     every = sorted(notebooks_dir.glob("[0-9]*.ipynb"))
     if not names:
         if not every:
@@ -893,6 +894,10 @@ def run_reports(
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out {out_dir} exists and is not a folder")
     paths = discover(notebooks_dir, names)
+    mixed = sorted({str(p.parent) for p in paths if p.parent.resolve() == out_dir.resolve()})
+    if mixed:  # the executed copy <out>/<stem>.ipynb would replace the notebook itself
+        raise ValueError(f"--out {out_dir} is the notebooks' own folder ({mixed[0]}): their executed copies "
+                         "would overwrite them; choose another folder")
     jobs = plan(paths, profile, overrides or {}, notebooks_dir / "params")
     check_kernel(kernel_name)
     commit = git_commit()

@@ -231,6 +231,8 @@ def test_cli_load_mode_writes_json(server, tmp_path, capsys):
     (["--endpoint", "http://127.0.0.1:9", "--serve-args=--random"], "--serve-args configures"),
     (["--serve-args", '"'], "--serve-args: No closing quotation"),
     (["--timeout", "inf"], "--timeout: must be a positive number"),
+    (["--json", "/tmp"], "--json /tmp is a folder, not a file"),
+    (["--sustained-prompt", "-5"], "--sustained-prompt must be positive"),
 ])
 def test_cli_refuses_bad_arguments_before_any_request(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

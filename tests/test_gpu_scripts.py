@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -150,3 +151,37 @@ def test_levers_script_refuses_an_unknown_step_or_ab_without_switches_before_run
     res = _levers(out, stand_ins, "tests", "ab", extra={"KDLIB_AB": ""})
     assert res.returncode == 2 and "step ab needs KDLIB_AB" in res.stderr
     assert not out.exists() and not stand_ins["log"].exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["tools/moe_profile.py"],
+    ["tools/plan_phases.py", "phases", "--out", "{tmp}/o"],
+    ["tools/v11_probe.py", "--out", "{tmp}/o"],
+    ["tools/rows_sweep.py", "--out", "{tmp}/o"],
+    ["tools/ncu_verify.py", "--impl", "wgmma_v10"],
+    ["tools/kernel_ab.py", "run", "--version", "10", "--out", "{tmp}/o"],
+    ["tools/sanitize_attention.py", "run", "--json", "{tmp}/o.json"],
+    ["tools/racecheck_patterns.py", "run", "no_barrier"],
+    ["-m", "kdlib.cuda.pipeline", "--no-pool"],
+])
+def test_gpu_tools_say_in_one_line_that_they_need_a_gpu(argv, tmp_path):
+    """Where torch sees no CUDA device (this machine), each GPU-only entry point exits 2 with one line
+    instead of a traceback from its first kernel (no cupy, no CUDA generator, ...)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    args = [a.format(tmp=tmp_path) for a in argv]
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "torch sees no CUDA device here" in err[-1], err
+
+
+def test_kernel_ab_export_of_an_unknown_revision_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "tools/kernel_ab.py", "export", "no-such-revision"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "no commit 'no-such-revision'" in proc.stderr.strip().splitlines()[-1]

@@ -138,6 +138,11 @@ def test_migrate_cli_checks_and_rewrites(tmp_path):
     with pytest.raises(SystemExit) as err:
         mig.main(["--dir", str(tmp_path / "absent")])
     assert err.value.code == 2
+    (tmp_path / "a.json").write_text(mig.dumps(old))  # would migrate, but another file is not JSON
+    (tmp_path / "z.json").write_text("{not json")
+    with pytest.raises(SystemExit) as err:
+        mig.main(["--dir", str(tmp_path)])
+    assert err.value.code == 2 and json.loads((tmp_path / "a.json").read_text()) == old  # nothing written
 
 
 # ----------------------------------------------------------------------------- typed loaders

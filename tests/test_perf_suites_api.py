@@ -85,6 +85,27 @@ def test_the_cpu_suites_through_the_entry_point(tmp_path):
     assert io["provenance"]["command"].endswith(f"--quick --out {tmp_path}")
 
 
+def test_gpu_suites_are_refused_in_one_line_where_torch_sees_no_gpu(tmp_path, capsys, monkeypatch):
+    """Every suite that is neither CPU_ONLY nor CPU_OK, on a machine without CUDA: exit 2 naming it, before
+    any suite runs (each had ended in a traceback of its own: no cupy, no CUDA generator, ...)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    ran = []
+    monkeypatch.setattr(entry, "call_suite", lambda module, args: ran.append(module) or {})
+    cpu = {"kdtr_io", "tree_build_cpu", "accept", "diagnosis", "serve"}
+    for name in entry.available():
+        argv = ["--suite", "kdtr_io", "--suite", name, "--out", str(tmp_path)]
+        if name in cpu:
+            assert entry.main(argv) == 0, name
+            continue
+        with pytest.raises(SystemExit) as e:
+            entry.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"suite(s) ['{name}'] need a CUDA GPU" in err, (name, err)
+    assert len(ran) == 2 * len(cpu)  # the refused runs measured nothing, kdtr_io included
+
+
 def test_the_entry_point_refuses_an_unknown_suite(capsys):
     with pytest.raises(SystemExit) as e:
         entry.main(["--suite", "nope"])
@@ -162,8 +183,8 @@ def test_host_only_suites_are_named_cpu_on_a_gpu_machine(tmp_path, monkeypatch):
     read, on a GPU machine too (they were named after the GPU there)."""
     monkeypatch.setattr(entry.results, "gpu_name", lambda: "NVIDIA H200")
     monkeypatch.setattr(entry, "call_suite", lambda module, args: {"value": 1})
-    assert entry.main(["--suite", "kdtr_io", "--suite", "tree_build_cpu", "--suite", "ceilings",
+    assert entry.main(["--suite", "kdtr_io", "--suite", "tree_build_cpu", "--suite", "accept",
                        "--out", str(tmp_path)]) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ceilings.h200.json", "kdtr_io.cpu.json",
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["accept.h200.json", "kdtr_io.cpu.json",
                                                           "tree_build_cpu.cpu.json"]
 

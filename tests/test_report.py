@@ -317,6 +317,19 @@ def test_an_output_folder_that_cannot_be_written_is_one_line(tmp_path, capsys):
     assert err.startswith("kdlib report: error: --out") and "cannot create it" in err and err.count("\n") == 1
 
 
+def test_the_notebooks_own_folder_is_refused_as_out(tmp_path, capsys):
+    """An executed copy <out>/<stem>.ipynb in the notebooks' folder would replace the notebook itself."""
+    nbs = make_notebooks(tmp_path / "notebooks")
+    before = {p.name: p.read_bytes() for p in nbs.iterdir() if p.is_file()}
+    assert report.cli(["10_pass", "--notebooks-dir", str(nbs), "--out", str(nbs)]) == 2
+    err = capsys.readouterr().err
+    assert "is the notebooks' own folder" in err and err.count("\n") == 1, err
+    assert {p.name: p.read_bytes() for p in nbs.iterdir() if p.is_file()} == before
+    (tmp_path / "f").write_text("x")
+    assert report.cli(["--notebooks-dir", str(tmp_path / "f"), "--out", str(tmp_path / "out")]) == 2
+    assert "notebook folder " + str(tmp_path / "f") + " is a file" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["-p", "NOPE", "1"], "-p NOPE: no chosen notebook has such a parameter"),
     (["-p", "N", "notanint"], "-p N: N of 10_pass takes an int (>= 1); got 'notanint' (str)"),

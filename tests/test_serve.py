@@ -472,7 +472,10 @@ def test_cli_help_runs_and_counts_are_checked(capsys):
     for flag, value, message in (("--max-waiting", "-1", "must be >= 0, got -1"),
                                  ("--max-num-seqs", "0", "must be >= 1, got 0"),
                                  ("--max-waiting", "x", "invalid integer value: 'x'"),
-                                 ("--device", "cdua", "must be cpu, cuda or cuda:N, got 'cdua'")):
+                                 ("--device", "cdua", "must be cpu, cuda or cuda:N, got 'cdua'"),
+                                 ("--port", "99999", "must be a TCP port (0 to 65535), got 99999"),
+                                 ("--port", "-1", "must be >= 0, got -1"),
+                                 ("--models", "/nonexistent/models", "does not hold the trained models")):
         with pytest.raises(SystemExit) as e:
             serve.cli([flag, value])
         err = capsys.readouterr().err

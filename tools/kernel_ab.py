@@ -34,6 +34,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from kdlib.cli import output_folder, require_gpu
+
 ROOT = Path(__file__).resolve().parents[1]
 # kdlib.cuda.attention's switches the arms of `run` can set on and off
 TOGGLES = ("PDL", "COMBINE_ROWS", "OWN_PLAN")
@@ -215,7 +217,7 @@ def main(argv=None) -> int:
                         "(new) against without (old), this tree's kernels in both")
     r.add_argument("--new", type=Path, dest="new_kernels",
                    help="the new arm's exported kernels (left out: this tree's)")
-    r.add_argument("--out", type=Path, required=True, help="folder")
+    r.add_argument("--out", type=output_folder, required=True, help="folder")
     r.add_argument("--version", type=int, default=7)
     r.add_argument("--iters", type=int, default=20)
     r.add_argument("--suite", default="kernel_ab", help="the result's name: <suite>.<gpu>.json")
@@ -232,11 +234,16 @@ def main(argv=None) -> int:
                         "repeatable")
     for k, v in (("heads", 8), ("queries", 65), ("prefix", 32_000), ("batch", 16), ("n", 8), ("version", 7)):
         p.add_argument(f"--{k}", type=int, default=v)
-    p.add_argument("--out", type=Path, required=True, help="folder")
+    p.add_argument("--out", type=output_folder, required=True, help="folder")
     a = ap.parse_args(argv)
     if a.cmd == "export":
-        print(export(a.rev))
-    elif a.cmd == "repeat":
+        try:
+            print(export(a.rev))
+        except ValueError as e:  # a revision git does not know
+            ap.error(str(e))
+        return 0
+    require_gpu(ap)
+    if a.cmd == "repeat":
         if (a.old_kernels is None) == (a.define is None):
             ap.error("repeat takes old kernels or --define, one of the two")
         _check_define(ap, a)

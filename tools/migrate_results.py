@@ -58,10 +58,16 @@ def main(argv: list[str] | None = None) -> int:
     folder = Path(args.dir)
     if not folder.is_dir():
         ap.error(f"{folder} is not a folder")
+    texts = {path: path.read_text() for path in sorted(folder.glob("*.json"))}
+    docs = {}
+    for path, text in texts.items():  # every file parsed before any is written
+        try:
+            docs[path] = json.loads(text)
+        except ValueError as e:
+            ap.error(f"{path}: not JSON ({e}); nothing migrated")
     changed = []
-    for path in sorted(folder.glob("*.json")):
-        text = path.read_text()
-        new = dumps(migrate(json.loads(text)))
+    for path, text in texts.items():
+        new = dumps(migrate(docs[path]))
         if new != text:
             changed.append(path.name)
             if not args.check:

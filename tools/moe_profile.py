@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 
+from kdlib.cli import require_gpu
 from kdlib.cuda import moe
 from kdlib.perf.suites import moe as s
 
@@ -24,6 +25,7 @@ def main() -> None:
     ap.add_argument("--version", type=int, choices=(1, 2, 3), default=None,
                     help="kernel version (default: the library's pick for this M)")
     args = ap.parse_args()
+    require_gpu(ap)
 
     import cupy as cp
     import numpy as np

@@ -13,6 +13,7 @@ import argparse
 
 import torch
 
+from kdlib.cli import require_gpu
 from kdlib.cuda import attention as cu
 
 
@@ -24,6 +25,7 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=200_000)
     ap.add_argument("--fp8", action="store_true", help="the prefix pool in the FP8 layout (version 10)")
     a = ap.parse_args()
+    require_gpu(ap)
     g = torch.Generator(device="cuda").manual_seed(0)
     nq, nh, s = a.queries, a.heads, a.prefix
     q = torch.randn(1, nq, nh, cu.D_QK, device="cuda", generator=g).bfloat16()  # [1, Q, H, 576]

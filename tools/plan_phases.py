@@ -26,6 +26,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from kdlib.cli import output_folder, require_gpu
+
 ROOT = Path(__file__).resolve().parents[1]
 STAMPED = ROOT / "build" / "plan_phases" / "kernels"
 BUILDS = {"default": (), "small32": ("-DPLAN_SMALL_REQS=32",), "four_warps": ("-DPLAN_SMALL_REQS=0",)}
@@ -216,8 +218,9 @@ def _cost(out: Path, rounds: int, iters: int) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=("phases", "cost"))
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=output_folder, required=True)
     a = ap.parse_args()
+    require_gpu(ap)
     print(phases(a.out) if a.what == "phases" else cost(a.out))
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from sanitize_attention import parse_log
 
+from kdlib.cli import output_folder, require_gpu
 from kdlib.cuda import loader
 from kdlib.perf.results import provenance
 
@@ -85,12 +86,16 @@ def run(names: list[str]) -> int:
     return 0
 
 
+def sanitizer() -> str:
+    """compute-sanitizer on PATH, else where CUDA installs it."""
+    return shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+
+
 def run_all(out: Path) -> int:
-    sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
     out.mkdir(parents=True, exist_ok=True)
     cases = {}
     for name, (kernel, threads, races) in CASES.items():
-        cmd = [sanitizer, "--tool", "racecheck", "--error-exitcode", "9", sys.executable, __file__,
+        cmd = [sanitizer(), "--tool", "racecheck", "--error-exitcode", "9", sys.executable, __file__,
                "run", name]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         log = proc.stdout + proc.stderr
@@ -101,7 +106,7 @@ def run_all(out: Path) -> int:
                        "sees_order": None if hazards is None else (hazards > 0) == races}
         print(f"{name:22s} {cases[name]['expected']:8s} hazards {hazards}", flush=True)
     control = cases["no_barrier"]["hazards"]
-    doc = {"provenance": provenance(), "sanitizer": sanitizer, "cases": cases,
+    doc = {"provenance": provenance(), "sanitizer": sanitizer(), "cases": cases,
            "control_caught": bool(control)}
     (out / "patterns.json").write_text(json.dumps(doc, indent=1) + "\n")
     return 0 if doc["control_caught"] else 1
@@ -113,8 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="run cases without a sanitizer")
     r.add_argument("case", nargs="+", help=f"one of {sorted(CASES)}")
     a = sub.add_parser("all", help="every case under racecheck -> OUT/patterns.json")
-    a.add_argument("--out", type=Path, required=True)
+    a.add_argument("--out", type=output_folder, required=True)
     args = ap.parse_args(argv)
+    require_gpu(ap)
+    if args.cmd == "all" and not Path(sanitizer()).is_file():
+        ap.error(f"compute-sanitizer not found (PATH, or {sanitizer()})")
     if args.cmd == "run":
         bad = [c for c in args.case if c not in CASES]
         if bad:

@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from kdlib.check import errors
+from kdlib.cli import require_gpu
 from kdlib.cuda import attention as cu
 from kdlib.cuda import loader
 from kdlib.perf.results import provenance
@@ -339,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("folder", type=Path)
     args = ap.parse_args(argv)
     if args.cmd == "run":
+        require_gpu(ap)
         return run(args.json, args.pool)
     if not args.folder.is_dir():
         print(f"not a folder: {args.folder}", file=sys.stderr)

@@ -109,7 +109,7 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--corpus", default=Path(".carry/corpus"), type=folder,
-                    help="corpus folder (built when missing)")
+                    help="corpus folder (built, parents too, when missing)")
     ap.add_argument("--out", required=True, type=folder,
                     help=f"output folder (required; the workbook's own models are {zoo.MODELS}: writing "
                          "there replaces them, so it takes --replace-shipped)")
@@ -124,11 +124,9 @@ def parse_args(argv):
     args = ap.parse_args(argv)
     if args.seed < 0:
         ap.error(f"--seed must be >= 0, got {args.seed}")
-    out, cdir = args.out, args.corpus
-    if out.resolve() == zoo.MODELS.resolve() and not args.replace_shipped:
-        ap.error(f"--out {out} holds the workbook's trained models; pass --replace-shipped to overwrite them")
-    if not cdir.exists() and not cdir.parent.is_dir():
-        ap.error(f"--corpus {cdir}: its parent folder does not exist (the corpus is built only inside one)")
+    if args.out.resolve() == zoo.MODELS.resolve() and not args.replace_shipped:
+        ap.error(f"--out {args.out} holds the workbook's trained models; pass --replace-shipped to overwrite "
+                 "them")
     return args
 
 

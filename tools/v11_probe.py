@@ -22,6 +22,7 @@ import os
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from kdlib.cli import output_folder, require_gpu
 from kdlib.cuda import attention as cu
 from kdlib.cuda import loader
 from kdlib.perf import results
@@ -80,13 +81,14 @@ def define_arm(define: str) -> tuple[str, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="folder of the record")
+    ap.add_argument("--out", required=True, type=output_folder, help="folder of the record")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--clusters", type=int, nargs="*", default=[33, 66], help="forced cluster counts")
     ap.add_argument("--define", action="append", default=[],
                     help="NAME=VALUE (version 11's) or IMPL:NAME=VALUE: a build switch's arm")
     ap.add_argument("--also", action="append", default=[], help="another impl timed beside (e.g. wgmma_v12)")
     a = ap.parse_args()
+    require_gpu(ap)
     try:
         arms = [define_arm(d) for d in a.define]
     except ValueError as e:

@@ -300,9 +300,18 @@ def smoke(bsz: int = 4) -> dict:
 
 
 if __name__ == "__main__":
+    import argparse
     import sys
 
-    if "--no-pool" in sys.argv:
+    from kdlib.cli import require_gpu
+
+    ap = argparse.ArgumentParser(prog="python -m kdlib.cuda.pipeline",
+                                 description="the device step's smoke test: each stage against kdlib.ref")
+    ap.add_argument("--no-pool", action="store_true",
+                    help="CuPy without its memory pool (what compute-sanitizer needs)")
+    args = ap.parse_args()
+    require_gpu(ap)
+    if args.no_pool:
         import cupy
 
         cupy.cuda.set_allocator(None)

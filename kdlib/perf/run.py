@@ -59,9 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in args.suite if s not in available()]
     if unknown:
         ap.error(f"unknown suite(s) {unknown}; available: {available()}")
+    modules = [(name, importlib.import_module(f"kdlib.perf.suites.{name}")) for name in args.suite]
+    gpu_only = [n for n, m in modules if not (getattr(m, "CPU_ONLY", False) or getattr(m, "CPU_OK", False))]
+    if gpu_only:
+        import torch
+
+        if not torch.cuda.is_available():
+            ap.error(f"suite(s) {gpu_only} need a CUDA GPU, and torch sees none here")
     command = "python3 -m kdlib.perf.run " + " ".join(sys.argv[1:] if argv is None else argv)
-    for name in args.suite:
-        module = importlib.import_module(f"kdlib.perf.suites.{name}")
+    for name, module in modules:
         payload = call_suite(module, args)
         # a host-only suite's file is <suite>.cpu.json on any machine (its loader reads that name)
         file = f"{name}.cpu" if getattr(module, "CPU_ONLY", False) else None

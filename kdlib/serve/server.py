@@ -196,6 +196,14 @@ def _at_least(lo: int):
 _positive, _count = _at_least(1), _at_least(0)
 
 
+def _port(v: str) -> int:
+    """argparse type: a TCP port, 0 (any free one) to 65535."""
+    n = _count(v)
+    if n > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port (0 to 65535), got {n}")
+    return n
+
+
 def _device(v: str) -> str:
     """argparse type: cpu, cuda or cuda:N, on a machine that has it."""
     import torch
@@ -215,7 +223,7 @@ def parser() -> argparse.ArgumentParser:
     ap = Parser(prog="kdlib serve", description="OpenAI-compatible HTTP server around the batched engine "
                 "(continuous batching)")
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--port", type=_port, default=8000, help="TCP port (0: any free one)")
     ap.add_argument("--served-model-name", nargs="+", default=None,
                     help="model name(s) clients send; the first is the one /v1/models lists first "
                     "(default: the bundle's name)")
@@ -250,7 +258,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def cli(argv: list[str]) -> int:
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.models is not None and not args.random:
+        from kdlib import zoo
+
+        if not zoo.available(args.models):  # a mistyped folder must not serve the random fallback
+            ap.error(f"--models {args.models} does not hold the trained models ({', '.join(zoo.FILES)})")
     try:
         sock = bind(args.host, args.port)
     except OSError as e:

@@ -1,5 +1,9 @@
 """The GPU and CPU suites of `python3 -m kdlib.perf.run`, one module each, and the environment
-switches they share: a misspelt value is an error naming the variable, never a silent default."""
+switches they share: a misspelt value is an error naming the variable, never a silent default.
+
+A suite module sets CPU_ONLY (host-only: its file is <suite>.cpu.json on any machine) or CPU_OK (it runs
+on the CPU where there is no CUDA device); any other needs a CUDA GPU, and `kdlib.perf.run` refuses it,
+before measuring anything, on a machine where torch sees none."""
 
 from __future__ import annotations
 

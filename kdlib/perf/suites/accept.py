@@ -44,6 +44,7 @@ from kdlib import ref, zoo
 from kdlib.cuda import accept
 from kdlib.perf import timing
 
+CPU_OK = True  # runs on the CUDA device when there is one, else on the CPU
 BUDGETS = (8, 16, 32, 64)
 PROMPT_TOKENS = 128  # enough context for the drafter's features; short enough for a fast CPU sample
 NEW_TOKENS = 96  # several DDTree rounds even at full-block acceptance (16 per round)

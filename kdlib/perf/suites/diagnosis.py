@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from kdlib import diagnose, serve
 
+CPU_OK = True  # runs on the CUDA device when there is one, else on the CPU
 FULL = {"prompt_tokens": 512, "sustained_tokens": 1500, "repeats": 3, "sweep_max": None}
 QUICK = {"prompt_tokens": 256, "sustained_tokens": 300, "repeats": 1, "sweep_max": 512}
 

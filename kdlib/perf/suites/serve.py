@@ -26,6 +26,7 @@ import os
 from collections.abc import Sequence
 
 # arm -> (method, dtype, *the server's flags)
+CPU_OK = True  # runs on the CUDA device when there is one, else on the CPU
 ARMS = {"ddtree": ("ddtree", "float32"), "ar": ("ar", "float32"), "ddtree_bf16": ("ddtree", "bfloat16"),
         "ddtree_bf16_async": ("ddtree", "bfloat16", "--async-scheduling"),
         "ddtree_bf16_async_compile": ("ddtree", "bfloat16", "--async-scheduling", "--enable-torch-compile")}
