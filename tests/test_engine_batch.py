@@ -520,3 +520,23 @@ def test_gpu_grouped_moe_matches_dense_in_bf16():
     dense = moe._routed_vectorised(x, w, idx, "dense").float()
     rel = float(((grouped - dense).norm() / dense.norm()).detach())
     assert rel < 2e-2, rel
+
+
+def test_an_idle_lane_beside_small_trees_stays_finite():
+    """top_k 1 gives trees smaller than the budget; their padding rows saw no key in an idle lane (below C,
+    no prefix): NaN there, in the null slot, and at T > 0 every later step failed on NaN probabilities."""
+    m = _model()
+    d = _drafter("dflash", m)
+    eng = BatchEngine(m, max_streams=2, method="ddtree", drafter=d, budget=16, top_k=1, keep_results=True)
+    short = eng.add_request([3, 1, 4, 1, 5], 2, SamplingParams(temperature=0.7, seed=1))  # then lane 0 idles
+    long = eng.add_request([2, 7, 1, 8], 20, SamplingParams(temperature=0.7, seed=2))
+    while eng.has_work():
+        eng.step()
+    assert len(eng.result(short).tokens) == 2 and len(eng.result(long).tokens) == 20
+    assert torch.isfinite(eng.pool.kv).all()
+    greedy = BatchEngine(m, max_streams=2, method="ddtree", drafter=d, budget=16, top_k=1, keep_results=True)
+    rids = [greedy.add_request(p, n) for p, n in (([3, 1, 4, 1, 5], 2), ([2, 7, 1, 8], 20))]
+    while greedy.has_work():
+        greedy.step()
+    assert [greedy.result(r).tokens for r in rids] == [_ar(m, [3, 1, 4, 1, 5], 2), _ar(m, [2, 7, 1, 8], 20)]
+    assert torch.isfinite(greedy.pool.kv).all()

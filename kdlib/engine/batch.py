@@ -746,7 +746,9 @@ class BatchEngine:
             nodes = torch.as_tensor(trees.node_token_ids, device=dev)  # [C, budget]
             tokens = torch.cat([bonus[:, None], nodes.clamp(min=0)], dim=1)  # [C, W]
             depth = torch.as_tensor(trees.positions, device=dev).clamp(min=0)  # [C, W]
-            vis = torch.as_tensor(trees.visibility, device=dev)  # [C, W, W]
+            # [C, W, W]; every row sees itself: a padding row of a tree smaller than the budget sees nothing
+            # else, and in an idle lane (no prefix) its softmax over no key was NaN, written to the null slot
+            vis = torch.as_tensor(trees.visibility, device=dev) | torch.eye(W, dtype=torch.bool, device=dev)
             capture = getattr(self.drafter, "capture", ())
             # logits [C, W, V]
             logits, feats = self._verify(m, self.pool.kv, table, lens, tokens, depth, vis, tuple(capture))
