@@ -292,11 +292,13 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch
     """logits [C, W, V] -> float32 probabilities of softmax(logits / T) per lane, restricted to the
     top_k most likely tokens (0 = all) and the smallest prefix whose mass reaches top_p (vLLM's order:
     top-k, then top-p over what is left, renormalised). temperature/top_p/top_k [C]; lanes at T = 0
-    get T = 1 (their rows are taken greedily)."""
+    get T = 1 (their rows are taken greedily). A lane without a filter gets the plain softmax whatever its
+    neighbours use (the sorted path's sums differ in the last bit: its draws would depend on the batch)."""
     t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))[:, None, None]
     z = logits.float() / t
+    plain = torch.softmax(z, dim=-1)
     if not filtered:
-        return torch.softmax(z, dim=-1)
+        return plain
     zs, order = z.sort(dim=-1, descending=True)
     rank = torch.arange(z.shape[-1], device=z.device)
     k = top_k[:, None, None]
@@ -308,7 +310,8 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch
     # rounds to 0 in float32 would leave none)
     ps = ps.masked_fill((before >= p) & (p < 1) & (rank > 0), 0.0)
     ps = ps / ps.sum(-1, keepdim=True)
-    return torch.zeros_like(ps).scatter_(-1, order, ps)
+    unfiltered = ((top_p >= 1) & (top_k <= 0))[:, None, None]
+    return torch.where(unfiltered, plain, torch.zeros_like(ps).scatter_(-1, order, ps))
 
 
 @contextmanager
