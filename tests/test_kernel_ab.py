@@ -31,56 +31,57 @@ def test_reference_matches_kdlib_ref_on_a_ragged_batch():
         assert np.isnan(got[p["trees"][b]:]).all() and not np.isnan(got[: p["trees"][b]]).any()
 
 
-def test_run_without_old_kernels_needs_version_10(capsys):
+def test_run_without_old_kernels_needs_version_10(capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_:
-        kernel_ab.main(["run", "--out", "/tmp/unused", "--version", "7"])
+        kernel_ab.main(["run", "--out", str(tmp_path), "--version", "7"])
     assert exit_.value.code == 2 and "only version 10" in capsys.readouterr().err
 
 
-def test_run_toggles_are_the_attention_modules_switches(capsys):
+def test_run_toggles_are_the_attention_modules_switches(capsys, tmp_path):
     assert all(isinstance(getattr(attention, t), bool) for t in kernel_ab.TOGGLES)
     with pytest.raises(SystemExit) as exit_:
-        kernel_ab.main(["run", "--out", "/tmp/unused", "--version", "9", "--toggle", "COMBINE_ROWS"])
+        kernel_ab.main(["run", "--out", str(tmp_path), "--version", "9", "--toggle", "COMBINE_ROWS"])
     assert exit_.value.code == 2 and "COMBINE_ROWS on / off" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
-        kernel_ab.main(["run", "--out", "/tmp/unused", "--version", "10", "--toggle", "NOT_A_SWITCH"])
+        kernel_ab.main(["run", "--out", str(tmp_path), "--version", "10", "--toggle", "NOT_A_SWITCH"])
     assert exit_.value.code == 2 and "invalid choice" in capsys.readouterr().err
 
 
-def test_run_define_builds_this_tree_alone_and_takes_name_value(capsys):
+def test_run_define_builds_this_tree_alone_and_takes_name_value(capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_:
-        kernel_ab.main(["run", "build/ab/x/kernels", "--out", "/tmp/unused", "--define", "PLAN_SMALL_REQS=0"])
+        kernel_ab.main(["run", "build/ab/x/kernels", "--out", str(tmp_path), "--define", "PLAN_SMALL_REQS=0"])
     assert exit_.value.code == 2 and "no old kernels" in capsys.readouterr().err
     for bad in ("PLAN_SMALL_REQS", "=1", "1X=2", "A=1 -DB=2"):
         with pytest.raises(SystemExit) as exit_:
-            kernel_ab.main(["run", "--out", "/tmp/unused", "--define", bad])
+            kernel_ab.main(["run", "--out", str(tmp_path), "--define", bad])
         assert exit_.value.code == 2 and "NAME=VALUE" in capsys.readouterr().err
 
 
-def test_repeat_takes_old_kernels_or_a_define(capsys):
+def test_repeat_takes_old_kernels_or_a_define(capsys, tmp_path):
     for args in ([], ["build/ab/x/kernels", "--define", "PLAN_SMALL_REQS=0"]):
         with pytest.raises(SystemExit) as exit_:
-            kernel_ab.main(["repeat", *args, "--out", "/tmp/unused"])
+            kernel_ab.main(["repeat", *args, "--out", str(tmp_path)])
         assert exit_.value.code == 2 and "one of the two" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
-        kernel_ab.main(["repeat", "--define", "PLAN_SMALL_REQS", "--out", "/tmp/unused"])
+        kernel_ab.main(["repeat", "--define", "PLAN_SMALL_REQS", "--out", str(tmp_path)])
     assert exit_.value.code == 2 and "NAME=VALUE" in capsys.readouterr().err
 
 
-def test_define_repeats_for_switches_together_each_name_once(capsys, monkeypatch):
+def test_define_repeats_for_switches_together_each_name_once(capsys, monkeypatch, tmp_path):
     """Two --define give the new arm both -D options (run and repeat get the list, the arm's build joins it);
     one switch named twice is a usage error."""
     got = {}
     monkeypatch.setattr(kernel_ab, "run", lambda *a: got.setdefault("run", a))
     monkeypatch.setattr(kernel_ab, "repeat", lambda *a: got.setdefault("repeat", a))
-    kernel_ab.main(["run", "--out", "/tmp/unused", "--version", "10", "--define", "PLAN_SMALL_REQS=0",
+    monkeypatch.setattr(kernel_ab, "require_gpu", lambda ap: None)  # the GPU work is stubbed out
+    kernel_ab.main(["run", "--out", str(tmp_path), "--version", "10", "--define", "PLAN_SMALL_REQS=0",
                     "--define", "ORDER_GAIN=-64"])
     kernel_ab.main(["repeat", "--define", "PLAN_SMALL_REQS=0", "--define", "ORDER_GAIN=-64",
-                    "--out", "/tmp/unused"])
+                    "--out", str(tmp_path)])
     assert got["run"][-1] == got["repeat"][-1] == ["PLAN_SMALL_REQS=0", "ORDER_GAIN=-64"]
     assert kernel_ab._flags(got["run"][-1]) == "-DPLAN_SMALL_REQS=0 -DORDER_GAIN=-64"
     with pytest.raises(SystemExit) as exit_:
-        kernel_ab.main(["run", "--out", "/tmp/unused", "--define", "PLAN_SMALL_REQS=0",
+        kernel_ab.main(["run", "--out", str(tmp_path), "--define", "PLAN_SMALL_REQS=0",
                         "--define", "PLAN_SMALL_REQS=8"])
     assert exit_.value.code == 2 and "twice" in capsys.readouterr().err
 

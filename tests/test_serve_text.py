@@ -138,8 +138,12 @@ def test_request_models_accept_what_clients_send():
         "max_completion_tokens": 5, "logprobs": True, "top_logprobs": 3, "response_format": {"type": "text"},
         "tools": [], "store": False})
     assert render_chat(chat.messages) == "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
+    named = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "Hi", "name": "ada"}]})
+    assert render_chat(named.messages) == "<|user|>\nHi\n<|assistant|>\n"  # OpenAI's name: not templated
     for bad in ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
-                {"role": "tool", "content": "x"}, {"role": "user", "content": "x", "name": "n"}):
+                {"role": "tool", "content": "x"}, {"role": "user", "content": "x", "name": 3},
+                {"role": "user", "content": "x", "tool_call_id": "t"}):
         with pytest.raises(ValidationError) as e:
             ChatCompletionRequest.model_validate({"messages": [bad]})
         assert error_from_validation(e.value.errors()).param.startswith("messages[0]")

@@ -242,11 +242,11 @@ def main(argv=None) -> int:
         except ValueError as e:  # a revision git does not know
             ap.error(str(e))
         return 0
-    require_gpu(ap)
     if a.cmd == "repeat":
         if (a.old_kernels is None) == (a.define is None):
             ap.error("repeat takes old kernels or --define, one of the two")
         _check_define(ap, a)
+        require_gpu(ap)
         repeat(a.old_kernels, a.out, {k: getattr(a, k) for k in ("heads", "queries", "prefix", "batch")}, a.n,
                a.version, a.define)
     else:
@@ -257,6 +257,7 @@ def main(argv=None) -> int:
         elif a.old_kernels is None and a.version != 10:
             ap.error(f"without old kernels the arms are {a.toggle} on / off, which only version 10 follows "
                      "here: --version 10")
+        require_gpu(ap)
         run(a.old_kernels, a.out, a.version, a.iters, a.suite, a.new_kernels, a.toggle, a.define)
     return 0
 

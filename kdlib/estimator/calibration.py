@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import statistics
 
-from kdlib.cuda.tree import DEFAULT_VERSION as TREE_DEFAULT_VERSION
 from kdlib.estimator.model import hardware, step_time
 from kdlib.estimator.params import (
     ATTENTION_PLAN_TERMS,
@@ -155,6 +154,9 @@ def _calibrate_kernels(a: Assumptions, kernels: dict, spec: dict, notes: list,
                        attention: bool = True) -> Assumptions:
     """Tree-build costs, and with `attention` the attention efficiencies of its verify_attention sweep (the
     kernel the suite ran, an early one: the attention suite's default kernel replaces it where recorded)."""
+    # here, not at the top: the estimator imports no numpy (test_config), and kdlib.cuda.tree does
+    from kdlib.cuda.tree import DEFAULT_VERSION as TREE_DEFAULT_VERSION
+
     src = kernels.get("_path", "kernels result")
     att = ((kernels.get("verify_attention") or {}).get("points") or []) if attention else []
     changes = _attention_changes(
