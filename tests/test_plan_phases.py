@@ -45,8 +45,8 @@ def test_a_missing_anchor_is_named(tmp_path, monkeypatch):
         plan_phases.stamped_tree(tmp_path / "kernels")
 
 
-def test_cli_takes_phases_or_cost(capsys, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["plan_phases.py", "timeline", "--out", "/tmp/unused"])
+def test_cli_takes_phases_or_cost(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(sys, "argv", ["plan_phases.py", "timeline", "--out", str(tmp_path)])
     with pytest.raises(SystemExit) as exit_:
         plan_phases.main()
     assert exit_.value.code == 2 and "invalid choice" in capsys.readouterr().err
