@@ -442,6 +442,8 @@ def test_allreduce_calibration_prefers_the_graph_fit():
     # data/hw/h200.json: 450 GB/s per direction
     assert a.v("allreduce_bw_eff") == pytest.approx(315e9 / 450e9)
     assert any("in a CUDA graph" in n for n in notes)
+    low = {"8": {"latency_s": -2e-6, "bus_bandwidth_Bps": 315e9}}  # a fit's intercept below 0: at least 0
+    assert est.calibrate({"tp": {"allreduce_graph_fit": low}}).v("allreduce_latency_nvlink_s") == 0.0
     a = est.calibrate({"tp": {"allreduce_fit": eager, "allreduce_graph_fit": {}}})
     assert a.v("allreduce_latency_nvlink_s") == pytest.approx(30e-6)
     assert "eager" in a.allreduce_latency_nvlink_s.source

@@ -94,6 +94,13 @@ def test_streaming_equals_plain_with_usage_chunks(oa):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30
 
 
+def test_a_temperature_past_float32_is_a_400_streamed_too(http):
+    for stream in (False, True):
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 1e39,
+                                               "stream": stream})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", (stream, r.text)
+
+
 def test_include_usage_chunks_carry_a_null_usage(http):
     """With include_usage every chunk before the usage chunk has "usage": null (OpenAI's stream format)."""
     body = {"prompt": "Streaming test:", "max_tokens": 6, "temperature": 0, "stream": True,

@@ -238,8 +238,9 @@ def _calibrate_allreduce(a: Assumptions, tp: dict, spec: dict, notes: list) -> A
         return a
     w = max(fits)
     fit = fits[w]
-    changes = {"allreduce_latency_nvlink_s": (
-        fit["latency_s"], f"intercept of the NCCL all-reduce fit ({how}) at {w} GPUs ({src})")}
+    changes = {"allreduce_latency_nvlink_s": (  # a straight-line fit's intercept may fall below 0
+        max(0.0, fit["latency_s"]), f"intercept of the NCCL all-reduce fit ({how}) at {w} GPUs, at least 0 "
+                                    f"({src})")}
     if fit.get("bus_bandwidth_Bps"):
         eff = fit["bus_bandwidth_Bps"] / link["bandwidth_Bps_per_direction"]
         changes["allreduce_bw_eff"] = (eff, f"fit bus bandwidth {fit['bus_bandwidth_Bps'] / 1e9:.0f} GB/s "

@@ -26,7 +26,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from kdlib.engine.generate import MIN_TEMPERATURE
+from kdlib.engine.generate import MAX_TEMPERATURE, MIN_TEMPERATURE
 from kdlib.serve.engine import Engine, RequestError, Sequence
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: ~100x the longest prompt the tiny models' 2,048-token context takes
@@ -163,6 +163,9 @@ def plan_request(req, engine: Engine, chat: bool) -> Plan:
     seed = None if req.seed is None else req.seed % 2**64
     n = req.n or 1
     temperature = 1.0 if req.temperature is None else req.temperature
+    if temperature > MAX_TEMPERATURE:  # a 400 here, before a stream's 200 is sent
+        raise RequestError(f"temperature must be at most {MAX_TEMPERATURE:.4g} (float32's range), got "
+                           f"{temperature!r}", param="temperature", code="invalid_value")
     # k >= the vocabulary: no filter
     top_k = 0 if req.top_k in (None, -1) or req.top_k >= vocab else req.top_k
     params = [SamplingParams(temperature=temperature if temperature >= GREEDY_BELOW else 0.0,
