@@ -35,16 +35,16 @@ One step, over lanes 0..C-1 (C = the smallest power of two holding every running
            copied to pinned host memory: the step's one device-to-host copy.
 
 AR steps are the same with W = 1 and no draft/build. On CUDA each (C, T, sampling, min_tokens masking)
-bucket is captured
-once into a CUDA graph over static buffers (T = the page-table width a step reads, rounded up to a
-power of two) and replayed; the host's work between replays is reading the packed tokens, finishing
-requests and admitting new ones (prefill is eager, one request at a time). `graphs=False` runs the
-same step eagerly (the CPU path, and for debugging): the same tokens. `overlap=True` launches step k+1
-before reading step k's tokens (a finished request runs one step more, its tokens dropped);
-`compile=True` runs the verify forward and the drafter block through torch.compile (fewer, fused
-kernels in the same graphs); a model whose experts went through `Model.quantize_experts_int4` runs
-its MoE through `moe_w4a16` inside the step. The attention is the torch path (keys gathered up to T):
-the tree-verify kernels' paged path is what `kdlib.engine.rank` uses at real shapes.
+bucket is captured once into a CUDA graph over static buffers (T = the page-table width a step reads,
+rounded up to a power of two) and replayed; the host's work between replays is reading the packed
+tokens, finishing requests and admitting new ones (prefill is eager, one request at a time).
+`graphs=False` runs the same step eagerly (the CPU path, and for debugging): the same tokens.
+`overlap=True` launches step k+1 before reading step k's tokens (a finished request runs one step more,
+its tokens dropped); `compile=True` runs the verify forward and the drafter block through torch.compile
+(fewer, fused kernels in the same graphs); a model whose experts went through
+`Model.quantize_experts_int4` runs its MoE through `moe_w4a16` inside the step. The attention is the
+torch path (keys gathered up to T): the tree-verify kernels' paged path is what `kdlib.engine.rank` uses
+at real shapes.
 """
 
 from __future__ import annotations
