@@ -745,6 +745,8 @@ def _read_any(path) -> tuple[dict, dict]:
         return load(path, mmap=False), read_metadata(path)
     if fmt == "safetensors":
         return _read_safetensors(path)
+    if Path(path).is_file() and not zipfile.is_zipfile(path):  # np.load would speak of pickles
+        raise KdtrError(f"{path}: not an npz file (an npz is a zip archive of .npy members)")
     try:
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}

@@ -769,6 +769,15 @@ def test_npz_sidecar_is_checked_not_applied_blindly(tmp_path, sidecar, message):
     assert not (tmp_path / "m.safetensors").exists()
 
 
+def test_a_file_that_is_no_npz_is_named_so(tmp_path):
+    """np.load would call a non-zip .npz pickled data and suggest allow_pickle; it is not an archive."""
+    junk = tmp_path / "junk.npz"
+    junk.write_bytes(b"this is not an archive\n")
+    with pytest.raises(KdtrError, match=r"junk.npz: not an npz file \(an npz is a zip archive"):
+        kdtr.convert(junk, tmp_path / "j.kdtr")
+    assert not (tmp_path / "j.kdtr").exists()
+
+
 def test_npz_refuses_names_zip_would_cut(tmp_path):
     src = tmp_path / "n.kdtr"
     kdtr.save(src, {"x\0a": np.zeros(2), "x\0b": np.ones(2)})  # KDTR holds such names
