@@ -540,3 +540,33 @@ def test_an_idle_lane_beside_small_trees_stays_finite():
         greedy.step()
     assert [greedy.result(r).tokens for r in rids] == [_ar(m, [3, 1, 4, 1, 5], 2), _ar(m, [2, 7, 1, 8], 20)]
     assert torch.isfinite(greedy.pool.kv).all()
+
+
+def test_isolate_failures_fails_one_prefill_alone(monkeypatch):
+    """A prefill that raises (out of memory on a long prompt, say): with isolate_failures that request
+    finishes alone with finish_reason "error", its lane and slots go back, the others equal AR; by default
+    the exception propagates."""
+    m = _model()
+    real = m.forward_plain
+
+    def forward_plain(prompt, capture=()):
+        if prompt[0] == 13:  # the poisoned request
+            raise RuntimeError("out of memory (simulated)")
+        return real(prompt, capture)
+
+    monkeypatch.setattr(m, "forward_plain", forward_plain)
+    good, bad = [2, 7, 1, 8], [13, 5, 5]
+    eng = BatchEngine(m, max_streams=2, method="ddtree", drafter=_drafter("oracle", m), budget=8,
+                      keep_results=True, isolate_failures=True)
+    ok, broken = eng.add_request(good, 12), eng.add_request(bad, 12)
+    outs = []
+    while eng.has_work():
+        outs += eng.step()
+    failed = [o for o in outs if o.request_id == broken]
+    assert [(o.finished, o.finish_reason, o.new_tokens) for o in failed] == [(True, "error", [])]
+    assert failed[0].error == eng.result(broken).error == "RuntimeError: out of memory (simulated)"
+    assert eng.result(ok).tokens == _ar(m, good, 12) and eng.pool_free_slots == eng.pool.num_slots
+    plain = BatchEngine(m, max_streams=2)
+    plain.add_request(bad, 4)
+    with pytest.raises(RuntimeError, match="simulated"):
+        plain.step()

@@ -403,6 +403,37 @@ def test_a_failing_engine_step_fails_its_requests_and_the_loop_goes_on(bundle):
         engine.close()
 
 
+def test_a_failing_prefill_fails_its_request_alone(bundle):
+    """One request's prefill raises (a simulated out-of-memory error): that request gets a 500, a request
+    running beside it finishes as it would alone, and the engine serves on."""
+    engine = serve.Engine(bundle, max_num_seqs=2, max_model_len=128)
+    assert engine.wait_ready(60)
+    model = engine.core.model
+    real = model.forward_plain
+
+    def forward_plain(prompt, capture=()):
+        if prompt[0] == 13:
+            raise RuntimeError("out of memory (simulated)")
+        return real(prompt, capture)
+
+    model.forward_plain = forward_plain
+    try:
+        params = SamplingParams(ignore_eos=True)
+        alone = engine.run([5, 6, 7], 40, params)["tokens"]
+        box = {}
+        beside = threading.Thread(target=lambda: box.setdefault("r", engine.run([5, 6, 7], 40, params)))
+        beside.start()
+        time.sleep(0.05)
+        with pytest.raises(serve.RequestError) as e:
+            engine.run([13, 5, 5], 8, params)
+        beside.join(120)
+        assert e.value.status == 500 and "out of memory (simulated)" in str(e.value)
+        assert box["r"]["tokens"] == alone and engine.state()["running"] == 0
+    finally:
+        del model.forward_plain
+        engine.close()
+
+
 def test_port_in_use_is_a_clear_error(capsys):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -121,6 +121,7 @@ class StepOutput:
     finish_reason: str | None
     accepted: int
     logprobs: list[dict] | None = None
+    error: str | None = None  # finish_reason "error" (isolate_failures): what failed
 
 
 @dataclass
@@ -136,6 +137,7 @@ class _Request:
     accepted: list[int] = field(default_factory=list)
     tree_sizes: list[int] = field(default_factory=list)
     steps: int = 0
+    error: str | None = None
 
 
 class SlotPool:
@@ -335,12 +337,17 @@ def cupy_on_torch_stream():
 
 # ----------------------------------------------------------------------------- the engine
 class BatchEngine:
-    """Continuous batching of AR or DDTree requests (module docstring). One thread drives it."""
+    """Continuous batching of AR or DDTree requests (module docstring). One thread drives it.
+
+    isolate_failures: a request whose prefill raises (out of memory on a long prompt, say) finishes
+    alone, StepOutput finish_reason "error" with the message in `error`, its lane and slots returned,
+    and the others run on (a server's choice); off, the exception propagates (the library's default:
+    nothing fails silently)."""
 
     def __init__(self, model, max_streams: int = 16, method: str = "ar", drafter=None,
                  budget: int | None = None, top_k: int | None = None, num_slots: int | None = None,
                  max_context: int | None = None, graphs: bool | None = None, keep_results: bool = False,
-                 compile: bool = False, overlap: bool = False):
+                 compile: bool = False, overlap: bool = False, isolate_failures: bool = False):
         if method not in ("ar", "ddtree"):
             raise ValueError(f"method must be 'ar' or 'ddtree', got {method!r}")
         if isinstance(max_streams, bool) or not isinstance(max_streams, numbers.Integral) or max_streams < 1:
@@ -427,6 +434,7 @@ class BatchEngine:
         self._waiting: deque[_Request] = deque()
         self._requests: dict[int, _Request] = {}  # waiting and running
         self.keep_results = keep_results
+        self.isolate_failures = bool(isolate_failures)
         self.finished: dict[int, _Request] = {}  # with keep_results: finished requests by id
         self._next_id = 0
         self.spec_stats = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
@@ -525,7 +533,17 @@ class BatchEngine:
             self._waiting.popleft()
             r.lane, r.slots = lane, slots
             self._lanes[lane] = r
-            outs.append(self._prefill(r))
+            try:
+                outs.append(self._prefill(r))
+            except Exception as e:
+                if not self.isolate_failures:
+                    raise
+                r.error = f"{type(e).__name__}: {e}"
+                self._retire(r)
+                self._requests.pop(r.rid, None)
+                if self.keep_results:
+                    self.finished[r.rid] = r
+                outs.append(StepOutput(r.rid, [], True, "error", 0, error=r.error))
         return outs
 
     def _prefill(self, r: _Request) -> StepOutput:

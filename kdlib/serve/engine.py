@@ -12,9 +12,10 @@ between steps and leave when done (continuous batching), each with its own sampl
 Text is made here (`TextStream`): a sequence whose text completes a stop string is aborted in the
 engine at once and finishes with "stop" (stop strings count from min_tokens on); an end-of-text
 token ends it with "stop" too; end-of-text tokens are counted but never decoded into text.
-Listeners run on the loop's thread and must only hand the event on: ("prompt", [per-position
-logprobs]) first when asked for, then ("delta", Delta) per step with tokens, then ("done", Done)
-or ("error", RequestError).
+A request whose prefill raises fails alone with a 500 (the engine's `isolate_failures`); a step that
+raises fails every running request, and the loop serves on. Listeners run on the loop's thread and
+must only hand the event on: ("prompt", [per-position logprobs]) first when asked for, then ("delta",
+Delta) per step with tokens, then ("done", Done) or ("error", RequestError).
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ def make_core(bundle: Bundle, *, max_num_seqs: int, max_model_len: int | None, m
     return BatchEngine(bundle.model, max_streams=max_num_seqs, method=method,
                        drafter=bundle.drafter if ddtree else None, budget=budget, max_context=max_model_len,
                        graphs=False if ddtree and isinstance(bundle.drafter, NoisyOracleDrafter) else None,
-                       overlap=overlap, compile=compile)
+                       overlap=overlap, compile=compile, isolate_failures=True)
 
 
 class Engine:
@@ -439,6 +440,10 @@ class Engine:
         for rid, group in by_request.items():
             seq = self._active.get(rid)
             if seq is None:
+                continue
+            failed = next((o.error for o in group if o.finish_reason == "error"), None)
+            if failed is not None:  # its prefill raised: this sequence fails, the others go on
+                self._fail(seq, RequestError(f"generation failed: {failed}", status=500, type="server_error"))
                 continue
             taus.append(sum(int(o.accepted) for o in group))
             seq.accepted.append(taus[-1])
