@@ -805,13 +805,13 @@ def plan(config, gpu: str, tp: int, context: int, *, kv_dtype: str = "bfloat16",
         "draft_weight_bytes": draft_weight_bytes,
         "max_total_tokens": max_total_tokens,
     }
+    pool_needed = kv_bytes(config, context + 1, kv_dtype, tp, kv_split)  # one request of `context` tokens
     if weights >= mem:
         verdict = (f"DOES NOT FIT: the weights alone need {_fmt_bytes(weights)} per GPU, more than the "
                    f"{_fmt_bytes(mem)} a {spec['name']} has; use more GPUs or a smaller weight format.")
         fits = False
     elif rest <= 0:
-        need_mfs = mem_fraction_for_pool(mem, weights, kv_bytes(config, context + 1, kv_dtype, tp, kv_split),
-                                         overhead_bytes)
+        need_mfs = mem_fraction_for_pool(mem, weights, pool_needed, overhead_bytes)
         verdict = (
             f"DOES NOT FIT at mem_fraction_static={mfs:g}: the weights ({_fmt_bytes(weights)} per "
             "GPU) leave no "
@@ -829,7 +829,6 @@ def plan(config, gpu: str, tp: int, context: int, *, kv_dtype: str = "bfloat16",
                    "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1, past the end of the YaRN range.")
         fits = False
     elif context > longest:
-        pool_needed = kv_bytes(config, context + 1, kv_dtype, tp, kv_split)
         need_mfs = mem_fraction_for_pool(mem, weights, pool_needed, overhead_bytes)
         verdict = (f"ONE {context:,}-TOKEN REQUEST DOES NOT FIT: the pool holds {one_request_tokens:,} "
                    "tokens for one "

@@ -560,16 +560,17 @@ class BatchEngine:
         self.temperature[lane] = float(p.temperature)
         self.top_p[lane] = float(p.top_p)
         self.top_kk[lane] = int(p.top_k)
+        masked = masks_stops(p)
         self.stop_mask[lane] = False
-        if masks_stops(p):
+        if masked:
             self.stop_mask[lane, list(p.stop_token_ids)] = True
-        self.min_until[lane] = P + p.min_tokens if masks_stops(p) else 0
+        self.min_until[lane] = P + p.min_tokens if masked else 0
         logits = m.head(h[-1:])[None]  # [1, 1, V]
         lane_t = torch.tensor([lane], device=dev)
         u = hashed_uniforms(self.seeds[lane_t], torch.tensor([P - 1], device=dev), 1)  # [1, 1]
         sampled = p.temperature > 0
         # the first token comes before any min_tokens >= 1
-        pick = logits.masked_fill(self.stop_mask[lane], float("-inf")) if masks_stops(p) else logits
+        pick = logits.masked_fill(self.stop_mask[lane], float("-inf")) if masked else logits
         tok = self._pick(pick, u, lane_t, sampled, sampled and (p.top_p < 1 or p.top_k > 0))[0, 0]
         self.lens[lane] = P
         self.bonus[lane] = tok
