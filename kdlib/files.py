@@ -29,9 +29,7 @@ def atomic_write_path(path, write, *, suffix: str = ".tmp") -> None:
     library that opens the file itself, such as safetensors' save_file); the same fsync, rename and
     clean-up follow."""
     path = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise ValueError(f"folder {folder} does not exist")
+    folder = check_folder(path)
     if path.exists():
         mode = path.stat().st_mode & 0o777
     else:
@@ -39,7 +37,10 @@ def atomic_write_path(path, write, *, suffix: str = ".tmp") -> None:
         os.umask(umask)
         mode = 0o666 & ~umask
     stem = path.name.encode("utf-8", "surrogateescape")[:TMP_NAME_BYTES].decode("utf-8", "ignore")
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{stem}.", suffix=suffix)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{stem}.", suffix=suffix)
+    except OSError as e:
+        raise _about(e, tmp=None, path=path) from e
     os.close(fd)
     try:
         write(tmp)
@@ -50,11 +51,13 @@ def atomic_write_path(path, write, *, suffix: str = ".tmp") -> None:
             os.close(fd)
         os.chmod(tmp, mode)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(e, OSError):
+            raise _about(e, tmp=tmp, path=path) from e
         raise
     if os.name == "posix":  # the rename is durable once the folder is synced (not possible on Windows)
         dir_fd = os.open(folder, os.O_RDONLY)
@@ -62,6 +65,22 @@ def atomic_write_path(path, write, *, suffix: str = ".tmp") -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def check_folder(path) -> Path:
+    """The folder `path` would be written in; ValueError naming `path` where that is not a folder."""
+    folder = Path(path).parent if str(Path(path).parent) else Path(".")
+    if not folder.is_dir():
+        raise ValueError(f"{path}: its folder {folder} " + ("is not a folder" if folder.exists() else
+                                                             "does not exist"))
+    return folder
+
+
+def _about(e: OSError, *, tmp: str | None, path: Path) -> OSError:
+    """`e` of the temp file `tmp` (None: while making it) told of `path`, the file the caller named."""
+    if e.errno is None or (tmp is not None and e.filename not in (None, tmp)):
+        return e  # no errno to restate, or about another file (the writer's own): keep it
+    return type(e)(e.errno, e.strerror, str(path))
 
 
 def atomic_write_text(path, text: str, *, suffix: str = ".tmp") -> None:

@@ -83,6 +83,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 import sys
 import warnings
@@ -96,7 +97,7 @@ import numpy as np
 
 from kdlib.check import errors
 from kdlib.cli import Parser, fail
-from kdlib.files import atomic_write
+from kdlib.files import atomic_write, check_folder
 
 try:
     import ml_dtypes
@@ -310,9 +311,10 @@ def _parse(buf: bytes, actual_size: int, path) -> Header:
         raise KdtrError(f"{where}: {header_size - pos} unexplained bytes at the end of the header")
 
     spans = sorted((e.offset, e.offset + e.nbytes, e.name) for e in entries if e.nbytes)
-    for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:], strict=False):
+    for (_, end_a, a), (start_b, end_b, b) in zip(spans, spans[1:], strict=False):
         if start_b < end_a:
-            raise KdtrError(f"{where}: tensors {a!r} and {b!r} overlap (bytes {start_b}..{end_a})")
+            raise KdtrError(f"{where}: tensors {a!r} and {b!r} overlap "
+                            f"(bytes {start_b}..{min(end_a, end_b)})")
     return Header(version, header_size, data_offset, file_size, header_crc, tuple(entries), metadata)
 
 
@@ -360,6 +362,8 @@ def load(path, mmap: bool = True, verify: bool | None = None, device: str | None
     the host when ml_dtypes is not installed).
     Raises KdtrError for any malformed file, before returning anything.
     """
+    if device is not None and device != "cuda" and not re.fullmatch(r"cuda:\d+", str(device)):
+        raise ValueError(f"device must be None, 'cuda' or 'cuda:N', got {device!r}")
     if verify is None:
         verify = not mmap
     out: dict[str, np.ndarray] = {}
@@ -407,8 +411,6 @@ def verify(path) -> Header:
 def _to_device(a: np.ndarray, device: str):
     import cupy
 
-    if device != "cuda" and not device.startswith("cuda:"):
-        raise ValueError(f"device must be None, 'cuda' or 'cuda:N', got {device!r}")
     index = int(device.split(":")[1]) if ":" in device else 0
     with cupy.cuda.Device(index):
         try:
@@ -640,16 +642,26 @@ def table(path) -> str:
             f"{path}: KDTR v{h.version}, {len(rows)} tensors, {h.file_size} bytes, data at {h.data_offset}"
         )
     else:
-        tensors, meta = _read_any(path)
-        rows = [(k, v.dtype.name, v.shape, v.nbytes, "-", "-") for k, v in tensors.items()]
+        index, meta = _index_any(path)
+        rows = [(name, dt, shape, nbytes, "-", "-") for name, dt, shape, nbytes in index]
         title = f"{path}: {fmt}, {len(rows)} tensors"
+    rows = [(_printable(r[0]), *r[1:]) for r in rows]
     width = max([4] + [len(r[0]) for r in rows])
-    lines = [title, f"{'name':<{width}}  {'dtype':<8}  {'shape':<20}  {'bytes':>12}  {'offset':>10}  crc32"]
-    for name, dt, shape, nbytes, off, crc in rows:
-        lines.append(f"{name:<{width}}  {dt:<8}  {str(list(shape)):<20}  {nbytes:>12}  {off:>10}  {crc}")
+    dwidth = max([5] + [len(r[1]) for r in rows])
+
+    def row(name, dt, shape, nbytes, off, crc) -> str:
+        return f"{name:<{width}}  {dt:<{dwidth}}  {shape:<20}  {nbytes:>12}  {off:>10}  {crc}"
+
+    lines = [title, row("name", "dtype", "shape", "bytes", "offset", "crc32")]
+    lines += [row(name, dt, str(list(shape)), nbytes, off, crc) for name, dt, shape, nbytes, off, crc in rows]
     lines.append("metadata:" if meta else "metadata: (none)")
-    lines += [f"  {k} = {v}" for k, v in meta.items()]
+    lines += [f"  {_printable(k)} = {_printable(v)}" for k, v in meta.items()]
     return "\n".join(lines)
+
+
+def _printable(text: str) -> str:
+    """`text` with its unprintable characters (a newline in a tensor name) escaped, one table row a line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _locate(offset: int, rows, entries) -> str:
@@ -745,18 +757,55 @@ def _read_any(path) -> tuple[dict, dict]:
         return load(path, mmap=False), read_metadata(path)
     if fmt == "safetensors":
         return _read_safetensors(path)
+    with _open_npz(path) as z:
+        try:
+            arrays = {}
+            for name, member in _npz_members(z, path):
+                with z.open(member) as f:
+                    arrays[name] = np.lib.format.read_array(f, allow_pickle=False)
+        except Exception as e:  # zipfile.BadZipFile, ValueError, OSError from a damaged archive
+            raise KdtrError(f"{path}: cannot read npz: {e}") from e
+    dtypes, metadata = _npz_sidecar(path, arrays.pop(NPZ_SIDECAR, None), arrays)
+    for k, code in dtypes.items():  # the types npz cannot name, each stored as unsigned bits of its width
+        bits = np.dtype(f"<u{DTYPES[code].itemsize}")
+        if arrays[k].dtype != bits:
+            raise KdtrError(f"{path}: tensor {k!r} is stored as {arrays[k].dtype}, not as the {bits} bits of "
+                            f"{NAMES[code]}")
+        arrays[k] = arrays[k].view(_ml_dtype(path, k, code))
+    return arrays, metadata
+
+
+def _open_npz(path) -> zipfile.ZipFile:
     if Path(path).is_file() and not zipfile.is_zipfile(path):  # np.load would speak of pickles
         raise KdtrError(f"{path}: not an npz file (an npz is a zip archive of .npy members)")
     try:
-        with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
+        return zipfile.ZipFile(path)
     except FileNotFoundError:
         raise
-    except Exception as e:  # zipfile.BadZipFile, ValueError, OSError from a damaged archive
+    except Exception as e:
         raise KdtrError(f"{path}: cannot read npz: {e}") from e
-    side = arrays.pop(NPZ_SIDECAR, None)
+
+
+def _npz_members(z: zipfile.ZipFile, path) -> list[tuple[str, str]]:
+    """(tensor name, member name) of each member: member `<name>.npy` holds tensor `name`, the raw names
+    kept (np.load's lookup would give tensor `x` for a name `x.npy` when both exist)."""
+    out, seen = [], set()
+    for member in z.namelist():
+        if not member.endswith(".npy"):
+            raise KdtrError(f"{path}: member {member!r} is not a .npy array")
+        name = member.removesuffix(".npy")
+        if name in seen:
+            raise KdtrError(f"{path}: two members named {member!r}")
+        seen.add(name)
+        out.append((name, member))
+    return out
+
+
+def _npz_sidecar(path, side, names) -> tuple[dict[str, int], dict[str, str]]:
+    """The dtype codes (tensor name -> code, the types npz cannot name) and metadata of the sidecar
+    member `side` (None: none), checked against the archive's tensor names."""
     if side is None:
-        return arrays, {}
+        return {}, {}
     try:
         info = json.loads(str(side))
         dtypes, metadata = dict(info.get("dtypes", {})), dict(info.get("metadata", {}))
@@ -765,19 +814,51 @@ def _read_any(path) -> tuple[dict, dict]:
     for k, v in metadata.items():
         if not isinstance(v, str):
             raise KdtrError(f"{path}: {NPZ_SIDECAR} metadata {k!r} is {type(v).__name__}, not a string")
-    for k, dt in dtypes.items():  # the types npz cannot name, each stored as unsigned bits of its width
+    codes = {}
+    for k, dt in dtypes.items():
         code = CODES.get(dt) if isinstance(dt, str) else None
         if code not in ML_DTYPES:
             raise KdtrError(f"{path}: {NPZ_SIDECAR} gives {k!r} the dtype {dt!r}; it names only "
                             f"{sorted(NAMES[c] for c in ML_DTYPES)}")
-        if k not in arrays:
+        if k not in names:
             raise KdtrError(f"{path}: {NPZ_SIDECAR} names a tensor {k!r} the archive lacks")
-        bits = np.dtype(f"<u{DTYPES[code].itemsize}")
-        if arrays[k].dtype != bits:
-            raise KdtrError(f"{path}: tensor {k!r} is stored as {arrays[k].dtype}, not as the {bits} bits of "
-                            f"{dt}")
-        arrays[k] = arrays[k].view(_ml_dtype(path, k, code))
-    return arrays, metadata
+        codes[k] = code
+    return codes, metadata
+
+
+def _index_any(path) -> tuple[list[tuple[str, str, tuple, int]], dict]:
+    """(name, dtype, shape, bytes) of each tensor of a .safetensors or .npz file and its metadata, from
+    the headers alone: no tensor data is read (`kdlib kdtr info` on a checkpoint shard)."""
+    if _format_of(path) == "safetensors":
+        return _index_safetensors(path)
+    rows, side = [], None
+    with _open_npz(path) as z:
+        try:
+            for name, member in _npz_members(z, path):
+                with z.open(member) as f:
+                    if name == NPZ_SIDECAR:
+                        side = np.lib.format.read_array(f, allow_pickle=False)
+                        continue
+                    version = np.lib.format.read_magic(f)
+                    read = {(1, 0): np.lib.format.read_array_header_1_0,
+                            (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+                    if read is None:  # format 3.0 (UTF-8 field names): only read_array parses it
+                        f.seek(0)
+                        a = np.lib.format.read_array(f, allow_pickle=False)
+                        shape, dtype = a.shape, a.dtype
+                    else:
+                        shape, _, dtype = read(f)
+                    rows.append((name, dtype, shape))
+        except KdtrError:
+            raise
+        except Exception as e:
+            raise KdtrError(f"{path}: cannot read npz: {e}") from e
+    codes, metadata = _npz_sidecar(path, side, {r[0] for r in rows})
+    out = []
+    for name, dtype, shape in rows:
+        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        out.append((name, NAMES[codes[name]] if name in codes else dtype.name, shape, size))
+    return out, metadata
 
 
 def _ml_dtype(path, name: str, code: int) -> np.dtype:
@@ -819,6 +900,39 @@ def _read_safetensors(path) -> tuple[dict, dict]:
             raise KdtrError(f"{path}: bool tensor {name!r} holds bytes other than 0 and 1")
         tensors[name] = a
     return tensors, dict(sorted(meta.items()))
+
+
+ST_HEADER_MAX = 100_000_000  # bytes of a safetensors JSON header past which it is refused (as the library)
+
+
+def _index_safetensors(path) -> tuple[list[tuple[str, str, tuple, int]], dict]:
+    """`_index_any` of a .safetensors file: its u64 header size and JSON header, nothing else."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+        if n is None or n > min(size - 8, ST_HEADER_MAX):
+            raise KdtrError(f"{path}: cannot read safetensors: "
+                            + ("shorter than its 8-byte header size" if n is None else
+                               f"header size {n} past the file's {size} bytes or the {ST_HEADER_MAX:,} "
+                               "allowed"))
+        text = f.read(n)
+    try:
+        header = json.loads(text)
+        metadata = dict(header.pop(ST_METADATA, None) or {})
+        rows = []
+        for name, e in sorted(header.items()):
+            begin, end = e["data_offsets"]
+            shape = tuple(int(d) for d in e["shape"])
+            rows.append((name, ST_DTYPES.get(e["dtype"], str(e["dtype"])), shape, int(end) - int(begin)))
+            if not 0 <= int(begin) <= int(end) <= size - 8 - n:
+                raise KdtrError(f"{path}: tensor {name!r} has data offsets {begin}..{end}, past the file's "
+                                f"{size - 8 - n} data bytes")
+    except KdtrError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise KdtrError(f"{path}: cannot read safetensors header: {e!r}") from e
+    return rows, dict(sorted(metadata.items()))
 
 
 def _write_safetensors(f, arrays: dict, metadata: dict) -> None:
@@ -886,8 +1000,14 @@ def convert(src, dst) -> None:
 
     Deterministic: the same source gives the same bytes in every run (metadata sorted by key)."""
     _format_of(dst)
+    check_folder(dst)
     tensors, metadata = _read_any(src)
-    _write_any(dst, tensors, metadata)
+    try:
+        _write_any(dst, tensors, metadata)
+    except KdtrError:
+        raise
+    except ValueError as e:  # what the source holds and the target's format cannot: name the source
+        raise ValueError(f"{src}: {e}") from e
 
 
 def to_safetensors(src, dst) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -9,6 +10,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
 import tracemalloc
 import zlib
@@ -22,6 +24,7 @@ from hypothesis import strategies as st
 import kdlib
 from kdlib import cli as kdcli
 from kdlib import kdtr
+from kdlib.files import atomic_write
 from kdlib.kdtr import KdtrError
 from kdlib.perf import results
 from kdlib.perf.suites import kdtr_io
@@ -786,6 +789,125 @@ def test_npz_refuses_names_zip_would_cut(tmp_path):
     assert not (tmp_path / "n.npz").exists()
 
 
+def test_npz_names_differing_by_a_npy_suffix_keep_their_own_data(tmp_path):
+    """Tensors `x` and `x.npy` are members x.npy and x.npy.npy; np.load's lookup of "x.npy" finds the
+    first, so reading back gave `x.npy` the data of `x`, silently."""
+    want = {"x": np.array([1, 2, 3]), "x.npy": np.array([9.5]), "__kdtr__.npy": np.zeros(2, np.int8)}
+    kdtr.save(tmp_path / "a.kdtr", want)
+    kdtr.convert(tmp_path / "a.kdtr", tmp_path / "a.npz")
+    kdtr.convert(tmp_path / "a.npz", tmp_path / "b.kdtr")
+    got = kdtr.load(tmp_path / "b.kdtr")
+    assert list(got) == list(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and np.array_equal(got[k], want[k]), k
+    assert "x.npy      int64" not in kdtr.table(tmp_path / "a.npz")
+    assert re.search(r"^x\.npy +float64 +\[1\] +8 ", kdtr.table(tmp_path / "a.npz"), re.M)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "npz"])
+def test_info_of_a_safetensors_or_npz_reads_the_headers_alone(tmp_path, monkeypatch, fmt):
+    """`kdlib kdtr info` on a checkpoint shard loaded every tensor (twice the file in memory for
+    safetensors); it lists the table from the headers, the ml dtypes the npz sidecar names included."""
+    src = tmp_path / "s.kdtr"
+    kdtr.save(src, {"w": np.zeros((3, 4), np.float32), "bf": sample(kdtr.DTYPES[4], (5,)),
+                    "f8": sample(kdtr.DTYPES[14], (2, 2))}, {"k": "v"})
+    dst = tmp_path / f"s.{fmt}"
+    kdtr.convert(src, dst)
+    loaded = []
+    monkeypatch.setattr(kdtr, "_read_any", lambda *a: loaded.append(a))
+    real = np.lib.format.read_array
+    monkeypatch.setattr(np.lib.format, "read_array",
+                        lambda f, **kw: loaded.append(f.name) if f.name != "__kdtr__.npy" else real(f, **kw))
+    text = kdtr.table(dst)
+    assert loaded == []
+    assert re.search(r"^w +float32 +\[3, 4\] +48 ", text, re.M)
+    assert re.search(r"^bf +bfloat16 +\[5\] +10 ", text, re.M)
+    assert re.search(r"^f8 +float8_e4m3fn +\[2, 2\] +4 ", text, re.M)
+    assert text.endswith("metadata:\n  k = v")
+
+
+def test_info_of_a_safetensors_whose_data_are_cut_says_so(tmp_path):
+    st = tmp_path / "s.safetensors"
+    kdtr.save(tmp_path / "s.kdtr", {"w": np.zeros(64, np.float32)})
+    kdtr.convert(tmp_path / "s.kdtr", st)
+    st.write_bytes(st.read_bytes()[:-8])
+    with pytest.raises(KdtrError, match=r"'w' has data offsets 0\.\.256, past the file's 248 data bytes"):
+        kdtr.table(st)
+    st.write_bytes(struct.pack("<Q", 10**12) + b"{}")
+    with pytest.raises(KdtrError, match="header size 1000000000000 past the file's 10 bytes"):
+        kdtr.table(st)
+
+
+def test_info_rows_stay_one_line_a_tensor(tmp_path):
+    """A name with a newline (KDTR allows it) split its row; dtype names past 8 characters shifted the
+    columns after them."""
+    p = tmp_path / "n.kdtr"
+    kdtr.save(p, {"b\nc": np.zeros(2, np.float32), "e4m3": sample(kdtr.DTYPES[14], (2,))}, {"note": "1\n2"})
+    lines = kdtr.table(p).splitlines()
+    assert len(lines) == 2 + 2 + 2
+    assert lines[2].startswith("b\\nc  float32        [2]")
+    assert lines[3].startswith("e4m3  float8_e4m3fn  [2]")
+    assert lines[1].index("shape") == lines[2].index("[2]") == lines[3].index("[2]")
+    assert lines[-1] == "  note = 1\\n2"
+
+
+def test_overlap_names_the_overlapping_bytes_where_one_tensor_holds_another(tmp_path):
+    p = tmp_path / "o.kdtr"
+    kdtr.save(p, {"a": np.zeros(64, np.float32), "b": np.zeros(2, np.float32)})  # 256 and 8 bytes
+    buf = image(p)
+    a = kdtr.read_header(p).tensors[0]
+    struct.pack_into("<Q", buf, entry_pos(buf, 1) + 8, a.offset + 64)
+    write_image(p, buf)
+    with pytest.raises(KdtrError, match=rf"overlap \(bytes {a.offset + 64}\.\.{a.offset + 72}\)"):
+        kdtr.load(p)
+
+
+def test_load_checks_the_device_first(small, tmp_path):
+    """A bad device was checked a tensor at a time after the whole file was read (an empty file: never),
+    and after importing CuPy (without it: ModuleNotFoundError)."""
+    kdtr.save(tmp_path / "e.kdtr", {})
+    for path in (small, tmp_path / "e.kdtr"):
+        for device in ("cpu", "bogus", "cuda:x", 0):
+            with pytest.raises(ValueError, match="device must be None, 'cuda' or 'cuda:N', got"):
+                kdtr.load(path, device=device)
+
+
+def test_convert_errors_name_the_file_they_are_about(tmp_path, capsys):
+    src = tmp_path / "c.npz"
+    np.savez(src, a=np.zeros(2, np.complex128))
+    assert kdtr.cli(["convert", str(src), str(tmp_path / "o.kdtr")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kdlib kdtr convert: error: {src}: tensor 'a': dtype complex128")
+    good = tmp_path / "g.kdtr"
+    kdtr.save(good, {"a": np.zeros(2)})
+    (tmp_path / "ff").write_text("a file")
+    assert kdtr.cli(["convert", str(good), str(tmp_path / "ff" / "x.kdtr")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'ff' / 'x.kdtr'}: its folder {tmp_path / 'ff'} is not a folder" in err
+
+
+def test_a_failed_write_names_the_target_not_the_temp_file(tmp_path, monkeypatch):
+    """A full disk or a read-only folder was reported of `.x.kdtr.<random>.kdtr-tmp`, a name the user
+    never gave; the error now names the target. An error about another file keeps its own name."""
+    target = tmp_path / "x.kdtr"
+
+    def full(f):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(OSError, match=re.escape(f"No space left on device: '{target}'")):
+        atomic_write(target, full)
+    with pytest.raises(FileNotFoundError, match="'/elsewhere/y'"):
+        atomic_write(target, lambda f: open("/elsewhere/y"))
+    assert os.listdir(tmp_path) == []
+
+    def denied(**kw):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), f"{tmp_path}/.x.kdtr.abc.tmp")
+
+    monkeypatch.setattr(tempfile, "mkstemp", denied)
+    with pytest.raises(PermissionError, match=re.escape(f"Permission denied: '{target}'")):
+        atomic_write(target, lambda f: None)
+
+
 def test_cli_usage_errors_and_a_missing_safetensors_are_one_line(small, tmp_path, capsys):
     assert kdtr.cli(["frobnicate"]) == 2
     err = capsys.readouterr().err.strip()
@@ -798,13 +920,15 @@ def test_cli_usage_errors_and_a_missing_safetensors_are_one_line(small, tmp_path
         import sys
         sys.modules["safetensors"] = None  # import safetensors now raises ImportError
         from kdlib import kdtr
-        sys.exit(kdtr.cli(["info", {str(st)!r}]))
+        print(kdtr.cli(["info", {str(st)!r}]))  # the header alone: no package needed
+        sys.exit(kdtr.cli(["convert", {str(st)!r}, {str(tmp_path / "c.kdtr")!r}]))
         """
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr.strip().splitlines() == [f"kdlib kdtr info: error: {st}: reading .safetensors needs the "
-                                             "safetensors package (pip install safetensors)"]
+    assert r.returncode == 2 and "safetensors, 3 tensors" in r.stdout and r.stdout.endswith("\n0\n")
+    assert r.stderr.strip().splitlines() == [f"kdlib kdtr convert: error: {st}: reading .safetensors needs "
+                                             "the safetensors package (pip install safetensors)"]
+    assert not (tmp_path / "c.kdtr").exists()
 
 
 def test_cli_subprocess(small, tmp_path):
