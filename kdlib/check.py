@@ -62,14 +62,23 @@ def assert_close(
     return e
 
 
+def _dtype_name(x) -> str:
+    """The dtype of torch, CuPy or numpy `x` as named before any widening (bfloat16 stays bfloat16)."""
+    if hasattr(x, "detach"):
+        return str(x.dtype).removeprefix("torch.")
+    return np.dtype(x.dtype).name if hasattr(x, "dtype") else np.asarray(x).dtype.name
+
+
 def assert_equal(actual, expected, *, name: str = "", quiet: bool = False) -> None:
-    """Bit-exact: same shape, same dtype, same bytes."""
+    """Bit-exact: same shape, same dtype (torch bfloat16 / float8 compared as their own types, not as the
+    float32 they are widened to), same bytes."""
     a, b = _to_numpy(actual), _to_numpy(expected)
+    da, db = _dtype_name(actual), _dtype_name(expected)
     problems = []
     if a.shape != b.shape:
         problems.append(f"shape {a.shape} vs {b.shape}")
-    elif a.dtype != b.dtype:
-        problems.append(f"dtype {a.dtype} vs {b.dtype}")
+    elif da != db:
+        problems.append(f"dtype {da} vs {db}")
     elif a.tobytes() != b.tobytes():
         bad = np.flatnonzero(a.reshape(-1).view(np.uint8) != b.reshape(-1).view(np.uint8)) if a.size else []
         problems.append(f"{len(bad)} differing bytes, first at byte {bad[0] if len(bad) else '?'}")

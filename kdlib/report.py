@@ -100,8 +100,13 @@ def _comments(source: str) -> dict[int, str]:
     return {t.start[0]: t.string[1:].strip() for t in tokens if t.type == tokenize.COMMENT}
 
 
+class Expression(str):
+    """The source text of a parameter default that is no literal (`8 * 2**20`): typed by its comment alone."""
+
+
 def parse_parameters_cell(source: str) -> dict[str, dict]:
-    """name -> {"value": literal (or its source text when not a literal), "help": trailing comment}."""
+    """name -> {"value": literal (or its source text, an `Expression`, when not a literal), "help": trailing
+    comment}."""
     try:
         tree = ast.parse(source)
     except SyntaxError as e:
@@ -118,7 +123,7 @@ def parse_parameters_cell(source: str) -> dict[str, dict]:
         try:
             literal = ast.literal_eval(value)
         except ValueError:
-            literal = ast.get_source_segment(source, value)
+            literal = Expression(ast.get_source_segment(source, value))
         # the comment of a wrapped assignment may sit on any of its lines
         said = [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
         params[target] = {"value": literal, "help": " ".join(said)}
@@ -129,7 +134,11 @@ def notebook_info(path: Path) -> dict:
     """Title, abstract (Markdown) and parameter defaults of a notebook, read without running it."""
     import nbformat
 
-    nb = nbformat.read(str(path), as_version=4)
+    try:
+        nb = nbformat.read(str(path), as_version=4)
+    except (ValueError, KeyError, AttributeError, TypeError, nbformat.ValidationError) as e:
+        raise ValueError(f"{path}: not a readable notebook ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:200]})") from None
     title, abstract = path.stem, ""
     first_md = next((c for c in nb.cells if c.cell_type == "markdown"), None)
     if first_md is not None:
@@ -190,7 +199,9 @@ def parameter_spec(default, comment: str) -> dict:
         literal = kinds.pop() if len(kinds) == 1 else (float if kinds == {int, float} else None)
     else:
         literal = _kind_of(default)
-    if not isinstance(default, (list, str, int, float, type(None))):  # a dict, tuple or unparsed expression
+    if isinstance(default, Expression):  # an expression's value is known when the notebook runs
+        literal = None
+    elif not isinstance(default, (list, str, int, float, type(None))):  # a dict or tuple
         literal, said = None, None
     kind = literal or said
     if said is not None and literal is not None and said is not literal:
@@ -297,8 +308,26 @@ def profile_parameters(stem: str, profile: str, params_dir: Path) -> tuple[dict,
 
 
 def _typed(value, spec: dict):
-    """The string 'None' means None where None is accepted (a user types -p MODELS None)."""
-    return None if value == "None" and spec["none_ok"] else value
+    """The string 'None' means None where None is accepted (a user types -p MODELS None); a number YAML
+    reads as a string (`1e-1`, `1e3`: YAML 1.1 wants `1.0e-1`) is a number where numbers are taken."""
+    if value == "None" and spec["none_ok"]:
+        return None
+    if spec["kind"] in (int, float):
+        if isinstance(value, list):
+            return [_number(v, spec["kind"]) for v in value]
+        return _number(value, spec["kind"])
+    return value
+
+
+def _number(value, kind: type):
+    """`value`, or the number a string of it spells (an int where `kind` is int and the number whole)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        x = float(value)
+    except ValueError:
+        return value
+    return int(x) if kind is int and x.is_integer() else x
 
 
 def plan(paths: list[Path], profile: str, overrides: dict, params_dir: Path) -> list[dict]:
@@ -507,19 +536,24 @@ def run_one(job: dict, out_dir: Path, *, timeout_s: float, kernel_name: str = KE
         raise
     duration = time.perf_counter() - t0
     have_output = partial.is_file()
-    if have_output:
-        os.replace(partial, executed)
-    elif executed.exists():
-        executed.unlink()  # an older run's notebook must not pass for this run's
     html_ok = False
-    if have_output:
-        try:
-            render_html(executed, html_path, title=job["info"]["title"])
-            html_ok = True
-        except Exception as exc:
-            error = error or {**_error_of(exc), "ename": f"HTML export: {type(exc).__name__}"}
-    if not html_ok and html_path.exists():
-        html_path.unlink()
+    try:
+        if have_output:
+            os.replace(partial, executed)
+        elif executed.exists():
+            executed.unlink()  # an older run's notebook must not pass for this run's
+        if have_output:
+            try:
+                render_html(executed, html_path, title=job["info"]["title"])
+                html_ok = True
+            except Exception as exc:
+                error = error or {**_error_of(exc), "ename": f"HTML export: {type(exc).__name__}"}
+        if not html_ok and html_path.exists():
+            html_path.unlink()
+    except BaseException:  # Ctrl-C between the notebook and its page: neither may pass for the other's run
+        for p in (partial, executed, html_path):
+            p.unlink(missing_ok=True)
+        raise
     records = list(read_records(executed).values()) if have_output else []
     stderr = stderr_outputs(executed) if have_output else []
     return {
@@ -797,6 +831,16 @@ def _entry_html(e: dict, pages: set[str]) -> str:
     )
 
 
+def _renders(e: dict) -> bool:
+    """Whether an entry of an earlier index.json renders (one edited by hand, or of an older layout, may
+    lack keys): an entry that does not is dropped, not carried into every later index."""
+    try:
+        _entry_html(e, set())
+    except (KeyError, TypeError, AttributeError, ValueError):
+        return False
+    return e.get("status") in ("passed", "failed") and isinstance(e.get("title"), str)
+
+
 def index_html(doc: dict) -> str:
     """The self-contained index page (inline CSS, no scripts, no external assets): the audit's verdict
     count, the notebooks (each with its abstract, recorded values and parameters), then the audit table."""
@@ -849,6 +893,7 @@ def write_index(out_dir: Path, entries: list[dict], *, profile: str,
         and e.get("html")
         and (out_dir / e["html"]).is_file()
         and Path(e.get("notebook", "")).is_file()
+        and _renders(e)
     ]
     notebooks = sorted(entries + kept, key=lambda e: e["stem"])
     doc = {

@@ -27,3 +27,17 @@ def test_nan_never_passes_and_a_zero_reference_is_absolute():
     e = check.errors([1e-6, 0.0], [0.0, 0.0])
     assert e["norm_rel"] == e["max_abs"] == pytest.approx(1e-6)
 
+
+
+def test_assert_equal_tells_types_apart_that_widen_alike():
+    """bfloat16 and float8 are widened to float32 to reach numpy; the dtype check came after, so a bfloat16
+    tensor passed as bit-exact against the float32 one with its values, and e4m3fn against e5m2."""
+    bf = torch.tensor([1.0, 2.5], dtype=torch.bfloat16)
+    check.assert_equal(bf, bf.clone(), quiet=True)
+    with pytest.raises(AssertionError, match="dtype bfloat16 vs float32"):
+        check.assert_equal(bf, torch.tensor([1.0, 2.5]), quiet=True)
+    with pytest.raises(AssertionError, match="dtype float8_e4m3fn vs float8_e5m2"):
+        check.assert_equal(bf.to(torch.float8_e4m3fn), bf.to(torch.float8_e5m2), quiet=True)
+    with pytest.raises(AssertionError, match="dtype float32 vs bfloat16"):
+        check.assert_equal(np.array([1.0, 2.5], np.float32), bf, quiet=True)
+    check.assert_equal(torch.arange(3), np.arange(3, dtype=np.int64), quiet=True)

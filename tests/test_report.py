@@ -538,6 +538,72 @@ def test_parse_parameters_cell():
     assert report.check_parameter([8], spec) is None and ">= 1" in report.check_parameter([0], spec)
 
 
+def test_an_expression_default_is_typed_by_its_comment():
+    """`SIZE = 8 * 2**20  # int >= 1` came back as its source text, a str: -p SIZE 1024 was refused as not a
+    str and -p SIZE abc accepted."""
+    p = report.parse_parameters_cell("SIZE = 8 * 2**20  # int >= 1\nRATE = 1 / 3  # float in [0, 1]\n")
+    size = report.parameter_spec(p["SIZE"]["value"], p["SIZE"]["help"])
+    rate = report.parameter_spec(p["RATE"]["value"], p["RATE"]["help"])
+    assert report.check_parameter(1024, size) is None and report.check_parameter(0.5, rate) is None
+    assert "(str)" in report.check_parameter("abc", size) and "not >= 1" in report.check_parameter(0, size)
+    assert "not <= 1" in report.check_parameter(2.0, rate)
+
+
+def test_numbers_yaml_reads_as_strings_are_numbers_where_numbers_are_taken(tmp_path):
+    """PyYAML reads 1e-1 and 1e3 as strings (YAML 1.1 wants a dot): -p RATE 1e-1 was refused."""
+    nbs = make_notebooks(tmp_path / "notebooks")
+    _write_nb(nbs / "30_rates.ipynb", [new_markdown_cell("# 30 · Rates"),
+                                       _params("RATE = 0.5  # float\nSIZES = [1, 2]  # list of int")])
+    overrides = report.parse_overrides([["RATE", "1e-1"], ["SIZES", "[1e3, 2]"], ["N", "1e1"]])
+    jobs = report.plan([nbs / "10_pass.ipynb", nbs / "30_rates.ipynb"], "cpu", overrides, nbs / "params")
+    assert jobs[0]["injected"] == {"N": 10} and jobs[1]["injected"] == {"RATE": 0.1, "SIZES": [1000, 2]}
+    with pytest.raises(ValueError, match=r"N of 10_pass takes an int \(>= 1\); got 0.5 \(float\)"):
+        report.plan([nbs / "10_pass.ipynb"], "cpu", {"N": "5e-1"}, nbs / "params")
+
+
+@pytest.mark.parametrize("text", ["{}", "[]", '{"cells": 3}'])
+def test_a_malformed_notebook_is_one_line(tmp_path, capsys, text):
+    nbs = make_notebooks(tmp_path / "notebooks")
+    (nbs / "40_bad.ipynb").write_text(text)
+    assert report.cli(["40_bad", "--notebooks-dir", str(nbs), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{nbs / '40_bad.ipynb'}: not a readable notebook" in err and err.count("\n") == 1, err
+
+
+def test_a_malformed_entry_of_an_earlier_index_is_dropped(tmp_path):
+    """An entry with its page and notebook but not every key (edited by hand, an older layout) raised
+    KeyError in every later run into that folder, after index.json had saved it again."""
+    out = tmp_path / "out"
+    out.mkdir()
+    nb = tmp_path / "zz.ipynb"
+    nb.write_text("{}")
+    (out / "zz.html").write_text("<html></html>")
+    bad = {"stem": "zz", "html": "zz.html", "notebook": str(nb), "status": "passed"}
+    (out / "index.json").write_text(json.dumps({"notebooks": [bad]}))
+    for _ in range(2):
+        doc = report.write_index(out, [], profile="cpu")
+        assert doc["notebooks"] == [] and doc["carried_over"] == 0
+    assert "zz" not in (out / "index.html").read_text()
+
+
+def test_an_interrupt_while_rendering_leaves_no_page_of_another_run(tmp_path, monkeypatch):
+    """Ctrl-C after the executed notebook was renamed into place but before its HTML was written left
+    this run's .ipynb beside the earlier run's .html, which the index then carried over as that run's."""
+    nbs = make_notebooks(tmp_path / "notebooks")
+    out = tmp_path / "out"
+    assert report.cli(["10_pass", "--notebooks-dir", str(nbs), "--out", str(out), "-p", "N", "2"]) == 0
+    assert (out / "10_pass.html").is_file() and (out / "10_pass.ipynb").is_file()
+
+    def interrupted(*args, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report, "render_html", interrupted)
+    assert report.cli(["10_pass", "--notebooks-dir", str(nbs), "--out", str(out), "-p", "N", "5"]) == 130
+    assert sorted(p.name for p in out.iterdir()) == ["index.html", "index.json"]
+    doc = json.loads((out / "index.json").read_text())
+    assert doc["notebooks"] == [] and doc["interrupted"] == ["10_pass"]
+
+
 def test_parse_overrides_is_yaml():
     assert report.parse_overrides(
         [["A", "3"], ["B", "0.5"], ["C", "[1, 2]"], ["D", "text"], ["E", "true"]]
