@@ -1,4 +1,4 @@
-"""The seed-figure audit: every numeric figure of the two seed articles, checked by the workbook.
+"""The seed-figure audit: the two seed articles' numeric figures (data/audit/seed_figures.yaml), checked.
 
     from kdlib import audit
     cat = audit.catalogue()                       # the figures of data/audit/seed_figures.yaml
@@ -936,16 +936,17 @@ def diag_overestimate_2x(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     reason = ("the seeds' two-point figure at 5,120 tokens against their sustained run (3,200 -> 4,700 "
               "tokens of "
               f"context): {ratio:.2f}x, within 10% of 2x: {seeds_ok}. ")
-    if verdict == READING:
+    if verdict == READING and "same_text" in values:
+        lo, hi = min(values["same_text"].values()), max(values["same_text"].values())
         reason += (
-            "On this stack two-point and sustained agree when both run on the same text; the "
-            "overestimate "
-            "appears when the two-point prompt is easier (accepts more per step) than the sustained "
-            "text, "
-            "as in the seeds (two-point over their own sweep prompts, the sustained run on the user's "
-            "reasoning workload). "
+            f"On this stack two-point / sustained on the same text is {lo:.2f}-{hi:.2f}x, not 2x; the "
+            f"{values['cross']:.2f}x appears when the two-point prompt is easier (accepts more per step) "
+            "than the sustained text, as in the seeds (two-point over their own sweep prompts, the "
+            "sustained run on the user's reasoning workload). "
             "The method measures decode speed on its own prompt; it is not a predictor for other text."
         )
+    elif verdict == READING:
+        reason += "The seeds' ratio alone; the workbook's engine has no recorded ratio to set beside it."
     elif verdict == REPRODUCED:
         reason += f"The workbook's own ratio is within {same_ok:.0%} of 2x."
     else:

@@ -107,6 +107,19 @@ needs_seeds = pytest.mark.skipif(not SEEDS_DIR.is_dir(), reason="the seed articl
 
 
 @needs_seeds
+def test_every_claim_is_numbers(cat):
+    """The file says claims are the seeds' own numbers; 1.72e9 is a string to PyYAML (YAML 1.1 wants
+    1.72e+9), so three claims were loaded as text."""
+    def leaves(x):
+        if isinstance(x, dict):
+            return [v for item in x.values() for v in leaves(item)]
+        return [v for item in x for v in leaves(item)] if isinstance(x, list) else [x]
+
+    for fid, f in cat.items():
+        bad = [v for v in leaves(f.claim) if isinstance(v, bool) or not isinstance(v, (int, float))]
+        assert not bad, f"{fid}: claim holds {bad}"
+
+
 def test_quotes_headings_and_titles_stand_in_the_seeds(cat):
     for key, seed in cat.seeds.items():
         first = (SEEDS_DIR / seed["file"]).read_text(encoding="utf-8").splitlines()[0].strip()
@@ -410,6 +423,9 @@ def test_a_recorded_diagnosis_result_decides_the_workbook_side(cat):
     over = audit.run_one(cat["diag_overestimate_2x"], cat, src)
     # same text ~1.2-1.6x, easy vs hard 2.4x
     assert "prose 1.60" in over.ours and over.verdict == audit.READING
+    # the reason gives the same-text range it read, not "they agree" whatever the record says
+    assert "on the same text is 1.20-1.60x, not 2x; the 2.40x appears" in over.reason
+    assert "agree" not in over.reason
     same_2x = {k: kind(3.0, 100.0, 50.0) for k in ("code", "prose", "templated")}
     assert audit.run_one(cat["diag_overestimate_2x"], cat,
                          audit.Sources(results={"diagnosis": {"_path": "s", "by_kind": same_2x}})

@@ -216,11 +216,12 @@ class ModelShape:
     def latent_dim(self) -> int:
         return self.kv_lora_rank + self.qk_rope_dim
 
-    def expert_bytes(self) -> float:
-        """One routed expert (gate, up, down), all of it: weights + bf16 group scales (if quantized)."""
+    def expert_bytes(self, *, scales: bool = True) -> float:
+        """One routed expert (gate, up, down): weights + bf16 group scales (if quantized); scales=False:
+        the weights alone."""
         params = 3 * self.hidden * self.moe_inter
-        scales = params / self.group * 2 if self.expert_bits < 16 else 0.0
-        return params * self.expert_bits / 8 + scales
+        group_scales = params / self.group * 2 if self.expert_bits < 16 and scales else 0.0
+        return params * self.expert_bits / 8 + group_scales
 
     def attn_params(self) -> float:
         """MLA projections of one layer (q_a, q_b, kv_a, kv_b, o)."""

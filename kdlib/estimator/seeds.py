@@ -120,14 +120,13 @@ def moe_points() -> list[dict]:
     (unsharded) Kimi-K2 layer: effective bandwidth and fraction of 1.8 TB/s, counting the INT4
     weights with and without their bf16 group-32 scales."""
     shape = ModelShape()
-    params = 3 * shape.hidden * shape.moe_inter
     peak = _v("pro6000_bw_TBps") * 1e12
     out = []
     for pid, m in (("pro6000_moe_m9_ms_per_layer", 9), ("pro6000_moe_m32_ms_per_layer", 32)):
         t = _v(pid) * 1e-3
         touched = shape.n_experts * (1.0 - (1.0 - shape.top_k / shape.n_experts) ** m)
         with_scales = touched * shape.expert_bytes()
-        weights_only = touched * params * shape.expert_bits / 8
+        weights_only = touched * shape.expert_bytes(scales=False)
         out.append({"m": m, "ms_per_layer": t * 1e3, "touched": touched,
                     "GBps_with_scales": with_scales / t / 1e9,
                     "frac_with_scales": with_scales / t / peak,
@@ -145,7 +144,7 @@ def contradictions() -> list[dict]:
     max_tokens = _a("q_len_block8")
     per_stream_c10 = _v("pro6000_c10_tok_s") / 10
     shape = ModelShape()
-    plateau_bytes = shape.n_experts * shape.expert_bytes()     # all experts of one unsharded layer
+    plateau_bytes = shape.n_experts * shape.expert_bytes(scales=False)  # one unsharded layer's INT4 weights
     rep = reproduce()
     cut = rep["scenarios"][2]
     frac_lo, frac_hi = _v("marlin_frac_peak")
@@ -165,8 +164,10 @@ def contradictions() -> list[dict]:
          "claim_b": "1.18 ms/layer at M = 9 x 60 MoE layers",
          "arithmetic": f"1.18 x 60 = {moe_lit:.1f} ms per step if the per-layer figure is one GPU's share; "
                        f"/ TP 8 = {moe_tp:.2f} ms if it is the whole (unsharded) layer",
-         "verdict": "~7 ms is neither; it matches one unsharded layer at the plateau: "
-                    f"384 experts x 24.8 MB = {plateau_bytes / 1e9:.2f} GB at {frac_lo:.0%}-{frac_hi:.0%} of "
+         "verdict": "~7 ms is neither; it matches one unsharded layer at the plateau: 384 experts x "
+                    f"{shape.expert_bytes(scales=False) / 1e6:.1f} MB of INT4 weights (the bytes Marlin's "
+                    f"fraction counts, marlin_fraction) = {plateau_bytes / 1e9:.2f} GB at "
+                    f"{frac_lo:.0%}-{frac_hi:.0%} of "
                     f"1.8 TB/s = {plateau_bytes / (frac_hi * 1.8e12) * 1e3:.1f}-"
                     f"{plateau_bytes / (frac_lo * 1.8e12) * 1e3:.1f} ms"},
         {"id": "step80_vs_138",
@@ -174,7 +175,8 @@ def contradictions() -> list[dict]:
          "claim_b": "138.7 tok/s at C = 1 with ~4.4 accepted per step",
          "arithmetic": f"4.4 / 138.7 = {step_c1:.1f} ms per step at C = 1; 85 ms would need "
                        f"{0.085 * _v('pro6000_c1_tok_s'):.1f} accepted tokens per step, more than the "
-                       f"{max_tokens} a block-8 step can commit",
+                       f"{max_tokens} a step of {max_tokens} verified rows (the seeds' M = {max_tokens}: "
+                       "block 8 + the root) can commit",
          "verdict": f"80-90 ms fits C = 10: 517 / 10 = {per_stream_c10:.1f} tok/s per stream -> "
                     f"4.4 / {per_stream_c10:.1f} = {4.4 / per_stream_c10 * 1e3:.0f} ms per step"},
         {"id": "moe_share_80",
