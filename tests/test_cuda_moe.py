@@ -51,8 +51,22 @@ def test_quantize_extremes_and_zero_group():
 
 
 def test_quantize_rejects_bad_shape():
-    with pytest.raises(ValueError, match="multiple of the group"):
-        moe.quantize_w4(np.zeros((4, 40)))
+    """The numpy quantizers and their torch twins (kdlib.engine.int4) refuse the same shapes; the twins
+    gave torch's reshape errors (a last axis of 33 or 16) and a bare size mismatch."""
+    import torch
+
+    from kdlib.engine import int4
+
+    for quantize in (moe.quantize_w4, int4.quantize_w4_torch):
+        for shape in ((4, 40), (2, 33), (2, 16), (32,)):
+            x = np.zeros(shape, np.float32)
+            with pytest.raises(ValueError, match=r"multiple of the group 32 \(shape"):
+                quantize(x if quantize is moe.quantize_w4 else torch.from_numpy(x))
+    q, s = moe.quantize_w4(np.ones((2, 64), np.float32))
+    for dequantize, wrap in ((moe.dequantize_w4, np.asarray), (int4.dequantize_w4_torch, torch.from_numpy)):
+        for bad in (s[:, :1], s[:1]):
+            with pytest.raises(ValueError, match=r"q \(2, 64\) and scales \(\d, \d\) disagree \(group 32\)"):
+                dequantize(wrap(q), wrap(bad.view(np.int16) if wrap is torch.from_numpy else bad))
 
 
 # ----------------------------------------------------------------------------- CPU: packing

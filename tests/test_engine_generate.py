@@ -269,6 +269,30 @@ def test_bad_input_raises_before_compute(kwargs, match, monkeypatch):
         generate(model, **args)
 
 
+@pytest.mark.parametrize("change, match", [
+    (dict(target_layer_ids=(7,)), r"target_layer_ids \[7\] are not decoder layers of the target \(0\.\.2\)"),
+    (dict(hidden_size=48), "drafter hidden_size / vocab_size differ from the target's"),
+])
+def test_a_drafter_that_does_not_fit_the_target_raises_before_compute(change, match, monkeypatch):
+    """Only the vocabulary was checked: a drafter tapping layer 7 of 3, or of another hidden size,
+    failed after the prefill had run."""
+    model = Model.random(_config("tiny-a"), seed=0)
+    monkeypatch.setattr(model, "prefill", lambda *a, **k: pytest.fail("computed before validating"))
+    drafter = DFlashDrafter(dataclasses.replace(DFlashConfig.for_target(model.cfg, block_size=4), **change))
+    with pytest.raises(ValueError, match=match):
+        generate(model, [1, 2, 3], 4, method="ddtree", drafter=drafter)
+
+
+def test_unsigned_token_arrays_are_taken():
+    """nanoGPT-style token files are uint16: torch has no min() for it (NotImplementedError)."""
+    model = Model.random(_config("tiny-a"), seed=0)
+    want = generate(model, [1, 2, 3], 4).tokens
+    for dt in (np.uint16, np.uint32, np.uint64):
+        assert generate(model, np.array([1, 2, 3], dtype=dt), 4).tokens == want
+    with pytest.raises(ValueError, match="vocabulary"):
+        generate(model, np.array([1, 2**63 + 5], dtype=np.uint64), 4)
+
+
 def test_oracle_reference_equals_computed_script(monkeypatch):
     """A given greedy reference (skipping the oracle's own AR set-up) drafts exactly as the computed one."""
     model = _model("tiny-a", 1)

@@ -108,6 +108,40 @@ def test_save_pretrained_round_trip(tmp_path):
     check.assert_equal(m2.logits(ids), m.logits(ids), name="save/load round trip")
 
 
+def test_save_pretrained_refuses_what_it_could_not_load_back(tmp_path):
+    """A shard index left in the folder made loading read the old shards, not the new file (the old
+    weights came back, silently); an INT4 model wrote no expert weights (reload: 'missing 48 weights')."""
+    cfg = ModelConfig.from_json(DATA / "configs" / "tiny-a.json")
+    a, b = Model.random(cfg, seed=1), Model.random(cfg, seed=2)
+    sharded = tmp_path / "sharded"
+    save_pretrained(a, sharded)
+    (sharded / "model.safetensors").rename(sharded / "model-00001-of-00001.safetensors")
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: "model-00001-of-00001.safetensors" for k in a.state_dict()}}))
+    before = sorted(p.name for p in sharded.iterdir())
+    with pytest.raises(ValueError, match=r"holds another checkpoint's files \(model-00001-of-00001"
+                                         r"\.safetensors, model\.safetensors\.index\.json\)"):
+        save_pretrained(b, sharded)
+    assert sorted(p.name for p in sharded.iterdir()) == before
+    ids = torch.arange(12) % cfg.vocab_size
+    check.assert_equal(Model.from_pretrained(sharded).logits(ids), a.logits(ids), name="old checkpoint kept")
+    d = json.loads((DATA / "configs" / "tiny-a.json").read_text())
+    d["moe_intermediate_size"] = 32  # INT4 groups of 32
+    q = Model.random(ModelConfig.from_dict(d), seed=2).quantize_experts_int4()
+    with pytest.raises(ValueError, match="not its config's dense layout"):
+        save_pretrained(q, tmp_path / "int4")
+    assert not (tmp_path / "int4").exists()
+
+
+def test_a_damaged_safetensors_file_is_named(tmp_path):
+    cfg = ModelConfig.from_json(DATA / "configs" / "tiny-a.json")
+    save_pretrained(Model.random(cfg, seed=0), tmp_path)
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=rf"^{f}: not a readable safetensors file \("):
+        Model.from_pretrained(tmp_path)
+
+
 def test_config_spellings_agree():
     """rope_parameters (transformers 5) == rope_scaling + rope_theta; type == rope_type; kimi_k25
     text_config."""

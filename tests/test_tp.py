@@ -9,6 +9,7 @@ surface here, not hang.
 """
 
 import dataclasses
+import types
 
 import numpy as np
 import pytest
@@ -18,10 +19,11 @@ from hypothesis import strategies as st
 
 from kdlib import DATA, zoo
 from kdlib.engine import Model, ModelConfig
+from kdlib.engine.batch import generate_batch
 from kdlib.engine.model import MoE
 from kdlib.perf.suites import tp as suite
 from kdlib.tp import assert_replicated, check_tp_config, partition, shard_state_dict, spawn
-from kdlib.tp.engine import TPMoE
+from kdlib.tp.engine import TPModel, TPMoE, vocab_parallel_topk
 from kdlib.tp.workers import (
     bench,
     bench_spec,
@@ -255,6 +257,61 @@ def test_vocab_shards_of_dense_logits_are_consistent():
     for a, b, va, vb in zip(ids[-1][:-1], ids[-1][1:], vals[:-1], vals[1:], strict=True):
         assert va > vb or (va == vb and a < b)
     assert len(np.unique(row.numpy())) < row.numel()  # the row does hold ties
+
+
+class _Ranks:
+    """Comm of W simulated ranks for functions whose collectives' inputs depend on their local input alone:
+    a first pass records what each rank gathers, call by call; the second returns every rank's."""
+
+    def __init__(self, world):
+        self.world, self.device, self.rank, self.calls = world, torch.device("cpu"), 0, {}
+        self.replay, self.n = False, 0
+
+    def all_gather(self, x):
+        key, self.n = self.n, self.n + 1
+        if not self.replay:
+            self.calls.setdefault(key, {})[self.rank] = x.clone()
+            return torch.stack([x] * self.world)
+        return torch.stack([self.calls[key][r] for r in range(self.world)])
+
+    def run(self, fn):
+        for replay in (False, True):
+            self.replay, out = replay, []
+            for rank in range(self.world):
+                self.rank, self.n = rank, 0
+                out.append(fn(rank))
+        return out
+
+
+def test_vocab_parallel_topk_never_returns_its_padding():
+    """A shard narrower than k is padded to k; with the padding's id -1 it won ties against real -inf
+    logits (ids ascending), so fewer than k finite logits gave token -1 as a candidate."""
+    V, W, k = 8, 2, 5
+    logits = torch.full((1, V), float("-inf"))
+    logits[0, 1], logits[0, 6] = 2.0, 1.0
+    ranges = partition(V, W)
+    comm = _Ranks(W)
+    got = comm.run(lambda r: vocab_parallel_topk(logits[:, ranges[r][0]:ranges[r][1]], ranges[r][0], k, comm))
+    want_ids, want_logp = dense_topk(logits, k)
+    for ids, logp in got:
+        assert ids.tolist() == want_ids.tolist() == [[1, 6, 0, 2, 3]]
+        torch.testing.assert_close(logp, want_logp, rtol=1e-6, atol=0)  # the shards' lse: another rounding
+
+
+def test_tp_refuses_what_it_does_not_run():
+    """INT4 experts were accepted, then the next forward failed inside the float path (IndexError); the
+    batched engine failed on a keyword; a world of 0 returned at once, having run nothing."""
+    cfg = _cfg("tiny-a")
+    with pytest.raises(ValueError, match="INT4 experts are not supported under kdlib.tp"):
+        TPMoE(cfg, 0, 1, "ep").quantize_int4()
+    for world in (0, -1, 1.0, True):
+        with pytest.raises(ValueError, match="world must be an int >= 1"):
+            spawn(_rank1_raises, world)
+    comm = types.SimpleNamespace(rank=0, world=1, device=torch.device("cpu"), all_reduce=lambda x: x,
+                                 all_gather=lambda x: x[None])
+    tp = TPModel.from_model(Model.random(cfg, seed=0), comm, "ep")
+    with pytest.raises(ValueError, match="the batched engine .* runs one-process Models"):
+        generate_batch(tp, [[1, 2, 3]], 4)
 
 
 def test_bench_path_on_gloo_counts_two_allreduces_per_layer():

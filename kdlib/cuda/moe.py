@@ -61,6 +61,16 @@ def round_bf16(a) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- quantizer
+def check_w4_shapes(shape: tuple, scales: tuple | None, group: int, what: str) -> None:
+    """ValueError unless `shape` ([..., R, C]) has a last axis of whole groups and, given, `scales` is its
+    [..., R, C // group]: the checks of the numpy quantizers and their torch twins (kdlib.engine.int4)."""
+    if len(shape) < 2 or shape[-1] % group:
+        raise ValueError(f"{what}: last axis {shape[-1:]} must be a multiple of the group {group} "
+                         f"(shape {shape})")
+    if scales is not None and (shape[-1] != scales[-1] * group or shape[:-1] != scales[:-1]):
+        raise ValueError(f"{what}: q {shape} and scales {scales} disagree (group {group})")
+
+
 def quantize_w4(w, group: int = GROUP) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric INT4 group quantization along the last axis.
 
@@ -68,8 +78,7 @@ def quantize_w4(w, group: int = GROUP) -> tuple[np.ndarray, np.ndarray]:
     scales [..., R, C // group] uint16 (bf16 bits). An all-zero group gets scale 0 and q = 8.
     """
     w = np.asarray(w, dtype=np.float32)
-    if w.ndim < 2 or w.shape[-1] % group:
-        raise ValueError(f"quantize_w4: last axis {w.shape[-1:]} must be a multiple of the group {group}")
+    check_w4_shapes(tuple(w.shape), None, group, "quantize_w4")
     g = w.reshape(*w.shape[:-1], w.shape[-1] // group, group)
     s = round_bf16(np.abs(g).max(axis=-1) / 7.0)                                  # [..., R, C/group]
     safe = np.where(s > 0, s, 1.0)[..., None]
@@ -81,8 +90,7 @@ def quantize_w4(w, group: int = GROUP) -> tuple[np.ndarray, np.ndarray]:
 def dequantize_w4(q, scales, group: int = GROUP) -> np.ndarray:
     """bf16((q - 8) * s) as float32. Shape: q [..., R, C], scales [..., R, C // group] -> [..., R, C]."""
     q = np.asarray(q)
-    if q.shape[-1] != scales.shape[-1] * group or q.shape[:-1] != scales.shape[:-1]:
-        raise ValueError(f"dequantize_w4: q {q.shape} and scales {scales.shape} disagree (group {group})")
+    check_w4_shapes(tuple(q.shape), tuple(scales.shape), group, "dequantize_w4")
     s = np.repeat(bf16_bits_to_f32(scales), group, axis=-1)
     return round_bf16((q.astype(np.float32) - 8.0) * s)
 

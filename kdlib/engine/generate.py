@@ -41,7 +41,7 @@ import torch
 
 from kdlib import ops
 from kdlib.engine.cache import LatentCache
-from kdlib.engine.drafter import Drafter
+from kdlib.engine.drafter import DFlashDrafter, Drafter
 
 PHASES = ("draft", "build", "verify", "accept", "compaction")
 METHODS = ("ar", "ddtree")
@@ -150,6 +150,13 @@ def validate(model, prompt_ids, max_new_tokens, method, drafter, budget, top_k, 
         if drafter.vocab_size != model.cfg.vocab_size:
             raise ValueError(f"drafter vocabulary {drafter.vocab_size} != target vocabulary "
                              f"{model.cfg.vocab_size}")
+        n_layers = model.cfg.num_hidden_layers
+        bad = [i for i in drafter.target_layer_ids if not 0 <= i < n_layers]
+        if bad:
+            raise ValueError(f"drafter target_layer_ids {bad} are not decoder layers of the target "
+                             f"(0..{n_layers - 1})")
+        if isinstance(drafter, DFlashDrafter):  # hidden size too: what the batched engine checks
+            drafter.c.validate(model.cfg)
         horizon = drafter.block_size - 1
         budget = horizon if budget is None else _check_int("budget", budget, 0)
         if budget > MAX_BUDGET:

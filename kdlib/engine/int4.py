@@ -24,13 +24,13 @@ import torch
 import torch.nn.functional as F
 
 from kdlib.cuda.loader import as_cupy
-
-GROUP = 32  # INT4 scale group (kdlib.cuda.moe.GROUP)
+from kdlib.cuda.moe import GROUP, check_w4_shapes
 
 
 def quantize_w4_torch(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """`kdlib.cuda.moe.quantize_w4` in torch: w [..., R, C] float32 -> q [..., R, C] uint8 (0..15),
     scales [..., R, C / group] int16 (bf16 bits). Same arithmetic: s = bf16(max|g| / 7), round half even."""
+    check_w4_shapes(tuple(w.shape), None, group, "quantize_w4_torch")
     g = w.float().reshape(*w.shape[:-1], w.shape[-1] // group, group)
     s = (g.abs().amax(-1) / 7.0).to(torch.bfloat16).float()  # [..., R, C/group]
     safe = torch.where(s > 0, s, torch.ones_like(s))[..., None]
@@ -78,6 +78,7 @@ def pack_moe_torch(q_gate, s_gate, q_up, s_up, q_down, s_down) -> dict[str, torc
 
 def dequantize_w4_torch(q: torch.Tensor, s: torch.Tensor, group: int = GROUP) -> torch.Tensor:
     """bf16((q - 8) * s) as float32: q [..., R, C] uint8, s [..., R, C/group] int16 bf16 bits."""
+    check_w4_shapes(tuple(q.shape), tuple(s.shape), group, "dequantize_w4_torch")
     sc = s.view(torch.bfloat16).float().repeat_interleave(group, dim=-1)
     return ((q.float() - 8.0) * sc).to(torch.bfloat16).float()
 

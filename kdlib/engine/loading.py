@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from kdlib.engine.config import ModelConfig
 from kdlib.files import atomic_write_path, atomic_write_text
@@ -164,7 +164,11 @@ def checkpoint_layout(path: Path, cfg: ModelConfig) -> dict[str, Path]:
     mtp = range(last, last + int(cfg.extra.get("num_nextn_predict_layers") or 0))
     where, shapes = {}, {}
     for f in checkpoint_files(path):
-        with safe_open(str(f), framework="pt") as header:
+        try:
+            opened = safe_open(str(f), framework="pt")
+        except (SafetensorError, OSError) as e:  # a truncated or damaged file
+            raise ValueError(f"{f}: not a readable safetensors file ({' '.join(str(e).split())})") from None
+        with opened as header:
             for k in header.keys():
                 if any(s in k for s in _QUANT):
                     raise ValueError(f"{f.name}: quantized weight {k!r}; the engine loads dense float "
@@ -189,12 +193,33 @@ def checkpoint_layout(path: Path, cfg: ModelConfig) -> dict[str, Path]:
 
 
 def save_pretrained(model, path) -> None:
-    """Write config.json + model.safetensors in the HF layout (atomic per file)."""
+    """Write config.json + model.safetensors in the HF layout (atomic per file). ValueError, before anything
+    is written, where the folder holds another checkpoint's files (a shard index or other shards, which
+    `checkpoint_files` would read in place of the new file) or where the model's weights are not the
+    config's dense layout (INT4 experts, a tensor-parallel shard): what `Model.from_pretrained` could
+    not load back."""
     from safetensors.torch import save_file
 
     out = Path(path)
+    state = model.state_dict()
+    expected = parameter_shapes(model.cfg)
+    try:
+        check_keys(set(expected), set(state))
+    except ValueError as e:
+        raise ValueError(f"this model's weights are not its config's dense layout (INT4 experts or a "
+                         f"tensor-parallel shard?): {e}") from None
+    wrong = [k for k, shape in expected.items() if tuple(state[k].shape) != shape]
+    if wrong:
+        raise ValueError(f"{wrong[0]}: shape {tuple(state[wrong[0]].shape)} is not the config's "
+                         f"{expected[wrong[0]]} (a tensor-parallel shard?); save the whole model")
+    others = sorted(p.name for p in out.glob("*.safetensors*") if p.name != "model.safetensors") \
+        if out.is_dir() else []
+    if others:
+        raise ValueError(f"{out} holds another checkpoint's files ({', '.join(others[:4])}"
+                         f"{', ...' if len(others) > 4 else ''}), which loading would read in place of "
+                         "model.safetensors: save into a folder without them")
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     atomic_write_path(out / "model.safetensors",
                       lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     atomic_write_text(out / "config.json", json.dumps(model.cfg.to_hf_dict(), indent=2) + "\n")

@@ -598,6 +598,8 @@ class Model(nn.Module):
             raise ValueError(f"token_ids must be a non-empty 1-D sequence, got shape {tuple(t.shape)}")
         if t.dtype.is_floating_point or t.dtype == torch.bool:
             raise ValueError(f"token_ids must be integers, got {t.dtype}")
+        if t.dtype in (torch.uint16, torch.uint32, torch.uint64):  # (token files' uint16): torch has no min
+            t = t.to(torch.int64)  # for these; uint64 past int64 wraps negative and is refused below
         lo, hi = int(t.min()), int(t.max())
         if lo < 0 or hi >= self.cfg.vocab_size:
             raise ValueError(f"token id out of the vocabulary [0, {self.cfg.vocab_size}): min {lo}, max {hi}")

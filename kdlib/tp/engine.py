@@ -172,6 +172,8 @@ def spawn(
     """
     import torch.multiprocessing as mp
 
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be an int >= 1 (the number of ranks), got {world!r}")
     if backend == "nccl" and torch.cuda.device_count() < world:
         raise ValueError(f"world {world} needs {world} GPUs, {torch.cuda.device_count()} visible")
     ctx = mp.start_processes(_entry, args=(fn, world, backend, free_port(), timeout_s, args), nprocs=world,
@@ -294,6 +296,10 @@ class TPMoE(MoE):
             ilo, ihi = partition(inter, world)[rank]
             super().__init__(cfg, inter=ihi - ilo, shared_inter=hi - lo)
         self.expert_range = expert_range
+
+    def quantize_int4(self) -> None:
+        raise ValueError("INT4 experts are not supported under kdlib.tp (its MoE paths are the float ones); "
+                         "quantize a one-process Model")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, idx = self.gate(x)  # [T, k] each, identical on every rank
@@ -433,6 +439,10 @@ class TPModel(Model):
         parts = self.comm.all_gather(local)  # [W, T, width]
         return torch.cat([parts[r, :, : hi - lo] for r, (lo, hi) in enumerate(ranges)], dim=-1)
 
+    def forward_batch(self, *args, **kwargs):
+        raise ValueError("the batched engine (kdlib.engine.batch) runs one-process Models; kdlib.tp runs "
+                         "one stream (kdlib.engine.generate)")
+
     # ---- the decode loop's hooks (kdlib.engine.generate; Model has the one-process forms)
     def greedy(self, h: torch.Tensor) -> torch.Tensor:
         """[T] int64 global argmax over the full vocabulary from gathered per-shard (max, id) pairs."""
@@ -481,18 +491,20 @@ def vocab_parallel_topk(
     """Global top-k of log_softmax over a vocabulary split across ranks, from (score, id) pairs.
 
     local [L, V_r] float logits of ids v0 .. v0+V_r-1. Each rank gathers its top-min(k, V_r)
-    (logit, id) pairs (padded to k with (-inf, -1)) and its shard's logsumexp; the global log-partition
+    (logit, id) pairs (padded to k with (-inf, an id past every real one), so that a real -inf logit wins
+    the tie and k <= V never returns padding) and its shard's logsumexp; the global log-partition
     is the logsumexp of the gathered ones. Returns (ids [L, k] int64, log-probs [L, k] float32),
     best first, ties to the lower id; bit-identical on every rank (same gathered inputs, same ops).
     """
     L, width = local.shape
     x = local.float()
     kl = min(k, width)
+    pad = torch.iinfo(torch.int64).max  # the padding's id, past every real one: it loses every tie
     # a stable sort, not topk: which of equal logits topk keeps is unspecified, and a tie across the
     # k-th place must keep the lower ids for the merge below to give them
     top = torch.sort(x, dim=-1, descending=True, stable=True)
     vals = torch.full((L, k), float("-inf"), device=x.device)  # [L, k]
-    ids = torch.full((L, k), -1, dtype=torch.int64, device=x.device)  # [L, k]
+    ids = torch.full((L, k), pad, dtype=torch.int64, device=x.device)  # [L, k]
     vals[:, :kl], ids[:, :kl] = top.values[:, :kl], top.indices[:, :kl] + v0
     g_vals, g_ids = comm.all_gather(vals), comm.all_gather(ids)  # [W, L, k]
     lse = torch.logsumexp(comm.all_gather(torch.logsumexp(x, dim=-1)), dim=0)  # [L]
