@@ -511,7 +511,9 @@ def two_point(client, prompt: str, *, short: int = SHORT, long: int = LONG, repe
     """The seeds' two-point decode rate on one prompt: (n_long - n_short) / (t_long - t_short).
 
     Requests alternate short, long (`repeats` pairs, after one untimed pair as warm-up); medians
-    of the times are used. The long requests are bracketed by metric snapshots for `decompose`.
+    of the times are used. Metric snapshots bracket every request, and `decompose` reads the long
+    requests' counters less the short ones': the steps past the short request's tokens, the ones the
+    rate counts (the short request's prefill and first steps cancel from both).
     """
     if not 1 <= short < long:
         raise ValueError(f"need 1 <= short < long, got short={short}, long={long}")
@@ -520,16 +522,26 @@ def two_point(client, prompt: str, *, short: int = SHORT, long: int = LONG, repe
     client.complete(prompt, short, stream=stream)  # the untimed warm-up pair
     client.complete(prompt, long, stream=stream)
     ts, tl, ns, nl, pt = [], [], [], [], None
-    before = client.metrics()
+    first = client.metrics()
+    snaps = [first]
+    diff: dict[str, float] | None = {} if first is not None else None  # long requests' counters less short's
     for _ in range(repeats):
         s = client.complete(prompt, short, stream=stream)
+        snaps.append(client.metrics())
         lo = client.complete(prompt, long, stream=stream)
+        snaps.append(client.metrics())
         ts.append(s.elapsed_s)
         tl.append(lo.elapsed_s)
         ns.append(s.completion_tokens)
         nl.append(lo.completion_tokens)
         pt = lo.prompt_tokens
-    after = client.metrics()
+        m0, m1, m2 = snaps[-3:]
+        if diff is not None and m1 is not None and m2 is not None:
+            for key in m2:
+                long_d, short_d = m2[key] - m1.get(key, 0.0), m1.get(key, 0.0) - m0.get(key, 0.0)
+                diff[key] = diff.get(key, 0.0) + long_d - short_d
+        else:
+            diff = None
     t_s, t_l = statistics.median(ts), statistics.median(tl)
     n_s, n_l = statistics.median(ns), statistics.median(nl)
     early = any(n < short for n in ns) or any(n < long for n in nl)
@@ -541,8 +553,8 @@ def two_point(client, prompt: str, *, short: int = SHORT, long: int = LONG, repe
     if early:
         res["warning"] = (f"the endpoint stopped early (completion tokens {ns} / {nl} for max_tokens "
                           f"{short} / {long}); the rate uses the tokens actually returned")
-    ms = _metric_set(client, before)
-    res["decomposition"] = decompose(before, after, rate, ms)  # over the steps of the short and long requests
+    res["decomposition"] = decompose({} if diff is not None else None, diff, rate, _metric_set(client, first))
+    res["decomposition"]["over"] = "long requests less short ones"
     return res
 
 

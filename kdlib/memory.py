@@ -887,7 +887,8 @@ def _agrees(ours: float, theirs: float, rel: float = 0.05) -> str:
 
 def seeds_200k_recheck(seeds: dict | None = None, overhead_bytes: int = DEFAULT_OVERHEAD_BYTES) -> list[dict]:
     """Each memory figure of the seeds' 200k decision, recomputed: rows {key, claim, seeds, recomputed,
-    unit, status, reason}; status is "reproduced", "consistent", "wrong" or "not checkable"."""
+    unit, status, reason, stated}; status is "reproduced", "consistent", "wrong" or "not checkable";
+    stated: False where `seeds` is derived from their figures rather than a number they state."""
     s = dict(SEEDS_200K if seeds is None else seeds)
     cfg, gpu, tp, ctx = s["model"], s["gpu"], s["tp"], s["context"]
     g = geometry(cfg)
@@ -967,7 +968,7 @@ def seeds_200k_recheck(seeds: dict | None = None, overhead_bytes: int = DEFAULT_
         ),
         dict(
             key="kv_200k_headroom",
-            claim="headroom left by one 200k request (budget - need)",
+            claim="headroom left by one 200k request (budget - need), as their 10 GB and 1.72 GB imply",
             seeds=s["free_per_gpu_bytes"] - s["kv_200k_per_gpu_bytes"],
             recomputed=pool_b - ctx * full,
             unit="B",
@@ -1037,6 +1038,8 @@ def seeds_200k_recheck(seeds: dict | None = None, overhead_bytes: int = DEFAULT_
             f"reading), {1 - s['model_size_bytes'] / w['total']:.0%} below the decimal one",
         ),
     ]
+    for r in rows:
+        r["stated"] = r["key"] != "kv_200k_headroom"  # the one figure derived (10 GB - 1.72 GB)
     return rows
 
 

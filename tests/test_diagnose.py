@@ -42,6 +42,42 @@ def test_two_point_cancels_prefill():
     assert r["decomposition"]["available"] is False
 
 
+class MeteredClient(FakeClient):
+    """A DDTree endpoint with /metrics: a request's first `warm` steps accept 1 token each in `slow_ms`,
+    every later step accepts 4 in `fast_ms` (the first token comes from the prefill)."""
+
+    metric_set = "kdlib"
+
+    def __init__(self, warm=3, slow_ms=30.0, fast_ms=10.0):
+        super().__init__()
+        self.warm, self.slow, self.fast = warm, slow_ms / 1e3, fast_ms / 1e3
+        self.m = dict.fromkeys(dg.METRIC_SETS["kdlib"].values(), 0.0)
+
+    def metrics(self):
+        return dict(self.m)
+
+    def complete(self, prompt, max_tokens, *, stream=False):
+        names, done, t = dg.METRIC_SETS["kdlib"], 1, self.prefill
+        for i in range(10**6):
+            if done >= max_tokens:
+                break
+            acc, dt = (1, self.slow) if i < self.warm else (min(4, max_tokens - done), self.fast)
+            done, t = done + acc, t + dt
+            for key, v in (("accept_sum", acc), ("accept_count", 1), ("step_sum_s", dt), ("step_count", 1)):
+                self.m[names[key]] += v
+        return dg.Completion("x" * done, 10, done, max_tokens, t)
+
+
+def test_two_point_decomposes_the_steps_its_rate_counts():
+    """The snapshots bracketed the short requests too, so their slow first steps entered accepted length
+    and step time though the rate cancels them: the two did not multiply to the rate."""
+    r = dg.two_point(MeteredClient(), "p", repeats=2)
+    d = r["decomposition"]
+    assert r["tokens_per_s"] == pytest.approx(4 / 0.010)  # 256 tokens in 64 steps of 10 ms
+    assert d["accepted_length"] == pytest.approx(4.0) and d["step_ms"] == pytest.approx(10.0)
+    assert d["ratio"] == pytest.approx(1.0) and d["within_tolerance"] and d["steps"] == 2 * 64
+
+
 def test_two_point_flags_early_stop_and_uses_returned_tokens():
     r = dg.two_point(FakeClient(rate=50.0, stop_at=100), "p", repeats=1)
     assert r["early_stop"] and "stopped early" in r["warning"]
