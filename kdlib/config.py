@@ -109,16 +109,18 @@ def text_config(config) -> dict:
     return lm
 
 
-def require(lm: dict, key: str, why: str):
-    """lm[key], a number >= 0; ConfigError naming the field (and what needs it) otherwise."""
+def require(lm: dict, key: str, why: str, minimum: int = 1) -> int:
+    """lm[key], a size: a whole number >= minimum (61.0 reads as 61); ConfigError naming the field (and
+    what needs it) otherwise, NaN, 61.9 and 0 (below a minimum of 1) included."""
     if lm.get(key) is None:
         raise ConfigError(f"config {lm.get('_name', '?')}: missing field {key!r} (needed for {why})")
     value = lm[key]
     if not isinstance(value, int | float) or isinstance(value, bool):
         raise ConfigError(f"config {lm.get('_name', '?')}: field {key!r} must be a number, got {value!r}")
-    if value < 0:
-        raise ConfigError(f"config {lm.get('_name', '?')}: field {key!r} is negative ({value})")
-    return value
+    if not (math.isfinite(value) and value == int(value) and value >= minimum):
+        raise ConfigError(f"config {lm.get('_name', '?')}: field {key!r} must be a whole number >= {minimum} "
+                          f"(a size), got {value!r}")
+    return int(value)
 
 
 def rope_block(lm: dict) -> dict | None:
@@ -177,7 +179,7 @@ def geometry(config) -> Geometry:
     heads = require(lm, "num_attention_heads", "attention")
     if any(lm.get(k) is not None for k in MLA_FIELDS) or lm.get("model_type") in MLA_MODEL_TYPES:
         kv_lora = require(lm, "kv_lora_rank", "the MLA latent cache")
-        rope = require(lm, "qk_rope_head_dim", "the MLA latent cache (the shared RoPE key)")
+        rope = require(lm, "qk_rope_head_dim", "the MLA latent cache (the shared RoPE key)", minimum=0)
         nope = require(lm, "qk_nope_head_dim", "MLA head dims")
         v = require(lm, "v_head_dim", "MLA head dims")
         kind, kv_heads, head_dim = "mla", 1, nope + rope
@@ -484,10 +486,21 @@ class ModelConfig:
                 raise ConfigError(f"rope_scaling.factor: must be > 0, got {self.rope.factor}")
             if self.rope.original_max_position_embeddings <= 0:
                 raise ConfigError("rope_scaling.original_max_position_embeddings: must be > 0")
+            if not self.rope.beta_fast >= self.rope.beta_slow > 0:  # Kimi-K2's are 1 and 1
+                raise ConfigError("rope_scaling.beta_fast / beta_slow: need beta_fast >= beta_slow > 0 (the "
+                                  f"ramp runs from fast to slow rotations), got {self.rope.beta_fast} / "
+                                  f"{self.rope.beta_slow}")
+            for name in ("mscale", "mscale_all_dim", "attention_factor"):  # 0 reads as unset, as transformers
+                value = getattr(self.rope, name)
+                if value is not None and value < 0:
+                    raise ConfigError(f"rope_scaling.{name}: must be >= 0 or absent, got {value}")
+        if not self.routed_scaling_factor > 0:
+            raise ConfigError(f"routed_scaling_factor: must be > 0, got {self.routed_scaling_factor}")
 
     def to_hf_dict(self) -> dict:
-        """A transformers-5 style config.json dict (`rope_parameters`) that round-trips through
-        `from_dict`."""
+        """A transformers-5 style config.json dict (`rope_parameters`) of the language model, a
+        DeepseekV3ForCausalLM: `from_dict` of it gives this config back, except that a kimi_k25 wrapper's
+        model_type comes back as its text model's, deepseek_v3 (the vision part is not the engine's)."""
         rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope is not None:
             r = asdict(self.rope)
@@ -594,6 +607,8 @@ def parse_rope(d: dict) -> tuple[float, YarnScaling | None]:
     if orig is None:
         raise ConfigError(f"{src}.original_max_position_embeddings: required for YaRN")
     orig = _typed(f"{src}.original_max_position_embeddings", orig, int)
+    if orig < 1:
+        raise ConfigError(f"{src}.original_max_position_embeddings: must be >= 1, got {orig}")
     if factor is None:  # transformers derives it from the two lengths when absent
         factor = _typed("max_position_embeddings", d.get("max_position_embeddings", 0), int) / orig
     # transformers treats beta 0 / missing as its default 32 / 1 (`or` in _compute_yarn_parameters).

@@ -52,7 +52,8 @@ class Simulation:
     tables      one [length] int64 array per finished request: the slot of each position, in order
     accepted    tau per decode step (all requests, in step order)
     pool_slots  size of the slot pool
-    params      the arguments
+    params      the arguments (accept_mean None where `accepted` was given) and realised_accept_mean,
+                the mean tau drawn
     """
 
     tables: list[np.ndarray]
@@ -236,7 +237,8 @@ def simulate(
             if started < total:
                 start()
     params = {"requests": requests, "total": total, "prompt_len": prompt_len, "new_tokens": new_tokens,
-              "budget": budget, "depth": depth, "accept_mean": float(np.mean(taus)), "policy": policy,
+              "budget": budget, "depth": depth, "accept_mean": None if accepted is not None else accept_mean,
+              "realised_accept_mean": float(np.mean(taus)), "policy": policy,
               "length_jitter": length_jitter, "seed": seed}
     return Simulation(tables=done, accepted=taus, pool_slots=pool, params=params)
 

@@ -88,8 +88,16 @@ def legend_outside(target, below: bool = False, **kwargs):
 
 def plain(v: float, _pos=None) -> str:
     """A tick label as a plain number: 0.01, 4, 200000; from a million up and below 0.001 in exponent
-    form with the digits it needs (1e+06, 2.5e+06), never rounded to another tick's value."""
-    return f"{v:g}" if 1e-3 <= abs(v) < 1e6 or v == 0 else f"{v:.6g}"
+    form with the digits it needs (1e+06, 2.5e+06, 1.234567e+06), never rounded to another tick's value
+    (twelve significant digits at most: a tick's float noise, 0.30000000000000004, reads 0.3)."""
+    v = float(v)
+    if v == 0 or 1e-3 <= abs(v) < 1e6:
+        return f"{v:.12g}"
+    for digits in range(12):
+        text = f"{v:.{digits}e}"
+        if abs(float(text) - v) <= 1e-12 * abs(v):
+            return text
+    return f"{v:.11e}"
 
 
 def kilo(v: float, _pos=None) -> str:

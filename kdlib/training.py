@@ -459,6 +459,26 @@ class TrainSpec:
     log_every: int = 50
     seed: int = 0
 
+    def __post_init__(self):
+        """ValueError naming the field: a zero batch failed as a reshape, log_every 0 divided by zero, a
+        misspelt kind as a KeyError mid-run."""
+        for name, low in (("max_steps", 1), ("batch", 1), ("seq", 1), ("warmup_steps", 0), ("anchors", 1),
+                          ("log_every", 1), ("seed", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"TrainSpec.{name} must be an int >= {low}, got {v!r}")
+        for name, positive in (("lr", True), ("loss_gamma", True), ("time_budget_s", True),
+                               ("weight_decay", False), ("min_lr_ratio", False)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not (v > 0 if positive else v >= 0):
+                op = ">" if positive else ">="
+                raise ValueError(f"TrainSpec.{name} must be a number {op} 0, got {v!r}")
+        shares = list(self.weights.values())
+        numbers = all(isinstance(w, int | float) and math.isfinite(w) and w >= 0 for w in shares)
+        if set(self.weights) - set(zoo.KINDS) or not numbers or not sum(shares) > 0:
+            raise ValueError(f"TrainSpec.weights must map kinds of {zoo.KINDS} to shares >= 0 with a "
+                             f"positive sum, got {self.weights!r}")
+
 
 def _autocast(device):
     import torch
@@ -593,6 +613,8 @@ def evaluate_target(model, stream, seq: int, batch: int, max_windows: int | None
 
     n = (len(stream) - 1) // seq
     if max_windows is not None:
+        if max_windows < 1:
+            raise ValueError(f"max_windows must be >= 1 or None, got {max_windows}")
         n = min(n, max_windows)
     if n < 1:
         raise ValueError(f"stream of {len(stream)} tokens is shorter than one window of {seq + 1}")

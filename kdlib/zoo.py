@@ -99,7 +99,10 @@ class Tokenizer:
         """The bytes token i stands for: a piece of a UTF-8 character keeps its own bytes, which its
         decoded text (U+FFFD) loses. Byte-level BPE spells each byte as one symbol (BYTE_OF); a token
         spelled otherwise (none here) counts as the UTF-8 of its text."""
-        tok = self._tok.id_to_token(int(i))
+        i = int(i)
+        if not 0 <= i < self.vocab_size:  # as decode (the library: None past the end, OverflowError below 0)
+            raise ValueError(f"token id {i} lies outside the vocabulary [0, {self.vocab_size})")
+        tok = self._tok.id_to_token(i)
         if tok is None:
             return b""
         if all(c in BYTE_OF for c in tok):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -98,12 +99,38 @@ def test_plain_rope_has_no_yarn():
     ({"max_position_embeddings": "4096", "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4,
                                                              "original_max_position_embeddings": 64}},
      "max_position_embeddings"),
+    # these passed and gave a ZeroDivisionError, a math domain error or an inverted ramp later
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "original_max_position_embeddings": 0}},
+     "original_max_position_embeddings: must be >= 1, got 0"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "beta_fast": 1.0,
+                          "beta_slow": 32.0, "original_max_position_embeddings": 64}},
+     "need beta_fast >= beta_slow > 0"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "beta_fast": -1.0,
+                          "original_max_position_embeddings": 64}}, "need beta_fast >= beta_slow > 0"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "mscale_all_dim": -50.0,
+                          "original_max_position_embeddings": 64}}, "mscale_all_dim: must be >= 0"),
+    ({"routed_scaling_factor": -2.5}, "routed_scaling_factor: must be > 0, got -2.5"),
+    ({"routed_scaling_factor": 0}, "routed_scaling_factor: must be > 0, got 0"),
 ])
 def test_config_values_that_cannot_run_are_named(change, message):
     """Each of these used to pass and fail later (a negative tensor size, a str / int), or said the opposite
     of itself ('default' is not supported (only 'default' ...))."""
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_dict({**ModelConfig.load("tiny-a").to_hf_dict(), **change})
+
+
+@pytest.mark.parametrize("field, value", [("num_attention_heads", 0), ("hidden_size", float("nan")),
+                                          ("num_hidden_layers", 61.9), ("kv_lora_rank", 512.7),
+                                          ("num_hidden_layers", 0), ("vocab_size", float("inf"))])
+def test_geometry_refuses_sizes_that_are_not_sizes(field, value):
+    """0 heads divided by zero, NaN failed as 'cannot convert float NaN to integer', 61.9 layers read as 61
+    and a kv_lora_rank of 512.7 gave 576.7 elements a token, none of them naming the field."""
+    d = json.loads((config.CONFIGS / "kimi-k2.6.json").read_text())
+    d["text_config"]["num_hidden_layers"] = 61.0  # a whole float reads as its int
+    assert config.geometry(d).num_layers == 61
+    d["text_config"][field] = value
+    with pytest.raises(ConfigError, match=rf"field '{field}' must be a whole number >= 1 \(a size\)"):
+        config.geometry(d)
 
 
 def test_config_file_errors_name_the_file_and_hf_fields_round_trip(tmp_path):
@@ -120,6 +147,8 @@ def test_config_file_errors_name_the_file_and_hf_fields_round_trip(tmp_path):
     lm = {k: v for k, v in d.items() if k != "tie_word_embeddings"}
     wrapped = {"model_type": "kimi_k25", "tie_word_embeddings": True, "text_config": lm}
     assert ModelConfig.from_dict(wrapped).tie_word_embeddings
+    k26 = ModelConfig.load("kimi-k2.6")  # to_hf_dict flattens the wrapper: all else comes back as it was
+    assert dataclasses.replace(ModelConfig.from_dict(k26.to_hf_dict()), model_type="kimi_k25") == k26
     with pytest.raises(ConfigError, match="tie_word_embeddings: the wrapper says True"):
         ModelConfig.from_dict({**wrapped, "text_config": {**lm, "tie_word_embeddings": False}})
     yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}

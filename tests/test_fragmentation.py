@@ -102,6 +102,12 @@ def test_simulation_is_deterministic_and_scatters_generated_slots():
     s = fr.summary(a)
     # budget 32: each step keeps ~3 of 33 verify slots, so generated positions cannot stay contiguous
     assert s["generated_mean_run"] < 4 and s["generated_page_amplification"] > 2
+    # params holds the arguments; the mean tau drawn is its own key (accept_mean held it: 2.714 for 2.5)
+    c = fr.simulate(requests=2, prompt_len=64, new_tokens=400, accept_mean=2.5, seed=0)
+    assert c.params["accept_mean"] == 2.5 and c.params["realised_accept_mean"] == np.mean(c.accepted) != 2.5
+    given = fr.simulate(requests=2, prompt_len=64, new_tokens=400, accepted=[1, 3], seed=0)
+    assert given.params["accept_mean"] is None
+    assert given.params["realised_accept_mean"] == np.mean(given.accepted)
 
 
 def test_accept_one_keeps_only_roots():

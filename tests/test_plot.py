@@ -81,3 +81,7 @@ def test_tick_labels_keep_their_values():
 
     assert [plain(v) for v in (0.01, 4, 200000, 1e6, 2.5e6, 1.2e7, 2.5e-5)] == [
         "0.01", "4", "200000", "1e+06", "2.5e+06", "1.2e+07", "2.5e-05"]
+    # below 0.001 in exponent form too (1e-4 read 0.0001); two ticks past a million never read alike
+    # (1234567 and 1234568 both read 1.23457e+06); a tick's float noise does not show
+    assert [plain(v) for v in (1e-4, 1234567, 1234568, 0.1 * 3, 123456.7)] == [
+        "1e-04", "1.234567e+06", "1.234568e+06", "0.3", "123456.7"]

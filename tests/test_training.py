@@ -4,6 +4,7 @@ reduce the loss, bad input."""
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -299,11 +300,63 @@ def test_train_tiny_bad_arguments(capsys, tmp_path):
         (["--out", str(tmp_path / "file")], "is a file, not a folder"),
         (["--corpus", str(tmp_path / "file"), *out], "argument --corpus: " + str(tmp_path / "file")),
         (["--seed", "-1", *out], "--seed must be >= 0"),
+        (["--out", str(tmp_path / "file" / "sub")], "cannot use --out " + str(tmp_path / "file" / "sub")),
     ):
         with pytest.raises(SystemExit) as e:
             tt.main(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err, argv
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_train_tiny_that_fails_leaves_the_earlier_models_whole(tmp_path, monkeypatch):
+    """A run into a folder of trained models that failed after its first files (here: a corpus with no
+    held-out text) left new held_out.json and tokenizer.json beside the old target and drafter, a mix that
+    zoo loaded; the files now land together, or the old set stays."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for f in zoo.FILES:
+        (out / f).write_text(f"old {f}")
+    empty = tmp_path / "empty"
+    docs = [corpus.Doc(k, f"{k}/0", "some text\n" * 50, "train") for k in corpus.KINDS]
+    corpus.write(docs, empty)
+    tt = _train_tiny()
+    assert tt.main(["--smoke", "--corpus", str(empty), "--out", str(out)]) == 1
+    assert all((out / f).read_text() == f"old {f}" for f in zoo.FILES)
+    log = (out / "train.log").read_text()
+    assert "has no documents for code.held_out, prose.held_out, templated.held_out" in log
+
+    def fail_late(*args, **kwargs):
+        raise RuntimeError("stopped in the drafter phase")
+
+    monkeypatch.setattr(tt.T, "train_drafter", fail_late)
+    _mini_corpus(tmp_path / "corpus")
+    assert tt.main(["--smoke", "--corpus", str(tmp_path / "corpus"), "--out", str(out)]) == 1
+    assert all((out / f).read_text() == f"old {f}" for f in zoo.FILES)
+    assert (out / tt.STAGING / "target.kdtr").is_file()  # what was written stays, apart
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(batch=0), "TrainSpec.batch must be an int >= 1, got 0"),
+    (dict(seq=0), "TrainSpec.seq must be an int >= 1, got 0"),
+    (dict(log_every=0), "TrainSpec.log_every must be an int >= 1, got 0"),
+    (dict(max_steps=2.5), "TrainSpec.max_steps must be an int >= 1, got 2.5"),
+    (dict(lr=float("nan")), "TrainSpec.lr must be a number > 0, got nan"),
+    (dict(time_budget_s=0), "TrainSpec.time_budget_s must be a number > 0, got 0"),
+    (dict(weight_decay=-0.1), "TrainSpec.weight_decay must be a number >= 0, got -0.1"),
+    (dict(weights={"cod": 1}), "TrainSpec.weights must map kinds of"),
+    (dict(weights={"code": 0}), "with a positive sum, got {'code': 0}"),
+    (dict(weights={"code": "a"}), "TrainSpec.weights must map kinds of"),
+])
+def test_train_spec_refuses_what_fails_mid_run(change, message):
+    """batch 0 failed as a reshape, log_every 0 divided by zero, a misspelt kind was a KeyError and a zero
+    share numpy's 'Probabilities contain NaN', each once training had begun."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        T.TrainSpec(**{**dict(max_steps=3, batch=8, seq=32, lr=1e-2), **change})
+
+
+def test_evaluate_target_refuses_zero_windows():
+    with pytest.raises(ValueError, match="max_windows must be >= 1 or None, got 0"):
+        T.evaluate_target(_micro_target(), np.arange(5000), 16, 4, max_windows=0)
 
 
 def test_bad_input():

@@ -3,11 +3,14 @@
     python tools/train_tiny.py --device cuda --corpus .carry/corpus --out $OUT --target-s 90 --drafter-s 110
     python tools/train_tiny.py --smoke --out /tmp/tiny   # minutes on a CPU: micro sizes, 3 steps each
 
-Writes into --out, in this order, each file atomically (the files `kdlib.zoo` reads, then the run's
-own): held_out.json, tokenizer.json, target.config.json, target.kdtr, drafter.kdtr,
-training_record.json (written before the acceptance run, so a run stopped there still has it), the
-acceptance result accept.<gpu>.json (`kdlib.perf.write`; it belongs in data/results/), and
-train.log (everything printed, as it is printed). Eight files: what one device call brings back.
+Writes, in this order, each file atomically (the files `kdlib.zoo` reads, then the run's own):
+held_out.json, tokenizer.json, target.config.json, target.kdtr, drafter.kdtr into --out's
+`.train_tiny.staging/` folder; once all five are written, the old training_record.json goes, the
+five move into --out, and training_record.json follows (before the acceptance run, so a run stopped
+there still has it): a run that fails leaves an earlier set in --out whole, and a set interrupted
+while it moves has no record, which `kdlib.zoo` refuses. Then the acceptance result accept.<gpu>.json
+(`kdlib.perf.write`; it belongs in data/results/), and train.log (everything printed, as it is
+printed). Eight files: what one device call brings back.
 
 --target-s and --drafter-s are the two training phases' wall-clock budgets (each phase's cosine LR
 schedule runs over its own budget); tokenising (~5 s on the GPU machine), evaluations (~10 s) and
@@ -19,7 +22,8 @@ drafter; data/models/train.h200.log) the target's validation score was best at s
 The corpus folder is built with `kdlib.corpus` when it has no manifest (python -m kdlib.corpus --out
 DIR builds it alone; build it where you want its Python's stdlib: the corpus differs between
 versions). The run asks nothing, prints every line with a flush, and ends with a line naming the
-folder and its files; it exits 2 on bad arguments, 1 when a phase fails (what was written stays).
+folder and its files; it exits 2 on bad arguments, 1 when a phase fails (what was written stays in
+the staging folder).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
+import shutil
 import sys
 import time
 import traceback
@@ -47,6 +53,7 @@ MAX_EXCERPTS = 24  # per kind
 VAL_FRACTION = 0.02  # of each kind's train tokens, for checkpoint selection
 MODEL_FILES = ("tokenizer.json", "target.config.json", "target.kdtr", "drafter.kdtr", "held_out.json")
 LOG_NAME = "train.log"
+STAGING = ".train_tiny.staging"  # --out's folder the model files are written into before they move
 # Full run (GPU): batch x seq tokens per step; the drafter's anchors per sequence (SpecForge samples up to 512
 # per much longer sequence; 48 of 512 positions keeps the block attention mask small).
 FULL = {"batch": 64, "seq": 512, "target_lr": 3e-3, "drafter_lr": 2e-3, "anchors": 48, "max_steps": 100_000}
@@ -127,6 +134,10 @@ def parse_args(argv):
     if args.out.resolve() == zoo.MODELS.resolve() and not args.replace_shipped:
         ap.error(f"--out {args.out} holds the workbook's trained models; pass --replace-shipped to overwrite "
                  "them")
+    try:  # last: a bad argument writes nothing
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        ap.error(f"cannot use --out {args.out} as a folder ({e.strerror or e})")
     return args
 
 
@@ -138,7 +149,6 @@ def main(argv=None) -> int:
         print("train_tiny: --device cuda but torch sees no CUDA device", file=sys.stderr, flush=True)
         return 2
     out = args.out
-    out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     with open(out / LOG_NAME, "w", encoding="utf-8", buffering=1) as log_file:
 
@@ -182,6 +192,13 @@ def train(args, out: Path, log, t_start: float) -> None:
     docs = corpus.read(cdir)
     manifest = json.loads((cdir / "manifest.json").read_text())
     log(f"corpus: {len(docs)} documents from Python {manifest['python']}")
+    empty = [f"{k}.{s}" for k in corpus.KINDS for s in ("train", "held_out")
+             if not any(d.kind == k and d.split == s for d in docs)]
+    if empty:
+        raise ValueError(f"corpus {cdir} has no documents for {', '.join(empty)}")
+    final, out = out, out / STAGING  # the model files go to the staging folder first
+    shutil.rmtree(out, ignore_errors=True)  # an earlier failed run's
+    out.mkdir()
 
     # held-out excerpts (what the notebooks and the acceptance suite prompt with)
     held = {k: [excerpt(d.text) for d in docs if d.kind == k and d.split == "held_out"][:MAX_EXCERPTS]
@@ -297,6 +314,11 @@ def train(args, out: Path, log, t_start: float) -> None:
         },
         "train_seconds": round(time.perf_counter() - t_start, 1),
     }
+    (final / "training_record.json").unlink(missing_ok=True)  # no record: zoo refuses a set half moved
+    for f in MODEL_FILES:
+        os.replace(out / f, final / f)
+    out.rmdir()
+    out = final
     _write_json(out / "training_record.json", record)
     log("models and training record written")
 
