@@ -129,8 +129,8 @@ def k2_rank_b300(doc: dict, gpu: str = "h200", target: str = "b300") -> dict:
     """A B300 rank's step re-derived from the measured one (a k2_rank payload recorded on `gpu`), rows of
     `k2_rank_figures` (MoE computed every slot) at K2_SEED_CONTEXT, C = 1 and 10, keyed (C, budget):
     two bounds on the step, ms, each plus the row's modelled all-reduce (an H200 NCCL fit, kept as is):
-    'scaled' the graph step over the HBM bandwidth ratio target / gpu (every kernel memory-bound: the
-    optimistic end), 'unscaled' the graph step as measured (bound by its kernels' count and fixed cost:
+    'scaled_ms' the graph step over the HBM bandwidth ratio target / gpu (every kernel memory-bound: the
+    optimistic end), 'unscaled_ms' the graph step as measured (bound by its kernels' count and fixed cost:
     the pessimistic end); 'tok_s_scaled' / 'tok_s_unscaled' the tok/s per user each gives at the forced
     accepted length (`parameters.accepted`, a parameter: a DDTree figure scales linearly with it);
     'ratio' the bandwidth ratio."""

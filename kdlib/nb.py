@@ -11,8 +11,7 @@ and tests read them back to assert on headline values.
 
 from __future__ import annotations
 
-import math
-import numbers
+import json
 import random
 from types import SimpleNamespace
 
@@ -49,25 +48,33 @@ def setup(seed: int = 0) -> SimpleNamespace:
 
 
 def record(name: str, value, *, unit: str = "", source: str = "", note: str = "") -> None:
-    """Record a headline value for the report index (and for tests that read the executed notebook)."""
+    """Record a headline value for the report index (and for tests that read the executed notebook).
+    numpy / torch values are recorded as the Python values they hold; ValueError naming the record where
+    any part is not finite (NaN, infinity) or has no JSON form (a complex number)."""
     from IPython.display import display
 
-    if not _finite(value):
-        raise ValueError(f"recorded value {name!r} is not finite: {value}")
+    value = _plain(value)
+    try:
+        json.dumps(value, allow_nan=False)
+    except ValueError:
+        raise ValueError(f"recorded value {name!r} is not finite: {value}") from None
+    except TypeError as e:
+        raise ValueError(f"recorded value {name!r} has no JSON form ({e})") from None
     payload = {"name": name, "value": value, "unit": unit, "source": source, "note": note}
     text = f"{name} = {value}{(' ' + unit) if unit else ''}" + (f"  [{source}]" if source else "")
     display({RECORD_MIME: payload, "text/plain": text}, raw=True)
 
 
-def _finite(value) -> bool:
-    """No NaN or infinity anywhere in a recorded value: numpy scalars, lists, tuples and dict values too."""
+def _plain(value):
+    """`value` with numpy / torch scalars and arrays (anything with tolist) as Python values, in lists,
+    tuples and dict values too: what JSON and the kernel's display can take."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
     if isinstance(value, (list, tuple)):
-        return all(_finite(v) for v in value)
+        return [_plain(v) for v in value]
     if isinstance(value, dict):
-        return all(_finite(v) for v in value.values())
-    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
-        return math.isfinite(float(value))
-    return True
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def findings(lines: list[str]) -> None:
@@ -80,15 +87,19 @@ def findings(lines: list[str]) -> None:
 
 
 def read_records(notebook_path) -> dict:
-    """name -> payload of every value recorded in an executed notebook."""
+    """name -> payload of every value recorded in an executed notebook; ValueError where two cells
+    record the same name."""
     import nbformat
 
     nb = nbformat.read(str(notebook_path), as_version=4)
-    out = {}
-    for cell in nb.cells:
+    out, cells = {}, {}
+    for i, cell in enumerate(nb.cells):
         for output in cell.get("outputs", []):
             data = output.get("data", {})
             if RECORD_MIME in data:
                 payload = data[RECORD_MIME]
-                out[payload["name"]] = payload
+                name = payload["name"]
+                if name in out and cells[name] != i:  # the index would keep one of the two, silently
+                    raise ValueError(f"{notebook_path}: {name!r} is recorded in cells {cells[name]} and {i}")
+                out[name], cells[name] = payload, i
     return out

@@ -25,6 +25,16 @@ def test_goals_table_reads_the_recorded_goals():
 
 
 @needs_doc
+def test_a_file_without_goals_is_reported_not_a_crash():
+    """goal_mismatches promises the goals a file lacks; it compared a measured float with the missing
+    target (TypeError) instead. engine_batch.partial.json has no goals."""
+    doc = {k: v for k, v in copy.deepcopy(DOC).items() if k != "goals"}
+    table = ebv.goals_table(doc)
+    assert table and all(r["met"] is None and r["target"] == "?" and r["recorded"] is None for r in table)
+    assert len(ebv.goal_mismatches(doc)) == len(table)
+
+
+@needs_doc
 def test_goal_mismatch_is_reported():
     doc = copy.deepcopy(DOC)
     doc["goals"]["ar_step_ms_c1"] *= 1.5

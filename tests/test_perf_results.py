@@ -165,6 +165,12 @@ def test_load_moe_rows_carry_the_recorded_figures():
             assert (row.variant == "v1_kernels") == outside, (row.key, row.shape)
     stage = rec.select(variant="gate_up_only")[0]
     assert stage.bytes == pytest.approx(raw[stage.shape["m"]]["weight_bytes"] * 2 / 3)
+    # the floors the payload records beside the whole-layer arms (every row's was None)
+    assert stage.floor_ms is None
+    for row in v1.values():
+        assert row.floor_ms == raw[row.shape["m"]]["kernel_floor"]["floor_ms"]
+    for row in rec.select(op="moe_bf16_grouped_mm"):
+        assert row.floor_ms == raw[row.shape["m"]]["baseline_floor"]["floor_ms"]
 
 
 def test_load_moe_stream_rows_and_copy_block():
@@ -180,6 +186,36 @@ def test_typed_loader_refuses_another_schema(results_dir):
     with pytest.raises(results.SchemaError, match=r"moe.h200.json: schema None.*migrate_results"):
         results.load_moe("h200")
     assert results.load_moe("b300") is None
+
+
+def test_typed_loader_refuses_another_suites_file_and_names_a_missing_field(results_dir):
+    """An attention record saved as moe.h200.json loaded as no rows; a row without a field the reader
+    needs was a bare KeyError; neither named the file."""
+    prov = {"gpu": "NVIDIA H200", "date": "2026-12-01T00:00:00Z", "commit": "c" * 40, "command": "t"}
+    doc = {"suite": "attention", "schema": results.SCHEMA, "provenance": prov, "points": []}
+    (results_dir / "moe.h200.json").write_text(json.dumps(doc))
+    with pytest.raises(results.SchemaError, match=r"moe.h200.json: a record of suite 'attention', not of"):
+        results.load_moe("h200")
+    doc = {"suite": "moe", "schema": results.SCHEMA, "provenance": prov,
+           "rows": [{"m": 1, "kernel": {"median_ms": 1.0}, "flops": 1.0}]}
+    (results_dir / "moe.h200.json").write_text(json.dumps(doc))
+    with pytest.raises(results.SchemaError, match=r"moe.h200.json: not the 'moe' layout this code reads "
+                                                  r"\(KeyError: 'bytes'\)"):
+        results.load_moe("h200")
+    doc = {"suite": "accept", "schema": results.SCHEMA, "provenance": prov, "rows": []}
+    (results_dir / "accept_sampling.h200.json").write_text(json.dumps(doc))  # that run's own suite name
+    assert results.load_accept_sampling("h200").rows == ()
+
+
+def test_malformed_provenance_is_named_and_describe_takes_a_partial_one(results_dir):
+    (results_dir / "s.a.json").write_text(json.dumps({"suite": "s", "provenance": "x"}))
+    with pytest.raises(ValueError, match=r"s.a.json: provenance must be an object"):
+        results.load("s")
+    (results_dir / "s.a.json").write_text(json.dumps({"suite": "s", "provenance": {"date": 20261201}}))
+    with pytest.raises(ValueError, match=r"s.a.json: provenance must be an object whose date is"):
+        results.load("s")
+    line = results.describe({"provenance": {"gpu": "NVIDIA H200"}, "_path": "x.json"})
+    assert "commit ?" in line and "date not recorded" in line and line.endswith("-> x.json")
 
 
 def test_ceilings_recorded_or_stated_fallback(results_dir, monkeypatch):

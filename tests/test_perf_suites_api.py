@@ -112,6 +112,13 @@ def test_the_entry_point_refuses_an_unknown_suite(capsys):
     assert e.value.code == 2 and "unknown suite(s) ['nope']" in capsys.readouterr().err
 
 
+def test_a_refused_run_leaves_no_out_folder(tmp_path, capsys):
+    """--out was made while the arguments were parsed, before the unknown-suite check refused the run."""
+    with pytest.raises(SystemExit) as e:
+        entry.main(["--suite", "nope", "--out", str(tmp_path / "made")])
+    assert e.value.code == 2 and not (tmp_path / "made").exists()
+
+
 def test_the_entry_point_refuses_a_file_as_out_before_measuring(tmp_path, capsys, monkeypatch):
     """--out naming a file is refused before the suite runs (it failed at the write, the run lost)."""
     (tmp_path / "f").write_text("x")

@@ -632,8 +632,35 @@ def test_record_refuses_non_finite_values_anywhere_and_findings_a_lone_str():
 
     from kdlib import nb
 
-    for bad in (float("nan"), np.float32("nan"), np.float16("inf"), [1.0, float("nan")], {"a": float("inf")}):
+    for bad in (float("nan"), np.float32("nan"), np.float16("inf"), [1.0, float("nan")], {"a": float("inf")},
+                np.array([1.0, np.nan]), (np.float64(2.0), np.inf)):
         with pytest.raises(ValueError, match="not finite"):
             nb.record("x", bad)
+    with pytest.raises(ValueError, match=r"'z' has no JSON form"):
+        nb.record("z", np.complex128(1 + 2j))
     with pytest.raises(ValueError, match="list of lines"):
         nb.findings("some text")
+
+
+def test_numpy_values_are_recorded_as_python_values_and_a_name_twice_is_refused(tmp_path, monkeypatch):
+    """np.bool_ and arrays reached the kernel's display unconverted ("Can't clean for JSON: np.True_");
+    two cells recording one name left the index with one of them, silently."""
+    import numpy as np
+    from IPython import display as ipd
+
+    from kdlib import nb
+
+    shown = []
+    monkeypatch.setattr(ipd, "display", lambda obj, raw=False: shown.append(obj))
+    nb.record("flag", np.all(np.ones(3) > 0))
+    nb.record("arr", np.arange(3, dtype=np.int32))
+    values = [obj[nb.RECORD_MIME]["value"] for obj in shown]
+    assert values == [True, [0, 1, 2]] and type(values[0]) is bool and json.dumps(values)
+    _write_nb(tmp_path / "twice.ipynb", [new_code_cell("1"), new_code_cell("2")])
+    book = nbformat.read(str(tmp_path / "twice.ipynb"), as_version=4)
+    payload = {nb.RECORD_MIME: {"name": "n", "value": 1}}
+    for cell in book.cells:
+        cell.outputs = [nbformat.v4.new_output("display_data", data=payload)]
+    nbformat.write(book, str(tmp_path / "twice.ipynb"))
+    with pytest.raises(ValueError, match=r"'n' is recorded in cells 0 and 1"):
+        nb.read_records(tmp_path / "twice.ipynb")

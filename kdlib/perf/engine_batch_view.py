@@ -84,11 +84,11 @@ def goals_table(doc: dict) -> list[dict]:
     c1 = df[df.streams == 1]
     out = []
 
-    def add(goal, what, target, cmp, measured, recorded):
-        met = None if measured is None or not math.isfinite(measured) else bool(
+    def add(goal, what, target, cmp, measured, recorded):  # a file without goals: target None, met None
+        met = None if target is None or measured is None or not math.isfinite(measured) else bool(
             measured >= target if cmp == ">=" else measured <= target)
-        out.append({"goal": goal, "what": what, "target": f"{cmp} {target:g}", "measured": measured,
-                    "met": met, "recorded": recorded})
+        out.append({"goal": goal, "what": what, "target": "?" if target is None else f"{cmp} {target:g}",
+                    "measured": measured, "met": met, "recorded": recorded})
 
     busy = [b for b in c1.busy if math.isfinite(b)]
     add(1, "device busy / wall step at C = 1 (lowest row)", tg.get("busy"), ">=", min(busy) if busy else None,

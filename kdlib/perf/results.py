@@ -169,8 +169,11 @@ def read_result(path: Path) -> dict:
 def _recorded_order(path: Path) -> tuple[str, str]:
     """Sort key of a result file: its provenance date (ISO 8601 UTC, so it sorts as text; '' when the
     file records none), then its name."""
-    date = (read_result(path).get("provenance") or {}).get("date") or ""
-    return date, path.name
+    prov = read_result(path).get("provenance") or {}
+    if not isinstance(prov, dict) or not isinstance(prov.get("date") or "", str):
+        raise ValueError(f"{path}: provenance must be an object whose date is an ISO 8601 string, got "
+                         f"{prov!r:.80}")
+    return prov.get("date") or "", path.name
 
 
 def load(suite: str, gpu: str | None = None) -> dict | None:
@@ -192,8 +195,9 @@ def describe(result: dict) -> str:
     p = result["provenance"]
     where = result.get("_path", "?")
     return (
-        f"recorded on {p['gpu']} (driver {p.get('driver')}, CUDA {p.get('cuda')}, torch {p.get('torch')}, "
-        f"CuPy {p.get('cupy')}), commit {p['commit'][:10]}, {p['date']}, by `{p['command']}` -> {where}"
+        f"recorded on {p.get('gpu', '?')} (driver {p.get('driver')}, CUDA {p.get('cuda')}, torch "
+        f"{p.get('torch')}, CuPy {p.get('cupy')}), commit {str(p.get('commit', '?'))[:10]}, "
+        f"{p.get('date', 'date not recorded')}, by `{p.get('command', '?')}` -> {where}"
     )
 
 
@@ -246,13 +250,32 @@ class Recorded:
         return [r for r in self.rows if all(getattr(r, k) == v for k, v in fields.items())]
 
 
+# file stems whose runs record another suite name
+RECORDED_AS = {"accept_sampling": "accept", "verify_attention_dev_v2": "verify_attention_dev"}
+
+
 def load_checked(suite: str, gpu: str | None = None) -> dict | None:
-    """`load(suite, gpu)`, refusing a file of another schema (SchemaError names the file)."""
+    """`load(suite, gpu)`, refusing a file of another schema or of another suite (one saved under the
+    wrong name read as no rows); SchemaError names the file."""
     doc = load(suite, gpu)
-    if doc is not None and doc.get("schema") != SCHEMA:
+    if doc is None:
+        return None
+    if doc.get("schema") != SCHEMA:
         raise SchemaError(f"{doc['_path']}: schema {doc.get('schema')!r}, this code reads {SCHEMA} "
                           f"(migrate it with `python3 tools/migrate_results.py`)")
+    if doc.get("suite") != RECORDED_AS.get(suite, suite):
+        raise SchemaError(f"{doc['_path']}: a record of suite {doc.get('suite')!r}, not of "
+                          f"{RECORDED_AS.get(suite, suite)!r}")
     return doc
+
+
+def _rows_of(doc: dict, rows) -> tuple[Row, ...]:
+    """rows(doc); SchemaError naming the file where the payload lacks a field the reader needs."""
+    try:
+        return rows(doc)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise SchemaError(f"{doc.get('_path', '?')}: not the {doc.get('suite')!r} layout this code reads "
+                          f"({type(e).__name__}: {e})") from None
 
 
 def _timed(op, version, mode, variant, shape, t: dict, nbytes: float, flops: float, key: str,
@@ -283,7 +306,7 @@ def _is_timing(t) -> bool:
 
 def _recorded(suite: str, gpu: str | None, rows) -> Recorded | None:
     doc = load_checked(suite, gpu)
-    return None if doc is None else Recorded(doc, rows(doc))
+    return None if doc is None else Recorded(doc, _rows_of(doc, rows))
 
 
 # moe payload key -> (version, mode, variant, share of the layer's (weight bytes, FLOPs) it moves).
@@ -312,7 +335,8 @@ def moe_rows(doc: dict) -> tuple[Row, ...]:
     The payload's arm `kernel` is version 1; `kernel_default` is the library's default choice, its
     version the one `kernel_default_version` names (None where the routings picked several); a v2 or v3
     arm at an M where an expert has > 8 slots (outside their shared regime) ran v1's kernels (variant
-    'v1_kernels')."""
+    'v1_kernels'). floor_ms: the layer's recorded floor (kernel_floor, baseline_floor) for the arms that
+    run the whole layer; None for a stage alone (gate_up_only, down_only)."""
     out = []
     for r in doc.get("rows") or []:
         shape = {"m": int(r["m"])}
@@ -327,17 +351,19 @@ def moe_rows(doc: dict) -> tuple[Row, ...]:
                 variant = variant or "v1_kernels"
             nbytes, flops = ((r["bytes"], r["flops"]) if share is None
                              else (r["weight_bytes"] * share, r["flops"] * share))
-            out.append(_timed("moe_w4a16", version, mode, variant, shape, t, nbytes, flops, key))
+            floor = (r.get("kernel_floor") or {}).get("floor_ms") if share is None else None  # whole layer's
+            out.append(_timed("moe_w4a16", version, mode, variant, shape, t, nbytes, flops, key, floor))
         if isinstance(r.get("baseline"), dict) and "baseline_bytes" in r:
             out.append(_timed("moe_bf16_grouped_mm", None, "eager", "", shape, r["baseline"],
-                              r["baseline_bytes"], r["flops"], "baseline"))
+                              r["baseline_bytes"], r["flops"], "baseline",
+                              (r.get("baseline_floor") or {}).get("floor_ms")))
     return tuple(out)
 
 
 def load_moe(gpu: str = "h200") -> Recorded | None:
     """The recorded moe suite on `gpu` with its tidy rows (`moe_rows`), or None."""
     doc = load_checked("moe", gpu)
-    return None if doc is None else Recorded(doc, moe_rows(doc))
+    return None if doc is None else Recorded(doc, _rows_of(doc, moe_rows))
 
 
 def moe_stream_rows(doc: dict) -> tuple[Row, ...]:
@@ -355,7 +381,7 @@ def moe_stream_rows(doc: dict) -> tuple[Row, ...]:
 def load_moe_stream(gpu: str = "h200") -> Recorded | None:
     """The recorded moe_stream suite on `gpu` with its stream-read rows (`moe_stream_rows`), or None."""
     doc = load_checked("moe_stream", gpu)
-    return None if doc is None else Recorded(doc, moe_stream_rows(doc))
+    return None if doc is None else Recorded(doc, _rows_of(doc, moe_stream_rows))
 
 
 # ---- verify attention (suites attention, kernels' verify_attention, verify_attention_dev*)

@@ -16,7 +16,7 @@ import inspect
 import pkgutil
 import sys
 
-from kdlib.cli import output_folder
+from kdlib.cli import folder, output_folder
 from kdlib.perf import results, suites
 
 # The entry point's options a suite may take as keywords: `quick` (a reduced sweep) and `out` (the
@@ -52,8 +52,8 @@ def call_suite(module, args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m kdlib.perf.run", description=__doc__.splitlines()[0])
     ap.add_argument("--suite", required=True, action="append", help=f"one of {available()} (repeatable)")
-    ap.add_argument("--out", default=None, type=output_folder,  # made before any suite runs
-                    help="folder for the result JSON (default data/results/)")
+    ap.add_argument("--out", default=None, type=folder,
+                    help="folder for the result JSON (default data/results/; made before any suite runs)")
     ap.add_argument("--quick", action="store_true", help="a reduced sweep, for a smoke run")
     args = ap.parse_args(argv)
     unknown = [s for s in args.suite if s not in available()]
@@ -66,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
 
         if not torch.cuda.is_available():
             ap.error(f"suite(s) {gpu_only} need a CUDA GPU, and torch sees none here")
+    if args.out is not None:  # after the checks: a refused run leaves no folder behind
+        try:
+            output_folder(str(args.out))
+        except argparse.ArgumentTypeError as e:
+            ap.error(f"argument --out: {e}")
     command = "python3 -m kdlib.perf.run " + " ".join(sys.argv[1:] if argv is None else argv)
     for name, module in modules:
         payload = call_suite(module, args)
