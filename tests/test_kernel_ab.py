@@ -45,6 +45,11 @@ def test_run_toggles_are_the_attention_modules_switches(capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_:
         kernel_ab.main(["run", "--out", str(tmp_path), "--version", "10", "--toggle", "NOT_A_SWITCH"])
     assert exit_.value.code == 2 and "invalid choice" in capsys.readouterr().err
+    # a --toggle beside old kernels or --define was ignored, silently
+    for extra in (["build/ab/x/kernels"], ["--define", "PLAN_SMALL_REQS=0"]):
+        with pytest.raises(SystemExit) as exit_:
+            kernel_ab.main(["run", *extra, "--out", str(tmp_path), "--version", "10", "--toggle", "OWN_PLAN"])
+        assert exit_.value.code == 2 and "--toggle applies without old kernels" in capsys.readouterr().err
 
 
 def test_run_define_builds_this_tree_alone_and_takes_name_value(capsys, tmp_path):
@@ -98,3 +103,12 @@ def test_export_kernels_unpacks_a_revisions_kernels_and_refuses_no_commit(tmp_pa
     with pytest.raises(ValueError, match="no commit"):
         loader.export_kernels("no-such-revision", tmp_path / "none")
     assert not (tmp_path / "none").exists()
+    # the first commit, before kernels/: git archive failed with a traceback and left an empty folder
+    git = ["git", "-C", str(ROOT)]
+    root = subprocess.run([*git, "rev-list", "--max-parents=0", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.split()[0]
+    if subprocess.run([*git, "cat-file", "-e", f"{root}:kernels"], capture_output=True).returncode == 0:
+        pytest.skip("a shallow clone: its first commit holds kernels/")
+    with pytest.raises(ValueError, match="has no kernels/ folder"):
+        loader.export_kernels(root, tmp_path / "early")
+    assert not (tmp_path / "early").exists()

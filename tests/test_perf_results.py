@@ -143,6 +143,12 @@ def test_migrate_cli_checks_and_rewrites(tmp_path):
     with pytest.raises(SystemExit) as err:
         mig.main(["--dir", str(tmp_path)])
     assert err.value.code == 2 and json.loads((tmp_path / "a.json").read_text()) == old  # nothing written
+    # JSON but no object, or a copy block without its bytes: the earlier files were rewritten, then a crash
+    for bad in ("[1]", json.dumps({"suite": "moe", "copy": {"timing": {}}})):
+        (tmp_path / "z.json").write_text(bad)
+        with pytest.raises(SystemExit) as err:
+            mig.main(["--dir", str(tmp_path)])
+        assert err.value.code == 2 and json.loads((tmp_path / "a.json").read_text()) == old
 
 
 # ----------------------------------------------------------------------------- typed loaders

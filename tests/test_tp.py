@@ -314,6 +314,16 @@ def test_tp_refuses_what_it_does_not_run():
         generate_batch(tp, [[1, 2, 3]], 4)
 
 
+def test_the_ranks_load_the_config_tp_run_checked():
+    """tp_run checks --config with ModelConfig.load (a name or a path) but the ranks opened
+    data/configs/<config>.json: a path passed the check and failed on every rank (tiny-b.json.json)."""
+    from kdlib.tp import workers
+
+    path = str(DATA / "configs" / "tiny-b.json")
+    model, _, prompt = workers._models(check_spec(config=path, prompt_len=4), torch.device("cpu"))
+    assert model.cfg == ModelConfig.load("tiny-b") and len(prompt) == 4
+
+
 def test_bench_path_on_gloo_counts_two_allreduces_per_layer():
     """The benchmark worker (what the GPU run executes) on a tiny config over gloo: rows for 1 and 2
     ranks, tokens equal to the single-process engine, two all-reduces per layer per step."""

@@ -130,7 +130,7 @@ def main(argv=None) -> int:
         ap.error(f"cannot build here: no {', '.join(lacking)}")
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
                           check=True).stdout.strip()
-    path = results.write("code_size", measure(head), out_dir=a.out)
+    path = results.write("code_size", measure(head), out_dir=a.out, name="code_size.cpu")  # host-only
     print(path)
     return 0
 

@@ -34,7 +34,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from kdlib.cli import output_folder, require_gpu
+from kdlib.cli import output_folder, positive_int, require_gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 # kdlib.cuda.attention's switches the arms of `run` can set on and off
@@ -213,13 +213,13 @@ def main(argv=None) -> int:
     e.add_argument("rev")
     r = sub.add_parser("run", help="time this tree's kernel against the exported one (GPU)")
     r.add_argument("old_kernels", type=Path, nargs="?",
-                   help="the exported kernels; left out: version 10 with programmatic dependent launch "
-                        "(new) against without (old), this tree's kernels in both")
+                   help="the exported kernels; left out: this tree's kernels in both arms, with the --toggle "
+                        "switch (default PDL) or the --define builds on (new) and off (old)")
     r.add_argument("--new", type=Path, dest="new_kernels",
                    help="the new arm's exported kernels (left out: this tree's)")
     r.add_argument("--out", type=output_folder, required=True, help="folder")
     r.add_argument("--version", type=int, default=7)
-    r.add_argument("--iters", type=int, default=20)
+    r.add_argument("--iters", type=positive_int, default=20)
     r.add_argument("--suite", default="kernel_ab", help="the result's name: <suite>.<gpu>.json")
     r.add_argument("--toggle", choices=TOGGLES, default="PDL",
                    help="without old kernels: the kdlib.cuda.attention switch the arms set on (new) and off "
@@ -233,7 +233,7 @@ def main(argv=None) -> int:
                    help="instead of old kernels: this tree built with -DNAME=VALUE (new) and without (old); "
                         "repeatable")
     for k, v in (("heads", 8), ("queries", 65), ("prefix", 32_000), ("batch", 16), ("n", 8), ("version", 7)):
-        p.add_argument(f"--{k}", type=int, default=v)
+        p.add_argument(f"--{k}", type=positive_int, default=v)
     p.add_argument("--out", type=output_folder, required=True, help="folder")
     a = ap.parse_args(argv)
     if a.cmd == "export":
@@ -252,6 +252,8 @@ def main(argv=None) -> int:
     else:
         if a.old_kernels is None and a.new_kernels is not None:
             ap.error("--new needs the old arm's kernels")
+        if a.toggle != "PDL" and (a.old_kernels is not None or a.define is not None):  # it would be ignored
+            ap.error("--toggle applies without old kernels and without --define only")
         if a.define is not None:
             _check_define(ap, a)
         elif a.old_kernels is None and a.version != 10:

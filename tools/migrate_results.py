@@ -59,19 +59,23 @@ def main(argv: list[str] | None = None) -> int:
     if not folder.is_dir():
         ap.error(f"{folder} is not a folder")
     texts = {path: path.read_text() for path in sorted(folder.glob("*.json"))}
-    docs = {}
-    for path, text in texts.items():  # every file parsed before any is written
+    new = {}
+    for path, text in texts.items():  # every file parsed and migrated before any is written
         try:
-            docs[path] = json.loads(text)
+            doc = json.loads(text)
         except ValueError as e:
             ap.error(f"{path}: not JSON ({e}); nothing migrated")
-    changed = []
-    for path, text in texts.items():
-        new = dumps(migrate(docs[path]))
-        if new != text:
-            changed.append(path.name)
-            if not args.check:
-                atomic_write_text(path, new)
+        if not isinstance(doc, dict):
+            ap.error(f"{path}: a result file holds a JSON object, not {type(doc).__name__}; nothing migrated")
+        try:
+            new[path] = dumps(migrate(doc))
+        except (KeyError, TypeError) as e:
+            ap.error(f"{path}: a copy block without {e} cannot be migrated; nothing migrated")
+    changed = [path for path, text in texts.items() if new[path] != text]
+    if not args.check:
+        for path in changed:
+            atomic_write_text(path, new[path])
+    changed = [path.name for path in changed]
     print(f"{'would change' if args.check else 'migrated'} {len(changed)} file(s): "
           f"{', '.join(changed) or '-'}")
     return 1 if args.check and changed else 0

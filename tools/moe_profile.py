@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import argparse
 
-from kdlib.cli import require_gpu
+from kdlib.cli import positive_int, require_gpu
 from kdlib.cuda import moe
 from kdlib.perf.suites import moe as s
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--m", type=int, default=32, help="tokens in the layer call")
-    ap.add_argument("--calls", type=int, default=8)
+    ap.add_argument("--m", type=positive_int, default=32, help="tokens in the layer call")
+    ap.add_argument("--calls", type=positive_int, default=8)
     ap.add_argument("--version", type=int, choices=(1, 2, 3), default=None,
                     help="kernel version (default: the library's pick for this M)")
     args = ap.parse_args()

@@ -13,16 +13,16 @@ import argparse
 
 import torch
 
-from kdlib.cli import require_gpu
+from kdlib.cli import positive_int, require_gpu
 from kdlib.cuda import attention as cu
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--impl", required=True, help="the version by name, e.g. wgmma_v10")
-    ap.add_argument("--queries", type=int, default=65)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--prefix", type=int, default=200_000)
+    ap.add_argument("--queries", type=positive_int, default=65)
+    ap.add_argument("--heads", type=positive_int, default=8)
+    ap.add_argument("--prefix", type=positive_int, default=200_000)
     ap.add_argument("--fp8", action="store_true", help="the prefix pool in the FP8 layout (version 10)")
     a = ap.parse_args()
     require_gpu(ap)

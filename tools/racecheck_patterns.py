@@ -26,6 +26,7 @@ from sanitize_attention import parse_log
 
 from kdlib.cli import output_folder, require_gpu
 from kdlib.cuda import loader
+from kdlib.files import atomic_write_text
 from kdlib.perf.results import provenance
 
 SOURCE = Path(__file__).with_suffix(".cu")
@@ -108,7 +109,7 @@ def run_all(out: Path) -> int:
     control = cases["no_barrier"]["hazards"]
     doc = {"provenance": provenance(), "sanitizer": sanitizer(), "cases": cases,
            "control_caught": bool(control)}
-    (out / "patterns.json").write_text(json.dumps(doc, indent=1) + "\n")
+    atomic_write_text(out / "patterns.json", json.dumps(doc, indent=1) + "\n")
     return 0 if doc["control_caught"] else 1
 
 

@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if loader.nvcc_path() is None:
         ap.error("nvcc not found (PATH or $NVCC)")
-    path = results.write("register_budget", measure(), out_dir=a.out)
+    path = results.write("register_budget", measure(), out_dir=a.out, name="register_budget.cpu")  # host-only
     print(path)
     return 0
 

@@ -5,20 +5,22 @@
 
 `run` makes bf16 problems (Kimi-K2 rows: 576 wide, page_size 1, scattered slots, random trees) and calls
 `kdlib.cuda.attention` on them: version 5 ("wgmma") at 8 heads x 9 and x 65 queries over a 1,000-token
-prefix, the prefix alone, a call on a preallocated workspace, a ragged batch of 3 (prefixes 1,000 / 0 /
-357, trees of 1 / 33 / 65 rows); one version 3 ("mma_v3") call on the ragged batch; versions 6
-("wgmma_v6"), 7 ("wgmma_v7") and 8 ("wgmma_v8") each on the workspace call, the ragged batch and a prefix
-alone at 8 x 9; version 8 also where its combine takes 8 and 32 warps a row (8 x 1 over 5,000 keys for 3
-requests, over 20,000 for one); version 9 ("wgmma_v9") where it runs its own attend
-kernel (8 heads x 1 and x 2 queries: the workspace call, a ragged batch, a prefix alone); version 10
-("wgmma_v10", the bf16 default) on a batch whose jobs its plan orders (16 requests of 8 x 65 rows) and at
-8 x 1 (one round: the static deal); its FP8 build ("v10 fp8": the pool packed by `fp8_pool`, the reference on
-its dequantized rows) on the ordered batch, at 8 x 1, on the ragged batch of 3, for a prefix alone and on 160
-ragged requests at 8 x 2 (more jobs than SMs, so a CTA meets tree tails after other jobs' pairs); the FP8
-pool's other path ("v10 fp8 dequant-first": the gather into a bf16 pool, then the bf16 build) on the ragged
-batch of 3 and the ordered batch; version 11 ("wgmma_v11": its cluster kernel) and version 12
-("wgmma_v12": v7's consumers with the rows past 64 in the producer) each at 8 x 9 on a workspace call, a
-ragged batch of 3, the prefix alone and 80 requests.
+prefix, the prefix alone, a call on a preallocated workspace, a ragged batch of 3 (prefixes 1,000 / 0 / 357,
+trees of 1 / 33 / 65 rows); one version 3 ("mma_v3") call on the ragged batch; versions 6 ("wgmma_v6"), 7
+("wgmma_v7") and 8 ("wgmma_v8") each on the workspace call, the ragged batch and a prefix alone at 8 x 9;
+version 8 also where its combine takes 8 and 32 warps a row (8 x 1 over 5,000 keys for 3 requests, over
+20,000 for one); version 9 ("wgmma_v9") where it runs its own attend kernel (8 heads x 1 and x 2 queries:
+the workspace call, a ragged batch, a prefix alone); version 10 ("wgmma_v10", the bf16 default) on a batch
+whose jobs its plan orders (16 requests of 8 x 65 rows), at 8 x 1 (one round: the static deal) and at 16 x
+65 (1,040 rows: v8's combine a warp per row); its FP8 build ("v10 fp8": the pool packed by `fp8_pool`, the
+reference on its dequantized rows) on the ordered batch, at 8 x 1, on the ragged batch of 3, for a prefix
+alone and on 160 ragged requests at 8 x 2 (more jobs than SMs, so a CTA meets tree tails after other jobs'
+pairs); the FP8 pool's other path ("v10 fp8 dequant-first": the gather into a bf16 pool, then the bf16
+build) on the ragged batch of 3 and the ordered batch; version 11 ("wgmma_v11": its cluster kernel) and
+version 12 ("wgmma_v12": v7's consumers with the rows past 64 in the producer) each at 8 x 9 on a workspace
+call, a ragged batch of 3, the prefix alone and 80 requests; version 13 ("wgmma_v13": the combine folded
+into cluster pairs) at 64 x 65 over 1,000 keys on a workspace call (the pairs merge), at 48 x 65 (a last row
+block of 48 rows) and on a tree of 31 rows (version 10's path in the cluster kernel).
 KDLIB_SANITIZE_CASES (a comma list of name prefixes, e.g. "v7") keeps some of them. Each output is
 compared with `kdlib.ref.attention` on the same bf16 values (norm-relative error <= 1e-2, lse within
 2e-3, padding rows NaN), so a clean sanitizer run is also a correct one. The kernels a case covers are
@@ -48,6 +50,7 @@ from kdlib.check import errors
 from kdlib.cli import require_gpu
 from kdlib.cuda import attention as cu
 from kdlib.cuda import loader
+from kdlib.files import atomic_write_text
 from kdlib.perf.results import provenance
 from kdlib.ref import attention as ref
 
@@ -275,9 +278,7 @@ def run(json_path: Path, pool: bool) -> int:
     done = [run_case(spec, seed) for seed, spec in enumerate(chosen)]
     doc = {"provenance": provenance(), "pool": pool, "rtol": RTOL, "lse_atol": LSE_ATOL, "cases": done,
            "kernels": sorted({k for c in done for k in c["kernels"]}), "ok": all(c["ok"] for c in done)}
-    tmp = json_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, json_path)
+    atomic_write_text(json_path, json.dumps(doc, indent=1) + "\n")
     print("sanitize driver done:", "every case passed" if doc["ok"] else "a case FAILED", flush=True)
     return 0 if doc["ok"] else 1
 
@@ -323,7 +324,7 @@ def summarize(folder: Path) -> int:
         return 2
     doc = {"provenance": provenance(), "nvrtc_options": os.environ.get("KDLIB_NVRTC_OPTIONS", ""),
            "tools": tools, "clean": all(t["clean"] for t in tools.values())}
-    (folder / "sanitize.json").write_text(json.dumps(doc, indent=1) + "\n")
+    atomic_write_text(folder / "sanitize.json", json.dumps(doc, indent=1) + "\n")
     for tool, t in tools.items():
         print(f"{tool:10s} rc {t['rc']}  findings {t['errors']}  cases {t['cases_passed']}/{t['cases']}  "
               f"{'clean' if t['clean'] else 'NOT CLEAN'}")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # compute-sanitizer over the tree-verify attention kernels (issue 19: memcheck and racecheck clean), on
-# the H200: memcheck, racecheck and synccheck, each over tools/sanitize_attention.py (versions 5 to 8,
+# the H200: memcheck, racecheck and synccheck, each over tools/sanitize_attention.py (versions 5 to 13,
 # the wgmma kernels, at 8 heads x 9 and x 65 queries over a 1,000-token prefix, the prefix alone, a
 # workspace call and a ragged batch of 3 with trees of 1 to 65 rows; one version 3 call; every output
 # checked against the float64 reference). Run from the repo root:
@@ -34,12 +34,19 @@ if [ -z "$CS" ]; then
 fi
 "$CS" --version 2>&1 | tail -n 1 | tee -a "$OUT/summary.txt"
 
+# A TERM or INT (a caller's own time limit) reaches the running step too: its `timeout` is in a process group of
+# its own, which the caller's signal would miss, leaving the sanitizer on the GPU under the next step.
+CHILD=
+trap '[ -n "$CHILD" ] && kill -TERM "$CHILD" 2>/dev/null; exit 143' TERM INT
 step() {  # step NAME SECONDS COMMAND...: output in $OUT/NAME.log, exit code in $OUT/NAME.rc
   local name=$1 secs=$2 start rc
   shift 2
   start=$(date +%s)
-  timeout --kill-after=5 "$secs" "$@" >"$OUT/$name.log" 2>&1
+  timeout --kill-after=5 "$secs" "$@" >"$OUT/$name.log" 2>&1 &
+  CHILD=$!
+  wait "$CHILD"  # in the background: a trapped signal interrupts `wait`, not a foreground job it would wait for
   rc=$?
+  CHILD=
   echo "$rc" >"$OUT/$name.rc"
   printf '%-10s rc=%-3s %4ss  %s\n' "$name" "$rc" "$(($(date +%s) - start))" "$*" | tee -a "$OUT/summary.txt"
   tail -n 3 "$OUT/$name.log"

@@ -112,8 +112,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-size", type=int, default=2, help="ranks to spawn for a check (default 2)")
     ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
-    ap.add_argument("--config", default=None, help="a data/configs/<name>.json tiny config (default "
-                                                   "tiny-a)")
+    ap.add_argument("--config", default=None, help="a shipped config's name (data/configs/<name>.json) or a "
+                                                   "config.json path (default tiny-a)")
     ap.add_argument("--zoo", action="store_true", help="use the trained kdlib.zoo models instead of --config")
     ap.add_argument("--moe-mode", choices=("ep", "tp"), default="ep", help="experts whole per rank or sliced")
     ap.add_argument("--max-new", type=int, default=24)

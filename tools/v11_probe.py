@@ -22,7 +22,7 @@ import os
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kdlib.cli import output_folder, require_gpu
+from kdlib.cli import output_folder, positive_int, require_gpu
 from kdlib.cuda import attention as cu
 from kdlib.cuda import loader
 from kdlib.perf import results
@@ -82,8 +82,9 @@ def define_arm(define: str) -> tuple[str, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=output_folder, help="folder of the record")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--clusters", type=int, nargs="*", default=[33, 66], help="forced cluster counts")
+    ap.add_argument("--reps", type=positive_int, default=20)
+    ap.add_argument("--clusters", type=positive_int, nargs="*", default=[33, 66],
+                    help="forced cluster counts")
     ap.add_argument("--define", action="append", default=[],
                     help="NAME=VALUE (version 11's) or IMPL:NAME=VALUE: a build switch's arm")
     ap.add_argument("--also", action="append", default=[], help="another impl timed beside (e.g. wgmma_v12)")
@@ -109,9 +110,13 @@ def main() -> None:
             row[f"v11 clusters {k}"] = timed(args, "wgmma_v11", a.reps)
         cu._resident_clusters = device_count
         for impl, d in arms:  # KDLIB_NVRTC_OPTIONS joins the module's cache key: a build of its own
-            os.environ["KDLIB_NVRTC_OPTIONS"] = f"-D{d}"
+            given = os.environ.get("KDLIB_NVRTC_OPTIONS")
+            os.environ["KDLIB_NVRTC_OPTIONS"] = " ".join(filter(None, (given, f"-D{d}")))
             row[f"{impl.removeprefix('wgmma_')} -D{d}"] = timed(args, impl, a.reps)
-            del os.environ["KDLIB_NVRTC_OPTIONS"]
+            if given is None:  # the user's own options stay for the arms after
+                del os.environ["KDLIB_NVRTC_OPTIONS"]
+            else:
+                os.environ["KDLIB_NVRTC_OPTIONS"] = given
         doc["points"][name] = row
         print(name, {k: round(v["eager_us"], 1) for k, v in row.items()}, flush=True)
     print(results.write("attention_v11_probe", doc, out_dir=a.out))

@@ -152,11 +152,14 @@ def use_kernels(root: Path | None = None) -> None:
 
 def export_kernels(rev: str, dest: Path) -> Path:
     """`git archive` of revision rev's kernels/ unpacked under dest -> dest/kernels (for `use_kernels`, or to
-    build that revision's kernels here); ValueError where rev names no commit of this repository."""
+    build that revision's kernels here); ValueError where rev names no commit of this repository or one
+    without kernels/, before anything is made."""
     git = ["git", "-C", str(KERNELS.parent)]
     if subprocess.run([*git, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
                       capture_output=True).returncode != 0:
         raise ValueError(f"no commit {rev!r} in {KERNELS.parent}")
+    if subprocess.run([*git, "cat-file", "-e", f"{rev}:kernels"], capture_output=True).returncode != 0:
+        raise ValueError(f"commit {rev!r} has no kernels/ folder (it predates the CUDA kernels)")
     Path(dest).mkdir(parents=True, exist_ok=True)
     tar = subprocess.run([*git, "archive", rev, "kernels"], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(dest)], input=tar, check=True)

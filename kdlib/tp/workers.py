@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kdlib import DATA, zoo
+from kdlib import zoo
 from kdlib.engine import DFlashConfig, DFlashDrafter, Model, ModelConfig, NoisyOracleDrafter
 from kdlib.engine.generate import generate
 from kdlib.engine.loading import random_weights_on_device
@@ -62,7 +62,7 @@ def _models(spec: dict, device):
         prompt = zoo.load_tokenizer().encode(text)[: spec["prompt_len"]]
         drafters = {"zoo": lambda target: zoo.load_drafter(model, device=str(device))}
     else:
-        cfg = ModelConfig.from_json(DATA / "configs" / f"{spec['config']}.json")
+        cfg = ModelConfig.load(spec["config"])  # a shipped name or a path, as tools/tp_run.py checked it
         model = Model.random(cfg, seed=spec["seed"], device=device)
         prompt = np.random.default_rng(spec["seed"]).integers(0, cfg.vocab_size, spec["prompt_len"]).tolist()
         V, B = cfg.vocab_size, spec["block"]
@@ -221,7 +221,7 @@ def _bench_model(spec: dict, device):
         model = Model(cfg).to(device=device, dtype=dtype).eval()
         random_weights_on_device(model, spec["seed"])  # seeded on the device: the same weights on every GPU
         return model
-    cfg = ModelConfig.from_json(DATA / "configs" / f"{spec['config']}.json")
+    cfg = ModelConfig.load(spec["config"])
     return Model.random(cfg, seed=spec["seed"], device=device, dtype=dtype)
 
 
