@@ -188,6 +188,23 @@ def test_seeds_stack_hits_the_b300_point():
     sc = est.seed_scenarios()["current"][0]
     assert est.step_time("b300", sc, a)["tok_s"] == pytest.approx(303.0)
     assert "solved" in a.dispatch_s.source
+    # at the context asked (notebook 06 projects at 4,096): solved at 2,048 it gave 302 there
+    at4k = est.seeds_stack("b300", context=4096)
+    current = est.seed_scenarios(4096)["current"][0]
+    assert est.step_time("b300", current, at4k)["tok_s"] == pytest.approx(303.0)
+    rows = {r["name"]: r for r in est.model_seed_rows("b300", context=4096)}
+    assert rows["current"]["tok_s"] == pytest.approx(303.0)
+
+
+def test_a_step_commits_at_most_its_block_and_the_bonus():
+    """The strong scenario (budget 32, block 16) had its sensitivity's high end at 24 accepted tokens, past
+    the 17 a block-16 step can commit; Scenario took any accepted length up to q_len."""
+    sc = est.Scenario(1, 33, 16, 12.0, 4096, "gpu")
+    assert sc.max_accepted == 17
+    acc = next(r for r in est.sensitivity("b300", sc, factor=2.0) if r["name"] == "accepted (scenario)")
+    assert acc["high"] == pytest.approx(acc["base"] * 17 / 12.0)
+    with pytest.raises(ValueError, match=r"must lie in \(0, min\(q_len, block \+ 1\) = 17\]"):
+        est.Scenario(1, 33, 16, 24.0, 4096, "gpu")
 
 
 # ----------------------------------------------------------------------------- calibration

@@ -67,14 +67,15 @@ __all__ = [
 ]
 
 
-def seeds_stack(gpu="b300", a: Assumptions | None = None, shape: ModelShape | None = None) -> Assumptions:
+def seeds_stack(gpu="b300", a: Assumptions | None = None, shape: ModelShape | None = None,
+                context: int = 2048) -> Assumptions:
     """Assumptions whose host overhead (`dispatch_s`) makes this model hit the seeds' B300
-    calibration point (303 tok/s at C = 1, block 8, ~4.4 accepted, CPU tree build): the seeds'
-    Python/SGLang stack, expressed in this model's terms."""
+    calibration point (303 tok/s at C = 1, block 8, ~4.4 accepted, CPU tree build) at `context` cached
+    tokens (the seeds name none): the seeds' Python/SGLang stack, expressed in this model's terms."""
     a = a or Assumptions()
     p = seeds.points()
     sc = Scenario(concurrency=1, q_len=9, block=int(p["b300_block"]["value"]),
-                  accepted=p["b300_accepted"]["value"], tree_builder="cpu")
+                  accepted=p["b300_accepted"]["value"], context=context, tree_builder="cpu")
     target = sc.accepted / p["b300_c1_tok_s"]["value"]
     rest = step_time(gpu, sc, a.with_(dispatch_s=(0.0, "zeroed to solve for it")), shape)["total"]
     if target <= rest:
@@ -101,17 +102,17 @@ def seed_scenarios(context: int = 2048) -> dict:
     }
 
 
-def model_seed_rows(gpu: str = "b300", a: Assumptions | None = None) -> list[dict]:
-    """This model's own projection of the seeds' scenarios: assumptions `a` (default: the uncalibrated
-    ones) with the dispatch solved on the B300 point (`seeds_stack`)."""
+def model_seed_rows(gpu: str = "b300", a: Assumptions | None = None, context: int = 2048) -> list[dict]:
+    """This model's own projection of the seeds' scenarios at `context` cached tokens: assumptions `a`
+    (default: the uncalibrated ones) with the dispatch solved on the B300 point there (`seeds_stack`)."""
     p = seeds.points()
-    a = seeds_stack("b300", a)
+    a = seeds_stack("b300", a, context=context)
     cut_by = (p["overhead_ms"]["value"] - p["overhead_cut_ms"]["value"]) * 1e-3
     a_cut = a.with_(dispatch_s=(max(0.0, a.v("dispatch_s") - cut_by),
                                 "seeds' stack minus the 12.5 -> 8 ms cut"))
     rows = []
     for key, assumptions in (("current", a), ("strong", a), ("overhead_cut", a_cut)):
-        scs = seed_scenarios()[key]
+        scs = seed_scenarios(context)[key]
         vals = [step_time(gpu, sc, assumptions)["tok_s"] for sc in scs]
         row = {"name": key, "gpu": gpu}
         if len(vals) == 1:

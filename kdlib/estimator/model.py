@@ -232,7 +232,7 @@ def sensitivity(gpu, scenario: Scenario, a: Assumptions | None = None, shape: Mo
             hi = step_time(gpu, scenario, a.scaled(name, min(factor, 1.0 / a.v(name))), shape)["tok_s"]
         rows.append({"name": name, "low": lo, "high": hi, "base": base, "swing": abs(hi - lo)})
     acc_lo = max(1.0, scenario.accepted / factor)
-    acc_hi = min(float(scenario.q_len), scenario.accepted * factor)
+    acc_hi = min(float(scenario.max_accepted), scenario.accepted * factor)  # a block-16 step commits <= 17
     rows.append({"name": "accepted (scenario)", "base": base, "swing": 0.0,
                  "low": base * acc_lo / scenario.accepted, "high": base * acc_hi / scenario.accepted})
     rows[-1]["swing"] = abs(rows[-1]["high"] - rows[-1]["low"])

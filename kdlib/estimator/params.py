@@ -295,10 +295,16 @@ class Scenario:
         if not all(math.isfinite(v) for v in (self.concurrency, self.q_len, self.block, self.context)) \
                 or self.concurrency < 1 or self.q_len < 1 or self.block < 1 or self.context < 0:
             raise ValueError(f"Scenario needs concurrency, q_len, block >= 1 and context >= 0: {self}")
-        if not 0 < self.accepted <= self.q_len:
-            raise ValueError(f"accepted {self.accepted} must lie in (0, q_len = {self.q_len}]")
+        if not 0 < self.accepted <= self.max_accepted:
+            raise ValueError(f"accepted {self.accepted} must lie in (0, min(q_len, block + 1) = "
+                             f"{self.max_accepted}]: a step commits at most its drafted tokens and the bonus")
         if self.tree_builder not in ("cpu", "gpu"):
             raise ValueError(f"tree_builder must be 'cpu' or 'gpu', got {self.tree_builder!r}")
+
+    @property
+    def max_accepted(self) -> int:
+        """The most a step commits: its verified rows, and along one path the block's drafts + the bonus."""
+        return min(self.q_len, self.block + 1)
 
     @property
     def m(self) -> int:
