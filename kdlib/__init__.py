@@ -1,9 +1,10 @@
 """kdlib: the shared library of the kdtree workbook.
 
 Tree speculative decoding (DDTree over a DFlash-style block drafter) on MLA + MoE models.
-One dependency direction: notebooks -> kdlib -> kernels. Heavy or optional packages (torch,
-cupy, fastapi, papermill) are imported inside the functions that need them, so that
-`import kdlib` works on the GPU machine, which has no papermill or FastAPI.
+One dependency direction: notebooks -> kdlib -> kernels. `import kdlib` imports no heavy or optional
+package; cupy, fastapi and papermill are imported inside the functions that need them (the GPU machine
+has no papermill or FastAPI), and torch by the modules built on it (kdlib.engine, kdlib.serve, kdlib.tp,
+kdlib.training), not by kdtr, memory, estimator, ref, report or diagnose.
 """
 
 from pathlib import Path

@@ -454,6 +454,12 @@ def pool_tokens(gpu_memory_bytes: int, weights_per_gpu: int, cell_bytes: float, 
     return max(0, int(rest // cell_bytes))
 
 
+def fraction_to_set(fraction: float) -> float:
+    """The mem_fraction_static to set for a needed `fraction`: three decimals, rounded up (0.8932 -> 0.894;
+    0.893 would not fit)."""
+    return math.ceil(fraction * 1000 - 1e-9) / 1000
+
+
 def mem_fraction_for_pool(gpu_memory_bytes: int, weights_per_gpu: int, pool_bytes_needed: float,
                           overhead_bytes: int = DEFAULT_OVERHEAD_BYTES) -> float:
     """The mem_fraction_static at which SGLang's pool reaches `pool_bytes_needed` (may exceed 1:
@@ -817,7 +823,8 @@ def plan(config, gpu: str, tp: int, context: int, *, kv_dtype: str = "bfloat16",
             "GPU) leave no "
             f"KV pool (SGLang stops with 'Not enough memory'); one {context:,}-token request would "
             "need "
-            f"mem_fraction_static >= {need_mfs:.3f}" + (" (impossible)" if need_mfs >= 1 else "") + "."
+            f"mem_fraction_static >= {fraction_to_set(need_mfs):.3f}"
+            + (" (impossible)" if need_mfs >= 1 else "") + "."
         )
         fits = False
     elif context >= derived:  # max_req_len is context_len - 1 whatever the pool holds
@@ -834,7 +841,8 @@ def plan(config, gpu: str, tp: int, context: int, *, kv_dtype: str = "bfloat16",
                    "tokens for one "
                    f"request, so the longest is {longest:,}. It needs {_fmt_bytes(need)} of KV per GPU; "
                    "options: "
-                   f"mem_fraction_static >= {need_mfs:.3f}" + (" (impossible)" if need_mfs >= 1 else "")
+                   f"mem_fraction_static >= {fraction_to_set(need_mfs):.3f}"
+                   + (" (impossible)" if need_mfs >= 1 else "")
                    + ", a smaller KV dtype, or context parallelism (DP-attention adds capacity for more "
                      "requests, "
                    "not for a longer one).")

@@ -5,6 +5,7 @@ Exact figures come from models-hardware.md §1-§3 (computed there independently
 
 import copy
 import json
+import re
 import subprocess
 import sys
 
@@ -330,8 +331,18 @@ def test_context_parallel_counts_the_busiest_ranks_slots():
     need = m.mem_fraction_for_pool(short.value("gpu_memory"), short.value("weights_per_gpu"),
                                    m.kv_bytes("kimi-k2.6", 200_001, tp=8, kv_split="context_parallel"),
                                    short.value("overhead"))
-    assert not short.fits and f"mem_fraction_static >= {need:.3f}" in short.verdict
-    assert m.plan(**base, mem_fraction_static=need + 0.001).fits
+    assert not short.fits and f"mem_fraction_static >= {m.fraction_to_set(need):.3f}" in short.verdict
+    assert m.plan(**base, mem_fraction_static=m.fraction_to_set(need)).fits
+
+
+def test_the_fraction_a_verdict_names_fits():
+    """The verdict rounded the needed fraction to the nearest thousandth: the README's own example named
+    0.893, at which the request still did not fit (0.894 does)."""
+    base = dict(config="kimi-k2.6", gpu="rtx-pro-6000", tp=8, context=200_000)
+    short = m.plan(**base)
+    said = float(re.search(r"mem_fraction_static >= ([0-9.]+)", short.verdict).group(1))
+    assert not short.fits and m.plan(**base, mem_fraction_static=said).fits
+    assert m.fraction_to_set(0.8932) == 0.894 and m.fraction_to_set(0.893) == 0.893
 
 
 def test_vlm_cut_of_the_default_fraction():

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# One GPU session: GPU tests, sanitizers and every benchmark suite, each step under its own time
-# limit, so a slow or failing step costs only itself. Run from the repo root on the GPU machine:
+# One core GPU session: GPU tests (the tree kernels' v4 and golden cases; the attention tests are
+# tools/attention_levers_gpu.sh's), sanitizers over the tree kernels and the benchmark suites ceilings, kernels,
+# moe, moe_stream, engine, diagnosis, fragmentation and tp (the attention suites: attention_record_gpu.sh and
+# attention_levers_gpu.sh; the rank: k2_rank_gpu.sh), each step under its own time limit, so a slow or failing
+# step costs only itself. Run from the repo root on the GPU machine:
 #
 #   OUT=/some/dir KDLIB_COMMIT=<sha> bash tools/gpu_session.sh
 #
