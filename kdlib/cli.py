@@ -19,12 +19,14 @@ quietly with status 141 = 128 + SIGPIPE, what a tool killed by SIGPIPE reports.
 """
 
 import argparse
+import contextlib
 import importlib
 import importlib.metadata
 import math
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 COMMANDS = {
@@ -115,6 +117,33 @@ def output_folder(text: str) -> Path:
     except OSError as e:
         raise argparse.ArgumentTypeError(f"cannot use {text} as a folder ({e.strerror or e})") from None
     return path
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (kill, a scheduler's stop) taken the way Ctrl-C is, under `sigterm_as_interrupt`."""
+
+
+def _terminate(signum, frame):
+    raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """While it holds, SIGTERM raises `Terminated` (a KeyboardInterrupt) in the main thread, so a command
+    cleans up as it does on Ctrl-C; elsewhere (a thread) it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread takes signals
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def interrupted_code(e: KeyboardInterrupt) -> int:
+    """The exit code a shell reports for the signal behind `e`: 143 for SIGTERM, 130 for Ctrl-C."""
+    return 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)
 
 
 def require_gpu(ap: argparse.ArgumentParser) -> None:

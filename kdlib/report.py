@@ -41,9 +41,7 @@ import json
 import math
 import os
 import re
-import signal
 import sys
-import threading
 import time
 import tokenize
 from pathlib import Path
@@ -52,7 +50,7 @@ from urllib.parse import unquote
 import yaml
 
 from kdlib import NOTEBOOKS, REPORTS, audit
-from kdlib.cli import Parser, fail
+from kdlib.cli import Parser, Terminated, fail, interrupted_code, sigterm_as_interrupt
 from kdlib.files import atomic_write_text
 from kdlib.nb import read_records
 from kdlib.perf.results import git_commit, tree_modified
@@ -981,15 +979,6 @@ def run_reports(
     return entries
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (kill, a scheduler's stop) taken the way Ctrl-C is: the notebook in flight is dropped, its
-    temporary file removed, and the index names what did not finish."""
-
-
-def _terminate(signum, frame):
-    raise Terminated
-
-
 def cli(argv: list[str]) -> int:
     ap = Parser(prog="kdlib report", description=__doc__.splitlines()[0])
     ap.add_argument("notebooks", nargs="*", help="stems, file names or unique prefixes (default: all)")
@@ -1005,24 +994,20 @@ def cli(argv: list[str]) -> int:
     ap.add_argument("--log-output", action="store_true", help="stream the notebooks' output to the terminal")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    main = threading.current_thread() is threading.main_thread()  # only the main thread takes signals
-    before = signal.signal(signal.SIGTERM, _terminate) if main else None
     try:
-        entries = run_reports(
-            args.notebooks, profile=args.profile, overrides=parse_overrides(args.parameter),
-            out_dir=Path(args.out), notebooks_dir=Path(args.notebooks_dir), timeout_s=args.timeout,
-            log_output=args.log_output,
-        )
+        with sigterm_as_interrupt():  # SIGTERM as Ctrl-C: the notebook in flight dropped, the index kept
+            entries = run_reports(
+                args.notebooks, profile=args.profile, overrides=parse_overrides(args.parameter),
+                out_dir=Path(args.out), notebooks_dir=Path(args.notebooks_dir), timeout_s=args.timeout,
+                log_output=args.log_output,
+            )
     except ValueError as e:
         return fail("kdlib report", e)
     except KeyboardInterrupt as e:
         how = "terminated" if isinstance(e, Terminated) else "interrupted"
         print(f"kdlib report: {how}; {Path(args.out) / 'index.html'} names the notebooks that did not "
               "finish", file=sys.stderr)
-        return 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)  # as a shell reports it
-    finally:
-        if main:
-            signal.signal(signal.SIGTERM, before)
+        return interrupted_code(e)
     failed = [e["stem"] for e in entries if e["status"] == "failed"]
     index = Path(args.out) / "index.html"
     print(f"{len(entries) - len(failed)} passed, {len(failed)} failed in {time.perf_counter() - t0:.1f} s"

@@ -291,6 +291,24 @@ def test_metrics_under_kdlib_and_vllm_names(http, oa):
     assert after["kdlib_kv_pool_free_slots"] == after["kdlib_kv_pool_slots"] > 0
 
 
+def test_a_request_failing_at_admission_is_counted_as_an_error(server, http, monkeypatch):
+    """A 500 raised while a request was admitted (here its prompt logprobs) reached the client but not
+    kdlib_requests_total{status="error"}; the same failure a step later was counted."""
+    def errors():
+        text = http.get("/metrics").text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("kdlib_requests_total{") and 'status="error"' in line)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("out of memory (simulated)")
+
+    before = errors()
+    monkeypatch.setattr(server.engine.core, "prompt_logprobs", fail)
+    r = http.post("/v1/completions", json={"prompt": "def f(", "max_tokens": 4, "echo": True, "logprobs": 1})
+    assert r.status_code == 500 and "out of memory (simulated)" in r.json()["error"]["message"]
+    assert errors() == before + 1
+
+
 def test_a_disconnected_client_is_cancelled(server, http):
     def aborted():
         return parse_metrics(http.get("/metrics").text).get("kdlib_requests_total", 0)
@@ -495,6 +513,58 @@ def test_server_process_serves_and_stops():
     assert proc.poll() is not None
     with pytest.raises(httpx.HTTPError):
         httpx.get(url + "/health", timeout=2)
+
+
+def test_shutdown_answers_the_requests_in_flight(monkeypatch):
+    """uvicorn cancelled the requests left after its grace period: a plain-text 500, a stream cut mid-body,
+    and the engine's 503 "shutdown" reached nobody. Now the server stops accepting, waits the grace period,
+    and has the engine answer the rest while its event loop runs; the engine then holds nothing."""
+    monkeypatch.setattr(serve.server, "GRACE_S", 0.2)
+    engine = serve.Engine(serve.load_bundle(prefer_trained=False), method="ar", max_num_seqs=2, threads=1)
+    srv = serve.EmbeddedServer(engine).start()
+    body = {"model": engine.names[0], "prompt": "abc", "max_tokens": engine.max_model_len - 8,
+            "temperature": 0, "ignore_eos": True}
+    got = {}
+
+    def plain():
+        got["plain"] = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+
+    def stream():
+        url = srv.url + "/v1/completions"
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+            got["stream"] = [line for line in r.iter_lines() if line]
+
+    clients = [threading.Thread(target=f) for f in (plain, stream)]
+    for c in clients:
+        c.start()
+    deadline = time.monotonic() + 30
+    while engine.state()["running"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.state()["running"] == 2, "both requests run before the server stops"
+    srv.stop()
+    for c in clients:
+        c.join(timeout=60)
+    try:
+        assert got["plain"].status_code == 503 and got["plain"].json()["error"]["code"] == "shutdown"
+        last, done = got["stream"][-2:]
+        assert done == "data: [DONE]"
+        assert json.loads(last.removeprefix("data: "))["error"]["code"] == "shutdown"
+        assert engine.state()["running"] == engine.state()["waiting"] == 0
+        assert engine.state()["pool_free"] == engine.state()["pool_slots"]
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_kdlib_serve_stops_on_a_signal_with_the_shell_code_and_no_traceback(sig, code):
+    """Ctrl-C printed uvicorn's re-raised KeyboardInterrupt as a traceback, and the process died by the
+    signal (-2, -15) instead of exiting 130 / 143 as the other commands do."""
+    import signal
+
+    with serve.ServerProcess(["--random", "--method", "ar", "--max-model-len", "64"]) as srv:
+        srv._proc.send_signal(getattr(signal, sig))
+        assert srv._proc.wait(timeout=60) == code
+        assert "Traceback" not in srv.log()
 
 
 def test_base_url_brackets_ipv6_hosts():

@@ -13,7 +13,7 @@ Text is made here (`TextStream`): a sequence whose text completes a stop string 
 engine at once and finishes with "stop" (stop strings count from min_tokens on); an end-of-text
 token ends it with "stop" too; end-of-text tokens are counted but never decoded into text.
 A request whose prefill raises fails alone with a 500 (the engine's `isolate_failures`); a step that
-raises fails every running request, and the loop serves on. Listeners run on the loop's thread and
+raises fails every running and waiting request, and the loop serves on. Listeners run on the loop's thread and
 must only hand the event on: ("prompt", [per-position logprobs]) first when asked for, then ("delta",
 Delta) per step with tokens, then ("done", Done) or ("error", RequestError).
 """
@@ -47,6 +47,11 @@ class RequestError(ValueError):
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _shutdown_error() -> RequestError:
+    """What a request still in flight when the server stops gets (one error object each: it is raised)."""
+    return RequestError("the server shut down", status=503, type="server_error", code="shutdown")
 
 
 @dataclass(frozen=True)
@@ -284,6 +289,14 @@ class Engine:
             self._inbox.append(("abort", seq))
             self._cv.notify()
 
+    def shutdown_requests(self) -> None:
+        """Answer every running and waiting sequence 503 "shutdown" (each aborted in the engine) before the
+        next step, on the loop's thread; the engine serves on (a server stopping over an engine it may
+        not own)."""
+        with self._cv:
+            self._inbox.append(("shutdown", None))
+            self._cv.notify()
+
     def run(self, prompt_ids, max_tokens: int, params=None, *, stops=(), listener=None) -> dict:
         """Generate in process and wait: {"tokens", "text", "prompt_tokens", "finish_reason", "ddtree"}.
         params: SamplingParams (default greedy); listener: also gets the sequence's events."""
@@ -340,7 +353,10 @@ class Engine:
                     self._adds = 0
                 try:
                     for kind, seq in cmds:
-                        (self._add if kind == "add" else self._abort)(seq)
+                        if kind == "shutdown":
+                            self._fail_all(_shutdown_error)
+                        else:
+                            (self._add if kind == "add" else self._abort)(seq)
                     if self.core.has_work():
                         self._step()
                     state = self._read_state()
@@ -351,11 +367,10 @@ class Engine:
                 with self._cv:
                     self._state = state
                 self._flush()
-        gone = RequestError("the server shut down", status=503, type="server_error", code="shutdown")
-        self._fail_all(gone)
+        self._fail_all(_shutdown_error)
         for kind, seq in self._inbox:
             if kind == "add":
-                self._emit(seq, "error", gone)
+                self._emit(seq, "error", _shutdown_error())
         self._flush()
 
     def _emit(self, seq: Sequence, kind: str, payload) -> None:
@@ -373,14 +388,15 @@ class Engine:
             except RuntimeError:  # that event loop has closed (server shut down): nobody to tell
                 pass
 
-    def _fail_all(self, err: RequestError) -> None:
-        """Fail (and abort in the engine) every running or waiting sequence."""
+    def _fail_all(self, err) -> None:
+        """Fail (and abort in the engine) every running or waiting sequence with `err` (a RequestError, or a
+        function making one for each)."""
         for seq in list(self._active.values()):
             try:
                 self.core.abort(seq.rid)
             except Exception:  # noqa: BLE001 - the engine is already in trouble
                 pass
-            self._fail(seq, err)
+            self._fail(seq, err() if callable(err) else err)
 
     def _warm_up(self) -> None:
         """One short untimed request: torch's first calls (allocator growth, kernel selection) cost
@@ -408,6 +424,8 @@ class Engine:
             self._emit(seq, "error", RequestError(str(e), code="invalid_value"))
             return
         except Exception as e:  # noqa: BLE001 - reported to the client; the loop keeps serving
+            if self.metrics is not None:  # a server error, as _fail counts one a step later
+                self.metrics.requests.labels("error").inc()
             self._emit(seq, "error", RequestError(f"generation failed: {type(e).__name__}: {e}", status=500,
                                            type="server_error"))
             return

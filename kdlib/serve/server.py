@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-from kdlib.cli import Parser, fail
+from kdlib.cli import Parser, fail, interrupted_code, sigterm_as_interrupt
 from kdlib.serve.app import MAX_BODY_BYTES, create_app
 from kdlib.serve.bundle import DTYPES, FALLBACK_CONFIG, load_bundle
 from kdlib.serve.engine import MAX_WAITING, Engine
@@ -48,11 +48,31 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _uvicorn(app, log_level: str):
+GRACE_S = 5  # seconds the requests in flight get to finish at shutdown, before the rest are answered 503
+
+
+def _uvicorn(app, log_level: str, engine: Engine):
+    """uvicorn's server whose shutdown first stops accepting, lets the requests in flight finish for
+    GRACE_S, then has `engine` answer the rest 503 "shutdown" while the event loop still runs: a stream
+    ends with an error event and [DONE], a plain request gets the JSON error. (uvicorn alone cancels the
+    tasks left after its grace period: a plain-text 500, a stream cut mid-body.)"""
+    import asyncio
+
     import uvicorn
 
-    return uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False,
-                                         timeout_graceful_shutdown=5))
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            for server in self.servers:
+                server.close()
+            deadline = time.monotonic() + GRACE_S
+            while not self.force_exit and time.monotonic() < deadline and \
+                    (engine.state()["running"] or engine.state()["waiting"]):
+                await asyncio.sleep(0.05)
+            engine.shutdown_requests()
+            await super().shutdown(sockets)
+
+    return Server(uvicorn.Config(app, log_level=log_level, access_log=False,
+                                 timeout_graceful_shutdown=GRACE_S))
 
 
 class EmbeddedServer:
@@ -81,7 +101,7 @@ class EmbeddedServer:
         self.port = sock.getsockname()[1]
         self.engine.wait_ready()
         app = create_app(self.engine, api_key=self.api_key, max_body_bytes=self.max_body_bytes)
-        self._server = _uvicorn(app, "warning")
+        self._server = _uvicorn(app, "warning", self.engine)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 30
@@ -286,14 +306,17 @@ def cli(argv: list[str]) -> int:
     try:
         engine.wait_ready()
         app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
-        server = _uvicorn(app, args.log_level)
+        server = _uvicorn(app, args.log_level, engine)
         levers = [name for name, on in (("async scheduling", args.async_scheduling),
                                          ("torch.compile", args.enable_torch_compile)) if on]
         print(f"kdlib serve: {', '.join(engine.names)} ({bundle.info['weights']}; "
               + ", ".join([args.dtype, args.method, f"{args.max_num_seqs} streams",
                            f"context {engine.max_model_len}", *levers])
               + f") on {base_url(args.host, sock.getsockname()[1])}", flush=True)
-        server.run(sockets=[sock])
+        with sigterm_as_interrupt():  # uvicorn re-raises the signal it stopped on: exit as a shell reports it
+            server.run(sockets=[sock])
+    except KeyboardInterrupt as e:
+        return interrupted_code(e)
     finally:
         engine.close()
         sock.close()
