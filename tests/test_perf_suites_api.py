@@ -185,6 +185,18 @@ def test_k2_rank_refuses_a_resume_file_that_is_not_there():
         k2_rank.run(resume="/nonexistent/k2_rank.h200.json")
 
 
+def test_k2_rank_refuses_to_resume_rows_of_another_routing(tmp_path):
+    """The rows of another routing were kept in the payload (and measured again), under a parameters block
+    naming the new routing alone."""
+    from kdlib.perf.suites import k2_rank
+
+    old = tmp_path / "k2_rank.h200.json"
+    row = {"context": 5500, "streams": 1, "budget": None, "routing": "router"}
+    old.write_text(json.dumps({"rows": [row]}))
+    with pytest.raises(ValueError, match=r"holds rows of routing \['router'\], not 'uniform'"):
+        k2_rank.run(resume=str(old), routing="uniform")
+
+
 def test_host_only_suites_are_named_cpu_on_a_gpu_machine(tmp_path, monkeypatch):
     """kdtr_io and tree_build_cpu time the host: their files are <suite>.cpu.json, the name their loaders
     read, on a GPU machine too (they were named after the GPU there)."""

@@ -113,8 +113,12 @@ def test_load_k2_rank_step_parts_and_pieces():
     rec = results.load_k2_rank("h200")
     per_row = [1 + len(r["parts"]) + len(r["pieces"]) for r in raw["rows"]]
     assert len(rec.rows) == sum(per_row) and len(rec.select(variant="")) == len(raw["rows"])
+    # one step row a shape: the plain and the compiled row of one point were two rows with one shape
+    shapes = [tuple(sorted(r.shape.items())) for r in rec.select(variant="")]
+    assert len(set(shapes)) == len(shapes)
     last = raw["rows"][-1]
-    shape = {k: last[k] for k in ("context", "streams", "method", "budget")}
+    shape = {**{k: last[k] for k in ("context", "streams", "method", "budget", "compiled")},
+             "routing": last.get("routing", "router")}
     step = rec.select(variant="", shape=shape)
     assert [r.median_ms for r in step] == [last["step"]["median_ms"]]
     assert step[0].floor_ms == last["floor_sum_ms"]

@@ -540,7 +540,10 @@ def k2_rank_rows(doc: dict) -> tuple[Row, ...]:
     out = []
     for r in doc.get("rows") or []:
         shape = {"context": int(r["context"]), "streams": int(r["streams"]), "method": r["method"],
-                 "budget": None if r["budget"] is None else int(r["budget"])}
+                 "budget": None if r["budget"] is None else int(r["budget"]),
+                 # a plain and a compiled row of one point are two measurements (rows before the routing
+                 # setting used the router's own choice)
+                 "compiled": bool(r.get("compiled", False)), "routing": r.get("routing", "router")}
         errors = r.get("graph_errors") or {}
         floors = r.get("floors") or {}
         timed = [("", "step", r.get("step"))]

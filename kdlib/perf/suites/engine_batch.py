@@ -6,14 +6,18 @@ Hugging Face transformers' `generate`, bf16, measured in one run.
 Sections of the payload:
   trained    the trained tiny target + drafter of `kdlib.zoo`, held-out prompts of each text kind
              (256 tokens), AR and DDTree budgets 8/16/32/64, C = 1, 4, 16, 64 streams: wall step
-             (host time of `BatchEngine.step`, a graph replay and its one wait), device time of the
-             same steps (CUDA kernels summed by torch.profiler), busy = device / wall, tokens/s per
-             stream and in aggregate, mean accepted length, DDTree / (accepted x AR) ratio, and the
-             bf16 token agreement of DDTree with AR in the same engine
+             (host time of `BatchEngine.step`, a graph replay and its one wait; the median of the
+             timed steps), device time of a step (CUDA kernels summed by torch.profiler over the three
+             steps just before the timed ones, same batch and bucket: the mean), busy = device / wall,
+             tokens/s per stream and in aggregate (the timed steps), mean accepted length (over every
+             step of each request, the profiled and untimed ones included), DDTree / (accepted x AR)
+             ratio, and the bf16 token agreement of DDTree with AR in the same engine
   bench      the 8-layer engine-suite model (engine.BENCH_CONFIG, random weights) with a random
              DFlash drafter (block 16): the same methods at contexts 256, 1024, 4096
   baselines  the same first rows through the eager single-stream loop (`kdlib.engine.generate`) and
-             transformers' DeepseekV3ForCausalLM.generate (eager, bf16, the same weights)
+             transformers' DeepseekV3ForCausalLM.generate (eager, bf16, the same weights; one timed call
+             of max_new tokens after a 4-token warm-up, its 256-token prefill included: tokens/s is a
+             single sample and counts the prefill against it)
   goals      the issue's four goals read off the rows (busy >= 85 % at C = 1, AR step <= 0.5 ms and
              DDTree budget 32 <= 1.0 ms at C = 1, DDTree >= 0.8 x accepted x AR per text kind,
              aggregate at C = 16 >= 10 x C = 1), each with the measured value

@@ -277,6 +277,11 @@ def run(*, quick: bool = False, out: str | None = None, budget_s: float | None =
         raise ValueError(f"K2_RANK_RESUME / resume: {resume} does not exist (the grid would start over and "
                          "overwrite the record)")
     kept = json.loads(Path(resume).read_text())["rows"] if resume else []
+    # rows recorded before `routing` was a setting used the router's own choice
+    other = sorted({r.get("routing", "router") for r in kept} - {routing})
+    if other:  # kept, they would stand beside this run's rows under a routing they were not measured at
+        raise ValueError(f"K2_RANK_RESUME / resume: {resume} holds rows of routing {other}, not {routing!r}; "
+                         "resume with that routing or start a new record")
     name = "kimi-k2.6"
     cfg_dict = memory.load_config(name)
     cfg = ModelConfig.from_dict(cfg_dict)
@@ -335,8 +340,6 @@ def run(*, quick: bool = False, out: str | None = None, budget_s: float | None =
     }
     payload["cut"] = cut if contexts is None else grid(pool_tokens, quick)[1]  # beyond the pool: all contexts
     payload["rows"] = list(kept)
-    # rows recorded before `routing` was a setting used the router's own choice
-    kept = [r for r in kept if r.get("routing", "router") == routing]
     done = {(r["context"], r["streams"], r["budget"], r.get("compiled", False)) for r in kept}
     # (row, compiled): the plain baseline rows first, then the grid compiled (or plain when compile_ is off)
     todo = [(r, False) for r in PLAIN_ROWS if compile_ and r in rows] + [(r, compile_) for r in rows]

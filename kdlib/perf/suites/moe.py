@@ -32,7 +32,7 @@ What is timed (CUDA events around each call, median of `iters` after warm-up):
 - baseline: gather x by sorted slot, `torch._grouped_mm` gate/up, SwiGLU, `torch._grouped_mm`
   down, weighted `index_add_` combine (or, if `_grouped_mm` is missing or rejects the layout,
   a padded `torch.bmm` over every expert; the payload names the arm that ran).
-L2: the touched experts at small M fit in the 50 MB L2, so each timed call uses the next of
+L2: the touched experts at small M fit in the 60 MiB L2, so each timed call uses the next of
 `rotations` independent routings (their touched sets together exceed L2), giving cold-weight
 numbers. Bytes: touched experts' INT4 weights + bf16 scales + activations (x, h, y); FLOPs:
 2 * M * 8 * 3 * K * N. Floors use the copy bandwidth measured in the same run (a 1 GiB
