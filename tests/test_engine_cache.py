@@ -72,3 +72,19 @@ def test_capacity_errors():
         cache.pending(2)
     with pytest.raises(ValueError, match="mode"):
         LatentCache(CFG, 4, mode="paged")
+
+
+@pytest.mark.parametrize("mode", ["compact", "remap"])
+def test_a_refused_commit_keeps_its_pending_slots_and_a_negative_count_is_refused(mode):
+    """In remap mode a commit_path refused for its length had taken the pending slots first: lost to the
+    pool; pending(-2) returned no slots (remap) or raised a RuntimeError (compact)."""
+    cache = LatentCache(CFG, 10, mode=mode)
+    slots = cache.pending(3)
+    with pytest.raises(ValueError, match=r"path length 4 must be in \[1, 3\]"):
+        cache.commit_path(torch.tensor([[0, 1, 2, -1]]), torch.tensor([4]))
+    assert torch.equal(cache._pending, slots)
+    assert cache.commit_path(torch.tensor([[0, 2, -1]]), torch.tensor([2])) == 2
+    if mode == "remap":
+        assert len(cache._free) == 10 - 2  # the rejected row's slot is back in the pool
+    with pytest.raises(ValueError, match="row count >= 0"):
+        cache.pending(-2)

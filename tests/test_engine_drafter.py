@@ -6,7 +6,7 @@ import torch
 
 from kdlib import DATA, check
 from kdlib.engine.config import ModelConfig
-from kdlib.engine.drafter import DFlashConfig, DFlashDrafter, default_target_layers
+from kdlib.engine.drafter import DFlashConfig, DFlashDrafter, NoisyOracleDrafter, default_target_layers
 from kdlib.engine.generate import generate
 from kdlib.engine.model import Model
 
@@ -101,3 +101,12 @@ def test_config_errors(target):
     with pytest.raises(ValueError, match="not layers"):
         bad.begin(target, torch.tensor([1]), torch.zeros(1, target.cfg.hidden_size), 4)
     assert d.block_size == 5 and d.vocab_size == target.cfg.vocab_size
+
+
+def test_the_oracle_refuses_a_margin_that_unmakes_p_wrong_and_a_fractional_block():
+    """At margin 0 or below the chosen token need not be the top one: p_wrong = 0 accepted 2.24 (margin 0)
+    and 1.0 (margin -1) tokens a step, not whole blocks; block_size 2.5 failed later inside generate."""
+    with pytest.raises(ValueError, match="margin must be > 0"):
+        NoisyOracleDrafter(96, 0.0, block_size=5, margin=0.0)
+    with pytest.raises(ValueError, match="block_size must be an int >= 2"):
+        NoisyOracleDrafter(96, 0.0, block_size=2.5)

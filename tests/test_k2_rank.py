@@ -5,6 +5,7 @@ routing against the torch dequantized path, and a captured step replayed against
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -222,6 +223,35 @@ def test_cpu_step_runs_every_part(mode):
     st.part("verify")
     assert torch.equal(st.argmax, before)
     assert int(st.overflow) == 0
+
+
+def test_rank_step_refuses_what_failed_deep_in_torch():
+    """A budget of 0 or None beside a drafter, 0 streams and an accepted length past the block failed as
+    raw torch errors (or, accepted, ran at tau = horizon + 1); a step run before the drafter's pool was
+    made failed inside the drafter; a top-K past the rank's vocabulary shard, inside topk."""
+    m = RankModel(RankShape(ModelConfig.from_dict(small_config()), tp=2, rank=0), device="cpu")
+    ds = DraftShape(2, 4, 2, 32, 256, 4, (0, 2))
+    dr = RankDrafter(m, ds)
+    for kw, message in ((dict(budget=0), "needs budget an int in \\[1, 64\\]"),
+                        (dict(budget=None), "needs budget an int"), (dict(budget=65), "needs budget"),
+                        (dict(budget=8, accepted=5), "accepted must lie in \\[1, block_size = 4\\]"),
+                        (dict(budget=8, streams=0), "streams must be >= 1")):
+        with pytest.raises(ValueError, match=message):
+            RankStep(m, **{"streams": 2, "context": 20, "drafter": dr, **kw})
+    st = RankStep(m, streams=2, context=20, budget=8, drafter=dr)
+    with pytest.raises(ValueError, match=r"holds 0 slots, the step's pool \d+: call drafter.make_pool"):
+        st.run()
+    m96 = RankModel(RankShape(ModelConfig.from_dict(small_config(vocab_size=96)), tp=2, rank=0), device="cpu")
+    dr96 = RankDrafter(m96, ds)  # a shard of 48 ids, fewer than the budget's 64 candidates
+    wide = RankStep(m96, streams=1, context=20, budget=64, drafter=dr96)
+    dr96.make_pool(wide.pool.shape[1])
+    wide.run()
+    assert wide.k == 48 == m96.shape.vocab_range[1] - m96.shape.vocab_range[0]
+    for bad, message in ((dict(block_size=1), "block_size must be >= 2"), (dict(head_dim=31), "even"),
+                         (dict(num_heads=6, num_kv_heads=4), "not a multiple of num_kv_heads"),
+                         (dict(target_layer_ids=()), "at least one target layer")):
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(ds, **bad)
 
 
 @pytest.mark.parametrize("budget", [None, 4])

@@ -370,7 +370,8 @@ class BatchEngine:
             budget = horizon if budget is None else budget
             if (isinstance(budget, bool) or not isinstance(budget, numbers.Integral)
                     or not 1 <= budget <= MAX_BUDGET):
-                raise ValueError(f"budget must be an int in [1, {MAX_BUDGET}], got {budget!r}")
+                raise ValueError(f"budget must be an int in [1, {MAX_BUDGET}], got {budget!r} (generate's "
+                                 "budget 0, a root-only tree, is method 'ar' here)")
             if min(horizon, budget) > MAX_DEPTH:
                 raise ValueError(f"tree depth min(L={horizon}, budget={budget}) exceeds the tree kernels' "
                                  f"limit {MAX_DEPTH}")

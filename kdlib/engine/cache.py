@@ -4,7 +4,7 @@
     slots = cache.pending(q)        # physical slots for q new rows at positions s .. s+q-1 (tree: flat order)
     cache.write(layer, slots, rows) # rows [q, kv_lora + rope]
     cache.commit()                  # prefill / AR decode: keep every pending row in order
-    cache.commit_path(path)         # tree verify: keep the accepted nodes (path, root first) only
+    cache.commit_path(paths, lengths)  # tree verify: keep the accepted nodes (path, root first) only
 
 Storage: `kv [num_layers, num_slots, kv_lora + rope]` (layer-major: each layer's pool is one
 contiguous [num_slots, 576] array, the layout the tree-verify kernels read) and the token table
@@ -56,6 +56,8 @@ class LatentCache:
     # ---- allocation
     def pending(self, q: int) -> torch.Tensor:
         """Slots [q] for the next q rows (positions s .. s+q-1); replaces any uncommitted rows."""
+        if isinstance(q, bool) or not isinstance(q, int) or q < 0:
+            raise ValueError(f"pending takes a row count >= 0, got {q!r}")
         self.discard()
         if self.length + q > self.max_ctx:
             raise CacheFullError(f"{self.length} committed + {q} new rows exceed max_ctx {self.max_ctx}")
@@ -108,10 +110,12 @@ class LatentCache:
         paths [1, W] int64 (tree indices, root first, strictly increasing, padded -1), lengths [1]
         int64: the `accept_*_batch` outputs, on the cache's device.
         """
-        slots = self._take()
+        if self._pending is None:
+            raise ValueError("nothing pending to commit")
         n = int(lengths[0])
-        if not 1 <= n <= slots.shape[0]:
-            raise ValueError(f"path length {n} must be in [1, {slots.shape[0]}]")
+        if not 1 <= n <= self._pending.shape[0]:  # checked first: a refused call keeps the pending slots
+            raise ValueError(f"path length {n} must be in [1, {self._pending.shape[0]}]")
+        slots = self._take()
         s = self.length
         starts = torch.tensor([s], dtype=torch.int64, device=self.device)
         if self.mode == "compact":

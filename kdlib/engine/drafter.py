@@ -80,8 +80,11 @@ class NoisyOracleDrafter:
     ):
         if not 0.0 <= p_wrong <= 1.0:
             raise ValueError(f"p_wrong must lie in [0, 1], got {p_wrong}")
-        if block_size < 2:
-            raise ValueError(f"block_size must be >= 2 (horizon L = block_size - 1), got {block_size}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
+            raise ValueError(f"block_size must be an int >= 2 (horizon L = block_size - 1), got "
+                             f"{block_size!r}")
+        if not margin > 0:  # at 0 or below the chosen token need not be the top one: p_wrong loses meaning
+            raise ValueError(f"margin must be > 0 (the chosen token above the noise maximum), got {margin}")
         if vocab_size < 2:
             raise ValueError("the oracle needs a vocabulary of at least 2 tokens to draft a wrong one")
         self.vocab_size, self.p_wrong, self.block_size, self.margin = (

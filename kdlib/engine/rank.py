@@ -3,7 +3,9 @@ on the device.
 
     shape = RankShape(ModelConfig.from_json("data/configs/kimi-k2.6.json"), tp=8, rank=0, moe_mode="tp")
     model = RankModel(shape, device="cuda", seed=0)   # ~76 GB of weights, generated in seconds
-    step = RankStep(model, streams=10, context=5500, budget=16, drafter=RankDrafter(model, DFLASH_KIMI))
+    drafter = RankDrafter(model, DFLASH_KIMI)
+    step = RankStep(model, streams=10, context=5500, budget=16, drafter=drafter)
+    drafter.make_pool(step.pool.shape[1])             # the drafter's context K/V over the step's slots
     step.run()                                        # one verify step, all parts, on static buffers
 
 The batched engine runs the rank too (`RankTarget`: vocab-parallel, shard-local token ids; `RankDrafter`
@@ -61,6 +63,7 @@ from kdlib.cuda import tree as ktree
 from kdlib.cuda.loader import as_cupy
 from kdlib.engine.batch import TreeBuffers, cupy_on_torch_stream
 from kdlib.engine.config import ModelConfig
+from kdlib.engine.generate import MAX_OPS_BUDGET
 from kdlib.engine.int4 import (
     DeviceRouting,
     count_bound,
@@ -447,6 +450,23 @@ class DraftShape:
     target_layer_ids: tuple[int, ...]
     source: str = ""
 
+    def __post_init__(self):
+        """ValueError naming the field (DFlashConfig.validate's checks): these failed in torch at the first
+        engine step."""
+        for name in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DraftShape.{name} must be >= 1, got {getattr(self, name)}")
+        if self.block_size < 2:
+            raise ValueError(f"DraftShape.block_size must be >= 2 (horizon block_size - 1), got "
+                             f"{self.block_size}")
+        if self.head_dim % 2:
+            raise ValueError(f"DraftShape.head_dim must be even (RoPE pairs), got {self.head_dim}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"DraftShape.num_heads {self.num_heads} is not a multiple of num_kv_heads "
+                             f"{self.num_kv_heads}")
+        if not self.target_layer_ids:
+            raise ValueError("DraftShape.target_layer_ids must name at least one target layer")
+
 
 # z-lab/Kimi-K2.5-DFlash as published (Hugging Face; the shape from the GGUF conversion's model card,
 # huggingface.co/freakyskittle/kimi-k2.5-dflash.gguf: 6 layers, hidden 7168, 64 Q / 8 KV heads,
@@ -668,6 +688,16 @@ class RankStep:
         c = model.cfg
         if routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+        if int(streams) < 1 or int(context) < 0:
+            raise ValueError(f"streams must be >= 1 and context >= 0, got {streams} and {context}")
+        if drafter is not None:  # checked before any buffer: a bad one failed deep in torch
+            if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_OPS_BUDGET:
+                raise ValueError(f"a DDTree step needs budget an int in [1, {MAX_OPS_BUDGET}] (the "
+                                 f"tree-verify kernels take {MAX_OPS_BUDGET + 1} rows at most), got "
+                                 f"{budget!r}")
+            if not 1 <= int(accepted) <= drafter.ds.block_size:
+                raise ValueError(f"accepted must lie in [1, block_size = {drafter.ds.block_size}] (the "
+                                 f"horizon and the bonus), got {accepted}")
         self.m, self.d, self.C, self.ctx = model, drafter, int(streams), int(context)
         dev = model.device
         self.ddtree = drafter is not None
@@ -726,7 +756,8 @@ class RankStep:
         self.tau = torch.ones(C, **i64)
         self.lens_next = self.lens.clone()
         if self.ddtree:
-            self.k = min(self.budget, c.vocab_size)
+            v0, v1 = model.shape.vocab_range
+            self.k = min(self.budget, v1 - v0)  # the drafter's top-K runs over the rank's shard
             self.profile = draft_profile(drafter.ds.block_size - 1, self.k, p_top).to(dev)
             self.horizon = drafter.ds.block_size - 1
             self.trees = None
@@ -752,8 +783,12 @@ class RankStep:
             getattr(self, name)()
 
     def draft(self) -> None:
+        held = 0 if self.d.kv is None else self.d.kv.shape[2]
+        if held < self.pool.shape[1]:  # it failed as a TypeError / IndexError inside the drafter
+            raise ValueError(f"the drafter's context K/V holds {held} slots, the step's pool "
+                             f"{self.pool.shape[1]}: call drafter.make_pool(step.pool.shape[1]) first")
         logits = self.d.draft(self.bonus, self.lens, self.table[:, : self.ctx])  # [C, L, V_r]
-        top = torch.log_softmax(logits, dim=-1).topk(self.k, dim=-1)  # local shard's top-K (gather modelled)
+        top = torch.log_softmax(logits, dim=-1).topk(self.k, dim=-1)  # the shard's top-K (no gather modelled)
         v0 = self.m.shape.vocab_range[0]
         self.top_ids.copy_(top.indices + v0)
         self.top_lp.copy_(self.profile.expand_as(top.values))  # acceptance is a parameter (module docstring)
@@ -885,7 +920,8 @@ class RankTarget:
     Vocabulary-parallel: the engine sees the rank's shard. `cfg` is the model's with vocab_size = V_r,
     token ids are shard-local (global id - v0), `head` gives this rank's logits [M, V_r] (`head_local`),
     so the engine's argmax, top-K and sampling run over the shard. What a real TP service adds, the
-    all-gather of the logits (or an argmax across the ranks), is modelled, like the all-reduces.
+    all-gather of the logits (or an argmax across the ranks), is neither run nor modelled: one or two
+    small collectives a step beside the all-reduces `step_allreduces` counts.
 
     forward_batch is RankStep's verify on the engine's inputs (`RankModel.layers_forward`: the latent rows
     into the pool at the rows' slots, `ops.tree_verify_attention` over the paged pool, MLP and
