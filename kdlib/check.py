@@ -79,9 +79,13 @@ def assert_equal(actual, expected, *, name: str = "", quiet: bool = False) -> No
         problems.append(f"shape {a.shape} vs {b.shape}")
     elif da != db:
         problems.append(f"dtype {da} vs {db}")
-    elif a.tobytes() != b.tobytes():
-        bad = np.flatnonzero(a.reshape(-1).view(np.uint8) != b.reshape(-1).view(np.uint8)) if a.size else []
-        problems.append(f"{len(bad)} differing bytes, first at byte {bad[0] if len(bad) else '?'}")
+    else:
+        if a.dtype != b.dtype:  # one type, widened on one side only (torch against ml_dtypes bfloat16)
+            a, b = a.astype(np.float32), b.astype(np.float32)
+        if a.tobytes() != b.tobytes():
+            bytes_a, bytes_b = a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8)
+            bad = np.flatnonzero(bytes_a != bytes_b) if a.size else []
+            problems.append(f"{len(bad)} differing bytes, first at byte {bad[0] if len(bad) else '?'}")
     line = f"{'PASS' if not problems else 'FAIL'} {name}: " + (
         "bit-exact" if not problems else "; ".join(problems)
     )

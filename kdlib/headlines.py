@@ -41,8 +41,9 @@ def _current_drafter(concurrency: int, context: int, tree_builder: str) -> est.S
 def pro6000_crosscheck_tok_s(context: int = CONTEXT) -> dict[int, float]:
     """concurrency -> aggregate tok/s on the RTX PRO 6000 of the seeds' stack solved on their B300 point
     (`kdlib.estimator.seeds_stack`: host overhead fitted to 303 tok/s, CPU tree build), current drafter,
-    at the seeds' two service points C = 1 and 10: the model's answer to their measured 138.7 / 517."""
-    a = est.seeds_stack("b300", calibrated())
+    at the seeds' two service points C = 1 and 10: the model's answer to their measured 138.7 / 517. The
+    stack is solved at the same `context` it projects at."""
+    a = est.seeds_stack("b300", calibrated(), context=context)
     return {c: est.step_time("rtx-pro-6000", _current_drafter(c, context, "cpu"), a)["tok_s"]
             for c in CROSSCHECK_CONCURRENCY}
 

@@ -920,10 +920,15 @@ def _index_safetensors(path) -> tuple[list[tuple[str, str, tuple, int]], dict]:
     try:
         header = json.loads(text)
         metadata = dict(header.pop(ST_METADATA, None) or {})
+        bad = [k for k, v in metadata.items() if not isinstance(v, str)]
+        if bad:  # as the library refuses them
+            raise KdtrError(f"{path}: safetensors metadata {bad[0]!r} is not a string")
         rows = []
         for name, e in sorted(header.items()):
             begin, end = e["data_offsets"]
-            shape = tuple(int(d) for d in e["shape"])
+            if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in e["shape"]):
+                raise KdtrError(f"{path}: tensor {name!r} has shape {e['shape']}, not sizes >= 0")
+            shape = tuple(e["shape"])
             rows.append((name, ST_DTYPES.get(e["dtype"], str(e["dtype"])), shape, int(end) - int(begin)))
             if not 0 <= int(begin) <= int(end) <= size - 8 - n:
                 raise KdtrError(f"{path}: tensor {name!r} has data offsets {begin}..{end}, past the file's "

@@ -347,6 +347,8 @@ def plan(paths: list[Path], profile: str, overrides: dict, params_dir: Path) -> 
                   for n, d in defaults.items()}
         specs = {n: parameter_spec(d["value"], d["help"]) for n, d in defaults.items()}
         for name, spec in specs.items():
+            if isinstance(defaults[name]["value"], Expression):  # its value exists when the notebook runs
+                continue
             problem = check_parameter(defaults[name]["value"], spec)
             if problem:
                 problems.append(f"{path.name}: the default of {name} does not fit its own comment "
@@ -836,7 +838,8 @@ def _renders(e: dict) -> bool:
         _entry_html(e, set())
     except (KeyError, TypeError, AttributeError, ValueError):
         return False
-    return e.get("status") in ("passed", "failed") and isinstance(e.get("title"), str)
+    return (e.get("status") in ("passed", "failed") and isinstance(e.get("title"), str)
+            and isinstance(e.get("stem"), str))
 
 
 def index_html(doc: dict) -> str:

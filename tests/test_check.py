@@ -41,3 +41,8 @@ def test_assert_equal_tells_types_apart_that_widen_alike():
     with pytest.raises(AssertionError, match="dtype float32 vs bfloat16"):
         check.assert_equal(np.array([1.0, 2.5], np.float32), bf, quiet=True)
     check.assert_equal(torch.arange(3), np.arange(3, dtype=np.int64), quiet=True)
+    # one type on both sides, widened on one only (torch bf16 vs ml_dtypes bf16): compared, not a crash
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    check.assert_equal(bf, np.array([1.0, 2.5], ml_dtypes.bfloat16), quiet=True)
+    with pytest.raises(AssertionError, match="differing bytes"):
+        check.assert_equal(bf, np.array([1.0, 3.0], ml_dtypes.bfloat16), quiet=True)

@@ -125,6 +125,12 @@ def test_save_pretrained_refuses_what_it_could_not_load_back(tmp_path):
     assert sorted(p.name for p in sharded.iterdir()) == before
     ids = torch.arange(12) % cfg.vocab_size
     check.assert_equal(Model.from_pretrained(sharded).logits(ids), a.logits(ids), name="old checkpoint kept")
+    plain = tmp_path / "plain"  # a killed save's temp file and a backup: loading reads neither, so they stay
+    save_pretrained(a, plain)
+    for name in (".model.safetensors.k3j2h1.tmp", "model.safetensors.bak"):
+        (plain / name).write_text("x")
+    save_pretrained(b, plain)
+    check.assert_equal(Model.from_pretrained(plain).logits(ids), b.logits(ids), name="saved over")
     d = json.loads((DATA / "configs" / "tiny-a.json").read_text())
     d["moe_intermediate_size"] = 32  # INT4 groups of 32
     q = Model.random(ModelConfig.from_dict(d), seed=2).quantize_experts_int4()

@@ -196,6 +196,17 @@ def test_seeds_stack_hits_the_b300_point():
     assert rows["current"]["tok_s"] == pytest.approx(303.0)
 
 
+def test_the_pro6000_crosscheck_solves_the_stack_at_the_context_it_projects():
+    """It solved the seeds' stack at 2,048 and projected at the context asked (notebook 06: 4,096), the
+    mismatch notebook 06's own stack had."""
+    from kdlib import headlines
+
+    a = est.seeds_stack("b300", headlines.calibrated(), context=4096)
+    want = {c: est.step_time("rtx-pro-6000", headlines._current_drafter(c, 4096, "cpu"), a)["tok_s"]
+            for c in headlines.CROSSCHECK_CONCURRENCY}
+    assert headlines.pro6000_crosscheck_tok_s(4096) == want
+
+
 def test_a_step_commits_at_most_its_block_and_the_bonus():
     """The strong scenario (budget 32, block 16) had its sensitivity's high end at 24 accepted tokens, past
     the 17 a block-16 step can commit; Scenario took any accepted length up to q_len."""

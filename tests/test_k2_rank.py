@@ -239,8 +239,14 @@ def test_rank_step_refuses_what_failed_deep_in_torch():
         with pytest.raises(ValueError, match=message):
             RankStep(m, **{"streams": 2, "context": 20, "drafter": dr, **kw})
     st = RankStep(m, streams=2, context=20, budget=8, drafter=dr)
-    with pytest.raises(ValueError, match=r"holds 0 slots, the step's pool \d+: call drafter.make_pool"):
+    with pytest.raises(ValueError, match=r"holds 0 slots, the step's table 58: call drafter.make_pool"):
         st.run()
+    # a pool shared with larger steps: the drafter needs the step's own slots only (2 x (20 + 9))
+    shared = RankStep(m, streams=2, context=20, budget=8, drafter=dr, accepted=3,
+                      pool=torch.zeros(m.cfg.num_hidden_layers, 174, m.cfg.latent_dim, dtype=torch.bfloat16))
+    dr.make_pool(58)
+    shared.run()
+    assert shared.tau.tolist() == [3, 3]
     m96 = RankModel(RankShape(ModelConfig.from_dict(small_config(vocab_size=96)), tp=2, rank=0), device="cpu")
     dr96 = RankDrafter(m96, ds)  # a shard of 48 ids, fewer than the budget's 64 candidates
     wide = RankStep(m96, streams=1, context=20, budget=64, drafter=dr96)

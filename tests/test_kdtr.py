@@ -836,6 +836,14 @@ def test_info_of_a_safetensors_whose_data_are_cut_says_so(tmp_path):
     st.write_bytes(struct.pack("<Q", 10**12) + b"{}")
     with pytest.raises(KdtrError, match="header size 1000000000000 past the file's 10 bytes"):
         kdtr.table(st)
+    # what the library refuses, the header-only reader refuses too (it printed a traceback, or a -2 size)
+    negative = {"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 0]}}
+    for header, message in (({"__metadata__": {"a": 1}}, "metadata 'a' is not a string"),
+                            (negative, "not sizes >= 0")):
+        text = json.dumps(header).encode()
+        st.write_bytes(struct.pack("<Q", len(text)) + text)
+        with pytest.raises(KdtrError, match=message):
+            kdtr.table(st)
 
 
 def test_info_rows_stay_one_line_a_tensor(tmp_path):

@@ -549,6 +549,18 @@ def test_an_expression_default_is_typed_by_its_comment():
     assert "not <= 1" in report.check_parameter(2.0, rate)
 
 
+def test_a_notebook_with_an_expression_default_plans(tmp_path):
+    """The default's own check held its source text against the comment's kind: every plan refused it."""
+    nbs = make_notebooks(tmp_path / "notebooks")
+    _write_nb(nbs / "50_expr.ipynb",
+              [new_markdown_cell("# 50 · Sizes"), _params("SIZE = 8 * 2**20  # int >= 1")])
+    assert report.plan([nbs / "50_expr.ipynb"], "cpu", {}, nbs / "params")[0]["injected"] == {}
+    job = report.plan([nbs / "50_expr.ipynb"], "cpu", {"SIZE": 1024}, nbs / "params")[0]
+    assert job["injected"] == {"SIZE": 1024}
+    with pytest.raises(ValueError, match="SIZE of 50_expr takes an int"):
+        report.plan([nbs / "50_expr.ipynb"], "cpu", {"SIZE": "big"}, nbs / "params")
+
+
 def test_numbers_yaml_reads_as_strings_are_numbers_where_numbers_are_taken(tmp_path):
     """PyYAML reads 1e-1 and 1e3 as strings (YAML 1.1 wants a dot): -p RATE 1e-1 was refused."""
     nbs = make_notebooks(tmp_path / "notebooks")
@@ -579,7 +591,11 @@ def test_a_malformed_entry_of_an_earlier_index_is_dropped(tmp_path):
     nb.write_text("{}")
     (out / "zz.html").write_text("<html></html>")
     bad = {"stem": "zz", "html": "zz.html", "notebook": str(nb), "status": "passed"}
-    (out / "index.json").write_text(json.dumps({"notebooks": [bad]}))
+    # every key a page needs, but a stem that is no name: sorting the index raised TypeError
+    whole = {**bad, "stem": 5, "title": "T", "abstract": "", "duration_s": 1.0, "ran_at": "now",
+             "error": None, "parameters": {}, "records": []}
+    assert report._entry_html(whole, set())
+    (out / "index.json").write_text(json.dumps({"notebooks": [bad, whole, {**whole, "stem": None}]}))
     for _ in range(2):
         doc = report.write_index(out, [], profile="cpu")
         assert doc["notebooks"] == [] and doc["carried_over"] == 0

@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             new[path] = dumps(migrate(doc))
         except (KeyError, TypeError) as e:
-            ap.error(f"{path}: a copy block without {e} cannot be migrated; nothing migrated")
+            ap.error(f"{path}: cannot be migrated ({type(e).__name__}: {e}, a copy block lacking a field?); "
+                     "nothing migrated")
     changed = [path for path, text in texts.items() if new[path] != text]
     if not args.check:
         for path in changed:

@@ -37,7 +37,8 @@ fi
 # A TERM or INT (a caller's own time limit) reaches the running step too: its `timeout` is in a process group of
 # its own, which the caller's signal would miss, leaving the sanitizer on the GPU under the next step.
 CHILD=
-trap '[ -n "$CHILD" ] && kill -TERM "$CHILD" 2>/dev/null; exit 143' TERM INT
+trap '[ -n "$CHILD" ] && kill -TERM "$CHILD" 2>/dev/null; exit 143' TERM
+trap '[ -n "$CHILD" ] && kill -TERM "$CHILD" 2>/dev/null; exit 130' INT
 step() {  # step NAME SECONDS COMMAND...: output in $OUT/NAME.log, exit code in $OUT/NAME.rc
   local name=$1 secs=$2 start rc
   shift 2

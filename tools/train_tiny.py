@@ -134,6 +134,11 @@ def parse_args(argv):
     if args.out.resolve() == zoo.MODELS.resolve() and not args.replace_shipped:
         ap.error(f"--out {args.out} holds the workbook's trained models; pass --replace-shipped to overwrite "
                  "them")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            ap.error("--device cuda but torch sees no CUDA device")
     try:  # last: a bad argument writes nothing
         args.out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -143,11 +148,6 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import torch
-
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("train_tiny: --device cuda but torch sees no CUDA device", file=sys.stderr, flush=True)
-        return 2
     out = args.out
     t_start = time.perf_counter()
     with open(out / LOG_NAME, "w", encoding="utf-8", buffering=1) as log_file:

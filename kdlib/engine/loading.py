@@ -212,8 +212,9 @@ def save_pretrained(model, path) -> None:
     if wrong:
         raise ValueError(f"{wrong[0]}: shape {tuple(state[wrong[0]].shape)} is not the config's "
                          f"{expected[wrong[0]]} (a tensor-parallel shard?); save the whole model")
-    others = sorted(p.name for p in out.glob("*.safetensors*") if p.name != "model.safetensors") \
-        if out.is_dir() else []
+    # what `checkpoint_files` would read in place of the new file (a killed save's temp file it does not)
+    others = sorted([p.name for p in out.glob("*.safetensors") if p.name != "model.safetensors"]
+                    + [INDEX] * (out / INDEX).is_file()) if out.is_dir() else []
     if others:
         raise ValueError(f"{out} holds another checkpoint's files ({', '.join(others[:4])}"
                          f"{', ...' if len(others) > 4 else ''}), which loading would read in place of "

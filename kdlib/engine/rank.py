@@ -783,10 +783,10 @@ class RankStep:
             getattr(self, name)()
 
     def draft(self) -> None:
-        held = 0 if self.d.kv is None else self.d.kv.shape[2]
-        if held < self.pool.shape[1]:  # it failed as a TypeError / IndexError inside the drafter
-            raise ValueError(f"the drafter's context K/V holds {held} slots, the step's pool "
-                             f"{self.pool.shape[1]}: call drafter.make_pool(step.pool.shape[1]) first")
+        held, need = 0 if self.d.kv is None else self.d.kv.shape[2], self.C * (self.ctx + self.W)
+        if held < need:  # it failed as a TypeError / IndexError inside the drafter
+            raise ValueError(f"the drafter's context K/V holds {held} slots, the step's table {need}: call "
+                             "drafter.make_pool(slots) first")
         logits = self.d.draft(self.bonus, self.lens, self.table[:, : self.ctx])  # [C, L, V_r]
         top = torch.log_softmax(logits, dim=-1).topk(self.k, dim=-1)  # the shard's top-K (no gather modelled)
         v0 = self.m.shape.vocab_range[0]

@@ -528,7 +528,7 @@ K2_RANK_OP = "k2_rank_step"
 
 def k2_rank_rows(doc: dict) -> tuple[Row, ...]:
     """Tidy rows of a k2_rank payload (kdlib/perf/suites/k2_rank.py): op 'k2_rank_step', version None,
-    at each measured (context, streams, method 'ar' | 'ddtree', budget) shape:
+    at each measured (context, streams, method 'ar' | 'ddtree', budget, compiled, routing) shape:
 
     variant '' the whole step, 'draft' / 'tree' / 'verify' / 'accept' / 'commit' each part in its own
     graph (the parts the method has), 'dense' / 'attention' / 'moe' the verify forward's pieces each alone
