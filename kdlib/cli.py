@@ -146,6 +146,16 @@ def interrupted_code(e: KeyboardInterrupt) -> int:
     return 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)
 
 
+def make_folder(ap: argparse.ArgumentParser, path: Path, flag: str = "--out") -> Path:
+    """Make the output folder (parents too) once every check has passed, so that a refused run leaves
+    none behind (`output_folder` makes it while parsing); `ap.error`, one line, where it cannot be."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        ap.error(f"argument {flag}: cannot use {path} as a folder ({e.strerror or e})")
+    return Path(path)
+
+
 def require_gpu(ap: argparse.ArgumentParser) -> None:
     """The GPU-only tools' first check: `ap.error` (one line, exit 2) where torch sees no CUDA device or
     CuPy is not installed, instead of a traceback from the first kernel."""

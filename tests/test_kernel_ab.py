@@ -31,6 +31,15 @@ def test_reference_matches_kdlib_ref_on_a_ragged_batch():
         assert np.isnan(got[p["trees"][b]:]).all() and not np.isnan(got[: p["trees"][b]]).any()
 
 
+def test_a_refused_run_leaves_no_out_folder(capsys, tmp_path):
+    """--out was made while the arguments were parsed, before the checks that refused the run."""
+    for argv in (["run", "--version", "7"], ["repeat"], ["run", "--version", "10", "--define", "BAD"]):
+        with pytest.raises(SystemExit) as exit_:
+            kernel_ab.main([*argv, "--out", str(tmp_path / "made")])
+        assert exit_.value.code == 2 and not (tmp_path / "made").exists(), argv
+    capsys.readouterr()
+
+
 def test_run_without_old_kernels_needs_version_10(capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_:
         kernel_ab.main(["run", "--out", str(tmp_path), "--version", "7"])

@@ -34,7 +34,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from kdlib.cli import output_folder, positive_int, require_gpu
+from kdlib.cli import folder, make_folder, positive_int, require_gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 # kdlib.cuda.attention's switches the arms of `run` can set on and off
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
                         "switch (default PDL) or the --define builds on (new) and off (old)")
     r.add_argument("--new", type=Path, dest="new_kernels",
                    help="the new arm's exported kernels (left out: this tree's)")
-    r.add_argument("--out", type=output_folder, required=True, help="folder")
+    r.add_argument("--out", type=folder, required=True, help="folder (made once the arguments pass)")
     r.add_argument("--version", type=int, default=7)
     r.add_argument("--iters", type=positive_int, default=20)
     r.add_argument("--suite", default="kernel_ab", help="the result's name: <suite>.<gpu>.json")
@@ -234,7 +234,7 @@ def main(argv=None) -> int:
                         "repeatable")
     for k, v in (("heads", 8), ("queries", 65), ("prefix", 32_000), ("batch", 16), ("n", 8), ("version", 7)):
         p.add_argument(f"--{k}", type=positive_int, default=v)
-    p.add_argument("--out", type=output_folder, required=True, help="folder")
+    p.add_argument("--out", type=folder, required=True, help="folder (made once the arguments pass)")
     a = ap.parse_args(argv)
     if a.cmd == "export":
         try:
@@ -247,6 +247,7 @@ def main(argv=None) -> int:
             ap.error("repeat takes old kernels or --define, one of the two")
         _check_define(ap, a)
         require_gpu(ap)
+        make_folder(ap, a.out)
         repeat(a.old_kernels, a.out, {k: getattr(a, k) for k in ("heads", "queries", "prefix", "batch")}, a.n,
                a.version, a.define)
     else:
@@ -260,6 +261,7 @@ def main(argv=None) -> int:
             ap.error(f"without old kernels the arms are {a.toggle} on / off, which only version 10 follows "
                      "here: --version 10")
         require_gpu(ap)
+        make_folder(ap, a.out)
         run(a.old_kernels, a.out, a.version, a.iters, a.suite, a.new_kernels, a.toggle, a.define)
     return 0
 

@@ -26,7 +26,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from kdlib.cli import output_folder, require_gpu
+from kdlib.cli import folder, make_folder, require_gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 STAMPED = ROOT / "build" / "plan_phases" / "kernels"
@@ -218,9 +218,10 @@ def _cost(out: Path, rounds: int, iters: int) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=("phases", "cost"))
-    ap.add_argument("--out", type=output_folder, required=True)
+    ap.add_argument("--out", type=folder, required=True)
     a = ap.parse_args()
     require_gpu(ap)
+    make_folder(ap, a.out)
     print(phases(a.out) if a.what == "phases" else cost(a.out))
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from sanitize_attention import parse_log
 
-from kdlib.cli import output_folder, require_gpu
+from kdlib.cli import folder, make_folder, require_gpu
 from kdlib.cuda import loader
 from kdlib.files import atomic_write_text
 from kdlib.perf.results import provenance
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="run cases without a sanitizer")
     r.add_argument("case", nargs="+", help=f"one of {sorted(CASES)}")
     a = sub.add_parser("all", help="every case under racecheck -> OUT/patterns.json")
-    a.add_argument("--out", type=output_folder, required=True)
+    a.add_argument("--out", type=folder, required=True)
     args = ap.parse_args(argv)
     require_gpu(ap)
     if args.cmd == "all" and not Path(sanitizer()).is_file():
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"unknown case {bad[0]!r}: one of {sorted(CASES)}", file=sys.stderr)
             return 2
         return run(args.case)
-    return run_all(args.out)
+    return run_all(make_folder(ap, args.out))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from kdlib.cli import output_folder, positive_int, require_gpu
+from kdlib.cli import folder, make_folder, positive_int, require_gpu
 from kdlib.cuda import attention as cu
 from kdlib.perf import results
 from kdlib.perf.suites import attention
@@ -73,11 +73,12 @@ def main() -> None:
     import torch
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, type=output_folder, help="folder of the record")
+    ap.add_argument("--out", required=True, type=folder, help="folder of the record")
     ap.add_argument("--iters", type=positive_int, default=20, help="graph replays a timing")
     ap.add_argument("--queries", type=int, nargs="+", default=QUERIES, choices=QUERIES, help="tree sizes")
     a = ap.parse_args()
     require_gpu(ap)
+    make_folder(ap, a.out)
     ceil = results.ceilings()
     pts = points(a.queries)
     pool = torch.randn(attention.pool_rows(pts), attention.D_QK, device="cuda",

@@ -22,7 +22,7 @@ import os
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kdlib.cli import output_folder, positive_int, require_gpu
+from kdlib.cli import folder, make_folder, positive_int, require_gpu
 from kdlib.cuda import attention as cu
 from kdlib.cuda import loader
 from kdlib.perf import results
@@ -81,7 +81,7 @@ def define_arm(define: str) -> tuple[str, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, type=output_folder, help="folder of the record")
+    ap.add_argument("--out", required=True, type=folder, help="folder of the record")
     ap.add_argument("--reps", type=positive_int, default=20)
     ap.add_argument("--clusters", type=positive_int, nargs="*", default=[33, 66],
                     help="forced cluster counts")
@@ -94,6 +94,7 @@ def main() -> None:
         arms = [define_arm(d) for d in a.define]
     except ValueError as e:
         ap.error(str(e))
+    make_folder(ap, a.out)
     fn = loader.get_function(cu._V11, "tree_verify_v11_attend", options=cu.LAUNCHES[11].options)
     loader.set_max_dynamic_shared(fn, cu._V11_SMEM)
     resident = cu._resident_clusters(fn, cu._V7_THREADS, cu._V11_SMEM)  # the wrapper's grid
