@@ -89,7 +89,10 @@ def discover(notebooks_dir: Path, names: list[str] | None = None) -> list[Path]:
             what = "matches no notebook" if not hits else f"is ambiguous ({', '.join(p.stem for p in hits)})"
             raise ValueError(f"notebook {name!r} {what} in {notebooks_dir}")
         chosen.append(hits[0])
-    return list(dict.fromkeys(chosen))
+    once = {}  # one run a notebook, however it was named (a stem under a relative folder, a path)
+    for path in chosen:
+        once.setdefault(path.resolve(), path)
+    return list(once.values())
 
 
 def _comments(source: str) -> dict[int, str]:

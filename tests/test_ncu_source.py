@@ -112,6 +112,11 @@ def test_bad_csvs_are_refused(tmp_path):
     with pytest.raises(SystemExit) as e:  # the CLI: argparse's error, exit status 2
         ns.main([str(tmp_path / "none.csv"), "--commit", COMMIT, "--point", "x"])
     assert e.value.code == 2
+    # a --commit git does not know is bad input (exit 2), not a failed build (it was exit 1)
+    good = _write(rows, tmp_path / "good.csv")
+    with pytest.raises(SystemExit) as e:
+        ns.main([str(good), "--commit", "no-such-revision", "--point", "x"])
+    assert e.value.code == 2
 
 
 def test_an_altered_opcode_or_count_is_refused(tmp_path):

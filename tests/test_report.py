@@ -582,6 +582,14 @@ def test_a_malformed_notebook_is_one_line(tmp_path, capsys, text):
     assert f"{nbs / '40_bad.ipynb'}: not a readable notebook" in err and err.count("\n") == 1, err
 
 
+def test_one_notebook_named_two_ways_runs_once(tmp_path, monkeypatch):
+    """Under a relative --notebooks-dir, a stem and the notebook's path were two entries: it ran twice."""
+    make_notebooks(tmp_path / "notebooks")
+    monkeypatch.chdir(tmp_path)
+    got = report.discover(Path("notebooks"), ["10_pass", "notebooks/10_pass.ipynb", "10"])
+    assert got == [Path("notebooks") / "10_pass.ipynb"]
+
+
 def test_a_malformed_entry_of_an_earlier_index_is_dropped(tmp_path):
     """An entry with its page and notebook but not every key (edited by hand, an older layout) raised
     KeyError in every later run into that folder, after index.json had saved it again."""

@@ -43,6 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kdlib import ROOT  # noqa: E402
+from kdlib.cli import positive_int  # noqa: E402
 from kdlib.cuda import attention as cu  # noqa: E402
 from kdlib.cuda import loader  # noqa: E402
 from kdlib.perf import results  # noqa: E402
@@ -544,13 +545,18 @@ def main(argv=None) -> int:
                          "(default %(default)r)")
     ap.add_argument("--ncu-command", help="the ncu command that made the report (recorded as given)")
     ap.add_argument("--device", help="GPU, driver, CUDA, CuPy of the profiled run (recorded as given)")
-    ap.add_argument("--top", type=int, default=30, help="instructions kept in the record (default 30)")
+    ap.add_argument("--top", type=positive_int, default=30,
+                    help="instructions kept in the record (default 30)")
     ap.add_argument("--out", type=Path, default=OUT, help="folder of the record (default data/results/ncu)")
     a = ap.parse_args(argv)
     try:
         page = read_csv(a.csv)
     except SourceError as e:
         ap.error(str(e))
+    git = ["git", "-C", str(ROOT)]
+    if subprocess.run([*git, "rev-parse", "--verify", "--quiet", f"{a.commit}^{{commit}}"],
+                      capture_output=True).returncode != 0:  # bad input, not a failed build: exit 2
+        ap.error(f"--commit {a.commit!r} names no commit of {ROOT}")
     lacking = missing_tools()
     if lacking:
         ap.error(f"cannot build here: no {', '.join(lacking)}")
