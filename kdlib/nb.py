@@ -16,6 +16,7 @@ import random
 from types import SimpleNamespace
 
 from kdlib import plot
+from kdlib.perf.results import json_value
 
 RECORD_MIME = "application/vnd.kdlib.record+json"
 
@@ -53,9 +54,8 @@ def record(name: str, value, *, unit: str = "", source: str = "", note: str = ""
     any part is not finite (NaN, infinity) or has no JSON form (a complex number)."""
     from IPython.display import display
 
-    value = _plain(value)
-    try:
-        json.dumps(value, allow_nan=False)
+    try:  # numpy / torch values as the Python values they hold (the result files' conversion)
+        value = json.loads(json.dumps(value, allow_nan=False, default=json_value))
     except ValueError:
         raise ValueError(f"recorded value {name!r} is not finite: {value}") from None
     except TypeError as e:
@@ -63,18 +63,6 @@ def record(name: str, value, *, unit: str = "", source: str = "", note: str = ""
     payload = {"name": name, "value": value, "unit": unit, "source": source, "note": note}
     text = f"{name} = {value}{(' ' + unit) if unit else ''}" + (f"  [{source}]" if source else "")
     display({RECORD_MIME: payload, "text/plain": text}, raw=True)
-
-
-def _plain(value):
-    """`value` with numpy / torch scalars and arrays (anything with tolist) as Python values, in lists,
-    tuples and dict values too: what JSON and the kernel's display can take."""
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
 
 
 def findings(lines: list[str]) -> None:

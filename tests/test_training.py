@@ -300,7 +300,8 @@ def test_train_tiny_bad_arguments(capsys, tmp_path):
         (["--out", str(tmp_path / "file")], "is a file, not a folder"),
         (["--corpus", str(tmp_path / "file"), *out], "argument --corpus: " + str(tmp_path / "file")),
         (["--seed", "-1", *out], "--seed must be >= 0"),
-        (["--out", str(tmp_path / "file" / "sub")], "cannot use --out " + str(tmp_path / "file" / "sub")),
+        (["--out", str(tmp_path / "file" / "sub")],
+         "argument --out: cannot use " + str(tmp_path / "file" / "sub")),
         *([(["--device", "cuda", *out], "--device cuda but torch sees no CUDA device")]
           if not torch.cuda.is_available() else []),
     ):

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ba
 
 from kdlib import corpus, perf, zoo  # noqa: E402
 from kdlib import training as T  # noqa: E402
-from kdlib.cli import folder, positive_float  # noqa: E402
+from kdlib.cli import folder, make_folder, positive_float  # noqa: E402
 from kdlib.files import atomic_write_text  # noqa: E402
 from kdlib.perf.suites import accept  # noqa: E402
 
@@ -139,10 +139,7 @@ def parse_args(argv):
 
         if not torch.cuda.is_available():
             ap.error("--device cuda but torch sees no CUDA device")
-    try:  # last: a bad argument writes nothing
-        args.out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        ap.error(f"cannot use --out {args.out} as a folder ({e.strerror or e})")
+    make_folder(ap, args.out)  # last: a bad argument writes nothing
     return args
 
 

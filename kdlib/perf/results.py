@@ -121,7 +121,7 @@ def provenance(command: str | None = None) -> dict:
     return info
 
 
-def _json_value(o):
+def json_value(o):
     """JSON for the values suites hand over beside plain ones: numpy / CuPy / torch scalars and arrays
     keep their kind (an int stays an int); anything else is a TypeError naming its type."""
     if hasattr(o, "tolist"):  # numpy scalars and arrays, CuPy arrays, torch tensors
@@ -133,7 +133,7 @@ def _json_value(o):
 
 def dumps(doc: dict) -> str:
     """The text of a result file (what `write` writes; tools/migrate_results.py rewrites files with it)."""
-    return json.dumps(doc, indent=1, sort_keys=False, default=_json_value) + "\n"
+    return json.dumps(doc, indent=1, sort_keys=False, default=json_value) + "\n"
 
 
 def write(

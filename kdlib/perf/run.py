@@ -16,7 +16,7 @@ import inspect
 import pkgutil
 import sys
 
-from kdlib.cli import folder, output_folder
+from kdlib.cli import folder, make_folder
 from kdlib.perf import results, suites
 
 # The entry point's options a suite may take as keywords: `quick` (a reduced sweep) and `out` (the
@@ -67,10 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             ap.error(f"suite(s) {gpu_only} need a CUDA GPU, and torch sees none here")
     if args.out is not None:  # after the checks: a refused run leaves no folder behind
-        try:
-            output_folder(str(args.out))
-        except argparse.ArgumentTypeError as e:
-            ap.error(f"argument --out: {e}")
+        make_folder(ap, args.out)
     command = "python3 -m kdlib.perf.run " + " ".join(sys.argv[1:] if argv is None else argv)
     for name, module in modules:
         payload = call_suite(module, args)

@@ -50,7 +50,7 @@ class RequestError(ValueError):
 
 
 def _shutdown_error() -> RequestError:
-    """What a request still in flight when the server stops gets (one error object each: it is raised)."""
+    """What the requests still in flight when the server stops get."""
     return RequestError("the server shut down", status=503, type="server_error", code="shutdown")
 
 
@@ -354,7 +354,7 @@ class Engine:
                 try:
                     for kind, seq in cmds:
                         if kind == "shutdown":
-                            self._fail_all(_shutdown_error)
+                            self._fail_all(_shutdown_error())
                         else:
                             (self._add if kind == "add" else self._abort)(seq)
                     if self.core.has_work():
@@ -367,7 +367,7 @@ class Engine:
                 with self._cv:
                     self._state = state
                 self._flush()
-        self._fail_all(_shutdown_error)
+        self._fail_all(_shutdown_error())
         for kind, seq in self._inbox:
             if kind == "add":
                 self._emit(seq, "error", _shutdown_error())
@@ -388,15 +388,14 @@ class Engine:
             except RuntimeError:  # that event loop has closed (server shut down): nobody to tell
                 pass
 
-    def _fail_all(self, err) -> None:
-        """Fail (and abort in the engine) every running or waiting sequence with `err` (a RequestError, or a
-        function making one for each)."""
+    def _fail_all(self, err: RequestError) -> None:
+        """Fail (and abort in the engine) every running or waiting sequence."""
         for seq in list(self._active.values()):
             try:
                 self.core.abort(seq.rid)
             except Exception:  # noqa: BLE001 - the engine is already in trouble
                 pass
-            self._fail(seq, err() if callable(err) else err)
+            self._fail(seq, err)
 
     def _warm_up(self) -> None:
         """One short untimed request: torch's first calls (allocator growth, kernel selection) cost
