@@ -1328,6 +1328,9 @@ def test_torch_and_cupy_inputs_agree_and_unbatched_form():
     out_1, lse_1 = cu.tree_verify_attention(**one)
     assert np.array_equal(out_1.get(), out_t[0].get(), equal_nan=True)
     assert np.array_equal(lse_1.get(), lse_t[0].get(), equal_nan=True)
+    for k in ("prefix_lens", "tree_sizes"):  # an int past int32: ValueError, not numpy's OverflowError
+        with pytest.raises(ValueError, match="outside the int32 range"):
+            cu.tree_verify_attention(**{**one, k: 2**40})
 
 
 @pytest.mark.gpu
@@ -1514,6 +1517,9 @@ def test_fp8_gather_writes_each_prefix_row_dequantized_and_nothing_else():
         with pytest.raises(ValueError):
             ws.fp8_staging(bad)
     good = cp.asarray(lens, dtype=cp.int32)
+    for pool in (kv, kv.float()):  # a bf16 or float32 pool: named as such, not compared with a q it has not
+        with pytest.raises(ValueError, match="dequant_prefix takes an FP8 kv_cache"):
+            cu.dequant_prefix(pool, page, good, ws)
     for call in (lambda: cu.dequant_prefix(kv, page, good, ws),  # a bf16 pool
                  lambda: cu.dequant_prefix(pool8, page[:2], good[:2], ws),  # B is not the workspace's
                  lambda: cu.dequant_prefix(pool8, page, odd, ws),  # lengths past P, negative (validate)

@@ -382,6 +382,26 @@ def test_gpu_step_graph_replay_matches_eager(budget):
 
 
 @pytest.mark.gpu
+def test_gpu_measure_row_captures_every_graph_twice_running():
+    """The suite's row twice in a row, as a run's retry does: every piece's graph captured (each in a pool
+    of its own), the step's and the pieces' medians, the profile."""
+    d = small_config(hidden_size=256, moe_intermediate_size=256, n_routed_experts=32, num_experts_per_tok=8)
+    m = RankModel(RankShape(ModelConfig.from_dict(d), tp=2, rank=0, moe_mode="tp"), device="cuda")
+    dr = RankDrafter(m, DraftShape(2, 4, 2, 64, 256, 8, (0, 2)))
+    probe = RankStep(m, streams=3, context=300, budget=16, drafter=dr, accepted=4)
+    pool = torch.zeros(m.cfg.num_hidden_layers, probe.pool.shape[1], m.cfg.latent_dim, dtype=torch.bfloat16,
+                       device="cuda")
+    dr.make_pool(probe.pool.shape[1])
+    ceil, fit = k2_rank.ceilings(), k2_rank.allreduce_fit()
+    for _ in range(2):
+        row = k2_rank.measure_row(m, dr, pool, 300, 3, 16, ceil, fit, iters=3)
+        assert row["graphs"] and row["graph_errors"] == {}, row["graph_errors"]
+        assert row["step_ms"] > 0 and all(p["median_ms"] > 0 for p in row["pieces"].values())
+        assert set(row["parts"]) == set(probe.parts())
+        assert row["profile"] is not None and row["profile"]["kernels_per_step"] > 0
+
+
+@pytest.mark.gpu
 def test_gpu_compiled_step_graph_replay_matches_plain():
     """Inductor-compiled pieces: each piece on the same inputs within a few bf16 roundings of the plain one
     (the router's experts exactly, from the same bf16 scores; its fp32 weights to 1e-6); inside

@@ -1,10 +1,13 @@
 """kdlib.cuda.loader.launch on the CPU: the ctypes mirrors of the driver's launch structures against cuda.h
-(a host program compiled by nvcc prints their layout), the kernel-argument conversion, and the plain path."""
+(a host program compiled by nvcc prints their layout), the kernel-argument conversion, and the plain path;
+the module and function caches' keys (against a stand-in for CuPy that records what it compiles)."""
 
 from __future__ import annotations
 
 import ctypes
 import subprocess
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -69,3 +72,36 @@ def test_launch_without_pdl_is_the_cupy_call():
 
     loader.launch(fn, (3, 2), (128,), (np.int32(1),), shared_mem=4096)
     assert calls == [((3, 2), (128,), (np.int32(1),), 4096)]
+
+
+class _Module:
+    """What the caches need of `cupy.RawModule`: its options, compile(), get_function()."""
+
+    def __init__(self, code, options, name_expressions):
+        self.options = options
+
+    def compile(self):
+        pass
+
+    def get_function(self, name):
+        return (name, self.options)
+
+
+def test_function_cache_follows_the_environment_options(monkeypatch):
+    """KDLIB_NVRTC_OPTIONS set after a kernel has loaded: the next lookup is the build with them (the function
+    cache keyed on them as the module cache is), and unsetting them gives the first build back."""
+    runtime = types.SimpleNamespace(getDevice=lambda: 0)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(RawModule=_Module,
+                                                                   cuda=types.SimpleNamespace(runtime=runtime)))
+    monkeypatch.delenv("KDLIB_NVRTC_OPTIONS", raising=False)
+    loader.clear_cache()
+    try:
+        plain = loader.get_function("tree_build/v1", "tree_build_v1")
+        monkeypatch.setenv("KDLIB_NVRTC_OPTIONS", "-lineinfo")
+        lined = loader.get_function("tree_build/v1", "tree_build_v1")
+        assert "-lineinfo" not in plain[1] and lined[1][-1] == "-lineinfo"
+        assert loader.get_function("tree_build/v1", "tree_build_v1") is lined
+        monkeypatch.delenv("KDLIB_NVRTC_OPTIONS")
+        assert loader.get_function("tree_build/v1", "tree_build_v1") is plain
+    finally:
+        loader.clear_cache()

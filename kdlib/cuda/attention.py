@@ -82,16 +82,16 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     v8's combine: the CTAs of a cluster split each row's dims (rank 0: dims 0-255 and the rope, rank 1: dims
     256-511), each computes its partial S^T of a tile over all 72 rows (version 9's transposed products), the
     two swap the partials through distributed shared memory and add them (the same bits in both), and each
-    accumulates the output over its own 256 dims (the kernel file says how). bf16 only; an FP8 pool runs
-    version 10.
+    accumulates the output over its own 256 dims (the kernel file says how). bf16 only; an FP8 pool is
+    refused (version 10 runs it).
   * 12 (`tree_verify/wgmma_v12.cu`, sm_90a only): version 10, but where a request has 65 to 72 query rows
     (`v11_rows`) one CTA takes a key chunk's rows in one pass: rows 0-63 in version 7's consumers, the rest
     (at most 8) in the producer warpgroup, which gathers as before and, once a pair has landed, computes
     those rows' transposed products (version 9's, `wgmma m64n8k16`), their softmax and their output over all
     512 dims. Its plan is v5's over `v12_plan_grid` CTAs (about one key chunk a CTA); v8's combine. bf16 only;
-    an FP8 pool runs version 10. Its first GPU run hung (a setmaxnreg split past the CTA's register pool,
-    since fixed). Fixed, it passes its GPU tests and compute-sanitizer, but is not the default: it measured
-    slower than version 10 at both 8 x 9 points (notebook 02b, 13w-13x).
+    an FP8 pool is refused (version 10 runs it). Its first GPU run hung (a setmaxnreg split past the CTA's
+    register pool, since fixed). Fixed, it passes its GPU tests and compute-sanitizer, but is not the
+    default: it measured slower than version 10 at both 8 x 9 points (notebook 02b, 13w-13x).
   * 13 (`tree_verify/wgmma_v13.cu`, sm_90a only): version 10, but where version 10 launches its own-plan
     attend kernel with v7's consumers and the combine a warp per row, and one request's row blocks fit two
     key chunks each on the clusters' grid (`v13_pairs`), its attend kernel runs in clusters of two CTAs, and
@@ -99,7 +99,8 @@ Versions (`version`, one of `VERSIONS`; `LAUNCHES[v]` holds each one's launch se
     x 65 queries), the two jobs of a row block run on a cluster's two CTAs and merge there: each
     sends the other the half of its normalised output the other merges, through distributed shared memory, and
     each writes its half of the rows with v8's combine's arithmetic (version 10's bits); the combine kernel
-    then returns at once. Elsewhere its kernels are version 10's. bf16 only; an FP8 pool runs version 10.
+    then returns at once. Elsewhere its kernels are version 10's. bf16 only; an FP8 pool is refused
+    (version 10 runs it).
 FP8 latent cache (issue 19's stretch goal): a kv_cache of dtype uint8 and shape [S, 656] holds each token in
 the layout of `kdlib.ref.fp8` (DeepSeek-V3.2's, FlashMLA's "FP8 with scale", vLLM's `fp8_ds_mla`: 512 e4m3
 latent values, 4 float32 scales, one per 128 of them, 64 bf16 rope values; `kdlib.ref.fp8.pack_latent` writes
@@ -131,7 +132,7 @@ Deprecated alias: `impl=` names a version as recorded results and kdlib.perf sui
 "wgmma_v11" = 11, "wgmma_v12" = 12, "wgmma_v13" = 13, "auto" = None); give `version` or `impl`, not both.
 
 Checks before any launch raise ValueError: shapes, dtypes (float32 or bfloat16, all float inputs
-alike), Q <= 65, widths 576/512, and, with `validate=True` (the default, one device sync), the
+alike), Q <= 65, widths 576/512, and, with `validate=True` (the default; a few device syncs), the
 values: prefix_lens in [0, P], tree_sizes in [0, Q], every read page-table slot in [0, S), and
 integer inputs wider than int32 within the int32 range (they are narrowed to int32).
 Timed loops pass `validate=False`.
@@ -303,7 +304,6 @@ MMA_VERSIONS = {LAUNCHES[v].impl: (LAUNCHES[v].stem, LAUNCHES[v].smem) for v in 
 # recorded sweep (data/results/verify_attention_dev.h200.json times v3 and v4 side by side; the third
 # stage did not pay).
 MMA_DEFAULT = "mma_v3"
-WGMMA = "wgmma"
 # What version None runs for bf16 where the device has sm_90a: the fastest of the wgmma versions and
 # MMA_DEFAULT in the recorded attention sweep (data/results/attention.h200.json: the fastest median at most
 # points, elsewhere within the other arm's replay spread but at the points of BF16_DEFAULT_TRADES;
@@ -373,6 +373,8 @@ def _lengths(x, name: str, batched: bool, bsz: int, validate: bool):
         return loader.int_array(x, name, "int32", shape=(bsz,), check_range=validate)
     if isinstance(x, bool) or not isinstance(x, numbers.Integral):
         raise ValueError(f"{name} must be an int in the unbatched form, got {type(x).__name__}")
+    if not -2**31 <= int(x) < 2**31:
+        raise ValueError(f"{name} {int(x)} is outside the int32 range")
     return cupy.asarray([int(x)], dtype=cupy.int32)
 
 
@@ -948,10 +950,11 @@ def dequant_prefix(kv_cache, page_table, prefix_lens, workspace: VerifyWorkspace
     prefix_lens in [0, P] and every read slot in [0, S)."""
     if not isinstance(workspace, VerifyWorkspace):
         raise ValueError(f"workspace must come from make_workspace, got {type(workspace).__name__}")
-    kv, pt, lens, kv_kind = _check_prefix(workspace.shape[0], "bf16", kv_cache, page_table, prefix_lens, True,
-                                          validate)
-    if kv_kind != "fp8":
-        raise ValueError(f"dequant_prefix takes an FP8 kv_cache ([S, {FP8_ROW_BYTES}] uint8), got {kv_kind}")
+    dtype = getattr(kv_cache, "dtype", None)
+    if str(dtype).removeprefix("torch.") != "uint8":  # before the checks that compare its dtype with q's
+        raise ValueError(f"dequant_prefix takes an FP8 kv_cache ([S, {FP8_ROW_BYTES}] uint8), got {dtype}")
+    kv, pt, lens, _ = _check_prefix(workspace.shape[0], "bf16", kv_cache, page_table, prefix_lens, True,
+                                    validate)
     if validate:
         _validate_prefix(kv, pt, lens)
     return _dequant_prefix(kv, pt, lens, workspace)
@@ -991,7 +994,7 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
     if fp8 == "dequant_first":
         kv, pt = _dequant_prefix(kv, pt, lens, ws)
         fp8 = None
-    if version in (11, 12) and (fp8 or not v11_rows(rows)):
+    if version in (11, 12) and not v11_rows(rows):  # pick_version refuses them an FP8 pool
         version = 10
     v9 = v9_options(rows) if version in (9, 10, 13) else None
     if version == 9 and v9 is None:
@@ -1207,7 +1210,7 @@ def tree_verify_attention(q, kv_cache, page_table, prefix_lens, tree_kv, visibil
                           impl: str | None = None, plan_ready: bool = False, reuse_plan: bool = False,
                           fp8_path: str | None = None):
     """The whole verify attention: split-KV prefix + masked tail, merged in one combine launch
-    (versions 5, 6, 7: the tail fused into the prefix kernel).
+    (versions 5-13: the tail fused into the prefix kernel).
 
     Shapes as in the two parts (batched or unbatched); kv_cache may be the FP8 layout, [S, 656] uint8 (module
     docstring; version 10 runs it, bf16 q and tree_kv). Returns out [B, Q, H, 512] fp32 and the

@@ -256,12 +256,18 @@ def check_version(version, versions: tuple[int, ...], default: int | None) -> in
     return int(version)
 
 
+def _with_env(options) -> tuple[str, ...]:
+    """`options` and the environment's `KDLIB_NVRTC_OPTIONS` after them: what a compile gets, and so what
+    the caches key on."""
+    return tuple(options) + tuple(os.environ.get("KDLIB_NVRTC_OPTIONS", "").split())
+
+
 def get_module(stem: str, *, options: tuple[str, ...] = (), name_expressions: tuple[str, ...] = ()):
     """The compiled `cupy.RawModule` of `kernels/<stem>.cu` for the current device (cached)."""
     import cupy
 
     device = cupy.cuda.runtime.getDevice()
-    options = tuple(options) + tuple(os.environ.get("KDLIB_NVRTC_OPTIONS", "").split())
+    options = _with_env(options)
     key = (stem, options, tuple(name_expressions), device)
     mod = _MODULES.get(key)
     if mod is None:
@@ -284,7 +290,7 @@ def get_function(
     """The kernel `name` of `kernels/<stem>.cu` as a `cupy.RawKernel` (cached per device)."""
     import cupy
 
-    key = (stem, name, tuple(options), tuple(name_expressions), cupy.cuda.runtime.getDevice())
+    key = (stem, name, _with_env(options), tuple(name_expressions), cupy.cuda.runtime.getDevice())
     fn = _FUNCTIONS.get(key)
     if fn is None:
         fn = get_module(stem, options=options, name_expressions=name_expressions).get_function(name)

@@ -1,6 +1,7 @@
 """One DDTree decode step on the device, end to end, captured in one CUDA graph.
 
-    build (tree_build_v1) -> stand-in verify -> accept (tree_accept_greedy_v1) -> compact (kv_compact_v1)
+    build (tree.build_tree_batch, its default version) -> stand-in verify -> accept
+    (tree_accept_greedy_v1) -> compact (kv_compact_v1)
 
 The stand-in verify is a lookup-table target: the target's next token after a node is
 `target_table[token of that node]` (the root's token is the request's bonus token `root_tokens[b]`).

@@ -38,7 +38,9 @@
 #ifndef TV9_NR
 #define TV9_NR 8                           // rows of the jobs that run the transposed products
 #endif
-#define V9_MAX_NR 56                       // beyond, the consumers' registers spill
+#ifndef V9_MAX_NR                         // raised only by tools/register_budget.py's rows sweep, to build
+#define V9_MAX_NR 56                       // past it: beyond, the consumers' registers spill
+#endif
 #define V9_FP8_MAX_NR 32                   // the FP8 build's (consumers of 208 registers that dequantize)
 static_assert(TV9_NR % 8 == 0 && TV9_NR >= 8 && TV9_NR <= V9_MAX_NR, "TV9_NR: a multiple of 8 in [8, V9_MAX_NR]");
 static_assert(!TV_FP8 || TV9_NR <= V9_FP8_MAX_NR, "TV9_NR: at most V9_FP8_MAX_NR in FP8 builds");

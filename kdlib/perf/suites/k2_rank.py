@@ -94,8 +94,8 @@ def floors(step, ceil: dict) -> dict:
 
 
 def timed(fn, pool, iters: int, warmup: int = 1) -> tuple[dict, str | None]:
-    """Median of CUDA-graph replays of fn (graphs in `pool`); if the capture fails, eager calls (and the
-    error, recorded): a capture failure must not lose the row."""
+    """Median of CUDA-graph replays of fn (graphs in `pool`, None: a pool of their own); if the capture fails,
+    eager calls (and the error, recorded): a capture failure must not lose the row."""
     t, _, err = timing.graph_or_eager(fn, iters=iters, warmup=warmup, pool=pool)
     return t.as_dict(), err
 
@@ -113,16 +113,17 @@ def measure_row(model, drafter, pool, ctx: int, C: int, budget, ceil: dict, fit:
     )
     step.run(save=True)  # eager: fills the pieces' inputs, compiles kernels
     torch.cuda.synchronize()
-    gpool = torch.cuda.graph_pool_handle()
+    # each graph in a memory pool of its own, freed with it: a pool shared with graphs already freed can fail
+    # the next capture inside torch's allocator (k2_layer.measure)
     errors = {}
-    whole, errors["step"] = timed(step.run, gpool, iters, warmup=2)
+    whole, errors["step"] = timed(step.run, None, iters, warmup=2)
     parts, pieces = {}, {}
     for p in step.parts():
-        parts[p], errors[p] = timed(lambda p=p: step.part(p), gpool, iters)
+        parts[p], errors[p] = timed(lambda p=p: step.part(p), None, iters)
     for p in ("dense", "attention", "moe"):
-        pieces[p], errors[p] = timed(lambda p=p: step.run(only=(p,)), gpool, iters)
+        pieces[p], errors[p] = timed(lambda p=p: step.run(only=(p,)), None, iters)
     torch.cuda.synchronize()
-    prof = _profile(step, gpool)
+    prof = _profile(step)
     fl = floors(step, ceil)
     ar = [allreduce_ms(b, fit, model.shape.tp) for b in step.allreduce_bytes()]
     comps = {"moe": pieces["moe"]["median_ms"], "attention": pieces["attention"]["median_ms"],
@@ -205,13 +206,14 @@ def measure_engine(model, drafter, ctx: int, C: int, budget, steps: int = ENGINE
     return row
 
 
-def _profile(step, gpool) -> dict | None:
-    """The whole step captured once more and three replays profiled (`kdlib.perf.profile`): device ms,
-    kernels per step, per-class sums, the top 15 kernels; None where the capture fails."""
+def _profile(step) -> dict | None:
+    """The whole step captured once more (a memory pool of its own) and three replays profiled
+    (`kdlib.perf.profile`): device ms, kernels per step, per-class sums, the top 15 kernels; None where the
+    capture fails."""
     import torch
 
     try:
-        g = timing.torch_graph(step.run, pool=gpool)
+        g = timing.torch_graph(step.run)
     except Exception:  # noqa: BLE001 - the step's own timing already records a capture failure
         torch.cuda.synchronize()
         return None
