@@ -206,7 +206,7 @@ def test_openai_client_two_point_and_sustained_on_loopback(server):
         s = dg.sustained(client, prompt, 80, progress=False)
         assert s["completion_tokens"] == 80 and s["ttft_s"] > 0 and s["decode_tokens_per_s"] > 0
         assert s["chunks"] > 2 and s["decomposition"]["available"]
-        assert sum(s["per_step"]["accepted"]) >= 80
+        assert sum(s["per_step"]["accepted"]) >= 80 - 1  # the prefill's token is no decode step's
         # the engine in process gives the same greedy text as the endpoint
         plain = client.complete(prompt, 20)
         via_engine = dg.EngineClient(server.engine).complete(prompt, 20, stream=True)

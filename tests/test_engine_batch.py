@@ -88,6 +88,24 @@ def test_generate_batch_matches_ar_and_reports_acceptance():
         assert r.mean_accepted > 1.0  # the oracle is right 70% of the time per depth
 
 
+def test_tree_sizes_and_draft_tokens_are_the_trees_built():
+    """A top-K of 1 builds a chain of the block's depth, well under the budget: generate_batch reports the
+    verified rows as generate does (nodes, root included), and the spec-decode counters count those drafts."""
+    m = _model()
+    p = [5, 6, 7, 8]
+    d = NoisyOracleDrafter(m.cfg.vocab_size, p_wrong=0.3, block_size=5, seed=1)
+    single = generate(m, p, 10, method="ddtree", drafter=d, budget=32, top_k=1)
+    batched = generate_batch(m, [p], 10, method="ddtree", drafter=d, budget=32, top_k=1)[0]
+    assert batched.tokens == single.tokens and batched.tree_sizes == single.tree_sizes
+    assert max(single.tree_sizes) < 33
+    eng = BatchEngine(m, method="ddtree", drafter=d, budget=32, top_k=1, max_streams=1, keep_results=True)
+    rid = eng.add_request(p, 10)
+    while eng.has_work():
+        eng.step()
+    assert eng.spec_stats["draft_tokens"] == sum(n - 1 for n in eng.result(rid).tree_sizes)
+    assert eng.result(rid).tree_sizes == single.tree_sizes
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_streams_join_and_leave_mid_run_with_poisoned_free_slots(overlap):
     """Continuous batching over 3 lanes: requests arrive between steps, one is aborted, the rest equal
@@ -168,6 +186,17 @@ def test_errors_are_clear_and_before_any_work():
     for top_k in (0, -1, 2.5):  # 0 would draft nothing, -1 fail inside torch at the first step
         with pytest.raises(ValueError, match="top_k must be an int >= 1"):
             BatchEngine(m, method="ddtree", drafter=_drafter("oracle", m), budget=4, top_k=top_k)
+    # sizes that were truncated (2.9 -> 2) or taken as ints (True -> 1), stop ids of the wrong kind
+    for kw, named in (({"max_context": 2.9}, "max_context"), ({"num_slots": True}, "num_slots"),
+                      ({"max_streams": 2.0}, "max_streams")):
+        with pytest.raises(ValueError, match=f"{named} must be an int >= 1"):
+            BatchEngine(m, **kw)
+    for stops in ((True,), 5, np.array([1, 2])):
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            eng.add_request([1], 4, SamplingParams(stop_token_ids=stops))
+    for new in (None, 2.5, 0):
+        with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
+            generate_batch(m, [[1]], new)
     assert not eng.has_work() and eng.pool_free_slots == 100
 
 
@@ -545,7 +574,8 @@ def test_an_idle_lane_beside_small_trees_stays_finite():
 def test_isolate_failures_fails_one_prefill_alone(monkeypatch):
     """A prefill that raises (out of memory on a long prompt, say): with isolate_failures that request
     finishes alone with finish_reason "error", its lane and slots go back, the others equal AR; by default
-    the exception propagates."""
+    the exception propagates, the request ended first the same way, so that a caller that steps on gets
+    the others' tokens, the first from the step after the one that raised."""
     m = _model()
     real = m.forward_plain
 
@@ -566,7 +596,14 @@ def test_isolate_failures_fails_one_prefill_alone(monkeypatch):
     assert [(o.finished, o.finish_reason, o.new_tokens) for o in failed] == [(True, "error", [])]
     assert failed[0].error == eng.result(broken).error == "RuntimeError: out of memory (simulated)"
     assert eng.result(ok).tokens == _ar(m, good, 12) and eng.pool_free_slots == eng.pool.num_slots
-    plain = BatchEngine(m, max_streams=2)
-    plain.add_request(bad, 4)
+    plain = BatchEngine(m, max_streams=2, keep_results=True)
+    first, broken = plain.add_request(good, 6), plain.add_request(bad, 4)
     with pytest.raises(RuntimeError, match="simulated"):
         plain.step()
+    assert (plain.num_running, plain.num_waiting) == (1, 0)
+    assert plain.result(broken).error == "RuntimeError: out of memory (simulated)"
+    outs = []
+    while plain.has_work():
+        outs += plain.step()
+    assert [t for o in outs if o.request_id == first for t in o.new_tokens] == _ar(m, good, 6)
+    assert {o.request_id for o in outs} == {first} and plain.pool_free_slots == plain.pool.num_slots

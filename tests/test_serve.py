@@ -70,7 +70,7 @@ def test_completion_shape_usage_and_ddtree_stats(oa):
     assert r.usage.completion_tokens == 12 and r.usage.total_tokens == r.usage.prompt_tokens + 12
     st = c.model_extra["ddtree"]
     assert st["method"] == "ddtree" and len(st["accepted"]) == len(st["step_ms"]) == st["steps"]
-    assert sum(st["accepted"]) >= 12  # the last step may have gone past max_tokens
+    assert sum(st["accepted"]) >= 12 - 1  # the prefill's token is no step's; the last may go past max_tokens
 
 
 def test_greedy_output_equals_single_stream_autoregressive(oa, bundle):
@@ -657,3 +657,34 @@ def test_a_given_core_reports_its_own_levers(bundle):
         assert plain.info()["async_scheduling"] is False and plain.info()["method"] == "ar"
     finally:
         plain.close()
+
+
+def _settled_state(engine) -> dict:
+    """The engine's state once its loop has snapshotted it with nothing running."""
+    deadline = time.monotonic() + 10
+    while engine.state()["running"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return engine.state()
+
+
+def test_accept_lengths_and_spec_counters_count_decode_steps_alone():
+    """The prefill's token is no accepted token: an AR request's steps each accept 1 (they read 2 on the
+    step that also ran the prefill). The warm-up request's draft rounds are in no counter: after one DDTree
+    request the spec-decode counters hold its steps alone."""
+    bundle = serve.load_bundle()
+    prompt = bundle.tokenizer.encode("def main():\n    return")
+    ar = serve.Engine(bundle, method="ar", max_num_seqs=2, max_model_len=128, warm_up=False)
+    try:
+        st = ar.run(prompt, 6, SamplingParams(ignore_eos=True))["ddtree"]
+        assert (st["accepted"], st["steps"], st["mean_accepted"]) == ([1] * 5, 5, 1.0)
+    finally:
+        ar.close()
+    dd = serve.Engine(bundle, method="ddtree", budget=8, max_num_seqs=2, max_model_len=128, warm_up=True)
+    try:
+        assert dd.wait_ready(60)
+        st = dd.run(prompt, 12, SamplingParams(ignore_eos=True))["ddtree"]
+        spec = _settled_state(dd)["spec"]
+        assert spec["drafts"] == st["steps"] and spec["accepted_tokens"] == sum(st["accepted"]) - st["steps"]
+        assert sum(spec["accepted_per_pos"]) == spec["accepted_tokens"]
+    finally:
+        dd.close()

@@ -6,7 +6,7 @@
     rid = eng.add_request(prompt_ids, 64, SamplingParams(temperature=0.7, seed=1))
     while eng.has_work():
         for o in eng.step():                 # StepOutput per request that emitted tokens or finished
-            ...
+            ...                              # (two for a request admitted and decoded in this step)
 
 State. The pool `kv [layers, S + 1, kv_lora + rope]` is shared: slot S is a null slot that no request
 owns (the page-table padding). A request reserves prompt + max_new_tokens + W slots when it is
@@ -61,7 +61,7 @@ import torch
 
 from kdlib import ops
 from kdlib.engine.drafter import DFlashDrafter, NoisyOracleDrafter
-from kdlib.engine.generate import MAX_BUDGET, MAX_DEPTH, GenerateResult, check_temperature
+from kdlib.engine.generate import MAX_BUDGET, MAX_DEPTH, GenerateResult, check_int, check_temperature
 
 MIN_TABLE = 64  # the narrowest page-table width a step reads (positions); buckets double from here
 TOP_LOGPROBS = 20  # alternatives computed when a request asks for logprobs (OpenAI's maximum)
@@ -96,8 +96,11 @@ class SamplingParams:
                                           or not isinstance(self.logprobs, numbers.Integral)
                                           or not 0 <= self.logprobs <= TOP_LOGPROBS):
             raise ValueError(f"logprobs must be None or an int in [0, {TOP_LOGPROBS}], got {self.logprobs!r}")
+        if not isinstance(self.stop_token_ids, tuple | list):
+            raise ValueError("stop_token_ids must be a tuple of token ids, got "
+                             f"{type(self.stop_token_ids).__name__}")
         bad = [s for s in self.stop_token_ids
-               if not isinstance(s, numbers.Integral) or not 0 <= s < vocab_size]
+               if isinstance(s, bool) or not isinstance(s, numbers.Integral) or not 0 <= s < vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:3]} are not token ids of the vocabulary "
                              f"[0, {vocab_size})")
@@ -113,13 +116,14 @@ def masks_stops(p: SamplingParams) -> bool:
 
 @dataclass
 class StepOutput:
-    """What one request emitted in one step (see kdlib.engine.batch's module docstring)."""
+    """What one request emitted in one step (see kdlib.engine.batch's module docstring). A request admitted
+    in a step has two in it where that step also decoded it: its prefill's, then its decode step's."""
 
     request_id: int
     new_tokens: list[int]
     finished: bool
     finish_reason: str | None
-    accepted: int
+    accepted: int  # the decode step's tau (accepted rows, root included); 0 for the prefill's token
     logprobs: list[dict] | None = None
     error: str | None = None  # finish_reason "error" (isolate_failures): what failed
 
@@ -342,7 +346,9 @@ class BatchEngine:
     isolate_failures: a request whose prefill raises (out of memory on a long prompt, say) finishes
     alone, StepOutput finish_reason "error" with the message in `error`, its lane and slots returned,
     and the others run on (a server's choice); off, the exception propagates (the library's default:
-    nothing fails silently)."""
+    nothing fails silently), the request ended the same way first (its `error` set, under keep_results
+    in `finished`), so that the engine can step on: the outputs of the requests admitted before it in
+    that call come first from the next `step`."""
 
     def __init__(self, model, max_streams: int = 16, method: str = "ar", drafter=None,
                  budget: int | None = None, top_k: int | None = None, num_slots: int | None = None,
@@ -350,13 +356,12 @@ class BatchEngine:
                  compile: bool = False, overlap: bool = False, isolate_failures: bool = False):
         if method not in ("ar", "ddtree"):
             raise ValueError(f"method must be 'ar' or 'ddtree', got {method!r}")
-        if isinstance(max_streams, bool) or not isinstance(max_streams, numbers.Integral) or max_streams < 1:
-            raise ValueError(f"max_streams must be an int >= 1, got {max_streams!r}")
         cfg = model.cfg
         self.model, self.cfg, self.method = model, cfg, method
         self.device, self.dtype = model.device, model.dtype
-        self.max_streams = int(max_streams)
-        self.max_context = cfg.max_position_embeddings if max_context is None else int(max_context)
+        self.max_streams = check_int("max_streams", max_streams, 1)
+        self.max_context = (cfg.max_position_embeddings if max_context is None
+                            else check_int("max_context", max_context, 1))
         if not 1 <= self.max_context <= cfg.max_position_embeddings:
             raise ValueError(f"max_context must lie in [1, {cfg.max_position_embeddings}], "
                              f"got {max_context!r}")
@@ -391,7 +396,7 @@ class BatchEngine:
         # on while the host reads the previous one (a request it finished has committed up to width more)
         cap = self.max_context + self.rows + (self.width if overlap else 0)
         self.table_cap = cap
-        num_slots = self.max_streams * cap if num_slots is None else int(num_slots)
+        num_slots = self.max_streams * cap if num_slots is None else check_int("num_slots", num_slots, 1)
         self.pool = SlotPool(cfg, num_slots, self.device, self.dtype)
         self.drafter = None if method == "ar" else _lane_drafter(drafter, model, self.max_streams, cap)
         self.graphs = (self.device.type == "cuda") if graphs is None else bool(graphs)
@@ -420,8 +425,9 @@ class BatchEngine:
         # before its min_tokens-th, i.e. whose KV position (lens + depth + 1) is below prompt + min_tokens
         self.min_until = torch.zeros(n, **i64)  # [lanes] prompt + min_tokens (0: nothing masked)
         self.stop_mask = torch.zeros(n, self.cfg.vocab_size, dtype=torch.bool, device=dev)  # [lanes, V]
-        # packed step result: [emitted count, tokens x width, (logprob, top ids, top logprobs) x width]
-        self.out_cols = 1 + self.width * (2 + 2 * TOP_LOGPROBS)
+        # packed step result: [emitted count, tokens x width, (logprob, top ids, top logprobs) x width,
+        # the rows verified (the tree's nodes, root included; 1 for AR)]
+        self.out_cols = 1 + self.width * (2 + 2 * TOP_LOGPROBS) + 1
         self.out_dev = torch.zeros(n, self.out_cols, dtype=torch.float64, device=dev)  # [lanes, cols]
         pinned = dict(dtype=torch.float64, pin_memory=dev.type == "cuda")
         # [2, lanes, cols] under overlap (one per step in flight), else [lanes, cols]
@@ -436,6 +442,7 @@ class BatchEngine:
         self._requests: dict[int, _Request] = {}  # waiting and running
         self.keep_results = keep_results
         self.isolate_failures = bool(isolate_failures)
+        self._held: list[StepOutput] = []  # outputs of a step whose admission raised, for the next step
         self.finished: dict[int, _Request] = {}  # with keep_results: finished requests by id
         self._next_id = 0
         self.spec_stats = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
@@ -537,13 +544,14 @@ class BatchEngine:
             try:
                 outs.append(self._prefill(r))
             except Exception as e:
-                if not self.isolate_failures:
-                    raise
                 r.error = f"{type(e).__name__}: {e}"
                 self._retire(r)
                 self._requests.pop(r.rid, None)
                 if self.keep_results:
                     self.finished[r.rid] = r
+                if not self.isolate_failures:
+                    self._held = outs  # the next step returns them first
+                    raise
                 outs.append(StepOutput(r.rid, [], True, "error", 0, error=r.error))
         return outs
 
@@ -582,7 +590,7 @@ class BatchEngine:
         lp = None
         if p.logprobs is not None:
             lp = self._logprob_entries(torch.log_softmax(logits[0].float(), -1), [t], p.logprobs)
-        return self._emit(r, [t], 1, lp)
+        return self._emit(r, [t], 0, lp)  # no verify step: nothing accepted
 
     def _mask_stops(self, logits: torch.Tensor, pos: torch.Tensor, C: int) -> torch.Tensor:
         """logits [C, W, V] with each lane's stop tokens at -inf on the rows at KV position pos [C, W] whose
@@ -614,15 +622,16 @@ class BatchEngine:
         finished there has run one step more, whose tokens are dropped), then admits; its outputs lag
         the device by one step."""
         t0 = time.perf_counter()
+        outs, self._held = self._held, []  # what a step that raised in admission had emitted
         if not self.overlap:
-            outs = self._admit()
+            outs += self._admit()
             launched = self._launch()
             if launched is not None:
                 outs += self._finish(launched)
                 self.step_ms.append((time.perf_counter() - t0) * 1e3)
             return outs
         launched = self._launch()
-        outs = self._finish(self._inflight) if self._inflight is not None else []
+        outs += self._finish(self._inflight) if self._inflight is not None else []
         self._inflight = launched
         outs += self._admit()
         if launched is not None:
@@ -688,13 +697,14 @@ class BatchEngine:
             lp = [{"token": toks[i], "logprob": float(chosen[i]),
                    "top": [(int(a), float(b)) for a, b in zip(ids[i, :k], vals[i, :k], strict=True)]}
                   for i in range(n)]
+        verified = int(row[-1])
         r.steps += 1
         r.accepted.append(n)
-        r.tree_sizes.append(self.rows)
+        r.tree_sizes.append(verified)
         if self.method == "ddtree":
             s = self.spec_stats
             s["drafts"] += 1
-            s["draft_tokens"] += self.budget
+            s["draft_tokens"] += verified - 1
             s["accepted_tokens"] += n - 1
             for i in range(n - 1):
                 s["accepted_per_pos"][i] += 1
@@ -762,10 +772,12 @@ class BatchEngine:
             nxt = self._pick(pick, u, lanes, sampled, filtered)  # [C, 1]
             tau = torch.ones(C, dtype=torch.int64, device=dev)
             emitted, rows = nxt, torch.zeros(C, 1, dtype=torch.int64, device=dev)
+            verified = torch.ones(C, dtype=torch.int64, device=dev)
         else:
             logp = torch.log_softmax(self.drafter.draft(bonus, lens, T).float(), dim=-1)  # [C, L, V]
             top = logp.topk(self.k, dim=-1)
             trees = self._build(top.indices.contiguous(), top.values.contiguous(), C)
+            verified = torch.as_tensor(trees.sizes, device=dev)  # [C] nodes, root included
             nodes = torch.as_tensor(trees.node_token_ids, device=dev)  # [C, budget]
             tokens = torch.cat([bonus[:, None], nodes.clamp(min=0)], dim=1)  # [C, W]
             depth = torch.as_tensor(trees.positions, device=dev).clamp(min=0)  # [C, W]
@@ -805,6 +817,7 @@ class BatchEngine:
         out.zero_()
         out[:, 0] = tau.double()
         out[:, 1 : 1 + emitted.shape[1]] = emitted.double()
+        out[:, -1] = verified.double()
         if want_lp:
             wd = self.width
             lp = torch.log_softmax(
@@ -815,7 +828,8 @@ class BatchEngine:
             kt = min(TOP_LOGPROBS, lp.shape[-1])  # a vocabulary under TOP_LOGPROBS has fewer alternatives
             top = lp.topk(kt, dim=-1)
             n = emitted.shape[1]
-            alts = out[:, base + wd :].view(C, 2, wd, TOP_LOGPROBS)  # [C, ids | values, width, TOP_LOGPROBS]
+            # [C, ids | values, width, TOP_LOGPROBS], before the verified-rows column
+            alts = out[:, base + wd : -1].view(C, 2, wd, TOP_LOGPROBS)
             alts[:, 0, :n, :kt] = top.indices[:, :n].double()
             alts[:, 1, :n, :kt] = top.values[:, :n].double()
 
@@ -940,11 +954,13 @@ def generate_batch(model, prompts, max_new_tokens: int, method: str = "ar", draf
                    compile: bool = False, overlap: bool = False) -> list[GenerateResult]:
     """Generate max_new_tokens after each prompt with the batched engine; results in prompt order.
 
+    top_k: the drafts per depth (DDTree's K), not a sampling top-k (SamplingParams.top_k).
     seed: request i gets seed + i (None: fresh randomness). GenerateResult.phase_ms stays empty
     (a step's phases run inside one graph); accepted / tree_sizes / target_forwards are per request,
     total_ms is the whole batch's wall time.
     """
     prompts = [list(p) for p in prompts]
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
     if not prompts:
         return []
     n = len(prompts) if max_streams is None else max_streams

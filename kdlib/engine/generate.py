@@ -112,7 +112,8 @@ class GenerateResult:
         return np.sum([np.asarray(self.phase_ms[p]) for p in PHASES], axis=0)
 
 
-def _check_int(name, v, lo):
+def check_int(name, v, lo):
+    """int(v), after a ValueError naming `name` unless v is an int (not a bool) >= lo."""
     if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
         raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
     return int(v)
@@ -123,11 +124,11 @@ def validate(model, prompt_ids, max_new_tokens, method, drafter, budget, top_k, 
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     prompt = model.check_tokens(prompt_ids)
-    max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
     limit = (
         model.cfg.max_position_embeddings
         if max_context is None
-        else _check_int("max_context", max_context, 1)
+        else check_int("max_context", max_context, 1)
     )
     if limit > model.cfg.max_position_embeddings:
         raise ValueError(f"max_context {limit} exceeds the model's max_position_embeddings "
@@ -158,7 +159,7 @@ def validate(model, prompt_ids, max_new_tokens, method, drafter, budget, top_k, 
         if isinstance(drafter, DFlashDrafter):  # hidden size too: what the batched engine checks
             drafter.c.validate(model.cfg)
         horizon = drafter.block_size - 1
-        budget = horizon if budget is None else _check_int("budget", budget, 0)
+        budget = horizon if budget is None else check_int("budget", budget, 0)
         if budget > MAX_BUDGET:
             raise ValueError(f"budget {budget} exceeds the tree kernels' limit {MAX_BUDGET}")
         if getattr(model, "attention", "torch") == "ops" and budget > MAX_OPS_BUDGET:
@@ -168,7 +169,7 @@ def validate(model, prompt_ids, max_new_tokens, method, drafter, budget, top_k, 
             raise ValueError(f"tree depth min(L={horizon}, budget={budget}) exceeds the tree kernels' limit "
                              f"{MAX_DEPTH}")
         if top_k is not None:
-            _check_int("top_k", top_k, 1)
+            check_int("top_k", top_k, 1)
         # K never exceeds the budget (survey §2.1); a root-only tree still reads one column
         cap = max(budget, 1)
         k = min(top_k if top_k is not None else cap, cap, model.cfg.vocab_size)

@@ -102,9 +102,10 @@ class Sequence:
     rid: int | None = None
     text: TextStream | None = None
     tokens: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)  # each decode step's tau
     step_ms: list[float] = field(default_factory=list)
     first_at: float | None = None
+    first_tokens: int = 0  # the tokens emitted at first_at (the prefill's, and its step's decode's)
     last_at: float | None = None
 
     def emit(self, kind: str, payload) -> None:
@@ -117,7 +118,7 @@ class Sequence:
     def stats(self, method: str, budget) -> dict:
         n, steps = len(self.tokens), len(self.accepted)
         decode_s = (self.last_at - self.first_at) if self.first_at is not None else 0.0
-        first_n = self.accepted[0] if self.accepted else 0
+        first_n = self.first_tokens
         return {"method": method, "budget": budget, "steps": steps, "accepted": list(self.accepted),
                 "step_ms": [round(x, 4) for x in self.step_ms],
                 "mean_accepted": sum(self.accepted) / steps if steps else 0.0,
@@ -204,6 +205,7 @@ class Engine:
         self._outbox: dict[object, list] = {}  # post -> [(listener, event)] of this loop iteration
         self._closing = False
         self.totals = dict.fromkeys(TOTALS, 0.0)
+        self._spec_base: dict = {}  # the core's spec_stats after the warm-up: /metrics counts from there
         self._state = self._read_state()
         try:
             self.metrics = Metrics(self.name, self.state)
@@ -330,10 +332,20 @@ class Engine:
     # ------------------------------------------------------------------ the loop's thread
     def _read_state(self) -> dict:
         c = self.core
-        spec = getattr(c, "spec_stats", None) or {}
         return {"running": c.num_running, "waiting": c.num_waiting, "pool_slots": c.pool_slots,
-                "pool_free": c.pool_free_slots,
-                "spec": {k: (list(v) if isinstance(v, list | tuple) else v) for k, v in spec.items()}}
+                "pool_free": c.pool_free_slots, "spec": self._spec_since(self._spec_base)}
+
+    def _spec_since(self, base: dict) -> dict:
+        """The core's spec_stats less `base` (counts, and the per-position list element by element)."""
+        spec = getattr(self.core, "spec_stats", None) or {}
+        out = {}
+        for k, v in spec.items():
+            b = base.get(k)
+            if isinstance(v, list | tuple):
+                out[k] = [x - (b[i] if b is not None and i < len(b) else 0) for i, x in enumerate(v)]
+            else:
+                out[k] = v - (b or 0)
+        return out
 
     def _loop(self) -> None:
         import torch
@@ -399,7 +411,8 @@ class Engine:
 
     def _warm_up(self) -> None:
         """One short untimed request: torch's first calls (allocator growth, kernel selection) cost
-        seconds and would land in the first client's timings. A failure shows on real requests."""
+        seconds and would land in the first client's timings. A failure shows on real requests. Its
+        draft rounds are left out of the spec-decode counters (`_spec_base`), as it is of the totals."""
         from kdlib.engine.batch import SamplingParams
 
         try:
@@ -409,6 +422,7 @@ class Engine:
             self.core.abort(rid)
         except Exception:  # noqa: BLE001 - reported by the first real request instead
             pass
+        self._spec_base = self._spec_since({})  # its draft rounds are nobody's: /metrics leaves them out
 
     def _add(self, seq: Sequence) -> None:
         try:
@@ -462,11 +476,14 @@ class Engine:
             if failed is not None:  # its prefill raised: this sequence fails, the others go on
                 self._fail(seq, RequestError(f"generation failed: {failed}", status=500, type="server_error"))
                 continue
-            taus.append(sum(int(o.accepted) for o in group))
-            seq.accepted.append(taus[-1])
-            seq.step_ms.append(dt * 1e3)
+            decoded = [o for o in group if o.accepted > 0]  # not the prefill's token (accepted 0)
+            if decoded:
+                taus.append(sum(int(o.accepted) for o in decoded))
+                seq.accepted.append(taus[-1])
+                seq.step_ms.append(dt * 1e3)
             if seq.first_at is None:
                 seq.first_at = now
+                seq.first_tokens = sum(len(o.new_tokens) for o in group)
                 if m is not None:
                     m.ttft.observe(now - seq.submitted)
                     m.ttft_kdlib.observe(now - seq.submitted)
