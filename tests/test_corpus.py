@@ -4,8 +4,6 @@ import json
 from functools import cache
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from kdlib import corpus
 
@@ -59,9 +57,13 @@ def test_split_follows_the_documented_rule():
         assert (d.split == "held_out") == expect or d.id.startswith("docstrings/")
 
 
-@given(st.sampled_from(corpus.KINDS), st.text(min_size=1, max_size=40))
-def test_split_of_is_a_function_of_kind_and_id(kind, doc_id):
-    assert corpus.split_of(kind, doc_id) == corpus.split_of(kind, doc_id) in corpus.SPLITS
+@pytest.mark.parametrize("kind,doc_id,split", [
+    ("code", "doc/0", "held_out"), ("code", "doc/1", "train"), ("prose", "doc/1", "held_out"),
+    ("prose", "doc/0", "train"), ("templated", "doc/17", "held_out"), ("templated", "doc/16", "train")])
+def test_split_of_is_the_same_everywhere(kind, doc_id, split):
+    """Pinned splits: a split_of that hashed with anything salted per process or platform (Python's
+    hash()) would move some of them."""
+    assert corpus.split_of(kind, doc_id) == split
 
 
 def test_write_read_round_trips(tmp_path):

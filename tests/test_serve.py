@@ -309,10 +309,17 @@ def test_a_request_failing_at_admission_is_counted_as_an_error(server, http, mon
     assert errors() == before + 1
 
 
-def test_a_disconnected_client_is_cancelled(server, http):
+def test_a_disconnected_client_is_cancelled(server, http, monkeypatch):
     def aborted():
         return parse_metrics(http.get("/metrics").text).get("kdlib_requests_total", 0)
 
+    step = server.engine.core.step
+
+    def slow_step():  # each step at least 50 ms: the requests outlast the client's patience on any CPU
+        time.sleep(0.05)
+        return step()
+
+    monkeypatch.setattr(server.engine.core, "step", slow_step)
     before = aborted()
     body = {"prompt": "Long story: ", "max_tokens": CONTEXT - 8, "temperature": 0, "ignore_eos": True}
     with httpx.Client(base_url=server.url, timeout=60) as c, c.stream("POST", "/v1/completions",

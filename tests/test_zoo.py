@@ -16,15 +16,6 @@ from kdlib.perf.suites import accept
 MAX_MODEL_BYTES = 20 * 10**6  # the issue's storage limit for data/models/
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _few_threads():
-    """One thread: the test workers run in parallel on a 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @cache
 def _models():
     target = zoo.load_target()
