@@ -469,6 +469,9 @@ def decompose(before: dict | None, after: dict | None, measured_tok_s: float | N
         if steps <= 0:
             out["why"] = "no decode steps between the snapshots"
             return out
+        if delta(names["step_count"]) <= 0 or delta(names["step_sum_s"]) <= 0:
+            out["why"] = "no engine step time between the snapshots"
+            return out
         out["accepted_length"] = delta(names["accept_sum"]) / steps
         out["step_ms"] = delta(names["step_sum_s"]) / delta(names["step_count"]) * 1e3
         out["predicted_tok_s"] = out["accepted_length"] / (out["step_ms"] / 1e3)
@@ -1086,12 +1089,14 @@ def load_table(result: dict) -> str:
 
 
 def _levels(text: str, what: str, *, integer: bool) -> tuple:
-    """'1,2,4' -> (1, 2, 4); rates may be 'inf'. ValueError naming `what` otherwise."""
+    """'1,2,4' -> (1, 2, 4); rates may be 'inf'; '' -> (). ValueError naming `what` otherwise."""
     try:
         vals = tuple((int(x) if integer else float(x)) for x in text.split(",") if x.strip())
     except ValueError:
         raise ValueError(f"--{what}: a comma-separated list of {'integers' if integer else 'numbers'}, "
                          f"got {text!r}") from None
+    if not vals and text.strip():
+        raise ValueError(f"--{what}: a comma-separated list of values, got {text!r}")
     if any(not v > 0 for v in vals):
         raise ValueError(f"--{what}: every value must be > 0, got {text!r}")
     return vals
@@ -1108,6 +1113,8 @@ def _slo(items: list[str]) -> dict:
             out[f"{key}_ms"] = float(ms)
         except ValueError:
             raise ValueError(f"--goodput: {it!r} has no number of milliseconds") from None
+        if not 0 < out[f"{key}_ms"] < math.inf:
+            raise ValueError(f"--goodput: {it!r}: the milliseconds must be finite and > 0")
     return out
 
 
@@ -1156,6 +1163,8 @@ def cli(argv: list[str]) -> int:
         slo = _slo(args.goodput)
     except ValueError as e:
         ap.error(str(e))
+    if args.load and not levels and not rates:
+        ap.error("--concurrency and --request-rate name no level to run")
     if args.json and os.path.isdir(args.json):  # checked before measuring: the write comes last
         ap.error(f"--json {args.json} is a folder, not a file")
     if args.json and not os.access(os.path.dirname(os.path.abspath(args.json)), os.W_OK):

@@ -17,6 +17,7 @@ from `measured`, never from this table.
 from __future__ import annotations
 
 import json
+import math
 from functools import cache
 from pathlib import Path
 
@@ -43,9 +44,23 @@ def _validate(spec: dict, path: Path) -> dict:
             raise ValueError(f"{path.name}: interconnect lacks {k!r}")
     if link["kind"] not in INTERCONNECT_KINDS:
         raise ValueError(f"{path.name}: interconnect kind {link['kind']!r} not in {INTERCONNECT_KINDS}")
+    def positive(v) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < math.inf
+
     for k in ("memory_bytes", "hbm_bandwidth_Bps", "bf16_dense_flops", "fp8_dense_flops", "int8_dense_ops"):
-        if not (isinstance(spec[k], int | float) and spec[k] > 0):
+        if not positive(spec[k]):
             raise ValueError(f"{path.name}: {k} must be a positive number, got {spec[k]!r}")
+    if spec["fp4_dense_flops"] is not None and not positive(spec["fp4_dense_flops"]):
+        raise ValueError(f"{path.name}: fp4_dense_flops must be None or a positive number, "
+                         f"got {spec['fp4_dense_flops']!r}")
+    if isinstance(spec["sm_count"], bool) or not isinstance(spec["sm_count"], int) or spec["sm_count"] < 1:
+        raise ValueError(f"{path.name}: sm_count must be a positive int, got {spec['sm_count']!r}")
+    if not positive(link["bandwidth_Bps_per_direction"]):
+        raise ValueError(f"{path.name}: interconnect bandwidth_Bps_per_direction must be a positive number, "
+                         f"got {link['bandwidth_Bps_per_direction']!r}")
+    if link["latency_s"] is not None and not positive(link["latency_s"]):
+        raise ValueError(f"{path.name}: interconnect latency_s must be None or a positive number, "
+                         f"got {link['latency_s']!r}")
     unsourced = [k for k in REQUIRED[2:9] if k not in spec["sources"]]
     if unsourced:
         raise ValueError(f"{path.name}: no source for {unsourced}")

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 
 from kdlib import hw
 from kdlib.cli import Parser, fail, fraction, nonnegative_float, positive_int
@@ -188,8 +189,9 @@ def kv_bytes_per_token(config, dtype: str = "bfloat16", tp: int = 1, kv_split: s
 
 def kv_bytes(config, tokens: int, dtype: str = "bfloat16", tp: int = 1, kv_split: str = "replicated"):
     """KV-cache bytes on one GPU for `tokens` tokens (context_parallel: the busiest rank, ceil(n/tp))."""
-    if tokens < 0:
-        raise ValueError(f"tokens must be >= 0, got {tokens}")
+    if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral) or tokens < 0:
+        raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
+    _check_split(tp, kv_split)
     if kv_split == "context_parallel":
         c = dcp_size(geometry(config), tp)
         return math.ceil(tokens / c) * kv_bytes_per_token(config, dtype, tp, "replicated")
@@ -472,6 +474,9 @@ def implied_mem_fraction(config, gpu: str, tp: int, pool_tokens_logged: int, kv_
                          overhead_bytes: int = DEFAULT_OVERHEAD_BYTES) -> float:
     """The mem_fraction_static that reproduces a pool size a server logged (max_total_num_tokens),
     under this module's weight count and overhead assumption."""
+    if (isinstance(pool_tokens_logged, bool) or not isinstance(pool_tokens_logged, numbers.Integral)
+            or pool_tokens_logged < 1):
+        raise ValueError(f"pool_tokens_logged must be an int >= 1, got {pool_tokens_logged!r}")
     cell = kv_bytes_per_token(
         config, kv_dtype, tp, kv_split if kv_split != "context_parallel" else "replicated"
     )
@@ -694,7 +699,7 @@ def plan(config, gpu: str, tp: int, context: int, *, kv_dtype: str = "bfloat16",
             "term": "CUDA context + NCCL before weights",
             "value": overhead_bytes,
             "unit": "B",
-            "note": "assumed",
+            "note": "assumed" if overhead_bytes == DEFAULT_OVERHEAD_BYTES else "given",
         },
         {
             "key": "free_before_weights",
@@ -1072,7 +1077,9 @@ def cli(argv: list[str] | None = None) -> int:
     ap.add_argument("--overhead-gib", type=nonnegative_float, default=DEFAULT_OVERHEAD_BYTES / GiB,
                     help="memory taken before weights load (CUDA context, NCCL), GiB, below the GPU's "
                          "memory; an assumption")
-    ap.add_argument("--speculative", action="store_true", help="add SGLang's +2 GiB speculative reserve")
+    ap.add_argument("--speculative", action="store_true",
+                    help="add SGLang's +2 GiB speculative reserve to its default fraction (as SGLang, "
+                         "nothing with --mem-fraction-static)")
     ap.add_argument("--max-total-tokens", type=positive_int, default=None,
                     help="cap the per-GPU pool (SGLang --max-total-tokens)")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")

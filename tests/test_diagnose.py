@@ -116,6 +116,9 @@ def test_decompose_kdlib_engine_vllm_and_none():
     assert v["accepted_length"] == pytest.approx(2.9) and v["predicted_tok_s"] is None and not v["available"]
     assert dg.decompose(None, after)["available"] is False
     assert dg.decompose(before, before)["why"].startswith("no decode steps")
+    # request steps counted but no engine step time (a scrape without the step histogram)
+    no_time = dg.decompose(before, {k: v for k, v in after.items() if not k.startswith("kdlib_step")})
+    assert not no_time["available"] and no_time["why"] == "no engine step time between the snapshots"
 
 
 def test_parse_metrics_through_prometheus_client():
@@ -269,6 +272,10 @@ def test_cli_load_mode_writes_json(server, tmp_path, capsys):
     (["--timeout", "inf"], "--timeout: must be a positive number"),
     (["--json", "/tmp"], "--json /tmp is a folder, not a file"),
     (["--sustained-prompt", "-5"], "--sustained-prompt must be positive"),
+    (["--load", "--goodput", "ttft:-5"], "the milliseconds must be finite and > 0"),
+    (["--load", "--goodput", "tpot:nan"], "the milliseconds must be finite and > 0"),
+    (["--load", "--concurrency", ","], "--concurrency: a comma-separated list of values"),
+    (["--load", "--concurrency", ""], "name no level to run"),
 ])
 def test_cli_refuses_bad_arguments_before_any_request(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

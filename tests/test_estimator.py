@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kdlib import DATA, ROOT, hw
+from kdlib import DATA, ROOT, hw, memory
 from kdlib import estimator as est
 from kdlib.config import ConfigError, ModelConfig
 from kdlib.estimator import calibration as cal
@@ -214,8 +214,23 @@ def test_a_step_commits_at_most_its_block_and_the_bonus():
     assert sc.max_accepted == 17
     acc = next(r for r in est.sensitivity("b300", sc, factor=2.0) if r["name"] == "accepted (scenario)")
     assert acc["high"] == pytest.approx(acc["base"] * 17 / 12.0)
-    with pytest.raises(ValueError, match=r"must lie in \(0, min\(q_len, block \+ 1\) = 17\]"):
+    with pytest.raises(ValueError, match=r"must lie in \[1, min\(q_len, block \+ 1\) = 17\]"):
         est.Scenario(1, 33, 16, 24.0, 4096, "gpu")
+
+
+def test_scenarios_and_shapes_the_model_cannot_cost_are_refused():
+    """An accepted length under 1 (a step commits at least its bonus token: 0.01 gave 1 tok/s), half a
+    stream, and a shape without experts (a division by zero in the MoE term)."""
+    for bad in (0.01, 0.5):
+        with pytest.raises(ValueError, match=r"must lie in \[1, "):
+            est.Scenario(accepted=bad)
+    for kw in ({"concurrency": 2.5}, {"q_len": 9.5}, {"context": 100.5}):
+        with pytest.raises(ValueError, match="whole numbers"):
+            est.Scenario(**kw)
+    assert est.Scenario(concurrency=4.0).m == 36  # a whole float (a pandas row's) is a count
+    for kw in ({"n_experts": 0, "top_k": 0}, {"top_k": 0}):
+        with pytest.raises(ValueError, match="1 <= top_k <= n_experts"):
+            est.ModelShape(**kw)
 
 
 # ----------------------------------------------------------------------------- calibration
@@ -446,6 +461,18 @@ def test_cli_block_size_sets_what_a_step_verifies():
         assert big["step_ms"] > s["step_ms"] and big["tok_s"] < s["tok_s"]
     rc, out = _run_cli(["--block-size", "16", "--accepted-length", "12"])
     assert rc == 0 and "block 16, ~12 accepted," in out and "current drafter" not in out
+
+
+def test_cli_marks_a_scenario_past_the_kv_pool():
+    """64 streams of 100k tokens on an H200 hold about nine times the latent pool kdlib memory gives one
+    GPU of TP8: the row says so (the JSON's fits False), a stream alone fits."""
+    rows = _rows(["--gpu", "h200", "--concurrency", "1", "64", "--context", "100000"])
+    pool = memory.plan(est.SHAPE_CONFIG, "h200", 8, 100_009).value("pool_tokens")
+    assert [(r["kv_tokens"], r["pool_tokens"], r["fits"]) for r in rows] == [
+        (100_009, pool, True), (64 * 100_009, pool, False)]
+    rc, out = _run_cli(["--gpu", "h200", "--concurrency", "1", "64", "--context", "100000"])
+    lines = out.splitlines()
+    assert rc == 0 and "does not fit" not in lines[1] and f"the pool holds {pool:,}" in lines[2]
 
 
 def test_cli_context_up_to_the_model_limit():

@@ -69,3 +69,27 @@ def test_bad_file_is_rejected(tmp_path, monkeypatch):
             hw.all()
     finally:
         hw._table.cache_clear()
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("sm_count", -1, "sm_count must be a positive int"),
+    ("sm_count", 132.5, "sm_count must be a positive int"),
+    ("fp4_dense_flops", "lots", "fp4_dense_flops must be None or a positive number"),
+    ("hbm_bandwidth_Bps", float("inf"), "hbm_bandwidth_Bps must be a positive number"),
+    ("interconnect", {"kind": "nvlink", "bandwidth_Bps_per_direction": 0, "latency_s": None},
+     "bandwidth_Bps_per_direction must be a positive number"),
+    ("interconnect", {"kind": "nvlink", "bandwidth_Bps_per_direction": 1e11, "latency_s": -1e-6},
+     "latency_s must be None or a positive number"),
+])
+def test_a_field_of_the_wrong_kind_is_rejected_at_load(tmp_path, monkeypatch, field, value, message):
+    """Fields the schema names but did not check loaded as given (-1 SMs, 'lots' of FP4 FLOP/s, a link of
+    no bandwidth, caught only where the estimator used it)."""
+    spec = hw.load("h200") | {field: value}
+    (tmp_path / "h200.json").write_text(json.dumps(spec))
+    monkeypatch.setattr(hw, "HW_DIR", tmp_path)
+    hw._table.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=message):
+            hw.all()
+    finally:
+        hw._table.cache_clear()

@@ -81,6 +81,22 @@ def test_kv_bytes_context_parallel_busiest_rank():
     assert m.kv_bytes("kimi-k2.6", 17, tp=8, kv_split="context_parallel") == 3 * 70_272  # ceil(17/8)
 
 
+def test_token_counts_and_splits_are_checked_first():
+    """A NaN, fractional or bool token count gave NaN or fractional bytes; tp 0 under context parallelism
+    divided by zero before the split was checked; a logged pool of -5 tokens implied a fraction."""
+    for bad in (float("nan"), 1.5, True, -1):
+        with pytest.raises(ValueError, match="tokens must be an int >= 0"):
+            m.kv_bytes("kimi-k2.6", bad)
+    with pytest.raises(ValueError, match="tp"):
+        m.kv_bytes("kimi-k2.6", 10, tp=0, kv_split="context_parallel")
+    for bad in (-5, 0, 2.5):
+        with pytest.raises(ValueError, match="pool_tokens_logged must be an int >= 1"):
+            m.implied_mem_fraction("kimi-k2.6", "rtx-pro-6000", 8, bad)
+    notes = {o: next(r["note"] for r in m.plan("kimi-k2.6", "h200", 8, 4096, overhead_bytes=o)
+                     if r["key"] == "overhead") for o in (m.DEFAULT_OVERHEAD_BYTES, 3 * m.GiB)}
+    assert notes == {m.DEFAULT_OVERHEAD_BYTES: "assumed", 3 * m.GiB: "given"}
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     layers=st.integers(1, 200),

@@ -217,8 +217,10 @@ def cli(argv: list[str] | None = None) -> int:
         print(f"{gpu}: block {block}, ~{acc:g} accepted{drafter}, context {context}, {tree} tree build, "
               f"{what} assumptions")
         for r in rows:
+            over = (f"  does not fit: {r['kv_tokens']:,} KV tokens, the pool holds {r['pool_tokens']:,} "
+                    f"(kdlib memory)" if r["fits"] is False else "")
             print(f"  C={r['concurrency']:<3} step {r['step_ms']:7.2f} ms  {r['tok_s']:8.0f} tok/s  "
-                  f"dominant: {r['dominant']}")
+                  f"dominant: {r['dominant']}{over}")
     return 0
 
 

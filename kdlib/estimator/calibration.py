@@ -332,7 +332,7 @@ def engine_shape(result: dict) -> ModelShape:
 def _scenario(row: dict) -> Scenario:
     q = row["budget"] + 1
     return Scenario(concurrency=row["concurrency"], q_len=q, block=max(1, row["block"]),
-                    accepted=min(max(row["accepted"], 1e-6), q), context=row["context"], tree_builder="cpu")
+                    accepted=min(max(row["accepted"], 1.0), q), context=row["context"], tree_builder="cpu")
 
 
 def calibrate_verify(a: Assumptions, engine: dict, shape: ModelShape, gpu="h200") -> tuple[Assumptions, str]:

@@ -15,14 +15,15 @@
 - dispatch: host cost per step; allreduce: ~2 per layer, the embedding's, and the drafter's (its
   embedding, ~2 per draft layer, its input fc), each latency + ring bytes / link bandwidth;
   fixed: kernels per layer x a per-kernel latency.
-Throughput = accepted / t_step per stream; x concurrency in aggregate.
+Throughput = accepted / t_step per stream; x concurrency in aggregate. `project` also sets the KV tokens
+a scenario holds against the pool one GPU has for them (`kv_capacity`): a row past it is not a deployment.
 """
 
 from __future__ import annotations
 
 import math
 
-from kdlib import hw
+from kdlib import hw, memory
 from kdlib.estimator.params import SHAPE_CONFIG, Assumptions, ModelShape, RankLayerTerms, Scenario
 
 COMPONENTS = ("moe", "dense", "attention", "draft", "tree", "dispatch", "allreduce", "fixed")
@@ -197,8 +198,27 @@ def rank_step_time(gpu, terms: RankLayerTerms, streams: int, rows_per_stream: in
     return out
 
 
+_KV_DTYPES = {2.0: "bfloat16", 1.0: "fp8_e4m3"}  # kv_bytes_per_elem -> kdlib.memory's KV dtype
+
+
+def kv_capacity(gpu: str, sc: Scenario, a: Assumptions | None = None, tp: int = 8) -> dict:
+    """The latent-cache tokens `sc` holds (concurrency x (context + q_len)) against the pool one GPU of a TP
+    `tp` deployment of SHAPE_CONFIG has for them (`kdlib.memory.plan`: the latent replicated, SGLang's
+    default memory fraction, the assumption's bytes per element): {kv_tokens, pool_tokens, fits}; the pool
+    and fits None where kdlib.memory has no plan (another GPU file, bytes per element not 1 or 2)."""
+    a = a or Assumptions()
+    need = sc.concurrency * (sc.context + sc.q_len)
+    dtype = _KV_DTYPES.get(float(a.v("kv_bytes_per_elem")))
+    if dtype is None or gpu not in hw.slugs():
+        return {"kv_tokens": need, "pool_tokens": None, "fits": None}
+    pool = memory.plan(SHAPE_CONFIG, gpu, tp, sc.context + sc.q_len, kv_dtype=dtype).value("pool_tokens")
+    return {"kv_tokens": need, "pool_tokens": pool, "fits": need <= pool}
+
+
 def project(gpus, scenarios, a: Assumptions | None = None, shape: ModelShape | None = None) -> list[dict]:
-    """One row per (gpu, scenario): step ms, each component's ms and share, tok/s, dominant term."""
+    """One row per (gpu, scenario): step ms, each component's ms and share, tok/s, dominant term; with the
+    default shape (SHAPE_CONFIG's) and a gpu of kdlib.hw, the KV tokens against the pool (`kv_capacity`),
+    else those three None."""
     rows = []
     for gpu in gpus:
         spec = hardware(gpu)
@@ -212,7 +232,9 @@ def project(gpus, scenarios, a: Assumptions | None = None, shape: ModelShape | N
             for c in COMPONENTS:
                 row[f"{c}_ms"] = st[c] * 1e3
             row["dominant"] = max(COMPONENTS, key=lambda c: st[c])
-            rows.append(row)
+            cap = (kv_capacity(gpu, sc, a, ModelShape().tp) if shape is None and isinstance(gpu, str)
+                   else dict.fromkeys(("kv_tokens", "pool_tokens", "fits")))
+            rows.append(row | cap)
     return rows
 
 

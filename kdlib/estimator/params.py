@@ -198,8 +198,9 @@ class ModelShape:
             v = getattr(self, f.name)
             if not math.isfinite(v) or v < 0:
                 raise ValueError(f"ModelShape.{f.name} must be a finite number >= 0, got {v!r}")
-        if self.tp < 1 or self.top_k > self.n_experts:
-            raise ValueError("ModelShape: tp >= 1 and top_k <= n_experts required")
+        if self.tp < 1 or self.top_k < 1 or self.top_k > self.n_experts:
+            raise ValueError(f"ModelShape: tp >= 1 and 1 <= top_k <= n_experts required, got tp {self.tp}, "
+                             f"top_k {self.top_k}, n_experts {self.n_experts}")
         if self.n_dense_layers > self.n_layers:
             raise ValueError(f"ModelShape: n_dense_layers {self.n_dense_layers} exceeds n_layers "
                              f"{self.n_layers}")
@@ -292,12 +293,15 @@ class Scenario:
     name: str = ""
 
     def __post_init__(self):
-        if not all(math.isfinite(v) for v in (self.concurrency, self.q_len, self.block, self.context)) \
+        counts = (self.concurrency, self.q_len, self.block, self.context)
+        if not all(math.isfinite(v) and v == int(v) for v in counts) \
                 or self.concurrency < 1 or self.q_len < 1 or self.block < 1 or self.context < 0:
-            raise ValueError(f"Scenario needs concurrency, q_len, block >= 1 and context >= 0: {self}")
-        if not 0 < self.accepted <= self.max_accepted:
-            raise ValueError(f"accepted {self.accepted} must lie in (0, min(q_len, block + 1) = "
-                             f"{self.max_accepted}]: a step commits at most its drafted tokens and the bonus")
+            raise ValueError(f"Scenario needs whole numbers concurrency, q_len, block >= 1 and context >= 0: "
+                             f"{self}")
+        if not 1 <= self.accepted <= self.max_accepted:
+            raise ValueError(f"accepted {self.accepted} must lie in [1, min(q_len, block + 1) = "
+                             f"{self.max_accepted}]: a step commits the bonus token, and at most its drafted "
+                             "tokens and the bonus")
         if self.tree_builder not in ("cpu", "gpu"):
             raise ValueError(f"tree_builder must be 'cpu' or 'gpu', got {self.tree_builder!r}")
 
