@@ -4,6 +4,7 @@ the GPU (gpu-marked)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -924,6 +925,31 @@ def test_v3_back_to_back_launches_leave_the_workspace_zero():
     stream.synchronize()
     check.assert_close(out, moe.moe_w4a16_reference(x_bits, w, ids, wts), rtol=5e-3, name="v3 graph replay")
     assert not cp.asnumpy(ws).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_no_local_expert_routed_to_gives_zeros(version):
+    """A routing whose device count of active experts is 0 (an expert-parallel rank none of the batch's
+    tokens chose): every version writes zeros over a poisoned output (version 3 divided by a zero count
+    of items and left it as it was), and v3's workspace is zero after."""
+    import cupy as cp
+
+    E, K, N, k, m = 16, 1024, 128, 2, 5
+    w = moe.MoEWeights.random(E, K, N, seed=9, std=0.05)
+    packed = moe.upload(moe.pack_moe(w))
+    rng = np.random.default_rng(9)
+    x_bits = moe.f32_to_bf16_bits(rng.normal(0, 1, (m, K)))
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(m)]).astype(np.int32)
+    routing = moe.prepare_routing(cp.asarray(ids), cp.asarray(rng.random((m, k)).astype(np.float32)), E)
+    none = dataclasses.replace(routing, n_active_dev=cp.zeros(1, dtype=cp.int32))
+    out = cp.full((m, K), cp.nan, dtype=cp.float32)
+    moe.moe_w4a16(cp.asarray(x_bits), packed, none, out=out, version=version)
+    assert not cp.asnumpy(out).any() and not np.isnan(cp.asnumpy(out)).any()
+    if version == 3:
+        cp.cuda.runtime.deviceSynchronize()
+        ws, scratch = moe.v3_workspace(E, N // 16)
+        assert not cp.asnumpy(ws).any() and not cp.asnumpy(scratch).any()
 
 
 def test_v3_parts_split_k_only_when_tile_pairs_are_few():

@@ -737,6 +737,27 @@ def test_compact_kv_batch_exact(dtype, row_shape):
 
 
 @pytest.mark.gpu
+def test_compaction_and_remap_stay_in_bounds_on_unchecked_input():
+    """The greedy walk reports a path's whole length, past a truncated path buffer: the kernels cut it to
+    the buffer (they read the next request's row, or past the last), and a copy from or to a row past
+    the cache (a view of the first n rows of a larger buffer here) is skipped: the rows after the view
+    and the next request's path are untouched."""
+    cp = _cp()
+    n, d = 16, 8
+    buf = cp.arange((n + 8) * d, dtype=cp.float32).reshape(n + 8, d)  # rows n .. n + 7 guard the view
+    before = buf.get()
+    paths = cp.asarray([[0, 2, 5], [0, 1, 2]], dtype=cp.int64)  # maxlen 3; request 0's length says 10
+    lengths = cp.asarray([10, 0], dtype=cp.int64)
+    compact.compact_kv_batch(buf[:n], cp.asarray([n - 2, 0], dtype=cp.int64), paths, lengths)
+    assert (buf.get() == before).all(), "rows n - 1 and n - 2 + 2 = n would read past the view"
+    r2t = cp.full((2, 8), -7, dtype=cp.int64)
+    slots = cp.asarray([[10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 24, 25]], dtype=cp.int64)
+    freed = compact.remap_slots_masked(r2t, cp.asarray([0, 0], dtype=cp.int64), slots, paths, lengths)
+    assert r2t.get()[0].tolist() == [10, 12, 15, -7, -7, -7, -7, -7] and (r2t.get()[1] == -7).all()
+    assert freed.get()[0].tolist() == [False, True, False, True, True, False]
+
+
+@pytest.mark.gpu
 def test_remap_slots_exact():
     cp = _cp()
 

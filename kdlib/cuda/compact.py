@@ -55,7 +55,9 @@ def compact_kv_batch(cache, starts, paths, lengths, *, check_values: bool = Fals
 
     Shape: cache [num_slots, D...] (any dtype, C-contiguous), starts [B] int, paths [B, maxlen]
     int, lengths [B] int in [0, maxlen]. cache[starts[b] + i] = cache[starts[b] + paths[b, i]],
-    i ascending. Returns cache (the same object the caller passed, torch tensors included).
+    i ascending. Returns cache (the same object the caller passed, torch tensors included). Without
+    check_values the kernel still stays in bounds: a length past maxlen is cut to it, a copy from or to
+    a row outside the cache is skipped.
     """
     c = loader.as_cupy(cache)
     if c.ndim < 1:
@@ -71,7 +73,7 @@ def compact_kv_batch(cache, starts, paths, lengths, *, check_values: bool = Fals
     row_units = c.itemsize * (c.size // c.shape[0]) // unit
     fn = loader.get_function(*COMPACT[unit])
     fn(((row_units + THREADS - 1) // THREADS, bsz), (THREADS,),
-       (c, np.int64(row_units), starts, paths, np.int32(paths.shape[1]), lengths))
+       (c, np.int64(c.shape[0]), np.int64(row_units), starts, paths, np.int32(paths.shape[1]), lengths))
     return cache
 
 

@@ -364,7 +364,7 @@ _DEVICE_LIMITS: dict[int, dict] = {}
 _V3_WORKSPACE: dict[tuple, tuple] = {}
 
 
-def _device_limits() -> dict:
+def device_limits() -> dict:
     """SM count and shared-memory limits of the current device (cached): the persistent grids'
     sizes and which v2 gate/up block shape fits."""
     import cupy as cp
@@ -382,7 +382,7 @@ def _device_limits() -> dict:
 
 
 def v2_gate_up_shape(warps: int, limits: dict) -> dict:
-    """The v2 gate/up block with `warps` warps on a device with `limits` (see `_device_limits`):
+    """The v2 gate/up block with `warps` warps on a device with `limits` (see `device_limits`):
     threads, dynamic shared memory, resident blocks per SM (0 = does not fit)."""
     threads, stages, by_bounds = _V2_GATE_UP[warps]
     dyn = warps * stages * _V2_STAGE_BYTES_GATE_UP
@@ -394,7 +394,7 @@ def v2_gate_up_shape(warps: int, limits: dict) -> dict:
 
 
 def v3_shape(limits: dict) -> dict:
-    """The v3 block on a device with `limits` (see `_device_limits`): threads, dynamic shared
+    """The v3 block on a device with `limits` (see `device_limits`): threads, dynamic shared
     memory, resident blocks per SM (0 = does not fit); the grid is sms x blocks_per_sm."""
     dyn = _V3_DYN_SMEM
     per_block = dyn + _V3_STATIC_SMEM + limits["smem_reserved"]
@@ -461,7 +461,7 @@ def default_version(routing: Routing, n_inter: int) -> int:
     not fit. Needs CuPy (device limits)."""
     if not v2_applies(routing, n_inter):
         return 1
-    limits = _device_limits()
+    limits = device_limits()
     resident = v3_shape(limits)["blocks_per_sm"]
     if not resident:
         return 2
@@ -670,7 +670,7 @@ def launch_v2_gate_up(xb, packed: dict, routing: Routing, out, h, *, gate_up_war
 
     Shape: xb [M, K] uint16 (bf16 bits), out [M, K] float32, h [M * topk, N] uint16 (CuPy).
     """
-    limits = _device_limits()
+    limits = device_limits()
     shape = v2_gate_up_shape(gate_up_warps, limits)
     if not shape["blocks_per_sm"]:
         raise ValueError(f"the v2 gate/up block with {gate_up_warps} warps needs {shape['dyn_smem']} B of "
@@ -690,7 +690,7 @@ def launch_v2_gate_up(xb, packed: dict, routing: Routing, out, h, *, gate_up_war
 def launch_v2_down(packed: dict, routing: Routing, out, h) -> None:
     """The v2 down launch alone: out += the routing-weighted down projection of h (see
     `launch_v2_gate_up`)."""
-    limits = _device_limits()
+    limits = device_limits()
     E, RT, NC = packed["w2"].shape[:3]
     down = get_function(SOURCE_V2, f"{STEM_V2}_down")
     threads, stages = _V2_DOWN
@@ -714,7 +714,7 @@ def launch_v3(xb, packed: dict, routing: Routing, out, h, *, workspace=None, par
     """
     import cupy as cp
 
-    limits = _device_limits()
+    limits = device_limits()
     shape = v3_shape(limits)
     if not shape["blocks_per_sm"]:
         raise ValueError(f"the v3 block needs {shape['dyn_smem']} B of shared memory; this device allows "

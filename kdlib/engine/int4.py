@@ -103,7 +103,19 @@ ROUTING_WARPS = 16  # RT_WARPS in moe_routing/v1.cu
 # the largest launch bound (slots per expert) that `routed_kernel` runs on moe_w4a16's decode-regime pick;
 # above it, version 1 (the estimator fits the two launches apart: kdlib.estimator.calibration.moe_piece)
 MOE_NARROW_BOUND = 8
-ROUTING_MAX_SMEM = 227 * 1024  # the kernel's dynamic shared memory at most (sm_90's opt-in limit)
+ROUTING_MAX_SMEM = 227 * 1024  # the kernel's dynamic shared memory at most on sm_90 (its opt-in limit)
+
+
+def routing_max_smem(device: torch.device) -> int:
+    """The kernel's dynamic shared memory at most on a CUDA `device`: its opt-in limit per block
+    (ROUTING_MAX_SMEM on sm_90, 163 KB on an A100, 99 KB on sm_86 / sm_89 / sm_120)."""
+    import cupy
+
+    from kdlib.cuda import moe
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with cupy.cuda.Device(index):
+        return moe.device_limits()["smem_block"]
 
 
 def routing_smem(slots: int, n_local: int) -> int:
@@ -120,7 +132,7 @@ def device_routing(ids: torch.Tensor, weights: torch.Tensor, e0: int, n_local: i
     ~51k slots at 384 experts, a 6k-token prefill at top-8); elsewhere, and beyond, `routing_torch`. Both
     give the same arrays (the slot order of a stable argsort by expert). overflow (a [] int64 tensor):
     += 1 when an expert has more than `bound` slots (the kernel counts it in the same launch)."""
-    if ids.device.type == "cuda" and routing_smem(ids.numel(), n_local) <= ROUTING_MAX_SMEM:
+    if ids.device.type == "cuda" and routing_smem(ids.numel(), n_local) <= routing_max_smem(ids.device):
         return routing_kernel(ids, weights, e0, n_local, bound, overflow)
     rt = routing_torch(ids, weights, e0, n_local)
     if overflow is not None:
@@ -136,10 +148,12 @@ def routing_kernel(ids: torch.Tensor, weights: torch.Tensor, e0: int, n_local: i
     from kdlib.cuda import loader
 
     M, k = ids.shape
+    # the device's limit (sm_90's where there is no device to ask: the sizes are refused all the same)
+    limit = routing_max_smem(ids.device) if ids.device.type == "cuda" else ROUTING_MAX_SMEM
     smem = routing_smem(M * k, n_local)
-    if n_local < 1 or smem > ROUTING_MAX_SMEM:
+    if n_local < 1 or smem > limit:
         raise ValueError(f"routing_kernel: n_local {n_local} must be >= 1 and {M * k} slots over it fit "
-                         f"{ROUTING_MAX_SMEM} B of shared memory (need {smem} B)")
+                         f"{limit} B of shared memory (need {smem} B)")
     dev = ids.device
     if overflow is not None and (overflow.dtype != torch.int64 or overflow.numel() != 1
                                  or overflow.device != dev):

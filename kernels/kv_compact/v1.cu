@@ -8,7 +8,9 @@
 // (start + path[i]) is never a row an earlier step wrote (start + j, j < i <= path[i]); and a
 // column is read and written by its one thread only, in order, so no other thread can observe a
 // half-done state. Requests touch disjoint row ranges (checked by the reference, assumed here).
-// Steps with path[i] == i are skipped (no copy).
+// Steps with path[i] == i are skipped (no copy). Invalid input never reads or writes out of bounds: a
+// length past maxlen is cut to it (the greedy walk reports a path's whole length, longer than a
+// truncated path buffer), a step whose row would leave [0, num_slots) is skipped.
 //
 // kv_remap_v1_i64 / _i32 (req_to_token int64 or int32): page_size 1 commit, one block per request:
 //   req_to_token[b, start + i] = tree_slots[b, path[i]]  for i < len;
@@ -18,7 +20,7 @@
 #define KC_THREADS 256
 
 template <typename U>
-__device__ __forceinline__ void compact_cols(U* __restrict__ cache, long long row_units,
+__device__ __forceinline__ void compact_cols(U* __restrict__ cache, long long num_slots, long long row_units,
                                              const long long* __restrict__ starts,
                                              const long long* __restrict__ paths, int maxlen,
                                              const long long* __restrict__ lengths) {
@@ -26,45 +28,50 @@ __device__ __forceinline__ void compact_cols(U* __restrict__ cache, long long ro
     const long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= row_units) return;
     const long long start = starts[b];
-    const long long len = lengths[b];
+    const long long len = min(lengths[b], (long long)maxlen);
     const long long* path = paths + (long long)b * maxlen;
     for (long long i = 0; i < len; ++i) {
         const long long p = path[i];
-        if (p != i) cache[(start + i) * row_units + c] = cache[(start + p) * row_units + c];
+        const bool out = start + i < 0 || start + i >= num_slots || start + p < 0 || start + p >= num_slots;
+        if (p == i || out) continue;
+        cache[(start + i) * row_units + c] = cache[(start + p) * row_units + c];
     }
 }
 
 extern "C" __global__ void __launch_bounds__(KC_THREADS) kv_compact_v1_u128(
     uint4* __restrict__ cache,             // [num_slots, row_units]
+    long long num_slots,
     long long row_units,
     const long long* __restrict__ starts,  // [B]
     const long long* __restrict__ paths,   // [B, maxlen]
     int maxlen,
     const long long* __restrict__ lengths) // [B]
 {
-    compact_cols<uint4>(cache, row_units, starts, paths, maxlen, lengths);
+    compact_cols<uint4>(cache, num_slots, row_units, starts, paths, maxlen, lengths);
 }
 
 extern "C" __global__ void __launch_bounds__(KC_THREADS) kv_compact_v1_u32(
     unsigned* __restrict__ cache,          // [num_slots, row_units]
+    long long num_slots,
     long long row_units,
     const long long* __restrict__ starts,  // [B]
     const long long* __restrict__ paths,   // [B, maxlen]
     int maxlen,
     const long long* __restrict__ lengths) // [B]
 {
-    compact_cols<unsigned>(cache, row_units, starts, paths, maxlen, lengths);
+    compact_cols<unsigned>(cache, num_slots, row_units, starts, paths, maxlen, lengths);
 }
 
 extern "C" __global__ void __launch_bounds__(KC_THREADS) kv_compact_v1_u8(
     unsigned char* __restrict__ cache,     // [num_slots, row_units]
+    long long num_slots,
     long long row_units,
     const long long* __restrict__ starts,  // [B]
     const long long* __restrict__ paths,   // [B, maxlen]
     int maxlen,
     const long long* __restrict__ lengths) // [B]
 {
-    compact_cols<unsigned char>(cache, row_units, starts, paths, maxlen, lengths);
+    compact_cols<unsigned char>(cache, num_slots, row_units, starts, paths, maxlen, lengths);
 }
 
 template <typename R>
@@ -77,7 +84,7 @@ __device__ __forceinline__ void remap(R* __restrict__ req_to_token, long long ma
     extern __shared__ unsigned char on_path[];  // [width]
     const int b = blockIdx.x;
     const int tid = threadIdx.x;
-    const long long len = lengths[b];
+    const long long len = min(lengths[b], (long long)maxlen);
     const long long start = starts[b];
     const long long* path = paths + (long long)b * maxlen;
     const long long* slots = tree_slots + (long long)b * width;

@@ -15,7 +15,8 @@
 //     counter; its partial gate and up sums are added (fp32 atomics) into a scratch the last part
 //     reads (a per-pair count says which part is last); that part applies SwiGLU, stores h, zeroes
 //     the scratch, and publishes the pair (ready[expert] += 1). With n_parts = 1 the only part does
-//     it from registers. The first Z items also zero a stripe of y. The parts add up in whatever
+//     it from registers. The first Z items also zero a stripe of y (with no item, no expert of the
+//     device routed to, every warp zeroes its grid-stride share). The parts add up in whatever
 //     order they finish, so with n_parts > 1 h (like y, in every version) can differ in the last
 //     bits from run to run.
 //   down: when gate/up items run out, the warp takes batches of down_batch (active expert, 16-row
@@ -140,7 +141,12 @@ __device__ __forceinline__ void moe_v3_body(
   const int n_batches = n_dn / down_batch;
   const int n4 = (M * K) >> 2;                                      // y in float4s (K % 64 == 0)
   const int Z = min(n_gu, (n4 + kZeroStripe - 1) / kZeroStripe);   // y stripes, one per item j < Z
-  const int zlen = (n4 + Z - 1) / Z;
+  const int zlen = Z > 0 ? (n4 + Z - 1) / Z : 0;
+  if (n_gu == 0) {  // none of the device's experts routed to (an expert-parallel rank): y is all zero
+    float4* y4 = reinterpret_cast<float4*>(y);
+    for (int i = (blockIdx.x * kWarps + warp) * 32 + lane; i < n4; i += gridDim.x * kWarps * 32)
+      y4[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
   int* ready = ws + kWsReady;                                       // [E][kLine]
   int* parts_done = ws + kWsReady + kLine * n_experts;              // [E * P]
 
