@@ -60,6 +60,19 @@ def test_the_views_agree(name):
     assert y["correction_range"] == c.rope.correction_range(c.qk_rope_head_dim, c.rope_theta)
 
 
+def test_router_fields_left_out_read_as_transformers_reads_them():
+    """A trimmed config.json without the router's fields: the engine built a router of one group, no
+    shared expert, no scaling and unnormalised weights, where transformers builds DeepSeek-V3's."""
+    from transformers import DeepseekV3Config
+
+    d = json.loads((ROOT / "data" / "configs" / "deepseek-v3.json").read_text())
+    fields = ("n_shared_experts", "first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor",
+              "norm_topk_prob")
+    cfg = ModelConfig.from_dict({k: v for k, v in d.items() if k not in fields})
+    hf = DeepseekV3Config()
+    assert {f: getattr(cfg, f) for f in fields} == {f: getattr(hf, f) for f in fields}
+
+
 def test_inv_freq_kimi_k2_written_out():
     """Kimi-K2.6: d 64, base 50000, 4096 x 64, beta 1 / 1: the original context turns once at pair
     64 ln(4096 / 2 pi) / (2 ln 50000) = 19.16, so pairs 0..19 keep base^(-2i/64) and 20..31 are / 64."""

@@ -93,6 +93,28 @@ def test_ddtree_with_dflash_equals_ar(target):
         assert dd.tokens == ar.tokens, (budget, k)
 
 
+def test_a_float32_drafter_drafts_for_a_bfloat16_target():
+    """DFlashDrafter.load gives float32 by default; its block ran the bfloat16 target's head on float32
+    states and failed on the first draft. The head now runs in its own dtype, and DDTree equals AR."""
+    bf16 = Model.random(ModelConfig.from_json(DATA / "configs" / "tiny-a.json"), seed=4, dtype=torch.bfloat16)
+    d = _drafter(bf16, seed=5)
+    assert next(d.parameters()).dtype == torch.float32
+    ar = generate(bf16, [5, 6, 7], 12)
+    assert generate(bf16, [5, 6, 7], 12, method="ddtree", drafter=d, budget=6).tokens == ar.tokens
+
+
+def test_commit_refuses_features_that_are_not_the_tokens(target):
+    """The context advanced by the features' rows whatever the tokens (3 tokens, 1 row: a drafter a
+    position short, found only at the next draft); None failed with an AttributeError."""
+    d = _drafter(target, seed=2)
+    ids, feats = _seq(target, T=10, seed=1)
+    d.begin(target, ids, feats, 8)
+    for bad in (feats[:1], None, feats[:3, :-1]):
+        with pytest.raises(ValueError, match="commits the target's features of each token"):
+            d.commit(ids[:3], bad)
+    d.commit(ids[:3], feats[:3])
+
+
 def test_config_errors(target):
     with pytest.raises(ValueError, match="mask_token_id"):
         DFlashConfig.for_target(target.cfg, mask_token_id=10_000).validate()

@@ -2,6 +2,7 @@
 DeepseekV3ForCausalLM, and the absorbed (cached) MLA form against the plain one."""
 
 import copy
+import dataclasses
 import json
 
 import numpy as np
@@ -97,6 +98,27 @@ def test_matches_transformers(case, tmp_path):
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
     check.assert_close(model.logits(ids), ref, rtol=1e-4, name=f"engine vs transformers {case}")
+
+
+def test_a_bfloat16_model_keeps_its_router_in_float32():
+    """As transformers (_keep_in_fp32_modules_strict): the router's weight and correction bias stay
+    float32 when the model is cast to bfloat16, so its routing is the float32 router's on the same
+    activations (a bias rounded to bfloat16 moved some tokens to other experts); a cast to float64
+    widens them as the rest."""
+    cfg = ModelConfig.from_json(DATA / "configs" / "tiny-a.json")
+    wide = Model.random(cfg, seed=0)
+    narrow = Model.random(cfg, seed=0, dtype=torch.bfloat16)
+    routers = [(a.mlp.gate, b.mlp.gate) for a, b in zip(wide.model.layers, narrow.model.layers, strict=True)
+               if hasattr(b.mlp, "gate")]
+    assert routers
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4096, cfg.hidden_size, generator=g).bfloat16()
+    for a, b in routers:
+        assert b.weight.dtype == b.e_score_correction_bias.dtype == torch.float32
+        assert torch.equal(a.weight, b.weight)
+        assert torch.equal(a.e_score_correction_bias, b.e_score_correction_bias)
+        assert torch.equal(a(x)[1], b(x)[1])
+    assert narrow.to(dtype=torch.float64).model.layers[-1].mlp.gate.weight.dtype == torch.float64
 
 
 def test_save_pretrained_round_trip(tmp_path):
@@ -290,6 +312,31 @@ def test_bad_token_ids():
     for bad in ([], [0, cfg.vocab_size], [-1], [[1, 2]], [0.5]):
         with pytest.raises(ValueError):
             model.logits(bad)
+    with pytest.raises(ValueError, match="must be integers, got torch.complex64"):  # was torch's min error
+        model.check_tokens(torch.tensor([1 + 2j]))
+    with pytest.raises(ValueError, match="ids past 2\\*\\*63"):  # was reported as a negative minimum
+        model.check_tokens(np.array([1, 2**63 + 5], dtype=np.uint64))
+    assert model.check_tokens(np.array([1, 2], dtype=np.uint64)).tolist() == [1, 2]
+
+
+def test_a_cache_or_positions_that_do_not_fit_the_model_are_refused():
+    """A float32 cache under a bfloat16 model failed at the first decode step, after its prefill; a cache of
+    more layers with a raw shape error; positions of 3.7 (truncated) or -5 ran with the wrong RoPE."""
+    cfg = ModelConfig.from_json(DATA / "configs" / "tiny-a.json")
+    bf16 = Model.random(cfg, seed=0, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="the cache is torch.float32 on cpu, the model torch.bfloat16"):
+        bf16.prefill(LatentCache(cfg, 32), [1, 2, 3])
+    model = Model.random(cfg, seed=0)
+    deeper = dataclasses.replace(cfg, num_hidden_layers=cfg.num_hidden_layers + 2)
+    with pytest.raises(ValueError, match=f"holds {cfg.num_hidden_layers + 2} layers"):
+        model.prefill(LatentCache(deeper, 32), [1, 2, 3])
+    cache = LatentCache(cfg, 32)
+    model.prefill(cache, [1, 2, 3])
+    for bad, message in (([3.7], "must be integers"), ([-5], r"must lie in \[3, 4\)"),
+                         ([4], r"must lie in \[3, 4\)"), ([3, 4], r"shape \[1\]")):
+        with pytest.raises(ValueError, match=message):
+            model.forward_cached(cache, [4], bad)
+    model.forward_cached(cache, [4, 5], [3, 4], torch.ones(2, 2, dtype=torch.bool).tril())  # in range: runs
 
 
 def test_checkpoint_mismatch_is_named(tmp_path):

@@ -334,8 +334,10 @@ class DFlashDrafter(nn.Module):
         return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
 
     def _logits(self, target, x: torch.Tensor) -> torch.Tensor:
+        """The target's head on the drafter's states, in the head's dtype (a float32 drafter of a bfloat16
+        target, say)."""
         w = target.model.embed_tokens.weight if target.cfg.tie_word_embeddings else target.lm_head.weight
-        return upcast(F.linear(self.norm(x), w))
+        return upcast(F.linear(self.norm(x).to(w.dtype), w))
 
     def _block_ids(self, first: torch.Tensor) -> torch.Tensor:
         """first [A] -> [A, B] = [first, MASK x (B - 1)]."""
@@ -356,6 +358,11 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def commit(self, token_ids, features) -> None:
+        """The committed tokens' context K/V from their target features [len(token_ids), len(taps) * H]."""
+        width, n_ids = self.fc.in_features, len(token_ids)
+        if features is None or tuple(features.shape) != (n_ids, width):
+            raise ValueError(f"DFlash commits the target's features of each token, [{n_ids}, {width}], got "
+                             f"{None if features is None else tuple(features.shape)}")
         n = features.shape[0]
         pos = torch.arange(self._ctx_len, self._ctx_len + n, device=features.device)
         h = self.context(features)

@@ -111,6 +111,18 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts), persistent=True)
 
+    def _apply(self, fn, recurse=True):
+        """Moves and casts as any module, but the weight and the correction bias stay float32 where the
+        cast is to a narrower float: transformers keeps both so (_keep_in_fp32_modules_strict), and a
+        bias rounded to bfloat16 routes some tokens to other experts."""
+        wide = self.weight.data, self.e_score_correction_bias
+        super()._apply(fn, recurse)
+        if self.weight.dtype in (torch.float16, torch.bfloat16) and wide[0].dtype.itemsize >= 4:
+            dev = self.weight.device
+            self.weight.data = wide[0].to(device=dev, dtype=torch.float32)
+            self.e_score_correction_bias = wide[1].to(device=dev, dtype=torch.float32)
+        return self
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] float32, expert ids [T, k] int64)."""
         c = self.cfg
@@ -596,10 +608,12 @@ class Model(nn.Module):
         t = torch.as_tensor(token_ids)
         if t.dim() != 1 or t.numel() == 0:
             raise ValueError(f"token_ids must be a non-empty 1-D sequence, got shape {tuple(t.shape)}")
-        if t.dtype.is_floating_point or t.dtype == torch.bool:
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
             raise ValueError(f"token_ids must be integers, got {t.dtype}")
+        if t.dtype == torch.uint64 and bool((t.view(torch.int64) < 0).any()):  # ids of 2**63 and more
+            raise ValueError(f"token id out of the vocabulary [0, {self.cfg.vocab_size}): ids past 2**63")
         if t.dtype in (torch.uint16, torch.uint32, torch.uint64):  # (token files' uint16): torch has no min
-            t = t.to(torch.int64)  # for these; uint64 past int64 wraps negative and is refused below
+            t = t.to(torch.int64)  # for these (uint64's past int64 refused above)
         lo, hi = int(t.min()), int(t.max())
         if lo < 0 or hi >= self.cfg.vocab_size:
             raise ValueError(f"token id out of the vocabulary [0, {self.cfg.vocab_size}): min {lo}, max {hi}")
@@ -639,12 +653,24 @@ class Model(nn.Module):
 
         Returns (h [T, H], captured [T, F] or None).
         """
+        self._check_cache(cache)
         if cache.length:
             raise ValueError(f"prefill needs an empty cache, this one holds {cache.length} tokens")
         h, lats, taps = self.forward_plain(token_ids, capture)
         cache.write_all(cache.pending(h.shape[0]), lats)
         cache.commit()
         return h, taps
+
+    def _check_cache(self, cache) -> None:
+        """ValueError unless `cache` holds this model's latent rows: its layers and width, dtype, device."""
+        c, kv = self.cfg, cache.kv
+        if kv.shape[0] != c.num_hidden_layers or kv.shape[2] != c.latent_dim:
+            raise ValueError(f"the cache holds {kv.shape[0]} layers of {kv.shape[2]}-wide rows, the model "
+                             f"{c.num_hidden_layers} of {c.latent_dim}")
+        if kv.dtype != self.dtype or kv.device != self.device:
+            raise ValueError(f"the cache is {kv.dtype} on {kv.device}, the model {self.dtype} on "
+                             f"{self.device}: make it with LatentCache(..., device=model.device, "
+                             "dtype=model.dtype)")
 
     @torch.no_grad()
     def forward_cached(self, cache, token_ids, positions, visibility=None, capture: tuple[int, ...] = ()):
@@ -663,9 +689,18 @@ class Model(nn.Module):
         if visibility is not None and tuple(torch.as_tensor(visibility).shape) != (Q, Q):
             raise ValueError(f"visibility must have shape [{Q}, {Q}], got "
                              f"{tuple(torch.as_tensor(visibility).shape)}")
-        pos = torch.as_tensor(positions, device=self.device, dtype=torch.int64)
-        if tuple(pos.shape) != (Q,):
-            raise ValueError(f"positions must have shape [{Q}], got {tuple(pos.shape)}")
+        self._check_cache(cache)
+        given = torch.as_tensor(positions)
+        if given.is_floating_point() or given.is_complex() or given.dtype == torch.bool:
+            raise ValueError(f"positions must be integers, got {given.dtype}")
+        if tuple(given.shape) != (Q,):
+            raise ValueError(f"positions must have shape [{Q}], got {tuple(given.shape)}")
+        # s + depth, depth < Q: checked where they are on the host (on the device it would cost a sync)
+        if given.device.type == "cpu" and Q and not (
+                cache.length <= int(given.min()) and int(given.max()) < cache.length + Q):
+            raise ValueError(f"positions must lie in [{cache.length}, {cache.length + Q}) (the cache holds "
+                             f"{cache.length} tokens, {Q} are verified), got {given.tolist()}")
+        pos = given.to(device=self.device, dtype=torch.int64)
         cos, sin = rope_cos_sin(self.cfg, pos, self.dtype, self.device)
         slots = cache.pending(Q)  # [Q] physical slots of the new rows
         key_slots = cache.key_slots(slots)  # [s + Q]
