@@ -368,6 +368,39 @@ def test_first_emitted_token_follows_target():
     assert chi2 < 25.7, (chi2, counts / draws, probs[0])
 
 
+def test_first_two_emitted_tokens_follow_the_target_jointly():
+    """Lossless past the first token: rounds of sample-and-walk chained on their own output, against a
+    target whose next-token distribution depends on the context, emit their first two tokens (a, b) as
+    p(a) p(b | a). The first token alone cannot see a walk that draws an accepted node's successor from
+    the wrong row (its parent's), this can."""
+    rng = np.random.default_rng(5)
+    v = 4  # tokens: 16 pairs, 15 degrees of freedom
+    logits = rng.standard_normal((v, v, v)) * 1.5
+
+    def p_of(ctx):  # [v]: the target's next-token distribution after the context's last two tokens
+        a, b = (ctx[-2] if len(ctx) > 1 else 0), (ctx[-1] if ctx else 0)
+        x = np.exp(logits[a, b])
+        return x / x.sum()
+
+    ids = np.stack([rng.permutation(v)[:3] for _ in range(3)]).astype(np.int64)  # [L 3, K' 3]
+    lp = -np.sort(rng.random((3, 3)) * 3, axis=1).astype(np.float32)
+    tree = build_tree(ids, lp, 8)
+    seqs = node_sequences(tree)
+    draws = 8_000
+    counts = np.zeros((v, v))
+    for _ in range(draws):
+        out = []
+        while len(out) < 2:
+            probs = np.stack([p_of(out + list(seqs[i])) for i in range(tree.n + 1)])  # [n+1, v]
+            path, bonus = accept_sample(tree, probs, rng.random(tree.n + 1))
+            out += [*seqs[int(path[-1])], int(bonus)]
+        counts[out[0], out[1]] += 1
+    expected = np.array([[p_of([])[a] * p_of([a])[b] for b in range(v)] for a in range(v)]) * draws
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    # 99.99% quantile of chi-square with 15 degrees of freedom: 44.3 (fixed seed: deterministic)
+    assert chi2 < 44.3, (chi2, counts / draws)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
