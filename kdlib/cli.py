@@ -178,6 +178,8 @@ def _usage() -> str:
 
 
 def _run(name: str, rest: list[str]) -> int:
+    if name in ("-h", "--help", "--version") and rest:
+        return fail("kdlib", f"{name} takes no arguments, got {' '.join(rest)}")
     if name in ("-h", "--help"):
         print(_usage())
         return 0

@@ -1118,11 +1118,18 @@ def _slo(items: list[str]) -> dict:
     return out
 
 
+# the flags of one mode alone (argparse dests): the load test's, the diagnosis's
+_LOAD_ONLY = ("concurrency", "request_rate", "max_concurrency", "num_prompts", "distinct_prompts",
+              "input_len", "output_len", "goodput", "no_greedy_check", "seed")
+_DIAGNOSE_ONLY = ("sustained_tokens", "sustained_prompt", "no_sweep")
+
+
 def cli(argv: list[str]) -> int:
     ap = Parser(prog="kdlib diagnose", description=__doc__.splitlines()[0])
     ap.add_argument("--endpoint", help="base URL of an OpenAI-compatible server, with or without /v1 "
                     "(default: start the embedded one)")
-    ap.add_argument("--serve-args", default="", help="arguments of the embedded `kdlib serve` (one string)")
+    ap.add_argument("--serve-args", default="", help="arguments of the embedded `kdlib serve`, one string "
+                    "(a lone flag as --serve-args=--random)")
     ap.add_argument("--model", help="model id (default: the first /v1/models lists)")
     ap.add_argument("--json", help="write the result here")
     ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
@@ -1156,7 +1163,14 @@ def cli(argv: list[str]) -> int:
                  "max_concurrency", "distinct_prompts", "input_len", "output_len"):
         v = getattr(args, name)
         if v is not None and v < (0 if name == "sustained_tokens" else 1):
-            ap.error(f"--{name.replace('_', '-')} must be positive")
+            least = ">= 0" if name == "sustained_tokens" else "positive"
+            ap.error(f"--{name.replace('_', '-')} must be {least}")
+    # a flag of the other mode would be ignored: refused, as estimate refuses its own mixes
+    other = _LOAD_ONLY if not args.load else _DIAGNOSE_ONLY
+    given = ["--" + d.replace("_", "-") for d in other if getattr(args, d) != ap.get_default(d)]
+    if given:
+        ap.error(f"{', '.join(given)} {'apply' if len(given) > 1 else 'applies'} to "
+                 f"{'--load only' if not args.load else 'the diagnosis without --load'}")
     try:
         levels = _levels(args.concurrency, "concurrency", integer=True)
         rates = _levels(args.request_rate, "request-rate", integer=False)

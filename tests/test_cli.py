@@ -40,6 +40,10 @@ def test_no_command_prints_the_commands_on_stderr_and_exits_2():
         assert f"  {name} " in out.stderr
     helped = run("--help")
     assert helped.returncode == 0 and helped.stderr == "" and helped.stdout == out.stderr
+    for flag in ("--help", "--version"):  # an argument after them was ignored, status 0
+        extra = run(flag, "memory")
+        assert extra.returncode == 2 and extra.stdout == ""
+        assert extra.stderr == f"kdlib: error: {flag} takes no arguments, got memory\n"
 
 
 BAD = [

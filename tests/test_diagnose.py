@@ -276,6 +276,10 @@ def test_cli_load_mode_writes_json(server, tmp_path, capsys):
     (["--load", "--goodput", "tpot:nan"], "the milliseconds must be finite and > 0"),
     (["--load", "--concurrency", ","], "--concurrency: a comma-separated list of values"),
     (["--load", "--concurrency", ""], "name no level to run"),
+    # a flag of the other mode was parsed, checked and ignored
+    (["--concurrency", "8", "--goodput", "ttft:5"], "--concurrency, --goodput apply to --load only"),
+    (["--load", "--no-sweep"], "--no-sweep applies to the diagnosis without --load"),
+    (["--sustained-tokens", "-1"], "--sustained-tokens must be >= 0"),
 ])
 def test_cli_refuses_bad_arguments_before_any_request(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

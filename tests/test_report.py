@@ -397,7 +397,7 @@ def test_the_real_command_line_refuses_a_bad_value_before_running(tmp_path):
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == ("kdlib report: error: cannot run the reports: -p CONTEXT: CONTEXT of "
                            "05_context_memory "
-                           "takes an int; got 'notanint' (str)\n")
+                           "takes an int (>= 1); got 'notanint' (str)\n")
     assert not out.exists()
 
 

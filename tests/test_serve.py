@@ -590,7 +590,11 @@ def test_cli_help_runs_and_counts_are_checked(capsys):
                                  ("--device", "cdua", "must be cpu, cuda or cuda:N, got 'cdua'"),
                                  ("--port", "99999", "must be a TCP port (0 to 65535), got 99999"),
                                  ("--port", "-1", "must be >= 0, got -1"),
-                                 ("--models", "/nonexistent/models", "does not hold the trained models")):
+                                 ("--models", "/nonexistent/models", "does not hold the trained models"),
+                                 ("--port", "abc", "invalid port value: 'abc'"),
+                                 ("--config", "nosuch", "--config nosuch: no such config under"),
+                                 # trained models are present: a --config without --random was ignored
+                                 ("--config", "tiny-b", "trained models are present: add --random")):
         with pytest.raises(SystemExit) as e:
             serve.cli([flag, value])
         err = capsys.readouterr().err
@@ -642,6 +646,15 @@ def test_torch_compile_needs_a_cuda_model(bundle, capsys):
         serve.Engine(bundle, compile=True, warm_up=False)
     assert serve.cli(["--port", "0", "--enable-torch-compile"]) == 2
     assert "kdlib serve: error: torch.compile needs a CUDA model" in capsys.readouterr().err
+
+
+def test_a_random_model_past_the_free_memory_is_refused_before_it_is_built(capsys):
+    """--random --config kimi-k2.6 built a trillion random parameters on the CPU (out of memory, or a
+    traceback); it is one line and status 2 before anything is allocated."""
+    assert serve.cli(["--port", "0", "--random", "--config", "kimi-k2.6"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kdlib serve: error: a random kimi-k2.6 is 1,026.4B parameters")
+    assert err.count("\n") == 1
 
 
 def test_a_given_core_reports_its_own_levers(bundle):

@@ -207,7 +207,7 @@ def _check_define(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("export", help="kernels/ of a git revision into build/ab/<rev>")
     e.add_argument("rev")

@@ -18,7 +18,7 @@ from kdlib.cuda import attention as cu
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--impl", required=True, help="the version by name, e.g. wgmma_v10")
     ap.add_argument("--queries", type=positive_int, default=65)
     ap.add_argument("--heads", type=positive_int, default=8)

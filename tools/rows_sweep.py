@@ -72,7 +72,7 @@ def run_point(p: dict, pool, copy_Bps: float, iters: int) -> dict:
 def main() -> None:
     import torch
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=folder, help="folder of the record")
     ap.add_argument("--iters", type=positive_int, default=20, help="graph replays a timing")
     ap.add_argument("--queries", type=int, nargs="+", default=QUERIES, choices=QUERIES, help="tree sizes")

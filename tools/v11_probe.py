@@ -80,7 +80,7 @@ def define_arm(define: str) -> tuple[str, str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=folder, help="folder of the record")
     ap.add_argument("--reps", type=positive_int, default=20)
     ap.add_argument("--clusters", type=positive_int, nargs="*", default=[33, 66],

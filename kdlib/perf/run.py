@@ -16,7 +16,7 @@ import inspect
 import pkgutil
 import sys
 
-from kdlib.cli import folder, make_folder
+from kdlib.cli import Parser, folder, make_folder
 from kdlib.perf import results, suites
 
 # The entry point's options a suite may take as keywords: `quick` (a reduced sweep) and `out` (the
@@ -50,7 +50,7 @@ def call_suite(module, args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python3 -m kdlib.perf.run", description=__doc__.splitlines()[0])
+    ap = Parser(prog="python3 -m kdlib.perf.run", description=__doc__.splitlines()[0])
     ap.add_argument("--suite", required=True, action="append", help=f"one of {available()} (repeatable)")
     ap.add_argument("--out", default=None, type=folder,
                     help="folder for the result JSON (default data/results/; made before any suite runs)")

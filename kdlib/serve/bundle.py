@@ -11,6 +11,7 @@ ASCII); it has no end-of-text token, so it stops only at max_tokens or a stop st
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kdlib import DATA
 
@@ -137,6 +138,37 @@ class Bundle:
                      if 0 <= int(i) < self.tokenizer.vocab_size and self.tokenizer.decode([int(i)]))
 
 
+def _available_bytes(device) -> int | None:
+    """Memory free for weights on `device`: a CUDA device's free bytes, the host's MemAvailable
+    (/proc/meminfo) for the CPU; None where neither can be read."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return int(torch.cuda.mem_get_info(dev)[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_fits(config: str, dtype, device) -> None:
+    """ValueError where a random model of `config` in `dtype` needs more memory than `device` has free:
+    a full-size config (kimi-k2.6: a trillion parameters) must be refused before it is built."""
+    from kdlib import memory
+
+    params = memory.weight_bytes(config, "bf16")["total"] // 2  # bf16: 2 bytes a parameter
+    need, free = params * dtype.itemsize, _available_bytes(device)
+    if free is not None and need > free:
+        name = str(dtype).removeprefix("torch.")
+        raise ValueError(f"a random {config} is {params / 1e9:,.1f}B parameters, {need / 2**30:,.1f} GiB "
+                         f"of {name} weights, past the {free / 2**30:,.1f} GiB free on {device}: --random "
+                         "serves configs that fit (tiny-a, tiny-b)")
+
+
 def load_bundle(device: str = "cpu", *, prefer_trained: bool = True, config: str = FALLBACK_CONFIG,
                 p_wrong: float = FALLBACK_P_WRONG, seed: int = 0, folder=None,
                 dtype: str = "float32") -> Bundle:
@@ -168,6 +200,7 @@ def load_bundle(device: str = "cpu", *, prefer_trained: bool = True, config: str
     from kdlib.engine.model import Model
 
     cfg = ModelConfig.from_json(DATA / "configs" / f"{config}.json")
+    _check_fits(config, dt, device)
     model = Model.random(cfg, seed=seed, device=device, dtype=dt)
     drafter = _lazy_oracle_class()(cfg.vocab_size, p_wrong, block_size=8, seed=seed)
     return Bundle(model, drafter, ByteTokenizer(cfg.vocab_size), f"kdtree-random-{config}",

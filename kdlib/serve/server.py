@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 
+from kdlib import DATA
 from kdlib.cli import Parser, fail, interrupted_code, sigterm_as_interrupt
 from kdlib.serve.app import MAX_BODY_BYTES, create_app
 from kdlib.serve.bundle import DTYPES, FALLBACK_CONFIG, load_bundle
@@ -224,6 +225,9 @@ def _port(v: str) -> int:
     return n
 
 
+_port.__name__ = "port"  # argparse's "invalid port value: ..."
+
+
 def _device(v: str) -> str:
     """argparse type: cpu, cuda or cuda:N, on a machine that has it."""
     import torch
@@ -263,7 +267,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and activations")
     ap.add_argument("--random", action="store_true",
                     help="serve the random fallback even when trained models exist")
-    ap.add_argument("--config", default=FALLBACK_CONFIG, help="fallback model config under data/configs/")
+    ap.add_argument("--config", default=None,
+                    help=f"the random model's config under data/configs/ (default {FALLBACK_CONFIG}): with "
+                         "--random, or where there are no trained models")
     ap.add_argument("--models", default=None, help="folder of the trained models (default data/models/)")
     ap.add_argument("--threads", type=_positive, default=None, help="torch CPU threads (default: 1 on CPU)")
     ap.add_argument("--async-scheduling", action="store_true",
@@ -280,11 +286,18 @@ def parser() -> argparse.ArgumentParser:
 def cli(argv: list[str]) -> int:
     ap = parser()
     args = ap.parse_args(argv)
-    if args.models is not None and not args.random:
-        from kdlib import zoo
+    from kdlib import zoo
 
+    if args.models is not None and not args.random:
         if not zoo.available(args.models):  # a mistyped folder must not serve the random fallback
             ap.error(f"--models {args.models} does not hold the trained models ({', '.join(zoo.FILES)})")
+    if args.config is not None:
+        if not (DATA / "configs" / f"{args.config}.json").is_file():
+            known = sorted(p.stem for p in (DATA / "configs").glob("*.json"))
+            ap.error(f"--config {args.config}: no such config under data/configs/ ({', '.join(known)})")
+        if not args.random and zoo.available(args.models):  # it would be ignored: the trained models serve
+            ap.error("--config picks the random model's config, and trained models are present: add --random")
+    args.config = args.config or FALLBACK_CONFIG
     try:
         sock = bind(args.host, args.port)
     except OSError as e:
