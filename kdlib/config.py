@@ -41,6 +41,9 @@ from kdlib import DATA
 
 CONFIGS = DATA / "configs"
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "kimi_k25")
+# The router and layout fields a DeepSeek-V3 config may leave out, as transformers' DeepseekV3Config has them
+DEEPSEEK_V3_DEFAULTS = {"n_shared_experts": 1, "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4,
+                        "routed_scaling_factor": 2.5, "norm_topk_prob": True}
 # A config is MLA when it has any MLA field or an MLA model_type; then every MLA field is required,
 # so a DeepSeek config that lost kv_lora_rank is an error, not a silent MHA reading.
 MLA_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim")
@@ -425,13 +428,15 @@ class ModelConfig:
             v_head_dim=req("v_head_dim", int),
             n_routed_experts=req("n_routed_experts", int),
             # a field left out reads as transformers' DeepseekV3Config has it (the router it builds)
-            n_shared_experts=opt("n_shared_experts", int, 1),
+            n_shared_experts=opt("n_shared_experts", int, DEEPSEEK_V3_DEFAULTS["n_shared_experts"]),
             num_experts_per_tok=req("num_experts_per_tok", int),
-            first_k_dense_replace=opt("first_k_dense_replace", int, 3),
-            n_group=opt("n_group", int, 8),
-            topk_group=opt("topk_group", int, 4),
-            routed_scaling_factor=opt("routed_scaling_factor", float, 2.5),
-            norm_topk_prob=opt("norm_topk_prob", bool, True),
+            first_k_dense_replace=opt("first_k_dense_replace", int,
+                                      DEEPSEEK_V3_DEFAULTS["first_k_dense_replace"]),
+            n_group=opt("n_group", int, DEEPSEEK_V3_DEFAULTS["n_group"]),
+            topk_group=opt("topk_group", int, DEEPSEEK_V3_DEFAULTS["topk_group"]),
+            routed_scaling_factor=opt("routed_scaling_factor", float,
+                                      DEEPSEEK_V3_DEFAULTS["routed_scaling_factor"]),
+            norm_topk_prob=opt("norm_topk_prob", bool, DEEPSEEK_V3_DEFAULTS["norm_topk_prob"]),
             rms_norm_eps=req("rms_norm_eps", float),
             rope_theta=rope_theta,
             max_position_embeddings=req("max_position_embeddings", int),
@@ -441,7 +446,14 @@ class ModelConfig:
             model_type=model_type,
             extra={k: d[k] for k in ("bos_token_id", "eos_token_id", "num_nextn_predict_layers") if k in d},
         )
-        cfg.validate()
+        try:
+            cfg.validate()
+        except ConfigError as e:
+            field = str(e).split(":", 1)[0]
+            if field in DEEPSEEK_V3_DEFAULTS and d.get(field) is None:  # a value the config did not give
+                raise ConfigError(f"{e} (absent from the config: transformers' DeepseekV3Config default; "
+                                  "give the field)") from None
+            raise
         return cfg
 
     def validate(self) -> None:

@@ -63,6 +63,7 @@ from kdlib import hw
 from kdlib.cli import Parser, fail, fraction, nonnegative_float, positive_int
 from kdlib.config import CONFIGS as CONFIGS  # the shipped configs' folder, memory.CONFIGS to its users
 from kdlib.config import (
+    DEEPSEEK_V3_DEFAULTS,
     ConfigError,
     Geometry,
     geometry,
@@ -259,8 +260,9 @@ def _tensors(g: Geometry, lm: dict, include_mtp: bool) -> list[tuple[str, str, i
     experts = lm.get("n_routed_experts") or lm.get("num_experts") or 0
     if experts:
         moe_inter = require(lm, "moe_intermediate_size", "MoE expert weights")
-        if "n_routed_experts" in lm:
-            dense_layers = int(lm.get("first_k_dense_replace") or 0)
+        if "n_routed_experts" in lm:  # DeepSeek's layout: the fields it leaves out as the engine reads them
+            first = lm.get("first_k_dense_replace", DEEPSEEK_V3_DEFAULTS["first_k_dense_replace"])
+            dense_layers = int(first or 0)
             moe_layers = L - dense_layers
         else:
             step = int(lm.get("decoder_sparse_step") or 1)
@@ -268,7 +270,8 @@ def _tensors(g: Geometry, lm: dict, include_mtp: bool) -> list[tuple[str, str, i
             moe_layers = sum(1 for i in range(L) if i not in only and (i + 1) % step == 0)
             dense_layers = L - moe_layers
         moe_layers += g.mtp_layers if include_mtp else 0
-        shared = int(lm.get("n_shared_experts") or 0)
+        absent = DEEPSEEK_V3_DEFAULTS["n_shared_experts"] if "n_routed_experts" in lm else 0
+        shared = int(lm.get("n_shared_experts", absent) or 0)
         t.append(("routed_experts", "linear", moe_inter, h, 3 * experts * moe_layers))  # gate, up, down
         if shared:
             t.append(("shared_experts", "linear", shared * moe_inter, h, 3 * moe_layers))

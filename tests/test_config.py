@@ -71,6 +71,14 @@ def test_router_fields_left_out_read_as_transformers_reads_them():
     cfg = ModelConfig.from_dict({k: v for k, v in d.items() if k not in fields})
     hf = DeepseekV3Config()
     assert {f: getattr(cfg, f) for f in fields} == {f: getattr(hf, f) for f in fields}
+    assert {f: getattr(cfg, f) for f in fields} == config.DEEPSEEK_V3_DEFAULTS
+    # memory reads them alike: the same layers and shared experts counted
+    full = memory.weight_bytes(d, "bf16")["total"]
+    assert memory.weight_bytes({k: v for k, v in d.items() if k not in fields}, "bf16")["total"] == full
+    # a default the config cannot take is named as one (a 2-layer model, 3 dense layers by default)
+    tiny = json.loads((ROOT / "data" / "configs" / "tiny-b.json").read_text())
+    with pytest.raises(ConfigError, match="got 3 \\(absent from the config: transformers' DeepseekV3Config"):
+        ModelConfig.from_dict({k: v for k, v in tiny.items() if k != "first_k_dense_replace"})
 
 
 def test_inv_freq_kimi_k2_written_out():

@@ -191,9 +191,12 @@ def test_errors_are_clear_and_before_any_work():
                       ({"max_streams": 2.0}, "max_streams")):
         with pytest.raises(ValueError, match=f"{named} must be an int >= 1"):
             BatchEngine(m, **kw)
-    for stops in ((True,), 5, np.array([1, 2])):
+    for stops in ((True,), 5, "12"):
         with pytest.raises(ValueError, match="stop_token_ids"):
             eng.add_request([1], 4, SamplingParams(stop_token_ids=stops))
+    for stops in (np.array([1, 2]), {1, 2}, [1, 2]):  # sequences of ids other than tuples: made tuples
+        got = SamplingParams(stop_token_ids=stops, min_tokens=2).validate(64).stop_token_ids
+        assert got in ((1, 2), (2, 1)) and all(type(t) is int for t in got)
     for new in (None, 2.5, 0):
         with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
             generate_batch(m, [[1]], new)
@@ -607,3 +610,16 @@ def test_isolate_failures_fails_one_prefill_alone(monkeypatch):
         outs += plain.step()
     assert [t for o in outs if o.request_id == first for t in o.new_tokens] == _ar(m, good, 6)
     assert {o.request_id for o in outs} == {first} and plain.pool_free_slots == plain.pool.num_slots
+    # under overlap (a step's decode outputs are collected before admission), and over two failing steps
+    # in a row, every token reaches the stream once
+    for overlap, failures in ((True, 1), (False, 2)):
+        eng = BatchEngine(m, max_streams=3, keep_results=True, overlap=overlap)
+        first = eng.add_request(good, 8)
+        outs = eng.step() + eng.step()
+        for _ in range(failures):
+            eng.add_request(bad, 4)
+            with pytest.raises(RuntimeError, match="simulated"):
+                eng.step()
+        while eng.has_work():
+            outs += eng.step()
+        assert [t for o in outs if o.request_id == first for t in o.new_tokens] == _ar(m, good, 8), overlap

@@ -314,7 +314,8 @@ def test_bad_token_ids():
             model.logits(bad)
     with pytest.raises(ValueError, match="must be integers, got torch.complex64"):  # was torch's min error
         model.check_tokens(torch.tensor([1 + 2j]))
-    with pytest.raises(ValueError, match="ids past 2\\*\\*63"):  # was reported as a negative minimum
+    # a uint64 id past 2**63 was reported as a negative minimum
+    with pytest.raises(ValueError, match="values of 2\\*\\*63 and more, out of the vocabulary"):
         model.check_tokens(np.array([1, 2**63 + 5], dtype=np.uint64))
     assert model.check_tokens(np.array([1, 2], dtype=np.uint64)).tolist() == [1, 2]
 
@@ -337,6 +338,8 @@ def test_a_cache_or_positions_that_do_not_fit_the_model_are_refused():
         with pytest.raises(ValueError, match=message):
             model.forward_cached(cache, [4], bad)
     model.forward_cached(cache, [4, 5], [3, 4], torch.ones(2, 2, dtype=torch.bool).tril())  # in range: runs
+    cache.discard()
+    model.forward_cached(cache, [4], np.array([3], dtype=np.uint32))  # unsigned positions, as before
 
 
 def test_checkpoint_mismatch_is_named(tmp_path):

@@ -9,6 +9,7 @@ import io
 import json
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -228,6 +229,9 @@ def test_scenarios_and_shapes_the_model_cannot_cost_are_refused():
         with pytest.raises(ValueError, match="whole numbers"):
             est.Scenario(**kw)
     assert est.Scenario(concurrency=4.0).m == 36  # a whole float (a pandas row's) is a count
+    for ctx in (np.int64(65_536), 65_536.0):  # and project costs it, its KV capacity included
+        row = est.project(["h200"], [est.Scenario(concurrency=2.0, context=ctx)])[0]
+        assert row["kv_tokens"] == 2 * (65_536 + 9) and row["fits"] is True
     for kw in ({"n_experts": 0, "top_k": 0}, {"top_k": 0}):
         with pytest.raises(ValueError, match="1 <= top_k <= n_experts"):
             est.ModelShape(**kw)

@@ -90,9 +90,8 @@ class _Module:
 def test_function_cache_follows_the_environment_options(monkeypatch):
     """KDLIB_NVRTC_OPTIONS set after a kernel has loaded: the next lookup is the build with them (the function
     cache keyed on them as the module cache is), and unsetting them gives the first build back."""
-    runtime = types.SimpleNamespace(getDevice=lambda: 0)
-    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(RawModule=_Module,
-                                                                   cuda=types.SimpleNamespace(runtime=runtime)))
+    cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0))
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(RawModule=_Module, cuda=cuda))
     monkeypatch.delenv("KDLIB_NVRTC_OPTIONS", raising=False)
     loader.clear_cache()
     try:

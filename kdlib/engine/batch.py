@@ -53,8 +53,9 @@ import numbers
 import secrets
 import time
 from collections import deque
+from collections.abc import Iterable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -82,6 +83,8 @@ class SamplingParams:
     logprobs: int | None = None
 
     def validate(self, vocab_size: int) -> SamplingParams:
+        """self, checked (ValueError naming the field); with stop_token_ids made a tuple of ints where they
+        came as another sequence (a list, a set, a numpy array)."""
         check_temperature(self.temperature)
         if (isinstance(self.top_p, bool) or not isinstance(self.top_p, numbers.Real)
                 or not 0 < self.top_p <= 1):
@@ -96,17 +99,20 @@ class SamplingParams:
                                           or not isinstance(self.logprobs, numbers.Integral)
                                           or not 0 <= self.logprobs <= TOP_LOGPROBS):
             raise ValueError(f"logprobs must be None or an int in [0, {TOP_LOGPROBS}], got {self.logprobs!r}")
-        if not isinstance(self.stop_token_ids, tuple | list):
-            raise ValueError("stop_token_ids must be a tuple of token ids, got "
-                             f"{type(self.stop_token_ids).__name__}")
-        bad = [s for s in self.stop_token_ids
+        stops = self.stop_token_ids
+        if isinstance(stops, str | bytes) or not isinstance(stops, Iterable):
+            raise ValueError(f"stop_token_ids must be a sequence of token ids, got {type(stops).__name__}")
+        stops = tuple(stops)  # a list, a set, a numpy array ...
+        bad = [s for s in stops
                if isinstance(s, bool) or not isinstance(s, numbers.Integral) or not 0 <= s < vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:3]} are not token ids of the vocabulary "
                              f"[0, {vocab_size})")
-        if masks_stops(self) and len(set(self.stop_token_ids)) >= vocab_size:
+        tupled = type(self.stop_token_ids) is tuple
+        p = self if tupled else replace(self, stop_token_ids=tuple(map(int, stops)))
+        if masks_stops(p) and len(set(stops)) >= vocab_size:
             raise ValueError("min_tokens masks the stop tokens, and they are the whole vocabulary")
-        return self
+        return p
 
 
 def masks_stops(p: SamplingParams) -> bool:
@@ -528,8 +534,8 @@ class BatchEngine:
         return self._requests.get(rid) or self.finished.get(rid)
 
     # ---- admission (eager prefill)
-    def _admit(self) -> list[StepOutput]:
-        outs = []
+    def _admit(self, outs: list[StepOutput]) -> list[StepOutput]:
+        """Admit the waiting requests that fit (FIFO), their prefill outputs appended to `outs`."""
         while self._waiting:
             lane = next((i for i, r in enumerate(self._lanes) if r is None), None)
             if lane is None:
@@ -550,7 +556,6 @@ class BatchEngine:
                 if self.keep_results:
                     self.finished[r.rid] = r
                 if not self.isolate_failures:
-                    self._held = outs  # the next step returns them first
                     raise
                 outs.append(StepOutput(r.rid, [], True, "error", 0, error=r.error))
         return outs
@@ -622,18 +627,22 @@ class BatchEngine:
         finished there has run one step more, whose tokens are dropped), then admits; its outputs lag
         the device by one step."""
         t0 = time.perf_counter()
-        outs, self._held = self._held, []  # what a step that raised in admission had emitted
-        if not self.overlap:
-            outs += self._admit()
+        outs, self._held = self._held, []  # what steps that raised had emitted
+        try:
+            if not self.overlap:
+                self._admit(outs)
+                launched = self._launch()
+                if launched is not None:
+                    outs += self._finish(launched)
+                    self.step_ms.append((time.perf_counter() - t0) * 1e3)
+                return outs
             launched = self._launch()
-            if launched is not None:
-                outs += self._finish(launched)
-                self.step_ms.append((time.perf_counter() - t0) * 1e3)
-            return outs
-        launched = self._launch()
-        outs += self._finish(self._inflight) if self._inflight is not None else []
-        self._inflight = launched
-        outs += self._admit()
+            outs += self._finish(self._inflight) if self._inflight is not None else []
+            self._inflight = launched
+            self._admit(outs)
+        except Exception:
+            self._held = outs  # emitted before the failure: the next step returns them first
+            raise
         if launched is not None:
             self.step_ms.append((time.perf_counter() - t0) * 1e3)
         return outs

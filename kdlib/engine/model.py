@@ -102,6 +102,16 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def _signed(t: torch.Tensor, name: str, past: str) -> torch.Tensor:
+    """An integer tensor as a signed one torch can reduce (its unsigned types have no min): ValueError for a
+    float, complex or bool tensor, and for uint64 values of 2**63 and more (`past` says what they are)."""
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(f"{name} must be integers, got {t.dtype}")
+    if t.dtype == torch.uint64 and bool((t.view(torch.int64) < 0).any()):
+        raise ValueError(f"{name}: values of 2**63 and more, {past}")
+    return t.to(torch.int64) if t.dtype in (torch.uint16, torch.uint32, torch.uint64) else t
+
+
 class Router(nn.Module):
     """DeepSeek-V3 noaux_tc router: group-limited top-k over sigmoid scores + correction bias."""
 
@@ -608,12 +618,7 @@ class Model(nn.Module):
         t = torch.as_tensor(token_ids)
         if t.dim() != 1 or t.numel() == 0:
             raise ValueError(f"token_ids must be a non-empty 1-D sequence, got shape {tuple(t.shape)}")
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise ValueError(f"token_ids must be integers, got {t.dtype}")
-        if t.dtype == torch.uint64 and bool((t.view(torch.int64) < 0).any()):  # ids of 2**63 and more
-            raise ValueError(f"token id out of the vocabulary [0, {self.cfg.vocab_size}): ids past 2**63")
-        if t.dtype in (torch.uint16, torch.uint32, torch.uint64):  # (token files' uint16): torch has no min
-            t = t.to(torch.int64)  # for these (uint64's past int64 refused above)
+        t = _signed(t, "token_ids", f"out of the vocabulary [0, {self.cfg.vocab_size})")
         lo, hi = int(t.min()), int(t.max())
         if lo < 0 or hi >= self.cfg.vocab_size:
             raise ValueError(f"token id out of the vocabulary [0, {self.cfg.vocab_size}): min {lo}, max {hi}")
@@ -690,9 +695,7 @@ class Model(nn.Module):
             raise ValueError(f"visibility must have shape [{Q}, {Q}], got "
                              f"{tuple(torch.as_tensor(visibility).shape)}")
         self._check_cache(cache)
-        given = torch.as_tensor(positions)
-        if given.is_floating_point() or given.is_complex() or given.dtype == torch.bool:
-            raise ValueError(f"positions must be integers, got {given.dtype}")
+        given = _signed(torch.as_tensor(positions), "positions", "past any position")
         if tuple(given.shape) != (Q,):
             raise ValueError(f"positions must have shape [{Q}], got {tuple(given.shape)}")
         # s + depth, depth < Q: checked where they are on the host (on the device it would cost a sync)

@@ -207,11 +207,12 @@ def kv_capacity(gpu: str, sc: Scenario, a: Assumptions | None = None, tp: int = 
     default memory fraction, the assumption's bytes per element): {kv_tokens, pool_tokens, fits}; the pool
     and fits None where kdlib.memory has no plan (another GPU file, bytes per element not 1 or 2)."""
     a = a or Assumptions()
-    need = sc.concurrency * (sc.context + sc.q_len)
+    need = int(sc.concurrency * (sc.context + sc.q_len))
     dtype = _KV_DTYPES.get(float(a.v("kv_bytes_per_elem")))
     if dtype is None or gpu not in hw.slugs():
         return {"kv_tokens": need, "pool_tokens": None, "fits": None}
-    pool = memory.plan(SHAPE_CONFIG, gpu, tp, sc.context + sc.q_len, kv_dtype=dtype).value("pool_tokens")
+    # Scenario's counts are whole: a numpy int or a whole float (a pandas row's) is the int plan takes
+    pool = memory.plan(SHAPE_CONFIG, gpu, tp, int(sc.context + sc.q_len), kv_dtype=dtype).value("pool_tokens")
     return {"kv_tokens": need, "pool_tokens": pool, "fits": need <= pool}
 
 

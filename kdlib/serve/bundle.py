@@ -138,14 +138,8 @@ class Bundle:
                      if 0 <= int(i) < self.tokenizer.vocab_size and self.tokenizer.decode([int(i)]))
 
 
-def _available_bytes(device) -> int | None:
-    """Memory free for weights on `device`: a CUDA device's free bytes, the host's MemAvailable
-    (/proc/meminfo) for the CPU; None where neither can be read."""
-    import torch
-
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return int(torch.cuda.mem_get_info(dev)[0])
+def _host_available_bytes() -> int | None:
+    """The host's MemAvailable (/proc/meminfo); None where it cannot be read."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -156,17 +150,24 @@ def _available_bytes(device) -> int | None:
 
 
 def _check_fits(config: str, dtype, device) -> None:
-    """ValueError where a random model of `config` in `dtype` needs more memory than `device` has free:
-    a full-size config (kimi-k2.6: a trillion parameters) must be refused before it is built."""
+    """ValueError where a random model of `config` in `dtype` cannot be built: `Model.random` holds
+    float32 parameters and their float32 numpy draw on the host, then the cast copy (8 bytes a parameter
+    + the dtype's), whatever the device; a CUDA device then holds the weights (the dtype's). A full-size
+    config (kimi-k2.6: a trillion parameters) is refused before anything is allocated."""
+    import torch
+
     from kdlib import memory
 
     params = memory.weight_bytes(config, "bf16")["total"] // 2  # bf16: 2 bytes a parameter
-    need, free = params * dtype.itemsize, _available_bytes(device)
-    if free is not None and need > free:
-        name = str(dtype).removeprefix("torch.")
-        raise ValueError(f"a random {config} is {params / 1e9:,.1f}B parameters, {need / 2**30:,.1f} GiB "
-                         f"of {name} weights, past the {free / 2**30:,.1f} GiB free on {device}: --random "
-                         "serves configs that fit (tiny-a, tiny-b)")
+    needs = [("the host", params * (8 + dtype.itemsize), _host_available_bytes())]
+    if torch.device(device).type == "cuda":
+        needs.append((str(device), params * dtype.itemsize, int(torch.cuda.mem_get_info(device)[0])))
+    for where, need, free in needs:
+        if free is not None and need > free:
+            raise ValueError(f"a random {config} is {params / 1e9:,.1f}B parameters: building it in "
+                             f"{str(dtype).removeprefix('torch.')} takes {need / 2**30:,.1f} GiB on {where}, "
+                             f"past the {free / 2**30:,.1f} GiB free: --random serves configs that fit "
+                             "(tiny-a, tiny-b)")
 
 
 def load_bundle(device: str = "cpu", *, prefer_trained: bool = True, config: str = FALLBACK_CONFIG,
