@@ -534,7 +534,7 @@ class BatchEngine:
         return self._requests.get(rid) or self.finished.get(rid)
 
     # ---- admission (eager prefill)
-    def _admit(self, outs: list[StepOutput]) -> list[StepOutput]:
+    def _admit(self, outs: list[StepOutput]) -> None:
         """Admit the waiting requests that fit (FIFO), their prefill outputs appended to `outs`."""
         while self._waiting:
             lane = next((i for i, r in enumerate(self._lanes) if r is None), None)
@@ -558,7 +558,6 @@ class BatchEngine:
                 if not self.isolate_failures:
                     raise
                 outs.append(StepOutput(r.rid, [], True, "error", 0, error=r.error))
-        return outs
 
     def _prefill(self, r: _Request) -> StepOutput:
         m, lane, P = self.model, r.lane, len(r.prompt)

@@ -158,7 +158,7 @@ def _check_fits(config: str, dtype, device) -> None:
 
     from kdlib import memory
 
-    params = memory.weight_bytes(config, "bf16")["total"] // 2  # bf16: 2 bytes a parameter
+    params = memory.param_count(config)["total"]
     needs = [("the host", params * (8 + dtype.itemsize), _host_available_bytes())]
     if torch.device(device).type == "cuda":
         needs.append((str(device), params * dtype.itemsize, int(torch.cuda.mem_get_info(device)[0])))
