@@ -417,6 +417,20 @@ def test_accept_greedy_random_exact(budget, depth, kp, vocab, mode):
             assert (g.get() == w).all(), f"{name}: got {g.get()[:3]}, want {w[:3]}"
 
 
+@pytest.mark.gpu
+def test_accept_greedy_refuses_a_tree_past_the_shared_memory():
+    cp = _cp()
+
+    # The greedy walk holds 40 B a node in shared memory: a budget of 8,192 asks for 320 KB,
+    # past any GPU's opt-in limit a block. Refused by name, not a CUDA error at the launch.
+    budget = 8192
+    assert 40 * (budget + 1) > loader.device_limits()["smem_block"]
+    trees = tree.empty_batch(1, budget)
+    trees.sizes.fill(1)
+    with pytest.raises(ValueError, match="tree_accept_greedy_v1 needs 327,720 B of dynamic shared memory"):
+        accept.accept_greedy_batch(trees, cp.zeros((1, budget + 1), dtype=cp.int64))
+
+
 def _probs(rng, n, v, dtype):
     p = rng.random((n, v)) ** 3  # skewed, unnormalised
     p[rng.random((n, v)) < 0.3] = 0.0  # zero-probability tokens are never drawn

@@ -73,6 +73,7 @@ from kdlib import KERNELS
 _LOCK = threading.Lock()
 _MODULES: dict[tuple, object] = {}
 _FUNCTIONS: dict[tuple, object] = {}
+_DEVICE_LIMITS: dict[int, dict] = {}  # device index -> device_limits()
 _SOURCES: dict[str, str] = {}
 _ROOT: Path | None = None  # the kernels tree compiles read (`use_kernels`); None: KERNELS
 _BASE_OPTIONS = ("--std=c++17", f"-I{KERNELS}")
@@ -298,9 +299,31 @@ def get_function(
     return fn
 
 
+def device_limits() -> dict:
+    """SM count and shared-memory limits of the current device (cached): the persistent grids' sizes,
+    which block shapes fit, and how much dynamic shared memory a kernel may ask for."""
+    import cupy as cp
+
+    dev = cp.cuda.runtime.getDevice()
+    if dev not in _DEVICE_LIMITS:
+        props = cp.cuda.runtime.getDeviceProperties(dev)
+        _DEVICE_LIMITS[dev] = {
+            "sms": int(props["multiProcessorCount"]),
+            "smem_block": int(props.get("sharedMemPerBlockOptin", props.get("sharedMemPerBlock", 48 * 1024))),
+            "smem_sm": int(props.get("sharedMemPerMultiprocessor", 0)),
+            "smem_reserved": int(props.get("reservedSharedMemPerBlock", 1024)),
+        }
+    return _DEVICE_LIMITS[dev]
+
+
 def set_max_dynamic_shared(fn, nbytes: int) -> None:
-    """Allow `fn` to launch with `nbytes` of dynamic shared memory (needed above 48 KB)."""
+    """Allow `fn` to launch with `nbytes` of dynamic shared memory (needed above 48 KB). A ValueError where
+    the device cannot give it that much: its opt-in limit a block, less the kernel's static shared memory."""
     if nbytes > 48 * 1024 and fn.max_dynamic_shared_size_bytes < nbytes:
+        limit = device_limits()["smem_block"] - fn.shared_size_bytes
+        if nbytes > limit:
+            raise ValueError(f"{fn.name} needs {nbytes:,} B of dynamic shared memory; this device gives it "
+                             f"{limit:,} B at most")
         fn.max_dynamic_shared_size_bytes = nbytes
 
 

@@ -28,7 +28,14 @@ from typing import ClassVar
 
 import numpy as np
 
-from kdlib.cuda.loader import as_cupy, check_version, get_function, is_torch, set_max_dynamic_shared
+from kdlib.cuda.loader import (
+    as_cupy,
+    check_version,
+    device_limits,
+    get_function,
+    is_torch,
+    set_max_dynamic_shared,
+)
 
 GROUP = 32          # reduction elements per scale (the kernel reads one scale per lane per chunk)
 TILE_ROWS = 16      # mma m16: rows per tile
@@ -360,25 +367,7 @@ _V3_MIN_CHUNKS = 8                                 # chunks per gate/up item at 
 # warp (M <= 4 tokens of Kimi-K2 top-8) v2 was faster than v3 at any split.
 _V3_ITEMS_PER_WARP = 1.3
 _V3_MIN_PAIRS_PER_WARP = 0.35
-_DEVICE_LIMITS: dict[int, dict] = {}
 _V3_WORKSPACE: dict[tuple, tuple] = {}
-
-
-def device_limits() -> dict:
-    """SM count and shared-memory limits of the current device (cached): the persistent grids'
-    sizes and which v2 gate/up block shape fits."""
-    import cupy as cp
-
-    dev = cp.cuda.runtime.getDevice()
-    if dev not in _DEVICE_LIMITS:
-        props = cp.cuda.runtime.getDeviceProperties(dev)
-        _DEVICE_LIMITS[dev] = {
-            "sms": int(props["multiProcessorCount"]),
-            "smem_block": int(props.get("sharedMemPerBlockOptin", props.get("sharedMemPerBlock", 48 * 1024))),
-            "smem_sm": int(props.get("sharedMemPerMultiprocessor", 0)),
-            "smem_reserved": int(props.get("reservedSharedMemPerBlock", 1024)),
-        }
-    return _DEVICE_LIMITS[dev]
 
 
 def v2_gate_up_shape(warps: int, limits: dict) -> dict:

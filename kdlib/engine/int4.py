@@ -111,11 +111,11 @@ def routing_max_smem(device: torch.device) -> int:
     (ROUTING_MAX_SMEM on sm_90, 163 KB on an A100, 99 KB on sm_86 / sm_89 / sm_120)."""
     import cupy
 
-    from kdlib.cuda import moe
+    from kdlib.cuda import loader
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     with cupy.cuda.Device(index):
-        return moe.device_limits()["smem_block"]
+        return loader.device_limits()["smem_block"]
 
 
 def routing_smem(slots: int, n_local: int) -> int:
