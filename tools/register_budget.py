@@ -90,7 +90,7 @@ def measure() -> dict:
                        "threads": {"producer": WARPGROUP, "consumers": c["NTHREADS"] - WARPGROUP},
                        "register_file": SM_REGS, "nvcc": loader.nvcc_version().strip().splitlines()[-1],
                        "rows": list(ROWS), "v9_max_nr": c["V9_MAX_NR"],
-                       "consumers_left": {p: consumers_left(p) for p in PRODUCERS}},
+                       "consumers_left": {str(p): consumers_left(p) for p in PRODUCERS}},
         "builds": [{"producer": p, "consumer": r, "kernels": k}
                    for (p, r), k in zip(grid, reports, strict=True)],
         "rows_builds": [{"rows": n, "producer": p, "consumer": r, "kernels": {v: k[v] for v in V9_KERNELS}}
