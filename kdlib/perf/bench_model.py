@@ -2,7 +2,7 @@
 one place, so that `kdlib.tp.workers` and the suites share it without importing each other."""
 
 # A "tiny but not trivial" target: the MLA shapes of DeepSeek-V3 / Kimi-K2 (models-hardware.md §1)
-# at 1/7 of the width and 8 layers; 32 routed experts top-4 + 1 shared. About 0.4 B parameters.
+# at 1/7 of the width and 8 layers; 32 routed experts top-4 + 1 shared. About 0.5 B parameters.
 BENCH_CONFIG = {
     "model_type": "deepseek_v3",
     "vocab_size": 32768,

@@ -778,7 +778,8 @@ def load_engine_batch(gpu: str = "h200") -> Recorded | None:
 
 def engine_arms_rows(doc: dict) -> tuple[Row, ...]:
     """Tidy rows of an engine_arms payload (kdlib/perf/suites/engine_arms.py): op 'batch_engine_step'
-    (mode 'graph', the wall step) per row, variant its arm ('graphs', 'overlap', 'compile', 'both').
+    (mode 'graph', the wall step) per row, variant its arm ('graphs', 'overlap', 'compile',
+    'compile+overlap').
     Device times, spans, tokens/s and the rows cut for time are in `Recorded.doc`."""
     return tuple(_batch_rows(doc.get("rows") or [], "rows", lambda r: r.get("arm", "")))
 

@@ -214,7 +214,7 @@ def sweep(*, quick: bool = False, impls: Sequence[str] = ("auto",), iters: int =
     impls: kernel variants (`kdlib.cuda.attention.IMPLS` names) timed at every point; the first is
         the headline.
     iters, baseline_iters: CUDA-graph replays per point of each kernel variant / each baseline on
-        the full grid (quick runs 10 / 3; `parameters` records the values given).
+        the full grid (quick runs 10 / 3; `parameters` records the counts run).
     time_budget_s: past this many seconds no new point starts (the grid is in priority order);
         None: no limit.
     """
@@ -229,19 +229,19 @@ def sweep(*, quick: bool = False, impls: Sequence[str] = ("auto",), iters: int =
 
     impls = tuple(impls)
     resolved = {i: cu.LAUNCHES[cu.pick_version(None, i, "bf16")].impl for i in impls}  # 'auto' -> what ran
-    b_iters = baseline_iters
+    if quick:
+        iters, baseline_iters = 10, 3
     t0 = time.monotonic()
     rows, left_out = [], []
     for p in grid:
         if time_budget_s is not None and time.monotonic() - t0 > time_budget_s:
             left_out.append(p)
             continue
-        rows.append(run_point(p, pool, ceil, iters=10 if quick else iters,
-                              baseline_iters=3 if quick else b_iters, impls=impls))
+        rows.append(run_point(p, pool, ceil, iters=iters, baseline_iters=baseline_iters, impls=impls))
         torch.cuda.empty_cache()
     return {
         "parameters": {"quick": quick, "impls": list(impls), "resolved_impls": resolved, "iters": iters,
-                       "baseline_iters": b_iters, "grid": QUICK_GRID if quick else FULL_GRID,
+                       "baseline_iters": baseline_iters, "grid": QUICK_GRID if quick else FULL_GRID,
                        "dtype": "bfloat16", "page_size": 1, "kv_pool_rows": max_slots,
                        "softmax_scale": "576**-0.5",
                        "tree": "random trees, every request full (tree_sizes = Q), prefix_lens = S"},

@@ -13,7 +13,8 @@ Sections of the payload:
              step of each request, the profiled and untimed ones included), DDTree / (accepted x AR)
              ratio, and the bf16 token agreement of DDTree with AR in the same engine
   bench      the 8-layer engine-suite model (engine.BENCH_CONFIG, random weights) with a random
-             DFlash drafter (block 16): the same methods at contexts 256, 1024, 4096
+             DFlash drafter (block 16): AR, DDTree 16 and DDTree 32 at contexts 256 and 4096
+             (quick: AR and DDTree 8 at 256)
   baselines  the same first rows through the eager single-stream loop (`kdlib.engine.generate`) and
              transformers' DeepseekV3ForCausalLM.generate (eager, bf16, the same weights; one timed call
              of max_new tokens after a 4-token warm-up, its 256-token prefill included: tokens/s is a

@@ -18,8 +18,8 @@ Arms, each a CUDA graph replayed and timed with CUDA events (median of `iters`):
 Outputs of every layout are compared with the contiguous one (same keys, so they must agree).
 Rows are rotated among up to 8 table copies at disjoint slots so that one pass reads >= 256 MB
 (> 4x the 60 MB L2) where the pool allows; `l2_resident` marks points whose rows could still fit.
-Bytes = KV rows + page table + queries + outputs; FLOPs = 2 H Q S (576 + 512); floor from
-`data/results/ceilings.h200.json` when present, else 4.3 TB/s and 790 TFLOP/s (kernels-perf.md).
+Bytes = KV rows + page table + queries + outputs; FLOPs = 2 H Q S (576 + 512); floor from the running
+GPU's `ceilings.<gpu>.json` (the H200's where it has none; else 4.3 TB/s and 790 TFLOP/s, kernels-perf.md).
 """
 
 from __future__ import annotations

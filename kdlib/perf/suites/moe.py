@@ -36,8 +36,8 @@ L2: the touched experts at small M fit in the 60 MiB L2, so each timed call uses
 `rotations` independent routings (their touched sets together exceed L2), giving cold-weight
 numbers. Bytes: touched experts' INT4 weights + bf16 scales + activations (x, h, y); FLOPs:
 2 * M * 8 * 3 * K * N. Floors use the copy bandwidth measured in the same run (a 1 GiB
-device-to-device copy, read + write counted) and the bf16 matmul ceiling from
-`ceilings.h200.json` when recorded (else 790e12 FLOP/s, said in the payload).
+device-to-device copy, read + write counted) and the bf16 matmul ceiling of the running GPU's
+`ceilings.<gpu>.json` (the H200's where that GPU has none; else 790e12 FLOP/s, said in the payload).
 """
 
 from __future__ import annotations
@@ -298,7 +298,7 @@ def run(*, quick: bool = False) -> dict:
     rng = np.random.default_rng(0)
 
     copy = timing.copy_bandwidth()
-    ceil = results.ceilings("h200")
+    ceil = results.ceilings()  # the running GPU's (the H200's where none is recorded)
     flop_rate, flop_source = ceil.flop_rate, ceil.source
     bw = copy["Bps"]
 

@@ -20,7 +20,7 @@ def measure(
     """Time the reference `build_tree_batch` on the CPU (kdlib.perf.cpu_time: warm-up, median, p10/p90).
 
     Headline: BASELINE_POINT (B 64, L 15, budget 64, K' 64). Sweeps: against batch at budget 64,
-    and against budget at batch 64 with K' = budget (REF's K = min(N, V)). Inputs from
+    and against budget at the largest batch with K' = budget (REF's K = min(N, V)). Inputs from
     `synthetic_topk(seed, ...)`. Returns the suite's payload.
     """
     def measure(batch, budget, k_prime):
