@@ -277,15 +277,24 @@ def test_calibrate_recovers_moe_efficiency_and_latency():
         est.calibrate({}, moe_arm="marlin")
 
 
+def test_calibrate_takes_the_dense_gemm_rate_from_the_ceilings():
+    spec = hw.load("h200")
+    c = {"copy_bandwidth_Bps": 4.3e12, "bf16_matmul_flops": 0.6 * spec["bf16_dense_flops"], "_path": "c.json"}
+    a, notes = est.calibrate({"ceilings": c}, report=True)
+    assert a.v("dense_compute_eff") == pytest.approx(0.6) and a.dense_compute_eff.source.startswith("c.json")
+    assert any("(dense_compute_eff)" in n for n in notes)
+    assert est.calibrate({}).v("dense_compute_eff") == est.Assumptions().v("dense_compute_eff")
+
+
 def test_calibrate_moe_arms_are_one_key_each():
     """kernel_v1 reads the payload's `kernel` (v1), baseline its own bytes; a payload with no default
     arm leaves the assumptions alone instead of falling back to another version."""
     spec = hw.load("h200")
-    doc = _fake_moe_result(0.62, 20e-6, spec)
+    doc = _fake_moe_result(0.42, 20e-6, spec)
     v1 = est.calibrate({"moe": doc}, moe_arm="kernel_v1")
-    assert v1.v("moe_bw_eff") == pytest.approx(0.31, rel=1e-3)
+    assert v1.v("moe_bw_eff") == pytest.approx(0.21, rel=1e-3)
     base = est.calibrate({"moe": doc}, moe_arm="baseline")
-    assert base.v("moe_bw_eff") == pytest.approx(4 * 0.31, rel=1e-3)
+    assert base.v("moe_bw_eff") == pytest.approx(4 * 0.21, rel=1e-3)
     for r in doc["rows"]:
         del r["kernel_default"]
     a, notes = est.calibrate({"moe": doc}, report=True)
@@ -359,6 +368,13 @@ def test_validate_on_a_suite_shaped_payload_uses_the_verify_sweep():
     assert len(table) == 18 and all(r["budget"] > 0 for r in table)
     assert "moe_per_expert_latency_s = 6e-05" in notes[0]
     assert max(abs(r["residual"]) for r in table) < 0.02
+    # device_ms is the device work alone: the MoE's launch latencies (60 us a touched expert) left out
+    shape = est.ModelShape.from_config(BENCH_CONFIG, tp=1, expert_bits=16)
+    work = truth.with_(moe_layer_latency_s=(0.0, "t"), moe_per_expert_latency_s=(0.0, "t"))
+    for r in table:
+        sc = est.Scenario(1, r["budget"] + 1, 16, r["accepted"], r["context"])
+        s = est.step_time("h200", sc, work, shape)
+        assert r["device_ms"] == pytest.approx((s["moe"] + s["dense"] + s["attention"]) * 1e3, rel=0.02)
 
 
 def test_validate_ignores_the_kernel_attention_arm_of_the_verify_sweep():
@@ -590,11 +606,12 @@ def test_step_allreduces_are_the_rank_engines():
 def test_inputs_that_would_give_nonsense_are_refused():
     """Each of these gave a silent figure (negative tok/s, NaN, an MoE term that fell back to compute)."""
     a, spec = est.Assumptions(), hw.load("h200")
-    for name, value, message in (("moe_bw_eff", -0.7, "moe_bw_eff must be > 0"),
-                                 ("attn_bw_eff", 0.0, "attn_bw_eff must be > 0"),
+    for name, value, message in (("moe_bw_eff", -0.7, "moe_bw_eff is a fraction of a peak"),
+                                 ("attn_bw_eff", 0.0, "attn_bw_eff is a fraction of a peak"),
                                  ("dispatch_s", -0.01, "dispatch_s must be >= 0"),
                                  ("kernel_latency_s", -3e-6, "kernel_latency_s must be >= 0"),
-                                 ("moe_bw_eff", float("inf"), "finite number")):
+                                 ("moe_bw_eff", float("inf"), "finite number"),
+                                 ("moe_bw_eff", 85.0, r"fraction of a peak, in \(0, 1\]; got 85.0")):
         with pytest.raises(ValueError, match=message):
             a.with_(**{name: (value, "test")})
     with pytest.raises(ValueError, match="finite number"):
@@ -604,6 +621,9 @@ def test_inputs_that_would_give_nonsense_are_refused():
             est.Scenario(**kw)
     with pytest.raises(ValueError, match="n_dense_layers 5 exceeds n_layers 2"):
         est.ModelShape(n_layers=2, n_dense_layers=5)
+    with pytest.raises(ValueError, match="4-bit experts need a scale group >= 1, got 0"):
+        est.ModelShape(group=0)  # a ZeroDivisionError in expert_bytes
+    assert est.ModelShape(group=0, expert_bits=16).expert_bytes() > 0
     with pytest.raises(ValueError, match="ModelShape.hidden must be a finite number"):
         est.ModelShape(hidden=float("nan"))
     bad_specs = (({"hbm_bandwidth_Bps": -8e12}, "hbm_bandwidth_Bps must be a positive finite number"),

@@ -234,7 +234,8 @@ def test_rank_step_refuses_what_failed_deep_in_torch():
     dr = RankDrafter(m, ds)
     for kw, message in ((dict(budget=0), "needs budget an int in \\[1, 64\\]"),
                         (dict(budget=None), "needs budget an int"), (dict(budget=65), "needs budget"),
-                        (dict(budget=8, accepted=5), "accepted must lie in \\[1, block_size = 4\\]"),
+                        (dict(budget=8, accepted=5), "must lie in \\[1, 4\\]: at most block_size = 4"),
+                        (dict(budget=2, accepted=4), "accepted must lie in \\[1, 3\\].*budget \\+ 1 = 3"),
                         (dict(budget=8, streams=0), "streams must be >= 1")):
         with pytest.raises(ValueError, match=message):
             RankStep(m, **{"streams": 2, "context": 20, "drafter": dr, **kw})

@@ -695,9 +695,12 @@ class RankStep:
                 raise ValueError(f"a DDTree step needs budget an int in [1, {MAX_OPS_BUDGET}] (the "
                                  f"tree-verify kernels take {MAX_OPS_BUDGET + 1} rows at most), got "
                                  f"{budget!r}")
-            if not 1 <= int(accepted) <= drafter.ds.block_size:
-                raise ValueError(f"accepted must lie in [1, block_size = {drafter.ds.block_size}] (the "
-                                 f"horizon and the bonus), got {accepted}")
+            reach = min(drafter.ds.block_size, budget + 1)  # the horizon and the bonus; a chain of the budget
+            if not 1 <= int(accepted) <= reach:
+                raise ValueError(f"accepted must lie in [1, {reach}]: at most block_size = "
+                                 f"{drafter.ds.block_size} (the horizon and the bonus) and budget + 1 = "
+                                 f"{budget + 1} (the deepest tree of the budget and the bonus), got "
+                                 f"{accepted}")
         self.m, self.d, self.C, self.ctx = model, drafter, int(streams), int(context)
         dev = model.device
         self.ddtree = drafter is not None

@@ -203,6 +203,12 @@ def calibrate(results: dict, *, gpu: str = "h200", moe_arm: str = "kernel", a: A
         c = results["ceilings"]
         notes.append(f"ceilings: copy {c.get('copy_bandwidth_Bps', 0) / 1e12:.2f} TB/s = "
                      f"{c.get('copy_bandwidth_Bps', 0) / spec['hbm_bandwidth_Bps']:.0%} of the spec peak")
+        if c.get("bf16_matmul_flops"):  # the dense GEMMs' rate: the bf16 matmul the suite timed
+            eff = c["bf16_matmul_flops"] / spec["bf16_dense_flops"]
+            src = f"{c.get('_path', 'ceilings')}: bf16_matmul_flops / spec peak"
+            a = a.with_(dense_compute_eff=(eff, src))
+            notes.append(f"ceilings: bf16 matmul {c['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s = {eff:.0%} of "
+                         "the spec peak (dense_compute_eff)")
     if "moe" in results:
         a = _calibrate_moe(a, results["moe"], spec, moe_arm, notes)
     else:
@@ -422,10 +428,11 @@ def validate(a: Assumptions, engine: dict, *, gpu="h200", anchor: int = 0, shape
 
     The verify forward's launch costs come from the engine's verify-forward sweep when it holds
     >= 3 points (`calibrate_verify`); `anchor` (an index into the runs, ordered by context, budget,
-    acceptance) is the one run that sets the host-side phases (draft, build, accept + compaction,
+    concurrency, acceptance) is the one run that sets the host-side phases (draft, build, accept + compaction,
     and the verify launch cost when no sweep is recorded). Each row: context, budget, accepted,
     measured_ms, predicted_ms, residual (predicted / measured - 1), device_ms (the predicted
-    device work: MoE, dense, attention, all-reduce; the rest is launch and host time), role
+    device work: MoE, dense, attention, all-reduce, less the MoE's launch latencies; the rest is
+    launch and host time), role
     ('anchor' / 'held out'), and the prediction from `a` alone (components_only_*)."""
     rows = sorted(engine_rows(engine),
                   key=lambda r: (r["context"], r["budget"], r["concurrency"], r["accepted"]))
@@ -436,15 +443,18 @@ def validate(a: Assumptions, engine: dict, *, gpu="h200", anchor: int = 0, shape
     if notes is not None:
         notes.append(note)
     anchored = anchor_host_costs(for_drafter(a_v, rows[anchor]), rows[anchor], shape, gpu, verify=a_v is a)
+    no_launch = anchored.with_(moe_layer_latency_s=(0.0, "zeroed: device work alone"),
+                               moe_per_expert_latency_s=(0.0, "zeroed: device work alone"))
     out = []
     for i, r in enumerate(rows):
         st = step_time(gpu, _scenario(r), for_drafter(anchored, r), shape)
+        dev = step_time(gpu, _scenario(r), for_drafter(no_launch, r), shape)
         pure = step_time(gpu, _scenario(r), for_drafter(a, r), shape)
         out.append({
             "context": r["context"], "budget": r["budget"], "concurrency": r["concurrency"],
             "accepted": r["accepted"], "measured_ms": r["step_ms"], "predicted_ms": st["total"] * 1e3,
             "residual": st["total"] * 1e3 / r["step_ms"] - 1.0,
-            "device_ms": (st["moe"] + st["dense"] + st["attention"] + st["allreduce"]) * 1e3,
+            "device_ms": (dev["moe"] + dev["dense"] + dev["attention"] + dev["allreduce"]) * 1e3,
             "components_only_ms": pure["total"] * 1e3,
             "components_only_residual": pure["total"] * 1e3 / r["step_ms"] - 1.0,
             "role": "anchor" if i == anchor else "held out",
@@ -666,7 +676,8 @@ def calibrate_rank_layer(a: Assumptions, doc: dict, *, gpu="h200") -> RankLayerT
 def _fit_attention_plan(shape, rows: list[tuple[dict, float]], grid, gpu: str, src: str):
     """`AttentionPlanTerms` from k2_layer's attention rows (row, seconds less its share of the graph
     overhead), by least squares of the relative residuals, every term >= 0; None without the SM count the
-    plan needs or with fewer rows than terms."""
+    plan needs or without more rows than unknowns (the terms and the fixed time a layer: a fit that
+    could pass through every row exactly)."""
     from kdlib.perf import rank_work
 
     rows = [(r, y) for r, y in rows if y > 0]

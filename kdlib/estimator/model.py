@@ -249,10 +249,9 @@ def sensitivity(gpu, scenario: Scenario, a: Assumptions | None = None, shape: Mo
     base = step_time(gpu, scenario, a, shape)["tok_s"]
     rows = []
     for name in a.names():
+        up = min(factor, 1.0 / a.v(name)) if name.endswith("_eff") else factor  # an efficiency stops at 1
         lo = step_time(gpu, scenario, a.scaled(name, 1 / factor), shape)["tok_s"]
-        hi = step_time(gpu, scenario, a.scaled(name, factor), shape)["tok_s"]
-        if name.endswith("_eff"):
-            hi = step_time(gpu, scenario, a.scaled(name, min(factor, 1.0 / a.v(name))), shape)["tok_s"]
+        hi = step_time(gpu, scenario, a.scaled(name, up), shape)["tok_s"]
         rows.append({"name": name, "low": lo, "high": hi, "base": base, "swing": abs(hi - lo)})
     acc_lo = max(1.0, scenario.accepted / factor)
     acc_hi = min(float(scenario.max_accepted), scenario.accepted * factor)  # a block-16 step commits <= 17

@@ -68,8 +68,8 @@ class Assumptions:
         "mem_bw_empirical_scaling_factor 0.8 of AIConfigurator's system YAMLs (ai-dynamo/aiconfigurator)")
     dense_compute_eff: Param = _p(
         0.80, "fraction of dense bf16 peak",
-        "cuBLAS bf16 GEMM ~790 of 989 TFLOP/s on the H200 (bf16_matmul_flops of "
-        "data/results/ceilings.h200.json against data/hw/h200.json)")
+        "cuBLAS bf16 GEMM ~790 of 989 TFLOP/s on an H200 (design/reference/kernels-perf.md); calibration "
+        "takes the bf16 matmul rate of the ceilings suite's record instead")
     attn_bw_eff: Param = _p(
         0.85, "fraction of HBM peak",
         "FlashMLA memory-bound decode 84-90% of peak on H800/H100 (deepseek-ai/FlashMLA README) [U here]")
@@ -113,9 +113,8 @@ class Assumptions:
         "host-side cost of one drafter call (sampling the block's top-K, feature hand-off) [U]")
     tree_build_cpu_s_per_request: Param = _p(
         0.27e-3, "s per request",
-        "CPU heapq builder: 17.4 ms at batch 64 on a 2-core machine, 14.8 ms on the GPU host "
-        "(before calibration; tree_build of data/results/kernels.h200.json replaces it); "
-        "seeds: 6-21 ms at batch 64")
+        "CPU heapq builder: 17.4 ms at batch 64 on a 2-core machine (before calibration; the GPU "
+        "host's tree_build of data/results/kernels.h200.json replaces it); seeds: 6-21 ms at batch 64")
     tree_build_gpu_s: Param = _p(
         41e-6, "s per step",
         "GPU DDTree builder inside a CUDA graph: 40.8 us at batch 64, 37.7 us at batch 1 "
@@ -133,9 +132,11 @@ class Assumptions:
     def __post_init__(self):
         for name in self.names():
             v = self.v(name)
-            if v < 0 or (name.endswith("_eff") and v == 0):
-                raise ValueError(f"assumption {name} must be {'> 0' if name.endswith('_eff') else '>= 0'}, "
-                                 f"got {v!r}")
+            if name.endswith("_eff"):  # a fraction of a peak: a percentage (85) would beat the floor
+                if not 0 < v <= 1:
+                    raise ValueError(f"assumption {name} is a fraction of a peak, in (0, 1]; got {v!r}")
+            elif v < 0:
+                raise ValueError(f"assumption {name} must be >= 0, got {v!r}")
 
     def names(self) -> list[str]:
         return [f.name for f in dataclasses.fields(self)]
@@ -204,6 +205,9 @@ class ModelShape:
         if self.n_dense_layers > self.n_layers:
             raise ValueError(f"ModelShape: n_dense_layers {self.n_dense_layers} exceeds n_layers "
                              f"{self.n_layers}")
+        if self.expert_bits < 16 and self.group < 1:
+            raise ValueError(f"ModelShape: {self.expert_bits:g}-bit experts need a scale group >= 1, got "
+                             f"{self.group!r}")
 
     @property
     def n_moe_layers(self) -> int:
