@@ -1,7 +1,7 @@
 """The training corpus: text every Python installation carries, extracted deterministically.
 
     docs = corpus.extract()                      # [Doc(kind, id, text, split)], sorted, same bytes each run
-    corpus.write(docs, ".carry/corpus")          # <kind>.<split>.jsonl + manifest.json (atomic)
+    corpus.write(docs, ".carry/corpus")          # <kind>.<split>.jsonl, then manifest.json
     docs = corpus.read(".carry/corpus")
     python -m kdlib.corpus --out .carry/corpus
 
@@ -169,9 +169,12 @@ def extract(root: Path | None = None) -> list[Doc]:
 
 
 def write(docs: list[Doc], out: str | Path) -> dict:
-    """Write `<kind>.<split>.jsonl` (one {"id", "text"} per line) and manifest.json; returns the manifest."""
+    """Write `<kind>.<split>.jsonl` (one {"id", "text"} per line) and manifest.json; returns the manifest.
+    Each file is written whole or not at all, and an old manifest goes first: a rewrite stopped part-way
+    leaves a folder that `read` calls no corpus, not a mix of two."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "manifest.json").unlink(missing_ok=True)
     manifest = {"python": sys.version.split()[0], "held_out_per_mille": HELD_OUT_PER_MILLE, "files": {}}
     for kind in KINDS:
         for split in SPLITS:
@@ -186,18 +189,24 @@ def write(docs: list[Doc], out: str | Path) -> dict:
 
 
 def read(folder: str | Path) -> list[Doc]:
-    """The documents written by `write`, in file order."""
+    """The documents written by `write`, in file order; a file whose bytes are not those the manifest
+    hashed is a ValueError naming it."""
     folder = Path(folder)
     if not (folder / "manifest.json").is_file():
         raise ValueError(f"{folder}: no corpus here (manifest.json missing); build it with python -m "
                          f"kdlib.corpus --out {folder}")
+    files = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))["files"]
     docs = []
     for kind in KINDS:
         for split in SPLITS:
-            with open(folder / f"{kind}.{split}.jsonl", encoding="utf-8") as f:
-                for line in f:
-                    d = json.loads(line)
-                    docs.append(Doc(kind, d["id"], d["text"], split))
+            name = f"{kind}.{split}.jsonl"
+            raw = (folder / name).read_bytes()
+            if hashlib.sha256(raw).hexdigest() != files[name]["sha256"]:
+                raise ValueError(f"{folder / name}: not the file manifest.json describes (another corpus's, "
+                                 f"or changed since); rebuild with python -m kdlib.corpus --out {folder}")
+            for line in raw.decode("utf-8").split("\n")[:-1]:  # one a line; a text may hold U+2028
+                d = json.loads(line)
+                docs.append(Doc(kind, d["id"], d["text"], split))
     return docs
 
 

@@ -69,7 +69,7 @@ def atomic_write_path(path, write, *, suffix: str = ".tmp") -> None:
 
 def check_folder(path) -> Path:
     """The folder `path` would be written in; ValueError naming `path` where that is not a folder."""
-    folder = Path(path).parent if str(Path(path).parent) else Path(".")
+    folder = Path(path).parent  # "." for a bare name
     if not folder.is_dir():
         raise ValueError(f"{path}: its folder {folder} " + ("is not a folder" if folder.exists() else
                                                              "does not exist"))

@@ -373,7 +373,7 @@ def load(path, mmap: bool = True, verify: bool | None = None, device: str | None
             warnings.warn("ml_dtypes is not installed: bfloat16 / float8 tensors are returned as their "
                           "unsigned-integer bits", stacklevel=2)
         if mmap:
-            mm = np.memmap(f, dtype=np.uint8, mode="r") if h.file_size else None
+            mm = np.memmap(f, dtype=np.uint8, mode="r")  # a parsed header: the file is >= 64 bytes
             for e in h.tensors:
                 flat = mm[e.offset : e.offset + e.nbytes].view(np.ndarray)
                 if verify:

@@ -330,10 +330,6 @@ def init_drafter(drafter, seed: int) -> None:
                 p.fill_(1.0)
 
 
-def _lm_head(target):
-    return target.model.embed_tokens.weight if target.cfg.tie_word_embeddings else target.lm_head.weight
-
-
 def drafter_forward(drafter, target, ids, feats, anchors):
     """`DFlashDrafter.block_forward` for a batch, over the drafter's own modules and parameters.
 
@@ -382,7 +378,7 @@ def drafter_forward(drafter, target, ids, feats, anchors):
         o = F.scaled_dot_product_attention(q.view(B, Q, nh, hd).transpose(1, 2), k, v, attn_mask=mask)
         x = x + layer.o_proj(o.transpose(1, 2).reshape(B * Q, nh * hd))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    logits = F.linear(drafter.norm(x), _lm_head(target)).float()  # [B*Q, V]
+    logits = drafter._logits(target, x).float()  # [B*Q, V]
     return logits.view(B, A, S, -1)[:, :, 1:], labels
 
 
@@ -534,12 +530,12 @@ def _loop(module, params, step_fn, spec: TrainSpec, log, eval_fn=None, eval_ever
             log(f"step {step:6d}  loss {curve['loss'][-1]:.4f}  lr {lr:.2e}  {curve['elapsed_s'][-1]:7.1f}s")
         if eval_fn is not None and eval_every and (step % eval_every == 0 or step == spec.max_steps):
             _evaluate(module, eval_fn, step, curve, log)
-            if "score" in curve["eval"][-1] and (best is None or curve["eval"][-1]["score"] < best[0]):
+            if _better(curve["eval"][-1], best):
                 best = (curve["eval"][-1]["score"], step,
                         {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()})
     if eval_fn is not None and (not curve["eval"] or curve["eval"][-1]["step"] != step):
         _evaluate(module, eval_fn, step, curve, log)
-        if "score" in curve["eval"][-1] and (best is None or curve["eval"][-1]["score"] < best[0]):
+        if _better(curve["eval"][-1], best):
             best = None  # the final state is the best: keep it
     if best is not None:
         module.load_state_dict(best[2])
@@ -548,6 +544,12 @@ def _loop(module, params, step_fn, spec: TrainSpec, log, eval_fn=None, eval_ever
     curve["steps"] = step
     curve["seconds"] = round(time.perf_counter() - t0, 2)
     return curve
+
+
+def _better(ev: dict, best) -> bool:
+    """Whether evaluation `ev` beats the best kept so far (a (score, ...) tuple or None): a score that is
+    not a finite number (a NaN of an overflowed pass) is never the best."""
+    return "score" in ev and math.isfinite(ev["score"]) and (best is None or ev["score"] < best[0])
 
 
 def _evaluate(module, eval_fn, step, curve, log) -> None:
@@ -685,6 +687,13 @@ def evaluate_drafter(drafter, target, stream, seq: int, batch: int, windows: int
 
 
 def save_weights(module, path, metadata: dict) -> None:
-    """state_dict -> KDTR in float16 (atomic), metadata values stringified (JSON for non-str)."""
-    tensors = {k: v.detach().to("cpu").half().numpy() for k, v in module.state_dict().items()}
+    """state_dict -> KDTR in float16 (atomic), metadata values stringified (JSON for non-str). A finite value
+    past float16's range (65,504) is a ValueError naming its tensor, before anything is written."""
+    tensors = {}
+    for k, v in module.state_dict().items():
+        v = v.detach().to("cpu")
+        h = v.half()
+        if bool((h.isinf() & v.isfinite()).any()):
+            raise ValueError(f"{k}: a value past float16's range ({v.abs().max().item():.4g}): not saved")
+        tensors[k] = h.numpy()
     kdtr.save(path, tensors, {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()})

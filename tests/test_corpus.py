@@ -6,6 +6,7 @@ from functools import cache
 import pytest
 
 from kdlib import corpus
+from kdlib.files import atomic_write_text
 
 
 @cache
@@ -78,6 +79,33 @@ def test_write_read_round_trips(tmp_path):
         assert hashlib.sha256((tmp_path / name).read_bytes()).hexdigest() == info["sha256"]
     assert json.loads((tmp_path / "manifest.json").read_text()) == json.loads(json.dumps(manifest))
     assert not list(tmp_path.glob(".*.tmp"))  # no temporary files left behind
+
+
+def test_a_rewrite_stopped_part_way_is_no_corpus(tmp_path, monkeypatch):
+    def docs(n, text):  # n documents of every kind and split
+        return [corpus.Doc(k, f"{k}{s}{i}", text, s)
+                for k in corpus.KINDS for s in corpus.SPLITS for i in range(n)]
+
+    corpus.write(docs(2, "old \u2028 line"), tmp_path)  # a line separator inside a text is not a line end
+    assert corpus.read(tmp_path) == docs(2, "old \u2028 line")
+    written = []
+
+    def stop_at_the_fourth(path, text):
+        if len(written) == 3:
+            raise KeyboardInterrupt
+        written.append(path)
+        atomic_write_text(path, text)
+
+    monkeypatch.setattr(corpus, "atomic_write_text", stop_at_the_fourth)
+    with pytest.raises(KeyboardInterrupt):
+        corpus.write(docs(3, "new"), tmp_path)
+    with pytest.raises(ValueError, match="no corpus here"):  # three new files beside three old ones
+        corpus.read(tmp_path)
+    monkeypatch.undo()
+    corpus.write(docs(2, "old"), tmp_path)
+    (tmp_path / "code.train.jsonl").write_text('{"id": "x", "text": "changed"}\n')
+    with pytest.raises(ValueError, match="code.train.jsonl: not the file manifest.json describes"):
+        corpus.read(tmp_path)
 
 
 def test_bad_input():

@@ -164,6 +164,18 @@ def test_a_few_drafter_steps_reduce_the_loss_and_ddtree_stays_exact(tmp_path):
         assert torch.equal(loaded.state_dict()[k], v.half().float()), k  # stored in float16
 
 
+def test_save_weights_refuses_a_value_float16_cannot_hold(tmp_path):
+    lin = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        lin.weight[0, 0] = 1e5  # float16 tops out at 65,504: it would load back as inf
+    with pytest.raises(ValueError, match="weight: a value past float16's range"):
+        T.save_weights(lin, tmp_path / "w.kdtr", {})
+    assert not (tmp_path / "w.kdtr").exists()
+    with torch.no_grad():
+        lin.weight[0, 0] = float("inf")  # already not finite: stored as it is
+    T.save_weights(lin, tmp_path / "w.kdtr", {})
+
+
 def test_kept_state_is_the_best_validation_score():
     target = _micro_target()
     scores = iter([3.0, 1.0, 2.0])
@@ -177,6 +189,17 @@ def test_kept_state_is_the_best_validation_score():
     curve = T.train_target(target, _streams(64), spec, log=lambda _: None, eval_fn=eval_fn, eval_every=1)
     assert curve["kept_step"] == 2
     torch.testing.assert_close(target.model.norm.weight, snapshots[1])
+
+
+@pytest.mark.parametrize("scores,kept", [((float("nan"), 1.0, 0.5), 3), ((2.0, float("nan"), 3.0), 1),
+                                         ((float("nan"),) * 3, 3)])
+def test_a_score_that_is_not_a_number_is_never_kept_as_the_best(scores, kept):
+    target = _micro_target()
+    scores = iter(scores)
+    spec = T.TrainSpec(max_steps=3, batch=4, seq=16, lr=1e-2, warmup_steps=1, log_every=1)
+    curve = T.train_target(target, _streams(64), spec, log=lambda _: None,
+                           eval_fn=lambda: {"score": next(scores)}, eval_every=1)
+    assert curve["kept_step"] == kept
 
 
 def test_router_bias_moves_towards_the_mean_load():
