@@ -92,6 +92,15 @@ def test_streaming_equals_plain_with_usage_chunks(oa):
     counts = [c.usage.completion_tokens for c in content]
     assert counts == sorted(counts) and counts[-1] == 30 and len(content) > 3
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30
+    # vLLM's: continuous stats only beside include_usage; with n > 1, each chunk's choice's own count
+    alone = list(_greedy(oa, "Streaming test:", 4, stream=True, **kw,
+                         stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in alone) and all(c.choices for c in alone)
+    two = list(oa.completions.create(model="kdtree-tiny", prompt="Streaming test:", max_tokens=4,
+                                     temperature=0, n=2, stream=True, **kw,
+                                     stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    last = {c.choices[0].index: c.usage.completion_tokens for c in two if c.choices}
+    assert last == {0: 4, 1: 4} and two[-1].usage.completion_tokens == 8
 
 
 def test_a_temperature_past_float32_is_a_400_streamed_too(http):
@@ -193,6 +202,23 @@ def test_streamed_text_offsets_are_the_unstreamed_ones(oa):
     chunks = [c.choices[0] for c in oa.completions.create(stream=True, **kw)]
     offsets = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
     assert offsets == whole.logprobs.text_offset and "".join(c.text for c in chunks) == whole.text
+
+
+def test_text_offsets_index_the_text(oa):
+    """A token starts at its offset in the text; a hidden end of text, or a character's first bytes, adds no
+    characters (the offsets counted each token's piece: 13 for <|endoftext|>, 1 for a lone byte's U+FFFD)."""
+    cases = (("s = '日本'\n", dict(echo=True)), (EOS_PROMPT, dict(extra_body={"ignore_eos": True})))
+    for prompt, kw in cases:
+        kw = dict(model="kdtree-tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=1, **kw)
+        c = oa.completions.create(**kw).choices[0]
+        lp = c.logprobs
+        assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(c.text)
+        whole = [(s, o) for s, o in zip(lp.tokens, lp.text_offset, strict=True)
+                 if "\ufffd" not in s and s != "<|endoftext|>"]
+        assert all(c.text[o:o + len(s)] == s for s, o in whole), (lp.tokens, lp.text_offset)
+        assert len(whole) < len(lp.tokens)  # a split character, or the end of text, was among them
+        chunks = [ch.choices[0] for ch in oa.completions.create(stream=True, **kw)]
+        assert [o for ch in chunks if ch.logprobs for o in ch.logprobs.text_offset] == lp.text_offset
 
 
 def test_a_body_sent_without_a_json_content_type_is_named_so(http):
@@ -497,7 +523,10 @@ def test_a_stop_string_past_a_hidden_end_of_text_keeps_one_logprob_a_token(bundl
 
 
 def test_engine_in_process_reports_bad_requests_and_keeps_serving(bundle):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
     engine = serve.Engine(bundle, max_num_seqs=2, max_model_len=64)
+    assert torch.get_num_threads() == 1  # a tiny model's ops on one thread, while the engine runs
     try:
         with pytest.raises(serve.RequestError) as e:
             engine.run([1, 2, 10_000], 4)  # past the vocabulary: the engine refuses it
@@ -507,6 +536,8 @@ def test_engine_in_process_reports_bad_requests_and_keeps_serving(bundle):
         assert engine.snapshot()["requests"] == 1
     finally:
         engine.close()
+        assert torch.get_num_threads() == 2  # the process's setting back
+        torch.set_num_threads(threads)
 
 
 def test_server_process_serves_and_stops():

@@ -6,7 +6,7 @@ with an empty batch and a free KV pool."""
 import asyncio
 import json
 import random
-import statistics
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,6 +15,7 @@ import pytest
 
 from kdlib import serve, zoo
 from kdlib.diagnose import parse_metrics
+from kdlib.serve import server as server_mod
 
 pytest.importorskip("fastapi")  # the GPU machine has no web stack unless its wheels were brought
 openai = pytest.importorskip("openai")
@@ -147,27 +148,36 @@ def test_tokenising_a_large_prompt_does_not_stall_the_server(server):
     def post():
         return httpx.post(server.url + "/v1/completions", json={"prompt": big, "max_tokens": 1}, timeout=60)
 
-    with ThreadPoolExecutor(1) as ex:
+    with ThreadPoolExecutor(1) as ex, httpx.Client(base_url=server.url, timeout=10) as c:
         fut = ex.submit(post)
-        worst = 0.0
-        while not fut.done():
-            t0 = time.perf_counter()
-            assert httpx.get(server.url + "/health", timeout=10).status_code == 200
-            worst = max(worst, time.perf_counter() - t0)
+        answered = 0  # /health answers while the prompt was in flight: an event loop that tokenised it
+        while not fut.done():  # would answer one, maybe two, and then the prompt's error
+            assert c.get("/health").status_code == 200
+            answered += 1
         r = fut.result()
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-    assert worst < 1.0, f"/health took {worst:.2f} s while a prompt was tokenised"
+    assert answered >= 5, f"only {answered} /health answers while a prompt was tokenised"
 
 
-def test_a_kept_alive_connection_answers_without_a_nagle_delay(server):
-    """Responses on a reused connection must not wait for the client's delayed ACK (~40 ms)."""
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        times = []
-        for _ in range(12):
-            t0 = time.perf_counter()
-            assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
-            times.append(time.perf_counter() - t0)
-    assert statistics.median(times[2:]) < 0.035, [round(t * 1e3, 1) for t in times]
+def test_accepted_connections_send_without_nagle():
+    """A response on a kept-alive connection waited ~40 ms for the client's delayed ACK: asyncio sets
+    TCP_NODELAY on what a listener accepts only where the listener was made with proto IPPROTO_TCP."""
+    async def main():
+        got = asyncio.get_running_loop().create_future()
+
+        def handle(reader, writer):
+            got.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        listener = server_mod.bind("127.0.0.1", 0)
+        srv = await asyncio.start_server(handle, sock=listener)
+        async with srv:
+            _, writer = await asyncio.open_connection(*listener.getsockname())
+            nodelay = await asyncio.wait_for(got, 30)
+            writer.close()
+        return nodelay
+
+    assert asyncio.run(main()) != 0
 
 
 # ----------------------------------------------------------------------------- hostile bodies

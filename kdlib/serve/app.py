@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from kdlib.engine.generate import MAX_TEMPERATURE, MIN_TEMPERATURE
 from kdlib.serve.engine import Engine, RequestError, Sequence
+from kdlib.serve.text import TokenOffsets
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: ~100x the longest prompt the tiny models' 2,048-token context takes
 COMPLETIONS_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's and vLLM's default)
@@ -174,10 +175,10 @@ def plan_request(req, engine: Engine, chat: bool) -> Plan:
                              stop_token_ids=tuple(sorted(engine.stop_token_ids)),
                              ignore_eos=bool(req.ignore_eos), min_tokens=min_tokens, logprobs=logprobs)
               for i in range(n)]
-    opts = req.stream_options
-    return Plan(ids, prompt_text, max_tokens, params, tuple(req.stop or ()), bool(req.stream),
-                bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats), logprobs,
-                bool(getattr(req, "echo", False)))
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    continuous = include_usage and bool(req.stream_options.continuous_usage_stats)  # vLLM's: beside it only
+    return Plan(ids, prompt_text, max_tokens, params, tuple(req.stop or ()), bool(req.stream), include_usage,
+                continuous, logprobs, bool(getattr(req, "echo", False)))
 
 
 class _Logprobs:
@@ -198,9 +199,10 @@ class _Logprobs:
         return [{**one(e["token"], e["logprob"]), "top_logprobs": [one(i, lp) for i, lp in e["top"]]}
                 for e in entries]
 
-    def completion(self, entries, offset: int) -> dict:
-        """offset: characters of text before the first token. An entry's "top" None: no alternatives.
-        top_logprobs holds the sampled token beside the top ones (OpenAI: up to logprobs + 1 of them)."""
+    def completion(self, entries, at: TokenOffsets, hidden=frozenset()) -> dict:
+        """at: the choice's offsets, pushed each entry's token in turn (`hidden`: ids its text does not show).
+        An entry's "top" None: no alternatives. top_logprobs holds the sampled token beside the top ones
+        (OpenAI: up to logprobs + 1 of them)."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for e in entries:
             s = self.piece(e["token"])
@@ -210,8 +212,7 @@ class _Logprobs:
             if top is not None:
                 top.setdefault(s, e["logprob"])
             out["top_logprobs"].append(top)
-            out["text_offset"].append(offset)
-            offset += len(s)
+            out["text_offset"].append(at.push(e["token"], e["token"] not in hidden))
         return out
 
 
@@ -333,6 +334,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_body_bytes: in
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:20]}-{next(counter)}"
         created = int(time.time())
         lp = _Logprobs(engine.bundle.tokenizer, chat)
+        hidden = engine.stop_token_ids  # generated, counted, not shown in the text
         prompt_n = len(plan.prompt_ids)
 
         def prompt_entries(per_position) -> list:
@@ -368,9 +370,14 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_body_bytes: in
                          "logprobs": ({"content": lp.chat_content(token_lp[i])} if plan.logprobs is not None
                                       else None)}
                 else:
-                    entries = (prompt_entries(prompt_lp) if prompt_lp is not None else []) + token_lp[i]
-                    c = {"index": i, "text": text,
-                         "logprobs": lp.completion(entries, 0) if plan.logprobs is not None else None}
+                    logprobs = None
+                    if plan.logprobs is not None:  # the echoed prompt's entries first, as streamed
+                        at = TokenOffsets(lp.tok)
+                        echoed = None if prompt_lp is None else lp.completion(prompt_entries(prompt_lp), at)
+                        logprobs = lp.completion(token_lp[i], at, hidden)
+                        if echoed is not None:
+                            logprobs = {k: echoed[k] + logprobs[k] for k in logprobs}
+                    c = {"index": i, "text": text, "logprobs": logprobs}
                 choices.append({**c, "finish_reason": d.finish_reason, "ddtree": d.stats})
             return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                     "model": name, "choices": choices,
@@ -383,7 +390,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_body_bytes: in
 
         async def stream():
             counts = [0] * len(r.seqs)
-            offsets = [len(plan.prompt_text) if plan.echo else 0] * len(r.seqs)
+            offsets = [TokenOffsets(lp.tok) for _ in r.seqs]  # after the echoed prompt's entries, if any
             first = [True] * len(r.seqs)
 
             def chunk(i: int, text: str, logprobs=None, finish=None, **extra) -> dict:
@@ -397,8 +404,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_body_bytes: in
                     choice = {"index": i, "text": text, "logprobs": logprobs}
                 d = {"id": rid, "object": obj, "created": created, "model": name,
                      "choices": [{**choice, "finish_reason": finish, **extra}]}
-                if plan.continuous_usage:
-                    d["usage"] = usage(sum(counts))
+                if plan.continuous_usage:  # the choice's own tokens so far (vLLM's)
+                    d["usage"] = usage(counts[i])
                 elif plan.include_usage:  # OpenAI's: null in every chunk before the usage chunk
                     d["usage"] = None
                 return d
@@ -410,16 +417,15 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_body_bytes: in
                 async for kind, d in r.events():
                     if kind == "prompt":  # echo + logprobs: the prompt with its own logprobs first
                         for i in range(len(r.seqs)):
-                            yield sse(chunk(i, plan.prompt_text, lp.completion(prompt_entries(d), 0)))
+                            echoed = lp.completion(prompt_entries(d), offsets[i])
+                            yield sse(chunk(i, plan.prompt_text, echoed))
                         continue
                     if kind == "delta":
                         counts[d.index] = d.completion_tokens
                         logprobs = None
                         if d.logprobs is not None:
                             logprobs = (lp.chat_content(d.logprobs) if chat
-                                        else lp.completion(d.logprobs, offsets[d.index]))
-                        if logprobs is not None and not chat:  # by the tokens' pieces, as unstreamed
-                            offsets[d.index] += sum(len(t) for t in logprobs["tokens"])
+                                        else lp.completion(d.logprobs, offsets[d.index], hidden))
                         yield sse(chunk(d.index, d.text, logprobs))
                     elif kind == "done":
                         counts[d.index] = len(d.token_ids)

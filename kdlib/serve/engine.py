@@ -154,9 +154,10 @@ class Engine:
     core: a BatchEngine-compatible object (default `make_core`); max_waiting: sequences that may wait for
     one of the max_num_seqs streams (429 beyond; 0: only free streams take requests); threads: torch CPU
     threads (default 1 on CPU, where a tiny model's ops are far too small to split and torch's workers
-    contend with other processes); overlap: the device runs step k+1 while the loop reads step k's tokens
-    (`kdlib serve --async-scheduling`); compile: torch.compile inside the CUDA graphs
-    (`--enable-torch-compile`; a CUDA model only). Both go to `make_core`; a `core` given here carries its
+    contend with other processes; torch's setting is the process's, so `close` puts the old one back);
+    overlap: the device runs step k+1 while the loop reads step k's tokens (`kdlib serve
+    --async-scheduling`); compile: torch.compile inside the CUDA graphs (`--enable-torch-compile`; a CUDA
+    model only). Both go to `make_core`; a `core` given here carries its
     own (passing them beside it is an error), and `info()` reports the core's method and levers.
     """
 
@@ -188,10 +189,12 @@ class Engine:
         if threads is None and getattr(self.bundle.model, "device", None) is not None \
                 and self.bundle.model.device.type == "cpu":
             threads = 1
+        self._threads_before = None
         if threads is not None:
             import torch
 
-            torch.set_num_threads(threads)  # process-wide
+            self._threads_before = torch.get_num_threads()
+            torch.set_num_threads(threads)  # process-wide: until close
         self.core = core if core is not None else make_core(self.bundle, max_num_seqs=max_num_seqs,
                                                             max_model_len=self.max_model_len, method=method,
                                                             budget=budget, overlap=overlap, compile=compile)
@@ -328,6 +331,11 @@ class Engine:
             self._closing = True
             self._cv.notify()
         self._thread.join(timeout=60)
+        if self._threads_before is not None:
+            import torch
+
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
 
     # ------------------------------------------------------------------ the loop's thread
     def _read_state(self) -> dict:

@@ -59,7 +59,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool | None = None
-    continuous_usage_stats: bool | None = None  # vLLM's: usage in every chunk
+    continuous_usage_stats: bool | None = None  # vLLM's: with include_usage, each chunk's choice's usage
 
 
 class _Sampling(BaseModel):

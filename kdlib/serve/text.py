@@ -107,3 +107,21 @@ class TextStream:
         out = self.text[self.sent:end]
         self.sent = max(self.sent, end)
         return out
+
+
+class TokenOffsets:
+    """OpenAI's `text_offset`: where each token's text starts in its sequence's text, in characters from
+    `start`, as tokens are pushed in order. A token adds the characters its id completes: none where the
+    text hides it (`shown` False: the end of text) or where it holds a character's first bytes (it starts
+    where that character does)."""
+
+    def __init__(self, tokenizer, start: int = 0):
+        self._text = TextStream(tokenizer)
+        self.start = start
+
+    def push(self, token: int, shown: bool = True) -> int:
+        at = self.start + len(self._text.text)
+        if shown:
+            self._text.push([token])
+        return at
+
