@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from decimal import Decimal
+from decimal import ROUND_HALF_UP, Decimal
 from functools import cache
 from pathlib import Path
 from urllib.parse import quote as _urlquote
@@ -207,6 +207,7 @@ class Verdict:
     sources: list = field(default_factory=list)  # files / records / functions the figure came from
     expected: list = field(default_factory=list)  # for MISSING: what was looked for
     values: dict = field(default_factory=dict)  # numbers behind `ours`
+    fault: str = ""  # for MISSING: the error where the check could not run or failed, else empty
 
     def __post_init__(self):
         if self.verdict not in VERDICTS:
@@ -260,9 +261,11 @@ def compare(fid: str, ours: float, claim, *, rel: float, what: str, source: str,
 
 def _rounds_to(exact: float, shown: float) -> bool:
     """Is `shown` the value `exact` rounds to at the precision `shown` is written with (1.5e-05 and 2e-05
-    included: the decimal digits are read from the exact decimal form, not from repr's exponent form)?"""
+    included: the decimal digits are read from the exact decimal form, not from repr's exponent form)? Half
+    rounds up, as a writer rounds (66.5 to 67), from the shortest decimal of `exact`."""
     digits = max(0, -Decimal(repr(float(shown))).normalize().as_tuple().exponent)
-    return round(exact, digits) == shown
+    at = Decimal(repr(float(exact))).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP)
+    return at == Decimal(repr(float(shown)))
 
 
 def provenance(result: dict) -> str:
@@ -480,11 +483,12 @@ def kern_build_share_gain(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
         f"build share of the step: {share1:.1%} at C = 1 ({by_batch[min(by_batch)]:.2f} ms of "
         f"{steps['c1_ms']:.1f} ms), {share10:.1%} at C = 10 ({by_batch[b10] * 10 / b10:.2f} ms of "
         f"{steps['c10_ms']:.1f} ms); removing it entirely gains at most {gain_hi:.1%}",
-        f"steps = {steps['accepted']:g} accepted / (138.7 and 517/10 tok/s); build time from the "
+        f"steps = {steps['accepted']:g} accepted / ({steps['c1']:g} and {steps['c10']:g}/10 tok/s); build "
+        "time from the "
         f"recorded heapq sweep (per request, scaled to 10 streams from batch {b10}). {said}; a gain "
         f"above the share is impossible (s / (1 - s) bounds it), so their {lo_gain:.0%}-{hi_gain:.0%} "
         f"gain is at most {gain_hi:.1%} here",
-        sources=[provenance(cpu), "seeds' 138.7 / 517 tok/s"],
+        sources=[provenance(cpu), f"seeds' {steps['c1']:g} / {steps['c10']:g} tok/s"],
         values={"share_c1": share1, "share_c10": share10, "gain_max": gain_hi},
     )
 
@@ -590,7 +594,7 @@ def eng_fewer_forwards(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     r = eng["models"][0]
     full = r["forwards_ar"] / r["forwards_ddtree"]
     decode = r["decode_forwards_ar"] / r["decode_forwards_ddtree"]
-    reasoning = cat.claim("diag_accept_by_text")["reasoning"]
+    reasoning, b300 = cat.claim("diag_accept_by_text")["reasoning"], _seed_steps(cat)["accepted"]
     return Verdict(
         fig.id,
         READING if decode > 1 else CONTRADICTED,  # no fewer forwards even with a perfect drafter
@@ -601,9 +605,9 @@ def eng_fewer_forwards(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
         "forwards only",
         f"8x ({decode:.1f}x rounded) needs every step to commit 8 tokens: a perfect drafter at "
         "block 8, "
-        f"prefill left out of the count. The service's drafter commits {reasoning:g}-4.4 per step "
-        "(seeds' 2.9 on reasoning, 4.4 "
-        f"at the B300 point): {reasoning:g}-4.4x fewer forwards, not 8x",
+        f"prefill left out of the count. The service's drafter commits {reasoning:g}-{b300:g} per step "
+        f"(seeds' {reasoning:g} on reasoning, {b300:g} at the B300 point): {reasoning:g}-{b300:g}x fewer "
+        "forwards, not 8x",
         sources=["kdlib.audit.engine_figures"],
         values={"ratio_full": full, "ratio_decode": decode},
     )
@@ -636,12 +640,12 @@ def diag_baseline_c1_c10(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     cross = headlines.pro6000_crosscheck_tok_s()
     model = (f"the estimator's PRO 6000 model (the seeds' stack solved on their B300 point, context "
              f"{headlines.CONTEXT}) gives {cross[1]:.0f} and {cross[10]:.0f} tok/s")
-    # at one accepted length for both points, 517 tok/s over 10 streams against 138.7 over one is a step
-    # 10 x 138.7 / 517 times longer at C = 10
+    # at one accepted length for both points, c10 tok/s over 10 streams against c1 over one is a step
+    # 10 x c1 / c10 times longer at C = 10
     seed_ratio = 10 * c1 / c10
-    internal = (f"Internal: 517 / 10 = {c10 / 10:.1f} tok/s per stream at C = 10, {c10 / 10 / c1:.0%} of the "
-                f"C = 1 rate (a C = 10 step {seed_ratio:.2f}x the C = 1 step at equal acceptance); seed 000 "
-                "rounds 138.7 to '138 t/s'")
+    internal = (f"Internal: {c10:g} / 10 = {c10 / 10:.1f} tok/s per stream at C = 10, {c10 / 10 / c1:.0%} of "
+                f"the C = 1 rate (a C = 10 step {seed_ratio:.2f}x the C = 1 step at equal acceptance); seed "
+                f"000 rounds {c1:g} to '{int(c1)} t/s'")
     values = {"per_stream_c10": c10 / 10, "model_c1": cross[1], "model_c10": cross[10],
               "seed_ratio": seed_ratio}
     sources = ["kdlib.headlines.pro6000_crosscheck_tok_s"]
@@ -745,8 +749,9 @@ def diag_two_point_scaling(fig: Figure, cat: Catalogue, src: Sources) -> Verdict
     slow, _ = cat.claim("diag_two_point_67")
     ratio = fast / slow
     t_short, t_long = 1e3 / fast, 1e3 / slow  # ms per generated token
-    per_ctx_us = (t_long - t_short) / (5120 - 64) * 1e3  # the seeds' two contexts, 64 and 5,120 tokens
-    ok = within(ratio, fig.claim, rel=0.02)  # '3.8×' is written to two digits
+    short_ctx, long_ctx = fig.claim["contexts"]  # the seeds' two contexts, in tokens
+    per_ctx_us = (t_long - t_short) / (long_ctx - short_ctx) * 1e3
+    ok = within(ratio, fig.claim["ratio"], rel=0.02)  # '3.8×' is written to two digits
     return Verdict(
         fig.id,
         READING if ok else CONTRADICTED,
@@ -810,21 +815,21 @@ def diag_step_34_144(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     need_long = slow * long_ms / 1e3
     need_sus = sustained * long_ms / 1e3
     need_c1 = c1 * short_ms / 1e3
+    reasoning = cat.claim("diag_accept_by_text")["reasoning"]
+    reasoning_ms = reasoning / sustained * 1e3
+    long_ctx = cat.claim("diag_two_point_scaling")["contexts"][1]
     bad = need_long > best
     v = Verdict(fig.id, CONTRADICTED if bad else READING,
-                   "tokens per step each throughput needs at these steps: 138.7 t/s x 34 ms = "
-                   f"{need_c1:.1f}; "
-                   f"255.7 x 34 ms = {need_short:.1f}; 66.8 x 144 ms = {need_long:.1f}; 32.7 x 144 ms = "
-                   f"{need_sus:.1f}",
-                   f"the seeds' best acceptance is {best:g} per step (predictable text); the two-point 66.8 "
-                   "t/s at "
-                   f"5,120 would need {need_long:.1f} per 144 ms step, and 32.7 t/s at their 2.9 per step "
-                   "needs "
-                   f"{2.9 / sustained * 1e3:.0f} ms steps, not 144. Only 34 ms with 138.7 t/s ({need_c1:.1f} "
-                   "per step, "
-                   f"near the 4.4 of the B300 point) fits",
-                   sources=["seeds' figures"], values={"need_short": need_short, "need_long": need_long,
-                                                       "need_sustained": need_sus, "need_c1": need_c1})
+                f"tokens per step each throughput needs at these steps: {c1:g} t/s x {short_ms:g} ms = "
+                f"{need_c1:.1f}; {fast:g} x {short_ms:g} ms = {need_short:.1f}; {slow:g} x {long_ms:g} ms = "
+                f"{need_long:.1f}; {sustained:g} x {long_ms:g} ms = {need_sus:.1f}",
+                f"the seeds' best acceptance is {best:g} per step (predictable text); the two-point "
+                f"{slow:g} t/s at {long_ctx:,} would need {need_long:.1f} per {long_ms:g} ms step, and "
+                f"{sustained:g} t/s at their {reasoning:g} per step needs {reasoning_ms:.0f} ms steps, not "
+                f"{long_ms:g}. Only {short_ms:g} ms with {c1:g} t/s ({need_c1:.1f} per step, near the "
+                f"{_seed_steps(cat)['accepted']:g} of the B300 point) fits",
+                sources=["seeds' figures"], values={"need_short": need_short, "need_long": need_long,
+                                                    "need_sustained": need_sus, "need_c1": need_c1})
     k2 = _k2_rank(src)
     if k2 is None:
         return v
@@ -992,8 +997,9 @@ def diag_arith_20_vs_32(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     return Verdict(
         fig.id,
         CONTRADICTED if got < c["observed"] else REPRODUCED,  # extra work in the step can only lower it
-        f"2.9 / 0.144 = {got:.1f} t/s (the division holds); {sustained:g} t/s needs a "
-        f"{step_needed * 1e3:.0f} ms step at 2.9 per step, or {acc_needed:.1f} per step at 144 ms",
+        f"{c['accepted']:g} / {c['step_s']:g} = {got:.1f} t/s (the division holds); {sustained:g} t/s "
+        f"needs a {step_needed * 1e3:.0f} ms step at {c['accepted']:g} per step, or {acc_needed:.1f} per "
+        f"step at {c['step_s'] * 1e3:g} ms",
         "the explanation runs backwards: if the step also holds tree building and sampling it is "
         "longer, "
         "and throughput lower than 20 t/s, not higher. The 144 ms step and 2.9 per step cannot "
@@ -1029,7 +1035,7 @@ def mem_recheck(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     if fig.recheck_key == "pool_tokens":
         extra = [rows["growth_vs_pool"], rows["longest_request"], rows["kv_200k_headroom"]]
         reason += " | " + " | ".join(f"{r['claim']}: {format_value(r['recomputed'], r['unit'])} "
-                                     f"({r['status']})"
+                                     f"(the seeds' figure: {_RECHECK_VERDICT[r['status']]})"
                                      for r in extra)
     return Verdict(fig.id, verdict, ours, reason, sources=sources,
                    values={k: rows[k]["recomputed"] for k in keys})
@@ -1164,16 +1170,18 @@ def moe_7_to_1_5_ms(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
 @check
 def moe_share_step_80_90(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     steps = _seed_steps(cat)
-    sustained_step = 2.9 / cat.claim("diag_sustained")["tok_s"] * 1e3
+    reasoning, sustained = cat.claim("diag_accept_by_text")["reasoning"], cat.claim("diag_sustained")["tok_s"]
+    sustained_step = reasoning / sustained * 1e3
     a, b = _contradiction("step80_vs_138"), _contradiction("moe_share_80")
     v = Verdict(fig.id, CONTRADICTED,
                 f"C = 1: {steps['c1_ms']:.1f} ms per step; C = 10: {steps['c10_ms']:.0f} ms; the "
-                "sustained reasoning "
-                f"run: 2.9 / 32.7 = {sustained_step:.0f} ms. {b['arithmetic']}",
-                "'80-90 ms at 1-10 streams' is contradicted at C = 1 by their own 138.7 tok/s "
+                f"sustained reasoning run: {reasoning:g} / {sustained:g} = {sustained_step:.0f} ms. "
+                f"{b['arithmetic']}",
+                f"'80-90 ms at 1-10 streams' is contradicted at C = 1 by their own {steps['c1']:g} tok/s "
                 f"({a['arithmetic']}); "
                 f"it fits C = 10 and the sustained run. {b['verdict']}",
-                sources=["kdlib.estimator.seeds.contradictions", "seeds' 138.7 / 517 tok/s"],
+                sources=["kdlib.estimator.seeds.contradictions",
+                         f"seeds' {steps['c1']:g} / {steps['c10']:g} tok/s"],
                 values={"step_c1_ms": steps["c1_ms"], "step_c10_ms": steps["c10_ms"]})
     k2 = _k2_rank(src)
     if k2 is None:
@@ -1207,10 +1215,11 @@ def b300_303_c1(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     native = headlines.b300_native_tok_s()
     ok = within(ratio, c["ratio"], rel=0.05)  # '2.2×' is written to two digits
     v = Verdict(fig.id, OUT_OF_REACH,
-                f"303 / 138.7 = {ratio:.2f}x; the workbook's step-time model, native engine at C = 1 "
-                f"(context {headlines.CONTEXT}): {native:.0f} tok/s",
-                f"measured on a B300 the seeds' authors had to give back (no B300 here either); the 2.2x "
-                f"holds (±5%: {ok})", sources=["seeds' figures", "kdlib.headlines.b300_native_tok_s"],
+                f"{c['tok_s']:g} / {c1:g} = {ratio:.2f}x; the workbook's step-time model, native engine at "
+                f"C = 1 (context {headlines.CONTEXT}): {native:.0f} tok/s",
+                f"measured on a B300 the seeds' authors had to give back (no B300 here either); the "
+                f"{c['ratio']:g}x holds (±5%: {ok})",
+                sources=["seeds' figures", "kdlib.headlines.b300_native_tok_s"],
                 values={"ratio": ratio, "model_native_tok_s": native})
     k2 = _k2_rank(src)
     if k2 is None:
@@ -1282,15 +1291,18 @@ def b300_850_980(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
 
 
 def run_one(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
-    """One figure's verdict; a check that raises is reported as MISSING with the error (never raised)."""
+    """One figure's verdict; a check that raises is reported as MISSING with the error in `fault` (never
+    raised), apart from the figures that wait for a record."""
     try:
         v = CHECKS[fig.check](fig, cat, src)
     except (FileNotFoundError, KeyError, ValueError, ImportError, TypeError) as e:
-        return Verdict(fig.id, MISSING, f"the check could not run: {type(e).__name__}: {e}",
-                       "an input it needs is absent or malformed", expected=list(fig.expects))
+        fault = f"{type(e).__name__}: {e}"
+        return Verdict(fig.id, MISSING, f"the check could not run: {fault}",
+                       "an input it needs is absent or malformed", expected=list(fig.expects), fault=fault)
     except Exception as e:  # a fault in the check itself: the figure shows it, the other verdicts stand
-        return Verdict(fig.id, MISSING, f"the check failed: {type(e).__name__}: {e}",
-                       "a fault in the check, not in its inputs", expected=list(fig.expects))
+        fault = f"{type(e).__name__}: {e}"
+        return Verdict(fig.id, MISSING, f"the check failed: {fault}",
+                       "a fault in the check, not in its inputs", expected=list(fig.expects), fault=fault)
     if v.id != fig.id:
         raise AssertionError(f"check {fig.check} answered for {v.id}, not {fig.id}")
     return v

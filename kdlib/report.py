@@ -92,6 +92,12 @@ def discover(notebooks_dir: Path, names: list[str] | None = None) -> list[Path]:
     once = {}  # one run a notebook, however it was named (a stem under a relative folder, a path)
     for path in chosen:
         once.setdefault(path.resolve(), path)
+    stems = {}  # the pages are <out>/<stem>.*: two notebooks of one stem would write over each other
+    for path in once.values():
+        if path.stem in stems:
+            raise ValueError(f"{stems[path.stem]} and {path} share the name {path.stem!r}: their pages would "
+                             "be one; run them in two batches (two --out folders)")
+        stems[path.stem] = path
     return list(once.values())
 
 
@@ -251,8 +257,13 @@ def _scalar_problem(value, spec: dict) -> str | None:
         ok = kind is None or isinstance(value, kind)
     if not ok:
         return f"got {value!r} ({type(value).__name__})"
-    if kind in (int, float) and not math.isfinite(value):
-        return f"got {value!r}"
+    if kind is float:
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:  # an int past a float's range
+            return f"got an int of {len(str(abs(value)))} digits, past a float's range"
+        if not finite:
+            return f"got {value!r}"
     failed = [f"{op} {n:g}" for op, n in spec["bounds"] if not _OPS[op](value, n)]
     if failed:
         return f"got {value!r}, which is not {' and '.join(failed)}"
@@ -269,11 +280,16 @@ def check_parameter(value, spec: dict) -> str | None:
         return _scalar_problem(value, spec)
     if not isinstance(value, list):
         return f"got {value!r} ({type(value).__name__}), not a list"
+    if not value:
+        return "got an empty list"
     for x in value:
         problem = _scalar_problem(x, spec)
         if problem:
             return f"element {problem}"
     return None
+
+
+_OCTAL = re.compile(r"[-+]?0[0-7]+")  # YAML 1.1's octal ints: 010 is 8
 
 
 def parse_overrides(pairs: list[list[str]] | None) -> dict:
@@ -282,6 +298,9 @@ def parse_overrides(pairs: list[list[str]] | None) -> dict:
     for name, raw in pairs or []:
         if not name.isidentifier():
             raise ValueError(f"-p {name!r}: a parameter name must be a Python identifier")
+        if _OCTAL.fullmatch(raw.strip()):
+            raise ValueError(f"-p {name} {raw!r}: a number with a leading zero is ambiguous (YAML reads "
+                             f"{raw.strip()} as octal {yaml.safe_load(raw)}); write it without the zero")
         try:
             out[name] = yaml.safe_load(raw)
         except yaml.YAMLError as e:
@@ -321,7 +340,10 @@ def _typed(value, spec: dict):
 
 
 def _number(value, kind: type):
-    """`value`, or the number a string of it spells (an int where `kind` is int and the number whole)."""
+    """`value`, or the number a string of it spells; an int where `kind` is int and the number whole
+    (16.0 as 1.6e1 is)."""
+    if isinstance(value, float) and kind is int and value.is_integer():
+        return int(value)
     if not isinstance(value, str):
         return value
     try:
@@ -538,6 +560,9 @@ def run_one(job: dict, out_dir: Path, *, timeout_s: float, kernel_name: str = KE
         partial.unlink(missing_ok=True)
         raise
     duration = time.perf_counter() - t0
+    if error is None and duration > timeout_s:  # each cell had at least 1 s: short cells could run past it
+        error = {"ename": "Timeout", "evalue": f"the notebook ran {duration:.1f} s, past its {timeout_s:g} s",
+                 "cell_index": None, "exec_count": None, "line": None}
     have_output = partial.is_file()
     html_ok = False
     try:
@@ -557,8 +582,13 @@ def run_one(job: dict, out_dir: Path, *, timeout_s: float, kernel_name: str = KE
         for p in (partial, executed, html_path):
             p.unlink(missing_ok=True)
         raise
-    records = list(read_records(executed).values()) if have_output else []
-    stderr = stderr_outputs(executed) if have_output else []
+    records, stderr = [], []
+    if have_output:
+        try:  # a notebook that records one name twice is its own failure: the batch goes on
+            records = list(read_records(executed).values())
+            stderr = stderr_outputs(executed)
+        except ValueError as exc:
+            error = error or _error_of(exc)
     return {
         "stem": stem,
         "notebook": str(path),

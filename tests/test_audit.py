@@ -229,8 +229,37 @@ def test_every_check_resolves_with_nothing_recorded(cat):
 
 def test_every_check_resolves_on_the_repository(cat):
     verdicts = audit.run_all(cat, audit.Sources())  # data/results as committed
-    assert all(v.verdict in audit.VERDICTS for v in verdicts.values())
+    faults = {f: v.fault for f, v in verdicts.items() if v.fault}
+    assert "(the seeds' figure: contradicted)" in verdicts["mem_pool_101134"].reason  # not memory's "wrong"
+    assert not faults  # a check that raised reads MISSING, as a figure waiting for a record would
     assert sum(audit.counts(verdicts).values()) == len(cat)
+
+
+def test_the_seeds_numbers_come_from_the_catalogue(tmp_path):
+    """2.9, 138.7 / 517 and the contexts 64 / 5,120 were typed into the checks: a corrected catalogue
+    left verdicts quoting the old figures and computing with them."""
+    text = audit.CATALOGUE.read_text()
+    for old, new in (("claim: {reasoning: 2.9,", "claim: {reasoning: 2.5,"), ("claim: [138.7, 517.0]",
+                                                                           "claim: [131.3, 517.0]"),
+                     ("contexts: [64, 5120]", "contexts: [64, 4096]")):
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    (tmp_path / "c.yaml").write_text(text)
+    v = audit.run_all(audit.catalogue(tmp_path / "c.yaml"), _nothing())
+    for fid in ("diag_step_34_144", "moe_share_step_80_90", "eng_fewer_forwards"):
+        assert "2.5" in v[fid].ours + v[fid].reason and " 2.9 " not in v[fid].ours + v[fid].reason, fid
+    for fid in ("diag_step_34_144", "b300_303_c1", "diag_baseline_c1_c10"):
+        assert "131.3" in v[fid].ours + v[fid].reason and "138.7" not in v[fid].ours + v[fid].reason, fid
+    fast, slow = 255.7, 66.8
+    per_token_us = (1e3 / slow - 1e3 / fast) / (4096 - 64) * 1e3
+    assert f"+{per_token_us:.2f} µs per token of context" in v["diag_two_point_scaling"].ours
+
+
+def test_a_check_that_raises_is_a_fault_not_a_missing_record(cat, monkeypatch):
+    fig = cat["mem_576_elements"]
+    monkeypatch.setitem(audit.CHECKS, fig.check, lambda *a: 1 / 0)
+    v = audit.run_one(fig, cat, audit.Sources())
+    assert v.verdict == audit.MISSING and v.fault == "ZeroDivisionError: division by zero"
 
 
 def test_figures_the_seeds_cannot_all_hold(cat):
@@ -274,6 +303,7 @@ def test_compare_and_rounding():
     # values repr writes in exponent form (a wrong digit count, and an IndexError, before)
     assert audit._rounds_to(1.5e-5, 1.5e-5) and audit._rounds_to(2.04e-5, 2e-5)
     assert not audit._rounds_to(2.6e-5, 2e-5)
+    assert audit._rounds_to(66.5, 67.0) and audit._rounds_to(2.675, 2.68)  # half up, as a writer rounds
     with pytest.raises(ValueError):
         audit.Verdict("x", "plausible", "", "")
 

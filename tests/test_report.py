@@ -335,6 +335,7 @@ def test_the_notebooks_own_folder_is_refused_as_out(tmp_path, capsys):
     (["-p", "N", "notanint"], "-p N: N of 10_pass takes an int (>= 1); got 'notanint' (str)"),
     (["-p", "N", "0"], "N of 10_pass takes an int (>= 1); got 0, which is not >= 1"),
     (["-p", "N", "2.5"], "got 2.5 (float)"),
+    (["-p", "N", "010"], "-p N '010': a number with a leading zero is ambiguous (YAML reads 010 as octal 8)"),
     (["-p", "LABEL", "3"], "LABEL of 10_pass takes a str; got 3 (int)"),
     (["-p", "K", "[1, 2]"], "K of 20_fail takes an int; got [1, 2] (list)"),
     (["-p", "N", "[1"], "not a YAML value"),
@@ -456,6 +457,9 @@ def test_check_parameter():
     choice = report.parameter_spec("auto", 'str: "auto" or "never"')
     assert report.check_parameter("sometimes", choice) == "got 'sometimes'"
     assert report.check_parameter(float("nan"), report.parameter_spec(1.0, "float")) == "got nan"
+    assert report.check_parameter([], spec) == "got an empty list"  # max() of it failed in the notebook
+    huge = report.check_parameter(10 ** 400, report.parameter_spec(1.0, "float"))
+    assert huge == "got an int of 401 digits, past a float's range"
 
 
 def test_every_notebook_default_fits_its_declared_type():
@@ -488,6 +492,27 @@ def test_notebook_budget_stops_a_slow_notebook(tmp_path):
     entries = report.run_reports(notebooks_dir=nbs, out_dir=tmp_path / "out", timeout_s=4)
     assert entries[0]["status"] == "failed"
     assert "Timeout" in entries[0]["error"]["ename"] and entries[0]["duration_s"] < 60
+
+
+def test_a_budget_is_the_whole_notebooks_and_a_name_recorded_twice_fails_one_notebook(tmp_path):
+    """Each cell had at least 1 s of a spent budget, so short cells ran past it and passed; a name recorded
+    in two cells raised out of the batch (exit 2, the notebooks after it never ran)."""
+    nbs = tmp_path / "notebooks"
+    nbs.mkdir()
+    _write_nb(nbs / "10_short.ipynb", [new_markdown_cell("# 10 · Short cells")]
+              + [new_code_cell("import time\ntime.sleep(0.6)") for _ in range(8)])
+    twice = "import kdlib.nb\nkdlib.nb.record('n', 1)"
+    _write_nb(nbs / "20_twice.ipynb", [new_markdown_cell("# 20 · Twice"), new_code_cell(twice),
+                                       new_code_cell(twice)])
+    _write_nb(nbs / "30_after.ipynb", [new_markdown_cell("# 30 · After"), new_code_cell("1")])
+    entries = {e["stem"]: e for e in report.run_reports(notebooks_dir=nbs, out_dir=tmp_path / "out",
+                                                          timeout_s=2.5)}
+    short = entries["10_short"]
+    assert short["status"] == "failed" and short["error"]["ename"] == "Timeout", short["error"]
+    assert "past its 2.5 s" in short["error"]["evalue"]
+    twice = entries["20_twice"]
+    assert twice["status"] == "failed" and "recorded in cells" in twice["error"]["evalue"]
+    assert entries["30_after"]["status"] == "passed"
 
 
 def test_sigterm_stops_a_batch_cleanly(tmp_path):
@@ -557,6 +582,9 @@ def test_a_notebook_with_an_expression_default_plans(tmp_path):
     assert report.plan([nbs / "50_expr.ipynb"], "cpu", {}, nbs / "params")[0]["injected"] == {}
     job = report.plan([nbs / "50_expr.ipynb"], "cpu", {"SIZE": 1024}, nbs / "params")[0]
     assert job["injected"] == {"SIZE": 1024}
+    for whole in (16.0, "1.6e1"):  # a whole number is an int however it is written
+        job = report.plan([nbs / "50_expr.ipynb"], "cpu", {"SIZE": whole}, nbs / "params")[0]
+        assert job["injected"] == {"SIZE": 16} and type(job["injected"]["SIZE"]) is int
     with pytest.raises(ValueError, match="SIZE of 50_expr takes an int"):
         report.plan([nbs / "50_expr.ipynb"], "cpu", {"SIZE": "big"}, nbs / "params")
 
@@ -588,6 +616,9 @@ def test_one_notebook_named_two_ways_runs_once(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     got = report.discover(Path("notebooks"), ["10_pass", "notebooks/10_pass.ipynb", "10"])
     assert got == [Path("notebooks") / "10_pass.ipynb"]
+    other = make_notebooks(tmp_path / "elsewhere") / "10_pass.ipynb"  # another notebook of the same name
+    with pytest.raises(ValueError, match="share the name '10_pass': their pages would be one"):
+        report.discover(Path("notebooks"), ["10_pass", str(other)])
 
 
 def test_a_malformed_entry_of_an_earlier_index_is_dropped(tmp_path):
