@@ -23,7 +23,7 @@ from kdlib.engine.batch import generate_batch
 from kdlib.engine.model import MoE
 from kdlib.perf.suites import tp as suite
 from kdlib.tp import assert_replicated, check_tp_config, partition, shard_state_dict, spawn
-from kdlib.tp.engine import TPModel, TPMoE, vocab_parallel_topk
+from kdlib.tp.engine import TPModel, TPMoE, vocab_parallel_argmax, vocab_parallel_topk
 from kdlib.tp.workers import (
     bench,
     bench_spec,
@@ -112,6 +112,48 @@ def test_shards_reassemble_the_full_weights(moe_mode):
         for e in range(cfg.n_routed_experts):
             key = f"{ex}{e}.up_proj.weight"
             assert torch.equal(torch.cat([s[key] for s in shards]), full[key])
+
+
+@pytest.mark.parametrize("change,moe_mode", [(dict(first_k_dense_replace=0, intermediate_size=1), "ep"),
+                                             (dict(n_shared_experts=0, moe_intermediate_size=1), "ep")])
+def test_a_dimension_the_config_does_not_use_need_not_split(change, moe_mode):
+    """check_tp_config passed these; shard_state_dict still split the unused width (cannot split 1 item)."""
+    cfg = dataclasses.replace(_cfg("tiny-a"), **change)
+    check_tp_config(cfg, 2, moe_mode)
+    full = Model.random(cfg, seed=0).state_dict()
+    shards = [shard_state_dict(full, cfg, r, 2, moe_mode) for r in range(2)]
+    key = "model.layers.0.self_attn.o_proj.weight"
+    assert torch.equal(torch.cat([s[key] for s in shards], 1), full[key])
+
+
+def test_check_spec_refuses_a_drafter_it_does_not_build():
+    """('dflsh',) built no drafter, and every line of the comparison read ok."""
+    for bad in (("dflsh",), "dflash"):
+        with pytest.raises(ValueError, match="drafters must be a sequence of 'oracle' and 'dflash'"):
+            check_spec(drafters=bad)
+
+
+def test_vocab_parallel_argmax_compares_float64_maxima_whole():
+    """The shards' maxima were gathered as float32: 10 and 10 + 1e-9 tied, and the tie went to rank 0."""
+    logits = torch.zeros(1, 8, dtype=torch.float64)
+    logits[0, 1], logits[0, 6] = 10.0, 10.0 + 1e-9  # rank 0 holds ids 0-3, rank 1 ids 4-7
+
+    class Ranks:  # rank 0's view: its shard's values, then rank 1's from the queue
+        def __init__(self):
+            vals, idx = logits[:, 4:].max(dim=-1)
+            self.others = [vals, idx + 4]
+
+        def all_gather(self, x):
+            return torch.stack([x, self.others.pop(0)])
+
+    assert vocab_parallel_argmax(logits[:, :4], 0, Ranks()).tolist() == [int(logits.argmax())] == [6]
+
+
+def test_from_model_refuses_int4_experts():
+    model = Model.random(dataclasses.replace(_cfg("tiny-a"), moe_intermediate_size=32), seed=0)
+    model.quantize_experts_int4()
+    with pytest.raises(ValueError, match="INT4 experts are not supported under kdlib.tp"):
+        TPModel.from_model(model, _TwoRanks(set()))
 
 
 @pytest.mark.parametrize("moe_mode", ["ep", "tp"])
@@ -211,18 +253,21 @@ def test_child_failure_surfaces_instead_of_hanging():
 
 
 class _TwoRanks:
-    """A stand-in for Comm whose all_gather returns rank 0's tensor and a second rank's (flipped bytes
-    for the names in `differs`): assert_replicated's comparison without a process group."""
+    """A stand-in for Comm whose all_gather returns rank 0's tensor and a second rank's: flipped bytes for
+    the names in `differs`, a longer first dimension in the dtype-and-shape header (int64) for those in
+    `reshaped`: assert_replicated's comparison without a process group."""
 
-    world, device = 2, torch.device("cpu")
+    world, rank, device = 2, 0, torch.device("cpu")
 
-    def __init__(self, differs):
-        self.differs, self.current = differs, None
+    def __init__(self, differs, reshaped=()):
+        self.differs, self.reshaped, self.current = differs, reshaped, None
 
     def all_gather(self, x):
         other = x.clone()
-        if self.current in self.differs:
+        if x.dtype == torch.uint8 and self.current in self.differs:
             other[0] ^= 1
+        if x.dtype == torch.int64 and self.current in self.reshaped:
+            other[2] += 1
         return torch.stack([x, other])
 
 
@@ -246,6 +291,16 @@ def test_debug_assert_takes_empty_and_scalar_tensors():
     comm.current = "scalar"
     with pytest.raises(RuntimeError, match="scalar differs"):
         assert_replicated(comm, scalar=torch.tensor(3))
+
+
+def test_debug_assert_compares_shapes_before_bytes():
+    """Rank 1 holding 5 tokens to rank 0's 4 aborted gloo (a byte count that differs cannot be gathered);
+    [2, 3] against [3, 2] of the same bytes passed."""
+    comm = _TwoRanks(set(), reshaped={"tokens"})
+    comm.current = "tokens"
+    with pytest.raises(RuntimeError, match=r"tokens: the dtype or shape differs between rank 0 and rank\(s\) "
+                                           r"\[1\] \(rank 0's: torch.int64 \(2, 3\)\)"):
+        assert_replicated(comm, tokens=torch.zeros(2, 3, dtype=torch.int64))
 
 
 def test_vocab_shards_of_dense_logits_are_consistent():
@@ -368,6 +423,13 @@ def test_tp_nccl_equals_single_gpu(moe_mode):
     (["--world-size", "5"], "cannot be split over 5 ranks"),
     (["--config", "nope"], "no config 'nope'"),
     (["--quick"], "apply to --bench only"),
+    (["--budget", "300"], "--budget 300 exceeds the tree kernels' limit 256"),
+    (["--block", "20", "--budget", "20"], "min(--block - 1, --budget) = 19 exceeds the tree kernels'"),
+    (["--max-new", "100000"], "the check's prompt (12) + --max-new (100000) exceeds the model's context"),
+    (["--max-new", "1"], "--max-new must be >= 2"),
+    (["--bench", "--moe-mode", "tp"], "--moe-mode applies to the check, not to --bench"),
+    (["--bench", "--max-new", "3"], "--max-new applies to the check, not to --bench"),
+    (["--timeout", "0"], "--timeout must be a positive number of seconds"),
 ])
 def test_tp_run_refuses_bad_arguments_before_spawning(argv, message):
     """tools/tp_run.py: one line on stderr and exit 2, before any rank starts (they were tracebacks)."""

@@ -26,8 +26,10 @@ import tempfile
 
 from kdlib.cli import folder
 from kdlib.engine import ModelConfig
+from kdlib.engine.generate import MAX_BUDGET, MAX_DEPTH
 from kdlib.perf import write
 from kdlib.perf.suites.tp import run
+from kdlib.tp.engine import DEFAULT_TIMEOUT_S
 
 
 def _spec(args):
@@ -47,7 +49,7 @@ def _torchrun(args) -> int:
     import torch
     import torch.distributed as dist
 
-    from kdlib.tp.engine import DEFAULT_TIMEOUT_S, set_nccl_env
+    from kdlib.tp.engine import set_nccl_env
     from kdlib.tp.workers import check_worker, compare, reference
 
     set_nccl_env()
@@ -56,7 +58,7 @@ def _torchrun(args) -> int:
     if args.backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(device)
-    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout))
     spec = _spec(args)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "rank0.pt")
@@ -73,11 +75,12 @@ def _torchrun(args) -> int:
 
 def _check_args(ap: argparse.ArgumentParser, args) -> None:
     """One-line errors (exit 2) for arguments the run would fail on, before any rank is spawned."""
-    if args.bench:
-        for flag, given in (("--config", args.config is not None), ("--zoo", args.zoo),
-                            ("--world-size", args.world_size != 2)):
-            if given:
-                ap.error(f"{flag} applies to the check, not to --bench (which sweeps its own GPU counts)")
+    if args.bench:  # the suite's own sweep: a check's flag would be recorded in the command, not run
+        for dest in ("config", "zoo", "world_size", "moe_mode", "max_new", "budget", "block", "backend",
+                     "timeout"):
+            if getattr(args, dest) != ap.get_default(dest):
+                ap.error(f"--{dest.replace('_', '-')} applies to the check, not to --bench (which sweeps its "
+                         "own GPU counts, models and settings)")
         return
     if args.quick or args.out is not None:
         ap.error("--quick and --out apply to --bench only")
@@ -85,10 +88,18 @@ def _check_args(ap: argparse.ArgumentParser, args) -> None:
         ap.error("--zoo uses the trained models: --config does not apply")
     args.config = args.config or "tiny-a"
     world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else args.world_size  # torchrun sets it
-    for flag, value, low in (("--world-size", args.world_size, 1), ("--max-new", args.max_new, 1),
+    if not 0 < args.timeout < float("inf"):
+        ap.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    for flag, value, low in (("--world-size", args.world_size, 1), ("--max-new", args.max_new, 2),
                              ("--budget", args.budget, 0), ("--block", args.block, 2)):
-        if value < low:
+        if value < low:  # --max-new 1: the prefill's token alone, no DDTree step to check
             ap.error(f"{flag} must be >= {low}, got {value}")
+    if args.budget > MAX_BUDGET:
+        ap.error(f"--budget {args.budget} exceeds the tree kernels' limit {MAX_BUDGET}")
+    depth = min(args.block - 1, args.budget)
+    if depth > MAX_DEPTH:
+        ap.error(f"the tree's depth min(--block - 1, --budget) = {depth} exceeds the tree kernels' limit "
+                 f"{MAX_DEPTH}")
     if args.backend == "nccl":
         import torch
 
@@ -106,6 +117,10 @@ def _check_args(ap: argparse.ArgumentParser, args) -> None:
         check_tp_config(cfg, world, args.moe_mode)
     except (ValueError, OSError) as e:  # ConfigError is a ValueError
         ap.error(str(e))
+    prompt = _spec(args)["prompt_len"]
+    if prompt + args.max_new > cfg.max_position_embeddings:
+        ap.error(f"the check's prompt ({prompt}) + --max-new ({args.max_new}) exceeds the model's context "
+                 f"{cfg.max_position_embeddings}")
 
 
 def main(argv=None) -> int:
@@ -119,6 +134,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new", type=int, default=24)
     ap.add_argument("--budget", type=int, default=8)
     ap.add_argument("--block", type=int, default=5, help="drafter block size (horizon = block - 1)")
+    ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                    help=f"seconds a collective may wait; the check is stopped this + 60 s after it starts "
+                         f"(default {DEFAULT_TIMEOUT_S:g})")
     ap.add_argument(
         "--bench", action="store_true", help="GPU benchmark over 1, 2, 4, 8 GPUs -> tp.<gpu>.json"
     )
@@ -143,7 +161,7 @@ def main(argv=None) -> int:
         return 0 if passed else 1
     from kdlib.tp.workers import run_check
 
-    lines = run_check(args.world_size, _spec(args), backend=args.backend)
+    lines = run_check(args.world_size, _spec(args), backend=args.backend, timeout_s=args.timeout)
     print(f"[tp_run] {args.world_size} ranks ({args.backend}):\n  " + "\n  ".join(lines), flush=True)
     return 1 if any(x.startswith("FAIL") for x in lines) else 0
 

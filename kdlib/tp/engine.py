@@ -184,8 +184,9 @@ def spawn(
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
-            raise TimeoutError(f"tensor-parallel run of {world} ranks did not finish in {timeout_s + 60:.0f} "
-                               "s")
+            raise TimeoutError(f"tensor-parallel run of {world} ranks stopped at its deadline, "
+                               f"{timeout_s + 60:.0f} s (timeout_s + 60): a longer run needs a larger "
+                               "timeout_s")
 
 
 class Comm:
@@ -233,7 +234,8 @@ class Comm:
         return out
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks (in place on a contiguous copy); identical bits on every rank."""
+        """Sum over ranks, identical bits on every rank: in place where x is contiguous (the caller's
+        tensor is overwritten), else on a contiguous copy."""
         import torch.distributed as dist
 
         if self.world == 1:
@@ -359,9 +361,12 @@ def shard_state_dict(sd: dict, cfg, rank: int, world: int, moe_mode: str) -> dic
 
     attn = {"q_proj": sl(h0 * qk, h1 * qk, 0), "q_b_proj": sl(h0 * qk, h1 * qk, 0),
             "kv_b_proj": sl(h0 * nv, h1 * nv, 0), "o_proj": sl(h0 * v, h1 * v, 1)}
-    dense = mlp_rule(cfg.intermediate_size)
-    shared = mlp_rule(cfg.moe_intermediate_size * max(cfg.n_shared_experts, 1))
-    sliced_expert = mlp_rule(cfg.moe_intermediate_size)
+    # only the kinds of layer the config has: a dimension it leaves unused need not split (check_tp_config)
+    moe_layers = cfg.first_k_dense_replace < cfg.num_hidden_layers
+    dense = mlp_rule(cfg.intermediate_size) if cfg.first_k_dense_replace else {}
+    shared_width = cfg.moe_intermediate_size * cfg.n_shared_experts
+    shared = mlp_rule(shared_width) if moe_layers and shared_width else {}
+    sliced_expert = mlp_rule(cfg.moe_intermediate_size) if moe_layers and moe_mode == "tp" else {}
     e0, e1 = partition(cfg.n_routed_experts, world)[rank] if moe_mode == "ep" else (0, cfg.n_routed_experts)
     v0, v1 = partition(cfg.vocab_size, world)[rank]
 
@@ -411,6 +416,9 @@ class TPModel(Model):
     @classmethod
     def from_model(cls, model: Model, comm: Comm, moe_mode: str = "ep", device=None, dtype=None) -> TPModel:
         """This rank's shard of a full model (every rank passes the same weights); same attention form."""
+        if any(getattr(layer.mlp, "int4", None) is not None for layer in model.model.layers):
+            raise ValueError("INT4 experts are not supported under kdlib.tp (its MoE paths are the float "
+                             "ones): pass the model before quantize_experts_int4")
         tp = cls(model.cfg, comm, moe_mode, attention=getattr(model, "attention", "torch"))
         tp.load_state_dict(shard_state_dict(model.state_dict(), model.cfg, comm.rank, comm.world, moe_mode))
         return tp.to(device=device or model.device, dtype=dtype or model.dtype).eval()
@@ -479,7 +487,7 @@ def vocab_parallel_argmax(local: torch.Tensor, v0: int, comm: Comm) -> torch.Ten
     dense row (shards are in rank order, and `argmax` over ranks keeps the first maximum).
     """
     vals, idx = local.max(dim=-1)  # [T]
-    g_vals = comm.all_gather(vals.float())  # [W, T]
+    g_vals = comm.all_gather(vals)  # [W, T], in the logits' own dtype: a float64 model's maxima stay whole
     g_ids = comm.all_gather(idx + v0)  # [W, T]
     best = g_vals.argmax(dim=0)  # [T]
     return g_ids.gather(0, best[None])[0]
@@ -516,10 +524,24 @@ def vocab_parallel_topk(
     return cand_ids.gather(-1, order), cand_vals.gather(-1, order) - lse[:, None]
 
 
+_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+           torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128)
+
+
 def assert_replicated(comm: Comm, **tensors) -> None:
-    """RuntimeError naming the first tensor whose bits differ between rank 0 and another rank."""
+    """RuntimeError naming the first tensor whose dtype, shape or bits differ between rank 0 and another
+    rank (the shapes are compared first: a byte count that differs cannot be gathered)."""
     for name, t in tensors.items():
         t = torch.as_tensor(t).to(comm.device)
+        code = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1
+        head = torch.full((66,), -2, dtype=torch.int64, device=comm.device)  # dtype, ndim, up to 64 dims
+        head[:2] = torch.tensor([code, t.dim()])
+        head[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        heads = comm.all_gather(head)  # [W, 66]
+        bad = [r for r in range(comm.world) if not torch.equal(heads[r], heads[0])]
+        if bad:
+            raise RuntimeError(f"{name}: the dtype or shape differs between rank 0 and rank(s) {bad} (rank "
+                               f"{comm.rank}'s: {t.dtype} {tuple(t.shape)})")
         flat = t.contiguous().reshape(-1)  # 1-D with unit stride: empty and 0-d tensors included
         raw = flat.view(torch.uint8) if t.dtype != torch.bool else flat.to(torch.uint8)
         got = comm.all_gather(raw)  # [W, bytes]

@@ -30,7 +30,7 @@ from kdlib.engine.loading import random_weights_on_device
 from kdlib.perf import cpu_time, cuda_time
 from kdlib.perf.bench_model import BENCH_CONFIG
 from kdlib.perf.timing import graph_time
-from kdlib.tp.engine import Comm, TPModel, assert_replicated, spawn, vocab_parallel_topk
+from kdlib.tp.engine import DEFAULT_TIMEOUT_S, Comm, TPModel, assert_replicated, spawn, vocab_parallel_topk
 
 # fp32 tolerance for TP vs single-process logits: the all-reduce sums partial products in a
 # different order; a few ulps of |logit| ~ 10 after 2-3 layers, with margin.
@@ -43,7 +43,11 @@ def check_spec(**kw) -> dict:
     spec = {"config": "tiny-a", "seed": 0, "moe_mode": "ep", "prompt_len": 12, "max_new": 24, "budget": 8,
             "block": 5, "p_wrong": 0.3, "topk_rows": 6, "topk_k": 7, "drafters": ("oracle", "dflash"),
             "temperature": 0.8, "zoo": False, "device": "cpu", "attention": "torch"}
-    return _override(spec, kw, "check")
+    spec = _override(spec, kw, "check")
+    names = spec["drafters"]
+    if isinstance(names, str) or not set(names) <= {"oracle", "dflash"}:  # a name matching none checked none
+        raise ValueError(f"drafters must be a sequence of 'oracle' and 'dflash', got {names!r}")
+    return spec
 
 
 def _override(spec: dict, kw: dict, what: str) -> dict:
@@ -403,9 +407,10 @@ def bench(
             "logits_max_abs_diff_vs_single": diffs, "logits_max_abs_single": scale}
 
 
-def run_check(world: int, spec: dict, backend: str = "gloo", timeout_s: float = 120) -> list[str]:
+def run_check(world: int, spec: dict, backend: str = "gloo",
+              timeout_s: float = DEFAULT_TIMEOUT_S) -> list[str]:
     """Spawn check_worker over `world` ranks and compare rank 0's outputs with the single-process
-    reference."""
+    reference (a collective waits timeout_s at most; `spawn` stops the run timeout_s + 60 s in)."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
