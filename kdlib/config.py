@@ -42,8 +42,9 @@ from kdlib import DATA
 CONFIGS = DATA / "configs"
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "kimi_k25")
 # The router and layout fields a DeepSeek-V3 config may leave out, as transformers' DeepseekV3Config has them
+# (q_lora_rank: a config leaving it out has the query LoRA; null is the one without, as DeepSeek-V2-Lite's)
 DEEPSEEK_V3_DEFAULTS = {"n_shared_experts": 1, "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4,
-                        "routed_scaling_factor": 2.5, "norm_topk_prob": True}
+                        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "q_lora_rank": 1536}
 # A config is MLA when it has any MLA field or an MLA model_type; then every MLA field is required,
 # so a DeepSeek config that lost kv_lora_rank is an error, not a silent MHA reading.
 MLA_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim")
@@ -413,7 +414,7 @@ class ModelConfig:
             raise ConfigError("attention_bias: true is not supported (DeepSeek-V3 projections have no bias)")
 
         rope_theta, rope = parse_rope(d)
-        q_lora = d.get("q_lora_rank")
+        q_lora = d.get("q_lora_rank", DEEPSEEK_V3_DEFAULTS["q_lora_rank"])
         cfg = cls(
             vocab_size=req("vocab_size", int),
             hidden_size=req("hidden_size", int),
@@ -512,8 +513,9 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict:
         """A transformers-5 style config.json dict (`rope_parameters`) of the language model, a
-        DeepseekV3ForCausalLM: `from_dict` of it gives this config back, except that a kimi_k25 wrapper's
-        model_type comes back as its text model's, deepseek_v3 (the vision part is not the engine's)."""
+        DeepseekV3ForCausalLM that transformers loads as it is: `from_dict` of it gives this config back,
+        except that the model_type is always deepseek_v3 (kimi_k2 names remote code transformers does not
+        ship; a kimi_k25 wrapper's vision part is not the engine's)."""
         rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope is not None:
             r = asdict(self.rope)
@@ -523,7 +525,7 @@ class ModelConfig:
                 rope["truncate"] = False
         d = {
             "architectures": ["DeepseekV3ForCausalLM"],
-            "model_type": "deepseek_v3" if self.model_type == "kimi_k25" else self.model_type,
+            "model_type": "deepseek_v3",
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,

@@ -236,7 +236,7 @@ def _tensors(g: Geometry, lm: dict, include_mtp: bool) -> list[tuple[str, str, i
             g.v_head_dim,
             g.kv_lora_rank,
         )
-        q_lora = lm.get("q_lora_rank")
+        q_lora = lm.get("q_lora_rank", DEEPSEEK_V3_DEFAULTS["q_lora_rank"])
         if q_lora:
             t += [("attention_replicated", "linear", q_lora, h, layers),
                   ("attention_replicated", "vector", q_lora, 1, layers),  # q_a_layernorm

@@ -67,7 +67,7 @@ def test_router_fields_left_out_read_as_transformers_reads_them():
 
     d = json.loads((ROOT / "data" / "configs" / "deepseek-v3.json").read_text())
     fields = ("n_shared_experts", "first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor",
-              "norm_topk_prob")
+              "norm_topk_prob", "q_lora_rank")
     cfg = ModelConfig.from_dict({k: v for k, v in d.items() if k not in fields})
     hf = DeepseekV3Config()
     assert {f: getattr(cfg, f) for f in fields} == {f: getattr(hf, f) for f in fields}
@@ -79,6 +79,7 @@ def test_router_fields_left_out_read_as_transformers_reads_them():
     tiny = json.loads((ROOT / "data" / "configs" / "tiny-b.json").read_text())
     with pytest.raises(ConfigError, match="got 3 \\(absent from the config: transformers' DeepseekV3Config"):
         ModelConfig.from_dict({k: v for k, v in tiny.items() if k != "first_k_dense_replace"})
+    assert tiny["q_lora_rank"] is None and ModelConfig.from_dict(tiny).q_lora_rank is None  # null: none
 
 
 def test_inv_freq_kimi_k2_written_out():

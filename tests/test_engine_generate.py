@@ -255,6 +255,8 @@ def test_sampling_distribution_equals_ar_cuda():
         (dict(temperature=1e-40), "temperature must be 0 \\(greedy\\) or >= 1e-05"),
         (dict(budget=4), "apply to method 'ddtree' only"),
         (dict(method="ddtree", top_k=0), "top_k"),
+        (dict(seed=-1), "seed must be"),
+        (dict(seed=1.5), "seed must be"),
     ],
 )
 def test_bad_input_raises_before_compute(kwargs, match, monkeypatch):

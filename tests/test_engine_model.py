@@ -130,6 +130,36 @@ def test_save_pretrained_round_trip(tmp_path):
     check.assert_equal(m2.logits(ids), m.logits(ids), name="save/load round trip")
 
 
+def test_a_saved_kimi_k2_model_loads_in_transformers(tmp_path):
+    """save_pretrained wrote model_type kimi_k2, which names remote code transformers does not ship: its
+    AutoModel refused the folder ('does not recognize this architecture')."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = ModelConfig.from_json(DATA / "configs" / "tiny-b.json")
+    assert cfg.model_type == "kimi_k2"
+    m = Model.random(cfg, seed=0)
+    save_pretrained(m, tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").float().eval()
+    ids = torch.arange(24) % cfg.vocab_size
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    check.assert_close(m.logits(ids), ref, rtol=1e-4, name="engine vs transformers, a saved kimi_k2 model")
+
+
+def test_a_float64_checkpoint_loads_whole_as_float64(tmp_path):
+    """The model was built and filled in float32, then cast: 1 + 1e-10 came back as 1.0."""
+    cfg = ModelConfig.from_json(DATA / "configs" / "tiny-a.json")
+    m = Model.random(cfg, seed=3).double()
+    with torch.no_grad():
+        m.model.norm.weight[0] = 1 + 1e-10
+    save_pretrained(m, tmp_path)
+    back = Model.from_pretrained(tmp_path, dtype=torch.float64)
+    for (k, a), b in zip(m.state_dict().items(), back.state_dict().values(), strict=True):
+        assert a.dtype == b.dtype == torch.float64 and torch.equal(a, b), k
+    narrow = Model.from_pretrained(tmp_path, dtype=torch.bfloat16)  # the router stays float32
+    assert narrow.model.layers[-1].mlp.gate.weight.dtype == torch.float32
+
+
 def test_save_pretrained_refuses_what_it_could_not_load_back(tmp_path):
     """A shard index left in the folder made loading read the old shards, not the new file (the old
     weights came back, silently); an INT4 model wrote no expert weights (reload: 'missing 48 weights')."""
@@ -446,6 +476,13 @@ def test_sharded_checkpoints_read_the_shards_their_index_names(tmp_path):
     with pytest.raises(ValueError, match="model-00002-of-00002.safetensors \\(named in model.safetensors"):
         Model.from_pretrained(tmp_path)
     (tmp_path / "moved.safetensors").rename(tmp_path / "model-00002-of-00002.safetensors")
+    for shard in (1, str(tmp_path / "model-00001-of-00002.safetensors"), "../elsewhere.safetensors"):
+        # a name that is no file of the folder: a raw TypeError, or a file read from outside it
+        odd = {**index, "weight_map": {**index["weight_map"], names[0]: shard}}
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps(odd))
+        with pytest.raises(ValueError, match="not a safetensors index .*not a file name in the folder"):
+            Model.from_pretrained(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="empty: no config.json"):
         Model.from_pretrained(tmp_path / "empty")

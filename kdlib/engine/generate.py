@@ -209,6 +209,7 @@ def generate(
     prompt, budget, k, _ = validate(
         model, prompt_ids, max_new_tokens, method, drafter, budget, top_k, temperature, max_context
     )
+    seed = check_int("seed", seed, 0)
     cfg, dev = model.cfg, model.device
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     rng = np.random.Generator(np.random.PCG64(seed))

@@ -139,7 +139,11 @@ def checkpoint_files(path: Path) -> list[Path]:
             raise ValueError(f"{path}: no *.safetensors files")
         return files
     try:
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+        bad = [s for s in shards if not isinstance(s, str) or Path(s).name != s or s in ("", ".", "..")]
+        if bad:  # a file of this folder, by name: not a path out of it
+            raise ValueError(f"weight_map names {bad[0]!r}, not a file name in the folder")
+        shards = sorted(shards)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
     missing = [s for s in shards if not (path / s).is_file()]

@@ -539,14 +539,14 @@ class Model(nn.Module):
         by_file: dict[Path, list[str]] = {}
         for k, f in checkpoint_layout(path, cfg).items():
             by_file.setdefault(f, []).append(k)
-        m = cls(cfg)
-        own = m.state_dict()
+        m = cls(cfg).to(dtype=dtype or torch.float32)  # the stored values in the asked dtype: a float64
+        own = m.state_dict()  # checkpoint read as float64 keeps its bits (the router stays float32 or wider)
         with torch.no_grad():
             for f, names in by_file.items():
                 with safe_open(str(f), framework="pt") as tensors:
                     for k in names:
                         own[k].copy_(tensors.get_tensor(k).to(own[k].dtype))
-        return m.to(device=device or "cpu", dtype=dtype or torch.float32).eval()
+        return m.to(device=device or "cpu").eval()
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, dtype=None, device=None) -> Model:
