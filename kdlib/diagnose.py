@@ -51,6 +51,7 @@ anything else: no decomposition (reported as unavailable).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
@@ -1124,10 +1125,20 @@ _LOAD_ONLY = ("concurrency", "request_rate", "max_concurrency", "num_prompts", "
 _DIAGNOSE_ONLY = ("sustained_tokens", "sustained_prompt", "no_sweep")
 
 
+def _endpoint(text: str) -> str:
+    """--endpoint: an http(s) URL with a host (bad input, exit 2; a server that does not answer exits 1)."""
+    import urllib.parse
+
+    u = urllib.parse.urlsplit(text)
+    if u.scheme not in ("http", "https") or not u.netloc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http:// or https:// URL with a host")
+    return text
+
+
 def cli(argv: list[str]) -> int:
     ap = Parser(prog="kdlib diagnose", description=__doc__.splitlines()[0])
-    ap.add_argument("--endpoint", help="base URL of an OpenAI-compatible server, with or without /v1 "
-                    "(default: start the embedded one)")
+    ap.add_argument("--endpoint", type=_endpoint, help="base URL of an OpenAI-compatible server (http:// or "
+                    "https://), with or without /v1 (default: start the embedded one)")
     ap.add_argument("--serve-args", default="", help="arguments of the embedded `kdlib serve`, one string "
                     "(a lone flag as --serve-args=--random)")
     ap.add_argument("--model", help="model id (default: the first /v1/models lists)")

@@ -688,6 +688,8 @@ def plan(config, gpu: str, tp: int, context: int, *, kv_dtype: str = "bfloat16",
         concurrent = tp * (tokens // context)
     else:  # under DCP a request takes ceil(context / c) slots of the busiest rank's pool
         concurrent = tokens // math.ceil(context / c)
+    if context > longest:  # past the longest request (the context length or one request's pool): none
+        concurrent = 0
     need = kv_bytes(config, context, kv_dtype, tp, kv_split)
     mode_note = {
         "replicated": "plain TP: every rank holds every token" if g.attention == "mla"

@@ -280,6 +280,7 @@ def test_cli_load_mode_writes_json(server, tmp_path, capsys):
     (["--concurrency", "8", "--goodput", "ttft:5"], "--concurrency, --goodput apply to --load only"),
     (["--load", "--no-sweep"], "--no-sweep applies to the diagnosis without --load"),
     (["--sustained-tokens", "-1"], "--sustained-tokens must be >= 0"),
+    (["--endpoint", "notaurl"], "--endpoint: 'notaurl' is not an http:// or https:// URL with a host"),
 ])
 def test_cli_refuses_bad_arguments_before_any_request(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

@@ -312,6 +312,7 @@ def test_a_request_of_the_whole_context_length_is_refused_by_the_model_not_the_p
     whole, under = m.plan("kimi-k2.6", "h200", 8, derived), m.plan("kimi-k2.6", "h200", 8, derived - 1)
     assert whole.value("pool_tokens") > derived
     assert not whole.fits and whole.verdict.startswith("DOES NOT FIT the model")
+    assert whole.value("concurrent_at_context") == 0
     assert f"context_len - 1 = {derived - 1:,}" in whole.verdict
     assert "mem_fraction_static" not in whole.verdict
     assert under.fits and under.value("longest_request") == derived - 1
@@ -389,6 +390,9 @@ def test_cannot_fit_verdicts_never_negative():
     assert not q.fits and "leave no KV pool" in q.verdict and q.value("pool_tokens") == 0
     r = m.plan("kimi-k2.6", "b300", 8, 300_000)
     assert not r.fits and "derived context length 262,144" in r.verdict
+    assert r.value("concurrent_at_context") == 0  # the pool would hold two; the context length, none
+    one = m.plan("kimi-k2.6", "rtx-pro-6000", 8, 53_628)  # one token past the longest request the pool allows
+    assert not one.fits and one.value("concurrent_at_context") == 0
     assert m.max_context("kimi-k2-0711", "rtx-pro-6000", 8) == 0
     assert m.max_context("kimi-k2.6", "b300", 8) == 262_143
     assert m.concurrent_requests("kimi-k2-0711", "rtx-pro-6000", 8, 1000) == 0
