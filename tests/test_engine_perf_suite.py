@@ -40,6 +40,13 @@ def test_verify_cost_counts_every_weight_once():
     own_head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * H
     active = n - own_head - (cfg.num_hidden_layers - cfg.first_k_dense_replace) * idle + cfg.vocab_size * H
     assert f0 == pytest.approx(2 * active + att, rel=1e-9)
+    # 9 rows of top-4 over 32 experts touch 22.4 on average, not min(32, 36): a floor counts no more
+    b9, _ = suite.verify_cost(cfg, 0, 9, 2)
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    n_moe = cfg.num_hidden_layers - cfg.first_k_dense_replace
+    assert b9 - b1 + cfg.num_hidden_layers * 4096 * cfg.latent_dim * 2 == pytest.approx(
+        2 * (n_moe * (E * (1 - (1 - k / E) ** 9) - k) * expert + cfg.num_hidden_layers * 8 * cfg.latent_dim),
+        rel=1e-9)
 
 
 def test_rows_feed_the_estimator():

@@ -382,6 +382,28 @@ def test_gpu_step_graph_replay_matches_eager(budget):
     assert int(st.overflow) == 0
 
 
+def test_floors_divide_by_the_running_gpus_ceilings(monkeypatch):
+    """k2_rank and k2_layer read the H200's ceilings on any GPU: an H100 run's memory floors 1.41x low."""
+    from kdlib.perf import results
+
+    monkeypatch.setattr(results, "gpu_name", lambda: "NVIDIA H100 80GB HBM3")
+    h100 = results.ceilings("h100")
+    assert k2_rank.ceilings() == {"copy_bandwidth_Bps": h100.bandwidth_Bps,
+                                  "bf16_matmul_flops": h100.flop_rate, "path": h100.source}
+    assert h100.bandwidth_Bps != results.ceilings("h200").bandwidth_Bps
+
+
+def test_the_attention_pieces_bytes_count_its_queries_and_outputs():
+    """The cache and the step's rows were counted; the queries [M, heads, 576] bf16 in and the latent outputs
+    [M, heads, 512] float32 out were not (at 128 tokens, C = 16, 65 rows: 4.8 of 31 MB)."""
+    from kdlib.perf import rank_work
+
+    shape = RankShape(ModelConfig.load("kimi-k2.6"), tp=8, rank=0)
+    C, W, ctx, M = 16, 65, 128, 16 * 65
+    got = rank_work.piece_work(shape, None, C, W, ctx)["attention"]["bytes"]
+    assert shape.heads == 8 and got == C * ctx * 576 * 2 + 2 * M * 576 * 2 + M * 8 * 576 * 2 + M * 8 * 512 * 4
+
+
 @pytest.mark.gpu
 def test_gpu_measure_row_captures_every_graph_twice_running():
     """The suite's row twice in a row, as a run's retry does: every piece's graph captured (each in a pool

@@ -195,6 +195,14 @@ def test_k2_rank_refuses_to_resume_rows_of_another_routing(tmp_path):
     old.write_text(json.dumps({"rows": [row]}))
     with pytest.raises(ValueError, match=r"holds rows of routing \['router'\], not 'uniform'"):
         k2_rank.run(resume=str(old), routing="uniform")
+    # the rows carry no MoE mode or GPU: the record's header does, and a resume at others is refused
+    row["routing"] = "uniform"
+    old.write_text(json.dumps({"rows": [row], "parameters": {"moe_mode": "tp"},
+                               "provenance": {"gpu": "NVIDIA H200"}}))
+    with pytest.raises(ValueError, match="was measured at moe_mode 'tp', this run at 'ep'"):
+        k2_rank.run(resume=str(old), routing="uniform", moe_mode="ep")
+    with pytest.raises(ValueError, match="was measured at GPU 'NVIDIA H200', this run at 'cpu'"):
+        k2_rank.run(resume=str(old), routing="uniform", moe_mode="tp")
 
 
 def test_host_only_suites_are_named_cpu_on_a_gpu_machine(tmp_path, monkeypatch):

@@ -23,6 +23,10 @@ def test_l2_rotations_reach_the_target_within_the_bounds():
     assert timing.l2_rotations(1e6, fit=5) == 5  # what the pool holds
     assert timing.l2_rotations(1e6, fit=0) == 1  # never fewer than one set
     assert timing.l2_rotations(10e9) == 1
+    # a small set cycles under the L2 however many sets the cap allows: the point says so
+    n = timing.l2_rotations(1.2e6)
+    assert n == 8 and timing.l2_resident(1.2e6, n, l2_bytes=60e6)
+    assert not timing.l2_resident(100e6, timing.l2_rotations(100e6), l2_bytes=60e6)
 
 
 def test_graph_time_rejects_an_unknown_backend():

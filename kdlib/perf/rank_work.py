@@ -86,7 +86,10 @@ def piece_work(shape, ds, streams: int, rows_per_stream: int, context: int) -> d
     for name, dense in (("dense_first", True), ("dense", False)):
         w = layer_weight_bytes(shape, dense)
         out[name] = _work(w + act, 2.0 * M * w / BF16)
-    out["attention"] = _work(C * ctx * lat * BF16 + 2 * M * lat * BF16,
+    # the cached rows, the step's own rows written and read, its queries [M, heads, lat] bf16 in and its
+    # latent outputs [M, heads, kv_lora_rank] float32 out
+    out["attention"] = _work(C * ctx * lat * BF16 + 2 * M * lat * BF16 + M * shape.heads * lat * BF16
+                             + M * shape.heads * c.kv_lora_rank * 4,
                              2.0 * M * shape.heads * (ctx + W) * (lat + c.kv_lora_rank))
     touched = shape.n_experts * (touched_experts(M, c.n_routed_experts, k) / c.n_routed_experts)
     slots_tokens = M if shape.moe_mode == "tp" else M * shape.n_experts / c.n_routed_experts

@@ -128,10 +128,22 @@ def floor_ms(bytes_moved: float, flops: float, *, bandwidth_Bps: float, flop_rat
 def l2_rotations(set_bytes: float, *, target_bytes: float = 256e6, max_sets: int = 8,
                  fit: int | None = None) -> int:
     """How many disjoint input sets of `set_bytes` a timed point cycles through: enough that one pass
-    moves `target_bytes` (> 4x the H200's 60 MB L2, so no replay finds its inputs cached), at most
-    `max_sets`, at most `fit` (the sets that fit the allocated pool), at least 1."""
+    moves `target_bytes` (> 4x the H200's 60 MB L2) where `max_sets` (and `fit`, the sets the allocated
+    pool holds) allow, at least 1. Small sets stay under it: `l2_resident` says where a cycle may still
+    find its inputs cached."""
     n = min(max_sets, math.ceil(target_bytes / set_bytes))
     return max(1, n if fit is None else min(n, fit))
+
+
+def l2_resident(set_bytes: float, rotations: int, l2_bytes: float | None = None) -> bool:
+    """Whether a cycle of `rotations` sets of `set_bytes` is under twice the L2 (`l2_bytes`; None: the
+    current GPU's): a replay may then find its inputs there, and a time against HBM's bandwidth reads too
+    fast."""
+    if l2_bytes is None:
+        import torch
+
+        l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
+    return set_bytes * rotations < 2 * l2_bytes
 
 
 def l2_flush(factor: int = 2) -> Callable[[], None]:

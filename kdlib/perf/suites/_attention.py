@@ -175,7 +175,8 @@ def run_point(p: dict, pool, ceil: dict, *, iters: int, baseline_iters: int, bas
 
     fl = perf.floor_ms(c["bytes"], c["flops"], bandwidth_Bps=ceil["bandwidth_Bps"],
                        flop_rate=ceil["flop_rate"])
-    row = {**p, **c, **fl, "rotations": n_rot, "variants": {}}
+    row = {**p, **c, **fl, "rotations": n_rot, "l2_resident": timing.l2_resident(kv_bytes, n_rot),
+           "variants": {}}
     outs = {}
     for impl in impls:
         def call(pt, impl=impl):

@@ -267,7 +267,7 @@ def run_point(p: dict, pool, kv_split, ceil: dict, impls, *, iters: int, baselin
                        flop_rate=ceil["flop_rate"])
     row = {"heads": h, "queries": nq, "batch": bsz, "prefix": None if ragged else width, "ragged": ragged,
            "lens": lens if ragged else None, "trees": trees if ragged else None, **c, **fl,
-           "rotations": n_rot, "variants": {}}
+           "rotations": n_rot, "l2_resident": timing.l2_resident(sum(lens) * D_QK * 2, n_rot), "variants": {}}
     outs, timers = {}, {}  # timers: the whole verify of each impl (the headline's "verify") and plan reused
     for impl in impls:
         ws = cu.make_workspace(bsz, nq, h) if cu.IMPLS[impl] in cu.WGMMA_VERSIONS else None

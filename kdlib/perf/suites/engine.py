@@ -44,6 +44,7 @@ import os
 import numpy as np
 
 from kdlib import perf, zoo
+from kdlib.estimator.model import touched_experts
 from kdlib.perf import floor_ms, host_probe_ms, results
 from kdlib.perf.bench_model import BENCH_CONFIG, BLOCK
 
@@ -53,8 +54,9 @@ BF16_VERIFY = (1024, BLOCK + 1)  # (context, q) of the one bf16 row: the budget-
 def verify_cost(cfg, context: int, q: int, elem_bytes: int) -> tuple[float, float]:
     """(bytes, FLOPs) of one verify forward of q rows over `context` cached rows, LM head included.
 
-    Bytes: every weight read once (routed experts: at most min(E, q * top-k) distinct ones per
-    layer), the latent cache rows read once per layer. FLOPs: 2 per weight per row for the active
+    Bytes: every weight read once (routed experts: the E (1 - (1 - k / E)^q) distinct ones q rows of
+    uniform top-k touch on average, `kdlib.estimator.model.touched_experts`, as the rank's floors count
+    them), the latent cache rows read once per layer. FLOPs: 2 per weight per row for the active
     parameters (kv_b_proj among them: in the absorbed form its two halves are the absorb projections
     W_UK and W_UV, applied once per row), plus the absorbed attention: per layer and head, q x keys x
     (kv_lora + rope) for the scores and q x keys x kv_lora for the values.
@@ -74,7 +76,7 @@ def verify_cost(cfg, context: int, q: int, elem_bytes: int) -> tuple[float, floa
     dense = 3 * H * cfg.intermediate_size
     n_dense = cfg.first_k_dense_replace
     n_moe = cfg.num_hidden_layers - n_dense
-    touched = min(cfg.n_routed_experts, q * cfg.num_experts_per_tok)
+    touched = touched_experts(q, cfg.n_routed_experts, cfg.num_experts_per_tok)
     shared = cfg.n_shared_experts * expert
     head = cfg.vocab_size * H
     weights = cfg.num_hidden_layers * attn + n_dense * dense + n_moe * (touched * expert + shared

@@ -36,7 +36,6 @@ D_QK, D_V = 576, 512
 LAYOUTS = ("contiguous", "simulated", "random")
 FULL = {"prefix": [8192, 32768, 131072], "queries": [9, 65], "heads": [8]}
 QUICK = {"prefix": [32768], "queries": [65], "heads": [8]}
-_L2_BYTES = 60e6
 
 
 def layouts(length: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -73,7 +72,7 @@ def run_point(h: int, q: int, s: int, ceil: dict, *, iters: int, seed: int = 0) 
     n_rot = timing.l2_rotations(s * D_QK * 2)
     pool = torch.zeros(n_rot * span, D_QK, dtype=torch.bfloat16, device=dev)  # [rot * span, 576]
     row = {"heads": h, "queries": q, "prefix": s, **c, **fl, "rotations": n_rot,
-           "l2_resident": n_rot * s * D_QK * 2 < 2 * _L2_BYTES, "layouts": {}}
+           "l2_resident": timing.l2_resident(s * D_QK * 2, n_rot), "layouts": {}}
     ref = None
     for name in LAYOUTS:
         base = torch.from_numpy(tables[name]).to(dev)

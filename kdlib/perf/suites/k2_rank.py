@@ -231,10 +231,12 @@ def _recorded(name: str) -> dict:
 
 
 def ceilings() -> dict:
-    """The recorded copy bandwidth and bf16 matmul rate the floors divide by, and their file."""
-    doc = _recorded("ceilings")
-    return {"copy_bandwidth_Bps": doc["copy_bandwidth_Bps"], "bf16_matmul_flops": doc["bf16_matmul_flops"],
-            "path": doc["_path"]}
+    """The recorded copy bandwidth and bf16 matmul rate the floors divide by, and their file: the running
+    GPU's (`results.ceilings`; an H100 run divided by the H200's)."""
+    c = results.ceilings()
+    if not c.recorded:
+        raise SystemExit(f"k2_rank needs a recorded ceilings suite for this GPU or the H200 ({c.source})")
+    return {"copy_bandwidth_Bps": c.bandwidth_Bps, "bf16_matmul_flops": c.flop_rate, "path": c.source}
 
 
 def allreduce_fit() -> dict:
@@ -278,12 +280,19 @@ def run(*, quick: bool = False, out: str | None = None, budget_s: float | None =
     if resume and not os.path.exists(resume):
         raise ValueError(f"K2_RANK_RESUME / resume: {resume} does not exist (the grid would start over and "
                          "overwrite the record)")
-    kept = json.loads(Path(resume).read_text())["rows"] if resume else []
+    old = json.loads(Path(resume).read_text()) if resume else {"rows": []}
+    kept = old["rows"]
     # rows recorded before `routing` was a setting used the router's own choice
     other = sorted({r.get("routing", "router") for r in kept} - {routing})
     if other:  # kept, they would stand beside this run's rows under a routing they were not measured at
         raise ValueError(f"K2_RANK_RESUME / resume: {resume} holds rows of routing {other}, not {routing!r}; "
                          "resume with that routing or start a new record")
+    was = {"moe_mode": old.get("parameters", {}).get("moe_mode", moe_mode),
+           "GPU": old.get("provenance", {}).get("gpu", results.gpu_name())}
+    for what, now in (("moe_mode", moe_mode), ("GPU", results.gpu_name())):
+        if resume and was[what] != now:  # the rows carry neither: the record's header names them
+            raise ValueError(f"K2_RANK_RESUME / resume: {resume} was measured at {what} {was[what]!r}, this "
+                             f"run at {now!r}; resume with that {what} or start a new record")
     name = "kimi-k2.6"
     cfg_dict = memory.load_config(name)
     cfg = ModelConfig.from_dict(cfg_dict)
