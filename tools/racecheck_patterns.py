@@ -102,15 +102,16 @@ def run_all(out: Path) -> int:
         log = proc.stdout + proc.stderr
         (out / f"{name}.log").write_text(log)
         hazards = parse_log(log, "racecheck")["errors"]
+        ran = proc.returncode in (0, 9) and f"{name}: ran" in log  # 9: hazards found; else the case failed
         cases[name] = {"kernel": kernel, "threads": threads, "expected": "race" if races else "ordered",
-                       "rc": proc.returncode, "hazards": hazards,
-                       "sees_order": None if hazards is None else (hazards > 0) == races}
+                       "rc": proc.returncode, "ran": ran, "hazards": hazards,
+                       "sees_order": None if hazards is None or not ran else (hazards > 0) == races}
         print(f"{name:22s} {cases[name]['expected']:8s} hazards {hazards}", flush=True)
     control = cases["no_barrier"]["hazards"]
     doc = {"provenance": provenance(), "sanitizer": sanitizer(), "cases": cases,
-           "control_caught": bool(control)}
+           "control_caught": bool(control), "all_ran": all(c["ran"] for c in cases.values())}
     atomic_write_text(out / "patterns.json", json.dumps(doc, indent=1) + "\n")
-    return 0 if doc["control_caught"] else 1
+    return 0 if doc["control_caught"] and doc["all_ran"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -267,6 +267,12 @@ def run_case(spec: dict, seed: int) -> dict:
 
 
 def run(json_path: Path, pool: bool) -> int:
+    only = os.environ.get("KDLIB_SANITIZE_CASES", "")
+    chosen = cases(only)
+    if not chosen:  # a run of no case would read as clean
+        firsts = sorted({c["name"].split()[0] for c in cases()})
+        print(f"KDLIB_SANITIZE_CASES={only!r} keeps no case (names start with {firsts})", file=sys.stderr)
+        return 2
     import cupy
 
     if not pool:
@@ -274,9 +280,9 @@ def run(json_path: Path, pool: bool) -> int:
     if not cu.wgmma_available():
         print("versions 5, 6 and 7 need an sm_90 device (H100 / H200); nothing run", file=sys.stderr)
         return 1
-    chosen = cases(os.environ.get("KDLIB_SANITIZE_CASES", ""))
     done = [run_case(spec, seed) for seed, spec in enumerate(chosen)]
-    doc = {"provenance": provenance(), "pool": pool, "rtol": RTOL, "lse_atol": LSE_ATOL, "cases": done,
+    doc = {"provenance": provenance(), "nvrtc_options": os.environ.get("KDLIB_NVRTC_OPTIONS", ""),
+           "pool": pool, "rtol": RTOL, "lse_atol": LSE_ATOL, "cases": done,
            "kernels": sorted({k for c in done for k in c["kernels"]}), "ok": all(c["ok"] for c in done)}
     atomic_write_text(json_path, json.dumps(doc, indent=1) + "\n")
     print("sanitize driver done:", "every case passed" if doc["ok"] else "a case FAILED", flush=True)
@@ -301,9 +307,11 @@ def summarize(folder: Path) -> int:
     """Write folder/sanitize.json from the <tool>.log, <tool>.rc and <tool>.json of every tool run there.
 
     A tool is clean when compute-sanitizer exited 0, its log's summary counts no finding, and the
-    driver wrote its case file with every case passed (a summary of 0 alone is not enough: a target
-    that died early can leave one)."""
+    driver wrote its case file with every case passed, of one case or more (a summary of 0 alone is not
+    enough: a target that died early can leave one). The provenance and build options are the driver's,
+    as its case files recorded them (a folder summarized later, elsewhere, keeps them)."""
     tools = {}
+    run_info = {"provenance": provenance(), "nvrtc_options": os.environ.get("KDLIB_NVRTC_OPTIONS", "")}
     for tool in TOOLS:
         log = folder / f"{tool}.log"
         if not log.exists():
@@ -317,13 +325,16 @@ def summarize(folder: Path) -> int:
             "cases": None if driver is None else len(driver["cases"]),
             "cases_passed": None if driver is None else sum(c["ok"] for c in driver["cases"]),
             "kernels": None if driver is None else driver["kernels"],
-            "clean": rc == 0 and found["errors"] == 0 and driver is not None and driver["ok"],
+            "clean": rc == 0 and found["errors"] == 0 and driver is not None and driver["ok"]
+            and len(driver["cases"]) > 0,
         }
+        if driver is not None and "provenance" in driver:  # the run's own, not the summarizing process's
+            run_info = {"provenance": driver["provenance"],
+                        "nvrtc_options": driver.get("nvrtc_options", run_info["nvrtc_options"])}
     if not tools:
         print(f"no <tool>.log in {folder}: nothing to summarize", file=sys.stderr)
         return 2
-    doc = {"provenance": provenance(), "nvrtc_options": os.environ.get("KDLIB_NVRTC_OPTIONS", ""),
-           "tools": tools, "clean": all(t["clean"] for t in tools.values())}
+    doc = {**run_info, "tools": tools, "clean": all(t["clean"] for t in tools.values())}
     atomic_write_text(folder / "sanitize.json", json.dumps(doc, indent=1) + "\n")
     for tool, t in tools.items():
         print(f"{tool:10s} rc {t['rc']}  findings {t['errors']}  cases {t['cases_passed']}/{t['cases']}  "
