@@ -185,3 +185,18 @@ def test_kernel_ab_export_of_an_unknown_revision_is_one_line(tmp_path):
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "no commit 'no-such-revision'" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_sanitize_script_stops_its_steps_within_the_budget_a_caller_gives(tmp_path, stand_ins):
+    """Its steps' own limits summed past the callers' (290 s of racecheck under a 150 s call): the caller's
+    kill came before the summary. A step past KDLIB_SANITIZE_BUDGET_S is recorded as out of time, not run."""
+    cs = tmp_path / "bin" / "compute-sanitizer"
+    cs.write_text("#!/bin/sh\necho 'compute-sanitizer stand-in'\n")
+    cs.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "PATH": stand_ins["PATH"], "OUT": str(out), "KDLIB_SANITIZE_BUDGET_S": "0"}
+    res = subprocess.run(["bash", "tools/sanitize_gpu.sh"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert res.returncode == 1 and (out / "warm.rc").read_text().strip() == "124"
+    assert "no time left" in (out / "summary.txt").read_text()
+    assert "sanitize_attention.py" not in stand_ins["log"].read_text()  # the driver never started

@@ -40,6 +40,19 @@ def test_a_refused_run_leaves_no_out_folder(capsys, tmp_path):
     capsys.readouterr()
 
 
+def test_an_arms_kernels_that_are_not_there_are_refused_first(capsys, tmp_path, monkeypatch):
+    """The new arm timed every point before the old arm's missing folder failed with a traceback."""
+    monkeypatch.setattr(kernel_ab, "require_gpu", lambda ap: None)  # what a GPU machine passes
+    monkeypatch.setattr(kernel_ab, "run", lambda *a: pytest.fail("ran an arm"))
+    monkeypatch.setattr(kernel_ab, "repeat", lambda *a: pytest.fail("ran an arm"))
+    for argv in (["run", "build/ab/no-such-rev/kernels"], ["repeat", "/nonexistent/kernels"],
+                 ["run", str(ROOT / "kernels"), "--new", "/nonexistent/kernels"]):
+        with pytest.raises(SystemExit) as exit_:
+            kernel_ab.main([*argv, "--out", str(tmp_path / "made")])
+        assert exit_.value.code == 2 and "is not an exported kernels/ folder" in capsys.readouterr().err, argv
+        assert not (tmp_path / "made").exists()
+
+
 def test_run_without_old_kernels_needs_version_10(capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_:
         kernel_ab.main(["run", "--out", str(tmp_path), "--version", "7"])
@@ -109,6 +122,9 @@ def test_export_kernels_unpacks_a_revisions_kernels_and_refuses_no_commit(tmp_pa
     committed = subprocess.run(["git", "-C", str(ROOT), "show", f"HEAD:{path}"], capture_output=True,
                                check=True).stdout
     assert got == tmp_path / "head" / "kernels" and (got.parent / path).read_bytes() == committed
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert loader.exported_commit(got) == head and loader.exported_commit(ROOT / "kernels") is None
     with pytest.raises(ValueError, match="no commit"):
         loader.export_kernels("no-such-revision", tmp_path / "none")
     assert not (tmp_path / "none").exists()

@@ -21,3 +21,12 @@ def test_a_define_is_version_11s_unless_it_names_an_impl():
 def test_a_define_of_no_impl_or_no_switch_is_refused(bad):
     with pytest.raises(ValueError, match="NAME=VALUE or IMPL:NAME=VALUE"):
         v11_probe.define_arm(bad)
+
+
+def test_an_also_that_names_no_impl_is_refused_before_anything_runs(capsys, tmp_path):
+    """--also wgmma_v21 failed after the first point's arms ran, and nothing was written."""
+    with pytest.raises(SystemExit) as exit_:
+        v11_probe.main(["--out", str(tmp_path / "made"), "--also", "wgmma_v21"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--also wgmma_v21: not a kdlib.cuda.attention impl" in err
+    assert not (tmp_path / "made").exists()

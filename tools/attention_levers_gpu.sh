@@ -122,9 +122,9 @@ for step in $STEPS; do
     sanitize)
       cases=${KDLIB_SANITIZE_CASES:-v11,v12}
       run sanitize 280 env OUT="$R/san" KDLIB_SANITIZE_CASES="$cases" KDLIB_SANITIZE_TOOLS="memcheck synccheck" \
-        bash tools/sanitize_gpu.sh
+        KDLIB_SANITIZE_BUDGET_S=275 bash tools/sanitize_gpu.sh
       run sanitize_check 260 env OUT="$R/san_check" KDLIB_SANITIZE_CASES="$cases" KDLIB_SANITIZE_TOOLS=racecheck \
-        KDLIB_NVRTC_OPTIONS="-DTV7_RACECHECK=1 -lineinfo" bash tools/sanitize_gpu.sh ;;
+        KDLIB_SANITIZE_BUDGET_S=255 KDLIB_NVRTC_OPTIONS="-DTV7_RACECHECK=1 -lineinfo" bash tools/sanitize_gpu.sh ;;
     rows)
       run rows 420 python3 tools/rows_sweep.py --out "$R" ;;
     rate)

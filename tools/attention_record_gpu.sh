@@ -35,7 +35,7 @@ timeout 60 ncu --clock-control none --kernel-name tree_verify_v10_attend --launc
   --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats \
   python3 tools/ncu_verify.py --impl wgmma_v10 --queries 65 >"$OUT/ncu_v10_attend.8x65x200k.txt" 2>&1; keep $?
 t sanitize
-OUT=/tmp/san/default KDLIB_SANITIZE_CASES=v8,v9,v10 KDLIB_SANITIZE_TOOLS="memcheck synccheck" timeout 260 bash tools/sanitize_gpu.sh >/tmp/san_default.log 2>&1
+OUT=/tmp/san/default KDLIB_SANITIZE_CASES=v8,v9,v10 KDLIB_SANITIZE_TOOLS="memcheck synccheck" KDLIB_SANITIZE_BUDGET_S=255 timeout 260 bash tools/sanitize_gpu.sh >/tmp/san_default.log 2>&1
 keep $?
 cat /tmp/san/default/summary.txt
 tar -czf "$OUT/sanitize_default.tgz" -C /tmp san san_default.log

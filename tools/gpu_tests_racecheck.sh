@@ -15,7 +15,7 @@ t tests
 timeout 430 python3 -m pytest -m gpu tests -q -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 | tail -15
 keep $?
 t racecheck
-OUT=/tmp/san/check KDLIB_NVRTC_OPTIONS="-DTV7_RACECHECK=1 -lineinfo" KDLIB_SANITIZE_CASES=v8,v9,v10 KDLIB_SANITIZE_TOOLS=racecheck timeout 150 bash tools/sanitize_gpu.sh >/tmp/san_check.log 2>&1
+OUT=/tmp/san/check KDLIB_NVRTC_OPTIONS="-DTV7_RACECHECK=1 -lineinfo" KDLIB_SANITIZE_CASES=v8,v9,v10 KDLIB_SANITIZE_TOOLS=racecheck KDLIB_SANITIZE_BUDGET_S=145 timeout 150 bash tools/sanitize_gpu.sh >/tmp/san_check.log 2>&1
 keep $?
 cat /tmp/san/check/summary.txt
 tar -czf "$OUT/sanitize_check.tgz" -C /tmp san san_check.log

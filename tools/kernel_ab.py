@@ -114,6 +114,8 @@ def run(old_kernels: Path | None, out: Path, version: int, iters: int, suite_nam
               f"bitwise {row['bitwise_equal']}", flush=True)
     doc = {"parameters": {"version": version, "old_kernels": str(old_kernels) if old_kernels else None,
                           "new_kernels": str(new_kernels) if new_kernels else None,
+                          "old_commit": loader.exported_commit(old_kernels) if old_kernels else None,
+                          "new_commit": loader.exported_commit(new_kernels) if new_kernels else None,
                           "pdl_arms": old_kernels is None and not defines and toggle == "PDL",
                           "toggle_arms": toggle if old_kernels is None and not defines else None,
                           "define_arms": defines, "iters": iters,
@@ -186,6 +188,7 @@ def repeat(old_kernels: Path | None, out: Path, point: dict, n: int, version: in
               "rows": int(gap.shape[0])}
     print(f"[ab repeat] new against old: {across}", flush=True)
     doc = {"parameters": {"version": version, "old_kernels": str(old_kernels) if old_kernels else None,
+                          "old_commit": loader.exported_commit(old_kernels) if old_kernels else None,
                           "define_arms": defines, "point": point, "n": n},
            "arms": arms, "new_vs_old": across}
     return results.write("kernel_ab_repeat", doc, out_dir=out, command=" ".join(["python3"] + sys.argv))
@@ -204,6 +207,13 @@ def _check_define(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     names = [d.split("=")[0] for d in a.define]
     if len(set(names)) < len(names):
         ap.error(f"--define names a switch twice: {' '.join(a.define)}")
+
+
+def _check_kernels(ap: argparse.ArgumentParser, a) -> None:
+    """The arms' exported kernels are there (the new arm timed every point before the old arm's failed)."""
+    for given in (a.old_kernels, getattr(a, "new_kernels", None)):
+        if given is not None and not (given / "tree_verify").is_dir():
+            ap.error(f"{given} is not an exported kernels/ folder (export it, and carry build/ab to the GPU)")
 
 
 def main(argv=None) -> int:
@@ -246,6 +256,7 @@ def main(argv=None) -> int:
         if (a.old_kernels is None) == (a.define is None):
             ap.error("repeat takes old kernels or --define, one of the two")
         _check_define(ap, a)
+        _check_kernels(ap, a)
         require_gpu(ap)
         make_folder(ap, a.out)
         repeat(a.old_kernels, a.out, {k: getattr(a, k) for k in ("heads", "queries", "prefix", "batch")}, a.n,
@@ -260,6 +271,7 @@ def main(argv=None) -> int:
         elif a.old_kernels is None and a.version != 10:
             ap.error(f"without old kernels the arms are {a.toggle} on / off, which only version 10 follows "
                      "here: --version 10")
+        _check_kernels(ap, a)
         require_gpu(ap)
         make_folder(ap, a.out)
         run(a.old_kernels, a.out, a.version, a.iters, a.suite, a.new_kernels, a.toggle, a.define)

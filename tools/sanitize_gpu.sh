@@ -8,13 +8,15 @@
 #   device call:  OUT=$OUT KDLIB_COMMIT=<sha> bash tools/sanitize_gpu.sh
 #       KDLIB_SANITIZE_TOOLS: the tools, in order (default "memcheck racecheck synccheck"; initcheck
 #       is also summarized); KDLIB_SANITIZE_FLAGS: extra compute-sanitizer options for every tool;
-#       KDLIB_SANITIZE_CASES: the driver's cases by name prefix (e.g. "v7" or "v6,v7"; default all).
+#       KDLIB_SANITIZE_CASES: the driver's cases by name prefix (e.g. "v7" or "v6,v7"; default all);
+#       KDLIB_SANITIZE_BUDGET_S: the seconds a caller's own time limit leaves this script: every step is
+#       cut to what is left of them less 20 s, so that the summary is written before the caller stops it.
 #       v7's checking build (bar.sync handoffs, every lane arriving: the forms racecheck follows,
 #       tools/racecheck_patterns.py): KDLIB_NVRTC_OPTIONS="-DTV7_RACECHECK=1 -lineinfo" KDLIB_SANITIZE_CASES=v7.
 #
 # First the driver runs once without a sanitizer (warm: NVRTC compiles the kernels into CuPy's disk
 # cache and the cases are checked), then once under each tool, each step under its own time limit
-# (~9 min at most in all). $OUT gets nvidia-smi.txt, warm.log / warm.json, <tool>.log (sanitizer and
+# (~9 min at most in all, or KDLIB_SANITIZE_BUDGET_S). $OUT gets nvidia-smi.txt, warm.log / warm.json, <tool>.log (sanitizer and
 # driver output), <tool>.json (the driver's cases), <tool>.rc, summary.txt and sanitize.json (per tool:
 # exit code, findings, cases passed, kernels covered; `clean`). Exit code 0 when every tool is clean.
 set -u
@@ -39,10 +41,18 @@ fi
 CHILD=
 trap '[ -n "$CHILD" ] && kill -TERM "$CHILD" 2>/dev/null; exit 143' TERM
 trap '[ -n "$CHILD" ] && kill -TERM "$CHILD" 2>/dev/null; exit 130' INT
+DEADLINE=$(( $(date +%s) + ${KDLIB_SANITIZE_BUDGET_S:-100000} - 20 ))  # the summary's 20 s kept back
 step() {  # step NAME SECONDS COMMAND...: output in $OUT/NAME.log, exit code in $OUT/NAME.rc
   local name=$1 secs=$2 start rc
   shift 2
   start=$(date +%s)
+  if (( DEADLINE - start < secs )); then secs=$(( DEADLINE - start )); fi
+  if (( secs <= 0 )); then  # no time left: recorded as a timeout, the summary still written
+    echo 124 >"$OUT/$name.rc"
+    echo "no time left in KDLIB_SANITIZE_BUDGET_S" >"$OUT/$name.log"
+    printf '%-10s rc=124   0s  (no time left)\n' "$name" | tee -a "$OUT/summary.txt"
+    return
+  fi
   timeout --kill-after=5 "$secs" "$@" >"$OUT/$name.log" 2>&1 &
   CHILD=$!
   wait "$CHILD"  # in the background: a trapped signal interrupts `wait`, not a foreground job it would wait for

@@ -79,7 +79,7 @@ def define_arm(define: str) -> tuple[str, str]:
     return impl, switch
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=folder, help="folder of the record")
     ap.add_argument("--reps", type=positive_int, default=20)
@@ -88,12 +88,15 @@ def main() -> None:
     ap.add_argument("--define", action="append", default=[],
                     help="NAME=VALUE (version 11's) or IMPL:NAME=VALUE: a build switch's arm")
     ap.add_argument("--also", action="append", default=[], help="another impl timed beside (e.g. wgmma_v12)")
-    a = ap.parse_args()
-    require_gpu(ap)
+    a = ap.parse_args(argv)
+    unknown = [impl for impl in a.also if cu.IMPLS.get(impl) is None]  # else a point ran, then this failed
+    if unknown:
+        ap.error(f"--also {unknown[0]}: not a kdlib.cuda.attention impl (e.g. wgmma_v12)")
     try:
         arms = [define_arm(d) for d in a.define]
     except ValueError as e:
         ap.error(str(e))
+    require_gpu(ap)
     make_folder(ap, a.out)
     fn = loader.get_function(cu._V11, "tree_verify_v11_attend", options=cu.LAUNCHES[11].options)
     loader.set_max_dynamic_shared(fn, cu._V11_SMEM)

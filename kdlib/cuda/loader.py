@@ -153,18 +153,27 @@ def use_kernels(root: Path | None = None) -> None:
 
 def export_kernels(rev: str, dest: Path) -> Path:
     """`git archive` of revision rev's kernels/ unpacked under dest -> dest/kernels (for `use_kernels`, or to
-    build that revision's kernels here); ValueError where rev names no commit of this repository or one
-    without kernels/, before anything is made."""
+    build that revision's kernels here), with the commit's full hash in dest/COMMIT (`exported_commit`: rev
+    may be a name such as HEAD~1); ValueError where rev names no commit of this repository or one without
+    kernels/, before anything is made."""
     git = ["git", "-C", str(KERNELS.parent)]
-    if subprocess.run([*git, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
-                      capture_output=True).returncode != 0:
+    found = subprocess.run([*git, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+                           capture_output=True, text=True)
+    if found.returncode != 0:
         raise ValueError(f"no commit {rev!r} in {KERNELS.parent}")
     if subprocess.run([*git, "cat-file", "-e", f"{rev}:kernels"], capture_output=True).returncode != 0:
         raise ValueError(f"commit {rev!r} has no kernels/ folder (it predates the CUDA kernels)")
     Path(dest).mkdir(parents=True, exist_ok=True)
     tar = subprocess.run([*git, "archive", rev, "kernels"], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(dest)], input=tar, check=True)
+    (Path(dest) / "COMMIT").write_text(found.stdout.strip() + "\n")
     return Path(dest) / "kernels"
+
+
+def exported_commit(kernels: Path) -> str | None:
+    """The full hash `export_kernels` wrote beside an exported kernels/ folder, None for any other folder."""
+    f = Path(kernels).parent / "COMMIT"
+    return f.read_text().strip() if f.is_file() else None
 
 
 _DEFINE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_]\w*)[ \t]+([^\n]*?)[ \t]*(?://[^\n]*)?$",
