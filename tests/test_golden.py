@@ -3,6 +3,7 @@ reproduces every stored output."""
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 
@@ -37,9 +38,14 @@ def test_expected_files_present():
 def test_regeneration_matches(tmp_path):
     """Every byte regenerates except the attention outputs (GEN.COMPUTED): BLAS and numpy's SIMD exp pick
     their kernels, and so their rounding, by CPU; those match at the reference-recompute tolerance."""
-    made = GEN.generate(tmp_path)
+    made = GEN.generate(tmp_path / "made")
     assert sorted(p.name for p in made) == FILES
     assert GEN.check(made, GOLDEN) == []
+    # a committed file no config makes any more is named (model_* are the model generator's)
+    shutil.copytree(GOLDEN, tmp_path / "committed")
+    shutil.copy(GOLDEN / "tree_mid.kdtr", tmp_path / "committed" / "tree_removed.kdtr")
+    assert GEN.check(made, tmp_path / "committed") == [
+        f"tree_removed.kdtr: in {tmp_path / 'committed'}, not regenerated (no config makes it)"]
     exact = [p for p in made if not GEN.close_tensors(p)]
     assert len(exact) == len(FILES) - len(GEN.ATTENTION)
     for p in exact:
@@ -62,10 +68,10 @@ def test_check_catches_changes(tmp_path):
         else:
             changed["lse"][0, 0, 0] = np.nan  # a finite value turned NaN
         kdtr.save(tmp_path / src.name, changed, meta)
-        problems = GEN.check([tmp_path / src.name], GOLDEN)
+        problems = GEN.check([tmp_path / src.name], GOLDEN, owns=lambda name: False)  # this file alone
         assert len(problems) == 1 and name in problems[0], (name, problems)
     kdtr.save(tmp_path / src.name, t, {**meta, "seed": "32"})
-    assert "meta[seed].value" in " ".join(GEN.check([tmp_path / src.name], GOLDEN))
+    assert "meta[seed].value" in " ".join(GEN.check([tmp_path / src.name], GOLDEN, owns=lambda name: False))
 
 
 def test_regeneration_on_another_code_path():

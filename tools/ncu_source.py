@@ -20,9 +20,10 @@ never mapped onto a build that is not the device's.
 Roles: an instruction's inline chain, innermost frame first, is searched for the first frame that names one:
 a line of attend_v7's `if (wg == 0)` branch (kernels/tree_verify/wgmma_v7.cu) is the producer's, of its
 `else` the consumers'; a line of a function named produce* (produce_v10, produce_v11) the producer's, of one
-named consume* (consume_v9, consume_v11) the consumers'. An instruction no frame names is `setup` (own_plan,
-barriers, the kernel's own lines); `unattributed` has line info naming only the kernel's own lines, `no_line`
-none (compiler runtime subroutines such as __cuda_sm20_div_s64).
+named consume* (consume_v9, consume_v11) the consumers'. An instruction no frame names is `setup` where its
+chain has more than one frame (inlined code outside the roles: own_plan, barriers), `unattributed` where it
+has one, a line of the kernel's own body outside the roles, and `no_line` where it has no line info (compiler
+runtime subroutines such as __cuda_sm20_div_s64).
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ Writes, in this order, each file atomically (the files `kdlib.zoo` reads, then t
 held_out.json, tokenizer.json, target.config.json, target.kdtr, drafter.kdtr into --out's
 `.train_tiny.staging/` folder; once all five are written, the old training_record.json goes, the
 five move into --out, and training_record.json follows (before the acceptance run, so a run stopped
-there still has it): a run that fails leaves an earlier set in --out whole, and a set interrupted
-while it moves has no record, which `kdlib.zoo` refuses. Then the acceptance result accept.<gpu>.json
+there still has it): a run that fails leaves an earlier set's files in --out whole (its train.log
+is this run's, with the failure), and a set interrupted while it moves has no record, which `kdlib.zoo`
+refuses. Then the acceptance result accept.<gpu>.json
 (`kdlib.perf.write`; it belongs in data/results/), and train.log (everything printed, as it is
 printed). Eight files: what one device call brings back.
 
