@@ -331,7 +331,8 @@ def set_max_dynamic_shared(fn, nbytes: int) -> None:
     if nbytes > 48 * 1024 and fn.max_dynamic_shared_size_bytes < nbytes:
         limit = device_limits()["smem_block"] - fn.shared_size_bytes
         if nbytes > limit:
-            raise ValueError(f"{fn.name} needs {nbytes:,} B of dynamic shared memory; this device gives it "
+            name = getattr(fn, "name", "the kernel")
+            raise ValueError(f"{name} needs {nbytes:,} B of dynamic shared memory; this device gives it "
                              f"{limit:,} B at most")
         fn.max_dynamic_shared_size_bytes = nbytes
 
