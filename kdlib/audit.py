@@ -264,8 +264,12 @@ def _rounds_to(exact: float, shown: float) -> bool:
     included: the decimal digits are read from the exact decimal form, not from repr's exponent form)? Half
     rounds up, as a writer rounds (66.5 to 67), from the shortest decimal of `exact`."""
     digits = max(0, -Decimal(repr(float(shown))).normalize().as_tuple().exponent)
-    at = Decimal(repr(float(exact))).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP)
-    return at == Decimal(repr(float(shown)))
+    return _half_up(exact, digits) == Decimal(repr(float(shown)))
+
+
+def _half_up(x: float, digits: int = 0) -> Decimal:
+    """x rounded to `digits` decimals, half up (66.5 to 67), from its shortest decimal."""
+    return Decimal(repr(float(x))).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP)
 
 
 def provenance(result: dict) -> str:
@@ -719,7 +723,7 @@ def diag_two_point_255(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
                        "rounded from the first", sources=["seed 000 / seed 002 text"],
                        values={"rounded": rounded})
     return Verdict(fig.id, READING,
-                   f"{exact:g} rounds to {round(exact):.0f}, not {shown:g}",
+                   f"{exact:g} rounds to {_half_up(exact)}, not {shown:g}",
                    f"the two seeds state the same measurement as {exact:g} and {shown:g}: {shown:g} is "
                    f"{exact:g} "
                    f"truncated, not rounded (a {exact - shown:.1f} t/s, {(exact - shown) / exact:.1%} slip); "
@@ -734,7 +738,7 @@ def diag_two_point_67(fig: Figure, cat: Catalogue, src: Sources) -> Verdict:
     return Verdict(
         fig.id,
         REPRODUCED if rounded else READING,
-        f"{exact:g} rounds to {round(exact):.0f}" + ("" if rounded else f", not {shown:g}"),
+        f"{exact:g} rounds to {_half_up(exact)}" + ("" if rounded else f", not {shown:g}"),
         "same measurement, rounded to integers in seed 002 "
         f"({'consistent' if rounded else 'not rounding'}); "
         f"'5k' for 5,120 tokens of context",

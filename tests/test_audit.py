@@ -304,6 +304,7 @@ def test_compare_and_rounding():
     assert audit._rounds_to(1.5e-5, 1.5e-5) and audit._rounds_to(2.04e-5, 2e-5)
     assert not audit._rounds_to(2.6e-5, 2e-5)
     assert audit._rounds_to(66.5, 67.0) and audit._rounds_to(2.675, 2.68)  # half up, as a writer rounds
+    assert str(audit._half_up(66.5)) == "67" and str(audit._half_up(255.7)) == "256"  # the verdicts' words
     with pytest.raises(ValueError):
         audit.Verdict("x", "plausible", "", "")
 

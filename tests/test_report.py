@@ -497,19 +497,19 @@ def test_notebook_budget_stops_a_slow_notebook(tmp_path):
 def test_a_budget_is_the_whole_notebooks_and_a_name_recorded_twice_fails_one_notebook(tmp_path):
     """Each cell had at least 1 s of a spent budget, so short cells ran past it and passed; a name recorded
     in two cells raised out of the batch (exit 2, the notebooks after it never ran)."""
-    nbs = tmp_path / "notebooks"
+    nbs, slow = tmp_path / "notebooks", tmp_path / "slow"
     nbs.mkdir()
-    _write_nb(nbs / "10_short.ipynb", [new_markdown_cell("# 10 · Short cells")]
-              + [new_code_cell("import time\ntime.sleep(0.6)") for _ in range(8)])
+    slow.mkdir()
+    _write_nb(slow / "10_short.ipynb", [new_markdown_cell("# 10 · Short cells")]
+              + [new_code_cell("import time\ntime.sleep(0.6)") for _ in range(8)])  # 4.8 s of cells
+    short = report.run_reports(notebooks_dir=slow, out_dir=tmp_path / "out_slow", timeout_s=2.5)[0]
+    assert short["status"] == "failed" and short["error"]["ename"] == "Timeout", short["error"]
+    assert "past its 2.5 s" in short["error"]["evalue"]
     twice = "import kdlib.nb\nkdlib.nb.record('n', 1)"
     _write_nb(nbs / "20_twice.ipynb", [new_markdown_cell("# 20 · Twice"), new_code_cell(twice),
                                        new_code_cell(twice)])
     _write_nb(nbs / "30_after.ipynb", [new_markdown_cell("# 30 · After"), new_code_cell("1")])
-    entries = {e["stem"]: e for e in report.run_reports(notebooks_dir=nbs, out_dir=tmp_path / "out",
-                                                          timeout_s=2.5)}
-    short = entries["10_short"]
-    assert short["status"] == "failed" and short["error"]["ename"] == "Timeout", short["error"]
-    assert "past its 2.5 s" in short["error"]["evalue"]
+    entries = {e["stem"]: e for e in report.run_reports(notebooks_dir=nbs, out_dir=tmp_path / "out")}
     twice = entries["20_twice"]
     assert twice["status"] == "failed" and "recorded in cells" in twice["error"]["evalue"]
     assert entries["30_after"]["status"] == "passed"

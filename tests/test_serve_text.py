@@ -7,6 +7,7 @@ import pytest
 
 from kdlib import zoo
 from kdlib.serve import ByteTokenizer, TextStream
+from kdlib.serve.text import TokenOffsets
 
 pytest.importorskip("pydantic")
 from pydantic import ValidationError  # noqa: E402
@@ -27,6 +28,22 @@ def bpe():
     if not zoo.available():
         pytest.skip("the trained tokenizer is not in data/models/")
     return zoo.load_tokenizer()
+
+
+def test_token_offsets_index_the_text_a_genuine_replacement_character_included(bpe):
+    """A token starts at its offset; a character's first bytes add none. A U+FFFD the text holds was taken
+    for an incomplete character (the TextStream form): the token after it got its offset."""
+    text = 'x = "\ufffd" + y ' + TEXT
+    ids = bpe.encode(text)
+    at = TokenOffsets(bpe)
+    offsets = [at.push(i) for i in ids]
+    assert offsets == sorted(offsets) and offsets[0] == 0 and bpe.decode(ids) == text
+    for i, o in zip(ids, offsets, strict=True):
+        piece = bpe.decode([i])
+        if "\ufffd" not in piece:  # a whole token starts where its text does
+            assert text[o:o + len(piece)] == piece, (piece, o)
+    quote = next(o for i, o in zip(ids, offsets, strict=True) if bpe.decode([i]).startswith('"') and o > 4)
+    assert quote == 6  # after x = "<U+FFFD>
 
 
 def _stream(tok, ids, chunks, stops=(), check_from=0):

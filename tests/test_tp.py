@@ -267,7 +267,7 @@ class _TwoRanks:
         if x.dtype == torch.uint8 and self.current in self.differs:
             other[0] ^= 1
         if x.dtype == torch.int64 and self.current in self.reshaped:
-            other[2] += 1
+            other[3] += 1
         return torch.stack([x, other])
 
 

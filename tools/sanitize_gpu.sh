@@ -16,9 +16,10 @@
 #
 # First the driver runs once without a sanitizer (warm: NVRTC compiles the kernels into CuPy's disk
 # cache and the cases are checked), then once under each tool, each step under its own time limit
-# (~9 min at most in all, or KDLIB_SANITIZE_BUDGET_S). $OUT gets nvidia-smi.txt, warm.log / warm.json, <tool>.log (sanitizer and
-# driver output), <tool>.json (the driver's cases), <tool>.rc, summary.txt and sanitize.json (per tool:
-# exit code, findings, cases passed, kernels covered; `clean`). Exit code 0 when every tool is clean.
+# (~9 min at most in all, or KDLIB_SANITIZE_BUDGET_S). $OUT gets nvidia-smi.txt, warm.log / warm.json,
+# <tool>.log (sanitizer and driver output), <tool>.json (the driver's cases), <tool>.rc, summary.txt and
+# sanitize.json (per tool: exit code, findings, cases passed, kernels covered; `clean`). Exit code 0 when
+# every tool is clean.
 set -u
 : "${OUT:?set OUT to the output folder}"
 mkdir -p "$OUT"
@@ -41,7 +42,9 @@ fi
 CHILD=
 trap '[ -n "$CHILD" ] && kill -TERM "$CHILD" 2>/dev/null; exit 143' TERM
 trap '[ -n "$CHILD" ] && kill -TERM "$CHILD" 2>/dev/null; exit 130' INT
-DEADLINE=$(( $(date +%s) + ${KDLIB_SANITIZE_BUDGET_S:-100000} - 20 ))  # the summary's 20 s kept back
+BUDGET=${KDLIB_SANITIZE_BUDGET_S:-100000}
+BUDGET=${BUDGET%%.*}  # whole seconds: bash counts in integers
+DEADLINE=$(( $(date +%s) + ${BUDGET:-0} - 20 ))  # the summary's 20 s kept back
 step() {  # step NAME SECONDS COMMAND...: output in $OUT/NAME.log, exit code in $OUT/NAME.rc
   local name=$1 secs=$2 start rc
   shift 2

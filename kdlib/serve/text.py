@@ -17,6 +17,8 @@ client.
 
 from __future__ import annotations
 
+import codecs
+
 REPLACEMENT = "\ufffd"
 WINDOW, PREFIX = 16, 4  # ids a decode window may span before it restarts, and the context it keeps
 
@@ -111,17 +113,23 @@ class TextStream:
 
 class TokenOffsets:
     """OpenAI's `text_offset`: where each token's text starts in its sequence's text, in characters from
-    `start`, as tokens are pushed in order. A token adds the characters its id completes: none where the
-    text hides it (`shown` False: the end of text) or where it holds a character's first bytes (it starts
-    where that character does)."""
+    `start`, as tokens are pushed in order. A token adds the characters its bytes complete (the tokenizer's
+    `token_bytes`, through an incremental UTF-8 decoder; without it, the text a `TextStream` has let out):
+    none where the text hides it (`shown` False: the end of text) or where it holds a character's first
+    bytes (it starts where that character does)."""
 
     def __init__(self, tokenizer, start: int = 0):
-        self._text = TextStream(tokenizer)
+        self._bytes = getattr(tokenizer, "token_bytes", None)
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._chars = 0
+        self._text = None if self._bytes else TextStream(tokenizer)
         self.start = start
 
     def push(self, token: int, shown: bool = True) -> int:
-        at = self.start + len(self._text.text)
+        at = self.start + (self._chars if self._text is None else len(self._text.text))
         if shown:
-            self._text.push([token])
+            if self._text is None:
+                self._chars += len(self._utf8.decode(self._bytes(token)))
+            else:
+                self._text.push([token])
         return at
-

@@ -534,10 +534,10 @@ def assert_replicated(comm: Comm, **tensors) -> None:
     for name, t in tensors.items():
         t = torch.as_tensor(t).to(comm.device)
         code = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1
-        head = torch.full((66,), -2, dtype=torch.int64, device=comm.device)  # dtype, ndim, up to 64 dims
-        head[:2] = torch.tensor([code, t.dim()])
-        head[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-        heads = comm.all_gather(head)  # [W, 66]
+        head = torch.full((67,), -2, dtype=torch.int64, device=comm.device)  # dtype, its size, ndim, dims
+        head[:3] = torch.tensor([code, t.element_size(), t.dim()])  # the size parts the unlisted dtypes
+        head[3:3 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        heads = comm.all_gather(head)  # [W, 67]
         bad = [r for r in range(comm.world) if not torch.equal(heads[r], heads[0])]
         if bad:
             raise RuntimeError(f"{name}: the dtype or shape differs between rank 0 and rank(s) {bad} (rank "
