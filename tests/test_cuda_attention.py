@@ -1581,6 +1581,28 @@ def test_fp8_dequant_first_graph_captured_and_allocation_free():
 
 
 @pytest.mark.gpu
+def test_a_bf16_input_off_a_16_byte_boundary_is_refused():
+    """The bf16 kernels copy 16-byte pieces: a pool, queries or tree rows at an odd offset reached them (the
+    FP8 pool alone was checked). Each is named; the aligned call runs."""
+    import torch
+
+    from kdlib.cuda import attention as cu
+
+    flat = torch.randn(33 * 576 + 8, device="cuda").bfloat16()
+    pool, shifted = flat[:32 * 576].view(32, 576), flat[1:1 + 32 * 576].view(32, 576)  # 2 bytes off
+    q = torch.randn(1, 2, 4, 576, device="cuda").bfloat16()
+    qflat = torch.randn(2 * 4 * 576 + 8, device="cuda").bfloat16()
+    q_shifted = qflat[4:4 + 2 * 4 * 576].view(1, 2, 4, 576)  # 8 bytes off
+    page = torch.arange(32, device="cuda", dtype=torch.int32)[None]
+    lens = torch.tensor([32], device="cuda", dtype=torch.int32)
+    cu.prefix_attention(q, pool, page, lens, 0.1)  # runs
+    for call, name in ((lambda: cu.prefix_attention(q, shifted, page, lens, 0.1), "kv_cache"),
+                       (lambda: cu.prefix_attention(q_shifted, pool, page, lens, 0.1), "q")):
+        with pytest.raises(ValueError, match=f"{name} must start on a 16-byte boundary"):
+            call()
+
+
+@pytest.mark.gpu
 def test_v10_fp8_pool_bad_inputs_raise_value_error():
     """The FP8 pool: 656-byte rows, bf16 q, version 10 alone; the packing helpers check their inputs."""
     _need_wgmma()

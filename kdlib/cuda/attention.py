@@ -334,7 +334,8 @@ def _scale(softmax_scale) -> float:
 
 
 def _float_kind(x, name: str) -> tuple[object, str]:
-    """(CuPy C-contiguous view, 'f32' | 'bf16'); bf16 crosses as raw uint16 bits."""
+    """(CuPy C-contiguous view, 'f32' | 'bf16'); bf16 crosses as raw uint16 bits and must start on a 16-byte
+    boundary (the bf16 kernels copy 16-byte pieces: a view at an odd offset faulted the launch)."""
     import cupy
 
     if loader.is_torch(x):
@@ -342,16 +343,24 @@ def _float_kind(x, name: str) -> tuple[object, str]:
 
         if x.dtype == torch.bfloat16:
             bits = loader.as_cupy(x.contiguous().view(torch.int16))
-            return cupy.ascontiguousarray(bits).view(cupy.uint16), "bf16"
+            return _aligned(cupy.ascontiguousarray(bits).view(cupy.uint16), name), "bf16"
         if x.dtype != torch.float32:
             raise ValueError(f"{name} must be float32 or bfloat16, got {x.dtype}")
         return cupy.ascontiguousarray(loader.as_cupy(x)), "f32"
     a = loader.as_cupy(x)
     if a.dtype.name == "bfloat16":
-        return cupy.ascontiguousarray(a).view(cupy.uint16), "bf16"
+        return _aligned(cupy.ascontiguousarray(a).view(cupy.uint16), name), "bf16"
     if a.dtype != cupy.float32:
         raise ValueError(f"{name} must be float32 or bfloat16, got {a.dtype}")
     return cupy.ascontiguousarray(a), "f32"
+
+
+def _aligned(a, name: str):
+    """a, where it starts on a 16-byte boundary; else a ValueError naming it."""
+    if a.data.ptr % 16:
+        raise ValueError(f"{name} must start on a 16-byte boundary (the bf16 kernels copy 16-byte pieces); "
+                         f"it starts {a.data.ptr % 16} bytes past one (a view at an offset: copy it)")
+    return a
 
 
 def _bool_cupy(x):
@@ -540,6 +549,11 @@ def _device_info() -> tuple[int, int]:
     return int(props["multiProcessorCount"]), int(props["sharedMemPerBlockOptin"])
 
 
+def _wgmma_smem() -> int:
+    """The shared memory a block of the largest sm_90a layout takes."""
+    return max(_V5_SMEM, _V6_SMEM, _V7_SMEM, _V9_SMEM, _FP8_SMEM, _V11_SMEM, _V12_SMEM)
+
+
 def wgmma_available() -> bool:
     """True when the current device runs the sm_90a kernels (compute capability 9.0, their shared memory)."""
     import cupy
@@ -547,8 +561,7 @@ def wgmma_available() -> bool:
     dev = cupy.cuda.runtime.getDevice()
     props = cupy.cuda.runtime.getDeviceProperties(dev)
     return ((int(props["major"]), int(props["minor"])) == (9, 0)
-            and int(props["sharedMemPerBlockOptin"]) >= max(_V5_SMEM, _V6_SMEM, _V7_SMEM, _V9_SMEM,
-                                                                _FP8_SMEM, _V11_SMEM, _V12_SMEM))
+            and int(props["sharedMemPerBlockOptin"]) >= _wgmma_smem())
 
 
 def split_plan(bsz: int, row_blocks: int, width: int, tile: int, slots: int) -> tuple[int, int]:
@@ -601,7 +614,7 @@ def pick_version(version: int | None = None, impl: str | None = None, kind: str 
                          "path is version 1)")
     if version in WGMMA_VERSIONS and not wgmma_available():
         raise ValueError(f"version {version} ({LAUNCHES[version].impl!r}) needs an sm_90 device (H100/H200) "
-                         "with 218 KB of shared memory per block")
+                         f"with {_wgmma_smem():,} B of shared memory per block")
     return version
 
 
