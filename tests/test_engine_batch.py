@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from kdlib import DATA
-from kdlib.engine.batch import BatchEngine, SamplingParams, filtered_probs, generate_batch, hashed_uniforms
+from kdlib.engine.batch import (
+    STEP_HISTORY,
+    BatchEngine,
+    SamplingParams,
+    filtered_probs,
+    generate_batch,
+    hashed_uniforms,
+)
 from kdlib.engine.config import ModelConfig
 from kdlib.engine.drafter import DFlashConfig, DFlashDrafter, NoisyOracleDrafter
 from kdlib.engine.generate import generate
@@ -623,3 +630,40 @@ def test_isolate_failures_fails_one_prefill_alone(monkeypatch):
         while eng.has_work():
             outs += eng.step()
         assert [t for o in outs if o.request_id == first for t in o.new_tokens] == _ar(m, good, 8), overlap
+    # the only output held, a request's that finished in the raising step's prefill: has_work says so
+    eng = BatchEngine(m, max_streams=2, keep_results=True)
+    one = eng.add_request(good, 1)
+    eng.add_request(bad, 4)
+    with pytest.raises(RuntimeError, match="simulated"):
+        eng.step()
+    assert eng.has_work()
+    outs = []
+    while eng.has_work():
+        outs += eng.step()
+    assert [(o.request_id, o.new_tokens, o.finish_reason) for o in outs] == [(one, _ar(m, good, 1), "length")]
+
+
+def test_an_overlapped_device_step_that_raises_loses_no_token(monkeypatch):
+    """The step's host buffer was flipped before its device step ran: after one that raised, the next step
+    wrote into the buffer of the step still in flight (a token lost, the next one twice)."""
+    m = _model()
+    eng = BatchEngine(m, max_streams=1, keep_results=True, overlap=True)
+    real, calls = eng._device_step, []
+
+    def device_step(*key):
+        calls.append(key)
+        if len(calls) == 6:
+            raise RuntimeError("out of memory (simulated)")
+        return real(*key)
+
+    monkeypatch.setattr(eng, "_device_step", device_step)
+    rid = eng.add_request([3, 1, 4, 1, 5], 8)
+    outs, raised = [], 0
+    while eng.has_work():
+        try:
+            outs += eng.step()
+        except RuntimeError:
+            raised += 1
+    assert raised == 1 and [t for o in outs for t in o.new_tokens] == _ar(m, [3, 1, 4, 1, 5], 8)
+    assert eng.result(rid).tokens == _ar(m, [3, 1, 4, 1, 5], 8)
+    assert eng.step_ms.maxlen == STEP_HISTORY  # a server's steps: their host times grew without end

@@ -540,6 +540,22 @@ def test_engine_in_process_reports_bad_requests_and_keeps_serving(bundle):
         torch.set_num_threads(threads)
 
 
+def test_a_stop_string_in_the_prefills_token_counts_no_decode_step(bundle):
+    """The step that ran the prefill also decoded: without overlap its decode output was counted (a step
+    that accepted 2 in a 1-token answer) before the stop string ended the request; with overlap it was not."""
+    prompt = bundle.tokenizer.encode("def foo(x):\n    return")
+    for overlap in (False, True):
+        engine = serve.Engine(bundle, max_num_seqs=2, max_model_len=128, overlap=overlap)
+        try:
+            engine.wait_ready(60)
+            r = engine.run(prompt, 20, stops=(" foo",))
+            assert r["text"] == "" and len(r["tokens"]) == 1 and r["finish_reason"] == "stop", overlap
+            assert r["ddtree"]["steps"] == 0 and r["ddtree"]["accepted"] == [], (overlap, r["ddtree"])
+            assert engine.snapshot()["accept_count"] == 0, overlap
+        finally:
+            engine.close()
+
+
 def test_server_process_serves_and_stops():
     with serve.ServerProcess(["--random", "--method", "ar", "--max-model-len", "64"]) as srv:
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 6, "temperature": 0},

@@ -66,12 +66,16 @@ from kdlib.engine.generate import MAX_BUDGET, MAX_DEPTH, GenerateResult, check_i
 
 MIN_TABLE = 64  # the narrowest page-table width a step reads (positions); buckets double from here
 TOP_LOGPROBS = 20  # alternatives computed when a request asks for logprobs (OpenAI's maximum)
+STEP_HISTORY = 4096  # steps whose host wall time `step_ms` keeps (a server steps for weeks)
 _M32 = 0xFFFFFFFF
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling settings (the OpenAI / vLLM names)."""
+    """Per-request sampling settings (the OpenAI / vLLM names). One difference: stop_token_ids here are the
+    ids that end a request, the model's end of text among them (the server passes those alone), and
+    ignore_eos sets all of them aside, their min_tokens masking too, where vLLM's sets the EOS id alone
+    aside."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -453,7 +457,7 @@ class BatchEngine:
         self._next_id = 0
         self.spec_stats = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
                            "accepted_per_pos": [0] * max(self.horizon, 1)}
-        self.step_ms: list[float] = []  # host wall time of each step
+        self.step_ms: deque[float] = deque(maxlen=STEP_HISTORY)  # host wall time of the last steps
         # a list: each replay's device span is appended (benchmarks)
         self.replay_ms: list[float] | None = None
 
@@ -475,7 +479,10 @@ class BatchEngine:
         return self.pool.num_slots
 
     def has_work(self) -> bool:
-        return bool(self._waiting) or self.num_running > 0 or self._inflight is not None
+        """Whether a `step` has anything to do or return: requests waiting or running, a step in flight, or
+        the outputs a raising step held for the next (a request that finished in that step's prefill)."""
+        return (bool(self._waiting) or self.num_running > 0 or self._inflight is not None
+                or bool(self._held))
 
     # ---- requests
     def reserve(self, prompt_len: int, max_new_tokens: int) -> int:
@@ -667,8 +674,8 @@ class BatchEngine:
         masking = any(r is not None and masks_stops(r.params) and len(r.tokens) < r.params.min_tokens
                       for r in reqs)
         key = (C, T, sampled, filtered, want_lp, masking)
+        # the buffer the step in flight does not hold (a raising step left no half-flipped state behind)
         host = self.out_host[self._flip] if self.overlap else self.out_host
-        self._flip ^= 1
         event = span = None
         if self.graphs:
             span = self._replay(key)
@@ -679,6 +686,7 @@ class BatchEngine:
         else:
             self._device_step(*key)
             host[:C].copy_(self.out_dev[:C])
+        self._flip ^= 1  # launched: the next step takes the other buffer
         return running, C, host, event, span
 
     def _finish(self, launched) -> list[StepOutput]:

@@ -484,11 +484,6 @@ class Engine:
             if failed is not None:  # its prefill raised: this sequence fails, the others go on
                 self._fail(seq, RequestError(f"generation failed: {failed}", status=500, type="server_error"))
                 continue
-            decoded = [o for o in group if o.accepted > 0]  # not the prefill's token (accepted 0)
-            if decoded:
-                taus.append(sum(int(o.accepted) for o in decoded))
-                seq.accepted.append(taus[-1])
-                seq.step_ms.append(dt * 1e3)
             if seq.first_at is None:
                 seq.first_at = now
                 seq.first_tokens = sum(len(o.new_tokens) for o in group)
@@ -500,8 +495,13 @@ class Engine:
             seq.last_at = now
             try:
                 for o in group:
-                    if self._active.get(rid) is seq:
-                        self._advance(seq, o, now)
+                    if self._active.get(rid) is not seq:  # finished by a stop string in the prefill's token:
+                        break  # the decode step computed beside it is no step of this answer
+                    if o.accepted > 0:  # a decode step (the prefill's token accepts 0)
+                        taus.append(int(o.accepted))
+                        seq.accepted.append(taus[-1])
+                        seq.step_ms.append(dt * 1e3)
+                    self._advance(seq, o, now)
             except Exception as e:  # noqa: BLE001 - this sequence fails, the others go on
                 self.core.abort(rid)
                 self._fail(seq, RequestError(f"server error: {type(e).__name__}: {e}", status=500,
