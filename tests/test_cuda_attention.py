@@ -261,16 +261,18 @@ def test_point_requests_and_the_pool_they_need():
 # The tree_verify_v5 kernels' integer plan, job decode, shared-memory layouts, register fragments and
 # arithmetic, re-done in numpy from the kernel's formulas, against the float64 reference.
 
-def _v5_decode(plan, j):
-    """Mirror of decode_job: job j -> dict(b, row0, nrows, ntail, utiles, ks, ke, ntiles)."""
+def _v5_decode(plan, j, chunk_with_tail=False):
+    """Mirror of decode_job: job j -> dict(b, row0, nrows, ntail, utiles, ks, ke, ntiles); chunk_with_tail:
+    the build with CHUNK_WITH_TAIL (chunk 0's tail tiles counted in the tiles a chunk)."""
     bsz = (len(plan) - 1) // 8
     bases = plan[1::8][:bsz]
     b = int(np.searchsorted(bases, j, side="right")) - 1  # the last request whose first job is <= j
     base, _, chunk_t, rbn, length, rows, ntail_b = (int(x) for x in plan[1 + 8 * b:8 + 8 * b])
     chunk, blk = divmod(j - base, rbn)
     ntail = ntail_b if chunk == 0 else 0
-    ks = chunk * chunk_t * 64
-    ke = min(length, ks + chunk_t * 64)
+    shift = -(-ntail_b // 64) if chunk_with_tail else 0
+    ks = max(0, chunk * chunk_t - shift) * 64
+    ke = min(length, ((chunk + 1) * chunk_t - shift) * 64)
     utiles = -(-ntail // 64)
     return {"b": b, "row0": blk * 64, "nrows": min(64, rows - blk * 64), "ntail": ntail, "utiles": utiles,
             "ks": ks, "ke": ke, "ntiles": utiles + (-(-(ke - ks) // 64) if ke > ks else 0)}
@@ -285,6 +287,19 @@ def _v5_random_shape(rng):
         lens[:] = width
     sizes = rng.integers(0, nq + 1, size=bsz) if rng.random() < 0.7 else None
     return lens, sizes, width, nq, nh, int(rng.choice([1, 3, 132]))
+
+
+def _v5_one_request_shapes(rng, n=150):
+    """Plans of one request (plan_one's closed form): prefixes from none to past the page table, trees from
+    none to 3 tail tiles, the prefix alone, row blocks from none to past every round, 1 to 1000 CTAs."""
+    shapes = []
+    for _ in range(n):
+        nq, nh = int(rng.choice([1, 2, 9, 65, 129, 192])), int(rng.choice([1, 8, 64, 128]))
+        width = int(rng.choice([0, 1, 64, 65, 4096, 32_768, 200_000]))
+        ln = int(rng.integers(-5, width + 70))
+        size = [int(rng.integers(0, nq + 1))] if rng.random() < 0.8 else None
+        shapes.append(([ln], size, width, nq, nh, int(rng.choice([1, 2, 3, 66, 132, 1000]))))
+    return shapes
 
 
 def _v10_ragged_shape(rng):
@@ -311,21 +326,25 @@ def test_v5_constants_match_the_kernel_source():
     assert cu._V5_SMEM == 3 * tile + 2 * msg + 6 * 8 + 1024 <= 227 * 1024  # SMEM_BYTES, the H200 opt-in limit
 
 
-def test_v5_plan_runs_every_row_over_every_key_once():
+@pytest.mark.parametrize("with_tail", [False, True])
+def test_v5_plan_runs_every_row_over_every_key_once(with_tail):
     """Jobs of every CTA (c, c + G, ...) cover each (request, row block, key) exactly once, prefix and
-    tail, within the partial buffers' bound; the combine's job arithmetic finds exactly a row's jobs."""
+    tail, within the partial buffers' bound; the combine's job arithmetic finds exactly a row's jobs. Both
+    cuttings: the prefix alone, and CHUNK_WITH_TAIL's, whose chunks of a request differ by at most a tile."""
     from kdlib.cuda import attention as cu
 
     rng = np.random.default_rng(51)
     for _ in range(300):
         lens, sizes, width, nq, nh, grid = _v5_random_shape(rng)
-        plan = cu.plan_v5(lens, sizes, width, nq, nh, grid)
+        plan = cu.plan_v5(lens, sizes, width, nq, nh, grid, chunk_with_tail=with_tail)
         bsz, njobs = len(lens), int(plan[0])
         assert 0 <= njobs <= cu.v5_max_jobs(bsz, nq * nh, grid)
+        tiles = cu.job_tiles(plan, chunk_with_tail=with_tail)
         runs = {}  # (b, row0) -> [(nrows, ntail, ks, ke)] in the order the CTAs run them
         for c in range(grid):
             for j in range(c, njobs, grid):
-                jb = _v5_decode(plan, j)
+                jb = _v5_decode(plan, j, with_tail)
+                assert tiles[j] == jb["ntiles"]
                 assert 1 <= jb["nrows"] <= 64 and jb["ntiles"] >= 1 and jb["row0"] % 64 == 0
                 assert jb["ntiles"] == jb["utiles"] + -(-(jb["ke"] - jb["ks"]) // 64)
                 runs.setdefault((jb["b"], jb["row0"]), []).append(
@@ -348,6 +367,9 @@ def test_v5_plan_runs_every_row_over_every_key_once():
                 assert all(a[1] == nxt[0] for a, nxt in zip(spans, spans[1:], strict=False))
                 jobs = [e[0] + row0 // 64 + i * e[3] for i in range(e[1])]  # tree_verify_v5_combine's
                 assert sorted(jobs) == sorted(g[4] for g in got)
+                if with_tail:  # the chunks even, the tail tiles counted (the last chunk may be shorter)
+                    sizes_b = [tiles[j] for j in jobs]
+                    assert max(sizes_b) - min(sizes_b[:-1] or sizes_b) <= 1 or sizes_b[0] == -(-ts // 64)
         assert not runs
 
 
@@ -1629,11 +1651,13 @@ def test_v10_fp8_pool_bad_inputs_raise_value_error():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("with_tail", [False, True], ids=["prefix_chunks", "chunk_with_tail"])
 @pytest.mark.parametrize("small", [None, 0, 32])
-def test_wgmma_plan_kernel_matches_numpy_mirror(small):
+def test_wgmma_plan_kernel_matches_numpy_mirror(small, with_tail):
     """The device plan equals plan_v5 integer for integer (ragged, empty, prefix-only and huge requests, and
     batches built in shared memory and past it), made by warp 0 alone up to PLAN_SMALL_REQS requests (the
-    default build, and the most it may be set to) and by the four warps' search at every size (0)."""
+    default build, and the most it may be set to; one request by plan_one's closed form) and by the four
+    warps' search at every size (0); in the default build and with CHUNK_WITH_TAIL (its mirror's switch)."""
     _need_wgmma()
     from kdlib.cuda import attention as cu
     from kdlib.cuda import loader
@@ -1641,10 +1665,11 @@ def test_wgmma_plan_kernel_matches_numpy_mirror(small):
     cp = _cp()
     rng = np.random.default_rng(77)
     options = cu._V5_OPTIONS + (() if small is None else (f"-DPLAN_SMALL_REQS={small}",))
+    options += ("-DCHUNK_WITH_TAIL=1",) if with_tail else ()
     fn = loader.get_function(cu._V5, "tree_verify_v5_plan", options=options)
     shapes = [_v5_random_shape(rng) for _ in range(200)] + _v5_many_requests(rng)
-    for lens, sizes, width, nq, nh, grid in shapes:
-        want = cu.plan_v5(lens, sizes, width, nq, nh, grid)
+    for lens, sizes, width, nq, nh, grid in shapes + _v5_one_request_shapes(rng):
+        want = cu.plan_v5(lens, sizes, width, nq, nh, grid, chunk_with_tail=with_tail)
         plan = cp.full(want.shape, -7, dtype=cp.int32)
         d_sizes = cp.asarray(sizes, dtype=cp.int32) if sizes is not None else np.uintp(0)
         fn((1,), (256,), (cp.asarray(lens, dtype=cp.int32), d_sizes, np.int32(len(lens)), np.int32(width),
@@ -1718,6 +1743,33 @@ def test_v10_batch_matches_float64_and_version_9_bit_for_bit(bsz, nq, nh, width,
     assert np.array_equal(out.get(), out9.get(), equal_nan=True), "v10's out differs from v9's"
     assert np.array_equal(lse.get(), lse9.get(), equal_nan=True), "v10's lse differs from v9's"
     _check_batch(out, lse, args, sizes_np, "v10")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl,bsz,nq,nh,width,ragged", [
+    ("wgmma_v10", 1, 65, 64, 4096, False),  # one request: plan_one in the attend kernel, the tail in chunk 0
+    ("wgmma_v10", 5, 65, 8, 9000, True),  # ragged, the attend kernel's plan
+    ("wgmma_v10", 16, 65, 8, 40_000, True),  # the plan kernel's four warps, ordered
+    ("wgmma_v10", 160, 2, 8, 3000, True),  # v9's consumers
+    ("wgmma_v11", 8, 9, 8, 4096, True),  # the groups of a chunk
+    ("wgmma_v13", 1, 65, 64, 16_384, False)])  # the cluster pairs (65 row blocks on 132 CTAs)
+def test_chunk_with_tail_build_matches_float64(impl, bsz, nq, nh, width, ragged):
+    """Built with CHUNK_WITH_TAIL (chunk 0's tail tiles counted in its chunk: the prefix chunks shift), the
+    verify stays within the bf16 tolerance of the float64 reference, NaN past each tree, and its plan is the
+    mirror's with the switch."""
+    _need_wgmma()
+    from kdlib.cuda import attention as cu
+    from kdlib.cuda import loader
+
+    args, sizes_np = _verify_batch(bsz, nq, nh, width, ragged)
+    ws = cu.make_workspace(bsz, nq, nh)
+    with loader.extra_options("-DCHUNK_WITH_TAIL=1"):
+        out, lse = cu.tree_verify_attention(*args, impl=impl, workspace=ws)
+        _cp().cuda.runtime.deviceSynchronize()
+    if impl == "wgmma_v10":
+        want = cu.plan_v5(args[3].cpu().numpy(), sizes_np, width, nq, nh, ws.grid, chunk_with_tail=True)
+        np.testing.assert_array_equal(ws.plan.get()[:want.shape[0]], want)
+    _check_batch(out, lse, args, sizes_np, f"{impl} with the tail in chunk 0's tiles")
 
 
 @pytest.mark.gpu

@@ -227,6 +227,9 @@ _V5_BM = 64  # rows per job (BM)
 _V5_BN = 64  # keys per tile (BN)
 _V5_ROUNDS = 4  # MAX_ROUNDS: the plan fits the jobs into at most this many rounds of one job per CTA
 _V5_JOB_OVERHEAD = 5  # JOB_OVERHEAD, in tiles
+# CHUNK_WITH_TAIL: a key chunk's tiles count the tail tiles chunk 0 carries (every chunk of a request about
+# the same key tiles), where the default build cuts the prefix alone and chunk 0 carries the tail on top
+_V5_CHUNK_WITH_TAIL = False
 _V10_ORDER_CAP = 1024  # ORDER_CAP: the most jobs the v10 plan orders (beyond, the static round-robin)
 _V10_ORDER_GAIN = 1  # ORDER_GAIN: it orders where the busiest CTA gains more than ORDER_GAIN / ORDER_UNIT
 _V10_ORDER_UNIT = 64  # ORDER_UNIT: the gate's unit (data/results/attention_gate.h200.json set it)
@@ -628,13 +631,15 @@ def v5_max_jobs(bsz: int, rows: int, grid: int) -> int:
     return _V5_ROUNDS * grid + bsz * _ceil(rows, _V5_BM)
 
 
-def plan_v5(prefix_lens, tree_sizes, width: int, nq: int, nh: int, grid: int) -> np.ndarray:
+def plan_v5(prefix_lens, tree_sizes, width: int, nq: int, nh: int, grid: int,
+            chunk_with_tail: bool = _V5_CHUNK_WITH_TAIL) -> np.ndarray:
     """numpy mirror of `tree_verify_v5_plan`: the int32 plan [1 + 8 B] the kernels read.
 
     prefix_lens [B] ints; tree_sizes [B] ints or None (the prefix alone, no tail); width = P, the
     page-table width; grid = G CTAs. plan[0] = jobs; per request b at 1 + 8 b: first job, key chunks,
     tiles per chunk, row blocks, prefix length, query rows, tail rows. Jobs of request b are numbered
-    chunk-major then row block: job = first + chunk * row_blocks + block.
+    chunk-major then row block: job = first + chunk * row_blocks + block. chunk_with_tail: the kernels'
+    CHUNK_WITH_TAIL (the tiles per chunk count chunk 0's tail tiles; `job_tiles`).
     """
     lens = np.clip(np.asarray(prefix_lens, dtype=np.int64), 0, width)  # [B]
     bsz = lens.shape[0]
@@ -644,17 +649,25 @@ def plan_v5(prefix_lens, tree_sizes, width: int, nq: int, nh: int, grid: int) ->
     rb = -(-rows // _V5_BM)
     tiles = -(-lens // _V5_BN)  # T: prefix tiles
     utiles = -(-ts // _V5_BN) if tail else np.zeros(bsz, dtype=np.int64)  # U: tail tiles
+    cut = tiles + utiles if chunk_with_tail else tiles  # [B] the tiles the chunks cut
 
     def chunks(c):
+        if chunk_with_tail:
+            return -(-cut // c)
         return np.where(tiles > 0, -(-tiles // c), np.where(utiles > 0, 1, 0))
+
+    def chunk_tiles(nc):  # [B] the record's tiles a chunk: equal chunks within each request
+        per = np.where(cut > 0, -(-cut // np.maximum(nc, 1)), 0)
+        return np.maximum(per, utiles) if chunk_with_tail else per
 
     def jobs(c):
         return int((rb * chunks(c)).sum())
 
-    tmax = max(1, int(tiles.max(initial=0)))
+    shortest = max(1, int(utiles.max(initial=0))) if chunk_with_tail else 1  # chunks hold the tail's tiles
+    tmax = max(shortest, int(cut.max(initial=0)))
     best = None
     for k in range(1, _V5_ROUNDS + 1):
-        lo, hi = 1, tmax
+        lo, hi = shortest, tmax
         while lo < hi:  # the shortest chunk that fits the jobs into k rounds of `grid`
             mid = (lo + hi) // 2
             if jobs(mid) <= k * grid:
@@ -663,34 +676,35 @@ def plan_v5(prefix_lens, tree_sizes, width: int, nq: int, nh: int, grid: int) ->
                 lo = mid + 1
         n, nc = jobs(lo), chunks(lo)
         live = (rb > 0) & (nc > 0)
-        size = np.where(tiles > 0, -(-tiles // np.maximum(nc, 1)), 0) + utiles
+        size = chunk_tiles(nc) + (0 if chunk_with_tail else utiles)  # [B] each request's longest job
         longest = int(size[live].max(initial=0))
         cost = _ceil(n, grid) * (longest + _V5_JOB_OVERHEAD) * 32 + n
         if best is None or cost < best[0]:
             best = (cost, lo)
-    c = best[1]
+    nc = np.where(rb > 0, chunks(best[1]), 0)  # [B]
+    per = np.where(nc > 0, chunk_tiles(nc), 0)  # [B]
     plan = np.zeros(1 + _V5_PLAN_STRIDE * bsz, dtype=np.int32)
     base = 0
     for b in range(bsz):
-        nc = int(chunks(c)[b]) if rb[b] > 0 else 0
         e = 1 + _V5_PLAN_STRIDE * b
-        plan[e:e + 7] = (base, nc, _ceil(int(tiles[b]), nc) if nc and tiles[b] else 0, rb[b], lens[b],
-                         rows[b], ts[b] if tail else 0)
-        base += nc * int(rb[b])
+        plan[e:e + 7] = (base, nc[b], per[b], rb[b], lens[b], rows[b], ts[b] if tail else 0)
+        base += int(nc[b] * rb[b])
     plan[0] = base
     return plan
 
 
-def job_tiles(plan: np.ndarray) -> np.ndarray:
+def job_tiles(plan: np.ndarray, chunk_with_tail: bool = _V5_CHUNK_WITH_TAIL) -> np.ndarray:
     """Key tiles of each job of a v5 plan (`plan_v5`) -> [jobs] int64, as the attend kernels decode them
-    (decode_job): the prefix tiles of the job's chunk, plus the tail tiles in chunk 0."""
+    (decode_job): the prefix tiles of the job's chunk, plus the tail tiles in chunk 0 (chunk_with_tail: the
+    kernels' CHUNK_WITH_TAIL, the chunks' tiles counting chunk 0's tail, so the prefix chunks shift by it)."""
     plan = np.asarray(plan, dtype=np.int64)
     tiles = np.zeros(int(plan[0]), dtype=np.int64)  # [jobs]
     for b in range((plan.shape[0] - 1) // _V5_PLAN_STRIDE):
         base, nc, chunk, rb, ln, _, ntail = plan[1 + _V5_PLAN_STRIDE * b:][:7]
+        shift = _ceil(ntail, _V5_BN) if chunk_with_tail else 0
         for c in range(nc):
-            ks = c * chunk * _V5_BN
-            ke = min(ln, ks + chunk * _V5_BN)
+            ks = max(0, c * chunk - shift) * _V5_BN
+            ke = min(ln, ((c + 1) * chunk - shift) * _V5_BN)
             tiles[base + c * rb:base + (c + 1) * rb] = (_ceil(ke - ks, _V5_BN) if ke > ks else 0) + (
                 _ceil(ntail, _V5_BN) if c == 0 else 0)
     return tiles

@@ -42,8 +42,59 @@
 
 // ------------------------------------------------------------------------------------------ plan
 
-// Jobs of request with prefix tiles T and tail tiles U when prefix chunks are at most c tiles.
-__device__ __forceinline__ int chunks_of(int T, int U, int c) { return T > 0 ? (T + c - 1) / c : (U > 0 ? 1 : 0); }
+#ifndef CHUNK_WITH_TAIL  // 1: a chunk's c tiles count the tail tiles chunk 0 carries, so every chunk of a request
+#define CHUNK_WITH_TAIL 0  // holds about the same key tiles (the search's chunks at least the tail's tiles)
+#endif
+
+// Key chunks of a request with prefix tiles T and tail tiles U when chunks are at most c tiles (CHUNK_WITH_TAIL:
+// c >= U, the tail tiles counted; else prefix tiles alone).
+__device__ __forceinline__ int chunks_of(int T, int U, int c) {
+    if (CHUNK_WITH_TAIL) return T + U > 0 ? (T + U + c - 1) / c : 0;
+    return T > 0 ? (T + c - 1) / c : (U > 0 ? 1 : 0);
+}
+
+// The record's tiles a chunk (P_CHUNK) of a request cut into nc > 0 chunks: equal chunks within the request.
+__device__ __forceinline__ int chunk_tiles(int T, int U, int nc) {
+    if (CHUNK_WITH_TAIL) return max(U, (T + U + nc - 1) / nc);
+    return T > 0 ? (T + nc - 1) / nc : 0;
+}
+
+// The longest job of a request cut into nc > 0 chunks, in key tiles: chunk 0's (its tail tiles and prefix).
+__device__ __forceinline__ int longest_job(int T, int U, int nc) {
+    return CHUNK_WITH_TAIL ? chunk_tiles(T, U, nc) : chunk_tiles(T, U, nc) + U;
+}
+
+// plan_small of one request, by lane 0 alone from its fields (len, rows, rb, T, U, ntail as plan_small
+// derives them): each round count's shortest chunk in closed form, where the search walks candidates. With
+// limit = k G jobs and m = limit / rb chunks, the shortest c with ceil(T / c) <= m is ceil(T / m); where m is
+// 0 none fits and the search answers tmax = T; with no prefix tiles or no rows the jobs do not depend on c and
+// the search answers 1. The rest (the longest job, the cost, the cheapest round count, the record) as
+// plan_small, so the plan is the same ints.
+__device__ __forceinline__ void plan_one(int len, int rows, int rb, int T, int U, int ntail, int G, int* plan,
+                                         int* splan) {
+    if ((threadIdx.x & 31) != 0) return;
+    const int X = CHUNK_WITH_TAIL ? T + U : T, lo = CHUNK_WITH_TAIL ? max(1, U) : 1;  // tiles cut; shortest c
+    long long best_cost = 0;
+    int c = 1;
+#pragma unroll
+    for (int k = 1; k <= MAX_ROUNDS; ++k) {
+        // 32-bit throughout: n = rb nc is at most k G, or rb where one chunk a request is all that fits
+        const int m = rb > 0 ? k * G / rb : 0;
+        const int ck = X > 0 && rb > 0 ? (m > 0 ? max(lo, (X + m - 1) / m) : max(lo, X)) : lo;
+        const int nc = rb > 0 ? chunks_of(T, U, ck) : 0, n = rb * nc;
+        const int longest = nc > 0 ? longest_job(T, U, nc) : 0;
+        const long long cost = (long long)((n + G - 1) / G) * (longest + JOB_OVERHEAD) * 32 + n;
+        if (k == 1 || cost < best_cost) best_cost = cost, c = ck;  // the fewest rounds among the cheapest
+    }
+    const int nc = rb > 0 ? chunks_of(T, U, c) : 0;
+    const int e[PLAN_STRIDE] = {0, nc, nc > 0 ? chunk_tiles(T, U, nc) : 0, rb, len, rows, ntail, 0};
+#pragma unroll
+    for (int f = 0; f < PLAN_STRIDE; ++f) {
+        plan[PLAN_HDR + f] = e[f];
+        splan[PLAN_HDR + f] = e[f];
+    }
+    plan[0] = nc * rb, splan[0] = nc * rb;
+}
 
 // plan_v5 of at most PLAN_SMALL_REQS (<= 32) requests, in warp 0 alone: lane b holds request b in registers,
 // lanes 8k .. 8k + 7 search the shortest chunk for k + 1 rounds, eight candidates a step (a ballot each, each
@@ -69,6 +120,10 @@ __device__ __forceinline__ void plan_small(const int* __restrict__ prefix_lens, 
         rows = ts * H, rb = (rows + BM - 1) / BM;
         T = (len + BN - 1) / BN, U = tree_sizes ? (ts + BN - 1) / BN : 0;
     }
+    if (B == 1) {
+        plan_one(len, rows, rb, T, U, tree_sizes ? ts : 0, G, plan, splan);
+        return;
+    }
     auto jobs = [&](int c) {  // every lane: the jobs of all B requests at chunk c
         long long n = 0;
         for (int b = 0; b < B; ++b)
@@ -76,7 +131,8 @@ __device__ __forceinline__ void plan_small(const int* __restrict__ prefix_lens, 
         return n;
     };
     const long long limit = (long long)(k + 1) * G;
-    int lo = 1, hi = max(1, __reduce_max_sync(all, T));  // tmax
+    int lo = CHUNK_WITH_TAIL ? max(1, (int)__reduce_max_sync(all, U)) : 1;  // tmax, the tail's tiles at least
+    int hi = max(lo, (int)__reduce_max_sync(all, CHUNK_WITH_TAIL ? T + U : T));
     long long n;
     for (;;) {  // group k: the shortest c in [lo, hi] with jobs(c) <= limit, hi where none is
         const int step = (hi - lo + 8) >> 3;  // 8 candidates split [lo, hi], the last one hi
@@ -93,7 +149,7 @@ __device__ __forceinline__ void plan_small(const int* __restrict__ prefix_lens, 
         const int b = min(b0 + i, 31);
         const int rb_b = __shfl_sync(all, rb, b), T_b = __shfl_sync(all, T, b), U_b = __shfl_sync(all, U, b);
         const int nc = chunks_of(T_b, U_b, lo);
-        if (b0 + i < B && rb_b > 0 && nc > 0) longest = max(longest, (T_b > 0 ? (T_b + nc - 1) / nc : 0) + U_b);
+        if (b0 + i < B && rb_b > 0 && nc > 0) longest = max(longest, longest_job(T_b, U_b, nc));
     }
 #pragma unroll
     for (int off = 4; off > 0; off >>= 1) longest = max(longest, __shfl_xor_sync(all, longest, off));
@@ -110,7 +166,7 @@ __device__ __forceinline__ void plan_small(const int* __restrict__ prefix_lens, 
         if (lane >= off) upto += o;
     }
     if (lane < B) {
-        const int e[PLAN_STRIDE] = {upto - nc * rb, nc, nc > 0 && T > 0 ? (T + nc - 1) / nc : 0, rb, len, rows,
+        const int e[PLAN_STRIDE] = {upto - nc * rb, nc, nc > 0 ? chunk_tiles(T, U, nc) : 0, rb, len, rows,
                                     tree_sizes ? ts : 0, 0};
 #pragma unroll
         for (int f = 0; f < PLAN_STRIDE; ++f) {
@@ -154,7 +210,7 @@ __device__ __forceinline__ const int* plan_v5(const int* __restrict__ prefix_len
         e[P_PAD] = 0;     // the record's unused eighth int: the plan holds no stale bytes
         e[P_NCHUNK] = T;  // scratch: prefix tiles
         e[P_CHUNK] = U;   // scratch: tail tiles
-        tmax = max(tmax, T);
+        tmax = max(tmax, CHUNK_WITH_TAIL ? T + U : T);
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) tmax = max(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
@@ -174,7 +230,13 @@ __device__ __forceinline__ const int* plan_v5(const int* __restrict__ prefix_len
             for (int off = 16; off > 0; off >>= 1) n += __shfl_xor_sync(0xffffffffu, n, off);
             return n;
         };
-        int lo = 1, hi = tmax;
+        int lo = 1;
+        if (CHUNK_WITH_TAIL) {  // chunks of the tail's tiles at least
+            for (int b = lane; b < B; b += 32) lo = max(lo, p[PLAN_HDR + b * PLAN_STRIDE + P_CHUNK]);
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) lo = max(lo, __shfl_xor_sync(0xffffffffu, lo, off));
+        }
+        int hi = max(lo, tmax);
         while (lo < hi) {  // jobs(c) does not grow with c
             const int mid = (lo + hi) >> 1;
             if (jobs(mid) <= limit) hi = mid;
@@ -185,7 +247,7 @@ __device__ __forceinline__ const int* plan_v5(const int* __restrict__ prefix_len
         for (int b = lane; b < B; b += 32) {
             const int* e = p + PLAN_HDR + b * PLAN_STRIDE;
             const int T = e[P_NCHUNK], U = e[P_CHUNK], nc = chunks_of(T, U, lo);
-            if (e[P_RB] > 0 && nc > 0) longest = max(longest, (T > 0 ? (T + nc - 1) / nc : 0) + U);
+            if (e[P_RB] > 0 && nc > 0) longest = max(longest, longest_job(T, U, nc));
         }
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) longest = max(longest, __shfl_xor_sync(0xffffffffu, longest, off));
@@ -216,7 +278,7 @@ __device__ __forceinline__ const int* plan_v5(const int* __restrict__ prefix_len
             if (b < B) {
                 e[P_BASE] = base + upto - nc * rb;
                 e[P_NCHUNK] = nc;
-                e[P_CHUNK] = nc > 0 && T > 0 ? (T + nc - 1) / nc : 0;  // equal chunks within the request
+                e[P_CHUNK] = nc > 0 ? chunk_tiles(T, U, nc) : 0;  // equal chunks within the request
             }
             base += __shfl_sync(0xffffffffu, upto, 31);
         }
@@ -267,8 +329,14 @@ __device__ __forceinline__ Job decode_job(const int* __restrict__ plan, int nreq
     jb.nrows = min(BM, e[P_ROWS] - jb.row0);
     jb.ntail = chunk == 0 ? e[P_NTAIL] : 0;
     jb.utiles = (jb.ntail + BN - 1) / BN;
-    jb.ks = chunk * e[P_CHUNK] * BN;
-    jb.ke = min(e[P_LEN], jb.ks + e[P_CHUNK] * BN);
+    if (CHUNK_WITH_TAIL) {
+        const int U = (e[P_NTAIL] + BN - 1) / BN;  // the request's tail tiles, counted in chunk 0's P_CHUNK
+        jb.ks = max(0, chunk * e[P_CHUNK] - U) * BN;
+        jb.ke = min(e[P_LEN], ((chunk + 1) * e[P_CHUNK] - U) * BN);
+    } else {
+        jb.ks = chunk * e[P_CHUNK] * BN;
+        jb.ke = min(e[P_LEN], jb.ks + e[P_CHUNK] * BN);
+    }
     jb.ntiles = jb.utiles + (jb.ke > jb.ks ? (jb.ke - jb.ks + BN - 1) / BN : 0);
     return jb;
 }
