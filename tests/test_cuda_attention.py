@@ -261,9 +261,9 @@ def test_point_requests_and_the_pool_they_need():
 # The tree_verify_v5 kernels' integer plan, job decode, shared-memory layouts, register fragments and
 # arithmetic, re-done in numpy from the kernel's formulas, against the float64 reference.
 
-def _v5_decode(plan, j, chunk_with_tail=False):
+def _v5_decode(plan, j, chunk_with_tail=True):
     """Mirror of decode_job: job j -> dict(b, row0, nrows, ntail, utiles, ks, ke, ntiles); chunk_with_tail:
-    the build with CHUNK_WITH_TAIL (chunk 0's tail tiles counted in the tiles a chunk)."""
+    CHUNK_WITH_TAIL (the default build: chunk 0's tail tiles counted in the tiles a chunk)."""
     bsz = (len(plan) - 1) // 8
     bases = plan[1::8][:bsz]
     b = int(np.searchsorted(bases, j, side="right")) - 1  # the last request whose first job is <= j
@@ -290,8 +290,8 @@ def _v5_random_shape(rng):
 
 
 def _v5_one_request_shapes(rng, n=150):
-    """Plans of one request (plan_one's closed form): prefixes from none to past the page table, trees from
-    none to 3 tail tiles, the prefix alone, row blocks from none to past every round, 1 to 1000 CTAs."""
+    """Plans of one request: prefixes from none to past the page table, trees from none to 3 tail tiles, the
+    prefix alone, row blocks from none to past every round, 1 to 1000 CTAs."""
     shapes = []
     for _ in range(n):
         nq, nh = int(rng.choice([1, 2, 9, 65, 129, 192])), int(rng.choice([1, 8, 64, 128]))
@@ -319,9 +319,9 @@ def test_v5_constants_match_the_kernel_source():
     def define(name):
         return int(re.search(rf"#define {name} (\d+)", src).group(1))
 
-    names = ("BM", "BN", "MAX_ROUNDS", "JOB_OVERHEAD", "PLAN_STRIDE")
+    names = ("BM", "BN", "MAX_ROUNDS", "JOB_OVERHEAD", "PLAN_STRIDE", "CHUNK_WITH_TAIL")
     assert tuple(define(n) for n in names) == (
-        cu._V5_BM, cu._V5_BN, cu._V5_ROUNDS, cu._V5_JOB_OVERHEAD, cu._V5_PLAN_STRIDE)
+        cu._V5_BM, cu._V5_BN, cu._V5_ROUNDS, cu._V5_JOB_OVERHEAD, cu._V5_PLAN_STRIDE, cu._V5_CHUNK_WITH_TAIL)
     tile, msg = 9 * 64 * 128, 2 * define("BM") * 4  # TILE_BYTES, MSG_BYTES
     assert cu._V5_SMEM == 3 * tile + 2 * msg + 6 * 8 + 1024 <= 227 * 1024  # SMEM_BYTES, the H200 opt-in limit
 
@@ -330,7 +330,8 @@ def test_v5_constants_match_the_kernel_source():
 def test_v5_plan_runs_every_row_over_every_key_once(with_tail):
     """Jobs of every CTA (c, c + G, ...) cover each (request, row block, key) exactly once, prefix and
     tail, within the partial buffers' bound; the combine's job arithmetic finds exactly a row's jobs. Both
-    cuttings: the prefix alone, and CHUNK_WITH_TAIL's, whose chunks of a request differ by at most a tile."""
+    cuttings: CHUNK_WITH_TAIL's (the default), whose chunks of a request differ by at most a tile but for the
+    last, and the prefix alone's."""
     from kdlib.cuda import attention as cu
 
     rng = np.random.default_rng(51)
@@ -523,17 +524,18 @@ def test_v10_snake_deal_balances_the_ragged_point():
 
 def test_deal_balance_weighs_the_deal_against_an_even_split():
     """deal_balance / even_split_loads (tiles + JOB_OVERHEAD a job). 64 heads x 65 queries x 32k on 132 CTAs:
-    the plan cuts 65 row blocks' keys in two (130 jobs of 256 prefix tiles, chunk 0's also the 2 tail tiles),
-    so the busiest CTA carries 258 + JOB_OVERHEAD and 2 CTAs idle; cut evenly, the 65 x 514 tiles make shares
-    of 253 or 254 and the 64 shares across a row block's end run two jobs: 254 + 2 JOB_OVERHEAD at most. One
-    row block of 1,320 tiles on 132 CTAs: 10 tiles a CTA either way. On random plans the even split matches a
-    tile-by-tile walk of the row blocks (each share a job for each row block it touches), whose tiles are
+    the plan cuts 65 row blocks' 514 tiles in two (130 jobs of 257 tiles: chunk 0's the 2 tail tiles and 255
+    prefix tiles), so the busiest CTA carries 257 + JOB_OVERHEAD and 2 CTAs idle; cut evenly, the 65 x 514
+    tiles make shares of 253 or 254 and the 64 shares across a row block's end run two jobs: 254 + 2
+    JOB_OVERHEAD at most. One row block of 1,320 tiles on 132 CTAs: 10 tiles a CTA either way. On random plans
+    the even split matches a tile-by-tile walk of the row blocks (each share a job for each row block it
+    touches), whose tiles are
     the jobs' (job_tiles)."""
     from kdlib.cuda import attention as cu
 
     ov = cu._V5_JOB_OVERHEAD
     plan = cu.plan_v5([32768], [65], 32768, 65, 64, 132)
-    assert int(plan[0]) == 130 and cu.deal_balance(plan, 132) == (258 + ov, 254 + 2 * ov, 2)
+    assert int(plan[0]) == 130 and cu.deal_balance(plan, 132) == (257 + ov, 254 + 2 * ov, 2)
     even = cu.even_split_loads(plan, 132)
     assert int((even > 254 + ov).sum()) == 64  # the shares of two jobs
     plan = cu.plan_v5([64 * 1320], None, 64 * 1320, 1, 64, 132)  # one row block
@@ -1656,8 +1658,8 @@ def test_v10_fp8_pool_bad_inputs_raise_value_error():
 def test_wgmma_plan_kernel_matches_numpy_mirror(small, with_tail):
     """The device plan equals plan_v5 integer for integer (ragged, empty, prefix-only and huge requests, and
     batches built in shared memory and past it), made by warp 0 alone up to PLAN_SMALL_REQS requests (the
-    default build, and the most it may be set to; one request by plan_one's closed form) and by the four
-    warps' search at every size (0); in the default build and with CHUNK_WITH_TAIL (its mirror's switch)."""
+    default build, and the most it may be set to) and by the four warps' search at every size (0); with the
+    tail's tiles counted in the chunks (CHUNK_WITH_TAIL, the default) and without (its mirror's switch)."""
     _need_wgmma()
     from kdlib.cuda import attention as cu
     from kdlib.cuda import loader
@@ -1665,7 +1667,7 @@ def test_wgmma_plan_kernel_matches_numpy_mirror(small, with_tail):
     cp = _cp()
     rng = np.random.default_rng(77)
     options = cu._V5_OPTIONS + (() if small is None else (f"-DPLAN_SMALL_REQS={small}",))
-    options += ("-DCHUNK_WITH_TAIL=1",) if with_tail else ()
+    options += () if with_tail else ("-DCHUNK_WITH_TAIL=0",)
     fn = loader.get_function(cu._V5, "tree_verify_v5_plan", options=options)
     shapes = [_v5_random_shape(rng) for _ in range(200)] + _v5_many_requests(rng)
     for lens, sizes, width, nq, nh, grid in shapes + _v5_one_request_shapes(rng):
@@ -1747,29 +1749,29 @@ def test_v10_batch_matches_float64_and_version_9_bit_for_bit(bsz, nq, nh, width,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl,bsz,nq,nh,width,ragged", [
-    ("wgmma_v10", 1, 65, 64, 4096, False),  # one request: plan_one in the attend kernel, the tail in chunk 0
+    ("wgmma_v10", 1, 65, 64, 4096, False),  # one request: the attend kernel's plan, the tail in chunk 0
     ("wgmma_v10", 5, 65, 8, 9000, True),  # ragged, the attend kernel's plan
     ("wgmma_v10", 16, 65, 8, 40_000, True),  # the plan kernel's four warps, ordered
     ("wgmma_v10", 160, 2, 8, 3000, True),  # v9's consumers
     ("wgmma_v11", 8, 9, 8, 4096, True),  # the groups of a chunk
     ("wgmma_v13", 1, 65, 64, 16_384, False)])  # the cluster pairs (65 row blocks on 132 CTAs)
-def test_chunk_with_tail_build_matches_float64(impl, bsz, nq, nh, width, ragged):
-    """Built with CHUNK_WITH_TAIL (chunk 0's tail tiles counted in its chunk: the prefix chunks shift), the
-    verify stays within the bf16 tolerance of the float64 reference, NaN past each tree, and its plan is the
-    mirror's with the switch."""
+def test_prefix_chunk_build_matches_float64(impl, bsz, nq, nh, width, ragged):
+    """Built with -DCHUNK_WITH_TAIL=0 (the prefix alone cut into chunks, chunk 0 carrying the tail on top: the
+    A/B's other arm, notebook 02b 13zb), the verify stays within the bf16 tolerance of the float64 reference,
+    NaN past each tree, and its plan is the mirror's with the switch off."""
     _need_wgmma()
     from kdlib.cuda import attention as cu
     from kdlib.cuda import loader
 
     args, sizes_np = _verify_batch(bsz, nq, nh, width, ragged)
     ws = cu.make_workspace(bsz, nq, nh)
-    with loader.extra_options("-DCHUNK_WITH_TAIL=1"):
+    with loader.extra_options("-DCHUNK_WITH_TAIL=0"):
         out, lse = cu.tree_verify_attention(*args, impl=impl, workspace=ws)
         _cp().cuda.runtime.deviceSynchronize()
     if impl == "wgmma_v10":
-        want = cu.plan_v5(args[3].cpu().numpy(), sizes_np, width, nq, nh, ws.grid, chunk_with_tail=True)
+        want = cu.plan_v5(args[3].cpu().numpy(), sizes_np, width, nq, nh, ws.grid, chunk_with_tail=False)
         np.testing.assert_array_equal(ws.plan.get()[:want.shape[0]], want)
-    _check_batch(out, lse, args, sizes_np, f"{impl} with the tail in chunk 0's tiles")
+    _check_batch(out, lse, args, sizes_np, f"{impl} with prefix chunks")
 
 
 @pytest.mark.gpu

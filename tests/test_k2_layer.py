@@ -251,7 +251,7 @@ def test_attention_plan_lays_the_jobs_over_the_ctas():
 
 
 def test_attention_plan_follows_the_default_versions_deal():
-    """Where version 10's plan kernel orders a uniform batch's jobs (8 streams x 65 rows at 4k, 16 at 5,500:
+    """Where version 10's plan kernel orders a uniform batch's jobs (16 streams x 65 rows at 5,500 and 8,192:
     chunks of unequal tiles over two rounds or more), attention_plan's busiest CTA is the one of that deal
     (v10_deal of the engine's step, whose first layer makes the plan with reuse_plan), lighter than the
     round-robin's; where it orders none (every K2 grid shape), the round-robin's. A call of at most 8 streams
@@ -259,8 +259,8 @@ def test_attention_plan_follows_the_default_versions_deal():
     from kdlib.cuda.attention import job_tiles, own_plan, plan_order, static_deal, v10_deal
 
     shape = RankShape(ModelConfig.from_dict(memory.load_config("kimi-k2.6")), tp=8)
-    for C, W, ctx, ordered in ((8, 65, 4096, True), (16, 65, 5500, True), (4, 65, 128_000, False),
-                               (16, 17, 5500, False)):
+    for C, W, ctx, ordered in ((16, 65, 8192, True), (16, 65, 5500, True), (8, 65, 4096, False),
+                               (4, 65, 128_000, False), (16, 17, 5500, False)):
         plan = plan_v5([ctx] * C, [W] * C, ctx, W, shape.heads, 132)
         assert (plan_order(plan, 132) is not None) == ordered
         tiles = job_tiles(plan)

@@ -35,7 +35,7 @@ PHASES = {0: "start", 1: "four warps: lens read", 2: "four warps: tmax", 3: "fou
           4: "warp 1", 5: "warp 2", 6: "warp 3", 7: "four warps: costs shared", 8: "four warps: scan written",
           9: "plan_v5 returned", 10: "v10: jobs read", 11: "v10: order written (end)",
           12: "warp 0 alone: lens read", 13: "warp 0 alone: searched", 14: "warp 0 alone: costs",
-          15: "warp 0 alone: plan written (one request: plan_one, no stamps 13 and 14)"}
+          15: "warp 0 alone: plan written"}
 STAMP = ("__device__ long long g_stamps[16];\n#define STAMP(i) do { long long t_; asm volatile(\"mov.u64 %0, "
          "%%clock64;\" : \"=l\"(t_) :: \"memory\"); g_stamps[i] = t_; } while (0)\n")
 # (anchor in the source, the same text with its stamp): each anchor occurs once
@@ -54,8 +54,6 @@ COMMON = [
      "        __syncthreads();\n        if (tid == 0) STAMP(9);\n        return splan;"),
     ("        tmax = max(tmax, CHUNK_WITH_TAIL ? T + U : T);\n    }\n",
      "        tmax = max(tmax, CHUNK_WITH_TAIL ? T + U : T);\n    }\n    if (tid == 0) STAMP(1);\n"),
-    ("    plan[0] = nc * rb, splan[0] = nc * rb;\n",  # plan_one (lane 0 alone)
-     "    plan[0] = nc * rb, splan[0] = nc * rb;\n    STAMP(15);\n"),
     ("    tmax = 1;\n    for (int w = 0; w < 8; ++w)",
      "    if (tid == 0) STAMP(2);\n    tmax = 1;\n    for (int w = 0; w < 8; ++w)"),
     ("            chunk_of_k[warp] = lo;\n        }\n",

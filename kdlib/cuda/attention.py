@@ -227,9 +227,10 @@ _V5_BM = 64  # rows per job (BM)
 _V5_BN = 64  # keys per tile (BN)
 _V5_ROUNDS = 4  # MAX_ROUNDS: the plan fits the jobs into at most this many rounds of one job per CTA
 _V5_JOB_OVERHEAD = 5  # JOB_OVERHEAD, in tiles
-# CHUNK_WITH_TAIL: a key chunk's tiles count the tail tiles chunk 0 carries (every chunk of a request about
-# the same key tiles), where the default build cuts the prefix alone and chunk 0 carries the tail on top
-_V5_CHUNK_WITH_TAIL = False
+# CHUNK_WITH_TAIL: a key chunk's tiles count the tail tiles chunk 0 carries, so every chunk of a request holds
+# about the same key tiles; False (-DCHUNK_WITH_TAIL=0): the prefix alone is cut and chunk 0 carries the tail
+# on top (notebook 02b, 13zb)
+_V5_CHUNK_WITH_TAIL = True
 _V10_ORDER_CAP = 1024  # ORDER_CAP: the most jobs the v10 plan orders (beyond, the static round-robin)
 _V10_ORDER_GAIN = 1  # ORDER_GAIN: it orders where the busiest CTA gains more than ORDER_GAIN / ORDER_UNIT
 _V10_ORDER_UNIT = 64  # ORDER_UNIT: the gate's unit (data/results/attention_gate.h200.json set it)

@@ -43,8 +43,8 @@
 // ------------------------------------------------------------------------------------------ plan
 
 #ifndef CHUNK_WITH_TAIL  // 1: a chunk's c tiles count the tail tiles chunk 0 carries, so every chunk of a request
-#define CHUNK_WITH_TAIL 0  // holds about the same key tiles (the search's chunks at least the tail's tiles)
-#endif
+#define CHUNK_WITH_TAIL 1  // holds about the same key tiles (the search's chunks at least the tail's tiles); 0: the
+#endif                     // prefix alone is cut and chunk 0 carries the tail on top (notebook 02b, 13zb)
 
 // Key chunks of a request with prefix tiles T and tail tiles U when chunks are at most c tiles (CHUNK_WITH_TAIL:
 // c >= U, the tail tiles counted; else prefix tiles alone).
@@ -62,38 +62,6 @@ __device__ __forceinline__ int chunk_tiles(int T, int U, int nc) {
 // The longest job of a request cut into nc > 0 chunks, in key tiles: chunk 0's (its tail tiles and prefix).
 __device__ __forceinline__ int longest_job(int T, int U, int nc) {
     return CHUNK_WITH_TAIL ? chunk_tiles(T, U, nc) : chunk_tiles(T, U, nc) + U;
-}
-
-// plan_small of one request, by lane 0 alone from its fields (len, rows, rb, T, U, ntail as plan_small
-// derives them): each round count's shortest chunk in closed form, where the search walks candidates. With
-// limit = k G jobs and m = limit / rb chunks, the shortest c with ceil(T / c) <= m is ceil(T / m); where m is
-// 0 none fits and the search answers tmax = T; with no prefix tiles or no rows the jobs do not depend on c and
-// the search answers 1. The rest (the longest job, the cost, the cheapest round count, the record) as
-// plan_small, so the plan is the same ints.
-__device__ __forceinline__ void plan_one(int len, int rows, int rb, int T, int U, int ntail, int G, int* plan,
-                                         int* splan) {
-    if ((threadIdx.x & 31) != 0) return;
-    const int X = CHUNK_WITH_TAIL ? T + U : T, lo = CHUNK_WITH_TAIL ? max(1, U) : 1;  // tiles cut; shortest c
-    long long best_cost = 0;
-    int c = 1;
-#pragma unroll
-    for (int k = 1; k <= MAX_ROUNDS; ++k) {
-        // 32-bit throughout: n = rb nc is at most k G, or rb where one chunk a request is all that fits
-        const int m = rb > 0 ? k * G / rb : 0;
-        const int ck = X > 0 && rb > 0 ? (m > 0 ? max(lo, (X + m - 1) / m) : max(lo, X)) : lo;
-        const int nc = rb > 0 ? chunks_of(T, U, ck) : 0, n = rb * nc;
-        const int longest = nc > 0 ? longest_job(T, U, nc) : 0;
-        const long long cost = (long long)((n + G - 1) / G) * (longest + JOB_OVERHEAD) * 32 + n;
-        if (k == 1 || cost < best_cost) best_cost = cost, c = ck;  // the fewest rounds among the cheapest
-    }
-    const int nc = rb > 0 ? chunks_of(T, U, c) : 0;
-    const int e[PLAN_STRIDE] = {0, nc, nc > 0 ? chunk_tiles(T, U, nc) : 0, rb, len, rows, ntail, 0};
-#pragma unroll
-    for (int f = 0; f < PLAN_STRIDE; ++f) {
-        plan[PLAN_HDR + f] = e[f];
-        splan[PLAN_HDR + f] = e[f];
-    }
-    plan[0] = nc * rb, splan[0] = nc * rb;
 }
 
 // plan_v5 of at most PLAN_SMALL_REQS (<= 32) requests, in warp 0 alone: lane b holds request b in registers,
@@ -119,10 +87,6 @@ __device__ __forceinline__ void plan_small(const int* __restrict__ prefix_lens, 
         ts = tree_sizes ? min(max(tree_sizes[lane], 0), Q) : Q;
         rows = ts * H, rb = (rows + BM - 1) / BM;
         T = (len + BN - 1) / BN, U = tree_sizes ? (ts + BN - 1) / BN : 0;
-    }
-    if (B == 1) {
-        plan_one(len, rows, rb, T, U, tree_sizes ? ts : 0, G, plan, splan);
-        return;
     }
     auto jobs = [&](int c) {  // every lane: the jobs of all B requests at chunk c
         long long n = 0;
