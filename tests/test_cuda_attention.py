@@ -261,16 +261,16 @@ def test_point_requests_and_the_pool_they_need():
 # The tree_verify_v5 kernels' integer plan, job decode, shared-memory layouts, register fragments and
 # arithmetic, re-done in numpy from the kernel's formulas, against the float64 reference.
 
-def _v5_decode(plan, j, chunk_with_tail=True):
-    """Mirror of decode_job: job j -> dict(b, row0, nrows, ntail, utiles, ks, ke, ntiles); chunk_with_tail:
-    CHUNK_WITH_TAIL (the default build: chunk 0's tail tiles counted in the tiles a chunk)."""
+def _v5_decode(plan, j):
+    """Mirror of decode_job: job j -> dict(b, row0, nrows, ntail, utiles, ks, ke, ntiles), the prefix chunks
+    shifted by chunk 0's tail tiles where the plan's cut says so (CHUNK_WITH_TAIL)."""
     bsz = (len(plan) - 1) // 8
     bases = plan[1::8][:bsz]
     b = int(np.searchsorted(bases, j, side="right")) - 1  # the last request whose first job is <= j
-    base, _, chunk_t, rbn, length, rows, ntail_b = (int(x) for x in plan[1 + 8 * b:8 + 8 * b])
+    base, _, chunk_t, rbn, length, rows, ntail_b, cut = (int(x) for x in plan[1 + 8 * b:9 + 8 * b])
     chunk, blk = divmod(j - base, rbn)
     ntail = ntail_b if chunk == 0 else 0
-    shift = -(-ntail_b // 64) if chunk_with_tail else 0
+    shift = -(-ntail_b // 64) if cut else 0
     ks = max(0, chunk * chunk_t - shift) * 64
     ke = min(length, ((chunk + 1) * chunk_t - shift) * 64)
     utiles = -(-ntail // 64)
@@ -340,11 +340,12 @@ def test_v5_plan_runs_every_row_over_every_key_once(with_tail):
         plan = cu.plan_v5(lens, sizes, width, nq, nh, grid, chunk_with_tail=with_tail)
         bsz, njobs = len(lens), int(plan[0])
         assert 0 <= njobs <= cu.v5_max_jobs(bsz, nq * nh, grid)
-        tiles = cu.job_tiles(plan, chunk_with_tail=with_tail)
+        assert (plan[8::8] == with_tail).all()  # the cut, recorded
+        tiles = cu.job_tiles(plan)
         runs = {}  # (b, row0) -> [(nrows, ntail, ks, ke)] in the order the CTAs run them
         for c in range(grid):
             for j in range(c, njobs, grid):
-                jb = _v5_decode(plan, j, with_tail)
+                jb = _v5_decode(plan, j)
                 assert tiles[j] == jb["ntiles"]
                 assert 1 <= jb["nrows"] <= 64 and jb["ntiles"] >= 1 and jb["row0"] % 64 == 0
                 assert jb["ntiles"] == jb["utiles"] + -(-(jb["ke"] - jb["ks"]) // 64)
@@ -1890,7 +1891,8 @@ def _check_batch(out, lse, args, sizes_np, name: str):
 
 @pytest.mark.gpu
 def test_v10_own_plan_and_reuse_plan_deal_the_same_jobs_to_the_same_bits():
-    """A uniform batch of 8 x 65 rows over 4,096 keys, which the plan kernel's gate orders: alone (at most 8
+    """A ragged batch of 8 requests (8 heads, trees of 12-58 nodes over 8k-35k keys) which the plan kernel's
+    gate orders (no uniform batch of at most 8 is, since the chunks count the tail tiles): alone (at most 8
     requests: the attend kernels make the plan, no order, order [0] = -1), with reuse_plan (the plan kernel:
     plan_order's order in the workspace, kept by a plan_ready call) and with the plan reused, the same plan
     and the same bits (the deal moves jobs between CTAs, not their arithmetic)."""
@@ -1899,19 +1901,21 @@ def test_v10_own_plan_and_reuse_plan_deal_the_same_jobs_to_the_same_bits():
 
     from kdlib.cuda import attention as cu
 
-    bsz, nq, nh, width = 8, 65, 8, 4096
+    bsz, nq, nh, width = 8, 65, 8, 40_000
+    lens_np = [10439, 14872, 8069, 15213, 18482, 10980, 34903, 25623]
+    sizes_np = [58, 16, 53, 40, 12, 44, 47, 57]
     g = torch.Generator(device="cuda").manual_seed(8)
     q = torch.randn(bsz, nq, nh, 576, device="cuda", generator=g).bfloat16()  # [B, Q, H, 576]
     kv = torch.randn(2 * width, 576, device="cuda", generator=g).bfloat16()  # [S, 576]
     page = torch.stack([torch.randperm(2 * width, device="cuda", generator=g)[:width]
                         for _ in range(bsz)]).int()  # [B, width]
-    lens = torch.full((bsz,), width, device="cuda", dtype=torch.int32)
-    sizes = torch.full((bsz,), nq, device="cuda", dtype=torch.int32)
+    lens = torch.tensor(lens_np, device="cuda", dtype=torch.int32)
+    sizes = torch.tensor(sizes_np, device="cuda", dtype=torch.int32)
     tkv = torch.randn(bsz, nq, 576, device="cuda", generator=g).bfloat16()  # [B, Q, 576]
     rng = np.random.default_rng(8)
     vis = torch.from_numpy(np.stack([_random_tree(rng, nq) for _ in range(bsz)])).cuda()  # [B, Q, Q]
     args = (q, kv, page, lens, tkv, vis, sizes, 576**-0.5)
-    want_plan = cu.plan_v5([width] * bsz, [nq] * bsz, width, nq, nh, cu.make_workspace(bsz, nq, nh).grid)
+    want_plan = cu.plan_v5(lens_np, sizes_np, width, nq, nh, cu.make_workspace(bsz, nq, nh).grid)
     assert cu.own_plan(bsz) and not cu.own_plan(bsz, reuse_plan=True)
     outs = {}
     for arm, kw in (("alone", {}), ("reuse_plan", {"reuse_plan": True})):

@@ -249,7 +249,8 @@ COMBINE_ROWS = True
 OWN_PLAN = True
 _V5_PLAN_SMALL_REQS = 8  # PLAN_SMALL_REQS: up to this many requests warp 0 makes the plan alone
 _V10_OWN_PLAN_REQS = 8  # OWN_PLAN_REQS: up to this many requests the attend kernels make it (`own_plan`)
-_V5_PLAN_STRIDE = 8  # PLAN_STRIDE: per request base, chunks, chunk tiles, row blocks, len, rows, tail rows
+_V5_PLAN_STRIDE = 8  # PLAN_STRIDE: per request base, chunks, chunk tiles, row blocks, len, rows, tail rows,
+#   the cut (CHUNK_WITH_TAIL as built)
 _V5_PLAN_SMEM_REQS = 256  # PLAN_SMEM_REQS: the plan kernels build plans of this many requests in smem
 _V5_COMBINE_COLS = 128  # COMBINE_COLS: columns of one combine block (its 4 warps' float4 lanes)
 _V5_COMBINE_SLICES = KV_LORA_RANK // _V5_COMBINE_COLS  # COMBINE_SLICES: combine blocks per row
@@ -638,9 +639,9 @@ def plan_v5(prefix_lens, tree_sizes, width: int, nq: int, nh: int, grid: int,
 
     prefix_lens [B] ints; tree_sizes [B] ints or None (the prefix alone, no tail); width = P, the
     page-table width; grid = G CTAs. plan[0] = jobs; per request b at 1 + 8 b: first job, key chunks,
-    tiles per chunk, row blocks, prefix length, query rows, tail rows. Jobs of request b are numbered
-    chunk-major then row block: job = first + chunk * row_blocks + block. chunk_with_tail: the kernels'
-    CHUNK_WITH_TAIL (the tiles per chunk count chunk 0's tail tiles; `job_tiles`).
+    tiles per chunk, row blocks, prefix length, query rows, tail rows, the cut (chunk_with_tail: the kernels'
+    CHUNK_WITH_TAIL, 1 where the tiles per chunk count chunk 0's tail tiles; `job_tiles` reads it). Jobs of
+    request b are numbered chunk-major then row block: job = first + chunk * row_blocks + block.
     """
     lens = np.clip(np.asarray(prefix_lens, dtype=np.int64), 0, width)  # [B]
     bsz = lens.shape[0]
@@ -688,21 +689,21 @@ def plan_v5(prefix_lens, tree_sizes, width: int, nq: int, nh: int, grid: int,
     base = 0
     for b in range(bsz):
         e = 1 + _V5_PLAN_STRIDE * b
-        plan[e:e + 7] = (base, nc[b], per[b], rb[b], lens[b], rows[b], ts[b] if tail else 0)
+        plan[e:e + 8] = (base, nc[b], per[b], rb[b], lens[b], rows[b], ts[b] if tail else 0, chunk_with_tail)
         base += int(nc[b] * rb[b])
     plan[0] = base
     return plan
 
 
-def job_tiles(plan: np.ndarray, chunk_with_tail: bool = _V5_CHUNK_WITH_TAIL) -> np.ndarray:
+def job_tiles(plan: np.ndarray) -> np.ndarray:
     """Key tiles of each job of a v5 plan (`plan_v5`) -> [jobs] int64, as the attend kernels decode them
-    (decode_job): the prefix tiles of the job's chunk, plus the tail tiles in chunk 0 (chunk_with_tail: the
-    kernels' CHUNK_WITH_TAIL, the chunks' tiles counting chunk 0's tail, so the prefix chunks shift by it)."""
+    (decode_job): the prefix tiles of the job's chunk, plus the tail tiles in chunk 0. Where the plan's cut is
+    1 (CHUNK_WITH_TAIL) the tiles a chunk count chunk 0's tail, so the prefix chunks shift by it."""
     plan = np.asarray(plan, dtype=np.int64)
     tiles = np.zeros(int(plan[0]), dtype=np.int64)  # [jobs]
     for b in range((plan.shape[0] - 1) // _V5_PLAN_STRIDE):
-        base, nc, chunk, rb, ln, _, ntail = plan[1 + _V5_PLAN_STRIDE * b:][:7]
-        shift = _ceil(ntail, _V5_BN) if chunk_with_tail else 0
+        base, nc, chunk, rb, ln, _, ntail, cut = plan[1 + _V5_PLAN_STRIDE * b:][:8]
+        shift = _ceil(ntail, _V5_BN) if cut else 0
         for c in range(nc):
             ks = max(0, c * chunk - shift) * _V5_BN
             ke = min(ln, ((c + 1) * chunk - shift) * _V5_BN)

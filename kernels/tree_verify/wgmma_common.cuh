@@ -15,7 +15,8 @@
 #define TILE_BYTES (NCB * CB_BYTES)     // 73728: the Q block or one K stage
 #define ROPE_CB 8                       // column block of dims 512..575 (the rope part of a row)
 #define PLAN_HDR 1                      // plan[0] = number of jobs
-#define PLAN_STRIDE 8                   // per request: base job, chunks, chunk tiles, row blocks, len, rows, tail rows
+#define PLAN_STRIDE 8                   // per request: base job, chunks, chunk tiles, row blocks, len, rows, tail rows,
+                                        // the cut
 #define P_BASE 0
 #define P_NCHUNK 1
 #define P_CHUNK 2
@@ -23,7 +24,7 @@
 #define P_LEN 4
 #define P_ROWS 5
 #define P_NTAIL 6
-#define P_PAD 7
+#define P_CUT 7  // CHUNK_WITH_TAIL as built: the cut the chunks follow (kdlib's mirrors read it)
 #define PLAN_SMEM_REQS 256              // requests whose plan the plan kernels build in shared memory
 #define MAX_ROUNDS 4                    // jobs <= MAX_ROUNDS * G + B * ceil(M / 64): the partials' bound
 #define JOB_OVERHEAD 5                  // tiles' worth of a job's Q load, pipeline fill and output write
@@ -131,7 +132,7 @@ __device__ __forceinline__ void plan_small(const int* __restrict__ prefix_lens, 
     }
     if (lane < B) {
         const int e[PLAN_STRIDE] = {upto - nc * rb, nc, nc > 0 ? chunk_tiles(T, U, nc) : 0, rb, len, rows,
-                                    tree_sizes ? ts : 0, 0};
+                                    tree_sizes ? ts : 0, CHUNK_WITH_TAIL};
 #pragma unroll
         for (int f = 0; f < PLAN_STRIDE; ++f) {
             plan[PLAN_HDR + lane * PLAN_STRIDE + f] = e[f];
@@ -171,7 +172,7 @@ __device__ __forceinline__ const int* plan_v5(const int* __restrict__ prefix_len
         e[P_LEN] = len;
         e[P_ROWS] = rows;
         e[P_NTAIL] = tree_sizes ? ts : 0;
-        e[P_PAD] = 0;     // the record's unused eighth int: the plan holds no stale bytes
+        e[P_CUT] = CHUNK_WITH_TAIL;
         e[P_NCHUNK] = T;  // scratch: prefix tiles
         e[P_CHUNK] = U;   // scratch: tail tiles
         tmax = max(tmax, CHUNK_WITH_TAIL ? T + U : T);

@@ -14,10 +14,11 @@
 // tree_sizes[b] * H in the verify, whose later rows are padding and come out NaN), in row blocks
 // of BM = 64; a prefix of T_b = ceil(len_b / 64) key tiles; and in the verify U_b = ceil(tree_sizes[b]
 // / 64) <= 2 tail tiles (the tree's own rows, visible under the visibility mask). A job is
-// (request, key chunk, row block): 64 rows over one chunk of prefix tiles, chunk 0 also over the tail
-// tiles first, in one online softmax. Jobs are numbered request-major, then chunk, then row block,
-// so the CTAs that run the same request and chunk for its other row blocks run in the same round
-// and read the keys once from DRAM, the rest from L2. The plan picks the chunk length among the
+// (request, key chunk, row block): 64 rows over one chunk of key tiles, in one online softmax: chunk 0 the
+// tail tiles first, then its share of the prefix (CHUNK_WITH_TAIL: a chunk's length counts the tail tiles;
+// built with 0, the prefix alone is cut and chunk 0 reads the tail on top). Jobs are numbered request-major,
+// then chunk, then row block, so the CTAs that run the same request and chunk for its other row blocks run
+// in the same round and read the keys once from DRAM, the rest from L2. The plan picks the chunk length among the
 // shortest that fit the jobs into k = 1..MAX_ROUNDS rounds of G, by a cost of rounds x (job tiles +
 // JOB_OVERHEAD) + jobs / 32 (the combine's reads).
 //
