@@ -153,6 +153,36 @@ def test_pack_rejects_untileable():
         moe.pack_rows(np.zeros((10, 64), np.uint8))
 
 
+def test_pack_rows_refuses_signed_and_non_integer_q():
+    """Signed INT4 (-8..7) would wrap to 0xFFFFFFFF in the uint32 cast and spill into the other nibbles;
+    floats and bools are no INT4 codes. Integer dtypes holding 0..15 pack as uint8 does."""
+    for bad in (np.full((16, 64), -1, np.int8), np.arange(-8, 8, dtype=np.int16).repeat(64).reshape(16, 64)):
+        with pytest.raises(ValueError, match=r"pack_rows: q must hold 0\.\.15 \(INT4 with zero point 8"):
+            moe.pack_rows(bad)
+    for bad in (np.full((16, 64), 3.0, np.float32), np.ones((16, 64), np.bool_)):
+        with pytest.raises(ValueError, match=r"q must hold integers 0\.\.15 .* got (float32|bool)"):
+            moe.pack_rows(bad)
+    q = np.random.default_rng(0).integers(0, 16, (2, 16, 64))
+    for dtype in (np.int8, np.int32, np.uint16):
+        np.testing.assert_array_equal(moe.pack_rows(q.astype(dtype)), moe.pack_rows(q.astype(np.uint8)))
+
+
+def test_bf16_bits_refuse_float_scales():
+    """A float array cast to uint16 truncates scales below 1 to 0: the bf16 bit helpers take only uint16
+    (or int16, the same bits) and name the argument otherwise."""
+    q, s = moe.quantize_w4(np.random.default_rng(1).normal(0, 0.02, (16, 64)))
+    floats = moe.bf16_bits_to_f32(s)                             # the scales' values, < 1
+    for call, match in ((moe.pack_scales, "pack_scales: scales"),
+                        (lambda a: moe.dequantize_w4(q, a), "dequantize_w4: scales"),
+                        (moe.bf16_bits_to_f32, "bf16_bits_to_f32: b")):
+        for bad in (floats, floats.astype(np.float64), s.astype(np.int32)):
+            with pytest.raises(ValueError, match=f"{match} must hold bf16 bit patterns"):
+                call(bad)
+    np.testing.assert_array_equal(moe.pack_scales(s.view(np.int16)), moe.pack_scales(s))
+    np.testing.assert_array_equal(moe.dequantize_w4(q, s.view(np.int16)), moe.dequantize_w4(q, s))
+    assert moe.bf16_bits_to_f32(np.uint16(0x3F80)) == 1.0
+
+
 def test_reference_matches_dense_float64_layer():
     rng = np.random.default_rng(3)
     E, K, N, M, k = 4, 64, 64, 6, 2
@@ -271,6 +301,47 @@ def test_kernel_accepts_torch_bf16_and_rejects_bad_input(version):
         moe.prepare_routing(cp.asarray(ids.astype(np.int64) + 2**32), cp.asarray(wts), E)
     with pytest.raises(ValueError, match="integers"):
         moe.prepare_routing(cp.asarray(ids.astype(np.float32)), cp.asarray(wts), E)
+
+
+@pytest.mark.gpu
+def test_kernel_refuses_strided_and_misaligned_buffers():
+    """The kernels index every buffer from its base in 16-byte pieces: a strided view of the packed
+    weights (every other expert) and bf16 x, out or h starting 2 or 4 bytes past a 16-byte boundary are
+    refused by name before any launch; the same data copied runs."""
+    import cupy as cp
+    import torch
+
+    E, K, N, M, k = 4, 256, 64, 3, 2
+    w = moe.MoEWeights.random(E, K, N, seed=5, std=0.05)
+    packed = moe.upload(moe.pack_moe(w))
+    every_other = {key: a[::2] for key, a in packed.items()}     # experts 0 and 2, strided
+    rng = np.random.default_rng(5)
+    ids = np.stack([rng.choice(E // 2, k, replace=False) for _ in range(M)]).astype(np.int32)
+    wts = np.full((M, k), 0.5, np.float32)
+    routing = moe.prepare_routing(cp.asarray(ids), cp.asarray(wts), E // 2)
+    x_bits = moe.f32_to_bf16_bits(rng.normal(0, 1, (M, K)))
+    x = cp.asarray(x_bits)
+    with pytest.raises(ValueError, match=r"packed\['w1'\] must be C-contiguous"):
+        moe.moe_w4a16(x, every_other, routing)
+    with pytest.raises(ValueError, match=r"packed\['s1'\] must be C-contiguous"):
+        moe.moe_w4a16(x, {**every_other, "w1": cp.ascontiguousarray(every_other["w1"])}, routing)
+    half = {key: cp.ascontiguousarray(a) for key, a in every_other.items()}
+    w_half = moe.MoEWeights(*(getattr(w, f.name)[::2] for f in dataclasses.fields(w)))
+    want = moe.moe_w4a16_reference(x_bits, w_half, ids, wts)
+    check.assert_close(moe.moe_w4a16(x, half, routing, sync=True), want, rtol=5e-3, name="copied halves")
+    flat = torch.zeros(M * K + 8, dtype=torch.bfloat16, device="cuda")
+    shifted = flat[1:1 + M * K].view(M, K)                    # C-contiguous, 2 bytes off a boundary
+    shifted.copy_(torch.from_numpy(x_bits.view(np.int16)).cuda().view(torch.bfloat16))
+    with pytest.raises(ValueError, match="x must start on a 16-byte boundary"):
+        moe.moe_w4a16(shifted, half, routing)
+    with pytest.raises(ValueError, match="x must start on a 16-byte boundary"):
+        moe.moe_w4a16(cp.zeros(M * K + 1, cp.uint16)[1:].reshape(M, K), half, routing)
+    with pytest.raises(ValueError, match="out must start on a 16-byte boundary"):
+        moe.moe_w4a16(x, half, routing, out=cp.zeros(M * K + 1, cp.float32)[1:].reshape(M, K))
+    with pytest.raises(ValueError, match="h must start on a 16-byte boundary"):
+        moe.moe_w4a16(x, half, routing, h=cp.zeros(M * k * N + 1, cp.uint16)[1:].reshape(M * k, N))
+    check.assert_close(moe.moe_w4a16(shifted.clone(), half, routing, sync=True), want, rtol=5e-3,
+                       name="aligned copy of x")
 
 
 # ----------------------------------------------------------------------------- CPU: kernel emulation
@@ -1058,3 +1129,15 @@ def test_launch_settings_name_versions_and_keep_the_old_keywords():
             V3(**bad)
         with pytest.raises(ValueError, match="must be an int >= 1 or None"):
             moe.launch_settings(**bad)
+
+
+def test_launch_settings_refuse_version_2_and_3_keywords_together():
+    """With version None, gate_up_warps / k_interleave mean version 2 and parts / down_batch version 3:
+    given together, one half would be dropped, so the mix is refused (no device)."""
+    mix = r"gate_up_warps / k_interleave \(version 2\) and parts / down_batch \(version 3\) do not mix"
+    for kwargs in ({"gate_up_warps": 8, "parts": 2}, {"k_interleave": True, "down_batch": 4},
+                   {"gate_up_warps": 16, "parts": 2, "down_batch": 4}):
+        with pytest.raises(ValueError, match=mix):
+            moe.launch_settings(**kwargs)
+    assert moe.launch_settings(gate_up_warps=8) == (2, moe.V2Settings(8))
+    assert moe.launch_settings(parts=2, down_batch=4) == (3, moe.V3Settings(2, 4))

@@ -111,6 +111,29 @@ def test_build_limits_raise_before_any_work():
     assert tree.shared_bytes(64, 15, 64) == tree.shared_bytes(64, 15, 64, tree.DEFAULT_VERSION)
 
 
+@pytest.mark.parametrize("version", [None, *VERSIONS])
+def test_launch_helpers_refuse_budgets_past_the_limit(version):
+    """launch, kernel_name and shared_bytes check the budget as build_tree_batch does: past 256 there is
+    no kernel row to name (v2/v3 budgets 257..287 would name r9, which cannot hold them; v4 found none)."""
+    for budget, match in ((tree.MAX_BUDGET + 1, "exceeds the GPU builder's limit 256"),
+                          (287, "exceeds the GPU builder's limit 256"), (300, "exceeds"),
+                          (-1, "budget must be >= 0"), (64.0, "budget must be an int")):
+        for call, args in ((tree.launch, (budget, version)), (tree.kernel_name, (budget, version)),
+                           (tree.shared_bytes, (budget, 16, 256, version))):
+            with pytest.raises(ValueError, match=match):
+                call(*args)
+    assert tree.launch(tree.MAX_BUDGET, version).version == (version or tree.DEFAULT_VERSION)
+
+
+def test_compaction_grid_refuses_a_batch_past_grid_y():
+    """The compaction's grid puts the requests on gridDim.y (at most 65535): a larger batch is refused by
+    name before the launch rather than failing in the driver (no device)."""
+    assert compact._compact_grid(72, 65535) == (1, 65535)
+    assert compact._compact_grid(compact.THREADS + 1, 3) == (2, 3)
+    with pytest.raises(ValueError, match="starts: 65536 requests exceed the compaction's grid limit 65535"):
+        compact._compact_grid(72, 65536)
+
+
 # ----------------------------------------------------------------------------- build
 
 
@@ -808,6 +831,23 @@ def test_remap_checks_refuse_a_wrapping_slot_and_a_strided_freed():
     with pytest.raises(ValueError, match="C-contiguous"):
         compact.remap_slots_masked(cp.zeros((1, 8), cp.int64), *args, freed=backing[:, ::2])
     assert not backing.get().any()
+
+
+@pytest.mark.gpu
+def test_remap_writes_a_torch_bool_freed_in_place():
+    """A torch CUDA bool `freed` buffer (torch.bool is no numpy dtype) is taken as a CuPy bool view and
+    written in place, as the CuPy one is."""
+    cp = _cp()
+    import torch
+
+    paths, lengths = cp.asarray([[0, 2, 5]], dtype=cp.int64), cp.asarray([3], dtype=cp.int64)
+    slots = cp.asarray([[10, 11, 12, 13, 14, -1]], dtype=cp.int64)
+    freed = torch.ones((1, 6), dtype=torch.bool, device="cuda")
+    r2t = cp.full((1, 8), -7, dtype=cp.int64)
+    got = compact.remap_slots_masked(r2t, cp.asarray([0], dtype=cp.int64), slots, paths, lengths, freed=freed)
+    assert got.data.ptr == freed.data_ptr()
+    assert freed.cpu().tolist() == [[False, True, False, True, True, False]]
+    assert r2t.get()[0].tolist() == [10, 12, -1, -7, -7, -7, -7, -7]
 
 
 # ----------------------------------------------------------------------------- the graph-captured step

@@ -48,6 +48,18 @@ def test_int_expression_reads_c_constant_expressions():
         assert loader.int_expression(not_int, names) is None
 
 
+def test_int_expression_divides_as_c_and_refuses_unsigned_wraps():
+    # C truncates toward zero (Python's // and % floor)
+    for expr, c in (("-7 / 2", -3), ("7 / -2", -3), ("-7 % 3", -1), ("7 % -3", 1), ("-A / 2", -1),
+                    ("(0 - 8) / 3 * 3 + (0 - 8) % 3", -8)):
+        assert loader.int_expression(expr, {"A": 3}) == c, expr
+    assert loader.int_expression("0xffffffff - 1", {}) == 2**32 - 2  # a hex past int's range is unsigned
+    # values C wraps modulo 2**32 (or an unsigned 64-bit), shifts of or by negatives: not exact, so None
+    for wraps in ("5u - 6u", "5 - 6u", "-1u", "0xffffffffu + 1", "0x80000000 - 0x80000001", "-7 / 2u",
+                  "1ul << 40", "-1 << 2", "1 << -1"):
+        assert loader.int_expression(wraps, {}) is None, wraps
+
+
 def test_source_constants_of_a_file(tmp_path, monkeypatch):
     fam = tmp_path / "fam"
     fam.mkdir()

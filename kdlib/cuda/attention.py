@@ -348,24 +348,16 @@ def _float_kind(x, name: str) -> tuple[object, str]:
 
         if x.dtype == torch.bfloat16:
             bits = loader.as_cupy(x.contiguous().view(torch.int16))
-            return _aligned(cupy.ascontiguousarray(bits).view(cupy.uint16), name), "bf16"
+            return loader.aligned16(cupy.ascontiguousarray(bits).view(cupy.uint16), name), "bf16"
         if x.dtype != torch.float32:
             raise ValueError(f"{name} must be float32 or bfloat16, got {x.dtype}")
         return cupy.ascontiguousarray(loader.as_cupy(x)), "f32"
     a = loader.as_cupy(x)
     if a.dtype.name == "bfloat16":
-        return _aligned(cupy.ascontiguousarray(a).view(cupy.uint16), name), "bf16"
+        return loader.aligned16(cupy.ascontiguousarray(a).view(cupy.uint16), name), "bf16"
     if a.dtype != cupy.float32:
         raise ValueError(f"{name} must be float32 or bfloat16, got {a.dtype}")
     return cupy.ascontiguousarray(a), "f32"
-
-
-def _aligned(a, name: str):
-    """a, where it starts on a 16-byte boundary; else a ValueError naming it."""
-    if a.data.ptr % 16:
-        raise ValueError(f"{name} must start on a 16-byte boundary (the bf16 kernels copy 16-byte pieces); "
-                         f"it starts {a.data.ptr % 16} bytes past one (a view at an offset: copy it)")
-    return a
 
 
 def _bool_cupy(x):

@@ -28,6 +28,7 @@ REMAP = {
     np.dtype(np.int32): ("kv_compact/v1", "kv_remap_v1_i32"),
 }
 THREADS = 256  # KC_THREADS in kv_compact/v1.cu
+MAX_GRID_Y = 65535  # CUDA's gridDim.y limit: the compaction's requests axis
 
 
 def _common(starts, paths, lengths):
@@ -48,6 +49,14 @@ def _unit(cache) -> int:
         if row_bytes % unit == 0 and cache.data.ptr % unit == 0:
             return unit
     return 1
+
+
+def _compact_grid(row_units: int, bsz: int) -> tuple[int, int]:
+    """The compaction's grid: (column blocks, requests); ValueError past gridDim.y's limit."""
+    if bsz > MAX_GRID_Y:
+        raise ValueError(f"starts: {bsz} requests exceed the compaction's grid limit {MAX_GRID_Y} "
+                         "(gridDim.y); split the batch")
+    return (row_units + THREADS - 1) // THREADS, bsz
 
 
 def compact_kv_batch(cache, starts, paths, lengths, *, check_values: bool = False):
@@ -72,7 +81,7 @@ def compact_kv_batch(cache, starts, paths, lengths, *, check_values: bool = Fals
     unit = _unit(c)
     row_units = c.itemsize * (c.size // c.shape[0]) // unit
     fn = loader.get_function(*COMPACT[unit])
-    fn(((row_units + THREADS - 1) // THREADS, bsz), (THREADS,),
+    fn(_compact_grid(row_units, bsz), (THREADS,),
        (c, np.int64(c.shape[0]), np.int64(row_units), starts, paths, np.int32(paths.shape[1]), lengths))
     return cache
 
@@ -83,7 +92,8 @@ def remap_slots_masked(
     """page_size 1 commit without a host sync: updates req_to_token in place, returns
     freed_mask [B, budget+1] bool (node j's slot is allocated and j is not on the path).
 
-    req_to_token must be int64 or int32 (written in place). Shapes as in `remap_slots`.
+    req_to_token must be int64 or int32 (written in place). Shapes as in `remap_slots`. freed: the
+    [B, budget+1] bool buffer to write (CuPy or torch CUDA), None to allocate one.
     """
     import cupy
 
@@ -101,7 +111,8 @@ def remap_slots_masked(
         ref.remap_slots(np.zeros(r2t.shape, r2t.dtype), starts.get(), slots.get(), paths.get(), lengths.get())
     if freed is None:
         freed = cupy.empty((bsz, width), dtype=cupy.bool_)  # [B, budget+1]
-    elif freed.shape != (bsz, width) or freed.dtype != np.bool_ or not freed.flags.c_contiguous:
+    freed = loader.as_cupy(freed)  # a torch bool tensor as a CuPy bool view
+    if freed.shape != (bsz, width) or freed.dtype != np.bool_ or not freed.flags.c_contiguous:
         raise ValueError(f"freed must be a C-contiguous bool array of shape {(bsz, width)}")
     if bsz == 0:
         return freed

@@ -181,36 +181,69 @@ _DEFINE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_]\w*)[ \t]+([^\n]*?)[ 
 _CONSTEXPR = re.compile(
     r"^[ \t]*constexpr[ \t]+(?:int|unsigned|u32|long long)[ \t]+([^;]*);", re.MULTILINE
 )
-_INT_LITERAL = re.compile(r"\b(0[xX][0-9a-fA-F]+|\d+)[uUlL]*\b")
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
-        ast.Mod: operator.mod, ast.LShift: operator.lshift, ast.RShift: operator.rshift,
+_INT_LITERAL = re.compile(r"\b(0[xX][0-9a-fA-F]+|\d+)([uUlL]*)\b")
+_U32 = 1 << 32
+
+
+def _c_div(a: int, b: int) -> int:
+    """C's integer division: the quotient truncated toward zero (Python's // floors)."""
+    q = abs(a) // abs(b)
+    return q if (a < 0) == (b < 0) else -q
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: _c_div,
+        ast.Mod: lambda a, b: a - b * _c_div(a, b), ast.LShift: operator.lshift, ast.RShift: operator.rshift,
         ast.BitOr: operator.or_, ast.BitAnd: operator.and_}
+
+
+def _literal(m: re.Match) -> str:
+    """A C literal as Python: `(v).unsigned` where it is unsigned (a u suffix, or a hex beyond int's range;
+    `unsigned` is a C keyword, so no C expression has that attribute)."""
+    v = int(m.group(1), 0)
+    unsigned = "u" in m.group(2).lower() or (m.group(1)[:2] in ("0x", "0X") and 2**31 <= v < _U32)
+    return f"({v}).unsigned" if unsigned else str(v)
 
 
 def int_expression(text: str, names: dict[str, int]) -> int | None:
     """The value of a C integer constant expression (literals with u/l suffixes, + - * / % << >> | &,
-    parentheses, `names` for identifiers); None when it is anything else (a float, a cast, a call).
-    Division truncates as C's does for the non-negative operands kernels use.
+    parentheses, `names` for identifiers, taken as signed); None when it is anything else (a float, a
+    cast, a call) or when C's value is not the exact one: an unsigned value outside [0, 2**32) (it wraps,
+    or is a 64-bit unsigned), a shift of or by a negative value. Division and % truncate toward zero as C's.
     """
-    py = _INT_LITERAL.sub(lambda m: str(int(m.group(1), 0)), text.strip()).replace("/", "//")
+    py = _INT_LITERAL.sub(_literal, text.strip()).replace("/", "//")
     try:
         tree = ast.parse(py, mode="eval")
     except SyntaxError:
         return None
 
-    def value(node):
+    def value(node) -> tuple[int, bool]:  # (value, unsigned)
         if isinstance(node, ast.Constant) and type(node.value) is int:
-            return node.value
+            return node.value, False
+        if isinstance(node, ast.Attribute) and node.attr == "unsigned":
+            return value(node.value)[0], True
         if isinstance(node, ast.Name) and node.id in names:
-            return names[node.id]
+            return names[node.id], False
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -value(node.operand)
+            v, u = value(node.operand)
+            return checked(-v, u)
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            return _OPS[type(node.op)](value(node.left), value(node.right))
+            (a, ua), (b, ub) = value(node.left), value(node.right)
+            shift = type(node.op) in (ast.LShift, ast.RShift)
+            if shift and (a < 0 or b < 0):
+                raise ValueError("a shift of or by a negative value")
+            u = ua if shift else ua or ub  # a shift has its left operand's type
+            if u and (a < 0 or b < 0):
+                raise ValueError("a negative operand converted to unsigned")
+            return checked(_OPS[type(node.op)](a, b), u)
         raise ValueError(ast.dump(node))
 
+    def checked(v: int, unsigned: bool) -> tuple[int, bool]:
+        if unsigned and not 0 <= v < _U32:
+            raise ValueError(f"unsigned {v} wraps")
+        return v, unsigned
+
     try:
-        return value(tree.body)
+        return value(tree.body)[0]
     except (ValueError, ZeroDivisionError):
         return None
 
@@ -449,6 +482,15 @@ def extra_options(options: str):
 def is_torch(x) -> bool:
     """True when `x` is a torch tensor (checked without importing torch)."""
     return type(x).__module__.split(".")[0] == "torch"
+
+
+def aligned16(a, name: str):
+    """a (CuPy), where it starts on a 16-byte boundary; else a ValueError naming it (the kernels that read
+    16-byte pieces: a view at an odd offset faults their launch)."""
+    if a.data.ptr % 16:
+        raise ValueError(f"{name} must start on a 16-byte boundary (the kernels copy 16-byte pieces); "
+                         f"it starts {a.data.ptr % 16} bytes past one (a view at an offset: copy it)")
+    return a
 
 
 def as_cupy(x):

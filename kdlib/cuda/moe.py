@@ -29,6 +29,7 @@ from typing import ClassVar
 import numpy as np
 
 from kdlib.cuda.loader import (
+    aligned16,
     as_cupy,
     check_version,
     device_limits,
@@ -45,6 +46,7 @@ SOURCE, SOURCE_V2, SOURCE_V3 = "moe_w4a16/v1", "moe_w4a16/v2", "moe_w4a16/v3"
 STEM = "moe_w4a16_v1"
 STEM_V2 = "moe_w4a16_v2"   # decode-regime kernels (<= 8 slots per expert), same layout
 STEM_V3 = "moe_w4a16_v3"   # the decode regime in one launch, same layout
+PACKED = ("w1", "s1", "w2", "s2")   # the keys of `pack_moe`'s dict
 
 
 # ----------------------------------------------------------------------------- bf16 bit helpers
@@ -56,9 +58,18 @@ def f32_to_bf16_bits(a) -> np.ndarray:
     return ((u + rounding) >> 16).astype(np.uint16)
 
 
+def _bf16_bits(b, what: str) -> np.ndarray:
+    """`b` as uint16 bf16 bit patterns (int16 viewed as uint16); ValueError naming `what` for any other
+    dtype (a cast would truncate float scales to 0)."""
+    b = np.asarray(b)
+    if b.dtype not in (np.uint16, np.int16):
+        raise ValueError(f"{what} must hold bf16 bit patterns (uint16 or int16), got {b.dtype}")
+    return b.view(np.uint16)
+
+
 def bf16_bits_to_f32(b) -> np.ndarray:
-    """bf16 bit pattern (uint16) -> float32 (exact)."""
-    b = np.asarray(b, dtype=np.uint16)
+    """bf16 bit pattern (uint16, or int16) -> float32 (exact)."""
+    b = _bf16_bits(b, "bf16_bits_to_f32: b")
     return np.ascontiguousarray(b.astype(np.uint32) << 16).view(np.float32).reshape(b.shape)
 
 
@@ -97,6 +108,7 @@ def quantize_w4(w, group: int = GROUP) -> tuple[np.ndarray, np.ndarray]:
 def dequantize_w4(q, scales, group: int = GROUP) -> np.ndarray:
     """bf16((q - 8) * s) as float32. Shape: q [..., R, C], scales [..., R, C // group] -> [..., R, C]."""
     q = np.asarray(q)
+    scales = _bf16_bits(scales, "dequantize_w4: scales")
     check_w4_shapes(tuple(q.shape), tuple(scales.shape), group, "dequantize_w4")
     s = np.repeat(bf16_bits_to_f32(scales), group, axis=-1)
     return round_bf16((q.astype(np.float32) - 8.0) * s)
@@ -112,15 +124,18 @@ def _check_tiles(rows: int, cols: int, what: str) -> None:
 def pack_rows(q) -> np.ndarray:
     """INT4 matrix -> the kernel's fragment layout.
 
-    Shape: q [..., R, C] (values 0..15) -> [..., R/16, C/64, 32 lanes, 4 words] uint32, where word i
+    Shape: q [..., R, C] integers 0..15 -> [..., R/16, C/64, 32 lanes, 4 words] uint32, where word i
     of lane 4g + t holds rows g, g + 8 and columns 16t + 4i + j (j = 0..3) at nibble
     h + 2 (j // 2) + 4 (j % 2) (h = 0 for row g, 1 for row g + 8).
     """
     q = np.asarray(q)
     *lead, R, C = q.shape
     _check_tiles(R, C, "pack_rows")
-    if q.size and int(q.max()) > 15:
-        raise ValueError("pack_rows: values must be 4-bit (0..15)")
+    if q.dtype.kind not in "iu":
+        raise ValueError(f"pack_rows: q must hold integers 0..15 (INT4 with zero point 8), got {q.dtype}")
+    if q.size and (int(q.min()) < 0 or int(q.max()) > 15):
+        raise ValueError(f"pack_rows: q must hold 0..15 (INT4 with zero point 8, as `quantize_w4` returns; "
+                         f"add 8 to signed -8..7), got [{int(q.min())}, {int(q.max())}]")
     # row = rt*16 + h*8 + g; col = kc*64 + t*16 + i*4 + j
     v = q.astype(np.uint32).reshape(*lead, R // 16, 2, 8, C // 64, 4, 4, 4)
     n = len(lead)
@@ -137,9 +152,9 @@ def pack_rows(q) -> np.ndarray:
 def pack_scales(scales) -> np.ndarray:
     """Group scales -> per (tile, chunk) 16 uint32 {s[row g] | s[row g + 8] << 16} at index grp * 8 + g.
 
-    Shape: scales [..., R, C/32] uint16 -> [..., R/16, C/64, 16] uint32.
+    Shape: scales [..., R, C/32] uint16 or int16 (bf16 bits) -> [..., R/16, C/64, 16] uint32.
     """
-    s = np.asarray(scales, dtype=np.uint16)
+    s = _bf16_bits(scales, "pack_scales: scales")
     *lead, R, G = s.shape
     _check_tiles(R, G * GROUP, "pack_scales")
     v = s.astype(np.uint32).reshape(*lead, R // 16, 2, 8, G // 2, 2)   # [.., rt, h, g, kc, grp]
@@ -267,7 +282,8 @@ class Routing:
 
 
 def prepare_routing(topk_ids, topk_weights, n_experts: int) -> Routing:
-    """Sort the (token, expert) slots by expert on the device; one host sync for the launch sizes.
+    """Sort the (token, expert) slots by expert on the device. Synchronises with the host several times
+    (the id range check, CuPy's bincount and nonzero, the largest count), so it runs outside graph capture.
 
     Shape: topk_ids [M, topk] int, topk_weights [M, topk] float (CuPy or torch CUDA).
     """
@@ -531,6 +547,9 @@ def launch_settings(version: int | None = None, settings=None, *, gate_up_warps:
             raise ValueError("version 3 has one block shape: gate_up_warps and k_interleave do not apply")
         if (parts is not None or down_batch is not None) and version not in (None, 3):
             raise ValueError("parts and down_batch apply to version 3 only")
+        if (gate_up_warps is not None or k_interleave) and (parts is not None or down_batch is not None):
+            raise ValueError("gate_up_warps / k_interleave (version 2) and parts / down_batch (version 3) "
+                             "do not mix")
         if version is None:
             version = 2 if gate_up_warps is not None or k_interleave else 3
         settings = {1: lambda: V1Settings(16 if gate_up_warps is None else gate_up_warps),
@@ -582,7 +601,7 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
     import cupy as cp
 
     xb = _bf16_bits_cupy(x, "x")
-    w1, s1, w2, s2 = (packed[k] for k in ("w1", "s1", "w2", "s2"))
+    w1, s1, w2, s2 = (packed[k] for k in PACKED)
     if w1.ndim != 6 or w1.shape[3:] != (2, 32, 4) or w1.dtype != cp.uint32:
         raise ValueError(f"packed['w1'] must be uint32 [E, N/16, K/64, 2, 32, 4], got {w1.dtype} {w1.shape}")
     E, P, KC = w1.shape[:3]
@@ -592,6 +611,10 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
         if tuple(packed[name].shape) != shape or packed[name].dtype != cp.uint32:
             raise ValueError(f"packed[{name!r}] must be uint32 {shape}, got {packed[name].dtype} "
                              f"{packed[name].shape}")
+    for name in PACKED:
+        if not packed[name].flags.c_contiguous:
+            raise ValueError(f"packed[{name!r}] must be C-contiguous (as `upload` makes it), got strides "
+                             f"{packed[name].strides}")
     if N % CHUNK_COLS:
         raise ValueError(f"expert intermediate N = {N} must be a multiple of {CHUNK_COLS}")
     if xb.ndim != 2 or xb.shape != (routing.m, K):
@@ -607,6 +630,9 @@ def moe_w4a16(x, packed: dict, routing: Routing, *, out=None, h=None, sync: bool
         h = cp.empty((S, N), dtype=cp.uint16)
     elif h.shape != (S, N) or h.dtype != cp.uint16 or not h.flags.c_contiguous:
         raise ValueError(f"h must be contiguous uint16 [{S}, {N}]")
+    # the kernels index every buffer from its base as packed, in 16-byte pieces (uint4 loads, float4 y)
+    for name, a in (("x", xb), ("out", out), ("h", h), *((f"packed[{k!r}]", packed[k]) for k in PACKED)):
+        aligned16(a, name)
     if version is None:
         version = default_version(routing, N)
     if settings is None:

@@ -68,6 +68,7 @@ class TreeLaunch:
 def launch(budget: int, version: int | None = None) -> TreeLaunch:
     """The launch settings of `version` (None: DEFAULT_VERSION) at this budget, e.g.
     TreeLaunch(4, "tree_build/v4", "tree_build_v4_r1", 256) at budget 64."""
+    budget = _check_budget(budget)
     version = loader.check_version(version, VERSIONS, DEFAULT_VERSION)
     if version == 1:
         return TreeLaunch(1, "tree_build/v1", "tree_build_v1", THREADS)
@@ -88,6 +89,7 @@ def kernel_name(budget: int, version: int | None = None) -> tuple[str, str]:
 def shared_bytes(budget: int, l_eff: int, k: int, version: int | None = None) -> int:
     """Dynamic shared memory of one block (see the layout comments in tree_build/v{1,2,3,4}.cu);
     version None: DEFAULT_VERSION."""
+    budget = _check_budget(budget)
     version = loader.check_version(version, VERSIONS, DEFAULT_VERSION)
     s = budget + 1
     w = (s + 31) // 32

@@ -3,13 +3,13 @@
 // (mma.sync m16n8k16 bf16, so it runs on sm_80 ... sm_120 alike), weights dequantized in registers.
 //
 // One MoE layer is two launches:
-//   moe_w4a16_v1_gate_up_n{8,32}: h[slot, :] = silu(x[tok] . Wg^T) * (x[tok] . Wu^T)  -> bf16 [S, N]
-//   moe_w4a16_v1_down_n{8,32}:    y[tok, :] += weight[slot] * (h[slot] . Wd^T)           fp32 atomics
+//   moe_w4a16_v1_gate_up_n{8,8w8,16,32}: h[slot, :] = silu(x[tok] . Wg^T) * (x[tok] . Wu^T)  -> bf16 [S, N]
+//   moe_w4a16_v1_down_n{8,16,32}:        y[tok, :] += weight[slot] * (h[slot] . Wd^T)           fp32 atomics
 // where slots are the M*topk (token, expert) pairs sorted by expert (routing metadata below).
-// The _n8 variants multiply one chunk of 8 tokens per weight pass (decode, <= 8 tokens per expert),
-// _n16 two chunks, _n32 four chunks (32 tokens) per pass. More tokens take further passes: grid.x,
-// the fastest-varying block index, so the passes over one expert's weights run back to back and
-// re-read them from L2 rather than HBM.
+// The _n8 variants multiply one chunk of 8 tokens per weight pass (decode, <= 8 tokens per expert;
+// gate/up _n8 with 16 warps, _n8w8 with 8), _n16 two chunks, _n32 four chunks (32 tokens) per pass.
+// More tokens take further passes: grid.x, the fastest-varying block index, so the passes over one
+// expert's weights run back to back and re-read them from L2 rather than HBM.
 //
 // Routing metadata (int32, device), made by kdlib.cuda.moe.prepare_routing:
 //   expert_offsets [E + 1]  slot range [off[e], off[e+1]) of expert e in sorted order

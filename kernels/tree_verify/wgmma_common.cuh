@@ -96,8 +96,8 @@ __device__ __forceinline__ void plan_small(const int* __restrict__ prefix_lens, 
         return n;
     };
     const long long limit = (long long)(k + 1) * G;
-    int lo = CHUNK_WITH_TAIL ? max(1, (int)__reduce_max_sync(all, U)) : 1;  // tmax, the tail's tiles at least
-    int hi = max(lo, (int)__reduce_max_sync(all, CHUNK_WITH_TAIL ? T + U : T));
+    int lo = CHUNK_WITH_TAIL ? max(1, (int)__reduce_max_sync(all, U)) : 1;  // chunks hold the tail's tiles
+    int hi = max(lo, (int)__reduce_max_sync(all, CHUNK_WITH_TAIL ? T + U : T));  // tmax
     long long n;
     for (;;) {  // group k: the shortest c in [lo, hi] with jobs(c) <= limit, hi where none is
         const int step = (hi - lo + 8) >> 3;  // 8 candidates split [lo, hi], the last one hi
