@@ -78,6 +78,8 @@ def load_config(config) -> dict:
     path = Path(config)
     if path.is_dir():
         path = path / "config.json"
+        if not path.is_file():
+            raise ValueError(f"no config {str(config)!r}: a folder that holds no config.json")
     elif not path.exists() and str(config) in shipped():
         path = CONFIGS / f"{config}.json"
     if not path.is_file():

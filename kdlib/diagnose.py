@@ -67,7 +67,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import kdlib
-from kdlib.cli import Parser, fail, positive_float
+from kdlib.cli import Parser, Terminated, fail, interrupted_code, positive_float, sigterm_as_interrupt
 from kdlib.files import atomic_write_text
 
 NONCE_DIGITS = 8  # the fresh first line of a prompt a prefix cache must not hold (make_prompt)
@@ -1157,8 +1157,10 @@ def cli(argv: list[str]) -> int:
     ap.add_argument("--metrics", default="auto", choices=["auto", "kdlib", "vllm", "none"])
     g = ap.add_argument_group("load mode (--load)")
     g.add_argument("--load", action="store_true", help="measure under load instead (load_test)")
-    g.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)), help="fixed concurrency levels")
-    g.add_argument("--request-rate", default="", help="request rates per second to sweep (inf: all at once)")
+    g.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)),
+                   help="fixed concurrency levels, comma-separated, e.g. 1,2,4")
+    g.add_argument("--request-rate", default="",
+                   help="request rates per second to sweep, comma-separated, e.g. 1,2,inf (inf: all at once)")
     g.add_argument("--max-concurrency", type=int, default=None, help="in-flight cap of the rate sweep")
     g.add_argument("--num-prompts", type=int, default=None,
                    help="requests per run (default 4 x C; rates: 4 x distinct)")
@@ -1190,6 +1192,8 @@ def cli(argv: list[str]) -> int:
         ap.error(str(e))
     if args.load and not levels and not rates:
         ap.error("--concurrency and --request-rate name no level to run")
+    if args.max_concurrency is not None and not rates:  # the fixed levels are their own cap
+        ap.error("--max-concurrency caps the rate sweep only: give --request-rate too")
     if args.json and os.path.isdir(args.json):  # checked before measuring: the write comes last
         ap.error(f"--json {args.json} is a folder, not a file")
     if args.json and not os.access(os.path.dirname(os.path.abspath(args.json)), os.W_OK):
@@ -1202,35 +1206,42 @@ def cli(argv: list[str]) -> int:
         ap.error(f"--serve-args: {e}")
     server, api_key = None, args.api_key
     try:
-        url = args.endpoint
-        if url is None:
-            from kdlib.serve import ServerProcess
+        with sigterm_as_interrupt():  # SIGTERM as Ctrl-C: the embedded server stopped, not orphaned
+            url = args.endpoint
+            if url is None:
+                from kdlib.serve import ServerProcess
 
-            server = ServerProcess(serve_args).start()  # `kdlib serve` in its own process
-            url = server.url
-            api_key = api_key or os.environ.get("KDLIB_API_KEY")  # the key that server took from the env
-            print(f"kdlib diagnose: started the embedded server at {url}", file=sys.stderr)
-        client = OpenAIClient(url, args.model, api_key=api_key, metric_set=args.metrics, timeout=args.timeout)
-        if args.max_context:
-            client.max_context = args.max_context
-        try:
-            if args.load:
-                result = load_test(client, concurrency=levels, rates=rates,
-                                   max_concurrency=args.max_concurrency, num_prompts=args.num_prompts,
-                                   distinct=args.distinct_prompts, input_len=args.input_len,
-                                   output_len=args.output_len, repeats=args.repeats,
-                                   slo=slo or None, check_greedy=not args.no_greedy_check, seed=args.seed)
-            else:
-                result = diagnose(client, sweep=not args.no_sweep, sustained_tokens=args.sustained_tokens,
-                                  sustained_prompt=args.sustained_prompt, max_context=args.max_context,
-                                  repeats=args.repeats)
-        finally:
-            client.close()
+                server = ServerProcess(serve_args)  # `kdlib serve` in its own process; stopped even mid-start
+                server.start()
+                url = server.url
+                api_key = api_key or os.environ.get("KDLIB_API_KEY")  # the key that server took from the env
+                print(f"kdlib diagnose: started the embedded server at {url}", file=sys.stderr)
+            client = OpenAIClient(url, args.model, api_key=api_key, metric_set=args.metrics,
+                                  timeout=args.timeout)
+            if args.max_context:
+                client.max_context = args.max_context
+            try:
+                if args.load:
+                    result = load_test(client, concurrency=levels, rates=rates,
+                                       max_concurrency=args.max_concurrency, num_prompts=args.num_prompts,
+                                       distinct=args.distinct_prompts, input_len=args.input_len,
+                                       output_len=args.output_len, repeats=args.repeats, slo=slo or None,
+                                       check_greedy=not args.no_greedy_check, seed=args.seed)
+                else:
+                    result = diagnose(client, sweep=not args.no_sweep, sustained_tokens=args.sustained_tokens,
+                                      sustained_prompt=args.sustained_prompt, max_context=args.max_context,
+                                      repeats=args.repeats)
+            finally:
+                client.close()
     except ValueError as e:  # a request this endpoint cannot take (context, prompt lengths)
         return fail("kdlib diagnose", e)
     except (DiagnoseError, RuntimeError) as e:  # the endpoint failed, or the embedded server did not start
         print(f"kdlib diagnose: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as e:
+        print(f"kdlib diagnose: {'terminated' if isinstance(e, Terminated) else 'interrupted'}; nothing "
+              "measured is printed or written", file=sys.stderr)
+        return interrupted_code(e)
     finally:
         if server is not None:
             server.stop()

@@ -96,7 +96,7 @@ from pathlib import Path
 import numpy as np
 
 from kdlib.check import errors
-from kdlib.cli import Parser, fail
+from kdlib.cli import Parser, Terminated, fail, interrupted_code, sigterm_as_interrupt
 from kdlib.files import atomic_write, check_folder
 
 try:
@@ -1049,9 +1049,10 @@ def from_npz(src, dst) -> None:
 
 
 def cli(argv: list[str]) -> int:
-    """Exit codes: 0 success, 2 bad input (usage, missing or malformed file, unsupported type)."""
+    """Exit codes: 0 success, 2 bad input (usage, missing or malformed file, unsupported type), 130 / 143
+    interrupted (Ctrl-C / SIGTERM: a target being written is left whole or untouched, with no temp file)."""
     ap = Parser(prog="kdlib kdtr", description="Inspect, check and convert KDTR tensor files.")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub = ap.add_subparsers(dest="cmd", metavar="{info,convert,verify}", required=True)
     p = sub.add_parser("info", help="print the tensor table and metadata (.kdtr, .safetensors, .npz)")
     p.add_argument("file")
     p = sub.add_parser("convert", help="convert between .kdtr, .safetensors and .npz (by suffix)")
@@ -1064,16 +1065,21 @@ def cli(argv: list[str]) -> int:
     except SystemExit as e:
         return int(e.code or 0)
     try:
-        if args.cmd == "info":
-            print(table(args.file))
-        elif args.cmd == "convert":
-            convert(args.src, args.dst)
-            print(f"{args.src} -> {args.dst}")
-        else:
-            h = verify(args.file)
-            print(f"{args.file}: OK ({len(h.tensors)} tensors, {h.file_size} bytes, all checksums match)")
+        with sigterm_as_interrupt():  # SIGTERM as Ctrl-C: the writer's temp file removed, not left behind
+            if args.cmd == "info":
+                print(table(args.file))
+            elif args.cmd == "convert":
+                convert(args.src, args.dst)
+                print(f"{args.src} -> {args.dst}")
+            else:
+                h = verify(args.file)
+                print(f"{args.file}: OK ({len(h.tensors)} tensors, {h.file_size} bytes, all checksums match)")
     except BrokenPipeError:
         raise  # the reader went away: `kdlib` ends quietly (kdlib.cli)
     except (OSError, ValueError) as e:
         return fail(f"kdlib kdtr {args.cmd}", e)
+    except KeyboardInterrupt as e:
+        how = "terminated" if isinstance(e, Terminated) else "interrupted"
+        print(f"kdlib kdtr {args.cmd}: {how}", file=sys.stderr)
+        return interrupted_code(e)
     return 0

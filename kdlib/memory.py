@@ -674,7 +674,8 @@ def plan(config, gpu: str, tp: int, context: int, *, kv_dtype: str = "bfloat16",
     cell = kv_bytes_per_token(config, kv_dtype, tp, "replicated" if c > 1 else kv_split)
     static = int(free_before * mfs)
     rest = pool_bytes(mem, weights, mfs, overhead_bytes)
-    tokens = pool_tokens(mem, weights, cell, mfs, overhead_bytes) if rest > 0 else 0
+    profiled = pool_tokens(mem, weights, cell, mfs, overhead_bytes) if rest > 0 else 0
+    tokens = profiled
     if max_total_tokens is not None:
         if max_total_tokens < 1:
             raise ValueError(f"max_total_tokens must be >= 1, got {max_total_tokens}")
@@ -845,6 +846,14 @@ def plan(config, gpu: str, tp: int, context: int, *, kv_dtype: str = "bfloat16",
                    "(max_req_len), whatever the pool holds. A longer context_len needs "
                    "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1, past the end of the YaRN range.")
         fits = False
+    elif context > longest and tokens < profiled and profiled * c > context:
+        # the cap binds, and the pool the fraction gives would hold the request: the cap is the fix
+        verdict = (f"ONE {context:,}-TOKEN REQUEST DOES NOT FIT: max_total_tokens={max_total_tokens:,} "
+                   f"caps the pool at {one_request_tokens:,} tokens for one request, so the longest is "
+                   f"{longest:,}; raise max_total_tokens to >= {math.ceil((context + 1) / c):,} or drop "
+                   f"it (the pool at mem_fraction_static={mfs:g} holds {profiled * c:,} tokens for one "
+                   "request).")
+        fits = False
     elif context > longest:
         need_mfs = mem_fraction_for_pool(mem, weights, pool_needed, overhead_bytes)
         verdict = (f"ONE {context:,}-TOKEN REQUEST DOES NOT FIT: the pool holds {one_request_tokens:,} "
@@ -853,6 +862,8 @@ def plan(config, gpu: str, tp: int, context: int, *, kv_dtype: str = "bfloat16",
                    "options: "
                    f"mem_fraction_static >= {fraction_to_set(need_mfs):.3f}"
                    + (" (impossible)" if need_mfs >= 1 else "")
+                   + (f" with max_total_tokens raised to >= {math.ceil((context + 1) / c):,} or dropped"
+                      if tokens < profiled else "")
                    + ", a smaller KV dtype, or context parallelism (DP-attention adds capacity for more "
                      "requests, "
                    "not for a longer one).")

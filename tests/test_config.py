@@ -45,6 +45,17 @@ def test_bad_files_raise_config_error(tmp_path):
         config.load_config("no-such-model")
 
 
+def test_a_folder_without_config_json_is_named_as_such(tmp_path, capsys):
+    """`kdlib memory /tmp` said "not a file, and not one of the shipped configs" of a folder."""
+    with pytest.raises(ValueError, match=r"a folder that holds no config\.json$"):
+        config.load_config(tmp_path)
+    assert memory.cli([str(tmp_path), "--gpu", "h200", "--tp", "8", "--context", "1000"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"kdlib memory: error: no config {str(tmp_path)!r}: a folder that holds no config.json\n"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "x"}))
+    assert config.load_config(tmp_path)["_name"] == tmp_path.name  # a folder with one still loads
+
+
 @pytest.mark.parametrize("name", ENGINE_CONFIGS)
 def test_the_views_agree(name):
     """geometry (memory), ModelConfig (engine) and ModelShape (estimator) read the same numbers."""

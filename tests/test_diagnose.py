@@ -457,3 +457,107 @@ def test_json_results_are_strict(tmp_path):
 
     got = json.loads((tmp_path / "r.json").read_text(), parse_constant=refuse)
     assert got == {"request_rate": "inf", "levels": [{"x": None, "y": "-inf", "z": 1.5}]}
+
+
+def _stat(pid) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state, ppid, ...); None where none is."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    stat = _stat(pid)
+    return stat is not None and stat[0] != "Z"  # a zombie has ended
+
+
+def _serve_children(pid: int) -> list[int]:
+    """The live `kdlib serve` processes whose parent is `pid` (from /proc: Linux)."""
+    import os
+
+    kids = []
+    for entry in os.listdir("/proc"):
+        stat = _stat(entry) if entry.isdigit() else None
+        if stat is None or stat[1] != str(pid) or stat[0] == "Z":
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline") as f:
+                if "serve" in f.read().split("\0"):
+                    kids.append(int(entry))
+        except OSError:
+            continue  # it just ended
+    return kids
+
+
+@pytest.mark.parametrize("sig, code, how", [("SIGTERM", 143, "terminated"), ("SIGINT", 130, "interrupted")])
+def test_a_signal_stops_the_embedded_server_too(sig, code, how):
+    """SIGTERM on `kdlib diagnose` with its embedded `kdlib serve` ended it without stopping that server,
+    which went on holding its port; Ctrl-C printed a traceback. Both now stop the server and end in one
+    line with the shell's code. SIGINT goes to diagnose alone here (a terminal sends it to both)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    # `kdlib`, with Ctrl-C's handler even where the runner ignores SIGINT
+    kdlib_main = ("import signal, sys; from kdlib import cli; "
+                  "signal.signal(signal.SIGINT, signal.default_int_handler); sys.exit(cli.main())")
+    # --repeats: measuring outlasts the test's wait by far
+    proc = subprocess.Popen([sys.executable, "-c", kdlib_main, "diagnose", "--no-sweep",
+                             "--serve-args=--random --method ar", "--repeats", "100000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    kids = []
+    try:
+        for line in proc.stderr:  # printed once the server answers /health
+            if line.startswith("kdlib diagnose: started the embedded server at "):
+                break
+        else:
+            pytest.fail("kdlib diagnose ended before its server answered")
+        kids = _serve_children(proc.pid)
+        assert len(kids) == 1
+        time.sleep(1)  # into the measurement
+        proc.send_signal(getattr(signal, sig))
+        _, err = proc.communicate(timeout=120)
+        deadline = time.monotonic() + 60
+        while _alive(kids[0]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(kids[0]), "the embedded server outlived kdlib diagnose"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        for pid in kids:  # an orphaned server: ours to end
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == code, err
+    assert "Traceback" not in err and err.endswith(f"kdlib diagnose: {how}; nothing measured is printed or "
+                                                   "written\n")
+
+
+def test_max_concurrency_needs_the_rate_sweep(server, tmp_path, capsys):
+    """--max-concurrency caps the rate sweep only: with fixed levels alone it was taken, ignored, and written
+    into the result's parameters."""
+    with pytest.raises(SystemExit) as e:
+        dg.cli(["--load", "--concurrency", "2", "--max-concurrency", "4"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert "--max-concurrency caps the rate sweep only: give --request-rate too" in err
+    out = tmp_path / "rate.json"
+    rc = dg.cli(["--endpoint", server.url, "--load", "--concurrency", "", "--request-rate", "50",
+                 "--max-concurrency", "2", "--repeats", "1", "--distinct-prompts", "2", "--num-prompts", "2",
+                 "--input-len", "8", "--output-len", "4", "--no-greedy-check", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["parameters"]["max_concurrency"] == 2 and res["levels"][0]["concurrency"] == 2
+
+
+def test_level_flags_say_they_take_a_comma_list(capsys):
+    """`--concurrency 1 2` failed with "unrecognized arguments: 2": the help now names the form."""
+    with pytest.raises(SystemExit):
+        dg.cli(["--help"])
+    help_ = " ".join(capsys.readouterr().out.split())
+    assert "--concurrency CONCURRENCY fixed concurrency levels, comma-separated, e.g. 1,2,4" in help_
+    assert ("--request-rate REQUEST_RATE request rates per second to sweep, comma-separated, e.g. 1,2,inf"
+            in help_)

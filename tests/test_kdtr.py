@@ -537,6 +537,48 @@ def test_killed_save_never_leaves_a_partial_target(small):
     assert len(litter) == 1 and litter[0].startswith(".small.kdtr.") and litter[0].endswith(".kdtr-tmp")
 
 
+@pytest.mark.parametrize("sig, code, how", [(signal.SIGTERM, 143, "terminated"),
+                                            (signal.SIGINT, 130, "interrupted")])
+def test_a_signalled_convert_leaves_no_temp_file_and_no_traceback(small, tmp_path, sig, code, how):
+    """`kdlib kdtr convert` stopped mid-write: SIGTERM (kill, timeout) left the hidden temp file behind,
+    Ctrl-C printed a traceback. Now both remove it, keep the old target, and end in one line with the
+    shell's code."""
+    out = tmp_path / "out"
+    out.mkdir()
+    dst = out / "big.kdtr"
+    dst.write_bytes(small.read_bytes())  # an old target, which must survive whole
+    child = textwrap.dedent(
+        f"""
+        import signal, sys, time
+        from kdlib import cli, kdtr
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # even where the test runner ignores it
+        real = kdtr._write_array
+        def slow(f, a):  # the first tensor written, then a pause in the middle of the file
+            crc = real(f, a)
+            f.flush()
+            print("half", flush=True)
+            time.sleep(120)
+            return crc
+        kdtr._write_array = slow
+        sys.exit(cli.main(["kdtr", "convert", {str(small)!r}, {str(dst)!r}]))
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "half"
+        assert len(list(out.iterdir())) == 2  # the target and the temp file being written
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == code, err
+    assert err == f"kdlib kdtr convert: {how}\n"
+    assert [p.name for p in out.iterdir()] == [dst.name] and dst.read_bytes() == small.read_bytes()
+
+
 def test_save_keeps_permissions_of_replaced_file(small):
     os.chmod(small, 0o640)
     kdtr.save(small, {"x": np.zeros(1)})
@@ -937,6 +979,13 @@ def test_cli_usage_errors_and_a_missing_safetensors_are_one_line(small, tmp_path
     assert r.stderr.strip().splitlines() == [f"kdlib kdtr convert: error: {st}: reading .safetensors needs "
                                              "the safetensors package (pip install safetensors)"]
     assert not (tmp_path / "c.kdtr").exists()
+
+
+def test_cli_without_a_subcommand_names_the_choices(capsys):
+    """`kdlib kdtr` alone said "the following arguments are required: cmd"."""
+    assert kdtr.cli([]) == 2
+    assert capsys.readouterr().err == ("kdlib kdtr: error: the following arguments are required: "
+                                       "{info,convert,verify} (see kdlib kdtr --help)\n")
 
 
 def test_cli_subprocess(small, tmp_path):

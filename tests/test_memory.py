@@ -352,6 +352,24 @@ def test_context_parallel_counts_the_busiest_ranks_slots():
     assert m.plan(**base, mem_fraction_static=m.fraction_to_set(need)).fits
 
 
+@pytest.mark.parametrize("kv_split", ["replicated", "context_parallel"])
+def test_a_binding_max_total_tokens_is_the_advice_not_the_fraction(kv_split, capsys):
+    """A pool capped by --max-total-tokens was told to raise mem_fraction_static to 0.606, below the
+    0.8417 it already had; the verdict names the cap, and the cap it names fits (one fewer does not)."""
+    argv = ["kimi-k2.6", "--gpu", "h200", "--tp", "8", "--context", "200000", "--max-total-tokens", "1000",
+            "--kv-split", kv_split]
+    assert m.cli(argv) == 0
+    verdict = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "max_total_tokens=1,000 caps the pool" in verdict and "mem_fraction_static >=" not in verdict
+    named = int(re.search(r"raise max_total_tokens to >= ([0-9,]+) or drop it", verdict)[1].replace(",", ""))
+    base = dict(config="kimi-k2.6", gpu="h200", tp=8, context=200_000, kv_split=kv_split)
+    assert m.plan(**base, max_total_tokens=named).fits and m.plan(**base).fits
+    assert not m.plan(**base, max_total_tokens=named - 1).fits
+    # a cap and a fraction both too small (plain TP): both named
+    both = m.plan("kimi-k2.6", "h200", 8, 200_000, max_total_tokens=1000, mem_fraction_static=0.55)
+    assert "mem_fraction_static >= 0.606 with max_total_tokens raised to >= 200,001" in both.verdict
+
+
 def test_the_fraction_a_verdict_names_fits():
     """The verdict rounded the needed fraction to the nearest thousandth: the README's own example named
     0.893, at which the request still did not fit (0.894 does)."""
