@@ -210,6 +210,39 @@ def test_errors_are_clear_and_before_any_work():
     assert not eng.has_work() and eng.pool_free_slots == 100
 
 
+def test_wrong_types_and_ints_past_the_lanes_are_named_before_any_work():
+    """These gave raw errors: 'Overflow when unpacking long long' at the prefill (top_k, min_tokens of
+    2**63), 'int' object is not iterable, 'dict' object has no attribute 'validate', 'str' object has no
+    attribute 'vocab_size'."""
+    m = _model()
+    eng = BatchEngine(m, max_streams=2, keep_results=True)
+    for field in ("top_k", "min_tokens"):
+        for v in (2**63, 2**62, -1):
+            with pytest.raises(ValueError, match=rf"{field} must be an int in \[0, 2\*\*62\)"):
+                eng.add_request([1], 2, SamplingParams(temperature=0.5, stop_token_ids=(3,), **{field: v}))
+    with pytest.raises(ValueError, match="params must be a SamplingParams or None, got dict"):
+        eng.add_request([1], 2, {"temperature": 0.5})
+    with pytest.raises(ValueError, match="token_ids must be a sequence of token ids, got str"):
+        eng.add_request("hello", 2)
+    assert not eng.has_work()
+    with pytest.raises(ValueError, match=r"prompts\[0\] must be a sequence of token ids, got int"):
+        generate_batch(m, [1, 2, 3], 4)
+    with pytest.raises(ValueError, match=r"prompts\[1\] must be a sequence of token ids, got str"):
+        generate_batch(m, [[1], "hi"], 4)
+    with pytest.raises(ValueError, match="prompts must be a sequence of prompts, got str"):
+        generate_batch(m, "hello", 4)
+    for drafter in ("x", generate):
+        with pytest.raises(ValueError, match="drafter must be a DFlashDrafter, a NoisyOracleDrafter or one"):
+            BatchEngine(m, method="ddtree", drafter=drafter)
+    # the largest values allowed run: top_k past the vocabulary keeps every token, min_tokens masks all along
+    big = SamplingParams(temperature=0.5, top_k=2**62 - 1, min_tokens=2**62 - 1, stop_token_ids=(3,), seed=0)
+    rid = eng.add_request([1, 2], 3, big)
+    while eng.has_work():
+        eng.step()
+    got = eng.result(rid).tokens
+    assert len(got) == 3 and 3 not in got
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_stop_tokens_min_tokens_and_ignore_eos(overlap):
     m = _model()

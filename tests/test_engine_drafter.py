@@ -132,3 +132,12 @@ def test_the_oracle_refuses_a_margin_that_unmakes_p_wrong_and_a_fractional_block
         NoisyOracleDrafter(96, 0.0, block_size=5, margin=0.0)
     with pytest.raises(ValueError, match="block_size must be an int >= 2"):
         NoisyOracleDrafter(96, 0.0, block_size=2.5)
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, True, None])
+def test_the_oracle_refuses_a_bad_seed_before_generate_computes(target, seed, monkeypatch):
+    """The seed went unchecked to np.random.PCG64 in `begin`, which raised after generate's prefill."""
+    with pytest.raises(ValueError, match="seed must be an int >= 0"):
+        d = NoisyOracleDrafter(target.cfg.vocab_size, 0.1, block_size=4, seed=seed)
+        monkeypatch.setattr(target, "prefill", lambda *a, **k: pytest.fail("computed before validating"))
+        generate(target, [1, 2, 3], 4, method="ddtree", drafter=d)

@@ -271,6 +271,15 @@ def test_bad_input_raises_before_compute(kwargs, match, monkeypatch):
         generate(model, **args)
 
 
+@pytest.mark.parametrize("prompt", ["hello", b"hi", None, [[1], [2, 3]], ["a"]])
+def test_prompts_that_are_not_id_sequences_name_token_ids(prompt, monkeypatch):
+    """Text and the like gave torch's errors naming no argument (TypeError new(): invalid data type 'str')."""
+    model = Model.random(_config("tiny-a"), seed=0)
+    monkeypatch.setattr(model, "prefill", lambda *a, **k: pytest.fail("computed before validating"))
+    with pytest.raises(ValueError, match="token_ids must be a sequence of token ids, got"):
+        generate(model, prompt, 4)
+
+
 @pytest.mark.parametrize("change, match", [
     (dict(target_layer_ids=(7,)), r"target_layer_ids \[7\] are not decoder layers of the target \(0\.\.2\)"),
     (dict(hidden_size=48), "drafter hidden_size / vocab_size differ from the target's"),

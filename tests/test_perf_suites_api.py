@@ -6,6 +6,7 @@ import argparse
 import importlib
 import inspect
 import json
+import re
 import types
 
 import pytest
@@ -32,8 +33,20 @@ def test_every_suite_run_is_keyword_only_typed_defaulted_and_documented():
         for p in inspect.signature(module.run).parameters.values():
             assert p.default is not inspect.Parameter.empty, f"{name}.run({p.name}) has no default"
             assert p.annotation is not inspect.Parameter.empty, f"{name}.run({p.name}) has no type"
-            assert p.name in doc, f"{name}.run's docstring does not document {p.name!r}"
+            assert _documents(doc, p.name), f"{name}.run's docstring does not document {p.name!r}"
     assert LEGACY <= set(suites)
+
+
+def _documents(doc: str, name: str) -> bool:
+    """Whether doc names `name` as a whole word (not as out in without, or iters in baseline_iters)."""
+    return re.search(rf"\b{re.escape(name)}\b", doc) is not None
+
+
+def test_a_parameter_is_documented_by_its_whole_name_only():
+    assert _documents("out: the folder; iters: timed runs", "out") and _documents("(iters)", "iters")
+    for doc, name in (("without a GPU", "out"), ("baseline_iters: runs", "iters"),
+                      ("attention_budget: tokens", "attention")):
+        assert not _documents(doc, name), (doc, name)
 
 
 def test_the_entry_point_passes_only_the_names_a_suite_accepts():

@@ -4,6 +4,7 @@ tests/test_perf_timing.py`)."""
 
 import ast
 import gc
+import os
 import weakref
 from pathlib import Path
 
@@ -45,9 +46,29 @@ def test_copy_bandwidth_rejects_an_unknown_method():
         timing.copy_bandwidth(1 << 10, method="dma")
 
 
-def test_clocks_is_a_line_or_none():
-    c = timing.clocks()
-    assert c is None or (isinstance(c, str) and c.strip() == c and c)
+def _nvidia_smi(tmp_path, monkeypatch, script: str) -> None:
+    """A stand-in `nvidia-smi` (sh `script`) first on PATH."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    exe = bin_ / "nvidia-smi"
+    exe.write_text(f"#!/bin/sh\n{script}\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_}:{os.environ['PATH']}")
+
+
+def test_clocks_is_the_reading_line(tmp_path, monkeypatch):
+    _nvidia_smi(tmp_path, monkeypatch, 'echo "  1980 MHz, 2619 MHz, 41, 72.50 W  "')
+    assert timing.clocks() == "1980 MHz, 2619 MHz, 41, 72.50 W"
+
+
+def test_clocks_is_none_where_nvidia_smi_fails_or_is_missing(tmp_path, monkeypatch):
+    # nvidia-smi prints its failure to stdout and exits non-zero: no reading
+    _nvidia_smi(tmp_path, monkeypatch,
+                "echo \"NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+                "Make sure that the latest NVIDIA driver is installed and running.\"\nexit 9")
+    assert timing.clocks() is None
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert timing.clocks() is None
 
 
 def _imports(path: Path):

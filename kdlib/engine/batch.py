@@ -93,9 +93,10 @@ class SamplingParams:
         if (isinstance(self.top_p, bool) or not isinstance(self.top_p, numbers.Real)
                 or not 0 < self.top_p <= 1):
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
+        # both go to int64 lane tensors, min_tokens as prompt + min_tokens
         for name, v in (("top_k", self.top_k), ("min_tokens", self.min_tokens)):
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 0 <= v < 2**62:
+                raise ValueError(f"{name} must be an int in [0, 2**62), got {v!r}")
         if self.seed is not None and (isinstance(self.seed, bool)
                                       or not isinstance(self.seed, numbers.Integral)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
@@ -271,10 +272,7 @@ def _lane_drafter(drafter, target, lanes, cap):
         return drafter.make_lanes(target, lanes, cap)
     if isinstance(drafter, DFlashDrafter):
         return _DFlashLanes(drafter, target, lanes, cap)
-    if isinstance(drafter, NoisyOracleDrafter):
-        return OracleLanes(drafter, target, lanes, cap)
-    raise ValueError("the batched engine drafts with DFlashDrafter or NoisyOracleDrafter, "
-                     f"got {type(drafter).__name__}")
+    return OracleLanes(drafter, target, lanes, cap)  # a NoisyOracleDrafter (BatchEngine checked)
 
 
 # ----------------------------------------------------------------------------- device-side helpers
@@ -378,6 +376,10 @@ class BatchEngine:
         if method == "ddtree":
             if drafter is None:
                 raise ValueError("method 'ddtree' needs a drafter")
+            if not (hasattr(drafter, "make_lanes")
+                    or isinstance(drafter, DFlashDrafter | NoisyOracleDrafter)):
+                raise ValueError("drafter must be a DFlashDrafter, a NoisyOracleDrafter or one with "
+                                 f"make_lanes, got {type(drafter).__name__}")
             if drafter.vocab_size != cfg.vocab_size:
                 raise ValueError(f"drafter vocabulary {drafter.vocab_size} != target vocabulary "
                                  f"{cfg.vocab_size}")
@@ -495,6 +497,8 @@ class BatchEngine:
         if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral)
                 or max_new_tokens < 1):
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if params is not None and not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams or None, got {type(params).__name__}")
         params = (params or SamplingParams()).validate(self.cfg.vocab_size)
         if len(prompt) + max_new_tokens > self.max_context:
             raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds the "
@@ -975,6 +979,12 @@ def generate_batch(model, prompts, max_new_tokens: int, method: str = "ar", draf
     (a step's phases run inside one graph); accepted / tree_sizes / target_forwards are per request,
     total_ms is the whole batch's wall time.
     """
+    if isinstance(prompts, str | bytes) or not isinstance(prompts, Iterable):
+        raise ValueError(f"prompts must be a sequence of prompts, got {type(prompts).__name__}")
+    prompts = list(prompts)
+    for i, p in enumerate(prompts):  # the ids themselves: add_request's check
+        if isinstance(p, str | bytes) or not isinstance(p, Iterable):
+            raise ValueError(f"prompts[{i}] must be a sequence of token ids, got {type(p).__name__}")
     prompts = [list(p) for p in prompts]
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
     if not prompts:

@@ -31,7 +31,7 @@ from torch import nn
 
 from kdlib import kdtr
 from kdlib.engine.cache import LatentCache
-from kdlib.engine.model import MLP, RMSNorm, apply_rope, upcast
+from kdlib.engine.model import MLP, RMSNorm, apply_rope, check_int, upcast
 
 
 @runtime_checkable
@@ -93,7 +93,7 @@ class NoisyOracleDrafter:
             block_size,
             margin,
         )
-        self.seed = seed
+        self.seed = check_int("seed", seed, 0)  # PCG64's, in `begin`
         self.reference = None if reference is None else [int(t) for t in reference]
         self._model = None
         self._ctx: list[int] = []

@@ -42,6 +42,7 @@ import torch
 from kdlib import ops
 from kdlib.engine.cache import LatentCache
 from kdlib.engine.drafter import DFlashDrafter, Drafter
+from kdlib.engine.model import check_int
 
 PHASES = ("draft", "build", "verify", "accept", "compaction")
 METHODS = ("ar", "ddtree")
@@ -110,13 +111,6 @@ class GenerateResult:
     def step_ms(self) -> np.ndarray:
         """[steps] wall ms per decode step (the sum of its phases)."""
         return np.sum([np.asarray(self.phase_ms[p]) for p in PHASES], axis=0)
-
-
-def check_int(name, v, lo):
-    """int(v), after a ValueError naming `name` unless v is an int (not a bool) >= lo."""
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
-    return int(v)
 
 
 def validate(model, prompt_ids, max_new_tokens, method, drafter, budget, top_k, temperature, max_context):

@@ -29,6 +29,7 @@ the unbiased scores of the chosen experts, normalised when `norm_topk_prob`, tim
 
 from __future__ import annotations
 
+import numbers
 from pathlib import Path
 
 import numpy as np
@@ -100,6 +101,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def check_int(name, v, lo):
+    """int(v), after a ValueError naming `name` unless v is an int (not a bool) >= lo."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    return int(v)
 
 
 def _signed(t: torch.Tensor, name: str, past: str) -> torch.Tensor:
@@ -615,7 +623,11 @@ class Model(nn.Module):
     def check_tokens(self, token_ids) -> torch.Tensor:
         """Validate ids (1-D, non-empty, inside the vocabulary) and return them as int64 on the
         model's device."""
-        t = torch.as_tensor(token_ids)
+        try:
+            t = torch.as_tensor(token_ids)
+        except (TypeError, ValueError, RuntimeError) as e:  # text, None, ragged lists: torch names nothing
+            raise ValueError(f"token_ids must be a sequence of token ids, got {type(token_ids).__name__}: "
+                             f"{e}") from None
         if t.dim() != 1 or t.numel() == 0:
             raise ValueError(f"token_ids must be a non-empty 1-D sequence, got shape {tuple(t.shape)}")
         t = _signed(t, "token_ids", f"out of the vocabulary [0, {self.cfg.vocab_size})")

@@ -161,14 +161,15 @@ def l2_flush(factor: int = 2) -> Callable[[], None]:
 
 
 def clocks() -> str | None:
-    """nvidia-smi's 'SM clock, memory clock, temperature, power' of every GPU, or None without it."""
+    """nvidia-smi's 'SM clock, memory clock, temperature, power' of every GPU, or None without it or where
+    it fails (it prints its failure message to stdout: not a reading)."""
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw",
              "--format=csv,noheader"],
             capture_output=True, text=True, timeout=10,
         )
-        return out.stdout.strip() or None
+        return (out.stdout.strip() or None) if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
 
