@@ -507,24 +507,31 @@ def test_interrupted_save_keeps_old_file_and_leaves_no_litter(small, monkeypatch
     assert len(calls) == 2
 
 
+# A child's kdtr writer that writes the first tensor, says "half" and pauses in the middle of the file
+_SLOW_WRITER = textwrap.dedent(
+    """
+    import time
+    real = kdtr._write_array
+    def slow(f, a):
+        crc = real(f, a)
+        f.flush()
+        print("half", flush=True)
+        time.sleep(120)
+        return crc
+    kdtr._write_array = slow
+    """
+)
+
+
 def test_killed_save_never_leaves_a_partial_target(small):
     """SIGKILL in the middle of the data: the target is the old file; only a marked temp remains."""
     before = small.read_bytes()
     child = textwrap.dedent(
-        f"""
-        import sys, time, numpy as np
-        from kdlib import kdtr
-        real = kdtr._write_array
-        def slow(f, a):
-            crc = real(f, a)
-            f.flush()
-            print("half", flush=True)
-            time.sleep(60)
-            return crc
-        kdtr._write_array = slow
-        kdtr.save({str(small)!r}, {{"x": np.ones(1 << 20), "y": np.ones(10)}})
         """
-    )
+        import numpy as np
+        from kdlib import kdtr
+        """
+    ) + _SLOW_WRITER + f"kdtr.save({str(small)!r}, {{'x': np.ones(1 << 20), 'y': np.ones(10)}})\n"
     proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "half"
@@ -548,21 +555,12 @@ def test_a_signalled_convert_leaves_no_temp_file_and_no_traceback(small, tmp_pat
     dst = out / "big.kdtr"
     dst.write_bytes(small.read_bytes())  # an old target, which must survive whole
     child = textwrap.dedent(
-        f"""
-        import signal, sys, time
+        """
+        import signal, sys
         from kdlib import cli, kdtr
         signal.signal(signal.SIGINT, signal.default_int_handler)  # even where the test runner ignores it
-        real = kdtr._write_array
-        def slow(f, a):  # the first tensor written, then a pause in the middle of the file
-            crc = real(f, a)
-            f.flush()
-            print("half", flush=True)
-            time.sleep(120)
-            return crc
-        kdtr._write_array = slow
-        sys.exit(cli.main(["kdtr", "convert", {str(small)!r}, {str(dst)!r}]))
         """
-    )
+    ) + _SLOW_WRITER + f"sys.exit(cli.main(['kdtr', 'convert', {str(small)!r}, {str(dst)!r}]))\n"
     proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
