@@ -27,7 +27,9 @@
 #define P_CUT 7  // CHUNK_WITH_TAIL as built: the cut the chunks follow (kdlib's mirrors read it)
 #define PLAN_SMEM_REQS 256              // requests whose plan the plan kernels build in shared memory
 #define MAX_ROUNDS 4                    // jobs <= MAX_ROUNDS * G + B * ceil(M / 64): the partials' bound
+#ifndef JOB_OVERHEAD                    // -DJOB_OVERHEAD=N: the plans weigh a job at its tiles + N
 #define JOB_OVERHEAD 5                  // tiles' worth of a job's Q load, pipeline fill and output write
+#endif
 #ifndef PLAN_SMALL_REQS                 // -DPLAN_SMALL_REQS=0: every plan by plan_v5's four warps
 #define PLAN_SMALL_REQS 8               // up to this many requests warp 0 makes the plan alone (plan_small)
 #endif
