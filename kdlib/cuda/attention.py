@@ -360,18 +360,6 @@ def _float_kind(x, name: str) -> tuple[object, str]:
     return cupy.ascontiguousarray(a), "f32"
 
 
-def _bool_cupy(x):
-    """A CuPy view of a bool array; torch bool crosses DLPack as uint8 bytes (same layout)."""
-    import cupy
-
-    if loader.is_torch(x):
-        import torch
-
-        if x.dtype == torch.bool:
-            return loader.as_cupy(x.contiguous().view(torch.uint8)).view(cupy.bool_)
-    return loader.as_cupy(x)
-
-
 def _lengths(x, name: str, batched: bool, bsz: int, validate: bool):
     import cupy
 
@@ -513,7 +501,7 @@ def _check_tail(qa, kind, tree_kv, visibility, tree_sizes, batched, validate):
     if t_kind != kind:
         raise ValueError(f"tree_kv is {t_kind} but q is {kind}: give both the same dtype")
     vwant = (bsz, nq, nq) if batched else (nq, nq)
-    vis = _bool_cupy(visibility)
+    vis = loader.as_cupy(visibility)  # torch bool crosses as bytes viewed as bool
     if vis.dtype != cupy.bool_ or vis.shape != vwant:
         raise ValueError(f"visibility must be a bool array of shape {vwant}, got {vis.dtype} {vis.shape}")
     vis = cupy.ascontiguousarray(vis if batched else vis[None])

@@ -494,9 +494,7 @@ class BatchEngine:
     def add_request(self, prompt_ids, max_new_tokens: int, params: SamplingParams | None = None) -> int:
         """Queue a request (validated now: a clear ValueError if it could never run); returns its id."""
         prompt = self.model.check_tokens(prompt_ids).tolist()
-        if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral)
-                or max_new_tokens < 1):
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
         if params is not None and not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams or None, got {type(params).__name__}")
         params = (params or SamplingParams()).validate(self.cfg.vocab_size)
@@ -508,7 +506,7 @@ class BatchEngine:
             raise ValueError(f"the request needs {need} KV slots (prompt + max_new_tokens + {self.rows} "
                              f"verify rows); the pool holds {self.pool.num_slots}")
         seed = secrets.randbits(63) if params.seed is None else int(params.seed) & (2**63 - 1)
-        r = _Request(self._next_id, prompt, int(max_new_tokens), params, seed)
+        r = _Request(self._next_id, prompt, max_new_tokens, params, seed)
         self._next_id += 1
         self._requests[r.rid] = r
         self._waiting.append(r)
@@ -981,11 +979,12 @@ def generate_batch(model, prompts, max_new_tokens: int, method: str = "ar", draf
     """
     if isinstance(prompts, str | bytes) or not isinstance(prompts, Iterable):
         raise ValueError(f"prompts must be a sequence of prompts, got {type(prompts).__name__}")
-    prompts = list(prompts)
+    listed = []
     for i, p in enumerate(prompts):  # the ids themselves: add_request's check
         if isinstance(p, str | bytes) or not isinstance(p, Iterable):
             raise ValueError(f"prompts[{i}] must be a sequence of token ids, got {type(p).__name__}")
-    prompts = [list(p) for p in prompts]
+        listed.append(list(p))
+    prompts = listed
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
     if not prompts:
         return []
