@@ -524,11 +524,11 @@ def test_v10_snake_deal_balances_the_ragged_point():
 
 
 def test_v10_plan_weighs_the_chunks_by_the_deal_it_runs():
-    """plan_v5's weigh_deal (the v10 plan kernel's DEAL_COST): past PLAN_SMALL_REQS requests the chosen round
-    count's plan leaves the busiest CTA of version 10's deal (deal_balance) x 32 + jobs no heavier than the
-    plan chosen by rounds x (longest + JOB_OVERHEAD) does, wherever that plan has at most ORDER_CAP jobs, and
-    the two agree up to PLAN_SMALL_REQS requests. At the suite's ragged point the weighed plan is the two-round
-    one (264 jobs) where the other takes four (520): notebook 02b, 13zc."""
+    """plan_v5's weigh_deal (the v10 plan kernel's DEAL_COST): past PLAN_SMALL_REQS requests the chosen
+    round count's plan leaves the busiest CTA of version 10's deal (deal_balance) x 32 + jobs no heavier than
+    the plan chosen by rounds x (longest + JOB_OVERHEAD) does, wherever that plan has at most ORDER_CAP jobs,
+    and the two agree up to PLAN_SMALL_REQS requests. At the suite's ragged point the weighed plan is the
+    two-round one (264 jobs) where the other takes four (520): notebook 02b, 13zc."""
     from kdlib.cuda import attention as cu
     from kdlib.perf.suites import attention as suite
 
@@ -1712,8 +1712,8 @@ def test_wgmma_plan_kernel_matches_numpy_mirror(small, with_tail):
 @pytest.mark.gpu
 @pytest.mark.parametrize("deal_cost", [True, False], ids=["deal_cost", "rounds_cost"])
 def test_v10_plan_kernel_writes_the_mirrors_plan_and_order(deal_cost):
-    """tree_verify_v10_plan: plan_v5's plan and plan_order's order integer for integer where it writes one;
-    elsewhere order [0] = -1 (the static deal; nothing without jobs) and the rest of the buffer untouched.
+    """tree_verify_v10_plan: plan_v5's plan and plan_order's order integer for integer where it writes
+    one; elsewhere order [0] = -1 (the static deal; nothing without jobs) and the rest of the buffer untouched.
     Built as shipped (DEAL_COST: the candidates weighed by the deal, among them the suite's ragged point, where
     that changes the plan) and with -DDEAL_COST=0 (the mirror's weigh_deal=False)."""
     _need_wgmma()
@@ -1728,12 +1728,14 @@ def test_v10_plan_kernel_writes_the_mirrors_plan_and_order(deal_cost):
     shapes = [_v5_random_shape(rng) for _ in range(200)] + [_v10_ragged_shape(rng) for _ in range(100)]
     shapes += _v5_many_requests(rng)
     lens, trees = suite.ragged_shape()
-    shapes.append((np.array(lens), np.array(trees), max(lens), suite.RAGGED["queries"], suite.RAGGED["heads"], 132))
+    shapes.append((np.array(lens), np.array(trees), max(lens), suite.RAGGED["queries"], suite.RAGGED["heads"],
+                   132))
     shapes.append((rng.integers(1, 301, size=64), None, 300, 65, 16, 132))  # 64 x 17 row blocks: past the cap
     ordered = declined = weighed = 0
     for lens, sizes, width, nq, nh, grid in shapes:
         want = cu.plan_v5(lens, sizes, width, nq, nh, grid, weigh_deal=deal_cost)
-        weighed += not np.array_equal(want, cu.plan_v5(lens, sizes, width, nq, nh, grid, weigh_deal=not deal_cost))
+        other = cu.plan_v5(lens, sizes, width, nq, nh, grid, weigh_deal=not deal_cost)
+        weighed += not np.array_equal(want, other)
         want_order = cu.plan_order(want, grid)
         plan = cp.full(want.shape, -7, dtype=cp.int32)  # [1 + 8B]
         order = cp.full(cu.v5_max_jobs(len(lens), nq * nh, grid), -7, dtype=cp.int32)  # [jobs bound]

@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 STAMPED = ROOT / "build" / "plan_phases" / "kernels"
 BUILDS = {"default": (), "small32": ("-DPLAN_SMALL_REQS=32",), "four_warps": ("-DPLAN_SMALL_REQS=0",)}
 PHASES = {0: "start", 1: "four warps: lens read", 2: "four warps: tmax", 3: "four warps: warp 0 searched",
-          4: "warp 1", 5: "warp 2", 6: "warp 3", 7: "four warps: costs shared and weighed", 8: "four warps: scan written",
+          4: "warp 1", 5: "warp 2", 6: "warp 3", 7: "four warps: costs shared and weighed",
+          8: "four warps: scan written",
           9: "plan_v5 returned", 10: "v10: jobs read", 11: "v10: order written (end)",
           12: "warp 0 alone: lens read", 13: "warp 0 alone: searched", 14: "warp 0 alone: costs",
           15: "warp 0 alone: plan written"}

@@ -234,9 +234,9 @@ _V5_CHUNK_WITH_TAIL = True
 _V10_ORDER_CAP = 1024  # ORDER_CAP: the most jobs the v10 plan orders (beyond, the static round-robin)
 _V10_ORDER_GAIN = 1  # ORDER_GAIN: it orders where the busiest CTA gains more than ORDER_GAIN / ORDER_UNIT
 _V10_ORDER_UNIT = 64  # ORDER_UNIT: the gate's unit (data/results/attention_gate.h200.json set it)
-# DEAL_COST: past _V5_PLAN_SMALL_REQS requests the v10 plan kernel weighs each round count's chunks by the busiest
-# CTA of the deal its attend kernels would run (`plan_v5`'s weigh_deal); False (-DDEAL_COST=0): by rounds x
-# (longest job + JOB_OVERHEAD), as tree_verify_v5_plan does (notebook 02b, 13zc)
+# DEAL_COST: past _V5_PLAN_SMALL_REQS requests the v10 plan kernel weighs each round count's chunks by the
+# busiest CTA of the deal its attend kernels would run (`plan_v5`'s weigh_deal); False (-DDEAL_COST=0): by
+# rounds x (longest job + JOB_OVERHEAD), as tree_verify_v5_plan does (notebook 02b, 13zc)
 _V10_DEAL_COST = True
 # Version 10 launches its attend and combine kernels with programmatic dependent launch (loader.launch, pdl):
 # each may start while the kernel ahead of it runs and waits in-kernel for its writes (pdl_wait).
@@ -663,7 +663,8 @@ def plan_v5(prefix_lens, tree_sizes, width: int, nq: int, nh: int, grid: int,
         base = 0
         for b in range(bsz):
             e = 1 + _V5_PLAN_STRIDE * b
-            plan[e:e + 8] = (base, nc[b], per[b], rb[b], lens[b], rows[b], ts[b] if tail else 0, chunk_with_tail)
+            ntail = ts[b] if tail else 0
+            plan[e:e + 8] = (base, nc[b], per[b], rb[b], lens[b], rows[b], ntail, chunk_with_tail)
             base += int(nc[b] * rb[b])
         plan[0] = base
         return plan

@@ -136,7 +136,7 @@ def run(*, quick: bool = False) -> dict:
         "verdict": {"bitwise_equal_everywhere": all(r["bitwise_equal"] for r in rows),
                     **best_threshold(rows)},
         "notes": ["static: version 9; snake: version 10 built with -DORDER_GAIN=-64 (orders every plan past "
-                  "one round) and -DDEAL_COST=0 (version 9's plan), launched without PDL as version 9 is; predicted_gain: the plan's busiest CTA, "
-                  "static deal over snake deal (kdlib.cuda.attention.deal_busiest); measured_gain: "
-                  "static_ms / snake_ms"],
+                  "one round) and -DDEAL_COST=0 (version 9's plan), launched without PDL as version 9 is; "
+                  "predicted_gain: the plan's busiest CTA, static deal over snake deal "
+                  "(kdlib.cuda.attention.deal_busiest); measured_gain: static_ms / snake_ms"],
     }
