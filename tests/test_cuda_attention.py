@@ -1713,9 +1713,9 @@ def test_wgmma_plan_kernel_matches_numpy_mirror(small, with_tail):
 @pytest.mark.parametrize("deal_cost", [True, False], ids=["deal_cost", "rounds_cost"])
 def test_v10_plan_kernel_writes_the_mirrors_plan_and_order(deal_cost):
     """tree_verify_v10_plan: plan_v5's plan and plan_order's order integer for integer where it writes
-    one; elsewhere order [0] = -1 (the static deal; nothing without jobs) and the rest of the buffer untouched.
-    Built as shipped (DEAL_COST: the candidates weighed by the deal, among them the suite's ragged point, where
-    that changes the plan) and with -DDEAL_COST=0 (the mirror's weigh_deal=False)."""
+    one; elsewhere order [0] = -1 (the static deal; nothing without jobs) and the rest of the buffer
+    untouched. Built as shipped (DEAL_COST: the candidates weighed by the deal, among them the suite's ragged
+    point, where that changes the plan) and with -DDEAL_COST=0 (the mirror's weigh_deal=False)."""
     _need_wgmma()
     from kdlib.cuda import attention as cu
     from kdlib.cuda import loader
