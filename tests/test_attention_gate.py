@@ -41,8 +41,7 @@ def test_ragged_batch_is_seeded_and_in_range():
 
 def test_predicted_weighs_the_deals_as_the_plan_mirror_does():
     p = gate.ragged_batch(144)
-    plan = cu.plan_v5(np.array(p["lens"]), np.array(p["trees"]), max(p["lens"]), p["queries"], 8, GRID,
-                      weigh_deal=False)
+    plan = cu.plan_v5(np.array(p["lens"]), np.array(p["trees"]), max(p["lens"]), p["queries"], 8, GRID)
     d = gate.predicted(p, GRID)
     order = cu.plan_order(plan, GRID)
     assert order is not None and d["ordered_as_built"]

@@ -523,35 +523,6 @@ def test_v10_snake_deal_balances_the_ragged_point():
             assert cu.plan_order(plan, grid) is None
 
 
-def test_v10_plan_weighs_the_chunks_by_the_deal_it_runs():
-    """plan_v5's weigh_deal (the v10 plan kernel's DEAL_COST): past PLAN_SMALL_REQS requests the chosen
-    round count's plan leaves the busiest CTA of version 10's deal (deal_balance) x 32 + jobs no heavier than
-    the plan chosen by rounds x (longest + JOB_OVERHEAD) does, wherever that plan has at most ORDER_CAP jobs,
-    and the two agree up to PLAN_SMALL_REQS requests. At the suite's ragged point the weighed plan is the
-    two-round one (264 jobs) where the other takes four (520): notebook 02b, 13zc."""
-    from kdlib.cuda import attention as cu
-    from kdlib.perf.suites import attention as suite
-
-    def weight(plan, grid):
-        return cu.deal_balance(plan, grid)[0] * 32 + int(plan[0])
-
-    rng = np.random.default_rng(79)
-    changed = 0
-    for lens, sizes, width, nq, nh, grid in [_v10_ragged_shape(rng) for _ in range(150)] + [
-            _v5_random_shape(rng) for _ in range(150)]:
-        weighed = cu.plan_v5(lens, sizes, width, nq, nh, grid)
-        plain = cu.plan_v5(lens, sizes, width, nq, nh, grid, weigh_deal=False)
-        if len(lens) <= cu._V5_PLAN_SMALL_REQS:
-            np.testing.assert_array_equal(weighed, plain)
-        elif int(plain[0]) <= cu._V10_ORDER_CAP:
-            assert weight(weighed, grid) <= weight(plain, grid)
-        changed += not np.array_equal(weighed, plain)
-    assert changed >= 10
-    lens, trees = suite.ragged_shape()
-    args = (lens, trees, max(lens), suite.RAGGED["queries"], suite.RAGGED["heads"], 132)
-    assert (int(cu.plan_v5(*args)[0]), int(cu.plan_v5(*args, weigh_deal=False)[0])) == (264, 520)
-
-
 def test_deal_balance_weighs_the_deal_against_an_even_split():
     """deal_balance / even_split_loads (tiles + JOB_OVERHEAD a job). 64 heads x 65 queries x 32k on 132 CTAs:
     the plan cuts 65 row blocks' 514 tiles in two (130 jobs of 257 tiles: chunk 0's the 2 tail tiles and 255
@@ -1701,7 +1672,7 @@ def test_wgmma_plan_kernel_matches_numpy_mirror(small, with_tail):
     fn = loader.get_function(cu._V5, "tree_verify_v5_plan", options=options)
     shapes = [_v5_random_shape(rng) for _ in range(200)] + _v5_many_requests(rng)
     for lens, sizes, width, nq, nh, grid in shapes + _v5_one_request_shapes(rng):
-        want = cu.plan_v5(lens, sizes, width, nq, nh, grid, chunk_with_tail=with_tail, weigh_deal=False)
+        want = cu.plan_v5(lens, sizes, width, nq, nh, grid, chunk_with_tail=with_tail)
         plan = cp.full(want.shape, -7, dtype=cp.int32)
         d_sizes = cp.asarray(sizes, dtype=cp.int32) if sizes is not None else np.uintp(0)
         fn((1,), (256,), (cp.asarray(lens, dtype=cp.int32), d_sizes, np.int32(len(lens)), np.int32(width),
@@ -1710,32 +1681,22 @@ def test_wgmma_plan_kernel_matches_numpy_mirror(small, with_tail):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("deal_cost", [True, False], ids=["deal_cost", "rounds_cost"])
-def test_v10_plan_kernel_writes_the_mirrors_plan_and_order(deal_cost):
-    """tree_verify_v10_plan: plan_v5's plan and plan_order's order integer for integer where it writes
-    one; elsewhere order [0] = -1 (the static deal; nothing without jobs) and the rest of the buffer
-    untouched. Built as shipped (DEAL_COST: the candidates weighed by the deal, among them the suite's ragged
-    point, where that changes the plan) and with -DDEAL_COST=0 (the mirror's weigh_deal=False)."""
+def test_v10_plan_kernel_writes_the_mirrors_plan_and_order():
+    """tree_verify_v10_plan: plan_v5's plan and plan_order's order integer for integer where it writes one;
+    elsewhere order [0] = -1 (the static deal; nothing without jobs) and the rest of the buffer untouched."""
     _need_wgmma()
     from kdlib.cuda import attention as cu
     from kdlib.cuda import loader
-    from kdlib.perf.suites import attention as suite
 
     cp = _cp()
     rng = np.random.default_rng(78)
-    options = cu._V5_OPTIONS + (() if deal_cost else ("-DDEAL_COST=0",))
-    fn = loader.get_function(cu._V10, "tree_verify_v10_plan", options=options)
+    fn = loader.get_function(cu._V10, "tree_verify_v10_plan", options=cu._V5_OPTIONS)
     shapes = [_v5_random_shape(rng) for _ in range(200)] + [_v10_ragged_shape(rng) for _ in range(100)]
     shapes += _v5_many_requests(rng)
-    lens, trees = suite.ragged_shape()
-    shapes.append((np.array(lens), np.array(trees), max(lens), suite.RAGGED["queries"], suite.RAGGED["heads"],
-                   132))
     shapes.append((rng.integers(1, 301, size=64), None, 300, 65, 16, 132))  # 64 x 17 row blocks: past the cap
-    ordered = declined = weighed = 0
+    ordered = declined = 0
     for lens, sizes, width, nq, nh, grid in shapes:
-        want = cu.plan_v5(lens, sizes, width, nq, nh, grid, weigh_deal=deal_cost)
-        other = cu.plan_v5(lens, sizes, width, nq, nh, grid, weigh_deal=not deal_cost)
-        weighed += not np.array_equal(want, other)
+        want = cu.plan_v5(lens, sizes, width, nq, nh, grid)
         want_order = cu.plan_order(want, grid)
         plan = cp.full(want.shape, -7, dtype=cp.int32)  # [1 + 8B]
         order = cp.full(cu.v5_max_jobs(len(lens), nq * nh, grid), -7, dtype=cp.int32)  # [jobs bound]
@@ -1753,7 +1714,7 @@ def test_v10_plan_kernel_writes_the_mirrors_plan_and_order(deal_cost):
             ordered += 1
             np.testing.assert_array_equal(got[:n], want_order)
         assert (got[n:] == -7).all()
-    assert ordered >= 20 and declined >= 3 and want[0] > cu._V10_ORDER_CAP and weighed >= 10
+    assert ordered >= 20 and declined >= 3 and want[0] > cu._V10_ORDER_CAP
 
 
 @pytest.mark.gpu

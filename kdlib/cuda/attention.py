@@ -234,10 +234,6 @@ _V5_CHUNK_WITH_TAIL = True
 _V10_ORDER_CAP = 1024  # ORDER_CAP: the most jobs the v10 plan orders (beyond, the static round-robin)
 _V10_ORDER_GAIN = 1  # ORDER_GAIN: it orders where the busiest CTA gains more than ORDER_GAIN / ORDER_UNIT
 _V10_ORDER_UNIT = 64  # ORDER_UNIT: the gate's unit (data/results/attention_gate.h200.json set it)
-# DEAL_COST: past _V5_PLAN_SMALL_REQS requests the v10 plan kernel weighs each round count's chunks by the
-# busiest CTA of the deal its attend kernels would run (`plan_v5`'s weigh_deal); False (-DDEAL_COST=0): by
-# rounds x (longest job + JOB_OVERHEAD), as tree_verify_v5_plan does (notebook 02b, 13zc)
-_V10_DEAL_COST = True
 # Version 10 launches its attend and combine kernels with programmatic dependent launch (loader.launch, pdl):
 # each may start while the kernel ahead of it runs and waits in-kernel for its writes (pdl_wait).
 PDL = True
@@ -618,21 +614,14 @@ def v5_max_jobs(bsz: int, rows: int, grid: int) -> int:
 
 
 def plan_v5(prefix_lens, tree_sizes, width: int, nq: int, nh: int, grid: int,
-            chunk_with_tail: bool = _V5_CHUNK_WITH_TAIL, weigh_deal: bool = _V10_DEAL_COST) -> np.ndarray:
-    """numpy mirror of `tree_verify_v5_plan` and of version 10's plan (`tree_verify_v10_plan`, weigh_deal):
-    the int32 plan [1 + 8 B] the kernels read.
+            chunk_with_tail: bool = _V5_CHUNK_WITH_TAIL) -> np.ndarray:
+    """numpy mirror of `tree_verify_v5_plan`: the int32 plan [1 + 8 B] the kernels read.
 
     prefix_lens [B] ints; tree_sizes [B] ints or None (the prefix alone, no tail); width = P, the
     page-table width; grid = G CTAs. plan[0] = jobs; per request b at 1 + 8 b: first job, key chunks,
     tiles per chunk, row blocks, prefix length, query rows, tail rows, the cut (chunk_with_tail: the kernels'
     CHUNK_WITH_TAIL, 1 where the tiles per chunk count chunk 0's tail tiles; `job_tiles` reads it). Jobs of
     request b are numbered chunk-major then row block: job = first + chunk * row_blocks + block.
-
-    The plan takes the cheapest of up to MAX_ROUNDS candidates, each round count's shortest chunk, at
-    rounds x (longest job + JOB_OVERHEAD) x 32 + jobs. weigh_deal (the v10 plan's DEAL_COST; False for
-    tree_verify_v5_plan): from PLAN_SMALL_REQS + 1 to PLAN_SMEM_REQS requests a candidate of more than `grid`
-    jobs and at most ORDER_CAP is weighed instead by the busiest CTA of the deal version 10 runs
-    (`deal_busiest`, the snake deal where `snake_gains`) x 32 + jobs.
     """
     lens = np.clip(np.asarray(prefix_lens, dtype=np.int64), 0, width)  # [B]
     bsz = lens.shape[0]
@@ -656,20 +645,6 @@ def plan_v5(prefix_lens, tree_sizes, width: int, nq: int, nh: int, grid: int,
     def jobs(c):
         return int((rb * chunks(c)).sum())
 
-    def records(c):  # the plan of chunks of at most c tiles
-        nc = np.where(rb > 0, chunks(c), 0)  # [B]
-        per = np.where(nc > 0, chunk_tiles(nc), 0)  # [B]
-        plan = np.zeros(1 + _V5_PLAN_STRIDE * bsz, dtype=np.int32)
-        base = 0
-        for b in range(bsz):
-            e = 1 + _V5_PLAN_STRIDE * b
-            ntail = ts[b] if tail else 0
-            plan[e:e + 8] = (base, nc[b], per[b], rb[b], lens[b], rows[b], ntail, chunk_with_tail)
-            base += int(nc[b] * rb[b])
-        plan[0] = base
-        return plan
-
-    weigh = weigh_deal and _V5_PLAN_SMALL_REQS < bsz <= _V5_PLAN_SMEM_REQS
     shortest = max(1, int(utiles.max(initial=0))) if chunk_with_tail else 1  # chunks hold the tail's tiles
     tmax = max(shortest, int(cut.max(initial=0)))
     best = None
@@ -686,12 +661,18 @@ def plan_v5(prefix_lens, tree_sizes, width: int, nq: int, nh: int, grid: int,
         size = chunk_tiles(nc) + (0 if chunk_with_tail else utiles)  # [B] each request's longest job
         longest = int(size[live].max(initial=0))
         cost = _ceil(n, grid) * (longest + _V5_JOB_OVERHEAD) * 32 + n
-        if weigh and grid < n <= _V10_ORDER_CAP:
-            static, snake, _ = deal_busiest(records(lo), grid)
-            cost = (snake if snake_gains(static, snake) else static) * 32 + n
         if best is None or cost < best[0]:
             best = (cost, lo)
-    return records(best[1])
+    nc = np.where(rb > 0, chunks(best[1]), 0)  # [B]
+    per = np.where(nc > 0, chunk_tiles(nc), 0)  # [B]
+    plan = np.zeros(1 + _V5_PLAN_STRIDE * bsz, dtype=np.int32)
+    base = 0
+    for b in range(bsz):
+        e = 1 + _V5_PLAN_STRIDE * b
+        plan[e:e + 8] = (base, nc[b], per[b], rb[b], lens[b], rows[b], ts[b] if tail else 0, chunk_with_tail)
+        base += int(nc[b] * rb[b])
+    plan[0] = base
+    return plan
 
 
 def job_tiles(plan: np.ndarray) -> np.ndarray:
@@ -740,13 +721,7 @@ def plan_order(plan: np.ndarray, grid: int) -> np.ndarray | None:
     if not grid < n <= _V10_ORDER_CAP:
         return None
     static, snake, order = deal_busiest(plan, grid)
-    return order if snake_gains(static, snake) else None
-
-
-def snake_gains(static: int, snake: int) -> bool:
-    """Version 10's gate: whether the snake deal's busiest CTA (`deal_busiest`) is lighter than the static
-    deal's by more than ORDER_GAIN / ORDER_UNIT, so that the plan writes the order."""
-    return static * _V10_ORDER_UNIT > snake * (_V10_ORDER_UNIT + _V10_ORDER_GAIN)
+    return order if static * _V10_ORDER_UNIT > snake * (_V10_ORDER_UNIT + _V10_ORDER_GAIN) else None
 
 
 def order_threshold() -> float:

@@ -6,8 +6,7 @@ Here, at 25 shapes whose predicted gain (`deal_busiest`: the static deal's busie
 runs from 1.00 to 1.10, both deals are timed in one process:
 
   * static: version 9 (the static round-robin; what version 10 runs where its plan declines);
-  * snake: version 10 built with -DORDER_GAIN=-64, so that its plan orders every plan of more than one round,
-    and -DDEAL_COST=0, so that its plan is version 9's (not weighed by the deal it runs).
+  * snake: version 10 built with -DORDER_GAIN=-64, so that its plan orders every plan of more than one round.
 
 Both compute the same jobs and merge them in the same order, so their outputs must be equal bit for bit
 (checked). Both launch as CuPy calls: version 10's programmatic dependent launch (`attention.PDL`) is off
@@ -33,9 +32,7 @@ import numpy as np
 from kdlib.cuda import attention as cu
 from kdlib.perf.suites import attention as suite
 
-# ORDER_UNIT + ORDER_GAIN = 0: it orders whenever the jobs pass one round; DEAL_COST=0: its plan is
-# tree_verify_v5_plan's, version 9's (the plan weighed by its deal would differ from it, not the deal alone)
-FORCE_ORDER = "-DORDER_GAIN=-64 -DDEAL_COST=0"
+FORCE_ORDER = "-DORDER_GAIN=-64"  # ORDER_UNIT + ORDER_GAIN = 0: it orders whenever the jobs pass one round
 UNIFORM = [  # heads, queries, prefix, batch
     (16, 33, 131_072, 4), (16, 65, 8192, 4), (8, 65, 8192, 16), (8, 65, 8192, 8), (8, 65, 4096, 8),
     (16, 65, 131_072, 1), (8, 65, 32_768, 8),
@@ -65,8 +62,7 @@ def predicted(p: dict, grid: int) -> dict:
     """The v10 plan's view of point p on `grid` CTAs: jobs, the busiest CTA under each deal, their ratio,
     and whether the plan as built (ORDER_GAIN) orders it."""
     lens, trees = suite.point_requests(p)
-    plan = cu.plan_v5(np.array(lens), np.array(trees), max(lens), p["queries"], p["heads"], grid,
-                      weigh_deal=False)  # the plan both arms run (FORCE_ORDER)
+    plan = cu.plan_v5(np.array(lens), np.array(trees), max(lens), p["queries"], p["heads"], grid)
     static, snake, _ = cu.deal_busiest(plan, grid)
     return {"jobs": int(plan[0]), "static_busiest": static, "snake_busiest": snake,
             "predicted_gain": static / snake, "ordered_as_built": cu.plan_order(plan, grid) is not None}
@@ -136,7 +132,7 @@ def run(*, quick: bool = False) -> dict:
         "verdict": {"bitwise_equal_everywhere": all(r["bitwise_equal"] for r in rows),
                     **best_threshold(rows)},
         "notes": ["static: version 9; snake: version 10 built with -DORDER_GAIN=-64 (orders every plan past "
-                  "one round) and -DDEAL_COST=0 (version 9's plan), launched without PDL as version 9 is; "
-                  "predicted_gain: the plan's busiest CTA, static deal over snake deal "
-                  "(kdlib.cuda.attention.deal_busiest); measured_gain: static_ms / snake_ms"],
+                  "one round), launched without PDL as version 9 is; predicted_gain: the plan's busiest CTA, "
+                  "static deal over snake deal (kdlib.cuda.attention.deal_busiest); measured_gain: "
+                  "static_ms / snake_ms"],
     }
