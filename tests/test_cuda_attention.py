@@ -457,6 +457,22 @@ def test_v5_plan_balances_the_issue_shapes():
     assert load.max() <= 1.25 * even + 2 * cu._V5_JOB_OVERHEAD
 
 
+def test_v5_plan_job_overhead_moves_the_round_count():
+    """plan_v5's job_overhead (the kernels' -DJOB_OVERHEAD): at the suite's ragged batch of 16 the default
+    weight of 5 tiles a job takes four rounds (520 jobs) and a weight of 8 two (264); the heavier weight never
+    makes more jobs, on random shapes either."""
+    from kdlib.cuda import attention as cu
+    from kdlib.perf.suites import attention as suite
+
+    lens, trees = suite.ragged_shape()
+    args = (lens, trees, max(lens), suite.RAGGED["queries"], suite.RAGGED["heads"], 132)
+    assert [int(cu.plan_v5(*args, job_overhead=w)[0]) for w in (cu._V5_JOB_OVERHEAD, 8)] == [520, 264]
+    rng = np.random.default_rng(62)
+    for _ in range(200):
+        shape = _v5_random_shape(rng)
+        assert int(cu.plan_v5(*shape, job_overhead=12)[0]) <= int(cu.plan_v5(*shape)[0])
+
+
 def test_v10_order_ranks_the_jobs_and_the_deal_runs_each_once():
     """plan_order (the v10 plan's order): where G < jobs <= ORDER_CAP and the snake deal's busiest CTA is
     lighter than the static deal's by more than ORDER_GAIN / 64, a permutation of the jobs by non-increasing

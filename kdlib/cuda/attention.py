@@ -614,7 +614,7 @@ def v5_max_jobs(bsz: int, rows: int, grid: int) -> int:
 
 
 def plan_v5(prefix_lens, tree_sizes, width: int, nq: int, nh: int, grid: int,
-            chunk_with_tail: bool = _V5_CHUNK_WITH_TAIL) -> np.ndarray:
+            chunk_with_tail: bool = _V5_CHUNK_WITH_TAIL, job_overhead: int = _V5_JOB_OVERHEAD) -> np.ndarray:
     """numpy mirror of `tree_verify_v5_plan`: the int32 plan [1 + 8 B] the kernels read.
 
     prefix_lens [B] ints; tree_sizes [B] ints or None (the prefix alone, no tail); width = P, the
@@ -622,6 +622,8 @@ def plan_v5(prefix_lens, tree_sizes, width: int, nq: int, nh: int, grid: int,
     tiles per chunk, row blocks, prefix length, query rows, tail rows, the cut (chunk_with_tail: the kernels'
     CHUNK_WITH_TAIL, 1 where the tiles per chunk count chunk 0's tail tiles; `job_tiles` reads it). Jobs of
     request b are numbered chunk-major then row block: job = first + chunk * row_blocks + block.
+    job_overhead: the kernels' JOB_OVERHEAD (-DJOB_OVERHEAD), the tiles a job weighs on top of its own in the
+    cost the plan takes the least of, rounds x (longest job + job_overhead) x 32 + jobs.
     """
     lens = np.clip(np.asarray(prefix_lens, dtype=np.int64), 0, width)  # [B]
     bsz = lens.shape[0]
@@ -660,7 +662,7 @@ def plan_v5(prefix_lens, tree_sizes, width: int, nq: int, nh: int, grid: int,
         live = (rb > 0) & (nc > 0)
         size = chunk_tiles(nc) + (0 if chunk_with_tail else utiles)  # [B] each request's longest job
         longest = int(size[live].max(initial=0))
-        cost = _ceil(n, grid) * (longest + _V5_JOB_OVERHEAD) * 32 + n
+        cost = _ceil(n, grid) * (longest + job_overhead) * 32 + n
         if best is None or cost < best[0]:
             best = (cost, lo)
     nc = np.where(rb > 0, chunks(best[1]), 0)  # [B]
