@@ -491,13 +491,13 @@ def implied_mem_fraction(config, gpu: str, tp: int, pool_tokens_logged: int, kv_
 
 # ----------------------------------------------------------------------------------------- YaRN
 
-def sglang_context_length(config) -> int:
-    """The context length SGLang derives from a config (hf_transformers_utils.get_context_length).
+def context_source(config) -> tuple[str, int, float]:
+    """(key, its value, rope factor) SGLang derives the context length from
+    (hf_transformers_utils.get_context_length); `sglang_context_length` is value x factor.
 
-    The first of max_sequence_length, seq_length, max_seq_len, model_max_length,
-    max_position_embeddings; times rope_scaling.factor only when original_max_position_embeddings is
-    absent and the rope type is not llama3. SGLang refuses a larger --context-length unless
-    SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1.
+    The key is the first of max_sequence_length, seq_length, max_seq_len, model_max_length,
+    max_position_embeddings; the factor is rope_scaling.factor only when original_max_position_embeddings
+    is absent and the rope type is not llama3, else 1.
     """
     lm = text_config(config)
     for key in (
@@ -517,7 +517,25 @@ def sglang_context_length(config) -> int:
     factor = 1.0
     if rs and "original_max_position_embeddings" not in rs and rope_type(lm) != "llama3":
         factor = float(rs.get("factor") or 1.0)
+    return key, base, factor
+
+
+def _context_note(config) -> str:
+    """What the derived context length came from: "max_position_embeddings x rope factor 4"."""
+    key, _, factor = context_source(config)
+    return key if factor == 1.0 else f"{key} x rope factor {factor:g}"
+
+
+def sglang_context_length(config) -> int:
+    """The context length SGLang derives from a config: `context_source`'s value x factor.
+    SGLang refuses a larger --context-length unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1."""
+    _, base, factor = context_source(config)
     return int(base * factor)
+
+
+def _is_yarn(lm: dict) -> bool:
+    """A YaRN RoPE: HF's "yarn" or DeepSeek's "deepseek_yarn"."""
+    return rope_type(lm) in ("yarn", "deepseek_yarn")
 
 
 def yarn(config) -> dict:
@@ -541,7 +559,7 @@ def yarn(config) -> dict:
     out = {
         "model": g.name,
         "rope_type": kind,
-        "yarn": kind in ("yarn", "deepseek_yarn"),
+        "yarn": _is_yarn(lm),
         "rope_theta": lm.get("rope_theta", (rope_block(lm) or {}).get("rope_theta")),
         "max_position_embeddings": max_pos,
         "sglang_context_length": sglang_context_length(config),
@@ -683,6 +701,7 @@ def plan(config, gpu: str, tp: int, context: int, *, kv_dtype: str = "bfloat16",
     group_tokens = tokens * tp if kv_split == "dp_attention" else tokens * c
     one_request_tokens = tokens * c  # under DP-attention a request lives on one rank
     derived = sglang_context_length(config)
+    source = _context_note(config)
     # SGLang's max_req_len (prompt + output); its prompts stop 5 short of it (max_req_input_len)
     longest = max(0, min(derived, one_request_tokens) - 1)
     if kv_split == "dp_attention":
@@ -784,7 +803,7 @@ def plan(config, gpu: str, tp: int, context: int, *, kv_dtype: str = "bfloat16",
             "term": "derived context length (SGLang)",
             "value": derived,
             "unit": "tokens",
-            "note": "from max_position_embeddings",
+            "note": f"from {source}",
         },
         {
             "key": "longest_request",
@@ -844,7 +863,8 @@ def plan(config, gpu: str, tp: int, context: int, *, kv_dtype: str = "bfloat16",
                       else "are the whole derived context length")
                    + f"; SGLang serves at most context_len - 1 = {derived - 1:,} tokens a request "
                    "(max_req_len), whatever the pool holds. A longer context_len needs "
-                   "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1, past the end of the YaRN range.")
+                   "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1, past "
+                   + ("the end of the YaRN range." if _is_yarn(text_config(config)) else f"{source}."))
         fits = False
     elif context > longest and tokens < profiled and profiled * c > context:
         # the cap binds, and the pool the fraction gives would hold the request: the cap is the fix
@@ -1082,7 +1102,8 @@ def cli(argv: list[str] | None = None) -> int:
     ap.add_argument("config", help="a shipped config name, a config.json, or a directory holding one")
     ap.add_argument("--gpu", required=True, help=f"one of {', '.join(hw.slugs())}")
     ap.add_argument("--tp", type=positive_int, required=True,
-                    help="tensor-parallel size (GPUs); must split the attention heads and the routed experts")
+                    help="tensor-parallel size (GPUs); must split the routed experts, and the attention "
+                         "heads unless --kv-split dp_attention (attention then is not split)")
     ap.add_argument("--context", type=positive_int, required=True, help="request length to check, tokens")
     ap.add_argument("--kv-dtype", default="bfloat16", help=f"KV dtype: {', '.join(DTYPE_BYTES)} or auto")
     ap.add_argument("--kv-split", default="replicated", choices=KV_SPLITS)

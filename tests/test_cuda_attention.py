@@ -473,6 +473,69 @@ def test_v5_plan_job_overhead_moves_the_round_count():
         assert int(cu.plan_v5(*shape, job_overhead=12)[0]) <= int(cu.plan_v5(*shape)[0])
 
 
+def test_deal_mirrors_weigh_jobs_at_the_builds_job_overhead():
+    """A -DJOB_OVERHEAD=8 build's plan kernel adds 8 tiles a job to both deals its order gate weighs
+    (tree_verify_v10_plan: dealt_static, dealt_snake). A seeded ragged batch of 27 x 33 queries x 8 heads
+    over 70k on 132 CTAs, whose plan is the same at 5 and 8: the snake deal gains past 1/64 at 5 (382 vs 376)
+    and not at 8 (394 vs 388), so the mirrors order it at their default weight, and at job_overhead=8 not;
+    deal_balance and even_split_loads weigh their jobs at it too."""
+    from kdlib.cuda import attention as cu
+
+    grid, unit, gain = 132, cu._V10_ORDER_UNIT, cu._V10_ORDER_GAIN
+    rng = np.random.default_rng(61)
+    lens, sizes = rng.integers(1, 70_001, size=27), rng.integers(1, 34, size=27)
+    plan = cu.plan_v5(lens, sizes, 70_000, 33, 8, grid, job_overhead=8)
+    np.testing.assert_array_equal(plan, cu.plan_v5(lens, sizes, 70_000, 33, 8, grid))
+    n, tiles = int(plan[0]), cu.job_tiles(plan)
+    by_size = np.argsort(-tiles, kind="stable")
+
+    def busiest(w):  # the kernel's loop: CTA c's jobs r G + c; of the sorted, r G + G - 1 - c in odd rounds
+        static, snake = [0] * grid, [0] * grid
+        for c in range(grid):
+            for r in range(-(-n // grid)):
+                ks, k = r * grid + c, r * grid + (grid - 1 - c if r % 2 else c)
+                static[c] += int(tiles[ks]) + w if ks < n else 0
+                snake[c] += int(tiles[by_size[k]]) + w if k < n else 0
+        return max(static), max(snake)
+
+    assert (busiest(cu._V5_JOB_OVERHEAD), busiest(8)) == ((382, 376), (394, 388))
+    for w, ordered in ((cu._V5_JOB_OVERHEAD, True), (8, False)):
+        static, snake = busiest(w)
+        assert (static * unit > snake * (unit + gain)) == ordered
+        assert cu.deal_busiest(plan, grid, job_overhead=w)[:2] == (static, snake)
+        order = cu.plan_order(plan, grid, job_overhead=w)
+        assert (order is not None) == ordered and (order is None or order.tolist() == by_size.tolist())
+        deal = cu.v10_deal(plan, grid, job_overhead=w)
+        assert deal == (cu.snake_deal(by_size, grid) if ordered else cu.static_deal(n, grid))
+        assert int(cu.cta_loads(plan, deal, job_overhead=w).max()) == (snake if ordered else static)
+        even = cu.even_split_loads(plan, grid, job_overhead=w)
+        jobs = cu.even_split_loads(plan, grid, job_overhead=w + 1) - even  # each share's jobs
+        assert int((even - w * jobs).sum()) == int(tiles.sum())
+        assert cu.deal_balance(plan, grid, job_overhead=w) == (
+            snake if ordered else static, int(even.max()), max(0, grid - n))
+    assert cu.deal_busiest(plan, grid)[:2] == busiest(cu._V5_JOB_OVERHEAD)  # the defaults: weight 5
+    assert cu.plan_order(plan, grid).tolist() == by_size.tolist()
+    assert cu.deal_balance(plan, grid) == cu.deal_balance(plan, grid, job_overhead=cu._V5_JOB_OVERHEAD)
+
+
+def test_v5_plan_refuses_tree_sizes_unlike_prefix_lens():
+    """plan_v5 takes tree_sizes None or [B] as prefix_lens [B]: longer would broadcast to another plan,
+    shorter or a scalar would index past it."""
+    from kdlib.cuda import attention as cu
+
+    want = cu.plan_v5([6400], [1], 6400, 1, 8, 132)
+    assert int(want[0]) > 0
+    np.testing.assert_array_equal(cu.plan_v5(np.array([6400]), np.array([1]), 6400, 1, 8, 132), want)
+    for sizes in ([1, 1], [], 1, [[1]]):
+        with pytest.raises(ValueError, match="tree_sizes"):
+            cu.plan_v5([6400], sizes, 6400, 1, 8, 132)
+    with pytest.raises(ValueError, match="tree_sizes"):
+        cu.plan_v5([6400, 64], [1], 6400, 1, 8, 132)
+    for lens in (6400, [[6400]]):
+        with pytest.raises(ValueError, match="prefix_lens"):
+            cu.plan_v5(lens, None, 6400, 1, 8, 132)
+
+
 def test_v10_order_ranks_the_jobs_and_the_deal_runs_each_once():
     """plan_order (the v10 plan's order): where G < jobs <= ORDER_CAP and the snake deal's busiest CTA is
     lighter than the static deal's by more than ORDER_GAIN / 64, a permutation of the jobs by non-increasing

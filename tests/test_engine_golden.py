@@ -65,6 +65,14 @@ def test_seeds_and_reference_reproduce(name):
     check.assert_close(forward(cfg, weights, ids), logits, rtol=1e-13, name=f"ref recompute {name}")
 
 
+@pytest.mark.parametrize("token_ids", [[1.7, 40.7], np.array([1.0, 2.0]), [True, False], np.ones(3, bool)])
+def test_reference_refuses_non_integer_token_ids(token_ids):
+    """Floats and bools are not token ids: the int64 cast once ran [1.7, 40.7] as [1, 40]."""
+    cfg, weights, *_ = _load(FILES[0])
+    with pytest.raises(ValueError, match="token_ids must be integer"):
+        forward(cfg, weights, token_ids)
+
+
 def test_a_wrong_weight_fails():
     """The comparison can fail: one perturbed weight moves the logits far outside the tolerance."""
     cfg, weights, ids, logits, _ = _load(FILES[0])

@@ -214,16 +214,17 @@ def test_calibrate_rank_layer_keeps_the_terms_physical():
     assert t.mem_eff.value == 1.0 and t.comp_eff.value == 1.0 and t.kernel_s.value >= 0
 
 
-def test_attention_executed_counts_the_plans_padded_jobs_and_tiles():
-    """8 heads a rank: an AR row is 8 query rows, one job padded to 64; 65 rows are 520, 9 jobs. Keys are
-    context + rows in tiles of 64. Padding makes the executed FLOPs exceed the useful ones, most for AR."""
+def test_attention_executed_counts_the_padded_row_blocks_and_tiles():
+    """8 heads a rank: an AR row is 8 query rows, one row block padded to 64; 65 rows are 520, 9 blocks.
+    Keys are context + rows in tiles of 64. Padding makes the executed FLOPs exceed the useful ones, most for
+    AR."""
     shape = RankShape(ModelConfig.from_dict(memory.load_config("kimi-k2.6")), tp=8)
     c = shape.cfg
     per_tile = 2.0 * 64 * 64 * (c.latent_dim + c.kv_lora_rank)
-    per_job = 64 * (c.latent_dim * 2 + c.kv_lora_rank * 4)
-    for C, W, ctx, jobs, tiles in ((1, 1, 5500, 1, 86), (4, 65, 128, 36, 36 * 4), (10, 17, 0, 30, 30)):
+    per_block = 64 * (c.latent_dim * 2 + c.kv_lora_rank * 4)
+    for C, W, ctx, blocks, tiles in ((1, 1, 5500, 1, 86), (4, 65, 128, 36, 36 * 4), (10, 17, 0, 30, 30)):
         w = rank_work.attention_executed(shape, C, W, ctx)
-        assert (w["bytes"], w["flops"]) == (jobs * per_job, tiles * per_tile), (C, W, ctx)
+        assert (w["bytes"], w["flops"]) == (blocks * per_block, tiles * per_tile), (C, W, ctx)
     useful = rank_work.piece_work(shape, None, 1, 1, 5500)["attention"]["flops"]
     assert rank_work.attention_executed(shape, 1, 1, 5500)["flops"] > 7 * useful
     assert rank_work.estimator_work(shape, None, 1, 1, 5500)["attention"] == rank_work.attention_executed(

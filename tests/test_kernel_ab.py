@@ -53,16 +53,53 @@ def test_an_arms_kernels_that_are_not_there_are_refused_first(capsys, tmp_path, 
         assert not (tmp_path / "made").exists()
 
 
-def test_run_without_old_kernels_needs_version_10(capsys, tmp_path):
-    with pytest.raises(SystemExit) as exit_:
-        kernel_ab.main(["run", "--out", str(tmp_path), "--version", "7"])
-    assert exit_.value.code == 2 and "only version 10" in capsys.readouterr().err
+def test_run_without_old_kernels_needs_a_version_its_toggle_changes(capsys, tmp_path, monkeypatch):
+    """Each toggle runs at the versions attention._launch_wgmma reads it at (COMBINE_ROWS 8 and up, PDL 10 and
+    up, OWN_PLAN 10 and 13), not at version 10 alone; elsewhere the refusal names those versions."""
+    got = []
+    monkeypatch.setattr(kernel_ab, "require_gpu", lambda ap: None)  # the GPU work is stubbed out
+    monkeypatch.setattr(kernel_ab, "run", lambda *a: got.append((a[2], a[6])))  # (version, toggle)
+    runs = [("8", "COMBINE_ROWS"), ("13", "COMBINE_ROWS"), ("13", "OWN_PLAN"), ("10", "OWN_PLAN"),
+            ("11", "PDL")]
+    for version, toggle in runs:
+        kernel_ab.main(["run", "--out", str(tmp_path), "--version", version, "--toggle", toggle])
+    assert got == [(int(v), t) for v, t in runs]
+    for version, toggle, follow in (("7", "PDL", "10, 11, 12, 13"), ("9", "PDL", "10, 11, 12, 13"),
+                                    ("7", "COMBINE_ROWS", "8, 9, 10, 11, 12, 13"),
+                                    ("11", "OWN_PLAN", "10, 13")):
+        with pytest.raises(SystemExit) as exit_:
+            kernel_ab.main(["run", "--out", str(tmp_path), "--version", version, "--toggle", toggle])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and f"versions {follow} follow, not --version {version}" in err, err
+    assert all(set(v) <= set(attention.WGMMA_VERSIONS) for v in kernel_ab.TOGGLES.values())
+
+
+def test_version_and_queries_are_checked_while_parsing(capsys, tmp_path, monkeypatch):
+    """run and repeat --version outside attention.WGMMA_VERSIONS, repeat --queries outside 1..MAX_Q: a usage
+    error naming the option before anything starts (they failed on the GPU machine, in the first call)."""
+    monkeypatch.setattr(kernel_ab, "require_gpu", lambda ap: None)  # what a GPU machine passes
+    monkeypatch.setattr(kernel_ab, "run", lambda *a: pytest.fail("ran an arm"))
+    monkeypatch.setattr(kernel_ab, "repeat", lambda *a: pytest.fail("ran an arm"))
+    old = str(ROOT / "kernels")  # an exported-looking kernels/ folder: the old arm's check passes
+    for cmd, option, value in (("run", "--version", "3"), ("run", "--version", "14"),
+                               ("repeat", "--version", "1"), ("repeat", "--version", "14"),
+                               ("repeat", "--queries", str(attention.MAX_Q + 1)),
+                               ("repeat", "--queries", "0")):
+        with pytest.raises(SystemExit) as exit_:
+            kernel_ab.main([cmd, old, option, value, "--out", str(tmp_path / "made")])
+        assert exit_.value.code == 2 and f"argument {option}" in capsys.readouterr().err, (cmd, option, value)
+        assert not (tmp_path / "made").exists()
+    got = {}
+    monkeypatch.setattr(kernel_ab, "repeat", lambda *a: got.setdefault("repeat", a))
+    kernel_ab.main(["repeat", old, "--version", "13", "--queries", str(attention.MAX_Q),
+                    "--out", str(tmp_path)])
+    assert got["repeat"][2]["queries"] == attention.MAX_Q and got["repeat"][4] == 13
 
 
 def test_run_toggles_are_the_attention_modules_switches(capsys, tmp_path):
     assert all(isinstance(getattr(attention, t), bool) for t in kernel_ab.TOGGLES)
     with pytest.raises(SystemExit) as exit_:
-        kernel_ab.main(["run", "--out", str(tmp_path), "--version", "9", "--toggle", "COMBINE_ROWS"])
+        kernel_ab.main(["run", "--out", str(tmp_path), "--version", "7", "--toggle", "COMBINE_ROWS"])
     assert exit_.value.code == 2 and "COMBINE_ROWS on / off" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
         kernel_ab.main(["run", "--out", str(tmp_path), "--version", "10", "--toggle", "NOT_A_SWITCH"])

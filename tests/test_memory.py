@@ -433,6 +433,42 @@ def test_plan_property_no_negative_counts(tp, ctx, mfs, split, dtype, gpu):
     assert p.fits == (ctx <= p.value("longest_request"))
 
 
+def test_past_the_context_length_names_yarn_only_for_yarn_models():
+    assert m.yarn("qwen3-30b-a3b")["yarn"] is False
+    plain = m.plan("qwen3-30b-a3b", "h200", 8, 50_000)  # derived 40,960
+    assert plain.verdict.startswith("DOES NOT FIT the model")
+    assert "YaRN" not in plain.verdict and plain.verdict.endswith("past max_position_embeddings.")
+    assert m.plan("kimi-k2.6", "h200", 8, 300_000).verdict.endswith("past the end of the YaRN range.")
+
+
+def test_derived_context_note_names_its_key_and_factor(tmp_path):
+    def note(cfg):
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps(cfg))
+        p = m.plan(str(path), "h200", 8, 1)
+        row = next(r for r in p if r["key"] == "derived_context")
+        assert row["value"] == m.sglang_context_length(cfg)
+        return row["note"]
+
+    cfg = m.load_config("qwen3-30b-a3b")
+    assert note(cfg) == "from max_position_embeddings"
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}  # no original: SGLang applies the factor
+    assert note(cfg) == "from max_position_embeddings x rope factor 4"
+    assert m.sglang_context_length(cfg) == 163_840
+    cfg["seq_length"] = 8192  # read before max_position_embeddings
+    assert note(cfg) == "from seq_length x rope factor 4"
+    verdict = m.plan(cfg, "h200", 8, 40_000).verdict
+    assert "derived context length 32,768" in verdict and "YaRN" in verdict
+
+
+def test_cli_tp_help_says_dp_attention_does_not_split_heads(capsys):
+    with pytest.raises(SystemExit):
+        kdlib.cli.main(["memory", "--help"])
+    assert "unless --kv-split dp_attention" in " ".join(capsys.readouterr().out.split())
+    assert kdlib.cli.main(["memory", "kimi-k2.6", "--gpu", "h200", "--tp", "3", "--context", "1000",
+                           "--kv-split", "dp_attention"]) == 0  # 64 heads, not split over 3
+
+
 # ------------------------------------------------------------------------------ YaRN
 
 def test_yarn_checks():

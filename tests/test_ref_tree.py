@@ -1,5 +1,6 @@
 """kdlib.ref.tree: the worked example, structural properties, brute-force equality, bad input."""
 
+import dataclasses
 import itertools
 import math
 
@@ -294,6 +295,43 @@ def test_underfull_and_token_zero():
     batch = build_tree_batch(ids[None], lp[None], 64)
     assert batch.sizes.tolist() == [13]
     assert batch.node_token_ids[0, 0] == 0
+
+
+def test_budget_past_capacity_sizes_the_arrays_by_the_tree():
+    """build_tree sizes its arrays by what it builds (the DDTree's views keep their whole base alive): budget
+    10**6 on a 6-node tree once asked for a [1, 10**6 + 1, 10**6 + 1] visibility (931 GiB)."""
+    ids, lp = example_inputs()
+    ids, lp = ids[:2], lp[:2]  # L = 2, K' = 2: capacity 2 + 4 = 6
+    tree = build_tree(ids, lp, 10**6)
+    assert tree.n == 6
+    for f in dataclasses.fields(DDTree):
+        a = getattr(tree, f.name)
+        assert (a if a.base is None else a.base).size <= 7 * 7, f.name
+    want = build_tree_batch(ids[None], lp[None], 1_000).tree(0)  # the same tree, from padded arrays
+    for f in dataclasses.fields(DDTree):
+        assert getattr(tree, f.name).tobytes() == getattr(want, f.name).tobytes(), f.name
+
+
+def test_cuda_twins_share_positional_arguments():
+    """The kdlib.ref docstring's claim, read from the signatures (importing kdlib.cuda needs no CuPy): each
+    twin takes the reference's positional arguments with their defaults and may add keyword-only options;
+    order= is the one shared keyword whose default differs (None: the default kernel's order)."""
+    import inspect
+
+    import kdlib.cuda
+    import kdlib.ref
+    from kdlib.ops import OPS
+
+    assert sorted(OPS) == kdlib.cuda.__all__
+    for name in OPS:
+        want = inspect.signature(getattr(kdlib.ref, name)).parameters.values()
+        got = inspect.signature(getattr(kdlib.cuda, name)).parameters
+        assert [(p.name, p.default) for p in want if p.kind != p.KEYWORD_ONLY] == [
+            (p.name, p.default) for p in got.values() if p.kind != p.KEYWORD_ONLY], name
+        for p in want:
+            if p.kind == p.KEYWORD_ONLY:
+                assert got[p.name].kind == p.KEYWORD_ONLY, (name, p.name)
+                assert got[p.name].default == (None if p.name == "order" else p.default), (name, p.name)
 
 
 def test_only_first_k_columns_are_read():

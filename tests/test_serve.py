@@ -70,7 +70,7 @@ def test_completion_shape_usage_and_ddtree_stats(oa):
     assert r.usage.completion_tokens == 12 and r.usage.total_tokens == r.usage.prompt_tokens + 12
     st = c.model_extra["ddtree"]
     assert st["method"] == "ddtree" and len(st["accepted"]) == len(st["step_ms"]) == st["steps"]
-    assert sum(st["accepted"]) >= 12 - 1  # the prefill's token is no step's; the last may go past max_tokens
+    assert sum(st["accepted"]) == 12 - 1  # the prefill's token is no step's
 
 
 def test_greedy_output_equals_single_stream_autoregressive(oa, bundle):
@@ -755,3 +755,55 @@ def test_accept_lengths_and_spec_counters_count_decode_steps_alone():
         assert sum(spec["accepted_per_pos"]) == spec["accepted_tokens"]
     finally:
         dd.close()
+
+
+def _oracle_engine() -> serve.Engine:
+    """The random fallback with a drafter that never misses (p_wrong 0): each step accepts several tokens."""
+    bundle = serve.load_bundle(prefer_trained=False, p_wrong=0.0)
+    return serve.Engine(bundle, max_num_seqs=2, max_model_len=CONTEXT, warm_up=False)
+
+
+def _accept_totals(engine) -> tuple[float, float, float, float]:
+    """(accept sum, accept count) from /metrics, then the same from the engine's running totals."""
+    m, t = parse_metrics(engine.metrics_text().decode()), engine.snapshot()
+    return (m["kdlib_spec_accept_length_sum"], m["kdlib_spec_accept_length_count"], t["accept_sum"],
+            t["accept_count"])
+
+
+def test_accepted_lengths_count_the_tokens_kept_past_max_tokens():
+    """The step cut at max_tokens counted every token the engine accepted: the request's accepted, its
+    mean and /metrics' accept length held tokens the answer never got (312 accepted for 300 tokens)."""
+    engine = _oracle_engine()
+    try:
+        prompt = engine.bundle.tokenizer.encode("def main():\n    return")
+        r = engine.run(prompt, 20)
+        st, spec = r["ddtree"], _settled_state(engine)["spec"]
+        assert len(r["tokens"]) == 20 and r["finish_reason"] == "length" and st["steps"] >= 2
+        assert spec["accepted_tokens"] + spec["drafts"] > 19  # the last step accepted past max_tokens
+        assert sum(st["accepted"]) == 20 - 1  # the prefill's token is no step's
+        assert st["mean_accepted"] == 19 / st["steps"]
+        assert _accept_totals(engine) == (19, st["steps"], 19, st["steps"])
+    finally:
+        engine.close()
+
+
+def test_accepted_lengths_count_the_tokens_kept_before_a_stop_string():
+    """A stop string completed inside a step ends the answer there: that step's tau is the tokens it kept."""
+    engine = _oracle_engine()
+    try:
+        tok = engine.bundle.tokenizer
+        prompt = tok.encode("def main():\n    return")
+        full = engine.run(prompt, 20)
+        first = 1 + full["ddtree"]["accepted"][0]  # the prefill's token, then the first step's
+        assert full["ddtree"]["accepted"][1] > 3
+        stop = tok.decode(full["tokens"][first + 1: first + 3])  # completed by the second step's third token
+        assert stop not in tok.decode(full["tokens"][: first + 2])
+        before = _accept_totals(engine)
+        r = engine.run(prompt, 20, stops=(stop,))
+        st = r["ddtree"]
+        assert r["finish_reason"] == "stop" and r["tokens"] == full["tokens"][: first + 3]
+        assert st["accepted"] == [first - 1, 3] and sum(st["accepted"]) == len(r["tokens"]) - 1
+        after = _accept_totals(engine)
+        assert [a - b for a, b in zip(after, before, strict=True)] == [len(r["tokens"]) - 1, 2] * 2
+    finally:
+        engine.close()

@@ -35,10 +35,13 @@ import sys
 from pathlib import Path
 
 from kdlib.cli import folder, make_folder, positive_int, require_gpu
+from kdlib.cuda.attention import MAX_Q, WGMMA_VERSIONS
 
 ROOT = Path(__file__).resolve().parents[1]
-# kdlib.cuda.attention's switches the arms of `run` can set on and off
-TOGGLES = ("PDL", "COMBINE_ROWS", "OWN_PLAN")
+# kdlib.cuda.attention's switches the arms of `run` can set on and off, each with the versions it changes
+# (attention._launch_wgmma: `pdl = version >= 10 and PDL`, `if version >= 8 and COMBINE_ROWS`, and
+# `own = ordered and ...` with `ordered = version in (10, 13)`)
+TOGGLES = {"PDL": (10, 11, 12, 13), "COMBINE_ROWS": (8, 9, 10, 11, 12, 13), "OWN_PLAN": (10, 13)}
 RANK_POINTS = [{"heads": 8, "queries": w, "prefix": s, "batch": c}
                for s in (5500, 32_000) for c in (1, 4, 10, 16) for w in (9, 65)]
 
@@ -194,6 +197,14 @@ def repeat(old_kernels: Path | None, out: Path, point: dict, n: int, version: in
     return results.write("kernel_ab_repeat", doc, out_dir=out, command=" ".join(["python3"] + sys.argv))
 
 
+def tree_queries(text: str) -> int:
+    """argparse type: tree queries per request, 1 to attention.MAX_Q."""
+    value = positive_int(text)
+    if value > MAX_Q:
+        raise argparse.ArgumentTypeError(f"must lie in [1, {MAX_Q}] (attention.MAX_Q), got {text!r}")
+    return value
+
+
 def _check_define(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """--define (repeatable): NAME=VALUE each, each NAME once, and no old kernels beside them (they set the
     new arm's build of this tree)."""
@@ -228,7 +239,7 @@ def main(argv=None) -> int:
     r.add_argument("--new", type=Path, dest="new_kernels",
                    help="the new arm's exported kernels (left out: this tree's)")
     r.add_argument("--out", type=folder, required=True, help="folder (made once the arguments pass)")
-    r.add_argument("--version", type=int, default=7)
+    r.add_argument("--version", type=int, choices=WGMMA_VERSIONS, default=7)
     r.add_argument("--iters", type=positive_int, default=20)
     r.add_argument("--suite", default="kernel_ab", help="the result's name: <suite>.<gpu>.json")
     r.add_argument("--toggle", choices=TOGGLES, default="PDL",
@@ -242,8 +253,10 @@ def main(argv=None) -> int:
     p.add_argument("--define", metavar="NAME=VALUE", action="append",
                    help="instead of old kernels: this tree built with -DNAME=VALUE (new) and without (old); "
                         "repeatable")
-    for k, v in (("heads", 8), ("queries", 65), ("prefix", 32_000), ("batch", 16), ("n", 8), ("version", 7)):
+    for k, v in (("heads", 8), ("prefix", 32_000), ("batch", 16), ("n", 8)):
         p.add_argument(f"--{k}", type=positive_int, default=v)
+    p.add_argument("--queries", type=tree_queries, default=65)
+    p.add_argument("--version", type=int, choices=WGMMA_VERSIONS, default=7)
     p.add_argument("--out", type=folder, required=True, help="folder (made once the arguments pass)")
     a = ap.parse_args(argv)
     if a.cmd == "export":
@@ -268,9 +281,9 @@ def main(argv=None) -> int:
             ap.error("--toggle applies without old kernels and without --define only")
         if a.define is not None:
             _check_define(ap, a)
-        elif a.old_kernels is None and a.version != 10:
-            ap.error(f"without old kernels the arms are {a.toggle} on / off, which only version 10 follows "
-                     "here: --version 10")
+        elif a.old_kernels is None and a.version not in TOGGLES[a.toggle]:
+            ap.error(f"without old kernels the arms are {a.toggle} on / off, which versions "
+                     f"{', '.join(map(str, TOGGLES[a.toggle]))} follow, not --version {a.version}")
         _check_kernels(ap, a)
         require_gpu(ap)
         make_folder(ap, a.out)

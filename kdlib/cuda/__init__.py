@@ -1,7 +1,8 @@
 """CuPy glue for the CUDA kernels in `kernels/<family>/*.cu`.
 
 `loader` compiles and caches the sources (`loader.get_function(stem, kernel_name)`). Each
-wrapper module has the same function names and signatures as its `kdlib.ref` twin, takes CuPy
+wrapper module has the function names and positional arguments of its `kdlib.ref` twin (keyword-only
+options may be added: `kdlib.ref`'s docstring says which), takes CuPy
 arrays (or torch CUDA tensors, by DLPack without copies), checks shapes, dtypes and limits
 before any launch (ValueError), and returns CuPy arrays:
 

@@ -234,13 +234,14 @@ _V5_CHUNK_WITH_TAIL = True
 _V10_ORDER_CAP = 1024  # ORDER_CAP: the most jobs the v10 plan orders (beyond, the static round-robin)
 _V10_ORDER_GAIN = 1  # ORDER_GAIN: it orders where the busiest CTA gains more than ORDER_GAIN / ORDER_UNIT
 _V10_ORDER_UNIT = 64  # ORDER_UNIT: the gate's unit (data/results/attention_gate.h200.json set it)
-# Version 10 launches its attend and combine kernels with programmatic dependent launch (loader.launch, pdl):
-# each may start while the kernel ahead of it runs and waits in-kernel for its writes (pdl_wait).
+# Versions 10-13 launch their attend and combine kernels with programmatic dependent launch (loader.launch,
+# pdl): each may start while the kernel ahead of it runs and waits in-kernel for its writes (pdl_wait).
 PDL = True
-# Versions 8-10 merge with a warp per row where `v8_combine_rows` says (the 4-warp combine's bits); False:
-# always `v8_combine_warps`'s combine (tools/kernel_ab.py run --toggle COMBINE_ROWS times the two).
+# Every version from 8 on (8-13) merges with a warp per row where `v8_combine_rows` says (the 4-warp
+# combine's bits; version 13's pairs through tree_verify_v13_combine_rows); False: always `v8_combine_warps`'s
+# combine, and version 13 runs no pairs (tools/kernel_ab.py run --toggle COMBINE_ROWS times the two).
 COMBINE_ROWS = True
-# Version 10 makes the plan of up to _V10_OWN_PLAN_REQS requests in its attend kernels
+# Versions 10 and 13 make the plan of up to _V10_OWN_PLAN_REQS requests in their attend kernels
 # (tree_verify_v10_attend_own, _t_own: no plan launch, the static deal); False: the plan kernel first.
 # `tools/kernel_ab.py run --version 10 --toggle OWN_PLAN` (history/kernel_ab_own_plan.c96c1f9.h200.json, bit
 # for bit): 1.005-1.053x at the points of 1 to 8 requests but one, 0.980 at 4 requests of 8 x 65 over 32k,
@@ -625,10 +626,16 @@ def plan_v5(prefix_lens, tree_sizes, width: int, nq: int, nh: int, grid: int,
     job_overhead: the kernels' JOB_OVERHEAD (-DJOB_OVERHEAD), the tiles a job weighs on top of its own in the
     cost the plan takes the least of, rounds x (longest job + job_overhead) x 32 + jobs.
     """
-    lens = np.clip(np.asarray(prefix_lens, dtype=np.int64), 0, width)  # [B]
+    lens = np.asarray(prefix_lens, dtype=np.int64)  # [B]
+    if lens.ndim != 1:
+        raise ValueError(f"prefix_lens must be [B], got shape {lens.shape}")
     bsz = lens.shape[0]
+    lens = np.clip(lens, 0, width)
     tail = tree_sizes is not None
-    ts = np.clip(np.asarray(tree_sizes, dtype=np.int64), 0, nq) if tail else np.full(bsz, nq, dtype=np.int64)
+    ts = np.asarray(tree_sizes, dtype=np.int64) if tail else np.full(bsz, nq, dtype=np.int64)
+    if ts.shape != (bsz,):
+        raise ValueError(f"tree_sizes must be None or [B] = [{bsz}] as prefix_lens, got shape {ts.shape}")
+    ts = np.clip(ts, 0, nq)
     rows = ts * nh
     rb = -(-rows // _V5_BM)
     tiles = -(-lens // _V5_BN)  # T: prefix tiles
@@ -713,16 +720,16 @@ def snake_deal(order: np.ndarray, grid: int) -> list[list[int]]:
     return deal
 
 
-def plan_order(plan: np.ndarray, grid: int) -> np.ndarray | None:
+def plan_order(plan: np.ndarray, grid: int, job_overhead: int = _V5_JOB_OVERHEAD) -> np.ndarray | None:
     """numpy mirror of `tree_verify_v10_plan`'s order: the jobs of a v5 plan by decreasing key tiles
     (`job_tiles`; ties: the smaller index first) -> [jobs] int64, where their `snake_deal` leaves the
     busiest CTA lighter than the `static_deal` does by more than _V10_ORDER_GAIN / 64 (`cta_loads`); None
     where the plan writes none (order [0] = -1): no such gain, at most `grid` jobs, or more than
-    `_V10_ORDER_CAP`."""
+    `_V10_ORDER_CAP`. job_overhead: the build's JOB_OVERHEAD, the tiles the gate adds a job (`cta_loads`)."""
     n = int(plan[0])
     if not grid < n <= _V10_ORDER_CAP:
         return None
-    static, snake, order = deal_busiest(plan, grid)
+    static, snake, order = deal_busiest(plan, grid, job_overhead)
     return order if static * _V10_ORDER_UNIT > snake * (_V10_ORDER_UNIT + _V10_ORDER_GAIN) else None
 
 
@@ -732,13 +739,15 @@ def order_threshold() -> float:
     return 1 + _V10_ORDER_GAIN / _V10_ORDER_UNIT
 
 
-def deal_busiest(plan: np.ndarray, grid: int) -> tuple[int, int, np.ndarray]:
-    """What version 10's plan weighs: the busiest CTA's load (`cta_loads`) under the `static_deal` and under
-    the `snake_deal` of the jobs by decreasing key tiles (ties: the smaller index first), and that order
-    [jobs] int64. static / snake is the gain the plan predicts for dealing by size."""
+def deal_busiest(plan: np.ndarray, grid: int,
+                 job_overhead: int = _V5_JOB_OVERHEAD) -> tuple[int, int, np.ndarray]:
+    """What version 10's plan weighs: the busiest CTA's load (`cta_loads`, job_overhead tiles a job: the
+    build's JOB_OVERHEAD) under the `static_deal` and under the `snake_deal` of the jobs by decreasing key
+    tiles (ties: the smaller index first), and that order [jobs] int64. static / snake is the gain the plan
+    predicts for dealing by size."""
     order = np.argsort(-job_tiles(plan), kind="stable")
-    static = cta_loads(plan, static_deal(int(plan[0]), grid))
-    return int(static.max()), int(cta_loads(plan, snake_deal(order, grid)).max()), order
+    static = cta_loads(plan, static_deal(int(plan[0]), grid), job_overhead)
+    return int(static.max()), int(cta_loads(plan, snake_deal(order, grid), job_overhead).max()), order
 
 
 def v11_groups(plan: np.ndarray) -> list[list[int]]:
@@ -763,39 +772,43 @@ def own_plan(bsz: int, reuse_plan: bool = False) -> bool:
     return OWN_PLAN and not reuse_plan and bsz <= _V10_OWN_PLAN_REQS
 
 
-def v10_deal(plan: np.ndarray, grid: int, reuse_plan: bool = False) -> list[list[int]]:
+def v10_deal(plan: np.ndarray, grid: int, reuse_plan: bool = False,
+             job_overhead: int = _V5_JOB_OVERHEAD) -> list[list[int]]:
     """The jobs each of `grid` CTAs of version 10's attend kernels runs, in order: the `snake_deal` of
     `plan_order` where the plan kernel makes the plan and writes an order, else the `static_deal` (also
     where the attend kernels make the plan, `own_plan`). reuse_plan: the call's, tree_verify_attention's
-    (True for the first layer of a step and, through its plan, the plan_ready calls after it)."""
+    (True for the first layer of a step and, through its plan, the plan_ready calls after it).
+    job_overhead: the build's JOB_OVERHEAD, the weight a job carries in `plan_order`'s gate."""
     own = own_plan((len(plan) - 1) // _V5_PLAN_STRIDE, reuse_plan)
-    order = None if own else plan_order(plan, grid)
+    order = None if own else plan_order(plan, grid, job_overhead)
     return static_deal(int(plan[0]), grid) if order is None else snake_deal(order, grid)
 
 
-def cta_loads(plan: np.ndarray, deal: list[list[int]]) -> np.ndarray:
+def cta_loads(plan: np.ndarray, deal: list[list[int]], job_overhead: int = _V5_JOB_OVERHEAD) -> np.ndarray:
     """Each CTA's work under `deal` (lists of job indices, as `v10_deal` gives) -> [len(deal)] int64: its
-    jobs' key tiles (`job_tiles`) plus JOB_OVERHEAD a job, the cost the plans weigh jobs by."""
+    jobs' key tiles (`job_tiles`) plus job_overhead a job (the build's JOB_OVERHEAD), the cost the plans
+    weigh jobs by."""
     tiles = job_tiles(plan)
-    return np.array([sum(int(tiles[j]) + _V5_JOB_OVERHEAD for j in jobs) for jobs in deal], dtype=np.int64)
+    return np.array([sum(int(tiles[j]) + job_overhead for j in jobs) for jobs in deal], dtype=np.int64)
 
 
-def deal_balance(plan: np.ndarray, grid: int) -> tuple[int, int, int]:
+def deal_balance(plan: np.ndarray, grid: int, job_overhead: int = _V5_JOB_OVERHEAD) -> tuple[int, int, int]:
     """How evenly version 10 spreads a plan's work over `grid` CTAs -> (the busiest CTA's load under
     `v10_deal`, the busiest under `even_split_loads`, the CTAs without a job under `v10_deal`); loads as
-    `cta_loads` weighs them. The ratio of the first two is the most the attend kernel could gain from cutting
-    the same work into equal shares, where its time follows the busiest CTA."""
-    loads = cta_loads(plan, v10_deal(plan, grid))
-    even = even_split_loads(plan, grid)
+    `cta_loads` weighs them, job_overhead tiles a job (the build's JOB_OVERHEAD). The ratio of the first two
+    is the most the attend kernel could gain from cutting the same work into equal shares, where its time
+    follows the busiest CTA."""
+    loads = cta_loads(plan, v10_deal(plan, grid, job_overhead=job_overhead), job_overhead)
+    even = even_split_loads(plan, grid, job_overhead)
     return int(loads.max(initial=0)), int(even.max(initial=0)), int((loads == 0).sum())
 
 
-def even_split_loads(plan: np.ndarray, grid: int) -> np.ndarray:
-    """Each CTA's load (`cta_loads`' weights: tiles + JOB_OVERHEAD a job) where a plan's work is cut into
-    `grid` equal shares of key tiles ("stream-K"): the row blocks' tiles (their tail tiles, then their
-    prefix tiles) laid end to end, CTA c taking tiles [c W / G, (c + 1) W / G) of the W, one job for each
-    row block its share touches (none for a share of no tiles) -> [grid] int64. A model: no kernel here
-    runs such a plan."""
+def even_split_loads(plan: np.ndarray, grid: int, job_overhead: int = _V5_JOB_OVERHEAD) -> np.ndarray:
+    """Each CTA's load (`cta_loads`' weights: tiles + job_overhead a job, the build's JOB_OVERHEAD) where a
+    plan's work is cut into `grid` equal shares of key tiles ("stream-K"): the row blocks' tiles (their tail
+    tiles, then their prefix tiles) laid end to end, CTA c taking tiles [c W / G, (c + 1) W / G) of the W,
+    one job for each row block its share touches (none for a share of no tiles) -> [grid] int64. A model:
+    no kernel here runs such a plan."""
     plan = np.asarray(plan, dtype=np.int64)
     per_rb = []  # [row blocks] each one's key tiles
     for b in range((plan.shape[0] - 1) // _V5_PLAN_STRIDE):
@@ -808,7 +821,7 @@ def even_split_loads(plan: np.ndarray, grid: int) -> np.ndarray:
     cuts = np.array([c * total // grid for c in range(grid + 1)], dtype=np.int64)  # [grid + 1]
     jobs = [int(((starts < hi) & (ends > lo)).sum()) if hi > lo else 0
             for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)]
-    return np.diff(cuts) + _V5_JOB_OVERHEAD * np.array(jobs, dtype=np.int64)
+    return np.diff(cuts) + job_overhead * np.array(jobs, dtype=np.int64)
 
 
 def v8_combine_warps(bsz: int, rows: int, width: int, grid: int) -> int:

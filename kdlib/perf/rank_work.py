@@ -12,8 +12,8 @@ with a drafter "draft", "tree", "accept". Every weight read once, activations co
 `kdlib.perf.suites.k2_rank.floors`, which sums these (`totals`; it has no AR commit); the byte counts equal
 the tensors `RankModel` and `RankDrafter` allocate (tests/test_k2_layer.py checks it). No tensor is made:
 the estimator calls this. `estimator_work` is the same but for the attention, whose work there is what its
-kernels execute (`attention_executed`: the plan's padded jobs and tiles) rather than the useful work the
-floors count; `attention_plan` is that work as the plan lays it out over the GPU's CTAs.
+kernels execute (`attention_executed`: the padded row blocks and key tiles) rather than the useful work the
+floors count; `attention_plan` is that work as the plan lays it out over the GPU's CTAs, in its jobs.
 """
 
 from __future__ import annotations
@@ -114,13 +114,16 @@ def piece_work(shape, ds, streams: int, rows_per_stream: int, context: int) -> d
 
 def attention_executed(shape, streams: int, rows_per_stream: int, context: int) -> dict:
     """One layer's tree-verify attention as its kernels execute it: each stream's heads x rows query rows
-    in jobs of ROW_BLOCK (padded), each job over its stream's context + rows keys in tiles of KEY_TILE
-    (padded). bytes: every job's Q block in and its fp32 partial out (the keys stream through L2 and are
-    the tiles' cost); FLOPs: S and P V of every tile, padding included."""
+    in row blocks of ROW_BLOCK (padded), each block over its stream's context + rows keys in tiles of
+    KEY_TILE (padded as one run; the kernels pad the prefix and the tree's rows apart, a tile more at most).
+    bytes: every row block's Q block in and one fp32 partial out (the keys stream through L2 and are the
+    tiles' cost); the plan's key chunks, each a job that loads its Q block again and writes its own partial,
+    are not counted (`attention_plan` lays the jobs out). FLOPs: S and P V of every tile, padding
+    included."""
     c = shape.cfg
-    jobs = streams * -(-shape.heads * rows_per_stream // ROW_BLOCK)
-    tiles = jobs * -(-(context + rows_per_stream) // KEY_TILE)
-    return _work(jobs * ROW_BLOCK * (c.latent_dim * BF16 + c.kv_lora_rank * 4),
+    blocks = streams * -(-shape.heads * rows_per_stream // ROW_BLOCK)
+    tiles = blocks * -(-(context + rows_per_stream) // KEY_TILE)
+    return _work(blocks * ROW_BLOCK * (c.latent_dim * BF16 + c.kv_lora_rank * 4),
                  2.0 * tiles * ROW_BLOCK * KEY_TILE * (c.latent_dim + c.kv_lora_rank))
 
 

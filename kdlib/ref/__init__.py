@@ -1,6 +1,9 @@
 """numpy references for DDTree: float64 where it matters, exact where it must be.
 
-Every function here has a CUDA twin in `kdlib.cuda` with the same name and signature;
+Every function here has a CUDA twin in `kdlib.cuda` with the same name and the same positional
+arguments (defaults included); a twin may add keyword-only options (check_values, out, version, ...),
+and the sampling twins' `order=` defaults to None: the default kernel, which draws in the reference's
+default order, "blocked".
 `kdlib.ops` dispatches between the two by array module. Modules:
 
   tree       DDTree, DDTreeBatch, build_tree, build_tree_batch       (survey §2.3-2.5)

@@ -88,7 +88,11 @@ def _route(cfg, x, w, prefix):
 def forward(cfg, weights: dict, token_ids) -> np.ndarray:
     """Logits [T, V] float64 of a causal forward from position 0. `weights`: HF names -> arrays."""
     w = {k: np.asarray(v, dtype=np.float64) for k, v in weights.items()}
-    ids = np.asarray(token_ids, dtype=np.int64)
+    ids = np.asarray(token_ids)
+    # the int64 cast would run 1.7 as 1 and True as 1; an empty list (float64) gets the message below
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"token_ids must be integer token ids, got dtype {ids.dtype}")
+    ids = ids.astype(np.int64)
     if ids.ndim != 1 or ids.size == 0 or ids.min() < 0 or ids.max() >= cfg.vocab_size:
         raise ValueError(f"token_ids must be a non-empty 1-D array of ids in [0, {cfg.vocab_size})")
     T, nh = ids.size, cfg.num_attention_heads

@@ -236,6 +236,17 @@ def _fill_lcrs(parents: list[int], next_token: np.ndarray, next_sibling: np.ndar
         last_child[p] = child
 
 
+def _capacity(depth: int, k: int, budget: int) -> int:
+    """min(budget, sum_{d=1..depth} k^d): the node count of the tree, stopping once budget is reached."""
+    total, level = 0, 1
+    for _ in range(depth):
+        level *= k
+        total += level
+        if total >= budget:
+            return budget
+    return total
+
+
 def build_tree(
     top_token_ids: np.ndarray, top_log_probs: np.ndarray, budget: int, vocab_size: int | None = None
 ) -> DDTree:
@@ -253,7 +264,8 @@ def build_tree(
     positive log-probs, negative budget, negative or out-of-vocabulary token ids, a token repeated in a row.
     """
     budget, k = _check_topk(top_token_ids, top_log_probs, budget, vocab_size, ndim=2)
-    batch = _build(top_token_ids[None], top_log_probs[None], budget, k)
+    # the arrays are sized by what can be built: the returned views keep the whole batch alive
+    batch = _build(top_token_ids[None], top_log_probs[None], _capacity(top_token_ids.shape[0], k, budget), k)
     return batch.tree(0)
 
 
@@ -264,6 +276,7 @@ def build_tree_batch(
 
     Shape: top_token_ids [B, L, K'] int64, top_log_probs [B, L, K'] float32; per request exactly
     `build_tree`. Validation as in `build_tree`, over the whole batch, before any work.
+    Memory: O(B * budget^2) (visibility [B, budget+1, budget+1]), even where the trees are smaller.
     """
     budget, k = _check_topk(top_token_ids, top_log_probs, budget, vocab_size, ndim=3)
     return _build(top_token_ids, top_log_probs, budget, k)

@@ -102,7 +102,7 @@ class Sequence:
     rid: int | None = None
     text: TextStream | None = None
     tokens: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)  # each decode step's tau
+    accepted: list[int] = field(default_factory=list)  # each decode step's tau: the tokens it added
     step_ms: list[float] = field(default_factory=list)
     first_at: float | None = None
     first_tokens: int = 0  # the tokens emitted at first_at (the prefill's, and its step's decode's)
@@ -497,11 +497,9 @@ class Engine:
                 for o in group:
                     if self._active.get(rid) is not seq:  # finished by a stop string in the prefill's token:
                         break  # the decode step computed beside it is no step of this answer
-                    if o.accepted > 0:  # a decode step (the prefill's token accepts 0)
-                        taus.append(int(o.accepted))
-                        seq.accepted.append(taus[-1])
-                        seq.step_ms.append(dt * 1e3)
-                    self._advance(seq, o, now)
+                    tau = self._advance(seq, o, now, dt)
+                    if tau is not None:
+                        taus.append(tau)
             except Exception as e:  # noqa: BLE001 - this sequence fails, the others go on
                 self.core.abort(rid)
                 self._fail(seq, RequestError(f"server error: {type(e).__name__}: {e}", status=500,
@@ -521,7 +519,10 @@ class Engine:
             for tau in taus:
                 m.accept.observe(tau)
 
-    def _advance(self, seq: Sequence, o, now: float) -> None:
+    def _advance(self, seq: Sequence, o, now: float, dt: float) -> int | None:
+        """Hand seq the output o of a step of dt seconds. Returns a decode step's tau, the tokens it
+        added to the answer: o.accepted less those cut at max_tokens, an end of text or a stop string
+        (None for the prefill's token)."""
         toks = [int(t) for t in o.new_tokens]
         lps = list(o.logprobs) if o.logprobs is not None else None
         finished, reason = o.finished, o.finish_reason
@@ -537,6 +538,11 @@ class Engine:
             if not finished:
                 self.core.abort(seq.rid)
             finished, reason = True, "stop"
+        tau = None
+        if o.accepted > 0:  # a decode step (the prefill's token accepts 0); recorded before _finish's stats
+            tau = len(toks)
+            seq.accepted.append(tau)
+            seq.step_ms.append(dt * 1e3)
         seq.tokens.extend(toks)
         with self._cv:
             self.totals["generation_tokens"] += len(toks)
@@ -548,6 +554,7 @@ class Engine:
                                            tuple(lps) if lps is not None else None, len(seq.tokens), now))
         if finished:
             self._finish(seq, reason or "length", now)
+        return tau
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
         self._active.pop(seq.rid, None)

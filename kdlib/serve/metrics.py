@@ -1,7 +1,8 @@
 """Prometheus families of one server engine (its own registry, so several servers in one process stay apart).
 
 kdlib's own (the throughput decomposition reads the first two):
-  kdlib_spec_accept_length               histogram, per request per step: tokens committed (root + accepted)
+  kdlib_spec_accept_length               histogram, per request per step: the tokens it added to the answer
+                                         (root + accepted, less a cut at max_tokens, end of text or a stop)
   kdlib_step_seconds                     histogram, per engine step: wall time of one batched step
   kdlib_step_batch_size                  histogram, per engine step: requests that emitted tokens
   kdlib_request_decode_tokens_per_second histogram, per request: tokens after the first / first-to-last time
@@ -38,7 +39,8 @@ class Metrics:
 
         r = self.registry = CollectorRegistry()
         self.accept = Histogram("kdlib_spec_accept_length",
-                                "Tokens committed per request per step (root + accepted)",
+                                "Tokens a step added to a request's answer (root + accepted, less a cut at "
+                                "max_tokens or a stop)",
                                 buckets=ACCEPT_BUCKETS, registry=r)
         self.step = Histogram("kdlib_step_seconds", "Wall time of one batched engine step",
                               buckets=STEP_BUCKETS, registry=r)
