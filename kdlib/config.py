@@ -63,6 +63,22 @@ def shipped() -> list[str]:
     return sorted(p.stem for p in CONFIGS.glob("*.json"))
 
 
+def config_file(config: str | os.PathLike) -> Path:
+    """The config.json file a path (file or directory) or a shipped name stands for; ValueError naming
+    `config` where there is none."""
+    path = Path(config)
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise ValueError(f"no config {str(config)!r}: a folder that holds no config.json")
+    elif not path.exists() and str(config) in shipped():
+        path = CONFIGS / f"{config}.json"
+    if not path.is_file():
+        raise ValueError(f"no config {str(config)!r}: not a file, and not one of the shipped configs "
+                         f"{shipped()}")
+    return path
+
+
 def load_config(config) -> dict:
     """The parsed config.json (a fresh copy): from a dict, a path (file or directory), or a shipped name.
 
@@ -75,16 +91,7 @@ def load_config(config) -> dict:
         return cfg
     if not isinstance(config, str | os.PathLike):
         raise ValueError(f"config must be a dict, a path or a shipped name, got {type(config).__name__}")
-    path = Path(config)
-    if path.is_dir():
-        path = path / "config.json"
-        if not path.is_file():
-            raise ValueError(f"no config {str(config)!r}: a folder that holds no config.json")
-    elif not path.exists() and str(config) in shipped():
-        path = CONFIGS / f"{config}.json"
-    if not path.is_file():
-        raise ValueError(f"no config {str(config)!r}: not a file, and not one of the shipped configs "
-                         f"{shipped()}")
+    path = config_file(config)
     try:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -351,13 +358,9 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> ModelConfig:
-        p = Path(path)
-        if p.is_dir():
-            p = p / "config.json"
-        try:
-            d = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{p}: not valid JSON ({e})") from e
+        """From a path (file or directory) or a shipped name, as `load`; a field's error names the file."""
+        p = config_file(path)
+        d = load_config(p)
         try:
             return cls.from_dict(d)
         except ConfigError as e:

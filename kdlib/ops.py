@@ -21,6 +21,7 @@ import importlib
 import numpy as np
 
 from kdlib import ref
+from kdlib.cuda import loader
 from kdlib.ref.tree import DDTree, DDTreeBatch
 
 # every reference operation; the tree containers and constants are not dispatched
@@ -47,24 +48,18 @@ def _kind(x) -> str | None:
 
 
 def _torch_to_numpy(t):
+    """A numpy view of a torch CPU tensor; bfloat16 and float8 (which numpy lacks) cross as their bytes,
+    viewed as ml_dtypes' types of the same bits."""
     import ml_dtypes
     import torch
 
     t = t.detach()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    lacking = {torch.bfloat16: ml_dtypes.bfloat16, torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn,
+               torch.float8_e5m2: ml_dtypes.float8_e5m2, torch.float8_e4m3fnuz: ml_dtypes.float8_e4m3fnuz,
+               torch.float8_e5m2fnuz: ml_dtypes.float8_e5m2fnuz}
+    if t.dtype in lacking:
+        return t.view(torch.uint8).numpy().view(lacking[t.dtype])
     return t.numpy()
-
-
-def _torch_to_cupy(t):
-    """DLPack view; bool crosses as uint8 bytes (same layout), viewed back as bool."""
-    import cupy
-    import torch
-
-    t = t.detach()
-    if t.dtype == torch.bool:
-        return cupy.from_dlpack(t.view(torch.uint8)).view(cupy.bool_)
-    return cupy.from_dlpack(t)
 
 
 def _to_backend(x, kind: str, originals: dict, in_tree: bool = False):
@@ -85,7 +80,7 @@ def _to_backend(x, kind: str, originals: dict, in_tree: bool = False):
 
         if x.dtype == torch.bfloat16 and not in_tree:
             return x
-        v = _torch_to_cupy(x)
+        v = loader.as_cupy(x.detach())  # DLPack view; bool crosses as bytes
     else:
         return x
     originals[id(v)] = (v, x)

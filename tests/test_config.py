@@ -56,6 +56,20 @@ def test_a_folder_without_config_json_is_named_as_such(tmp_path, capsys):
     assert config.load_config(tmp_path)["_name"] == tmp_path.name  # a folder with one still loads
 
 
+
+def test_from_json_reads_as_load(tmp_path):
+    """from_json was a second reader: a shipped name, a missing file or a folder without config.json
+    raised a raw FileNotFoundError where `load` works or names the problem."""
+    assert ModelConfig.from_json("tiny-a") == ModelConfig.load("tiny-a")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "list.json").write_text("[1, 2]")
+    for bad, match in [(tmp_path / "empty", r"a folder that holds no config\.json$"),
+                       (tmp_path / "none.json", "not a file, and not one of the shipped configs"),
+                       (tmp_path / "list.json", "must hold a JSON object$")]:
+        for read in (ModelConfig.load, ModelConfig.from_json):
+            with pytest.raises(ValueError, match=match):
+                read(bad)
+
 @pytest.mark.parametrize("name", ENGINE_CONFIGS)
 def test_the_views_agree(name):
     """geometry (memory), ModelConfig (engine) and ModelShape (estimator) read the same numbers."""

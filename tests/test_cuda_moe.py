@@ -183,6 +183,40 @@ def test_bf16_bits_refuse_float_scales():
     assert moe.bf16_bits_to_f32(np.uint16(0x3F80)) == 1.0
 
 
+def test_torch_twins_refuse_what_the_numpy_ones_refuse():
+    """kdlib.engine.int4's packers and dequantizer share the numpy checks: scale values (not bf16 bits)
+    packed to zeros, float16 scales were read as bf16 bits, signed -8..7 packed into the wrong words and a
+    partial tile gave torch's reshape error. Integer q and int16 / uint16 scales pack as the numpy ones."""
+    import torch
+
+    from kdlib.engine import int4
+
+    q, s = moe.quantize_w4(np.random.default_rng(2).normal(0, 0.02, (2, 16, 64)))
+    qt, st16 = torch.from_numpy(q), torch.from_numpy(s.view(np.int16))
+    for bad in (st16.view(torch.bfloat16), st16.view(torch.bfloat16).float(), st16.view(torch.float16),
+                st16.to(torch.int32)):
+        with pytest.raises(ValueError, match="pack_scales_torch: s must hold bf16 bit patterns"):
+            int4.pack_scales_torch(bad)
+        with pytest.raises(ValueError, match="dequantize_w4_torch: s must hold bf16 bit patterns"):
+            int4.dequantize_w4_torch(qt, bad)
+    with pytest.raises(ValueError, match=r"pack_rows_torch: q must hold 0\.\.15 .*got \[-\d, \d\]"):
+        int4.pack_rows_torch(qt.to(torch.int8) - 8)
+    for bad, dtype in ((qt.float(), "float32"), (qt > 7, "bool")):
+        with pytest.raises(ValueError, match=rf"pack_rows_torch: q must hold integers .* got {dtype}$"):
+            int4.pack_rows_torch(bad)
+    for call, bad in ((int4.pack_rows_torch, qt[:, :8]), (int4.pack_rows_torch, qt[..., :32]),
+                      (int4.pack_scales_torch, st16[:, :8]), (int4.pack_scales_torch, st16[..., :1])):
+        with pytest.raises(ValueError, match=r"_torch: rows \d+ must be a multiple of 16 and columns \d+ of"):
+            call(bad)
+    words = moe.pack_rows(q).view(np.int32)
+    for dtype in (torch.uint8, torch.int8, torch.int32, torch.uint16):
+        np.testing.assert_array_equal(int4.pack_rows_torch(qt.to(dtype)).numpy(), words)
+    for scales in (st16, torch.from_numpy(s).view(torch.uint16)):
+        packed = int4.pack_scales_torch(scales).numpy()
+        np.testing.assert_array_equal(packed, moe.pack_scales(s).view(np.int32))
+        np.testing.assert_array_equal(int4.dequantize_w4_torch(qt, scales).numpy(), moe.dequantize_w4(q, s))
+
+
 def test_reference_matches_dense_float64_layer():
     rng = np.random.default_rng(3)
     E, K, N, M, k = 4, 64, 64, 6, 2
@@ -203,6 +237,20 @@ def test_reference_matches_dense_float64_layer():
         np.testing.assert_allclose(y[m], acc, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="topk_ids"):
         moe.moe_w4a16_reference(x_bits, w, ids + E, wts)
+
+
+def test_reference_refuses_non_integer_ids():
+    """As prepare_routing (its GPU twin) does: the int64 cast truncated float ids (0.9 -> expert 0) and
+    took bools as experts 0 and 1."""
+    w = moe.MoEWeights.random(2, 64, 64, seed=0)
+    x_bits = moe.f32_to_bf16_bits(np.ones((2, 64)))
+    wts = np.ones((2, 1), np.float32)
+    for ids, dtype in ((np.full((2, 1), 0.9), "float64"), (np.ones((2, 1), np.float32), "float32"),
+                       (np.ones((2, 1), np.bool_), "bool")):
+        with pytest.raises(ValueError, match=f"topk_ids must hold integers, got {dtype}"):
+            moe.moe_w4a16_reference(x_bits, w, ids, wts)
+    y = moe.moe_w4a16_reference(x_bits, w, np.ones((2, 1), np.uint8), wts)
+    np.testing.assert_array_equal(y, moe.moe_w4a16_reference(x_bits, w, np.ones((2, 1), np.int64), wts))
 
 
 # ----------------------------------------------------------------------------- GPU

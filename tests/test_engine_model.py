@@ -497,6 +497,30 @@ def test_sharded_checkpoints_read_the_shards_their_index_names(tmp_path):
         Model.from_pretrained(tmp_path)
 
 
+
+def test_a_prefixed_checkpoint_is_named(tmp_path):
+    """A Kimi-K2.5-style wrapper checkpoint (every weight under `language_model.`, a vision tower beside)
+    was refused as "missing 43 weights ...; 43 unexpected", never naming the prefix."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = ModelConfig.from_json(DATA / "configs" / "tiny-b.json")
+    save_pretrained(Model.random(cfg, seed=0), tmp_path)
+    w = load_file(str(tmp_path / "model.safetensors"))
+    conf = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": conf}))
+    wrapped = {"language_model." + k: v for k, v in w.items()}
+    save_file({**wrapped, "vision_tower.patch_embed.weight": torch.zeros(2, 2)},
+              str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"missing {len(w)} weights.*; the checkpoint's weights carry the "
+                                         r"prefix 'language_model\.', which the loader does not strip$"):
+        Model.from_pretrained(tmp_path)
+    # one weight under another name: no prefix is claimed
+    w["lm_head.weight.old"] = w.pop("lm_head.weight")
+    save_file(w, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing 1 weights, e\.g\. \['lm_head\.weight'\]; 1 unexpected, "
+                                         r"e\.g\. \['lm_head\.weight\.old'\]$"):
+        Model.from_pretrained(tmp_path)
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["tiny-a", "tiny-b"])
 def test_cuda_matches_cpu(name):

@@ -77,11 +77,16 @@ def test_numpy_scalars_are_numbers_not_a_device():
     assert isinstance(tree.node_token_ids, torch.Tensor)
 
 
-def test_signatures_match_ref():
-    import inspect
-
-    for name in ops.OPS:
-        assert inspect.signature(getattr(ops, name)) == inspect.signature(getattr(ref, name)), name
+def test_torch_float8_and_bf16_caches_compact_in_place():
+    """compact_kv on torch CPU caches of the dtypes numpy lacks (bf16, both float8 kinds): the rows move in
+    the tensor itself, bit for bit (a float8 cache once failed inside torch's numpy bridge)."""
+    rows = torch.arange(32, dtype=torch.float32).reshape(8, 4) / 4
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+        cache = rows.to(dtype)
+        want = cache.clone()
+        want[2:4] = cache[[3, 5]]
+        ops.compact_kv(cache, 2, torch.tensor([1, 3]))  # node i of the path at row start + 1 + i
+        assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8)), dtype
 
 
 @pytest.mark.gpu

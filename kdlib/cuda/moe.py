@@ -58,12 +58,18 @@ def f32_to_bf16_bits(a) -> np.ndarray:
     return ((u + rounding) >> 16).astype(np.uint16)
 
 
+def check_bf16_bits(dtype: str, what: str) -> None:
+    """ValueError naming `what` unless `dtype` (a numpy dtype's str, a torch dtype's without "torch.") is
+    uint16 or int16, bf16 bit patterns (a cast would truncate float scales to 0): the check of the numpy
+    helpers and their torch twins (kdlib.engine.int4)."""
+    if dtype not in ("uint16", "int16"):
+        raise ValueError(f"{what} must hold bf16 bit patterns (uint16 or int16), got {dtype}")
+
+
 def _bf16_bits(b, what: str) -> np.ndarray:
-    """`b` as uint16 bf16 bit patterns (int16 viewed as uint16); ValueError naming `what` for any other
-    dtype (a cast would truncate float scales to 0)."""
+    """`b` as uint16 bf16 bit patterns (int16 viewed as uint16), after `check_bf16_bits`."""
     b = np.asarray(b)
-    if b.dtype not in (np.uint16, np.int16):
-        raise ValueError(f"{what} must hold bf16 bit patterns (uint16 or int16), got {b.dtype}")
+    check_bf16_bits(str(b.dtype), what)
     return b.view(np.uint16)
 
 
@@ -115,10 +121,22 @@ def dequantize_w4(q, scales, group: int = GROUP) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- packing
-def _check_tiles(rows: int, cols: int, what: str) -> None:
+def check_tiles(rows: int, cols: int, what: str) -> None:
+    """ValueError naming `what` unless rows and columns are whole tiles (TILE_ROWS x CHUNK_COLS): the check
+    of the packers and their torch twins (kdlib.engine.int4)."""
     if rows % TILE_ROWS or cols % CHUNK_COLS:
         raise ValueError(f"{what}: rows {rows} must be a multiple of {TILE_ROWS} and columns {cols} of "
                          f"{CHUNK_COLS}")
+
+
+def check_int4(dtype: str, integer: bool, bounds: tuple[int, int] | None, what: str) -> None:
+    """ValueError naming `what` unless q is of an integer dtype (`integer`; `dtype` its name) and its
+    (min, max) `bounds` (None: empty) lie in 0..15: the check of `pack_rows` and its torch twin."""
+    if not integer:
+        raise ValueError(f"{what}: q must hold integers 0..15 (INT4 with zero point 8), got {dtype}")
+    if bounds is not None and (bounds[0] < 0 or bounds[1] > 15):
+        raise ValueError(f"{what}: q must hold 0..15 (INT4 with zero point 8, as `quantize_w4` returns; "
+                         f"add 8 to signed -8..7), got [{bounds[0]}, {bounds[1]}]")
 
 
 def pack_rows(q) -> np.ndarray:
@@ -130,12 +148,10 @@ def pack_rows(q) -> np.ndarray:
     """
     q = np.asarray(q)
     *lead, R, C = q.shape
-    _check_tiles(R, C, "pack_rows")
-    if q.dtype.kind not in "iu":
-        raise ValueError(f"pack_rows: q must hold integers 0..15 (INT4 with zero point 8), got {q.dtype}")
-    if q.size and (int(q.min()) < 0 or int(q.max()) > 15):
-        raise ValueError(f"pack_rows: q must hold 0..15 (INT4 with zero point 8, as `quantize_w4` returns; "
-                         f"add 8 to signed -8..7), got [{int(q.min())}, {int(q.max())}]")
+    check_tiles(R, C, "pack_rows")
+    integer = q.dtype.kind in "iu"
+    bounds = (int(q.min()), int(q.max())) if integer and q.size else None
+    check_int4(str(q.dtype), integer, bounds, "pack_rows")
     # row = rt*16 + h*8 + g; col = kc*64 + t*16 + i*4 + j
     v = q.astype(np.uint32).reshape(*lead, R // 16, 2, 8, C // 64, 4, 4, 4)
     n = len(lead)
@@ -156,7 +172,7 @@ def pack_scales(scales) -> np.ndarray:
     """
     s = _bf16_bits(scales, "pack_scales: scales")
     *lead, R, G = s.shape
-    _check_tiles(R, G * GROUP, "pack_scales")
+    check_tiles(R, G * GROUP, "pack_scales")
     v = s.astype(np.uint32).reshape(*lead, R // 16, 2, 8, G // 2, 2)   # [.., rt, h, g, kc, grp]
     n = len(lead)
     v = np.moveaxis(v, (n + 3, n + 4, n + 2, n + 1), (n + 1, n + 2, n + 3, n + 4))  # [.., rt, kc, grp, g, h]
@@ -200,8 +216,8 @@ class MoEWeights:
 def pack_moe(w: MoEWeights) -> dict[str, np.ndarray]:
     """The four arrays the kernels read (see the .cu header for the layouts)."""
     E, K, N = w.shape
-    _check_tiles(N, K, "gate/up")
-    _check_tiles(K, N, "down")
+    check_tiles(N, K, "gate/up")
+    check_tiles(K, N, "down")
     w1 = np.stack([pack_rows(w.q_gate), pack_rows(w.q_up)], axis=3)       # [E, N/16, K/64, 2, 32, 4]
     s1 = np.stack([pack_scales(w.s_gate), pack_scales(w.s_up)], axis=3)   # [E, N/16, K/64, 2, 16]
     return {
@@ -224,6 +240,8 @@ def _check_routing(topk_ids, topk_weights, m: int, n_experts: int) -> tuple[np.n
     wts = np.asarray(topk_weights, dtype=np.float32)
     if ids.ndim != 2 or ids.shape[0] != m or wts.shape != ids.shape:
         raise ValueError(f"topk_ids {ids.shape} and topk_weights {wts.shape} must both be [M={m}, topk]")
+    if ids.dtype.kind not in "iu":  # before the int64 cast, which would truncate 0.9 to expert 0
+        raise ValueError(f"topk_ids must hold integers, got {ids.dtype}")
     if ids.size and (ids.min() < 0 or ids.max() >= n_experts):
         raise ValueError(f"topk_ids must lie in [0, {n_experts})")
     return ids.astype(np.int64), wts

@@ -26,6 +26,7 @@ import torch
 
 from kdlib import ops
 from kdlib.engine.config import ModelConfig
+from kdlib.engine.model import check_int
 
 MODES = ("compact", "remap")
 
@@ -39,11 +40,9 @@ class LatentCache:
                  device=None, dtype=torch.float32):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if num_slots <= 0:
-            raise ValueError(f"num_slots must be > 0, got {num_slots}")
         self.cfg, self.mode = cfg, mode
-        self.num_slots = int(num_slots)
-        self.max_ctx = int(max_ctx or num_slots)
+        self.num_slots = check_int("num_slots", num_slots, 1)
+        self.max_ctx = self.num_slots if max_ctx is None else check_int("max_ctx", max_ctx, 1)
         self.device = torch.device(device or "cpu")
         self.kv = torch.zeros(cfg.num_hidden_layers, self.num_slots, cfg.latent_dim, device=self.device,
                               dtype=dtype)  # [L, S, kv_lora + rope]
@@ -112,10 +111,18 @@ class LatentCache:
         """
         if self._pending is None:
             raise ValueError("nothing pending to commit")
+        slots, q = self._pending, self._pending.shape[0]
+        # checked up front (the ops check compact mode's path against the whole pool, not the tree)
+        if paths.ndim != 2 or paths.shape[0] != 1 or tuple(lengths.shape) != (1,):
+            raise ValueError(f"paths must be [1, W] and lengths [1], got {tuple(paths.shape)} and "
+                             f"{tuple(lengths.shape)}")
         n = int(lengths[0])
-        if not 1 <= n <= self._pending.shape[0]:  # checked first: a refused call keeps the pending slots
-            raise ValueError(f"path length {n} must be in [1, {self._pending.shape[0]}]")
-        slots = self._take()
+        if not 1 <= n <= min(q, paths.shape[1]):
+            raise ValueError(f"path length {n} must be in [1, {min(q, paths.shape[1])}]")
+        path = paths[0, :n]
+        if bool((path[0] < 0) | (path[-1] >= q) | (path.diff() <= 0).any()):
+            raise ValueError(f"paths[0] must be strictly increasing in [0, {q}) (the pending rows), "
+                             f"got {path.tolist()}")
         s = self.length
         starts = torch.tensor([s], dtype=torch.int64, device=self.device)
         if self.mode == "compact":
@@ -133,6 +140,7 @@ class LatentCache:
         else:
             freed = ops.remap_slots(self.req_to_token, starts, slots[None], paths, lengths)
             self._free.extend(reversed(torch.as_tensor(freed).tolist()))
+        self._pending = None  # taken only now: a call the ops refuse keeps the pending slots
         self.length += n
         return n
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kdlib.cuda.loader import as_cupy
-from kdlib.cuda.moe import GROUP, check_w4_shapes
+from kdlib.cuda.moe import GROUP, check_bf16_bits, check_int4, check_tiles, check_w4_shapes
 
 
 def quantize_w4_torch(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,12 +39,22 @@ def quantize_w4_torch(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor
     return q, s.to(torch.bfloat16).view(torch.int16)
 
 
+def _dtype_name(t: torch.Tensor) -> str:
+    """t's dtype as the numpy checks of kdlib.cuda.moe name it ("int16" for torch.int16)."""
+    return str(t.dtype).removeprefix("torch.")
+
+
 def pack_rows_torch(q: torch.Tensor) -> torch.Tensor:
-    """`kdlib.cuda.moe.pack_rows` in torch: q [..., R, C] uint8 -> [..., R/16, C/64, 32, 4] int32
-    (uint32 bits)."""
+    """`kdlib.cuda.moe.pack_rows` in torch: q [..., R, C] integers 0..15 -> [..., R/16, C/64, 32, 4] int32
+    (uint32 bits). Syncs with the host for the range check."""
     *lead, R, C = q.shape
     n = len(lead)
-    v = q.to(torch.int64).reshape(*lead, R // 16, 2, 8, C // 64, 4, 4, 4)  # [.., rt, h, g, kc, t, i, j]
+    check_tiles(R, C, "pack_rows_torch")
+    integer = not (q.dtype.is_floating_point or q.dtype.is_complex or q.dtype == torch.bool)
+    v = q.to(torch.int64)  # torch has no min / max of uint16..uint64
+    bounds = tuple(map(int, torch.aminmax(v))) if integer and q.numel() else None
+    check_int4(_dtype_name(q), integer, bounds, "pack_rows_torch")
+    v = v.reshape(*lead, R // 16, 2, 8, C // 64, 4, 4, 4)  # [.., rt, h, g, kc, t, i, j]
     v = v.permute(*range(n), n, n + 3, n + 2, n + 4, n + 5, n + 1, n + 6)  # [.., rt, kc, g, t, i, h, j]
     words = torch.zeros(v.shape[:-2], dtype=torch.int64, device=q.device)
     for h in range(2):
@@ -59,10 +69,12 @@ def _as_int32(w: torch.Tensor) -> torch.Tensor:
 
 
 def pack_scales_torch(s: torch.Tensor) -> torch.Tensor:
-    """`kdlib.cuda.moe.pack_scales` in torch: s [..., R, C/32] int16 (bf16 bits) -> [..., R/16, C/64, 16]
-    int32."""
+    """`kdlib.cuda.moe.pack_scales` in torch: s [..., R, C/32] int16 or uint16 (bf16 bits) ->
+    [..., R/16, C/64, 16] int32."""
+    check_bf16_bits(_dtype_name(s), "pack_scales_torch: s")
     *lead, R, G = s.shape
     n = len(lead)
+    check_tiles(R, G * GROUP, "pack_scales_torch")
     v = (s.to(torch.int64) & 0xFFFF).reshape(*lead, R // 16, 2, 8, G // 2, 2)  # [.., rt, h, g, kc, grp]
     v = v.permute(*range(n), n, n + 3, n + 4, n + 2, n + 1)  # [.., rt, kc, grp, g, h]
     words = _as_int32(v[..., 0] | (v[..., 1] << 16))
@@ -77,7 +89,9 @@ def pack_moe_torch(q_gate, s_gate, q_up, s_up, q_down, s_down) -> dict[str, torc
 
 
 def dequantize_w4_torch(q: torch.Tensor, s: torch.Tensor, group: int = GROUP) -> torch.Tensor:
-    """bf16((q - 8) * s) as float32: q [..., R, C] uint8, s [..., R, C/group] int16 bf16 bits."""
+    """bf16((q - 8) * s) as float32: q [..., R, C] uint8, s [..., R, C/group] int16 or uint16 (bf16
+    bits)."""
+    check_bf16_bits(_dtype_name(s), "dequantize_w4_torch: s")
     check_w4_shapes(tuple(q.shape), tuple(s.shape), group, "dequantize_w4_torch")
     sc = s.view(torch.bfloat16).float().repeat_interleave(group, dim=-1)
     return ((q.float() - 8.0) * sc).to(torch.bfloat16).float()

@@ -1,7 +1,7 @@
-"""Weights: Hugging Face checkpoint loading, deterministic random weights, KDTR round trips.
+"""Weights: Hugging Face checkpoint loading and saving, deterministic random weights.
 
     layout = checkpoint_layout(Path("hf_dir"), cfg)    # name -> file, headers checked: Model.from_pretrained
-    w = random_weights(cfg, seed=0)                    # name -> float32 numpy array (same seed, same bytes)
+    w = random_weights(cfg, seed=0)                    # float32 arrays by name (same seed + numpy build)
     random_weights_on_device(model, seed=0)            # the same scales drawn by torch on the model's device
     save_pretrained(model, "out_dir")                  # config.json + model.safetensors (HF layout)
 
@@ -9,7 +9,8 @@ Checkpoint names are the transformers DeepseekV3 ones (per-expert `mlp.experts.{
 as `save_pretrained` writes them). Multi-token-prediction layers (layer index >= num_hidden_layers,
 DeepSeek-V3 README_WEIGHTS) are skipped; an untied checkpoint without `lm_head.weight` is an error;
 block-FP8 / INT4 checkpoints (`*_scale_inv`, `weight_packed`) are refused: the MVP engine loads
-dense float weights only.
+dense float weights only. KDTR <-> safetensors conversion is `kdlib.kdtr.to_safetensors` /
+`from_safetensors`.
 """
 
 from __future__ import annotations
@@ -66,7 +67,9 @@ def _mlp(prefix, hidden, inter):
 
 
 def random_weights(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
-    """Deterministic float32 weights from numpy's PCG64 (stable across numpy versions).
+    """Deterministic float32 weights from numpy's PCG64: the same seed gives the same weights on the same
+    numpy build and machine, which is all numpy's random compatibility policy promises (a later numpy may
+    change the stream).
 
     Scales keep a random tiny model away from a flat output: linear weights N(0, 1/fan_in) (unit
     gain), embeddings N(0, 1), norm weights 1 + N(0, 0.1) and a router bias N(0, 0.1) so that every
@@ -75,7 +78,7 @@ def random_weights(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.Generator(np.random.PCG64(seed))
     out = {}
     for name, shape in parameter_shapes(cfg).items():
-        if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+        if name.endswith("norm.weight"):
             a = 1.0 + 0.1 * rng.standard_normal(shape)
         elif name.endswith("e_score_correction_bias"):
             a = 0.1 * rng.standard_normal(shape)
@@ -115,15 +118,33 @@ _QUANT = ("_scale_inv", "weight_scale", "weight_packed", "weight_shape", "input_
 
 
 def check_keys(expected: set, got: set) -> None:
-    """ValueError listing missing / unexpected weight names (first few of each)."""
+    """ValueError listing missing / unexpected weight names (first few of each), naming the prefix that
+    every missing name carries among the unexpected ones where there is one (Kimi-K2.5's
+    `language_model.`)."""
     missing, extra = sorted(expected - got), sorted(got - expected)
     if missing or extra:
+        prefix = _shared_prefix(missing, extra)
         raise ValueError(
             "checkpoint does not match the config: "
             + (f"missing {len(missing)} weights, e.g. {missing[:4]}" if missing else "")
             + ("; " if missing and extra else "")
             + (f"{len(extra)} unexpected, e.g. {extra[:4]}" if extra else "")
+            + (f"; the checkpoint's weights carry the prefix {prefix!r}, which the loader does not strip"
+               if prefix else "")
         )
+
+
+def _shared_prefix(missing: list[str], extra: list[str]) -> str | None:
+    """The prefix p with p + name among `extra` for every name of `missing`, if there is one."""
+    if not missing:
+        return None
+    have = set(extra)
+    for e in extra:  # the names are disjoint, so a match is longer than missing[0]: p is never empty
+        if e.endswith(missing[0]):
+            p = e[:-len(missing[0])]
+            if all(p + m in have for m in missing):
+                return p
+    return None
 
 
 INDEX = "model.safetensors.index.json"  # a sharded checkpoint's map: weight name -> shard file
@@ -154,8 +175,8 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 
 # a safetensors header's float dtypes: what the engine loads (fp8 and integer tensors are quantized
-# checkpoints' and would be cast blindly)
-FLOAT_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
+# checkpoints' and would be cast blindly); a tuple, so the error lists them in this order
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 def checkpoint_layout(path: Path, cfg: ModelConfig) -> dict[str, Path]:
