@@ -206,7 +206,8 @@ def test_streamed_text_offsets_are_the_unstreamed_ones(oa):
 
 def test_text_offsets_index_the_text(oa):
     """A token starts at its offset in the text; a hidden end of text, or a character's first bytes, adds no
-    characters (the offsets counted each token's piece: 13 for <|endoftext|>, 1 for a lone byte's U+FFFD)."""
+    characters (the offsets counted each token's piece: 13 for <|endoftext|>, 1 for a lone byte's U+FFFD;
+    such a token's piece is its bytes, "bytes:\\xe6")."""
     cases = (("s = '日本'\n", dict(echo=True)), (EOS_PROMPT, dict(extra_body={"ignore_eos": True})))
     for prompt, kw in cases:
         kw = dict(model="kdtree-tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=1, **kw)
@@ -214,11 +215,92 @@ def test_text_offsets_index_the_text(oa):
         lp = c.logprobs
         assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(c.text)
         whole = [(s, o) for s, o in zip(lp.tokens, lp.text_offset, strict=True)
-                 if "\ufffd" not in s and s != "<|endoftext|>"]
+                 if not s.startswith("bytes:") and s != "<|endoftext|>"]
         assert all(c.text[o:o + len(s)] == s for s, o in whole), (lp.tokens, lp.text_offset)
         assert len(whole) < len(lp.tokens)  # a split character, or the end of text, was among them
         chunks = [ch.choices[0] for ch in oa.completions.create(stream=True, **kw)]
         assert [o for ch in chunks if ch.logprobs for o in ch.logprobs.text_offset] == lp.text_offset
+
+
+def _piece_bytes(piece: str) -> bytes:
+    """The bytes a completion's token piece stands for ("bytes:\\xe6\\x97" for a character's share)."""
+    return bytes.fromhex(piece[6:].replace("\\x", "")) if piece.startswith("bytes:") else piece.encode()
+
+
+def test_tokens_that_split_a_character_keep_distinct_pieces(http, bundle):
+    """A token holding part of a UTF-8 character decodes to U+FFFD, as do all its kind: each gets its bytes as
+    its piece instead (OpenAI's "bytes:\\xe6\\x97"), so top_logprobs holds `logprobs` alternatives and the
+    sampled token's own value; chat's entries name the same pieces beside their bytes."""
+    prompt = "s = '日本語 漢字 😀 ñ é ü ø'"
+    r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 5,
+                                           "echo": True}).json()
+    lp = r["choices"][0]["logprobs"]
+    entries = zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True)
+    scored = [(s, v, t) for s, v, t in entries if t is not None]
+    assert len(scored) == len(lp["tokens"]) - 1  # the first token has no logprob
+    assert all(t[s] == v and len(t) >= 5 for s, v, t in scored), scored
+    assert any(s.startswith("bytes:") for s, _, _ in scored)
+    p = r["usage"]["prompt_tokens"]
+    assert b"".join(_piece_bytes(s) for s in lp["tokens"][:p]) == prompt.encode()
+    tok = bundle.tokenizer
+    e6, e7 = tok.token_to_id("\u00e6"), tok.token_to_id("\u00e7")  # byte-level BPE's symbols of 0xe6, 0xe7
+    chat = serve.app._Logprobs(tok, chat=True).chat_content([{"token": e6, "logprob": -1.0,
+                                                              "top": [(e6, -1.0), (e7, -2.0)]}])
+    assert [(e["token"], e["bytes"]) for e in chat[0]["top_logprobs"]] == [("bytes:\\xe6", [0xE6]),
+                                                                         ("bytes:\\xe7", [0xE7])]
+    assert chat[0]["token"] == "bytes:\\xe6"
+
+
+def test_errors_name_the_real_problem(http):
+    """A field that failed its own check raises no second, false cross-field error; a content part's error
+    names the part; a lone surrogate is named as such; an empty body is unreadable JSON."""
+    chat = "/v1/chat/completions"
+    hi = [{"role": "user", "content": "hi"}]
+
+    def parts(*ps):
+        return [{"role": "user", "content": [{"type": "text", "text": "a"}, *ps]}]
+
+    for path, body, param, message in [
+            ("/v1/completions", {"prompt": "x", "n": 20, "best_of": 20}, "n", "n: Input should be"),
+            ("/v1/completions", {"prompt": "x", "stream": "yes", "stream_options": {"include_usage": True}},
+             "stream", "stream: Input should be"),
+            (chat, {"messages": hi, "logprobs": "yes", "top_logprobs": 2}, "logprobs", "logprobs: Input"),
+            (chat, {"messages": parts({"type": "text"})},
+             "messages[0].content[1].text", "messages[0].content[1].text: Field required"),
+            (chat, {"messages": parts({"type": "image_url"})},
+             "messages[0].content", "part 1: only text parts"),
+            ("/v1/completions", {"prompt": "abc\ud800"}, "prompt",
+             "prompt: holds a lone UTF-16 surrogate (U+D800) at character 3: not valid Unicode text"),
+            (chat, {"messages": [{"role": "user", "content": "\udc00"}]}, "messages[0].content",
+             "messages[0].content: holds a lone UTF-16 surrogate (U+DC00) at character 0")]:
+        # json.dumps escapes a lone surrogate ("\\ud800"); httpx's json= would fail to encode it
+        r = http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == param and message in err["message"], (body, err)
+        assert ";" not in err["message"], err  # one problem, not a false second one
+    # the cross-field checks still hold where both fields are valid
+    r = http.post("/v1/completions", json={"prompt": "x", "best_of": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
+    r = http.post("/v1/completions", content=b"", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+
+
+def test_a_body_past_the_limit_is_sized_only_when_its_length_is_known(http):
+    """Content-Length: the body's size; chunked: the limit, the rest of the body never read."""
+    big = json.dumps({"prompt": "y" * (2 << 20)}).encode()
+    limit = serve.app.MAX_BODY_BYTES
+    r = http.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text
+    assert f"({len(big)} bytes; the limit is {limit})" in r.json()["error"]["message"]
+    r = http.post("/v1/completions", content=(big[i:i + 65536] for i in range(0, len(big), 65536)),
+                  headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text
+    assert f"(more than {limit} bytes; the limit is {limit})" in r.json()["error"]["message"]
+
+
+def test_a_request_without_decode_steps_has_no_mean_accepted(oa):
+    st = _greedy(oa, "x = ", 1, extra_body={"ignore_eos": True}).choices[0].model_extra["ddtree"]
+    assert st["steps"] == 0 and st["mean_accepted"] is None and st["mean_step_ms"] is None
 
 
 def test_a_body_sent_without_a_json_content_type_is_named_so(http):

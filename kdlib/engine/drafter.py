@@ -21,6 +21,7 @@ with attributes `block_size` (B_blk; the draft horizon is L = B_blk - 1), `vocab
 from __future__ import annotations
 
 import json
+import numbers
 from dataclasses import asdict, dataclass
 from typing import Protocol, runtime_checkable
 
@@ -80,13 +81,10 @@ class NoisyOracleDrafter:
     ):
         if not 0.0 <= p_wrong <= 1.0:
             raise ValueError(f"p_wrong must lie in [0, 1], got {p_wrong}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
-            raise ValueError(f"block_size must be an int >= 2 (horizon L = block_size - 1), got "
-                             f"{block_size!r}")
+        block_size = check_int("block_size", block_size, 2)  # horizon L = block_size - 1
         if not margin > 0:  # at 0 or below the chosen token need not be the top one: p_wrong loses meaning
             raise ValueError(f"margin must be > 0 (the chosen token above the noise maximum), got {margin}")
-        if vocab_size < 2:
-            raise ValueError("the oracle needs a vocabulary of at least 2 tokens to draft a wrong one")
+        vocab_size = check_int("vocab_size", vocab_size, 2)  # >= 2: a wrong token to draft
         self.vocab_size, self.p_wrong, self.block_size, self.margin = (
             vocab_size,
             float(p_wrong),
@@ -161,10 +159,11 @@ def default_target_layers(num_target_layers: int, num_taps: int) -> tuple[int, .
 class DFlashConfig:
     """Shape of a DFlash drafter for a given target.
 
-    hidden_size / vocab_size are the target's; block_size B_blk (horizon L = B_blk - 1, at most 17 for
-    the GPU tree kernels' depth limit); target_layer_ids: the target decoder layers tapped (HF
-    hidden_states[id + 1]); mask_token_id: the id filling block slots 1..B_blk-1 (a token of the
-    target's vocabulary; trained checkpoints reserve one, the tiny default takes the last id).
+    hidden_size / vocab_size are the target's; block_size B_blk (horizon L = B_blk - 1; generate bounds
+    the tree depth min(L, budget) by 16, the GPU tree kernels' limit, so a larger L needs budget <= 16);
+    target_layer_ids: the target decoder layers tapped (HF hidden_states[id + 1]); mask_token_id: the
+    id filling block slots 1..B_blk-1 (a token of the target's vocabulary; trained checkpoints reserve
+    one, the tiny default takes the last id).
     """
 
     hidden_size: int
@@ -190,9 +189,16 @@ class DFlashConfig:
         return cls(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, target_layer_ids=ids,
                    num_layers=num_layers, block_size=block_size, **kw)
 
+    # integer fields -> least value (check_int's)
+    _SIZES = dict(hidden_size=1, vocab_size=1, mask_token_id=0, num_layers=1, num_heads=1, head_dim=1,
+                  intermediate_size=1, block_size=2)
+
     def validate(self, target_cfg=None) -> None:
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        """ValueError naming the field; numpy ints become ints in place (`save` writes the config as JSON)."""
+        for name, lo in self._SIZES.items():
+            object.__setattr__(self, name, check_int(name, getattr(self, name), lo))
+        ids = tuple(check_int("target_layer_ids", i, 0) for i in self.target_layer_ids)
+        object.__setattr__(self, "target_layer_ids", ids)
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids must name at least one target layer")
         if not 0 <= self.mask_token_id < self.vocab_size:
@@ -399,6 +405,8 @@ class DFlashDrafter(nn.Module):
         when the caller enables them (the target's weights should be frozen).
         """
         T, A, B = token_ids.shape[0], anchors.shape[0], self.c.block_size
+        if A and not bool(((anchors >= 0) & (anchors < T)).all()):  # a negative one would wrap around
+            raise ValueError(f"anchors must lie in [0, {T}) (token_ids' length), got {anchors.tolist()}")
         dev = features.device
         ctx = self.context(features)  # [T, H]
         ctx_pos = torch.arange(T, device=dev)
@@ -416,7 +424,10 @@ class DFlashDrafter(nn.Module):
 
     def loss(self, target, token_ids, features, anchors, gamma: float | None = None) -> torch.Tensor:
         """Mean cross-entropy of slots 1..B-1 against token_ids[anchor + k], weighted exp(-(k-1)/gamma)
-        when gamma is given (SpecForge `loss_decay_gamma`); targets past the sequence end are skipped."""
+        when gamma is given (SpecForge `loss_decay_gamma`, > 0); targets past the sequence end are skipped."""
+        real = isinstance(gamma, numbers.Real) and not isinstance(gamma, bool)
+        if gamma is not None and not (real and gamma > 0):  # 0 gave nan; < 0 weighted later slots more
+            raise ValueError(f"gamma must be a number > 0 or None (equal weights), got {gamma!r}")
         logits = self.block_forward(target, token_ids, features, anchors)  # [A, L, V]
         L = logits.shape[1]
         k = torch.arange(1, L + 1, device=logits.device)

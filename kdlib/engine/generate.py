@@ -21,9 +21,11 @@ and s tokens in the cache:
            accepted nodes' target hidden states to the drafter, b = the new bonus.
 
 An AR step is a verify of one row (forward, LM head, argmax) and, at T > 0, an accept (the draw).
-At T = 0 the output equals AR greedy token for token; at T > 0 it has AR sampling's distribution
-(both tested). Phase times are wall times with a device synchronisation at each boundary
-(`torch.cuda.synchronize` on CUDA), so they add up to the step time.
+At T = 0 the output equals AR greedy up to near-ties within float rounding (the two compute each
+row with differently shaped products: the MoE's dense path in a many-row verify, its gather path in
+a one-row AR step, ~1e-6 apart); at T > 0 it has AR sampling's distribution (both tested). Phase
+times are wall times with a device synchronisation at each boundary (`torch.cuda.synchronize` on
+CUDA), so they add up to the step time.
 
 The same loop runs one rank of tensor parallelism: `kdlib.tp.TPModel` overrides the model's
 hooks (`greedy` and `draft_topk` vocab-parallel, `head` gathered, `begin_decode` resets its
@@ -114,7 +116,7 @@ class GenerateResult:
 
 
 def validate(model, prompt_ids, max_new_tokens, method, drafter, budget, top_k, temperature, max_context):
-    """All input checks, before any compute. Returns (prompt tensor, budget, K, context limit)."""
+    """All input checks, before any compute. Returns (prompt tensor, budget, K)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     prompt = model.check_tokens(prompt_ids)
@@ -169,7 +171,7 @@ def validate(model, prompt_ids, max_new_tokens, method, drafter, budget, top_k, 
         k = min(top_k if top_k is not None else cap, cap, model.cfg.vocab_size)
     elif drafter is not None or budget is not None or top_k is not None:
         raise ValueError("drafter, budget and top_k apply to method 'ddtree' only")
-    return prompt, budget, k, limit
+    return prompt, budget, k
 
 
 def generate(
@@ -200,7 +202,7 @@ def generate(
     `greedy(h)` (target argmax), `head(h)` (dense logits, for sampling), `draft_topk(logits, k)`,
     `begin_decode()` and `assert_replicated(**tensors)`.
     """
-    prompt, budget, k, _ = validate(
+    prompt, budget, k = validate(
         model, prompt_ids, max_new_tokens, method, drafter, budget, top_k, temperature, max_context
     )
     seed = check_int("seed", seed, 0)
@@ -286,7 +288,7 @@ def _ddtree_step(model, cache, drafter, bonus, budget, k, temperature, rng, scor
     s = cache.length
     t = [time.perf_counter()]
     # draft: the drafter's logits per depth -> top-K of the full-vocabulary fp32 log-probs
-    ids, lps = model.draft_topk(drafter.draft(bonus, s), k)  # [L, K] each
+    ids, lps = model.draft_topk(check_draft(model, drafter, drafter.draft(bonus, s)), k)  # [L, K] each
     sync()
     t.append(time.perf_counter())
     # build (on every TP rank, from identical inputs)
@@ -326,6 +328,21 @@ def _ddtree_step(model, cache, drafter, bonus, budget, k, temperature, rng, scor
     t.append(time.perf_counter())
     record_step(res, t, tau, m)
     return emitted
+
+
+def check_draft(model, drafter, logits) -> torch.Tensor:
+    """logits, after a ValueError naming the drafter's class unless floating [block_size - 1, V]: V the
+    vocabulary, or on a `kdlib.tp` rank its shard (a drafter that reads the rank's LM head)."""
+    v0, v1 = getattr(model, "vocab_range", (0, model.cfg.vocab_size))
+    widths = sorted({model.cfg.vocab_size, v1 - v0})
+    name, L = type(drafter).__name__, drafter.block_size - 1
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        raise ValueError(f"{name}.draft must return a floating tensor, got "
+                         f"{getattr(logits, 'dtype', type(logits).__name__)}")
+    if logits.dim() != 2 or logits.shape[0] != L or logits.shape[1] not in widths:
+        raise ValueError(f"{name}.draft must return logits [block_size - 1 = {L}, vocab_size "
+                         f"{' or '.join(map(str, widths))}], got {list(logits.shape)}")
+    return logits
 
 
 def commit_accepted(cache, drafter, tokens, feats, paths, lengths, new_bonus) -> tuple[int, list[int]]:

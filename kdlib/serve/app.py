@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from kdlib.engine.generate import MAX_TEMPERATURE, MIN_TEMPERATURE
 from kdlib.serve.engine import Engine, RequestError, Sequence
-from kdlib.serve.text import TokenOffsets
+from kdlib.serve.text import REPLACEMENT, TokenOffsets
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: ~100x the longest prompt the tiny models' 2,048-token context takes
 COMPLETIONS_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's and vLLM's default)
@@ -66,7 +66,7 @@ class Guard:
                 return await self._refuse(scope, receive, send, RequestError("invalid Content-Length",
                                                                              code="invalid_request"))
             if int(length) > self.limit:
-                return await self._refuse(scope, receive, send, self._too_large(int(length)))
+                return await self._refuse(scope, receive, send, self._too_large(f"{int(length)} bytes"))
         chunks, total = [], 0
         while True:
             msg = await receive()
@@ -75,7 +75,8 @@ class Guard:
             body = msg.get("body", b"")
             total += len(body)
             if total > self.limit:
-                return await self._refuse(scope, receive, send, self._too_large(total))
+                more = f"more than {self.limit} bytes"  # the rest is left unread: its size is unknown
+                return await self._refuse(scope, receive, send, self._too_large(more))
             chunks.append(body)
             if not msg.get("more_body"):
                 break
@@ -86,10 +87,9 @@ class Guard:
 
         await self.app(scope, receive_again, send)
 
-    def _too_large(self, n: int) -> RequestError:
-        at_least = "at least " if n == self.limit + 1 else ""
-        return RequestError(f"the request body is too large ({at_least}{n} bytes; the limit is {self.limit})",
-                            status=413, code="request_too_large")
+    def _too_large(self, size: str) -> RequestError:
+        return RequestError(f"the request body is too large ({size}; the limit is {self.limit})", status=413,
+                            code="request_too_large")
 
 
 @dataclass
@@ -122,7 +122,7 @@ def plan_request(req, engine: Engine, chat: bool) -> Plan:
     def encode(text: str) -> list[int]:
         try:  # encode_batch: the trained tokenizer lets go of the GIL there (encode holds it throughout)
             return tok.encode_batch([text])[0] if hasattr(tok, "encode_batch") else tok.encode(text)
-        except Exception as e:  # noqa: BLE001 - e.g. a lone surrogate, which has no UTF-8 bytes
+        except Exception as e:  # noqa: BLE001 - the tokenizer's own failure (protocol refuses lone surrogates)
             raise RequestError(f"the {where} cannot be tokenised: {type(e).__name__}: {str(e)[:200]}",
                                param=where, code="invalid_value") from None
 
@@ -188,7 +188,16 @@ class _Logprobs:
         self.tok, self.chat = tokenizer, chat
 
     def piece(self, i: int) -> str:
-        return self.tok.decode([i])
+        """Token i's text; a token that is not whole UTF-8 characters (all such decode to U+FFFD) gets its
+        bytes, as OpenAI spells them ("bytes:\\xe6\\x97"): distinct tokens keep distinct pieces."""
+        s = self.tok.decode([i])
+        if REPLACEMENT in s and hasattr(self.tok, "token_bytes"):
+            raw = self.tok.token_bytes(i)
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return s
 
     def chat_content(self, entries) -> list[dict]:
         def one(i, lp):

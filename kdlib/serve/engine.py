@@ -121,7 +121,7 @@ class Sequence:
         first_n = self.first_tokens
         return {"method": method, "budget": budget, "steps": steps, "accepted": list(self.accepted),
                 "step_ms": [round(x, 4) for x in self.step_ms],
-                "mean_accepted": sum(self.accepted) / steps if steps else 0.0,
+                "mean_accepted": sum(self.accepted) / steps if steps else None,
                 "mean_step_ms": sum(self.step_ms) / steps if steps else None,
                 "ttft_ms": (self.first_at - self.submitted) * 1e3 if self.first_at is not None else None,
                 "decode_ms": decode_s * 1e3,

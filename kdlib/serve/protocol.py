@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
 from kdlib.serve.engine import RequestError
@@ -53,6 +53,17 @@ def _neutral(name: str, ok) -> Any:
         return v
 
     return field_validator(name)(check)
+
+
+def _unicode(text: str) -> str:
+    """`text`, refused if it holds a lone UTF-16 surrogate (JSON's "\\ud800"), which has no UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PydanticCustomError("invalid_value", "holds a lone UTF-16 surrogate (U+{code}) at character "
+                                  "{at}: not valid Unicode text", {"code": f"{ord(text[e.start]):04X}",
+                                                                   "at": e.start}) from None
+    return text
 
 
 class StreamOptions(BaseModel):
@@ -107,7 +118,8 @@ class _Sampling(BaseModel):
     @field_validator("stream_options")
     @classmethod
     def _stream_options(cls, v, info: ValidationInfo):
-        if v is not None and not info.data.get("stream"):
+        # (here and below) a field that failed its own check is absent from info.data: no false second error
+        if v is not None and "stream" in info.data and not info.data["stream"]:
             raise PydanticCustomError("invalid_value", "only allowed when 'stream' is true")
         return v
 
@@ -129,7 +141,7 @@ class CompletionRequest(_Sampling):
         if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str | list):
             v = v[0]  # a batch of one, as OpenAI clients send
         if isinstance(v, str):
-            return v
+            return _unicode(v)
         if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
             return v
         raise PydanticCustomError("invalid_type", "must be a string or a non-empty list of token ids "
@@ -138,7 +150,7 @@ class CompletionRequest(_Sampling):
     @field_validator("best_of")
     @classmethod
     def _best_of(cls, v, info: ValidationInfo):
-        if v is not None and v != (info.data.get("n") or 1):
+        if v is not None and "n" in info.data and v != (info.data["n"] or 1):
             raise PydanticCustomError("unsupported", "only best_of = n is supported")
         return v
 
@@ -148,6 +160,14 @@ class TextPart(BaseModel):
 
     type: Literal["text"]
     text: str
+
+    @field_validator("text")
+    @classmethod
+    def _text(cls, v):
+        return _unicode(v)
+
+
+_PARTS = TypeAdapter(list[TextPart])  # its errors name the part: messages[0].content[1].text
 
 
 class Message(BaseModel):
@@ -161,17 +181,14 @@ class Message(BaseModel):
     @classmethod
     def _content(cls, v):
         if isinstance(v, str):
-            return v
+            return _unicode(v)
         if isinstance(v, list):
-            parts = []
-            for p in v:
+            for at, p in enumerate(v):
                 if not isinstance(p, dict) or p.get("type") != "text":
                     kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-                    raise PydanticCustomError("unsupported",
-                                              "only text parts (type 'text') are supported, got {kind}",
-                                              {"kind": repr(kind)})
-                parts.append(TextPart.model_validate(p).text)
-            return "".join(parts)
+                    raise PydanticCustomError("unsupported", "part {at}: only text parts (type 'text') are "
+                                              "supported, got {kind}", {"at": at, "kind": repr(kind)})
+            return "".join(p.text for p in _PARTS.validate_python(v))
         raise PydanticCustomError("invalid_type", "must be a string or a list of text parts")
 
 
@@ -198,7 +215,7 @@ class ChatCompletionRequest(_Sampling):
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs(cls, v, info: ValidationInfo):
-        if v is not None and not info.data.get("logprobs"):
+        if v is not None and "logprobs" in info.data and not info.data["logprobs"]:
             raise PydanticCustomError("invalid_value", "needs 'logprobs': true")
         return v
 
@@ -253,7 +270,7 @@ def error_from_validation(errors: list[dict]) -> RequestError:
                         f"honour {'them' if len(extra) > 1 else 'it'}")
         first = (extra[0], "extra_forbidden")
     name, kind = first or ("", "")
-    if not name and kind in (*_NOT_AN_OBJECT, "json_invalid"):
+    if not name and kind in (*_NOT_AN_OBJECT, "json_invalid", "missing"):  # "missing": an empty body
         code = "invalid_json"
     else:
         code = _CODES.get(kind) or ("invalid_type" if kind.endswith("_type") or kind == "literal_error"
