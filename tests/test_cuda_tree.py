@@ -111,6 +111,17 @@ def test_build_limits_raise_before_any_work():
     assert tree.shared_bytes(64, 15, 64) == tree.shared_bytes(64, 15, 64, tree.DEFAULT_VERSION)
 
 
+def test_step_and_draw_limits_need_no_device():
+    """make_step checks the budget before it takes any device memory (and before CuPy is needed);
+    sample_kernel names an unsupported probs dtype instead of a KeyError."""
+    for budget, match in ((tree.MAX_BUDGET + 1, "exceeds the GPU builder's limit 256"), (-1, ">= 0"),
+                          (True, "must be an int"), (8.0, "must be an int")):
+        with pytest.raises(ValueError, match=match):
+            pipeline.make_step(None, None, None, None, None, None, budget)
+    with pytest.raises(ValueError, match="probs must be float32 or float64, got float16"):
+        accept.sample_kernel(np.float16)
+
+
 @pytest.mark.parametrize("version", [None, *VERSIONS])
 def test_launch_helpers_refuse_budgets_past_the_limit(version):
     """launch, kernel_name and shared_bytes check the budget as build_tree_batch does: past 256 there is
@@ -318,6 +329,51 @@ def test_single_request_twins():
         c_want = ref.compact_kv(cache.copy(), 3, p_want)
         c_got = cu.compact_kv(cp.asarray(cache), 3, cp.asarray(p_want))
         assert (c_got.get() == c_want).all()
+
+
+@pytest.mark.gpu
+def test_single_request_twins_checks():
+    """build_tree past the tree's capacity builds the whole tree, as the reference does (the limit 256 holds
+    for what is built); accept_sample checks the uniforms' shape and, on request, their values; make_step
+    refuses non-integer ids, integer log-probs and a depth past the builder's."""
+    cp = _cp()
+
+    rng = np.random.default_rng(13)
+    ids, lp = pipeline.random_topk(rng, 1, 3, 4, 20)  # capacity 4 + 16 + 64 = 84
+    for budget in (84, 85, 10**6):
+        want = ref.build_tree(ids[0], lp[0], budget)
+        got = cu.build_tree(cp.asarray(ids[0]), cp.asarray(lp[0]), budget)
+        assert got.n == want.n == 84
+        for f in ("node_token_ids", "parents", "visibility", "next_token", "next_sibling", "positions"):
+            assert (getattr(got, f).get() == getattr(want, f)).all(), f
+    wide, wide_lp = pipeline.random_topk(rng, 1, 3, 8, 20)  # capacity 584
+    with pytest.raises(ValueError, match="exceeds the GPU builder's limit 256"):
+        cu.build_tree(cp.asarray(wide[0]), cp.asarray(wide_lp[0]), 300)
+    with pytest.raises(ValueError, match="budget must be an int >= 0"):
+        cu.build_tree(cp.asarray(ids[0]), cp.asarray(lp[0]), -1)
+
+    t = ref.build_tree(ids[0], lp[0], 10)
+    probs = cp.asarray(_probs(rng, 11, 20, np.float32))
+    with pytest.raises(ValueError, match=r"uniforms must have shape \(11,\)"):
+        cu.accept_sample(t, probs, cp.asarray(_uniforms(rng, 11)[:, None]))
+    u = _uniforms(rng, 11)
+    u[0] = 1.0
+    cu.accept_sample(t, probs, cp.asarray(u))  # unchecked: runs
+    with pytest.raises(ValueError, match=r"uniforms must lie in \[0, 1\)"):
+        cu.accept_sample(t, probs, cp.asarray(u), check_values=True)
+
+    inp = pipeline.random_step_inputs(rng, 2, 6, 4, 20, 8)
+    args = [cp.asarray(inp[k]) for k in ("top_token_ids", "top_log_probs", "root_tokens", "target_table",
+                                         "cache", "starts")]
+    pipeline.make_step(*args, 8)
+    for i, bad, match in ((0, args[0].astype(cp.float64), "top_token_ids must be an integer array"),
+                          (1, args[1].astype(cp.int64), "top_log_probs must be a floating array"),
+                          (3, args[3].astype(cp.float32), "target_table must be an integer array")):
+        with pytest.raises(ValueError, match=match):
+            pipeline.make_step(*args[:i], bad, *args[i + 1:], 8)
+    deep_ids, deep_lp = pipeline.random_topk(rng, 2, 17, 4, 20)
+    with pytest.raises(ValueError, match="depth limit 16"):
+        pipeline.make_step(cp.asarray(deep_ids), cp.asarray(deep_lp), *args[2:], 17)
 
 
 # ----------------------------------------------------------------------------- golden files

@@ -268,8 +268,10 @@ def test_stop_tokens_min_tokens_and_ignore_eos(overlap):
         for o in eng.step():
             if o.finished:
                 reasons[o.request_id] = o.finish_reason
+    _equals_ar(m, prompt, eng.result(b).tokens, 12, "ignore_eos")
+    assert reasons[b] == "length"
+    assert eng.result(b).tokens == ref, "a near-tie within the first 12 tokens: pick another prompt seed"
     assert eng.result(a).tokens == ref[: first + 1] and reasons[a] == "stop"
-    assert eng.result(b).tokens == ref and reasons[b] == "length"
     # min_tokens masks the stop token where it led (vLLM's rule): the best other token comes instead
     got = eng.result(c).tokens
     with torch.no_grad():
@@ -555,7 +557,8 @@ def test_gpu_graphs_equal_eager_and_ar(streams, budget):
     outs["overlap"] = [r.tokens for r in generate_batch(m, prompts, 12, method="ddtree", drafter=d,
                                                         budget=budget, graphs=True, overlap=True)]
     assert outs[True] == outs[False] == outs["overlap"]
-    assert outs[True] == [_ar(m, p, 12) for p in prompts]
+    for p, tokens in zip(prompts, outs[True], strict=True):
+        _equals_ar(m, p, tokens, 12, (streams, budget))
     sampled = [
         generate_batch(
             m, prompts, 8, method="ddtree", drafter=d, budget=budget, temperature=0.8, seed=5, graphs=g

@@ -65,7 +65,9 @@ def sample_kernel(dtype, version: int | None = None) -> tuple[str, str]:
     """(stem, kernel name) of the inverse-CDF draw for probs of this dtype, e.g.
     ("tree_accept/sample_v3", "tree_sample_rows_v3_f32"); version None: DEFAULT_VERSION."""
     settings = sample_launch(version)
-    suffix = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}[np.dtype(dtype)]
+    suffix = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}.get(np.dtype(dtype))
+    if suffix is None:
+        raise ValueError(f"probs must be float32 or float64, got {np.dtype(dtype)}")
     return settings.stem, f"tree_sample_rows_v{settings.version}_{suffix}"
 
 
@@ -319,15 +321,19 @@ def accept_greedy(tree, target_tokens):
     return paths[0, : int(lengths[0])], int(bonus[0])
 
 
-def accept_sample(tree, probs, uniforms, *, order: str | None = None):
+def accept_sample(tree, probs, uniforms, *, order: str | None = None, check_values: bool = False):
     """Sample-and-walk of one tree (see `kdlib.ref.accept.accept_sample`; order as there, None: the
-    default version's).
+    default version's; check_values as in `accept_sample_batch`).
 
     Shape: probs [n+1, V] float32/float64, uniforms [n+1] float64. Returns (path [tau], bonus int).
     """
     batch = _single(tree)
+    s = batch.budget + 1
     probs, uniforms = loader.as_cupy(probs), loader.as_cupy(uniforms)
-    if probs.ndim != 2 or probs.shape[0] != batch.budget + 1:
-        raise ValueError(f"probs must have shape [{batch.budget + 1}, V], got {probs.shape}")
-    paths, lengths, bonus = accept_sample_batch(batch, probs[None], uniforms.reshape(1, -1), order=order)
+    if probs.ndim != 2 or probs.shape[0] != s:
+        raise ValueError(f"probs must have shape [{s}, V], got {probs.shape}")
+    if uniforms.shape != (s,):
+        raise ValueError(f"uniforms must have shape {(s,)}, got {uniforms.shape}")
+    paths, lengths, bonus = accept_sample_batch(batch, probs[None], uniforms[None], order=order,
+                                                check_values=check_values)
     return paths[0, : int(lengths[0])], int(bonus[0])

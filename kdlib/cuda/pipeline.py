@@ -84,7 +84,7 @@ class TreeStep:
         self.graph.launch(self.stream)
 
 
-def _check_step_inputs(ids, lp, root, table, cache, starts, budget):
+def _check_step_inputs(ids, lp, root, table, cache, starts):
     if ids.ndim != 3 or lp.shape != ids.shape:
         raise ValueError(f"top_token_ids / top_log_probs must share a [B, L, K'] shape, got {ids.shape}, "
                          f"{lp.shape}")
@@ -95,8 +95,6 @@ def _check_step_inputs(ids, lp, root, table, cache, starts, budget):
         raise ValueError(f"target_table must be [V], got shape {table.shape}")
     if cache.ndim < 1:
         raise ValueError("cache must have a slot axis")
-    if isinstance(budget, bool) or not isinstance(budget, int | np.integer) or budget < 0:
-        raise ValueError(f"budget must be an int >= 0, got {budget!r}")
 
 
 def make_step(
@@ -108,16 +106,24 @@ def make_step(
     target_table [V] int (every token id < V), cache [num_slots, D...] (CuPy, compacted in place),
     starts [B] int (tree row i of request b sits at cache row starts[b] + i).
     """
+    tree.launch(budget)  # the budget's checks, before any device memory is taken
+    budget = int(budget)
     import cupy
 
-    ids = cupy.array(loader.as_cupy(top_token_ids), dtype=cupy.int64)
-    lp = cupy.array(loader.as_cupy(top_log_probs), dtype=cupy.float32)
-    root = cupy.array(loader.as_cupy(root_tokens), dtype=cupy.int64)
-    table = cupy.array(loader.as_cupy(target_table), dtype=cupy.int64)
-    st = cupy.array(loader.as_cupy(starts), dtype=cupy.int64)
+    ids = cupy.array(loader.int_array(top_token_ids, "top_token_ids", "int64"))
+    lp = loader.as_cupy(top_log_probs)
+    if lp.dtype.kind != "f":
+        raise ValueError(f"top_log_probs must be a floating array, got {lp.dtype}")
+    lp = cupy.array(lp, dtype=cupy.float32)
+    root = cupy.array(loader.int_array(root_tokens, "root_tokens", "int64"))
+    table = cupy.array(loader.int_array(target_table, "target_table", "int64"))
+    st = cupy.array(loader.int_array(starts, "starts", "int64"))
     c = loader.as_cupy(cache)
-    _check_step_inputs(ids, lp, root, table, c, st, budget)
+    _check_step_inputs(ids, lp, root, table, c, st)
     bsz, depth, _ = ids.shape
+    if min(depth, budget) > tree.MAX_DEPTH:
+        raise ValueError(f"min(L, budget) = {min(depth, budget)} exceeds the GPU builder's depth limit "
+                         f"{tree.MAX_DEPTH}")
     s = budget + 1
     width = min(depth, budget) + 1
     return TreeStep(

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kdlib.cuda import loader
-from kdlib.ref.tree import BATCH_FIELDS, POSITIVE_LOG_PROB, DDTreeBatch
+from kdlib.ref.tree import BATCH_FIELDS, POSITIVE_LOG_PROB, DDTreeBatch, capacity
 
 MAX_BUDGET = 256  # rank bytes are 8 bits (ranks < K <= budget) and the meta word holds parents < 2**16
 MAX_DEPTH = 16  # 16 rank bytes in the 128-bit rank-tuple key
@@ -259,12 +259,17 @@ def build_tree(
     """One request's DDTree on the GPU (see `kdlib.ref.tree.build_tree`): a batch of one, unpadded.
 
     Shape: top_token_ids [L, K'] int64, top_log_probs [L, K'] float32. Returns a DDTree of CuPy
-    views; reading the tree size synchronises with the host once.
+    views; reading the tree size synchronises with the host once. As in the reference, a budget
+    past the tree's capacity (sum_d K^d nodes) builds the whole tree: the limit MAX_BUDGET applies
+    to min(budget, capacity).
     """
-    _check_budget(budget)
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 0:
+        raise ValueError(f"budget must be an int >= 0, got {budget!r}")
     ids, lp = loader.as_cupy(top_token_ids), loader.as_cupy(top_log_probs)
     for name, a in (("top_token_ids", ids), ("top_log_probs", lp)):
         if a.ndim != 2:
             raise ValueError(f"{name} must have shape [L, K'], got shape {a.shape}")
-    batch = build_tree_batch(ids[None], lp[None], budget, vocab_size, check_values=check_values)
+    depth, kp = ids.shape
+    built = capacity(depth, min(int(budget), kp), int(budget))  # K = min(budget, K') and min(L, budget) stay
+    batch = build_tree_batch(ids[None], lp[None], built, vocab_size, check_values=check_values)
     return batch.tree(0)

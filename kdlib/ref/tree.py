@@ -236,7 +236,7 @@ def _fill_lcrs(parents: list[int], next_token: np.ndarray, next_sibling: np.ndar
         last_child[p] = child
 
 
-def _capacity(depth: int, k: int, budget: int) -> int:
+def capacity(depth: int, k: int, budget: int) -> int:
     """min(budget, sum_{d=1..depth} k^d): the node count of the tree, stopping once budget is reached."""
     total, level = 0, 1
     for _ in range(depth):
@@ -265,7 +265,7 @@ def build_tree(
     """
     budget, k = _check_topk(top_token_ids, top_log_probs, budget, vocab_size, ndim=2)
     # the arrays are sized by what can be built: the returned views keep the whole batch alive
-    batch = _build(top_token_ids[None], top_log_probs[None], _capacity(top_token_ids.shape[0], k, budget), k)
+    batch = _build(top_token_ids[None], top_log_probs[None], capacity(top_token_ids.shape[0], k, budget), k)
     return batch.tree(0)
 
 
