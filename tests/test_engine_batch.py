@@ -198,6 +198,13 @@ def test_errors_are_clear_and_before_any_work():
             eng.add_request([1], 4, SamplingParams(temperature=t))
     with pytest.raises(ValueError, match="needs a drafter"):
         BatchEngine(m, method="ddtree")
+    # the tree's shape is checked as generate checks it (kdlib.engine.generate.check_tree), from 1
+    for budget, named in ((0, r"budget must be an int >= 1, got 0 \(generate's budget 0"), (2.5, "got 2.5"),
+                          (257, "budget 257 exceeds the tree kernels' limit 256")):
+        with pytest.raises(ValueError, match=named):
+            BatchEngine(m, method="ddtree", drafter=_drafter("oracle", m), budget=budget)
+    with pytest.raises(ValueError, match=r"tree depth min\(L=19, budget=20\) exceeds"):
+        BatchEngine(m, method="ddtree", drafter=_drafter("oracle", m, block=20), budget=20)
     for top_k in (0, -1, 2.5):  # 0 would draft nothing, -1 fail inside torch at the first step
         with pytest.raises(ValueError, match="top_k must be an int >= 1"):
             BatchEngine(m, method="ddtree", drafter=_drafter("oracle", m), budget=4, top_k=top_k)

@@ -62,7 +62,7 @@ import torch
 
 from kdlib import ops
 from kdlib.engine.drafter import DFlashDrafter, NoisyOracleDrafter
-from kdlib.engine.generate import MAX_BUDGET, MAX_DEPTH, GenerateResult, check_int, check_temperature
+from kdlib.engine.generate import GenerateResult, check_int, check_temperature, check_tree
 
 MIN_TABLE = 64  # the narrowest page-table width a step reads (positions); buckets double from here
 TOP_LOGPROBS = 20  # alternatives computed when a request asks for logprobs (OpenAI's maximum)
@@ -380,24 +380,10 @@ class BatchEngine:
                     or isinstance(drafter, DFlashDrafter | NoisyOracleDrafter)):
                 raise ValueError("drafter must be a DFlashDrafter, a NoisyOracleDrafter or one with "
                                  f"make_lanes, got {type(drafter).__name__}")
-            if drafter.vocab_size != cfg.vocab_size:
-                raise ValueError(f"drafter vocabulary {drafter.vocab_size} != target vocabulary "
-                                 f"{cfg.vocab_size}")
-            horizon = drafter.block_size - 1
-            budget = horizon if budget is None else budget
-            if (isinstance(budget, bool) or not isinstance(budget, numbers.Integral)
-                    or not 1 <= budget <= MAX_BUDGET):
-                raise ValueError(f"budget must be an int in [1, {MAX_BUDGET}], got {budget!r} (generate's "
-                                 "budget 0, a root-only tree, is method 'ar' here)")
-            if min(horizon, budget) > MAX_DEPTH:
-                raise ValueError(f"tree depth min(L={horizon}, budget={budget}) exceeds the tree kernels' "
-                                 f"limit {MAX_DEPTH}")
-            if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral)
-                                      or top_k < 1):
-                raise ValueError(f"top_k must be an int >= 1 (drafts per depth), got {top_k!r}")
-            self.horizon, self.budget = horizon, int(budget)
-            self.k = min(top_k if top_k is not None else budget, budget, cfg.vocab_size)
-            self.rows = budget + 1
+            self.horizon, self.budget, self.k = check_tree(
+                cfg, drafter, budget, top_k, min_budget=1,
+                budget_note=" (generate's budget 0, a root-only tree, is method 'ar' here)")
+            self.rows = self.budget + 1
         elif drafter is not None or budget is not None or top_k is not None:
             raise ValueError("drafter, budget and top_k apply to method 'ddtree' only")
         else:

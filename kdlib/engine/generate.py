@@ -115,6 +115,29 @@ class GenerateResult:
         return np.sum([np.asarray(self.phase_ms[p]) for p in PHASES], axis=0)
 
 
+def check_tree(cfg, drafter, budget, top_k, min_budget: int = 0, budget_note: str = ""):
+    """The tree's shape for a drafter over a target of config `cfg`, checked as the GPU tree kernels need
+    it: returns (horizon L = block_size - 1, budget (default L), K). budget_note ends the budget's error."""
+    if drafter.vocab_size != cfg.vocab_size:
+        raise ValueError(f"drafter vocabulary {drafter.vocab_size} != target vocabulary {cfg.vocab_size}")
+    horizon = drafter.block_size - 1
+    if budget is None:
+        budget = horizon
+    elif isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < min_budget:
+        raise ValueError(f"budget must be an int >= {min_budget}, got {budget!r}{budget_note}")
+    budget = int(budget)
+    if budget > MAX_BUDGET:
+        raise ValueError(f"budget {budget} exceeds the tree kernels' limit {MAX_BUDGET}")
+    if min(horizon, budget) > MAX_DEPTH:
+        raise ValueError(f"tree depth min(L={horizon}, budget={budget}) exceeds the tree kernels' limit "
+                         f"{MAX_DEPTH}")
+    if top_k is not None:
+        check_int("top_k", top_k, 1)
+    # K never exceeds the budget (survey §2.1); a root-only tree still reads one column
+    cap = max(budget, 1)
+    return horizon, budget, min(top_k if top_k is not None else cap, cap, cfg.vocab_size)
+
+
 def validate(model, prompt_ids, max_new_tokens, method, drafter, budget, top_k, temperature, max_context):
     """All input checks, before any compute. Returns (prompt tensor, budget, K)."""
     if method not in METHODS:
@@ -144,9 +167,6 @@ def validate(model, prompt_ids, max_new_tokens, method, drafter, budget, top_k, 
         if not isinstance(drafter, Drafter):
             raise ValueError(f"drafter {type(drafter).__name__} lacks the Drafter interface "
                              "(block_size, vocab_size, target_layer_ids, begin, draft, commit)")
-        if drafter.vocab_size != model.cfg.vocab_size:
-            raise ValueError(f"drafter vocabulary {drafter.vocab_size} != target vocabulary "
-                             f"{model.cfg.vocab_size}")
         n_layers = model.cfg.num_hidden_layers
         bad = [i for i in drafter.target_layer_ids if not 0 <= i < n_layers]
         if bad:
@@ -154,21 +174,10 @@ def validate(model, prompt_ids, max_new_tokens, method, drafter, budget, top_k, 
                              f"(0..{n_layers - 1})")
         if isinstance(drafter, DFlashDrafter):  # hidden size too: what the batched engine checks
             drafter.c.validate(model.cfg)
-        horizon = drafter.block_size - 1
-        budget = horizon if budget is None else check_int("budget", budget, 0)
-        if budget > MAX_BUDGET:
-            raise ValueError(f"budget {budget} exceeds the tree kernels' limit {MAX_BUDGET}")
+        _, budget, k = check_tree(model.cfg, drafter, budget, top_k)
         if getattr(model, "attention", "torch") == "ops" and budget > MAX_OPS_BUDGET:
             raise ValueError(f"budget {budget} exceeds the tree-verify kernels' limit {MAX_OPS_BUDGET} "
                              "(attention 'ops')")
-        if min(horizon, budget) > MAX_DEPTH:
-            raise ValueError(f"tree depth min(L={horizon}, budget={budget}) exceeds the tree kernels' limit "
-                             f"{MAX_DEPTH}")
-        if top_k is not None:
-            check_int("top_k", top_k, 1)
-        # K never exceeds the budget (survey §2.1); a root-only tree still reads one column
-        cap = max(budget, 1)
-        k = min(top_k if top_k is not None else cap, cap, model.cfg.vocab_size)
     elif drafter is not None or budget is not None or top_k is not None:
         raise ValueError("drafter, budget and top_k apply to method 'ddtree' only")
     return prompt, budget, k
