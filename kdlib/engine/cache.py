@@ -116,13 +116,14 @@ class LatentCache:
         if paths.ndim != 2 or paths.shape[0] != 1 or tuple(lengths.shape) != (1,):
             raise ValueError(f"paths must be [1, W] and lengths [1], got {tuple(paths.shape)} and "
                              f"{tuple(lengths.shape)}")
-        n = int(lengths[0])
+        n, *row = torch.cat([lengths, paths[0]]).tolist()  # one device read for both checks
+        n = int(n)  # float inputs are the ops' to refuse, after these checks
         if not 1 <= n <= min(q, paths.shape[1]):
             raise ValueError(f"path length {n} must be in [1, {min(q, paths.shape[1])}]")
-        path = paths[0, :n]
-        if bool((path[0] < 0) | (path[-1] >= q) | (path.diff() <= 0).any()):
+        path = row[:n]
+        if path[0] < 0 or path[-1] >= q or any(b <= a for a, b in zip(path, path[1:], strict=False)):
             raise ValueError(f"paths[0] must be strictly increasing in [0, {q}) (the pending rows), "
-                             f"got {path.tolist()}")
+                             f"got {path}")
         s = self.length
         starts = torch.tensor([s], dtype=torch.int64, device=self.device)
         if self.mode == "compact":
