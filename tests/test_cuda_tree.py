@@ -352,7 +352,7 @@ def test_single_request_twins_checks():
     with pytest.raises(ValueError, match="budget must be an int >= 0"):
         cu.build_tree(cp.asarray(ids[0]), cp.asarray(lp[0]), -1)
 
-    t = ref.build_tree(ids[0], lp[0], 10)
+    t = cu.build_tree(cp.asarray(ids[0]), cp.asarray(lp[0]), 10)
     probs = cp.asarray(_probs(rng, 11, 20, np.float32))
     with pytest.raises(ValueError, match=r"uniforms must have shape \(11,\)"):
         cu.accept_sample(t, probs, cp.asarray(_uniforms(rng, 11)[:, None]))
