@@ -48,17 +48,20 @@ def _kind(x) -> str | None:
 
 
 def _torch_to_numpy(t):
-    """A numpy view of a torch CPU tensor; bfloat16 and float8 (which numpy lacks) cross as their bytes,
-    viewed as ml_dtypes' types of the same bits."""
+    """A numpy view of a torch CPU tensor; bfloat16 and float8 (which numpy lacks) cross as integers of their
+    size (any shape and strides), viewed as ml_dtypes' types of the same bits."""
     import ml_dtypes
     import torch
 
     t = t.detach()
-    lacking = {torch.bfloat16: ml_dtypes.bfloat16, torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn,
-               torch.float8_e5m2: ml_dtypes.float8_e5m2, torch.float8_e4m3fnuz: ml_dtypes.float8_e4m3fnuz,
-               torch.float8_e5m2fnuz: ml_dtypes.float8_e5m2fnuz}
+    lacking = {torch.bfloat16: (torch.int16, ml_dtypes.bfloat16),
+               torch.float8_e4m3fn: (torch.uint8, ml_dtypes.float8_e4m3fn),
+               torch.float8_e5m2: (torch.uint8, ml_dtypes.float8_e5m2),
+               torch.float8_e4m3fnuz: (torch.uint8, ml_dtypes.float8_e4m3fnuz),
+               torch.float8_e5m2fnuz: (torch.uint8, ml_dtypes.float8_e5m2fnuz)}
     if t.dtype in lacking:
-        return t.view(torch.uint8).numpy().view(lacking[t.dtype])
+        bits, kind = lacking[t.dtype]
+        return t.view(bits).numpy().view(kind)
     return t.numpy()
 
 

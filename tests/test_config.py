@@ -56,7 +56,6 @@ def test_a_folder_without_config_json_is_named_as_such(tmp_path, capsys):
     assert config.load_config(tmp_path)["_name"] == tmp_path.name  # a folder with one still loads
 
 
-
 def test_from_json_reads_as_load(tmp_path):
     """from_json was a second reader: a shipped name, a missing file or a folder without config.json
     raised a raw FileNotFoundError where `load` works or names the problem."""
@@ -69,6 +68,7 @@ def test_from_json_reads_as_load(tmp_path):
         for read in (ModelConfig.load, ModelConfig.from_json):
             with pytest.raises(ValueError, match=match):
                 read(bad)
+
 
 @pytest.mark.parametrize("name", ENGINE_CONFIGS)
 def test_the_views_agree(name):

@@ -497,7 +497,6 @@ def test_sharded_checkpoints_read_the_shards_their_index_names(tmp_path):
         Model.from_pretrained(tmp_path)
 
 
-
 def test_a_prefixed_checkpoint_is_named(tmp_path):
     """A Kimi-K2.5-style wrapper checkpoint (every weight under `language_model.`, a vision tower beside)
     was refused as "missing 43 weights ...; 43 unexpected", never naming the prefix."""
@@ -520,6 +519,7 @@ def test_a_prefixed_checkpoint_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"missing 1 weights, e\.g\. \['lm_head\.weight'\]; 1 unexpected, "
                                          r"e\.g\. \['lm_head\.weight\.old'\]$"):
         Model.from_pretrained(tmp_path)
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["tiny-a", "tiny-b"])

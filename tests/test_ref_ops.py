@@ -89,6 +89,16 @@ def test_torch_float8_and_bf16_caches_compact_in_place():
         assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8)), dtype
 
 
+def test_torch_bf16_crosses_to_numpy_at_any_shape_and_stride():
+    """The bridge views bf16 through int16 (its own size): a 0-d tensor and one whose last stride is not 1
+    cross with their values (viewed as bytes, both failed inside torch)."""
+    scalar, transposed = torch.tensor(1.5, dtype=torch.bfloat16), torch.arange(24.0).reshape(4, 6).T
+    for t in (scalar, transposed.to(torch.bfloat16)):
+        got = ops._torch_to_numpy(t)
+        assert got.shape == tuple(t.shape)
+        np.testing.assert_array_equal(got.astype(np.float32), t.float().numpy())
+
+
 @pytest.mark.gpu
 def test_cupy_dispatches_to_cuda():
     import cupy
