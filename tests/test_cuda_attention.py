@@ -602,6 +602,35 @@ def test_v10_snake_deal_balances_the_ragged_point():
             assert cu.plan_order(plan, grid) is None
 
 
+def test_v10_plan_weighs_the_chunks_by_the_deal_it_runs():
+    """plan_v5's weigh_deal (the v10 plan kernel's deal_cost, where later calls reuse the plan): past
+    PLAN_SMALL_REQS requests the chosen round count's plan leaves the busiest CTA of version 10's deal
+    (deal_balance) x 32 + jobs no heavier than the plan chosen by rounds x (longest + JOB_OVERHEAD) does,
+    wherever that plan has at most ORDER_CAP jobs; the two agree up to PLAN_SMALL_REQS requests. At the
+    suite's ragged point the weighed plan is the two-round one (264 jobs) where the other takes four (520)."""
+    from kdlib.cuda import attention as cu
+    from kdlib.perf.suites import attention as suite
+
+    def weight(plan, grid):
+        return cu.deal_balance(plan, grid)[0] * 32 + int(plan[0])
+
+    rng = np.random.default_rng(79)
+    changed = 0
+    for lens, sizes, width, nq, nh, grid in [_v10_ragged_shape(rng) for _ in range(150)] + [
+            _v5_random_shape(rng) for _ in range(150)]:
+        weighed = cu.plan_v5(lens, sizes, width, nq, nh, grid, weigh_deal=True)
+        plain = cu.plan_v5(lens, sizes, width, nq, nh, grid)
+        if len(lens) <= cu._V5_PLAN_SMALL_REQS:
+            np.testing.assert_array_equal(weighed, plain)
+        elif int(plain[0]) <= cu._V10_ORDER_CAP:
+            assert weight(weighed, grid) <= weight(plain, grid)
+        changed += not np.array_equal(weighed, plain)
+    assert changed >= 10
+    lens, trees = suite.point_requests(suite.ragged_point())
+    args = (lens, trees, max(lens), suite.RAGGED["queries"], suite.RAGGED["heads"], 132)
+    assert (int(cu.plan_v5(*args, weigh_deal=True)[0]), int(cu.plan_v5(*args)[0])) == (264, 520)
+
+
 def test_deal_balance_weighs_the_deal_against_an_even_split():
     """deal_balance / even_split_loads (tiles + JOB_OVERHEAD a job). 64 heads x 65 queries x 32k on 132 CTAs:
     the plan cuts 65 row blocks' 514 tiles in two (130 jobs of 257 tiles: chunk 0's the 2 tail tiles and 255
@@ -1760,28 +1789,37 @@ def test_wgmma_plan_kernel_matches_numpy_mirror(small, with_tail):
 
 
 @pytest.mark.gpu
-def test_v10_plan_kernel_writes_the_mirrors_plan_and_order():
-    """tree_verify_v10_plan: plan_v5's plan and plan_order's order integer for integer where it writes one;
-    elsewhere order [0] = -1 (the static deal; nothing without jobs) and the rest of the buffer untouched."""
+@pytest.mark.parametrize("deal_cost", [False, True], ids=["rounds_cost", "deal_cost"])
+def test_v10_plan_kernel_writes_the_mirrors_plan_and_order(deal_cost):
+    """tree_verify_v10_plan: plan_v5's plan (weigh_deal = the kernel's deal_cost, the host's reuse_plan) and
+    plan_order's order integer for integer where it writes one; elsewhere order [0] = -1 (the static deal;
+    nothing without jobs) and the rest of the buffer untouched. The shapes include the suite's ragged point,
+    where weighing by the deal changes the plan, and enough others where it does."""
     _need_wgmma()
     from kdlib.cuda import attention as cu
     from kdlib.cuda import loader
+    from kdlib.perf.suites import attention as suite
 
     cp = _cp()
     rng = np.random.default_rng(78)
     fn = loader.get_function(cu._V10, "tree_verify_v10_plan", options=cu._V5_OPTIONS)
     shapes = [_v5_random_shape(rng) for _ in range(200)] + [_v10_ragged_shape(rng) for _ in range(100)]
     shapes += _v5_many_requests(rng)
+    lens, trees = suite.point_requests(suite.ragged_point())
+    shapes.append((np.array(lens), np.array(trees), max(lens), suite.RAGGED["queries"], suite.RAGGED["heads"],
+                   132))
     shapes.append((rng.integers(1, 301, size=64), None, 300, 65, 16, 132))  # 64 x 17 row blocks: past the cap
-    ordered = declined = 0
+    ordered = declined = weighed = 0
     for lens, sizes, width, nq, nh, grid in shapes:
-        want = cu.plan_v5(lens, sizes, width, nq, nh, grid)
+        want = cu.plan_v5(lens, sizes, width, nq, nh, grid, weigh_deal=deal_cost)
+        other = cu.plan_v5(lens, sizes, width, nq, nh, grid, weigh_deal=not deal_cost)
+        weighed += not np.array_equal(want, other)
         want_order = cu.plan_order(want, grid)
         plan = cp.full(want.shape, -7, dtype=cp.int32)  # [1 + 8B]
         order = cp.full(cu.v5_max_jobs(len(lens), nq * nh, grid), -7, dtype=cp.int32)  # [jobs bound]
         d_sizes = cp.asarray(sizes, dtype=cp.int32) if sizes is not None else np.uintp(0)
         fn((1,), (256,), (cp.asarray(lens, dtype=cp.int32), d_sizes, np.int32(len(lens)), np.int32(width),
-                          np.int32(nq), np.int32(nh), np.int32(grid), plan, order))
+                          np.int32(nq), np.int32(nh), np.int32(grid), plan, order, np.int32(deal_cost)))
         np.testing.assert_array_equal(plan.get(), want)
         got = order.get()
         if want_order is None:
@@ -1793,7 +1831,7 @@ def test_v10_plan_kernel_writes_the_mirrors_plan_and_order():
             ordered += 1
             np.testing.assert_array_equal(got[:n], want_order)
         assert (got[n:] == -7).all()
-    assert ordered >= 20 and declined >= 3 and want[0] > cu._V10_ORDER_CAP
+    assert ordered >= 20 and declined >= 3 and want[0] > cu._V10_ORDER_CAP and weighed >= 10
 
 
 @pytest.mark.gpu
@@ -1966,6 +2004,41 @@ def _check_batch(out, lse, args, sizes_np, name: str):
         assert_close(out[b, :ts], r_out[0], rtol=BF16_RTOL, name=f"{name} request {b}", quiet=True)
         assert_close(lse[b, :ts], r_lse[0], rtol=1e-4, name=f"{name} lse request {b}", quiet=True)
         assert np.isnan(out[b, ts:].get()).all(), f"{name} request {b}: rows past its tree not NaN"
+
+
+@pytest.mark.gpu
+def test_v10_reused_plan_is_weighed_by_its_deal(monkeypatch):
+    """A ragged batch of 16 requests (8 heads, 65-query trees over 1k-40k keys) whose plan the deal's weight
+    changes (263 jobs where rounds x longest takes 395): with reuse_plan the plan kernel writes plan_v5's
+    weigh_deal plan and its order, the result is within the bf16 tolerance of float64 and a plan_ready call
+    repeats it bit for bit; without reuse_plan, or with attention.DEAL_COST off, the unweighed plan."""
+    _need_wgmma()
+    from kdlib.cuda import attention as cu
+
+    bsz, nq, nh, width = 16, 65, 8, 40_000
+    args, sizes_np = _verify_batch(bsz, nq, nh, width, ragged=True)
+    lens_np = args[3].cpu().numpy()
+    ws = cu.make_workspace(bsz, nq, nh)
+    weighed = cu.plan_v5(lens_np, sizes_np, width, nq, nh, ws.grid, weigh_deal=True)
+    plain = cu.plan_v5(lens_np, sizes_np, width, nq, nh, ws.grid)
+    assert (int(weighed[0]), int(plain[0])) == (263, 395)
+    out, lse = cu.tree_verify_attention(*args, impl="wgmma_v10", workspace=ws, reuse_plan=True)
+    np.testing.assert_array_equal(ws.plan.get(), weighed)
+    want_order = cu.plan_order(weighed, ws.grid)
+    got_order = ws.order.get()
+    if want_order is None:
+        assert got_order[0] == -1
+    else:
+        np.testing.assert_array_equal(got_order[:weighed[0]], want_order)
+    first = (out.get(), lse.get())
+    _check_batch(out, lse, args, sizes_np, "v10 weighed plan")
+    out, lse = cu.tree_verify_attention(*args, impl="wgmma_v10", workspace=ws, plan_ready=True)
+    assert all(np.array_equal(a, b.get(), equal_nan=True) for a, b in zip(first, (out, lse), strict=True))
+    cu.tree_verify_attention(*args, impl="wgmma_v10", workspace=ws)
+    np.testing.assert_array_equal(ws.plan.get(), plain)
+    monkeypatch.setattr(cu, "DEAL_COST", False)
+    cu.tree_verify_attention(*args, impl="wgmma_v10", workspace=ws, reuse_plan=True)
+    np.testing.assert_array_equal(ws.plan.get(), plain)
 
 
 @pytest.mark.gpu

@@ -238,7 +238,7 @@ def test_attention_plan_lays_the_jobs_over_the_ctas():
     shape = RankShape(ModelConfig.from_dict(memory.load_config("kimi-k2.6")), tp=8)
     for C, W, ctx in ((1, 1, 200_000), (4, 65, 128_000), (16, 9, 5_500), (10, 1, 128)):
         pl = rank_work.attention_plan(shape, C, W, ctx, 132)
-        plan = plan_v5([ctx] * C, [W] * C, ctx, W, shape.heads, 132)
+        plan = plan_v5([ctx] * C, [W] * C, ctx, W, shape.heads, 132, weigh_deal=True)  # the step's, reused
         e = plan[1:].reshape(C, -1)
         tiles = sum(int(r[3]) * (-(-ctx // 64) + (-(-W // 64))) for r in e)  # every row block over every key
         assert pl["jobs"] == plan[0] and pl["rows"] == C * W * 8
@@ -262,7 +262,7 @@ def test_attention_plan_follows_the_default_versions_deal():
     shape = RankShape(ModelConfig.from_dict(memory.load_config("kimi-k2.6")), tp=8)
     for C, W, ctx, ordered in ((16, 65, 8192, True), (16, 65, 5500, True), (8, 65, 4096, False),
                                (4, 65, 128_000, False), (16, 17, 5500, False)):
-        plan = plan_v5([ctx] * C, [W] * C, ctx, W, shape.heads, 132)
+        plan = plan_v5([ctx] * C, [W] * C, ctx, W, shape.heads, 132, weigh_deal=True)  # the step's, reused
         assert (plan_order(plan, 132) is not None) == ordered
         tiles = job_tiles(plan)
         dealt = [int(tiles[d].sum()) for d in v10_deal(plan, 132, reuse_plan=True)]

@@ -74,6 +74,23 @@ def test_run_without_old_kernels_needs_a_version_its_toggle_changes(capsys, tmp_
     assert all(set(v) <= set(attention.WGMMA_VERSIONS) for v in kernel_ab.TOGGLES.values())
 
 
+def test_deal_cost_toggle_times_a_step_of_layers(capsys, tmp_path, monkeypatch):
+    """DEAL_COST changes only a plan that later layers reuse: without --layers 2 or more its arms would be the
+    same calls, so the run is refused before anything starts; --layers reaches run."""
+    got = []
+    monkeypatch.setattr(kernel_ab, "require_gpu", lambda ap: None)
+    monkeypatch.setattr(kernel_ab, "run", lambda *a: got.append((a[6], a[8])))  # (toggle, layers)
+    for layers in ([], ["--layers", "1"]):
+        with pytest.raises(SystemExit) as exit_:
+            kernel_ab.main(["run", "--out", str(tmp_path / "made"), "--version", "10",
+                            "--toggle", "DEAL_COST", *layers])
+        assert exit_.value.code == 2 and "give --layers 2 or more" in capsys.readouterr().err
+        assert not (tmp_path / "made").exists()
+    kernel_ab.main(["run", "--out", str(tmp_path), "--version", "10", "--toggle", "DEAL_COST",
+                    "--layers", "61"])
+    assert got == [("DEAL_COST", 61)]
+
+
 def test_version_and_queries_are_checked_while_parsing(capsys, tmp_path, monkeypatch):
     """run and repeat --version outside attention.WGMMA_VERSIONS, repeat --queries outside 1..MAX_Q: a usage
     error naming the option before anything starts (they failed on the GPU machine, in the first call)."""
@@ -142,8 +159,8 @@ def test_define_repeats_for_switches_together_each_name_once(capsys, monkeypatch
                     "--define", "ORDER_GAIN=-64"])
     kernel_ab.main(["repeat", "--define", "PLAN_SMALL_REQS=0", "--define", "ORDER_GAIN=-64",
                     "--out", str(tmp_path)])
-    assert got["run"][-1] == got["repeat"][-1] == ["PLAN_SMALL_REQS=0", "ORDER_GAIN=-64"]
-    assert kernel_ab._flags(got["run"][-1]) == "-DPLAN_SMALL_REQS=0 -DORDER_GAIN=-64"
+    assert got["run"][7] == got["repeat"][-1] == ["PLAN_SMALL_REQS=0", "ORDER_GAIN=-64"]
+    assert kernel_ab._flags(got["run"][7]) == "-DPLAN_SMALL_REQS=0 -DORDER_GAIN=-64"
     with pytest.raises(SystemExit) as exit_:
         kernel_ab.main(["run", "--out", str(tmp_path), "--define", "PLAN_SMALL_REQS=0",
                         "--define", "PLAN_SMALL_REQS=8"])

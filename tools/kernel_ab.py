@@ -12,6 +12,8 @@ On the GPU machine (carry ["build/ab"]):
     python3 tools/kernel_ab.py run build/ab/<rev>/kernels --version 10 --suite kernel_ab_plan --out $OUT
     python3 tools/kernel_ab.py run --version 10 --suite kernel_ab_pdl --out $OUT   # PDL on / off
     python3 tools/kernel_ab.py run --version 10 --toggle COMBINE_ROWS --suite kernel_ab_rows --out $OUT
+    python3 tools/kernel_ab.py run --version 10 --toggle DEAL_COST --layers 61 --suite kernel_ab_deal \
+        --out $OUT   # a step of 61 layers: the first makes the plan (reuse_plan), the rest reuse it
     python3 tools/kernel_ab.py run --version 10 --define PLAN_SMALL_REQS=0 --suite kernel_ab_four_warps \
         --out $OUT   # this tree built with -DPLAN_SMALL_REQS=0 (new) against its default build (old)
     python3 tools/kernel_ab.py run --version 10 --define PLAN_SMALL_REQS=0 --define ORDER_GAIN=-64 \
@@ -39,9 +41,11 @@ from kdlib.cuda.attention import MAX_Q, WGMMA_VERSIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 # kdlib.cuda.attention's switches the arms of `run` can set on and off, each with the versions it changes
-# (attention._launch_wgmma: `pdl = version >= 10 and PDL`, `if version >= 8 and COMBINE_ROWS`, and
-# `own = ordered and ...` with `ordered = version in (10, 13)`)
-TOGGLES = {"PDL": (10, 11, 12, 13), "COMBINE_ROWS": (8, 9, 10, 11, 12, 13), "OWN_PLAN": (10, 13)}
+# (attention._launch_wgmma: `pdl = version >= 10 and PDL`, `if version >= 8 and COMBINE_ROWS`,
+# `own = ordered and ...` with `ordered = version in (10, 13)`, and the plan kernel's
+# `reuse_plan and DEAL_COST`, which only a step of layers (--layers) sets)
+TOGGLES = {"PDL": (10, 11, 12, 13), "COMBINE_ROWS": (8, 9, 10, 11, 12, 13), "OWN_PLAN": (10, 13),
+           "DEAL_COST": (10, 13)}
 RANK_POINTS = [{"heads": 8, "queries": w, "prefix": s, "batch": c}
                for s in (5500, 32_000) for c in (1, 4, 10, 16) for w in (9, 65)]
 
@@ -67,13 +71,15 @@ def _arm_build(defines: list[str] | None, arm: str):
 
 
 def run(old_kernels: Path | None, out: Path, version: int, iters: int, suite_name: str = "kernel_ab",
-        new_kernels: Path | None = None, toggle: str = "PDL", defines: list[str] | None = None) -> Path:
+        new_kernels: Path | None = None, toggle: str = "PDL", defines: list[str] | None = None,
+        layers: int = 1) -> Path:
     """Both arms at every point into <out>/<suite_name>.<gpu>.json; the new arm runs new_kernels (None: this
     tree's). old_kernels None: the arms are this tree's kernels with the switch `toggle` of
     kdlib.cuda.attention on ("new") and off ("old"): PDL, programmatic dependent launch; COMBINE_ROWS, the
     combine with a warp per row where the rows are many. defines ('NAME=VALUE' each, no old kernels): instead,
     this tree's kernels built with a -DNAME=VALUE per define (new) and without (old), the host's switches as
-    they are."""
+    they are. layers > 1: each point timed as a step of that many layers (`kdlib.perf.suites.attention.
+    time_arm`), the time a layer recorded."""
     import cupy
     import torch
 
@@ -96,7 +102,7 @@ def run(old_kernels: Path | None, out: Path, version: int, iters: int, suite_nam
         loader.use_kernels(src)
         setattr(cu, toggle, saved if old_kernels is not None or defines else name == "new")
         with _arm_build(defines, name):
-            suite.time_arm(name, pts, inputs, pool, times, outs, iters, version=version)
+            suite.time_arm(name, pts, inputs, pool, times, outs, iters, layers=layers, version=version)
         print(f"[ab] arm {name} ({src or 'this tree'}, {toggle} {getattr(cu, toggle)}"
               f"{f', {_flags(defines)}' if defines and name == 'new' else ''}) done", flush=True)
     loader.use_kernels(None)
@@ -121,7 +127,7 @@ def run(old_kernels: Path | None, out: Path, version: int, iters: int, suite_nam
                           "new_commit": loader.exported_commit(new_kernels) if new_kernels else None,
                           "pdl_arms": old_kernels is None and not defines and toggle == "PDL",
                           "toggle_arms": toggle if old_kernels is None and not defines else None,
-                          "define_arms": defines, "iters": iters,
+                          "define_arms": defines, "iters": iters, "layers": layers,
                           "arms": [a for a, _ in arms], "points": pts},
            "ceilings": ceil, "rows": rows,
            "verdict": {"bitwise_equal_everywhere": all(r["bitwise_equal"] for r in rows),
@@ -248,6 +254,9 @@ def main(argv=None) -> int:
     r.add_argument("--define", metavar="NAME=VALUE", action="append",
                    help="without old kernels: this tree's kernels built with -DNAME=VALUE (new) and without "
                         "(old), instead of a --toggle; repeat it for switches together")
+    r.add_argument("--layers", type=positive_int, default=1,
+                   help="time a step of this many layers, the first making the plan that the others reuse "
+                        "(reuse_plan, plan_ready), and record the time a layer (default 1: one whole verify)")
     p = sub.add_parser("repeat", help="each arm n times at one point, against float64 (GPU)")
     p.add_argument("old_kernels", type=Path, nargs="?", help="the exported kernels (or --define)")
     p.add_argument("--define", metavar="NAME=VALUE", action="append",
@@ -284,10 +293,12 @@ def main(argv=None) -> int:
         elif a.old_kernels is None and a.version not in TOGGLES[a.toggle]:
             ap.error(f"without old kernels the arms are {a.toggle} on / off, which versions "
                      f"{', '.join(map(str, TOGGLES[a.toggle]))} follow, not --version {a.version}")
+        if a.toggle == "DEAL_COST" and a.layers == 1:  # a lone verify makes no plan for later calls
+            ap.error("--toggle DEAL_COST changes only a plan later layers reuse: give --layers 2 or more")
         _check_kernels(ap, a)
         require_gpu(ap)
         make_folder(ap, a.out)
-        run(a.old_kernels, a.out, a.version, a.iters, a.suite, a.new_kernels, a.toggle, a.define)
+        run(a.old_kernels, a.out, a.version, a.iters, a.suite, a.new_kernels, a.toggle, a.define, a.layers)
     return 0
 
 

@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 STAMPED = ROOT / "build" / "plan_phases" / "kernels"
 BUILDS = {"default": (), "small32": ("-DPLAN_SMALL_REQS=32",), "four_warps": ("-DPLAN_SMALL_REQS=0",)}
 PHASES = {0: "start", 1: "four warps: lens read", 2: "four warps: tmax", 3: "four warps: warp 0 searched",
-          4: "warp 1", 5: "warp 2", 6: "warp 3", 7: "four warps: costs shared", 8: "four warps: scan written",
+          4: "warp 1", 5: "warp 2", 6: "warp 3", 7: "four warps: costs shared and weighed",
+          8: "four warps: scan written",
           9: "plan_v5 returned", 10: "v10: jobs read", 11: "v10: order written (end)",
           12: "warp 0 alone: lens read", 13: "warp 0 alone: searched", 14: "warp 0 alone: costs",
           15: "warp 0 alone: plan written"}
@@ -60,8 +61,8 @@ COMMON = [
      "            chunk_of_k[warp] = lo;\n            STAMP(3 + warp);\n        }\n"),
     ("    if (warp == 0) {  // each request's chunks",
      "    if (tid == 0) STAMP(7);\n    if (warp == 0) {  // each request's chunks"),
-    ("        if (lane == 0) p[0] = base;\n    }\n",
-     "        if (lane == 0) p[0] = base;\n        if (lane == 0) STAMP(8);\n    }\n"),
+    ("        write_chunks(p, p, B, chunk_of_k[best]);\n",
+     "        write_chunks(p, p, B, chunk_of_k[best]);\n        if (lane == 0) STAMP(8);\n"),
     ("    return p;\n}\n", "    if (tid == 0) STAMP(9);\n    return p;\n}\n"),
 ]
 V10 = [
@@ -126,7 +127,7 @@ def phases(out: Path, launches: int = 50) -> Path:
             order = cupy.full(cu.v5_max_jobs(bsz, nq * nh, grid), -1, dtype=cupy.int32)  # [jobs bound]
             args = (cupy.asarray(lens, dtype=cupy.int32), cupy.asarray(trees, dtype=cupy.int32),
                     np.int32(bsz), np.int32(max(lens)), np.int32(nq), np.int32(nh), np.int32(grid), plan,
-                    order)
+                    order, np.int32(0))  # deal_cost 0: the plan of a call whose plan is not reused
             for cold in (False, True):
                 rows = []
                 for _ in range(launches):

@@ -241,6 +241,10 @@ PDL = True
 # combine's bits; version 13's pairs through tree_verify_v13_combine_rows); False: always `v8_combine_warps`'s
 # combine, and version 13 runs no pairs (tools/kernel_ab.py run --toggle COMBINE_ROWS times the two).
 COMBINE_ROWS = True
+# Version 10's plan kernel weighs its candidates by the deal it runs (deal_cost) where later calls reuse the
+# plan (`reuse_plan`); False: by rounds x (longest job + JOB_OVERHEAD) always (tools/kernel_ab.py run --toggle
+# DEAL_COST --layers N times the two over steps of N layers)
+DEAL_COST = True
 # Versions 10 and 13 make the plan of up to _V10_OWN_PLAN_REQS requests in their attend kernels
 # (tree_verify_v10_attend_own, _t_own: no plan launch, the static deal); False: the plan kernel first.
 # `tools/kernel_ab.py run --version 10 --toggle OWN_PLAN` (history/kernel_ab_own_plan.c96c1f9.h200.json, bit
@@ -615,8 +619,10 @@ def v5_max_jobs(bsz: int, rows: int, grid: int) -> int:
 
 
 def plan_v5(prefix_lens, tree_sizes, width: int, nq: int, nh: int, grid: int,
-            chunk_with_tail: bool = _V5_CHUNK_WITH_TAIL, job_overhead: int = _V5_JOB_OVERHEAD) -> np.ndarray:
-    """numpy mirror of `tree_verify_v5_plan`: the int32 plan [1 + 8 B] the kernels read.
+            chunk_with_tail: bool = _V5_CHUNK_WITH_TAIL, job_overhead: int = _V5_JOB_OVERHEAD,
+            weigh_deal: bool = False) -> np.ndarray:
+    """numpy mirror of `tree_verify_v5_plan` and of version 10's plan (`tree_verify_v10_plan`, weigh_deal its
+    deal_cost): the int32 plan [1 + 8 B] the kernels read.
 
     prefix_lens [B] ints; tree_sizes [B] ints or None (the prefix alone, no tail); width = P, the
     page-table width; grid = G CTAs. plan[0] = jobs; per request b at 1 + 8 b: first job, key chunks,
@@ -624,7 +630,11 @@ def plan_v5(prefix_lens, tree_sizes, width: int, nq: int, nh: int, grid: int,
     CHUNK_WITH_TAIL, 1 where the tiles per chunk count chunk 0's tail tiles; `job_tiles` reads it). Jobs of
     request b are numbered chunk-major then row block: job = first + chunk * row_blocks + block.
     job_overhead: the kernels' JOB_OVERHEAD (-DJOB_OVERHEAD), the tiles a job weighs on top of its own in the
-    cost the plan takes the least of, rounds x (longest job + job_overhead) x 32 + jobs.
+    cost the plan takes the least of, rounds x (longest job + job_overhead) x 32 + jobs, over up to MAX_ROUNDS
+    candidates (each round count's shortest chunk). weigh_deal (version 10's plan where later calls reuse
+    it, `reuse_plan`): from PLAN_SMALL_REQS + 1 to PLAN_SMEM_REQS requests a candidate of more than `grid`
+    jobs and at most ORDER_CAP is weighed instead by the busiest CTA of the deal version 10 runs
+    (`deal_busiest`: the snake deal where `snake_gains`, else the static one) x 32 + jobs.
     """
     lens = np.asarray(prefix_lens, dtype=np.int64)  # [B]
     if lens.ndim != 1:
@@ -654,6 +664,20 @@ def plan_v5(prefix_lens, tree_sizes, width: int, nq: int, nh: int, grid: int,
     def jobs(c):
         return int((rb * chunks(c)).sum())
 
+    def records(c):  # the plan of chunks of at most c tiles
+        nc = np.where(rb > 0, chunks(c), 0)  # [B]
+        per = np.where(nc > 0, chunk_tiles(nc), 0)  # [B]
+        plan = np.zeros(1 + _V5_PLAN_STRIDE * bsz, dtype=np.int32)  # [1 + 8 B]
+        base = 0
+        for b in range(bsz):
+            e = 1 + _V5_PLAN_STRIDE * b
+            ntail = ts[b] if tail else 0
+            plan[e:e + 8] = (base, nc[b], per[b], rb[b], lens[b], rows[b], ntail, chunk_with_tail)
+            base += int(nc[b] * rb[b])
+        plan[0] = base
+        return plan
+
+    weigh = weigh_deal and _V5_PLAN_SMALL_REQS < bsz <= _V5_PLAN_SMEM_REQS
     shortest = max(1, int(utiles.max(initial=0))) if chunk_with_tail else 1  # chunks hold the tail's tiles
     tmax = max(shortest, int(cut.max(initial=0)))
     best = None
@@ -670,18 +694,12 @@ def plan_v5(prefix_lens, tree_sizes, width: int, nq: int, nh: int, grid: int,
         size = chunk_tiles(nc) + (0 if chunk_with_tail else utiles)  # [B] each request's longest job
         longest = int(size[live].max(initial=0))
         cost = _ceil(n, grid) * (longest + job_overhead) * 32 + n
+        if weigh and grid < n <= _V10_ORDER_CAP:
+            static, snake, _ = deal_busiest(records(lo), grid, job_overhead)
+            cost = (snake if snake_gains(static, snake) else static) * 32 + n
         if best is None or cost < best[0]:
             best = (cost, lo)
-    nc = np.where(rb > 0, chunks(best[1]), 0)  # [B]
-    per = np.where(nc > 0, chunk_tiles(nc), 0)  # [B]
-    plan = np.zeros(1 + _V5_PLAN_STRIDE * bsz, dtype=np.int32)
-    base = 0
-    for b in range(bsz):
-        e = 1 + _V5_PLAN_STRIDE * b
-        plan[e:e + 8] = (base, nc[b], per[b], rb[b], lens[b], rows[b], ts[b] if tail else 0, chunk_with_tail)
-        base += int(nc[b] * rb[b])
-    plan[0] = base
-    return plan
+    return records(best[1])
 
 
 def job_tiles(plan: np.ndarray) -> np.ndarray:
@@ -730,7 +748,13 @@ def plan_order(plan: np.ndarray, grid: int, job_overhead: int = _V5_JOB_OVERHEAD
     if not grid < n <= _V10_ORDER_CAP:
         return None
     static, snake, order = deal_busiest(plan, grid, job_overhead)
-    return order if static * _V10_ORDER_UNIT > snake * (_V10_ORDER_UNIT + _V10_ORDER_GAIN) else None
+    return order if snake_gains(static, snake) else None
+
+
+def snake_gains(static: int, snake: int) -> bool:
+    """Version 10's gate: whether the snake deal's busiest CTA (`deal_busiest`) is lighter than the static
+    deal's by more than ORDER_GAIN / ORDER_UNIT, so that its plan writes the order."""
+    return static * _V10_ORDER_UNIT > snake * (_V10_ORDER_UNIT + _V10_ORDER_GAIN)
 
 
 def order_threshold() -> float:
@@ -1068,8 +1092,9 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
         grid = _V11_CLUSTER * min(ws.grid // _V11_CLUSTER, clusters)
     if not plan_ready and not own:
         plan_grid = v12_plan_grid(grid) if version == 12 else grid
+        deal_cost = (np.int32(reuse_plan and DEAL_COST),) if ordered else ()  # weighed by its deal if reused
         plan_fn((1,), (_V5_THREADS,), (lens, sizes, np.int32(bsz), np.int32(width), np.int32(nq),
-                                       np.int32(nh), np.int32(plan_grid), ws.plan, *order))
+                                       np.int32(nh), np.int32(plan_grid), ws.plan, *order, *deal_cost))
     pdl = version >= 10 and PDL
     loader.launch(attend_fn, (grid,), (settings.threads,),
                   (qa, kv, pt, tkv, vis, ws.plan, *order, np.int32(bsz), np.int32(width), np.int32(nq),

@@ -130,14 +130,14 @@ def attention_executed(shape, streams: int, rows_per_stream: int, context: int) 
 def attention_plan(shape, streams: int, rows_per_stream: int, context: int, grid: int) -> dict:
     """One layer's tree-verify attention as its plan (`kdlib.cuda.attention.plan_v5`) lays it out over `grid`
     CTAs, each CTA taking the jobs the default version (10) deals it in the engine's step (`v10_deal` with
-    its plan kernel's plan, which the layers reuse: cta, cta + grid, ... unless that plan orders them by
-    size, which few uniform batches gain enough from): jobs (all), busiest_tiles and
-    busiest_jobs (the key tiles and jobs of the CTA with the most tiles, ties to the most jobs: the attend
-    kernel's critical path), latent_bytes (every stream's context and tree rows read once) and rows (query
-    rows: the combine's). Each stream: `context` prefix keys, `rows_per_stream` tree rows; each job's key
-    tiles as `kdlib.cuda.attention.job_tiles` counts them."""
+    its plan kernel's plan, which the layers reuse and which it therefore weighs by its deal, `weigh_deal`:
+    cta, cta + grid, ... unless that plan orders them by size, which few uniform batches gain enough from):
+    jobs (all), busiest_tiles and busiest_jobs (the key tiles and jobs of the CTA with the most tiles, ties to
+    the most jobs: the attend kernel's critical path), latent_bytes (every stream's context and tree rows read
+    once) and rows (query rows: the combine's). Each stream: `context` prefix keys, `rows_per_stream` tree
+    rows; each job's key tiles as `kdlib.cuda.attention.job_tiles` counts them."""
     C, W, ctx = streams, rows_per_stream, context
-    plan = plan_v5([ctx] * C, [W] * C, max(ctx, 1), W, shape.heads, grid)
+    plan = plan_v5([ctx] * C, [W] * C, max(ctx, 1), W, shape.heads, grid, weigh_deal=True)  # reused: weighed
     cta = np.empty(int(plan[0]), dtype=np.int64)  # [jobs] each job's CTA
     for c, dealt in enumerate(v10_deal(plan, grid, reuse_plan=True)):  # one plan a step, for every layer
         cta[dealt] = c

@@ -144,6 +144,42 @@ __device__ __forceinline__ void plan_small(const int* __restrict__ prefix_lens, 
     if (lane == 31) plan[0] = upto, splan[0] = upto;
 }
 
+// plan_v5's candidates as it weighs them: rounds x (longest job + JOB_OVERHEAD) x 32 + jobs (tree_verify_v5_plan).
+struct NoWeigh {
+    __device__ void operator()(const int*, long long*, const int*) const {}
+};
+
+// One warp: each request's chunks and first job where chunks are at most c tiles, a scan over the requests, 32
+// at a time. src: plan_v5's records mid-search (T and U in P_NCHUNK and P_CHUNK); dst: the plan, in place where
+// dst == src, else whole records.
+__device__ __forceinline__ void write_chunks(const int* src, int* dst, int B, int c) {
+    const int lane = threadIdx.x & 31;
+    int base = 0;
+    for (int b0 = 0; b0 < B; b0 += 32) {
+        const int b = b0 + lane;
+        const int* s = src + PLAN_HDR + b * PLAN_STRIDE;
+        int* e = dst + PLAN_HDR + b * PLAN_STRIDE;
+        int T = 0, U = 0, rb = 0;
+        if (b < B) T = s[P_NCHUNK], U = s[P_CHUNK], rb = s[P_RB];
+        const int nc = rb > 0 ? chunks_of(T, U, c) : 0;
+        int upto = nc * rb;  // the jobs of requests b0 .. b
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const int o = __shfl_up_sync(0xffffffffu, upto, off);
+            if (lane >= off) upto += o;
+        }
+        if (b < B) {
+            if (dst != src) e[P_RB] = rb, e[P_LEN] = s[P_LEN], e[P_ROWS] = s[P_ROWS], e[P_NTAIL] = s[P_NTAIL],
+                            e[P_CUT] = s[P_CUT];
+            e[P_BASE] = base + upto - nc * rb;
+            e[P_NCHUNK] = nc;
+            e[P_CHUNK] = nc > 0 ? chunk_tiles(T, U, nc) : 0;  // equal chunks within the request
+        }
+        base += __shfl_sync(0xffffffffu, upto, 31);
+    }
+    if (lane == 0) dst[0] = base;
+}
+
 // The plan of tree_verify_v5_plan, shared with the v10 plan (tree_verify/wgmma_v10.cu, which then orders the
 // jobs). cost [MAX_ROUNDS], chunk_of_k [MAX_ROUNDS], tmax_warp [8], splan [PLAN_HDR + PLAN_SMEM_REQS *
 // PLAN_STRIDE]: the kernel's shared memory. Up to PLAN_SMEM_REQS requests the plan is built in splan and copied
@@ -151,11 +187,14 @@ __device__ __forceinline__ void plan_small(const int* __restrict__ prefix_lens, 
 // the plan in global memory: 5.8 us against 7.0 at 8 requests, alike at one (7.1 against 6.6), where the kernel's
 // time is not the plan's reads (data/results/history/attention_bounds.prefetch.72c0c91.h200.json against
 // history/attention_bounds.v10.1b0d029.h200.json; data/results/kernel_ab_plan.h200.json, the whole verify).
-// Up to PLAN_SMALL_REQS requests warp 0 makes the plan alone (plan_small). Returns the plan built (splan or
-// plan), whole and readable by every thread.
+// Up to PLAN_SMALL_REQS requests warp 0 makes the plan alone (plan_small). Past them, once the four warps have
+// each round count's candidate in cost and chunk_of_k, every thread calls weigh(p, cost, chunk_of_k), which may
+// replace cost [k] (the v10 plan's deal_cost). Returns the plan built (splan or plan), whole and readable by every
+// thread.
+template <class Weigh = NoWeigh>
 __device__ __forceinline__ const int* plan_v5(const int* __restrict__ prefix_lens, const int* __restrict__ tree_sizes,
                                               int B, int P, int Q, int H, int G, int* plan, int* splan,
-                                              long long* cost, int* chunk_of_k, int* tmax_warp) {
+                                              long long* cost, int* chunk_of_k, int* tmax_warp, Weigh weigh = {}) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     static_assert(PLAN_SMALL_REQS <= 32, "plan_small: a lane a request");
     if (B <= PLAN_SMALL_REQS) {
@@ -224,32 +263,12 @@ __device__ __forceinline__ const int* plan_v5(const int* __restrict__ prefix_len
         }
     }
     __syncthreads();
-    if (warp == 0) {  // each request's chunks and first job: a scan over the requests, 32 at a time
+    weigh(p, cost, chunk_of_k);  // every thread: the v10 plan weighs the candidates by the deal it runs
+    if (warp == 0) {  // each request's chunks and first job
         int best = 0;
         for (int k = 1; k < MAX_ROUNDS; ++k)
             if (cost[k] < cost[best]) best = k;
-        const int c = chunk_of_k[best];
-        int base = 0;
-        for (int b0 = 0; b0 < B; b0 += 32) {
-            const int b = b0 + lane;
-            int* e = p + PLAN_HDR + b * PLAN_STRIDE;
-            int T = 0, U = 0, rb = 0;
-            if (b < B) T = e[P_NCHUNK], U = e[P_CHUNK], rb = e[P_RB];
-            const int nc = rb > 0 ? chunks_of(T, U, c) : 0;
-            int upto = nc * rb;  // the jobs of requests b0 .. b
-#pragma unroll
-            for (int off = 1; off < 32; off <<= 1) {
-                const int o = __shfl_up_sync(0xffffffffu, upto, off);
-                if (lane >= off) upto += o;
-            }
-            if (b < B) {
-                e[P_BASE] = base + upto - nc * rb;
-                e[P_NCHUNK] = nc;
-                e[P_CHUNK] = nc > 0 ? chunk_tiles(T, U, nc) : 0;  // equal chunks within the request
-            }
-            base += __shfl_sync(0xffffffffu, upto, 31);
-        }
-        if (lane == 0) p[0] = base;
+        write_chunks(p, p, B, chunk_of_k[best]);
     }
     __syncthreads();
     if (p != plan)

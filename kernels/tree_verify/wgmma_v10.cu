@@ -40,8 +40,9 @@
 
 // ------------------------------------------------------------------------------------------ plan
 
-// Arguments as tree_verify_v5_plan -> plan [1 + PLAN_STRIDE * B] and order [jobs] int32: the jobs by size
-// where that deal gains (see above), else order [0] = -1 (nothing written without jobs). Grid 1, block 256.
+// Arguments as tree_verify_v5_plan, and deal_cost (below) -> plan [1 + PLAN_STRIDE * B] and order [jobs] int32:
+// the jobs by size where that deal gains (see above), else order [0] = -1 (nothing written without jobs). Grid 1,
+// block 256.
 // The ranking reads the plan where plan_v5 built it (shared memory up to PLAN_SMEM_REQS requests).
 //
 // The ranking goes by groups, the row blocks of one request's key chunk: jobs first .. first + rb - 1, all of
@@ -50,9 +51,18 @@
 // its first rank counts the jobs of the groups above it: O(groups^2 / 256) with groups = jobs / rb, where
 // ranking each job against every other cost O(jobs^2 / 256) (1.1 % of the verify at 8 x 65 x 32k B8,
 // data/results/history/attention.v10_job_rank.33c8360.h200.json, and 0.7 % at 16 x 65 x 131k).
+//
+// deal_cost != 0 (the host's reuse_plan: later calls reuse the plan, kdlib.cuda.attention): plan_v5's cost of a
+// round count's chunks, rounds x (longest + JOB_OVERHEAD), is the busiest CTA where every job is as long as the
+// longest. A ragged batch's jobs are not: there each candidate of G < jobs <= ORDER_CAP (past PLAN_SMALL_REQS and
+// up to PLAN_SMEM_REQS requests) is planned into cplan, ranked and dealt as the final plan is, and weighed by the
+// busiest CTA of the deal the attend kernels would run (x 32, + jobs as before). One round and past the cap the
+// cost stays plan_v5's, there the static deal's busiest CTA or above it. The weighing costs the plan kernel up
+// to 13 us (8 x 9 x 5,500 over 10 requests, notebook 02b 13zc), more than it gains in one verify, so only a
+// plan the step's later layers reuse pays for it.
 extern "C" __global__ void __launch_bounds__(256) tree_verify_v10_plan(
     const int* __restrict__ prefix_lens, const int* __restrict__ tree_sizes, int B, int P, int Q, int H, int G,
-    int* plan, int* __restrict__ order) {
+    int* plan, int* __restrict__ order, int deal_cost) {
     static_assert(ORDER_CAP == 1 << 10, "the sort key's 10 index bits");
     pdl_trigger();  // the attend kernel may launch (it waits for this plan before reading it)
     __shared__ long long cost[MAX_ROUNDS];
@@ -63,47 +73,71 @@ extern "C" __global__ void __launch_bounds__(256) tree_verify_v10_plan(
     __shared__ int sorted[ORDER_CAP];  // [rank] the job
     __shared__ int ngroups, busiest[2];  // busiest: the busiest CTA's cost, static deal and snake deal
     __shared__ int splan[PLAN_HDR + PLAN_SMEM_REQS * PLAN_STRIDE];
-    const int* pl = plan_v5(prefix_lens, tree_sizes, B, P, Q, H, G, plan, splan, cost, chunk_of_k, tmax_warp);
-    if (threadIdx.x == 0) ngroups = 0, busiest[0] = 0, busiest[1] = 0;
-    __syncthreads();
-    const int n = pl[0], tid = threadIdx.x;
+    __shared__ int cplan[PLAN_HDR + PLAN_SMEM_REQS * PLAN_STRIDE];  // a candidate's plan
+    const int tid = threadIdx.x;
+    // the n jobs of plan pl (G < n <= ORDER_CAP) ranked into sorted, both deals' busiest CTA into busiest; true
+    // where the snake deal gains (the order is written)
+    auto rank_and_deal = [&](const int* pl, int n) {
+        if (tid == 0) ngroups = 0, busiest[0] = 0, busiest[1] = 0;
+        __syncthreads();
+        for (int j = tid; j < n; j += 256) {
+            const Job jb = decode_job(pl, B, j);
+            tiles[j] = jb.ntiles;
+            if (jb.row0 == 0)  // the first row block: a group's first job
+                group[atomicAdd(&ngroups, 1)] = make_uint2((unsigned)jb.ntiles << 10 | (ORDER_CAP - 1 - j),
+                                                           pl[PLAN_HDR + jb.b * PLAN_STRIDE + P_RB]);
+        }
+        __syncthreads();
+        const int ng = ngroups;
+        for (int g = tid; g < ng; g += 256) {  // the sum is the same in any order of the groups
+            const uint2 mine = group[g];
+            int rank = 0;
+            for (int h = 0; h < ng; ++h) {
+                const uint2 o = group[h];
+                rank += o.x > mine.x ? (int)o.y : 0;
+            }
+            const int first = ORDER_CAP - 1 - (int)(mine.x & (ORDER_CAP - 1));
+            for (int i = 0; i < (int)mine.y; ++i) sorted[rank + i] = first + i;
+        }
+        __syncthreads();
+        const int rounds = (n + G - 1) / G;
+        for (int c = tid; c < G; c += 256) {  // CTA c's cost under each deal
+            int dealt_static = 0, dealt_snake = 0;
+            for (int r = 0; r < rounds; ++r) {
+                const int ks = r * G + c, k = r * G + (r & 1 ? G - 1 - c : c);
+                if (ks < n) dealt_static += tiles[ks] + JOB_OVERHEAD;
+                if (k < n) dealt_snake += tiles[sorted[k]] + JOB_OVERHEAD;
+            }
+            atomicMax(&busiest[0], dealt_static);
+            atomicMax(&busiest[1], dealt_snake);
+        }
+        __syncthreads();
+        return (long long)busiest[0] * ORDER_UNIT > (long long)busiest[1] * (ORDER_UNIT + ORDER_GAIN);
+    };
+    auto weigh = [&](const int* p, long long* cost_k, const int* chunk_k) {
+        if (!deal_cost || B > PLAN_SMEM_REQS) return;
+        for (int k = 0; k < MAX_ROUNDS; ++k) {
+            if (k > 0 && chunk_k[k] == chunk_k[k - 1]) {  // the same plan
+                if (tid == 0) cost_k[k] = cost_k[k - 1];
+            } else {
+                if (tid < 32) write_chunks(p, cplan, B, chunk_k[k]);
+                __syncthreads();
+                const int n = cplan[0];
+                if (G < n && n <= ORDER_CAP) {
+                    const bool snake = rank_and_deal(cplan, n);
+                    if (tid == 0) cost_k[k] = (long long)busiest[snake ? 1 : 0] * 32 + n;
+                }
+            }
+            __syncthreads();
+        }
+    };
+    const int* pl = plan_v5(prefix_lens, tree_sizes, B, P, Q, H, G, plan, splan, cost, chunk_of_k, tmax_warp, weigh);
+    const int n = pl[0];
     if (n <= G || n > ORDER_CAP) {  // the static round-robin
         if (tid == 0 && n > 0) order[0] = -1;
         return;
     }
-    for (int j = tid; j < n; j += 256) {
-        const Job jb = decode_job(pl, B, j);
-        tiles[j] = jb.ntiles;
-        if (jb.row0 == 0)  // the first row block: a group's first job
-            group[atomicAdd(&ngroups, 1)] = make_uint2((unsigned)jb.ntiles << 10 | (ORDER_CAP - 1 - j),
-                                                       pl[PLAN_HDR + jb.b * PLAN_STRIDE + P_RB]);
-    }
-    __syncthreads();
-    const int ng = ngroups;
-    for (int g = tid; g < ng; g += 256) {  // the sum is the same in any order of the groups
-        const uint2 mine = group[g];
-        int rank = 0;
-        for (int h = 0; h < ng; ++h) {
-            const uint2 o = group[h];
-            rank += o.x > mine.x ? (int)o.y : 0;
-        }
-        const int first = ORDER_CAP - 1 - (int)(mine.x & (ORDER_CAP - 1));
-        for (int i = 0; i < (int)mine.y; ++i) sorted[rank + i] = first + i;
-    }
-    __syncthreads();
-    const int rounds = (n + G - 1) / G;
-    for (int c = tid; c < G; c += 256) {  // CTA c's cost under each deal
-        int dealt_static = 0, dealt_snake = 0;
-        for (int r = 0; r < rounds; ++r) {
-            const int ks = r * G + c, k = r * G + (r & 1 ? G - 1 - c : c);
-            if (ks < n) dealt_static += tiles[ks] + JOB_OVERHEAD;
-            if (k < n) dealt_snake += tiles[sorted[k]] + JOB_OVERHEAD;
-        }
-        atomicMax(&busiest[0], dealt_static);
-        atomicMax(&busiest[1], dealt_snake);
-    }
-    __syncthreads();
-    if ((long long)busiest[0] * ORDER_UNIT > (long long)busiest[1] * (ORDER_UNIT + ORDER_GAIN)) {
+    if (rank_and_deal(pl, n)) {
         for (int k = tid; k < n; k += 256) order[k] = sorted[k];
     } else if (tid == 0) {
         order[0] = -1;

@@ -234,18 +234,30 @@ def verify_call(x: dict, pool, ws, **pick):
 
 
 def time_arm(arm: str, pts: list[dict], inputs: list[dict], pool, times: list[dict], outs: list[dict],
-             iters: int, **pick) -> None:
+             iters: int, layers: int = 1, **pick) -> None:
     """One arm of an A/B over points (tools/kernel_ab.py, the attention_gate suite): at each point p with
     inputs x, the whole verify (`verify_call`, pick as there) on a fresh workspace, its first output kept in
     outs [i][arm] (once: the arm's first set) and the median of graph replays over x's tables appended to
-    times [i][arm]."""
+    times [i][arm]. layers > 1: a step of that many verifies instead, as the engine's layers run them (the
+    first with reuse_plan, the others plan_ready), its median over `layers` appended (the time a layer)."""
     from kdlib.cuda import attention as cu
 
     for p, x, t, o in zip(pts, inputs, times, outs, strict=True):
-        call = verify_call(x, pool, cu.make_workspace(p["batch"], p["queries"], p["heads"]), **pick)
+        ws = cu.make_workspace(p["batch"], p["queries"], p["heads"])
+        call = verify_call(x, pool, ws, **pick)
+        if layers > 1:
+            first = verify_call(x, pool, ws, reuse_plan=True, **pick)
+            later = verify_call(x, pool, ws, plan_ready=True, **pick)
+
+            def call(pt, first=first, later=later):  # one step: the plan made once, reused by the others
+                first(pt)
+                for _ in range(layers - 2):
+                    later(pt)
+                return later(pt)
+
         o.setdefault(arm, call(x["tables"][0])[0].copy())
         replays = [lambda pt=pt, call=call: call(pt) for pt in x["tables"]]
-        t[arm].append(base.graph_time(replays, iters).median_ms)
+        t[arm].append(base.graph_time(replays, iters).median_ms / layers)
 
 
 def run_point(p: dict, pool, kv_split, ceil: dict, impls, *, iters: int, baseline_iters: int, fi,
