@@ -272,7 +272,11 @@ def test_errors_name_the_real_problem(http):
             ("/v1/completions", {"prompt": "abc\ud800"}, "prompt",
              "prompt: holds a lone UTF-16 surrogate (U+D800) at character 3: not valid Unicode text"),
             (chat, {"messages": [{"role": "user", "content": "\udc00"}]}, "messages[0].content",
-             "messages[0].content: holds a lone UTF-16 surrogate (U+DC00) at character 0")]:
+             "messages[0].content: holds a lone UTF-16 surrogate (U+DC00) at character 0"),
+            ("/v1/completions", {"prompt": "x", "model": "m\ud800"}, "model",
+             "model: holds a lone UTF-16 surrogate (U+D800) at character 1"),
+            (chat, {"messages": hi, "stop": ["ok", "\udfff"]}, "stop",
+             "stop: holds a lone UTF-16 surrogate (U+DFFF) at character 0")]:
         # json.dumps escapes a lone surrogate ("\\ud800"); httpx's json= would fail to encode it
         r = http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
         err = r.json()["error"]
@@ -296,6 +300,23 @@ def test_a_body_past_the_limit_is_sized_only_when_its_length_is_known(http):
                   headers={"content-type": "application/json"})
     assert r.status_code == 413, r.text
     assert f"(more than {limit} bytes; the limit is {limit})" in r.json()["error"]["message"]
+    assert r.headers["connection"] == "close"  # the body's rest was never read
+
+
+def test_a_request_pipelined_behind_an_unread_body_is_not_left_hanging(server):
+    """A chunked body past the limit and a request behind it in one write: the 413 comes back and the
+    connection closes at once (before, the second request waited for the keep-alive timeout)."""
+    host, port = server.url.removeprefix("http://").split(":")
+    piece = b"y" * 65536
+    chunks = b"%x\r\n%s\r\n" % (len(piece), piece) * (serve.app.MAX_BODY_BYTES // len(piece) + 2)
+    with socket.create_connection((host, int(port)), timeout=3) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n" + chunks + b"0\r\n\r\n"
+                  b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        reply = b""
+        while part := s.recv(65536):  # socket.timeout (3 s) if the server keeps the connection open
+            reply += part
+    assert reply.startswith(b"HTTP/1.1 413") and reply.count(b"HTTP/1.1 ") == 1, reply[:300]
 
 
 def test_a_request_without_decode_steps_has_no_mean_accepted(oa):

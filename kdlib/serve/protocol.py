@@ -113,7 +113,12 @@ class _Sampling(BaseModel):
         if any(not 1 <= len(s) <= MAX_STOP_CHARS for s in v):
             raise PydanticCustomError("invalid_value",
                                       f"each stop string must have 1..{MAX_STOP_CHARS} characters")
-        return tuple(dict.fromkeys(v))
+        return tuple(dict.fromkeys(_unicode(s) for s in v))
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v):
+        return v if v is None else _unicode(v)  # the 404 for an unknown model quotes it
 
     @field_validator("stream_options")
     @classmethod
