@@ -93,9 +93,13 @@ def load_config(config) -> dict:
         raise ValueError(f"config must be a dict, a path or a shipped name, got {type(config).__name__}")
     path = config_file(config)
     try:
-        cfg = json.loads(path.read_text())
+        cfg = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text, so no config.json ({e.reason} at byte {e.start})") from e
+    except OSError as e:  # unreadable: permissions, a device file
+        raise ConfigError(f"{path}: cannot be read ({e.strerror or e})") from e
     if not isinstance(cfg, dict):
         raise ConfigError(f"{path}: a config.json must hold a JSON object")
     cfg["_name"] = path.parent.name if path.name == "config.json" else path.stem

@@ -68,7 +68,7 @@ import numpy as np
 
 import kdlib
 from kdlib.cli import Parser, Terminated, fail, interrupted_code, positive_float, sigterm_as_interrupt
-from kdlib.files import atomic_write_text
+from kdlib.files import atomic_write_text, check_folder
 
 NONCE_DIGITS = 8  # the fresh first line of a prompt a prefix cache must not hold (make_prompt)
 SHORT, LONG = 8, 264  # the seeds' two points: 256 decode tokens apart
@@ -1129,8 +1129,12 @@ def _endpoint(text: str) -> str:
     """--endpoint: an http(s) URL with a host (bad input, exit 2; a server that does not answer exits 1)."""
     import urllib.parse
 
-    u = urllib.parse.urlsplit(text)
-    if u.scheme not in ("http", "https") or not u.netloc:
+    try:
+        u = urllib.parse.urlsplit(text)
+        u.port  # noqa: B018 - raises on a port past 65535 or not a number
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a valid URL ({e})") from None
+    if u.scheme not in ("http", "https") or not u.hostname:
         raise argparse.ArgumentTypeError(f"{text!r} is not an http:// or https:// URL with a host")
     return text
 
@@ -1194,10 +1198,17 @@ def cli(argv: list[str]) -> int:
         ap.error("--concurrency and --request-rate name no level to run")
     if args.max_concurrency is not None and not rates:  # the fixed levels are their own cap
         ap.error("--max-concurrency caps the rate sweep only: give --request-rate too")
-    if args.json and os.path.isdir(args.json):  # checked before measuring: the write comes last
-        ap.error(f"--json {args.json} is a folder, not a file")
-    if args.json and not os.access(os.path.dirname(os.path.abspath(args.json)), os.W_OK):
-        ap.error(f"--json {args.json}: its folder does not exist or is not writable")
+    if args.json is not None:  # checked before measuring: the write comes last
+        if not args.json:
+            ap.error("--json: an empty path")
+        if os.path.isdir(args.json):
+            ap.error(f"--json {args.json} is a folder, not a file")
+        try:
+            folder = check_folder(args.json)
+        except ValueError as e:
+            ap.error(f"--json {e}")
+        if not os.access(folder, os.W_OK):
+            ap.error(f"--json {args.json}: its folder {folder} is not writable")
     if args.endpoint is not None and args.serve_args:
         ap.error("--serve-args configures the embedded server, which --endpoint replaces")
     try:
@@ -1250,7 +1261,11 @@ def cli(argv: list[str]) -> int:
     if failed:
         print(f"kdlib diagnose: warning: requests failed under load (up to {failed:g} in a run of a level; "
               "the 'failed' column, errors in the JSON)", file=sys.stderr)
-    if args.json:
-        write_json(result, args.json)
+    if args.json is not None:
+        try:
+            write_json(result, args.json)
+        except (OSError, ValueError) as e:  # the folder went away or filled up while measuring
+            print(f"kdlib diagnose: error: the result (printed above) was not written: {e}", file=sys.stderr)
+            return 1
         print(f"wrote {args.json}")
     return 0

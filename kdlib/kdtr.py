@@ -848,6 +848,12 @@ def _index_any(path) -> tuple[list[tuple[str, str, tuple, int]], dict]:
                         shape, dtype = a.shape, a.dtype
                     else:
                         shape, _, dtype = read(f)
+                        if any(d < 0 for d in shape):
+                            raise KdtrError(f"{path}: array {name!r} has shape {list(shape)}, not sizes >= 0")
+                        need, held = math.prod(shape) * dtype.itemsize, z.getinfo(member).file_size - f.tell()
+                        if need != held and not dtype.hasobject:  # as read_array (and so convert) refuses it
+                            raise KdtrError(f"{path}: array {name!r} ({dtype} {list(shape)}) needs {need} "
+                                            f"bytes, its member holds {held}")
                     rows.append((name, dtype, shape))
         except KdtrError:
             raise
@@ -856,7 +862,7 @@ def _index_any(path) -> tuple[list[tuple[str, str, tuple, int]], dict]:
     codes, metadata = _npz_sidecar(path, side, {r[0] for r in rows})
     out = []
     for name, dtype, shape in rows:
-        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        size = math.prod(shape) * dtype.itemsize  # Python ints: a forged header's shape cannot overflow
         out.append((name, NAMES[codes[name]] if name in codes else dtype.name, shape, size))
     return out, metadata
 
@@ -933,6 +939,11 @@ def _index_safetensors(path) -> tuple[list[tuple[str, str, tuple, int]], dict]:
             if not 0 <= int(begin) <= int(end) <= size - 8 - n:
                 raise KdtrError(f"{path}: tensor {name!r} has data offsets {begin}..{end}, past the file's "
                                 f"{size - 8 - n} data bytes")
+            if e["dtype"] in ST_DTYPES:  # an unknown dtype is listed by name; convert refuses it
+                need = math.prod(shape) * DTYPES[CODES[ST_DTYPES[e["dtype"]]]].itemsize
+                if int(end) - int(begin) != need:
+                    raise KdtrError(f"{path}: tensor {name!r} ({e['dtype']} {list(shape)}) needs {need} "
+                                    f"bytes, its data offsets span {int(end) - int(begin)}")
     except KdtrError:
         raise
     except (ValueError, TypeError, KeyError, AttributeError) as e:

@@ -130,7 +130,11 @@ BYTE_OF = _byte_symbols()
 def load_tokenizer(folder: str | Path | None = None) -> Tokenizer:
     from tokenizers import Tokenizer as _Tok
 
-    return Tokenizer(_Tok.from_file(str(_require(folder, "tokenizer.json") / "tokenizer.json")))
+    path = _require(folder, "tokenizer.json") / "tokenizer.json"
+    try:
+        return Tokenizer(_Tok.from_file(str(path)))
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception on a bad file
+        raise ValueError(f"{path}: not a tokenizer the tokenizers library reads ({e})") from e
 
 
 def _state_dict(path, dtype, device) -> dict:

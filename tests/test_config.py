@@ -43,6 +43,11 @@ def test_bad_files_raise_config_error(tmp_path):
         ModelConfig.load(tmp_path / "b.json")
     with pytest.raises(ValueError, match="shipped configs"):
         config.load_config("no-such-model")
+    (tmp_path / "c.json").write_bytes(b"KDTR\xff\x00")  # a binary file named as a config
+    with pytest.raises(ConfigError, match=r"c\.json: not UTF-8 text, so no config\.json"):
+        config.load_config(tmp_path / "c.json")
+    with pytest.raises(ConfigError, match=r"^/proc/self/mem: cannot be read"):  # a file read() refuses
+        config.load_config("/proc/self/mem")
 
 
 def test_a_folder_without_config_json_is_named_as_such(tmp_path, capsys):

@@ -266,7 +266,7 @@ def test_cli_load_mode_writes_json(server, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--json", "/nonexistent/folder/x.json"], "its folder does not exist"),
+    (["--json", "/nonexistent/folder/x.json"], "x.json: its folder /nonexistent/folder does not exist"),
     (["--endpoint", "http://127.0.0.1:9", "--serve-args=--random"], "--serve-args configures"),
     (["--serve-args", '"'], "--serve-args: No closing quotation"),
     (["--timeout", "inf"], "--timeout: must be a positive number"),
@@ -281,12 +281,29 @@ def test_cli_load_mode_writes_json(server, tmp_path, capsys):
     (["--load", "--no-sweep"], "--no-sweep applies to the diagnosis without --load"),
     (["--sustained-tokens", "-1"], "--sustained-tokens must be >= 0"),
     (["--endpoint", "notaurl"], "--endpoint: 'notaurl' is not an http:// or https:// URL with a host"),
+    (["--endpoint", "http://[::1"], "--endpoint: 'http://[::1' is not a valid URL (Invalid IPv6 URL)"),
+    (["--endpoint", "http://127.0.0.1:99999"], "is not a valid URL (Port out of range"),
+    (["--json", ""], "--json: an empty path"),
 ])
 def test_cli_refuses_bad_arguments_before_any_request(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         dg.cli(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and message in err and err.count("\n") == 1
+
+
+def test_cli_refuses_a_json_path_through_a_file_before_measuring(tmp_path, capsys):
+    (tmp_path / "a.kdtr").write_bytes(b"x")
+    with pytest.raises(SystemExit) as e:
+        dg.cli(["--json", str(tmp_path / "a.kdtr" / "out.json")])
+    assert e.value.code == 2 and "a.kdtr is not a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("serve_args", ["--random --port 18125", "--random --host=0.0.0.0", "--po 1"])
+def test_cli_refuses_a_host_or_port_for_the_embedded_server(serve_args, capsys):
+    """The launcher binds and polls its own port; the child's would win and leave it polling for 300 s."""
+    assert dg.cli(["--serve-args", serve_args, "--no-sweep"]) == 2
+    assert "the launcher sets the server's host and port itself" in capsys.readouterr().err
 
 
 def test_unknown_model_and_dead_endpoint(server):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import sys
 import tempfile
 import textwrap
 import tracemalloc
+import zipfile
 import zlib
 from pathlib import Path
 
@@ -878,12 +880,31 @@ def test_info_of_a_safetensors_whose_data_are_cut_says_so(tmp_path):
         kdtr.table(st)
     # what the library refuses, the header-only reader refuses too (it printed a traceback, or a -2 size)
     negative = {"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 0]}}
+    short = {"w": {"dtype": "F32", "shape": [1000, 1000], "data_offsets": [0, 8]}}  # listed as 8 bytes
     for header, message in (({"__metadata__": {"a": 1}}, "metadata 'a' is not a string"),
-                            (negative, "not sizes >= 0")):
+                            (negative, "not sizes >= 0"),
+                            (short, r"'w' \(F32 \[1000, 1000\]\) needs 4000000 bytes, its data offsets "
+                                    "span 8")):
         text = json.dumps(header).encode()
-        st.write_bytes(struct.pack("<Q", len(text)) + text)
+        st.write_bytes(struct.pack("<Q", len(text)) + text + bytes(8))
         with pytest.raises(KdtrError, match=message):
             kdtr.table(st)
+
+
+@pytest.mark.parametrize("shape, message", [
+    ((-5, 3), r"array 'x' has shape \[-5, 3\], not sizes >= 0"),
+    ((2**32, 2**32), r"array 'x' \(float32 \[4294967296, 4294967296\]\) needs 73786976294838206464 bytes, "
+                     r"its member holds 24"),
+])
+def test_info_of_an_npz_whose_header_lies_says_so(tmp_path, shape, message):
+    """A forged .npy header over 24 bytes of data: info listed a negative size, or an int64 product
+    wrapped to 0 bytes, where convert refuses the file."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": "<f4", "fortran_order": False, "shape": shape})
+    with zipfile.ZipFile(tmp_path / "x.npz", "w") as z:
+        z.writestr("x.npy", buf.getvalue() + bytes(24))
+    with pytest.raises(KdtrError, match=message):
+        kdtr.table(tmp_path / "x.npz")
 
 
 def test_info_rows_stay_one_line_a_tensor(tmp_path):

@@ -807,6 +807,28 @@ def test_a_random_model_past_the_free_memory_is_refused_before_it_is_built(capsy
     assert err.count("\n") == 1
 
 
+def test_a_random_model_is_sized_from_the_shipped_config(tmp_path, monkeypatch):
+    """--config tiny-a names data/configs/tiny-a.json, not a folder of that name where the server runs."""
+    (tmp_path / "tiny-a").mkdir()
+    (tmp_path / "tiny-a" / "config.json").write_text("{bad")
+    monkeypatch.chdir(tmp_path)
+    assert serve.load_bundle(prefer_trained=False, config="tiny-a").name == "kdtree-random-tiny-a"
+
+
+def test_a_corrupt_tokenizer_is_refused_in_one_line(tmp_path, capsys):
+    """A damaged tokenizer.json beside good weights: one line and status 2, as a damaged config gives."""
+    if not zoo.available():
+        pytest.skip("the trained models are not in data/models/")
+    for f in zoo.MODELS.iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    (tmp_path / "tokenizer.json").unlink()
+    (tmp_path / "tokenizer.json").write_text("{garbage")
+    assert serve.cli(["--port", "0", "--models", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kdlib serve: error: {tmp_path}/tokenizer.json: not a tokenizer")
+    assert err.count("\n") == 1
+
+
 def test_a_given_core_reports_its_own_levers(bundle):
     """A core built outside Engine carries its levers: the model card reports the core's, and flags passed
     beside a core (which Engine could not apply) are refused."""

@@ -149,11 +149,11 @@ def _host_available_bytes() -> int | None:
     return None
 
 
-def _check_fits(config: str, dtype, device) -> None:
-    """ValueError where a random model of `config` in `dtype` cannot be built: `Model.random` holds
-    float32 parameters and their float32 numpy draw on the host, then the cast copy (8 bytes a parameter
-    + the dtype's), whatever the device; a CUDA device then holds the weights (the dtype's). A full-size
-    config (kimi-k2.6: a trillion parameters) is refused before anything is allocated."""
+def _check_fits(config: Path, dtype, device) -> None:
+    """ValueError where a random model of the config file `config` in `dtype` cannot be built:
+    `Model.random` holds float32 parameters and their float32 numpy draw on the host, then the cast copy
+    (8 bytes a parameter + the dtype's), whatever the device; a CUDA device then holds the weights (the
+    dtype's). A full-size config (kimi-k2.6: a trillion parameters) is refused before any allocation."""
     import torch
 
     from kdlib import memory
@@ -164,7 +164,7 @@ def _check_fits(config: str, dtype, device) -> None:
         needs.append((str(device), params * dtype.itemsize, int(torch.cuda.mem_get_info(device)[0])))
     for where, need, free in needs:
         if free is not None and need > free:
-            raise ValueError(f"a random {config} is {params / 1e9:,.1f}B parameters: building it in "
+            raise ValueError(f"a random {config.stem} is {params / 1e9:,.1f}B parameters: building it in "
                              f"{str(dtype).removeprefix('torch.')} takes {need / 2**30:,.1f} GiB on {where}, "
                              f"past the {free / 2**30:,.1f} GiB free: --random serves configs that fit "
                              "(tiny-a, tiny-b)")
@@ -200,8 +200,9 @@ def load_bundle(device: str = "cpu", *, prefer_trained: bool = True, config: str
     from kdlib.engine.config import ModelConfig
     from kdlib.engine.model import Model
 
-    cfg = ModelConfig.from_json(DATA / "configs" / f"{config}.json")
-    _check_fits(config, dt, device)
+    path = DATA / "configs" / f"{config}.json"
+    cfg = ModelConfig.from_json(path)
+    _check_fits(path, dt, device)
     model = Model.random(cfg, seed=seed, device=device, dtype=dt)
     drafter = _lazy_oracle_class()(cfg.vocab_size, p_wrong, block_size=8, seed=seed)
     return Bundle(model, drafter, ByteTokenizer(cfg.vocab_size), f"kdtree-random-{config}",

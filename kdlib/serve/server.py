@@ -137,6 +137,11 @@ class ServerProcess:
     def __init__(self, args: list[str] | None = None, host: str = "127.0.0.1", startup_s: float = 300.0,
                  env: dict | None = None):
         self.args, self.host, self.startup_s, self.env = list(args or []), host, startup_s, env
+        # the launcher picks host and port and polls them: the child's own (argparse's prefixes too) would win
+        own = [a for a in self.args if len(flag := a.split("=")[0]) > 3 and ("--host".startswith(flag) or
+                                                                           "--port".startswith(flag))]
+        if own:
+            raise ValueError(f"{' '.join(own)}: the launcher sets the server's host and port itself")
         self.port = None
         self._proc = self._log = None
 
@@ -313,7 +318,7 @@ def cli(argv: list[str]) -> int:
                         max_model_len=args.max_model_len, max_waiting=args.max_waiting, threads=args.threads,
                         served_names=tuple(args.served_model_name) if args.served_model_name else None,
                         overlap=args.async_scheduling, compile=args.enable_torch_compile)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # a bad model folder or option; an unreadable file
         sock.close()
         return fail("kdlib serve", e)
     try:
