@@ -807,6 +807,11 @@ def test_a_random_model_past_the_free_memory_is_refused_before_it_is_built(capsy
     assert err.count("\n") == 1
 
 
+def test_a_blank_served_model_name_is_refused(capsys):
+    assert serve.cli(["--port", "0", "--served-model-name", "tiny", " "]) == 2
+    assert "served model names must not be empty or blank, got ['tiny', ' ']" in capsys.readouterr().err
+
+
 def test_a_random_model_is_sized_from_the_shipped_config(tmp_path, monkeypatch):
     """--config tiny-a names data/configs/tiny-a.json, not a folder of that name where the server runs."""
     (tmp_path / "tiny-a").mkdir()

@@ -174,6 +174,8 @@ class Engine:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+        if served_names is not None and not all(name.strip() for name in served_names):
+            raise ValueError(f"served model names must not be empty or blank, got {list(served_names)}")
         if core is not None and (overlap or compile):
             raise ValueError("overlap and compile configure the core that Engine builds; a core given "
                              "to Engine carries its own (build it with them: make_core(..., overlap=True))")
