@@ -72,7 +72,7 @@ def discover(notebooks_dir: Path, names: list[str] | None = None) -> list[Path]:
     if not notebooks_dir.is_dir():
         raise ValueError(f"notebook folder {notebooks_dir} "
                          + ("is a file" if notebooks_dir.exists() else "does not exist"))
-    every = sorted(notebooks_dir.glob("[0-9]*.ipynb"))
+    every = sorted(p for p in notebooks_dir.glob("[0-9]*.ipynb") if p.is_file())  # not a folder so named
     if not names:
         if not every:
             raise ValueError(f"no notebooks (files [0-9]*.ipynb) in {notebooks_dir}")
@@ -143,7 +143,7 @@ def notebook_info(path: Path) -> dict:
 
     try:
         nb = nbformat.read(str(path), as_version=4)
-    except (ValueError, KeyError, AttributeError, TypeError, nbformat.ValidationError) as e:
+    except (OSError, ValueError, KeyError, AttributeError, TypeError, nbformat.ValidationError) as e:
         raise ValueError(f"{path}: not a readable notebook ({type(e).__name__}: "
                          f"{' '.join(str(e).split())[:200]})") from None
     title, abstract = path.stem, ""

@@ -458,6 +458,19 @@ def test_cli_default_table_and_bad_gpu():
     assert err.getvalue().startswith("kdlib estimate: error: unknown GPU 'a100'")
 
 
+def test_cli_refuses_an_empty_gpu_name():
+    """--gpu "" projected for b300 (the default), where --scenario seeds refuses it as a flag given."""
+    for argv, message in ((["--gpu", ""], "kdlib estimate: error: unknown GPU ''"),
+                          (["--scenario", "seeds", "--gpu", ""], "kdlib estimate: error: --scenario seeds")):
+        err, out = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            try:
+                rc = est.cli(argv)
+            except SystemExit as e:
+                rc = e.code
+        assert rc == 2 and err.getvalue().startswith(message) and out.getvalue() == "", (argv, err.getvalue())
+
+
 def _rows(argv):
     rc, out = _run_cli([*argv, "--json"])
     assert rc == 0

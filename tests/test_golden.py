@@ -74,6 +74,21 @@ def test_check_catches_changes(tmp_path):
     assert "meta[seed].value" in " ".join(GEN.check([tmp_path / src.name], GOLDEN, owns=lambda name: False))
 
 
+@pytest.mark.parametrize("tool, name", [("make_golden.py", "compact.kdtr"),
+                                        ("make_golden_model.py", "model_tiny_a.kdtr")])
+def test_check_reports_a_damaged_file(tool, name, tmp_path):
+    """--check with a committed file truncated to 100 bytes: one problem line naming it, exit 1 (a KdtrError
+    traceback before)."""
+    shutil.copytree(GOLDEN, tmp_path / "committed")
+    (tmp_path / "committed" / name).write_bytes((GOLDEN / name).read_bytes()[:100])
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / tool), "--check", "--out",
+                          str(tmp_path / "committed")], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stdout + run.stderr
+    size = (GOLDEN / name).stat().st_size
+    assert run.stdout.splitlines() == [
+        f"{name}: {tmp_path / 'committed' / name}: truncated: the header says {size} bytes, the file has 100"]
+
+
 def test_regeneration_on_another_code_path():
     """Both generators' --check with OpenBLAS forced onto its Sandybridge kernels (one thread), numpy's
     SIMD dispatch held to the SSE4.2 baseline and torch's to its default ISA: another CPU's rounding."""

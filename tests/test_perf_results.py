@@ -151,6 +151,27 @@ def test_migrate_cli_checks_and_rewrites(tmp_path):
         assert err.value.code == 2 and json.loads((tmp_path / "a.json").read_text()) == old
 
 
+def test_migrate_cli_refuses_an_unreadable_file(tmp_path, capsys):
+    """A folder named zz.json or a non-UTF-8 file: one line, exit 2, nothing written (a traceback before)."""
+    old = {"suite": "moe", "copy": {"bytes": 2048, "timing": {}, "copy_bandwidth_Bps": 1.0}}
+    (tmp_path / "a.json").write_text(mig.dumps(old))
+    bad = tmp_path / "zz.json"
+
+    def refused(why):
+        with pytest.raises(SystemExit) as err:
+            mig.main(["--dir", str(tmp_path)])
+        msg = capsys.readouterr().err.splitlines()[-1]
+        assert err.value.code == 2, msg
+        assert msg.startswith(f"python3 tools/migrate_results.py: error: {bad}: {why}"), msg
+        assert msg.endswith("; nothing migrated") and json.loads((tmp_path / "a.json").read_text()) == old
+
+    bad.mkdir()
+    refused("cannot be read (Is a directory)")
+    bad.rmdir()
+    bad.write_bytes(b'{"suite": "\xff"}')
+    refused("not UTF-8 text ('utf-8' codec can't decode byte 0xff")
+
+
 # ----------------------------------------------------------------------------- typed loaders
 def test_load_moe_rows_carry_the_recorded_figures():
     rec = results.load_moe("h200")

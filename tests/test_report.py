@@ -610,6 +610,19 @@ def test_a_malformed_notebook_is_one_line(tmp_path, capsys, text):
     assert f"{nbs / '40_bad.ipynb'}: not a readable notebook" in err and err.count("\n") == 1, err
 
 
+def test_a_folder_named_like_a_notebook_is_not_one(tmp_path, capsys):
+    """A folder 9dir.ipynb was discovered as a notebook, and reading it an IsADirectoryError traceback."""
+    nbs = make_notebooks(tmp_path / "notebooks")
+    (nbs / "9dir.ipynb").mkdir()
+    assert nbs / "9dir.ipynb" not in report.discover(nbs)
+    assert report.cli(["9", "--notebooks-dir", str(nbs), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "notebook '9' matches no notebook" in err and err.count("\n") == 1, err
+    # an unreadable file (OSError) is refused like a malformed one
+    with pytest.raises(ValueError, match="9dir.ipynb: not a readable notebook \\(IsADirectoryError"):
+        report.notebook_info(nbs / "9dir.ipynb")
+
+
 def test_one_notebook_named_two_ways_runs_once(tmp_path, monkeypatch):
     """Under a relative --notebooks-dir, a stem and the notebook's path were two entries: it ran twice."""
     make_notebooks(tmp_path / "notebooks")

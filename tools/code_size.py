@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ncu_source as ns  # noqa: E402
 
 from kdlib import ROOT  # noqa: E402
-from kdlib.cli import output_folder  # noqa: E402
+from kdlib.cli import Terminated, interrupted_code, output_folder, sigterm_as_interrupt  # noqa: E402
 from kdlib.cuda import loader  # noqa: E402
 from kdlib.perf import results  # noqa: E402
 
@@ -130,7 +130,13 @@ def main(argv=None) -> int:
         ap.error(f"cannot build here: no {', '.join(lacking)}")
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
                           check=True).stdout.strip()
-    path = results.write("code_size", measure(head), out_dir=a.out, name="code_size.cpu")  # host-only
+    try:
+        with sigterm_as_interrupt():  # SIGTERM as Ctrl-C: the temp folder of exported trees removed
+            path = results.write("code_size", measure(head), out_dir=a.out, name="code_size.cpu")  # host-only
+    except KeyboardInterrupt as e:
+        how = "terminated" if isinstance(e, Terminated) else "interrupted"
+        print(f"{ap.prog}: {how}; nothing written", file=sys.stderr)
+        return interrupted_code(e)
     print(path)
     return 0
 

@@ -58,11 +58,15 @@ def main(argv: list[str] | None = None) -> int:
     folder = Path(args.dir)
     if not folder.is_dir():
         ap.error(f"{folder} is not a folder")
-    texts = {path: path.read_text() for path in sorted(folder.glob("*.json"))}
-    new = {}
-    for path, text in texts.items():  # every file parsed and migrated before any is written
+    texts, new = {}, {}
+    for path in sorted(folder.glob("*.json")):  # every file read, parsed and migrated before any is written
         try:
-            doc = json.loads(text)
+            texts[path] = path.read_text(encoding="utf-8")
+            doc = json.loads(texts[path])
+        except OSError as e:  # a folder named *.json, an unreadable file
+            ap.error(f"{path}: cannot be read ({e.strerror or e}); nothing migrated")
+        except UnicodeDecodeError as e:  # before ValueError, which it is
+            ap.error(f"{path}: not UTF-8 text ({e}); nothing migrated")
         except ValueError as e:
             ap.error(f"{path}: not JSON ({e}); nothing migrated")
         if not isinstance(doc, dict):

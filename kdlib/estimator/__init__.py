@@ -189,7 +189,7 @@ def cli(argv: list[str] | None = None) -> int:
         else:
             _print_seeds(doc)
         return 0
-    gpu = args.gpu or "b300"
+    gpu = "b300" if args.gpu is None else args.gpu  # --gpu "" is refused as an unknown GPU, not taken as b300
     concurrency = args.concurrency or [1, 4, 10]
     context = 2048 if args.context is None else args.context
     block = args.block_size or block0
