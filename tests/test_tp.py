@@ -442,3 +442,17 @@ def test_tp_run_refuses_bad_arguments_before_spawning(argv, message):
                           text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine --bench runs")
+def test_tp_run_bench_without_a_gpu_is_refused_in_one_line():
+    """--bench on a machine without GPUs: exit 2 as the other GPU-only tools, not 1 from inside the sweep."""
+    import subprocess
+    import sys
+
+    from kdlib import ROOT
+
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "tp_run.py"), "--bench", "--quick"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "torch sees no CUDA device here" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -24,7 +24,7 @@ import os
 import sys
 import tempfile
 
-from kdlib.cli import folder
+from kdlib.cli import folder, require_gpu
 from kdlib.engine import ModelConfig
 from kdlib.engine.generate import MAX_BUDGET, MAX_DEPTH
 from kdlib.perf import write
@@ -81,6 +81,7 @@ def _check_args(ap: argparse.ArgumentParser, args) -> None:
             if getattr(args, dest) != ap.get_default(dest):
                 ap.error(f"--{dest.replace('_', '-')} applies to the check, not to --bench (which sweeps its "
                          "own GPU counts, models and settings)")
+        require_gpu(ap)
         return
     if args.quick or args.out is not None:
         ap.error("--quick and --out apply to --bench only")
