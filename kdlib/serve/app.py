@@ -75,11 +75,8 @@ class Guard:
             body = msg.get("body", b"")
             total += len(body)
             if total > self.limit:
-                # the rest is left unread, its size unknown: the connection closes, so that nothing
-                # pipelined behind it is read from the middle of this body
-                err = self._too_large(f"more than {self.limit} bytes")
-                err.headers["Connection"] = "close"
-                return await self._refuse(scope, receive, send, err)
+                more = f"more than {self.limit} bytes"  # the rest is left unread: its size is unknown
+                return await self._refuse(scope, receive, send, self._too_large(more))
             chunks.append(body)
             if not msg.get("more_body"):
                 break

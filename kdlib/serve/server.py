@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
 import threading
@@ -331,6 +332,10 @@ def cli(argv: list[str]) -> int:
               + ", ".join([args.dtype, args.method, f"{args.max_num_seqs} streams",
                            f"context {engine.max_model_len}", *levers])
               + f") on {base_url(args.host, sock.getsockname()[1])}", flush=True)
+        # uvicorn stops on SIGINT whatever its handler was, then re-raises it: a server started in the
+        # background of a script (SIGINT ignored) would exit 0, not 130
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         with sigterm_as_interrupt():  # uvicorn re-raises the signal it stopped on: exit as a shell reports it
             server.run(sockets=[sock])
     except KeyboardInterrupt as e:

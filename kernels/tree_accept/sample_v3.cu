@@ -15,8 +15,6 @@
 // every sum is a plain float64 add (nothing to contract into an FMA), so the numpy twin that
 // does the same adds in the same order gives the same token.
 
-#include "common/exact_f64.cuh"
-
 #ifndef TA3_THREADS
 #define TA3_THREADS 512  // offline compiles only: kdlib passes kdlib.ref.accept.SAMPLE_THREADS
 #endif
@@ -30,6 +28,16 @@ static_assert(TA3_THREADS % 32 == 0 && TA3_THREADS >= 32 && TA3_THREADS <= 1024,
 #define TA3_MIN_BLOCKS (1024 / TA3_THREADS)  // 1024 resident threads per SM: <= 64 registers
 #define TA3_TILE (TA3_THREADS * TA3_PIECE)
 #define TA3_FULL 0xffffffffu
+
+// Exact float -> double; a plain conversion under CuPy's -ftz=true may flush subnormals. One cvt
+// without .ftz; common/exact_f64.cuh's to_f64 does it with integer ops, as the tree builds it serves
+// also compile as host C++ (their CPU emulation), where PTX cannot go.
+__device__ __forceinline__ double exact_f64(float f) {
+    double d;
+    asm("cvt.f64.f32 %0, %1;" : "=d"(d) : "f"(f));
+    return d;
+}
+__device__ __forceinline__ double exact_f64(double d) { return d; }
 
 // Pieces in flight per thread: hides an L2/HBM round trip behind the adds of the previous ones.
 template <typename T> struct Unroll;
@@ -87,7 +95,7 @@ __device__ __forceinline__ bool walk(const T (&v)[U][TA3_PIECE], unsigned k, uns
     for (int j = 0; j < U; ++j)
 #pragma unroll
         for (int e = 0; e < TA3_PIECE; ++e) {
-            const double q = to_f64(v[j][e]);
+            const double q = exact_f64(v[j][e]);
             acc += q;
             if (q > 0.0 && x < excl + acc) {
                 *token = (long long)(k + j) * TA3_TILE + own + e;
@@ -118,7 +126,7 @@ __device__ __forceinline__ void draw_row(const T* __restrict__ row, double u, un
 #pragma unroll
         for (int j = 0; j < U; ++j)
 #pragma unroll
-            for (int e = 0; e < TA3_PIECE; ++e) partial += to_f64(v[j][e]);
+            for (int e = 0; e < TA3_PIECE; ++e) partial += exact_f64(v[j][e]);
     }
     for (; k < tiles; k += U) {
         T v[U][TA3_PIECE];
@@ -126,7 +134,7 @@ __device__ __forceinline__ void draw_row(const T* __restrict__ row, double u, un
 #pragma unroll
         for (int j = 0; j < U; ++j)
 #pragma unroll
-            for (int e = 0; e < TA3_PIECE; ++e) partial += to_f64(v[j][e]);
+            for (int e = 0; e < TA3_PIECE; ++e) partial += exact_f64(v[j][e]);
     }
 
     const double inc = warp_scan(partial, lane);
