@@ -1,6 +1,7 @@
 """The throughput diagnosis (kdlib.diagnose): arithmetic on fakes, then against a real loopback server."""
 
 import asyncio
+import errno
 import http.server
 import json
 import math
@@ -316,6 +317,21 @@ def test_unknown_model_and_dead_endpoint(server):
         port = s.getsockname()[1]
     with pytest.raises(dg.DiagnoseError, match="cannot reach"):
         dg.OpenAIClient(f"http://127.0.0.1:{port}")
+
+
+def test_cli_says_when_the_result_could_not_be_written(server, tmp_path, capsys, monkeypatch):
+    """The write comes after the whole run: a disk that filled up meanwhile is one error line and exit 1,
+    the table still printed (a traceback before)."""
+    def full(result, path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(dg, "write_json", full)
+    rc = dg.cli(["--endpoint", server.url, "--no-sweep", "--sustained-tokens", "0", "--repeats", "1",
+                 "--json", str(tmp_path / "diag.json")])
+    printed = capsys.readouterr()
+    assert rc == 1 and "two-point" in printed.out and "Traceback" not in printed.err
+    last = printed.err.splitlines()[-1]
+    assert last.startswith("kdlib diagnose: error: the result (printed above) was not written: [Errno 28]")
 
 
 def test_cli_writes_json_and_table(server, tmp_path, capsys):
