@@ -497,19 +497,33 @@ def test_sharded_checkpoints_read_the_shards_their_index_names(tmp_path):
         Model.from_pretrained(tmp_path)
 
 
-def test_a_prefixed_checkpoint_is_named(tmp_path):
-    """A Kimi-K2.5-style wrapper checkpoint (every weight under `language_model.`, a vision tower beside)
-    was refused as "missing 43 weights ...; 43 unexpected", never naming the prefix."""
+def test_a_kimi_k25_wrapper_checkpoint_loads_and_other_prefixes_are_named(tmp_path):
+    """A Kimi-K2.5-style wrapper checkpoint (every LM weight under `language_model.`, a vision tower and a
+    projector beside) loads as the same model; a name past those towers is still refused, and so is the
+    same prefix under a config that is not the wrapper's, naming the prefix."""
     from safetensors.torch import load_file, save_file
 
     cfg = ModelConfig.from_json(DATA / "configs" / "tiny-b.json")
-    save_pretrained(Model.random(cfg, seed=0), tmp_path)
+    ref = Model.random(cfg, seed=0)
+    save_pretrained(ref, tmp_path)
     w = load_file(str(tmp_path / "model.safetensors"))
     conf = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": conf}))
     wrapped = {"language_model." + k: v for k, v in w.items()}
-    save_file({**wrapped, "vision_tower.patch_embed.weight": torch.zeros(2, 2)},
-              str(tmp_path / "model.safetensors"))
+    towers = {"vision_tower.patch_embed.weight": torch.zeros(2, 2),
+              "mm_projector.proj.0.weight": torch.ones(3)}
+    save_file({**wrapped, **towers}, str(tmp_path / "model.safetensors"))
+    got = Model.from_pretrained(tmp_path)
+    assert got.cfg.model_type == "kimi_k25"
+    mine, theirs = got.state_dict(), ref.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    # a weight of no known tower beside the wrapped ones
+    save_file({**wrapped, **towers, "audio_tower.w": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"1 unexpected, e\.g\. \['audio_tower\.w'\]$"):
+        Model.from_pretrained(tmp_path)
+    # the prefix under the plain config: refused, naming it
+    (tmp_path / "config.json").write_text(json.dumps(conf))
+    save_file({**wrapped, **towers}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=rf"missing {len(w)} weights.*; the checkpoint's weights carry the "
                                          r"prefix 'language_model\.', which the loader does not strip$"):
         Model.from_pretrained(tmp_path)

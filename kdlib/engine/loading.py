@@ -1,6 +1,6 @@
 """Weights: Hugging Face checkpoint loading and saving, deterministic random weights.
 
-    layout = checkpoint_layout(Path("hf_dir"), cfg)    # name -> file, headers checked: Model.from_pretrained
+    layout = checkpoint_layout(Path("hf_dir"), cfg)    # name -> (file, stored name), headers checked
     w = random_weights(cfg, seed=0)                    # float32 arrays by name (same seed + numpy build)
     random_weights_on_device(model, seed=0)            # the same scales drawn by torch on the model's device
     save_pretrained(model, "out_dir")                  # config.json + model.safetensors (HF layout)
@@ -9,8 +9,9 @@ Checkpoint names are the transformers DeepseekV3 ones (per-expert `mlp.experts.{
 as `save_pretrained` writes them). Multi-token-prediction layers (layer index >= num_hidden_layers,
 DeepSeek-V3 README_WEIGHTS) are skipped; an untied checkpoint without `lm_head.weight` is an error;
 block-FP8 / INT4 checkpoints (`*_scale_inv`, `weight_packed`) are refused: the MVP engine loads
-dense float weights only. KDTR <-> safetensors conversion is `kdlib.kdtr.to_safetensors` /
-`from_safetensors`.
+dense float weights only. A Kimi-K2.5 / K2.6 wrapper checkpoint (`kimi_k25`) keeps the language model's
+weights under `language_model.`, which is stripped, and its vision tower and projector beside them, which are
+skipped. KDTR <-> safetensors conversion is `kdlib.kdtr.to_safetensors` / `from_safetensors`.
 """
 
 from __future__ import annotations
@@ -115,6 +116,9 @@ def random_weights_on_device(model, seed: int) -> None:
 
 _MTP = re.compile(r"^model\.layers\.(\d+)\.")
 _QUANT = ("_scale_inv", "weight_scale", "weight_packed", "weight_shape", "input_scale")
+# a kimi_k25 wrapper checkpoint: the language model's weights under LM_PREFIX, the other towers' beside them
+LM_PREFIX = "language_model."
+OTHER_TOWERS = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
 
 
 def check_keys(expected: set, got: set) -> None:
@@ -179,42 +183,62 @@ def checkpoint_files(path: Path) -> list[Path]:
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
-def checkpoint_layout(path: Path, cfg: ModelConfig) -> dict[str, Path]:
-    """name -> file of every weight the model takes, from the safetensors headers of `checkpoint_files`
-    alone: no tensor is read and nothing allocated, so a mismatch costs nothing. Multi-token-prediction
-    layers (num_nextn_predict_layers past the last decoder layer), buffers, and `lm_head.weight` under a
-    tied config are dropped. ValueError for a quantized or non-float tensor, a name two files both hold,
+def checkpoint_layout(path: Path, cfg: ModelConfig) -> dict[str, tuple[Path, str]]:
+    """name -> (file, name stored there) of every weight the model takes, from the safetensors headers of
+    `checkpoint_files` alone: no tensor is read and nothing allocated, so a mismatch costs nothing.
+    Multi-token-prediction layers (num_nextn_predict_layers past the last decoder layer), buffers, and
+    `lm_head.weight` under a tied config are dropped; under a `kimi_k25` config whose checkpoint stores
+    names under LM_PREFIX, that prefix is stripped and the vision tower's and projector's weights
+    (OTHER_TOWERS) are dropped. ValueError for a quantized or non-float tensor, a name two files both hold,
     missing or unexpected names (`check_keys`) and a shape that is not the config's."""
     last = cfg.num_hidden_layers
     mtp = range(last, last + int(cfg.extra.get("num_nextn_predict_layers") or 0))
+    files = checkpoint_files(path)
+    wrapped = cfg.model_type == "kimi_k25" and any(k.startswith(LM_PREFIX) for k in _stored_names(files))
     where, shapes = {}, {}
-    for f in checkpoint_files(path):
-        try:
-            opened = safe_open(str(f), framework="pt")
-        except (SafetensorError, OSError) as e:  # a truncated or damaged file
-            raise ValueError(f"{f}: not a readable safetensors file ({' '.join(str(e).split())})") from None
-        with opened as header:
-            for k in header.keys():
+    for f in files:
+        with _header(f) as header:
+            for stored in header.keys():
+                if wrapped and stored.startswith(OTHER_TOWERS):
+                    continue
+                k = stored[len(LM_PREFIX):] if wrapped and stored.startswith(LM_PREFIX) else stored
                 if any(s in k for s in _QUANT):
-                    raise ValueError(f"{f.name}: quantized weight {k!r}; the engine loads dense float "
+                    raise ValueError(f"{f.name}: quantized weight {stored!r}; the engine loads dense float "
                                      "checkpoints only")
-                part = header.get_slice(k)
+                part = header.get_slice(stored)
                 if part.get_dtype() not in FLOAT_DTYPES:
-                    raise ValueError(f"{f.name}: {k!r} is {part.get_dtype()}; the engine loads dense float "
-                                     f"checkpoints ({', '.join(FLOAT_DTYPES)})")
+                    raise ValueError(f"{f.name}: {stored!r} is {part.get_dtype()}; the engine loads dense "
+                                     f"float checkpoints ({', '.join(FLOAT_DTYPES)})")
                 m = _MTP.match(k)
                 if (m and int(m.group(1)) in mtp) or k.endswith("rotary_emb.inv_freq") \
                         or (cfg.tie_word_embeddings and k == "lm_head.weight"):
                     continue
                 if k in where:
-                    raise ValueError(f"{k!r} is in both {where[k].name} and {f.name}")
-                where[k], shapes[k] = f, tuple(part.get_shape())
+                    raise ValueError(f"{k!r} is in both {where[k][0].name} ({where[k][1]!r}) and {f.name} "
+                                     f"({stored!r})")
+                where[k], shapes[k] = (f, stored), tuple(part.get_shape())
     expected = parameter_shapes(cfg)
     check_keys(set(expected), set(where))
     for k, shape in expected.items():
         if shapes[k] != shape:
-            raise ValueError(f"{where[k].name}: {k}: shape {shapes[k]} does not match the config's {shape}")
+            raise ValueError(f"{where[k][0].name}: {where[k][1]}: shape {shapes[k]} does not match the "
+                             f"config's {shape}")
     return where
+
+
+def _header(f: Path):
+    """safe_open of a checkpoint file; ValueError naming it where it is truncated or damaged."""
+    try:
+        return safe_open(str(f), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{f}: not a readable safetensors file ({' '.join(str(e).split())})") from None
+
+
+def _stored_names(files: list[Path]):
+    """Every weight name the files' headers hold."""
+    for f in files:
+        with _header(f) as header:
+            yield from header.keys()
 
 
 def save_pretrained(model, path) -> None:

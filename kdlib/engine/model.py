@@ -534,26 +534,27 @@ class Model(nn.Module):
     # ---- construction
     @classmethod
     def from_pretrained(cls, path, dtype=None, device=None) -> Model:
-        """Load config.json + the safetensors files (HF DeepseekV3 names) from a folder: the shards that
-        model.safetensors.index.json names, else every *.safetensors (`loading.checkpoint_files`).
-        The names, dtypes and shapes are checked from the files' headers before the model is built
-        (`loading.checkpoint_layout`); then one tensor at a time is read beside the model."""
+        """Load config.json + the safetensors files (HF DeepseekV3 names; a kimi_k25 wrapper's under
+        `language_model.`) from a folder: the shards that model.safetensors.index.json names, else every
+        *.safetensors (`loading.checkpoint_files`). The names, dtypes and shapes are checked from the files'
+        headers before the model is built (`loading.checkpoint_layout`); then one tensor at a time is read
+        beside the model."""
         path = Path(path)
         if not path.is_dir():
             raise ValueError(f"{path}: not a folder")
         if not (path / "config.json").is_file():
             raise ValueError(f"{path}: no config.json (a Hugging Face checkpoint folder holds one)")
         cfg = ModelConfig.from_json(path / "config.json")
-        by_file: dict[Path, list[str]] = {}
-        for k, f in checkpoint_layout(path, cfg).items():
-            by_file.setdefault(f, []).append(k)
+        by_file: dict[Path, list[tuple[str, str]]] = {}  # file -> (model name, name stored there)
+        for k, (f, stored) in checkpoint_layout(path, cfg).items():
+            by_file.setdefault(f, []).append((k, stored))
         m = cls(cfg).to(dtype=dtype or torch.float32)  # the stored values in the asked dtype: a float64
         own = m.state_dict()  # checkpoint read as float64 keeps its bits (the router stays float32 or wider)
         with torch.no_grad():
             for f, names in by_file.items():
                 with safe_open(str(f), framework="pt") as tensors:
-                    for k in names:
-                        own[k].copy_(tensors.get_tensor(k).to(own[k].dtype))
+                    for k, stored in names:
+                        own[k].copy_(tensors.get_tensor(stored).to(own[k].dtype))
         return m.to(device=device or "cpu").eval()
 
     @classmethod
