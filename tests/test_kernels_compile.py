@@ -301,29 +301,6 @@ def _ptx(source: Path, extra: list[str], out: Path) -> str:
 
 
 @pytest.mark.skipif(_NVRTC is None, reason="nvidia-cuda-nvrtc is not installed (requirements.lock pins it)")
-def test_s_order_build_compiles_and_adds_one_handoff_a_consumer_loop(tmp_path):
-    """-DTV7_SORDER=1 (version 10's file as the A/B loads it) builds with NVRTC without spills, and in its PTX
-    (nvcc) each of the file's three kernels of v7's consumers has one bar.sync and one bar.arrive more than
-    the default build: consumer 1's wait for S_A's issue, consumer 0's handoff."""
-    source = KERNELS / "tree_verify" / "wgmma_v10.cu"
-    rc, text = _nvrtc_compile(source, [b"-arch=sm_90a", b"-arch=sm_90", b"--ptxas-options=-v",
-                                       b"-DTV7_SORDER=1"])
-    assert rc == 0, text
-    for name, info in loader.parse_ptxas(text.replace("ptxas         .", "ptxas info    :")).items():
-        assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, \
-            f"{name}: {info}"
-    counts = {}
-    for name, extra in (("default", []), ("sorder", ["-DTV7_SORDER=1"])):
-        ptx = _ptx(source, extra, tmp_path / f"{name}.ptx")
-        counts[name] = (ptx.count("bar.sync"), ptx.count("bar.arrive"))
-    # the kernels that run v7's consumers: wgmma_v7.cu's (included) and version 10's own two
-    v7_consumers = sum(len(re.findall(r"\battend_v7<", (KERNELS / "tree_verify" / f).read_text()))
-                       for f in ("wgmma_v7.cu", "wgmma_v10.cu"))
-    assert v7_consumers == 3
-    assert counts["sorder"] == tuple(c + v7_consumers for c in counts["default"]), counts
-
-
-@pytest.mark.skipif(_NVRTC is None, reason="nvidia-cuda-nvrtc is not installed (requirements.lock pins it)")
 @pytest.mark.parametrize("probe", [1, 2, 3, 4])
 def test_v10_probe_builds_compile_without_spills(probe):
     """The attention_bounds probes (-DTV7_PROBE=1 .. 4: version 10's file as the suite loads it) build with

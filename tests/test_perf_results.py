@@ -333,3 +333,12 @@ def test_no_samples_is_a_clear_error():
 
     with pytest.raises(ValueError, match="no timed samples"):
         timing.cpu_time(lambda: None, warmup=0, iters=0)
+
+
+def test_provenance_names_the_nvrtc_options_of_a_switched_build(monkeypatch):
+    """A run under KDLIB_NVRTC_OPTIONS (a -D switch's build, which the command line does not show) says so in
+    its provenance; a default build's provenance has no such field."""
+    monkeypatch.delenv("KDLIB_NVRTC_OPTIONS", raising=False)
+    assert "nvrtc_options" not in results.provenance()
+    monkeypatch.setenv("KDLIB_NVRTC_OPTIONS", " -DTV_TRACE=1 -lineinfo ")
+    assert results.provenance()["nvrtc_options"] == "-DTV_TRACE=1 -lineinfo"

@@ -77,7 +77,9 @@ def gpu_name() -> str:
 
 
 def provenance(command: str | None = None) -> dict:
-    """What produced a measurement: hardware, software versions, commit, date, command."""
+    """What produced a measurement: hardware, software versions, commit, date, command, and the NVRTC
+    options the environment adds to every kernel build (`KDLIB_NVRTC_OPTIONS`: a -D switch's build) where
+    it sets any."""
     info = {
         "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "commit": git_commit(),
@@ -118,6 +120,9 @@ def provenance(command: str | None = None) -> dict:
         )
     except (OSError, subprocess.SubprocessError):
         pass
+    options = os.environ.get("KDLIB_NVRTC_OPTIONS", "").strip()
+    if options:  # the command line does not show it, and the kernels it times are not the tree's default
+        info["nvrtc_options"] = options
     return info
 
 

@@ -166,7 +166,6 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 if (flags & D_END) break;
                 continue;
             }
-            if (TV7_SORDER && c == 1) nb_sync(NB_SORDER);  // S_B issued after S_A
 #pragma unroll
             for (int i = 0; i < 32; ++i) s[i] = 0.f;  // the accumulator starts afresh (its old value is dead)
             reg_fence(s);
@@ -177,7 +176,6 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 issue_s_blocks<0, NCB>(s, base, kst, bars, c, n & 1, true, QRS ? qf : nullptr);
             trace_mark(c, n, 1, wt);
             wg_commit();
-            if (TV7_SORDER && c == 0) handoff(NB_SORDER);
             wg_wait<0>();
             reg_fence(s);
             if constexpr (QRS) reg_fence(qf);  // held to here: the rope block's wgmmas read them until the wait

@@ -51,15 +51,6 @@
 #define NB_SCALE_B 2  // consumer 1: m_B, c_B written
 #define NB_PB 3       // consumer 1: P_B written
 #define NB_LSUM 4     // both: their l of the job written
-#define NB_SORDER 7   // consumer 0: S_A issued (TV7_SORDER builds; 5 and 6 are version 9's)
-
-// TV7_SORDER=1 (-DTV7_SORDER=1): consumer 1 issues its S of tile B only once consumer 0 has issued its S of tile
-// A, so that the tensor cores take S_A first and consumer 0's softmax of tile A runs under S_B (FlashAttention-3's
-// ping-pong of two warpgroups). Each consumer computes what it computes without it: the same bits. Not the
-// default: a lever for tools/kernel_ab.py (--define TV7_SORDER=1).
-#ifndef TV7_SORDER
-#define TV7_SORDER 0
-#endif
 
 // TV7_RACECHECK=1 (-DTV7_RACECHECK=1): a checking build for compute-sanitizer racecheck. Every consumer
 // handoff is a bar.sync of both consumers, every lane of a releasing warp arrives on the empty barriers
