@@ -16,7 +16,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import re
-from pathlib import Path
 
 import pytest
 
@@ -278,26 +277,23 @@ def test_v7_racecheck_build_compiles_and_only_syncs(tmp_path):
     """tree_verify v7's checking build (-DTV7_RACECHECK=1, what the sanitizer run loads through
     KDLIB_NVRTC_OPTIONS) builds with NVRTC as the wrappers load it, without spills; in its PTX (nvcc) the
     consumers' handoffs are bar.sync only, where the default build has bar.arrive."""
+    import subprocess
+
     source = KERNELS / "tree_verify" / "wgmma_v7.cu"
     rc, text = _nvrtc_compile(source, [b"-arch=sm_90a", b"-arch=sm_90", b"--ptxas-options=-v",
                                        b"-DTV7_RACECHECK=1"])
     assert rc == 0, text
     info = loader.parse_ptxas(text.replace("ptxas         .", "ptxas info    :"))["tree_verify_v7_attend"]
     assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, info
-    ptx = {name: _ptx(source, extra, tmp_path / f"{name}.ptx")
-           for name, extra in (("default", []), ("racecheck", ["-DTV7_RACECHECK=1"]))}
+    ptx = {}
+    for name, extra in (("default", []), ("racecheck", ["-DTV7_RACECHECK=1"])):
+        out = tmp_path / f"{name}.ptx"
+        cmd = [loader.nvcc_path(), "-std=c++17", "-ptx", "-arch=sm_90a", f"-I{KERNELS}", *extra,
+               "-o", str(out), str(source)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        ptx[name] = out.read_text()
     assert "bar.arrive" in ptx["default"] and "bar.arrive" not in ptx["racecheck"]
-
-
-def _ptx(source: Path, extra: list[str], out: Path) -> str:
-    """The PTX nvcc makes of `source` for sm_90a with the -D options `extra`."""
-    import subprocess
-
-    cmd = [loader.nvcc_path(), "-std=c++17", "-ptx", "-arch=sm_90a", f"-I{KERNELS}", *extra, "-o", str(out),
-           str(source)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return out.read_text()
 
 
 @pytest.mark.skipif(_NVRTC is None, reason="nvidia-cuda-nvrtc is not installed (requirements.lock pins it)")
