@@ -1893,29 +1893,6 @@ def test_prefix_chunk_build_matches_float64(impl, bsz, nq, nh, width, ragged):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl,bsz,nq,nh,width,ragged", [
-    ("wgmma_v10", 1, 65, 64, 8192, False),  # 65 row blocks over one prefix
-    ("wgmma_v10", 16, 65, 8, 40_000, True),  # the plan kernel's plan, ordered
-    ("wgmma_v13", 1, 65, 64, 16_384, False)])  # the cluster pairs
-def test_q_registers_build_gives_the_default_builds_bits(impl, bsz, nq, nh, width, ragged):
-    """Built with -DTV7_QREGS=2 (v7's consumers hold Q's latent block 7 in registers beside its rope block:
-    the A/B's switched arm), the verify is the default build's bit for bit: S's A operand over that block
-    comes from registers instead of shared memory, the same products in the same order."""
-    _need_wgmma()
-    from kdlib.cuda import attention as cu
-    from kdlib.cuda import loader
-
-    args, sizes_np = _verify_batch(bsz, nq, nh, width, ragged)
-    out, lse = cu.tree_verify_attention(*args, impl=impl, workspace=cu.make_workspace(bsz, nq, nh))
-    with loader.extra_options("-DTV7_QREGS=2"):
-        out_q, lse_q = cu.tree_verify_attention(*args, impl=impl, workspace=cu.make_workspace(bsz, nq, nh))
-        _cp().cuda.runtime.deviceSynchronize()
-    assert np.array_equal(out.get(), out_q.get(), equal_nan=True), "Q's block from registers changed out"
-    assert np.array_equal(lse.get(), lse_q.get(), equal_nan=True), "Q's block from registers changed lse"
-    _check_batch(out_q, lse_q, args, sizes_np, f"{impl} with Q's block 7 in registers")
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["wgmma_v11", "wgmma_v12"], ids=["v11", "v12"])
 @pytest.mark.parametrize("bsz,nq,nh,width,ragged", [(1, 9, 8, 20_000, False),  # 8 x 9: one request
                                                     (8, 9, 8, 4096, True),  # trees of 1-9: 8-72 rows

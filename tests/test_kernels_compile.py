@@ -297,37 +297,6 @@ def test_v7_racecheck_build_compiles_and_only_syncs(tmp_path):
 
 
 @pytest.mark.skipif(_NVRTC is None, reason="nvidia-cuda-nvrtc is not installed (requirements.lock pins it)")
-def test_q_registers_build_compiles_and_moves_one_q_block_to_registers(tmp_path):
-    """-DTV7_QREGS=2 (version 10's file as the A/B loads it) builds with NVRTC without spills, and in its PTX
-    (nvcc) the S wgmmas of v7's consumers with A from registers double (the rope block's four k16 steps, then
-    block 7's too, in each of the file's three kernels of v7's consumers) while the m64n64k16 wgmmas stay as
-    many."""
-    import subprocess
-
-    source = KERNELS / "tree_verify" / "wgmma_v10.cu"
-    rc, text = _nvrtc_compile(source, [b"-arch=sm_90a", b"-arch=sm_90", b"--ptxas-options=-v",
-                                       b"-DTV7_QREGS=2"])
-    assert rc == 0, text
-    for name, info in loader.parse_ptxas(text.replace("ptxas         .", "ptxas info    :")).items():
-        assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, \
-            f"{name}: {info}"
-    counts = {}
-    for name, extra in (("default", []), ("qregs", ["-DTV7_QREGS=2"])):
-        out = tmp_path / f"{name}.ptx"
-        cmd = [loader.nvcc_path(), "-std=c++17", "-ptx", "-arch=sm_90a", f"-I{KERNELS}", *extra,
-               "-o", str(out), str(source)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr
-        s_mmas = [ln for ln in out.read_text().splitlines() if "wgmma.mma_async.sync.aligned.m64n64k16" in ln]
-        counts[name] = (len(s_mmas), sum("}, {%r" in ln for ln in s_mmas))  # all, A from registers
-    v7_consumers = sum(len(re.findall(r"\battend_v7<", (KERNELS / "tree_verify" / f).read_text()))
-                       for f in ("wgmma_v7.cu", "wgmma_v10.cu"))
-    assert v7_consumers == 3
-    assert counts["default"][1] == 4 * v7_consumers, counts
-    assert counts["qregs"] == (counts["default"][0], 8 * v7_consumers), counts
-
-
-@pytest.mark.skipif(_NVRTC is None, reason="nvidia-cuda-nvrtc is not installed (requirements.lock pins it)")
 @pytest.mark.parametrize("probe", [1, 2, 3, 4])
 def test_v10_probe_builds_compile_without_spills(probe):
     """The attention_bounds probes (-DTV7_PROBE=1 .. 4: version 10's file as the suite loads it) build with

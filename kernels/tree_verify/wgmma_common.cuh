@@ -694,24 +694,15 @@ __device__ __forceinline__ void load_q(unsigned base, unsigned qbar, const __nv_
 // arrives, readers unfenced, measured 0.78-0.98x (kernel_ab_pf*.h100-80gb-hbm3.json): its fences stall its gathers.
 #define S_GROUP 5
 
-// TV7_QREGS (-DTV7_QREGS=n, 1 or 2): how many of Q's column blocks, the rope block and the latent blocks below it,
-// v7's consumers hold in registers as S's A fragments (wgmma RS); S reads the others from shared memory. Each
-// block held is 16 registers a consumer thread and 8 KB less of shared memory read a consumer's S.
-#ifndef TV7_QREGS
-#define TV7_QREGS 1
-#endif
-static_assert(TV7_QREGS == 1 || TV7_QREGS == 2, "TV7_QREGS: 1 or 2 (3 spills: 232 registers a consumer thread)");
-#define QREG_CB0 (NCB - TV7_QREGS)  // the first of them
-
 // Blocks [g0, g0 + NB) of issue_s_blocks: their barriers, one proxy fence, their MMAs, unrolled. With a loop of
 // a run-time count around the wgmmas ptxas put a WARPGROUP.DEPBAR after every wgmma (kernel_ab_sgroup3.ab20b66,
 // 0.71-0.75x); so it did in version 6's SASS with one wgmma.fence ahead of the waits of each of its three calls.
-// acc0: the group's first MMA adds to s. qf (non-null): Q's last TV7_QREGS column blocks as A fragments (q_frags),
-// their MMAs with A from registers.
+// acc0: the group's first MMA adds to s. qf (non-null): Q's rope block as A fragments (q_rope_frags), its MMAs
+// with A from registers.
 template <int NB>
 __device__ __forceinline__ void issue_s_group(float (&s)[32], unsigned long long dq, unsigned long long dk,
                                               unsigned bars, int st, unsigned par, int g0, bool acc0,
-                                              const unsigned (*qf)[4][4] = nullptr) {
+                                              const unsigned (*qf)[4] = nullptr) {
 #pragma unroll
     for (int j = 0; j < NB; ++j) bar_wait(BAR_CBFULL(bars, st, g0 + j), par);
     fence_async_smem();
@@ -721,15 +712,14 @@ __device__ __forceinline__ void issue_s_group(float (&s)[32], unsigned long long
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const unsigned off = (g0 + j) * CB_BYTES + k * 32;
-            if (qf != nullptr && g0 + j >= QREG_CB0)
-                wgmma_s_rs(s, qf[g0 + j - QREG_CB0][k], dk + (off >> 4), acc0 || j > 0 || k > 0);
+            if (qf != nullptr && g0 + j == ROPE_CB) wgmma_s_rs(s, qf[k], dk + (off >> 4), acc0 || j > 0 || k > 0);
             else wgmma_s(s, dq + (off >> 4), dk + (off >> 4), acc0 || j > 0 || k > 0);
         }
 }
 
 template <int CB0, int CB1>
 __device__ __forceinline__ void issue_s_blocks(float (&s)[32], unsigned base, unsigned kst, unsigned bars, int st,
-                                               unsigned par, bool first, const unsigned (*qf)[4][4] = nullptr) {
+                                               unsigned par, bool first, const unsigned (*qf)[4] = nullptr) {
     constexpr int NG = (CB1 - CB0) / S_GROUP, TAIL = (CB1 - CB0) % S_GROUP;
     const unsigned long long dq = sw128_desc(opaque(base), 16), dk = sw128_desc(opaque(kst), 16);
 #pragma unroll 1  // a loop over the groups: the kernel's code fits the instruction cache better
@@ -826,18 +816,14 @@ __device__ __forceinline__ void store_p(const unsigned (&pf)[4][4], unsigned dst
     }
 }
 
-// Q's last TV7_QREGS column blocks (QREG_CB0 .. ROPE_CB of Q at base) as the A fragments of S's four k16 steps over
-// each, as p_frags lays P's: the same K-major swizzled layout, read where store_p writes.
-__device__ __forceinline__ void q_frags(unsigned base, unsigned (&qf)[TV7_QREGS][4][4], int lr0, int lr1, int t4) {
+// Q's rope block (column block ROPE_CB of Q at base) as the A fragments of S's four k16 steps over it, as
+// p_frags lays P's: the same K-major swizzled layout, read where store_p writes.
+__device__ __forceinline__ void q_rope_frags(unsigned base, unsigned (&qf)[4][4], int lr0, int lr1, int t4) {
+    const unsigned rope = base + ROPE_CB * CB_BYTES;
 #pragma unroll
-    for (int b = 0; b < TV7_QREGS; ++b) {
-        const unsigned blk = base + (QREG_CB0 + b) * CB_BYTES;
-        unsigned (&f)[4][4] = qf[b];
-#pragma unroll
-        for (int jj = 0; jj < 8; ++jj) {
-            asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(f[jj >> 1][(jj & 1) * 2 + 0]) : "r"(p_addr(blk, lr0, jj, t4)));
-            asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(f[jj >> 1][(jj & 1) * 2 + 1]) : "r"(p_addr(blk, lr1, jj, t4)));
-        }
+    for (int jj = 0; jj < 8; ++jj) {
+        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(qf[jj >> 1][(jj & 1) * 2 + 0]) : "r"(p_addr(rope, lr0, jj, t4)));
+        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(qf[jj >> 1][(jj & 1) * 2 + 1]) : "r"(p_addr(rope, lr1, jj, t4)));
     }
 }
 

@@ -31,7 +31,7 @@
 //
 // Shared memory: version 7's layout, its barriers then QROPE and ROPE8 [2]; Q8's eight latent blocks (8 rows x
 // 128 B each, 128-B swizzle) past them, to 227 KB. Q's rope block, which the bf16 build's consumers hold in
-// registers once read (q_frags; they arrive on QROPE), then holds Q8's rope block, P8^T and the rows'
+// registers once read (q_rope_frags; they arrive on QROPE), then holds Q8's rope block, P8^T and the rows'
 // arrays: the producer writes there only after QROPE, and its next load of Q comes after its own last reads.
 //
 // tools/barrier_model.py runs this protocol (version 7's and these barriers) as a model under random schedules:

@@ -125,10 +125,10 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
 #pragma unroll
         for (int i = 0; i < 128; ++i) o[i] = 0.f;
         float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
-        // the job's Q rope block (and TV7_QREGS - 1 latent blocks), S's A operand over it from registers (q_frags);
-        // not in the FP8 build, whose consumers (FP8_CONSUMER_REGS) spilled 36 B with it
+        // the job's Q rope block, S's A operand over it from registers (q_rope_frags); not in the FP8 build, whose
+        // consumers (FP8_CONSUMER_REGS) spilled 36 B with it
         constexpr bool QRS = !TV_FP8;
-        unsigned qf[TV7_QREGS][4][4];
+        unsigned qf[4][4];
         int jobs = 0;  // jobs started: the Q barrier's phase
         for (int n = 0;; ++n) {
             trace_mark(c, n, 0, wt);
@@ -150,7 +150,7 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
             if (first) {
                 bar_wait(BAR_QFULL(bars), jobs & 1);
                 ++jobs;
-                if constexpr (QRS) q_frags(base, qf, lr0, lr1, t4);
+                if constexpr (QRS) q_rope_frags(base, qf, lr0, lr1, t4);
                 if constexpr (Mix::on) warp_arrive(BAR_QROPE(bars), lane);
             }
             if (TV7_PROBE == 1) {  // the probe: both stages waited for, then released as the pair code does
@@ -178,8 +178,7 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
             wg_commit();
             wg_wait<0>();
             reg_fence(s);
-            if constexpr (QRS)  // held to here: the wgmmas over those blocks read them until the wait
-                for (auto& b : qf) reg_fence(b);
+            if constexpr (QRS) reg_fence(qf);  // held to here: the rope block's wgmmas read them until the wait
             trace_mark(c, n, 2, wt);
             if (last) warp_arrive(BAR_QEMPTY(bars), lane);  // the job's Q is read
 
