@@ -297,9 +297,9 @@ def test_v7_racecheck_build_compiles_and_only_syncs(tmp_path):
 
 
 @pytest.mark.skipif(_NVRTC is None, reason="nvidia-cuda-nvrtc is not installed (requirements.lock pins it)")
-@pytest.mark.parametrize("probe", [1, 2, 3, 4])
+@pytest.mark.parametrize("probe", [1, 2, 3, 4, 5])
 def test_v10_probe_builds_compile_without_spills(probe):
-    """The attention_bounds probes (-DTV7_PROBE=1 .. 4: version 10's file as the suite loads it) build with
+    """The timing probes (-DTV7_PROBE=1 .. 5: version 10's file as the suites load it) build with
     NVRTC without spills or stack frames, every kernel of the file."""
     source = KERNELS / "tree_verify" / "wgmma_v10.cu"
     rc, text = _nvrtc_compile(source, [b"-arch=sm_90a", b"-arch=sm_90", b"--ptxas-options=-v",
@@ -353,8 +353,9 @@ def test_v10_trace_stamps_only_the_traced_build_of_v7s_consumers(tmp_path):
 @pytest.mark.skipif(loader.nvcc_path() is None, reason="nvcc not found on PATH")
 def test_v10_probes_drop_the_mmas_they_name_from_v7s_consumers_only(tmp_path):
     """In the probes' PTX (nvcc) the kernel of v7's consumers keeps the default's wgmma where the consumers'
-    work is timed (2), none where only the gathers are (1), and part of them without P V (3) or S (4), the
-    two parts adding up to the whole; the kernel of v9's consumers keeps its own in every probe."""
+    work is timed (2, and 5: its S over the other stage's keys), none where only the gathers are (1), and
+    part of them without P V (3) or S (4), the two parts adding up to the whole; the kernel of v9's
+    consumers keeps its own in every probe."""
     import subprocess
 
     source = KERNELS / "tree_verify" / "wgmma_v10.cu"
@@ -370,9 +371,10 @@ def test_v10_probes_drop_the_mmas_they_name_from_v7s_consumers_only(tmp_path):
                 for k in ("tree_verify_v10_attend", "tree_verify_v10_attend_t")}
 
     with cf.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        default, *probes = pool.map(mmas, range(5))
+        default, *probes = pool.map(mmas, range(6))
     v7 = [p["tree_verify_v10_attend"] for p in probes]
-    assert default["tree_verify_v10_attend"] > 0 and v7[0] == 0 and v7[1] == default["tree_verify_v10_attend"]
+    whole = default["tree_verify_v10_attend"]
+    assert whole > 0 and v7[0] == 0 and v7[1] == v7[4] == whole
     assert 0 < v7[2] < v7[1] and 0 < v7[3] < v7[1] and v7[2] + v7[3] == v7[1]
     assert all(p["tree_verify_v10_attend_t"] == default["tree_verify_v10_attend_t"] > 0 for p in probes)
 

@@ -173,7 +173,7 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
             if (TV7_PROBE == 4)
                 for (int cb = 0; cb < NCB; ++cb) bar_wait(BAR_CBFULL(bars, c, cb), n & 1);
             else
-                issue_s_blocks<0, NCB>(s, base, kst, bars, c, n & 1, true, QRS ? qf : nullptr);
+                issue_s_blocks<0, NCB>(s, base, TV7_PROBE == 5 ? k0s : kst, bars, c, n & 1, true, QRS ? qf : nullptr);
             trace_mark(c, n, 1, wt);
             wg_commit();
             wg_wait<0>();
