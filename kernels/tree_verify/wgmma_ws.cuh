@@ -69,7 +69,7 @@
 // holds for version 9's consumers too, whose producer this is);
 // 3: 2 without the P V MMAs; 4: 2 without the S MMAs (each consumer only waits for its stage's blocks);
 // 5: 2 with consumer 1's S over stage 0's keys too (both S read one K tile: does a second tile slow them?).
-// kdlib.perf.suites.attention_bounds times 1-4 beside the default build; attention_timeline takes any of them.
+// kdlib.perf.suites.attention_bounds times 1-4 beside the default build; attention_timeline traces 2-5.
 #ifndef TV7_PROBE
 #define TV7_PROBE 0
 #endif
