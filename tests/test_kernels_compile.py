@@ -277,23 +277,26 @@ def test_v7_racecheck_build_compiles_and_only_syncs(tmp_path):
     """tree_verify v7's checking build (-DTV7_RACECHECK=1, what the sanitizer run loads through
     KDLIB_NVRTC_OPTIONS) builds with NVRTC as the wrappers load it, without spills; in its PTX (nvcc) the
     consumers' handoffs are bar.sync only, where the default build has bar.arrive."""
-    import subprocess
-
     source = KERNELS / "tree_verify" / "wgmma_v7.cu"
     rc, text = _nvrtc_compile(source, [b"-arch=sm_90a", b"-arch=sm_90", b"--ptxas-options=-v",
                                        b"-DTV7_RACECHECK=1"])
     assert rc == 0, text
     info = loader.parse_ptxas(text.replace("ptxas         .", "ptxas info    :"))["tree_verify_v7_attend"]
     assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, info
-    ptx = {}
-    for name, extra in (("default", []), ("racecheck", ["-DTV7_RACECHECK=1"])):
-        out = tmp_path / f"{name}.ptx"
-        cmd = [loader.nvcc_path(), "-std=c++17", "-ptx", "-arch=sm_90a", f"-I{KERNELS}", *extra,
-               "-o", str(out), str(source)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr
-        ptx[name] = out.read_text()
+    ptx = {name: _ptx(source, extra, tmp_path / f"{name}.ptx")
+           for name, extra in (("default", []), ("racecheck", ["-DTV7_RACECHECK=1"]))}
     assert "bar.arrive" in ptx["default"] and "bar.arrive" not in ptx["racecheck"]
+
+
+def _ptx(source, extra: list[str], out) -> str:
+    """The PTX nvcc makes of `source` for sm_90a with the -D options `extra`, written to `out`."""
+    import subprocess
+
+    cmd = [loader.nvcc_path(), "-std=c++17", "-ptx", "-arch=sm_90a", f"-I{KERNELS}", *extra, "-o", str(out),
+           str(source)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return out.read_text()
 
 
 @pytest.mark.skipif(_NVRTC is None, reason="nvidia-cuda-nvrtc is not installed (requirements.lock pins it)")
@@ -327,19 +330,12 @@ def test_v10_trace_stamps_only_the_traced_build_of_v7s_consumers(tmp_path):
     consumer's path: events 0-2 and the last once (the loop's shared path), the others once in each
     consumer's branch; they hold the tv_trace buffer. The shipped build reads no clock, nor does v9's kernel
     traced."""
-    import subprocess
-
     source = KERNELS / "tree_verify" / "wgmma_v10.cu"
     nevents = loader.source_constants("tree_verify/wgmma_v10")["TRACE_EVENTS"]
     marks = 4 + 2 * (nevents - 4)  # 0-2 and the last: the shared path; the rest: each consumer's branch
 
     def clocks(extra):
-        out = tmp_path / f"trace{len(extra)}.ptx"  # each build its own file
-        cmd = [loader.nvcc_path(), "-std=c++17", "-ptx", "-arch=sm_90a", f"-I{KERNELS}", *extra,
-               "-o", str(out), str(source)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr
-        ptx = out.read_text()
+        ptx = _ptx(source, extra, tmp_path / f"trace{len(extra)}.ptx")  # each build its own file
         bodies = {b.split("(")[0]: b for b in ptx.split(".entry ")[1:]}
         return ".global .align 8 .b8 tv_trace[" in ptx, {k: b.count("%clock64") for k, b in bodies.items()}
 
@@ -356,17 +352,11 @@ def test_v10_probes_drop_the_mmas_they_name_from_v7s_consumers_only(tmp_path):
     work is timed (2, and 5: its S over the other stage's keys), none where only the gathers are (1), and
     part of them without P V (3) or S (4), the two parts adding up to the whole; the kernel of v9's
     consumers keeps its own in every probe."""
-    import subprocess
-
     source = KERNELS / "tree_verify" / "wgmma_v10.cu"
 
     def mmas(probe):
-        out = tmp_path / f"probe{probe}.ptx"
-        proc = subprocess.run([loader.nvcc_path(), "-std=c++17", "-ptx", "-arch=sm_90a", f"-I{KERNELS}",
-                               f"-DTV7_PROBE={probe}", "-o", str(out), str(source)],
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr
-        bodies = {b.split("(")[0]: b for b in out.read_text().split(".entry ")[1:]}  # each kernel to the next
+        ptx = _ptx(source, [f"-DTV7_PROBE={probe}"], tmp_path / f"probe{probe}.ptx")
+        bodies = {b.split("(")[0]: b for b in ptx.split(".entry ")[1:]}  # each kernel to the next
         return {k: bodies[k].count("wgmma.mma_async")
                 for k in ("tree_verify_v10_attend", "tree_verify_v10_attend_t")}
 
