@@ -118,7 +118,8 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
         const int lr0 = warp * 16 + g, lr1 = lr0 + 8;  // this thread's accumulator rows in the block
         const float sl2 = scale * LOG2E;
         const unsigned pa = k0s + ROPE_CB * CB_BYTES, pb = k1s + ROPE_CB * CB_BYTES;  // P_A, P_B
-        const unsigned kst = c == 0 ? k0s : k1s;  // this consumer's tile: A (stage 0) or B (stage 1)
+        // this consumer's tile: A (stage 0) or B (stage 1); TV7_SUNI: warp-uniform to ptxas (wgmma_ws.cuh)
+        const unsigned kst = TV7_SUNI ? __shfl_sync(0xffffffffu, c == 0 ? k0s : k1s, 0) : (c == 0 ? k0s : k1s);
 
         float o[128];
         float s[32];
