@@ -118,8 +118,11 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
         const int lr0 = warp * 16 + g, lr1 = lr0 + 8;  // this thread's accumulator rows in the block
         const float sl2 = scale * LOG2E;
         const unsigned pa = k0s + ROPE_CB * CB_BYTES, pb = k1s + ROPE_CB * CB_BYTES;  // P_A, P_B
-        // this consumer's tile: A (stage 0) or B (stage 1); TV7_SUNI: warp-uniform to ptxas (wgmma_ws.cuh)
-        const unsigned kst = TV7_SUNI ? __shfl_sync(0xffffffffu, c == 0 ? k0s : k1s, 0) : (c == 0 ? k0s : k1s);
+        // this consumer's tile: A (stage 0) or B (stage 1), through lane 0 so that ptxas knows it warp-uniform and
+        // builds S's K descriptors in uniform registers; selected by c, a per-thread value to it, each of S's 32
+        // shared-memory wgmmas waited on two R2UR moves of its descriptor. The same bits, 1.004-1.035x the whole
+        // verify at all 25 points of an A/B (data/results/history/kernel_ab_suni.314a8dd.h100-80gb-hbm3.json)
+        const unsigned kst = __shfl_sync(0xffffffffu, c == 0 ? k0s : k1s, 0);
 
         float o[128];
         float s[32];

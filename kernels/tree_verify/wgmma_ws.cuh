@@ -74,14 +74,6 @@
 #define TV7_PROBE 0
 #endif
 
-// TV7_SUNI (-DTV7_SUNI=1): v7's consumers take their K stage's address through a warp shuffle from lane 0, so
-// ptxas sees it warp-uniform and builds S's K descriptors in uniform registers (UIADD3.64); the default selects
-// the stage by the consumer index, a per-thread value, and each of S's 32 shared-memory wgmmas waits on two R2UR
-// moves of its descriptor. The same MMAs on the same operands: the same bits.
-#ifndef TV7_SUNI
-#define TV7_SUNI 0
-#endif
-
 // TV_TRACE (-DTV_TRACE=1): a timeline build of v7's consumers (tree_verify_v7_attend, tree_verify_v10_attend),
 // never the default; the outputs are the default build's. Thread 0 of each consumer warpgroup stamps its SM's
 // clock (%clock64, shared by the CTA's warps) at TRACE_EVENTS points of each of its first TRACE_PAIRS pairs
