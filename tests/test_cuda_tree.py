@@ -940,6 +940,36 @@ def test_step_graph_equals_reference(mode):
     assert want["lengths"].max() > 1
 
 
+@pytest.mark.gpu
+def test_step_replay_waits_for_inputs_written_on_the_current_stream():
+    """replay() orders the graph's non-blocking stream after the current stream: inputs written there behind a
+    long kernel (a 4096^3 fp32 matmul, milliseconds) are the ones the replay reads."""
+    cp = _cp()
+    rng = np.random.default_rng(12)
+    bsz, depth, kp, vocab, budget = 64, 15, 64, 300, 64
+    inp = pipeline.random_step_inputs(rng, bsz, depth, kp, vocab, budget, mode="random")
+    step = pipeline.make_step(cp.asarray(inp["top_token_ids"]), cp.asarray(inp["top_log_probs"]),
+                              cp.asarray(inp["root_tokens"]), cp.asarray(inp["target_table"]),
+                              cp.asarray(inp["cache"]), cp.asarray(inp["starts"]), budget)
+    step.capture()
+    fresh = pipeline.random_step_inputs(rng, bsz, depth, kp, vocab, budget, mode="random")
+    buffers = (("ids", "top_token_ids"), ("lp", "top_log_probs"), ("root", "root_tokens"),
+               ("table", "target_table"), ("cache", "cache"), ("starts", "starts"))
+    staged = {key: cp.asarray(fresh[key]) for _, key in buffers}
+    cp.cuda.Device().synchronize()
+    x = cp.ones((4096, 4096), dtype=cp.float32)  # [4096, 4096]
+    x @ x  # keeps the current stream busy while the writes below wait behind it
+    for name, key in buffers:
+        getattr(step, name)[...] = staged[key]
+    step.replay()
+    step.stream.synchronize()
+    got = pipeline.step_outputs(step)
+    want = pipeline.reference_step(**fresh)
+    assert_trees_equal(got["trees"], want["trees"], "after the current stream's writes")
+    for key in ("targets", "paths", "lengths", "bonus", "cache"):
+        assert (got[key] == want[key]).all(), key
+
+
 # ----------------------------------------------------------------------------- v4 without a device
 
 

@@ -78,9 +78,17 @@ class TreeStep:
             self.graph = self.stream.end_capture()
 
     def replay(self) -> None:
-        """Launch the captured graph on its stream (call `capture` first)."""
+        """Launch the captured graph on its stream (call `capture` first), after the work already queued on
+        the current stream (fresh inputs written into the captured buffers there): `stream` is non-blocking,
+        so without that wait the graph could read the old inputs. The outputs are ready once `stream` has run
+        it."""
+        import cupy
+
         if self.graph is None:
             raise ValueError("no graph captured: call capture() first")
+        current = cupy.cuda.get_current_stream()
+        if current != self.stream:
+            self.stream.wait_event(current.record())
         self.graph.launch(self.stream)
 
 

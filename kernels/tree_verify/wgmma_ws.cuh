@@ -68,8 +68,9 @@
 // then only arrives on its barriers (the consumers' work over rows already in shared memory, no gather; it
 // holds for version 9's consumers too, whose producer this is);
 // 3: 2 without the P V MMAs; 4: 2 without the S MMAs (each consumer only waits for its stage's blocks);
-// 5: 2 with consumer 1's S over stage 0's keys too (both S read one K tile: does a second tile slow them?).
-// kdlib.perf.suites.attention_bounds times 1-4 beside the default build; attention_timeline traces 2-5.
+// 5: 2 with consumer 1's S over stage 0's keys too (both S read one K tile: does a second tile slow them?);
+// 6: 2 with consumer 1's S taken out (consumer 0's S alone on the tensor cores: its rate without the other's).
+// kdlib.perf.suites.attention_bounds times 1-4 beside the default build; attention_timeline traces 2-6.
 #ifndef TV7_PROBE
 #define TV7_PROBE 0
 #endif
