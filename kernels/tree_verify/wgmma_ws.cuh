@@ -24,9 +24,10 @@
 // where 64 spilled; the consumers at 208 build v9's kernels without a spill up to 32 rows, tree_verify/wgmma_v9.cu's
 // V9_FP8_MAX_NR: at 40 v9's own spills): 128 x 72 + 256 x 208 = 62464
 // version 12 (tree_verify/wgmma_v12.cu): the producer also computes 8 rows (their O^T: 32 registers);
-// 128 x 72 + 256 x 216 = 64512, the whole pool (v7's consumers build without spills from 216:
-// data/results/register_budget.cpu.json). The first build's 128 x 80 + 256 x 216 = 65536, the SM's register file,
-// is past the pool: its consumers' setmaxnreg.inc waited for ever (the GPU test hung, 742d34c).
+// 128 x 72 + 256 x 216 = 64512, the whole pool (v7's consumers built without spills from 216 then:
+// data/results/history/register_budget.a974266.cpu.json; from 208 since S's uniform K descriptors, a3891f0).
+// The first build's 128 x 80 + 256 x 216 = 65536, the SM's register file, is past the pool: its consumers'
+// setmaxnreg.inc waited for ever (the GPU test hung, 742d34c).
 #define V12_PRODUCER_REGS 72
 #define V12_CONSUMER_REGS 216
 #define FP8_PRODUCER_REGS 72
