@@ -77,6 +77,28 @@ def test_sample_counts_cycles_from_the_ctas_first_stamp():
     assert len(s["consumer 0"]) == tl.SAMPLE_PAIRS
 
 
+def test_warp_spread_is_first_to_last_warp_at_each_event():
+    """Warp w stamps the top 3 w and S issued 5 w cycles after warp 0, every other event with it: the spread
+    is the last warp's lag at those two events and 0 elsewhere, in both consumers."""
+    lead = synthetic()  # [CTAS, 2, PAIRS, SLOTS]
+    t = np.repeat(lead[:, :, None], tl.WARPS, axis=2)  # [CTAS, 2, WARPS, PAIRS, SLOTS]
+    stamped = t[..., 0] > 0
+    for w in range(tl.WARPS):
+        t[:, :, w, :, 0] += np.where(stamped[:, :, w], 3 * w, 0).astype(np.uint64)
+        t[:, :, w, :, 1] += np.where(stamped[:, :, w], 5 * w, 0).astype(np.uint64)
+    got = tl.warp_spread(t)
+    last = tl.WARPS - 1
+    for c in (0, 1):
+        spread = {name: v["median"] for name, v in got[f"consumer {c}"].items()}
+        assert list(spread) == list(tl.EVENTS[c])
+        assert spread == {name: 3 * last if e == 0 else 5 * last if e == 1 else 0
+                          for e, name in enumerate(tl.EVENTS[c])}
+        assert all(v["p90"] == v["median"] for v in got[f"consumer {c}"].values())
+    t[:, 1, last] = 0  # consumer 1's last warp stamped nothing
+    with pytest.raises(ValueError, match="consumer 1: no steady pair that all"):
+        tl.warp_spread(t)
+
+
 def test_segments_tile_each_consumers_loop_and_name_its_events():
     for c in (0, 1):
         edges = list(tl.SEGMENTS[c].values())
@@ -112,3 +134,6 @@ def test_traced_build_keeps_the_bits_and_stamps_in_program_order():
     for c in (0, 1):
         for stamps in row["sample"][f"consumer {c}"]:
             assert stamps == sorted(stamps), "a consumer's stamps follow its program order"
+        spread = row["warp_spread"][f"consumer {c}"]
+        assert list(spread) == list(tl.EVENTS[c])
+        assert all(0 <= v["median"] <= v["p90"] for v in spread.values())

@@ -77,14 +77,16 @@
 #endif
 
 // TV_TRACE (-DTV_TRACE=1): a timeline build of v7's consumers (tree_verify_v7_attend, tree_verify_v10_attend),
-// never the default; the outputs are the default build's. Thread 0 of each consumer warpgroup stamps its SM's
-// clock (%clock64, shared by the CTA's warps) at TRACE_EVENTS points of each of its first TRACE_PAIRS pairs
-// (wgmma_v7.cu names them) into tv_trace [TRACE_CTAS][2][TRACE_PAIRS][TRACE_SLOTS]; the pair's job and its
-// descriptor flags take the two slots past the events. kdlib.perf.suites.attention_timeline reads it.
+// never the default; the outputs are the default build's. Lane 0 of each warp of each consumer warpgroup stamps
+// its SM's clock (%clock64, shared by the CTA's warps) at TRACE_EVENTS points of each of its first TRACE_PAIRS
+// pairs (wgmma_v7.cu names them) into tv_trace [TRACE_CTAS][2][TRACE_WARPS][TRACE_PAIRS][TRACE_SLOTS] (warp 0's
+// row: thread 0's stamps); the pair's job and its descriptor flags take the two slots past the events.
+// kdlib.perf.suites.attention_timeline reads it.
 #ifndef TV_TRACE
 #define TV_TRACE 0
 #endif
 #define TRACE_CTAS 256
+#define TRACE_WARPS 4  // a consumer warpgroup's warps
 #define TRACE_PAIRS 96
 #define TRACE_EVENTS 9
 #define TRACE_SLOTS (TRACE_EVENTS + 2)
@@ -109,15 +111,15 @@ extern __shared__ unsigned char smem_raw[];  // the attend kernels' dynamic shar
 
 #if TV_TRACE
 extern "C" {
-__device__ unsigned long long tv_trace[TRACE_CTAS * 2 * TRACE_PAIRS * TRACE_SLOTS];
+__device__ unsigned long long tv_trace[TRACE_CTAS * 2 * TRACE_WARPS * TRACE_PAIRS * TRACE_SLOTS];
 }
 #endif
 
-// Slot e of pair n of consumer c in tv_trace: thread wt 0 of the consumer only, where traced.
+// Slot e of pair n of consumer c's warp wt / 32 in tv_trace: lane 0 of the warp only, where traced.
 __device__ __forceinline__ void trace_put(int c, int n, int e, int wt, unsigned long long v) {
 #if TV_TRACE
-    if (wt == 0 && n < TRACE_PAIRS && blockIdx.x < TRACE_CTAS)
-        tv_trace[((blockIdx.x * 2 + c) * TRACE_PAIRS + n) * TRACE_SLOTS + e] = v;
+    if ((wt & 31) == 0 && n < TRACE_PAIRS && blockIdx.x < TRACE_CTAS)
+        tv_trace[(((blockIdx.x * 2 + c) * TRACE_WARPS + (wt >> 5)) * TRACE_PAIRS + n) * TRACE_SLOTS + e] = v;
 #endif
 }
 

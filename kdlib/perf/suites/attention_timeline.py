@@ -3,8 +3,9 @@
 `python3 -m kdlib.perf.run --suite attention_timeline [--quick]`. At each point of `POINTS` (the attention
 suite's goal points run by v7's consumers: the two compute-bound ones, then the two of 8 heads x 9 queries)
 the default version's verify runs twice from the same inputs, built as it ships and built with `-DTV_TRACE=1`
-(tree_verify/wgmma_ws.cuh): there thread 0 of each consumer warpgroup stamps its SM's clock at nine points of
-each of its first pairs (`EVENTS`), into the module's `tv_trace`. Recorded per point:
+(tree_verify/wgmma_ws.cuh): there lane 0 of each warp of each consumer warpgroup stamps its SM's clock at nine
+points of each of its first pairs (`EVENTS`), into the module's `tv_trace`. Warp 0's stamps (thread 0's) give
+the segments, the period and the sample; the four warps' together give the spread. Recorded per point:
 
   * `bitwise_equal`: the traced build's output and lse against the shipped build's (stamps change no math);
   * `timing`: both builds' whole verify, CUDA-graph replays, so that what the stamps cost is on record;
@@ -13,7 +14,9 @@ each of its first pairs (`EVENTS`), into the module's `tv_trace`. Recorded per p
     tile the consumer's loop from one pair's top to the next;
   * `period`: consumer 0's cycles from one pair's top to the next (median, p10, p90), against `floor_cycles`,
     the pair's MMAs at the tensor cores' dense bf16 rate per SM clock (`TENSOR_FLOPS_PER_CLOCK`);
-  * `sample`: CTA 0's first `SAMPLE_PAIRS` pairs, every stamp in cycles from the first: the plot's timeline.
+  * `sample`: CTA 0's first `SAMPLE_PAIRS` pairs, every stamp in cycles from the first: the plot's timeline;
+  * `warp_spread`: per consumer and event, the cycles between the first and the last of its four warps to
+    stamp it (median and p90 over the steady pairs): whether a warpgroup's warps pass each point together.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ POINTS = [
 TRACE = "-DTV_TRACE=1"
 STEM = "tree_verify/wgmma_v10"  # the file the default version's kernels come from
 _C = loader.source_constants(STEM)
-CTAS, PAIRS, NEVENTS, SLOTS = (_C[k] for k in ("TRACE_CTAS", "TRACE_PAIRS", "TRACE_EVENTS", "TRACE_SLOTS"))
+CTAS, WARPS, PAIRS, NEVENTS, SLOTS = (_C[k] for k in ("TRACE_CTAS", "TRACE_WARPS", "TRACE_PAIRS",
+                                                      "TRACE_EVENTS", "TRACE_SLOTS"))
 D_FIRST, D_LAST = _C["D_FIRST"], _C["D_LAST"]
 # the stamps of each consumer, in the order tree_verify/wgmma_v7.cu makes them (trace_mark's event index)
 EVENTS = {
@@ -149,12 +153,32 @@ def sample(trace: np.ndarray, cta: int = 0) -> dict:
     return {f"consumer {c}": [[int(v) for v in t[c, n]] for n in range(SAMPLE_PAIRS)] for c in (0, 1)}
 
 
+def warp_spread(trace: np.ndarray) -> dict:
+    """Per consumer and event, the cycles from the first to the last of the consumer's warps to stamp it,
+    median and p90 over the steady pairs of warp 0's trace where every warp stamped (trace [CTAS, 2, WARPS,
+    PAIRS, SLOTS] uint64, zero where unstamped)."""
+    keep = steady(trace[:, :, 0])
+    both = keep[:, 0] & keep[:, 1]  # [CTAS, PAIRS]
+    out = {}
+    for c in (0, 1):
+        t = trace[:, c, :, :, :NEVENTS].astype(np.int64)  # [CTAS, WARPS, PAIRS, NEVENTS]
+        stamped = (t > 0).all(axis=(1, 3)) & both
+        if not stamped.any():
+            raise ValueError(f"consumer {c}: no steady pair that all {WARPS} warps stamped")
+        spread = (t.max(axis=1) - t.min(axis=1))[stamped]  # [pairs, NEVENTS]
+        out[f"consumer {c}"] = {name: {"median": float(np.median(spread[:, e])),
+                                       "p90": float(np.percentile(spread[:, e], 90))}
+                                for e, name in enumerate(EVENTS[c])}
+    return out
+
+
 def read_trace(options: tuple[str, ...]):
-    """The traced module's `tv_trace`, a CuPy view [CTAS, 2, PAIRS, SLOTS] uint64 (zero it to reset)."""
+    """The traced module's `tv_trace`, a CuPy view [CTAS, 2, WARPS, PAIRS, SLOTS] uint64 (zero it to
+    reset)."""
     import cupy
 
     mod = loader.get_module(STEM, options=options)
-    return cupy.ndarray((CTAS, 2, PAIRS, SLOTS), dtype=cupy.uint64, memptr=mod.get_global("tv_trace"))
+    return cupy.ndarray((CTAS, 2, WARPS, PAIRS, SLOTS), dtype=cupy.uint64, memptr=mod.get_global("tv_trace"))
 
 
 def run_point(p: dict, pool, iters: int) -> dict:
@@ -185,12 +209,16 @@ def run_point(p: dict, pool, iters: int) -> dict:
                 host = cupy.asnumpy(trace)
     row["bitwise_equal"] = all(bool(cupy.array_equal(a, b)) for a, b in zip(*outs.values(), strict=True))
     row["trace_cost"] = row["timing"]["traced"]["median_ms"] / row["timing"]["shipped"]["median_ms"]
-    row |= summarize(host)
-    row["sample"] = sample(host)
+    row |= summarize(host[:, :, 0])
+    row["sample"] = sample(host[:, :, 0])
+    row["warp_spread"] = warp_spread(host)
     c0 = row["segments"]["consumer 0"]
+    ws = {c: row["warp_spread"][f"consumer {c}"] for c in (0, 1)}
     print(f"[attention_timeline] H{h} Q{nq} S{p['prefix']} B{p['batch']}: pair {row['period']['median']:.0f} "
           f"cycles (floor {row['floor_cycles']:.0f}, {row['floor_fraction']:.0%}) over {row['steady_pairs']} "
           f"pairs; consumer 0: " + ", ".join(f"{k} {v:.0f}" for k, v in c0.items())
+          + f" | warps' spread at the top {ws[0]['top']['median']:.0f} / {ws[1]['top']['median']:.0f}, "
+          f"S issued {ws[0]['S issued']['median']:.0f} / {ws[1]['S issued']['median']:.0f}"
           + f" | traced / shipped {row['trace_cost']:.3f}, bit-equal {row['bitwise_equal']}", flush=True)
     return row
 
@@ -207,7 +235,8 @@ def run(*, quick: bool = False) -> dict:
     rows = [run_point(p, pool, iters) for p in pts]
     return {
         "parameters": {"quick": quick, "points": pts, "iters": iters, "trace": TRACE,
-                       "trace_pairs": PAIRS, "tensor_flops_per_clock": TENSOR_FLOPS_PER_CLOCK,
+                       "trace_pairs": PAIRS, "trace_warps": WARPS,
+                       "tensor_flops_per_clock": TENSOR_FLOPS_PER_CLOCK,
                        "pair_flops": pair_flops(),
                        "events": {f"consumer {c}": list(e) for c, e in EVENTS.items()},
                        "segments": {f"consumer {c}": {k: list(v) for k, v in s.items()}
@@ -217,8 +246,8 @@ def run(*, quick: bool = False) -> dict:
         "clocks_after": timing.clocks(),
         "rows": rows,
         "notes": [
-            "cycles: the SM clock (%clock64) as thread 0 of each consumer warpgroup read it; both consumers "
-            "of a CTA read the same counter",
+            "cycles: the SM clock (%clock64) as lane 0 of each consumer warp read it; segments, period and "
+            "sample from warp 0's (thread 0's), warp_spread from all four; the CTA's warps read one counter",
             "segments: median over the steady pairs of CTAs where both consumers have one (past the CTA's "
             "first two pairs, neither a job's first nor its last); they tile one pair's loop, top to top",
             "floor_cycles: a pair's MMA FLOPs (pair_flops) over tensor_flops_per_clock",
