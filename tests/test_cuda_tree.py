@@ -908,6 +908,17 @@ def test_remap_writes_a_torch_bool_freed_in_place():
 
 # ----------------------------------------------------------------------------- the graph-captured step
 
+# a TreeStep's input buffer -> the random_step_inputs / reference_step key it holds
+STEP_BUFFERS = (("ids", "top_token_ids"), ("lp", "top_log_probs"), ("root", "root_tokens"),
+                ("table", "target_table"), ("cache", "cache"), ("starts", "starts"))
+
+
+def _captured_step(cp, inp, budget):
+    """A TreeStep made from `inp` (random_step_inputs) on the device, its graph captured."""
+    step = pipeline.make_step(*(cp.asarray(inp[key]) for _, key in STEP_BUFFERS), budget)
+    step.capture()
+    return step
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
@@ -915,15 +926,11 @@ def test_step_graph_equals_reference(mode):
     cp = _cp()
     rng = np.random.default_rng(11)
     bsz, depth, kp, vocab, budget = 64, 15, 64, 300, 64
-    inp = pipeline.random_step_inputs(rng, bsz, depth, kp, vocab, budget, mode=mode)
-    step = pipeline.make_step(cp.asarray(inp["top_token_ids"]), cp.asarray(inp["top_log_probs"]),
-                              cp.asarray(inp["root_tokens"]), cp.asarray(inp["target_table"]),
-                              cp.asarray(inp["cache"]), cp.asarray(inp["starts"]), budget)
-    step.capture()
+    step = _captured_step(cp, pipeline.random_step_inputs(rng, bsz, depth, kp, vocab, budget, mode=mode),
+                          budget)
     for it in range(4):  # fresh inputs each replay, written into the captured buffers
         inp = pipeline.random_step_inputs(rng, bsz, depth, kp, vocab, budget, mode=mode)
-        for name, key in (("ids", "top_token_ids"), ("lp", "top_log_probs"), ("root", "root_tokens"),
-                          ("table", "target_table"), ("cache", "cache"), ("starts", "starts")):
+        for name, key in STEP_BUFFERS:
             getattr(step, name)[...] = cp.asarray(inp[key])
         for name in FIELDS:  # poison
             a = getattr(step.trees, name)
@@ -947,19 +954,14 @@ def test_step_replay_waits_for_inputs_written_on_the_current_stream():
     cp = _cp()
     rng = np.random.default_rng(12)
     bsz, depth, kp, vocab, budget = 64, 15, 64, 300, 64
-    inp = pipeline.random_step_inputs(rng, bsz, depth, kp, vocab, budget, mode="random")
-    step = pipeline.make_step(cp.asarray(inp["top_token_ids"]), cp.asarray(inp["top_log_probs"]),
-                              cp.asarray(inp["root_tokens"]), cp.asarray(inp["target_table"]),
-                              cp.asarray(inp["cache"]), cp.asarray(inp["starts"]), budget)
-    step.capture()
+    step = _captured_step(cp, pipeline.random_step_inputs(rng, bsz, depth, kp, vocab, budget, mode="random"),
+                          budget)
     fresh = pipeline.random_step_inputs(rng, bsz, depth, kp, vocab, budget, mode="random")
-    buffers = (("ids", "top_token_ids"), ("lp", "top_log_probs"), ("root", "root_tokens"),
-               ("table", "target_table"), ("cache", "cache"), ("starts", "starts"))
-    staged = {key: cp.asarray(fresh[key]) for _, key in buffers}
+    staged = {key: cp.asarray(fresh[key]) for _, key in STEP_BUFFERS}
     cp.cuda.Device().synchronize()
     x = cp.ones((4096, 4096), dtype=cp.float32)  # [4096, 4096]
     x @ x  # keeps the current stream busy while the writes below wait behind it
-    for name, key in buffers:
+    for name, key in STEP_BUFFERS:
         getattr(step, name)[...] = staged[key]
     step.replay()
     step.stream.synchronize()
