@@ -756,6 +756,26 @@ __device__ __forceinline__ void exp_tile(float (&s)[32], float sl2, float ms0, f
     }
 }
 
+// exp_tile's exponentials alone: s <- 2^(s sl2 - ms) row-wise (fp32 P).
+__device__ __forceinline__ void exp_rows(float (&s)[32], float sl2, float ms0, float ms1) {
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+        s[4 * jj + 0] = ex2(fmaf(s[4 * jj + 0], sl2, -ms0));
+        s[4 * jj + 1] = ex2(fmaf(s[4 * jj + 1], sl2, -ms0));
+        s[4 * jj + 2] = ex2(fmaf(s[4 * jj + 2], sl2, -ms1));
+        s[4 * jj + 3] = ex2(fmaf(s[4 * jj + 3], sl2, -ms1));
+    }
+}
+
+// exp_tile's sums alone: the rows' sums of P (fp32 s) added to l0, l1 in exp_tile's order.
+__device__ __forceinline__ void add_row_sums(const float (&s)[32], float& l0, float& l1) {
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+        l0 += s[4 * jj + 0] + s[4 * jj + 1];
+        l1 += s[4 * jj + 2] + s[4 * jj + 3];
+    }
+}
+
 // The rows' new running maxima: the last ones mp and the tile's mx (mask_tile's).
 __device__ __forceinline__ void new_maxima(float mp0, float mp1, float mx0, float mx1, float& mn0, float& mn1) {
     mn0 = fmaxf(mp0, mx0);
