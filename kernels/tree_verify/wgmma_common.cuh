@@ -692,7 +692,9 @@ __device__ __forceinline__ void load_q(unsigned base, unsigned qbar, const __nv_
 // median 1.019 (kernel_ab_g5.1d4189b.h100-80gb-hbm3.json), as fast as no reader fence at all (the bound, not a
 // valid kernel: median 1.019, kernel_ab_nf.b16aeef). The producer fencing its own landed copies before it
 // arrives, readers unfenced, measured 0.78-0.98x (kernel_ab_pf*.h100-80gb-hbm3.json): its fences stall its gathers.
+#ifndef S_GROUP  // -DS_GROUP=n: an A/B of another group size (tools/kernel_ab.py --define)
 #define S_GROUP 5
+#endif
 
 // Blocks [g0, g0 + NB) of issue_s_blocks: their barriers, one proxy fence, their MMAs, unrolled. With a loop of
 // a run-time count around the wgmmas ptxas put a WARPGROUP.DEPBAR after every wgmma (kernel_ab_sgroup3.ab20b66,
