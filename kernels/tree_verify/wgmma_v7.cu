@@ -174,10 +174,12 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
             for (int i = 0; i < 32; ++i) s[i] = 0.f;  // the accumulator starts afresh (its old value is dead)
             reg_fence(s);
             wg_fence();
-            if (TV7_PROBE == 4 || (TV7_PROBE == 6 && c == 1))
+            if (TV7_PROBE == 4 || (TV7_PROBE >= 6 && c == 1))
                 for (int cb = 0; cb < NCB; ++cb) bar_wait(BAR_CBFULL(bars, c, cb), n & 1);
             else
                 issue_s_blocks<0, NCB>(s, base, TV7_PROBE == 5 ? k0s : kst, bars, c, n & 1, true, QRS ? qf : nullptr);
+            if (TV7_PROBE == 7 && c == 0)  // the same products added again: S's cost past its start
+                issue_s_blocks<0, NCB>(s, base, kst, bars, c, n & 1, false, QRS ? qf : nullptr);
             trace_mark(c, n, 1, wt);
             wg_commit();
             wg_wait<0>();

@@ -70,8 +70,10 @@
 // holds for version 9's consumers too, whose producer this is);
 // 3: 2 without the P V MMAs; 4: 2 without the S MMAs (each consumer only waits for its stage's blocks);
 // 5: 2 with consumer 1's S over stage 0's keys too (both S read one K tile: does a second tile slow them?);
-// 6: 2 with consumer 1's S taken out (consumer 0's S alone on the tensor cores: its rate without the other's).
-// kdlib.perf.suites.attention_bounds times 1-4 beside the default build; attention_timeline traces 2-6.
+// 6: 2 with consumer 1's S taken out (consumer 0's S alone on the tensor cores: its rate without the other's);
+// 7: 6 with consumer 0's S issued twice, the second adding the same products again (a wgmma's cost in the pair's S
+// past the first's start). kdlib.perf.suites.attention_bounds times 1-4 beside the default build;
+// attention_timeline traces 2-7.
 #ifndef TV7_PROBE
 #define TV7_PROBE 0
 #endif
