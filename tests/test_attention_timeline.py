@@ -110,15 +110,12 @@ def test_segments_tile_each_consumers_loop_and_name_its_events():
 
 def test_the_kernel_marks_every_event_once_per_consumer_path():
     """wgmma_v7.cu's consumers: events 0-2 and 8 once, in the loop's shared path; 3-7 once in each consumer's
-    branch, consumer 1's under the build switch TV7_PBFIRST included (the nvcc test of the traced builds in
-    test_kernels_compile.py counts what each build compiles)."""
+    branch (the nvcc test of the traced builds in test_kernels_compile.py counts what each build compiles)."""
     src = (ROOT / "kernels" / "tree_verify" / "wgmma_v7.cu").read_text()
-    branches = 2 + src.count("else if constexpr (TV7_PBFIRST != 0)")
     # trace_mark's calls, and pv_own_tile's (its stamp between the wait and the releases)
     marks = [int(e) for e in re.findall(r"(?:trace_mark|pv_own_tile)\([^;]*?\bc, n, (\d+), wt\)", src)]
     assert sorted(set(marks)) == list(range(tl.NEVENTS))
-    assert all(marks.count(e) == 1 for e in (0, 1, 2, 8))
-    assert all(marks.count(e) == branches for e in range(3, 8))
+    assert all(marks.count(e) == 1 for e in (0, 1, 2, 8)) and all(marks.count(e) == 2 for e in range(3, 8))
 
 
 @pytest.mark.gpu

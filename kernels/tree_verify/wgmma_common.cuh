@@ -692,9 +692,9 @@ __device__ __forceinline__ void load_q(unsigned base, unsigned qbar, const __nv_
 // median 1.019 (kernel_ab_g5.1d4189b.h100-80gb-hbm3.json), as fast as no reader fence at all (the bound, not a
 // valid kernel: median 1.019, kernel_ab_nf.b16aeef). The producer fencing its own landed copies before it
 // arrives, readers unfenced, measured 0.78-0.98x (kernel_ab_pf*.h100-80gb-hbm3.json): its fences stall its gathers.
-#ifndef S_GROUP  // -DS_GROUP=n: an A/B of another group size (tools/kernel_ab.py --define)
+// One group of all nine blocks (one fence a tile, every wait before the first MMA) against groups of 5: 0.956-1.016x,
+// slower at 22 of 25 points (kernel_ab_sgroup9.ac60415.h100-80gb-hbm3.json).
 #define S_GROUP 5
-#endif
 
 // Blocks [g0, g0 + NB) of issue_s_blocks: their barriers, one proxy fence, their MMAs, unrolled. With a loop of
 // a run-time count around the wgmmas ptxas put a WARPGROUP.DEPBAR after every wgmma (kernel_ab_sgroup3.ab20b66,
@@ -753,26 +753,6 @@ __device__ __forceinline__ void exp_tile(float (&s)[32], float sl2, float ms0, f
         s[4 * jj + 1] = ex2(fmaf(s[4 * jj + 1], sl2, -ms0));
         s[4 * jj + 2] = ex2(fmaf(s[4 * jj + 2], sl2, -ms1));
         s[4 * jj + 3] = ex2(fmaf(s[4 * jj + 3], sl2, -ms1));
-        l0 += s[4 * jj + 0] + s[4 * jj + 1];
-        l1 += s[4 * jj + 2] + s[4 * jj + 3];
-    }
-}
-
-// exp_tile's exponentials alone: s <- 2^(s sl2 - ms) row-wise (fp32 P).
-__device__ __forceinline__ void exp_rows(float (&s)[32], float sl2, float ms0, float ms1) {
-#pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
-        s[4 * jj + 0] = ex2(fmaf(s[4 * jj + 0], sl2, -ms0));
-        s[4 * jj + 1] = ex2(fmaf(s[4 * jj + 1], sl2, -ms0));
-        s[4 * jj + 2] = ex2(fmaf(s[4 * jj + 2], sl2, -ms1));
-        s[4 * jj + 3] = ex2(fmaf(s[4 * jj + 3], sl2, -ms1));
-    }
-}
-
-// exp_tile's sums alone: the rows' sums of P (fp32 s) added to l0, l1 in exp_tile's order.
-__device__ __forceinline__ void add_row_sums(const float (&s)[32], float& l0, float& l1) {
-#pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
         l0 += s[4 * jj + 0] + s[4 * jj + 1];
         l1 += s[4 * jj + 2] + s[4 * jj + 3];
     }

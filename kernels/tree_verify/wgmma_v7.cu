@@ -231,60 +231,6 @@ __device__ __forceinline__ void attend_v7(const __nv_bfloat16* __restrict__ q, c
                 trace_mark(c, n, 7, wt);
                 warp_arrive(BAR_EMPTY(bars, 1, 0), lane);  // stage 1: V_BL read, P_B read on this side
                 warp_arrive(BAR_EMPTY(bars, 1, 2), lane);
-            } else if constexpr (TV7_PBFIRST != 0) {
-                // ------------------------------------------------ tile B's softmax and P_B first (wgmma_ws.cuh)
-                const float me0 = fmaxf(m0, mx0), me1 = fmaxf(m1, mx1);  // the rows' maxima but tile A's
-                if (TV7_PBFIRST == 1) exp_rows(s, sl2, shift_of(me0), shift_of(me1));
-                nb_sync(NB_SCALE_A);
-                trace_mark(c, n, 3, wt);
-                fence_async_smem();
-                const float ma0 = s_m[lr0], ma1 = s_m[lr1], ca0 = s_ca[lr0], ca1 = s_ca[lr1];
-                l0 *= ca0;
-                l1 *= ca1;
-                float mn0, mn1, cb0, cb1;
-                if (TV7_PBFIRST == 1) {
-                    new_maxima(ma0, ma1, mx0, mx1, mn0, mn1);
-                    const float ms0 = shift_of(mn0), ms1 = shift_of(mn1);
-                    cb0 = ex2(ma0 - ms0);
-                    cb1 = ex2(ma1 - ms1);
-                    l0 *= cb0;
-                    l1 *= cb1;
-                    // tile A raised a row's maximum: its P (2^(s sl2 - me)) times 2^(me - mn); 0 where me is -inf
-                    // (every key of the row masked so far: P is 0)
-                    if (__any_sync(0xffffffffu, mn0 != me0 || mn1 != me1))
-                        scale_rows(s, mn0 == me0 ? 1.f : me0 == NEG_INF ? 0.f : ex2(me0 - ms0),
-                                   mn1 == me1 ? 1.f : me1 == NEG_INF ? 0.f : ex2(me1 - ms1));
-                    add_row_sums(s, l0, l1);
-                } else {
-                    softmax_step(s, sl2, ma0, ma1, mx0, mx1, mn0, mn1, cb0, cb1, l0, l1);
-                }
-                __syncwarp();  // the quad's reads of s_m / s_ca above come before its stores
-                s_m[lr0] = mn0;
-                s_m[lr1] = mn1;
-                s_cb[lr0] = cb0;
-                s_cb[lr1] = cb1;
-                m0 = mn0;
-                m1 = mn1;
-                handoff(NB_SCALE_B);
-                trace_mark(c, n, 4, wt);
-                unsigned pf[4][4];  // P_B: consumer 0 reads it from shared memory, this side from registers
-                if constexpr (Mix::on) bar_wait(BAR_ROPE8(bars, 1), n & 1);
-                publish_p(s, pf, pb, NB_PB, lr0, lr1, t4);
-                trace_mark(c, n, 5, wt);
-                // ------------------------------------------------ tile A: O_R = O_R c_A + P_A V_AR
-                rescale(o, ca0, ca1);
-                reg_fence(o);
-                wg_fence();
-                if (TV7_PROBE != 3) issue_pv_ss(o, pa, k0s + V_R0 * CB_BYTES, first);
-                wg_commit();
-                wg_wait<0>();
-                reg_fence(o);
-                trace_mark(c, n, 6, wt);
-                warp_arrive(BAR_EMPTY(bars, 0, 1), lane);  // stage 0: V_AR read, P_A read on this side
-                warp_arrive(BAR_EMPTY(bars, 0, 2), lane);
-                // ------------------------------------------------ tile B: O_R = O_R c_B + P_B V_BR
-                rescale(o, cb0, cb1);
-                pv_own_tile(o, pf, k1s + V_R0 * CB_BYTES, false, bars, 1, 1, lane, c, n, 7, wt);
             } else {
                 // ------------------------------------------------ tile A: O_R = O_R c_A + P_A V_AR
                 nb_sync(NB_SCALE_A);

@@ -78,15 +78,6 @@
 #define TV7_PROBE 0
 #endif
 
-// TV7_PBFIRST (-DTV7_PBFIRST=n): consumer 1 hands P_B off before it issues P_A V_R, not after (the timeline had
-// consumer 0 wait for P_B about a tenth of the pair while consumer 1 issued P_A V_R and then ran its softmax).
-// 1: and it takes tile B's exponentials before c_A comes, shifted by the maxima it knows (its last pair's and
-// tile B's); the rows whose maximum tile A raised are rescaled by 2^(old - new) once c_A is there (one rounding
-// more: other bits than the default's where that happens). 2: the order alone (the default's bits).
-#ifndef TV7_PBFIRST
-#define TV7_PBFIRST 0
-#endif
-
 // TV_TRACE (-DTV_TRACE=1): a timeline build of v7's consumers (tree_verify_v7_attend, tree_verify_v10_attend),
 // never the default; the outputs are the default build's. Lane 0 of each warp of each consumer warpgroup stamps
 // its SM's clock (%clock64, shared by the CTA's warps) at TRACE_EVENTS points of each of its first TRACE_PAIRS
