@@ -18,6 +18,8 @@ On the GPU machine (carry ["build/ab"]):
         --out $OUT   # this tree built with -DPLAN_SMALL_REQS=0 (new) against its default build (old)
     python3 tools/kernel_ab.py run --version 10 --define PLAN_SMALL_REQS=0 --define ORDER_GAIN=-64 \
         --suite kernel_ab_x --out $OUT   # two switches together in the new arm
+    python3 tools/kernel_ab.py run --version 10 --define AB_NO_SWITCH=1 --suite kernel_ab_aa \
+        --out $OUT   # an A/A: a macro no source reads, the same kernels in both arms (the tool's own spread)
     python3 tools/kernel_ab.py repeat build/ab/<rev>/kernels --prefix 32000 --batch 16 \
         --out $OUT   # each arm n times at one point, against float64
     python3 tools/kernel_ab.py repeat --define ORDER_GAIN=-64 --version 10 --out $OUT  # a build switch's arms
