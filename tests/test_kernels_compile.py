@@ -351,8 +351,8 @@ def test_v10_probes_drop_the_mmas_they_name_from_v7s_consumers_only(tmp_path):
     """In the probes' PTX (nvcc) the kernel of v7's consumers keeps the default's wgmma where the consumers'
     work is timed (2; 5: its S over the other stage's keys; 6: consumer 1's S skipped at run time, the code
     kept), none where only the gathers are (1), and part of them without P V (3) or S (4), the two parts
-    adding up to the whole; 7 has S's once more (consumer 0's second S). The kernel of v9's consumers keeps
-    its own in every probe."""
+    adding up to the whole; 7 has S's wgmmas once more (consumer 0's second S). The kernel of v9's consumers
+    keeps its own in every probe."""
     source = KERNELS / "tree_verify" / "wgmma_v10.cu"
 
     def mmas(probe):
