@@ -312,6 +312,28 @@ def test_v10_probe_builds_compile_without_spills(probe):
         assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, (name, info)
 
 
+@pytest.mark.skipif(_NVRTC is None or loader.nvcc_path() is None, reason="needs NVRTC and nvcc")
+def test_v10_prefetch_switch_builds_and_adds_the_prefetches_alone(tmp_path):
+    """The build switch -DTV_PREFETCH_B=1 (wgmma_ws.cuh, not yet measured) builds version 10's file with NVRTC
+    without spills or stack frames; in its PTX (nvcc) the attend kernels' producers ask L2 for tile B's rows,
+    which the default build's never do."""
+    source = KERNELS / "tree_verify" / "wgmma_v10.cu"
+    rc, text = _nvrtc_compile(source, [b"-arch=sm_90a", b"-arch=sm_90", b"--ptxas-options=-v",
+                                       b"-DTV_PREFETCH_B=1"])
+    assert rc == 0, text
+    for name, info in loader.parse_ptxas(text.replace("ptxas         .", "ptxas info    :")).items():
+        assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, (name, info)
+
+    def prefetches(extra):
+        ptx = _ptx(source, extra, tmp_path / f"pf{len(extra)}.ptx")
+        bodies = {b.split("(")[0]: b for b in ptx.split(".entry ")[1:]}
+        return {k: bodies[k].count("cp.async.bulk.prefetch.L2") for k in ("tree_verify_v10_attend",
+                                                                           "tree_verify_v10_attend_t")}
+
+    default, switched = prefetches([]), prefetches(["-DTV_PREFETCH_B=1"])
+    assert not any(default.values()) and all(switched.values()), (default, switched)
+
+
 @pytest.mark.skipif(_NVRTC is None, reason="nvidia-cuda-nvrtc is not installed (requirements.lock pins it)")
 def test_v10_trace_build_compiles_without_spills():
     """The attention_timeline build (-DTV_TRACE=1: version 10's file as the suite loads it) builds with NVRTC
