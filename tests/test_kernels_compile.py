@@ -299,30 +299,28 @@ def _ptx(source, extra: list[str], out) -> str:
     return out.read_text()
 
 
+SWITCH_BUILDS = [*(f"-DTV7_PROBE={p}" for p in range(1, 8)), "-DTV_TRACE=1", "-DTV_PREFETCH_B=1"]
+
+
 @pytest.mark.skipif(_NVRTC is None, reason="nvidia-cuda-nvrtc is not installed (requirements.lock pins it)")
-@pytest.mark.parametrize("probe", [1, 2, 3, 4, 5, 6, 7])
-def test_v10_probe_builds_compile_without_spills(probe):
-    """The timing probes (-DTV7_PROBE=1 .. 7: version 10's file as the suites load it) build with
-    NVRTC without spills or stack frames, every kernel of the file."""
+@pytest.mark.parametrize("option", SWITCH_BUILDS)
+def test_v10_switch_builds_compile_without_spills(option):
+    """Version 10's file as the suites load it builds with NVRTC without spills or stack frames, every kernel
+    of the file, in each build a -D switch of wgmma_ws.cuh makes: the timing probes 1 .. 7, the
+    attention_timeline build and the L2 prefetch of tile B (not yet measured)."""
     source = KERNELS / "tree_verify" / "wgmma_v10.cu"
     rc, text = _nvrtc_compile(source, [b"-arch=sm_90a", b"-arch=sm_90", b"--ptxas-options=-v",
-                                       f"-DTV7_PROBE={probe}".encode()])
+                                       option.encode()])
     assert rc == 0, text
     for name, info in loader.parse_ptxas(text.replace("ptxas         .", "ptxas info    :")).items():
         assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, (name, info)
 
 
-@pytest.mark.skipif(_NVRTC is None or loader.nvcc_path() is None, reason="needs NVRTC and nvcc")
-def test_v10_prefetch_switch_builds_and_adds_the_prefetches_alone(tmp_path):
-    """The build switch -DTV_PREFETCH_B=1 (wgmma_ws.cuh, not yet measured) builds version 10's file with NVRTC
-    without spills or stack frames; in its PTX (nvcc) the attend kernels' producers ask L2 for tile B's rows,
-    which the default build's never do."""
+@pytest.mark.skipif(loader.nvcc_path() is None, reason="nvcc not found on PATH")
+def test_v10_prefetch_switch_adds_the_prefetches_alone(tmp_path):
+    """In the PTX (nvcc) of the build switch -DTV_PREFETCH_B=1 (wgmma_ws.cuh, not yet measured) the attend
+    kernels' producers ask L2 for tile B's rows, which the default build's never do."""
     source = KERNELS / "tree_verify" / "wgmma_v10.cu"
-    rc, text = _nvrtc_compile(source, [b"-arch=sm_90a", b"-arch=sm_90", b"--ptxas-options=-v",
-                                       b"-DTV_PREFETCH_B=1"])
-    assert rc == 0, text
-    for name, info in loader.parse_ptxas(text.replace("ptxas         .", "ptxas info    :")).items():
-        assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, (name, info)
 
     def prefetches(extra):
         ptx = _ptx(source, extra, tmp_path / f"pf{len(extra)}.ptx")
@@ -332,18 +330,6 @@ def test_v10_prefetch_switch_builds_and_adds_the_prefetches_alone(tmp_path):
 
     default, switched = prefetches([]), prefetches(["-DTV_PREFETCH_B=1"])
     assert not any(default.values()) and all(switched.values()), (default, switched)
-
-
-@pytest.mark.skipif(_NVRTC is None, reason="nvidia-cuda-nvrtc is not installed (requirements.lock pins it)")
-def test_v10_trace_build_compiles_without_spills():
-    """The attention_timeline build (-DTV_TRACE=1: version 10's file as the suite loads it) builds with NVRTC
-    without spills or stack frames, every kernel of the file."""
-    source = KERNELS / "tree_verify" / "wgmma_v10.cu"
-    rc, text = _nvrtc_compile(source, [b"-arch=sm_90a", b"-arch=sm_90", b"--ptxas-options=-v",
-                                       b"-DTV_TRACE=1"])
-    assert rc == 0, text
-    for name, info in loader.parse_ptxas(text.replace("ptxas         .", "ptxas info    :")).items():
-        assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, (name, info)
 
 
 @pytest.mark.skipif(loader.nvcc_path() is None, reason="nvcc not found on PATH")
