@@ -929,6 +929,14 @@ def load_wgmma_rate(gpu: str = "h200") -> Recorded | None:
     return _recorded("wgmma_rate", gpu, _no_rows)
 
 
+def load_verify_split(gpu: str = "h200") -> Recorded | None:
+    """The recorded `tools/verify_split.py` run on `gpu` (each kernel's device time in one whole verify, against
+    the graph-replayed verify, at issue 19's goal and 8 x 9 points), or None. No rows: `doc["arms"]` maps each
+    build ("default", "-DNAME=VALUE") to a row per point of `doc["parameters"]["points"]` (`replay_ms`,
+    `device_ms`, `kernels`: name, calls and us a verify)."""
+    return _recorded("verify_split", gpu, _no_rows)
+
+
 def load_kernel_ab_repeat(gpu: str = "h200") -> Recorded | None:
     """The recorded `tools/kernel_ab.py repeat` run on `gpu` (each arm n times at one point against a float64
     verify), or None. No rows: read `Recorded.doc["arms"]` (distinct outputs, spread, error per arm)."""

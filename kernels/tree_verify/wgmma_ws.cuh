@@ -78,14 +78,6 @@
 #define TV7_PROBE 0
 #endif
 
-// TV_PREFETCH_B (-DTV_PREFETCH_B=1): a build switch, off by default and not yet measured. Once the producer has
-// filled a pair's stage 0 it asks L2 for the rows of the pair's tile B (prefetch_tile) and only then waits for
-// stage 1's release, about half a pair ahead of that stage's gather. At 8 x 9 consumer 1's S waits for stage 1's
-// refill (notebook 02b, 13zh, 13zk); 13h's prefetch of the pair after next, a whole pair further ahead, measured out.
-#ifndef TV_PREFETCH_B
-#define TV_PREFETCH_B 0
-#endif
-
 // TV_TRACE (-DTV_TRACE=1): a timeline build of v7's consumers (tree_verify_v7_attend, tree_verify_v10_attend),
 // never the default; the outputs are the default build's. Lane 0 of each warp of each consumer warpgroup stamps
 // its SM's clock (%clock64, shared by the CTA's warps) at TRACE_EVENTS points of each of its first TRACE_PAIRS
@@ -369,15 +361,6 @@ __device__ __forceinline__ void fill_stage(unsigned kst, unsigned bars, int s, i
     gather_half<ROPE_CB, NCB, NCH>(kst, bars, s, t, kvb, tkb, lrow, ch, copy);
 }
 
-// TV_PREFETCH_B's prefetch: the prefix rows of tile t asked of L2, one bulk prefetch a row by the threads of chunk 0
-// (no tail tile, no key past the end; none in the probes past 1, which gather once).
-__device__ __forceinline__ void prefetch_tile(const TileRows& t, const char* kvb, int ch) {
-    if (ch != 0 || t.tail || TV7_PROBE >= 2) return;
-#pragma unroll
-    for (int p = 0; p < 4; ++p)
-        if ((t.valid >> p) & 1) prefetch_l2(kvb + (long long)t.row[p] * (D_QK * 2), D_QK * 2);
-}
-
 // Keys [k0, kend) and tail flag of tile `it` of jb; past the job's tiles: an empty tile.
 __device__ __forceinline__ void pair_tile(const Job& jb, int it, int* d) {
     bool tail = false;
@@ -491,7 +474,6 @@ __device__ __forceinline__ void produce(unsigned base, int* desc, unsigned bars,
             fill_stage<CDQ>(fl ? k1s : k0s, bars, fl, n, ra, kvb, tkb, lrow, ch, base + OFF_SCALES + fl * BN * 16);
         } else {
             fill_stage(k0s, bars, 0, n, ra, kvb, tkb, lrow, ch, 0);  // stage 0 is released first
-            if (TV_PREFETCH_B) prefetch_tile(rb, kvb, ch);
             fill_stage(k1s, bars, 1, n, rb, kvb, tkb, lrow, ch, 0);
         }
         if (nx.j < 0) break;
