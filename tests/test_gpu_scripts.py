@@ -158,6 +158,8 @@ def test_levers_script_refuses_an_unknown_step_or_ab_without_switches_before_run
     ["tools/plan_phases.py", "phases", "--out", "{tmp}/o"],
     ["tools/v11_probe.py", "--out", "{tmp}/o"],
     ["tools/rows_sweep.py", "--out", "{tmp}/o"],
+    ["tools/verify_split.py", "--out", "{tmp}/o"],
+    ["tools/verify_energy.py", "--out", "{tmp}/o"],
     ["tools/ncu_verify.py", "--impl", "wgmma_v10"],
     ["tools/kernel_ab.py", "run", "--version", "10", "--out", "{tmp}/o"],
     ["tools/sanitize_attention.py", "run", "--json", "{tmp}/o.json"],
@@ -177,6 +179,19 @@ def test_gpu_tools_say_in_one_line_that_they_need_a_gpu(argv, tmp_path):
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "torch sees no CUDA device here" in err[-1], err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["tools/verify_split.py", "--define", "TV_TRACE"], "--define takes NAME=VALUE, got 'TV_TRACE'"),
+    (["tools/verify_split.py", "--define", "1X=2"], "--define takes NAME=VALUE, got '1X=2'"),
+    (["tools/verify_energy.py", "--seconds", "0.01"], "--seconds 0.01: take 0.2 to 20"),
+])
+def test_verify_tools_refuse_bad_arguments_in_one_line_and_make_no_folder(argv, says, tmp_path):
+    out = tmp_path / "o"
+    proc = subprocess.run([sys.executable, *argv, "--out", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert says in proc.stderr.strip().splitlines()[-1] and not out.exists()
 
 
 def test_kernel_ab_export_of_an_unknown_revision_is_one_line(tmp_path):
