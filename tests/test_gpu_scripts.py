@@ -185,6 +185,7 @@ def test_gpu_tools_say_in_one_line_that_they_need_a_gpu(argv, tmp_path):
     (["tools/verify_split.py", "--define", "TV_TRACE"], "--define takes NAME=VALUE, got 'TV_TRACE'"),
     (["tools/verify_split.py", "--define", "1X=2"], "--define takes NAME=VALUE, got '1X=2'"),
     (["tools/verify_energy.py", "--seconds", "0.01"], "--seconds 0.01: take 0.2 to 20"),
+    (["tools/verify_energy.py", "--impl", "mma"], "--impl mma: not a whole-verify impl"),
 ])
 def test_verify_tools_refuse_bad_arguments_in_one_line_and_make_no_folder(argv, says, tmp_path):
     out = tmp_path / "o"

@@ -340,7 +340,7 @@ LOADERS = {
     "plan_phases": results.load_plan_phases, "plan_cost": results.load_plan_cost,
     "register_budget": results.load_register_budget, "cluster_exchange": results.load_cluster_exchange,
     "code_size": results.load_code_size, "wgmma_rate": results.load_wgmma_rate,
-    "verify_split": results.load_verify_split,
+    "verify_split": results.load_verify_split, "verify_energy": results.load_verify_energy,
 }
 
 

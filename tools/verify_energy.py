@@ -65,16 +65,16 @@ def sustained(timer, meter: Meter, calls: int) -> dict:
             "watts": (e1 - e0) / (t1 - t0), "calls": calls, **meter.state()}
 
 
-def point_arms(p: dict, pool, kv_split, fi) -> dict:
-    """The duel's timers at point p: "verify" (the default whole verify, graph replays over the rotated
-    tables), "flashinfer" and "flashinfer_graph" (`_flashinfer_prefix`)."""
+def point_arms(p: dict, pool, kv_split, fi, impl: str | None) -> dict:
+    """The duel's timers at point p: "verify" (the whole verify of `impl`, None: the default, graph replays
+    over the rotated tables), "flashinfer" and "flashinfer_graph" (`_flashinfer_prefix`)."""
     from kdlib.cuda import attention as cu
     from kdlib.perf.suites import _attention as base
     from kdlib.perf.suites import attention as suite
 
     x = suite.point_inputs(p, pool)
     ws = cu.make_workspace(p["batch"], p["queries"], p["heads"])
-    call = suite.verify_call(x, pool, ws)
+    call = suite.verify_call(x, pool, ws, **({"impl": impl} if impl else {}))
     call(x["tables"][0], validate=True)
     timers = {"verify": base.graph_timer([lambda pt=pt: call(pt) for pt in x["tables"]])}
     _, _, fi_timers = suite._flashinfer_prefix(fi, x["q"], *kv_split, x["tables"], x["lens"], x["scale"], 20)
@@ -86,9 +86,14 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True, type=folder, help="folder of the record")
     ap.add_argument("--rounds", type=positive_int, default=7)
     ap.add_argument("--seconds", type=float, default=2.0, help="an arm's calls a round, in seconds (about)")
+    ap.add_argument("--impl", help="the verify arm's kdlib.cuda.attention impl (default: the default verify)")
     a = ap.parse_args(argv)
     if not 0.2 <= a.seconds <= 20:
         ap.error(f"--seconds {a.seconds}: take 0.2 to 20 (NVML's energy counter needs a window)")
+    from kdlib.cuda import attention as cu
+
+    if a.impl is not None and cu.IMPLS.get(a.impl) not in cu.WGMMA_VERSIONS:
+        ap.error(f"--impl {a.impl}: not a whole-verify impl of kdlib.cuda.attention (e.g. wgmma_v13)")
     require_gpu(ap)
     from kdlib.perf.suites import attention as suite
 
@@ -108,7 +113,7 @@ def main(argv=None) -> None:
                 pool[:, suite.D_V:].contiguous().view(-1, 1, suite.D_QK - suite.D_V))  # FlashInfer's caches
     rows = []
     for p in pts:
-        arms = point_arms(p, pool, kv_split, fi)
+        arms = point_arms(p, pool, kv_split, fi, a.impl)
         names = [k for k in arms if not k.startswith("_")]
         calls = {k: max(10, round(a.seconds * 1e3 / arms[k](iters=20, warmup=3).median_ms)) for k in names}
         rounds = {k: [] for k in names}
@@ -125,7 +130,7 @@ def main(argv=None) -> None:
             + f"; verify / FlashInfer's least, median round {statistics.median(ratio):.4f}", flush=True)
         del arms
         torch.cuda.empty_cache()
-    doc = {"parameters": {"points": pts, "rounds": a.rounds, "seconds": a.seconds,
+    doc = {"parameters": {"points": pts, "rounds": a.rounds, "seconds": a.seconds, "impl": a.impl,
                           "power_limit_w": meter.limit_w}, "rows": rows}
     print(results.write("verify_energy", doc, out_dir=a.out, command=" ".join(["python3"] + sys.argv)))
 

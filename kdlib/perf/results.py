@@ -937,6 +937,14 @@ def load_verify_split(gpu: str = "h200") -> Recorded | None:
     return _recorded("verify_split", gpu, _no_rows)
 
 
+def load_verify_energy(gpu: str = "h200") -> Recorded | None:
+    """The recorded `tools/verify_energy.py` run on `gpu` (the energy a call under sustained load, our whole
+    verify and FlashInfer's prefix in interleaved rounds at issue 19's goal points), or None: read
+    `Recorded.doc["rows"]` (per point `rounds`: each arm's rounds with `joules`, `median_ms`, `wall_ms`,
+    `watts`, `sm_mhz`, `power_capped`; `energy_ratio_to_flashinfer` a round)."""
+    return _recorded("verify_energy", gpu, _no_rows)
+
+
 def load_kernel_ab_repeat(gpu: str = "h200") -> Recorded | None:
     """The recorded `tools/kernel_ab.py repeat` run on `gpu` (each arm n times at one point against a float64
     verify), or None. No rows: read `Recorded.doc["arms"]` (distinct outputs, spread, error per arm)."""
