@@ -5,8 +5,8 @@ for about --seconds a round, back to back. Per arm and round: the GPU's energy c
 calls, their wall time, the mean power, the SM clock and NVML's clock-event reasons at the round's end (power
 cap or not).
 
-Where the clocks fall under the power cap (the duels' rounds), a call takes about what its energy allows, so
-the energy a call is what the duels compare.
+Where the power cap holds the clocks (within seconds of sustained load), a call takes about what its energy
+allows, so the energy a call is what a steady stream of verifies compares.
 
 On the GPU machine (FlashInfer from the carried site, as the levers script's duel step):
     KDLIB_COMMIT=<sha> PYTHONPATH=$PWD:/tmp/site python3 tools/verify_energy.py --out $OUT
