@@ -100,6 +100,14 @@ def fraction(text: str) -> float:
     return value
 
 
+def build_switch(text: str) -> str:
+    """argparse type: NAME=VALUE, a -D switch of a kernel build (NAME an identifier)."""
+    name, eq, _ = text.partition("=")
+    if not eq or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"takes NAME=VALUE, got {text!r}")
+    return text
+
+
 def folder(text: str) -> Path:
     """argparse type: a folder, or a path where none exists yet (made when written)."""
     path = Path(text)

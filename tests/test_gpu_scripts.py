@@ -182,8 +182,10 @@ def test_gpu_tools_say_in_one_line_that_they_need_a_gpu(argv, tmp_path):
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["tools/verify_split.py", "--define", "TV_TRACE"], "--define takes NAME=VALUE, got 'TV_TRACE'"),
-    (["tools/verify_split.py", "--define", "1X=2"], "--define takes NAME=VALUE, got '1X=2'"),
+    (["tools/verify_split.py", "--define", "TV_TRACE"], "--define: takes NAME=VALUE, got 'TV_TRACE'"),
+    (["tools/verify_split.py", "--define", "1X=2"], "argument --define: takes NAME=VALUE, got '1X=2'"),
+    (["tools/verify_energy.py", "--define", "=1"], "argument --define: takes NAME=VALUE, got '=1'"),
+    (["tools/verify_energy.py", "--point", "8x9x200k"], "--point 8x9x200k: not a goal point (8x65x200k, 64x"),
     (["tools/verify_energy.py", "--seconds", "0.01"], "--seconds 0.01: take 0.2 to 20"),
     (["tools/verify_energy.py", "--impl", "mma"], "--impl mma: not a whole-verify impl"),
 ])

@@ -3,24 +3,26 @@ points the attention suite's duel arms (our whole verify replayed from CUDA grap
 BatchMLAPagedAttentionWrapper over the prefix, eager and graph-replayed) run in interleaved rounds, each arm
 for about --seconds a round, back to back. Per arm and round: the GPU's energy counter (NVML, mJ) over the
 calls, their wall time, the mean power, the SM clock and NVML's clock-event reasons at the round's end (power
-cap or not).
+cap or not). Each --define NAME=VALUE adds an arm of our verify built with -DNAME=VALUE (e.g. the timing
+probes TV7_PROBE=1, the gathers alone, and =2, the consumers alone: where the energy goes).
 
 Where the power cap holds the clocks (within seconds of sustained load), a call takes about what its energy
 allows, so the energy a call is what a steady stream of verifies compares.
 
 On the GPU machine (FlashInfer from the carried site, as the levers script's duel step):
-    KDLIB_COMMIT=<sha> PYTHONPATH=$PWD:/tmp/site python3 tools/verify_energy.py --out $OUT
-        -> $OUT/verify_energy.<gpu>.json
+    KDLIB_COMMIT=<sha> PYTHONPATH=$PWD:/tmp/site python3 tools/verify_energy.py --out $OUT \
+        [--point 64x65x32k] [--define TV7_PROBE=2]      -> $OUT/verify_energy.<gpu>.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
 
-from kdlib.cli import folder, make_folder, positive_int, require_gpu
+from kdlib.cli import build_switch, folder, make_folder, positive_int, require_gpu
 
 SW_POWER_CAP = 0x4  # nvmlClocksEventReasonSwPowerCap
 
@@ -65,20 +67,52 @@ def sustained(timer, meter: Meter, calls: int) -> dict:
             "watts": (e1 - e0) / (t1 - t0), "calls": calls, **meter.state()}
 
 
-def point_arms(p: dict, pool, kv_split, fi, impl: str | None) -> dict:
-    """The duel's timers at point p: "verify" (the whole verify of `impl`, None: the default, graph replays
-    over the rotated tables), "flashinfer" and "flashinfer_graph" (`_flashinfer_prefix`)."""
-    from kdlib.cuda import attention as cu
+def point_name(p: dict) -> str:
+    """'64x65x32k': heads x queries x prefix (k: thousands, or 1024s where it divides)."""
+    s = p["prefix"]
+    return f"{p['heads']}x{p['queries']}x{s // 1024 if s % 1024 == 0 else s // 1000}k"
+
+
+def our_timer(x: dict, pool, ws, impl: str | None):
+    """Our whole verify of `impl` (None: the default) over point inputs x's rotated tables, graph-replayed,
+    captured now: with the kernels the loader builds now (a -D switch inside `loader.extra_options`)."""
     from kdlib.perf.suites import _attention as base
+    from kdlib.perf.suites import attention as suite
+
+    call = suite.verify_call(x, pool, ws, **({"impl": impl} if impl else {}))
+    return base.graph_timer([lambda pt=pt: call(pt) for pt in x["tables"]])
+
+
+def measure_point(p: dict, pool, kv_split, fi, meter: Meter, switches: dict, impl: str | None, rounds: int,
+                  seconds: float) -> dict:
+    """Every arm at goal point p, `rounds` interleaved rounds of about `seconds` each -> the point's row:
+    each arm's rounds (`sustained`) and our default arm's energy over FlashInfer's leaner arm, a round.
+    switches: our arms, name -> its -D switch (None: the default build); then FlashInfer's two."""
+    from kdlib.cuda import attention as cu
+    from kdlib.cuda import loader
     from kdlib.perf.suites import attention as suite
 
     x = suite.point_inputs(p, pool)
     ws = cu.make_workspace(p["batch"], p["queries"], p["heads"])
-    call = suite.verify_call(x, pool, ws, **({"impl": impl} if impl else {}))
-    call(x["tables"][0], validate=True)
-    timers = {"verify": base.graph_timer([lambda pt=pt: call(pt) for pt in x["tables"]])}
+    suite.verify_call(x, pool, ws, **({"impl": impl} if impl else {}))(x["tables"][0], validate=True)
     _, _, fi_timers = suite._flashinfer_prefix(fi, x["q"], *kv_split, x["tables"], x["lens"], x["scale"], 20)
-    return {**timers, **fi_timers, "_keep": (x, ws)}  # the graphs replay x's and ws's buffers
+    arms = [*switches, *fi_timers]
+
+    def timed(k, calls=None):  # an arm's calls (None: its calibration, 20 calls after 3) -> its record
+        d = switches.get(k)
+        with loader.extra_options(f"-D{d}") if d else contextlib.nullcontext():
+            # ours captured afresh in its build each time: the loader forgets a build's modules past it
+            timer = our_timer(x, pool, ws, impl) if k in switches else fi_timers[k]
+            return timer(iters=20, warmup=3) if calls is None else sustained(timer, meter, calls)
+
+    calls = {k: max(10, round(seconds * 1e3 / timed(k).median_ms)) for k in arms}
+    got = {k: [] for k in arms}
+    for r in range(rounds):  # the arms in turn from the r-th, as the suite's duel
+        for k in arms[r % len(arms):] + arms[:r % len(arms)]:
+            got[k].append(timed(k, calls[k]))
+    fi_least = [min(got[k][i]["joules"] for k in fi_timers) for i in range(rounds)]
+    ratio = [v["joules"] / f for v, f in zip(got["verify"], fi_least, strict=True)]
+    return {**p, "rounds": got, "energy_ratio_to_flashinfer": ratio}
 
 
 def main(argv=None) -> None:
@@ -86,17 +120,26 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True, type=folder, help="folder of the record")
     ap.add_argument("--rounds", type=positive_int, default=7)
     ap.add_argument("--seconds", type=float, default=2.0, help="an arm's calls a round, in seconds (about)")
-    ap.add_argument("--impl", help="the verify arm's kdlib.cuda.attention impl (default: the default verify)")
+    ap.add_argument("--impl", help="our arms' kdlib.cuda.attention impl (default: the default verify)")
+    ap.add_argument("--define", action="append", default=[], type=build_switch,
+                    help="NAME=VALUE: an arm of our verify built with -DNAME=VALUE")
+    ap.add_argument("--point", action="append", default=[],
+                    help="a goal point by name, e.g. 64x65x32k (default: both)")
     a = ap.parse_args(argv)
     if not 0.2 <= a.seconds <= 20:
         ap.error(f"--seconds {a.seconds}: take 0.2 to 20 (NVML's energy counter needs a window)")
     from kdlib.cuda import attention as cu
+    from kdlib.perf.suites import attention as suite
 
     if a.impl is not None and cu.IMPLS.get(a.impl) not in cu.WGMMA_VERSIONS:
         ap.error(f"--impl {a.impl}: not a whole-verify impl of kdlib.cuda.attention (e.g. wgmma_v13)")
+    pts = [{"heads": h, "queries": q, "prefix": s, "batch": b} for h, q, s, b in suite.GOAL_MS]
+    names = [point_name(p) for p in pts]
+    unknown = [n for n in a.point if n not in names]
+    if unknown:
+        ap.error(f"--point {unknown[0]}: not a goal point ({', '.join(names)})")
+    pts = [p for p, n in zip(pts, names, strict=True) if not a.point or n in a.point]
     require_gpu(ap)
-    from kdlib.perf.suites import attention as suite
-
     fi, why = suite._flashinfer()
     if fi is None:
         ap.error(f"{why} (put the carried site on PYTHONPATH)")
@@ -106,32 +149,23 @@ def main(argv=None) -> None:
     from kdlib.perf import results
 
     meter = Meter()
-    pts = [{"heads": h, "queries": q, "prefix": s, "batch": b} for h, q, s, b in suite.GOAL_MS]
+    switches = {"verify": None, **{f"verify -D{d}": d for d in a.define}}
     pool = torch.randn(suite.pool_rows(pts), suite.D_QK, device="cuda",
                        dtype=torch.bfloat16)  # [N, 576] KV rows
     kv_split = (pool[:, :suite.D_V].contiguous().view(-1, 1, suite.D_V),
                 pool[:, suite.D_V:].contiguous().view(-1, 1, suite.D_QK - suite.D_V))  # FlashInfer's caches
     rows = []
     for p in pts:
-        arms = point_arms(p, pool, kv_split, fi, a.impl)
-        names = [k for k in arms if not k.startswith("_")]
-        calls = {k: max(10, round(a.seconds * 1e3 / arms[k](iters=20, warmup=3).median_ms)) for k in names}
-        rounds = {k: [] for k in names}
-        for r in range(a.rounds):  # the arms in turn from the r-th, as the suite's duel
-            for k in names[r % len(names):] + names[:r % len(names)]:
-                rounds[k].append(sustained(arms[k], meter, calls[k]))
-        fi_best = [min(rounds[k][i]["joules"] for k in names if k != "verify") for i in range(a.rounds)]
-        ratio = [v["joules"] / f for v, f in zip(rounds["verify"], fi_best, strict=True)]
-        rows.append({**p, "rounds": rounds, "energy_ratio_to_flashinfer": ratio})
-        print(f"[energy] H{p['heads']} Q{p['queries']} S{p['prefix']}: " + "; ".join(
-            f"{k} {statistics.median(x['joules'] for x in v) * 1e3:.3f} mJ "
-            f"{statistics.median(x['median_ms'] for x in v):.4f} ms "
-            f"{statistics.median(x['sm_mhz'] for x in v):.0f} MHz" for k, v in rounds.items())
-            + f"; verify / FlashInfer's least, median round {statistics.median(ratio):.4f}", flush=True)
-        del arms
+        rows.append(measure_point(p, pool, kv_split, fi, meter, switches, a.impl, a.rounds, a.seconds))
+        print(f"[energy] {point_name(p)}: " + "; ".join(
+            f"{k} {statistics.median(r['joules'] for r in v) * 1e3:.3f} mJ "
+            f"{statistics.median(r['median_ms'] for r in v):.4f} ms "
+            f"{statistics.median(r['sm_mhz'] for r in v):.0f} MHz" for k, v in rows[-1]["rounds"].items())
+            + f"; verify / FlashInfer's least, median round "
+            f"{statistics.median(rows[-1]['energy_ratio_to_flashinfer']):.4f}", flush=True)
         torch.cuda.empty_cache()
     doc = {"parameters": {"points": pts, "rounds": a.rounds, "seconds": a.seconds, "impl": a.impl,
-                          "power_limit_w": meter.limit_w}, "rows": rows}
+                          "defines": a.define, "power_limit_w": meter.limit_w}, "rows": rows}
     print(results.write("verify_energy", doc, out_dir=a.out, command=" ".join(["python3"] + sys.argv)))
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kdlib.cli import folder, make_folder, positive_int, require_gpu
+from kdlib.cli import build_switch, folder, make_folder, positive_int, require_gpu
 from kdlib.perf.suites import attention as suite
 
 POINTS = [p for p in suite.POINTS  # the goal points and the two 8 x 9 points
@@ -45,12 +45,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=folder, help="folder of the record")
     ap.add_argument("--iters", type=positive_int, default=20)
-    ap.add_argument("--define", action="append", default=[],
+    ap.add_argument("--define", action="append", default=[], type=build_switch,
                     help="NAME=VALUE: an arm built with -DNAME=VALUE")
     a = ap.parse_args(argv)
-    bad = [d for d in a.define if "=" not in d or not d.partition("=")[0].isidentifier()]
-    if bad:
-        ap.error(f"--define takes NAME=VALUE, got {bad[0]!r}")
     require_gpu(ap)
     make_folder(ap, a.out)
     import torch
