@@ -10,8 +10,8 @@
 #   ab         each switch of KDLIB_AB (SUITE:NAME=VALUE[,NAME=VALUE...], space-separated; required for this
 #              step) against this tree's default build: tools/kernel_ab.py run --version KDLIB_AB_VERSION
 #              (default 10) --define (one per NAME=VALUE, the switches together), one process, arms
-#              alternating, outputs compared bit for bit; an A/A beside them (kernel_ab_aa:AB_NO_SWITCH=1, a
-#              macro no source reads) gives the spread of the call's arms
+#              alternating, outputs compared bit for bit; add kernel_ab_aa:AB_NO_SWITCH=1 (a macro no source
+#              reads) for an A/A beside them: the spread of the call's arms
 #              -> r/<SUITE>.<gpu>.json
 #   timeline   the attention_timeline suite (the consumers' pair in SM clocks at the 8 x 65 and 8 x 9 points)
 #   phases     the plan kernel's phases (tools/plan_phases.py phases)

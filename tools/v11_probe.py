@@ -22,7 +22,7 @@ import os
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kdlib.cli import folder, make_folder, positive_int, require_gpu
+from kdlib.cli import build_switch, folder, make_folder, positive_int, require_gpu
 from kdlib.cuda import attention as cu
 from kdlib.cuda import loader
 from kdlib.perf import results
@@ -73,7 +73,11 @@ def define_arm(define: str) -> tuple[str, str]:
     """A --define's (impl, NAME=VALUE): 'NAME=VALUE' is version 11's, 'IMPL:NAME=VALUE' that impl's."""
     impl, _, switch = define.rpartition(":")
     impl = impl or "wgmma_v11"
-    if cu.IMPLS.get(impl) is None or "=" not in switch or not switch.partition("=")[0].isidentifier():
+    try:
+        build_switch(switch)
+    except argparse.ArgumentTypeError:
+        impl = None
+    if cu.IMPLS.get(impl) is None:
         raise ValueError(f"--define takes NAME=VALUE or IMPL:NAME=VALUE (IMPL a kdlib.cuda.attention impl, "
                          f"e.g. wgmma_v12), got {define!r}")
     return impl, switch
