@@ -4,14 +4,15 @@ BatchMLAPagedAttentionWrapper over the prefix, eager and graph-replayed) run in 
 for about --seconds a round, back to back. Per arm and round: the GPU's energy counter (NVML, mJ) over the
 calls, their wall time, the mean power, the SM clock and NVML's clock-event reasons at the round's end (power
 cap or not). Each --define NAME=VALUE adds an arm of our verify built with -DNAME=VALUE (e.g. the timing
-probes TV7_PROBE=1, the gathers alone, and =2, the consumers alone: where the energy goes).
+probes TV7_PROBE=1, the gathers alone, and =2, the consumers alone: where the energy goes); each --impl
+another whole-verify impl's arm (e.g. wgmma_v13), beside the default verify's.
 
 Where the power cap holds the clocks (within seconds of sustained load), a call takes about what its energy
 allows, so the energy a call is what a steady stream of verifies compares.
 
 On the GPU machine (FlashInfer from the carried site, as the levers script's duel step):
     KDLIB_COMMIT=<sha> PYTHONPATH=$PWD:/tmp/site python3 tools/verify_energy.py --out $OUT \
-        [--point 64x65x32k] [--define TV7_PROBE=2]      -> $OUT/verify_energy.<gpu>.json
+        [--point 64x65x32k] [--define TV7_PROBE=2] [--impl wgmma_v13]   -> $OUT/verify_energy.<gpu>.json
 """
 
 from __future__ import annotations
@@ -83,26 +84,32 @@ def our_timer(x: dict, pool, ws, impl: str | None):
     return base.graph_timer([lambda pt=pt: call(pt) for pt in x["tables"]])
 
 
-def measure_point(p: dict, pool, kv_split, fi, meter: Meter, switches: dict, impl: str | None, rounds: int,
-                  seconds: float) -> dict:
+def our_arms(impls: list[str], defines: list[str]) -> dict:
+    """Our arms, name -> (impl, -D switch), None for the default: the default verify ("verify") first."""
+    return {"verify": (None, None), **{f"verify {i}": (i, None) for i in impls},
+            **{f"verify -D{d}": (None, d) for d in defines}}
+
+
+def measure_point(p: dict, pool, kv_split, fi, meter: Meter, ours: dict, rounds: int, seconds: float) -> dict:
     """Every arm at goal point p, `rounds` interleaved rounds of about `seconds` each -> the point's row:
-    each arm's rounds (`sustained`) and our default arm's energy over FlashInfer's leaner arm, a round.
-    switches: our arms, name -> its -D switch (None: the default build); then FlashInfer's two."""
+    each arm's rounds (`sustained`) and each of our arms' energy over FlashInfer's leaner arm, a round.
+    ours: our_arms; then FlashInfer's two arms."""
     from kdlib.cuda import attention as cu
     from kdlib.cuda import loader
     from kdlib.perf.suites import attention as suite
 
     x = suite.point_inputs(p, pool)
     ws = cu.make_workspace(p["batch"], p["queries"], p["heads"])
-    suite.verify_call(x, pool, ws, **({"impl": impl} if impl else {}))(x["tables"][0], validate=True)
+    for impl in {i for i, d in ours.values() if d is None}:  # the arms of right outputs, checked once
+        suite.verify_call(x, pool, ws, **({"impl": impl} if impl else {}))(x["tables"][0], validate=True)
     _, _, fi_timers = suite._flashinfer_prefix(fi, x["q"], *kv_split, x["tables"], x["lens"], x["scale"], 20)
-    arms = [*switches, *fi_timers]
+    arms = [*ours, *fi_timers]
 
     def timed(k, calls=None):  # an arm's calls (None: its calibration, 20 calls after 3) -> its record
-        d = switches.get(k)
+        impl, d = ours.get(k, (None, None))
         with loader.extra_options(f"-D{d}") if d else contextlib.nullcontext():
             # ours captured afresh in its build each time: the loader forgets a build's modules past it
-            timer = our_timer(x, pool, ws, impl) if k in switches else fi_timers[k]
+            timer = our_timer(x, pool, ws, impl) if k in ours else fi_timers[k]
             return timer(iters=20, warmup=3) if calls is None else sustained(timer, meter, calls)
 
     calls = {k: max(10, round(seconds * 1e3 / timed(k).median_ms)) for k in arms}
@@ -111,8 +118,8 @@ def measure_point(p: dict, pool, kv_split, fi, meter: Meter, switches: dict, imp
         for k in arms[r % len(arms):] + arms[:r % len(arms)]:
             got[k].append(timed(k, calls[k]))
     fi_least = [min(got[k][i]["joules"] for k in fi_timers) for i in range(rounds)]
-    ratio = [v["joules"] / f for v, f in zip(got["verify"], fi_least, strict=True)]
-    return {**p, "rounds": got, "energy_ratio_to_flashinfer": ratio}
+    ratios = {k: [v["joules"] / f for v, f in zip(got[k], fi_least, strict=True)] for k in ours}
+    return {**p, "rounds": got, "energy_ratio_to_flashinfer": ratios["verify"], "arm_energy_ratios": ratios}
 
 
 def main(argv=None) -> None:
@@ -120,7 +127,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True, type=folder, help="folder of the record")
     ap.add_argument("--rounds", type=positive_int, default=7)
     ap.add_argument("--seconds", type=float, default=2.0, help="an arm's calls a round, in seconds (about)")
-    ap.add_argument("--impl", help="our arms' kdlib.cuda.attention impl (default: the default verify)")
+    ap.add_argument("--impl", action="append", default=[],
+                    help="an arm of our verify of this kdlib.cuda.attention impl (e.g. wgmma_v13)")
     ap.add_argument("--define", action="append", default=[], type=build_switch,
                     help="NAME=VALUE: an arm of our verify built with -DNAME=VALUE")
     ap.add_argument("--point", action="append", default=[],
@@ -131,8 +139,9 @@ def main(argv=None) -> None:
     from kdlib.cuda import attention as cu
     from kdlib.perf.suites import attention as suite
 
-    if a.impl is not None and cu.IMPLS.get(a.impl) not in cu.WGMMA_VERSIONS:
-        ap.error(f"--impl {a.impl}: not a whole-verify impl of kdlib.cuda.attention (e.g. wgmma_v13)")
+    for impl in a.impl:
+        if cu.IMPLS.get(impl) not in cu.WGMMA_VERSIONS:
+            ap.error(f"--impl {impl}: not a whole-verify impl of kdlib.cuda.attention (e.g. wgmma_v13)")
     pts = [{"heads": h, "queries": q, "prefix": s, "batch": b} for h, q, s, b in suite.GOAL_MS]
     names = [point_name(p) for p in pts]
     unknown = [n for n in a.point if n not in names]
@@ -149,22 +158,22 @@ def main(argv=None) -> None:
     from kdlib.perf import results
 
     meter = Meter()
-    switches = {"verify": None, **{f"verify -D{d}": d for d in a.define}}
+    ours = our_arms(a.impl, a.define)
     pool = torch.randn(suite.pool_rows(pts), suite.D_QK, device="cuda",
                        dtype=torch.bfloat16)  # [N, 576] KV rows
     kv_split = (pool[:, :suite.D_V].contiguous().view(-1, 1, suite.D_V),
                 pool[:, suite.D_V:].contiguous().view(-1, 1, suite.D_QK - suite.D_V))  # FlashInfer's caches
     rows = []
     for p in pts:
-        rows.append(measure_point(p, pool, kv_split, fi, meter, switches, a.impl, a.rounds, a.seconds))
+        rows.append(measure_point(p, pool, kv_split, fi, meter, ours, a.rounds, a.seconds))
         print(f"[energy] {point_name(p)}: " + "; ".join(
             f"{k} {statistics.median(r['joules'] for r in v) * 1e3:.3f} mJ "
             f"{statistics.median(r['median_ms'] for r in v):.4f} ms "
             f"{statistics.median(r['sm_mhz'] for r in v):.0f} MHz" for k, v in rows[-1]["rounds"].items())
-            + f"; verify / FlashInfer's least, median round "
-            f"{statistics.median(rows[-1]['energy_ratio_to_flashinfer']):.4f}", flush=True)
+            + "; energy / FlashInfer's least, median round: " + ", ".join(
+            f"{k} {statistics.median(v):.4f}" for k, v in rows[-1]["arm_energy_ratios"].items()), flush=True)
         torch.cuda.empty_cache()
-    doc = {"parameters": {"points": pts, "rounds": a.rounds, "seconds": a.seconds, "impl": a.impl,
+    doc = {"parameters": {"points": pts, "rounds": a.rounds, "seconds": a.seconds, "impls": a.impl,
                           "defines": a.define, "power_limit_w": meter.limit_w}, "rows": rows}
     print(results.write("verify_energy", doc, out_dir=a.out, command=" ".join(["python3"] + sys.argv)))
 

@@ -930,10 +930,10 @@ def load_wgmma_rate(gpu: str = "h200") -> Recorded | None:
 
 
 def load_verify_split(gpu: str = "h200") -> Recorded | None:
-    """The recorded `tools/verify_split.py` run on `gpu` (each kernel's device time in one whole verify, against
-    the graph-replayed verify, at issue 19's goal and 8 x 9 points), or None. No rows: `doc["arms"]` maps each
-    build ("default", "-DNAME=VALUE") to a row per point of `doc["parameters"]["points"]` (`replay_ms`,
-    `device_ms`, `kernels`: name, calls and us a verify)."""
+    """The recorded `tools/verify_split.py` run on `gpu` (each kernel's device time in one whole verify,
+    against the graph-replayed verify, at issue 19's goal and 8 x 9 points), or None. No rows: `doc["arms"]`
+    maps each build ("default", "-DNAME=VALUE") to a row per point of `doc["parameters"]["points"]`
+    (`replay_ms`, `device_ms`, `kernels`: name, calls and us a verify)."""
     return _recorded("verify_split", gpu, _no_rows)
 
 
@@ -941,7 +941,8 @@ def load_verify_energy(gpu: str = "h200") -> Recorded | None:
     """The recorded `tools/verify_energy.py` run on `gpu` (the energy a call under sustained load, our whole
     verify and FlashInfer's prefix in interleaved rounds at issue 19's goal points), or None: read
     `Recorded.doc["rows"]` (per point `rounds`: each arm's rounds with `joules`, `median_ms`, `wall_ms`,
-    `watts`, `sm_mhz`, `power_capped`; `energy_ratio_to_flashinfer` a round)."""
+    `watts`, `sm_mhz`, `power_capped`; `energy_ratio_to_flashinfer` a round, the default verify's over
+    FlashInfer's leaner arm; since the --impl arms, `arm_energy_ratios`: the same for each of our arms)."""
     return _recorded("verify_energy", gpu, _no_rows)
 
 

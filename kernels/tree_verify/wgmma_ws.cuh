@@ -72,8 +72,10 @@
 // 5: 2 with consumer 1's S over stage 0's keys too (both S read one K tile: does a second tile slow them?);
 // 6: 2 with consumer 1's S taken out (consumer 0's S alone on the tensor cores: its rate without the other's);
 // 7: 6 with consumer 0's S issued twice, the second adding the same products again (a wgmma's cost in the pair's S
-// past the first's start). kdlib.perf.suites.attention_bounds times 1-4 beside the default build;
-// attention_timeline traces 2-7.
+// past the first's start); 8: the producer gathers the stages of even pairs alone, and only arrives on odd pairs'
+// (half the bytes from L2 into shared memory: what two row blocks sharing each key tile could save at most).
+// kdlib.perf.suites.attention_bounds times 1-4 beside the default build; attention_timeline traces 2-7;
+// tools/verify_energy.py meters 1, 2 and 8.
 #ifndef TV7_PROBE
 #define TV7_PROBE 0
 #endif
@@ -351,7 +353,7 @@ __device__ __forceinline__ void fill_stage(unsigned kst, unsigned bars, int s, i
         dequant_fp8<1>(kst, bars, s, 1, sc, lrow, ch);
         return;
     }
-    const bool copy = TV7_PROBE < 2 || n == 0;
+    const bool copy = TV7_PROBE == 8 ? (n & 1) == 0 : TV7_PROBE < 2 || n == 0;
     constexpr int NCH = 128 / FILLER;
     bar_wait(BAR_EMPTY(bars, s, 0), ep);
     gather_half<0, V_R0, NCH, CDQ>(kst, bars, s, t, kvb, tkb, lrow, ch, copy);
