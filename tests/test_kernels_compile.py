@@ -299,14 +299,14 @@ def _ptx(source, extra: list[str], out) -> str:
     return out.read_text()
 
 
-SWITCH_BUILDS = [*(f"-DTV7_PROBE={p}" for p in range(1, 9)), "-DTV_TRACE=1"]
+SWITCH_BUILDS = [*(f"-DTV7_PROBE={p}" for p in range(1, 10)), "-DTV_TRACE=1"]
 
 
 @pytest.mark.skipif(_NVRTC is None, reason="nvidia-cuda-nvrtc is not installed (requirements.lock pins it)")
 @pytest.mark.parametrize("option", SWITCH_BUILDS)
 def test_v10_switch_builds_compile_without_spills(option):
     """Version 10's file as the suites load it builds with NVRTC without spills or stack frames, every kernel
-    of the file, in each build a -D switch of wgmma_ws.cuh makes: the timing probes 1 .. 8 and the
+    of the file, in each build a -D switch of wgmma_ws.cuh makes: the timing probes 1 .. 9 and the
     attention_timeline build."""
     source = KERNELS / "tree_verify" / "wgmma_v10.cu"
     rc, text = _nvrtc_compile(source, [b"-arch=sm_90a", b"-arch=sm_90", b"--ptxas-options=-v",
@@ -343,8 +343,8 @@ def test_v10_probes_drop_the_mmas_they_name_from_v7s_consumers_only(tmp_path):
     """In the probes' PTX (nvcc) the kernel of v7's consumers keeps the default's wgmma where the consumers'
     work is timed (2; 5: its S over the other stage's keys; 6: consumer 1's S skipped at run time, the code
     kept), none where only the gathers are (1), and part of them without P V (3) or S (4), the two parts
-    adding up to the whole; 7 has S's wgmmas once more (consumer 0's second S); 8 (half the gathers) all of
-    them. The kernel of v9's consumers keeps its own in every probe."""
+    adding up to the whole; 7 has S's wgmmas once more (consumer 0's second S); 8 (half the gathers) and 9
+    (the gathers twice) all of them. The kernel of v9's consumers keeps its own in every probe."""
     source = KERNELS / "tree_verify" / "wgmma_v10.cu"
 
     def mmas(probe):
@@ -354,10 +354,10 @@ def test_v10_probes_drop_the_mmas_they_name_from_v7s_consumers_only(tmp_path):
                 for k in ("tree_verify_v10_attend", "tree_verify_v10_attend_t")}
 
     with cf.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        default, *probes = pool.map(mmas, range(9))
+        default, *probes = pool.map(mmas, range(10))
     v7 = [p["tree_verify_v10_attend"] for p in probes]
     whole = default["tree_verify_v10_attend"]
-    assert whole > 0 and v7[0] == 0 and v7[1] == v7[4] == v7[5] == v7[7] == whole
+    assert whole > 0 and v7[0] == 0 and v7[1] == v7[4] == v7[5] == v7[7] == v7[8] == whole
     assert 0 < v7[2] < v7[1] and 0 < v7[3] < v7[1] and v7[2] + v7[3] == v7[1]
     assert v7[6] == whole + v7[2]  # S's code once more (probe 3: the S MMAs alone)
     assert all(p["tree_verify_v10_attend_t"] == default["tree_verify_v10_attend_t"] > 0 for p in probes)

@@ -632,19 +632,21 @@ __device__ __forceinline__ TileRows tile_rows(const int* plan, int nreq, const i
 }
 
 // Column blocks [cb0, cb1) of a tile into the stage at dst, one mbarrier arrive per block once the
-// thread's copies of it (and of every block before) have landed; copy false: the arrives alone (the
-// stage keeps what it holds: tree_verify/wgmma_ws.cuh's TV7_PROBE 2). NCH: 16-byte chunks a thread copies of
+// thread's copies of it (and of every block before) have landed. copies: how many times each chunk is copied
+// (0: the arrives alone, the stage keeps what it holds; 2: the same bytes twice: tree_verify/wgmma_ws.cuh's
+// TV7_PROBE 2 and 9; the default 1). NCH: 16-byte chunks a thread copies of
 // each 128-byte row piece, ch and ch + 8 / NCH ... (2: the FP8 build's 64-thread fillers). ONE: a single
 // arrive, on block CB0's barrier, once the copies of every block have landed.
 template <int CB0, int CB1, int NCH = 1, bool ONE = false>
 __device__ __forceinline__ void gather_half(unsigned dst, unsigned bars, int s, const TileRows& t, const char* kvb,
-                                            const char* tkb, int lrow, int ch, bool copy = true) {
+                                            const char* tkb, int lrow, int ch, int copies = 1) {
     const char* src[4];
 #pragma unroll
     for (int p = 0; p < 4; ++p) src[p] = (t.tail ? tkb : kvb) + (long long)t.row[p] * (D_QK * 2) + ch * 16;
 #pragma unroll 1
     for (int cb = CB0; cb < CB1; ++cb) {
-        if (copy)
+#pragma unroll 1
+        for (int r = 0; r < copies; ++r)
 #pragma unroll
             for (int p = 0; p < 4; ++p) {
                 const int row = lrow + 16 * p;

@@ -14,11 +14,18 @@
 // setmaxnreg: 128 x 40 + 256 x 232 = 64512, the CTA's pool: the registers it launched with, 384 x 168 under
 // __launch_bounds__(NTHREADS, 1), from which setmaxnreg.inc draws what .dec released, waiting until they are
 // there (-D either to probe the split: tools/register_budget.py)
+// (timing probe 9's producer, its copies twice, spills at 40: 128 x 56 + 256 x 224, the consumers' control build
+// -DCONSUMER_REGS=224)
+#if defined(TV7_PROBE) && TV7_PROBE == 9
+#define PROBE9_REGS 1
+#else
+#define PROBE9_REGS 0
+#endif
 #ifndef PRODUCER_REGS
-#define PRODUCER_REGS 40
+#define PRODUCER_REGS (PROBE9_REGS ? 56 : 40)
 #endif
 #ifndef CONSUMER_REGS
-#define CONSUMER_REGS 232
+#define CONSUMER_REGS (PROBE9_REGS ? 224 : 232)
 #endif
 // the FP8 build's producer dequantizes, two chunks a row a thread (72: no spill in any kernel of the build,
 // where 64 spilled; the consumers at 208 build v9's kernels without a spill up to 32 rows, tree_verify/wgmma_v9.cu's
@@ -73,9 +80,10 @@
 // 6: 2 with consumer 1's S taken out (consumer 0's S alone on the tensor cores: its rate without the other's);
 // 7: 6 with consumer 0's S issued twice, the second adding the same products again (a wgmma's cost in the pair's S
 // past the first's start); 8: the producer gathers the stages of even pairs alone, and only arrives on odd pairs'
-// (half the bytes from L2 into shared memory: what two row blocks sharing each key tile could save at most).
-// kdlib.perf.suites.attention_bounds times 1-4 beside the default build; attention_timeline traces 2-7;
-// tools/verify_energy.py meters 1, 2 and 8.
+// (half the bytes from L2 into shared memory: what two row blocks sharing each key tile could save at most);
+// 9: the producer copies every chunk of every stage twice (the same bytes: what the gathers' bytes cost, with
+// the producer's waits as the default's). kdlib.perf.suites.attention_bounds times 1-4 beside the default build;
+// attention_timeline traces 2-7; tools/verify_energy.py meters 1, 2, 8 and 9.
 #ifndef TV7_PROBE
 #define TV7_PROBE 0
 #endif
@@ -353,7 +361,7 @@ __device__ __forceinline__ void fill_stage(unsigned kst, unsigned bars, int s, i
         dequant_fp8<1>(kst, bars, s, 1, sc, lrow, ch);
         return;
     }
-    const bool copy = TV7_PROBE == 8 ? (n & 1) == 0 : TV7_PROBE < 2 || n == 0;
+    const int copy = TV7_PROBE == 9 ? 2 : TV7_PROBE == 8 ? (n & 1) == 0 : TV7_PROBE < 2 || n == 0;
     constexpr int NCH = 128 / FILLER;
     bar_wait(BAR_EMPTY(bars, s, 0), ep);
     gather_half<0, V_R0, NCH, CDQ>(kst, bars, s, t, kvb, tkb, lrow, ch, copy);
