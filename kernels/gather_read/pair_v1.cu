@@ -18,6 +18,7 @@
 // Blocks of PAIR_WARPS warps, dynamic shared memory PAIR_SMEM bytes; dup needs sm_90, mcast sm_90a (built for
 // another target its body traps).
 #include "common/cluster.cuh"
+#include "gather_read/xor_fold.cuh"
 
 #define PAIR_ROW_CHUNKS 72  // 16-byte chunks of a 576-wide bf16 row
 #define PAIR_ROW_BYTES (PAIR_ROW_CHUNKS * 16)
@@ -51,23 +52,6 @@ __device__ __forceinline__ void copy_row(unsigned dst, const uint4* src, unsigne
                          dst),
                      "l"(src), "n"(PAIR_ROW_BYTES), "r"(bar)
                      : "memory");
-}
-
-// The warp's XOR into out (one atomicXor per word from lane 0).
-__device__ __forceinline__ void xor_out(uint4 acc, int lane, unsigned* out) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        acc.x ^= __shfl_xor_sync(0xffffffffu, acc.x, off);
-        acc.y ^= __shfl_xor_sync(0xffffffffu, acc.y, off);
-        acc.z ^= __shfl_xor_sync(0xffffffffu, acc.z, off);
-        acc.w ^= __shfl_xor_sync(0xffffffffu, acc.w, off);
-    }
-    if (lane == 0) {
-        atomicXor(out + 0, acc.x);
-        atomicXor(out + 1, acc.y);
-        atomicXor(out + 2, acc.z);
-        atomicXor(out + 3, acc.w);
-    }
 }
 
 template <bool MCAST>
@@ -128,7 +112,7 @@ __device__ __forceinline__ void gather_pair(const uint4* __restrict__ pool, cons
             ++filled;
         }
     }
-    xor_out(acc, lane, out + 4 * rank);
+    warp_xor_out(acc, lane, out + 4 * rank);
     cluster_sync();  // neither CTA leaves while the other may still arrive at its barriers
 }
 #endif

@@ -23,24 +23,9 @@
 #define BULK_WARPS 4
 #define BULK_SMEM (BULK_WARPS * BULK_STAGES * (BULK_R * ROW_BYTES + 16))  // + a stage's mbarrier, 16-B aligned
 
-namespace {
+#include "gather_read/xor_fold.cuh"
 
-// The warp's XOR into out (one atomicXor per word from lane 0).
-__device__ __forceinline__ void warp_xor_out(uint4 acc, int lane, unsigned* __restrict__ out) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        acc.x ^= __shfl_xor_sync(0xffffffffu, acc.x, off);
-        acc.y ^= __shfl_xor_sync(0xffffffffu, acc.y, off);
-        acc.z ^= __shfl_xor_sync(0xffffffffu, acc.z, off);
-        acc.w ^= __shfl_xor_sync(0xffffffffu, acc.w, off);
-    }
-    if (lane == 0) {
-        atomicXor(out + 0, acc.x);
-        atomicXor(out + 1, acc.y);
-        atomicXor(out + 2, acc.z);
-        atomicXor(out + 3, acc.w);
-    }
-}
+namespace {
 
 template <int R>
 __device__ __forceinline__ void gather_body(const uint4* __restrict__ pool, const int* __restrict__ rows,
