@@ -301,12 +301,13 @@ def test_attention_v8_combine_warps_and_jobs_in_flight_match_the_source():
 def test_attention_v7_warp_roles_fit_the_register_file():
     """v7: a producer warpgroup and two MMA warpgroups (NTHREADS), whose setmaxnreg counts (multiples of 8
     in [24, 256]) fit the CTA's pool (the registers it launched with, not the SM's 65536: an .inc past it
-    waits for ever), the bf16 build's, the FP8 build's and version 12's; the kernel passes the build's pair
-    (PRODUCER_NREG, CONSUMER_NREG), version 12's its own (V12_*_REGS)."""
+    waits for ever), the bf16 build's, the FP8 build's, timing probe 9's and version 12's; the kernel passes the
+    build's pair (PRODUCER_NREG, CONSUMER_NREG), version 12's its own (V12_*_REGS)."""
     c = consts(attention._V7)
     assert c["NTHREADS"] == attention._V7_THREADS == 3 * 128
     for producer, consumer in ((c["PRODUCER_REGS"], c["CONSUMER_REGS"]),
                                (c["FP8_PRODUCER_REGS"], c["FP8_CONSUMER_REGS"]),
+                               (c["PROBE9_PRODUCER_REGS"], c["PROBE9_CONSUMER_REGS"]),
                                (c["V12_PRODUCER_REGS"], c["V12_CONSUMER_REGS"])):
         assert all(r % 8 == 0 and 24 <= r <= 256 for r in (producer, consumer))
         assert 128 * producer + 256 * consumer <= cta_register_pool(c["NTHREADS"]) == 64512
@@ -316,8 +317,9 @@ def test_attention_v7_warp_roles_fit_the_register_file():
     assert re.search(r"constexpr int NREG = Mix::on \? V12_CONSUMER_REGS : CONSUMER_NREG;", text)
     v12 = loader.expanded_source(attention._V12)
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32 %0;\\n\" ::\"n\"\(V12_PRODUCER_REGS\)", v12)
-    assert re.search(r"#define PRODUCER_NREG \(TV_FP8 \? FP8_PRODUCER_REGS : PRODUCER_REGS\)", text)
-    assert re.search(r"#define CONSUMER_NREG \(TV_FP8 \? FP8_CONSUMER_REGS : CONSUMER_REGS\)", text)
+    for role in ("PRODUCER", "CONSUMER"):
+        assert re.search(rf"#define {role}_NREG \(TV_FP8 \? FP8_{role}_REGS : PROBE9 \? PROBE9_{role}_REGS : "
+                         rf"{role}_REGS\)", text)
 
 
 @pytest.mark.parametrize("version", attention.VERSIONS)

@@ -14,18 +14,11 @@
 // setmaxnreg: 128 x 40 + 256 x 232 = 64512, the CTA's pool: the registers it launched with, 384 x 168 under
 // __launch_bounds__(NTHREADS, 1), from which setmaxnreg.inc draws what .dec released, waiting until they are
 // there (-D either to probe the split: tools/register_budget.py)
-// (timing probe 9's producer, its copies twice, spills at 40: 128 x 56 + 256 x 224, the consumers' control build
-// -DCONSUMER_REGS=224)
-#if defined(TV7_PROBE) && TV7_PROBE == 9
-#define PROBE9_REGS 1
-#else
-#define PROBE9_REGS 0
-#endif
 #ifndef PRODUCER_REGS
-#define PRODUCER_REGS (PROBE9_REGS ? 56 : 40)
+#define PRODUCER_REGS 40
 #endif
 #ifndef CONSUMER_REGS
-#define CONSUMER_REGS (PROBE9_REGS ? 224 : 232)
+#define CONSUMER_REGS 232
 #endif
 // the FP8 build's producer dequantizes, two chunks a row a thread (72: no spill in any kernel of the build,
 // where 64 spilled; the consumers at 208 build v9's kernels without a spill up to 32 rows, tree_verify/wgmma_v9.cu's
@@ -39,8 +32,14 @@
 #define V12_CONSUMER_REGS 216
 #define FP8_PRODUCER_REGS 72
 #define FP8_CONSUMER_REGS 208
-#define PRODUCER_NREG (TV_FP8 ? FP8_PRODUCER_REGS : PRODUCER_REGS)  // what the build's setmaxnreg passes
-#define CONSUMER_NREG (TV_FP8 ? FP8_CONSUMER_REGS : CONSUMER_REGS)
+// timing probe 9 (below): its producer, copying every chunk twice, spills at 40: 128 x 56 + 256 x 224 (its
+// control, the default with the same consumers: -DCONSUMER_REGS=224)
+#define PROBE9_PRODUCER_REGS 56
+#define PROBE9_CONSUMER_REGS 224
+#define PROBE9 (TV7_PROBE == 9)
+// what the build's setmaxnreg passes
+#define PRODUCER_NREG (TV_FP8 ? FP8_PRODUCER_REGS : PROBE9 ? PROBE9_PRODUCER_REGS : PRODUCER_REGS)
+#define CONSUMER_NREG (TV_FP8 ? FP8_CONSUMER_REGS : PROBE9 ? PROBE9_CONSUMER_REGS : CONSUMER_REGS)
 #define OFF_K0 TILE_BYTES
 #define OFF_K1 (2 * TILE_BYTES)
 #define OFF_ROWS (3 * TILE_BYTES)              // float [5][64]: m, c_A, c_B, l_0, l_1
