@@ -301,8 +301,8 @@ def test_attention_v8_combine_warps_and_jobs_in_flight_match_the_source():
 def test_attention_v7_warp_roles_fit_the_register_file():
     """v7: a producer warpgroup and two MMA warpgroups (NTHREADS), whose setmaxnreg counts (multiples of 8
     in [24, 256]) fit the CTA's pool (the registers it launched with, not the SM's 65536: an .inc past it
-    waits for ever), the bf16 build's, the FP8 build's, timing probe 9's and version 12's; the kernel passes the
-    build's pair (PRODUCER_NREG, CONSUMER_NREG), version 12's its own (V12_*_REGS)."""
+    waits for ever), the bf16 build's, the FP8 build's, timing probe 9's and version 12's; the kernel passes
+    the build's pair (PRODUCER_NREG, CONSUMER_NREG), version 12's its own (V12_*_REGS)."""
     c = consts(attention._V7)
     assert c["NTHREADS"] == attention._V7_THREADS == 3 * 128
     for producer, consumer in ((c["PRODUCER_REGS"], c["CONSUMER_REGS"]),
