@@ -946,6 +946,15 @@ def load_verify_energy(gpu: str = "h200") -> Recorded | None:
     return _recorded("verify_energy", gpu, _no_rows)
 
 
+def load_gather_pair(gpu: str = "h200") -> Recorded | None:
+    """The recorded `tools/gather_pair.py` run on `gpu` (two CTAs of a cluster that need the same rows, each
+    fetching all of them or each half of them for both by TMA multicast), or None. No rows: `doc["arms"]`
+    maps each arm ("dup", "mcast") to its grid, `exact`, full-clock `timing`, GB/s into shared memory and
+    from L2, and its sustained `rounds` (`joules`, `median_ms`, `watts`, `sm_mhz`, `power_capped`);
+    `doc["mcast_over_dup"]`: the energy ratio a round."""
+    return _recorded("gather_pair", gpu, _no_rows)
+
+
 def load_kernel_ab_repeat(gpu: str = "h200") -> Recorded | None:
     """The recorded `tools/kernel_ab.py repeat` run on `gpu` (each arm n times at one point against a float64
     verify), or None. No rows: read `Recorded.doc["arms"]` (distinct outputs, spread, error per arm)."""
