@@ -632,9 +632,9 @@ __device__ __forceinline__ TileRows tile_rows(const int* plan, int nreq, const i
 }
 
 // Column blocks [cb0, cb1) of a tile into the stage at dst, one mbarrier arrive per block once the
-// thread's copies of it (and of every block before) have landed. copies: how many times each chunk is copied
-// (0: the arrives alone, the stage keeps what it holds; 2: the same bytes twice: tree_verify/wgmma_ws.cuh's
-// TV7_PROBE 2 and 9; the default 1). NCH: 16-byte chunks a thread copies of
+// thread's copies of it (and of every block before) have landed. copies: each chunk's copies, 1 but in the
+// timing probes of tree_verify/wgmma_ws.cuh (0: the arrives alone, the stage keeps what it holds, TV7_PROBE 2
+// and 8; 2: the same bytes twice, TV7_PROBE 9). NCH: 16-byte chunks a thread copies of
 // each 128-byte row piece, ch and ch + 8 / NCH ... (2: the FP8 build's 64-thread fillers). ONE: a single
 // arrive, on block CB0's barrier, once the copies of every block have landed.
 template <int CB0, int CB1, int NCH = 1, bool ONE = false>

@@ -79,7 +79,7 @@
 // 6: 2 with consumer 1's S taken out (consumer 0's S alone on the tensor cores: its rate without the other's);
 // 7: 6 with consumer 0's S issued twice, the second adding the same products again (a wgmma's cost in the pair's S
 // past the first's start); 8: the producer gathers the stages of even pairs alone, and only arrives on odd pairs'
-// (half the bytes from L2 into shared memory: what two row blocks sharing each key tile could save at most);
+// (half the bytes from L2 into shared memory; the skipped copies also change the producer's waits: 02b, 13zn);
 // 9: the producer copies every chunk of every stage twice (the same bytes: what the gathers' bytes cost, with
 // the producer's waits as the default's). kdlib.perf.suites.attention_bounds times 1-4 beside the default build;
 // attention_timeline traces 2-7; tools/verify_energy.py meters 1, 2, 8 and 9.
@@ -360,14 +360,14 @@ __device__ __forceinline__ void fill_stage(unsigned kst, unsigned bars, int s, i
         dequant_fp8<1>(kst, bars, s, 1, sc, lrow, ch);
         return;
     }
-    const int copy = TV7_PROBE == 9 ? 2 : TV7_PROBE == 8 ? (n & 1) == 0 : TV7_PROBE < 2 || n == 0;
+    const int copies = TV7_PROBE == 9 ? 2 : TV7_PROBE == 8 ? (n & 1) == 0 : TV7_PROBE < 2 || n == 0;
     constexpr int NCH = 128 / FILLER;
     bar_wait(BAR_EMPTY(bars, s, 0), ep);
-    gather_half<0, V_R0, NCH, CDQ>(kst, bars, s, t, kvb, tkb, lrow, ch, copy);
+    gather_half<0, V_R0, NCH, CDQ>(kst, bars, s, t, kvb, tkb, lrow, ch, copies);
     bar_wait(BAR_EMPTY(bars, s, 1), ep);
-    gather_half<V_R0, ROPE_CB, NCH, CDQ>(kst, bars, s, t, kvb, tkb, lrow, ch, copy);
+    gather_half<V_R0, ROPE_CB, NCH, CDQ>(kst, bars, s, t, kvb, tkb, lrow, ch, copies);
     bar_wait(BAR_EMPTY(bars, s, 2), ep);
-    gather_half<ROPE_CB, NCB, NCH>(kst, bars, s, t, kvb, tkb, lrow, ch, copy);
+    gather_half<ROPE_CB, NCB, NCH>(kst, bars, s, t, kvb, tkb, lrow, ch, copies);
 }
 
 // Keys [k0, kend) and tail flag of tile `it` of jb; past the job's tiles: an empty tile.
