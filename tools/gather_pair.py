@@ -24,7 +24,7 @@ import numpy as np
 
 from kdlib.cli import folder, make_folder, positive_int, require_gpu
 from kdlib.cuda import loader
-from kdlib.perf.energy import Meter, sustained
+from kdlib.perf.energy import Meter, check_window, interleaved, sustained
 
 SOURCE = "gather_read/pair_v1"
 ARMS = ("dup", "mcast")
@@ -47,16 +47,19 @@ def launch(arm: str, pool, rows, out, grid: int) -> None:
         raise ValueError(f"arm must be one of {ARMS}, got {arm!r}")
     if grid <= 0 or grid % 2:
         raise ValueError(f"grid must be a positive even number of CTAs (pairs), got {grid}")
+    kernel(arm)((grid,), (THREADS,), (pool, rows, np.int64(rows.size), out), shared_mem=SMEM)
+
+
+def kernel(arm: str):
+    """arm's kernel, built for sm_90a, its dynamic shared memory allowed."""
     fn = loader.get_function(SOURCE, f"gather_pair_v1_{arm}", options=loader.SM90A_OPTIONS)
     loader.set_max_dynamic_shared(fn, SMEM)
-    fn((grid,), (THREADS,), (pool, rows, np.int64(rows.size), out), shared_mem=SMEM)
+    return fn
 
 
 def pairs_held(arm: str) -> int:
     """The CTAs of arm's kernel the device holds at once (two a cluster)."""
-    fn = loader.get_function(SOURCE, f"gather_pair_v1_{arm}", options=loader.SM90A_OPTIONS)
-    loader.set_max_dynamic_shared(fn, SMEM)
-    return 2 * loader.max_active_clusters(fn, 2, THREADS, SMEM)
+    return 2 * loader.max_active_clusters(kernel(arm), 2, THREADS, SMEM)
 
 
 def main(argv=None) -> None:
@@ -68,8 +71,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seconds", type=float, default=2.0, help="an arm's launches a round (seconds, about)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    if not 0.2 <= a.seconds <= 20:
-        ap.error(f"--seconds {a.seconds}: take 0.2 to 20 (NVML's energy counter needs a window)")
+    check_window(ap, a.seconds)
     require_gpu(ap)
     make_folder(ap, a.out)
     import cupy
@@ -95,20 +97,20 @@ def main(argv=None) -> None:
         delivered = 2 * a.reads * row_bytes  # into both CTAs' shared memory
         l2 = delivered if arm == "dup" else delivered // 2
         arms[arm] = {"grid": grid, "exact": bool((got == want).all()), "timing": t.as_dict(),
-                     "delivered_gbps": delivered / t.median_ms / 1e6, "l2_read_gbps": l2 / t.median_ms / 1e6,
-                     "rounds": []}
+                     "delivered_gbps": delivered / t.median_ms / 1e6, "l2_read_gbps": l2 / t.median_ms / 1e6}
         print(f"[gather_pair] {arm}: grid {grid}, exact {arms[arm]['exact']}, {t.median_ms:.4f} ms, "
               f"{arms[arm]['delivered_gbps']:.0f} GB/s into shared memory", flush=True)
 
-    def timer(arm):  # sustained's timer: iters launches, each between CUDA events
+    def timed(arm, calls):  # interleaved's: calls launches back to back, each between CUDA events
         grid = arms[arm]["grid"]
-        return lambda iters, warmup: timing.cuda_time(lambda: launch(arm, pool, rows, out, grid),
-                                                      warmup=warmup, iters=iters, backend="cupy")
 
-    calls = {arm: max(10, round(a.seconds * 1e3 / arms[arm]["timing"]["median_ms"])) for arm in ARMS}
-    for r in range(a.rounds):  # the arms in turn from the r-th
-        for arm in ARMS[r % 2:] + ARMS[:r % 2]:
-            arms[arm]["rounds"].append(sustained(timer(arm), meter, calls[arm]))
+        def timer(iters, warmup):
+            return timing.cuda_time(lambda: launch(arm, pool, rows, out, grid), warmup=warmup, iters=iters,
+                                    backend="cupy")
+        return timer(iters=20, warmup=3) if calls is None else sustained(timer, meter, calls)
+
+    for arm, got in interleaved(list(ARMS), timed, a.rounds, a.seconds).items():
+        arms[arm]["rounds"] = got
     ratio = [m["joules"] / d["joules"]
              for m, d in zip(arms["mcast"]["rounds"], arms["dup"]["rounds"], strict=True)]
     print("[gather_pair] " + "; ".join(

@@ -23,7 +23,7 @@ import statistics
 import sys
 
 from kdlib.cli import build_switch, folder, make_folder, positive_int, require_gpu
-from kdlib.perf.energy import Meter, sustained
+from kdlib.perf.energy import Meter, check_window, interleaved, sustained
 
 
 def point_name(p: dict) -> str:
@@ -70,11 +70,7 @@ def measure_point(p: dict, pool, kv_split, fi, meter: Meter, ours: dict, rounds:
             timer = our_timer(x, pool, ws, impl) if k in ours else fi_timers[k]
             return timer(iters=20, warmup=3) if calls is None else sustained(timer, meter, calls)
 
-    calls = {k: max(10, round(seconds * 1e3 / timed(k).median_ms)) for k in arms}
-    got = {k: [] for k in arms}
-    for r in range(rounds):  # the arms in turn from the r-th, as the suite's duel
-        for k in arms[r % len(arms):] + arms[:r % len(arms)]:
-            got[k].append(timed(k, calls[k]))
+    got = interleaved(arms, timed, rounds, seconds)  # the arms in turn, as the suite's duel
     fi_least = [min(got[k][i]["joules"] for k in fi_timers) for i in range(rounds)]
     ratios = {k: [v["joules"] / f for v, f in zip(got[k], fi_least, strict=True)] for k in ours}
     return {**p, "rounds": got, "energy_ratio_to_flashinfer": ratios["verify"], "arm_energy_ratios": ratios}
@@ -92,8 +88,7 @@ def main(argv=None) -> None:
     ap.add_argument("--point", action="append", default=[],
                     help="a goal point by name, e.g. 64x65x32k (default: both)")
     a = ap.parse_args(argv)
-    if not 0.2 <= a.seconds <= 20:
-        ap.error(f"--seconds {a.seconds}: take 0.2 to 20 (NVML's energy counter needs a window)")
+    check_window(ap, a.seconds)
     from kdlib.cuda import attention as cu
     from kdlib.perf.suites import attention as suite
 

@@ -50,3 +50,22 @@ def sustained(timer, meter: Meter, calls: int) -> dict:
     e1, t1 = meter.joules(), time.perf_counter()
     return {"median_ms": t.median_ms, "wall_ms": (t1 - t0) * 1e3 / calls, "joules": (e1 - e0) / calls,
             "watts": (e1 - e0) / (t1 - t0), "calls": calls, **meter.state()}
+
+
+def check_window(ap, seconds: float) -> None:
+    """`ap.error` (one line) where an arm's --seconds a round is outside 0.2 to 20: NVML's energy counter
+    needs a window, and a round past 20 s leaves too few."""
+    if not 0.2 <= seconds <= 20:
+        ap.error(f"--seconds {seconds}: take 0.2 to 20 (NVML's energy counter needs a window)")
+
+
+def interleaved(arms: list[str], timed, rounds: int, seconds: float) -> dict[str, list[dict]]:
+    """Each arm's `rounds` sustained records, the arms in turn from the r-th in round r. timed(arm, None):
+    its calibration (a Timing of a few calls, `median_ms`); timed(arm, calls): `sustained` over that many
+    calls, which each arm gets enough of for about `seconds` (at least 10)."""
+    calls = {k: max(10, round(seconds * 1e3 / timed(k, None).median_ms)) for k in arms}
+    got = {k: [] for k in arms}
+    for r in range(rounds):
+        for k in arms[r % len(arms):] + arms[:r % len(arms)]:
+            got[k].append(timed(k, calls[k]))
+    return got

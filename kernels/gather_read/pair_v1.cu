@@ -93,13 +93,7 @@ __device__ __forceinline__ void gather_pair(const uint4* __restrict__ pool, cons
         mbar_wait(full0 + 16 * s, (unsigned)((g / PAIR_STAGES) & 1));
         const uint4* b = reinterpret_cast<const uint4*>(smem + warp * PAIR_RING_BYTES + s * PAIR_STAGE_BYTES);
         const int nc = (int)min((long long)PAIR_R, n - r0) * PAIR_ROW_CHUNKS;
-        for (int c = lane; c < nc; c += 32) {
-            const uint4 w = b[c];
-            acc.x ^= w.x;
-            acc.y ^= w.y;
-            acc.z ^= w.z;
-            acc.w ^= w.w;
-        }
+        xor_chunks(acc, b, nc, lane);
         __syncwarp();  // every lane's reads of the stage are done before it is released
         if (lane == 0) {
             const unsigned empty = empty0 + 16 * s;

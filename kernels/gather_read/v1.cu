@@ -140,13 +140,7 @@ extern "C" __global__ void __launch_bounds__(BULK_WARPS * 32) gather_read_v1_bul
             : "memory");
         const uint4* b = reinterpret_cast<const uint4*>(ring + s * BULK_R * ROW_BYTES);
         const int nc = (int)min((long long)BULK_R, n - r0) * ROW_CHUNKS;
-        for (int c = lane; c < nc; c += 32) {
-            const uint4 w = b[c];
-            acc.x ^= w.x;
-            acc.y ^= w.y;
-            acc.z ^= w.z;
-            acc.w ^= w.w;
-        }
+        xor_chunks(acc, b, nc, lane);
         __syncwarp();  // every lane's reads of the stage are done before the copy engine refills it
         if (next < n) bulk_fill(buf0 + s * BULK_R * ROW_BYTES, bar, pool, rows, next, n, lane);
         next += step;

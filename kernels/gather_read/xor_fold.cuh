@@ -2,6 +2,17 @@
 // it read into a uint4 by XOR, then into out [4] at the end.
 #pragma once
 
+// acc ^= the first nc 16-byte chunks at b (a stage in shared memory), lane l taking chunks l, l + 32, ...
+__device__ __forceinline__ void xor_chunks(uint4& acc, const uint4* b, int nc, int lane) {
+    for (int c = lane; c < nc; c += 32) {
+        const uint4 w = b[c];
+        acc.x ^= w.x;
+        acc.y ^= w.y;
+        acc.z ^= w.z;
+        acc.w ^= w.w;
+    }
+}
+
 // The warp's XOR into out (one atomicXor per word from lane 0).
 __device__ __forceinline__ void warp_xor_out(uint4 acc, int lane, unsigned* __restrict__ out) {
 #pragma unroll
