@@ -161,6 +161,7 @@ def test_levers_script_refuses_an_unknown_step_or_ab_without_switches_before_run
     ["tools/verify_split.py", "--out", "{tmp}/o"],
     ["tools/verify_energy.py", "--out", "{tmp}/o"],
     ["tools/gather_pair.py", "--out", "{tmp}/o"],
+    ["tools/gather_stage.py", "--out", "{tmp}/o"],
     ["tools/ncu_verify.py", "--impl", "wgmma_v10"],
     ["tools/kernel_ab.py", "run", "--version", "10", "--out", "{tmp}/o"],
     ["tools/sanitize_attention.py", "run", "--json", "{tmp}/o.json"],
@@ -190,6 +191,7 @@ def test_gpu_tools_say_in_one_line_that_they_need_a_gpu(argv, tmp_path):
     (["tools/verify_energy.py", "--seconds", "0.01"], "--seconds 0.01: take 0.2 to 20"),
     (["tools/gather_pair.py", "--seconds", "30"], "--seconds 30.0: take 0.2 to 20"),
     (["tools/gather_pair.py", "--reads", "0"], "argument --reads: must be a positive integer, got '0'"),
+    (["tools/gather_stage.py", "--slots", "-3"], "argument --slots: must be a positive integer, got '-3'"),
     (["tools/verify_energy.py", "--impl", "mma"], "--impl mma: not a whole-verify impl"),
 ])
 def test_verify_tools_refuse_bad_arguments_in_one_line_and_make_no_folder(argv, says, tmp_path):

@@ -341,7 +341,7 @@ LOADERS = {
     "register_budget": results.load_register_budget, "cluster_exchange": results.load_cluster_exchange,
     "code_size": results.load_code_size, "wgmma_rate": results.load_wgmma_rate,
     "verify_split": results.load_verify_split, "verify_energy": results.load_verify_energy,
-    "gather_pair": results.load_gather_pair,
+    "gather_pair": results.load_gather_pair, "gather_stage": results.load_gather_stage,
 }
 
 

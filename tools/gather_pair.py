@@ -24,7 +24,7 @@ import numpy as np
 
 from kdlib.cli import folder, make_folder, positive_int, require_gpu
 from kdlib.cuda import loader
-from kdlib.perf.energy import Meter, check_window, interleaved, sustained
+from kdlib.perf.energy import Meter, check_window, launch_rounds
 
 SOURCE = "gather_read/pair_v1"
 ARMS = ("dup", "mcast")
@@ -62,69 +62,102 @@ def pairs_held(arm: str) -> int:
     return 2 * loader.max_active_clusters(kernel(arm), 2, THREADS, SMEM)
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The gather probes' arguments (this tool's and tools/gather_stage.py's), doc: the tool's docstring."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=folder, help="folder of the record")
     ap.add_argument("--slots", type=positive_int, default=32768, help="rows of the pool")
     ap.add_argument("--reads", type=positive_int, default=1 << 20, help="rows read a launch")
     ap.add_argument("--rounds", type=positive_int, default=7)
     ap.add_argument("--seconds", type=float, default=2.0, help="an arm's launches a round (seconds, about)")
     ap.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def checked_args(ap: argparse.ArgumentParser, argv):
+    """ap's arguments once the --seconds window, the GPU and the --out folder are checked (one line each)."""
     a = ap.parse_args(argv)
     check_window(ap, a.seconds)
     require_gpu(ap)
     make_folder(ap, a.out)
+    return a
+
+
+def random_pool(a) -> tuple[np.ndarray, np.ndarray]:
+    """The probe's pool [slots, ROW_WORDS] uint32 (random words) and rows [reads] int32 (random slots, with
+    repeats), from --seed."""
+    rng = np.random.default_rng(a.seed)
+    return (rng.integers(0, 2**32, size=(a.slots, ROW_WORDS), dtype=np.uint32),
+            rng.integers(0, a.slots, size=a.reads, dtype=np.int32))
+
+
+def measure(tag: str, launches: dict, out, want: np.ndarray, a, meter: Meter) -> dict:
+    """Each arm (launches: arm -> a launch of it into out) once from a zeroed out against the host's want
+    (`exact`), its full-clock CUDA-event median of 20 launches after 3 (`timing`), then --rounds interleaved
+    rounds under the energy counter (`rounds`) -> {arm: record}; each arm's medians printed."""
     import cupy
 
-    from kdlib.perf import results, timing
+    from kdlib.perf import timing
 
-    rng = np.random.default_rng(a.seed)
-    pool_h = rng.integers(0, 2**32, size=(a.slots, ROW_WORDS), dtype=np.uint32)  # [slots, 288] a row's words
-    rows_h = rng.integers(0, a.slots, size=a.reads, dtype=np.int32)  # [reads] slots, with repeats
-    pool, rows = cupy.asarray(pool_h), cupy.asarray(rows_h)
-    want = expected_xor(pool_h, rows_h)
-    out = cupy.zeros((2, 4), dtype=cupy.uint32)
-    meter = Meter()
-    row_bytes = ROW_WORDS * 4
     arms = {}
-    for arm in ARMS:
-        grid = pairs_held(arm)
+    for arm, go in launches.items():
         out.fill(0)
-        launch(arm, pool, rows, out, grid)
-        got = cupy.asnumpy(out)
-        t = timing.cuda_time(lambda arm=arm, grid=grid: launch(arm, pool, rows, out, grid), warmup=3,
-                             iters=20, backend="cupy")
-        delivered = 2 * a.reads * row_bytes  # into both CTAs' shared memory
-        l2 = delivered if arm == "dup" else delivered // 2
-        arms[arm] = {"grid": grid, "exact": bool((got == want).all()), "timing": t.as_dict(),
-                     "delivered_gbps": delivered / t.median_ms / 1e6, "l2_read_gbps": l2 / t.median_ms / 1e6}
-        print(f"[gather_pair] {arm}: grid {grid}, exact {arms[arm]['exact']}, {t.median_ms:.4f} ms, "
-              f"{arms[arm]['delivered_gbps']:.0f} GB/s into shared memory", flush=True)
-
-    def timed(arm, calls):  # interleaved's: calls launches back to back, each between CUDA events
-        grid = arms[arm]["grid"]
-
-        def timer(iters, warmup):
-            return timing.cuda_time(lambda: launch(arm, pool, rows, out, grid), warmup=warmup, iters=iters,
-                                    backend="cupy")
-        return timer(iters=20, warmup=3) if calls is None else sustained(timer, meter, calls)
-
-    for arm, got in interleaved(list(ARMS), timed, a.rounds, a.seconds).items():
+        go()
+        exact = bool((cupy.asnumpy(out) == want).all())
+        t = timing.cuda_time(go, warmup=3, iters=20, backend="cupy")
+        arms[arm] = {"exact": exact, "timing": t.as_dict()}
+        print(f"[{tag}] {arm}: exact {exact}, {t.median_ms:.4f} ms", flush=True)
+    for arm, got in launch_rounds(launches, meter, a.rounds, a.seconds).items():
         arms[arm]["rounds"] = got
-    ratio = [m["joules"] / d["joules"]
-             for m, d in zip(arms["mcast"]["rounds"], arms["dup"]["rounds"], strict=True)]
-    print("[gather_pair] " + "; ".join(
+    print(f"[{tag}] " + "; ".join(
         f"{arm} {statistics.median(x['joules'] for x in v['rounds']) * 1e3:.3f} mJ "
         f"{statistics.median(x['median_ms'] for x in v['rounds']):.4f} ms "
-        f"{statistics.median(x['sm_mhz'] for x in v['rounds']):.0f} MHz" for arm, v in arms.items())
-        + f"; mcast / dup energy, median round {statistics.median(ratio):.4f}", flush=True)
+        f"{statistics.median(x['sm_mhz'] for x in v['rounds']):.0f} MHz" for arm, v in arms.items()),
+        flush=True)
+    return arms
+
+
+def energy_ratio(arms: dict, num: str, den: str) -> list[float]:
+    """Arm num's energy a launch over arm den's, round by round."""
+    return [x["joules"] / y["joules"] for x, y in zip(arms[num]["rounds"], arms[den]["rounds"], strict=True)]
+
+
+def finish(tag: str, arms: dict, extra: dict, a, meter: Meter, threads: int, smem: int) -> None:
+    """Write the record (results.write: the run's parameters, the arms, `extra`), then exit 1 naming it where
+    an arm was not exact."""
+    from kdlib.perf import results
+
     doc = {"parameters": {"slots": a.slots, "reads": a.reads, "rounds": a.rounds, "seconds": a.seconds,
-                          "seed": a.seed, "row_bytes": row_bytes, "threads": THREADS, "smem": SMEM,
+                          "seed": a.seed, "row_bytes": ROW_WORDS * 4, "threads": threads, "smem": smem,
                           "power_limit_w": meter.limit_w},
-           "arms": arms, "mcast_over_dup": ratio}
-    print(results.write("gather_pair", doc, out_dir=a.out, command=" ".join(["python3"] + sys.argv)))
-    if not all(v["exact"] for v in arms.values()):
-        sys.exit("gather_pair: an arm's XOR differs from the host's (recorded, exact false)")
+           "arms": arms, **extra}
+    print(results.write(tag, doc, out_dir=a.out, command=" ".join(["python3"] + sys.argv)))
+    if not all(v["exact"] for v in doc["arms"].values()):
+        sys.exit(f"{tag}: an arm's XOR differs from the host's (recorded, exact false)")
+
+
+def main(argv=None) -> None:
+    ap = parser(__doc__)
+    a = checked_args(ap, argv)
+    import cupy
+
+    pool_h, rows_h = random_pool(a)
+    pool, rows = cupy.asarray(pool_h), cupy.asarray(rows_h)
+    out = cupy.zeros((2, 4), dtype=cupy.uint32)
+    grid = {arm: pairs_held(arm) for arm in ARMS}
+    launches = {arm: lambda arm=arm: launch(arm, pool, rows, out, grid[arm]) for arm in ARMS}
+    want = np.stack([expected_xor(pool_h, rows_h)] * 2)  # each rank's
+    meter = Meter()
+    arms = measure("gather_pair", launches, out, want, a, meter)
+    row_bytes = ROW_WORDS * 4
+    for arm, v in arms.items():
+        ms = v["timing"]["median_ms"]
+        delivered = 2 * a.reads * row_bytes  # into both CTAs' shared memory
+        l2 = delivered if arm == "dup" else delivered // 2
+        v.update(grid=grid[arm], delivered_gbps=delivered / ms / 1e6, l2_read_gbps=l2 / ms / 1e6)
+    ratio = energy_ratio(arms, "mcast", "dup")
+    print(f"[gather_pair] mcast / dup energy, median round {statistics.median(ratio):.4f}", flush=True)
+    finish("gather_pair", arms, {"mcast_over_dup": ratio}, a, meter, THREADS, SMEM)
 
 
 if __name__ == "__main__":

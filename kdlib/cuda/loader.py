@@ -68,6 +68,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+import numpy as np
+
 from kdlib import KERNELS
 
 _LOCK = threading.Lock()
@@ -436,6 +438,37 @@ def max_active_clusters(fn, cluster: int, block, shared_mem: int) -> int:
                                                 ctypes.byref(cfg))
     _checked(rc, f"cuOccupancyMaxActiveClusters of {fn.name}")
     return n.value
+
+
+# CUtensorMapDataType of the element types tensor_map_2d takes; CUtensorMapSwizzle by the swizzle's bytes
+_TMAP_DTYPES = {"uint8": 0, "uint16": 1, "uint32": 2, "float16": 6, "float32": 7, "bfloat16": 9}
+_TMAP_SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}
+_TMAP_L2_256B = 3  # CU_TENSOR_MAP_L2_PROMOTION_L2_256B
+
+
+def tensor_map_2d(ptr: int, dtype: str, rows: int, cols: int, row_bytes: int, box_rows: int, box_cols: int,
+                  swizzle: int = 0):
+    """The CUtensorMap (cuTensorMapEncodeTiled) of a 2D global tensor at device address ptr, [rows, cols]
+    of `dtype`, rows row_bytes apart, read in boxes of [box_rows, box_cols] with `swizzle` bytes' swizzle
+    (0, 32, 64, 128): numpy uint8 [128], the bytes a kernel's TMA instructions take (as a __grid_constant__
+    parameter or copied into global memory). Boxes past the tensor's edge land as zeros. The driver's checks
+    (ptr and row_bytes a multiple of 16; box_cols times the element size at most `swizzle`) raise
+    RuntimeError."""
+    if dtype not in _TMAP_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_TMAP_DTYPES)}, got {dtype!r}")
+    if swizzle not in _TMAP_SWIZZLE:
+        raise ValueError(f"swizzle must be one of {sorted(_TMAP_SWIZZLE)} bytes, got {swizzle}")
+    for name, v in (("rows", rows), ("cols", cols), ("box_rows", box_rows), ("box_cols", box_cols)):
+        if v <= 0:
+            raise ValueError(f"{name} must be positive, got {v}")
+    out = np.zeros(128 + 64, np.uint8)  # CUtensorMap: 128 bytes, 64-byte aligned
+    at = (-out.ctypes.data) % 64
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    _checked(_driver().cuTensorMapEncodeTiled(
+        ctypes.c_void_p(out.ctypes.data + at), _TMAP_DTYPES[dtype], u32(2), ctypes.c_void_p(ptr),
+        (u64 * 2)(cols, rows), (u64 * 1)(row_bytes), (u32 * 2)(box_cols, box_rows), (u32 * 2)(1, 1),
+        0, _TMAP_SWIZZLE[swizzle], _TMAP_L2_256B, 0), "cuTensorMapEncodeTiled")
+    return out[at:at + 128].copy()
 
 
 def _checked(rc: int, what: str) -> None:

@@ -3,7 +3,7 @@ clock and the clock-event reasons of the CUDA device torch uses; `sustained` met
 back.
 Where the power cap holds the clocks (within seconds of sustained load), a call takes about what its energy
 allows, so the energy a call is what a steady stream of calls compares (tools/verify_energy.py,
-tools/gather_pair.py)."""
+tools/gather_pair.py, tools/gather_stage.py)."""
 
 from __future__ import annotations
 
@@ -69,3 +69,17 @@ def interleaved(arms: list[str], timed, rounds: int, seconds: float) -> dict[str
         for k in arms[r % len(arms):] + arms[:r % len(arms)]:
             got[k].append(timed(k, calls[k]))
     return got
+
+
+def launch_rounds(launches: dict, meter: Meter, rounds: int, seconds: float) -> dict[str, list[dict]]:
+    """`interleaved` over CuPy launches (arm -> a call of no arguments that launches it on the current
+    stream), each arm's calls timed between CUDA events: its calibration 20 calls after 3, its rounds
+    `sustained`."""
+    from kdlib.perf import timing
+
+    def timed(arm, calls):
+        def timer(iters, warmup):
+            return timing.cuda_time(launches[arm], warmup=warmup, iters=iters, backend="cupy")
+        return timer(iters=20, warmup=3) if calls is None else sustained(timer, meter, calls)
+
+    return interleaved(list(launches), timed, rounds, seconds)

@@ -955,6 +955,14 @@ def load_gather_pair(gpu: str = "h200") -> Recorded | None:
     return _recorded("gather_pair", gpu, _no_rows)
 
 
+def load_gather_stage(gpu: str = "h200") -> Recorded | None:
+    """The recorded `tools/gather_stage.py` run on `gpu` (the verify's K-stage fill without its math, by
+    16-byte cp.async copies or one TMA box a 128-byte row piece), or None. No rows: `doc["arms"]` maps each
+    arm ("cp16", "tma") to its grid, `exact`, full-clock `timing`, `gbps` of rows, `copies_a_tile`, and its
+    sustained `rounds`; `doc["tma_over_cp16"]`: the energy ratio a round."""
+    return _recorded("gather_stage", gpu, _no_rows)
+
+
 def load_kernel_ab_repeat(gpu: str = "h200") -> Recorded | None:
     """The recorded `tools/kernel_ab.py repeat` run on `gpu` (each arm n times at one point against a float64
     verify), or None. No rows: read `Recorded.doc["arms"]` (distinct outputs, spread, error per arm)."""

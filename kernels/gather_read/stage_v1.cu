@@ -1,0 +1,125 @@
+// Gather of the tree-verify kernels' K stages (tree_verify/wgmma_ws.cuh, fill_stage) without their math: what the
+// same bytes cost the producer in 16-byte cp.async copies (today) against one TMA box a 128-byte row piece.
+// Notebook 02b, 13zp; tools/gather_stage.py times and meters it.
+//
+// pool [slots, 576] bf16 (one latent-cache row, 1152 B), rows [n] int32 slots. Tile t is rows [64 t, 64 t + 64):
+// keys past n are zeros. A stage holds one tile as the verify's MMAs read it: nine column blocks of 64 rows x 128 B
+// (CB_BYTES apart), chunk c (16 B) of row r's piece at r 128 + 16 (c ^ r % 8), the 128-byte swizzle. A CTA is two
+// warpgroups and two stages (tiles blockIdx.x, + gridDim.x, ... alternately into stage 0 and 1):
+//   warpgroup 0, the producer, fills a stage once its reader has released it:
+//     gather_stage_v1_cp16  the verify's own fill: gather_half (tree_verify/wgmma_common.cuh), 36 cp.async of
+//                           16 B a thread a tile, each thread arriving on the stage's full mbarrier once they land;
+//     gather_stage_v1_tma   one TMA box a row piece (tma_load_2d; map: the pool as a [slots, 576] bf16 tensor,
+//                           box 1 x 64, 128-byte swizzle, which follows the box's shared-memory address): thread
+//                           t takes row t % 64, column blocks 0-4 (t < 64) or 5-8, expecting their bytes on the
+//                           full mbarrier before it issues them; 576 boxes a tile. A key past n reads row `slots`,
+//                           past the tensor's edge: zeros.
+//   warpgroup 1, the reader, reads the stage back in the swizzled layout and releases it: word k of logical chunk q
+//     (0..71) of each row, rotated left by q % 32, into its XOR k. XOR is order-free across rows, so the result is
+//     exact whatever the grid and checkable against the host; a chunk landed in the wrong place changes it.
+// Blocks of 256 threads, dynamic shared memory STAGE_SMEM bytes; sm_90a (built for another target the body traps).
+#include "common/cluster.cuh"
+#include "gather_read/xor_fold.cuh"
+#include "tree_verify/wgmma_common.cuh"
+
+#define STAGE_THREADS 256
+#define STAGE_OFF_BARS (2 * TILE_BYTES)  // full [2][NCB] (block 0's used: BAR_CBFULL), then empty [2]
+#define STAGE_SMEM (STAGE_OFF_BARS + 8 * (2 * NCB + 2) + 1024)  // + slack to align the base to 1024 B
+#define STAGE_TMA_SPLIT 5                // tma: column blocks 0..4 by threads 0-63, 5..8 by 64-127
+
+namespace {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+template <bool TMA>
+__device__ __forceinline__ void gather_stage(const __nv_bfloat16* __restrict__ pool, const void* map,
+                                             const int* __restrict__ rows, long long n, int slots,
+                                             unsigned* __restrict__ out) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const unsigned raw = smem_u32(smem_raw), base = (raw + 1023u) & ~1023u;
+    const unsigned bars = base + STAGE_OFF_BARS, empty0 = bars + 8 * 2 * NCB;  // empty (s): empty0 + 8 s
+    const int wg = threadIdx.x >> 7, wt = threadIdx.x & 127, lane = threadIdx.x & 31;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < 2; ++s) {
+            bar_init(BAR_CBFULL(bars, s, 0), 128);  // every producer thread once a fill
+            bar_init(empty0 + 8 * s, 4);            // lane 0 of each reader warp once a read
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // seen by the TMA unit too
+    }
+    __syncthreads();
+    const long long tiles = (n + BN - 1) / BN;
+    if (wg == 0) {
+        const char* kvb = reinterpret_cast<const char*>(pool);
+        long long k = 0;  // this CTA's fills so far
+        for (long long t = blockIdx.x; t < tiles; t += gridDim.x, ++k) {
+            const int s = (int)(k & 1);
+            if (k >= 2) bar_wait(empty0 + 8 * s, (unsigned)(((k >> 1) - 1) & 1));
+            const unsigned dst = base + s * TILE_BYTES;
+            if constexpr (TMA) {
+                const int row = wt & 63, cb0 = wt < 64 ? 0 : STAGE_TMA_SPLIT, cb1 = wt < 64 ? STAGE_TMA_SPLIT : NCB;
+                const long long key = t * BN + row;
+                const int y = key < n ? rows[key] : slots;
+                const unsigned full = BAR_CBFULL(bars, s, 0);
+                mbar_expect(full, (cb1 - cb0) * 128);
+                for (int cb = cb0; cb < cb1; ++cb) tma_load_2d(dst + cb * CB_BYTES + row * 128, map, cb * 64, y, full);
+            } else {
+                const int lrow = wt >> 3, ch = wt & 7;
+                TileRows tr;
+                tr.tail = false;
+                tr.valid = 0;
+#pragma unroll
+                for (int p = 0; p < 4; ++p) {
+                    const long long key = t * BN + lrow + 16 * p;
+                    const bool ok = key < n;
+                    tr.valid |= ok << p;
+                    tr.row[p] = ok ? rows[key] : 0;
+                }
+                gather_half<0, NCB, 1, true>(dst, bars, s, tr, kvb, kvb, lrow, ch);
+            }
+        }
+    } else {
+        uint4 acc = make_uint4(0u, 0u, 0u, 0u);
+        long long k = 0;  // this CTA's reads so far
+        for (long long t = blockIdx.x; t < tiles; t += gridDim.x, ++k) {
+            const int s = (int)(k & 1);
+            bar_wait(BAR_CBFULL(bars, s, 0), (unsigned)((k >> 1) & 1));
+            const unsigned char* st = smem_raw + (base - raw) + s * TILE_BYTES;
+            for (int i = wt; i < BN * NCB * 8; i += 128) {
+                const int r = i / (NCB * 8), q = i % (NCB * 8), cb = q >> 3, c = q & 7;
+                const uint4 w = *reinterpret_cast<const uint4*>(st + cb * CB_BYTES + r * 128 + ((c ^ (r & 7)) << 4));
+                const int rot = q & 31;
+                acc.x ^= __funnelshift_l(w.x, w.x, rot);
+                acc.y ^= __funnelshift_l(w.y, w.y, rot);
+                acc.z ^= __funnelshift_l(w.z, w.z, rot);
+                acc.w ^= __funnelshift_l(w.w, w.w, rot);
+            }
+            __syncwarp();  // every lane's reads of the stage are done before it is released
+            if (lane == 0) bar_arrive(empty0 + 8 * s);
+        }
+        warp_xor_out(acc, lane, out);
+    }
+}
+#endif
+
+}  // namespace
+
+// pool, rows, n, out [4] as above; map: the pool's tensor map (tma), unread by cp16; slots: the pool's rows.
+// Any grid; block STAGE_THREADS, STAGE_SMEM bytes.
+extern "C" __global__ void __launch_bounds__(STAGE_THREADS, 1)
+    gather_stage_v1_cp16(const __nv_bfloat16* __restrict__ pool, const void* map, const int* __restrict__ rows,
+                         long long n, int slots, unsigned* __restrict__ out) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    gather_stage<false>(pool, map, rows, n, slots, out);
+#else
+    __trap();  // built for sm_90a alone (the verify's primitives)
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(STAGE_THREADS, 1)
+    gather_stage_v1_tma(const __nv_bfloat16* __restrict__ pool, const void* map, const int* __restrict__ rows,
+                        long long n, int slots, unsigned* __restrict__ out) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    gather_stage<true>(pool, map, rows, n, slots, out);
+#else
+    __trap();
+#endif
+}
