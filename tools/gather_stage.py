@@ -61,8 +61,7 @@ def launch(arm: str, pool, tmap, rows, out, grid: int) -> None:
         raise ValueError(f"arm must be one of {ARMS}, got {arm!r}")
     if grid <= 0:
         raise ValueError(f"grid must be a positive number of CTAs, got {grid}")
-    kernel(arm)((grid,), (THREADS,), (pool, tmap, rows, np.int64(rows.size), np.int32(pool.shape[0]), out),
-                shared_mem=SMEM)
+    kernel(arm)((grid,), (THREADS,), (pool, tmap, rows, np.int64(rows.size), out), shared_mem=SMEM)
 
 
 def kernel(arm: str):

@@ -12,8 +12,8 @@
 //     gather_stage_v1_tma   one TMA box a row piece (tma_load_2d; map: the pool as a [slots, 576] bf16 tensor,
 //                           box 1 x 64, 128-byte swizzle, which follows the box's shared-memory address): thread
 //                           t takes row t % 64, column blocks 0-4 (t < 64) or 5-8, expecting their bytes on the
-//                           full mbarrier before it issues them; 576 boxes a tile. A key past n reads row `slots`,
-//                           past the tensor's edge: zeros.
+//                           full mbarrier before it issues them; 576 boxes a tile. A key past n reads row -1,
+//                           outside the tensor: zeros.
 //   warpgroup 1, the reader, reads the stage back in the swizzled layout and releases it: word k of logical chunk q
 //     (0..71) of each row, rotated left by q % 32, into its XOR k. XOR is order-free across rows, so the result is
 //     exact whatever the grid and checkable against the host; a chunk landed in the wrong place changes it.
@@ -32,7 +32,7 @@ namespace {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 template <bool TMA>
 __device__ __forceinline__ void gather_stage(const __nv_bfloat16* __restrict__ pool, const void* map,
-                                             const int* __restrict__ rows, long long n, int slots,
+                                             const int* __restrict__ rows, long long n,
                                              unsigned* __restrict__ out) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const unsigned raw = smem_u32(smem_raw), base = (raw + 1023u) & ~1023u;
@@ -57,7 +57,7 @@ __device__ __forceinline__ void gather_stage(const __nv_bfloat16* __restrict__ p
             if constexpr (TMA) {
                 const int row = wt & 63, cb0 = wt < 64 ? 0 : STAGE_TMA_SPLIT, cb1 = wt < 64 ? STAGE_TMA_SPLIT : NCB;
                 const long long key = t * BN + row;
-                const int y = key < n ? rows[key] : slots;
+                const int y = key < n ? rows[key] : -1;
                 const unsigned full = BAR_CBFULL(bars, s, 0);
                 mbar_expect(full, (cb1 - cb0) * 128);
                 for (int cb = cb0; cb < cb1; ++cb) tma_load_2d(dst + cb * CB_BYTES + row * 128, map, cb * 64, y, full);
@@ -102,13 +102,13 @@ __device__ __forceinline__ void gather_stage(const __nv_bfloat16* __restrict__ p
 
 }  // namespace
 
-// pool, rows, n, out [4] as above; map: the pool's tensor map (tma), unread by cp16; slots: the pool's rows.
+// pool, rows, n, out [4] as above; map: the pool's tensor map (tma), unread by cp16.
 // Any grid; block STAGE_THREADS, STAGE_SMEM bytes.
 extern "C" __global__ void __launch_bounds__(STAGE_THREADS, 1)
     gather_stage_v1_cp16(const __nv_bfloat16* __restrict__ pool, const void* map, const int* __restrict__ rows,
-                         long long n, int slots, unsigned* __restrict__ out) {
+                         long long n, unsigned* __restrict__ out) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    gather_stage<false>(pool, map, rows, n, slots, out);
+    gather_stage<false>(pool, map, rows, n, out);
 #else
     __trap();  // built for sm_90a alone (the verify's primitives)
 #endif
@@ -116,9 +116,9 @@ extern "C" __global__ void __launch_bounds__(STAGE_THREADS, 1)
 
 extern "C" __global__ void __launch_bounds__(STAGE_THREADS, 1)
     gather_stage_v1_tma(const __nv_bfloat16* __restrict__ pool, const void* map, const int* __restrict__ rows,
-                        long long n, int slots, unsigned* __restrict__ out) {
+                        long long n, unsigned* __restrict__ out) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    gather_stage<true>(pool, map, rows, n, slots, out);
+    gather_stage<true>(pool, map, rows, n, out);
 #else
     __trap();
 #endif
