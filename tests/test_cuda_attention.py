@@ -1893,38 +1893,6 @@ def test_prefix_chunk_build_matches_float64(impl, bsz, nq, nh, width, ragged):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl,bsz,nq,nh,width,ragged", [
-    ("wgmma_v10", 1, 65, 64, 4096, False),  # one request, v7's consumers
-    ("wgmma_v10", 16, 65, 8, 40_000, True),  # ragged: keys past each prefix's end in its last tile
-    ("wgmma_v10", 160, 2, 8, 3000, True),  # v9's consumers
-    ("wgmma_v13", 1, 65, 64, 16_384, False)])  # the cluster pairs
-def test_tma_fill_build_gives_the_default_bits(impl, bsz, nq, nh, width, ragged):
-    """Built with -DTV_TMA=1 (prefix tiles by one TMA box a 128-byte row piece, tree tiles by cp.async: the
-    same bytes in the same swizzled stages), the verify's out and lse are the default build's bit for bit and
-    within the bf16 tolerance of the float64 reference; then on the same rows in another pool, shuffled, its
-    page tables following them (the tensor map rewritten: the old pool's map reads other rows)."""
-    import torch
-
-    _need_wgmma()
-    from kdlib.cuda import attention as cu
-    from kdlib.cuda import loader
-
-    args, sizes_np = _verify_batch(bsz, nq, nh, width, ragged)
-    want = [a.copy() for a in cu.tree_verify_attention(*args, impl=impl)]
-    kv, page = args[1], args[2]
-    perm = torch.randperm(kv.shape[0], device="cuda")  # row i of the second pool is row perm [i] of the first
-    moved = (kv[perm], torch.argsort(perm)[page.long()].int())
-    with loader.extra_options("-DTV_TMA=1"):
-        for pool, table in ((kv, page), moved):
-            call = (args[0], pool, table, *args[3:])
-            got = cu.tree_verify_attention(*call, impl=impl)
-            _cp().cuda.runtime.deviceSynchronize()
-            for name, a, b in zip(("out", "lse"), want, got, strict=True):
-                assert np.array_equal(a.get(), b.get(), equal_nan=True), f"TV_TMA's {name} differs"
-    _check_batch(*got, args, sizes_np, f"{impl} TV_TMA")
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["wgmma_v11", "wgmma_v12"], ids=["v11", "v12"])
 @pytest.mark.parametrize("bsz,nq,nh,width,ragged", [(1, 9, 8, 20_000, False),  # 8 x 9: one request
                                                     (8, 9, 8, 4096, True),  # trees of 1-9: 8-72 rows

@@ -299,15 +299,15 @@ def _ptx(source, extra: list[str], out) -> str:
     return out.read_text()
 
 
-SWITCH_BUILDS = [*(f"-DTV7_PROBE={p}" for p in range(1, 10)), "-DTV_TRACE=1", "-DTV_TMA=1"]
+SWITCH_BUILDS = [*(f"-DTV7_PROBE={p}" for p in range(1, 10)), "-DTV_TRACE=1"]
 
 
 @pytest.mark.skipif(_NVRTC is None, reason="nvidia-cuda-nvrtc is not installed (requirements.lock pins it)")
 @pytest.mark.parametrize("option", SWITCH_BUILDS)
 def test_v10_switch_builds_compile_without_spills(option):
     """Version 10's file as the suites load it builds with NVRTC without spills or stack frames, every kernel
-    of the file, in each build a -D switch of wgmma_ws.cuh makes: the timing probes 1 .. 9, the
-    attention_timeline build and the TMA fill."""
+    of the file, in each build a -D switch of wgmma_ws.cuh makes: the timing probes 1 .. 9 and the
+    attention_timeline build."""
     source = KERNELS / "tree_verify" / "wgmma_v10.cu"
     rc, text = _nvrtc_compile(source, [b"-arch=sm_90a", b"-arch=sm_90", b"--ptxas-options=-v",
                                        option.encode()])

@@ -1020,34 +1020,6 @@ def _dequant_prefix(pool8, pt, lens, ws: VerifyWorkspace):
     return kv16, table
 
 
-_KV_MAPS: dict[int, tuple] = {}  # a module's id -> (the module, the pool its tv_kv_map maps, or None: none)
-
-
-def _put_kv_map(stem: str, options: tuple[str, ...], kv) -> None:
-    """A TV_TMA build of `stem` (tree_verify/wgmma_ws.cuh, -DTV_TMA=1 through loader.extra_options): its
-    tv_kv_map becomes the CUtensorMap of pool kv [slots, 576] bf16 where it mapped another pool (or none);
-    other builds have no tv_kv_map. The map is a host-to-device copy, which a stream capture cannot hold: the
-    first call on a pool runs outside one."""
-    import cupy
-
-    mod = loader.get_module(stem, options=options)
-    if id(mod) not in _KV_MAPS:  # the module is held there, so its id is not reused
-        try:
-            mod.get_global("tv_kv_map")
-            _KV_MAPS[id(mod)] = (mod, (0, 0))
-        except cupy.cuda.driver.CUDADriverError:
-            _KV_MAPS[id(mod)] = (mod, None)
-    held = _KV_MAPS[id(mod)][1]
-    pool = (kv.__cuda_array_interface__["data"][0], kv.shape[0])
-    if held is None or held == pool:
-        return
-    if cupy.cuda.get_current_stream().is_capturing():
-        raise RuntimeError("a TV_TMA build's first call on a pool writes its tensor map: not in a capture")
-    tmap = loader.tensor_map_2d(pool[0], "bfloat16", pool[1], D_QK, 2 * D_QK, 1, 64, swizzle=128)
-    mod.get_global("tv_kv_map").copy_from_host(tmap.ctypes.data, tmap.nbytes)
-    _KV_MAPS[id(mod)] = (mod, pool)
-
-
 def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=False, fp8=None,
                   reuse_plan=False):
     """The three launches of version 5 ... 13 (plan, the version's attend, its combine) -> (out [B*M, 512],
@@ -1123,8 +1095,6 @@ def _launch_wgmma(version, qa, kv, pt, lens, scale, ws, tail=None, plan_ready=Fa
         deal_cost = (np.int32(reuse_plan and DEAL_COST),) if ordered else ()  # weighed by its deal if reused
         plan_fn((1,), (_V5_THREADS,), (lens, sizes, np.int32(bsz), np.int32(width), np.int32(nq),
                                        np.int32(nh), np.int32(plan_grid), ws.plan, *order, *deal_cost))
-    if not fp8:
-        _put_kv_map(settings.stem, options, kv)
     pdl = version >= 10 and PDL
     loader.launch(attend_fn, (grid,), (settings.threads,),
                   (qa, kv, pt, tkv, vis, ws.plan, *order, np.int32(bsz), np.int32(width), np.int32(nq),

@@ -18,6 +18,8 @@
 //     (0..71) of each row, rotated left by q % 32, into its XOR k. XOR is order-free across rows, so the result is
 //     exact whatever the grid and checkable against the host; a chunk landed in the wrong place changes it.
 // Blocks of 256 threads, dynamic shared memory STAGE_SMEM bytes; sm_90a (built for another target the body traps).
+// Measured (data/results/gather_stage.h100-80gb-hbm3.json, notebook 02b 13zp): the TMA arm is the slower and takes
+// more energy at both pools measured, so the verify keeps its cp.async fill.
 #include "common/cluster.cuh"
 #include "gather_read/xor_fold.cuh"
 #include "tree_verify/wgmma_common.cuh"
@@ -30,6 +32,17 @@
 namespace {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// The box of 2D tensor map `map` (a CUtensorMap in global memory, kdlib.cuda.loader.tensor_map_2d) at element
+// (col x, row y) into shared memory at dst by TMA, its bytes completed on mbarrier bar. In a swizzled map the
+// swizzle follows dst's address bits, so a one-row box of 128 bytes at row r of a 1024-aligned 128-byte-swizzle
+// block lands as that row of a whole block's box would.
+__device__ __forceinline__ void tma_load_2d(unsigned dst, const void* map, int x, int y, unsigned bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+        ::"r"(dst), "l"(map), "r"(x), "r"(y), "r"(bar)
+        : "memory");
+}
+
 template <bool TMA>
 __device__ __forceinline__ void gather_stage(const __nv_bfloat16* __restrict__ pool, const void* map,
                                              const int* __restrict__ rows, long long n,

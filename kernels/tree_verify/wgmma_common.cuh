@@ -435,17 +435,6 @@ __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int sr
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
-// The box of 2D tensor map `map` (a CUtensorMap in global memory, kdlib.cuda.loader.tensor_map_2d) at element
-// (col x, row y) into shared memory at dst by TMA, its bytes completed on mbarrier bar. In a swizzled map the
-// swizzle follows dst's address bits, so a one-row box of 128 bytes at row r of a 1024-aligned 128-byte-swizzle
-// block lands as that row of a whole block's box would.
-__device__ __forceinline__ void tma_load_2d(unsigned dst, const void* map, int x, int y, unsigned bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
-        ::"r"(dst), "l"(map), "r"(x), "r"(y), "r"(bar)
-        : "memory");
-}
-
 __device__ __forceinline__ void prefetch_l2(const void* src, unsigned bytes) {
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
 }

@@ -112,14 +112,6 @@
 // layout's rule: e4m3 times the scale is then exact in bf16; other scales are rounded to bf16 first, FlashMLA's
 // rule, kdlib.cuda.attention.fp8_dequantized).
 static_assert(!(TV_FP8 && TV7_PROBE), "the timing probes are bf16 builds");
-// TV_TMA (-DTV_TMA=1, bf16 builds): the producer fills each prefix tile by one TMA box a 128-byte row piece
-// (gather_half_tma), eight times fewer copy instructions than its 16-byte cp.async; tree tiles as before. The
-// box reads the pool through tv_kv_map, its CUtensorMap ([slots, 576] bf16, boxes of 1 x 64, 128-byte swizzle),
-// which the host writes before the launch (kdlib.cuda.attention). Probed alone first: gather_read/stage_v1.cu.
-#ifndef TV_TMA
-#define TV_TMA 0
-#endif
-static_assert(!(TV_FP8 && TV_TMA), "TV_TMA fills bf16 prefix tiles");
 #define FILLER (TV_FP8 ? 64 : 128)             // threads filling one stage (FP8: a half of the producer each)
 #define OFF_SCALES (OFF_BARS + NBARS * 8 + 20 * BM * 4)  // fp8 builds: float [2][64][4], past v9's rows
 #define FP8_SMEM (OFF_SCALES + 2 * BN * 16 + 1024)       // 231088 with the alignment slack
@@ -150,35 +142,6 @@ __device__ __forceinline__ void trace_mark(int c, int n, int e, int wt) {
     trace_put(c, n, e, wt, t);
 #endif
 }
-
-#if TV_TMA
-#include "common/cluster.cuh"
-
-extern "C" {
-__device__ __align__(64) unsigned char tv_kv_map[128];  // the pool's CUtensorMap (TV_TMA)
-}
-
-// Column blocks [CB0, CB1) of prefix tile t by TMA: thread (lrow, ch) issues the boxes of its rows lrow + 16 p in
-// the blocks cb with cb % 8 == ch (a row past the keys reads row -1, outside the pool: zeros), and arrives on
-// every block's full barrier expecting the bytes it issued there (128 arrivals a block, as gather_half's).
-template <int CB0, int CB1>
-__device__ __forceinline__ void gather_half_tma(unsigned dst, unsigned bars, int s, const TileRows& t, int lrow,
-                                                int ch) {
-#pragma unroll 1
-    for (int cb = CB0; cb < CB1; ++cb) {
-        const unsigned full = BAR_CBFULL(bars, s, cb);
-        if ((cb & 7) != ch) {
-            bar_arrive(full);
-            continue;
-        }
-        mbar_expect(full, 4 * 128);
-#pragma unroll
-        for (int p = 0; p < 4; ++p)
-            tma_load_2d(dst + cb * CB_BYTES + (lrow + 16 * p) * 128, tv_kv_map, cb * 64,
-                        (t.valid >> p) & 1 ? t.row[p] : -1, full);
-    }
-}
-#endif
 
 #define BAR_EMPTY(bars, s, g) ((bars) + 8 * (2 * NCB + 3 * (s) + (g)))
 #define BAR_QFULL(bars) ((bars) + 8 * (2 * NCB + 6))
@@ -397,17 +360,6 @@ __device__ __forceinline__ void fill_stage(unsigned kst, unsigned bars, int s, i
         dequant_fp8<1>(kst, bars, s, 1, sc, lrow, ch);
         return;
     }
-#if TV_TMA
-    if (!t.tail) {
-        bar_wait(BAR_EMPTY(bars, s, 0), ep);
-        gather_half_tma<0, V_R0>(kst, bars, s, t, lrow, ch);
-        bar_wait(BAR_EMPTY(bars, s, 1), ep);
-        gather_half_tma<V_R0, ROPE_CB>(kst, bars, s, t, lrow, ch);
-        bar_wait(BAR_EMPTY(bars, s, 2), ep);
-        gather_half_tma<ROPE_CB, NCB>(kst, bars, s, t, lrow, ch);
-        return;
-    }
-#endif
     const int copies = TV7_PROBE == 9 ? 2 : TV7_PROBE == 8 ? (n & 1) == 0 : TV7_PROBE < 2 || n == 0;
     constexpr int NCH = 128 / FILLER;
     bar_wait(BAR_EMPTY(bars, s, 0), ep);
