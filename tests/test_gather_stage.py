@@ -1,10 +1,14 @@
 """kernels/gather_read/stage_v1.cu and tools/gather_stage.py: the expected rotated XOR against a plain loop
-here, and that it sees a chunk out of place; loader.tensor_map_2d's argument checks; on the GPU both arms land
-every row of every tile in the verify's swizzled stage layout (the reader's XOR is the host's) at row counts
-short of a tile, of the CTAs' first round and past many rounds, on two CTAs and on one an SM."""
+here, and that it sees a chunk out of place; what each arm folds into each CTA rank's out; --arms and the
+launch's argument checks; loader.tensor_map_2d's argument checks; on the GPU every arm (each CTA alone, and
+the pair arms, two CTAs of a cluster that both read every tile, one of them pushing its half into the other)
+lands every row of every tile in the verify's swizzled stage layout (each rank's XOR is the host's) at row
+counts short of a tile, of the CTAs' first round and past many rounds, on one CTA pair and on the grid the
+tool runs."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import numpy as np
@@ -44,8 +48,27 @@ def test_expected_xor_changes_where_two_chunks_of_a_row_swap():
     assert (gs.expected_xor(pool, rows) != gs.expected_xor(swapped, rows)).any()
 
 
+def test_each_rank_expects_the_rows_xor_and_rank_1_only_in_the_pair_arms():
+    rng = np.random.default_rng(3)
+    pool = rng.integers(0, 2**32, size=(5, gs.ROW_WORDS), dtype=np.uint32)
+    rows = np.array([4, 1, 1, 0], np.int32)
+    want = gs.expected_xor(pool, rows)
+    assert want.any()
+    for arm in gs.ARMS:
+        got = gs.expected_out(pool, rows, arm)
+        np.testing.assert_array_equal(got[0], want)
+        np.testing.assert_array_equal(got[1], want if arm in gs.PAIR_ARMS else 0)
+
+
+def test_arms_option_keeps_the_tools_order_and_refuses_unknown_arms():
+    assert gs.arm_list("push, cp16,dup") == ("cp16", "dup", "push")
+    for text in ("", "cp16,bulk", ","):
+        with pytest.raises(argparse.ArgumentTypeError, match="subset of cp16, tma, dup, push"):
+            gs.arm_list(text)
+
+
 def test_launch_and_tensor_map_refuse_bad_arguments_before_the_driver():
-    for arm, grid in (("bulk", 2), ("tma", 0), ("cp16", -1)):
+    for arm, grid in (("bulk", 2), ("tma", 0), ("cp16", -1), ("push", 3), ("dup", 0)):
         with pytest.raises(ValueError):
             gs.launch(arm, None, None, np.zeros(4, np.int32), None, grid)
     for kw, says in (({"dtype": "int8"}, "dtype must be one of"), ({"swizzle": 16}, "swizzle must be one of"),
@@ -75,10 +98,12 @@ def test_every_row_lands_in_the_swizzled_stage(arm, n):
     rng = np.random.default_rng(n)
     pool_h = rng.integers(0, 2**32, size=(997, gs.ROW_WORDS), dtype=np.uint32)
     rows_h = rng.integers(0, 997, size=n, dtype=np.int32)
-    want = gs.expected_xor(pool_h, rows_h)
+    want = gs.expected_out(pool_h, rows_h, arm)
     pool, rows = cupy.asarray(pool_h), cupy.asarray(rows_h)
     tmap = gs.pool_map(pool)
-    for grid in (2, cupy.cuda.Device().attributes["MultiProcessorCount"]):
-        out = cupy.zeros(4, dtype=cupy.uint32)
+    held = (2 * loader.max_active_clusters(gs.kernel(arm), 2, gs.THREADS, gs.SMEM) if arm in gs.PAIR_ARMS
+            else cupy.cuda.Device().attributes["MultiProcessorCount"])
+    for grid in (2, held):
+        out = cupy.zeros((2, 4), dtype=cupy.uint32)
         gs.launch(arm, pool, tmap, rows, out, grid)
         np.testing.assert_array_equal(cupy.asnumpy(out), want, err_msg=f"grid {grid}")

@@ -91,10 +91,10 @@ def random_pool(a) -> tuple[np.ndarray, np.ndarray]:
             rng.integers(0, a.slots, size=a.reads, dtype=np.int32))
 
 
-def measure(tag: str, launches: dict, out, want: np.ndarray, a, meter: Meter) -> dict:
-    """Each arm (launches: arm -> a launch of it into out) once from a zeroed out against the host's want
-    (`exact`), its full-clock CUDA-event median of 20 launches after 3 (`timing`), then --rounds interleaved
-    rounds under the energy counter (`rounds`) -> {arm: record}; each arm's medians printed."""
+def measure(tag: str, launches: dict, out, want: dict, a, meter: Meter) -> dict:
+    """Each arm (launches: arm -> a launch of it into out) once from a zeroed out against the host's
+    want [arm] (`exact`), its full-clock CUDA-event median of 20 launches after 3 (`timing`), then --rounds
+    interleaved rounds under the energy counter (`rounds`) -> {arm: record}; each arm's medians printed."""
     import cupy
 
     from kdlib.perf import timing
@@ -103,7 +103,7 @@ def measure(tag: str, launches: dict, out, want: np.ndarray, a, meter: Meter) ->
     for arm, go in launches.items():
         out.fill(0)
         go()
-        exact = bool((cupy.asnumpy(out) == want).all())
+        exact = bool((cupy.asnumpy(out) == want[arm]).all())
         t = timing.cuda_time(go, warmup=3, iters=20, backend="cupy")
         arms[arm] = {"exact": exact, "timing": t.as_dict()}
         print(f"[{tag}] {arm}: exact {exact}, {t.median_ms:.4f} ms", flush=True)
@@ -148,7 +148,7 @@ def main(argv=None) -> None:
     launches = {arm: lambda arm=arm: launch(arm, pool, rows, out, grid[arm]) for arm in ARMS}
     want = np.stack([expected_xor(pool_h, rows_h)] * 2)  # each rank's
     meter = Meter()
-    arms = measure("gather_pair", launches, out, want, a, meter)
+    arms = measure("gather_pair", launches, out, {arm: want for arm in ARMS}, a, meter)
     row_bytes = ROW_WORDS * 4
     for arm, v in arms.items():
         ms = v["timing"]["median_ms"]

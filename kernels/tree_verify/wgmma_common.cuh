@@ -636,19 +636,21 @@ __device__ __forceinline__ TileRows tile_rows(const int* plan, int nreq, const i
 // timing probes of tree_verify/wgmma_ws.cuh (0: the arrives alone, the stage keeps what it holds, TV7_PROBE 2
 // and 8; 2: the same bytes twice, TV7_PROBE 9). NCH: 16-byte chunks a thread copies of
 // each 128-byte row piece, ch and ch + 8 / NCH ... (2: the FP8 build's 64-thread fillers). ONE: a single
-// arrive, on block CB0's barrier, once the copies of every block have landed.
-template <int CB0, int CB1, int NCH = 1, bool ONE = false>
+// arrive, on block CB0's barrier, once the copies of every block have landed. NP: the thread's rows lrow + 16 p,
+// p < NP (2: the first 32 rows of the tile at dst, gather_read/stage_v1.cu's push arm).
+template <int CB0, int CB1, int NCH = 1, bool ONE = false, int NP = 4>
 __device__ __forceinline__ void gather_half(unsigned dst, unsigned bars, int s, const TileRows& t, const char* kvb,
                                             const char* tkb, int lrow, int ch, int copies = 1) {
-    const char* src[4];
+    static_assert(NP >= 1 && NP <= 4, "NP: 1 to 4 rows a thread");
+    const char* src[NP];
 #pragma unroll
-    for (int p = 0; p < 4; ++p) src[p] = (t.tail ? tkb : kvb) + (long long)t.row[p] * (D_QK * 2) + ch * 16;
+    for (int p = 0; p < NP; ++p) src[p] = (t.tail ? tkb : kvb) + (long long)t.row[p] * (D_QK * 2) + ch * 16;
 #pragma unroll 1
     for (int cb = CB0; cb < CB1; ++cb) {
 #pragma unroll 1
         for (int r = 0; r < copies; ++r)
 #pragma unroll
-            for (int p = 0; p < 4; ++p) {
+            for (int p = 0; p < NP; ++p) {
                 const int row = lrow + 16 * p;
 #pragma unroll
                 for (int k = 0; k < NCH; ++k) {
