@@ -1,6 +1,7 @@
 """tools/barrier_model.py: the attend kernels' synchronisation (versions 7-10 and 12, version 13's cluster
-pair) under random schedules, and mutants of it that the model must refuse (a deadlock, an aliased phase, a
-named barrier passed twice, a swap stored or read out of turn)."""
+pair) and the stage-fill probe's push arm under random schedules, and mutants of them that the model must
+refuse (a deadlock, an aliased phase, a named barrier passed twice, a swap stored or read out of turn, a copy
+landed, pushed or read out of turn)."""
 
 from __future__ import annotations
 
@@ -142,11 +143,60 @@ def test_a_receiver_that_never_arms_full_deadlocks():
     _pair_refused(_dropping(("arrive", "full")), "deadlock")
 
 
+def test_the_push_arm_finishes_and_keeps_the_rules():
+    rng = random.Random(13)
+    for fills in (1, 2, 3, 4, 7):
+        for _ in range(300):
+            bm.run_push(fills, rng)
+
+
+def _push_refused(match, producer=bm.push_producer, reader=bm.push_reader, counts=None, runs=300):
+    """Some schedule of the push arm over 5 tiles, with a mutant producer, reader or counts, breaks match."""
+    fills = 5
+    roles = {**{(r, "producer"): lambda r=r: producer(r, fills) for r in (0, 1)},
+             **{(r, "reader"): lambda r=r: reader(r, fills) for r in (0, 1)}}
+    rng = random.Random(9)
+    with pytest.raises(bm.ProtocolError, match=match):
+        for _ in range(runs):
+            bm.run_push(fills, rng, roles, counts)
+
+
+def test_a_push_that_does_not_wait_for_its_half_pushes_what_has_not_landed():
+    def producer(r, fills):
+        yield from (op for op in bm.push_producer(r, fills) if not (op[0] == "wait" and op[1][0] == "half"))
+
+    _push_refused("before it landed", producer=producer)
+
+
+def test_readers_that_release_only_their_own_stage_let_the_other_push_over_it():
+    def reader(r, fills):
+        for op in bm.push_reader(r, fills):
+            yield ("release_own", op[1]) if op[0] == "release" else op
+
+    counts = {**bm.PUSH_COUNTS, ("empty", 0): 1, ("empty", 1): 1}
+    _push_refused("before its reader released", reader=reader, counts=counts)
+
+
+def test_a_reader_that_does_not_wait_on_full_reads_a_half_of_another_fill():
+    def reader(r, fills):
+        yield from (op for op in bm.push_reader(r, fills) if op[0] != "wait")
+
+    _push_refused("read stage", reader=reader)
+
+
+def test_a_producer_that_never_expects_the_other_half_deadlocks():
+    def producer(r, fills):
+        yield from (op for op in bm.push_producer(r, fills) if op[0] != "expect")
+
+    _push_refused("deadlock", producer=producer)
+
+
 def test_the_tool_exits_0_when_every_schedule_holds(capsys):
     assert bm.main(["--runs", "50"]) == 0
     out = capsys.readouterr().out
     assert "version 12: 50 random schedules finished" in out
     assert "version 13's pair: 50 random schedules finished" in out
+    assert "the push arm: 50 random schedules finished" in out
 
 
 @pytest.mark.parametrize("runs", ["0", "-5"])

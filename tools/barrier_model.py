@@ -23,6 +23,16 @@ the way:
 
 It models order, not time or data: copies land at once, MMAs take no time. What each kernel's code does
 between the operations is in its file; this model must change with it.
+
+The push arm of the stage-fill probe (`kernels/gather_read/stage_v1.cu`, gather_stage_v1_push) is modelled
+apart (`run_push`), with its copies as events that land later, in any order: two CTAs of a cluster both read
+every tile; CTA r's producer copies rows 32 r .. 32 r + 31 of fill k into its stage k % 2 (landing on the
+stage's half mbarrier), waits for them, pushes them into the other CTA's stage (landing on that CTA's full
+mbarrier as bytes: complete_tx), then expects the other's bytes on its own full; each reader waits on full,
+reads, and releases the stage to both CTAs' producers (their empty mbarrier: one unit from each reader).
+Checked besides deadlocks and aliased phases: no copy lands in a stage before its reader has released the fill
+two back; a push reads only a half that has landed; a reader reads only a stage whose two halves hold its
+fill.
 """
 
 from __future__ import annotations
@@ -262,6 +272,140 @@ def run_pair(pairs: tuple[list[Pair], list[Pair]], rng: random.Random, roles=Non
             nxt[a] = next(gens[a], None)
 
 
+# the push arm's mbarriers a CTA, units a phase: full (its producer's expect; the other's bytes as tx), half
+# (its own copies landed), empty (each CTA's reader once)
+PUSH_COUNTS = {**{("full", s): 1 for s in (0, 1)}, **{("half", s): 1 for s in (0, 1)},
+               **{("empty", s): 2 for s in (0, 1)}}
+PUSH_BYTES = 1  # the other CTA's half, as one unit of tx
+
+
+def push_producer(rank: int, fills: int):
+    """CTA rank's producer warpgroup in the push arm (its thread 0's wait and push included)."""
+    for k in range(fills):
+        s = k % 2
+        if k >= 2:
+            yield ("wait", ("empty", s), k // 2 - 1)  # fill k - 2 released by both CTAs' readers
+        yield ("copy_own", k)  # cp.async of its 32 rows, landing on half (s)
+        yield ("wait", ("half", s), k // 2)
+        yield ("push", k)  # the bulk copies into the other CTA's stage s, landing on its full (s)
+        yield ("expect", ("full", s))  # its own arrival, and the other's half as tx
+
+
+def push_reader(rank: int, fills: int):
+    """CTA rank's reader warpgroup in the push arm."""
+    for k in range(fills):
+        s = k % 2
+        yield ("wait", ("full", s), k // 2)
+        yield ("read", k)
+        yield ("release", k)  # on its own empty (s) and the other CTA's
+
+
+@dataclass
+class PushCta:
+    rank: int
+    counts: dict = field(default_factory=lambda: dict(PUSH_COUNTS))  # a mutant's counts where it changes them
+    phase: dict = field(default_factory=lambda: dict.fromkeys(PUSH_COUNTS, 0))
+    pending: dict = field(default_factory=dict)
+    tx: dict = field(default_factory=lambda: {("full", 0): 0, ("full", 1): 0})
+    held: dict = field(default_factory=dict)  # (stage, half) -> the fill whose rows it holds
+    released: dict = field(default_factory=lambda: {0: -1, 1: -1})  # stage -> its reader's last fill released
+    peer: PushCta | None = None
+
+    def __post_init__(self):
+        self.pending = dict(self.counts)
+
+    def settle(self, bar) -> None:
+        if self.pending[bar] == 0 and self.tx.get(bar, 0) == 0:
+            self.phase[bar] += 1
+            self.pending[bar] = self.counts[bar]
+
+    def arrive(self, bar) -> None:
+        self.pending[bar] -= 1
+        self.settle(bar)
+
+    def land(self, k: int, half: int) -> None:
+        """Fill k's rows of `half` land in this CTA's stage k % 2."""
+        s = k % 2
+        if self.released[s] < k - 2:
+            raise ProtocolError(f"fill {k} landed in stage {s} of CTA {self.rank} before its reader released "
+                                f"fill {k - 2}")
+        self.held[(s, half)] = k
+
+    def can(self, op: tuple) -> bool:
+        if op[0] != "wait":
+            return True
+        _, bar, k = op
+        if self.phase[bar] > k + 1:
+            raise ProtocolError(f"{bar} of CTA {self.rank} is {self.phase[bar]} phases on, past the phase "
+                                f"{k} waited for")
+        return self.phase[bar] > k
+
+    def do(self, op: tuple, events: list) -> None:
+        kind, k = op[0], op[1]
+        if kind == "copy_own":
+            events.append(("own", self, k))
+        elif kind == "push":
+            if self.held.get((k % 2, self.rank)) != k:
+                raise ProtocolError(f"CTA {self.rank} pushed fill {k}'s half before it landed")
+            events.append(("pushed", self, k))
+        elif kind == "expect":  # op[1]: the barrier
+            self.tx[op[1]] += PUSH_BYTES
+            self.arrive(op[1])
+        elif kind == "read":
+            s = k % 2
+            if self.held.get((s, 0)) != k or self.held.get((s, 1)) != k:
+                raise ProtocolError(f"CTA {self.rank} read stage {s} for fill {k} holding fills "
+                                    f"{self.held.get((s, 0))}, {self.held.get((s, 1))}")
+        elif kind in ("release", "release_own"):  # release_own: a mutant's, on its own CTA's empty alone
+            s = k % 2
+            self.released[s] = k
+            self.arrive(("empty", s))
+            if kind == "release":
+                self.peer.arrive(("empty", s))
+
+
+def land_event(event: tuple) -> None:
+    """An asynchronous copy lands: ("own", cta, k) its copies into its own stage, on its half barrier;
+    ("pushed", cta, k) its half into the other CTA's stage, as tx on that CTA's full barrier."""
+    kind, cta, k = event
+    s = k % 2
+    if kind == "own":
+        cta.land(k, cta.rank)
+        cta.arrive(("half", s))
+    else:
+        cta.peer.land(k, cta.rank)
+        cta.peer.tx[("full", s)] -= PUSH_BYTES
+        cta.peer.settle(("full", s))
+
+
+def push_roles(fills: int) -> dict:
+    """The push arm's warpgroups, (CTA rank, role) -> generator maker."""
+    return {key: f for r in (0, 1) for key, f in (((r, "producer"), lambda r=r: push_producer(r, fills)),
+                                                   ((r, "reader"), lambda r=r: push_reader(r, fills)))}
+
+
+def run_push(fills: int, rng: random.Random, roles=None, counts=None) -> None:
+    """One random schedule of the push arm's cluster over `fills` tiles, its copies landing as events in any
+    order; ProtocolError on a deadlock or a broken rule. roles: `push_roles`' (a mutant's); counts: the
+    barriers' units a phase (PUSH_COUNTS, or a mutant's)."""
+    gens = {a: f() for a, f in (roles or push_roles(fills)).items()}
+    nxt = {a: next(g, None) for a, g in gens.items()}
+    ctas = (PushCta(0, dict(counts or PUSH_COUNTS)), PushCta(1, dict(counts or PUSH_COUNTS)))
+    ctas[0].peer, ctas[1].peer = ctas[1], ctas[0]
+    events: list = []
+    while any(op is not None for op in nxt.values()) or events:
+        ready = [a for a, op in nxt.items() if op is not None and ctas[a[0]].can(op)]
+        if not ready and not events:
+            raise ProtocolError("deadlock: " + ", ".join(f"{a}: {op}" for a, op in nxt.items() if op))
+        pick = rng.randrange(len(ready) + len(events))
+        if pick >= len(ready):
+            land_event(events.pop(pick - len(ready)))
+            continue
+        a = ready[pick]
+        ctas[a[0]].do(nxt[a], events)
+        nxt[a] = next(gens[a], None)
+
+
 def random_stream(rng: random.Random) -> list[Pair]:
     """1-4 groups of 1-3 pairs, each with rows past 64 or not."""
     return stream([(rng.randint(1, 3), rng.random() < 0.6) for _ in range(rng.randint(1, 4))])
@@ -275,24 +419,28 @@ def main(argv=None) -> int:
     if a.runs < 1:
         ap.error(f"--runs must be >= 1 (no schedule checks nothing), got {a.runs}")
     rng = random.Random(a.seed)
-    for name, mixed in (("versions 7-10", False), ("version 12", True)):
-        for _ in range(a.runs):
-            pairs = random_stream(rng)
-            try:
-                run(pairs, mixed, rng)
-            except ProtocolError as e:
-                print(f"{name}: {e} (groups {[(p.pairs, p.r8) for p in pairs if p.first]})")
-                return 1
-        print(f"{name}: {a.runs} random schedules finished, every rule held")
-    for _ in range(a.runs):  # version 13: each CTA one job of 1-4 pairs
-        pairs = tuple(stream([(rng.randint(1, 4), False)]) for _ in range(2))
+    cases = [(name, lambda: random_stream(rng), lambda p, m=mixed: run(p, m, rng),
+              lambda p: f"groups {[(q.pairs, q.r8) for q in p if q.first]}")
+             for name, mixed in (("versions 7-10", False), ("version 12", True))]
+    cases.append(("version 13's pair", lambda: tuple(stream([(rng.randint(1, 4), False)]) for _ in range(2)),
+                  lambda p: run_pair(p, rng), lambda p: f"pairs {[len(q) for q in p]}"))  # one job a CTA
+    cases.append(("the push arm", lambda: rng.randint(1, 6), lambda n: run_push(n, rng),
+                  lambda n: f"{n} tiles"))
+    return 0 if all(schedules(name, a.runs, make, go, what) for name, make, go, what in cases) else 1
+
+
+def schedules(name: str, runs: int, make, go, what) -> bool:
+    """`runs` random schedules of a protocol: each of a case make() run by go(case); the first broken rule
+    printed with what(case) -> False, else one line that every rule held -> True."""
+    for _ in range(runs):
+        case = make()
         try:
-            run_pair(pairs, rng)
+            go(case)
         except ProtocolError as e:
-            print(f"version 13's pair: {e} (pairs {[len(p) for p in pairs]})")
-            return 1
-    print(f"version 13's pair: {a.runs} random schedules finished, every rule held")
-    return 0
+            print(f"{name}: {e} ({what(case)})")
+            return False
+    print(f"{name}: {runs} random schedules finished, every rule held")
+    return True
 
 
 if __name__ == "__main__":

@@ -3,8 +3,7 @@ rows into the same 128-byte-swizzled stages, by the verify's 16-byte cp.async co
 box a 128-byte row piece (`tma`, eight times fewer copy instructions), kernels/gather_read/stage_v1.cu
 (notebook 02b, 13zp); and by two CTAs of a cluster that both need every tile, as two row blocks of one key
 chunk do: each fetching every row itself by cp16's copies (`dup`, today's verify) or each fetching half the
-rows and pushing them into the other's stage with the bulk copy engine (`push`, each row read once from L2;
-13zq).
+rows and pushing them into the other's stage with the bulk copy engine (`push`, each row read once from L2).
 
 The single arms run one CTA a streaming multiprocessor, the pair arms every CTA pair the device holds at once,
 over --reads random rows (with repeats) of a pool of --slots rows (default: the 64 x 65 x 32k goal point's

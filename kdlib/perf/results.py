@@ -957,9 +957,12 @@ def load_gather_pair(gpu: str = "h200") -> Recorded | None:
 
 def load_gather_stage(gpu: str = "h200") -> Recorded | None:
     """The recorded `tools/gather_stage.py` run on `gpu` (the verify's K-stage fill without its math, by
-    16-byte cp.async copies or one TMA box a 128-byte row piece), or None. No rows: `doc["arms"]` maps each
-    arm ("cp16", "tma") to its grid, `exact`, full-clock `timing`, `gbps` of rows, `copies_a_tile`, and its
-    sustained `rounds`; `doc["tma_over_cp16"]`: the energy ratio a round."""
+    16-byte cp.async copies or one TMA box a 128-byte row piece; and by two CTAs of a cluster that both need
+    every tile, each fetching every row or half of them, pushed into the other's stage), or None. No rows:
+    `doc["arms"]` maps each arm it ran ("cp16", "tma", "dup", "push") to its grid, `exact`, full-clock
+    `timing`, `gbps` of rows (records since the pair arms also `delivered_gbps` and `l2_read_gbps`),
+    `copies_a_tile`, and its sustained `rounds`; `doc["tma_over_cp16"]`, `doc["push_over_dup"]`: the energy
+    ratio a round, where both arms ran."""
     return _recorded("gather_stage", gpu, _no_rows)
 
 

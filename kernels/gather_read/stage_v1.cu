@@ -1,7 +1,7 @@
 // Gather of the tree-verify kernels' K stages (tree_verify/wgmma_ws.cuh, fill_stage) without their math: what the
 // same bytes cost the producer in 16-byte cp.async copies (today) against one TMA box a 128-byte row piece, and what
 // two CTAs that need the same tiles (two row blocks of one key chunk) pay to fetch each row once for both. Notebook
-// 02b, 13zp and 13zq; tools/gather_stage.py times and meters it.
+// 02b, 13zp; tools/gather_stage.py times and meters it.
 //
 // pool [slots, 576] bf16 (one latent-cache row, 1152 B), rows [n] int32 slots. Tile t is rows [64 t, 64 t + 64):
 // keys past n are zeros. A stage holds one tile as the verify's MMAs read it: nine column blocks of 64 rows x 128 B
@@ -29,7 +29,7 @@
 //     folds into out [4 rank] (rank 0 outside a cluster).
 // Blocks of 256 threads, dynamic shared memory STAGE_SMEM bytes; sm_90a (built for another target the body traps).
 // Measured (data/results/gather_stage.h100-80gb-hbm3.json, notebook 02b 13zp): the TMA arm is the slower and takes
-// more energy at both pools measured, so the verify keeps its cp.async fill. The pair arms: 13zq.
+// more energy at both pools measured, so the verify keeps its cp.async fill. The pair arms have no record yet.
 #include "common/cluster.cuh"
 #include "gather_read/xor_fold.cuh"
 #include "tree_verify/wgmma_common.cuh"
