@@ -150,22 +150,29 @@ def test_the_push_arm_finishes_and_keeps_the_rules():
             bm.run_push(fills, rng)
 
 
-def _push_refused(match, producer=bm.push_producer, reader=bm.push_reader, counts=None, runs=300):
-    """Some schedule of the push arm over 5 tiles, with a mutant producer, reader or counts, breaks match."""
-    fills = 5
-    roles = {**{(r, "producer"): lambda r=r: producer(r, fills) for r in (0, 1)},
-             **{(r, "reader"): lambda r=r: reader(r, fills) for r in (0, 1)}}
+def _push_refused(match, counts=None, runs=300, **mutants):
+    """Some schedule of the push arm over 5 tiles, with mutant roles or counts, breaks match."""
     rng = random.Random(9)
     with pytest.raises(bm.ProtocolError, match=match):
         for _ in range(runs):
-            bm.run_push(fills, rng, roles, counts)
+            bm.run_push(5, rng, bm.push_roles(5, **mutants), counts)
 
 
-def test_a_push_that_does_not_wait_for_its_half_pushes_what_has_not_landed():
-    def producer(r, fills):
-        yield from (op for op in bm.push_producer(r, fills) if not (op[0] == "wait" and op[1][0] == "half"))
+def _without(make, kind):
+    """A push-arm role (rank, fills) with make's operations but those of `kind` (a mutant)."""
+    def role(r, fills):
+        yield from (op for op in make(r, fills) if op[0] != kind)
+    return role
 
-    _push_refused("before it landed", producer=producer)
+
+@pytest.mark.parametrize("role, make, kind, match", [
+    ("sender", bm.push_sender, "wait", "before it landed"),  # pushes copies still in flight
+    ("copier", bm.push_copier, "wait", "before its reader released|phases on"),  # lands over a stage read
+    ("reader", bm.push_reader, "wait", "read stage"),  # reads a stage whose halves hold another fill
+    ("sender", bm.push_sender, "expect", "deadlock"),  # the full barrier never completes
+], ids=["sender-no-half-wait", "copier-no-release-wait", "reader-no-full-wait", "sender-no-expect"])
+def test_push_roles_without_an_operation_are_refused(role, make, kind, match):
+    _push_refused(match, **{role: _without(make, kind)})
 
 
 def test_readers_that_release_only_their_own_stage_let_the_other_push_over_it():
@@ -174,21 +181,7 @@ def test_readers_that_release_only_their_own_stage_let_the_other_push_over_it():
             yield ("release_own", op[1]) if op[0] == "release" else op
 
     counts = {**bm.PUSH_COUNTS, ("empty", 0): 1, ("empty", 1): 1}
-    _push_refused("before its reader released", reader=reader, counts=counts)
-
-
-def test_a_reader_that_does_not_wait_on_full_reads_a_half_of_another_fill():
-    def reader(r, fills):
-        yield from (op for op in bm.push_reader(r, fills) if op[0] != "wait")
-
-    _push_refused("read stage", reader=reader)
-
-
-def test_a_producer_that_never_expects_the_other_half_deadlocks():
-    def producer(r, fills):
-        yield from (op for op in bm.push_producer(r, fills) if op[0] != "expect")
-
-    _push_refused("deadlock", producer=producer)
+    _push_refused("before its reader released", counts=counts, reader=reader)
 
 
 def test_the_tool_exits_0_when_every_schedule_holds(capsys):

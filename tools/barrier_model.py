@@ -26,10 +26,11 @@ between the operations is in its file; this model must change with it.
 
 The push arm of the stage-fill probe (`kernels/gather_read/stage_v1.cu`, gather_stage_v1_push) is modelled
 apart (`run_push`), with its copies as events that land later, in any order: two CTAs of a cluster both read
-every tile; CTA r's producer copies rows 32 r .. 32 r + 31 of fill k into its stage k % 2 (landing on the
-stage's half mbarrier), waits for them, pushes them into the other CTA's stage (landing on that CTA's full
+every tile; CTA r's copiers (two warps of its producer) copy rows 32 r .. 32 r + 31 of fill k into its stage
+k % 2 once both CTAs' readers have released it (landing on the stage's half mbarrier); its pusher (another
+warp's lane) waits for them to land, pushes them into the other CTA's stage (landing on that CTA's full
 mbarrier as bytes: complete_tx), then expects the other's bytes on its own full; each reader waits on full,
-reads, and releases the stage to both CTAs' producers (their empty mbarrier: one unit from each reader).
+reads, and releases the stage to both CTAs (their empty mbarrier: one unit from each reader).
 Checked besides deadlocks and aliased phases: no copy lands in a stage before its reader has released the fill
 two back; a push reads only a half that has landed; a reader reads only a stage whose two halves hold its
 fill.
@@ -279,13 +280,19 @@ PUSH_COUNTS = {**{("full", s): 1 for s in (0, 1)}, **{("half", s): 1 for s in (0
 PUSH_BYTES = 1  # the other CTA's half, as one unit of tx
 
 
-def push_producer(rank: int, fills: int):
-    """CTA rank's producer warpgroup in the push arm (its thread 0's wait and push included)."""
+def push_copier(rank: int, fills: int):
+    """CTA rank's copiers in the push arm (push_copy: the producer's warps 0-1, one unit)."""
     for k in range(fills):
         s = k % 2
         if k >= 2:
             yield ("wait", ("empty", s), k // 2 - 1)  # fill k - 2 released by both CTAs' readers
         yield ("copy_own", k)  # cp.async of its 32 rows, landing on half (s)
+
+
+def push_sender(rank: int, fills: int):
+    """CTA rank's pusher in the push arm (push_send: one thread)."""
+    for k in range(fills):
+        s = k % 2
         yield ("wait", ("half", s), k // 2)
         yield ("push", k)  # the bulk copies into the other CTA's stage s, landing on its full (s)
         yield ("expect", ("full", s))  # its own arrival, and the other's half as tx
@@ -378,10 +385,14 @@ def land_event(event: tuple) -> None:
         cta.peer.settle(("full", s))
 
 
-def push_roles(fills: int) -> dict:
-    """The push arm's warpgroups, (CTA rank, role) -> generator maker."""
-    return {key: f for r in (0, 1) for key, f in (((r, "producer"), lambda r=r: push_producer(r, fills)),
-                                                   ((r, "reader"), lambda r=r: push_reader(r, fills)))}
+PUSH_ROLES = {"copier": push_copier, "sender": push_sender, "reader": push_reader}
+
+
+def push_roles(fills: int, **mutants) -> dict:
+    """The push arm's actors, (CTA rank, role) -> generator maker; mutants: role -> a generator function
+    (rank, fills) in place of PUSH_ROLES' (a mutant's)."""
+    make = {**PUSH_ROLES, **mutants}
+    return {(r, role): lambda r=r, role=role: make[role](r, fills) for r in (0, 1) for role in make}
 
 
 def run_push(fills: int, rng: random.Random, roles=None, counts=None) -> None:

@@ -18,11 +18,13 @@
 //                           outside the tensor: zeros.
 //     gather_stage_v1_dup   cp16 in both CTAs of a cluster: each fetches every row of the tile itself, each row
 //                           read twice from L2, as the verify's two row blocks of a chunk read it today;
-//     gather_stage_v1_push  CTA rank r copies the tile's rows 32 r .. 32 r + 31 by cp16's copies (18 a thread)
-//                           and, once they have landed (the stage's half mbarrier), thread 0 pushes them from its
-//                           shared memory into the same place of the other CTA's stage: nine bulk copies of the
-//                           32 rows of a column block (4 KB, contiguous), completing on that CTA's full mbarrier,
-//                           on which it then expects the other's 9 x 4 KB. Each row read once from L2.
+//     gather_stage_v1_push  CTA rank r copies the tile's rows 32 r .. 32 r + 31 by 16-byte cp.async, its
+//                           producer's warps 0-1 (36 copies a thread, as cp16's 128 threads make for 64 rows),
+//                           onto the stage's half mbarrier; warp 2's lane 0, the pusher, waits for them to land
+//                           and pushes them from its shared memory into the same place of the other CTA's stage:
+//                           nine bulk copies of the 32 rows of a column block (4 KB, contiguous), completing on
+//                           that CTA's full mbarrier, on which it then expects the other's 9 x 4 KB. The copiers
+//                           never wait for a landing. Each row read once from L2.
 //   warpgroup 1, the reader, reads the stage back in the swizzled layout and releases it: word k of logical chunk q
 //     (0..71) of each row, rotated left by q % 32, into its XOR k. XOR is order-free across rows, so the result is
 //     exact whatever the grid and checkable against the host; a chunk landed in the wrong place changes it. Each CTA
@@ -39,6 +41,7 @@
 #define STAGE_SMEM (STAGE_OFF_BARS + 8 * (2 * NCB + 2) + 1024)  // + slack to align the base to 1024 B
 #define STAGE_TMA_SPLIT 5                // tma: column blocks 0..4 by threads 0-63, 5..8 by 64-127
 #define STAGE_HALF_BYTES (BN / 2 * 128)  // push: one CTA's 32 rows of a column block, 4 KB
+#define STAGE_COPIERS 64                 // push: the producer's threads that copy (warps 0-1); warp 2's lane 0 pushes
 #define ARM_CP16 0
 #define ARM_TMA 1
 #define ARM_DUP 2
@@ -66,6 +69,61 @@ __device__ __forceinline__ void push_bulk(unsigned dst, unsigned src, unsigned n
                  : "memory");
 }
 
+// The pool slots of keys key0 + lrow + 16 p (p < NP) of rows [n], and which of them are below n.
+template <int NP>
+__device__ __forceinline__ TileRows tile_rows_of(const int* __restrict__ rows, long long n, long long key0,
+                                                 int lrow) {
+    TileRows tr;
+    tr.tail = false;
+    tr.valid = 0;
+#pragma unroll
+    for (int p = 0; p < NP; ++p) {
+        const long long key = key0 + lrow + 16 * p;
+        const bool ok = key < n;
+        tr.valid |= ok << p;
+        tr.row[p] = ok ? rows[key] : 0;
+    }
+    return tr;
+}
+
+// The push arm's copiers (ft: thread 0..63 of the producer): rows 32 rank .. 32 rank + 31 of each of the CTA's
+// tiles into its stage, once both CTAs' readers have released it (the push into the other's stage waits on the
+// same release, through the half mbarrier); thread (lrow = ft / 4, ch = ft % 4) rows lrow + 16 p (p < 2),
+// chunks ch and ch + 4 of each row piece, arriving on the stage's half mbarrier once they land.
+__device__ __forceinline__ void push_copy(const __nv_bfloat16* __restrict__ pool, const int* __restrict__ rows,
+                                          long long n, long long tiles, long long first, long long step,
+                                          unsigned base, unsigned bars, unsigned empty0, unsigned rank, int ft) {
+    const char* kvb = reinterpret_cast<const char*>(pool);
+    const int lrow = ft >> 2, ch = ft & 3;
+    long long k = 0;  // fills so far
+    for (long long t = first; t < tiles; t += step, ++k) {
+        const int s = (int)(k & 1);
+        if (k >= 2) mbar_wait(empty0 + 8 * s, (unsigned)(((k >> 1) - 1) & 1));
+        const TileRows tr = tile_rows_of<2>(rows, n, t * BN + BN / 2 * rank, lrow);
+        // bars + 8: the stage's half mbarrier (BAR_CBFULL (s, 1)) in gather_half's ONE arrival
+        gather_half<0, NCB, 2, true, 2>(base + s * TILE_BYTES + rank * STAGE_HALF_BYTES, bars + 8, s, tr, kvb, kvb,
+                                        lrow, ch);
+    }
+}
+
+// The push arm's pusher (one thread): each fill's half, once landed, into the same place of the other CTA's stage,
+// completing on that CTA's full mbarrier; then this CTA's arrival on its own full, expecting the other's half.
+__device__ __forceinline__ void push_send(long long tiles, long long first, long long step, unsigned base,
+                                          unsigned bars, unsigned rank) {
+    const unsigned other = rank ^ 1u;
+    long long k = 0;  // fills so far
+    for (long long t = first; t < tiles; t += step, ++k) {
+        const int s = (int)(k & 1);
+        const unsigned half = base + s * TILE_BYTES + rank * STAGE_HALF_BYTES, full = BAR_CBFULL(bars, s, 0);
+        mbar_wait(BAR_CBFULL(bars, s, 1), (unsigned)((k >> 1) & 1));
+        fence_async_smem();  // the landed copies, read by the bulk copies' async proxy
+        const unsigned peer_full = peer_addr(full, other);
+        for (int cb = 0; cb < NCB; ++cb)
+            push_bulk(peer_addr(half + cb * CB_BYTES, other), half + cb * CB_BYTES, STAGE_HALF_BYTES, peer_full);
+        mbar_expect(full, NCB * STAGE_HALF_BYTES);  // the other CTA's half, still to come
+    }
+}
+
 // Wait for mbarrier bar's phase of parity `parity`: at cluster scope in the push arm (the other CTA's releases and
 // copies), at the CTA's elsewhere (the verify's wait, bar_wait).
 template <int ARM>
@@ -86,9 +144,9 @@ __device__ __forceinline__ void gather_stage(const __nv_bfloat16* __restrict__ p
     const unsigned rank = PAIR ? cluster_rank() : 0u, other = rank ^ 1u;
     if (threadIdx.x == 0) {
         for (int s = 0; s < 2; ++s) {
-            // every producer thread once a fill; push: its thread 0's expect of the other CTA's half
+            // every producer thread once a fill; push: the pusher's expect of the other CTA's half
             bar_init(BAR_CBFULL(bars, s, 0), ARM == ARM_PUSH ? 1 : 128);
-            if (ARM == ARM_PUSH) bar_init(BAR_CBFULL(bars, s, 1), 128);  // this CTA's half landed
+            if (ARM == ARM_PUSH) bar_init(BAR_CBFULL(bars, s, 1), STAGE_COPIERS);  // this CTA's half landed
             bar_init(empty0 + 8 * s, ARM == ARM_PUSH ? 8 : 4);  // lane 0 of each reader warp (of both CTAs) a read
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // seen by the TMA unit too
@@ -98,47 +156,29 @@ __device__ __forceinline__ void gather_stage(const __nv_bfloat16* __restrict__ p
     const long long tiles = (n + BN - 1) / BN;
     const long long first = PAIR ? blockIdx.x >> 1 : blockIdx.x, step = PAIR ? gridDim.x >> 1 : gridDim.x;
     if (wg == 0) {
-        const char* kvb = reinterpret_cast<const char*>(pool);
-        long long k = 0;  // this CTA's fills so far
-        for (long long t = first; t < tiles; t += step, ++k) {
-            const int s = (int)(k & 1);
-            if (k >= 2) wait_stage<ARM>(empty0 + 8 * s, (unsigned)(((k >> 1) - 1) & 1));
-            const unsigned dst = base + s * TILE_BYTES;
-            if constexpr (ARM == ARM_TMA) {
-                const int row = wt & 63, cb0 = wt < 64 ? 0 : STAGE_TMA_SPLIT, cb1 = wt < 64 ? STAGE_TMA_SPLIT : NCB;
-                const long long key = t * BN + row;
-                const int y = key < n ? rows[key] : -1;
-                const unsigned full = BAR_CBFULL(bars, s, 0);
-                mbar_expect(full, (cb1 - cb0) * 128);
-                for (int cb = cb0; cb < cb1; ++cb) tma_load_2d(dst + cb * CB_BYTES + row * 128, map, cb * 64, y, full);
-            } else {
-                constexpr int NP = ARM == ARM_PUSH ? 2 : 4;  // rows a thread: lrow + 16 p (push: of its 32)
-                const int lrow = wt >> 3, ch = wt & 7, row0 = ARM == ARM_PUSH ? BN / 2 * rank : 0;
-                TileRows tr;
-                tr.tail = false;
-                tr.valid = 0;
-#pragma unroll
-                for (int p = 0; p < NP; ++p) {
-                    const long long key = t * BN + row0 + lrow + 16 * p;
-                    const bool ok = key < n;
-                    tr.valid |= ok << p;
-                    tr.row[p] = ok ? rows[key] : 0;
-                }
-                if constexpr (ARM == ARM_PUSH) {
-                    const unsigned half = dst + rank * STAGE_HALF_BYTES, full = BAR_CBFULL(bars, s, 0);
-                    gather_half<0, NCB, 1, true, NP>(half, bars + 8, s, tr, kvb, kvb, lrow, ch);  // on BAR_CBFULL(s, 1)
-                    if (wt == 0) {
-                        mbar_wait(BAR_CBFULL(bars, s, 1), (unsigned)((k >> 1) & 1));
-                        fence_async_smem();  // the landed copies, read by the bulk copies' async proxy
-                        const unsigned peer_full = peer_addr(full, other);
-                        for (int cb = 0; cb < NCB; ++cb)
-                            push_bulk(peer_addr(half + cb * CB_BYTES, other), half + cb * CB_BYTES, STAGE_HALF_BYTES,
-                                      peer_full);
-                        mbar_expect(full, NCB * STAGE_HALF_BYTES);  // the other CTA's half, still to come
-                    }
-                    __syncwarp();
+        if constexpr (ARM == ARM_PUSH) {
+            if (wt < STAGE_COPIERS) push_copy(pool, rows, n, tiles, first, step, base, bars, empty0, rank, wt);
+            else if (wt == STAGE_COPIERS) push_send(tiles, first, step, base, bars, rank);
+        } else {
+            const char* kvb = reinterpret_cast<const char*>(pool);
+            long long k = 0;  // this CTA's fills so far
+            for (long long t = first; t < tiles; t += step, ++k) {
+                const int s = (int)(k & 1);
+                if (k >= 2) bar_wait(empty0 + 8 * s, (unsigned)(((k >> 1) - 1) & 1));
+                const unsigned dst = base + s * TILE_BYTES;
+                if constexpr (ARM == ARM_TMA) {
+                    const int row = wt & 63, cb0 = wt < 64 ? 0 : STAGE_TMA_SPLIT;
+                    const int cb1 = wt < 64 ? STAGE_TMA_SPLIT : NCB;
+                    const long long key = t * BN + row;
+                    const int y = key < n ? rows[key] : -1;
+                    const unsigned full = BAR_CBFULL(bars, s, 0);
+                    mbar_expect(full, (cb1 - cb0) * 128);
+                    for (int cb = cb0; cb < cb1; ++cb)
+                        tma_load_2d(dst + cb * CB_BYTES + row * 128, map, cb * 64, y, full);
                 } else {
-                    gather_half<0, NCB, 1, true, NP>(dst, bars, s, tr, kvb, kvb, lrow, ch);
+                    const int lrow = wt >> 3, ch = wt & 7;
+                    const TileRows tr = tile_rows_of<4>(rows, n, t * BN, lrow);
+                    gather_half<0, NCB, 1, true>(dst, bars, s, tr, kvb, kvb, lrow, ch);
                 }
             }
         }
@@ -170,7 +210,10 @@ __device__ __forceinline__ void gather_stage(const __nv_bfloat16* __restrict__ p
         }
         warp_xor_out(acc, lane, out + 4 * rank);
     }
-    if constexpr (PAIR) cluster_sync();  // neither CTA leaves while the other may still copy into or arrive at it
+    if constexpr (PAIR) {  // neither CTA leaves while the other may still copy into or arrive at it
+        __syncwarp();      // the pusher's warp whole again for the aligned cluster barrier
+        cluster_sync();
+    }
 }
 #endif
 
