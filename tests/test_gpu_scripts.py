@@ -192,6 +192,8 @@ def test_gpu_tools_say_in_one_line_that_they_need_a_gpu(argv, tmp_path):
     (["tools/gather_pair.py", "--seconds", "30"], "--seconds 30.0: take 0.2 to 20"),
     (["tools/gather_pair.py", "--reads", "0"], "argument --reads: must be a positive integer, got '0'"),
     (["tools/gather_stage.py", "--slots", "-3"], "argument --slots: must be a positive integer, got '-3'"),
+    (["tools/gather_stage.py", "--arms", "cp16,bulk"],
+     "argument --arms: arms must be a comma-separated subset of cp16, tma, dup, push, got 'cp16,bulk'"),
     (["tools/verify_energy.py", "--impl", "mma"], "--impl mma: not a whole-verify impl"),
 ])
 def test_verify_tools_refuse_bad_arguments_in_one_line_and_make_no_folder(argv, says, tmp_path):
