@@ -118,7 +118,7 @@ def main(argv=None) -> None:
     for arm, v in arms.items():
         ms = v["timing"]["median_ms"]
         delivered = (2 if arm in PAIR_ARMS else 1) * a.reads * row_bytes  # into every CTA's shared memory
-        l2 = delivered if arm == "dup" or arm not in PAIR_ARMS else delivered // 2
+        l2 = delivered // 2 if arm == "push" else delivered  # from L2: push reads each row once for both CTAs
         v.update(grid=grid[arm], copies_a_tile=COPIES[arm], gbps=a.reads * row_bytes / ms / 1e6,
                  delivered_gbps=delivered / ms / 1e6, l2_read_gbps=l2 / ms / 1e6)
     ratios = {f"{num}_over_{den}": energy_ratio(arms, num, den)

@@ -124,8 +124,8 @@ __device__ __forceinline__ void push_send(long long tiles, long long first, long
     }
 }
 
-// Wait for mbarrier bar's phase of parity `parity`: at cluster scope in the push arm (the other CTA's releases and
-// copies), at the CTA's elsewhere (the verify's wait, bar_wait).
+// The reader's wait for mbarrier bar's phase of parity `parity`: at cluster scope in the push arm (half the stage
+// is the other CTA's copies), at the CTA's elsewhere (the verify's wait, bar_wait).
 template <int ARM>
 __device__ __forceinline__ void wait_stage(unsigned bar, unsigned parity) {
     if constexpr (ARM == ARM_PUSH) mbar_wait(bar, parity);
