@@ -31,7 +31,9 @@
 //     folds into out [4 rank] (rank 0 outside a cluster).
 // Blocks of 256 threads, dynamic shared memory STAGE_SMEM bytes; sm_90a (built for another target the body traps).
 // Measured (data/results/gather_stage.h100-80gb-hbm3.json, notebook 02b 13zp): the TMA arm is the slower and takes
-// more energy at both pools measured, so the verify keeps its cp.async fill. The pair arms have no record yet.
+// more energy at both pools measured, so the verify keeps its cp.async fill. The pair arms
+// (data/results/history/gather_stage.share.{32k,200k}.ac1ea32.h100-80gb-hbm3.json): push is the slower and takes
+// more energy than dup at both pools, so the verify's row blocks keep fetching their own rows.
 #include "common/cluster.cuh"
 #include "gather_read/xor_fold.cuh"
 #include "tree_verify/wgmma_common.cuh"
