@@ -1,7 +1,8 @@
 """One whole tree-verify call, run twice on random bf16 inputs: the program Nsight Compute profiles (the
-second call: the first compiles and warms). Run from the repo root on the GPU machine:
+second call: the first compiles and warms). Up to 8 requests version 10's attend kernels make their own plan
+and carry the suffix _own. Run from the repo root on the GPU machine:
 
-    ncu --kernel-name tree_verify_v10_attend_t --launch-skip 1 --launch-count 1 ... \
+    ncu --kernel-name 'regex:^tree_verify_v10_attend_t(_own)?$' --launch-skip 1 --launch-count 1 ... \
         python3 tools/ncu_verify.py --impl wgmma_v10 --queries 1 --heads 8 --prefix 200000 [--fp8]
 
 --fp8: the prefix pool in the FP8 layout (`kdlib.cuda.attention.fp8_pool` of the same rows; version 10 only).
