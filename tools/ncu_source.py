@@ -165,11 +165,12 @@ def missing_tools() -> list[str]:
     return [k for k, v in need.items() if v is None]
 
 
-def nvrtc_options(kernels: Path, options: tuple[str, ...]) -> list[str]:
+def nvrtc_options(kernels: Path, options: tuple[str, ...], lineinfo: bool = True) -> list[str]:
     """What NVRTC got on the GPU: the loader's base options (`loader._BASE_OPTIONS`, its -I on `kernels`),
-    `options` (the wrapper's and KDLIB_NVRTC_OPTIONS'), -lineinfo, then CuPy's own."""
-    return ["--std=c++17", f"-I{kernels}", *options, "-lineinfo", "-arch=sm_90", *loader.CUPY_NVRTC_OPTIONS,
-            f"-I{loader.cuda_include()}"]
+    `options` (the wrapper's and KDLIB_NVRTC_OPTIONS'), -lineinfo (lineinfo False: the build as it ships),
+    then CuPy's own."""
+    return ["--std=c++17", f"-I{kernels}", *options, *(["-lineinfo"] if lineinfo else []), "-arch=sm_90",
+            *loader.CUPY_NVRTC_OPTIONS, f"-I{loader.cuda_include()}"]
 
 
 def nvrtc_version(lib) -> str:
