@@ -339,7 +339,8 @@ LOADERS = {
     "tree_build_cpu": results.load_tree_build_cpu,
     "plan_phases": results.load_plan_phases, "plan_cost": results.load_plan_cost,
     "register_budget": results.load_register_budget, "cluster_exchange": results.load_cluster_exchange,
-    "code_size": results.load_code_size, "wgmma_rate": results.load_wgmma_rate,
+    "code_size": results.load_code_size, "same_build": results.load_same_build,
+    "wgmma_rate": results.load_wgmma_rate,
     "verify_split": results.load_verify_split, "verify_energy": results.load_verify_energy,
     "gather_pair": results.load_gather_pair, "gather_stage": results.load_gather_stage,
 }

@@ -915,6 +915,15 @@ def load_code_size(gpu: str = "cpu") -> Recorded | None:
     return _recorded("code_size", gpu, _no_rows)
 
 
+def load_same_build(gpu: str = "*.cpu") -> Recorded | None:
+    """A recorded `tools/same_build.py` run (a CPU record: whether two commits build version 10's module
+    to the same SASS), or None. Its files are named `same_build.<a>.<b>.cpu.json`: `gpu` is the name's tail,
+    "<a>.<b>.cpu" for one pair of commits (7-hex), the default the latest of any. No rows: read
+    `Recorded.doc["same"]` and `doc["builds"]` (per option set `options`, `same` and `kernels`: per kernel
+    `same`, `instructions_*`, `sha256_*`)."""
+    return _recorded("same_build", gpu, _no_rows)
+
+
 def load_cluster_exchange(gpu: str = "h200") -> Recorded | None:
     """The recorded cluster_exchange suite on `gpu` (two CTAs of a cluster swapping a tile's partial S^T
     through distributed shared memory, against local stores and the barrier alone), or None. No rows: read
