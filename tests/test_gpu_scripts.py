@@ -225,3 +225,39 @@ def test_sanitize_script_stops_its_steps_within_the_budget_a_caller_gives(tmp_pa
     assert res.returncode == 1 and (out / "warm.rc").read_text().strip() == "124"
     assert "no time left" in (out / "summary.txt").read_text()
     assert "sanitize_attention.py" not in stand_ins["log"].read_text()  # the driver never started
+
+
+def _ncu_attend(tmp_path, env, *args):
+    report = tmp_path / "report.txt"
+    argv = ["bash", "tools/ncu_attend.sh", "^tree_verify_v10_attend(_own)?$", str(report), *args]
+    res = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PATH": env["PATH"]})
+    return res, report
+
+
+def test_ncu_attend_profiles_the_kernels_named_with_the_sections_02b_reads(tmp_path, stand_ins):
+    res, report = _ncu_attend(tmp_path, stand_ins, "--impl", "wgmma_v10", "--queries", "65")
+    assert res.returncode == 0, res.stderr
+    assert report.read_text() == "ncu ran\n"  # ncu's output is the report
+    (call,) = stand_ins["log"].read_text().splitlines()
+    assert "--kernel-name regex:^tree_verify_v10_attend(_own)?$ --launch-skip 1 --launch-count 1" in call
+    for section in ("SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "SchedulerStats",
+                    "WarpStateStats"):
+        assert f"--section {section}" in call
+    assert "python3 tools/ncu_verify.py --impl wgmma_v10 --queries 65 #opts=" in call
+
+
+@pytest.mark.parametrize("says, code, rc", [("==WARNING== No kernels were profiled.", 0, 1),
+                                            ("ncu failed", 3, 3)])
+def test_ncu_attend_fails_where_no_kernel_is_profiled_or_ncu_fails(tmp_path, stand_ins, says, code, rc):
+    ncu = tmp_path / "bin" / "ncu"
+    ncu.write_text(f"#!/bin/sh\necho '{says}'\nexit {code}\n")
+    res, report = _ncu_attend(tmp_path, stand_ins, "--impl", "wgmma_v10")
+    assert res.returncode == rc and says in report.read_text()
+    assert ("no kernel profiled" in res.stderr) == (rc == 1)
+
+
+@pytest.mark.parametrize("script", ["tools/attention_record_gpu.sh", "tools/attention_gpu.sh"])
+def test_the_attention_device_scripts_profile_through_ncu_attend(script):
+    text = (ROOT / script).read_text()
+    assert "bash tools/ncu_attend.sh" in text and "--section" not in text  # one copy of the sections

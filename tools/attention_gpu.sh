@@ -14,7 +14,8 @@
 #       KDLIB_NCU=0 skips the ncu reports, KDLIB_NCU_IMPLS=v7 keeps one; KDLIB_ATTENTION_TESTS=0 the GPU tests of step (a).
 #
 # $OUT gets attention.<gpu>.json (provenance stamped), tests.xml, smoke.log, smoke_v7.log, tests.log,
-# bench.log, ncu_v6.txt, ncu_v7.txt, nvidia-smi.txt and summary.txt: 11 files.
+# bench.log, ncu_v6.txt, ncu_v7.txt (tools/ncu_attend.sh's reports) with ncu_v6.log and ncu_v7.log, nvidia-smi.txt
+# and summary.txt: 13 files.
 set -u
 
 if [ "${1:-}" = fetch-wheels ]; then
@@ -118,13 +119,8 @@ if [ -n "${KDLIB_NCU_IMPLS:-}" ]; then  # e.g. "v7": those of them that passed t
   NCU_IMPLS=$(for v in $NCU_IMPLS; do case " $KDLIB_NCU_IMPLS " in *" $v "*) echo "$v" ;; esac; done)
 fi
 for v in $NCU_IMPLS; do
-  step ncu_$v 50 env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ncu --clock-control none \
-    --kernel-name "regex:^tree_verify_${v}_attend(_own)?$" --launch-skip 1 --launch-count 1 \
-    --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-    --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats \
-    python3 tools/ncu_verify.py --impl wgmma_$v
-  mv "$OUT/ncu_$v.log" "$OUT/ncu_$v.txt"
-  grep -q "No kernels were profiled" "$OUT/ncu_$v.txt" && echo "ncu_$v: no kernel profiled" | tee -a "$OUT/summary.txt"
+  step ncu_$v 50 env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" bash tools/ncu_attend.sh \
+    "^tree_verify_${v}_attend(_own)?$" "$OUT/ncu_$v.txt" --impl wgmma_$v
 done
 echo "total $(($(date +%s) - T0))s" | tee -a "$OUT/summary.txt"
 ls "$OUT"

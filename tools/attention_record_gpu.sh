@@ -25,21 +25,12 @@ t attention_gate
 timeout 90 python3 -m kdlib.perf.run --suite attention_gate --out "$OUT" 2>&1 | tail -4
 keep $?
 t ncu
-# the attend kernels as the default launches them (the plan made in the attend kernel: the _own names); a run
-# that profiles no kernel fails the step
-NCU_T="regex:^tree_verify_v10_attend_t(_own)?$" NCU_A="regex:^tree_verify_v10_attend(_own)?$"
-profiled() { if grep -q "No kernels were profiled" "$1"; then echo "no kernel profiled: $1"; keep 1; fi; }
-timeout 90 ncu --clock-control none --kernel-name "$NCU_T" --launch-skip 1 --launch-count 1 \
-  --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-  --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats \
-  python3 tools/ncu_verify.py --impl wgmma_v10 --queries 1 >"$OUT/ncu_v10_attend_t.8x1x200k.txt" 2>&1; keep $?
-profiled "$OUT/ncu_v10_attend_t.8x1x200k.txt"
+# the attend kernels as the default launches them (the plan made in the attend kernel: the _own names)
+timeout 90 bash tools/ncu_attend.sh "^tree_verify_v10_attend_t(_own)?$" "$OUT/ncu_v10_attend_t.8x1x200k.txt" \
+  --impl wgmma_v10 --queries 1; keep $?
 grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)" "$OUT/ncu_v10_attend_t.8x1x200k.txt" | head
-timeout 60 ncu --clock-control none --kernel-name "$NCU_A" --launch-skip 1 --launch-count 1 \
-  --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-  --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats \
-  python3 tools/ncu_verify.py --impl wgmma_v10 --queries 65 >"$OUT/ncu_v10_attend.8x65x200k.txt" 2>&1; keep $?
-profiled "$OUT/ncu_v10_attend.8x65x200k.txt"
+timeout 60 bash tools/ncu_attend.sh "^tree_verify_v10_attend(_own)?$" "$OUT/ncu_v10_attend.8x65x200k.txt" \
+  --impl wgmma_v10 --queries 65; keep $?
 t sanitize
 OUT=/tmp/san/default KDLIB_SANITIZE_CASES=v8,v9,v10 KDLIB_SANITIZE_TOOLS="memcheck synccheck" KDLIB_SANITIZE_BUDGET_S=255 timeout 260 bash tools/sanitize_gpu.sh >/tmp/san_default.log 2>&1
 keep $?
