@@ -28,6 +28,7 @@ import ncu_source as ns  # noqa: E402
 
 from kdlib.cli import Terminated, interrupted_code, output_folder, sigterm_as_interrupt  # noqa: E402
 from kdlib.cuda import attention as cu  # noqa: E402
+from kdlib.cuda import loader  # noqa: E402
 from kdlib.perf import results  # noqa: E402
 
 STEM = cu.LAUNCHES[10].stem
@@ -35,7 +36,7 @@ _TEXT = re.compile(rb"\.text\.(\w+)\x00")  # a kernel's code section in the cubi
 
 
 def option_sets() -> list[tuple[str, ...]]:
-    """The wrapper's options for version 10 (`attention.verify_wgmma`): its own, version 9's consumers at
+    """The wrapper's options for version 10 (`attention._launch_wgmma`): its own, version 9's consumers at
     each row count they are built for, and each of those with the FP8 pool's."""
     v9 = sorted({cu.v9_options(rows) for rows in range(1, cu._V9_MAX_ROWS + 1)})
     base = [cu.LAUNCHES[10].options + extra for extra in [(), *v9]]
@@ -70,7 +71,7 @@ def compare(a: dict[str, tuple[str, ...]], b: dict[str, tuple[str, ...]]) -> lis
 
 
 def measure(rev_a: str, rev_b: str) -> dict:
-    lib = ns.loader.libnvrtc()
+    lib = loader.libnvrtc()
     sets = option_sets()
     with tempfile.TemporaryDirectory() as work:
         (sha_a, ka), (sha_b, kb) = ns.export(rev_a, Path(work) / "a"), ns.export(rev_b, Path(work) / "b")
